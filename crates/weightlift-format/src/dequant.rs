@@ -1,0 +1,1 @@
+//! Scalar reference dequantisation to f32: the oracle for the fast kernels.

@@ -1,0 +1,66 @@
+//! The one error type of this crate. Every message names the file, the key or tensor, what was
+//! expected and what was found, and the likely cause.
+
+use std::path::PathBuf;
+
+/// A checkpoint that cannot be read, or a request it cannot answer.
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    /// The operating system refused an open, stat or map.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The file is structurally invalid. `what` names the key, tensor or field; `expected` and
+    /// `got` say what was wrong; `hint` gives the likely cause.
+    #[error("{path}: {what}: expected {expected}, got {got}; {hint}")]
+    Invalid {
+        path: PathBuf,
+        what: String,
+        expected: String,
+        got: String,
+        hint: &'static str,
+    },
+
+    /// A valid file that uses something this build does not support (a GGUF version, a type,
+    /// an architecture).
+    #[error("{path}: {what} is not supported: {detail}")]
+    Unsupported {
+        path: PathBuf,
+        what: String,
+        detail: String,
+    },
+
+    /// `check_tensors` found a NaN or an infinity.
+    #[error(
+        "{path}: tensor '{tensor}' has a non-finite value ({kind}) at element {index}; the file is corrupted or the model diverged"
+    )]
+    NonFinite {
+        path: PathBuf,
+        tensor: String,
+        index: u64,
+        kind: &'static str,
+    },
+
+    /// A name that the checkpoint does not hold.
+    #[error("no tensor named '{name}' in {path}")]
+    NoSuchTensor { path: PathBuf, name: String },
+}
+
+/// Hints reused across readers, so the same cause reads the same way everywhere.
+pub mod hint {
+    pub const TRUNCATED: &str = "the file is truncated or still downloading";
+    pub const CORRUPT: &str = "the file is corrupted or was not written by a GGUF writer";
+    pub const CORRUPT_ST: &str = "the file is corrupted or was not written by a safetensors writer";
+    pub const HOSTILE: &str = "the file is corrupted or was crafted to exhaust memory";
+    pub const BYTE_ORDER: &str =
+        "the file looks big-endian; convert it on a little-endian machine (gguf-py can rewrite the byte order)";
+    pub const SHARDS: &str = "the shard set is incomplete or its index does not match the shards";
+    pub const ESCAPE: &str = "the index points outside the model folder, which is refused for safety";
+    pub const NEWER_WRITER: &str = "the file was written by a newer tool than this build knows";
+}
+
+pub type Result<T, E = FormatError> = std::result::Result<T, E>;

@@ -1,0 +1,25 @@
+//! Zero-copy, validating readers for GGUF and safetensors checkpoints, the ggml type table,
+//! ModelSpec, and scalar reference dequantisation.
+//!
+//! Every file is treated as hostile: all arithmetic is checked, lengths and counts are capped,
+//! and every structural check runs before any tensor view is handed out.
+
+mod checkpoint;
+mod dtype;
+mod error;
+mod mapped;
+mod metadata;
+mod spec;
+mod tensor;
+
+pub mod dequant;
+pub mod gguf;
+pub mod safetensors;
+pub mod scan;
+
+pub use checkpoint::{Checkpoint, Format, OpenOptions, TokenizerInfo};
+pub use dtype::DType;
+pub use error::{FormatError, Result, hint};
+pub use metadata::{MetaValue, Metadata};
+pub use spec::ModelSpec;
+pub use tensor::{Role, TensorInfo};

@@ -1,0 +1,1 @@
+//! safetensors reader (file, folder, sharded index) over mmap, through the official crate.

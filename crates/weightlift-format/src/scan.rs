@@ -1,0 +1,1 @@
+//! `check_tensors`: a multi-threaded NaN/Inf scan.

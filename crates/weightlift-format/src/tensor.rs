@@ -1,0 +1,87 @@
+//! The tensor table: one `TensorInfo` per tensor, in the order the checkpoint lists them.
+
+use serde::{Deserialize, Serialize};
+
+use crate::DType;
+
+/// What a tensor does in the model. Roles are known for the llama family; other architectures
+/// leave `role` as `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    TokenEmbd,
+    AttnNorm,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnOutput,
+    AttnQBias,
+    AttnKBias,
+    AttnVBias,
+    AttnOutputBias,
+    FfnNorm,
+    FfnGate,
+    FfnUp,
+    FfnDown,
+    OutputNorm,
+    Output,
+    RopeFreqs,
+}
+
+impl Role {
+    /// The snake_case name used in Python and JSON.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Role::TokenEmbd => "token_embd",
+            Role::AttnNorm => "attn_norm",
+            Role::AttnQ => "attn_q",
+            Role::AttnK => "attn_k",
+            Role::AttnV => "attn_v",
+            Role::AttnOutput => "attn_output",
+            Role::AttnQBias => "attn_q_bias",
+            Role::AttnKBias => "attn_k_bias",
+            Role::AttnVBias => "attn_v_bias",
+            Role::AttnOutputBias => "attn_output_bias",
+            Role::FfnNorm => "ffn_norm",
+            Role::FfnGate => "ffn_gate",
+            Role::FfnUp => "ffn_up",
+            Role::FfnDown => "ffn_down",
+            Role::OutputNorm => "output_norm",
+            Role::Output => "output",
+            Role::RopeFreqs => "rope_freqs",
+        }
+    }
+
+    /// True for roles that live inside a repeating block.
+    pub const fn is_per_layer(self) -> bool {
+        !matches!(
+            self,
+            Role::TokenEmbd | Role::OutputNorm | Role::Output | Role::RopeFreqs
+        )
+    }
+}
+
+/// One tensor of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: DType,
+    /// Row-major (numpy) order for both formats: the reverse of GGUF's `ne`.
+    pub shape: Vec<u64>,
+    /// Exact bytes on disk: `dtype` × `shape`.
+    pub nbytes: u64,
+    /// Index into the checkpoint's file list.
+    pub file: usize,
+    /// Absolute byte offset of the data within that file.
+    pub offset: u64,
+    /// The repeating block this tensor belongs to, if any.
+    pub layer: Option<u32>,
+    pub role: Option<Role>,
+}
+
+impl TensorInfo {
+    /// Number of elements (the product of the shape).
+    pub fn n_elements(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}

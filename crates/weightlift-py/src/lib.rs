@@ -1,0 +1,10 @@
+//! The PyO3 module `weightlift._native`: argument conversion, error mapping, GIL release and
+//! progress callbacks. No logic of its own.
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
