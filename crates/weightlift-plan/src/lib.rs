@@ -1,1 +1,347 @@
 //! Placement planning as a pure function: (spec, tensor sizes, devices, cache, runtime) -> Plan.
+//!
+//! No I/O and no unsafe code: every part of weightlift can ask "what if" without touching a
+//! file or a device. The planner answers arithmetically, before a byte is read:
+//!
+//! - [`plan`] places every tensor and every layer's KV cache under one of the strategies of
+//!   exllamav2 (`autosplit`, `tensor_parallel`), accelerate (`sequential`, `balanced`,
+//!   `balanced_low_0`), llama.cpp (`layers`: `n_gpu_layers`, `split_mode`, `tensor_split`) or an
+//!   explicit device map with llama.cpp `-ot` style overrides;
+//! - [`fit`] finds the largest context, batch or `n_gpu_layers` that fits;
+//! - a plan that does not fit is a [`PlanError::OutOfMemory`] naming each short device and the
+//!   cheapest fixes, each checked by re-planning.
+//!
+//! # Differences from the systems the strategies are named after
+//!
+//! - **autosplit** (exllamav2 `load_autosplit`): exllamav2 finds the split by loading and
+//!   catching CUDA OOMs, holding a 256 MiB safety allocation while it does; we compute it. Like
+//!   exllamav2 the embedding stays on the CPU, each layer's KV is allocated beside the layer, a
+//!   tied head is loaded as its own copy, devices fill in order and are never revisited, and the
+//!   per-device scratch follows exllamav2's module formulas ([`RuntimeSpec`]). Unlike it, we
+//!   spill to an explicitly listed `cpu`, then to `disk` when allowed, instead of failing.
+//!   exllamav2's default `reserve_vram` (192 MiB on GPU 0, 64 MiB on others) is not applied
+//!   implicitly: pass reserves explicitly.
+//! - **sequential / balanced / balanced_low_0** (accelerate `infer_auto_device_map` after
+//!   `get_balanced_memory`): the same greedy fill over `embed_tokens`, the decoder blocks (never
+//!   split), `norm` and `lm_head`, with the first GPU and the CPU keeping room for the largest
+//!   remaining block, tied `lm_head` kept with `embed_tokens`, spill to cpu then disk. Unlike
+//!   accelerate we add each block's KV cache to the block's size and the device scratch to the
+//!   device's cost; with no cache and a zero-scratch runtime the maps are accelerate's.
+//! - **layers** (llama.cpp): the last `n_gpu_layers` repeating layers go to the GPUs, the output
+//!   layer too when `n_gpu_layers > n_layer`, the input layer (token_embd) always stays on the
+//!   CPU, and layers are spread by llama.cpp's cumulative `tensor_split` with `upper_bound`.
+//!   This is llama.cpp's rule, reproduced as is. `split_mode="row"` keeps every offloaded
+//!   layer's norms and KV on `main_gpu` and splits each 2-D matrix's rows at
+//!   `rows × cumulative tensor_split`, rounded down to `row_rounding` rows (ggml-cuda rounds to
+//!   an architecture-dependent tile height; we default to 64). A tied output is loaded as a copy
+//!   of `token_embd` on the output device, as llama.cpp's `TENSOR_DUPLICATED` does.
+//! - **tensor_parallel** (exllamav2 `TPContext.define_split`): the five split tables exactly;
+//!   per-device scratch uses the full single-device scratch (exllamav2 computes a smaller
+//!   per-split one), which over-estimates slightly.
+//!
+//! Host RAM: staging buffers (two of `staging_bytes`, bounded by the largest tensor, charged to
+//! the host whenever the inventory has an accelerator) and CPU-resident copies are anonymous
+//! memory; mmap-backed CPU tensors cost page cache and are
+//! reported apart ([`HostUsage`]), but still count against an explicit `cpu` capacity, since a
+//! CPU layer whose pages are evicted thrashes.
+
+mod device;
+mod error;
+mod memory;
+mod place;
+mod plan;
+mod request;
+mod size;
+mod svg;
+mod synth;
+mod tp;
+
+pub use device::{
+    DeviceKind, DeviceSpec, MemoryProbe, NoProbe, inventory, parse_devices, parse_devices_with,
+    resolve_device,
+};
+pub use error::{OutOfMemory, PlanError, Result, Shortfall};
+pub use memory::{CacheDType, CacheSpec, RuntimeSpec};
+pub use place::balanced_max_memory;
+pub use plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit};
+pub use request::{
+    DeviceMap, FitTarget, LayerOptions, PlanOptions, PlanRequest, Reserve, SplitMode, Strategy,
+    TpOptions,
+};
+pub use size::{fmt_bytes, parse_size};
+pub use synth::{DTypeChoice, QuantPreset, WeightType, converted, gguf_type, synthesize_tensors};
+pub use tp::{SplitTable, TpInputs, TpKind, TpSplit, define_split, integer_split, to_table};
+
+use place::{Ctx, Tweak};
+
+/// Plan a model onto devices. On failure to fit, the error is [`PlanError::OutOfMemory`] with
+/// every short device and the fixes that were checked to work.
+pub fn plan(req: &PlanRequest) -> Result<Plan> {
+    match plan_with(req, Tweak::default()) {
+        Err(PlanError::OutOfMemory(mut oom)) => {
+            oom.fixes = suggest_fixes(req, &oom);
+            Err(PlanError::OutOfMemory(oom))
+        }
+        other => other,
+    }
+}
+
+fn plan_with(req: &PlanRequest, tweak: Tweak) -> Result<Plan> {
+    Ctx::new(req, tweak)?.run()
+}
+
+fn fits(req: &PlanRequest, tweak: Tweak) -> Result<bool> {
+    match plan_with(req, tweak) {
+        Ok(_) => Ok(true),
+        Err(PlanError::OutOfMemory(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Cache length granularity of [`fit`]: exllamav2 allocates its cache in pages of 256 tokens.
+pub const SEQ_STEP: u64 = 256;
+
+/// The largest value of `target` for which [`plan`] succeeds, by monotone binary search over
+/// the exact model (host RAM included, since the cpu is one of the devices):
+///
+/// - `MaxSeqLen`: multiples of 256 up to the model's `context_length` (returned itself when it
+///   fits); the request's cache dtype and batch are kept (fp16, batch 1 without a cache);
+/// - `BatchSize`: 1, 2, 3, ... at the request's cache length (256 tokens without a cache);
+/// - `NGpuLayers`: 0..=n_layer+1 for the `layers` strategy, scanned from the top since host
+///   RAM can make the answer non-monotone.
+///
+/// When even the smallest value does not fit, the error is that value's OutOfMemory.
+pub fn fit(req: &PlanRequest, target: FitTarget) -> Result<u64> {
+    match fit_inner(req, target) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(tweak)) => plan(&with_tweak(req, tweak)).map(|_| 0),
+        Err(e) => Err(e),
+    }
+}
+
+/// `Ok(Ok(best))`, or `Ok(Err(tweak))` for the smallest failing setting.
+fn fit_inner(req: &PlanRequest, target: FitTarget) -> Result<std::result::Result<u64, Tweak>> {
+    let base_cache = req
+        .cache
+        .unwrap_or(CacheSpec::new(SEQ_STEP, 1, CacheDType::Fp16));
+    let with_cache = |c: CacheSpec| Tweak {
+        cache: Some(Some(c)),
+        ..Tweak::default()
+    };
+    match target {
+        FitTarget::MaxSeqLen => {
+            let top = if req.spec.context_length > 0 {
+                req.spec.context_length
+            } else {
+                1 << 20
+            };
+            let at = |s: u64| {
+                with_cache(CacheSpec {
+                    max_seq_len: s,
+                    ..base_cache
+                })
+            };
+            if fits(req, at(top))? {
+                return Ok(Ok(top));
+            }
+            let steps = top / SEQ_STEP;
+            if steps == 0 || !fits(req, at(SEQ_STEP))? {
+                return Ok(Err(at(SEQ_STEP.min(top))));
+            }
+            // Invariant: lo fits, hi does not (hi may be steps + 1 meaning `top`).
+            let (mut lo, mut hi) = (1u64, steps + 1);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if fits(req, at(mid * SEQ_STEP))? {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            Ok(Ok(lo * SEQ_STEP))
+        }
+        FitTarget::BatchSize => {
+            let at = |b: u64| {
+                with_cache(CacheSpec {
+                    batch_size: b,
+                    ..base_cache
+                })
+            };
+            if !fits(req, at(1))? {
+                return Ok(Err(at(1)));
+            }
+            let mut lo = 1u64;
+            let mut hi = 2u64;
+            while fits(req, at(hi))? {
+                lo = hi;
+                if hi >= 1 << 24 {
+                    return Ok(Ok(hi));
+                }
+                hi *= 2;
+            }
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if fits(req, at(mid))? {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            Ok(Ok(lo))
+        }
+        FitTarget::NGpuLayers => {
+            if !matches!(req.strategy, Strategy::Layers(_)) {
+                return Err(PlanError::option(
+                    "fit target n_gpu_layers",
+                    "the layers strategy (llama.cpp)",
+                    format!("strategy {}", req.strategy.name()),
+                ));
+            }
+            let n = i64::from(req.spec.n_layers);
+            for ngl in (0..=n + 1).rev() {
+                let t = Tweak {
+                    n_gpu_layers: Some(ngl),
+                    ..Tweak::default()
+                };
+                if fits(req, t)? {
+                    return Ok(Ok(ngl as u64));
+                }
+            }
+            Ok(Err(Tweak {
+                n_gpu_layers: Some(0),
+                ..Tweak::default()
+            }))
+        }
+    }
+}
+
+/// A request with a tweak applied (used only on the error path, so the clone is fine).
+fn with_tweak(req: &PlanRequest, t: Tweak) -> PlanRequest {
+    let mut r = req.clone();
+    if let Some(c) = t.cache {
+        r.cache = c;
+    }
+    if let Some(d) = t.allow_disk {
+        r.allow_disk = d;
+    }
+    if let (Some(n), Strategy::Layers(o)) = (t.n_gpu_layers, &mut r.strategy) {
+        o.n_gpu_layers = n;
+    }
+    r
+}
+
+/// Cheapest fixes first, each verified by re-planning.
+fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
+    let mut fixes = Vec::new();
+    let missing: u64 = oom
+        .shortfalls
+        .iter()
+        .map(Shortfall::missing)
+        .max()
+        .unwrap_or(0);
+    // 1. A cheaper cache.
+    if let Some(c) = req.cache {
+        let cur = c.total_bytes(&req.spec);
+        let mut cheaper: Vec<(u64, CacheDType)> = CacheDType::ALL
+            .iter()
+            .map(|&d| (CacheSpec { dtype: d, ..c }.total_bytes(&req.spec), d))
+            .filter(|&(b, _)| b < cur)
+            .collect();
+        cheaper.sort_by_key(|x| std::cmp::Reverse(x.0));
+        let mut found = false;
+        for &(b, d) in &cheaper {
+            let t = Tweak {
+                cache: Some(Some(CacheSpec { dtype: d, ..c })),
+                ..Tweak::default()
+            };
+            if fits(req, t).unwrap_or(false) {
+                fixes.push(format!(
+                    "cache {} saves {} and fits",
+                    d.name(),
+                    fmt_bytes(cur - b)
+                ));
+                found = true;
+                break;
+            }
+        }
+        if !found && let Some(&(b, d)) = cheaper.last() {
+            fixes.push(format!(
+                "cache {} saves {} (not enough alone)",
+                d.name(),
+                fmt_bytes(cur - b)
+            ));
+        }
+        // 2. A shorter context.
+        if let Ok(Ok(ctx)) = fit_inner(req, FitTarget::MaxSeqLen)
+            && ctx < c.max_seq_len
+        {
+            fixes.push(format!("ctx {ctx} fits"));
+        }
+        // 3. A smaller batch.
+        if c.batch_size > 1
+            && let Ok(Ok(b)) = fit_inner(req, FitTarget::BatchSize)
+            && b < c.batch_size
+        {
+            fixes.push(format!("batch {b} fits"));
+        }
+    }
+    // 4. Fewer offloaded layers (llama.cpp).
+    if let Strategy::Layers(o) = &req.strategy
+        && let Ok(Ok(n)) = fit_inner(req, FitTarget::NGpuLayers)
+    {
+        let cur = if o.n_gpu_layers < 0 {
+            "all".to_string()
+        } else {
+            o.n_gpu_layers.to_string()
+        };
+        fixes.push(format!("n_gpu_layers {n} fits (asked {cur})"));
+    }
+    // 5. Smaller reserves.
+    let total_reserve: u64 = req
+        .devices
+        .iter()
+        .map(|d| req.reserve.get(&d.name).copied().unwrap_or(d.reserve))
+        .fold(0u64, u64::saturating_add);
+    if total_reserve > 0 && missing > 0 {
+        let cut = missing.div_ceil(1 << 20) << 20;
+        let t = Tweak {
+            reserve_cut: cut,
+            ..Tweak::default()
+        };
+        if fits(req, t).unwrap_or(false) {
+            fixes.push(format!(
+                "reserve {} less on each device fits",
+                fmt_bytes(cut)
+            ));
+        } else if fits(
+            req,
+            Tweak {
+                reserve_cut: u64::MAX,
+                ..Tweak::default()
+            },
+        )
+        .unwrap_or(false)
+        {
+            fixes.push(format!(
+                "dropping the reserves ({} in all) fits",
+                fmt_bytes(total_reserve)
+            ));
+        }
+    }
+    // 6. Disk offload.
+    let disk_listed = req.devices.iter().any(|d| d.kind == DeviceKind::Disk);
+    if !req.allow_disk && !disk_listed {
+        let t = Tweak {
+            allow_disk: Some(true),
+            ..Tweak::default()
+        };
+        if let Ok(p) = plan_with(req, t) {
+            let on_disk = p.host().disk_weights;
+            fixes.push(format!(
+                "add --allow-disk (allow_disk=True) fits with {} streamed from disk",
+                fmt_bytes(on_disk)
+            ));
+        }
+    }
+    fixes
+}

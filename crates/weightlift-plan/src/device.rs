@@ -1,0 +1,342 @@
+//! The device inventory: spec strings, normalised names, and the probe trait through which the
+//! engine reports real memory (the planner itself does no I/O).
+//!
+//! Spec syntax (comma-separated, whitespace ignored):
+//!
+//! | item | meaning |
+//! |---|---|
+//! | `cpu` | host RAM; capacity from the probe (MemAvailable), unbounded if there is none |
+//! | `cpu:64GiB` | host RAM capped at 64 GiB |
+//! | `cuda:N` | GPU N; capacity from the probe (free memory), an error without one |
+//! | `cuda:N:24GiB` | GPU N with a given capacity |
+//! | `virtual:24GiB` | a simulated accelerator of 24 GiB |
+//! | `virtual:2x24GiB` | two of them |
+//! | `disk` | weights left in the file; unbounded |
+//!
+//! Virtual devices are numbered in order of appearance: `virtual:24GiB,virtual:12GiB` gives
+//! `virtual:0` and `virtual:1`. Sizes are parsed by [`parse_size`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{PlanError, Result};
+use crate::size::parse_size;
+
+/// What kind of memory a device has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+    Virtual,
+    Disk,
+}
+
+impl DeviceKind {
+    /// Accelerators are the devices the GPU-first strategies fill: cuda and virtual.
+    pub const fn is_accelerator(self) -> bool {
+        matches!(self, DeviceKind::Cuda | DeviceKind::Virtual)
+    }
+}
+
+/// One device of the inventory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    /// Normalised name: `"cpu"`, `"cuda:0"`, `"virtual:0"`, `"disk"`.
+    pub name: String,
+    pub kind: DeviceKind,
+    /// Bytes the device has (`u64::MAX` for disk, or for a cpu whose size is unknown).
+    pub capacity: u64,
+    /// Bytes kept free (exllamav2's `reserve_vram`, llama.cpp's fit margin).
+    pub reserve: u64,
+    /// Fixed cost of using the device at all (a CUDA context, for example); 0 unless given.
+    pub overhead: u64,
+}
+
+impl DeviceSpec {
+    pub fn new(name: impl Into<String>, kind: DeviceKind, capacity: u64) -> Self {
+        DeviceSpec {
+            name: name.into(),
+            kind,
+            capacity,
+            reserve: 0,
+            overhead: 0,
+        }
+    }
+}
+
+/// Real memory, as the engine sees it. The planner never calls the OS itself.
+pub trait MemoryProbe {
+    /// Host MemAvailable in bytes.
+    fn cpu_available(&self) -> Option<u64>;
+    /// `(free, total)` bytes of CUDA device `ordinal`, if it exists.
+    fn cuda(&self, ordinal: u32) -> Option<(u64, u64)>;
+    /// Number of CUDA devices. The default asks `cuda()` for ordinals 0, 1, ... until one is
+    /// missing (at most 64).
+    fn cuda_count(&self) -> u32 {
+        (0..64).take_while(|&i| self.cuda(i).is_some()).count() as u32
+    }
+}
+
+/// The real machine as `probe` sees it (Python's `weightlift.devices()`): every CUDA device at
+/// its free memory, then `cpu` at MemAvailable (unbounded when unknown).
+pub fn inventory(probe: &dyn MemoryProbe) -> Vec<DeviceSpec> {
+    let mut out: Vec<DeviceSpec> = (0..probe.cuda_count())
+        .filter_map(|i| {
+            probe
+                .cuda(i)
+                .map(|(free, _)| DeviceSpec::new(format!("cuda:{i}"), DeviceKind::Cuda, free))
+        })
+        .collect();
+    out.push(DeviceSpec::new(
+        "cpu",
+        DeviceKind::Cpu,
+        probe.cpu_available().unwrap_or(u64::MAX),
+    ));
+    out
+}
+
+/// A probe that knows nothing: cpu is unbounded and cuda devices must be given a size.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoProbe;
+
+impl MemoryProbe for NoProbe {
+    fn cpu_available(&self) -> Option<u64> {
+        None
+    }
+    fn cuda(&self, _ordinal: u32) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+/// Parse a device spec string without probing (see the module docs for the syntax).
+pub fn parse_devices(spec: &str) -> Result<Vec<DeviceSpec>> {
+    parse_devices_with(spec, &NoProbe)
+}
+
+/// Parse a device spec string, filling unknown capacities from `probe`.
+pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<DeviceSpec>> {
+    let err = |item: &str, reason: String| PlanError::DeviceSpec {
+        spec: item.to_string(),
+        reason,
+    };
+    let mut out: Vec<DeviceSpec> = Vec::new();
+    let mut n_virtual: u32 = 0;
+    let items: Vec<&str> = spec.split(',').map(str::trim).collect();
+    if items.iter().all(|s| s.is_empty()) {
+        return Err(err(
+            spec,
+            "empty; expected e.g. \"cpu\", \"cuda:0\", \"virtual:2x24GiB\" or \"disk\"".into(),
+        ));
+    }
+    for item in items {
+        if item.is_empty() {
+            return Err(err(spec, "empty item between commas".into()));
+        }
+        let lower = item.to_ascii_lowercase();
+        let (head, rest) = match lower.split_once(':') {
+            Some((h, r)) => (h, Some(r)),
+            None => (lower.as_str(), None),
+        };
+        match head {
+            "cpu" => {
+                let capacity = match rest {
+                    None => probe.cpu_available().unwrap_or(u64::MAX),
+                    Some(s) => parse_size(s).map_err(|e| err(item, e.to_string()))?,
+                };
+                out.push(DeviceSpec::new("cpu", DeviceKind::Cpu, capacity));
+            }
+            "disk" => {
+                if rest.is_some() {
+                    return Err(err(item, "disk takes no size; it is unbounded".into()));
+                }
+                out.push(DeviceSpec::new("disk", DeviceKind::Disk, u64::MAX));
+            }
+            "cuda" | "gpu" => {
+                let Some(rest) = rest else {
+                    return Err(err(item, "expected cuda:N or cuda:N:SIZE".into()));
+                };
+                let (ord, size) = match rest.split_once(':') {
+                    Some((o, s)) => (o, Some(s)),
+                    None => (rest, None),
+                };
+                let ordinal: u32 = ord.parse().map_err(|_| {
+                    err(
+                        item,
+                        format!("expected a device ordinal after 'cuda:', got '{ord}'"),
+                    )
+                })?;
+                let capacity = match size {
+                    Some(s) => parse_size(s).map_err(|e| err(item, e.to_string()))?,
+                    None => probe.cuda(ordinal).map(|(free, _)| free).ok_or_else(|| {
+                        err(
+                            item,
+                            format!("capacity of cuda:{ordinal} is unknown (no GPU probe); give it as cuda:{ordinal}:24GiB"),
+                        )
+                    })?,
+                };
+                out.push(DeviceSpec::new(
+                    format!("cuda:{ordinal}"),
+                    DeviceKind::Cuda,
+                    capacity,
+                ));
+            }
+            "virtual" => {
+                let Some(rest) = rest else {
+                    return Err(err(
+                        item,
+                        "expected virtual:SIZE or virtual:Nx SIZE, e.g. virtual:2x24GiB".into(),
+                    ));
+                };
+                let (count, size) = match rest.split_once('x') {
+                    Some((c, s)) if !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit()) => {
+                        let n: u32 = c
+                            .parse()
+                            .map_err(|_| err(item, format!("bad device count '{c}'")))?;
+                        (n, s)
+                    }
+                    _ => (1, rest),
+                };
+                if count == 0 || count > 1024 {
+                    return Err(err(
+                        item,
+                        format!("expected 1..=1024 virtual devices, got {count}"),
+                    ));
+                }
+                let capacity = parse_size(size).map_err(|e| err(item, e.to_string()))?;
+                for _ in 0..count {
+                    out.push(DeviceSpec::new(
+                        format!("virtual:{n_virtual}"),
+                        DeviceKind::Virtual,
+                        capacity,
+                    ));
+                    n_virtual += 1;
+                }
+            }
+            other => {
+                return Err(err(
+                    item,
+                    format!(
+                        "unknown device kind '{other}'; expected cpu, cuda:N, virtual:SIZE or disk"
+                    ),
+                ));
+            }
+        }
+    }
+    for (i, d) in out.iter().enumerate() {
+        if out[..i].iter().any(|o| o.name == d.name) {
+            return Err(err(spec, format!("device {} is listed twice", d.name)));
+        }
+    }
+    Ok(out)
+}
+
+/// Normalise a device name as users write it (`"0"` is the first accelerator, `"CUDA:1"`,
+/// `"cpu"`) against an inventory. Returns the index into `devices`.
+pub fn resolve_device(devices: &[DeviceSpec], name: &str, context: &str) -> Result<usize> {
+    let n = name.trim().to_ascii_lowercase();
+    let found = if let Ok(i) = n.parse::<usize>() {
+        devices
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.kind.is_accelerator())
+            .nth(i)
+            .map(|(j, _)| j)
+    } else {
+        devices.iter().position(|d| d.name == n)
+    };
+    found.ok_or_else(|| PlanError::UnknownDevice {
+        device: name.to_string(),
+        context: context.to_string(),
+        known: devices
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct FakeProbe;
+    impl MemoryProbe for FakeProbe {
+        fn cpu_available(&self) -> Option<u64> {
+            Some(64 << 30)
+        }
+        fn cuda(&self, ordinal: u32) -> Option<(u64, u64)> {
+            (ordinal < 2).then_some((20 << 30, 24 << 30))
+        }
+    }
+
+    #[test]
+    fn parses_the_documented_forms() {
+        let d = parse_devices("virtual:24GiB,virtual:12GiB,cpu:64GiB,disk").unwrap();
+        let names: Vec<_> = d.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["virtual:0", "virtual:1", "cpu", "disk"]);
+        assert_eq!(d[0].capacity, 24 << 30);
+        assert_eq!(d[1].capacity, 12 << 30);
+        assert_eq!(d[2].capacity, 64 << 30);
+        assert_eq!(d[3].capacity, u64::MAX);
+
+        let d = parse_devices("virtual:2x24GiB").unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[1].name, "virtual:1");
+        assert_eq!(d[1].kind, DeviceKind::Virtual);
+
+        let d = parse_devices("cpu").unwrap();
+        assert_eq!(d[0].capacity, u64::MAX);
+
+        let d = parse_devices("cuda:0:24GiB, CUDA:1:8GB").unwrap();
+        assert_eq!(d[1].name, "cuda:1");
+        assert_eq!(d[1].capacity, 8_000_000_000);
+    }
+
+    #[test]
+    fn probes_fill_unknown_sizes() {
+        let d = parse_devices_with("cuda:0,cuda:1,cpu", &FakeProbe).unwrap();
+        assert_eq!(d[0].capacity, 20 << 30);
+        assert_eq!(d[2].capacity, 64 << 30);
+        let e = parse_devices_with("cuda:5", &FakeProbe)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("capacity of cuda:5 is unknown"), "{e}");
+    }
+
+    #[test]
+    fn inventory_lists_gpus_then_cpu() {
+        let d = inventory(&FakeProbe);
+        let names: Vec<_> = d.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["cuda:0", "cuda:1", "cpu"]);
+        assert_eq!(d[1].capacity, 20 << 30);
+        assert_eq!(inventory(&NoProbe).len(), 1);
+    }
+
+    #[test]
+    fn garbage_is_rejected_clearly() {
+        let e = parse_devices("tpu:0").unwrap_err().to_string();
+        assert!(e.contains("unknown device kind 'tpu'"), "{e}");
+        let e = parse_devices("cuda:0").unwrap_err().to_string();
+        assert!(e.contains("give it as cuda:0:24GiB"), "{e}");
+        let e = parse_devices("virtual:0x1GiB").unwrap_err().to_string();
+        assert!(e.contains("expected 1..=1024"), "{e}");
+        let e = parse_devices("virtual:lots").unwrap_err().to_string();
+        assert!(e.contains("invalid size"), "{e}");
+        assert!(parse_devices("").is_err());
+        assert!(parse_devices("cpu,,disk").is_err());
+        let e = parse_devices("cpu,cpu").unwrap_err().to_string();
+        assert!(e.contains("listed twice"), "{e}");
+        assert!(parse_devices("disk:1GiB").is_err());
+    }
+
+    #[test]
+    fn resolves_names() {
+        let d = parse_devices("cpu,virtual:2x1GiB").unwrap();
+        assert_eq!(resolve_device(&d, "1", "test").unwrap(), 2);
+        assert_eq!(resolve_device(&d, "Virtual:0", "test").unwrap(), 1);
+        let e = resolve_device(&d, "cuda:3", "device_map")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown device 'cuda:3' in device_map"), "{e}");
+    }
+}

@@ -1,0 +1,133 @@
+//! The planner's one error enum. Messages are lower-case, name the device, tensor or option,
+//! and say what was expected, what was found and the likely cause.
+
+use serde::{Deserialize, Serialize};
+
+use crate::size::fmt_bytes;
+
+/// One device that is short of memory in a plan that does not fit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shortfall {
+    /// Normalised device name (`"cuda:0"`, `"virtual:1"`, `"cpu"`).
+    pub device: String,
+    /// Bytes the plan needs on this device (weights, kv, scratch, overhead and reserve).
+    pub needed: u64,
+    /// Bytes the device has (its capacity, after any `max_memory` cap).
+    pub available: u64,
+    /// What the bytes are for, e.g. `"layers 12-29 weights + kv at ctx 8192"`.
+    pub what: String,
+}
+
+impl Shortfall {
+    /// How many bytes are missing.
+    pub fn missing(&self) -> u64 {
+        self.needed.saturating_sub(self.available)
+    }
+}
+
+/// A plan that does not fit: every short device, and the cheapest fixes, each checked by
+/// re-planning.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutOfMemory {
+    pub strategy: String,
+    pub shortfalls: Vec<Shortfall>,
+    /// Human-readable fixes with numbers, cheapest first, e.g. `"cache q4 saves 2.10 GiB and fits"`.
+    pub fixes: Vec<String>,
+}
+
+impl std::fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "out of memory: the model does not fit with strategy {}",
+            self.strategy
+        )?;
+        for s in &self.shortfalls {
+            write!(
+                f,
+                "; {} is short by {} (needs {}, has {}) for {}",
+                s.device,
+                fmt_bytes(s.missing()),
+                fmt_bytes(s.needed),
+                fmt_bytes(s.available),
+                s.what
+            )?;
+        }
+        if self.fixes.is_empty() {
+            write!(
+                f,
+                "; no single change found that makes it fit: add devices or quantise the weights further"
+            )?;
+        } else {
+            write!(f, "; fixes: {}", self.fixes.join("; "))?;
+        }
+        Ok(())
+    }
+}
+
+/// Everything that can go wrong while planning.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    #[error("invalid device spec '{spec}': {reason}")]
+    DeviceSpec { spec: String, reason: String },
+
+    #[error("invalid size '{text}': {reason}")]
+    Size { text: String, reason: String },
+
+    #[error("invalid option {option}: expected {expected}, got {got}")]
+    Option {
+        option: String,
+        expected: String,
+        got: String,
+    },
+
+    #[error("unknown device '{device}' in {context}; the plan's devices are {known}")]
+    UnknownDevice {
+        device: String,
+        context: String,
+        known: String,
+    },
+
+    #[error("model spec is unusable for planning: {detail}")]
+    Spec { detail: String },
+
+    #[error("tensor '{tensor}': {detail}")]
+    Tensor { tensor: String, detail: String },
+
+    #[error(
+        "device_map leaves {count} tensor(s) without a device: {tensors}; add an entry (or \"\" as a default) that covers them"
+    )]
+    MapIncomplete { count: usize, tensors: String },
+
+    #[error(
+        "device_map is contradictory: tensor '{tensor}' is matched by '{first}' -> {first_device} and by '{second}' -> {second_device}; make the entries disjoint or use a regex override"
+    )]
+    MapConflict {
+        tensor: String,
+        first: String,
+        first_device: String,
+        second: String,
+        second_device: String,
+    },
+
+    #[error("invalid regex override '{pattern}': {reason}")]
+    Regex { pattern: String, reason: String },
+
+    #[error("plan json is invalid: {0}")]
+    Json(String),
+
+    #[error("{0}")]
+    OutOfMemory(Box<OutOfMemory>),
+}
+
+impl PlanError {
+    pub(crate) fn option(option: &str, expected: &str, got: impl std::fmt::Display) -> Self {
+        PlanError::Option {
+            option: option.to_string(),
+            expected: expected.to_string(),
+            got: got.to_string(),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, PlanError>;

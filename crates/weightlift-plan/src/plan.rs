@@ -1,0 +1,334 @@
+//! The Plan: an immutable, deterministic, serialisable record of where everything goes.
+
+use serde::{Deserialize, Serialize};
+use weightlift_format::DType;
+
+use crate::device::DeviceKind;
+use crate::error::{PlanError, Result};
+use crate::memory::{CacheSpec, RuntimeSpec};
+use crate::size::{fmt_bytes, gib, mib};
+use crate::tp::{TpKind, TpSplit};
+
+/// A contiguous part of a split tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    pub device: String,
+    /// Range along the split axis (rows or columns).
+    pub start: u64,
+    pub end: u64,
+    pub bytes: u64,
+}
+
+/// How a tensor is spread over several devices (llama.cpp row split, tensor parallelism).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSplit {
+    /// 0: rows (output features), 1: columns (input features).
+    pub axis: u8,
+    /// True when every shard is a full copy (norms under tensor parallelism).
+    pub replicated: bool,
+    pub shards: Vec<Shard>,
+}
+
+/// Where one tensor goes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorPlacement {
+    pub name: String,
+    /// The device holding it, or its main device when it is split.
+    pub device: String,
+    /// The dtype after any conversion.
+    pub dtype: DType,
+    /// Bytes after any conversion.
+    pub bytes: u64,
+    pub layer: Option<u32>,
+    pub split: Option<TensorSplit>,
+}
+
+/// One device's share of the plan, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceUsage {
+    pub name: String,
+    pub kind: DeviceKind,
+    /// Capacity after any `max_memory` cap (`u64::MAX` when unbounded).
+    pub capacity: u64,
+    pub weights: u64,
+    pub kv: u64,
+    pub scratch: u64,
+    pub overhead: u64,
+    pub reserve: u64,
+    /// `capacity - weights - kv - scratch - overhead - reserve`.
+    pub free: u64,
+    /// Inclusive layer ranges whose blocks (or main part) live here.
+    pub layers: Vec<(u32, u32)>,
+    /// Non-layer parts held here: `"token_embd"`, `"output_norm"`, `"output"`,
+    /// `"output (tied copy)"`.
+    pub holds: Vec<String>,
+    /// True when the device was not in the user's list (the host, added because the input
+    /// layer must live there).
+    pub implicit: bool,
+}
+
+impl DeviceUsage {
+    /// weights + kv + scratch + overhead + reserve.
+    pub fn used(&self) -> u64 {
+        self.weights
+            .saturating_add(self.kv)
+            .saturating_add(self.scratch)
+            .saturating_add(self.overhead)
+            .saturating_add(self.reserve)
+    }
+}
+
+/// Host RAM during loading. mmap-backed CPU tensors cost page cache, which the kernel can
+/// drop and re-read, not anonymous memory; they are reported apart.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct HostUsage {
+    /// Staging buffers for device uploads: 2 × min(staging size, largest tensor), charged
+    /// whenever the inventory has an accelerator.
+    pub staging: u64,
+    /// CPU tensors read into owned memory (converted dtype, or `use_mmap=False`).
+    pub owned_weights: u64,
+    /// CPU tensors that stay views of the mmap.
+    pub mapped_weights: u64,
+    /// Tensors left on disk, streamed through the page cache when used.
+    pub disk_weights: u64,
+    /// KV cache of CPU layers.
+    pub kv: u64,
+    /// CPU compute scratch.
+    pub scratch: u64,
+    /// Peak anonymous memory while loading: staging + owned + kv + scratch.
+    pub peak_anon: u64,
+    /// Peak including page cache of mapped CPU tensors.
+    pub peak_total: u64,
+}
+
+/// The result of planning. Immutable: read it through the accessors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub(crate) strategy: String,
+    pub(crate) architecture: String,
+    pub(crate) n_layers: u32,
+    pub(crate) dtype: String,
+    pub(crate) cache: Option<CacheSpec>,
+    pub(crate) runtime: RuntimeSpec,
+    pub(crate) tensors: Vec<TensorPlacement>,
+    pub(crate) layers: Vec<String>,
+    pub(crate) embed_device: String,
+    pub(crate) head_device: String,
+    /// `(device, bytes)` of the tied output copy: one entry, or one per TP shard.
+    pub(crate) tied_output: Vec<(String, u64)>,
+    pub(crate) tp: Option<TpSplit>,
+    pub(crate) devices: Vec<DeviceUsage>,
+    pub(crate) host: HostUsage,
+    pub(crate) warnings: Vec<String>,
+}
+
+impl Plan {
+    pub fn strategy(&self) -> &str {
+        &self.strategy
+    }
+    pub fn architecture(&self) -> &str {
+        &self.architecture
+    }
+    pub fn n_layers(&self) -> u32 {
+        self.n_layers
+    }
+    pub fn cache(&self) -> Option<&CacheSpec> {
+        self.cache.as_ref()
+    }
+    pub fn runtime(&self) -> &RuntimeSpec {
+        &self.runtime
+    }
+    /// Every tensor, in the tensor table's order.
+    pub fn tensors(&self) -> &[TensorPlacement] {
+        &self.tensors
+    }
+    /// The device of a tensor (its main device when split), or `None` for an unknown name.
+    pub fn device_of(&self, tensor: &str) -> Option<&str> {
+        self.tensors
+            .iter()
+            .find(|t| t.name == tensor)
+            .map(|t| t.device.as_str())
+    }
+    /// The device of each repeating layer (where its KV lives).
+    pub fn layer_devices(&self) -> &[String] {
+        &self.layers
+    }
+    /// Where the input embedding lives.
+    pub fn embed_device(&self) -> &str {
+        &self.embed_device
+    }
+    /// Where the output head is computed.
+    pub fn head_device(&self) -> &str {
+        &self.head_device
+    }
+    /// Device holding a second copy of a tied `token_embd` to serve as the output layer
+    /// (llama.cpp and exllamav2 both load one when the head is on another device).
+    pub fn tied_output_copy(&self) -> Option<&str> {
+        self.tied_output.first().map(|x| x.0.as_str())
+    }
+    /// Every `(device, bytes)` part of the tied output copy (several under tensor parallelism).
+    pub fn tied_output_parts(&self) -> &[(String, u64)] {
+        &self.tied_output
+    }
+    /// The per-device breakdown, in the inventory's order.
+    pub fn devices(&self) -> &[DeviceUsage] {
+        &self.devices
+    }
+    pub fn host(&self) -> &HostUsage {
+        &self.host
+    }
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+    /// The tensor-parallel tables, if the strategy is `tensor_parallel`.
+    pub fn tp(&self) -> Option<&TpSplit> {
+        self.tp.as_ref()
+    }
+    /// One TP table: `(device_index, start, end)`.
+    pub fn tp_split(&self, kind: TpKind) -> Option<&[(usize, u64, u64)]> {
+        self.tp.as_ref().map(|t| t.table(kind))
+    }
+
+    /// Pretty-printed JSON.
+    pub fn to_json(&self) -> String {
+        // A Plan holds only strings, integers, floats and enums: serialisation cannot fail.
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    pub fn from_json(text: &str) -> Result<Plan> {
+        serde_json::from_str(text).map_err(|e| PlanError::Json(e.to_string()))
+    }
+
+    /// A readable table: one row per device with layer ranges and GiB columns, then host RAM
+    /// and warnings.
+    pub fn explain(&self) -> String {
+        let mut s = String::new();
+        let ctx = match &self.cache {
+            Some(c) => format!(
+                "ctx {} × batch {}, cache {}",
+                c.max_seq_len,
+                c.batch_size,
+                c.dtype.name()
+            ),
+            None => "no kv cache".to_string(),
+        };
+        s.push_str(&format!(
+            "plan: {} ({} layers), strategy {}, dtype {}, {}\n",
+            self.architecture, self.n_layers, self.strategy, self.dtype, ctx
+        ));
+        // GiB columns, or MiB when every bounded device is small.
+        let big = self
+            .devices
+            .iter()
+            .filter(|d| d.capacity != u64::MAX)
+            .map(|d| d.capacity)
+            .chain(self.devices.iter().map(|d| d.used()))
+            .max()
+            .unwrap_or(0)
+            >= 4 << 30;
+        let (unit, col): (&str, fn(u64) -> String) = if big { ("GiB", gib) } else { ("MiB", mib) };
+        s.push_str(&format!(
+            "{:<11} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}  holds\n",
+            "device", "capacity", "weights", "kv", "scratch", "overhd", "reserve", "free"
+        ));
+        s.push_str(&format!("{:<11} {:>9}\n", "", format!("({unit})")));
+        for d in &self.devices {
+            let holds = describe_holds(d);
+            s.push_str(&format!(
+                "{:<11} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}  {}\n",
+                if d.implicit {
+                    format!("{}*", d.name)
+                } else {
+                    d.name.clone()
+                },
+                col(d.capacity),
+                col(d.weights),
+                col(d.kv),
+                col(d.scratch),
+                col(d.overhead),
+                col(d.reserve),
+                col(d.free),
+                holds
+            ));
+        }
+        if self.devices.iter().any(|d| d.implicit) {
+            s.push_str("* not in the device list: added for the input layer, host RAM unchecked\n");
+        }
+        if let Some(tp) = &self.tp {
+            let fmt = |t: &[(usize, u64, u64)]| {
+                t.iter()
+                    .map(|(d, a, b)| format!("{d}:{a}..{b}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            s.push_str(&format!(
+                "tensor parallel: kv [{}] q [{}] id [{}] rs [{}] vc [{}]\n",
+                fmt(&tp.kv),
+                fmt(&tp.q),
+                fmt(&tp.id),
+                fmt(&tp.rs),
+                fmt(&tp.vc)
+            ));
+        }
+        let h = &self.host;
+        s.push_str(&format!(
+            "host ram at load peak: {} anonymous (staging {}, owned weights {}, kv {}, scratch {}) + {} mmap page cache; {} streamed from disk\n",
+            fmt_bytes(h.peak_anon),
+            fmt_bytes(h.staging),
+            fmt_bytes(h.owned_weights),
+            fmt_bytes(h.kv),
+            fmt_bytes(h.scratch),
+            fmt_bytes(h.mapped_weights),
+            fmt_bytes(h.disk_weights)
+        ));
+        for w in &self.warnings {
+            s.push_str(&format!("warning: {w}\n"));
+        }
+        s
+    }
+
+    /// An SVG chart: one stacked bar per device (weights, kv, scratch, overhead, reserve,
+    /// free), scaled to the device's capacity, with layer ranges labelled and a legend.
+    pub fn to_svg(&self) -> String {
+        crate::svg::render(self)
+    }
+}
+
+/// `"layers 0-11, 20-29 + token_embd"`.
+pub(crate) fn describe_holds(d: &DeviceUsage) -> String {
+    let mut parts = Vec::new();
+    if !d.layers.is_empty() {
+        parts.push(format!("layers {}", ranges(&d.layers)));
+    }
+    parts.extend(d.holds.iter().cloned());
+    if parts.is_empty() {
+        "-".to_string()
+    } else {
+        parts.join(" + ")
+    }
+}
+
+pub(crate) fn ranges(r: &[(u32, u32)]) -> String {
+    r.iter()
+        .map(|(a, b)| {
+            if a == b {
+                format!("{a}")
+            } else {
+                format!("{a}-{b}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Collapse sorted layer indices into inclusive ranges.
+pub(crate) fn to_ranges(layers: impl IntoIterator<Item = u32>) -> Vec<(u32, u32)> {
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    for l in layers {
+        match out.last_mut() {
+            Some((_, b)) if *b + 1 == l => *b = l,
+            _ => out.push((l, l)),
+        }
+    }
+    out
+}

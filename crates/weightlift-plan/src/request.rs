@@ -1,0 +1,414 @@
+//! What a plan is asked for: the model, the devices, the strategy and its options.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use weightlift_format::{ModelSpec, TensorInfo};
+
+use crate::device::DeviceSpec;
+use crate::error::{PlanError, Result};
+use crate::memory::{CacheSpec, RuntimeSpec};
+use crate::synth::DTypeChoice;
+
+/// llama.cpp's `split_mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SplitMode {
+    /// Every offloaded layer on `main_gpu`.
+    None,
+    /// Whole layers spread over the GPUs in proportion to `tensor_split`.
+    #[default]
+    Layer,
+    /// Each offloaded matrix's rows spread over the GPUs by `tensor_split`; the rest of each
+    /// layer (norms, biases, KV) on `main_gpu`.
+    Row,
+}
+
+impl SplitMode {
+    pub fn parse(s: &str) -> Result<SplitMode> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "none" => Ok(SplitMode::None),
+            "layer" => Ok(SplitMode::Layer),
+            "row" => Ok(SplitMode::Row),
+            _ => Err(PlanError::option(
+                "split_mode",
+                "none, layer or row",
+                format!("'{s}'"),
+            )),
+        }
+    }
+    pub const fn name(self) -> &'static str {
+        match self {
+            SplitMode::None => "none",
+            SplitMode::Layer => "layer",
+            SplitMode::Row => "row",
+        }
+    }
+}
+
+/// llama.cpp's offload options (`-ngl`, `-sm`, `-ts`, `-mg`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerOptions {
+    /// Number of layers to offload, counting the output layer as layer `n_layer`; negative
+    /// means all (llama.cpp's `-1`).
+    pub n_gpu_layers: i64,
+    pub split_mode: SplitMode,
+    /// One weight per accelerator; empty means "in proportion to each device's free memory"
+    /// (llama.cpp's default).
+    pub tensor_split: Vec<f32>,
+    /// Index among the accelerators.
+    pub main_gpu: usize,
+    /// Row-split boundaries are rounded down to a multiple of this many rows. ggml-cuda uses
+    /// an architecture-dependent MMQ tile height; 64 is our default.
+    pub row_rounding: u64,
+}
+
+impl Default for LayerOptions {
+    fn default() -> Self {
+        LayerOptions {
+            n_gpu_layers: -1,
+            split_mode: SplitMode::Layer,
+            tensor_split: Vec::new(),
+            main_gpu: 0,
+            row_rounding: 64,
+        }
+    }
+}
+
+/// exllamav2 TPContext options.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TpOptions {
+    /// Per-accelerator budgets in MiB (exllamav2's `gpu_split` in GB × 1024). `None`: each
+    /// device's capacity less reserve and overhead, like exllamav2's free-memory default.
+    pub gpu_split_mib: Option<Vec<u64>>,
+}
+
+/// An explicit device map.
+///
+/// `entries` map a module or layer prefix to a device; a tensor matches an entry when the
+/// tensor's name equals the prefix or starts with it followed by `.`. Layer entries also match
+/// across naming schemes: `blk.3`, `layers.3` and `model.layers.3` all mean layer 3, and
+/// `blk.0-11` (any of the three spellings) is an inclusive range. `model.embed_tokens` /
+/// `token_embd`, `model.norm` / `output_norm` and `lm_head` / `output` match by role. The
+/// prefix `""` (or `"*"`) is a default for everything no other entry matches. Two non-default
+/// entries matching one tensor with different devices are a conflict.
+///
+/// `overrides` are llama.cpp `-ot` rules (`regex=device`): regexes searched in tensor names,
+/// checked in order before the entries; the first match wins.
+///
+/// Devices are normalised names (`"cuda:0"`, `"cpu"`, `"disk"`) or an accelerator index
+/// (`"0"`), as in accelerate.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DeviceMap {
+    pub entries: Vec<(String, String)>,
+    pub overrides: Vec<(String, String)>,
+}
+
+impl DeviceMap {
+    /// Parse llama.cpp `-ot` syntax: `"blk\\.\\d+\\.ffn_.*=cpu"`; several rules separated by
+    /// commas.
+    pub fn parse_overrides(text: &str) -> Result<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        for rule in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (pat, dev) = rule.rsplit_once('=').ok_or_else(|| {
+                PlanError::option(
+                    "override",
+                    "REGEX=DEVICE, e.g. blk\\.\\d+\\.ffn_.*=cpu",
+                    format!("'{rule}'"),
+                )
+            })?;
+            out.push((pat.to_string(), dev.trim().to_string()));
+        }
+        Ok(out)
+    }
+}
+
+/// Placement strategies, each named after the system it reproduces.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Strategy {
+    /// exllamav2 `load_autosplit`.
+    Autosplit,
+    /// accelerate `device_map="sequential"`.
+    Sequential,
+    /// accelerate `device_map="balanced"`.
+    Balanced,
+    /// accelerate `device_map="balanced_low_0"`.
+    BalancedLow0,
+    /// llama.cpp `n_gpu_layers` / `split_mode` / `tensor_split` / `main_gpu`.
+    Layers(LayerOptions),
+    /// exllamav2 TPContext.
+    TensorParallel(TpOptions),
+    /// An explicit device map with regex overrides.
+    Map(DeviceMap),
+}
+
+impl Strategy {
+    /// Parse a strategy name with default options: `autosplit`, `sequential`, `balanced`,
+    /// `balanced_low_0`, `layers` (alias `n_gpu_layers`), `tensor_parallel` (alias `tp`), `map`
+    /// (alias `device_map`).
+    pub fn parse(s: &str) -> Result<Strategy> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "autosplit" | "auto" => Ok(Strategy::Autosplit),
+            "sequential" => Ok(Strategy::Sequential),
+            "balanced" => Ok(Strategy::Balanced),
+            "balanced_low_0" => Ok(Strategy::BalancedLow0),
+            "layers" | "n_gpu_layers" | "llama.cpp" => {
+                Ok(Strategy::Layers(LayerOptions::default()))
+            }
+            "tensor_parallel" | "tp" => Ok(Strategy::TensorParallel(TpOptions::default())),
+            "map" | "device_map" => Ok(Strategy::Map(DeviceMap::default())),
+            _ => Err(PlanError::option(
+                "strategy",
+                "autosplit, sequential, balanced, balanced_low_0, layers, tensor_parallel or map",
+                format!("'{s}'"),
+            )),
+        }
+    }
+
+    /// The strategy's name as `parse` accepts it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Strategy::Autosplit => "autosplit",
+            Strategy::Sequential => "sequential",
+            Strategy::Balanced => "balanced",
+            Strategy::BalancedLow0 => "balanced_low_0",
+            Strategy::Layers(_) => "layers",
+            Strategy::TensorParallel(_) => "tensor_parallel",
+            Strategy::Map(_) => "map",
+        }
+    }
+}
+
+/// Everything `plan()` needs. Build it with [`PlanRequest::new`] and set the fields you need.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanRequest {
+    pub spec: ModelSpec,
+    /// The tensor table: a checkpoint's real one, or [`crate::synthesize_tensors`]'s.
+    pub tensors: Vec<TensorInfo>,
+    pub devices: Vec<DeviceSpec>,
+    pub strategy: Strategy,
+    pub dtype: DTypeChoice,
+    /// `None` plans no KV cache.
+    pub cache: Option<CacheSpec>,
+    pub runtime: RuntimeSpec,
+    /// Per-device reserve by normalised name; replaces `DeviceSpec::reserve`.
+    pub reserve: BTreeMap<String, u64>,
+    /// accelerate-style caps by normalised name: a device never gets more than this.
+    pub max_memory: BTreeMap<String, u64>,
+    /// Per-device fixed overhead by normalised name; replaces `DeviceSpec::overhead`.
+    pub overhead: BTreeMap<String, u64>,
+    /// Allow weights to stay on disk (streamed) when nothing else has room.
+    pub allow_disk: bool,
+    /// CPU tensors whose dtype is unchanged stay views of the mmap (page cache, not anonymous
+    /// memory). With `false` they are read into owned memory.
+    pub use_mmap: bool,
+    /// Size of one host staging buffer for device uploads (the loader double-buffers).
+    pub staging_bytes: u64,
+}
+
+impl PlanRequest {
+    /// A request with exllamav2's default strategy and runtime, no cache, no caps.
+    pub fn new(spec: ModelSpec, tensors: Vec<TensorInfo>, devices: Vec<DeviceSpec>) -> Self {
+        PlanRequest {
+            spec,
+            tensors,
+            devices,
+            strategy: Strategy::Autosplit,
+            dtype: DTypeChoice::Auto,
+            cache: None,
+            runtime: RuntimeSpec::default(),
+            reserve: BTreeMap::new(),
+            max_memory: BTreeMap::new(),
+            overhead: BTreeMap::new(),
+            allow_disk: false,
+            use_mmap: true,
+            staging_bytes: 64 << 20,
+        }
+    }
+
+    /// Set reserves from a list in device order (exllamav2's `reserve_vram=[...]`).
+    pub fn with_reserve_list(mut self, reserves: &[u64]) -> Result<Self> {
+        if reserves.len() > self.devices.len() {
+            return Err(PlanError::option(
+                "reserve",
+                &format!("at most one value per device ({})", self.devices.len()),
+                format!("{} values", reserves.len()),
+            ));
+        }
+        for (d, &r) in self.devices.iter().zip(reserves) {
+            self.reserve.insert(d.name.clone(), r);
+        }
+        Ok(self)
+    }
+}
+
+/// What `fit()` maximises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FitTarget {
+    /// Largest cache length, in multiples of 256 tokens (exllamav2's cache page), capped at
+    /// the model's `context_length` (which is returned as is when it fits).
+    MaxSeqLen,
+    /// Largest batch size at the request's cache length.
+    BatchSize,
+    /// Largest llama.cpp `n_gpu_layers` (0..=n_layer+1); needs the `layers` strategy.
+    NGpuLayers,
+}
+
+impl FitTarget {
+    pub fn parse(s: &str) -> Result<FitTarget> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "max_seq_len" | "ctx" | "context" => Ok(FitTarget::MaxSeqLen),
+            "batch_size" | "batch" => Ok(FitTarget::BatchSize),
+            "n_gpu_layers" | "ngl" => Ok(FitTarget::NGpuLayers),
+            _ => Err(PlanError::option(
+                "fit target",
+                "max_seq_len, batch_size or n_gpu_layers",
+                format!("'{s}'"),
+            )),
+        }
+    }
+}
+
+/// Reserves as Python passes them: one value for every device, a list in device order
+/// (exllamav2's `reserve_vram`), or a map by device name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Reserve {
+    All(u64),
+    List(Vec<u64>),
+    Map(BTreeMap<String, u64>),
+}
+
+/// The keyword arguments of Python's `weightlift.plan(...)` / `weightlift.fit(...)`, one field
+/// each, turned into a [`PlanRequest`] by [`PlanOptions::into_request`].
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct PlanOptions {
+    /// `"autosplit"`, `"sequential"`, `"balanced"`, `"balanced_low_0"`, `"layers"`,
+    /// `"tensor_parallel"` or `"map"`. `None` picks `map` when `device_map` is given, `layers`
+    /// when a llama.cpp option is given, else `autosplit`.
+    pub strategy: Option<String>,
+    /// `"auto"` (default), `"float16"`, `"bfloat16"`, `"float32"`.
+    pub dtype: Option<String>,
+    pub cache: Option<CacheSpec>,
+    pub runtime: Option<RuntimeSpec>,
+    pub reserve: Option<Reserve>,
+    pub max_memory: BTreeMap<String, u64>,
+    pub overhead: BTreeMap<String, u64>,
+    pub n_gpu_layers: Option<i64>,
+    /// `"none"`, `"layer"`, `"row"`.
+    pub split_mode: Option<String>,
+    pub tensor_split: Option<Vec<f32>>,
+    pub main_gpu: Option<usize>,
+    /// Prefix -> device entries, in order.
+    pub device_map: Option<Vec<(String, String)>>,
+    /// llama.cpp `-ot` rules (`regex`, `device`), checked before `device_map`.
+    pub overrides: Vec<(String, String)>,
+    /// exllamav2 `gpu_split` for `tensor_parallel`, in GB as exllamav2 takes it (× 1024 MiB).
+    pub gpu_split: Option<Vec<f64>>,
+    pub allow_disk: bool,
+    /// `None`: true.
+    pub use_mmap: Option<bool>,
+}
+
+impl PlanOptions {
+    /// Validate the options and build the request. Options that belong to another strategy
+    /// than the one named are an error rather than silently ignored.
+    pub fn into_request(
+        self,
+        spec: ModelSpec,
+        tensors: Vec<TensorInfo>,
+        devices: Vec<DeviceSpec>,
+    ) -> Result<PlanRequest> {
+        let llama_opts = self.n_gpu_layers.is_some()
+            || self.split_mode.is_some()
+            || self.tensor_split.is_some()
+            || self.main_gpu.is_some();
+        let name = match &self.strategy {
+            Some(s) => s.clone(),
+            None if self.device_map.is_some() || !self.overrides.is_empty() => "map".to_string(),
+            None if llama_opts => "layers".to_string(),
+            None if self.gpu_split.is_some() => "tensor_parallel".to_string(),
+            None => "autosplit".to_string(),
+        };
+        let mut strategy = Strategy::parse(&name)?;
+        let misplaced = |what: &str, wants: &str| {
+            Err(PlanError::option(
+                what,
+                &format!("strategy='{wants}' (or no strategy)"),
+                format!("strategy='{name}'"),
+            ))
+        };
+        match &mut strategy {
+            Strategy::Layers(o) => {
+                if let Some(n) = self.n_gpu_layers {
+                    o.n_gpu_layers = n;
+                }
+                if let Some(m) = &self.split_mode {
+                    o.split_mode = SplitMode::parse(m)?;
+                }
+                if let Some(t) = &self.tensor_split {
+                    o.tensor_split = t.clone();
+                }
+                if let Some(g) = self.main_gpu {
+                    o.main_gpu = g;
+                }
+            }
+            _ if llama_opts => {
+                return misplaced("n_gpu_layers/split_mode/tensor_split/main_gpu", "layers");
+            }
+            _ => {}
+        }
+        match &mut strategy {
+            Strategy::Map(m) => {
+                m.entries = self.device_map.clone().unwrap_or_default();
+                m.overrides = self.overrides.clone();
+            }
+            _ if self.device_map.is_some() || !self.overrides.is_empty() => {
+                return misplaced("device_map/overrides", "map");
+            }
+            _ => {}
+        }
+        match &mut strategy {
+            Strategy::TensorParallel(t) => {
+                if let Some(g) = &self.gpu_split {
+                    if g.iter().any(|x| !x.is_finite() || *x < 0.0) {
+                        return Err(PlanError::option(
+                            "gpu_split",
+                            "non-negative GB values",
+                            format!("{g:?}"),
+                        ));
+                    }
+                    t.gpu_split_mib = Some(g.iter().map(|x| (x * 1024.0) as u64).collect());
+                }
+            }
+            _ if self.gpu_split.is_some() => return misplaced("gpu_split", "tensor_parallel"),
+            _ => {}
+        }
+        let mut req = PlanRequest::new(spec, tensors, devices);
+        req.strategy = strategy;
+        if let Some(d) = &self.dtype {
+            req.dtype = crate::synth::DTypeChoice::parse(d)?;
+        }
+        req.cache = self.cache;
+        if let Some(r) = self.runtime {
+            req.runtime = r;
+        }
+        req.max_memory = self.max_memory;
+        req.overhead = self.overhead;
+        req.allow_disk = self.allow_disk;
+        req.use_mmap = self.use_mmap.unwrap_or(true);
+        match self.reserve {
+            None => {}
+            Some(Reserve::All(v)) => {
+                for d in &req.devices {
+                    req.reserve.insert(d.name.clone(), v);
+                }
+            }
+            Some(Reserve::List(l)) => req = req.with_reserve_list(&l)?,
+            Some(Reserve::Map(m)) => req.reserve = m,
+        }
+        Ok(req)
+    }
+}

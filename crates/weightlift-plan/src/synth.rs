@@ -1,0 +1,457 @@
+//! Planning from a config alone: the exact tensor table of a llama-family model, derived from its
+//! [`ModelSpec`] and a weight type, plus the `dtype=` conversion of float weights.
+//!
+//! Tensor names follow GGUF (`blk.N.attn_q.weight`); shapes are row-major (`[out, in]`).
+
+use serde::{Deserialize, Serialize};
+use weightlift_format::{DType, ModelSpec, Role, TensorInfo};
+
+use crate::error::{PlanError, Result};
+
+/// A llama.cpp quantisation preset (`llama-quantize`'s ftype), reduced to the rules that decide
+/// tensor sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuantPreset {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q4KS,
+    Q4KM,
+    Q5KS,
+    Q5KM,
+    Q6K,
+}
+
+impl QuantPreset {
+    pub const ALL: &'static [QuantPreset] = &[
+        QuantPreset::F32,
+        QuantPreset::F16,
+        QuantPreset::Bf16,
+        QuantPreset::Q8_0,
+        QuantPreset::Q4_0,
+        QuantPreset::Q4_1,
+        QuantPreset::Q5_0,
+        QuantPreset::Q5_1,
+        QuantPreset::Q4KS,
+        QuantPreset::Q4KM,
+        QuantPreset::Q5KS,
+        QuantPreset::Q5KM,
+        QuantPreset::Q6K,
+    ];
+
+    /// llama-quantize's spelling, lower-case: `"q4_k_m"`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            QuantPreset::F32 => "f32",
+            QuantPreset::F16 => "f16",
+            QuantPreset::Bf16 => "bf16",
+            QuantPreset::Q8_0 => "q8_0",
+            QuantPreset::Q4_0 => "q4_0",
+            QuantPreset::Q4_1 => "q4_1",
+            QuantPreset::Q5_0 => "q5_0",
+            QuantPreset::Q5_1 => "q5_1",
+            QuantPreset::Q4KS => "q4_k_s",
+            QuantPreset::Q4KM => "q4_k_m",
+            QuantPreset::Q5KS => "q5_k_s",
+            QuantPreset::Q5KM => "q5_k_m",
+            QuantPreset::Q6K => "q6_k",
+        }
+    }
+
+    /// The default type of 2-D weights.
+    const fn base(self) -> DType {
+        match self {
+            QuantPreset::F32 => DType::F32,
+            QuantPreset::F16 => DType::F16,
+            QuantPreset::Bf16 => DType::BF16,
+            QuantPreset::Q8_0 => DType::Q8_0,
+            QuantPreset::Q4_0 => DType::Q4_0,
+            QuantPreset::Q4_1 => DType::Q4_1,
+            QuantPreset::Q5_0 => DType::Q5_0,
+            QuantPreset::Q5_1 => DType::Q5_1,
+            QuantPreset::Q4KS | QuantPreset::Q4KM => DType::Q4_K,
+            QuantPreset::Q5KS | QuantPreset::Q5KM => DType::Q5_K,
+            QuantPreset::Q6K => DType::Q6_K,
+        }
+    }
+
+    const fn is_quantized(self) -> bool {
+        !matches!(
+            self,
+            QuantPreset::F32 | QuantPreset::F16 | QuantPreset::Bf16
+        )
+    }
+}
+
+/// The weight type a config-only plan assumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "value")]
+pub enum WeightType {
+    /// Every tensor, 1-D ones included, in one type: an HF safetensors checkpoint in
+    /// `torch_dtype` (`"float16"`, `"bfloat16"`, `"float32"`).
+    Dense(DType),
+    /// A GGUF file as `llama-quantize` (or `convert_hf_to_gguf --outtype`) would write it:
+    /// 1-D tensors stay F32 and 2-D weights follow the preset's mix.
+    Gguf(QuantPreset),
+}
+
+impl WeightType {
+    /// Parse `"float16"`, `"bfloat16"`, `"float32"` (dense, as safetensors) or a llama.cpp
+    /// preset name such as `"f16"`, `"q8_0"`, `"q4_k_m"` (GGUF).
+    pub fn parse(s: &str) -> Result<WeightType> {
+        let l = s.trim().to_ascii_lowercase();
+        match l.as_str() {
+            "float16" | "fp16" | "half" => return Ok(WeightType::Dense(DType::F16)),
+            "bfloat16" => return Ok(WeightType::Dense(DType::BF16)),
+            "float32" | "fp32" | "float" => return Ok(WeightType::Dense(DType::F32)),
+            _ => {}
+        }
+        QuantPreset::ALL
+            .iter()
+            .find(|p| p.name() == l)
+            .map(|p| WeightType::Gguf(*p))
+            .ok_or_else(|| {
+                PlanError::option(
+                    "weight type",
+                    "float16, bfloat16, float32 or a llama.cpp preset (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k)",
+                    format!("'{s}'"),
+                )
+            })
+    }
+}
+
+/// llama.cpp's `use_more_bits(i, n)`: the first and last eighth of the layers, and every third
+/// one in between, get more bits in the `_M` presets.
+fn use_more_bits(i: u64, n: u64) -> bool {
+    if i < n / 8 || i >= 7 * n / 8 {
+        return true;
+    }
+    (i - n / 8) % 3 == 2
+}
+
+/// The type llama.cpp would give one 2-D tensor under `preset` (`llama_tensor_get_type`,
+/// simplified to what decides the bytes):
+///
+/// - `output.weight` (or `token_embd.weight` when the output is tied to it) gets Q6_K unless
+///   the preset's type is already Q8_0 or a float type;
+/// - `_M` presets (q4_k_m, q5_k_m): `attn_v` and `ffn_down` get Q6_K in the layers where
+///   `use_more_bits(layer, n_layer)` holds;
+/// - `_S` presets: q4_k_s gives `ffn_down` Q5_K in the first eighth of the layers; q5_k_s has
+///   no exceptions here;
+/// - everything else gets the preset's base type.
+///
+/// Then llama.cpp's fallback for rows that are not a whole number of blocks: Q4_K -> Q5_0,
+/// Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 when even 32 does not divide the row.
+/// Architecture-specific exceptions (MoE experts, Falcon, 70B-GQA `attn_v` Q5_K bumps) are not
+/// modelled.
+pub fn gguf_type(
+    preset: QuantPreset,
+    role: Role,
+    layer: Option<u32>,
+    n_layers: u32,
+    tied: bool,
+    row: u64,
+) -> DType {
+    if !preset.is_quantized() {
+        return preset.base();
+    }
+    let base = preset.base();
+    let is_output = role == Role::Output || (tied && role == Role::TokenEmbd);
+    let i = u64::from(layer.unwrap_or(0));
+    let n = u64::from(n_layers);
+    let mut t = if is_output {
+        if base == DType::Q8_0 {
+            base
+        } else {
+            DType::Q6_K
+        }
+    } else {
+        match (preset, role) {
+            (QuantPreset::Q4KM | QuantPreset::Q5KM, Role::AttnV | Role::FfnDown)
+                if use_more_bits(i, n) =>
+            {
+                DType::Q6_K
+            }
+            (QuantPreset::Q4KS, Role::FfnDown) if i < n / 8 => DType::Q5_K,
+            _ => base,
+        }
+    };
+    if !row.is_multiple_of(t.block_size()) {
+        t = match t {
+            DType::Q4_K => DType::Q5_0,
+            DType::Q5_K => DType::Q5_1,
+            DType::Q6_K => DType::Q8_0,
+            other => other,
+        };
+        if !row.is_multiple_of(t.block_size()) {
+            t = DType::F16;
+        }
+    }
+    t
+}
+
+fn check_spec(spec: &ModelSpec) -> Result<()> {
+    let bad = |d: &str| {
+        Err(PlanError::Spec {
+            detail: d.to_string(),
+        })
+    };
+    if spec.n_layers == 0
+        || spec.hidden_size == 0
+        || spec.n_heads == 0
+        || spec.head_dim == 0
+        || spec.vocab_size == 0
+    {
+        return bad("n_layers, hidden_size, n_heads, head_dim and vocab_size must all be positive");
+    }
+    if spec.n_kv_heads.len() != spec.n_layers as usize {
+        return bad(&format!(
+            "n_kv_heads has {} entries, expected one per layer ({})",
+            spec.n_kv_heads.len(),
+            spec.n_layers
+        ));
+    }
+    Ok(())
+}
+
+/// The exact tensor table of a llama-family model (llama, mistral, qwen2, smollm, ...) derived
+/// from its config: `token_embd`, per layer `attn_norm`, `attn_q/k/v/output` (with q/k/v biases
+/// when `attention_bias`, as qwen2 has), `ffn_norm`, `ffn_gate/up/down`, then `output_norm` and
+/// `output` unless the embeddings are tied. `file` and `offset` are 0: nothing is read.
+pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<TensorInfo>> {
+    check_spec(spec)?;
+    let h = spec.hidden_size;
+    let q_dim = u64::from(spec.n_heads) * u64::from(spec.head_dim);
+    let i_dim = spec.intermediate_size;
+    let tied = spec.tie_word_embeddings;
+    let mut out = Vec::with_capacity(spec.n_layers as usize * 16 + 4);
+    let mut push = |name: String, role: Role, layer: Option<u32>, shape: Vec<u64>| -> Result<()> {
+        let dtype = match weights {
+            WeightType::Dense(d) => d,
+            WeightType::Gguf(p) if shape.len() == 1 => {
+                let _ = p;
+                DType::F32
+            }
+            WeightType::Gguf(p) => gguf_type(
+                p,
+                role,
+                layer,
+                spec.n_layers,
+                tied,
+                *shape.last().unwrap_or(&1),
+            ),
+        };
+        let n: u64 = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| PlanError::Tensor {
+                tensor: name.clone(),
+                detail: "element count overflows 64 bits; the config is corrupted".into(),
+            })?;
+        let nbytes = dtype.bytes_for(n).ok_or_else(|| PlanError::Tensor {
+            tensor: name.clone(),
+            detail: format!(
+                "{n} elements are not a whole number of {dtype} blocks of {}",
+                dtype.block_size()
+            ),
+        })?;
+        out.push(TensorInfo {
+            name,
+            dtype,
+            shape,
+            nbytes,
+            file: 0,
+            offset: 0,
+            layer,
+            role: Some(role),
+        });
+        Ok(())
+    };
+    push(
+        "token_embd.weight".into(),
+        Role::TokenEmbd,
+        None,
+        vec![spec.vocab_size, h],
+    )?;
+    for l in 0..spec.n_layers {
+        let kv_dim = u64::from(spec.n_kv_heads[l as usize]) * u64::from(spec.head_dim);
+        let p = |s: &str| format!("blk.{l}.{s}");
+        let ly = Some(l);
+        push(p("attn_norm.weight"), Role::AttnNorm, ly, vec![h])?;
+        push(p("attn_q.weight"), Role::AttnQ, ly, vec![q_dim, h])?;
+        push(p("attn_k.weight"), Role::AttnK, ly, vec![kv_dim, h])?;
+        push(p("attn_v.weight"), Role::AttnV, ly, vec![kv_dim, h])?;
+        if spec.attention_bias {
+            push(p("attn_q.bias"), Role::AttnQBias, ly, vec![q_dim])?;
+            push(p("attn_k.bias"), Role::AttnKBias, ly, vec![kv_dim])?;
+            push(p("attn_v.bias"), Role::AttnVBias, ly, vec![kv_dim])?;
+        }
+        push(
+            p("attn_output.weight"),
+            Role::AttnOutput,
+            ly,
+            vec![h, q_dim],
+        )?;
+        push(p("ffn_norm.weight"), Role::FfnNorm, ly, vec![h])?;
+        push(p("ffn_gate.weight"), Role::FfnGate, ly, vec![i_dim, h])?;
+        push(p("ffn_up.weight"), Role::FfnUp, ly, vec![i_dim, h])?;
+        push(p("ffn_down.weight"), Role::FfnDown, ly, vec![h, i_dim])?;
+    }
+    push("output_norm.weight".into(), Role::OutputNorm, None, vec![h])?;
+    if !tied {
+        push(
+            "output.weight".into(),
+            Role::Output,
+            None,
+            vec![spec.vocab_size, h],
+        )?;
+    }
+    Ok(out)
+}
+
+/// `dtype=` of `plan()`: a conversion applied to float weights on load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DTypeChoice {
+    /// Keep every tensor as stored.
+    #[default]
+    Auto,
+    Float16,
+    Bfloat16,
+    Float32,
+}
+
+impl DTypeChoice {
+    pub fn parse(s: &str) -> Result<DTypeChoice> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DTypeChoice::Auto),
+            "float16" | "f16" | "fp16" | "half" => Ok(DTypeChoice::Float16),
+            "bfloat16" | "bf16" => Ok(DTypeChoice::Bfloat16),
+            "float32" | "f32" | "fp32" | "float" => Ok(DTypeChoice::Float32),
+            _ => Err(PlanError::option(
+                "dtype",
+                "auto, float16, bfloat16 or float32",
+                format!("'{s}'"),
+            )),
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            DTypeChoice::Auto => "auto",
+            DTypeChoice::Float16 => "float16",
+            DTypeChoice::Bfloat16 => "bfloat16",
+            DTypeChoice::Float32 => "float32",
+        }
+    }
+
+    fn target(self) -> Option<DType> {
+        match self {
+            DTypeChoice::Auto => None,
+            DTypeChoice::Float16 => Some(DType::F16),
+            DTypeChoice::Bfloat16 => Some(DType::BF16),
+            DTypeChoice::Float32 => Some(DType::F32),
+        }
+    }
+}
+
+/// The dtype and bytes a tensor has after conversion: float tensors (F32, F16, BF16, F64, F8)
+/// become the target type; quantised and integer tensors stay as they are.
+pub fn converted(t: &TensorInfo, choice: DTypeChoice) -> (DType, u64) {
+    match choice.target() {
+        Some(target) if t.dtype.is_float() && t.dtype != target => {
+            let bytes = t.n_elements().saturating_mul(target.type_size());
+            (target, bytes)
+        }
+        _ => (t.dtype, t.nbytes),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn use_more_bits_matches_llama_cpp() {
+        // n = 32: i < 4, i >= 28, and (i - 4) % 3 == 2 -> 6, 9, 12, ..., 27.
+        let more: Vec<u64> = (0..32).filter(|&i| use_more_bits(i, 32)).collect();
+        assert_eq!(
+            more,
+            [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+        );
+    }
+
+    #[test]
+    fn fallbacks_follow_llama_cpp() {
+        // Row of 576 (SmolLM2's hidden size) is not a multiple of 256.
+        assert_eq!(
+            gguf_type(QuantPreset::Q4KM, Role::FfnUp, Some(5), 30, false, 576),
+            DType::Q5_0
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q4KM, Role::Output, None, 30, false, 576),
+            DType::Q8_0
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q5KM, Role::FfnUp, Some(5), 30, false, 576),
+            DType::Q5_1
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q4_0, Role::FfnUp, Some(5), 30, false, 48),
+            DType::F16
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q4KM, Role::FfnUp, Some(5), 30, false, 4096),
+            DType::Q4_K
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q4KM, Role::FfnDown, Some(0), 32, false, 14336),
+            DType::Q6_K
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q4KM, Role::FfnDown, Some(4), 32, false, 14336),
+            DType::Q4_K
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q4_0, Role::TokenEmbd, None, 32, true, 4096),
+            DType::Q6_K
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q4_0, Role::TokenEmbd, None, 32, false, 4096),
+            DType::Q4_0
+        );
+        assert_eq!(
+            gguf_type(QuantPreset::Q8_0, Role::Output, None, 32, false, 4096),
+            DType::Q8_0
+        );
+    }
+
+    #[test]
+    fn parses_names() {
+        assert_eq!(
+            WeightType::parse("q4_k_m").unwrap(),
+            WeightType::Gguf(QuantPreset::Q4KM)
+        );
+        assert_eq!(
+            WeightType::parse("bfloat16").unwrap(),
+            WeightType::Dense(DType::BF16)
+        );
+        assert!(
+            WeightType::parse("q3_weird")
+                .unwrap_err()
+                .to_string()
+                .contains("'q3_weird'")
+        );
+        assert_eq!(
+            DTypeChoice::parse("bfloat16").unwrap(),
+            DTypeChoice::Bfloat16
+        );
+        assert!(DTypeChoice::parse("int3").is_err());
+    }
+}

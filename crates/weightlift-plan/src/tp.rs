@@ -1,0 +1,203 @@
+//! Tensor-parallel split tables, following exllamav2's `TPContext.define_split`
+//! (exllamav2/tensor_p.py) and `integer_split` (exllamav2/util.py).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{PlanError, Result};
+
+/// Which dimension a table splits (exllamav2's `BROADCAST_*` constants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TpKind {
+    /// KV heads.
+    Kv,
+    /// Intermediate (MLP) dimension, in units of 128.
+    Id,
+    /// Vocabulary, in units of 32 (padded up to a multiple of 32).
+    Vc,
+    /// Residual stream (hidden size), in units of 32.
+    Rs,
+    /// Query heads: the KV split times the number of KV groups.
+    Q,
+}
+
+impl TpKind {
+    pub fn parse(s: &str) -> Result<TpKind> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "kv" => Ok(TpKind::Kv),
+            "id" => Ok(TpKind::Id),
+            "vc" => Ok(TpKind::Vc),
+            "rs" => Ok(TpKind::Rs),
+            "q" => Ok(TpKind::Q),
+            _ => Err(PlanError::option(
+                "tp_split kind",
+                "kv, id, vc, rs or q",
+                format!("'{s}'"),
+            )),
+        }
+    }
+}
+
+/// One table: `(device_index, start, end)` for every device with a non-empty share, in device
+/// order, covering `0..total` exactly once. Device indices count the plan's accelerators.
+pub type SplitTable = Vec<(usize, u64, u64)>;
+
+/// The five tables of a TPContext.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TpSplit {
+    pub kv: SplitTable,
+    pub id: SplitTable,
+    pub vc: SplitTable,
+    pub rs: SplitTable,
+    pub q: SplitTable,
+}
+
+impl TpSplit {
+    pub fn table(&self, kind: TpKind) -> &[(usize, u64, u64)] {
+        match kind {
+            TpKind::Kv => &self.kv,
+            TpKind::Id => &self.id,
+            TpKind::Vc => &self.vc,
+            TpKind::Rs => &self.rs,
+            TpKind::Q => &self.q,
+        }
+    }
+}
+
+/// exllamav2's `integer_split(x, split, minimum)`: split `x` in proportion to `split` by largest
+/// remainder (ties to the lowest index), then zero every share below `minimum` and hand those
+/// units, one at a time, to the smallest non-zero share (lowest index on ties).
+///
+/// exllamav2 compares float remainders; we compare the exact rationals `x·p mod Σ / Σ`, which
+/// only differs where two float remainders would round to equal. Returns an error when every
+/// weight is zero (exllamav2 divides by zero there).
+pub fn integer_split(x: u64, split: &[u64], minimum: u64) -> Result<Vec<u64>> {
+    let sum: u128 = split.iter().map(|&p| u128::from(p)).sum();
+    if sum == 0 {
+        return Err(PlanError::option(
+            "tensor_parallel split",
+            "at least one device with room left after the cache and attention weights",
+            "no room on any device",
+        ));
+    }
+    let x128 = u128::from(x);
+    let mut portions: Vec<u64> = split
+        .iter()
+        .map(|&p| (x128 * u128::from(p) / sum) as u64)
+        .collect();
+    // Remainders as numerators over `sum`; decrementing by 1 subtracts `sum`.
+    let mut rem: Vec<i128> = split
+        .iter()
+        .map(|&p| ((x128 * u128::from(p)) % sum) as i128)
+        .collect();
+    let remaining = x - portions.iter().sum::<u64>();
+    for _ in 0..remaining {
+        let mut best = 0;
+        for (i, r) in rem.iter().enumerate() {
+            if *r > rem[best] {
+                best = i;
+            }
+        }
+        portions[best] += 1;
+        rem[best] -= sum as i128;
+    }
+    let adjust: u64 = portions.iter().filter(|&&p| p < minimum).sum();
+    for p in portions.iter_mut() {
+        if *p < minimum {
+            *p = 0;
+        }
+    }
+    for _ in 0..adjust {
+        let mut min_idx: Option<usize> = None;
+        for (i, &p) in portions.iter().enumerate() {
+            if p != 0 && min_idx.is_none_or(|m| p < portions[m]) {
+                min_idx = Some(i);
+            }
+        }
+        // exllamav2 uses index -1 (the last device) when every share is zero.
+        let idx = min_idx.unwrap_or(portions.len() - 1);
+        portions[idx] += 1;
+    }
+    Ok(portions)
+}
+
+/// exllamav2's `set_split`: turn shares into `(device, start, end)` ranges, skipping empty ones.
+pub fn to_table(shares: &[u64], unit: u64) -> SplitTable {
+    let mut b = 0u64;
+    let mut out = Vec::new();
+    for (d, &s) in shares.iter().enumerate() {
+        let a = b;
+        b = a.saturating_add(s.saturating_mul(unit));
+        if s > 0 {
+            out.push((d, a, b));
+        }
+    }
+    out
+}
+
+/// Inputs of `define_split`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TpInputs {
+    /// Per-device budgets in MiB (exllamav2's `gpu_split` × 1024, or free memory in MiB).
+    pub budgets_mib: Vec<u64>,
+    pub n_kv_heads: u64,
+    pub n_heads: u64,
+    pub intermediate_size: u64,
+    pub hidden_size: u64,
+    pub vocab_size: u64,
+    /// Bytes of the whole expected cache (all layers, all KV heads).
+    pub cache_bytes: u64,
+    /// `weight_footprint()` of each attention module, in bytes.
+    pub attn_footprints: Vec<u64>,
+}
+
+/// exllamav2's `TPContext.define_split`:
+///
+/// 1. KV heads by `integer_split(n_kv_heads, budgets)`; Q = KV × `n_heads / n_kv_heads`.
+/// 2. Each device's budget loses its share (`kv_i / n_kv_heads`) of the cache, then of every
+///    attention layer's weights, layer by layer, each rounded down to MiB and floored at 0.
+/// 3. Intermediate: 128 × `integer_split(inter / 128, budgets, 2)`; residual:
+///    32 × `integer_split(hidden / 32, budgets, 8)`; vocab:
+///    32 × `integer_split(ceil(vocab / 32), budgets, 16)`.
+pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
+    if inp.n_kv_heads == 0 || !inp.n_heads.is_multiple_of(inp.n_kv_heads) {
+        return Err(PlanError::option(
+            "tensor_parallel",
+            "n_heads a multiple of n_kv_heads",
+            format!("{} heads, {} kv heads", inp.n_heads, inp.n_kv_heads),
+        ));
+    }
+    if !inp.intermediate_size.is_multiple_of(128) {
+        return Err(PlanError::option(
+            "tensor_parallel",
+            "an intermediate size divisible by 128 (exllamav2 requires it)",
+            inp.intermediate_size,
+        ));
+    }
+    let groups = inp.n_heads / inp.n_kv_heads;
+    let kv = integer_split(inp.n_kv_heads, &inp.budgets_mib, 0)?;
+    let q: Vec<u64> = kv.iter().map(|s| s * groups).collect();
+    let mib = 1u128 << 20;
+    let nkv = u128::from(inp.n_kv_heads);
+    let mut gs = inp.budgets_mib.clone();
+    for (g, &k) in gs.iter_mut().zip(&kv) {
+        let sub = u128::from(inp.cache_bytes) * u128::from(k) / nkv / mib;
+        *g = g.saturating_sub(u64::try_from(sub).unwrap_or(u64::MAX));
+    }
+    for &wfp in &inp.attn_footprints {
+        for (g, &k) in gs.iter_mut().zip(&kv) {
+            let sub = u128::from(wfp) * u128::from(k) / nkv / mib;
+            *g = g.saturating_sub(u64::try_from(sub).unwrap_or(u64::MAX));
+        }
+    }
+    let id = integer_split(inp.intermediate_size / 128, &gs, 2)?;
+    let rs = integer_split(inp.hidden_size / 32, &gs, 8)?;
+    let vc = integer_split(inp.vocab_size.div_ceil(32), &gs, 16)?;
+    Ok(TpSplit {
+        kv: to_table(&kv, 1),
+        id: to_table(&id, 128),
+        vc: to_table(&vc, 32),
+        rs: to_table(&rs, 32),
+        q: to_table(&q, 1),
+    })
+}

@@ -1,0 +1,418 @@
+//! Device maps, out-of-memory reports, fit, JSON, explain and SVG.
+
+mod common;
+
+use common::*;
+use weightlift_plan::*;
+
+fn map_req(entries: &[(&str, &str)], overrides: &[(&str, &str)]) -> PlanRequest {
+    let mut req = request(smollm2(), "q4_1", "virtual:2x1GiB,cpu:4GiB,disk");
+    req.strategy = Strategy::Map(DeviceMap {
+        entries: entries
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect(),
+        overrides: overrides
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect(),
+    });
+    req
+}
+
+#[test]
+fn device_map_prefixes_ranges_and_overrides() {
+    let req = map_req(
+        &[
+            ("model.embed_tokens", "cpu"),
+            ("layers.0-14", "virtual:0"),
+            ("blk.15-29", "1"),
+            ("model.norm", "virtual:1"),
+        ],
+        &[(r"blk\.\d+\.ffn_(up|gate)", "cpu")],
+    );
+    let p = plan(&req).unwrap();
+    assert_eq!(p.device_of("token_embd.weight"), Some("cpu"));
+    assert_eq!(p.device_of("blk.3.attn_q.weight"), Some("virtual:0"));
+    assert_eq!(p.device_of("blk.20.attn_q.weight"), Some("virtual:1"));
+    assert_eq!(p.device_of("blk.20.ffn_down.weight"), Some("virtual:1"));
+    assert_eq!(p.device_of("blk.20.ffn_up.weight"), Some("cpu"));
+    assert_eq!(p.device_of("output_norm.weight"), Some("virtual:1"));
+    assert_eq!(p.layer_devices()[14], "virtual:0");
+    assert_eq!(p.layer_devices()[15], "virtual:1");
+    // accelerate ties lm_head to embed_tokens: the head is where the embedding is.
+    assert_eq!(p.head_device(), "cpu");
+    // A default entry covers the rest.
+    let p = plan(&map_req(&[("", "cpu"), ("blk.0", "virtual:0")], &[])).unwrap();
+    assert_eq!(p.device_of("blk.0.attn_k.weight"), Some("virtual:0"));
+    assert_eq!(p.device_of("blk.1.attn_k.weight"), Some("cpu"));
+    // Plain name prefixes.
+    let p = plan(&map_req(&[("", "cpu"), ("blk.2.attn_q", "disk")], &[])).unwrap();
+    assert_eq!(p.device_of("blk.2.attn_q.weight"), Some("disk"));
+}
+
+#[test]
+fn device_map_errors_name_the_tensors() {
+    let e = plan(&map_req(&[("blk.0-29", "cpu")], &[]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("leaves 2 tensor(s) without a device: token_embd.weight, output_norm.weight"),
+        "{e}"
+    );
+    let e = plan(&map_req(
+        &[
+            ("", "cpu"),
+            ("blk.0-3", "virtual:0"),
+            ("blk.3", "virtual:1"),
+        ],
+        &[],
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("tensor 'blk.3.attn_norm.weight' is matched by 'blk.0-3' -> virtual:0 and by 'blk.3' -> virtual:1"),
+        "{e}"
+    );
+    let e = plan(&map_req(&[("", "cuda:7")], &[]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown device 'cuda:7' in device_map"), "{e}");
+    let e = plan(&map_req(&[("", "cpu")], &[("blk(", "cpu")]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("invalid regex override 'blk('"), "{e}");
+    assert_eq!(
+        DeviceMap::parse_overrides(r"blk\.\d+\.ffn_.*=cpu,output=cuda:0").unwrap(),
+        [
+            (r"blk\.\d+\.ffn_.*".to_string(), "cpu".to_string()),
+            ("output".into(), "cuda:0".into())
+        ]
+    );
+}
+
+fn big_req() -> PlanRequest {
+    // Llama-3-8B-like in f16 (~15 GiB) on 2 × 8 GiB: does not fit with an fp16 8k cache.
+    let mut spec = llama(32, 4096, 14336, 32, 8, 128, 128256, false);
+    spec.context_length = 131072;
+    let mut req = request(spec, "float16", "virtual:2x8GiB,cpu:4GiB");
+    req.cache = Some(CacheSpec::new(32768, 1, CacheDType::Fp16));
+    req
+}
+
+#[test]
+fn out_of_memory_names_devices_and_checked_fixes() {
+    let mut req = big_req();
+    req.dtype = DTypeChoice::Auto;
+    let err = plan(&req).unwrap_err();
+    let PlanError::OutOfMemory(oom) = &err else {
+        panic!("expected OutOfMemory, got {err}");
+    };
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("out of memory: the model does not fit with strategy autosplit"),
+        "{msg}"
+    );
+    assert!(!oom.shortfalls.is_empty());
+    for s in &oom.shortfalls {
+        assert!(s.needed > s.available);
+        assert!(msg.contains(&s.device), "{msg}");
+    }
+    assert!(msg.contains("kv at ctx 32768"), "{msg}");
+    // The fixes were each checked by re-planning: ctx N fits must really fit.
+    let ctx_fix = oom
+        .fixes
+        .iter()
+        .find(|f| f.starts_with("ctx "))
+        .expect("a ctx fix");
+    let n: u64 = ctx_fix.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let mut r2 = req.clone();
+    r2.cache = Some(CacheSpec::new(n, 1, CacheDType::Fp16));
+    plan(&r2).expect("the suggested ctx fits");
+    assert!(
+        oom.fixes.iter().any(|f| f.contains("--allow-disk")),
+        "{:?}",
+        oom.fixes
+    );
+    // Bigger than both GPUs together: no cache type alone saves it.
+    assert!(
+        oom.fixes.iter().any(|f| f.starts_with("cache q4 saves")),
+        "{:?}",
+        oom.fixes
+    );
+}
+
+#[test]
+fn cache_fix_is_offered_when_it_fits() {
+    // Weights fit; an fp16 cache at 32k does not, q8 does.
+    let mut spec = llama(32, 4096, 14336, 32, 8, 128, 128256, false);
+    spec.context_length = 32768;
+    let mut req = request(spec, "q4_k_m", "virtual:2x4GiB,cpu:4GiB");
+    req.cache = Some(CacheSpec::new(32768, 1, CacheDType::Fp16));
+    let e = plan(&req).unwrap_err();
+    let PlanError::OutOfMemory(oom) = &e else {
+        panic!("{e}")
+    };
+    let fix = oom
+        .fixes
+        .iter()
+        .find(|f| f.starts_with("cache "))
+        .expect("cache fix");
+    assert!(fix.ends_with("and fits"), "{fix}");
+    let dtype = CacheDType::parse(fix.split_whitespace().nth(1).unwrap()).unwrap();
+    req.cache = Some(CacheSpec::new(32768, 1, dtype));
+    plan(&req).expect("suggested cache dtype fits");
+}
+
+#[test]
+fn reserve_and_max_memory_are_respected() {
+    let mut req = request(smollm2(), "q4_1", "virtual:2x1GiB,cpu:4GiB");
+    req.runtime = RuntimeSpec::none();
+    req.strategy = Strategy::Sequential;
+    req.max_memory.insert("virtual:0".into(), 40 << 20);
+    req.reserve.insert("virtual:1".into(), 900 << 20);
+    let p = plan(&req).unwrap();
+    let d0 = &p.devices()[0];
+    assert_eq!(d0.capacity, 40 << 20);
+    assert!(d0.used() <= 40 << 20);
+    assert_eq!(p.devices()[1].reserve, 900 << 20);
+    // Unknown names are an error.
+    req.reserve.insert("cuda:3".into(), 1);
+    let e = plan(&req).unwrap_err().to_string();
+    assert!(e.contains("unknown device 'cuda:3' in reserve"), "{e}");
+    // Reserve lists follow device order.
+    let r = request(smollm2(), "q4_1", "virtual:2x1GiB")
+        .with_reserve_list(&[256 << 20, 64 << 20])
+        .unwrap();
+    assert_eq!(r.reserve["virtual:1"], 64 << 20);
+}
+
+#[test]
+fn fit_finds_the_largest_context_batch_and_layers() {
+    let mut req = big_req();
+    req.devices = devices("virtual:2x12GiB,cpu:3GiB");
+    let ctx = fit(&req, FitTarget::MaxSeqLen).unwrap();
+    assert!(ctx < req.spec.context_length, "{ctx}");
+    assert_eq!(ctx % 256, 0);
+    let mut r = req.clone();
+    r.cache = Some(CacheSpec::new(ctx, 1, CacheDType::Fp16));
+    plan(&r).unwrap();
+    r.cache = Some(CacheSpec::new(ctx + 256, 1, CacheDType::Fp16));
+    assert!(matches!(plan(&r), Err(PlanError::OutOfMemory(_))));
+
+    req.cache = Some(CacheSpec::new(4096, 1, CacheDType::Q4));
+    let b = fit(&req, FitTarget::BatchSize).unwrap();
+    assert!(b > 1);
+    let mut r = req.clone();
+    r.cache = Some(CacheSpec::new(4096, b + 1, CacheDType::Q4));
+    assert!(plan(&r).is_err());
+
+    let mut l = req.clone();
+    l.strategy = Strategy::Layers(LayerOptions::default());
+    l.devices = devices("virtual:8GiB,cpu:64GiB");
+    let n = fit(&l, FitTarget::NGpuLayers).unwrap();
+    assert!(n > 0 && n < 33, "{n}");
+    let e = fit(&req, FitTarget::NGpuLayers).unwrap_err().to_string();
+    assert!(e.contains("the layers strategy"), "{e}");
+    // Nothing fits at all: fit returns the OutOfMemory of the smallest setting.
+    let mut tiny = req.clone();
+    tiny.devices = devices("virtual:1GiB,cpu:1GiB");
+    assert!(matches!(
+        fit(&tiny, FitTarget::MaxSeqLen),
+        Err(PlanError::OutOfMemory(_))
+    ));
+}
+
+#[test]
+fn json_round_trip_explain_and_svg() {
+    let mut req = request(smollm2(), "q4_1", "virtual:2x72MiB,cpu:1GiB");
+    req.cache = Some(CacheSpec::new(1024, 1, CacheDType::Q8));
+    req.runtime = RuntimeSpec {
+        max_input_len: 64,
+        max_attention_size: 64 * 64,
+        max_dq_size: 1 << 20,
+        low_mem: false,
+    };
+    let p = plan(&req).unwrap();
+    let j = p.to_json();
+    let back = Plan::from_json(&j).unwrap();
+    assert_eq!(back, p);
+    assert_eq!(back.to_json(), j);
+    assert!(
+        Plan::from_json("{")
+            .unwrap_err()
+            .to_string()
+            .starts_with("plan json is invalid")
+    );
+    let e = p.explain();
+    assert!(
+        e.contains("virtual:0") && e.contains("layers 0-") && e.contains("(MiB)"),
+        "{e}"
+    );
+    let svg = p.to_svg();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("virtual:1") && svg.contains("kv cache") && svg.contains("layers "));
+    if let Ok(dir) = std::env::var("WEIGHTLIFT_PLAN_SVG_DIR") {
+        std::fs::write(format!("{dir}/smollm2.svg"), &svg).unwrap();
+    }
+}
+
+#[test]
+fn weight_dtype_conversion_applies_to_floats_only() {
+    let mut req = request(tiny_llama(), "bfloat16", "cpu:1GiB");
+    req.dtype = DTypeChoice::Float32;
+    let p = plan(&req).unwrap();
+    assert_eq!(
+        p.tensors().iter().map(|t| t.bytes).sum::<u64>(),
+        4 * 9_766_144
+    );
+    let mut req = request(tiny_llama(), "q4_k_m", "cpu:1GiB");
+    req.dtype = DTypeChoice::Float16;
+    let p = plan(&req).unwrap();
+    // Quantised tensors stay; the F32 norms become F16.
+    assert_eq!(p.tensors()[0].bytes, 6_720_000);
+    let norm = p
+        .tensors()
+        .iter()
+        .find(|t| t.name == "output_norm.weight")
+        .unwrap();
+    assert_eq!(norm.bytes, 512);
+    // Converted CPU tensors are owned copies, not mmap views.
+    assert!(p.host().owned_weights >= 512);
+}
+
+#[test]
+fn disk_spill_when_allowed() {
+    let mut req = big_req();
+    req.cache = None;
+    req.strategy = Strategy::Sequential;
+    req.allow_disk = true;
+    let p = plan(&req).unwrap();
+    assert!(p.host().disk_weights > 0);
+    assert!(p.warnings().iter().any(|w| w.contains("stay on disk")));
+    assert!(p.layer_devices().iter().any(|d| d == "disk"));
+}
+
+#[test]
+fn plan_options_map_the_python_keywords() {
+    let spec = smollm2();
+    let tensors = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap()).unwrap();
+    let devs = devices("virtual:2x72MiB,cpu:1GiB");
+    // No strategy + n_gpu_layers -> llama.cpp layers.
+    let req = PlanOptions {
+        n_gpu_layers: Some(10),
+        reserve: Some(Reserve::List(vec![1 << 20, 2 << 20])),
+        ..PlanOptions::default()
+    }
+    .into_request(spec.clone(), tensors.clone(), devs.clone())
+    .unwrap();
+    assert!(matches!(&req.strategy, Strategy::Layers(o) if o.n_gpu_layers == 10));
+    assert_eq!(req.reserve["virtual:1"], 2 << 20);
+    // device_map -> map.
+    let req = PlanOptions {
+        device_map: Some(vec![("".into(), "cpu".into())]),
+        ..PlanOptions::default()
+    }
+    .into_request(spec.clone(), tensors.clone(), devs.clone())
+    .unwrap();
+    assert_eq!(req.strategy.name(), "map");
+    // Options of another strategy are refused, naming both.
+    let e = PlanOptions {
+        strategy: Some("balanced".into()),
+        n_gpu_layers: Some(3),
+        ..PlanOptions::default()
+    }
+    .into_request(spec.clone(), tensors.clone(), devs.clone())
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("expected strategy='layers'") && e.contains("got strategy='balanced'"),
+        "{e}"
+    );
+    // gpu_split in GB, as exllamav2 takes it.
+    let req = PlanOptions {
+        gpu_split: Some(vec![0.0625, 0.03125]),
+        ..PlanOptions::default()
+    }
+    .into_request(spec, tensors, devs)
+    .unwrap();
+    assert_eq!(
+        req.strategy,
+        Strategy::TensorParallel(TpOptions {
+            gpu_split_mib: Some(vec![64, 32])
+        })
+    );
+    let e = Strategy::parse("fastest").unwrap_err().to_string();
+    assert!(e.contains("expected autosplit, sequential"), "{e}");
+}
+
+#[test]
+fn reserve_fix_is_checked() {
+    // No cpu in the list: only the embedding goes to the host, nothing spills there.
+    let mut req = request(smollm2(), "q4_1", "virtual:2x72MiB");
+    req.cache = Some(CacheSpec::new(1024, 1, CacheDType::Q8));
+    req.runtime = RuntimeSpec {
+        max_input_len: 64,
+        max_attention_size: 64 * 64,
+        max_dq_size: 1 << 20,
+        low_mem: false,
+    };
+    assert!(plan(&req).is_ok());
+    req = req.with_reserve_list(&[16 << 20, 16 << 20]).unwrap();
+    let Err(e) = plan(&req) else {
+        panic!("expected out of memory")
+    };
+    let PlanError::OutOfMemory(oom) = &e else {
+        panic!("{e}")
+    };
+    let fix = oom
+        .fixes
+        .iter()
+        .find(|f| f.starts_with("reserve "))
+        .expect("a reserve fix");
+    assert!(fix.ends_with("less on each device fits"), "{fix}");
+    assert!(e.to_string().contains("16.00 MiB reserve"), "{e}");
+}
+
+#[test]
+fn hostile_sizes_do_not_panic() {
+    let mut spec = llama(
+        2,
+        1 << 40,
+        1 << 40,
+        1 << 20,
+        1 << 20,
+        1 << 20,
+        u64::MAX / 2,
+        false,
+    );
+    spec.context_length = u64::MAX;
+    let e = synthesize_tensors(&spec, WeightType::parse("f16").unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("overflows"), "{e}");
+    // A tensor table claiming absurd sizes plans to an out-of-memory error, not a panic.
+    let small = llama(2, 64, 128, 2, 2, 32, 100, false);
+    let mut tensors = synthesize_tensors(&small, WeightType::parse("f16").unwrap()).unwrap();
+    for t in &mut tensors {
+        t.nbytes = u64::MAX;
+    }
+    for s in [
+        "autosplit",
+        "sequential",
+        "balanced",
+        "balanced_low_0",
+        "layers",
+        "tensor_parallel",
+    ] {
+        let mut req = PlanRequest::new(
+            spec.clone(),
+            tensors.clone(),
+            devices("virtual:2x1GiB,cpu:1GiB"),
+        );
+        req.strategy = Strategy::parse(s).unwrap();
+        req.cache = Some(CacheSpec::new(u64::MAX, u64::MAX, CacheDType::Q4));
+        let _ = plan(&req);
+        let _ = fit(&req, FitTarget::BatchSize);
+    }
+}

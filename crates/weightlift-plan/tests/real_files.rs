@@ -1,0 +1,196 @@
+//! Plans over real checkpoints' tensor tables: the SmolLM2 GGUF and the reference tiny-llama
+//! safetensors. Predicted weight bytes per device must equal the sum of the real tensor sizes
+//! placed there. Skips (with a note) when the files are absent.
+
+use std::path::{Path, PathBuf};
+
+use weightlift_format::{Checkpoint, OpenOptions};
+use weightlift_plan::*;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn open(path: &Path) -> Option<Checkpoint> {
+    if !path.exists() {
+        eprintln!("skipping: {} not present", path.display());
+        return None;
+    }
+    Some(
+        Checkpoint::open(path, OpenOptions::default())
+            .expect("the format crate opens the reference file"),
+    )
+}
+
+fn check(ckpt: &Checkpoint, devices: &str, strategy: Strategy, cache: Option<CacheSpec>) -> Plan {
+    let spec = ckpt.spec().expect("spec").clone();
+    let mut req = PlanRequest::new(
+        spec,
+        ckpt.tensors().to_vec(),
+        parse_devices(devices).unwrap(),
+    );
+    req.strategy = strategy;
+    req.cache = cache;
+    req.runtime = RuntimeSpec {
+        max_input_len: 64,
+        max_attention_size: 64 * 64,
+        max_dq_size: 1 << 20,
+        low_mem: false,
+    };
+    let p = plan(&req).unwrap_or_else(|e| panic!("{devices}: {e}"));
+    for d in p.devices() {
+        let mut sum = 0u64;
+        for (t, info) in p.tensors().iter().zip(ckpt.tensors()) {
+            assert_eq!(t.name, info.name);
+            match &t.split {
+                Some(s) => {
+                    sum += s
+                        .shards
+                        .iter()
+                        .filter(|x| x.device == d.name)
+                        .map(|x| x.bytes)
+                        .sum::<u64>()
+                }
+                None if t.device == d.name => sum += info.nbytes,
+                None => {}
+            }
+        }
+        sum += p
+            .tied_output_parts()
+            .iter()
+            .filter(|x| x.0 == d.name)
+            .map(|x| x.1)
+            .sum::<u64>();
+        assert_eq!(d.weights, sum, "{devices} {}: {}", d.name, p.explain());
+        if d.capacity != u64::MAX {
+            assert!(d.used() <= d.capacity);
+        }
+    }
+    // A tied output copy is the whole token_embd, once.
+    let copies: u64 = p.tied_output_parts().iter().map(|x| x.1).sum();
+    if copies > 0 {
+        assert_eq!(copies, ckpt.tensor("token_embd.weight").unwrap().nbytes);
+    }
+    p
+}
+
+#[test]
+fn smollm2_gguf_under_several_inventories() {
+    let Some(ckpt) = open(&root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")) else {
+        return;
+    };
+    assert_eq!(
+        ckpt.total_bytes(),
+        96_576_768,
+        "gguf-py's total for this file"
+    );
+    let cache = Some(CacheSpec::new(1024, 1, CacheDType::Q8));
+    let p = check(
+        &ckpt,
+        "virtual:2x72MiB,cpu:1GiB",
+        Strategy::Autosplit,
+        cache,
+    );
+    assert!(p.layer_devices().iter().any(|d| d == "virtual:1"));
+    check(
+        &ckpt,
+        "virtual:2x64MiB,cpu:1GiB",
+        Strategy::Sequential,
+        cache,
+    );
+    check(&ckpt, "virtual:3x48MiB,cpu:1GiB", Strategy::Balanced, cache);
+    check(
+        &ckpt,
+        "virtual:2x64MiB,cpu:1GiB",
+        Strategy::Layers(LayerOptions {
+            n_gpu_layers: 20,
+            ..LayerOptions::default()
+        }),
+        cache,
+    );
+    check(
+        &ckpt,
+        "virtual:2x96MiB,cpu:1GiB",
+        Strategy::Layers(LayerOptions {
+            split_mode: SplitMode::Row,
+            ..LayerOptions::default()
+        }),
+        cache,
+    );
+    // 9 heads / 3 kv heads: the TP tables split 3 kv heads.
+    let p = check(
+        &ckpt,
+        "virtual:2x128MiB,cpu:1GiB",
+        Strategy::TensorParallel(TpOptions::default()),
+        cache,
+    );
+    assert_eq!(p.tp_split(TpKind::Kv).unwrap().last().unwrap().2, 3);
+    check(
+        &ckpt,
+        "virtual:64MiB,cpu:1GiB",
+        Strategy::Map(DeviceMap {
+            entries: vec![
+                ("".into(), "cpu".into()),
+                ("blk.0-14".into(), "virtual:0".into()),
+            ],
+            overrides: vec![],
+        }),
+        cache,
+    );
+    // The synthesized table of the same config plans to the same bytes.
+    let spec = ckpt.spec().unwrap().clone();
+    let synth = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap()).unwrap();
+    let mut a = PlanRequest::new(
+        spec.clone(),
+        synth,
+        parse_devices("virtual:2x72MiB,cpu:1GiB").unwrap(),
+    );
+    let mut b = PlanRequest::new(
+        spec,
+        ckpt.tensors().to_vec(),
+        parse_devices("virtual:2x72MiB,cpu:1GiB").unwrap(),
+    );
+    a.cache = cache;
+    b.cache = cache;
+    let (pa, pb) = (plan(&a).unwrap(), plan(&b).unwrap());
+    assert_eq!(pa.layer_devices(), pb.layer_devices());
+    for (x, y) in pa.devices().iter().zip(pb.devices()) {
+        assert_eq!((x.weights, x.kv, x.scratch), (y.weights, y.kv, y.scratch));
+    }
+}
+
+#[test]
+fn tiny_llama_safetensors_under_several_inventories() {
+    let Some(ckpt) = open(Path::new(
+        "/work/shared/reference/tiny-llama/safetensors/model.safetensors",
+    )) else {
+        return;
+    };
+    let cache = Some(CacheSpec::new(512, 1, CacheDType::Fp16));
+    check(
+        &ckpt,
+        "virtual:2x16MiB,cpu:1GiB",
+        Strategy::Autosplit,
+        cache,
+    );
+    check(
+        &ckpt,
+        "virtual:2x16MiB,cpu:1GiB",
+        Strategy::BalancedLow0,
+        cache,
+    );
+    check(
+        &ckpt,
+        "virtual:16MiB,cpu:1GiB",
+        Strategy::Map(DeviceMap {
+            entries: vec![
+                ("model.embed_tokens".into(), "cpu".into()),
+                ("model.layers.0".into(), "virtual:0".into()),
+                ("model.layers.1".into(), "cpu".into()),
+                ("model.norm".into(), "cpu".into()),
+            ],
+            overrides: vec![],
+        }),
+        cache,
+    );
+}
