@@ -1,12 +1,14 @@
 //! `Checkpoint`: one opened model, whichever format and however many files it spans.
 
 use std::collections::HashMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::hint;
 use crate::mapped::MappedFile;
-use crate::{FormatError, Metadata, ModelSpec, Result, TensorInfo};
+use crate::{FormatError, Metadata, ModelSpec, Result, Role, TensorInfo};
 
 /// The on-disk format of a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -74,9 +76,253 @@ pub struct Checkpoint {
     config: Option<serde_json::Value>,
     spec: std::result::Result<ModelSpec, String>,
     tokenizer: TokenizerInfo,
+    vocab_only: bool,
+    /// Whether tensor roles are known for the architecture.
+    roles_known: bool,
+    warnings: Vec<String>,
 }
 
+/// The byte-swapped GGUF magic: what a big-endian writer (gguf-py with `endianess=BIG`) puts
+/// first. The GGUF reader refuses such files with a byte-order hint.
+const GGUF_MAGIC_SWAPPED: [u8; 4] = *b"FUGG";
+
 impl Checkpoint {
+    /// Open a checkpoint: a GGUF file (or any part of a split set), a `.safetensors` file, a
+    /// model folder, or a `model.safetensors.index.json`. Every structural check runs here,
+    /// before any tensor view is handed out; with `check_tensors` every tensor is also scanned
+    /// for NaN and Inf (in parallel), and the first bad tensor in file order is reported.
+    pub fn open(path: impl AsRef<Path>, opts: OpenOptions) -> Result<Checkpoint> {
+        let path = path.as_ref();
+        let format = detect(path)?;
+        let parsed = match format {
+            Format::Gguf => crate::gguf::read(path, opts.vocab_only)?,
+            Format::Safetensors => crate::safetensors::read(path, opts.vocab_only)?,
+        };
+        let ckpt = Checkpoint::assemble(format, path, parsed, opts.vocab_only)?;
+        if opts.check_tensors {
+            ckpt.check_tensors()?;
+        }
+        Ok(ckpt)
+    }
+
+    fn assemble(
+        format: Format,
+        path: &Path,
+        parsed: Parsed,
+        vocab_only: bool,
+    ) -> Result<Checkpoint> {
+        let Parsed {
+            files,
+            metadata,
+            mut tensors,
+            config,
+            tokenizer,
+        } = parsed;
+        let mut warnings = Vec::new();
+
+        // Reader output is re-checked against the maps, so `bytes()` can never slice outside
+        // a file whatever a reader lets through.
+        let mut by_name = HashMap::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            let Some(file) = files.get(t.file) else {
+                return Err(FormatError::Invalid {
+                    path: path.to_path_buf(),
+                    what: format!("tensor '{}'", t.name),
+                    expected: format!("a file index below {}", files.len()),
+                    got: t.file.to_string(),
+                    hint: hint::CORRUPT,
+                });
+            };
+            let end = t.offset.checked_add(t.nbytes);
+            if end.is_none_or(|e| e > file.len()) || usize::try_from(t.offset).is_err() {
+                return Err(FormatError::Invalid {
+                    path: file.path().to_path_buf(),
+                    what: format!("tensor '{}' data", t.name),
+                    expected: format!("to lie within the file ({} bytes)", file.len()),
+                    got: format!("{} bytes at offset {}", t.nbytes, t.offset),
+                    hint: hint::TRUNCATED,
+                });
+            }
+            if by_name.insert(t.name.clone(), i).is_some() {
+                return Err(FormatError::Invalid {
+                    path: file.path().to_path_buf(),
+                    what: format!("tensor '{}'", t.name),
+                    expected: "each tensor name once".into(),
+                    got: "the name twice".into(),
+                    hint: hint::CORRUPT,
+                });
+            }
+        }
+
+        let mut spec = match format {
+            Format::Gguf => ModelSpec::from_gguf(&metadata).map_err(|e| e.to_string()),
+            Format::Safetensors => match &config {
+                Some(c) => ModelSpec::from_hf_config(c).map_err(|e| format!("config.json: {e}")),
+                None => Err(
+                    "no config.json beside the safetensors weights, so the architecture is unknown"
+                        .to_owned(),
+                ),
+            },
+        };
+
+        // The architecture for roles: from the spec, or straight from the metadata when the
+        // spec is incomplete, so a partial file still gets its roles.
+        let arch = match (&spec, format) {
+            (Ok(s), _) => Some(s.architecture.clone()),
+            (Err(_), Format::Gguf) => metadata
+                .get("general.architecture")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+            (Err(_), Format::Safetensors) => config
+                .as_ref()
+                .and_then(|c| c.get("model_type"))
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+        };
+        let arch_name = arch.as_deref().unwrap_or("");
+        let roles_known = ModelSpec::supports_roles(arch_name);
+        if !roles_known && !tensors.is_empty() {
+            warnings.push(format!(
+                "unsupported architecture '{}' for tensor roles (supported: {})",
+                arch.as_deref().unwrap_or("unknown"),
+                ModelSpec::SUPPORTED_ARCHITECTURES.join(", ")
+            ));
+        }
+        for t in &mut tensors {
+            let (layer, role) = ModelSpec::classify(&t.name, arch_name);
+            t.layer = layer;
+            t.role = role;
+        }
+
+        if let Ok(s) = &mut spec
+            && !tensors.is_empty()
+        {
+            let has = |r: Role| tensors.iter().any(|t| t.role == Some(r));
+            if has(Role::AttnQBias) || has(Role::AttnKBias) || has(Role::AttnVBias) {
+                s.attention_bias = true;
+            }
+            match format {
+                // llama.cpp ties when there is no `output.weight` (it falls back to token_embd).
+                Format::Gguf => s.tie_word_embeddings = roles_known && !has(Role::Output),
+                Format::Safetensors => {
+                    if roles_known && !s.tie_word_embeddings && !has(Role::Output) {
+                        warnings.push(
+                            "config.json says tie_word_embeddings is false, but there is no lm_head.weight; the output will reuse the embedding"
+                                .to_owned(),
+                        );
+                        s.tie_word_embeddings = true;
+                    }
+                }
+            }
+            if let Some(t) = tensors
+                .iter()
+                .find(|t| t.layer.is_some_and(|l| l >= s.n_layers))
+            {
+                warnings.push(format!(
+                    "tensor '{}' belongs to layer {}, but the model has {} layers",
+                    t.name,
+                    t.layer.unwrap_or(0),
+                    s.n_layers
+                ));
+            }
+        }
+        if roles_known {
+            let unknown = tensors.iter().filter(|t| t.role.is_none()).count();
+            if unknown > 0 {
+                warnings.push(format!(
+                    "{unknown} tensor(s) match no known role (see unknown_tensors())"
+                ));
+            }
+        }
+
+        Ok(Checkpoint {
+            format,
+            path: path.to_path_buf(),
+            files,
+            metadata,
+            tensors,
+            by_name,
+            config,
+            spec,
+            tokenizer,
+            vocab_only,
+            roles_known,
+            warnings,
+        })
+    }
+
+    /// Scan every tensor for NaN and Inf, in parallel; the error names the first bad tensor in
+    /// file order and the index of its first bad element.
+    pub fn check_tensors(&self) -> Result<()> {
+        use rayon::prelude::*;
+        let bad = self.tensors.par_iter().find_map_first(|t| {
+            crate::scan::find_non_finite(t.dtype, self.bytes(t)).map(|nf| (t, nf))
+        });
+        match bad {
+            None => Ok(()),
+            Some((t, nf)) => Err(FormatError::NonFinite {
+                path: self.files[t.file].path().to_path_buf(),
+                tensor: t.name.clone(),
+                index: nf.index,
+                kind: nf.kind,
+            }),
+        }
+    }
+
+    /// A tensor as f32, in its stored (row-major) order. Allocates `n_elements` floats; the
+    /// element count was checked against the file at open time.
+    pub fn dequantize(&self, name: &str) -> Result<Vec<f32>> {
+        let t = self.tensor(name)?;
+        let wrap = |source: FormatError| FormatError::Dequantize {
+            path: self.files[t.file].path().to_path_buf(),
+            tensor: t.name.clone(),
+            source: Box::new(source),
+        };
+        let n = usize::try_from(t.n_elements()).map_err(|_| {
+            wrap(FormatError::DequantizeBlocks {
+                dtype: t.dtype,
+                detail: format!("{} elements do not fit in memory", t.n_elements()),
+            })
+        })?;
+        if !crate::dequant::supports(t.dtype) {
+            // The dequantiser's own message, before anything is allocated.
+            crate::dequant::dequantize_into(t.dtype, &[], &mut []).map_err(wrap)?;
+        }
+        let mut out = vec![0f32; n];
+        crate::dequant::dequantize_into(t.dtype, self.bytes(t), &mut out).map_err(wrap)?;
+        Ok(out)
+    }
+
+    /// The stored bytes of a tensor, by name: a view into the memory map.
+    pub fn raw_bytes(&self, name: &str) -> Result<&[u8]> {
+        self.tensor(name).map(|t| self.bytes(t))
+    }
+
+    /// Whether the checkpoint was opened with `vocab_only` (no tensor table).
+    pub fn vocab_only(&self) -> bool {
+        self.vocab_only
+    }
+
+    /// Things that do not stop the checkpoint from opening: an architecture whose tensor roles
+    /// are unknown, tensors that match no role, a tie that the config contradicts.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Tensors of a supported architecture whose names match no role (empty when roles are
+    /// unknown for the architecture: then no tensor has a role).
+    pub fn unknown_tensors(&self) -> impl Iterator<Item = &TensorInfo> {
+        let known = self.roles_known;
+        self.tensors
+            .iter()
+            .filter(move |t| known && t.role.is_none())
+    }
+
+    /// Whether tensor roles are known for this checkpoint's architecture.
+    pub fn roles_known(&self) -> bool {
+        self.roles_known
+    }
+
     pub fn format(&self) -> Format {
         self.format
     }
@@ -122,9 +368,17 @@ impl Checkpoint {
     }
 
     /// The stored bytes of a tensor: a view into the memory map, validated at open time.
+    /// A `TensorInfo` that does not come from this checkpoint gets an empty slice if it points
+    /// outside the files.
     pub fn bytes(&self, info: &TensorInfo) -> &[u8] {
-        let start = info.offset as usize;
-        &self.files[info.file].bytes()[start..start + info.nbytes as usize]
+        let Some(file) = self.files.get(info.file) else {
+            return &[];
+        };
+        let range = usize::try_from(info.offset)
+            .ok()
+            .zip(usize::try_from(info.nbytes).ok())
+            .and_then(|(s, n)| Some(s..s.checked_add(n)?));
+        range.and_then(|r| file.bytes().get(r)).unwrap_or(&[])
     }
 
     /// Total bytes of tensor data.
@@ -136,4 +390,74 @@ impl Checkpoint {
     pub fn n_params(&self) -> u64 {
         self.tensors.iter().map(TensorInfo::n_elements).sum()
     }
+}
+
+/// Work out the format: a folder is safetensors; a file starting with the GGUF magic (either
+/// byte order) is GGUF; a `.safetensors` or `.json` file, or one whose header looks like a
+/// safetensors header, is safetensors.
+fn detect(path: &Path) -> Result<Format> {
+    let io = |source| FormatError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let md = std::fs::metadata(path).map_err(io)?;
+    if md.is_dir() {
+        return Ok(Format::Safetensors);
+    }
+    let mut head = [0u8; 9];
+    let mut n = 0;
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    while n < head.len() {
+        match f.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    if n >= 4 && (head[..4] == crate::gguf::MAGIC || head[..4] == GGUF_MAGIC_SWAPPED) {
+        return Ok(Format::Gguf);
+    }
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    if ext.eq_ignore_ascii_case("safetensors") || ext.eq_ignore_ascii_case("json") {
+        return Ok(Format::Safetensors);
+    }
+    // A safetensors file under another name: an 8-byte length, then the JSON header.
+    if n == head.len() && head[8] == b'{' {
+        return Ok(Format::Safetensors);
+    }
+    if ext.eq_ignore_ascii_case("gguf") || n < 4 {
+        let got: Vec<String> = head[..n].iter().map(|b| format!("{b:02x}")).collect();
+        return Err(FormatError::Invalid {
+            path: path.to_path_buf(),
+            what: "magic".into(),
+            expected: "\"GGUF\" (47 47 55 46)".into(),
+            got: if n < 4 {
+                format!("a {n}-byte file")
+            } else {
+                format!(
+                    "{} ({:?})",
+                    got[..4].join(" "),
+                    String::from_utf8_lossy(&head[..4])
+                )
+            },
+            hint: if n < 4 {
+                hint::TRUNCATED
+            } else {
+                hint::CORRUPT
+            },
+        });
+    }
+    let got: Vec<String> = head[..4].iter().map(|b| format!("{b:02x}")).collect();
+    Err(FormatError::Invalid {
+        path: path.to_path_buf(),
+        what: "magic".into(),
+        expected: "\"GGUF\" (47 47 55 46), or a safetensors file, folder or index".into(),
+        got: format!(
+            "{} ({:?})",
+            got.join(" "),
+            String::from_utf8_lossy(&head[..4])
+        ),
+        hint: "the file is neither GGUF nor safetensors (a pickle .bin or .pt checkpoint is not supported)",
+    })
 }

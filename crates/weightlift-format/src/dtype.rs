@@ -89,6 +89,8 @@ dtypes! {
     F6_E2M3 = "F6_E2M3", ggml: None, block: 4, bytes: 3;
     F6_E3M2 = "F6_E3M2", ggml: None, block: 4, bytes: 3;
     C64 = "C64", ggml: None, block: 1, bytes: 8;
+    F8_E4M3FNUZ = "F8_E4M3FNUZ", ggml: None, block: 1, bytes: 1;
+    F8_E5M2FNUZ = "F8_E5M2FNUZ", ggml: None, block: 1, bytes: 1;
 }
 
 impl DType {
@@ -121,7 +123,7 @@ impl DType {
     /// Bytes needed for `n_elements` of this type, or `None` when `n_elements` is not a whole
     /// number of blocks or the product overflows.
     pub fn bytes_for(self, n_elements: u64) -> Option<u64> {
-        if n_elements % self.block_size() != 0 {
+        if !n_elements.is_multiple_of(self.block_size()) {
             return None;
         }
         (n_elements / self.block_size()).checked_mul(self.type_size())

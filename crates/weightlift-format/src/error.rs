@@ -48,6 +48,26 @@ pub enum FormatError {
     /// A name that the checkpoint does not hold.
     #[error("no tensor named '{name}' in {path}")]
     NoSuchTensor { path: PathBuf, name: String },
+
+    /// The architecture (`ModelSpec`) could not be read from the GGUF metadata or the HF
+    /// `config.json`. `key` names the metadata or config key.
+    #[error("model spec: {key}: {detail}")]
+    Spec { key: String, detail: String },
+
+    /// Dequantising one tensor failed; `source` says why.
+    #[error("{path}: cannot dequantize tensor '{tensor}': {source}")]
+    Dequantize {
+        path: PathBuf,
+        tensor: String,
+        #[source]
+        source: Box<FormatError>,
+    },
+
+    /// Block data that the reference dequantiser cannot decode: a type it does not support, or
+    /// a byte length that is not what the element count requires. Carries no path; callers
+    /// that know the tensor wrap it in `Dequantize`.
+    #[error("{dtype} data: {detail}")]
+    DequantizeBlocks { dtype: crate::DType, detail: String },
 }
 
 /// Hints reused across readers, so the same cause reads the same way everywhere.
@@ -56,11 +76,14 @@ pub mod hint {
     pub const CORRUPT: &str = "the file is corrupted or was not written by a GGUF writer";
     pub const CORRUPT_ST: &str = "the file is corrupted or was not written by a safetensors writer";
     pub const HOSTILE: &str = "the file is corrupted or was crafted to exhaust memory";
-    pub const BYTE_ORDER: &str =
-        "the file looks big-endian; convert it on a little-endian machine (gguf-py can rewrite the byte order)";
+    pub const BYTE_ORDER: &str = "the file looks big-endian; convert it on a little-endian machine (gguf-py can rewrite the byte order)";
     pub const SHARDS: &str = "the shard set is incomplete or its index does not match the shards";
-    pub const ESCAPE: &str = "the index points outside the model folder, which is refused for safety";
+    pub const ESCAPE: &str =
+        "the index points outside the model folder, which is refused for safety";
     pub const NEWER_WRITER: &str = "the file was written by a newer tool than this build knows";
+    pub const SPLIT_NAMES: &str = "split GGUF parts must keep the names gguf-split gave them (name-00001-of-00003.gguf) and sit in one folder";
+    pub const OLD_GGUF: &str =
+        "the file uses an early GGUF layout; re-convert it with a current llama.cpp or gguf-py";
 }
 
 pub type Result<T, E = FormatError> = std::result::Result<T, E>;

@@ -52,8 +52,4 @@ impl MappedFile {
     pub fn len(&self) -> u64 {
         self.bytes().len() as u64
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.bytes().is_empty()
-    }
 }

@@ -1,7 +1,16 @@
 //! ModelSpec: the architecture of a checkpoint, read from GGUF metadata or an HF `config.json`,
 //! and the mapping of tensor names (both naming schemes) to (layer, role).
 
+mod names;
+
 use serde::{Deserialize, Serialize};
+
+use crate::Role;
+use crate::{FormatError, MetaValue, Metadata, Result};
+
+/// More layers than any published model has by two orders of magnitude. The per-layer KV-head
+/// table is allocated from the claimed count, so the claim is capped first.
+pub const MAX_LAYERS: u64 = 1 << 16;
 
 /// The shape of a decoder-only transformer, as far as placement and loading need it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -25,4 +34,566 @@ pub struct ModelSpec {
     pub tie_word_embeddings: bool,
     /// Whether q/k/v projections carry biases (qwen2 does).
     pub attention_bias: bool,
+}
+
+fn spec_err(key: impl Into<String>, detail: impl Into<String>) -> FormatError {
+    FormatError::Spec {
+        key: key.into(),
+        detail: detail.into(),
+    }
+}
+
+fn to_u32(key: &str, v: u64) -> Result<u32> {
+    u32::try_from(v).map_err(|_| spec_err(key, format!("expected at most {}, got {v}", u32::MAX)))
+}
+
+fn check_layers(key: &str, n: u64) -> Result<u32> {
+    if n == 0 || n > MAX_LAYERS {
+        return Err(spec_err(
+            key,
+            format!("expected 1..={MAX_LAYERS} layers, got {n}; the metadata is corrupted"),
+        ));
+    }
+    to_u32(key, n)
+}
+
+fn positive(key: &str, v: u64) -> Result<u64> {
+    if v == 0 {
+        return Err(spec_err(key, "expected a positive value, got 0"));
+    }
+    Ok(v)
+}
+
+/// The KV-head table: a scalar for every layer, or one entry per layer.
+fn kv_table(
+    key: &str,
+    per_layer: Option<Vec<u64>>,
+    scalar: u64,
+    n_layers: u32,
+) -> Result<Vec<u32>> {
+    let table = match per_layer {
+        Some(v) => {
+            if v.len() != n_layers as usize {
+                return Err(spec_err(
+                    key,
+                    format!("expected {n_layers} per-layer entries, got {}", v.len()),
+                ));
+            }
+            v.into_iter()
+                .map(|h| to_u32(key, h))
+                .collect::<Result<Vec<_>>>()?
+        }
+        None => vec![to_u32(key, scalar)?; n_layers as usize],
+    };
+    Ok(table)
+}
+
+fn default_head_dim(key: &str, hidden: u64, heads: u32) -> Result<u32> {
+    if !hidden.is_multiple_of(u64::from(heads)) {
+        return Err(spec_err(
+            key,
+            format!("missing, and the hidden size {hidden} is not divisible by {heads} heads"),
+        ));
+    }
+    to_u32(key, hidden / u64::from(heads))
+}
+
+// ---------------------------------------------------------------------------------------------
+// GGUF
+
+fn describe_meta(v: &MetaValue) -> String {
+    match v {
+        MetaValue::String(s) if s.len() > 40 => format!("a string of {} bytes", s.len()),
+        MetaValue::String(s) => format!("the string {s:?}"),
+        MetaValue::Array(a) => format!("an array of {} values", a.len()),
+        MetaValue::Bool(b) => format!("the bool {b}"),
+        other => format!("{other:?}"),
+    }
+}
+
+struct Gguf<'a> {
+    md: &'a Metadata,
+    arch: &'a str,
+}
+
+impl Gguf<'_> {
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.arch)
+    }
+
+    fn get(&self, suffix: &str) -> Option<(String, &MetaValue)> {
+        let key = self.key(suffix);
+        self.md.get(&key).map(|v| (key, v))
+    }
+
+    fn uint(&self, suffix: &str) -> Result<Option<u64>> {
+        match self.get(suffix) {
+            None => Ok(None),
+            Some((key, v)) => v.as_u64().map(Some).ok_or_else(|| {
+                spec_err(
+                    key,
+                    format!("expected a non-negative integer, got {}", describe_meta(v)),
+                )
+            }),
+        }
+    }
+
+    fn req_uint(&self, suffix: &str) -> Result<u64> {
+        self.uint(suffix)?.ok_or_else(|| {
+            spec_err(
+                self.key(suffix),
+                format!(
+                    "missing from the gguf metadata; the file is not a complete '{}' checkpoint",
+                    self.arch
+                ),
+            )
+        })
+    }
+
+    fn float(&self, suffix: &str) -> Result<Option<f64>> {
+        match self.get(suffix) {
+            None => Ok(None),
+            Some((key, v)) => v.as_f64().map(Some).ok_or_else(|| {
+                spec_err(key, format!("expected a number, got {}", describe_meta(v)))
+            }),
+        }
+    }
+
+    /// A scalar, or a per-layer array (returned as its entries).
+    fn uint_or_array(&self, suffix: &str) -> Result<Option<(u64, Option<Vec<u64>>)>> {
+        let Some((key, v)) = self.get(suffix) else {
+            return Ok(None);
+        };
+        if let Some(arr) = v.as_array() {
+            let vals = arr
+                .iter()
+                .map(|e| {
+                    e.as_u64().ok_or_else(|| {
+                        spec_err(
+                            key.as_str(),
+                            format!(
+                                "expected an array of non-negative integers, got an element {}",
+                                describe_meta(e)
+                            ),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let max = vals.iter().copied().max().ok_or_else(|| {
+                spec_err(
+                    key.as_str(),
+                    "expected a per-layer array, got an empty array",
+                )
+            })?;
+            return Ok(Some((max, Some(vals))));
+        }
+        v.as_u64().map(|x| Some((x, None))).ok_or_else(|| {
+            spec_err(
+                key,
+                format!(
+                    "expected an integer or a per-layer array, got {}",
+                    describe_meta(v)
+                ),
+            )
+        })
+    }
+}
+
+impl ModelSpec {
+    /// Read the architecture from GGUF metadata, as llama.cpp's loader does
+    /// (`llama-model.cpp`, `llm_load_hparams`).
+    ///
+    /// `tie_word_embeddings` and `attention_bias` cannot be read from metadata: they are left
+    /// `false` here and decided from the tensor table when the checkpoint is assembled.
+    pub fn from_gguf(metadata: &Metadata) -> Result<ModelSpec> {
+        let arch = match metadata.get("general.architecture") {
+            Some(MetaValue::String(s)) if !s.is_empty() => s.as_str(),
+            Some(v) => {
+                return Err(spec_err(
+                    "general.architecture",
+                    format!("expected a non-empty string, got {}", describe_meta(v)),
+                ));
+            }
+            None => {
+                return Err(spec_err(
+                    "general.architecture",
+                    "missing from the gguf metadata, so the architecture is unknown",
+                ));
+            }
+        };
+        let g = Gguf { md: metadata, arch };
+
+        let n_layers = check_layers(&g.key("block_count"), g.req_uint("block_count")?)?;
+        let hidden = positive(&g.key("embedding_length"), g.req_uint("embedding_length")?)?;
+        let (ff, _) = g.uint_or_array("feed_forward_length")?.ok_or_else(|| {
+            spec_err(
+                g.key("feed_forward_length"),
+                format!(
+                    "missing from the gguf metadata; the file is not a complete '{arch}' checkpoint"
+                ),
+            )
+        })?;
+        let heads_key = g.key("attention.head_count");
+        let (heads, _) = g.uint_or_array("attention.head_count")?.ok_or_else(|| {
+            spec_err(
+                heads_key.as_str(),
+                format!(
+                    "missing from the gguf metadata; the file is not a complete '{arch}' checkpoint"
+                ),
+            )
+        })?;
+        let n_heads = to_u32(&heads_key, positive(&heads_key, heads)?)?;
+
+        let kv_key = g.key("attention.head_count_kv");
+        let n_kv_heads = match g.uint_or_array("attention.head_count_kv")? {
+            Some((scalar, per_layer)) => kv_table(&kv_key, per_layer, scalar, n_layers)?,
+            None => kv_table(&kv_key, None, heads, n_layers)?,
+        };
+
+        let hd_key = g.key("attention.key_length");
+        let head_dim = match g.uint("attention.key_length")? {
+            Some(v) => to_u32(&hd_key, positive(&hd_key, v)?)?,
+            None => default_head_dim(&hd_key, hidden, n_heads)?,
+        };
+
+        let vocab_key = g.key("vocab_size");
+        let vocab_size = match g.uint("vocab_size")? {
+            Some(v) => v,
+            None => match metadata.get("tokenizer.ggml.tokens") {
+                Some(MetaValue::Array(a)) => a.len() as u64,
+                Some(v) => {
+                    return Err(spec_err(
+                        "tokenizer.ggml.tokens",
+                        format!("expected an array of tokens, got {}", describe_meta(v)),
+                    ));
+                }
+                None => {
+                    return Err(spec_err(
+                        vocab_key,
+                        "missing, and there is no tokenizer.ggml.tokens array to count",
+                    ));
+                }
+            },
+        };
+
+        let context_length = g.req_uint("context_length")?;
+        // llama.cpp's default when the key is absent.
+        let rope_theta = g.float("rope.freq_base")?.unwrap_or(10_000.0);
+        let rd_key = g.key("rope.dimension_count");
+        let rope_dim = match g.uint("rope.dimension_count")? {
+            Some(v) => to_u32(&rd_key, v)?,
+            None => head_dim,
+        };
+        let rms_norm_eps = match g.float("attention.layer_norm_rms_epsilon")? {
+            Some(v) => v,
+            None => g.float("attention.layer_norm_epsilon")?.ok_or_else(|| {
+                spec_err(
+                    g.key("attention.layer_norm_rms_epsilon"),
+                    format!(
+                        "missing from the gguf metadata (and no {} either)",
+                        g.key("attention.layer_norm_epsilon")
+                    ),
+                )
+            })?,
+        };
+
+        Ok(ModelSpec {
+            architecture: arch.to_owned(),
+            n_layers,
+            hidden_size: hidden,
+            intermediate_size: ff,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab_size,
+            context_length,
+            rope_theta,
+            rope_dim,
+            rms_norm_eps,
+            tie_word_embeddings: false,
+            attention_bias: false,
+        })
+    }
+
+    /// Read the architecture from an HF `config.json`, with transformers' defaults for the
+    /// llama family where a key is optional. Both `rope_theta` and transformers 5's
+    /// `rope_parameters.rope_theta` are accepted (the latter wins). Multimodal configs that nest
+    /// the language model under `text_config` are read from there.
+    pub fn from_hf_config(config: &serde_json::Value) -> Result<ModelSpec> {
+        let Some(top) = config.as_object() else {
+            return Err(spec_err(
+                "config.json",
+                format!("expected a json object, got {}", json_kind(config)),
+            ));
+        };
+        let model_type = match top.get("model_type") {
+            Some(serde_json::Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(v) => {
+                return Err(spec_err(
+                    "model_type",
+                    format!("expected a non-empty string, got {}", json_kind(v)),
+                ));
+            }
+            None => {
+                return Err(spec_err(
+                    "model_type",
+                    "missing from config.json, so the architecture is unknown",
+                ));
+            }
+        };
+        let c = match top.get("text_config") {
+            Some(serde_json::Value::Object(t)) if !top.contains_key("num_hidden_layers") => t,
+            _ => top,
+        };
+        let get = |k: &str| c.get(k).filter(|v| !v.is_null());
+        let uint = |k: &str| -> Result<Option<u64>> {
+            match get(k) {
+                None => Ok(None),
+                Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+                    spec_err(
+                        k,
+                        format!("expected a non-negative integer, got {}", json_kind(v)),
+                    )
+                }),
+            }
+        };
+        let req = |k: &str| -> Result<u64> {
+            uint(k)?.ok_or_else(|| spec_err(k, "missing from config.json"))
+        };
+        let float = |k: &str, v: Option<&serde_json::Value>| -> Result<Option<f64>> {
+            match v {
+                None => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| spec_err(k, format!("expected a number, got {}", json_kind(v)))),
+            }
+        };
+        let boolean = |k: &str| -> Result<Option<bool>> {
+            match get(k) {
+                None => Ok(None),
+                Some(v) => v.as_bool().map(Some).ok_or_else(|| {
+                    spec_err(k, format!("expected true or false, got {}", json_kind(v)))
+                }),
+            }
+        };
+
+        let n_layers = check_layers("num_hidden_layers", req("num_hidden_layers")?)?;
+        let hidden = positive("hidden_size", req("hidden_size")?)?;
+        let ff = req("intermediate_size")?;
+        let n_heads = to_u32(
+            "num_attention_heads",
+            positive("num_attention_heads", req("num_attention_heads")?)?,
+        )?;
+        let kv = uint("num_key_value_heads")?.unwrap_or(u64::from(n_heads));
+        let n_kv_heads = kv_table("num_key_value_heads", None, kv, n_layers)?;
+        let head_dim = match uint("head_dim")? {
+            Some(v) => to_u32("head_dim", positive("head_dim", v)?)?,
+            None => default_head_dim("head_dim", hidden, n_heads)?,
+        };
+        let vocab_size = req("vocab_size")?;
+        let context_length = match uint("max_position_embeddings")? {
+            Some(v) => v,
+            None => uint("n_positions")?
+                .ok_or_else(|| spec_err("max_position_embeddings", "missing from config.json"))?,
+        };
+        let rope_params = get("rope_parameters").and_then(|p| p.get("rope_theta"));
+        let rope_theta = match float("rope_parameters.rope_theta", rope_params)? {
+            Some(v) => v,
+            // transformers' LlamaConfig default.
+            None => float("rope_theta", get("rope_theta"))?.unwrap_or(10_000.0),
+        };
+        let rope_dim = match float("partial_rotary_factor", get("partial_rotary_factor"))? {
+            Some(f) if f > 0.0 && f <= 1.0 => (f64::from(head_dim) * f) as u32,
+            Some(f) => {
+                return Err(spec_err(
+                    "partial_rotary_factor",
+                    format!("expected a fraction in (0, 1], got {f}"),
+                ));
+            }
+            None => head_dim,
+        };
+        // transformers' default for llama, mistral and qwen2.
+        let rms_norm_eps = float("rms_norm_eps", get("rms_norm_eps"))?.unwrap_or(1e-6);
+        // PretrainedConfig defaults to tied, but LlamaConfig, MistralConfig and Qwen2Config set
+        // it false; the llama family is what we read.
+        let tie_word_embeddings = boolean("tie_word_embeddings")?.unwrap_or(false);
+        // Qwen2 has q/k/v biases and no `attention_bias` key.
+        let attention_bias = boolean("attention_bias")?.unwrap_or(model_type == "qwen2");
+
+        Ok(ModelSpec {
+            architecture: model_type,
+            n_layers,
+            hidden_size: hidden,
+            intermediate_size: ff,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab_size,
+            context_length,
+            rope_theta,
+            rope_dim,
+            rms_norm_eps,
+            tie_word_embeddings,
+            attention_bias,
+        })
+    }
+
+    /// Architectures whose tensor roles are known.
+    pub const SUPPORTED_ARCHITECTURES: &'static [&'static str] = names::SUPPORTED_ARCHITECTURES;
+
+    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2).
+    pub fn supports_roles(architecture: &str) -> bool {
+        names::supports_roles(architecture)
+    }
+
+    /// (layer, role) of a tensor name in either naming scheme (`blk.N.attn_q.weight`,
+    /// `model.layers.N.self_attn.q_proj.weight`). The layer is parsed for every architecture;
+    /// the role only for supported ones, and is `None` for a name that matches no role.
+    pub fn classify(name: &str, architecture: &str) -> (Option<u32>, Option<Role>) {
+        names::classify(name, architecture)
+    }
+
+    /// KV heads of one layer (the first entry when `layer` is out of range).
+    pub fn n_kv_heads_at(&self, layer: u32) -> u32 {
+        self.n_kv_heads
+            .get(layer as usize)
+            .or_else(|| self.n_kv_heads.first())
+            .copied()
+            .unwrap_or(self.n_heads)
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Null => "null".into(),
+        serde_json::Value::Bool(b) => format!("the bool {b}"),
+        serde_json::Value::Number(n) => format!("the number {n}"),
+        serde_json::Value::String(s) if s.len() > 40 => format!("a string of {} bytes", s.len()),
+        serde_json::Value::String(s) => format!("the string {s:?}"),
+        serde_json::Value::Array(a) => format!("an array of {} values", a.len()),
+        serde_json::Value::Object(_) => "an object".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn md(pairs: &[(&str, MetaValue)]) -> Metadata {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn gguf_per_layer_kv_heads_and_defaults() {
+        let m = md(&[
+            ("general.architecture", MetaValue::String("llama".into())),
+            ("llama.block_count", MetaValue::U32(3)),
+            ("llama.embedding_length", MetaValue::U32(64)),
+            ("llama.feed_forward_length", MetaValue::U32(128)),
+            ("llama.attention.head_count", MetaValue::U32(4)),
+            (
+                "llama.attention.head_count_kv",
+                MetaValue::Array(vec![
+                    MetaValue::I32(1),
+                    MetaValue::I32(2),
+                    MetaValue::I32(4),
+                ]),
+            ),
+            ("llama.context_length", MetaValue::U64(256)),
+            (
+                "llama.attention.layer_norm_rms_epsilon",
+                MetaValue::F32(1e-5),
+            ),
+            (
+                "tokenizer.ggml.tokens",
+                MetaValue::Array(vec![MetaValue::String("a".into()); 7]),
+            ),
+        ]);
+        let s = ModelSpec::from_gguf(&m).unwrap();
+        assert_eq!(s.n_kv_heads, vec![1, 2, 4]);
+        assert_eq!(s.head_dim, 16);
+        assert_eq!(s.rope_dim, 16);
+        assert_eq!(s.vocab_size, 7);
+        assert_eq!(s.rope_theta, 10_000.0);
+    }
+
+    #[test]
+    fn gguf_errors_name_the_key() {
+        let mut m = md(&[
+            ("general.architecture", MetaValue::String("qwen2".into())),
+            ("qwen2.block_count", MetaValue::U64(u64::MAX)),
+        ]);
+        let e = ModelSpec::from_gguf(&m).unwrap_err().to_string();
+        assert!(
+            e.contains("qwen2.block_count") && e.contains("corrupted"),
+            "{e}"
+        );
+        m.insert("qwen2.block_count".into(), MetaValue::U32(2));
+        let e = ModelSpec::from_gguf(&m).unwrap_err().to_string();
+        assert!(
+            e.contains("qwen2.embedding_length") && e.contains("missing"),
+            "{e}"
+        );
+        m.insert(
+            "qwen2.embedding_length".into(),
+            MetaValue::String("x".into()),
+        );
+        let e = ModelSpec::from_gguf(&m).unwrap_err().to_string();
+        assert!(e.contains("non-negative integer"), "{e}");
+        let e = ModelSpec::from_gguf(&Metadata::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("general.architecture"), "{e}");
+    }
+
+    #[test]
+    fn gguf_kv_array_length_must_match_layers() {
+        let m = md(&[
+            ("general.architecture", MetaValue::String("llama".into())),
+            ("llama.block_count", MetaValue::U32(3)),
+            ("llama.embedding_length", MetaValue::U32(64)),
+            ("llama.feed_forward_length", MetaValue::U32(128)),
+            ("llama.attention.head_count", MetaValue::U32(4)),
+            (
+                "llama.attention.head_count_kv",
+                MetaValue::Array(vec![MetaValue::U32(1)]),
+            ),
+        ]);
+        let e = ModelSpec::from_gguf(&m).unwrap_err().to_string();
+        assert!(
+            e.contains("head_count_kv") && e.contains("expected 3 per-layer"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn hf_defaults_and_rope_parameters() {
+        let c = json!({
+            "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 128,
+            "intermediate_size": 256, "num_attention_heads": 4, "vocab_size": 100,
+            "max_position_embeddings": 64, "rope_parameters": {"rope_theta": 1e6},
+            "rope_theta": 5.0
+        });
+        let s = ModelSpec::from_hf_config(&c).unwrap();
+        assert_eq!(s.n_kv_heads, vec![4, 4]);
+        assert_eq!(s.head_dim, 32);
+        assert_eq!(s.rope_theta, 1e6);
+        assert!(s.attention_bias);
+        assert!(!s.tie_word_embeddings);
+        let mut c2 = c.clone();
+        c2.as_object_mut().unwrap().remove("rope_parameters");
+        assert_eq!(ModelSpec::from_hf_config(&c2).unwrap().rope_theta, 5.0);
+        c2.as_object_mut().unwrap().remove("hidden_size");
+        let e = ModelSpec::from_hf_config(&c2).unwrap_err().to_string();
+        assert_eq!(e, "model spec: hidden_size: missing from config.json");
+        let e = ModelSpec::from_hf_config(&json!([1]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expected a json object"), "{e}");
+    }
 }

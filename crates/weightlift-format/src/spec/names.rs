@@ -1,0 +1,144 @@
+//! Tensor names to (layer, role), in both naming schemes: llama.cpp's GGUF names
+//! (`blk.N.attn_q.weight`, from `llama-arch.cpp`) and the HF transformers names
+//! (`model.layers.N.self_attn.q_proj.weight`, from `modeling_llama.py`).
+
+use crate::Role;
+
+/// Architectures whose tensor roles are known (GGUF `general.architecture` or HF `model_type`).
+pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
+
+/// Whether roles are known for this architecture.
+pub(crate) fn supports_roles(architecture: &str) -> bool {
+    SUPPORTED_ARCHITECTURES.contains(&architecture)
+}
+
+/// Split `blk.N.rest` / `model.layers.N.rest` into the layer number and the rest.
+fn split_layer(name: &str) -> Option<(u32, &str)> {
+    let rest = name
+        .strip_prefix("blk.")
+        .or_else(|| name.strip_prefix("model.layers."))?;
+    let (num, tail) = rest.split_once('.')?;
+    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((num.parse().ok()?, tail))
+}
+
+/// The repeating block a tensor belongs to, whatever the architecture: `N` in `blk.N.` or
+/// `model.layers.N.`.
+pub(crate) fn layer_of(name: &str) -> Option<u32> {
+    split_layer(name).map(|(n, _)| n)
+}
+
+/// The role of a tensor in the llama family, in either naming scheme; `None` for a name that
+/// matches no role.
+pub(crate) fn role_of(name: &str) -> Option<Role> {
+    if let Some((_, tail)) = split_layer(name) {
+        return per_layer_role(tail);
+    }
+    Some(match name {
+        "token_embd.weight" | "model.embed_tokens.weight" => Role::TokenEmbd,
+        "output_norm.weight" | "model.norm.weight" => Role::OutputNorm,
+        "output.weight" | "lm_head.weight" => Role::Output,
+        "rope_freqs.weight" => Role::RopeFreqs,
+        _ => return None,
+    })
+}
+
+fn per_layer_role(tail: &str) -> Option<Role> {
+    Some(match tail {
+        "attn_norm.weight" | "input_layernorm.weight" => Role::AttnNorm,
+        "attn_q.weight" | "self_attn.q_proj.weight" => Role::AttnQ,
+        "attn_k.weight" | "self_attn.k_proj.weight" => Role::AttnK,
+        "attn_v.weight" | "self_attn.v_proj.weight" => Role::AttnV,
+        "attn_output.weight" | "self_attn.o_proj.weight" => Role::AttnOutput,
+        "attn_q.bias" | "self_attn.q_proj.bias" => Role::AttnQBias,
+        "attn_k.bias" | "self_attn.k_proj.bias" => Role::AttnKBias,
+        "attn_v.bias" | "self_attn.v_proj.bias" => Role::AttnVBias,
+        "attn_output.bias" | "self_attn.o_proj.bias" => Role::AttnOutputBias,
+        "ffn_norm.weight" | "post_attention_layernorm.weight" => Role::FfnNorm,
+        "ffn_gate.weight" | "mlp.gate_proj.weight" => Role::FfnGate,
+        "ffn_up.weight" | "mlp.up_proj.weight" => Role::FfnUp,
+        "ffn_down.weight" | "mlp.down_proj.weight" => Role::FfnDown,
+        _ => return None,
+    })
+}
+
+/// (layer, role) of a tensor. The layer is parsed for every architecture; the role only for
+/// the supported ones (`None` otherwise, or when the name matches no role).
+pub(crate) fn classify(name: &str, architecture: &str) -> (Option<u32>, Option<Role>) {
+    let layer = layer_of(name);
+    let role = if supports_roles(architecture) {
+        role_of(name)
+    } else {
+        None
+    };
+    // A per-layer role outside a block, or a global role inside one, is not that role.
+    let role = role.filter(|r| r.is_per_layer() == layer.is_some());
+    (layer, role)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_schemes_agree() {
+        let pairs = [
+            ("token_embd.weight", "model.embed_tokens.weight"),
+            (
+                "blk.3.attn_norm.weight",
+                "model.layers.3.input_layernorm.weight",
+            ),
+            (
+                "blk.3.attn_q.weight",
+                "model.layers.3.self_attn.q_proj.weight",
+            ),
+            ("blk.3.attn_k.bias", "model.layers.3.self_attn.k_proj.bias"),
+            (
+                "blk.3.attn_output.weight",
+                "model.layers.3.self_attn.o_proj.weight",
+            ),
+            (
+                "blk.3.ffn_norm.weight",
+                "model.layers.3.post_attention_layernorm.weight",
+            ),
+            (
+                "blk.3.ffn_gate.weight",
+                "model.layers.3.mlp.gate_proj.weight",
+            ),
+            ("blk.3.ffn_up.weight", "model.layers.3.mlp.up_proj.weight"),
+            (
+                "blk.3.ffn_down.weight",
+                "model.layers.3.mlp.down_proj.weight",
+            ),
+            ("output_norm.weight", "model.norm.weight"),
+            ("output.weight", "lm_head.weight"),
+        ];
+        for (g, h) in pairs {
+            let a = classify(g, "llama");
+            assert!(a.1.is_some(), "{g}");
+            assert_eq!(a, classify(h, "qwen2"), "{g} vs {h}");
+        }
+        assert_eq!(
+            classify("blk.12.attn_v.weight", "mistral"),
+            (Some(12), Some(Role::AttnV))
+        );
+    }
+
+    #[test]
+    fn unsupported_and_unknown() {
+        assert_eq!(classify("blk.7.attn_q.weight", "gpt2"), (Some(7), None));
+        assert_eq!(
+            classify("model.layers.0.mlp.experts.weight", "llama"),
+            (Some(0), None)
+        );
+        assert_eq!(classify("blk.x.attn_q.weight", "llama"), (None, None));
+        assert_eq!(
+            classify("blk.99999999999.attn_q.weight", "llama"),
+            (None, None)
+        );
+        assert_eq!(classify("blk..attn_q.weight", "llama"), (None, None));
+        assert_eq!(classify("blk.+1.attn_q.weight", "llama"), (None, None));
+    }
+}

@@ -1,0 +1,167 @@
+//! Real GGUF files: the tiny-llama reference files in ../shared/reference and the SmolLM2 demo
+//! model. Expected values are what gguf-py 0.19.0's `GGUFReader` reports for the same files
+//! (its `shape` is `ne`; ours is the reverse).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use weightlift_format::gguf;
+use weightlift_format::{Checkpoint, DType, MetaValue, OpenOptions};
+
+const TINY: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../../shared/reference/tiny-llama/gguf"
+);
+
+fn tiny(name: &str) -> Option<PathBuf> {
+    let p = Path::new(TINY).join(name);
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: {} is not present", p.display());
+        None
+    }
+}
+
+/// The SmolLM2 demo model: `$WEIGHTLIFT_DEMO_GGUF` (set by the Makefile), else the repo cache.
+fn smollm2() -> Option<PathBuf> {
+    let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!(
+            "skipped: the SmolLM2 demo model is not at {} (run `make demo-model`)",
+            p.display()
+        );
+        None
+    }
+}
+
+fn histogram(ck: &Checkpoint) -> BTreeMap<DType, usize> {
+    let mut h = BTreeMap::new();
+    for t in ck.tensors() {
+        *h.entry(t.dtype).or_default() += 1;
+    }
+    h
+}
+
+#[test]
+fn tiny_llama_q8_0_matches_gguf_py() {
+    let Some(p) = tiny("tiny-llama-Q8_0.gguf") else {
+        return;
+    };
+    let bytes = std::fs::read(&p).unwrap();
+    let h = gguf::parse(&bytes, &p).unwrap();
+    assert_eq!(h.version, 3);
+    assert_eq!(h.alignment, 32);
+    assert_eq!(h.data_offset, 725_280);
+    assert_eq!(h.tensors.len(), 20);
+    let first = &h.tensors[0];
+    assert_eq!(first.name, "output_norm.weight");
+    assert_eq!(
+        (
+            first.dtype,
+            first.shape.as_slice(),
+            first.offset,
+            first.nbytes
+        ),
+        (DType::F32, &[256u64][..], 725_280, 1024)
+    );
+    let last = &h.tensors[19];
+    assert_eq!(last.name, "blk.1.ffn_up.weight");
+    assert_eq!(
+        (last.dtype, last.shape.as_slice(), last.offset, last.nbytes),
+        (DType::Q8_0, &[768u64, 256][..], 10_896_672, 208_896)
+    );
+    let m = &h.metadata;
+    assert_eq!(m["general.architecture"], MetaValue::String("llama".into()));
+    assert_eq!(m["llama.block_count"], MetaValue::U32(2));
+    assert_eq!(m["llama.rope.freq_base"], MetaValue::F32(10000.0));
+    assert_eq!(m["tokenizer.ggml.add_bos_token"], MetaValue::Bool(true));
+    assert_eq!(
+        m["tokenizer.ggml.tokens"].as_array().map(<[_]>::len),
+        Some(32000)
+    );
+    assert_eq!(
+        m["tokenizer.ggml.scores"].as_array().map(<[_]>::len),
+        Some(32000)
+    );
+
+    let ck = Checkpoint::open(&p, OpenOptions::default()).unwrap();
+    let counts = histogram(&ck);
+    assert_eq!(counts[&DType::Q8_0], 15);
+    assert_eq!(counts[&DType::F32], 5);
+    let tok = ck.tokenizer();
+    assert_eq!(tok.model.as_deref(), Some("llama"));
+    assert_eq!(tok.pre.as_deref(), Some("default"));
+    assert_eq!((tok.n_tokens, tok.n_merges), (Some(32000), None));
+    assert_eq!((tok.bos_token_id, tok.eos_token_id), (Some(1), Some(2)));
+}
+
+#[test]
+fn tiny_llama_k_quants_table() {
+    let Some(p) = tiny("tiny-llama-Q4_K_M.gguf") else {
+        return;
+    };
+    let ck = Checkpoint::open(&p, OpenOptions::default()).unwrap();
+    let counts = histogram(&ck);
+    assert_eq!(counts.get(&DType::Q4_K), Some(&12));
+    assert_eq!(counts.get(&DType::Q6_K), Some(&3));
+    assert_eq!(counts.get(&DType::F32), Some(&5));
+    let last = ck.tensor("blk.1.ffn_up.weight").unwrap();
+    assert_eq!((last.offset, last.nbytes), (8_283_680, 110_592));
+}
+
+#[test]
+fn vocab_only_returns_no_tensors() {
+    let Some(p) = tiny("tiny-llama-Q8_0.gguf") else {
+        return;
+    };
+    let ck = Checkpoint::open(
+        &p,
+        OpenOptions {
+            vocab_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(ck.tensors().is_empty());
+    assert_eq!(ck.tokenizer().n_tokens, Some(32000));
+}
+
+#[test]
+fn smollm2_parses() {
+    let Some(p) = smollm2() else {
+        return;
+    };
+    let bytes = std::fs::read(&p).unwrap();
+    let h = gguf::parse(&bytes, &p).unwrap();
+    assert_eq!(h.tensors.len(), 272);
+    assert_eq!(h.data_offset, 1_785_664);
+    let ck = Checkpoint::open(&p, OpenOptions::default()).unwrap();
+    assert_eq!(ck.tensors().len(), 272);
+    assert_eq!(
+        ck.metadata()["llama.block_count"].as_u64(),
+        Some(30),
+        "30 blocks"
+    );
+    let counts = histogram(&ck);
+    assert_eq!(counts.get(&DType::Q4_1), Some(&210));
+    assert_eq!(counts.get(&DType::Q8_0), Some(&1));
+    assert_eq!(counts.get(&DType::F32), Some(&61));
+    let emb = ck.tensor("token_embd.weight").unwrap();
+    assert_eq!(emb.shape, vec![49152, 576]);
+    assert_eq!(
+        (emb.dtype, emb.offset, emb.nbytes),
+        (DType::Q8_0, 1_785_664, 30_081_024)
+    );
+    let tok = ck.tokenizer();
+    assert_eq!(tok.model.as_deref(), Some("gpt2"));
+    assert_eq!(tok.pre.as_deref(), Some("smollm"));
+    assert_eq!((tok.n_tokens, tok.n_merges), (Some(49152), Some(48900)));
+}
