@@ -21,17 +21,15 @@ SITE = $(shell $(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib
 CUDA_ENV = LD_LIBRARY_PATH="$(SITE)/nvidia/cuda_nvrtc/lib:$(SITE)/nvidia/cuda_runtime/lib:$$LD_LIBRARY_PATH" \
 	WEIGHTLIFT_CUDA_INCLUDE="$(SITE)/nvidia/cuda_runtime/include"
 
-PY_DEPS := maturin==1.9.6 numpy tqdm pytest hypothesis gguf==0.19.0 safetensors==0.8.0 \
-	ruff mypy nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79
 
 .PHONY: help venv build demo-model demo test test-rust test-python lint fuzz bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(VENV)/.stamp: Makefile
+$(VENV)/.stamp: requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check $(PY_DEPS)
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 
 venv: $(VENV)/.stamp ## create .venv with the build, test and lint tools
@@ -46,8 +44,13 @@ $(DEMO_GGUF):
 
 demo-model: venv $(DEMO_GGUF) ## fetch the demo model and check its sha256
 
-demo: build demo-model ## set up, then inspect and plan the SmolLM2 demo model
+demo: build demo-model ## set up, then inspect, plan and load the SmolLM2 demo model
 	$(VENV)/bin/weightlift inspect $(DEMO_GGUF)
+	@echo
+	$(VENV)/bin/weightlift plan $(DEMO_GGUF) --devices virtual:2x320MiB,cpu --ctx 8192 --cache q8 \
+		--svg $(CACHE)/demo-plan.svg
+	@echo
+	$(VENV)/bin/weightlift fit $(DEMO_GGUF) --devices virtual:2x256MiB --cache fp16
 
 test-rust: venv ## run the Rust suites
 	$(CUDA_ENV) cargo test --workspace --exclude weightlift-py

@@ -161,9 +161,10 @@ fn smollm2_gguf_under_several_inventories() {
 
 #[test]
 fn tiny_llama_safetensors_under_several_inventories() {
-    let Some(ckpt) = open(Path::new(
-        "/work/shared/reference/tiny-llama/safetensors/model.safetensors",
-    )) else {
+    let Some(ckpt) = open(Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/reference/tiny-llama/safetensors/model.safetensors"
+    ))) else {
         return;
     };
     let cache = Some(CacheSpec::new(512, 1, CacheDType::Fp16));

@@ -3,8 +3,16 @@
 
 use pyo3::prelude::*;
 
+mod engine;
+mod errors;
+mod format;
+mod plan;
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    format::register(m)?;
+    plan::register(m)?;
+    engine::register(m)?;
     Ok(())
 }

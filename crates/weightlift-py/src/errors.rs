@@ -1,0 +1,172 @@
+//! The one place where Rust errors become Python exceptions, and the one helper that releases
+//! the GIL around core work.
+//!
+//! The classes live in `weightlift._errors` (so they can inherit from both `WeightliftError` and
+//! a builtin such as `ValueError`); this module raises them by name. Each core crate's error enum
+//! gets a [`ToPyErr`] impl here, so a binding never decides a mapping on its own (the way
+//! polars' `From<PyPolarsErr> for PyErr` keeps every mapping in one file).
+
+use std::path::Path;
+
+use pyo3::exceptions::{
+    PyFileExistsError, PyFileNotFoundError, PyInterruptedError, PyIsADirectoryError,
+    PyNotADirectoryError, PyOSError, PyPermissionError, PyTimeoutError,
+};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+
+/// The Python exception classes of `weightlift._errors`.
+#[derive(Clone, Copy, Debug)]
+#[allow(dead_code)] // some classes are raised only by bindings that land in later issues
+pub enum Exc {
+    Weightlift,
+    Format,
+    OutOfMemory,
+    Device,
+    CudaUnavailable,
+    Unsupported,
+    LoadCancelled,
+    Closed,
+    Plan,
+}
+
+impl Exc {
+    fn class_name(self) -> &'static str {
+        match self {
+            Exc::Weightlift => "WeightliftError",
+            Exc::Format => "FormatError",
+            Exc::OutOfMemory => "OutOfMemoryError",
+            Exc::Device => "DeviceError",
+            Exc::CudaUnavailable => "CudaUnavailable",
+            Exc::Unsupported => "UnsupportedError",
+            Exc::LoadCancelled => "LoadCancelled",
+            Exc::Closed => "ClosedError",
+            Exc::Plan => "PlanError",
+        }
+    }
+}
+
+static ERRORS_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+/// Build a `PyErr` of the given weightlift class with `message`.
+pub fn raise(exc: Exc, message: impl Into<String>) -> PyErr {
+    let message = message.into();
+    Python::attach(|py| {
+        let class = ERRORS_MODULE
+            .get_or_try_init(py, || py.import("weightlift._errors").map(Bound::unbind))
+            .and_then(|m| m.bind(py).getattr(exc.class_name()))
+            .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
+        match class {
+            Ok(class) => PyErr::from_type(class, message),
+            Err(e) => e,
+        }
+    })
+}
+
+/// An OS error about `path`, as the matching `OSError` subclass with `errno`, `strerror` and
+/// `filename` set, exactly as `open()` in Python would raise it.
+pub fn io_error(path: &Path, err: &std::io::Error) -> PyErr {
+    let filename = path.display().to_string();
+    if let Some(errno) = err.raw_os_error() {
+        // OSError(errno, strerror, filename) picks the subclass (FileNotFoundError, ...) from the
+        // errno itself; strerror comes from the C library so it reads like Python's own.
+        let strerror = Python::attach(|py| {
+            py.import("os")
+                .and_then(|os| os.call_method1("strerror", (errno,)))
+                .and_then(|s| s.extract::<String>())
+                .unwrap_or_else(|_| err.to_string())
+        });
+        return PyOSError::new_err((errno, strerror, filename));
+    }
+    let message = format!("{filename}: {err}");
+    use std::io::ErrorKind as K;
+    match err.kind() {
+        K::NotFound => PyFileNotFoundError::new_err(message),
+        K::PermissionDenied => PyPermissionError::new_err(message),
+        K::AlreadyExists => PyFileExistsError::new_err(message),
+        K::IsADirectory => PyIsADirectoryError::new_err(message),
+        K::NotADirectory => PyNotADirectoryError::new_err(message),
+        K::Interrupted => PyInterruptedError::new_err(message),
+        K::TimedOut => PyTimeoutError::new_err(message),
+        _ => PyOSError::new_err(message),
+    }
+}
+
+/// Conversion of a core crate's error into its Python exception.
+pub trait ToPyErr {
+    fn to_pyerr(self) -> PyErr;
+}
+
+impl ToPyErr for PyErr {
+    fn to_pyerr(self) -> PyErr {
+        self
+    }
+}
+
+impl ToPyErr for weightlift_format::FormatError {
+    /// Everything from the format crate is a `FormatError` (a bad, unsupported or mismatched
+    /// file, or a tensor the file does not hold), except operating-system failures, which are
+    /// `OSError` subclasses.
+    fn to_pyerr(self) -> PyErr {
+        use weightlift_format::FormatError as E;
+        match self {
+            E::Io { path, source } => io_error(&path, &source),
+            other => raise(Exc::Format, other.to_string()),
+        }
+    }
+}
+
+impl ToPyErr for weightlift_plan::PlanError {
+    /// A plan that does not fit is an `OutOfMemoryError` carrying `.shortfalls` (a list of
+    /// dicts: device, needed, available, missing, what) and `.fixes` (strings); every other
+    /// planner error is an invalid request, a `PlanError` (a ValueError).
+    fn to_pyerr(self) -> PyErr {
+        use weightlift_plan::PlanError as E;
+        match self {
+            E::OutOfMemory(oom) => {
+                let message = oom.to_string();
+                Python::attach(|py| {
+                    let build = || -> PyResult<PyErr> {
+                        let err = raise(Exc::OutOfMemory, message.clone());
+                        let value = err.value(py);
+                        let shortfalls = pyo3::types::PyList::empty(py);
+                        for s in &oom.shortfalls {
+                            let d = pyo3::types::PyDict::new(py);
+                            d.set_item("device", &s.device)?;
+                            d.set_item("needed", s.needed)?;
+                            d.set_item("available", s.available)?;
+                            d.set_item("missing", s.missing())?;
+                            d.set_item("what", &s.what)?;
+                            shortfalls.append(d)?;
+                        }
+                        value.setattr("shortfalls", shortfalls)?;
+                        value.setattr("fixes", oom.fixes.clone())?;
+                        Ok(err)
+                    };
+                    build().unwrap_or_else(|e| e)
+                })
+            }
+            other => raise(Exc::Plan, other.to_string()),
+        }
+    }
+}
+
+/// `Result::map_err` shorthand: `.map_err(py_err)`.
+pub fn py_err<E: ToPyErr>(e: E) -> PyErr {
+    e.to_pyerr()
+}
+
+/// Run core work with the GIL released: arguments are extracted before the call, the closure
+/// touches no Python object, and its error is mapped on the way back (polars' `enter_polars`).
+pub fn enter<T, E, F>(py: Python<'_>, f: F) -> PyResult<T>
+where
+    F: FnOnce() -> Result<T, E> + Send,
+    T: Send,
+    E: ToPyErr + Send,
+{
+    let out = py.detach(f).map_err(ToPyErr::to_pyerr)?;
+    // A Ctrl-C that arrived while the GIL was released becomes a KeyboardInterrupt now.
+    py.check_signals()?;
+    Ok(out)
+}

@@ -1,0 +1,618 @@
+//! Python bindings for weightlift-format: `open()`, `Checkpoint`, `TensorInfo` and `ModelSpec`.
+
+// `raw()` hands numpy a pointer into the memory map (`PyArray::borrow_from_array`), which is
+// unsafe by signature; the SAFETY note there says why it is sound.
+#![allow(unsafe_code)]
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use numpy::ndarray::{ArrayView1, IxDyn};
+use numpy::{PyArray, PyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple};
+use weightlift_format::{self as wf, DType, MetaValue};
+use weightlift_kernels as wk;
+
+use crate::errors::{Exc, enter, py_err, raise};
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(open, m)?)?;
+    m.add_class::<Checkpoint>()?;
+    m.add_class::<TensorInfo>()?;
+    m.add_class::<ModelSpec>()?;
+    Ok(())
+}
+
+/// Open a GGUF file (or the first of a split set), a safetensors file, a folder of safetensors
+/// shards, or a `model.safetensors.index.json`. Nothing is copied: tensors stay in the memory
+/// map. Every structural check runs before this returns.
+///
+/// `check_tensors` also scans every float tensor, and the scales of quantised blocks, for NaN and
+/// Inf. `vocab_only` reads the metadata and tokenizer only (no tensor table).
+///
+/// Raises `FormatError` for a corrupt or unsupported file and an `OSError` subclass when the
+/// operating system refuses it.
+#[pyfunction]
+#[pyo3(signature = (path, *, check_tensors = false, vocab_only = false))]
+fn open(
+    py: Python<'_>,
+    path: PathBuf,
+    check_tensors: bool,
+    vocab_only: bool,
+) -> PyResult<Checkpoint> {
+    let options = wf::OpenOptions {
+        check_tensors,
+        vocab_only,
+    };
+    let ckpt = enter(py, || wf::Checkpoint::open(&path, options))?;
+    Ok(Checkpoint::new(ckpt))
+}
+
+/// An opened checkpoint. Tensor data stays in the memory map; `raw()` views share it.
+///
+/// Usable as a context manager. `close()` drops this object's hold on the files; views already
+/// handed out by `raw()` keep the map alive until the last of them is gone.
+#[pyclass(module = "weightlift._native", frozen)]
+pub struct Checkpoint {
+    inner: Mutex<Option<Arc<wf::Checkpoint>>>,
+    path: String,
+    format: &'static str,
+}
+
+/// The owner of the memory a `raw()` view points into: numpy holds it as the array's base.
+#[pyclass(module = "weightlift._native", frozen, name = "_MappedView")]
+struct MappedView {
+    _ckpt: Arc<wf::Checkpoint>,
+}
+
+impl Checkpoint {
+    pub(crate) fn new(ckpt: wf::Checkpoint) -> Self {
+        Checkpoint {
+            path: ckpt.path().display().to_string(),
+            format: ckpt.format().name(),
+            inner: Mutex::new(Some(Arc::new(ckpt))),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Arc<wf::Checkpoint>>> {
+        // A poisoned lock only means another thread panicked while holding it; the Option inside
+        // is always in a valid state.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The checkpoint, shared; fails once `close()` has been called.
+    pub(crate) fn shared(&self) -> PyResult<Arc<wf::Checkpoint>> {
+        self.lock().clone().ok_or_else(|| {
+            raise(
+                Exc::Closed,
+                format!(
+                    "checkpoint '{}' is closed; open it again to read it",
+                    self.path
+                ),
+            )
+        })
+    }
+}
+
+#[pymethods]
+impl Checkpoint {
+    /// `"gguf"` or `"safetensors"`.
+    #[getter]
+    fn format(&self) -> &'static str {
+        self.format
+    }
+
+    /// The path that was opened (a file, a folder or an index).
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// True once `close()` has been called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.lock().is_none()
+    }
+
+    /// The files that make up the checkpoint, in order.
+    #[getter]
+    fn files(&self) -> PyResult<Vec<String>> {
+        let ckpt = self.shared()?;
+        Ok(ckpt.files().map(|p| p.display().to_string()).collect())
+    }
+
+    /// GGUF key/value metadata, or safetensors `__metadata__`, as Python values in file order.
+    /// Arrays (nested ones too) become lists.
+    #[getter]
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let ckpt = self.shared()?;
+        let dict = PyDict::new(py);
+        for (key, value) in ckpt.metadata() {
+            dict.set_item(key, meta_to_py(py, value)?)?;
+        }
+        Ok(dict)
+    }
+
+    /// The architecture, or None when it could not be read (see `spec_error`).
+    #[getter]
+    fn spec(&self) -> PyResult<Option<ModelSpec>> {
+        let ckpt = self.shared()?;
+        Ok(ckpt.spec().ok().map(|s| ModelSpec { inner: s.clone() }))
+    }
+
+    /// Why `spec` is None, or None when it is present.
+    #[getter]
+    fn spec_error(&self) -> PyResult<Option<String>> {
+        let ckpt = self.shared()?;
+        Ok(ckpt.spec().err().map(str::to_owned))
+    }
+
+    /// Things that did not stop the checkpoint from opening: an architecture whose tensor roles
+    /// are unknown, tensors that match no role, a tie the config contradicts.
+    #[getter]
+    fn warnings(&self) -> PyResult<Vec<String>> {
+        Ok(self.shared()?.warnings().to_vec())
+    }
+
+    /// The tensor table, in the order the checkpoint lists it (empty when opened `vocab_only`).
+    #[getter]
+    fn tensors(&self) -> PyResult<Vec<TensorInfo>> {
+        let ckpt = self.shared()?;
+        Ok(ckpt
+            .tensors()
+            .iter()
+            .map(|t| TensorInfo::new(&ckpt, t))
+            .collect())
+    }
+
+    /// A summary of the tokenizer: `model`, `pre`, `n_tokens`, `n_merges`, `bos_token_id`,
+    /// `eos_token_id` and `has_tokenizer_json`.
+    #[getter]
+    fn tokenizer<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let ckpt = self.shared()?;
+        let t = ckpt.tokenizer();
+        let dict = PyDict::new(py);
+        dict.set_item("model", t.model.as_deref())?;
+        dict.set_item("pre", t.pre.as_deref())?;
+        dict.set_item("n_tokens", t.n_tokens)?;
+        dict.set_item("n_merges", t.n_merges)?;
+        dict.set_item("bos_token_id", t.bos_token_id)?;
+        dict.set_item("eos_token_id", t.eos_token_id)?;
+        dict.set_item("has_tokenizer_json", t.has_tokenizer_json)?;
+        Ok(dict)
+    }
+
+    /// The HF `config.json` beside safetensors weights, as a dict; None for GGUF.
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let ckpt = self.shared()?;
+        ckpt.config().map(|c| json_to_py(py, c)).transpose()
+    }
+
+    /// Total number of parameters (elements over all tensors).
+    #[getter]
+    fn n_params(&self) -> PyResult<u64> {
+        Ok(self.shared()?.n_params())
+    }
+
+    /// Total bytes of tensor data.
+    #[getter]
+    fn nbytes(&self) -> PyResult<u64> {
+        Ok(self.shared()?.total_bytes())
+    }
+
+    /// The stored bytes of a tensor as a read-only numpy view that shares the memory map (no
+    /// copy) and keeps it alive, even after `close()`.
+    ///
+    /// Plain types numpy can represent (F32, F16, F64, I8..I64, U8..U64, BOOL, C64) come back
+    /// typed and shaped as `TensorInfo.shape`. Everything else (BF16, the F8/F6/F4 floats and
+    /// every block-quantised type) comes back as a flat uint8 array of the stored bytes.
+    fn raw<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+        let ckpt = self.shared()?;
+        let info = ckpt.tensor(name).map_err(py_err)?;
+        let bytes = ckpt.bytes(info);
+        let owner = Bound::new(
+            py,
+            MappedView {
+                _ckpt: Arc::clone(&ckpt),
+            },
+        )?;
+        // SAFETY: `bytes` points into a read-only memory map owned by `wf::Checkpoint`, which
+        // `owner` keeps alive through its Arc for as long as numpy holds `owner` as the array's
+        // base. The map is never remapped, resized or written through while it is shared, and
+        // the view is made non-writeable below before Python can see it.
+        let array = unsafe {
+            PyArray1::<u8>::borrow_from_array(&ArrayView1::from(bytes), owner.into_any())
+        };
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("write", false)?;
+        array.call_method("setflags", (), Some(&kwargs))?;
+        let Some(code) = numpy_code(info.dtype) else {
+            return Ok(array.into_any());
+        };
+        let shape = PyTuple::new(py, &info.shape)?;
+        // numpy handles an unaligned start itself (the view is flagged not ALIGNED).
+        array
+            .call_method1("view", (code,))?
+            .call_method1("reshape", (shape,))
+    }
+
+    /// The tensor dequantised to a new float32 array shaped as `TensorInfo.shape`.
+    ///
+    /// Raises `FormatError` for a name the checkpoint does not hold, or a type without a
+    /// dequantiser.
+    fn dequantize<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+    ) -> PyResult<Bound<'py, PyArray<f32, IxDyn>>> {
+        let ckpt = self.shared()?;
+        let (values, shape) = enter(py, || {
+            let info = ckpt.tensor(name)?;
+            let values = dequantize(&ckpt, info)?;
+            Ok::<_, wf::FormatError>((values, info.shape.clone()))
+        })?;
+        let dims = shape
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| {
+                raise(
+                    Exc::Format,
+                    format!("tensor '{name}' shape {shape:?} does not fit in memory"),
+                )
+            })?;
+        let array = numpy::ndarray::Array::from_shape_vec(IxDyn(&dims), values).map_err(|e| {
+            raise(
+                Exc::Format,
+                format!("tensor '{name}': dequantised {e}; expected shape {shape:?}"),
+            )
+        })?;
+        Ok(PyArray::from_owned_array(py, array))
+    }
+
+    /// Drop this object's hold on the files. Later reads raise `ClosedError`; views from `raw()`
+    /// stay valid.
+    fn close(&self) {
+        self.lock().take();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) -> bool {
+        self.close();
+        false
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.shared()?.tensors().len())
+    }
+
+    fn __contains__(&self, name: &str) -> PyResult<bool> {
+        Ok(self.shared()?.tensor(name).is_ok())
+    }
+
+    /// The `TensorInfo` of a tensor by name; KeyError when absent.
+    fn __getitem__(&self, name: &str) -> PyResult<TensorInfo> {
+        let ckpt = self.shared()?;
+        match ckpt.tensor(name) {
+            Ok(t) => Ok(TensorInfo::new(&ckpt, t)),
+            Err(_) => Err(pyo3::exceptions::PyKeyError::new_err(name.to_owned())),
+        }
+    }
+
+    /// Iterate over tensor names.
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let ckpt = self.shared()?;
+        let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
+        PyList::new(py, names)?.try_iter().map(Bound::into_any)
+    }
+
+    fn __repr__(&self) -> String {
+        match self.lock().as_ref() {
+            Some(c) => format!(
+                "<Checkpoint {} '{}': {} tensors, {} bytes>",
+                self.format,
+                self.path,
+                c.tensors().len(),
+                c.total_bytes()
+            ),
+            None => format!("<Checkpoint {} '{}' (closed)>", self.format, self.path),
+        }
+    }
+}
+
+/// Dequantise one tensor to f32 in row-major order. Allocates `n_elements` floats, a count the
+/// reader checked against the file's bytes at open time.
+fn dequantize(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::Result<Vec<f32>> {
+    let wrap = |source: wf::FormatError| wf::FormatError::Dequantize {
+        path: ckpt
+            .files()
+            .nth(info.file)
+            .unwrap_or(ckpt.path())
+            .to_path_buf(),
+        tensor: info.name.clone(),
+        source: Box::new(source),
+    };
+    let n = usize::try_from(info.n_elements()).map_err(|_| {
+        wrap(wf::FormatError::DequantizeBlocks {
+            dtype: info.dtype,
+            detail: format!("{} elements do not fit in memory", info.n_elements()),
+        })
+    })?;
+    let data = ckpt.bytes(info);
+    // Every CPU path goes through the kernels crate (SIMD, threaded, bit-identical to gguf-py);
+    // the format crate's scalar reference covers the types the kernels do not implement.
+    if let Some(qt) = info.dtype.ggml_id().and_then(wk::QuantType::from_ggml_id) {
+        let mut out = vec![0f32; n];
+        wk::dequantize_f32(qt, data, &mut out).map_err(|e| {
+            wrap(wf::FormatError::DequantizeBlocks {
+                dtype: info.dtype,
+                detail: e.to_string(),
+            })
+        })?;
+        return Ok(out);
+    }
+    if !wf::dequant::supports(info.dtype) {
+        // Refuse before allocating the output.
+        return Err(wrap(wf::FormatError::DequantizeBlocks {
+            dtype: info.dtype,
+            detail: "no dequantiser for this type (gguf-py has none either)".into(),
+        }));
+    }
+    let mut out = vec![0f32; n];
+    wf::dequant::dequantize_into(info.dtype, data, &mut out).map_err(wrap)?;
+    Ok(out)
+}
+
+/// numpy's dtype string for types it can represent exactly, little-endian.
+fn numpy_code(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::F32 => "<f4",
+        DType::F16 => "<f2",
+        DType::F64 => "<f8",
+        DType::I8 => "i1",
+        DType::I16 => "<i2",
+        DType::I32 => "<i4",
+        DType::I64 => "<i8",
+        DType::U8 => "u1",
+        DType::U16 => "<u2",
+        DType::U32 => "<u4",
+        DType::U64 => "<u8",
+        DType::BOOL => "?",
+        DType::C64 => "<c8",
+        _ => return None,
+    })
+}
+
+fn meta_to_py<'py>(py: Python<'py>, value: &MetaValue) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match value {
+        MetaValue::U8(v) => v.into_pyobject(py)?.into_any(),
+        MetaValue::I8(v) => v.into_pyobject(py)?.into_any(),
+        MetaValue::U16(v) => v.into_pyobject(py)?.into_any(),
+        MetaValue::I16(v) => v.into_pyobject(py)?.into_any(),
+        MetaValue::U32(v) => v.into_pyobject(py)?.into_any(),
+        MetaValue::I32(v) => v.into_pyobject(py)?.into_any(),
+        MetaValue::U64(v) => v.into_pyobject(py)?.into_any(),
+        MetaValue::I64(v) => v.into_pyobject(py)?.into_any(),
+        MetaValue::F32(v) => PyFloat::new(py, f64::from(*v)).into_any(),
+        MetaValue::F64(v) => PyFloat::new(py, *v).into_any(),
+        MetaValue::Bool(v) => PyBool::new(py, *v).to_owned().into_any(),
+        MetaValue::String(s) => PyString::new(py, s).into_any(),
+        MetaValue::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(meta_to_py(py, item)?)?;
+            }
+            list.into_any()
+        }
+    })
+}
+
+fn json_to_py<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use serde_json::Value as J;
+    Ok(match value {
+        J::Null => py.None().into_bound(py),
+        J::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        J::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                i.into_pyobject(py)?.into_any()
+            } else if let Some(u) = n.as_u64() {
+                u.into_pyobject(py)?.into_any()
+            } else {
+                PyFloat::new(py, n.as_f64().unwrap_or(f64::NAN)).into_any()
+            }
+        }
+        J::String(s) => PyString::new(py, s).into_any(),
+        J::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(json_to_py(py, item)?)?;
+            }
+            list.into_any()
+        }
+        J::Object(map) => {
+            let dict = PyDict::new(py);
+            for (k, v) in map {
+                dict.set_item(k, json_to_py(py, v)?)?;
+            }
+            dict.into_any()
+        }
+    })
+}
+
+/// One tensor of a checkpoint: where it is and what it holds.
+#[pyclass(module = "weightlift._native", frozen, eq)]
+#[derive(Clone, PartialEq)]
+pub struct TensorInfo {
+    /// The tensor's name as stored in the file.
+    #[pyo3(get)]
+    name: String,
+    /// The element type's name, e.g. `"Q4_K"`, `"F16"`, `"BF16"`.
+    #[pyo3(get)]
+    dtype: &'static str,
+    shape: Vec<u64>,
+    /// Exact bytes on disk.
+    #[pyo3(get)]
+    nbytes: u64,
+    /// The path of the file holding the data.
+    #[pyo3(get)]
+    file: String,
+    /// Absolute byte offset of the data within `file`.
+    #[pyo3(get)]
+    offset: u64,
+    /// The repeating block this tensor belongs to, or None.
+    #[pyo3(get)]
+    layer: Option<u32>,
+    /// What the tensor does (`"attn_q"`, `"ffn_down"`, `"token_embd"`, ...), or None when unknown.
+    #[pyo3(get)]
+    role: Option<&'static str>,
+}
+
+impl TensorInfo {
+    fn new(ckpt: &wf::Checkpoint, t: &wf::TensorInfo) -> Self {
+        TensorInfo {
+            name: t.name.clone(),
+            dtype: t.dtype.name(),
+            shape: t.shape.clone(),
+            nbytes: t.nbytes,
+            file: ckpt
+                .files()
+                .nth(t.file)
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            offset: t.offset,
+            layer: t.layer,
+            role: t.role.map(wf::Role::name),
+        }
+    }
+}
+
+#[pymethods]
+impl TensorInfo {
+    /// The shape in numpy (row-major) order: the reverse of GGUF's `ne`.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    /// Number of elements (the product of the shape).
+    #[getter]
+    fn n_elements(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    fn __repr__(&self) -> String {
+        let shape: Vec<String> = self.shape.iter().map(u64::to_string).collect();
+        format!(
+            "TensorInfo(name='{}', dtype='{}', shape=({}{}), nbytes={}, layer={}, role={})",
+            self.name,
+            self.dtype,
+            shape.join(", "),
+            if shape.len() == 1 { "," } else { "" },
+            self.nbytes,
+            self.layer.map_or("None".to_owned(), |l| l.to_string()),
+            self.role.map_or("None".to_owned(), |r| format!("'{r}'")),
+        )
+    }
+}
+
+/// The architecture of a checkpoint, read from GGUF metadata or an HF `config.json`.
+#[pyclass(module = "weightlift._native", frozen, eq)]
+#[derive(Clone, PartialEq)]
+pub struct ModelSpec {
+    pub(crate) inner: wf::ModelSpec,
+}
+
+#[pymethods]
+impl ModelSpec {
+    /// `general.architecture` or the HF `model_type` (e.g. `"llama"`).
+    #[getter]
+    fn architecture(&self) -> &str {
+        &self.inner.architecture
+    }
+    /// Number of repeating blocks.
+    #[getter]
+    fn n_layers(&self) -> u32 {
+        self.inner.n_layers
+    }
+    /// Width of the residual stream.
+    #[getter]
+    fn hidden_size(&self) -> u64 {
+        self.inner.hidden_size
+    }
+    /// Width of the feed-forward layer.
+    #[getter]
+    fn intermediate_size(&self) -> u64 {
+        self.inner.intermediate_size
+    }
+    /// Attention (query) heads.
+    #[getter]
+    fn n_heads(&self) -> u32 {
+        self.inner.n_heads
+    }
+    /// KV heads per layer (one entry per layer).
+    #[getter]
+    fn n_kv_heads(&self) -> Vec<u32> {
+        self.inner.n_kv_heads.clone()
+    }
+    /// Dimension of one attention head.
+    #[getter]
+    fn head_dim(&self) -> u32 {
+        self.inner.head_dim
+    }
+    /// Vocabulary size.
+    #[getter]
+    fn vocab_size(&self) -> u64 {
+        self.inner.vocab_size
+    }
+    /// The context length the model was trained for.
+    #[getter]
+    fn context_length(&self) -> u64 {
+        self.inner.context_length
+    }
+    /// RoPE base frequency.
+    #[getter]
+    fn rope_theta(&self) -> f64 {
+        self.inner.rope_theta
+    }
+    /// Rotary dimensions, usually `head_dim`.
+    #[getter]
+    fn rope_dim(&self) -> u32 {
+        self.inner.rope_dim
+    }
+    /// RMSNorm epsilon.
+    #[getter]
+    fn rms_norm_eps(&self) -> f64 {
+        self.inner.rms_norm_eps
+    }
+    /// True when the output projection reuses the token embedding.
+    #[getter]
+    fn tie_word_embeddings(&self) -> bool {
+        self.inner.tie_word_embeddings
+    }
+    /// Whether the q/k/v projections carry biases.
+    #[getter]
+    fn attention_bias(&self) -> bool {
+        self.inner.attention_bias
+    }
+
+    /// Every field as a plain dict.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let value = serde_json::to_value(&self.inner)
+            .map_err(|e| raise(Exc::Weightlift, format!("model spec: {e}")))?;
+        json_to_py(py, &value)
+    }
+
+    fn __repr__(&self) -> String {
+        let s = &self.inner;
+        format!(
+            "ModelSpec(architecture='{}', n_layers={}, hidden_size={}, n_heads={}, head_dim={}, vocab_size={})",
+            s.architecture, s.n_layers, s.hidden_size, s.n_heads, s.head_dim, s.vocab_size
+        )
+    }
+}

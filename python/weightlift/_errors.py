@@ -1,0 +1,62 @@
+"""The exception hierarchy. The native module raises these classes by name."""
+
+
+class WeightliftError(Exception):
+    """Base class of every weightlift error."""
+
+
+class FormatError(WeightliftError, ValueError):
+    """A checkpoint file is corrupt, truncated or unsupported."""
+
+
+class OutOfMemoryError(WeightliftError, MemoryError):
+    """A plan or an allocation does not fit on its device.
+
+    From the planner it carries ``shortfalls`` (one dict per short device: ``device``,
+    ``needed``, ``available``, ``missing``, ``what``) and ``fixes`` (strings, cheapest first).
+    """
+
+    shortfalls: list[dict[str, object]]
+    fixes: list[str]
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.shortfalls = []
+        self.fixes = []
+
+
+class PlanError(WeightliftError, ValueError):
+    """A plan request that is invalid: a device spec, a size, an option or a device map."""
+
+
+class DeviceError(WeightliftError, RuntimeError):
+    """A device is missing, unusable, or failed an operation."""
+
+
+class CudaUnavailable(DeviceError):
+    """CUDA was asked for, but no driver or GPU is present (or the build has no CUDA)."""
+
+
+class UnsupportedError(WeightliftError, NotImplementedError):
+    """A valid request that this build does not support (type, architecture, operation)."""
+
+
+class ClosedError(WeightliftError, ValueError):
+    """An operation on a checkpoint (or model) that has been closed."""
+
+
+class LoadCancelled(WeightliftError):
+    """A load was cancelled by its progress callback or by Ctrl-C; nothing stays allocated."""
+
+
+__all__ = [
+    "ClosedError",
+    "CudaUnavailable",
+    "DeviceError",
+    "FormatError",
+    "LoadCancelled",
+    "OutOfMemoryError",
+    "PlanError",
+    "UnsupportedError",
+    "WeightliftError",
+]

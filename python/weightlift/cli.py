@@ -1,0 +1,330 @@
+"""The ``weightlift`` command.
+
+Every subcommand prints a readable table by default and one JSON object with ``--json``. A bad
+file or a request that cannot be met prints one line, ``weightlift: error: <message>``, on
+stderr and exits 2; there is never a traceback for those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import weightlift
+
+EXIT_ERROR = 2
+
+
+def _human(n: float) -> str:
+    """Bytes in binary units, e.g. ``98.2 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _count(n: int) -> str:
+    """A parameter count in words, e.g. ``134.5 M``."""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return str(n)
+
+
+def _summary(ckpt: weightlift.Checkpoint, with_tensors: bool) -> dict[str, Any]:
+    """Everything ``inspect`` reports, as plain data."""
+    tensors = ckpt.tensors
+    types: dict[str, dict[str, int]] = {}
+    layers: dict[int, int] = {}
+    outside = 0
+    for t in tensors:
+        row = types.setdefault(t.dtype, {"count": 0, "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += t.nbytes
+        if t.layer is None:
+            outside += t.nbytes
+        else:
+            layers[t.layer] = layers.get(t.layer, 0) + t.nbytes
+    spec = ckpt.spec
+    out: dict[str, Any] = {
+        "path": ckpt.path,
+        "format": ckpt.format,
+        "files": ckpt.files,
+        "architecture": spec.architecture if spec else None,
+        "spec": spec.to_dict() if spec else None,
+        "spec_error": ckpt.spec_error,
+        "n_tensors": len(tensors),
+        "n_params": ckpt.n_params,
+        "nbytes": ckpt.nbytes,
+        "types": dict(sorted(types.items(), key=lambda kv: -kv[1]["bytes"])),
+        "layer_bytes": [layers[i] for i in sorted(layers)],
+        "non_layer_bytes": outside,
+        "tokenizer": ckpt.tokenizer,
+        "warnings": ckpt.warnings,
+    }
+    if with_tensors:
+        out["tensors"] = [
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "nbytes": t.nbytes,
+                "file": t.file,
+                "offset": t.offset,
+                "layer": t.layer,
+                "role": t.role,
+            }
+            for t in tensors
+        ]
+    return out
+
+
+def _layer_runs(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive layers with equal byte counts, as (first, last, bytes)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, size in enumerate(sizes):
+        if runs and runs[-1][2] == size and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i, size)
+        else:
+            runs.append((i, i, size))
+    return runs
+
+
+def _print_inspect(s: dict[str, Any], with_tensors: bool) -> None:
+    w = sys.stdout.write
+    w(f"path          {s['path']}\n")
+    n_files = len(s["files"])
+    w(f"format        {s['format']} ({n_files} file{'s' if n_files != 1 else ''})\n")
+    spec = s["spec"]
+    if spec:
+        kv = sorted(set(spec["n_kv_heads"]))
+        kv_text = "/".join(str(k) for k in kv)
+        w(
+            f"architecture  {spec['architecture']}: {spec['n_layers']} layers, "
+            f"hidden {spec['hidden_size']}, ffn {spec['intermediate_size']}, "
+            f"heads {spec['n_heads']} (kv {kv_text}, head_dim {spec['head_dim']}), "
+            f"vocab {spec['vocab_size']}, context {spec['context_length']}"
+            f"{', tied embeddings' if spec['tie_word_embeddings'] else ''}\n"
+        )
+    else:
+        w(f"architecture  unknown ({s['spec_error']})\n")
+    w(f"parameters    {_count(s['n_params'])} ({s['n_params']:,})\n")
+    w(f"bytes         {_human(s['nbytes'])} ({s['nbytes']:,}) in {s['n_tensors']} tensors\n")
+    w("types\n")
+    for name, row in s["types"].items():
+        w(f"  {name:<8} {row['count']:>6} tensors  {_human(row['bytes']):>11}\n")
+    sizes = s["layer_bytes"]
+    if sizes:
+        w(f"layers        {len(sizes)} blocks\n")
+        for first, last, size in _layer_runs(sizes):
+            label = f"{first}" if first == last else f"{first}-{last}"
+            each = " each" if first != last else ""
+            w(f"  blk {label:<9} {_human(size):>11}{each}\n")
+        w(f"  outside      {_human(s['non_layer_bytes']):>11}\n")
+    tok = s["tokenizer"]
+    parts = [tok["model"] or "unknown"]
+    if tok["pre"]:
+        parts.append(f"pre {tok['pre']}")
+    if tok["n_tokens"] is not None:
+        parts.append(f"{tok['n_tokens']} tokens")
+    if tok["n_merges"] is not None:
+        parts.append(f"{tok['n_merges']} merges")
+    if tok["bos_token_id"] is not None:
+        parts.append(f"bos {tok['bos_token_id']}")
+    if tok["eos_token_id"] is not None:
+        parts.append(f"eos {tok['eos_token_id']}")
+    if tok["has_tokenizer_json"]:
+        parts.append("tokenizer.json present")
+    w(f"tokenizer     {', '.join(parts)}\n")
+    for warning in s["warnings"]:
+        w(f"warning       {warning}\n")
+    if with_tensors:
+        w("tensors\n")
+        for t in s["tensors"]:
+            shape = "x".join(str(d) for d in t["shape"])
+            w(f"  {t['name']:<40} {t['dtype']:<8} {shape:<16} {t['nbytes']:>12,}\n")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    with weightlift.open(args.path, check_tensors=args.check_tensors) as ckpt:
+        summary = _summary(ckpt, args.tensors)
+    if args.json:
+        json.dump(summary, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print_inspect(summary, args.tensors)
+    return 0
+
+
+DEFAULT_CTX = 4096  # cache length when --cache is given without --ctx
+
+
+def _sizes(text: str | None) -> list[str] | dict[str, str] | None:
+    """``--reserve 256MiB,64MiB`` (device order) or ``--reserve cuda:0=1GiB,cpu=4GiB``."""
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if items and all("=" in t for t in items):
+        return dict(t.split("=", 1) for t in items)  # type: ignore[misc]
+    if any("=" in t for t in items):
+        raise weightlift.PlanError(
+            f"invalid size list '{text}': expected SIZE,SIZE,... or DEVICE=SIZE,..., not a mix"
+        )
+    return items
+
+
+def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    cache = None
+    if args.ctx is not None or args.cache is not None or args.batch is not None:
+        cache = weightlift.CacheSpec(
+            args.ctx if args.ctx is not None else DEFAULT_CTX,
+            args.batch if args.batch is not None else 1,
+            args.cache or "fp16",
+        )
+    runtime = None
+    if args.max_input_len is not None or args.low_mem:
+        runtime = weightlift.RuntimeSpec(
+            max_input_len=args.max_input_len or 2048, low_mem=args.low_mem
+        )
+    kw: dict[str, Any] = {
+        "devices": args.devices,
+        "strategy": args.strategy,
+        "dtype": args.dtype,
+        "cache": cache,
+        "runtime": runtime,
+        "reserve": _sizes(args.reserve),
+        "max_memory": _sizes(args.max_memory),
+        "allow_disk": args.allow_disk,
+        "weight_dtype": args.weight_dtype,
+        "main_gpu": args.main_gpu,
+    }
+    if args.n_gpu_layers is not None:
+        kw["n_gpu_layers"] = args.n_gpu_layers
+    if args.split_mode is not None:
+        kw["split_mode"] = args.split_mode
+    if args.tensor_split is not None:
+        kw["tensor_split"] = [float(x) for x in args.tensor_split.split(",") if x.strip()]
+    if args.override:
+        kw["overrides"] = args.override
+    return kw
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    p = weightlift.plan(args.path, **_plan_kwargs(args))
+    if args.svg:
+        p.save_svg(args.svg)
+    if args.json:
+        sys.stdout.write(p.to_json())
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(p.explain())
+        if args.svg:
+            sys.stdout.write(f"chart written to {args.svg}\n")
+    return 0
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    kw = _plan_kwargs(args)
+    value = weightlift.fit(args.path, target=args.target, **kw)
+    if args.json:
+        json.dump({"target": args.target, "value": value}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(f"{args.target} {value}\n")
+    return 0
+
+
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a checkpoint (file, folder, index.json) or an HF config.json")
+    p.add_argument(
+        "--devices",
+        required=True,
+        help='device spec, e.g. "virtual:2x8GiB,cpu" or "cuda:0:24GiB,cpu:64GiB,disk"',
+    )
+    p.add_argument(
+        "--strategy",
+        default="autosplit",
+        help="autosplit, sequential, balanced, balanced_low_0, layers, tensor_parallel or map",
+    )
+    p.add_argument("--ctx", type=int, help=f"KV cache length (default {DEFAULT_CTX} with --cache)")
+    p.add_argument("--batch", type=int, help="KV cache batch size (default 1)")
+    p.add_argument("--cache", help="KV cache dtype: fp16, fp8, q8, q6 or q4")
+    p.add_argument("--dtype", default="auto", help="convert float weights: auto, float16, ...")
+    p.add_argument(
+        "--weight-dtype", help="weights of a config-only plan: bfloat16, float16, q8_0, q4_k_m, ..."
+    )
+    p.add_argument("--reserve", help="per-device reserve: 256MiB,64MiB or cuda:0=256MiB,...")
+    p.add_argument("--max-memory", help="per-device caps, same syntax as --reserve")
+    p.add_argument("--n-gpu-layers", "-ngl", type=int, help="llama.cpp n_gpu_layers (-1: all)")
+    p.add_argument("--split-mode", "-sm", help="llama.cpp split mode: none, layer or row")
+    p.add_argument("--tensor-split", "-ts", help="llama.cpp tensor split, e.g. 3,1")
+    p.add_argument("--main-gpu", "-mg", type=int, default=0, help="llama.cpp main GPU index")
+    p.add_argument(
+        "--override", "-ot", action="append", help="llama.cpp tensor override REGEX=DEVICE"
+    )
+    p.add_argument("--max-input-len", type=int, help="runtime max_input_len (default 2048)")
+    p.add_argument("--low-mem", action="store_true", help="exllamav2 low_mem scratch sizes")
+    p.add_argument("--allow-disk", action="store_true", help="let weights stay on disk")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="weightlift",
+        description="Open, plan and load large language models on small machines.",
+    )
+    p.add_argument("--version", action="version", version=f"weightlift {weightlift.__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ins = sub.add_parser("inspect", help="describe a GGUF or safetensors checkpoint")
+    ins.add_argument("path", help="a .gguf file, a .safetensors file, a folder or an index.json")
+    ins.add_argument("--json", action="store_true", help="print one JSON object")
+    ins.add_argument("--tensors", action="store_true", help="list every tensor")
+    ins.add_argument(
+        "--check-tensors", action="store_true", help="scan float data and scales for NaN/Inf"
+    )
+    ins.set_defaults(func=_cmd_inspect)
+
+    pl = sub.add_parser("plan", help="place a model on devices, by arithmetic")
+    _plan_options(pl)
+    pl.add_argument("--svg", help="also draw the plan as an SVG chart into this file")
+    pl.set_defaults(func=_cmd_plan)
+
+    ft = sub.add_parser("fit", help="the largest context, batch or n_gpu_layers that fits")
+    _plan_options(ft)
+    ft.add_argument(
+        "--target",
+        default="max_seq_len",
+        choices=["max_seq_len", "batch_size", "n_gpu_layers"],
+        help="what to maximise (default max_seq_len)",
+    )
+    ft.set_defaults(func=_cmd_fit)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``weightlift`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except (weightlift.WeightliftError, OSError) as e:
+        if isinstance(e, BrokenPipeError):
+            return 0
+        sys.stderr.write(f"weightlift: error: {_one_line(e)}\n")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        sys.stderr.write("weightlift: interrupted\n")
+        return 130
+    return status
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""The planner through its Python API: plans of real checkpoints whose predicted bytes per device
+must equal the actual tensor sizes placed there, KV bytes against DESIGN.md's formula, llama.cpp's
+documented n_gpu_layers rule, fit(), JSON round trips, errors, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gen_fixtures as gen
+import pytest
+import weightlift as wl
+from conftest import DATA
+
+GiB, MiB = 1024**3, 1024**2
+# Scratch scaled down so small models fit small devices; the defaults are exllamav2's.
+SMALL_RT = wl.RuntimeSpec(max_input_len=256, max_attention_size=256 * 256, max_dq_size=1 << 20)
+
+
+def expected_weights(ckpt: wl.Checkpoint, p: wl.Plan) -> dict[str, int]:
+    """Bytes per device summed from the checkpoint's own tensor table, following the plan's
+    placement (row-split tensors by their shards), plus exllamav2's separate copy of a tied
+    head on the device that `tied_output_copy` names."""
+    sizes = {t.name: t.nbytes for t in ckpt.tensors}
+    out: dict[str, int] = {d.name: 0 for d in p.devices}
+    for pl in p.tensors:
+        assert pl.nbytes == sizes[pl.name], pl.name  # dtype="auto": stored bytes
+        if pl.shards:
+            assert sum(s[3] for s in pl.shards) == pl.nbytes, pl.name
+            for dev, _start, _end, nbytes in pl.shards:
+                out[dev] += nbytes
+        else:
+            out[p.device_of(pl.name)] += pl.nbytes
+    if p.tied_output_copy is not None:
+        embd = next(t for t in ckpt.tensors if t.role == "token_embd")
+        out[p.tied_output_copy] += embd.nbytes
+    return out
+
+
+def check_plan(ckpt: wl.Checkpoint, p: wl.Plan, whole_layers: bool = True) -> None:
+    assert sorted(pl.name for pl in p.tensors) == sorted(t.name for t in ckpt.tensors)
+    want = expected_weights(ckpt, p)
+    for d in p.devices:
+        assert d.weights == want[d.name], (d.name, d.weights, want[d.name])
+        if d.capacity is not None:
+            assert d.used <= d.capacity, d.name
+            assert d.free == d.capacity - d.used, d.name
+    for t in ckpt.tensors:
+        if t.layer is not None and whole_layers:
+            assert p.device_of(t.name) == p.layer_devices[t.layer] or any(
+                pl.shards for pl in p.tensors if pl.name == t.name
+            ), t.name
+    assert len(p.layer_devices) == ckpt.spec.n_layers
+
+
+DEVICE_SPECS = [
+    ("virtual:2x300MiB,cpu", "autosplit"),
+    ("virtual:2x60MiB,cpu", "autosplit"),
+    ("virtual:60MiB,virtual:30MiB,cpu,disk", "autosplit"),
+    ("virtual:2x300MiB,cpu", "sequential"),
+    ("virtual:2x300MiB,cpu", "balanced"),
+    ("virtual:3x300MiB,cpu", "balanced_low_0"),
+    ("virtual:2x300MiB,cpu", "layers"),
+    ("virtual:40MiB,cpu:2GiB,disk", "sequential"),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm(demo_gguf):
+    with wl.open(demo_gguf) as ckpt:
+        yield ckpt
+
+
+@pytest.mark.parametrize("devices, strategy", DEVICE_SPECS)
+def test_smollm_weight_bytes_per_device(smollm, devices, strategy):
+    p = wl.plan(smollm, devices=devices, strategy=strategy, runtime=SMALL_RT, allow_disk=True)
+    check_plan(smollm, p)
+    assert p.strategy == strategy
+    assert sum(d.weights for d in p.devices) >= smollm.nbytes
+
+
+@pytest.mark.parametrize("devices, strategy", DEVICE_SPECS[:4])
+def test_tiny_llama_safetensors_weight_bytes_per_device(tiny_llama_st, devices, strategy):
+    for path in (tiny_llama_st, tiny_llama_st.parent / "safetensors-sharded"):
+        with wl.open(path) as ckpt:
+            p = wl.plan(
+                ckpt,
+                devices=devices.replace("300MiB", "12MiB").replace("60MiB", "8MiB"),
+                strategy=strategy,
+                runtime=SMALL_RT,
+                allow_disk=True,
+            )
+            check_plan(ckpt, p)
+
+
+def test_row_split_weight_bytes(tiny_llama_gguf):
+    with wl.open(tiny_llama_gguf) as ckpt:
+        p = wl.plan(
+            ckpt,
+            devices="virtual:2x64MiB,cpu",
+            strategy="layers",
+            split_mode="row",
+            tensor_split=[1, 1],
+            runtime=SMALL_RT,
+        )
+        check_plan(ckpt, p)
+
+
+def test_kv_bytes_follow_design_formula(smollm):
+    """DESIGN.md: 2 x n_kv_heads x head_dim x max_seq_len x batch elements per layer; fp16 2 B,
+    fp8 1 B, q8 8.5/8 B, q4 4.5/8 B, q6 K at 8.5/8 and V at 4.5/8 (one f16 scale per 32)."""
+    s = smollm.spec
+    ctx, batch = 2048, 2
+    n = s.n_kv_heads[0] * s.head_dim * ctx * batch  # K (or V) elements of one layer
+    per_layer = {
+        "fp16": 2 * n * 2,
+        "fp8": 2 * n,
+        "q8": 2 * n // 32 * 34,
+        "q6": n // 32 * 34 + n // 32 * 18,
+        "q4": 2 * n // 32 * 18,
+    }
+    for dtype, bytes_per_layer in per_layer.items():
+        cache = wl.CacheSpec(ctx, batch, dtype)
+        assert cache.nbytes(s) == bytes_per_layer * s.n_layers, dtype
+        p = wl.plan(smollm, devices="virtual:2x1GiB,cpu", cache=cache, runtime=SMALL_RT)
+        assert sum(d.kv for d in p.devices) == bytes_per_layer * s.n_layers, dtype
+        for d in p.devices:
+            n_layers_here = sum(b - a + 1 for a, b in d.layers)
+            assert d.kv == n_layers_here * bytes_per_layer, (dtype, d.name)
+
+
+def test_llama_cpp_n_gpu_layers_rule(tiny_llama_gguf, smollm):
+    """llama.cpp offloads the LAST n_gpu_layers repeating layers, the output layer too when
+    n_gpu_layers > n_layer, and keeps token_embd on the CPU."""
+    n = smollm.spec.n_layers
+    for ngl in (0, 1, 10, n):
+        p = wl.plan(smollm, devices="virtual:1GiB,cpu", n_gpu_layers=ngl, runtime=SMALL_RT)
+        assert p.strategy == "layers"
+        assert p.layer_devices == ["cpu"] * (n - ngl) + ["virtual:0"] * ngl, ngl
+        assert p.embed_device == "cpu"
+    with wl.open(tiny_llama_gguf) as ckpt:
+        n = ckpt.spec.n_layers
+        p = wl.plan(ckpt, devices="virtual:1GiB,cpu", n_gpu_layers=n, runtime=SMALL_RT)
+        assert p.device_of("output.weight") == "cpu"
+        for ngl in (n + 1, -1):
+            p = wl.plan(ckpt, devices="virtual:1GiB,cpu", n_gpu_layers=ngl, runtime=SMALL_RT)
+            assert p.device_of("output.weight") == "virtual:0", ngl
+            assert p.device_of("token_embd.weight") == "cpu"
+            check_plan(ckpt, p)
+
+
+def test_fit_answer_fits_and_one_more_does_not(smollm):
+    devices = "virtual:2x100MiB"
+    kw = {"devices": devices, "runtime": SMALL_RT}
+    best = wl.fit(smollm, cache=wl.CacheSpec(256, dtype="q4"), **kw)
+    assert best % 256 == 0 and 256 <= best < smollm.spec.context_length
+    wl.plan(smollm, cache=wl.CacheSpec(best, dtype="q4"), **kw)
+    with pytest.raises(wl.OutOfMemoryError):
+        wl.plan(smollm, cache=wl.CacheSpec(best + 256, dtype="q4"), **kw)
+    assert wl.fit(smollm, cache_dtype="q4", **kw) == best
+    with pytest.raises(wl.PlanError, match="contradicts"):
+        wl.fit(smollm, cache=wl.CacheSpec(256, dtype="q8"), cache_dtype="q4", **kw)
+    # A smaller cache dtype never fits less.
+    assert wl.fit(smollm, cache=wl.CacheSpec(256, dtype="fp16"), **kw) <= best
+
+
+def test_out_of_memory_names_devices_and_fixes(smollm):
+    with pytest.raises(wl.OutOfMemoryError) as info:
+        wl.plan(smollm, devices="virtual:2x20MiB", cache=wl.CacheSpec(8192), runtime=SMALL_RT)
+    e = info.value
+    assert isinstance(e, MemoryError) and isinstance(e, wl.WeightliftError)
+    msg = str(e)
+    assert "virtual:" in msg and "short by" in msg
+    assert e.shortfalls and all(s["missing"] > 0 for s in e.shortfalls)
+    assert {s["device"] for s in e.shortfalls} <= {"virtual:0", "virtual:1"}
+    for s in e.shortfalls:
+        assert s["needed"] - s["available"] == s["missing"]
+        assert s["device"] in msg
+    assert e.fixes and "allow_disk" in " ".join(e.fixes)
+    p = wl.plan(
+        smollm,
+        devices="virtual:2x20MiB,disk",
+        cache=wl.CacheSpec(8192),
+        runtime=SMALL_RT,
+        allow_disk=True,
+    )
+    check_plan(smollm, p)
+
+
+def test_json_round_trip_explain_and_svg(smollm, tmp_path):
+    p = wl.plan(
+        smollm,
+        devices="virtual:2x60MiB,cpu",
+        cache=wl.CacheSpec(1024, dtype="q8"),
+        runtime=SMALL_RT,
+    )
+    text = p.to_json()
+    json.loads(text)
+    q = wl.Plan.from_json(text)
+    assert q == p and q.to_json() == text
+    assert q.layer_devices == p.layer_devices and q.cache == wl.CacheSpec(1024, 1, "q8")
+    again = wl.plan(
+        smollm,
+        devices="virtual:2x60MiB,cpu",
+        cache=wl.CacheSpec(1024, dtype="q8"),
+        runtime=SMALL_RT,
+    )
+    assert again == p, "deterministic"
+    table = p.explain()
+    for d in p.devices:
+        assert d.name in table
+    svg = tmp_path / "plan.svg"
+    p.save_svg(svg)
+    body = svg.read_text()
+    assert body.lstrip().startswith("<svg") and body.rstrip().endswith("</svg>")
+    assert "virtual:0" in body and "virtual:1" in body
+    with pytest.raises(wl.PlanError, match="plan json"):
+        wl.Plan.from_json("{not json")
+    with pytest.raises(FileNotFoundError):
+        p.save_svg(tmp_path / "missing-dir" / "x.svg")
+
+
+def test_plan_from_config_matches_real_checkpoint(tiny_llama_st):
+    """A config-only plan derives the tensor list from the architecture; its bytes must equal
+    the real checkpoint's (written by transformers)."""
+    cfg_path = DATA / "tiny-llama" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    with wl.open(tiny_llama_st) as ckpt:
+        real = wl.plan(ckpt, devices="virtual:64MiB,cpu", runtime=SMALL_RT)
+        total = ckpt.nbytes
+        assert total == 19_532_288
+    for source in (cfg_path, str(cfg_path), cfg):
+        p = wl.plan(source, devices="virtual:64MiB,cpu", runtime=SMALL_RT)  # config says bfloat16
+        weights = sum(d.weights for d in p.devices)
+        copy = 32000 * 256 * 2 if p.tied_output_copy else 0
+        assert weights - copy == total
+        assert sorted(pl.name.replace("model.", "") for pl in p.tensors) == sorted(
+            pl.name.replace("model.", "") for pl in real.tensors
+        ) or len(p.tensors) == len(real.tensors)
+    spec = wl.open(tiny_llama_st).spec
+    with pytest.raises(wl.PlanError, match="weight_dtype"):
+        wl.plan(spec, devices="virtual:64MiB")
+    p = wl.plan(spec, devices="virtual:64MiB,cpu", weight_dtype="q8_0", runtime=SMALL_RT)
+    assert sum(d.weights for d in p.devices) < total
+    with pytest.raises(wl.PlanError, match="weight_dtype"):
+        wl.plan(wl.open(tiny_llama_st), devices="cpu", weight_dtype="q8_0")
+
+
+def test_tensor_parallel_tables_cover_dimensions(tiny_llama_st):
+    with wl.open(tiny_llama_st) as ckpt:
+        s = ckpt.spec
+        p = wl.plan(ckpt, devices="virtual:2x64MiB", strategy="tensor_parallel", runtime=SMALL_RT)
+        sizes = {
+            "kv": s.n_kv_heads[0],
+            "q": s.n_heads,
+            "id": s.intermediate_size,
+            "rs": s.hidden_size,
+            "vc": s.vocab_size,
+        }
+        for kind, total in sizes.items():
+            table = p.tp_split(kind)
+            assert table[0][1] == 0 and table[-1][2] == total, kind
+            for (_, _, end), (_, start, _) in zip(table, table[1:], strict=False):
+                assert end == start, kind
+            assert [d for d, _, _ in table] == sorted(d for d, _, _ in table), kind
+        kv, q = p.tp_split("kv"), p.tp_split("q")
+        groups = s.n_heads // s.n_kv_heads[0]
+        assert [(d, a * groups, b * groups) for d, a, b in kv] == q
+        with pytest.raises(wl.PlanError, match="kind"):
+            p.tp_split("nope")
+        autosplit = wl.plan(ckpt, devices="virtual:64MiB", runtime=SMALL_RT)
+        with pytest.raises(wl.PlanError, match="tensor_parallel"):
+            autosplit.tp_split("kv")
+
+
+def test_device_map_and_overrides(tiny_llama_gguf):
+    with wl.open(tiny_llama_gguf) as ckpt:
+        p = wl.plan(
+            ckpt,
+            devices="virtual:2x64MiB,cpu",
+            device_map={"blk.0": "virtual:0", "blk.1": 1, "": "cpu"},
+            overrides=[r"ffn_(up|down)=cpu"],
+            runtime=SMALL_RT,
+        )
+        assert p.strategy == "map"
+        for t in ckpt.tensors:
+            dev = p.device_of(t.name)
+            if "ffn_up" in t.name or "ffn_down" in t.name or t.layer is None:
+                assert dev == "cpu", t.name
+            else:
+                assert dev == f"virtual:{t.layer}", t.name
+        check_plan(ckpt, p, whole_layers=False)
+        with pytest.raises(wl.PlanError, match="contradictory|conflict"):
+            wl.plan(
+                ckpt,
+                devices="virtual:2x64MiB,cpu",
+                device_map={"blk.0": "virtual:0", "blk.0-1": "virtual:1", "": "cpu"},
+            )
+        with pytest.raises(wl.PlanError, match="without a device"):
+            wl.plan(ckpt, devices="virtual:2x64MiB,cpu", device_map={"blk.0": "cpu"})
+
+
+def test_reserve_and_max_memory(tiny_llama_gguf):
+    with wl.open(tiny_llama_gguf) as ckpt:
+        p = wl.plan(
+            ckpt,
+            devices="virtual:2x64MiB,cpu",
+            reserve=["1MiB", 2 * MiB],
+            max_memory={"cpu": "1GiB", 0: "32MiB"},
+            runtime=SMALL_RT,
+        )
+        by = {d.name: d for d in p.devices}
+        assert by["virtual:0"].reserve == MiB and by["virtual:1"].reserve == 2 * MiB
+        assert by["virtual:0"].used <= 32 * MiB
+        p = wl.plan(ckpt, devices="virtual:2x64MiB", reserve="3MiB", runtime=SMALL_RT)
+        assert [d.reserve for d in p.devices if d.kind == "virtual"] == [3 * MiB, 3 * MiB]
+        with pytest.raises(wl.PlanError, match="reserve"):
+            wl.plan(ckpt, devices="virtual:64MiB", reserve=[1, 2, 3])
+        with pytest.raises(wl.PlanError, match="unknown device"):
+            wl.plan(ckpt, devices="virtual:64MiB", reserve={"cuda:3": 1})
+
+
+def test_bad_requests_are_plan_errors(tiny_llama_gguf):
+    with wl.open(tiny_llama_gguf) as ckpt:
+        cases = [
+            ({"devices": "foo:1"}, "foo"),
+            ({"devices": "virtual:2xlots"}, "lots"),
+            ({"devices": "virtual:8GiB", "strategy": "fastest"}, "fastest"),
+            ({"devices": "virtual:8GiB", "dtype": "int3"}, "int3"),
+            ({"devices": "virtual:8GiB", "strategy": "balanced", "n_gpu_layers": 3}, "layers"),
+            ({"devices": "virtual:8GiB", "split_mode": "diagonal"}, "diagonal"),
+            ({"devices": "cuda:0"}, "cuda:0"),
+            ({"devices": 42}, "devices"),
+        ]
+        for kwargs, needle in cases:
+            with pytest.raises(wl.PlanError) as info:
+                wl.plan(ckpt, **kwargs)
+            assert isinstance(info.value, ValueError)
+            assert needle in str(info.value), (kwargs, str(info.value))
+    with pytest.raises(wl.PlanError, match="cache dtype"):
+        wl.CacheSpec(1024, dtype="q3")
+    with pytest.raises(wl.PlanError, match="max_seq_len"):
+        wl.CacheSpec(0)
+    with pytest.raises(wl.PlanError, match="source"):
+        wl.plan(3.5, devices="cpu")
+    with pytest.raises(FileNotFoundError):
+        wl.plan("/nonexistent/model.gguf", devices="cpu")
+    with pytest.raises(wl.PlanError, match="vocab_only"):
+        wl.plan(wl.open(tiny_llama_gguf, vocab_only=True), devices="cpu")
+
+
+def test_devices_and_parse_devices():
+    devs = wl.parse_devices("virtual:2x8GiB, cpu:64GiB,disk")
+    assert [d.name for d in devs] == ["virtual:0", "virtual:1", "cpu", "disk"]
+    assert [d.kind for d in devs] == ["virtual", "virtual", "cpu", "disk"]
+    assert [d.capacity for d in devs] == [8 * GiB, 8 * GiB, 64 * GiB, None]
+    assert wl.parse_devices(["virtual:24GiB", "virtual:12GiB"])[1].name == "virtual:1"
+    assert wl.parse_devices("cuda:1:24GiB")[0].name == "cuda:1"
+    real = wl.devices()
+    assert real[0].name == "cpu" and real[0].capacity and real[0].capacity > 0
+    assert real[-1].name == "disk" and real[-1].capacity is None
+    with pytest.raises(wl.PlanError, match="listed twice"):
+        wl.parse_devices("cpu,cpu")
+
+
+def test_cache_and_runtime_specs():
+    c = wl.CacheSpec(4096)
+    assert (c.max_seq_len, c.batch_size, c.dtype) == (4096, 1, "fp16")
+    assert c == wl.CacheSpec(4096, 1, "fp16") and hash(c) == hash(wl.CacheSpec(4096))
+    assert "4096" in repr(c)
+    r = wl.RuntimeSpec()
+    assert (r.max_input_len, r.max_attention_size, r.max_dq_size, r.low_mem) == (
+        2048,
+        2048**2,
+        512 * 1024**2,
+        False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+EXE = Path(sys.executable).with_name("weightlift")
+
+
+def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "error"}
+    return subprocess.run(
+        [str(EXE), *map(str, args)], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_cli_plan(demo_gguf, tmp_path):
+    svg = tmp_path / "plan.svg"
+    p = run(
+        "plan",
+        demo_gguf,
+        "--devices",
+        "virtual:2x200MiB,cpu",
+        "--ctx",
+        "2048",
+        "--cache",
+        "q8",
+        "--max-input-len",
+        "256",
+        "--svg",
+        svg,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "virtual:0" in p.stdout and "virtual:1" in p.stdout and "q8" in p.stdout
+    assert svg.read_text().lstrip().startswith("<svg")
+    p = run(
+        "plan",
+        demo_gguf,
+        "--devices",
+        "virtual:2x200MiB,cpu",
+        "--json",
+        "-ngl",
+        "12",
+        "--max-input-len",
+        "256",
+    )
+    assert p.returncode == 0, p.stderr
+    plan = wl.Plan.from_json(p.stdout)
+    assert plan.strategy == "layers" and plan.layer_devices.count("cpu") == 18
+
+
+def test_cli_plan_from_config():
+    p = run(
+        "plan",
+        DATA / "tiny-llama" / "config.json",
+        "--devices",
+        "virtual:2x64MiB,cpu",
+        "--strategy",
+        "tensor_parallel",
+        "--max-input-len",
+        "128",
+    )
+    assert p.returncode == 0, p.stderr
+    assert "tensor parallel" in p.stdout
+
+
+def test_cli_fit(demo_gguf):
+    p = run("fit", demo_gguf, "--devices", "virtual:2x200MiB", "--cache", "q4", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["target"] == "max_seq_len" and doc["value"] % 256 == 0 and doc["value"] > 0
+    p = run(
+        "fit",
+        demo_gguf,
+        "--devices",
+        "virtual:50MiB,cpu",
+        "--target",
+        "n_gpu_layers",
+        "--strategy",
+        "layers",
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("n_gpu_layers ")
+
+
+def test_cli_plan_errors(demo_gguf, tmp_path):
+    p = run("plan", demo_gguf, "--devices", "virtual:2x10MiB")
+    assert p.returncode == 2
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightlift: error: out of memory")
+    assert "Traceback" not in p.stderr
+    p = run("plan", demo_gguf, "--devices", "floppy:1")
+    assert p.returncode == 2 and "floppy" in p.stderr and len(p.stderr.splitlines()) == 1
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF")
+    p = run("plan", bad, "--devices", "cpu")
+    assert p.returncode == 2 and "bad.gguf" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_gen_fixtures_llama_plans(tmp_path):
+    """The gguf-py tiny llama with mixed quant types: bytes per device stay exact."""
+    path = tmp_path / "m.gguf"
+    gen.write_tiny_llama_gguf(path)
+    with wl.open(path) as ckpt:
+        for strategy in ("autosplit", "sequential", "balanced", "balanced_low_0", "layers"):
+            p = wl.plan(
+                ckpt,
+                devices="virtual:2x1MiB,cpu",
+                strategy=strategy,
+                runtime=wl.RuntimeSpec(0, 0, 0),
+            )
+            check_plan(ckpt, p)
