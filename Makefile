@@ -71,9 +71,10 @@ lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 fuzz: ## run the GGUF parser fuzz target over 100,000 inputs (not part of CI)
 	WEIGHTLIFT_FUZZ_CASES=100000 cargo test --release -p weightlift-format --test fuzz_gguf -- --ignored --nocapture
 
-bench: build demo-model ## run the benches and write benches/results/
-	cargo bench -p weightlift-benches
-	$(VPY) benches/python_peers.py
+bench: venv demo-model ## run the benches (release build) and write benches/results/
+	$(CUDA_ENV) cargo bench -p weightlift-benches
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
+	$(VPY) benches/python_peers.py | tee benches/results/python_peers.md
 
 clean: ## remove build outputs (keeps the model cache)
 	cargo clean

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors import safe_open
-
 import weightlift as wl
+from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results"
@@ -108,7 +107,9 @@ def bench_dequantize(rows: list[dict]) -> None:
     reader = gguf.GGUFReader(DEMO)
     ckpt = wl.open(DEMO)
     for ttype in ("Q4_1", "Q8_0"):
-        t = next(t for t in reader.tensors if t.tensor_type.name == ttype and t.n_elements > 500_000)
+        t = next(
+            t for t in reader.tensors if t.tensor_type.name == ttype and t.n_elements > 500_000
+        )
         raw = np.array(t.data)
         ours = median_seconds(lambda name=t.name: ckpt.dequantize(name), repeat=10)
         peer = median_seconds(
@@ -145,7 +146,7 @@ def main() -> int:
         if "peer" in r:
             print(
                 f"| {r['what']} | {r['ours_ms']:.2f} ms | {r['peer']} | {r['peer_ms']:.2f} ms "
-                f"| {r['speedup']:.0f}x |"
+                f"| {r['speedup']:.1f}x |"
             )
         else:
             print(f"| {r['what']} | {r['ours_ms']:.2f} ms | — | — | {r['gb_per_s']:.1f} GB/s |")
