@@ -1,0 +1,98 @@
+//! Dtype conversion on the way to a device: F32 and BF16 to F16. Quantised types are never
+//! converted (they stay quantised); anything else is refused with `Unsupported`.
+
+use half::{bf16, f16};
+use weightlift_format::{DType, TensorInfo};
+
+use crate::error::{EngineError, Result};
+
+/// Whether `info` may be held as `to`.
+pub fn check(info: &TensorInfo, to: DType) -> Result<()> {
+    match (info.dtype, to) {
+        (a, b) if a == b => Ok(()),
+        (DType::F32 | DType::BF16, DType::F16) => Ok(()),
+        (from, to) => Err(EngineError::Unsupported {
+            what: format!("converting tensor '{}' from {from} to {to}", info.name),
+            detail: "only F32 and BF16 convert (to F16); quantised types stay quantised".into(),
+        }),
+    }
+}
+
+/// Write the conversion of `data` (source bytes `at..at + data.len()` of the tensor) into the
+/// matching range of `dst` (the whole converted tensor).
+pub fn convert_into(
+    info: &TensorInfo,
+    to: DType,
+    at: u64,
+    data: &[u8],
+    dst: &mut [u8],
+) -> Result<()> {
+    let (in_size, out_size) = match (info.dtype, to) {
+        (a, b) if a == b => (1, 1),
+        (DType::F32, DType::F16) => (4, 2),
+        (DType::BF16, DType::F16) => (2, 2),
+        _ => return check(info, to),
+    };
+    let out_at = (at as usize / in_size) * out_size;
+    let out_len = data.len() / in_size * out_size;
+    let Some(out) = dst.get_mut(out_at..out_at + out_len) else {
+        return Err(crate::error::invalid(
+            format!("conversion of tensor '{}'", info.name),
+            format!("a chunk inside {} bytes", dst.len()),
+            format!("bytes {out_at}..{}", out_at + out_len),
+        ));
+    };
+    let kernel = |e: weightlift_kernels::KernelError| EngineError::Unsupported {
+        what: format!("converting tensor '{}' to {to}", info.name),
+        detail: e.to_string(),
+    };
+    // The kernels work on aligned words; staging chunks usually are, mmap offsets may not be.
+    let mut words = vec![0u16; out.len() / 2];
+    match (info.dtype, to) {
+        (a, b) if a == b => {
+            out.copy_from_slice(data);
+            return Ok(());
+        }
+        (DType::F32, DType::F16) => {
+            let src: std::borrow::Cow<'_, [f32]> = match bytemuck::try_cast_slice(data) {
+                Ok(s) => s.into(),
+                Err(_) => data
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            };
+            weightlift_kernels::f32_to_f16_slice(&src, &mut words).map_err(kernel)?;
+        }
+        _ => {
+            let src: std::borrow::Cow<'_, [u16]> = match bytemuck::try_cast_slice(data) {
+                Ok(s) => s.into(),
+                Err(_) => data
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            };
+            weightlift_kernels::bf16_to_f16_slice(&src, &mut words).map_err(kernel)?;
+        }
+    }
+    out.copy_from_slice(bytemuck::cast_slice(&words));
+    Ok(())
+}
+
+/// Decode a float tensor's bytes to f32 (F32, F16, BF16).
+pub fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        _ => return None,
+    })
+}

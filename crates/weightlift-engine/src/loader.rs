@@ -1,0 +1,574 @@
+//! The streaming loader: it carries out a placement tensor by tensor, in layer order.
+//!
+//! - `cpu` tensors whose dtype already matches stay zero-copy views of the mmap
+//!   (`use_mmap = true`), or are `pread` straight into owned memory (`use_mmap = false`).
+//! - Everything else (device-placed tensors, dtype conversions, O_DIRECT reads) goes through two
+//!   bounded staging buffers: a reader thread fills one while the other is converted and copied
+//!   to the device. Anonymous host memory for the load itself is therefore bounded by
+//!   `2 × staging_bytes`, whatever the model size.
+//! - O_DIRECT (`use_direct_io`, which takes precedence over `use_mmap` as in llama.cpp) reads
+//!   aligned blocks into the (page-aligned) staging buffers. A
+//!   filesystem that refuses O_DIRECT (EINVAL, as tmpfs does) falls back to buffered reads, and
+//!   the load records a warning saying so.
+//! - Progress is reported after every chunk; a callback that returns false cancels the load
+//!   within one chunk, and everything allocated so far is dropped (freed) before returning.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+
+use weightlift_format::{DType, Role, TensorInfo};
+
+use crate::device::{Device, DeviceKind, DeviceTensor, Storage};
+use crate::error::{EngineError, Result};
+use crate::hostmem::{ALIGN, AlignedBuf};
+use crate::source::Source;
+use crate::{convert, scan};
+
+/// Where one tensor goes and in what dtype.
+#[derive(Debug, Clone)]
+pub struct TensorTarget {
+    pub device: Arc<Device>,
+    /// The dtype to hold it in: the stored dtype, or F16 for an F32/BF16 conversion.
+    pub dtype: DType,
+    /// Stays a view of the mmap whatever the options say (weights left on `disk`); needs a
+    /// `cpu` device and the stored dtype.
+    pub mapped: bool,
+}
+
+impl TensorTarget {
+    pub fn new(device: Arc<Device>, dtype: DType) -> Self {
+        TensorTarget {
+            device,
+            dtype,
+            mapped: false,
+        }
+    }
+}
+
+/// How to read.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub use_mmap: bool,
+    pub use_direct_io: bool,
+    /// Scan float data placed on a device for NaN/Inf.
+    pub check_tensors: bool,
+    /// Size of each of the two staging buffers.
+    pub staging_bytes: usize,
+    /// Lock memory-mapped tensors in RAM after the load (llama.cpp's `use_mlock`).
+    pub mlock: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            use_mmap: true,
+            use_direct_io: false,
+            check_tensors: false,
+            staging_bytes: 16 << 20,
+            mlock: false,
+        }
+    }
+}
+
+/// One progress report. `bytes_done` counts checkpoint bytes read (before conversion); it is
+/// monotone and ends at `bytes_total`.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress<'a> {
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    pub tensor: &'a str,
+    pub device: &'a str,
+}
+
+/// The result of a load: one tensor per checkpoint tensor, in checkpoint order (`None` where
+/// the target was `None`).
+#[derive(Debug)]
+pub struct Loaded {
+    pub tensors: Vec<Option<DeviceTensor>>,
+    pub warnings: Vec<String>,
+}
+
+/// The position of a tensor in load order: embeddings and other globals first, then layers in
+/// order, then the output norm and head (as the forward pass uses them).
+fn order_key(info: &TensorInfo) -> (u8, u32) {
+    match (info.layer, info.role) {
+        (Some(l), _) => (1, l),
+        (None, Some(Role::Output | Role::OutputNorm)) => (2, 0),
+        (None, _) => (0, 0),
+    }
+}
+
+/// The load order of `tensors`: by layer, then by file position (sequential reads).
+pub fn load_order(tensors: &[TensorInfo]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| (order_key(&tensors[i]), tensors[i].file, tensors[i].offset));
+    order
+}
+
+/// The bytes a tensor of `info` occupies once converted to `dtype`.
+pub fn target_bytes(info: &TensorInfo, dtype: DType) -> Result<u64> {
+    if dtype == info.dtype {
+        return Ok(info.nbytes);
+    }
+    convert::check(info, dtype)?;
+    dtype.bytes_for(info.n_elements()).ok_or_else(|| {
+        crate::error::invalid(
+            format!("tensor '{}'", info.name),
+            "a convertible shape",
+            format!("{:?}", info.shape),
+        )
+    })
+}
+
+enum Msg {
+    /// A finished tensor (mapped view or a direct pread into owned cpu memory).
+    Whole {
+        index: usize,
+        storage: Storage,
+    },
+    /// `len` bytes of tensor `index` starting at byte `at`, held at `buf[start..start + len]`.
+    Chunk {
+        index: usize,
+        at: u64,
+        buf: AlignedBuf,
+        start: usize,
+        len: usize,
+    },
+    Warning(String),
+    Err(EngineError),
+}
+
+/// What the reader does with each tensor.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path_ {
+    View,
+    Pread,
+    Staged,
+}
+
+/// Carry out `targets` (one per tensor of `source`) in layer order.
+///
+/// `progress` is called after every chunk and every whole tensor; returning false cancels.
+/// `on_layer_done(layer)` runs once all of a layer's tensors are in place (the lazy cache
+/// allocates that layer there); an error from it aborts the load.
+pub fn load(
+    source: &Arc<dyn Source>,
+    targets: &[Option<TensorTarget>],
+    opts: &LoadOptions,
+    progress: &mut dyn FnMut(&Progress<'_>) -> bool,
+    on_layer_done: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<Loaded> {
+    let infos = source.tensors();
+    if targets.len() != infos.len() {
+        return Err(crate::error::invalid(
+            "placement",
+            format!("one target per tensor ({})", infos.len()),
+            targets.len(),
+        ));
+    }
+    let order: Vec<usize> = load_order(infos)
+        .into_iter()
+        .filter(|&i| targets[i].is_some())
+        .collect();
+    let mut paths = Vec::with_capacity(infos.len());
+    for (info, t) in infos.iter().zip(targets) {
+        let Some(t) = t else {
+            paths.push(Path_::View);
+            continue;
+        };
+        target_bytes(info, t.dtype)?;
+        let on_cpu = t.device.kind() == DeviceKind::Cpu;
+        let same = t.dtype == info.dtype;
+        if t.mapped {
+            if !(on_cpu && same) {
+                return Err(crate::error::invalid(
+                    format!("tensor '{}' left in the file", info.name),
+                    format!("its stored dtype {} on cpu", info.dtype),
+                    format!("{} on {}", t.dtype, t.device.name()),
+                ));
+            }
+            paths.push(Path_::View);
+            continue;
+        }
+        // As in llama.cpp, use_direct_io takes precedence over use_mmap.
+        paths.push(match (on_cpu && same, opts.use_mmap, opts.use_direct_io) {
+            (true, true, false) => Path_::View,
+            (true, false, false) => Path_::Pread,
+            _ => Path_::Staged,
+        });
+    }
+    if targets
+        .iter()
+        .flatten()
+        .any(|t| t.device.kind() == DeviceKind::Cuda)
+    {
+        return Err(EngineError::CudaUnavailable {
+            device: "cuda".into(),
+            detail: "the engine cannot place tensors on cuda devices in this build".into(),
+        });
+    }
+    let bytes_total: u64 = order.iter().map(|&i| infos[i].nbytes).sum();
+    // The last tensor of each layer in load order: the layer is complete after it.
+    let mut layer_last: HashMap<usize, u32> = HashMap::new();
+    for &i in &order {
+        if let Some(l) = infos[i].layer {
+            layer_last.retain(|_, v| *v != l);
+            layer_last.insert(i, l);
+        }
+    }
+
+    let staging = opts.staging_bytes.max(ALIGN).next_multiple_of(ALIGN);
+    let stop = AtomicBool::new(false);
+    let files = source.files();
+    let mut out: Vec<Option<DeviceTensor>> = (0..infos.len()).map(|_| None).collect();
+    let mut warnings = Vec::new();
+
+    let result = std::thread::scope(|s| -> Result<()> {
+        let (tx, rx) = mpsc::sync_channel::<Msg>(2);
+        let (free_tx, free_rx) = mpsc::channel::<AlignedBuf>();
+        let reader = Reader {
+            source,
+            files: &files,
+            targets,
+            paths: &paths,
+            order: &order,
+            staging,
+            direct: opts.use_direct_io,
+            stop: &stop,
+        };
+        s.spawn(move || reader.run(&tx, &free_rx));
+
+        let mut done = 0u64;
+        let mut current: Option<(usize, crate::device::Buffer)> = None;
+        let mut free_sent = 0;
+        // Two staging buffers in flight at most; they are created on demand by the reader's
+        // request so a load with nothing to stage allocates none.
+        let mut finish =
+            |index: usize, storage: Storage, out: &mut Vec<Option<DeviceTensor>>| -> Result<()> {
+                let info = &infos[index];
+                let Some(target) = &targets[index] else {
+                    return Ok(());
+                };
+                let t = DeviceTensor::new(
+                    Arc::clone(&target.device),
+                    info.shape.clone(),
+                    target.dtype,
+                    storage,
+                )?;
+                if opts.check_tensors && target.device.kind() != DeviceKind::Cpu {
+                    scan::check(&info.name, target.device.name(), t.dtype(), t.bytes())?;
+                }
+                out[index] = Some(t);
+                if let Some(&layer) = layer_last.get(&index) {
+                    on_layer_done(layer)?;
+                }
+                Ok(())
+            };
+        let run = (|| -> Result<()> {
+            for msg in rx.iter() {
+                match msg {
+                    Msg::Err(e) => return Err(e),
+                    Msg::Warning(w) => warnings.push(w),
+                    Msg::Whole { index, storage } => {
+                        done += infos[index].nbytes;
+                        finish(index, storage, &mut out)?;
+                        let p = Progress {
+                            bytes_done: done,
+                            bytes_total,
+                            tensor: &infos[index].name,
+                            device: targets[index].as_ref().map_or("cpu", |t| t.device.name()),
+                        };
+                        if !progress(&p) {
+                            return Err(EngineError::Cancelled {
+                                bytes_done: done,
+                                bytes_total,
+                            });
+                        }
+                    }
+                    Msg::Chunk {
+                        index,
+                        at,
+                        buf,
+                        start,
+                        len,
+                    } => {
+                        let info = &infos[index];
+                        let Some(target) = &targets[index] else {
+                            continue;
+                        };
+                        if current.as_ref().is_none_or(|(i, _)| *i != index) {
+                            let n = target_bytes(info, target.dtype)?;
+                            current = Some((index, target.device.alloc(n)?));
+                        }
+                        if let Some((_, dst)) = current.as_mut() {
+                            let data = buf.as_slice().get(start..start + len).unwrap_or(&[]);
+                            convert::convert_into(
+                                info,
+                                target.dtype,
+                                at,
+                                data,
+                                dst.as_mut_slice(),
+                            )?;
+                        }
+                        let _ = free_tx.send(buf);
+                        free_sent += 1;
+                        done += len as u64;
+                        if at + len as u64 == info.nbytes
+                            && let Some((_, dst)) = current.take()
+                        {
+                            finish(index, Storage::Owned(dst), &mut out)?;
+                        }
+                        let p = Progress {
+                            bytes_done: done,
+                            bytes_total,
+                            tensor: &info.name,
+                            device: target.device.name(),
+                        };
+                        if !progress(&p) {
+                            return Err(EngineError::Cancelled {
+                                bytes_done: done,
+                                bytes_total,
+                            });
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })();
+        // Stop the reader (on error or cancel) and let it drain: dropping the receivers makes
+        // its sends fail, so it exits at its next message.
+        stop.store(true, Ordering::Release);
+        drop(rx);
+        drop(free_tx);
+        drop(current);
+        run
+    });
+    result?;
+
+    for &i in &order {
+        if out[i].is_none() {
+            return Err(EngineError::Device {
+                device: targets[i]
+                    .as_ref()
+                    .map_or("cpu", |t| t.device.name())
+                    .to_owned(),
+                detail: format!(
+                    "tensor '{}' was not loaded (the reader stopped early)",
+                    infos[i].name
+                ),
+            });
+        }
+    }
+    Ok(Loaded {
+        tensors: out,
+        warnings,
+    })
+}
+
+struct Reader<'a> {
+    source: &'a Arc<dyn Source>,
+    files: &'a [PathBuf],
+    targets: &'a [Option<TensorTarget>],
+    paths: &'a [Path_],
+    order: &'a [usize],
+    staging: usize,
+    direct: bool,
+    stop: &'a AtomicBool,
+}
+
+impl Reader<'_> {
+    fn run(self, tx: &mpsc::SyncSender<Msg>, free_rx: &mpsc::Receiver<AlignedBuf>) {
+        if let Err(e) = self.run_inner(tx, free_rx) {
+            let _ = tx.send(Msg::Err(e));
+        }
+    }
+
+    fn run_inner(
+        &self,
+        tx: &mpsc::SyncSender<Msg>,
+        free_rx: &mpsc::Receiver<AlignedBuf>,
+    ) -> Result<()> {
+        let infos = self.source.tensors();
+        let mut buffered: Vec<Option<File>> = (0..self.files.len()).map(|_| None).collect();
+        let mut direct: Vec<Option<File>> = (0..self.files.len()).map(|_| None).collect();
+        let mut direct_ok = self.direct;
+        let mut n_bufs = 0;
+        for &index in self.order {
+            if self.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let info = &infos[index];
+            let path = self
+                .files
+                .get(info.file)
+                .ok_or_else(|| EngineError::Device {
+                    device: "cpu".into(),
+                    detail: format!(
+                        "tensor '{}' names file {} of {}",
+                        info.name,
+                        info.file,
+                        self.files.len()
+                    ),
+                })?;
+            let io = |source| EngineError::Io {
+                path: path.clone(),
+                tensor: info.name.clone(),
+                source,
+            };
+            match self.paths[index] {
+                Path_::View => {
+                    let storage = Storage::Mapped {
+                        source: Arc::clone(self.source),
+                        index,
+                    };
+                    if tx.send(Msg::Whole { index, storage }).is_err() {
+                        return Ok(());
+                    }
+                }
+                Path_::Pread => {
+                    let Some(target) = &self.targets[index] else {
+                        continue;
+                    };
+                    let device = &target.device;
+                    let mut buf = device.alloc(info.nbytes)?;
+                    let file = open_cached(&mut buffered, info.file, path, false).map_err(io)?;
+                    file.read_exact_at(buf.as_mut_slice(), info.offset)
+                        .map_err(io)?;
+                    if tx
+                        .send(Msg::Whole {
+                            index,
+                            storage: Storage::Owned(buf),
+                        })
+                        .is_err()
+                    {
+                        return Ok(());
+                    }
+                }
+                Path_::Staged => {
+                    let mut at = 0u64;
+                    while at < info.nbytes {
+                        if self.stop.load(Ordering::Acquire) {
+                            return Ok(());
+                        }
+                        // Two staging buffers, created on first use, then recycled.
+                        let mut buf = if n_bufs < 2 {
+                            n_bufs += 1;
+                            AlignedBuf::zeroed(self.staging + ALIGN).ok_or_else(|| {
+                                EngineError::OutOfMemory {
+                                    device: "cpu".into(),
+                                    requested: (self.staging + ALIGN) as u64,
+                                    free: 0,
+                                    capacity: 0,
+                                }
+                            })?
+                        } else {
+                            match free_rx.recv() {
+                                Ok(b) => b,
+                                Err(_) => return Ok(()),
+                            }
+                        };
+                        let want = (info.nbytes - at).min(self.staging as u64) as usize;
+                        let pos = info.offset + at;
+                        let mut start = 0usize;
+                        let mut got = false;
+                        if direct_ok {
+                            match open_cached(&mut direct, info.file, path, true) {
+                                Ok(f) => match read_direct(f, pos, want, &mut buf) {
+                                    Ok(s) => {
+                                        start = s;
+                                        got = true;
+                                    }
+                                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                                        direct_ok = false;
+                                        let _ = tx.send(Msg::Warning(format!(
+                                            "{}: the filesystem refused O_DIRECT reads ({e}); falling back to buffered reads",
+                                            path.display()
+                                        )));
+                                    }
+                                    Err(e) => return Err(io(e)),
+                                },
+                                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                                    direct_ok = false;
+                                    let _ = tx.send(Msg::Warning(format!(
+                                        "{}: the filesystem refused O_DIRECT ({e}); falling back to buffered reads",
+                                        path.display()
+                                    )));
+                                }
+                                Err(e) => return Err(io(e)),
+                            }
+                        }
+                        if !got {
+                            let file =
+                                open_cached(&mut buffered, info.file, path, false).map_err(io)?;
+                            let dst = buf.as_mut_slice().get_mut(..want).unwrap_or(&mut []);
+                            file.read_exact_at(dst, pos).map_err(io)?;
+                        }
+                        let msg = Msg::Chunk {
+                            index,
+                            at,
+                            buf,
+                            start,
+                            len: want,
+                        };
+                        if tx.send(msg).is_err() {
+                            return Ok(());
+                        }
+                        at += want as u64;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn open_cached<'f>(
+    cache: &'f mut [Option<File>],
+    i: usize,
+    path: &std::path::Path,
+    direct: bool,
+) -> std::io::Result<&'f File> {
+    let slot = &mut cache[i];
+    if slot.is_none() {
+        let mut o = std::fs::OpenOptions::new();
+        o.read(true);
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        *slot = Some(o.open(path)?);
+    }
+    slot.as_ref()
+        .ok_or_else(|| std::io::Error::other("file handle missing"))
+}
+
+/// Read `want` bytes at `pos` with O_DIRECT: the file offset, length and buffer are all aligned
+/// to 4096, so the read covers `[pos & !4095, ...)` and the data starts at `pos % 4096` in `buf`.
+fn read_direct(file: &File, pos: u64, want: usize, buf: &mut AlignedBuf) -> std::io::Result<usize> {
+    let a = ALIGN as u64;
+    let base = pos / a * a;
+    let start = (pos - base) as usize;
+    let end = start + want;
+    let len = end.next_multiple_of(ALIGN).min(buf.len());
+    let dst = buf.as_mut_slice();
+    let mut filled = 0usize;
+    while filled < end {
+        let n = file.read_at(&mut dst[filled..len], base + filled as u64)?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "file ended inside a tensor; the file is truncated",
+            ));
+        }
+        filled += n;
+        if !filled.is_multiple_of(ALIGN) && filled < end {
+            // A short read that is not at the end of the file would leave us unaligned.
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+    }
+    Ok(start)
+}

@@ -1,0 +1,774 @@
+//! `Model`: a checkpoint, the devices it may use, and (once loaded) every tensor in place, with
+//! the lazily allocated cache beside each layer.
+
+use std::sync::Arc;
+
+use weightlift_format::{DType, Role, TensorInfo};
+
+use crate::cache::{Cache, CacheConfig, CacheDType};
+use crate::device::{Device, DeviceKind, DeviceTensor, Inventory};
+use crate::error::{EngineError, Result, invalid};
+use crate::loader::{LoadOptions, Progress, TensorTarget, load};
+use crate::source::Source;
+use crate::tp::{SplitTable, Splits};
+
+/// How a tensor is spread over several devices (tensor parallelism, llama.cpp's row split).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SplitSpec {
+    /// 0: rows (the first numpy axis), 1: columns (the last).
+    pub axis: u8,
+    /// Every shard is a full copy (norms under tensor parallelism).
+    pub replicated: bool,
+    /// `(device name, start, end)` along the axis.
+    pub shards: Vec<(String, u64, u64)>,
+}
+
+/// Where one tensor goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorPlace {
+    /// `"cpu"`, `"virtual:1"`, `"cuda:0"` or `"disk"` (the main device of a split tensor).
+    pub device: String,
+    /// The dtype to hold it in (the stored one, or F16 for a conversion).
+    pub dtype: DType,
+    pub split: Option<SplitSpec>,
+}
+
+/// Where every tensor goes: the Plan, reduced to what the loader needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Per tensor, in checkpoint order.
+    pub tensors: Vec<TensorPlace>,
+    /// Per layer: the device name.
+    pub layers: Vec<String>,
+    /// Extra copies: `(tensor index, where)`: a tied output head beside the last layer, or split
+    /// by the vocab table under tensor parallelism.
+    pub copies: Vec<(usize, TensorPlace)>,
+    /// Compute scratch to reserve per device, in bytes (exllamav2 allocates it at load).
+    pub scratch: Vec<(String, u64)>,
+}
+
+impl Placement {
+    /// Every tensor on one device in its stored dtype.
+    pub fn all_on(source: &dyn Source, device: &str, n_layers: u32) -> Placement {
+        Placement {
+            tensors: source
+                .tensors()
+                .iter()
+                .map(|t| TensorPlace {
+                    device: device.to_owned(),
+                    dtype: t.dtype,
+                    split: None,
+                })
+                .collect(),
+            layers: vec![device.to_owned(); n_layers as usize],
+            copies: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+}
+
+/// How a TP-loaded tensor is cut (exllamav2's `load_tp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// Rows `a·unit .. b·unit` of table `t` on each device.
+    Rows { table: usize, unit: u64 },
+    /// Columns `a·unit .. b·unit` of table `t` on each device.
+    Cols { table: usize, unit: u64 },
+    /// A full copy on every device of the KV table.
+    Replicate,
+}
+
+/// One loaded tensor.
+#[derive(Debug)]
+pub enum Held {
+    Whole {
+        tensor: DeviceTensor,
+        device: String,
+    },
+    /// Parts in shard order, with the spec they follow.
+    Split {
+        parts: Vec<DeviceTensor>,
+        spec: SplitSpec,
+    },
+}
+
+#[derive(Debug)]
+struct State {
+    /// Declared first: unlocked before the tensors that own the mapped ranges are dropped.
+    locked: crate::mlock::Locked,
+    held: Vec<Held>,
+    copies: Vec<(usize, Held)>,
+    scratch: Vec<crate::device::Buffer>,
+    layer_devices: Vec<String>,
+    cache: Option<Arc<Cache>>,
+    warnings: Vec<String>,
+}
+
+/// A model: nothing is loaded until [`Model::load`] (tensor parallelism: [`Model::tp_placement`]).
+pub struct Model {
+    source: Arc<dyn Source>,
+    inventory: Inventory,
+    state: Option<State>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("source", &self.source.path())
+            .field("inventory", &self.inventory)
+            .field("loaded", &self.state.is_some())
+            .finish()
+    }
+}
+
+impl Model {
+    pub fn new(source: Arc<dyn Source>, inventory: Inventory) -> Model {
+        Model {
+            source,
+            inventory,
+            state: None,
+        }
+    }
+
+    pub fn source(&self) -> &Arc<dyn Source> {
+        &self.source
+    }
+
+    pub fn inventory(&self) -> &Inventory {
+        &self.inventory
+    }
+
+    pub fn is_loaded(&self) -> bool {
+        self.state.is_some()
+    }
+
+    /// Record a warning about the current load (shown by `warnings()` until unload).
+    pub fn push_warning(&mut self, w: String) {
+        if let Some(s) = self.state.as_mut() {
+            s.warnings.push(w);
+        }
+    }
+
+    /// Bytes of mapped tensors locked in RAM by `use_mlock`.
+    pub fn locked_bytes(&self) -> u64 {
+        self.state.as_ref().map_or(0, |s| s.locked.bytes())
+    }
+
+    pub fn warnings(&self) -> &[String] {
+        self.state.as_ref().map_or(&[], |s| &s.warnings)
+    }
+
+    /// Number of repeating layers (from the spec, else from the tensor names).
+    pub fn n_layers(&self) -> u32 {
+        self.source.spec().map(|s| s.n_layers).unwrap_or_else(|| {
+            self.source
+                .tensors()
+                .iter()
+                .filter_map(|t| t.layer)
+                .max()
+                .map_or(0, |l| l + 1)
+        })
+    }
+
+    /// The cache shape of this model's architecture.
+    pub fn cache_config(
+        &self,
+        max_seq_len: u64,
+        batch_size: u64,
+        dtype: CacheDType,
+        offload: bool,
+    ) -> Result<CacheConfig> {
+        let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
+            what: "a cache for this checkpoint".into(),
+            detail: "its architecture (n_kv_heads, head_dim) could not be read".into(),
+        })?;
+        Ok(CacheConfig {
+            max_seq_len,
+            batch_size,
+            dtype,
+            n_kv_heads: (0..spec.n_layers).map(|l| spec.n_kv_heads_at(l)).collect(),
+            head_dim: spec.head_dim,
+            offload,
+        })
+    }
+
+    fn resolve(&self, name: &str) -> Result<Arc<Device>> {
+        if name == "disk" {
+            return Ok(Arc::clone(self.inventory.cpu()));
+        }
+        self.inventory.get(name)
+    }
+
+    /// Load by `placement`. A lazy `cache` is allocated layer by layer, on each layer's device,
+    /// as the layer's weights land. Split tensors are then cut from the mmap and copied to their
+    /// devices. On any failure or cancellation, everything allocated by this call (weights and
+    /// cache layers) is freed before returning.
+    pub fn load(
+        &mut self,
+        placement: &Placement,
+        opts: &LoadOptions,
+        cache: Option<&Arc<Cache>>,
+        validate: bool,
+        progress: &mut dyn FnMut(&Progress<'_>) -> bool,
+    ) -> Result<()> {
+        self.unload();
+        let result = self.load_inner(placement, opts, cache, validate, progress);
+        if result.is_err()
+            && let Some(c) = cache
+        {
+            c.free();
+        }
+        result
+    }
+
+    fn load_inner(
+        &mut self,
+        placement: &Placement,
+        opts: &LoadOptions,
+        cache: Option<&Arc<Cache>>,
+        validate: bool,
+        progress: &mut dyn FnMut(&Progress<'_>) -> bool,
+    ) -> Result<()> {
+        let infos = self.source.tensors();
+        if placement.tensors.len() != infos.len() {
+            return Err(invalid(
+                "placement",
+                format!("{} tensors", infos.len()),
+                placement.tensors.len(),
+            ));
+        }
+        let mut warnings = if validate {
+            crate::validate::validate(self.source.as_ref())?
+        } else {
+            Vec::new()
+        };
+        let layer_devs: Vec<Arc<Device>> = placement
+            .layers
+            .iter()
+            .map(|n| self.resolve(n))
+            .collect::<Result<_>>()?;
+        let mut targets = Vec::with_capacity(infos.len());
+        for (info, place) in infos.iter().zip(&placement.tensors) {
+            if place.split.is_some() {
+                if place.dtype != info.dtype {
+                    return Err(EngineError::Unsupported {
+                        what: format!("converting split tensor '{}' to {}", info.name, place.dtype),
+                        detail: "split tensors are held in their stored dtype".into(),
+                    });
+                }
+                targets.push(None);
+                continue;
+            }
+            if place.device == "disk" && place.dtype != info.dtype {
+                return Err(invalid(
+                    format!("tensor '{}' on disk", info.name),
+                    format!("its stored dtype {}", info.dtype),
+                    place.dtype,
+                ));
+            }
+            targets.push(Some(TensorTarget {
+                device: self.resolve(&place.device)?,
+                dtype: place.dtype,
+                // Weights left on disk stay views of the file whatever use_mmap says.
+                mapped: place.device == "disk",
+            }));
+        }
+        if let Some(c) = cache
+            && c.n_layers() != layer_devs.len()
+        {
+            return Err(invalid(
+                "cache",
+                format!("{} layers", layer_devs.len()),
+                c.n_layers(),
+            ));
+        }
+        let bytes_total: u64 = infos.iter().map(|t| t.nbytes).sum::<u64>()
+            + placement
+                .copies
+                .iter()
+                .filter_map(|(i, _)| infos.get(*i))
+                .map(|t| t.nbytes)
+                .sum::<u64>();
+        let cpu = Arc::clone(self.inventory.cpu());
+        let mut done = 0u64;
+        let loaded = load(
+            &self.source,
+            &targets,
+            opts,
+            &mut |p| {
+                done = p.bytes_done;
+                progress(&Progress { bytes_total, ..*p })
+            },
+            &mut |layer| match (cache, layer_devs.get(layer as usize)) {
+                (Some(c), Some(d)) => c.allocate_layer(layer as usize, d, &cpu),
+                _ => Ok(()),
+            },
+        )?;
+        // Layers without tensors of their own (or all split) still get their cache slot.
+        if let Some(c) = cache {
+            for (l, d) in layer_devs.iter().enumerate() {
+                c.allocate_layer(l, d, &cpu)?;
+            }
+        }
+        warnings.extend(loaded.warnings);
+        let mut held = Vec::with_capacity(infos.len());
+        let mut report = |done: &mut u64, name: &str, dev: &str, n: u64| -> Result<()> {
+            *done += n;
+            if progress(&Progress {
+                bytes_done: *done,
+                bytes_total,
+                tensor: name,
+                device: dev,
+            }) {
+                Ok(())
+            } else {
+                Err(EngineError::Cancelled {
+                    bytes_done: *done,
+                    bytes_total,
+                })
+            }
+        };
+        for ((i, t), place) in loaded
+            .tensors
+            .into_iter()
+            .enumerate()
+            .zip(&placement.tensors)
+        {
+            match (t, &place.split) {
+                (Some(tensor), _) => held.push(Held::Whole {
+                    tensor,
+                    device: place.device.clone(),
+                }),
+                (None, Some(spec)) => {
+                    let info = &infos[i];
+                    held.push(self.load_split(i, spec)?);
+                    report(&mut done, &info.name, &place.device, info.nbytes)?;
+                }
+                (None, None) => {
+                    return Err(EngineError::Device {
+                        device: place.device.clone(),
+                        detail: format!("tensor '{}' was not loaded", infos[i].name),
+                    });
+                }
+            }
+        }
+        let mut copies = Vec::new();
+        for (i, place) in &placement.copies {
+            let info = infos.get(*i).ok_or_else(|| {
+                invalid(
+                    "tensor copy",
+                    format!("a tensor index below {}", infos.len()),
+                    i,
+                )
+            })?;
+            let copy = match &place.split {
+                Some(spec) => self.load_split(*i, spec)?,
+                None => {
+                    let device = self.resolve(&place.device)?;
+                    let tensor = DeviceTensor::from_host(
+                        &device,
+                        info.shape.clone(),
+                        info.dtype,
+                        self.source.bytes(*i),
+                    )?;
+                    Held::Whole {
+                        tensor,
+                        device: place.device.clone(),
+                    }
+                }
+            };
+            copies.push((*i, copy));
+            report(&mut done, &info.name, &place.device, info.nbytes)?;
+        }
+        let mut scratch = Vec::new();
+        for (dev, bytes) in &placement.scratch {
+            if *bytes > 0 && dev != "disk" {
+                scratch.push(self.resolve(dev)?.alloc(*bytes)?);
+            }
+        }
+        let mut locked = crate::mlock::Locked::default();
+        if opts.mlock {
+            let mapped = held.iter().filter_map(|h| match h {
+                Held::Whole { tensor, .. } if tensor.is_mapped() => Some(tensor.bytes()),
+                _ => None,
+            });
+            let (l, warning) = crate::mlock::Locked::lock(mapped);
+            locked = l;
+            warnings.extend(warning);
+        }
+        self.state = Some(State {
+            locked,
+            held,
+            copies,
+            scratch,
+            layer_devices: placement.layers.clone(),
+            cache: cache.cloned(),
+            warnings,
+        });
+        Ok(())
+    }
+
+    /// Cut tensor `i` by `spec` from the mmap and copy each part to its device.
+    fn load_split(&self, i: usize, spec: &SplitSpec) -> Result<Held> {
+        let info = &self.source.tensors()[i];
+        let bytes = self.source.bytes(i);
+        let mut parts = Vec::with_capacity(spec.shards.len());
+        for (dev, a, b) in &spec.shards {
+            let device = self.resolve(dev)?;
+            let (shape, data) = if spec.replicated {
+                (info.shape.clone(), bytes.to_vec())
+            } else {
+                slice_tensor(info, bytes, spec.axis, *a, *b)?
+            };
+            parts.push(DeviceTensor::from_host(&device, shape, info.dtype, &data)?);
+        }
+        Ok(Held::Split {
+            parts,
+            spec: spec.clone(),
+        })
+    }
+
+    /// The placement of exllamav2's `load_tp` for `splits`: Q/K/V rows and the output
+    /// projection's columns by the Q/KV tables, the MLP by the ID table, the embedding and head
+    /// by the VC table; norms are replicated on every device of the KV table. Table device
+    /// indices name the inventory's accelerators.
+    pub fn tp_placement(&self, splits: &Splits) -> Result<Placement> {
+        let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
+            what: "tensor-parallel loading".into(),
+            detail: "the checkpoint's architecture could not be read".into(),
+        })?;
+        let hd = u64::from(spec.head_dim);
+        let accel = self.inventory.accelerators();
+        let name = |d: usize| -> Result<String> {
+            accel
+                .get(d)
+                .map(|x| x.name().to_owned())
+                .ok_or_else(|| invalid("tp device index", format!("below {}", accel.len()), d))
+        };
+        let mut tensors = Vec::new();
+        for info in self.source.tensors() {
+            let cut = tp_cut(info, hd);
+            let (table, axis, unit, replicated): (&SplitTable, u8, u64, bool) = match cut {
+                Cut::Rows { table, unit } => (splits.get(table)?, 0, unit, false),
+                Cut::Cols { table, unit } => (splits.get(table)?, 1, unit, false),
+                Cut::Replicate => (&splits.kv, 0, 1, true),
+            };
+            let axis = if info.shape.len() == 1 { 0 } else { axis };
+            let len = if axis == 0 {
+                info.shape.first().copied().unwrap_or(0)
+            } else {
+                info.shape.last().copied().unwrap_or(0)
+            };
+            let mut shards = Vec::new();
+            for &(d, a, b) in table {
+                let (s, e) = if replicated {
+                    (0, len)
+                } else {
+                    ((a * unit).min(len), (b * unit).min(len))
+                };
+                shards.push((name(d)?, s, e));
+            }
+            let device = shards
+                .first()
+                .map_or_else(|| "cpu".to_owned(), |s| s.0.clone());
+            tensors.push(TensorPlace {
+                device,
+                dtype: info.dtype,
+                split: Some(SplitSpec {
+                    axis,
+                    replicated,
+                    shards,
+                }),
+            });
+        }
+        let kv_dev = splits
+            .kv
+            .first()
+            .map_or(Ok("cpu".to_owned()), |&(d, _, _)| name(d))?;
+        Ok(Placement {
+            tensors,
+            layers: vec![kv_dev; spec.n_layers as usize],
+            copies: Vec::new(),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Allocate `cache` beside the loaded layers (each layer on its device) and count it in
+    /// [`Model::memory`]; the model frees it on unload.
+    pub fn attach_cache(&mut self, cache: &Arc<Cache>) -> Result<()> {
+        let cpu = Arc::clone(self.inventory.cpu());
+        let devs: Vec<Arc<Device>> = self
+            .layer_devices()?
+            .iter()
+            .map(|n| self.resolve(n))
+            .collect::<Result<_>>()?;
+        if cache.n_layers() != devs.len() {
+            return Err(invalid(
+                "cache",
+                format!("{} layers", devs.len()),
+                cache.n_layers(),
+            ));
+        }
+        for (l, d) in devs.iter().enumerate() {
+            if let Err(e) = cache.allocate_layer(l, d, &cpu) {
+                cache.free();
+                return Err(e);
+            }
+        }
+        if let Some(s) = self.state.as_mut() {
+            s.cache = Some(Arc::clone(cache));
+        }
+        Ok(())
+    }
+
+    /// The tensor dequantised (or converted) to f32 from the bytes on its device.
+    pub fn dequantized(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>)> {
+        let (bytes, dtype, shape) = self.tensor_bytes(name)?;
+        let v = weightlift_format::dequant::dequantize(dtype, &bytes)?;
+        Ok((v, shape))
+    }
+
+    /// Free every tensor and the cache layers this model allocated.
+    pub fn unload(&mut self) {
+        if let Some(s) = self.state.take()
+            && let Some(c) = &s.cache
+        {
+            c.free();
+        }
+    }
+
+    fn index(&self, name: &str) -> Result<usize> {
+        self.source
+            .tensors()
+            .iter()
+            .position(|t| t.name == name)
+            .ok_or_else(|| {
+                invalid(
+                    "tensor name",
+                    format!("a tensor of {}", self.source.path().display()),
+                    format!("'{name}'"),
+                )
+            })
+    }
+
+    fn state(&self) -> Result<&State> {
+        self.state.as_ref().ok_or_else(|| EngineError::NotLoaded {
+            what: "the model".into(),
+        })
+    }
+
+    pub fn held(&self, name: &str) -> Result<&Held> {
+        let i = self.index(name)?;
+        Ok(&self.state()?.held[i])
+    }
+
+    /// The device a tensor was placed on (`"tp"` joins the devices of a split tensor).
+    pub fn device_of(&self, name: &str) -> Result<String> {
+        Ok(match self.held(name)? {
+            Held::Whole { device, .. } => device.clone(),
+            Held::Split { parts, .. } => parts
+                .iter()
+                .map(|t| t.device().name())
+                .collect::<Vec<_>>()
+                .join(","),
+        })
+    }
+
+    pub fn layer_devices(&self) -> Result<&[String]> {
+        Ok(&self.state()?.layer_devices)
+    }
+
+    /// The tensor's stored bytes, copied from wherever they live (split tensors are
+    /// reassembled), with its dtype and shape.
+    pub fn tensor_bytes(&self, name: &str) -> Result<(Vec<u8>, DType, Vec<u64>)> {
+        let i = self.index(name)?;
+        let info = &self.source.tensors()[i];
+        match &self.state()?.held[i] {
+            Held::Whole { tensor, .. } => {
+                Ok((tensor.to_host(), tensor.dtype(), tensor.shape().to_vec()))
+            }
+            Held::Split { parts, spec } => Ok((
+                join_parts(info, parts, spec),
+                info.dtype,
+                info.shape.clone(),
+            )),
+        }
+    }
+
+    /// Bytes held per device name, every device of the inventory listed (and `disk` when used):
+    /// weights (mmap views count on `cpu`, as page cache), cache layers and reserved scratch.
+    pub fn memory(&self) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = self
+            .inventory
+            .all()
+            .iter()
+            .map(|d| (d.name().to_owned(), 0))
+            .collect();
+        let mut add = |name: &str, b: u64| match out.iter_mut().find(|(n, _)| n == name) {
+            Some((_, v)) => *v += b,
+            None => out.push((name.to_owned(), b)),
+        };
+        if let Some(s) = &self.state {
+            for h in &s.held {
+                match h {
+                    Held::Whole { tensor, device } => add(device, tensor.nbytes()),
+                    Held::Split { parts, .. } => parts
+                        .iter()
+                        .for_each(|t| add(t.device().name(), t.nbytes())),
+                }
+            }
+            for (_, h) in &s.copies {
+                match h {
+                    Held::Whole { tensor, .. } => add(tensor.device().name(), tensor.nbytes()),
+                    Held::Split { parts, .. } => parts
+                        .iter()
+                        .for_each(|t| add(t.device().name(), t.nbytes())),
+                }
+            }
+            for b in &s.scratch {
+                add(b.device().name(), b.len() as u64);
+            }
+            if let Some(c) = &s.cache {
+                for (n, b) in c.memory() {
+                    add(&n, b);
+                }
+            }
+        }
+        out
+    }
+
+    /// Anonymous bytes currently held per device (arena/heap accounting, no mmap views).
+    pub fn device_usage(&self) -> Vec<(String, u64)> {
+        self.inventory
+            .all()
+            .iter()
+            .map(|d| (d.name().to_owned(), d.used()))
+            .collect()
+    }
+
+    /// The accelerators (in order) and cpu, as devices.
+    pub fn devices(&self) -> Vec<Arc<Device>> {
+        self.inventory.all()
+    }
+
+    /// True when every device is an accelerator of kind `kind`.
+    pub fn has_kind(&self, kind: DeviceKind) -> bool {
+        self.inventory
+            .accelerators()
+            .iter()
+            .any(|d| d.kind() == kind)
+    }
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        self.unload();
+    }
+}
+
+/// exllamav2's TP cut of each role.
+pub fn tp_cut(info: &TensorInfo, head_dim: u64) -> Cut {
+    use crate::tp::{BROADCAST_ID, BROADCAST_KV, BROADCAST_Q, BROADCAST_VC};
+    match info.role {
+        Some(Role::AttnQ | Role::AttnQBias) => Cut::Rows {
+            table: BROADCAST_Q,
+            unit: head_dim,
+        },
+        Some(Role::AttnK | Role::AttnV | Role::AttnKBias | Role::AttnVBias) => Cut::Rows {
+            table: BROADCAST_KV,
+            unit: head_dim,
+        },
+        Some(Role::AttnOutput) => Cut::Cols {
+            table: BROADCAST_Q,
+            unit: head_dim,
+        },
+        Some(Role::FfnGate | Role::FfnUp) => Cut::Rows {
+            table: BROADCAST_ID,
+            unit: 1,
+        },
+        Some(Role::FfnDown) => Cut::Cols {
+            table: BROADCAST_ID,
+            unit: 1,
+        },
+        Some(Role::TokenEmbd | Role::Output) => Cut::Rows {
+            table: BROADCAST_VC,
+            unit: 1,
+        },
+        _ => Cut::Replicate,
+    }
+}
+
+/// Rows (`axis` 0) or columns (`axis` 1) `start..end` of a 1-D or 2-D tensor. Column cuts of
+/// block-quantised data must fall on block boundaries.
+fn slice_tensor(
+    info: &TensorInfo,
+    bytes: &[u8],
+    axis: u8,
+    start: u64,
+    end: u64,
+) -> Result<(Vec<u64>, Vec<u8>)> {
+    let bad = |what: &str| EngineError::Unsupported {
+        what: format!(
+            "splitting tensor '{}' ({}, shape {:?})",
+            info.name, info.dtype, info.shape
+        ),
+        detail: what.to_owned(),
+    };
+    let (rows, cols, one_d) = match *info.shape.as_slice() {
+        [r, c] => (r, c, false),
+        [c] => (1, c, true),
+        _ => return Err(bad("only 1-D and 2-D tensors split")),
+    };
+    let row_bytes = info
+        .dtype
+        .bytes_for(cols)
+        .ok_or_else(|| bad("rows are not whole blocks"))? as usize;
+    if axis == 0 && !one_d {
+        let (r0, r1) = (start.min(rows), end.min(rows).max(start.min(rows)));
+        return Ok((
+            vec![r1 - r0, cols],
+            bytes[r0 as usize * row_bytes..r1 as usize * row_bytes].to_vec(),
+        ));
+    }
+    let (c0, c1) = (start.min(cols), end.min(cols).max(start.min(cols)));
+    let bs = info.dtype.block_size();
+    if c0 % bs != 0 || (c1 % bs != 0 && c1 != cols) {
+        return Err(bad(&format!(
+            "columns {c0}..{c1} do not fall on {bs}-element block boundaries"
+        )));
+    }
+    let b0 = (c0 / bs * info.dtype.type_size()) as usize;
+    let b1 = (c1.div_ceil(bs) * info.dtype.type_size()) as usize;
+    let mut out = Vec::with_capacity(rows as usize * (b1 - b0));
+    for r in 0..rows as usize {
+        out.extend_from_slice(&bytes[r * row_bytes + b0..r * row_bytes + b1]);
+    }
+    let shape = if one_d {
+        vec![c1 - c0]
+    } else {
+        vec![rows, c1 - c0]
+    };
+    Ok((shape, out))
+}
+
+/// Reassemble a split tensor's bytes from its parts.
+fn join_parts(info: &TensorInfo, parts: &[DeviceTensor], spec: &SplitSpec) -> Vec<u8> {
+    if spec.replicated {
+        return parts.first().map(DeviceTensor::to_host).unwrap_or_default();
+    }
+    if spec.axis == 0 || info.shape.len() == 1 {
+        return parts
+            .iter()
+            .flat_map(|t| t.bytes().iter().copied())
+            .collect();
+    }
+    let rows = info.shape.first().copied().unwrap_or(1) as usize;
+    let mut out = Vec::with_capacity(info.nbytes as usize);
+    for r in 0..rows {
+        for t in parts {
+            let w = t.bytes().len() / rows.max(1);
+            out.extend_from_slice(&t.bytes()[r * w..(r + 1) * w]);
+        }
+    }
+    out
+}

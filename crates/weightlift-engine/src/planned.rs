@@ -1,0 +1,203 @@
+//! The bridge to the planner: a model's devices and tensors become a `PlanRequest`, and a
+//! `Plan` becomes the [`Placement`] the loader carries out.
+
+use weightlift_plan::{DeviceKind as PlanKind, DeviceSpec, Plan, PlanRequest, TpKind, TpSplit};
+
+use crate::cache::CacheDType;
+use crate::device::{DeviceKind, Inventory};
+use crate::error::{EngineError, Result, invalid};
+use crate::model::{Model, Placement, SplitSpec, TensorPlace};
+use crate::source::Source;
+use crate::tp::Splits;
+
+/// The planner's view of an inventory: accelerators in order, then `cpu` (unbounded unless
+/// capped), then `disk` when it was named.
+pub fn device_specs(inv: &Inventory) -> Vec<DeviceSpec> {
+    let mut out: Vec<DeviceSpec> = inv
+        .accelerators()
+        .iter()
+        .map(|d| {
+            let kind = match d.kind() {
+                DeviceKind::Cuda => PlanKind::Cuda,
+                _ => PlanKind::Virtual,
+            };
+            DeviceSpec::new(d.name(), kind, d.capacity().unwrap_or(u64::MAX))
+        })
+        .collect();
+    out.push(DeviceSpec::new(
+        "cpu",
+        PlanKind::Cpu,
+        inv.cpu().capacity().unwrap_or(u64::MAX),
+    ));
+    if inv.disk {
+        out.push(DeviceSpec::new("disk", PlanKind::Disk, u64::MAX));
+    }
+    out
+}
+
+/// The engine's cache dtype for the planner's.
+pub fn cache_dtype(d: weightlift_plan::CacheDType) -> CacheDType {
+    use weightlift_plan::CacheDType as P;
+    match d {
+        P::Fp16 => CacheDType::Fp16,
+        P::Fp8 => CacheDType::Fp8,
+        P::Q8 => CacheDType::Q8,
+        P::Q6 => CacheDType::Q6,
+        P::Q4 => CacheDType::Q4,
+    }
+}
+
+/// The planner's cache dtype for the engine's.
+pub fn plan_cache_dtype(d: CacheDType) -> weightlift_plan::CacheDType {
+    use weightlift_plan::CacheDType as P;
+    match d {
+        CacheDType::Fp16 => P::Fp16,
+        CacheDType::Fp8 => P::Fp8,
+        CacheDType::Q8 => P::Q8,
+        CacheDType::Q6 => P::Q6,
+        CacheDType::Q4 => P::Q4,
+    }
+}
+
+/// The five TP tables of a plan.
+pub fn splits(tp: &TpSplit) -> Splits {
+    Splits {
+        kv: tp.table(TpKind::Kv).to_vec(),
+        id: tp.table(TpKind::Id).to_vec(),
+        vc: tp.table(TpKind::Vc).to_vec(),
+        rs: tp.table(TpKind::Rs).to_vec(),
+        q: tp.table(TpKind::Q).to_vec(),
+    }
+}
+
+impl Model {
+    /// A plan request for this model: its architecture, its real tensor table and its devices,
+    /// with exllamav2's default strategy (the caller sets the rest).
+    pub fn plan_request(&self) -> Result<PlanRequest> {
+        let spec = self
+            .source()
+            .spec()
+            .cloned()
+            .ok_or_else(|| EngineError::Unsupported {
+                what: "planning this checkpoint".into(),
+                detail: "its architecture could not be read from the metadata or config.json"
+                    .into(),
+            })?;
+        Ok(PlanRequest::new(
+            spec,
+            self.source().tensors().to_vec(),
+            device_specs(self.inventory()),
+        ))
+    }
+
+    /// The placement that carries out `plan`.
+    pub fn placement(&self, plan: &Plan) -> Result<Placement> {
+        placement(plan, self.source().as_ref())
+    }
+}
+
+/// A plan as a placement for `source`: every tensor's device and dtype, splits (llama.cpp row
+/// split, tensor parallelism), layer devices, and the tied output copy.
+pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
+    let infos = source.tensors();
+    let placed = plan.tensors();
+    if placed.len() != infos.len() {
+        return Err(invalid(
+            "plan",
+            format!(
+                "{} tensors (as in {})",
+                infos.len(),
+                source.path().display()
+            ),
+            format!(
+                "{} tensors; the plan was made for another checkpoint",
+                placed.len()
+            ),
+        ));
+    }
+    let mut tensors = Vec::with_capacity(infos.len());
+    for (info, p) in infos.iter().zip(placed) {
+        if p.name != info.name {
+            return Err(invalid(
+                "plan tensor order",
+                format!("'{}'", info.name),
+                format!("'{}'", p.name),
+            ));
+        }
+        let split = p.split.as_ref().map(|s| SplitSpec {
+            axis: s.axis,
+            replicated: s.replicated,
+            shards: s
+                .shards
+                .iter()
+                .map(|sh| (sh.device.clone(), sh.start, sh.end))
+                .collect(),
+        });
+        tensors.push(TensorPlace {
+            device: p.device.clone(),
+            dtype: p.dtype,
+            split,
+        });
+    }
+    let mut copies = Vec::new();
+    if let Some(dev) = plan.tied_output_copy() {
+        let embd = infos
+            .iter()
+            .position(|t| t.role == Some(weightlift_format::Role::TokenEmbd))
+            .ok_or_else(|| {
+                invalid(
+                    "plan",
+                    "a token_embd tensor for the tied output copy",
+                    "none in the checkpoint",
+                )
+            })?;
+        let place = match plan.tp() {
+            // Under tensor parallelism the tied head is split by the vocab table.
+            Some(tp) => {
+                let accel: Vec<&str> = plan
+                    .devices()
+                    .iter()
+                    .filter(|d| d.kind.is_accelerator())
+                    .map(|d| d.name.as_str())
+                    .collect();
+                let mut shards = Vec::new();
+                for &(d, a, b) in tp.table(TpKind::Vc) {
+                    let name = accel.get(d).ok_or_else(|| {
+                        invalid(
+                            "plan vc table",
+                            format!("device indices below {}", accel.len()),
+                            d,
+                        )
+                    })?;
+                    shards.push(((*name).to_owned(), a, b));
+                }
+                TensorPlace {
+                    device: dev.to_owned(),
+                    dtype: infos[embd].dtype,
+                    split: Some(SplitSpec {
+                        axis: 0,
+                        replicated: false,
+                        shards,
+                    }),
+                }
+            }
+            None => TensorPlace {
+                device: dev.to_owned(),
+                dtype: infos[embd].dtype,
+                split: None,
+            },
+        };
+        copies.push((embd, place));
+    }
+    let scratch = plan
+        .devices()
+        .iter()
+        .map(|d| (d.name.clone(), d.scratch))
+        .collect();
+    Ok(Placement {
+        tensors,
+        layers: plan.layer_devices().to_vec(),
+        copies,
+        scratch,
+    })
+}

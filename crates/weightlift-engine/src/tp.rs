@@ -1,0 +1,577 @@
+//! Tensor parallelism in the manner of exllamav2's `TPContext` (exllamav2/tensor_p.py): five
+//! split tables, collectives over the devices they name, per-device RoPE tables and scratch.
+//!
+//! Tensors in collectives are 2-D `(rows, columns)`; a split table entry `(device, a, b)` owns
+//! columns `a·dim .. b·dim`. As in exllamav2:
+//! - `broadcast` copies the whole tensor to every device of a table;
+//! - `gather` concatenates the per-device slices, in table order, into host memory;
+//! - `allgather` gathers, then broadcasts the result to the devices of a second table;
+//! - `add_residual` adds, on each device, its column slice of `source` into `target`.
+//!
+//! The copies go through a [`Collective`] so a transport such as NCCL can replace the
+//! host-staged one. On `cpu` and `virtual` devices every copy is a real copy between separate
+//! allocations.
+
+use std::sync::Arc;
+
+use half::f16;
+use weightlift_format::DType;
+
+use crate::device::{Buffer, Device, DeviceTensor};
+use crate::error::{EngineError, Result, invalid};
+
+/// exllamav2's broadcast types: which table a collective follows.
+pub const BROADCAST_KV: usize = 0;
+pub const BROADCAST_ID: usize = 1;
+pub const BROADCAST_VC: usize = 2;
+pub const BROADCAST_RS: usize = 3;
+pub const BROADCAST_Q: usize = 4;
+
+/// One split table: `(device_index, start, end)`, covering `0..total` in device order.
+pub type SplitTable = Vec<(usize, u64, u64)>;
+
+/// The five tables, indexed by the `BROADCAST_*` constants.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Splits {
+    pub kv: SplitTable,
+    pub id: SplitTable,
+    pub vc: SplitTable,
+    pub rs: SplitTable,
+    pub q: SplitTable,
+}
+
+impl Splits {
+    pub fn get(&self, t: usize) -> Result<&SplitTable> {
+        Ok(match t {
+            BROADCAST_KV => &self.kv,
+            BROADCAST_ID => &self.id,
+            BROADCAST_VC => &self.vc,
+            BROADCAST_RS => &self.rs,
+            BROADCAST_Q => &self.q,
+            _ => return Err(invalid("broadcast type", "0 (KV) to 4 (Q)", t)),
+        })
+    }
+}
+
+/// The transport of the collectives: copies between devices and a synchronisation point.
+pub trait Collective: Send + Sync + std::fmt::Debug {
+    /// A short name for messages (`"host-staged"`, `"nccl"`).
+    fn name(&self) -> &'static str;
+
+    /// A copy of `src` on `dst`.
+    fn copy(&self, src: &DeviceTensor, dst: &Arc<Device>) -> Result<DeviceTensor>;
+
+    /// Copy `src`'s bytes into host memory `dst` (same length).
+    fn to_host(&self, src: &DeviceTensor, dst: &mut [u8]) -> Result<()>;
+
+    /// Upload host bytes as a tensor on `dst`.
+    fn upload(
+        &self,
+        bytes: &[u8],
+        shape: Vec<u64>,
+        dtype: DType,
+        dst: &Arc<Device>,
+    ) -> Result<DeviceTensor>;
+
+    /// Wait until every queued copy has finished (exllamav2's `wait_streams`).
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// Copies staged through host memory: what exllamav2 does without peer access. Synchronous, so
+/// `synchronize` has nothing to wait for.
+#[derive(Debug, Default)]
+pub struct HostStaged;
+
+impl Collective for HostStaged {
+    fn name(&self) -> &'static str {
+        "host-staged"
+    }
+
+    fn copy(&self, src: &DeviceTensor, dst: &Arc<Device>) -> Result<DeviceTensor> {
+        src.copy_to(dst)
+    }
+
+    fn to_host(&self, src: &DeviceTensor, dst: &mut [u8]) -> Result<()> {
+        let b = src.bytes();
+        if b.len() != dst.len() {
+            return Err(invalid(
+                "host copy",
+                format!("{} bytes", dst.len()),
+                b.len(),
+            ));
+        }
+        dst.copy_from_slice(b);
+        Ok(())
+    }
+
+    fn upload(
+        &self,
+        bytes: &[u8],
+        shape: Vec<u64>,
+        dtype: DType,
+        dst: &Arc<Device>,
+    ) -> Result<DeviceTensor> {
+        DeviceTensor::from_host(dst, shape, dtype, bytes)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Per-device bump allocator over one reserved buffer (exllamav2's device-context scratch).
+#[derive(Debug)]
+struct Scratch {
+    buffer: Option<Buffer>,
+    /// Bytes requested by `reserve_scratch`.
+    reserved: u64,
+    /// Bump offset since `begin_scratch_alloc_tp`.
+    offset: u64,
+}
+
+/// A slice of a device's scratch buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScratchSlice {
+    pub device: usize,
+    pub offset: u64,
+    pub rows: u64,
+    pub cols: u64,
+    pub dtype: DType,
+}
+
+/// RoPE parameters for `get_sin_cos`.
+#[derive(Debug, Clone, Copy)]
+pub struct Rope {
+    pub theta: f64,
+    pub dim: u32,
+    pub head_dim: u32,
+    pub max_seq_len: u64,
+}
+
+/// A tensor-parallel context over `devices` (indexed by the tables' device indices).
+#[derive(Debug)]
+pub struct TpContext {
+    splits: Splits,
+    devices: Vec<Arc<Device>>,
+    collective: Box<dyn Collective>,
+    rope: Rope,
+    /// The two host staging buffers of `gather` (exllamav2's pinned temps), from `finalize`.
+    staging: Vec<Buffer>,
+    scratch: Vec<Scratch>,
+    sin_cos: Option<Vec<(DeviceTensor, DeviceTensor)>>,
+}
+
+fn elem_size(dtype: DType) -> Result<u64> {
+    match dtype {
+        DType::F32 => Ok(4),
+        DType::F16 | DType::BF16 => Ok(2),
+        _ => Err(invalid(
+            "collective tensor dtype",
+            "F32, F16 or BF16",
+            dtype,
+        )),
+    }
+}
+
+fn rows_cols(t: &DeviceTensor) -> Result<(u64, u64)> {
+    match *t.shape() {
+        [r, c] => Ok((r, c)),
+        [c] => Ok((1, c)),
+        _ => Err(invalid(
+            "collective tensor",
+            "2-D (rows, columns)",
+            format!("shape {:?}", t.shape()),
+        )),
+    }
+}
+
+impl TpContext {
+    /// `devices[i]` is the device the tables call `i`. Every table entry must name one.
+    pub fn new(
+        splits: Splits,
+        devices: Vec<Arc<Device>>,
+        rope: Rope,
+        collective: Box<dyn Collective>,
+    ) -> Result<TpContext> {
+        for t in 0..5 {
+            for &(d, a, b) in splits.get(t)? {
+                if d >= devices.len() || a > b {
+                    return Err(invalid(
+                        format!("tp split table {t}"),
+                        format!("device indices below {} and start <= end", devices.len()),
+                        format!("({d}, {a}, {b})"),
+                    ));
+                }
+            }
+        }
+        let scratch = devices
+            .iter()
+            .map(|_| Scratch {
+                buffer: None,
+                reserved: 0,
+                offset: 0,
+            })
+            .collect();
+        Ok(TpContext {
+            splits,
+            devices,
+            collective,
+            rope,
+            staging: Vec::new(),
+            scratch,
+            sin_cos: None,
+        })
+    }
+
+    pub fn splits(&self) -> &Splits {
+        &self.splits
+    }
+
+    pub fn get_split(&self, t: usize) -> Result<&SplitTable> {
+        self.splits.get(t)
+    }
+
+    /// The devices of table `t`, in order.
+    pub fn get_devs(&self, t: usize) -> Result<Vec<usize>> {
+        Ok(self.splits.get(t)?.iter().map(|&(d, _, _)| d).collect())
+    }
+
+    /// Every device named by the KV, ID or VC tables, sorted (exllamav2's `all_devices`).
+    pub fn all_devices(&self) -> Vec<usize> {
+        let mut d: Vec<usize> = [&self.splits.kv, &self.splits.id, &self.splits.vc]
+            .into_iter()
+            .flatten()
+            .map(|&(d, _, _)| d)
+            .collect();
+        d.sort_unstable();
+        d.dedup();
+        d
+    }
+
+    pub fn device(&self, i: usize) -> Result<&Arc<Device>> {
+        self.devices.get(i).ok_or_else(|| {
+            invalid(
+                "tp device index",
+                format!("below {}", self.devices.len()),
+                i,
+            )
+        })
+    }
+
+    pub fn collective(&self) -> &dyn Collective {
+        self.collective.as_ref()
+    }
+
+    /// Allocate the two host staging buffers used by `gather` (`bytes` each, on `cpu`).
+    pub fn finalize(&mut self, cpu: &Arc<Device>, bytes: u64) -> Result<()> {
+        self.staging.clear();
+        let a = cpu.alloc(bytes)?;
+        let b = cpu.alloc(bytes)?;
+        self.staging = vec![a, b];
+        Ok(())
+    }
+
+    /// Free staging, scratch and RoPE tables.
+    pub fn unload(&mut self) {
+        self.staging.clear();
+        self.sin_cos = None;
+        for s in &mut self.scratch {
+            *s = Scratch {
+                buffer: None,
+                reserved: 0,
+                offset: 0,
+            };
+        }
+    }
+
+    pub fn is_finalized(&self) -> bool {
+        !self.staging.is_empty()
+    }
+
+    /// One copy of `x` per device of table `t`.
+    pub fn broadcast(
+        &self,
+        _buffer: usize,
+        x: &DeviceTensor,
+        t: usize,
+        _dim: u64,
+    ) -> Result<Vec<DeviceTensor>> {
+        self.splits
+            .get(t)?
+            .iter()
+            .map(|&(d, _, _)| self.collective.copy(x, &self.devices[d]))
+            .collect()
+    }
+
+    /// Concatenate `inputs` (one per device of table `t`, `(rows, (b - a)·dim)` each) along the
+    /// columns into host memory: returns `(bytes, rows, columns)`.
+    pub fn gather(
+        &mut self,
+        buffer: usize,
+        inputs: &[&DeviceTensor],
+        t: usize,
+        dim: u64,
+    ) -> Result<(Vec<u8>, u64, u64)> {
+        let split = self.splits.get(t)?.clone();
+        if inputs.len() != split.len() {
+            return Err(invalid(
+                format!("gather over table {t}"),
+                format!("{} inputs, one per device", split.len()),
+                inputs.len(),
+            ));
+        }
+        let Some(&(_, _, end)) = split.last() else {
+            return Err(invalid(
+                format!("gather over table {t}"),
+                "a non-empty split",
+                "an empty one",
+            ));
+        };
+        let dtype = inputs[0].dtype();
+        let es = elem_size(dtype)?;
+        let (rows, _) = rows_cols(inputs[0])?;
+        let total = end * dim;
+        let row_bytes = (total * es) as usize;
+        let need = rows as usize * row_bytes;
+        let mut out = vec![0u8; need];
+        // Stage through the chosen host buffer when finalize() made one big enough.
+        let staged = self.staging.get_mut(buffer).filter(|b| b.len() >= need);
+        let target: &mut [u8] = match staged {
+            Some(b) => &mut b.as_mut_slice()[..need],
+            None => &mut out,
+        };
+        for (x, &(d, a, b)) in inputs.iter().zip(&split) {
+            let (r, c) = rows_cols(x)?;
+            if r != rows || c != (b - a) * dim || x.dtype() != dtype {
+                return Err(invalid(
+                    format!("gather input for device {d}"),
+                    format!("{rows} × {} {dtype}", (b - a) * dim),
+                    format!("{r} × {c} {}", x.dtype()),
+                ));
+            }
+            // By name: a host-staged gather reads any host-addressable copy; what matters is
+            // that the slice comes from the device the table names.
+            if x.device().name() != self.devices[d].name() {
+                return Err(invalid(
+                    format!("gather input {d}"),
+                    format!("on {}", self.devices[d].name()),
+                    x.device().name(),
+                ));
+            }
+            let mut part = vec![0u8; x.bytes().len()];
+            self.collective.to_host(x, &mut part)?;
+            let w = (c * es) as usize;
+            let off = (a * dim * es) as usize;
+            for row in 0..rows as usize {
+                target[row * row_bytes + off..row * row_bytes + off + w]
+                    .copy_from_slice(&part[row * w..(row + 1) * w]);
+            }
+        }
+        if let Some(b) = self.staging.get(buffer).filter(|b| b.len() >= need) {
+            out.copy_from_slice(&b.as_slice()[..need]);
+        }
+        Ok((out, rows, total))
+    }
+
+    /// Gather over table `tg`, then broadcast the full result to the devices of table `tb`.
+    pub fn allgather(
+        &mut self,
+        buffer: usize,
+        inputs: &[&DeviceTensor],
+        tg: usize,
+        tb: usize,
+        dim: u64,
+    ) -> Result<Vec<DeviceTensor>> {
+        let dtype = inputs.first().map(|x| x.dtype()).unwrap_or(DType::F32);
+        let (bytes, rows, cols) = self.gather(buffer, inputs, tg, dim)?;
+        self.splits
+            .get(tb)?
+            .iter()
+            .map(|&(d, _, _)| {
+                self.collective
+                    .upload(&bytes, vec![rows, cols], dtype, &self.devices[d])
+            })
+            .collect()
+    }
+
+    /// On each device `i` of table `t`: `target[i] += source[i][:, a·dim .. b·dim]`.
+    pub fn add_residual(
+        &self,
+        target: &mut [DeviceTensor],
+        source: &[&DeviceTensor],
+        t: usize,
+        dim: u64,
+    ) -> Result<()> {
+        let split = self.splits.get(t)?;
+        if target.len() != split.len() || source.len() != split.len() {
+            return Err(invalid(
+                format!("add_residual over table {t}"),
+                format!("{} targets and sources", split.len()),
+                format!("{} and {}", target.len(), source.len()),
+            ));
+        }
+        for ((tg, src), &(d, a, b)) in target.iter_mut().zip(source).zip(split) {
+            let (rows, tc) = rows_cols(tg)?;
+            let (sr, sc) = rows_cols(src)?;
+            let width = (b - a) * dim;
+            if tc != width || sr != rows || sc < b * dim || tg.dtype() != src.dtype() {
+                return Err(invalid(
+                    format!("add_residual on device {d}"),
+                    format!(
+                        "target {rows} × {width} and source {rows} × ≥{} of one dtype",
+                        b * dim
+                    ),
+                    format!(
+                        "{rows} × {tc} {} and {sr} × {sc} {}",
+                        tg.dtype(),
+                        src.dtype()
+                    ),
+                ));
+            }
+            let tvals = crate::convert::to_f32(tg.dtype(), tg.bytes())
+                .ok_or_else(|| invalid("add_residual dtype", "F32, F16 or BF16", tg.dtype()))?;
+            let svals = crate::convert::to_f32(src.dtype(), src.bytes()).unwrap_or_default();
+            let mut sum = tvals;
+            for r in 0..rows as usize {
+                for c in 0..width as usize {
+                    sum[r * width as usize + c] += svals[r * sc as usize + (a * dim) as usize + c];
+                }
+            }
+            let bytes = encode(tg.dtype(), &sum);
+            let new =
+                DeviceTensor::from_host(tg.device(), tg.shape().to_vec(), tg.dtype(), &bytes)?;
+            *tg = new;
+        }
+        Ok(())
+    }
+
+    pub fn wait_streams(&self) -> Result<()> {
+        self.collective.synchronize()
+    }
+
+    /// Per-device RoPE tables `(sin, cos)`, each `(max_seq_len, head_dim)` f32, neox layout
+    /// (`[freqs, freqs]`, as exllamav2 builds them), computed once and kept on each device of
+    /// [`TpContext::all_devices`].
+    pub fn get_sin_cos(&mut self) -> Result<&[(DeviceTensor, DeviceTensor)]> {
+        if self.sin_cos.is_none() {
+            let r = self.rope;
+            let half = (r.dim / 2) as usize;
+            let hd = r.head_dim as usize;
+            let n = r.max_seq_len as usize;
+            let mut sin = vec![0f32; n * hd];
+            let mut cos = vec![1f32; n * hd];
+            for p in 0..n {
+                for i in 0..half {
+                    let inv = r.theta.powf(-(2.0 * i as f64) / f64::from(r.dim));
+                    let a = p as f64 * inv;
+                    for j in [i, i + half] {
+                        sin[p * hd + j] = a.sin() as f32;
+                        cos[p * hd + j] = a.cos() as f32;
+                    }
+                }
+            }
+            let (sb, cb) = (encode(DType::F32, &sin), encode(DType::F32, &cos));
+            let mut tables = Vec::new();
+            for d in self.all_devices() {
+                let dev = &self.devices[d];
+                tables.push((
+                    DeviceTensor::from_host(dev, vec![n as u64, hd as u64], DType::F32, &sb)?,
+                    DeviceTensor::from_host(dev, vec![n as u64, hd as u64], DType::F32, &cb)?,
+                ));
+            }
+            self.sin_cos = Some(tables);
+        }
+        Ok(self.sin_cos.as_deref().unwrap_or(&[]))
+    }
+
+    /// Reset every device's scratch bump pointer.
+    pub fn begin_scratch_alloc_tp(&mut self) {
+        self.scratch.iter_mut().for_each(|s| s.offset = 0);
+    }
+
+    /// Reserve `bytes[i]` of scratch on device `i` (grows, never shrinks).
+    pub fn reserve_scratch(&mut self, bytes: &[u64]) -> Result<()> {
+        for (i, &b) in bytes.iter().enumerate() {
+            if b == 0 {
+                continue;
+            }
+            let dev = Arc::clone(self.device(i)?);
+            let s = &mut self.scratch[i];
+            if b > s.reserved {
+                s.buffer = None;
+                s.buffer = Some(dev.alloc(b)?);
+                s.reserved = b;
+            }
+        }
+        Ok(())
+    }
+
+    fn slice(&mut self, d: usize, rows: u64, cols: u64, dtype: DType) -> Result<ScratchSlice> {
+        let bytes = rows * cols * elem_size(dtype)?;
+        let name = self.device(d)?.name().to_owned();
+        let s = &mut self.scratch[d];
+        let offset = s.offset;
+        if offset + bytes > s.reserved {
+            return Err(EngineError::OutOfMemory {
+                device: format!("{name} scratch"),
+                requested: bytes,
+                free: s.reserved - offset,
+                capacity: s.reserved,
+            });
+        }
+        s.offset += bytes.next_multiple_of(128);
+        Ok(ScratchSlice {
+            device: d,
+            offset,
+            rows,
+            cols,
+            dtype,
+        })
+    }
+
+    /// One slice per device of table `t`, `(rows, (b - a)·dim)` each.
+    pub fn get_scratch_slice_tp(
+        &mut self,
+        rows: u64,
+        dtype: DType,
+        t: usize,
+        dim: u64,
+    ) -> Result<Vec<ScratchSlice>> {
+        let split = self.splits.get(t)?.clone();
+        split
+            .iter()
+            .map(|&(d, a, b)| self.slice(d, rows, (b - a) * dim, dtype))
+            .collect()
+    }
+
+    /// One full-width slice per device of table `t`, `(rows, end·dim)` each.
+    pub fn get_scratch_slice_tp_bc(
+        &mut self,
+        rows: u64,
+        dtype: DType,
+        t: usize,
+        dim: u64,
+    ) -> Result<Vec<ScratchSlice>> {
+        let split = self.splits.get(t)?.clone();
+        let end = split.last().map_or(0, |s| s.2);
+        split
+            .iter()
+            .map(|&(d, _, _)| self.slice(d, rows, end * dim, dtype))
+            .collect()
+    }
+}
+
+/// f32 values to the bytes of `dtype` (F32, F16, BF16).
+pub fn encode(dtype: DType, vals: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F16 => vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        DType::BF16 => vals
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        _ => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}

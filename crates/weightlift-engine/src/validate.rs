@@ -1,0 +1,150 @@
+//! Validation at load: the tensors a checkpoint holds against what its architecture needs
+//! (missing and unexpected tensors, listed by name, and shape mismatches), in the way
+//! llama.cpp's loader checks `create_tensor` against the file.
+
+use std::collections::HashSet;
+
+use weightlift_format::{ModelSpec, Role};
+
+use crate::error::{EngineError, Result};
+use crate::source::Source;
+
+const PER_LAYER: [Role; 9] = [
+    Role::AttnNorm,
+    Role::AttnQ,
+    Role::AttnK,
+    Role::AttnV,
+    Role::AttnOutput,
+    Role::FfnNorm,
+    Role::FfnGate,
+    Role::FfnUp,
+    Role::FfnDown,
+];
+
+/// The name a missing tensor would have, in the checkpoint's own naming scheme.
+fn name_for(role: Role, layer: Option<u32>, gguf: bool) -> String {
+    let l = layer.unwrap_or(0);
+    if gguf {
+        let base = match role {
+            Role::TokenEmbd => return "token_embd.weight".into(),
+            Role::OutputNorm => return "output_norm.weight".into(),
+            Role::Output => return "output.weight".into(),
+            r => r.name(),
+        };
+        format!("blk.{l}.{base}.weight")
+    } else {
+        let base = match role {
+            Role::TokenEmbd => return "model.embed_tokens.weight".into(),
+            Role::OutputNorm => return "model.norm.weight".into(),
+            Role::Output => return "lm_head.weight".into(),
+            Role::AttnNorm => "input_layernorm",
+            Role::AttnQ => "self_attn.q_proj",
+            Role::AttnK => "self_attn.k_proj",
+            Role::AttnV => "self_attn.v_proj",
+            Role::AttnOutput => "self_attn.o_proj",
+            Role::FfnNorm => "post_attention_layernorm",
+            Role::FfnGate => "mlp.gate_proj",
+            Role::FfnUp => "mlp.up_proj",
+            Role::FfnDown => "mlp.down_proj",
+            r => r.name(),
+        };
+        format!("model.layers.{l}.{base}.weight")
+    }
+}
+
+/// The expected numpy-order shape of a weight, when the role has a fixed one.
+fn expected_shape(spec: &ModelSpec, role: Role, layer: Option<u32>) -> Option<Vec<u64>> {
+    let h = spec.hidden_size;
+    let hd = u64::from(spec.head_dim);
+    let q = u64::from(spec.n_heads) * hd;
+    let kv = u64::from(spec.n_kv_heads_at(layer.unwrap_or(0))) * hd;
+    Some(match role {
+        Role::TokenEmbd | Role::Output => vec![spec.vocab_size, h],
+        Role::AttnNorm | Role::FfnNorm | Role::OutputNorm => vec![h],
+        Role::AttnQ => vec![q, h],
+        Role::AttnK | Role::AttnV => vec![kv, h],
+        Role::AttnOutput => vec![h, q],
+        Role::FfnGate | Role::FfnUp => vec![spec.intermediate_size, h],
+        Role::FfnDown => vec![h, spec.intermediate_size],
+        _ => return None,
+    })
+}
+
+/// Check `source` against its architecture. Returns warnings (e.g. "architecture unknown,
+/// not validated"); fails with [`EngineError::Validation`] listing every problem.
+pub fn validate(source: &dyn Source) -> Result<Vec<String>> {
+    let Some(spec) = source.spec() else {
+        return Ok(vec![format!(
+            "{}: no architecture could be read; tensors were not validated",
+            source.path().display()
+        )]);
+    };
+    if !ModelSpec::supports_roles(&spec.architecture) {
+        return Ok(vec![format!(
+            "architecture '{}' has no known tensor roles; tensors were not validated",
+            spec.architecture
+        )]);
+    }
+    let tensors = source.tensors();
+    let gguf = tensors
+        .iter()
+        .any(|t| t.name.starts_with("blk.") || t.name == "token_embd.weight");
+    let present: HashSet<(Option<u32>, Role)> = tensors
+        .iter()
+        .filter_map(|t| t.role.map(|r| (t.layer, r)))
+        .collect();
+    let mut missing = Vec::new();
+    let mut globals = vec![Role::TokenEmbd, Role::OutputNorm];
+    if !spec.tie_word_embeddings {
+        globals.push(Role::Output);
+    }
+    for r in globals {
+        if !present.contains(&(None, r)) {
+            missing.push(name_for(r, None, gguf));
+        }
+    }
+    for l in 0..spec.n_layers {
+        for r in PER_LAYER {
+            if !present.contains(&(Some(l), r)) {
+                missing.push(name_for(r, Some(l), gguf));
+            }
+        }
+    }
+    let mut unexpected = Vec::new();
+    let mut shapes = Vec::new();
+    for t in tensors {
+        let out_of_range = t.layer.is_some_and(|l| l >= spec.n_layers);
+        match t.role {
+            None => unexpected.push(t.name.clone()),
+            Some(_) if out_of_range => unexpected.push(t.name.clone()),
+            Some(r) => {
+                if let Some(want) = expected_shape(spec, r, t.layer)
+                    && want != t.shape
+                {
+                    shapes.push(format!(
+                        "'{}' has shape {:?}, expected {:?}",
+                        t.name, t.shape, want
+                    ));
+                }
+            }
+        }
+    }
+    let mut problems = Vec::new();
+    if !missing.is_empty() {
+        problems.push(format!("missing tensors: {}", missing.join(", ")));
+    }
+    if !unexpected.is_empty() {
+        problems.push(format!("unexpected tensors: {}", unexpected.join(", ")));
+    }
+    if !shapes.is_empty() {
+        problems.push(format!("shape mismatches: {}", shapes.join("; ")));
+    }
+    if problems.is_empty() {
+        return Ok(Vec::new());
+    }
+    Err(EngineError::Validation {
+        path: source.path().to_path_buf(),
+        architecture: spec.architecture.clone(),
+        problems: problems.join("; "),
+    })
+}

@@ -1,0 +1,186 @@
+//! KV cache: exact sizes (DESIGN.md's table), round-trip error bounds per dtype, offload.
+
+use std::sync::Arc;
+
+use weightlift_engine::cache::{Cache, CacheConfig, CacheDType};
+use weightlift_engine::{EngineError, Inventory};
+
+fn config(dtype: CacheDType, offload: bool) -> CacheConfig {
+    CacheConfig {
+        max_seq_len: 64,
+        batch_size: 2,
+        dtype,
+        n_kv_heads: vec![3, 2],
+        head_dim: 64,
+        offload,
+    }
+}
+
+/// A deterministic spread of values over several magnitudes (xorshift).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            u * [0.01f32, 1.0, 30.0, 200.0][i / 64 % 4]
+        })
+        .collect()
+}
+
+const ALL: [CacheDType; 5] = [
+    CacheDType::Fp16,
+    CacheDType::Fp8,
+    CacheDType::Q8,
+    CacheDType::Q6,
+    CacheDType::Q4,
+];
+
+#[test]
+fn byte_sizes_follow_the_design_table() {
+    // DESIGN.md: 2 × n_kv_heads × head_dim × max_seq_len × batch elements times bytes per element
+    // (fp16 2, fp8 1, q8 8.5/8, q6 8.5/8 for K and 4.5/8 for V, q4 4.5/8).
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    for dtype in ALL {
+        let cache = Cache::new(config(dtype, false)).unwrap();
+        for l in 0..2 {
+            cache.allocate_layer(l, &dev, inv.cpu()).unwrap();
+        }
+        let per = |heads: f64| heads * 64.0 * 64.0 * 2.0;
+        let (k, v) = match dtype {
+            CacheDType::Fp16 => (2.0, 2.0),
+            CacheDType::Fp8 => (1.0, 1.0),
+            CacheDType::Q8 => (8.5 / 8.0, 8.5 / 8.0),
+            CacheDType::Q6 => (8.5 / 8.0, 4.5 / 8.0),
+            CacheDType::Q4 => (4.5 / 8.0, 4.5 / 8.0),
+        };
+        let want = (per(3.0) + per(2.0)) * (k + v);
+        assert_eq!(dev.used() as f64, want, "{dtype:?}");
+        assert_eq!(cache.memory(), vec![("virtual:0".to_owned(), want as u64)]);
+        cache.free();
+        assert_eq!(dev.used(), 0);
+    }
+}
+
+#[test]
+fn round_trip_within_documented_bounds() {
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    for dtype in ALL {
+        let cache = Cache::new(config(dtype, false)).unwrap();
+        for l in 0..2 {
+            cache.allocate_layer(l, &dev, inv.cpu()).unwrap();
+        }
+        let (heads, n_tokens, pos) = (3usize, 7usize, 50u64);
+        let n = 2 * heads * n_tokens * 64;
+        let k = values(n, 1);
+        let v = values(n, 2);
+        cache.write(0, pos, n_tokens as u64, &k, &v).unwrap();
+        let (k2, v2) = cache.read(0, pos, pos + n_tokens as u64).unwrap();
+        let mut worst = [0f32; 2];
+        for (is_v, (a, b)) in [(false, (&k, &k2)), (true, (&v, &v2))] {
+            // Groups are 32 consecutive values of one head of one token; in this
+            // (batch, head, token, dim) order they are 32 consecutive values too.
+            for (ga, gb) in a.chunks(32).zip(b.chunks(32)) {
+                let absmax = ga.iter().fold(0f32, |m, x| m.max(x.abs()));
+                for (x, y) in ga.iter().zip(gb) {
+                    let bound = dtype.error_bound(is_v, *x, absmax);
+                    assert!(
+                        (x - y).abs() <= bound,
+                        "{dtype:?} v={is_v}: {x} -> {y}, bound {bound}"
+                    );
+                    worst[usize::from(is_v)] =
+                        worst[usize::from(is_v)].max((x - y).abs() / absmax.max(1e-30));
+                }
+            }
+        }
+        if dtype == CacheDType::Fp16 {
+            // fp16 is exactly IEEE round-to-nearest (the half crate, which nobody here wrote).
+            assert!(
+                k.iter()
+                    .zip(&k2)
+                    .all(|(x, y)| half::f16::from_f32(*x).to_f32() == *y)
+            );
+        }
+        // Neighbouring positions were not touched.
+        let (k3, _) = cache.read(0, 0, pos).unwrap();
+        assert!(k3.iter().all(|&x| x == 0.0));
+        assert!(worst[0] > 0.0);
+    }
+}
+
+#[test]
+fn bad_positions_and_shapes_are_refused() {
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let cache = Cache::new(config(CacheDType::Q4, false)).unwrap();
+    let e = cache.read(0, 0, 1).unwrap_err();
+    assert!(matches!(e, EngineError::NotLoaded { .. }), "{e}");
+    cache
+        .allocate_layer(0, &inv.accelerators()[0], inv.cpu())
+        .unwrap();
+    let e = cache.read(0, 60, 70).unwrap_err().to_string();
+    assert!(
+        e.contains("within max_seq_len 64") && e.contains("60..70"),
+        "{e}"
+    );
+    let e = cache
+        .write(0, 0, 1, &[0.0; 10], &[0.0; 10])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("384 values"), "{e}");
+    let e = Cache::new(CacheConfig {
+        head_dim: 10,
+        n_kv_heads: vec![1],
+        ..config(CacheDType::Q8, false)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("multiple of 32"), "{e}");
+}
+
+#[test]
+fn oom_on_a_small_device() {
+    let inv = Inventory::parse("virtual:1x64KiB").unwrap();
+    let cache = Cache::new(config(CacheDType::Fp16, false)).unwrap();
+    let e = cache
+        .allocate_layer(0, &inv.accelerators()[0], inv.cpu())
+        .unwrap_err();
+    assert!(e.to_string().contains("out of memory on virtual:0"), "{e}");
+    assert_eq!(inv.accelerators()[0].used(), 0);
+}
+
+#[test]
+fn offloaded_cache_lives_on_the_host_and_prefetches() {
+    let inv = Inventory::parse("virtual:2x64MiB").unwrap();
+    let [a, b] = inv.accelerators() else { panic!() };
+    let cache = Arc::new(Cache::new(config(CacheDType::Q8, true)).unwrap());
+    cache.allocate_layer(0, a, inv.cpu()).unwrap();
+    cache.allocate_layer(1, b, inv.cpu()).unwrap();
+    assert_eq!(cache.device_of(1).unwrap(), "virtual:1");
+    assert_eq!(
+        (a.used(), b.used()),
+        (0, 0),
+        "offloaded layers live in host RAM"
+    );
+    let held = inv.cpu().used();
+    assert!(held > 0);
+    let n = 2 * 2 * 3 * 64;
+    let (k, v) = (values(n, 3), values(n, 4));
+    cache.write(1, 10, 3, &k, &v).unwrap();
+    let r0 = cache.fetch(0).unwrap();
+    assert_eq!(r0.k.device().name(), "virtual:0");
+    assert!(cache.prefetch_pending(), "layer 1 is being prefetched");
+    drop(r0);
+    let r1 = cache.fetch(1).unwrap();
+    assert_eq!(r1.k.device().name(), "virtual:1");
+    assert_eq!(
+        cache.read_resident(&r1, 10, 13).unwrap(),
+        cache.read(1, 10, 13).unwrap()
+    );
+    drop(r1);
+    assert_eq!((a.used(), b.used()), (0, 0));
+    cache.free();
+    assert_eq!(inv.cpu().used(), 0);
+}

@@ -1,0 +1,254 @@
+//! The loader against the real tiny-llama safetensors (single file and sharded). Every tensor
+//! read back is compared with the bytes the official `safetensors` crate reads.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use safetensors::SafeTensors;
+use weightlift_engine::{Device, EngineError, Inventory, LoadOptions, Source, TensorTarget, load};
+use weightlift_format::{Checkpoint, DType, OpenOptions};
+
+fn reference() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference/tiny-llama")
+}
+
+fn open(sub: &str) -> Arc<dyn Source> {
+    Arc::new(
+        Checkpoint::open(reference().join(sub), OpenOptions::default()).expect("open tiny-llama"),
+    )
+}
+
+/// name -> bytes, read by the safetensors crate from every shard of `sub`.
+fn truth(sub: &str) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let dir = reference().join(sub);
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            let data = std::fs::read(&p).unwrap();
+            let st = SafeTensors::deserialize(&data).unwrap();
+            for (name, view) in st.tensors() {
+                out.push((name, view.data().to_vec()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn targets(
+    src: &Arc<dyn Source>,
+    pick: impl Fn(Option<u32>) -> Arc<Device>,
+) -> Vec<Option<TensorTarget>> {
+    src.tensors()
+        .iter()
+        .map(|t| Some(TensorTarget::new(pick(t.layer), t.dtype)))
+        .collect()
+}
+
+fn check_bit_exact(src: &Arc<dyn Source>, loaded: &weightlift_engine::Loaded, sub: &str) {
+    let want = truth(sub);
+    assert_eq!(want.len(), src.tensors().len());
+    for (name, bytes) in want {
+        let i = src.tensors().iter().position(|t| t.name == name).unwrap();
+        assert!(
+            loaded.tensors[i].as_ref().unwrap().bytes() == bytes.as_slice(),
+            "tensor {name} differs"
+        );
+    }
+}
+
+#[test]
+fn cpu_paths_are_bit_exact_and_identical() {
+    for sub in ["safetensors", "safetensors-sharded"] {
+        let src = open(sub);
+        let inv = Inventory::cpu_only();
+        let cpu = Arc::clone(inv.cpu());
+        let t = targets(&src, |_| Arc::clone(&cpu));
+        for (mmap, direct) in [(true, false), (false, false), (false, true)] {
+            let opts = LoadOptions {
+                use_mmap: mmap,
+                use_direct_io: direct,
+                staging_bytes: 1 << 20,
+                ..Default::default()
+            };
+            let loaded = load(&src, &t, &opts, &mut |_| true, &mut |_| Ok(())).unwrap();
+            check_bit_exact(&src, &loaded, sub);
+            let total: u64 = src.tensors().iter().map(|t| t.nbytes).sum();
+            if mmap {
+                assert!(loaded.tensors.iter().flatten().all(|t| t.is_mapped()));
+                assert_eq!(cpu.used(), 0, "mmap views hold no anonymous memory");
+            } else {
+                assert!(loaded.tensors.iter().flatten().all(|t| !t.is_mapped()));
+                assert_eq!(cpu.used(), total);
+            }
+            drop(loaded);
+            assert_eq!(cpu.used(), 0);
+        }
+    }
+}
+
+#[test]
+fn two_virtual_devices_by_layer() {
+    let src = open("safetensors-sharded");
+    let inv = Inventory::parse("virtual:2x16MiB").unwrap();
+    let [a, b] = inv.accelerators() else { panic!() };
+    let cpu = Arc::clone(inv.cpu());
+    // Embeddings stay on cpu, layer 0 on virtual:0, layer 1 and the head on virtual:1.
+    let t = targets(&src, |layer| match layer {
+        Some(0) => Arc::clone(a),
+        Some(_) => Arc::clone(b),
+        None => Arc::clone(&cpu),
+    });
+    let mut layers = Vec::new();
+    let loaded = load(&src, &t, &LoadOptions::default(), &mut |_| true, &mut |l| {
+        layers.push(l);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(layers, [0, 1]);
+    check_bit_exact(&src, &loaded, "safetensors-sharded");
+    let on = |d: &Arc<Device>| -> u64 {
+        src.tensors()
+            .iter()
+            .zip(&t)
+            .filter(|(_, t)| Arc::ptr_eq(&t.as_ref().unwrap().device, d))
+            .map(|(i, _)| i.nbytes)
+            .sum()
+    };
+    assert_eq!(a.used(), on(a));
+    assert_eq!(b.used(), on(b));
+    drop(loaded);
+    assert_eq!((a.used(), b.used(), cpu.used()), (0, 0, 0));
+}
+
+#[test]
+fn bf16_converts_to_f16_on_the_way() {
+    let src = open("safetensors");
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    let t: Vec<_> = src
+        .tensors()
+        .iter()
+        .map(|_| Some(TensorTarget::new(Arc::clone(&dev), DType::F16)))
+        .collect();
+    // A small staging buffer forces the embedding (16 MB) through many chunks.
+    let opts = LoadOptions {
+        staging_bytes: 64 << 10,
+        ..Default::default()
+    };
+    let loaded = load(&src, &t, &opts, &mut |_| true, &mut |_| Ok(())).unwrap();
+    for (name, bytes) in truth("safetensors") {
+        let i = src.tensors().iter().position(|t| t.name == name).unwrap();
+        let want: Vec<u8> = bytes
+            .chunks_exact(2)
+            .flat_map(|c| {
+                let x = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                half::f16::from_f32(x).to_le_bytes()
+            })
+            .collect();
+        let got = loaded.tensors[i].as_ref().unwrap();
+        assert_eq!(got.dtype(), DType::F16);
+        assert!(got.bytes() == want.as_slice(), "{name}");
+    }
+}
+
+#[test]
+fn oom_leaves_nothing_allocated() {
+    let src = open("safetensors");
+    let inv = Inventory::parse("virtual:2x4MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[1]);
+    let t = targets(&src, |_| Arc::clone(&dev));
+    let err = load(
+        &src,
+        &t,
+        &LoadOptions::default(),
+        &mut |_| true,
+        &mut |_| Ok(()),
+    )
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, EngineError::OutOfMemory { .. }), "{msg}");
+    assert!(msg.contains("out of memory on virtual:1"), "{msg}");
+    assert!(
+        msg.contains("requested 16384000 bytes"),
+        "the embedding: {msg}"
+    );
+    assert_eq!(dev.used(), 0);
+}
+
+#[test]
+fn progress_is_monotone_and_cancel_frees_everything() {
+    let src = open("safetensors-sharded");
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    let t = targets(&src, |_| Arc::clone(&dev));
+    let opts = LoadOptions {
+        staging_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let mut seen = Vec::new();
+    let loaded = load(
+        &src,
+        &t,
+        &opts,
+        &mut |p| {
+            seen.push((
+                p.bytes_done,
+                p.bytes_total,
+                p.tensor.to_owned(),
+                p.device.to_owned(),
+            ));
+            true
+        },
+        &mut |_| Ok(()),
+    )
+    .unwrap();
+    let total: u64 = src.tensors().iter().map(|t| t.nbytes).sum();
+    assert!(
+        seen.windows(2).all(|w| w[0].0 < w[1].0),
+        "strictly increasing"
+    );
+    assert_eq!(seen.last().unwrap().0, total);
+    assert!(seen.iter().all(|s| s.1 == total && s.3 == "virtual:0"));
+    // Embedding first (16 chunks of 1 MiB), then layer 0.
+    assert_eq!(seen[0].2, "model.embed_tokens.weight");
+    assert!(seen.len() > 16);
+    drop(loaded);
+
+    for stop_after in [1, 5, 20] {
+        let mut calls = 0;
+        let err = load(
+            &src,
+            &t,
+            &opts,
+            &mut |_| {
+                calls += 1;
+                calls < stop_after
+            },
+            &mut |_| Ok(()),
+        )
+        .unwrap_err();
+        assert!(matches!(err, EngineError::Cancelled { .. }), "{err}");
+        assert_eq!(calls, stop_after, "no callback after cancelling");
+        assert_eq!(dev.used(), 0, "cancel frees everything");
+    }
+}
+
+#[test]
+fn layer_hook_error_aborts_and_frees() {
+    let src = open("safetensors");
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    let t = targets(&src, |_| Arc::clone(&dev));
+    let err = load(&src, &t, &LoadOptions::default(), &mut |_| true, &mut |l| {
+        if l == 1 {
+            dev.alloc(1 << 40).map(drop)
+        } else {
+            Ok(())
+        }
+    })
+    .unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory { .. }));
+    assert_eq!(dev.used(), 0);
+}

@@ -1,0 +1,242 @@
+//! Model: placement, lazy co-located cache, memory accounting, validation, TP and unload
+//! hygiene, on the real tiny-llama files.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use safetensors::SafeTensors;
+use weightlift_engine::model::TensorPlace;
+use weightlift_engine::tp::Splits;
+use weightlift_engine::{
+    Cache, CacheDType, EngineError, Inventory, LoadOptions, Model, Placement, Source,
+};
+use weightlift_format::{Checkpoint, OpenOptions};
+
+fn reference() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference/tiny-llama")
+}
+
+fn open(sub: &str) -> Arc<dyn Source> {
+    Arc::new(Checkpoint::open(reference().join(sub), OpenOptions::default()).unwrap())
+}
+
+fn truth(file: &str) -> HashMap<String, Vec<u8>> {
+    let data = std::fs::read(reference().join(file)).unwrap();
+    let st = SafeTensors::deserialize(&data).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.data().to_vec()))
+        .collect()
+}
+
+/// Layer 0 on virtual:0, layer 1 on virtual:1, globals on cpu.
+fn by_layer(src: &Arc<dyn Source>) -> Placement {
+    Placement {
+        tensors: src
+            .tensors()
+            .iter()
+            .map(|t| {
+                let d = match t.layer {
+                    Some(l) => format!("virtual:{l}"),
+                    None => "cpu".into(),
+                };
+                TensorPlace {
+                    device: d,
+                    dtype: t.dtype,
+                    split: None,
+                }
+            })
+            .collect(),
+        layers: vec!["virtual:0".into(), "virtual:1".into()],
+        copies: Vec::new(),
+        scratch: Vec::new(),
+    }
+}
+
+#[test]
+fn lazy_cache_sits_beside_each_layer_and_memory_matches_prediction() {
+    let src = open("safetensors");
+    let inv = Inventory::parse("virtual:2x8MiB").unwrap();
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let cfg = model.cache_config(256, 1, CacheDType::Q8, false).unwrap();
+    let cache = Arc::new(Cache::new(cfg.clone()).unwrap());
+    let placement = by_layer(&src);
+    model
+        .load(
+            &placement,
+            &LoadOptions::default(),
+            Some(&cache),
+            true,
+            &mut |_| true,
+        )
+        .unwrap();
+    for l in 0..2 {
+        assert_eq!(
+            cache.device_of(l).unwrap(),
+            model.layer_devices().unwrap()[l]
+        );
+    }
+    // Prediction: the tensors' bytes per device plus DESIGN.md's cache formula.
+    let mut want: HashMap<String, u64> = HashMap::new();
+    for (t, p) in src.tensors().iter().zip(&placement.tensors) {
+        *want.entry(p.device.clone()).or_default() += t.nbytes;
+    }
+    // 2 × n_kv_heads(2) × head_dim(64) × 256 tokens × 8.5/8 bytes per layer.
+    let kv = (2.0 * 2.0 * 64.0 * 256.0 * 8.5 / 8.0) as u64;
+    *want.entry("virtual:0".into()).or_default() += kv;
+    *want.entry("virtual:1".into()).or_default() += kv;
+    for (d, b) in model.memory() {
+        assert_eq!(b, want.get(&d).copied().unwrap_or(0), "{d}");
+    }
+    // Device arenas hold exactly that (cpu tensors are mmap views).
+    for d in inv.accelerators() {
+        assert_eq!(d.used(), want[d.name()]);
+    }
+    assert_eq!(inv.cpu().used(), 0);
+    let truth = truth("safetensors/model.safetensors");
+    for t in src.tensors() {
+        assert!(
+            model.tensor_bytes(&t.name).unwrap().0 == truth[&t.name],
+            "{}",
+            t.name
+        );
+    }
+    model.unload();
+    assert!(inv.all().iter().all(|d| d.used() == 0));
+    assert!(matches!(
+        cache.device_of(0),
+        Err(EngineError::NotLoaded { .. })
+    ));
+}
+
+#[test]
+fn twenty_load_unload_cycles_return_to_baseline() {
+    let src = open("gguf/tiny-llama-Q8_0.gguf");
+    let inv = Inventory::parse("virtual:2x16MiB").unwrap();
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let cache =
+        Arc::new(Cache::new(model.cache_config(128, 2, CacheDType::Fp16, false).unwrap()).unwrap());
+    let placement = by_layer(&src);
+    let opts = LoadOptions {
+        use_mmap: false,
+        ..Default::default()
+    };
+    let mut peak = [0u64; 3];
+    for _ in 0..20 {
+        model
+            .load(&placement, &opts, Some(&cache), true, &mut |_| true)
+            .unwrap();
+        for (p, d) in peak.iter_mut().zip(inv.all()) {
+            *p = (*p).max(d.used());
+        }
+        model.unload();
+        assert!(inv.all().iter().all(|d| d.used() == 0));
+    }
+    assert!(peak.iter().all(|&p| p > 0));
+}
+
+#[test]
+fn oom_during_load_frees_weights_and_cache() {
+    let src = open("safetensors");
+    // Layer weights fit, but a 4096-token fp16 cache does not.
+    let inv = Inventory::parse("virtual:2x3MiB").unwrap();
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let cache = Arc::new(
+        Cache::new(
+            model
+                .cache_config(4096, 1, CacheDType::Fp16, false)
+                .unwrap(),
+        )
+        .unwrap(),
+    );
+    let err = model
+        .load(
+            &by_layer(&src),
+            &LoadOptions::default(),
+            Some(&cache),
+            true,
+            &mut |_| true,
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("out of memory on virtual:0"),
+        "{err}"
+    );
+    assert!(!model.is_loaded());
+    assert!(inv.all().iter().all(|d| d.used() == 0));
+}
+
+#[test]
+fn missing_tensors_are_listed_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        reference().join("safetensors/config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let data = std::fs::read(reference().join("safetensors/model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&data).unwrap();
+    let keep: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != "model.layers.1.mlp.up_proj.weight")
+        .collect();
+    safetensors::serialize_to_file(keep, None, &dir.path().join("model.safetensors")).unwrap();
+    let src: Arc<dyn Source> =
+        Arc::new(Checkpoint::open(dir.path(), OpenOptions::default()).unwrap());
+    let inv = Inventory::cpu_only();
+    let mut model = Model::new(Arc::clone(&src), inv);
+    let placement = Placement::all_on(src.as_ref(), "cpu", 2);
+    let err = model
+        .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
+            true
+        })
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("missing tensors: model.layers.1.mlp.up_proj.weight"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn tp_parts_reassemble_to_the_checkpoint() {
+    // exllamav2-style tables for 2 devices: 2 KV heads, 4 Q heads, 768 intermediate, 256 hidden,
+    // 32000 vocab.
+    let splits = Splits {
+        kv: vec![(0, 0, 1), (1, 1, 2)],
+        q: vec![(0, 0, 2), (1, 2, 4)],
+        id: vec![(0, 0, 384), (1, 384, 768)],
+        rs: vec![(0, 0, 128), (1, 128, 256)],
+        vc: vec![(0, 0, 16000), (1, 16000, 32000)],
+    };
+    for sub in ["safetensors-sharded", "gguf/tiny-llama-Q8_0.gguf"] {
+        let src = open(sub);
+        let inv = Inventory::parse("virtual:2x16MiB").unwrap();
+        let mut model = Model::new(Arc::clone(&src), inv.clone());
+        let placement = model.tp_placement(&splits).unwrap();
+        model
+            .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
+                true
+            })
+            .unwrap();
+        for (i, t) in src.tensors().iter().enumerate() {
+            assert!(
+                model.tensor_bytes(&t.name).unwrap().0 == src.bytes(i),
+                "{sub} {}",
+                t.name
+            );
+        }
+        let q = src
+            .tensors()
+            .iter()
+            .find(|t| t.name.contains("q_proj") || t.name.contains("attn_q"))
+            .unwrap();
+        assert_eq!(model.device_of(&q.name).unwrap(), "virtual:0,virtual:1");
+        let used: u64 = inv.accelerators().iter().map(|d| d.used()).sum();
+        assert!(used >= src.tensors().iter().map(|t| t.nbytes).sum::<u64>());
+        model.unload();
+        assert!(inv.all().iter().all(|d| d.used() == 0));
+    }
+}
