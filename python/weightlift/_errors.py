@@ -37,7 +37,7 @@ class CudaUnavailable(DeviceError):
     """CUDA was asked for, but no driver or GPU is present (or the build has no CUDA)."""
 
 
-class UnsupportedError(WeightliftError, NotImplementedError):
+class UnsupportedError(WeightliftError):
     """A valid request that this build does not support (type, architecture, operation)."""
 
 
