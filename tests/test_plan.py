@@ -190,6 +190,23 @@ def test_out_of_memory_names_devices_and_fixes(smollm):
     check_plan(smollm, p)
 
 
+def test_small_cpu_is_checked_when_everything_spills_to_disk(tiny_llama_st):
+    """Engine report: with everything on disk the 8 MiB cpu still computes the streamed layers
+    and holds the upload staging buffers; the plan must raise, not hand the engine 31 MiB of
+    scratch for an 8 MiB host."""
+    with wl.open(tiny_llama_st) as ckpt:
+        kw = dict(strategy="sequential", allow_disk=True)
+        with pytest.raises(wl.OutOfMemoryError) as info:
+            wl.plan(ckpt, devices="virtual:1x4MiB,cpu:8MiB,disk", **kw)
+        short = {s["device"]: s for s in info.value.shortfalls}
+        assert "cpu" in short and short["cpu"]["available"] == 8 * MiB, str(info.value)
+        assert "staging" in str(info.value)
+        p = wl.plan(ckpt, devices="virtual:1x4MiB,cpu:512MiB,disk", **kw)
+        check_plan(ckpt, p)
+        disk = next(d for d in p.devices if d.name == "disk")
+        assert (disk.kv, disk.scratch) == (0, 0)
+
+
 def test_json_round_trip_explain_and_svg(smollm, tmp_path):
     p = wl.plan(
         smollm,

@@ -39,6 +39,16 @@
 //!   per-device scratch uses the full single-device scratch (exllamav2 computes a smaller
 //!   per-split one), which over-estimates slightly.
 //!
+//! - **low_mem** ([`RuntimeSpec::low_mem`]): exllamav2's `set_low_mem()`, which sets
+//!   `max_input_len = 1024` and `max_attention_size = 1024²`: from the defaults the input
+//!   length is halved and the attention size QUARTERED. DESIGN.md says "halves the first two";
+//!   we keep exllamav2's values (taking the minimum with the user's, so it never adds scratch).
+//! - **disk**: a layer left on disk is streamed and computed by the host (the engine runs it on
+//!   the cpu), so its KV cache and compute scratch are charged to the cpu, never to `disk`;
+//!   once a fill reaches the cpu with disk allowed, the cpu keeps room for the KV and compute
+//!   of every later layer. accelerate computes disk-offloaded modules on its main device and
+//!   ignores the cache; we charge the host because that is where weightlift runs them.
+//!
 //! Host RAM: staging buffers (two of `staging_bytes`, bounded by the largest tensor, charged to
 //! the host whenever the inventory has an accelerator) and CPU-resident copies are anonymous
 //! memory; mmap-backed CPU tensors cost page cache and are
@@ -227,6 +237,9 @@ fn with_tweak(req: &PlanRequest, t: Tweak) -> PlanRequest {
     if let (Some(n), Strategy::Layers(o)) = (t.n_gpu_layers, &mut r.strategy) {
         o.n_gpu_layers = n;
     }
+    if let Some(rt) = t.runtime {
+        r.runtime = rt;
+    }
     r
 }
 
@@ -328,7 +341,58 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
             ));
         }
     }
-    // 6. Disk offload.
+    // 6. Less compute scratch: exllamav2's low_mem, then shorter input chunks.
+    let rt = req.runtime;
+    let full_scratch = |rt: &RuntimeSpec| {
+        let (seq, batch) = req.cache.map_or((rt.max_input_len.max(1), 1), |c| {
+            (c.max_seq_len, c.batch_size)
+        });
+        memory::ScratchModel::new(&req.spec, rt, seq, batch).for_hosts(memory::Hosts {
+            layers: true,
+            head: true,
+            embed: true,
+        })
+    };
+    let runtime_fits = |r: RuntimeSpec| {
+        fits(
+            req,
+            Tweak {
+                runtime: Some(r),
+                ..Tweak::default()
+            },
+        )
+        .unwrap_or(false)
+    };
+    if rt.max_input_len > 0 {
+        let low = RuntimeSpec {
+            low_mem: true,
+            ..rt
+        };
+        if !rt.low_mem && runtime_fits(low) {
+            fixes.push(format!(
+                "low_mem=True (exllamav2's set_low_mem) saves up to {} scratch per device and fits",
+                fmt_bytes(full_scratch(&rt).saturating_sub(full_scratch(&low)))
+            ));
+        } else {
+            // Halving max_input_len down to 16 tokens: the first that fits.
+            let mut n = rt.max_input_len / 2;
+            while n >= 16 {
+                let r = RuntimeSpec {
+                    max_input_len: n,
+                    ..rt
+                };
+                if runtime_fits(r) {
+                    fixes.push(format!(
+                        "max_input_len {n} saves up to {} scratch per device and fits",
+                        fmt_bytes(full_scratch(&rt).saturating_sub(full_scratch(&r)))
+                    ));
+                    break;
+                }
+                n /= 2;
+            }
+        }
+    }
+    // 7. Disk offload.
     let disk_listed = req.devices.iter().any(|d| d.kind == DeviceKind::Disk);
     if !req.allow_disk && !disk_listed {
         let t = Tweak {
@@ -341,6 +405,23 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
                 "add --allow-disk (allow_disk=True) fits with {} streamed from disk",
                 fmt_bytes(on_disk)
             ));
+        }
+    }
+    // 8. Last resort: the memory the short devices would need, checked by re-planning with
+    // each short device grown to its need (rounded up to a MiB; max_memory caps lifted).
+    if fixes.is_empty() && !oom.shortfalls.is_empty() {
+        let mut r = req.clone();
+        let mut asks = Vec::new();
+        for s in &oom.shortfalls {
+            let need = s.needed.div_ceil(1 << 20) << 20;
+            if let Some(d) = r.devices.iter_mut().find(|d| d.name == s.device) {
+                d.capacity = d.capacity.max(need);
+                r.max_memory.remove(&s.device);
+                asks.push(format!("{} with {}", s.device, fmt_bytes(need)));
+            }
+        }
+        if !asks.is_empty() && plan_with(&r, Tweak::default()).is_ok() {
+            fixes.push(format!("{} fits", asks.join(" and ")));
         }
     }
     fixes

@@ -119,9 +119,16 @@ pub struct RuntimeSpec {
     pub max_attention_size: u64,
     /// Most elements dequantised at once (default 512 Mi).
     pub max_dq_size: u64,
-    /// exllamav2's `set_low_mem()`: halves `max_input_len` and the side of the attention
-    /// square (so `max_attention_size` is quartered: 2048² -> 1024², exactly as exllamav2 sets
-    /// them). DESIGN.md says "halves the first two"; we follow exllamav2.
+    /// exllamav2's `ExLlamaV2Config.set_low_mem()`, which sets `max_input_len = 1024` and
+    /// `max_attention_size = 1024 ** 2`. From the defaults that halves `max_input_len`
+    /// (2048 -> 1024) and halves the side of the attention square, so `max_attention_size` is
+    /// QUARTERED (2048² -> 1024²), not halved.
+    ///
+    /// This deliberately differs from DESIGN.md, which says low_mem "halves the first two":
+    /// we follow exllamav2, since these scratch formulas are exllamav2's. One difference from
+    /// exllamav2 itself: it overwrites the two fields, so a smaller `max_input_len` given
+    /// before `set_low_mem()` would be raised back to 1024; we take the minimum, so low_mem
+    /// never increases scratch. See [`RuntimeSpec::effective`].
     pub low_mem: bool,
 }
 
@@ -148,10 +155,20 @@ impl RuntimeSpec {
         }
     }
 
-    /// `(max_input_len, max_attention_size)` after `low_mem`.
+    /// exllamav2's `set_low_mem()` values: `max_input_len` 1024.
+    pub const LOW_MEM_INPUT_LEN: u64 = 1024;
+    /// exllamav2's `set_low_mem()` values: `max_attention_size` 1024².
+    pub const LOW_MEM_ATTENTION_SIZE: u64 = 1024 * 1024;
+
+    /// `(max_input_len, max_attention_size)` after `low_mem`: with it, each is capped at
+    /// exllamav2's `set_low_mem()` value (1024 and 1024²; from the defaults, max_input_len is
+    /// halved and max_attention_size quartered, not halved as DESIGN.md says).
     pub fn effective(&self) -> (u64, u64) {
         if self.low_mem {
-            (self.max_input_len / 2, self.max_attention_size / 4)
+            (
+                self.max_input_len.min(Self::LOW_MEM_INPUT_LEN),
+                self.max_attention_size.min(Self::LOW_MEM_ATTENTION_SIZE),
+            )
         } else {
             (self.max_input_len, self.max_attention_size)
         }
@@ -314,7 +331,17 @@ mod tests {
             low_mem: true,
             ..RuntimeSpec::default()
         };
+        // exllamav2 `set_low_mem()`: max_input_len = 1024, max_attention_size = 1024 ** 2.
         assert_eq!(r.effective(), (1024, 1024 * 1024));
+        // Smaller values are kept (exllamav2 would overwrite them; low_mem never adds scratch).
+        let small = RuntimeSpec {
+            max_input_len: 256,
+            max_attention_size: 256 * 256,
+            ..r
+        };
+        assert_eq!(small.effective(), (256, 256 * 256));
+        let off = RuntimeSpec::default();
+        assert_eq!(off.effective(), (2048, 2048 * 2048));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use weightlift_format::{DType, Role, TensorInfo};
 
 use crate::device::{DeviceKind, resolve_device};
 use crate::error::{OutOfMemory, PlanError, Result, Shortfall};
-use crate::memory::{CacheSpec, Hosts, ScratchModel};
+use crate::memory::{CacheSpec, Hosts, RuntimeSpec, ScratchModel};
 use crate::plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit, to_ranges};
 use crate::request::{DeviceMap, LayerOptions, PlanRequest, SplitMode, Strategy, TpOptions};
 use crate::size::fmt_bytes;
@@ -24,6 +24,7 @@ pub(crate) struct Tweak {
     /// Bytes taken off every device's reserve.
     pub reserve_cut: u64,
     pub n_gpu_layers: Option<i64>,
+    pub runtime: Option<RuntimeSpec>,
 }
 
 #[derive(Debug, Clone)]
@@ -335,10 +336,11 @@ impl<'a> Ctx<'a> {
         units.push(norm);
         units.push(output);
 
-        let (seq, batch) = cache.map_or((req.runtime.max_input_len.max(1), 1), |c| {
+        let runtime = tweak.runtime.unwrap_or(req.runtime);
+        let (seq, batch) = cache.map_or((runtime.max_input_len.max(1), 1), |c| {
             (c.max_seq_len, c.batch_size)
         });
-        let scratch = ScratchModel::new(spec, &req.runtime, seq, batch);
+        let scratch = ScratchModel::new(spec, &runtime, seq, batch);
         let staging_bound = 2 * req
             .staging_bytes
             .min(bytes.iter().copied().max().unwrap_or(0));
@@ -359,6 +361,11 @@ impl<'a> Ctx<'a> {
             staging_bound,
             warnings,
         })
+    }
+
+    /// The device that computes what `d` holds: the host for `disk`, else `d` itself.
+    fn exec_dev(&self, d: usize) -> usize {
+        if Some(d) == self.disk { self.host } else { d }
     }
 
     fn tensors(&self) -> &[TensorInfo] {
@@ -443,7 +450,14 @@ impl<'a> Ctx<'a> {
                                 available: d.limit,
                                 what: format!(
                                     "{} ({})",
-                                    usage.map_or(String::new(), |u| self.what(u)),
+                                    usage.map_or(String::new(), |u| {
+                                        let staging = if assign.head_dev == self.host {
+                                            p.host().staging
+                                        } else {
+                                            0
+                                        };
+                                        self.what(u, staging)
+                                    }),
                                     note.0
                                 ),
                             }],
@@ -535,9 +549,24 @@ impl<'a> Ctx<'a> {
         let n_units = self.units.len();
         // Largest remaining unit after index i (accelerate's max_layer_size).
         let mut max_after = vec![0u64; n_units + 1];
+        // KV bytes and compute of the units from index i on: once the fill reaches the host,
+        // every later unit lands on the host or on disk, and a disk layer's KV and compute
+        // are the host's too.
+        let mut kv_after = vec![0u64; n_units + 1];
+        let mut hosts_after = vec![Hosts::default(); n_units + 1];
         for i in (0..n_units).rev() {
             let u = &self.units[i];
             max_after[i] = max_after[i + 1].max(u.weights.saturating_add(u.kv));
+            kv_after[i] = kv_after[i + 1].saturating_add(u.kv);
+            // The fill skips empty units, except exllamav2's tied head (a copy of the
+            // embedding).
+            let placed =
+                !u.tensors.is_empty() || (u.kind == UnitKind::Output && mode == FillMode::Exl);
+            hosts_after[i] = if placed {
+                union(hosts_after[i + 1], u.hosts())
+            } else {
+                hosts_after[i + 1]
+            };
         }
         for (ui, unit) in self.units.iter().enumerate() {
             if unit.tensors.is_empty() && !(unit.kind == UnitKind::Output && mode == FillMode::Exl)
@@ -560,36 +589,56 @@ impl<'a> Ctx<'a> {
             // accelerate keeps a tied lm_head with embed_tokens: that device computes the head.
             let tied_head =
                 unit.kind == UnitKind::Embed && mode == FillMode::Accelerate && self.tied_bytes > 0;
+            // The head computed where the embedding lives uses it as is: no copy there.
+            let size_on = |d: usize, a: &Assign| {
+                if tied && d == a.embed_dev {
+                    size.saturating_sub(self.tied_bytes)
+                } else {
+                    size
+                }
+            };
             let mut unit_hosts = unit.hosts();
             unit_hosts.head |= tied_head;
-            let mut reserve_note = 0;
+            // What the rules (balanced caps, accelerate's headroom) withheld on the last
+            // device tried, beyond its raw room.
+            let mut rule = Rule::default();
             loop {
                 let Some(&d) = order.get(pos) else {
-                    return Err(self.overflow(a, ui, &order, mode, reserve_note));
+                    return Err(self.overflow(a, ui, &order, mode, rule));
                 };
                 let dev = &self.devs[d];
                 if dev.kind == DeviceKind::Disk {
                     break;
                 }
-                let projected = union(a.hosts[d], unit_hosts);
-                let mut avail = dev.room().saturating_sub(self.scratch.for_hosts(projected));
+                let mut projected = union(a.hosts[d], unit_hosts);
+                let mut later_kv = 0;
+                if d == self.host && self.disk.is_some() {
+                    projected = union(projected, hosts_after[ui]);
+                    later_kv = kv_after[ui + 1];
+                }
+                let mut avail = dev
+                    .room()
+                    .saturating_sub(self.scratch.for_hosts(projected))
+                    .saturating_sub(later_kv);
                 if d == self.host && !self.accel.is_empty() {
                     avail = avail.saturating_sub(self.staging_bound);
                 }
+                rule = Rule::default();
                 if let Some(Some(c)) = caps.get(d) {
+                    rule.cap = avail.saturating_sub(*c);
                     avail = avail.min(*c);
                 }
                 if main.contains(&d) {
-                    reserve_note = max_after[ui + 1];
+                    rule.headroom = max_after[ui + 1].min(avail);
                     avail = avail.saturating_sub(max_after[ui + 1]);
                 }
-                if used[d].saturating_add(size) <= avail {
+                if used[d].saturating_add(size_on(d, &a)) <= avail {
                     break;
                 }
                 pos += 1;
             }
             let d = order[pos];
-            used[d] = used[d].saturating_add(size);
+            used[d] = used[d].saturating_add(size_on(d, &a));
             self.put(&mut a, unit, d);
             a.hosts[d] = union(a.hosts[d], unit_hosts);
             if tied && d != a.embed_dev {
@@ -612,7 +661,7 @@ impl<'a> Ctx<'a> {
         from: usize,
         order: &[usize],
         mode: FillMode,
-        reserve: u64,
+        rule: Rule,
     ) -> Box<Overflow> {
         let last = order
             .iter()
@@ -635,16 +684,23 @@ impl<'a> Ctx<'a> {
             }
         }
         // `head_dev` doubles as "the device the fill stopped on" for the report.
-        let note = if reserve > 0 {
-            (
-                format!(
-                    "accelerate keeps {} free on its main devices for the largest remaining layer",
-                    fmt_bytes(reserve)
-                ),
-                reserve,
-            )
-        } else {
+        let mut why = Vec::new();
+        if rule.cap > 0 {
+            why.push(format!(
+                "the balanced split caps it {} below its room",
+                fmt_bytes(rule.cap)
+            ));
+        }
+        if rule.headroom > 0 {
+            why.push(format!(
+                "accelerate keeps {} free on its main devices for the largest remaining layer",
+                fmt_bytes(rule.headroom)
+            ));
+        }
+        let note = if why.is_empty() {
             ("the fill ran out of devices".to_string(), 0)
+        } else {
+            (why.join("; "), rule.cap.saturating_add(rule.headroom))
         };
         a.head_dev = last;
         Box::new(Overflow { assign: a, note })
@@ -1089,11 +1145,26 @@ impl<'a> Ctx<'a> {
                 owned = owned.saturating_add(b);
             }
         }
+        // A layer left on disk is streamed and computed by the host: its KV cache lives in
+        // host RAM (the engine allocates a layer's cache on its device, and resolves `disk` to
+        // the cpu), and so does its compute scratch.
         for slices in &a.kv_dev {
             for &(d, b) in slices {
+                let d = self.exec_dev(d);
                 kv[d] = kv[d].saturating_add(b);
             }
         }
+        let mut hosts = a.hosts.clone();
+        if let Some(d) = self.disk {
+            hosts[self.host] = union(hosts[self.host], hosts[d]);
+            hosts[d] = Hosts::default();
+        }
+        let disk_layers: Vec<u32> = match self.disk {
+            Some(dd) => (0..self.n_layers() as u32)
+                .filter(|&l| a.layer_dev[l as usize] == dd)
+                .collect(),
+            None => Vec::new(),
+        };
         // Staging is charged whenever the inventory has an accelerator, sized by the largest
         // tensor of the model, so that giving a device more memory (and so more uploads) never
         // makes the host side fail.
@@ -1118,14 +1189,16 @@ impl<'a> Ctx<'a> {
             let mut scratch = if dev.kind == DeviceKind::Disk {
                 0
             } else {
-                self.scratch.for_hosts(a.hosts[i])
+                self.scratch.for_hosts(hosts[i])
             };
             if i == self.host {
                 host_scratch = scratch;
                 scratch = scratch.saturating_add(staging);
             }
-            let holds_any = weights[i] > 0 || kv[i] > 0;
-            let overhead = if holds_any { dev.overhead } else { 0 };
+            // A device that allocates anything (weights, kv, compute scratch or, on the host,
+            // staging buffers) is checked against its budget and pays its fixed overhead.
+            let active = weights[i] > 0 || kv[i] > 0 || scratch > 0;
+            let overhead = if active { dev.overhead } else { 0 };
             let mut holds = Vec::new();
             let in_dev = |role: Role| {
                 self.tensors().iter().enumerate().any(|(t, ti)| {
@@ -1153,6 +1226,12 @@ impl<'a> Ctx<'a> {
             if a.tied_copy.iter().any(|x| x.0 == i) {
                 holds.push("output (tied copy)".to_string());
             }
+            if i == self.host && !disk_layers.is_empty() {
+                holds.push(format!(
+                    "kv and compute of disk layers {}",
+                    crate::plan::ranges(&to_ranges(disk_layers.iter().copied()))
+                ));
+            }
             let usage = DeviceUsage {
                 name: dev.name.clone(),
                 kind: dev.kind,
@@ -1176,12 +1255,12 @@ impl<'a> Ctx<'a> {
                 },
                 ..usage
             };
-            if holds_any && dev.limit != u64::MAX && used > dev.limit {
+            if active && dev.limit != u64::MAX && used > dev.limit {
                 shortfalls.push(Shortfall {
                     device: dev.name.clone(),
                     needed: used,
                     available: dev.limit,
-                    what: self.what(&usage),
+                    what: self.what(&usage, if i == self.host { staging } else { 0 }),
                 });
             }
             devices.push(usage);
@@ -1234,7 +1313,7 @@ impl<'a> Ctx<'a> {
             n_layers: self.req.spec.n_layers,
             dtype: self.req.dtype.name().to_string(),
             cache: self.cache,
-            runtime: self.req.runtime,
+            runtime: self.tweak.runtime.unwrap_or(self.req.runtime),
             tensors: placements,
             layers: a.layer_dev.iter().map(|&d| name(d)).collect(),
             embed_device: name(a.embed_dev),
@@ -1248,7 +1327,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// `"layers 12-29 + output: 3.10 GiB weights + 1.20 GiB kv at ctx 8192 (fp16) + 0.50 GiB scratch"`.
-    fn what(&self, u: &DeviceUsage) -> String {
+    fn what(&self, u: &DeviceUsage, staging: u64) -> String {
         let mut s = format!(
             "{}: {} weights",
             crate::plan::describe_holds(u),
@@ -1265,8 +1344,15 @@ impl<'a> Ctx<'a> {
             });
             s.push_str(&format!(" + {} kv{ctx}", fmt_bytes(u.kv)));
         }
-        if u.scratch > 0 {
-            s.push_str(&format!(" + {} scratch", fmt_bytes(u.scratch)));
+        let compute = u.scratch.saturating_sub(staging);
+        if compute > 0 {
+            s.push_str(&format!(" + {} scratch", fmt_bytes(compute)));
+        }
+        if staging > 0 {
+            s.push_str(&format!(
+                " + {} host staging buffers for uploads to the accelerators",
+                fmt_bytes(staging)
+            ));
         }
         if u.overhead > 0 {
             s.push_str(&format!(" + {} overhead", fmt_bytes(u.overhead)));
@@ -1287,8 +1373,18 @@ enum FillMode {
     Accelerate,
 }
 
+/// Bytes a fill rule withheld from a device's raw room.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rule {
+    /// Cut by a balanced cap (accelerate `get_balanced_memory`).
+    cap: u64,
+    /// Kept free for the largest remaining layer (accelerate's main devices).
+    headroom: u64,
+}
+
 struct Overflow {
     assign: Assign,
+    /// Why the fill stopped, and the bytes the rules withheld (added to the report's need).
     note: (String, u64),
 }
 

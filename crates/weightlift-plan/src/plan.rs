@@ -51,8 +51,12 @@ pub struct DeviceUsage {
     /// Capacity after any `max_memory` cap (`u64::MAX` when unbounded).
     pub capacity: u64,
     pub weights: u64,
+    /// KV cache of the layers computed here (on the cpu, also that of layers left on disk).
     pub kv: u64,
+    /// Compute scratch; on the cpu, plus the host staging buffers for uploads
+    /// ([`HostUsage::staging`]) whenever the inventory has an accelerator.
     pub scratch: u64,
+    /// The device's fixed overhead, charged when it allocates anything.
     pub overhead: u64,
     pub reserve: u64,
     /// `capacity - weights - kv - scratch - overhead - reserve`.
@@ -60,7 +64,8 @@ pub struct DeviceUsage {
     /// Inclusive layer ranges whose blocks (or main part) live here.
     pub layers: Vec<(u32, u32)>,
     /// Non-layer parts held here: `"token_embd"`, `"output_norm"`, `"output"`,
-    /// `"output (tied copy)"`.
+    /// `"output (tied copy)"`, and on the cpu `"kv and compute of disk layers A-B"` (layers
+    /// left on disk are streamed and computed by the host, which holds their KV and scratch).
     pub holds: Vec<String>,
     /// True when the device was not in the user's list (the host, added because the input
     /// layer must live there).
@@ -91,9 +96,9 @@ pub struct HostUsage {
     pub mapped_weights: u64,
     /// Tensors left on disk, streamed through the page cache when used.
     pub disk_weights: u64,
-    /// KV cache of CPU layers.
+    /// KV cache of CPU layers and of layers left on disk (the host computes those).
     pub kv: u64,
-    /// CPU compute scratch.
+    /// CPU compute scratch (including that of layers left on disk), without the staging.
     pub scratch: u64,
     /// Peak anonymous memory while loading: staging + owned + kv + scratch.
     pub peak_anon: u64,

@@ -129,8 +129,10 @@ fn out_of_memory_names_devices_and_checked_fixes() {
     let mut r2 = req.clone();
     r2.cache = Some(CacheSpec::new(n, 1, CacheDType::Fp16));
     plan(&r2).expect("the suggested ctx fits");
+    // Layers left on disk are computed by the host and keep their KV in host RAM: the 4 GiB
+    // cache at ctx 32768 cannot sit in the 4 GiB cpu, so disk offload is no fix here.
     assert!(
-        oom.fixes.iter().any(|f| f.contains("--allow-disk")),
+        !oom.fixes.iter().any(|f| f.contains("--allow-disk")),
         "{:?}",
         oom.fixes
     );
@@ -282,6 +284,84 @@ fn weight_dtype_conversion_applies_to_floats_only() {
 }
 
 #[test]
+fn allow_disk_fix_is_offered_when_it_fits() {
+    let mut req = big_req();
+    req.cache = Some(CacheSpec::new(8192, 1, CacheDType::Fp16));
+    let e = plan(&req).unwrap_err();
+    let PlanError::OutOfMemory(oom) = &e else {
+        panic!("{e}")
+    };
+    assert!(
+        oom.fixes.iter().any(|f| f.contains("--allow-disk")),
+        "{:?}",
+        oom.fixes
+    );
+    req.allow_disk = true;
+    let p = plan(&req).expect("the suggested --allow-disk fits");
+    assert!(p.host().disk_weights > 0);
+    // The KV and compute scratch of the disk layers are the host's.
+    let disk = p.devices().iter().find(|d| d.name == "disk").unwrap();
+    assert_eq!((disk.kv, disk.scratch), (0, 0));
+    let cpu = p.devices().iter().find(|d| d.name == "cpu").unwrap();
+    let kv_layer = CacheSpec::new(8192, 1, CacheDType::Fp16).layer_bytes(&req.spec, 0);
+    let host_layers = p
+        .layer_devices()
+        .iter()
+        .filter(|d| *d == "cpu" || *d == "disk")
+        .count() as u64;
+    assert!(p.layer_devices().iter().any(|d| d == "disk"));
+    assert_eq!(cpu.kv, host_layers * kv_layer);
+    assert_eq!(p.host().kv, cpu.kv);
+    assert!(cpu.used() <= cpu.capacity, "{}", p.explain());
+}
+
+/// Engine report: `virtual:1x4MiB,cpu:8MiB,disk`, sequential, allow_disk: everything went to
+/// disk and the plan put 31 MiB of staging (and no compute scratch at all) on the 8 MiB cpu
+/// without an error, because a device holding no weights and no kv was never checked, and the
+/// disk layers' compute was charged nowhere.
+#[test]
+fn host_staging_and_disk_compute_count_against_a_small_cpu() {
+    let mut req = request(tiny_llama(), "float32", "virtual:1x4MiB,cpu:8MiB,disk");
+    req.strategy = Strategy::Sequential;
+    req.allow_disk = true;
+    let e = plan(&req).unwrap_err();
+    let PlanError::OutOfMemory(oom) = &e else {
+        panic!("expected OutOfMemory, got {e}")
+    };
+    let cpu = oom
+        .shortfalls
+        .iter()
+        .find(|s| s.device == "cpu")
+        .unwrap_or_else(|| panic!("the cpu is short: {e}"));
+    assert_eq!(cpu.available, 8 << 20);
+    let msg = e.to_string();
+    assert!(msg.contains("staging"), "{msg}");
+    assert!(msg.contains("disk layers 0-1"), "{msg}");
+    // No cheaper option helps (the staging alone is over 8 MiB): the fix is the memory the
+    // cpu needs, checked by re-planning.
+    let fix = oom
+        .fixes
+        .iter()
+        .find(|f| f.starts_with("cpu with "))
+        .unwrap_or_else(|| panic!("{:?}", oom.fixes));
+    assert!(fix.ends_with(" fits"), "{fix}");
+    // With room for the compute but not the weights, the layers stay on disk and the cpu
+    // carries their compute scratch on top of the staging buffers.
+    req.devices = devices("virtual:1x4MiB,cpu:400MiB,disk");
+    let p = plan(&req).unwrap();
+    assert!(
+        p.layer_devices().iter().all(|d| d == "disk"),
+        "{}",
+        p.explain()
+    );
+    let cpu = p.devices().iter().find(|d| d.name == "cpu").unwrap();
+    assert_eq!(cpu.weights, 0);
+    assert!(cpu.scratch > p.host().staging, "{}", p.explain());
+    assert_eq!(p.host().scratch + p.host().staging, cpu.scratch);
+    assert!(cpu.used() <= cpu.capacity);
+}
+
+#[test]
 fn disk_spill_when_allowed() {
     let mut req = big_req();
     req.cache = None;
@@ -415,4 +495,36 @@ fn hostile_sizes_do_not_panic() {
         let _ = plan(&req);
         let _ = fit(&req, FitTarget::BatchSize);
     }
+}
+
+#[test]
+fn scratch_fixes_are_offered_and_checked() {
+    // tiny-llama in f32 on a 300 MiB host: the 2048-token logits (250 MiB) do not fit beside
+    // the weights; exllamav2's low_mem (1024-token chunks) does.
+    let mut req = request(tiny_llama(), "float32", "cpu:300MiB");
+    let e = plan(&req).unwrap_err();
+    let PlanError::OutOfMemory(oom) = &e else {
+        panic!("{e}")
+    };
+    assert!(
+        oom.fixes.iter().any(|f| f.starts_with("low_mem=True")),
+        "{:?}",
+        oom.fixes
+    );
+    req.runtime.low_mem = true;
+    plan(&req).expect("the suggested low_mem fits");
+    // Already low_mem and still short: a shorter max_input_len, checked by re-planning.
+    req.devices = devices("cpu:120MiB");
+    let e = plan(&req).unwrap_err();
+    let PlanError::OutOfMemory(oom) = &e else {
+        panic!("{e}")
+    };
+    let fix = oom
+        .fixes
+        .iter()
+        .find(|f| f.starts_with("max_input_len "))
+        .unwrap_or_else(|| panic!("{:?}", oom.fixes));
+    let n: u64 = fix.split_whitespace().nth(1).unwrap().parse().unwrap();
+    req.runtime.max_input_len = n;
+    plan(&req).expect("the suggested max_input_len fits");
 }

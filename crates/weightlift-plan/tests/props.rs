@@ -6,8 +6,8 @@ use common::*;
 use proptest::prelude::*;
 use weightlift_format::ModelSpec;
 use weightlift_plan::{
-    CacheDType, CacheSpec, DeviceMap, FitTarget, LayerOptions, Plan, PlanError, PlanRequest,
-    RuntimeSpec, SEQ_STEP, SplitMode, TpInputs, TpOptions, define_split, fit, plan,
+    CacheDType, CacheSpec, DeviceKind, DeviceMap, FitTarget, LayerOptions, Plan, PlanError,
+    PlanRequest, RuntimeSpec, SEQ_STEP, SplitMode, TpInputs, TpOptions, define_split, fit, plan,
 };
 
 fn arb_spec() -> impl Strategy<Value = ModelSpec> {
@@ -82,28 +82,154 @@ fn arb_request() -> impl Strategy<Value = PlanRequest> {
             1u64..3,
             prop::sample::select(CacheDType::ALL.to_vec()),
         )),
+        (
+            // A tiny cpu (down to 16 KiB, less than the staging buffers) is as likely as a
+            // roomy one; `disk` may be listed as well as allowed.
+            prop::option::of(prop_oneof![1u64..64, 64u64..4096]),
+            any::<bool>(),
+            // (device index, reserve, overhead) in 16 KiB units, device index past the list
+            // meaning the cpu.
+            prop::collection::vec((0usize..5, 0u64..64, 0u64..64), 0..3),
+            prop::sample::select(vec![4u64 << 10, 64 << 10, 1 << 20, 64 << 20]),
+        ),
     )
-        .prop_map(|(spec, w, gpus, cpu, disk, strategy, cache)| {
-            // Sizes in units of 256 KiB so that plans fit about half the time.
-            let mut d: Vec<String> = gpus
-                .iter()
-                .map(|m| format!("virtual:{}KiB", m * 256))
-                .collect();
-            if let Some(c) = cpu {
-                d.push(format!("cpu:{}KiB", c * 256));
+        .prop_map(
+            |(
+                spec,
+                w,
+                gpus,
+                cpu,
+                disk,
+                strategy,
+                cache,
+                (tiny_cpu, list_disk, extras, staging),
+            )| {
+                // Sizes in units of 256 KiB so that plans fit about half the time.
+                let mut d: Vec<String> = gpus
+                    .iter()
+                    .map(|m| format!("virtual:{}KiB", m * 256))
+                    .collect();
+                match (cpu, tiny_cpu) {
+                    (_, Some(t)) => d.push(format!("cpu:{}KiB", t * 16)),
+                    (Some(c), None) => d.push(format!("cpu:{}KiB", c * 256)),
+                    (None, None) => {}
+                }
+                if list_disk {
+                    d.push("disk".into());
+                }
+                let mut req = request(spec, w, &d.join(","));
+                req.allow_disk = disk;
+                req.staging_bytes = staging;
+                for (i, r, o) in extras {
+                    let names: Vec<String> = req
+                        .devices
+                        .iter()
+                        .filter(|x| x.kind != DeviceKind::Disk)
+                        .map(|x| x.name.clone())
+                        .collect();
+                    let name = names[i.min(names.len() - 1)].clone();
+                    req.reserve.insert(name.clone(), r << 14);
+                    req.overhead.insert(name, o << 14);
+                }
+                req.strategy = strategy;
+                req.cache = cache.map(|(s, b, dt)| CacheSpec::new(s * 256, b, dt));
+                req.runtime = RuntimeSpec {
+                    max_input_len: 128,
+                    max_attention_size: 128 * 128,
+                    max_dq_size: 1 << 16,
+                    low_mem: false,
+                };
+                req
+            },
+        )
+}
+
+/// "No device goes over its budget", recomputed from the request rather than trusted from the
+/// plan: every device that allocates anything (weights, kv, compute scratch, host staging)
+/// fits weights + kv + scratch + overhead + reserve in its capacity, the cpu included; the
+/// reserve and overhead are the ones asked for; the KV cache is all there, on the device of
+/// each layer (the host for a layer left on disk, which the host computes); `disk` holds no
+/// KV and no scratch; and the host's staging buffers are charged whenever there is an
+/// accelerator.
+fn check_budgets(req: &PlanRequest, p: &Plan) -> Result<(), TestCaseError> {
+    let dev = |name: &str| p.devices().iter().find(|d| d.name == name);
+    let accel = req.devices.iter().any(|d| d.kind.is_accelerator());
+    let largest = p.tensors().iter().map(|t| t.bytes).max().unwrap_or(0);
+    let staging = if accel {
+        2 * req.staging_bytes.min(largest)
+    } else {
+        0
+    };
+    prop_assert_eq!(p.host().staging, staging);
+    let cpu = dev("cpu").expect("the host is always in the plan");
+    prop_assert_eq!(cpu.scratch, p.host().scratch + staging, "{}", p.explain());
+    prop_assert_eq!(cpu.kv, p.host().kv);
+    for d in p.devices() {
+        let spec = req.devices.iter().find(|x| x.name == d.name);
+        let reserve = req
+            .reserve
+            .get(&d.name)
+            .copied()
+            .or(spec.map(|x| x.reserve))
+            .unwrap_or(0);
+        prop_assert_eq!(d.reserve, reserve, "{}", d.name);
+        let active = d.weights > 0 || d.kv > 0 || d.scratch > 0;
+        let overhead = req
+            .overhead
+            .get(&d.name)
+            .copied()
+            .or(spec.map(|x| x.overhead))
+            .unwrap_or(0);
+        prop_assert_eq!(d.overhead, if active { overhead } else { 0 }, "{}", d.name);
+        prop_assert_eq!(
+            d.used(),
+            d.weights + d.kv + d.scratch + d.overhead + d.reserve
+        );
+        if d.kind == DeviceKind::Disk {
+            prop_assert_eq!((d.kv, d.scratch), (0, 0), "{}", p.explain());
+        }
+        let capacity = spec.map_or(u64::MAX, |x| {
+            x.capacity
+                .min(req.max_memory.get(&d.name).copied().unwrap_or(u64::MAX))
+        });
+        prop_assert_eq!(d.capacity, capacity, "{}", d.name);
+        if active && capacity != u64::MAX {
+            prop_assert!(
+                d.used() <= capacity,
+                "{} over its budget: {}",
+                d.name,
+                p.explain()
+            );
+            prop_assert_eq!(d.free, capacity - d.used());
+        }
+    }
+    // The KV cache: every layer's, on the device that computes the layer.
+    if let Some(c) = &req.cache {
+        let total: u64 = p.devices().iter().map(|d| d.kv).sum();
+        prop_assert_eq!(total, c.total_bytes(&req.spec));
+        if p.tp().is_none() {
+            for d in p.devices() {
+                let want: u64 = p
+                    .layer_devices()
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, n)| {
+                        let n = if n.as_str() == "disk" {
+                            "cpu"
+                        } else {
+                            n.as_str()
+                        };
+                        n == d.name
+                    })
+                    .map(|(l, _)| c.layer_bytes(&req.spec, l))
+                    .sum();
+                prop_assert_eq!(d.kv, want, "{}: {}", d.name, p.explain());
             }
-            let mut req = request(spec, w, &d.join(","));
-            req.allow_disk = disk;
-            req.strategy = strategy;
-            req.cache = cache.map(|(s, b, dt)| CacheSpec::new(s * 256, b, dt));
-            req.runtime = RuntimeSpec {
-                max_input_len: 128,
-                max_attention_size: 128 * 128,
-                max_dq_size: 1 << 16,
-                low_mem: false,
-            };
-            req
-        })
+        }
+    } else {
+        prop_assert!(p.devices().iter().all(|d| d.kv == 0));
+    }
+    Ok(())
 }
 
 fn layer_mode(s: &weightlift_plan::Strategy) -> bool {
@@ -135,12 +261,7 @@ proptest! {
                         prop_assert_eq!(s.shards.iter().map(|x| x.bytes).sum::<u64>(), pt.bytes);
                     }
                 }
-                // No device over budget.
-                for d in p.devices() {
-                    if d.capacity != u64::MAX && (d.weights > 0 || d.kv > 0) {
-                        prop_assert!(d.used() <= d.capacity, "{} over: {}", d.name, p.explain());
-                    }
-                }
+                check_budgets(&req, &p)?;
                 // Unsplit weights add up per device.
                 if p.tp().is_none() && p.tensors().iter().all(|t| t.split.is_none()) {
                     for d in p.devices() {
@@ -164,6 +285,10 @@ proptest! {
             }
             Err(PlanError::OutOfMemory(oom)) => {
                 prop_assert!(!oom.shortfalls.is_empty());
+                for s in &oom.shortfalls {
+                    prop_assert!(s.needed > s.available, "{:?}", s);
+                    prop_assert!(req.devices.iter().any(|d| d.name == s.device) || s.device == "cpu");
+                }
             }
             Err(e) => {
                 // Only option errors that the random strategy can legitimately hit.
@@ -176,7 +301,14 @@ proptest! {
     #[test]
     fn more_memory_never_breaks_a_fitting_plan(req in arb_request(), extra in 1u64..64, which in 0usize..4, seq in any::<bool>()) {
         let mut req = req;
-        req.strategy = if seq { weightlift_plan::Strategy::Sequential } else { weightlift_plan::Strategy::Autosplit };
+        // Monotone by construction: greedy fills (exllamav2 autosplit, accelerate sequential)
+        // and fixed maps. Not monotone, as in the systems they reproduce: llama.cpp's default
+        // tensor_split, exllamav2's TP split and accelerate's balanced caps, which all share
+        // layers in proportion to the devices' memory, so more memory on one device can move
+        // work onto a device that was full.
+        if !matches!(req.strategy, weightlift_plan::Strategy::Map(_)) {
+            req.strategy = if seq { weightlift_plan::Strategy::Sequential } else { weightlift_plan::Strategy::Autosplit };
+        }
         if plan(&req).is_ok() {
             let i = which % req.devices.len();
             if req.devices[i].capacity != u64::MAX {
@@ -198,6 +330,34 @@ proptest! {
             if ctx < req.spec.context_length {
                 r.cache = Some(CacheSpec { max_seq_len: ctx + SEQ_STEP, ..base });
                 prop_assert!(plan(&r).is_err());
+            }
+        }
+        // Batch size at the request's cache length (256 tokens without one).
+        if let Ok(b) = fit(&req, FitTarget::BatchSize) {
+            let base = req.cache.unwrap_or(CacheSpec::new(256, 1, CacheDType::Fp16));
+            let mut r = req.clone();
+            r.cache = Some(CacheSpec { batch_size: b, ..base });
+            prop_assert!(plan(&r).is_ok());
+            if b < 1 << 24 {
+                r.cache = Some(CacheSpec { batch_size: b + 1, ..base });
+                prop_assert!(plan(&r).is_err());
+            }
+        }
+        // llama.cpp n_gpu_layers: the answer fits and one more layer does not.
+        let mut r = req.clone();
+        r.strategy = weightlift_plan::Strategy::Layers(LayerOptions::default());
+        if let Ok(n) = fit(&r, FitTarget::NGpuLayers) {
+            let with = |n: u64| {
+                let mut x = r.clone();
+                x.strategy = weightlift_plan::Strategy::Layers(LayerOptions {
+                    n_gpu_layers: n as i64,
+                    ..LayerOptions::default()
+                });
+                x
+            };
+            prop_assert!(plan(&with(n)).is_ok());
+            if n <= u64::from(req.spec.n_layers) {
+                prop_assert!(plan(&with(n + 1)).is_err());
             }
         }
     }

@@ -195,3 +195,49 @@ fn tiny_llama_safetensors_under_several_inventories() {
         cache,
     );
 }
+
+/// The engine team's report, on the real file: `virtual:1x4MiB,cpu:8MiB,disk`, sequential,
+/// allow_disk. Nothing fits the 4 MiB device, so every layer stays on disk and is computed by
+/// the host, which also needs the upload staging buffers: the 8 MiB cpu is short, and the
+/// planner must say so instead of handing the engine a plan it cannot allocate.
+#[test]
+fn tiny_llama_all_on_disk_charges_the_small_cpu() {
+    let Some(ckpt) = open(Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/reference/tiny-llama/safetensors/model.safetensors"
+    ))) else {
+        return;
+    };
+    let spec = ckpt.spec().expect("spec").clone();
+    let mut req = PlanRequest::new(
+        spec,
+        ckpt.tensors().to_vec(),
+        parse_devices("virtual:1x4MiB,cpu:8MiB,disk").unwrap(),
+    );
+    req.strategy = Strategy::Sequential;
+    req.allow_disk = true;
+    let e = plan(&req).unwrap_err();
+    let PlanError::OutOfMemory(oom) = &e else {
+        panic!("expected OutOfMemory, got {e}")
+    };
+    let cpu = oom
+        .shortfalls
+        .iter()
+        .find(|s| s.device == "cpu")
+        .unwrap_or_else(|| panic!("the cpu is short: {e}"));
+    assert_eq!(cpu.available, 8 << 20);
+    // 2 × the largest tensor (the 32000 × 256 bf16 embedding) of staging alone is over 8 MiB.
+    let largest = ckpt.tensors().iter().map(|t| t.nbytes).max().unwrap();
+    assert!(cpu.needed >= 2 * largest, "{e}");
+    // Given the host RAM, the same request plans: weights on disk, the disk's compute and
+    // staging on the cpu, within its capacity.
+    req.devices = parse_devices("virtual:1x4MiB,cpu:512MiB,disk").unwrap();
+    let p = plan(&req).unwrap();
+    for d in p.devices() {
+        if d.capacity != u64::MAX {
+            assert!(d.used() <= d.capacity, "{}", p.explain());
+        }
+    }
+    let disk = p.devices().iter().find(|d| d.name == "disk").unwrap();
+    assert_eq!((disk.kv, disk.scratch), (0, 0));
+}
