@@ -51,6 +51,8 @@ demo: build demo-model ## set up, then inspect, plan and load the SmolLM2 demo m
 		--svg $(CACHE)/demo-plan.svg
 	@echo
 	$(VENV)/bin/weightlift fit $(DEMO_GGUF) --devices virtual:2x256MiB --cache fp16
+	@echo
+	$(VENV)/bin/weightlift load $(DEMO_GGUF) --devices virtual:2x320MiB,cpu --ctx 8192 --cache q8 --progress
 
 test-rust: venv ## run the Rust suites
 	$(CUDA_ENV) cargo test --workspace --exclude weightlift-py
@@ -66,7 +68,7 @@ lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(MAKE) build
-	$(VENV)/bin/python -m mypy.stubtest weightlift._native --ignore-missing-stub
+	$(VENV)/bin/python -m mypy.stubtest weightlift._native
 
 fuzz: ## run the GGUF parser fuzz target over 100,000 inputs (not part of CI)
 	WEIGHTLIFT_FUZZ_CASES=100000 cargo test --release -p weightlift-format --test fuzz_gguf -- --ignored --nocapture

@@ -1,7 +1,9 @@
-"""The package surface: exports, the exception hierarchy, and OS errors from open()."""
+"""The package surface: exports, issue 5's engine signatures, the exception hierarchy, and OS
+errors from open()."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,21 @@ CONTRACT = {
     "Plan",
     "CacheSpec",
     "RuntimeSpec",
+    # The engine (issue 5's API contract).
+    "tensor",
+    "DeviceTensor",
+    "use_devices",
+    "Model",
+    "Cache",
+    "TPContext",
+    "from_pretrained",
+    "load_gguf",
+    "LoadCancelled",
+    "BROADCAST_KV",
+    "BROADCAST_ID",
+    "BROADCAST_VC",
+    "BROADCAST_RS",
+    "BROADCAST_Q",
 }
 
 
@@ -32,6 +49,130 @@ def test_exports():
     for name in wl.__all__:
         assert hasattr(wl, name), name
     assert wl.__version__ == "0.1.0"
+
+
+def test_all_is_exactly_the_public_names():
+    public = {n for n in dir(wl) if not n.startswith("_")} - {"cli"}
+    assert set(wl.__all__) - {"__version__"} == public
+    assert len(wl.__all__) == len(set(wl.__all__))
+    assert set(wl._native.__all__) <= set(wl.__all__)
+
+
+def test_broadcast_constants():
+    # exllamav2's TPContext numbering.
+    assert (wl.BROADCAST_KV, wl.BROADCAST_ID, wl.BROADCAST_VC) == (0, 1, 2)
+    assert (wl.BROADCAST_RS, wl.BROADCAST_Q) == (3, 4)
+
+
+EMPTY = inspect.Parameter.empty
+SELF = ("self", inspect.Parameter.POSITIONAL_ONLY, EMPTY)
+POS = inspect.Parameter.POSITIONAL_OR_KEYWORD
+KW = inspect.Parameter.KEYWORD_ONLY
+
+
+def params(fn) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize(
+    "fn, contract",
+    [
+        # weightlift.tensor(ndarray, device)
+        (wl.tensor, [("array", POS, EMPTY), ("device", POS, EMPTY)]),
+        # Model(source, *, devices=None, dtype="auto", runtime=None)
+        (
+            wl.Model,
+            [
+                ("source", POS, EMPTY),
+                ("devices", KW, None),
+                ("dtype", KW, "auto"),
+                ("runtime", KW, None),
+            ],
+        ),
+        # .load(plan=None, *, progress=False, callback=None, **plan_options)
+        (
+            wl.Model.load,
+            [SELF, ("plan", POS, None)] + [("progress", KW, False), ("callback", KW, None)],
+        ),
+        # .load_autosplit(cache=None, reserve_vram=None, *, progress=False, callback=None)
+        (
+            wl.Model.load_autosplit,
+            [SELF, ("cache", POS, None)]
+            + [("reserve_vram", POS, None), ("progress", KW, False), ("callback", KW, None)],
+        ),
+        # .load_tp(gpu_split=None, expect_cache_tokens=0, expect_cache_base=None, *, progress,
+        #          callback)
+        (
+            wl.Model.load_tp,
+            [SELF, ("gpu_split", POS, None)]
+            + [("expect_cache_tokens", POS, 0), ("expect_cache_base", POS, None)]
+            + [("progress", KW, False), ("callback", KW, None)],
+        ),
+        (wl.Model.tensor, [SELF, ("name", POS, EMPTY), ("dequantize", POS, False)]),
+        # Cache(model, max_seq_len, batch_size=1, dtype="fp16", lazy=True, offload=False)
+        (
+            wl.Cache,
+            [("model", POS, EMPTY), ("max_seq_len", POS, EMPTY), ("batch_size", POS, 1)]
+            + [("dtype", POS, "fp16"), ("lazy", POS, True), ("offload", POS, False)],
+        ),
+        # TPContext(model, gpu_split, expect_cache_tokens=0, expect_cache_base=None); issue 5
+        # also says gpu_split=None detects free memory, so None is its default.
+        (
+            wl.TPContext,
+            [("model", POS, EMPTY), ("gpu_split", POS, None), ("expect_cache_tokens", POS, 0)]
+            + [("expect_cache_base", POS, None)],
+        ),
+        # from_pretrained(path, *, device_map="auto", max_memory=None, dtype="auto", devices=None)
+        (
+            wl.from_pretrained,
+            [("path", POS, EMPTY), ("device_map", KW, "auto"), ("max_memory", KW, None)]
+            + [("dtype", KW, "auto"), ("devices", KW, None)],
+        ),
+        # load_gguf(path, *, n_gpu_layers=-1, split_mode="layer", tensor_split=None, main_gpu=0,
+        #   use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False,
+        #   vocab_only=False, progress_callback=None, devices=None)
+        (
+            wl.load_gguf,
+            [("path", POS, EMPTY), ("n_gpu_layers", KW, -1), ("split_mode", KW, "layer")]
+            + [("tensor_split", KW, None), ("main_gpu", KW, 0), ("use_mmap", KW, True)]
+            + [("use_direct_io", KW, False), ("use_mlock", KW, False)]
+            + [("check_tensors", KW, False), ("vocab_only", KW, False)]
+            + [("progress_callback", KW, None), ("devices", KW, None)],
+        ),
+    ],
+    ids=lambda x: getattr(x, "__qualname__", None),
+)
+def test_engine_signatures_follow_the_contract(fn, contract):
+    """Names, order, keyword-only markers and defaults of issue 5's API contract; extra
+    keyword-only options may follow."""
+    got = params(fn)
+    assert got[: len(contract)] == contract
+    assert all(
+        kind in (KW, inspect.Parameter.VAR_KEYWORD)
+        for _name, kind, _default in got[len(contract) :]
+    )
+
+
+def test_model_load_takes_plan_options():
+    kinds = [p.kind for p in inspect.signature(wl.Model.load).parameters.values()]
+    assert kinds[-1] == inspect.Parameter.VAR_KEYWORD
+
+
+def test_from_pretrained_device_map_none_means_auto(tiny_llama_gguf):
+    # A small runtime keeps the planned scratch small enough for 64 MiB devices.
+    kw = {"devices": "virtual:2x64MiB", "runtime": {"max_input_len": 16, "max_dq_size": 1 << 16}}
+    kw["runtime"]["max_attention_size"] = 256
+    a = wl.from_pretrained(tiny_llama_gguf, **kw)
+    b = wl.from_pretrained(tiny_llama_gguf, device_map=None, **kw)
+    c = wl.from_pretrained(tiny_llama_gguf, device_map="balanced", **kw)
+    # (Plans differ in the cpu's free memory, read at planning time: compare the placements.)
+    placed = [[(t.name, t.device) for t in m.plan.tensors] for m in (a, b, c) if m.plan]
+    assert len(placed) == 3 and placed[0] == placed[1] == placed[2]
+    assert a.plan is not None and a.plan.strategy == "balanced"
+    assert a.layer_devices == b.layer_devices == c.layer_devices
+    assert set(a.layer_devices) <= {"virtual:0", "virtual:1"}
+    for m in (a, b, c):
+        m.unload()
 
 
 def test_exception_hierarchy():

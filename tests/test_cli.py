@@ -116,3 +116,199 @@ def test_usage_errors():
     assert p.returncode == 2 and "usage:" in p.stderr
     p = run("--version")
     assert p.returncode == 0 and p.stdout.startswith("weightlift ")
+
+
+# ----------------------------------------------------------------------------------------------
+# weightlift load
+
+DEMO_LOAD = ("--devices", "virtual:2x320MiB,cpu", "--ctx", "8192", "--cache", "q8")
+MEMORY_COLS = ("weights", "kv", "scratch", "planned", "held")
+
+
+def memory_table(out: str) -> dict[str, dict[str, float]]:
+    """The `memory after load` table: device -> column -> MiB (plus the diff in %)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("memory after load"))
+    assert lines[start + 1].split() == ["device", *MEMORY_COLS, "diff"]
+    rows: dict[str, dict[str, float]] = {}
+    for line in lines[start + 2 :]:
+        cells = line.split()
+        if len(cells) != len(MEMORY_COLS) + 2:
+            break
+        row = dict(zip(MEMORY_COLS, map(float, cells[1:-1]), strict=True))
+        row["diff"] = float(cells[-1].rstrip("%"))
+        rows[cells[0]] = row
+    return rows
+
+
+def test_load_demo_two_virtual_devices(demo_gguf):
+    p = run("load", demo_gguf, *DEMO_LOAD)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""  # no bar when stderr is not a terminal
+    out = p.stdout
+    # The plan table (Plan.explain) comes first, then the memory table.
+    assert out.index("plan: llama (30 layers), strategy autosplit") < out.index(
+        "memory after load (MiB)"
+    )
+    assert "ctx 8192 × batch 1, cache q8" in out
+    rows = memory_table(out)
+    assert list(rows) == ["virtual:0", "virtual:1", "cpu", "total"]
+    for name, row in rows.items():
+        assert row["held"] > 0, name  # both virtual devices hold layers
+        assert abs(row["held"] - row["planned"]) <= row["planned"] / 100, (name, row)
+        assert abs(row["diff"]) <= 1.0, (name, row)
+        parts = row["weights"] + row["kv"] + row["scratch"]
+        assert abs(parts - row["planned"]) <= 0.02, (name, row)
+    # The weights held sum to the file's tensor bytes (gguf-py: 96,576,768 B = 92.10 MiB).
+    assert rows["total"]["weights"] == pytest.approx(96_576_768 / 2**20, abs=0.01)
+    assert "loaded 92.1 MiB in " in out and "GB/s" in out
+
+
+def test_load_json_matches_gguf_py(demo_gguf, demo_reader):
+    p = run("load", demo_gguf, *DEMO_LOAD, "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    memory = doc["memory"]
+    assert set(memory) == {"virtual:0", "virtual:1", "cpu"}
+    for name, row in memory.items():
+        assert row["planned"] == row["weights"] + row["kv"] + row["scratch"], name
+        assert abs(row["held"] - row["planned"]) <= row["planned"] / 100, (name, row)
+    # Weights: exactly the tensor bytes gguf-py reads; a file tensor is placed once.
+    assert sum(r["weights"] for r in memory.values()) == sum(
+        int(t.n_bytes) for t in demo_reader.tensors
+    )
+    assert doc["bytes"] == sum(int(t.n_bytes) for t in demo_reader.tensors)
+    # KV: 2 x n_kv_heads x head_dim x ctx per layer at 8.5 bits (q8: one f16 scale per 32).
+    f = demo_reader.fields
+    n_layer = int(f["llama.block_count"].contents())
+    n_head = int(f["llama.attention.head_count"].contents())
+    n_kv = int(f["llama.attention.head_count_kv"].contents())
+    head_dim = int(f["llama.embedding_length"].contents()) // n_head
+    assert sum(r["kv"] for r in memory.values()) == n_layer * 2 * n_kv * head_dim * 8192 * 17 // 16
+    assert memory["cpu"]["kv"] == 0  # every layer sits on a virtual device, its cache beside it
+    assert doc["plan"]["strategy"] == "autosplit"
+
+
+def test_load_progress_bar(demo_gguf):
+    p = run("load", demo_gguf, *DEMO_LOAD, "--progress")
+    assert p.returncode == 0, p.stderr
+    bar = p.stderr
+    assert "loading: 100%" in bar and "92.1M/92.1M" in bar  # bytes in binary units
+    assert "B/s" in bar and "<00:00" in bar  # the rate and the ETA
+
+
+def test_load_read_paths(demo_gguf):
+    """use_mmap=False, O_DIRECT (buffered where refused) and the NaN/Inf scan all load."""
+    p = run("load", demo_gguf, "--no-mmap", "--direct-io", "--check-tensors")
+    assert p.returncode == 0, p.stderr
+    rows = memory_table(p.stdout)
+    assert rows["cpu"]["weights"] == pytest.approx(96_576_768 / 2**20, abs=0.01)
+    assert abs(rows["cpu"]["diff"]) <= 1.0
+
+
+@pytest.mark.parametrize(
+    "args, has",
+    [
+        (("--devices", "virtual:1x16MiB", "-ngl", "-1"), "16.00 MiB"),
+        # --max-memory in device order caps virtual:0 below its capacity.
+        (("--devices", "virtual:1x64MiB", "-ngl", "30", "--max-memory", "8MiB"), "8.00 MiB"),
+        (
+            ("--devices", "virtual:1x64MiB", "-ngl", "30", "--max-memory", "virtual:0=8MiB"),
+            "8.00 MiB",
+        ),
+    ],
+    ids=["capacity", "max-memory-list", "max-memory-map"],
+)
+def test_load_too_small_device_exit_2(demo_gguf, args, has):
+    p = run("load", demo_gguf, *args)
+    assert p.returncode == 2
+    assert p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("weightlift: error: out of memory")
+    assert "virtual:0 is short by" in lines[0] and f"has {has}" in lines[0]
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("--devices", "virtual:lots"), "'lots'"),
+        (("--cache", "q9"), "'q9'"),
+        (("--strategy", "nope"), "'nope'"),
+    ],
+    ids=["devices", "cache", "strategy"],
+)
+def test_load_bad_request_exit_2(demo_gguf, args, expected):
+    p = run("load", demo_gguf, *args)
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightlift: error: "), p.stderr
+    assert expected in lines[0]
+
+
+def test_load_ctrl_c_exit_130(demo_gguf):
+    """SIGINT mid-load: the load stops, frees what it allocated, and the command exits 130."""
+    import signal
+
+    # The real CLI, with the progress callback slowed so the signal lands mid-load.
+    script = (
+        "import sys, time\n"
+        "import weightlift.cli as cli\n"
+        "call = cli._ProgressBar.__call__\n"
+        "def slow(self, *a):\n"
+        "    if not self.done:\n"
+        "        sys.stderr.write('started\\n'); sys.stderr.flush()\n"
+        "    time.sleep(0.05)\n"
+        "    return call(self, *a)\n"
+        "cli._ProgressBar.__call__ = slow\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "load", str(demo_gguf), "--devices", "virtual:2x320MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    assert proc.stderr.readline() == "started\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err == "weightlift: interrupted\n"
+    assert out == ""
+
+
+def test_load_cancel_frees_everything(demo_gguf, monkeypatch, capsys):
+    """A KeyboardInterrupt from the progress path cancels the load: exit 130, nothing held."""
+    import weightlift
+    import weightlift.cli as cli
+
+    models: list[weightlift.Model] = []
+    model_cls = weightlift.Model
+
+    def make(*a, **kw):
+        m = model_cls(*a, **kw)
+        models.append(m)
+        return m
+
+    calls = []
+
+    def interrupt(self, done, total, tensor, device):
+        calls.append(tensor)
+        if len(calls) == 20:
+            raise KeyboardInterrupt
+        return True
+
+    monkeypatch.setattr(cli.weightlift, "Model", make)
+    monkeypatch.setattr(cli._ProgressBar, "__call__", interrupt)
+    try:
+        status = cli.main(["load", str(demo_gguf), "--devices", "virtual:2x320MiB"])
+    finally:
+        monkeypatch.undo()
+    assert status == 130
+    assert capsys.readouterr().err == "weightlift: interrupted\n"
+    assert len(calls) == 20 and len(models) == 1
+    m = models[0]
+    assert not m.loaded and m.plan is None
+    assert all(v == 0 for v in m.device_usage().values()), m.device_usage()

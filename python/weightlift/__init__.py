@@ -1,7 +1,9 @@
 """weightlift: open, plan and load large language models on small machines.
 
 The package is a thin layer over the native module ``weightlift._native``; everything public is
-re-exported here.
+re-exported here: checkpoints (``open``), the planner (``plan``, ``fit``), the engine (``Model``,
+``Cache``, ``TPContext``, ``tensor``) and the accelerate / llama.cpp style loaders
+(``from_pretrained``, ``load_gguf``).
 """
 
 from weightlift._errors import (
@@ -16,46 +18,72 @@ from weightlift._errors import (
     WeightliftError,
 )
 from weightlift._native import (
+    BROADCAST_ID,
+    BROADCAST_KV,
+    BROADCAST_Q,
+    BROADCAST_RS,
+    BROADCAST_VC,
+    Cache,
     CacheSpec,
     Checkpoint,
     Device,
+    DeviceTensor,
     DeviceUsage,
+    Model,
     ModelSpec,
     Placement,
     Plan,
     RuntimeSpec,
     TensorInfo,
+    TPContext,
     __version__,
     devices,
     fit,
+    from_pretrained,
+    load_gguf,
     open,
     parse_devices,
     plan,
+    tensor,
+    use_devices,
 )
 
 __all__ = [
+    "BROADCAST_ID",
+    "BROADCAST_KV",
+    "BROADCAST_Q",
+    "BROADCAST_RS",
+    "BROADCAST_VC",
+    "Cache",
     "CacheSpec",
     "Checkpoint",
     "ClosedError",
     "CudaUnavailable",
     "Device",
     "DeviceError",
+    "DeviceTensor",
     "DeviceUsage",
     "FormatError",
     "LoadCancelled",
+    "Model",
     "ModelSpec",
     "OutOfMemoryError",
     "Placement",
     "Plan",
     "PlanError",
     "RuntimeSpec",
+    "TPContext",
     "TensorInfo",
     "UnsupportedError",
     "WeightliftError",
     "__version__",
     "devices",
     "fit",
+    "from_pretrained",
+    "load_gguf",
     "open",
     "parse_devices",
     "plan",
+    "tensor",
+    "use_devices",
 ]

@@ -1,11 +1,42 @@
 """Type stubs for the native module (checked against the build by mypy.stubtest)."""
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, final
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Final, final
 
 import numpy as np
 import numpy.typing as npt
+
+__all__ = [
+    "__version__",
+    "open",
+    "Checkpoint",
+    "TensorInfo",
+    "ModelSpec",
+    "plan",
+    "fit",
+    "devices",
+    "parse_devices",
+    "CacheSpec",
+    "RuntimeSpec",
+    "Device",
+    "DeviceUsage",
+    "Placement",
+    "Plan",
+    "tensor",
+    "use_devices",
+    "from_pretrained",
+    "load_gguf",
+    "DeviceTensor",
+    "Model",
+    "Cache",
+    "TPContext",
+    "BROADCAST_KV",
+    "BROADCAST_ID",
+    "BROADCAST_VC",
+    "BROADCAST_RS",
+    "BROADCAST_Q",
+]
 
 __version__: str
 
@@ -291,3 +322,213 @@ class Plan:
     def save_svg(self, path: str | os.PathLike[str]) -> None: ...
     def __eq__(self, value: object, /) -> bool: ...
     def __ne__(self, value: object, /) -> bool: ...
+
+# ----------------------------------------------------------------------------------------------
+# The engine: device tensors, Model, Cache, TPContext and the convenience loaders.
+
+BROADCAST_KV: Final = 0
+BROADCAST_ID: Final = 1
+BROADCAST_VC: Final = 2
+BROADCAST_RS: Final = 3
+BROADCAST_Q: Final = 4
+
+_Path = str | os.PathLike[str]
+_Size = int | str
+_Runtime = RuntimeSpec | Mapping[str, int | bool] | None
+# callback(bytes_done, bytes_total, tensor_name, device) -> False cancels.
+_Callback = Callable[[int, int, str, str], bool | None]
+
+def use_devices(spec: str) -> list[tuple[str, int | None]]: ...
+def tensor(array: npt.ArrayLike, device: str) -> DeviceTensor: ...
+
+@final
+class DeviceTensor:
+    @property
+    def device(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    def numpy(self) -> npt.NDArray[Any]: ...
+    def to(self, device: str) -> DeviceTensor: ...
+    def free(self) -> None: ...
+
+@final
+class Model:
+    def __new__(
+        cls,
+        source: Checkpoint | _Path,
+        *,
+        devices: str | None = None,
+        dtype: str = "auto",
+        runtime: _Runtime = None,
+    ) -> Model: ...
+    def load(
+        self,
+        plan: Plan | str | None = None,
+        *,
+        progress: bool = False,
+        callback: _Callback | None = None,
+        cache: Cache | CacheSpec | Mapping[str, Any] | None = None,
+        use_mmap: bool = True,
+        use_direct_io: bool = False,
+        check_tensors: bool = False,
+        staging_bytes: int | None = None,
+        **plan_options: Any,
+    ) -> None: ...
+    def load_autosplit(
+        self,
+        cache: Cache | None = None,
+        reserve_vram: Sequence[_Size] | None = None,
+        *,
+        progress: bool = False,
+        callback: _Callback | None = None,
+    ) -> None: ...
+    def load_tp(
+        self,
+        gpu_split: Sequence[float] | None = None,
+        expect_cache_tokens: int = 0,
+        expect_cache_base: str | None = None,
+        *,
+        progress: bool = False,
+        callback: _Callback | None = None,
+    ) -> None: ...
+    def unload(self) -> None: ...
+    @property
+    def loaded(self) -> bool: ...
+    @property
+    def plan(self) -> Plan | None: ...
+    def plan_json(self) -> str | None: ...
+    def memory(self) -> dict[str, int]: ...
+    def device_usage(self) -> dict[str, int]: ...
+    @property
+    def devices(self) -> str: ...
+    @property
+    def locked_bytes(self) -> int: ...
+    @property
+    def warnings(self) -> list[str]: ...
+    def device_of(self, name: str) -> str: ...
+    @property
+    def layer_devices(self) -> list[str]: ...
+    def tensor(self, name: str, dequantize: bool = False) -> npt.NDArray[Any]: ...
+
+@final
+class Cache:
+    def __new__(
+        cls,
+        model: Model,
+        max_seq_len: int,
+        batch_size: int = 1,
+        dtype: str = "fp16",
+        lazy: bool = True,
+        offload: bool = False,
+    ) -> Cache: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def offload(self) -> bool: ...
+    @property
+    def allocated(self) -> bool: ...
+    def memory(self) -> dict[str, int]: ...
+    def device_of(self, layer: int) -> str: ...
+    def write(self, layer: int, pos: int, k: npt.ArrayLike, v: npt.ArrayLike) -> None: ...
+    def read(
+        self, layer: int, start: int, end: int
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
+    def fetch(self, layer: int) -> str: ...
+    def free(self) -> None: ...
+
+_Split = list[tuple[int, int, int]]
+# (device_index, offset, rows, cols)
+_ScratchSlices = list[tuple[int, int, int, int]]
+
+@final
+class TPContext:
+    def __new__(
+        cls,
+        model: Model,
+        gpu_split: Sequence[float] | None = None,
+        expect_cache_tokens: int = 0,
+        expect_cache_base: str | None = None,
+    ) -> TPContext: ...
+    @property
+    def kv_split(self) -> _Split: ...
+    @property
+    def id_split(self) -> _Split: ...
+    @property
+    def vc_split(self) -> _Split: ...
+    @property
+    def rs_split(self) -> _Split: ...
+    @property
+    def q_split(self) -> _Split: ...
+    def get_split(self, broadcast_type: int) -> _Split: ...
+    def get_devs(self, broadcast_type: int) -> list[int]: ...
+    def all_devices(self) -> list[int]: ...
+    def device_name(self, i: int) -> str: ...
+    def finalize(self) -> None: ...
+    def unload(self) -> None: ...
+    def broadcast(
+        self, buffer: int, tensor: DeviceTensor, broadcast_type: int, dim: int = 1
+    ) -> list[DeviceTensor]: ...
+    def gather(
+        self, buffer: int, inputs: Sequence[DeviceTensor], broadcast_type: int, dim: int = 1
+    ) -> npt.NDArray[Any]: ...
+    def allgather(
+        self,
+        buffer: int,
+        inputs: Sequence[DeviceTensor],
+        broadcast_type_g: int,
+        broadcast_type_b: int,
+        dim: int = 1,
+    ) -> list[DeviceTensor]: ...
+    def add_residual(
+        self,
+        target: Sequence[DeviceTensor],
+        source: Sequence[DeviceTensor],
+        broadcast_type: int,
+        dim: int = 1,
+    ) -> None: ...
+    def wait_streams(self) -> None: ...
+    def get_sin_cos(self) -> tuple[list[DeviceTensor], list[DeviceTensor]]: ...
+    def begin_scratch_alloc_tp(self) -> None: ...
+    def reserve_scratch(self, scratch: Sequence[int]) -> None: ...
+    def get_scratch_slice_tp(
+        self, rows: int, dtype: str, broadcast_type: int, dim: int = 1
+    ) -> _ScratchSlices: ...
+    def get_scratch_slice_tp_bc(
+        self, rows: int, dtype: str, broadcast_type: int, dim: int = 1
+    ) -> _ScratchSlices: ...
+
+def from_pretrained(
+    path: _Path,
+    *,
+    device_map: str | Mapping[str, str | int] | None = "auto",
+    max_memory: Mapping[str | int, _Size] | None = None,
+    dtype: str = "auto",
+    devices: str | None = None,
+    runtime: _Runtime = None,
+    progress: bool = False,
+    callback: _Callback | None = None,
+) -> Model: ...
+def load_gguf(
+    path: _Path,
+    *,
+    n_gpu_layers: int = -1,
+    split_mode: str = "layer",
+    tensor_split: Sequence[float] | None = None,
+    main_gpu: int = 0,
+    use_mmap: bool = True,
+    use_direct_io: bool = False,
+    use_mlock: bool = False,
+    check_tensors: bool = False,
+    vocab_only: bool = False,
+    progress_callback: Callable[[float], bool | None] | None = None,
+    devices: str | None = None,
+    runtime: _Runtime = None,
+) -> Model: ...

@@ -1,8 +1,9 @@
-"""The ``weightlift`` command.
+"""The ``weightlift`` command: ``inspect``, ``plan``, ``fit`` and ``load``.
 
 Every subcommand prints a readable table by default and one JSON object with ``--json``. A bad
 file or a request that cannot be met prints one line, ``weightlift: error: <message>``, on
-stderr and exits 2; there is never a traceback for those.
+stderr and exits 2; there is never a traceback for those. Ctrl-C exits 130 with one line (a load
+frees everything it allocated first).
 """
 
 from __future__ import annotations
@@ -238,12 +239,169 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_options(p: argparse.ArgumentParser) -> None:
+class _ProgressBar:
+    """The load's progress callback, drawing a tqdm bar (bytes, GB/s, ETA) on stderr.
+
+    ``enabled=None`` draws it only when stderr is a terminal, as tqdm's ``disable=None`` does.
+    """
+
+    def __init__(self, enabled: bool | None) -> None:
+        self.disable = None if enabled is None else not enabled
+        self.bar: Any = None
+        self.done = 0
+
+    def __call__(self, bytes_done: int, bytes_total: int, tensor: str, device: str) -> bool:
+        if self.bar is None:
+            from tqdm import tqdm  # type: ignore[import-untyped]
+
+            self.bar = tqdm(
+                total=bytes_total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="loading",
+                disable=self.disable,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+        self.bar.set_postfix_str(device, refresh=False)
+        self.bar.update(bytes_done - self.done)
+        self.done = bytes_done
+        return True
+
+    def close(self, ok: bool) -> None:
+        """Leave the finished bar on screen; wipe an interrupted one before the error line."""
+        if self.bar is not None:
+            self.bar.leave = ok
+            self.bar.close()
+            self.bar = None
+
+
+def _memory_rows(plan: weightlift.Plan, held: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Per device: the plan's weights, kv and scratch, their sum, and what is actually held."""
+    rows: dict[str, dict[str, int]] = {}
+    for d in plan.devices:
+        planned = d.weights + d.kv + d.scratch
+        rows[d.name] = {
+            "weights": d.weights,
+            "kv": d.kv,
+            "scratch": d.scratch,
+            "planned": planned,
+            "held": held.get(d.name, 0),
+        }
+    for name, n in held.items():
+        if name not in rows:
+            rows[name] = {"weights": 0, "kv": 0, "scratch": 0, "planned": 0, "held": n}
+    return rows
+
+
+def _diff(planned: int, held: int) -> str:
+    if planned == 0:
+        return "+0.00%" if held == 0 else "n/a"
+    return f"{(held - planned) / planned * 100:+.2f}%"
+
+
+def _print_memory(rows: dict[str, dict[str, int]]) -> None:
+    w = sys.stdout.write
+    mib = 1024 * 1024
+    w("memory after load (MiB): planned = weights + kv + scratch from the plan, ")
+    w("held = Model.memory()\n")
+    cols = ("weights", "kv", "scratch", "planned", "held")
+    w(f"{'device':<12}" + "".join(f"{c:>10}" for c in cols) + f"{'diff':>10}\n")
+    total = dict.fromkeys(cols, 0)
+    for name, row in rows.items():
+        w(f"{name:<12}" + "".join(f"{row[c] / mib:>10.2f}" for c in cols))
+        w(f"{_diff(row['planned'], row['held']):>10}\n")
+        for c in cols:
+            total[c] += row[c]
+    w(f"{'total':<12}" + "".join(f"{total[c] / mib:>10.2f}" for c in cols))
+    w(f"{_diff(total['planned'], total['held']):>10}\n")
+
+
+def _cmd_load(args: argparse.Namespace) -> int:
+    import time
+
+    cache = None
+    if args.ctx is not None or args.cache is not None or args.batch is not None:
+        cache = weightlift.CacheSpec(
+            args.ctx if args.ctx is not None else DEFAULT_CTX,
+            args.batch if args.batch is not None else 1,
+            args.cache or "fp16",
+        )
+    runtime = None
+    if args.max_input_len is not None or args.low_mem:
+        runtime = weightlift.RuntimeSpec(
+            max_input_len=args.max_input_len or 2048, low_mem=args.low_mem
+        )
+    options: dict[str, Any] = {"strategy": args.strategy, "allow_disk": args.allow_disk}
+    reserve = _sizes(args.reserve)
+    if reserve is not None:
+        options["reserve"] = reserve
+    max_memory = _sizes(args.max_memory)
+    if isinstance(max_memory, list):  # accelerator indices, in device order, as --reserve
+        options["max_memory"] = dict(enumerate(max_memory))
+    elif max_memory is not None:
+        options["max_memory"] = max_memory
+    # Only what was given: any llama.cpp option switches the strategy to n_gpu_layers.
+    if args.n_gpu_layers is not None:
+        options["n_gpu_layers"] = args.n_gpu_layers
+    if args.split_mode is not None:
+        options["split_mode"] = args.split_mode
+    if args.tensor_split is not None:
+        options["tensor_split"] = [float(x) for x in args.tensor_split.split(",") if x.strip()]
+    if args.main_gpu is not None:
+        options["main_gpu"] = args.main_gpu
+
+    model = weightlift.Model(args.path, devices=args.devices, dtype=args.dtype, runtime=runtime)
+    bar = _ProgressBar(args.progress)
+    start = time.perf_counter()
+    try:
+        model.load(
+            callback=bar,
+            cache=cache,
+            use_mmap=not args.no_mmap,
+            use_direct_io=args.direct_io,
+            check_tensors=args.check_tensors,
+            **options,
+        )
+    except BaseException:
+        bar.close(ok=False)
+        raise
+    bar.close(ok=True)
+    seconds = time.perf_counter() - start
+    plan = model.plan
+    if plan is None:
+        raise weightlift.WeightliftError("the load finished without a plan")
+    rows = _memory_rows(plan, model.memory())
+    if args.json:
+        doc = {
+            "plan": json.loads(plan.to_json()),
+            "memory": rows,
+            "bytes": bar.done,
+            "seconds": seconds,
+            "warnings": model.warnings,
+        }
+        json.dump(doc, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(plan.explain())
+        sys.stdout.write("\n")
+        _print_memory(rows)
+        rate = bar.done / seconds / 1e9 if seconds > 0 else 0.0
+        sys.stdout.write(f"loaded {_human(bar.done)} in {seconds:.2f} s ({rate:.2f} GB/s)\n")
+        for warning in model.warnings:
+            sys.stdout.write(f"warning: {warning}\n")
+    model.unload()
+    return 0
+
+
+def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
     p.add_argument("path", help="a checkpoint (file, folder, index.json) or an HF config.json")
     p.add_argument(
         "--devices",
-        required=True,
-        help='device spec, e.g. "virtual:2x8GiB,cpu" or "cuda:0:24GiB,cpu:64GiB,disk"',
+        required=not load,
+        help='device spec, e.g. "virtual:2x8GiB,cpu" or "cuda:0:24GiB,cpu:64GiB,disk"'
+        + (" (default: cpu only)" if load else ""),
     )
     p.add_argument(
         "--strategy",
@@ -254,18 +412,27 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, help="KV cache batch size (default 1)")
     p.add_argument("--cache", help="KV cache dtype: fp16, fp8, q8, q6 or q4")
     p.add_argument("--dtype", default="auto", help="convert float weights: auto, float16, ...")
-    p.add_argument(
-        "--weight-dtype", help="weights of a config-only plan: bfloat16, float16, q8_0, q4_k_m, ..."
-    )
+    if not load:
+        p.add_argument(
+            "--weight-dtype",
+            help="weights of a config-only plan: bfloat16, float16, q8_0, q4_k_m, ...",
+        )
     p.add_argument("--reserve", help="per-device reserve: 256MiB,64MiB or cuda:0=256MiB,...")
     p.add_argument("--max-memory", help="per-device caps, same syntax as --reserve")
     p.add_argument("--n-gpu-layers", "-ngl", type=int, help="llama.cpp n_gpu_layers (-1: all)")
     p.add_argument("--split-mode", "-sm", help="llama.cpp split mode: none, layer or row")
     p.add_argument("--tensor-split", "-ts", help="llama.cpp tensor split, e.g. 3,1")
-    p.add_argument("--main-gpu", "-mg", type=int, default=0, help="llama.cpp main GPU index")
     p.add_argument(
-        "--override", "-ot", action="append", help="llama.cpp tensor override REGEX=DEVICE"
+        "--main-gpu",
+        "-mg",
+        type=int,
+        default=None if load else 0,
+        help="llama.cpp main GPU index (default 0)",
     )
+    if not load:
+        p.add_argument(
+            "--override", "-ot", action="append", help="llama.cpp tensor override REGEX=DEVICE"
+        )
     p.add_argument("--max-input-len", type=int, help="runtime max_input_len (default 2048)")
     p.add_argument("--low-mem", action="store_true", help="exllamav2 low_mem scratch sizes")
     p.add_argument("--allow-disk", action="store_true", help="let weights stay on disk")
@@ -303,6 +470,28 @@ def _parser() -> argparse.ArgumentParser:
         help="what to maximise (default max_seq_len)",
     )
     ft.set_defaults(func=_cmd_fit)
+
+    ld = sub.add_parser(
+        "load",
+        help="load a model onto devices, then show the plan against the memory held",
+    )
+    _plan_options(ld, load=True)
+    ld.add_argument(
+        "--no-mmap", action="store_true", help="read CPU tensors into owned memory (use_mmap=False)"
+    )
+    ld.add_argument(
+        "--direct-io", action="store_true", help="read with O_DIRECT (buffered where refused)"
+    )
+    ld.add_argument(
+        "--check-tensors", action="store_true", help="scan the weights for NaN/Inf while loading"
+    )
+    ld.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="draw a progress bar on stderr (default: when stderr is a terminal)",
+    )
+    ld.set_defaults(func=_cmd_load)
     return p
 
 
@@ -311,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         status: int = args.func(args)
-    except (weightlift.WeightliftError, OSError) as e:
+    except (weightlift.WeightliftError, OSError, ValueError) as e:
         if isinstance(e, BrokenPipeError):
             return 0
         sys.stderr.write(f"weightlift: error: {_one_line(e)}\n")

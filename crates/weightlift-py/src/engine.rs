@@ -1487,17 +1487,31 @@ fn scratch_dtype(s: &str) -> PyResult<DType> {
 // ---------------------------------------------------------------------------------------------
 // Convenience loaders
 
+/// `from_pretrained`'s `device_map`: a strategy or device name (default `"auto"`), or anything
+/// else (a dict, or None for `"auto"`), which `apply_plan_options` checks.
+#[derive(FromPyObject)]
+enum DeviceMapArg<'py> {
+    Name(String),
+    Other(Bound<'py, PyAny>),
+}
+
 /// accelerate style: open `path`, plan with `device_map` (`"auto"` = balanced, `"balanced"`,
 /// `"balanced_low_0"`, `"sequential"`, a device name, or a dict of module/layer prefix ->
 /// device, with `"re:PATTERN"` keys as llama.cpp `-ot` overrides) and `max_memory`
 /// (device -> size), and load. Returns the loaded Model.
+// The text signatures are spelled out because PyO3 renders `-1` and non-literal defaults as
+// `...`, which `inspect.signature` (and mypy.stubtest against _native.pyi) would report.
 #[pyfunction]
-#[pyo3(signature = (path, *, device_map = None, max_memory = None, dtype = "auto", devices = None, runtime = None, progress = false, callback = None))]
+#[pyo3(
+    signature = (path, *, device_map = DeviceMapArg::Name(String::from("auto")), max_memory = None,
+                 dtype = "auto", devices = None, runtime = None, progress = false, callback = None),
+    text_signature = "(path, *, device_map='auto', max_memory=None, dtype='auto', devices=None, runtime=None, progress=False, callback=None)"
+)]
 #[allow(clippy::too_many_arguments)]
 fn from_pretrained(
     py: Python<'_>,
     path: &Bound<'_, PyAny>,
-    device_map: Option<&Bound<'_, PyAny>>,
+    device_map: DeviceMapArg<'_>,
     max_memory: Option<&Bound<'_, PyAny>>,
     dtype: &str,
     devices: Option<&str>,
@@ -1508,8 +1522,9 @@ fn from_pretrained(
     let model = Model::new(path, devices, dtype, runtime)?;
     let opts = PyDict::new(py);
     match device_map {
-        Some(d) if !d.is_none() => opts.set_item("device_map", d)?,
-        _ => opts.set_item("device_map", "auto")?,
+        DeviceMapArg::Name(name) => opts.set_item("device_map", name)?,
+        DeviceMapArg::Other(d) if !d.is_none() => opts.set_item("device_map", d)?,
+        DeviceMapArg::Other(_) => opts.set_item("device_map", "auto")?,
     }
     if let Some(m) = max_memory.filter(|m| !m.is_none()) {
         opts.set_item("max_memory", m)?;
@@ -1535,7 +1550,8 @@ fn from_pretrained(
 #[pyfunction]
 #[pyo3(signature = (path, *, n_gpu_layers = -1, split_mode = "layer", tensor_split = None, main_gpu = 0,
                     use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
-                    vocab_only = false, progress_callback = None, devices = None, runtime = None))]
+                    vocab_only = false, progress_callback = None, devices = None, runtime = None),
+       text_signature = "(path, *, n_gpu_layers=-1, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None)")]
 #[allow(clippy::too_many_arguments)]
 fn load_gguf(
     py: Python<'_>,
