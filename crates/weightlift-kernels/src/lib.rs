@@ -1,1 +1,63 @@
 //! CPU kernels (rayon + std::arch SIMD, scalar fallback) and the CUDA backend, behind one Backend trait.
+//!
+//! - [`cpu`]: the reference kernels, used by the engine's `cpu` and `virtual` devices and by
+//!   `Checkpoint.dequantize`. Free functions on slices, each with a `_with(Isa, ...)` twin.
+//! - [`Backend`]: allocate, copy, run an [`Op`], synchronise; implemented by [`CpuBackend`]
+//!   and [`CudaBackend`] (a stub returning [`KernelError::NotCompiledWithCuda`] unless the
+//!   `cuda` feature is on).
+//! - `kernels/*.cu` at the repository root: the CUDA twins, named `{op}_{dtype}`. Their
+//!   per-block decode maths lives in `kernels/*.cuh` (`__host__ __device__`, no `cuda_fp16.h`),
+//!   which `build.rs` also compiles for the host so tests compare it with the Rust kernels.
+//!
+//! Status of the CUDA kernels: every source is compiled by NVRTC for compute_80/compute_90
+//! (PTX) and sm_80/sm_90 (CUBIN) in the tests, warnings are errors, and the shared decoders
+//! run on the host; none of the kernels has run on a GPU yet.
+//!
+//! Tests: `cargo test -p weightlift-kernels` runs everything that needs no GPU; with
+//! `--features cuda` (or `nvrtc-check`) and libnvrtc on `LD_LIBRARY_PATH` it also compiles
+//! every kernel (set `WEIGHTLIFT_REQUIRE_NVRTC=1` to fail instead of skip without libnvrtc).
+
+pub mod backend;
+pub mod cpu;
+pub mod cpu_backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_stub.rs"]
+pub mod cuda;
+pub mod error;
+pub mod types;
+
+pub use backend::{Backend, Op};
+pub use cpu::Isa;
+pub use cpu::convert::{bf16_to_f16_slice, f16_to_f32_slice, f32_to_f16_slice, scan_non_finite};
+pub use cpu::kv::{KV_GROUP, KvType, kv_dequantize, kv_quantize};
+pub use cpu::matvec::{MatvecMode, matmul, matmul_f16, matvec, matvec_f16};
+pub use cpu::ops::{RopeParams, RopeStyle, add, rms_norm, rope, softmax, swiglu};
+pub use cpu::{dequantize_f16, dequantize_f32};
+pub use cpu_backend::{CpuBackend, CpuBuffer};
+pub use cuda::{CudaBackend, CudaBuffer};
+pub use error::{KernelError, Result};
+pub use types::{FloatType, QuantType};
+
+#[cfg(wl_host_shim)]
+#[doc(hidden)]
+pub mod host_shim;
+#[cfg(feature = "nvrtc-check")]
+pub mod nvrtc;
+pub mod sources;
+
+/// Whether the host C++ twin of the CUDA headers was built (a C++ compiler was found).
+pub const HAS_HOST_SHIM: bool = cfg!(wl_host_shim);
+
+/// A rayon pool of `threads` threads; run CPU kernels inside `pool.install(|| ...)` to bound
+/// their parallelism (the benches compare 1 and 2 threads this way).
+pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| KernelError::ThreadPool {
+            threads,
+            message: e.to_string(),
+        })
+}

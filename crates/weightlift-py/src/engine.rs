@@ -60,7 +60,7 @@ impl ToPyErr for EngineError {
             EngineError::Validation { .. } | EngineError::NonFinite { .. } => {
                 raise(Exc::Format, self.to_string())
             }
-            EngineError::Invalid { .. } => PyValueError::new_err(self.to_string()),
+            EngineError::Invalid { .. } => raise(Exc::Plan, self.to_string()),
             EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
             EngineError::NotLoaded { .. } => raise(Exc::Weightlift, self.to_string()),
         }

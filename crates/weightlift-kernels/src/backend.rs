@@ -1,0 +1,263 @@
+//! One interface for every device: allocate, copy, run an [`Op`], synchronise.
+//!
+//! [`CpuBackend`](crate::CpuBackend) is the reference; [`CudaBackend`](crate::CudaBackend) runs
+//! the same operations from `kernels/*.cu`. Operations read and write whole buffers from offset
+//! 0; element counts say how much of each buffer is used, and each backend checks that every
+//! buffer is large enough before it touches it.
+
+use crate::cpu::kv::KvType;
+use crate::cpu::matvec::MatvecMode;
+use crate::cpu::ops::RopeParams;
+use crate::error::{KernelError, Result};
+use crate::types::{FloatType, QuantType};
+
+/// An operation on buffers of one backend. Outputs are `&mut`, so no output aliases an input.
+#[derive(Debug)]
+pub enum Op<'a, B> {
+    /// `dst[..n] = dequantize(src)` for `n` values of `ty`, written as `out` (f32 or f16).
+    Dequantize {
+        /// Storage type of `src`.
+        ty: QuantType,
+        /// Output float type: [`FloatType::F32`] or [`FloatType::F16`].
+        out: FloatType,
+        /// Number of values (a multiple of `ty.block_size()`).
+        n: usize,
+        /// Quantised input.
+        src: &'a B,
+        /// Output.
+        dst: &'a mut B,
+    },
+    /// `dst[..n] = f16(src)` for `from` = [`FloatType::F32`] or [`FloatType::BF16`].
+    ConvertToF16 {
+        /// Input type.
+        from: FloatType,
+        /// Number of values.
+        n: usize,
+        /// Input.
+        src: &'a B,
+        /// Output (f16).
+        dst: &'a mut B,
+    },
+    /// `y[t*rows + r] = dot(W[r], x[t])` for `n_tok` tokens (see [`crate::matmul`]).
+    Matmul {
+        /// Weight type.
+        ty: QuantType,
+        /// Exact or llama.cpp-style q8 activations.
+        mode: MatvecMode,
+        /// Activation type, f32 or f16.
+        act: FloatType,
+        /// Output rows.
+        rows: usize,
+        /// Values per row.
+        cols: usize,
+        /// Tokens (1 is a matrix–vector product).
+        n_tok: usize,
+        /// Chunk size of the dequantised path, in values.
+        max_dq_size: usize,
+        /// Weights.
+        w: &'a B,
+        /// Activations, `n_tok × cols`.
+        x: &'a B,
+        /// Output, f32, `n_tok × rows`.
+        y: &'a mut B,
+    },
+    /// RMSNorm of `n_rows` rows of `n_cols` f32 values with an f32 weight of `n_cols`.
+    RmsNorm {
+        /// Rows.
+        n_rows: usize,
+        /// Values per row.
+        n_cols: usize,
+        /// Epsilon.
+        eps: f32,
+        /// Input.
+        x: &'a B,
+        /// Weight.
+        weight: &'a B,
+        /// Output.
+        out: &'a mut B,
+    },
+    /// RoPE over `n_tok × n_heads × head_dim` f32 values with one i32 position per token.
+    Rope {
+        /// Style, head size, rotated dims, frequencies.
+        params: RopeParams,
+        /// Tokens.
+        n_tok: usize,
+        /// Heads per token.
+        n_heads: usize,
+        /// Input.
+        x: &'a B,
+        /// Positions (i32).
+        positions: &'a B,
+        /// Output.
+        out: &'a mut B,
+    },
+    /// Softmax of `n_rows` rows of `n_cols` f32 values.
+    Softmax {
+        /// Rows.
+        n_rows: usize,
+        /// Values per row.
+        n_cols: usize,
+        /// Input.
+        x: &'a B,
+        /// Output.
+        out: &'a mut B,
+    },
+    /// `out = silu(gate) * up` over `n` f32 values.
+    SwiGlu {
+        /// Values.
+        n: usize,
+        /// Gate.
+        gate: &'a B,
+        /// Up.
+        up: &'a B,
+        /// Output.
+        out: &'a mut B,
+    },
+    /// `out = a + b` over `n` f32 values.
+    Add {
+        /// Values.
+        n: usize,
+        /// Left.
+        a: &'a B,
+        /// Right.
+        b: &'a B,
+        /// Output.
+        out: &'a mut B,
+    },
+    /// Quantise `n` f32 values into the KV-cache format `kt`.
+    KvQuantize {
+        /// q8 or q4.
+        kt: KvType,
+        /// Values (a multiple of 32).
+        n: usize,
+        /// Input.
+        x: &'a B,
+        /// Output bytes.
+        out: &'a mut B,
+    },
+    /// Dequantise `n` values of KV-cache format `kt` to f32.
+    KvDequantize {
+        /// q8 or q4.
+        kt: KvType,
+        /// Values (a multiple of 32).
+        n: usize,
+        /// Input bytes.
+        src: &'a B,
+        /// Output.
+        out: &'a mut B,
+    },
+}
+
+/// A compute device: memory plus the operations of this crate.
+pub trait Backend: Send + Sync {
+    /// A region of device memory.
+    type Buffer: Send + Sync;
+
+    /// A short name: `cpu`, `virtual:0`, `cuda:1`.
+    fn name(&self) -> String;
+
+    /// Allocates `bytes` zeroed bytes.
+    fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
+
+    /// The size of `buf` in bytes.
+    fn len(&self, buf: &Self::Buffer) -> usize;
+
+    /// Copies host bytes into `dst` at `offset`.
+    fn copy_from_host(&self, src: &[u8], dst: &mut Self::Buffer, offset: usize) -> Result<()>;
+
+    /// Copies `dst.len()` bytes of `src`, starting at `offset`, to the host. Blocks until done.
+    fn copy_to_host(&self, src: &Self::Buffer, offset: usize, dst: &mut [u8]) -> Result<()>;
+
+    /// Copies `bytes` bytes between two buffers of this device.
+    fn copy(
+        &self,
+        src: &Self::Buffer,
+        src_offset: usize,
+        dst: &mut Self::Buffer,
+        dst_offset: usize,
+        bytes: usize,
+    ) -> Result<()>;
+
+    /// Runs (or enqueues) an operation.
+    fn run(&self, op: Op<'_, Self::Buffer>) -> Result<()>;
+
+    /// The index of the first NaN/inf value in the first `bytes` bytes of `buf` (see
+    /// [`crate::scan_non_finite`]). Blocks until done.
+    fn scan_non_finite(
+        &self,
+        ty: QuantType,
+        buf: &Self::Buffer,
+        bytes: usize,
+    ) -> Result<Option<usize>>;
+
+    /// Waits for all queued work.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// Checks that `[offset, offset + bytes)` lies within a buffer of `len` bytes.
+pub(crate) fn check_range(
+    what: &'static str,
+    len: usize,
+    offset: usize,
+    bytes: usize,
+) -> Result<()> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(KernelError::LengthMismatch {
+            what,
+            expected: offset.saturating_add(bytes),
+            got: len,
+        }),
+    }
+}
+
+/// Bytes an operand of `n` values of `ty` needs.
+pub(crate) fn quant_bytes(ty: QuantType, n: usize) -> Result<usize> {
+    let bs = ty.block_size();
+    if !n.is_multiple_of(bs) {
+        return Err(KernelError::Shape {
+            op: "dequantize",
+            reason: format!("{n} values are not whole {ty} blocks of {bs}"),
+        });
+    }
+    Ok(n / bs * ty.block_bytes())
+}
+
+/// Runs one test body on every backend present, as candle's `test_device!` does.
+///
+/// `test_device!(body)` expands to a module `body` with three `#[test]`s that call
+/// `body(&backend) -> Result<()>`: `cpu` ([`CpuBackend`](crate::CpuBackend)), `virtual_device`
+/// (a capped `CpuBackend`, the engine's `virtual:N`) and `cuda` (`CudaBackend::new(0)`). The
+/// CUDA case prints why and passes when there is no GPU, no libcuda or no `cuda` feature; any
+/// other error fails it.
+#[macro_export]
+macro_rules! test_device {
+    ($body:ident) => {
+        mod $body {
+            #[test]
+            fn cpu() -> $crate::Result<()> {
+                super::$body(&$crate::CpuBackend::new())
+            }
+
+            #[test]
+            fn virtual_device() -> $crate::Result<()> {
+                super::$body(&$crate::CpuBackend::with_capacity("virtual:0", 256 << 20))
+            }
+
+            #[test]
+            fn cuda() -> $crate::Result<()> {
+                match $crate::CudaBackend::new(0) {
+                    Ok(b) => super::$body(&b),
+                    Err(
+                        e @ ($crate::KernelError::CudaUnavailable { .. }
+                        | $crate::KernelError::NotCompiledWithCuda { .. }),
+                    ) => {
+                        eprintln!("skipping {} on cuda:0: {e}", stringify!($body));
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        }
+    };
+}

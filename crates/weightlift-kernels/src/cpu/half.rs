@@ -1,0 +1,61 @@
+//! Scalar f16 / bf16 conversions, by bit manipulation (the CUDA headers do the same).
+
+/// f16 bits to f32, exactly (subnormals, infinities and NaN payloads included).
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    if exp == 0x1f {
+        f32::from_bits(sign | 0x7f80_0000 | (man << 13))
+    } else if exp == 0 {
+        // zero or subnormal: man * 2^-24, exact in f32
+        let v = man as f32 * (1.0 / 16_777_216.0);
+        f32::from_bits(sign | v.to_bits())
+    } else {
+        f32::from_bits(sign | ((exp + 112) << 23) | (man << 13))
+    }
+}
+
+/// f32 to f16 bits, rounding to nearest even (as numpy's `astype(float16)` and F16C do).
+#[inline(always)]
+pub fn f32_to_f16(x: f32) -> u16 {
+    half::f16::from_f32(x).to_bits()
+}
+
+/// bf16 bits to f32, exactly.
+#[inline(always)]
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits(u32::from(h) << 16)
+}
+
+/// Reads the little-endian u16 at `off` of `b` (callers pass whole blocks, so it is in bounds).
+#[inline(always)]
+pub(crate) fn rd_u16(b: &[u8], off: usize) -> u16 {
+    u16::from_le_bytes([b[off], b[off + 1]])
+}
+
+/// Reads the little-endian f16 at `off` of `b` as f32.
+#[inline(always)]
+pub(crate) fn rd_f16(b: &[u8], off: usize) -> f32 {
+    f16_to_f32(rd_u16(b, off))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_round_trips_every_pattern_through_half() {
+        // `half` is the reference here: an independent implementation of IEEE binary16.
+        for bits in 0..=u16::MAX {
+            let ours = f16_to_f32(bits);
+            let theirs = half::f16::from_bits(bits).to_f32();
+            if theirs.is_nan() {
+                assert!(ours.is_nan(), "{bits:#06x}");
+            } else {
+                assert_eq!(ours.to_bits(), theirs.to_bits(), "{bits:#06x}");
+            }
+        }
+    }
+}

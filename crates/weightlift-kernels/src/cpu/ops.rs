@@ -1,0 +1,196 @@
+//! Elementwise and row operations on f32: RMSNorm, RoPE, softmax, SwiGLU, residual add.
+//!
+//! Conventions follow llama.cpp's CPU backend (ggml-cpu/ops.cpp); each function names the
+//! operation it mirrors.
+
+use rayon::prelude::*;
+
+use crate::error::{KernelError, Result};
+
+/// Rows per parallel task for row operations.
+const ROW_TASK_ELEMS: usize = 16 * 1024;
+
+fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected != got {
+        return Err(KernelError::LengthMismatch {
+            what,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+fn rows_of(op: &'static str, len: usize, row: usize) -> Result<usize> {
+    if row == 0 || !len.is_multiple_of(row) {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!("{len} values are not whole rows of {row}"),
+        });
+    }
+    Ok(len / row)
+}
+
+fn rows_per_task(row: usize) -> usize {
+    (ROW_TASK_ELEMS / row.max(1)).max(1)
+}
+
+/// RMSNorm with a weight: `out = x / sqrt(mean(x²) + eps) * weight`, per row of
+/// `weight.len()` values (ggml's `rms_norm` followed by `mul`, as llama.cpp builds it).
+/// The sum of squares is accumulated in f64, as ggml's `ggml_float` does.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
+    let n = weight.len();
+    rows_of("rms_norm", x.len(), n)?;
+    check_len("rms_norm output values", x.len(), out.len())?;
+    let per = rows_per_task(n) * n;
+    x.par_chunks(per)
+        .zip(out.par_chunks_mut(per))
+        .for_each(|(xs, os)| {
+            for (xr, or) in xs.chunks_exact(n).zip(os.chunks_exact_mut(n)) {
+                let ss: f64 = xr.iter().map(|v| f64::from(*v) * f64::from(*v)).sum();
+                let mean = (ss / n as f64) as f32;
+                let scale = 1.0 / (mean + eps).sqrt();
+                for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
+                    *o = (v * scale) * w;
+                }
+            }
+        });
+    Ok(())
+}
+
+/// Which dimensions RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RopeStyle {
+    /// GPT-J style, llama.cpp's `LLAMA_ROPE_TYPE_NORM` (0): pairs `(x[2i], x[2i+1])`.
+    Normal,
+    /// GPT-NeoX style, `LLAMA_ROPE_TYPE_NEOX` (2): pairs `(x[i], x[i + n_dims/2])`.
+    Neox,
+}
+
+/// RoPE parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeParams {
+    /// Normal or NeoX pairing.
+    pub style: RopeStyle,
+    /// Values per head.
+    pub head_dim: usize,
+    /// Leading dimensions of each head that are rotated (even, ≤ `head_dim`); the rest pass through.
+    pub n_dims: usize,
+    /// Base of the frequencies (`rope_freq_base`, 10000 for Llama 2).
+    pub freq_base: f32,
+    /// Linear position scale (`rope_freq_scale`, 1.0 unless the context is stretched).
+    pub freq_scale: f32,
+}
+
+/// Rotary position embedding. `x` is `n_tok × n_heads × head_dim` (token-major), `positions`
+/// holds one position per token. Pair `i` of a head at position `p` turns by
+/// `θ = p · freq_scale · freq_base^(−2i/n_dims)`: `(a, b) → (a cos θ − b sin θ, a sin θ + b cos θ)`,
+/// as ggml's `rope_yarn` with extrapolation factor 0.
+pub fn rope(x: &[f32], positions: &[i32], p: &RopeParams, out: &mut [f32]) -> Result<()> {
+    let hd = p.head_dim;
+    if !p.n_dims.is_multiple_of(2) || p.n_dims > hd || p.n_dims == 0 {
+        return Err(KernelError::Shape {
+            op: "rope",
+            reason: format!(
+                "n_dims {} must be even, non-zero and at most head_dim {hd}",
+                p.n_dims
+            ),
+        });
+    }
+    let heads = rows_of("rope", x.len(), hd)?;
+    check_len("rope output values", x.len(), out.len())?;
+    let n_tok = positions.len();
+    if n_tok == 0 || heads % n_tok != 0 {
+        return Err(KernelError::Shape {
+            op: "rope",
+            reason: format!(
+                "{heads} heads of {hd} values do not split evenly over {n_tok} positions"
+            ),
+        });
+    }
+    let n_heads = heads / n_tok;
+    let tok_len = n_heads * hd;
+    let half = p.n_dims / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| p.freq_base.powf(-2.0 * i as f32 / p.n_dims as f32))
+        .collect();
+    x.par_chunks(tok_len)
+        .zip(out.par_chunks_mut(tok_len))
+        .zip(positions.par_iter())
+        .for_each(|((xt, ot), pos)| {
+            let cs: Vec<(f32, f32)> = inv
+                .iter()
+                .map(|f| {
+                    let th = *pos as f32 * p.freq_scale * f;
+                    (th.cos(), th.sin())
+                })
+                .collect();
+            for (xh, oh) in xt.chunks_exact(hd).zip(ot.chunks_exact_mut(hd)) {
+                for (i, (c, s)) in cs.iter().enumerate() {
+                    let (ia, ib) = match p.style {
+                        RopeStyle::Normal => (2 * i, 2 * i + 1),
+                        RopeStyle::Neox => (i, i + half),
+                    };
+                    let (a, b) = (xh[ia], xh[ib]);
+                    oh[ia] = a * c - b * s;
+                    oh[ib] = a * s + b * c;
+                }
+                oh[p.n_dims..].copy_from_slice(&xh[p.n_dims..]);
+            }
+        });
+    Ok(())
+}
+
+/// Softmax of each row of `n_cols` values (max-subtracted, as ggml's `soft_max`).
+pub fn softmax(x: &[f32], n_cols: usize, out: &mut [f32]) -> Result<()> {
+    rows_of("softmax", x.len(), n_cols)?;
+    check_len("softmax output values", x.len(), out.len())?;
+    let per = rows_per_task(n_cols) * n_cols;
+    x.par_chunks(per)
+        .zip(out.par_chunks_mut(per))
+        .for_each(|(xs, os)| {
+            for (xr, or) in xs.chunks_exact(n_cols).zip(os.chunks_exact_mut(n_cols)) {
+                let m = xr.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
+                let mut sum = 0f64;
+                for (o, v) in or.iter_mut().zip(xr) {
+                    *o = (v - m).exp();
+                    sum += f64::from(*o);
+                }
+                let inv = (1.0 / sum) as f32;
+                for o in or.iter_mut() {
+                    *o *= inv;
+                }
+            }
+        });
+    Ok(())
+}
+
+/// SwiGLU: `out = silu(gate) * up` with `silu(g) = g / (1 + e^(−g))` (ggml's `swiglu`).
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+    check_len("swiglu up values", gate.len(), up.len())?;
+    check_len("swiglu output values", gate.len(), out.len())?;
+    gate.par_chunks(ROW_TASK_ELEMS)
+        .zip(up.par_chunks(ROW_TASK_ELEMS))
+        .zip(out.par_chunks_mut(ROW_TASK_ELEMS))
+        .for_each(|((g, u), o)| {
+            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        });
+    Ok(())
+}
+
+/// Residual add: `out = a + b`.
+pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
+    check_len("add rhs values", a.len(), b.len())?;
+    check_len("add output values", a.len(), out.len())?;
+    a.par_chunks(ROW_TASK_ELEMS)
+        .zip(b.par_chunks(ROW_TASK_ELEMS))
+        .zip(out.par_chunks_mut(ROW_TASK_ELEMS))
+        .for_each(|((a, b), o)| {
+            for ((o, a), b) in o.iter_mut().zip(a).zip(b) {
+                *o = a + b;
+            }
+        });
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! The CUDA backend when the crate is built without the `cuda` feature: every constructor
+//! returns [`KernelError::NotCompiledWithCuda`], so callers compile and test anywhere.
+
+use crate::backend::{Backend, Op};
+use crate::error::{KernelError, Result};
+use crate::types::QuantType;
+
+fn not_compiled(what: &str) -> KernelError {
+    KernelError::NotCompiledWithCuda {
+        what: what.to_string(),
+    }
+}
+
+/// Stand-in for the CUDA backend; cannot be constructed.
+#[derive(Debug)]
+pub struct CudaBackend {
+    _never: std::convert::Infallible,
+}
+
+/// Stand-in for a CUDA buffer; cannot be constructed.
+#[derive(Debug)]
+pub struct CudaBuffer {
+    _never: std::convert::Infallible,
+}
+
+impl CudaBackend {
+    /// Always [`KernelError::NotCompiledWithCuda`].
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Err(not_compiled(&format!("cuda:{ordinal}")))
+    }
+
+    /// Always [`KernelError::NotCompiledWithCuda`].
+    pub fn device_count() -> Result<usize> {
+        Err(not_compiled("cuda devices"))
+    }
+
+    /// Why CUDA cannot be used here (for test skip messages).
+    pub fn unavailable_reason() -> Option<String> {
+        Some(not_compiled("cuda").to_string())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+
+    fn name(&self) -> String {
+        match self._never {}
+    }
+    fn alloc(&self, _bytes: usize) -> Result<CudaBuffer> {
+        match self._never {}
+    }
+    fn len(&self, _buf: &CudaBuffer) -> usize {
+        match self._never {}
+    }
+    fn copy_from_host(&self, _src: &[u8], _dst: &mut CudaBuffer, _offset: usize) -> Result<()> {
+        match self._never {}
+    }
+    fn copy_to_host(&self, _src: &CudaBuffer, _offset: usize, _dst: &mut [u8]) -> Result<()> {
+        match self._never {}
+    }
+    fn copy(
+        &self,
+        _s: &CudaBuffer,
+        _so: usize,
+        _d: &mut CudaBuffer,
+        _do: usize,
+        _n: usize,
+    ) -> Result<()> {
+        match self._never {}
+    }
+    fn run(&self, _op: Op<'_, CudaBuffer>) -> Result<()> {
+        match self._never {}
+    }
+    fn scan_non_finite(
+        &self,
+        _ty: QuantType,
+        _buf: &CudaBuffer,
+        _bytes: usize,
+    ) -> Result<Option<usize>> {
+        match self._never {}
+    }
+    fn synchronize(&self) -> Result<()> {
+        match self._never {}
+    }
+}

@@ -1,0 +1,65 @@
+//! Shared helpers for the integration tests: a tiny deterministic RNG and fixture loading.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use weightlift_kernels::QuantType;
+
+/// xorshift64*: deterministic, no dependency.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| (self.next_u64() >> 56) as u8).collect()
+    }
+}
+
+pub struct Fixture {
+    pub ty: QuantType,
+    pub raw: Vec<u8>,
+    /// gguf-py's dequantisation of `raw`.
+    pub want: Vec<f32>,
+}
+
+/// Loads `tests/data/<name>.bin` (written by `tests/gen_vectors.py` from gguf-py).
+pub fn load(name: &str) -> Fixture {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(format!("{name}.bin"));
+    let b = std::fs::read(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}; run tests/gen_vectors.py", path.display()));
+    assert_eq!(&b[..4], b"WLKV");
+    let u = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]) as usize;
+    let ty = QuantType::from_ggml_id(u(4) as u32).expect("known ggml id");
+    let (n_blocks, block_bytes, n_el) = (u(8), u(12), u(16));
+    assert_eq!(
+        block_bytes,
+        ty.block_bytes(),
+        "{name}: block size disagrees with ggml-common.h"
+    );
+    let raw = b[20..20 + n_blocks * block_bytes].to_vec();
+    let want: Vec<f32> = b[20 + raw.len()..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(want.len(), n_el);
+    Fixture { ty, raw, want }
+}
+
+pub const NAMES: [&str; 13] = [
+    "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+    "iq4_nl",
+];

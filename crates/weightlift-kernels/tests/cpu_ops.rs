@@ -1,0 +1,431 @@
+//! CPU kernels against independent references: gguf-py's dequantised weights (fixtures) with
+//! f64 dot products for matvec/matmul, closed forms for the row operations, the `half` crate
+//! for f16 rounding, and the documented error bound for the KV-cache quantisers.
+
+// Reference loops index several arrays in lock-step; iterators would hide the maths.
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+
+use common::{Rng, load};
+use weightlift_kernels::cpu::convert::{bf16_to_f16_slice_with, f32_to_f16_slice_with};
+use weightlift_kernels::cpu::matvec::{matmul_with, matvec_with};
+use weightlift_kernels::*;
+
+/// f64 reference of y = W x from gguf-py's f32 weights.
+fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tok: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut y = vec![0f64; rows * n_tok];
+    let mut mag = vec![0f64; rows * n_tok];
+    for t in 0..n_tok {
+        for r in 0..rows {
+            for c in 0..cols {
+                let p = f64::from(w[r * cols + c]) * f64::from(x[t * cols + c]);
+                y[t * rows + r] += p;
+                mag[t * rows + r] += p.abs();
+            }
+        }
+    }
+    (y, mag)
+}
+
+/// Per-output bound on the Q8 mode's activation error: Σ |w| · 0.57 · d_x of w's block
+/// (d_x/2 from rounding plus 127 · d_x · 2⁻¹¹ from storing d_x as f16).
+fn q8_bound(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tok: usize) -> Vec<f64> {
+    let mut b = vec![0f64; rows * n_tok];
+    for t in 0..n_tok {
+        for r in 0..rows {
+            for blk in 0..cols / 32 {
+                let xs = &x[t * cols + blk * 32..t * cols + blk * 32 + 32];
+                let d = f64::from(xs.iter().fold(0f32, |m, v| m.max(v.abs()))) / 127.0;
+                let ws: f64 = w[r * cols + blk * 32..r * cols + blk * 32 + 32]
+                    .iter()
+                    .map(|v| f64::from(v.abs()))
+                    .sum();
+                b[t * rows + r] += ws * d * 0.57;
+            }
+        }
+    }
+    b
+}
+
+const MATVEC_TYPES: [&str; 5] = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"];
+
+#[test]
+fn matvec_matches_f64_reference_on_gguf_py_weights_in_both_modes_and_isas() {
+    let mut rng = Rng(7);
+    for name in MATVEC_TYPES {
+        let f = load(name);
+        let cols = 512;
+        let rows = f.want.len() / cols;
+        let x = rng.vec(cols, 2.0);
+        let (yref, mag) = reference(&f.want, rows, cols, &x, 1);
+        let bound = q8_bound(&f.want, rows, cols, &x, 1);
+        let mut q8_results = Vec::new();
+        for isa in Isa::all_supported() {
+            for mode in [MatvecMode::Exact, MatvecMode::Q8] {
+                let mut y = vec![0f32; rows];
+                matvec_with(isa, mode, f.ty, &f.raw, rows, cols, &x, &mut y).unwrap();
+                for r in 0..rows {
+                    let err = (f64::from(y[r]) - yref[r]).abs();
+                    let tol = match mode {
+                        MatvecMode::Exact => 1e-5 * mag[r] + 1e-30,
+                        MatvecMode::Q8 => bound[r] + 1e-5 * mag[r] + 1e-30,
+                    };
+                    assert!(
+                        err <= tol || (y[r].is_infinite() && !yref[r].is_finite()),
+                        "{name} {isa:?} {mode:?} row {r}: {} vs {} (err {err:e}, tol {tol:e})",
+                        y[r],
+                        yref[r]
+                    );
+                }
+                if mode == MatvecMode::Q8 {
+                    q8_results.push(y);
+                }
+            }
+        }
+        // the Q8 mode's integer dot products are exact, so every ISA gives the same bits
+        for y in &q8_results[1..] {
+            assert_eq!(
+                y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                q8_results[0]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>(),
+                "{name}"
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_chunked_by_max_dq_size_matches_reference_for_every_chunking() {
+    let mut rng = Rng(11);
+    for name in ["q4_0", "q4_k", "q6_k", "f16", "bf16", "q5_k"] {
+        let f = load(name);
+        let cols = 256;
+        let rows = f.want.len() / cols;
+        let n_tok = 5; // one pass of four tokens plus one
+        let x = rng.vec(cols * n_tok, 1.0);
+        let (yref, mag) = reference(&f.want, rows, cols, &x, n_tok);
+        for isa in Isa::all_supported() {
+            for max_dq in [1, cols * 2 + 7, usize::MAX] {
+                let mut y = vec![0f32; rows * n_tok];
+                matmul_with(
+                    isa,
+                    MatvecMode::Exact,
+                    f.ty,
+                    &f.raw,
+                    rows,
+                    cols,
+                    &x,
+                    n_tok,
+                    &mut y,
+                    max_dq,
+                )
+                .unwrap();
+                for i in 0..y.len() {
+                    let err = (f64::from(y[i]) - yref[i]).abs();
+                    assert!(
+                        err <= 1e-5 * mag[i] + 1e-30 || !yref[i].is_finite() || mag[i] > 1e37,
+                        "{name} {isa:?} dq {max_dq} out {i}: {} vs {}",
+                        y[i],
+                        yref[i]
+                    );
+                }
+            }
+            if matches!(f.ty, QuantType::Q4_0 | QuantType::Q4_K | QuantType::Q6_K) {
+                let bound = q8_bound(&f.want, rows, cols, &x, n_tok);
+                let mut y = vec![0f32; rows * n_tok];
+                matmul_with(
+                    isa,
+                    MatvecMode::Q8,
+                    f.ty,
+                    &f.raw,
+                    rows,
+                    cols,
+                    &x,
+                    n_tok,
+                    &mut y,
+                    0,
+                )
+                .unwrap();
+                for i in 0..y.len() {
+                    let err = (f64::from(y[i]) - yref[i]).abs();
+                    assert!(
+                        err <= bound[i] + 1e-5 * mag[i] + 1e-30
+                            || !yref[i].is_finite()
+                            || mag[i] > 1e37,
+                        "{name} q8 out {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matvec_shape_errors_are_typed() {
+    let f = load("q4_0");
+    let mut y = vec![0f32; 3];
+    let err = matvec(MatvecMode::Exact, f.ty, &f.raw, 3, 100, &[0.0; 100], &mut y).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid shape for matvec: row length 100 is not a multiple of the q4_0 block size 32"
+    );
+    let err = matvec(
+        MatvecMode::Exact,
+        f.ty,
+        &f.raw,
+        2,
+        512,
+        &[0.0; 512],
+        &mut y[..2],
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "matvec weight bytes: expected 576, got 864"
+    );
+    let q5 = load("q5_0");
+    let err = matvec(MatvecMode::Q8, q5.ty, &q5.raw, 3, 512, &[0.0; 512], &mut y).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "matvec (q8 mode) does not support q5_0; supported: q4_0, q4_1, q8_0, q4_k, q6_k"
+    );
+}
+
+#[test]
+fn f16_activations_give_the_f32_result_of_their_values() {
+    let f = load("q8_0");
+    let cols = 256;
+    let rows = f.want.len() / cols;
+    let mut rng = Rng(3);
+    let xh: Vec<u16> = rng
+        .vec(cols, 1.0)
+        .iter()
+        .map(|v| half::f16::from_f32(*v).to_bits())
+        .collect();
+    let xf: Vec<f32> = xh
+        .iter()
+        .map(|h| half::f16::from_bits(*h).to_f32())
+        .collect();
+    let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+    matvec_f16(MatvecMode::Exact, f.ty, &f.raw, rows, cols, &xh, &mut a).unwrap();
+    matvec(MatvecMode::Exact, f.ty, &f.raw, rows, cols, &xf, &mut b).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn f32_and_bf16_to_f16_round_like_the_half_crate() {
+    let mut rng = Rng(5);
+    let src: Vec<f32> = (0..4099)
+        .map(|_| f32::from_bits((rng.next_u64() >> 32) as u32))
+        .collect();
+    let bf: Vec<u16> = (0..4099).map(|_| (rng.next_u64() >> 48) as u16).collect();
+    for isa in Isa::all_supported() {
+        let mut out = vec![0u16; src.len()];
+        f32_to_f16_slice_with(isa, &src, &mut out).unwrap();
+        for (s, o) in src.iter().zip(&out) {
+            let want = half::f16::from_f32(*s);
+            assert!(
+                want.to_bits() == *o || (want.is_nan() && half::f16::from_bits(*o).is_nan()),
+                "{isa:?} {s:e}"
+            );
+        }
+        let mut out = vec![0u16; bf.len()];
+        bf16_to_f16_slice_with(isa, &bf, &mut out).unwrap();
+        for (s, o) in bf.iter().zip(&out) {
+            let want = half::f16::from_f32(half::bf16::from_bits(*s).to_f32());
+            assert!(
+                want.to_bits() == *o || (want.is_nan() && half::f16::from_bits(*o).is_nan()),
+                "{isa:?} bf16 {s:#06x}"
+            );
+        }
+    }
+}
+
+#[test]
+fn scan_returns_the_first_non_finite_index() {
+    let mut v = vec![1.0f32; 100_003];
+    assert_eq!(
+        scan_non_finite(QuantType::F32, bytemuck::cast_slice(&v)).unwrap(),
+        None
+    );
+    v[70_001] = f32::INFINITY;
+    v[90_000] = f32::NAN;
+    assert_eq!(
+        scan_non_finite(QuantType::F32, bytemuck::cast_slice(&v)).unwrap(),
+        Some(70_001)
+    );
+    let mut h = vec![0x3c00u16; 50_000];
+    h[40_000] = 0x7e00; // f16 NaN
+    assert_eq!(
+        scan_non_finite(QuantType::F16, bytemuck::cast_slice(&h)).unwrap(),
+        Some(40_000)
+    );
+    h[40_000] = 0x7f80; // finite as f16 (exponent 0x1f? no: 0x7f80 & 0x7c00 == 0x7c00, so inf/NaN)
+    assert_eq!(
+        scan_non_finite(QuantType::F16, bytemuck::cast_slice(&h)).unwrap(),
+        Some(40_000)
+    );
+    let mut b = vec![0x3f80u16; 1000];
+    b[999] = 0xff80; // bf16 -inf
+    assert_eq!(
+        scan_non_finite(QuantType::BF16, bytemuck::cast_slice(&b)).unwrap(),
+        Some(999)
+    );
+    let mut q = load("q4_k").raw;
+    assert_eq!(scan_non_finite(QuantType::Q4_K, &q).unwrap(), None);
+    q[144 * 5 + 2..144 * 5 + 4].copy_from_slice(&0xfc00u16.to_le_bytes()); // dmin of block 5 = -inf
+    assert_eq!(scan_non_finite(QuantType::Q4_K, &q).unwrap(), Some(5 * 256));
+}
+
+#[test]
+fn rms_norm_matches_its_definition() {
+    let mut rng = Rng(9);
+    let n = 576;
+    let x = rng.vec(n * 3, 3.0);
+    let w = rng.vec(n, 1.0);
+    let mut out = vec![0f32; x.len()];
+    rms_norm(&x, &w, 1e-5, &mut out).unwrap();
+    for r in 0..3 {
+        let xr = &x[r * n..(r + 1) * n];
+        let ms: f64 = xr.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n as f64;
+        let s = 1.0 / (ms + 1e-5).sqrt();
+        for i in 0..n {
+            let want = f64::from(xr[i]) * s * f64::from(w[i]);
+            assert!((f64::from(out[r * n + i]) - want).abs() <= 1e-5 * want.abs().max(1e-3));
+        }
+    }
+    let err = rms_norm(&x[..100], &w, 1e-5, &mut out[..100]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid shape for rms_norm: 100 values are not whole rows of 576"
+    );
+}
+
+#[test]
+fn rope_rotates_pairs_as_llama_cpp_normal_and_neox_styles() {
+    // head_dim 4, n_dims 4, base 10000: pair 0 turns by p, pair 1 by p/100.
+    let x = [1.0f32, 2.0, 3.0, 4.0];
+    let p = 3i32;
+    let (t0, t1) = (3.0f64, 0.03f64);
+    let rot = |a: f64, b: f64, t: f64| (a * t.cos() - b * t.sin(), a * t.sin() + b * t.cos());
+    for (style, pairs) in [
+        (RopeStyle::Normal, [(0, 1), (2, 3)]),
+        (RopeStyle::Neox, [(0, 2), (1, 3)]),
+    ] {
+        let params = RopeParams {
+            style,
+            head_dim: 4,
+            n_dims: 4,
+            freq_base: 10000.0,
+            freq_scale: 1.0,
+        };
+        let mut out = [0f32; 4];
+        rope(&x, &[p], &params, &mut out).unwrap();
+        for ((ia, ib), t) in pairs.into_iter().zip([t0, t1]) {
+            let (a, b) = rot(f64::from(x[ia]), f64::from(x[ib]), t);
+            assert!(
+                (f64::from(out[ia]) - a).abs() < 1e-5 && (f64::from(out[ib]) - b).abs() < 1e-5,
+                "{style:?}"
+            );
+        }
+    }
+    // partial rotation: dims past n_dims pass through; two heads and two tokens
+    let params = RopeParams {
+        style: RopeStyle::Neox,
+        head_dim: 8,
+        n_dims: 4,
+        freq_base: 10000.0,
+        freq_scale: 1.0,
+    };
+    let x: Vec<f32> = (0..32).map(|i| i as f32).collect();
+    let mut out = vec![0f32; 32];
+    rope(&x, &[0, 5], &params, &mut out).unwrap();
+    assert_eq!(&out[..16], &x[..16]); // position 0: identity
+    assert_eq!(&out[16 + 4..16 + 8], &x[16 + 4..16 + 8]);
+    assert_ne!(&out[16..20], &x[16..20]);
+}
+
+#[test]
+fn softmax_swiglu_add_match_closed_forms() {
+    let mut rng = Rng(13);
+    let x = rng.vec(3 * 100, 20.0);
+    let mut out = vec![0f32; x.len()];
+    softmax(&x, 100, &mut out).unwrap();
+    for r in 0..3 {
+        let xr = &x[r * 100..(r + 1) * 100];
+        let z: f64 = xr.iter().map(|v| f64::from(*v).exp()).sum();
+        for i in 0..100 {
+            let want = f64::from(xr[i]).exp() / z;
+            assert!((f64::from(out[r * 100 + i]) - want).abs() <= 1e-6 * want.max(1e-6));
+        }
+    }
+    let g = rng.vec(1000, 8.0);
+    let u = rng.vec(1000, 2.0);
+    let mut o = vec![0f32; 1000];
+    swiglu(&g, &u, &mut o).unwrap();
+    for i in 0..1000 {
+        let (gg, uu) = (f64::from(g[i]), f64::from(u[i]));
+        let want = gg / (1.0 + (-gg).exp()) * uu;
+        assert!((f64::from(o[i]) - want).abs() <= 1e-6 * want.abs().max(1e-3));
+    }
+    add(&g, &u, &mut o).unwrap();
+    assert!(
+        o.iter()
+            .zip(g.iter().zip(&u))
+            .all(|(o, (a, b))| *o == a + b)
+    );
+    assert_eq!(
+        add(&g, &u[..3], &mut o).unwrap_err().to_string(),
+        "add rhs values: expected 1000, got 3"
+    );
+}
+
+#[test]
+fn kv_quantisers_meet_the_documented_error_bound() {
+    let mut rng = Rng(17);
+    let mut x = rng.vec(32 * 257, 4.0);
+    x[5] = 3000.0; // an outlier
+    x[32..64].fill(0.0); // an all-zero group
+    x[64..96].iter_mut().for_each(|v| *v *= 1e-7); // subnormal-scale group
+    for kt in [KvType::Q8, KvType::Q4] {
+        let mut q = vec![0u8; kt.bytes_for(x.len())];
+        kv_quantize(kt, &x, &mut q).unwrap();
+        let mut back = vec![0f32; x.len()];
+        kv_dequantize(kt, &q, &mut back).unwrap();
+        for (g, (xs, bs)) in x.chunks(32).zip(back.chunks(32)).enumerate() {
+            let gb = kt.group_bytes();
+            let d = half::f16::from_le_bytes([q[g * gb], q[g * gb + 1]]).to_f32();
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // d is amax/qmax rounded up to the next f16
+            let exact = f64::from(amax) / f64::from(kt.qmax());
+            assert!(
+                f64::from(d) >= exact,
+                "{kt:?} group {g}: scale {d} below {exact}"
+            );
+            let next_down =
+                half::f16::from_bits(half::f16::from_f32(d).to_bits().saturating_sub(1)).to_f32();
+            assert!(
+                d == 0.0 || f64::from(next_down) < exact,
+                "{kt:?} group {g}: scale not the smallest f16 ≥ amax/qmax"
+            );
+            for (a, b) in xs.iter().zip(bs) {
+                let err = f64::from((a - b).abs());
+                assert!(
+                    err <= f64::from(d) * (0.5 + 2f64.powi(-16)),
+                    "{kt:?} group {g}: |{a} - {b}| > d/2 with d = {d}"
+                );
+            }
+        }
+        assert_eq!(&back[32..64], &[0.0; 32]);
+    }
+    assert_eq!(KvType::Q8.bytes_for(64), 68);
+    assert_eq!(KvType::Q4.bytes_for(64), 36);
+    let err = kv_quantize(KvType::Q8, &x[..33], &mut [0u8; 34]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid shape for kv quantize: 33 values are not whole groups of 32"
+    );
+}

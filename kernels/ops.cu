@@ -1,0 +1,104 @@
+// rms_norm_f32, rope_{norm,neox}_f32, softmax_f32, swiglu_f32, add_f32.
+#include "wl_common.cuh"
+
+// Block-wide sum for blockDim.x a multiple of 32, at most 1024.
+__device__ float wl_block_sum(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int nw = blockDim.x / 32;
+    v = lane < nw ? part[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ float wl_block_max(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int nw = blockDim.x / 32;
+    v = lane < nw ? part[lane] : wl_bits_to_f32(0xff800000u);
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// One block per row of n values: out = x / sqrt(mean(x^2) + eps) * w.
+extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* out, wl_u64 n, float eps) {
+    const float* xr = x + (wl_u64)blockIdx.x * n;
+    float* orow = out + (wl_u64)blockIdx.x * n;
+    float ss = 0.0f;
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = wl_block_sum(ss);
+    float scale = 1.0f / sqrtf(ss / (float)n + eps);
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) orow[i] = (xr[i] * scale) * w[i];
+}
+
+// One thread per rotated pair. x: n_tok x n_heads x head_dim; pos: one per token.
+__device__ __forceinline__ void wl_rope(const float* x, const int* pos, float* out, wl_u64 n_heads,
+                                        int head_dim, int n_dims, float base, float scale, int neox) {
+    wl_u64 idx = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    int half = n_dims / 2;
+    wl_u64 head = idx / (wl_u64)half;
+    int i = (int)(idx % (wl_u64)half);
+    wl_u64 tok = head / n_heads;
+    const float* xh = x + head * head_dim;
+    float* oh = out + head * head_dim;
+    float theta = (float)pos[tok] * scale * powf(base, -2.0f * (float)i / (float)n_dims);
+    float c = cosf(theta), s = sinf(theta);
+    int ia = neox ? i : 2 * i;
+    int ib = neox ? i + half : 2 * i + 1;
+    float a = xh[ia], b = xh[ib];
+    oh[ia] = a * c - b * s;
+    oh[ib] = a * s + b * c;
+    // the dims past n_dims pass through; thread i of the head copies dims n_dims + i, + half, ...
+    for (int k = n_dims + i; k < head_dim; k += half) oh[k] = xh[k];
+}
+
+extern "C" __global__ void rope_norm_f32(const float* x, const int* pos, float* out, wl_u64 n_pairs,
+                                         wl_u64 n_heads, int head_dim, int n_dims, float base, float scale) {
+    if ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x >= n_pairs) return;
+    wl_rope(x, pos, out, n_heads, head_dim, n_dims, base, scale, 0);
+}
+
+extern "C" __global__ void rope_neox_f32(const float* x, const int* pos, float* out, wl_u64 n_pairs,
+                                         wl_u64 n_heads, int head_dim, int n_dims, float base, float scale) {
+    if ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x >= n_pairs) return;
+    wl_rope(x, pos, out, n_heads, head_dim, n_dims, base, scale, 1);
+}
+
+// One block per row of n values.
+extern "C" __global__ void softmax_f32(const float* x, float* out, wl_u64 n) {
+    const float* xr = x + (wl_u64)blockIdx.x * n;
+    float* orow = out + (wl_u64)blockIdx.x * n;
+    float m = wl_bits_to_f32(0xff800000u);
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, xr[i]);
+    m = wl_block_max(m);
+    float sum = 0.0f;
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        float e = expf(xr[i] - m);
+        orow[i] = e;
+        sum += e;
+    }
+    sum = wl_block_sum(sum);
+    float inv = 1.0f / sum;
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) orow[i] *= inv;
+}
+
+extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float* out, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+extern "C" __global__ void add_f32(const float* a, const float* b, float* out, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}

@@ -1,0 +1,143 @@
+// Per-element decoders for ggml block types (layouts from llama.cpp's ggml-common.h), shared by
+// the CUDA kernels and the host C++ test shim. `wl_dq_<type>(blk, i)` returns value `i` of the
+// block starting at `blk`. Float operations follow gguf-py's order (multiply, then add or
+// subtract, never fused), so results equal the Rust CPU kernels bit for bit.
+#pragma once
+#include "wl_common.cuh"
+
+// ggml type ids (enum ggml_type)
+#define WL_F32 0
+#define WL_F16 1
+#define WL_Q4_0 2
+#define WL_Q4_1 3
+#define WL_Q5_0 6
+#define WL_Q5_1 7
+#define WL_Q8_0 8
+#define WL_Q2_K 10
+#define WL_Q3_K 11
+#define WL_Q4_K 12
+#define WL_Q5_K 13
+#define WL_Q6_K 14
+#define WL_IQ4_NL 20
+#define WL_BF16 30
+
+WL_HD float wl_dq_f32(const wl_u8* b, int i) {
+    const wl_u8* p = b + 4 * i;
+    return wl_bits_to_f32((wl_u32)p[0] | ((wl_u32)p[1] << 8) | ((wl_u32)p[2] << 16) | ((wl_u32)p[3] << 24));
+}
+
+WL_HD float wl_dq_f16(const wl_u8* b, int i) { return wl_rd_f16(b + 2 * i); }
+
+WL_HD float wl_dq_bf16(const wl_u8* b, int i) { return wl_bf16_to_f32(wl_rd_u16(b + 2 * i)); }
+
+// Nibble `i` (0..32) of a 16-byte quant array: low nibbles are values 0..16, high nibbles 16..32.
+WL_HD int wl_nibble(const wl_u8* qs, int i) { return i < 16 ? (qs[i] & 0x0f) : (qs[i - 16] >> 4); }
+
+WL_HD float wl_dq_q4_0(const wl_u8* b, int i) {
+    float d = wl_rd_f16(b);
+    return WL_MUL(d, (float)(wl_nibble(b + 2, i) - 8));
+}
+
+WL_HD float wl_dq_q4_1(const wl_u8* b, int i) {
+    float d = wl_rd_f16(b);
+    float m = wl_rd_f16(b + 2);
+    return WL_ADD(WL_MUL(d, (float)wl_nibble(b + 4, i)), m);
+}
+
+WL_HD int wl_q5_bit(const wl_u8* qh, int i) { return (qh[i / 8] >> (i % 8)) & 1; }
+
+WL_HD float wl_dq_q5_0(const wl_u8* b, int i) {
+    float d = wl_rd_f16(b);
+    int q = wl_nibble(b + 6, i) | (wl_q5_bit(b + 2, i) << 4);
+    return WL_MUL(d, (float)(q - 16));
+}
+
+WL_HD float wl_dq_q5_1(const wl_u8* b, int i) {
+    float d = wl_rd_f16(b);
+    float m = wl_rd_f16(b + 2);
+    int q = wl_nibble(b + 8, i) | (wl_q5_bit(b + 4, i) << 4);
+    return WL_ADD(WL_MUL(d, (float)q), m);
+}
+
+WL_HD float wl_dq_q8_0(const wl_u8* b, int i) {
+    float d = wl_rd_f16(b);
+    return WL_MUL((float)(wl_i8)b[2 + i], d);
+}
+
+WL_HD float wl_dq_iq4_nl(const wl_u8* b, int i) {
+    const wl_i8 kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    float d = wl_rd_f16(b);
+    return WL_MUL(d, (float)kv[wl_nibble(b + 2, i)]);
+}
+
+// Q2_K: scales[16] | qs[64] | d | dmin
+WL_HD float wl_dq_q2_k(const wl_u8* b, int e) {
+    int h = e / 128, s = (e / 32) % 4, l = e % 32;
+    int q = (b[16 + h * 32 + l] >> (2 * s)) & 3;
+    int sc = b[e / 16];
+    float d = wl_rd_f16(b + 80);
+    float dmin = wl_rd_f16(b + 82);
+    float dl = WL_MUL(d, (float)(sc & 0x0f));
+    float ml = WL_MUL(dmin, (float)(sc >> 4));
+    return WL_SUB(WL_MUL(dl, (float)q), ml);
+}
+
+// Q3_K: hmask[32] | qs[64] | scales[12] | d
+WL_HD int wl_q3k_scale(const wl_u8* s, int i) {
+    int lo = i < 8 ? (s[i] & 0x0f) : (s[i - 8] >> 4);
+    int hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+WL_HD float wl_dq_q3_k(const wl_u8* b, int e) {
+    int h = e / 128, s = (e / 32) % 4, l = e % 32;
+    int ql = (b[32 + h * 32 + l] >> (2 * s)) & 3;
+    int hbit = (b[l] >> (e / 32)) & 1;
+    int q = ql - (hbit ? 0 : 4);
+    float d = wl_rd_f16(b + 108);
+    float dl = WL_MUL(d, (float)wl_q3k_scale(b + 96, e / 16));
+    return WL_MUL(dl, (float)q);
+}
+
+// 6-bit scale and min of sub-block j of a Q4_K/Q5_K block (get_scale_min_k4)
+WL_HD void wl_scale_min_k4(int j, const wl_u8* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Q4_K: d | dmin | scales[12] | qs[128]
+WL_HD float wl_dq_q4_k(const wl_u8* b, int e) {
+    int sb = e / 32, l = e % 32;
+    int sc, m;
+    wl_scale_min_k4(sb, b + 4, &sc, &m);
+    float d1 = WL_MUL(wl_rd_f16(b), (float)sc);
+    float m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+    int q = (b[16 + (sb / 2) * 32 + l] >> (4 * (sb % 2))) & 0x0f;
+    return WL_SUB(WL_MUL(d1, (float)q), m1);
+}
+
+// Q5_K: d | dmin | scales[12] | qh[32] | qs[128]
+WL_HD float wl_dq_q5_k(const wl_u8* b, int e) {
+    int sb = e / 32, l = e % 32;
+    int sc, m;
+    wl_scale_min_k4(sb, b + 4, &sc, &m);
+    float d1 = WL_MUL(wl_rd_f16(b), (float)sc);
+    float m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+    int q = ((b[48 + (sb / 2) * 32 + l] >> (4 * (sb % 2))) & 0x0f) | (((b[16 + l] >> sb) & 1) << 4);
+    return WL_SUB(WL_MUL(d1, (float)q), m1);
+}
+
+// Q6_K: ql[128] | qh[64] | scales[16] (int8) | d
+WL_HD float wl_dq_q6_k(const wl_u8* b, int e) {
+    int h = e / 128, r = e % 128;
+    int lo = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0f;
+    int hi = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+    int q = (lo | (hi << 4)) - 32;
+    float dl = WL_MUL(wl_rd_f16(b + 208), (float)(wl_i8)b[192 + e / 16]);
+    return WL_MUL(dl, (float)q);
+}
