@@ -54,8 +54,9 @@ demo: build demo-model ## set up, then inspect, plan and load the SmolLM2 demo m
 	@echo
 	$(VENV)/bin/weightlift load $(DEMO_GGUF) --devices virtual:2x320MiB,cpu --ctx 8192 --cache q8 --progress
 
-test-rust: venv ## run the Rust suites
-	$(CUDA_ENV) cargo test --workspace --exclude weightlift-py
+test-rust: venv ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC)
+	$(CUDA_ENV) WEIGHTLIFT_REQUIRE_NVRTC=1 cargo test --workspace --exclude weightlift-py \
+		--exclude weightlift-benches --features weightlift-kernels/cuda
 
 test-python: build demo-model ## run the Python suite against the built extension
 	$(CUDA_ENV) $(VENV)/bin/pytest -q tests
