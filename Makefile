@@ -66,6 +66,7 @@ test: build demo-model test-rust test-python ## set up, then run every Rust and 
 lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy -p weightlift-kernels --all-targets --features cuda -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(MAKE) build
