@@ -16,6 +16,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -126,6 +127,42 @@ def bench_dequantize(rows: list[dict]) -> None:
         )
 
 
+def q4_k_fixture(path: Path) -> None:
+    """A 4096 x 4096 Q4_K tensor of random blocks with finite f16 scales, written by gguf-py."""
+    rng = np.random.default_rng(0)
+    n_blocks = 4096 * 4096 // 256
+    blocks = rng.integers(0, 256, size=(n_blocks, 144), dtype=np.uint8)
+    scales = rng.uniform(-0.01, 0.01, size=(n_blocks, 2)).astype(np.float16)
+    blocks[:, :4] = scales.view(np.uint8).reshape(n_blocks, 4)  # d and dmin lead the block
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor(
+        "w", blocks.reshape(4096, 4096 // 256 * 144), raw_dtype=gguf.GGMLQuantizationType.Q4_K
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def bench_dequantize_q4_k(rows: list[dict], tmp: Path) -> None:
+    path = tmp / "q4_k_4096.gguf"
+    q4_k_fixture(path)
+    t = gguf.GGUFReader(path).tensors[0]
+    raw = np.array(t.data)
+    ckpt = wl.open(path)
+    ours = median_seconds(lambda: ckpt.dequantize("w"), repeat=10)
+    peer = median_seconds(lambda: gguf.quants.dequantize(raw, t.tensor_type), repeat=3)
+    rows.append(
+        {
+            "what": "dequantize Q4_K 4096 x 4096 (random blocks) to f32",
+            "ours_ms": ours * 1e3,
+            "peer": "gguf.quants.dequantize",
+            "peer_ms": peer * 1e3,
+            "speedup": peer / ours,
+        }
+    )
+
+
 def main() -> int:
     if not DEMO.exists():
         print(f"demo model missing at {DEMO}; run `make demo-model`", file=sys.stderr)
@@ -133,6 +170,8 @@ def main() -> int:
     rows: list[dict] = []
     for bench in (bench_open_gguf, bench_open_safetensors, bench_check_tensors, bench_dequantize):
         bench(rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        bench_dequantize_q4_k(rows, Path(tmp))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},

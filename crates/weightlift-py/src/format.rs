@@ -348,7 +348,7 @@ fn dequantize(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::Result<Vec<f3
     // Every CPU path goes through the kernels crate (SIMD, threaded, bit-identical to gguf-py);
     // the format crate's scalar reference covers the types the kernels do not implement.
     if let Some(qt) = info.dtype.ggml_id().and_then(wk::QuantType::from_ggml_id) {
-        let mut out = vec![0f32; n];
+        let mut out = zeroed_f32(n);
         wk::dequantize_f32(qt, data, &mut out).map_err(|e| {
             wrap(wf::FormatError::DequantizeBlocks {
                 dtype: info.dtype,
@@ -364,9 +364,31 @@ fn dequantize(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::Result<Vec<f3
             detail: "no dequantiser for this type (gguf-py has none either)".into(),
         }));
     }
-    let mut out = vec![0f32; n];
+    let mut out = zeroed_f32(n);
     wf::dequant::dequantize_into(info.dtype, data, &mut out).map_err(wrap)?;
     Ok(out)
+}
+
+/// A zeroed output buffer. Large ones ask for transparent huge pages first (as numpy does for
+/// its own large arrays): a fresh 100 MB output otherwise costs ~25,000 page faults, which on a
+/// VM take longer than the dequantisation itself.
+fn zeroed_f32(n: usize) -> Vec<f32> {
+    let mut v = Vec::<f32>::with_capacity(n);
+    #[cfg(target_os = "linux")]
+    if n >= 1 << 20 {
+        let start = v.as_mut_ptr() as usize;
+        let end = start + n * std::mem::size_of::<f32>();
+        let page = 4096;
+        let (lo, hi) = (start.next_multiple_of(page), end & !(page - 1));
+        if hi > lo {
+            // SAFETY: [lo, hi) lies inside the allocation `v` owns and is page-aligned;
+            // MADV_HUGEPAGE only changes how the kernel backs those pages, never their contents,
+            // and a failure is harmless (the memory stays ordinary pages).
+            unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
+        }
+    }
+    v.resize(n, 0.0);
+    v
 }
 
 /// numpy's dtype string for types it can represent exactly, little-endian.
