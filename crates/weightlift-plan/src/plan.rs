@@ -221,16 +221,25 @@ impl Plan {
             "plan: {} ({} layers), strategy {}, dtype {}, {}\n",
             self.architecture, self.n_layers, self.strategy, self.dtype, ctx
         ));
-        // GiB columns, or MiB when every bounded device is small.
-        let big = self
-            .devices
-            .iter()
-            .filter(|d| d.capacity != u64::MAX)
-            .map(|d| d.capacity)
-            .chain(self.devices.iter().map(|d| d.used()))
-            .max()
-            .unwrap_or(0)
-            >= 4 << 30;
+        // GiB columns, or MiB when every accelerator is small (host RAM alone does not decide:
+        // a 100 MB model on two small devices reads best in MiB even on a 64 GiB host).
+        let accelerators = || {
+            self.devices
+                .iter()
+                .filter(|d| !matches!(d.kind, DeviceKind::Cpu | DeviceKind::Disk))
+        };
+        let sized = |d: &DeviceUsage| {
+            (d.capacity != u64::MAX)
+                .then_some(d.capacity)
+                .into_iter()
+                .chain(Some(d.used()))
+        };
+        let largest = if accelerators().next().is_some() {
+            accelerators().flat_map(sized).max()
+        } else {
+            self.devices.iter().flat_map(sized).max()
+        };
+        let big = largest.unwrap_or(0) >= 4 << 30;
         let (unit, col): (&str, fn(u64) -> String) = if big { ("GiB", gib) } else { ("MiB", mib) };
         s.push_str(&format!(
             "{:<11} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}  holds\n",
