@@ -14,7 +14,7 @@ import pytest
 import safetensors
 import weightlift._native as wl
 from gguf import GGUFReader
-from weightlift._errors import LoadCancelled, OutOfMemoryError
+from weightlift._errors import LoadCancelled, OutOfMemoryError, PlanError
 
 # Small forward passes keep the planned scratch small (the default plans 2048-token prompts).
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
@@ -77,12 +77,65 @@ def test_tensor_on_virtual_devices_counts_against_capacity() -> None:
     assert f16.dtype == "F16" and np.array_equal(f16.numpy(), a.astype(np.float16))
 
 
-def test_cuda_fails_cleanly() -> None:
+def cuda_names() -> list[str]:
+    return [d.name for d in wl.devices() if d.kind == "cuda"]
+
+
+def test_cuda_fails_cleanly(demo_gguf: Path) -> None:
     from weightlift._errors import CudaUnavailable, DeviceError
 
+    if cuda_names():
+        pytest.skip(f"this machine has {cuda_names()}; the no-GPU errors are not reachable")
     with pytest.raises(CudaUnavailable, match="cuda:0") as e:
         wl.use_devices("cuda:0")
     assert isinstance(e.value, DeviceError)
+    for make in (
+        lambda: wl.Model(demo_gguf, devices="cuda:0"),
+        lambda: wl.load_gguf(demo_gguf, devices="cuda:0,cuda:1"),
+        lambda: wl.from_pretrained(demo_gguf, devices="cuda:1"),
+    ):
+        with pytest.raises(CudaUnavailable, match=r"device cuda:\d: cuda is unavailable"):
+            make()
+
+
+def test_default_devices_are_the_real_inventory(demo_gguf: Path, tiny_llama_st: Path) -> None:
+    # weightlift.devices() lists the machine: cpu (MemAvailable), every CUDA GPU, then disk.
+    real = [d for d in wl.devices() if d.kind != "disk"]
+    names = {d.name for d in real}
+    m = wl.Model(demo_gguf, runtime=RT)
+    assert set(m.devices.split(",")) == names
+    assert set(m.memory()) == names
+    m.load()
+    assert set(m.memory()) == names
+    cpu_cap = next(d.capacity for d in real if d.name == "cpu")
+    planned_cpu = next(d for d in m.plan.devices if d.name == "cpu").capacity
+    # MemAvailable moves a little between the two reads.
+    assert abs(planned_cpu - cpu_cap) <= cpu_cap / 10
+    m.unload()
+    g = wl.load_gguf(demo_gguf, runtime=RT)
+    assert set(g.memory()) == names and g.loaded
+    g.unload()
+    f = wl.from_pretrained(tiny_llama_st, runtime=RT)
+    assert set(f.devices.split(",")) == names and f.loaded
+    f.unload()
+    if not cuda_names():
+        # TPContext(gpu_split=None) detects free memory per device: with no GPU there is
+        # nothing to split over, and the planner says so.
+        with pytest.raises(PlanError, match="expected at least one cuda or virtual device"):
+            wl.TPContext(wl.Model(tiny_llama_st, runtime=RT), None, expect_cache_tokens=256)
+
+
+def test_cuda_load_bit_exact_and_unload_frees(demo_gguf: Path) -> None:
+    """On a GPU (a build with the `cuda` feature): every tensor read back from cuda:0 equals
+    gguf-py's bytes, memory matches the plan, and unload frees the device memory."""
+    if not cuda_names():
+        pytest.skip("no CUDA device (no GPU, no libcuda, or a build without the cuda feature)")
+    m = wl.load_gguf(demo_gguf, n_gpu_layers=-1, devices="cuda:0", runtime=RT, check_tensors=True)
+    assert m.layer_devices[0] == "cuda:0"
+    assert_bit_exact(m, gguf_truth(demo_gguf))
+    assert_memory_matches_plan(m)
+    m.unload()
+    assert m.device_usage()["cuda:0"] == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,6 +233,25 @@ def test_demo_model_over_two_virtual_devices(demo_gguf: Path) -> None:
     want = dequantize(r.data, r.tensor_type)
     got = m.tensor("blk.3.ffn_down.weight", dequantize=True)
     np.testing.assert_allclose(got, want.reshape(got.shape), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tp", [False, True])
+def test_dequantize_in_chunks_agrees_with_gguf_py(tiny_llama_st: Path, tp: bool) -> None:
+    """`tensor(dequantize=True)` decodes `max_dq_size` values at a time (here 96, so every
+    tensor takes many chunks; under TP the column-split parts are reassembled chunk by chunk)."""
+    from gguf.quants import dequantize
+
+    path = tiny_llama_st.parent / "gguf" / "tiny-llama-Q8_0.gguf"
+    m = wl.Model(path, devices="virtual:2x48MiB", runtime=RT | {"max_dq_size": 96})
+    if tp:
+        m.load_tp(gpu_split=[0.04, 0.04], expect_cache_tokens=256)
+    else:
+        m.load(strategy="balanced")
+    for t in GGUFReader(path).tensors:
+        want = dequantize(t.data, t.tensor_type)
+        got = m.tensor(t.name, dequantize=True)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=t.name)
 
 
 # ----------------------------------------------------------------------------------------------

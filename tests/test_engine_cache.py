@@ -58,6 +58,8 @@ def test_lazy_cache_sizes_and_colocation(model: wl.Model, dtype: str) -> None:
     plan = model.plan
     for d in plan.devices:
         assert mem.get(d.name, 0) == d.kv
+    # Not offloaded, the cache's own prediction is the plan's kv column.
+    assert cache.expected_memory() == mem
     model.unload()
     assert not cache.allocated
 
@@ -102,14 +104,30 @@ def test_non_lazy_cache_needs_a_loaded_model(model: wl.Model) -> None:
 def test_offloaded_cache_lives_on_the_host(model: wl.Model) -> None:
     cache = wl.Cache(model, 256, dtype="fp16", offload=True)
     model.load_autosplit(cache)
-    assert set(cache.memory()) == {"cpu"}
     assert cache.device_of(29) == model.layer_devices[29]
+    # Every layer on the host (DESIGN.md's formula), plus two slots (the layer in use and the
+    # one being prefetched) on each device that computes two or more layers.
+    layer = int(2 * 3 * 64 * 256 * BYTES["fp16"][0])
+    devs = model.layer_devices
+    want = {"cpu": 30 * layer} | {d: min(2, devs.count(d)) * layer for d in set(devs)}
+    assert cache.memory() == want == cache.expected_memory()
+    # The planner has no offload option: the cache is planned as reserves (all of it on the
+    # cpu, a slot on each accelerator), and what is held is the plan's weights and scratch
+    # plus the cache's expected memory, within 1 %.
+    mem = model.memory()
+    for d in model.plan.devices:
+        assert d.kv == 0
+        assert want.get(d.name, 0) <= d.reserve, d.name
+        expect = d.weights + d.scratch + want.get(d.name, 0)
+        assert abs(mem.get(d.name, 0) - expect) <= expect / 100, (d.name, expect, mem)
     k = np.ones((1, 3, 2, 64), dtype=np.float32)
     cache.write(0, 0, k, -k)
     assert cache.fetch(0) == model.layer_devices[0]
     assert cache.fetch(1) == model.layer_devices[1]
     k2, v2 = cache.read(0, 0, 2)
     assert np.array_equal(k2, k) and np.array_equal(v2, -k)
+    model.unload()
+    assert cache.memory() == {} and all(v == 0 for v in model.device_usage().values())
 
 
 def test_cache_oom_names_the_device(demo_gguf: Path) -> None:

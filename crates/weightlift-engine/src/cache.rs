@@ -20,10 +20,22 @@
 //! (relative 2⁻¹⁰, or 2⁻²⁴ absolute for subnormal scales) that gives the bounds above.
 //!
 //! A lazy cache is allocated layer by layer during the load, on each layer's device. An offloaded
-//! cache keeps every layer in host RAM and, as exllamav2/transformers' `OffloadedCache` do, copies
-//! a layer to its device when it is used while the next layer is prefetched on a second thread.
+//! cache keeps every layer in host RAM and, as transformers' `OffloadedCache` does, copies a
+//! layer to its device when it is used while the next layer is prefetched on a second thread.
+//!
+//! Memory of an offloaded cache (what [`Cache::memory`] reports, and what
+//! [`CacheConfig::expected_memory`] predicts from the layer devices): every layer's K and V on
+//! `cpu`, plus, on each layer device, two slots sized for the largest layer it computes (one
+//! when it computes a single layer): the layer in use and the next one being prefetched, the
+//! pair transformers' `OffloadedCache` keeps on the GPU. [`Cache::fetch`] lends a slot to the
+//! caller (no copy when the layer was prefetched into it) and the slot returns to the cache when
+//! the [`Resident`] is dropped. The planner has no offload option, so a plan made with a cache
+//! predicts the whole KV on the layer devices; compare an offloaded cache with
+//! `expected_memory`, not with the plan's kv column (`planned::charge_offloaded_cache` plans
+//! these bytes as reserves).
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 
 use half::f16;
@@ -66,6 +78,15 @@ impl Half {
 
     fn quantised(self) -> bool {
         matches!(self, Half::Q8 | Half::Q4)
+    }
+
+    /// The byte offset of value `slot` (a multiple of the group size for quantised kinds).
+    fn byte_at(self, slot: usize) -> usize {
+        match self {
+            Half::F16 => slot * 2,
+            Half::E4M3 => slot,
+            Half::Q8 | Half::Q4 => slot / GROUP * kv_type(self).group_bytes(),
+        }
     }
 }
 
@@ -153,6 +174,41 @@ impl CacheConfig {
         let (k, v) = self.dtype.kv_bytes(self.values(layer));
         k + v
     }
+
+    /// The bytes this cache holds per device once allocated beside `layer_devices` (one name
+    /// per layer): each layer on its device; or, offloaded, every layer on `cpu` plus
+    /// [`SLOTS`] slots per layer device (one when it computes a single layer), each the
+    /// largest K and the largest V of its layers.
+    pub fn expected_memory(&self, layer_devices: &[String]) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = Vec::new();
+        let mut add = |name: &str, b: u64| match out.iter_mut().find(|(n, _)| n == name) {
+            Some((_, v)) => *v += b,
+            None => out.push((name.to_owned(), b)),
+        };
+        if !self.offload {
+            for (l, d) in layer_devices.iter().enumerate().take(self.n_kv_heads.len()) {
+                add(d, self.layer_bytes(l));
+            }
+            return out;
+        }
+        let mut slots: Vec<(&str, u64, u64, u64)> = Vec::new();
+        for (l, d) in layer_devices.iter().enumerate().take(self.n_kv_heads.len()) {
+            add("cpu", self.layer_bytes(l));
+            let (k, v) = self.dtype.kv_bytes(self.values(l));
+            match slots.iter_mut().find(|(n, _, _, _)| n == d) {
+                Some((_, mk, mv, n)) => {
+                    *mk = (*mk).max(k);
+                    *mv = (*mv).max(v);
+                    *n += 1;
+                }
+                None => slots.push((d, k, v, 1)),
+            }
+        }
+        for (d, k, v, n) in slots {
+            add(d, n.min(SLOTS as u64) * (k + v));
+        }
+        out
+    }
 }
 
 /// One layer's K and V, in host-addressable memory on `store` (the layer's device, or `cpu` for
@@ -165,12 +221,63 @@ struct LayerStore {
     v: Buffer,
 }
 
-/// A device-resident copy of an offloaded layer.
+/// Slots per layer device of an offloaded cache: the layer in use and the one being prefetched.
+pub const SLOTS: usize = 2;
+
+/// A device-resident copy of one layer for the caller to compute with. For an offloaded cache it
+/// is one of its device's slots, lent until dropped; otherwise a fresh copy.
 #[derive(Debug)]
 pub struct Resident {
     pub layer: usize,
     pub k: Buffer,
     pub v: Buffer,
+    /// The lending cache and its allocation generation (offload only).
+    home: Option<(Weak<Cache>, u64)>,
+    /// The layer's write version when the copy was made.
+    version: u64,
+}
+
+impl Drop for Resident {
+    fn drop(&mut self) {
+        let Some((home, generation)) = self.home.take() else {
+            return;
+        };
+        let Some(cache) = home.upgrade() else { return };
+        // Hand the slot's buffers back to the pool (empty placeholders take their place).
+        let k = std::mem::replace(&mut self.k, Buffer::empty());
+        let v = std::mem::replace(&mut self.v, Buffer::empty());
+        cache.give_back(
+            generation,
+            Slot {
+                k,
+                v,
+                holds: Some((self.layer, self.version)),
+            },
+        );
+    }
+}
+
+/// Offload: one slot of a layer device, and the layer (with its write version) it holds.
+#[derive(Debug)]
+struct Slot {
+    k: Buffer,
+    v: Buffer,
+    holds: Option<(usize, u64)>,
+}
+
+/// Offload: the slots of one layer device.
+#[derive(Debug)]
+struct Pool {
+    device: Arc<Device>,
+    /// Slots in the pool now (the rest are lent to [`Resident`]s).
+    free: Vec<Slot>,
+    /// Slots this pool owns, lent or not.
+    owned: usize,
+    /// Bytes of each slot's K and V.
+    k_bytes: u64,
+    v_bytes: u64,
+    /// The layers that compute on this device.
+    layers: Vec<usize>,
 }
 
 /// A KV cache. Shared (`Arc`) between its owner and the model that allocates it lazily.
@@ -178,8 +285,14 @@ pub struct Resident {
 pub struct Cache {
     config: CacheConfig,
     layers: Mutex<Vec<Option<LayerStore>>>,
-    /// Offload: the layer prefetched by the second thread.
-    prefetch: Mutex<Option<JoinHandle<Result<Resident>>>>,
+    /// Offload: the slots of each layer device.
+    pools: Mutex<Vec<Pool>>,
+    /// Offload: bumped on every `free`, so a slot lent before it is not taken back after.
+    generation: AtomicU64,
+    /// Per layer: bumped on every write, so a slot holding an older copy is refilled.
+    versions: Vec<AtomicU64>,
+    /// Offload: the prefetch of the next layer into a free slot, on a second thread.
+    prefetch: Mutex<Option<JoinHandle<Result<()>>>>,
 }
 
 impl Cache {
@@ -206,6 +319,9 @@ impl Cache {
         Ok(Cache {
             config,
             layers: Mutex::new((0..n).map(|_| None).collect()),
+            pools: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(0),
+            versions: (0..n).map(|_| AtomicU64::new(0)).collect(),
             prefetch: Mutex::new(None),
         })
     }
@@ -222,6 +338,77 @@ impl Cache {
         self.layers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn lock_pools(&self) -> MutexGuard<'_, Vec<Pool>> {
+        self.pools
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn version(&self, layer: usize) -> u64 {
+        self.versions
+            .get(layer)
+            .map_or(0, |v| v.load(Ordering::Acquire))
+    }
+
+    /// Offload: count `layer` on `device`'s pool and make its slots at least `kb` + `vb` bytes,
+    /// [`SLOTS`] of them (one while the device computes a single layer).
+    fn ensure_pool(&self, layer: usize, device: &Arc<Device>, kb: u64, vb: u64) -> Result<()> {
+        let mut pools = self.lock_pools();
+        for p in pools.iter_mut() {
+            p.layers.retain(|&l| l != layer);
+        }
+        let i = match pools.iter().position(|p| Arc::ptr_eq(&p.device, device)) {
+            Some(i) => i,
+            None => {
+                pools.push(Pool {
+                    device: Arc::clone(device),
+                    free: Vec::new(),
+                    owned: 0,
+                    k_bytes: 0,
+                    v_bytes: 0,
+                    layers: Vec::new(),
+                });
+                pools.len() - 1
+            }
+        };
+        let p = &mut pools[i];
+        p.layers.push(layer);
+        let want = p.layers.len().min(SLOTS);
+        if kb > p.k_bytes || vb > p.v_bytes {
+            // Larger slots: drop the free ones; lent ones are dropped when handed back.
+            p.owned -= p.free.len();
+            p.free.clear();
+            p.k_bytes = p.k_bytes.max(kb);
+            p.v_bytes = p.v_bytes.max(vb);
+        }
+        while p.owned < want {
+            let k = device.alloc(p.k_bytes)?;
+            let v = device.alloc(p.v_bytes)?;
+            p.free.push(Slot { k, v, holds: None });
+            p.owned += 1;
+        }
+        Ok(())
+    }
+
+    /// A lent slot comes back (from [`Resident`]'s drop).
+    fn give_back(&self, generation: u64, slot: Slot) {
+        if generation != self.generation.load(Ordering::Acquire) {
+            return;
+        }
+        let mut pools = self.lock_pools();
+        if let Some(p) = pools
+            .iter_mut()
+            .find(|p| Arc::ptr_eq(&p.device, slot.k.device()))
+        {
+            if slot.k.len() as u64 == p.k_bytes && slot.v.len() as u64 == p.v_bytes {
+                p.free.push(slot);
+            } else {
+                // The pool grew while this slot was lent: it is replaced on the next allocate.
+                p.owned = p.owned.saturating_sub(1);
+            }
+        }
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -256,6 +443,9 @@ impl Cache {
         layers[layer] = None;
         let k = store.alloc(kb)?;
         let v = store.alloc(vb)?;
+        if self.config.offload {
+            self.ensure_pool(layer, device, kb, vb)?;
+        }
         layers[layer] = Some(LayerStore {
             device: Arc::clone(device),
             k,
@@ -264,10 +454,12 @@ impl Cache {
         Ok(())
     }
 
-    /// Free every layer.
+    /// Free every layer and slot (slots lent to a [`Resident`] are freed when it is dropped).
     pub fn free(&self) {
         self.join_prefetch();
+        self.generation.fetch_add(1, Ordering::AcqRel);
         self.lock().iter_mut().for_each(|l| *l = None);
+        self.lock_pools().clear();
     }
 
     pub fn is_allocated(&self) -> bool {
@@ -285,16 +477,27 @@ impl Cache {
             })
     }
 
-    /// Bytes held per device name.
+    /// What [`Cache::memory`] should report for the devices the layers were allocated for
+    /// ([`CacheConfig::expected_memory`]); errors before every layer is allocated.
+    pub fn expected_memory(&self) -> Result<Vec<(String, u64)>> {
+        let devs = (0..self.n_layers())
+            .map(|l| self.device_of(l))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.config.expected_memory(&devs))
+    }
+
+    /// Bytes held per device name: the layers, and an offloaded cache's prefetch slots.
     pub fn memory(&self) -> Vec<(String, u64)> {
         let mut out: Vec<(String, u64)> = Vec::new();
+        let mut add = |name: &str, bytes: u64| match out.iter_mut().find(|(n, _)| n == name) {
+            Some((_, b)) => *b += bytes,
+            None => out.push((name.to_owned(), bytes)),
+        };
         for s in self.lock().iter().flatten() {
-            let name = s.k.device().name();
-            let bytes = (s.k.len() + s.v.len()) as u64;
-            match out.iter_mut().find(|(n, _)| n == name) {
-                Some((_, b)) => *b += bytes,
-                None => out.push((name.to_owned(), bytes)),
-            }
+            add(s.k.device().name(), (s.k.len() + s.v.len()) as u64);
+        }
+        for p in self.lock_pools().iter() {
+            add(p.device.name(), p.owned as u64 * (p.k_bytes + p.v_bytes));
         }
         out
     }
@@ -331,6 +534,10 @@ impl Cache {
             ));
         }
         self.join_prefetch();
+        // A prefetched copy of this layer is stale from now on.
+        if let Some(v) = self.versions.get(layer) {
+            v.fetch_add(1, Ordering::AcqRel);
+        }
         let (hk, hv) = c.dtype.halves();
         let mut layers = self.lock();
         let store = layers[layer]
@@ -338,16 +545,34 @@ impl Cache {
             .ok_or_else(|| EngineError::NotLoaded {
                 what: format!("cache layer {layer}"),
             })?;
-        let mut row = vec![0f32; heads * hd];
+        let row_len = heads * hd;
+        let n = n_tokens as usize;
+        let mut row = vec![0f32; row_len];
+        // One batch's positions pos..pos + n are contiguous rows: encode them into that byte
+        // range (in place on host memory, through a host buffer for CUDA memory).
+        let mut tmp: Vec<u8> = Vec::new();
         for b in 0..c.batch_size as usize {
-            for t in 0..n_tokens as usize {
-                let slot = (b * c.max_seq_len as usize + pos as usize + t) * heads * hd;
-                for (src, half, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
-                    for h in 0..heads {
-                        let from = ((b * heads + h) * n_tokens as usize + t) * hd;
-                        row[h * hd..(h + 1) * hd].copy_from_slice(&src[from..from + hd]);
+            let first = (b * c.max_seq_len as usize + pos as usize) * row_len;
+            for (src, half, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
+                let (b0, b1) = (half.byte_at(first), half.byte_at(first + n * row_len));
+                let mut encode = |span: &mut [u8]| -> Result<()> {
+                    for t in 0..n {
+                        for h in 0..heads {
+                            let from = ((b * heads + h) * n + t) * hd;
+                            row[h * hd..(h + 1) * hd].copy_from_slice(&src[from..from + hd]);
+                        }
+                        encode_row(half, t * row_len, &row, span)?;
                     }
-                    encode_row(half, slot, &row, buf.as_mut_slice())?;
+                    Ok(())
+                };
+                match buf.host_mut() {
+                    Some(h) => encode(&mut h[b0..b1])?,
+                    None => {
+                        tmp.clear();
+                        tmp.resize(b1 - b0, 0);
+                        encode(&mut tmp)?;
+                        buf.write(b0, &tmp)?;
+                    }
                 }
             }
         }
@@ -371,19 +596,15 @@ impl Cache {
             .ok_or_else(|| EngineError::NotLoaded {
                 what: format!("cache layer {layer}"),
             })?;
-        decode_span(
-            &self.config,
-            layer,
-            start,
-            n_tokens,
-            store.k.as_slice(),
-            store.v.as_slice(),
-        )
+        decode_span(&self.config, layer, start, n_tokens, &store.k, &store.v)
     }
 
-    /// Offload: a device-resident copy of `layer` (taken from the prefetch thread when it already
-    /// fetched it), and the prefetch of the next layer started on a second thread. For a cache
-    /// that is not offloaded this is a plain copy on the layer's device.
+    /// A device-resident copy of `layer` for the caller to compute with. Offloaded: one of its
+    /// device's slots, lent until the [`Resident`] is dropped (no copy when the second thread
+    /// already prefetched the layer into it; otherwise filled from host RAM now), and the
+    /// prefetch of the next layer into a free slot of its device started on a second thread.
+    /// With both slots of the device lent, a fresh copy is allocated on it. For a cache that is
+    /// not offloaded this is a plain copy on the layer's device.
     pub fn fetch(self: &Arc<Self>, layer: usize) -> Result<Resident> {
         self.check_layer(layer)?;
         let pending = self
@@ -391,32 +612,29 @@ impl Cache {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
-        let mut got = None;
         if let Some(h) = pending {
-            let r = h.join().map_err(|_| EngineError::Device {
+            // A failed prefetch only costs the copy below.
+            let _ = h.join().map_err(|_| EngineError::Device {
                 device: "cpu".into(),
                 detail: "the cache prefetch thread panicked".into(),
             })?;
-            if let Ok(r) = r
-                && r.layer == layer
-            {
-                got = Some(r);
-            }
         }
-        let resident = match got {
+        let resident = match self.lend(layer)? {
             Some(r) => r,
-            None => self.copy_to_device(layer)?,
+            None => self.copy(layer)?,
         };
         let next = layer + 1;
-        if next < self.n_layers() {
+        if self.config.offload && next < self.n_layers() {
             let me = Arc::clone(self);
-            let h = std::thread::spawn(move || me.copy_to_device(next));
+            let h = std::thread::spawn(move || me.prefetch_into_slot(next));
             *self
                 .prefetch
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(h);
         }
-        Ok(resident)
+        let (mut r, generation) = resident;
+        r.home = generation.map(|g| (Arc::downgrade(self), g));
+        Ok(r)
     }
 
     /// Whether a prefetch is in flight or finished and not yet taken.
@@ -427,7 +645,65 @@ impl Cache {
             .is_some()
     }
 
-    fn copy_to_device(&self, layer: usize) -> Result<Resident> {
+    /// The current (not since written) layers held by the free slots of `device` (offload).
+    pub fn prefetched(&self, device: &str) -> Vec<usize> {
+        self.join_prefetch();
+        let pools = self.lock_pools();
+        let mut out: Vec<usize> = pools
+            .iter()
+            .filter(|p| p.device.name() == device)
+            .flat_map(|p| p.free.iter())
+            .filter_map(|s| s.holds)
+            .filter(|&(l, v)| v == self.version(l))
+            .map(|(l, _)| l)
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Offload: take a slot of `layer`'s device out of its pool, holding `layer`.
+    fn lend(&self, layer: usize) -> Result<Option<(Resident, Option<u64>)>> {
+        if !self.config.offload {
+            return Ok(None);
+        }
+        let layers = self.lock();
+        let s = layers[layer]
+            .as_ref()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: format!("cache layer {layer}"),
+            })?;
+        let mut pools = self.lock_pools();
+        let Some(p) = pools.iter_mut().find(|p| Arc::ptr_eq(&p.device, &s.device)) else {
+            return Ok(None);
+        };
+        let current = Some((layer, self.version(layer)));
+        let at = p
+            .free
+            .iter()
+            .position(|x| x.holds == current)
+            .or_else(|| p.free.iter().position(|x| x.holds.is_none()))
+            .or_else(|| p.free.iter().position(|_| true));
+        let Some(at) = at else { return Ok(None) };
+        let mut slot = p.free.swap_remove(at);
+        if slot.holds != current {
+            slot.holds = None;
+            fill(s, &mut slot)?;
+        }
+        let generation = self.generation.load(Ordering::Acquire);
+        Ok(Some((
+            Resident {
+                layer,
+                k: slot.k,
+                v: slot.v,
+                home: None,
+                version: self.version(layer),
+            },
+            Some(generation),
+        )))
+    }
+
+    /// A fresh copy of `layer` on its compute device.
+    fn copy(&self, layer: usize) -> Result<(Resident, Option<u64>)> {
         let layers = self.lock();
         let s = layers[layer]
             .as_ref()
@@ -436,9 +712,50 @@ impl Cache {
             })?;
         let mut k = s.device.alloc(s.k.len() as u64)?;
         let mut v = s.device.alloc(s.v.len() as u64)?;
-        k.as_mut_slice().copy_from_slice(s.k.as_slice());
-        v.as_mut_slice().copy_from_slice(s.v.as_slice());
-        Ok(Resident { layer, k, v })
+        s.k.copy_into(&mut k)?;
+        s.v.copy_into(&mut v)?;
+        Ok((
+            Resident {
+                layer,
+                k,
+                v,
+                home: None,
+                version: self.version(layer),
+            },
+            None,
+        ))
+    }
+
+    /// Copy `layer` from host RAM into a free slot of its device (one not holding a current
+    /// layer if possible).
+    fn prefetch_into_slot(&self, layer: usize) -> Result<()> {
+        let layers = self.lock();
+        let s = layers[layer]
+            .as_ref()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: format!("cache layer {layer}"),
+            })?;
+        let mut pools = self.lock_pools();
+        let Some(p) = pools.iter_mut().find(|p| Arc::ptr_eq(&p.device, &s.device)) else {
+            return Ok(());
+        };
+        let current = Some((layer, self.version(layer)));
+        if p.free.iter().any(|x| x.holds == current) {
+            return Ok(());
+        }
+        let stale = |x: &Slot| x.holds.is_none_or(|(l, v)| v != self.version(l));
+        let at = p
+            .free
+            .iter()
+            .position(stale)
+            .or((!p.free.is_empty()).then_some(0));
+        let Some(slot) = at.and_then(|i| p.free.get_mut(i)) else {
+            return Ok(());
+        };
+        slot.holds = None;
+        fill(s, slot)?;
+        slot.holds = current;
+        Ok(())
     }
 
     fn join_prefetch(&self) {
@@ -467,14 +784,7 @@ impl Cache {
             )
         })?;
         self.check_span(r.layer, start, n_tokens)?;
-        decode_span(
-            &self.config,
-            r.layer,
-            start,
-            n_tokens,
-            r.k.as_slice(),
-            r.v.as_slice(),
-        )
+        decode_span(&self.config, r.layer, start, n_tokens, &r.k, &r.v)
     }
 }
 
@@ -484,27 +794,57 @@ impl Drop for Cache {
     }
 }
 
+/// Decode positions `start..start + n_tokens` of both halves; each batch's span is read as one
+/// contiguous byte range (a view of host memory, or copied back from CUDA memory).
+/// Copy a layer's host-RAM K and V into the start of a slot.
+fn fill(s: &LayerStore, slot: &mut Slot) -> Result<()> {
+    for (src, dst) in [(&s.k, &mut slot.k), (&s.v, &mut slot.v)] {
+        match src.host() {
+            Some(b) => dst.write(0, b)?,
+            None => {
+                let host = src.to_vec()?;
+                dst.write(0, &host)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decode positions `start..start + n_tokens` of both halves; each batch's span is read as one
+/// contiguous byte range (a view of host memory, or copied back from CUDA memory).
 fn decode_span(
     c: &CacheConfig,
     layer: usize,
     start: u64,
     n_tokens: u64,
-    kb: &[u8],
-    vb: &[u8],
+    kb: &Buffer,
+    vb: &Buffer,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
     let heads = c.n_kv_heads[layer] as usize;
     let hd = c.head_dim as usize;
     let n = n_tokens as usize;
+    let row_len = heads * hd;
     let (hk, hv) = c.dtype.halves();
     let total = c.batch_size as usize * heads * n * hd;
     let mut k = vec![0f32; total];
     let mut v = vec![0f32; total];
-    let mut row = vec![0f32; heads * hd];
+    let mut row = vec![0f32; row_len];
+    let mut tmp: Vec<u8> = Vec::new();
     for b in 0..c.batch_size as usize {
-        for t in 0..n {
-            let slot = (b * c.max_seq_len as usize + start as usize + t) * heads * hd;
-            for (half, src, dst) in [(hk, kb, &mut k), (hv, vb, &mut v)] {
-                decode_row(half, slot, src, &mut row)?;
+        let first = (b * c.max_seq_len as usize + start as usize) * row_len;
+        for (half, src, dst) in [(hk, kb, &mut k), (hv, vb, &mut v)] {
+            let (b0, b1) = (half.byte_at(first), half.byte_at(first + n * row_len));
+            let span: &[u8] = match src.host() {
+                Some(h) => &h[b0..b1],
+                None => {
+                    tmp.clear();
+                    tmp.resize(b1 - b0, 0);
+                    src.read(b0, &mut tmp)?;
+                    &tmp
+                }
+            };
+            for t in 0..n {
+                decode_row(half, t * row_len, span, &mut row)?;
                 for h in 0..heads {
                     let to = ((b * heads + h) * n + t) * hd;
                     dst[to..to + hd].copy_from_slice(&row[h * hd..(h + 1) * hd]);

@@ -18,6 +18,27 @@ pub fn check(info: &TensorInfo, to: DType) -> Result<()> {
     }
 }
 
+/// Bytes per element in and out of a conversion from `info`'s dtype to `to`.
+fn sizes(info: &TensorInfo, to: DType) -> Result<(usize, usize)> {
+    match (info.dtype, to) {
+        (a, b) if a == b => Ok((1, 1)),
+        (DType::F32, DType::F16) => Ok((4, 2)),
+        (DType::BF16, DType::F16) => Ok((2, 2)),
+        _ => check(info, to).map(|()| (1, 1)),
+    }
+}
+
+/// Where the conversion of source bytes `at..at + len` lands in the converted tensor:
+/// `(offset, length)` in bytes.
+pub fn output_range(info: &TensorInfo, to: DType, at: u64, len: usize) -> Result<(usize, usize)> {
+    let (in_size, out_size) = sizes(info, to)?;
+    let at = usize::try_from(at).unwrap_or(usize::MAX);
+    Ok((
+        (at / in_size).saturating_mul(out_size),
+        len / in_size * out_size,
+    ))
+}
+
 /// Write the conversion of `data` (source bytes `at..at + data.len()` of the tensor) into the
 /// matching range of `dst` (the whole converted tensor).
 pub fn convert_into(
@@ -27,15 +48,11 @@ pub fn convert_into(
     data: &[u8],
     dst: &mut [u8],
 ) -> Result<()> {
-    let (in_size, out_size) = match (info.dtype, to) {
-        (a, b) if a == b => (1, 1),
-        (DType::F32, DType::F16) => (4, 2),
-        (DType::BF16, DType::F16) => (2, 2),
-        _ => return check(info, to),
-    };
-    let out_at = (at as usize / in_size) * out_size;
-    let out_len = data.len() / in_size * out_size;
-    let Some(out) = dst.get_mut(out_at..out_at + out_len) else {
+    let (out_at, out_len) = output_range(info, to, at, data.len())?;
+    let Some(out) = out_at
+        .checked_add(out_len)
+        .and_then(|end| dst.get_mut(out_at..end))
+    else {
         return Err(crate::error::invalid(
             format!("conversion of tensor '{}'", info.name),
             format!("a chunk inside {} bytes", dst.len()),

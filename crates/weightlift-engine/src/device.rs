@@ -14,6 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use weightlift_format::DType;
+use weightlift_kernels::{Backend, CudaBackend, CudaBuffer};
+use weightlift_plan::MemoryProbe;
 
 use crate::error::{EngineError, Result, invalid};
 use crate::hostmem::AlignedBuf;
@@ -37,6 +39,8 @@ pub struct Device {
     capacity: Option<u64>,
     used: AtomicU64,
     peak: AtomicU64,
+    /// The kernels' CUDA backend of a `cuda:N` device (its context, stream and pinned staging).
+    cuda: Option<CudaBackend>,
 }
 
 impl Device {
@@ -55,23 +59,28 @@ impl Device {
         ))
     }
 
-    /// `cuda:N`, through the kernels crate's CUDA backend. Without a GPU, libcuda or the
-    /// kernels' `cuda` feature this fails with [`EngineError::CudaUnavailable`] carrying the
-    /// backend's reason. Where the backend does come up, the engine still refuses: it cannot
-    /// hold tensors in device memory yet (see the crate docs), and says so.
-    pub fn cuda(ordinal: u32) -> Result<Arc<Device>> {
+    /// `cuda:N`, through the kernels crate's CUDA backend: device memory per tensor, the
+    /// backend's two pinned staging buffers for copies from the host, and its stream. The
+    /// capacity is `capacity`, or the free memory the driver reports now (DESIGN.md). Without a
+    /// GPU, libcuda or the `cuda` feature this fails with [`EngineError::CudaUnavailable`]
+    /// carrying the backend's reason.
+    pub fn cuda(ordinal: u32, capacity: Option<u64>) -> Result<Arc<Device>> {
         let name = format!("cuda:{ordinal}");
-        match weightlift_kernels::CudaBackend::new(ordinal as usize) {
-            Err(e) => Err(EngineError::CudaUnavailable {
-                device: name,
-                detail: e.to_string(),
-            }),
-            Ok(_) => Err(EngineError::Unsupported {
-                what: format!("placing tensors on {name}"),
-                detail: "the engine holds tensors on cpu and virtual devices only in this build"
-                    .into(),
-            }),
-        }
+        let unavailable = |e: weightlift_kernels::KernelError| EngineError::CudaUnavailable {
+            device: name.clone(),
+            detail: e.to_string(),
+        };
+        let backend = CudaBackend::new(ordinal as usize).map_err(unavailable)?;
+        let capacity = match capacity {
+            Some(c) => c,
+            None => cuda_free(&backend).map_err(|e| EngineError::Device {
+                device: name.clone(),
+                detail: format!("reading free memory from the driver: {e}"),
+            })?,
+        };
+        let mut d = Device::new(name, DeviceKind::Cuda, ordinal, Some(capacity));
+        d.cuda = Some(backend);
+        Ok(Arc::new(d))
     }
 
     fn new(name: String, kind: DeviceKind, ordinal: u32, capacity: Option<u64>) -> Device {
@@ -82,6 +91,7 @@ impl Device {
             capacity,
             used: AtomicU64::new(0),
             peak: AtomicU64::new(0),
+            cuda: None,
         }
     }
 
@@ -99,6 +109,40 @@ impl Device {
 
     pub fn capacity(&self) -> Option<u64> {
         self.capacity
+    }
+
+    /// Whether buffers on this device are host memory (`cpu`, `virtual`).
+    pub fn is_host(&self) -> bool {
+        self.kind != DeviceKind::Cuda
+    }
+
+    /// The CUDA backend of a `cuda:N` device.
+    pub fn cuda_backend(&self) -> Option<&CudaBackend> {
+        self.cuda.as_ref()
+    }
+
+    fn backend(&self) -> Result<&CudaBackend> {
+        self.cuda.as_ref().ok_or_else(|| EngineError::Device {
+            device: self.name.clone(),
+            detail: "device memory without a CUDA backend".into(),
+        })
+    }
+
+    /// Wait for every copy queued on this device (CUDA: its stream; host devices: nothing).
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.cuda {
+            Some(b) => b
+                .synchronize()
+                .map_err(|e| self.kernel_err("synchronising", e)),
+            None => Ok(()),
+        }
+    }
+
+    fn kernel_err(&self, during: &str, e: weightlift_kernels::KernelError) -> EngineError {
+        EngineError::Device {
+            device: self.name.clone(),
+            detail: format!("{during}: {e}"),
+        }
     }
 
     /// Bytes currently held by live buffers on this device.
@@ -158,62 +202,259 @@ impl Device {
         }
     }
 
-    /// Allocate `bytes` zeroed bytes on this device.
+    /// Allocate `bytes` zeroed bytes on this device (host memory, or device memory through the
+    /// kernels' CUDA backend).
     pub fn alloc(self: &Arc<Self>, bytes: u64) -> Result<Buffer> {
         self.reserve(bytes)?;
-        let mem = usize::try_from(bytes)
-            .ok()
-            .and_then(AlignedBuf::zeroed)
-            .ok_or_else(|| {
+        let mem = match self.alloc_mem(bytes) {
+            Ok(m) => m,
+            Err(e) => {
                 self.release(bytes);
-                self.oom(bytes, self.used())
-            })?;
+                return Err(e);
+            }
+        };
         Ok(Buffer {
             device: Arc::clone(self),
             mem,
+            len: bytes as usize,
         })
     }
+
+    fn alloc_mem(&self, bytes: u64) -> Result<Mem> {
+        let Ok(len) = usize::try_from(bytes) else {
+            return Err(self.oom(bytes, self.used()));
+        };
+        match &self.cuda {
+            None => AlignedBuf::zeroed(len)
+                .map(Mem::Host)
+                .ok_or_else(|| self.oom(bytes, self.used().saturating_sub(bytes))),
+            Some(b) => match b.alloc(len) {
+                Ok(m) => Ok(Mem::Cuda(m)),
+                Err(weightlift_kernels::KernelError::OutOfMemory { .. }) => {
+                    Err(self.oom(bytes, self.used().saturating_sub(bytes)))
+                }
+                Err(e) => Err(self.kernel_err(&format!("allocating {bytes} bytes"), e)),
+            },
+        }
+    }
 }
+
+/// Free device memory as the driver reports it.
+#[cfg(feature = "cuda")]
+fn cuda_free(b: &CudaBackend) -> std::result::Result<u64, String> {
+    b.mem_info()
+        .map(|(free, _)| free as u64)
+        .map_err(|e| e.to_string())
+}
+
+/// Without the `cuda` feature no backend exists to ask.
+#[cfg(not(feature = "cuda"))]
+fn cuda_free(_b: &CudaBackend) -> std::result::Result<u64, String> {
+    Err("this build has no cuda support".into())
+}
+
+/// The memory behind a [`Buffer`].
+enum Mem {
+    /// `cpu` and `virtual` devices: host memory.
+    Host(AlignedBuf),
+    /// `cuda:N`: device memory of the kernels' backend.
+    Cuda(CudaBuffer),
+}
+
+impl std::fmt::Debug for Mem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Mem::Host(b) => write!(f, "Host({} bytes)", b.len()),
+            Mem::Cuda(_) => write!(f, "Cuda"),
+        }
+    }
+}
+
+/// Bytes per step when a copy between a CUDA device and another device bounces through host
+/// memory (peer copies are a later step).
+pub const BOUNCE_BYTES: usize = 16 << 20;
 
 /// Memory held on one device. Dropping it returns the bytes to the device.
 #[derive(Debug)]
 pub struct Buffer {
     device: Arc<Device>,
-    mem: AlignedBuf,
+    mem: Mem,
+    len: usize,
 }
 
 impl Buffer {
+    /// A zero-byte host buffer on a device of its own (a placeholder for a moved-out buffer).
+    pub(crate) fn empty() -> Buffer {
+        Buffer {
+            device: Device::cpu(Some(0)),
+            mem: Mem::Host(AlignedBuf::empty()),
+            len: 0,
+        }
+    }
+
     pub fn device(&self) -> &Arc<Device> {
         &self.device
     }
 
     pub fn len(&self) -> usize {
-        self.mem.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.mem.is_empty()
+        self.len == 0
     }
 
-    /// The bytes. `cpu` and `virtual` buffers are host-addressable.
-    pub fn as_slice(&self) -> &[u8] {
-        self.mem.as_slice()
+    /// The bytes, where they are host memory (`cpu` and `virtual`); `None` on CUDA.
+    pub fn host(&self) -> Option<&[u8]> {
+        match &self.mem {
+            Mem::Host(b) => Some(b.as_slice()),
+            Mem::Cuda(_) => None,
+        }
     }
 
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.mem.as_mut_slice()
+    /// The bytes, mutably, where they are host memory; `None` on CUDA.
+    pub fn host_mut(&mut self) -> Option<&mut [u8]> {
+        match &mut self.mem {
+            Mem::Host(b) => Some(b.as_mut_slice()),
+            Mem::Cuda(_) => None,
+        }
+    }
+
+    fn range(&self, what: &str, offset: usize, n: usize) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(invalid(
+                format!("{what} on {}", self.device.name()),
+                format!("a range inside {} bytes", self.len),
+                format!("{n} bytes at {offset}"),
+            )),
+        }
+    }
+
+    /// Copy `src` into the buffer at `offset`. On CUDA this goes through the backend's pinned
+    /// staging buffers and returns once the copy is queued on its stream (a later read, or
+    /// [`Device::synchronize`], waits for it); `src` may be reused at once.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.range("write", offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        match &mut self.mem {
+            Mem::Host(b) => {
+                b.as_mut_slice()[offset..offset + src.len()].copy_from_slice(src);
+                Ok(())
+            }
+            Mem::Cuda(m) => {
+                let dev = &self.device;
+                dev.backend()?
+                    .copy_from_host(src, m, offset)
+                    .map_err(|e| dev.kernel_err("copying to the device", e))
+            }
+        }
+    }
+
+    /// Copy `dst.len()` bytes starting at `offset` into host memory `dst` (blocks until done).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.range("read", offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        match &self.mem {
+            Mem::Host(b) => {
+                dst.copy_from_slice(&b.as_slice()[offset..offset + dst.len()]);
+                Ok(())
+            }
+            Mem::Cuda(m) => {
+                let dev = &self.device;
+                dev.backend()?
+                    .copy_to_host(m, offset, dst)
+                    .map_err(|e| dev.kernel_err("copying to the host", e))
+            }
+        }
+    }
+
+    /// A host copy of every byte.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        if let Some(h) = self.host() {
+            return Ok(h.to_vec());
+        }
+        let mut v = vec![0u8; self.len];
+        self.read(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Copy the first `dst.len()` bytes of `self` into `dst`: a memcpy between host memories,
+    /// a copy on one CUDA device, or otherwise bounced through host memory [`BOUNCE_BYTES`] at
+    /// a time.
+    pub fn copy_into(&self, dst: &mut Buffer) -> Result<()> {
+        let len = dst.len;
+        if self.len < len {
+            return Err(invalid(
+                format!("copy from {} to {}", self.device.name(), dst.device.name()),
+                format!("a source of at least {len} bytes"),
+                self.len,
+            ));
+        }
+        if let (Some(s), Some(d)) = (self.host(), dst.host_mut()) {
+            d.copy_from_slice(&s[..len]);
+            return Ok(());
+        }
+        if let (Mem::Cuda(s), Mem::Cuda(d)) = (&self.mem, &mut dst.mem)
+            && Arc::ptr_eq(&self.device, &dst.device)
+        {
+            let dev = &self.device;
+            return dev
+                .backend()?
+                .copy(s, 0, d, 0, len)
+                .map_err(|e| dev.kernel_err("copying on the device", e));
+        }
+        if let Some(s) = self.host() {
+            return dst.write(0, &s[..len]);
+        }
+        if let Some(d) = dst.host_mut() {
+            return self.read(0, d);
+        }
+        let mut bounce = vec![0u8; BOUNCE_BYTES.min(len)];
+        let mut at = 0;
+        while at < len {
+            let n = BOUNCE_BYTES.min(len - at);
+            self.read(at, &mut bounce[..n])?;
+            dst.write(at, &bounce[..n])?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// The index of the first NaN/Inf value (kernels' scan: on the GPU for CUDA buffers).
+    fn find_non_finite(&self, dtype: DType) -> Result<Option<(u64, &'static str)>> {
+        match &self.mem {
+            Mem::Host(b) => Ok(
+                weightlift_format::scan::find_non_finite(dtype, b.as_slice())
+                    .map(|n| (n.index, n.kind)),
+            ),
+            Mem::Cuda(m) => {
+                let Some(ty) = weightlift_kernels::QuantType::from_name(dtype.name()) else {
+                    return Ok(None);
+                };
+                let dev = &self.device;
+                dev.backend()?
+                    .scan_non_finite(ty, m, self.len)
+                    .map(|i| i.map(|i| (i as u64, "nan or inf")))
+                    .map_err(|e| dev.kernel_err("scanning for non-finite values", e))
+            }
+        }
     }
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        self.device.release(self.mem.len() as u64);
+        self.device.release(self.len as u64);
     }
 }
 
 /// Where a tensor's bytes live.
 pub enum Storage {
-    /// Owned memory on a `cpu` or `virtual` device.
+    /// Owned memory on a device.
     Owned(Buffer),
     /// A zero-copy view of tensor `index` of a memory-mapped checkpoint (page cache, not
     /// anonymous memory). Only on `cpu`.
@@ -272,7 +513,7 @@ impl DeviceTensor {
             dtype,
             storage,
         };
-        let have = t.bytes().len() as u64;
+        let have = t.nbytes();
         if have != need {
             return Err(invalid(
                 "tensor storage",
@@ -291,7 +532,7 @@ impl DeviceTensor {
         bytes: &[u8],
     ) -> Result<Self> {
         let mut buf = device.alloc(bytes.len() as u64)?;
-        buf.as_mut_slice().copy_from_slice(bytes);
+        buf.write(0, bytes)?;
         DeviceTensor::new(Arc::clone(device), shape, dtype, Storage::Owned(buf))
     }
 
@@ -315,32 +556,99 @@ impl DeviceTensor {
         self.shape.iter().product()
     }
 
-    /// The stored bytes (host-addressable for `cpu` and `virtual`).
-    pub fn bytes(&self) -> &[u8] {
+    /// The stored bytes where they are host-addressable (`cpu`, `virtual`, mmap views);
+    /// `None` for CUDA memory (use [`DeviceTensor::read`] or [`DeviceTensor::to_host`]).
+    pub fn host_bytes(&self) -> Option<&[u8]> {
         match &self.storage {
-            Storage::Owned(b) => b.as_slice(),
-            Storage::Mapped { source, index } => source.bytes(*index),
+            Storage::Owned(b) => b.host(),
+            Storage::Mapped { source, index } => Some(source.bytes(*index)),
         }
     }
 
     /// Bytes counted against the device (anonymous memory for owned storage, page cache for
     /// mapped views).
     pub fn nbytes(&self) -> u64 {
-        self.bytes().len() as u64
+        match &self.storage {
+            Storage::Owned(b) => b.len() as u64,
+            Storage::Mapped { source, index } => source.bytes(*index).len() as u64,
+        }
     }
 
     pub fn is_mapped(&self) -> bool {
         matches!(self.storage, Storage::Mapped { .. })
     }
 
-    /// A host copy of the bytes.
-    pub fn to_host(&self) -> Vec<u8> {
-        self.bytes().to_vec()
+    /// Copy `dst.len()` stored bytes starting at byte `offset` to the host.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        match &self.storage {
+            Storage::Owned(b) => {
+                let offset = usize::try_from(offset).unwrap_or(usize::MAX);
+                b.read(offset, dst)
+            }
+            Storage::Mapped { source, index } => {
+                let bytes = source.bytes(*index);
+                let got = usize::try_from(offset)
+                    .ok()
+                    .and_then(|o| bytes.get(o..o.checked_add(dst.len())?));
+                let src = got.ok_or_else(|| {
+                    invalid(
+                        "tensor read",
+                        format!("a range inside {} bytes", bytes.len()),
+                        format!("{} bytes at {offset}", dst.len()),
+                    )
+                })?;
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+        }
     }
 
-    /// A copy of this tensor on `device` (a real copy between separate allocations).
+    /// A host copy of the bytes (from device memory on CUDA).
+    pub fn to_host(&self) -> Result<Vec<u8>> {
+        match self.host_bytes() {
+            Some(b) => Ok(b.to_vec()),
+            None => match &self.storage {
+                Storage::Owned(b) => b.to_vec(),
+                Storage::Mapped { .. } => Ok(Vec::new()),
+            },
+        }
+    }
+
+    /// A copy of this tensor on `device` (a real copy between separate allocations; to or from
+    /// CUDA it is staged through host memory).
     pub fn copy_to(&self, device: &Arc<Device>) -> Result<DeviceTensor> {
-        DeviceTensor::from_host(device, self.shape.clone(), self.dtype, self.bytes())
+        let storage = match &self.storage {
+            Storage::Owned(b) => {
+                let mut dst = device.alloc(b.len() as u64)?;
+                b.copy_into(&mut dst)?;
+                dst
+            }
+            Storage::Mapped { source, index } => {
+                let bytes = source.bytes(*index);
+                let mut dst = device.alloc(bytes.len() as u64)?;
+                dst.write(0, bytes)?;
+                dst
+            }
+        };
+        DeviceTensor::new(
+            Arc::clone(device),
+            self.shape.clone(),
+            self.dtype,
+            Storage::Owned(storage),
+        )
+    }
+
+    /// The first NaN/Inf element and its kind, scanned where the tensor lives (the kernels'
+    /// scan on CUDA).
+    pub fn find_non_finite(&self) -> Result<Option<(u64, &'static str)>> {
+        match &self.storage {
+            Storage::Owned(b) => b.find_non_finite(self.dtype),
+            Storage::Mapped { source, index } => Ok(weightlift_format::scan::find_non_finite(
+                self.dtype,
+                source.bytes(*index),
+            )
+            .map(|n| (n.index, n.kind))),
+        }
     }
 }
 
@@ -394,11 +702,17 @@ impl Inventory {
                         n_virtual += 1;
                     }
                 }
-                "cuda" => {
-                    let ordinal: u32 = arg
-                        .parse()
-                        .map_err(|_| invalid("cuda device in spec", "cuda:N", item))?;
-                    accelerators.push(Device::cuda(ordinal)?);
+                "cuda" | "gpu" => {
+                    let (ord, size) = arg.split_once(':').unwrap_or((arg, ""));
+                    let ordinal: u32 = ord.parse().map_err(|_| {
+                        invalid("cuda device in spec", "cuda:N or cuda:N:SIZE", item)
+                    })?;
+                    let cap = if size.is_empty() {
+                        None
+                    } else {
+                        Some(parse_size(size)?)
+                    };
+                    accelerators.push(Device::cuda(ordinal, cap)?);
                 }
                 _ => {
                     return Err(invalid(
@@ -453,6 +767,67 @@ impl Inventory {
                     format!("'{name}'"),
                 )
             })
+    }
+}
+
+impl Inventory {
+    /// The real machine, as `weightlift.devices()` reports it: every CUDA device the kernels'
+    /// backend sees (at its free memory; none in a build without the `cuda` feature or without
+    /// a driver), then `cpu` at MemAvailable. `disk` is not included: weights stay in the file
+    /// only where a spec names it.
+    pub fn detect() -> Result<Inventory> {
+        let mut accelerators = Vec::new();
+        for spec in weightlift_plan::inventory(&HostProbe) {
+            if spec.kind == weightlift_plan::DeviceKind::Cuda {
+                let ordinal = spec
+                    .name
+                    .strip_prefix("cuda:")
+                    .and_then(|o| o.parse().ok())
+                    .ok_or_else(|| invalid("probed device", "cuda:N", &spec.name))?;
+                accelerators.push(Device::cuda(ordinal, Some(spec.capacity))?);
+            }
+        }
+        Ok(Inventory {
+            accelerators,
+            cpu: Device::cpu(HostProbe.cpu_available()),
+            disk: false,
+        })
+    }
+
+    /// The spec string that names this inventory's devices (`"cuda:0,cpu"`, `"cpu"`).
+    pub fn spec(&self) -> String {
+        let mut names: Vec<String> = self.all().iter().map(|d| d.name().to_owned()).collect();
+        if self.disk {
+            names.push("disk".into());
+        }
+        names.join(",")
+    }
+}
+
+/// The planner's window on the real machine (the planner does no I/O itself): MemAvailable for
+/// the host, and the CUDA driver's free/total memory through the kernels' backend.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostProbe;
+
+impl weightlift_plan::MemoryProbe for HostProbe {
+    fn cpu_available(&self) -> Option<u64> {
+        mem_available()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, ordinal: u32) -> Option<(u64, u64)> {
+        let backend = CudaBackend::new(usize::try_from(ordinal).ok()?).ok()?;
+        let (free, total) = backend.mem_info().ok()?;
+        Some((u64::try_from(free).ok()?, u64::try_from(total).ok()?))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda(&self, _ordinal: u32) -> Option<(u64, u64)> {
+        None
+    }
+
+    fn cuda_count(&self) -> u32 {
+        CudaBackend::device_count().map_or(0, |n| u32::try_from(n).unwrap_or(0))
     }
 }
 
@@ -537,11 +912,30 @@ mod tests {
         };
         let t = DeviceTensor::from_host(a, vec![4], DType::F32, &[1u8; 16]).unwrap();
         let u = t.copy_to(b).unwrap();
-        assert_ne!(t.bytes().as_ptr(), u.bytes().as_ptr());
-        assert_eq!(t.to_host(), u.to_host());
+        assert_ne!(
+            t.host_bytes().unwrap().as_ptr(),
+            u.host_bytes().unwrap().as_ptr()
+        );
+        assert_eq!(t.to_host().unwrap(), u.to_host().unwrap());
         assert_eq!((a.used(), b.used()), (16, 16));
         drop((t, u));
         assert_eq!((a.used(), b.used()), (0, 0));
+    }
+
+    #[test]
+    fn dtypes_name_the_kernels_scan_types() {
+        use weightlift_kernels::QuantType as Q;
+        for (d, q) in [
+            (DType::F32, Q::F32),
+            (DType::F16, Q::F16),
+            (DType::BF16, Q::BF16),
+            (DType::Q4_1, Q::Q4_1),
+            (DType::Q8_0, Q::Q8_0),
+            (DType::Q4_K, Q::Q4_K),
+            (DType::Q6_K, Q::Q6_K),
+        ] {
+            assert_eq!(Q::from_name(d.name()), Some(q), "{d}");
+        }
     }
 
     #[test]
@@ -559,8 +953,18 @@ mod tests {
                 .to_string()
                 .contains("'tpu:0'")
         );
-        let e = Inventory::parse("cuda:0").unwrap_err();
-        assert!(matches!(e, EngineError::CudaUnavailable { .. }), "{e}");
-        assert!(e.to_string().contains("cuda:0"));
+        if weightlift_kernels::CudaBackend::unavailable_reason().is_some() {
+            for (spec, name) in [("cuda:0", "cuda:0"), ("virtual:1MiB,cuda:1:8GiB", "cuda:1")] {
+                let e = Inventory::parse(spec).unwrap_err();
+                assert!(matches!(e, EngineError::CudaUnavailable { .. }), "{e}");
+                assert!(
+                    e.to_string()
+                        .starts_with(&format!("device {name}: cuda is unavailable"))
+                );
+            }
+            assert!(Inventory::detect().unwrap().accelerators().is_empty());
+        }
+        let e = Inventory::parse("cuda:x").unwrap_err();
+        assert!(e.to_string().contains("cuda:N or cuda:N:SIZE"), "{e}");
     }
 }

@@ -33,14 +33,19 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
+    /// No memory at all.
+    pub fn empty() -> Self {
+        AlignedBuf {
+            ptr: NonNull::dangling(),
+            len: 0,
+            mapped: 0,
+        }
+    }
+
     /// Allocate `len` zeroed bytes; `None` when the system refuses (or `len` overflows a layout).
     pub fn zeroed(len: usize) -> Option<Self> {
         if len == 0 {
-            return Some(AlignedBuf {
-                ptr: NonNull::dangling(),
-                len: 0,
-                mapped: 0,
-            });
+            return Some(Self::empty());
         }
         if len >= HUGE {
             return Self::mapped(len);
@@ -99,10 +104,6 @@ impl AlignedBuf {
         self.len
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr points to `len` initialised (zeroed or written) bytes owned by self, or is
         // dangling with len 0, which is valid for an empty slice.
@@ -155,7 +156,7 @@ mod tests {
         assert!(b.as_slice().iter().all(|&x| x == 0));
         b.as_mut_slice()[9_999] = 7;
         assert_eq!(b.as_slice()[9_999], 7);
-        assert!(AlignedBuf::zeroed(0).unwrap().is_empty());
+        assert_eq!(AlignedBuf::zeroed(0).unwrap().len(), 0);
     }
 
     #[test]

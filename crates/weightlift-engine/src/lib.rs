@@ -3,12 +3,17 @@
 //!
 //! - [`device`]: `cpu`, `virtual:N` (host arenas with a hard capacity: an allocation past it is an
 //!   [`EngineError::OutOfMemory`] naming the device, the request and what is free) and `cuda:N`
-//!   (through the kernels crate; without a GPU or the `cuda` feature it is
-//!   [`EngineError::CudaUnavailable`]). Every [`Buffer`] counts against its device until dropped.
+//!   (device memory per tensor through the kernels' `CudaBackend`, capacity the driver's free
+//!   memory; without a GPU or the `cuda` feature it is [`EngineError::CudaUnavailable`]). Every
+//!   [`Buffer`] counts against its device until dropped. [`Inventory::detect`] is the real
+//!   machine (`cpu` at MemAvailable plus every CUDA device), through [`HostProbe`], the
+//!   planner's `MemoryProbe`.
 //! - [`loader`]: carries out a placement tensor by tensor in layer order: zero-copy mmap views,
 //!   `pread` into owned memory, or two bounded staging buffers (a reader thread fills one while
-//!   the other is converted and copied to the device), O_DIRECT with a buffered fallback,
-//!   progress after every chunk and cancellation that frees everything.
+//!   the other is converted and copied to the device; on CUDA the copy goes through the kernels'
+//!   two pinned buffers, queued on the device's stream with events ordering their reuse, so the
+//!   DMA overlaps the next read), O_DIRECT with a buffered fallback, progress after every chunk
+//!   and cancellation that frees everything.
 //! - [`model`]: [`Model`] ties a checkpoint, an [`Inventory`] and a [`Placement`] (a
 //!   `weightlift_plan::Plan` via [`planned`]) together, with the lazy co-located [`Cache`],
 //!   split tensors (llama.cpp row split, tensor parallelism), validation and memory accounting.
@@ -17,8 +22,10 @@
 //! - [`tp`]: exllamav2's TPContext: split tables, collectives behind the [`Collective`] trait,
 //!   per-device RoPE tables and scratch.
 //!
-//! Not yet: holding tensors in CUDA memory (the engine refuses `cuda:N` placements even where
-//! the kernels' backend comes up), pinned staging, and peer copies.
+//! Not yet: peer (GPU-to-GPU) copies and NCCL for the collectives (CUDA tensors move through host
+//! memory), and reading straight into pinned memory (the reader's staging buffers are pageable;
+//! each chunk is copied once more into the kernels' pinned buffers). None of the CUDA paths has
+//! run on a GPU here: they are compile-checked, and their tests skip without one.
 
 mod error;
 mod hostmem;
@@ -36,9 +43,11 @@ pub mod tp;
 pub mod validate;
 
 pub use cache::{Cache, CacheConfig, CacheDType};
-pub use device::{Buffer, Device, DeviceKind, DeviceTensor, Inventory, Storage, parse_size};
+pub use device::{
+    Buffer, Device, DeviceKind, DeviceTensor, HostProbe, Inventory, Storage, parse_size,
+};
 pub use error::{EngineError, Result};
 pub use loader::{LoadOptions, Loaded, Progress, TensorTarget, load};
-pub use model::{Held, Model, Placement};
+pub use model::{Dequantized, Held, Model, Placement};
 pub use source::Source;
 pub use tp::{Collective, HostStaged, Splits, TpContext};

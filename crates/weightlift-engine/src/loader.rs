@@ -202,16 +202,6 @@ pub fn load(
             _ => Path_::Staged,
         });
     }
-    if targets
-        .iter()
-        .flatten()
-        .any(|t| t.device.kind() == DeviceKind::Cuda)
-    {
-        return Err(EngineError::CudaUnavailable {
-            device: "cuda".into(),
-            detail: "the engine cannot place tensors on cuda devices in this build".into(),
-        });
-    }
     let bytes_total: u64 = order.iter().map(|&i| infos[i].nbytes).sum();
     // The last tensor of each layer in load order: the layer is complete after it.
     let mut layer_last: HashMap<usize, u32> = HashMap::new();
@@ -246,6 +236,8 @@ pub fn load(
         let mut done = 0u64;
         let mut current: Option<(usize, crate::device::Buffer)> = None;
         let mut free_sent = 0;
+        // Host bytes of a converted chunk bound for device memory (at most one staging size).
+        let mut converted: Vec<u8> = Vec::new();
         // Two staging buffers in flight at most; they are created on demand by the reader's
         // request so a load with nothing to stage allocates none.
         let mut finish =
@@ -261,7 +253,7 @@ pub fn load(
                     storage,
                 )?;
                 if opts.check_tensors && target.device.kind() != DeviceKind::Cpu {
-                    scan::check(&info.name, target.device.name(), t.dtype(), t.bytes())?;
+                    scan::check(&info.name, &t)?;
                 }
                 out[index] = Some(t);
                 if let Some(&layer) = layer_last.get(&index) {
@@ -307,13 +299,7 @@ pub fn load(
                         }
                         if let Some((_, dst)) = current.as_mut() {
                             let data = buf.as_slice().get(start..start + len).unwrap_or(&[]);
-                            convert::convert_into(
-                                info,
-                                target.dtype,
-                                at,
-                                data,
-                                dst.as_mut_slice(),
-                            )?;
+                            put_chunk(info, target.dtype, at, data, dst, &mut converted)?;
                         }
                         let _ = free_tx.send(buf);
                         free_sent += 1;
@@ -349,6 +335,15 @@ pub fn load(
         run
     });
     result?;
+    // Copies to CUDA devices are queued on their streams; wait for them so a finished load
+    // means the bytes are in place (and a failed copy is reported here).
+    let mut synced: Vec<&Arc<Device>> = Vec::new();
+    for t in targets.iter().flatten() {
+        if !t.device.is_host() && !synced.iter().any(|d| Arc::ptr_eq(d, &t.device)) {
+            t.device.synchronize()?;
+            synced.push(&t.device);
+        }
+    }
 
     for &i in &order {
         if out[i].is_none() {
@@ -368,6 +363,33 @@ pub fn load(
         tensors: out,
         warnings,
     })
+}
+
+/// Put one staged chunk (source bytes `at..` of the tensor) into the destination buffer,
+/// converting on the way. Host buffers are written in place; a CUDA buffer gets the bytes
+/// through its backend's pinned double buffer, queued on its stream, so the DMA overlaps the
+/// reader thread filling the next staging buffer.
+fn put_chunk(
+    info: &TensorInfo,
+    to: DType,
+    at: u64,
+    data: &[u8],
+    dst: &mut crate::device::Buffer,
+    converted: &mut Vec<u8>,
+) -> Result<()> {
+    if let Some(host) = dst.host_mut() {
+        return convert::convert_into(info, to, at, data, host);
+    }
+    if to == info.dtype {
+        let at = usize::try_from(at).unwrap_or(usize::MAX);
+        return dst.write(at, data);
+    }
+    // Convert into a host buffer laid out as the output range, then copy that range.
+    let (out_at, out_len) = convert::output_range(info, to, at, data.len())?;
+    converted.clear();
+    converted.resize(out_len, 0);
+    convert::convert_into(info, to, 0, data, converted)?;
+    dst.write(out_at, converted)
 }
 
 struct Reader<'a> {
@@ -437,8 +459,11 @@ impl Reader<'_> {
                     let device = &target.device;
                     let mut buf = device.alloc(info.nbytes)?;
                     let file = open_cached(&mut buffered, info.file, path, false).map_err(io)?;
-                    file.read_exact_at(buf.as_mut_slice(), info.offset)
-                        .map_err(io)?;
+                    let dst = buf.host_mut().ok_or_else(|| EngineError::Device {
+                        device: device.name().to_owned(),
+                        detail: format!("tensor '{}': pread needs host memory", info.name),
+                    })?;
+                    file.read_exact_at(dst, info.offset).map_err(io)?;
                     if tx
                         .send(Msg::Whole {
                             index,

@@ -389,7 +389,7 @@ impl Model {
         let mut locked = crate::mlock::Locked::default();
         if opts.mlock {
             let mapped = held.iter().filter_map(|h| match h {
-                Held::Whole { tensor, .. } if tensor.is_mapped() => Some(tensor.bytes()),
+                Held::Whole { tensor, .. } if tensor.is_mapped() => tensor.host_bytes(),
                 _ => None,
             });
             let (l, warning) = crate::mlock::Locked::lock(mapped);
@@ -521,11 +521,68 @@ impl Model {
         Ok(())
     }
 
-    /// The tensor dequantised (or converted) to f32 from the bytes on its device.
-    pub fn dequantized(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>)> {
-        let (bytes, dtype, shape) = self.tensor_bytes(name)?;
-        let v = weightlift_format::dequant::dequantize(dtype, &bytes)?;
-        Ok((v, shape))
+    /// The tensor dequantised (or converted) to f32 from the bytes on its device, at most
+    /// `max_dq_size` values at a time (exllamav2's chunk limit; rounded down to whole blocks,
+    /// at least one block). Host-resident tensors are decoded straight from their memory; the
+    /// rest (CUDA memory, split tensors) go through one transient host buffer of at most one
+    /// chunk's bytes. The output itself is the only allocation the size of the tensor.
+    pub fn dequantized(&self, name: &str, max_dq_size: u64) -> Result<Dequantized> {
+        let i = self.index(name)?;
+        let info = &self.source.tensors()[i];
+        let held = &self.state()?.held[i];
+        let (dtype, shape) = match held {
+            Held::Whole { tensor, .. } => (tensor.dtype(), tensor.shape().to_vec()),
+            Held::Split { .. } => (info.dtype, info.shape.clone()),
+        };
+        let n: u64 = shape.iter().product();
+        let bs = dtype.block_size().max(1);
+        let per = (max_dq_size / bs).max(1) * bs;
+        let bytes_of = |e: u64| {
+            dtype.bytes_for(e).ok_or_else(|| {
+                invalid(
+                    format!("dequantising tensor '{name}'"),
+                    format!("whole {bs}-element blocks of {dtype}"),
+                    format!("{e} elements"),
+                )
+            })
+        };
+        let host = match held {
+            Held::Whole { tensor, .. } => tensor.host_bytes(),
+            Held::Split { .. } => None,
+        };
+        let mut values = vec![0f32; usize::try_from(n).unwrap_or(usize::MAX)];
+        let mut transient: Vec<u8> = Vec::new();
+        let mut chunks = 0usize;
+        let mut e0 = 0u64;
+        while e0 < n {
+            let m = per.min(n - e0);
+            let (b0, blen) = (bytes_of(e0)? as usize, bytes_of(m)? as usize);
+            let data: &[u8] = match host {
+                Some(h) => h.get(b0..b0 + blen).ok_or_else(|| {
+                    invalid(
+                        format!("tensor '{name}'"),
+                        format!("{} bytes", b0 + blen),
+                        h.len(),
+                    )
+                })?,
+                None => {
+                    transient.reserve_exact(blen.saturating_sub(transient.len()));
+                    transient.resize(blen, 0);
+                    read_held(info, held, b0 as u64, &mut transient[..blen])?;
+                    &transient[..blen]
+                }
+            };
+            let out = &mut values[e0 as usize..(e0 + m) as usize];
+            weightlift_format::dequant::dequantize_into(dtype, data, out)?;
+            chunks += 1;
+            e0 += m;
+        }
+        Ok(Dequantized {
+            values,
+            shape,
+            chunks,
+            transient_bytes: transient.capacity() as u64,
+        })
     }
 
     /// Free every tensor and the cache layers this model allocated.
@@ -579,19 +636,19 @@ impl Model {
     }
 
     /// The tensor's stored bytes, copied from wherever they live (split tensors are
-    /// reassembled), with its dtype and shape.
+    /// reassembled, CUDA memory is copied back), with its dtype and shape.
     pub fn tensor_bytes(&self, name: &str) -> Result<(Vec<u8>, DType, Vec<u64>)> {
         let i = self.index(name)?;
         let info = &self.source.tensors()[i];
         match &self.state()?.held[i] {
             Held::Whole { tensor, .. } => {
-                Ok((tensor.to_host(), tensor.dtype(), tensor.shape().to_vec()))
+                Ok((tensor.to_host()?, tensor.dtype(), tensor.shape().to_vec()))
             }
-            Held::Split { parts, spec } => Ok((
-                join_parts(info, parts, spec),
-                info.dtype,
-                info.shape.clone(),
-            )),
+            held @ Held::Split { .. } => {
+                let mut out = vec![0u8; info.nbytes as usize];
+                read_held(info, held, 0, &mut out)?;
+                Ok((out, info.dtype, info.shape.clone()))
+            }
         }
     }
 
@@ -751,24 +808,69 @@ fn slice_tensor(
     Ok((shape, out))
 }
 
-/// Reassemble a split tensor's bytes from its parts.
-fn join_parts(info: &TensorInfo, parts: &[DeviceTensor], spec: &SplitSpec) -> Vec<u8> {
+/// Bytes `offset..offset + dst.len()` of a held tensor as the checkpoint lays it out: split
+/// parts are reassembled (row splits concatenate, column splits interleave per row).
+fn read_held(info: &TensorInfo, held: &Held, offset: u64, dst: &mut [u8]) -> Result<()> {
+    let (parts, spec) = match held {
+        Held::Whole { tensor, .. } => return tensor.read(offset, dst),
+        Held::Split { parts, spec } => (parts, spec),
+    };
+    let want = dst.len();
+    let short = |filled: usize| {
+        invalid(
+            format!("reading split tensor '{}'", info.name),
+            format!("{want} bytes at {offset}"),
+            format!("{filled} bytes in its parts"),
+        )
+    };
     if spec.replicated {
-        return parts.first().map(DeviceTensor::to_host).unwrap_or_default();
+        return parts.first().ok_or_else(|| short(0))?.read(offset, dst);
     }
+    let mut filled = 0usize;
+    let mut off = offset;
     if spec.axis == 0 || info.shape.len() == 1 {
-        return parts
-            .iter()
-            .flat_map(|t| t.bytes().iter().copied())
-            .collect();
-    }
-    let rows = info.shape.first().copied().unwrap_or(1) as usize;
-    let mut out = Vec::with_capacity(info.nbytes as usize);
-    for r in 0..rows {
+        let mut base = 0u64;
         for t in parts {
-            let w = t.bytes().len() / rows.max(1);
-            out.extend_from_slice(&t.bytes()[r * w..(r + 1) * w]);
+            let n = t.nbytes();
+            if filled < want && off >= base && off < base + n {
+                let take = ((base + n - off) as usize).min(want - filled);
+                t.read(off - base, &mut dst[filled..filled + take])?;
+                filled += take;
+                off += take as u64;
+            }
+            base += n;
+        }
+    } else {
+        let rows = info.shape.first().copied().unwrap_or(1).max(1);
+        let widths: Vec<u64> = parts.iter().map(|t| t.nbytes() / rows).collect();
+        let row_bytes: u64 = widths.iter().sum();
+        while filled < want && row_bytes > 0 {
+            let (r, mut c) = (off / row_bytes, off % row_bytes);
+            let mut p = 0;
+            while p < widths.len() && c >= widths[p] {
+                c -= widths[p];
+                p += 1;
+            }
+            let Some(t) = parts.get(p) else { break };
+            let take = ((widths[p] - c) as usize).min(want - filled);
+            t.read(r * widths[p] + c, &mut dst[filled..filled + take])?;
+            filled += take;
+            off += take as u64;
         }
     }
-    out
+    if filled != want {
+        return Err(short(filled));
+    }
+    Ok(())
+}
+
+/// A tensor dequantised to f32 by [`Model::dequantized`].
+#[derive(Debug)]
+pub struct Dequantized {
+    pub values: Vec<f32>,
+    pub shape: Vec<u64>,
+    /// How many chunks of at most `max_dq_size` values it took.
+    pub chunks: usize,
+    /// Bytes of the transient host buffer used (0 when decoded straight from host memory).
+    pub transient_bytes: u64,
 }

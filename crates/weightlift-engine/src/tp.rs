@@ -77,8 +77,13 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn synchronize(&self) -> Result<()>;
 }
 
-/// Copies staged through host memory: what exllamav2 does without peer access. Synchronous, so
-/// `synchronize` has nothing to wait for.
+/// Copies staged through host memory: what exllamav2 does without peer access. Between `cpu`
+/// and `virtual` devices they are plain copies between the arenas; to, from and between CUDA
+/// devices they go through the kernels' pinned staging (host to device, queued on the device's
+/// stream) and synchronous device-to-host reads, bounced [`crate::device::BOUNCE_BYTES`] at a
+/// time. Peer (device-to-device across GPUs) copies and NCCL are later transports behind the
+/// same trait. `synchronize` has nothing of its own to wait for; [`TpContext::wait_streams`]
+/// also waits for every CUDA device's stream.
 #[derive(Debug, Default)]
 pub struct HostStaged;
 
@@ -92,16 +97,14 @@ impl Collective for HostStaged {
     }
 
     fn to_host(&self, src: &DeviceTensor, dst: &mut [u8]) -> Result<()> {
-        let b = src.bytes();
-        if b.len() != dst.len() {
+        if src.nbytes() != dst.len() as u64 {
             return Err(invalid(
                 "host copy",
                 format!("{} bytes", dst.len()),
-                b.len(),
+                src.nbytes(),
             ));
         }
-        dst.copy_from_slice(b);
-        Ok(())
+        src.read(0, dst)
     }
 
     fn upload(
@@ -337,7 +340,10 @@ impl TpContext {
         // Stage through the chosen host buffer when finalize() made one big enough.
         let staged = self.staging.get_mut(buffer).filter(|b| b.len() >= need);
         let target: &mut [u8] = match staged {
-            Some(b) => &mut b.as_mut_slice()[..need],
+            Some(b) => match b.host_mut() {
+                Some(h) => &mut h[..need],
+                None => &mut out,
+            },
             None => &mut out,
         };
         for (x, &(d, a, b)) in inputs.iter().zip(&split) {
@@ -358,7 +364,7 @@ impl TpContext {
                     x.device().name(),
                 ));
             }
-            let mut part = vec![0u8; x.bytes().len()];
+            let mut part = vec![0u8; x.nbytes() as usize];
             self.collective.to_host(x, &mut part)?;
             let w = (c * es) as usize;
             let off = (a * dim * es) as usize;
@@ -367,8 +373,13 @@ impl TpContext {
                     .copy_from_slice(&part[row * w..(row + 1) * w]);
             }
         }
-        if let Some(b) = self.staging.get(buffer).filter(|b| b.len() >= need) {
-            out.copy_from_slice(&b.as_slice()[..need]);
+        if let Some(h) = self
+            .staging
+            .get(buffer)
+            .filter(|b| b.len() >= need)
+            .and_then(|b| b.host())
+        {
+            out.copy_from_slice(&h[..need]);
         }
         Ok((out, rows, total))
     }
@@ -428,9 +439,9 @@ impl TpContext {
                     ),
                 ));
             }
-            let tvals = crate::convert::to_f32(tg.dtype(), tg.bytes())
+            let tvals = crate::convert::to_f32(tg.dtype(), &tg.to_host()?)
                 .ok_or_else(|| invalid("add_residual dtype", "F32, F16 or BF16", tg.dtype()))?;
-            let svals = crate::convert::to_f32(src.dtype(), src.bytes()).unwrap_or_default();
+            let svals = crate::convert::to_f32(src.dtype(), &src.to_host()?).unwrap_or_default();
             let mut sum = tvals;
             for r in 0..rows as usize {
                 for c in 0..width as usize {
@@ -445,8 +456,10 @@ impl TpContext {
         Ok(())
     }
 
+    /// exllamav2's `wait_streams`: the transport's queued work, then every device's stream.
     pub fn wait_streams(&self) -> Result<()> {
-        self.collective.synchronize()
+        self.collective.synchronize()?;
+        self.devices.iter().try_for_each(|d| d.synchronize())
     }
 
     /// Per-device RoPE tables `(sin, cos)`, each `(max_seq_len, head_dim)` f32, neox layout

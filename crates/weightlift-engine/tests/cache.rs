@@ -155,32 +155,80 @@ fn oom_on_a_small_device() {
 fn offloaded_cache_lives_on_the_host_and_prefetches() {
     let inv = Inventory::parse("virtual:2x64MiB").unwrap();
     let [a, b] = inv.accelerators() else { panic!() };
-    let cache = Arc::new(Cache::new(config(CacheDType::Q8, true)).unwrap());
+    let cfg = CacheConfig {
+        n_kv_heads: vec![3, 2, 2],
+        ..config(CacheDType::Q8, true)
+    };
+    let cache = Arc::new(Cache::new(cfg.clone()).unwrap());
     cache.allocate_layer(0, a, inv.cpu()).unwrap();
-    cache.allocate_layer(1, b, inv.cpu()).unwrap();
-    assert_eq!(cache.device_of(1).unwrap(), "virtual:1");
+    cache.allocate_layer(1, a, inv.cpu()).unwrap();
+    cache.allocate_layer(2, b, inv.cpu()).unwrap();
+    assert_eq!(cache.device_of(1).unwrap(), "virtual:0");
+    // Every layer in host RAM; two slots of the largest layer on a device computing two
+    // layers (the one in use and the one prefetched), one slot on a device computing one.
+    let [l0, l1, l2] = [0, 1, 2].map(|l| cfg.layer_bytes(l));
+    assert!(l0 > l1);
     assert_eq!(
-        (a.used(), b.used()),
-        (0, 0),
+        inv.cpu().used(),
+        l0 + l1 + l2,
         "offloaded layers live in host RAM"
     );
-    let held = inv.cpu().used();
-    assert!(held > 0);
-    let n = 2 * 2 * 3 * 64;
+    assert_eq!((a.used(), b.used()), (2 * l0, l2));
+    let devs = ["virtual:0", "virtual:0", "virtual:1"].map(str::to_owned);
+    let mut want = cfg.expected_memory(&devs);
+    let mut got = cache.memory();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want);
+    assert_eq!(cache.expected_memory().unwrap().len(), 3);
+    assert_eq!(
+        want,
+        [
+            ("cpu".to_owned(), l0 + l1 + l2),
+            ("virtual:0".to_owned(), 2 * l0),
+            ("virtual:1".to_owned(), l2)
+        ]
+    );
+    let n = 2 * 2 * 2 * 64;
     let (k, v) = (values(n, 3), values(n, 4));
-    cache.write(1, 10, 3, &k, &v).unwrap();
+    cache.write(1, 10, 2, &k, &v).unwrap();
+    // fetch(0) lends a slot and prefetches layer 1 into the other one, on a second thread.
     let r0 = cache.fetch(0).unwrap();
     assert_eq!(r0.k.device().name(), "virtual:0");
     assert!(cache.prefetch_pending(), "layer 1 is being prefetched");
-    drop(r0);
-    let r1 = cache.fetch(1).unwrap();
-    assert_eq!(r1.k.device().name(), "virtual:1");
+    assert_eq!(cache.prefetched("virtual:0"), [1]);
     assert_eq!(
-        cache.read_resident(&r1, 10, 13).unwrap(),
-        cache.read(1, 10, 13).unwrap()
+        a.used(),
+        2 * l0,
+        "a lent slot is the cache's memory, not a copy"
     );
+    drop(r0);
+    assert_eq!(cache.prefetched("virtual:0"), [0, 1]);
+    let r1 = cache.fetch(1).unwrap();
+    assert_eq!(cache.prefetched("virtual:1"), [2]);
+    assert_eq!(
+        cache.read_resident(&r1, 10, 12).unwrap(),
+        cache.read(1, 10, 12).unwrap()
+    );
+    // A write makes copies of the layer stale: the next fetch fills the slot again.
+    cache.write(1, 20, 2, &v, &k).unwrap();
     drop(r1);
-    assert_eq!((a.used(), b.used()), (0, 0));
+    assert_eq!(cache.prefetched("virtual:0"), [0]);
+    let r1 = cache.fetch(1).unwrap();
+    assert_eq!(
+        cache.read_resident(&r1, 20, 22).unwrap(),
+        cache.read(1, 20, 22).unwrap()
+    );
+    // Both slots lent: a third fetch on the device is a fresh copy, freed when dropped.
+    let r0 = cache.fetch(0).unwrap();
+    let extra = cache.fetch(0).unwrap();
+    assert_eq!(a.used(), 2 * l0 + l0);
+    drop(extra);
+    assert_eq!(a.used(), 2 * l0);
+    // Freeing with slots still lent: they are freed when their Residents drop.
     cache.free();
-    assert_eq!(inv.cpu().used(), 0);
+    assert_eq!((inv.cpu().used(), b.used()), (0, 0));
+    drop((r0, r1));
+    assert_eq!(a.used(), 0);
+    assert_eq!(cache.memory(), []);
 }

@@ -240,3 +240,53 @@ fn tp_parts_reassemble_to_the_checkpoint() {
         assert!(inv.all().iter().all(|d| d.used() == 0));
     }
 }
+
+/// `dequantized` works through chunks of at most `max_dq_size` values: host-resident tensors are
+/// decoded in place (no transient buffer), split tensors through one buffer of at most one
+/// chunk's bytes; either way the values equal a whole-tensor dequantisation of the file's bytes.
+#[test]
+fn dequantize_is_chunked_by_max_dq_size() {
+    let splits = Splits {
+        kv: vec![(0, 0, 1), (1, 1, 2)],
+        q: vec![(0, 0, 2), (1, 2, 4)],
+        id: vec![(0, 0, 384), (1, 384, 768)],
+        rs: vec![(0, 0, 128), (1, 128, 256)],
+        vc: vec![(0, 0, 16000), (1, 16000, 32000)],
+    };
+    let src = open("gguf/tiny-llama-Q8_0.gguf");
+    let inv = Inventory::parse("virtual:2x16MiB").unwrap();
+    for tp in [false, true] {
+        let mut model = Model::new(Arc::clone(&src), inv.clone());
+        let placement = if tp {
+            model.tp_placement(&splits).unwrap()
+        } else {
+            by_layer(&src)
+        };
+        model
+            .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
+                true
+            })
+            .unwrap();
+        let max_dq = 100u64;
+        for (i, t) in src.tensors().iter().enumerate() {
+            if !weightlift_format::dequant::supports(t.dtype) {
+                continue;
+            }
+            let d = model.dequantized(&t.name, max_dq).unwrap();
+            let want = weightlift_format::dequant::dequantize(t.dtype, src.bytes(i)).unwrap();
+            assert!(d.values == want, "{} (tp {tp})", t.name);
+            assert_eq!(d.shape, t.shape);
+            let bs = t.dtype.block_size();
+            let per = (max_dq / bs).max(1) * bs;
+            assert_eq!(d.chunks as u64, t.n_elements().div_ceil(per), "{}", t.name);
+            let chunk_bytes = t.dtype.bytes_for(per).unwrap();
+            if tp {
+                assert!(d.transient_bytes > 0, "{}", t.name);
+                assert!(d.transient_bytes <= chunk_bytes, "{}", t.name);
+            } else {
+                assert_eq!(d.transient_bytes, 0, "{}", t.name);
+            }
+        }
+        model.unload();
+    }
+}

@@ -149,3 +149,72 @@ fn demo_model_over_two_virtual_devices() {
         Some(CacheSpec::new(1024, 1, CacheDType::Fp16)),
     );
 }
+
+/// An offloaded cache: planned as the whole cache on `cpu` plus two layers' slots per
+/// accelerator (reserved, since the planner has no offload option); what is held equals the
+/// plan's weights and scratch plus the cache's expected memory for the plan's layer devices.
+#[test]
+fn offloaded_cache_matches_its_expected_memory() {
+    let path = tiny("gguf/tiny-llama-Q8_0.gguf");
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
+    let inv = Inventory::parse("virtual:2x6MiB").unwrap();
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let cfg = model
+        .cache_config(512, 2, weightlift_engine::CacheDType::Fp16, true)
+        .unwrap();
+    let mut req = model.plan_request().unwrap();
+    req.strategy = Strategy::Autosplit;
+    req.runtime = RuntimeSpec {
+        max_input_len: 32,
+        max_attention_size: 32 * 32,
+        max_dq_size: 1 << 16,
+        low_mem: false,
+    };
+    weightlift_engine::planned::charge_offloaded_cache(&mut req, &cfg);
+    let plan = weightlift_plan::plan(&req).unwrap();
+    let total: u64 = (0..cfg.n_kv_heads.len()).map(|l| cfg.layer_bytes(l)).sum();
+    let slot = 2 * cfg.layer_bytes(0);
+    let reserve = |name: &str| plan.devices().iter().find(|d| d.name == name).unwrap();
+    assert_eq!(reserve("cpu").reserve, total);
+    assert_eq!(reserve("virtual:0").reserve, slot);
+    assert!(plan.devices().iter().all(|d| d.kv == 0));
+    let cache = Arc::new(Cache::new(cfg.clone()).unwrap());
+    let placement = model.placement(&plan).unwrap();
+    model
+        .load(
+            &placement,
+            &LoadOptions::default(),
+            Some(&cache),
+            true,
+            &mut |_| true,
+        )
+        .unwrap();
+    let expected = cfg.expected_memory(plan.layer_devices());
+    assert_eq!(cache.expected_memory().unwrap(), expected);
+    let mem = model.memory();
+    for d in plan.devices() {
+        let kv = expected
+            .iter()
+            .find(|(n, _)| *n == d.name)
+            .map_or(0, |(_, b)| *b);
+        let want = d.weights + d.scratch + kv;
+        let got = mem
+            .iter()
+            .find(|(n, _)| *n == d.name)
+            .map_or(0, |(_, b)| *b);
+        assert!(
+            got.abs_diff(want) <= want / 100,
+            "{}: plan {want} B, held {got} B",
+            d.name
+        );
+        // The reserve covers what the cache holds there.
+        assert!(
+            kv <= d.reserve,
+            "{}: cache {kv} B, reserve {}",
+            d.name,
+            d.reserve
+        );
+    }
+    model.unload();
+    assert!(inv.all().iter().all(|d| d.used() == 0));
+}

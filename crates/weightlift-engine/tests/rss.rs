@@ -103,7 +103,8 @@ fn peak_anonymous_memory_is_bounded_by_staging() {
         .iter()
         .flatten()
         .map(|t| {
-            t.bytes()
+            t.host_bytes()
+                .unwrap()
                 .iter()
                 .step_by(4096)
                 .map(|&b| u64::from(b))

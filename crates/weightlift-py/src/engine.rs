@@ -80,7 +80,7 @@ fn eng<T>(r: Result<T, EngineError>) -> PyResult<T> {
 // Devices
 
 /// The devices `tensor()` resolves names against: the last inventory made by `use_devices` or
-/// a `Model(devices=...)`, plus `cpu`.
+/// a `Model(devices=...)`, else the real machine's (`cpu` plus any CUDA devices).
 static REGISTRY: Mutex<Option<Inventory>> = Mutex::new(None);
 
 fn registry() -> MutexGuard<'static, Option<Inventory>> {
@@ -89,18 +89,28 @@ fn registry() -> MutexGuard<'static, Option<Inventory>> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The devices of `spec`, or with `None` the real inventory: `cpu` at MemAvailable plus every
+/// CUDA device the kernels' backend reports (the same devices as `weightlift.devices()`, less
+/// `disk`; none in a build without the `cuda` feature).
 fn inventory_for(devices: Option<&str>) -> PyResult<Inventory> {
     let inv = match devices {
         Some(spec) => eng(Inventory::parse(spec))?,
-        None => Inventory::cpu_only(),
+        None => eng(Inventory::detect())?,
     };
     *registry() = Some(inv.clone());
     Ok(inv)
 }
 
 fn resolve_device(name: &str) -> PyResult<Arc<Device>> {
-    let reg = registry();
-    let inv = reg.clone().unwrap_or_else(Inventory::cpu_only);
+    let mut reg = registry();
+    let inv = match reg.clone() {
+        Some(inv) => inv,
+        None => {
+            let inv = eng(Inventory::detect())?;
+            *reg = Some(inv.clone());
+            inv
+        }
+    };
     drop(reg);
     inv.get(name).map_err(|_| {
         let known: Vec<String> = inv.all().iter().map(|d| d.name().to_owned()).collect();
@@ -246,7 +256,7 @@ impl DeviceTensor {
     /// A host copy as a numpy array.
     fn numpy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let (bytes, dtype, shape) =
-            self.with(|t| Ok((t.to_host(), t.dtype(), t.shape().to_vec())))?;
+            self.with(|t| Ok((eng(t.to_host())?, t.dtype(), t.shape().to_vec())))?;
         to_numpy(py, &bytes, dtype, &shape)
     }
 
@@ -640,11 +650,17 @@ impl Model {
                 req.staging_bytes = opts.staging_bytes as u64;
                 if let Some(c) = &cache {
                     let cfg = c.config();
-                    req.cache = Some(wp::CacheSpec::new(
-                        cfg.max_seq_len,
-                        cfg.batch_size,
-                        we::planned::plan_cache_dtype(cfg.dtype),
-                    ));
+                    if cfg.offload {
+                        // Host RAM plus one prefetch slot per device, as reserves (the planner
+                        // has no offload option).
+                        we::planned::charge_offloaded_cache(&mut req, cfg);
+                    } else {
+                        req.cache = Some(wp::CacheSpec::new(
+                            cfg.max_seq_len,
+                            cfg.batch_size,
+                            we::planned::plan_cache_dtype(cfg.dtype),
+                        ));
+                    }
                 }
                 let inv = inner.model.inventory().clone();
                 req_fn(&mut req, &inv)?;
@@ -709,7 +725,8 @@ fn cache_arg(cache: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<ECache>>> 
 #[pymethods]
 impl Model {
     /// `source`: a `Checkpoint` or a path. `devices`: the accelerator inventory as a spec
-    /// (`"virtual:2x64MiB"`, `"cuda:0,cuda:1"`); `cpu` is always available. `dtype`: `"auto"`
+    /// (`"virtual:2x64MiB"`, `"cuda:0,cuda:1"`); `cpu` is always available. `None` is the real
+    /// machine: `cpu` plus every CUDA device found (in a build with the `cuda` feature). `dtype`: `"auto"`
     /// keeps stored dtypes, `"float16"` converts F32/BF16 weights. `runtime`: a `RuntimeSpec`
     /// or dict (`max_input_len`, `max_attention_size`, `max_dq_size`, `low_mem`).
     #[new]
@@ -725,13 +742,14 @@ impl Model {
         let dtype = wp::DTypeChoice::parse(dtype).map_err(plan_err)?;
         let runtime = runtime_from(runtime)?;
         let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
+        let devices_spec = devices.map_or_else(|| inv.spec(), str::to_owned);
         Ok(Model {
             inner: Mutex::new(ModelInner {
                 model: EModel::new(src, inv),
                 plan: None,
                 dtype,
                 runtime,
-                devices_spec: devices.unwrap_or("cpu").to_owned(),
+                devices_spec,
             }),
             checkpoint: ckpt,
         })
@@ -911,7 +929,8 @@ impl Model {
         Ok(self.lock()?.model.device_usage().into_iter().collect())
     }
 
-    /// The device spec this model was made with.
+    /// The device spec this model was made with (with `devices=None`, the detected machine's,
+    /// e.g. `"cuda:0,cpu"`).
     #[getter]
     fn devices(&self) -> PyResult<String> {
         Ok(self.lock()?.devices_spec.clone())
@@ -940,8 +959,10 @@ impl Model {
         Ok(eng(self.lock()?.model.layer_devices())?.to_vec())
     }
 
-    /// A numpy copy of a tensor from wherever it lives (split tensors are reassembled). Raw
-    /// quantised blocks come back as uint8 rows; `dequantize=True` gives float32.
+    /// A numpy copy of a tensor from wherever it lives (split tensors are reassembled, CUDA
+    /// memory is copied back). Raw quantised blocks come back as uint8 rows; `dequantize=True`
+    /// gives float32, decoded at most `runtime.max_dq_size` values at a time so transient
+    /// buffers stay within that chunk limit.
     #[pyo3(signature = (name, dequantize = false))]
     fn tensor<'py>(
         &self,
@@ -951,10 +972,12 @@ impl Model {
     ) -> PyResult<Bound<'py, PyAny>> {
         let inner = self.lock()?;
         if dequantize {
-            let (v, shape) = eng(inner.model.dequantized(name))?;
+            let max_dq = inner.runtime.max_dq_size;
+            let model = &inner.model;
+            let d = eng(py.detach(|| model.dequantized(name, max_dq)))?;
             drop(inner);
-            let arr = PyArray1::from_vec(py, v);
-            return arr.call_method1("reshape", (PyTuple::new(py, shape)?,));
+            let arr = PyArray1::from_vec(py, d.values);
+            return arr.call_method1("reshape", (PyTuple::new(py, d.shape)?,));
         }
         let (bytes, dtype, shape) = eng(inner.model.tensor_bytes(name))?;
         drop(inner);
@@ -1041,9 +1064,17 @@ impl Cache {
         self.cache.is_allocated()
     }
 
-    /// Bytes held per device.
+    /// Bytes held per device: the layers, and an offloaded cache's prefetch slots.
     fn memory(&self) -> HashMap<String, u64> {
         self.cache.memory().into_iter().collect()
+    }
+
+    /// What `memory()` should hold for the devices the layers were allocated for: each layer's
+    /// K and V on its device; offloaded, every layer on `cpu` plus one prefetch slot (the
+    /// largest layer) on each layer device. The planner has no offload option, so compare an
+    /// offloaded cache with this rather than with the plan's kv column.
+    fn expected_memory(&self) -> PyResult<HashMap<String, u64>> {
+        Ok(eng(self.cache.expected_memory())?.into_iter().collect())
     }
 
     /// The device layer `layer` computes on (and, unless offloaded, lives on).
@@ -1585,13 +1616,14 @@ fn load_gguf(
         let ckpt = Arc::new(ckpt);
         let inv = inventory_for(devices)?;
         let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
+        let devices_spec = devices.map_or_else(|| inv.spec(), str::to_owned);
         return Ok(Model {
             inner: Mutex::new(ModelInner {
                 model: EModel::new(src, inv),
                 plan: None,
                 dtype: wp::DTypeChoice::Auto,
                 runtime: runtime_from(runtime)?,
-                devices_spec: devices.unwrap_or("cpu").to_owned(),
+                devices_spec,
             }),
             checkpoint: ckpt,
         });

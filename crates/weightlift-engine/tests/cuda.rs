@@ -1,0 +1,198 @@
+//! `cuda:N` through the kernels' CUDA backend. Without a GPU, libcuda or the `cuda` feature
+//! every test checks the clean `CudaUnavailable` error naming the device, prints why it skips
+//! the rest, and passes; on a machine with a GPU (build with `--features cuda`) it checks
+//! device memory, loading, copies back, accounting, caches and unload against the checkpoint.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use weightlift_engine::model::TensorPlace;
+use weightlift_engine::{
+    Cache, CacheDType, DeviceTensor, EngineError, Inventory, LoadOptions, Model, Placement, Source,
+};
+use weightlift_format::{Checkpoint, DType, OpenOptions};
+use weightlift_kernels::CudaBackend;
+
+fn open(sub: &str) -> Arc<dyn Source> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/reference/tiny-llama")
+        .join(sub);
+    Arc::new(Checkpoint::open(p, OpenOptions::default()).unwrap())
+}
+
+/// The CUDA inventory, or `None` after checking the error and printing why the test skips.
+fn cuda_or_skip(test: &str) -> Option<Inventory> {
+    match CudaBackend::unavailable_reason() {
+        Some(reason) => {
+            let e = Inventory::parse("cuda:0").unwrap_err();
+            assert!(
+                matches!(e, EngineError::CudaUnavailable { ref device, .. } if device == "cuda:0"),
+                "{e}"
+            );
+            assert!(e.to_string().contains("cuda:0"), "{e}");
+            // The real inventory has no CUDA device then, only the host.
+            let inv = Inventory::detect().unwrap();
+            assert!(inv.accelerators().is_empty());
+            eprintln!("skipping {test} on cuda:0: {reason}");
+            None
+        }
+        None => Some(Inventory::parse("cuda:0,cpu").unwrap()),
+    }
+}
+
+/// Layer-1 float tensors are converted to F16 on the way (in the staging path).
+fn to_f16(t: &weightlift_format::TensorInfo) -> Option<DType> {
+    (t.layer == Some(1) && matches!(t.dtype, DType::F32 | DType::BF16)).then_some(DType::F16)
+}
+
+/// The F16 bytes of F32 or BF16 data, by the `half` crate.
+fn f16_bytes(dtype: DType, bytes: &[u8]) -> Vec<u8> {
+    let vals: Vec<f32> = match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    };
+    vals.iter()
+        .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+        .collect()
+}
+
+#[test]
+fn device_memory_round_trips_and_is_accounted() {
+    let Some(inv) = cuda_or_skip("device_memory_round_trips_and_is_accounted") else {
+        return;
+    };
+    let gpu = &inv.accelerators()[0];
+    assert_eq!(gpu.name(), "cuda:0");
+    assert!(gpu.capacity().unwrap() > 0);
+    let bytes: Vec<u8> = (0..(40u32 << 20)).map(|i| (i * 7 + 3) as u8).collect();
+    let n = bytes.len() as u64 / 4;
+    let t = DeviceTensor::from_host(gpu, vec![n], DType::F32, &bytes).unwrap();
+    assert!(
+        t.host_bytes().is_none(),
+        "device memory is not host-addressable"
+    );
+    assert_eq!(gpu.used(), bytes.len() as u64);
+    assert!(t.to_host().unwrap() == bytes);
+    let mut part = vec![0u8; 4096];
+    t.read(12_345, &mut part).unwrap();
+    assert!(part == bytes[12_345..12_345 + 4096]);
+    let virt = Inventory::parse("virtual:64MiB").unwrap();
+    let on_virtual = t.copy_to(&virt.accelerators()[0]).unwrap();
+    assert!(on_virtual.host_bytes().unwrap() == bytes.as_slice());
+    let back = on_virtual.copy_to(gpu).unwrap();
+    assert!(back.to_host().unwrap() == bytes);
+    let e = gpu.alloc(gpu.capacity().unwrap() + 1).unwrap_err();
+    assert!(e.to_string().contains("out of memory on cuda:0"), "{e}");
+    drop((t, back));
+    assert_eq!(gpu.used(), 0);
+}
+
+#[test]
+fn load_onto_cuda_copies_back_the_checkpoint_and_unload_frees() {
+    let Some(inv) = cuda_or_skip("load_onto_cuda_copies_back_the_checkpoint_and_unload_frees")
+    else {
+        return;
+    };
+    let src = open("safetensors");
+    // Layers on cuda:0 (staged: pinned double buffer, async copies), globals on cpu, with an
+    // F32→F16 conversion on the way for one of the layer-1 tensors.
+    let placement = Placement {
+        tensors: src
+            .tensors()
+            .iter()
+            .map(|t| TensorPlace {
+                device: if t.layer.is_some() { "cuda:0" } else { "cpu" }.into(),
+                dtype: to_f16(t).unwrap_or(t.dtype),
+                split: None,
+            })
+            .collect(),
+        layers: vec!["cuda:0".into(); 2],
+        copies: Vec::new(),
+        scratch: vec![("cuda:0".into(), 1 << 20)],
+    };
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let cfg = model.cache_config(256, 1, CacheDType::Q8, false).unwrap();
+    let cache = Arc::new(Cache::new(cfg.clone()).unwrap());
+    let opts = LoadOptions {
+        check_tensors: true,
+        staging_bytes: 64 << 10,
+        ..LoadOptions::default()
+    };
+    model
+        .load(&placement, &opts, Some(&cache), true, &mut |_| true)
+        .unwrap();
+    let mut layer_bytes = 0u64;
+    for (i, t) in src.tensors().iter().enumerate() {
+        let want = match to_f16(t) {
+            Some(_) => f16_bytes(t.dtype, src.bytes(i)),
+            None => src.bytes(i).to_vec(),
+        };
+        assert!(model.tensor_bytes(&t.name).unwrap().0 == want, "{}", t.name);
+        if t.layer.is_some() {
+            layer_bytes += want.len() as u64;
+        }
+        let d = model.dequantized(&t.name, 1000).unwrap();
+        assert!(d.transient_bytes <= 4000, "{}", t.name);
+    }
+    let gpu = &inv.accelerators()[0];
+    let kv = cfg.layer_bytes(0) + cfg.layer_bytes(1);
+    let held = model
+        .memory()
+        .into_iter()
+        .find(|(n, _)| n == "cuda:0")
+        .unwrap()
+        .1;
+    assert_eq!(held, layer_bytes + kv + (1 << 20));
+    assert_eq!(gpu.used(), held);
+    // The cache on CUDA memory round-trips within the q8 bound.
+    let n = 2 * 64 * 3;
+    let k: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    cache.write(1, 5, 3, &k, &k).unwrap();
+    let (k2, _) = cache.read(1, 5, 8).unwrap();
+    for (a, b) in k.iter().zip(&k2) {
+        assert!((a - b).abs() <= 1.0 / 254.0 * 1.01 + 1e-5);
+    }
+    model.unload();
+    assert_eq!(gpu.used(), 0);
+    assert!(!cache.is_allocated());
+}
+
+#[test]
+fn offloaded_cache_prefetches_into_cuda() {
+    let Some(inv) = cuda_or_skip("offloaded_cache_prefetches_into_cuda") else {
+        return;
+    };
+    let gpu = &inv.accelerators()[0];
+    let cfg = weightlift_engine::CacheConfig {
+        max_seq_len: 64,
+        batch_size: 1,
+        dtype: CacheDType::Fp16,
+        n_kv_heads: vec![2, 2],
+        head_dim: 64,
+        offload: true,
+    };
+    let cache = Arc::new(Cache::new(cfg.clone()).unwrap());
+    cache.allocate_layer(0, gpu, inv.cpu()).unwrap();
+    cache.allocate_layer(1, gpu, inv.cpu()).unwrap();
+    assert_eq!(gpu.used(), 2 * cfg.layer_bytes(0), "two slots");
+    let n = 2 * 64 * 4;
+    let k: Vec<f32> = (0..n).map(|i| i as f32 / 8.0).collect();
+    cache.write(1, 0, 4, &k, &k).unwrap();
+    let r0 = cache.fetch(0).unwrap();
+    assert_eq!(cache.prefetched("cuda:0"), [1]);
+    drop(r0);
+    let r1 = cache.fetch(1).unwrap();
+    assert_eq!(
+        cache.read_resident(&r1, 0, 4).unwrap(),
+        cache.read(1, 0, 4).unwrap()
+    );
+    drop(r1);
+    cache.free();
+    assert_eq!(gpu.used(), 0);
+}
