@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -54,7 +55,7 @@ pub struct TokenizerInfo {
 /// What a format reader hands back before the checkpoint is assembled.
 #[derive(Debug)]
 pub(crate) struct Parsed {
-    pub files: Vec<MappedFile>,
+    pub files: Vec<Arc<MappedFile>>,
     pub metadata: Metadata,
     /// Tensors with `layer` and `role` still unset; empty when `vocab_only`.
     pub tensors: Vec<TensorInfo>,
@@ -69,7 +70,7 @@ pub struct Checkpoint {
     format: Format,
     /// The path the user opened (a file, a folder or an index).
     path: PathBuf,
-    files: Vec<MappedFile>,
+    files: Vec<Arc<MappedFile>>,
     metadata: Metadata,
     tensors: Vec<TensorInfo>,
     by_name: HashMap<String, usize>,
@@ -333,7 +334,7 @@ impl Checkpoint {
 
     /// The files that make up the checkpoint, in order; `TensorInfo::file` indexes this.
     pub fn files(&self) -> impl ExactSizeIterator<Item = &Path> {
-        self.files.iter().map(MappedFile::path)
+        self.files.iter().map(|f| f.path())
     }
 
     pub fn metadata(&self) -> &Metadata {

@@ -22,13 +22,25 @@
 //! GGUF does not store a tensor's byte size: it is implied by type × shape. The "stored size"
 //! check is therefore that those implied bytes fit between the tensor's offset and the next
 //! tensor (the overlap check) or the end of the file (the bounds check).
+//!
+//! Opening copies nothing from the file. Scalars and short strings become plain values; arrays
+//! of at least [`LAZY_ARRAY_MIN_LEN`] scalars or strings (vocabularies, merges, scores, token
+//! types) are validated in place, completely (every length, bound, bool byte and UTF-8
+//! sequence, against the same caps and with the same messages), and kept as
+//! [`MetaArray`]s that point into the shared map and decode elements on demand. UTF-8 is
+//! checked a run of strings at a time (see `Parser::string_array`), with no allocation per
+//! element.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::checkpoint::{Parsed, TokenizerInfo};
 use crate::mapped::MappedFile;
-use crate::{DType, FormatError, MetaValue, Metadata, Result, TensorInfo, hint};
+use crate::metadata::{Backing, Decoder, Elem, LAZY_ARRAY_MIN_LEN};
+use crate::{
+    DType, FormatError, MetaArray, MetaRef, MetaValue, Metadata, Result, TensorInfo, hint,
+};
 
 /// `"GGUF"` as it appears on disk (always in this byte order, whatever the file's endianness).
 pub const MAGIC: [u8; 4] = *b"GGUF";
@@ -115,7 +127,8 @@ pub struct GgufHeader {
     pub version: u32,
     /// The tensor count the header claims (equal to `tensors.len()` after a full parse).
     pub n_tensors: u64,
-    /// Key/value pairs in file order.
+    /// Key/value pairs in file order. Long arrays refer to the parsed bytes (a shared handle
+    /// on the map, or on the copy [`parse`] makes), so the header may outlive the borrow.
     pub metadata: Metadata,
     /// Tensors in file order: `shape` in numpy order (the reverse of `ne`), `offset` absolute
     /// within the file, `file` 0, `layer` and `role` unset. Empty after [`parse_metadata`].
@@ -129,15 +142,27 @@ pub struct GgufHeader {
 
 /// Parse and validate a whole GGUF file held in `bytes`. `path` is used only in messages.
 ///
-/// Never panics, and allocates at most in proportion to `bytes.len()`.
+/// Never panics, and allocates at most in proportion to `bytes.len()`. Long metadata arrays
+/// refer to the bytes instead of being copied (see [`crate::MetaArray`]), so the header keeps
+/// one shared copy of `bytes`; [`crate::Checkpoint::open`] reads over the memory map instead
+/// and copies nothing.
 pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader> {
-    Parser::new(bytes, path).parse(true)
+    parse_backed(&owned(bytes), path, true)
 }
 
 /// Parse and validate only the header and the key/value section; the tensor info section and
 /// the tensor data are not read. This is what `vocab_only` uses.
 pub fn parse_metadata(bytes: &[u8], path: &Path) -> Result<GgufHeader> {
-    Parser::new(bytes, path).parse(false)
+    parse_backed(&owned(bytes), path, false)
+}
+
+fn owned(bytes: &[u8]) -> Backing {
+    Arc::new(bytes.to_vec())
+}
+
+/// Parse the bytes of `src`; long metadata arrays keep a handle on `src`.
+fn parse_backed(src: &Backing, path: &Path, with_tensors: bool) -> Result<GgufHeader> {
+    Parser::new(src, path).parse(with_tensors)
 }
 
 /// What the `tokenizer.ggml.*` keys say.
@@ -181,6 +206,8 @@ fn invalid(
 /// A bounds-checked little-endian reader over the file bytes.
 struct Parser<'a> {
     bytes: &'a [u8],
+    /// The owner of `bytes`, shared with lazy metadata arrays.
+    src: &'a Backing,
     pos: usize,
     path: &'a Path,
     /// Metadata values read so far, against [`MAX_METADATA_VALUES`].
@@ -188,9 +215,10 @@ struct Parser<'a> {
 }
 
 impl<'a> Parser<'a> {
-    fn new(bytes: &'a [u8], path: &'a Path) -> Self {
+    fn new(src: &'a Backing, path: &'a Path) -> Self {
         Parser {
-            bytes,
+            bytes: (**src).as_ref(),
+            src,
             pos: 0,
             path,
             n_values: 0,
@@ -278,38 +306,94 @@ impl<'a> Parser<'a> {
         })
     }
 
-    /// A string array. Vocabularies hold ~10^5 strings and dominate the parse, so the array is
-    /// cut into byte spans by a tight loop first (the general path only produces messages),
-    /// then validated and copied. (Copying on all cores was tried: it was slower on a loaded
-    /// two-core machine, where allocation, not UTF-8 checking, is the cost.)
-    fn string_array(&mut self, n: usize, key: &str) -> Result<Vec<MetaValue>> {
+    /// Validates a string array of `n` elements at the cursor and steps over it. Vocabularies
+    /// hold ~10^5 strings and dominate the parse, so this is one tight pass over the length
+    /// fields that allocates nothing (the general path only builds messages), and UTF-8 is
+    /// checked a run of strings at a time rather than string by string.
+    ///
+    /// A run ("segment") is a stretch of the array in which every length field is ASCII (no
+    /// byte ≥ 0x80: true of every length below 128, so of almost every token). If a segment is
+    /// valid UTF-8 then so is each string in it: every string is bordered by ASCII bytes or by
+    /// the segment's ends, so its ends are character boundaries of a valid string. A length
+    /// field with a byte ≥ 0x80 ends the segment before it and starts the next one after it.
+    ///
+    /// Lengths and bounds are checked for every element before a UTF-8 error is reported, so a
+    /// truncated array is reported as truncated whatever its earlier strings hold; a UTF-8
+    /// error names the first bad element.
+    fn string_array(&mut self, n: usize, key: &str) -> Result<()> {
+        const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
         let what = |i: usize| move || format!("key '{key}' element {i}");
-        let mut spans: Vec<&'a [u8]> = Vec::with_capacity(n);
         let bytes = self.bytes;
+        // The open segment: its first byte, and its first element with that element's
+        // length field.
+        let mut seg_start = self.pos;
+        let mut seg_first = (0usize, self.pos);
+        // The first segment that is not UTF-8: its first element, length field, and end.
+        let mut bad: Option<(usize, usize, usize)> = None;
+        let mut check = |from: usize, to: usize, first: (usize, usize)| {
+            let valid = bytes
+                .get(from..to)
+                .is_some_and(|run| simdutf8::basic::from_utf8(run).is_ok());
+            if bad.is_none() && !valid {
+                bad = Some((first.0, first.1, to));
+            }
+        };
         for i in 0..n {
             let pos = self.pos;
-            let span = bytes
+            let word = bytes
                 .get(pos..pos.wrapping_add(8))
-                .map(|l| u64::from_le_bytes([l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7]]))
+                .map(|l| u64::from_le_bytes([l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7]]));
+            let end = word
                 .filter(|&len| len <= MAX_STRING_LEN)
-                .and_then(|len| bytes.get(pos + 8..(pos + 8).checked_add(len as usize)?));
-            match span {
-                Some(b) => {
-                    self.pos = pos + 8 + b.len();
-                    spans.push(b);
+                .and_then(|len| (pos + 8).checked_add(len as usize))
+                .filter(|&end| end <= bytes.len());
+            match (word, end) {
+                (Some(word), Some(end)) => {
+                    if word & HIGH_BITS != 0 {
+                        check(seg_start, pos, seg_first);
+                        seg_start = pos + 8;
+                        seg_first = (i, pos);
+                    }
+                    self.pos = end;
                 }
-                None => spans.push(self.string_bytes(MAX_STRING_LEN, &what(i))?),
+                // The general path reports exactly what is wrong (and cannot succeed here);
+                // should it ever, the string is checked on its own.
+                _ => {
+                    check(seg_start, pos, seg_first);
+                    self.string_bytes(MAX_STRING_LEN, &what(i))?;
+                    check(pos + 8, self.pos, (i, pos));
+                    seg_start = self.pos;
+                    seg_first = (i + 1, self.pos);
+                }
             }
         }
-        let mut v = Vec::with_capacity(n);
-        for (i, b) in spans.iter().enumerate() {
-            let s = match std::str::from_utf8(b) {
-                Ok(s) => s,
-                Err(_) => self.utf8(b, &what(i))?,
-            };
-            v.push(MetaValue::String(s.to_owned()));
+        check(seg_start, self.pos, seg_first);
+
+        let Some((first, mut pos, seg_end)) = bad else {
+            return Ok(());
+        };
+        // Find the first bad string of the bad segment, string by string.
+        for i in first..n {
+            let b = self.string_at(pos).filter(|b| pos + 8 + b.len() <= seg_end);
+            let Some(b) = b else { break };
+            self.utf8(b, &what(i))?;
+            pos += 8 + b.len();
         }
-        Ok(v)
+        // Unreachable for a segment that holds whole strings; refuse the array regardless.
+        Err(invalid(
+            self.path,
+            what(first)(),
+            "a UTF-8 string",
+            "invalid UTF-8",
+            hint::CORRUPT,
+        ))
+    }
+
+    /// The bytes of the string whose length field is at `pos`, if they lie in the file.
+    fn string_at(&self, pos: usize) -> Option<&'a [u8]> {
+        let l = self.bytes.get(pos..pos.checked_add(8)?)?;
+        let len = usize::try_from(u64::from_le_bytes(l.try_into().ok()?)).ok()?;
+        self.bytes.get(pos + 8..(pos + 8).checked_add(len)?)
     }
 
     /// A claimed count, refused when it exceeds `cap` or when the bytes that remain could not
@@ -571,51 +655,57 @@ impl<'a> Parser<'a> {
         let n = count as usize; // bounded by the remaining bytes, checked above
         let what = || format!("key '{key}' array of {count} {}", vt::name(ety));
 
-        // Fixed-size elements: one bounds check for the whole array.
-        macro_rules! fixed {
-            ($variant:ident, $t:ty) => {{
-                let size = std::mem::size_of::<$t>();
-                let b = self.take((n * size) as u64, what)?;
-                b.chunks_exact(size)
-                    .map(|c| {
-                        let mut a = [0u8; std::mem::size_of::<$t>()];
-                        a.copy_from_slice(c);
-                        MetaValue::$variant(<$t>::from_le_bytes(a))
-                    })
-                    .collect()
-            }};
-        }
-        let items: Vec<MetaValue> = match ety {
-            vt::U8 => fixed!(U8, u8),
-            vt::I8 => fixed!(I8, i8),
-            vt::U16 => fixed!(U16, u16),
-            vt::I16 => fixed!(I16, i16),
-            vt::U32 => fixed!(U32, u32),
-            vt::I32 => fixed!(I32, i32),
-            vt::F32 => fixed!(F32, f32),
-            vt::U64 => fixed!(U64, u64),
-            vt::I64 => fixed!(I64, i64),
-            vt::F64 => fixed!(F64, f64),
-            vt::BOOL => {
-                let start = self.pos;
-                let b = self.take(count, what)?;
-                let mut v = Vec::with_capacity(n);
-                for (i, &x) in b.iter().enumerate() {
-                    v.push(MetaValue::Bool(self.bool_byte(x, key, start + i)?));
-                }
-                v
-            }
-            vt::STRING => self.string_array(n, key)?,
+        let elem = match ety {
+            vt::U8 => Elem::U8,
+            vt::I8 => Elem::I8,
+            vt::U16 => Elem::U16,
+            vt::I16 => Elem::I16,
+            vt::U32 => Elem::U32,
+            vt::I32 => Elem::I32,
+            vt::F32 => Elem::F32,
+            vt::U64 => Elem::U64,
+            vt::I64 => Elem::I64,
+            vt::F64 => Elem::F64,
+            vt::BOOL => Elem::Bool,
+            vt::STRING => Elem::String,
             _ => {
                 // Nested arrays; depth was checked above.
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     v.push(self.read_array(key, depth + 1)?);
                 }
-                v
+                return Ok(MetaValue::Array(v.into()));
             }
         };
-        Ok(MetaValue::Array(items))
+
+        // Validate the whole array in place: one bounds check for fixed-size elements, every
+        // byte of a bool array, every length and byte of a string array.
+        let start = self.pos;
+        match elem.size() {
+            Some(size) => {
+                let b = self.take((n * size) as u64, what)?;
+                if elem == Elem::Bool {
+                    for (i, &x) in b.iter().enumerate() {
+                        self.bool_byte(x, key, start + i)?;
+                    }
+                }
+            }
+            None => self.string_array(n, key)?,
+        }
+        let end = self.pos;
+
+        if n >= LAZY_ARRAY_MIN_LEN {
+            return Ok(MetaValue::Array(MetaArray::mapped(
+                Arc::clone(self.src),
+                start,
+                end,
+                n,
+                elem,
+            )));
+        }
+        let mut v = Vec::with_capacity(n);
+        v.extend(Decoder::new(&self.bytes[start..end], n, elem).map(MetaRef::to_value));
+        Ok(MetaValue::Array(v.into()))
     }
 
     fn alignment(&self, metadata: &Metadata) -> Result<u64> {
@@ -901,12 +991,15 @@ fn split_key(meta: &Metadata, key: &str, path: &Path) -> Result<Option<u64>> {
 /// With `vocab_only`, each part's header and key/value section are parsed and validated, the
 /// tensor info section is skipped, and no tensor is returned; tensor data is never touched.
 pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
-    let parse_fn = if vocab_only { parse_metadata } else { parse };
+    let parse_file = |file: &Arc<MappedFile>, path: &Path| {
+        let src: Backing = file.clone();
+        parse_backed(&src, path, !vocab_only)
+    };
     let split = SplitName::parse(path).filter(|s| s.count > 1);
 
     let Some(split) = split else {
-        let file = MappedFile::open(path)?;
-        let header = parse_fn(file.bytes(), path)?;
+        let file = Arc::new(MappedFile::open(path)?);
+        let header = parse_file(&file, path)?;
         if let Some(count) = split_key(&header.metadata, SPLIT_COUNT_KEY, path)?
             && count > 1
         {
@@ -944,8 +1037,8 @@ pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
                 hint::SHARDS,
             ));
         }
-        let file = MappedFile::open(&part)?;
-        let header = parse_fn(file.bytes(), &part)?;
+        let file = Arc::new(MappedFile::open(&part)?);
+        let header = parse_file(&file, &part)?;
         files.push(file);
         headers.push(header);
     }
@@ -1033,7 +1126,7 @@ pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
 }
 
 /// Metadata from the first part, tensors from every part (each pointing at its part).
-fn assemble(files: Vec<MappedFile>, headers: Vec<GgufHeader>, vocab_only: bool) -> Parsed {
+fn assemble(files: Vec<Arc<MappedFile>>, headers: Vec<GgufHeader>, vocab_only: bool) -> Parsed {
     let mut headers = headers.into_iter();
     let first = headers.next();
     let (metadata, mut tensors) = match first {

@@ -20,6 +20,6 @@ pub mod scan;
 pub use checkpoint::{Checkpoint, Format, OpenOptions, TokenizerInfo};
 pub use dtype::DType;
 pub use error::{FormatError, Result, hint};
-pub use metadata::{MetaValue, Metadata};
+pub use metadata::{LAZY_ARRAY_MIN_LEN, MetaArray, MetaIter, MetaRef, MetaValue, Metadata};
 pub use spec::ModelSpec;
 pub use tensor::{Role, TensorInfo};

@@ -53,3 +53,9 @@ impl MappedFile {
         self.bytes().len() as u64
     }
 }
+
+impl AsRef<[u8]> for MappedFile {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes()
+    }
+}

@@ -47,7 +47,7 @@ pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
     let config = read_config(&folder)?;
     let tokenizer = tokenizer_info(&folder, config.as_ref())?;
     Ok(Parsed {
-        files,
+        files: files.into_iter().map(std::sync::Arc::new).collect(),
         metadata,
         tensors: if vocab_only { Vec::new() } else { tensors },
         config,

@@ -6,7 +6,7 @@ mod names;
 use serde::{Deserialize, Serialize};
 
 use crate::Role;
-use crate::{FormatError, MetaValue, Metadata, Result};
+use crate::{FormatError, MetaRef, MetaValue, Metadata, Result};
 
 /// More layers than any published model has by two orders of magnitude. The per-layer KV-head
 /// table is allocated from the claimed count, so the claim is capped first.
@@ -101,12 +101,12 @@ fn default_head_dim(key: &str, hidden: u64, heads: u32) -> Result<u32> {
 // ---------------------------------------------------------------------------------------------
 // GGUF
 
-fn describe_meta(v: &MetaValue) -> String {
+fn describe_meta(v: MetaRef<'_>) -> String {
     match v {
-        MetaValue::String(s) if s.len() > 40 => format!("a string of {} bytes", s.len()),
-        MetaValue::String(s) => format!("the string {s:?}"),
-        MetaValue::Array(a) => format!("an array of {} values", a.len()),
-        MetaValue::Bool(b) => format!("the bool {b}"),
+        MetaRef::String(s) if s.len() > 40 => format!("a string of {} bytes", s.len()),
+        MetaRef::String(s) => format!("the string {s:?}"),
+        MetaRef::Array(a) => format!("an array of {} values", a.len()),
+        MetaRef::Bool(b) => format!("the bool {b}"),
         other => format!("{other:?}"),
     }
 }
@@ -132,7 +132,10 @@ impl Gguf<'_> {
             Some((key, v)) => v.as_u64().map(Some).ok_or_else(|| {
                 spec_err(
                     key,
-                    format!("expected a non-negative integer, got {}", describe_meta(v)),
+                    format!(
+                        "expected a non-negative integer, got {}",
+                        describe_meta(v.view())
+                    ),
                 )
             }),
         }
@@ -154,7 +157,10 @@ impl Gguf<'_> {
         match self.get(suffix) {
             None => Ok(None),
             Some((key, v)) => v.as_f64().map(Some).ok_or_else(|| {
-                spec_err(key, format!("expected a number, got {}", describe_meta(v)))
+                spec_err(
+                    key,
+                    format!("expected a number, got {}", describe_meta(v.view())),
+                )
             }),
         }
     }
@@ -192,7 +198,7 @@ impl Gguf<'_> {
                 key,
                 format!(
                     "expected an integer or a per-layer array, got {}",
-                    describe_meta(v)
+                    describe_meta(v.view())
                 ),
             )
         })
@@ -211,7 +217,10 @@ impl ModelSpec {
             Some(v) => {
                 return Err(spec_err(
                     "general.architecture",
-                    format!("expected a non-empty string, got {}", describe_meta(v)),
+                    format!(
+                        "expected a non-empty string, got {}",
+                        describe_meta(v.view())
+                    ),
                 ));
             }
             None => {
@@ -264,7 +273,10 @@ impl ModelSpec {
                 Some(v) => {
                     return Err(spec_err(
                         "tokenizer.ggml.tokens",
-                        format!("expected an array of tokens, got {}", describe_meta(v)),
+                        format!(
+                            "expected an array of tokens, got {}",
+                            describe_meta(v.view())
+                        ),
                     ));
                 }
                 None => {
@@ -498,11 +510,9 @@ mod tests {
             ("llama.attention.head_count", MetaValue::U32(4)),
             (
                 "llama.attention.head_count_kv",
-                MetaValue::Array(vec![
-                    MetaValue::I32(1),
-                    MetaValue::I32(2),
-                    MetaValue::I32(4),
-                ]),
+                MetaValue::Array(
+                    vec![MetaValue::I32(1), MetaValue::I32(2), MetaValue::I32(4)].into(),
+                ),
             ),
             ("llama.context_length", MetaValue::U64(256)),
             (
@@ -511,7 +521,7 @@ mod tests {
             ),
             (
                 "tokenizer.ggml.tokens",
-                MetaValue::Array(vec![MetaValue::String("a".into()); 7]),
+                MetaValue::Array(vec![MetaValue::String("a".into()); 7].into()),
             ),
         ]);
         let s = ModelSpec::from_gguf(&m).unwrap();
@@ -561,7 +571,7 @@ mod tests {
             ("llama.attention.head_count", MetaValue::U32(4)),
             (
                 "llama.attention.head_count_kv",
-                MetaValue::Array(vec![MetaValue::U32(1)]),
+                MetaValue::Array(vec![MetaValue::U32(1)].into()),
             ),
         ]);
         let e = ModelSpec::from_gguf(&m).unwrap_err().to_string();

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use gguf_util::{Gguf, V, s, t, valid};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use weightlift_format::gguf;
+use weightlift_format::{MetaArray, MetaRef, MetaValue, Metadata, gguf};
 
 /// The inputs mutations start from.
 fn seeds() -> Vec<Vec<u8>> {
@@ -27,11 +27,21 @@ fn seeds() -> Vec<Vec<u8>> {
         Gguf::default()
             .kv("general.alignment", V::U32(64))
             .kv("split.count", V::U16(1))
+            // Long enough to be kept lazily in the file (LAZY_ARRAY_MIN_LEN).
             .kv(
                 "tokenizer.ggml.tokens",
-                V::Arr(8, (0..40).map(|i| s(&format!("tok{i}"))).collect()),
+                V::Arr(8, (0..80).map(|i| s(&format!("tok{i}"))).collect()),
             )
-            .kv("tokenizer.ggml.scores", V::Arr(6, vec![V::F32(0.5); 40])),
+            .kv("tokenizer.ggml.scores", V::Arr(6, vec![V::F32(0.5); 80]))
+            .kv("tokenizer.ggml.token_type", V::Arr(5, vec![V::I32(1); 80]))
+            .kv("t.flags", V::Arr(7, vec![V::Bool(1); 70]))
+            .kv(
+                "t.nested",
+                V::Arr(
+                    9,
+                    vec![V::Arr(8, (0..70).map(|i| s(&format!("m{i}"))).collect())],
+                ),
+            ),
         |g, i| g.tensor(t(&format!("blk.{i}.w"), &[32, 2], [0, 1, 2, 8][i % 4])),
     );
     let mut many = many;
@@ -149,10 +159,13 @@ static ACCEPTED: AtomicU64 = AtomicU64::new(0);
 fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
     let path = Path::new("fuzz.gguf");
     let start = Instant::now();
-    let _ = gguf::parse_metadata(bytes, path);
+    if let Ok(h) = gguf::parse_metadata(bytes, path) {
+        decode_all(&h.metadata)?;
+    }
     TRIED.fetch_add(1, Ordering::Relaxed);
     if let Ok(h) = gguf::parse(bytes, path) {
         ACCEPTED.fetch_add(1, Ordering::Relaxed);
+        decode_all(&h.metadata)?;
         let len = bytes.len() as u64;
         prop_assert!(h.alignment.is_power_of_two());
         prop_assert_eq!(h.data_offset % h.alignment, 0);
@@ -179,6 +192,31 @@ fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
         "took {:?}",
         start.elapsed()
     );
+    Ok(())
+}
+
+/// Every array the parser accepted decodes completely, by iteration and by index, to as many
+/// elements as it claims.
+fn decode_all(m: &Metadata) -> Result<(), TestCaseError> {
+    fn walk(a: &MetaArray) -> Result<(), TestCaseError> {
+        let mut n = 0;
+        for (i, v) in a.iter().enumerate() {
+            // Compared as text, so that a NaN a mutation wrote equals itself.
+            prop_assert_eq!(format!("{:?}", a.get(i)), format!("{:?}", Some(v)));
+            if let MetaRef::Array(inner) = v {
+                walk(inner)?;
+            }
+            n += 1;
+        }
+        prop_assert_eq!(n, a.len());
+        prop_assert_eq!(a.get(n), None);
+        Ok(())
+    }
+    for v in m.values() {
+        if let MetaValue::Array(a) = v {
+            walk(a)?;
+        }
+    }
     Ok(())
 }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use gguf_util::{Gguf, V, t, valid};
 use weightlift_format::gguf::{self, GgufHeader};
-use weightlift_format::{DType, FormatError, MetaValue};
+use weightlift_format::{DType, FormatError, LAZY_ARRAY_MIN_LEN, MetaArray, MetaRef, MetaValue};
 
 const P: &str = "/models/test.gguf";
 
@@ -65,13 +65,19 @@ fn valid_file_parses_with_every_value_type() {
     assert_eq!(m["t.f64"], MetaValue::F64(-0.25));
     assert_eq!(
         m["t.array"],
-        MetaValue::Array(vec![
-            MetaValue::Array(vec![MetaValue::U32(1), MetaValue::U32(2)]),
-            MetaValue::Array(vec![
-                MetaValue::String("a".into()),
-                MetaValue::String("bc".into())
-            ]),
-        ])
+        MetaValue::Array(
+            vec![
+                MetaValue::Array(vec![MetaValue::U32(1), MetaValue::U32(2)].into()),
+                MetaValue::Array(
+                    vec![
+                        MetaValue::String("a".into()),
+                        MetaValue::String("bc".into())
+                    ]
+                    .into()
+                ),
+            ]
+            .into()
+        )
     );
     // File order is kept.
     let keys: Vec<&str> = m.keys().map(String::as_str).collect();
@@ -478,8 +484,13 @@ fn invalid_utf8_in_a_string_array_names_the_element() {
     let h = parse(&Gguf::default().kv("k", V::Arr(8, items)).bytes()).unwrap();
     let a = h.metadata["k"].as_array().unwrap();
     assert_eq!(a.len(), 40_000);
-    assert_eq!(a[39_999].as_str(), Some("t39999"));
-    assert_eq!(a[12_345].as_str(), Some("t12345"));
+    assert!(a.is_lazy());
+    assert_eq!(a.get(39_999).and_then(|v| v.as_str()), Some("t39999"));
+    assert_eq!(a.get(12_345).and_then(|v| v.as_str()), Some("t12345"));
+    assert_eq!(a.get(40_000), None);
+    for (i, v) in a.iter().enumerate() {
+        assert_eq!(v.as_str(), Some(format!("t{i}").as_str()));
+    }
 }
 
 #[test]
@@ -490,4 +501,227 @@ fn truncated_string_array_is_reported_at_the_element() {
     let (bytes, layout) = Gguf::default().kv("k", V::Arr(8, items)).build();
     let msg = err_bytes(&bytes[..layout.tensor_info_start - 5]);
     has(&msg, &["key 'k' element 19", "truncated"]);
+}
+
+/// Element `i` as written, and as it should read back.
+type MakeElement = dyn Fn(usize) -> (V, MetaValue);
+
+/// Every scalar element type, on both sides of the lazy threshold: the values read back are the
+/// values written, in order, by index and by iteration, and equal to plain value arrays.
+#[test]
+fn long_arrays_of_every_type_read_back() {
+    for n in [0, 1, LAZY_ARRAY_MIN_LEN - 1, LAZY_ARRAY_MIN_LEN, 1000] {
+        let cases: Vec<(u32, Box<MakeElement>)> = vec![
+            (0, Box::new(|i| (V::U8(i as u8), MetaValue::U8(i as u8)))),
+            (
+                1,
+                Box::new(|i| (V::I8(-((i % 100) as i8)), MetaValue::I8(-((i % 100) as i8)))),
+            ),
+            (
+                2,
+                Box::new(|i| (V::U16(i as u16 * 7), MetaValue::U16(i as u16 * 7))),
+            ),
+            (
+                3,
+                Box::new(|i| (V::I16(-(i as i16)), MetaValue::I16(-(i as i16)))),
+            ),
+            (
+                4,
+                Box::new(|i| (V::U32(i as u32 * 70_001), MetaValue::U32(i as u32 * 70_001))),
+            ),
+            (
+                5,
+                Box::new(|i| (V::I32(-(i as i32) * 3), MetaValue::I32(-(i as i32) * 3))),
+            ),
+            (
+                6,
+                Box::new(|i| (V::F32(i as f32 * -0.5), MetaValue::F32(i as f32 * -0.5))),
+            ),
+            (
+                7,
+                Box::new(|i| (V::Bool((i % 3 == 0) as u8), MetaValue::Bool(i % 3 == 0))),
+            ),
+            (
+                8,
+                Box::new(|i| {
+                    let s = "é".repeat(i % 5) + &i.to_string();
+                    (V::Str(s.clone().into_bytes()), MetaValue::String(s))
+                }),
+            ),
+            (
+                10,
+                Box::new(|i| {
+                    (
+                        V::U64(u64::MAX - i as u64),
+                        MetaValue::U64(u64::MAX - i as u64),
+                    )
+                }),
+            ),
+            (
+                11,
+                Box::new(|i| {
+                    (
+                        V::I64(i64::MIN + i as i64),
+                        MetaValue::I64(i64::MIN + i as i64),
+                    )
+                }),
+            ),
+            (
+                12,
+                Box::new(|i| (V::F64(i as f64 / 3.0), MetaValue::F64(i as f64 / 3.0))),
+            ),
+        ];
+        for (ty, make) in &cases {
+            let (written, expected): (Vec<V>, Vec<MetaValue>) = (0..n).map(make).unzip();
+            let g = Gguf::default()
+                .kv("before", V::U32(7))
+                .kv("k", V::Arr(*ty, written))
+                .kv("after", s("x"));
+            let h = parse(&g.bytes()).unwrap();
+            assert_eq!(h.metadata["before"], MetaValue::U32(7));
+            assert_eq!(h.metadata["after"], MetaValue::String("x".into()));
+            let a = h.metadata["k"].as_array().unwrap();
+            assert_eq!(
+                a.is_lazy(),
+                n >= LAZY_ARRAY_MIN_LEN,
+                "type {ty}, {n} elements"
+            );
+            assert_eq!(a.len(), n);
+            assert_eq!(a.to_vec(), expected, "type {ty}");
+            assert_eq!(*a, MetaArray::from(expected.clone()));
+            for (i, e) in expected.iter().enumerate().rev() {
+                assert_eq!(a.get(i), Some(e.view()), "type {ty} element {i}");
+            }
+            assert_eq!(a.get(n), None);
+            assert_eq!(format!("{a:?}"), format!("{expected:?}"));
+        }
+    }
+}
+
+fn s(v: &str) -> V {
+    gguf_util::s(v)
+}
+
+#[test]
+fn long_bool_array_with_a_bad_byte_is_refused() {
+    let mut items = vec![V::Bool(1); 500];
+    items[321] = V::Bool(5);
+    let (bytes, layout) = Gguf::default().kv("flags", V::Arr(7, items)).build();
+    let msg = err_bytes(&bytes);
+    has(&msg, &["key 'flags' bool value", "expected 0 or 1, got 5"]);
+    // Truncated inside the array: the length check names the array and the shortfall.
+    let msg = err_bytes(&bytes[..layout.tensor_info_start - 100]);
+    has(&msg, &["key 'flags' array length", "got 500", "truncated"]);
+}
+
+/// Lengths and bounds win over an earlier bad string: a truncated array reads as truncated.
+#[test]
+fn truncation_is_reported_before_an_earlier_utf8_error() {
+    let mut items: Vec<V> = (0..300).map(|i| s(&format!("t{i}"))).collect();
+    items[10] = V::Str(vec![0xff]);
+    let (bytes, layout) = Gguf::default().kv("k", V::Arr(8, items)).build();
+    has(&err_bytes(&bytes), &["key 'k' element 10", "invalid UTF-8"]);
+    let msg = err_bytes(&bytes[..layout.tensor_info_start - 5]);
+    has(&msg, &["key 'k' element 299", "truncated"]);
+}
+
+#[test]
+fn nested_arrays_hold_long_inner_arrays() {
+    let inner: Vec<V> = (0..200).map(|i| s(&format!("m{i} n{i}"))).collect();
+    let ints: Vec<V> = (0..100).map(V::I32).collect();
+    let g = Gguf::default().kv(
+        "k",
+        V::Arr(
+            9,
+            vec![V::Arr(8, inner), V::Arr(5, ints), V::Arr(0, vec![])],
+        ),
+    );
+    let h = parse(&g.bytes()).unwrap();
+    let outer = h.metadata["k"].as_array().unwrap();
+    assert!(!outer.is_lazy());
+    assert_eq!(outer.len(), 3);
+    let first = outer.get(0).and_then(MetaRef::as_array).unwrap();
+    assert!(first.is_lazy());
+    assert_eq!(first.get(199).and_then(MetaRef::as_str), Some("m199 n199"));
+    let second = outer.get(1).and_then(MetaRef::as_array).unwrap();
+    let got: Vec<i32> = second
+        .iter()
+        .map(|v| match v {
+            MetaRef::I32(x) => x,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(got, (0..100).collect::<Vec<_>>());
+    assert_eq!(
+        outer.get(2).and_then(MetaRef::as_array).map(MetaArray::len),
+        Some(0)
+    );
+}
+
+/// Metadata serialises as plain JSON values, lazy arrays as lists.
+#[test]
+fn metadata_serialises_as_json() {
+    let words: Vec<V> = (0..100).map(|i| s(&format!("w{i}"))).collect();
+    let g = Gguf::default()
+        .kv("words", V::Arr(8, words))
+        .kv("small", V::Arr(6, vec![V::F32(0.5), V::F32(-2.0)]));
+    let h = parse(&g.bytes()).unwrap();
+    let json = serde_json::to_value(&h.metadata).unwrap();
+    let words: Vec<String> = (0..100).map(|i| format!("w{i}")).collect();
+    assert_eq!(json["words"], serde_json::json!(words));
+    assert_eq!(json["small"], serde_json::json!([0.5, -2.0]));
+}
+
+/// UTF-8 of string arrays is checked a run at a time; the verdict and the element named must
+/// be those of checking each string on its own with `std::str::from_utf8`. Strings of 128
+/// bytes or more (whose length fields are not ASCII) split the runs, and the byte pairs below
+/// are halves of characters that would be valid if two strings were joined.
+mod string_array_utf8 {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn piece() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            4 => "[a-z\\u{e9}\\u{120}\\u{4e2d}\\u{1f600}]{0,6}".prop_map(String::into_bytes),
+            1 => proptest::collection::vec(any::<u8>(), 0..4),
+            1 => Just(vec![0xc3]),
+            1 => Just(vec![0xa9]),
+            1 => Just(vec![0xe4, 0xb8]),
+            1 => Just(vec![0xed, 0xa0, 0x80]),
+            1 => Just(vec![0xf4, 0x90, 0x80, 0x80]),
+            1 => Just(vec![0xc0, 0xaf]),
+            1 => (128usize..300).prop_map(|n| "é".repeat(n / 2).into_bytes()),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+        #[test]
+        fn matches_per_string_from_utf8(
+            items in proptest::collection::vec(piece(), LAZY_ARRAY_MIN_LEN - 4..LAZY_ARRAY_MIN_LEN + 40)
+        ) {
+            let first_bad = items.iter().position(|b| std::str::from_utf8(b).is_err());
+            let g = Gguf::default().kv(
+                "k",
+                V::Arr(8, items.iter().cloned().map(V::Str).collect()),
+            );
+            match (parse(&g.bytes()), first_bad) {
+                (Ok(h), None) => {
+                    let a = h.metadata["k"].as_array().unwrap();
+                    prop_assert_eq!(a.len(), items.len());
+                    for (v, want) in a.iter().zip(&items) {
+                        prop_assert_eq!(v.as_str().map(str::as_bytes), Some(want.as_slice()));
+                    }
+                }
+                (Err(e), Some(i)) => {
+                    let msg = e.to_string();
+                    let want = format!("key 'k' element {i}:");
+                    prop_assert!(msg.contains(&want), "{}", msg);
+                    prop_assert!(msg.contains("invalid UTF-8"), "{}", msg);
+                }
+                (Ok(_), Some(i)) => prop_assert!(false, "accepted a bad element {}", i),
+                (Err(e), None) => prop_assert!(false, "refused a valid array: {}", e),
+            }
+        }
+    }
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use weightlift_format::gguf;
-use weightlift_format::{Checkpoint, DType, MetaValue, OpenOptions};
+use weightlift_format::{Checkpoint, DType, MetaArray, MetaRef, MetaValue, OpenOptions};
 
 const TINY: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -84,11 +84,11 @@ fn tiny_llama_q8_0_matches_gguf_py() {
     assert_eq!(m["llama.rope.freq_base"], MetaValue::F32(10000.0));
     assert_eq!(m["tokenizer.ggml.add_bos_token"], MetaValue::Bool(true));
     assert_eq!(
-        m["tokenizer.ggml.tokens"].as_array().map(<[_]>::len),
+        m["tokenizer.ggml.tokens"].as_array().map(MetaArray::len),
         Some(32000)
     );
     assert_eq!(
-        m["tokenizer.ggml.scores"].as_array().map(<[_]>::len),
+        m["tokenizer.ggml.scores"].as_array().map(MetaArray::len),
         Some(32000)
     );
 
@@ -164,4 +164,37 @@ fn smollm2_parses() {
     assert_eq!(tok.model.as_deref(), Some("gpt2"));
     assert_eq!(tok.pre.as_deref(), Some("smollm"));
     assert_eq!((tok.n_tokens, tok.n_merges), (Some(49152), Some(48900)));
+}
+
+/// Vocabulary arrays stay in the map: lazy, decoded on demand, and alive after the checkpoint
+/// is dropped. Expected elements are what gguf-py 0.19.0 reads from the same file.
+#[test]
+fn tiny_llama_vocabulary_is_lazy_and_outlives_the_checkpoint() {
+    let Some(p) = tiny("tiny-llama-Q8_0.gguf") else {
+        return;
+    };
+    let ck = Checkpoint::open(&p, OpenOptions::default()).unwrap();
+    let tokens = ck.metadata()["tokenizer.ggml.tokens"].clone();
+    let types = ck.metadata()["tokenizer.ggml.token_type"].clone();
+    let scores = ck.metadata()["tokenizer.ggml.scores"].clone();
+    drop(ck);
+    let tokens = tokens.as_array().unwrap();
+    assert!(tokens.is_lazy());
+    let first: Vec<&str> = tokens.iter().take(3).filter_map(MetaRef::as_str).collect();
+    assert_eq!(first, ["<unk>", "<s>", "</s>"]);
+    assert_eq!(tokens.get(1000), Some(MetaRef::String("ied")));
+    assert_eq!(tokens.get(31_999), Some(MetaRef::String("给")));
+    assert_eq!(tokens.iter().count(), 32_000);
+    let types = types.as_array().unwrap();
+    assert!(types.is_lazy());
+    let first: Vec<MetaRef> = types.iter().take(5).collect();
+    assert_eq!(
+        first,
+        [3, 3, 3, 6, 6].map(MetaRef::I32),
+        "token types are i32"
+    );
+    assert_eq!(types.get(1000), Some(MetaRef::I32(1)));
+    let scores = scores.as_array().unwrap();
+    assert_eq!(scores.get(0), Some(MetaRef::F32(-1000.0)));
+    assert_eq!(scores.len(), 32_000);
 }

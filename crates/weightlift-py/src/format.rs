@@ -11,7 +11,7 @@ use numpy::ndarray::{ArrayView1, IxDyn};
 use numpy::{PyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple};
-use weightlift_format::{self as wf, DType, MetaValue};
+use weightlift_format::{self as wf, DType, MetaRef, MetaValue};
 use weightlift_kernels as wk;
 
 use crate::errors::{Exc, enter, py_err, raise};
@@ -412,25 +412,30 @@ fn numpy_code(dtype: DType) -> Option<&'static str> {
 }
 
 fn meta_to_py<'py>(py: Python<'py>, value: &MetaValue) -> PyResult<Bound<'py, PyAny>> {
+    meta_ref_to_py(py, value.view())
+}
+
+/// One value, or (for arrays, lazy ones decoded from the map here) a list of its elements.
+fn meta_ref_to_py<'py>(py: Python<'py>, value: MetaRef<'_>) -> PyResult<Bound<'py, PyAny>> {
     Ok(match value {
-        MetaValue::U8(v) => v.into_pyobject(py)?.into_any(),
-        MetaValue::I8(v) => v.into_pyobject(py)?.into_any(),
-        MetaValue::U16(v) => v.into_pyobject(py)?.into_any(),
-        MetaValue::I16(v) => v.into_pyobject(py)?.into_any(),
-        MetaValue::U32(v) => v.into_pyobject(py)?.into_any(),
-        MetaValue::I32(v) => v.into_pyobject(py)?.into_any(),
-        MetaValue::U64(v) => v.into_pyobject(py)?.into_any(),
-        MetaValue::I64(v) => v.into_pyobject(py)?.into_any(),
-        MetaValue::F32(v) => PyFloat::new(py, f64::from(*v)).into_any(),
-        MetaValue::F64(v) => PyFloat::new(py, *v).into_any(),
-        MetaValue::Bool(v) => PyBool::new(py, *v).to_owned().into_any(),
-        MetaValue::String(s) => PyString::new(py, s).into_any(),
-        MetaValue::Array(items) => {
-            let list = PyList::empty(py);
+        MetaRef::U8(v) => v.into_pyobject(py)?.into_any(),
+        MetaRef::I8(v) => v.into_pyobject(py)?.into_any(),
+        MetaRef::U16(v) => v.into_pyobject(py)?.into_any(),
+        MetaRef::I16(v) => v.into_pyobject(py)?.into_any(),
+        MetaRef::U32(v) => v.into_pyobject(py)?.into_any(),
+        MetaRef::I32(v) => v.into_pyobject(py)?.into_any(),
+        MetaRef::U64(v) => v.into_pyobject(py)?.into_any(),
+        MetaRef::I64(v) => v.into_pyobject(py)?.into_any(),
+        MetaRef::F32(v) => PyFloat::new(py, f64::from(v)).into_any(),
+        MetaRef::F64(v) => PyFloat::new(py, v).into_any(),
+        MetaRef::Bool(v) => PyBool::new(py, v).to_owned().into_any(),
+        MetaRef::String(s) => PyString::new(py, s).into_any(),
+        MetaRef::Array(items) => {
+            let mut list = Vec::with_capacity(items.len());
             for item in items {
-                list.append(meta_to_py(py, item)?)?;
+                list.push(meta_ref_to_py(py, item)?);
             }
-            list.into_any()
+            PyList::new(py, list)?.into_any()
         }
     })
 }
