@@ -79,6 +79,7 @@ bench: venv demo-model ## run the benches (release build) and write benches/resu
 	$(CUDA_ENV) cargo bench -p weightlift-benches
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
 	$(VPY) benches/python_peers.py | tee benches/results/python_peers.md
+	$(VPY) benches/engine_load.py
 
 clean: ## remove build outputs (keeps the model cache)
 	cargo clean
