@@ -113,18 +113,24 @@ def bench_dequantize(rows: list[dict]) -> None:
         )
         raw = np.array(t.data)
         ours = median_seconds(lambda name=t.name: ckpt.dequantize(name), repeat=10)
+        out = np.empty(ckpt[t.name].shape, dtype=np.float32)
+        into = median_seconds(
+            lambda name=t.name, out=out: ckpt.dequantize(name, out=out), repeat=10
+        )
         peer = median_seconds(
             lambda raw=raw, tt=t.tensor_type: gguf.quants.dequantize(raw, tt), repeat=3
         )
-        rows.append(
-            {
-                "what": f"dequantize {ttype} '{t.name}' ({t.n_elements:,} values) to f32",
-                "ours_ms": ours * 1e3,
-                "peer": "gguf.quants.dequantize",
-                "peer_ms": peer * 1e3,
-                "speedup": peer / ours,
-            }
-        )
+        what = f"dequantize {ttype} '{t.name}' ({t.n_elements:,} values) to f32"
+        for label, secs in (("new array", ours), ("into out=", into)):
+            rows.append(
+                {
+                    "what": f"{what}, {label}",
+                    "ours_ms": secs * 1e3,
+                    "peer": "gguf.quants.dequantize",
+                    "peer_ms": peer * 1e3,
+                    "speedup": peer / secs,
+                }
+            )
 
 
 def q4_k_fixture(path: Path) -> None:
@@ -151,16 +157,19 @@ def bench_dequantize_q4_k(rows: list[dict], tmp: Path) -> None:
     raw = np.array(t.data)
     ckpt = wl.open(path)
     ours = median_seconds(lambda: ckpt.dequantize("w"), repeat=10)
+    out = np.empty(ckpt["w"].shape, dtype=np.float32)
+    into = median_seconds(lambda: ckpt.dequantize("w", out=out), repeat=10)
     peer = median_seconds(lambda: gguf.quants.dequantize(raw, t.tensor_type), repeat=3)
-    rows.append(
-        {
-            "what": "dequantize Q4_K 4096 x 4096 (random blocks) to f32",
-            "ours_ms": ours * 1e3,
-            "peer": "gguf.quants.dequantize",
-            "peer_ms": peer * 1e3,
-            "speedup": peer / ours,
-        }
-    )
+    for label, secs in (("new array", ours), ("into out=", into)):
+        rows.append(
+            {
+                "what": f"dequantize Q4_K 4096 x 4096 (random blocks) to f32, {label}",
+                "ours_ms": secs * 1e3,
+                "peer": "gguf.quants.dequantize",
+                "peer_ms": peer * 1e3,
+                "speedup": peer / secs,
+            }
+        )
 
 
 def main() -> int:

@@ -123,6 +123,29 @@ def test_dequantize_shapes_follow_tensor_shape(all_types):
         assert ckpt.dequantize(name).shape == ckpt[name].shape
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.IQ2_XXS], ids=lambda q: q.name)
+def test_dequantize_into_out_equals_gguf_py(all_types, qtype):
+    ckpt, reader, made = all_types
+    name = next(n for n, q in made.items() if q == qtype)
+    ref = gguf.quants.dequantize(next(r for r in reader.tensors if r.name == name).data, qtype)
+    out = np.full(ckpt[name].shape, np.nan, dtype=np.float32)
+    assert ckpt.dequantize(name, out=out) is out
+    assert_dequant_equal(out, ref, qtype, name)
+
+
+def test_dequantize_out_must_fit(all_types):
+    ckpt = all_types[0]
+    shape = ckpt["t.Q8_0_3d"].shape
+    with pytest.raises(ValueError, match=r"expected an array of shape"):
+        ckpt.dequantize("t.Q8_0_3d", out=np.zeros(7, dtype=np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ckpt.dequantize("t.Q8_0_3d", out=np.zeros(shape[::-1], dtype=np.float32).T)
+    frozen = np.zeros(shape, dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="t.Q8_0_3d"):
+        ckpt.dequantize("t.Q8_0_3d", out=frozen)
+
+
 def test_dequantize_plain_types_equal_numpy_cast(all_types):
     ckpt, reader, made = all_types
     by_name = {r.name: r for r in reader.tensors}

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayView1, IxDyn};
-use numpy::{PyArray, PyArray1};
+use numpy::{PyArray, PyArray1, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple};
 use weightlift_format::{self as wf, DType, MetaRef, MetaValue};
@@ -238,20 +239,52 @@ impl Checkpoint {
             .call_method1("reshape", (shape,))
     }
 
-    /// The tensor dequantised to a new float32 array shaped as `TensorInfo.shape`.
+    /// The tensor dequantised to float32, shaped as `TensorInfo.shape`.
     ///
+    /// With `out`, the values are written into that array instead (C-contiguous, writeable,
+    /// float32, of the tensor's shape), which is returned; without it a new array is made.
     /// Raises `FormatError` for a name the checkpoint does not hold, or a type without a
-    /// dequantiser.
+    /// dequantiser, and `ValueError` for an unsuitable `out`.
+    #[pyo3(signature = (name, out = None))]
     fn dequantize<'py>(
         &self,
         py: Python<'py>,
         name: &str,
+        out: Option<Bound<'py, PyArrayDyn<f32>>>,
     ) -> PyResult<Bound<'py, PyArray<f32, IxDyn>>> {
         let ckpt = self.shared()?;
-        let (values, shape) = enter(py, || {
+        let shape = ckpt.tensor(name).map_err(py_err)?.shape.clone();
+        if let Some(out) = out {
+            let got: Vec<u64> = out.shape().iter().map(|&d| d as u64).collect();
+            if got != shape {
+                return Err(PyValueError::new_err(format!(
+                    "dequantize('{name}', out=...): expected an array of shape {shape:?}, got {got:?}"
+                )));
+            }
+            if !out.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "dequantize('{name}', out=...): the array must be C-contiguous"
+                )));
+            }
+            {
+                let mut rw = out.try_readwrite().map_err(|e| {
+                    PyValueError::new_err(format!("dequantize('{name}', out=...): {e}"))
+                })?;
+                let slice = rw.as_slice_mut().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "dequantize('{name}', out=...): the array must be C-contiguous"
+                    ))
+                })?;
+                enter(py, || {
+                    let info = ckpt.tensor(name)?;
+                    dequantize_into(&ckpt, info, slice)
+                })?;
+            }
+            return Ok(out);
+        }
+        let values = enter(py, || {
             let info = ckpt.tensor(name)?;
-            let values = dequantize(&ckpt, info)?;
-            Ok::<_, wf::FormatError>((values, info.shape.clone()))
+            dequantize(&ckpt, info)
         })?;
         let dims = shape
             .iter()
@@ -326,10 +359,76 @@ impl Checkpoint {
     }
 }
 
-/// Dequantise one tensor to f32 in row-major order. Allocates `n_elements` floats, a count the
-/// reader checked against the file's bytes at open time.
+/// Dequantise one tensor to a new f32 buffer in row-major order. Allocates `n_elements` floats,
+/// a count the reader checked against the file's bytes at open time, and only after the type is
+/// known to have a dequantiser.
 fn dequantize(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::Result<Vec<f32>> {
-    let wrap = |source: wf::FormatError| wf::FormatError::Dequantize {
+    let n = usize::try_from(info.n_elements()).map_err(|_| {
+        wrap_dequant(
+            ckpt,
+            info,
+            wf::FormatError::DequantizeBlocks {
+                dtype: info.dtype,
+                detail: format!("{} elements do not fit in memory", info.n_elements()),
+            },
+        )
+    })?;
+    if kernel_type(info).is_none() && !wf::dequant::supports(info.dtype) {
+        return Err(no_dequantiser(ckpt, info));
+    }
+    let mut out = zeroed_f32(n);
+    dequantize_into(ckpt, info, &mut out)?;
+    Ok(out)
+}
+
+/// Dequantise one tensor into `out` (exactly `n_elements` long). Every CPU path goes through
+/// the kernels crate (SIMD, threaded, bit-identical to gguf-py); the format crate's scalar
+/// reference covers the types the kernels do not implement.
+fn dequantize_into(
+    ckpt: &wf::Checkpoint,
+    info: &wf::TensorInfo,
+    out: &mut [f32],
+) -> wf::Result<()> {
+    let data = ckpt.bytes(info);
+    if let Some(qt) = kernel_type(info) {
+        return wk::dequantize_f32(qt, data, out).map_err(|e| {
+            wrap_dequant(
+                ckpt,
+                info,
+                wf::FormatError::DequantizeBlocks {
+                    dtype: info.dtype,
+                    detail: e.to_string(),
+                },
+            )
+        });
+    }
+    if !wf::dequant::supports(info.dtype) {
+        return Err(no_dequantiser(ckpt, info));
+    }
+    wf::dequant::dequantize_into(info.dtype, data, out).map_err(|e| wrap_dequant(ckpt, info, e))
+}
+
+fn kernel_type(info: &wf::TensorInfo) -> Option<wk::QuantType> {
+    info.dtype.ggml_id().and_then(wk::QuantType::from_ggml_id)
+}
+
+fn no_dequantiser(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::FormatError {
+    wrap_dequant(
+        ckpt,
+        info,
+        wf::FormatError::DequantizeBlocks {
+            dtype: info.dtype,
+            detail: "no dequantiser for this type (gguf-py has none either)".into(),
+        },
+    )
+}
+
+fn wrap_dequant(
+    ckpt: &wf::Checkpoint,
+    info: &wf::TensorInfo,
+    source: wf::FormatError,
+) -> wf::FormatError {
+    wf::FormatError::Dequantize {
         path: ckpt
             .files()
             .nth(info.file)
@@ -337,36 +436,7 @@ fn dequantize(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::Result<Vec<f3
             .to_path_buf(),
         tensor: info.name.clone(),
         source: Box::new(source),
-    };
-    let n = usize::try_from(info.n_elements()).map_err(|_| {
-        wrap(wf::FormatError::DequantizeBlocks {
-            dtype: info.dtype,
-            detail: format!("{} elements do not fit in memory", info.n_elements()),
-        })
-    })?;
-    let data = ckpt.bytes(info);
-    // Every CPU path goes through the kernels crate (SIMD, threaded, bit-identical to gguf-py);
-    // the format crate's scalar reference covers the types the kernels do not implement.
-    if let Some(qt) = info.dtype.ggml_id().and_then(wk::QuantType::from_ggml_id) {
-        let mut out = zeroed_f32(n);
-        wk::dequantize_f32(qt, data, &mut out).map_err(|e| {
-            wrap(wf::FormatError::DequantizeBlocks {
-                dtype: info.dtype,
-                detail: e.to_string(),
-            })
-        })?;
-        return Ok(out);
     }
-    if !wf::dequant::supports(info.dtype) {
-        // Refuse before allocating the output.
-        return Err(wrap(wf::FormatError::DequantizeBlocks {
-            dtype: info.dtype,
-            detail: "no dequantiser for this type (gguf-py has none either)".into(),
-        }));
-    }
-    let mut out = zeroed_f32(n);
-    wf::dequant::dequantize_into(info.dtype, data, &mut out).map_err(wrap)?;
-    Ok(out)
 }
 
 /// A zeroed output buffer. Large ones ask for transparent huge pages first (as numpy does for
