@@ -10,8 +10,9 @@ use std::ptr::NonNull;
 /// Alignment of every buffer: a page, so any buffer may be an O_DIRECT target.
 pub const ALIGN: usize = 4096;
 
-/// Buffers of at least this size are their own anonymous mapping, 2 MiB aligned and advised as
-/// huge-page candidates. Fresh mappings are zero without a zeroing pass (the allocator's
+/// Buffers of at least this size are their own anonymous mapping, 2 MiB aligned and (unless the
+/// caller fills them with `pread`, see [`AlignedBuf::zeroed_with`]) advised as huge-page
+/// candidates. Fresh mappings are zero without a zeroing pass (the allocator's
 /// `alloc_zeroed` would write every byte for an over-aligned layout), untouched pages cost no
 /// resident memory, and with 2 MiB pages first-touch faults stop dominating the fill from the
 /// page cache (Linux's default THP mode, `madvise`, only backs advised ranges).
@@ -43,12 +44,21 @@ impl AlignedBuf {
     }
 
     /// Allocate `len` zeroed bytes; `None` when the system refuses (or `len` overflows a layout).
+    /// A large buffer is advised as a huge-page candidate.
     pub fn zeroed(len: usize) -> Option<Self> {
+        Self::zeroed_with(len, true)
+    }
+
+    /// As [`AlignedBuf::zeroed`]; `huge` says whether a large buffer (its own mapping) is advised
+    /// as a huge-page candidate. Leave it off for a buffer filled by `pread`: a huge-page fault
+    /// inside the kernel's copy may stall on compaction (THP `defrag=madvise` compacts
+    /// synchronously for advised ranges), which made such loads erratic.
+    pub fn zeroed_with(len: usize, huge: bool) -> Option<Self> {
         if len == 0 {
             return Some(Self::empty());
         }
         if len >= HUGE {
-            return Self::mapped(len);
+            return Self::mapped(len, huge);
         }
         let layout = Layout::from_size_align(len, ALIGN).ok()?;
         // SAFETY: the layout has a non-zero size (checked above) and a valid power-of-two
@@ -61,7 +71,7 @@ impl AlignedBuf {
         })
     }
 
-    fn mapped(len: usize) -> Option<Self> {
+    fn mapped(len: usize, huge: bool) -> Option<Self> {
         let size = len.checked_next_multiple_of(HUGE_ALIGN)?;
         let total = size.checked_add(HUGE_ALIGN)?;
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
@@ -91,7 +101,9 @@ impl AlignedBuf {
             if tail > 0 {
                 libc::munmap((aligned + size) as *mut libc::c_void, tail);
             }
-            libc::madvise(aligned as *mut libc::c_void, size, libc::MADV_HUGEPAGE);
+            if huge {
+                libc::madvise(aligned as *mut libc::c_void, size, libc::MADV_HUGEPAGE);
+            }
         }
         NonNull::new(aligned as *mut u8).map(|ptr| AlignedBuf {
             ptr,

@@ -1,10 +1,12 @@
 //! The streaming loader: it carries out a placement tensor by tensor, in layer order.
 //!
 //! - `cpu` tensors whose dtype already matches stay zero-copy views of the mmap
-//!   (`use_mmap = true`), or are `pread` straight into owned memory (`use_mmap = false`).
+//!   (`use_mmap = true`), or are `pread` straight into owned memory (`use_mmap = false`). Both
+//!   run inline on the calling thread: no thread hop, no staging.
 //! - Everything else (device-placed tensors, dtype conversions, O_DIRECT reads) goes through two
 //!   bounded staging buffers: a reader thread fills one while the other is converted and copied
-//!   to the device. Anonymous host memory for the load itself is therefore bounded by
+//!   to the device. The reader thread is started only when some tensor is staged. Anonymous
+//!   host memory for the load itself is therefore bounded by
 //!   `2 × staging_bytes`, whatever the model size.
 //! - O_DIRECT (`use_direct_io`, which takes precedence over `use_mmap` as in llama.cpp) reads
 //!   aligned blocks into the (page-aligned) staging buffers. A
@@ -126,11 +128,6 @@ pub fn target_bytes(info: &TensorInfo, dtype: DType) -> Result<u64> {
 }
 
 enum Msg {
-    /// A finished tensor (mapped view or a direct pread into owned cpu memory).
-    Whole {
-        index: usize,
-        storage: Storage,
-    },
     /// `len` bytes of tensor `index` starting at byte `at`, held at `buf[start..start + len]`.
     Chunk {
         index: usize,
@@ -218,28 +215,34 @@ pub fn load(
     let mut out: Vec<Option<DeviceTensor>> = (0..infos.len()).map(|_| None).collect();
     let mut warnings = Vec::new();
 
+    // Views and direct preads need no staging: they run inline on this thread. The reader
+    // thread and its two staging buffers exist only when some tensor is staged, and it then
+    // handles only those tensors, in the same order as the loop below.
+    let any_staged = order.iter().any(|&i| paths[i] == Path_::Staged);
     let result = std::thread::scope(|s| -> Result<()> {
         let (tx, rx) = mpsc::sync_channel::<Msg>(2);
         let (free_tx, free_rx) = mpsc::channel::<AlignedBuf>();
-        let reader = Reader {
-            source,
-            files: &files,
-            targets,
-            paths: &paths,
-            order: &order,
-            staging,
-            direct: opts.use_direct_io,
-            stop: &stop,
-        };
-        s.spawn(move || reader.run(&tx, &free_rx));
+        if any_staged {
+            let reader = Reader {
+                source,
+                files: &files,
+                paths: &paths,
+                order: &order,
+                staging,
+                direct: opts.use_direct_io,
+                stop: &stop,
+            };
+            s.spawn(move || reader.run(&tx, &free_rx));
+        } else {
+            drop(tx);
+            drop(free_rx);
+        }
 
         let mut done = 0u64;
         let mut current: Option<(usize, crate::device::Buffer)> = None;
-        let mut free_sent = 0;
         // Host bytes of a converted chunk bound for device memory (at most one staging size).
         let mut converted: Vec<u8> = Vec::new();
-        // Two staging buffers in flight at most; they are created on demand by the reader's
-        // request so a load with nothing to stage allocates none.
+        let mut buffered: Vec<Option<File>> = (0..files.len()).map(|_| None).collect();
         let mut finish =
             |index: usize, storage: Storage, out: &mut Vec<Option<DeviceTensor>>| -> Result<()> {
                 let info = &infos[index];
@@ -262,66 +265,102 @@ pub fn load(
                 Ok(())
             };
         let run = (|| -> Result<()> {
-            for msg in rx.iter() {
-                match msg {
-                    Msg::Err(e) => return Err(e),
-                    Msg::Warning(w) => warnings.push(w),
-                    Msg::Whole { index, storage } => {
-                        done += infos[index].nbytes;
-                        finish(index, storage, &mut out)?;
-                        let p = Progress {
+            for &index in &order {
+                let info = &infos[index];
+                let Some(target) = &targets[index] else {
+                    continue;
+                };
+                let report = |done: u64, progress: &mut dyn FnMut(&Progress<'_>) -> bool| {
+                    let p = Progress {
+                        bytes_done: done,
+                        bytes_total,
+                        tensor: &info.name,
+                        device: target.device.name(),
+                    };
+                    if progress(&p) {
+                        Ok(())
+                    } else {
+                        Err(EngineError::Cancelled {
                             bytes_done: done,
                             bytes_total,
-                            tensor: &infos[index].name,
-                            device: targets[index].as_ref().map_or("cpu", |t| t.device.name()),
-                        };
-                        if !progress(&p) {
-                            return Err(EngineError::Cancelled {
-                                bytes_done: done,
-                                bytes_total,
-                            });
-                        }
+                        })
                     }
-                    Msg::Chunk {
-                        index,
-                        at,
-                        buf,
-                        start,
-                        len,
-                    } => {
-                        let info = &infos[index];
-                        let Some(target) = &targets[index] else {
-                            continue;
+                };
+                match paths[index] {
+                    Path_::View => {
+                        let storage = Storage::Mapped {
+                            source: Arc::clone(source),
+                            index,
+                        };
+                        done += info.nbytes;
+                        finish(index, storage, &mut out)?;
+                        report(done, progress)?;
+                    }
+                    Path_::Pread => {
+                        let buf = pread_owned(info, &target.device, &files, &mut buffered)?;
+                        done += info.nbytes;
+                        finish(index, Storage::Owned(buf), &mut out)?;
+                        report(done, progress)?;
+                    }
+                    // The reader sends no chunk for an empty tensor.
+                    Path_::Staged if info.nbytes == 0 => {
+                        let n = target_bytes(info, target.dtype)?;
+                        let buf = target.device.alloc(n)?;
+                        finish(index, Storage::Owned(buf), &mut out)?;
+                        report(done, progress)?;
+                    }
+                    Path_::Staged => loop {
+                        let Ok(msg) = rx.recv() else {
+                            // The reader stopped without an error; the check after the load
+                            // names the first missing tensor.
+                            return Ok(());
+                        };
+                        let (at, buf, start, len) = match msg {
+                            Msg::Err(e) => return Err(e),
+                            Msg::Warning(w) => {
+                                warnings.push(w);
+                                continue;
+                            }
+                            Msg::Chunk {
+                                index: got,
+                                at,
+                                buf,
+                                start,
+                                len,
+                            } if got == index => (at, buf, start, len),
+                            Msg::Chunk { index: got, .. } => {
+                                return Err(EngineError::Device {
+                                    device: target.device.name().to_owned(),
+                                    detail: format!(
+                                        "the reader sent tensor '{}' while '{}' was due",
+                                        infos.get(got).map_or("?", |i| i.name.as_str()),
+                                        info.name
+                                    ),
+                                });
+                            }
                         };
                         if current.as_ref().is_none_or(|(i, _)| *i != index) {
                             let n = target_bytes(info, target.dtype)?;
-                            current = Some((index, target.device.alloc(n)?));
+                            // Filled chunk by chunk right away: no huge-page advice, whose
+                            // faults stall on compaction (virtual:1x2.3GiB, 2.38 GB: 1.1 to
+                            // 6.4 s advised, a steady 1.6 to 2.0 s not).
+                            current = Some((index, target.device.alloc_for_read(n)?));
                         }
                         if let Some((_, dst)) = current.as_mut() {
                             let data = buf.as_slice().get(start..start + len).unwrap_or(&[]);
                             put_chunk(info, target.dtype, at, data, dst, &mut converted)?;
                         }
                         let _ = free_tx.send(buf);
-                        free_sent += 1;
                         done += len as u64;
-                        if at + len as u64 == info.nbytes
-                            && let Some((_, dst)) = current.take()
-                        {
+                        let last = at + len as u64 >= info.nbytes;
+                        if last && let Some((_, dst)) = current.take() {
                             finish(index, Storage::Owned(dst), &mut out)?;
                         }
-                        let p = Progress {
-                            bytes_done: done,
-                            bytes_total,
-                            tensor: &info.name,
-                            device: target.device.name(),
-                        };
-                        if !progress(&p) {
-                            return Err(EngineError::Cancelled {
-                                bytes_done: done,
-                                bytes_total,
-                            });
+                        report(done, progress)?;
+                        if last {
+                            break;
                         }
-                    }
+                    },
                 }
             }
             Ok(())
@@ -395,7 +434,6 @@ fn put_chunk(
 struct Reader<'a> {
     source: &'a Arc<dyn Source>,
     files: &'a [PathBuf],
-    targets: &'a [Option<TensorTarget>],
     paths: &'a [Path_],
     order: &'a [usize],
     staging: usize,
@@ -424,6 +462,9 @@ impl Reader<'_> {
             if self.stop.load(Ordering::Acquire) {
                 return Ok(());
             }
+            if self.paths[index] != Path_::Staged {
+                continue;
+            }
             let info = &infos[index];
             let path = self
                 .files
@@ -443,37 +484,8 @@ impl Reader<'_> {
                 source,
             };
             match self.paths[index] {
-                Path_::View => {
-                    let storage = Storage::Mapped {
-                        source: Arc::clone(self.source),
-                        index,
-                    };
-                    if tx.send(Msg::Whole { index, storage }).is_err() {
-                        return Ok(());
-                    }
-                }
-                Path_::Pread => {
-                    let Some(target) = &self.targets[index] else {
-                        continue;
-                    };
-                    let device = &target.device;
-                    let mut buf = device.alloc(info.nbytes)?;
-                    let file = open_cached(&mut buffered, info.file, path, false).map_err(io)?;
-                    let dst = buf.host_mut().ok_or_else(|| EngineError::Device {
-                        device: device.name().to_owned(),
-                        detail: format!("tensor '{}': pread needs host memory", info.name),
-                    })?;
-                    file.read_exact_at(dst, info.offset).map_err(io)?;
-                    if tx
-                        .send(Msg::Whole {
-                            index,
-                            storage: Storage::Owned(buf),
-                        })
-                        .is_err()
-                    {
-                        return Ok(());
-                    }
-                }
+                // Done inline by the caller (skipped above).
+                Path_::View | Path_::Pread => {}
                 Path_::Staged => {
                     let mut at = 0u64;
                     while at < info.nbytes {
@@ -551,6 +563,76 @@ impl Reader<'_> {
         Ok(())
     }
 }
+
+/// Read a tensor stored in its target dtype straight into fresh host memory on `device`, with
+/// as few `pread` calls as the kernel allows (it caps one call just under 2 GiB); a large tensor
+/// is split over up to [`MAX_PREAD_THREADS`] cores, each with its own large `pread`.
+fn pread_owned(
+    info: &TensorInfo,
+    device: &Arc<Device>,
+    files: &[PathBuf],
+    cache: &mut [Option<File>],
+) -> Result<crate::device::Buffer> {
+    let path = files.get(info.file).ok_or_else(|| EngineError::Device {
+        device: device.name().to_owned(),
+        detail: format!(
+            "tensor '{}' names file {} of {}",
+            info.name,
+            info.file,
+            files.len()
+        ),
+    })?;
+    let io = |source| EngineError::Io {
+        path: path.clone(),
+        tensor: info.name.clone(),
+        source,
+    };
+    let mut buf = device.alloc_for_read(info.nbytes)?;
+    let file = open_cached(cache, info.file, path, false).map_err(io)?;
+    let dst = buf.host_mut().ok_or_else(|| EngineError::Device {
+        device: device.name().to_owned(),
+        detail: format!("tensor '{}': pread needs host memory", info.name),
+    })?;
+    let parts = if dst.len() >= PARALLEL_PREAD {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_PREAD_THREADS))
+    } else {
+        1
+    };
+    if parts > 1 {
+        // Faulting in fresh pages is CPU-bound: split a large read over the cores.
+        let part = dst.len().div_ceil(parts).next_multiple_of(ALIGN);
+        let results: Vec<std::io::Result<()>> = std::thread::scope(|s| {
+            let mut chunks = dst.chunks_mut(part).enumerate();
+            let first = chunks.next();
+            let handles: Vec<_> = chunks
+                .map(|(k, c)| {
+                    let pos = info.offset + (k * part) as u64;
+                    s.spawn(move || file.read_exact_at(c, pos))
+                })
+                .collect();
+            let mut results =
+                vec![first.map_or(Ok(()), |(_, c)| file.read_exact_at(c, info.offset))];
+            for h in handles {
+                results.push(
+                    h.join()
+                        .unwrap_or_else(|_| Err(std::io::Error::other("a pread thread panicked"))),
+                );
+            }
+            results
+        });
+        for r in results {
+            r.map_err(io)?;
+        }
+    } else {
+        file.read_exact_at(dst, info.offset).map_err(io)?;
+    }
+    Ok(buf)
+}
+
+/// Tensors of at least this many bytes are read by several threads at once.
+const PARALLEL_PREAD: usize = 8 << 20;
+/// At most this many threads read one tensor.
+const MAX_PREAD_THREADS: usize = 4;
 
 fn open_cached<'f>(
     cache: &'f mut [Option<File>],

@@ -252,3 +252,109 @@ fn layer_hook_error_aborts_and_frees() {
     assert!(matches!(err, EngineError::OutOfMemory { .. }));
     assert_eq!(dev.used(), 0);
 }
+
+#[test]
+fn mixed_views_preads_and_staged_tensors_keep_order_and_progress() {
+    // Even layers go to a virtual device (staged through the reader thread); everything else
+    // stays on cpu (views or preads inline). Bytes, progress and layer hooks must all hold.
+    let sub = "safetensors-sharded";
+    let src = open(sub);
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let cpu = Arc::clone(inv.cpu());
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    let t = targets(&src, |l| match l {
+        Some(l) if l % 2 == 0 => Arc::clone(&dev),
+        _ => Arc::clone(&cpu),
+    });
+    let total: u64 = src.tensors().iter().map(|t| t.nbytes).sum();
+    for mmap in [true, false] {
+        let opts = LoadOptions {
+            use_mmap: mmap,
+            staging_bytes: 64 << 10,
+            ..Default::default()
+        };
+        let mut last = 0u64;
+        let mut layers = Vec::new();
+        let loaded = load(
+            &src,
+            &t,
+            &opts,
+            &mut |p| {
+                assert!(p.bytes_done >= last && p.bytes_total == total);
+                last = p.bytes_done;
+                true
+            },
+            &mut |l| {
+                layers.push(l);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(last, total);
+        assert!(layers.windows(2).all(|w| w[0] < w[1]) && !layers.is_empty());
+        check_bit_exact(&src, &loaded, sub);
+        drop(loaded);
+        assert_eq!(cpu.used() + dev.used(), 0);
+
+        // Cancelling from an inline (cpu) tensor or a staged one stops at once and frees all.
+        for stop_after in [1, 3, 8] {
+            let mut calls = 0;
+            let err = load(
+                &src,
+                &t,
+                &opts,
+                &mut |_| {
+                    calls += 1;
+                    calls < stop_after
+                },
+                &mut |_| Ok(()),
+            )
+            .unwrap_err();
+            assert!(matches!(err, EngineError::Cancelled { .. }), "{err}");
+            assert_eq!(calls, stop_after, "no callback after cancelling");
+            assert_eq!(cpu.used() + dev.used(), 0, "cancel frees everything");
+        }
+    }
+}
+
+#[test]
+fn large_tensors_read_in_parallel_are_bit_exact() {
+    use safetensors::tensor::{Dtype, TensorView};
+    // Over the parallel-pread threshold (8 MiB), with a length that splits unevenly.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let big: Vec<u8> = (0..(9usize << 20) + 4 * 12_345)
+        .map(|i| (i * 7 % 253) as u8)
+        .collect();
+    let small: Vec<u8> = (0..64u8).collect();
+    let mut views = std::collections::HashMap::new();
+    views.insert(
+        "model.layers.0.mlp.up_proj.weight".to_owned(),
+        TensorView::new(Dtype::F32, vec![big.len() / 4], &big).unwrap(),
+    );
+    views.insert(
+        "model.layers.0.input_layernorm.weight".to_owned(),
+        TensorView::new(Dtype::F32, vec![16], &small).unwrap(),
+    );
+    safetensors::serialize_to_file(&views, None, &path).unwrap();
+    let data = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&data).unwrap();
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
+    let inv = Inventory::cpu_only();
+    let cpu = Arc::clone(inv.cpu());
+    let t = targets(&src, |_| Arc::clone(&cpu));
+    let opts = LoadOptions {
+        use_mmap: false,
+        ..Default::default()
+    };
+    let loaded = load(&src, &t, &opts, &mut |_| true, &mut |_| Ok(())).unwrap();
+    for (name, view) in st.tensors() {
+        let i = src.tensors().iter().position(|t| t.name == name).unwrap();
+        let got = loaded.tensors[i].as_ref().unwrap();
+        assert!(!got.is_mapped());
+        assert!(
+            got.to_host().unwrap() == view.data(),
+            "tensor {name} differs"
+        );
+    }
+}
