@@ -1481,9 +1481,7 @@ impl TPContext {
         let s = eng(self
             .lock()
             .get_scratch_slice_tp(rows, d, broadcast_type, dim))?;
-        Ok(s.into_iter()
-            .map(|x| (x.device, x.offset, x.rows, x.cols))
-            .collect())
+        Ok(slice_tuples(s))
     }
 
     /// One full-width scratch slice per device of the table, `(rows, end·dim)`.
@@ -1499,10 +1497,18 @@ impl TPContext {
         let s = eng(self
             .lock()
             .get_scratch_slice_tp_bc(rows, d, broadcast_type, dim))?;
-        Ok(s.into_iter()
-            .map(|x| (x.device, x.offset, x.rows, x.cols))
-            .collect())
+        Ok(slice_tuples(s))
     }
+}
+
+/// Scratch slices as Python tuples `(device_index, offset, rows, cols)`.
+fn slice_tuples<S: IntoIterator<Item = weightlift_engine::tp::ScratchSlice>>(
+    slices: S,
+) -> Vec<(usize, u64, u64, u64)> {
+    slices
+        .into_iter()
+        .map(|x| (x.device, x.offset, x.rows, x.cols))
+        .collect()
 }
 
 fn scratch_dtype(s: &str) -> PyResult<DType> {

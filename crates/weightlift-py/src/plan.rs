@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use weightlift_format as wf;
-use weightlift_kernels as wk;
 use weightlift_plan as wp;
 
 use crate::errors::{Exc, enter, io_error, py_err, raise};
@@ -27,40 +26,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-// --------------------------------------------------------------------------------------------
-// The real machine: MemAvailable for the CPU. The planner does no I/O itself; this probe is the
-// one place the bindings read the host.
-
-/// The real machine: MemAvailable from the kernel for the CPU, and free/total memory from the
-/// CUDA driver through the kernels crate in a build with the `cuda` feature (without it, or
-/// without a driver, there are no CUDA devices and `cuda:N` needs a size: `cuda:0:24GiB`).
-struct HostProbe;
-
-impl wp::MemoryProbe for HostProbe {
-    fn cpu_available(&self) -> Option<u64> {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        kib.checked_mul(1024)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(&self, ordinal: u32) -> Option<(u64, u64)> {
-        let backend = wk::CudaBackend::new(usize::try_from(ordinal).ok()?).ok()?;
-        let (free, total) = backend.mem_info().ok()?;
-        Some((u64::try_from(free).ok()?, u64::try_from(total).ok()?))
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn cuda(&self, _ordinal: u32) -> Option<(u64, u64)> {
-        None
-    }
-}
-
-/// Number of CUDA devices the driver reports (0 without a driver or without CUDA support).
-fn cuda_count() -> usize {
-    wk::CudaBackend::device_count().unwrap_or(0)
-}
+// The real machine is read through the engine's probe (MemAvailable, and the CUDA driver in a
+// build with the `cuda` feature); the planner itself does no I/O.
+use weightlift_engine::HostProbe;
 
 const UNBOUNDED: u64 = u64::MAX;
 
@@ -593,7 +561,7 @@ fn fit<'py>(
 fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
     let spec = py.detach(|| {
         let mut items = vec!["cpu".to_owned()];
-        items.extend((0..cuda_count()).map(|i| format!("cuda:{i}")));
+        items.extend((0..wp::MemoryProbe::cuda_count(&HostProbe)).map(|i| format!("cuda:{i}")));
         items.push("disk".into());
         items.join(",")
     });
