@@ -189,6 +189,29 @@ def test_load_json_matches_gguf_py(demo_gguf, demo_reader):
     assert doc["plan"]["strategy"] == "autosplit"
 
 
+def test_load_json_offloaded_cache(demo_gguf, demo_reader):
+    """--cache-offload: the plan's kv column holds the whole cache on the cpu and two prefetch
+    slots (one layer each) on every layer device; what is held matches it within 1 %."""
+    p = run("load", demo_gguf, *DEMO_LOAD, "--cache-offload", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    memory = doc["memory"]
+    for name, row in memory.items():
+        assert row["planned"] == row["weights"] + row["kv"] + row["scratch"], name
+        assert abs(row["held"] - row["planned"]) <= row["planned"] / 100, (name, row)
+    f = demo_reader.fields
+    n_layer = int(f["llama.block_count"].contents())
+    n_head = int(f["llama.attention.head_count"].contents())
+    n_kv = int(f["llama.attention.head_count_kv"].contents())
+    head_dim = int(f["llama.embedding_length"].contents()) // n_head
+    layer = 2 * n_kv * head_dim * 8192 * 17 // 16  # q8: 8.5 bits per value
+    layers = doc["plan"]["layers"]
+    assert doc["plan"]["cache"]["offload"] is True
+    assert memory["cpu"]["kv"] == n_layer * layer + min(2, layers.count("cpu")) * layer
+    for name in ("virtual:0", "virtual:1"):
+        assert memory[name]["kv"] == min(2, layers.count(name)) * layer, name
+
+
 def test_load_progress_bar(demo_gguf):
     p = run("load", demo_gguf, *DEMO_LOAD, "--progress")
     assert p.returncode == 0, p.stderr

@@ -111,14 +111,15 @@ def test_offloaded_cache_lives_on_the_host(model: wl.Model) -> None:
     devs = model.layer_devices
     want = {"cpu": 30 * layer} | {d: min(2, devs.count(d)) * layer for d in set(devs)}
     assert cache.memory() == want == cache.expected_memory()
-    # The planner has no offload option: the cache is planned as reserves (all of it on the
-    # cpu, a slot on each accelerator), and what is held is the plan's weights and scratch
-    # plus the cache's expected memory, within 1 %.
+    # The plan charged exactly that as kv (the whole cache on the cpu, the slots on each layer
+    # device), and what is held is the plan's weights + kv + scratch, within 1 %.
     mem = model.memory()
-    for d in model.plan.devices:
-        assert d.kv == 0
-        assert want.get(d.name, 0) <= d.reserve, d.name
-        expect = d.weights + d.scratch + want.get(d.name, 0)
+    plan = model.plan
+    assert plan.cache is not None and plan.cache.offload
+    for d in plan.devices:
+        assert d.kv == want.get(d.name, 0), d.name
+        assert d.reserve == 0
+        expect = d.weights + d.kv + d.scratch
         assert abs(mem.get(d.name, 0) - expect) <= expect / 100, (d.name, expect, mem)
     k = np.ones((1, 3, 2, 64), dtype=np.float32)
     cache.write(0, 0, k, -k)
@@ -141,3 +142,88 @@ def test_cache_oom_names_the_device(demo_gguf: Path) -> None:
     assert "cpu is short by" in str(e.value) and "ctx 8192 fits" in str(e.value)
     assert all(v == 0 for v in model.device_usage().values())
     assert not cache.allocated
+
+
+@pytest.mark.parametrize("dtype", list(BYTES))
+def test_plan_cache_offload_matches_the_loaded_model(demo_gguf: Path, dtype: str) -> None:
+    """wl.plan(..., cache_offload=True) predicts the kv column the loaded model then holds."""
+    k, v = BYTES[dtype]
+    layer = int(3 * 64 * 1024 * (k + v))  # SmolLM2: 3 KV heads × head_dim 64, ctx 1024
+    rt = wl.RuntimeSpec(**RT)
+    spec = wl.CacheSpec(1024, dtype=dtype)
+    plan = wl.plan(demo_gguf, devices="virtual:2x64MiB", cache=spec, runtime=rt, cache_offload=True)
+    assert plan.cache == wl.CacheSpec(1024, dtype=dtype, offload=True)
+    devs = plan.layer_devices
+    kv = {d.name: d.kv for d in plan.devices}
+    assert kv["cpu"] == 30 * layer
+    for name in ("virtual:0", "virtual:1"):
+        assert kv[name] == min(2, devs.count(name)) * layer, name
+    # The same request beside the layers: the whole cache on the layer devices.
+    beside = wl.plan(demo_gguf, devices="virtual:2x64MiB", cache=spec, runtime=rt)
+    assert {d.name: d.kv for d in beside.devices}.get(
+        "cpu", 0
+    ) == layer * beside.layer_devices.count("cpu")
+    assert sum(d.kv for d in beside.devices) == 30 * layer
+
+    model = wl.Model(demo_gguf, devices="virtual:2x64MiB", runtime=RT)
+    cache = wl.Cache(model, 1024, dtype=dtype, offload=True)
+    model.load_autosplit(cache)
+    assert model.layer_devices == devs
+    held = model.memory()
+    for d in model.plan.devices:
+        assert d.kv == kv[d.name], d.name
+        expect = d.weights + d.kv + d.scratch
+        assert abs(held.get(d.name, 0) - expect) <= expect / 100, (d.name, expect, held)
+    assert cache.memory() == {n: b for n, b in kv.items() if b}
+    model.unload()
+
+
+def test_cache_offload_needs_a_cache(demo_gguf: Path) -> None:
+    from weightlift._errors import PlanError
+
+    with pytest.raises(PlanError, match="cache_offload=True: there is no cache to offload"):
+        wl.plan(demo_gguf, devices="virtual:2x64MiB", cache_offload=True)
+
+
+def test_a_host_too_small_for_an_offloaded_cache(demo_gguf: Path) -> None:
+    """The cpu must hold the whole offloaded cache, 30 × 1,572,864 B = 45 MiB at ctx 2048 in
+    fp16, beside the mapped token_embd (28.69 MiB) and the two staging buffers (2 × 28.69 MiB):
+    a 120 MiB cpu cannot. The checked fixes: a q8 cache (23.91 MiB), or the cache beside the
+    layers."""
+    from weightlift._errors import OutOfMemoryError
+
+    spec = wl.CacheSpec(2048, offload=True)
+    with pytest.raises(OutOfMemoryError) as e:
+        wl.plan(
+            demo_gguf,
+            devices="virtual:2x64MiB,cpu:120MiB",
+            cache=spec,
+            runtime=wl.RuntimeSpec(**RT),
+        )
+    msg = str(e.value)
+    assert "cpu is short by" in msg and "has 120.00 MiB" in msg, msg
+    assert "45.00 MiB kv at ctx 2048 × batch 1 (fp16, offloaded)" in msg, msg
+    assert "offloaded kv cache of all 30 layers" in msg, msg
+    fixes = e.value.fixes
+    assert "cache q8 saves 21.09 MiB and fits" in fixes, fixes
+    assert (
+        "the cache beside the layers instead of offloaded (offload=False) fits and frees "
+        "45.00 MiB of host ram" in fixes
+    ), fixes
+
+
+def test_fit_with_cache_offload(demo_gguf: Path) -> None:
+    """fit(cache_offload=True) keeps the cache offloaded while it searches: the answer plans,
+    256 tokens more runs the cpu out of room. A 100 MiB cpu holds 86.07 MiB of token_embd and
+    staging, leaving ~13.9 MiB for a q4 cache of 30 × 216 B per token: 2048 tokens (of 256)."""
+    from weightlift._errors import OutOfMemoryError
+
+    devices, rt = "virtual:2x64MiB,cpu:100MiB", wl.RuntimeSpec(**RT)
+    best = wl.fit(demo_gguf, devices=devices, runtime=rt, cache_dtype="q4", cache_offload=True)
+    assert best == 2048
+    spec = wl.CacheSpec(best, dtype="q4", offload=True)
+    plan = wl.plan(demo_gguf, devices=devices, runtime=rt, cache=spec)
+    assert {d.name: d.kv for d in plan.devices}["cpu"] == 30 * 216 * best
+    spec = wl.CacheSpec(best + 256, dtype="q4", offload=True)
+    with pytest.raises(OutOfMemoryError, match="cpu is short by"):
+        wl.plan(demo_gguf, devices=devices, runtime=rt, cache=spec)

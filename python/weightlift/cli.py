@@ -180,11 +180,17 @@ def _sizes(text: str | None) -> list[str] | dict[str, str] | None:
 
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     cache = None
-    if args.ctx is not None or args.cache is not None or args.batch is not None:
+    if (
+        args.ctx is not None
+        or args.cache is not None
+        or args.batch is not None
+        or args.cache_offload
+    ):
         cache = weightlift.CacheSpec(
             args.ctx if args.ctx is not None else DEFAULT_CTX,
             args.batch if args.batch is not None else 1,
             args.cache or "fp16",
+            offload=args.cache_offload,
         )
     runtime = None
     if args.max_input_len is not None or args.low_mem:
@@ -322,11 +328,17 @@ def _cmd_load(args: argparse.Namespace) -> int:
     import time
 
     cache = None
-    if args.ctx is not None or args.cache is not None or args.batch is not None:
+    if (
+        args.ctx is not None
+        or args.cache is not None
+        or args.batch is not None
+        or args.cache_offload
+    ):
         cache = weightlift.CacheSpec(
             args.ctx if args.ctx is not None else DEFAULT_CTX,
             args.batch if args.batch is not None else 1,
             args.cache or "fp16",
+            offload=args.cache_offload,
         )
     runtime = None
     if args.max_input_len is not None or args.low_mem:
@@ -411,6 +423,11 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
     p.add_argument("--ctx", type=int, help=f"KV cache length (default {DEFAULT_CTX} with --cache)")
     p.add_argument("--batch", type=int, help="KV cache batch size (default 1)")
     p.add_argument("--cache", help="KV cache dtype: fp16, fp8, q8, q6 or q4")
+    p.add_argument(
+        "--cache-offload",
+        action="store_true",
+        help="keep the KV cache in host RAM, with two prefetch slots per layer device",
+    )
     p.add_argument("--dtype", default="auto", help="convert float weights: auto, float16, ...")
     if not load:
         p.add_argument(

@@ -29,10 +29,11 @@
 //! when it computes a single layer): the layer in use and the next one being prefetched, the
 //! pair transformers' `OffloadedCache` keeps on the GPU. [`Cache::fetch`] lends a slot to the
 //! caller (no copy when the layer was prefetched into it) and the slot returns to the cache when
-//! the [`Resident`] is dropped. The planner has no offload option, so a plan made with a cache
-//! predicts the whole KV on the layer devices; compare an offloaded cache with
-//! `expected_memory`, not with the plan's kv column (`planned::charge_offloaded_cache` plans
-//! these bytes as reserves).
+//! the [`Resident`] is dropped. The planner charges exactly these bytes for a cache request with
+//! `offload` set (`weightlift_plan::CacheSpec::offload`; [`SLOTS`] is its `OFFLOAD_SLOTS`): the
+//! whole cache in the cpu's kv column and the slots in each layer device's, so a plan's kv
+//! column equals what an offloaded cache holds (`crate::planned::cache_spec` builds the
+//! request).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -222,7 +223,8 @@ struct LayerStore {
 }
 
 /// Slots per layer device of an offloaded cache: the layer in use and the one being prefetched.
-pub const SLOTS: usize = 2;
+/// The planner's constant, so that plans charge what the cache allocates.
+pub const SLOTS: usize = weightlift_plan::OFFLOAD_SLOTS as usize;
 
 /// A device-resident copy of one layer for the caller to compute with. For an offloaded cache it
 /// is one of its device's slots, lent until dropped; otherwise a fresh copy.

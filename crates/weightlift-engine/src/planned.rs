@@ -59,30 +59,14 @@ pub fn plan_cache_dtype(d: CacheDType) -> weightlift_plan::CacheDType {
     }
 }
 
-/// Charge an offloaded cache to a plan request. The planner has no offload option: a request's
-/// `cache` puts every layer's KV beside the layer. An offloaded cache instead holds every layer
-/// on `cpu` plus, per layer device, [`crate::cache::SLOTS`] slots of its largest layer (the
-/// layer in use and the one being prefetched; see [`crate::cache`]), so this plans no cache and
-/// reserves those bytes instead: the whole cache on `cpu`, and the slots of the model's largest
-/// layer on every accelerator (which devices will compute layers is not known before planning,
-/// so each keeps room). The plan's kv column is then 0 and its reserve column holds the
-/// cache; compare [`crate::Model::memory`] with the plan's weights and scratch plus
-/// [`CacheConfig::expected_memory`] for the plan's layer devices.
-pub fn charge_offloaded_cache(req: &mut PlanRequest, cfg: &CacheConfig) {
-    req.cache = None;
-    let layers = 0..cfg.n_kv_heads.len();
-    let total: u64 = layers.clone().map(|l| cfg.layer_bytes(l)).sum();
-    let n_slots = cfg.n_kv_heads.len().min(crate::cache::SLOTS) as u64;
-    let slot = n_slots * layers.map(|l| cfg.layer_bytes(l)).max().unwrap_or(0);
-    for d in &req.devices {
-        let add = match d.kind {
-            PlanKind::Cpu => total,
-            PlanKind::Cuda | PlanKind::Virtual => slot,
-            PlanKind::Disk => continue,
-        };
-        let base = req.reserve.get(&d.name).copied().unwrap_or(d.reserve);
-        req.reserve.insert(d.name.clone(), base.saturating_add(add));
-    }
+/// The planner's cache request for an engine cache: its shape, dtype and offload flag. An
+/// offloaded cache is planned as what the engine allocates for it: every layer on `cpu`, and
+/// on each layer device `min(layers there, SLOTS)` prefetch slots of its largest layer
+/// ([`crate::cache::SLOTS`] is the planner's [`weightlift_plan::OFFLOAD_SLOTS`]), so the plan's
+/// kv column is what [`crate::Model::memory`] reports for the cache.
+pub fn cache_spec(cfg: &CacheConfig) -> weightlift_plan::CacheSpec {
+    weightlift_plan::CacheSpec::new(cfg.max_seq_len, cfg.batch_size, plan_cache_dtype(cfg.dtype))
+        .with_offload(cfg.offload)
 }
 
 /// The five TP tables of a plan.

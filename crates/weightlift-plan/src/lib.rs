@@ -49,6 +49,20 @@
 //!   of every later layer. accelerate computes disk-offloaded modules on its main device and
 //!   ignores the cache; we charge the host because that is where weightlift runs them.
 //!
+//! - **offloaded cache** ([`CacheSpec::offload`], transformers' `OffloadedCache`): every
+//!   layer's K and V live in host RAM and are charged to `cpu` (its kv column holds the whole
+//!   cache), and every device that computes layers holds [`OFFLOAD_SLOTS`] prefetch slots (the
+//!   layer in use and the next one being copied in), each the size of the largest layer it
+//!   computes, or one slot when it computes a single layer: `min(n, 2) × largest` in its kv
+//!   column. The cpu keeps its slots too when it computes layers (the engine computes from a
+//!   slot there as well). This is exactly what the engine's offloaded cache allocates. The fill
+//!   strategies count the whole cache against the cpu before placing anything there and each
+//!   device's slots as its layers arrive; a cpu that cannot hold the cache is an
+//!   [`PlanError::OutOfMemory`] naming the cpu and the offloaded kv, with the checked fixes (a
+//!   cheaper cache dtype, a shorter context, the cache beside the layers). Under tensor
+//!   parallelism the slots are per layer slice; exllamav2's split budgets then lose only the
+//!   slots, not the whole cache.
+//!
 //! Host RAM: staging buffers (two of `staging_bytes`, bounded by the largest tensor, charged to
 //! the host whenever the inventory has an accelerator) and CPU-resident copies are anonymous
 //! memory; mmap-backed CPU tensors cost page cache and are
@@ -71,7 +85,7 @@ pub use device::{
     resolve_device,
 };
 pub use error::{OutOfMemory, PlanError, Result, Shortfall};
-pub use memory::{CacheDType, CacheSpec, RuntimeSpec};
+pub use memory::{CacheDType, CacheSpec, OFFLOAD_SLOTS, RuntimeSpec};
 pub use place::balanced_max_memory;
 pub use plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit};
 pub use request::{
@@ -283,6 +297,19 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
                 d.name(),
                 fmt_bytes(cur - b)
             ));
+        }
+        // An offloaded cache that the host cannot hold may fit beside the layers.
+        if c.offload {
+            let t = Tweak {
+                cache: Some(Some(c.with_offload(false))),
+                ..Tweak::default()
+            };
+            if fits(req, t).unwrap_or(false) {
+                fixes.push(format!(
+                    "the cache beside the layers instead of offloaded (offload=False) fits and frees {} of host ram",
+                    fmt_bytes(cur)
+                ));
+            }
         }
         // 2. A shorter context.
         if let Ok(Ok(ctx)) = fit_inner(req, FitTarget::MaxSeqLen)

@@ -69,21 +69,51 @@ impl CacheDType {
     }
 }
 
+/// Prefetch slots an offloaded cache keeps on each device that computes layers: the layer in
+/// use and the next one being copied in on a second stream or thread (transformers'
+/// `OffloadedCache` keeps the same pair on the GPU). The engine's offloaded cache allocates
+/// exactly this many (`weightlift_engine::cache::SLOTS` is this constant).
+pub const OFFLOAD_SLOTS: u64 = 2;
+
 /// The KV cache to plan for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CacheSpec {
     pub max_seq_len: u64,
     pub batch_size: u64,
     pub dtype: CacheDType,
+    /// An offloaded cache (transformers' `OffloadedCache`): every layer's K and V live in host
+    /// RAM, charged to `cpu`, and each device that computes layers holds only its prefetch
+    /// slots, [`CacheSpec::offload_slots_bytes`]. Off by default (each layer's KV beside the
+    /// layer, as exllamav2 and llama.cpp allocate it). Left out of a plan's JSON when off.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub offload: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl CacheSpec {
+    /// A cache beside the layers (not offloaded).
     pub fn new(max_seq_len: u64, batch_size: u64, dtype: CacheDType) -> Self {
         CacheSpec {
             max_seq_len,
             batch_size,
             dtype,
+            offload: false,
         }
+    }
+
+    /// The same cache, offloaded to host RAM or not.
+    pub fn with_offload(self, offload: bool) -> Self {
+        CacheSpec { offload, ..self }
+    }
+
+    /// Bytes of an offloaded cache's prefetch slots on a device that computes `n_layers` layers
+    /// whose largest cache is `largest_layer` bytes: `min(n_layers, OFFLOAD_SLOTS) ×
+    /// largest_layer` (a device computing a single layer needs one slot, as in the engine).
+    pub fn offload_slots_bytes(n_layers: u64, largest_layer: u64) -> u64 {
+        n_layers.min(OFFLOAD_SLOTS).saturating_mul(largest_layer)
     }
 
     /// Bytes of layer `layer`'s cache: `2 × n_kv_heads(layer) × head_dim × max_seq_len × batch`

@@ -85,6 +85,39 @@ impl Unit {
     }
 }
 
+/// Offload: the layers one device computes, for its prefetch slots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Slots {
+    /// Layers (or TP layer slices) computed on the device.
+    layers: u64,
+    /// Bytes of the largest of their caches.
+    largest: u64,
+}
+
+impl Slots {
+    fn with(self, kv: u64) -> Slots {
+        Slots {
+            layers: self.layers.saturating_add(1),
+            largest: self.largest.max(kv),
+        }
+    }
+
+    fn merge(self, o: Slots) -> Slots {
+        Slots {
+            layers: self.layers.saturating_add(o.layers),
+            largest: self.largest.max(o.largest),
+        }
+    }
+
+    fn bytes(self) -> u64 {
+        if self.layers == 0 {
+            0
+        } else {
+            CacheSpec::offload_slots_bytes(self.layers, self.largest)
+        }
+    }
+}
+
 fn union(a: Hosts, b: Hosts) -> Hosts {
     Hosts {
         layers: a.layers || b.layers,
@@ -105,6 +138,11 @@ pub(crate) struct Ctx<'a> {
     units: Vec<Unit>,
     scratch: ScratchModel,
     cache: Option<CacheSpec>,
+    /// The cache is offloaded: every layer's KV on the host, prefetch slots on the devices
+    /// that compute layers.
+    offload: bool,
+    /// Offload: bytes of the whole cache, all on the host.
+    offload_total: u64,
     /// Bytes of `token_embd` when the output is tied to it and there is no output tensor.
     tied_bytes: u64,
     embd_tensor: Option<usize>,
@@ -330,6 +368,12 @@ impl<'a> Ctx<'a> {
         for (u, &k) in layers.iter_mut().zip(&kv) {
             u.kv = k;
         }
+        let offload = cache.is_some_and(|c| c.offload);
+        let offload_total = if offload {
+            kv.iter().fold(0u64, |a, &b| a.saturating_add(b))
+        } else {
+            0
+        };
         let mut units = Vec::with_capacity(n_layers + 3);
         units.push(embed);
         units.extend(layers);
@@ -356,11 +400,29 @@ impl<'a> Ctx<'a> {
             units,
             scratch,
             cache,
+            offload,
+            offload_total,
             tied_bytes,
             embd_tensor,
             staging_bound,
             warnings,
         })
+    }
+
+    /// Offload: the slots of a device that computes every layer (the most any device holds).
+    fn offload_slots_estimate(&self) -> u64 {
+        let all = self
+            .units
+            .iter()
+            .filter(|u| matches!(u.kind, UnitKind::Layer(_)))
+            .fold(Slots::default(), |s, u| s.with(u.kv));
+        all.bytes()
+    }
+
+    /// KV bytes a unit costs on the device that holds it: its cache, or 0 when the cache is
+    /// offloaded (the host holds it; the device's prefetch slots are counted apart).
+    fn dev_kv(&self, u: &Unit) -> u64 {
+        if self.offload { 0 } else { u.kv }
     }
 
     /// The device that computes what `d` holds: the host for `disk`, else `d` itself.
@@ -486,16 +548,21 @@ impl<'a> Ctx<'a> {
                     .saturating_sub(self.scratch.for_hosts(full))
             })
             .collect();
-        let total: u64 = self
+        let mut total: u64 = self
             .units
             .iter()
-            .map(|u| u.weights.saturating_add(u.kv))
+            .map(|u| u.weights.saturating_add(self.dev_kv(u)))
             .fold(0u64, u64::saturating_add);
+        if self.offload {
+            // Every accelerator that computes layers holds its prefetch slots.
+            let slots = self.offload_slots_estimate();
+            total = total.saturating_add(slots.saturating_mul(self.accel.len() as u64));
+        }
         let no_split = self
             .units
             .iter()
             .find(|u| matches!(u.kind, UnitKind::Layer(_)))
-            .map_or(0, |u| u.weights.saturating_add(u.kv));
+            .map_or(0, |u| u.weights.saturating_add(self.dev_kv(u)));
         // accelerate's "final modules": one per weight/bias pair (q_proj, input_layernorm, ...).
         let mut modules: BTreeMap<&str, u64> = BTreeMap::new();
         for (t, b) in self.tensors().iter().zip(&self.bytes) {
@@ -554,10 +621,13 @@ impl<'a> Ctx<'a> {
         // are the host's too.
         let mut kv_after = vec![0u64; n_units + 1];
         let mut hosts_after = vec![Hosts::default(); n_units + 1];
+        // Offload: the layers from index i on, whose prefetch slots the host keeps room for
+        // once the fill reaches it with disk allowed.
+        let mut slots_after = vec![Slots::default(); n_units + 1];
         for i in (0..n_units).rev() {
             let u = &self.units[i];
-            max_after[i] = max_after[i + 1].max(u.weights.saturating_add(u.kv));
-            kv_after[i] = kv_after[i + 1].saturating_add(u.kv);
+            max_after[i] = max_after[i + 1].max(u.weights.saturating_add(self.dev_kv(u)));
+            kv_after[i] = kv_after[i + 1].saturating_add(self.dev_kv(u));
             // The fill skips empty units, except exllamav2's tied head (a copy of the
             // embedding).
             let placed =
@@ -567,7 +637,13 @@ impl<'a> Ctx<'a> {
             } else {
                 hosts_after[i + 1]
             };
+            slots_after[i] = match u.kind {
+                UnitKind::Layer(_) if placed && self.offload => slots_after[i + 1].with(u.kv),
+                _ => slots_after[i + 1],
+            };
         }
+        // Offload: the layers placed on each device so far.
+        let mut slots = vec![Slots::default(); self.devs.len()];
         for (ui, unit) in self.units.iter().enumerate() {
             if unit.tensors.is_empty() && !(unit.kind == UnitKind::Output && mode == FillMode::Exl)
             {
@@ -579,7 +655,7 @@ impl<'a> Ctx<'a> {
                 self.put(&mut a, unit, self.host);
                 continue;
             }
-            let mut size = unit.weights.saturating_add(unit.kv);
+            let mut size = unit.weights.saturating_add(self.dev_kv(unit));
             // exllamav2 loads a tied head as its own copy of the embedding.
             let tied =
                 unit.kind == UnitKind::Output && mode == FillMode::Exl && self.tied_bytes > 0;
@@ -597,6 +673,16 @@ impl<'a> Ctx<'a> {
                     size
                 }
             };
+            // Offload: how much this layer grows `d`'s prefetch slots.
+            let is_layer = matches!(unit.kind, UnitKind::Layer(_));
+            let slots_with = |d: usize| {
+                if self.offload && is_layer {
+                    slots[d].with(unit.kv)
+                } else {
+                    slots[d]
+                }
+            };
+            let slot_growth = |d: usize| slots_with(d).bytes().saturating_sub(slots[d].bytes());
             let mut unit_hosts = unit.hosts();
             unit_hosts.head |= tied_head;
             // What the rules (balanced caps, accelerate's headroom) withheld on the last
@@ -615,6 +701,14 @@ impl<'a> Ctx<'a> {
                 if d == self.host && self.disk.is_some() {
                     projected = union(projected, hosts_after[ui]);
                     later_kv = kv_after[ui + 1];
+                    if self.offload {
+                        // Layers left on disk compute on the host, so do their slots.
+                        let now = slots_with(d);
+                        later_kv = now
+                            .merge(slots_after[ui + 1])
+                            .bytes()
+                            .saturating_sub(now.bytes());
+                    }
                 }
                 let mut avail = dev
                     .room()
@@ -622,6 +716,10 @@ impl<'a> Ctx<'a> {
                     .saturating_sub(later_kv);
                 if d == self.host && !self.accel.is_empty() {
                     avail = avail.saturating_sub(self.staging_bound);
+                }
+                if d == self.host {
+                    // An offloaded cache lives in host RAM whatever the layers' devices.
+                    avail = avail.saturating_sub(self.offload_total);
                 }
                 rule = Rule::default();
                 if let Some(Some(c)) = caps.get(d) {
@@ -632,13 +730,20 @@ impl<'a> Ctx<'a> {
                     rule.headroom = max_after[ui + 1].min(avail);
                     avail = avail.saturating_sub(max_after[ui + 1]);
                 }
-                if used[d].saturating_add(size_on(d, &a)) <= avail {
+                if used[d]
+                    .saturating_add(size_on(d, &a))
+                    .saturating_add(slot_growth(d))
+                    <= avail
+                {
                     break;
                 }
                 pos += 1;
             }
             let d = order[pos];
-            used[d] = used[d].saturating_add(size_on(d, &a));
+            used[d] = used[d]
+                .saturating_add(size_on(d, &a))
+                .saturating_add(slot_growth(d));
+            slots[d] = slots_with(d);
             self.put(&mut a, unit, d);
             a.hosts[d] = union(a.hosts[d], unit_hosts);
             if tied && d != a.embed_dev {
@@ -899,7 +1004,12 @@ impl<'a> Ctx<'a> {
             intermediate_size: spec.intermediate_size,
             hidden_size: spec.hidden_size,
             vocab_size: spec.vocab_size,
-            cache_bytes: self.cache.map_or(0, |c| c.total_bytes(spec)),
+            // Offloaded, the devices hold only the prefetch slots of the cache.
+            cache_bytes: if self.offload {
+                self.offload_slots_estimate()
+            } else {
+                self.cache.map_or(0, |c| c.total_bytes(spec))
+            },
             attn_footprints: footprints,
         };
         let tp = define_split(&inputs)?;
@@ -1148,11 +1258,25 @@ impl<'a> Ctx<'a> {
         // A layer left on disk is streamed and computed by the host: its KV cache lives in
         // host RAM (the engine allocates a layer's cache on its device, and resolves `disk` to
         // the cpu), and so does its compute scratch.
+        //
+        // An offloaded cache holds every layer (every slice, under tensor parallelism) on the
+        // host, and each device that computes layers holds its prefetch slots: as many as it
+        // computes layers, at most OFFLOAD_SLOTS, each the size of its largest layer (slice),
+        // which is what the engine's offloaded cache allocates.
+        let mut slots = vec![Slots::default(); nd];
         for slices in &a.kv_dev {
             for &(d, b) in slices {
                 let d = self.exec_dev(d);
-                kv[d] = kv[d].saturating_add(b);
+                if self.offload {
+                    kv[self.host] = kv[self.host].saturating_add(b);
+                    slots[d] = slots[d].with(b);
+                } else {
+                    kv[d] = kv[d].saturating_add(b);
+                }
             }
+        }
+        for (k, s) in kv.iter_mut().zip(&slots) {
+            *k = k.saturating_add(s.bytes());
         }
         let mut hosts = a.hosts.clone();
         if let Some(d) = self.disk {
@@ -1226,6 +1350,19 @@ impl<'a> Ctx<'a> {
             if a.tied_copy.iter().any(|x| x.0 == i) {
                 holds.push("output (tied copy)".to_string());
             }
+            if self.offload && i == self.host {
+                holds.push(format!(
+                    "offloaded kv cache of all {} layers",
+                    self.n_layers()
+                ));
+            }
+            if slots[i].layers > 0 {
+                holds.push(format!(
+                    "{} kv prefetch slot(s) of {}",
+                    slots[i].layers.min(crate::memory::OFFLOAD_SLOTS),
+                    fmt_bytes(slots[i].largest)
+                ));
+            }
             if i == self.host && !disk_layers.is_empty() {
                 holds.push(format!(
                     "kv and compute of disk layers {}",
@@ -1284,6 +1421,12 @@ impl<'a> Ctx<'a> {
                 fmt_bytes(weights[d])
             ));
         }
+        if self.offload && self.devs[self.host].limit == u64::MAX {
+            warnings.push(format!(
+                "the offloaded kv cache ({}) lives in host RAM, whose size is not checked: give cpu a capacity (e.g. cpu:32GiB) to check it",
+                fmt_bytes(self.offload_total)
+            ));
+        }
         if let Some(&(d, _)) = a.tied_copy.first() {
             warnings.push(format!(
                 "output is tied to token_embd: {} holds a second copy of it for the head",
@@ -1336,10 +1479,11 @@ impl<'a> Ctx<'a> {
         if u.kv > 0 {
             let ctx = self.cache.map_or(String::new(), |c| {
                 format!(
-                    " at ctx {} × batch {} ({})",
+                    " at ctx {} × batch {} ({}{})",
                     c.max_seq_len,
                     c.batch_size,
-                    c.dtype.name()
+                    c.dtype.name(),
+                    if c.offload { ", offloaded" } else { "" }
                 )
             });
             s.push_str(&format!(" + {} kv{ctx}", fmt_bytes(u.kv)));

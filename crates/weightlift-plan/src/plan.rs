@@ -52,6 +52,9 @@ pub struct DeviceUsage {
     pub capacity: u64,
     pub weights: u64,
     /// KV cache of the layers computed here (on the cpu, also that of layers left on disk).
+    /// With an offloaded cache ([`CacheSpec::offload`]): on the cpu, the whole cache; on every
+    /// device that computes layers (the cpu included), its prefetch slots,
+    /// `min(layers computed here, OFFLOAD_SLOTS) × its largest layer's cache`.
     pub kv: u64,
     /// Compute scratch; on the cpu, plus the host staging buffers for uploads
     /// ([`HostUsage::staging`]) whenever the inventory has an accelerator.
@@ -96,7 +99,8 @@ pub struct HostUsage {
     pub mapped_weights: u64,
     /// Tensors left on disk, streamed through the page cache when used.
     pub disk_weights: u64,
-    /// KV cache of CPU layers and of layers left on disk (the host computes those).
+    /// KV cache of CPU layers and of layers left on disk (the host computes those); with an
+    /// offloaded cache, the whole cache (plus the prefetch slots of layers the host computes).
     pub kv: u64,
     /// CPU compute scratch (including that of layers left on disk), without the staging.
     pub scratch: u64,
@@ -210,10 +214,15 @@ impl Plan {
         let mut s = String::new();
         let ctx = match &self.cache {
             Some(c) => format!(
-                "ctx {} × batch {}, cache {}",
+                "ctx {} × batch {}, cache {}{}",
                 c.max_seq_len,
                 c.batch_size,
-                c.dtype.name()
+                c.dtype.name(),
+                if c.offload {
+                    " offloaded to host ram"
+                } else {
+                    ""
+                }
             ),
             None => "no kv cache".to_string(),
         };

@@ -451,15 +451,11 @@ fn size_of(v: &Bound<'_, PyAny>) -> PyResult<u64> {
     wp::parse_size(&s).map_err(plan_err)
 }
 
-/// `(max_seq_len, batch_size, dtype)` from a `Cache`, a `CacheSpec`-like object or a dict.
+/// `(max_seq_len, batch_size, dtype, offload)` from a `Cache`, a `CacheSpec`-like object or a
+/// dict.
 fn cache_spec_from(o: &Bound<'_, PyAny>) -> PyResult<wp::CacheSpec> {
     if let Ok(c) = o.cast::<Cache>() {
-        let cfg = c.get().cache.config().clone();
-        return Ok(wp::CacheSpec::new(
-            cfg.max_seq_len,
-            cfg.batch_size,
-            we::planned::plan_cache_dtype(cfg.dtype),
-        ));
+        return Ok(we::planned::cache_spec(c.get().cache.config()));
     }
     let get = |k: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
         if let Ok(d) = o.cast::<PyDict>() {
@@ -479,7 +475,11 @@ fn cache_spec_from(o: &Bound<'_, PyAny>) -> PyResult<wp::CacheSpec> {
         .transpose()?
         .unwrap_or_else(|| "fp16".into());
     let d = wp::CacheDType::parse(&dtype).map_err(plan_err)?;
-    Ok(wp::CacheSpec::new(max_seq_len, batch, d))
+    let offload: bool = get("offload")?
+        .map(|v| v.extract())
+        .transpose()?
+        .unwrap_or(false);
+    Ok(wp::CacheSpec::new(max_seq_len, batch, d).with_offload(offload))
 }
 
 /// Apply `weightlift.plan`-style keyword options to a request.
@@ -649,18 +649,9 @@ impl Model {
                 req.use_mmap = opts.use_mmap;
                 req.staging_bytes = opts.staging_bytes as u64;
                 if let Some(c) = &cache {
-                    let cfg = c.config();
-                    if cfg.offload {
-                        // Host RAM plus one prefetch slot per device, as reserves (the planner
-                        // has no offload option).
-                        we::planned::charge_offloaded_cache(&mut req, cfg);
-                    } else {
-                        req.cache = Some(wp::CacheSpec::new(
-                            cfg.max_seq_len,
-                            cfg.batch_size,
-                            we::planned::plan_cache_dtype(cfg.dtype),
-                        ));
-                    }
+                    // Offloaded, the plan charges the whole cache to the cpu and the prefetch
+                    // slots to each layer device, as the cache allocates them.
+                    req.cache = Some(we::planned::cache_spec(c.config()));
                 }
                 let inv = inner.model.inventory().clone();
                 req_fn(&mut req, &inv)?;
@@ -789,10 +780,12 @@ impl Model {
                 let spec = cache_spec_from(c)?;
                 let inner = self.lock()?;
                 let dtype = we::planned::cache_dtype(spec.dtype);
-                let cfg =
-                    eng(inner
-                        .model
-                        .cache_config(spec.max_seq_len, spec.batch_size, dtype, false))?;
+                let cfg = eng(inner.model.cache_config(
+                    spec.max_seq_len,
+                    spec.batch_size,
+                    dtype,
+                    spec.offload,
+                ))?;
                 Some(Arc::new(eng(ECache::new(cfg))?))
             }
             other => cache_arg(other)?,
@@ -1070,9 +1063,9 @@ impl Cache {
     }
 
     /// What `memory()` should hold for the devices the layers were allocated for: each layer's
-    /// K and V on its device; offloaded, every layer on `cpu` plus one prefetch slot (the
-    /// largest layer) on each layer device. The planner has no offload option, so compare an
-    /// offloaded cache with this rather than with the plan's kv column.
+    /// K and V on its device; offloaded, every layer on `cpu` plus, on each layer device, two
+    /// prefetch slots of its largest layer (one when it computes a single layer). A plan made
+    /// for this cache predicts the same bytes in its kv column.
     fn expected_memory(&self) -> PyResult<HashMap<String, u64>> {
         Ok(eng(self.cache.expected_memory())?.into_iter().collect())
     }

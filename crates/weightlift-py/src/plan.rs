@@ -415,14 +415,17 @@ fn build_request(
 ///
 /// `reserve`, `max_memory` and `overhead` take one size for every accelerator, a list in device
 /// order, or a dict keyed by device name or accelerator index; sizes are ints or strings such
-/// as `"512MiB"`. Raises `OutOfMemoryError` (with `.shortfalls` and `.fixes`) when it does not
-/// fit, and `PlanError` for an invalid request.
+/// as `"512MiB"`. `cache_offload=True` offloads `cache` to host RAM (as
+/// `CacheSpec(..., offload=True)`): the cpu's kv column holds the whole cache and each device
+/// that computes layers two prefetch slots of its largest layer. Raises `OutOfMemoryError` (with
+/// `.shortfalls` and `.fixes`) when it does not fit, and `PlanError` for an invalid request.
 #[pyfunction]
 #[pyo3(signature = (
     source, *, devices, strategy = "autosplit", dtype = "auto", cache = None, runtime = None,
     reserve = None, max_memory = None, n_gpu_layers = None, split_mode = None,
     tensor_split = None, main_gpu = 0, device_map = None, allow_disk = false,
-    weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true
+    weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
+    cache_offload = false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn plan<'py>(
@@ -446,12 +449,26 @@ fn plan<'py>(
     overrides: Option<&Bound<'py, PyAny>>,
     gpu_split: Option<Vec<f64>>,
     use_mmap: bool,
+    cache_offload: bool,
 ) -> PyResult<Plan> {
+    let cache = cache.map(|c| c.inner);
+    if cache_offload && cache.is_none() {
+        return Err(raise(
+            Exc::Plan,
+            "cache_offload=True: there is no cache to offload; pass cache=CacheSpec(...) too",
+        ));
+    }
     let opts = Options {
         devices,
         strategy,
         dtype,
-        cache: cache.map(|c| c.inner),
+        cache: cache.map(|c| {
+            if cache_offload {
+                c.with_offload(true)
+            } else {
+                c
+            }
+        }),
         runtime,
         reserve,
         max_memory,
@@ -474,14 +491,16 @@ fn plan<'py>(
 
 /// The largest `target` that fits: `"max_seq_len"` (multiples of 256 up to the model's context
 /// length), `"batch_size"`, or `"n_gpu_layers"` (strategy `layers`). Same options as `plan()`;
-/// `cache` (or just `cache_dtype`) gives the cache dtype and batch (fp16, batch 1 without one). Raises
-/// `OutOfMemoryError` when even the smallest value does not fit.
+/// `cache` (or just `cache_dtype`) gives the cache dtype and batch (fp16, batch 1 without one);
+/// `cache_offload=True` offloads that cache to host RAM. Raises `OutOfMemoryError` when even the
+/// smallest value does not fit.
 #[pyfunction]
 #[pyo3(signature = (
     source, *, devices, target = "max_seq_len", strategy = "autosplit", dtype = "auto",
     cache = None, cache_dtype = None, runtime = None, reserve = None, max_memory = None, n_gpu_layers = None,
     split_mode = None, tensor_split = None, main_gpu = 0, device_map = None, allow_disk = false,
-    weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true
+    weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
+    cache_offload = false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn fit<'py>(
@@ -507,6 +526,7 @@ fn fit<'py>(
     overrides: Option<&Bound<'py, PyAny>>,
     gpu_split: Option<Vec<f64>>,
     use_mmap: bool,
+    cache_offload: bool,
 ) -> PyResult<u64> {
     let target = wp::FitTarget::parse(target).map_err(py_err)?;
     let cache = match (cache.map(|c| c.inner), cache_dtype) {
@@ -530,6 +550,16 @@ fn fit<'py>(
             }
             Some(c)
         }
+    };
+    // Offloading applies to the cache asked for, or to fit()'s default one (fp16, batch 1).
+    let cache = if cache_offload {
+        Some(
+            cache
+                .unwrap_or(wp::CacheSpec::new(wp::SEQ_STEP, 1, wp::CacheDType::Fp16))
+                .with_offload(true),
+        )
+    } else {
+        cache
     };
     let opts = Options {
         devices,
@@ -585,6 +615,9 @@ fn parse_devices(spec: &Bound<'_, PyAny>) -> PyResult<Vec<Device>> {
 
 /// The KV cache to plan for: `max_seq_len` tokens × `batch_size`, in `dtype` (fp16, fp8, q8,
 /// q6 or q4; the quantised ones carry one f16 scale per 32 values, q6 is 8-bit K, 4-bit V).
+/// `offload=True` plans transformers' `OffloadedCache`: the whole cache in host RAM (the cpu's
+/// kv column) and, on each device that computes layers, two prefetch slots of its largest layer
+/// (one when it computes a single layer).
 #[pyclass(module = "weightlift._native", frozen, eq, hash)]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct CacheSpec {
@@ -594,8 +627,8 @@ pub struct CacheSpec {
 #[pymethods]
 impl CacheSpec {
     #[new]
-    #[pyo3(signature = (max_seq_len, batch_size = 1, dtype = "fp16"))]
-    fn new(max_seq_len: u64, batch_size: u64, dtype: &str) -> PyResult<Self> {
+    #[pyo3(signature = (max_seq_len, batch_size = 1, dtype = "fp16", offload = false))]
+    fn new(max_seq_len: u64, batch_size: u64, dtype: &str, offload: bool) -> PyResult<Self> {
         if max_seq_len == 0 || batch_size == 0 {
             return Err(raise(
                 Exc::Plan,
@@ -606,7 +639,7 @@ impl CacheSpec {
         }
         let dtype = wp::CacheDType::parse(dtype).map_err(py_err)?;
         Ok(CacheSpec {
-            inner: wp::CacheSpec::new(max_seq_len, batch_size, dtype),
+            inner: wp::CacheSpec::new(max_seq_len, batch_size, dtype).with_offload(offload),
         })
     }
     #[getter]
@@ -621,13 +654,23 @@ impl CacheSpec {
     fn dtype(&self) -> &'static str {
         self.inner.dtype.name()
     }
+    /// True for a cache offloaded to host RAM.
+    #[getter]
+    fn offload(&self) -> bool {
+        self.inner.offload
+    }
     /// Bytes of the whole cache for a model.
     fn nbytes(&self, spec: PyRef<'_, ModelSpec>) -> u64 {
         self.inner.total_bytes(&spec.inner)
     }
     fn __repr__(&self) -> String {
+        let offload = if self.inner.offload {
+            ", offload=True"
+        } else {
+            ""
+        };
         format!(
-            "CacheSpec(max_seq_len={}, batch_size={}, dtype='{}')",
+            "CacheSpec(max_seq_len={}, batch_size={}, dtype='{}'{offload})",
             self.inner.max_seq_len,
             self.inner.batch_size,
             self.inner.dtype.name()
