@@ -116,6 +116,48 @@ impl AlignedBuf {
         self.len
     }
 
+    /// Fault in every page of a mapped buffer now, split over up to `threads` threads, so that
+    /// a copy into it afterwards runs at memcpy speed instead of taking one page fault per
+    /// 4 KiB. Uses `MADV_POPULATE_WRITE` (Linux 5.14+), or rewrites one byte per page with its
+    /// own value where the kernel lacks it; the contents never change.
+    /// Heap buffers (under 4 MiB) were already written by `alloc_zeroed`; nothing to do.
+    ///
+    /// Why: first-touch faults of fresh anonymous memory are the largest cost of filling a
+    /// `virtual` arena from staging. For 2 GiB on the 2-core bench VM: ~0.75 s of page faults
+    /// touching it from one thread (1.2 to 2.8 s when the hypervisor has taken the freed memory
+    /// back), ~0.55 s populated by one `madvise`, ~0.43 s touched from two threads with both
+    /// cores free; the copy into resident memory is ~0.4 s. The call is only a hint: where
+    /// populating fails (ENOMEM, say), the later writes fault the pages in as before.
+    pub fn populate(&mut self, threads: usize) {
+        if self.mapped == 0 || self.len == 0 {
+            return;
+        }
+        let len = self.len.next_multiple_of(ALIGN).min(self.mapped);
+        let parts = threads.clamp(1, len.div_ceil(POPULATE_MIN_PART));
+        let part = len.div_ceil(parts).next_multiple_of(ALIGN);
+        let base = self.ptr.as_ptr() as usize;
+        let one = move |k: usize| {
+            let start = k * part;
+            let n = part.min(len.saturating_sub(start));
+            if n > 0 {
+                // SAFETY: `[start, start + n)` lies inside the mapping this buffer owns (`len` is
+                // at most `mapped`), and `&mut self` is held by the caller for the whole call,
+                // so no other reference into it exists while the parts are populated.
+                unsafe { populate_range((base + start) as *mut u8, n) };
+            }
+        };
+        if parts == 1 {
+            one(0);
+            return;
+        }
+        std::thread::scope(|s| {
+            for k in 1..parts {
+                s.spawn(move || one(k));
+            }
+            one(0);
+        });
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr points to `len` initialised (zeroed or written) bytes owned by self, or is
         // dangling with len 0, which is valid for an empty slice.
@@ -125,6 +167,45 @@ impl AlignedBuf {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` guarantees exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// Parts smaller than this are not worth a thread of their own.
+const POPULATE_MIN_PART: usize = 2 << 20;
+
+/// Fault in `[ptr, ptr + len)` for writing without changing its contents.
+///
+/// # Safety
+/// The range must be page-aligned, lie inside a live private anonymous mapping, and not be
+/// accessed by anyone else during the call.
+unsafe fn populate_range(ptr: *mut u8, len: usize) {
+    // SAFETY: the caller guarantees the range is a live mapping; MADV_POPULATE_WRITE only
+    // installs page-table entries, it never changes the bytes.
+    let r = unsafe { libc::madvise(ptr.cast(), len, libc::MADV_POPULATE_WRITE) };
+    if r == 0 {
+        return;
+    }
+    if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+        // ENOMEM, EFAULT, EINTR...: leave the pages to fault on first use.
+        return;
+    }
+    // SAFETY: as this function's own contract.
+    unsafe { touch_range(ptr, len) };
+}
+
+/// The fallback for kernels before 5.14: write each page's first byte back to itself (volatile,
+/// so neither access is elided), which faults the page in writable and keeps the contents.
+///
+/// # Safety
+/// As [`populate_range`]; the range must also be initialised memory.
+unsafe fn touch_range(ptr: *mut u8, len: usize) {
+    for off in (0..len).step_by(ALIGN) {
+        // SAFETY: `off < len`, inside the range the caller owns exclusively, and initialised
+        // (zero-filled or written).
+        unsafe {
+            let p = ptr.add(off);
+            std::ptr::write_volatile(p, std::ptr::read_volatile(p));
+        }
     }
 }
 
@@ -180,5 +261,50 @@ mod tests {
         assert!(b.as_slice().iter().step_by(4096).all(|&x| x == 0));
         b.as_mut_slice()[n - 1] = 9;
         assert_eq!(b.as_slice()[n - 1], 9);
+    }
+
+    /// How many of the pages of `b` are resident (mincore).
+    fn resident_pages(b: &AlignedBuf) -> usize {
+        let pages = b.len().div_ceil(ALIGN);
+        let mut v = vec![0u8; pages];
+        // SAFETY: the range is b's own live, page-aligned mapping; `v` has one byte per page.
+        let r = unsafe { libc::mincore(b.ptr.as_ptr().cast(), b.len(), v.as_mut_ptr()) };
+        assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
+        v.iter().filter(|&&x| x & 1 == 1).count()
+    }
+
+    #[test]
+    fn populate_faults_pages_in_and_keeps_contents() {
+        let n = (24 << 20) + 5;
+        let mut b = AlignedBuf::zeroed_with(n, false).unwrap();
+        b.as_mut_slice()[0] = 3;
+        b.as_mut_slice()[(12 << 20) + 1] = 4;
+        b.as_mut_slice()[n - 1] = 5;
+        let pages = n.div_ceil(ALIGN);
+        assert!(
+            resident_pages(&b) < pages,
+            "a fresh mapping is not all resident"
+        );
+        b.populate(3);
+        assert_eq!(resident_pages(&b), pages);
+        let s = b.as_slice();
+        assert_eq!((s[0], s[(12 << 20) + 1], s[n - 1]), (3, 4, 5));
+        assert_eq!(s.iter().map(|&x| u64::from(x)).sum::<u64>(), 12);
+
+        // The fallback for kernels without MADV_POPULATE_WRITE keeps the contents too.
+        let mut c = AlignedBuf::zeroed_with(8 << 20, false).unwrap();
+        c.as_mut_slice()[4096 * 7] = 8;
+        let p = c.as_mut_slice().as_mut_ptr();
+        // SAFETY: the whole buffer, owned here and not otherwise borrowed during the call.
+        unsafe { touch_range(p, 8 << 20) };
+        assert_eq!(resident_pages(&c), (8 << 20) / ALIGN);
+        assert_eq!(c.as_slice()[4096 * 7], 8);
+        assert_eq!(c.as_slice().iter().map(|&x| u64::from(x)).sum::<u64>(), 8);
+
+        // Heap buffers and empty ones: nothing to do, nothing breaks.
+        let mut h = AlignedBuf::zeroed(10_000).unwrap();
+        h.populate(2);
+        assert!(h.as_slice().iter().all(|&x| x == 0));
+        AlignedBuf::empty().populate(2);
     }
 }

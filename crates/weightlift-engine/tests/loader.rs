@@ -358,3 +358,51 @@ fn large_tensors_read_in_parallel_are_bit_exact() {
         );
     }
 }
+
+#[test]
+fn large_tensors_staged_onto_a_virtual_device_are_bit_exact() {
+    use safetensors::tensor::{Dtype, TensorView};
+    // Over the size whose destination is faulted in before the copies (4 MiB), through small
+    // staging buffers (many chunks, the last one partial), beside a small tensor that is not.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let big: Vec<u8> = (0..(6usize << 20) + 2 * 4099)
+        .map(|i| (i * 13 % 251) as u8)
+        .collect();
+    let small: Vec<u8> = (0..256u32).map(|i| (i * 3) as u8).collect();
+    let mut views = std::collections::HashMap::new();
+    views.insert(
+        "model.layers.0.mlp.up_proj.weight".to_owned(),
+        TensorView::new(Dtype::F16, vec![big.len() / 2], &big).unwrap(),
+    );
+    views.insert(
+        "model.layers.0.input_layernorm.weight".to_owned(),
+        TensorView::new(Dtype::F16, vec![128], &small).unwrap(),
+    );
+    safetensors::serialize_to_file(&views, None, &path).unwrap();
+    let data = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&data).unwrap();
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
+    let inv = Inventory::parse("virtual:1x16MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    let t = targets(&src, |_| Arc::clone(&dev));
+    for staging in [1 << 20, 4 << 20, 64 << 20] {
+        let opts = LoadOptions {
+            staging_bytes: staging,
+            ..Default::default()
+        };
+        let loaded = load(&src, &t, &opts, &mut |_| true, &mut |_| Ok(())).unwrap();
+        for (name, view) in st.tensors() {
+            let i = src.tensors().iter().position(|t| t.name == name).unwrap();
+            let got = loaded.tensors[i].as_ref().unwrap();
+            assert_eq!(got.device().name(), "virtual:0");
+            assert!(
+                got.to_host().unwrap() == view.data(),
+                "tensor {name} differs (staging {staging})"
+            );
+        }
+        assert_eq!(dev.used(), (big.len() + small.len()) as u64);
+        drop(loaded);
+        assert_eq!(dev.used(), 0);
+    }
+}
