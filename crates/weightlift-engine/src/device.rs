@@ -453,14 +453,40 @@ impl Buffer {
                     .map(|n| (n.index, n.kind)),
             ),
             Mem::Cuda(m) => {
+                let dev = &self.device;
+                let block_bytes = dtype.type_size().max(1) as usize;
+                let block_values = dtype.block_size().max(1);
+                let host_scan = |data: &[u8]| {
+                    weightlift_format::scan::find_non_finite(dtype, data).map(|n| (n.index, n.kind))
+                };
                 let Some(ty) = weightlift_kernels::QuantType::from_name(dtype.name()) else {
+                    // A type the kernels have no scan for: scan on the host, a bounded chunk of
+                    // whole blocks at a time.
+                    let step = (BOUNCE_BYTES / block_bytes).max(1) * block_bytes;
+                    let mut chunk = vec![0u8; step.min(self.len)];
+                    let mut at = 0;
+                    while at < self.len {
+                        let n = step.min(self.len - at);
+                        self.read(at, &mut chunk[..n])?;
+                        if let Some((i, kind)) = host_scan(&chunk[..n]) {
+                            return Ok(Some(((at / block_bytes) as u64 * block_values + i, kind)));
+                        }
+                        at += n;
+                    }
                     return Ok(None);
                 };
-                let dev = &self.device;
-                dev.backend()?
+                let hit = dev
+                    .backend()?
                     .scan_non_finite(ty, m, self.len)
-                    .map(|i| i.map(|i| (i as u64, "nan or inf")))
-                    .map_err(|e| dev.kernel_err("scanning for non-finite values", e))
+                    .map_err(|e| dev.kernel_err("scanning for non-finite values", e))?;
+                let Some(i) = hit else { return Ok(None) };
+                // Name the kind by scanning the one block that holds the hit on the host.
+                let i = i as u64;
+                let at = (i / block_values) as usize * block_bytes;
+                let mut block = vec![0u8; block_bytes.min(self.len.saturating_sub(at))];
+                self.read(at, &mut block)?;
+                let kind = host_scan(&block).map_or("nan or inf", |(_, kind)| kind);
+                Ok(Some((i, kind)))
             }
         }
     }
