@@ -110,7 +110,21 @@ fn cases() -> Vec<Case> {
             }),
         });
     }
-    for ty in [QuantType::Q4_K, QuantType::Q8_0] {
+    for ty in [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q8_0,
+        QuantType::Q2_K,
+        QuantType::Q3_K,
+        QuantType::Q4_K,
+        QuantType::Q5_K,
+        QuantType::Q6_K,
+        QuantType::IQ4_NL,
+        QuantType::F16,
+        QuantType::BF16,
+    ] {
         let w = random_weights(ty, n);
         let bytes = w.len() + n * 2;
         let out = std::sync::Mutex::new(vec![0u16; n]);

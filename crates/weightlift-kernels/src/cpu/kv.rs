@@ -18,11 +18,18 @@
 //!
 //! where the 2⁻¹⁶ covers the rounding of the f32 division `x/d` (|x/d| ≤ 127 < 2⁷, so it is off
 //! by at most 2⁷·2⁻²⁴ before `round`). The bound holds for |x| ≤ 65504·qmax (past that the f16
-//! scale saturates at 65504 and values are clamped to ±qmax·65504). A group holding NaN or
-//! ±inf gives a NaN/inf scale; callers that care scan first ([`scan_non_finite`](super::convert::scan_non_finite)).
+//! scale saturates at 65504 and values are clamped to ±qmax·65504). Non-finite values: NaN is
+//! left out of `amax` and stored as quant 0; ±inf makes the scale 65504 and is stored as ±qmax,
+//! the group's finite values being quantised against that scale; callers that care scan
+//! first ([`scan_non_finite`](super::convert::scan_non_finite)).
+//!
+//! `q = round(x · (1/d))` rounds half away from zero (`f32::round`). The AVX2 path (used at
+//! the AVX2 and AVX-512 levels) writes the same bytes as the scalar path, so caches are
+//! portable; dequantisation is bit-identical on every level.
 
 use rayon::prelude::*;
 
+use super::Isa;
 use super::half::{f16_to_f32, f32_to_f16, rd_f16};
 use crate::error::{KernelError, Result};
 
@@ -104,12 +111,25 @@ const GROUPS_PER_TASK: usize = 512;
 
 /// Quantises `x` into `out` (`kt.bytes_for(x.len())` bytes).
 pub fn kv_quantize(kt: KvType, x: &[f32], out: &mut [u8]) -> Result<()> {
+    kv_quantize_with(Isa::detect(), kt, x, out)
+}
+
+/// [`kv_quantize`] with a forced instruction set. Every level writes the same bytes, so caches
+/// are portable between machines.
+pub fn kv_quantize_with(isa: Isa, kt: KvType, x: &[f32], out: &mut [u8]) -> Result<()> {
     check(kt, x.len(), out.len())?;
     let gb = kt.group_bytes();
     let qmax = kt.qmax() as f32;
     x.par_chunks(KV_GROUP * GROUPS_PER_TASK)
         .zip(out.par_chunks_mut(gb * GROUPS_PER_TASK))
         .for_each(|(xs, os)| {
+            #[cfg(target_arch = "x86_64")]
+            if isa.has_avx2() {
+                // SAFETY: AVX2 and F16C detected at run time; `check` made `xs` whole groups
+                // and `os` exactly their bytes.
+                return unsafe { super::x86_ops::imp::kv_quantize_avx2(kt == KvType::Q4, xs, os) };
+            }
+            let _ = isa;
             for (g, o) in xs.chunks_exact(KV_GROUP).zip(os.chunks_exact_mut(gb)) {
                 let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let h = kv_scale(kt, amax);
@@ -138,11 +158,25 @@ pub fn kv_quantize(kt: KvType, x: &[f32], out: &mut [u8]) -> Result<()> {
 
 /// Dequantises `src` (`kt.bytes_for(out.len())` bytes) into `out`: `x̂ = q · d`.
 pub fn kv_dequantize(kt: KvType, src: &[u8], out: &mut [f32]) -> Result<()> {
+    kv_dequantize_with(Isa::detect(), kt, src, out)
+}
+
+/// [`kv_dequantize`] with a forced instruction set (bit-identical on every level).
+pub fn kv_dequantize_with(isa: Isa, kt: KvType, src: &[u8], out: &mut [f32]) -> Result<()> {
     check(kt, out.len(), src.len())?;
     let gb = kt.group_bytes();
     src.par_chunks(gb * GROUPS_PER_TASK)
         .zip(out.par_chunks_mut(KV_GROUP * GROUPS_PER_TASK))
         .for_each(|(ss, os)| {
+            #[cfg(target_arch = "x86_64")]
+            if isa.has_avx2() {
+                // SAFETY: AVX2 and F16C detected at run time; `check` made `ss` whole groups
+                // and `os` exactly their values.
+                return unsafe {
+                    super::x86_ops::imp::kv_dequantize_avx2(kt == KvType::Q4, ss, os)
+                };
+            }
+            let _ = isa;
             for (g, o) in ss.chunks_exact(gb).zip(os.chunks_exact_mut(KV_GROUP)) {
                 let d = rd_f16(g, 0);
                 match kt {

@@ -15,7 +15,13 @@
 //!   value, about 0.4 % of the block's largest activation). Weight types: Q4_0, Q4_1, Q8_0,
 //!   Q4_K and Q6_K. Unlike llama.cpp, K-quants also use 32-value activation blocks (llama.cpp
 //!   uses 256-value `block_q8_K` with an f32 scale), so results differ from llama.cpp's in the
-//!   last bits. The scalar and AVX2 paths of this mode give bit-identical results.
+//!   last bits. In [`matvec`] every instruction set gives bit-identical results, and so does
+//!   [`matmul`] for Q8_0 and Q6_K (each token's result equals its matvec). For the 4-bit
+//!   types (Q4_0, Q4_1, Q4_K) the AVX2/AVX-512 [`matmul`] of at least 4 (AVX2) or 8 (AVX-512)
+//!   tokens sums each 32-value group's integer products in full (the same exact integers)
+//!   and scales them once, where the matvec scales eight 4-value lanes: one f32 rounding
+//!   per group instead of eight, so matmul and matvec differ in the last bits (tested within
+//!   1e-5 of Σ|w·x|).
 
 use rayon::prelude::*;
 
@@ -400,9 +406,14 @@ pub fn matvec_f16(
 ///
 /// In [`MatvecMode::Exact`] the weights are dequantised to f32 in tiles of whole rows holding
 /// at most `min(max_dq_size, 65536)` values (exllamav2's `max_dq_size` bounds it; a tile is at
-/// least one row), one tile per parallel task, and each tile is multiplied with every token
-/// four at a time; peak scratch is one tile per worker thread. In
-/// [`MatvecMode::Q8`] the tokens are quantised once and each weight row meets every token.
+/// least one row), one tile per parallel task; peak scratch is one tile per worker thread.
+/// With AVX2/AVX-512 each tile meets the tokens in register tiles of up to 8 rows × 32
+/// tokens over the transposed activations, k in chunks of 128, so each dequantised weight is
+/// loaded once per 32 tokens; each output sums its products in f32, in order within a chunk.
+///
+/// In [`MatvecMode::Q8`] the tokens are quantised once (and laid out once for the SIMD
+/// kernels), and each weight group is decoded once per 16 or 32 tokens and met with all of
+/// them from registers.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     mode: MatvecMode,
@@ -463,57 +474,312 @@ pub fn matmul_with(
                     dequant_seq(isa, ty, s, o);
                 }
             };
+            // the activations transposed (token fastest) for the outer-product tiles
+            let vw = outer_width(isa);
+            let xt: Vec<f32> = if vw > 0 && n_tok >= vw {
+                let mut xt = vec![0f32; cols * n_tok];
+                for (t, xr) in x.chunks_exact(cols).enumerate() {
+                    for (k, v) in xr.iter().enumerate() {
+                        xt[k * n_tok + t] = *v;
+                    }
+                }
+                xt
+            } else {
+                Vec::new()
+            };
+            // the scratch tile is reused by every tile a worker takes (no zero-fill per tile)
             yt.par_chunks_mut(tile_rows * n_tok)
                 .enumerate()
-                .for_each(|(ti, yc)| {
+                .for_each_init(Vec::new, |wd: &mut Vec<f32>, (ti, yc)| {
                     let r0 = ti * tile_rows;
                     let nr = yc.len() / n_tok;
-                    let mut wd = vec![0f32; nr * cols];
-                    dq_seq(&w[r0 * row_bytes..(r0 + nr) * row_bytes], &mut wd);
-                    for (r, yr) in yc.chunks_mut(n_tok).enumerate() {
-                        let wr = &wd[r * cols..(r + 1) * cols];
-                        let xt = |t: usize| &x[t * cols..(t + 1) * cols];
-                        let mut t = 0;
-                        #[cfg(target_arch = "x86_64")]
-                        if isa.has_avx2() {
-                            // four tokens per pass share each load of the weight row
-                            while t + 4 <= n_tok {
-                                let xs = [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)];
-                                let v = if isa.has_avx512() {
-                                    // SAFETY: AVX-512F detected; each token row has `cols` values.
-                                    unsafe { super::x86::imp::dot4_f32_avx512(wr, xs) }
-                                } else {
-                                    // SAFETY: AVX2/FMA detected; each token row has `cols` values.
-                                    unsafe { super::x86::imp::dot4_f32_avx2(wr, xs) }
-                                };
-                                yr[t..t + 4].copy_from_slice(&v);
-                                t += 4;
-                            }
-                        }
-                        for (k, yv) in yr.iter_mut().enumerate().skip(t) {
-                            *yv = dot_f32(isa, wr, xt(k));
-                        }
+                    if wd.len() < nr * cols {
+                        wd.resize(nr * cols, 0.0);
                     }
+                    let wd = &mut wd[..nr * cols];
+                    dq_seq(&w[r0 * row_bytes..(r0 + nr) * row_bytes], wd);
+                    tile_products(isa, wd, x, &xt, cols, nr, n_tok, yc);
                 });
         }
         MatvecMode::Q8 => {
             check_q8_type(ty)?;
             let xq = quantize_q8_blocks(x);
             let per_tok = cols / 32;
-            yt.par_chunks_mut(n_tok).enumerate().for_each(|(r, yr)| {
-                let wr = &w[r * row_bytes..(r + 1) * row_bytes];
-                for (t, yv) in yr.iter_mut().enumerate() {
-                    *yv = row_dot_q8(isa, ty, wr, &xq[t * per_tok..(t + 1) * per_tok]);
-                }
-            });
+            #[cfg(target_arch = "x86_64")]
+            if isa.has_avx2() {
+                use super::x86_ops::imp;
+                let wide = isa.has_avx512();
+                // the 4-bit kernel fills 16 (8) tokens per vector: below 8 (4) tokens the
+                // per-token kernels do less work
+                let quads = imp::uses_quads(ty) && n_tok >= if wide { 8 } else { 4 };
+                let pk = imp::Q8Pack::new(&xq, n_tok, per_tok, wide && !quads, quads);
+                yt.par_chunks_mut(n_tok * Q8_ROWS_PER_TASK)
+                    .enumerate()
+                    .for_each_init(imp::NibRow::default, |nr, (i, yc)| {
+                        for (k, yr) in yc.chunks_mut(n_tok).enumerate() {
+                            let r = i * Q8_ROWS_PER_TASK + k;
+                            let wr = &w[r * row_bytes..(r + 1) * row_bytes];
+                            if quads && wide {
+                                // SAFETY: AVX-512F/BW, AVX2, FMA and F16C detected; a 4-bit
+                                // type; the row holds `per_tok` groups (check_shapes), the
+                                // pack has quads, and `yr` has one value per token.
+                                unsafe { imp::q8_row_nib_avx512(ty, wr, &pk, yr, nr) };
+                            } else if wide {
+                                // SAFETY: as above, with pairs for the other types.
+                                unsafe { imp::q8_row_avx512(ty, wr, &pk, yr) };
+                            } else if quads {
+                                // SAFETY: AVX2, FMA and F16C detected; otherwise as above.
+                                unsafe { imp::q8_row_nib_avx2(ty, wr, &pk, yr, nr) };
+                            } else {
+                                // SAFETY: AVX2, FMA and F16C detected; shapes as above.
+                                unsafe { imp::q8_row_avx2(ty, wr, &pk, yr) };
+                            }
+                        }
+                    });
+                transpose_into(&yt, rows, n_tok, y);
+                return Ok(());
+            }
+            yt.par_chunks_mut(n_tok)
+                .enumerate()
+                .for_each_init(Vec::new, |groups, (r, yr)| {
+                    decode_row_scalar(ty, &w[r * row_bytes..(r + 1) * row_bytes], groups);
+                    for (t, yv) in yr.iter_mut().enumerate() {
+                        *yv = dot_decoded_q8(ty, groups, &xq[t * per_tok..(t + 1) * per_tok]);
+                    }
+                });
         }
     }
-    for (r, yr) in yt.chunks_exact(n_tok).enumerate() {
+    transpose_into(&yt, rows, n_tok, y);
+    Ok(())
+}
+
+/// One 32-value weight group decoded for the scalar Q8-mode matmul: the quants, the scale of
+/// lanes 0–3 and 4–7 (they differ only for Q6_K) and the coefficient of the token's quant sum
+/// (Q4_1's `m`, Q4_K's `−dmin·m`, else 0).
+#[derive(Clone, Copy)]
+struct ScalarGroup {
+    w: [i32; 32],
+    s_lo: f32,
+    s_hi: f32,
+    coef: f32,
+}
+
+/// Decodes a Q8-mode weight row into `out`, one entry per 32 values, with the float
+/// operations of [`row_dot_q8_scalar`] (`d · sc` rounded once).
+fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
+    out.clear();
+    let bb = ty.block_bytes();
+    let one = |w: [i32; 32], s: f32, coef: f32| ScalarGroup {
+        w,
+        s_lo: s,
+        s_hi: s,
+        coef,
+    };
+    for blk in row.chunks_exact(bb) {
+        match ty {
+            QuantType::Q4_0 => out.push(one(nibbles(&blk[2..18], 8), rd_f16(blk, 0), 0.0)),
+            QuantType::Q4_1 => {
+                out.push(one(nibbles(&blk[4..20], 0), rd_f16(blk, 0), rd_f16(blk, 2)))
+            }
+            QuantType::Q8_0 => out.push(one(
+                std::array::from_fn(|i| i32::from(blk[2 + i] as i8)),
+                rd_f16(blk, 0),
+                0.0,
+            )),
+            QuantType::Q4_K => {
+                let (d, dmin) = (rd_f16(blk, 0), rd_f16(blk, 2));
+                for sb in 0..8 {
+                    let (sc, m) = scale_min_k4(sb, &blk[4..16]);
+                    let (c, shift) = (sb / 2, 4 * (sb % 2));
+                    let w =
+                        std::array::from_fn(|l| i32::from((blk[16 + 32 * c + l] >> shift) & 0x0f));
+                    out.push(one(w, d * sc as f32, -(dmin * m as f32)));
+                }
+            }
+            QuantType::Q6_K => {
+                let d = rd_f16(blk, 208);
+                let mut q = [0i8; 256];
+                q6k_quants(blk, &mut q);
+                for g in 0..8 {
+                    out.push(ScalarGroup {
+                        w: std::array::from_fn(|l| i32::from(q[32 * g + l])),
+                        s_lo: d * f32::from(blk[192 + 2 * g] as i8),
+                        s_hi: d * f32::from(blk[193 + 2 * g] as i8),
+                        coef: 0.0,
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// [`row_dot_q8_scalar`] on a decoded row: the same lane sums, the same `(s · d_x)` and FMA
+/// per lane, the same extra term in group order, so the same bits.
+fn dot_decoded_q8(ty: QuantType, groups: &[ScalarGroup], xq: &[Q8Block]) -> f32 {
+    let extra_term = matches!(ty, QuantType::Q4_1 | QuantType::Q4_K);
+    let mut acc = [0f32; 8];
+    let mut extra = 0f32;
+    for (g, xb) in groups.iter().zip(xq) {
+        let l = lanes(&g.w, &xb.qs);
+        let (a, b) = (g.s_lo * xb.d, g.s_hi * xb.d);
+        for j in 0..8 {
+            let dd = if j < 4 { a } else { b };
+            acc[j] = dd.mul_add(l[j] as f32, acc[j]);
+        }
+        if extra_term {
+            extra += (g.coef * xb.d) * xb.sum as f32;
+        }
+    }
+    finish_lanes(&acc, extra)
+}
+
+/// Writes `yt` (row-major by weight row) into `y` (row-major by token).
+fn transpose_into(yt: &[f32], rows: usize, n_tok: usize, y: &mut [f32]) {
+    for (r, yr) in yt.chunks_exact(n_tok).enumerate().take(rows) {
         for (t, v) in yr.iter().enumerate() {
             y[t * rows + r] = *v;
         }
     }
-    Ok(())
+}
+
+/// The four token rows of `xs` (`4 · cols` values).
+#[cfg(target_arch = "x86_64")]
+fn tok4(xs: &[f32], cols: usize) -> [&[f32]; 4] {
+    std::array::from_fn(|k| &xs[k * cols..(k + 1) * cols])
+}
+
+/// Weight rows per Q8-mode matmul task.
+#[cfg(target_arch = "x86_64")]
+const Q8_ROWS_PER_TASK: usize = 8;
+
+/// Activation values per k-chunk of the outer-product tiles: a chunk of 32 tokens (16 KiB)
+/// and of the tile's weight rows stay in L1, and each lane sums at most this many products
+/// before they are added to the output.
+#[cfg(target_arch = "x86_64")]
+const KC: usize = 128;
+
+/// Tokens per outer-product vector: 16 with AVX-512, 8 with AVX2 (0: no outer-product path).
+fn outer_width(isa: Isa) -> usize {
+    if isa.has_avx512() {
+        16
+    } else if isa.has_avx2() {
+        8
+    } else {
+        0
+    }
+}
+
+/// `yc[r·n_tok + t] = dot(wd[r], x[t])` for `nr` dequantised rows of `cols` values.
+///
+/// With AVX2/AVX-512 and at least one vector of tokens, whole vectors of tokens use
+/// outer-product register tiles over the transposed activations `xt` (`cols × n_tok`): up to
+/// 8 rows (4 with AVX2) × 2 token vectors of accumulators per tile, k in chunks of [`KC`], so
+/// each decoded weight is reused by up to 32 tokens from registers and nothing is summed
+/// horizontally. The remaining tokens, and the scalar level, take per-row dot products
+/// (four tokens per pass with x86's `dot4`).
+#[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+fn tile_products(
+    isa: Isa,
+    wd: &[f32],
+    x: &[f32],
+    xt: &[f32],
+    cols: usize,
+    nr: usize,
+    n_tok: usize,
+    yc: &mut [f32],
+) {
+    let mut t_dot = 0;
+    #[cfg(target_arch = "x86_64")]
+    {
+        let vw = outer_width(isa);
+        if vw > 0 && n_tok >= vw && xt.len() == cols * n_tok {
+            use super::x86_ops::imp;
+            let wide = isa.has_avx512();
+            let t_outer = n_tok / vw * vw;
+            let max_r = if wide { 8 } else { 4 };
+            for k0 in (0..cols).step_by(KC) {
+                let kl = KC.min(cols - k0);
+                let mut r = 0;
+                while r < nr {
+                    let rr = [8, 4, 2, 1]
+                        .into_iter()
+                        .find(|m| *m <= max_r && *m <= nr - r)
+                        .unwrap_or(1);
+                    let ws = &wd[r * cols..(r + rr) * cols];
+                    let out = &mut yc[r * n_tok..];
+                    let mut t = 0;
+                    while t < t_outer {
+                        let v = if t_outer - t >= 2 * vw { 2 } else { 1 };
+                        macro_rules! go {
+                            ($f:ident, $r:literal, $v:literal) => {
+                                // SAFETY: AVX-512F (wide) or AVX2+FMA detected at run time;
+                                // `ws` holds `rr` rows of `cols`, `xt` all `cols` rows of
+                                // `n_tok` tokens, `t + v·vw <= n_tok`, and `out` holds `rr`
+                                // rows of `n_tok` from row r.
+                                unsafe {
+                                    imp::$f::<$r, $v>(
+                                        ws,
+                                        cols,
+                                        xt,
+                                        n_tok,
+                                        t,
+                                        k0,
+                                        kl,
+                                        out,
+                                        n_tok,
+                                        k0 > 0,
+                                    )
+                                }
+                            };
+                        }
+                        match (wide, rr, v) {
+                            (true, 8, 2) => go!(gemm_outer_avx512, 8, 2),
+                            (true, 8, _) => go!(gemm_outer_avx512, 8, 1),
+                            (true, 4, 2) => go!(gemm_outer_avx512, 4, 2),
+                            (true, 4, _) => go!(gemm_outer_avx512, 4, 1),
+                            (true, 2, 2) => go!(gemm_outer_avx512, 2, 2),
+                            (true, 2, _) => go!(gemm_outer_avx512, 2, 1),
+                            (true, _, 2) => go!(gemm_outer_avx512, 1, 2),
+                            (true, _, _) => go!(gemm_outer_avx512, 1, 1),
+                            (false, 4, 2) => go!(gemm_outer_avx2, 4, 2),
+                            (false, 4, _) => go!(gemm_outer_avx2, 4, 1),
+                            (false, 2, 2) => go!(gemm_outer_avx2, 2, 2),
+                            (false, 2, _) => go!(gemm_outer_avx2, 2, 1),
+                            (false, _, 2) => go!(gemm_outer_avx2, 1, 2),
+                            (false, _, _) => go!(gemm_outer_avx2, 1, 1),
+                        }
+                        t += v * vw;
+                    }
+                    r += rr;
+                }
+            }
+            t_dot = t_outer;
+        }
+    }
+    let _ = xt;
+    for (r, yr) in yc.chunks_mut(n_tok).enumerate().take(nr) {
+        let wr = &wd[r * cols..(r + 1) * cols];
+        let mut t = t_dot;
+        #[cfg(target_arch = "x86_64")]
+        if isa.has_avx2() {
+            while t + 4 <= n_tok {
+                let xs = tok4(&x[t * cols..(t + 4) * cols], cols);
+                yr[t..t + 4].copy_from_slice(&if isa.has_avx512() {
+                    // SAFETY: AVX-512F detected; each token row has `cols` values.
+                    unsafe { super::x86::imp::dot4_f32_avx512(wr, xs) }
+                } else {
+                    // SAFETY: AVX2/FMA detected; each token row has `cols` values.
+                    unsafe { super::x86::imp::dot4_f32_avx2(wr, xs) }
+                });
+                t += 4;
+            }
+        }
+        for (k, yv) in yr.iter_mut().enumerate().skip(t) {
+            *yv = dot_f32(isa, wr, &x[k * cols..(k + 1) * cols]);
+        }
+    }
 }
 
 /// [`matmul`] with f16 activations (bit patterns).

@@ -16,6 +16,10 @@ pub mod kv;
 pub mod matvec;
 pub mod ops;
 pub(crate) mod x86;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_dequant;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_ops;
 
 use std::sync::OnceLock;
 
@@ -31,8 +35,10 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX2 + FMA + F16C plus AVX-512 F/BW/VL: the exact-mode matvec and the f32 dot products
-    /// of the matmul path use 512-bit forms; every other kernel uses its AVX2 form at this level.
+    /// AVX2 + FMA + F16C plus AVX-512 F/BW/VL: the exact-mode matvec, both matmul modes,
+    /// RMSNorm, softmax, SwiGLU and dequantisation to f16 of every type but Q8_0, Q6_K, F16 and
+    /// BF16 (through f16 code tables) use 512-bit forms; dequantisation to f32 and the KV-cache
+    /// quantisers use their AVX2 forms at this level (the 512-bit forms measured no faster).
     Avx512,
 }
 
@@ -117,6 +123,38 @@ fn check_dequant(ty: QuantType, src: &[u8], out_len: usize) -> Result<usize> {
     Ok(n)
 }
 
+/// An element the dequantisers write: f32, or f16 as its bit pattern in a `u16`.
+pub(crate) trait DqOut: Copy + Send + Sync + 'static {
+    /// Whether the elements are f16 bit patterns (rounded to nearest even from f32).
+    const F16: bool;
+    /// This element from the f32 value the decoders compute.
+    fn from_f32(x: f32) -> Self;
+    /// The slice as f32, when the elements are f32.
+    fn as_f32(s: &mut [Self]) -> Option<&mut [f32]>;
+}
+
+impl DqOut for f32 {
+    const F16: bool = false;
+    #[inline(always)]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+    fn as_f32(s: &mut [f32]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+}
+
+impl DqOut for u16 {
+    const F16: bool = true;
+    #[inline(always)]
+    fn from_f32(x: f32) -> u16 {
+        self::half::f32_to_f16(x)
+    }
+    fn as_f32(_: &mut [u16]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
 /// Dequantises `src` (whole blocks of `ty`) into `out` on one thread.
 fn dequant_seq(isa: Isa, ty: QuantType, src: &[u8], out: &mut [f32]) {
     dequant_seq_stream(isa, ty, src, out, false)
@@ -125,23 +163,72 @@ fn dequant_seq(isa: Isa, ty: QuantType, src: &[u8], out: &mut [f32]) {
 /// Outputs at least this large are written with non-temporal stores (they cannot stay in L2).
 const STREAM_BYTES: usize = 8 << 20;
 
-/// [`dequant_seq`], optionally with cache-bypassing stores (when `out` is 16-byte aligned).
-fn dequant_seq_stream(isa: Isa, ty: QuantType, src: &[u8], out: &mut [f32], stream: bool) {
+/// [`dequant_seq`] into f32 or f16, optionally with cache-bypassing stores (used only when
+/// `out` is 16-byte aligned).
+fn dequant_seq_stream<T: DqOut>(isa: Isa, ty: QuantType, src: &[u8], out: &mut [T], stream: bool) {
     #[cfg(target_arch = "x86_64")]
-    if isa.has_avx2() && x86::imp::dequant_has_avx2(ty) {
-        if stream && (out.as_ptr() as usize).is_multiple_of(16) {
-            // SAFETY: has_avx2 checked AVX2+FMA+F16C at run time; the callers checked lengths;
-            // the output is 16-byte aligned as non-temporal stores need.
-            unsafe { x86::imp::dequant_avx2::<true>(ty, src, out) };
-        } else {
-            // SAFETY: as above, with ordinary stores.
-            unsafe { x86::imp::dequant_avx2::<false>(ty, src, out) };
+    {
+        let nt = stream && (out.as_ptr() as usize).is_multiple_of(16);
+        if isa.has_avx512() && x86_dequant::has_avx512::<T>(ty) {
+            // SAFETY: has_avx512 checked AVX-512F/BW/VL, AVX2, FMA and F16C at run time;
+            // the callers checked lengths; `nt` only when 16-byte aligned.
+            unsafe {
+                if nt {
+                    x86_dequant::dequant_avx512::<T, true>(ty, src, out);
+                } else {
+                    x86_dequant::dequant_avx512::<T, false>(ty, src, out);
+                }
+            }
+            return;
         }
+        if isa.has_avx2() && x86_dequant::has_avx2(ty) {
+            // SAFETY: has_avx2 checked AVX2, FMA and F16C at run time; the rest as above.
+            unsafe {
+                if nt {
+                    x86_dequant::dequant_avx2::<T, true>(ty, src, out);
+                } else {
+                    x86_dequant::dequant_avx2::<T, false>(ty, src, out);
+                }
+            }
+            return;
+        }
+    }
+    let _ = (isa, stream);
+    dequant_scalar_into(ty, src, out);
+}
+
+/// The scalar fallback: f32 straight from the block decoders, f16 through one block of f32
+/// on the stack.
+fn dequant_scalar_into<T: DqOut>(ty: QuantType, src: &[u8], out: &mut [T]) {
+    if let Some(out) = T::as_f32(out) {
+        dequant_scalar::dequant_blocks(ty, src, out);
         return;
     }
-    let _ = stream;
-    let _ = isa;
-    dequant_scalar::dequant_blocks(ty, src, out);
+    let (bb, bs) = (ty.block_bytes(), ty.block_size());
+    let mut tmp = [0f32; 256];
+    let tmp = &mut tmp[..bs];
+    for (blk, o) in src.chunks_exact(bb).zip(out.chunks_exact_mut(bs)) {
+        dequant_scalar::dequant_block(ty, blk, tmp);
+        for (o, x) in o.iter_mut().zip(tmp.iter()) {
+            *o = T::from_f32(*x);
+        }
+    }
+}
+
+/// Splits whole blocks over rayon's pool and dequantises each piece.
+fn dequant_par<T: DqOut>(isa: Isa, ty: QuantType, src: &[u8], out: &mut [T]) -> Result<()> {
+    let n = check_dequant(ty, src, out.len())?;
+    let (bb, bs) = (ty.block_bytes(), ty.block_size());
+    let per = (CHUNK_ELEMS / bs).max(1);
+    let stream = std::mem::size_of_val(out) >= STREAM_BYTES;
+    if n <= per {
+        dequant_seq_stream(isa, ty, src, out, stream);
+    } else {
+        src.par_chunks(per * bb)
+            .zip(out.par_chunks_mut(per * bs))
+            .for_each(|(s, o)| dequant_seq_stream(isa, ty, s, o, stream));
+    }
+    Ok(())
 }
 
 /// Dequantises `src`, whole blocks of `ty`, to f32 with the best instruction set.
@@ -154,18 +241,7 @@ pub fn dequantize_f32(ty: QuantType, src: &[u8], out: &mut [f32]) -> Result<()> 
 
 /// [`dequantize_f32`] with a forced instruction set.
 pub fn dequantize_f32_with(isa: Isa, ty: QuantType, src: &[u8], out: &mut [f32]) -> Result<()> {
-    let n = check_dequant(ty, src, out.len())?;
-    let (bb, bs) = (ty.block_bytes(), ty.block_size());
-    let per = (CHUNK_ELEMS / bs).max(1);
-    let stream = out.len() * 4 >= STREAM_BYTES;
-    if n <= per {
-        dequant_seq_stream(isa, ty, src, out, stream);
-    } else {
-        src.par_chunks(per * bb)
-            .zip(out.par_chunks_mut(per * bs))
-            .for_each(|(s, o)| dequant_seq_stream(isa, ty, s, o, stream));
-    }
-    Ok(())
+    dequant_par(isa, ty, src, out)
 }
 
 /// Dequantises `src` to f16 (bit patterns in `out`), rounding each f32 value to nearest even,
@@ -176,28 +252,23 @@ pub fn dequantize_f16(ty: QuantType, src: &[u8], out: &mut [u16]) -> Result<()> 
 
 /// [`dequantize_f16`] with a forced instruction set.
 pub fn dequantize_f16_with(isa: Isa, ty: QuantType, src: &[u8], out: &mut [u16]) -> Result<()> {
-    let n = check_dequant(ty, src, out.len())?;
-    let (bb, bs) = (ty.block_bytes(), ty.block_size());
     if ty == QuantType::F16 {
-        for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
-            *o = u16::from_le_bytes([c[0], c[1]]);
-        }
+        check_dequant(ty, src, out.len())?;
+        // f16 to f16 is a copy (bit patterns kept, NaN payloads included)
+        src.par_chunks(2 * CHUNK_ELEMS)
+            .zip(out.par_chunks_mut(CHUNK_ELEMS))
+            .for_each(|(s, o)| {
+                if cfg!(target_endian = "little") {
+                    bytemuck::cast_slice_mut::<u16, u8>(o).copy_from_slice(s);
+                } else {
+                    for (o, c) in o.iter_mut().zip(s.chunks_exact(2)) {
+                        *o = u16::from_le_bytes([c[0], c[1]]);
+                    }
+                }
+            });
         return Ok(());
     }
-    let per = (CHUNK_ELEMS / bs).max(1);
-    let work = |s: &[u8], o: &mut [u16]| {
-        let mut tmp = vec![0f32; o.len()];
-        dequant_seq(isa, ty, s, &mut tmp);
-        convert::f32_to_f16_seq(isa, &tmp, o);
-    };
-    if n <= per {
-        work(src, out);
-    } else {
-        src.par_chunks(per * bb)
-            .zip(out.par_chunks_mut(per * bs))
-            .for_each(|(s, o)| work(s, o));
-    }
-    Ok(())
+    dequant_par(isa, ty, src, out)
 }
 
 /// Reinterprets little-endian bytes as f32 values without copying when aligned, else copies.

@@ -1,4 +1,5 @@
-//! AVX2 + FMA + F16C kernels (and AVX-512 where it pays), selected at run time by [`Isa`].
+//! AVX2 + FMA + F16C kernels (and AVX-512 where it pays), selected at run time by [`Isa`]:
+//! the matvec helpers and the f32 to f16 conversion. Dequantisation lives in `x86_dequant`.
 //!
 //! Every function here has a scalar twin in the parent module; tests run both.
 // The std::arch intrinsics are unsafe to call: they need the CPU features that `Isa::detect`
@@ -6,58 +7,25 @@
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod imp {
-    use crate::cpu::dequant_scalar::{IQ4NL_VALUES, scale_min_k4};
+    use crate::cpu::dequant_scalar::scale_min_k4;
     use crate::types::QuantType;
     use std::arch::x86_64::*;
 
-    /// The little-endian f16 at `off` of `b` as f32, through F16C (exact, like the scalar twin).
+    /// The little-endian f16 at `off` of `b` as f32 (exact).
+    ///
+    /// By integer bit manipulation rather than `vcvtph2ps`: LLVM turns the one-lane F16C form
+    /// into a `vpinsrw` that merges into whatever register it picks, which chains each block's
+    /// scale load to the previous block's last result (about 2x slower Q8_0 to f16).
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     pub fn rd_f16(b: &[u8], off: usize) -> f32 {
-        let h = u16::from_le_bytes([b[off], b[off + 1]]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
-    }
-
-    /// Whether [`dequant_avx2`] has a vector path for `ty`.
-    pub fn dequant_has_avx2(ty: QuantType) -> bool {
-        matches!(
-            ty,
-            QuantType::F16
-                | QuantType::BF16
-                | QuantType::Q4_0
-                | QuantType::Q4_1
-                | QuantType::Q8_0
-                | QuantType::Q4_K
-                | QuantType::Q5_K
-                | QuantType::Q5_0
-                | QuantType::Q5_1
-                | QuantType::Q6_K
-                | QuantType::IQ4_NL
-        )
-    }
-
-    /// The 32 fifth bits of a Q5_0/Q5_1 block (u32 `qh`, bit i for value i) as bytes 0 or 16.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn q5_high_bits(qh: u32) -> __m256i {
-        // byte i takes byte i/8 of qh, then tests bit i%8
-        let v = _mm256_set1_epi32(qh as i32);
-        let spread = _mm256_shuffle_epi8(
-            v,
-            _mm256_setr_epi8(
-                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
-                3, 3, 3, 3,
-            ),
-        );
-        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
-        _mm256_and_si256(set, _mm256_set1_epi8(16))
+        crate::cpu::half::f16_to_f32(u16::from_le_bytes([b[off], b[off + 1]]))
     }
 
     /// Four f32 vectors from the 32 unsigned bytes of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn u8x32_to_f32(v: __m256i) -> [__m256; 4] {
+    pub fn u8x32_to_f32(v: __m256i) -> [__m256; 4] {
         let lo = _mm256_castsi256_si128(v);
         let hi = _mm256_extracti128_si256::<1>(v);
         [
@@ -71,7 +39,7 @@ pub(crate) mod imp {
     /// Four f32 vectors from the 32 signed bytes of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn i8x32_to_f32(v: __m256i) -> [__m256; 4] {
+    pub fn i8x32_to_f32(v: __m256i) -> [__m256; 4] {
         let lo = _mm256_castsi256_si128(v);
         let hi = _mm256_extracti128_si256::<1>(v);
         [
@@ -80,333 +48,6 @@ pub(crate) mod imp {
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(hi))),
         ]
-    }
-
-    /// Nibbles of 16 bytes: (low nibbles, high nibbles) as 16-byte vectors.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn nibbles16(p: *const u8) -> (__m128i, __m128i) {
-        // SAFETY: callers pass a pointer to at least 16 readable bytes.
-        let v = unsafe { _mm_loadu_si128(p.cast()) };
-        let m = _mm_set1_epi8(0x0f);
-        (
-            _mm_and_si128(v, m),
-            _mm_and_si128(_mm_srli_epi16::<4>(v), m),
-        )
-    }
-
-    /// Stores 8 floats: plain unaligned, or as two non-temporal 16-byte stores.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn st<const NT: bool>(p: *mut f32, v: __m256) {
-        // SAFETY: callers pass a pointer to 8 writable f32 (16-byte aligned when NT).
-        unsafe {
-            if NT {
-                _mm_stream_ps(p, _mm256_castps256_ps128(v));
-                _mm_stream_ps(p.add(4), _mm256_extractf128_ps::<1>(v));
-            } else {
-                _mm256_storeu_ps(p, v);
-            }
-        }
-    }
-
-    /// Writes the 16 bytes of `v` (unsigned or signed per `signed`) times `d`, plus `m` when given.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn store16<const NT: bool>(
-        v: __m128i,
-        signed: bool,
-        d: __m256,
-        m: Option<__m256>,
-        out: *mut f32,
-    ) {
-        let (a, b) = if signed {
-            (
-                _mm256_cvtepi8_epi32(v),
-                _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v)),
-            )
-        } else {
-            (
-                _mm256_cvtepu8_epi32(v),
-                _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v)),
-            )
-        };
-        let mut fa = _mm256_mul_ps(d, _mm256_cvtepi32_ps(a));
-        let mut fb = _mm256_mul_ps(d, _mm256_cvtepi32_ps(b));
-        if let Some(m) = m {
-            fa = _mm256_add_ps(fa, m);
-            fb = _mm256_add_ps(fb, m);
-        }
-        // SAFETY: callers pass a pointer to at least 16 writable f32.
-        unsafe {
-            st::<NT>(out, fa);
-            st::<NT>(out.add(8), fb);
-        }
-    }
-
-    /// Vector dequantisation of whole blocks. Same float operations in the same order as the
-    /// scalar decoders (multiply then add, never fused), so the results are bit-identical.
-    ///
-    /// With `NT`, stores bypass the cache (`movntps`): for outputs far larger than L2 this
-    /// saves the read-for-ownership of every output line. `NT` needs `out` 16-byte aligned.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C, `dequant_has_avx2(ty)` must hold, and
-    /// `src.len() / ty.block_bytes() * ty.block_size() <= out.len()`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dequant_avx2<const NT: bool>(ty: QuantType, src: &[u8], out: &mut [f32]) {
-        let (bb, bs) = (ty.block_bytes(), ty.block_size());
-        let n = src.len() / bb;
-        assert!(out.len() >= n * bs, "dequant_avx2: output too short");
-        let sp = src.as_ptr();
-        let op = out.as_mut_ptr();
-        match ty {
-            QuantType::F16 => {
-                let mut i = 0;
-                while i + 8 <= n {
-                    // SAFETY: i + 8 <= n elements of 2 bytes in, 8 f32 out.
-                    unsafe {
-                        let h = _mm_loadu_si128(sp.add(2 * i).cast());
-                        st::<NT>(op.add(i), _mm256_cvtph_ps(h));
-                    }
-                    i += 8;
-                }
-                for (j, o) in out.iter_mut().enumerate().take(n).skip(i) {
-                    *o = rd_f16(src, 2 * j);
-                }
-            }
-            QuantType::BF16 => {
-                let mut i = 0;
-                while i + 8 <= n {
-                    // SAFETY: as above.
-                    unsafe {
-                        let h = _mm_loadu_si128(sp.add(2 * i).cast());
-                        let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
-                        st::<NT>(op.add(i), _mm256_castsi256_ps(w));
-                    }
-                    i += 8;
-                }
-                for j in i..n {
-                    out[j] = f32::from_bits(
-                        u32::from(u16::from_le_bytes([src[2 * j], src[2 * j + 1]])) << 16,
-                    );
-                }
-            }
-            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::IQ4_NL => {
-                let eight = _mm_set1_epi8(8);
-                // SAFETY: the table is 16 bytes.
-                let table = unsafe { _mm_loadu_si128(IQ4NL_VALUES.as_ptr().cast()) };
-                for b in 0..n {
-                    let blk = &src[b * bb..(b + 1) * bb];
-                    let d = _mm256_set1_ps(rd_f16(blk, 0));
-                    // SAFETY: each block has 16 bytes of nibbles at its end, and 32 f32 of
-                    // output; `b < n` keeps both in bounds.
-                    unsafe {
-                        let o = op.add(b * 32);
-                        match ty {
-                            QuantType::Q4_0 => {
-                                let (lo, hi) = nibbles16(blk.as_ptr().add(2));
-                                store16::<NT>(_mm_sub_epi8(lo, eight), true, d, None, o);
-                                store16::<NT>(_mm_sub_epi8(hi, eight), true, d, None, o.add(16));
-                            }
-                            QuantType::Q4_1 => {
-                                let m = Some(_mm256_set1_ps(rd_f16(blk, 2)));
-                                let (lo, hi) = nibbles16(blk.as_ptr().add(4));
-                                store16::<NT>(lo, false, d, m, o);
-                                store16::<NT>(hi, false, d, m, o.add(16));
-                            }
-                            _ => {
-                                let (lo, hi) = nibbles16(blk.as_ptr().add(2));
-                                store16::<NT>(_mm_shuffle_epi8(table, lo), true, d, None, o);
-                                store16::<NT>(
-                                    _mm_shuffle_epi8(table, hi),
-                                    true,
-                                    d,
-                                    None,
-                                    o.add(16),
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-            QuantType::Q8_0 => {
-                for b in 0..n {
-                    let blk = &src[b * bb..(b + 1) * bb];
-                    let d = _mm256_set1_ps(rd_f16(blk, 0));
-                    // SAFETY: 32 bytes of quants at offset 2 of a 34-byte block; 32 f32 out.
-                    unsafe {
-                        let q = _mm256_loadu_si256(blk.as_ptr().add(2).cast());
-                        let f = i8x32_to_f32(q);
-                        let o = op.add(b * 32);
-                        for (k, v) in f.iter().enumerate() {
-                            st::<NT>(o.add(8 * k), _mm256_mul_ps(*v, d));
-                        }
-                    }
-                }
-            }
-            QuantType::Q4_K => {
-                let mask = _mm256_set1_epi8(0x0f);
-                for b in 0..n {
-                    let blk = &src[b * bb..(b + 1) * bb];
-                    let d = rd_f16(blk, 0);
-                    let dmin = rd_f16(blk, 2);
-                    let scales = &blk[4..16];
-                    for c in 0..4 {
-                        // SAFETY: qs starts at 16 and holds 4 chunks of 32 bytes; 256 f32 out.
-                        unsafe {
-                            let v = _mm256_loadu_si256(blk.as_ptr().add(16 + 32 * c).cast());
-                            let halves = [
-                                _mm256_and_si256(v, mask),
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask),
-                            ];
-                            for (h, q) in halves.into_iter().enumerate() {
-                                let sb = 2 * c + h;
-                                let (sc, m) = scale_min_k4(sb, scales);
-                                let d1 = _mm256_set1_ps(d * sc as f32);
-                                let m1 = _mm256_set1_ps(dmin * m as f32);
-                                let o = op.add(b * 256 + sb * 32);
-                                for (k, f) in u8x32_to_f32(q).iter().enumerate() {
-                                    st::<NT>(
-                                        o.add(8 * k),
-                                        _mm256_sub_ps(_mm256_mul_ps(d1, *f), m1),
-                                    );
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            QuantType::Q5_0 | QuantType::Q5_1 => {
-                let m4 = _mm_set1_epi8(0x0f);
-                let k16 = _mm256_set1_epi8(16);
-                let (qh_at, qs_at) = if ty == QuantType::Q5_0 {
-                    (2, 6)
-                } else {
-                    (4, 8)
-                };
-                for b in 0..n {
-                    let blk = &src[b * bb..(b + 1) * bb];
-                    let d = _mm256_set1_ps(rd_f16(blk, 0));
-                    let qh = u32::from_le_bytes([
-                        blk[qh_at],
-                        blk[qh_at + 1],
-                        blk[qh_at + 2],
-                        blk[qh_at + 3],
-                    ]);
-                    // SAFETY: 16 bytes of nibbles at qs_at inside the block; 32 f32 out.
-                    unsafe {
-                        let v = _mm_loadu_si128(blk.as_ptr().add(qs_at).cast());
-                        let lo = _mm_and_si128(v, m4);
-                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m4);
-                        let q = _mm256_or_si256(_mm256_set_m128i(hi, lo), q5_high_bits(qh));
-                        let o = op.add(b * 32);
-                        if ty == QuantType::Q5_0 {
-                            let f = i8x32_to_f32(_mm256_sub_epi8(q, k16));
-                            for (k, v) in f.iter().enumerate() {
-                                st::<NT>(o.add(8 * k), _mm256_mul_ps(d, *v));
-                            }
-                        } else {
-                            let m = _mm256_set1_ps(rd_f16(blk, 2));
-                            let f = u8x32_to_f32(q);
-                            for (k, v) in f.iter().enumerate() {
-                                st::<NT>(o.add(8 * k), _mm256_add_ps(_mm256_mul_ps(d, *v), m));
-                            }
-                        }
-                    }
-                }
-            }
-            QuantType::Q5_K => {
-                let mask = _mm256_set1_epi8(0x0f);
-                let one = _mm256_set1_epi8(1);
-                for b in 0..n {
-                    let blk = &src[b * bb..(b + 1) * bb];
-                    let d = rd_f16(blk, 0);
-                    let dmin = rd_f16(blk, 2);
-                    let scales = &blk[4..16];
-                    // SAFETY: qh is bytes 16..48 and qs 48..176 of the 176-byte block; 256 f32 out.
-                    unsafe {
-                        let qh = _mm256_loadu_si256(blk.as_ptr().add(16).cast());
-                        for c in 0..4 {
-                            let v = _mm256_loadu_si256(blk.as_ptr().add(48 + 32 * c).cast());
-                            let halves = [
-                                _mm256_and_si256(v, mask),
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask),
-                            ];
-                            for (h, q) in halves.into_iter().enumerate() {
-                                let sb = 2 * c + h;
-                                let bit = _mm256_and_si256(
-                                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sb as i32)),
-                                    one,
-                                );
-                                let q = _mm256_or_si256(q, _mm256_slli_epi16::<4>(bit));
-                                let (sc, m) = scale_min_k4(sb, scales);
-                                let d1 = _mm256_set1_ps(d * sc as f32);
-                                let m1 = _mm256_set1_ps(dmin * m as f32);
-                                let o = op.add(b * 256 + sb * 32);
-                                for (k, f) in u8x32_to_f32(q).iter().enumerate() {
-                                    st::<NT>(
-                                        o.add(8 * k),
-                                        _mm256_sub_ps(_mm256_mul_ps(d1, *f), m1),
-                                    );
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            QuantType::Q6_K => {
-                let m4 = _mm256_set1_epi8(0x0f);
-                let m2 = _mm256_set1_epi8(3);
-                let k32 = _mm256_set1_epi8(32);
-                for b in 0..n {
-                    let blk = &src[b * bb..(b + 1) * bb];
-                    let d = rd_f16(blk, 208);
-                    for h in 0..2 {
-                        // SAFETY: ql is bytes 0..128, qh 128..192; each load is 32 bytes inside
-                        // them; 256 f32 out per block.
-                        unsafe {
-                            let qh = _mm256_loadu_si256(blk.as_ptr().add(128 + 32 * h).cast());
-                            for g in 0..4 {
-                                let ql = _mm256_loadu_si256(
-                                    blk.as_ptr().add(64 * h + 32 * (g % 2)).cast(),
-                                );
-                                let lo = if g < 2 {
-                                    _mm256_and_si256(ql, m4)
-                                } else {
-                                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
-                                };
-                                let hi = match g {
-                                    0 => _mm256_and_si256(qh, m2),
-                                    1 => _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
-                                    2 => _mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2),
-                                    _ => _mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2),
-                                };
-                                let q = _mm256_sub_epi8(
-                                    _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi)),
-                                    k32,
-                                );
-                                let f = i8x32_to_f32(q);
-                                let e0 = 128 * h + 32 * g;
-                                let s0 = d * (blk[192 + e0 / 16] as i8) as f32;
-                                let s1 = d * (blk[192 + e0 / 16 + 1] as i8) as f32;
-                                let (d0, d1) = (_mm256_set1_ps(s0), _mm256_set1_ps(s1));
-                                let o = op.add(b * 256 + e0);
-                                st::<NT>(o, _mm256_mul_ps(d0, f[0]));
-                                st::<NT>(o.add(8), _mm256_mul_ps(d0, f[1]));
-                                st::<NT>(o.add(16), _mm256_mul_ps(d1, f[2]));
-                                st::<NT>(o.add(24), _mm256_mul_ps(d1, f[3]));
-                            }
-                        }
-                    }
-                }
-            }
-            _ => crate::cpu::dequant_scalar::dequant_blocks(ty, src, out),
-        }
-        if NT {
-            // order the non-temporal stores before anything that follows
-            _mm_sfence();
-        }
     }
 
     /// f32 to f16 bits, round to nearest even.

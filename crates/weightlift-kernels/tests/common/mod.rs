@@ -1,4 +1,5 @@
-//! Shared helpers for the integration tests: a tiny deterministic RNG and fixture loading.
+//! Shared helpers for the integration tests: a tiny deterministic RNG, fixture loading, and the
+//! f64 matvec reference with its Q8-mode error bound.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -63,3 +64,45 @@ pub const NAMES: [&str; 13] = [
     "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
     "iq4_nl",
 ];
+
+/// f64 reference of y = W x from gguf-py's f32 weights.
+pub fn reference(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut y = vec![0f64; rows * n_tok];
+    let mut mag = vec![0f64; rows * n_tok];
+    for t in 0..n_tok {
+        for r in 0..rows {
+            for c in 0..cols {
+                let p = f64::from(w[r * cols + c]) * f64::from(x[t * cols + c]);
+                y[t * rows + r] += p;
+                mag[t * rows + r] += p.abs();
+            }
+        }
+    }
+    (y, mag)
+}
+
+/// Per-output bound on the Q8 mode's activation error: Σ |w| · 0.57 · d_x of w's block
+/// (d_x/2 from rounding plus 127 · d_x · 2⁻¹¹ from storing d_x as f16).
+pub fn q8_bound(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tok: usize) -> Vec<f64> {
+    let mut b = vec![0f64; rows * n_tok];
+    for t in 0..n_tok {
+        for r in 0..rows {
+            for blk in 0..cols / 32 {
+                let xs = &x[t * cols + blk * 32..t * cols + blk * 32 + 32];
+                let d = f64::from(xs.iter().fold(0f32, |m, v| m.max(v.abs()))) / 127.0;
+                let ws: f64 = w[r * cols + blk * 32..r * cols + blk * 32 + 32]
+                    .iter()
+                    .map(|v| f64::from(v.abs()))
+                    .sum();
+                b[t * rows + r] += ws * d * 0.57;
+            }
+        }
+    }
+    b
+}
