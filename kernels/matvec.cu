@@ -1,55 +1,155 @@
-// matvec_{type}_{f32,f16} and matmul_{type}_{f32,f16}: exact mode (weights dequantised in
-// registers, f32 accumulation). One warp per output value; lanes stride over the row and the
-// partial sums meet through warp shuffles.
-#include "wl_dequant.cuh"
+// The quantised products y[t * rows + r] = dot(W[r], x[t]), in three families:
+// - matvec_{type}_{f32,f16} and matmul_{type}_{f32,f16}: exact mode (weights dequantised in
+//   registers, f32 accumulation). One warp per output value: each lane sums a strided share of
+//   the row (wl_lane_dot_*, in wl_matvec.cuh, which the host twin tests) and the 32 partial sums
+//   meet through an xor butterfly of warp shuffles. Launch with blockDim.x a multiple of 32.
+// - q8_quantize_{f32,f16} and q8_matmul_{type}: the Q8-activation mode (wl_q8.cuh), integer
+//   dot products per 32-value group with dp4a, in the CPU's order.
+// - gemm_{f32,f16}: the exact mode's dequantised path for prompts, a tiled shared-memory f32
+//   product of rows already dequantised (by dequantize_{type}_f32) into a chunk of scratch.
+#include "wl_matvec.cuh"
+#include "wl_q8.cuh"
 
 __device__ __forceinline__ float wl_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
-__device__ __forceinline__ float wl_act_f32(const float* x, wl_u64 i) { return x[i]; }
-__device__ __forceinline__ float wl_act_f16(const wl_u16* x, wl_u64 i) { return wl_f16_to_f32(x[i]); }
-
-// y[t * rows + r] = dot(W[r], x[t]); grid.x * (blockDim.x / 32) warps cover rows, grid.y tokens.
-#define WL_MATMUL(NAME, BS, BB, ACT, ACT_T)                                                        \
+// y[t * rows + r] = dot(W[r], x[t]); grid.x * (blockDim.x / 32) warps cover the rows, and
+// grid.y (at most 65535) strides over the n_tok tokens. A warp whose row is out of range leaves
+// as a whole, so the full-mask shuffles below always see 32 live lanes.
+#define WL_MATMUL(NAME, ACT, ACT_T)                                                        \
     extern "C" __global__ void matmul_##NAME##_##ACT(const wl_u8* w, const ACT_T* x, float* y,     \
-                                                     wl_u64 rows, wl_u64 cols) {                   \
+                                                     wl_u64 rows, wl_u64 cols, wl_u64 n_tok) {     \
         wl_u64 r = (wl_u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                      \
-        wl_u64 t = blockIdx.y;                                                                     \
         int lane = threadIdx.x % 32;                                                               \
         if (r >= rows) return;                                                                     \
-        const wl_u8* row = w + r * (cols / (BS)) * (BB);                                           \
-        const ACT_T* xt = x + t * cols;                                                            \
-        float acc = 0.0f;                                                                          \
-        for (wl_u64 c = lane; c < cols; c += 32) {                                                 \
-            acc += wl_dq_##NAME(row + (c / (BS)) * (BB), (int)(c % (BS))) * wl_act_##ACT(xt, c);   \
+        const wl_u8* row = wl_row_##NAME(w, r, cols);                                              \
+        for (wl_u64 t = blockIdx.y; t < n_tok; t += gridDim.y) {                                   \
+            float acc = wl_warp_sum(wl_lane_dot_##NAME##_##ACT(row, x + t * cols, cols, lane));    \
+            if (lane == 0) y[t * rows + r] = acc;                                                  \
         }                                                                                          \
-        acc = wl_warp_sum(acc);                                                                    \
-        if (lane == 0) y[t * rows + r] = acc;                                                      \
     }                                                                                              \
     extern "C" __global__ void matvec_##NAME##_##ACT(const wl_u8* w, const ACT_T* x, float* y,     \
                                                      wl_u64 rows, wl_u64 cols) {                   \
         wl_u64 r = (wl_u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                      \
         int lane = threadIdx.x % 32;                                                               \
         if (r >= rows) return;                                                                     \
-        const wl_u8* row = w + r * (cols / (BS)) * (BB);                                           \
-        float acc = 0.0f;                                                                          \
-        for (wl_u64 c = lane; c < cols; c += 32) {                                                 \
-            acc += wl_dq_##NAME(row + (c / (BS)) * (BB), (int)(c % (BS))) * wl_act_##ACT(x, c);    \
-        }                                                                                          \
-        acc = wl_warp_sum(acc);                                                                    \
+        const wl_u8* row = wl_row_##NAME(w, r, cols);                                              \
+        float acc = wl_warp_sum(wl_lane_dot_##NAME##_##ACT(row, x, cols, lane));                   \
         if (lane == 0) y[r] = acc;                                                                 \
     }
 
-#define WL_MATMUL_BOTH(NAME, BS, BB)          \
-    WL_MATMUL(NAME, BS, BB, f32, float)       \
-    WL_MATMUL(NAME, BS, BB, f16, wl_u16)
+// Block sizes and row strides come from wl_matvec.cuh's WL_LANE_DOT_BOTH list.
+#define WL_MATMUL_BOTH(NAME)          \
+    WL_MATMUL(NAME, f32, float)       \
+    WL_MATMUL(NAME, f16, wl_u16)
 
-WL_MATMUL_BOTH(q4_0, 32, 18)
-WL_MATMUL_BOTH(q4_1, 32, 20)
-WL_MATMUL_BOTH(q8_0, 32, 34)
-WL_MATMUL_BOTH(q4_k, 256, 144)
-WL_MATMUL_BOTH(q6_k, 256, 210)
-WL_MATMUL_BOTH(f16, 1, 2)
-WL_MATMUL_BOTH(f32, 1, 4)
+WL_MATMUL_BOTH(q4_0)
+WL_MATMUL_BOTH(q4_1)
+WL_MATMUL_BOTH(q8_0)
+WL_MATMUL_BOTH(q4_k)
+WL_MATMUL_BOTH(q6_k)
+WL_MATMUL_BOTH(f16)
+WL_MATMUL_BOTH(f32)
+
+// q8_quantize_{f32,f16}: one thread per activation block of 32 values, written as the 40-byte
+// blocks of wl_q8.cuh (the CPU's Q8Block bytes). f16 inputs are widened first, as the CPU does.
+extern "C" __global__ void q8_quantize_f32(const float* x, wl_u8* out, wl_u64 n_blocks) {
+    wl_u64 b = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b < n_blocks) wl_q8_quantize_block(x + b * 32, out + b * WL_Q8_BLOCK_BYTES);
+}
+
+extern "C" __global__ void q8_quantize_f16(const wl_u16* x, wl_u8* out, wl_u64 n_blocks) {
+    wl_u64 b = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    float v[32];
+    for (int i = 0; i < 32; ++i) v[i] = wl_f16_to_f32(x[b * 32 + i]);
+    wl_q8_quantize_block(v, out + b * WL_Q8_BLOCK_BYTES);
+}
+
+// Tokens one thread carries per pass: each decoded weight group meets this many activations.
+#define WL_Q8_NT 4
+
+// q8_matmul_{type}(w, xq, y, rows, cols, n_tok): y[t * rows + r] = the Q8-mode dot of weight
+// row r with token t's cols / 32 quantised blocks (from q8_quantize_*). Eight threads per row,
+// thread j being lane j of wl_q8.cuh (so each row's sum has the CPU's order), four rows per
+// warp; grid.y (at most 65535) strides over the tokens, WL_Q8_NT at a time. A warp whose first
+// row is out of range leaves as a whole; a group past the last row recomputes that row and
+// stores nothing, so the shuffles always see 32 live lanes. Launch with blockDim.x a multiple
+// of 32.
+#define WL_Q8_MATMUL(NAME, BS, BB)                                                                 \
+    extern "C" __global__ void q8_matmul_##NAME(const wl_u8* w, const wl_u8* xq, float* y,        \
+                                                wl_u64 rows, wl_u64 cols, wl_u64 n_tok) {         \
+        wl_u64 r = (wl_u64)blockIdx.x * (blockDim.x / 8) + threadIdx.x / 8;                        \
+        int j = threadIdx.x % 8;                                                                   \
+        if (r - (threadIdx.x % 32) / 8 >= rows) return;                                            \
+        int live = r < rows;                                                                       \
+        if (!live) r = rows - 1;                                                                   \
+        const wl_u8* row = w + r * (cols / (BS)) * (BB);                                           \
+        wl_u64 per_tok = cols / 32;                                                                \
+        for (wl_u64 t0 = (wl_u64)blockIdx.y * WL_Q8_NT; t0 < n_tok; t0 += (wl_u64)gridDim.y * WL_Q8_NT) { \
+            float acc[WL_Q8_NT], ext[WL_Q8_NT];                                                    \
+            for (int k = 0; k < WL_Q8_NT; ++k) acc[k] = ext[k] = 0.0f;                             \
+            for (wl_u64 b = 0; b < cols / (BS); ++b) {                                             \
+                for (int g = 0; g < (BS) / 32; ++g) {                                              \
+                    float dw, mw;                                                                  \
+                    wl_u32 w4 = wl_q8w_##NAME(row + b * (BB), g, j, &dw, &mw);                     \
+                    wl_u64 gi = b * ((BS) / 32) + (wl_u64)g;                                       \
+                    for (int k = 0; k < WL_Q8_NT; ++k) {                                           \
+                        if (t0 + k < n_tok) {                                                      \
+                            const wl_u8* xb = xq + ((t0 + k) * per_tok + gi) * WL_Q8_BLOCK_BYTES;  \
+                            wl_q8_step(w4, dw, mw, xb, j, WL_Q8_KIND_##NAME, &acc[k], &ext[k]);    \
+                        }                                                                          \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            for (int k = 0; k < WL_Q8_NT; ++k) {                                                   \
+                /* the tree of wl_q8_finish: lane j + lane j^4, then ^2, then ^1 */                \
+                float v = acc[k];                                                                  \
+                v = WL_ADD(v, __shfl_xor_sync(0xffffffffu, v, 4));                                 \
+                v = WL_ADD(v, __shfl_xor_sync(0xffffffffu, v, 2));                                 \
+                v = WL_ADD(v, __shfl_xor_sync(0xffffffffu, v, 1));                                 \
+                if (live && j == 0 && t0 + k < n_tok) y[(t0 + k) * rows + r] = WL_ADD(v, ext[k]);  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+WL_Q8_MATMUL(q4_0, 32, 18)
+WL_Q8_MATMUL(q4_1, 32, 20)
+WL_Q8_MATMUL(q8_0, 32, 34)
+WL_Q8_MATMUL(q4_k, 256, 144)
+WL_Q8_MATMUL(q6_k, 256, 210)
+
+// gemm_{f32,f16}(wd, x, y, n_rows, cols, n_tok, row0, rows): the dense product of the
+// dequantised path. wd holds n_rows dequantised weight rows (f32, cols each: rows row0.. of the
+// layer), x the n_tok activation rows; y[t * rows + row0 + r] = dot(wd[r], x[t]). Blocks of
+// WL_GEMM_THREADS threads (1-D), each a WL_GEMM_BM x WL_GEMM_BN tile of outputs (the phases
+// are in wl_matvec.cuh); grid.x covers the rows, grid.y (at most 65535) strides over token
+// tiles.
+#define WL_GEMM(ACT, ACT_T)                                                                       \
+    extern "C" __global__ void gemm_##ACT(const float* wd, const ACT_T* x, float* y, wl_u64 n_rows, \
+                                          wl_u64 cols, wl_u64 n_tok, wl_u64 row0, wl_u64 rows) {  \
+        __shared__ float ws[WL_GEMM_BM * WL_GEMM_LD];                                             \
+        __shared__ float xs[WL_GEMM_BN * WL_GEMM_LD];                                             \
+        int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;                                      \
+        wl_u64 rbase = (wl_u64)blockIdx.x * WL_GEMM_BM;                                           \
+        for (wl_u64 tbase = (wl_u64)blockIdx.y * WL_GEMM_BN; tbase < n_tok;                       \
+             tbase += (wl_u64)gridDim.y * WL_GEMM_BN) {                                           \
+            float acc[16];                                                                        \
+            WL_UNROLL                                                                             \
+            for (int a = 0; a < 16; ++a) acc[a] = 0.0f;                                          \
+            for (wl_u64 k0 = 0; k0 < cols; k0 += WL_GEMM_TILE) {                                  \
+                int kl = cols - k0 < WL_GEMM_TILE ? (int)(cols - k0) : WL_GEMM_TILE;              \
+                wl_gemm_stage_w(tid, ws, wd, n_rows, cols, rbase, k0, kl);                        \
+                wl_gemm_stage_x_##ACT(tid, xs, x, n_tok, cols, tbase, k0, kl);                    \
+                __syncthreads();                                                                  \
+                wl_gemm_compute(tx, ty, ws, xs, kl, acc);                                         \
+                __syncthreads();                                                                  \
+            }                                                                                     \
+            wl_gemm_store(tx, ty, acc, y, n_rows, n_tok, rbase, tbase, row0, rows);               \
+        }                                                                                         \
+    }
+
+WL_GEMM(f32, float)
+WL_GEMM(f16, wl_u16)

@@ -1,20 +1,23 @@
 // rms_norm_f32, rope_{norm,neox}_f32, softmax_f32, swiglu_f32, add_f32.
 #include "wl_common.cuh"
 
-// Block-wide sum for blockDim.x a multiple of 32, at most 1024.
-__device__ float wl_block_sum(float v) {
-    __shared__ float part[32];
+// Block-wide sum for blockDim.x a multiple of 32, at most 1024; every thread must call it, and
+// every thread gets the total. In double, as the CPU kernels sum rows (a row of a few thousand
+// values costs a few thousand FP64 adds, which even consumer GPUs do in a blink).
+__device__ double wl_block_sum(double v) {
+    __shared__ double part[32];
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
     int nw = blockDim.x / 32;
-    v = lane < nw ? part[lane] : 0.0f;
+    v = lane < nw ? part[lane] : 0.0;
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
+// Block-wide max, as wl_block_sum (NaN-ignoring, as fmaxf and Rust's f32::max are).
 __device__ float wl_block_max(float v) {
     __shared__ float part[32];
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -28,14 +31,16 @@ __device__ float wl_block_max(float v) {
     return v;
 }
 
-// One block per row of n values: out = x / sqrt(mean(x^2) + eps) * w.
+// One block per row of n values: out = x / sqrt(mean(x^2) + eps) * w, with the CPU kernel's
+// rounding steps (sum of squares in double, mean rounded to f32, then f32 maths).
 extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* out, wl_u64 n, float eps) {
     const float* xr = x + (wl_u64)blockIdx.x * n;
     float* orow = out + (wl_u64)blockIdx.x * n;
-    float ss = 0.0f;
-    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    double ss = 0.0;
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
     ss = wl_block_sum(ss);
-    float scale = 1.0f / sqrtf(ss / (float)n + eps);
+    float mean = (float)(ss / (double)n);
+    float scale = 1.0f / sqrtf(mean + eps);
     for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) orow[i] = (xr[i] * scale) * w[i];
 }
 
@@ -72,21 +77,22 @@ extern "C" __global__ void rope_neox_f32(const float* x, const int* pos, float* 
     wl_rope(x, pos, out, n_heads, head_dim, n_dims, base, scale, 1);
 }
 
-// One block per row of n values.
+// One block per row of n values: max-subtracted, the sum of exponentials in double and its
+// reciprocal rounded to f32, as the CPU kernel does.
 extern "C" __global__ void softmax_f32(const float* x, float* out, wl_u64 n) {
     const float* xr = x + (wl_u64)blockIdx.x * n;
     float* orow = out + (wl_u64)blockIdx.x * n;
     float m = wl_bits_to_f32(0xff800000u);
     for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, xr[i]);
     m = wl_block_max(m);
-    float sum = 0.0f;
+    double sum = 0.0;
     for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) {
         float e = expf(xr[i] - m);
         orow[i] = e;
-        sum += e;
+        sum += (double)e;
     }
     sum = wl_block_sum(sum);
-    float inv = 1.0f / sum;
+    float inv = (float)(1.0 / sum);
     for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) orow[i] *= inv;
 }
 

@@ -99,6 +99,12 @@ WL_HD wl_u16 wl_f32_to_f16(float f) {
 
 WL_HD float wl_bf16_to_f32(wl_u16 h) { return wl_bits_to_f32(((wl_u32)h) << 16); }
 
+// Little-endian loads from byte pointers. Blocks of 18, 20, 22 or 34 bytes leave their f16
+// fields at odd or 2-mod-4 addresses, and a misaligned wide load faults on the GPU (while x86
+// forgives it), so every multi-byte field of a block is read a byte at a time.
 WL_HD wl_u16 wl_rd_u16(const wl_u8* p) { return (wl_u16)(p[0] | (p[1] << 8)); }
 
 WL_HD float wl_rd_f16(const wl_u8* p) { return wl_f16_to_f32(wl_rd_u16(p)); }
+
+// Whether an f16 bit pattern is NaN or +-inf (all five exponent bits set).
+WL_HD int wl_f16_bits_non_finite(wl_u16 h) { return (h & 0x7c00u) == 0x7c00u; }

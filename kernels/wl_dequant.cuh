@@ -141,3 +141,37 @@ WL_HD float wl_dq_q6_k(const wl_u8* b, int e) {
     float dl = WL_MUL(wl_rd_f16(b + 208), (float)(wl_i8)b[192 + e / 16]);
     return WL_MUL(dl, (float)q);
 }
+
+// Values and bytes per block of ggml type `ty`, and the byte offsets of its f16 scale fields
+// (ggml-common.h: d, and dmin or m where the type has one; `*o1` is -1 when it has not).
+// Returns 0 for a type this file does not decode; the float types have no scale fields.
+WL_HD int wl_block_layout(int ty, int* bs, int* bb, int* o0, int* o1) {
+    *o0 = 0;
+    *o1 = -1;
+    switch (ty) {
+        case WL_F32: *bs = 1; *bb = 4; *o0 = -1; return 1;
+        case WL_F16: *bs = 1; *bb = 2; *o0 = -1; return 1;
+        case WL_BF16: *bs = 1; *bb = 2; *o0 = -1; return 1;
+        case WL_Q4_0: *bs = 32; *bb = 18; return 1;
+        case WL_Q4_1: *bs = 32; *bb = 20; *o1 = 2; return 1;
+        case WL_Q5_0: *bs = 32; *bb = 22; return 1;
+        case WL_Q5_1: *bs = 32; *bb = 24; *o1 = 2; return 1;
+        case WL_Q8_0: *bs = 32; *bb = 34; return 1;
+        case WL_IQ4_NL: *bs = 32; *bb = 18; return 1;
+        case WL_Q2_K: *bs = 256; *bb = 84; *o0 = 80; *o1 = 82; return 1;
+        case WL_Q3_K: *bs = 256; *bb = 110; *o0 = 108; return 1;
+        case WL_Q4_K: *bs = 256; *bb = 144; *o1 = 2; return 1;
+        case WL_Q5_K: *bs = 256; *bb = 176; *o1 = 2; return 1;
+        case WL_Q6_K: *bs = 256; *bb = 210; *o0 = 208; return 1;
+        default: return 0;
+    }
+}
+
+// Whether block `blk` of a quantised type has a NaN or +-inf f16 scale (offsets from
+// wl_block_layout). Finite scales decode to finite f32 values (at most 65504 * 127 * 32 in
+// magnitude), and a non-finite scale makes the block's first value NaN or inf (inf * 0 is NaN),
+// so the first such block holds the first non-finite value, at its first element.
+WL_HD int wl_block_scales_non_finite(const wl_u8* blk, int o0, int o1) {
+    return wl_f16_bits_non_finite(wl_rd_u16(blk + o0)) ||
+           (o1 >= 0 && wl_f16_bits_non_finite(wl_rd_u16(blk + o1)));
+}

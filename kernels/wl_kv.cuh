@@ -5,6 +5,9 @@
 #pragma once
 #include "wl_common.cuh"
 
+// Bytes per group of 32: 34 for q8 (qmax 127), 18 for q4 (qmax 7).
+WL_HD int wl_kv_group_bytes(int qmax) { return qmax == 127 ? 34 : 18; }
+
 // amax / qmax rounded up to an f16 (saturating at 65504).
 WL_HD wl_u16 wl_kv_scale(float amax, int qmax) {
     float d = amax / (float)qmax;
@@ -34,7 +37,8 @@ WL_HD void wl_kv_quantize_group(const float* x, wl_u8* out, int qmax) {
     for (int i = 0; i < 32; ++i) {
         float v = roundf(WL_MUL(x[i], id));
         v = v > fq ? fq : (v < -fq ? -fq : v);
-        int q = (int)v;
+        // NaN quantises to 0, as Rust's saturating `as i32` does (a C cast of NaN is undefined).
+        int q = v == v ? (int)v : 0;
         if (qmax == 127) {
             out[2 + i] = (wl_u8)(wl_i8)q;
         } else if (i < 16) {

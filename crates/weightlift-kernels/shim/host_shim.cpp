@@ -6,25 +6,30 @@
 
 #include "wl_dequant.cuh"
 #include "wl_kv.cuh"
+#include "wl_matvec.cuh"
+#include "wl_q8.cuh"
 
 typedef float (*wl_dq_fn)(const wl_u8*, int);
 
+// The decoder of ggml type `ty`, with its block layout from wl_block_layout; 0 when unknown.
 static int wl_layout(int ty, int* bs, int* bb, wl_dq_fn* f) {
+    int o0, o1;
+    if (!wl_block_layout(ty, bs, bb, &o0, &o1)) return 0;
     switch (ty) {
-        case WL_F32: *bs = 1; *bb = 4; *f = wl_dq_f32; return 1;
-        case WL_F16: *bs = 1; *bb = 2; *f = wl_dq_f16; return 1;
-        case WL_BF16: *bs = 1; *bb = 2; *f = wl_dq_bf16; return 1;
-        case WL_Q4_0: *bs = 32; *bb = 18; *f = wl_dq_q4_0; return 1;
-        case WL_Q4_1: *bs = 32; *bb = 20; *f = wl_dq_q4_1; return 1;
-        case WL_Q5_0: *bs = 32; *bb = 22; *f = wl_dq_q5_0; return 1;
-        case WL_Q5_1: *bs = 32; *bb = 24; *f = wl_dq_q5_1; return 1;
-        case WL_Q8_0: *bs = 32; *bb = 34; *f = wl_dq_q8_0; return 1;
-        case WL_IQ4_NL: *bs = 32; *bb = 18; *f = wl_dq_iq4_nl; return 1;
-        case WL_Q2_K: *bs = 256; *bb = 84; *f = wl_dq_q2_k; return 1;
-        case WL_Q3_K: *bs = 256; *bb = 110; *f = wl_dq_q3_k; return 1;
-        case WL_Q4_K: *bs = 256; *bb = 144; *f = wl_dq_q4_k; return 1;
-        case WL_Q5_K: *bs = 256; *bb = 176; *f = wl_dq_q5_k; return 1;
-        case WL_Q6_K: *bs = 256; *bb = 210; *f = wl_dq_q6_k; return 1;
+        case WL_F32: *f = wl_dq_f32; return 1;
+        case WL_F16: *f = wl_dq_f16; return 1;
+        case WL_BF16: *f = wl_dq_bf16; return 1;
+        case WL_Q4_0: *f = wl_dq_q4_0; return 1;
+        case WL_Q4_1: *f = wl_dq_q4_1; return 1;
+        case WL_Q5_0: *f = wl_dq_q5_0; return 1;
+        case WL_Q5_1: *f = wl_dq_q5_1; return 1;
+        case WL_Q8_0: *f = wl_dq_q8_0; return 1;
+        case WL_IQ4_NL: *f = wl_dq_iq4_nl; return 1;
+        case WL_Q2_K: *f = wl_dq_q2_k; return 1;
+        case WL_Q3_K: *f = wl_dq_q3_k; return 1;
+        case WL_Q4_K: *f = wl_dq_q4_k; return 1;
+        case WL_Q5_K: *f = wl_dq_q5_k; return 1;
+        case WL_Q6_K: *f = wl_dq_q6_k; return 1;
         default: return 0;
     }
 }
@@ -40,13 +45,30 @@ extern "C" int wl_host_dequant(int ty, const wl_u8* src, float* dst, size_t nblo
     return 1;
 }
 
+// The block layout of `ty` (wl_block_layout) as {bs, bb, o0, o1}; returns 0 when unknown.
+extern "C" int wl_host_block_layout(int ty, int* out) {
+    return wl_block_layout(ty, &out[0], &out[1], &out[2], &out[3]);
+}
+
+// What the scan_{type} kernels compute for `nblocks` blocks of quantised type `ty`: the first
+// element of the first block with a non-finite scale, or ~0 when there is none (or `ty` has no
+// scales).
+extern "C" unsigned long long wl_host_scan_blocks(int ty, const wl_u8* src, size_t nblocks) {
+    int bs, bb, o0, o1;
+    if (!wl_block_layout(ty, &bs, &bb, &o0, &o1) || o0 < 0) return ~0ull;
+    for (size_t b = 0; b < nblocks; ++b) {
+        if (wl_block_scales_non_finite(src + b * bb, o0, o1)) return (unsigned long long)(b * bs);
+    }
+    return ~0ull;
+}
+
 extern "C" void wl_host_f32_to_f16(const float* src, wl_u16* dst, size_t n) {
     for (size_t i = 0; i < n; ++i) dst[i] = wl_f32_to_f16(src[i]);
 }
 
 // qmax 127 (q8, 34-byte groups) or 7 (q4, 18-byte groups).
 extern "C" void wl_host_kv_quantize(const float* x, wl_u8* out, size_t n_groups, int qmax) {
-    size_t gb = qmax == 127 ? 34 : 18;
+    size_t gb = (size_t)wl_kv_group_bytes(qmax);
     for (size_t g = 0; g < n_groups; ++g) {
         for (size_t k = 0; k < gb; ++k) out[g * gb + k] = 0;
         wl_kv_quantize_group(x + g * 32, out + g * gb, qmax);
@@ -54,8 +76,156 @@ extern "C" void wl_host_kv_quantize(const float* x, wl_u8* out, size_t n_groups,
 }
 
 extern "C" void wl_host_kv_dequantize(const wl_u8* src, float* out, size_t n_groups, int qmax) {
-    size_t gb = qmax == 127 ? 34 : 18;
+    size_t gb = (size_t)wl_kv_group_bytes(qmax);
     for (size_t g = 0; g < n_groups; ++g) {
         for (int i = 0; i < 32; ++i) out[g * 32 + i] = wl_kv_dequant(src + g * gb, i, qmax);
+    }
+}
+
+typedef const wl_u8* (*wl_row_fn)(const wl_u8*, wl_u64, wl_u64);
+typedef float (*wl_lane_f32_fn)(const wl_u8*, const float*, wl_u64, int);
+typedef float (*wl_lane_f16_fn)(const wl_u8*, const wl_u16*, wl_u64, int);
+
+#define WL_MV_CASE(NAME, TY)                 \
+    case TY:                                 \
+        *row = wl_row_##NAME;                \
+        *f32 = wl_lane_dot_##NAME##_f32;     \
+        *f16 = wl_lane_dot_##NAME##_f16;     \
+        return 1;
+
+static int wl_matvec_fns(int ty, wl_row_fn* row, wl_lane_f32_fn* f32, wl_lane_f16_fn* f16) {
+    switch (ty) {
+        WL_MV_CASE(q4_0, WL_Q4_0)
+        WL_MV_CASE(q4_1, WL_Q4_1)
+        WL_MV_CASE(q8_0, WL_Q8_0)
+        WL_MV_CASE(q4_k, WL_Q4_K)
+        WL_MV_CASE(q6_k, WL_Q6_K)
+        WL_MV_CASE(f16, WL_F16)
+        WL_MV_CASE(f32, WL_F32)
+        default: return 0;
+    }
+}
+
+// What matmul_{type}_{act} computes (matvec_ for n_tok 1 is the same per output): for every
+// token t and row r, the 32 lane partial sums of wl_lane_dot, added with the xor butterfly of
+// wl_warp_sum (lane l takes v[l] + v[l ^ o] for o = 16, 8, 4, 2, 1), lane 0's result stored at
+// y[t * rows + r]. `x` holds f32 values, or f16 bits when `act_f16`. Returns 0 for a weight
+// type without a kernel.
+extern "C" int wl_host_matmul(int ty, int act_f16, const wl_u8* w, const void* x, float* y,
+                              size_t rows, size_t cols, size_t n_tok) {
+    wl_row_fn row_of;
+    wl_lane_f32_fn lane_f32;
+    wl_lane_f16_fn lane_f16;
+    if (!wl_matvec_fns(ty, &row_of, &lane_f32, &lane_f16)) return 0;
+    for (size_t t = 0; t < n_tok; ++t) {
+        for (size_t r = 0; r < rows; ++r) {
+            const wl_u8* row = row_of(w, r, cols);
+            float v[32], next[32];
+            for (int l = 0; l < 32; ++l) {
+                v[l] = act_f16 ? lane_f16(row, (const wl_u16*)x + t * cols, cols, l)
+                               : lane_f32(row, (const float*)x + t * cols, cols, l);
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                for (int l = 0; l < 32; ++l) next[l] = v[l] + v[l ^ o];
+                for (int l = 0; l < 32; ++l) v[l] = next[l];
+            }
+            y[t * rows + r] = v[0];
+        }
+    }
+    return 1;
+}
+
+// What q8_quantize_{f32,f16} computes: `n_blocks` blocks of 32 activations (f32 values, or f16
+// bits when `act_f16`) into 40-byte Q8 blocks.
+extern "C" void wl_host_q8_quantize(int act_f16, const void* x, wl_u8* out, size_t n_blocks) {
+    for (size_t b = 0; b < n_blocks; ++b) {
+        float v[32];
+        for (int i = 0; i < 32; ++i) {
+            v[i] = act_f16 ? wl_f16_to_f32(((const wl_u16*)x)[b * 32 + i]) : ((const float*)x)[b * 32 + i];
+        }
+        wl_q8_quantize_block(v, out + b * WL_Q8_BLOCK_BYTES);
+    }
+}
+
+typedef void (*wl_q8_lane_fn)(const wl_u8*, const wl_u8*, wl_u64, int, float*, float*);
+
+#define WL_Q8_CASE(NAME, TY, BS, BB) \
+    case TY:                         \
+        *f = wl_q8_lane_##NAME;      \
+        *bs = BS;                    \
+        *bb = BB;                    \
+        return 1;
+
+static int wl_q8_fns(int ty, wl_q8_lane_fn* f, int* bs, int* bb) {
+    switch (ty) {
+        WL_Q8_CASE(q4_0, WL_Q4_0, 32, 18)
+        WL_Q8_CASE(q4_1, WL_Q4_1, 32, 20)
+        WL_Q8_CASE(q8_0, WL_Q8_0, 32, 34)
+        WL_Q8_CASE(q4_k, WL_Q4_K, 256, 144)
+        WL_Q8_CASE(q6_k, WL_Q6_K, 256, 210)
+        default: return 0;
+    }
+}
+
+// What q8_matmul_{type} computes: for every token t and row r, the 8 lanes' sums of wl_q8.cuh
+// (lane 0's extra term), met in the shuffle tree, which is wl_q8_finish's order; stored at
+// y[t * rows + r]. `xq` holds n_tok * cols / 32 blocks from wl_host_q8_quantize. Returns 0 for
+// a weight type without a Q8 kernel.
+extern "C" int wl_host_q8_matmul(int ty, const wl_u8* w, const wl_u8* xq, float* y, size_t rows,
+                                 size_t cols, size_t n_tok) {
+    wl_q8_lane_fn f;
+    int bs, bb;
+    if (!wl_q8_fns(ty, &f, &bs, &bb)) return 0;
+    size_t row_bytes = cols / (size_t)bs * (size_t)bb;
+    for (size_t t = 0; t < n_tok; ++t) {
+        for (size_t r = 0; r < rows; ++r) {
+            float acc[8], extra[8];
+            for (int j = 0; j < 8; ++j) {
+                f(w + r * row_bytes, xq + t * (cols / 32) * WL_Q8_BLOCK_BYTES, cols, j, &acc[j], &extra[j]);
+            }
+            y[t * rows + r] = wl_q8_finish(acc, extra[0]);
+        }
+    }
+    return 1;
+}
+
+// What gemm_{f32,f16} computes, replayed block by block and phase by phase with the kernel's
+// header functions: every thread of a block stages its share of a K tile before any thread
+// computes (the kernel's __syncthreads), then every thread computes. `grid_y` token tiles run
+// side by side and stride as the kernel's grid.y does. wd holds n_rows f32 rows of cols values,
+// x n_tok activation rows (f32, or f16 bits when `act_f16`); writes y[t * rows + row0 + r].
+extern "C" void wl_host_gemm(int act_f16, const float* wd, const void* x, float* y, size_t n_rows,
+                             size_t cols, size_t n_tok, size_t row0, size_t rows, size_t grid_y) {
+    // the block's shared tiles and registers (21 KiB of stack; tests call this from several
+    // threads at once, so nothing is static)
+    float ws[WL_GEMM_BM * WL_GEMM_LD], xs[WL_GEMM_BN * WL_GEMM_LD];
+    float acc[WL_GEMM_THREADS][16];
+    size_t grid_x = (n_rows + WL_GEMM_BM - 1) / WL_GEMM_BM;
+    for (size_t bx = 0; bx < grid_x; ++bx) {
+        for (size_t by = 0; by < grid_y; ++by) {
+            wl_u64 rbase = bx * WL_GEMM_BM;
+            for (wl_u64 tbase = by * WL_GEMM_BN; tbase < n_tok; tbase += grid_y * WL_GEMM_BN) {
+                for (int tid = 0; tid < WL_GEMM_THREADS; ++tid) {
+                    for (int a = 0; a < 16; ++a) acc[tid][a] = 0.0f;
+                }
+                for (wl_u64 k0 = 0; k0 < cols; k0 += WL_GEMM_TILE) {
+                    int kl = cols - k0 < WL_GEMM_TILE ? (int)(cols - k0) : WL_GEMM_TILE;
+                    for (int tid = 0; tid < WL_GEMM_THREADS; ++tid) {
+                        wl_gemm_stage_w(tid, ws, wd, n_rows, cols, rbase, k0, kl);
+                        if (act_f16) {
+                            wl_gemm_stage_x_f16(tid, xs, (const wl_u16*)x, n_tok, cols, tbase, k0, kl);
+                        } else {
+                            wl_gemm_stage_x_f32(tid, xs, (const float*)x, n_tok, cols, tbase, k0, kl);
+                        }
+                    }
+                    for (int tid = 0; tid < WL_GEMM_THREADS; ++tid) {
+                        wl_gemm_compute(tid % 16, tid / 16, ws, xs, kl, acc[tid]);
+                    }
+                }
+                for (int tid = 0; tid < WL_GEMM_THREADS; ++tid) {
+                    wl_gemm_store(tid % 16, tid / 16, acc[tid], y, n_rows, n_tok, rbase, tbase, row0, rows);
+                }
+            }
+        }
     }
 }

@@ -3,13 +3,28 @@
 //! - `libcuda` is probed with `is_culib_present()` before any context exists (cudarc panics
 //!   without it); absence is [`KernelError::CudaUnavailable`].
 //! - Modules load lazily per device on first use (our `CUDA_MODULE_LOADING=LAZY`): nvcc's PTX
-//!   when the build had nvcc, otherwise NVRTC compiles the embedded source for the device's
-//!   compute capability.
+//!   (compute_80) when the build had nvcc and the device can run it, otherwise NVRTC compiles
+//!   the embedded source to a CUBIN for the device's own `sm_XY` (no driver JIT, so a pip NVRTC
+//!   newer than the driver still works), and last to PTX for its `compute_XY`.
 //! - Each backend owns a stream; operations are asynchronous until [`Backend::synchronize`] or
 //!   a copy to the host. Host-to-device copies go through two pinned staging buffers, so the
 //!   CPU fills one while the DMA engine drains the other (ordered by events).
 //!
-//! These kernels are compile-checked (NVRTC, sm_80/sm_90) but have not run on a GPU here.
+//! - Every launch goes through [`CudaBackend::launch`], which checks the argument kinds against
+//!   [`crate::sources::SIGNATURES`]; a test checks that table against the PTX of every kernel.
+//!
+//! - Matmul: [`MatvecMode::Q8`] quantises the activations on the device (`q8_quantize_*`, the
+//!   CPU's `Q8Block` bytes) and runs `q8_matmul_{type}` (dp4a, the CPU scalar Q8 order).
+//!   [`MatvecMode::Exact`] uses the in-register warp kernels below
+//!   [`DQ_PATH_MIN_TOKENS`] tokens; from there on it dequantises chunks of weight rows into a
+//!   scratch of at most `max_dq_size` values ([`dq_chunk_rows`]) and multiplies them with the
+//!   tiled `gemm_{act}`; when not one row fits in `max_dq_size` it keeps the in-register
+//!   kernels (no scratch), where the CPU dequantises one row at a time.
+//!
+//! These kernels are compile-checked (NVRTC: compute_80/compute_90 PTX, sm_75/sm_80/sm_90
+//! CUBIN), and their shared headers (block decoders, per-lane dot products, the Q8 quantiser
+//! and lane dots, the GEMM's FMA chain, block scans, KV quantisers) run on the host in the
+//! tests; none has run on a GPU yet.
 // cudarc's launch and pinned-memory APIs are unsafe; each call says why its arguments are sound.
 #![allow(unsafe_code)]
 
@@ -17,14 +32,18 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 
 use crate::backend::{Backend, Op, check_range, quant_bytes};
 use crate::cpu::matvec::MatvecMode;
 use crate::cpu::ops::RopeStyle;
 use crate::error::{KernelError, Result};
+use crate::sources::{
+    DQ_PATH_MIN_TOKENS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES,
+    dq_chunk_rows, signature,
+};
 use crate::types::{FloatType, QuantType};
 
 /// Bytes per pinned staging buffer (two per backend).
@@ -63,12 +82,25 @@ struct Staging {
     done: [CudaEvent; 2],
 }
 
+impl Drop for Staging {
+    /// A copy out of a staging buffer may still be in flight (copies return once queued), and
+    /// cudarc's `PinnedHostSlice` only waits for its own event, which these copies do not
+    /// record: wait for ours before the pinned memory is freed.
+    fn drop(&mut self) {
+        for e in &self.done {
+            // Nothing to report to from a drop; the context keeps a sticky error anyway.
+            let _ = e.synchronize();
+        }
+    }
+}
+
 /// One CUDA device with its own stream.
 pub struct CudaBackend {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    arch: String,
+    /// Compute capability (major, minor).
+    cc: (i32, i32),
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     staging: Mutex<Option<Staging>>,
 }
@@ -77,8 +109,17 @@ impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
             .field("ordinal", &self.ordinal)
-            .field("arch", &self.arch)
+            .field("compute_capability", &self.cc)
             .finish()
+    }
+}
+
+impl Drop for CudaBackend {
+    /// Work still queued may use this backend's modules and staging buffers: let it finish
+    /// before they are unloaded and freed (buffers keep their own stream alive).
+    fn drop(&mut self) {
+        // Nothing to report to from a drop; the context keeps a sticky error anyway.
+        let _ = self.stream.synchronize();
     }
 }
 
@@ -107,7 +148,7 @@ impl CudaBackend {
             ordinal,
             ctx,
             stream,
-            arch: format!("compute_{major}{minor}"),
+            cc: (major, minor),
             modules: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
         })
@@ -139,7 +180,7 @@ impl CudaBackend {
         self.stream.fork().map_err(drv("creating a stream"))
     }
 
-    /// Records an event on this backend's stream (timing enabled).
+    /// Records an event on this backend's stream (`CU_EVENT_DEFAULT`, so it can time).
     pub fn record_event(&self) -> Result<CudaEvent> {
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         self.stream
@@ -160,31 +201,100 @@ impl CudaBackend {
         if let Some(m) = mods.get(name) {
             return Ok(m.clone());
         }
-        let ptx = match crate::sources::prebuilt_ptx(name) {
-            Some(p) => p.to_string(),
-            None => {
-                let src = crate::sources::source(name).ok_or_else(|| KernelError::Cuda {
-                    during: format!("loading module {name}"),
-                    message: "no such kernel source".into(),
-                })?;
-                crate::nvrtc::compile(name, src, &self.arch)?.ptx
-            }
-        };
-        let m = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(drv(format!(
-                "loading module {name} on cuda:{}",
-                self.ordinal
-            )))?;
+        let m = self.load_module(name)?;
         mods.insert(name, m.clone());
         Ok(m)
+    }
+
+    /// Loads module `name` from the first image this device and driver accept: nvcc's PTX,
+    /// NVRTC's CUBIN for `sm_XY`, NVRTC's PTX for `compute_XY`. Every failure is kept for the
+    /// error, so a driver too old for the PTX, or an NVRTC too old for the device, is named.
+    fn load_module(&self, name: &'static str) -> Result<Arc<CudaModule>> {
+        let during = format!("loading module {name} on cuda:{}", self.ordinal);
+        let (major, minor) = self.cc;
+        let mut tried = Vec::new();
+        let load = |image: cudarc::nvrtc::Ptx, what: &str, tried: &mut Vec<String>| {
+            self.ctx
+                .load_module(image)
+                .map_err(|e| tried.push(format!("{what}: {e:?}")))
+                .ok()
+        };
+        if let Some(ptx) = crate::sources::prebuilt_ptx(name) {
+            if major >= 8 {
+                let image = cudarc::nvrtc::Ptx::from_src(ptx);
+                if let Some(m) = load(image, "nvcc ptx for compute_80", &mut tried) {
+                    return Ok(m);
+                }
+            } else {
+                tried.push(format!(
+                    "nvcc ptx is for compute_80, the device is {major}.{minor}"
+                ));
+            }
+        }
+        let src = crate::sources::source(name).ok_or_else(|| KernelError::Cuda {
+            during: during.clone(),
+            message: "no such kernel source".into(),
+        })?;
+        for arch in [
+            format!("sm_{major}{minor}"),
+            format!("compute_{major}{minor}"),
+        ] {
+            match crate::nvrtc::compile(name, src, &arch) {
+                Ok(c) => {
+                    let image = match c.cubin {
+                        Some(bin) => cudarc::nvrtc::Ptx::from_binary(bin),
+                        None => cudarc::nvrtc::Ptx::from_src(c.ptx),
+                    };
+                    if let Some(m) = load(image, &format!("nvrtc {arch}"), &mut tried) {
+                        return Ok(m);
+                    }
+                }
+                // no libnvrtc: say so plainly (with what else was tried)
+                Err(KernelError::CudaUnavailable { reason }) => {
+                    tried.push(reason);
+                    return Err(KernelError::CudaUnavailable {
+                        reason: format!("{during}: {}", tried.join("; ")),
+                    });
+                }
+                Err(e) => tried.push(e.to_string()),
+            }
+        }
+        Err(KernelError::Cuda {
+            during,
+            message: tried.join("; "),
+        })
     }
 
     fn func(&self, module: &'static str, name: &str) -> Result<CudaFunction> {
         self.module(module)?
             .load_function(name)
             .map_err(drv(format!("finding kernel {name}")))
+    }
+
+    /// An allocation failure: [`KernelError::OutOfMemory`] when the driver says so.
+    fn alloc_error(&self, bytes: usize, e: cudarc::driver::DriverError) -> KernelError {
+        if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+            KernelError::OutOfMemory {
+                device: self.name(),
+                bytes,
+            }
+        } else {
+            KernelError::Cuda {
+                during: format!("allocating {bytes} bytes on {}", self.name()),
+                message: format!("{e:?}"),
+            }
+        }
+    }
+
+    /// Uninitialised scratch for one operation, freed (stream-ordered) when dropped.
+    ///
+    /// # Safety
+    ///
+    /// Every byte a kernel reads from it must have been written by an earlier kernel on this
+    /// backend's stream.
+    unsafe fn scratch(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        // SAFETY: the caller writes before it reads (this function's contract).
+        unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(|e| self.alloc_error(bytes, e))
     }
 
     fn own(&self, b: &CudaBuffer) -> Result<()> {
@@ -200,7 +310,78 @@ impl CudaBackend {
     }
 }
 
+/// One kernel argument. [`CudaBackend::launch`] checks their kinds against the kernel's
+/// parameter list in [`crate::sources::SIGNATURES`] before anything reaches the driver.
+enum KArg<'a> {
+    /// A buffer the kernel reads.
+    In(&'a CudaSlice<u8>),
+    /// Part of a buffer the kernel reads (a chunk of weight rows).
+    InView(CudaView<'a, u8>),
+    /// A buffer the kernel writes.
+    Out(&'a mut CudaSlice<u8>),
+    U64(u64),
+    I32(i32),
+    F32(f32),
+}
+
+impl KArg<'_> {
+    fn param(&self) -> Param {
+        match self {
+            KArg::In(_) | KArg::InView(_) | KArg::Out(_) => Param::Ptr,
+            KArg::U64(_) => Param::U64,
+            KArg::I32(_) => Param::I32,
+            KArg::F32(_) => Param::F32,
+        }
+    }
+}
+
 impl CudaBackend {
+    /// Launches kernel `name` of `module` with `args` on this backend's stream, after checking
+    /// that their kinds and order equal the kernel's signature (a mismatch would be silent
+    /// corruption on the device, so it is an error here instead).
+    ///
+    /// # Safety
+    ///
+    /// Every index the kernel computes from `args` and `cfg` must lie inside the buffers
+    /// passed: the caller checks the buffer sizes against the counts it passes.
+    unsafe fn launch(
+        &self,
+        module: &'static str,
+        name: &str,
+        cfg: LaunchConfig,
+        args: &mut [KArg<'_>],
+    ) -> Result<()> {
+        let during = || format!("launching {name} on {}", self.name());
+        let want = signature(name).ok_or_else(|| KernelError::Cuda {
+            during: during(),
+            message: "no parameter list for this kernel in sources::SIGNATURES".into(),
+        })?;
+        let got: Vec<Param> = args.iter().map(KArg::param).collect();
+        if got != want {
+            return Err(KernelError::Cuda {
+                during: during(),
+                message: format!("arguments {got:?} do not match the kernel's parameters {want:?}"),
+            });
+        }
+        let f = self.func(module, name)?;
+        let mut b = self.stream.launch_builder(&f);
+        for a in args.iter_mut() {
+            match a {
+                KArg::In(s) => b.arg(*s),
+                KArg::InView(v) => b.arg(&*v),
+                KArg::Out(s) => b.arg(&mut **s),
+                KArg::U64(v) => b.arg(&*v),
+                KArg::I32(v) => b.arg(&*v),
+                KArg::F32(v) => b.arg(&*v),
+            };
+        }
+        // SAFETY: the argument kinds match the kernel's parameters (checked above), so the
+        // driver passes each value in the slot the kernel reads; the caller vouches for the
+        // bounds (see this function's contract).
+        unsafe { b.launch(cfg) }.map_err(drv(during()))?;
+        Ok(())
+    }
+
     /// An elementwise kernel `name(a, b, out, n)` over n f32 values.
     fn binary(
         &self,
@@ -216,21 +397,199 @@ impl CudaBackend {
         need("elementwise lhs bytes", a, mul(n, 4))?;
         need("elementwise rhs bytes", b, mul(n, 4))?;
         need("elementwise output bytes", out, mul(n, 4))?;
-        let f = self.func("ops", name)?;
-        let n64 = n as u64;
-        let mut l = self.stream.launch_builder(&f);
-        l.arg(&a.slice).arg(&b.slice).arg(&mut out.slice).arg(&n64);
-        // SAFETY: one thread per value, sizes checked above.
-        unsafe { l.launch(elementwise(n)?) }
-            .map_err(drv(format!("launching {name} on {}", self.name())))?;
+        let mut args = [
+            KArg::In(&a.slice),
+            KArg::In(&b.slice),
+            KArg::Out(&mut out.slice),
+            KArg::U64(n as u64),
+        ];
+        // SAFETY: one thread per value below n; all three buffers hold n f32 (checked above).
+        unsafe { self.launch("ops", name, elementwise(n)?, &mut args) }
+    }
+}
+
+/// The shape of one checked matmul: weight and activation types, `rows × cols` weights,
+/// `n_tok` tokens (all buffers already checked against it).
+#[derive(Clone, Copy)]
+struct MatShape {
+    ty: QuantType,
+    act: FloatType,
+    rows: usize,
+    cols: usize,
+    n_tok: usize,
+}
+
+impl CudaBackend {
+    /// Exact mode in registers: `matvec_{type}_{act}` / `matmul_{type}_{act}`, one warp per
+    /// (row, token), each weight decoded again per token.
+    fn matmul_exact(
+        &self,
+        m: MatShape,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let kind = if m.n_tok == 1 { "matvec" } else { "matmul" };
+        let name = format!("{kind}_{}_{}", m.ty.name(), m.act.name());
+        // 8 warps of 32 per block, one row each; tokens ride grid.y, which CUDA caps at
+        // 65535, and the kernel strides over the rest
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_for(m.rows, 8, "rows")?,
+                m.n_tok.min(MAX_GRID_YZ) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = vec![
+            KArg::In(&w.slice),
+            KArg::In(&x.slice),
+            KArg::Out(&mut y.slice),
+            KArg::U64(m.rows as u64),
+            KArg::U64(m.cols as u64),
+        ];
+        if m.n_tok > 1 {
+            args.push(KArg::U64(m.n_tok as u64));
+        }
+        // SAFETY: one warp per (row, token) reads one weight row and one activation row and
+        // writes one output, all within the sizes the caller checked.
+        unsafe { self.launch("matvec", &name, cfg, &mut args) }
+    }
+
+    /// Q8 mode: `q8_quantize_{act}` turns every token's activations into 40-byte blocks in a
+    /// scratch buffer, then `q8_matmul_{type}` meets each weight group with them in integers.
+    fn matmul_q8(
+        &self,
+        m: MatShape,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        // cols is a whole number of weight blocks (checked by quant_bytes), so of 32 values
+        let n_blocks = mul(m.n_tok, m.cols / 32);
+        let bytes = n_blocks
+            .checked_mul(Q8_BLOCK_BYTES)
+            .ok_or_else(|| KernelError::Shape {
+                op: "matmul on cuda (q8 mode)",
+                reason: format!(
+                    "{} tokens of {} values overflow the activation blocks",
+                    m.n_tok, m.cols
+                ),
+            })?;
+        // SAFETY: q8_quantize writes all n_blocks blocks before q8_matmul (later on the same
+        // stream) reads them.
+        let mut xq = unsafe { self.scratch(bytes) }?;
+        let name = format!("q8_quantize_{}", m.act.name());
+        let mut args = [
+            KArg::In(&x.slice),
+            KArg::Out(&mut xq),
+            KArg::U64(n_blocks as u64),
+        ];
+        // SAFETY: one thread per block below n_blocks reads its 32 activations (n_tok * cols
+        // were checked) and writes its 40 bytes of the scratch (allocated for n_blocks).
+        unsafe { self.launch("matvec", &name, elementwise(n_blocks)?, &mut args) }?;
+        // 8 threads per row, 32 rows per block of 256; 4 tokens per thread pass on grid.y
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_for(m.rows, 32, "rows")?,
+                m.n_tok.div_ceil(4).min(MAX_GRID_YZ) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = format!("q8_matmul_{}", m.ty.name());
+        let mut args = [
+            KArg::In(&w.slice),
+            KArg::In(&xq),
+            KArg::Out(&mut y.slice),
+            KArg::U64(m.rows as u64),
+            KArg::U64(m.cols as u64),
+            KArg::U64(m.n_tok as u64),
+        ];
+        // SAFETY: each row group reads one weight row (rows were checked) and each token's
+        // cols / 32 blocks of xq, and writes y[t * rows + r] below n_tok * rows (checked).
+        unsafe { self.launch("matvec", &name, cfg, &mut args) }
+    }
+
+    /// Exact mode for prompts: `chunk` weight rows at a time are dequantised to f32 into a
+    /// scratch buffer of `chunk × cols` values (at most `max_dq_size`, see
+    /// [`dq_chunk_rows`]), then `gemm_{act}` multiplies them with every token.
+    fn matmul_dq(
+        &self,
+        m: MatShape,
+        chunk: usize,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let row_bytes = quant_bytes(m.ty, m.cols)?;
+        // SAFETY: each chunk's dequantize launch writes the values its gemm launch reads
+        // (chunk rows or fewer, from the start), earlier on the same stream.
+        let mut wd = unsafe { self.scratch(mul(mul(chunk, m.cols), 4)) }?;
+        let dq_name = format!("dequantize_{}_f32", m.ty.name());
+        let gemm_name = format!("gemm_{}", m.act.name());
+        let mut r0 = 0;
+        while r0 < m.rows {
+            let nr = chunk.min(m.rows - r0);
+            let n = nr * m.cols;
+            let view = w.slice.slice(r0 * row_bytes..(r0 + nr) * row_bytes);
+            let mut args = [KArg::InView(view), KArg::Out(&mut wd), KArg::U64(n as u64)];
+            // SAFETY: n values of nr whole weight rows, inside the checked weight bytes, into
+            // the scratch of chunk * cols >= n values.
+            unsafe { self.launch("dequant", &dq_name, elementwise(n)?, &mut args) }?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    grid_for(nr, GEMM_BLOCK_ROWS, "rows")?,
+                    m.n_tok.div_ceil(GEMM_BLOCK_TOKENS).min(MAX_GRID_YZ) as u32,
+                    1,
+                ),
+                block_dim: (GEMM_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut args = [
+                KArg::In(&wd),
+                KArg::In(&x.slice),
+                KArg::Out(&mut y.slice),
+                KArg::U64(nr as u64),
+                KArg::U64(m.cols as u64),
+                KArg::U64(m.n_tok as u64),
+                KArg::U64(r0 as u64),
+                KArg::U64(m.rows as u64),
+            ];
+            // SAFETY: the kernel reads nr rows of the scratch and n_tok activation rows, and
+            // writes y[t * rows + r0 + r] for r < nr, t < n_tok, below n_tok * rows (checked).
+            unsafe { self.launch("matvec", &gemm_name, cfg, &mut args) }?;
+            r0 += nr;
+        }
         Ok(())
     }
 }
 
+/// CUDA's limit on `gridDim.x` (2^31 − 1).
+const MAX_GRID_X: usize = i32::MAX as usize;
+/// CUDA's limit on `gridDim.y` and `gridDim.z`.
+const MAX_GRID_YZ: usize = 65535;
+
 fn grid_for(n: usize, per_block: usize, what: &str) -> Result<u32> {
-    u32::try_from(n.div_ceil(per_block).max(1)).map_err(|_| KernelError::Shape {
+    let blocks = n.div_ceil(per_block).max(1);
+    if blocks > MAX_GRID_X {
+        return Err(KernelError::Shape {
+            op: "cuda launch",
+            reason: format!(
+                "{what}: {n} items need {blocks} blocks, past cuda's grid.x limit of 2^31 - 1"
+            ),
+        });
+    }
+    Ok(blocks as u32)
+}
+
+/// An `i32` kernel argument, or a shape error naming it.
+fn arg_i32(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| KernelError::Shape {
         op: "cuda launch",
-        reason: format!("{what}: {n} items need more than 2^32 blocks"),
+        reason: format!("{what} {v} does not fit the kernel's 32-bit argument"),
     })
 }
 
@@ -258,19 +617,10 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
-        let slice =
-            self.stream
-                .alloc_zeros::<u8>(bytes.max(1))
-                .map_err(|e| match format!("{e:?}") {
-                    m if m.contains("OUT_OF_MEMORY") => KernelError::OutOfMemory {
-                        device: self.name(),
-                        bytes,
-                    },
-                    m => KernelError::Cuda {
-                        during: format!("allocating {bytes} bytes on {}", self.name()),
-                        message: m,
-                    },
-                })?;
+        let slice = self
+            .stream
+            .alloc_zeros::<u8>(bytes.max(1))
+            .map_err(|e| self.alloc_error(bytes, e))?;
         Ok(CudaBuffer {
             slice,
             ordinal: self.ordinal,
@@ -370,9 +720,6 @@ impl Backend for CudaBackend {
 
     fn run(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
         let s = &self.stream;
-        let launch_err = |k: &str| {
-            drv::<cudarc::driver::DriverError>(format!("launching {k} on {}", self.name()))
-        };
         match op {
             Op::Dequantize {
                 ty,
@@ -393,13 +740,14 @@ impl Backend for CudaBackend {
                 need("dequantize source bytes", src, quant_bytes(ty, n)?)?;
                 need("dequantize output bytes", dst, mul(n, out.size()))?;
                 let name = format!("dequantize_{}_{}", ty.name(), out.name());
-                let f = self.func("dequant", &name)?;
-                let n64 = n as u64;
-                let mut b = s.launch_builder(&f);
-                b.arg(&src.slice).arg(&mut dst.slice).arg(&n64);
+                let mut args = [
+                    KArg::In(&src.slice),
+                    KArg::Out(&mut dst.slice),
+                    KArg::U64(n as u64),
+                ];
                 // SAFETY: the kernel reads quant_bytes(ty, n) bytes of src and writes n values of
-                // dst, both checked above; argument types match the kernel signature.
-                unsafe { b.launch(elementwise(n)?) }.map_err(launch_err(&name))?;
+                // dst, both checked above.
+                unsafe { self.launch("dequant", &name, elementwise(n)?, &mut args) }?;
             }
             Op::ConvertToF16 { from, n, src, dst } => {
                 self.own(src)?;
@@ -414,12 +762,13 @@ impl Backend for CudaBackend {
                         .map_err(drv("copying f16 values"));
                 }
                 let name = format!("convert_{}_f16", from.name());
-                let f = self.func("convert", &name)?;
-                let n64 = n as u64;
-                let mut b = s.launch_builder(&f);
-                b.arg(&src.slice).arg(&mut dst.slice).arg(&n64);
+                let mut args = [
+                    KArg::In(&src.slice),
+                    KArg::Out(&mut dst.slice),
+                    KArg::U64(n as u64),
+                ];
                 // SAFETY: n values in and out, sizes checked above.
-                unsafe { b.launch(elementwise(n)?) }.map_err(launch_err(&name))?;
+                unsafe { self.launch("convert", &name, elementwise(n)?, &mut args) }?;
             }
             Op::Matmul {
                 ty,
@@ -428,7 +777,7 @@ impl Backend for CudaBackend {
                 rows,
                 cols,
                 n_tok,
-                max_dq_size: _,
+                max_dq_size,
                 w,
                 x,
                 y,
@@ -436,27 +785,38 @@ impl Backend for CudaBackend {
                 self.own(w)?;
                 self.own(x)?;
                 self.own(y)?;
-                if mode == MatvecMode::Q8 {
+                let (types, names) = match mode {
+                    MatvecMode::Q8 => (
+                        &[
+                            QuantType::Q4_0,
+                            QuantType::Q4_1,
+                            QuantType::Q8_0,
+                            QuantType::Q4_K,
+                            QuantType::Q6_K,
+                        ][..],
+                        crate::cpu::matvec::Q8_WEIGHT_TYPES,
+                    ),
+                    MatvecMode::Exact => (
+                        &[
+                            QuantType::Q4_0,
+                            QuantType::Q4_1,
+                            QuantType::Q8_0,
+                            QuantType::Q4_K,
+                            QuantType::Q6_K,
+                            QuantType::F16,
+                            QuantType::F32,
+                        ][..],
+                        "q4_0, q4_1, q8_0, q4_k, q6_k, f16, f32",
+                    ),
+                };
+                if !types.contains(&ty) {
                     return Err(KernelError::Unsupported {
-                        op: "matmul on cuda",
-                        ty: "q8 activation mode".into(),
-                        supported: "exact mode",
-                    });
-                }
-                if !matches!(
-                    ty,
-                    QuantType::Q4_0
-                        | QuantType::Q4_1
-                        | QuantType::Q8_0
-                        | QuantType::Q4_K
-                        | QuantType::Q6_K
-                        | QuantType::F16
-                        | QuantType::F32
-                ) {
-                    return Err(KernelError::Unsupported {
-                        op: "matmul on cuda",
+                        op: match mode {
+                            MatvecMode::Q8 => "matmul on cuda (q8 mode)",
+                            MatvecMode::Exact => "matmul on cuda",
+                        },
                         ty: ty.to_string(),
-                        supported: "q4_0, q4_1, q8_0, q4_k, q6_k, f16, f32",
+                        supported: names,
                     });
                 }
                 if act == FloatType::BF16 {
@@ -473,34 +833,25 @@ impl Backend for CudaBackend {
                     mul(mul(n_tok, cols), act.size()),
                 )?;
                 need("matmul output bytes", y, mul(mul(n_tok, rows), 4))?;
-                let kind = if n_tok == 1 { "matvec" } else { "matmul" };
-                let name = format!("{kind}_{}_{}", ty.name(), act.name());
-                let f = self.func("matvec", &name)?;
-                let (r64, c64) = (rows as u64, cols as u64);
-                // tokens ride grid.y, which CUDA caps at 65535
-                let tok = u32::try_from(n_tok)
-                    .ok()
-                    .filter(|t| *t <= 65535)
-                    .ok_or_else(|| KernelError::Shape {
-                        op: "matmul",
-                        reason: format!(
-                            "{n_tok} tokens exceed cuda's grid.y limit of 65535; split the prompt"
-                        ),
-                    })?;
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_for(rows, 8, "rows")?, tok.max(1), 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
+                if n_tok == 0 || rows == 0 {
+                    return Ok(());
+                }
+                let shape = MatShape {
+                    ty,
+                    act,
+                    rows,
+                    cols,
+                    n_tok,
                 };
-                let mut b = s.launch_builder(&f);
-                b.arg(&w.slice)
-                    .arg(&x.slice)
-                    .arg(&mut y.slice)
-                    .arg(&r64)
-                    .arg(&c64);
-                // SAFETY: one warp per (row, token) reads one weight row and one activation row
-                // and writes one output, all within the sizes checked above.
-                unsafe { b.launch(cfg) }.map_err(launch_err(&name))?;
+                match mode {
+                    MatvecMode::Q8 => self.matmul_q8(shape, w, x, y)?,
+                    MatvecMode::Exact => match dq_chunk_rows(rows, cols, max_dq_size) {
+                        Some(chunk) if n_tok >= DQ_PATH_MIN_TOKENS => {
+                            self.matmul_dq(shape, chunk, w, x, y)?
+                        }
+                        _ => self.matmul_exact(shape, w, x, y)?,
+                    },
+                }
             }
             Op::RmsNorm {
                 n_rows,
@@ -517,21 +868,24 @@ impl Backend for CudaBackend {
                 need("rms_norm input bytes", x, mul(n, 4))?;
                 need("rms_norm weight bytes", weight, mul(n_cols, 4))?;
                 need("rms_norm output bytes", out, mul(n, 4))?;
-                let f = self.func("ops", "rms_norm_f32")?;
-                let c64 = n_cols as u64;
+                if n_rows == 0 {
+                    // one block per row: a launch of at least one block would touch row 0
+                    return Ok(());
+                }
                 let cfg = LaunchConfig {
                     grid_dim: (grid_for(n_rows, 1, "rows")?, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = s.launch_builder(&f);
-                b.arg(&x.slice)
-                    .arg(&weight.slice)
-                    .arg(&mut out.slice)
-                    .arg(&c64)
-                    .arg(&eps);
-                // SAFETY: one block per row, sizes checked above.
-                unsafe { b.launch(cfg) }.map_err(launch_err("rms_norm_f32"))?;
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::In(&weight.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(n_cols as u64),
+                    KArg::F32(eps),
+                ];
+                // SAFETY: one block per row below n_rows, n_cols values each; sizes checked above.
+                unsafe { self.launch("ops", "rms_norm_f32", cfg, &mut args) }?;
             }
             Op::Rope {
                 params,
@@ -562,22 +916,20 @@ impl Backend for CudaBackend {
                     RopeStyle::Normal => "rope_norm_f32",
                     RopeStyle::Neox => "rope_neox_f32",
                 };
-                let f = self.func("ops", name)?;
                 let pairs = mul(mul(n_tok, n_heads), params.n_dims / 2);
-                let (p64, h64) = (pairs as u64, n_heads as u64);
-                let (hd32, nd32) = (hd as i32, params.n_dims as i32);
-                let mut b = s.launch_builder(&f);
-                b.arg(&x.slice)
-                    .arg(&positions.slice)
-                    .arg(&mut out.slice)
-                    .arg(&p64)
-                    .arg(&h64)
-                    .arg(&hd32)
-                    .arg(&nd32)
-                    .arg(&params.freq_base)
-                    .arg(&params.freq_scale);
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::In(&positions.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(pairs as u64),
+                    KArg::U64(n_heads as u64),
+                    KArg::I32(arg_i32("head_dim", hd)?),
+                    KArg::I32(arg_i32("n_dims", params.n_dims)?),
+                    KArg::F32(params.freq_base),
+                    KArg::F32(params.freq_scale),
+                ];
                 // SAFETY: one thread per rotated pair, each inside its head; sizes checked above.
-                unsafe { b.launch(elementwise(pairs)?) }.map_err(launch_err(name))?;
+                unsafe { self.launch("ops", name, elementwise(pairs)?, &mut args) }?;
             }
             Op::Softmax {
                 n_rows,
@@ -590,17 +942,21 @@ impl Backend for CudaBackend {
                 let n = mul(n_rows, n_cols);
                 need("softmax input bytes", x, mul(n, 4))?;
                 need("softmax output bytes", out, mul(n, 4))?;
-                let f = self.func("ops", "softmax_f32")?;
-                let c64 = n_cols as u64;
+                if n_rows == 0 {
+                    return Ok(());
+                }
                 let cfg = LaunchConfig {
                     grid_dim: (grid_for(n_rows, 1, "rows")?, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = s.launch_builder(&f);
-                b.arg(&x.slice).arg(&mut out.slice).arg(&c64);
-                // SAFETY: one block per row, sizes checked above.
-                unsafe { b.launch(cfg) }.map_err(launch_err("softmax_f32"))?;
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(n_cols as u64),
+                ];
+                // SAFETY: one block per row below n_rows, n_cols values each; sizes checked above.
+                unsafe { self.launch("ops", "softmax_f32", cfg, &mut args) }?;
             }
             Op::SwiGlu { n, gate, up, out } => self.binary("swiglu_f32", n, gate, up, out)?,
             Op::Add { n, a, b, out } => self.binary("add_f32", n, a, b, out)?,
@@ -616,12 +972,13 @@ impl Backend for CudaBackend {
                 need("kv input bytes", x, mul(n, 4))?;
                 need("kv cache bytes", out, kt.bytes_for(n))?;
                 let name = format!("kv_quantize_{}", kt.name());
-                let f = self.func("kv", &name)?;
-                let g64 = (n / 32) as u64;
-                let mut b = s.launch_builder(&f);
-                b.arg(&x.slice).arg(&mut out.slice).arg(&g64);
-                // SAFETY: one thread per group, sizes checked above.
-                unsafe { b.launch(elementwise(n / 32)?) }.map_err(launch_err(&name))?;
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64((n / 32) as u64),
+                ];
+                // SAFETY: one thread per group below n / 32, sizes checked above.
+                unsafe { self.launch("kv", &name, elementwise(n / 32)?, &mut args) }?;
             }
             Op::KvDequantize { kt, n, src, out } => {
                 self.own(src)?;
@@ -635,12 +992,13 @@ impl Backend for CudaBackend {
                 need("kv cache bytes", src, kt.bytes_for(n))?;
                 need("kv output bytes", out, mul(n, 4))?;
                 let name = format!("kv_dequantize_{}", kt.name());
-                let f = self.func("kv", &name)?;
-                let n64 = n as u64;
-                let mut b = s.launch_builder(&f);
-                b.arg(&src.slice).arg(&mut out.slice).arg(&n64);
-                // SAFETY: one thread per value, sizes checked above.
-                unsafe { b.launch(elementwise(n)?) }.map_err(launch_err(&name))?;
+                let mut args = [
+                    KArg::In(&src.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(n as u64),
+                ];
+                // SAFETY: one thread per value below n, sizes checked above.
+                unsafe { self.launch("kv", &name, elementwise(n)?, &mut args) }?;
             }
         }
         Ok(())
@@ -654,35 +1012,38 @@ impl Backend for CudaBackend {
     ) -> Result<Option<usize>> {
         self.own(buf)?;
         check_range("scan bytes", buf.slice.len(), 0, bytes)?;
-        let (name, n) = match ty {
-            QuantType::F32 => ("scan_f32", bytes / 4),
-            QuantType::F16 => ("scan_f16", bytes / 2),
-            QuantType::BF16 => ("scan_bf16", bytes / 2),
-            _ => {
-                // quantised types: the scales are few; scan them on the host
-                let mut host = vec![0u8; bytes];
-                self.copy_to_host(buf, 0, &mut host)?;
-                return crate::cpu::convert::scan_non_finite(ty, &host);
-            }
-        };
-        let f = self.func("convert", name)?;
+        // the float types are scanned per element, the quantised ones per block (their f16
+        // scales; see wl_block_scales_non_finite): no host copy of the tensor either way
+        let n = ty.blocks_in("scan bytes", bytes)?;
+        let name = format!("scan_{}", ty.name());
+        // the result word: u64::MAX until a thread finds a bad index (device allocations are
+        // 256-byte aligned, so the kernel's 64-bit atomicMin on it is aligned)
         let mut first = self
             .stream
-            .clone_htod(&[u64::MAX])
+            .clone_htod(&u64::MAX.to_le_bytes())
             .map_err(drv("allocating the scan result"))?;
-        let n64 = n as u64;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&buf.slice).arg(&n64).arg(&mut first);
-        // SAFETY: n whole elements lie within the checked byte range; `first` is one u64.
-        unsafe { b.launch(elementwise(n)?) }.map_err(drv(format!("launching {name}")))?;
+        let mut args = [
+            KArg::In(&buf.slice),
+            KArg::U64(n as u64),
+            KArg::Out(&mut first),
+        ];
+        // SAFETY: n whole elements (or blocks) lie within the checked byte range; `first` is
+        // one u64 (8 bytes).
+        unsafe { self.launch("convert", &name, elementwise(n)?, &mut args) }?;
         let v = self
             .stream
             .clone_dtoh(&first)
             .map_err(drv("reading the scan result"))?;
-        Ok(v.first()
-            .copied()
-            .filter(|i| *i != u64::MAX)
-            .map(|i| i as usize))
+        // a copy to pageable memory returns once done; the sync makes that explicit
+        self.stream
+            .synchronize()
+            .map_err(drv("waiting for the scan result"))?;
+        let word: [u8; 8] = v.as_slice().try_into().map_err(|_| KernelError::Cuda {
+            during: format!("reading the scan result from {}", self.name()),
+            message: format!("expected 8 bytes, got {}", v.len()),
+        })?;
+        let first = u64::from_le_bytes(word);
+        Ok((first != u64::MAX).then_some(first as usize))
     }
 
     fn synchronize(&self) -> Result<()> {

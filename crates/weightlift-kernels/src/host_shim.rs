@@ -1,5 +1,8 @@
-//! The host C++ build of `kernels/*.cuh` (see `shim/host_shim.cpp`), for tests that compare the
-//! device decode maths with the Rust CPU kernels. Present when `build.rs` found a C++ compiler.
+//! The host C++ build of `kernels/*.cuh` (see `shim/host_shim.cpp`), for tests that check the
+//! device maths without a GPU: block decoders and layouts, the `scan_{type}` block check, the
+//! matvec kernels' per-lane dot products and warp butterfly, f16 rounding and the KV-cache
+//! quantisers, and the Q8-activation mode and dequantised-path GEMM of the matmul kernels.
+//! Present when `build.rs` found a C++ compiler.
 // Calling the C++ shim is FFI; each wrapper checks the buffer sizes the shim relies on.
 #![allow(unsafe_code)]
 
@@ -10,6 +13,41 @@ use crate::types::QuantType;
 unsafe extern "C" {
     fn wl_host_dequant(ty: i32, src: *const u8, dst: *mut f32, nblocks: usize) -> i32;
     fn wl_host_f32_to_f16(src: *const f32, dst: *mut u16, n: usize);
+    fn wl_host_block_layout(ty: i32, out: *mut i32) -> i32;
+    fn wl_host_scan_blocks(ty: i32, src: *const u8, nblocks: usize) -> u64;
+    fn wl_host_matmul(
+        ty: i32,
+        act_f16: i32,
+        w: *const u8,
+        x: *const u8,
+        y: *mut f32,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+    ) -> i32;
+    fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
+    fn wl_host_q8_matmul(
+        ty: i32,
+        w: *const u8,
+        xq: *const u8,
+        y: *mut f32,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+    ) -> i32;
+    #[allow(clippy::too_many_arguments)]
+    fn wl_host_gemm(
+        act_f16: i32,
+        wd: *const f32,
+        x: *const u8,
+        y: *mut f32,
+        n_rows: usize,
+        cols: usize,
+        n_tok: usize,
+        row0: usize,
+        rows: usize,
+        grid_y: usize,
+    );
     fn wl_host_kv_quantize(x: *const f32, out: *mut u8, n_groups: usize, qmax: i32);
     fn wl_host_kv_dequantize(src: *const u8, out: *mut f32, n_groups: usize, qmax: i32);
 }
@@ -32,6 +70,89 @@ pub fn dequantize_f32(ty: QuantType, src: &[u8], out: &mut [f32]) -> Result<()> 
             op: "host dequantize",
             ty: ty.to_string(),
             supported: "all QuantType values",
+        });
+    }
+    Ok(())
+}
+
+/// The header's `wl_block_layout` for `ty`: `[values, bytes, scale offset, second scale
+/// offset]` per block, offsets -1 where the type has none; `None` for a type it does not know.
+pub fn block_layout(ty: QuantType) -> Option<[i32; 4]> {
+    let mut out = [0i32; 4];
+    // SAFETY: the shim writes exactly four i32s to `out`.
+    let ok = unsafe { wl_host_block_layout(ty.ggml_id() as i32, out.as_mut_ptr()) };
+    (ok != 0).then_some(out)
+}
+
+/// What the `scan_{type}` kernels compute, with the header's `wl_block_scales_non_finite`: the
+/// first element of the first block of `src` with a NaN/inf scale (quantised types only).
+pub fn scan_blocks(ty: QuantType, src: &[u8]) -> Result<Option<usize>> {
+    let n = ty.blocks_in("src", src.len())?;
+    // SAFETY: src holds n whole blocks, all the shim reads.
+    let first = unsafe { wl_host_scan_blocks(ty.ggml_id() as i32, src.as_ptr(), n) };
+    Ok((first != u64::MAX).then_some(first as usize))
+}
+
+/// Activations for [`matmul`]: f32 values or f16 bits.
+#[derive(Debug, Clone, Copy)]
+pub enum Act<'a> {
+    /// f32 activations.
+    F32(&'a [f32]),
+    /// f16 activations (bit patterns).
+    F16(&'a [u16]),
+}
+
+/// What the `matmul_{type}_{act}` / `matvec_` kernels compute, with the header's per-lane dot
+/// products and the kernel's warp butterfly replayed in order: `y[t * rows + r]` for `n_tok`
+/// tokens of `cols` activations each.
+pub fn matmul(
+    ty: QuantType,
+    w: &[u8],
+    x: Act<'_>,
+    y: &mut [f32],
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    let bs = ty.block_size();
+    let row_bytes = cols / bs * ty.block_bytes();
+    let (x_len, act_f16, x_ptr) = match x {
+        Act::F32(v) => (v.len(), 0, v.as_ptr().cast::<u8>()),
+        Act::F16(v) => (v.len(), 1, v.as_ptr().cast::<u8>()),
+    };
+    let n_tok = x_len.checked_div(cols).unwrap_or(0);
+    let shape_ok = cols.is_multiple_of(bs)
+        && n_tok * cols == x_len
+        && rows.checked_mul(row_bytes) == Some(w.len())
+        && y.len() == rows * n_tok;
+    if !shape_ok {
+        return Err(KernelError::Shape {
+            op: "host matmul",
+            reason: format!(
+                "{rows} x {cols} {ty} weights in {} bytes, {x_len} activations, {} outputs",
+                w.len(),
+                y.len()
+            ),
+        });
+    }
+    // SAFETY: w holds rows whole rows of cols / bs blocks, x n_tok * cols activations of the
+    // declared width and y rows * n_tok floats (checked above): all the shim touches.
+    let ok = unsafe {
+        wl_host_matmul(
+            ty.ggml_id() as i32,
+            act_f16,
+            w.as_ptr(),
+            x_ptr,
+            y.as_mut_ptr(),
+            rows,
+            cols,
+            n_tok,
+        )
+    };
+    if ok == 0 {
+        return Err(KernelError::Unsupported {
+            op: "host matmul",
+            ty: ty.to_string(),
+            supported: "q4_0, q4_1, q8_0, q4_k, q6_k, f16, f32",
         });
     }
     Ok(())
@@ -71,5 +192,137 @@ pub fn kv_dequantize(kt: KvType, src: &[u8], out: &mut [f32]) -> Result<()> {
     }
     // SAFETY: src has g groups of group_bytes and out g groups of 32 floats.
     unsafe { wl_host_kv_dequantize(src.as_ptr(), out.as_mut_ptr(), g, kt.qmax()) };
+    Ok(())
+}
+
+impl Act<'_> {
+    /// (values, 1 for f16, the bytes).
+    fn raw(&self) -> (usize, i32, *const u8) {
+        match self {
+            Act::F32(v) => (v.len(), 0, v.as_ptr().cast::<u8>()),
+            Act::F16(v) => (v.len(), 1, v.as_ptr().cast::<u8>()),
+        }
+    }
+}
+
+/// What the `q8_quantize_{act}` kernels compute: whole blocks of 32 activations into
+/// [`crate::sources::Q8_BLOCK_BYTES`]-byte blocks (the CPU's `Q8Block` layout).
+pub fn q8_quantize(x: Act<'_>, out: &mut [u8]) -> Result<()> {
+    let (n, act_f16, ptr) = x.raw();
+    let want = n / 32 * crate::sources::Q8_BLOCK_BYTES;
+    if !n.is_multiple_of(32) || out.len() != want {
+        return Err(KernelError::LengthMismatch {
+            what: "host q8 activation block bytes",
+            expected: want,
+            got: out.len(),
+        });
+    }
+    // SAFETY: x holds n / 32 whole blocks of its declared width, out as many 40-byte blocks.
+    unsafe { wl_host_q8_quantize(act_f16, ptr, out.as_mut_ptr(), n / 32) };
+    Ok(())
+}
+
+/// What the `q8_matmul_{type}` kernels compute, their 8 lanes per row and shuffle tree
+/// replayed: `y[t * rows + r]` for `xq` holding `n_tok × cols / 32` blocks from
+/// [`q8_quantize`].
+pub fn q8_matmul(
+    ty: QuantType,
+    w: &[u8],
+    xq: &[u8],
+    y: &mut [f32],
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    let bs = ty.block_size();
+    let row_bytes = cols / bs * ty.block_bytes();
+    let per_tok = cols / 32 * crate::sources::Q8_BLOCK_BYTES;
+    let n_tok = xq.len().checked_div(per_tok).unwrap_or(0);
+    let shape_ok = cols.is_multiple_of(bs)
+        && cols.is_multiple_of(32)
+        && n_tok * per_tok == xq.len()
+        && rows.checked_mul(row_bytes) == Some(w.len())
+        && y.len() == rows * n_tok;
+    if !shape_ok {
+        return Err(KernelError::Shape {
+            op: "host q8 matmul",
+            reason: format!(
+                "{rows} x {cols} {ty} weights in {} bytes, {} activation block bytes, {} outputs",
+                w.len(),
+                xq.len(),
+                y.len()
+            ),
+        });
+    }
+    // SAFETY: w holds rows whole rows, xq n_tok * cols / 32 blocks and y rows * n_tok floats
+    // (checked above): all the shim touches.
+    let ok = unsafe {
+        wl_host_q8_matmul(
+            ty.ggml_id() as i32,
+            w.as_ptr(),
+            xq.as_ptr(),
+            y.as_mut_ptr(),
+            rows,
+            cols,
+            n_tok,
+        )
+    };
+    if ok == 0 {
+        return Err(KernelError::Unsupported {
+            op: "host q8 matmul",
+            ty: ty.to_string(),
+            supported: crate::cpu::matvec::Q8_WEIGHT_TYPES,
+        });
+    }
+    Ok(())
+}
+
+/// What the `gemm_{act}` kernel computes, block by block and phase by phase with the kernel's
+/// own header functions: `wd` holds `wd.len() / cols` dequantised weight rows (rows `row0..` of
+/// a `rows`-row layer), `x` the tokens; writes `y[t * rows + row0 + r]`. `grid_y` is the
+/// launch's grid.y (token blocks that stride when there are more).
+pub fn gemm(
+    wd: &[f32],
+    x: Act<'_>,
+    y: &mut [f32],
+    cols: usize,
+    row0: usize,
+    rows: usize,
+    grid_y: usize,
+) -> Result<()> {
+    let (n, act_f16, ptr) = x.raw();
+    let n_rows = wd.len().checked_div(cols).unwrap_or(0);
+    let n_tok = n.checked_div(cols).unwrap_or(0);
+    let shape_ok = cols > 0
+        && grid_y > 0
+        && n_rows * cols == wd.len()
+        && n_tok * cols == n
+        && row0.checked_add(n_rows).is_some_and(|e| e <= rows)
+        && y.len() == rows * n_tok;
+    if !shape_ok {
+        return Err(KernelError::Shape {
+            op: "host gemm",
+            reason: format!(
+                "{} weight values, {n} activations, {} outputs for cols {cols}, rows {row0}.. of {rows}, grid.y {grid_y}",
+                wd.len(),
+                y.len()
+            ),
+        });
+    }
+    // SAFETY: wd holds n_rows rows of cols, x n_tok rows of cols of its declared width, and y
+    // n_tok rows of `rows` with row0 + n_rows <= rows (checked above).
+    unsafe {
+        wl_host_gemm(
+            act_f16,
+            wd.as_ptr(),
+            ptr,
+            y.as_mut_ptr(),
+            n_rows,
+            cols,
+            n_tok,
+            row0,
+            rows,
+            grid_y,
+        )
+    };
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! The host C++ build of `kernels/*.cuh` (the CUDA decode maths) against the Rust CPU kernels
-//! and gguf-py's fixtures. Skips, saying why, when build.rs found no C++ compiler.
+//! and gguf-py's fixtures: block decoders, block layouts, the per-block NaN/inf scan of the
+//! `scan_{type}` kernels, f16 rounding and the KV-cache quantisers. Skips, saying why, when
+//! build.rs found no C++ compiler.
 
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
@@ -133,5 +135,489 @@ mod twin {
             weightlift_kernels::kv_dequantize(kt, &b, &mut db).unwrap();
             assert_eq!(da, db, "{kt:?}");
         }
+    }
+
+    #[test]
+    fn header_block_layouts_equal_gguf_py_and_ggml_common_h() {
+        for name in NAMES {
+            let f = load(name);
+            let [bs, bb, o0, o1] = host_shim::block_layout(f.ty).unwrap();
+            // gguf-py's GGML_QUANT_SIZES, through the fixture's header (checked in `load`)
+            let n_blocks = f.raw.len() / f.ty.block_bytes();
+            assert_eq!(
+                bs as usize,
+                f.want.len() / n_blocks,
+                "{name} values per block"
+            );
+            assert_eq!(bb as usize, f.ty.block_bytes(), "{name} bytes per block");
+            let offs: Vec<i32> = [o0, o1].into_iter().filter(|o| *o >= 0).collect();
+            let want: Vec<i32> = if f.ty.block_size() == 1 {
+                Vec::new()
+            } else {
+                scale_offsets(f.ty).iter().map(|o| *o as i32).collect()
+            };
+            assert_eq!(offs, want, "{name} f16 scale offsets");
+        }
+        assert_eq!(
+            host_shim::block_layout(QuantType::F32),
+            Some([1, 4, -1, -1])
+        );
+    }
+
+    /// The `scan_{type}` kernels report the first element of the first block with a NaN/inf
+    /// scale; that must be exactly the first non-finite value of the block decoders' output
+    /// (which equals gguf-py bit for bit), for every scale field and every NaN/inf pattern.
+    #[test]
+    fn header_block_scan_finds_the_first_value_that_decodes_to_nan_or_inf() {
+        let mut rng = Rng(0xbad5ca1e);
+        let patterns = [0x7c00u16, 0xfc00, 0x7e00, 0x7c01, 0xffff];
+        for ty in QuantType::ALL {
+            if ty.block_size() == 1 {
+                continue;
+            }
+            let n_blocks = 24;
+            let mut clean = rng.bytes(n_blocks * ty.block_bytes());
+            for blk in clean.chunks_exact_mut(ty.block_bytes()) {
+                for &o in scale_offsets(ty) {
+                    let mut h = u16::from_le_bytes([blk[o], blk[o + 1]]);
+                    if h & 0x7c00 == 0x7c00 {
+                        h &= 0xbbff;
+                    }
+                    blk[o..o + 2].copy_from_slice(&h.to_le_bytes());
+                }
+            }
+            assert_eq!(host_shim::scan_blocks(ty, &clean).unwrap(), None, "{ty}");
+            let mut decoded = vec![0f32; n_blocks * ty.block_size()];
+            host_shim::dequantize_f32(ty, &clean, &mut decoded).unwrap();
+            assert!(decoded.iter().all(|v| v.is_finite()), "{ty}: finite scales");
+            for (k, &o) in scale_offsets(ty).iter().enumerate() {
+                for (p, &bits) in patterns.iter().enumerate() {
+                    let mut raw = clean.clone();
+                    // two bad blocks; the scan must report the earlier one
+                    let first = (k * 7 + p * 3 + 2) % (n_blocks - 1);
+                    for b in [first + 1 + (p % (n_blocks - first - 1)), first] {
+                        let at = b * ty.block_bytes() + o;
+                        raw[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+                    }
+                    host_shim::dequantize_f32(ty, &raw, &mut decoded).unwrap();
+                    let want = decoded.iter().position(|v| !v.is_finite());
+                    assert_eq!(
+                        want,
+                        Some(first * ty.block_size()),
+                        "{ty} offset {o} {bits:#06x}"
+                    );
+                    assert_eq!(
+                        host_shim::scan_blocks(ty, &raw).unwrap(),
+                        want,
+                        "{ty} scale at byte {o} = {bits:#06x}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn header_kv_quantisers_equal_rust_on_groups_with_nan_and_inf() {
+        let mut rng = Rng(7);
+        let mut x = rng.vec(32 * 8, 3.0);
+        x[5] = f32::NAN; // group 0: NaN among finite values quantises to 0 (no UB cast)
+        x[32 + 9] = f32::INFINITY; // group 1: inf saturates the scale
+        x[64 + 1] = f32::NEG_INFINITY;
+        x[64 + 2] = f32::NAN;
+        x[96..128].fill(f32::NAN); // group 3: all NaN
+        x[128 + 31] = 1e30; // group 4: past f16 range
+        x[160..192].fill(-0.0);
+        for kt in [KvType::Q8, KvType::Q4] {
+            let (mut a, mut b) = (
+                vec![0u8; kt.bytes_for(x.len())],
+                vec![0u8; kt.bytes_for(x.len())],
+            );
+            host_shim::kv_quantize(kt, &x, &mut a).unwrap();
+            for isa in weightlift_kernels::Isa::all_supported() {
+                weightlift_kernels::cpu::kv::kv_quantize_with(isa, kt, &x, &mut b).unwrap();
+                assert_eq!(a, b, "{kt:?} {isa:?}");
+            }
+            // group 0: the NaN went to q = 0, the stored f16 scale is finite
+            let gb = kt.group_bytes();
+            let q0 = match kt {
+                KvType::Q8 => a[2 + 5] as i8 as i32,
+                KvType::Q4 => (a[2 + 5] & 0x0f) as i32 - 8,
+            };
+            assert_eq!(q0, 0, "{kt:?}");
+            let d1 = half::f16::from_le_bytes([a[gb], a[gb + 1]]);
+            assert_eq!(
+                d1.to_bits(),
+                0x7bff,
+                "{kt:?}: an inf saturates the scale at 65504"
+            );
+            let (mut da, mut db) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+            host_shim::kv_dequantize(kt, &a, &mut da).unwrap();
+            weightlift_kernels::kv_dequantize(kt, &b, &mut db).unwrap();
+            assert!(
+                da.iter().zip(&db).all(|(p, q)| same(*p, *q)),
+                "{kt:?} dequantised values"
+            );
+        }
+    }
+
+    /// The matvec/matmul kernels' arithmetic (per-lane strided FMA sums, then the warp
+    /// butterfly), replayed on the host, against an f64 dot product of gguf-py's dequantised
+    /// weights: row strides, lane striding, f16 activations and tails shorter than a warp.
+    #[test]
+    fn header_matmul_lanes_and_warp_sum_match_an_f64_dot_product() {
+        use host_shim::Act;
+        let mut rng = Rng(77);
+        let check = |what: &str, w: &[f32], x: &[f32], got: &[f32], rows: usize, cols: usize| {
+            let n_tok = x.len() / cols;
+            for t in 0..n_tok {
+                for r in 0..rows {
+                    let (mut s, mut m) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let p = f64::from(w[r * cols + c]) * f64::from(x[t * cols + c]);
+                        s += p;
+                        m += p.abs();
+                    }
+                    let g = f64::from(got[t * rows + r]);
+                    assert!(
+                        (g - s).abs() <= 1e-5 * m + 1e-30,
+                        "{what} token {t} row {r}: {g} vs f64 {s}"
+                    );
+                }
+            }
+        };
+        for name in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"] {
+            let f = load(name);
+            let cols = 256;
+            let rows = f.want.len() / cols;
+            assert!(rows >= 2, "{name}: fixture too small");
+            let x = rng.vec(cols * 3, 1.0);
+            let mut y = vec![0f32; rows * 3];
+            host_shim::matmul(f.ty, &f.raw, Act::F32(&x), &mut y, rows, cols).unwrap();
+            check(name, &f.want, &x, &y, rows, cols);
+            // f16 activations: the reference sees the f16 values
+            let x16: Vec<u16> = x
+                .iter()
+                .map(|v| half::f16::from_f32(*v).to_bits())
+                .collect();
+            let xr: Vec<f32> = x16
+                .iter()
+                .map(|h| half::f16::from_bits(*h).to_f32())
+                .collect();
+            host_shim::matmul(f.ty, &f.raw, Act::F16(&x16), &mut y, rows, cols).unwrap();
+            check(&format!("{name} f16 act"), &f.want, &xr, &y, rows, cols);
+        }
+        // float weights with rows of 100 values: three full warps and a tail of 4 lanes
+        let (rows, cols) = (7, 100);
+        let wv = rng.vec(rows * cols, 2.0);
+        let x = rng.vec(cols * 2, 1.0);
+        let mut y = vec![0f32; rows * 2];
+        let raw: Vec<u8> = wv.iter().flat_map(|v| v.to_le_bytes()).collect();
+        host_shim::matmul(QuantType::F32, &raw, Act::F32(&x), &mut y, rows, cols).unwrap();
+        check("f32", &wv, &x, &y, rows, cols);
+        let w16: Vec<half::f16> = wv.iter().map(|v| half::f16::from_f32(*v)).collect();
+        let raw: Vec<u8> = w16.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let wr: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
+        host_shim::matmul(QuantType::F16, &raw, Act::F32(&x), &mut y, rows, cols).unwrap();
+        check("f16", &wr, &x, &y, rows, cols);
+        // no kernel for this weight type: a typed error, not a silent zero
+        let q5 = vec![0u8; QuantType::Q5_0.block_bytes() * 8];
+        let err = host_shim::matmul(
+            QuantType::Q5_0,
+            &q5,
+            Act::F32(&[0.0; 32]),
+            &mut [0.0; 8],
+            8,
+            32,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("q5_0"), "{err}");
+    }
+
+    /// A CPU `Q8Block` as the 40 bytes the device writes (`kernels/wl_q8.cuh`).
+    fn q8_block_bytes(b: &weightlift_kernels::cpu::matvec::Q8Block) -> Vec<u8> {
+        let mut v = b.d.to_le_bytes().to_vec();
+        v.extend_from_slice(&b.sum.to_le_bytes());
+        v.extend(b.qs.iter().map(|q| *q as u8));
+        v
+    }
+
+    /// Per 32-value block of `xq`: (d, the 32 quants).
+    fn q8_blocks(xq: &[u8]) -> Vec<(f32, [i8; 32])> {
+        xq.chunks_exact(40)
+            .map(|b| {
+                let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                (d, std::array::from_fn(|i| b[8 + i] as i8))
+            })
+            .collect()
+    }
+
+    /// The activation quantiser against gguf-py's Q8_0 quantize() (llama.cpp's
+    /// quantize_row_q8_0_ref): same f16 scale, same quants, bit for bit, on the fixture's
+    /// blocks (exact halves, a zero block, tiny and large scales). The stored sum is the sum of
+    /// the quants.
+    #[test]
+    fn header_q8_quantiser_equals_gguf_py_q8_0() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/q8_act.bin");
+        let b = std::fs::read(&path).unwrap();
+        assert_eq!(&b[..4], b"WLQ8");
+        let n = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as usize;
+        let x: Vec<f32> = b[8..8 + n * 128]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let want = &b[8 + n * 128..];
+        assert_eq!(want.len(), n * 34);
+        let mut xq = vec![0u8; n * 40];
+        host_shim::q8_quantize(host_shim::Act::F32(&x), &mut xq).unwrap();
+        for (k, (blk, g)) in xq.chunks_exact(40).zip(want.chunks_exact(34)).enumerate() {
+            let d = f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
+            let gd = half::f16::from_le_bytes([g[0], g[1]]).to_f32();
+            assert_eq!(d.to_bits(), gd.to_bits(), "block {k} scale");
+            assert_eq!(&blk[8..40], &g[2..34], "block {k} quants");
+            let sum: i32 = blk[8..40].iter().map(|q| i32::from(*q as i8)).sum();
+            let got = i32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
+            assert_eq!(got, sum, "block {k} sum");
+        }
+    }
+
+    /// The activation quantiser writes exactly the bytes of the CPU's `quantize_q8_blocks`
+    /// (as its `#[repr(C)] Q8Block`), including NaN, inf, -0.0, subnormal scales and f16
+    /// inputs (widened first, as the CPU's f16 entry points do).
+    #[test]
+    fn header_q8_quantiser_writes_the_cpu_q8block_bytes() {
+        use weightlift_kernels::cpu::matvec::quantize_q8_blocks;
+        let mut rng = Rng(0x0a8);
+        let mut x = rng.vec(32 * 64, 4.0);
+        x[3] = f32::NAN; // ignored by amax, quantises to 0
+        x[32 + 7] = f32::INFINITY; // d = inf, 1/d = 0: inf * 0 is NaN, so every q is 0
+        x[64..96].fill(-0.0);
+        for (i, v) in x[96..128].iter_mut().enumerate() {
+            *v = f32::from_bits(1 + i as u32); // subnormal amax: d = 0 or 1/d = inf
+        }
+        x[128] = 1e-40;
+        x[160..192].fill(f32::NAN);
+        x[192 + 5] = 3e38;
+        x[224] = f32::NEG_INFINITY;
+        let want: Vec<u8> = quantize_q8_blocks(&x)
+            .iter()
+            .flat_map(q8_block_bytes)
+            .collect();
+        let mut got = vec![0u8; want.len()];
+        host_shim::q8_quantize(host_shim::Act::F32(&x), &mut got).unwrap();
+        for (k, (g, w)) in got.chunks_exact(40).zip(want.chunks_exact(40)).enumerate() {
+            assert_eq!(g, w, "block {k}: header vs cpu quantize_q8_blocks");
+        }
+        let x16: Vec<u16> = x
+            .iter()
+            .map(|v| half::f16::from_f32(*v).to_bits())
+            .collect();
+        let xw: Vec<f32> = x16
+            .iter()
+            .map(|h| half::f16::from_bits(*h).to_f32())
+            .collect();
+        let want: Vec<u8> = quantize_q8_blocks(&xw)
+            .iter()
+            .flat_map(q8_block_bytes)
+            .collect();
+        host_shim::q8_quantize(host_shim::Act::F16(&x16), &mut got).unwrap();
+        assert_eq!(got, want, "f16 activations");
+    }
+
+    /// Per 32-value group `g` of a row of `ty`, the min/offset `m` the group's values carry
+    /// (w = d·q + m): Q4_1's m, Q4_K's −dmin·m; 0 for the symmetric types.
+    fn group_min(ty: QuantType, row: &[u8], g: usize) -> f64 {
+        let f16 =
+            |b: &[u8], o: usize| f64::from(half::f16::from_le_bytes([b[o], b[o + 1]]).to_f32());
+        match ty {
+            QuantType::Q4_1 => f16(&row[g * 20..], 2),
+            QuantType::Q4_K => {
+                let blk = &row[(g / 8) * 144..];
+                let (j, q) = (g % 8, &blk[4..16]);
+                let m = if j < 4 {
+                    q[j + 4] & 63
+                } else {
+                    (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+                };
+                -f16(blk, 2) * f64::from(m)
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// The Q8-mode kernels' arithmetic replayed on the host (8 lanes per row, dp4a's integer
+    /// sums, the shuffle tree): bit for bit the CPU's scalar Q8 mode for every token, and within
+    /// 1e-5 of an f64 dot of gguf-py's dequantised weights with the Q8-dequantised activations
+    /// (d·q), relative to Σ(|w| + 2|m|)·|x|, m the group's offset, which bounds every partial
+    /// sum the f32 lanes see (8 groups per lane, so about 16 roundings; 1e-5 is ~80 ulps).
+    #[test]
+    fn header_q8_matmul_equals_the_cpu_q8_mode_and_an_f64_dot() {
+        use weightlift_kernels::cpu::matvec::matvec_with;
+        use weightlift_kernels::{Isa, MatvecMode};
+        let mut rng = Rng(0x0a8d07);
+        for name in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"] {
+            let f = load(name);
+            let cols = 256;
+            let rows = f.want.len() / cols;
+            let row_bytes = f.raw.len() / rows;
+            let n_tok = 5;
+            let x = rng.vec(cols * n_tok, 2.0);
+            let mut xq = vec![0u8; n_tok * cols / 32 * 40];
+            host_shim::q8_quantize(host_shim::Act::F32(&x), &mut xq).unwrap();
+            let mut y = vec![0f32; rows * n_tok];
+            host_shim::q8_matmul(f.ty, &f.raw, &xq, &mut y, rows, cols).unwrap();
+            let blocks = q8_blocks(&xq);
+            for t in 0..n_tok {
+                let mut cpu = vec![0f32; rows];
+                let xt = &x[t * cols..(t + 1) * cols];
+                matvec_with(
+                    Isa::Scalar,
+                    MatvecMode::Q8,
+                    f.ty,
+                    &f.raw,
+                    rows,
+                    cols,
+                    xt,
+                    &mut cpu,
+                )
+                .unwrap();
+                for r in 0..rows {
+                    let g = y[t * rows + r];
+                    assert!(
+                        same(g, cpu[r]),
+                        "{name} token {t} row {r}: header {g:e}, cpu scalar q8 {:e}",
+                        cpu[r]
+                    );
+                    let (mut s, mut mag) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let (d, qs) = &blocks[t * cols / 32 + c / 32];
+                        let xv = f64::from(*d) * f64::from(qs[c % 32]);
+                        let w = f64::from(f.want[r * cols + c]);
+                        let m = group_min(f.ty, &f.raw[r * row_bytes..], c / 32);
+                        s += w * xv;
+                        mag += (w.abs() + 2.0 * m.abs()) * xv.abs();
+                    }
+                    assert!(
+                        (f64::from(g) - s).abs() <= 1e-5 * mag + 1e-30,
+                        "{name} token {t} row {r}: {g} vs f64 {s} (magnitude {mag})"
+                    );
+                }
+            }
+        }
+        // no Q8 kernel for this weight type: a typed error naming it
+        let q5 = vec![0u8; QuantType::Q5_0.block_bytes()];
+        let err =
+            host_shim::q8_matmul(QuantType::Q5_0, &q5, &[0u8; 40], &mut [0.0], 1, 32).unwrap_err();
+        assert!(err.to_string().contains("q5_0"), "{err}");
+    }
+
+    /// The dequantised path (`dequantize_{type}_f32` into a chunk of rows bounded by
+    /// `max_dq_size`, then `gemm_{act}` block by block and phase by phase), replayed on the host
+    /// on sizes that are multiples of neither the 16-value K tile nor the 64 × 64 block, with
+    /// the launch's grid.y and with a grid.y of 1 (token blocks striding): every output is
+    /// written, equals one left-to-right FMA chain over k (the order the kernel documents, so
+    /// tiles, blocks and chunks change nothing), and lies within 1e-5 · Σ|w·x| of an f64 dot of
+    /// gguf-py's (or the given f32) weights.
+    #[test]
+    fn header_dequantised_gemm_in_chunks_matches_an_fma_chain_and_f64() {
+        use host_shim::Act;
+        use weightlift_kernels::sources::{GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, dq_chunk_rows};
+        let mut rng = Rng(0x6e33);
+        let f32_w = rng.vec(150 * 45, 1.5);
+        let f32_raw: Vec<u8> = f32_w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let q8 = load("q8_0");
+        let q4k = load("q4_k");
+        // (name, type, raw rows, gguf-py's values of them, rows, cols)
+        type Case<'a> = (&'a str, QuantType, &'a [u8], &'a [f32], usize, usize);
+        let cases: Vec<Case<'_>> = vec![
+            ("f32", QuantType::F32, &f32_raw, &f32_w, 150, 45),
+            // 13 of the fixture's rows of 96 values: an odd row count, 6 whole K tiles
+            (
+                "q8_0",
+                q8.ty,
+                &q8.raw[..13 * 3 * 34],
+                &q8.want[..13 * 96],
+                13,
+                96,
+            ),
+            (
+                "q4_k",
+                q4k.ty,
+                &q4k.raw[..11 * 144],
+                &q4k.want[..11 * 256],
+                11,
+                256,
+            ),
+        ];
+        for (name, ty, raw, want_w, rows, cols) in cases {
+            let row_bytes = raw.len() / rows;
+            for n_tok in [1usize, 19, 131] {
+                let x = rng.vec(n_tok * cols, 1.0);
+                let x16: Vec<u16> = x
+                    .iter()
+                    .map(|v| half::f16::from_f32(*v).to_bits())
+                    .collect();
+                let xw: Vec<f32> = x16
+                    .iter()
+                    .map(|h| half::f16::from_bits(*h).to_f32())
+                    .collect();
+                for max_dq in [cols * 5, cols * 70, 1 << 20] {
+                    let chunk = dq_chunk_rows(rows, cols, max_dq).unwrap();
+                    assert!(chunk * cols <= max_dq && chunk >= 1 && chunk <= rows);
+                    let launch_y = n_tok.div_ceil(GEMM_BLOCK_TOKENS);
+                    for (act, xr, grid_y) in [
+                        (Act::F32(&x), &x, launch_y),
+                        (Act::F16(&x16), &xw, launch_y),
+                        (Act::F32(&x), &x, 1),
+                    ] {
+                        let mut y = vec![f32::NAN; rows * n_tok];
+                        let mut wd = vec![0f32; chunk * cols];
+                        for r0 in (0..rows).step_by(chunk) {
+                            let nr = chunk.min(rows - r0);
+                            let src = &raw[r0 * row_bytes..(r0 + nr) * row_bytes];
+                            host_shim::dequantize_f32(ty, src, &mut wd[..nr * cols]).unwrap();
+                            host_shim::gemm(&wd[..nr * cols], act, &mut y, cols, r0, rows, grid_y)
+                                .unwrap();
+                        }
+                        for t in 0..n_tok {
+                            for r in 0..rows {
+                                let g = y[t * rows + r];
+                                let wr = &want_w[r * cols..(r + 1) * cols];
+                                let xt = &xr[t * cols..(t + 1) * cols];
+                                let chain =
+                                    wr.iter().zip(xt).fold(0f32, |a, (w, v)| w.mul_add(*v, a));
+                                assert!(
+                                    same(g, chain),
+                                    "{name} max_dq {max_dq} token {t} row {r}: {g:e} vs fma chain {chain:e}"
+                                );
+                                let s: f64 = wr
+                                    .iter()
+                                    .zip(xt)
+                                    .map(|(w, v)| f64::from(*w) * f64::from(*v))
+                                    .sum();
+                                let m: f64 = wr
+                                    .iter()
+                                    .zip(xt)
+                                    .map(|(w, v)| (f64::from(*w) * f64::from(*v)).abs())
+                                    .sum();
+                                assert!(
+                                    (f64::from(g) - s).abs() <= 1e-5 * m + 1e-30,
+                                    "{name} token {t} row {r}: {g} vs f64 {s}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // chunk plans: whole rows within max_dq_size, 16-row tiles, none when a row cannot fit
+        assert_eq!(dq_chunk_rows(37, 45, 45 * 5), Some(5));
+        assert_eq!(dq_chunk_rows(37, 45, 45 * 20), Some(20));
+        assert_eq!(dq_chunk_rows(37, 45, 45 * 37), Some(37));
+        assert_eq!(dq_chunk_rows(200, 45, 45 * 150), Some(2 * GEMM_BLOCK_ROWS));
+        assert_eq!(dq_chunk_rows(150, 45, 45 * 150), Some(150));
+        assert_eq!(dq_chunk_rows(37, 45, 44), None);
+        assert_eq!(dq_chunk_rows(37, 0, 1000), None);
+        assert_eq!(dq_chunk_rows(4096, 4096, 512 << 20), Some(4096));
+        assert_eq!(dq_chunk_rows(1 << 17, 4096, 512 << 20), Some(4096));
     }
 }

@@ -1,0 +1,239 @@
+//! The matmul modes on every backend present (`test_device!`): the Q8-activation mode, and the
+//! exact mode's dequantised path for prompts, chunked by `max_dq_size`. References: f64 dot
+//! products of gguf-py's dequantised weights (with the Q8-dequantised activations in Q8 mode);
+//! on CUDA also the bit-exact orders the kernels document (the CPU's scalar Q8 mode, and one
+//! FMA chain over k for the dequantised GEMM). The CUDA cases skip, saying why, without a GPU.
+
+// Reference loops index several arrays in lock-step; iterators would hide the maths.
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+
+use common::{Rng, load};
+use weightlift_kernels::cpu::matvec::{matvec_with, quantize_q8_blocks};
+use weightlift_kernels::sources::DQ_PATH_MIN_TOKENS;
+use weightlift_kernels::*;
+
+fn upload<B: Backend>(b: &B, bytes: &[u8]) -> Result<B::Buffer> {
+    let mut buf = b.alloc(bytes.len())?;
+    b.copy_from_host(bytes, &mut buf, 0)?;
+    Ok(buf)
+}
+
+fn download_f32<B: Backend>(b: &B, buf: &B::Buffer, n: usize) -> Result<Vec<f32>> {
+    let mut bytes = vec![0u8; n * 4];
+    b.copy_to_host(buf, 0, &mut bytes)?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Activations as uploaded (f32 or f16 bytes) and as the kernels see them (f32).
+fn activations(x: &[f32], act: FloatType) -> (Vec<u8>, Vec<f32>) {
+    match act {
+        FloatType::F16 => {
+            let h: Vec<half::f16> = x.iter().map(|v| half::f16::from_f32(*v)).collect();
+            (
+                h.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                h.iter().map(|v| v.to_f32()).collect(),
+            )
+        }
+        _ => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), x.to_vec()),
+    }
+}
+
+/// The offset `m` of 32-value group `g` of a weight row (w = d·q + m): Q4_1's m, Q4_K's
+/// −dmin·m, 0 for the symmetric types.
+fn group_min(ty: QuantType, row: &[u8], g: usize) -> f64 {
+    let f16 = |b: &[u8], o: usize| f64::from(half::f16::from_le_bytes([b[o], b[o + 1]]).to_f32());
+    match ty {
+        QuantType::Q4_1 => f16(&row[g * 20..], 2),
+        QuantType::Q4_K => {
+            let blk = &row[(g / 8) * 144..];
+            let (j, q) = (g % 8, &blk[4..16]);
+            let m = if j < 4 {
+                q[j + 4] & 63
+            } else {
+                (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+            };
+            -f16(blk, 2) * f64::from(m)
+        }
+        _ => 0.0,
+    }
+}
+
+/// Q8 mode, 1 and 6 tokens (the CUDA kernel carries 4 per pass), f32 and f16 activations:
+/// within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with the Q8-dequantised activations; on
+/// CUDA bit for bit the CPU's scalar Q8 mode.
+fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x0a81);
+    let on_cuda = b.name().starts_with("cuda");
+    for name in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"] {
+        let f = load(name);
+        let cols = 256;
+        let rows = f.want.len() / cols;
+        let row_bytes = f.raw.len() / rows;
+        let w = upload(b, &f.raw)?;
+        for n_tok in [1usize, 6] {
+            for act in [FloatType::F32, FloatType::F16] {
+                let (bytes, xs) = activations(&rng.vec(cols * n_tok, 2.0), act);
+                let x = upload(b, &bytes)?;
+                let mut y = b.alloc(rows * n_tok * 4)?;
+                b.run(Op::Matmul {
+                    ty: f.ty,
+                    mode: MatvecMode::Q8,
+                    act,
+                    rows,
+                    cols,
+                    n_tok,
+                    max_dq_size: 1 << 20,
+                    w: &w,
+                    x: &x,
+                    y: &mut y,
+                })?;
+                let got = download_f32(b, &y, rows * n_tok)?;
+                for t in 0..n_tok {
+                    let xt = &xs[t * cols..(t + 1) * cols];
+                    let q = quantize_q8_blocks(xt);
+                    let mut cpu = vec![0f32; rows];
+                    matvec_with(
+                        Isa::Scalar,
+                        MatvecMode::Q8,
+                        f.ty,
+                        &f.raw,
+                        rows,
+                        cols,
+                        xt,
+                        &mut cpu,
+                    )?;
+                    for r in 0..rows {
+                        let g = got[t * rows + r];
+                        let (mut s, mut mag) = (0f64, 0f64);
+                        for c in 0..cols {
+                            let xv = f64::from(q[c / 32].d) * f64::from(q[c / 32].qs[c % 32]);
+                            let wv = f64::from(f.want[r * cols + c]);
+                            let m = group_min(f.ty, &f.raw[r * row_bytes..], c / 32);
+                            s += wv * xv;
+                            mag += (wv.abs() + 2.0 * m.abs()) * xv.abs();
+                        }
+                        assert!(
+                            (f64::from(g) - s).abs() <= 1e-5 * mag + 1e-30,
+                            "{} {name} {act:?} token {t} row {r}: {g} vs f64 {s}",
+                            b.name()
+                        );
+                        if on_cuda {
+                            assert_eq!(
+                                g.to_bits(),
+                                cpu[r].to_bits(),
+                                "{} {name} token {t} row {r}: {g:e} vs cpu scalar q8 {:e}",
+                                b.name(),
+                                cpu[r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+weightlift_kernels::test_device!(q8_mode_matches_an_f64_dot_of_q8_activations);
+
+/// Exact mode for a prompt (DQ_PATH_MIN_TOKENS + 3 tokens) with `max_dq_size` of 5 rows (the
+/// dequantised path in chunks), of 40 rows, and below one row (no scratch fits: CUDA takes
+/// the in-register kernels, the CPU one row at a time): within 1e-5 · Σ|w·x| of the f64 dot of
+/// gguf-py's weights; on CUDA's dequantised path bit for bit one FMA chain over k.
+fn prompt_matmul_chunked_by_max_dq_size_matches_f64<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0xd9);
+    let on_cuda = b.name().starts_with("cuda");
+    let n_tok = DQ_PATH_MIN_TOKENS + 3;
+    for name in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"] {
+        let f = load(name);
+        let cols = 256;
+        let rows = f.want.len() / cols;
+        let w = upload(b, &f.raw)?;
+        for act in [FloatType::F32, FloatType::F16] {
+            let (bytes, xs) = activations(&rng.vec(cols * n_tok, 1.0), act);
+            let x = upload(b, &bytes)?;
+            for max_dq_size in [cols * 5, cols * 40, cols - 1] {
+                let mut y = b.alloc(rows * n_tok * 4)?;
+                b.run(Op::Matmul {
+                    ty: f.ty,
+                    mode: MatvecMode::Exact,
+                    act,
+                    rows,
+                    cols,
+                    n_tok,
+                    max_dq_size,
+                    w: &w,
+                    x: &x,
+                    y: &mut y,
+                })?;
+                let got = download_f32(b, &y, rows * n_tok)?;
+                for t in 0..n_tok {
+                    for r in 0..rows {
+                        let wr = &f.want[r * cols..(r + 1) * cols];
+                        let xt = &xs[t * cols..(t + 1) * cols];
+                        let (mut s, mut m) = (0f64, 0f64);
+                        for c in 0..cols {
+                            let p = f64::from(wr[c]) * f64::from(xt[c]);
+                            s += p;
+                            m += p.abs();
+                        }
+                        let g = got[t * rows + r];
+                        assert!(
+                            (f64::from(g) - s).abs() <= 1e-5 * m + 1e-30,
+                            "{} {name} {act:?} max_dq_size {max_dq_size} token {t} row {r}: {g} vs f64 {s}",
+                            b.name()
+                        );
+                        if on_cuda && max_dq_size >= cols {
+                            let chain = wr
+                                .iter()
+                                .zip(xt)
+                                .fold(0f32, |a, (wv, xv)| wv.mul_add(*xv, a));
+                            assert_eq!(
+                                g.to_bits(),
+                                chain.to_bits(),
+                                "{} {name} token {t} row {r}: gemm {g:e} vs fma chain {chain:e}",
+                                b.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+weightlift_kernels::test_device!(prompt_matmul_chunked_by_max_dq_size_matches_f64);
+
+/// A weight type without a Q8-mode kernel is a typed error naming it, on every backend.
+fn q8_mode_refuses_other_weight_types<B: Backend>(b: &B) -> Result<()> {
+    let f = load("q5_0");
+    let (rows, cols) = (f.want.len() / 256, 256);
+    let w = upload(b, &f.raw)?;
+    let x = upload(b, &vec![0u8; cols * 4])?;
+    let mut y = b.alloc(rows * 4)?;
+    let err = b
+        .run(Op::Matmul {
+            ty: f.ty,
+            mode: MatvecMode::Q8,
+            act: FloatType::F32,
+            rows,
+            cols,
+            n_tok: 1,
+            max_dq_size: 1 << 20,
+            w: &w,
+            x: &x,
+            y: &mut y,
+        })
+        .unwrap_err();
+    assert!(
+        matches!(err, KernelError::Unsupported { .. }) && err.to_string().contains("q5_0"),
+        "{}: {err}",
+        b.name()
+    );
+    Ok(())
+}
+weightlift_kernels::test_device!(q8_mode_refuses_other_weight_types);

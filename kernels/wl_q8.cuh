@@ -1,0 +1,186 @@
+// The Q8-activation matvec mode (llama.cpp's `ggml_vec_dot_*_q8_0` scheme), shared by
+// matvec.cu and the host C++ test shim. It replays the Rust CPU kernel's arithmetic
+// (cpu/matvec.rs: quantize_q8_blocks, row_dot_q8_scalar, finish_lanes) operation for operation,
+// so device, host twin and CPU give the same bits:
+//
+// - Activations are quantised per 32 values into 40-byte blocks laid out as the CPU's
+//   `#[repr(C)] Q8Block`: f32 d | i32 sum | i8 qs[32], little-endian. d = amax / 127,
+//   q = roundf(x * (1/d)) (half away from zero, NaN -> 0, saturated to i8), sum = sum of q, and
+//   d is then rounded through f16 (block_q8_0 stores an f16).
+// - A weight row's dot runs in 8 lanes per 32-value group: lane j covers values 4j..4j+3, whose
+//   integer products are summed exactly (dp4a), then acc_j = fma(dw * d_x, isum, acc_j) in
+//   group order. Min/offset terms (Q4_1's m, Q4_K's dmin) go to a separate sequential sum.
+//   The 8 lane sums meet in a fixed tree, ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), then + extra.
+#pragma once
+#include "wl_matvec.cuh"
+
+// Bytes of one quantised activation block of 32 values.
+#define WL_Q8_BLOCK_BYTES 40
+
+#if defined(__CUDA_ARCH__)
+#define WL_DIV(a, b) __fdiv_rn((a), (b))
+#else
+#define WL_DIV(a, b) ((a) / (b))
+#endif
+
+WL_HD wl_u32 wl_rd_u32(const wl_u8* p) {
+    return (wl_u32)p[0] | ((wl_u32)p[1] << 8) | ((wl_u32)p[2] << 16) | ((wl_u32)p[3] << 24);
+}
+
+WL_HD void wl_wr_u32(wl_u8* p, wl_u32 v) {
+    p[0] = (wl_u8)(v & 0xffu);
+    p[1] = (wl_u8)((v >> 8) & 0xffu);
+    p[2] = (wl_u8)((v >> 16) & 0xffu);
+    p[3] = (wl_u8)(v >> 24);
+}
+
+// Quantises 32 values `x` into one 40-byte activation block `out`.
+WL_HD void wl_q8_quantize_block(const float* x, wl_u8* out) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) {
+        float a = wl_bits_to_f32(wl_f32_to_bits(x[i]) & 0x7fffffffu);
+        amax = a > amax ? a : amax;  // NaN-ignoring, as Rust's f32::max
+    }
+    float d = WL_DIV(amax, 127.0f);
+    float id = d != 0.0f ? WL_DIV(1.0f, d) : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+        float v = roundf(WL_MUL(x[i], id));
+        // Rust's saturating `as i8`: NaN -> 0, out of range -> the nearest bound
+        int q = v != v ? 0 : (v >= 127.0f ? 127 : (v <= -128.0f ? -128 : (int)v));
+        out[8 + i] = (wl_u8)(wl_i8)q;
+        sum += q;
+    }
+    wl_wr_u32(out, wl_f32_to_bits(wl_f16_to_f32(wl_f32_to_f16(d))));
+    wl_wr_u32(out + 4, (wl_u32)sum);
+}
+
+WL_HD float wl_q8_d(const wl_u8* xb) { return wl_bits_to_f32(wl_rd_u32(xb)); }
+WL_HD int wl_q8_sum(const wl_u8* xb) { return (int)wl_rd_u32(xb + 4); }
+
+// Four signed bytes packed little-endian into a 32-bit word, as dp4a takes them.
+WL_HD wl_u32 wl_pack4(int a, int b, int c, int d) {
+    return (wl_u32)(wl_u8)(wl_i8)a | ((wl_u32)(wl_u8)(wl_i8)b << 8) | ((wl_u32)(wl_u8)(wl_i8)c << 16) |
+           ((wl_u32)(wl_u8)(wl_i8)d << 24);
+}
+
+// c + the dot product of the four signed bytes of a and b (exact in 32-bit integers).
+WL_HD int wl_dot4_i8(wl_u32 a, wl_u32 b, int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
+    return __dp4a((int)a, (int)b, c);
+#else
+    for (int k = 0; k < 4; ++k) {
+        c += (int)(wl_i8)(wl_u8)(a >> (8 * k)) * (int)(wl_i8)(wl_u8)(b >> (8 * k));
+    }
+    return c;
+#endif
+}
+
+// wl_q8w_{type}(blk, g, j, &dw, &mw): lane j's four weights of 32-value group g of weight block
+// `blk`, packed as signed bytes; dw is the group's weight-side scale (d, d*sc, d*scale) and mw
+// its min/offset factor (Q4_1's m, Q4_K's dmin*m; 0 for the other types).
+WL_HD wl_u32 wl_q8w_q4_0(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+    (void)g;
+    const wl_u8* qs = blk + 2 + 4 * (j % 4);
+    int sh = 4 * (j / 4);
+    *dw = wl_rd_f16(blk);
+    *mw = 0.0f;
+    return wl_pack4(((qs[0] >> sh) & 15) - 8, ((qs[1] >> sh) & 15) - 8, ((qs[2] >> sh) & 15) - 8,
+                    ((qs[3] >> sh) & 15) - 8);
+}
+
+WL_HD wl_u32 wl_q8w_q4_1(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+    (void)g;
+    const wl_u8* qs = blk + 4 + 4 * (j % 4);
+    int sh = 4 * (j / 4);
+    *dw = wl_rd_f16(blk);
+    *mw = wl_rd_f16(blk + 2);
+    return wl_pack4((qs[0] >> sh) & 15, (qs[1] >> sh) & 15, (qs[2] >> sh) & 15, (qs[3] >> sh) & 15);
+}
+
+WL_HD wl_u32 wl_q8w_q8_0(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+    (void)g;
+    const wl_u8* qs = blk + 2 + 4 * j;
+    *dw = wl_rd_f16(blk);
+    *mw = 0.0f;
+    return (wl_u32)qs[0] | ((wl_u32)qs[1] << 8) | ((wl_u32)qs[2] << 16) | ((wl_u32)qs[3] << 24);
+}
+
+WL_HD wl_u32 wl_q8w_q4_k(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+    int sc, m;
+    wl_scale_min_k4(g, blk + 4, &sc, &m);
+    *dw = WL_MUL(wl_rd_f16(blk), (float)sc);
+    *mw = WL_MUL(wl_rd_f16(blk + 2), (float)m);
+    const wl_u8* qs = blk + 16 + 32 * (g / 2) + 4 * j;
+    int sh = 4 * (g % 2);
+    return wl_pack4((qs[0] >> sh) & 15, (qs[1] >> sh) & 15, (qs[2] >> sh) & 15, (qs[3] >> sh) & 15);
+}
+
+// Q6_K value e of the block as a signed 6-bit quant (the same bits as wl_dq_q6_k).
+WL_HD int wl_q6k_quant(const wl_u8* b, int e) {
+    int h = e / 128, r = e % 128;
+    int lo = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0f;
+    int hi = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+WL_HD wl_u32 wl_q8w_q6_k(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+    int e = 32 * g + 4 * j;
+    // scales are per 16 values: lanes 0..3 take scale 2g, lanes 4..7 scale 2g + 1
+    *dw = WL_MUL(wl_rd_f16(blk + 208), (float)(wl_i8)blk[192 + 2 * g + j / 4]);
+    *mw = 0.0f;
+    return wl_pack4(wl_q6k_quant(blk, e), wl_q6k_quant(blk, e + 1), wl_q6k_quant(blk, e + 2),
+                    wl_q6k_quant(blk, e + 3));
+}
+
+// One group of one lane against activation block `xb`: the integer dot of lane j, scaled into
+// `acc` with one FMA; `kind` > 0 adds (mw * d_x) * sum_x to `extra` (Q4_1), < 0 subtracts it
+// (Q4_K), 0 leaves it.
+WL_HD void wl_q8_step(wl_u32 w4, float dw, float mw, const wl_u8* xb, int j, int kind, float* acc,
+                      float* extra) {
+    float xd = wl_q8_d(xb);
+    int isum = wl_dot4_i8(w4, wl_rd_u32(xb + 8 + 4 * j), 0);
+    *acc = WL_FMA(WL_MUL(dw, xd), (float)isum, *acc);
+    if (kind != 0) {
+        float t = WL_MUL(WL_MUL(mw, xd), (float)wl_q8_sum(xb));
+        *extra = kind > 0 ? WL_ADD(*extra, t) : WL_SUB(*extra, t);
+    }
+}
+
+// The lane sums and the extra term in the CPU's fixed order (finish_lanes).
+WL_HD float wl_q8_finish(const float* acc, float extra) {
+    float s0 = WL_ADD(acc[0], acc[4]), s1 = WL_ADD(acc[1], acc[5]);
+    float s2 = WL_ADD(acc[2], acc[6]), s3 = WL_ADD(acc[3], acc[7]);
+    return WL_ADD(WL_ADD(WL_ADD(s0, s2), WL_ADD(s1, s3)), extra);
+}
+
+// wl_q8_lane_{type}(row, xq, cols, j, &acc, &extra): lane j's whole share of one weight row
+// (cols / BS blocks of BB bytes) against one token's cols / 32 activation blocks `xq`, groups in
+// order. The kernel runs the same steps, several tokens per decoded group.
+#define WL_Q8_KIND_q4_0 0
+#define WL_Q8_KIND_q4_1 1
+#define WL_Q8_KIND_q8_0 0
+#define WL_Q8_KIND_q4_k (-1)
+#define WL_Q8_KIND_q6_k 0
+
+#define WL_Q8_LANE(NAME, BS, BB)                                                                  \
+    WL_HD void wl_q8_lane_##NAME(const wl_u8* row, const wl_u8* xq, wl_u64 cols, int j, float* acc, \
+                                 float* extra) {                                                  \
+        float a = 0.0f, e = 0.0f;                                                                 \
+        for (wl_u64 b = 0; b < cols / (BS); ++b) {                                                \
+            for (int g = 0; g < (BS) / 32; ++g) {                                                 \
+                float dw, mw;                                                                     \
+                wl_u32 w4 = wl_q8w_##NAME(row + b * (BB), g, j, &dw, &mw);                        \
+                const wl_u8* xb = xq + (b * ((BS) / 32) + (wl_u64)g) * WL_Q8_BLOCK_BYTES;         \
+                wl_q8_step(w4, dw, mw, xb, j, WL_Q8_KIND_##NAME, &a, &e);                         \
+            }                                                                                     \
+        }                                                                                         \
+        *acc = a;                                                                                 \
+        *extra = e;                                                                               \
+    }
+
+WL_Q8_LANE(q4_0, 32, 18)
+WL_Q8_LANE(q4_1, 32, 20)
+WL_Q8_LANE(q8_0, 32, 34)
+WL_Q8_LANE(q4_k, 256, 144)
+WL_Q8_LANE(q6_k, 256, 210)
