@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use super::DqOut;
 use super::dequant_scalar::{IQ4NL_VALUES, scale_min_k4};
-use super::x86::imp::{i8x32_to_f32, rd_f16, u8x32_to_f32};
+use super::x86::imp::{i8x32_to_f32, rd_f16_int, u8x32_to_f32};
 use crate::types::QuantType;
 
 /// Whether [`dequant_avx2`] has a vector path for `ty` (every type but F32).
@@ -192,8 +192,8 @@ fn scaled16(d: f32, v: __m128i, signed: bool) -> [f32; 16] {
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 fn q2k_factors(blk: &[u8]) -> ([f32; 16], [f32; 16]) {
-    let d = rd_f16(blk, 80);
-    let dmin = rd_f16(blk, 82);
+    let d = rd_f16_int(blk, 80);
+    let dmin = rd_f16_int(blk, 82);
     // SAFETY: the 16 scale bytes open the block.
     let sc = unsafe { _mm_loadu_si128(blk[..16].as_ptr().cast()) };
     let m4 = _mm_set1_epi8(0x0f);
@@ -228,7 +228,7 @@ fn q3k_scales_vec(blk: &[u8]) -> __m128i {
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 fn q3k_factors(blk: &[u8]) -> [f32; 16] {
-    scaled16(rd_f16(blk, 108), q3k_scales_vec(blk), true)
+    scaled16(rd_f16_int(blk, 108), q3k_scales_vec(blk), true)
 }
 
 /// 256-bit dequantisation of whole blocks into f32 or f16 elements.
@@ -285,7 +285,7 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
             // SAFETY: the table is 16 bytes.
             let table = unsafe { _mm_loadu_si128(IQ4NL_VALUES.as_ptr().cast()) };
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = _mm256_set1_ps(rd_f16(blk, 0));
+                let d = _mm256_set1_ps(rd_f16_int(blk, 0));
                 let o = b * 32;
                 // SAFETY: each block has 16 bytes of nibbles at its end and 32 elements of
                 // output; b < n keeps both in bounds.
@@ -297,7 +297,7 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
                             store16::<T, NT>(_mm_sub_epi8(hi, eight), true, d, None, op, o + 16);
                         }
                         QuantType::Q4_1 => {
-                            let m = Some(_mm256_set1_ps(rd_f16(blk, 2)));
+                            let m = Some(_mm256_set1_ps(rd_f16_int(blk, 2)));
                             let (lo, hi) = nibbles16(blk.as_ptr().add(4));
                             store16::<T, NT>(lo, false, d, m, op, o);
                             store16::<T, NT>(hi, false, d, m, op, o + 16);
@@ -315,7 +315,7 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
         }
         QuantType::Q8_0 => {
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = _mm256_set1_ps(rd_f16(blk, 0));
+                let d = _mm256_set1_ps(rd_f16_int(blk, 0));
                 let f = i8x32_to_f32(load32(&blk[2..]));
                 for (k, v) in f.iter().enumerate() {
                     // SAFETY: 32 elements out per block, b < n.
@@ -332,7 +332,7 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
                 (4, 8)
             };
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = _mm256_set1_ps(rd_f16(blk, 0));
+                let d = _mm256_set1_ps(rd_f16_int(blk, 0));
                 let qh = u32::from_le_bytes([
                     blk[qh_at],
                     blk[qh_at + 1],
@@ -352,7 +352,7 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
                         unsafe { put8::<T, NT>(op, o + 8 * k, _mm256_mul_ps(d, *v)) };
                     }
                 } else {
-                    let m = _mm256_set1_ps(rd_f16(blk, 2));
+                    let m = _mm256_set1_ps(rd_f16_int(blk, 2));
                     let f = u8x32_to_f32(q);
                     for (k, v) in f.iter().enumerate() {
                         let x = _mm256_add_ps(_mm256_mul_ps(d, *v), m);
@@ -428,8 +428,8 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
             let one = _mm256_set1_epi8(1);
             let qs_at = if ty == QuantType::Q4_K { 16 } else { 48 };
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = rd_f16(blk, 0);
-                let dmin = rd_f16(blk, 2);
+                let d = rd_f16_int(blk, 0);
+                let dmin = rd_f16_int(blk, 2);
                 let scales = &blk[4..16];
                 // Q5_K's fifth bits: bit sb of qh[l] for value 32·sb + l
                 let mut qh = if ty == QuantType::Q5_K {
@@ -467,7 +467,7 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
             let m2 = _mm256_set1_epi8(3);
             let k32 = _mm256_set1_epi8(32);
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = rd_f16(blk, 208);
+                let d = rd_f16_int(blk, 208);
                 for h in 0..2 {
                     // ql is bytes 0..128, qh 128..192
                     let qh = load32(&blk[128 + 32 * h..]);
@@ -685,7 +685,7 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
             let table = unsafe { _mm_loadu_si128(IQ4NL_VALUES.as_ptr().cast()) };
             let at = if ty == QuantType::Q4_1 { 4 } else { 2 };
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = _mm512_set1_ps(rd_f16(blk, 0));
+                let d = _mm512_set1_ps(rd_f16_int(blk, 0));
                 // SAFETY: 16 bytes of nibbles at `at`, inside the block.
                 let (lo, hi) = unsafe { nibbles16(blk[at..at + 16].as_ptr()) };
                 let f = match ty {
@@ -700,7 +700,7 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
                     ],
                 };
                 let m = _mm512_set1_ps(if ty == QuantType::Q4_1 {
-                    rd_f16(blk, 2)
+                    rd_f16_int(blk, 2)
                 } else {
                     0.0
                 });
@@ -716,7 +716,7 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
         }
         QuantType::Q8_0 => {
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = _mm512_set1_ps(rd_f16(blk, 0));
+                let d = _mm512_set1_ps(rd_f16_int(blk, 0));
                 let f = bytes32_f32(load32(&blk[2..]), true);
                 for (k, v) in f.into_iter().enumerate() {
                     // SAFETY: 32 elements out per block, b < n.
@@ -733,7 +733,7 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
                 (4, 8)
             };
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = _mm512_set1_ps(rd_f16(blk, 0));
+                let d = _mm512_set1_ps(rd_f16_int(blk, 0));
                 let qh = u32::from_le_bytes([
                     blk[qh_at],
                     blk[qh_at + 1],
@@ -752,7 +752,7 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
                         unsafe { put16::<T, NT>(op, b * 32 + 16 * k, _mm512_mul_ps(d, v)) };
                     }
                 } else {
-                    let m = _mm512_set1_ps(rd_f16(blk, 2));
+                    let m = _mm512_set1_ps(rd_f16_int(blk, 2));
                     let f = bytes32_f32(q, false);
                     for (k, v) in f.into_iter().enumerate() {
                         let x = _mm512_add_ps(_mm512_mul_ps(d, v), m);
@@ -767,8 +767,8 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
             let one = _mm256_set1_epi8(1);
             let qs_at = if ty == QuantType::Q4_K { 16 } else { 48 };
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = rd_f16(blk, 0);
-                let dmin = rd_f16(blk, 2);
+                let d = rd_f16_int(blk, 0);
+                let dmin = rd_f16_int(blk, 2);
                 let scales = &blk[4..16];
                 let mut qh = if ty == QuantType::Q5_K {
                     load32(&blk[16..48])
@@ -805,7 +805,7 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
             let m2 = _mm256_set1_epi8(3);
             let k32 = _mm256_set1_epi8(32);
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = rd_f16(blk, 208);
+                let d = rd_f16_int(blk, 208);
                 for h in 0..2 {
                     let mut qh = load32(&blk[128 + 32 * h..]);
                     for g in 0..4 {
@@ -1010,8 +1010,8 @@ unsafe fn dequant_f16_lut<const NT: bool>(ty: QuantType, src: &[u8], out: &mut [
             let q5 = ty == QuantType::Q5_K;
             let qs_at = if q5 { 48 } else { 16 };
             for (b, blk) in src.chunks_exact(bb).enumerate() {
-                let d = rd_f16(blk, 0);
-                let dmin = rd_f16(blk, 2);
+                let d = rd_f16_int(blk, 0);
+                let dmin = rd_f16_int(blk, 2);
                 let scales = &blk[4..16];
                 let qh = if q5 {
                     load32(&blk[16..48])
