@@ -66,7 +66,7 @@ test: build demo-model test-rust test-python ## set up, then run every Rust and 
 lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy -p weightlift-kernels --all-targets --features cuda -- -D warnings
+	cargo clippy -p weightlift-kernels -p weightlift-engine -p weightlift-benches --all-targets --features weightlift-kernels/cuda,weightlift-engine/cuda,weightlift-benches/cuda -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(MAKE) build
@@ -76,7 +76,7 @@ fuzz: ## run the GGUF parser fuzz target over 100,000 inputs (not part of CI)
 	WEIGHTLIFT_FUZZ_CASES=100000 cargo test --release -p weightlift-format --test fuzz_gguf -- --ignored --nocapture
 
 bench: venv demo-model ## run the benches (release build) and write benches/results/
-	$(CUDA_ENV) cargo bench -p weightlift-benches
+	$(CUDA_ENV) cargo bench -p weightlift-benches --features cuda
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
 	$(VPY) benches/python_peers.py | tee benches/results/python_peers.md
 	$(VPY) benches/engine_load.py

@@ -7,8 +7,8 @@
 //!   `benches/results/kernels.md` and `kernels.json`, each figure with its memcpy fraction.
 //!
 //! Set `WEIGHTLIFT_BENCH_QUICK=1` for short runs and `WEIGHTLIFT_BENCH_FILTER=matvec` to run
-//! only the kernels whose name contains it. CUDA timings need a GPU and the
-//! `cuda` feature; without them the bench says so and times the CPU only.
+//! only the kernels whose name contains it. The CUDA kernels have their own bench,
+//! `kernels_cuda.rs`, which needs a GPU and the `cuda` feature.
 #![allow(clippy::print_stdout)] // a bench reports on stdout
 
 use std::hint::black_box;
@@ -384,7 +384,7 @@ fn bench(c: &mut Criterion) {
 
 fn report(rows: &[(String, usize, f64, f64, Duration)], dram: [f64; 2], write: bool) {
     let mut md = format!(
-        "# Kernel bench (CPU)\n\nGB/s moved (bytes read + written); `vs memcpy` divides by a single-thread memcpy of the same byte count timed in the same run; `vs DRAM read` divides by a sum over 512 MiB on the same number of threads ({:.2} GB/s on 1 thread, {:.2} GB/s on 2). Times are medians of repeated runs. CUDA: not timed (no GPU on the bench machine).\n\n| kernel | threads | time | GB/s | memcpy GB/s | vs memcpy | vs DRAM read |\n|---|---|---|---|---|---|---|\n",
+        "# Kernel bench (CPU)\n\nGB/s moved (bytes read + written); `vs memcpy` divides by a single-thread memcpy of the same byte count timed in the same run; `vs DRAM read` divides by a sum over 512 MiB on the same number of threads ({:.2} GB/s on 1 thread, {:.2} GB/s on 2). Times are medians of repeated runs. CUDA: see `kernels_cuda.rs`, which times only where a GPU is present (none was on this machine).\n\n| kernel | threads | time | GB/s | memcpy GB/s | vs memcpy | vs DRAM read |\n|---|---|---|---|---|---|---|\n",
         dram[0], dram[1]
     );
     let mut json = String::from("[\n");
