@@ -9,7 +9,7 @@ mod common;
 
 use common::{Rng, load, q8_bound, reference};
 use weightlift_kernels::cpu::convert::{bf16_to_f16_slice_with, f32_to_f16_slice_with};
-use weightlift_kernels::cpu::matvec::{matmul_with, matvec_with};
+use weightlift_kernels::cpu::matvec::{matmul_with, matvec_with, matvec_with_vnni};
 use weightlift_kernels::*;
 
 const MATVEC_TYPES: [&str; 5] = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"];
@@ -59,6 +59,68 @@ fn matvec_matches_f64_reference_on_gguf_py_weights_in_both_modes_and_isas() {
             );
         }
     }
+}
+
+#[test]
+fn q8_matvec_vnni_and_plain_paths_give_the_same_bits_within_the_f64_bound() {
+    let mut rng = Rng(19);
+    let mut vnni_runs = 0;
+    for name in MATVEC_TYPES {
+        let f = load(name);
+        let cols = 512;
+        let rows = f.want.len() / cols;
+        // the second vector saturates some quants at ±127 (the VNNI offset terms are largest)
+        let mut x2 = rng.vec(cols, 1.0);
+        for v in x2.iter_mut().step_by(3) {
+            *v = if *v < 0.0 { -3.0 } else { 3.0 };
+        }
+        for x in [rng.vec(cols, 2.0), x2] {
+            let (yref, mag) = reference(&f.want, rows, cols, &x, 1);
+            let bound = q8_bound(&f.want, rows, cols, &x, 1);
+            let mut bits: Vec<(Isa, bool, Vec<u32>)> = Vec::new();
+            for isa in Isa::all_supported() {
+                for vnni in [false, true] {
+                    vnni_runs += usize::from(vnni && isa.vnni().is_some());
+                    let mut y = vec![0f32; rows];
+                    matvec_with_vnni(
+                        isa,
+                        vnni,
+                        MatvecMode::Q8,
+                        f.ty,
+                        &f.raw,
+                        rows,
+                        cols,
+                        &x,
+                        &mut y,
+                    )
+                    .unwrap();
+                    for r in 0..rows {
+                        let err = (f64::from(y[r]) - yref[r]).abs();
+                        let tol = bound[r] + 1e-5 * mag[r] + 1e-30;
+                        assert!(
+                            err <= tol,
+                            "{name} {isa:?} vnni {vnni} row {r}: {} vs {} (err {err:e}, tol {tol:e})",
+                            y[r],
+                            yref[r]
+                        );
+                    }
+                    bits.push((isa, vnni, y.iter().map(|v| v.to_bits()).collect()));
+                }
+            }
+            for (isa, vnni, b) in &bits[1..] {
+                assert!(
+                    b == &bits[0].2,
+                    "{name} {isa:?} vnni {vnni}: bits differ from scalar"
+                );
+            }
+        }
+    }
+    // on a CPU with AVX-VNNI or AVX512-VNNI the VNNI kernels ran (unless switched off by env)
+    let expected = Isa::all_supported()
+        .into_iter()
+        .filter(|i| i.vnni().is_some())
+        .count();
+    assert_eq!(vnni_runs, expected * MATVEC_TYPES.len() * 2);
 }
 
 #[test]

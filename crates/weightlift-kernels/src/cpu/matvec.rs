@@ -27,7 +27,7 @@ use rayon::prelude::*;
 
 use super::dequant_scalar::scale_min_k4;
 use super::half::{f16_to_f32, f32_to_f16, rd_f16};
-use super::{Isa, dequant_seq};
+use super::{Isa, Vnni, dequant_seq};
 use crate::error::{KernelError, Result};
 use crate::types::QuantType;
 
@@ -295,8 +295,54 @@ fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
     finish_lanes(&acc, extra)
 }
 
-/// Q8-mode dot of one weight row with quantised activations (see [`finish_lanes`]).
-fn row_dot_q8(isa: Isa, ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
+/// The lane offsets of the VNNI Q8-mode kernels, one per activation block: those kernels
+/// multiply the weight quants made unsigned (`q + off`) by the activations, so each lane
+/// starts from `−off · Σ x` over its 4 values. Empty for the types whose quants are unsigned
+/// already (Q4_1, Q4_K) and for the others without VNNI.
+fn vnni_bias(vnni: Option<Vnni>, ty: QuantType, xq: &[Q8Block]) -> Vec<[i32; 8]> {
+    let off = match (vnni, ty) {
+        (None, _) => return Vec::new(),
+        (_, QuantType::Q4_0) => 8,
+        (_, QuantType::Q8_0) => 128,
+        (_, QuantType::Q6_K) => 32,
+        _ => return Vec::new(),
+    };
+    xq.iter()
+        .map(|b| {
+            std::array::from_fn(|j| {
+                -off * b.qs[4 * j..4 * j + 4]
+                    .iter()
+                    .map(|v| i32::from(*v))
+                    .sum::<i32>()
+            })
+        })
+        .collect()
+}
+
+/// Q8-mode dot of one weight row with quantised activations (see [`finish_lanes`]); `bias`
+/// is [`vnni_bias`]`(vnni, ty, xq)`.
+fn row_dot_q8(
+    isa: Isa,
+    vnni: Option<Vnni>,
+    ty: QuantType,
+    row: &[u8],
+    xq: &[Q8Block],
+    bias: &[[i32; 8]],
+) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    match vnni.filter(|_| ty != QuantType::Q4_K) {
+        // SAFETY (both): Isa::vnni detected AVX2, FMA, F16C and the VNNI extension (with
+        // AVX-512F/VL for the EVEX form) at run time; the row holds whole blocks matched by
+        // xq, and bias matches xq where the type uses it.
+        Some(Vnni::AvxVnni) => {
+            return unsafe { super::x86::imp::row_dot_q8_avxvnni(ty, row, xq, bias) };
+        }
+        Some(Vnni::Avx512Vnni) => {
+            return unsafe { super::x86::imp::row_dot_q8_avx512vnni(ty, row, xq, bias) };
+        }
+        None => {}
+    }
+    let _ = (vnni, bias);
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() {
         // SAFETY: AVX2 and FMA detected at run time; the row holds whole blocks matched by xq.
@@ -348,6 +394,23 @@ pub fn matvec_with(
     x: &[f32],
     y: &mut [f32],
 ) -> Result<()> {
+    matvec_with_vnni(isa, true, mode, ty, w, rows, cols, x, y)
+}
+
+/// [`matvec_with`], with the VNNI form of the Q8 mode ([`Isa::vnni`]) allowed or not (so
+/// tests and benchmarks can run both; the results have the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_with_vnni(
+    isa: Isa,
+    vnni: bool,
+    mode: MatvecMode,
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    y: &mut [f32],
+) -> Result<()> {
     check_shapes(ty, w, rows, cols, x.len(), 1, y.len())?;
     if rows == 0 || cols == 0 {
         y.fill(0.0);
@@ -375,12 +438,15 @@ pub fn matvec_with(
         MatvecMode::Q8 => {
             check_q8_type(ty)?;
             let xq = quantize_q8_blocks(x);
+            let vnni = isa.vnni().filter(|_| vnni);
+            let bias = vnni_bias(vnni, ty, &xq);
             y.par_chunks_mut(ROWS_PER_TASK)
                 .enumerate()
                 .for_each(|(i, ys)| {
                     for (k, yv) in ys.iter_mut().enumerate() {
                         let r = i * ROWS_PER_TASK + k;
-                        *yv = row_dot_q8(isa, ty, &w[r * row_bytes..(r + 1) * row_bytes], &xq);
+                        let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                        *yv = row_dot_q8(isa, vnni, ty, row, &xq, &bias);
                     }
                 });
         }

@@ -104,6 +104,53 @@ impl Isa {
     pub(crate) fn has_avx512(self) -> bool {
         self >= Isa::Avx512 && Isa::best_supported() >= Isa::Avx512
     }
+
+    /// The VNNI byte dot-product instruction the Q8-mode matvec uses at this level on this
+    /// CPU: AVX-VNNI at [`Isa::Avx2`]; AVX512-VNNI (else AVX-VNNI) at [`Isa::Avx512`]. `None`
+    /// below AVX2, without either extension, or when `WEIGHTLIFT_CPU_VNNI` is `0` or `off`.
+    pub fn vnni(self) -> Option<Vnni> {
+        static VNNI: OnceLock<(bool, bool)> = OnceLock::new();
+        let (avx, avx512) = *VNNI.get_or_init(|| {
+            let off = matches!(
+                std::env::var(VNNI_ENV)
+                    .ok()
+                    .as_deref()
+                    .map(str::to_ascii_lowercase)
+                    .as_deref(),
+                Some("0" | "off")
+            );
+            #[cfg(target_arch = "x86_64")]
+            if !off {
+                return (
+                    std::arch::is_x86_feature_detected!("avxvnni"),
+                    std::arch::is_x86_feature_detected!("avx512vnni"),
+                );
+            }
+            let _ = off;
+            (false, false)
+        });
+        if self.has_avx512() && avx512 {
+            Some(Vnni::Avx512Vnni)
+        } else if self.has_avx2() && avx {
+            Some(Vnni::AvxVnni)
+        } else {
+            None
+        }
+    }
+}
+
+/// Environment variable that turns the VNNI form of the Q8-mode matvec off (`0` or `off`);
+/// results are the same bits either way.
+pub const VNNI_ENV: &str = "WEIGHTLIFT_CPU_VNNI";
+
+/// A VNNI extension (`vpdpbusd`: four unsigned-by-signed byte products summed into each i32
+/// lane in one instruction), used on 256-bit vectors by the Q8-mode matvec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Vnni {
+    /// AVX-VNNI (VEX encoding).
+    AvxVnni,
+    /// AVX512-VNNI with AVX512-VL (EVEX encoding); [`Isa::Avx512`] only.
+    Avx512Vnni,
 }
 
 /// Elements per parallel work item: big enough to amortise rayon, small enough for L2.

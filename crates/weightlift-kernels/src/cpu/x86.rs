@@ -273,6 +273,139 @@ pub(crate) mod imp {
         crate::cpu::matvec::finish_lanes(&lanes, extra)
     }
 
+    /// The f16 at `off` of `b` as f32 (exact) in all 8 lanes, by F16C. With every lane used
+    /// the load cannot become a `vpinsrw` merging into a register left by the previous loop
+    /// iteration, as the scalar [`rd_f16`] can: a false loop-carried dependency through the
+    /// scale that made the VNNI loops below slower than the AVX2 one.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub fn splat_f16(b: &[u8], off: usize) -> __m256 {
+        let bits = u16::from_le_bytes([b[off], b[off + 1]]);
+        _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
+    }
+
+    /// Generates [`row_dot_q8_avx2`]'s VNNI twin for one VNNI extension: `vpdpbusd` sums
+    /// four unsigned-by-signed byte products per i32 lane in one instruction, so each block's
+    /// lanes are `bias + Σ u·x` with the weight quants made unsigned (`q + off`) and `bias`
+    /// the activation block's `−off · (lane sums of x)` from [`crate::cpu::matvec::vnni_bias`].
+    /// The integers equal the AVX2 path's exactly, and the float operations are the same, so
+    /// the result has the same bits. Q4_K is left to the AVX2 form: its quants are unsigned
+    /// already, so VNNI saves one instruction in ten there, and measured slower.
+    macro_rules! row_dot_q8_vnni {
+        ($name:ident, $feat:literal, $dp:ident) => {
+            /// VNNI Q8-mode row dot for Q4_0, Q4_1, Q8_0 and Q6_K (0 for other types); see the
+            /// macro above.
+            ///
+            /// # Safety
+            /// The CPU must support the enabled features; `row` holds whole blocks of `ty`,
+            /// and `xq` and `bias` at least as many 32-value activation blocks as the row has
+            /// values / 32.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $name(
+                ty: QuantType,
+                row: &[u8],
+                xq: &[crate::cpu::matvec::Q8Block],
+                bias: &[[i32; 8]],
+            ) -> f32 {
+                let bb = ty.block_bytes();
+                let mut acc = _mm256_setzero_ps();
+                let mut extra = 0f32;
+                let zero = _mm256_setzero_si256();
+                let m4 = _mm256_set1_epi8(0x0f);
+                let ldb = |b: &[i32; 8]| {
+                    // SAFETY: b holds 8 i32.
+                    unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
+                };
+                let xw = xq.iter().zip(bias);
+                match ty {
+                    QuantType::Q4_0 => {
+                        for (blk, (xb, b)) in row.chunks_exact(bb).zip(xw) {
+                            // d · d_x in every lane: the same rounding as the scalar product
+                            let dd = _mm256_mul_ps(splat_f16(blk, 0), _mm256_set1_ps(xb.d));
+                            let xv = load32(xb.qs.as_ptr().cast());
+                            let l = $dp(ldb(b), nibbles32(blk[2..].as_ptr(), 0), xv);
+                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
+                        }
+                    }
+                    QuantType::Q4_1 => {
+                        for (blk, xb) in row.chunks_exact(bb).zip(xq) {
+                            // d and m together by one full-register load (no merge, as above)
+                            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+                                blk[0], blk[1], blk[2], blk[3],
+                            ])));
+                            let dd = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_set1_ps(xb.d));
+                            let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+                            extra += (m * xb.d) * xb.sum as f32;
+                            let xv = load32(xb.qs.as_ptr().cast());
+                            let l = $dp(zero, nibbles32(blk[4..].as_ptr(), 0), xv);
+                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
+                        }
+                    }
+                    QuantType::Q8_0 => {
+                        let k80 = _mm256_set1_epi8(-128);
+                        for (blk, (xb, b)) in row.chunks_exact(bb).zip(xw) {
+                            let dd = _mm256_mul_ps(splat_f16(blk, 0), _mm256_set1_ps(xb.d));
+                            let xv = load32(xb.qs.as_ptr().cast());
+                            // q + 128 as unsigned bytes
+                            let q = _mm256_xor_si256(load32(blk[2..].as_ptr()), k80);
+                            let l = $dp(ldb(b), q, xv);
+                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
+                        }
+                    }
+                    QuantType::Q6_K => {
+                        let m2 = _mm256_set1_epi8(3);
+                        let blocks = xq.chunks_exact(8).zip(bias.chunks_exact(8));
+                        for (blk, (xbs, bs)) in row.chunks_exact(bb).zip(blocks) {
+                            let d = rd_f16(blk, 208);
+                            for h in 0..2 {
+                                let qh = load32(blk[128 + 32 * h..].as_ptr());
+                                for g in 0..4 {
+                                    let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
+                                    let lo = if g < 2 {
+                                        _mm256_and_si256(ql, m4)
+                                    } else {
+                                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
+                                    };
+                                    let hi = match g {
+                                        0 => _mm256_and_si256(qh, m2),
+                                        1 => _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
+                                        2 => _mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2),
+                                        _ => _mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2),
+                                    };
+                                    // the unsigned 6-bit quants (q + 32)
+                                    let q = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
+                                    let gi = 4 * h + g;
+                                    let xb = &xbs[gi];
+                                    let l = $dp(ldb(&bs[gi]), q, load32(xb.qs.as_ptr().cast()));
+                                    let s0 = d * f32::from(blk[192 + 2 * gi] as i8) * xb.d;
+                                    let s1 = d * f32::from(blk[193 + 2 * gi] as i8) * xb.d;
+                                    let dd = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                                    acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
+                                }
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                let mut lanes = [0f32; 8];
+                // SAFETY: lanes holds 8 f32.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+                crate::cpu::matvec::finish_lanes(&lanes, extra)
+            }
+        };
+    }
+
+    row_dot_q8_vnni!(
+        row_dot_q8_avxvnni,
+        "avx2,fma,f16c,avxvnni",
+        _mm256_dpbusd_avx_epi32
+    );
+    row_dot_q8_vnni!(
+        row_dot_q8_avx512vnni,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        _mm256_dpbusd_epi32
+    );
+
     /// Σ_k q_k · x_k over 32 values: four 8-lane products summed with FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
