@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::half::{bf16_to_f32, f32_to_f16, rd_u16};
+use super::half::{f32_to_f16, rd_u16};
 use super::{CHUNK_ELEMS, Isa};
 use crate::error::{KernelError, Result};
 use crate::types::QuantType;
@@ -53,13 +53,8 @@ pub fn bf16_to_f16_slice(src: &[u16], out: &mut [u16]) -> Result<()> {
 /// [`bf16_to_f16_slice`] with a forced instruction set.
 pub fn bf16_to_f16_slice_with(isa: Isa, src: &[u16], out: &mut [u16]) -> Result<()> {
     check_len("f16 output values", src.len(), out.len())?;
-    src.par_chunks(CHUNK_ELEMS)
-        .zip(out.par_chunks_mut(CHUNK_ELEMS))
-        .for_each(|(s, o)| {
-            let tmp: Vec<f32> = s.iter().map(|b| bf16_to_f32(*b)).collect();
-            f32_to_f16_seq(isa, &tmp, o);
-        });
-    Ok(())
+    // The BF16 dequantiser widens to f32 and rounds to f16 in registers.
+    super::dequantize_f16_with(isa, QuantType::BF16, bytemuck::cast_slice(src), out)
 }
 
 /// f16 bit patterns to f32.
