@@ -187,21 +187,21 @@ def test_cache_offload_needs_a_cache(demo_gguf: Path) -> None:
 
 def test_a_host_too_small_for_an_offloaded_cache(demo_gguf: Path) -> None:
     """The cpu must hold the whole offloaded cache, 30 × 1,572,864 B = 45 MiB at ctx 2048 in
-    fp16, beside the mapped token_embd (28.69 MiB) and the two staging buffers (2 × 28.69 MiB):
-    a 120 MiB cpu cannot. The checked fixes: a q8 cache (23.91 MiB), or the cache beside the
-    layers."""
+    fp16, beside the mapped token_embd (28.69 MiB) and the two 4 MiB staging buffers: an
+    80 MiB cpu cannot (81.71 MiB with 18 KiB of cpu scratch). The checked fixes: a q8 cache
+    (23.91 MiB), or the cache beside the layers."""
     from weightlift._errors import OutOfMemoryError
 
     spec = wl.CacheSpec(2048, offload=True)
     with pytest.raises(OutOfMemoryError) as e:
         wl.plan(
             demo_gguf,
-            devices="virtual:2x64MiB,cpu:120MiB",
+            devices="virtual:2x64MiB,cpu:80MiB",
             cache=spec,
             runtime=wl.RuntimeSpec(**RT),
         )
     msg = str(e.value)
-    assert "cpu is short by" in msg and "has 120.00 MiB" in msg, msg
+    assert "cpu is short by 1.71 MiB" in msg and "has 80.00 MiB" in msg, msg
     assert "45.00 MiB kv at ctx 2048 × batch 1 (fp16, offloaded)" in msg, msg
     assert "offloaded kv cache of all 30 layers" in msg, msg
     fixes = e.value.fixes
@@ -214,11 +214,12 @@ def test_a_host_too_small_for_an_offloaded_cache(demo_gguf: Path) -> None:
 
 def test_fit_with_cache_offload(demo_gguf: Path) -> None:
     """fit(cache_offload=True) keeps the cache offloaded while it searches: the answer plans,
-    256 tokens more runs the cpu out of room. A 100 MiB cpu holds 86.07 MiB of token_embd and
-    staging, leaving ~13.9 MiB for a q4 cache of 30 × 216 B per token: 2048 tokens (of 256)."""
+    256 tokens more runs the cpu out of room. A 50 MiB cpu holds 36.69 MiB of token_embd and
+    staging (2 × 4 MiB), leaving 13.31 MiB for a q4 cache of 30 × 216 B per token: 2048 tokens
+    (in steps of 256)."""
     from weightlift._errors import OutOfMemoryError
 
-    devices, rt = "virtual:2x64MiB,cpu:100MiB", wl.RuntimeSpec(**RT)
+    devices, rt = "virtual:2x64MiB,cpu:50MiB", wl.RuntimeSpec(**RT)
     best = wl.fit(demo_gguf, devices=devices, runtime=rt, cache_dtype="q4", cache_offload=True)
     assert best == 2048
     spec = wl.CacheSpec(best, dtype="q4", offload=True)

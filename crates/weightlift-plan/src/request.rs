@@ -203,7 +203,8 @@ pub struct PlanRequest {
     /// CPU tensors whose dtype is unchanged stay views of the mmap (page cache, not anonymous
     /// memory). With `false` they are read into owned memory.
     pub use_mmap: bool,
-    /// Size of one host staging buffer for device uploads (the loader double-buffers).
+    /// Size of one host staging buffer for device uploads (the loader double-buffers). The
+    /// default, 4 MiB, is the loader's (`weightlift_engine::LoadOptions`).
     pub staging_bytes: u64,
 }
 
@@ -223,7 +224,7 @@ impl PlanRequest {
             overhead: BTreeMap::new(),
             allow_disk: false,
             use_mmap: true,
-            staging_bytes: 64 << 20,
+            staging_bytes: 4 << 20,
         }
     }
 

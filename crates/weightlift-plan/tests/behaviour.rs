@@ -324,6 +324,9 @@ fn host_staging_and_disk_compute_count_against_a_small_cpu() {
     let mut req = request(tiny_llama(), "float32", "virtual:1x4MiB,cpu:8MiB,disk");
     req.strategy = Strategy::Sequential;
     req.allow_disk = true;
+    // Staging buffers of 64 MiB (each bounded by the largest tensor): with the 4 MiB default
+    // the 400 MiB cpu below would take the layers, and this test is about layers on disk.
+    req.staging_bytes = 64 << 20;
     let e = plan(&req).unwrap_err();
     let PlanError::OutOfMemory(oom) = &e else {
         panic!("expected OutOfMemory, got {e}")
