@@ -148,16 +148,18 @@ fn cases() -> Vec<Case> {
         for mode in [MatvecMode::Exact, MatvecMode::Q8] {
             let w = random_weights(ty, n);
             let x: Vec<f32> = (0..COLS).map(|i| (i as f32 * 0.01).sin()).collect();
-            let bytes = w.len() + COLS * 4 + ROWS * 4;
-            let y = std::sync::Mutex::new(vec![0f32; ROWS]);
+            let mut xh = vec![0u16; COLS];
+            weightlift_kernels::f32_to_f16_slice(&x, &mut xh).expect("convert");
             let m = if mode == MatvecMode::Exact {
                 "exact"
             } else {
                 "q8"
             };
+            let y = std::sync::Mutex::new(vec![0f32; ROWS]);
+            let w2 = w.clone();
             v.push(Case {
                 name: format!("matvec_{ty}_f32_{m}_4096x4096"),
-                bytes,
+                bytes: w.len() + COLS * 4 + ROWS * 4,
                 run: Box::new(move || {
                     let mut o = y.lock().expect("bench lock");
                     weightlift_kernels::matvec(mode, ty, &w, ROWS, COLS, &x, &mut o)
@@ -165,28 +167,42 @@ fn cases() -> Vec<Case> {
                     black_box(&*o);
                 }),
             });
+            let y = std::sync::Mutex::new(vec![0f32; ROWS]);
+            v.push(Case {
+                name: format!("matvec_{ty}_f16_{m}_4096x4096"),
+                bytes: w2.len() + COLS * 2 + ROWS * 4,
+                run: Box::new(move || {
+                    let mut o = y.lock().expect("bench lock");
+                    weightlift_kernels::matvec_f16(mode, ty, &w2, ROWS, COLS, &xh, &mut o)
+                        .expect("matvec");
+                    black_box(&*o);
+                }),
+            });
         }
     }
-    {
-        // prompt matmul: 4096×4096 Q4_K against 32 tokens (bytes: weights + activations + output)
-        let (ty, nt) = (QuantType::Q4_K, 32);
+    for ty in [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ] {
+        // prompt matmul: 4096×4096 against 32 tokens (bytes: weights + activations + output;
+        // the md table also gives GFLOP/s for these rows)
+        let nt = 32;
         let w = random_weights(ty, n);
         let x: Vec<f32> = (0..COLS * nt).map(|i| (i as f32 * 0.01).sin()).collect();
         let bytes = w.len() + x.len() * 4 + ROWS * nt * 4;
-        let y = std::sync::Mutex::new(vec![0f32; ROWS * nt]);
         for mode in [MatvecMode::Exact, MatvecMode::Q8] {
-            let (w, x, y) = (
-                w.clone(),
-                x.clone(),
-                std::sync::Mutex::new(y.lock().expect("lock").clone()),
-            );
+            let (w, x) = (w.clone(), x.clone());
+            let y = std::sync::Mutex::new(vec![0f32; ROWS * nt]);
             let m = if mode == MatvecMode::Exact {
                 "exact"
             } else {
                 "q8"
             };
             v.push(Case {
-                name: format!("matmul_q4_k_f32_{m}_4096x4096x32"),
+                name: format!("matmul_{ty}_f32_{m}_4096x4096x32"),
                 bytes,
                 run: Box::new(move || {
                     let mut o = y.lock().expect("bench lock");
@@ -382,25 +398,39 @@ fn bench(c: &mut Criterion) {
     report(&rows, dram, filter.is_empty());
 }
 
+/// Multiply-adds × 2 of a `..._{rows}x{cols}[x{tokens}]` product case, from its name.
+fn flops(name: &str) -> Option<f64> {
+    let dims: Vec<f64> = name
+        .rsplit('_')
+        .next()?
+        .split('x')
+        .map(|d| d.parse::<f64>().ok())
+        .collect::<Option<_>>()?;
+    (dims.len() >= 2).then(|| 2.0 * dims.iter().product::<f64>())
+}
+
 fn report(rows: &[(String, usize, f64, f64, Duration)], dram: [f64; 2], write: bool) {
     let mut md = format!(
-        "# Kernel bench (CPU)\n\nGB/s moved (bytes read + written); `vs memcpy` divides by a single-thread memcpy of the same byte count timed in the same run; `vs DRAM read` divides by a sum over 512 MiB on the same number of threads ({:.2} GB/s on 1 thread, {:.2} GB/s on 2). Times are medians of repeated runs. CUDA: see `kernels_cuda.rs`, which times only where a GPU is present (none was on this machine).\n\n| kernel | threads | time | GB/s | memcpy GB/s | vs memcpy | vs DRAM read |\n|---|---|---|---|---|---|---|\n",
+        "# Kernel bench (CPU)\n\nGB/s moved (bytes read + written); `vs memcpy` divides by a single-thread memcpy of the same byte count timed in the same run; `vs DRAM read` divides by a sum over 512 MiB on the same number of threads ({:.2} GB/s on 1 thread, {:.2} GB/s on 2). Times are medians of repeated runs. CUDA: see `kernels_cuda.rs`, which times only where a GPU is present (none was on this machine).\n\n| kernel | threads | time | GB/s | memcpy GB/s | vs memcpy | vs DRAM read | GFLOP/s |\n|---|---|---|---|---|---|---|---|\n",
         dram[0], dram[1]
     );
     let mut json = String::from("[\n");
     for (i, (name, th, gbs, mem, t)) in rows.iter().enumerate() {
         let dr = dram[(*th).clamp(1, 2) - 1];
+        let gflops = flops(name).map(|f| f / t.as_secs_f64() / 1e9);
         md.push_str(&format!(
-            "| {name} | {th} | {:.3} ms | {gbs:.2} | {mem:.2} | {:.0}% | {:.0}% |\n",
+            "| {name} | {th} | {:.3} ms | {gbs:.2} | {mem:.2} | {:.0}% | {:.0}% | {} |\n",
             t.as_secs_f64() * 1e3,
             100.0 * gbs / mem,
-            100.0 * gbs / dr
+            100.0 * gbs / dr,
+            gflops.map_or("—".to_string(), |g| format!("{g:.1}"))
         ));
         json.push_str(&format!(
-            "  {{\"kernel\": \"{name}\", \"threads\": {th}, \"seconds\": {:.6e}, \"gb_per_s\": {gbs:.4}, \"memcpy_gb_per_s\": {mem:.4}, \"fraction_of_memcpy\": {:.4}, \"dram_read_gb_per_s\": {:.4}}}{}\n",
+            "  {{\"kernel\": \"{name}\", \"threads\": {th}, \"seconds\": {:.6e}, \"gb_per_s\": {gbs:.4}, \"memcpy_gb_per_s\": {mem:.4}, \"fraction_of_memcpy\": {:.4}, \"dram_read_gb_per_s\": {:.4}, \"gflop_per_s\": {}}}{}\n",
             t.as_secs_f64(),
             gbs / mem,
             dram[(*th).clamp(1, 2) - 1],
+            gflops.map_or("null".to_string(), |g| format!("{g:.2}")),
             if i + 1 < rows.len() { "," } else { "" }
         ));
     }

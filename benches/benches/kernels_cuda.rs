@@ -131,55 +131,63 @@ fn cases(be: &CudaBackend) -> weightlift_kernels::Result<Vec<Case<'_>>> {
             });
         }
     }
-    for (nt, types) in [
-        (
-            1,
-            &[
-                QuantType::Q4_0,
-                QuantType::Q4_1,
-                QuantType::Q8_0,
-                QuantType::Q4_K,
-                QuantType::Q6_K,
-            ][..],
-        ),
-        (32, &[QuantType::Q4_K][..]),
-    ] {
-        for &ty in types {
+    let product_types = [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ];
+    for nt in [1, 32] {
+        for ty in product_types {
             for mode in [MatvecMode::Exact, MatvecMode::Q8] {
-                let w = random_weights(ty, n);
-                let x = f32_bytes((0..COLS * nt).map(|i| (i as f32 * 0.01).sin()));
-                let bytes = w.len() + x.len() + ROWS * nt * 4;
-                let (w, x) = (&*leak(upload(be, &w)?), &*leak(upload(be, &x)?));
-                let y = leak(be.alloc(ROWS * nt * 4)?);
-                let m = if mode == MatvecMode::Exact {
-                    "exact"
-                } else {
-                    "q8"
-                };
-                let what = if nt == 1 { "matvec" } else { "matmul" };
-                let shape = if nt == 1 {
-                    "4096x4096".to_string()
-                } else {
-                    format!("4096x4096x{nt}")
-                };
-                v.push(Case {
-                    name: format!("{what}_{ty}_f32_{m}_{shape}"),
-                    bytes,
-                    run: Box::new(move || {
-                        be.run(Op::Matmul {
-                            ty,
-                            mode,
-                            act: FloatType::F32,
-                            rows: ROWS,
-                            cols: COLS,
-                            n_tok: nt,
-                            max_dq_size: 64 << 20,
-                            w,
-                            x,
-                            y: &mut *y,
-                        })
-                    }),
-                });
+                for act in [FloatType::F32, FloatType::F16] {
+                    if nt > 1 && act == FloatType::F16 {
+                        continue;
+                    }
+                    let w = random_weights(ty, n);
+                    let xf = (0..COLS * nt).map(|i| (i as f32 * 0.01).sin());
+                    let x: Vec<u8> = if act == FloatType::F32 {
+                        f32_bytes(xf)
+                    } else {
+                        let xf: Vec<f32> = xf.collect();
+                        let mut h = vec![0u16; xf.len()];
+                        weightlift_kernels::f32_to_f16_slice(&xf, &mut h)?;
+                        h.iter().flat_map(|v| v.to_le_bytes()).collect()
+                    };
+                    let bytes = w.len() + x.len() + ROWS * nt * 4;
+                    let (w, x) = (&*leak(upload(be, &w)?), &*leak(upload(be, &x)?));
+                    let y = leak(be.alloc(ROWS * nt * 4)?);
+                    let m = if mode == MatvecMode::Exact {
+                        "exact"
+                    } else {
+                        "q8"
+                    };
+                    let a = if act == FloatType::F32 { "f32" } else { "f16" };
+                    let name = if nt == 1 {
+                        format!("matvec_{ty}_{a}_{m}_4096x4096")
+                    } else {
+                        format!("matmul_{ty}_{a}_{m}_4096x4096x{nt}")
+                    };
+                    v.push(Case {
+                        name,
+                        bytes,
+                        run: Box::new(move || {
+                            be.run(Op::Matmul {
+                                ty,
+                                mode,
+                                act,
+                                rows: ROWS,
+                                cols: COLS,
+                                n_tok: nt,
+                                max_dq_size: 64 << 20,
+                                w,
+                                x,
+                                y: &mut *y,
+                            })
+                        }),
+                    });
+                }
             }
         }
     }
