@@ -15,48 +15,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
 use weightlift_kernels::cpu::kv::KvType;
 use weightlift_kernels::{MatvecMode, QuantType, RopeParams, RopeStyle};
-
-/// Weight rows × cols for dequantisation and matvec (llama-7B's attention matrices).
-const ROWS: usize = 4096;
-const COLS: usize = 4096;
-
-/// Byte offsets of the f16 scales in one block (ggml-common.h), set to a sane finite value.
-fn scale_offsets(ty: QuantType) -> &'static [usize] {
-    match ty {
-        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
-        QuantType::Q2_K => &[80, 82],
-        QuantType::Q3_K => &[108],
-        QuantType::Q6_K => &[208],
-        QuantType::F32 | QuantType::F16 | QuantType::BF16 => &[],
-        _ => &[0],
-    }
-}
-
-fn random_weights(ty: QuantType, n_values: usize) -> Vec<u8> {
-    let mut s = 0x9e37_79b9_7f4a_7c15u64;
-    let n = n_values / ty.block_size() * ty.block_bytes();
-    let mut v: Vec<u8> = (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 24) as u8
-        })
-        .collect();
-    if ty == QuantType::F16 || ty == QuantType::BF16 {
-        for c in v.chunks_exact_mut(2) {
-            c[1] &= 0x3f; // finite, moderate values
-        }
-    }
-    for blk in v.chunks_exact_mut(ty.block_bytes()) {
-        for &o in scale_offsets(ty) {
-            blk[o..o + 2].copy_from_slice(&0x2000u16.to_le_bytes());
-        }
-    }
-    v
-}
 
 /// Median wall time of `f` over enough runs to fill ~`budget` (the project quotes medians, since
 /// these machines are noisy; kernel and baseline get the same rule).
@@ -82,21 +43,7 @@ struct Case {
 fn cases() -> Vec<Case> {
     let mut v: Vec<Case> = Vec::new();
     let n = ROWS * COLS;
-    for ty in [
-        QuantType::Q4_0,
-        QuantType::Q4_1,
-        QuantType::Q5_0,
-        QuantType::Q5_1,
-        QuantType::Q8_0,
-        QuantType::Q2_K,
-        QuantType::Q3_K,
-        QuantType::Q4_K,
-        QuantType::Q5_K,
-        QuantType::Q6_K,
-        QuantType::IQ4_NL,
-        QuantType::F16,
-        QuantType::BF16,
-    ] {
+    for ty in DEQUANT_TYPES {
         let w = random_weights(ty, n);
         let bytes = w.len() + n * 4;
         let out = std::sync::Mutex::new(vec![0f32; n]);
@@ -110,21 +57,7 @@ fn cases() -> Vec<Case> {
             }),
         });
     }
-    for ty in [
-        QuantType::Q4_0,
-        QuantType::Q4_1,
-        QuantType::Q5_0,
-        QuantType::Q5_1,
-        QuantType::Q8_0,
-        QuantType::Q2_K,
-        QuantType::Q3_K,
-        QuantType::Q4_K,
-        QuantType::Q5_K,
-        QuantType::Q6_K,
-        QuantType::IQ4_NL,
-        QuantType::F16,
-        QuantType::BF16,
-    ] {
+    for ty in DEQUANT_TYPES {
         let w = random_weights(ty, n);
         let bytes = w.len() + n * 2;
         let out = std::sync::Mutex::new(vec![0u16; n]);
@@ -138,13 +71,7 @@ fn cases() -> Vec<Case> {
             }),
         });
     }
-    for ty in [
-        QuantType::Q4_0,
-        QuantType::Q4_1,
-        QuantType::Q8_0,
-        QuantType::Q4_K,
-        QuantType::Q6_K,
-    ] {
+    for ty in PRODUCT_TYPES {
         for mode in [MatvecMode::Exact, MatvecMode::Q8] {
             let w = random_weights(ty, n);
             let x: Vec<f32> = (0..COLS).map(|i| (i as f32 * 0.01).sin()).collect();
@@ -180,13 +107,7 @@ fn cases() -> Vec<Case> {
             });
         }
     }
-    for ty in [
-        QuantType::Q4_0,
-        QuantType::Q4_1,
-        QuantType::Q8_0,
-        QuantType::Q4_K,
-        QuantType::Q6_K,
-    ] {
+    for ty in PRODUCT_TYPES {
         // prompt matmul: 4096×4096 against 32 tokens (bytes: weights + activations + output;
         // the md table also gives GFLOP/s for these rows)
         let nt = 32;

@@ -11,50 +11,12 @@
 
 use std::time::{Duration, Instant};
 
+use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
 use weightlift_kernels::{
     Backend, CudaBackend, FloatType, KvType, MatvecMode, Op, QuantType, RopeParams, RopeStyle,
 };
 
 type Buf = <CudaBackend as Backend>::Buffer;
-
-const ROWS: usize = 4096;
-const COLS: usize = 4096;
-
-/// Byte offsets of the f16 scales in one block (ggml-common.h), set to a sane finite value.
-fn scale_offsets(ty: QuantType) -> &'static [usize] {
-    match ty {
-        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
-        QuantType::Q2_K => &[80, 82],
-        QuantType::Q3_K => &[108],
-        QuantType::Q6_K => &[208],
-        QuantType::F32 | QuantType::F16 | QuantType::BF16 => &[],
-        _ => &[0],
-    }
-}
-
-fn random_weights(ty: QuantType, n_values: usize) -> Vec<u8> {
-    let mut s = 0x9e37_79b9_7f4a_7c15u64;
-    let n = n_values / ty.block_size() * ty.block_bytes();
-    let mut v: Vec<u8> = (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 24) as u8
-        })
-        .collect();
-    if ty == QuantType::F16 || ty == QuantType::BF16 {
-        for c in v.chunks_exact_mut(2) {
-            c[1] &= 0x3f;
-        }
-    }
-    for blk in v.chunks_exact_mut(ty.block_bytes()) {
-        for &o in scale_offsets(ty) {
-            blk[o..o + 2].copy_from_slice(&0x2000u16.to_le_bytes());
-        }
-    }
-    v
-}
 
 fn f32_bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
     v.flat_map(f32::to_le_bytes).collect()
@@ -97,21 +59,7 @@ fn cases(be: &CudaBackend) -> weightlift_kernels::Result<Vec<Case<'_>>> {
     let mut v = Vec::new();
     for out in [FloatType::F32, FloatType::F16] {
         let ob = if out == FloatType::F32 { 4 } else { 2 };
-        for ty in [
-            QuantType::Q4_0,
-            QuantType::Q4_1,
-            QuantType::Q5_0,
-            QuantType::Q5_1,
-            QuantType::Q8_0,
-            QuantType::Q2_K,
-            QuantType::Q3_K,
-            QuantType::Q4_K,
-            QuantType::Q5_K,
-            QuantType::Q6_K,
-            QuantType::IQ4_NL,
-            QuantType::F16,
-            QuantType::BF16,
-        ] {
+        for ty in DEQUANT_TYPES {
             let w = random_weights(ty, n);
             let bytes = w.len() + n * ob;
             let src = &*leak(upload(be, &w)?);
@@ -131,15 +79,8 @@ fn cases(be: &CudaBackend) -> weightlift_kernels::Result<Vec<Case<'_>>> {
             });
         }
     }
-    let product_types = [
-        QuantType::Q4_0,
-        QuantType::Q4_1,
-        QuantType::Q8_0,
-        QuantType::Q4_K,
-        QuantType::Q6_K,
-    ];
     for nt in [1, 32] {
-        for ty in product_types {
+        for ty in PRODUCT_TYPES {
             for mode in [MatvecMode::Exact, MatvecMode::Q8] {
                 for act in [FloatType::F32, FloatType::F16] {
                     if nt > 1 && act == FloatType::F16 {

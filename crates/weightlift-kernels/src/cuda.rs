@@ -601,6 +601,15 @@ fn elementwise(n: usize) -> Result<LaunchConfig> {
     })
 }
 
+/// One block of 256 threads per row (the row reductions).
+fn per_row(n_rows: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (grid_for(n_rows, 1, "rows")?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 fn need(what: &'static str, b: &CudaBuffer, bytes: usize) -> Result<()> {
     check_range(what, b.slice.len(), 0, bytes)
 }
@@ -872,11 +881,6 @@ impl Backend for CudaBackend {
                     // one block per row: a launch of at least one block would touch row 0
                     return Ok(());
                 }
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_for(n_rows, 1, "rows")?, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
                 let mut args = [
                     KArg::In(&x.slice),
                     KArg::In(&weight.slice),
@@ -885,7 +889,7 @@ impl Backend for CudaBackend {
                     KArg::F32(eps),
                 ];
                 // SAFETY: one block per row below n_rows, n_cols values each; sizes checked above.
-                unsafe { self.launch("ops", "rms_norm_f32", cfg, &mut args) }?;
+                unsafe { self.launch("ops", "rms_norm_f32", per_row(n_rows)?, &mut args) }?;
             }
             Op::Rope {
                 params,
@@ -945,18 +949,13 @@ impl Backend for CudaBackend {
                 if n_rows == 0 {
                     return Ok(());
                 }
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_for(n_rows, 1, "rows")?, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
                 let mut args = [
                     KArg::In(&x.slice),
                     KArg::Out(&mut out.slice),
                     KArg::U64(n_cols as u64),
                 ];
                 // SAFETY: one block per row below n_rows, n_cols values each; sizes checked above.
-                unsafe { self.launch("ops", "softmax_f32", cfg, &mut args) }?;
+                unsafe { self.launch("ops", "softmax_f32", per_row(n_rows)?, &mut args) }?;
             }
             Op::SwiGlu { n, gate, up, out } => self.binary("swiglu_f32", n, gate, up, out)?,
             Op::Add { n, a, b, out } => self.binary("add_f32", n, a, b, out)?,

@@ -3,8 +3,8 @@
 use rayon::prelude::*;
 
 use super::half::{f32_to_f16, rd_u16};
-use super::{CHUNK_ELEMS, Isa};
-use crate::error::{KernelError, Result};
+use super::{CHUNK_ELEMS, Isa, check_len};
+use crate::error::Result;
 use crate::types::QuantType;
 
 pub(crate) fn f32_to_f16_seq(isa: Isa, src: &[f32], out: &mut [u16]) {
@@ -18,17 +18,6 @@ pub(crate) fn f32_to_f16_seq(isa: Isa, src: &[f32], out: &mut [u16]) {
     for (o, x) in out.iter_mut().zip(src) {
         *o = f32_to_f16(*x);
     }
-}
-
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected != got {
-        return Err(KernelError::LengthMismatch {
-            what,
-            expected,
-            got,
-        });
-    }
-    Ok(())
 }
 
 /// f32 to f16 bit patterns, round to nearest even (overflow gives ±inf, as IEEE says).

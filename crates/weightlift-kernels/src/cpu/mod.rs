@@ -28,6 +28,18 @@ use rayon::prelude::*;
 use crate::error::{KernelError, Result};
 use crate::types::QuantType;
 
+/// `Ok` when an operand holds the `expected` number of values, else the typed mismatch.
+pub(crate) fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected != got {
+        return Err(KernelError::LengthMismatch {
+            what,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
 /// An instruction set level for the CPU kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Isa {

@@ -9,22 +9,11 @@
 
 use rayon::prelude::*;
 
-use super::Isa;
+use super::{Isa, check_len};
 use crate::error::{KernelError, Result};
 
 /// Rows per parallel task for row operations.
 const ROW_TASK_ELEMS: usize = 16 * 1024;
-
-fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected != got {
-        return Err(KernelError::LengthMismatch {
-            what,
-            expected,
-            got,
-        });
-    }
-    Ok(())
-}
 
 fn rows_of(op: &'static str, len: usize, row: usize) -> Result<usize> {
     if row == 0 || !len.is_multiple_of(row) {

@@ -30,6 +30,28 @@ pub(crate) mod imp {
         crate::cpu::half::f16_to_f32(u16::from_le_bytes([b[off], b[off + 1]]))
     }
 
+    /// The 32 unsigned 6-bit quants (q + 32) of a Q6_K group: `ql` holds its low nibbles (the
+    /// low halves of its bytes for `g` < 2, the high halves after), `qh` the two high bits of
+    /// the half-block's four groups; `g` is the group's place in its half-block (0..4).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn q6k_group(ql: __m256i, qh: __m256i, g: usize) -> __m256i {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let m2 = _mm256_set1_epi8(3);
+        let lo = if g < 2 {
+            _mm256_and_si256(ql, m4)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
+        };
+        let hi = match g {
+            0 => _mm256_and_si256(qh, m2),
+            1 => _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
+            2 => _mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2),
+            _ => _mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2),
+        };
+        _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+    }
+
     /// Four f32 vectors from the 32 unsigned bytes of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -231,7 +253,6 @@ pub(crate) mod imp {
                 }
             }
             QuantType::Q6_K => {
-                let m2 = _mm256_set1_epi8(3);
                 let k32 = _mm256_set1_epi8(32);
                 for (blk, xbs) in row.chunks_exact(bb).zip(xq.chunks_exact(8)) {
                     let d = rd_f16(blk, 208);
@@ -239,21 +260,7 @@ pub(crate) mod imp {
                         let qh = load32(blk[128 + 32 * h..].as_ptr());
                         for g in 0..4 {
                             let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
-                            let lo = if g < 2 {
-                                _mm256_and_si256(ql, m4)
-                            } else {
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
-                            };
-                            let hi = match g {
-                                0 => _mm256_and_si256(qh, m2),
-                                1 => _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
-                                2 => _mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2),
-                                _ => _mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2),
-                            };
-                            let q = _mm256_sub_epi8(
-                                _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi)),
-                                k32,
-                            );
+                            let q = _mm256_sub_epi8(q6k_group(ql, qh, g), k32);
                             let gi = 4 * h + g;
                             let xb = &xbs[gi];
                             let l = mul_sum_i8(q, load32(xb.qs.as_ptr().cast()));
@@ -311,7 +318,6 @@ pub(crate) mod imp {
                 let mut acc = _mm256_setzero_ps();
                 let mut extra = 0f32;
                 let zero = _mm256_setzero_si256();
-                let m4 = _mm256_set1_epi8(0x0f);
                 let ldb = |b: &[i32; 8]| {
                     // SAFETY: b holds 8 i32.
                     unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
@@ -353,7 +359,6 @@ pub(crate) mod imp {
                         }
                     }
                     QuantType::Q6_K => {
-                        let m2 = _mm256_set1_epi8(3);
                         let blocks = xq.chunks_exact(8).zip(bias.chunks_exact(8));
                         for (blk, (xbs, bs)) in row.chunks_exact(bb).zip(blocks) {
                             let d = rd_f16(blk, 208);
@@ -361,19 +366,8 @@ pub(crate) mod imp {
                                 let qh = load32(blk[128 + 32 * h..].as_ptr());
                                 for g in 0..4 {
                                     let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
-                                    let lo = if g < 2 {
-                                        _mm256_and_si256(ql, m4)
-                                    } else {
-                                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
-                                    };
-                                    let hi = match g {
-                                        0 => _mm256_and_si256(qh, m2),
-                                        1 => _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
-                                        2 => _mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2),
-                                        _ => _mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2),
-                                    };
                                     // the unsigned 6-bit quants (q + 32)
-                                    let q = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
+                                    let q = q6k_group(ql, qh, g);
                                     let gi = 4 * h + g;
                                     let xb = &xbs[gi];
                                     let l = $dp(ldb(&bs[gi]), q, load32(xb.qs.as_ptr().cast()));
@@ -599,7 +593,7 @@ pub(crate) mod imp {
     /// 16 signed or unsigned bytes as 16 f32 lanes.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn bytes16_to_f32x16(v: __m128i, signed: bool) -> __m512 {
+    pub fn bytes16_to_f32x16(v: __m128i, signed: bool) -> __m512 {
         if signed {
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
         } else {

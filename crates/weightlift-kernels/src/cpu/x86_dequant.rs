@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use super::DqOut;
 use super::dequant_scalar::{IQ4NL_VALUES, scale_min_k4};
-use super::x86::imp::{i8x32_to_f32, rd_f16_int, u8x32_to_f32};
+use super::x86::imp::{bytes16_to_f32x16, i8x32_to_f32, q6k_group, rd_f16_int, u8x32_to_f32};
 use crate::types::QuantType;
 
 /// Whether [`dequant_avx2`] has a vector path for `ty` (every type but F32).
@@ -463,8 +463,6 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
             }
         }
         QuantType::Q6_K => {
-            let m4 = _mm256_set1_epi8(0x0f);
-            let m2 = _mm256_set1_epi8(3);
             let k32 = _mm256_set1_epi8(32);
             for (b, blk) in src.chunks_exact(bb).enumerate() {
                 let d = rd_f16_int(blk, 208);
@@ -473,19 +471,7 @@ pub(crate) unsafe fn dequant_avx2<T: DqOut, const NT: bool>(
                     let qh = load32(&blk[128 + 32 * h..]);
                     for g in 0..4 {
                         let ql = load32(&blk[64 * h + 32 * (g % 2)..]);
-                        let lo = if g < 2 {
-                            _mm256_and_si256(ql, m4)
-                        } else {
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
-                        };
-                        let hi = match g {
-                            0 => _mm256_and_si256(qh, m2),
-                            1 => _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
-                            2 => _mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2),
-                            _ => _mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2),
-                        };
-                        let q =
-                            _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi)), k32);
+                        let q = _mm256_sub_epi8(q6k_group(ql, qh, g), k32);
                         let f = i8x32_to_f32(q);
                         let e0 = 128 * h + 32 * g;
                         let s0 = d * (blk[192 + e0 / 16] as i8) as f32;
@@ -549,24 +535,13 @@ unsafe fn put16<T: DqOut, const NT: bool>(out: *mut T, i: usize, v: __m512) {
     }
 }
 
-/// 16 bytes as 16 f32 lanes, sign- or zero-extended.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn bytes16_f32(v: __m128i, signed: bool) -> __m512 {
-    if signed {
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
-    } else {
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
-    }
-}
-
 /// 32 bytes as two 16-lane f32 vectors (values 0..16 and 16..32).
 #[inline]
 #[target_feature(enable = "avx512f,avx2")]
 fn bytes32_f32(v: __m256i, signed: bool) -> [__m512; 2] {
     [
-        bytes16_f32(_mm256_castsi256_si128(v), signed),
-        bytes16_f32(_mm256_extracti128_si256::<1>(v), signed),
+        bytes16_to_f32x16(_mm256_castsi256_si128(v), signed),
+        bytes16_to_f32x16(_mm256_extracti128_si256::<1>(v), signed),
     ]
 }
 
@@ -690,13 +665,13 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
                 let (lo, hi) = unsafe { nibbles16(blk[at..at + 16].as_ptr()) };
                 let f = match ty {
                     QuantType::Q4_0 => [
-                        bytes16_f32(_mm_sub_epi8(lo, eight), true),
-                        bytes16_f32(_mm_sub_epi8(hi, eight), true),
+                        bytes16_to_f32x16(_mm_sub_epi8(lo, eight), true),
+                        bytes16_to_f32x16(_mm_sub_epi8(hi, eight), true),
                     ],
-                    QuantType::Q4_1 => [bytes16_f32(lo, false), bytes16_f32(hi, false)],
+                    QuantType::Q4_1 => [bytes16_to_f32x16(lo, false), bytes16_to_f32x16(hi, false)],
                     _ => [
-                        bytes16_f32(_mm_shuffle_epi8(table, lo), true),
-                        bytes16_f32(_mm_shuffle_epi8(table, hi), true),
+                        bytes16_to_f32x16(_mm_shuffle_epi8(table, lo), true),
+                        bytes16_to_f32x16(_mm_shuffle_epi8(table, hi), true),
                     ],
                 };
                 let m = _mm512_set1_ps(if ty == QuantType::Q4_1 {
@@ -801,24 +776,14 @@ pub(crate) unsafe fn dequant_avx512<T: DqOut, const NT: bool>(
             }
         }
         QuantType::Q6_K => {
-            let m4 = _mm256_set1_epi8(0x0f);
-            let m2 = _mm256_set1_epi8(3);
             let k32 = _mm256_set1_epi8(32);
             for (b, blk) in src.chunks_exact(bb).enumerate() {
                 let d = rd_f16_int(blk, 208);
                 for h in 0..2 {
-                    let mut qh = load32(&blk[128 + 32 * h..]);
+                    let qh = load32(&blk[128 + 32 * h..]);
                     for g in 0..4 {
                         let ql = load32(&blk[64 * h + 32 * (g % 2)..]);
-                        let lo = if g < 2 {
-                            _mm256_and_si256(ql, m4)
-                        } else {
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
-                        };
-                        let hi = _mm256_and_si256(qh, m2);
-                        qh = _mm256_srli_epi16::<2>(qh);
-                        let q =
-                            _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi)), k32);
+                        let q = _mm256_sub_epi8(q6k_group(ql, qh, g), k32);
                         let e0 = 128 * h + 32 * g;
                         let f = bytes32_f32(q, true);
                         for (k, v) in f.into_iter().enumerate() {
@@ -943,7 +908,7 @@ unsafe fn dequant_f16_lut<const NT: bool>(ty: QuantType, src: &[u8], out: &mut [
                 QuantType::Q4_0 => ramp(-8.0),
                 QuantType::Q4_1 => ramp(0.0),
                 // SAFETY: the table is 16 bytes.
-                _ => bytes16_f32(
+                _ => bytes16_to_f32x16(
                     unsafe { _mm_loadu_si128(IQ4NL_VALUES.as_ptr().cast()) },
                     true,
                 ),
@@ -1097,10 +1062,10 @@ unsafe fn dequant_f16_lut<const NT: bool>(ty: QuantType, src: &[u8], out: &mut [
                 // SAFETY: the 16 scale bytes open the block.
                 let sc = unsafe { _mm_loadu_si128(blk[..16].as_ptr().cast()) };
                 let (d, dmin) = rd_f16x2(blk, 80);
-                let dlv = _mm512_mul_ps(d, bytes16_f32(_mm_and_si128(sc, m4), false));
+                let dlv = _mm512_mul_ps(d, bytes16_to_f32x16(_mm_and_si128(sc, m4), false));
                 let mlv = _mm512_mul_ps(
                     dmin,
-                    bytes16_f32(_mm_and_si128(_mm_srli_epi16::<4>(sc), m4), false),
+                    bytes16_to_f32x16(_mm_and_si128(_mm_srli_epi16::<4>(sc), m4), false),
                 );
                 let mut t = [_mm256_setzero_si256(); 4];
                 for (g, tg) in t.iter_mut().enumerate() {

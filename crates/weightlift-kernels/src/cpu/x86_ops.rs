@@ -12,7 +12,7 @@ pub(crate) mod imp {
 
     use crate::cpu::dequant_scalar::scale_min_k4;
     use crate::cpu::matvec::{Q8Block, finish_lanes};
-    use crate::cpu::x86::imp::{load32, mul_sum_i8, nibbles32, rd_f16};
+    use crate::cpu::x86::imp::{load32, mul_sum_i8, nibbles32, q6k_group, rd_f16};
     use crate::types::QuantType;
 
     // ---------------------------------------------------------------- exp
@@ -982,22 +982,7 @@ pub(crate) mod imp {
                     let qh = load32(blk[128 + 32 * h..160 + 32 * h].as_ptr());
                     let at = 64 * h + 32 * (gq % 2);
                     let ql = load32(blk[at..at + 32].as_ptr());
-                    let lo = if gq < 2 {
-                        _mm256_and_si256(ql, m4)
-                    } else {
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
-                    };
-                    let m2 = _mm256_set1_epi8(3);
-                    let hi = match gq {
-                        0 => _mm256_and_si256(qh, m2),
-                        1 => _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
-                        2 => _mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2),
-                        _ => _mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2),
-                    };
-                    let q = _mm256_sub_epi8(
-                        _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi)),
-                        _mm256_set1_epi8(32),
-                    );
+                    let q = _mm256_sub_epi8(q6k_group(ql, qh, gq), _mm256_set1_epi8(32));
                     let s0 = d * f32::from(blk[192 + 2 * sub] as i8);
                     let s1 = d * f32::from(blk[193 + 2 * sub] as i8);
                     Group {
