@@ -8,6 +8,7 @@ re-exported here: checkpoints (``open``), the planner (``plan``, ``fit``), the e
 
 from weightlift._errors import (
     ClosedError,
+    ContextFullError,
     CudaUnavailable,
     DeviceError,
     FormatError,
@@ -58,6 +59,7 @@ __all__ = [
     "CacheSpec",
     "Checkpoint",
     "ClosedError",
+    "ContextFullError",
     "CudaUnavailable",
     "Device",
     "DeviceError",

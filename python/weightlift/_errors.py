@@ -45,12 +45,17 @@ class ClosedError(WeightliftError, ValueError):
     """An operation on a checkpoint (or model) that has been closed."""
 
 
+class ContextFullError(WeightliftError, ValueError):
+    """Tokens that do not fit the cache: the prompt is longer than n_ctx, or the cache is full."""
+
+
 class LoadCancelled(WeightliftError):
     """A load was cancelled by its progress callback or by Ctrl-C; nothing stays allocated."""
 
 
 __all__ = [
     "ClosedError",
+    "ContextFullError",
     "CudaUnavailable",
     "DeviceError",
     "FormatError",

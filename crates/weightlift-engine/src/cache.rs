@@ -47,19 +47,14 @@ use crate::error::{EngineError, Result, invalid};
 /// Values per quantisation group.
 pub const GROUP: usize = 32;
 
-/// The element type of a cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CacheDType {
-    Fp16,
-    Fp8,
-    Q8,
-    Q6,
-    Q4,
-}
+/// The element type of a cache: the planner's, so that one grammar and one size table serve
+/// both.
+pub use weightlift_plan::CacheDType;
 
 /// How one of K or V is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Half {
+    F32,
     F16,
     E4M3,
     Q8,
@@ -67,16 +62,6 @@ enum Half {
 }
 
 impl Half {
-    /// Bytes for `n` values (`n` a multiple of [`GROUP`] for the quantised kinds).
-    fn bytes(self, n: u64) -> u64 {
-        match self {
-            Half::F16 => 2 * n,
-            Half::E4M3 => n,
-            Half::Q8 => n + n / GROUP as u64 * 2,
-            Half::Q4 => n / 2 + n / GROUP as u64 * 2,
-        }
-    }
-
     fn quantised(self) -> bool {
         matches!(self, Half::Q8 | Half::Q4)
     }
@@ -84,6 +69,7 @@ impl Half {
     /// The byte offset of value `slot` (a multiple of the group size for quantised kinds).
     fn byte_at(self, slot: usize) -> usize {
         match self {
+            Half::F32 => slot * 4,
             Half::F16 => slot * 2,
             Half::E4M3 => slot,
             Half::Q8 | Half::Q4 => slot / GROUP * kv_type(self).group_bytes(),
@@ -91,60 +77,15 @@ impl Half {
     }
 }
 
-impl CacheDType {
-    pub fn parse(s: &str) -> Result<CacheDType> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "fp16" | "f16" | "float16" => CacheDType::Fp16,
-            "fp8" | "f8" | "e4m3" => CacheDType::Fp8,
-            "q8" => CacheDType::Q8,
-            "q6" => CacheDType::Q6,
-            "q4" => CacheDType::Q4,
-            _ => {
-                return Err(invalid(
-                    "cache dtype",
-                    "fp16, fp8, q8, q6 or q4",
-                    format!("'{s}'"),
-                ));
-            }
-        })
-    }
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            CacheDType::Fp16 => "fp16",
-            CacheDType::Fp8 => "fp8",
-            CacheDType::Q8 => "q8",
-            CacheDType::Q6 => "q6",
-            CacheDType::Q4 => "q4",
-        }
-    }
-
-    fn halves(self) -> (Half, Half) {
-        match self {
-            CacheDType::Fp16 => (Half::F16, Half::F16),
-            CacheDType::Fp8 => (Half::E4M3, Half::E4M3),
-            CacheDType::Q8 => (Half::Q8, Half::Q8),
-            CacheDType::Q6 => (Half::Q8, Half::Q4),
-            CacheDType::Q4 => (Half::Q4, Half::Q4),
-        }
-    }
-
-    /// Bytes of K and of V for `n` values each.
-    pub fn kv_bytes(self, n: u64) -> (u64, u64) {
-        let (k, v) = self.halves();
-        (k.bytes(n), v.bytes(n))
-    }
-
-    /// The documented round-trip bound for one value `x` whose group absmax is `absmax`, in K
-    /// (`is_v = false`) or V.
-    pub fn error_bound(self, is_v: bool, x: f32, absmax: f32) -> f32 {
-        let (k, v) = self.halves();
-        match if is_v { v } else { k } {
-            Half::F16 => x.abs() * 2f32.powi(-11) + 2f32.powi(-25),
-            Half::E4M3 => x.abs() * 2f32.powi(-4) + 2f32.powi(-10),
-            Half::Q8 => absmax / 254.0 * (1.0 + 2f32.powi(-9)) + 2f32.powi(-17),
-            Half::Q4 => absmax / 14.0 * (1.0 + 2f32.powi(-9)) + 2f32.powi(-17),
-        }
+/// How K and V of a cache dtype are stored.
+fn halves(d: CacheDType) -> (Half, Half) {
+    match d {
+        CacheDType::F32 => (Half::F32, Half::F32),
+        CacheDType::Fp16 => (Half::F16, Half::F16),
+        CacheDType::Fp8 => (Half::E4M3, Half::E4M3),
+        CacheDType::Q8 => (Half::Q8, Half::Q8),
+        CacheDType::Q6 => (Half::Q8, Half::Q4),
+        CacheDType::Q4 => (Half::Q4, Half::Q4),
     }
 }
 
@@ -295,6 +236,8 @@ pub struct Cache {
     versions: Vec<AtomicU64>,
     /// Offload: the prefetch of the next layer into a free slot, on a second thread.
     prefetch: Mutex<Option<JoinHandle<Result<()>>>>,
+    /// Tokens of sequence 0 the forward pass has written (`Cache.seq_len` in Python).
+    seq_len: AtomicU64,
 }
 
 impl Cache {
@@ -306,7 +249,7 @@ impl Cache {
                 format!("{} × {}", config.max_seq_len, config.batch_size),
             ));
         }
-        let (k, v) = config.dtype.halves();
+        let (k, v) = halves(config.dtype);
         for (l, &h) in config.n_kv_heads.iter().enumerate() {
             let row = u64::from(h) * u64::from(config.head_dim);
             if (k.quantised() || v.quantised()) && row % GROUP as u64 != 0 {
@@ -325,6 +268,7 @@ impl Cache {
             generation: AtomicU64::new(0),
             versions: (0..n).map(|_| AtomicU64::new(0)).collect(),
             prefetch: Mutex::new(None),
+            seq_len: AtomicU64::new(0),
         })
     }
 
@@ -540,7 +484,7 @@ impl Cache {
         if let Some(v) = self.versions.get(layer) {
             v.fetch_add(1, Ordering::AcqRel);
         }
-        let (hk, hv) = c.dtype.halves();
+        let (hk, hv) = halves(c.dtype);
         let mut layers = self.lock();
         let store = layers[layer]
             .as_mut()
@@ -579,6 +523,130 @@ impl Cache {
             }
         }
         Ok(())
+    }
+
+    /// Tokens held for sequence 0: where the next forward pass appends.
+    pub fn seq_len(&self) -> u64 {
+        self.seq_len.load(Ordering::Acquire)
+    }
+
+    /// Set the number of tokens held (after a forward pass wrote them, or to rewind).
+    pub fn set_seq_len(&self, n: u64) -> Result<()> {
+        if n > self.config.max_seq_len {
+            return Err(invalid(
+                "cache seq_len",
+                format!("at most max_seq_len {}", self.config.max_seq_len),
+                n,
+            ));
+        }
+        self.seq_len.store(n, Ordering::Release);
+        Ok(())
+    }
+
+    /// Forget every token: the next forward pass starts at position 0. No memory is freed.
+    pub fn reset(&self) {
+        self.seq_len.store(0, Ordering::Release);
+    }
+
+    /// Write token-major rows of sequence 0 at `pos`: `k` and `v` hold `n × n_kv_heads ×
+    /// head_dim` f32 values each, the cache's own row layout, so each row is encoded in place.
+    pub fn write_rows(&self, layer: usize, pos: u64, k: &[f32], v: &[f32]) -> Result<()> {
+        let row = self.config.values(layer) / self.config.max_seq_len / self.config.batch_size;
+        let row = row as usize;
+        let n = k.len().checked_div(row).unwrap_or(0);
+        if row == 0 || k.len() != n * row || v.len() != k.len() {
+            return Err(invalid(
+                format!("k and v rows for cache layer {layer}"),
+                format!("whole rows of {row} values, as many of v as of k"),
+                format!("{} and {}", k.len(), v.len()),
+            ));
+        }
+        self.check_span(layer, pos, n as u64)?;
+        self.join_prefetch();
+        if let Some(ver) = self.versions.get(layer) {
+            ver.fetch_add(1, Ordering::AcqRel);
+        }
+        let (hk, hv) = halves(self.config.dtype);
+        let mut layers = self.lock();
+        let store = layers[layer]
+            .as_mut()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: format!("cache layer {layer}"),
+            })?;
+        let first = pos as usize * row;
+        for (src, half, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
+            let (b0, b1) = (half.byte_at(first), half.byte_at(first + n * row));
+            let Some(h) = buf.host_mut() else {
+                return Err(EngineError::Unsupported {
+                    what: format!("writing cache rows on {}", store.device.name()),
+                    detail: "the host forward pass writes host memory only".into(),
+                });
+            };
+            let span = &mut h[b0..b1];
+            for (t, r) in src.chunks_exact(row).enumerate() {
+                encode_row(half, t * row, r, span)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode rows `start..start + k.len() / row` of sequence 0 of `layer` into `k` and `v`
+    /// (token-major f32), from `resident` when given (an offloaded layer lent by
+    /// [`Cache::fetch`]), else from the layer's store.
+    pub fn decode_rows(
+        &self,
+        layer: usize,
+        resident: Option<&Resident>,
+        start: u64,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<()> {
+        let row =
+            (self.config.values(layer) / self.config.max_seq_len / self.config.batch_size) as usize;
+        let n = k.len().checked_div(row).unwrap_or(0);
+        if row == 0 || k.len() != n * row || v.len() != k.len() {
+            return Err(invalid(
+                format!("k and v rows read from cache layer {layer}"),
+                format!("whole rows of {row} values"),
+                format!("{} and {}", k.len(), v.len()),
+            ));
+        }
+        self.check_span(layer, start, n as u64)?;
+        let (hk, hv) = halves(self.config.dtype);
+        let first = start as usize * row;
+        let mut go = |kb: &Buffer, vb: &Buffer| -> Result<()> {
+            for (dst, half, buf) in [(&mut *k, hk, kb), (&mut *v, hv, vb)] {
+                let (b0, b1) = (half.byte_at(first), half.byte_at(first + n * row));
+                let Some(h) = buf.host() else {
+                    return Err(EngineError::Unsupported {
+                        what: format!("reading cache rows on {}", buf.device().name()),
+                        detail: "the host forward pass reads host memory only".into(),
+                    });
+                };
+                let span = &h[b0..b1];
+                for (t, r) in dst.chunks_exact_mut(row).enumerate() {
+                    decode_row(half, t * row, span, r)?;
+                }
+            }
+            Ok(())
+        };
+        match resident {
+            Some(r) => go(&r.k, &r.v),
+            None => {
+                let layers = self.lock();
+                let store = layers[layer]
+                    .as_ref()
+                    .ok_or_else(|| EngineError::NotLoaded {
+                        what: format!("cache layer {layer}"),
+                    })?;
+                go(&store.k, &store.v)
+            }
+        }
+    }
+
+    /// Whether the cache is offloaded to host RAM (layers are lent by [`Cache::fetch`]).
+    pub fn is_offloaded(&self) -> bool {
+        self.config.offload
     }
 
     /// Read positions `start..end` back as f32 `(batch, n_kv_heads, end - start, head_dim)`.
@@ -826,7 +894,7 @@ fn decode_span(
     let hd = c.head_dim as usize;
     let n = n_tokens as usize;
     let row_len = heads * hd;
-    let (hk, hv) = c.dtype.halves();
+    let (hk, hv) = halves(c.dtype);
     let total = c.batch_size as usize * heads * n * hd;
     let mut k = vec![0f32; total];
     let mut v = vec![0f32; total];
@@ -868,6 +936,14 @@ fn kv_type(half: Half) -> weightlift_kernels::KvType {
 /// Encode `row` at value index `slot` (a multiple of the group size for quantised kinds).
 fn encode_row(half: Half, slot: usize, row: &[f32], buf: &mut [u8]) -> Result<()> {
     match half {
+        Half::F32 => {
+            for (d, x) in buf[slot * 4..(slot + row.len()) * 4]
+                .chunks_exact_mut(4)
+                .zip(row)
+            {
+                d.copy_from_slice(&x.to_le_bytes());
+            }
+        }
         Half::F16 => {
             let mut words = vec![0u16; row.len()];
             if weightlift_kernels::f32_to_f16_slice(row, &mut words).is_err() {
@@ -902,10 +978,24 @@ fn kernel(e: weightlift_kernels::KernelError) -> EngineError {
 
 fn decode_row(half: Half, slot: usize, buf: &[u8], row: &mut [f32]) -> Result<()> {
     match half {
+        Half::F32 => {
+            let n = row.len();
+            for (x, b) in row
+                .iter_mut()
+                .zip(buf[slot * 4..(slot + n) * 4].chunks_exact(4))
+            {
+                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
         Half::F16 => {
-            for (i, x) in row.iter_mut().enumerate() {
-                let o = (slot + i) * 2;
-                *x = f16::from_bits(u16::from_le_bytes([buf[o], buf[o + 1]])).to_f32();
+            let bytes = &buf[slot * 2..(slot + row.len()) * 2];
+            match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+                Ok(words) => weightlift_kernels::f16_to_f32_slice(words, row).map_err(kernel)?,
+                Err(_) => {
+                    for (x, b) in row.iter_mut().zip(bytes.chunks_exact(2)) {
+                        *x = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                    }
+                }
             }
         }
         Half::E4M3 => {

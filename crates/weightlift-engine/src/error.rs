@@ -87,6 +87,17 @@ pub enum EngineError {
     #[error("{what} is not supported: {detail}")]
     Unsupported { what: String, detail: String },
 
+    /// A forward call with more tokens than the cache has room for.
+    #[error(
+        "{tokens} tokens do not fit the cache: {held} of its {max_seq_len} positions are in use; \
+         use a larger n_ctx / max_seq_len, a shorter prompt, or reset the cache"
+    )]
+    ContextFull {
+        tokens: u64,
+        held: u64,
+        max_seq_len: u64,
+    },
+
     /// An operation that needs loaded weights or an allocated cache ran before the load.
     #[error("{what} is not loaded; call load() first")]
     NotLoaded { what: String },

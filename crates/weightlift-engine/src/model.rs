@@ -43,8 +43,19 @@ pub struct Placement {
     /// Extra copies: `(tensor index, where)`: a tied output head beside the last layer, or split
     /// by the vocab table under tensor parallelism.
     pub copies: Vec<(usize, TensorPlace)>,
-    /// Compute scratch to reserve per device, in bytes (exllamav2 allocates it at load).
+    /// Compute scratch to reserve per device, in bytes: each device's forward workspace.
     pub scratch: Vec<(String, u64)>,
+    /// The runtime and cache shape the scratch was planned for (`None`: no scratch was
+    /// planned; the first forward pass allocates each workspace for the attached cache).
+    pub forward: Option<ForwardPlan>,
+}
+
+/// What a plan sized the forward workspaces for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardPlan {
+    pub runtime: weightlift_plan::RuntimeSpec,
+    pub max_seq_len: u64,
+    pub batch: u64,
 }
 
 impl Placement {
@@ -63,6 +74,7 @@ impl Placement {
             layers: vec![device.to_owned(); n_layers as usize],
             copies: Vec::new(),
             scratch: Vec::new(),
+            forward: None,
         }
     }
 }
@@ -93,22 +105,26 @@ pub enum Held {
 }
 
 #[derive(Debug)]
-struct State {
+pub(crate) struct State {
     /// Declared first: unlocked before the tensors that own the mapped ranges are dropped.
-    locked: crate::mlock::Locked,
-    held: Vec<Held>,
-    copies: Vec<(usize, Held)>,
-    scratch: Vec<crate::device::Buffer>,
-    layer_devices: Vec<String>,
-    cache: Option<Arc<Cache>>,
-    warnings: Vec<String>,
+    pub locked: crate::mlock::Locked,
+    /// Declared before the tensors: its workspaces are returned before the weights.
+    pub graph: Option<crate::forward::Graph>,
+    pub held: Vec<Held>,
+    pub copies: Vec<(usize, Held)>,
+    pub scratch: Vec<crate::device::Buffer>,
+    pub layer_devices: Vec<String>,
+    pub cache: Option<Arc<Cache>>,
+    pub warnings: Vec<String>,
+    pub forward: Option<ForwardPlan>,
 }
 
 /// A model: nothing is loaded until [`Model::load`] (tensor parallelism: [`Model::tp_placement`]).
 pub struct Model {
     source: Arc<dyn Source>,
     inventory: Inventory,
-    state: Option<State>,
+    pub(crate) state: Option<State>,
+    pub(crate) runner: crate::forward::Runner,
 }
 
 impl std::fmt::Debug for Model {
@@ -127,6 +143,7 @@ impl Model {
             source,
             inventory,
             state: None,
+            runner: crate::forward::Runner::default(),
         }
     }
 
@@ -398,6 +415,8 @@ impl Model {
         }
         self.state = Some(State {
             locked,
+            graph: None,
+            forward: placement.forward,
             held,
             copies,
             scratch,
@@ -490,6 +509,7 @@ impl Model {
             layers: vec![kv_dev; spec.n_layers as usize],
             copies: Vec::new(),
             scratch: Vec::new(),
+            forward: None,
         })
     }
 

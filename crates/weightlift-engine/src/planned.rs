@@ -3,7 +3,7 @@
 
 use weightlift_plan::{DeviceKind as PlanKind, DeviceSpec, Plan, PlanRequest, TpKind, TpSplit};
 
-use crate::cache::{CacheConfig, CacheDType};
+use crate::cache::CacheConfig;
 use crate::device::{DeviceKind, Inventory};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::{Model, Placement, SplitSpec, TensorPlace};
@@ -35,37 +35,13 @@ pub fn device_specs(inv: &Inventory) -> Vec<DeviceSpec> {
     out
 }
 
-/// The engine's cache dtype for the planner's.
-pub fn cache_dtype(d: weightlift_plan::CacheDType) -> CacheDType {
-    use weightlift_plan::CacheDType as P;
-    match d {
-        P::Fp16 => CacheDType::Fp16,
-        P::Fp8 => CacheDType::Fp8,
-        P::Q8 => CacheDType::Q8,
-        P::Q6 => CacheDType::Q6,
-        P::Q4 => CacheDType::Q4,
-    }
-}
-
-/// The planner's cache dtype for the engine's.
-pub fn plan_cache_dtype(d: CacheDType) -> weightlift_plan::CacheDType {
-    use weightlift_plan::CacheDType as P;
-    match d {
-        CacheDType::Fp16 => P::Fp16,
-        CacheDType::Fp8 => P::Fp8,
-        CacheDType::Q8 => P::Q8,
-        CacheDType::Q6 => P::Q6,
-        CacheDType::Q4 => P::Q4,
-    }
-}
-
 /// The planner's cache request for an engine cache: its shape, dtype and offload flag. An
 /// offloaded cache is planned as what the engine allocates for it: every layer on `cpu`, and
 /// on each layer device `min(layers there, SLOTS)` prefetch slots of its largest layer
 /// ([`crate::cache::SLOTS`] is the planner's [`weightlift_plan::OFFLOAD_SLOTS`]), so the plan's
 /// kv column is what [`crate::Model::memory`] reports for the cache.
 pub fn cache_spec(cfg: &CacheConfig) -> weightlift_plan::CacheSpec {
-    weightlift_plan::CacheSpec::new(cfg.max_seq_len, cfg.batch_size, plan_cache_dtype(cfg.dtype))
+    weightlift_plan::CacheSpec::new(cfg.max_seq_len, cfg.batch_size, cfg.dtype)
         .with_offload(cfg.offload)
 }
 
@@ -204,10 +180,20 @@ pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
         .iter()
         .map(|d| (d.name.clone(), d.scratch))
         .collect();
+    let (max_seq_len, batch) = plan
+        .cache()
+        .map_or((plan.runtime().max_input_len.max(1), 1), |c| {
+            (c.max_seq_len, c.batch_size)
+        });
     Ok(Placement {
         tensors,
         layers: plan.layer_devices().to_vec(),
         copies,
         scratch,
+        forward: Some(crate::model::ForwardPlan {
+            runtime: *plan.runtime(),
+            max_seq_len,
+            batch,
+        }),
     })
 }

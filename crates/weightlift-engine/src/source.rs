@@ -17,6 +17,10 @@ pub trait Source: Send + Sync + 'static {
     fn bytes(&self, index: usize) -> &[u8];
     /// The architecture, when the checkpoint states one.
     fn spec(&self) -> Option<&ModelSpec>;
+    /// The checkpoint itself (format, metadata, config.json), when this source is one.
+    fn checkpoint(&self) -> Option<&Checkpoint> {
+        None
+    }
 }
 
 impl Source for Checkpoint {
@@ -41,5 +45,9 @@ impl Source for Checkpoint {
 
     fn spec(&self) -> Option<&ModelSpec> {
         Checkpoint::spec(self).ok()
+    }
+
+    fn checkpoint(&self) -> Option<&Checkpoint> {
+        Some(self)
     }
 }

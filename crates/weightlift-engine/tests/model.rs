@@ -51,6 +51,7 @@ fn by_layer(src: &Arc<dyn Source>) -> Placement {
         layers: vec!["virtual:0".into(), "virtual:1".into()],
         copies: Vec::new(),
         scratch: Vec::new(),
+        forward: None,
     }
 }
 

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use weightlift_engine::planned::{cache_dtype, splits};
+use weightlift_engine::planned::splits;
 use weightlift_engine::{Cache, Inventory, LoadOptions, Model, Source};
 use weightlift_format::{Checkpoint, OpenOptions};
 use weightlift_plan::{
@@ -45,7 +45,7 @@ fn check(path: &PathBuf, devices: &str, strategy: Strategy, cache: Option<CacheS
     let plan = weightlift_plan::plan(&req).unwrap();
     let cache = plan.cache().map(|c| {
         let cfg = model
-            .cache_config(c.max_seq_len, c.batch_size, cache_dtype(c.dtype), c.offload)
+            .cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
             .unwrap();
         Arc::new(Cache::new(cfg).unwrap())
     });

@@ -33,7 +33,9 @@ pub use cpu::Isa;
 pub use cpu::convert::{bf16_to_f16_slice, f16_to_f32_slice, f32_to_f16_slice, scan_non_finite};
 pub use cpu::kv::{KV_GROUP, KvType, kv_dequantize, kv_quantize};
 pub use cpu::matvec::{MatvecMode, matmul, matmul_f16, matvec, matvec_f16};
-pub use cpu::ops::{RopeParams, RopeStyle, add, rms_norm, rope, softmax, swiglu};
+pub use cpu::ops::{
+    RopeParams, RopeStyle, add, rms_norm, rope, rope_in_place, rope_inv_freqs, softmax, swiglu,
+};
 pub use cpu::{dequantize_f16, dequantize_f32};
 pub use cpu_backend::{CpuBackend, CpuBuffer};
 pub use cuda::{CudaBackend, CudaBuffer};

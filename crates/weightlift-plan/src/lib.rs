@@ -79,6 +79,7 @@ mod size;
 mod svg;
 mod synth;
 mod tp;
+mod workspace;
 
 pub use device::{
     DeviceKind, DeviceSpec, MemoryProbe, NoProbe, inventory, parse_devices, parse_devices_with,
@@ -95,6 +96,7 @@ pub use request::{
 pub use size::{fmt_bytes, parse_size};
 pub use synth::{DTypeChoice, QuantPreset, WeightType, converted, gguf_type, synthesize_tensors};
 pub use tp::{SplitTable, TpInputs, TpKind, TpSplit, define_split, integer_split, to_table};
+pub use workspace::{ALIGN, Dims, Hosts, KV_TILE, LOGIT_ROWS, Region, Workspace};
 
 use place::{Ctx, Tweak};
 
@@ -374,7 +376,7 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
         let (seq, batch) = req.cache.map_or((rt.max_input_len.max(1), 1), |c| {
             (c.max_seq_len, c.batch_size)
         });
-        memory::ScratchModel::new(&req.spec, rt, seq, batch).for_hosts(memory::Hosts {
+        memory::ScratchModel::new(&req.spec, rt, seq, batch).for_hosts(Hosts {
             layers: true,
             head: true,
             embed: true,

@@ -4,11 +4,14 @@ use serde::{Deserialize, Serialize};
 use weightlift_format::ModelSpec;
 
 use crate::error::{PlanError, Result};
+use crate::workspace::{Dims, Hosts, Workspace};
 
 /// Element type of the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CacheDType {
+    /// f32: exact runs (llama.cpp's `type_k=f32`).
+    F32,
     #[default]
     Fp16,
     Fp8,
@@ -19,6 +22,7 @@ pub enum CacheDType {
 
 impl CacheDType {
     pub const ALL: &'static [CacheDType] = &[
+        CacheDType::F32,
         CacheDType::Fp16,
         CacheDType::Fp8,
         CacheDType::Q8,
@@ -26,16 +30,20 @@ impl CacheDType {
         CacheDType::Q4,
     ];
 
+    /// The one grammar of cache dtypes: ours (`fp16`, `fp8`/`e4m3`, `q8`, `q6`, `q4`, `f32`) and
+    /// llama.cpp's `type_k`/`type_v` names with the same storage (`f16`, `f32`, `q8_0`, `q4_0`:
+    /// our q8 and q4 groups are 32 values with one f16 scale, the sizes of ggml's Q8_0 and Q4_0).
     pub fn parse(s: &str) -> Result<CacheDType> {
         match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" => Ok(CacheDType::F32),
             "fp16" | "f16" | "float16" => Ok(CacheDType::Fp16),
-            "fp8" | "8bit" => Ok(CacheDType::Fp8),
-            "q8" => Ok(CacheDType::Q8),
+            "fp8" | "8bit" | "e4m3" | "f8" => Ok(CacheDType::Fp8),
+            "q8" | "q8_0" => Ok(CacheDType::Q8),
             "q6" => Ok(CacheDType::Q6),
-            "q4" => Ok(CacheDType::Q4),
+            "q4" | "q4_0" => Ok(CacheDType::Q4),
             _ => Err(PlanError::option(
                 "cache dtype",
-                "fp16, fp8, q8, q6 or q4",
+                "f32, fp16 (f16), fp8 (e4m3), q8 (q8_0), q6 or q4 (q4_0)",
                 format!("'{s}'"),
             )),
         }
@@ -43,11 +51,30 @@ impl CacheDType {
 
     pub const fn name(self) -> &'static str {
         match self {
+            CacheDType::F32 => "f32",
             CacheDType::Fp16 => "fp16",
             CacheDType::Fp8 => "fp8",
             CacheDType::Q8 => "q8",
             CacheDType::Q6 => "q6",
             CacheDType::Q4 => "q4",
+        }
+    }
+
+    /// The documented round-trip bound of the cache encoding for one value `x` whose group of
+    /// 32 has absolute maximum `absmax`, in K (`is_v = false`) or V: f32 is exact; fp16
+    /// `|x|·2⁻¹¹ + 2⁻²⁵`; fp8 (e4m3) `|x|·2⁻⁴ + 2⁻¹⁰` within ±448; q8
+    /// `absmax/254·(1+2⁻⁹) + 2⁻¹⁷`; q4 `absmax/14·(1+2⁻⁹) + 2⁻¹⁷`; q6 is q8 for K and q4 for V.
+    pub fn error_bound(self, is_v: bool, x: f32, absmax: f32) -> f32 {
+        let q8 = absmax / 254.0 * (1.0 + 2f32.powi(-9)) + 2f32.powi(-17);
+        let q4 = absmax / 14.0 * (1.0 + 2f32.powi(-9)) + 2f32.powi(-17);
+        match self {
+            CacheDType::F32 => 0.0,
+            CacheDType::Fp16 => x.abs() * 2f32.powi(-11) + 2f32.powi(-25),
+            CacheDType::Fp8 => x.abs() * 2f32.powi(-4) + 2f32.powi(-10),
+            CacheDType::Q8 => q8,
+            CacheDType::Q6 if is_v => q4,
+            CacheDType::Q6 => q8,
+            CacheDType::Q4 => q4,
         }
     }
 
@@ -60,6 +87,7 @@ impl CacheDType {
         let q8 = groups.saturating_mul(34);
         let q4 = groups.saturating_mul(18);
         match self {
+            CacheDType::F32 => (n.saturating_mul(4), n.saturating_mul(4)),
             CacheDType::Fp16 => (n.saturating_mul(2), n.saturating_mul(2)),
             CacheDType::Fp8 => (n, n),
             CacheDType::Q8 => (q8, q8),
@@ -205,108 +233,25 @@ impl RuntimeSpec {
     }
 }
 
-/// What a device computes, which decides its scratch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct Hosts {
-    pub layers: bool,
-    pub head: bool,
-    pub embed: bool,
-}
-
-/// Scratch components for one device, each from exllamav2's module code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Per-device compute scratch: the forward pass's [`Workspace`](crate::Workspace), region by
+/// region, for what the device computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ScratchModel {
-    /// `max(module.scratch_space_fixed())` over attention, MLP and head (exllamav2 allocates
-    /// this once per device in `load_autosplit_gen` as `ExLlamaV2DeviceContext`).
-    pub fixed: u64,
-    /// RoPE sin/cos tables: `head_dim × max_seq_len` halves, twice (`constant_size` in
-    /// `ExLlamaV2.set_device_map`).
-    pub sincos: u64,
-    /// Attention weights, `ExLlamaV2Attention.temp_attn_size()` without flash-attn:
-    /// `2 × min(max_attention_size, max_seq_len²) × n_heads × 2 + 128`. With flash-attn
-    /// exllamav2 divides by a fudge factor; we keep the larger, safe figure.
-    pub attn: u64,
-    /// Logits of the head: `max_input_len × batch × vocab × 4` (f32). exllamav2 does not count
-    /// them (its autosplit catches the OOM instead); they are real memory, so we do.
-    pub logits: u64,
-    /// The embedding output, `max_input_len × batch × hidden × 2`, for a device that holds
-    /// only the embedding.
-    pub embed_state: u64,
+    dims: Dims,
 }
 
 impl ScratchModel {
-    /// Derive the components from the spec, cache length and runtime. `L` below is
-    /// `min(max_input_len, max_seq_len)` (`load_autosplit_gen` clamps it the same way), `B` the
-    /// batch, `dq(n) = 2 × min(n, max_dq_size)` (`ExLlamaV2Linear.temp_dq_size`):
-    ///
-    /// - attention fixed: `L·B·max(heads·head_dim, hidden)·2 + 128` (state) + `dq` of the
-    ///   largest of q/k/v/o;
-    /// - MLP fixed: `L·B·hidden·2 + 128` (state) + 2 × (`L·B·max(hidden, inter)·2 + 128`)
-    ///   (temp a and b) + `dq(hidden·inter)`;
-    /// - head fixed: `dq(hidden·vocab)`.
-    ///
-    /// A runtime with `max_input_len == 0` ([`RuntimeSpec::none`]) has no scratch at all.
+    /// The workspace dimensions of `spec` with a cache of `max_seq_len × batch`. A runtime with
+    /// `max_input_len == 0` ([`RuntimeSpec::none`]) has no scratch at all.
     pub fn new(spec: &ModelSpec, runtime: &RuntimeSpec, max_seq_len: u64, batch: u64) -> Self {
-        let (max_input, max_attn) = runtime.effective();
-        if max_input == 0 {
-            return ScratchModel::default();
-        }
-        let l = max_input.min(max_seq_len).max(1);
-        let b = batch.max(1);
-        let lb = l.saturating_mul(b);
-        let h = spec.hidden_size;
-        let i = spec.intermediate_size;
-        let q = u64::from(spec.n_heads) * u64::from(spec.head_dim);
-        let kv = u64::from(spec.n_kv_heads.iter().copied().max().unwrap_or(0))
-            * u64::from(spec.head_dim);
-        let dq = |n: u64| 2u64.saturating_mul(n.min(runtime.max_dq_size));
-        let attn_fixed = lb
-            .saturating_mul(q.max(h))
-            .saturating_mul(2)
-            .saturating_add(128)
-            .saturating_add(dq(h.saturating_mul(q).max(h.saturating_mul(kv))));
-        let temp = lb
-            .saturating_mul(h.max(i))
-            .saturating_mul(2)
-            .saturating_add(128);
-        let mlp_fixed = lb
-            .saturating_mul(h)
-            .saturating_mul(2)
-            .saturating_add(128)
-            .saturating_add(temp.saturating_mul(2))
-            .saturating_add(dq(h.saturating_mul(i)));
-        let head_fixed = dq(h.saturating_mul(spec.vocab_size));
-        let att = max_attn.min(max_seq_len.saturating_mul(max_seq_len));
         ScratchModel {
-            fixed: attn_fixed.max(mlp_fixed).max(head_fixed),
-            sincos: u64::from(spec.head_dim)
-                .saturating_mul(max_seq_len)
-                .saturating_mul(4),
-            attn: att
-                .saturating_mul(u64::from(spec.n_heads))
-                .saturating_mul(4)
-                .saturating_add(128),
-            logits: lb.saturating_mul(spec.vocab_size).saturating_mul(4),
-            embed_state: lb.saturating_mul(h).saturating_mul(2),
+            dims: Dims::new(spec, runtime, max_seq_len, batch),
         }
     }
 
     /// Scratch of a device that hosts what `hosts` says.
     pub fn for_hosts(&self, hosts: Hosts) -> u64 {
-        let mut s = 0u64;
-        if hosts.layers || hosts.head {
-            s = self.fixed.saturating_add(self.sincos);
-        }
-        if hosts.layers {
-            s = s.saturating_add(self.attn);
-        }
-        if hosts.head {
-            s = s.saturating_add(self.logits);
-        }
-        if hosts.embed && !hosts.layers && !hosts.head {
-            s = s.saturating_add(self.embed_state);
-        }
-        s
+        Workspace::new(&self.dims, hosts).bytes
     }
 }
 
@@ -372,18 +317,5 @@ mod tests {
         assert_eq!(small.effective(), (256, 256 * 256));
         let off = RuntimeSpec::default();
         assert_eq!(off.effective(), (2048, 2048 * 2048));
-    }
-
-    #[test]
-    fn scratch_formula() {
-        let s = spec();
-        let m = ScratchModel::new(&s, &RuntimeSpec::default(), 8192, 1);
-        // MLP: 2048·4096·2+128 + 2·(2048·14336·2+128) + 2·min(4096·14336, 512Mi)
-        let mlp = 2048 * 4096 * 2 + 128 + 2 * (2048 * 14336 * 2 + 128) + 2 * 4096 * 14336;
-        // head: 2·min(4096·128256, 512Mi) = 2·4096·128256 (just under 512Mi)
-        let head: u64 = 2 * 4096 * 128256;
-        assert_eq!(m.fixed, (mlp as u64).max(head));
-        assert_eq!(m.attn, 2048 * 2048 * 32 * 4 + 128);
-        assert_eq!(m.sincos, 128 * 8192 * 4);
     }
 }

@@ -8,12 +8,13 @@ use weightlift_format::{DType, Role, TensorInfo};
 
 use crate::device::{DeviceKind, resolve_device};
 use crate::error::{OutOfMemory, PlanError, Result, Shortfall};
-use crate::memory::{CacheSpec, Hosts, RuntimeSpec, ScratchModel};
+use crate::memory::{CacheSpec, RuntimeSpec, ScratchModel};
 use crate::plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit, to_ranges};
 use crate::request::{DeviceMap, LayerOptions, PlanRequest, SplitMode, Strategy, TpOptions};
 use crate::size::fmt_bytes;
 use crate::synth::converted;
 use crate::tp::{TpInputs, TpSplit, define_split};
+use crate::workspace::Hosts;
 
 /// Variations of a request tried by `fit()` and the out-of-memory fix search, applied without
 /// cloning the tensor table.

@@ -63,6 +63,7 @@ impl ToPyErr for EngineError {
             EngineError::Invalid { .. } => raise(Exc::Plan, self.to_string()),
             EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
             EngineError::NotLoaded { .. } => raise(Exc::Weightlift, self.to_string()),
+            EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
         }
     }
 }
@@ -779,7 +780,7 @@ impl Model {
             Some(c) if c.cast::<Cache>().is_err() => {
                 let spec = cache_spec_from(c)?;
                 let inner = self.lock()?;
-                let dtype = we::planned::cache_dtype(spec.dtype);
+                let dtype = spec.dtype;
                 let cfg = eng(inner.model.cache_config(
                     spec.max_seq_len,
                     spec.batch_size,
@@ -1014,7 +1015,7 @@ impl Cache {
         lazy: bool,
         offload: bool,
     ) -> PyResult<Self> {
-        let d = eng(CacheDType::parse(dtype))?;
+        let d = CacheDType::parse(dtype).map_err(plan_err)?;
         let m = model.get();
         let mut inner = m.lock()?;
         let cfg = eng(inner

@@ -29,6 +29,7 @@ pub enum Exc {
     LoadCancelled,
     Closed,
     Plan,
+    ContextFull,
 }
 
 impl Exc {
@@ -43,6 +44,7 @@ impl Exc {
             Exc::LoadCancelled => "LoadCancelled",
             Exc::Closed => "ClosedError",
             Exc::Plan => "PlanError",
+            Exc::ContextFull => "ContextFullError",
         }
     }
 }

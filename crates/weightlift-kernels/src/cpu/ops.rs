@@ -106,6 +106,34 @@ pub struct RopeParams {
 /// `θ = p · freq_scale · freq_base^(−2i/n_dims)`: `(a, b) → (a cos θ − b sin θ, a sin θ + b cos θ)`,
 /// as ggml's `rope_yarn` with extrapolation factor 0.
 pub fn rope(x: &[f32], positions: &[i32], p: &RopeParams, out: &mut [f32]) -> Result<()> {
+    check_len("rope output values", x.len(), out.len())?;
+    out.copy_from_slice(x);
+    rope_in_place(out, positions, p, &rope_inv_freqs(p, None)?)
+}
+
+/// The angle per position of each rotated pair: `freq_scale · freq_base^(−2i/n_dims)`, divided
+/// by `factors[i]` when given (Llama 3's `rope_freqs`, as ggml's `rope` with freq factors).
+pub fn rope_inv_freqs(p: &RopeParams, factors: Option<&[f32]>) -> Result<Vec<f32>> {
+    let half = p.n_dims / 2;
+    if let Some(f) = factors {
+        check_len("rope frequency factors", half, f.len())?;
+    }
+    Ok((0..half)
+        .map(|i| {
+            let inv = p.freq_scale * p.freq_base.powf(-2.0 * i as f32 / p.n_dims as f32);
+            factors.map_or(inv, |f| inv / f[i])
+        })
+        .collect())
+}
+
+/// [`rope`] in place, with the per-pair angles of [`rope_inv_freqs`] (`n_dims / 2` of them):
+/// pair `i` at position `p` turns by `θ = p · inv_freqs[i]`.
+pub fn rope_in_place(
+    x: &mut [f32],
+    positions: &[i32],
+    p: &RopeParams,
+    inv_freqs: &[f32],
+) -> Result<()> {
     let hd = p.head_dim;
     if !p.n_dims.is_multiple_of(2) || p.n_dims > hd || p.n_dims == 0 {
         return Err(KernelError::Shape {
@@ -116,8 +144,9 @@ pub fn rope(x: &[f32], positions: &[i32], p: &RopeParams, out: &mut [f32]) -> Re
             ),
         });
     }
+    let half = p.n_dims / 2;
+    check_len("rope frequencies", half, inv_freqs.len())?;
     let heads = rows_of("rope", x.len(), hd)?;
-    check_len("rope output values", x.len(), out.len())?;
     let n_tok = positions.len();
     if n_tok == 0 || heads % n_tok != 0 {
         return Err(KernelError::Shape {
@@ -127,34 +156,32 @@ pub fn rope(x: &[f32], positions: &[i32], p: &RopeParams, out: &mut [f32]) -> Re
             ),
         });
     }
-    let n_heads = heads / n_tok;
-    let tok_len = n_heads * hd;
-    let half = p.n_dims / 2;
-    let inv: Vec<f32> = (0..half)
-        .map(|i| p.freq_base.powf(-2.0 * i as f32 / p.n_dims as f32))
-        .collect();
-    x.par_chunks(tok_len)
-        .zip(out.par_chunks_mut(tok_len))
+    let tok_len = heads / n_tok * hd;
+    x.par_chunks_mut(tok_len)
         .zip(positions.par_iter())
-        .for_each(|((xt, ot), pos)| {
-            let cs: Vec<(f32, f32)> = inv
-                .iter()
-                .map(|f| {
-                    let th = *pos as f32 * p.freq_scale * f;
-                    (th.cos(), th.sin())
-                })
-                .collect();
-            for (xh, oh) in xt.chunks_exact(hd).zip(ot.chunks_exact_mut(hd)) {
+        .for_each(|(xt, pos)| {
+            let mut cs = [(0f32, 0f32); 256];
+            let mut cs_vec = Vec::new();
+            let cs: &mut [(f32, f32)] = if half <= cs.len() {
+                &mut cs[..half]
+            } else {
+                cs_vec.resize(half, (0.0, 0.0));
+                &mut cs_vec
+            };
+            for (c, f) in cs.iter_mut().zip(inv_freqs) {
+                let th = *pos as f32 * f;
+                *c = (th.cos(), th.sin());
+            }
+            for xh in xt.chunks_exact_mut(hd) {
                 for (i, (c, s)) in cs.iter().enumerate() {
                     let (ia, ib) = match p.style {
                         RopeStyle::Normal => (2 * i, 2 * i + 1),
                         RopeStyle::Neox => (i, i + half),
                     };
                     let (a, b) = (xh[ia], xh[ib]);
-                    oh[ia] = a * c - b * s;
-                    oh[ib] = a * s + b * c;
+                    xh[ia] = a * c - b * s;
+                    xh[ib] = a * s + b * c;
                 }
-                oh[p.n_dims..].copy_from_slice(&xh[p.n_dims..]);
             }
         });
     Ok(())

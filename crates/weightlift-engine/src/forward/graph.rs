@@ -1,0 +1,752 @@
+//! The llama-family graph over a loaded model: which held tensor plays which part in each
+//! layer, on which device each part computes, and the forward call that runs it.
+//!
+//! The family variants are data read once from the checkpoint, never tests on the
+//! architecture name inside the layer code: the RoPE pairing ([`RopeStyle`]), the q/k/v biases
+//! (qwen2), a tied head (`token_embd` when there is no `output.weight`) and Llama 3 frequency
+//! factors.
+
+use std::sync::Arc;
+
+use weightlift_format::{Format, ModelSpec, Role, TensorInfo};
+use weightlift_kernels::cpu::matvec::{matmul, matvec};
+use weightlift_kernels::{QuantType, RopeParams, RopeStyle};
+use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
+
+use super::attention::{self, Shape, Tiles};
+use super::{Compute, Copies, Logits, Site, Views, carve, check_tokens, host_weight};
+use crate::cache::Cache;
+use crate::device::{Buffer, Device};
+use crate::error::{EngineError, Result, invalid};
+use crate::model::Held;
+use crate::source::Source;
+
+/// The architectures the forward pass runs.
+pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2"];
+
+/// A held tensor: in the model's tensor list, or one of its extra copies (a tied head).
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Tensor(usize),
+    Copy(usize),
+}
+
+/// A matrix `rows × cols` and its optional f32 bias.
+#[derive(Debug)]
+struct Linear {
+    slot: Slot,
+    name: String,
+    rows: usize,
+    cols: usize,
+    bias: Option<Vec<f32>>,
+}
+
+#[derive(Debug)]
+struct Layer {
+    site: usize,
+    kv_heads: usize,
+    attn_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ffn_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// The graph of a loaded model, with one workspace per computing device.
+#[derive(Debug)]
+pub(crate) struct Graph {
+    sites: Vec<Site>,
+    layers: Vec<Layer>,
+    embed: Linear,
+    embed_site: usize,
+    out_norm: Vec<f32>,
+    head: Linear,
+    head_site: usize,
+    dims: Dims,
+    eps: f32,
+    rope: RopeParams,
+    inv_freqs: Vec<f32>,
+    max_dq: usize,
+}
+
+/// What the model's state lends the graph to build it.
+pub(crate) struct Loaded<'a> {
+    pub source: &'a dyn Source,
+    pub held: &'a [Held],
+    pub copies: &'a [(usize, Held)],
+    pub scratch: &'a [Buffer],
+    pub layer_devices: &'a [String],
+    pub resolve: &'a dyn Fn(&str) -> Result<Arc<Device>>,
+}
+
+fn f32_vector(held: &Held, info: &TensorInfo) -> Result<Vec<f32>> {
+    let (bytes, ty) = host_weight(held, &info.name)?;
+    let n = info.n_elements() as usize;
+    let mut out = vec![0f32; n];
+    weightlift_kernels::dequantize_f32(ty, bytes, &mut out).map_err(|e| kernel(&info.name, e))?;
+    Ok(out)
+}
+
+fn kernel(what: &str, e: weightlift_kernels::KernelError) -> EngineError {
+    EngineError::Device {
+        device: "cpu".into(),
+        detail: format!("{what}: {e}"),
+    }
+}
+
+impl Graph {
+    /// The graph for the model's spec and held tensors. `forward` is the runtime and cache
+    /// shape the plan reserved scratch for (`None`: no scratch was reserved; each device's
+    /// workspace is then allocated here, for `runtime` and `cache`).
+    pub fn build(
+        m: &Loaded<'_>,
+        spec: &ModelSpec,
+        runtime: &RuntimeSpec,
+        seq_batch: (u64, u64),
+    ) -> Result<Graph> {
+        if !SUPPORTED.contains(&spec.architecture.as_str()) {
+            return Err(EngineError::Unsupported {
+                what: format!("running the '{}' architecture", spec.architecture),
+                detail: format!(
+                    "the forward pass supports {}; this model can still be opened, planned and \
+                     loaded",
+                    SUPPORTED.join(", ")
+                ),
+            });
+        }
+        let infos = m.source.tensors();
+        let find = |role: Role, layer: Option<u32>| -> Option<usize> {
+            infos
+                .iter()
+                .position(|t| t.role == Some(role) && t.layer == layer)
+        };
+        let need = |role: Role, layer: Option<u32>| -> Result<usize> {
+            find(role, layer).ok_or_else(|| EngineError::Validation {
+                path: m.source.path().to_path_buf(),
+                architecture: spec.architecture.clone(),
+                problems: match layer {
+                    Some(l) => format!("layer {l} has no {} tensor", role.name()),
+                    None => format!("no {} tensor", role.name()),
+                },
+            })
+        };
+        let linear = |i: usize, bias: Option<Role>, layer: Option<u32>| -> Result<Linear> {
+            let info = &infos[i];
+            let (rows, cols) = match info.shape.as_slice() {
+                [r, c] => (*r as usize, *c as usize),
+                other => {
+                    return Err(invalid(
+                        format!("tensor '{}'", info.name),
+                        "a 2-D matrix",
+                        format!("shape {other:?}"),
+                    ));
+                }
+            };
+            let bias = match bias.and_then(|b| find(b, layer)) {
+                Some(b) => Some(f32_vector(&m.held[b], &infos[b])?),
+                None => None,
+            };
+            if let Some(b) = &bias
+                && b.len() != rows
+            {
+                return Err(invalid(
+                    format!("bias of '{}'", info.name),
+                    format!("{rows} values"),
+                    b.len(),
+                ));
+            }
+            Ok(Linear {
+                slot: Slot::Tensor(i),
+                name: info.name.clone(),
+                rows,
+                cols,
+                bias,
+            })
+        };
+        let norm = |i: usize| f32_vector(&m.held[i], &infos[i]);
+
+        // Where each part computes: layers on their devices, the embedding and head on the
+        // devices holding their tensors (a tied head on its copy, when the plan made one).
+        let device_of = |h: &Held| -> String {
+            match h {
+                Held::Whole { device, .. } => device.clone(),
+                Held::Split { spec, .. } => spec
+                    .shards
+                    .first()
+                    .map_or_else(|| "cpu".into(), |s| s.0.clone()),
+            }
+        };
+        let embd = need(Role::TokenEmbd, None)?;
+        let (head_slot, head_dev) = match find(Role::Output, None) {
+            Some(i) => (Slot::Tensor(i), device_of(&m.held[i])),
+            None => match m.copies.iter().position(|(i, _)| *i == embd) {
+                Some(c) => (Slot::Copy(c), device_of(&m.copies[c].1)),
+                None => (Slot::Tensor(embd), device_of(&m.held[embd])),
+            },
+        };
+        let head_index = match head_slot {
+            Slot::Tensor(i) => i,
+            Slot::Copy(c) => m.copies[c].0,
+        };
+        let mut head = linear(head_index, None, None)?;
+        head.slot = head_slot;
+
+        let mut sites: Vec<(String, Hosts)> = Vec::new();
+        let mut site = |name: &str, f: &dyn Fn(&mut Hosts)| -> usize {
+            // `disk` layers are computed by the host, as the planner charges them.
+            let name = if name == "disk" { "cpu" } else { name };
+            let i = match sites.iter().position(|(n, _)| n == name) {
+                Some(i) => i,
+                None => {
+                    sites.push((name.to_owned(), Hosts::default()));
+                    sites.len() - 1
+                }
+            };
+            f(&mut sites[i].1);
+            i
+        };
+        let embed_site = site(&device_of(&m.held[embd]), &|h| h.embed = true);
+        let mut layers = Vec::with_capacity(spec.n_layers as usize);
+        for l in 0..spec.n_layers {
+            let dev = m.layer_devices.get(l as usize).ok_or_else(|| {
+                invalid(
+                    "layer devices",
+                    format!("{} layers", spec.n_layers),
+                    m.layer_devices.len(),
+                )
+            })?;
+            let s = site(dev, &|h| h.layers = true);
+            let at = Some(l);
+            layers.push(Layer {
+                site: s,
+                kv_heads: spec.n_kv_heads_at(l) as usize,
+                attn_norm: norm(need(Role::AttnNorm, at)?)?,
+                q: linear(need(Role::AttnQ, at)?, Some(Role::AttnQBias), at)?,
+                k: linear(need(Role::AttnK, at)?, Some(Role::AttnKBias), at)?,
+                v: linear(need(Role::AttnV, at)?, Some(Role::AttnVBias), at)?,
+                o: linear(need(Role::AttnOutput, at)?, Some(Role::AttnOutputBias), at)?,
+                ffn_norm: norm(need(Role::FfnNorm, at)?)?,
+                gate: linear(need(Role::FfnGate, at)?, None, at)?,
+                up: linear(need(Role::FfnUp, at)?, None, at)?,
+                down: linear(need(Role::FfnDown, at)?, None, at)?,
+            });
+        }
+        let head_site = site(&head_dev, &|h| h.head = true);
+        let out_norm = norm(need(Role::OutputNorm, None)?)?;
+        let mut embed = linear(embd, None, None)?;
+        embed.slot = Slot::Tensor(embd);
+
+        let dims = Dims::new(spec, runtime, seq_batch.0, seq_batch.1);
+        if dims.tokens == 0 {
+            return Err(invalid(
+                "runtime max_input_len",
+                "at least 1 token per forward chunk",
+                0,
+            ));
+        }
+        let sites = sites
+            .into_iter()
+            .map(|(name, hosts)| -> Result<Site> {
+                let device = (m.resolve)(&name)?;
+                let layout = Workspace::new(&dims, hosts);
+                let scratch = m
+                    .scratch
+                    .iter()
+                    .position(|b| b.device().name() == device.name());
+                let own = match scratch {
+                    Some(_) => None,
+                    None => Some(device.alloc(layout.bytes)?),
+                };
+                Ok(Site {
+                    device,
+                    layout,
+                    own,
+                    scratch,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+
+        let (rope, inv_freqs) = rope_of(m, spec)?;
+        let g = Graph {
+            sites,
+            layers,
+            embed,
+            embed_site,
+            out_norm,
+            head,
+            head_site,
+            dims,
+            eps: spec.rms_norm_eps as f32,
+            rope,
+            inv_freqs,
+            max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
+        };
+        g.check_shapes(spec)?;
+        Ok(g)
+    }
+
+    fn check_shapes(&self, spec: &ModelSpec) -> Result<()> {
+        let h = self.dims.hidden as usize;
+        let hd = spec.head_dim as usize;
+        let nh = spec.n_heads as usize;
+        let expect = |l: &Linear, rows: usize, cols: usize| -> Result<()> {
+            if (l.rows, l.cols) != (rows, cols) {
+                return Err(invalid(
+                    format!("tensor '{}'", l.name),
+                    format!("{rows} × {cols} for this architecture"),
+                    format!("{} × {}", l.rows, l.cols),
+                ));
+            }
+            Ok(())
+        };
+        let i = self.dims.inter as usize;
+        for l in &self.layers {
+            if l.kv_heads == 0 || nh % l.kv_heads != 0 {
+                return Err(invalid(
+                    "kv heads",
+                    format!("a divisor of the {nh} attention heads"),
+                    l.kv_heads,
+                ));
+            }
+            expect(&l.q, nh * hd, h)?;
+            expect(&l.k, l.kv_heads * hd, h)?;
+            expect(&l.v, l.kv_heads * hd, h)?;
+            expect(&l.o, h, nh * hd)?;
+            expect(&l.gate, i, h)?;
+            expect(&l.up, i, h)?;
+            expect(&l.down, h, i)?;
+        }
+        expect(&self.head, self.dims.vocab as usize, h)?;
+        expect(&self.embed, self.dims.vocab as usize, h)
+    }
+
+    /// The devices the graph computes on, with the bytes of each workspace.
+    pub fn workspaces(&self) -> Vec<(String, u64)> {
+        self.sites
+            .iter()
+            .map(|s| (s.device.name().to_owned(), s.layout.bytes))
+            .collect()
+    }
+
+    /// Run `ids` through the model, appending to `cache` at its `seq_len`, and write the
+    /// logits asked for into `out` (`rows × vocab`, row-major). Returns the copies made.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &mut self,
+        held: &[Held],
+        copies: &[(usize, Held)],
+        scratch: &mut [Buffer],
+        cache: &Arc<Cache>,
+        ids: &[u32],
+        logits: Logits,
+        compute: Compute,
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
+        let vocab = self.dims.vocab as usize;
+        let start = check_tokens(ids, self.dims.vocab, cache)? as usize;
+        let rows = match logits {
+            Logits::Last => 1,
+            Logits::All => ids.len(),
+        };
+        out.clear();
+        out.resize(rows * vocab, 0.0);
+
+        // Views of every site's workspace at once (distinct buffers).
+        let mut spare: Vec<Option<&mut Buffer>> = scratch.iter_mut().map(Some).collect();
+        let mut views: Vec<Views<'_>> = Vec::with_capacity(self.sites.len());
+        for s in &mut self.sites {
+            let buf = match (&mut s.own, s.scratch) {
+                (Some(b), _) => b,
+                (None, Some(i)) => spare[i].take().ok_or_else(|| {
+                    invalid("forward workspaces", "one per device", "a shared buffer")
+                })?,
+                (None, None) => {
+                    return Err(invalid(
+                        "forward workspace",
+                        "a buffer",
+                        format!("none on {}", s.device.name()),
+                    ));
+                }
+            };
+            let name = s.device.name().to_owned();
+            let bytes = buf.host_mut().ok_or_else(|| EngineError::Unsupported {
+                what: format!("the forward pass on {name}"),
+                detail: "cuda layers do not run yet; place layers on cpu or virtual devices".into(),
+            })?;
+            views.push(carve(bytes, &s.layout)?);
+        }
+
+        let c = Consts {
+            hidden: self.dims.hidden as usize,
+            n_heads: self.dims.n_heads as usize,
+            head_dim: self.dims.head_dim as usize,
+            kv_tile: self.dims.kv_tile as usize,
+            q_tile: self.dims.q_tile as usize,
+            eps: self.eps,
+            rope: self.rope,
+            max_dq: self.max_dq,
+            compute,
+        };
+        for v in views.iter_mut() {
+            let len = self.inv_freqs.len().min(v.freqs.len());
+            let f = &mut v.freqs[..len];
+            f.copy_from_slice(&self.inv_freqs[..f.len()]);
+        }
+        let mut copies_made = Copies::default();
+        let chunk = self.dims.tokens as usize;
+        let h = c.hidden;
+        let mut done = 0usize;
+        for part in ids.chunks(chunk) {
+            let n = part.len();
+            let pos = start + done;
+            // Embedding rows, dequantised into the embedding device's residual stream.
+            let (ebytes, ety) = weight_of(held, copies, &self.embed)?;
+            let row_bytes = ebytes.len() / self.embed.rows;
+            let x = &mut views[self.embed_site].x;
+            for (t, id) in part.iter().enumerate() {
+                let r = *id as usize;
+                weightlift_kernels::dequantize_f32(
+                    ety,
+                    &ebytes[r * row_bytes..(r + 1) * row_bytes],
+                    &mut x[t * h..(t + 1) * h],
+                )
+                .map_err(|e| kernel(&self.embed.name, e))?;
+            }
+            let mut at = self.embed_site;
+            for (li, layer) in self.layers.iter().enumerate() {
+                if layer.site != at {
+                    move_rows(&mut views, at, layer.site, 0, n * h, &mut copies_made);
+                    at = layer.site;
+                }
+                run_layer(&c, layer, li, held, copies, cache, pos, n, &mut views[at])?;
+            }
+            cache.set_seq_len((pos + n) as u64)?;
+            // The head: only the rows asked for.
+            let first = match logits {
+                Logits::Last if done + n < ids.len() => {
+                    done += n;
+                    continue;
+                }
+                Logits::Last => n - 1,
+                Logits::All => 0,
+            };
+            let need = n - first;
+            if self.head_site != at {
+                move_rows(
+                    &mut views,
+                    at,
+                    self.head_site,
+                    first * h,
+                    need * h,
+                    &mut copies_made,
+                );
+            }
+            let w = &mut views[self.head_site];
+            let xs = &w.x[first * h..(first + need) * h];
+            weightlift_kernels::rms_norm(xs, &self.out_norm, c.eps, &mut w.xn[..need * h])
+                .map_err(|e| kernel("output_norm", e))?;
+            let (hb, hty) = weight_of(held, copies, &self.head)?;
+            let per = self.dims.logit_rows as usize;
+            let out_row0 = match logits {
+                Logits::Last => 0,
+                Logits::All => done,
+            };
+            for r0 in (0..need).step_by(per) {
+                let nr = per.min(need - r0);
+                let y = &mut w.logits[..nr * vocab];
+                product(&c, hty, hb, &self.head, &w.xn[r0 * h..(r0 + nr) * h], nr, y)?;
+                out[(out_row0 + r0) * vocab..(out_row0 + r0 + nr) * vocab].copy_from_slice(y);
+            }
+            done += n;
+        }
+        Ok(copies_made)
+    }
+}
+
+/// Constants of one forward call.
+struct Consts {
+    hidden: usize,
+    n_heads: usize,
+    head_dim: usize,
+    kv_tile: usize,
+    q_tile: usize,
+    eps: f32,
+    rope: RopeParams,
+    max_dq: usize,
+    compute: Compute,
+}
+
+fn weight_of<'a>(
+    held: &'a [Held],
+    copies: &'a [(usize, Held)],
+    l: &Linear,
+) -> Result<(&'a [u8], QuantType)> {
+    let h = match l.slot {
+        Slot::Tensor(i) => &held[i],
+        Slot::Copy(c) => &copies[c].1,
+    };
+    host_weight(h, &l.name)
+}
+
+/// `y = W x (+ bias)` for `n` tokens: a matrix–vector product for one token, else a matrix
+/// product that reuses each decoded weight across the tokens.
+fn product(
+    c: &Consts,
+    ty: QuantType,
+    w: &[u8],
+    l: &Linear,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) -> Result<()> {
+    let mode = c.compute.mode(ty);
+    let r = if n == 1 {
+        matvec(mode, ty, w, l.rows, l.cols, x, y)
+    } else {
+        matmul(mode, ty, w, l.rows, l.cols, x, n, y, c.max_dq)
+    };
+    r.map_err(|e| kernel(&l.name, e))?;
+    if let Some(b) = &l.bias {
+        for yr in y.chunks_exact_mut(l.rows) {
+            yr.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
+    }
+    Ok(())
+}
+
+fn linear_on(
+    c: &Consts,
+    held: &[Held],
+    copies: &[(usize, Held)],
+    l: &Linear,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) -> Result<()> {
+    let (w, ty) = weight_of(held, copies, l)?;
+    product(c, ty, w, l, &x[..n * l.cols], n, &mut y[..n * l.rows])
+}
+
+/// Copy `len` values of the residual stream at `offset` from site `from` to site `to`.
+fn move_rows(
+    views: &mut [Views<'_>],
+    from: usize,
+    to: usize,
+    offset: usize,
+    len: usize,
+    copies: &mut Copies,
+) {
+    let (src, dst) = if from < to {
+        let (a, b) = views.split_at_mut(to);
+        (&a[from], &mut b[0])
+    } else {
+        let (a, b) = views.split_at_mut(from);
+        (&b[0], &mut a[to])
+    };
+    dst.x[offset..offset + len].copy_from_slice(&src.x[offset..offset + len]);
+    copies.count += 1;
+    copies.bytes += (len * 4) as u64;
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+/// One decoder layer on `n` tokens at positions `pos..pos + n`, in place on `w.x`.
+#[allow(clippy::too_many_arguments)]
+fn run_layer(
+    c: &Consts,
+    l: &Layer,
+    li: usize,
+    held: &[Held],
+    copies: &[(usize, Held)],
+    cache: &Arc<Cache>,
+    pos: usize,
+    n: usize,
+    w: &mut Views<'_>,
+) -> Result<()> {
+    let (h, hd, nh) = (c.hidden, c.head_dim, c.n_heads);
+    let (qd, kvd) = (nh * hd, l.kv_heads * hd);
+    let err = |what: &'static str| move |e| kernel(&format!("layer {li} {what}"), e);
+    // attention
+    weightlift_kernels::rms_norm(&w.x[..n * h], &l.attn_norm, c.eps, &mut w.xn[..n * h])
+        .map_err(err("attn_norm"))?;
+    linear_on(c, held, copies, &l.q, w.xn, n, w.q)?;
+    linear_on(c, held, copies, &l.k, w.xn, n, w.k)?;
+    linear_on(c, held, copies, &l.v, w.xn, n, w.v)?;
+    for (t, p) in w.pos[..n].iter_mut().enumerate() {
+        *p = (pos + t) as i32;
+    }
+    let freqs = &w.freqs[..c.rope.n_dims / 2];
+    weightlift_kernels::rope_in_place(&mut w.q[..n * qd], &w.pos[..n], &c.rope, freqs)
+        .map_err(err("rope"))?;
+    weightlift_kernels::rope_in_place(&mut w.k[..n * kvd], &w.pos[..n], &c.rope, freqs)
+        .map_err(err("rope"))?;
+    cache.write_rows(li, pos as u64, &w.k[..n * kvd], &w.v[..n * kvd])?;
+    let resident = if cache.is_offloaded() {
+        Some(cache.fetch(li)?)
+    } else {
+        None
+    };
+    let shape = Shape {
+        n_heads: nh,
+        kv_heads: l.kv_heads,
+        head_dim: hd,
+        kv_tile: c.kv_tile,
+        q_tile: c.q_tile,
+        f16_operands: c.compute == Compute::Fast
+            && cache.config().dtype == crate::cache::CacheDType::Fp16,
+    };
+    let tiles = Tiles {
+        kt: w.kt,
+        vt: w.vt,
+        scores: w.scores,
+        stats: w.stats,
+        acc: w.att,
+    };
+    // The rotated queries are read from `q`; the attention output replaces them there.
+    attention::attend(
+        shape,
+        cache,
+        li,
+        resident.as_ref(),
+        pos,
+        &mut w.q[..n * qd],
+        tiles,
+    )?;
+    drop(resident);
+    linear_on(c, held, copies, &l.o, w.q, n, w.xn)?;
+    add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
+    // MLP
+    weightlift_kernels::rms_norm(&w.x[..n * h], &l.ffn_norm, c.eps, &mut w.xn[..n * h])
+        .map_err(err("ffn_norm"))?;
+    let i = l.gate.rows;
+    linear_on(c, held, copies, &l.gate, w.xn, n, w.gate)?;
+    linear_on(c, held, copies, &l.up, w.xn, n, w.up)?;
+    swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i]).map_err(err("swiglu"))?;
+    linear_on(c, held, copies, &l.down, w.gate, n, w.xn)?;
+    add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
+    Ok(())
+}
+
+/// `gate = silu(gate) * up`, through the kernel in stack-sized pieces.
+fn swiglu_in_place(gate: &mut [f32], up: &[f32]) -> weightlift_kernels::Result<()> {
+    use rayon::prelude::*;
+    const PIECE: usize = 1024;
+    gate.par_chunks_mut(PIECE)
+        .zip(up.par_chunks(PIECE))
+        .try_for_each(|(g, u)| {
+            let mut tmp = [0f32; PIECE];
+            let t = &mut tmp[..g.len()];
+            weightlift_kernels::swiglu(g, u, t)?;
+            g.copy_from_slice(t);
+            Ok(())
+        })
+}
+
+/// RoPE pairing and per-pair angles: adjacent pairs for GGUF llama/mistral (whose q/k rows
+/// the converter permuted), rotate-half (NeoX) for qwen2 and for Hugging Face checkpoints;
+/// Llama 3 frequency factors from `rope_freqs.weight` or the config's `rope_scaling`.
+fn rope_of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<(RopeParams, Vec<f32>)> {
+    let gguf = m.source.checkpoint().map(|c| c.format()) == Some(Format::Gguf);
+    let style = if gguf && spec.architecture != "qwen2" {
+        RopeStyle::Normal
+    } else {
+        RopeStyle::Neox
+    };
+    let head_dim = spec.head_dim as usize;
+    let n_dims = (spec.rope_dim as usize).clamp(2, head_dim) & !1;
+    let mut p = RopeParams {
+        style,
+        head_dim,
+        n_dims,
+        freq_base: spec.rope_theta as f32,
+        freq_scale: 1.0,
+    };
+    let infos = m.source.tensors();
+    let factors = match infos.iter().position(|t| t.role == Some(Role::RopeFreqs)) {
+        Some(i) => Some(f32_vector(&m.held[i], &infos[i])?),
+        None => {
+            let cfg = m.source.checkpoint().and_then(|c| c.config());
+            match cfg.and_then(rope_scaling) {
+                Some(Scaling::Linear(f)) => {
+                    p.freq_scale = 1.0 / f;
+                    None
+                }
+                Some(Scaling::Llama3 {
+                    factor,
+                    low,
+                    high,
+                    original,
+                }) => Some(llama3_factors(&p, factor, low, high, original)),
+                None => None,
+            }
+        }
+    };
+    let inv = weightlift_kernels::rope_inv_freqs(&p, factors.as_deref())
+        .map_err(|e| kernel("rope frequencies", e))?;
+    Ok((p, inv))
+}
+
+enum Scaling {
+    Linear(f32),
+    Llama3 {
+        factor: f32,
+        low: f32,
+        high: f32,
+        original: f32,
+    },
+}
+
+/// `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) of a config.
+fn rope_scaling(cfg: &serde_json::Value) -> Option<Scaling> {
+    let r = cfg
+        .get("rope_scaling")
+        .filter(|v| !v.is_null())
+        .or_else(|| cfg.get("rope_parameters"))?;
+    let kind = r
+        .get("rope_type")
+        .or_else(|| r.get("type"))
+        .and_then(|v| v.as_str())?;
+    let num = |k: &str| {
+        r.get(k)
+            .and_then(serde_json::Value::as_f64)
+            .map(|v| v as f32)
+    };
+    match kind {
+        "linear" => Some(Scaling::Linear(num("factor")?)),
+        "llama3" => Some(Scaling::Llama3 {
+            factor: num("factor")?,
+            low: num("low_freq_factor")?,
+            high: num("high_freq_factor")?,
+            original: num("original_max_position_embeddings")?,
+        }),
+        _ => None,
+    }
+}
+
+/// Llama 3's per-pair divisors of the angle (transformers' `_compute_llama3_parameters`):
+/// long wavelengths slow down by `factor`, short ones stay, and the band between is blended.
+fn llama3_factors(p: &RopeParams, factor: f32, low: f32, high: f32, original: f32) -> Vec<f32> {
+    let low_wavelen = original / low;
+    let high_wavelen = original / high;
+    (0..p.n_dims / 2)
+        .map(|i| {
+            let inv = p.freq_base.powf(-2.0 * i as f32 / p.n_dims as f32);
+            let wavelen = 2.0 * std::f32::consts::PI / inv;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (original / wavelen - low) / (high - low);
+                let scaled = (1.0 - smooth) * inv / factor + smooth * inv;
+                inv / scaled
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,437 @@
+//! The forward pass of the llama family (llama, mistral, qwen2), carried out where the plan put
+//! every layer.
+//!
+//! - Each layer computes on the device that holds it. `cpu`, `disk` (computed by the host) and
+//!   `virtual:N` run the CPU kernels on host memory; the activations, the new keys and values
+//!   and the attention tiles live in that device's [`Workspace`], carved out of the scratch the
+//!   plan reserved there (the planner and this module share the one layout, so the plan's
+//!   scratch column is what a forward pass holds). At a device boundary the hidden state is
+//!   copied from one workspace to the next, and the copy is counted ([`Copies`]).
+//! - The KV cache is the [`Cache`], written in place at the sequence position.
+//! - Prompts run in chunks of the workspace's `tokens` (`max_input_len`); attention is tiled
+//!   (`max_attention_size` weights per head at most) with an online softmax; logits are
+//!   computed only for the rows asked for, [`LOGIT_ROWS`](weightlift_plan::LOGIT_ROWS) at a time.
+//! - [`Compute::Fast`] multiplies quantised weights with 8-bit-quantised activations, as
+//!   llama.cpp's CPU backend does (for the types its scheme covers; other types run exactly);
+//!   [`Compute::Exact`] multiplies f32 activations with weights dequantised in registers.
+//!
+//! Placement never changes results: every device runs the same kernels on the same shapes.
+
+mod attention;
+mod graph;
+
+use std::sync::Arc;
+
+use weightlift_kernels::{Isa, MatvecMode, QuantType};
+use weightlift_plan::{Region, Workspace};
+
+use crate::cache::Cache;
+use crate::device::{Buffer, Device};
+use crate::error::{EngineError, Result, invalid};
+use crate::model::Held;
+
+pub(crate) use graph::Graph;
+
+/// How the matrix products treat activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Compute {
+    /// Quantised weights × 8-bit-quantised activations, as llama.cpp.
+    #[default]
+    Fast,
+    /// f32 activations × weights dequantised in registers: the mode checked against
+    /// transformers.
+    Exact,
+}
+
+impl Compute {
+    pub fn parse(s: &str) -> Result<Compute> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "fast" => Ok(Compute::Fast),
+            "exact" => Ok(Compute::Exact),
+            _ => Err(invalid("compute", "'fast' or 'exact'", format!("'{s}'"))),
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Compute::Fast => "fast",
+            Compute::Exact => "exact",
+        }
+    }
+
+    fn mode(self, ty: QuantType) -> MatvecMode {
+        let q8 = matches!(
+            ty,
+            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
+        );
+        if self == Compute::Fast && q8 {
+            MatvecMode::Q8
+        } else {
+            MatvecMode::Exact
+        }
+    }
+}
+
+/// Which positions get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Logits {
+    /// The last position only (llama.cpp's default).
+    #[default]
+    Last,
+    /// Every position (llama.cpp's `logits_all`).
+    All,
+}
+
+impl Logits {
+    pub fn parse(s: &str) -> Result<Logits> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "last" => Ok(Logits::Last),
+            "all" => Ok(Logits::All),
+            _ => Err(invalid("logits", "'last' or 'all'", format!("'{s}'"))),
+        }
+    }
+}
+
+/// Hidden-state copies between devices during one forward call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Copies {
+    pub count: u64,
+    pub bytes: u64,
+}
+
+/// One device's workspace: the buffer it lives in and its layout.
+#[derive(Debug)]
+pub(crate) struct Site {
+    pub device: Arc<Device>,
+    pub layout: Workspace,
+    /// The workspace's own buffer, when the load reserved no scratch on the device.
+    pub own: Option<Buffer>,
+    /// Index of the device's scratch buffer in the model state, when it did.
+    pub scratch: Option<usize>,
+}
+
+/// Mutable f32 views of one workspace's regions.
+pub(crate) struct Views<'a> {
+    pub x: &'a mut [f32],
+    pub xn: &'a mut [f32],
+    pub q: &'a mut [f32],
+    pub att: &'a mut [f32],
+    pub k: &'a mut [f32],
+    pub v: &'a mut [f32],
+    pub gate: &'a mut [f32],
+    pub up: &'a mut [f32],
+    pub kt: &'a mut [f32],
+    pub vt: &'a mut [f32],
+    pub scores: &'a mut [f32],
+    pub stats: &'a mut [f32],
+    pub pos: &'a mut [i32],
+    pub freqs: &'a mut [f32],
+    pub logits: &'a mut [f32],
+}
+
+/// Split a workspace buffer into its regions (laid out in this order by [`Workspace::new`]).
+pub(crate) fn carve<'a>(bytes: &'a mut [u8], w: &Workspace) -> Result<Views<'a>> {
+    if (bytes.len() as u64) < w.bytes {
+        return Err(invalid(
+            "forward workspace",
+            format!("{} bytes of scratch", w.bytes),
+            format!(
+                "{} bytes reserved; the model was loaded for another runtime or cache",
+                bytes.len()
+            ),
+        ));
+    }
+    let floats: &mut [f32] = bytemuck::try_cast_slice_mut(&mut bytes[..w.bytes as usize])
+        .map_err(|e| invalid("forward workspace alignment", "4-byte aligned", e))?;
+    let mut rest = floats;
+    let mut at = 0u64;
+    let mut take = |r: Region| -> &'a mut [f32] {
+        if r.len == 0 {
+            return &mut [];
+        }
+        let skip = (r.offset / 4 - at) as usize;
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(skip.min(tail.len()));
+        let (head, tail) = tail.split_at_mut((r.len as usize).min(tail.len()));
+        rest = tail;
+        at = r.offset / 4 + r.len;
+        head
+    };
+    Ok(Views {
+        x: take(w.x),
+        xn: take(w.xn),
+        q: take(w.q),
+        att: take(w.att),
+        k: take(w.k),
+        v: take(w.v),
+        gate: take(w.gate),
+        up: take(w.up),
+        kt: take(w.kt),
+        vt: take(w.vt),
+        scores: take(w.scores),
+        stats: take(w.stats),
+        pos: bytemuck::cast_slice_mut(take(w.pos)),
+        freqs: take(w.freqs),
+        logits: take(w.logits),
+    })
+}
+
+/// The bytes and kernel type of a held tensor computed on by the host.
+pub(crate) fn host_weight<'a>(held: &'a Held, name: &str) -> Result<(&'a [u8], QuantType)> {
+    let Held::Whole { tensor, device } = held else {
+        return Err(EngineError::Unsupported {
+            what: format!("a forward pass over split tensor '{name}'"),
+            detail: "tensor-parallel and row-split layers do not run yet; load with a layer \
+                     split (autosplit, layers, balanced)"
+                .into(),
+        });
+    };
+    let bytes = tensor
+        .host_bytes()
+        .ok_or_else(|| EngineError::Unsupported {
+            what: format!("the forward pass on {device}"),
+            detail: "cuda layers do not run yet; place layers on cpu or virtual devices".into(),
+        })?;
+    let ty =
+        QuantType::from_name(tensor.dtype().name()).ok_or_else(|| EngineError::Unsupported {
+            what: format!("tensor '{name}' of type {}", tensor.dtype()),
+            detail: "the kernels have no matrix product for it".into(),
+        })?;
+    Ok((bytes, ty))
+}
+
+/// The instruction set the kernels use, detected once.
+pub(crate) fn isa() -> Isa {
+    Isa::detect()
+}
+
+/// Validate token ids and the cache room for a forward call of `n` ids at `start`.
+pub(crate) fn check_tokens(ids: &[u32], vocab: u64, cache: &Cache) -> Result<u64> {
+    if ids.is_empty() {
+        return Err(invalid(
+            "token ids",
+            "at least one token",
+            "an empty prompt",
+        ));
+    }
+    if let Some((i, id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, id)| u64::from(**id) >= vocab)
+    {
+        return Err(invalid(
+            format!("token id at position {i}"),
+            format!("below the vocabulary size {vocab}"),
+            id,
+        ));
+    }
+    let start = cache.seq_len();
+    let max = cache.config().max_seq_len;
+    let end = start + ids.len() as u64;
+    if end > max {
+        return Err(EngineError::ContextFull {
+            tokens: ids.len() as u64,
+            held: start,
+            max_seq_len: max,
+        });
+    }
+    Ok(start)
+}
+
+/// How a model runs: its thread pool and compute mode. One persistent pool serves every
+/// forward call, so no thread is created per token.
+#[derive(Debug, Default)]
+pub struct Runner {
+    threads: usize,
+    pool: Option<Arc<rayon::ThreadPool>>,
+    compute: Compute,
+}
+
+/// Physical cores this process may run on (the `n_threads` default, as llama.cpp's), from the
+/// CPU topology in sysfs; the logical count where that cannot be read.
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let read = |p: String| std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned());
+    let mut cores = std::collections::BTreeSet::new();
+    for cpu in 0..logical.max(1) * 4 {
+        let base = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
+        let (Some(pkg), Some(core)) = (
+            read(format!("{base}/physical_package_id")),
+            read(format!("{base}/core_id")),
+        ) else {
+            continue;
+        };
+        cores.insert((pkg, core));
+    }
+    if cores.is_empty() {
+        logical
+    } else {
+        cores.len().min(logical)
+    }
+}
+
+impl crate::Model {
+    /// Threads the forward pass runs on (0 until set: physical cores).
+    pub fn n_threads(&self) -> usize {
+        if self.runner.threads == 0 {
+            physical_cores()
+        } else {
+            self.runner.threads
+        }
+    }
+
+    /// Run the forward pass on `threads` threads (0: physical cores). The pool is made once.
+    pub fn set_threads(&mut self, threads: usize) -> Result<()> {
+        let n = if threads == 0 {
+            physical_cores()
+        } else {
+            threads
+        };
+        if self.runner.pool.is_none() || self.runner.threads != n {
+            let pool = weightlift_kernels::thread_pool(n).map_err(|e| EngineError::Device {
+                device: "cpu".into(),
+                detail: format!("starting {n} threads: {e}"),
+            })?;
+            self.runner.pool = Some(Arc::new(pool));
+            self.runner.threads = n;
+        }
+        Ok(())
+    }
+
+    pub fn compute(&self) -> Compute {
+        self.runner.compute
+    }
+
+    pub fn set_compute(&mut self, compute: Compute) {
+        self.runner.compute = compute;
+    }
+
+    /// Run `ids` through the model. With `cache` the tokens are appended at its `seq_len`;
+    /// without, the model's own cache (attached at load) is reset and used from position 0.
+    /// `out` receives `rows × vocab` logits (row-major): the last position, or every one.
+    pub fn forward(
+        &mut self,
+        ids: &[u32],
+        cache: Option<&Arc<Cache>>,
+        logits: Logits,
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
+        if self.runner.pool.is_none() {
+            self.set_threads(self.runner.threads)?;
+        }
+        let spec = self
+            .source()
+            .spec()
+            .cloned()
+            .ok_or_else(|| EngineError::Unsupported {
+                what: "running this checkpoint".into(),
+                detail: "its architecture could not be read from the metadata or config.json"
+                    .into(),
+            })?;
+        let source = Arc::clone(self.source());
+        let inventory = self.inventory().clone();
+        let compute = self.runner.compute;
+        let pool = self.runner.pool.clone();
+        let state = self.state.as_mut().ok_or_else(|| EngineError::NotLoaded {
+            what: "the model".into(),
+        })?;
+        let cache = match cache {
+            Some(c) => Arc::clone(c),
+            None => {
+                let c = state.cache.clone().ok_or_else(|| EngineError::NotLoaded {
+                    what: "a cache for this model (pass one, or load with a cache)".into(),
+                })?;
+                c.reset();
+                c
+            }
+        };
+        check_cache(&cache, &spec)?;
+        if state.graph.is_none() {
+            let plan = state.forward.unwrap_or(crate::model::ForwardPlan {
+                runtime: weightlift_plan::RuntimeSpec::default(),
+                max_seq_len: cache.config().max_seq_len,
+                batch: cache.config().batch_size,
+            });
+            let resolve = |name: &str| -> Result<Arc<Device>> {
+                if name == "disk" {
+                    return Ok(Arc::clone(inventory.cpu()));
+                }
+                inventory.get(name)
+            };
+            let loaded = graph::Loaded {
+                source: source.as_ref(),
+                held: &state.held,
+                copies: &state.copies,
+                scratch: &state.scratch,
+                layer_devices: &state.layer_devices,
+                resolve: &resolve,
+            };
+            state.graph = Some(Graph::build(
+                &loaded,
+                &spec,
+                &plan.runtime,
+                (plan.max_seq_len, plan.batch),
+            )?);
+        }
+        let crate::model::State {
+            graph,
+            held,
+            copies,
+            scratch,
+            ..
+        } = state;
+        let Some(graph) = graph.as_mut() else {
+            return Err(EngineError::NotLoaded {
+                what: "the forward graph".into(),
+            });
+        };
+        let mut run = || graph.forward(held, copies, scratch, &cache, ids, logits, compute, out);
+        match pool {
+            Some(p) => p.install(run),
+            None => run(),
+        }
+    }
+
+    /// Bytes of each device's forward workspace (after the first forward call).
+    pub fn workspaces(&self) -> Vec<(String, u64)> {
+        self.state
+            .as_ref()
+            .and_then(|s| s.graph.as_ref())
+            .map_or_else(Vec::new, Graph::workspaces)
+    }
+}
+
+/// A cache must have this model's shape and be allocated.
+fn check_cache(cache: &Cache, spec: &weightlift_format::ModelSpec) -> Result<()> {
+    let c = cache.config();
+    let heads: Vec<u32> = (0..spec.n_layers).map(|l| spec.n_kv_heads_at(l)).collect();
+    if c.n_kv_heads != heads || c.head_dim != spec.head_dim {
+        return Err(invalid(
+            "cache",
+            format!(
+                "one built for this model ({} layers, {} kv heads of {})",
+                spec.n_layers,
+                heads.first().copied().unwrap_or(0),
+                spec.head_dim
+            ),
+            format!(
+                "{} layers, {} kv heads of {}; it was built for another model",
+                c.n_kv_heads.len(),
+                c.n_kv_heads.first().copied().unwrap_or(0),
+                c.head_dim
+            ),
+        ));
+    }
+    if c.batch_size != 1 {
+        return Err(EngineError::Unsupported {
+            what: format!("a forward pass with a cache of batch_size {}", c.batch_size),
+            detail: "the forward pass runs one sequence; use batch_size=1".into(),
+        });
+    }
+    if !cache.is_allocated() {
+        return Err(EngineError::NotLoaded {
+            what: "the cache (load the model with it first)".into(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,272 @@
+//! The forward pass's working memory on one device, region by region: the one definition that
+//! both the planner (to charge scratch) and the engine (to carve its buffers out of that
+//! scratch) use, so the plan's scratch column is exactly what a forward pass holds.
+//!
+//! With `T = min(max_input_len, max_seq_len) × batch` tokens per chunk, `h` the hidden size,
+//! `qd = n_heads × head_dim`, `kvd = max(n_kv_heads) × head_dim`, `i` the MLP width and `V` the
+//! vocabulary, all in f32 unless noted, each region rounded up to [`ALIGN`] bytes:
+//!
+//! | region | values | held by a device that computes |
+//! |---|---|---|
+//! | `x` (the residual stream) | `T·h` | anything |
+//! | `xn` (normed input, projection output) | `T·h` | layers or the head |
+//! | `q`, `att` (queries; attention output) | `T·qd` each | layers |
+//! | `k`, `v` (this chunk's keys and values) | `T·kvd` each | layers |
+//! | `gate`, `up` (MLP) | `T·i` each | layers |
+//! | `kt`, `vt` (a tile of cached keys and values, decoded) | `Tk·kvd` each | layers |
+//! | `scores` (attention weights of one tile, every head) | `n_heads·Tq·Tk` | layers |
+//! | `stats` (running max and sum of the online softmax) | `2·T·n_heads` | layers |
+//! | `pos` (positions, i32) and `freqs` (RoPE inverse frequencies) | `T` and `head_dim/2` | layers |
+//! | `logits` | `R·V` | the head |
+//!
+//! `Tk = min(KV_TILE, max_seq_len, max_attention_size)` keys per tile, and
+//! `Tq = min(T, max(1, max_attention_size / Tk))` queries per tile, so no head ever holds more
+//! than `max_attention_size` attention weights. `R = min(LOGIT_ROWS, T)`: logits for more rows
+//! (`logits="all"`) are produced `R` rows at a time straight into the caller's array.
+//!
+//! Weights are used in their stored type (the CPU kernels dequantise in registers), so no
+//! dequantisation buffer is reserved; `max_dq_size` bounds the kernels' own tiles.
+
+use weightlift_format::ModelSpec;
+
+use crate::memory::RuntimeSpec;
+
+/// Alignment of every region, in bytes.
+pub const ALIGN: u64 = 64;
+/// Cached keys decoded per attention tile.
+pub const KV_TILE: u64 = 256;
+/// Rows of logits computed at once.
+pub const LOGIT_ROWS: u64 = 32;
+
+/// What a device computes, which decides the regions it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Hosts {
+    /// Decoder layers.
+    pub layers: bool,
+    /// The output norm and head.
+    pub head: bool,
+    /// The token embedding lookup.
+    pub embed: bool,
+}
+
+impl Hosts {
+    /// Whether the device computes anything.
+    pub fn any(self) -> bool {
+        self.layers || self.head || self.embed
+    }
+}
+
+/// Sizes that decide the workspace, from the spec, the cache and the runtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    /// Tokens per chunk, `T`.
+    pub tokens: u64,
+    pub hidden: u64,
+    pub q_dim: u64,
+    pub kv_dim: u64,
+    pub inter: u64,
+    pub vocab: u64,
+    pub n_heads: u64,
+    pub head_dim: u64,
+    /// Keys per attention tile, `Tk`.
+    pub kv_tile: u64,
+    /// Queries per attention tile, `Tq`.
+    pub q_tile: u64,
+    /// Rows of logits at once, `R`.
+    pub logit_rows: u64,
+}
+
+impl Dims {
+    /// The dimensions for `spec` with a cache of `max_seq_len × batch` and `runtime`. A runtime
+    /// with `max_input_len == 0` ([`RuntimeSpec::none`]) plans no forward pass: `tokens` is 0.
+    pub fn new(spec: &ModelSpec, runtime: &RuntimeSpec, max_seq_len: u64, batch: u64) -> Dims {
+        let (max_input, max_attn) = runtime.effective();
+        let seq = max_seq_len.max(1);
+        let tokens = if max_input == 0 {
+            0
+        } else {
+            max_input.min(seq).saturating_mul(batch.max(1))
+        };
+        let head_dim = u64::from(spec.head_dim);
+        let kv_heads = u64::from(spec.n_kv_heads.iter().copied().max().unwrap_or(0));
+        let kv_tile = KV_TILE.min(seq).min(max_attn.max(1));
+        Dims {
+            tokens,
+            hidden: spec.hidden_size,
+            q_dim: u64::from(spec.n_heads).saturating_mul(head_dim),
+            kv_dim: kv_heads.saturating_mul(head_dim),
+            inter: spec.intermediate_size,
+            vocab: spec.vocab_size,
+            n_heads: u64::from(spec.n_heads),
+            head_dim,
+            kv_tile,
+            q_tile: tokens.min((max_attn / kv_tile).max(1)),
+            logit_rows: LOGIT_ROWS.min(tokens),
+        }
+    }
+}
+
+/// A named region: byte offset and length in values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Region {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// The regions of one device's workspace, laid out in order; absent regions have length 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Workspace {
+    pub x: Region,
+    pub xn: Region,
+    pub q: Region,
+    pub att: Region,
+    pub k: Region,
+    pub v: Region,
+    pub gate: Region,
+    pub up: Region,
+    pub kt: Region,
+    pub vt: Region,
+    pub scores: Region,
+    pub stats: Region,
+    pub pos: Region,
+    pub freqs: Region,
+    pub logits: Region,
+    /// Total bytes.
+    pub bytes: u64,
+}
+
+impl Workspace {
+    /// The layout for a device that computes `hosts`. Every value is 4 bytes (f32 or i32).
+    pub fn new(d: &Dims, hosts: Hosts) -> Workspace {
+        let mut w = Workspace::default();
+        if d.tokens == 0 || !hosts.any() {
+            return w;
+        }
+        let t = d.tokens;
+        let mut at = 0u64;
+        let mut take = |len: u64| {
+            let r = Region { offset: at, len };
+            let bytes = len.saturating_mul(4);
+            at = at.saturating_add(bytes.div_ceil(ALIGN).saturating_mul(ALIGN));
+            r
+        };
+        w.x = take(t.saturating_mul(d.hidden));
+        if hosts.layers || hosts.head {
+            w.xn = take(t.saturating_mul(d.hidden));
+        }
+        if hosts.layers {
+            w.q = take(t.saturating_mul(d.q_dim));
+            w.att = take(t.saturating_mul(d.q_dim));
+            w.k = take(t.saturating_mul(d.kv_dim));
+            w.v = take(t.saturating_mul(d.kv_dim));
+            w.gate = take(t.saturating_mul(d.inter));
+            w.up = take(t.saturating_mul(d.inter));
+            w.kt = take(d.kv_tile.saturating_mul(d.kv_dim));
+            w.vt = take(d.kv_tile.saturating_mul(d.kv_dim));
+            w.scores = take(d.n_heads.saturating_mul(d.q_tile).saturating_mul(d.kv_tile));
+            w.stats = take(2u64.saturating_mul(t).saturating_mul(d.n_heads));
+            w.pos = take(t);
+            w.freqs = take(d.head_dim / 2);
+        }
+        if hosts.head {
+            w.logits = take(d.logit_rows.saturating_mul(d.vocab));
+        }
+        w.bytes = at;
+        w
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> ModelSpec {
+        ModelSpec {
+            architecture: "llama".into(),
+            n_layers: 30,
+            hidden_size: 576,
+            intermediate_size: 1536,
+            n_heads: 9,
+            n_kv_heads: vec![3; 30],
+            head_dim: 64,
+            vocab_size: 49152,
+            context_length: 8192,
+            rope_theta: 1e5,
+            rope_dim: 64,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            attention_bias: false,
+        }
+    }
+
+    #[test]
+    fn regions_follow_the_table() {
+        let rt = RuntimeSpec {
+            max_input_len: 512,
+            ..RuntimeSpec::default()
+        };
+        let d = Dims::new(&spec(), &rt, 8192, 1);
+        assert_eq!(
+            (d.tokens, d.kv_tile, d.q_tile, d.logit_rows),
+            (512, 256, 512, 32)
+        );
+        let all = Hosts {
+            layers: true,
+            head: true,
+            embed: true,
+        };
+        let w = Workspace::new(&d, all);
+        let values = 2 * 512 * 576
+            + 2 * 512 * 576
+            + 2 * 512 * 192
+            + 2 * 512 * 1536
+            + 2 * 256 * 192
+            + 9 * 512 * 256
+            + 2 * 512 * 9
+            + 512
+            + 32
+            + 32 * 49152;
+        // every region here is a whole number of 64-byte lines
+        assert_eq!(w.bytes, values * 4);
+        assert_eq!(w.logits.offset + w.logits.len * 4, w.bytes);
+        // an embedding-only device holds the residual stream alone
+        let e = Workspace::new(
+            &d,
+            Hosts {
+                embed: true,
+                ..Hosts::default()
+            },
+        );
+        assert_eq!(e.bytes, 512 * 576 * 4);
+        assert_eq!(Workspace::new(&d, Hosts::default()).bytes, 0);
+    }
+
+    #[test]
+    fn attention_tiles_respect_max_attention_size() {
+        let rt = RuntimeSpec {
+            max_input_len: 2048,
+            max_attention_size: 1000,
+            ..RuntimeSpec::default()
+        };
+        let d = Dims::new(&spec(), &rt, 8192, 1);
+        assert!(d.q_tile * d.kv_tile <= 1000);
+        assert_eq!((d.kv_tile, d.q_tile), (256, 3));
+        let tiny = RuntimeSpec {
+            max_attention_size: 100,
+            ..rt
+        };
+        let d = Dims::new(&spec(), &tiny, 8192, 1);
+        assert_eq!((d.kv_tile, d.q_tile), (100, 1));
+    }
+
+    #[test]
+    fn no_forward_pass_no_workspace() {
+        let d = Dims::new(&spec(), &RuntimeSpec::none(), 8192, 1);
+        let all = Hosts {
+            layers: true,
+            head: true,
+            embed: true,
+        };
+        assert_eq!(Workspace::new(&d, all).bytes, 0);
+    }
+}
