@@ -372,7 +372,18 @@ class Model:
         devices: str | None = None,
         dtype: str = "auto",
         runtime: _Runtime = None,
+        compute: str = "fast",
+        n_threads: int | None = None,
     ) -> Model: ...
+    def forward(
+        self, ids: Sequence[int], *, cache: Cache | None = None, logits: str = "last"
+    ) -> npt.NDArray[np.float32]: ...
+    @property
+    def compute(self) -> str: ...
+    @compute.setter
+    def compute(self, value: str) -> None: ...
+    @property
+    def n_threads(self) -> int: ...
     def load(
         self,
         plan: Plan | str | None = None,
@@ -443,6 +454,9 @@ class Cache:
     def offload(self) -> bool: ...
     @property
     def allocated(self) -> bool: ...
+    @property
+    def seq_len(self) -> int: ...
+    def reset(self) -> None: ...
     def memory(self) -> dict[str, int]: ...
     def expected_memory(self) -> dict[str, int]: ...
     def device_of(self, layer: int) -> str: ...
@@ -524,6 +538,8 @@ def from_pretrained(
     runtime: _Runtime = None,
     progress: bool = False,
     callback: _Callback | None = None,
+    compute: str = "fast",
+    n_threads: int | None = None,
 ) -> Model: ...
 def load_gguf(
     path: _Path,
@@ -540,4 +556,10 @@ def load_gguf(
     progress_callback: Callable[[float], bool | None] | None = None,
     devices: str | None = None,
     runtime: _Runtime = None,
+    n_ctx: int = 512,
+    n_batch: int = 512,
+    type_k: str = "f16",
+    type_v: str = "f16",
+    n_threads: int | None = None,
+    compute: str = "fast",
 ) -> Model: ...

@@ -399,8 +399,8 @@ impl Reporter {
 // ---------------------------------------------------------------------------------------------
 // Model
 
-struct ModelInner {
-    model: EModel,
+pub(crate) struct ModelInner {
+    pub(crate) model: EModel,
     plan: Option<wp::Plan>,
     dtype: wp::DTypeChoice,
     runtime: wp::RuntimeSpec,
@@ -411,7 +411,7 @@ struct ModelInner {
 /// `load_autosplit()` or `load_tp()`.
 #[pyclass(module = "weightlift._native", frozen)]
 pub struct Model {
-    inner: Mutex<ModelInner>,
+    pub(crate) inner: Mutex<ModelInner>,
     checkpoint: Arc<wf::Checkpoint>,
 }
 
@@ -607,7 +607,7 @@ fn apply_plan_options(
 }
 
 impl Model {
-    fn lock(&self) -> PyResult<MutexGuard<'_, ModelInner>> {
+    pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, ModelInner>> {
         match self.inner.try_lock() {
             Ok(g) => Ok(g),
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
@@ -720,24 +720,34 @@ impl Model {
     /// (`"virtual:2x64MiB"`, `"cuda:0,cuda:1"`); `cpu` is always available. `None` is the real
     /// machine: `cpu` plus every CUDA device found (in a build with the `cuda` feature). `dtype`: `"auto"`
     /// keeps stored dtypes, `"float16"` converts F32/BF16 weights. `runtime`: a `RuntimeSpec`
-    /// or dict (`max_input_len`, `max_attention_size`, `max_dq_size`, `low_mem`).
+    /// or dict (`max_input_len`, `max_attention_size`, `max_dq_size`, `low_mem`). `compute`:
+    /// `"fast"` (8-bit activations with quantised weights, as llama.cpp) or `"exact"` (f32 on
+    /// dequantised weights). `n_threads`: the forward pass's threads (default: physical cores).
     #[new]
-    #[pyo3(signature = (source, *, devices = None, dtype = "auto", runtime = None))]
+    #[pyo3(signature = (source, *, devices = None, dtype = "auto", runtime = None, compute = "fast", n_threads = None))]
     fn new(
         source: &Bound<'_, PyAny>,
         devices: Option<&str>,
         dtype: &str,
         runtime: Option<&Bound<'_, PyAny>>,
+        compute: &str,
+        n_threads: Option<usize>,
     ) -> PyResult<Self> {
+        let compute = eng(we::forward::Compute::parse(compute))?;
         let ckpt = Model::open_source(source)?;
         let inv = inventory_for(devices)?;
         let dtype = wp::DTypeChoice::parse(dtype).map_err(plan_err)?;
         let runtime = runtime_from(runtime)?;
         let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
         let devices_spec = devices.map_or_else(|| inv.spec(), str::to_owned);
+        let mut model = EModel::new(src, inv);
+        model.set_compute(compute);
+        if let Some(n) = n_threads {
+            eng(model.set_threads(n))?;
+        }
         Ok(Model {
             inner: Mutex::new(ModelInner {
-                model: EModel::new(src, inv),
+                model,
                 plan: None,
                 dtype,
                 runtime,
@@ -1000,7 +1010,7 @@ impl Model {
 /// keeps it in host RAM and prefetches the next layer to its device on a second thread.
 #[pyclass(module = "weightlift._native", frozen)]
 pub struct Cache {
-    cache: Arc<ECache>,
+    pub(crate) cache: Arc<ECache>,
 }
 
 #[pymethods]
@@ -1056,6 +1066,17 @@ impl Cache {
     #[getter]
     fn allocated(&self) -> bool {
         self.cache.is_allocated()
+    }
+
+    /// Tokens held: where the next `Model.forward(ids, cache=...)` appends.
+    #[getter]
+    fn seq_len(&self) -> u64 {
+        self.cache.seq_len()
+    }
+
+    /// Forget every token (the memory stays allocated).
+    fn reset(&self) {
+        self.cache.reset();
     }
 
     /// Bytes held per device: the layers, and an offloaded cache's prefetch slots.
@@ -1535,8 +1556,9 @@ enum DeviceMapArg<'py> {
 #[pyfunction]
 #[pyo3(
     signature = (path, *, device_map = DeviceMapArg::Name(String::from("auto")), max_memory = None,
-                 dtype = "auto", devices = None, runtime = None, progress = false, callback = None),
-    text_signature = "(path, *, device_map='auto', max_memory=None, dtype='auto', devices=None, runtime=None, progress=False, callback=None)"
+                 dtype = "auto", devices = None, runtime = None, progress = false, callback = None,
+                 compute = "fast", n_threads = None),
+    text_signature = "(path, *, device_map='auto', max_memory=None, dtype='auto', devices=None, runtime=None, progress=False, callback=None, compute='fast', n_threads=None)"
 )]
 #[allow(clippy::too_many_arguments)]
 fn from_pretrained(
@@ -1549,8 +1571,10 @@ fn from_pretrained(
     runtime: Option<&Bound<'_, PyAny>>,
     progress: bool,
     callback: Option<Py<PyAny>>,
+    compute: &str,
+    n_threads: Option<usize>,
 ) -> PyResult<Model> {
-    let model = Model::new(path, devices, dtype, runtime)?;
+    let model = Model::new(path, devices, dtype, runtime, compute, n_threads)?;
     let opts = PyDict::new(py);
     match device_map {
         DeviceMapArg::Name(name) => opts.set_item("device_map", name)?,
@@ -1581,8 +1605,10 @@ fn from_pretrained(
 #[pyfunction]
 #[pyo3(signature = (path, *, n_gpu_layers = -1, split_mode = "layer", tensor_split = None, main_gpu = 0,
                     use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
-                    vocab_only = false, progress_callback = None, devices = None, runtime = None),
-       text_signature = "(path, *, n_gpu_layers=-1, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None)")]
+                    vocab_only = false, progress_callback = None, devices = None, runtime = None,
+                    n_ctx = 512, n_batch = 512, type_k = "f16", type_v = "f16", n_threads = None,
+                    compute = "fast"),
+       text_signature = "(path, *, n_gpu_layers=-1, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast')")]
 #[allow(clippy::too_many_arguments)]
 fn load_gguf(
     py: Python<'_>,
@@ -1599,6 +1625,12 @@ fn load_gguf(
     progress_callback: Option<Py<PyAny>>,
     devices: Option<&str>,
     runtime: Option<&Bound<'_, PyAny>>,
+    n_ctx: u64,
+    n_batch: u64,
+    type_k: &str,
+    type_v: &str,
+    n_threads: Option<usize>,
+    compute: &str,
 ) -> PyResult<Model> {
     if vocab_only {
         let p: PathBuf = path.extract()?;
@@ -1628,7 +1660,16 @@ fn load_gguf(
             checkpoint: ckpt,
         });
     }
-    let model = Model::new(path, devices, "auto", runtime)?;
+    let model = Model::new(path, devices, "auto", runtime, compute, n_threads)?;
+    let cache_dtype = llama_cache_dtype(type_k, type_v)?;
+    let cache = {
+        let mut inner = model.lock()?;
+        if runtime.is_none() {
+            inner.runtime.max_input_len = n_batch;
+        }
+        let cfg = eng(inner.model.cache_config(n_ctx, 1, cache_dtype, false))?;
+        Arc::new(eng(ECache::new(cfg))?)
+    };
     let layers = wp::LayerOptions {
         n_gpu_layers,
         split_mode: wp::SplitMode::parse(split_mode).map_err(plan_err)?,
@@ -1655,9 +1696,26 @@ fn load_gguf(
             };
             Ok(())
         },
-        None,
+        Some(cache),
         opts,
         reporter,
     )?;
     Ok(model)
+}
+
+/// llama.cpp's `type_k` / `type_v` pair as one cache dtype: equal types, or q8_0 keys with
+/// q4_0 values (the q6 cache).
+fn llama_cache_dtype(type_k: &str, type_v: &str) -> PyResult<CacheDType> {
+    let k = CacheDType::parse(type_k).map_err(plan_err)?;
+    let v = CacheDType::parse(type_v).map_err(plan_err)?;
+    match (k, v) {
+        (a, b) if a == b => Ok(a),
+        (CacheDType::Q8, CacheDType::Q4) => Ok(CacheDType::Q6),
+        _ => Err(raise(
+            Exc::Unsupported,
+            format!(
+                "cache type_k={type_k}, type_v={type_v}: expected equal types (f32, f16, q8_0, q4_0) or type_k=q8_0 with type_v=q4_0"
+            ),
+        )),
+    }
 }

@@ -7,6 +7,7 @@ mod engine;
 mod errors;
 mod format;
 mod plan;
+mod run;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {

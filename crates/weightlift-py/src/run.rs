@@ -1,0 +1,68 @@
+//! Running a loaded model: `Model.forward`, its compute mode and threads. Conversion only; the
+//! forward pass is the engine's.
+
+use numpy::{PyArray2, ndarray::Array2};
+use pyo3::prelude::*;
+use weightlift_engine::forward::{Compute, Logits};
+
+use crate::engine::{Cache, Model};
+use crate::errors::{ToPyErr, enter};
+
+fn eng<T>(r: Result<T, weightlift_engine::EngineError>) -> PyResult<T> {
+    r.map_err(ToPyErr::to_pyerr)
+}
+
+#[pymethods]
+impl Model {
+    /// Run token `ids` through the model and return float32 logits of shape `[n, vocab]`:
+    /// `n` is 1 for `logits="last"` and `len(ids)` for `"all"`. With `cache=None` each call
+    /// starts at position 0 on the model's own cache; with a `Cache` the ids are appended at
+    /// its `seq_len`. The GIL is released while it runs.
+    #[pyo3(signature = (ids, *, cache = None, logits = "last"))]
+    fn forward<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        cache: Option<&Bound<'py, Cache>>,
+        logits: &str,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let mode = eng(Logits::parse(logits))?;
+        let cache = cache.map(|c| std::sync::Arc::clone(&c.get().cache));
+        let mut inner = self.lock()?;
+        let model = &mut inner.model;
+        let out = enter(py, || {
+            let mut out = Vec::new();
+            model
+                .forward(&ids, cache.as_ref(), mode, &mut out)
+                .map(|_| out)
+        })?;
+        let vocab = out.len()
+            / match mode {
+                Logits::Last => 1,
+                Logits::All => ids.len().max(1),
+            };
+        let rows = out.len() / vocab.max(1);
+        let arr = Array2::from_shape_vec((rows, vocab), out)
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        Ok(PyArray2::from_owned_array(py, arr))
+    }
+
+    /// `"fast"` or `"exact"`.
+    #[getter]
+    fn compute(&self) -> PyResult<&'static str> {
+        Ok(self.lock()?.model.compute().name())
+    }
+
+    #[setter]
+    fn set_compute(&self, value: &str) -> PyResult<()> {
+        let c = eng(Compute::parse(value))?;
+        self.lock()?.model.set_compute(c);
+        Ok(())
+    }
+
+    /// Threads of the forward pass.
+    #[getter]
+    fn n_threads(&self) -> PyResult<usize> {
+        Ok(self.lock()?.model.n_threads())
+    }
+}

@@ -1,0 +1,103 @@
+"""Model.forward from Python against logits transformers and llama.cpp computed
+(`../shared/reference`; tolerances from its README, section 3), and the errors a caller meets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import weightlift as wl
+from conftest import REFERENCE, TINY_LLAMA
+
+SMOL = REFERENCE / "smollm2-135m"
+PROMPT_1 = [504, 3575, 282, 4649, 314]
+
+
+@pytest.fixture(scope="module")
+def demo() -> Path:
+    path = os.environ.get("WEIGHTLIFT_DEMO_GGUF")
+    assert path, "WEIGHTLIFT_DEMO_GGUF is not set: run the suite through `make test`"
+    return Path(path)
+
+
+def test_exact_forward_matches_transformers(demo: Path) -> None:
+    m = wl.load_gguf(demo, n_ctx=64, type_k="f32", type_v="f32", compute="exact")
+    want = np.load(SMOL / "hf_logits_1.npy")
+    got = m.forward(PROMPT_1, logits="all")
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-3
+    assert (got.argmax(1) == want.argmax(1)).all()
+    last = m.forward(PROMPT_1)
+    assert last.shape == (1, want.shape[1])
+    # the head is a matrix-vector product for one row, a matrix product for several
+    assert np.abs(last[0] - got[-1]).max() <= 1e-4
+
+
+def test_split_over_virtual_devices_gives_the_same_logits(demo: Path) -> None:
+    one = wl.load_gguf(demo, n_ctx=64, type_k="q8_0", type_v="q8_0")
+    two = wl.load_gguf(
+        demo, n_ctx=64, type_k="q8_0", type_v="q8_0", devices="virtual:2x96MiB,cpu", n_gpu_layers=99
+    )
+    assert len(set(two.layer_devices)) == 2
+    assert np.array_equal(one.forward(PROMPT_1, logits="all"), two.forward(PROMPT_1, logits="all"))
+
+
+def test_cache_appends_and_resets(demo: Path) -> None:
+    m = wl.load_gguf(demo, n_ctx=64, type_k="f32", type_v="f32", compute="exact")
+    whole = m.forward(PROMPT_1, logits="all")
+    # A cache made for a loaded model is attached to it: forward(cache=None) now starts over on it.
+    cache = wl.Cache(m, max_seq_len=64, dtype="f32")
+    assert m.forward(PROMPT_1[:3], cache=cache).shape == (1, whole.shape[1])
+    assert cache.seq_len == 3
+    tail = m.forward(PROMPT_1[3:], cache=cache, logits="all")
+    assert cache.seq_len == 5
+    assert np.abs(tail - whole[3:]).max() <= 1e-4
+    cache.reset()
+    assert cache.seq_len == 0
+
+
+def test_tiny_llama_safetensors_runs_exactly() -> None:
+    ids = [
+        1,
+        9038,
+        2501,
+        263,
+        931,
+        29892,
+        263,
+        2319,
+        6635,
+        10600,
+        297,
+        263,
+        4802,
+        2030,
+        3699,
+        29889,
+    ]
+    m = wl.from_pretrained(
+        TINY_LLAMA / "safetensors", device_map="cpu", compute="exact", n_threads=1
+    )
+    wl.Cache(m, max_seq_len=32, dtype="f32")
+    got = m.forward(ids, logits="all")
+    assert np.abs(got - np.load(TINY_LLAMA / "hf_logits.npy")).max() <= 1e-3
+    assert m.n_threads == 1 and m.compute == "exact"
+
+
+def test_bad_input_raises_typed_errors_and_loses_nothing(demo: Path) -> None:
+    m = wl.load_gguf(demo, n_ctx=8)
+    with pytest.raises(wl.ContextFullError, match="9 tokens do not fit the cache: 0 of its 8"):
+        m.forward(list(range(9)))
+    with pytest.raises(ValueError, match="below the vocabulary size 49152, got 49152"):
+        m.forward([1, 49152])
+    with pytest.raises(ValueError, match="empty prompt"):
+        m.forward([])
+    with pytest.raises(ValueError, match="'last' or 'all'"):
+        m.forward([1], logits="first")
+    with pytest.raises(ValueError, match="'fast' or 'exact'"):
+        wl.load_gguf(demo, compute="fastest")
+    with pytest.raises(wl.UnsupportedError, match="type_k=q8_0, type_v=f16"):
+        wl.load_gguf(demo, type_k="q8_0", type_v="f16")
+    assert m.forward(PROMPT_1).shape == (1, 49152)
