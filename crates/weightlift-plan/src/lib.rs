@@ -16,9 +16,11 @@
 //! - **autosplit** (exllamav2 `load_autosplit`): exllamav2 finds the split by loading and
 //!   catching CUDA OOMs, holding a 256 MiB safety allocation while it does; we compute it. Like
 //!   exllamav2 the embedding stays on the CPU, each layer's KV is allocated beside the layer, a
-//!   tied head is loaded as its own copy, devices fill in order and are never revisited, and the
-//!   per-device scratch follows exllamav2's module formulas ([`RuntimeSpec`]). Unlike it, we
-//!   spill to an explicitly listed `cpu`, then to `disk` when allowed, instead of failing.
+//!   tied head is loaded as its own copy, and devices fill in order and are never revisited.
+//!   Unlike it, each device's compute scratch is our own forward pass's workspace
+//!   ([`Workspace`], defined in `workspace.rs`) for what the device computes, sized by the
+//!   [`RuntimeSpec`], not exllamav2's module scratch; and we spill to an explicitly listed
+//!   `cpu`, then to `disk` when allowed, instead of failing.
 //!   exllamav2's default `reserve_vram` (192 MiB on GPU 0, 64 MiB on others) is not applied
 //!   implicitly: pass reserves explicitly.
 //! - **sequential / balanced / balanced_low_0** (accelerate `infer_auto_device_map` after
@@ -36,13 +38,15 @@
 //!   an architecture-dependent tile height; we default to 64). A tied output is loaded as a copy
 //!   of `token_embd` on the output device, as llama.cpp's `TENSOR_DUPLICATED` does.
 //! - **tensor_parallel** (exllamav2 `TPContext.define_split`): the five split tables exactly;
-//!   per-device scratch uses the full single-device scratch (exllamav2 computes a smaller
-//!   per-split one), which over-estimates slightly.
+//!   each device's scratch is the full single-device workspace, although it computes only its
+//!   slice of the heads and of the MLP, which over-estimates.
 //!
-//! - **low_mem** ([`RuntimeSpec::low_mem`]): exllamav2's `set_low_mem()`, which sets
-//!   `max_input_len = 1024` and `max_attention_size = 1024²`: from the defaults the input
-//!   length is halved and the attention size QUARTERED. DESIGN.md says "halves the first two";
-//!   we keep exllamav2's values (taking the minimum with the user's, so it never adds scratch).
+//! - **low_mem** ([`RuntimeSpec::low_mem`]): caps `max_input_len` at 1024 and
+//!   `max_attention_size` at 1024², as exllamav2's `set_low_mem()` sets them: from the defaults
+//!   the input length is halved and the attention size QUARTERED, not halved. We take the
+//!   minimum with the user's values (exllamav2 overwrites them), so it never adds scratch. In
+//!   the workspace it caps the tokens per chunk at `1024 × batch`, and with them every
+//!   per-token region, and each head's attention tile at 1024² weights.
 //! - **disk**: a layer left on disk is streamed and computed by the host (the engine runs it on
 //!   the cpu), so its KV cache and compute scratch are charged to the cpu, never to `disk`;
 //!   once a fill reaches the cpu with disk allowed, the cpu keeps room for the KV and compute
@@ -370,7 +374,9 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
             ));
         }
     }
-    // 6. Less compute scratch: exllamav2's low_mem, then shorter input chunks.
+    // 6. Less compute scratch (the forward pass's workspace, `workspace.rs`): low_mem (which
+    // caps max_input_len and max_attention_size as exllamav2's set_low_mem does), then shorter
+    // input chunks.
     let rt = req.runtime;
     let full_scratch = |rt: &RuntimeSpec| {
         let (seq, batch) = req.cache.map_or((rt.max_input_len.max(1), 1), |c| {

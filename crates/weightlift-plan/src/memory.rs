@@ -167,26 +167,31 @@ impl CacheSpec {
     }
 }
 
-/// Runtime limits that decide scratch sizes, named and defaulted as in exllamav2's
-/// `ExLlamaV2Config`.
+/// Runtime limits that size the compute scratch, the forward pass's workspace
+/// ([`Workspace`](crate::Workspace), defined in `workspace.rs`); named and defaulted as in
+/// exllamav2's `ExLlamaV2Config`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RuntimeSpec {
-    /// Longest chunk of input ids in one forward pass (exllamav2 default 2048).
+    /// Longest chunk of input ids in one forward pass (exllamav2 default 2048): the workspace
+    /// holds `min(max_input_len, max_seq_len) × batch` tokens.
     pub max_input_len: u64,
-    /// Largest attention-weights matrix, in elements per head (default 2048²).
+    /// Largest attention-weights matrix, in elements per head (default 2048²): it bounds the
+    /// workspace's attention tile.
     pub max_attention_size: u64,
-    /// Most elements dequantised at once (default 512 Mi).
+    /// Most elements dequantised at once (default 512 Mi): it bounds the kernels' own tiles;
+    /// the workspace reserves no dequantisation buffer, since weights are used in their stored
+    /// type.
     pub max_dq_size: u64,
     /// exllamav2's `ExLlamaV2Config.set_low_mem()`, which sets `max_input_len = 1024` and
     /// `max_attention_size = 1024 ** 2`. From the defaults that halves `max_input_len`
     /// (2048 -> 1024) and halves the side of the attention square, so `max_attention_size` is
-    /// QUARTERED (2048² -> 1024²), not halved.
+    /// QUARTERED (2048² -> 1024²), not halved. In the workspace that caps the tokens per
+    /// chunk at `1024 × batch`, and with them every per-token region, and each head's attention
+    /// tile at 1024² weights.
     ///
-    /// This deliberately differs from DESIGN.md, which says low_mem "halves the first two":
-    /// we follow exllamav2, since these scratch formulas are exllamav2's. One difference from
-    /// exllamav2 itself: it overwrites the two fields, so a smaller `max_input_len` given
-    /// before `set_low_mem()` would be raised back to 1024; we take the minimum, so low_mem
-    /// never increases scratch. See [`RuntimeSpec::effective`].
+    /// One difference from exllamav2: it overwrites the two fields, so a smaller
+    /// `max_input_len` given before `set_low_mem()` would be raised back to 1024; we take the
+    /// minimum, so low_mem never increases scratch. See [`RuntimeSpec::effective`].
     pub low_mem: bool,
 }
 
@@ -220,7 +225,7 @@ impl RuntimeSpec {
 
     /// `(max_input_len, max_attention_size)` after `low_mem`: with it, each is capped at
     /// exllamav2's `set_low_mem()` value (1024 and 1024²; from the defaults, max_input_len is
-    /// halved and max_attention_size quartered, not halved as DESIGN.md says).
+    /// halved and max_attention_size quartered, not halved).
     pub fn effective(&self) -> (u64, u64) {
         if self.low_mem {
             (

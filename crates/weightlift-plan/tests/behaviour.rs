@@ -92,7 +92,12 @@ fn device_map_errors_name_the_tensors() {
 }
 
 fn big_req() -> PlanRequest {
-    // Llama-3-8B-like in f16 (~15 GiB) on 2 × 8 GiB: does not fit with an fp16 8k cache.
+    // Llama-3-8B-like in f16 (~15 GiB) on 2 × 8 GiB and a 4 GiB cpu: fits with an fp16 8k
+    // cache, not with the fp16 32k one (4 GiB) set here. Each device that computes layers holds
+    // the 2048-token workspace, 434.51 MiB (x, xn, q, att: 2048 × 4096 × 4 B = 32 MiB each; k,
+    // v: 8 MiB each; gate, up: 2048 × 14336 × 4 B = 112 MiB each; 2 MiB of key/value tiles; 64
+    // MiB of scores, 32 heads × 2048 × 256; 0.5 MiB of softmax stats), plus 15.66 MiB of logits
+    // (32 rows × 128256) where the head is: 450.16 MiB.
     let mut spec = llama(32, 4096, 14336, 32, 8, 128, 128256, false);
     spec.context_length = 131072;
     let mut req = request(spec, "float16", "virtual:2x8GiB,cpu:4GiB");
@@ -104,6 +109,10 @@ fn big_req() -> PlanRequest {
 fn out_of_memory_names_devices_and_checked_fixes() {
     let mut req = big_req();
     req.dtype = DTypeChoice::Auto;
+    // The model's full context, 131072 tokens: a 16 GiB fp16 cache (512 MiB per layer). At
+    // 32768 the GPUs keep most layers, and the KV of the few left to the host fits the cpu, so
+    // disk offload would fix it; at 131072 it cannot (see below).
+    req.cache = Some(CacheSpec::new(131072, 1, CacheDType::Fp16));
     let err = plan(&req).unwrap_err();
     let PlanError::OutOfMemory(oom) = &err else {
         panic!("expected OutOfMemory, got {err}");
@@ -118,7 +127,7 @@ fn out_of_memory_names_devices_and_checked_fixes() {
         assert!(s.needed > s.available);
         assert!(msg.contains(&s.device), "{msg}");
     }
-    assert!(msg.contains("kv at ctx 32768"), "{msg}");
+    assert!(msg.contains("kv at ctx 131072"), "{msg}");
     // The fixes were each checked by re-planning: ctx N fits must really fit.
     let ctx_fix = oom
         .fixes
@@ -129,14 +138,18 @@ fn out_of_memory_names_devices_and_checked_fixes() {
     let mut r2 = req.clone();
     r2.cache = Some(CacheSpec::new(n, 1, CacheDType::Fp16));
     plan(&r2).expect("the suggested ctx fits");
-    // Layers left on disk are computed by the host and keep their KV in host RAM: the 4 GiB
-    // cache at ctx 32768 cannot sit in the 4 GiB cpu, so disk offload is no fix here.
+    // Layers left on disk are computed by the host and keep their KV in host RAM: the GPUs
+    // hold 8 layers each (416 MiB of weights + 512 MiB of KV per layer, beside the workspace),
+    // and the KV of the other 16 layers, 8 GiB, cannot sit in the 4 GiB cpu, so disk offload is
+    // no fix here.
     assert!(
         !oom.fixes.iter().any(|f| f.contains("--allow-disk")),
         "{:?}",
         oom.fixes
     );
-    // Bigger than both GPUs together: no cache type alone saves it.
+    // Bigger than the GPUs and the cpu together: no cache type alone saves it (even with q4,
+    // 4.5 GiB, the cpu would need 5.69 GiB for 6 layers, the embedding, the head, their KV and
+    // the workspace).
     assert!(
         oom.fixes.iter().any(|f| f.starts_with("cache q4 saves")),
         "{:?}",
@@ -146,10 +159,12 @@ fn out_of_memory_names_devices_and_checked_fixes() {
 
 #[test]
 fn cache_fix_is_offered_when_it_fits() {
-    // Weights fit; an fp16 cache at 32k does not, q8 does.
+    // Weights fit; an fp16 cache at 32k (4 GiB) does not, q8 (2.13 GiB) does. A 4 GiB cpu
+    // would take the layers that the GPUs cannot, fp16 cache and all, beside its 450 MiB
+    // workspace; a 1.5 GiB one cannot (it is short by 657 MiB).
     let mut spec = llama(32, 4096, 14336, 32, 8, 128, 128256, false);
     spec.context_length = 32768;
-    let mut req = request(spec, "q4_k_m", "virtual:2x4GiB,cpu:4GiB");
+    let mut req = request(spec, "q4_k_m", "virtual:2x4GiB,cpu:1536MiB");
     req.cache = Some(CacheSpec::new(32768, 1, CacheDType::Fp16));
     let e = plan(&req).unwrap_err();
     let PlanError::OutOfMemory(oom) = &e else {
@@ -287,6 +302,11 @@ fn weight_dtype_conversion_applies_to_floats_only() {
 fn allow_disk_fix_is_offered_when_it_fits() {
     let mut req = big_req();
     req.cache = Some(CacheSpec::new(8192, 1, CacheDType::Fp16));
+    // The 8k cache fits big_req's 2 × 8 GiB; on 2 × 6 GiB the GPUs hold 12 layers each and the
+    // other 8 layers, the embedding and the head (5.21 GiB of weights, 256 MiB of KV) overflow
+    // the 4 GiB cpu, which can still hold a few layers and the KV and compute of those left on
+    // disk.
+    req.devices = devices("virtual:2x6GiB,cpu:4GiB");
     let e = plan(&req).unwrap_err();
     let PlanError::OutOfMemory(oom) = &e else {
         panic!("{e}")
@@ -325,7 +345,7 @@ fn host_staging_and_disk_compute_count_against_a_small_cpu() {
     req.strategy = Strategy::Sequential;
     req.allow_disk = true;
     // Staging buffers of 64 MiB (each bounded by the largest tensor): with the 4 MiB default
-    // the 400 MiB cpu below would take the layers, and this test is about layers on disk.
+    // the 100 MiB cpu below would take the layers, and this test is about layers on disk.
     req.staging_bytes = 64 << 20;
     let e = plan(&req).unwrap_err();
     let PlanError::OutOfMemory(oom) = &e else {
@@ -349,8 +369,13 @@ fn host_staging_and_disk_compute_count_against_a_small_cpu() {
         .unwrap_or_else(|| panic!("{:?}", oom.fixes));
     assert!(fix.ends_with(" fits"), "{fix}");
     // With room for the compute but not the weights, the layers stay on disk and the cpu
-    // carries their compute scratch on top of the staging buffers.
-    req.devices = devices("virtual:1x4MiB,cpu:400MiB,disk");
+    // carries their compute scratch on top of the staging buffers: 2 × 31.25 MiB of staging
+    // (the f32 embedding is the largest tensor) and the 2048-token workspace, 34.23 MiB
+    // (x, xn, q, att: 2 MiB each; k, v: 1 MiB each; gate, up: 6 MiB each; 8 MiB of scores, 4
+    // heads × 2048 × 256; 0.25 MiB of key/value tiles; 3.91 MiB of logits, 32 × 32000; and
+    // the softmax stats, positions and frequencies), 96.73 MiB in all, leave 3.27 MiB of the
+    // 100 MiB: not enough for the 37.25 MiB of weights.
+    req.devices = devices("virtual:1x4MiB,cpu:100MiB,disk");
     let p = plan(&req).unwrap();
     assert!(
         p.layer_devices().iter().all(|d| d == "disk"),
@@ -368,6 +393,9 @@ fn host_staging_and_disk_compute_count_against_a_small_cpu() {
 fn disk_spill_when_allowed() {
     let mut req = big_req();
     req.cache = None;
+    // ~15 GiB of weights with no cache fit 2 × 8 GiB and 4 GiB; 2 × 6 GiB and 4 GiB, with a
+    // 434.51 MiB workspace on each GPU and 450.16 MiB on the cpu, do not.
+    req.devices = devices("virtual:2x6GiB,cpu:4GiB");
     req.strategy = Strategy::Sequential;
     req.allow_disk = true;
     let p = plan(&req).unwrap();
@@ -502,9 +530,12 @@ fn hostile_sizes_do_not_panic() {
 
 #[test]
 fn scratch_fixes_are_offered_and_checked() {
-    // tiny-llama in f32 on a 300 MiB host: the 2048-token logits (250 MiB) do not fit beside
-    // the weights; exllamav2's low_mem (1024-token chunks) does.
-    let mut req = request(tiny_llama(), "float32", "cpu:300MiB");
+    // tiny-llama in f32 (37.25 MiB of weights) on a 64 MiB host: the 2048-token workspace
+    // (34.23 MiB, see host_staging_and_disk_compute_count_against_a_small_cpu) does not fit
+    // beside the weights; exllamav2's low_mem (1024-token chunks and 1024² attention weights)
+    // does: 19.19 MiB (x, xn, q, att: 1 MiB each; k, v: 0.5 MiB each; gate, up: 3 MiB each; 4
+    // MiB of scores, 4 heads × 1024 × 256; 0.25 MiB of key/value tiles; 3.91 MiB of logits).
+    let mut req = request(tiny_llama(), "float32", "cpu:64MiB");
     let e = plan(&req).unwrap_err();
     let PlanError::OutOfMemory(oom) = &e else {
         panic!("{e}")
@@ -516,8 +547,9 @@ fn scratch_fixes_are_offered_and_checked() {
     );
     req.runtime.low_mem = true;
     plan(&req).expect("the suggested low_mem fits");
-    // Already low_mem and still short: a shorter max_input_len, checked by re-planning.
-    req.devices = devices("cpu:120MiB");
+    // Already low_mem and still short: a shorter max_input_len, checked by re-planning (48
+    // MiB leaves 10.75 MiB beside the weights; 256-token chunks need 7.92 MiB).
+    req.devices = devices("cpu:48MiB");
     let e = plan(&req).unwrap_err();
     let PlanError::OutOfMemory(oom) = &e else {
         panic!("{e}")

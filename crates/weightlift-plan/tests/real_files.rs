@@ -229,10 +229,17 @@ fn tiny_llama_all_on_disk_charges_the_small_cpu() {
     // 2 × the largest tensor (the 32000 × 256 bf16 embedding) of staging alone is over 8 MiB.
     let largest = ckpt.tensors().iter().map(|t| t.nbytes).max().unwrap();
     assert!(cpu.needed >= 2 * largest, "{e}");
-    // Given the host RAM, the same request plans: weights on disk, the disk's compute and
-    // staging on the cpu, within its capacity.
-    req.devices = parse_devices("virtual:1x4MiB,cpu:512MiB,disk").unwrap();
+    // Given the host RAM for the compute, the same request plans: weights on disk, the disk's
+    // compute and staging on the cpu, within its capacity. 48 MiB holds the 8 MiB of staging
+    // (2 × the 4 MiB default) and the 2048-token workspace, 34.23 MiB (the f32 workspace does
+    // not depend on the weights' bf16), but not the 18.63 MiB of weights as well.
+    req.devices = parse_devices("virtual:1x4MiB,cpu:48MiB,disk").unwrap();
     let p = plan(&req).unwrap();
+    assert!(
+        p.layer_devices().iter().all(|d| d == "disk") && p.host().disk_weights > 0,
+        "{}",
+        p.explain()
+    );
     for d in p.devices() {
         if d.capacity != u64::MAX {
             assert!(d.used() <= d.capacity, "{}", p.explain());
