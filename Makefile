@@ -22,7 +22,7 @@ CUDA_ENV = LD_LIBRARY_PATH="$(SITE)/nvidia/cuda_nvrtc/lib:$(SITE)/nvidia/cuda_ru
 	WEIGHTLIFT_CUDA_INCLUDE="$(SITE)/nvidia/cuda_runtime/include"
 
 
-.PHONY: help venv build demo-model demo test test-rust test-python lint fuzz bench clean
+.PHONY: help venv build demo-model vocab demo test test-rust test-python lint fuzz bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -44,18 +44,24 @@ $(DEMO_GGUF):
 
 demo-model: venv $(DEMO_GGUF) ## fetch the demo model and check its sha256
 
+$(CACHE)/vocab:
+	mkdir -p $(CACHE)/wheels
+	$(VPY) tests/fetch_vocab.py $(CACHE)/wheels $@
+
+vocab: venv $(CACHE)/vocab ## fetch llama.cpp's tokenizer test vectors (llama-cpp-python 0.3.36 sdist, sha256 checked)
+
 demo: build demo-model ## set up, then inspect, plan and load the SmolLM2 demo model
 	$(VENV)/bin/weightlift inspect $(DEMO_GGUF)
 	@echo
-	$(VENV)/bin/weightlift plan $(DEMO_GGUF) --devices virtual:2x320MiB,cpu --ctx 8192 --cache q8 \
+	$(VENV)/bin/weightlift plan $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 8192 --cache q8 \
 		--svg $(CACHE)/demo-plan.svg
 	@echo
 	$(VENV)/bin/weightlift fit $(DEMO_GGUF) --devices virtual:2x256MiB --cache fp16
 	@echo
-	$(VENV)/bin/weightlift load $(DEMO_GGUF) --devices virtual:2x320MiB,cpu --ctx 8192 --cache q8 --progress
+	$(VENV)/bin/weightlift load $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 8192 --cache q8 --progress
 
-test-rust: venv ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC)
-	$(CUDA_ENV) WEIGHTLIFT_REQUIRE_NVRTC=1 cargo test --workspace --exclude weightlift-py \
+test-rust: venv vocab ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC)
+	$(CUDA_ENV) WEIGHTLIFT_REQUIRE_NVRTC=1 WEIGHTLIFT_VOCAB_DIR=$(CACHE)/vocab cargo test --workspace --exclude weightlift-py \
 		--exclude weightlift-benches --features weightlift-kernels/cuda
 
 test-python: build demo-model ## run the Python suite against the built extension

@@ -121,7 +121,7 @@ def test_usage_errors():
 # ----------------------------------------------------------------------------------------------
 # weightlift load
 
-DEMO_LOAD = ("--devices", "virtual:2x320MiB,cpu", "--ctx", "8192", "--cache", "q8")
+DEMO_LOAD = ("--devices", "virtual:2x160MiB,cpu", "--ctx", "8192", "--cache", "q8")
 MEMORY_COLS = ("weights", "kv", "scratch", "planned", "held")
 
 
@@ -288,7 +288,7 @@ def test_load_ctrl_c_exit_130(demo_gguf):
         "sys.exit(cli.main(sys.argv[1:]))\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, "load", str(demo_gguf), "--devices", "virtual:2x320MiB"],
+        [sys.executable, "-c", script, "load", str(demo_gguf), "--devices", "virtual:2x160MiB"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -326,7 +326,7 @@ def test_load_cancel_frees_everything(demo_gguf, monkeypatch, capsys):
     monkeypatch.setattr(cli.weightlift, "Model", make)
     monkeypatch.setattr(cli._ProgressBar, "__call__", interrupt)
     try:
-        status = cli.main(["load", str(demo_gguf), "--devices", "virtual:2x320MiB"])
+        status = cli.main(["load", str(demo_gguf), "--devices", "virtual:2x160MiB"])
     finally:
         monkeypatch.undo()
     assert status == 130

@@ -358,12 +358,12 @@ def test_check_tensors_passes_on_clean_files(tiny_llama_gguf_dir: Path) -> None:
 def test_load_gguf_progress_is_a_fraction_and_can_cancel(demo_gguf: Path) -> None:
     fractions: list[float] = []
     wl.load_gguf(
-        demo_gguf, devices="virtual:2x64MiB", runtime=RT, progress_callback=fractions.append
+        demo_gguf, devices="virtual:2x80MiB", runtime=RT, progress_callback=fractions.append
     )
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
     with pytest.raises(LoadCancelled):
         wl.load_gguf(
-            demo_gguf, devices="virtual:2x64MiB", runtime=RT, progress_callback=lambda f: f < 0.5
+            demo_gguf, devices="virtual:2x80MiB", runtime=RT, progress_callback=lambda f: f < 0.5
         )
 
 

@@ -153,7 +153,7 @@ def test_llama_cpp_n_gpu_layers_rule(tiny_llama_gguf, smollm):
 
 
 def test_fit_answer_fits_and_one_more_does_not(smollm):
-    devices = "virtual:2x100MiB"
+    devices = "virtual:2x72MiB"
     kw = {"devices": devices, "runtime": SMALL_RT}
     best = wl.fit(smollm, cache=wl.CacheSpec(256, dtype="q4"), **kw)
     assert best % 256 == 0 and 256 <= best < smollm.spec.context_length

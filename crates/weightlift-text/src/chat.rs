@@ -1,0 +1,90 @@
+//! [`ChatTemplate`]: a model's Jinja chat template rendered with minijinja.
+
+use minijinja::{Environment, ErrorKind, context};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TextError};
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A compiled chat template. Rendering passes what llama-cpp-python's `Jinja2ChatFormatter`
+/// passes: `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and a
+/// `raise_exception(msg)` function, with `trim_blocks` and `lstrip_blocks` on (as it and
+/// transformers set them) and Python string methods (`.strip()`, `.startswith()`, ...).
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+fn template_err(stage: &'static str, e: &minijinja::Error) -> TextError {
+    let mut detail = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        detail.push_str(": ");
+        detail.push_str(&s.to_string());
+        src = s.source();
+    }
+    TextError::Template { stage, detail }
+}
+
+impl ChatTemplate {
+    /// Compile `source`; a syntax error is [`TextError::Template`].
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_template_owned("chat", source.to_owned())
+            .map_err(|e| template_err("parse", &e))?;
+        Ok(ChatTemplate {
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+        })
+    }
+
+    /// Render `messages`; with `add_generation_prompt` the template opens the assistant's turn.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| template_err("lookup", &e))?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })
+        .map_err(|e| template_err("render", &e))
+    }
+}
