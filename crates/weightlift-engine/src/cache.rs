@@ -3,7 +3,7 @@
 //! Layout per layer: `(batch, max_seq_len, n_kv_heads, head_dim)`, so one token of one sequence
 //! is a contiguous row of `n_kv_heads × head_dim` values (exllamav2's layout). Quantised caches
 //! group each row in runs of 32 values with one f16 scale per group, stored after the data.
-//! Bytes per element (DESIGN.md's table; the planner predicts exactly these):
+//! Bytes per element (the planner predicts exactly these):
 //!
 //! | dtype | K | V | round-trip error bound, per value `x` of group `g` |
 //! |---|---|---|---|
@@ -548,19 +548,25 @@ impl Cache {
         self.seq_len.store(0, Ordering::Release);
     }
 
+    /// `(values per row, rows)` of `k` and `v` slices for `layer`: whole rows, as many of each.
+    fn whole_rows(&self, layer: usize, k: usize, v: usize) -> Result<(usize, usize)> {
+        self.check_layer(layer)?;
+        let row = self.config.row(layer) as usize;
+        let n = k.checked_div(row).unwrap_or(0);
+        if row == 0 || k != n * row || v != k {
+            return Err(invalid(
+                format!("k and v rows of cache layer {layer}"),
+                format!("whole rows of {row} values, as many of v as of k"),
+                format!("{k} and {v}"),
+            ));
+        }
+        Ok((row, n))
+    }
+
     /// Write token-major rows of sequence 0 at `pos`: `k` and `v` hold `n × n_kv_heads ×
     /// head_dim` f32 values each, the cache's own row layout, so each row is encoded in place.
     pub fn write_rows(&self, layer: usize, pos: u64, k: &[f32], v: &[f32]) -> Result<()> {
-        let row = self.config.values(layer) / self.config.max_seq_len / self.config.batch_size;
-        let row = row as usize;
-        let n = k.len().checked_div(row).unwrap_or(0);
-        if row == 0 || k.len() != n * row || v.len() != k.len() {
-            return Err(invalid(
-                format!("k and v rows for cache layer {layer}"),
-                format!("whole rows of {row} values, as many of v as of k"),
-                format!("{} and {}", k.len(), v.len()),
-            ));
-        }
+        let (row, n) = self.whole_rows(layer, k.len(), v.len())?;
         self.check_span(layer, pos, n as u64)?;
         self.join_prefetch();
         if let Some(ver) = self.versions.get(layer) {
@@ -601,16 +607,7 @@ impl Cache {
         k: &mut [f32],
         v: &mut [f32],
     ) -> Result<()> {
-        let row =
-            (self.config.values(layer) / self.config.max_seq_len / self.config.batch_size) as usize;
-        let n = k.len().checked_div(row).unwrap_or(0);
-        if row == 0 || k.len() != n * row || v.len() != k.len() {
-            return Err(invalid(
-                format!("k and v rows read from cache layer {layer}"),
-                format!("whole rows of {row} values"),
-                format!("{} and {}", k.len(), v.len()),
-            ));
-        }
+        let (row, n) = self.whole_rows(layer, k.len(), v.len())?;
         self.check_span(layer, start, n as u64)?;
         let (hk, hv) = halves(self.config.dtype);
         let first = start as usize * row;

@@ -61,7 +61,7 @@ impl Device {
 
     /// `cuda:N`, through the kernels crate's CUDA backend: device memory per tensor, the
     /// backend's two pinned staging buffers for copies from the host, and its stream. The
-    /// capacity is `capacity`, or the free memory the driver reports now (DESIGN.md). Without a
+    /// capacity is `capacity`, or the free memory the driver reports now. Without a
     /// GPU, libcuda or the `cuda` feature this fails with [`EngineError::CudaUnavailable`]
     /// carrying the backend's reason.
     pub fn cuda(ordinal: u32, capacity: Option<u64>) -> Result<Arc<Device>> {
@@ -710,7 +710,7 @@ pub struct Inventory {
 impl Inventory {
     /// Parse a spec such as `"virtual:2x64MiB"`, `"virtual:24GiB,virtual:12GiB,cpu:64GiB,disk"`,
     /// `"cuda:0,cuda:1"` or `"cpu"`. The `cpu` device is always present; without a size its
-    /// capacity is the host's MemAvailable (DESIGN.md), or unbounded where that is unknown.
+    /// capacity is the host's MemAvailable, or unbounded where that is unknown.
     pub fn parse(spec: &str) -> Result<Inventory> {
         let mut accelerators = Vec::new();
         let mut cpu_cap = None;

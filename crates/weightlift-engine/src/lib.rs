@@ -17,7 +17,7 @@
 //! - [`model`]: [`Model`] ties a checkpoint, an [`Inventory`] and a [`Placement`] (a
 //!   `weightlift_plan::Plan` via [`planned`]) together, with the lazy co-located [`Cache`],
 //!   split tensors (llama.cpp row split, tensor parallelism), validation and memory accounting.
-//! - [`cache`]: KV caches in fp16, fp8 (e4m3), q8, q6 and q4 with DESIGN.md's exact sizes and a
+//! - [`cache`]: KV caches in fp16, fp8 (e4m3), q8, q6 and q4 with the planner's exact sizes and a
 //!   documented error bound per dtype; offloaded caches prefetch the next layer on a thread.
 //! - [`tp`]: exllamav2's TPContext: split tables, collectives behind the [`Collective`] trait,
 //!   per-device RoPE tables and scratch.

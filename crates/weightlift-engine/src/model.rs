@@ -119,6 +119,15 @@ pub(crate) struct State {
     pub forward: Option<ForwardPlan>,
 }
 
+/// The device named `name` in `inv`; `disk` resolves to the cpu, which computes and holds what
+/// stays on disk.
+pub(crate) fn resolve_in(inv: &Inventory, name: &str) -> Result<Arc<Device>> {
+    if name == "disk" {
+        return Ok(Arc::clone(inv.cpu()));
+    }
+    inv.get(name)
+}
+
 /// A model: nothing is loaded until [`Model::load`] (tensor parallelism: [`Model::tp_placement`]).
 pub struct Model {
     source: Arc<dyn Source>,
@@ -210,10 +219,7 @@ impl Model {
     }
 
     fn resolve(&self, name: &str) -> Result<Arc<Device>> {
-        if name == "disk" {
-            return Ok(Arc::clone(self.inventory.cpu()));
-        }
-        self.inventory.get(name)
+        resolve_in(&self.inventory, name)
     }
 
     /// Load by `placement`. A lazy `cache` is allocated layer by layer, on each layer's device,

@@ -34,22 +34,19 @@ fn gguf_tokenizer(path: &Path) -> Tokenizer {
 }
 
 /// The SmolLM2 demo model: `$WEIGHTLIFT_DEMO_GGUF` (set by the Makefile), else the repo cache.
-fn smollm2() -> Option<Tokenizer> {
+fn smollm2() -> Tokenizer {
     let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("../../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
         });
-    if p.exists() {
-        Some(gguf_tokenizer(&p))
-    } else {
-        eprintln!(
-            "skipped: the SmolLM2 demo model is not at {} (run `make demo-model`)",
-            p.display()
-        );
-        None
-    }
+    assert!(
+        p.exists(),
+        "the SmolLM2 demo model is not at {} (run `make demo-model`)",
+        p.display()
+    );
+    gguf_tokenizer(&p)
 }
 
 fn tiny_llama_gguf() -> Tokenizer {
@@ -65,7 +62,7 @@ const MULTIBYTE: &str = "Grüße aus Köln — 東京タワー, naïve café �
 
 #[test]
 fn smollm2_prompts_match_llama_cpp_ids() {
-    let Some(tok) = smollm2() else { return };
+    let tok = smollm2();
     let prompts = json(reference().join("smollm2-135m/prompts.json"));
     assert!(!tok.add_bos(), "the GGUF has add_bos_token = false");
     for (k, p) in prompts["prompts"].as_object().unwrap() {
@@ -79,7 +76,7 @@ fn smollm2_prompts_match_llama_cpp_ids() {
 
 #[test]
 fn smollm2_greedy_text_matches_both_detokenizers() {
-    let Some(tok) = smollm2() else { return };
+    let tok = smollm2();
     let g = json(reference().join("smollm2-135m/greedy.json"));
     // llama-cpp-python's detokenize() drops control tokens; transformers' decode() keeps them.
     let lc = &g["llamacpp"];
@@ -96,7 +93,7 @@ fn smollm2_greedy_text_matches_both_detokenizers() {
 
 #[test]
 fn smollm2_special_tokens_and_eog() {
-    let Some(tok) = smollm2() else { return };
+    let tok = smollm2();
     assert_eq!(
         (tok.bos_id(), tok.eos_id(), tok.n_vocab()),
         (Some(1), Some(2), 49152)
@@ -121,7 +118,7 @@ fn smollm2_special_tokens_and_eog() {
 
 #[test]
 fn smollm2_chat_template_renders_like_transformers() {
-    let Some(tok) = smollm2() else { return };
+    let tok = smollm2();
     let chat = tok.chat().unwrap().expect("SmolLM2 has a chat template");
     // The format of SmolLM2's template (ChatML), written out by hand from the template text.
     let two = [
@@ -214,7 +211,7 @@ fn stream_decoder_never_splits_a_character_spm() {
 
 #[test]
 fn stream_decoder_never_splits_a_character_byte_level() {
-    let Some(tok) = smollm2() else { return };
+    let tok = smollm2();
     let ids = tok.encode(MULTIBYTE, None, false).unwrap();
     assert_eq!(tok.decode(&ids, true).unwrap(), MULTIBYTE);
     assert!(check_stream(&tok, &ids, true) > 0);

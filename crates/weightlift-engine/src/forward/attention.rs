@@ -77,7 +77,7 @@ pub(crate) fn attend(
         while q0 < n {
             let tq = s.q_tile.min(n - q0);
             // Queries see keys up to their own position; skip a block that sees none of these.
-            if k0 <= start + q0 + tq - 1 {
+            if k0 < start + q0 + tq {
                 acc.par_chunks_mut(n * hd)
                     .zip(stats.par_chunks_mut(2 * n))
                     .zip(t.scores.par_chunks_mut(s.q_tile * s.kv_tile))

@@ -305,7 +305,7 @@ impl Graph {
         };
         let i = self.dims.inter as usize;
         for l in &self.layers {
-            if l.kv_heads == 0 || nh % l.kv_heads != 0 {
+            if l.kv_heads == 0 || !nh.is_multiple_of(l.kv_heads) {
                 return Err(invalid(
                     "kv heads",
                     format!("a divisor of the {nh} attention heads"),

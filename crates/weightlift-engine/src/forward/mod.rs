@@ -352,12 +352,7 @@ impl crate::Model {
                 max_seq_len: cache.config().max_seq_len,
                 batch: cache.config().batch_size,
             });
-            let resolve = |name: &str| -> Result<Arc<Device>> {
-                if name == "disk" {
-                    return Ok(Arc::clone(inventory.cpu()));
-                }
-                inventory.get(name)
-            };
+            let resolve = |name: &str| crate::model::resolve_in(&inventory, name);
             let loaded = graph::Loaded {
                 source: source.as_ref(),
                 held: &state.held,
