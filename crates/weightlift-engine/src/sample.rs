@@ -1258,6 +1258,14 @@ mod tests {
         assert_eq!(m.finish(), "");
     }
 
+    #[test]
+    fn a_stop_completed_first_ends_generation_before_a_longer_one_can() {
+        // "éab" starts before "a" but is still incomplete when "éa" arrives.
+        let (out, stopped, _) = stream(&["a", "éab"], &["éa", "b"]);
+        assert_eq!(out, ["é", ""]);
+        assert!(stopped);
+    }
+
     proptest! {
         #[test]
         fn streamed_text_is_the_text_before_the_first_stop(
@@ -1282,7 +1290,13 @@ mod tests {
                 emitted.push_str(&out);
                 stopped |= stop;
             }
-            let cut = stops.iter().filter_map(|s| text.find(s.as_str())).min();
+            // Generation ends at the first piece that completes any stop string, and the text is
+            // cut at the earliest stop found in what has arrived by then: a longer stop that
+            // starts earlier but would complete later never gets the chance.
+            let cut = bounds.windows(2).find_map(|w| {
+                let seen = &text[..offsets[w[1]]];
+                stops.iter().filter_map(|s| seen.find(s.as_str())).min()
+            });
             if !stopped {
                 emitted.push_str(&m.finish());
             }
