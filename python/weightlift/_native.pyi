@@ -30,6 +30,7 @@ __all__ = [
     "DeviceTensor",
     "Model",
     "Cache",
+    "CompletionStream",
     "TPContext",
     "BROADCAST_KV",
     "BROADCAST_ID",
@@ -364,6 +365,15 @@ class DeviceTensor:
     def free(self) -> None: ...
 
 @final
+class CompletionStream:
+    """A generation streamed as text pieces (`generate`) or response chunks (`create_*`)."""
+
+    def __iter__(self) -> CompletionStream: ...
+    def __next__(self) -> Any: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+
+@final
 class Model:
     def __new__(
         cls,
@@ -384,6 +394,97 @@ class Model:
     def compute(self, value: str) -> None: ...
     @property
     def n_threads(self) -> int: ...
+    def tokenize(
+        self, text: str | bytes, add_bos: bool | None = None, special: bool = False
+    ) -> list[int]: ...
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str: ...
+    def generate(
+        self,
+        prompt: str | bytes | Sequence[int],
+        *,
+        max_new_tokens: int | None = 32,
+        temperature: float = 0.0,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        repeat_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = False,
+        cache: Cache | None = None,
+        add_bos: bool | None = None,
+    ) -> str | CompletionStream: ...
+    def create_completion(
+        self,
+        prompt: str | bytes | Sequence[int],
+        suffix: str | None = None,
+        max_tokens: int | None = 16,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        logprobs: int | None = None,
+        echo: bool = False,
+        stop: str | Sequence[str] | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        top_k: int = 40,
+        stream: bool = False,
+        seed: int | None = None,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        model: str | None = None,
+        stopping_criteria: Any = None,
+        logits_processor: Any = None,
+        grammar: Any = None,
+        logit_bias: Any = None,
+    ) -> dict[str, Any] | CompletionStream: ...
+    def __call__(
+        self, prompt: str | bytes | Sequence[int], *args: Any, **kwargs: Any
+    ) -> dict[str, Any] | CompletionStream: ...
+    def create_chat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        functions: Any = None,
+        function_call: Any = None,
+        tools: Any = None,
+        tool_choice: Any = None,
+        temperature: float = 0.2,
+        top_p: float = 0.95,
+        top_k: int = 40,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        stream: bool = False,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        response_format: Any = None,
+        max_tokens: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        model: str | None = None,
+        logits_processor: Any = None,
+        grammar: Any = None,
+        logit_bias: Any = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+    ) -> dict[str, Any] | CompletionStream: ...
+    @property
+    def timings(self) -> dict[str, float] | None: ...
+    def n_ctx(self) -> int: ...
+    def n_vocab(self) -> int: ...
+    def token_bos(self) -> int: ...
+    def token_eos(self) -> int: ...
     def load(
         self,
         plan: Plan | str | None = None,
@@ -562,4 +663,5 @@ def load_gguf(
     type_v: str = "f16",
     n_threads: int | None = None,
     compute: str = "fast",
+    seed: int | None = None,
 ) -> Model: ...

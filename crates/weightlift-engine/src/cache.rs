@@ -238,6 +238,9 @@ pub struct Cache {
     prefetch: Mutex<Option<JoinHandle<Result<()>>>>,
     /// Tokens of sequence 0 the forward pass has written (`Cache.seq_len` in Python).
     seq_len: AtomicU64,
+    /// The ids at positions `0..seq_len`, while every one came through [`Cache::note_ids`]: a new
+    /// prompt then reuses the longest common prefix, as llama-cpp-python's `generate` does.
+    ids: Mutex<Vec<u32>>,
 }
 
 impl Cache {
@@ -269,6 +272,7 @@ impl Cache {
             versions: (0..n).map(|_| AtomicU64::new(0)).collect(),
             prefetch: Mutex::new(None),
             seq_len: AtomicU64::new(0),
+            ids: Mutex::new(Vec::new()),
         })
     }
 
@@ -282,6 +286,12 @@ impl Cache {
 
     fn lock(&self) -> MutexGuard<'_, Vec<Option<LayerStore>>> {
         self.layers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn lock_ids(&self) -> MutexGuard<'_, Vec<u32>> {
+        self.ids
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -540,12 +550,41 @@ impl Cache {
             ));
         }
         self.seq_len.store(n, Ordering::Release);
+        let mut ids = self.lock_ids();
+        if n as usize <= ids.len() {
+            ids.truncate(n as usize);
+        } else {
+            // Positions whose ids nobody told us: no prefix can be trusted.
+            ids.clear();
+        }
         Ok(())
     }
 
     /// Forget every token: the next forward pass starts at position 0. No memory is freed.
     pub fn reset(&self) {
         self.seq_len.store(0, Ordering::Release);
+        self.lock_ids().clear();
+    }
+
+    /// Record that positions `start..start + ids.len()` now hold `ids` (the forward pass calls
+    /// this after writing them). A gap makes the record unusable until the next reset.
+    pub fn note_ids(&self, start: u64, new: &[u32]) {
+        let mut ids = self.lock_ids();
+        if ids.len() as u64 == start {
+            ids.extend_from_slice(new);
+        } else {
+            ids.clear();
+        }
+    }
+
+    /// How many leading ids of `prompt` the cache already holds at positions `0..`, when its
+    /// positions all have known ids; 0 otherwise.
+    pub fn common_prefix(&self, prompt: &[u32]) -> u64 {
+        let ids = self.lock_ids();
+        if ids.len() as u64 != self.seq_len() {
+            return 0;
+        }
+        ids.iter().zip(prompt).take_while(|(a, b)| a == b).count() as u64
     }
 
     /// `(values per row, rows)` of `k` and `v` slices for `layer`: whole rows, as many of each.

@@ -98,6 +98,10 @@ pub enum EngineError {
         max_seq_len: u64,
     },
 
+    /// The tokenizer or chat template could not be built or run.
+    #[error(transparent)]
+    Text(#[from] weightlift_text::TextError),
+
     /// An operation that needs loaded weights or an allocated cache ran before the load.
     #[error("{what} is not loaded; call load() first")]
     NotLoaded { what: String },

@@ -19,6 +19,8 @@
 //!   split tensors (llama.cpp row split, tensor parallelism), validation and memory accounting.
 //! - [`cache`]: KV caches in fp16, fp8 (e4m3), q8, q6 and q4 with the planner's exact sizes and a
 //!   documented error bound per dtype; offloaded caches prefetch the next layer on a thread.
+//! - [`forward`] and [`generate`]: the forward pass where the plan put every layer, and text
+//!   generation on it (tokenizer, sampler, stop strings, prompt-prefix reuse).
 //! - [`tp`]: exllamav2's TPContext: split tables, collectives behind the [`Collective`] trait,
 //!   per-device RoPE tables and scratch.
 //!
@@ -34,6 +36,7 @@ pub mod cache;
 pub mod convert;
 pub mod device;
 pub mod forward;
+pub mod generate;
 pub mod loader;
 pub mod mlock;
 pub mod model;
@@ -49,6 +52,7 @@ pub use device::{
     Buffer, Device, DeviceKind, DeviceTensor, HostProbe, Inventory, Storage, parse_size,
 };
 pub use error::{EngineError, Result};
+pub use generate::{FinishReason, GenerateOptions, Generation, Piece, Timings};
 pub use loader::{LoadOptions, Loaded, Progress, TensorTarget, load};
 pub use model::{Dequantized, Held, Model, Placement};
 pub use source::Source;

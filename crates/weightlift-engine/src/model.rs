@@ -134,6 +134,8 @@ pub struct Model {
     inventory: Inventory,
     pub(crate) state: Option<State>,
     pub(crate) runner: crate::forward::Runner,
+    /// Built on first use from the checkpoint's metadata or tokenizer files.
+    tokenizer: std::sync::OnceLock<Arc<weightlift_text::Tokenizer>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -153,7 +155,64 @@ impl Model {
             inventory,
             state: None,
             runner: crate::forward::Runner::default(),
+            tokenizer: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The tokenizer: from the GGUF's `tokenizer.ggml.*` keys, or from `tokenizer.json` in a
+    /// safetensors checkpoint's folder. Built once, on first use; needs no load.
+    pub fn tokenizer(&self) -> Result<Arc<weightlift_text::Tokenizer>> {
+        if let Some(t) = self.tokenizer.get() {
+            return Ok(Arc::clone(t));
+        }
+        let ckpt = self
+            .source
+            .checkpoint()
+            .ok_or_else(|| EngineError::Unsupported {
+                what: "a tokenizer for this model".into(),
+                detail: "it was not opened from a checkpoint file".into(),
+            })?;
+        let built = match ckpt.format() {
+            weightlift_format::Format::Gguf => {
+                weightlift_text::Tokenizer::from_gguf(ckpt.metadata())?
+            }
+            weightlift_format::Format::Safetensors => {
+                let path = ckpt.path();
+                let dir = if path.is_dir() {
+                    path
+                } else {
+                    path.parent().unwrap_or(path)
+                };
+                weightlift_text::Tokenizer::from_files(dir)?
+            }
+        };
+        Ok(Arc::clone(self.tokenizer.get_or_init(|| Arc::new(built))))
+    }
+
+    /// Rows of the embedding: token ids must be below it.
+    pub fn vocab_size(&self) -> Result<u64> {
+        self.source
+            .spec()
+            .map(|s| s.vocab_size)
+            .ok_or_else(|| EngineError::Unsupported {
+                what: "running this checkpoint".into(),
+                detail: "its architecture could not be read from the metadata or config.json"
+                    .into(),
+            })
+    }
+
+    /// The cache attached at load (`Model.forward(cache=None)` and generation use it).
+    pub fn own_cache(&self) -> Result<Arc<Cache>> {
+        self.state
+            .as_ref()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: "the model".into(),
+            })?
+            .cache
+            .clone()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: "a cache for this model (pass one, or load with a cache)".into(),
+            })
     }
 
     pub fn source(&self) -> &Arc<dyn Source> {

@@ -64,6 +64,7 @@ impl ToPyErr for EngineError {
             EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
             EngineError::NotLoaded { .. } => raise(Exc::Weightlift, self.to_string()),
             EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
+            EngineError::Text(e) => e.to_pyerr(),
         }
     }
 }
@@ -405,6 +406,10 @@ pub(crate) struct ModelInner {
     dtype: wp::DTypeChoice,
     runtime: wp::RuntimeSpec,
     devices_spec: String,
+    /// The sampling seed when a call gives none (`load_gguf(seed=...)`, as `Llama(seed=...)`).
+    pub(crate) seed: Option<u64>,
+    /// The last generation's timings (`Model.timings`).
+    pub(crate) timings: Option<we::Timings>,
 }
 
 /// A model: a checkpoint and the devices it may use. Nothing is loaded until `load()`,
@@ -752,6 +757,8 @@ impl Model {
                 dtype,
                 runtime,
                 devices_spec,
+                seed: None,
+                timings: None,
             }),
             checkpoint: ckpt,
         })
@@ -1607,8 +1614,8 @@ fn from_pretrained(
                     use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
                     vocab_only = false, progress_callback = None, devices = None, runtime = None,
                     n_ctx = 512, n_batch = 512, type_k = "f16", type_v = "f16", n_threads = None,
-                    compute = "fast"),
-       text_signature = "(path, *, n_gpu_layers=-1, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast')")]
+                    compute = "fast", seed = None),
+       text_signature = "(path, *, n_gpu_layers=-1, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None)")]
 #[allow(clippy::too_many_arguments)]
 fn load_gguf(
     py: Python<'_>,
@@ -1631,6 +1638,7 @@ fn load_gguf(
     type_v: &str,
     n_threads: Option<usize>,
     compute: &str,
+    seed: Option<u64>,
 ) -> PyResult<Model> {
     if vocab_only {
         let p: PathBuf = path.extract()?;
@@ -1656,6 +1664,8 @@ fn load_gguf(
                 dtype: wp::DTypeChoice::Auto,
                 runtime: runtime_from(runtime)?,
                 devices_spec,
+                seed: load_seed(seed),
+                timings: None,
             }),
             checkpoint: ckpt,
         });
@@ -1664,6 +1674,7 @@ fn load_gguf(
     let cache_dtype = llama_cache_dtype(type_k, type_v)?;
     let cache = {
         let mut inner = model.lock()?;
+        inner.seed = load_seed(seed);
         if runtime.is_none() {
             inner.runtime.max_input_len = n_batch;
         }
@@ -1701,6 +1712,11 @@ fn load_gguf(
         reporter,
     )?;
     Ok(model)
+}
+
+/// `load_gguf(seed=...)`: llama.cpp's `LLAMA_DEFAULT_SEED` (0xFFFFFFFF) means a random seed.
+fn load_seed(seed: Option<u64>) -> Option<u64> {
+    seed.filter(|&s| s != u64::from(u32::MAX))
 }
 
 /// llama.cpp's `type_k` / `type_v` pair as one cache dtype: equal types, or q8_0 keys with

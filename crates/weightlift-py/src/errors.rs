@@ -154,6 +154,23 @@ impl ToPyErr for weightlift_plan::PlanError {
     }
 }
 
+impl ToPyErr for weightlift_text::TextError {
+    /// Metadata or tokenizer files that cannot make a tokenizer are a `FormatError`; a tokenizer
+    /// model this build does not have is an `UnsupportedError`; an id outside the vocabulary is
+    /// a `PlanError` (a ValueError), like every other invalid argument; a failing chat template
+    /// or tokenizer library is a `WeightliftError`.
+    fn to_pyerr(self) -> PyErr {
+        use weightlift_text::TextError as E;
+        let exc = match &self {
+            E::Metadata { .. } | E::File { .. } => Exc::Format,
+            E::Unsupported { .. } => Exc::Unsupported,
+            E::BadId { .. } => Exc::Plan,
+            E::Backend { .. } | E::Template { .. } => Exc::Weightlift,
+        };
+        raise(exc, self.to_string())
+    }
+}
+
 /// `Result::map_err` shorthand: `.map_err(py_err)`.
 pub fn py_err<E: ToPyErr>(e: E) -> PyErr {
     e.to_pyerr()

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod engine;
 mod errors;
 mod format;
+mod generate;
 mod plan;
 mod run;
 
@@ -15,5 +16,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     format::register(m)?;
     plan::register(m)?;
     engine::register(m)?;
+    m.add_class::<generate::CompletionStream>()?;
     Ok(())
 }

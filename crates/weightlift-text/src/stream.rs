@@ -7,9 +7,11 @@ use crate::tokenizer::Tokenizer;
 /// part of a character; the decoder holds such bytes back until the character is complete, so
 /// every piece it returns is whole UTF-8, and the pieces (with [`StreamDecoder::finish`]) join to
 /// exactly [`Tokenizer::decode`] of all the ids.
-#[derive(Debug)]
-pub struct StreamDecoder<'t> {
-    tok: &'t Tokenizer,
+///
+/// The decoder holds only its state, not the tokenizer, so a generation can own both side by
+/// side; every [`StreamDecoder::push`] takes the tokenizer that made it.
+#[derive(Debug, Clone, Default)]
+pub struct StreamDecoder {
     skip_special: bool,
     pending: Vec<u8>,
     n_ids: usize,
@@ -18,10 +20,9 @@ pub struct StreamDecoder<'t> {
     emitted_any: bool,
 }
 
-impl<'t> StreamDecoder<'t> {
-    pub fn new(tok: &'t Tokenizer, skip_special: bool) -> StreamDecoder<'t> {
+impl StreamDecoder {
+    pub fn new(skip_special: bool) -> StreamDecoder {
         StreamDecoder {
-            tok,
             skip_special,
             pending: Vec::new(),
             n_ids: 0,
@@ -30,15 +31,14 @@ impl<'t> StreamDecoder<'t> {
         }
     }
 
-    /// Feed one id; returns the text that is now complete (often empty).
-    pub fn push(&mut self, id: u32) -> Result<String> {
+    /// Feed one id (with the tokenizer the decoder was made for); returns the text that is now complete (often empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         if self.n_ids == 0 {
-            self.strip_space = self.tok.bos_id() == Some(id);
+            self.strip_space = tok.bos_id() == Some(id);
         }
         self.n_ids += 1;
         let start = self.pending.len();
-        self.tok
-            .push_piece(id, !self.skip_special, &mut self.pending)?;
+        tok.push_piece(id, !self.skip_special, &mut self.pending)?;
         if !self.emitted_any && self.pending.len() > start {
             self.emitted_any = true;
             if self.strip_space && self.pending.first() == Some(&b' ') {

@@ -660,8 +660,8 @@ impl Tokenizer {
     }
 
     /// A streaming decoder over this tokenizer (see [`crate::StreamDecoder`]).
-    pub fn stream(&self, skip_special: bool) -> crate::StreamDecoder<'_> {
-        crate::StreamDecoder::new(self, skip_special)
+    pub fn stream(&self, skip_special: bool) -> crate::StreamDecoder {
+        crate::StreamDecoder::new(skip_special)
     }
 
     /// The vocabulary text of token `id` (`▁Once`, `Ġcapital`, `<0x0A>`), not decoded.

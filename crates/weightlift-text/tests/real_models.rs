@@ -186,7 +186,7 @@ fn check_stream(tok: &Tokenizer, ids: &[u32], skip_special: bool) -> usize {
     let mut joined = String::new();
     let mut held_back = 0;
     for &id in ids {
-        let piece = stream.push(id).unwrap();
+        let piece = stream.push(tok, id).unwrap();
         // A `String` is valid UTF-8 by construction; a piece that is empty while the token had
         // bytes means the decoder held back part of a character.
         if piece.is_empty() && !tok.token_piece(id, !skip_special).unwrap().is_empty() {

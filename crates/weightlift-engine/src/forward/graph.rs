@@ -424,6 +424,7 @@ impl Graph {
                 }
                 run_layer(&c, layer, li, held, copies, cache, pos, n, &mut views[at])?;
             }
+            cache.note_ids(pos as u64, part);
             cache.set_seq_len((pos + n) as u64)?;
             // The head: only the rows asked for.
             let first = match logits {

@@ -1,0 +1,372 @@
+//! Text generation: a prompt in, sampled tokens and their text out, one step at a time.
+//!
+//! A [`Generation`] is llama-cpp-python's `create_completion` loop as a state machine, so a
+//! caller can pull pieces one by one (a Python iterator, a CLI that prints as it goes) or run it
+//! to the end with [`Generation::run`]. Each [`Generation::step`] runs one forward call (the
+//! prompt first, then one token), samples with the [`Sampler`], detokenizes with the
+//! [`StreamDecoder`] (whole UTF-8 only) and holds back text that could still become a stop
+//! string ([`StopMatcher`]).
+//!
+//! As llama-cpp-python:
+//! - generation ends at an end-of-generation token (not emitted, not counted), at a stop string
+//!   (cut before it), or after `max_tokens` tokens, which is capped to the room left in the cache
+//!   (finish reason `length` either way);
+//! - a prompt that does not fit the cache is an error before anything runs;
+//! - on the model's own cache, the longest prefix the cache already holds is reused (at least
+//!   one prompt token is always run, to get logits).
+//!
+//! With an explicit cache the prompt is appended at its `seq_len` (exllamav2's way of continuing
+//! a sequence). A failed step (a device out of memory) ends the generation with the error; the
+//! cache keeps the tokens written before it, so model and cache stay usable.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use weightlift_text::{StreamDecoder, Tokenizer};
+
+use crate::cache::Cache;
+use crate::error::{EngineError, Result, invalid};
+use crate::forward::Logits;
+use crate::model::Model;
+use crate::sample::{Sampler, SamplingParams, StopMatcher};
+
+/// What to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateOptions {
+    /// Tokens to generate at most; `None` until the cache is full (llama-cpp-python's
+    /// `max_tokens <= 0` or `None`).
+    pub max_tokens: Option<u64>,
+    pub sampling: SamplingParams,
+    /// Stop strings: the text ends before the first one to appear.
+    pub stop: Vec<String>,
+    /// Whether an end-of-generation token ends the generation.
+    pub stop_at_eog: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_tokens: Some(16),
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            stop_at_eog: true,
+        }
+    }
+}
+
+/// Why a generation ended, as OpenAI's `finish_reason`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens`, or the cache is full.
+    Length,
+}
+
+impl FinishReason {
+    pub const fn name(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Where the time went, as llama.cpp's `prompt eval` and `eval` lines.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    /// Prompt tokens run (after the reused prefix) and the seconds the forward call took.
+    pub prompt_tokens: u64,
+    pub prompt_secs: f64,
+    /// Prompt tokens whose keys and values the cache already held.
+    pub reused_tokens: u64,
+    /// Tokens run one at a time after the prompt, and the seconds their forward calls and
+    /// sampling took.
+    pub eval_tokens: u64,
+    pub eval_secs: f64,
+    /// Seconds spent sampling, included in neither of the above.
+    pub sample_secs: f64,
+}
+
+impl Timings {
+    /// Tokens per second, 0 when nothing ran.
+    pub fn rate(tokens: u64, secs: f64) -> f64 {
+        if secs > 0.0 {
+            tokens as f64 / secs
+        } else {
+            0.0
+        }
+    }
+}
+
+/// One step's output: the sampled token (none on the final step that only flushes held text),
+/// the text that is safe to show now, and the finish reason on the last step.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Piece {
+    pub token: Option<u32>,
+    pub text: String,
+    pub finish: Option<FinishReason>,
+}
+
+/// A generation in progress. It owns its cache handle and tokenizer, and borrows the model only
+/// during a [`Generation::step`].
+pub struct Generation {
+    tokenizer: Arc<Tokenizer>,
+    cache: Arc<Cache>,
+    sampler: Sampler,
+    stops: StopMatcher,
+    decoder: StreamDecoder,
+    stop_at_eog: bool,
+    prompt_tokens: u64,
+    /// Ids to run next: the unreused prompt, then the last sampled token.
+    pending: Vec<u32>,
+    /// Sampled tokens (the penalty window, as llama-cpp-python's sampler sees them).
+    tokens: Vec<u32>,
+    max_tokens: u64,
+    logits: Vec<f32>,
+    finish: Option<FinishReason>,
+    done: bool,
+    timings: Timings,
+}
+
+impl std::fmt::Debug for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Generation")
+            .field("prompt_tokens", &self.prompt_tokens)
+            .field("tokens", &self.tokens.len())
+            .field("max_tokens", &self.max_tokens)
+            .field("finish", &self.finish)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Generation {
+    /// Start generating from `prompt` ids. `cache: None` uses the model's own cache, reusing the
+    /// prefix it holds; a cache given here is appended to.
+    pub fn new(
+        model: &Model,
+        prompt: &[u32],
+        cache: Option<&Arc<Cache>>,
+        options: GenerateOptions,
+    ) -> Result<Generation> {
+        let tokenizer = model.tokenizer()?;
+        let sampler = Sampler::new(options.sampling)?;
+        if prompt.is_empty() {
+            return Err(invalid(
+                "prompt",
+                "at least one token",
+                "an empty prompt (pass add_bos or some text)",
+            ));
+        }
+        let vocab = model.vocab_size()?;
+        if let Some((i, id)) = prompt
+            .iter()
+            .enumerate()
+            .find(|(_, id)| u64::from(**id) >= vocab)
+        {
+            return Err(invalid(
+                format!("prompt token id at position {i}"),
+                format!("below the vocabulary size {vocab}"),
+                id,
+            ));
+        }
+        let (cache, reuse) = match cache {
+            Some(c) => (Arc::clone(c), false),
+            None => (model.own_cache()?, true),
+        };
+        let max_seq_len = cache.config().max_seq_len;
+        let held = if reuse {
+            cache.common_prefix(prompt).min(prompt.len() as u64 - 1)
+        } else {
+            cache.seq_len()
+        };
+        let start = if reuse { 0 } else { held };
+        let end = start + prompt.len() as u64;
+        if end > max_seq_len {
+            return Err(EngineError::ContextFull {
+                tokens: prompt.len() as u64,
+                held: start,
+                max_seq_len,
+            });
+        }
+        // Sampled token i (from 1) needs position end + i - 2 for its successor's forward call;
+        // the last one is never run, so the room is one more than the free positions.
+        let room = max_seq_len - end + 1;
+        if reuse {
+            cache.set_seq_len(held)?;
+        }
+        let max_tokens = options
+            .max_tokens
+            .filter(|&n| n > 0)
+            .map_or(room, |n| n.min(room));
+        let pending = if reuse {
+            prompt[held as usize..].to_vec()
+        } else {
+            prompt.to_vec()
+        };
+        Ok(Generation {
+            decoder: tokenizer.stream(true),
+            tokenizer,
+            cache,
+            sampler,
+            stops: StopMatcher::new(options.stop),
+            stop_at_eog: options.stop_at_eog,
+            prompt_tokens: prompt.len() as u64,
+            pending,
+            tokens: Vec::new(),
+            max_tokens,
+            logits: Vec::new(),
+            finish: None,
+            done: false,
+            timings: Timings {
+                reused_tokens: if reuse { held } else { 0 },
+                ..Timings::default()
+            },
+        })
+    }
+
+    /// The next piece, or `None` once the final piece (the one with a finish reason) was
+    /// returned.
+    pub fn step(&mut self, model: &mut Model) -> Result<Option<Piece>> {
+        if self.done {
+            return Ok(None);
+        }
+        if self.finish.is_none() && self.tokens.len() as u64 >= self.max_tokens {
+            self.finish = Some(FinishReason::Length);
+        }
+        if let Some(reason) = self.finish {
+            return Ok(Some(self.flush(reason)));
+        }
+        let first = self.tokens.is_empty();
+        let t0 = Instant::now();
+        let ran = model.forward(
+            &self.pending,
+            Some(&self.cache),
+            Logits::Last,
+            &mut self.logits,
+        );
+        if let Err(e) = ran {
+            self.done = true;
+            return Err(e);
+        }
+        let t1 = Instant::now();
+        let token = self.sampler.sample(&self.logits, &self.tokens);
+        let t2 = Instant::now();
+        let ran = t1.duration_since(t0).as_secs_f64();
+        if first {
+            self.timings.prompt_tokens = self.pending.len() as u64;
+            self.timings.prompt_secs = ran;
+        } else {
+            self.timings.eval_tokens += 1;
+            self.timings.eval_secs += ran;
+        }
+        self.timings.sample_secs += t2.duration_since(t1).as_secs_f64();
+
+        if self.stop_at_eog && self.tokenizer.is_eog(token) {
+            return Ok(Some(self.flush(FinishReason::Stop)));
+        }
+        self.tokens.push(token);
+        self.pending.clear();
+        self.pending.push(token);
+        let text = self.decoder.push(&self.tokenizer, token)?;
+        let (text, stopped) = self.stops.push(&text);
+        if stopped {
+            self.done = true;
+            self.finish = Some(FinishReason::Stop);
+            return Ok(Some(Piece {
+                token: Some(token),
+                text,
+                finish: self.finish,
+            }));
+        }
+        Ok(Some(Piece {
+            token: Some(token),
+            text,
+            finish: None,
+        }))
+    }
+
+    /// Run to the end, handing every piece to `on_piece`; it returns `false` to stop early (the
+    /// finish reason is then `Stop`). Returns the whole text.
+    pub fn run(
+        &mut self,
+        model: &mut Model,
+        mut on_piece: impl FnMut(&Piece) -> bool,
+    ) -> Result<String> {
+        let mut text = String::new();
+        while let Some(piece) = self.step(model)? {
+            text.push_str(&piece.text);
+            if !on_piece(&piece) && !self.done {
+                self.finish = Some(FinishReason::Stop);
+            }
+        }
+        Ok(text)
+    }
+
+    /// The final piece: text the decoder and the stop matcher still hold.
+    fn flush(&mut self, reason: FinishReason) -> Piece {
+        self.done = true;
+        self.finish = Some(reason);
+        let tail = self.decoder.finish();
+        let (mut text, stopped) = self.stops.push(&tail);
+        if stopped {
+            self.finish = Some(FinishReason::Stop);
+        } else {
+            let stops = std::mem::replace(&mut self.stops, StopMatcher::new(Vec::<String>::new()));
+            text.push_str(&stops.finish());
+        }
+        Piece {
+            token: None,
+            text,
+            finish: self.finish,
+        }
+    }
+
+    /// Tokens sampled so far (without a final end-of-generation token).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Tokens in the prompt (reused ones included).
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_tokens
+    }
+
+    /// The most tokens this generation can produce.
+    pub fn max_tokens(&self) -> u64 {
+        self.max_tokens
+    }
+
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    pub fn timings(&self) -> Timings {
+        self.timings
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+}
+
+impl Model {
+    /// The prompt ids for a chat: the model's chat template rendered with `messages` and the
+    /// generation prompt, tokenized with special tokens parsed and no BOS added beyond what the
+    /// template writes (llama-cpp-python's `Jinja2ChatFormatter` path).
+    pub fn chat_prompt(&self, messages: &[weightlift_text::Message]) -> Result<Vec<u32>> {
+        let tok = self.tokenizer()?;
+        let template = tok.chat()?.ok_or_else(|| EngineError::Unsupported {
+            what: "a chat completion with this model".into(),
+            detail: "its checkpoint has no chat template (tokenizer.chat_template); use \
+                     create_completion with a prompt you format yourself"
+                .into(),
+        })?;
+        let text = template.render(messages, true)?;
+        Ok(tok.encode(&text, Some(false), true)?)
+    }
+}

@@ -1,0 +1,212 @@
+//! Generation on the SmolLM2 demo model, checked against llama.cpp's greedy continuation in the
+//! shared reference (`smollm2-135m/greedy.json`): its ids and its text.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{json_ids, reference};
+use weightlift_engine::sample::SamplingParams;
+use weightlift_engine::{
+    Cache, CacheDType, EngineError, FinishReason, GenerateOptions, Generation, Inventory,
+    LoadOptions, Model, Placement, Source,
+};
+use weightlift_format::{Checkpoint, OpenOptions};
+
+fn demo(devices: &str, max_seq_len: u64) -> (Model, Arc<Cache>) {
+    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
+        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
+    );
+    let src: Arc<dyn Source> =
+        Arc::new(Checkpoint::open(path, OpenOptions::default()).unwrap_or_else(|e| panic!("{e}")));
+    let mut m = Model::new(Arc::clone(&src), Inventory::parse(devices).unwrap());
+    let cache = Arc::new(
+        Cache::new(
+            m.cache_config(max_seq_len, 1, CacheDType::Fp16, false)
+                .unwrap(),
+        )
+        .unwrap(),
+    );
+    let placement = Placement::all_on(src.as_ref(), "cpu", m.n_layers());
+    m.load(
+        &placement,
+        &LoadOptions::default(),
+        Some(&cache),
+        true,
+        &mut |_| true,
+    )
+    .unwrap();
+    (m, cache)
+}
+
+fn greedy(max_tokens: u64) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: Some(max_tokens),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        ..GenerateOptions::default()
+    }
+}
+
+fn reference_text() -> String {
+    let path = reference().join("smollm2-135m/greedy.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    v["llamacpp"]["text"].as_str().unwrap().to_owned()
+}
+
+/// Run `g` to the end; the pieces joined, and the finish reason.
+fn run(m: &mut Model, g: &mut Generation) -> (String, Option<FinishReason>) {
+    let text = g.run(m, |_| true).unwrap();
+    (text, g.finish_reason())
+}
+
+#[test]
+fn greedy_generation_reproduces_llamacpp_ids_and_text() {
+    let (mut m, _) = demo("cpu", 128);
+    let g = reference().join("smollm2-135m/greedy.json");
+    let tok = m.tokenizer().unwrap();
+    let prompt = tok.encode("The capital of France is", None, false).unwrap();
+    assert_eq!(prompt, json_ids(&g, "prompt_ids"));
+    let mut opts = greedy(32);
+    opts.stop_at_eog = false;
+    let mut job = Generation::new(&m, &prompt, None, opts).unwrap();
+    let (text, finish) = run(&mut m, &mut job);
+    assert_eq!(job.tokens(), json_ids(&g, "llamacpp.ids"));
+    assert_eq!(text, reference_text());
+    assert_eq!(finish, Some(FinishReason::Length));
+    let t = job.timings();
+    assert_eq!((t.prompt_tokens, t.eval_tokens), (5, 31));
+}
+
+#[test]
+fn a_stop_string_cuts_the_text_before_it() {
+    let (mut m, _) = demo("cpu", 128);
+    let prompt = m
+        .tokenizer()
+        .unwrap()
+        .encode("The capital of France is", None, false)
+        .unwrap();
+    let mut opts = greedy(32);
+    opts.stop = vec!["\n\n".into()];
+    let mut job = Generation::new(&m, &prompt, None, opts).unwrap();
+    let (text, finish) = run(&mut m, &mut job);
+    assert_eq!(text, " Paris.");
+    assert_eq!(finish, Some(FinishReason::Stop));
+    // llama.cpp's third token is the first "\n\n" half; generation stopped at the fourth.
+    assert_eq!(job.tokens().len(), 4);
+}
+
+#[test]
+fn the_prompt_prefix_is_reused_and_changes_nothing() {
+    let (mut m, _) = demo("cpu", 128);
+    let tok = m.tokenizer().unwrap();
+    let first = tok.encode("The capital of France is", None, false).unwrap();
+    let mut job = Generation::new(&m, &first, None, greedy(8)).unwrap();
+    let (a, _) = run(&mut m, &mut job);
+    assert_eq!(job.timings().reused_tokens, 0);
+
+    // The same prompt again: everything but the last prompt token is reused.
+    let mut job = Generation::new(&m, &first, None, greedy(8)).unwrap();
+    let (b, _) = run(&mut m, &mut job);
+    assert_eq!(a, b);
+    let t = job.timings();
+    assert_eq!(
+        (t.reused_tokens, t.prompt_tokens),
+        (first.len() as u64 - 1, 1)
+    );
+
+    // A longer prompt sharing the prefix runs only its new tokens, and gives what a cold
+    // cache gives.
+    let longer = tok
+        .encode(
+            "The capital of France is Paris. The capital of Spain is",
+            None,
+            false,
+        )
+        .unwrap();
+    let mut warm = Generation::new(&m, &longer, None, greedy(8)).unwrap();
+    let (w, _) = run(&mut m, &mut warm);
+    assert!(warm.timings().reused_tokens >= first.len() as u64 - 1);
+    m.own_cache().unwrap().reset();
+    let mut cold = Generation::new(&m, &longer, None, greedy(8)).unwrap();
+    let (c, _) = run(&mut m, &mut cold);
+    assert_eq!(cold.timings().reused_tokens, 0);
+    assert_eq!((warm.tokens(), w), (cold.tokens(), c));
+}
+
+#[test]
+fn max_tokens_is_capped_by_the_cache_and_a_long_prompt_is_refused() {
+    let (mut m, _) = demo("cpu", 16);
+    let tok = m.tokenizer().unwrap();
+    let prompt = tok.encode("The capital of France is", None, false).unwrap();
+    let mut opts = greedy(1000);
+    opts.stop_at_eog = false;
+    let mut job = Generation::new(&m, &prompt, None, opts).unwrap();
+    // 16 positions, 5 for the prompt: 11 free, and the last token needs none.
+    assert_eq!(job.max_tokens(), 12);
+    let (_, finish) = run(&mut m, &mut job);
+    assert_eq!(
+        (job.tokens().len(), finish),
+        (12, Some(FinishReason::Length))
+    );
+
+    let long: Vec<u32> = std::iter::repeat_n(prompt[0], 17).collect();
+    let err = Generation::new(&m, &long, None, greedy(4)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::ContextFull {
+                tokens: 17,
+                max_seq_len: 16,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = Generation::new(&m, &[], None, greedy(4)).unwrap_err();
+    assert!(err.to_string().contains("empty prompt"), "{err}");
+    let err = Generation::new(&m, &[49152], None, greedy(4)).unwrap_err();
+    assert!(err.to_string().contains("vocabulary size 49152"), "{err}");
+    // The model still generates after the refusals.
+    let mut job = Generation::new(&m, &prompt, None, greedy(2)).unwrap();
+    assert_eq!(run(&mut m, &mut job).0, " Paris.");
+}
+
+#[test]
+fn an_explicit_cache_is_appended_to() {
+    let (mut m, own) = demo("cpu", 128);
+    let tok = m.tokenizer().unwrap();
+    let prompt = tok.encode("The capital of France is", None, false).unwrap();
+    let cache = Arc::new(Cache::new(own.config().clone()).unwrap());
+    m.attach_cache(&cache).unwrap();
+    let mut job = Generation::new(&m, &prompt, Some(&cache), greedy(2)).unwrap();
+    assert_eq!(run(&mut m, &mut job).0, " Paris.");
+    // Prompt (5) + the first token fed back (1).
+    assert_eq!(cache.seq_len(), 6);
+    let more = tok.encode("\n\nThe", None, false).unwrap();
+    let mut job = Generation::new(&m, &more, Some(&cache), greedy(1)).unwrap();
+    run(&mut m, &mut job);
+    assert_eq!(cache.seq_len(), 6 + more.len() as u64);
+}
+
+#[test]
+fn stopping_early_from_the_callback_ends_with_stop() {
+    let (mut m, _) = demo("virtual:2x160MiB,cpu", 64);
+    let prompt = m
+        .tokenizer()
+        .unwrap()
+        .encode("The capital of France is", None, false)
+        .unwrap();
+    let mut job = Generation::new(&m, &prompt, None, greedy(32)).unwrap();
+    let mut seen = 0;
+    job.run(&mut m, |p| {
+        seen += usize::from(p.token.is_some());
+        seen < 3
+    })
+    .unwrap();
+    assert_eq!((seen, job.finish_reason()), (3, Some(FinishReason::Stop)));
+    assert!(job.step(&mut m).unwrap().is_none());
+}
