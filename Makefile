@@ -22,7 +22,7 @@ CUDA_ENV = LD_LIBRARY_PATH="$(SITE)/nvidia/cuda_nvrtc/lib:$(SITE)/nvidia/cuda_ru
 	WEIGHTLIFT_CUDA_INCLUDE="$(SITE)/nvidia/cuda_runtime/include"
 
 
-.PHONY: help venv build demo-model vocab demo test test-rust test-python lint fuzz bench clean
+.PHONY: help venv build build-release demo-model vocab demo test test-rust test-python lint fuzz bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -50,7 +50,10 @@ $(CACHE)/vocab:
 
 vocab: venv $(CACHE)/vocab ## fetch llama.cpp's tokenizer test vectors (llama-cpp-python 0.3.36 sdist, sha256 checked)
 
-demo: build demo-model ## set up, then inspect, plan and load the SmolLM2 demo model
+build-release: venv ## build the Rust extension into .venv with optimisations (the demo's tokens/s)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
+
+demo: build-release demo-model ## set up, then inspect, plan, load and generate with the SmolLM2 demo model
 	$(VENV)/bin/weightlift inspect $(DEMO_GGUF)
 	@echo
 	$(VENV)/bin/weightlift plan $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 8192 --cache q8 \
@@ -59,6 +62,12 @@ demo: build demo-model ## set up, then inspect, plan and load the SmolLM2 demo m
 	$(VENV)/bin/weightlift fit $(DEMO_GGUF) --devices virtual:2x256MiB --cache fp16
 	@echo
 	$(VENV)/bin/weightlift load $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 8192 --cache q8 --progress
+	@echo
+	$(VENV)/bin/weightlift run $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 2048 --threads 2 \
+		-p "The three primary colours are" -n 64 --temp 0
+	@echo
+	$(VENV)/bin/weightlift run $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 2048 --chat \
+		-p "Write a haiku about a small machine lifting a heavy weight." -n 64 --seed 42
 
 test-rust: venv vocab ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC)
 	$(CUDA_ENV) WEIGHTLIFT_REQUIRE_NVRTC=1 WEIGHTLIFT_VOCAB_DIR=$(CACHE)/vocab cargo test --workspace --exclude weightlift-py \

@@ -335,3 +335,55 @@ def test_load_cancel_frees_everything(demo_gguf, monkeypatch, capsys):
     m = models[0]
     assert not m.loaded and m.plan is None
     assert all(v == 0 for v in m.device_usage().values()), m.device_usage()
+
+
+GREEDY = json.loads(
+    (Path(__file__).resolve().parents[2] / "shared/reference/smollm2-135m/greedy.json").read_text()
+)
+
+
+def test_run_prints_llamacpp_greedy_text_then_timings(demo_gguf):
+    p = run(
+        "run", demo_gguf, "--devices", "virtual:2x160MiB,cpu", "--ctx", "256",
+        "-p", GREEDY["prompt"], "-n", "32", "--temp", "0", "--threads", "2",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == GREEDY["prompt"] + GREEDY["llamacpp"]["text"] + "\n"
+    lines = p.stderr.splitlines()
+    assert any(line.startswith("load time") for line in lines)
+    prompt = next(line for line in lines if line.startswith("prompt eval time"))
+    assert "/     5 tokens" in prompt and "tokens per second" in prompt
+    gen_line = next(line for line in lines if line.startswith("eval time"))
+    assert "/    31 runs" in gen_line and "tokens per second" in gen_line
+
+
+def test_run_chat_reads_turns_from_stdin(demo_gguf):
+    cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
+    p = subprocess.run(
+        [*cmd, "run", str(demo_gguf), "--chat", "-n", "4", "--temp", "0", "--ctx", "512"],
+        input="Hi\nWhat is two plus two?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    # Two prompts answered, then end of input.
+    assert p.stdout.count("> ") == 3
+    assert p.stderr.count("eval time") == 4  # prompt eval and eval, per turn
+    # The second turn reuses the first turn's prompt from the cache.
+    assert "reused prompt" in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ([], "expected a prompt"),
+        (["-p", "hi", "--temp", "-1"], "temperature"),
+        (["-p", "x" * 3000, "--ctx", "64"], "do not fit the cache"),
+        (["-p", "hi", "--compute", "turbo"], "compute"),
+    ],
+)
+def test_run_bad_request_exit_2(demo_gguf, args, expected):
+    p = run("run", demo_gguf, *args)
+    assert p.returncode == 2, p.stderr
+    assert expected in p.stderr and "Traceback" not in p.stderr

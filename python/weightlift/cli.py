@@ -324,12 +324,17 @@ def _print_memory(rows: dict[str, dict[str, int]]) -> None:
     w(f"{_diff(total['planned'], total['held']):>10}\n")
 
 
-def _cmd_load(args: argparse.Namespace) -> int:
+def _load_model(
+    args: argparse.Namespace, *, default_cache: bool = False, **model_kw: Any
+) -> tuple[weightlift.Model, _ProgressBar, float]:
+    """Load ``args.path`` with the placement flags shared by ``load`` and ``run``; returns the
+    model, its progress bar (bytes read) and the seconds the load took."""
     import time
 
     cache = None
     if (
-        args.ctx is not None
+        default_cache
+        or args.ctx is not None
         or args.cache is not None
         or args.batch is not None
         or args.cache_offload
@@ -364,7 +369,9 @@ def _cmd_load(args: argparse.Namespace) -> int:
     if args.main_gpu is not None:
         options["main_gpu"] = args.main_gpu
 
-    model = weightlift.Model(args.path, devices=args.devices, dtype=args.dtype, runtime=runtime)
+    model = weightlift.Model(
+        args.path, devices=args.devices, dtype=args.dtype, runtime=runtime, **model_kw
+    )
     bar = _ProgressBar(args.progress)
     start = time.perf_counter()
     try:
@@ -380,7 +387,11 @@ def _cmd_load(args: argparse.Namespace) -> int:
         bar.close(ok=False)
         raise
     bar.close(ok=True)
-    seconds = time.perf_counter() - start
+    return model, bar, time.perf_counter() - start
+
+
+def _cmd_load(args: argparse.Namespace) -> int:
+    model, bar, seconds = _load_model(args)
     plan = model.plan
     if plan is None:
         raise weightlift.WeightliftError("the load finished without a plan")
@@ -405,6 +416,100 @@ def _cmd_load(args: argparse.Namespace) -> int:
             sys.stdout.write(f"warning: {warning}\n")
     model.unload()
     return 0
+
+
+def _print_timings(load_seconds: float | None, t: dict[str, float] | None) -> None:
+    """llama.cpp's closing lines: load, prompt eval and eval times with tokens per second."""
+    w = sys.stderr.write
+    w("\n")
+    if load_seconds is not None:
+        w(f"load time        = {load_seconds * 1e3:10.2f} ms\n")
+    if t is None:
+        return
+    for name, tokens, ms, unit in (
+        ("prompt eval time", t["prompt_tokens"], t["prompt_ms"], "tokens"),
+        ("eval time       ", t["eval_tokens"], t["eval_ms"], "runs  "),
+    ):
+        per = ms / tokens if tokens else 0.0
+        rate = 1e3 * tokens / ms if ms > 0 else 0.0
+        w(
+            f"{name} = {ms:10.2f} ms / {int(tokens):5d} {unit} "
+            f"({per:8.2f} ms per token, {rate:8.2f} tokens per second)\n"
+        )
+    if t["reused_tokens"]:
+        w(f"reused prompt    = {int(t['reused_tokens']):5d} tokens from the cache\n")
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "temperature": args.temp,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repeat_penalty": args.repeat_penalty,
+        "seed": args.seed,
+        "stop": args.stop,
+        "max_tokens": args.n_predict if args.n_predict > 0 else None,
+    }
+
+
+def _stream(chunks: Any, key: str) -> None:
+    """Print streamed chunks as they come; Ctrl-C ends the reply, not the program."""
+    try:
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            text = choice["delta"].get("content", "") if key == "delta" else choice["text"]
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        sys.stdout.write("\n[interrupted]")
+    sys.stdout.write("\n")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.max_input_len is None:
+        args.max_input_len = DEFAULT_BATCH
+    model, _, seconds = _load_model(
+        args, default_cache=True, compute=args.compute, n_threads=args.threads
+    )
+    sampling = _sampling(args)
+    if not args.chat:
+        if args.prompt is None:
+            raise weightlift.PlanError("run: expected a prompt (-p PROMPT), or --chat")
+        sys.stdout.write(args.prompt)
+        _stream(model.create_completion(args.prompt, stream=True, **sampling), "text")
+        _print_timings(seconds, model.timings)
+        return 0
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    turns = [args.prompt] if args.prompt is not None else None
+    while True:
+        if turns is not None:
+            if not turns:
+                break
+            user = turns.pop()
+        else:
+            try:
+                user = input("> ")
+            except EOFError:
+                sys.stdout.write("\n")
+                break
+        messages.append({"role": "user", "content": user})
+        reply: list[str] = []
+
+        def keep(chunks: Any) -> Any:
+            for c in chunks:
+                reply.append(c["choices"][0]["delta"].get("content", ""))
+                yield c
+
+        _stream(keep(model.create_chat_completion(messages, stream=True, **sampling)), "delta")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        _print_timings(seconds if len(messages) <= 3 else None, model.timings)
+    return 0
+
+
+DEFAULT_BATCH = 512  # run's max_input_len when not given: llama-cpp-python's n_batch
 
 
 def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
@@ -492,24 +597,55 @@ def _parser() -> argparse.ArgumentParser:
         "load",
         help="load a model onto devices, then show the plan against the memory held",
     )
-    _plan_options(ld, load=True)
-    ld.add_argument(
+    _load_flags(ld)
+    ld.set_defaults(func=_cmd_load)
+
+    rn = sub.add_parser(
+        "run",
+        help="load a model, then generate text from a prompt or chat with it",
+    )
+    _load_flags(rn)
+    rn.add_argument("-p", "--prompt", help="the prompt (with --chat: the first user message)")
+    rn.add_argument(
+        "-n", "--n-predict", type=int, default=128, help="tokens to generate (<= 0: until full)"
+    )
+    rn.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
+    rn.add_argument("--top-k", type=int, default=40, help="top-k (<= 0: off)")
+    rn.add_argument("--top-p", type=float, default=0.95, help="top-p (1: off)")
+    rn.add_argument("--min-p", type=float, default=0.05, help="min-p (0: off)")
+    rn.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty (1: off)")
+    rn.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    rn.add_argument("--stop", action="append", help="stop string (repeatable)")
+    rn.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")
+    rn.add_argument("--compute", default="fast", help="fast (as llama.cpp) or exact (f32)")
+    rn.add_argument(
+        "--chat",
+        action="store_true",
+        help="use the model's chat template; interactive when no -p is given",
+    )
+    rn.add_argument("--system", help="with --chat: a system message")
+    rn.set_defaults(func=_cmd_run)
+    return p
+
+
+def _load_flags(p: argparse.ArgumentParser) -> None:
+    """The placement and reading flags of ``load``, shared with ``run``."""
+    _plan_options(p, load=True)
+    p.add_argument(
         "--no-mmap", action="store_true", help="read CPU tensors into owned memory (use_mmap=False)"
     )
-    ld.add_argument(
+    p.add_argument(
         "--direct-io", action="store_true", help="read with O_DIRECT (buffered where refused)"
     )
-    ld.add_argument(
+    p.add_argument(
         "--check-tensors", action="store_true", help="scan the weights for NaN/Inf while loading"
     )
-    ld.add_argument(
+    p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="draw a progress bar on stderr (default: when stderr is a terminal)",
     )
-    ld.set_defaults(func=_cmd_load)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
