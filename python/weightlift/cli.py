@@ -453,17 +453,21 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _stream(chunks: Any, key: str) -> None:
-    """Print streamed chunks as they come; Ctrl-C ends the reply, not the program."""
+def _stream(chunks: Any, key: str) -> str:
+    """Print streamed chunks as they come and return their text; Ctrl-C ends the reply, not
+    the program."""
+    pieces: list[str] = []
     try:
         for chunk in chunks:
             choice = chunk["choices"][0]
             text = choice["delta"].get("content", "") if key == "delta" else choice["text"]
+            pieces.append(text)
             sys.stdout.write(text)
             sys.stdout.flush()
     except KeyboardInterrupt:
         sys.stdout.write("\n[interrupted]")
     sys.stdout.write("\n")
+    return "".join(pieces)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -496,15 +500,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 sys.stdout.write("\n")
                 break
         messages.append({"role": "user", "content": user})
-        reply: list[str] = []
-
-        def keep(chunks: Any) -> Any:
-            for c in chunks:
-                reply.append(c["choices"][0]["delta"].get("content", ""))
-                yield c
-
-        _stream(keep(model.create_chat_completion(messages, stream=True, **sampling)), "delta")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        reply = _stream(model.create_chat_completion(messages, stream=True, **sampling), "delta")
+        messages.append({"role": "assistant", "content": reply})
         _print_timings(seconds if len(messages) <= 3 else None, model.timings)
     return 0
 
