@@ -89,7 +89,7 @@ fn round_trip_within_documented_bounds() {
             for (ga, gb) in a.chunks(32).zip(b.chunks(32)) {
                 let absmax = ga.iter().fold(0f32, |m, x| m.max(x.abs()));
                 for (x, y) in ga.iter().zip(gb) {
-                    let bound = dtype.error_bound(is_v, *x, absmax);
+                    let bound = dtype.error_bound(is_v, *x, ga);
                     assert!(
                         (x - y).abs() <= bound,
                         "{dtype:?} v={is_v}: {x} -> {y}, bound {bound}"

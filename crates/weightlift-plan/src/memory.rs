@@ -60,13 +60,17 @@ impl CacheDType {
         }
     }
 
-    /// The documented round-trip bound of the cache encoding for one value `x` whose group of
-    /// 32 has absolute maximum `absmax`, in K (`is_v = false`) or V: f32 is exact; fp16
-    /// `|x|·2⁻¹¹ + 2⁻²⁵`; fp8 (e4m3) `|x|·2⁻⁴ + 2⁻¹⁰` within ±448; q8
-    /// `absmax/254·(1+2⁻⁹) + 2⁻¹⁷`; q4 `absmax/14·(1+2⁻⁹) + 2⁻¹⁷`; q6 is q8 for K and q4 for V.
-    pub fn error_bound(self, is_v: bool, x: f32, absmax: f32) -> f32 {
-        let q8 = absmax / 254.0 * (1.0 + 2f32.powi(-9)) + 2f32.powi(-17);
-        let q4 = absmax / 14.0 * (1.0 + 2f32.powi(-9)) + 2f32.powi(-17);
+    /// The documented round-trip bound of the cache encoding for one value `x` of `group`
+    /// (the 32 consecutive values it is stored with), in K (`is_v = false`) or V: f32 is exact;
+    /// fp16 `|x|·2⁻¹¹ + 2⁻²⁵`; fp8 (e4m3) `|x|·2⁻⁴ + 2⁻¹⁰` within ±448. The quantised kinds
+    /// store each group turned by an orthonormal Hadamard transform, so the bound is stated on
+    /// the group's L2 norm `‖g‖`: q8 `√32·‖g‖/254·(1+2⁻⁹) + 2⁻¹⁷`, q4 `√32·‖g‖/14·(1+2⁻⁹) +
+    /// 2⁻¹⁷` (the turned group's largest value is at most `‖g‖`, and turning back spreads each
+    /// value's rounding over the group); q6 is q8 for K and q4 for V.
+    pub fn error_bound(self, is_v: bool, x: f32, group: &[f32]) -> f32 {
+        let norm = group.iter().map(|v| v * v).sum::<f32>().sqrt() * 32f32.sqrt();
+        let q8 = norm / 254.0 * (1.0 + 2f32.powi(-9)) + 2f32.powi(-17);
+        let q4 = norm / 14.0 * (1.0 + 2f32.powi(-9)) + 2f32.powi(-17);
         match self {
             CacheDType::F32 => 0.0,
             CacheDType::Fp16 => x.abs() * 2f32.powi(-11) + 2f32.powi(-25),
