@@ -210,3 +210,69 @@ fn stopping_early_from_the_callback_ends_with_stop() {
     assert_eq!((seen, job.finish_reason()), (3, Some(FinishReason::Stop)));
     assert!(job.step(&mut m).unwrap().is_none());
 }
+
+#[test]
+fn peak_memory_during_a_generation_is_the_plan() {
+    use weightlift_plan::{CacheSpec, RuntimeSpec, Strategy};
+    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").unwrap();
+    let src: Arc<dyn Source> =
+        Arc::new(Checkpoint::open(path, OpenOptions::default()).unwrap_or_else(|e| panic!("{e}")));
+    let inv = Inventory::parse("virtual:2x96MiB,cpu").unwrap();
+    let mut m = Model::new(Arc::clone(&src), inv.clone());
+    let mut req = m.plan_request().unwrap();
+    req.strategy = Strategy::Autosplit;
+    req.cache = Some(CacheSpec::new(256, 1, CacheDType::Fp16));
+    // A 64-token chunk, so the 100-token prompt below runs in two.
+    req.runtime = RuntimeSpec {
+        max_input_len: 64,
+        max_attention_size: 64 * 256,
+        ..RuntimeSpec::default()
+    };
+    let plan = weightlift_plan::plan(&req).unwrap();
+    let c = plan.cache().unwrap();
+    let cache = Arc::new(
+        Cache::new(
+            m.cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
+                .unwrap(),
+        )
+        .unwrap(),
+    );
+    let placement = m.placement(&plan).unwrap();
+    m.load(
+        &placement,
+        &LoadOptions::default(),
+        Some(&cache),
+        true,
+        &mut |_| true,
+    )
+    .unwrap();
+
+    let tok = m.tokenizer().unwrap();
+    let text = "Rivers have shaped human settlement for thousands of years. ".repeat(8);
+    let prompt = tok.encode(&text, None, false).unwrap();
+    assert!(prompt.len() > 64, "{} prompt tokens", prompt.len());
+    let mut job = Generation::new(&m, &prompt, None, greedy(16)).unwrap();
+    job.run(&mut m, |_| true).unwrap();
+    assert_eq!(job.tokens().len(), 16);
+
+    let mut checked = 0;
+    for d in plan.devices() {
+        let Ok(dev) = inv.get(&d.name) else { continue };
+        if !d.name.starts_with("virtual") {
+            continue;
+        }
+        let want = d.weights + d.kv + d.scratch;
+        let peak = dev.peak();
+        eprintln!("{}: plan {want} B, peak {peak} B", d.name);
+        assert!(
+            peak.abs_diff(want) <= want / 100,
+            "{}: plan {want} B (weights {}, kv {}, scratch {}), peak during generation {peak} B",
+            d.name,
+            d.weights,
+            d.kv,
+            d.scratch
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 2, "both virtual devices hold layers");
+}

@@ -13,13 +13,15 @@ use weightlift_plan::{
 };
 
 fn demo() -> Option<PathBuf> {
-    let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    p.exists().then_some(p)
+    let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF").map(PathBuf::from).expect(
+        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
+    );
+    assert!(
+        p.exists(),
+        "{}: the demo model is missing (make demo-model)",
+        p.display()
+    );
+    Some(p)
 }
 
 fn tiny(sub: &str) -> PathBuf {
