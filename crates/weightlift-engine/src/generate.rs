@@ -25,7 +25,7 @@ use std::time::Instant;
 use weightlift_text::{StreamDecoder, Tokenizer};
 
 use crate::cache::Cache;
-use crate::error::{EngineError, Result, invalid};
+use crate::error::{EngineError, Result};
 use crate::forward::Logits;
 use crate::model::Model;
 use crate::sample::{Sampler, SamplingParams, StopMatcher};
@@ -151,25 +151,7 @@ impl Generation {
     ) -> Result<Generation> {
         let tokenizer = model.tokenizer()?;
         let sampler = Sampler::new(options.sampling)?;
-        if prompt.is_empty() {
-            return Err(invalid(
-                "prompt",
-                "at least one token",
-                "an empty prompt (pass add_bos or some text)",
-            ));
-        }
-        let vocab = model.vocab_size()?;
-        if let Some((i, id)) = prompt
-            .iter()
-            .enumerate()
-            .find(|(_, id)| u64::from(**id) >= vocab)
-        {
-            return Err(invalid(
-                format!("prompt token id at position {i}"),
-                format!("below the vocabulary size {vocab}"),
-                id,
-            ));
-        }
+        crate::forward::check_ids(prompt, model.vocab_size()?)?;
         let (cache, reuse) = match cache {
             Some(c) => (Arc::clone(c), false),
             None => (model.own_cache()?, true),

@@ -92,6 +92,33 @@ fn is_given(obj: Option<&Bound<'_, PyAny>>) -> bool {
     obj.is_some_and(|o| !o.is_none())
 }
 
+/// The sampling arguments of llama-cpp-python's completion calls that this build refuses.
+fn refuse_sampling(
+    tfs_z: f32,
+    mirostat_mode: i32,
+    logits_processor: Option<&Bound<'_, PyAny>>,
+    grammar: Option<&Bound<'_, PyAny>>,
+    logit_bias: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    refuse(
+        "tfs_z",
+        tfs_z != 1.0,
+        "llama.cpp removed tail-free sampling; use 1.0",
+    )?;
+    refuse(
+        "mirostat_mode",
+        mirostat_mode != 0,
+        "mirostat sampling is not built",
+    )?;
+    refuse("logits_processor", is_given(logits_processor), "not built")?;
+    refuse(
+        "grammar",
+        is_given(grammar),
+        "grammar-constrained sampling is not built",
+    )?;
+    refuse("logit_bias", is_given(logit_bias), "not built")
+}
+
 /// The sampler's knobs as each entry point names them.
 struct Knobs {
     temperature: f32,
@@ -324,6 +351,28 @@ struct Call {
     cache: Option<Arc<weightlift_engine::Cache>>,
 }
 
+impl Call {
+    fn new(
+        prompt: Vec<u32>,
+        knobs: &Knobs,
+        default_seed: Option<u64>,
+        max_tokens: Option<i64>,
+        stop: Option<&Bound<'_, PyAny>>,
+        cache: Option<Arc<weightlift_engine::Cache>>,
+    ) -> PyResult<Call> {
+        Ok(Call {
+            prompt,
+            options: GenerateOptions {
+                max_tokens: token_budget(max_tokens),
+                sampling: knobs.params(default_seed),
+                stop: stops(stop)?,
+                stop_at_eog: true,
+            },
+            cache,
+        })
+    }
+}
+
 impl Model {
     fn start(&self, call: Call) -> PyResult<Generation> {
         let inner = self.lock()?;
@@ -538,17 +587,14 @@ impl Model {
             seed,
         };
         let ids = prompt_ids(&model.lock()?.model, prompt, add_bos)?;
-        let sampling = knobs.params(model.default_seed()?);
-        let call = Call {
-            prompt: ids,
-            options: GenerateOptions {
-                max_tokens: token_budget(max_new_tokens),
-                sampling,
-                stop: stops(stop)?,
-                stop_at_eog: true,
-            },
-            cache: cache.map(|c| Arc::clone(&c.get().cache)),
-        };
+        let call = Call::new(
+            ids,
+            &knobs,
+            model.default_seed()?,
+            max_new_tokens,
+            stop,
+            cache.map(|c| Arc::clone(&c.get().cache)),
+        )?;
         Model::respond(slf, call, Shape::Text, stream, None, None)
     }
 
@@ -605,27 +651,11 @@ impl Model {
             "log-probabilities are not returned yet",
         )?;
         refuse(
-            "tfs_z",
-            tfs_z != 1.0,
-            "llama.cpp removed tail-free sampling; use 1.0",
-        )?;
-        refuse(
-            "mirostat_mode",
-            mirostat_mode != 0,
-            "mirostat sampling is not built",
-        )?;
-        refuse(
             "stopping_criteria",
             is_given(stopping_criteria),
             "use stop strings",
         )?;
-        refuse("logits_processor", is_given(logits_processor), "not built")?;
-        refuse(
-            "grammar",
-            is_given(grammar),
-            "grammar-constrained sampling is not built",
-        )?;
-        refuse("logit_bias", is_given(logit_bias), "not built")?;
+        refuse_sampling(tfs_z, mirostat_mode, logits_processor, grammar, logit_bias)?;
         let me = slf.get();
         let knobs = Knobs {
             temperature,
@@ -655,17 +685,7 @@ impl Model {
         } else {
             None
         };
-        let sampling = knobs.params(me.default_seed()?);
-        let call = Call {
-            prompt: ids,
-            options: GenerateOptions {
-                max_tokens: token_budget(max_tokens),
-                sampling,
-                stop: stops(stop)?,
-                stop_at_eog: true,
-            },
-            cache: None,
-        };
+        let call = Call::new(ids, &knobs, me.default_seed()?, max_tokens, stop, None)?;
         Model::respond(slf, call, Shape::Completion, stream, echo, model)
     }
 
@@ -743,23 +763,7 @@ impl Model {
             is_given(response_format),
             "JSON modes are not built",
         )?;
-        refuse(
-            "tfs_z",
-            tfs_z != 1.0,
-            "llama.cpp removed tail-free sampling; use 1.0",
-        )?;
-        refuse(
-            "mirostat_mode",
-            mirostat_mode != 0,
-            "mirostat sampling is not built",
-        )?;
-        refuse("logits_processor", is_given(logits_processor), "not built")?;
-        refuse(
-            "grammar",
-            is_given(grammar),
-            "grammar-constrained sampling is not built",
-        )?;
-        refuse("logit_bias", is_given(logit_bias), "not built")?;
+        refuse_sampling(tfs_z, mirostat_mode, logits_processor, grammar, logit_bias)?;
         refuse(
             "logprobs",
             logprobs == Some(true) || top_logprobs.is_some(),
@@ -782,17 +786,7 @@ impl Model {
             frequency_penalty,
             seed,
         };
-        let sampling = knobs.params(me.default_seed()?);
-        let call = Call {
-            prompt,
-            options: GenerateOptions {
-                max_tokens: token_budget(max_tokens),
-                sampling,
-                stop: stops(stop)?,
-                stop_at_eog: true,
-            },
-            cache: None,
-        };
+        let call = Call::new(prompt, &knobs, me.default_seed()?, max_tokens, stop, None)?;
         Model::respond(slf, call, Shape::Chat, stream, None, model)
     }
 

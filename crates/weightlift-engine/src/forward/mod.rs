@@ -205,8 +205,8 @@ pub(crate) fn isa() -> Isa {
     Isa::detect()
 }
 
-/// Validate token ids and the cache room for a forward call of `n` ids at `start`.
-pub(crate) fn check_tokens(ids: &[u32], vocab: u64, cache: &Cache) -> Result<u64> {
+/// Token ids must be at least one, each below the vocabulary size.
+pub(crate) fn check_ids(ids: &[u32], vocab: u64) -> Result<()> {
     if ids.is_empty() {
         return Err(invalid(
             "token ids",
@@ -225,6 +225,12 @@ pub(crate) fn check_tokens(ids: &[u32], vocab: u64, cache: &Cache) -> Result<u64
             id,
         ));
     }
+    Ok(())
+}
+
+/// Validate token ids and the cache room for a forward call of `n` ids at `start`.
+pub(crate) fn check_tokens(ids: &[u32], vocab: u64, cache: &Cache) -> Result<u64> {
+    check_ids(ids, vocab)?;
     let start = cache.seq_len();
     let max = cache.config().max_seq_len;
     let end = start + ids.len() as u64;
