@@ -22,16 +22,18 @@ BYTES = {
 
 
 def bound(dtype: str, is_v: bool, x: np.ndarray) -> np.ndarray:
-    """The documented bound per value, with group absmax over 32 consecutive head_dim values."""
+    """The documented bound per value. Quantised kinds store each group of 32 consecutive
+    head_dim values Hadamard-turned, so their bound is on the group's L2 norm `‖g‖`."""
     kind = {"q6": ("q8", "q4")}.get(dtype, (dtype, dtype))[int(is_v)]
-    groups = np.abs(x).reshape(*x.shape[:-1], -1, 32).max(axis=-1)
-    absmax = np.repeat(groups, 32, axis=-1).reshape(x.shape)
+    groups = x.astype(np.float64).reshape(*x.shape[:-1], -1, 32)
+    norm = np.sqrt((groups**2).sum(axis=-1)) * np.sqrt(32)
+    norm = np.repeat(norm, 32, axis=-1).reshape(x.shape)
     ax = np.abs(x)
     return {
         "fp16": ax * 2.0**-11 + 2.0**-25,
         "fp8": ax * 2.0**-4 + 2.0**-10,
-        "q8": absmax / 254 * (1 + 2.0**-9) + 2.0**-17,
-        "q4": absmax / 14 * (1 + 2.0**-9) + 2.0**-17,
+        "q8": norm / 254 * (1 + 2.0**-9) + 2.0**-17,
+        "q4": norm / 14 * (1 + 2.0**-9) + 2.0**-17,
     }[kind]
 
 

@@ -15,7 +15,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
+use weightlift_benches::{
+    COLS, CPU_ONLY_PRODUCT_TYPES, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights,
+};
 use weightlift_kernels::cpu::kv::KvType;
 use weightlift_kernels::{MatvecMode, QuantType, RopeParams, RopeStyle};
 
@@ -71,7 +73,7 @@ fn cases() -> Vec<Case> {
             }),
         });
     }
-    for ty in PRODUCT_TYPES {
+    for ty in PRODUCT_TYPES.into_iter().chain(CPU_ONLY_PRODUCT_TYPES) {
         for mode in [MatvecMode::Exact, MatvecMode::Q8] {
             let w = random_weights(ty, n);
             let x: Vec<f32> = (0..COLS).map(|i| (i as f32 * 0.01).sin()).collect();
@@ -107,7 +109,7 @@ fn cases() -> Vec<Case> {
             });
         }
     }
-    for ty in PRODUCT_TYPES {
+    for ty in PRODUCT_TYPES.into_iter().chain(CPU_ONLY_PRODUCT_TYPES) {
         // prompt matmul: 4096×4096 against 32 tokens (bytes: weights + activations + output;
         // the md table also gives GFLOP/s for these rows)
         let nt = 32;

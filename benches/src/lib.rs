@@ -61,7 +61,7 @@ pub const DEQUANT_TYPES: [QuantType; 13] = [
     QuantType::BF16,
 ];
 
-/// The weight types of the matrix–vector and matrix–matrix products.
+/// The weight types of the matrix–vector and matrix–matrix products on every backend.
 pub const PRODUCT_TYPES: [QuantType; 5] = [
     QuantType::Q4_0,
     QuantType::Q4_1,
@@ -69,3 +69,7 @@ pub const PRODUCT_TYPES: [QuantType; 5] = [
     QuantType::Q4_K,
     QuantType::Q6_K,
 ];
+
+/// Product weight types only the CPU backend has (exact and Q8 mode); the CUDA bench leaves
+/// them out.
+pub const CPU_ONLY_PRODUCT_TYPES: [QuantType; 2] = [QuantType::Q5_0, QuantType::Q5_1];

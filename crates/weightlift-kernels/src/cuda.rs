@@ -803,7 +803,7 @@ impl Backend for CudaBackend {
                             QuantType::Q4_K,
                             QuantType::Q6_K,
                         ][..],
-                        crate::cpu::matvec::Q8_WEIGHT_TYPES,
+                        crate::CUDA_Q8_WEIGHT_TYPES,
                     ),
                     MatvecMode::Exact => (
                         &[

@@ -270,7 +270,7 @@ pub fn q8_matmul(
         return Err(KernelError::Unsupported {
             op: "host q8 matmul",
             ty: ty.to_string(),
-            supported: crate::cpu::matvec::Q8_WEIGHT_TYPES,
+            supported: crate::CUDA_Q8_WEIGHT_TYPES,
         });
     }
     Ok(())

@@ -63,3 +63,7 @@ pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool> {
             message: e.to_string(),
         })
 }
+
+/// The weight types the CUDA kernels (and their host twins) multiply with 8-bit activations; the
+/// CPU's list is `cpu::matvec::Q8_WEIGHT_TYPES` (it also has q5_0 and q5_1).
+pub const CUDA_Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q8_0, q4_k, q6_k";

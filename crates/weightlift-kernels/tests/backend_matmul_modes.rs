@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Rng, load};
+use common::{Rng, group_offset, load};
 use weightlift_kernels::cpu::matvec::{matvec_with, quantize_q8_blocks};
 use weightlift_kernels::sources::DQ_PATH_MIN_TOKENS;
 use weightlift_kernels::*;
@@ -40,26 +40,6 @@ fn activations(x: &[f32], act: FloatType) -> (Vec<u8>, Vec<f32>) {
             )
         }
         _ => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), x.to_vec()),
-    }
-}
-
-/// The offset `m` of 32-value group `g` of a weight row (w = d·q + m): Q4_1's m, Q4_K's
-/// −dmin·m, 0 for the symmetric types.
-fn group_min(ty: QuantType, row: &[u8], g: usize) -> f64 {
-    let f16 = |b: &[u8], o: usize| f64::from(half::f16::from_le_bytes([b[o], b[o + 1]]).to_f32());
-    match ty {
-        QuantType::Q4_1 => f16(&row[g * 20..], 2),
-        QuantType::Q4_K => {
-            let blk = &row[(g / 8) * 144..];
-            let (j, q) = (g % 8, &blk[4..16]);
-            let m = if j < 4 {
-                q[j + 4] & 63
-            } else {
-                (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
-            };
-            -f16(blk, 2) * f64::from(m)
-        }
-        _ => 0.0,
     }
 }
 
@@ -113,7 +93,7 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
                         for c in 0..cols {
                             let xv = f64::from(q[c / 32].d) * f64::from(q[c / 32].qs[c % 32]);
                             let wv = f64::from(f.want[r * cols + c]);
-                            let m = group_min(f.ty, &f.raw[r * row_bytes..], c / 32);
+                            let m = group_offset(f.ty, &f.raw[r * row_bytes..], c / 32);
                             s += wv * xv;
                             mag += (wv.abs() + 2.0 * m.abs()) * xv.abs();
                         }
@@ -208,9 +188,10 @@ fn prompt_matmul_chunked_by_max_dq_size_matches_f64<B: Backend>(b: &B) -> Result
 }
 weightlift_kernels::test_device!(prompt_matmul_chunked_by_max_dq_size_matches_f64);
 
-/// A weight type without a Q8-mode kernel is a typed error naming it, on every backend.
+/// A weight type without a Q8-mode kernel (Q5_K, on every backend) is a typed error naming
+/// it.
 fn q8_mode_refuses_other_weight_types<B: Backend>(b: &B) -> Result<()> {
-    let f = load("q5_0");
+    let f = load("q5_k");
     let (rows, cols) = (f.want.len() / 256, 256);
     let w = upload(b, &f.raw)?;
     let x = upload(b, &vec![0u8; cols * 4])?;
@@ -230,7 +211,7 @@ fn q8_mode_refuses_other_weight_types<B: Backend>(b: &B) -> Result<()> {
         })
         .unwrap_err();
     assert!(
-        matches!(err, KernelError::Unsupported { .. }) && err.to_string().contains("q5_0"),
+        matches!(err, KernelError::Unsupported { .. }) && err.to_string().contains("q5_k"),
         "{}: {err}",
         b.name()
     );

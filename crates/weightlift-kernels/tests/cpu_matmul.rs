@@ -10,9 +10,9 @@
 //! - Q8 mode: the activation rounding bound of `cpu_ops.rs` (Σ|w| · 0.57 · d_x per block) plus
 //!   the same 1e-5 · Σ|w·x|; and each token's result equals the matvec of that token on the
 //!   same instruction set: bit for bit (the integer dot products are exact and the float
-//!   operations the same), except the AVX-512 path for Q4_0/Q4_1/Q4_K, which scales each
-//!   32-value group's exact integer dot once instead of each 4-value lane, and must agree
-//!   within 1e-5 · Σ|w·x|.
+//!   operations the same), except the AVX2/AVX-512 path for Q4_0/Q4_1/Q5_0/Q5_1/Q4_K, which
+//!   scales each 32-value group's exact integer dot once instead of each 4-value lane, and
+//!   must agree within 1e-5 · Σ|w·x|.
 
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
@@ -37,8 +37,8 @@ fn cut(name: &str, cols: usize, rows: usize) -> (weightlift_kernels::QuantType, 
 
 const TOKEN_COUNTS: [usize; 10] = [1, 2, 3, 4, 5, 9, 16, 17, 24, 33];
 
-/// Types whose AVX-512 Q8-mode matmul sums each group's integer products in full.
-const FOUR_BIT: [&str; 3] = ["q4_0", "q4_1", "q4_k"];
+/// Types whose AVX2/AVX-512 Q8-mode matmul sums each group's integer products in full.
+const NIBBLE_KERNEL: [&str; 5] = ["q4_0", "q4_1", "q5_0", "q5_1", "q4_k"];
 
 #[test]
 fn q8_matmul_equals_the_q8_matvec_of_each_token() {
@@ -46,6 +46,8 @@ fn q8_matmul_equals_the_q8_matvec_of_each_token() {
     for (name, cols, rows) in [
         ("q4_0", 192, 7),
         ("q4_1", 96, 13),
+        ("q5_0", 160, 9),
+        ("q5_1", 96, 15),
         ("q8_0", 160, 9),
         ("q4_k", 256, 11),
         ("q6_k", 512, 6),
@@ -76,7 +78,7 @@ fn q8_matmul_equals_the_q8_matvec_of_each_token() {
                     matvec_with(isa, MatvecMode::Q8, ty, &raw, rows, cols, xt, &mut yv).unwrap();
                     for r in 0..rows {
                         let i = t * rows + r;
-                        if isa >= Isa::Avx2 && FOUR_BIT.contains(&name) {
+                        if isa >= Isa::Avx2 && NIBBLE_KERNEL.contains(&name) {
                             // one rounding per 32-value group instead of per 4-value lane
                             assert!(
                                 (f64::from(y[i]) - f64::from(yv[r])).abs() <= 1e-5 * mag[i] + 1e-30,

@@ -7,12 +7,15 @@
 
 mod common;
 
-use common::{Rng, load, q8_bound, reference};
+use common::{Rng, group_offset, load, q8_bound, reference};
 use weightlift_kernels::cpu::convert::{bf16_to_f16_slice_with, f32_to_f16_slice_with};
-use weightlift_kernels::cpu::matvec::{matmul_with, matvec_with, matvec_with_vnni};
+use weightlift_kernels::cpu::matvec::{
+    matmul_with, matvec_with, matvec_with_vnni, quantize_q8_blocks,
+};
 use weightlift_kernels::*;
 
-const MATVEC_TYPES: [&str; 5] = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"];
+/// The weight types of [`MatvecMode::Q8`] (`Q8_WEIGHT_TYPES`).
+const MATVEC_TYPES: [&str; 7] = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"];
 
 #[test]
 fn matvec_matches_f64_reference_on_gguf_py_weights_in_both_modes_and_isas() {
@@ -123,6 +126,187 @@ fn q8_matvec_vnni_and_plain_paths_give_the_same_bits_within_the_f64_bound() {
     assert_eq!(vnni_runs, expected * MATVEC_TYPES.len() * 2);
 }
 
+/// Q8 mode on every instruction set against the f64 dot of gguf-py's dequantised weights
+/// with the activations as `quantize_q8_blocks` rounds them (`d · q`), so the activation
+/// rounding is not in the error: the matvec with VNNI on and off, and the matmul of 1 to 17
+/// tokens (its per-token, token-pair and 4/5-bit kernels). Within 1e-5 · Σ(|w| + 2|m|)·|d·q|,
+/// `m` the group's weight offset: that bounds every partial sum the f32 lanes and the offset
+/// term see (about 80 f32 ulps of it).
+#[test]
+fn q8_mode_matches_an_f64_dot_of_the_quantised_activations_on_every_isa() {
+    let mut rng = Rng(0x5a01);
+    for name in MATVEC_TYPES {
+        let f = load(name);
+        let cols = 256;
+        let rows = f.want.len() / cols;
+        let row_bytes = f.raw.len() / rows;
+        for n_tok in [1usize, 3, 8, 17] {
+            let x = rng.vec(cols * n_tok, 2.0);
+            let mut want = vec![0f64; n_tok * rows];
+            let mut mag = vec![0f64; n_tok * rows];
+            for t in 0..n_tok {
+                let q = quantize_q8_blocks(&x[t * cols..(t + 1) * cols]);
+                for r in 0..rows {
+                    let i = t * rows + r;
+                    for c in 0..cols {
+                        let xv = f64::from(q[c / 32].d) * f64::from(q[c / 32].qs[c % 32]);
+                        let wv = f64::from(f.want[r * cols + c]);
+                        let m = group_offset(f.ty, &f.raw[r * row_bytes..], c / 32);
+                        want[i] += wv * xv;
+                        mag[i] += (wv.abs() + 2.0 * m.abs()) * xv.abs();
+                    }
+                }
+            }
+            let check = |what: &str, i: usize, got: f32| {
+                let err = (f64::from(got) - want[i]).abs();
+                assert!(
+                    err <= 1e-5 * mag[i] + 1e-30,
+                    "{name} {what} n_tok {n_tok} out {i}: {got} vs f64 {} (err {err:e})",
+                    want[i]
+                );
+            };
+            for isa in Isa::all_supported() {
+                let mut y = vec![0f32; rows * n_tok];
+                matmul_with(
+                    isa,
+                    MatvecMode::Q8,
+                    f.ty,
+                    &f.raw,
+                    rows,
+                    cols,
+                    &x,
+                    n_tok,
+                    &mut y,
+                    0,
+                )
+                .unwrap();
+                for (i, v) in y.iter().enumerate() {
+                    check(&format!("{isa:?} matmul"), i, *v);
+                }
+                for vnni in [false, true] {
+                    for t in 0..n_tok {
+                        let mut yv = vec![0f32; rows];
+                        matvec_with_vnni(
+                            isa,
+                            vnni,
+                            MatvecMode::Q8,
+                            f.ty,
+                            &f.raw,
+                            rows,
+                            cols,
+                            &x[t * cols..(t + 1) * cols],
+                            &mut yv,
+                        )
+                        .unwrap();
+                        for (r, v) in yv.iter().enumerate() {
+                            check(&format!("{isa:?} vnni {vnni} matvec"), t * rows + r, *v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Q5_0 and Q5_1 blocks built at the extremes (every quant 31, every quant 0, the fifth bits
+/// alternating, random) against activations saturating at ±127 in their blocks: the largest
+/// integer sums the 5-bit kernels see (a group's 32 · 31 · 127 would overflow the i16 sums
+/// of the 4-bit matmul kernel if it summed all 8 steps). Matvec and matmul of 17 tokens on
+/// every instruction set, against the f64 dot of `dequantize_f32`'s weights with `d · q`.
+#[test]
+fn q5_q8_mode_is_exact_at_the_extreme_quants() {
+    let mut rng = Rng(0x5a02);
+    let (cols, n_tok) = (256, 17);
+    for ty in [QuantType::Q5_0, QuantType::Q5_1] {
+        let bb = ty.block_bytes();
+        let at = if ty == QuantType::Q5_0 { 2 } else { 4 };
+        // rows: all quants 31, all 0, alternating fifth bits with nibbles 15, random bytes
+        let fills: [(u32, u8); 3] = [(u32::MAX, 0xff), (0, 0), (0x5555_5555, 0xff)];
+        let mut raw = Vec::new();
+        for row in 0..4 {
+            for _ in 0..cols / 32 {
+                let mut blk = if row < 3 {
+                    let (qh, qs) = fills[row];
+                    let mut b = vec![0u8; bb];
+                    b[at..at + 4].copy_from_slice(&qh.to_le_bytes());
+                    b[at + 4..].fill(qs);
+                    b
+                } else {
+                    rng.bytes(bb)
+                };
+                // d = 0.5, m = -3.0 (f16)
+                blk[0..2].copy_from_slice(&0x3800u16.to_le_bytes());
+                if ty == QuantType::Q5_1 {
+                    blk[2..4].copy_from_slice(&0xc200u16.to_le_bytes());
+                }
+                raw.extend_from_slice(&blk);
+            }
+        }
+        let rows = 4;
+        let mut w = vec![0f32; rows * cols];
+        dequantize_f32(ty, &raw, &mut w).unwrap();
+        // every activation at ±amax (all quants ±127), signs per token: all +, all −, mixed
+        let x: Vec<f32> = (0..n_tok * cols)
+            .map(|i| match (i / cols) % 3 {
+                0 => 1.5,
+                1 => -1.5,
+                _ => {
+                    if rng.unit() < 0.0 {
+                        -1.5
+                    } else {
+                        1.5
+                    }
+                }
+            })
+            .collect();
+        let mut want = vec![0f64; n_tok * rows];
+        let mut mag = vec![0f64; n_tok * rows];
+        for t in 0..n_tok {
+            let q = quantize_q8_blocks(&x[t * cols..(t + 1) * cols]);
+            assert!(q.iter().all(|b| b.qs.iter().all(|v| v.abs() == 127)));
+            for r in 0..rows {
+                for c in 0..cols {
+                    let xv = f64::from(q[c / 32].d) * f64::from(q[c / 32].qs[c % 32]);
+                    let wv = f64::from(w[r * cols + c]);
+                    want[t * rows + r] += wv * xv;
+                    mag[t * rows + r] += (wv.abs() + 6.0) * xv.abs();
+                }
+            }
+        }
+        for isa in Isa::all_supported() {
+            let mut y = vec![0f32; rows * n_tok];
+            matmul_with(
+                isa,
+                MatvecMode::Q8,
+                ty,
+                &raw,
+                rows,
+                cols,
+                &x,
+                n_tok,
+                &mut y,
+                0,
+            )
+            .unwrap();
+            let mut yv = vec![0f32; rows];
+            for t in 0..n_tok {
+                let xt = &x[t * cols..(t + 1) * cols];
+                matvec_with(isa, MatvecMode::Q8, ty, &raw, rows, cols, xt, &mut yv).unwrap();
+                for r in 0..rows {
+                    let i = t * rows + r;
+                    for (what, got) in [("matmul", y[i]), ("matvec", yv[r])] {
+                        assert!(
+                            (f64::from(got) - want[i]).abs() <= 1e-5 * mag[i],
+                            "{ty} {isa:?} {what} token {t} row {r}: {got} vs f64 {}",
+                            want[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_chunked_by_max_dq_size_matches_reference_for_every_chunking() {
     let mut rng = Rng(11);
@@ -212,12 +396,36 @@ fn matvec_shape_errors_are_typed() {
         err.to_string(),
         "matvec weight bytes: expected 576, got 864"
     );
-    let q5 = load("q5_0");
-    let err = matvec(MatvecMode::Q8, q5.ty, &q5.raw, 3, 512, &[0.0; 512], &mut y).unwrap_err();
+    let q5 = load("q5_k");
+    let rows = q5.want.len() / 512;
+    let mut y = vec![0f32; rows];
+    let err = matvec(
+        MatvecMode::Q8,
+        q5.ty,
+        &q5.raw,
+        rows,
+        512,
+        &[0.0; 512],
+        &mut y,
+    )
+    .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "matvec (q8 mode) does not support q5_0; supported: q4_0, q4_1, q8_0, q4_k, q6_k"
+        "matvec (q8 mode) does not support q5_k; supported: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k"
     );
+}
+
+/// `q8_supports`, the `Q8_WEIGHT_TYPES` list in the error message and the types these tests
+/// cover are one set.
+#[test]
+fn q8_supported_types_agree_with_their_list() {
+    use weightlift_kernels::cpu::matvec::{Q8_WEIGHT_TYPES, q8_supports};
+    let listed: Vec<&str> = Q8_WEIGHT_TYPES.split(", ").collect();
+    assert_eq!(listed, MATVEC_TYPES);
+    for name in common::NAMES {
+        let ty = load(name).ty;
+        assert_eq!(q8_supports(ty), listed.contains(&name), "{name}");
+    }
 }
 
 #[test]

@@ -60,11 +60,7 @@ impl Compute {
     }
 
     fn mode(self, ty: QuantType) -> MatvecMode {
-        let q8 = matches!(
-            ty,
-            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
-        );
-        if self == Compute::Fast && q8 {
+        if self == Compute::Fast && weightlift_kernels::cpu::matvec::q8_supports(ty) {
             MatvecMode::Q8
         } else {
             MatvecMode::Exact

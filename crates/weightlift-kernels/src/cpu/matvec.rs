@@ -7,21 +7,24 @@
 //! - [`MatvecMode::Exact`]: each weight block is dequantised in registers (bit-identical to
 //!   [`dequantize_f32`](super::dequantize_f32)) and multiplied with the f32 activations,
 //!   accumulating in f32. The only error is f32 summation rounding. Every weight type works.
-//! - [`MatvecMode::Q8`]: llama.cpp's CPU scheme (`ggml_vec_dot_q4_0_q8_0` and friends). The
-//!   activations are first quantised per 32 values to int8 with one scale
-//!   (`d = amax/127`, `q = roundf(x/d)`, `d` stored rounded to f16 as in `block_q8_0`), then
-//!   each block's integer dot product is exact and scaled by `d_w · d_x` in f32. It moves less
-//!   data and uses integer SIMD, but adds the activation rounding error (≤ `d_x/2` per
-//!   value, about 0.4 % of the block's largest activation). Weight types: Q4_0, Q4_1, Q8_0,
-//!   Q4_K and Q6_K. Unlike llama.cpp, K-quants also use 32-value activation blocks (llama.cpp
-//!   uses 256-value `block_q8_K` with an f32 scale), so results differ from llama.cpp's in the
-//!   last bits. In [`matvec`] every instruction set gives bit-identical results, and so does
-//!   [`matmul`] for Q8_0 and Q6_K (each token's result equals its matvec). For the 4-bit
-//!   types (Q4_0, Q4_1, Q4_K) the AVX2/AVX-512 [`matmul`] of at least 4 (AVX2) or 8 (AVX-512)
-//!   tokens sums each 32-value group's integer products in full (the same exact integers)
-//!   and scales them once, where the matvec scales eight 4-value lanes: one f32 rounding
-//!   per group instead of eight, so matmul and matvec differ in the last bits (tested within
-//!   1e-5 of Σ|w·x|).
+//! - [`MatvecMode::Q8`]: llama.cpp's CPU scheme (`ggml_vec_dot_q4_0_q8_0`,
+//!   `ggml_vec_dot_q5_0_q8_0` and friends). The activations are first quantised per 32
+//!   values to int8 with one scale (`d = amax/127`, `q = roundf(x/d)`, `d` stored rounded to
+//!   f16 as in `block_q8_0`), then each block's integer dot product is exact and scaled by
+//!   `d_w · d_x` in f32. It moves less data and uses integer SIMD, but adds the activation
+//!   rounding error (≤ `d_x/2` per value, about 0.4 % of the block's largest activation).
+//!   Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K. The types with an offset
+//!   (Q4_1's and Q5_1's `m`, Q4_K's mins) add `m · d_x · Σq_x` per 32 values, from the
+//!   activation block's quant sum ([`Q8Block::sum`]; llama.cpp's `block_q8_1` carries
+//!   `d · Σq` for this). Unlike llama.cpp, K-quants also use 32-value activation blocks
+//!   (llama.cpp uses 256-value `block_q8_K` with an f32 scale), so results differ from
+//!   llama.cpp's in the last bits. In [`matvec`] every instruction set gives bit-identical
+//!   results, and so does [`matmul`] for Q8_0 and Q6_K (each token's result equals its
+//!   matvec). For the 4- and 5-bit types (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K) the AVX2/AVX-512
+//!   [`matmul`] of at least 4 (AVX2) or 8 (AVX-512) tokens sums each 32-value group's integer
+//!   products in full (the same exact integers) and scales them once, where the matvec
+//!   scales eight 4-value lanes: one f32 rounding per group instead of eight, so matmul and
+//!   matvec differ in the last bits (tested within 1e-5 of Σ|w·x|).
 
 use rayon::prelude::*;
 
@@ -42,7 +45,7 @@ pub enum MatvecMode {
 }
 
 /// The weight types [`MatvecMode::Q8`] supports.
-pub const Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q8_0, q4_k, q6_k";
+pub const Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k";
 
 /// 32 activations quantised to int8: `x ≈ d * qs`.
 #[derive(Debug, Clone, Copy)]
@@ -129,17 +132,30 @@ fn check_shapes(
     Ok(())
 }
 
+/// Whether the CPU's [`MatvecMode::Q8`] has kernels for weights of `ty` (the types of
+/// [`Q8_WEIGHT_TYPES`]); [`matvec`] and [`matmul`] refuse the others in that mode.
+pub fn q8_supports(ty: QuantType) -> bool {
+    matches!(
+        ty,
+        QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::Q8_0
+            | QuantType::Q4_K
+            | QuantType::Q6_K
+    )
+}
+
 fn check_q8_type(ty: QuantType) -> Result<()> {
-    match ty {
-        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K => {
-            Ok(())
-        }
-        _ => Err(KernelError::Unsupported {
-            op: "matvec (q8 mode)",
-            ty: ty.to_string(),
-            supported: Q8_WEIGHT_TYPES,
-        }),
+    if q8_supports(ty) {
+        return Ok(());
     }
+    Err(KernelError::Unsupported {
+        op: "matvec (q8 mode)",
+        ty: ty.to_string(),
+        supported: Q8_WEIGHT_TYPES,
+    })
 }
 
 /// Values dequantised per step of the exact row dot (fits in L1 with the activations).
@@ -233,6 +249,18 @@ fn nibbles(qs: &[u8], off: i32) -> [i32; 32] {
     w
 }
 
+/// The 32 five-bit quants of a Q5_0/Q5_1 block's `qh` (4 bytes, bit `j` the fifth bit of
+/// value `j`) and `qs` (16 bytes of nibbles, as Q4's) in value order, minus `off`.
+#[inline(always)]
+fn quants5(qh_qs: &[u8], off: i32) -> [i32; 32] {
+    let qh = u32::from_le_bytes([qh_qs[0], qh_qs[1], qh_qs[2], qh_qs[3]]);
+    let mut w = nibbles(&qh_qs[4..20], 0);
+    for (j, v) in w.iter_mut().enumerate() {
+        *v = (*v | (((qh >> j) & 1) as i32) << 4) - off;
+    }
+    w
+}
+
 /// Scalar Q8-mode dot of one weight row with quantised activations.
 fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
     let bb = ty.block_bytes();
@@ -244,16 +272,18 @@ fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
         }
     };
     match ty {
-        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 => {
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q8_0 => {
             for (blk, xb) in row.chunks_exact(bb).zip(xq) {
                 let d = rd_f16(blk, 0);
                 let w: [i32; 32] = match ty {
                     QuantType::Q4_0 => nibbles(&blk[2..18], 8),
                     QuantType::Q4_1 => nibbles(&blk[4..20], 0),
+                    QuantType::Q5_0 => quants5(&blk[2..22], 16),
+                    QuantType::Q5_1 => quants5(&blk[4..24], 0),
                     _ => std::array::from_fn(|i| i32::from(blk[2 + i] as i8)),
                 };
                 fma_lanes([d * xb.d; 8], lanes(&w, &xb.qs), &mut acc);
-                if ty == QuantType::Q4_1 {
+                if matches!(ty, QuantType::Q4_1 | QuantType::Q5_1) {
                     extra += (rd_f16(blk, 2) * xb.d) * xb.sum as f32;
                 }
             }
@@ -298,11 +328,12 @@ fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
 /// The lane offsets of the VNNI Q8-mode kernels, one per activation block: those kernels
 /// multiply the weight quants made unsigned (`q + off`) by the activations, so each lane
 /// starts from `−off · Σ x` over its 4 values. Empty for the types whose quants are unsigned
-/// already (Q4_1, Q4_K) and for the others without VNNI.
+/// already (Q4_1, Q5_1, Q4_K) and for the others without VNNI.
 fn vnni_bias(vnni: Option<Vnni>, ty: QuantType, xq: &[Q8Block]) -> Vec<[i32; 8]> {
     let off = match (vnni, ty) {
         (None, _) => return Vec::new(),
         (_, QuantType::Q4_0) => 8,
+        (_, QuantType::Q5_0) => 16,
         (_, QuantType::Q8_0) => 128,
         (_, QuantType::Q6_K) => 32,
         _ => return Vec::new(),
@@ -332,8 +363,9 @@ fn row_dot_q8(
     #[cfg(target_arch = "x86_64")]
     match vnni.filter(|_| ty != QuantType::Q4_K) {
         // SAFETY (both): Isa::vnni detected AVX2, FMA, F16C and the VNNI extension (with
-        // AVX-512F/VL for the EVEX form) at run time; the row holds whole blocks matched by
-        // xq, and bias matches xq where the type uses it.
+        // AVX-512F/BW/VL for the EVEX form, which it returns only at Isa::Avx512) at run
+        // time; the row holds whole blocks matched by xq, and bias matches xq where the type
+        // uses it.
         Some(Vnni::AvxVnni) => {
             return unsafe { super::x86::imp::row_dot_q8_avxvnni(ty, row, xq, bias) };
         }
@@ -575,7 +607,7 @@ pub fn matmul_with(
             if isa.has_avx2() {
                 use super::x86_ops::imp;
                 let wide = isa.has_avx512();
-                // the 4-bit kernel fills 16 (8) tokens per vector: below 8 (4) tokens the
+                // the 4/5-bit kernel fills 16 (8) tokens per vector: below 8 (4) tokens the
                 // per-token kernels do less work
                 let quads = imp::uses_quads(ty) && n_tok >= if wide { 8 } else { 4 };
                 let pk = imp::Q8Pack::new(&xq, n_tok, per_tok, wide && !quads, quads);
@@ -586,9 +618,10 @@ pub fn matmul_with(
                             let r = i * Q8_ROWS_PER_TASK + k;
                             let wr = &w[r * row_bytes..(r + 1) * row_bytes];
                             if quads && wide {
-                                // SAFETY: AVX-512F/BW, AVX2, FMA and F16C detected; a 4-bit
-                                // type; the row holds `per_tok` groups (check_shapes), the
-                                // pack has quads, and `yr` has one value per token.
+                                // SAFETY: AVX-512F/BW, AVX2, FMA and F16C detected; a 4- or
+                                // 5-bit type (uses_quads); the row holds `per_tok` groups
+                                // (check_shapes), the pack has quads, and `yr` has one value
+                                // per token.
                                 unsafe { imp::q8_row_nib_avx512(ty, wr, &pk, yr, nr) };
                             } else if wide {
                                 // SAFETY: as above, with pairs for the other types.
@@ -621,7 +654,7 @@ pub fn matmul_with(
 
 /// One 32-value weight group decoded for the scalar Q8-mode matmul: the quants, the scale of
 /// lanes 0–3 and 4–7 (they differ only for Q6_K) and the coefficient of the token's quant sum
-/// (Q4_1's `m`, Q4_K's `−dmin·m`, else 0).
+/// (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`, else 0).
 #[derive(Clone, Copy)]
 struct ScalarGroup {
     w: [i32; 32],
@@ -646,6 +679,10 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
             QuantType::Q4_0 => out.push(one(nibbles(&blk[2..18], 8), rd_f16(blk, 0), 0.0)),
             QuantType::Q4_1 => {
                 out.push(one(nibbles(&blk[4..20], 0), rd_f16(blk, 0), rd_f16(blk, 2)))
+            }
+            QuantType::Q5_0 => out.push(one(quants5(&blk[2..22], 16), rd_f16(blk, 0), 0.0)),
+            QuantType::Q5_1 => {
+                out.push(one(quants5(&blk[4..24], 0), rd_f16(blk, 0), rd_f16(blk, 2)))
             }
             QuantType::Q8_0 => out.push(one(
                 std::array::from_fn(|i| i32::from(blk[2 + i] as i8)),
@@ -683,7 +720,7 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
 /// [`row_dot_q8_scalar`] on a decoded row: the same lane sums, the same `(s · d_x)` and FMA
 /// per lane, the same extra term in group order, so the same bits.
 fn dot_decoded_q8(ty: QuantType, groups: &[ScalarGroup], xq: &[Q8Block]) -> f32 {
-    let extra_term = matches!(ty, QuantType::Q4_1 | QuantType::Q4_K);
+    let extra_term = matches!(ty, QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K);
     let mut acc = [0f32; 8];
     let mut extra = 0f32;
     for (g, xb) in groups.iter().zip(xq) {

@@ -106,3 +106,25 @@ pub fn q8_bound(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tok: usize) ->
     }
     b
 }
+
+/// The offset `m` of 32-value group `g` of a weight row (`w = d·q + m`), read from the block
+/// bytes as ggml-common.h lays them out: Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`; 0 for the
+/// symmetric types.
+pub fn group_offset(ty: QuantType, row: &[u8], g: usize) -> f64 {
+    let f16 = |b: &[u8], o: usize| f64::from(half::f16::from_le_bytes([b[o], b[o + 1]]).to_f32());
+    match ty {
+        QuantType::Q4_1 => f16(&row[g * 20..], 2),
+        QuantType::Q5_1 => f16(&row[g * 24..], 2),
+        QuantType::Q4_K => {
+            let blk = &row[(g / 8) * 144..];
+            let (j, q) = (g % 8, &blk[4..16]);
+            let m = if j < 4 {
+                q[j + 4] & 63
+            } else {
+                (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+            };
+            -f16(blk, 2) * f64::from(m)
+        }
+        _ => 0.0,
+    }
+}
