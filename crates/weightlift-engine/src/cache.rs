@@ -1005,9 +1005,16 @@ fn encode_row(half: Half, slot: usize, row: &[f32], buf: &mut [u8]) -> Result<()
             let kt = kv_type(half);
             let at = slot / GROUP * kt.group_bytes();
             let dst = &mut buf[at..at + kt.bytes_for(row.len())];
-            let mut turned = row.to_vec();
-            turned.chunks_exact_mut(GROUP).for_each(hadamard);
-            weightlift_kernels::kv_quantize(kt, &turned, dst).map_err(kernel)?;
+            // Group by group through a stack copy: this runs for every token of every layer.
+            for (group, out) in row
+                .chunks_exact(GROUP)
+                .zip(dst.chunks_exact_mut(kt.group_bytes()))
+            {
+                let mut turned = [0f32; GROUP];
+                turned.copy_from_slice(group);
+                hadamard(&mut turned);
+                weightlift_kernels::kv_quantize(kt, &turned, out).map_err(kernel)?;
+            }
         }
     }
     Ok(())

@@ -337,18 +337,34 @@ impl Generation {
 }
 
 impl Model {
+    /// The ids of a text prompt: special tokens in it are parsed (as llama-cpp-python's
+    /// `create_completion` does), and BOS follows `add_bos`, or the tokenizer when `None`.
+    pub fn prompt_ids(&self, text: &str, add_bos: Option<bool>) -> Result<Vec<u32>> {
+        Ok(self.tokenizer()?.encode(text, add_bos, true)?)
+    }
+
+    /// The prompt ids of a text completion: [`Model::prompt_ids`], except that an empty prompt
+    /// is BOS alone, as llama-cpp-python runs it.
+    pub fn completion_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        if text.is_empty() {
+            return Ok(self.tokenizer()?.bos_id().into_iter().collect());
+        }
+        self.prompt_ids(text, None)
+    }
+
     /// The prompt ids for a chat: the model's chat template rendered with `messages` and the
     /// generation prompt, tokenized with special tokens parsed and no BOS added beyond what the
     /// template writes (llama-cpp-python's `Jinja2ChatFormatter` path).
     pub fn chat_prompt(&self, messages: &[weightlift_text::Message]) -> Result<Vec<u32>> {
-        let tok = self.tokenizer()?;
-        let template = tok.chat()?.ok_or_else(|| EngineError::Unsupported {
-            what: "a chat completion with this model".into(),
-            detail: "its checkpoint has no chat template (tokenizer.chat_template); use \
+        let template = self
+            .chat_template()?
+            .ok_or_else(|| EngineError::Unsupported {
+                what: "a chat completion with this model".into(),
+                detail: "its checkpoint has no chat template (tokenizer.chat_template); use \
                      create_completion with a prompt you format yourself"
-                .into(),
-        })?;
+                    .into(),
+            })?;
         let text = template.render(messages, true)?;
-        Ok(tok.encode(&text, Some(false), true)?)
+        self.prompt_ids(&text, Some(false))
     }
 }

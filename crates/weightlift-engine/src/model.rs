@@ -136,6 +136,8 @@ pub struct Model {
     pub(crate) runner: crate::forward::Runner,
     /// Built on first use from the checkpoint's metadata or tokenizer files.
     tokenizer: std::sync::OnceLock<Arc<weightlift_text::Tokenizer>>,
+    /// The tokenizer's chat template, compiled on first use (`None`: the model has none).
+    chat: std::sync::OnceLock<Option<Arc<weightlift_text::ChatTemplate>>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -156,6 +158,7 @@ impl Model {
             state: None,
             runner: crate::forward::Runner::default(),
             tokenizer: std::sync::OnceLock::new(),
+            chat: std::sync::OnceLock::new(),
         }
     }
 
@@ -187,6 +190,15 @@ impl Model {
             }
         };
         Ok(Arc::clone(self.tokenizer.get_or_init(|| Arc::new(built))))
+    }
+
+    /// The chat template compiled once, or `None` when the checkpoint has none.
+    pub fn chat_template(&self) -> Result<Option<Arc<weightlift_text::ChatTemplate>>> {
+        if let Some(t) = self.chat.get() {
+            return Ok(t.clone());
+        }
+        let built = self.tokenizer()?.chat()?.map(Arc::new);
+        Ok(self.chat.get_or_init(|| built).clone())
     }
 
     /// Rows of the embedding: token ids must be below it.

@@ -1,4 +1,4 @@
-//! KV cache: exact sizes (DESIGN.md's table), round-trip error bounds per dtype, offload.
+//! KV cache: exact sizes (the bytes per element in `cache.rs`'s table), round-trip error bounds per dtype, offload.
 
 use std::sync::Arc;
 
@@ -41,7 +41,7 @@ const ALL: [CacheDType; 6] = [
 
 #[test]
 fn byte_sizes_follow_the_design_table() {
-    // DESIGN.md: 2 × n_kv_heads × head_dim × max_seq_len × batch elements times bytes per element
+    // 2 × n_kv_heads × head_dim × max_seq_len × batch elements times bytes per element
     // (fp16 2, fp8 1, q8 8.5/8, q6 8.5/8 for K and 4.5/8 for V, q4 4.5/8).
     let inv = Inventory::parse("virtual:1x64MiB").unwrap();
     let dev = Arc::clone(&inv.accelerators()[0]);

@@ -5,36 +5,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{argmax, json_ids, margin, max_abs_diff, rank, read_npy, reference};
+use common::{argmax, json_ids, margin, max_abs_diff, open, rank, read_npy, reference};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::{Cache, CacheDType, Inventory, LoadOptions, Model, Placement, Source};
-use weightlift_format::{Checkpoint, OpenOptions};
-
-fn open(path: std::path::PathBuf) -> Arc<dyn Source> {
-    Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap_or_else(|e| panic!("{e}")))
-}
-
-/// Load `src` whole onto `device` with a cache of `dtype`, and return the model and cache.
-fn load_on(
-    src: &Arc<dyn Source>,
-    devices: &str,
-    device: &str,
-    dtype: CacheDType,
-) -> (Model, Arc<Cache>) {
-    let inv = Inventory::parse(devices).unwrap();
-    let mut m = Model::new(Arc::clone(src), inv);
-    let cache = Arc::new(Cache::new(m.cache_config(64, 1, dtype, false).unwrap()).unwrap());
-    let placement = Placement::all_on(src.as_ref(), device, m.n_layers());
-    m.load(
-        &placement,
-        &LoadOptions::default(),
-        Some(&cache),
-        true,
-        &mut |_| true,
-    )
-    .unwrap();
-    (m, cache)
-}
 
 fn tiny_ids() -> Vec<u32> {
     json_ids(&reference().join("tiny-llama/ids.json"), "ids")
@@ -45,7 +18,7 @@ fn tiny_llama_safetensors_exact_matches_transformers() {
     let (shape, want) = read_npy(&reference().join("tiny-llama/hf_logits.npy"));
     for sub in ["safetensors", "safetensors-sharded"] {
         let src = open(reference().join("tiny-llama").join(sub));
-        let (mut m, cache) = load_on(&src, "cpu", "cpu", CacheDType::F32);
+        let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
         m.set_compute(Compute::Exact);
         let mut out = Vec::new();
         m.forward(&tiny_ids(), Some(&cache), Logits::All, &mut out)
@@ -71,7 +44,7 @@ fn forward_all(m: &mut Model, cache: &Arc<Cache>, ids: &[u32]) -> Vec<f32> {
 fn tiny_llama_gguf_exact_matches_transformers_on_dequantised_weights() {
     for ty in ["Q8_0", "Q6_K", "Q4_K_M"] {
         let src = open(reference().join(format!("tiny-llama/gguf/tiny-llama-{ty}.gguf")));
-        let (mut m, cache) = load_on(&src, "cpu", "cpu", CacheDType::F32);
+        let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
         m.set_compute(Compute::Exact);
         let out = forward_all(&mut m, &cache, &tiny_ids());
         let (shape, want) =
@@ -125,7 +98,7 @@ fn agrees_with_llamacpp(
 fn tiny_llama_gguf_fast_path_agrees_with_llamacpp() {
     for ty in ["Q8_0", "Q6_K", "Q4_K_M"] {
         let src = open(reference().join(format!("tiny-llama/gguf/tiny-llama-{ty}.gguf")));
-        let (mut m, cache) = load_on(&src, "cpu", "cpu", CacheDType::Fp16);
+        let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::Fp16);
         m.set_compute(Compute::Fast);
         let out = forward_all(&mut m, &cache, &tiny_ids());
         let (shape, want) =
@@ -138,7 +111,7 @@ fn smollm2() -> Arc<dyn Source> {
     let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
         "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
     );
-    open(path.into())
+    open(path)
 }
 
 fn smollm2_prompt(k: u32) -> Vec<u32> {
@@ -167,7 +140,7 @@ fn greedy(m: &mut Model, cache: &Arc<Cache>, prompt: &[u32], steps: usize) -> Ve
 #[test]
 fn smollm2_exact_matches_transformers_and_its_greedy_path() {
     let src = smollm2();
-    let (mut m, cache) = load_on(&src, "cpu", "cpu", CacheDType::F32);
+    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
     m.set_compute(Compute::Exact);
     for k in [1, 2] {
         let out = forward_all(&mut m, &cache, &smollm2_prompt(k));
@@ -186,7 +159,7 @@ fn smollm2_exact_matches_transformers_and_its_greedy_path() {
 #[test]
 fn smollm2_fp16_cache_stays_within_0_05() {
     let src = smollm2();
-    let (mut m, cache) = load_on(&src, "cpu", "cpu", CacheDType::Fp16);
+    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::Fp16);
     m.set_compute(Compute::Exact);
     for k in [1, 2] {
         let out = forward_all(&mut m, &cache, &smollm2_prompt(k));
@@ -202,7 +175,7 @@ fn smollm2_fp16_cache_stays_within_0_05() {
 #[test]
 fn smollm2_fast_path_agrees_with_llamacpp() {
     let src = smollm2();
-    let (mut m, cache) = load_on(&src, "cpu", "cpu", CacheDType::Fp16);
+    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::Fp16);
     m.set_compute(Compute::Fast);
     for k in [1, 2] {
         let out = forward_all(&mut m, &cache, &smollm2_prompt(k));
@@ -332,7 +305,7 @@ fn placement_does_not_change_the_logits() {
 #[test]
 fn bad_input_is_a_typed_error_and_loses_nothing() {
     let src = open(reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf"));
-    let (mut m, cache) = load_on(&src, "cpu", "cpu", CacheDType::Fp16);
+    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::Fp16);
     let mut out = Vec::new();
     let e = m
         .forward(&[], Some(&cache), Logits::Last, &mut out)
@@ -387,12 +360,12 @@ const CACHE_BOUNDS: [(CacheDType, f32); 4] = [
 fn quantised_caches_stay_within_their_bound_of_fp16() {
     let src = smollm2();
     let ids = smollm2_prompt(2);
-    let (mut m, cache) = load_on(&src, "cpu", "cpu", CacheDType::Fp16);
+    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::Fp16);
     m.set_compute(Compute::Exact);
     let base = forward_all(&mut m, &cache, &ids);
     let vocab = base.len() / ids.len();
     for (dtype, bound) in CACHE_BOUNDS {
-        let (mut m, cache) = load_on(&src, "cpu", "cpu", dtype);
+        let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, dtype);
         m.set_compute(Compute::Exact);
         let out = forward_all(&mut m, &cache, &ids);
         let d = max_abs_diff(&out, &base);

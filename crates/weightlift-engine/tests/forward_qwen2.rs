@@ -6,14 +6,12 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use common::{argmax, json_ids, max_abs_diff, read_npy};
+use common::{argmax, json_ids, load_on, max_abs_diff, open, read_npy};
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
+use weightlift_engine::CacheDType;
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{Cache, CacheDType, Inventory, LoadOptions, Model, Placement, Source};
-use weightlift_format::{Checkpoint, OpenOptions};
 
 fn data() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tiny-qwen2")
@@ -26,22 +24,7 @@ fn ids() -> Vec<u32> {
 /// Every position's logits of `path` (a folder or a GGUF), loaded whole on cpu with an f32
 /// cache and exact compute.
 fn exact_logits(path: &Path) -> Vec<f32> {
-    let src: Arc<dyn Source> = Arc::new(
-        Checkpoint::open(path, OpenOptions::default())
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display())),
-    );
-    let mut m = Model::new(Arc::clone(&src), Inventory::parse("cpu").unwrap());
-    let cache =
-        Arc::new(Cache::new(m.cache_config(64, 1, CacheDType::F32, false).unwrap()).unwrap());
-    let placement = Placement::all_on(src.as_ref(), "cpu", m.n_layers());
-    m.load(
-        &placement,
-        &LoadOptions::default(),
-        Some(&cache),
-        true,
-        &mut |_| true,
-    )
-    .unwrap();
+    let (mut m, cache) = load_on(&open(path), "cpu", "cpu", 64, CacheDType::F32);
     m.set_compute(Compute::Exact);
     let mut out = Vec::new();
     m.forward(&ids(), Some(&cache), Logits::All, &mut out)

@@ -5,38 +5,28 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{json_ids, reference};
+use common::{json_ids, load_on, open, reference};
 use weightlift_engine::sample::SamplingParams;
 use weightlift_engine::{
     Cache, CacheDType, EngineError, FinishReason, GenerateOptions, Generation, Inventory,
-    LoadOptions, Model, Placement, Source,
+    LoadOptions, Model,
 };
-use weightlift_format::{Checkpoint, OpenOptions};
 
-fn demo(devices: &str, max_seq_len: u64) -> (Model, Arc<Cache>) {
-    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
+fn demo_path() -> String {
+    std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
         "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
-    );
-    let src: Arc<dyn Source> =
-        Arc::new(Checkpoint::open(path, OpenOptions::default()).unwrap_or_else(|e| panic!("{e}")));
-    let mut m = Model::new(Arc::clone(&src), Inventory::parse(devices).unwrap());
-    let cache = Arc::new(
-        Cache::new(
-            m.cache_config(max_seq_len, 1, CacheDType::Fp16, false)
-                .unwrap(),
-        )
-        .unwrap(),
-    );
-    let placement = Placement::all_on(src.as_ref(), "cpu", m.n_layers());
-    m.load(
-        &placement,
-        &LoadOptions::default(),
-        Some(&cache),
-        true,
-        &mut |_| true,
     )
-    .unwrap();
-    (m, cache)
+}
+
+/// The demo model whole on cpu, with an fp16 cache of `max_seq_len`.
+fn demo(devices: &str, max_seq_len: u64) -> (Model, Arc<Cache>) {
+    load_on(
+        &open(demo_path()),
+        devices,
+        "cpu",
+        max_seq_len,
+        CacheDType::Fp16,
+    )
 }
 
 fn greedy(max_tokens: u64) -> GenerateOptions {
@@ -214,9 +204,7 @@ fn stopping_early_from_the_callback_ends_with_stop() {
 #[test]
 fn peak_memory_during_a_generation_is_the_plan() {
     use weightlift_plan::{CacheSpec, RuntimeSpec, Strategy};
-    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").unwrap();
-    let src: Arc<dyn Source> =
-        Arc::new(Checkpoint::open(path, OpenOptions::default()).unwrap_or_else(|e| panic!("{e}")));
+    let src = open(demo_path());
     let inv = Inventory::parse("virtual:2x96MiB,cpu").unwrap();
     let mut m = Model::new(Arc::clone(&src), inv.clone());
     let mut req = m.plan_request().unwrap();

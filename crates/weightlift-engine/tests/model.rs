@@ -78,7 +78,8 @@ fn lazy_cache_sits_beside_each_layer_and_memory_matches_prediction() {
             model.layer_devices().unwrap()[l]
         );
     }
-    // Prediction: the tensors' bytes per device plus DESIGN.md's cache formula.
+    // Prediction: the tensors' bytes per device plus the cache formula
+    // (2 × kv heads × head_dim × positions × bytes per element).
     let mut want: HashMap<String, u64> = HashMap::new();
     for (t, p) in src.tensors().iter().zip(&placement.tensors) {
         *want.entry(p.device.clone()).or_default() += t.nbytes;

@@ -13,33 +13,30 @@ const TINY: &str = concat!(
     "/../../../shared/reference/tiny-llama/gguf"
 );
 
-fn tiny(name: &str) -> Option<PathBuf> {
+fn tiny(name: &str) -> PathBuf {
     let p = Path::new(TINY).join(name);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: {} is not present", p.display());
-        None
-    }
+    assert!(
+        p.exists(),
+        "{} is missing: the shared reference pack is not beside the checkout",
+        p.display()
+    );
+    p
 }
 
 /// The SmolLM2 demo model: `$WEIGHTLIFT_DEMO_GGUF` (set by the Makefile), else the repo cache.
-fn smollm2() -> Option<PathBuf> {
+fn smollm2() -> PathBuf {
     let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("../../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
         });
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!(
-            "skipped: the SmolLM2 demo model is not at {} (run `make demo-model`)",
-            p.display()
-        );
-        None
-    }
+    assert!(
+        p.exists(),
+        "the SmolLM2 demo model is not at {} (run `make demo-model`)",
+        p.display()
+    );
+    p
 }
 
 fn histogram(ck: &Checkpoint) -> BTreeMap<DType, usize> {
@@ -52,9 +49,7 @@ fn histogram(ck: &Checkpoint) -> BTreeMap<DType, usize> {
 
 #[test]
 fn tiny_llama_q8_0_matches_gguf_py() {
-    let Some(p) = tiny("tiny-llama-Q8_0.gguf") else {
-        return;
-    };
+    let p = tiny("tiny-llama-Q8_0.gguf");
     let bytes = std::fs::read(&p).unwrap();
     let h = gguf::parse(&bytes, &p).unwrap();
     assert_eq!(h.version, 3);
@@ -105,9 +100,7 @@ fn tiny_llama_q8_0_matches_gguf_py() {
 
 #[test]
 fn tiny_llama_k_quants_table() {
-    let Some(p) = tiny("tiny-llama-Q4_K_M.gguf") else {
-        return;
-    };
+    let p = tiny("tiny-llama-Q4_K_M.gguf");
     let ck = Checkpoint::open(&p, OpenOptions::default()).unwrap();
     let counts = histogram(&ck);
     assert_eq!(counts.get(&DType::Q4_K), Some(&12));
@@ -119,9 +112,7 @@ fn tiny_llama_k_quants_table() {
 
 #[test]
 fn vocab_only_returns_no_tensors() {
-    let Some(p) = tiny("tiny-llama-Q8_0.gguf") else {
-        return;
-    };
+    let p = tiny("tiny-llama-Q8_0.gguf");
     let ck = Checkpoint::open(
         &p,
         OpenOptions {
@@ -136,9 +127,7 @@ fn vocab_only_returns_no_tensors() {
 
 #[test]
 fn smollm2_parses() {
-    let Some(p) = smollm2() else {
-        return;
-    };
+    let p = smollm2();
     let bytes = std::fs::read(&p).unwrap();
     let h = gguf::parse(&bytes, &p).unwrap();
     assert_eq!(h.tensors.len(), 272);
@@ -170,9 +159,7 @@ fn smollm2_parses() {
 /// is dropped. Expected elements are what gguf-py 0.19.0 reads from the same file.
 #[test]
 fn tiny_llama_vocabulary_is_lazy_and_outlives_the_checkpoint() {
-    let Some(p) = tiny("tiny-llama-Q8_0.gguf") else {
-        return;
-    };
+    let p = tiny("tiny-llama-Q8_0.gguf");
     let ck = Checkpoint::open(&p, OpenOptions::default()).unwrap();
     let tokens = ck.metadata()["tokenizer.ggml.tokens"].clone();
     let types = ck.metadata()["tokenizer.ggml.token_type"].clone();

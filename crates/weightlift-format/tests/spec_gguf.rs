@@ -10,12 +10,13 @@ const TINY: &str = concat!(
     "/../../../shared/reference/tiny-llama"
 );
 
-fn present(p: &Path) -> bool {
-    let ok = p.exists();
-    if !ok {
-        eprintln!("skipping: {} is not present", p.display());
-    }
-    ok
+/// Test data must be there: a missing file fails the test rather than skipping it.
+fn require(p: &Path) {
+    assert!(
+        p.exists(),
+        "{} is missing (the shared reference pack beside the checkout, or `make demo-model`)",
+        p.display()
+    );
 }
 
 fn smollm() -> PathBuf {
@@ -26,9 +27,7 @@ fn smollm() -> PathBuf {
 #[test]
 fn tiny_llama_gguf_spec_matches_its_hf_config() {
     let hf_dir = Path::new(TINY).join("safetensors");
-    if !present(&hf_dir) {
-        return;
-    }
+    require(&hf_dir);
     let hf = Checkpoint::open(&hf_dir, OpenOptions::default()).unwrap();
     let hf = hf.spec().unwrap().clone();
     for q in ["Q8_0", "Q4_K_M", "Q6_K"] {
@@ -77,9 +76,7 @@ fn tiny_llama_gguf_spec_matches_its_hf_config() {
 #[test]
 fn tiny_llama_gguf_vocab_only() {
     let p = Path::new(TINY).join("gguf/tiny-llama-Q8_0.gguf");
-    if !present(&p) {
-        return;
-    }
+    require(&p);
     let opts = OpenOptions {
         vocab_only: true,
         ..OpenOptions::default()
@@ -94,9 +91,7 @@ fn tiny_llama_gguf_vocab_only() {
 #[test]
 fn smollm2_spec() {
     let p = smollm();
-    if !present(&p) {
-        return;
-    }
+    require(&p);
     let c = Checkpoint::open(&p, OpenOptions::default()).unwrap();
     let s = c.spec().unwrap();
     assert_eq!(s.architecture, "llama");

@@ -12,14 +12,13 @@ const REF: &str = concat!(
     "/../../../shared/reference/tiny-llama"
 );
 
-fn reference() -> Option<PathBuf> {
+fn reference() -> PathBuf {
     let p = PathBuf::from(REF);
-    if p.join("model.json").is_file() {
-        Some(p)
-    } else {
-        eprintln!("skipping: {REF} is not present");
-        None
-    }
+    assert!(
+        p.join("model.json").is_file(),
+        "{REF} is missing: the shared reference pack is not beside the checkout"
+    );
+    p
 }
 
 fn json(path: &Path) -> serde_json::Value {
@@ -114,7 +113,7 @@ fn check_roles(ckpt: &Checkpoint) {
 
 #[test]
 fn single_file_folder_and_path() {
-    let Some(r) = reference() else { return };
+    let r = reference();
     let digest = digest();
     let digest = digest["single"].as_object().unwrap();
     for p in [
@@ -146,7 +145,7 @@ fn single_file_folder_and_path() {
 
 #[test]
 fn sharded_folder_and_index_equal_single() {
-    let Some(r) = reference() else { return };
+    let r = reference();
     let digest = digest();
     let mut from_shards = serde_json::Map::new();
     for (_, tensors) in digest["shards"].as_object().unwrap() {
@@ -191,7 +190,7 @@ fn sharded_folder_and_index_equal_single() {
 
 #[test]
 fn vocab_only_has_no_tensors() {
-    let Some(r) = reference() else { return };
+    let r = reference();
     let opts = OpenOptions {
         vocab_only: true,
         ..OpenOptions::default()

@@ -1,6 +1,6 @@
 //! Offloaded KV cache (`CacheSpec::offload`, transformers' `OffloadedCache`): the whole cache
 //! on `cpu`, `min(layers, 2) × largest layer` prefetch slots on each device that computes
-//! layers. Every expected number is worked out by hand from the model's config and DESIGN.md's
+//! layers. Every expected number is worked out by hand from the model's config and the cache's
 //! bytes per element, not by asking the planner twice.
 
 mod common;
@@ -174,7 +174,7 @@ fn a_cpu_too_small_for_the_cache_is_out_of_memory() {
 }
 
 /// SmolLM2-135M (30 layers, 3 KV heads, head_dim 64) at ctx 2048: one layer's K is
-/// 3 × 64 × 2048 = 393,216 values, and so is its V. Per layer, by DESIGN.md's table:
+/// 3 × 64 × 2048 = 393,216 values, and so is its V. Per layer, by the bytes per element:
 /// fp16 2 B → 1,572,864; fp8 1 B → 786,432; q8 12,288 groups × 34 B per half → 835,584;
 /// q6 = 417,792 (8-bit K) + 221,184 (4-bit V) → 638,976; q4 12,288 × 18 B per half → 442,368.
 #[test]

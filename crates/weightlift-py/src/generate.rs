@@ -43,16 +43,21 @@ fn text_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
 }
 
 /// A prompt: text (tokenized here) or token ids.
+/// A prompt: text (tokenized by the model, `completion` choosing `create_completion`'s rules) or
+/// token ids.
 fn prompt_ids(
     model: &weightlift_engine::Model,
     prompt: &Bound<'_, PyAny>,
     add_bos: Option<bool>,
+    completion: bool,
 ) -> PyResult<Vec<u32>> {
     if prompt.cast::<PyString>().is_ok() || prompt.cast::<PyBytes>().is_ok() {
         let text = text_of(prompt, "prompt")?;
-        let tok = eng(model.tokenizer())?;
-        // As llama-cpp-python's create_completion: special tokens in the prompt are parsed.
-        return tok.encode(&text, add_bos, true).map_err(ToPyErr::to_pyerr);
+        return eng(if completion {
+            model.completion_prompt(&text)
+        } else {
+            model.prompt_ids(&text, add_bos)
+        });
     }
     prompt.extract::<Vec<u32>>().map_err(|_| {
         PyTypeError::new_err(format!(
@@ -586,7 +591,7 @@ impl Model {
             frequency_penalty,
             seed,
         };
-        let ids = prompt_ids(&model.lock()?.model, prompt, add_bos)?;
+        let ids = prompt_ids(&model.lock()?.model, prompt, add_bos, false)?;
         let call = Call::new(
             ids,
             &knobs,
@@ -668,17 +673,7 @@ impl Model {
             frequency_penalty,
             seed,
         };
-        let ids = {
-            let inner = me.lock()?;
-            let empty = text_of(prompt, "prompt").is_ok_and(|t| t.is_empty());
-            if empty {
-                // llama-cpp-python runs an empty prompt as BOS alone.
-                let bos = eng(inner.model.tokenizer())?.bos_id();
-                bos.into_iter().collect()
-            } else {
-                prompt_ids(&inner.model, prompt, None)?
-            }
-        };
+        let ids = prompt_ids(&me.lock()?.model, prompt, None, true)?;
         let echo = if echo {
             let tok = eng(me.lock()?.model.tokenizer())?;
             Some(tok.decode(&ids, true).map_err(ToPyErr::to_pyerr)?)

@@ -1,5 +1,5 @@
-//! Shared helpers of the forward-pass tests: the reference folder and a reader for its
-//! float32 `.npy` files.
+//! Shared helpers of the forward-pass tests: the reference folder, a reader for its float32
+//! `.npy` files, and opening and loading a checkpoint whole on one device.
 
 #![allow(dead_code)]
 
@@ -113,4 +113,44 @@ pub fn json_ids(path: &Path, key: &str) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
+}
+
+/// Open a checkpoint (a GGUF file or a safetensors folder), failing the test with the reason.
+pub fn open(path: impl AsRef<Path>) -> std::sync::Arc<dyn weightlift_engine::Source> {
+    let path = path.as_ref();
+    std::sync::Arc::new(
+        weightlift_format::Checkpoint::open(path, weightlift_format::OpenOptions::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+}
+
+/// Load `src` whole onto `device` of the inventory `devices`, with a cache of `max_seq_len`
+/// positions in `dtype`; the model and its cache.
+pub fn load_on(
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    devices: &str,
+    device: &str,
+    max_seq_len: u64,
+    dtype: weightlift_engine::CacheDType,
+) -> (
+    weightlift_engine::Model,
+    std::sync::Arc<weightlift_engine::Cache>,
+) {
+    use weightlift_engine::{Cache, Inventory, LoadOptions, Model, Placement};
+    let mut m = Model::new(
+        std::sync::Arc::clone(src),
+        Inventory::parse(devices).unwrap(),
+    );
+    let config = m.cache_config(max_seq_len, 1, dtype, false).unwrap();
+    let cache = std::sync::Arc::new(Cache::new(config).unwrap());
+    let placement = Placement::all_on(src.as_ref(), device, m.n_layers());
+    m.load(
+        &placement,
+        &LoadOptions::default(),
+        Some(&cache),
+        true,
+        &mut |_| true,
+    )
+    .unwrap();
+    (m, cache)
 }
