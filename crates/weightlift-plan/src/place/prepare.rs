@@ -1,0 +1,251 @@
+//! Preparing the context: [`Ctx::new`] validates the request (spec, tensor table, cache,
+//! devices and their per-device options), resolves every device's budget (capacity capped by
+//! `max_memory`, reserve less the tweak's cut, overhead), adds the implicit cpu and disk, groups
+//! the tensors into units, sizes each layer's KV cache and the offloaded total, and builds the
+//! scratch model every strategy charges against.
+
+use weightlift_format::Role;
+
+use super::{Ctx, Dev, Tweak, Unit, UnitKind};
+use crate::device::DeviceKind;
+use crate::error::{PlanError, Result};
+use crate::memory::ScratchModel;
+use crate::request::PlanRequest;
+use crate::synth::converted;
+
+impl<'a> Ctx<'a> {
+    pub fn new(req: &'a PlanRequest, tweak: Tweak) -> Result<Self> {
+        let spec = &req.spec;
+        if spec.n_layers == 0
+            || spec.n_kv_heads.len() != spec.n_layers as usize
+            || spec.head_dim == 0
+        {
+            return Err(PlanError::Spec {
+                detail: format!(
+                    "need n_layers > 0, head_dim > 0 and one n_kv_heads entry per layer; got {} layers, head_dim {}, {} kv-head entries",
+                    spec.n_layers,
+                    spec.head_dim,
+                    spec.n_kv_heads.len()
+                ),
+            });
+        }
+        if req.tensors.is_empty() {
+            return Err(PlanError::Spec {
+                detail: "the tensor table is empty; pass a checkpoint's tensors or synthesize_tensors(spec, ...)".into(),
+            });
+        }
+        let allow_disk = tweak.allow_disk.unwrap_or(req.allow_disk);
+        let cache = tweak.cache.unwrap_or(req.cache);
+        if let Some(c) = &cache
+            && (c.max_seq_len == 0 || c.batch_size == 0)
+        {
+            return Err(PlanError::option(
+                "cache",
+                "max_seq_len and batch_size of at least 1",
+                format!("max_seq_len {}, batch_size {}", c.max_seq_len, c.batch_size),
+            ));
+        }
+        let mut warnings = Vec::new();
+
+        // Devices.
+        if req.devices.is_empty() {
+            return Err(PlanError::option(
+                "devices",
+                "at least one device",
+                "an empty list",
+            ));
+        }
+        let mut devs: Vec<Dev> = Vec::with_capacity(req.devices.len() + 2);
+        for d in &req.devices {
+            if devs.iter().any(|o| o.name == d.name) {
+                return Err(PlanError::option(
+                    "devices",
+                    "each device once",
+                    format!("{} twice", d.name),
+                ));
+            }
+            let cap = req.max_memory.get(&d.name).copied().unwrap_or(u64::MAX);
+            devs.push(Dev {
+                name: d.name.clone(),
+                kind: d.kind,
+                limit: d.capacity.min(cap),
+                reserve: req
+                    .reserve
+                    .get(&d.name)
+                    .copied()
+                    .unwrap_or(d.reserve)
+                    .saturating_sub(tweak.reserve_cut),
+                overhead: req.overhead.get(&d.name).copied().unwrap_or(d.overhead),
+                implicit: false,
+            });
+        }
+        for (what, map) in [
+            ("reserve", &req.reserve),
+            ("max_memory", &req.max_memory),
+            ("overhead", &req.overhead),
+        ] {
+            if let Some(k) = map.keys().find(|k| !devs.iter().any(|d| &d.name == *k)) {
+                return Err(PlanError::UnknownDevice {
+                    device: k.clone(),
+                    context: what.to_string(),
+                    known: devs
+                        .iter()
+                        .map(|d| d.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            }
+        }
+        let host = match devs.iter().position(|d| d.kind == DeviceKind::Cpu) {
+            Some(i) => {
+                if devs[i].limit == u64::MAX {
+                    warnings.push("cpu capacity unknown: host RAM is not checked".to_string());
+                }
+                i
+            }
+            None => {
+                devs.push(Dev {
+                    name: "cpu".into(),
+                    kind: DeviceKind::Cpu,
+                    limit: u64::MAX,
+                    reserve: 0,
+                    overhead: 0,
+                    implicit: true,
+                });
+                devs.len() - 1
+            }
+        };
+        let mut disk = devs.iter().position(|d| d.kind == DeviceKind::Disk);
+        if disk.is_none() && allow_disk {
+            devs.push(Dev {
+                name: "disk".into(),
+                kind: DeviceKind::Disk,
+                limit: u64::MAX,
+                reserve: 0,
+                overhead: 0,
+                implicit: false,
+            });
+            disk = Some(devs.len() - 1);
+        }
+        let accel: Vec<usize> = (0..devs.len())
+            .filter(|&i| devs[i].kind.is_accelerator())
+            .collect();
+
+        // Tensors and units.
+        let n_layers = spec.n_layers as usize;
+        let mut bytes = Vec::with_capacity(req.tensors.len());
+        let mut dtypes = Vec::with_capacity(req.tensors.len());
+        let mut embed = Unit {
+            kind: UnitKind::Embed,
+            tensors: vec![],
+            weights: 0,
+            kv: 0,
+        };
+        let mut layers: Vec<Unit> = (0..spec.n_layers)
+            .map(|l| Unit {
+                kind: UnitKind::Layer(l),
+                tensors: vec![],
+                weights: 0,
+                kv: 0,
+            })
+            .collect();
+        let mut norm = Unit {
+            kind: UnitKind::Norm,
+            tensors: vec![],
+            weights: 0,
+            kv: 0,
+        };
+        let mut output = Unit {
+            kind: UnitKind::Output,
+            tensors: vec![],
+            weights: 0,
+            kv: 0,
+        };
+        let mut embd_tensor = None;
+        let mut has_output = false;
+        for (i, t) in req.tensors.iter().enumerate() {
+            let (dt, b) = converted(t, req.dtype);
+            bytes.push(b);
+            dtypes.push(dt);
+            let unit = match (t.layer, t.role) {
+                (Some(l), _) => {
+                    let Some(u) = layers.get_mut(l as usize) else {
+                        return Err(PlanError::Tensor {
+                            tensor: t.name.clone(),
+                            detail: format!(
+                                "layer {l} is out of range for a model of {n_layers} layers"
+                            ),
+                        });
+                    };
+                    u
+                }
+                (None, Some(Role::TokenEmbd | Role::RopeFreqs)) => &mut embed,
+                (None, Some(Role::Output)) => {
+                    has_output = true;
+                    &mut output
+                }
+                (None, Some(Role::OutputNorm)) => &mut norm,
+                (None, _) if t.name.contains("embd") || t.name.contains("embed") => &mut embed,
+                (None, _) => &mut norm,
+            };
+            if t.role == Some(Role::TokenEmbd) && embd_tensor.is_none() {
+                embd_tensor = Some(i);
+            }
+            unit.tensors.push(i);
+            unit.weights = unit.weights.saturating_add(b);
+        }
+        let tied_bytes = match (
+            spec.tie_word_embeddings || !has_output,
+            has_output,
+            embd_tensor,
+        ) {
+            (true, false, Some(e)) => bytes[e],
+            _ => 0,
+        };
+        let kv: Vec<u64> = (0..n_layers)
+            .map(|l| cache.map_or(0, |c| c.layer_bytes(spec, l)))
+            .collect();
+        for (u, &k) in layers.iter_mut().zip(&kv) {
+            u.kv = k;
+        }
+        let offload = cache.is_some_and(|c| c.offload);
+        let offload_total = if offload {
+            kv.iter().fold(0u64, |a, &b| a.saturating_add(b))
+        } else {
+            0
+        };
+        let mut units = Vec::with_capacity(n_layers + 3);
+        units.push(embed);
+        units.extend(layers);
+        units.push(norm);
+        units.push(output);
+
+        let runtime = tweak.runtime.unwrap_or(req.runtime);
+        let (seq, batch) = cache.map_or((runtime.max_input_len.max(1), 1), |c| {
+            (c.max_seq_len, c.batch_size)
+        });
+        let scratch = ScratchModel::new(spec, &runtime, seq, batch);
+        let staging_bound = 2 * req
+            .staging_bytes
+            .min(bytes.iter().copied().max().unwrap_or(0));
+        Ok(Ctx {
+            req,
+            tweak,
+            devs,
+            host,
+            accel,
+            disk,
+            bytes,
+            dtypes,
+            units,
+            scratch,
+            cache,
+            offload,
+            offload_total,
+            tied_bytes,
+            embd_tensor,
+            staging_bound,
+            warnings,
+        })
+    }
+}

@@ -1,0 +1,190 @@
+//! exllamav2's tensor parallelism: the split tables of `tp::define_split` turned into
+//! shards of every attention and MLP matrix and of the head, norms replicated on every TP
+//! device, the embedding on the CPU, and each layer's KV cache split by kv heads.
+
+use weightlift_format::Role;
+
+use super::{Assign, Ctx, ShardIdx};
+use crate::error::{PlanError, Result};
+use crate::request::TpOptions;
+use crate::tp::{TpInputs, define_split};
+
+impl Ctx<'_> {
+    /// exllamav2 TPContext: split tables from `define_split`, tensors sharded by them.
+    pub(super) fn tensor_parallel(&self, o: &TpOptions) -> Result<Assign> {
+        let spec = &self.req.spec;
+        if self.accel.is_empty() {
+            return Err(PlanError::option(
+                "tensor_parallel",
+                "at least one cuda or virtual device",
+                "none",
+            ));
+        }
+        let budgets = match &o.gpu_split_mib {
+            Some(b) if b.len() == self.accel.len() => b.clone(),
+            Some(b) => {
+                return Err(PlanError::option(
+                    "gpu_split",
+                    &format!("one budget per accelerator ({})", self.accel.len()),
+                    format!("{} budgets", b.len()),
+                ));
+            }
+            None => self
+                .accel
+                .iter()
+                .map(|&d| self.devs[d].room() >> 20)
+                .collect(),
+        };
+        let nkv = spec.n_kv_heads[0];
+        if spec.n_kv_heads.iter().any(|&k| k != nkv) {
+            return Err(PlanError::option(
+                "tensor_parallel",
+                "the same number of kv heads in every layer (exllamav2 TP assumes it)",
+                "per-layer kv head counts",
+            ));
+        }
+        let attn_roles = |r: Option<Role>| {
+            matches!(
+                r,
+                Some(
+                    Role::AttnNorm
+                        | Role::AttnQ
+                        | Role::AttnK
+                        | Role::AttnV
+                        | Role::AttnOutput
+                        | Role::AttnQBias
+                        | Role::AttnKBias
+                        | Role::AttnVBias
+                        | Role::AttnOutputBias
+                )
+            )
+        };
+        let mut footprints = vec![0u64; self.n_layers()];
+        for (t, &b) in self.tensors().iter().zip(&self.bytes) {
+            if let (Some(l), true) = (t.layer, attn_roles(t.role)) {
+                footprints[l as usize] = footprints[l as usize].saturating_add(b);
+            }
+        }
+        let inputs = TpInputs {
+            budgets_mib: budgets,
+            n_kv_heads: u64::from(nkv),
+            n_heads: u64::from(spec.n_heads),
+            intermediate_size: spec.intermediate_size,
+            hidden_size: spec.hidden_size,
+            vocab_size: spec.vocab_size,
+            // Offloaded, the devices hold only the prefetch slots of the cache.
+            cache_bytes: if self.offload {
+                self.offload_slots_estimate()
+            } else {
+                self.cache.map_or(0, |c| c.total_bytes(spec))
+            },
+            attn_footprints: footprints,
+        };
+        let tp = define_split(&inputs)?;
+        let hd = u64::from(spec.head_dim);
+        let acc = |i: usize| self.accel[i];
+        let scale = |t: &[(usize, u64, u64)], m: u64| -> Vec<(usize, u64, u64)> {
+            t.iter()
+                .map(|&(d, a, b)| (acc(d), a.saturating_mul(m), b.saturating_mul(m)))
+                .collect()
+        };
+        let q = scale(&tp.q, hd);
+        let kv = scale(&tp.kv, hd);
+        let id = scale(&tp.id, 1);
+        let vc = scale(&tp.vc, 1);
+        let mut all: Vec<usize> = q
+            .iter()
+            .chain(&kv)
+            .chain(&id)
+            .chain(&vc)
+            .map(|x| x.0)
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        let first = all.first().copied().unwrap_or(self.accel[0]);
+        let mut a = self.empty_assign();
+        for (i, t) in self.tensors().iter().enumerate() {
+            let b = self.bytes[i];
+            let (table, axis): (&[(usize, u64, u64)], u8) = match t.role {
+                Some(Role::AttnQ | Role::AttnQBias) => (&q, 0),
+                Some(Role::AttnK | Role::AttnV | Role::AttnKBias | Role::AttnVBias) => (&kv, 0),
+                Some(Role::AttnOutput) => (&q, 1),
+                Some(Role::FfnGate | Role::FfnUp) => (&id, 0),
+                Some(Role::FfnDown) => (&id, 1),
+                Some(Role::Output) => (&vc, 0),
+                Some(Role::TokenEmbd | Role::RopeFreqs) if t.layer.is_none() => {
+                    a.tensor_dev[i] = self.host;
+                    continue;
+                }
+                _ => {
+                    // Norms and anything unrecognised are replicated on every TP device.
+                    let shards = all.iter().map(|&d| (d, 0, 1, b)).collect();
+                    a.tensor_dev[i] = first;
+                    a.splits[i] = Some((0, true, shards));
+                    continue;
+                }
+            };
+            let dim = if axis == 0 {
+                t.shape.first().copied().unwrap_or(0)
+            } else {
+                t.shape.last().copied().unwrap_or(0)
+            };
+            if dim == 0 || t.shape.len() > 2 {
+                // Not a shape the tables describe: keep it whole on the first TP device.
+                a.tensor_dev[i] = first;
+                continue;
+            }
+            a.tensor_dev[i] = table.first().map_or(first, |x| x.0);
+            a.splits[i] = Some((axis, false, shard_bytes(table, dim, b)));
+        }
+        for l in 0..self.n_layers() {
+            a.layer_dev[l] = first;
+            if let Some(c) = &self.cache {
+                a.kv_dev[l] = tp
+                    .kv
+                    .iter()
+                    .map(|&(d, s, e)| (acc(d), c.bytes_for_heads(spec, e - s)))
+                    .collect();
+            }
+        }
+        for &d in &all {
+            a.hosts[d].layers = true;
+        }
+        a.shared_layers = all.clone();
+        for &(d, _, _) in &vc {
+            a.hosts[d].head = true;
+        }
+        a.embed_dev = self.host;
+        a.hosts[self.host].embed = true;
+        a.head_dev = vc.first().map_or(first, |x| x.0);
+        if self.tied_bytes > 0 {
+            let rows = spec.vocab_size;
+            a.tied_copy = shard_bytes(&vc, rows, self.tied_bytes)
+                .into_iter()
+                .map(|(d, _, _, b)| (d, b))
+                .collect();
+        }
+        a.tp = Some(tp);
+        Ok(a)
+    }
+}
+
+/// Shard `bytes` of a tensor whose split dimension has `dim` entries by `table`
+/// (`(device, start, end)` in that dimension, possibly padded past `dim`). The last shard takes
+/// any rounding remainder so the shards sum to `bytes`.
+fn shard_bytes(table: &[(usize, u64, u64)], dim: u64, bytes: u64) -> Vec<ShardIdx> {
+    let mut out = Vec::with_capacity(table.len());
+    let mut given = 0u64;
+    let live: Vec<&(usize, u64, u64)> = table.iter().filter(|x| x.1 < dim).collect();
+    for (k, &&(d, s, e)) in live.iter().enumerate() {
+        let e = e.min(dim);
+        let b = if k + 1 == live.len() {
+            bytes - given
+        } else {
+            (u128::from(bytes) * u128::from(e - s) / u128::from(dim.max(1))) as u64
+        };
+        given = given.saturating_add(b);
+        out.push((d, s, e, b));
+    }
+    out
+}
