@@ -236,6 +236,7 @@ class Ours:
             n_threads=threads,
             compute=compute,
             devices=devices,
+            n_gpu_layers=-1,
             type_k="f16",
             type_v="f16",
         )

@@ -153,7 +153,7 @@ def child(case: str, path: str) -> None:
     elif case == "gguf-read-cpu":
         held = wl.load_gguf(path, use_mmap=False)
     elif case == "gguf-virtual2":
-        held = wl.load_gguf(path, devices=DEMO_VIRTUAL)
+        held = wl.load_gguf(path, devices=DEMO_VIRTUAL, n_gpu_layers=-1)
     elif case == "st-mmap-cpu":
         held = wl.from_pretrained(path, device_map="cpu")
     elif case == "st-read-cpu":
@@ -338,7 +338,7 @@ def bench_demo(rows: list[dict]) -> None:
         )
     )
 
-    m = wl.load_gguf(DEMO, devices=DEMO_VIRTUAL)
+    m = wl.load_gguf(DEMO, devices=DEMO_VIRTUAL, n_gpu_layers=-1)
     moved = virtual_weights(m)
     m.unload()
     med = interleaved(

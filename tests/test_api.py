@@ -128,12 +128,12 @@ def params(fn) -> list[tuple[str, object, object]]:
             [("path", POS, EMPTY), ("device_map", KW, "auto"), ("max_memory", KW, None)]
             + [("dtype", KW, "auto"), ("devices", KW, None)],
         ),
-        # load_gguf(path, *, n_gpu_layers=-1, split_mode="layer", tensor_split=None, main_gpu=0,
+        # load_gguf(path, *, n_gpu_layers=0 (llama-cpp-python's default), split_mode="layer", tensor_split=None, main_gpu=0,
         #   use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False,
         #   vocab_only=False, progress_callback=None, devices=None)
         (
             wl.load_gguf,
-            [("path", POS, EMPTY), ("n_gpu_layers", KW, -1), ("split_mode", KW, "layer")]
+            [("path", POS, EMPTY), ("n_gpu_layers", KW, 0), ("split_mode", KW, "layer")]
             + [("tensor_split", KW, None), ("main_gpu", KW, 0), ("use_mmap", KW, True)]
             + [("use_direct_io", KW, False), ("use_mlock", KW, False)]
             + [("check_tensors", KW, False), ("vocab_only", KW, False)]
@@ -153,9 +153,28 @@ def test_engine_signatures_follow_the_contract(fn, contract):
     )
 
 
-def test_model_load_takes_plan_options():
-    kinds = [p.kind for p in inspect.signature(wl.Model.load).parameters.values()]
-    assert kinds[-1] == inspect.Parameter.VAR_KEYWORD
+def test_model_load_takes_the_placement_keywords_of_plan():
+    """One spelling for every placement option: Model.load's keywords are plan()'s."""
+    load = inspect.signature(wl.Model.load).parameters
+    plan = inspect.signature(wl.plan).parameters
+    placement = [
+        "strategy",
+        "reserve",
+        "max_memory",
+        "overhead",
+        "n_gpu_layers",
+        "split_mode",
+        "tensor_split",
+        "main_gpu",
+        "device_map",
+        "overrides",
+        "gpu_split",
+        "allow_disk",
+    ]
+    for name in placement:
+        assert name in plan and name in load, name
+        assert load[name].kind == inspect.Parameter.KEYWORD_ONLY, name
+    assert not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in load.values())
 
 
 def test_from_pretrained_device_map_none_means_auto(tiny_llama_gguf):

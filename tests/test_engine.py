@@ -348,6 +348,7 @@ def test_check_tensors_passes_on_clean_files(tiny_llama_gguf_dir: Path) -> None:
     m = wl.load_gguf(
         tiny_llama_gguf_dir / "tiny-llama-Q4_K_M.gguf",
         devices="virtual:2x16MiB",
+        n_gpu_layers=-1,
         check_tensors=True,
         runtime=RT,
     )
@@ -535,8 +536,8 @@ def test_disk_placement_stays_mapped(tiny_llama_st: Path) -> None:
 @pytest.mark.parametrize(
     "options",
     [
-        {"split_mode": "row", "tensor_split": [1, 1]},
-        {"split_mode": "none", "main_gpu": 1},
+        {"n_gpu_layers": -1, "split_mode": "row", "tensor_split": [1, 1]},
+        {"n_gpu_layers": -1, "split_mode": "none", "main_gpu": 1},
         {"n_gpu_layers": 1, "tensor_split": [1, 3]},
     ],
 )

@@ -350,13 +350,16 @@ def test_bad_requests_are_plan_errors(tiny_llama_gguf):
             ({"devices": "virtual:8GiB", "strategy": "balanced", "n_gpu_layers": 3}, "layers"),
             ({"devices": "virtual:8GiB", "split_mode": "diagonal"}, "diagonal"),
             ({"devices": "cuda:0"}, "cuda:0"),
-            ({"devices": 42}, "devices"),
         ]
         for kwargs, needle in cases:
             with pytest.raises(wl.PlanError) as info:
                 wl.plan(ckpt, **kwargs)
             assert isinstance(info.value, ValueError)
             assert needle in str(info.value), (kwargs, str(info.value))
+        # A value of the wrong type is a TypeError naming the argument and what it takes.
+        with pytest.raises(TypeError, match="devices") as info:
+            wl.plan(ckpt, devices=42)
+        assert "expected a device spec" in str(info.value) and "got int" in str(info.value)
     with pytest.raises(wl.PlanError, match="cache dtype"):
         wl.CacheSpec(1024, dtype="q3")
     with pytest.raises(wl.PlanError, match="max_seq_len"):

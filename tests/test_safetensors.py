@@ -104,7 +104,8 @@ def test_bf16_and_f8_written_by_serialize(tmp_path):
         check_against_reference(ckpt, [path])
         assert ckpt["w.bf16"].dtype == "BF16" and ckpt["w.bf16"].shape == (4, 8)
         raw = ckpt.raw("w.bf16")
-        assert raw.dtype == np.uint8 and raw.shape == (64,)
+        # uint8 rows of the stored bytes: (4, 8) BF16 values are 4 rows of 16 bytes
+        assert raw.dtype == np.uint8 and raw.shape == (4, 16)
         # bf16 is the top half of an f32: widening it is exact.
         expected = (bf16_bits.astype(np.uint32) << 16).view(np.float32)
         np.testing.assert_array_equal(ckpt.dequantize("w.bf16"), expected)

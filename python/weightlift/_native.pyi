@@ -2,7 +2,7 @@
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Final, final
+from typing import Any, Final, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -143,26 +143,48 @@ class ModelSpec:
     def __ne__(self, value: object, /) -> bool: ...
 
 _Sizes = int | str | Sequence[int | str] | Mapping[str | int, int | str] | None
+_Strategy = Literal[
+    "autosplit",
+    "auto",
+    "sequential",
+    "balanced",
+    "balanced_low_0",
+    "layers",
+    "n_gpu_layers",
+    "tensor_parallel",
+    "tp",
+    "map",
+    "device_map",
+]
+_SplitMode = Literal["none", "layer", "row"]
+_DeviceMap = (
+    Literal["auto", "balanced", "balanced_low_0", "sequential"] | str | Mapping[str, str | int]
+)
+_Overrides = str | Sequence[str] | Mapping[str, str | int]
+_CacheArg = CacheSpec | Cache | Mapping[str, Any]
+_RuntimeArg = RuntimeSpec | Mapping[str, Any]
+_Devices = str | Sequence[str]
+_Compute = Literal["fast", "exact"]
 
 def plan(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
     *,
-    devices: str | Sequence[str],
-    strategy: str = "autosplit",
+    devices: _Devices,
+    strategy: _Strategy | None = None,
     dtype: str = "auto",
-    cache: CacheSpec | None = None,
-    runtime: RuntimeSpec | None = None,
+    cache: _CacheArg | None = None,
+    runtime: _RuntimeArg | None = None,
     reserve: _Sizes = None,
     max_memory: _Sizes = None,
     n_gpu_layers: int | None = None,
-    split_mode: str | None = None,
+    split_mode: _SplitMode | None = None,
     tensor_split: Sequence[float] | None = None,
-    main_gpu: int = 0,
-    device_map: Mapping[str, str | int] | None = None,
+    main_gpu: int | None = None,
+    device_map: _DeviceMap | None = None,
     allow_disk: bool = False,
     weight_dtype: str | None = None,
     overhead: _Sizes = None,
-    overrides: str | Sequence[str] | Mapping[str, str | int] | None = None,
+    overrides: _Overrides | None = None,
     gpu_split: Sequence[float] | None = None,
     use_mmap: bool = True,
     cache_offload: bool = False,
@@ -170,24 +192,24 @@ def plan(
 def fit(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
     *,
-    devices: str | Sequence[str],
-    target: str = "max_seq_len",
-    strategy: str = "autosplit",
+    devices: _Devices,
+    target: Literal["max_seq_len", "ctx", "context", "batch_size", "batch", "n_gpu_layers", "ngl"] = "max_seq_len",
+    strategy: _Strategy | None = None,
     dtype: str = "auto",
-    cache: CacheSpec | None = None,
+    cache: _CacheArg | None = None,
     cache_dtype: str | None = None,
-    runtime: RuntimeSpec | None = None,
+    runtime: _RuntimeArg | None = None,
     reserve: _Sizes = None,
     max_memory: _Sizes = None,
     n_gpu_layers: int | None = None,
-    split_mode: str | None = None,
+    split_mode: _SplitMode | None = None,
     tensor_split: Sequence[float] | None = None,
-    main_gpu: int = 0,
-    device_map: Mapping[str, str | int] | None = None,
+    main_gpu: int | None = None,
+    device_map: _DeviceMap | None = None,
     allow_disk: bool = False,
     weight_dtype: str | None = None,
     overhead: _Sizes = None,
-    overrides: str | Sequence[str] | Mapping[str, str | int] | None = None,
+    overrides: _Overrides | None = None,
     gpu_split: Sequence[float] | None = None,
     use_mmap: bool = True,
     cache_offload: bool = False,
@@ -343,7 +365,6 @@ BROADCAST_Q: Final = 4
 
 _Path = str | os.PathLike[str]
 _Size = int | str
-_Runtime = RuntimeSpec | Mapping[str, int | bool] | None
 # callback(bytes_done, bytes_total, tensor_name, device) -> False cancels.
 _Callback = Callable[[int, int, str, str], bool | None]
 
@@ -379,10 +400,10 @@ class Model:
         cls,
         source: Checkpoint | _Path,
         *,
-        devices: str | None = None,
+        devices: _Devices | None = None,
         dtype: str = "auto",
-        runtime: _Runtime = None,
-        compute: str = "fast",
+        runtime: _RuntimeArg | None = None,
+        compute: _Compute = "fast",
         n_threads: int | None = None,
     ) -> Model: ...
     def forward(
@@ -496,12 +517,23 @@ class Model:
         use_direct_io: bool = False,
         check_tensors: bool = False,
         staging_bytes: int | None = None,
-        **plan_options: Any,
+        strategy: _Strategy | None = None,
+        reserve: _Sizes = None,
+        max_memory: _Sizes = None,
+        overhead: _Sizes = None,
+        n_gpu_layers: int | None = None,
+        split_mode: _SplitMode | None = None,
+        tensor_split: Sequence[float] | None = None,
+        main_gpu: int | None = None,
+        device_map: _DeviceMap | None = None,
+        overrides: _Overrides | None = None,
+        gpu_split: Sequence[float] | None = None,
+        allow_disk: bool | None = None,
     ) -> None: ...
     def load_autosplit(
         self,
         cache: Cache | None = None,
-        reserve_vram: Sequence[_Size] | None = None,
+        reserve_vram: _Sizes = None,
         *,
         progress: bool = False,
         callback: _Callback | None = None,
@@ -632,21 +664,21 @@ class TPContext:
 def from_pretrained(
     path: _Path,
     *,
-    device_map: str | Mapping[str, str | int] | None = "auto",
-    max_memory: Mapping[str | int, _Size] | None = None,
+    device_map: _DeviceMap | None = "auto",
+    max_memory: _Sizes = None,
     dtype: str = "auto",
-    devices: str | None = None,
-    runtime: _Runtime = None,
+    devices: _Devices | None = None,
+    runtime: _RuntimeArg | None = None,
     progress: bool = False,
     callback: _Callback | None = None,
-    compute: str = "fast",
+    compute: _Compute = "fast",
     n_threads: int | None = None,
 ) -> Model: ...
 def load_gguf(
     path: _Path,
     *,
-    n_gpu_layers: int = -1,
-    split_mode: str = "layer",
+    n_gpu_layers: int = 0,
+    split_mode: _SplitMode = "layer",
     tensor_split: Sequence[float] | None = None,
     main_gpu: int = 0,
     use_mmap: bool = True,
@@ -655,13 +687,15 @@ def load_gguf(
     check_tensors: bool = False,
     vocab_only: bool = False,
     progress_callback: Callable[[float], bool | None] | None = None,
-    devices: str | None = None,
-    runtime: _Runtime = None,
+    devices: _Devices | None = None,
+    runtime: _RuntimeArg | None = None,
     n_ctx: int = 512,
     n_batch: int = 512,
     type_k: str = "f16",
     type_v: str = "f16",
     n_threads: int | None = None,
-    compute: str = "fast",
+    compute: _Compute = "fast",
     seed: int | None = None,
+    callback: _Callback | None = None,
+    progress: bool = False,
 ) -> Model: ...

@@ -178,46 +178,57 @@ def _sizes(text: str | None) -> list[str] | dict[str, str] | None:
     return items
 
 
-def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    cache = None
-    if (
-        args.ctx is not None
+def _cache_spec(args: argparse.Namespace, *, default: bool = False) -> Any:
+    """The KV cache the flags ask for (``default``: one even when no cache flag is given)."""
+    if not (
+        default
+        or args.ctx is not None
         or args.cache is not None
         or args.batch is not None
         or args.cache_offload
     ):
-        cache = weightlift.CacheSpec(
-            args.ctx if args.ctx is not None else DEFAULT_CTX,
-            args.batch if args.batch is not None else 1,
-            args.cache or "fp16",
-            offload=args.cache_offload,
-        )
-    runtime = None
-    if args.max_input_len is not None or args.low_mem:
-        runtime = weightlift.RuntimeSpec(
-            max_input_len=args.max_input_len or 2048, low_mem=args.low_mem
-        )
+        return None
+    return weightlift.CacheSpec(
+        args.ctx if args.ctx is not None else DEFAULT_CTX,
+        args.batch if args.batch is not None else 1,
+        args.cache or "fp16",
+        offload=args.cache_offload,
+    )
+
+
+def _runtime(args: argparse.Namespace) -> Any:
+    if args.max_input_len is None and not args.low_mem:
+        return None
+    return weightlift.RuntimeSpec(max_input_len=args.max_input_len or 2048, low_mem=args.low_mem)
+
+
+def _placement(args: argparse.Namespace) -> dict[str, Any]:
+    """The placement flags, as the keywords ``plan``, ``fit`` and ``Model.load`` share: only
+    what was given, so that the library infers the strategy the same way for all three."""
     kw: dict[str, Any] = {
-        "devices": args.devices,
         "strategy": args.strategy,
-        "dtype": args.dtype,
-        "cache": cache,
-        "runtime": runtime,
         "reserve": _sizes(args.reserve),
         "max_memory": _sizes(args.max_memory),
-        "allow_disk": args.allow_disk,
-        "weight_dtype": args.weight_dtype,
+        "n_gpu_layers": args.n_gpu_layers,
+        "split_mode": args.split_mode,
         "main_gpu": args.main_gpu,
+        "overrides": args.override,
+        "allow_disk": args.allow_disk,
     }
-    if args.n_gpu_layers is not None:
-        kw["n_gpu_layers"] = args.n_gpu_layers
-    if args.split_mode is not None:
-        kw["split_mode"] = args.split_mode
     if args.tensor_split is not None:
         kw["tensor_split"] = [float(x) for x in args.tensor_split.split(",") if x.strip()]
-    if args.override:
-        kw["overrides"] = args.override
-    return kw
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "devices": args.devices,
+        "dtype": args.dtype,
+        "cache": _cache_spec(args),
+        "runtime": _runtime(args),
+        "weight_dtype": args.weight_dtype,
+        **_placement(args),
+    }
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -331,57 +342,19 @@ def _load_model(
     model, its progress bar (bytes read) and the seconds the load took."""
     import time
 
-    cache = None
-    if (
-        default_cache
-        or args.ctx is not None
-        or args.cache is not None
-        or args.batch is not None
-        or args.cache_offload
-    ):
-        cache = weightlift.CacheSpec(
-            args.ctx if args.ctx is not None else DEFAULT_CTX,
-            args.batch if args.batch is not None else 1,
-            args.cache or "fp16",
-            offload=args.cache_offload,
-        )
-    runtime = None
-    if args.max_input_len is not None or args.low_mem:
-        runtime = weightlift.RuntimeSpec(
-            max_input_len=args.max_input_len or 2048, low_mem=args.low_mem
-        )
-    options: dict[str, Any] = {"strategy": args.strategy, "allow_disk": args.allow_disk}
-    reserve = _sizes(args.reserve)
-    if reserve is not None:
-        options["reserve"] = reserve
-    max_memory = _sizes(args.max_memory)
-    if isinstance(max_memory, list):  # accelerator indices, in device order, as --reserve
-        options["max_memory"] = dict(enumerate(max_memory))
-    elif max_memory is not None:
-        options["max_memory"] = max_memory
-    # Only what was given: any llama.cpp option switches the strategy to n_gpu_layers.
-    if args.n_gpu_layers is not None:
-        options["n_gpu_layers"] = args.n_gpu_layers
-    if args.split_mode is not None:
-        options["split_mode"] = args.split_mode
-    if args.tensor_split is not None:
-        options["tensor_split"] = [float(x) for x in args.tensor_split.split(",") if x.strip()]
-    if args.main_gpu is not None:
-        options["main_gpu"] = args.main_gpu
-
     model = weightlift.Model(
-        args.path, devices=args.devices, dtype=args.dtype, runtime=runtime, **model_kw
+        args.path, devices=args.devices, dtype=args.dtype, runtime=_runtime(args), **model_kw
     )
     bar = _ProgressBar(args.progress)
     start = time.perf_counter()
     try:
         model.load(
             callback=bar,
-            cache=cache,
+            cache=_cache_spec(args, default=default_cache),
             use_mmap=not args.no_mmap,
             use_direct_io=args.direct_io,
             check_tensors=args.check_tensors,
-            **options,
+            **_placement(args),
         )
     except BaseException:
         bar.close(ok=False)
@@ -519,8 +492,8 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
     )
     p.add_argument(
         "--strategy",
-        default="autosplit",
-        help="autosplit, sequential, balanced, balanced_low_0, layers, tensor_parallel or map",
+        help="autosplit (default), sequential, balanced, balanced_low_0, layers, "
+        "tensor_parallel or map; the llama.cpp flags imply layers, --override implies map",
     )
     p.add_argument("--ctx", type=int, help=f"KV cache length (default {DEFAULT_CTX} with --cache)")
     p.add_argument("--batch", type=int, help="KV cache batch size (default 1)")
@@ -536,22 +509,17 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
             "--weight-dtype",
             help="weights of a config-only plan: bfloat16, float16, q8_0, q4_k_m, ...",
         )
-    p.add_argument("--reserve", help="per-device reserve: 256MiB,64MiB or cuda:0=256MiB,...")
+    p.add_argument(
+        "--reserve", help="per-device reserve: 256MiB,64MiB (accelerator order) or cuda:0=256MiB,..."
+    )
     p.add_argument("--max-memory", help="per-device caps, same syntax as --reserve")
     p.add_argument("--n-gpu-layers", "-ngl", type=int, help="llama.cpp n_gpu_layers (-1: all)")
     p.add_argument("--split-mode", "-sm", help="llama.cpp split mode: none, layer or row")
     p.add_argument("--tensor-split", "-ts", help="llama.cpp tensor split, e.g. 3,1")
+    p.add_argument("--main-gpu", "-mg", type=int, help="llama.cpp main GPU index (default 0)")
     p.add_argument(
-        "--main-gpu",
-        "-mg",
-        type=int,
-        default=None if load else 0,
-        help="llama.cpp main GPU index (default 0)",
+        "--override", "-ot", action="append", help="llama.cpp tensor override REGEX=DEVICE"
     )
-    if not load:
-        p.add_argument(
-            "--override", "-ot", action="append", help="llama.cpp tensor override REGEX=DEVICE"
-        )
     p.add_argument("--max-input-len", type=int, help="runtime max_input_len (default 2048)")
     p.add_argument("--low-mem", action="store_true", help="exllamav2 low_mem scratch sizes")
     p.add_argument("--allow-disk", action="store_true", help="let weights stay on disk")

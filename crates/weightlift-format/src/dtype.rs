@@ -128,6 +128,50 @@ impl DType {
         }
         (n_elements / self.block_size()).checked_mul(self.type_size())
     }
+
+    /// numpy's name for this type, when numpy has one that reads the stored bytes exactly
+    /// (little-endian, as every format here stores them).
+    pub const fn numpy_name(self) -> Option<&'static str> {
+        Some(match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::F64 => "float64",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::U8 => "uint8",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
+            DType::BOOL => "bool",
+            DType::C64 => "complex64",
+            _ => return None,
+        })
+    }
+
+    /// The type numpy calls `name` (`"float32"`, `"int8"`, ...).
+    pub fn from_numpy_name(name: &str) -> Option<DType> {
+        DType::ALL
+            .iter()
+            .copied()
+            .find(|t| t.numpy_name() == Some(name))
+    }
+
+    /// How a tensor of this type and row-major `shape` reads as a numpy array of its stored
+    /// bytes: its own dtype and shape when numpy has the type, else `uint8` rows
+    /// (`shape[:-1] + [bytes per row]`), as gguf-py's reader shows quantised tensors.
+    pub fn numpy_layout(self, shape: &[u64]) -> (&'static str, Vec<u64>) {
+        if let Some(name) = self.numpy_name() {
+            return (name, shape.to_vec());
+        }
+        let mut dims = shape.to_vec();
+        match dims.last_mut() {
+            Some(last) => *last = self.bytes_for(*last).unwrap_or(0),
+            None => dims.push(self.type_size()),
+        }
+        ("uint8", dims)
+    }
 }
 
 impl std::fmt::Display for DType {
@@ -153,6 +197,19 @@ mod tests {
         assert_eq!(DType::from_ggml_id(12), Some(DType::Q4_K));
         assert_eq!(DType::from_ggml_id(4), None, "Q4_2 was removed from ggml");
         assert_eq!(DType::from_name("q6_k"), Some(DType::Q6_K));
+    }
+
+    #[test]
+    fn numpy_layouts() {
+        assert_eq!(DType::F16.numpy_layout(&[2, 3]), ("float16", vec![2, 3]));
+        assert_eq!(DType::Q4_K.numpy_layout(&[2, 512]), ("uint8", vec![2, 288]));
+        assert_eq!(DType::BF16.numpy_layout(&[4, 8]), ("uint8", vec![4, 16]));
+        for t in DType::ALL {
+            if let Some(n) = t.numpy_name() {
+                assert_eq!(DType::from_numpy_name(n), Some(*t));
+            }
+        }
+        assert_eq!(DType::from_numpy_name("float128"), None);
     }
 
     #[test]

@@ -76,6 +76,7 @@
 mod device;
 mod error;
 mod memory;
+mod options;
 mod place;
 mod plan;
 mod request;
@@ -91,11 +92,11 @@ pub use device::{
 };
 pub use error::{OutOfMemory, PlanError, Result, Shortfall};
 pub use memory::{CacheDType, CacheSpec, OFFLOAD_SLOTS, RuntimeSpec};
+pub use options::{DeviceMapArg, ExpectCache, ModelSource, PerDevice, PlanOptions};
 pub use place::balanced_max_memory;
 pub use plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit};
 pub use request::{
-    DeviceMap, FitTarget, LayerOptions, PlanOptions, PlanRequest, Reserve, SplitMode, Strategy,
-    TpOptions,
+    DeviceMap, FitTarget, LayerOptions, PlanRequest, SplitMode, Strategy, TpOptions,
 };
 pub use size::{fmt_bytes, parse_size};
 pub use synth::{DTypeChoice, QuantPreset, WeightType, converted, gguf_type, synthesize_tensors};

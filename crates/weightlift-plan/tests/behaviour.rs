@@ -197,11 +197,16 @@ fn reserve_and_max_memory_are_respected() {
     req.reserve.insert("cuda:3".into(), 1);
     let e = plan(&req).unwrap_err().to_string();
     assert!(e.contains("unknown device 'cuda:3' in reserve"), "{e}");
-    // Reserve lists follow device order.
-    let r = request(smollm2(), "q4_1", "virtual:2x1GiB")
-        .with_reserve_list(&[256 << 20, 64 << 20])
-        .unwrap();
+    // Reserve lists follow accelerator order.
+    let mut r = request(smollm2(), "q4_1", "cpu,virtual:2x1GiB");
+    PlanOptions {
+        reserve: Some(PerDevice::List(vec![256 << 20, 64 << 20])),
+        ..PlanOptions::default()
+    }
+    .apply(&mut r)
+    .unwrap();
     assert_eq!(r.reserve["virtual:1"], 64 << 20);
+    assert!(!r.reserve.contains_key("cpu"));
 }
 
 #[test]
@@ -412,19 +417,25 @@ fn plan_options_map_the_python_keywords() {
     // No strategy + n_gpu_layers -> llama.cpp layers.
     let req = PlanOptions {
         n_gpu_layers: Some(10),
-        reserve: Some(Reserve::List(vec![1 << 20, 2 << 20])),
+        reserve: Some(PerDevice::List(vec![1 << 20, 2 << 20])),
         ..PlanOptions::default()
     }
-    .into_request(spec.clone(), tensors.clone(), devs.clone())
+    .into_request(
+        ModelSource::Tensors(spec.clone(), tensors.clone()),
+        devs.clone(),
+    )
     .unwrap();
     assert!(matches!(&req.strategy, Strategy::Layers(o) if o.n_gpu_layers == 10));
     assert_eq!(req.reserve["virtual:1"], 2 << 20);
     // device_map -> map.
     let req = PlanOptions {
-        device_map: Some(vec![("".into(), "cpu".into())]),
+        device_map: Some(DeviceMapArg::Named("cpu".into())),
         ..PlanOptions::default()
     }
-    .into_request(spec.clone(), tensors.clone(), devs.clone())
+    .into_request(
+        ModelSource::Tensors(spec.clone(), tensors.clone()),
+        devs.clone(),
+    )
     .unwrap();
     assert_eq!(req.strategy.name(), "map");
     // Options of another strategy are refused, naming both.
@@ -433,7 +444,10 @@ fn plan_options_map_the_python_keywords() {
         n_gpu_layers: Some(3),
         ..PlanOptions::default()
     }
-    .into_request(spec.clone(), tensors.clone(), devs.clone())
+    .into_request(
+        ModelSource::Tensors(spec.clone(), tensors.clone()),
+        devs.clone(),
+    )
     .unwrap_err()
     .to_string();
     assert!(
@@ -445,7 +459,7 @@ fn plan_options_map_the_python_keywords() {
         gpu_split: Some(vec![0.0625, 0.03125]),
         ..PlanOptions::default()
     }
-    .into_request(spec, tensors, devs)
+    .into_request(ModelSource::Tensors(spec, tensors), devs)
     .unwrap();
     assert_eq!(
         req.strategy,
@@ -469,7 +483,12 @@ fn reserve_fix_is_checked() {
         low_mem: false,
     };
     assert!(plan(&req).is_ok());
-    req = req.with_reserve_list(&[16 << 20, 16 << 20]).unwrap();
+    PlanOptions {
+        reserve: Some(PerDevice::All(16 << 20)),
+        ..PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap();
     let Err(e) = plan(&req) else {
         panic!("expected out of memory")
     };

@@ -8,6 +8,8 @@
 
 use std::path::Path;
 
+use weightlift_engine::EngineError;
+
 use pyo3::exceptions::{
     PyFileExistsError, PyFileNotFoundError, PyInterruptedError, PyIsADirectoryError,
     PyNotADirectoryError, PyOSError, PyPermissionError, PyTimeoutError,
@@ -69,7 +71,13 @@ pub fn raise(exc: Exc, message: impl Into<String>) -> PyErr {
 /// An OS error about `path`, as the matching `OSError` subclass with `errno`, `strerror` and
 /// `filename` set, exactly as `open()` in Python would raise it.
 pub fn io_error(path: &Path, err: &std::io::Error) -> PyErr {
+    io_error_in(path, None, err)
+}
+
+/// [`io_error`] for a failure while reading `tensor`, which the message names.
+pub fn io_error_in(path: &Path, tensor: Option<&str>, err: &std::io::Error) -> PyErr {
     let filename = path.display().to_string();
+    let context = tensor.map_or_else(String::new, |t| format!(" (reading tensor '{t}')"));
     if let Some(errno) = err.raw_os_error() {
         // OSError(errno, strerror, filename) picks the subclass (FileNotFoundError, ...) from the
         // errno itself; strerror comes from the C library so it reads like Python's own.
@@ -79,9 +87,10 @@ pub fn io_error(path: &Path, err: &std::io::Error) -> PyErr {
                 .and_then(|s| s.extract::<String>())
                 .unwrap_or_else(|_| err.to_string())
         });
+        let strerror = format!("{strerror}{context}");
         return PyOSError::new_err((errno, strerror, filename));
     }
-    let message = format!("{filename}: {err}");
+    let message = format!("{filename}: {err}{context}");
     use std::io::ErrorKind as K;
     match err.kind() {
         K::NotFound => PyFileNotFoundError::new_err(message),
@@ -188,4 +197,34 @@ where
     // A Ctrl-C that arrived while the GIL was released becomes a KeyboardInterrupt now.
     py.check_signals()?;
     Ok(out)
+}
+
+impl ToPyErr for EngineError {
+    fn to_pyerr(self) -> PyErr {
+        match self {
+            EngineError::OutOfMemory { .. } => raise(Exc::OutOfMemory, self.to_string()),
+            EngineError::Device { .. } => raise(Exc::Device, self.to_string()),
+            EngineError::CudaUnavailable { .. } => raise(Exc::CudaUnavailable, self.to_string()),
+            EngineError::Cancelled { .. } => raise(Exc::LoadCancelled, self.to_string()),
+            EngineError::Io {
+                path,
+                tensor,
+                source,
+            } => io_error_in(&path, Some(&tensor), &source),
+            EngineError::Format(e) => e.to_pyerr(),
+            EngineError::Plan(e) => e.to_pyerr(),
+            EngineError::Validation { .. } | EngineError::NonFinite { .. } => {
+                raise(Exc::Format, self.to_string())
+            }
+            EngineError::Invalid { .. } => raise(Exc::Plan, self.to_string()),
+            EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
+            EngineError::NotLoaded { .. } => raise(Exc::Weightlift, self.to_string()),
+            EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
+            EngineError::Text(e) => e.to_pyerr(),
+        }
+    }
+}
+
+pub fn eng<T>(r: Result<T, EngineError>) -> PyResult<T> {
+    r.map_err(ToPyErr::to_pyerr)
 }

@@ -12,7 +12,7 @@ use numpy::{PyArray, PyArray1, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple};
-use weightlift_format::{self as wf, DType, MetaRef, MetaValue};
+use weightlift_format::{self as wf, MetaRef, MetaValue};
 use weightlift_kernels as wk;
 
 use crate::errors::{Exc, enter, py_err, raise};
@@ -208,7 +208,9 @@ impl Checkpoint {
     ///
     /// Plain types numpy can represent (F32, F16, F64, I8..I64, U8..U64, BOOL, C64) come back
     /// typed and shaped as `TensorInfo.shape`. Everything else (BF16, the F8/F6/F4 floats and
-    /// every block-quantised type) comes back as a flat uint8 array of the stored bytes.
+    /// every block-quantised type) comes back as uint8 rows of the stored bytes,
+    /// `shape[:-1] + (bytes per row,)`, as gguf-py's reader shows them and as `Model.tensor`
+    /// returns the same tensor.
     fn raw<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
         let ckpt = self.shared()?;
         let info = ckpt.tensor(name).map_err(py_err)?;
@@ -229,14 +231,11 @@ impl Checkpoint {
         let kwargs = PyDict::new(py);
         kwargs.set_item("write", false)?;
         array.call_method("setflags", (), Some(&kwargs))?;
-        let Some(code) = numpy_code(info.dtype) else {
-            return Ok(array.into_any());
-        };
-        let shape = PyTuple::new(py, &info.shape)?;
+        let (name, dims) = info.dtype.numpy_layout(&info.shape);
         // numpy handles an unaligned start itself (the view is flagged not ALIGNED).
         array
-            .call_method1("view", (code,))?
-            .call_method1("reshape", (shape,))
+            .call_method1("view", (name,))?
+            .call_method1("reshape", (PyTuple::new(py, dims)?,))
     }
 
     /// The tensor dequantised to float32, shaped as `TensorInfo.shape`.
@@ -459,26 +458,6 @@ fn zeroed_f32(n: usize) -> Vec<f32> {
     }
     v.resize(n, 0.0);
     v
-}
-
-/// numpy's dtype string for types it can represent exactly, little-endian.
-fn numpy_code(dtype: DType) -> Option<&'static str> {
-    Some(match dtype {
-        DType::F32 => "<f4",
-        DType::F16 => "<f2",
-        DType::F64 => "<f8",
-        DType::I8 => "i1",
-        DType::I16 => "<i2",
-        DType::I32 => "<i4",
-        DType::I64 => "<i8",
-        DType::U8 => "u1",
-        DType::U16 => "<u2",
-        DType::U32 => "<u4",
-        DType::U64 => "<u8",
-        DType::BOOL => "?",
-        DType::C64 => "<c8",
-        _ => return None,
-    })
 }
 
 fn meta_to_py<'py>(py: Python<'py>, value: &MetaValue) -> PyResult<Bound<'py, PyAny>> {

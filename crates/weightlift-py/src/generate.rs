@@ -16,8 +16,9 @@ use weightlift_engine::sample::SamplingParams;
 use weightlift_engine::{EngineError, GenerateOptions, Generation, Piece, Timings};
 use weightlift_text::Message;
 
-use crate::engine::{Cache, Model};
+use crate::cache::Cache;
 use crate::errors::{Exc, ToPyErr, enter, raise};
+use crate::model::Model;
 
 fn eng<T>(r: Result<T, EngineError>) -> PyResult<T> {
     r.map_err(ToPyErr::to_pyerr)

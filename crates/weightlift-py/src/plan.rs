@@ -1,16 +1,16 @@
 //! Python bindings for weightlift-plan: `plan()`, `fit()`, `devices()`, `parse_devices()`,
 //! `CacheSpec`, `RuntimeSpec` and `Plan`.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::PyDict;
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
 use crate::errors::{Exc, enter, io_error, py_err, raise};
 use crate::format::{Checkpoint, ModelSpec};
+use crate::options::{CacheArg, DeviceMapValue, DevicesSpec, Overrides, RuntimeArg, Sizes};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
@@ -48,92 +48,8 @@ fn kind_name(k: wp::DeviceKind) -> &'static str {
 // --------------------------------------------------------------------------------------------
 // Argument conversion
 
-/// A size in bytes: an int, or a string such as `"512MiB"`.
-fn size_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    if let Ok(s) = obj.cast::<PyString>() {
-        return wp::parse_size(s.to_str()?).map_err(py_err);
-    }
-    obj.extract::<u64>().map_err(|_| {
-        raise(
-            Exc::Plan,
-            format!("{what}: expected a size in bytes (a non-negative int) or a string such as \"512MiB\", got {}", obj.repr().map(|r| r.to_string()).unwrap_or_default()),
-        )
-    })
-}
-
-/// A device key as users write it: an accelerator index (`0`) or a name (`"cuda:0"`, `"cpu"`).
-fn device_key(obj: &Bound<'_, PyAny>) -> PyResult<String> {
-    if let Ok(i) = obj.extract::<u64>() {
-        return Ok(i.to_string());
-    }
-    obj.extract::<String>()
-}
-
-/// Per-device sizes: one value for every accelerator, a list in device order, or a dict keyed
-/// by device name or accelerator index. Returns normalised names.
-fn per_device(
-    obj: Option<&Bound<'_, PyAny>>,
-    devices: &[wp::DeviceSpec],
-    what: &str,
-) -> PyResult<BTreeMap<String, u64>> {
-    let mut out = BTreeMap::new();
-    let Some(obj) = obj else { return Ok(out) };
-    if obj.is_none() {
-        return Ok(out);
-    }
-    if let Ok(dict) = obj.cast::<PyDict>() {
-        for (k, v) in dict.iter() {
-            let key = device_key(&k)?;
-            let idx = wp::resolve_device(devices, &key, what).map_err(py_err)?;
-            out.insert(devices[idx].name.clone(), size_arg(&v, what)?);
-        }
-    } else if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        let items: Vec<Bound<'_, PyAny>> = obj.try_iter()?.collect::<PyResult<_>>()?;
-        if items.len() > devices.len() {
-            return Err(raise(
-                Exc::Plan,
-                format!(
-                    "{what}: expected at most one value per device ({}), got {}",
-                    devices.len(),
-                    items.len()
-                ),
-            ));
-        }
-        for (d, v) in devices.iter().zip(&items) {
-            out.insert(d.name.clone(), size_arg(v, what)?);
-        }
-    } else {
-        let v = size_arg(obj, what)?;
-        for d in devices.iter().filter(|d| d.kind.is_accelerator()) {
-            out.insert(d.name.clone(), v);
-        }
-    }
-    Ok(out)
-}
-
-fn parse_device_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<wp::DeviceSpec>> {
-    let spec = if let Ok(s) = obj.cast::<PyString>() {
-        s.to_str()?.to_owned()
-    } else {
-        let items: Vec<String> = obj
-            .try_iter()
-            .and_then(|it| it.map(|x| x?.extract::<String>()).collect())
-            .map_err(|_| {
-                raise(
-                    Exc::Plan,
-                    "devices: expected a spec string such as \"virtual:2x8GiB,cpu\" or a list of such strings",
-                )
-            })?;
-        items.join(",")
-    };
-    wp::parse_devices_with(&spec, &HostProbe).map_err(py_err)
-}
-
-/// What `source` resolved to before planning.
-enum Source {
-    Checkpoint(std::sync::Arc<wf::Checkpoint>),
-    /// A spec from a config or a ModelSpec, with the config's own `torch_dtype` if it has one.
-    Spec(wf::ModelSpec, Option<String>),
+fn parse_device_arg(spec: &DevicesSpec) -> PyResult<Vec<wp::DeviceSpec>> {
+    wp::parse_devices_with(&spec.0, &HostProbe).map_err(py_err)
 }
 
 /// The largest config.json we read.
@@ -169,9 +85,9 @@ fn config_dtype(config: &serde_json::Value) -> Option<String> {
         .find_map(|k| config.get(k).and_then(|v| v.as_str()).map(str::to_owned))
 }
 
-fn spec_from_config(config: &serde_json::Value) -> PyResult<Source> {
+fn spec_from_config(config: &serde_json::Value) -> PyResult<wp::ModelSource> {
     let spec = wf::ModelSpec::from_hf_config(config).map_err(py_err)?;
-    Ok(Source::Spec(spec, config_dtype(config)))
+    Ok(wp::ModelSource::Config(spec, config_dtype(config)))
 }
 
 /// True for a folder that holds no weights but a config.json (plan from the config alone).
@@ -189,12 +105,14 @@ fn is_config_only_dir(path: &Path) -> bool {
     })
 }
 
-fn resolve_source(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<Source> {
+/// What a plan is made for: a checkpoint's tensor table, or a config's spec.
+fn resolve_source(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<wp::ModelSource> {
     if let Ok(ckpt) = source.cast::<Checkpoint>() {
-        return Ok(Source::Checkpoint(ckpt.get().shared()?));
+        let ckpt = ckpt.get().shared()?;
+        return checkpoint_source(&ckpt);
     }
     if let Ok(spec) = source.cast::<ModelSpec>() {
-        return Ok(Source::Spec(spec.get().inner.clone(), None));
+        return Ok(wp::ModelSource::Config(spec.get().inner.clone(), None));
     }
     if let Ok(dict) = source.cast::<PyDict>() {
         let text: String = py
@@ -231,174 +149,90 @@ fn resolve_source(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<Source>
     let ckpt = enter(py, || {
         wf::Checkpoint::open(&path, wf::OpenOptions::default())
     })?;
-    Ok(Source::Checkpoint(std::sync::Arc::new(ckpt)))
+    checkpoint_source(&ckpt)
 }
 
-/// The keyword options shared by `plan()` and `fit()`, extracted while the GIL is held.
-struct Options<'a, 'py> {
-    devices: &'a Bound<'py, PyAny>,
-    strategy: &'a str,
-    dtype: &'a str,
-    cache: Option<wp::CacheSpec>,
-    runtime: Option<PyRef<'py, RuntimeSpec>>,
-    reserve: Option<&'a Bound<'py, PyAny>>,
-    max_memory: Option<&'a Bound<'py, PyAny>>,
-    overhead: Option<&'a Bound<'py, PyAny>>,
-    n_gpu_layers: Option<i64>,
-    split_mode: Option<&'a str>,
-    tensor_split: Option<Vec<f32>>,
-    main_gpu: usize,
-    device_map: Option<&'a Bound<'py, PyAny>>,
-    overrides: Option<&'a Bound<'py, PyAny>>,
-    gpu_split: Option<Vec<f64>>,
-    allow_disk: bool,
-    use_mmap: bool,
-    weight_dtype: Option<&'a str>,
-}
-
-fn build_request(
-    py: Python<'_>,
-    source: &Bound<'_, PyAny>,
-    o: Options<'_, '_>,
-) -> PyResult<wp::PlanRequest> {
-    let devices = parse_device_arg(o.devices)?;
-    let (spec, tensors) = match resolve_source(py, source)? {
-        Source::Checkpoint(ckpt) => {
-            if o.weight_dtype.is_some() {
-                return Err(raise(
-                    Exc::Plan,
-                    "weight_dtype: applies to planning from a config or a ModelSpec; a checkpoint's real tensor types are used as stored (use dtype= to convert float weights)",
-                ));
-            }
-            if ckpt.vocab_only() {
-                return Err(raise(
-                    Exc::Plan,
-                    format!(
-                        "{}: opened with vocab_only=True, so it has no tensor table to plan; open it without vocab_only",
-                        ckpt.path().display()
-                    ),
-                ));
-            }
-            let spec = ckpt.spec().map_err(|e| {
-                raise(
-                    Exc::Format,
-                    format!(
-                        "{}: cannot plan without the architecture: {e}",
-                        ckpt.path().display()
-                    ),
-                )
-            })?;
-            (spec.clone(), ckpt.tensors().to_vec())
-        }
-        Source::Spec(spec, config_dtype) => {
-            let Some(wt) = o.weight_dtype.map(str::to_owned).or(config_dtype) else {
-                return Err(raise(
-                    Exc::Plan,
-                    "weight_dtype: required when planning from a config or a ModelSpec without torch_dtype; expected e.g. \"bfloat16\", \"float16\", \"q8_0\" or \"q4_k_m\"",
-                ));
-            };
-            let weights = wp::WeightType::parse(&wt).map_err(py_err)?;
-            let tensors = wp::synthesize_tensors(&spec, weights).map_err(py_err)?;
-            (spec, tensors)
-        }
-    };
-
-    // Options imply their strategy when the strategy is left at its default.
-    let layer_opts = o.n_gpu_layers.is_some() || o.split_mode.is_some() || o.tensor_split.is_some();
-    let mut name = o.strategy.to_owned();
-    if name == "autosplit" {
-        if o.device_map.is_some() || o.overrides.is_some() {
-            name = "map".into();
-        } else if layer_opts {
-            name = "layers".into();
-        }
-    }
-    let mut strategy = wp::Strategy::parse(&name).map_err(py_err)?;
-    let misplaced = |opt: &str, wants: &str| {
-        raise(
+fn checkpoint_source(ckpt: &wf::Checkpoint) -> PyResult<wp::ModelSource> {
+    if ckpt.vocab_only() {
+        return Err(raise(
             Exc::Plan,
-            format!("{opt}: applies to strategy '{wants}', got strategy '{name}'"),
+            format!(
+                "{}: opened with vocab_only=True, so it has no tensor table to plan; open it without vocab_only",
+                ckpt.path().display()
+            ),
+        ));
+    }
+    let spec = ckpt.spec().map_err(|e| {
+        raise(
+            Exc::Format,
+            format!(
+                "{}: cannot plan without the architecture: {e}",
+                ckpt.path().display()
+            ),
         )
-    };
-    match &mut strategy {
-        wp::Strategy::Layers(lo) => {
-            if let Some(n) = o.n_gpu_layers {
-                lo.n_gpu_layers = n;
-            }
-            if let Some(sm) = o.split_mode {
-                lo.split_mode = wp::SplitMode::parse(sm).map_err(py_err)?;
-            }
-            if let Some(ts) = &o.tensor_split {
-                lo.tensor_split = ts.clone();
-            }
-            lo.main_gpu = o.main_gpu;
-        }
-        _ if layer_opts => return Err(misplaced("n_gpu_layers/split_mode/tensor_split", "layers")),
-        _ => {}
-    }
-    match &mut strategy {
-        wp::Strategy::TensorParallel(tp) => {
-            if let Some(gs) = &o.gpu_split {
-                // exllamav2's gpu_split is in GB of 1024 MiB.
-                tp.gpu_split_mib = Some(gs.iter().map(|g| (g * 1024.0).max(0.0) as u64).collect());
-            }
-        }
-        _ if o.gpu_split.is_some() => return Err(misplaced("gpu_split", "tensor_parallel")),
-        _ => {}
-    }
-    match &mut strategy {
-        wp::Strategy::Map(dm) => {
-            if let Some(map) = o.device_map {
-                let dict = map.cast::<PyDict>().map_err(|_| {
-                    raise(
-                        Exc::Plan,
-                        "device_map: expected a dict of {module or layer prefix: device}",
-                    )
-                })?;
-                for (k, v) in dict.iter() {
-                    dm.entries.push((k.extract::<String>()?, device_key(&v)?));
-                }
-            }
-            if let Some(ov) = o.overrides {
-                if let Ok(s) = ov.cast::<PyString>() {
-                    dm.overrides = wp::DeviceMap::parse_overrides(s.to_str()?).map_err(py_err)?;
-                } else if let Ok(d) = ov.cast::<PyDict>() {
-                    for (k, v) in d.iter() {
-                        dm.overrides.push((k.extract::<String>()?, device_key(&v)?));
-                    }
-                } else {
-                    for rule in ov.try_iter()? {
-                        let rule: String = rule?.extract()?;
-                        dm.overrides
-                            .extend(wp::DeviceMap::parse_overrides(&rule).map_err(py_err)?);
-                    }
-                }
-            }
-        }
-        _ if o.device_map.is_some() || o.overrides.is_some() => {
-            return Err(misplaced("device_map/overrides", "map"));
-        }
-        _ => {}
-    }
-
-    let reserve = per_device(o.reserve, &devices, "reserve")?;
-    let max_memory = per_device(o.max_memory, &devices, "max_memory")?;
-    let overhead = per_device(o.overhead, &devices, "overhead")?;
-    let mut req = wp::PlanRequest::new(spec, tensors, devices);
-    req.strategy = strategy;
-    req.dtype = wp::DTypeChoice::parse(o.dtype).map_err(py_err)?;
-    req.cache = o.cache;
-    req.runtime = o.runtime.map(|r| r.inner).unwrap_or_default();
-    req.reserve = reserve;
-    req.max_memory = max_memory;
-    req.overhead = overhead;
-    req.allow_disk = o.allow_disk;
-    req.use_mmap = o.use_mmap;
-    Ok(req)
+    })?;
+    Ok(wp::ModelSource::Tensors(
+        spec.clone(),
+        ckpt.tensors().to_vec(),
+    ))
 }
 
 // --------------------------------------------------------------------------------------------
 // Functions
+
+/// The placement keywords shared by `plan()`, `fit()` and `Model.load()`, as converted from
+/// Python: each is `None` when not given.
+pub(crate) struct PlacementArgs {
+    pub strategy: Option<String>,
+    pub reserve: Option<Sizes>,
+    pub max_memory: Option<Sizes>,
+    pub overhead: Option<Sizes>,
+    pub n_gpu_layers: Option<i64>,
+    pub split_mode: Option<String>,
+    pub tensor_split: Option<Vec<f32>>,
+    pub main_gpu: Option<usize>,
+    pub device_map: Option<DeviceMapValue>,
+    pub overrides: Option<Overrides>,
+    pub gpu_split: Option<Vec<f64>>,
+}
+
+impl PlacementArgs {
+    /// The planner's options for these keywords.
+    pub fn options(self) -> wp::PlanOptions {
+        wp::PlanOptions {
+            strategy: self.strategy,
+            reserve: self.reserve.map(|s| s.0),
+            max_memory: self.max_memory.map(|s| s.0),
+            overhead: self.overhead.map(|s| s.0),
+            n_gpu_layers: self.n_gpu_layers,
+            split_mode: self.split_mode,
+            tensor_split: self.tensor_split,
+            main_gpu: self.main_gpu,
+            device_map: self.device_map.map(|d| d.0),
+            overrides: self.overrides.map(|o| o.0).unwrap_or_default(),
+            gpu_split: self.gpu_split,
+            ..wp::PlanOptions::default()
+        }
+    }
+}
+
+/// `cache_offload=True` offloads the cache asked for (or `fallback`, when none was).
+fn offloaded(
+    cache: Option<wp::CacheSpec>,
+    cache_offload: bool,
+    fallback: Option<wp::CacheSpec>,
+) -> PyResult<Option<wp::CacheSpec>> {
+    if !cache_offload {
+        return Ok(cache);
+    }
+    match cache.or(fallback) {
+        Some(c) => Ok(Some(c.with_offload(true))),
+        None => Err(raise(
+            Exc::Plan,
+            "cache_offload=True: there is no cache to offload; pass cache=CacheSpec(...) too",
+        )),
+    }
+}
 
 /// Plan where every tensor and every layer's KV cache goes, by arithmetic, before a byte is read.
 ///
@@ -410,66 +244,52 @@ fn build_request(
 /// `strategy` is `autosplit` (exllamav2), `sequential`, `balanced`, `balanced_low_0`
 /// (accelerate), `layers` (llama.cpp: `n_gpu_layers`, `split_mode`, `tensor_split`,
 /// `main_gpu`), `tensor_parallel` (exllamav2 TPContext: `gpu_split` in GB) or `map`
-/// (`device_map` prefixes and llama.cpp `-ot` style `overrides`). Left at `autosplit`, the
-/// llama.cpp options imply `layers` and `device_map`/`overrides` imply `map`.
+/// (`device_map` prefixes and llama.cpp `-ot` style `overrides`). Left at None, a `device_map`
+/// preset names its strategy (`"auto"` = `balanced`), a `device_map` dict or `overrides` imply
+/// `map`, the llama.cpp options imply `layers`, `gpu_split` implies `tensor_parallel`, and
+/// otherwise it is `autosplit`.
 ///
-/// `reserve`, `max_memory` and `overhead` take one size for every accelerator, a list in device
-/// order, or a dict keyed by device name or accelerator index; sizes are ints or strings such
-/// as `"512MiB"`. `cache_offload=True` offloads `cache` to host RAM (as
+/// `reserve`, `max_memory` and `overhead` take one size for every accelerator, a list in
+/// accelerator order, or a dict keyed by device name or accelerator index; sizes are ints or
+/// strings such as `"512MiB"`. `cache` is a `CacheSpec`, a `Cache` or a dict; `runtime` a
+/// `RuntimeSpec` or a dict. `cache_offload=True` offloads `cache` to host RAM (as
 /// `CacheSpec(..., offload=True)`): the cpu's kv column holds the whole cache and each device
 /// that computes layers two prefetch slots of its largest layer. Raises `OutOfMemoryError` (with
 /// `.shortfalls` and `.fixes`) when it does not fit, and `PlanError` for an invalid request.
 #[pyfunction]
 #[pyo3(signature = (
-    source, *, devices, strategy = "autosplit", dtype = "auto", cache = None, runtime = None,
+    source, *, devices, strategy = None, dtype = "auto", cache = None, runtime = None,
     reserve = None, max_memory = None, n_gpu_layers = None, split_mode = None,
-    tensor_split = None, main_gpu = 0, device_map = None, allow_disk = false,
+    tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
     cache_offload = false
 ))]
 #[allow(clippy::too_many_arguments)]
-fn plan<'py>(
-    py: Python<'py>,
-    source: &Bound<'py, PyAny>,
-    devices: &Bound<'py, PyAny>,
-    strategy: &str,
+fn plan(
+    py: Python<'_>,
+    source: &Bound<'_, PyAny>,
+    devices: DevicesSpec,
+    strategy: Option<String>,
     dtype: &str,
-    cache: Option<PyRef<'py, CacheSpec>>,
-    runtime: Option<PyRef<'py, RuntimeSpec>>,
-    reserve: Option<&Bound<'py, PyAny>>,
-    max_memory: Option<&Bound<'py, PyAny>>,
+    cache: Option<CacheArg>,
+    runtime: Option<RuntimeArg>,
+    reserve: Option<Sizes>,
+    max_memory: Option<Sizes>,
     n_gpu_layers: Option<i64>,
-    split_mode: Option<&str>,
+    split_mode: Option<String>,
     tensor_split: Option<Vec<f32>>,
-    main_gpu: usize,
-    device_map: Option<&Bound<'py, PyAny>>,
+    main_gpu: Option<usize>,
+    device_map: Option<DeviceMapValue>,
     allow_disk: bool,
-    weight_dtype: Option<&str>,
-    overhead: Option<&Bound<'py, PyAny>>,
-    overrides: Option<&Bound<'py, PyAny>>,
+    weight_dtype: Option<String>,
+    overhead: Option<Sizes>,
+    overrides: Option<Overrides>,
     gpu_split: Option<Vec<f64>>,
     use_mmap: bool,
     cache_offload: bool,
 ) -> PyResult<Plan> {
-    let cache = cache.map(|c| c.inner);
-    if cache_offload && cache.is_none() {
-        return Err(raise(
-            Exc::Plan,
-            "cache_offload=True: there is no cache to offload; pass cache=CacheSpec(...) too",
-        ));
-    }
-    let opts = Options {
-        devices,
+    let placement = PlacementArgs {
         strategy,
-        dtype,
-        cache: cache.map(|c| {
-            if cache_offload {
-                c.with_offload(true)
-            } else {
-                c
-            }
-        }),
-        runtime,
         reserve,
         max_memory,
         overhead,
@@ -480,11 +300,19 @@ fn plan<'py>(
         device_map,
         overrides,
         gpu_split,
-        allow_disk,
-        use_mmap,
-        weight_dtype,
     };
-    let req = build_request(py, source, opts)?;
+    let options = wp::PlanOptions {
+        dtype: Some(dtype.to_owned()),
+        weight_dtype,
+        cache: offloaded(cache.map(|c| c.0), cache_offload, None)?,
+        runtime: runtime.map(|r| r.0),
+        allow_disk: Some(allow_disk),
+        use_mmap: Some(use_mmap),
+        ..placement.options()
+    };
+    let req = options
+        .into_request(resolve_source(py, source)?, parse_device_arg(&devices)?)
+        .map_err(py_err)?;
     let inner = enter(py, || wp::plan(&req))?;
     Ok(Plan { inner })
 }
@@ -496,40 +324,40 @@ fn plan<'py>(
 /// smallest value does not fit.
 #[pyfunction]
 #[pyo3(signature = (
-    source, *, devices, target = "max_seq_len", strategy = "autosplit", dtype = "auto",
+    source, *, devices, target = "max_seq_len", strategy = None, dtype = "auto",
     cache = None, cache_dtype = None, runtime = None, reserve = None, max_memory = None, n_gpu_layers = None,
-    split_mode = None, tensor_split = None, main_gpu = 0, device_map = None, allow_disk = false,
+    split_mode = None, tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
     cache_offload = false
 ))]
 #[allow(clippy::too_many_arguments)]
-fn fit<'py>(
-    py: Python<'py>,
-    source: &Bound<'py, PyAny>,
-    devices: &Bound<'py, PyAny>,
+fn fit(
+    py: Python<'_>,
+    source: &Bound<'_, PyAny>,
+    devices: DevicesSpec,
     target: &str,
-    strategy: &str,
+    strategy: Option<String>,
     dtype: &str,
-    cache: Option<PyRef<'py, CacheSpec>>,
+    cache: Option<CacheArg>,
     cache_dtype: Option<&str>,
-    runtime: Option<PyRef<'py, RuntimeSpec>>,
-    reserve: Option<&Bound<'py, PyAny>>,
-    max_memory: Option<&Bound<'py, PyAny>>,
+    runtime: Option<RuntimeArg>,
+    reserve: Option<Sizes>,
+    max_memory: Option<Sizes>,
     n_gpu_layers: Option<i64>,
-    split_mode: Option<&str>,
+    split_mode: Option<String>,
     tensor_split: Option<Vec<f32>>,
-    main_gpu: usize,
-    device_map: Option<&Bound<'py, PyAny>>,
+    main_gpu: Option<usize>,
+    device_map: Option<DeviceMapValue>,
     allow_disk: bool,
-    weight_dtype: Option<&str>,
-    overhead: Option<&Bound<'py, PyAny>>,
-    overrides: Option<&Bound<'py, PyAny>>,
+    weight_dtype: Option<String>,
+    overhead: Option<Sizes>,
+    overrides: Option<Overrides>,
     gpu_split: Option<Vec<f64>>,
     use_mmap: bool,
     cache_offload: bool,
 ) -> PyResult<u64> {
     let target = wp::FitTarget::parse(target).map_err(py_err)?;
-    let cache = match (cache.map(|c| c.inner), cache_dtype) {
+    let cache = match (cache.map(|c| c.0), cache_dtype) {
         (c, None) => c,
         (None, Some(d)) => Some(wp::CacheSpec::new(
             wp::SEQ_STEP,
@@ -552,21 +380,9 @@ fn fit<'py>(
         }
     };
     // Offloading applies to the cache asked for, or to fit()'s default one (fp16, batch 1).
-    let cache = if cache_offload {
-        Some(
-            cache
-                .unwrap_or(wp::CacheSpec::new(wp::SEQ_STEP, 1, wp::CacheDType::Fp16))
-                .with_offload(true),
-        )
-    } else {
-        cache
-    };
-    let opts = Options {
-        devices,
+    let default_cache = wp::CacheSpec::new(wp::SEQ_STEP, 1, wp::CacheDType::Fp16);
+    let placement = PlacementArgs {
         strategy,
-        dtype,
-        cache,
-        runtime,
         reserve,
         max_memory,
         overhead,
@@ -577,11 +393,19 @@ fn fit<'py>(
         device_map,
         overrides,
         gpu_split,
-        allow_disk,
-        use_mmap,
-        weight_dtype,
     };
-    let req = build_request(py, source, opts)?;
+    let options = wp::PlanOptions {
+        dtype: Some(dtype.to_owned()),
+        weight_dtype,
+        cache: offloaded(cache, cache_offload, Some(default_cache))?,
+        runtime: runtime.map(|r| r.0),
+        allow_disk: Some(allow_disk),
+        use_mmap: Some(use_mmap),
+        ..placement.options()
+    };
+    let req = options
+        .into_request(resolve_source(py, source)?, parse_device_arg(&devices)?)
+        .map_err(py_err)?;
     enter(py, || wp::fit(&req, target))
 }
 
@@ -589,13 +413,12 @@ fn fit<'py>(
 /// then `disk`.
 #[pyfunction]
 fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
-    let spec = py.detach(|| {
+    let list = enter(py, || {
         let mut items = vec!["cpu".to_owned()];
         items.extend((0..wp::MemoryProbe::cuda_count(&HostProbe)).map(|i| format!("cuda:{i}")));
         items.push("disk".into());
-        items.join(",")
-    });
-    let list = enter(py, || wp::parse_devices_with(&spec, &HostProbe))?;
+        wp::parse_devices_with(&items.join(","), &HostProbe)
+    })?;
     Ok(list.into_iter().map(|inner| Device { inner }).collect())
 }
 
@@ -603,8 +426,8 @@ fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
 /// `"virtual:24GiB,virtual:12GiB,cpu:64GiB,disk"`) into normalised devices. `cpu` without a
 /// size is the machine's MemAvailable.
 #[pyfunction]
-fn parse_devices(spec: &Bound<'_, PyAny>) -> PyResult<Vec<Device>> {
-    Ok(parse_device_arg(spec)?
+fn parse_devices(spec: DevicesSpec) -> PyResult<Vec<Device>> {
+    Ok(parse_device_arg(&spec)?
         .into_iter()
         .map(|inner| Device { inner })
         .collect())
@@ -621,14 +444,19 @@ fn parse_devices(spec: &Bound<'_, PyAny>) -> PyResult<Vec<Device>> {
 #[pyclass(module = "weightlift._native", frozen, eq, hash)]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct CacheSpec {
-    inner: wp::CacheSpec,
+    pub(crate) inner: wp::CacheSpec,
 }
 
 #[pymethods]
 impl CacheSpec {
     #[new]
     #[pyo3(signature = (max_seq_len, batch_size = 1, dtype = "fp16", offload = false))]
-    fn new(max_seq_len: u64, batch_size: u64, dtype: &str, offload: bool) -> PyResult<Self> {
+    pub(crate) fn new(
+        max_seq_len: u64,
+        batch_size: u64,
+        dtype: &str,
+        offload: bool,
+    ) -> PyResult<Self> {
         if max_seq_len == 0 || batch_size == 0 {
             return Err(raise(
                 Exc::Plan,
@@ -682,7 +510,7 @@ impl CacheSpec {
 #[pyclass(module = "weightlift._native", frozen, eq, hash)]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct RuntimeSpec {
-    inner: wp::RuntimeSpec,
+    pub(crate) inner: wp::RuntimeSpec,
 }
 
 #[pymethods]

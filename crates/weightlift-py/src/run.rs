@@ -5,8 +5,9 @@ use numpy::{PyArray2, ndarray::Array2};
 use pyo3::prelude::*;
 use weightlift_engine::forward::{Compute, Logits};
 
-use crate::engine::{Cache, Model};
+use crate::cache::Cache;
 use crate::errors::{ToPyErr, enter};
+use crate::model::Model;
 
 fn eng<T>(r: Result<T, weightlift_engine::EngineError>) -> PyResult<T> {
     r.map_err(ToPyErr::to_pyerr)

@@ -1,0 +1,456 @@
+//! The one place where user options become a [`PlanRequest`].
+//!
+//! Every entry point (`plan`, `fit`, `Model.load`, `load_autosplit`, `load_tp`,
+//! `from_pretrained`, `load_gguf`, `TPContext` and the CLI) fills a [`PlanOptions`] with what
+//! the user passed and nothing more, then calls [`PlanOptions::into_request`] (a fresh request)
+//! or [`PlanOptions::apply`] (a model's own request). So the same arguments mean the same thing
+//! everywhere:
+//!
+//! - **Strategy inference.** With no `strategy`, a `device_map` preset names its strategy, a
+//!   `device_map` dict or `overrides` mean `map`, a llama.cpp option means `layers`, and
+//!   `gpu_split` or an expected TP cache mean `tensor_parallel`; otherwise the request's own
+//!   strategy stays (exllamav2's autosplit by default). Options of another strategy than the
+//!   one named are an error naming both, never silently dropped.
+//! - **`device_map`** is a preset (`"auto"` and `"balanced"` = accelerate's balanced,
+//!   `"balanced_low_0"`, `"sequential"`), a single device name (everything there), or
+//!   prefix → device entries where `re:PATTERN` keys are llama.cpp `-ot` overrides.
+//! - **Sizes per device** (`reserve`, `max_memory`, `overhead`): one size for every
+//!   accelerator, a list in accelerator order (exllamav2's `reserve_vram`), or a map keyed by
+//!   device name or accelerator index (accelerate's `max_memory`).
+//! - **`gpu_split`** is in GB of 1024 MiB, as exllamav2 takes it, rounded to the nearest MiB.
+//! - **Config-only sources** need a weight type (`weight_dtype`, or the config's
+//!   `torch_dtype`); their tensor table is synthesised.
+
+use std::collections::BTreeMap;
+
+use weightlift_format::{ModelSpec, TensorInfo};
+
+use crate::device::{DeviceSpec, resolve_device};
+use crate::error::{PlanError, Result};
+use crate::memory::{CacheDType, CacheSpec, RuntimeSpec};
+use crate::request::{DeviceMap, PlanRequest, SplitMode, Strategy, TpOptions};
+use crate::synth::{DTypeChoice, WeightType, synthesize_tensors};
+
+/// Sizes per device, as users pass them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PerDevice {
+    /// One size for every accelerator.
+    All(u64),
+    /// Sizes in accelerator order; fewer values than accelerators leave the rest unset.
+    List(Vec<u64>),
+    /// Sizes by device name (`"cuda:1"`, `"cpu"`) or accelerator index (`"0"`).
+    Map(Vec<(String, u64)>),
+}
+
+impl PerDevice {
+    /// The sizes by normalised device name. `what` names the option in errors.
+    pub fn resolve(&self, devices: &[DeviceSpec], what: &str) -> Result<BTreeMap<String, u64>> {
+        let accelerators = || devices.iter().filter(|d| d.kind.is_accelerator());
+        let mut out = BTreeMap::new();
+        match self {
+            PerDevice::All(v) => {
+                for d in accelerators() {
+                    out.insert(d.name.clone(), *v);
+                }
+            }
+            PerDevice::List(values) => {
+                let n = accelerators().count();
+                if values.len() > n {
+                    return Err(PlanError::option(
+                        what,
+                        &format!("at most one value per accelerator ({n})"),
+                        format!("{} values", values.len()),
+                    ));
+                }
+                for (d, v) in accelerators().zip(values) {
+                    out.insert(d.name.clone(), *v);
+                }
+            }
+            PerDevice::Map(entries) => {
+                for (key, v) in entries {
+                    let i = resolve_device(devices, key, what)?;
+                    out.insert(devices[i].name.clone(), *v);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A `device_map` as accelerate and transformers take it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceMapArg {
+    /// `"auto"`, `"balanced"`, `"balanced_low_0"`, `"sequential"`, or one device name.
+    Named(String),
+    /// Module or layer prefix → device name or accelerator index; `re:PATTERN` keys are
+    /// llama.cpp `-ot` overrides, checked first.
+    Entries(Vec<(String, String)>),
+}
+
+impl DeviceMapArg {
+    /// The strategy this map stands for.
+    fn strategy(&self) -> Strategy {
+        match self {
+            DeviceMapArg::Named(name) => match name.trim().to_ascii_lowercase().as_str() {
+                "auto" | "balanced" => Strategy::Balanced,
+                "balanced_low_0" => Strategy::BalancedLow0,
+                "sequential" => Strategy::Sequential,
+                device => Strategy::Map(DeviceMap {
+                    entries: vec![(String::new(), device.to_owned())],
+                    overrides: Vec::new(),
+                }),
+            },
+            DeviceMapArg::Entries(entries) => {
+                let mut map = DeviceMap::default();
+                for (key, dev) in entries {
+                    match key.strip_prefix("re:") {
+                        Some(pattern) => map.overrides.push((pattern.to_owned(), dev.clone())),
+                        None => map.entries.push((key.clone(), dev.clone())),
+                    }
+                }
+                Strategy::Map(map)
+            }
+        }
+    }
+}
+
+/// What a plan is made for: a real tensor table, or a config whose tensors are synthesised.
+#[derive(Debug, Clone)]
+pub enum ModelSource {
+    /// A checkpoint's spec and its tensor table.
+    Tensors(ModelSpec, Vec<TensorInfo>),
+    /// A spec from an HF config or a ModelSpec, with the config's `torch_dtype` if it has one.
+    Config(ModelSpec, Option<String>),
+}
+
+/// The cache exllamav2's TPContext subtracts before splitting: `tokens` (0: the model's
+/// context length) at batch 1, of `dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpectCache {
+    pub tokens: u64,
+    pub dtype: CacheDType,
+}
+
+/// Every placement option any entry point takes, each `None` (or empty) when not given.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PlanOptions {
+    /// `"autosplit"`, `"sequential"`, `"balanced"`, `"balanced_low_0"`, `"layers"`,
+    /// `"tensor_parallel"` or `"map"`; `None` infers it (see the module docs).
+    pub strategy: Option<String>,
+    /// `"auto"`, `"float16"`, `"bfloat16"`, `"float32"`.
+    pub dtype: Option<String>,
+    /// Weight type of a config-only source (`"bfloat16"`, `"q4_k_m"`, ...).
+    pub weight_dtype: Option<String>,
+    pub cache: Option<CacheSpec>,
+    pub runtime: Option<RuntimeSpec>,
+    pub reserve: Option<PerDevice>,
+    pub max_memory: Option<PerDevice>,
+    pub overhead: Option<PerDevice>,
+    pub n_gpu_layers: Option<i64>,
+    /// `"none"`, `"layer"`, `"row"`.
+    pub split_mode: Option<String>,
+    pub tensor_split: Option<Vec<f32>>,
+    pub main_gpu: Option<usize>,
+    pub device_map: Option<DeviceMapArg>,
+    /// llama.cpp `-ot` rules (`regex`, `device`), checked before `device_map`.
+    pub overrides: Vec<(String, String)>,
+    /// exllamav2 `gpu_split`, GB per accelerator.
+    pub gpu_split: Option<Vec<f64>>,
+    pub expect_cache: Option<ExpectCache>,
+    pub allow_disk: Option<bool>,
+    pub use_mmap: Option<bool>,
+}
+
+impl PlanOptions {
+    /// A fresh request for `source` on `devices`.
+    pub fn into_request(
+        self,
+        source: ModelSource,
+        devices: Vec<DeviceSpec>,
+    ) -> Result<PlanRequest> {
+        let (spec, tensors) = match source {
+            ModelSource::Tensors(spec, tensors) => {
+                if self.weight_dtype.is_some() {
+                    return Err(PlanError::option(
+                        "weight_dtype",
+                        "no weight_dtype with a checkpoint, whose stored types are used (dtype= \
+                         converts float weights)",
+                        format!("weight_dtype='{}'", self.weight_dtype.unwrap_or_default()),
+                    ));
+                }
+                (spec, tensors)
+            }
+            ModelSource::Config(spec, torch_dtype) => {
+                let Some(name) = self.weight_dtype.clone().or(torch_dtype) else {
+                    return Err(PlanError::option(
+                        "weight_dtype",
+                        "a weight type when planning from a config without torch_dtype, e.g. \
+                         \"bfloat16\", \"float16\", \"q8_0\" or \"q4_k_m\"",
+                        "none",
+                    ));
+                };
+                let tensors = synthesize_tensors(&spec, WeightType::parse(&name)?)?;
+                (spec, tensors)
+            }
+        };
+        let mut req = PlanRequest::new(spec, tensors, devices);
+        self.apply(&mut req)?;
+        Ok(req)
+    }
+
+    /// Applies the options given to `req`; what was not given keeps the request's value.
+    pub fn apply(self, req: &mut PlanRequest) -> Result<()> {
+        if let Some(strategy) = self.strategy()? {
+            req.strategy = strategy;
+        }
+        if let Some(d) = &self.dtype {
+            req.dtype = DTypeChoice::parse(d)?;
+        }
+        if let Some(c) = self.cache {
+            req.cache = Some(c);
+        }
+        if let Some(e) = self.expect_cache {
+            let tokens = if e.tokens == 0 {
+                req.spec.context_length.max(1)
+            } else {
+                e.tokens
+            };
+            req.cache = Some(CacheSpec::new(tokens, 1, e.dtype));
+        }
+        if let Some(r) = self.runtime {
+            req.runtime = r;
+        }
+        for (sizes, what, field) in [
+            (&self.reserve, "reserve", &mut req.reserve),
+            (&self.max_memory, "max_memory", &mut req.max_memory),
+            (&self.overhead, "overhead", &mut req.overhead),
+        ] {
+            if let Some(s) = sizes {
+                *field = s.resolve(&req.devices, what)?;
+            }
+        }
+        if let Some(b) = self.allow_disk {
+            req.allow_disk = b;
+        }
+        if let Some(b) = self.use_mmap {
+            req.use_mmap = b;
+        }
+        Ok(())
+    }
+
+    /// The strategy named or implied, with its options; `None` when nothing names one.
+    fn strategy(&self) -> Result<Option<Strategy>> {
+        let llama = self.n_gpu_layers.is_some()
+            || self.split_mode.is_some()
+            || self.tensor_split.is_some()
+            || self.main_gpu.is_some();
+        let tp = self.gpu_split.is_some() || self.expect_cache.is_some();
+        let implied = self.device_map.as_ref().map(DeviceMapArg::strategy);
+        let mut strategy = match (&self.strategy, implied) {
+            (Some(name), implied) => {
+                let named = Strategy::parse(name)?;
+                match implied {
+                    // A preset must agree with the strategy named; entries fill a map.
+                    Some(Strategy::Map(m)) if matches!(named, Strategy::Map(_)) => Strategy::Map(m),
+                    Some(s) if s.name() != named.name() => {
+                        return Err(PlanError::option(
+                            "device_map",
+                            &format!("a map that agrees with strategy='{}'", named.name()),
+                            format!("a device_map meaning strategy='{}'", s.name()),
+                        ));
+                    }
+                    _ => named,
+                }
+            }
+            (None, Some(s)) => s,
+            (None, None) if !self.overrides.is_empty() => Strategy::Map(DeviceMap::default()),
+            (None, None) if llama => Strategy::parse("layers")?,
+            (None, None) if tp => Strategy::parse("tensor_parallel")?,
+            (None, None) => return Ok(None),
+        };
+        let name = strategy.name();
+        let misplaced = |what: &str, wants: &str| {
+            PlanError::option(
+                what,
+                &format!("strategy='{wants}' (or no strategy)"),
+                format!("strategy='{name}'"),
+            )
+        };
+        match &mut strategy {
+            Strategy::Layers(o) => {
+                if let Some(n) = self.n_gpu_layers {
+                    o.n_gpu_layers = n;
+                }
+                if let Some(m) = &self.split_mode {
+                    o.split_mode = SplitMode::parse(m)?;
+                }
+                if let Some(t) = &self.tensor_split {
+                    o.tensor_split = t.clone();
+                }
+                if let Some(g) = self.main_gpu {
+                    o.main_gpu = g;
+                }
+            }
+            _ if llama => {
+                return Err(misplaced(
+                    "n_gpu_layers/split_mode/tensor_split/main_gpu",
+                    "layers",
+                ));
+            }
+            _ => {}
+        }
+        if !self.overrides.is_empty() {
+            let Strategy::Map(m) = &mut strategy else {
+                return Err(misplaced("overrides", "map"));
+            };
+            // explicit rules first, then the device_map's `re:` keys
+            let from_map = std::mem::take(&mut m.overrides);
+            m.overrides = self.overrides.iter().cloned().chain(from_map).collect();
+        }
+        match &mut strategy {
+            Strategy::TensorParallel(TpOptions { gpu_split_mib }) => {
+                if let Some(g) = &self.gpu_split {
+                    *gpu_split_mib = Some(gb_to_mib(g)?);
+                }
+            }
+            _ if tp => return Err(misplaced("gpu_split/expect_cache", "tensor_parallel")),
+            _ => {}
+        }
+        Ok(Some(strategy))
+    }
+}
+
+/// exllamav2's `gpu_split` (GB of 1024 MiB) in MiB, rounded to the nearest MiB.
+fn gb_to_mib(gb: &[f64]) -> Result<Vec<u64>> {
+    if gb.iter().any(|g| !g.is_finite() || *g < 0.0 || *g > 1e9) {
+        return Err(PlanError::option(
+            "gpu_split",
+            "GB per accelerator, each finite and ≥ 0",
+            format!("{gb:?}"),
+        ));
+    }
+    Ok(gb.iter().map(|g| (g * 1024.0).round() as u64).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::parse_devices;
+
+    #[test]
+    fn per_device_sizes_resolve_by_name_index_and_order() {
+        let devs = parse_devices("cpu:1GiB,virtual:2x64MiB").unwrap();
+        let all = PerDevice::All(7).resolve(&devs, "reserve").unwrap();
+        assert_eq!(all.keys().collect::<Vec<_>>(), ["virtual:0", "virtual:1"]);
+        let list = PerDevice::List(vec![1, 2])
+            .resolve(&devs, "reserve")
+            .unwrap();
+        assert_eq!((list["virtual:0"], list["virtual:1"]), (1, 2));
+        let e = PerDevice::List(vec![1, 2, 3])
+            .resolve(&devs, "reserve_vram")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("reserve_vram") && e.contains("at most one value per accelerator (2)"),
+            "{e}"
+        );
+        let map = PerDevice::Map(vec![("1".into(), 5), ("CPU".into(), 9)])
+            .resolve(&devs, "max_memory")
+            .unwrap();
+        assert_eq!((map["virtual:1"], map["cpu"]), (5, 9));
+        let e = PerDevice::Map(vec![("cuda:3".into(), 5)])
+            .resolve(&devs, "max_memory")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cuda:3") && e.contains("virtual:0"), "{e}");
+    }
+
+    #[test]
+    fn device_map_presets_and_entries() {
+        let s = |m: DeviceMapArg| {
+            PlanOptions {
+                device_map: Some(m),
+                ..PlanOptions::default()
+            }
+            .strategy()
+            .unwrap()
+            .unwrap()
+        };
+        assert_eq!(s(DeviceMapArg::Named("auto".into())), Strategy::Balanced);
+        assert_eq!(
+            s(DeviceMapArg::Named("balanced_low_0".into())),
+            Strategy::BalancedLow0
+        );
+        assert_eq!(
+            s(DeviceMapArg::Named("cpu".into())),
+            Strategy::Map(DeviceMap {
+                entries: vec![(String::new(), "cpu".into())],
+                overrides: vec![],
+            })
+        );
+        assert_eq!(
+            s(DeviceMapArg::Entries(vec![
+                ("blk.0".into(), "0".into()),
+                ("re:ffn_.*".into(), "cpu".into())
+            ])),
+            Strategy::Map(DeviceMap {
+                entries: vec![("blk.0".into(), "0".into())],
+                overrides: vec![("ffn_.*".into(), "cpu".into())],
+            })
+        );
+        // A preset that contradicts the strategy named is refused, naming both.
+        let e = PlanOptions {
+            strategy: Some("sequential".into()),
+            device_map: Some(DeviceMapArg::Named("balanced".into())),
+            ..PlanOptions::default()
+        }
+        .strategy()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("strategy='sequential'") && e.contains("strategy='balanced'"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn strategy_is_inferred_and_misplaced_options_refused() {
+        let infer = |o: PlanOptions| o.strategy().unwrap().map(|s| s.name());
+        assert_eq!(infer(PlanOptions::default()), None);
+        let ngl = PlanOptions {
+            n_gpu_layers: Some(3),
+            ..PlanOptions::default()
+        };
+        assert_eq!(infer(ngl.clone()), Some("layers"));
+        let tp = PlanOptions {
+            // 0.0301 GB = 30.82 MiB: rounded to the nearest MiB, never truncated
+            gpu_split: Some(vec![1.5, 0.0301]),
+            ..PlanOptions::default()
+        };
+        assert_eq!(
+            tp.strategy().unwrap(),
+            Some(Strategy::TensorParallel(TpOptions {
+                gpu_split_mib: Some(vec![1536, 31])
+            }))
+        );
+        let e = PlanOptions {
+            strategy: Some("autosplit".into()),
+            ..ngl
+        }
+        .strategy()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("n_gpu_layers") && e.contains("got strategy='autosplit'"),
+            "{e}"
+        );
+        let e = PlanOptions {
+            gpu_split: Some(vec![f64::NAN]),
+            ..PlanOptions::default()
+        }
+        .strategy()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("gpu_split") && e.contains("NaN"), "{e}");
+    }
+}

@@ -1,0 +1,195 @@
+//! `Cache`: a KV cache of a model, allocated beside each layer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use numpy::{PyArray1, PyReadonlyArrayDyn};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use weightlift_engine::cache::{Cache as ECache, CacheDType};
+
+use crate::errors::{Exc, eng, enter, py_err, raise};
+use crate::model::Model;
+
+/// A KV cache for a model. `dtype`: fp16, fp8 (e4m3), q8, q6 (8-bit K, 4-bit V) or q4, the
+/// quantised ones with one f16 scale per 32 values. A lazy cache is allocated during the load,
+/// layer by layer on each layer's device; on a loaded model it is allocated at once. `offload`
+/// keeps it in host RAM and prefetches the next layer to its device on a second thread.
+#[pyclass(module = "weightlift._native", frozen)]
+pub struct Cache {
+    pub(crate) cache: Arc<ECache>,
+}
+
+#[pymethods]
+impl Cache {
+    #[new]
+    #[pyo3(signature = (model, max_seq_len, batch_size = 1, dtype = "fp16", lazy = true, offload = false))]
+    fn new(
+        model: &Bound<'_, Model>,
+        max_seq_len: u64,
+        batch_size: u64,
+        dtype: &str,
+        lazy: bool,
+        offload: bool,
+    ) -> PyResult<Self> {
+        let d = CacheDType::parse(dtype).map_err(py_err)?;
+        let m = model.get();
+        let mut inner = m.lock()?;
+        let cfg = eng(inner
+            .model
+            .cache_config(max_seq_len, batch_size, d, offload))?;
+        let cache = Arc::new(eng(ECache::new(cfg))?);
+        if inner.model.is_loaded() {
+            eng(inner.model.attach_cache(&cache))?;
+        } else if !lazy {
+            return Err(raise(
+                Exc::Weightlift,
+                "a non-lazy cache needs a loaded model; load the model first or pass lazy=True and hand the cache to load_autosplit()",
+            ));
+        }
+        Ok(Cache { cache })
+    }
+
+    #[getter]
+    fn max_seq_len(&self) -> u64 {
+        self.cache.config().max_seq_len
+    }
+
+    #[getter]
+    fn batch_size(&self) -> u64 {
+        self.cache.config().batch_size
+    }
+
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.cache.config().dtype.name()
+    }
+
+    #[getter]
+    fn offload(&self) -> bool {
+        self.cache.config().offload
+    }
+
+    #[getter]
+    fn allocated(&self) -> bool {
+        self.cache.is_allocated()
+    }
+
+    /// Tokens held: where the next `Model.forward(ids, cache=...)` appends.
+    #[getter]
+    fn seq_len(&self) -> u64 {
+        self.cache.seq_len()
+    }
+
+    /// Forget every token (the memory stays allocated).
+    fn reset(&self) {
+        self.cache.reset();
+    }
+
+    /// Bytes held per device: the layers, and an offloaded cache's prefetch slots.
+    fn memory(&self) -> HashMap<String, u64> {
+        self.cache.memory().into_iter().collect()
+    }
+
+    /// What `memory()` should hold for the devices the layers were allocated for: each layer's
+    /// K and V on its device; offloaded, every layer on `cpu` plus, on each layer device, two
+    /// prefetch slots of its largest layer (one when it computes a single layer). A plan made
+    /// for this cache predicts the same bytes in its kv column.
+    fn expected_memory(&self) -> PyResult<HashMap<String, u64>> {
+        Ok(eng(self.cache.expected_memory())?.into_iter().collect())
+    }
+
+    /// The device layer `layer` computes on (and, unless offloaded, lives on).
+    fn device_of(&self, layer: usize) -> PyResult<String> {
+        eng(self.cache.device_of(layer))
+    }
+
+    /// Write `k` and `v` (float32, `(batch, n_kv_heads, n_tokens, head_dim)`) at position `pos`.
+    fn write(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        pos: u64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let np = py.import("numpy")?;
+        let kk = np.call_method1("ascontiguousarray", (k, "float32"))?;
+        let vv = np.call_method1("ascontiguousarray", (v, "float32"))?;
+        let shape: Vec<u64> = kk.getattr("shape")?.extract()?;
+        let vshape: Vec<u64> = vv.getattr("shape")?.extract()?;
+        let cfg = self.cache.config();
+        let heads = cfg.n_kv_heads.get(layer).copied().unwrap_or(0);
+        if shape.len() != 4
+            || shape != vshape
+            || shape[0] != cfg.batch_size
+            || shape[1] != u64::from(heads)
+            || shape[3] != u64::from(cfg.head_dim)
+        {
+            return Err(PyValueError::new_err(format!(
+                "k and v must both be float32 ({}, {heads}, n_tokens, {}); got {shape:?} and {vshape:?}",
+                cfg.batch_size, cfg.head_dim
+            )));
+        }
+        let ka: PyReadonlyArrayDyn<'_, f32> = kk.extract()?;
+        let va: PyReadonlyArrayDyn<'_, f32> = vv.extract()?;
+        let ks = ka
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let vs = va
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        eng(self.cache.write(layer, pos, shape[2], ks, vs))
+    }
+
+    /// Read positions `start..end` back as float32 `(k, v)`, each
+    /// `(batch, n_kv_heads, end - start, head_dim)`.
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+        start: u64,
+        end: u64,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let (k, v) = eng(self.cache.read(layer, start, end))?;
+        let cfg = self.cache.config();
+        let heads = cfg.n_kv_heads.get(layer).copied().unwrap_or(0);
+        let shape = PyTuple::new(
+            py,
+            [
+                cfg.batch_size,
+                u64::from(heads),
+                end - start,
+                u64::from(cfg.head_dim),
+            ],
+        )?;
+        let k = PyArray1::from_vec(py, k).call_method1("reshape", (&shape,))?;
+        let v = PyArray1::from_vec(py, v).call_method1("reshape", (&shape,))?;
+        Ok((k, v))
+    }
+
+    /// Offload: copy `layer` to its device (taking the prefetched copy when there is one) and
+    /// start prefetching the next layer on a second thread. Returns the device name.
+    fn fetch(&self, py: Python<'_>, layer: usize) -> PyResult<String> {
+        let c = Arc::clone(&self.cache);
+        let r = enter(py, || c.fetch(layer))?;
+        Ok(r.k.device().name().to_owned())
+    }
+
+    /// Free every layer.
+    fn free(&self) {
+        self.cache.free();
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.cache.config();
+        format!(
+            "Cache(max_seq_len={}, batch_size={}, dtype='{}', offload={})",
+            c.max_seq_len,
+            c.batch_size,
+            c.dtype.name(),
+            c.offload
+        )
+    }
+}

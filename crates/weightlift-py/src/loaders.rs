@@ -1,0 +1,177 @@
+//! The convenience loaders: accelerate's `from_pretrained` and llama-cpp-python's `load_gguf`.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use weightlift_engine::LoadOptions;
+use weightlift_engine::cache::{Cache as ECache, CacheDType};
+use weightlift_format as wf;
+use weightlift_plan as wp;
+
+use crate::errors::{Exc, eng, py_err, raise};
+use crate::model::{Model, load_options};
+use crate::options::{DeviceMapValue, DevicesSpec, RuntimeArg, Sizes};
+use crate::progress::Reporter;
+
+/// accelerate style: open `path`, plan with `device_map` (`"auto"` = balanced, `"balanced"`,
+/// `"balanced_low_0"`, `"sequential"`, a device name, or a dict of module/layer prefix ->
+/// device, with `"re:PATTERN"` keys as llama.cpp `-ot` overrides) and `max_memory` (one size,
+/// a list in accelerator order, or a dict by device name or index), and load. Returns the
+/// loaded Model.
+// The text signatures are spelled out because PyO3 renders `-1` and non-literal defaults as
+// `...`, which `inspect.signature` (and mypy.stubtest against _native.pyi) would report.
+#[pyfunction]
+#[pyo3(
+    signature = (path, *, device_map = None, max_memory = None, dtype = "auto", devices = None,
+                 runtime = None, progress = false, callback = None, compute = "fast",
+                 n_threads = None),
+    text_signature = "(path, *, device_map='auto', max_memory=None, dtype='auto', devices=None, runtime=None, progress=False, callback=None, compute='fast', n_threads=None)"
+)]
+#[allow(clippy::too_many_arguments)]
+pub fn from_pretrained(
+    py: Python<'_>,
+    path: &Bound<'_, PyAny>,
+    device_map: Option<DeviceMapValue>,
+    max_memory: Option<Sizes>,
+    dtype: &str,
+    devices: Option<DevicesSpec>,
+    runtime: Option<RuntimeArg>,
+    progress: bool,
+    callback: Option<Py<PyAny>>,
+    compute: &str,
+    n_threads: Option<usize>,
+) -> PyResult<Model> {
+    let model = Model::new(path, devices, dtype, runtime, compute, n_threads)?;
+    let device_map = device_map.map_or_else(|| wp::DeviceMapArg::Named("auto".into()), |d| d.0);
+    let options = wp::PlanOptions {
+        device_map: Some(device_map),
+        max_memory: max_memory.map(|m| m.0),
+        ..wp::PlanOptions::default()
+    };
+    model.run_load(
+        py,
+        None,
+        options,
+        None,
+        LoadOptions::default(),
+        Reporter::new(callback, progress),
+    )?;
+    Ok(model)
+}
+
+/// llama.cpp style: `n_gpu_layers` (-1 all; the last N layers go to the accelerators, the
+/// output too when N > n_layer), `split_mode` (`none`, `layer`, `row`), `tensor_split`,
+/// `main_gpu`; `use_mmap`, `use_direct_io`, `check_tensors`. `progress_callback(fraction)` is
+/// called with the fraction loaded, as in llama.cpp, and returning False cancels
+/// (`LoadCancelled`). `vocab_only` opens the metadata and tokenizer only and loads no tensors.
+/// `use_mlock` locks the memory-mapped tensors in RAM (a locked-memory limit that refuses is
+/// reported in `Model.warnings`).
+#[pyfunction]
+#[pyo3(signature = (path, *, n_gpu_layers = 0, split_mode = "layer", tensor_split = None, main_gpu = 0,
+                    use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
+                    vocab_only = false, progress_callback = None, devices = None, runtime = None,
+                    n_ctx = 512, n_batch = 512, type_k = "f16", type_v = "f16", n_threads = None,
+                    compute = "fast", seed = None, callback = None, progress = false),
+       text_signature = "(path, *, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False)")]
+#[allow(clippy::too_many_arguments)]
+pub fn load_gguf(
+    py: Python<'_>,
+    path: &Bound<'_, PyAny>,
+    n_gpu_layers: i64,
+    split_mode: &str,
+    tensor_split: Option<Vec<f32>>,
+    main_gpu: usize,
+    use_mmap: bool,
+    use_direct_io: bool,
+    use_mlock: bool,
+    check_tensors: bool,
+    vocab_only: bool,
+    progress_callback: Option<Py<PyAny>>,
+    devices: Option<DevicesSpec>,
+    runtime: Option<RuntimeArg>,
+    n_ctx: u64,
+    n_batch: u64,
+    type_k: &str,
+    type_v: &str,
+    n_threads: Option<usize>,
+    compute: &str,
+    seed: Option<u64>,
+    callback: Option<Py<PyAny>>,
+    progress: bool,
+) -> PyResult<Model> {
+    let open = wf::OpenOptions {
+        check_tensors: false,
+        vocab_only,
+    };
+    let keep_n_batch = runtime.is_none();
+    let ckpt = Model::open_source(path, open)?;
+    let model = Model::with_checkpoint(ckpt, devices, "auto", runtime, compute, n_threads)?;
+    model.lock()?.seed = load_seed(seed);
+    if vocab_only {
+        // the metadata and tokenizer only: no tensors to load
+        return Ok(model);
+    }
+    let cache_dtype = llama_cache_dtype(type_k, type_v)?;
+    let cache = {
+        let mut inner = model.lock()?;
+        if keep_n_batch {
+            inner.runtime.max_input_len = n_batch;
+        }
+        let cfg = eng(inner.model.cache_config(n_ctx, 1, cache_dtype, false))?;
+        Arc::new(eng(ECache::new(cfg))?)
+    };
+    let mut reporter = Reporter::new(callback, progress);
+    if let Some(f) = progress_callback {
+        if reporter.has_callback() {
+            return Err(raise(
+                Exc::Plan,
+                "load_gguf: got both callback and progress_callback; pass one (callback takes \
+                 (bytes_done, bytes_total, tensor, device), progress_callback a fraction)",
+            ));
+        }
+        reporter = Reporter::new(Some(f), false);
+        reporter.fraction = true;
+    }
+    let mut opts = load_options(use_mmap, use_direct_io, check_tensors, None);
+    opts.mlock = use_mlock;
+    // With no accelerator there is nothing to offload to: everything runs on the cpu.
+    let no_accel = model.lock()?.model.inventory().accelerators().is_empty();
+    let options = if no_accel {
+        wp::PlanOptions {
+            device_map: Some(wp::DeviceMapArg::Named("cpu".into())),
+            ..wp::PlanOptions::default()
+        }
+    } else {
+        wp::PlanOptions {
+            n_gpu_layers: Some(n_gpu_layers),
+            split_mode: Some(split_mode.to_owned()),
+            tensor_split,
+            main_gpu: Some(main_gpu),
+            ..wp::PlanOptions::default()
+        }
+    };
+    model.run_load(py, None, options, Some(cache), opts, reporter)?;
+    Ok(model)
+}
+
+/// `load_gguf(seed=...)`: llama.cpp's `LLAMA_DEFAULT_SEED` (0xFFFFFFFF) means a random seed.
+fn load_seed(seed: Option<u64>) -> Option<u64> {
+    seed.filter(|&s| s != u64::from(u32::MAX))
+}
+
+/// llama.cpp's `type_k` / `type_v` pair as one cache dtype: equal types, or q8_0 keys with
+/// q4_0 values (the q6 cache).
+fn llama_cache_dtype(type_k: &str, type_v: &str) -> PyResult<CacheDType> {
+    let k = CacheDType::parse(type_k).map_err(py_err)?;
+    let v = CacheDType::parse(type_v).map_err(py_err)?;
+    match (k, v) {
+        (a, b) if a == b => Ok(a),
+        (CacheDType::Q8, CacheDType::Q4) => Ok(CacheDType::Q6),
+        _ => Err(raise(
+            Exc::Unsupported,
+            format!(
+                "cache type_k={type_k}, type_v={type_v}: expected equal types (f32, f16, q8_0, q4_0) or type_k=q8_0 with type_v=q4_0"
+            ),
+        )),
+    }
+}

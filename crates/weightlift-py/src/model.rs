@@ -1,0 +1,494 @@
+//! `Model`: a checkpoint, its devices and, once loaded, its tensors and plan.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+
+use numpy::PyArray1;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use weightlift_engine::cache::Cache as ECache;
+use weightlift_engine::{self as we, LoadOptions, Model as EModel};
+use weightlift_format as wf;
+use weightlift_plan as wp;
+
+use crate::cache::Cache;
+use crate::devices::{inventory_for, to_numpy};
+use crate::errors::{Exc, eng, enter, py_err, raise};
+use crate::options::{CacheArg, DeviceMapValue, DevicesSpec, Overrides, RuntimeArg, Sizes};
+use crate::plan::PlacementArgs;
+use crate::progress::Reporter;
+
+pub(crate) struct ModelInner {
+    pub(crate) model: EModel,
+    pub(crate) plan: Option<wp::Plan>,
+    dtype: wp::DTypeChoice,
+    pub(crate) runtime: wp::RuntimeSpec,
+    devices_spec: String,
+    /// The sampling seed when a call gives none (`load_gguf(seed=...)`, as `Llama(seed=...)`).
+    pub(crate) seed: Option<u64>,
+    /// The last generation's timings (`Model.timings`).
+    pub(crate) timings: Option<we::Timings>,
+}
+
+/// A model: a checkpoint and the devices it may use. Nothing is loaded until `load()`,
+/// `load_autosplit()` or `load_tp()`.
+#[pyclass(module = "weightlift._native", frozen)]
+pub struct Model {
+    pub(crate) inner: Mutex<ModelInner>,
+    pub(crate) checkpoint: Arc<wf::Checkpoint>,
+}
+
+impl Model {
+    pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, ModelInner>> {
+        match self.inner.try_lock() {
+            Ok(g) => Ok(g),
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(PyRuntimeError::new_err(
+                "the model is busy (a load is running on another thread)",
+            )),
+        }
+    }
+
+    pub(crate) fn open_source(
+        source: &Bound<'_, PyAny>,
+        open: wf::OpenOptions,
+    ) -> PyResult<Arc<wf::Checkpoint>> {
+        if let Ok(c) = source.cast::<crate::format::Checkpoint>() {
+            return c.get().shared();
+        }
+        let path: PathBuf = source.extract().map_err(|_| {
+            PyTypeError::new_err("source must be a weightlift.Checkpoint or a path")
+        })?;
+        enter(source.py(), || wf::Checkpoint::open(&path, open)).map(Arc::new)
+    }
+
+    /// A model of `ckpt` on `devices` (None: the real machine), nothing loaded yet.
+    pub(crate) fn with_checkpoint(
+        ckpt: Arc<wf::Checkpoint>,
+        devices: Option<DevicesSpec>,
+        dtype: &str,
+        runtime: Option<RuntimeArg>,
+        compute: &str,
+        n_threads: Option<usize>,
+    ) -> PyResult<Self> {
+        let compute = eng(we::forward::Compute::parse(compute))?;
+        let devices = devices.map(|d| d.0);
+        let inv = inventory_for(devices.as_deref())?;
+        let dtype = wp::DTypeChoice::parse(dtype).map_err(py_err)?;
+        let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
+        let devices_spec = devices.unwrap_or_else(|| inv.spec());
+        let mut model = EModel::new(src, inv);
+        model.set_compute(compute);
+        if let Some(n) = n_threads {
+            eng(model.set_threads(n))?;
+        }
+        Ok(Model {
+            inner: Mutex::new(ModelInner {
+                model,
+                plan: None,
+                dtype,
+                runtime: runtime.map(|r| r.0).unwrap_or_default(),
+                devices_spec,
+                seed: None,
+                timings: None,
+            }),
+            checkpoint: ckpt,
+        })
+    }
+
+    /// Plan (unless a plan is given) with `options` over the model's own request, and load,
+    /// with the GIL released.
+    pub(crate) fn run_load(
+        &self,
+        py: Python<'_>,
+        plan: Option<wp::Plan>,
+        options: wp::PlanOptions,
+        cache: Option<Arc<ECache>>,
+        opts: LoadOptions,
+        mut reporter: Reporter,
+    ) -> PyResult<()> {
+        let mut inner = self.lock()?;
+        let plan = match plan {
+            Some(p) => {
+                if options != wp::PlanOptions::default() {
+                    return Err(raise(
+                        Exc::Plan,
+                        "load: got a plan and placement options; a plan already says where \
+                         everything goes, so pass one or the other",
+                    ));
+                }
+                p
+            }
+            None => {
+                let mut req = eng(inner.model.plan_request())?;
+                req.dtype = inner.dtype;
+                req.runtime = inner.runtime;
+                req.use_mmap = opts.use_mmap;
+                req.staging_bytes = opts.staging_bytes as u64;
+                if let Some(c) = &cache {
+                    // Offloaded, the plan charges the whole cache to the cpu and the prefetch
+                    // slots to each layer device, as the cache allocates them.
+                    req.cache = Some(we::planned::cache_spec(c.config()));
+                }
+                options.apply(&mut req).map_err(py_err)?;
+                enter(py, || wp::plan(&req))?
+            }
+        };
+        let placement = eng(inner.model.placement(&plan))?;
+        let inner_ref = &mut *inner;
+        // Released by hand rather than through `enter`: the reporter re-attaches during the
+        // load to call the user's callback and check for Ctrl-C, and `finish` maps a
+        // cancellation (by either) to its exception once everything is freed.
+        let r = py.detach(|| {
+            inner_ref
+                .model
+                .load(&placement, &opts, cache.as_ref(), true, &mut |p| {
+                    reporter.report(p)
+                })
+        });
+        reporter.finish(r)?;
+        inner.plan = Some(plan);
+        Ok(())
+    }
+}
+
+/// exllamav2's TPContext sizing, as `load_tp` and `TPContext` take it.
+pub(crate) fn tp_options(
+    gpu_split: Option<Vec<f64>>,
+    expect_cache_tokens: u64,
+    expect_cache_base: Option<&str>,
+) -> PyResult<wp::PlanOptions> {
+    let dtype = wp::CacheDType::parse(expect_cache_base.unwrap_or("fp16")).map_err(py_err)?;
+    Ok(wp::PlanOptions {
+        strategy: Some("tensor_parallel".into()),
+        gpu_split,
+        expect_cache: Some(wp::ExpectCache {
+            tokens: expect_cache_tokens,
+            dtype,
+        }),
+        ..wp::PlanOptions::default()
+    })
+}
+
+pub(crate) fn load_options(
+    use_mmap: bool,
+    use_direct_io: bool,
+    check_tensors: bool,
+    staging_bytes: Option<u64>,
+) -> LoadOptions {
+    let mut o = LoadOptions {
+        use_mmap,
+        use_direct_io,
+        check_tensors,
+        ..LoadOptions::default()
+    };
+    if let Some(s) = staging_bytes {
+        o.staging_bytes = s as usize;
+    }
+    o
+}
+
+fn plan_from_obj(plan: &Bound<'_, PyAny>) -> PyResult<wp::Plan> {
+    let json: String = if let Ok(s) = plan.extract::<String>() {
+        s
+    } else {
+        plan.call_method0("to_json")?.extract()?
+    };
+    wp::Plan::from_json(&json).map_err(py_err)
+}
+
+fn cache_arg(cache: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<ECache>>> {
+    match cache {
+        None => Ok(None),
+        Some(c) if c.is_none() => Ok(None),
+        Some(c) => Ok(Some(Arc::clone(
+            &c.cast::<Cache>()
+                .map_err(|_| PyTypeError::new_err("cache must be a weightlift.Cache"))?
+                .get()
+                .cache,
+        ))),
+    }
+}
+
+#[pymethods]
+impl Model {
+    /// `source`: a `Checkpoint` or a path. `devices`: the accelerator inventory as a spec
+    /// (`"virtual:2x64MiB"`, `"cuda:0,cuda:1"`); `cpu` is always available. `None` is the real
+    /// machine: `cpu` plus every CUDA device found (in a build with the `cuda` feature). `dtype`: `"auto"`
+    /// keeps stored dtypes, `"float16"` converts F32/BF16 weights. `runtime`: a `RuntimeSpec`
+    /// or dict (`max_input_len`, `max_attention_size`, `max_dq_size`, `low_mem`). `compute`:
+    /// `"fast"` (8-bit activations with quantised weights, as llama.cpp) or `"exact"` (f32 on
+    /// dequantised weights). `n_threads`: the forward pass's threads (default: physical cores).
+    #[new]
+    #[pyo3(signature = (source, *, devices = None, dtype = "auto", runtime = None, compute = "fast", n_threads = None))]
+    pub(crate) fn new(
+        source: &Bound<'_, PyAny>,
+        devices: Option<DevicesSpec>,
+        dtype: &str,
+        runtime: Option<RuntimeArg>,
+        compute: &str,
+        n_threads: Option<usize>,
+    ) -> PyResult<Self> {
+        let ckpt = Model::open_source(source, wf::OpenOptions::default())?;
+        Model::with_checkpoint(ckpt, devices, dtype, runtime, compute, n_threads)
+    }
+
+    /// Load by `plan` (a `Plan` or its JSON), or plan now with the placement keywords of
+    /// `weightlift.plan` (`strategy`, `reserve`, `max_memory`, `overhead`, `n_gpu_layers`,
+    /// `split_mode`, `tensor_split`, `main_gpu`, `device_map`, `overrides`, `gpu_split`,
+    /// `allow_disk`), which mean here what they mean there. `cache` is a `Cache` (allocated
+    /// lazily, layer by layer beside each layer) or a `CacheSpec` or dict (the model allocates
+    /// that cache itself).
+    ///
+    /// `callback(bytes_done, bytes_total, tensor, device)` returning False cancels: everything
+    /// is freed and `LoadCancelled` is raised. Ctrl-C raises KeyboardInterrupt the same way.
+    #[pyo3(signature = (plan = None, *, progress = false, callback = None, cache = None,
+                        use_mmap = true, use_direct_io = false, check_tensors = false,
+                        staging_bytes = None, strategy = None, reserve = None, max_memory = None,
+                        overhead = None, n_gpu_layers = None, split_mode = None,
+                        tensor_split = None, main_gpu = None, device_map = None, overrides = None,
+                        gpu_split = None, allow_disk = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        &self,
+        py: Python<'_>,
+        plan: Option<&Bound<'_, PyAny>>,
+        progress: bool,
+        callback: Option<Py<PyAny>>,
+        cache: Option<&Bound<'_, PyAny>>,
+        use_mmap: bool,
+        use_direct_io: bool,
+        check_tensors: bool,
+        staging_bytes: Option<u64>,
+        strategy: Option<String>,
+        reserve: Option<Sizes>,
+        max_memory: Option<Sizes>,
+        overhead: Option<Sizes>,
+        n_gpu_layers: Option<i64>,
+        split_mode: Option<String>,
+        tensor_split: Option<Vec<f32>>,
+        main_gpu: Option<usize>,
+        device_map: Option<DeviceMapValue>,
+        overrides: Option<Overrides>,
+        gpu_split: Option<Vec<f64>>,
+        allow_disk: Option<bool>,
+    ) -> PyResult<()> {
+        let plan = plan
+            .filter(|p| !p.is_none())
+            .map(plan_from_obj)
+            .transpose()?;
+        let cache = match cache.filter(|c| !c.is_none()) {
+            None => None,
+            Some(c) => match c.cast::<Cache>() {
+                Ok(c) => Some(Arc::clone(&c.get().cache)),
+                // a shape: the model allocates that cache, so what is held matches the plan
+                Err(_) => {
+                    let spec = c.extract::<CacheArg>()?.0;
+                    let inner = self.lock()?;
+                    let cfg = eng(inner.model.cache_config(
+                        spec.max_seq_len,
+                        spec.batch_size,
+                        spec.dtype,
+                        spec.offload,
+                    ))?;
+                    Some(Arc::new(eng(ECache::new(cfg))?))
+                }
+            },
+        };
+        let placement = PlacementArgs {
+            strategy,
+            reserve,
+            max_memory,
+            overhead,
+            n_gpu_layers,
+            split_mode,
+            tensor_split,
+            main_gpu,
+            device_map,
+            overrides,
+            gpu_split,
+        };
+        let options = wp::PlanOptions {
+            allow_disk,
+            ..placement.options()
+        };
+        let opts = load_options(use_mmap, use_direct_io, check_tensors, staging_bytes);
+        self.run_load(
+            py,
+            plan,
+            options,
+            cache,
+            opts,
+            Reporter::new(callback, progress),
+        )
+    }
+
+    /// exllamav2's `load_autosplit`: fill the accelerators in order, each layer's cache beside
+    /// it, keeping `reserve_vram` free (one size for every accelerator, a list in accelerator
+    /// order, or a dict by device; bytes or strings such as `"256MiB"`).
+    #[pyo3(signature = (cache = None, reserve_vram = None, *, progress = false, callback = None))]
+    fn load_autosplit(
+        &self,
+        py: Python<'_>,
+        cache: Option<&Bound<'_, PyAny>>,
+        reserve_vram: Option<Sizes>,
+        progress: bool,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let options = wp::PlanOptions {
+            strategy: Some("autosplit".into()),
+            reserve: reserve_vram.map(|r| r.0),
+            ..wp::PlanOptions::default()
+        };
+        self.run_load(
+            py,
+            None,
+            options,
+            cache_arg(cache)?,
+            LoadOptions::default(),
+            Reporter::new(callback, progress),
+        )
+    }
+
+    /// exllamav2's `load_tp`: weights split over the accelerators by the TPContext tables.
+    /// `gpu_split` in GB per device (None: each device's free memory); the expected cache
+    /// (`expect_cache_tokens`, 0 = the model's context length; `expect_cache_base` a cache dtype)
+    /// is subtracted when splitting.
+    #[pyo3(signature = (gpu_split = None, expect_cache_tokens = 0, expect_cache_base = None, *, progress = false, callback = None))]
+    fn load_tp(
+        &self,
+        py: Python<'_>,
+        gpu_split: Option<Vec<f64>>,
+        expect_cache_tokens: u64,
+        expect_cache_base: Option<&str>,
+        progress: bool,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let options = tp_options(gpu_split, expect_cache_tokens, expect_cache_base)?;
+        self.run_load(
+            py,
+            None,
+            options,
+            None,
+            LoadOptions::default(),
+            Reporter::new(callback, progress),
+        )
+    }
+
+    /// Free every tensor and cache layer this model holds.
+    fn unload(&self, py: Python<'_>) -> PyResult<()> {
+        let mut inner = self.lock()?;
+        let inner_ref = &mut *inner;
+        enter(py, || {
+            inner_ref.model.unload();
+            Ok::<(), PyErr>(())
+        })?;
+        inner.plan = None;
+        Ok(())
+    }
+
+    #[getter]
+    fn loaded(&self) -> PyResult<bool> {
+        Ok(self.lock()?.model.is_loaded())
+    }
+
+    /// The plan of the last load (a `weightlift.Plan` when the plan bindings are present, else
+    /// its JSON as a dict), or None.
+    #[getter]
+    fn plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(json) = self.lock()?.plan.as_ref().map(wp::Plan::to_json) else {
+            return Ok(None);
+        };
+        let native = py.import("weightlift._native")?;
+        if let Ok(cls) = native.getattr("Plan")
+            && let Ok(p) = cls.call_method1("from_json", (json.as_str(),))
+        {
+            return Ok(Some(p));
+        }
+        Ok(Some(py.import("json")?.call_method1("loads", (json,))?))
+    }
+
+    /// The last plan as JSON (None before a load).
+    fn plan_json(&self) -> PyResult<Option<String>> {
+        Ok(self.lock()?.plan.as_ref().map(wp::Plan::to_json))
+    }
+
+    /// Bytes held per device: weights (mmap views count on `cpu`), cache layers, scratch.
+    fn memory(&self) -> PyResult<HashMap<String, u64>> {
+        Ok(self.lock()?.model.memory().into_iter().collect())
+    }
+
+    /// Bytes allocated right now per device (arena accounting; mmap views are not allocations).
+    fn device_usage(&self) -> PyResult<HashMap<String, u64>> {
+        Ok(self.lock()?.model.device_usage().into_iter().collect())
+    }
+
+    /// The device spec this model was made with (with `devices=None`, the detected machine's,
+    /// e.g. `"cuda:0,cpu"`).
+    #[getter]
+    fn devices(&self) -> PyResult<String> {
+        Ok(self.lock()?.devices_spec.clone())
+    }
+
+    /// Bytes of memory-mapped tensors locked in RAM (`use_mlock`).
+    #[getter]
+    fn locked_bytes(&self) -> PyResult<u64> {
+        Ok(self.lock()?.model.locked_bytes())
+    }
+
+    /// Warnings from the last load (O_DIRECT fallback, unvalidated architecture, ...).
+    #[getter]
+    fn warnings(&self) -> PyResult<Vec<String>> {
+        Ok(self.lock()?.model.warnings().to_vec())
+    }
+
+    /// The device of a tensor; a split tensor gives its devices joined by commas.
+    fn device_of(&self, name: &str) -> PyResult<String> {
+        eng(self.lock()?.model.device_of(name))
+    }
+
+    /// The device of each layer.
+    #[getter]
+    fn layer_devices(&self) -> PyResult<Vec<String>> {
+        Ok(eng(self.lock()?.model.layer_devices())?.to_vec())
+    }
+
+    /// A numpy copy of a tensor from wherever it lives (split tensors are reassembled, CUDA
+    /// memory is copied back). Raw quantised blocks come back as uint8 rows; `dequantize=True`
+    /// gives float32, decoded at most `runtime.max_dq_size` values at a time so transient
+    /// buffers stay within that chunk limit.
+    #[pyo3(signature = (name, dequantize = false))]
+    fn tensor<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        dequantize: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let inner = self.lock()?;
+        if dequantize {
+            let max_dq = inner.runtime.max_dq_size;
+            let model = &inner.model;
+            let d = enter(py, || model.dequantized(name, max_dq))?;
+            drop(inner);
+            let arr = PyArray1::from_vec(py, d.values);
+            return arr.call_method1("reshape", (PyTuple::new(py, d.shape)?,));
+        }
+        let (bytes, dtype, shape) = eng(inner.model.tensor_bytes(name))?;
+        drop(inner);
+        to_numpy(py, &bytes, dtype, &shape)
+    }
+
+    fn __repr__(&self) -> String {
+        match self.inner.try_lock() {
+            Ok(i) => format!(
+                "Model('{}', devices='{}', loaded={})",
+                self.checkpoint.path().display(),
+                i.devices_spec,
+                i.model.is_loaded()
+            ),
+            Err(_) => format!("Model('{}', loading)", self.checkpoint.path().display()),
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! Python values → the planner's option types. Conversion only: what an option means is decided
+//! once, by `weightlift_plan::PlanOptions`, for every entry point.
+//!
+//! Each type here is a `FromPyObject`, so a wrong type fails at the argument with PyO3's
+//! "argument 'NAME': ..." prefix, and a wrong value with the planner's typed error.
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use weightlift_engine as we;
+use weightlift_plan as wp;
+
+use crate::cache::Cache;
+use crate::errors::py_err;
+use crate::plan::{CacheSpec, RuntimeSpec};
+
+fn type_error(expected: &str, obj: &Bound<'_, PyAny>) -> PyErr {
+    let got = obj
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    PyTypeError::new_err(format!("expected {expected}, got {got}"))
+}
+
+/// A size: a non-negative int of bytes, or a string such as `"512MiB"` or `"8G"`.
+pub struct Size(pub u64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Size {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(s) = obj.cast::<PyString>() {
+            return wp::parse_size(s.to_str()?).map(Size).map_err(py_err);
+        }
+        obj.extract::<u64>().map(Size).map_err(|_| {
+            type_error(
+                "a size: an int of bytes (≥ 0) or a string such as \"512MiB\"",
+                &obj,
+            )
+        })
+    }
+}
+
+/// A device as users name it: a name (`"cuda:1"`, `"cpu"`) or an accelerator index (`0`).
+pub struct DeviceKey(pub String);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for DeviceKey {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(i) = obj.extract::<u64>() {
+            return Ok(DeviceKey(i.to_string()));
+        }
+        obj.extract::<String>().map(DeviceKey).map_err(|_| {
+            type_error(
+                "a device name such as \"cuda:0\" or an accelerator index",
+                &obj,
+            )
+        })
+    }
+}
+
+/// Sizes per device: one size (every accelerator), a list (accelerator order) or a dict keyed
+/// by device name or accelerator index.
+pub struct Sizes(pub wp::PerDevice);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Sizes {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(d) = obj.cast::<PyDict>() {
+            let mut entries = Vec::new();
+            for (k, v) in d.iter() {
+                entries.push((k.extract::<DeviceKey>()?.0, v.extract::<Size>()?.0));
+            }
+            return Ok(Sizes(wp::PerDevice::Map(entries)));
+        }
+        if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+            let mut values = Vec::new();
+            for v in obj.try_iter()? {
+                values.push(v?.extract::<Size>()?.0);
+            }
+            return Ok(Sizes(wp::PerDevice::List(values)));
+        }
+        Ok(Sizes(wp::PerDevice::All(obj.extract::<Size>()?.0)))
+    }
+}
+
+/// A `device_map`: a preset or device name, or a dict of module/layer prefix → device with
+/// `"re:PATTERN"` keys as llama.cpp `-ot` overrides.
+pub struct DeviceMapValue(pub wp::DeviceMapArg);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for DeviceMapValue {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(s) = obj.cast::<PyString>() {
+            return Ok(DeviceMapValue(wp::DeviceMapArg::Named(
+                s.to_str()?.to_owned(),
+            )));
+        }
+        let d = obj.cast::<PyDict>().map_err(|_| {
+            type_error(
+                "'auto', 'balanced', 'balanced_low_0', 'sequential', a device name, or a dict \
+                 of module or layer prefix -> device",
+                &obj,
+            )
+        })?;
+        let mut entries = Vec::new();
+        for (k, v) in d.iter() {
+            entries.push((k.extract::<String>()?, v.extract::<DeviceKey>()?.0));
+        }
+        Ok(DeviceMapValue(wp::DeviceMapArg::Entries(entries)))
+    }
+}
+
+/// llama.cpp `-ot` rules: `"REGEX=DEVICE,..."`, a list of such strings, or a dict
+/// regex → device.
+pub struct Overrides(pub Vec<(String, String)>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Overrides {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let mut rules = Vec::new();
+        if let Ok(s) = obj.cast::<PyString>() {
+            rules = wp::DeviceMap::parse_overrides(s.to_str()?).map_err(py_err)?;
+        } else if let Ok(d) = obj.cast::<PyDict>() {
+            for (k, v) in d.iter() {
+                rules.push((k.extract::<String>()?, v.extract::<DeviceKey>()?.0));
+            }
+        } else {
+            let items = obj.try_iter().map_err(|_| {
+                type_error("\"REGEX=DEVICE\" rules: a string, a list or a dict", &obj)
+            })?;
+            for rule in items {
+                let rule: String = rule?.extract()?;
+                rules.extend(wp::DeviceMap::parse_overrides(&rule).map_err(py_err)?);
+            }
+        }
+        Ok(Overrides(rules))
+    }
+}
+
+/// A device spec: a string (`"virtual:2x8GiB,cpu"`) or a list of such strings.
+pub struct DevicesSpec(pub String);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for DevicesSpec {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(s) = obj.cast::<PyString>() {
+            return Ok(DevicesSpec(s.to_str()?.to_owned()));
+        }
+        let expected = "a device spec such as \"virtual:2x8GiB,cpu\" or a list of such strings";
+        let items = obj.try_iter().map_err(|_| type_error(expected, &obj))?;
+        let mut parts = Vec::new();
+        for item in items {
+            let item = item?;
+            parts.push(
+                item.extract::<String>()
+                    .map_err(|_| type_error(expected, &item))?,
+            );
+        }
+        Ok(DevicesSpec(parts.join(",")))
+    }
+}
+
+/// Reads a field from a dict or an attribute of an object.
+fn field<'py>(obj: &Bound<'py, PyAny>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if let Ok(d) = obj.cast::<PyDict>() {
+        return d.get_item(key);
+    }
+    Ok(obj.getattr(key).ok())
+}
+
+/// A KV cache shape: a `Cache`, a `CacheSpec` or a dict with `max_seq_len` and optionally
+/// `batch_size` (1), `dtype` ("fp16") and `offload` (False).
+pub struct CacheArg(pub wp::CacheSpec);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for CacheArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(c) = obj.cast::<CacheSpec>() {
+            return Ok(CacheArg(c.get().inner));
+        }
+        if let Ok(c) = obj.cast::<Cache>() {
+            return Ok(CacheArg(we::planned::cache_spec(c.get().cache.config())));
+        }
+        let obj = obj.to_owned();
+        if !obj.is_instance_of::<PyDict>() {
+            return Err(type_error("a Cache, a CacheSpec or a dict", &obj));
+        }
+        let max_seq_len: u64 = field(&obj, "max_seq_len")?
+            .ok_or_else(|| PyTypeError::new_err("cache: the dict needs 'max_seq_len'"))?
+            .extract()?;
+        let batch: u64 = field(&obj, "batch_size")?
+            .map(|v| v.extract())
+            .transpose()?
+            .unwrap_or(1);
+        let dtype: String = field(&obj, "dtype")?
+            .map(|v| v.extract())
+            .transpose()?
+            .unwrap_or_else(|| "fp16".into());
+        let offload: bool = field(&obj, "offload")?
+            .map(|v| v.extract())
+            .transpose()?
+            .unwrap_or(false);
+        let spec = CacheSpec::new(max_seq_len, batch, &dtype, offload)?;
+        Ok(CacheArg(spec.inner))
+    }
+}
+
+/// Runtime limits: a `RuntimeSpec` or a dict of its fields (the rest default).
+pub struct RuntimeArg(pub wp::RuntimeSpec);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RuntimeArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(r) = obj.cast::<RuntimeSpec>() {
+            return Ok(RuntimeArg(r.get().inner));
+        }
+        let obj = obj.to_owned();
+        let Ok(d) = obj.cast::<PyDict>() else {
+            return Err(type_error("a RuntimeSpec or a dict", &obj));
+        };
+        let mut rt = wp::RuntimeSpec::default();
+        for (k, v) in d.iter() {
+            let key: String = k.extract()?;
+            match key.as_str() {
+                "max_input_len" => rt.max_input_len = v.extract()?,
+                "max_attention_size" => rt.max_attention_size = v.extract()?,
+                "max_dq_size" => rt.max_dq_size = v.extract()?,
+                "low_mem" => rt.low_mem = v.extract()?,
+                _ => {
+                    return Err(PyTypeError::new_err(format!(
+                        "runtime: unknown field '{key}'; expected max_input_len, \
+                         max_attention_size, max_dq_size or low_mem"
+                    )));
+                }
+            }
+        }
+        Ok(RuntimeArg(rt))
+    }
+}

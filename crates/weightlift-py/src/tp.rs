@@ -1,0 +1,367 @@
+//! `TPContext`: exllamav2's tensor-parallel context over the model's accelerators.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use weightlift_engine::tp::{HostStaged, Rope, TpContext};
+use weightlift_engine::{self as we, Device};
+use weightlift_format::DType;
+use weightlift_plan as wp;
+
+use crate::devices::{DeviceTensor, to_numpy};
+use crate::errors::{Exc, eng, enter, py_err, raise};
+use crate::model::{Model, tp_options};
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<TPContext>()?;
+    m.add("BROADCAST_KV", we::tp::BROADCAST_KV)?;
+    m.add("BROADCAST_ID", we::tp::BROADCAST_ID)?;
+    m.add("BROADCAST_VC", we::tp::BROADCAST_VC)?;
+    m.add("BROADCAST_RS", we::tp::BROADCAST_RS)?;
+    m.add("BROADCAST_Q", we::tp::BROADCAST_Q)?;
+    Ok(())
+}
+
+/// exllamav2's `TPContext`: the five split tables (from the planner), collectives over the
+/// accelerators (host-staged copies; real copies between virtual arenas), per-device RoPE
+/// tables and scratch.
+#[pyclass(module = "weightlift._native", frozen, name = "TPContext")]
+pub struct TPContext {
+    ctx: Mutex<TpContext>,
+    cpu: Arc<Device>,
+    staging_bytes: u64,
+    _model: Py<Model>,
+}
+
+fn tensors_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<Py<DeviceTensor>>> {
+    let list: Vec<Bound<'_, PyAny>> = list.extract()?;
+    list.iter()
+        .map(|t| {
+            t.cast::<DeviceTensor>()
+                .map(|b| b.clone().unbind())
+                .map_err(|_| PyTypeError::new_err("expected a list of DeviceTensor"))
+        })
+        .collect()
+}
+
+impl TPContext {
+    fn lock(&self) -> MutexGuard<'_, TpContext> {
+        self.ctx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[pymethods]
+impl TPContext {
+    /// `gpu_split`: GB per accelerator (None: each device's free memory). `expect_cache_tokens`
+    /// (0: the model's context length × batch 1) of `expect_cache_base` (a cache dtype) are
+    /// subtracted before splitting, as exllamav2 does.
+    #[new]
+    #[pyo3(signature = (model, gpu_split = None, expect_cache_tokens = 0, expect_cache_base = None))]
+    fn new(
+        py: Python<'_>,
+        model: &Bound<'_, Model>,
+        gpu_split: Option<Vec<f64>>,
+        expect_cache_tokens: u64,
+        expect_cache_base: Option<&str>,
+    ) -> PyResult<Self> {
+        let m = model.get();
+        let inner = m.lock()?;
+        let spec = m.checkpoint.spec().map_err(|e| {
+            raise(
+                Exc::Unsupported,
+                format!("tensor parallelism needs the architecture: {e}"),
+            )
+        })?;
+        let tokens = if expect_cache_tokens == 0 {
+            spec.context_length
+        } else {
+            expect_cache_tokens
+        };
+        // Reuse a TP plan from load_tp; otherwise plan the split now.
+        let tp = match inner.plan.as_ref().and_then(|p| p.tp()) {
+            Some(tp) if gpu_split.is_none() => tp.clone(),
+            _ => {
+                let mut req = eng(inner.model.plan_request())?;
+                req.runtime = inner.runtime;
+                tp_options(gpu_split, expect_cache_tokens, expect_cache_base)?
+                    .apply(&mut req)
+                    .map_err(py_err)?;
+                let plan = enter(py, || wp::plan(&req))?;
+                plan.tp().cloned().ok_or_else(|| {
+                    raise(
+                        Exc::Weightlift,
+                        "the planner returned no tensor-parallel tables",
+                    )
+                })?
+            }
+        };
+        let devices = inner.model.inventory().accelerators().to_vec();
+        let cpu = Arc::clone(inner.model.inventory().cpu());
+        let rope = Rope {
+            theta: spec.rope_theta,
+            dim: spec.rope_dim,
+            head_dim: spec.head_dim,
+            max_seq_len: tokens.min(spec.context_length.max(1)),
+        };
+        let ctx = eng(TpContext::new(
+            we::planned::splits(&tp),
+            devices,
+            rope,
+            Box::new(HostStaged),
+        ))?;
+        // exllamav2 sizes its pinned temps as max(max_input_len × vocab, max_input_len × intermediate)
+        // halves.
+        let rt = inner.runtime;
+        let staging_bytes = rt
+            .max_input_len
+            .saturating_mul(spec.vocab_size.max(spec.intermediate_size))
+            .saturating_mul(2);
+        drop(inner);
+        Ok(TPContext {
+            ctx: Mutex::new(ctx),
+            cpu,
+            staging_bytes,
+            _model: model.clone().unbind(),
+        })
+    }
+
+    #[getter]
+    fn kv_split(&self) -> Vec<(usize, u64, u64)> {
+        self.lock().splits().kv.clone()
+    }
+    #[getter]
+    fn id_split(&self) -> Vec<(usize, u64, u64)> {
+        self.lock().splits().id.clone()
+    }
+    #[getter]
+    fn vc_split(&self) -> Vec<(usize, u64, u64)> {
+        self.lock().splits().vc.clone()
+    }
+    #[getter]
+    fn rs_split(&self) -> Vec<(usize, u64, u64)> {
+        self.lock().splits().rs.clone()
+    }
+    #[getter]
+    fn q_split(&self) -> Vec<(usize, u64, u64)> {
+        self.lock().splits().q.clone()
+    }
+
+    fn get_split(&self, broadcast_type: usize) -> PyResult<Vec<(usize, u64, u64)>> {
+        eng(self.lock().get_split(broadcast_type).cloned())
+    }
+
+    fn get_devs(&self, broadcast_type: usize) -> PyResult<Vec<usize>> {
+        eng(self.lock().get_devs(broadcast_type))
+    }
+
+    fn all_devices(&self) -> Vec<usize> {
+        self.lock().all_devices()
+    }
+
+    /// The device name of table index `i`.
+    fn device_name(&self, i: usize) -> PyResult<String> {
+        eng(self.lock().device(i).map(|d| d.name().to_owned()))
+    }
+
+    /// Allocate the two host staging buffers (exllamav2's pinned temps).
+    fn finalize(&self) -> PyResult<()> {
+        eng(self.lock().finalize(&self.cpu, self.staging_bytes))
+    }
+
+    fn unload(&self) {
+        self.lock().unload();
+    }
+
+    /// One copy of `tensor` on each device of table `broadcast_type`.
+    #[pyo3(signature = (buffer, tensor, broadcast_type, dim = 1))]
+    fn broadcast(
+        &self,
+        buffer: usize,
+        tensor: &Bound<'_, DeviceTensor>,
+        broadcast_type: usize,
+        dim: u64,
+    ) -> PyResult<Vec<DeviceTensor>> {
+        let ctx = self.lock();
+        tensor.get().with(|t| {
+            eng(ctx.broadcast(buffer, t, broadcast_type, dim))
+                .map(|v| v.into_iter().map(DeviceTensor::new).collect())
+        })
+    }
+
+    /// Concatenate per-device slices (one per device of the table, in order) along the columns
+    /// into a host numpy array `(rows, end·dim)`.
+    #[pyo3(signature = (buffer, inputs, broadcast_type, dim = 1))]
+    fn gather<'py>(
+        &self,
+        py: Python<'py>,
+        buffer: usize,
+        inputs: &Bound<'py, PyAny>,
+        broadcast_type: usize,
+        dim: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let list = tensors_of(inputs)?;
+        let guards: Vec<_> = list.iter().map(|t| t.get().lock()).collect();
+        let refs: Vec<&we::DeviceTensor> = guards
+            .iter()
+            .map(|g| {
+                g.as_ref()
+                    .ok_or_else(|| raise(Exc::Device, "a gather input was freed"))
+            })
+            .collect::<PyResult<_>>()?;
+        let dtype = refs.first().map_or(DType::F32, |t| t.dtype());
+        let (bytes, rows, cols) = eng(self.lock().gather(buffer, &refs, broadcast_type, dim))?;
+        drop(guards);
+        to_numpy(py, &bytes, dtype, &[rows, cols])
+    }
+
+    /// Gather over `broadcast_type_g`, then broadcast the result to table `broadcast_type_b`.
+    #[pyo3(signature = (buffer, inputs, broadcast_type_g, broadcast_type_b, dim = 1))]
+    fn allgather(
+        &self,
+        buffer: usize,
+        inputs: &Bound<'_, PyAny>,
+        broadcast_type_g: usize,
+        broadcast_type_b: usize,
+        dim: u64,
+    ) -> PyResult<Vec<DeviceTensor>> {
+        let list = tensors_of(inputs)?;
+        let guards: Vec<_> = list.iter().map(|t| t.get().lock()).collect();
+        let refs: Vec<&we::DeviceTensor> = guards
+            .iter()
+            .map(|g| {
+                g.as_ref()
+                    .ok_or_else(|| raise(Exc::Device, "an allgather input was freed"))
+            })
+            .collect::<PyResult<_>>()?;
+        let out =
+            eng(self
+                .lock()
+                .allgather(buffer, &refs, broadcast_type_g, broadcast_type_b, dim))?;
+        Ok(out.into_iter().map(DeviceTensor::new).collect())
+    }
+
+    /// On each device `i` of the table: `target[i] += source[i][:, a·dim : b·dim]` (in place).
+    #[pyo3(signature = (target, source, broadcast_type, dim = 1))]
+    fn add_residual(
+        &self,
+        target: &Bound<'_, PyAny>,
+        source: &Bound<'_, PyAny>,
+        broadcast_type: usize,
+        dim: u64,
+    ) -> PyResult<()> {
+        let targets = tensors_of(target)?;
+        let sources = tensors_of(source)?;
+        let mut taken = Vec::with_capacity(targets.len());
+        for t in &targets {
+            match t.get().lock().take() {
+                Some(x) => taken.push(x),
+                None => {
+                    for (t, x) in targets.iter().zip(taken) {
+                        *t.get().lock() = Some(x);
+                    }
+                    return Err(raise(Exc::Device, "an add_residual target was freed"));
+                }
+            }
+        }
+        let result = {
+            let guards: Vec<_> = sources.iter().map(|t| t.get().lock()).collect();
+            let refs: Option<Vec<&we::DeviceTensor>> = guards.iter().map(|g| g.as_ref()).collect();
+            match refs {
+                Some(refs) => eng(self
+                    .lock()
+                    .add_residual(&mut taken, &refs, broadcast_type, dim)),
+                None => Err(raise(
+                    Exc::Device,
+                    "an add_residual source was freed (or is also a target)",
+                )),
+            }
+        };
+        for (t, x) in targets.iter().zip(taken) {
+            *t.get().lock() = Some(x);
+        }
+        result
+    }
+
+    fn wait_streams(&self) -> PyResult<()> {
+        eng(self.lock().wait_streams())
+    }
+
+    /// Per-device RoPE tables: `(sin, cos)`, two lists of DeviceTensors `(max_seq_len, head_dim)`
+    /// f32, one per device of `all_devices()`.
+    fn get_sin_cos(&self) -> PyResult<(Vec<DeviceTensor>, Vec<DeviceTensor>)> {
+        let mut ctx = self.lock();
+        let tables = eng(ctx.get_sin_cos())?;
+        let mut sin = Vec::new();
+        let mut cos = Vec::new();
+        for (s, c) in tables {
+            sin.push(DeviceTensor::new(eng(s.copy_to(s.device()))?));
+            cos.push(DeviceTensor::new(eng(c.copy_to(c.device()))?));
+        }
+        Ok((sin, cos))
+    }
+
+    fn begin_scratch_alloc_tp(&self) {
+        self.lock().begin_scratch_alloc_tp();
+    }
+
+    /// Reserve scratch bytes per device index.
+    fn reserve_scratch(&self, scratch: Vec<u64>) -> PyResult<()> {
+        eng(self.lock().reserve_scratch(&scratch))
+    }
+
+    /// One scratch slice per device of the table, `(rows, (b - a)·dim)`: a list of
+    /// `(device_index, offset, rows, cols)`.
+    #[pyo3(signature = (rows, dtype, broadcast_type, dim = 1))]
+    fn get_scratch_slice_tp(
+        &self,
+        rows: u64,
+        dtype: &str,
+        broadcast_type: usize,
+        dim: u64,
+    ) -> PyResult<Vec<(usize, u64, u64, u64)>> {
+        let d = scratch_dtype(dtype)?;
+        let s = eng(self
+            .lock()
+            .get_scratch_slice_tp(rows, d, broadcast_type, dim))?;
+        Ok(slice_tuples(s))
+    }
+
+    /// One full-width scratch slice per device of the table, `(rows, end·dim)`.
+    #[pyo3(signature = (rows, dtype, broadcast_type, dim = 1))]
+    fn get_scratch_slice_tp_bc(
+        &self,
+        rows: u64,
+        dtype: &str,
+        broadcast_type: usize,
+        dim: u64,
+    ) -> PyResult<Vec<(usize, u64, u64, u64)>> {
+        let d = scratch_dtype(dtype)?;
+        let s = eng(self
+            .lock()
+            .get_scratch_slice_tp_bc(rows, d, broadcast_type, dim))?;
+        Ok(slice_tuples(s))
+    }
+}
+
+/// Scratch slices as Python tuples `(device_index, offset, rows, cols)`.
+fn slice_tuples<S: IntoIterator<Item = weightlift_engine::tp::ScratchSlice>>(
+    slices: S,
+) -> Vec<(usize, u64, u64, u64)> {
+    slices
+        .into_iter()
+        .map(|x| (x.device, x.offset, x.rows, x.cols))
+        .collect()
+}
+
+fn scratch_dtype(s: &str) -> PyResult<DType> {
+    match s {
+        "float16" | "half" | "f16" => Ok(DType::F16),
+        "float32" | "float" | "f32" => Ok(DType::F32),
+        _ => Err(PyValueError::new_err(format!(
+            "scratch dtype must be 'float16' or 'float32', got '{s}'"
+        ))),
+    }
+}
