@@ -192,7 +192,8 @@ def write_tiny_llama_gguf(
 ) -> dict[str, Q]:
     """A two-layer llama with llama.cpp's tensor names and a small BPE vocab.
 
-    `poison="nan_f32"` puts a NaN at flat index 7 of ``blk.1.attn_norm.weight``;
+    `poison="nan_f32"` puts a NaN at flat index 7 of ``blk.1.attn_norm.weight``
+    (`poison="nan_output_norm"`: of ``output_norm.weight``);
     `poison="inf_q8_0"` sets the f16 scale of block 2 of ``blk.0.ffn_down.weight`` to +Inf.
     `split_max_tensors` writes a split set (``-00001-of-0000N.gguf``) through gguf-py.
     """
@@ -224,7 +225,8 @@ def write_tiny_llama_gguf(
         data = rng.standard_normal(shape).astype(np.float32) * 0.1
         if q == Q.F32:
             arr = data
-            if poison == "nan_f32" and name == "blk.1.attn_norm.weight":
+            target = {"nan_f32": "blk.1.attn_norm.weight", "nan_output_norm": "output_norm.weight"}
+            if name == target.get(poison or ""):
                 arr = data.copy()
                 arr.reshape(-1)[7] = np.nan
             w.add_tensor(name, arr)

@@ -128,7 +128,8 @@ def params(fn) -> list[tuple[str, object, object]]:
             [("path", POS, EMPTY), ("device_map", KW, "auto"), ("max_memory", KW, None)]
             + [("dtype", KW, "auto"), ("devices", KW, None)],
         ),
-        # load_gguf(path, *, n_gpu_layers=0 (llama-cpp-python's default), split_mode="layer", tensor_split=None, main_gpu=0,
+        # load_gguf(path, *, n_gpu_layers=0 (llama-cpp-python's default), split_mode="layer",
+        #   tensor_split=None, main_gpu=0,
         #   use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False,
         #   vocab_only=False, progress_callback=None, devices=None)
         (

@@ -64,6 +64,14 @@ def test_inspect_tensors(tiny_llama_gguf):
     reader = gguf.GGUFReader(tiny_llama_gguf)
     assert [t["name"] for t in doc["tensors"]] == [t.name for t in reader.tensors]
     assert [t["offset"] for t in doc["tensors"]] == [int(t.data_offset) for t in reader.tensors]
+    # the scan says that it ran, over what, and its result
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    assert doc["check"]["tensors"] == len(reader.tensors) and doc["check"]["bytes"] == total
+    assert doc["check"]["non_finite"] == 0
+    assert "check" not in json.loads(run("inspect", "--json", tiny_llama_gguf).stdout)
+    p = run("inspect", "--check-tensors", tiny_llama_gguf)
+    assert f"NaN/Inf scan of {len(reader.tensors)} tensors" in p.stdout
+    assert "is finite" in p.stdout
 
 
 def test_inspect_safetensors_folder(st_sharded):

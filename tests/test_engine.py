@@ -9,12 +9,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import gen_fixtures as gen
 import numpy as np
 import pytest
 import safetensors
 import weightlift._native as wl
 from gguf import GGUFReader
-from weightlift._errors import LoadCancelled, OutOfMemoryError, PlanError
+from weightlift._errors import FormatError, LoadCancelled, OutOfMemoryError, PlanError
 
 # Small forward passes keep the planned scratch small (the default plans 2048-token prompts).
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
@@ -177,8 +178,11 @@ def test_safetensors_on_cpu_paths_identical(tiny_llama_st: Path, sub: str) -> No
 
 
 STRATEGIES = [
-    ("virtual:2x12MiB", {"strategy": "autosplit", "cache": {"max_seq_len": 256, "dtype": "q8"}}),
-    ("virtual:3x12MiB", {"strategy": "balanced"}),
+    (
+        "virtual:2x12MiB,cpu",
+        {"strategy": "autosplit", "cache": {"max_seq_len": 256, "dtype": "q8"}},
+    ),
+    ("virtual:3x12MiB,cpu", {"strategy": "balanced"}),
     ("virtual:2x32MiB", {"n_gpu_layers": 1}),
     ("virtual:3x32MiB", {"n_gpu_layers": -1, "tensor_split": [3, 1, 1]}),
     (
@@ -356,6 +360,22 @@ def test_check_tensors_passes_on_clean_files(tiny_llama_gguf_dir: Path) -> None:
     assert_bit_exact(m, gguf_truth(tiny_llama_gguf_dir / "tiny-llama-Q4_K_M.gguf"))
 
 
+def test_check_tensors_scans_what_stays_on_the_cpu(tmp_path: Path) -> None:
+    """A NaN in a tensor every strategy keeps on the host is found too, by every loader."""
+    path = tmp_path / "nan_norm.gguf"
+    gen.write_tiny_llama_gguf(path, poison="nan_output_norm")
+    with pytest.raises(FormatError, match="output_norm.weight") as info:
+        wl.load_gguf(path, runtime=RT, check_tensors=True)
+    assert "cpu" in str(info.value) and "nan" in str(info.value)
+    m = wl.Model(path, devices="virtual:2x16MiB,cpu", runtime=RT)
+    with pytest.raises(FormatError, match="output_norm.weight"):
+        m.load(check_tensors=True, device_map="cpu")
+    assert not m.loaded
+    m.load(device_map="cpu")  # unchecked, it loads
+    assert m.loaded
+    m.unload()
+
+
 def test_load_gguf_progress_is_a_fraction_and_can_cancel(demo_gguf: Path) -> None:
     fractions: list[float] = []
     wl.load_gguf(
@@ -373,7 +393,7 @@ def test_from_pretrained_balanced(tiny_llama_st_sharded: Path) -> None:
         tiny_llama_st_sharded,
         device_map="auto",
         max_memory={0: "12MiB", 1: "12MiB", "cpu": "1GiB"},
-        devices="virtual:2x32MiB",
+        devices="virtual:2x32MiB,cpu",
         runtime=RT,
     )
     assert m.plan.strategy == "balanced"

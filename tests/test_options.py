@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import weightlift._native as wl
 from gguf import GGUFReader
-from weightlift._errors import PlanError
+from weightlift._errors import OutOfMemoryError, PlanError
 
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
 DEVICES = "virtual:2x48MiB,cpu"
@@ -146,4 +146,23 @@ def test_load_gguf_defaults_to_llamacpp_s_no_offload(tiny_llama_gguf: Path) -> N
     m.unload()
     m = wl.load_gguf(tiny_llama_gguf, devices="virtual:2x48MiB", runtime=RT, n_gpu_layers=-1)
     assert set(m.layer_devices) <= {"virtual:0", "virtual:1"}
+    m.unload()
+
+
+def test_an_unlisted_cpu_means_the_same_in_plan_and_load(tiny_llama_st: Path) -> None:
+    """Not in `devices`, the cpu holds only the input embedding, in plan() and in every loader:
+    a model that needs host RAM beyond it raises the same OutOfMemoryError, whose fixes say to
+    add cpu; listed, the same request fits."""
+    with pytest.raises(OutOfMemoryError) as planned:
+        wl.plan(tiny_llama_st, devices="virtual:2x12MiB", runtime=RT)
+    m = wl.Model(tiny_llama_st, devices="virtual:2x12MiB", runtime=RT)
+    with pytest.raises(OutOfMemoryError) as loaded:
+        m.load()
+    assert not m.loaded
+    for e in (planned.value, loaded.value):
+        assert any(f.startswith("add cpu to devices") for f in e.fixes), e.fixes
+    p = wl.plan(tiny_llama_st, devices="virtual:2x12MiB,cpu", runtime=RT)
+    m = wl.Model(tiny_llama_st, devices="virtual:2x12MiB,cpu", runtime=RT)
+    m.load()
+    assert m.plan is not None and placed(m.plan) == placed(p)
     m.unload()

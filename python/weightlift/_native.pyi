@@ -161,10 +161,9 @@ _DeviceMap = (
     Literal["auto", "balanced", "balanced_low_0", "sequential"] | str | Mapping[str, str | int]
 )
 _Overrides = str | Sequence[str] | Mapping[str, str | int]
-_CacheArg = CacheSpec | Cache | Mapping[str, Any]
-_RuntimeArg = RuntimeSpec | Mapping[str, Any]
 _Devices = str | Sequence[str]
 _Compute = Literal["fast", "exact"]
+_FitTarget = Literal["max_seq_len", "ctx", "context", "batch_size", "batch", "n_gpu_layers", "ngl"]
 
 def plan(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
@@ -172,8 +171,8 @@ def plan(
     devices: _Devices,
     strategy: _Strategy | None = None,
     dtype: str = "auto",
-    cache: _CacheArg | None = None,
-    runtime: _RuntimeArg | None = None,
+    cache: CacheSpec | Cache | Mapping[str, Any] | None = None,
+    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
     reserve: _Sizes = None,
     max_memory: _Sizes = None,
     n_gpu_layers: int | None = None,
@@ -193,12 +192,14 @@ def fit(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
     *,
     devices: _Devices,
-    target: Literal["max_seq_len", "ctx", "context", "batch_size", "batch", "n_gpu_layers", "ngl"] = "max_seq_len",
+    target: Literal[
+        "max_seq_len", "ctx", "context", "batch_size", "batch", "n_gpu_layers", "ngl"
+    ] = "max_seq_len",
     strategy: _Strategy | None = None,
     dtype: str = "auto",
-    cache: _CacheArg | None = None,
+    cache: CacheSpec | Cache | Mapping[str, Any] | None = None,
     cache_dtype: str | None = None,
-    runtime: _RuntimeArg | None = None,
+    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
     reserve: _Sizes = None,
     max_memory: _Sizes = None,
     n_gpu_layers: int | None = None,
@@ -402,7 +403,7 @@ class Model:
         *,
         devices: _Devices | None = None,
         dtype: str = "auto",
-        runtime: _RuntimeArg | None = None,
+        runtime: RuntimeSpec | Mapping[str, Any] | None = None,
         compute: _Compute = "fast",
         n_threads: int | None = None,
     ) -> Model: ...
@@ -668,7 +669,7 @@ def from_pretrained(
     max_memory: _Sizes = None,
     dtype: str = "auto",
     devices: _Devices | None = None,
-    runtime: _RuntimeArg | None = None,
+    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
     progress: bool = False,
     callback: _Callback | None = None,
     compute: _Compute = "fast",
@@ -688,7 +689,7 @@ def load_gguf(
     vocab_only: bool = False,
     progress_callback: Callable[[float], bool | None] | None = None,
     devices: _Devices | None = None,
-    runtime: _RuntimeArg | None = None,
+    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
     n_ctx: int = 512,
     n_batch: int = 512,
     type_k: str = "f16",

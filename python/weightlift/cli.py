@@ -115,6 +115,12 @@ def _print_inspect(s: dict[str, Any], with_tensors: bool) -> None:
         w(f"architecture  unknown ({s['spec_error']})\n")
     w(f"parameters    {_count(s['n_params'])} ({s['n_params']:,})\n")
     w(f"bytes         {_human(s['nbytes'])} ({s['nbytes']:,}) in {s['n_tensors']} tensors\n")
+    check = s.get("check")
+    if check:
+        w(
+            f"check         NaN/Inf scan of {check['tensors']} tensors ({_human(check['bytes'])}) "
+            f"in {check['seconds']:.2f} s: every float value and quantisation scale is finite\n"
+        )
     w("types\n")
     for name, row in s["types"].items():
         w(f"  {name:<8} {row['count']:>6} tensors  {_human(row['bytes']):>11}\n")
@@ -151,8 +157,20 @@ def _print_inspect(s: dict[str, Any], with_tensors: bool) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    import time
+
+    start = time.perf_counter()
+    # A non-finite value makes open() raise a FormatError naming the tensor and the index.
     with weightlift.open(args.path, check_tensors=args.check_tensors) as ckpt:
+        seconds = time.perf_counter() - start
         summary = _summary(ckpt, args.tensors)
+    if args.check_tensors:
+        summary["check"] = {
+            "tensors": summary["n_tensors"],
+            "bytes": summary["nbytes"],
+            "seconds": seconds,
+            "non_finite": 0,
+        }
     if args.json:
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
@@ -510,7 +528,8 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
             help="weights of a config-only plan: bfloat16, float16, q8_0, q4_k_m, ...",
         )
     p.add_argument(
-        "--reserve", help="per-device reserve: 256MiB,64MiB (accelerator order) or cuda:0=256MiB,..."
+        "--reserve",
+        help="per-device reserve: 256MiB,64MiB (accelerator order) or cuda:0=256MiB,...",
     )
     p.add_argument("--max-memory", help="per-device caps, same syntax as --reserve")
     p.add_argument("--n-gpu-layers", "-ngl", type=int, help="llama.cpp n_gpu_layers (-1: all)")

@@ -703,77 +703,44 @@ impl DeviceTensor {
 pub struct Inventory {
     accelerators: Vec<Arc<Device>>,
     cpu: Arc<Device>,
+    /// Whether `cpu` was named. The host always runs the model, but unnamed it takes only what
+    /// every strategy puts on the host anyway (the input embedding): the plan is asked for
+    /// without it, as `plan()` is for the same spec.
+    pub cpu_listed: bool,
     /// Whether `disk` was named (weights may stay in the file).
     pub disk: bool,
 }
 
 impl Inventory {
     /// Parse a spec such as `"virtual:2x64MiB"`, `"virtual:24GiB,virtual:12GiB,cpu:64GiB,disk"`,
-    /// `"cuda:0,cuda:1"` or `"cpu"`. The `cpu` device is always present; without a size its
-    /// capacity is the host's MemAvailable, or unbounded where that is unknown.
+    /// `"cuda:0,cuda:1"` or `"cpu"`, with the planner's grammar. The `cpu` device always
+    /// exists (see [`Inventory::cpu_listed`]); without a size its capacity is the host's
+    /// MemAvailable, or unbounded where that is unknown.
     pub fn parse(spec: &str) -> Result<Inventory> {
-        let mut accelerators = Vec::new();
-        let mut cpu_cap = None;
-        let mut disk = false;
-        let mut n_virtual = 0u32;
-        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (kind, arg) = item.split_once(':').unwrap_or((item, ""));
-            match kind.to_ascii_lowercase().as_str() {
-                "cpu" => {
-                    cpu_cap = if arg.is_empty() {
-                        None
-                    } else {
-                        Some(parse_size(arg)?)
-                    }
+        let mut inv = Inventory {
+            accelerators: Vec::new(),
+            cpu: Device::cpu(mem_available()),
+            cpu_listed: false,
+            disk: false,
+        };
+        for item in weightlift_plan::parse_device_items(spec)? {
+            use weightlift_plan::DeviceKind as K;
+            match item.kind {
+                K::Cpu => {
+                    inv.cpu = Device::cpu(item.capacity.or_else(mem_available));
+                    inv.cpu_listed = true;
                 }
-                "disk" => disk = true,
-                "virtual" => {
-                    let (count, size) = match arg.split_once(['x', 'X']) {
-                        Some((c, s))
-                            if c.chars().all(|ch| ch.is_ascii_digit()) && !c.is_empty() =>
-                        {
-                            let count: u32 = c
-                                .parse()
-                                .map_err(|_| invalid("device count in spec", "an integer", c))?;
-                            (count, s)
-                        }
-                        _ => (1, arg),
-                    };
-                    if count > 64 {
-                        return Err(invalid("virtual device count", "at most 64", count));
-                    }
-                    let cap = parse_size(size)?;
-                    for _ in 0..count {
-                        accelerators.push(Device::virtual_device(n_virtual, cap));
-                        n_virtual += 1;
-                    }
-                }
-                "cuda" | "gpu" => {
-                    let (ord, size) = arg.split_once(':').unwrap_or((arg, ""));
-                    let ordinal: u32 = ord.parse().map_err(|_| {
-                        invalid("cuda device in spec", "cuda:N or cuda:N:SIZE", item)
-                    })?;
-                    let cap = if size.is_empty() {
-                        None
-                    } else {
-                        Some(parse_size(size)?)
-                    };
-                    accelerators.push(Device::cuda(ordinal, cap)?);
-                }
-                _ => {
-                    return Err(invalid(
-                        "device spec",
-                        "cpu, cpu:SIZE, virtual:SIZE, virtual:NxSIZE, cuda:N or disk",
-                        format!("'{item}'"),
-                    ));
-                }
+                K::Disk => inv.disk = true,
+                K::Virtual => inv.accelerators.push(Device::virtual_device(
+                    item.ordinal,
+                    item.capacity.unwrap_or(u64::MAX),
+                )),
+                K::Cuda => inv
+                    .accelerators
+                    .push(Device::cuda(item.ordinal, item.capacity)?),
             }
         }
-        Ok(Inventory {
-            accelerators,
-            cpu: Device::cpu(cpu_cap.or_else(mem_available)),
-            disk,
-        })
+        Ok(inv)
     }
 
     /// Only the host (capacity: MemAvailable).
@@ -781,6 +748,7 @@ impl Inventory {
         Inventory {
             accelerators: Vec::new(),
             cpu: Device::cpu(mem_available()),
+            cpu_listed: true,
             disk: false,
         }
     }
@@ -836,6 +804,7 @@ impl Inventory {
         Ok(Inventory {
             accelerators,
             cpu: Device::cpu(HostProbe.cpu_available()),
+            cpu_listed: true,
             disk: false,
         })
     }
@@ -883,49 +852,6 @@ pub fn mem_available() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
-}
-
-/// Parse `"512MiB"`, `"2GiB"`, `"1.5GB"`, `"4096"` (bytes).
-pub fn parse_size(text: &str) -> Result<u64> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kib" => 1024.0,
-        "kb" => 1e3,
-        "m" | "mib" => 1024.0 * 1024.0,
-        "mb" => 1e6,
-        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "gb" => 1e9,
-        "t" | "tib" => 1024.0f64.powi(4),
-        "tb" => 1e12,
-        _ => {
-            return Err(invalid(
-                "memory size",
-                "a number with B, KiB, MiB, GiB, KB, MB or GB",
-                format!("'{text}'"),
-            ));
-        }
-    };
-    let value: f64 = num.parse().map_err(|_| {
-        invalid(
-            "memory size",
-            "a number with an optional unit",
-            format!("'{text}'"),
-        )
-    })?;
-    let bytes = value * mult;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > 2f64.powi(62) {
-        return Err(invalid(
-            "memory size",
-            "between 0 and 4 EiB",
-            format!("'{text}'"),
-        ));
-    }
-    Ok(bytes.round() as u64)
 }
 
 #[cfg(test)]
@@ -992,7 +918,6 @@ mod tests {
         assert_eq!(inv.accelerators()[1].capacity(), Some(12 << 30));
         assert_eq!(inv.cpu().capacity(), Some(64 << 30));
         assert!(inv.disk);
-        assert_eq!(parse_size("1.5GB").unwrap(), 1_500_000_000);
         assert!(
             Inventory::parse("tpu:0")
                 .unwrap_err()
@@ -1012,5 +937,13 @@ mod tests {
         }
         let e = Inventory::parse("cuda:x").unwrap_err();
         assert!(e.to_string().contains("cuda:N or cuda:N:SIZE"), "{e}");
+        // the planner's grammar: the same spec names the same devices in plan() and here
+        let e = Inventory::parse("gpu:2x1GiB").unwrap_err().to_string();
+        assert!(
+            e.contains("'2x1GiB'") && e.contains("virtual:2x1GiB"),
+            "{e}"
+        );
+        assert!(!Inventory::parse("virtual:1MiB").unwrap().cpu_listed);
+        assert!(Inventory::parse("virtual:1MiB,cpu").unwrap().cpu_listed);
     }
 }

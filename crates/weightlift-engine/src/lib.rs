@@ -48,9 +48,7 @@ pub mod tp;
 pub mod validate;
 
 pub use cache::{Cache, CacheConfig, CacheDType};
-pub use device::{
-    Buffer, Device, DeviceKind, DeviceTensor, HostProbe, Inventory, Storage, parse_size,
-};
+pub use device::{Buffer, Device, DeviceKind, DeviceTensor, HostProbe, Inventory, Storage};
 pub use error::{EngineError, Result};
 pub use generate::{FinishReason, GenerateOptions, Generation, Piece, Timings};
 pub use loader::{LoadOptions, Loaded, Progress, TensorTarget, load};

@@ -24,11 +24,13 @@ pub fn device_specs(inv: &Inventory) -> Vec<DeviceSpec> {
             DeviceSpec::new(d.name(), kind, d.capacity().unwrap_or(u64::MAX))
         })
         .collect();
-    out.push(DeviceSpec::new(
-        "cpu",
-        PlanKind::Cpu,
-        inv.cpu().capacity().unwrap_or(u64::MAX),
-    ));
+    if inv.cpu_listed {
+        out.push(DeviceSpec::new(
+            "cpu",
+            PlanKind::Cpu,
+            inv.cpu().capacity().unwrap_or(u64::MAX),
+        ));
+    }
     if inv.disk {
         out.push(DeviceSpec::new("disk", PlanKind::Disk, u64::MAX));
     }

@@ -113,13 +113,25 @@ pub fn parse_devices(spec: &str) -> Result<Vec<DeviceSpec>> {
     parse_devices_with(spec, &NoProbe)
 }
 
-/// Parse a device spec string, filling unknown capacities from `probe`.
-pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<DeviceSpec>> {
+/// One item of a device spec as written: its normalised name, kind, ordinal (cuda and virtual)
+/// and capacity when the spec gives one. The planner's inventory and the engine's devices are
+/// both built from these, so the two read a spec the same way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceItem {
+    pub name: String,
+    pub kind: DeviceKind,
+    pub ordinal: u32,
+    pub capacity: Option<u64>,
+}
+
+/// Parse a device spec string into its items, without asking any device for its memory.
+pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
     let err = |item: &str, reason: String| PlanError::DeviceSpec {
         spec: item.to_string(),
         reason,
     };
-    let mut out: Vec<DeviceSpec> = Vec::new();
+    let size = |item: &str, s: &str| parse_size(s).map_err(|e| err(item, e.to_string()));
+    let mut out: Vec<DeviceItem> = Vec::new();
     let mut n_virtual: u32 = 0;
     let items: Vec<&str> = spec.split(',').map(str::trim).collect();
     if items.iter().all(|s| s.is_empty()) {
@@ -137,46 +149,47 @@ pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<Dev
             Some((h, r)) => (h, Some(r)),
             None => (lower.as_str(), None),
         };
+        let one =
+            |name: String, kind: DeviceKind, ordinal: u32, capacity: Option<u64>| DeviceItem {
+                name,
+                kind,
+                ordinal,
+                capacity,
+            };
         match head {
             "cpu" => {
-                let capacity = match rest {
-                    None => probe.cpu_available().unwrap_or(u64::MAX),
-                    Some(s) => parse_size(s).map_err(|e| err(item, e.to_string()))?,
-                };
-                out.push(DeviceSpec::new("cpu", DeviceKind::Cpu, capacity));
+                let capacity = rest.map(|s| size(item, s)).transpose()?;
+                out.push(one("cpu".into(), DeviceKind::Cpu, 0, capacity));
             }
             "disk" => {
                 if rest.is_some() {
                     return Err(err(item, "disk takes no size; it is unbounded".into()));
                 }
-                out.push(DeviceSpec::new("disk", DeviceKind::Disk, u64::MAX));
+                out.push(one("disk".into(), DeviceKind::Disk, 0, None));
             }
             "cuda" | "gpu" => {
                 let Some(rest) = rest else {
                     return Err(err(item, "expected cuda:N or cuda:N:SIZE".into()));
                 };
-                let (ord, size) = match rest.split_once(':') {
+                let (ord, cap) = match rest.split_once(':') {
                     Some((o, s)) => (o, Some(s)),
                     None => (rest, None),
                 };
                 let ordinal: u32 = ord.parse().map_err(|_| {
                     err(
                         item,
-                        format!("expected a device ordinal after 'cuda:', got '{ord}'"),
+                        format!(
+                            "expected {head}:N or {head}:N:SIZE with N a GPU ordinal, got \
+                             '{ord}'; several simulated devices are virtual:NxSIZE, e.g. \
+                             virtual:2x1GiB"
+                        ),
                     )
                 })?;
-                let capacity = match size {
-                    Some(s) => parse_size(s).map_err(|e| err(item, e.to_string()))?,
-                    None => probe.cuda(ordinal).map(|(free, _)| free).ok_or_else(|| {
-                        err(
-                            item,
-                            format!("capacity of cuda:{ordinal} is unknown (no GPU probe); give it as cuda:{ordinal}:24GiB"),
-                        )
-                    })?,
-                };
-                out.push(DeviceSpec::new(
+                let capacity = cap.map(|s| size(item, s)).transpose()?;
+                out.push(one(
                     format!("cuda:{ordinal}"),
                     DeviceKind::Cuda,
+                    ordinal,
                     capacity,
                 ));
             }
@@ -184,10 +197,10 @@ pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<Dev
                 let Some(rest) = rest else {
                     return Err(err(
                         item,
-                        "expected virtual:SIZE or virtual:Nx SIZE, e.g. virtual:2x24GiB".into(),
+                        "expected virtual:SIZE or virtual:NxSIZE, e.g. virtual:2x24GiB".into(),
                     ));
                 };
-                let (count, size) = match rest.split_once('x') {
+                let (count, cap) = match rest.split_once('x') {
                     Some((c, s)) if !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit()) => {
                         let n: u32 = c
                             .parse()
@@ -202,12 +215,13 @@ pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<Dev
                         format!("expected 1..=1024 virtual devices, got {count}"),
                     ));
                 }
-                let capacity = parse_size(size).map_err(|e| err(item, e.to_string()))?;
+                let capacity = size(item, cap)?;
                 for _ in 0..count {
-                    out.push(DeviceSpec::new(
+                    out.push(one(
                         format!("virtual:{n_virtual}"),
                         DeviceKind::Virtual,
-                        capacity,
+                        n_virtual,
+                        Some(capacity),
                     ));
                     n_virtual += 1;
                 }
@@ -226,6 +240,31 @@ pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<Dev
         if out[..i].iter().any(|o| o.name == d.name) {
             return Err(err(spec, format!("device {} is listed twice", d.name)));
         }
+    }
+    Ok(out)
+}
+
+/// Parse a device spec string, filling unknown capacities from `probe`.
+pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<DeviceSpec>> {
+    let mut out = Vec::new();
+    for d in parse_device_items(spec)? {
+        let capacity = match (d.kind, d.capacity) {
+            (_, Some(c)) => c,
+            (DeviceKind::Cpu, None) => probe.cpu_available().unwrap_or(u64::MAX),
+            (DeviceKind::Cuda, None) => {
+                probe.cuda(d.ordinal).map(|(free, _)| free).ok_or_else(|| {
+                    PlanError::DeviceSpec {
+                        spec: d.name.clone(),
+                        reason: format!(
+                            "capacity of {0} is unknown (no GPU probe); give it as {0}:24GiB",
+                            d.name
+                        ),
+                    }
+                })?
+            }
+            (DeviceKind::Disk | DeviceKind::Virtual, None) => u64::MAX,
+        };
+        out.push(DeviceSpec::new(d.name, d.kind, capacity));
     }
     Ok(out)
 }

@@ -87,8 +87,8 @@ mod tp;
 mod workspace;
 
 pub use device::{
-    DeviceKind, DeviceSpec, MemoryProbe, NoProbe, inventory, parse_devices, parse_devices_with,
-    resolve_device,
+    DeviceItem, DeviceKind, DeviceSpec, MemoryProbe, NoProbe, inventory, parse_device_items,
+    parse_devices, parse_devices_with, resolve_device,
 };
 pub use error::{OutOfMemory, PlanError, Result, Shortfall};
 pub use memory::{CacheDType, CacheSpec, OFFLOAD_SLOTS, RuntimeSpec};
@@ -273,6 +273,25 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
         .map(Shortfall::missing)
         .max()
         .unwrap_or(0);
+    // 0. The host. Unlisted, it holds only the input embedding, which every strategy keeps
+    // there; listing it lets the rest spill to host RAM.
+    if !req.devices.iter().any(|d| d.kind == DeviceKind::Cpu) {
+        let mut with_cpu = req.clone();
+        with_cpu
+            .devices
+            .push(DeviceSpec::new("cpu", DeviceKind::Cpu, u64::MAX));
+        if let Ok(p) = plan_with(&with_cpu, Tweak::default()) {
+            let spilled = p
+                .devices()
+                .iter()
+                .find(|d| d.name == "cpu")
+                .map_or(0, DeviceUsage::used);
+            fixes.push(format!(
+                "add cpu to devices (e.g. \"...,cpu\"): fits with {} in host RAM",
+                fmt_bytes(spilled)
+            ));
+        }
+    }
     // 1. A cheaper cache.
     if let Some(c) = req.cache {
         let cur = c.total_bytes(&req.spec);
