@@ -215,7 +215,8 @@ fn cache_arg(cache: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<ECache>>> 
 #[pymethods]
 impl Model {
     /// `source`: a `Checkpoint` or a path. `devices`: the accelerator inventory as a spec
-    /// (`"virtual:2x64MiB"`, `"cuda:0,cuda:1"`); `cpu` is always available. `None` is the real
+    /// (`"virtual:2x64MiB,cpu"`, `"cuda:0,cuda:1"`); unlisted, `cpu` holds only the input
+    /// embedding (see `weightlift.plan`). `None` is the real
     /// machine: `cpu` plus every CUDA device found (in a build with the `cuda` feature). `dtype`: `"auto"`
     /// keeps stored dtypes, `"float16"` converts F32/BF16 weights. `runtime`: a `RuntimeSpec`
     /// or dict (`max_input_len`, `max_attention_size`, `max_dq_size`, `low_mem`). `compute`:
