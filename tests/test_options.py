@@ -166,3 +166,17 @@ def test_an_unlisted_cpu_means_the_same_in_plan_and_load(tiny_llama_st: Path) ->
     m.load()
     assert m.plan is not None and placed(m.plan) == placed(p)
     m.unload()
+
+
+def test_a_plan_with_a_cache_loads_that_cache(tiny_llama_gguf: Path) -> None:
+    p = wl.plan(tiny_llama_gguf, devices=DEVICES, runtime=RT, cache=wl.CacheSpec(64, 1, "q8"))
+    m = wl.Model(tiny_llama_gguf, devices=DEVICES, runtime=RT)
+    m.load(p)
+    kv = {d.name: d.kv for d in p.devices}
+    assert sum(kv.values()) > 0
+    held = m.memory()
+    for name, planned_kv in kv.items():
+        if planned_kv:
+            assert held[name] >= planned_kv, (name, held, kv)
+    assert m.n_ctx() == 64
+    m.unload()

@@ -110,8 +110,22 @@ impl Model {
         mut reporter: Reporter,
     ) -> PyResult<()> {
         let mut inner = self.lock()?;
+        let mut cache = cache;
         let plan = match plan {
             Some(p) => {
+                // A plan that reserved a cache gets that cache, so what is held is what the
+                // plan says, as a CacheSpec passed to load() would.
+                if cache.is_none()
+                    && let Some(c) = p.cache()
+                {
+                    let cfg = eng(inner.model.cache_config(
+                        c.max_seq_len,
+                        c.batch_size,
+                        c.dtype,
+                        c.offload,
+                    ))?;
+                    cache = Some(Arc::new(eng(ECache::new(cfg))?));
+                }
                 if options != wp::PlanOptions::default() {
                     return Err(raise(
                         Exc::Plan,
