@@ -180,3 +180,18 @@ def test_a_plan_with_a_cache_loads_that_cache(tiny_llama_gguf: Path) -> None:
             assert held[name] >= planned_kv, (name, held, kv)
     assert m.n_ctx() == 64
     m.unload()
+
+
+def test_fit_n_gpu_layers_needs_no_strategy(tiny_llama_gguf: Path) -> None:
+    n = wl.fit(tiny_llama_gguf, devices="virtual:1GiB,cpu", target="n_gpu_layers", runtime=RT)
+    assert n == wl.open(tiny_llama_gguf).spec.n_layers + 1  # every layer and the output
+
+
+def test_dequantize_into_a_wrong_array_names_what_it_wants(tiny_llama_gguf: Path) -> None:
+    with wl.open(tiny_llama_gguf) as ckpt:
+        shape = ckpt["blk.0.ffn_down.weight"].shape
+        with pytest.raises(TypeError, match="expected a float32 numpy array") as info:
+            ckpt.dequantize("blk.0.ffn_down.weight", out=np.empty(shape, np.float64))
+        assert "float64" in str(info.value) and "np.float32" in str(info.value)
+        out = np.empty(shape, np.float32)
+        assert ckpt.dequantize("blk.0.ffn_down.weight", out=out) is out

@@ -355,12 +355,22 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
     if let Strategy::Layers(o) = &req.strategy
         && let Ok(Ok(n)) = fit_inner(req, FitTarget::NGpuLayers)
     {
-        let cur = if o.n_gpu_layers < 0 {
-            "all".to_string()
+        // llama.cpp counts the output layer as layer n_layer: all is n_layer + 1
+        let n_layer = u64::from(req.spec.n_layers);
+        let cur = if o.n_gpu_layers < 0 || o.n_gpu_layers as u64 > n_layer {
+            format!(
+                "{} (all {n_layer} repeating layers and the output layer)",
+                o.n_gpu_layers
+            )
         } else {
             o.n_gpu_layers.to_string()
         };
-        fixes.push(format!("n_gpu_layers {n} fits (asked {cur})"));
+        let which = if n == n_layer {
+            " (every repeating layer; the output layer on the host)".to_string()
+        } else {
+            String::new()
+        };
+        fixes.push(format!("n_gpu_layers {n}{which} fits (asked {cur})"));
     }
     // 5. Smaller reserves.
     let total_reserve: u64 = req

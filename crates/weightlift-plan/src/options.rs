@@ -28,7 +28,7 @@ use weightlift_format::{ModelSpec, TensorInfo};
 use crate::device::{DeviceSpec, resolve_device};
 use crate::error::{PlanError, Result};
 use crate::memory::{CacheDType, CacheSpec, RuntimeSpec};
-use crate::request::{DeviceMap, PlanRequest, SplitMode, Strategy, TpOptions};
+use crate::request::{DeviceMap, FitTarget, PlanRequest, SplitMode, Strategy, TpOptions};
 use crate::synth::{DTypeChoice, WeightType, synthesize_tensors};
 
 /// Sizes per device, as users pass them.
@@ -238,6 +238,20 @@ impl PlanOptions {
         Ok(())
     }
 
+    /// `fit()`'s options: the `n_gpu_layers` target is a llama.cpp question, so it names the
+    /// layers strategy when nothing else names one.
+    pub fn for_fit(mut self, target: FitTarget) -> Self {
+        let named = self.strategy.is_some()
+            || self.device_map.is_some()
+            || !self.overrides.is_empty()
+            || self.gpu_split.is_some()
+            || self.expect_cache.is_some();
+        if target == FitTarget::NGpuLayers && !named {
+            self.strategy = Some("layers".into());
+        }
+        self
+    }
+
     /// The strategy named or implied, with its options; `None` when nothing names one.
     fn strategy(&self) -> Result<Option<Strategy>> {
         let llama = self.n_gpu_layers.is_some()
@@ -411,6 +425,19 @@ mod tests {
             e.contains("strategy='sequential'") && e.contains("strategy='balanced'"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn fitting_n_gpu_layers_means_the_layers_strategy() {
+        let s = |o: PlanOptions| o.for_fit(FitTarget::NGpuLayers).strategy().unwrap();
+        assert_eq!(s(PlanOptions::default()).map(|s| s.name()), Some("layers"));
+        let named = PlanOptions {
+            strategy: Some("balanced".into()),
+            ..PlanOptions::default()
+        };
+        assert_eq!(s(named).map(|s| s.name()), Some("balanced"));
+        let other = PlanOptions::default().for_fit(FitTarget::MaxSeqLen);
+        assert_eq!(other.strategy().unwrap(), None);
     }
 
     #[test]

@@ -582,3 +582,35 @@ fn scratch_fixes_are_offered_and_checked() {
     req.runtime.max_input_len = n;
     plan(&req).expect("the suggested max_input_len fits");
 }
+
+#[test]
+fn the_n_gpu_layers_fix_says_which_layers_it_means() {
+    // Room for every repeating layer but not the output layer too.
+    let used = |ngl: i64, devs: &str| {
+        let mut req = request(smollm2(), "q4_1", devs);
+        req.strategy = Strategy::Layers(LayerOptions {
+            n_gpu_layers: ngl,
+            ..LayerOptions::default()
+        });
+        (req.clone(), plan(&req).map(|p| p.devices()[0].used()))
+    };
+    let (_, repeating) = used(30, "virtual:1GiB,cpu");
+    let (_, all) = used(-1, "virtual:1GiB,cpu");
+    let (repeating, all) = (repeating.unwrap(), all.unwrap());
+    assert!(repeating < all);
+    let between = (repeating + all) / 2;
+    let (_, r) = used(-1, &format!("virtual:{between},cpu"));
+    let Err(PlanError::OutOfMemory(oom)) = r else {
+        panic!("expected out of memory")
+    };
+    let fix = oom
+        .fixes
+        .iter()
+        .find(|f| f.starts_with("n_gpu_layers"))
+        .expect("an n_gpu_layers fix");
+    assert_eq!(
+        fix,
+        "n_gpu_layers 30 (every repeating layer; the output layer on the host) fits (asked -1 \
+         (all 30 repeating layers and the output layer))"
+    );
+}

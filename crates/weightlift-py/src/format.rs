@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayView1, IxDyn};
 use numpy::{PyArray, PyArray1, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple};
 use weightlift_format::{self as wf, MetaRef, MetaValue};
@@ -249,11 +249,26 @@ impl Checkpoint {
         &self,
         py: Python<'py>,
         name: &str,
-        out: Option<Bound<'py, PyArrayDyn<f32>>>,
+        out: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray<f32, IxDyn>>> {
         let ckpt = self.shared()?;
         let shape = ckpt.tensor(name).map_err(py_err)?.shape.clone();
-        if let Some(out) = out {
+        if let Some(out) = out.filter(|o| !o.is_none()) {
+            let out = out.cast_into::<PyArrayDyn<f32>>().map_err(|e| {
+                let got = e.into_inner();
+                let what = got
+                    .getattr("dtype")
+                    .map(|d| format!("a numpy array of {d}"))
+                    .unwrap_or_else(|_| {
+                        got.get_type()
+                            .name()
+                            .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+                    });
+                PyTypeError::new_err(format!(
+                    "dequantize('{name}', out=...): expected a float32 numpy array of shape \
+                     {shape:?}, got {what}; allocate it with np.empty(shape, np.float32)"
+                ))
+            })?;
             let got: Vec<u64> = out.shape().iter().map(|&d| d as u64).collect();
             if got != shape {
                 return Err(PyValueError::new_err(format!(

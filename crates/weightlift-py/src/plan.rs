@@ -404,6 +404,7 @@ fn fit(
         ..placement.options()
     };
     let req = options
+        .for_fit(target)
         .into_request(resolve_source(py, source)?, parse_device_arg(&devices)?)
         .map_err(py_err)?;
     enter(py, || wp::fit(&req, target))
