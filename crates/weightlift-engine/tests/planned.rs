@@ -102,8 +102,8 @@ fn strategies_on_tiny_llama() {
         "gguf/tiny-llama-Q4_K_M.gguf",
     ] {
         let p = tiny(sub);
-        check(&p, "virtual:2x12MiB", Strategy::Autosplit, cache);
-        check(&p, "virtual:3x16MiB", Strategy::Balanced, cache);
+        check(&p, "virtual:2x12MiB,cpu", Strategy::Autosplit, cache);
+        check(&p, "virtual:3x16MiB,cpu", Strategy::Balanced, cache);
         check(&p, "virtual:2x32MiB", Strategy::Sequential, None);
         let layers = LayerOptions {
             n_gpu_layers: 1,
@@ -168,7 +168,7 @@ fn kv_of(plan: &Plan, dev: &str) -> u64 {
 fn offloaded_cache_is_planned_and_held() {
     let path = tiny("gguf/tiny-llama-Q8_0.gguf");
     let cache = CacheSpec::new(512, 2, CacheDType::Fp16).with_offload(true);
-    let plan = check(&path, "virtual:2x6MiB", Strategy::Autosplit, Some(cache));
+    let plan = check(&path, "virtual:2x6MiB,cpu", Strategy::Autosplit, Some(cache));
     assert!(plan.cache().unwrap().offload);
     assert_eq!(kv_of(&plan, "cpu"), 2 * 524_288);
     let mut on_devices = 0;
@@ -180,7 +180,7 @@ fn offloaded_cache_is_planned_and_held() {
     assert_eq!(on_devices, 2, "{}", plan.explain());
     // The engine's own prediction agrees with the plan.
     let src: Arc<dyn Source> = Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
-    let model = Model::new(src, Inventory::parse("virtual:2x6MiB").unwrap());
+    let model = Model::new(src, Inventory::parse("virtual:2x6MiB,cpu").unwrap());
     let cfg = model
         .cache_config(512, 2, weightlift_engine::CacheDType::Fp16, true)
         .unwrap();

@@ -175,12 +175,15 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
                     Some((o, s)) => (o, Some(s)),
                     None => (rest, None),
                 };
+                // as typed: the item lowercased keeps every byte offset
+                let start = head.len() + 1;
+                let typed = &item[start..start + ord.len()];
                 let ordinal: u32 = ord.parse().map_err(|_| {
                     err(
                         item,
                         format!(
                             "expected {head}:N or {head}:N:SIZE with N a GPU ordinal, got \
-                             '{ord}'; several simulated devices are virtual:NxSIZE, e.g. \
+                             '{typed}'; several simulated devices are virtual:NxSIZE, e.g. \
                              virtual:2x1GiB"
                         ),
                     )
