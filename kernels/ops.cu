@@ -1,4 +1,6 @@
-// rms_norm_f32, rope_{norm,neox}_f32, softmax_f32, swiglu_f32, add_f32.
+// rms_norm_f32, rope_{norm,neox}_f32, softmax_f32, swiglu_f32, add_f32, and the in-place
+// forms the forward pass uses: rope_inplace_{norm,neox}_f32, add_inplace_f32,
+// swiglu_inplace_f32, add_bias_f32.
 #include "wl_common.cuh"
 
 // Block-wide sum for blockDim.x a multiple of 32, at most 1024; every thread must call it, and
@@ -107,4 +109,59 @@ extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float*
 extern "C" __global__ void add_f32(const float* a, const float* b, float* out, wl_u64 n) {
     wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = a[i] + b[i];
+}
+
+// RoPE in place with a table of per-pair angles (Llama 3's frequency factors are folded into
+// it on the host): one thread per rotated pair; pair i at position p turns by p * freqs[i], as
+// the CPU's rope_in_place. Dims past n_dims are left as they are.
+__device__ __forceinline__ void wl_rope_inplace(float* x, const int* pos, const float* freqs,
+                                                wl_u64 n_heads, int head_dim, int n_dims, int neox) {
+    wl_u64 idx = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    int half = n_dims / 2;
+    wl_u64 head = idx / (wl_u64)half;
+    int i = (int)(idx % (wl_u64)half);
+    wl_u64 tok = head / n_heads;
+    float* xh = x + head * head_dim;
+    float theta = WL_MUL((float)pos[tok], freqs[i]);
+    float c = cosf(theta), s = sinf(theta);
+    int ia = neox ? i : 2 * i;
+    int ib = neox ? i + half : 2 * i + 1;
+    float a = xh[ia], b = xh[ib];
+    xh[ia] = WL_SUB(WL_MUL(a, c), WL_MUL(b, s));
+    xh[ib] = WL_ADD(WL_MUL(a, s), WL_MUL(b, c));
+}
+
+extern "C" __global__ void rope_inplace_norm_f32(float* x, const int* pos, const float* freqs,
+                                                 wl_u64 n_pairs, wl_u64 n_heads, int head_dim,
+                                                 int n_dims) {
+    if ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x >= n_pairs) return;
+    wl_rope_inplace(x, pos, freqs, n_heads, head_dim, n_dims, 0);
+}
+
+extern "C" __global__ void rope_inplace_neox_f32(float* x, const int* pos, const float* freqs,
+                                                 wl_u64 n_pairs, wl_u64 n_heads, int head_dim,
+                                                 int n_dims) {
+    if ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x >= n_pairs) return;
+    wl_rope_inplace(x, pos, freqs, n_heads, head_dim, n_dims, 1);
+}
+
+// x += y (the residual add).
+extern "C" __global__ void add_inplace_f32(float* x, const float* y, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = WL_ADD(x[i], y[i]);
+}
+
+// gate = silu(gate) * up.
+extern "C" __global__ void swiglu_inplace_f32(float* gate, const float* up, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        gate[i] = WL_MUL(g / (1.0f + expf(-g)), up[i]);
+    }
+}
+
+// x[r * n_cols + c] += bias[c] over n = rows * n_cols values.
+extern "C" __global__ void add_bias_f32(float* x, const float* bias, wl_u64 n, wl_u64 n_cols) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = WL_ADD(x[i], bias[i % n_cols]);
 }

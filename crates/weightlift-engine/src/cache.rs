@@ -641,6 +641,37 @@ impl Cache {
         Ok(())
     }
 
+    /// Lends the K and V storage of `layer` (on the layer's device) to `f`, which writes rows
+    /// of sequence 0 in the cache's own layout and reads them back in place: the forward pass
+    /// through the kernels' backends (cuda layers) does both on the device. The layer's write
+    /// version is bumped first, as [`Cache::write_rows`] does. An offloaded cache keeps its
+    /// layers in host RAM and lends device copies through [`Cache::fetch`] instead, so it is
+    /// refused here.
+    pub(crate) fn with_layer<R>(
+        &self,
+        layer: usize,
+        f: impl FnOnce(&mut Buffer, &mut Buffer) -> Result<R>,
+    ) -> Result<R> {
+        self.check_layer(layer)?;
+        if self.config.offload {
+            return Err(EngineError::Unsupported {
+                what: format!("lending offloaded cache layer {layer} in place"),
+                detail: "an offloaded cache lives in host RAM; load without offload".into(),
+            });
+        }
+        self.join_prefetch();
+        if let Some(ver) = self.versions.get(layer) {
+            ver.fetch_add(1, Ordering::AcqRel);
+        }
+        let mut layers = self.lock();
+        let store = layers[layer]
+            .as_mut()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: format!("cache layer {layer}"),
+            })?;
+        f(&mut store.k, &mut store.v)
+    }
+
     /// Decode rows `start..start + k.len() / row` of sequence 0 of `layer` into `k` and `v`
     /// (token-major f32), from `resident` when given (an offloaded layer lent by
     /// [`Cache::fetch`]), else from the layer's store.

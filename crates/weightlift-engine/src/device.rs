@@ -332,6 +332,23 @@ impl Buffer {
         }
     }
 
+    /// The kernels' CUDA buffer behind this one, where it is device memory (the forward pass
+    /// computes on it through the CUDA backend); `None` for host memory.
+    pub(crate) fn cuda(&self) -> Option<&CudaBuffer> {
+        match &self.mem {
+            Mem::Cuda(b) => Some(b),
+            Mem::Host(_) => None,
+        }
+    }
+
+    /// As [`Buffer::cuda`], mutably.
+    pub(crate) fn cuda_mut(&mut self) -> Option<&mut CudaBuffer> {
+        match &mut self.mem {
+            Mem::Cuda(b) => Some(b),
+            Mem::Host(_) => None,
+        }
+    }
+
     /// Fault in host memory now, over up to `threads` threads (see `AlignedBuf::populate`), so
     /// that filling it afterwards costs a copy, not a page fault per 4 KiB. Nothing on CUDA.
     pub(crate) fn populate(&mut self, threads: usize) {

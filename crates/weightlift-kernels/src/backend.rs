@@ -3,7 +3,15 @@
 //! [`CpuBackend`](crate::CpuBackend) is the reference; [`CudaBackend`](crate::CudaBackend) runs
 //! the same operations from `kernels/*.cu`. Operations read and write whole buffers from offset
 //! 0; element counts say how much of each buffer is used, and each backend checks that every
-//! buffer is large enough before it touches it.
+//! buffer is large enough before it touches it. A part of a buffer (a region of a workspace, the
+//! cache rows at a position) is a buffer of its own through [`Backend::view`] and
+//! [`Backend::split`]: no copy, and nothing freed when the part is dropped.
+//!
+//! The operations cover one llama-family decoder layer: RMSNorm, the projections
+//! ([`Op::Matmul`], a bias by [`Op::AddBias`]), RoPE on a table of frequencies
+//! ([`Op::RopeInPlace`]), the f16 cache rows ([`Op::ConvertToF16`] into a view), causal
+//! grouped-query [`Op::Attention`] over the cache, the residual adds ([`Op::AddInPlace`]) and
+//! the gated MLP ([`Op::SwiGluInPlace`]).
 
 use crate::cpu::kv::KvType;
 use crate::cpu::matvec::MatvecMode;
@@ -146,6 +154,89 @@ pub enum Op<'a, B> {
         /// Output.
         out: &'a mut B,
     },
+    /// RoPE in place over `n_tok × n_heads × head_dim` f32 values with one i32 position per
+    /// token and the per-pair angles `inv_freqs` (`params.n_dims / 2` f32, see
+    /// [`crate::rope_inv_freqs`]; Llama 3's frequency factors are folded in there): pair `i` at
+    /// position `p` turns by `p · inv_freqs[i]` (see [`crate::rope_in_place`]).
+    RopeInPlace {
+        /// Style, head size and rotated dims (`freq_base` and `freq_scale` are in `inv_freqs`).
+        params: RopeParams,
+        /// Tokens.
+        n_tok: usize,
+        /// Heads per token.
+        n_heads: usize,
+        /// Values, rotated in place.
+        x: &'a mut B,
+        /// Positions (i32).
+        positions: &'a B,
+        /// Angle per position of each rotated pair (f32).
+        inv_freqs: &'a B,
+    },
+    /// `x += y` over `n` f32 values (the residual add).
+    AddInPlace {
+        /// Values.
+        n: usize,
+        /// Accumulator.
+        x: &'a mut B,
+        /// Addend.
+        y: &'a B,
+    },
+    /// `x[r · n_cols + c] += bias[c]` for `n_rows` rows of `n_cols` f32 values.
+    AddBias {
+        /// Rows (tokens).
+        n_rows: usize,
+        /// Values per row.
+        n_cols: usize,
+        /// Rows, in place.
+        x: &'a mut B,
+        /// `n_cols` f32 values.
+        bias: &'a B,
+    },
+    /// `gate = silu(gate) · up` over `n` f32 values, in place (see [`crate::swiglu`]).
+    SwiGluInPlace {
+        /// Values.
+        n: usize,
+        /// Gate, replaced by the product.
+        gate: &'a mut B,
+        /// Up.
+        up: &'a B,
+    },
+    /// Causal grouped-query attention of `n_q` queries at positions `start..start + n_q` over
+    /// the first `start + n_q` rows of a KV cache: query `i` of head `h` meets keys
+    /// `0..=start + i` of kv head `h / (n_heads / kv_heads)`, and
+    /// `out = softmax(scale · q·kᵀ) · v`, with a running (online) softmax so no score matrix
+    /// is held. Cache rows are `kv_heads × head_dim` values of `kv`, token-major.
+    Attention {
+        /// Storage type of the cache rows: f32 or f16.
+        kv: FloatType,
+        /// Query heads.
+        n_heads: usize,
+        /// Key/value heads (a divisor of `n_heads`).
+        kv_heads: usize,
+        /// Values per head.
+        head_dim: usize,
+        /// Queries.
+        n_q: usize,
+        /// Position of the first query.
+        start: usize,
+        /// Multiplier of the scores (`1/√head_dim`).
+        scale: f32,
+        /// Keys folded into the running softmax at a time by the CPU backend (the engine's
+        /// attention tile, so that this operation gives the host forward pass's bits); the
+        /// CUDA kernel keeps its own order.
+        tile: usize,
+        /// Round each query and each attention weight to f16 before it meets the cache, as
+        /// llama.cpp's CPU products do with an f16 cache.
+        f16_operands: bool,
+        /// Queries, `n_q × n_heads × head_dim` f32 (rotated).
+        q: &'a B,
+        /// Cached keys, at least `start + n_q` rows.
+        k: &'a B,
+        /// Cached values, at least `start + n_q` rows.
+        v: &'a B,
+        /// Output, `n_q × n_heads × head_dim` f32.
+        out: &'a mut B,
+    },
 }
 
 /// A compute device: memory plus the operations of this crate.
@@ -192,6 +283,50 @@ pub trait Backend: Send + Sync {
 
     /// Waits for all queued work.
     fn synchronize(&self) -> Result<()>;
+
+    /// `len` bytes of `buf` from byte `offset`, as a buffer of this backend that reads them in
+    /// place (no copy; dropping it frees nothing).
+    ///
+    /// # Safety
+    ///
+    /// The view must be dropped before `buf` is written, moved or dropped, and nothing may be
+    /// written through it (it is an input only).
+    // A view borrows memory without a lifetime in its type (the buffer types have none), so the
+    // caller must vouch for it.
+    #[allow(unsafe_code)]
+    unsafe fn view(&self, buf: &Self::Buffer, offset: usize, len: usize) -> Result<Self::Buffer>;
+
+    /// Disjoint byte ranges `(offset, len)` of `buf`, each as a buffer of this backend that
+    /// reads and writes them in place (no copy; dropping one frees nothing). Overlapping or
+    /// out-of-bounds ranges are an error.
+    ///
+    /// # Safety
+    ///
+    /// Every part must be dropped before `buf` is used, moved or dropped again.
+    #[allow(unsafe_code)]
+    unsafe fn split(
+        &self,
+        buf: &mut Self::Buffer,
+        ranges: &[(usize, usize)],
+    ) -> Result<Vec<Self::Buffer>>;
+}
+
+/// Checks that byte ranges `(offset, len)` lie within `len` bytes and do not overlap.
+pub(crate) fn check_ranges(len: usize, ranges: &[(usize, usize)]) -> Result<()> {
+    let mut sorted: Vec<(usize, usize)> = ranges.to_vec();
+    sorted.sort_unstable();
+    let mut end = 0;
+    for &(o, l) in &sorted {
+        check_range("split range bytes", len, o, l)?;
+        if l > 0 && o < end {
+            return Err(KernelError::Shape {
+                op: "split",
+                reason: format!("byte range {o}..{} overlaps one ending at {end}", o + l),
+            });
+        }
+        end = end.max(o + l);
+    }
+    Ok(())
 }
 
 /// Checks that `[offset, offset + bytes)` lies within a buffer of `len` bytes.

@@ -1,22 +1,46 @@
 //! The CPU backend: host memory, the kernels of [`crate::cpu`]. With a capacity it is the
 //! engine's `virtual:N` device: an allocation past the capacity fails as a GPU's would.
+//!
+//! Besides its own allocations, a [`CpuBuffer`] can be a view of host memory owned elsewhere
+//! ([`CpuBackend::borrow`], [`Backend::view`], [`Backend::split`]): the engine computes on its
+//! workspaces, weights and cache through this backend without copying them.
 
+use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::backend::{Backend, Op, check_range, quant_bytes};
+use rayon::prelude::*;
+
+use crate::backend::{Backend, Op, check_range, check_ranges, quant_bytes};
 use crate::cpu;
 use crate::error::{KernelError, Result};
 use crate::types::{FloatType, QuantType};
 
-/// Host memory, 64-byte aligned, counted against its backend's capacity until dropped.
+/// Host memory, 64-byte aligned, counted against its backend's capacity until dropped; or a
+/// view of host memory owned elsewhere (not counted, never freed).
 #[derive(Debug)]
 pub struct CpuBuffer {
-    data: Vec<Align64>,
+    mem: Mem,
     len: usize,
     used: Arc<AtomicUsize>,
     device: Arc<str>,
 }
+
+#[derive(Debug)]
+enum Mem {
+    Owned(Vec<Align64>),
+    /// `len` bytes owned elsewhere (see [`CpuBackend::borrow`] for the contract).
+    Borrowed(NonNull<u8>),
+}
+
+// SAFETY: an owned buffer is a Vec of plain bytes. A borrowed one stands for the `&[u8]` or
+// `&mut [u8]` it was made from (both Send and Sync), and the unsafe constructors make the
+// caller keep that memory valid and otherwise untouched for as long as the view lives.
+#[allow(unsafe_code)]
+unsafe impl Send for CpuBuffer {}
+// SAFETY: as above; `&CpuBuffer` only reads.
+#[allow(unsafe_code)]
+unsafe impl Sync for CpuBuffer {}
 
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(64))]
@@ -31,20 +55,38 @@ unsafe impl bytemuck::Pod for Align64 {}
 
 impl CpuBuffer {
     /// The bytes.
+    #[allow(unsafe_code)]
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.data)[..self.len]
+        match &self.mem {
+            Mem::Owned(d) => &bytemuck::cast_slice(d)[..self.len],
+            // SAFETY: a view points at `len` bytes that stay valid while it lives (the contract
+            // of the constructors that made it).
+            Mem::Borrowed(p) => unsafe { std::slice::from_raw_parts(p.as_ptr(), self.len) },
+        }
     }
 
     /// The bytes, mutable.
+    #[allow(unsafe_code)]
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.data)[..self.len]
+        match &mut self.mem {
+            Mem::Owned(d) => &mut bytemuck::cast_slice_mut(d)[..self.len],
+            // SAFETY: as above, and a view that may be written was made from exclusive memory
+            // (`borrow_mut`, `split`); a read-only view is never handed out as `&mut` by contract.
+            Mem::Borrowed(p) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), self.len) },
+        }
     }
 
-    /// The first `n` values as `T` (f32, u16, i32), or a length error naming `what`.
+    /// Whether this buffer is a view of memory owned elsewhere.
+    pub fn is_view(&self) -> bool {
+        matches!(self.mem, Mem::Borrowed(_))
+    }
+
+    /// The first `n` values as `T` (f32, u16, i32), or a length (or alignment) error naming
+    /// `what`.
     pub fn typed<T: bytemuck::Pod>(&self, what: &'static str, n: usize) -> Result<&[T]> {
         let bytes = n.saturating_mul(size_of::<T>());
         check_range(what, self.len, 0, bytes)?;
-        Ok(bytemuck::cast_slice(&self.as_bytes()[..bytes]))
+        bytemuck::try_cast_slice(&self.as_bytes()[..bytes]).map_err(|_| misaligned::<T>(what))
     }
 
     /// The first `n` values as mutable `T`.
@@ -55,13 +97,26 @@ impl CpuBuffer {
     ) -> Result<&mut [T]> {
         let bytes = n.saturating_mul(size_of::<T>());
         check_range(what, self.len, 0, bytes)?;
-        Ok(bytemuck::cast_slice_mut(&mut self.as_bytes_mut()[..bytes]))
+        bytemuck::try_cast_slice_mut(&mut self.as_bytes_mut()[..bytes])
+            .map_err(|_| misaligned::<T>(what))
+    }
+}
+
+fn misaligned<T>(what: &'static str) -> KernelError {
+    KernelError::Shape {
+        op: what,
+        reason: format!(
+            "the bytes are not aligned to {} (a view at an odd offset?)",
+            align_of::<T>()
+        ),
     }
 }
 
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
-        self.used.fetch_sub(self.len, Ordering::Relaxed);
+        if let Mem::Owned(_) = self.mem {
+            self.used.fetch_sub(self.len, Ordering::Relaxed);
+        }
     }
 }
 
@@ -84,6 +139,16 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
             name: "cpu".into(),
+            capacity: None,
+            used: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Host memory without a cap, named `name` (the engine's `cpu` or `virtual:N` computing on
+    /// memory it owns itself).
+    pub fn named(name: &str) -> Self {
+        CpuBackend {
+            name: name.into(),
             capacity: None,
             used: Arc::new(AtomicUsize::new(0)),
         }
@@ -113,6 +178,38 @@ impl CpuBackend {
         let mut b = self.alloc(bytes.len())?;
         b.as_bytes_mut().copy_from_slice(bytes);
         Ok(b)
+    }
+
+    /// A read-only buffer of this backend over `bytes` (no copy, not counted, never freed).
+    ///
+    /// # Safety
+    ///
+    /// The buffer must be dropped before the borrow of `bytes` ends, and nothing may be written
+    /// through it (it is an operation's input only, never an output or a copy's destination).
+    #[allow(unsafe_code)]
+    pub unsafe fn borrow(&self, bytes: &[u8]) -> CpuBuffer {
+        self.view_of(NonNull::from(bytes).cast(), bytes.len())
+    }
+
+    /// A buffer of this backend that reads and writes `bytes` in place (no copy, not counted,
+    /// never freed).
+    ///
+    /// # Safety
+    ///
+    /// The buffer must be dropped before the borrow of `bytes` ends.
+    #[allow(unsafe_code)]
+    pub unsafe fn borrow_mut(&self, bytes: &mut [u8]) -> CpuBuffer {
+        let len = bytes.len();
+        self.view_of(NonNull::from(bytes).cast(), len)
+    }
+
+    fn view_of(&self, ptr: NonNull<u8>, len: usize) -> CpuBuffer {
+        CpuBuffer {
+            mem: Mem::Borrowed(ptr),
+            len,
+            used: self.used.clone(),
+            device: self.name.clone(),
+        }
     }
 
     fn own(&self, b: &CpuBuffer) -> Result<()> {
@@ -156,7 +253,7 @@ impl Backend for CpuBackend {
         }
         data.resize(words, Align64([0; 64]));
         Ok(CpuBuffer {
-            data,
+            mem: Mem::Owned(data),
             len: bytes,
             used: self.used.clone(),
             device: self.name.clone(),
@@ -263,8 +360,28 @@ impl Backend for CpuBackend {
                 let w = &w.as_bytes()[..wb];
                 let nx = n_tok.saturating_mul(cols);
                 let y = y.typed_mut("matmul output values", n_tok.saturating_mul(rows))?;
-                match act {
-                    FloatType::F32 => cpu::matvec::matmul(
+                // One token is the matrix-vector product, as the engine's host forward pass
+                // calls it (its own kernels, not a one-column matrix product).
+                match (act, n_tok) {
+                    (FloatType::F32, 1) => cpu::matvec::matvec(
+                        mode,
+                        ty,
+                        w,
+                        rows,
+                        cols,
+                        x.typed("matmul activation values", nx)?,
+                        y,
+                    ),
+                    (FloatType::F16, 1) => cpu::matvec::matvec_f16(
+                        mode,
+                        ty,
+                        w,
+                        rows,
+                        cols,
+                        x.typed("matmul activation values", nx)?,
+                        y,
+                    ),
+                    (FloatType::F32, _) => cpu::matvec::matmul(
                         mode,
                         ty,
                         w,
@@ -275,7 +392,7 @@ impl Backend for CpuBackend {
                         y,
                         max_dq_size,
                     ),
-                    FloatType::F16 => cpu::matvec::matmul_f16(
+                    (FloatType::F16, _) => cpu::matvec::matmul_f16(
                         mode,
                         ty,
                         w,
@@ -286,7 +403,7 @@ impl Backend for CpuBackend {
                         y,
                         max_dq_size,
                     ),
-                    FloatType::BF16 => Err(KernelError::Unsupported {
+                    (FloatType::BF16, _) => Err(KernelError::Unsupported {
                         op: "matmul",
                         ty: "bf16 activations".into(),
                         supported: "f32, f16",
@@ -391,6 +508,125 @@ impl Backend for CpuBackend {
                     out.typed_mut("kv output values", n)?,
                 )
             }
+            Op::RopeInPlace {
+                params,
+                n_tok,
+                n_heads,
+                x,
+                positions,
+                inv_freqs,
+            } => {
+                self.own(x)?;
+                self.own(positions)?;
+                self.own(inv_freqs)?;
+                let n = n_tok
+                    .checked_mul(n_heads)
+                    .and_then(|v| v.checked_mul(params.head_dim))
+                    .unwrap_or(usize::MAX);
+                if n_tok == 0 || n_heads == 0 {
+                    return Ok(());
+                }
+                cpu::ops::rope_in_place(
+                    x.typed_mut("rope values", n)?,
+                    positions.typed("rope positions", n_tok)?,
+                    &params,
+                    inv_freqs.typed("rope frequencies", params.n_dims / 2)?,
+                )
+            }
+            Op::AddInPlace { n, x, y } => {
+                self.own(x)?;
+                self.own(y)?;
+                let y = y.typed::<f32>("add addend values", n)?;
+                x.typed_mut::<f32>("add accumulator values", n)?
+                    .par_chunks_mut(PAR_ELEMS)
+                    .zip(y.par_chunks(PAR_ELEMS))
+                    .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, b)| *a += b));
+                Ok(())
+            }
+            Op::AddBias {
+                n_rows,
+                n_cols,
+                x,
+                bias,
+            } => {
+                self.own(x)?;
+                self.own(bias)?;
+                let b = bias.typed::<f32>("bias values", n_cols)?;
+                let x = x.typed_mut::<f32>("biased values", n_rows.saturating_mul(n_cols))?;
+                if n_cols > 0 {
+                    x.par_chunks_mut(n_cols).for_each(|r| {
+                        r.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                    });
+                }
+                Ok(())
+            }
+            Op::SwiGluInPlace { n, gate, up } => {
+                self.own(gate)?;
+                self.own(up)?;
+                swiglu_in_place(
+                    gate.typed_mut("swiglu gate values", n)?,
+                    up.typed("swiglu up values", n)?,
+                )
+            }
+            Op::Attention {
+                kv,
+                n_heads,
+                kv_heads,
+                head_dim,
+                n_q,
+                start,
+                scale,
+                tile,
+                f16_operands,
+                q,
+                k,
+                v,
+                out,
+            } => {
+                for b in [q, k, v] {
+                    self.own(b)?;
+                }
+                self.own(out)?;
+                let s = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, tile)?;
+                let qn = s.q_values();
+                let kvn = s.kv_values();
+                let (kf, vf) = match kv {
+                    FloatType::F32 => (
+                        std::borrow::Cow::Borrowed(k.typed::<f32>("attention key values", kvn)?),
+                        std::borrow::Cow::Borrowed(v.typed::<f32>("attention value values", kvn)?),
+                    ),
+                    FloatType::F16 => {
+                        let mut kf = vec![0f32; kvn];
+                        let mut vf = vec![0f32; kvn];
+                        cpu::convert::f16_to_f32_slice(
+                            k.typed("attention key values", kvn)?,
+                            &mut kf,
+                        )?;
+                        cpu::convert::f16_to_f32_slice(
+                            v.typed("attention value values", kvn)?,
+                            &mut vf,
+                        )?;
+                        (std::borrow::Cow::Owned(kf), std::borrow::Cow::Owned(vf))
+                    }
+                    FloatType::BF16 => {
+                        return Err(KernelError::Unsupported {
+                            op: "attention",
+                            ty: "a bf16 cache".into(),
+                            supported: "f32, f16",
+                        });
+                    }
+                };
+                attention(
+                    &s,
+                    scale,
+                    f16_operands,
+                    q.typed("attention query values", qn)?,
+                    &kf,
+                    &vf,
+                    out.typed_mut("attention output values", qn)?,
+                );
+                Ok(())
+            }
         }
     }
 
@@ -408,4 +644,193 @@ impl Backend for CpuBackend {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+
+    #[allow(unsafe_code)]
+    unsafe fn view(&self, buf: &CpuBuffer, offset: usize, len: usize) -> Result<CpuBuffer> {
+        self.own(buf)?;
+        check_range("view bytes", buf.len, offset, len)?;
+        let bytes = &buf.as_bytes()[offset..offset + len];
+        // SAFETY: the caller keeps `buf` alive and unwritten while the view lives, and writes
+        // nothing through it (this function's contract).
+        Ok(unsafe { self.borrow(bytes) })
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn split(
+        &self,
+        buf: &mut CpuBuffer,
+        ranges: &[(usize, usize)],
+    ) -> Result<Vec<CpuBuffer>> {
+        self.own(buf)?;
+        check_ranges(buf.len, ranges)?;
+        let base = NonNull::from(buf.as_bytes_mut()).cast::<u8>();
+        Ok(ranges
+            .iter()
+            .map(|&(offset, len)| {
+                // SAFETY: the ranges lie inside `buf` and do not overlap (checked above), so
+                // each part is an exclusive piece of it; the caller drops every part before it
+                // uses `buf` again (this function's contract).
+                let at = unsafe { base.add(offset) };
+                self.view_of(at, len)
+            })
+            .collect())
+    }
+}
+
+/// Values per parallel task of the elementwise operations.
+const PAR_ELEMS: usize = 16 * 1024;
+
+/// `gate = silu(gate) * up` through [`cpu::ops::swiglu`] in stack-sized pieces (the engine's
+/// host forward pass does the same, so the two agree to the bit).
+fn swiglu_in_place(gate: &mut [f32], up: &[f32]) -> Result<()> {
+    const PIECE: usize = 1024;
+    gate.par_chunks_mut(PIECE)
+        .zip(up.par_chunks(PIECE))
+        .try_for_each(|(g, u)| {
+            let mut tmp = [0f32; PIECE];
+            let t = &mut tmp[..g.len()];
+            cpu::ops::swiglu(g, u, t)?;
+            g.copy_from_slice(t);
+            Ok(())
+        })
+}
+
+/// The checked sizes of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttShape {
+    pub n_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub n_q: usize,
+    pub start: usize,
+    pub tile: usize,
+}
+
+impl AttShape {
+    /// The shape, or a shape error: heads a multiple of the kv heads, non-empty heads and tile,
+    /// and every count small enough that the buffer sizes do not overflow.
+    pub(crate) fn check(
+        n_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        n_q: usize,
+        start: usize,
+        tile: usize,
+    ) -> Result<AttShape> {
+        let bad = |reason: String| KernelError::Shape {
+            op: "attention",
+            reason,
+        };
+        if kv_heads == 0 || n_heads == 0 || !n_heads.is_multiple_of(kv_heads) {
+            return Err(bad(format!(
+                "{n_heads} query heads are not a non-zero multiple of {kv_heads} kv heads"
+            )));
+        }
+        if head_dim == 0 || tile == 0 {
+            return Err(bad(format!(
+                "head_dim {head_dim} and tile {tile} must be above 0"
+            )));
+        }
+        let fits = n_q
+            .checked_mul(n_heads)
+            .and_then(|v| v.checked_mul(head_dim))
+            .and_then(|v| v.checked_mul(4))
+            .zip(
+                start
+                    .checked_add(n_q)
+                    .and_then(|r| r.checked_mul(kv_heads))
+                    .and_then(|v| v.checked_mul(head_dim))
+                    .and_then(|v| v.checked_mul(4)),
+            );
+        if fits.is_none() {
+            return Err(bad(format!(
+                "{n_q} queries at {start} of {n_heads} heads of {head_dim} overflow the buffer sizes"
+            )));
+        }
+        Ok(AttShape {
+            n_heads,
+            kv_heads,
+            head_dim,
+            n_q,
+            start,
+            tile,
+        })
+    }
+
+    /// Values of the queries (and of the output).
+    pub(crate) fn q_values(&self) -> usize {
+        self.n_q * self.n_heads * self.head_dim
+    }
+
+    /// Values of the cache rows read (keys, or values).
+    pub(crate) fn kv_values(&self) -> usize {
+        (self.start + self.n_q) * self.kv_heads * self.head_dim
+    }
+}
+
+/// The reference attention: per query and head, the keys in tiles of `s.tile` rows, each tile
+/// folded into a running maximum and sum. The arithmetic and its order are those of the engine's
+/// host forward pass (`forward/attention.rs`), so the two give the same bits.
+fn attention(
+    s: &AttShape,
+    scale: f32,
+    f16_operands: bool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+) {
+    let (nh, hd) = (s.n_heads, s.head_dim);
+    let group = nh / s.kv_heads;
+    let kvd = s.kv_heads * hd;
+    let isa = cpu::Isa::detect();
+    let round = |x: f32| half::f16::from_f32(x).to_f32();
+    out.par_chunks_mut(hd).enumerate().for_each_init(
+        || (vec![0f32; s.tile], vec![0f32; hd]),
+        |(scores, qr), (qh, o)| {
+            let (i, h) = (qh / nh, qh % nh);
+            let kh = h / group;
+            let qi = &q[qh * hd..][..hd];
+            let qi: &[f32] = if f16_operands {
+                qr.iter_mut().zip(qi).for_each(|(d, x)| *d = round(*x));
+                qr
+            } else {
+                qi
+            };
+            let total = s.start + i + 1;
+            let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+            o.fill(0.0);
+            let mut k0 = 0;
+            while k0 < total {
+                let seen = s.tile.min(total - k0);
+                let row = &mut scores[..seen];
+                let mut mx = f32::NEG_INFINITY;
+                for (j, w) in row.iter_mut().enumerate() {
+                    let kr = &k[(k0 + j) * kvd + kh * hd..][..hd];
+                    *w = cpu::matvec::dot_f32(isa, qi, kr) * scale;
+                    mx = mx.max(*w);
+                }
+                let m_new = m.max(mx);
+                let keep = (m - m_new).exp();
+                if keep != 1.0 {
+                    o.iter_mut().for_each(|x| *x *= keep);
+                }
+                let mut sum = 0f32;
+                for (j, w) in row.iter().enumerate() {
+                    let mut p = (w - m_new).exp();
+                    if f16_operands {
+                        p = round(p);
+                    }
+                    sum += p;
+                    let vr = &v[(k0 + j) * kvd + kh * hd..][..hd];
+                    o.iter_mut().zip(vr).for_each(|(x, v)| *x += p * v);
+                }
+                l = l * keep + sum;
+                m = m_new;
+                k0 += s.tile;
+            }
+            let inv = 1.0 / l;
+            o.iter_mut().for_each(|x| *x *= inv);
+        },
+    );
 }

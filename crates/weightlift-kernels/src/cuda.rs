@@ -21,6 +21,14 @@
 //!   tiled `gemm_{act}`; when not one row fits in `max_dq_size` it keeps the in-register
 //!   kernels (no scratch), where the CPU dequantises one row at a time.
 //!
+//! - The decoder layer's operations (`kernels/attention.cu`, the in-place forms in
+//!   `kernels/ops.cu`): `attention_{f32,f16}` is one block of four warps per (head, query),
+//!   each warp folding every fourth key into its own running softmax and the warps merged at
+//!   the end; the lanes split the head (at most [`ATTENTION_MAX_HEAD_DIM`] values).
+//! - Views ([`Backend::view`], [`Backend::split`]) are slices made from a device pointer inside
+//!   the parent allocation (`upgrade_device_ptr`) and leaked, not freed, when dropped. All work
+//!   is on the backend's one stream, so a view needs no events of its parent's.
+//!
 //! These kernels are compile-checked (NVRTC: compute_80/compute_90 PTX, sm_75/sm_80/sm_90
 //! CUBIN), and their shared headers (block decoders, per-lane dot products, the Q8 quantiser
 //! and lane dots, the GEMM's FMA chain, block scans, KV quantisers) run on the host in the
@@ -29,20 +37,22 @@
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr,
+    DevicePtrMut, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 
-use crate::backend::{Backend, Op, check_range, quant_bytes};
+use crate::backend::{Backend, Op, check_range, check_ranges, quant_bytes};
 use crate::cpu::matvec::MatvecMode;
 use crate::cpu::ops::RopeStyle;
+use crate::cpu_backend::AttShape;
 use crate::error::{KernelError, Result};
 use crate::sources::{
-    DQ_PATH_MIN_TOKENS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES,
-    dq_chunk_rows, signature,
+    CUDA_EXACT_TYPES, CUDA_Q8_TYPES, DQ_PATH_MIN_TOKENS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS,
+    GEMM_THREADS, Param, Q8_BLOCK_BYTES, dq_chunk_rows, signature,
 };
 use crate::types::{FloatType, QuantType};
 
@@ -70,11 +80,27 @@ pub fn unavailable_reason() -> Option<String> {
     }
 }
 
-/// Device memory on one CUDA device.
+/// Device memory on one CUDA device: an allocation, or a view of part of one
+/// ([`Backend::view`], [`Backend::split`]) that frees nothing when dropped.
 #[derive(Debug)]
 pub struct CudaBuffer {
-    slice: CudaSlice<u8>,
+    /// A view's slice is made from a raw device pointer and is leaked, never freed.
+    slice: ManuallyDrop<CudaSlice<u8>>,
     ordinal: usize,
+    view: bool,
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `slice` is taken once, here, and not used again.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        if self.view {
+            // the memory belongs to the buffer this view was made from
+            let _ = slice.leak();
+        } else {
+            drop(slice);
+        }
+    }
 }
 
 struct Staging {
@@ -295,6 +321,22 @@ impl CudaBackend {
     unsafe fn scratch(&self, bytes: usize) -> Result<CudaSlice<u8>> {
         // SAFETY: the caller writes before it reads (this function's contract).
         unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(|e| self.alloc_error(bytes, e))
+    }
+
+    /// A view of `len` bytes at device address `ptr`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` lies inside a live allocation of this device that outlives the view.
+    unsafe fn view_at(&self, ptr: u64, len: usize) -> CudaBuffer {
+        // SAFETY: the range is valid device memory of this context (the contract above); the
+        // slice is leaked when the view is dropped, never freed (see CudaBuffer's Drop).
+        let slice = unsafe { self.stream.upgrade_device_ptr::<u8>(ptr, len) };
+        CudaBuffer {
+            slice: ManuallyDrop::new(slice),
+            ordinal: self.ordinal,
+            view: true,
+        }
     }
 
     fn own(&self, b: &CudaBuffer) -> Result<()> {
@@ -567,6 +609,11 @@ impl CudaBackend {
     }
 }
 
+/// The largest head the attention kernel takes (`WL_ATT_MAX_HD` in `kernels/attention.cu`).
+pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+/// Threads per attention block: four warps (`WL_ATT_WARPS`).
+const ATTENTION_THREADS: u32 = 128;
+
 /// CUDA's limit on `gridDim.x` (2^31 − 1).
 const MAX_GRID_X: usize = i32::MAX as usize;
 /// CUDA's limit on `gridDim.y` and `gridDim.z`.
@@ -631,8 +678,9 @@ impl Backend for CudaBackend {
             .alloc_zeros::<u8>(bytes.max(1))
             .map_err(|e| self.alloc_error(bytes, e))?;
         Ok(CudaBuffer {
-            slice,
+            slice: ManuallyDrop::new(slice),
             ordinal: self.ordinal,
+            view: false,
         })
     }
 
@@ -795,28 +843,10 @@ impl Backend for CudaBackend {
                 self.own(x)?;
                 self.own(y)?;
                 let (types, names) = match mode {
-                    MatvecMode::Q8 => (
-                        &[
-                            QuantType::Q4_0,
-                            QuantType::Q4_1,
-                            QuantType::Q8_0,
-                            QuantType::Q4_K,
-                            QuantType::Q6_K,
-                        ][..],
-                        crate::CUDA_Q8_WEIGHT_TYPES,
-                    ),
-                    MatvecMode::Exact => (
-                        &[
-                            QuantType::Q4_0,
-                            QuantType::Q4_1,
-                            QuantType::Q8_0,
-                            QuantType::Q4_K,
-                            QuantType::Q6_K,
-                            QuantType::F16,
-                            QuantType::F32,
-                        ][..],
-                        "q4_0, q4_1, q8_0, q4_k, q6_k, f16, f32",
-                    ),
+                    MatvecMode::Q8 => (CUDA_Q8_TYPES, crate::CUDA_Q8_WEIGHT_TYPES),
+                    MatvecMode::Exact => {
+                        (CUDA_EXACT_TYPES, "q4_0, q4_1, q8_0, q4_k, q6_k, f16, f32")
+                    }
                 };
                 if !types.contains(&ty) {
                     return Err(KernelError::Unsupported {
@@ -999,8 +1029,210 @@ impl Backend for CudaBackend {
                 // SAFETY: one thread per value below n, sizes checked above.
                 unsafe { self.launch("kv", &name, elementwise(n)?, &mut args) }?;
             }
+            Op::RopeInPlace {
+                params,
+                n_tok,
+                n_heads,
+                x,
+                positions,
+                inv_freqs,
+            } => {
+                self.own(x)?;
+                self.own(positions)?;
+                self.own(inv_freqs)?;
+                let hd = params.head_dim;
+                if params.n_dims % 2 != 0 || params.n_dims == 0 || params.n_dims > hd {
+                    return Err(KernelError::Shape {
+                        op: "rope",
+                        reason: format!(
+                            "n_dims {} must be even, non-zero and at most head_dim {hd}",
+                            params.n_dims
+                        ),
+                    });
+                }
+                let n = mul(mul(n_tok, n_heads), hd);
+                need("rope values bytes", x, mul(n, 4))?;
+                need("rope positions bytes", positions, mul(n_tok, 4))?;
+                need(
+                    "rope frequencies bytes",
+                    inv_freqs,
+                    mul(params.n_dims / 2, 4),
+                )?;
+                let name = match params.style {
+                    RopeStyle::Normal => "rope_inplace_norm_f32",
+                    RopeStyle::Neox => "rope_inplace_neox_f32",
+                };
+                let pairs = mul(mul(n_tok, n_heads), params.n_dims / 2);
+                if pairs == 0 {
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::Out(&mut x.slice),
+                    KArg::In(&positions.slice),
+                    KArg::In(&inv_freqs.slice),
+                    KArg::U64(pairs as u64),
+                    KArg::U64(n_heads as u64),
+                    KArg::I32(arg_i32("head_dim", hd)?),
+                    KArg::I32(arg_i32("n_dims", params.n_dims)?),
+                ];
+                // SAFETY: one thread per rotated pair below n_tok * n_heads * n_dims / 2, each
+                // inside its head, reading its token's position and its pair's frequency; sizes
+                // checked above.
+                unsafe { self.launch("ops", name, elementwise(pairs)?, &mut args) }?;
+            }
+            Op::AddInPlace { n, x, y } => {
+                self.own(x)?;
+                self.own(y)?;
+                need("add accumulator bytes", x, mul(n, 4))?;
+                need("add addend bytes", y, mul(n, 4))?;
+                let mut args = [
+                    KArg::Out(&mut x.slice),
+                    KArg::In(&y.slice),
+                    KArg::U64(n as u64),
+                ];
+                // SAFETY: one thread per value below n; both buffers hold n f32 (checked).
+                unsafe { self.launch("ops", "add_inplace_f32", elementwise(n)?, &mut args) }?;
+            }
+            Op::AddBias {
+                n_rows,
+                n_cols,
+                x,
+                bias,
+            } => {
+                self.own(x)?;
+                self.own(bias)?;
+                let n = mul(n_rows, n_cols);
+                need("biased values bytes", x, mul(n, 4))?;
+                need("bias bytes", bias, mul(n_cols, 4))?;
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::Out(&mut x.slice),
+                    KArg::In(&bias.slice),
+                    KArg::U64(n as u64),
+                    KArg::U64(n_cols as u64),
+                ];
+                // SAFETY: one thread per value below n_rows * n_cols, reading bias[i % n_cols];
+                // sizes checked above.
+                unsafe { self.launch("ops", "add_bias_f32", elementwise(n)?, &mut args) }?;
+            }
+            Op::SwiGluInPlace { n, gate, up } => {
+                self.own(gate)?;
+                self.own(up)?;
+                need("swiglu gate bytes", gate, mul(n, 4))?;
+                need("swiglu up bytes", up, mul(n, 4))?;
+                let mut args = [
+                    KArg::Out(&mut gate.slice),
+                    KArg::In(&up.slice),
+                    KArg::U64(n as u64),
+                ];
+                // SAFETY: one thread per value below n; both buffers hold n f32 (checked).
+                unsafe { self.launch("ops", "swiglu_inplace_f32", elementwise(n)?, &mut args) }?;
+            }
+            Op::Attention {
+                kv,
+                n_heads,
+                kv_heads,
+                head_dim,
+                n_q,
+                start,
+                scale,
+                tile: _,
+                f16_operands,
+                q,
+                k,
+                v,
+                out,
+            } => {
+                for b in [q, k, v] {
+                    self.own(b)?;
+                }
+                self.own(out)?;
+                let name = match kv {
+                    FloatType::F32 => "attention_f32",
+                    FloatType::F16 => "attention_f16",
+                    FloatType::BF16 => {
+                        return Err(KernelError::Unsupported {
+                            op: "attention",
+                            ty: "a bf16 cache".into(),
+                            supported: "f32, f16",
+                        });
+                    }
+                };
+                let sh = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, 1)?;
+                if head_dim > ATTENTION_MAX_HEAD_DIM {
+                    return Err(KernelError::Shape {
+                        op: "attention on cuda",
+                        reason: format!(
+                            "head_dim {head_dim} is above the kernel's {ATTENTION_MAX_HEAD_DIM}"
+                        ),
+                    });
+                }
+                need("attention query bytes", q, mul(sh.q_values(), 4))?;
+                need("attention key bytes", k, mul(sh.kv_values(), kv.size()))?;
+                need("attention value bytes", v, mul(sh.kv_values(), kv.size()))?;
+                need("attention output bytes", out, mul(sh.q_values(), 4))?;
+                if n_q == 0 {
+                    return Ok(());
+                }
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        grid_for(n_heads, 1, "heads")?,
+                        n_q.min(MAX_GRID_YZ) as u32,
+                        1,
+                    ),
+                    block_dim: (ATTENTION_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut args = [
+                    KArg::In(&q.slice),
+                    KArg::In(&k.slice),
+                    KArg::In(&v.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(n_q as u64),
+                    KArg::U64(start as u64),
+                    KArg::U64(n_heads as u64),
+                    KArg::U64(kv_heads as u64),
+                    KArg::I32(arg_i32("head_dim", head_dim)?),
+                    KArg::F32(scale),
+                    KArg::I32(i32::from(f16_operands)),
+                ];
+                // SAFETY: block (h, i) reads query row i of head h (n_q * n_heads * head_dim
+                // checked), cache rows 0..=start + i of kv head h / (n_heads / kv_heads)
+                // ((start + n_q) rows checked) and writes output row i of head h; head_dim is
+                // within the kernel's shared arrays (checked).
+                unsafe { self.launch("attention", name, cfg, &mut args) }?;
+            }
         }
         Ok(())
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn view(&self, buf: &CudaBuffer, offset: usize, len: usize) -> Result<CudaBuffer> {
+        self.own(buf)?;
+        check_range("view bytes", buf.slice.len(), offset, len)?;
+        let (base, _record) = buf.slice.device_ptr(&self.stream);
+        // SAFETY: the range lies inside `buf` (checked), which the caller keeps alive and
+        // unwritten while the view lives (this function's contract).
+        Ok(unsafe { self.view_at(base + offset as u64, len) })
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn split(
+        &self,
+        buf: &mut CudaBuffer,
+        ranges: &[(usize, usize)],
+    ) -> Result<Vec<CudaBuffer>> {
+        self.own(buf)?;
+        check_ranges(buf.slice.len(), ranges)?;
+        let (base, _record) = buf.slice.device_ptr_mut(&self.stream);
+        Ok(ranges
+            .iter()
+            // SAFETY: disjoint ranges inside `buf` (checked), which the caller does not use
+            // again before every part is dropped (this function's contract).
+            .map(|&(offset, len)| unsafe { self.view_at(base + offset as u64, len) })
+            .collect())
     }
 
     fn scan_non_finite(

@@ -82,4 +82,16 @@ impl Backend for CudaBackend {
     fn synchronize(&self) -> Result<()> {
         match self._never {}
     }
+    #[allow(unsafe_code)]
+    unsafe fn view(&self, _buf: &CudaBuffer, _offset: usize, _len: usize) -> Result<CudaBuffer> {
+        match self._never {}
+    }
+    #[allow(unsafe_code)]
+    unsafe fn split(
+        &self,
+        _buf: &mut CudaBuffer,
+        _ranges: &[(usize, usize)],
+    ) -> Result<Vec<CudaBuffer>> {
+        match self._never {}
+    }
 }

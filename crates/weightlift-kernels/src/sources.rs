@@ -3,7 +3,7 @@
 
 include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));
 
-/// The source of module `name` (`dequant`, `matvec`, `ops`, `convert`, `kv`).
+/// The source of module `name` (`attention`, `convert`, `dequant`, `kv`, `matvec`, `ops`).
 pub fn source(name: &str) -> Option<&'static str> {
     SOURCES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
 }
@@ -39,6 +39,31 @@ impl Param {
 
 use Param::{F32, I32, Ptr, U64};
 
+use crate::types::QuantType;
+
+/// The weight types the CUDA matmul multiplies with 8-bit activations
+/// ([`MatvecMode::Q8`](crate::MatvecMode::Q8); `q8_matmul_{type}`), as
+/// [`crate::CUDA_Q8_WEIGHT_TYPES`] names them.
+pub const CUDA_Q8_TYPES: &[QuantType] = &[
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q8_0,
+    QuantType::Q4_K,
+    QuantType::Q6_K,
+];
+
+/// The weight types the CUDA matmul multiplies exactly (`matvec_{type}_{act}`,
+/// `matmul_{type}_{act}`, and the dequantise-then-`gemm` path).
+pub const CUDA_EXACT_TYPES: &[QuantType] = &[
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q8_0,
+    QuantType::Q4_K,
+    QuantType::Q6_K,
+    QuantType::F16,
+    QuantType::F32,
+];
+
 /// The parameter list of every kernel family, by name prefix: the ABI between `kernels/*.cu`
 /// and the launches in `cuda.rs`. The CUDA backend refuses a launch whose arguments differ from
 /// this, and a test checks it against the parameters of every `.entry` in NVRTC's PTX, so a
@@ -61,6 +86,19 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("gemm_", &[Ptr, Ptr, Ptr, U64, U64, U64, U64, U64]),
     // (x, weight, out, n_cols, eps)
     ("rms_norm_", &[Ptr, Ptr, Ptr, U64, F32]),
+    // in place, before the families their names start with: (x, positions, inv_freqs,
+    // n_pairs, n_heads, head_dim, n_dims)
+    ("rope_inplace_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32]),
+    // (x, y, n): x += y, x = silu(x) * y
+    ("add_inplace_", &[Ptr, Ptr, U64]),
+    ("swiglu_inplace_", &[Ptr, Ptr, U64]),
+    // (x, bias, n values, n_cols)
+    ("add_bias_", &[Ptr, Ptr, U64, U64]),
+    // (q, k, v, out, n_q, start, n_heads, kv_heads, head_dim, scale, f16_operands)
+    (
+        "attention_",
+        &[Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32],
+    ),
     // (x, positions, out, n_pairs, n_heads, head_dim, n_dims, freq_base, freq_scale)
     ("rope_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32, F32, F32]),
     // (x, out, n_cols)

@@ -5,55 +5,90 @@
 //! architecture name inside the layer code: the RoPE pairing ([`RopeStyle`]), the q/k/v biases
 //! (qwen2), a tied head (`token_embd` when there is no `output.weight`) and Llama 3 frequency
 //! factors.
+//!
+//! Each device computes its parts one of two ways ([`SiteExec`]): the host path below (the CPU
+//! kernels on slices of host memory: `cpu`, `disk`, `virtual:N`), or the op sequence of
+//! [`super::exec`] through the kernels' `Backend` trait (`cuda:N`, and host devices when
+//! asked). Hidden states move between devices the same way whichever path each side takes.
 
 use std::sync::Arc;
 
-use weightlift_format::{Format, ModelSpec, Role, TensorInfo};
+use weightlift_format::{DType, Format, ModelSpec, Role, TensorInfo};
 use weightlift_kernels::cpu::matvec::{matmul, matvec};
-use weightlift_kernels::{QuantType, RopeParams, RopeStyle};
+use weightlift_kernels::{
+    Backend, CpuBackend, CpuBuffer, CudaBackend, CudaBuffer, QuantType, RopeParams, RopeStyle,
+};
 use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
 
 use super::attention::{self, Shape, Tiles};
-use super::{Compute, Copies, Logits, Site, Views, carve, check_tokens, host_weight};
+use super::exec::{self, Ctx, Regions, kernel_on};
+use super::{Compute, Copies, Logits, Site, SiteExec, Views, carve, check_tokens, host_weight};
 use crate::cache::Cache;
-use crate::device::{Buffer, Device};
+use crate::device::{Buffer, Device, DeviceKind, Storage};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 use crate::source::Source;
+
+/// Runs `$host` with the host path's views, or `$gen` (one body, compiled for each backend)
+/// with a backend and its regions.
+macro_rules! on_site {
+    ($work:expr, $v:ident => $host:expr, ($b:ident, $r:ident) => $gen:expr) => {
+        match $work {
+            Work::Host($v) => $host,
+            Work::Cpu($b, $r) => $gen,
+            Work::Cuda($b, $r) => $gen,
+        }
+    };
+}
 
 /// The architectures the forward pass runs.
 pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2"];
 
 /// A held tensor: in the model's tensor list, or one of its extra copies (a tied head).
 #[derive(Debug, Clone, Copy)]
-enum Slot {
+pub(super) enum Slot {
     Tensor(usize),
     Copy(usize),
 }
 
+/// f32 parameters read once at build: a norm's weight or a bias. The host paths read the host
+/// copy; a cuda device reads the held tensor in place when it is f32 on that device, else a copy
+/// made there at build (a few KiB per layer).
+#[derive(Debug)]
+pub(crate) struct Floats {
+    pub host: Vec<f32>,
+    /// The held tensor it was read from.
+    pub index: usize,
+    pub name: String,
+    /// The held tensor is f32 on the computing cuda device and is read there.
+    pub held_on_device: bool,
+    /// A copy on the computing cuda device.
+    pub device: Option<Buffer>,
+}
+
 /// A matrix `rows × cols` and its optional f32 bias.
 #[derive(Debug)]
-struct Linear {
-    slot: Slot,
-    name: String,
-    rows: usize,
-    cols: usize,
-    bias: Option<Vec<f32>>,
+pub(crate) struct Linear {
+    pub slot: Slot,
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub bias: Option<Floats>,
 }
 
 #[derive(Debug)]
-struct Layer {
-    site: usize,
-    kv_heads: usize,
-    attn_norm: Vec<f32>,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    ffn_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(crate) struct Layer {
+    pub site: usize,
+    pub kv_heads: usize,
+    pub attn_norm: Floats,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub ffn_norm: Floats,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
 }
 
 /// The graph of a loaded model, with one workspace per computing device.
@@ -63,7 +98,7 @@ pub(crate) struct Graph {
     layers: Vec<Layer>,
     embed: Linear,
     embed_site: usize,
-    out_norm: Vec<f32>,
+    out_norm: Floats,
     head: Linear,
     head_site: usize,
     dims: Dims,
@@ -83,12 +118,50 @@ pub(crate) struct Loaded<'a> {
     pub resolve: &'a dyn Fn(&str) -> Result<Arc<Device>>,
 }
 
+/// A small tensor (a norm's weight, a bias) as f32 on the host, read back from device memory
+/// where it lives there.
 fn f32_vector(held: &Held, info: &TensorInfo) -> Result<Vec<f32>> {
-    let (bytes, ty) = host_weight(held, &info.name)?;
     let n = info.n_elements() as usize;
     let mut out = vec![0f32; n];
+    if let Held::Whole { tensor, .. } = held
+        && tensor.host_bytes().is_none()
+    {
+        let ty = exec::kernel_type(&info.name, tensor.dtype())?;
+        let bytes = tensor.to_host()?;
+        weightlift_kernels::dequantize_f32(ty, &bytes, &mut out)
+            .map_err(|e| kernel(&info.name, e))?;
+        return Ok(out);
+    }
+    let (bytes, ty) = host_weight(held, &info.name)?;
     weightlift_kernels::dequantize_f32(ty, bytes, &mut out).map_err(|e| kernel(&info.name, e))?;
     Ok(out)
+}
+
+fn floats(held: &[Held], infos: &[TensorInfo], i: usize) -> Result<Floats> {
+    Ok(Floats {
+        host: f32_vector(&held[i], &infos[i])?,
+        index: i,
+        name: infos[i].name.clone(),
+        held_on_device: false,
+        device: None,
+    })
+}
+
+/// Makes `f` readable on cuda `device`: the held tensor in place when it is f32 there, else a
+/// copy.
+fn place(f: &mut Floats, held: &[Held], device: &Arc<Device>) -> Result<()> {
+    if let Some(Held::Whole { tensor, .. }) = held.get(f.index)
+        && tensor.dtype() == DType::F32
+        && tensor.device().name() == device.name()
+        && matches!(tensor.storage(), Storage::Owned(b) if b.cuda().is_some())
+    {
+        f.held_on_device = true;
+        return Ok(());
+    }
+    let mut buf = device.alloc(f.host.len() as u64 * 4)?;
+    buf.write(0, bytemuck::cast_slice(&f.host))?;
+    f.device = Some(buf);
+    Ok(())
 }
 
 fn kernel(what: &str, e: weightlift_kernels::KernelError) -> EngineError {
@@ -102,11 +175,15 @@ impl Graph {
     /// The graph for the model's spec and held tensors. `forward` is the runtime and cache
     /// shape the plan reserved scratch for (`None`: no scratch was reserved; each device's
     /// workspace is then allocated here, for `runtime` and `cache`).
+    ///
+    /// `host_backend`: host devices compute through the CPU backend's op sequence (the path
+    /// cuda devices take) instead of the host path.
     pub fn build(
         m: &Loaded<'_>,
         spec: &ModelSpec,
         runtime: &RuntimeSpec,
         seq_batch: (u64, u64),
+        host_backend: bool,
     ) -> Result<Graph> {
         if !SUPPORTED.contains(&spec.architecture.as_str()) {
             return Err(EngineError::Unsupported {
@@ -147,16 +224,16 @@ impl Graph {
                 }
             };
             let bias = match bias.and_then(|b| find(b, layer)) {
-                Some(b) => Some(f32_vector(&m.held[b], &infos[b])?),
+                Some(b) => Some(floats(m.held, infos, b)?),
                 None => None,
             };
             if let Some(b) = &bias
-                && b.len() != rows
+                && b.host.len() != rows
             {
                 return Err(invalid(
                     format!("bias of '{}'", info.name),
                     format!("{rows} values"),
-                    b.len(),
+                    b.host.len(),
                 ));
             }
             Ok(Linear {
@@ -167,7 +244,7 @@ impl Graph {
                 bias,
             })
         };
-        let norm = |i: usize| f32_vector(&m.held[i], &infos[i]);
+        let norm = |i: usize| floats(m.held, infos, i);
 
         // Where each part computes: layers on their devices, the embedding and head on the
         // devices holding their tensors (a tied head on its copy, when the plan made one).
@@ -261,17 +338,23 @@ impl Graph {
                     Some(_) => None,
                     None => Some(device.alloc(layout.bytes)?),
                 };
+                let exec = match device.kind() {
+                    DeviceKind::Cuda => SiteExec::Cuda,
+                    _ if host_backend => SiteExec::Cpu(CpuBackend::named(device.name())),
+                    _ => SiteExec::Host,
+                };
                 Ok(Site {
                     device,
                     layout,
                     own,
                     scratch,
+                    exec,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
 
         let (rope, inv_freqs) = rope_of(m, spec)?;
-        let g = Graph {
+        let mut g = Graph {
             sites,
             layers,
             embed,
@@ -286,7 +369,30 @@ impl Graph {
             max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
         };
         g.check_shapes(spec)?;
+        g.place_floats(m.held)?;
         Ok(g)
+    }
+
+    /// Makes the norms and biases of every part computed on a cuda device readable there.
+    fn place_floats(&mut self, held: &[Held]) -> Result<()> {
+        let on_cuda = |site: usize| {
+            let s = &self.sites[site];
+            matches!(s.exec, SiteExec::Cuda).then(|| Arc::clone(&s.device))
+        };
+        for l in &mut self.layers {
+            let Some(dev) = on_cuda(l.site) else { continue };
+            place(&mut l.attn_norm, held, &dev)?;
+            place(&mut l.ffn_norm, held, &dev)?;
+            for lin in [&mut l.q, &mut l.k, &mut l.v, &mut l.o] {
+                if let Some(b) = &mut lin.bias {
+                    place(b, held, &dev)?;
+                }
+            }
+        }
+        if let Some(dev) = on_cuda(self.head_site) {
+            place(&mut self.out_norm, held, &dev)?;
+        }
+        Ok(())
     }
 
     fn check_shapes(&self, spec: &ModelSpec) -> Result<()> {
@@ -354,12 +460,24 @@ impl Graph {
         };
         out.clear();
         out.resize(rows * vocab, 0.0);
+        let names: Vec<String> = self
+            .sites
+            .iter()
+            .map(|s| s.device.name().to_owned())
+            .collect();
 
-        // Views of every site's workspace at once (distinct buffers).
+        // Every site's workspace at once (distinct buffers), as its path sees it.
         let mut spare: Vec<Option<&mut Buffer>> = scratch.iter_mut().map(Some).collect();
-        let mut views: Vec<Views<'_>> = Vec::with_capacity(self.sites.len());
+        let mut works: Vec<Work<'_>> = Vec::with_capacity(self.sites.len());
         for s in &mut self.sites {
-            let buf = match (&mut s.own, s.scratch) {
+            let Site {
+                device,
+                layout,
+                own,
+                scratch,
+                exec,
+            } = s;
+            let buf = match (own, *scratch) {
                 (Some(b), _) => b,
                 (None, Some(i)) => spare[i].take().ok_or_else(|| {
                     invalid("forward workspaces", "one per device", "a shared buffer")
@@ -368,16 +486,29 @@ impl Graph {
                     return Err(invalid(
                         "forward workspace",
                         "a buffer",
-                        format!("none on {}", s.device.name()),
+                        format!("none on {}", device.name()),
                     ));
                 }
             };
-            let name = s.device.name().to_owned();
-            let bytes = buf.host_mut().ok_or_else(|| EngineError::Unsupported {
-                what: format!("the forward pass on {name}"),
-                detail: "cuda layers do not run yet; place layers on cpu or virtual devices".into(),
-            })?;
-            views.push(carve(bytes, &s.layout)?);
+            let work = match exec {
+                SiteExec::Host => {
+                    let name = device.name().to_owned();
+                    let bytes = buf.host_mut().ok_or_else(|| EngineError::Device {
+                        device: name,
+                        detail: "the host forward pass needs a workspace in host memory".into(),
+                    })?;
+                    Work::Host(carve(bytes, layout)?)
+                }
+                SiteExec::Cpu(b) => Work::Cpu(b, Regions::new(b, buf, layout)?),
+                SiteExec::Cuda => {
+                    let b = device.cuda_backend().ok_or_else(|| EngineError::Device {
+                        device: device.name().to_owned(),
+                        detail: "a cuda device without its backend".into(),
+                    })?;
+                    Work::Cuda(b, Regions::new(b, buf, layout)?)
+                }
+            };
+            works.push(work);
         }
 
         let c = Consts {
@@ -391,10 +522,25 @@ impl Graph {
             max_dq: self.max_dq,
             compute,
         };
-        for v in views.iter_mut() {
-            let len = self.inv_freqs.len().min(v.freqs.len());
-            let f = &mut v.freqs[..len];
-            f.copy_from_slice(&self.inv_freqs[..f.len()]);
+        let cx = |site: usize| Ctx {
+            c: &c,
+            held,
+            copies,
+            device: &names[site],
+        };
+        let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
+        for (i, w) in works.iter_mut().enumerate() {
+            on_site!(w, v => {
+                let len = self.inv_freqs.len().min(v.freqs.len());
+                let f = &mut v.freqs[..len];
+                f.copy_from_slice(&self.inv_freqs[..f.len()]);
+            }, (b, r) => {
+                // only the sites that compute layers hold the table
+                if b.len(&r.freqs) >= freqs.len() {
+                    b.copy_from_host(freqs, &mut r.freqs, 0)
+                        .map_err(|e| kernel_on(&names[i], "rope frequencies", e))?;
+                }
+            });
         }
         let mut copies_made = Copies::default();
         let chunk = self.dims.tokens as usize;
@@ -404,25 +550,40 @@ impl Graph {
             let n = part.len();
             let pos = start + done;
             // Embedding rows, dequantised into the embedding device's residual stream.
-            let (ebytes, ety) = weight_of(held, copies, &self.embed)?;
-            let row_bytes = ebytes.len() / self.embed.rows;
-            let x = &mut views[self.embed_site].x;
-            for (t, id) in part.iter().enumerate() {
-                let r = *id as usize;
-                weightlift_kernels::dequantize_f32(
-                    ety,
-                    &ebytes[r * row_bytes..(r + 1) * row_bytes],
-                    &mut x[t * h..(t + 1) * h],
-                )
-                .map_err(|e| kernel(&self.embed.name, e))?;
+            let es = self.embed_site;
+            on_site!(&mut works[es], v => {
+                let (ebytes, ety) = weight_of(held, copies, &self.embed)?;
+                let row_bytes = ebytes.len() / self.embed.rows;
+                for (t, id) in part.iter().enumerate() {
+                    let r = *id as usize;
+                    weightlift_kernels::dequantize_f32(
+                        ety,
+                        &ebytes[r * row_bytes..(r + 1) * row_bytes],
+                        &mut v.x[t * h..(t + 1) * h],
+                    )
+                    .map_err(|e| kernel(&self.embed.name, e))?;
+                }
+            }, (b, r) => exec::embed(*b, &cx(es), &self.embed, part, &mut r.x)?);
+            for (i, w) in works.iter_mut().enumerate() {
+                on_site!(w, _v => (), (b, r) => exec::positions(*b, &names[i], pos, n, r)?);
             }
             let mut at = self.embed_site;
             for (li, layer) in self.layers.iter().enumerate() {
                 if layer.site != at {
-                    move_rows(&mut views, at, layer.site, 0, n * h, &mut copies_made);
+                    move_rows(
+                        &mut works,
+                        &names,
+                        at,
+                        layer.site,
+                        0,
+                        n * h,
+                        &mut copies_made,
+                    )?;
                     at = layer.site;
                 }
-                run_layer(&c, layer, li, held, copies, cache, pos, n, &mut views[at])?;
+                on_site!(&mut works[at],
+                    v => run_layer(&c, layer, li, held, copies, cache, pos, n, v)?,
+                    (b, r) => exec::layer(*b, &cx(at), layer, li, cache, pos, n, r)?);
             }
             cache.note_ids(pos as u64, part);
             cache.set_seq_len((pos + n) as u64)?;
@@ -438,47 +599,63 @@ impl Graph {
             let need = n - first;
             if self.head_site != at {
                 move_rows(
-                    &mut views,
+                    &mut works,
+                    &names,
                     at,
                     self.head_site,
                     first * h,
                     need * h,
                     &mut copies_made,
-                );
+                )?;
             }
-            let w = &mut views[self.head_site];
-            let xs = &w.x[first * h..(first + need) * h];
-            weightlift_kernels::rms_norm(xs, &self.out_norm, c.eps, &mut w.xn[..need * h])
-                .map_err(|e| kernel("output_norm", e))?;
-            let (hb, hty) = weight_of(held, copies, &self.head)?;
             let per = self.dims.logit_rows as usize;
             let out_row0 = match logits {
                 Logits::Last => 0,
                 Logits::All => done,
             };
-            for r0 in (0..need).step_by(per) {
-                let nr = per.min(need - r0);
-                let y = &mut w.logits[..nr * vocab];
-                product(&c, hty, hb, &self.head, &w.xn[r0 * h..(r0 + nr) * h], nr, y)?;
-                out[(out_row0 + r0) * vocab..(out_row0 + r0 + nr) * vocab].copy_from_slice(y);
-            }
+            let rows_out = &mut out[out_row0 * vocab..(out_row0 + need) * vocab];
+            let hs = self.head_site;
+            on_site!(&mut works[hs], w => {
+                let xs = &w.x[first * h..(first + need) * h];
+                weightlift_kernels::rms_norm(xs, &self.out_norm.host, c.eps, &mut w.xn[..need * h])
+                    .map_err(|e| kernel("output_norm", e))?;
+                let (hb, hty) = weight_of(held, copies, &self.head)?;
+                for r0 in (0..need).step_by(per) {
+                    let nr = per.min(need - r0);
+                    let y = &mut w.logits[..nr * vocab];
+                    product(&c, hty, hb, &self.head, &w.xn[r0 * h..(r0 + nr) * h], nr, y)?;
+                    rows_out[r0 * vocab..(r0 + nr) * vocab].copy_from_slice(y);
+                }
+            }, (b, r) => exec::head(*b, &cx(hs), &self.out_norm, &self.head, first, per, rows_out, r)?);
             done += n;
         }
         Ok(copies_made)
     }
 }
 
+/// One device's workspace for a forward call, as its path sees it.
+// One per device per forward call, built once and never moved: the sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Work<'a> {
+    /// The host path: f32 slices of host memory.
+    Host(Views<'a>),
+    /// The backend path on the CPU backend, over the same host memory.
+    Cpu(&'a CpuBackend, Regions<'a, CpuBuffer>),
+    /// The backend path on a CUDA device.
+    Cuda(&'a CudaBackend, Regions<'a, CudaBuffer>),
+}
+
 /// Constants of one forward call.
-struct Consts {
-    hidden: usize,
-    n_heads: usize,
-    head_dim: usize,
-    kv_tile: usize,
-    q_tile: usize,
-    eps: f32,
-    rope: RopeParams,
-    max_dq: usize,
-    compute: Compute,
+pub(crate) struct Consts {
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub head_dim: usize,
+    pub kv_tile: usize,
+    pub q_tile: usize,
+    pub eps: f32,
+    pub rope: RopeParams,
+    pub max_dq: usize,
+    pub compute: Compute,
 }
 
 fn weight_of<'a>(
@@ -513,7 +690,7 @@ fn product(
     r.map_err(|e| kernel(&l.name, e))?;
     if let Some(b) = &l.bias {
         for yr in y.chunks_exact_mut(l.rows) {
-            yr.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            yr.iter_mut().zip(&b.host).for_each(|(v, b)| *v += b);
         }
     }
     Ok(())
@@ -532,25 +709,92 @@ fn linear_on(
     product(c, ty, w, l, &x[..n * l.cols], n, &mut y[..n * l.rows])
 }
 
-/// Copy `len` values of the residual stream at `offset` from site `from` to site `to`.
+/// The residual stream of a site as host bytes, where it is host memory.
+fn x_host<'w>(w: &'w Work<'_>) -> Option<&'w [u8]> {
+    match w {
+        Work::Host(v) => Some(bytemuck::cast_slice(&*v.x)),
+        Work::Cpu(_, r) => Some(r.x.as_bytes()),
+        Work::Cuda(..) => None,
+    }
+}
+
+/// As [`x_host`], mutably.
+fn x_host_mut<'w>(w: &'w mut Work<'_>) -> Option<&'w mut [u8]> {
+    match w {
+        Work::Host(v) => Some(bytemuck::cast_slice_mut(&mut *v.x)),
+        Work::Cpu(_, r) => Some(r.x.as_bytes_mut()),
+        Work::Cuda(..) => None,
+    }
+}
+
+/// Copies `dst.len()` bytes of a device's residual stream at byte `offset` to the host.
+fn read_x(w: &Work<'_>, name: &str, offset: usize, dst: &mut [u8]) -> Result<()> {
+    match w {
+        Work::Cuda(b, r) => b
+            .copy_to_host(&r.x, offset, dst)
+            .map_err(|e| kernel_on(name, "copying the hidden state out", e)),
+        _ => {
+            let src = x_host(w).and_then(|x| x.get(offset..offset + dst.len()));
+            let src = src.ok_or_else(|| invalid("hidden state copy", "in range", offset))?;
+            dst.copy_from_slice(src);
+            Ok(())
+        }
+    }
+}
+
+/// Copies host bytes into a device's residual stream at byte `offset`.
+fn write_x(w: &mut Work<'_>, name: &str, offset: usize, src: &[u8]) -> Result<()> {
+    match w {
+        Work::Cuda(b, r) => b
+            .copy_from_host(src, &mut r.x, offset)
+            .map_err(|e| kernel_on(name, "copying the hidden state in", e)),
+        _ => {
+            let dst = x_host_mut(w).and_then(|x| x.get_mut(offset..offset + src.len()));
+            let dst = dst.ok_or_else(|| invalid("hidden state copy", "in range", offset))?;
+            dst.copy_from_slice(src);
+            Ok(())
+        }
+    }
+}
+
+/// Copy `len` values of the residual stream at `offset` from site `from` to site `to`: a
+/// memcpy between host memories, or through the CUDA backend's copies to and from the host.
 fn move_rows(
-    views: &mut [Views<'_>],
+    works: &mut [Work<'_>],
+    names: &[String],
     from: usize,
     to: usize,
     offset: usize,
     len: usize,
     copies: &mut Copies,
-) {
+) -> Result<()> {
     let (src, dst) = if from < to {
-        let (a, b) = views.split_at_mut(to);
+        let (a, b) = works.split_at_mut(to);
         (&a[from], &mut b[0])
     } else {
-        let (a, b) = views.split_at_mut(from);
+        let (a, b) = works.split_at_mut(from);
         (&b[0], &mut a[to])
     };
-    dst.x[offset..offset + len].copy_from_slice(&src.x[offset..offset + len]);
+    let (at, bytes) = (offset * 4, len * 4);
+    let (sn, dn) = (&names[from], &names[to]);
+    if let Some(s) = x_host(src) {
+        let s = s
+            .get(at..at + bytes)
+            .ok_or_else(|| invalid("hidden state copy", "in range", at))?;
+        write_x(dst, dn, at, s)?;
+    } else if let Some(d) = x_host_mut(dst) {
+        let d = d
+            .get_mut(at..at + bytes)
+            .ok_or_else(|| invalid("hidden state copy", "in range", at))?;
+        read_x(src, sn, at, d)?;
+    } else {
+        let mut tmp = vec![0u8; bytes];
+        read_x(src, sn, at, &mut tmp)?;
+        write_x(dst, dn, at, &tmp)?;
+    }
     copies.count += 1;
-    copies.bytes += (len * 4) as u64;
+    copies.bytes += bytes as u64;
+    Ok(())
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {
@@ -574,7 +818,7 @@ fn run_layer(
     let (qd, kvd) = (nh * hd, l.kv_heads * hd);
     let err = |what: &'static str| move |e| kernel(&format!("layer {li} {what}"), e);
     // attention
-    weightlift_kernels::rms_norm(&w.x[..n * h], &l.attn_norm, c.eps, &mut w.xn[..n * h])
+    weightlift_kernels::rms_norm(&w.x[..n * h], &l.attn_norm.host, c.eps, &mut w.xn[..n * h])
         .map_err(err("attn_norm"))?;
     linear_on(c, held, copies, &l.q, w.xn, n, w.q)?;
     linear_on(c, held, copies, &l.k, w.xn, n, w.k)?;
@@ -623,7 +867,7 @@ fn run_layer(
     linear_on(c, held, copies, &l.o, w.q, n, w.xn)?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
     // MLP
-    weightlift_kernels::rms_norm(&w.x[..n * h], &l.ffn_norm, c.eps, &mut w.xn[..n * h])
+    weightlift_kernels::rms_norm(&w.x[..n * h], &l.ffn_norm.host, c.eps, &mut w.xn[..n * h])
         .map_err(err("ffn_norm"))?;
     let i = l.gate.rows;
     linear_on(c, held, copies, &l.gate, w.xn, n, w.gate)?;

@@ -2,11 +2,17 @@
 //! every layer.
 //!
 //! - Each layer computes on the device that holds it. `cpu`, `disk` (computed by the host) and
-//!   `virtual:N` run the CPU kernels on host memory; the activations, the new keys and values
-//!   and the attention tiles live in that device's [`Workspace`], carved out of the scratch the
-//!   plan reserved there (the planner and this module share the one layout, so the plan's
-//!   scratch column is what a forward pass holds). At a device boundary the hidden state is
-//!   copied from one workspace to the next, and the copy is counted ([`Copies`]).
+//!   `virtual:N` run the CPU kernels on host memory; `cuda:N` runs the same layer as a sequence
+//!   of the kernels' `Backend` operations on its `CudaBackend` (`exec.rs`), with an fp16 or f32
+//!   cache. The activations, the new keys and values and the attention tiles live in that
+//!   device's [`Workspace`], carved out of the scratch the plan reserved there (the planner and
+//!   this module share the one layout, so the plan's scratch column is what a forward pass
+//!   holds). At a device boundary the hidden state is copied from one workspace to the next (a
+//!   memcpy between host memories, through the host to and from CUDA memory), and the copy is
+//!   counted ([`Copies`]).
+//! - The backend path also runs on host devices over the same memory through the
+//!   `CpuBackend` when [`crate::Model::set_host_backend`] asks, so the op sequence a GPU runs
+//!   is tested without one: it gives the host path's logits bit for bit.
 //! - The KV cache is the [`Cache`], written in place at the sequence position.
 //! - Prompts run in chunks of the workspace's `tokens` (`max_input_len`); attention is tiled
 //!   (`max_attention_size` weights per head at most) with an online softmax; logits are
@@ -18,11 +24,12 @@
 //! Placement never changes results: every device runs the same kernels on the same shapes.
 
 mod attention;
+mod exec;
 mod graph;
 
 use std::sync::Arc;
 
-use weightlift_kernels::{Isa, MatvecMode, QuantType};
+use weightlift_kernels::{CpuBackend, Isa, MatvecMode, QuantType};
 use weightlift_plan::{Region, Workspace};
 
 use crate::cache::Cache;
@@ -104,6 +111,19 @@ pub(crate) struct Site {
     pub own: Option<Buffer>,
     /// Index of the device's scratch buffer in the model state, when it did.
     pub scratch: Option<usize>,
+    /// How the device computes.
+    pub exec: SiteExec,
+}
+
+/// How a device computes its parts of the model.
+#[derive(Debug)]
+pub(crate) enum SiteExec {
+    /// The CPU kernels called on slices of host memory (`cpu`, `disk`, `virtual:N`).
+    Host,
+    /// The backend op sequence on the CPU backend, over the same host memory.
+    Cpu(CpuBackend),
+    /// The backend op sequence on the device's CUDA backend.
+    Cuda,
 }
 
 /// Mutable f32 views of one workspace's regions.
@@ -182,12 +202,12 @@ pub(crate) fn host_weight<'a>(held: &'a Held, name: &str) -> Result<(&'a [u8], Q
                 .into(),
         });
     };
-    let bytes = tensor
-        .host_bytes()
-        .ok_or_else(|| EngineError::Unsupported {
-            what: format!("the forward pass on {device}"),
-            detail: "cuda layers do not run yet; place layers on cpu or virtual devices".into(),
-        })?;
+    let bytes = tensor.host_bytes().ok_or_else(|| EngineError::Device {
+        device: device.clone(),
+        detail: format!(
+            "tensor '{name}' is not in host memory, and the host forward pass reads it there"
+        ),
+    })?;
     let ty =
         QuantType::from_name(tensor.dtype().name()).ok_or_else(|| EngineError::Unsupported {
             what: format!("tensor '{name}' of type {}", tensor.dtype()),
@@ -247,6 +267,7 @@ pub struct Runner {
     threads: usize,
     pool: Option<Arc<rayon::ThreadPool>>,
     compute: Compute,
+    host_backend: bool,
 }
 
 /// Physical cores this process may run on (the `n_threads` default, as llama.cpp's), from the
@@ -308,6 +329,26 @@ impl crate::Model {
         self.runner.compute = compute;
     }
 
+    /// Whether host devices (`cpu`, `disk`, `virtual:N`) compute through the backend op
+    /// sequence that `cuda:N` devices run, on the CPU backend, instead of the host path.
+    pub fn host_backend(&self) -> bool {
+        self.runner.host_backend
+    }
+
+    /// Run host devices through the backend op sequence (`true`) or the host path (`false`, the
+    /// default: the same kernels, called directly on slices, tuned for decode). Both give the
+    /// same logits bit for bit; the backend path is what `cuda:N` layers run, so this checks its
+    /// op sequence on any machine. The fp16 and f32 caches only; the next forward call rebuilds
+    /// the graph.
+    pub fn set_host_backend(&mut self, on: bool) {
+        if self.runner.host_backend != on {
+            self.runner.host_backend = on;
+            if let Some(s) = self.state.as_mut() {
+                s.graph = None;
+            }
+        }
+    }
+
     /// Run `ids` through the model. With `cache` the tokens are appended at its `seq_len`;
     /// without, the model's own cache (attached at load) is reset and used from position 0.
     /// `out` receives `rows × vocab` logits (row-major): the last position, or every one.
@@ -333,6 +374,7 @@ impl crate::Model {
         let source = Arc::clone(self.source());
         let inventory = self.inventory().clone();
         let compute = self.runner.compute;
+        let host_backend = self.runner.host_backend;
         let pool = self.runner.pool.clone();
         let state = self.state.as_mut().ok_or_else(|| EngineError::NotLoaded {
             what: "the model".into(),
@@ -368,6 +410,7 @@ impl crate::Model {
                 &spec,
                 &plan.runtime,
                 (plan.max_seq_len, plan.batch),
+                host_backend,
             )?);
         }
         let crate::model::State {

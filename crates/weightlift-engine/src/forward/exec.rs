@@ -1,0 +1,682 @@
+//! The forward pass through the kernels' [`Backend`] trait: the embedding lookup, one decoder
+//! layer and the head as [`Op`]s on buffers of the device that computes them.
+//!
+//! Layers (and the embedding or head) on `cuda:N` run here on the device's `CudaBackend`: the
+//! weights, the cache and the workspace are the device memory the loader and the plan put there,
+//! viewed in place. `cpu`, `disk` and `virtual:N` run the host path of `graph.rs` (the same CPU
+//! kernels called on slices, tuned for decode), or run here on the `CpuBackend` over the same
+//! host memory when [`crate::Model::set_host_backend`] asks: the op sequence a GPU runs is then
+//! checked on any machine, and it gives the host path's bits (the tests compare them).
+//!
+//! The cache must be fp16 or f32 here (the attention operation reads those rows directly); the
+//! quantised caches and an offloaded cache are refused with a typed error naming them.
+
+// A backend buffer has no lifetime in its type, so a view of memory the engine owns (a region
+// of a workspace, a weight, a cache layer) is made through the kernels' unsafe view
+// constructors. Each is wrapped at once in a `Part`/`PartMut` guard that borrows the memory it
+// views, so the borrow checker keeps the memory alive and untouched while the view lives. A
+// guard's inner buffer must never be moved out (no `mem::swap`/`replace` through a `&mut` from
+// a `PartMut`): it would outlive the memory. Nothing does; the guards are private to this
+// module and `graph.rs`.
+#![allow(unsafe_code)]
+
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+
+use weightlift_format::DType;
+use weightlift_kernels::{
+    Backend, CpuBackend, CpuBuffer, CudaBackend, CudaBuffer, FloatType, KernelError, MatvecMode,
+    Op, QuantType, sources,
+};
+use weightlift_plan::Workspace;
+
+use super::Compute;
+use super::graph::{Consts, Floats, Layer, Linear, Slot};
+use crate::cache::{Cache, CacheDType};
+use crate::device::{Buffer, DeviceTensor, Storage};
+use crate::error::{EngineError, Result, invalid};
+use crate::model::Held;
+
+/// A buffer of a backend, read only, for as long as `'a` borrows what it shows: a whole buffer,
+/// or a view of part of one (or of engine memory) that frees nothing.
+pub(crate) enum Part<'a, T> {
+    Whole(&'a T),
+    View(T, PhantomData<&'a T>),
+}
+
+impl<T> Deref for Part<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match self {
+            Part::Whole(t) => t,
+            Part::View(t, _) => t,
+        }
+    }
+}
+
+/// As [`Part`], read and written.
+pub(crate) enum PartMut<'a, T> {
+    Whole(&'a mut T),
+    View(T, PhantomData<&'a mut T>),
+}
+
+impl<T> Deref for PartMut<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match self {
+            PartMut::Whole(t) => t,
+            PartMut::View(t, _) => t,
+        }
+    }
+}
+
+impl<T> DerefMut for PartMut<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        match self {
+            PartMut::Whole(t) => t,
+            PartMut::View(t, _) => t,
+        }
+    }
+}
+
+/// `len` bytes of `buf` from `offset`, read only.
+pub(crate) fn view<'a, B: Backend>(
+    b: &B,
+    buf: &'a B::Buffer,
+    offset: usize,
+    len: usize,
+) -> weightlift_kernels::Result<Part<'a, B::Buffer>> {
+    // SAFETY: the view lives in a guard that borrows `buf` for 'a, so `buf` outlives it and is
+    // not written meanwhile; a `Part` only reads.
+    let v = unsafe { b.view(buf, offset, len) }?;
+    Ok(Part::View(v, PhantomData))
+}
+
+/// Disjoint byte ranges of `buf`, read and written in place.
+pub(crate) fn split<'a, B: Backend>(
+    b: &B,
+    buf: &'a mut B::Buffer,
+    ranges: &[(usize, usize)],
+) -> weightlift_kernels::Result<Vec<PartMut<'a, B::Buffer>>> {
+    // SAFETY: the parts live in guards that borrow `buf` mutably for 'a, so `buf` is neither
+    // used nor dropped while any part lives.
+    let parts = unsafe { b.split(buf, ranges) }?;
+    Ok(parts
+        .into_iter()
+        .map(|p| PartMut::View(p, PhantomData))
+        .collect())
+}
+
+/// A backend the forward pass runs on, with the way it sees engine memory.
+pub(crate) trait Exec: Backend + Sized {
+    /// Whether [`MatvecMode::Q8`] multiplies weights of `ty` on this backend.
+    fn q8_supports(ty: QuantType) -> bool;
+
+    /// A held tensor's bytes, read in place.
+    fn tensor<'a>(&self, t: &'a DeviceTensor) -> Result<Part<'a, Self::Buffer>>;
+
+    /// f32 parameters (a norm's weight, a bias) where this backend reads them.
+    fn floats<'a>(&self, f: &'a Floats, held: &'a [Held]) -> Result<Part<'a, Self::Buffer>>;
+
+    /// An engine buffer of this device, read and written in place.
+    fn whole_mut<'a>(&self, b: &'a mut Buffer) -> Result<PartMut<'a, Self::Buffer>>;
+
+    /// Disjoint byte ranges of an engine buffer of this device, each read and written in place.
+    fn regions<'a>(
+        &self,
+        b: &'a mut Buffer,
+        ranges: &[(usize, usize)],
+    ) -> Result<Vec<PartMut<'a, Self::Buffer>>>;
+}
+
+fn not_host(device: &str, what: &str) -> EngineError {
+    EngineError::Device {
+        device: device.to_owned(),
+        detail: format!("{what} is not in host memory; the host backend cannot read it"),
+    }
+}
+
+fn not_cuda(device: &str, what: &str) -> EngineError {
+    EngineError::Device {
+        device: device.to_owned(),
+        detail: format!(
+            "{what} is not cuda memory of this device; the cuda backend cannot read it"
+        ),
+    }
+}
+
+impl Exec for CpuBackend {
+    fn q8_supports(ty: QuantType) -> bool {
+        weightlift_kernels::cpu::matvec::q8_supports(ty)
+    }
+
+    fn tensor<'a>(&self, t: &'a DeviceTensor) -> Result<Part<'a, CpuBuffer>> {
+        let bytes = t
+            .host_bytes()
+            .ok_or_else(|| not_host(&self.name(), &format!("a tensor on {}", t.device().name())))?;
+        // SAFETY: the view lives in a guard that borrows the tensor's bytes for 'a; nothing
+        // writes through a `Part`.
+        Ok(Part::View(unsafe { self.borrow(bytes) }, PhantomData))
+    }
+
+    fn floats<'a>(&self, f: &'a Floats, _held: &'a [Held]) -> Result<Part<'a, CpuBuffer>> {
+        // SAFETY: as in `tensor`, over the host copy the graph keeps.
+        Ok(Part::View(
+            unsafe { self.borrow(bytemuck::cast_slice(&f.host)) },
+            PhantomData,
+        ))
+    }
+
+    fn whole_mut<'a>(&self, b: &'a mut Buffer) -> Result<PartMut<'a, CpuBuffer>> {
+        let name = b.device().name().to_owned();
+        let bytes = b
+            .host_mut()
+            .ok_or_else(|| not_host(&self.name(), &format!("a buffer on {name}")))?;
+        // SAFETY: the view lives in a guard that borrows the bytes mutably for 'a.
+        Ok(PartMut::View(
+            unsafe { self.borrow_mut(bytes) },
+            PhantomData,
+        ))
+    }
+
+    fn regions<'a>(
+        &self,
+        b: &'a mut Buffer,
+        ranges: &[(usize, usize)],
+    ) -> Result<Vec<PartMut<'a, CpuBuffer>>> {
+        let name = b.device().name().to_owned();
+        let bytes = b
+            .host_mut()
+            .ok_or_else(|| not_host(&self.name(), &format!("a buffer on {name}")))?;
+        carve_bytes(bytes, ranges)?
+            .into_iter()
+            // SAFETY: each view lives in a guard that borrows its own disjoint piece of the
+            // bytes mutably for 'a.
+            .map(|piece| {
+                Ok(PartMut::View(
+                    unsafe { self.borrow_mut(piece) },
+                    PhantomData,
+                ))
+            })
+            .collect()
+    }
+}
+
+/// Disjoint pieces of `bytes` at `ranges`, in the order given (safe `split_at_mut`s).
+fn carve_bytes<'a>(bytes: &'a mut [u8], ranges: &[(usize, usize)]) -> Result<Vec<&'a mut [u8]>> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i]);
+    let mut pieces: Vec<Option<&'a mut [u8]>> = (0..ranges.len()).map(|_| None).collect();
+    let mut rest = bytes;
+    let mut at = 0usize;
+    for i in order {
+        let (offset, len) = ranges[i];
+        let end = offset.checked_add(len);
+        if offset < at || end.is_none_or(|e| e - at > rest.len()) {
+            return Err(invalid(
+                "workspace regions",
+                "disjoint ranges inside the buffer",
+                format!("{len} bytes at {offset}"),
+            ));
+        }
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(offset - at);
+        let (piece, tail) = tail.split_at_mut(len);
+        rest = tail;
+        at = offset + len;
+        pieces[i] = Some(piece);
+    }
+    Ok(pieces.into_iter().map(Option::unwrap_or_default).collect())
+}
+
+impl Exec for CudaBackend {
+    fn q8_supports(ty: QuantType) -> bool {
+        sources::CUDA_Q8_TYPES.contains(&ty)
+    }
+
+    fn tensor<'a>(&self, t: &'a DeviceTensor) -> Result<Part<'a, CudaBuffer>> {
+        match t.storage() {
+            Storage::Owned(b) => b.cuda().map(Part::Whole).ok_or_else(|| {
+                not_cuda(&self.name(), &format!("a tensor on {}", t.device().name()))
+            }),
+            Storage::Mapped { .. } => Err(not_cuda(
+                &self.name(),
+                "a tensor mapped from the checkpoint file",
+            )),
+        }
+    }
+
+    fn floats<'a>(&self, f: &'a Floats, held: &'a [Held]) -> Result<Part<'a, CudaBuffer>> {
+        if let Some(b) = &f.device {
+            return b
+                .cuda()
+                .map(Part::Whole)
+                .ok_or_else(|| not_cuda(&self.name(), &format!("the copy of '{}'", f.name)));
+        }
+        match held.get(f.index) {
+            Some(Held::Whole { tensor, .. }) if f.held_on_device => self.tensor(tensor),
+            _ => Err(not_cuda(&self.name(), &format!("'{}'", f.name))),
+        }
+    }
+
+    fn whole_mut<'a>(&self, b: &'a mut Buffer) -> Result<PartMut<'a, CudaBuffer>> {
+        let name = b.device().name().to_owned();
+        b.cuda_mut()
+            .map(PartMut::Whole)
+            .ok_or_else(|| not_cuda(&self.name(), &format!("a buffer on {name}")))
+    }
+
+    fn regions<'a>(
+        &self,
+        b: &'a mut Buffer,
+        ranges: &[(usize, usize)],
+    ) -> Result<Vec<PartMut<'a, CudaBuffer>>> {
+        let name = b.device().name().to_owned();
+        let dev = self.name();
+        let buf = b
+            .cuda_mut()
+            .ok_or_else(|| not_cuda(&dev, &format!("a buffer on {name}")))?;
+        split(self, buf, ranges).map_err(|e| kernel_on(&dev, "workspace regions", e))
+    }
+}
+
+/// A kernel error on `device` during `what`.
+pub(crate) fn kernel_on(device: &str, what: &str, e: KernelError) -> EngineError {
+    EngineError::Device {
+        device: device.to_owned(),
+        detail: format!("{what}: {e}"),
+    }
+}
+
+/// One device's workspace as buffers of its backend, region by region (the plan's layout; the
+/// attention tiles of the host path are not used here).
+pub(crate) struct Regions<'a, T> {
+    pub x: PartMut<'a, T>,
+    pub xn: PartMut<'a, T>,
+    pub q: PartMut<'a, T>,
+    pub att: PartMut<'a, T>,
+    pub k: PartMut<'a, T>,
+    pub v: PartMut<'a, T>,
+    pub gate: PartMut<'a, T>,
+    pub up: PartMut<'a, T>,
+    pub pos: PartMut<'a, T>,
+    pub freqs: PartMut<'a, T>,
+    pub logits: PartMut<'a, T>,
+}
+
+impl<'a, T> Regions<'a, T> {
+    /// The regions of `buf`, laid out as `w`.
+    pub(crate) fn new<B: Exec<Buffer = T>>(
+        b: &B,
+        buf: &'a mut Buffer,
+        w: &Workspace,
+    ) -> Result<Self> {
+        if (buf.len() as u64) < w.bytes {
+            return Err(invalid(
+                "forward workspace",
+                format!("{} bytes of scratch", w.bytes),
+                format!(
+                    "{} bytes reserved; the model was loaded for another runtime or cache",
+                    buf.len()
+                ),
+            ));
+        }
+        let r = |r: weightlift_plan::Region| (r.offset as usize, r.len as usize * 4);
+        let parts = b.regions(
+            buf,
+            &[
+                r(w.x),
+                r(w.xn),
+                r(w.q),
+                r(w.att),
+                r(w.k),
+                r(w.v),
+                r(w.gate),
+                r(w.up),
+                r(w.pos),
+                r(w.freqs),
+                r(w.logits),
+            ],
+        )?;
+        let Ok([x, xn, q, att, k, v, gate, up, pos, freqs, logits]) =
+            <[PartMut<'a, T>; 11]>::try_from(parts)
+        else {
+            return Err(invalid("workspace regions", "11", "another count"));
+        };
+        Ok(Regions {
+            x,
+            xn,
+            q,
+            att,
+            k,
+            v,
+            gate,
+            up,
+            pos,
+            freqs,
+            logits,
+        })
+    }
+}
+
+/// What one forward call lends the backend path.
+pub(crate) struct Ctx<'a> {
+    pub c: &'a Consts,
+    pub held: &'a [Held],
+    pub copies: &'a [(usize, Held)],
+    /// The computing device's name, for errors.
+    pub device: &'a str,
+}
+
+impl<'a> Ctx<'a> {
+    fn err(&self, what: impl Into<String>) -> impl FnOnce(KernelError) -> EngineError + 'a {
+        let what = what.into();
+        let device = self.device;
+        move |e| kernel_on(device, &what, e)
+    }
+
+    /// A matrix's held tensor, read in place, with its kernel type.
+    fn weight<B: Exec>(&self, b: &B, l: &Linear) -> Result<(Part<'a, B::Buffer>, QuantType)> {
+        let held = match l.slot {
+            Slot::Tensor(i) => self.held.get(i),
+            Slot::Copy(c) => self.copies.get(c).map(|(_, h)| h),
+        };
+        let Some(Held::Whole { tensor, .. }) = held else {
+            return Err(EngineError::Unsupported {
+                what: format!("a forward pass over split tensor '{}'", l.name),
+                detail: "tensor-parallel and row-split layers do not run yet; load with a layer \
+                         split (autosplit, layers, balanced)"
+                    .into(),
+            });
+        };
+        let ty = kernel_type(&l.name, tensor.dtype())?;
+        Ok((b.tensor(tensor)?, ty))
+    }
+
+    /// `y = W x (+ bias)` for `n` tokens.
+    fn linear<B: Exec>(
+        &self,
+        b: &B,
+        l: &Linear,
+        x: &B::Buffer,
+        n: usize,
+        y: &mut B::Buffer,
+    ) -> Result<()> {
+        let (w, ty) = self.weight(b, l)?;
+        let mode = if self.c.compute == Compute::Fast && B::q8_supports(ty) {
+            MatvecMode::Q8
+        } else {
+            MatvecMode::Exact
+        };
+        b.run(Op::Matmul {
+            ty,
+            mode,
+            act: FloatType::F32,
+            rows: l.rows,
+            cols: l.cols,
+            n_tok: n,
+            max_dq_size: self.c.max_dq,
+            w: &w,
+            x,
+            y,
+        })
+        .map_err(self.err(l.name.clone()))?;
+        if let Some(bias) = &l.bias {
+            b.run(Op::AddBias {
+                n_rows: n,
+                n_cols: l.rows,
+                x: y,
+                bias: &*b.floats(bias, self.held)?,
+            })
+            .map_err(self.err(format!("bias of {}", l.name)))?;
+        }
+        Ok(())
+    }
+}
+
+/// The kernels' type of a weight.
+pub(crate) fn kernel_type(name: &str, dtype: DType) -> Result<QuantType> {
+    QuantType::from_name(dtype.name()).ok_or_else(|| EngineError::Unsupported {
+        what: format!("tensor '{name}' of type {dtype}"),
+        detail: "the kernels have no matrix product for it".into(),
+    })
+}
+
+/// The float type of the cache rows the backend path reads, or why it cannot.
+fn cache_rows(cache: &Cache, device: &str) -> Result<FloatType> {
+    if cache.is_offloaded() {
+        return Err(EngineError::Unsupported {
+            what: format!("an offloaded kv cache for layers computed on {device}"),
+            detail: "layers that run through the kernels' backend read their cache where it \
+                     lives; load without offload"
+                .into(),
+        });
+    }
+    match cache.config().dtype {
+        CacheDType::F32 => Ok(FloatType::F32),
+        CacheDType::Fp16 => Ok(FloatType::F16),
+        other => Err(EngineError::Unsupported {
+            what: format!(
+                "a {} kv cache for layers computed on {device}",
+                other.name()
+            ),
+            detail: "layers that run through the kernels' backend keep their cache in fp16 or \
+                     f32 (supported: fp16, f32); load with cache dtype fp16"
+                .into(),
+        }),
+    }
+}
+
+/// The embedding rows of `ids`, dequantised into the residual stream `x`.
+pub(crate) fn embed<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    e: &Linear,
+    ids: &[u32],
+    x: &mut B::Buffer,
+) -> Result<()> {
+    let (table, ty) = cx.weight(b, e)?;
+    let h = e.cols;
+    if !h.is_multiple_of(ty.block_size()) {
+        return Err(invalid(
+            format!("tensor '{}'", e.name),
+            format!("rows of whole {ty} blocks of {}", ty.block_size()),
+            format!("rows of {h} values"),
+        ));
+    }
+    let row_bytes = h / ty.block_size() * ty.block_bytes();
+    let ranges: Vec<(usize, usize)> = (0..ids.len()).map(|t| (t * h * 4, h * 4)).collect();
+    let mut rows = split(b, x, &ranges).map_err(cx.err("embedding rows"))?;
+    for (row, id) in rows.iter_mut().zip(ids) {
+        let src = view(b, &table, *id as usize * row_bytes, row_bytes).map_err(cx.err(&e.name))?;
+        b.run(Op::Dequantize {
+            ty,
+            out: FloatType::F32,
+            n: h,
+            src: &src,
+            dst: row,
+        })
+        .map_err(cx.err(e.name.clone()))?;
+    }
+    Ok(())
+}
+
+/// Writes `n` f32 values of `src` into cache rows stored as `kv`, from value `at`.
+fn store<B: Backend>(
+    b: &B,
+    kv: FloatType,
+    src: &B::Buffer,
+    dst: &mut B::Buffer,
+    at: usize,
+    n: usize,
+) -> weightlift_kernels::Result<()> {
+    match kv {
+        FloatType::F16 => {
+            let mut rows = split(b, dst, &[(at * 2, n * 2)])?;
+            b.run(Op::ConvertToF16 {
+                from: FloatType::F32,
+                n,
+                src,
+                dst: &mut rows[0],
+            })
+        }
+        _ => b.copy(src, 0, dst, at * 4, n * 4),
+    }
+}
+
+/// Writes the positions `pos..pos + n` into the workspace of a device that computes layers
+/// (once per chunk: every layer there reads them).
+pub(crate) fn positions<B: Backend>(
+    b: &B,
+    device: &str,
+    pos: usize,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    if b.len(&r.pos) < n * 4 {
+        return Ok(());
+    }
+    let positions = (pos..pos + n)
+        .map(|p| i32::try_from(p).map_err(|_| invalid("position", "below 2^31", p)))
+        .collect::<Result<Vec<i32>>>()?;
+    b.copy_from_host(bytemuck::cast_slice(&positions), &mut r.pos, 0)
+        .map_err(|e| kernel_on(device, "positions", e))
+}
+
+/// One decoder layer on `n` tokens at positions `pos..pos + n` (already in `r.pos`, see
+/// [`positions`]), in place on `r.x`: the op sequence of `graph.rs`'s host `run_layer`, through
+/// the backend.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    l: &Layer,
+    li: usize,
+    cache: &Cache,
+    pos: usize,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let c = cx.c;
+    let (h, hd, nh) = (c.hidden, c.head_dim, c.n_heads);
+    let kvd = l.kv_heads * hd;
+    let kv = cache_rows(cache, cx.device)?;
+    let at = |what: &str| format!("layer {li} {what}");
+    // attention
+    b.run(Op::RmsNorm {
+        n_rows: n,
+        n_cols: h,
+        eps: c.eps,
+        x: &r.x,
+        weight: &*b.floats(&l.attn_norm, cx.held)?,
+        out: &mut r.xn,
+    })
+    .map_err(cx.err(at("attn_norm")))?;
+    cx.linear(b, &l.q, &r.xn, n, &mut r.q)?;
+    cx.linear(b, &l.k, &r.xn, n, &mut r.k)?;
+    cx.linear(b, &l.v, &r.xn, n, &mut r.v)?;
+    for (x, heads) in [(&mut r.q, nh), (&mut r.k, l.kv_heads)] {
+        b.run(Op::RopeInPlace {
+            params: c.rope,
+            n_tok: n,
+            n_heads: heads,
+            x,
+            positions: &r.pos,
+            inv_freqs: &r.freqs,
+        })
+        .map_err(cx.err(at("rope")))?;
+    }
+    cache.with_layer(li, |kb, vb| {
+        let mut kc = b.whole_mut(kb)?;
+        let mut vc = b.whole_mut(vb)?;
+        store(b, kv, &r.k, &mut kc, pos * kvd, n * kvd).map_err(cx.err(at("cache keys")))?;
+        store(b, kv, &r.v, &mut vc, pos * kvd, n * kvd).map_err(cx.err(at("cache values")))?;
+        b.run(Op::Attention {
+            kv,
+            n_heads: nh,
+            kv_heads: l.kv_heads,
+            head_dim: hd,
+            n_q: n,
+            start: pos,
+            scale: 1.0 / (hd as f32).sqrt(),
+            tile: c.kv_tile,
+            f16_operands: c.compute == Compute::Fast && kv == FloatType::F16,
+            q: &r.q,
+            k: &kc,
+            v: &vc,
+            out: &mut r.att,
+        })
+        .map_err(cx.err(at("attention")))
+    })?;
+    cx.linear(b, &l.o, &r.att, n, &mut r.xn)?;
+    b.run(Op::AddInPlace {
+        n: n * h,
+        x: &mut r.x,
+        y: &r.xn,
+    })
+    .map_err(cx.err(at("residual")))?;
+    // MLP
+    b.run(Op::RmsNorm {
+        n_rows: n,
+        n_cols: h,
+        eps: c.eps,
+        x: &r.x,
+        weight: &*b.floats(&l.ffn_norm, cx.held)?,
+        out: &mut r.xn,
+    })
+    .map_err(cx.err(at("ffn_norm")))?;
+    cx.linear(b, &l.gate, &r.xn, n, &mut r.gate)?;
+    cx.linear(b, &l.up, &r.xn, n, &mut r.up)?;
+    b.run(Op::SwiGluInPlace {
+        n: n * l.gate.rows,
+        gate: &mut r.gate,
+        up: &r.up,
+    })
+    .map_err(cx.err(at("swiglu")))?;
+    cx.linear(b, &l.down, &r.gate, n, &mut r.xn)?;
+    b.run(Op::AddInPlace {
+        n: n * h,
+        x: &mut r.x,
+        y: &r.xn,
+    })
+    .map_err(cx.err(at("residual")))
+}
+
+/// The output norm and head for rows `first..first + out.len() / vocab` of the residual stream,
+/// `rows` logit rows at a time through the workspace, into `out`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    head: &Linear,
+    first: usize,
+    rows: usize,
+    out: &mut [f32],
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let h = cx.c.hidden;
+    let vocab = head.rows;
+    let need = out.len() / vocab;
+    {
+        let xs = view(b, &r.x, first * h * 4, need * h * 4).map_err(cx.err("output_norm"))?;
+        b.run(Op::RmsNorm {
+            n_rows: need,
+            n_cols: h,
+            eps: cx.c.eps,
+            x: &xs,
+            weight: &*b.floats(norm, cx.held)?,
+            out: &mut r.xn,
+        })
+        .map_err(cx.err("output_norm"))?;
+    }
+    for r0 in (0..need).step_by(rows.max(1)) {
+        let nr = rows.max(1).min(need - r0);
+        let xin = view(b, &r.xn, r0 * h * 4, nr * h * 4).map_err(cx.err(&head.name))?;
+        cx.linear(b, head, &xin, nr, &mut r.logits)?;
+        let dst = bytemuck::cast_slice_mut(&mut out[r0 * vocab..(r0 + nr) * vocab]);
+        b.copy_to_host(&r.logits, 0, dst)
+            .map_err(cx.err("copying logits to the host"))?;
+    }
+    Ok(())
+}

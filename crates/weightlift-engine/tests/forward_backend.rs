@@ -1,0 +1,317 @@
+//! The forward pass through the kernels' `Backend` trait: the op sequence `cuda:N` layers run,
+//! checked here on the CPU backend (`Model::set_host_backend`) against logits transformers
+//! computed (`../shared/reference`, tolerances from its README, section 3; the tiny Qwen2 of
+//! `tests/data`) and against the host path, which it must equal bit for bit. On a machine with
+//! a GPU (and `--features cuda`) the last test runs SmolLM2's layers on `cuda:0`; here it
+//! checks the clean `CudaUnavailable` error and says why it skips.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use common::{argmax, json_ids, max_abs_diff, open, read_npy, reference};
+use weightlift_engine::forward::{Compute, Logits};
+use weightlift_engine::{
+    Cache, CacheDType, EngineError, Inventory, LoadOptions, Model, Placement, Source,
+};
+
+fn smollm2() -> Arc<dyn Source> {
+    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
+        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
+    );
+    open(path)
+}
+
+fn smollm2_prompt(k: u32) -> Vec<u32> {
+    json_ids(
+        &reference().join("smollm2-135m/prompts.json"),
+        &format!("prompts.{k}.ids_llamacpp"),
+    )
+}
+
+/// Every position's logits of `ids` from position 0.
+fn forward_all(m: &mut Model, cache: &Arc<Cache>, ids: &[u32]) -> Vec<f32> {
+    cache.reset();
+    let mut out = Vec::new();
+    m.forward(ids, Some(cache), Logits::All, &mut out).unwrap();
+    out
+}
+
+/// Greedy continuation: `steps` argmax tokens after `prompt`, one forward call per token.
+fn greedy(m: &mut Model, cache: &Arc<Cache>, prompt: &[u32], steps: usize) -> Vec<u32> {
+    cache.reset();
+    let mut out = Vec::new();
+    let mut ids = Vec::new();
+    m.forward(prompt, Some(cache), Logits::Last, &mut out)
+        .unwrap();
+    for _ in 0..steps {
+        let next = argmax(&out) as u32;
+        ids.push(next);
+        m.forward(&[next], Some(cache), Logits::Last, &mut out)
+            .unwrap();
+    }
+    ids
+}
+
+/// Load `src` with layer `l` on `devs[l * devs.len() / n_layers]` and everything else on cpu.
+fn split_load(
+    src: &Arc<dyn Source>,
+    inv: &str,
+    devs: &[&str],
+    dtype: CacheDType,
+) -> (Model, Arc<Cache>) {
+    let mut m = Model::new(Arc::clone(src), Inventory::parse(inv).unwrap());
+    let n = m.n_layers();
+    let layer_dev = |l: u32| devs[(l as usize * devs.len()) / n as usize].to_owned();
+    let mut p = Placement::all_on(src.as_ref(), "cpu", n);
+    for (t, info) in p.tensors.iter_mut().zip(src.tensors()) {
+        if let Some(l) = info.layer {
+            t.device = layer_dev(l);
+        }
+    }
+    p.layers = (0..n).map(layer_dev).collect();
+    let cfg = m.cache_config(64, 1, dtype, false).unwrap();
+    let cache = Arc::new(Cache::new(cfg).unwrap());
+    m.load(&p, &LoadOptions::default(), Some(&cache), true, &mut |_| {
+        true
+    })
+    .unwrap();
+    (m, cache)
+}
+
+/// SmolLM2 exact, f32 cache, through the backend: within 1e-3 of transformers with the same
+/// argmax at every position, and transformers' greedy ids; and the host path's bits.
+#[test]
+fn smollm2_exact_through_the_backend_matches_transformers() {
+    let src = smollm2();
+    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+    m.set_compute(Compute::Exact);
+    let host = forward_all(&mut m, &cache, &smollm2_prompt(2));
+    m.set_host_backend(true);
+    assert!(m.host_backend());
+    for k in [1, 2] {
+        let out = forward_all(&mut m, &cache, &smollm2_prompt(k));
+        let (shape, want) = read_npy(&reference().join(format!("smollm2-135m/hf_logits_{k}.npy")));
+        let d = max_abs_diff(&out, &want);
+        assert!(d <= 1e-3, "prompt {k}: max|Δ| {d}");
+        for (i, (a, b)) in out.chunks(shape[1]).zip(want.chunks(shape[1])).enumerate() {
+            assert_eq!(argmax(a), argmax(b), "prompt {k}: position {i}");
+        }
+        if k == 2 {
+            assert!(
+                out == host,
+                "backend and host paths differ (max|Δ| {})",
+                max_abs_diff(&out, &host)
+            );
+        }
+    }
+    let g = reference().join("smollm2-135m/greedy.json");
+    let ids = greedy(&mut m, &cache, &json_ids(&g, "prompt_ids"), 32);
+    assert_eq!(ids, json_ids(&g, "transformers.ids"));
+}
+
+/// The fast path (Q8 activations, fp16 cache, f16 attention operands) through the backend is
+/// the host fast path bit for bit: prompt logits at every position and 24 greedy tokens, whose
+/// logits are compared at each step too.
+#[test]
+fn smollm2_fast_through_the_backend_is_the_host_path() {
+    let src = smollm2();
+    let prompt = smollm2_prompt(1);
+    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, CacheDType::Fp16);
+    m.set_compute(Compute::Fast);
+    let run = |m: &mut Model| -> (Vec<f32>, Vec<Vec<f32>>) {
+        let all = forward_all(m, &cache, &prompt);
+        let mut steps = Vec::new();
+        let mut out = Vec::new();
+        cache.reset();
+        m.forward(&prompt, Some(&cache), Logits::Last, &mut out)
+            .unwrap();
+        for _ in 0..24 {
+            steps.push(out.clone());
+            let next = argmax(&out) as u32;
+            m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                .unwrap();
+        }
+        (all, steps)
+    };
+    let (host_all, host_steps) = run(&mut m);
+    m.set_host_backend(true);
+    let (all, steps) = run(&mut m);
+    assert!(
+        all == host_all,
+        "prompt logits differ (max|Δ| {})",
+        max_abs_diff(&all, &host_all)
+    );
+    for (i, (a, b)) in steps.iter().zip(&host_steps).enumerate() {
+        assert!(a == b, "step {i}: max|Δ| {}", max_abs_diff(a, b));
+    }
+    // and back to the host path
+    m.set_host_backend(false);
+    assert_eq!(run(&mut m).0, host_all);
+}
+
+/// Across two virtual devices the backend path copies the hidden state at each boundary (cpu
+/// embedding → virtual:0 → virtual:1 → cpu head: 3 copies per call), holds no more device
+/// memory than the host path, and gives its logits.
+#[test]
+fn backend_path_across_devices_copies_and_matches() {
+    let src = smollm2();
+    let prompt = smollm2_prompt(2);
+    let devs = ["virtual:0", "virtual:1"];
+    let run = |backend: bool| {
+        let (mut m, cache) = split_load(&src, "virtual:2x256MiB,cpu", &devs, CacheDType::Fp16);
+        m.set_host_backend(backend);
+        let all = forward_all(&mut m, &cache, &prompt);
+        let mut next = Vec::new();
+        let copies = m
+            .forward(&[42], Some(&cache), Logits::Last, &mut next)
+            .unwrap();
+        let used = m.device_usage();
+        (all, next, copies, used)
+    };
+    let (host_all, host_next, host_copies, host_used) = run(false);
+    let (all, next, copies, used) = run(true);
+    assert!(
+        all == host_all,
+        "prompt logits differ (max|Δ| {})",
+        max_abs_diff(&all, &host_all)
+    );
+    assert!(next == host_next, "next-token logits differ");
+    assert_eq!(copies.count, 3, "copies per forward");
+    assert_eq!(copies, host_copies);
+    assert_eq!(copies.bytes, 3 * 576 * 4, "one row of 576 f32 per copy");
+    assert_eq!(
+        used, host_used,
+        "device memory held after the forward calls"
+    );
+}
+
+fn qwen2_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tiny-qwen2")
+}
+
+/// qwen2's q/k/v biases and rotate-half RoPE through the backend (the bias op): within 1e-3
+/// of transformers, argmax at every position, and the host path's bits.
+#[test]
+fn tiny_qwen2_through_the_backend_matches_transformers() {
+    let ids = json_ids(&qwen2_data().join("stats.json"), "ids");
+    let (shape, want) = read_npy(&qwen2_data().join("hf_logits.npy"));
+    for file in ["tiny-qwen2-F32.gguf", ""] {
+        let path = qwen2_data().join(file);
+        let (mut m, cache) = common::load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
+        m.set_compute(Compute::Exact);
+        let host = forward_all(&mut m, &cache, &ids);
+        m.set_host_backend(true);
+        let out = forward_all(&mut m, &cache, &ids);
+        let d = max_abs_diff(&out, &want);
+        assert!(d <= 1e-3, "{file}: max|Δ| {d}");
+        for (i, (a, b)) in out.chunks(shape[1]).zip(want.chunks(shape[1])).enumerate() {
+            assert_eq!(argmax(a), argmax(b), "{file}: position {i}");
+        }
+        assert!(out == host, "{file}: backend and host paths differ");
+    }
+}
+
+/// The quantised caches and an offloaded cache are refused by the backend path with a typed
+/// error naming the dtype and what is supported; nothing is written and the model stays usable.
+#[test]
+fn backend_path_refuses_caches_it_cannot_read() {
+    let src = open(reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf"));
+    for dtype in [
+        CacheDType::Q8,
+        CacheDType::Q4,
+        CacheDType::Fp8,
+        CacheDType::Q6,
+    ] {
+        let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, dtype);
+        m.set_host_backend(true);
+        let mut out = Vec::new();
+        let e = m
+            .forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut out)
+            .unwrap_err();
+        assert!(matches!(e, EngineError::Unsupported { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with(&format!(
+                "a {} kv cache for layers computed on cpu is not supported",
+                dtype.name()
+            )) && msg.contains("(supported: fp16, f32)"),
+            "{msg}"
+        );
+        assert_eq!(cache.seq_len(), 0);
+        m.set_host_backend(false);
+        m.forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut out)
+            .unwrap();
+        assert_eq!(cache.seq_len(), 3);
+    }
+    let mut m = Model::new(Arc::clone(&src), Inventory::parse("cpu").unwrap());
+    let cfg = m.cache_config(64, 1, CacheDType::Fp16, true).unwrap();
+    let cache = Arc::new(Cache::new(cfg).unwrap());
+    let p = Placement::all_on(src.as_ref(), "cpu", m.n_layers());
+    m.load(&p, &LoadOptions::default(), Some(&cache), true, &mut |_| {
+        true
+    })
+    .unwrap();
+    m.set_host_backend(true);
+    let e = m
+        .forward(&[1], Some(&cache), Logits::Last, &mut Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("an offloaded kv cache for layers computed on cpu is not supported"),
+        "{e}"
+    );
+}
+
+/// SmolLM2's layers on `cuda:0` (embedding and head on cpu), exact compute with an f32 cache
+/// and fast compute with an fp16 cache, against the host path on cpu: the same greedy ids and
+/// logits within 0.05 (exact) or the same argmax wherever the host margin is above 0.25
+/// (fast). Without a GPU, libcuda or the `cuda` feature: the clean `CudaUnavailable` error.
+#[test]
+fn cuda_layers_match_the_host_path() {
+    if let Some(reason) = weightlift_kernels::CudaBackend::unavailable_reason() {
+        let e = Inventory::parse("cuda:0,cpu").unwrap_err();
+        assert!(
+            matches!(e, EngineError::CudaUnavailable { ref device, .. } if device == "cuda:0"),
+            "{e}"
+        );
+        eprintln!("skipping cuda_layers_match_the_host_path on cuda:0: {reason}");
+        return;
+    }
+    let src = smollm2();
+    let prompt = smollm2_prompt(2);
+    for (compute, dtype) in [
+        (Compute::Exact, CacheDType::F32),
+        (Compute::Fast, CacheDType::Fp16),
+    ] {
+        let (mut cpu, cc) = common::load_on(&src, "cpu", "cpu", 64, dtype);
+        cpu.set_compute(compute);
+        let want = forward_all(&mut cpu, &cc, &prompt);
+        let want_ids = greedy(&mut cpu, &cc, &prompt, 16);
+        let (mut gpu, gc) = split_load(&src, "cuda:0,cpu", &["cuda:0"], dtype);
+        gpu.set_compute(compute);
+        let got = forward_all(&mut gpu, &gc, &prompt);
+        let vocab = got.len() / prompt.len();
+        match compute {
+            Compute::Exact => {
+                let d = max_abs_diff(&got, &want);
+                assert!(d <= 0.05, "{compute:?}: max|Δ| {d} against the host path");
+            }
+            Compute::Fast => {
+                for (i, (a, b)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+                    if common::margin(b) > 0.25 {
+                        assert_eq!(argmax(a), argmax(b), "{compute:?}: position {i}");
+                    }
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let copies = gpu
+            .forward(&[42], Some(&gc), Logits::Last, &mut out)
+            .unwrap();
+        assert_eq!(copies.count, 2, "cpu embedding → cuda:0 → cpu head");
+        let ids = greedy(&mut gpu, &gc, &prompt, 16);
+        assert_eq!(ids, want_ids, "{compute:?}: greedy ids");
+    }
+}
