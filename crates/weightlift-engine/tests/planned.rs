@@ -168,7 +168,12 @@ fn kv_of(plan: &Plan, dev: &str) -> u64 {
 fn offloaded_cache_is_planned_and_held() {
     let path = tiny("gguf/tiny-llama-Q8_0.gguf");
     let cache = CacheSpec::new(512, 2, CacheDType::Fp16).with_offload(true);
-    let plan = check(&path, "virtual:2x6MiB,cpu", Strategy::Autosplit, Some(cache));
+    let plan = check(
+        &path,
+        "virtual:2x6MiB,cpu",
+        Strategy::Autosplit,
+        Some(cache),
+    );
     assert!(plan.cache().unwrap().offload);
     assert_eq!(kv_of(&plan, "cpu"), 2 * 524_288);
     let mut on_devices = 0;
