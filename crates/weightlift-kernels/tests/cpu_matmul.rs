@@ -8,20 +8,23 @@
 //! Tolerances:
 //! - exact mode: |y − y₆₄| ≤ 1e-5 · Σ|w·x| (f32 products and sums);
 //! - Q8 mode: the activation rounding bound of `cpu_ops.rs` (Σ|w| · 0.57 · d_x per block) plus
-//!   the same 1e-5 · Σ|w·x|; and each token's result equals the matvec of that token on the
-//!   same instruction set: bit for bit (the integer dot products are exact and the float
-//!   operations the same), except the AVX2/AVX-512 path for Q4_0/Q4_1/Q5_0/Q5_1/Q4_K, which
-//!   scales each 32-value group's exact integer dot once instead of each 4-value lane, and
-//!   must agree within 1e-5 · Σ|w·x|.
+//!   the same 1e-5 · Σ|w·x|. Every instruction set, with VNNI and without, gives the scalar
+//!   matmul's bits (the integer dot products are exact and the tiles do the scalar path's
+//!   float operations in its order). From 8 tokens the matmul scales each 32-value group once
+//!   where the matvec scales each 4-value lane, so the two agree within
+//!   1e-5 · Σ(|w| + 2|m|)·|x| (`m` the group's weight offset, which bounds every partial sum
+//!   either one sees); below 8 the matmul is the matvec of each token.
 
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
 
 mod common;
 
-use common::{Rng, load, q8_bound, reference};
-use weightlift_kernels::cpu::matvec::{matmul_with, matvec_with};
-use weightlift_kernels::{Isa, MatvecMode};
+use common::{Rng, group_offset, load, q8_bound, reference};
+use weightlift_kernels::cpu::matvec::{
+    matmul_with, matmul_with_vnni, matvec_with, quantize_q8_blocks,
+};
+use weightlift_kernels::{Isa, MatvecMode, QuantType, dequantize_f32};
 
 /// A fixture cut to `rows × cols` (whole blocks), with gguf-py's values for those rows.
 fn cut(name: &str, cols: usize, rows: usize) -> (weightlift_kernels::QuantType, Vec<u8>, Vec<f32>) {
@@ -35,13 +38,110 @@ fn cut(name: &str, cols: usize, rows: usize) -> (weightlift_kernels::QuantType, 
     )
 }
 
-const TOKEN_COUNTS: [usize; 10] = [1, 2, 3, 4, 5, 9, 16, 17, 24, 33];
+/// Token counts: below 8 the Q8 mode runs the matvec per token; from 8, every tail of the
+/// 12-token (512-bit) and 3-token (256-bit) tiles.
+const TOKEN_COUNTS: [usize; 14] = [1, 2, 3, 4, 5, 8, 9, 10, 12, 13, 14, 16, 17, 33];
 
-/// Types whose AVX2/AVX-512 Q8-mode matmul sums each group's integer products in full.
-const NIBBLE_KERNEL: [&str; 5] = ["q4_0", "q4_1", "q5_0", "q5_1", "q4_k"];
+/// The Q8-mode weight types.
+const Q8_TYPES: [QuantType; 7] = [
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q8_0,
+    QuantType::Q4_K,
+    QuantType::Q6_K,
+];
+
+/// The Q8-mode matmul on `isa`, VNNI allowed or not.
+#[allow(clippy::too_many_arguments)]
+fn q8_matmul(
+    isa: Isa,
+    vnni: bool,
+    ty: QuantType,
+    raw: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+) -> Vec<f32> {
+    let mut y = vec![0f32; rows * n_tok];
+    matmul_with_vnni(
+        isa,
+        vnni,
+        MatvecMode::Q8,
+        ty,
+        raw,
+        rows,
+        cols,
+        x,
+        n_tok,
+        &mut y,
+        0,
+    )
+    .unwrap();
+    y
+}
+
+/// Asserts that the matmul has the scalar matmul's bits on every instruction set, VNNI on
+/// and off; returns the scalar result.
+fn same_bits_on_every_isa(
+    what: &str,
+    ty: QuantType,
+    raw: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+) -> Vec<f32> {
+    let want = q8_matmul(Isa::Scalar, false, ty, raw, rows, cols, x, n_tok);
+    for isa in Isa::all_supported() {
+        for vnni in [false, true] {
+            let y = q8_matmul(isa, vnni, ty, raw, rows, cols, x, n_tok);
+            for (i, (a, b)) in y.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{what} {isa:?} vnni {vnni} n_tok {n_tok} out {i}: {a} vs scalar {b}"
+                );
+            }
+        }
+    }
+    want
+}
+
+/// The f64 dot of `w` (dequantised weights) with the activations as the Q8 mode rounds them,
+/// and Σ(|w| + 2|m|)·|x| per output.
+fn q8_reference(
+    ty: QuantType,
+    raw: &[u8],
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let row_bytes = raw.len() / rows;
+    let mut want = vec![0f64; rows * n_tok];
+    let mut mag = vec![0f64; rows * n_tok];
+    for t in 0..n_tok {
+        let q = quantize_q8_blocks(&x[t * cols..(t + 1) * cols]);
+        for r in 0..rows {
+            let i = t * rows + r;
+            for c in 0..cols {
+                let xv = f64::from(q[c / 32].d) * f64::from(q[c / 32].qs[c % 32]);
+                let wv = f64::from(w[r * cols + c]);
+                let m = group_offset(ty, &raw[r * row_bytes..], c / 32);
+                want[i] += wv * xv;
+                mag[i] += (wv.abs() + 2.0 * m.abs()) * xv.abs();
+            }
+        }
+    }
+    (want, mag)
+}
 
 #[test]
-fn q8_matmul_equals_the_q8_matvec_of_each_token() {
+fn q8_matmul_has_the_same_bits_on_every_isa_and_matches_the_reference() {
     let mut rng = Rng(201);
     for (name, cols, rows) in [
         ("q4_0", 192, 7),
@@ -57,58 +157,195 @@ fn q8_matmul_equals_the_q8_matvec_of_each_token() {
             let x = rng.vec(cols * n_tok, 2.0);
             let (yref, mag) = reference(&want, rows, cols, &x, n_tok);
             let bound = q8_bound(&want, rows, cols, &x, n_tok);
+            let (_, mag_q) = q8_reference(ty, &raw, &want, rows, cols, &x, n_tok);
+            let y = same_bits_on_every_isa(name, ty, &raw, rows, cols, &x, n_tok);
             for isa in Isa::all_supported() {
-                let mut y = vec![0f32; rows * n_tok];
-                matmul_with(
-                    isa,
-                    MatvecMode::Q8,
-                    ty,
-                    &raw,
-                    rows,
-                    cols,
-                    &x,
-                    n_tok,
-                    &mut y,
-                    0,
-                )
-                .unwrap();
                 for t in 0..n_tok {
                     let mut yv = vec![0f32; rows];
                     let xt = &x[t * cols..(t + 1) * cols];
                     matvec_with(isa, MatvecMode::Q8, ty, &raw, rows, cols, xt, &mut yv).unwrap();
                     for r in 0..rows {
                         let i = t * rows + r;
-                        if isa >= Isa::Avx2 && NIBBLE_KERNEL.contains(&name) {
-                            // one rounding per 32-value group instead of per 4-value lane
-                            assert!(
-                                (f64::from(y[i]) - f64::from(yv[r])).abs() <= 1e-5 * mag[i] + 1e-30,
-                                "{name} {isa:?} n_tok {n_tok} token {t} row {r}: {} vs matvec {}",
-                                y[i],
-                                yv[r]
-                            );
-                        } else {
-                            assert_eq!(
-                                y[i].to_bits(),
-                                yv[r].to_bits(),
-                                "{name} {isa:?} n_tok {n_tok} token {t} row {r}: {} vs matvec {}",
-                                y[i],
-                                yv[r]
-                            );
-                        }
-                        let err = (f64::from(y[i]) - yref[i]).abs();
+                        // one rounding per 32-value group instead of per 4-value lane
                         assert!(
-                            err <= bound[i] + 1e-5 * mag[i] + 1e-30
-                                || !yref[i].is_finite()
-                                || mag[i] > 1e37,
-                            "{name} {isa:?} n_tok {n_tok} out {i}: {} vs {} (err {err:e})",
+                            (f64::from(y[i]) - f64::from(yv[r])).abs() <= 1e-5 * mag_q[i] + 1e-30,
+                            "{name} {isa:?} n_tok {n_tok} token {t} row {r}: {} vs matvec {}",
                             y[i],
-                            yref[i]
+                            yv[r]
                         );
                     }
                 }
             }
+            for i in 0..y.len() {
+                let err = (f64::from(y[i]) - yref[i]).abs();
+                assert!(
+                    err <= bound[i] + 1e-5 * mag[i] + 1e-30
+                        || !yref[i].is_finite()
+                        || mag[i] > 1e37,
+                    "{name} n_tok {n_tok} out {i}: {} vs {} (err {err:e})",
+                    y[i],
+                    yref[i]
+                );
+            }
         }
     }
+}
+
+/// Byte offsets of a block's f16 scales (ggml-common.h).
+fn scale_offsets(ty: QuantType) -> &'static [usize] {
+    match ty {
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K => &[0, 2],
+        QuantType::Q6_K => &[208],
+        _ => &[0],
+    }
+}
+
+/// `rows × cols` random blocks of `ty` with every f16 scale set to `scale` (f16 bits).
+fn random_blocks(rng: &mut Rng, ty: QuantType, rows: usize, cols: usize, scale: u16) -> Vec<u8> {
+    let mut raw = rng.bytes(rows * cols / ty.block_size() * ty.block_bytes());
+    for blk in raw.chunks_exact_mut(ty.block_bytes()) {
+        for &o in scale_offsets(ty) {
+            blk[o..o + 2].copy_from_slice(&scale.to_le_bytes());
+        }
+    }
+    raw
+}
+
+/// Several panels of 16 rows and a ragged last one, token counts around the tiles' 12 (and
+/// 3) tokens, random blocks: the same bits everywhere, and within 1e-5 · Σ(|w| + 2|m|)·|x| of
+/// the f64 dot with the Q8-rounded activations.
+#[test]
+fn q8_matmul_of_several_panels_has_the_same_bits_on_every_isa() {
+    let mut rng = Rng(207);
+    for ty in Q8_TYPES {
+        let cols = if ty.block_size() == 256 { 512 } else { 160 };
+        let rows = 37;
+        let raw = random_blocks(&mut rng, ty, rows, cols, 0x2c00);
+        let mut w = vec![0f32; rows * cols];
+        dequantize_f32(ty, &raw, &mut w).unwrap();
+        for n_tok in [6, 8, 11, 12, 13, 26, 40] {
+            let x = rng.vec(cols * n_tok, 3.0);
+            let y = same_bits_on_every_isa(&ty.to_string(), ty, &raw, rows, cols, &x, n_tok);
+            let (want, mag) = q8_reference(ty, &raw, &w, rows, cols, &x, n_tok);
+            for i in 0..y.len() {
+                let err = (f64::from(y[i]) - want[i]).abs();
+                assert!(
+                    err <= 1e-5 * mag[i] + 1e-30,
+                    "{ty} n_tok {n_tok} out {i}: {} vs f64 {} (err {err:e})",
+                    y[i],
+                    want[i]
+                );
+            }
+        }
+    }
+}
+
+/// The largest integer sums each path sees: weight quants at their extremes (all bits set,
+/// none set, Q8_0's −128 and 127, Q6_K's sub-scales at ±127 and −128) against activations
+/// saturating at ±127. Without VNNI, two products of 128 · 127 (Q8_0) or 63 · 127 (Q6_K) share
+/// one i16 of `pmaddubsw`: exact only if nothing saturates.
+#[test]
+fn q8_matmul_is_exact_at_the_extreme_quants() {
+    let mut rng = Rng(211);
+    let (rows, n_tok) = (20, 14);
+    for ty in Q8_TYPES {
+        let cols = 256;
+        let bb = ty.block_bytes();
+        let mut raw = Vec::new();
+        for r in 0..rows {
+            for _ in 0..cols / ty.block_size() {
+                let fill = match r % 4 {
+                    0 => vec![0xffu8; bb],
+                    1 => vec![0u8; bb],
+                    2 => (0..bb)
+                        .map(|i| if i % 2 == 0 { 0x80 } else { 0x7f })
+                        .collect(),
+                    _ => rng.bytes(bb),
+                };
+                raw.extend_from_slice(&fill);
+            }
+        }
+        for blk in raw.chunks_exact_mut(bb) {
+            for &o in scale_offsets(ty) {
+                blk[o..o + 2].copy_from_slice(&0x3800u16.to_le_bytes()); // 0.5
+            }
+        }
+        let mut w = vec![0f32; rows * cols];
+        dequantize_f32(ty, &raw, &mut w).unwrap();
+        // every activation at ±amax (all quants ±127): all +, all −, mixed
+        let x: Vec<f32> = (0..n_tok * cols)
+            .map(|i| match (i / cols) % 3 {
+                0 => 1.5,
+                1 => -1.5,
+                _ => {
+                    if rng.unit() < 0.0 {
+                        -1.5
+                    } else {
+                        1.5
+                    }
+                }
+            })
+            .collect();
+        let y = same_bits_on_every_isa(&ty.to_string(), ty, &raw, rows, cols, &x, n_tok);
+        let (want, mag) = q8_reference(ty, &raw, &w, rows, cols, &x, n_tok);
+        for i in 0..y.len() {
+            assert!(
+                (f64::from(y[i]) - want[i]).abs() <= 1e-5 * mag[i] + 1e-30,
+                "{ty} out {i}: {} vs f64 {}",
+                y[i],
+                want[i]
+            );
+        }
+    }
+}
+
+/// Activations the quantiser must round as `quantize_q8_blocks` (llama.cpp's `roundf`, half
+/// away from zero, then Rust's saturating `as i8`) does: halves at the amax scale of 127
+/// (d = 1, so x · (1/d) is x), values just below a half, subnormals whose 1/d overflows to
+/// infinity (±inf and NaN quants), zeros, and NaN: the SIMD quantiser's results are the scalar
+/// matmul's bits.
+#[test]
+fn q8_matmul_quantises_activations_as_the_scalar_path() {
+    let ty = QuantType::Q8_0;
+    let (rows, cols) = (16, 160);
+    let mut rng = Rng(213);
+    let raw = random_blocks(&mut rng, ty, rows, cols, 0x2c00);
+    let mut x = Vec::new();
+    let n_tok = 9;
+    for t in 0..n_tok {
+        for g in 0..cols / 32 {
+            for i in 0..32usize {
+                let v = match (t + g) % 5 {
+                    0 => {
+                        if i == 0 {
+                            127.0
+                        } else {
+                            (i as f32 - 16.0) + 0.5
+                        }
+                    }
+                    1 => {
+                        if i == 0 {
+                            -127.0
+                        } else {
+                            (i as f32 - 16.0) * 0.999_999_9 + 0.499_999_97
+                        }
+                    }
+                    // subnormal: d = amax/127 is not 0 but 1/d is infinite
+                    2 => 1e-40 * (i % 4) as f32 * if i % 2 == 0 { 1.0 } else { -1.0 },
+                    3 => 0.0,
+                    _ => {
+                        if i == 5 {
+                            f32::NAN
+                        } else {
+                            rng.unit()
+                        }
+                    }
+                };
+                x.push(v);
+            }
+        }
+    }
+    same_bits_on_every_isa("rounding", ty, &raw, rows, cols, &x, n_tok);
 }
 
 #[test]

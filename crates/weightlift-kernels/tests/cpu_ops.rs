@@ -129,7 +129,7 @@ fn q8_matvec_vnni_and_plain_paths_give_the_same_bits_within_the_f64_bound() {
 /// Q8 mode on every instruction set against the f64 dot of gguf-py's dequantised weights
 /// with the activations as `quantize_q8_blocks` rounds them (`d · q`), so the activation
 /// rounding is not in the error: the matvec with VNNI on and off, and the matmul of 1 to 17
-/// tokens (its per-token, token-pair and 4/5-bit kernels). Within 1e-5 · Σ(|w| + 2|m|)·|d·q|,
+/// tokens (the matvec per token below 8, the register tiles from 8). Within 1e-5 · Σ(|w| + 2|m|)·|d·q|,
 /// `m` the group's weight offset: that bounds every partial sum the f32 lanes and the offset
 /// term see (about 80 f32 ulps of it).
 #[test]

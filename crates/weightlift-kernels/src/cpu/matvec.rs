@@ -19,12 +19,13 @@
 //!   `d · Σq` for this). Unlike llama.cpp, K-quants also use 32-value activation blocks
 //!   (llama.cpp uses 256-value `block_q8_K` with an f32 scale), so results differ from
 //!   llama.cpp's in the last bits. In [`matvec`] every instruction set gives bit-identical
-//!   results, and so does [`matmul`] for Q8_0 and Q6_K (each token's result equals its
-//!   matvec). For the 4- and 5-bit types (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K) the AVX2/AVX-512
-//!   [`matmul`] of at least 4 (AVX2) or 8 (AVX-512) tokens sums each 32-value group's integer
-//!   products in full (the same exact integers) and scales them once, where the matvec
-//!   scales eight 4-value lanes: one f32 rounding per group instead of eight, so matmul and
-//!   matvec differ in the last bits (tested within 1e-5 of Σ|w·x|).
+//!   results, and so does [`matmul`]. A [`matmul`] of fewer than 8 tokens is the [`matvec`]
+//!   of each token. From 8 tokens it runs integer register tiles (`x86_gemm`: 16 weight rows
+//!   × up to 12 tokens, VNNI where the CPU has it) that sum each 32-value group's integer
+//!   products in full (16 values for Q6_K, whose scales are per 16) and scale them once, where
+//!   the matvec scales eight 4-value lanes: one f32 rounding per group instead of eight, so
+//!   those results differ from the matvec's in the last bits (tested within 1e-5 of
+//!   Σ(|w| + 2|m|)·|x|); the scalar path does the tiles' float operations in their order.
 
 use rayon::prelude::*;
 
@@ -184,7 +185,9 @@ fn row_dot_exact(isa: Isa, ty: QuantType, row: &[u8], x: &[f32], tmp: &mut [f32]
     acc
 }
 
-/// f32 dot product with the chosen instruction set.
+/// f32 dot product with the chosen instruction set. Inlined: attention calls it once per
+/// query and key, on 64 values, where an out-of-line dispatch cost as much as the dot.
+#[inline]
 pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx512() {
@@ -197,7 +200,12 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
         return unsafe { super::x86::imp::dot_f32_avx2(a, b) };
     }
     let _ = isa;
-    // eight partial sums, as a vector unit would, so long rows lose less to rounding
+    dot_f32_scalar(a, b)
+}
+
+/// [`dot_f32`]'s scalar level: eight partial sums, as a vector unit would, so long rows lose
+/// less to rounding.
+fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut s = [0f32; 8];
     let mut ca = a.chunks_exact(8);
     let mut cb = b.chunks_exact(8);
@@ -395,6 +403,15 @@ pub(crate) fn q6k_quants(blk: &[u8], q: &mut [i8; 256]) {
     }
 }
 
+/// Fewer tokens than this take [`matvec`] once per token in [`MatvecMode::Q8`]. The tiles
+/// first decode every weight into panels (about the cost of one matvec), so they are slower
+/// for 1 or 2 tokens and faster from 3 (1 thread, 576 × 576 Q4_1: 36 µs against 22 µs for one
+/// token, 39 µs against 46 µs for three, 44 µs against 106 µs for eight). Below 8 tokens the
+/// tiles' gain is a few tens of µs per matrix, and a prompt that short keeps the logits of
+/// decoding it token by token (as the AVX-512 path did before the tiles); the forward tests'
+/// greedy agreement with llama.cpp was calibrated on those.
+const Q8_GEMM_MIN_TOKENS: usize = 8;
+
 /// Values dequantised per matmul task (256 KiB of f32: stays in L2 while every token uses it).
 const DQ_TILE: usize = 64 * 1024;
 
@@ -509,9 +526,10 @@ pub fn matvec_f16(
 /// tokens over the transposed activations, k in chunks of 128, so each dequantised weight is
 /// loaded once per 32 tokens; each output sums its products in f32, in order within a chunk.
 ///
-/// In [`MatvecMode::Q8`] the tokens are quantised once (and laid out once for the SIMD
-/// kernels), and each weight group is decoded once per 16 or 32 tokens and met with all of
-/// them from registers.
+/// In [`MatvecMode::Q8`], from 8 tokens, the tokens are quantised and laid out once, each
+/// task decodes 16 weight rows once into a panel of unsigned 8-bit quants and per-row scales,
+/// and meets it with up to 12 tokens at a time in integer registers (see the module
+/// documentation); fewer tokens take [`matvec`] once per token.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     mode: MatvecMode,
@@ -552,109 +570,96 @@ pub fn matmul_with(
     y: &mut [f32],
     max_dq_size: usize,
 ) -> Result<()> {
+    matmul_with_vnni(isa, true, mode, ty, w, rows, cols, x, n_tok, y, max_dq_size)
+}
+
+/// [`matmul_with`], with the VNNI form of the Q8-mode kernels ([`Isa::vnni`]) allowed or not
+/// (so tests and benchmarks can run both; the results have the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_with_vnni(
+    isa: Isa,
+    vnni: bool,
+    mode: MatvecMode,
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+    max_dq_size: usize,
+) -> Result<()> {
     check_shapes(ty, w, rows, cols, x.len(), n_tok, y.len())?;
     if rows == 0 || cols == 0 || n_tok == 0 {
         y.fill(0.0);
         return Ok(());
     }
+    if mode == MatvecMode::Q8 {
+        check_q8_type(ty)?;
+        if n_tok < Q8_GEMM_MIN_TOKENS {
+            for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
+                matvec_with_vnni(isa, vnni, mode, ty, w, rows, cols, xt, yt)?;
+            }
+            return Ok(());
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa.has_avx2() {
+            let vnni = isa.vnni().filter(|_| vnni);
+            // SAFETY: AVX2, FMA and F16C detected (has_avx2), AVX-512F/BW with has_avx512, and
+            // the extension Isa::vnni names; check_shapes checked the shapes.
+            unsafe { super::x86_gemm::q8_matmul(isa, vnni, ty, w, rows, cols, x, n_tok, y) };
+            return Ok(());
+        }
+        let _ = vnni;
+        q8_matmul_scalar(ty, w, rows, cols, x, n_tok, y);
+        return Ok(());
+    }
     let row_bytes = w.len() / rows;
     // results gathered row-major by weight row, transposed into y at the end
     let mut yt = vec![0f32; rows * n_tok];
-    match mode {
-        MatvecMode::Exact => {
-            // Each parallel task dequantises a tile of whole rows into its own scratch (kept in
-            // L2 when max_dq_size allows) and meets it with every token.
-            let tile_rows = (max_dq_size.min(DQ_TILE) / cols).clamp(1, rows);
-            let dq_seq = |src: &[u8], out: &mut [f32]| {
-                let (bb, bs) = (ty.block_bytes(), ty.block_size());
-                let per = (super::CHUNK_ELEMS / bs).max(1);
-                for (s, o) in src.chunks(per * bb).zip(out.chunks_mut(per * bs)) {
-                    dequant_seq(isa, ty, s, o);
-                }
-            };
-            // the activations transposed (token fastest) for the outer-product tiles
-            let vw = outer_width(isa);
-            let xt: Vec<f32> = if vw > 0 && n_tok >= vw {
-                let mut xt = vec![0f32; cols * n_tok];
-                for (t, xr) in x.chunks_exact(cols).enumerate() {
-                    for (k, v) in xr.iter().enumerate() {
-                        xt[k * n_tok + t] = *v;
-                    }
-                }
-                xt
-            } else {
-                Vec::new()
-            };
-            // the scratch tile is reused by every tile a worker takes (no zero-fill per tile)
-            yt.par_chunks_mut(tile_rows * n_tok)
-                .enumerate()
-                .for_each_init(Vec::new, |wd: &mut Vec<f32>, (ti, yc)| {
-                    let r0 = ti * tile_rows;
-                    let nr = yc.len() / n_tok;
-                    if wd.len() < nr * cols {
-                        wd.resize(nr * cols, 0.0);
-                    }
-                    let wd = &mut wd[..nr * cols];
-                    dq_seq(&w[r0 * row_bytes..(r0 + nr) * row_bytes], wd);
-                    tile_products(isa, wd, x, &xt, cols, nr, n_tok, yc);
-                });
+    // Each parallel task dequantises a tile of whole rows into its own scratch (kept in
+    // L2 when max_dq_size allows) and meets it with every token.
+    let tile_rows = (max_dq_size.min(DQ_TILE) / cols).clamp(1, rows);
+    let dq_seq = |src: &[u8], out: &mut [f32]| {
+        let (bb, bs) = (ty.block_bytes(), ty.block_size());
+        let per = (super::CHUNK_ELEMS / bs).max(1);
+        for (s, o) in src.chunks(per * bb).zip(out.chunks_mut(per * bs)) {
+            dequant_seq(isa, ty, s, o);
         }
-        MatvecMode::Q8 => {
-            check_q8_type(ty)?;
-            let xq = quantize_q8_blocks(x);
-            let per_tok = cols / 32;
-            #[cfg(target_arch = "x86_64")]
-            if isa.has_avx2() {
-                use super::x86_ops::imp;
-                let wide = isa.has_avx512();
-                // the 4/5-bit kernel fills 16 (8) tokens per vector: below 8 (4) tokens the
-                // per-token kernels do less work
-                let quads = imp::uses_quads(ty) && n_tok >= if wide { 8 } else { 4 };
-                let pk = imp::Q8Pack::new(&xq, n_tok, per_tok, wide && !quads, quads);
-                yt.par_chunks_mut(n_tok * Q8_ROWS_PER_TASK)
-                    .enumerate()
-                    .for_each_init(imp::NibRow::default, |nr, (i, yc)| {
-                        for (k, yr) in yc.chunks_mut(n_tok).enumerate() {
-                            let r = i * Q8_ROWS_PER_TASK + k;
-                            let wr = &w[r * row_bytes..(r + 1) * row_bytes];
-                            if quads && wide {
-                                // SAFETY: AVX-512F/BW, AVX2, FMA and F16C detected; a 4- or
-                                // 5-bit type (uses_quads); the row holds `per_tok` groups
-                                // (check_shapes), the pack has quads, and `yr` has one value
-                                // per token.
-                                unsafe { imp::q8_row_nib_avx512(ty, wr, &pk, yr, nr) };
-                            } else if wide {
-                                // SAFETY: as above, with pairs for the other types.
-                                unsafe { imp::q8_row_avx512(ty, wr, &pk, yr) };
-                            } else if quads {
-                                // SAFETY: AVX2, FMA and F16C detected; otherwise as above.
-                                unsafe { imp::q8_row_nib_avx2(ty, wr, &pk, yr, nr) };
-                            } else {
-                                // SAFETY: AVX2, FMA and F16C detected; shapes as above.
-                                unsafe { imp::q8_row_avx2(ty, wr, &pk, yr) };
-                            }
-                        }
-                    });
-                transpose_into(&yt, rows, n_tok, y);
-                return Ok(());
+    };
+    // the activations transposed (token fastest) for the outer-product tiles
+    let vw = outer_width(isa);
+    let xt: Vec<f32> = if vw > 0 && n_tok >= vw {
+        let mut xt = vec![0f32; cols * n_tok];
+        for (t, xr) in x.chunks_exact(cols).enumerate() {
+            for (k, v) in xr.iter().enumerate() {
+                xt[k * n_tok + t] = *v;
             }
-            yt.par_chunks_mut(n_tok)
-                .enumerate()
-                .for_each_init(Vec::new, |groups, (r, yr)| {
-                    decode_row_scalar(ty, &w[r * row_bytes..(r + 1) * row_bytes], groups);
-                    for (t, yv) in yr.iter_mut().enumerate() {
-                        *yv = dot_decoded_q8(ty, groups, &xq[t * per_tok..(t + 1) * per_tok]);
-                    }
-                });
         }
-    }
+        xt
+    } else {
+        Vec::new()
+    };
+    // the scratch tile is reused by every tile a worker takes (no zero-fill per tile)
+    yt.par_chunks_mut(tile_rows * n_tok)
+        .enumerate()
+        .for_each_init(Vec::new, |wd: &mut Vec<f32>, (ti, yc)| {
+            let r0 = ti * tile_rows;
+            let nr = yc.len() / n_tok;
+            if wd.len() < nr * cols {
+                wd.resize(nr * cols, 0.0);
+            }
+            let wd = &mut wd[..nr * cols];
+            dq_seq(&w[r0 * row_bytes..(r0 + nr) * row_bytes], wd);
+            tile_products(isa, wd, x, &xt, cols, nr, n_tok, yc);
+        });
     transpose_into(&yt, rows, n_tok, y);
     Ok(())
 }
 
-/// One 32-value weight group decoded for the scalar Q8-mode matmul: the quants, the scale of
-/// lanes 0–3 and 4–7 (they differ only for Q6_K) and the coefficient of the token's quant sum
-/// (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`, else 0).
+/// One 32-value weight group decoded for the scalar Q8-mode matmul: the signed quants, the
+/// scale of values 0–15 and 16–31 (they differ only for Q6_K) and the coefficient of the
+/// token's quant sum (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`, else 0).
 #[derive(Clone, Copy)]
 struct ScalarGroup {
     w: [i32; 32],
@@ -664,7 +669,7 @@ struct ScalarGroup {
 }
 
 /// Decodes a Q8-mode weight row into `out`, one entry per 32 values, with the float
-/// operations of [`row_dot_q8_scalar`] (`d · sc` rounded once).
+/// operations of [`row_dot_q8_scalar`] and the SIMD tiles (`d · sc` rounded once).
 fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
     out.clear();
     let bb = ty.block_bytes();
@@ -717,24 +722,52 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
     }
 }
 
-/// [`row_dot_q8_scalar`] on a decoded row: the same lane sums, the same `(s · d_x)` and FMA
-/// per lane, the same extra term in group order, so the same bits.
-fn dot_decoded_q8(ty: QuantType, groups: &[ScalarGroup], xq: &[Q8Block]) -> f32 {
-    let extra_term = matches!(ty, QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K);
-    let mut acc = [0f32; 8];
-    let mut extra = 0f32;
-    for (g, xb) in groups.iter().zip(xq) {
-        let l = lanes(&g.w, &xb.qs);
-        let (a, b) = (g.s_lo * xb.d, g.s_hi * xb.d);
-        for j in 0..8 {
-            let dd = if j < 4 { a } else { b };
-            acc[j] = dd.mul_add(l[j] as f32, acc[j]);
-        }
-        if extra_term {
-            extra += (g.coef * xb.d) * xb.sum as f32;
-        }
-    }
-    finish_lanes(&acc, extra)
+/// The scalar Q8-mode matmul. Each token's result takes the float operations of the SIMD
+/// tiles (`x86_gemm`), in their order, so every instruction set gives the same bits: per
+/// 32-value group (16 values for Q6_K, with its two scales) the exact integer dot `i`, then
+/// `acc = fma(i, s · d_x, acc)`; for the types with an offset, `ext += (coef · d_x) · Σq_x`
+/// apart, and `acc + ext` at the end.
+fn q8_matmul_scalar(
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) {
+    let xq = quantize_q8_blocks(x);
+    let per_tok = cols / 32;
+    let row_bytes = w.len() / rows;
+    let with_coef = matches!(ty, QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K);
+    // values per scale: Q6_K's 16, else the group's 32
+    let span = if ty == QuantType::Q6_K { 16 } else { 32 };
+    let mut yt = vec![0f32; rows * n_tok];
+    yt.par_chunks_mut(n_tok)
+        .enumerate()
+        .for_each_init(Vec::new, |groups, (r, yr)| {
+            decode_row_scalar(ty, &w[r * row_bytes..(r + 1) * row_bytes], groups);
+            for (t, yv) in yr.iter_mut().enumerate() {
+                let (mut acc, mut ext) = (0f32, 0f32);
+                for (g, xb) in groups.iter().zip(&xq[t * per_tok..(t + 1) * per_tok]) {
+                    for h in 0..32 / span {
+                        let vals = h * span..(h + 1) * span;
+                        let i: i32 = g.w[vals.clone()]
+                            .iter()
+                            .zip(&xb.qs[vals])
+                            .map(|(a, b)| a * i32::from(*b))
+                            .sum();
+                        let s = if h == 0 { g.s_lo } else { g.s_hi };
+                        acc = (s * xb.d).mul_add(i as f32, acc);
+                    }
+                    if with_coef {
+                        ext += (g.coef * xb.d) * xb.sum as f32;
+                    }
+                }
+                *yv = acc + ext;
+            }
+        });
+    transpose_into(&yt, rows, n_tok, y);
 }
 
 /// Writes `yt` (row-major by weight row) into `y` (row-major by token).
@@ -751,10 +784,6 @@ fn transpose_into(yt: &[f32], rows: usize, n_tok: usize, y: &mut [f32]) {
 fn tok4(xs: &[f32], cols: usize) -> [&[f32]; 4] {
     std::array::from_fn(|k| &xs[k * cols..(k + 1) * cols])
 }
-
-/// Weight rows per Q8-mode matmul task.
-#[cfg(target_arch = "x86_64")]
-const Q8_ROWS_PER_TASK: usize = 8;
 
 /// Activation values per k-chunk of the outer-product tiles: a chunk of 32 tokens (16 KiB)
 /// and of the tile's weight rows stay in L1, and each lane sums at most this many products

@@ -19,6 +19,8 @@ pub(crate) mod x86;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_dequant;
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_gemm;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_ops;
 
 use std::sync::OnceLock;
@@ -77,8 +79,16 @@ impl Isa {
         })
     }
 
-    /// The best level the hardware supports, ignoring the environment.
+    /// The best level the hardware supports, ignoring the environment (detected once: the
+    /// kernels ask on every call, some of them per 64-value dot product).
+    #[inline]
     pub fn best_supported() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(Isa::detect_hardware)
+    }
+
+    /// [`Isa::best_supported`], uncached.
+    fn detect_hardware() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = std::arch::is_x86_feature_detected!("avx2")
@@ -117,9 +127,11 @@ impl Isa {
         self >= Isa::Avx512 && Isa::best_supported() >= Isa::Avx512
     }
 
-    /// The VNNI byte dot-product instruction the Q8-mode matvec uses at this level on this
-    /// CPU: AVX-VNNI at [`Isa::Avx2`]; AVX512-VNNI (else AVX-VNNI) at [`Isa::Avx512`]. `None`
-    /// below AVX2, without either extension, or when `WEIGHTLIFT_CPU_VNNI` is `0` or `off`.
+    /// The VNNI byte dot-product instruction the Q8-mode matvec and matmul use at this level
+    /// on this CPU: AVX-VNNI at [`Isa::Avx2`]; AVX512-VNNI (else AVX-VNNI) at [`Isa::Avx512`].
+    /// `None` below AVX2, without either extension, or when `WEIGHTLIFT_CPU_VNNI` is `0` or
+    /// `off`. (The 512-bit matmul tiles use AVX512-VNNI only; with AVX-VNNI alone they take
+    /// the `pmaddubsw` form.)
     pub fn vnni(self) -> Option<Vnni> {
         static VNNI: OnceLock<(bool, bool)> = OnceLock::new();
         let (avx, avx512) = *VNNI.get_or_init(|| {
@@ -151,12 +163,13 @@ impl Isa {
     }
 }
 
-/// Environment variable that turns the VNNI form of the Q8-mode matvec off (`0` or `off`);
-/// results are the same bits either way.
+/// Environment variable that turns the VNNI form of the Q8-mode matvec and matmul off (`0` or
+/// `off`); results are the same bits either way.
 pub const VNNI_ENV: &str = "WEIGHTLIFT_CPU_VNNI";
 
 /// A VNNI extension (`vpdpbusd`: four unsigned-by-signed byte products summed into each i32
-/// lane in one instruction), used on 256-bit vectors by the Q8-mode matvec.
+/// lane in one instruction), used on 256-bit vectors by the Q8-mode matvec and on 256- or
+/// 512-bit vectors by the Q8-mode matmul.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Vnni {
     /// AVX-VNNI (VEX encoding).
