@@ -11,7 +11,7 @@ import weightlift._native as wl
 
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
 
-# DESIGN.md's bytes per element of K and V.
+# Bytes per element of K and V in each cache dtype.
 BYTES = {
     "fp16": (2.0, 2.0),
     "fp8": (1.0, 1.0),
@@ -107,7 +107,7 @@ def test_offloaded_cache_lives_on_the_host(model: wl.Model) -> None:
     cache = wl.Cache(model, 256, dtype="fp16", offload=True)
     model.load_autosplit(cache)
     assert cache.device_of(29) == model.layer_devices[29]
-    # Every layer on the host (DESIGN.md's formula), plus two slots (the layer in use and the
+    # Every layer on the host (the cache formula), plus two slots (the layer in use and the
     # one being prefetched) on each device that computes two or more layers.
     layer = int(2 * 3 * 64 * 256 * BYTES["fp16"][0])
     devs = model.layer_devices

@@ -734,30 +734,28 @@ impl Inventory {
     /// exists (see [`Inventory::cpu_listed`]); without a size its capacity is the host's
     /// MemAvailable, or unbounded where that is unknown.
     pub fn parse(spec: &str) -> Result<Inventory> {
-        let mut inv = Inventory {
-            accelerators: Vec::new(),
-            cpu: Device::cpu(mem_available()),
-            cpu_listed: false,
-            disk: false,
-        };
+        let mut accelerators = Vec::new();
+        // the capacity a listed `cpu` gives, if any; MemAvailable is read once, at the end
+        let mut cpu: Option<Option<u64>> = None;
+        let mut disk = false;
         for item in weightlift_plan::parse_device_items(spec)? {
             use weightlift_plan::DeviceKind as K;
             match item.kind {
-                K::Cpu => {
-                    inv.cpu = Device::cpu(item.capacity.or_else(mem_available));
-                    inv.cpu_listed = true;
-                }
-                K::Disk => inv.disk = true,
-                K::Virtual => inv.accelerators.push(Device::virtual_device(
+                K::Cpu => cpu = Some(item.capacity),
+                K::Disk => disk = true,
+                K::Virtual => accelerators.push(Device::virtual_device(
                     item.ordinal,
                     item.capacity.unwrap_or(u64::MAX),
                 )),
-                K::Cuda => inv
-                    .accelerators
-                    .push(Device::cuda(item.ordinal, item.capacity)?),
+                K::Cuda => accelerators.push(Device::cuda(item.ordinal, item.capacity)?),
             }
         }
-        Ok(inv)
+        Ok(Inventory {
+            accelerators,
+            cpu: Device::cpu(cpu.flatten().or_else(mem_available)),
+            cpu_listed: cpu.is_some(),
+            disk,
+        })
     }
 
     /// Only the host (capacity: MemAvailable).

@@ -5,9 +5,12 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{argmax, json_ids, margin, max_abs_diff, open, rank, read_npy, reference};
+use common::{
+    argmax, forward_all, greedy, json_ids, margin, max_abs_diff, open, rank, read_npy, reference,
+    smollm2, smollm2_prompt, split_load,
+};
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{Cache, CacheDType, Inventory, LoadOptions, Model, Placement, Source};
+use weightlift_engine::{Cache, CacheDType, Model};
 
 fn tiny_ids() -> Vec<u32> {
     json_ids(&reference().join("tiny-llama/ids.json"), "ids")
@@ -31,13 +34,6 @@ fn tiny_llama_safetensors_exact_matches_transformers() {
         }
         assert_eq!(cache.seq_len(), 16);
     }
-}
-
-fn forward_all(m: &mut Model, cache: &Arc<Cache>, ids: &[u32]) -> Vec<f32> {
-    cache.reset();
-    let mut out = Vec::new();
-    m.forward(ids, Some(cache), Logits::All, &mut out).unwrap();
-    out
 }
 
 #[test]
@@ -105,36 +101,6 @@ fn tiny_llama_gguf_fast_path_agrees_with_llamacpp() {
             read_npy(&reference().join(format!("tiny-llama/llamacpp_logits_{ty}.npy")));
         agrees_with_llamacpp(ty, &out, &want, shape[1], 0.25);
     }
-}
-
-fn smollm2() -> Arc<dyn Source> {
-    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
-        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
-    );
-    open(path)
-}
-
-fn smollm2_prompt(k: u32) -> Vec<u32> {
-    json_ids(
-        &reference().join("smollm2-135m/prompts.json"),
-        &format!("prompts.{k}.ids_llamacpp"),
-    )
-}
-
-/// Greedy continuation: `steps` argmax tokens after `prompt`.
-fn greedy(m: &mut Model, cache: &Arc<Cache>, prompt: &[u32], steps: usize) -> Vec<u32> {
-    cache.reset();
-    let mut out = Vec::new();
-    let mut ids = Vec::new();
-    m.forward(prompt, Some(cache), Logits::Last, &mut out)
-        .unwrap();
-    for _ in 0..steps {
-        let next = argmax(&out) as u32;
-        ids.push(next);
-        m.forward(&[next], Some(cache), Logits::Last, &mut out)
-            .unwrap();
-    }
-    ids
 }
 
 #[test]
@@ -206,40 +172,6 @@ fn smollm2_fast_path_agrees_with_llamacpp() {
     }
 }
 
-/// `src` with layer `l` on `devs[l * devs.len() / n_layers]` (or every layer on `disk` below
-/// `disk_below`), globals on cpu; workspaces are allocated by the first forward call.
-fn split_load(
-    src: &Arc<dyn Source>,
-    inv: &str,
-    devs: &[&str],
-    disk_below: u32,
-    offload: bool,
-) -> (Model, Arc<Cache>) {
-    let mut m = Model::new(Arc::clone(src), Inventory::parse(inv).unwrap());
-    let n = m.n_layers();
-    let layer_dev = |l: u32| -> String {
-        if l < disk_below {
-            "disk".into()
-        } else {
-            devs[(l as usize * devs.len()) / n as usize].to_owned()
-        }
-    };
-    let mut p = Placement::all_on(src.as_ref(), "cpu", n);
-    for (t, info) in p.tensors.iter_mut().zip(src.tensors()) {
-        if let Some(l) = info.layer {
-            t.device = layer_dev(l);
-        }
-    }
-    p.layers = (0..n).map(layer_dev).collect();
-    let cfg = m.cache_config(64, 1, CacheDType::Q8, offload).unwrap();
-    let cache = Arc::new(Cache::new(cfg).unwrap());
-    m.load(&p, &LoadOptions::default(), Some(&cache), true, &mut |_| {
-        true
-    })
-    .unwrap();
-    (m, cache)
-}
-
 #[test]
 fn placement_does_not_change_the_logits() {
     let src = smollm2();
@@ -252,7 +184,7 @@ fn placement_does_not_change_the_logits() {
             .unwrap();
         (all, next, copies.count)
     };
-    let (mut base, c) = split_load(&src, "cpu", &["cpu"], 0, false);
+    let (mut base, c) = split_load(&src, "cpu", &["cpu"], CacheDType::Q8, 0, false);
     let (want_all, want_next, copies) = run(&mut base, &c);
     assert_eq!(copies, 0);
     for (what, inv, devs, disk, offload, hops) in [
@@ -289,7 +221,7 @@ fn placement_does_not_change_the_logits() {
             2,
         ),
     ] {
-        let (mut m, c) = split_load(&src, inv, devs, disk, offload);
+        let (mut m, c) = split_load(&src, inv, devs, CacheDType::Q8, disk, offload);
         let (all, next, copies) = run(&mut m, &c);
         assert!(
             all == want_all,

@@ -10,75 +10,12 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{argmax, json_ids, max_abs_diff, open, read_npy, reference};
-use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{
-    Cache, CacheDType, EngineError, Inventory, LoadOptions, Model, Placement, Source,
+use common::{
+    argmax, forward_all, greedy, json_ids, max_abs_diff, open, read_npy, reference, smollm2,
+    smollm2_prompt, split_load,
 };
-
-fn smollm2() -> Arc<dyn Source> {
-    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
-        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
-    );
-    open(path)
-}
-
-fn smollm2_prompt(k: u32) -> Vec<u32> {
-    json_ids(
-        &reference().join("smollm2-135m/prompts.json"),
-        &format!("prompts.{k}.ids_llamacpp"),
-    )
-}
-
-/// Every position's logits of `ids` from position 0.
-fn forward_all(m: &mut Model, cache: &Arc<Cache>, ids: &[u32]) -> Vec<f32> {
-    cache.reset();
-    let mut out = Vec::new();
-    m.forward(ids, Some(cache), Logits::All, &mut out).unwrap();
-    out
-}
-
-/// Greedy continuation: `steps` argmax tokens after `prompt`, one forward call per token.
-fn greedy(m: &mut Model, cache: &Arc<Cache>, prompt: &[u32], steps: usize) -> Vec<u32> {
-    cache.reset();
-    let mut out = Vec::new();
-    let mut ids = Vec::new();
-    m.forward(prompt, Some(cache), Logits::Last, &mut out)
-        .unwrap();
-    for _ in 0..steps {
-        let next = argmax(&out) as u32;
-        ids.push(next);
-        m.forward(&[next], Some(cache), Logits::Last, &mut out)
-            .unwrap();
-    }
-    ids
-}
-
-/// Load `src` with layer `l` on `devs[l * devs.len() / n_layers]` and everything else on cpu.
-fn split_load(
-    src: &Arc<dyn Source>,
-    inv: &str,
-    devs: &[&str],
-    dtype: CacheDType,
-) -> (Model, Arc<Cache>) {
-    let mut m = Model::new(Arc::clone(src), Inventory::parse(inv).unwrap());
-    let n = m.n_layers();
-    let layer_dev = |l: u32| devs[(l as usize * devs.len()) / n as usize].to_owned();
-    let mut p = Placement::all_on(src.as_ref(), "cpu", n);
-    for (t, info) in p.tensors.iter_mut().zip(src.tensors()) {
-        if let Some(l) = info.layer {
-            t.device = layer_dev(l);
-        }
-    }
-    p.layers = (0..n).map(layer_dev).collect();
-    let cfg = m.cache_config(64, 1, dtype, false).unwrap();
-    let cache = Arc::new(Cache::new(cfg).unwrap());
-    m.load(&p, &LoadOptions::default(), Some(&cache), true, &mut |_| {
-        true
-    })
-    .unwrap();
-    (m, cache)
-}
+use weightlift_engine::forward::{Compute, Logits};
+use weightlift_engine::{Cache, CacheDType, EngineError, Inventory, LoadOptions, Model, Placement};
 
 /// SmolLM2 exact, f32 cache, through the backend: within 1e-3 of transformers with the same
 /// argmax at every position, and transformers' greedy ids; and the host path's bits.
@@ -160,7 +97,14 @@ fn backend_path_across_devices_copies_and_matches() {
     let prompt = smollm2_prompt(2);
     let devs = ["virtual:0", "virtual:1"];
     let run = |backend: bool| {
-        let (mut m, cache) = split_load(&src, "virtual:2x256MiB,cpu", &devs, CacheDType::Fp16);
+        let (mut m, cache) = split_load(
+            &src,
+            "virtual:2x256MiB,cpu",
+            &devs,
+            CacheDType::Fp16,
+            0,
+            false,
+        );
         m.set_host_backend(backend);
         let all = forward_all(&mut m, &cache, &prompt);
         let mut next = Vec::new();
@@ -289,7 +233,7 @@ fn cuda_layers_match_the_host_path() {
         cpu.set_compute(compute);
         let want = forward_all(&mut cpu, &cc, &prompt);
         let want_ids = greedy(&mut cpu, &cc, &prompt, 16);
-        let (mut gpu, gc) = split_load(&src, "cuda:0,cpu", &["cuda:0"], dtype);
+        let (mut gpu, gc) = split_load(&src, "cuda:0,cpu", &["cuda:0"], dtype, 0, false);
         gpu.set_compute(compute);
         let got = forward_all(&mut gpu, &gc, &prompt);
         let vocab = got.len() / prompt.len();

@@ -234,13 +234,16 @@ struct Compared {
 
 use std::collections::BTreeMap;
 
-fn compare(file: &str) -> Option<Compared> {
+fn compare(file: &str) -> Compared {
     let gguf = Path::new(TINY).join("gguf").join(file);
     let st = Path::new(TINY).join("safetensors/model.safetensors");
-    if !gguf.exists() || !st.exists() {
-        eprintln!("skipped: tiny-llama reference files are not present under {TINY}");
-        return None;
-    }
+    assert!(
+        gguf.exists() && st.exists(),
+        "tiny-llama reference files are missing under {TINY} (expected {} and {}); the shared \
+         reference folder must sit beside the repository",
+        gguf.display(),
+        st.display()
+    );
     let st_bytes = std::fs::read(&st).unwrap();
     let st = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
     let ck = Checkpoint::open(&gguf, OpenOptions::default()).unwrap();
@@ -300,14 +303,12 @@ fn compare(file: &str) -> Option<Compared> {
         .into_iter()
         .map(|(t, (se, ss))| (t, (se / ss).sqrt()))
         .collect();
-    Some(out)
+    out
 }
 
 #[test]
 fn tiny_llama_q8_0_matches_bf16_weights() {
-    let Some(c) = compare("tiny-llama-Q8_0.gguf") else {
-        return;
-    };
+    let c = compare("tiny-llama-Q8_0.gguf");
     assert_eq!(c.tensors, 20);
     eprintln!(
         "Q8_0: max |error| / d = {:.3}, relative rmse {:?}",
@@ -328,9 +329,7 @@ fn tiny_llama_k_quants_match_bf16_weights() {
             vec![(DType::Q4_K, 0.12), (DType::Q6_K, 0.03)],
         ),
     ] {
-        let Some(c) = compare(file) else {
-            return;
-        };
+        let c = compare(file);
         eprintln!("{file}: relative rmse {:?}", c.rel_rmse);
         for (t, bound) in bounds {
             let e = c.rel_rmse[&t];

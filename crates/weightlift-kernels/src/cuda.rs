@@ -932,16 +932,8 @@ impl Backend for CudaBackend {
                 self.own(x)?;
                 self.own(positions)?;
                 self.own(out)?;
+                params.check()?;
                 let hd = params.head_dim;
-                if params.n_dims % 2 != 0 || params.n_dims == 0 || params.n_dims > hd {
-                    return Err(KernelError::Shape {
-                        op: "rope",
-                        reason: format!(
-                            "n_dims {} must be even, non-zero and at most head_dim {hd}",
-                            params.n_dims
-                        ),
-                    });
-                }
                 let n = mul(mul(n_tok, n_heads), hd);
                 need("rope input bytes", x, mul(n, 4))?;
                 need("rope positions bytes", positions, mul(n_tok, 4))?;
@@ -1040,16 +1032,8 @@ impl Backend for CudaBackend {
                 self.own(x)?;
                 self.own(positions)?;
                 self.own(inv_freqs)?;
+                params.check()?;
                 let hd = params.head_dim;
-                if params.n_dims % 2 != 0 || params.n_dims == 0 || params.n_dims > hd {
-                    return Err(KernelError::Shape {
-                        op: "rope",
-                        reason: format!(
-                            "n_dims {} must be even, non-zero and at most head_dim {hd}",
-                            params.n_dims
-                        ),
-                    });
-                }
                 let n = mul(mul(n_tok, n_heads), hd);
                 need("rope values bytes", x, mul(n, 4))?;
                 need("rope positions bytes", positions, mul(n_tok, 4))?;

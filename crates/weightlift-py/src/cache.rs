@@ -8,6 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use weightlift_engine::cache::{Cache as ECache, CacheDType};
+use weightlift_plan as wp;
 
 use crate::errors::{Exc, eng, enter, py_err, raise};
 use crate::model::Model;
@@ -36,10 +37,8 @@ impl Cache {
         let d = CacheDType::parse(dtype).map_err(py_err)?;
         let m = model.get();
         let mut inner = m.lock()?;
-        let cfg = eng(inner
-            .model
-            .cache_config(max_seq_len, batch_size, d, offload))?;
-        let cache = Arc::new(eng(ECache::new(cfg))?);
+        let spec = wp::CacheSpec::new(max_seq_len, batch_size, d).with_offload(offload);
+        let cache = inner.new_cache(&spec)?;
         if inner.model.is_loaded() {
             eng(inner.model.attach_cache(&cache))?;
         } else if !lazy {

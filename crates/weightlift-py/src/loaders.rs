@@ -1,14 +1,12 @@
 //! The convenience loaders: accelerate's `from_pretrained` and llama-cpp-python's `load_gguf`.
 
-use std::sync::Arc;
-
 use pyo3::prelude::*;
 use weightlift_engine::LoadOptions;
-use weightlift_engine::cache::{Cache as ECache, CacheDType};
+use weightlift_engine::cache::CacheDType;
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
-use crate::errors::{Exc, eng, py_err, raise};
+use crate::errors::{Exc, py_err, raise};
 use crate::model::{Model, load_options};
 use crate::options::{DeviceMapValue, DevicesSpec, RuntimeArg, Sizes};
 use crate::progress::Reporter;
@@ -117,8 +115,7 @@ pub fn load_gguf(
         if keep_n_batch {
             inner.runtime.max_input_len = n_batch;
         }
-        let cfg = eng(inner.model.cache_config(n_ctx, 1, cache_dtype, false))?;
-        Arc::new(eng(ECache::new(cfg))?)
+        inner.new_cache(&wp::CacheSpec::new(n_ctx, 1, cache_dtype))?
     };
     let mut reporter = Reporter::new(callback, progress);
     if let Some(f) = progress_callback {

@@ -32,6 +32,19 @@ pub(crate) struct ModelInner {
     pub(crate) timings: Option<we::Timings>,
 }
 
+impl ModelInner {
+    /// A cache of `spec`'s shape for this model, allocated beside each layer as it loads.
+    pub(crate) fn new_cache(&self, spec: &wp::CacheSpec) -> PyResult<Arc<ECache>> {
+        let cfg = eng(self.model.cache_config(
+            spec.max_seq_len,
+            spec.batch_size,
+            spec.dtype,
+            spec.offload,
+        ))?;
+        Ok(Arc::new(eng(ECache::new(cfg))?))
+    }
+}
+
 /// A model: a checkpoint and the devices it may use. Nothing is loaded until `load()`,
 /// `load_autosplit()` or `load_tp()`.
 #[pyclass(module = "weightlift._native", frozen)]
@@ -118,13 +131,7 @@ impl Model {
                 if cache.is_none()
                     && let Some(c) = p.cache()
                 {
-                    let cfg = eng(inner.model.cache_config(
-                        c.max_seq_len,
-                        c.batch_size,
-                        c.dtype,
-                        c.offload,
-                    ))?;
-                    cache = Some(Arc::new(eng(ECache::new(cfg))?));
+                    cache = Some(inner.new_cache(c)?);
                 }
                 if options != wp::PlanOptions::default() {
                     return Err(raise(
@@ -301,14 +308,7 @@ impl Model {
                 // a shape: the model allocates that cache, so what is held matches the plan
                 Err(_) => {
                     let spec = c.extract::<CacheArg>()?.0;
-                    let inner = self.lock()?;
-                    let cfg = eng(inner.model.cache_config(
-                        spec.max_seq_len,
-                        spec.batch_size,
-                        spec.dtype,
-                        spec.offload,
-                    ))?;
-                    Some(Arc::new(eng(ECache::new(cfg))?))
+                    Some(self.lock()?.new_cache(&spec)?)
                 }
             },
         };

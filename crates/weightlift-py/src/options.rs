@@ -166,14 +166,6 @@ impl<'a, 'py> FromPyObject<'a, 'py> for DevicesSpec {
     }
 }
 
-/// Reads a field from a dict or an attribute of an object.
-fn field<'py>(obj: &Bound<'py, PyAny>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
-    if let Ok(d) = obj.cast::<PyDict>() {
-        return d.get_item(key);
-    }
-    Ok(obj.getattr(key).ok())
-}
-
 /// A KV cache shape: a `Cache`, a `CacheSpec` or a dict with `max_seq_len` and optionally
 /// `batch_size` (1), `dtype` ("fp16") and `offload` (False).
 pub struct CacheArg(pub wp::CacheSpec);
@@ -189,24 +181,21 @@ impl<'a, 'py> FromPyObject<'a, 'py> for CacheArg {
             return Ok(CacheArg(we::planned::cache_spec(c.get().cache.config())));
         }
         let obj = obj.to_owned();
-        if !obj.is_instance_of::<PyDict>() {
+        let Ok(d) = obj.cast::<PyDict>() else {
             return Err(type_error("a Cache, a CacheSpec or a dict", &obj));
-        }
-        let max_seq_len: u64 = field(&obj, "max_seq_len")?
+        };
+        let max_seq_len: u64 = d
+            .get_item("max_seq_len")?
             .ok_or_else(|| PyTypeError::new_err("cache: the dict needs 'max_seq_len'"))?
             .extract()?;
-        let batch: u64 = field(&obj, "batch_size")?
-            .map(|v| v.extract())
-            .transpose()?
-            .unwrap_or(1);
-        let dtype: String = field(&obj, "dtype")?
-            .map(|v| v.extract())
-            .transpose()?
-            .unwrap_or_else(|| "fp16".into());
-        let offload: bool = field(&obj, "offload")?
-            .map(|v| v.extract())
-            .transpose()?
-            .unwrap_or(false);
+        let batch: Option<u64> = d.get_item("batch_size")?.map(|v| v.extract()).transpose()?;
+        let dtype: Option<String> = d.get_item("dtype")?.map(|v| v.extract()).transpose()?;
+        let offload: Option<bool> = d.get_item("offload")?.map(|v| v.extract()).transpose()?;
+        let (batch, dtype, offload) = (
+            batch.unwrap_or(1),
+            dtype.unwrap_or_else(|| "fp16".into()),
+            offload.unwrap_or(false),
+        );
         let spec = CacheSpec::new(max_seq_len, batch, &dtype, offload)?;
         Ok(CacheArg(spec.inner))
     }

@@ -1,5 +1,6 @@
 //! Shared helpers of the forward-pass tests: the reference folder, a reader for its float32
-//! `.npy` files, and opening and loading a checkpoint whole on one device.
+//! `.npy` files, opening and loading a checkpoint (whole on one device, or layer by layer over
+//! several), the demo model and its reference prompts, and greedy decoding.
 
 #![allow(dead_code)]
 
@@ -153,4 +154,100 @@ pub fn load_on(
     )
     .unwrap();
     (m, cache)
+}
+
+/// Load `src` with layer `l` on `devs[l * devs.len() / n_layers]` (or on `disk` below
+/// `disk_below`) and everything else on cpu, with a cache of 64 positions in `dtype`
+/// (`offload`: in host RAM); workspaces are allocated by the first forward call.
+pub fn split_load(
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    inv: &str,
+    devs: &[&str],
+    dtype: weightlift_engine::CacheDType,
+    disk_below: u32,
+    offload: bool,
+) -> (
+    weightlift_engine::Model,
+    std::sync::Arc<weightlift_engine::Cache>,
+) {
+    use weightlift_engine::{Cache, Inventory, LoadOptions, Model, Placement};
+    let mut m = Model::new(std::sync::Arc::clone(src), Inventory::parse(inv).unwrap());
+    let n = m.n_layers();
+    let layer_dev = |l: u32| -> String {
+        if l < disk_below {
+            "disk".into()
+        } else {
+            devs[(l as usize * devs.len()) / n as usize].to_owned()
+        }
+    };
+    let mut p = Placement::all_on(src.as_ref(), "cpu", n);
+    for (t, info) in p.tensors.iter_mut().zip(src.tensors()) {
+        if let Some(l) = info.layer {
+            t.device = layer_dev(l);
+        }
+    }
+    p.layers = (0..n).map(layer_dev).collect();
+    let cfg = m.cache_config(64, 1, dtype, offload).unwrap();
+    let cache = std::sync::Arc::new(Cache::new(cfg).unwrap());
+    m.load(&p, &LoadOptions::default(), Some(&cache), true, &mut |_| {
+        true
+    })
+    .unwrap();
+    (m, cache)
+}
+
+/// The SmolLM2 demo model (`WEIGHTLIFT_DEMO_GGUF`, which `make test-rust` sets).
+pub fn smollm2() -> std::sync::Arc<dyn weightlift_engine::Source> {
+    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
+        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
+    );
+    open(path)
+}
+
+/// Reference prompt `k` of SmolLM2, as llama.cpp tokenised it.
+pub fn smollm2_prompt(k: u32) -> Vec<u32> {
+    json_ids(
+        &reference().join("smollm2-135m/prompts.json"),
+        &format!("prompts.{k}.ids_llamacpp"),
+    )
+}
+
+/// Every position's logits of `ids` from position 0.
+pub fn forward_all(
+    m: &mut weightlift_engine::Model,
+    cache: &std::sync::Arc<weightlift_engine::Cache>,
+    ids: &[u32],
+) -> Vec<f32> {
+    cache.reset();
+    let mut out = Vec::new();
+    m.forward(
+        ids,
+        Some(cache),
+        weightlift_engine::forward::Logits::All,
+        &mut out,
+    )
+    .unwrap();
+    out
+}
+
+/// Greedy continuation: `steps` argmax tokens after `prompt`, one forward call per token.
+pub fn greedy(
+    m: &mut weightlift_engine::Model,
+    cache: &std::sync::Arc<weightlift_engine::Cache>,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<u32> {
+    use weightlift_engine::forward::Logits;
+    cache.reset();
+    let mut out = Vec::new();
+    let mut ids = Vec::new();
+    m.forward(prompt, Some(cache), Logits::Last, &mut out)
+        .unwrap();
+    for _ in 0..steps {
+        let next = argmax(&out) as u32;
+        ids.push(next);
+        m.forward(&[next], Some(cache), Logits::Last, &mut out)
+            .unwrap();
+    }
+    ids
 }

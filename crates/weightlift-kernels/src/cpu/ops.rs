@@ -101,6 +101,23 @@ pub struct RopeParams {
     pub freq_scale: f32,
 }
 
+impl RopeParams {
+    /// Checks that `n_dims` is even, non-zero and at most `head_dim`, as every backend needs.
+    pub fn check(&self) -> Result<()> {
+        let hd = self.head_dim;
+        if !self.n_dims.is_multiple_of(2) || self.n_dims > hd || self.n_dims == 0 {
+            return Err(KernelError::Shape {
+                op: "rope",
+                reason: format!(
+                    "n_dims {} must be even, non-zero and at most head_dim {hd}",
+                    self.n_dims
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Rotary position embedding. `x` is `n_tok × n_heads × head_dim` (token-major), `positions`
 /// holds one position per token. Pair `i` of a head at position `p` turns by
 /// `θ = p · freq_scale · freq_base^(−2i/n_dims)`: `(a, b) → (a cos θ − b sin θ, a sin θ + b cos θ)`,
@@ -134,16 +151,8 @@ pub fn rope_in_place(
     p: &RopeParams,
     inv_freqs: &[f32],
 ) -> Result<()> {
+    p.check()?;
     let hd = p.head_dim;
-    if !p.n_dims.is_multiple_of(2) || p.n_dims > hd || p.n_dims == 0 {
-        return Err(KernelError::Shape {
-            op: "rope",
-            reason: format!(
-                "n_dims {} must be even, non-zero and at most head_dim {hd}",
-                p.n_dims
-            ),
-        });
-    }
     let half = p.n_dims / 2;
     check_len("rope frequencies", half, inv_freqs.len())?;
     let heads = rows_of("rope", x.len(), hd)?;
