@@ -743,7 +743,7 @@ def main() -> None:
     notes.append(
         "mmap loads take well under a millisecond (planning and one view per tensor, on the "
         "calling thread), so they move by tens of percent with the machine's load; the ≈ open "
-        "target of the issue is the demo model's, and the synthetic row holds it to the same "
+        "target is the demo model's, and the synthetic row holds it to the same "
         "1.5× bound."
     )
     info["loadavg_end"] = os.getloadavg()

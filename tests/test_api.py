@@ -1,4 +1,4 @@
-"""The package surface: exports, issue 5's engine signatures, the exception hierarchy, and OS
+"""The package surface: exports, the engine's signatures, the exception hierarchy, and OS
 errors from open()."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ CONTRACT = {
     "Plan",
     "CacheSpec",
     "RuntimeSpec",
-    # The engine (issue 5's API contract).
+    # The engine's API contract.
     "tensor",
     "DeviceTensor",
     "use_devices",
@@ -109,14 +109,15 @@ def params(fn) -> list[tuple[str, object, object]]:
             + [("progress", KW, False), ("callback", KW, None)],
         ),
         (wl.Model.tensor, [SELF, ("name", POS, EMPTY), ("dequantize", POS, False)]),
-        # Cache(model, max_seq_len, batch_size=1, dtype="fp16", lazy=True, offload=False)
+        # Cache(model, *, max_seq_len=None, batch_size=1, dtype="fp16", lazy=True,
+        # offload=False): keyword-only, so Cache(model, 1, 8192) cannot mean batch 8192
         (
             wl.Cache,
-            [("model", POS, EMPTY), ("max_seq_len", POS, EMPTY), ("batch_size", POS, 1)]
-            + [("dtype", POS, "fp16"), ("lazy", POS, True), ("offload", POS, False)],
+            [("model", POS, EMPTY), ("max_seq_len", KW, None), ("batch_size", KW, 1)]
+            + [("dtype", KW, "fp16"), ("lazy", KW, True), ("offload", KW, False)],
         ),
-        # TPContext(model, gpu_split, expect_cache_tokens=0, expect_cache_base=None); issue 5
-        # also says gpu_split=None detects free memory, so None is its default.
+        # TPContext(model, gpu_split, expect_cache_tokens=0, expect_cache_base=None);
+        # gpu_split=None detects free memory, so None is its default.
         (
             wl.TPContext,
             [("model", POS, EMPTY), ("gpu_split", POS, None), ("expect_cache_tokens", POS, 0)]
@@ -144,7 +145,7 @@ def params(fn) -> list[tuple[str, object, object]]:
     ids=lambda x: getattr(x, "__qualname__", None),
 )
 def test_engine_signatures_follow_the_contract(fn, contract):
-    """Names, order, keyword-only markers and defaults of issue 5's API contract; extra
+    """Names, order, keyword-only markers and defaults of the engine's API contract; extra
     keyword-only options may follow."""
     got = params(fn)
     assert got[: len(contract)] == contract

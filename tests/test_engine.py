@@ -224,7 +224,7 @@ def test_explicit_map_puts_layer_where_asked(tiny_llama_st_sharded: Path) -> Non
 
 def test_demo_model_over_two_virtual_devices(demo_gguf: Path) -> None:
     m = wl.Model(demo_gguf, devices="virtual:2x64MiB", runtime=RT)
-    cache = wl.Cache(m, 1024, dtype="q4")
+    cache = wl.Cache(m, max_seq_len=1024, dtype="q4")
     m.load_autosplit(cache, reserve_vram=["1MiB", "1MiB"])
     assert_memory_matches_plan(m)
     for layer, dev in enumerate(m.layer_devices):
@@ -251,11 +251,14 @@ def test_dequantize_in_chunks_agrees_with_gguf_py(tiny_llama_st: Path, tp: bool)
         m.load_tp(gpu_split=[0.04, 0.04], expect_cache_tokens=256)
     else:
         m.load(strategy="balanced")
+    ckpt = wl.open(path)
     for t in GGUFReader(path).tensors:
         want = dequantize(t.data, t.tensor_type)
         got = m.tensor(t.name, dequantize=True)
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=t.name)
+        # One dequantiser: the checkpoint's read gives the same bits as the model's.
+        np.testing.assert_array_equal(ckpt.dequantize(t.name), got, err_msg=t.name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,7 +292,7 @@ def test_progress_sequence(tiny_llama_st_sharded: Path) -> None:
 @pytest.mark.parametrize("stop_after", [1, 4, 12])
 def test_cancel_frees_everything(tiny_llama_st: Path, stop_after: int) -> None:
     m = wl.Model(tiny_llama_st, devices="virtual:2x32MiB", runtime=RT)
-    cache = wl.Cache(m, 128, dtype="fp16")
+    cache = wl.Cache(m, max_seq_len=128, dtype="fp16")
     calls = []
 
     def cb(done: int, total: int, tensor: str, device: str) -> bool:
@@ -336,7 +339,7 @@ def test_load_from_a_thread_releases_the_gil(demo_gguf: Path) -> None:
 
 def test_twenty_cycles_return_to_baseline(demo_gguf: Path) -> None:
     m = wl.Model(demo_gguf, devices="virtual:2x64MiB", runtime=RT)
-    cache = wl.Cache(m, 512, dtype="q8")
+    cache = wl.Cache(m, max_seq_len=512, dtype="q8")
     m.load_autosplit(cache)
     m.unload()
     base = rss_anon()

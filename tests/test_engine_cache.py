@@ -44,7 +44,7 @@ def model(demo_gguf: Path) -> wl.Model:
 
 @pytest.mark.parametrize("dtype", list(BYTES))
 def test_lazy_cache_sizes_and_colocation(model: wl.Model, dtype: str) -> None:
-    cache = wl.Cache(model, 512, batch_size=2, dtype=dtype)
+    cache = wl.Cache(model, max_seq_len=512, batch_size=2, dtype=dtype)
     assert not cache.allocated
     model.load_autosplit(cache)
     assert cache.allocated
@@ -69,7 +69,7 @@ def test_lazy_cache_sizes_and_colocation(model: wl.Model, dtype: str) -> None:
 @pytest.mark.parametrize("dtype", list(BYTES))
 def test_round_trip_within_bound(model: wl.Model, dtype: str) -> None:
     model.load(n_gpu_layers=-1)
-    cache = wl.Cache(model, 64, batch_size=2, dtype=dtype, lazy=False)
+    cache = wl.Cache(model, max_seq_len=64, batch_size=2, dtype=dtype, lazy=False)
     rng = np.random.default_rng(1)
     scale = np.array([0.01, 1.0, 30.0, 200.0], dtype=np.float32).repeat(16)
     k = (rng.standard_normal((2, 3, 9, 64)) * scale).astype(np.float32)
@@ -100,11 +100,11 @@ def test_non_lazy_cache_needs_a_loaded_model(model: wl.Model) -> None:
     from weightlift._errors import WeightliftError
 
     with pytest.raises(WeightliftError, match="non-lazy cache needs a loaded model"):
-        wl.Cache(model, 64, lazy=False)
+        wl.Cache(model, max_seq_len=64, lazy=False)
 
 
 def test_offloaded_cache_lives_on_the_host(model: wl.Model) -> None:
-    cache = wl.Cache(model, 256, dtype="fp16", offload=True)
+    cache = wl.Cache(model, max_seq_len=256, dtype="fp16", offload=True)
     model.load_autosplit(cache)
     assert cache.device_of(29) == model.layer_devices[29]
     # Every layer on the host (the cache formula), plus two slots (the layer in use and the
@@ -138,7 +138,7 @@ def test_cache_oom_names_the_device(demo_gguf: Path) -> None:
 
     # With the host capped too, a 65536-token fp16 cache (1.4 GiB) has nowhere to go.
     model = wl.Model(demo_gguf, devices="virtual:2x64MiB,cpu:256MiB", runtime=RT)
-    cache = wl.Cache(model, 65536, dtype="fp16")
+    cache = wl.Cache(model, max_seq_len=65536, dtype="fp16")
     with pytest.raises(OutOfMemoryError) as e:
         model.load_autosplit(cache)
     assert "cpu is short by" in str(e.value) and "ctx 8192 fits" in str(e.value)
@@ -168,7 +168,7 @@ def test_plan_cache_offload_matches_the_loaded_model(demo_gguf: Path, dtype: str
     assert sum(d.kv for d in beside.devices) == 30 * layer
 
     model = wl.Model(demo_gguf, devices="virtual:2x64MiB", runtime=RT)
-    cache = wl.Cache(model, 1024, dtype=dtype, offload=True)
+    cache = wl.Cache(model, max_seq_len=1024, dtype=dtype, offload=True)
     model.load_autosplit(cache)
     assert model.layer_devices == devs
     held = model.memory()
@@ -230,3 +230,13 @@ def test_fit_with_cache_offload(demo_gguf: Path) -> None:
     spec = wl.CacheSpec(best + 256, dtype="q4", offload=True)
     with pytest.raises(OutOfMemoryError, match="cpu is short by"):
         wl.plan(demo_gguf, devices=devices, runtime=rt, cache=spec)
+
+
+def test_length_and_batch_are_keyword_only(model: wl.Model, demo_gguf: Path) -> None:
+    """exllamav2 takes batch_size before max_seq_len, so positional sizes are refused rather
+    than read one way or the other; max_seq_len defaults to the model's trained context."""
+    with pytest.raises(TypeError):
+        wl.Cache(model, 1, 8192)  # type: ignore[misc]
+    cache = wl.Cache(model)
+    assert cache.max_seq_len == wl.open(demo_gguf).spec.context_length == 8192
+    assert cache.batch_size == 1

@@ -140,7 +140,7 @@ fn main() {
     match build.try_compile("wl_host_shim") {
         Ok(()) => println!("cargo::rustc-cfg=wl_host_shim"),
         Err(e) => {
-            println!("cargo::warning=host shim not built ({e}); the host-twin tests will skip")
+            println!("cargo::warning=host shim not built ({e}); the host-twin tests will fail")
         }
     }
 }

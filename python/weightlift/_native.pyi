@@ -572,7 +572,8 @@ class Cache:
     def __new__(
         cls,
         model: Model,
-        max_seq_len: int,
+        *,
+        max_seq_len: int | None = None,
         batch_size: int = 1,
         dtype: str = "fp16",
         lazy: bool = True,

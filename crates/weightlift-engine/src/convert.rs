@@ -1,8 +1,9 @@
-//! Dtype conversion on the way to a device: F32 and BF16 to F16. Quantised types are never
-//! converted (they stay quantised); anything else is refused with `Unsupported`.
+//! Dtype conversion on the way to a device (F32 and BF16 to F16; quantised types are never
+//! converted, they stay quantised; anything else is refused with `Unsupported`), and the one
+//! dequantiser every user-facing read goes through ([`dequantize_into`]).
 
 use half::{bf16, f16};
-use weightlift_format::{DType, TensorInfo};
+use weightlift_format::{DType, FormatError, TensorInfo};
 
 use crate::error::{EngineError, Result};
 
@@ -93,6 +94,33 @@ pub fn convert_into(
     }
     out.copy_from_slice(bytemuck::cast_slice(&words));
     Ok(())
+}
+
+/// Whether [`dequantize_into`] can decode `dtype`.
+pub fn can_dequantize(dtype: DType) -> bool {
+    kernel_type(dtype).is_some() || weightlift_format::dequant::supports(dtype)
+}
+
+/// Dequantise `data`, exactly `out.len()` elements of `dtype`, into `out`. The kernels' SIMD
+/// dequantisers (threaded, bit-identical to gguf-py) take every type they implement; the format
+/// crate's scalar reference takes the rest. `Checkpoint.dequantize` and
+/// `Model.tensor(dequantize=True)` both come here, so a tensor reads the same either way.
+pub fn dequantize_into(dtype: DType, data: &[u8], out: &mut [f32]) -> Result<(), FormatError> {
+    match kernel_type(dtype) {
+        Some(qt) => weightlift_kernels::dequantize_f32(qt, data, out).map_err(|e| {
+            FormatError::DequantizeBlocks {
+                dtype,
+                detail: e.to_string(),
+            }
+        }),
+        None => weightlift_format::dequant::dequantize_into(dtype, data, out),
+    }
+}
+
+fn kernel_type(dtype: DType) -> Option<weightlift_kernels::QuantType> {
+    dtype
+        .ggml_id()
+        .and_then(weightlift_kernels::QuantType::from_ggml_id)
 }
 
 /// Decode a float tensor's bytes to f32 (F32, F16, BF16).

@@ -8,7 +8,7 @@
 //!   to the device. The reader thread is started only when some tensor is staged. Anonymous
 //!   host memory for the load itself is therefore bounded by
 //!   `2 × staging_bytes`, whatever the model size.
-//! - Virtual devices are staged like CUDA ones (the issue asks for staging on every device
+//! - Virtual devices are staged like CUDA ones (staging is promised on every device
 //!   placement, and virtual devices exist to exercise the accelerator paths), so a host
 //!   destination is made cheap to fill instead: its pages are faulted in over the cores
 //!   (`MADV_POPULATE_WRITE`) when the tensor's first chunk arrives, while the reader waits with

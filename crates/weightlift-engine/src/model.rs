@@ -670,7 +670,7 @@ impl Model {
                 }
             };
             let out = &mut values[e0 as usize..(e0 + m) as usize];
-            weightlift_format::dequant::dequantize_into(dtype, data, out)?;
+            crate::convert::dequantize_into(dtype, data, out)?;
             chunks += 1;
             e0 += m;
         }

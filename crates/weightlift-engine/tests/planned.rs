@@ -12,7 +12,7 @@ use weightlift_plan::{
     CacheDType, CacheSpec, LayerOptions, Plan, RuntimeSpec, Strategy, TpOptions,
 };
 
-fn demo() -> Option<PathBuf> {
+fn demo() -> PathBuf {
     let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF").map(PathBuf::from).expect(
         "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
     );
@@ -21,7 +21,7 @@ fn demo() -> Option<PathBuf> {
         "{}: the demo model is missing (make demo-model)",
         p.display()
     );
-    Some(p)
+    p
 }
 
 fn tiny(sub: &str) -> PathBuf {
@@ -130,10 +130,7 @@ fn tensor_parallel_plan_on_tiny_llama() {
 
 #[test]
 fn demo_model_over_two_virtual_devices() {
-    let Some(p) = demo() else {
-        eprintln!("skipped: the demo model is not downloaded (make demo-model)");
-        return;
-    };
+    let p = demo();
     check(
         &p,
         "virtual:2x64MiB",
@@ -200,10 +197,7 @@ fn offloaded_cache_is_planned_and_held() {
 /// layer, 13,271,040 B on the cpu.
 #[test]
 fn demo_model_with_an_offloaded_cache() {
-    let Some(p) = demo() else {
-        eprintln!("skipped: the demo model is not downloaded (make demo-model)");
-        return;
-    };
+    let p = demo();
     let cache = CacheSpec::new(2048, 1, CacheDType::Q4).with_offload(true);
     let plan = check(&p, "virtual:2x64MiB", Strategy::Autosplit, Some(cache));
     assert_eq!(kv_of(&plan, "cpu"), 13_271_040);

@@ -380,18 +380,9 @@ macro_rules! test_device {
             }
 
             #[test]
+            #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
             fn cuda() -> $crate::Result<()> {
-                match $crate::CudaBackend::new(0) {
-                    Ok(b) => super::$body(&b),
-                    Err(
-                        e @ ($crate::KernelError::CudaUnavailable { .. }
-                        | $crate::KernelError::NotCompiledWithCuda { .. }),
-                    ) => {
-                        eprintln!("skipping {} on cuda:0: {e}", stringify!($body));
-                        Ok(())
-                    }
-                    Err(e) => Err(e),
-                }
+                super::$body(&$crate::CudaBackend::new(0)?)
             }
         }
     };

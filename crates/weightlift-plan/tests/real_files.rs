@@ -1,6 +1,6 @@
 //! Plans over real checkpoints' tensor tables: the SmolLM2 GGUF and the reference tiny-llama
 //! safetensors. Predicted weight bytes per device must equal the sum of the real tensor sizes
-//! placed there. Skips (with a note) when the files are absent.
+//! placed there. A missing file fails the test.
 
 use std::path::{Path, PathBuf};
 
@@ -12,10 +12,11 @@ fn root() -> PathBuf {
 }
 
 fn open(path: &Path) -> Option<Checkpoint> {
-    if !path.exists() {
-        eprintln!("skipping: {} not present", path.display());
-        return None;
-    }
+    assert!(
+        path.exists(),
+        "{} is missing (the demo model comes from `make demo-model`; the tiny-llama files from ../shared/reference)",
+        path.display()
+    );
     Some(
         Checkpoint::open(path, OpenOptions::default())
             .expect("the format crate opens the reference file"),

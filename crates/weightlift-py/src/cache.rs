@@ -13,8 +13,11 @@ use weightlift_plan as wp;
 use crate::errors::{Exc, eng, enter, py_err, raise};
 use crate::model::Model;
 
-/// A KV cache for a model. `dtype`: fp16, fp8 (e4m3), q8, q6 (8-bit K, 4-bit V) or q4, the
-/// quantised ones with one f16 scale per 32 values. A lazy cache is allocated during the load,
+/// A KV cache for a model. `max_seq_len` and `batch_size` are keyword-only (exllamav2 takes
+/// `batch_size` first, so a positional `Cache(model, 1, 8192)` would mean opposite things);
+/// `max_seq_len=None` is the model's trained context length, as exllamav2's `-1`. `dtype`: fp16,
+/// fp8 (e4m3), q8, q6 (8-bit K, 4-bit V) or q4, the quantised ones with one f16 scale per 32
+/// values. A lazy cache is allocated during the load,
 /// layer by layer on each layer's device; on a loaded model it is allocated at once. `offload`
 /// keeps it in host RAM and prefetches the next layer to its device on a second thread.
 #[pyclass(module = "weightlift._native", frozen)]
@@ -25,10 +28,10 @@ pub struct Cache {
 #[pymethods]
 impl Cache {
     #[new]
-    #[pyo3(signature = (model, max_seq_len, batch_size = 1, dtype = "fp16", lazy = true, offload = false))]
+    #[pyo3(signature = (model, *, max_seq_len = None, batch_size = 1, dtype = "fp16", lazy = true, offload = false))]
     fn new(
         model: &Bound<'_, Model>,
-        max_seq_len: u64,
+        max_seq_len: Option<u64>,
         batch_size: u64,
         dtype: &str,
         lazy: bool,
@@ -36,6 +39,20 @@ impl Cache {
     ) -> PyResult<Self> {
         let d = CacheDType::parse(dtype).map_err(py_err)?;
         let m = model.get();
+        let max_seq_len = match max_seq_len {
+            Some(n) => n,
+            None => {
+                m.checkpoint
+                    .spec()
+                    .map_err(|e| {
+                        raise(
+                            Exc::Format,
+                            format!("Cache(max_seq_len=None) reads the model's context length: {e}; pass max_seq_len"),
+                        )
+                    })?
+                    .context_length
+            }
+        };
         let mut inner = m.lock()?;
         let spec = wp::CacheSpec::new(max_seq_len, batch_size, d).with_offload(offload);
         let cache = inner.new_cache(&spec)?;

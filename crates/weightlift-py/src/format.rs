@@ -12,8 +12,8 @@ use numpy::{PyArray, PyArray1, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple};
+use weightlift_engine as we;
 use weightlift_format::{self as wf, MetaRef, MetaValue};
-use weightlift_kernels as wk;
 
 use crate::errors::{Exc, enter, py_err, raise};
 
@@ -387,7 +387,7 @@ fn dequantize(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::Result<Vec<f3
             },
         )
     })?;
-    if kernel_type(info).is_none() && !wf::dequant::supports(info.dtype) {
+    if !we::convert::can_dequantize(info.dtype) {
         return Err(no_dequantiser(ckpt, info));
     }
     let mut out = zeroed_f32(n);
@@ -395,35 +395,18 @@ fn dequantize(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::Result<Vec<f3
     Ok(out)
 }
 
-/// Dequantise one tensor into `out` (exactly `n_elements` long). Every CPU path goes through
-/// the kernels crate (SIMD, threaded, bit-identical to gguf-py); the format crate's scalar
-/// reference covers the types the kernels do not implement.
+/// Dequantise one tensor into `out` (exactly `n_elements` long), through the engine's one
+/// dequantiser (the same one `Model.tensor(dequantize=True)` uses).
 fn dequantize_into(
     ckpt: &wf::Checkpoint,
     info: &wf::TensorInfo,
     out: &mut [f32],
 ) -> wf::Result<()> {
-    let data = ckpt.bytes(info);
-    if let Some(qt) = kernel_type(info) {
-        return wk::dequantize_f32(qt, data, out).map_err(|e| {
-            wrap_dequant(
-                ckpt,
-                info,
-                wf::FormatError::DequantizeBlocks {
-                    dtype: info.dtype,
-                    detail: e.to_string(),
-                },
-            )
-        });
-    }
-    if !wf::dequant::supports(info.dtype) {
+    if !we::convert::can_dequantize(info.dtype) {
         return Err(no_dequantiser(ckpt, info));
     }
-    wf::dequant::dequantize_into(info.dtype, data, out).map_err(|e| wrap_dequant(ckpt, info, e))
-}
-
-fn kernel_type(info: &wf::TensorInfo) -> Option<wk::QuantType> {
-    info.dtype.ggml_id().and_then(wk::QuantType::from_ggml_id)
+    we::convert::dequantize_into(info.dtype, ckpt.bytes(info), out)
+        .map_err(|e| wrap_dequant(ckpt, info, e))
 }
 
 fn no_dequantiser(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::FormatError {

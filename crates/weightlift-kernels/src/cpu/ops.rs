@@ -3,7 +3,7 @@
 //! Conventions follow llama.cpp's CPU backend (ggml-cpu/ops.cpp); each function names the
 //! operation it mirrors.
 //!
-//! RMSNorm, softmax and SwiGLU have AVX2+FMA and AVX-512 forms (`x86_ops.rs`), chosen by
+//! RMSNorm, softmax and SwiGLU have AVX2+FMA and AVX-512 forms (`x86_ops`), chosen by
 //! [`Isa::detect`] or forced with their `*_with` twins; the scalar loops stay as the fallback.
 //! RoPE and the residual add are plain loops.
 
