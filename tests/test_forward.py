@@ -101,3 +101,26 @@ def test_bad_input_raises_typed_errors_and_loses_nothing(demo: Path) -> None:
     with pytest.raises(wl.UnsupportedError, match="type_k=q8_0, type_v=f16"):
         wl.load_gguf(demo, type_k="q8_0", type_v="f16")
     assert m.forward(PROMPT_1).shape == (1, 49152)
+
+
+def test_transfer_stats_peak_memory_and_a_paced_link(demo: Path) -> None:
+    """Copies between devices are counted per forward call, and a virtual device with a link
+    bandwidth (`@20MB/s`) makes each copy take at least bytes / rate, without changing a bit."""
+    devices = "virtual:2x96MiB{},cpu"
+    fast = wl.load_gguf(demo, n_ctx=64, devices=devices.format(""), n_gpu_layers=99)
+    slow = wl.load_gguf(demo, n_ctx=64, devices=devices.format("@20MB/s"), n_gpu_layers=99)
+    want = fast.forward(PROMPT_1, logits="all")
+    assert np.array_equal(slow.forward(PROMPT_1, logits="all"), want)
+    s = slow.transfer_stats()
+    assert set(s) >= {"copies", "bytes", "seconds"}
+    assert s["copies"] >= 2 and s["bytes"] > 0
+    assert s["bytes"] % (576 * 4) == 0, "whole rows of the 576-wide hidden state"
+    assert s["seconds"] >= s["bytes"] / 20e6
+    assert fast.transfer_stats()["bytes"] == s["bytes"]
+    # The high-water mark since load covers what is held now and is what the plan promised.
+    peak, now = slow.peak_memory(), slow.device_usage()
+    for d in slow.plan.devices:
+        if d.name.startswith("virtual"):
+            promised = d.weights + d.kv + d.scratch
+            assert peak[d.name] >= now[d.name]
+            assert abs(peak[d.name] - promised) <= promised / 100, (d.name, promised, peak)

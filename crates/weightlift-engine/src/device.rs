@@ -39,6 +39,8 @@ pub struct Device {
     capacity: Option<u64>,
     used: AtomicU64,
     peak: AtomicU64,
+    /// A simulated link to the host in bytes/s (virtual devices only, `virtual:8GiB@16GB/s`).
+    bandwidth: Option<u64>,
     /// The kernels' CUDA backend of a `cuda:N` device (its context, stream and pinned staging).
     cuda: Option<CudaBackend>,
 }
@@ -57,6 +59,24 @@ impl Device {
             ordinal,
             Some(capacity),
         ))
+    }
+
+    /// A virtual accelerator whose copies to and from the host take `bytes_per_second`, as over
+    /// a PCIe link, so offload and prefetch can be measured where there is no GPU.
+    pub fn virtual_with_link(ordinal: u32, capacity: u64, bytes_per_second: u64) -> Arc<Device> {
+        let mut d = Device::new(
+            format!("virtual:{ordinal}"),
+            DeviceKind::Virtual,
+            ordinal,
+            Some(capacity),
+        );
+        d.bandwidth = Some(bytes_per_second.max(1));
+        Arc::new(d)
+    }
+
+    /// The simulated link rate in bytes/s, if this device has one.
+    pub fn bandwidth(&self) -> Option<u64> {
+        self.bandwidth
     }
 
     /// `cuda:N`, through the kernels crate's CUDA backend: device memory per tensor, the
@@ -91,6 +111,7 @@ impl Device {
             capacity,
             used: AtomicU64::new(0),
             peak: AtomicU64::new(0),
+            bandwidth: None,
             cuda: None,
         }
     }
@@ -150,9 +171,15 @@ impl Device {
         self.used.load(Ordering::Acquire)
     }
 
-    /// The most bytes ever held at once.
+    /// The most bytes held at once since the device was made or [`Device::reset_peak`].
     pub fn peak(&self) -> u64 {
         self.peak.load(Ordering::Acquire)
+    }
+
+    /// Start a new high-water mark from what is held now (a load does, so a model's peak is
+    /// its own, not a previous model's on the same inventory).
+    pub fn reset_peak(&self) {
+        self.peak.store(self.used(), Ordering::Release);
     }
 
     /// Bytes that can still be allocated (`u64::MAX` when unbounded).
@@ -680,6 +707,7 @@ impl DeviceTensor {
     /// A copy of this tensor on `device` (a real copy between separate allocations; to or from
     /// CUDA it is staged through host memory).
     pub fn copy_to(&self, device: &Arc<Device>) -> Result<DeviceTensor> {
+        let since = std::time::Instant::now();
         let storage = match &self.storage {
             Storage::Owned(b) => {
                 let mut dst = device.alloc(b.len() as u64)?;
@@ -693,6 +721,7 @@ impl DeviceTensor {
                 dst
             }
         };
+        pace_link(&self.device, device, self.nbytes(), since);
         DeviceTensor::new(
             Arc::clone(device),
             self.shape.clone(),
@@ -728,6 +757,21 @@ pub struct Inventory {
     pub disk: bool,
 }
 
+/// Wait out the rest of what a copy of `bytes` between `a` and `b`, begun at `since`, takes
+/// over the slower of their simulated links (no wait when neither has one). Sleeping, not
+/// spinning, so a prefetching thread's wait overlaps the compute as a DMA engine's would.
+pub fn pace_link(a: &Device, b: &Device, bytes: u64, since: std::time::Instant) {
+    let rate = match (a.bandwidth, b.bandwidth) {
+        (Some(x), Some(y)) => x.min(y),
+        (Some(x), None) | (None, Some(x)) => x,
+        (None, None) => return,
+    };
+    let need = std::time::Duration::from_secs_f64(bytes as f64 / rate as f64);
+    if let Some(rest) = need.checked_sub(since.elapsed()) {
+        std::thread::sleep(rest);
+    }
+}
+
 impl Inventory {
     /// Parse a spec such as `"virtual:2x64MiB"`, `"virtual:24GiB,virtual:12GiB,cpu:64GiB,disk"`,
     /// `"cuda:0,cuda:1"` or `"cpu"`, with the planner's grammar. The `cpu` device always
@@ -743,10 +787,13 @@ impl Inventory {
             match item.kind {
                 K::Cpu => cpu = Some(item.capacity),
                 K::Disk => disk = true,
-                K::Virtual => accelerators.push(Device::virtual_device(
-                    item.ordinal,
-                    item.capacity.unwrap_or(u64::MAX),
-                )),
+                K::Virtual => {
+                    let capacity = item.capacity.unwrap_or(u64::MAX);
+                    accelerators.push(match item.bandwidth {
+                        Some(bw) => Device::virtual_with_link(item.ordinal, capacity, bw),
+                        None => Device::virtual_device(item.ordinal, capacity),
+                    })
+                }
                 K::Cuda => accelerators.push(Device::cuda(item.ordinal, item.capacity)?),
             }
         }

@@ -306,6 +306,9 @@ impl Model {
         progress: &mut dyn FnMut(&Progress<'_>) -> bool,
     ) -> Result<()> {
         self.unload();
+        for d in self.inventory.all() {
+            d.reset_peak();
+        }
         let result = self.load_inner(placement, opts, cache, validate, progress);
         if result.is_err()
             && let Some(c) = cache
@@ -797,6 +800,16 @@ impl Model {
             .all()
             .iter()
             .map(|d| (d.name().to_owned(), d.used()))
+            .collect()
+    }
+
+    /// The most anonymous bytes held at once per device since the last load began (weights,
+    /// cache, scratch and anything a forward pass allocated): what the plan's columns promise.
+    pub fn peak_memory(&self) -> Vec<(String, u64)> {
+        self.inventory
+            .all()
+            .iter()
+            .map(|d| (d.name().to_owned(), d.peak()))
             .collect()
     }
 

@@ -122,6 +122,28 @@ pub struct DeviceItem {
     pub kind: DeviceKind,
     pub ordinal: u32,
     pub capacity: Option<u64>,
+    /// A virtual device's link to the host in bytes per second (`virtual:8GiB@16GB/s`), so
+    /// copies to and from it take what they would over that link (PCIe 4.0 x16 is about
+    /// 25 GB/s); `None` copies at memory speed.
+    pub bandwidth: Option<u64>,
+}
+
+/// A link rate such as `16GB/s` or `12.5GiB/s`: a size per second, more than zero.
+fn parse_bandwidth(item: &str, text: &str) -> Result<u64> {
+    let err = |reason: String| PlanError::DeviceSpec {
+        spec: item.to_string(),
+        reason,
+    };
+    let Some(size) = text.trim().strip_suffix("/s") else {
+        return Err(err(format!(
+            "expected a bandwidth such as 16GB/s after '@', got '{text}'"
+        )));
+    };
+    match parse_size(size) {
+        Ok(0) => Err(err("a bandwidth of 0 bytes/s never finishes a copy".into())),
+        Ok(b) => Ok(b),
+        Err(e) => Err(err(format!("bandwidth '{text}': {e}"))),
+    }
 }
 
 /// Parse a device spec string into its items, without asking any device for its memory.
@@ -155,6 +177,7 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
                 kind,
                 ordinal,
                 capacity,
+                bandwidth: None,
             };
         match head {
             "cpu" => {
@@ -203,6 +226,10 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
                         "expected virtual:SIZE or virtual:NxSIZE, e.g. virtual:2x24GiB".into(),
                     ));
                 };
+                let (rest, bandwidth) = match rest.split_once('@') {
+                    Some((r, bw)) => (r, Some(parse_bandwidth(item, bw)?)),
+                    None => (rest, None),
+                };
                 let (count, cap) = match rest.split_once('x') {
                     Some((c, s)) if !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit()) => {
                         let n: u32 = c
@@ -220,12 +247,14 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
                 }
                 let capacity = size(item, cap)?;
                 for _ in 0..count {
-                    out.push(one(
+                    let mut d = one(
                         format!("virtual:{n_virtual}"),
                         DeviceKind::Virtual,
                         n_virtual,
                         Some(capacity),
-                    ));
+                    );
+                    d.bandwidth = bandwidth;
+                    out.push(d);
                     n_virtual += 1;
                 }
             }
@@ -332,6 +361,27 @@ mod tests {
         let d = parse_devices("cuda:0:24GiB, CUDA:1:8GB").unwrap();
         assert_eq!(d[1].name, "cuda:1");
         assert_eq!(d[1].capacity, 8_000_000_000);
+    }
+
+    #[test]
+    fn virtual_devices_take_a_link_bandwidth() {
+        let d = parse_device_items("virtual:2x8GiB@16GB/s,virtual:1GiB,cpu").unwrap();
+        assert_eq!(d[0].capacity, Some(8 << 30));
+        assert_eq!(d[0].bandwidth, Some(16_000_000_000));
+        assert_eq!(d[1].bandwidth, Some(16_000_000_000));
+        assert_eq!(d[2].bandwidth, None);
+        assert_eq!(
+            parse_device_items("virtual:1GiB@512MiB/s").unwrap()[0].bandwidth,
+            Some(512 << 20)
+        );
+        for (bad, says) in [
+            ("virtual:1GiB@16GB", "expected a bandwidth such as 16GB/s"),
+            ("virtual:1GiB@0GB/s", "never finishes"),
+            ("virtual:1GiB@fast/s", "bandwidth 'fast/s'"),
+        ] {
+            let e = parse_device_items(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use numpy::PyArray1;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyTuple};
 use weightlift_engine::cache::Cache as ECache;
 use weightlift_engine::{self as we, LoadOptions, Model as EModel};
 use weightlift_format as wf;
@@ -438,6 +438,23 @@ impl Model {
     /// Bytes allocated right now per device (arena accounting; mmap views are not allocations).
     fn device_usage(&self) -> PyResult<HashMap<String, u64>> {
         Ok(self.lock()?.model.device_usage().into_iter().collect())
+    }
+
+    /// The most bytes allocated at once per device since the last load began (the same
+    /// accounting as `device_usage`): weights, cache, scratch and what forward passes held.
+    fn peak_memory(&self) -> PyResult<HashMap<String, u64>> {
+        Ok(self.lock()?.model.peak_memory().into_iter().collect())
+    }
+
+    /// Copies between devices during the last forward call: `copies` (count), `bytes` and
+    /// `seconds` (wall time spent copying).
+    fn transfer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.lock()?.model.transfer_stats();
+        let d = PyDict::new(py);
+        d.set_item("copies", c.count)?;
+        d.set_item("bytes", c.bytes)?;
+        d.set_item("seconds", c.seconds())?;
+        Ok(d)
     }
 
     /// The device spec this model was made with (with `devices=None`, the detected machine's,

@@ -24,7 +24,7 @@ use super::attention::{self, Shape, Tiles};
 use super::exec::{self, Ctx, Regions, kernel_on};
 use super::{Compute, Copies, Logits, Site, SiteExec, Views, carve, check_tokens, host_weight};
 use crate::cache::Cache;
-use crate::device::{Buffer, Device, DeviceKind, Storage};
+use crate::device::{Buffer, Device, DeviceKind, Storage, pace_link};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 use crate::source::Source;
@@ -465,6 +465,7 @@ impl Graph {
             .iter()
             .map(|s| s.device.name().to_owned())
             .collect();
+        let devs: Vec<Arc<Device>> = self.sites.iter().map(|s| Arc::clone(&s.device)).collect();
 
         // Every site's workspace at once (distinct buffers), as its path sees it.
         let mut spare: Vec<Option<&mut Buffer>> = scratch.iter_mut().map(Some).collect();
@@ -572,7 +573,7 @@ impl Graph {
                 if layer.site != at {
                     move_rows(
                         &mut works,
-                        &names,
+                        &devs,
                         at,
                         layer.site,
                         0,
@@ -600,7 +601,7 @@ impl Graph {
             if self.head_site != at {
                 move_rows(
                     &mut works,
-                    &names,
+                    &devs,
                     at,
                     self.head_site,
                     first * h,
@@ -761,7 +762,7 @@ fn write_x(w: &mut Work<'_>, name: &str, offset: usize, src: &[u8]) -> Result<()
 /// memcpy between host memories, or through the CUDA backend's copies to and from the host.
 fn move_rows(
     works: &mut [Work<'_>],
-    names: &[String],
+    devs: &[Arc<Device>],
     from: usize,
     to: usize,
     offset: usize,
@@ -775,8 +776,9 @@ fn move_rows(
         let (a, b) = works.split_at_mut(from);
         (&b[0], &mut a[to])
     };
+    let since = std::time::Instant::now();
     let (at, bytes) = (offset * 4, len * 4);
-    let (sn, dn) = (&names[from], &names[to]);
+    let (sn, dn) = (devs[from].name(), devs[to].name());
     if let Some(s) = x_host(src) {
         let s = s
             .get(at..at + bytes)
@@ -792,8 +794,8 @@ fn move_rows(
         read_x(src, sn, at, &mut tmp)?;
         write_x(dst, dn, at, &tmp)?;
     }
-    copies.count += 1;
-    copies.bytes += bytes as u64;
+    pace_link(&devs[from], &devs[to], bytes as u64, since);
+    copies.note(bytes as u64, since);
     Ok(())
 }
 

@@ -95,11 +95,26 @@ impl Logits {
     }
 }
 
-/// Hidden-state copies between devices during one forward call.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Copies between devices during one forward call: how many, their bytes, and the wall time
+/// spent in them.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Copies {
     pub count: u64,
     pub bytes: u64,
+    pub nanos: u64,
+}
+
+impl Copies {
+    pub fn seconds(&self) -> f64 {
+        self.nanos as f64 * 1e-9
+    }
+
+    /// Count one copy of `bytes` that started at `since`.
+    pub(crate) fn note(&mut self, bytes: u64, since: std::time::Instant) {
+        self.count += 1;
+        self.bytes += bytes;
+        self.nanos += u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    }
 }
 
 /// One device's workspace: the buffer it lives in and its layout.
@@ -268,6 +283,7 @@ pub struct Runner {
     pool: Option<Arc<rayon::ThreadPool>>,
     compute: Compute,
     host_backend: bool,
+    last_copies: Copies,
 }
 
 /// Physical cores this process may run on (the `n_threads` default, as llama.cpp's), from the
@@ -426,10 +442,17 @@ impl crate::Model {
             });
         };
         let mut run = || graph.forward(held, copies, scratch, &cache, ids, logits, compute, out);
-        match pool {
+        let made = match pool {
             Some(p) => p.install(run),
             None => run(),
-        }
+        }?;
+        self.runner.last_copies = made;
+        Ok(made)
+    }
+
+    /// The copies between devices of the last forward call.
+    pub fn transfer_stats(&self) -> Copies {
+        self.runner.last_copies
     }
 
     /// Bytes of each device's forward workspace (after the first forward call).
