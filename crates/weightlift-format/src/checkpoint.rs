@@ -81,6 +81,8 @@ pub struct Checkpoint {
     /// Whether tensor roles are known for the architecture.
     roles_known: bool,
     warnings: Vec<String>,
+    /// GPTQ or EXL2 settings and linears, for safetensors checkpoints that have them.
+    quantization: Option<crate::Quantization>,
 }
 
 /// The byte-swapped GGUF magic: what a big-endian writer (gguf-py with `endianess=BIG`) puts
@@ -99,7 +101,10 @@ impl Checkpoint {
             Format::Gguf => crate::gguf::read(path, opts.vocab_only)?,
             Format::Safetensors => crate::safetensors::read(path, opts.vocab_only)?,
         };
-        let ckpt = Checkpoint::assemble(format, path, parsed, opts.vocab_only)?;
+        let mut ckpt = Checkpoint::assemble(format, path, parsed, opts.vocab_only)?;
+        if format == Format::Safetensors {
+            ckpt.read_quantization()?;
+        }
         if opts.check_tensors {
             ckpt.check_tensors()?;
         }
@@ -249,7 +254,24 @@ impl Checkpoint {
             vocab_only,
             roles_known,
             warnings,
+            quantization: None,
         })
+    }
+
+    /// Read the quantisation settings beside a safetensors checkpoint and check its quantised
+    /// linears (see the `quantized` module).
+    fn read_quantization(&mut self) -> Result<()> {
+        let folder = crate::safetensors::model_folder(&self.path)?;
+        let beside = crate::safetensors::read_quantize_config(&folder)?;
+        let config_path = folder.join("config.json");
+        let detected = crate::quantized::detect(
+            self,
+            self.config.as_ref().map(|c| (config_path.as_path(), c)),
+            beside.as_ref().map(|(p, v)| (p.as_path(), v)),
+        )?;
+        self.warnings.extend(detected.warnings);
+        self.quantization = detected.quantization;
+        Ok(())
     }
 
     /// Scan every tensor for NaN and Inf, in parallel; the error names the first bad tensor in
@@ -297,6 +319,12 @@ impl Checkpoint {
     /// The stored bytes of a tensor, by name: a view into the memory map.
     pub fn raw_bytes(&self, name: &str) -> Result<&[u8]> {
         self.tensor(name).map(|t| self.bytes(t))
+    }
+
+    /// The GPTQ or EXL2 quantisation of a safetensors checkpoint: its settings and every
+    /// quantised linear, validated at open time. `None` for unquantised checkpoints and GGUF.
+    pub fn quantization(&self) -> Option<&crate::Quantization> {
+        self.quantization.as_ref()
     }
 
     /// Whether the checkpoint was opened with `vocab_only` (no tensor table).

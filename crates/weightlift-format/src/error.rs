@@ -68,6 +68,15 @@ pub enum FormatError {
     /// that know the tensor wrap it in `Dequantize`.
     #[error("{dtype} data: {detail}")]
     DequantizeBlocks { dtype: crate::DType, detail: String },
+
+    /// A request that does not fit what it names: a row or column range outside a quantised
+    /// linear, or an output buffer of the wrong length. `what` names the thing asked for.
+    #[error("{what}: expected {expected}, got {got}")]
+    Request {
+        what: String,
+        expected: String,
+        got: String,
+    },
 }
 
 /// Hints reused across readers, so the same cause reads the same way everywhere.
@@ -82,6 +91,10 @@ pub mod hint {
         "the index points outside the model folder, which is refused for safety";
     pub const NEWER_WRITER: &str = "the file was written by a newer tool than this build knows";
     pub const SPLIT_NAMES: &str = "split GGUF parts must keep the names gguf-split gave them (name-00001-of-00003.gguf) and sit in one folder";
+    pub const QUANT_CONFIG: &str = "the quantisation settings or the architecture in config.json do not match the tensors; the config was edited or belongs to another conversion of the model";
+    pub const QUANT_TENSORS: &str =
+        "the quantised tensors are incomplete or damaged; re-download or re-convert the checkpoint";
+    pub const NO_QUANT_CONFIG: &str = "the quantisation settings were not copied with the weights (GPTQ keeps them in config.json's quantization_config or in quantize_config.json, EXL2 in config.json)";
     pub const OLD_GGUF: &str =
         "the file uses an early GGUF layout; re-convert it with a current llama.cpp or gguf-py";
 }

@@ -1,5 +1,6 @@
 //! Zero-copy, validating readers for GGUF and safetensors checkpoints, the ggml type table,
-//! ModelSpec, and scalar reference dequantisation.
+//! ModelSpec, and scalar reference dequantisation (ggml types, and GPTQ / EXL2 quantised
+//! safetensors linears).
 //!
 //! Every file is treated as hostile: all arithmetic is checked, lengths and counts are capped,
 //! and every structural check runs before any tensor view is handed out.
@@ -14,6 +15,7 @@ mod tensor;
 
 pub mod dequant;
 pub mod gguf;
+pub mod quantized;
 pub mod safetensors;
 pub mod scan;
 
@@ -21,5 +23,7 @@ pub use checkpoint::{Checkpoint, Format, OpenOptions, TokenizerInfo};
 pub use dtype::DType;
 pub use error::{FormatError, Result, hint};
 pub use metadata::{LAZY_ARRAY_MIN_LEN, MetaArray, MetaIter, MetaRef, MetaValue, Metadata};
+pub use quantized::{Quantization, QuantizedLinear};
 pub use spec::ModelSpec;
+pub use spec::is_quantized_part;
 pub use tensor::{Role, TensorInfo};

@@ -913,11 +913,32 @@ fn read_config(folder: &Path) -> Result<Option<serde_json::Value>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = read_capped(&path, JSON_CAP, "config.json")?;
+    read_json_object(&path, "config.json").map(Some)
+}
+
+/// The folder that holds a safetensors checkpoint's config files.
+pub(crate) fn model_folder(path: &Path) -> Result<PathBuf> {
+    resolve(path).map(|(folder, _)| folder)
+}
+
+/// The quantisation settings file auto-gptq and gptqmodel write beside `config.json`, if any.
+pub(crate) fn read_quantize_config(folder: &Path) -> Result<Option<(PathBuf, serde_json::Value)>> {
+    for name in crate::quantized::BESIDE_NAMES {
+        let path = folder.join(name);
+        if path.is_file() {
+            let v = read_json_object(&path, name)?;
+            return Ok(Some((path, v)));
+        }
+    }
+    Ok(None)
+}
+
+fn read_json_object(path: &Path, what: &str) -> Result<serde_json::Value> {
+    let text = read_capped(path, JSON_CAP, what)?;
     let v: serde_json::Value = serde_json::from_slice(&text).map_err(|e| {
         invalid(
-            &path,
-            "config.json",
+            path,
+            what,
             "a json object",
             format!("a parse error: {e}"),
             "the config is corrupted or incomplete",
@@ -925,14 +946,14 @@ fn read_config(folder: &Path) -> Result<Option<serde_json::Value>> {
     })?;
     if !v.is_object() {
         return Err(invalid(
-            &path,
-            "config.json",
+            path,
+            what,
             "a json object",
             super_kind(&v),
             "the config is corrupted",
         ));
     }
-    Ok(Some(v))
+    Ok(v)
 }
 
 fn tokenizer_info(folder: &Path, config: Option<&serde_json::Value>) -> Result<TokenizerInfo> {

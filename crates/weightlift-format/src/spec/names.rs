@@ -30,9 +30,37 @@ pub(crate) fn layer_of(name: &str) -> Option<u32> {
     split_layer(name).map(|(n, _)| n)
 }
 
+/// The tensors a GPTQ (auto-gptq, gptqmodel) or EXL2 (exllamav2) linear stores in place of its
+/// `weight`. They take the role of the weight they replace, so each lands in its layer and a
+/// quantised `lm_head` counts as the output projection.
+const QUANT_PARTS: [&str; 10] = [
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "q_weight",
+    "q_invperm",
+    "q_scale",
+    "q_scale_max",
+    "q_groups",
+    "q_perm",
+];
+
+/// Whether `name` is one of the tensors a GPTQ or EXL2 linear stores in place of its weight
+/// (its shapes are the quantisation's, checked when the checkpoint opens).
+pub fn is_quantized_part(name: &str) -> bool {
+    name.rsplit_once('.')
+        .is_some_and(|(_, part)| QUANT_PARTS.contains(&part))
+}
+
 /// The role of a tensor in the llama family, in either naming scheme; `None` for a name that
 /// matches no role.
 pub(crate) fn role_of(name: &str) -> Option<Role> {
+    if let Some((module, part)) = name.rsplit_once('.')
+        && QUANT_PARTS.contains(&part)
+    {
+        return role_of(&format!("{module}.weight"));
+    }
     if let Some((_, tail)) = split_layer(name) {
         return per_layer_role(tail);
     }
@@ -123,6 +151,35 @@ mod tests {
         assert_eq!(
             classify("blk.12.attn_v.weight", "mistral"),
             (Some(12), Some(Role::AttnV))
+        );
+    }
+
+    #[test]
+    fn quantised_parts_take_their_weights_role() {
+        for part in QUANT_PARTS {
+            assert_eq!(
+                classify(&format!("model.layers.4.mlp.down_proj.{part}"), "llama"),
+                (Some(4), Some(Role::FfnDown)),
+                "{part}"
+            );
+            assert_eq!(
+                classify(&format!("lm_head.{part}"), "qwen2"),
+                (None, Some(Role::Output)),
+                "{part}"
+            );
+        }
+        // The bias of a quantised linear keeps its own role; unknown modules stay unknown.
+        assert_eq!(
+            classify("model.layers.1.self_attn.k_proj.bias", "qwen2"),
+            (Some(1), Some(Role::AttnKBias))
+        );
+        assert_eq!(
+            classify("model.layers.1.mlp.experts.0.qweight", "llama"),
+            (Some(1), None)
+        );
+        assert_eq!(
+            classify("model.layers.1.mlp.down_proj.zeros", "llama").1,
+            None
         );
     }
 
