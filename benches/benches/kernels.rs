@@ -19,7 +19,8 @@ use weightlift_benches::{
     COLS, CPU_ONLY_PRODUCT_TYPES, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights,
 };
 use weightlift_kernels::cpu::kv::KvType;
-use weightlift_kernels::{MatvecMode, QuantType, RopeParams, RopeStyle};
+use weightlift_kernels::cpu::quantize;
+use weightlift_kernels::{FloatType, MatvecMode, QuantType, RopeParams, RopeStyle};
 
 /// Median wall time of `f` over enough runs to fill ~`budget` (the project quotes medians, since
 /// these machines are noisy; kernel and baseline get the same rule).
@@ -245,6 +246,91 @@ fn cases() -> Vec<Case> {
                 weightlift_kernels::kv_dequantize(kt, &q, &mut b).expect("kv dequantize");
             }),
         });
+    }
+    // quantise-on-load: a 1024 × 4096 tensor (f32 or the checkpoint's bf16 bytes) to ggml
+    // blocks, bytes as llama.cpp's reference quantisers write them
+    let qn = 1024 * COLS;
+    let qf: Vec<f32> = (0..qn).map(|i| (i as f32 * 1e-3).sin() * 0.05).collect();
+    let qbf: Vec<u8> = qf
+        .iter()
+        .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+        .collect();
+    for ty in [QuantType::Q8_0, QuantType::Q4_K, QuantType::Q6_K] {
+        let out_bytes = qn / ty.block_size() * ty.block_bytes();
+        let (f, o) = (qf.clone(), std::sync::Mutex::new(vec![0u8; out_bytes]));
+        v.push(Case {
+            name: format!("quantize_{ty}_from_f32"),
+            bytes: qn * 4 + out_bytes,
+            run: Box::new(move || {
+                let mut o = o.lock().expect("bench lock");
+                quantize::quantize_rows(ty, &f, COLS, &mut o).expect("quantize");
+            }),
+        });
+        let (b, o) = (qbf.clone(), std::sync::Mutex::new(vec![0u8; out_bytes]));
+        v.push(Case {
+            name: format!("quantize_{ty}_from_bf16"),
+            bytes: qn * 2 + out_bytes,
+            run: Box::new(move || {
+                let mut o = o.lock().expect("bench lock");
+                quantize::quantize_rows_from(ty, FloatType::BF16, &b, COLS, &mut o)
+                    .expect("quantize");
+            }),
+        });
+    }
+    // LLM.int8: the weight quantiser (bf16 checkpoint bytes), and the mixed product at one and
+    // 32 tokens with two outlier columns (bitsandbytes' default threshold 6.0)
+    {
+        let (b, q, sc) = (
+            qbf.clone(),
+            std::sync::Mutex::new(vec![0i8; qn]),
+            std::sync::Mutex::new(vec![0f32; 1024]),
+        );
+        v.push(Case {
+            name: "int8_quantize_from_bf16".into(),
+            bytes: qn * 2 + qn + 1024 * 4,
+            run: Box::new(move || {
+                let (mut q, mut sc) = (
+                    q.lock().expect("bench lock"),
+                    sc.lock().expect("bench lock"),
+                );
+                weightlift_kernels::int8_quantize_rows_from(
+                    FloatType::BF16,
+                    &b,
+                    COLS,
+                    &mut q,
+                    &mut sc,
+                )
+                .expect("int8 quantize");
+            }),
+        });
+    }
+    {
+        let wf: Vec<f32> = (0..n).map(|i| (i as f32 * 1e-3).sin() * 0.05).collect();
+        let (mut wq, mut ws) = (vec![0i8; n], vec![0f32; ROWS]);
+        weightlift_kernels::int8_quantize_rows(&wf, COLS, &mut wq, &mut ws).expect("int8 quantize");
+        let (wq, ws) = (std::sync::Arc::new(wq), std::sync::Arc::new(ws));
+        for nt in [1usize, 32] {
+            let mut x: Vec<f32> = (0..COLS * nt).map(|i| (i as f32 * 0.01).sin()).collect();
+            x[17] = 9.0;
+            x[COLS * (nt - 1) + 4000] = -7.0;
+            let (wq, ws) = (wq.clone(), ws.clone());
+            let y = std::sync::Mutex::new(vec![0f32; ROWS * nt]);
+            v.push(Case {
+                name: format!("int8_matmul_f32_{ROWS}x{COLS}x{nt}"),
+                bytes: n + ROWS * 4 + x.len() * 4 + ROWS * nt * 4,
+                run: Box::new(move || {
+                    let mut o = y.lock().expect("bench lock");
+                    let w = weightlift_kernels::Int8Weights {
+                        q: &wq,
+                        scales: &ws,
+                        rows: ROWS,
+                        cols: COLS,
+                    };
+                    weightlift_kernels::int8_matmul(&w, &x, nt, 6.0, &mut o).expect("int8 matmul");
+                    black_box(&*o);
+                }),
+            });
+        }
     }
     v
 }

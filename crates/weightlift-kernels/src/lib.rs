@@ -31,10 +31,18 @@ pub mod types;
 pub use backend::{Backend, Op};
 pub use cpu::Isa;
 pub use cpu::convert::{bf16_to_f16_slice, f16_to_f32_slice, f32_to_f16_slice, scan_non_finite};
+pub use cpu::int8::{
+    INT8_DEFAULT_THRESHOLD, Int8Activations, Int8Weights, int8_matmul, int8_quantize_activations,
+    int8_quantize_rows, int8_quantize_rows_from,
+};
 pub use cpu::kv::{KV_GROUP, KvType, kv_dequantize, kv_quantize};
 pub use cpu::matvec::{MatvecMode, matmul, matmul_f16, matvec, matvec_f16};
 pub use cpu::ops::{
     RopeParams, RopeStyle, add, rms_norm, rope, rope_in_place, rope_inv_freqs, softmax, swiglu,
+};
+pub use cpu::quantize::{
+    QUANTIZE_TYPES, can_quantize, quantize_row, quantize_rows, quantize_rows_from,
+    quantized_row_bytes,
 };
 pub use cpu::{dequantize_f16, dequantize_f32};
 pub use cpu_backend::{CpuBackend, CpuBuffer};

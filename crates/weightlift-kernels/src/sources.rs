@@ -3,7 +3,7 @@
 
 include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));
 
-/// The source of module `name` (`attention`, `convert`, `dequant`, `kv`, `matvec`, `ops`).
+/// The source of module `name` (`attention`, `convert`, `dequant`, `int8`, `kv`, `matvec`, `ops`).
 pub fn source(name: &str) -> Option<&'static str> {
     SOURCES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
 }
@@ -110,6 +110,15 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("kv_quantize_", &[Ptr, Ptr, U64]),
     // (src, out, n values)
     ("kv_dequantize_", &[Ptr, Ptr, U64]),
+    // LLM.int8 (int8.cu): (x, flags, out_cols, n_out, n_tok, cols, threshold)
+    ("int8_outliers_", &[Ptr, Ptr, Ptr, Ptr, U64, U64, F32]),
+    // (x, flags or null, q, scales, n_rows, cols, threshold)
+    ("int8_quantize_", &[Ptr, Ptr, Ptr, Ptr, U64, U64, F32]),
+    // (wq, w_scales, x, xq, x_scales, out_cols, n_out, y, rows, cols, n_tok)
+    (
+        "int8_matmul_",
+        &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64],
+    ),
 ];
 
 /// The parameter list of kernel `name` (see [`SIGNATURES`]).

@@ -12,16 +12,23 @@
 pub mod convert;
 pub mod dequant_scalar;
 pub mod half;
+pub mod int8;
 pub mod kv;
 pub mod matvec;
 pub mod ops;
+pub mod quantize;
+pub(crate) mod quantize_blocks;
 pub(crate) mod x86;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_dequant;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_gemm;
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_int8;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_ops;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_quantize;
 
 use std::sync::OnceLock;
 
