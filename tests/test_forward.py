@@ -124,3 +124,26 @@ def test_transfer_stats_peak_memory_and_a_paced_link(demo: Path) -> None:
             promised = d.weights + d.kv + d.scratch
             assert peak[d.name] >= now[d.name]
             assert abs(peak[d.name] - promised) <= promised / 100, (d.name, promised, peak)
+
+
+def test_offloaded_execution_gives_the_cpu_logits(demo: Path) -> None:
+    """offload="sequential"/"group": the 20 layers kept on the cpu run on the virtual device,
+    their matrices copied in first; the logits do not move by a bit."""
+    want = wl.load_gguf(demo, n_ctx=64).forward(PROMPT_1, logits="all")
+    kw = {"n_ctx": 64, "devices": "virtual:96MiB,cpu", "n_gpu_layers": 10}
+    for offload, group, prefetch in [
+        ("sequential", 1, True),
+        ("group", 4, True),
+        ("group", 4, False),
+    ]:
+        m = wl.load_gguf(demo, offload=offload, blocks_per_group=group, prefetch=prefetch, **kw)
+        assert set(m.layer_devices) == {"virtual:0"}
+        assert np.array_equal(m.forward(PROMPT_1, logits="all"), want), offload
+        moved = m.transfer_stats()["bytes"]
+        assert moved > 20 * 576 * 576, f"{offload}: the kept layers' matrices are copied in"
+    with pytest.raises(wl.PlanError, match="an accelerator to execute offloaded layers on"):
+        wl.load_gguf(demo, n_ctx=64, offload="group")
+    with pytest.raises(wl.PlanError, match="'disk'"):
+        wl.load_gguf(
+            demo, n_ctx=64, offload="disk", **{k: v for k, v in kw.items() if k != "n_ctx"}
+        )

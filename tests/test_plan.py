@@ -510,3 +510,77 @@ def test_gen_fixtures_llama_plans(tmp_path):
                 runtime=wl.RuntimeSpec(0, 0, 0),
             )
             check_plan(ckpt, p)
+
+
+# --------------------------------------------------------------------------------------------
+# Row split, architectures without roles, sliding windows
+
+
+def test_row_split_plan_agrees_with_the_loaded_model():
+    """llama.cpp `-sm row`: the plan names every device a tensor's rows went to, as the loaded
+    model does, and explain() words row slices as such."""
+    path = DATA / "tiny-qwen2" / "tiny-qwen2-Q8_0.gguf"
+    m = wl.load_gguf(
+        path,
+        devices="virtual:2x32MiB",
+        n_gpu_layers=-1,
+        split_mode="row",
+        tensor_split=[1, 1],
+        runtime=SMALL_RT,
+    )
+    p = m.plan
+    names = [t.name for t in wl.open(path).tensors]
+    split = [pl.name for pl in p.tensors if pl.shards]
+    assert "output.weight" in split and "blk.0.ffn_up.weight" in split
+    for name in names:
+        assert p.device_of(name) == m.device_of(name), name
+    assert p.device_of("output.weight") == "virtual:0,virtual:1"
+    # 320 vocabulary rows split at 160, rounded down to 128 (a multiple of 64).
+    out = next(pl for pl in p.tensors if pl.name == "output.weight")
+    assert [(d, a, b) for d, a, b, _ in out.shards] == [
+        ("virtual:0", 0, 128),
+        ("virtual:1", 128, 320),
+    ]
+    by = {d.name: d for d in p.devices}
+    assert "rows 0..128 of output" in by["virtual:0"].holds
+    assert "output" not in by["virtual:1"].holds
+    n = p.n_layers - 1
+    assert by["virtual:1"].holds == ["rows 128..320 of output", f"row slices of layers 0-{n}"]
+    table = p.explain()
+    line = next(s for s in table.splitlines() if s.startswith("virtual:1"))
+    assert line.endswith(f"rows 128..320 of output + row slices of layers 0-{n}"), table
+    m.unload()
+
+
+def test_gemma3_plans_with_sliding_window_and_tied_head(tmp_path):
+    """A gemma3-like GGUF (gguf-py): its head is tied (no output.weight), the plan warns that
+    the engine cannot run it, and its sliding-window layers keep what llama.cpp's SWA cache
+    keeps (tests/data/swa_reference.json: cells and layers from llama.cpp's own log)."""
+    import gen_swa_reference as swa
+
+    path = tmp_path / "gemma3.gguf"
+    swa.write_gemma3_gguf(path)
+    ref = json.loads((DATA / "swa_reference.json").read_text())
+    kv_row = 2 * ref["model"]["n_kv_heads"] * ref["model"]["head_dim"] * 2  # K and V, f16
+    with wl.open(path) as ckpt:
+        assert ckpt.spec.architecture == "gemma3"
+        embd = next(t.nbytes for t in ckpt.tensors if t.name == "token_embd.weight")
+        for case in ref["cases"]:
+            p = wl.plan(
+                ckpt,
+                devices="virtual:64MiB,cpu",
+                n_gpu_layers=-1,
+                cache=wl.CacheSpec(case["n_ctx"]),
+                runtime=wl.RuntimeSpec(max_input_len=case["n_ubatch"]),
+            )
+            cells = sum(case[c]["cells"] * case[c]["layers"] for c in ("base", "swa"))
+            assert sum(d.kv for d in p.devices) == cells * kv_row, case
+            assert p.tied_output_copy == "virtual:0"
+            gpu = next(d for d in p.devices if d.name == "virtual:0")
+            assert "output (tied copy)" in gpu.holds
+            assert gpu.weights == sum(t.nbytes for t in ckpt.tensors if t.layer is not None) + (
+                next(t.nbytes for t in ckpt.tensors if t.name == "output_norm.weight") + embd
+            )
+            w = "\n".join(p.warnings)
+            assert "architecture 'gemma3'" in w and "llama, mistral, qwen2" in w, w
+            assert "layers 0-4, 6-7 attend to a sliding window of 300 tokens" in w, w

@@ -187,7 +187,34 @@ def plan(
     gpu_split: Sequence[float] | None = None,
     use_mmap: bool = True,
     cache_offload: bool = False,
-) -> Plan: ...
+) -> Plan:
+    """Plan where every tensor and every layer's KV cache goes, before a byte is read.
+
+    A balanced split can be asked for two ways, each giving the maps of one library:
+
+    - ``device_map="auto" | "balanced" | "balanced_low_0" | "sequential"`` gives what
+      transformers 5's ``from_pretrained(device_map=...)`` gives (and what
+      ``weightlift.from_pretrained`` loads): every GPU but the last is capped at its share of
+      the model plus 1.25 x the larger of the largest decoder layer and the largest module
+      (usually the embedding), and with no ``max_memory`` at all the cpu gets 90% of its RAM;
+    - ``strategy="balanced" | "balanced_low_0" | "sequential"`` without a preset gives
+      accelerate's ``infer_auto_device_map(get_balanced_memory(...))``: the share plus 1.25 x
+      the larger of the first decoder layer and the mean module.
+
+    Unlike either library, each device is also charged the KV cache and scratch placed on it,
+    and the cpu the two upload staging buffers (at most 4 MiB each); with no cache,
+    ``runtime=RuntimeSpec(0, 0, 0)`` and the cpu's budget 8 MiB larger, the maps are theirs.
+
+    Architectures the engine does not run (anything but llama, mistral and qwen2) are planned
+    with a warning; a head with no tensor of its own is tied to the embedding whatever the
+    architecture; sliding-window layers (GGUF ``{arch}.attention.sliding_window``, config.json
+    ``sliding_window`` with transformers' per-layer rules) keep llama.cpp's SWA cache, the
+    window plus one input chunk padded to 256 tokens, for architectures the engine does not
+    run. With ``allow_disk`` (or ``disk`` listed), a cpu too small for its share streams part
+    of it from disk instead of failing: the embedding under ``autosplit``, the embedding and
+    then its last layers under ``layers``.
+    """
+
 def fit(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
     *,
@@ -328,7 +355,10 @@ class Plan:
     def cache(self) -> CacheSpec | None: ...
     @property
     def runtime(self) -> RuntimeSpec: ...
-    def device_of(self, name: str) -> str: ...
+    def device_of(self, name: str) -> str:
+        """The device of a tensor; a tensor split across devices (row split, tensor
+        parallelism) gives every slice's device in order, joined by commas, as
+        ``Model.device_of`` does."""
     @property
     def layer_devices(self) -> list[str]: ...
     @property
@@ -530,6 +560,9 @@ class Model:
         overrides: _Overrides | None = None,
         gpu_split: Sequence[float] | None = None,
         allow_disk: bool | None = None,
+        offload: Literal["sequential", "group"] | None = None,
+        blocks_per_group: int = 1,
+        prefetch: bool = True,
     ) -> None: ...
     def load_autosplit(
         self,
@@ -677,7 +710,14 @@ def from_pretrained(
     callback: _Callback | None = None,
     compute: _Compute = "fast",
     n_threads: int | None = None,
-) -> Model: ...
+) -> Model:
+    """Open, plan with ``device_map`` and ``max_memory``, and load, as transformers 5's
+    ``from_pretrained`` does: its presets cap each GPU but the last at its share of the model
+    plus 1.25 x the larger of the largest decoder layer and the largest module (not
+    accelerate's first layer and mean module, which ``plan(strategy="balanced")`` gives), and
+    with no ``max_memory`` the cpu gets 90% of its RAM. Each device's budget also pays for the
+    KV cache and scratch placed there, and the cpu for the upload staging buffers."""
+
 def load_gguf(
     path: _Path,
     *,
@@ -702,4 +742,7 @@ def load_gguf(
     seed: int | None = None,
     callback: _Callback | None = None,
     progress: bool = False,
+    offload: Literal["sequential", "group"] | None = None,
+    blocks_per_group: int = 1,
+    prefetch: bool = True,
 ) -> Model: ...

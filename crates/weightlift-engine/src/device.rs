@@ -761,11 +761,21 @@ pub struct Inventory {
 /// over the slower of their simulated links (no wait when neither has one). Sleeping, not
 /// spinning, so a prefetching thread's wait overlaps the compute as a DMA engine's would.
 pub fn pace_link(a: &Device, b: &Device, bytes: u64, since: std::time::Instant) {
-    let rate = match (a.bandwidth, b.bandwidth) {
-        (Some(x), Some(y)) => x.min(y),
-        (Some(x), None) | (None, Some(x)) => x,
-        (None, None) => return,
-    };
+    pace(link_rate(a, b), bytes, since);
+}
+
+/// The rate of the slower simulated link between `a` and `b`, if either has one.
+pub fn link_rate(a: &Device, b: &Device) -> Option<u64> {
+    match (a.bandwidth, b.bandwidth) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (Some(x), None) | (None, Some(x)) => Some(x),
+        (None, None) => None,
+    }
+}
+
+/// [`pace_link`] for a rate already looked up (`None`: no wait).
+pub fn pace(rate: Option<u64>, bytes: u64, since: std::time::Instant) {
+    let Some(rate) = rate else { return };
     let need = std::time::Duration::from_secs_f64(bytes as f64 / rate as f64);
     if let Some(rest) = need.checked_sub(since.elapsed()) {
         std::thread::sleep(rest);

@@ -48,6 +48,9 @@ pub struct Placement {
     /// The runtime and cache shape the scratch was planned for (`None`: no scratch was
     /// planned; the first forward pass allocates each workspace for the attached cache).
     pub forward: Option<ForwardPlan>,
+    /// Offloaded execution: the layers whose weights stay on cpu or disk and are copied to
+    /// the device in `layers` before they run (`layers` names where each layer computes).
+    pub onload: Option<weightlift_plan::OnloadPlan>,
 }
 
 /// What a plan sized the forward workspaces for.
@@ -75,6 +78,7 @@ impl Placement {
             copies: Vec::new(),
             scratch: Vec::new(),
             forward: None,
+            onload: None,
         }
     }
 }
@@ -117,6 +121,7 @@ pub(crate) struct State {
     pub cache: Option<Arc<Cache>>,
     pub warnings: Vec<String>,
     pub forward: Option<ForwardPlan>,
+    pub onload: Option<weightlift_plan::OnloadPlan>,
 }
 
 /// The device named `name` in `inv`; `disk` resolves to the cpu, which computes and holds what
@@ -497,6 +502,7 @@ impl Model {
             locked,
             graph: None,
             forward: placement.forward,
+            onload: placement.onload.clone(),
             held,
             copies,
             scratch,
@@ -590,6 +596,7 @@ impl Model {
             copies: Vec::new(),
             scratch: Vec::new(),
             forward: None,
+            onload: None,
         })
     }
 

@@ -187,11 +187,21 @@ pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
         .map_or((plan.runtime().max_input_len.max(1), 1), |c| {
             (c.max_seq_len, c.batch_size)
         });
+    // Offloaded layers compute on the execution device, and their cache lives there.
+    let mut layers = plan.layer_devices().to_vec();
+    if let Some(o) = plan.onload() {
+        for &l in o.groups.iter().flatten() {
+            if let Some(d) = layers.get_mut(l as usize) {
+                d.clone_from(&o.device);
+            }
+        }
+    }
     Ok(Placement {
         tensors,
-        layers: plan.layer_devices().to_vec(),
+        layers,
         copies,
         scratch,
+        onload: plan.onload().cloned(),
         forward: Some(crate::model::ForwardPlan {
             runtime: *plan.runtime(),
             max_seq_len,

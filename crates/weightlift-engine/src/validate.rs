@@ -117,6 +117,8 @@ pub fn validate(source: &dyn Source) -> Result<Vec<String>> {
         match t.role {
             None => unexpected.push(t.name.clone()),
             Some(_) if out_of_range => unexpected.push(t.name.clone()),
+            // a GPTQ/EXL2 part: the format crate checked its shape against the quantisation
+            Some(_) if weightlift_format::is_quantized_part(&t.name) => {}
             Some(r) => {
                 if let Some(want) = expected_shape(spec, r, t.layer)
                     && want != t.shape

@@ -121,6 +121,7 @@ fn load_onto_cuda_copies_back_the_checkpoint_and_unload_frees() {
         copies: Vec::new(),
         scratch: vec![("cuda:0".into(), 1 << 20)],
         forward: None,
+        onload: None,
     };
     let mut model = Model::new(Arc::clone(&src), inv.clone());
     let cfg = model.cache_config(256, 1, CacheDType::Q8, false).unwrap();

@@ -52,6 +52,7 @@ fn by_layer(src: &Arc<dyn Source>) -> Placement {
         copies: Vec::new(),
         scratch: Vec::new(),
         forward: None,
+        onload: None,
     }
 }
 

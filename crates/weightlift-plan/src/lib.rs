@@ -28,15 +28,22 @@
 //!   split), `norm` and `lm_head`, with the first GPU and the CPU keeping room for the largest
 //!   remaining block, tied `lm_head` kept with `embed_tokens`, spill to cpu then disk. Unlike
 //!   accelerate we add each block's KV cache to the block's size and the device scratch to the
-//!   device's cost; with no cache and a zero-scratch runtime the maps are accelerate's.
+//!   device's cost, and charge the host the upload staging buffers; with no cache, a
+//!   zero-scratch runtime and no staging the maps are accelerate's. A `device_map` preset
+//!   sizes the balanced caps as transformers 5's `from_pretrained` does instead
+//!   ([`BudgetRule`]: the largest decoder block and largest module rather than the first block
+//!   and the mean module, and 90% of the cpu when no `max_memory` is given); both are checked
+//!   against the libraries' own maps (tests/data/device_map_goldens).
 //! - **layers** (llama.cpp): the last `n_gpu_layers` repeating layers go to the GPUs, the output
 //!   layer too when `n_gpu_layers > n_layer`, the input layer (token_embd) always stays on the
 //!   CPU, and layers are spread by llama.cpp's cumulative `tensor_split` with `upper_bound`.
 //!   This is llama.cpp's rule, reproduced as is. `split_mode="row"` keeps every offloaded
 //!   layer's norms and KV on `main_gpu` and splits each 2-D matrix's rows at
 //!   `rows × cumulative tensor_split`, rounded down to `row_rounding` rows (ggml-cuda rounds to
-//!   an architecture-dependent tile height; we default to 64). A tied output is loaded as a copy
-//!   of `token_embd` on the output device, as llama.cpp's `TENSOR_DUPLICATED` does.
+//!   an architecture-dependent tile height; we default to 64). A row-split tensor lives on
+//!   every device that holds a slice ([`Plan::device_of`] names them all). A tied output is
+//!   loaded as a copy of `token_embd` on the output device, as llama.cpp's `TENSOR_DUPLICATED`
+//!   does.
 //! - **tensor_parallel** (exllamav2 `TPContext.define_split`): the five split tables exactly;
 //!   each device's scratch is the full single-device workspace, although it computes only its
 //!   slice of the heads and of the MLP, which over-estimates.
@@ -51,7 +58,17 @@
 //!   the cpu), so its KV cache and compute scratch are charged to the cpu, never to `disk`;
 //!   once a fill reaches the cpu with disk allowed, the cpu keeps room for the KV and compute
 //!   of every later layer. accelerate computes disk-offloaded modules on its main device and
-//!   ignores the cache; we charge the host because that is where weightlift runs them.
+//!   ignores the cache; we charge the host because that is where weightlift runs them. The
+//!   strategies that pin parts to the host (exllamav2's embedding, llama.cpp's input and
+//!   non-offloaded layers) stream the fewest of them from disk when the host is too small,
+//!   the embedding first (a lookup reads only a few rows), then the last layers.
+//!
+//! - **architectures without a role table** (anything but llama, mistral, qwen2): planned with
+//!   a warning that the engine cannot run them; the embedding and the head are recognised by
+//!   name, and a head with no tensor of its own is tied to the embedding. Their
+//!   sliding-window layers ([`SlidingWindow`]) keep llama.cpp's SWA cache, `pad256(window +
+//!   chunk)` cells; the engine attends to the full context for the architectures it runs, so
+//!   theirs keep full caches.
 //!
 //! - **offloaded cache** ([`CacheSpec::offload`], transformers' `OffloadedCache`): every
 //!   layer's K and V live in host RAM and are charged to `cpu` (its kv column holds the whole
@@ -76,6 +93,7 @@
 mod device;
 mod error;
 mod memory;
+pub mod onload;
 mod options;
 mod place;
 mod plan;
@@ -84,6 +102,7 @@ mod size;
 mod svg;
 mod synth;
 mod tp;
+mod window;
 mod workspace;
 
 pub use device::{
@@ -92,15 +111,17 @@ pub use device::{
 };
 pub use error::{OutOfMemory, PlanError, Result, Shortfall};
 pub use memory::{CacheDType, CacheSpec, OFFLOAD_SLOTS, RuntimeSpec};
+pub use onload::{OnloadPlan, WeightOffload};
 pub use options::{DeviceMapArg, ExpectCache, ModelSource, PerDevice, PlanOptions};
 pub use place::balanced_max_memory;
 pub use plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit};
 pub use request::{
-    DeviceMap, FitTarget, LayerOptions, PlanRequest, SplitMode, Strategy, TpOptions,
+    BudgetRule, DeviceMap, FitTarget, LayerOptions, PlanRequest, SplitMode, Strategy, TpOptions,
 };
 pub use size::{fmt_bytes, parse_size};
 pub use synth::{DTypeChoice, QuantPreset, WeightType, converted, gguf_type, synthesize_tensors};
 pub use tp::{SplitTable, TpInputs, TpKind, TpSplit, define_split, integer_split, to_table};
+pub use window::{SWA_PAD, SlidingWindow};
 pub use workspace::{ALIGN, Dims, Hosts, KV_TILE, LOGIT_ROWS, Region, Workspace};
 
 use place::{Ctx, Tweak};
@@ -294,10 +315,11 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
     }
     // 1. A cheaper cache.
     if let Some(c) = req.cache {
-        let cur = c.total_bytes(&req.spec);
+        let bytes = |c: &CacheSpec| window::total_cache_bytes(req, c, &req.runtime);
+        let cur = bytes(&c);
         let mut cheaper: Vec<(u64, CacheDType)> = CacheDType::ALL
             .iter()
-            .map(|&d| (CacheSpec { dtype: d, ..c }.total_bytes(&req.spec), d))
+            .map(|&d| (bytes(&CacheSpec { dtype: d, ..c }), d))
             .filter(|&(b, _)| b < cur)
             .collect();
         cheaper.sort_by_key(|x| std::cmp::Reverse(x.0));
@@ -408,15 +430,18 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
     // caps max_input_len and max_attention_size as exllamav2's set_low_mem does), then shorter
     // input chunks.
     let rt = req.runtime;
-    let full_scratch = |rt: &RuntimeSpec| {
-        let (seq, batch) = req.cache.map_or((rt.max_input_len.max(1), 1), |c| {
-            (c.max_seq_len, c.batch_size)
-        });
-        memory::ScratchModel::new(&req.spec, rt, seq, batch).for_hosts(Hosts {
-            layers: true,
-            head: true,
-            embed: true,
-        })
+    // What a fix saves is measured on the plan it gives: each device's scratch for what it
+    // computes there, before and after.
+    let saving = |to: RuntimeSpec| {
+        let per_device = place::scratch_saving(req, rt, to);
+        let total = per_device
+            .iter()
+            .fold(0u64, |a, (_, b)| a.saturating_add(*b));
+        let each: Vec<String> = per_device
+            .iter()
+            .map(|(d, b)| format!("{} on {d}", fmt_bytes(*b)))
+            .collect();
+        format!("{} of scratch ({})", fmt_bytes(total), each.join(", "))
     };
     let runtime_fits = |r: RuntimeSpec| {
         fits(
@@ -435,8 +460,11 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
         };
         if !rt.low_mem && runtime_fits(low) {
             fixes.push(format!(
-                "low_mem=True (exllamav2's set_low_mem) saves up to {} scratch per device and fits",
-                fmt_bytes(full_scratch(&rt).saturating_sub(full_scratch(&low)))
+                "low_mem=True (exllamav2's set_low_mem: max_input_len {} and max_attention_size \
+                 {}) fits and saves {}",
+                low.effective().0,
+                low.effective().1,
+                saving(low)
             ));
         } else {
             // Halving max_input_len down to 16 tokens: the first that fits.
@@ -447,10 +475,7 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
                     ..rt
                 };
                 if runtime_fits(r) {
-                    fixes.push(format!(
-                        "max_input_len {n} saves up to {} scratch per device and fits",
-                        fmt_bytes(full_scratch(&rt).saturating_sub(full_scratch(&r)))
-                    ));
+                    fixes.push(format!("max_input_len {n} fits and saves {}", saving(r)));
                     break;
                 }
                 n /= 2;
@@ -466,10 +491,18 @@ fn suggest_fixes(req: &PlanRequest, oom: &OutOfMemory) -> Vec<String> {
         };
         if let Ok(p) = plan_with(req, t) {
             let on_disk = p.host().disk_weights;
-            fixes.push(format!(
-                "add --allow-disk (allow_disk=True) fits with {} streamed from disk",
-                fmt_bytes(on_disk)
-            ));
+            fixes.push(if on_disk > 0 || p.head_device() != "disk" {
+                format!(
+                    "add --allow-disk (allow_disk=True) fits with {} streamed from disk",
+                    fmt_bytes(on_disk)
+                )
+            } else {
+                // Only a tied head, which has no tensor of its own, went "to disk": the host
+                // computes it from the embedding it holds.
+                "add --allow-disk (allow_disk=True) fits: the host computes the output layer \
+                 from the tied embedding, and no weights are streamed"
+                    .to_string()
+            });
         }
     }
     // 8. Last resort: the memory the short devices would need, checked by re-planning with

@@ -11,9 +11,11 @@
 //!   `gpu_split` or an expected TP cache mean `tensor_parallel`; otherwise the request's own
 //!   strategy stays (exllamav2's autosplit by default). Options of another strategy than the
 //!   one named are an error naming both, never silently dropped.
-//! - **`device_map`** is a preset (`"auto"` and `"balanced"` = accelerate's balanced,
-//!   `"balanced_low_0"`, `"sequential"`), a single device name (everything there), or
-//!   prefix → device entries where `re:PATTERN` keys are llama.cpp `-ot` overrides.
+//! - **`device_map`** is a preset (`"auto"` and `"balanced"` = balanced, `"balanced_low_0"`,
+//!   `"sequential"`), a single device name (everything there), or prefix → device entries
+//!   where `re:PATTERN` keys are llama.cpp `-ot` overrides. A preset sizes budgets as
+//!   transformers 5's `from_pretrained(device_map=...)` does ([`BudgetRule::Transformers`]);
+//!   a strategy named without one, as accelerate's `get_balanced_memory` does.
 //! - **Sizes per device** (`reserve`, `max_memory`, `overhead`): one size for every
 //!   accelerator, a list in accelerator order (exllamav2's `reserve_vram`), or a map keyed by
 //!   device name or accelerator index (accelerate's `max_memory`).
@@ -28,7 +30,9 @@ use weightlift_format::{ModelSpec, TensorInfo};
 use crate::device::{DeviceSpec, resolve_device};
 use crate::error::{PlanError, Result};
 use crate::memory::{CacheDType, CacheSpec, RuntimeSpec};
-use crate::request::{DeviceMap, FitTarget, PlanRequest, SplitMode, Strategy, TpOptions};
+use crate::request::{
+    BudgetRule, DeviceMap, FitTarget, PlanRequest, SplitMode, Strategy, TpOptions,
+};
 use crate::synth::{DTypeChoice, WeightType, synthesize_tensors};
 
 /// Sizes per device, as users pass them.
@@ -88,6 +92,14 @@ pub enum DeviceMapArg {
 }
 
 impl DeviceMapArg {
+    /// Whether this is one of transformers' presets, which size budgets by its rules.
+    fn is_preset(&self) -> bool {
+        matches!(self, DeviceMapArg::Named(name) if matches!(
+            name.trim().to_ascii_lowercase().as_str(),
+            "auto" | "balanced" | "balanced_low_0" | "sequential"
+        ))
+    }
+
     /// The strategy this map stands for.
     fn strategy(&self) -> Strategy {
         match self {
@@ -159,6 +171,8 @@ pub struct PlanOptions {
     pub expect_cache: Option<ExpectCache>,
     pub allow_disk: Option<bool>,
     pub use_mmap: Option<bool>,
+    /// accelerate/diffusers offloaded execution ([`crate::onload`]).
+    pub offload: Option<crate::onload::WeightOffload>,
 }
 
 impl PlanOptions {
@@ -234,6 +248,18 @@ impl PlanOptions {
         }
         if let Some(b) = self.use_mmap {
             req.use_mmap = b;
+        }
+        // A device_map preset is transformers' from_pretrained, which sizes the balanced
+        // budgets its own way; a strategy named alone is accelerate's.
+        if self
+            .device_map
+            .as_ref()
+            .is_some_and(DeviceMapArg::is_preset)
+        {
+            req.budget_rule = BudgetRule::Transformers;
+        }
+        if self.offload.is_some() {
+            req.offload = self.offload;
         }
         Ok(())
     }

@@ -25,7 +25,7 @@ mod map;
 mod prepare;
 mod tensor_parallel;
 
-use weightlift_format::{DType, TensorInfo};
+use weightlift_format::{DType, Role, TensorInfo};
 
 use crate::device::DeviceKind;
 use crate::error::{OutOfMemory, PlanError, Result, Shortfall};
@@ -36,6 +36,40 @@ use crate::tp::TpSplit;
 use crate::workspace::Hosts;
 
 pub use balanced::balanced_max_memory;
+
+/// Scratch that `to` saves over `from`, per device, on the placement `req` gets under `to`
+/// (the one that fits): `(device, bytes)` for every device that saves anything. Empty when
+/// `req` does not plan under `to`.
+pub(crate) fn scratch_saving(
+    req: &PlanRequest,
+    from: RuntimeSpec,
+    to: RuntimeSpec,
+) -> Vec<(String, u64)> {
+    let tweak = Tweak {
+        runtime: Some(to),
+        ..Tweak::default()
+    };
+    let Ok(ctx) = Ctx::new(req, tweak) else {
+        return Vec::new();
+    };
+    let Ok(Ok(a)) = ctx.assign() else {
+        return Vec::new();
+    };
+    let (seq, batch) = ctx.cache.map_or((from.max_input_len.max(1), 1), |c| {
+        (c.max_seq_len, c.batch_size)
+    });
+    let before = ScratchModel::new(&req.spec, &from, seq, batch);
+    ctx.computed_hosts(&a)
+        .into_iter()
+        .zip(&ctx.devs)
+        .filter(|(_, d)| d.kind != DeviceKind::Disk)
+        .map(|(h, d)| {
+            let saved = before.for_hosts(h).saturating_sub(ctx.scratch.for_hosts(h));
+            (d.name.clone(), saved)
+        })
+        .filter(|&(_, b)| b > 0)
+        .collect()
+}
 use fill::{FillMode, Overflow};
 
 /// Variations of a request tried by `fit()` and the out-of-memory fix search, applied without
@@ -169,6 +203,13 @@ pub(crate) struct Ctx<'a> {
     /// Bytes of `token_embd` when the output is tied to it and there is no output tensor.
     tied_bytes: u64,
     embd_tensor: Option<usize>,
+    /// Each tensor's role: the checkpoint's, or for the embedding, output norm and head of an
+    /// architecture without a role table, the one its name says.
+    roles: Vec<Option<Role>>,
+    /// The runtime after the tweak.
+    runtime: RuntimeSpec,
+    /// The sliding window the caches are cut to, if any.
+    window: Option<&'a crate::window::SlidingWindow>,
     /// Upper bound of the host staging buffers: 2 × min(staging size, largest tensor).
     staging_bound: u64,
     warnings: Vec<String>,
@@ -260,9 +301,69 @@ impl Ctx<'_> {
         a.hosts[dev] = union(a.hosts[dev], unit.hosts());
     }
 
-    pub fn run(&self) -> Result<Plan> {
-        let strategy = &self.req.strategy;
-        let assign = match strategy {
+    /// The tied head's own copy of the embedding, on the head's device, when the head is
+    /// computed elsewhere than the embedding (the host computes what stays on disk, so the
+    /// two count as one place).
+    fn tie_head(&self, a: &mut Assign) {
+        a.tied_copy =
+            if self.tied_bytes > 0 && self.exec_dev(a.head_dev) != self.exec_dev(a.embed_dev) {
+                vec![(a.head_dev, self.tied_bytes)]
+            } else {
+                Vec::new()
+            };
+    }
+
+    /// With a disk to spill to, moves the fewest units of `order` (units on the host, in the
+    /// order they should leave) to disk for the host to fit, or all of them when even that is
+    /// not enough, so that a report shows what the host cannot hold on its own. A unit left on
+    /// disk is still computed by the host (its kv and scratch stay there), so the host's
+    /// charge only falls as units leave, and the fewest is found by bisection.
+    fn spill_host_to_disk(&self, a: &mut Assign, order: &[usize]) {
+        let Some(disk) = self.disk else {
+            return;
+        };
+        let host = &self.devs[self.host].name;
+        let host_fits = |a: &Assign| match self.finish(a) {
+            Err(PlanError::OutOfMemory(o)) => !o.shortfalls.iter().any(|s| &s.device == host),
+            _ => true,
+        };
+        if order.is_empty() || host_fits(a) {
+            return;
+        }
+        let moved = |k: usize| {
+            let mut b = a.clone();
+            for &u in &order[..k] {
+                self.put(&mut b, &self.units[u], disk);
+            }
+            self.tie_head(&mut b);
+            b
+        };
+        // Invariant: `lo` units moved do not fit; `hi` fit, or are all of them.
+        let (mut lo, mut hi) = (0, order.len());
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if host_fits(&moved(mid)) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        *a = moved(hi);
+    }
+
+    /// What each device computes for assignment `a`: the host also computes what stays on disk.
+    fn computed_hosts(&self, a: &Assign) -> Vec<Hosts> {
+        let mut hosts = a.hosts.clone();
+        if let Some(d) = self.disk {
+            hosts[self.host] = union(hosts[self.host], hosts[d]);
+            hosts[d] = Hosts::default();
+        }
+        hosts
+    }
+
+    /// The strategy's assignment, or the fill's overflow.
+    fn assign(&self) -> Result<std::result::Result<Assign, Box<Overflow>>> {
+        Ok(match &self.req.strategy {
             Strategy::Autosplit => self.fill(FillMode::Exl, &[]),
             Strategy::Sequential => self.fill(FillMode::Accelerate, &[]),
             Strategy::Balanced => {
@@ -276,7 +377,12 @@ impl Ctx<'_> {
             Strategy::Layers(o) => Ok(self.layers(o)?),
             Strategy::TensorParallel(o) => Ok(self.tensor_parallel(o)?),
             Strategy::Map(m) => Ok(self.map(m)?),
-        };
+        })
+    }
+
+    pub fn run(&self) -> Result<Plan> {
+        let strategy = &self.req.strategy;
+        let assign = self.assign()?;
         match assign {
             Ok(a) => self.finish(&a),
             Err(of) => {
@@ -292,24 +398,22 @@ impl Ctx<'_> {
                         let d = &self.devs[assign.head_dev];
                         let usage = p.devices.iter().find(|u| u.name == d.name);
                         let needed = usage.map_or(0, |u| u.used()).saturating_add(note.1);
+                        let staging = if assign.head_dev == self.host {
+                            p.host().staging
+                        } else {
+                            0
+                        };
+                        let held = usage.map_or_else(
+                            || "nothing placed yet".to_string(),
+                            |u| self.what(u, staging),
+                        );
                         Err(PlanError::OutOfMemory(Box::new(OutOfMemory {
                             strategy: strategy.name().to_string(),
                             shortfalls: vec![Shortfall {
                                 device: d.name.clone(),
                                 needed,
                                 available: d.limit,
-                                what: format!(
-                                    "{} ({})",
-                                    usage.map_or(String::new(), |u| {
-                                        let staging = if assign.head_dev == self.host {
-                                            p.host().staging
-                                        } else {
-                                            0
-                                        };
-                                        self.what(u, staging)
-                                    }),
-                                    note.0
-                                ),
+                                what: format!("{held}; {}", note.0),
                             }],
                             fixes: Vec::new(),
                         })))

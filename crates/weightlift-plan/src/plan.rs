@@ -129,6 +129,9 @@ pub struct Plan {
     pub(crate) devices: Vec<DeviceUsage>,
     pub(crate) host: HostUsage,
     pub(crate) warnings: Vec<String>,
+    /// Offloaded execution: the layers that visit the main accelerator and its slots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) onload: Option<crate::onload::OnloadPlan>,
 }
 
 impl Plan {
@@ -141,6 +144,10 @@ impl Plan {
     pub fn n_layers(&self) -> u32 {
         self.n_layers
     }
+    /// Offloaded execution, when the request asked for it and layers stay on cpu or disk.
+    pub fn onload(&self) -> Option<&crate::onload::OnloadPlan> {
+        self.onload.as_ref()
+    }
     pub fn cache(&self) -> Option<&CacheSpec> {
         self.cache.as_ref()
     }
@@ -151,12 +158,21 @@ impl Plan {
     pub fn tensors(&self) -> &[TensorPlacement] {
         &self.tensors
     }
-    /// The device of a tensor (its main device when split), or `None` for an unknown name.
-    pub fn device_of(&self, tensor: &str) -> Option<&str> {
-        self.tensors
-            .iter()
-            .find(|t| t.name == tensor)
-            .map(|t| t.device.as_str())
+    /// The device of a tensor, or `None` for an unknown name. A tensor split across devices
+    /// (llama.cpp row split, tensor parallelism) gives the device of every shard, in shard
+    /// order and joined by commas, as the loaded model's `device_of` does; its
+    /// [`TensorPlacement::device`] stays the main device.
+    pub fn device_of(&self, tensor: &str) -> Option<String> {
+        let t = self.tensors.iter().find(|t| t.name == tensor)?;
+        Some(match &t.split {
+            Some(s) => s
+                .shards
+                .iter()
+                .map(|x| x.device.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            None => t.device.clone(),
+        })
     }
     /// The device of each repeating layer (where its KV lives).
     pub fn layer_devices(&self) -> &[String] {

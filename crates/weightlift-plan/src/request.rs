@@ -9,6 +9,7 @@ use crate::device::DeviceSpec;
 use crate::error::{PlanError, Result};
 use crate::memory::{CacheSpec, RuntimeSpec};
 use crate::synth::DTypeChoice;
+use crate::window::SlidingWindow;
 
 /// llama.cpp's `split_mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -180,6 +181,24 @@ impl Strategy {
     }
 }
 
+/// How the accelerate-family strategies (`sequential`, `balanced`, `balanced_low_0`) size each
+/// device's budget. The two libraries agree on the fill and differ in the balanced share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetRule {
+    /// accelerate's `get_balanced_memory`: every GPU but the last is capped at its share of the
+    /// model plus 1.25 × the larger of the FIRST decoder block and the MEAN leaf module.
+    /// `plan(strategy="balanced")` and friends follow it.
+    #[default]
+    Accelerate,
+    /// transformers 5's `from_pretrained(device_map=...)`: the share plus 1.25 × the larger of
+    /// the LARGEST decoder block and the LARGEST leaf module (usually the embedding), so
+    /// `balanced` fills GPU 0 further; and with no `max_memory` at all, 90% of the cpu.
+    /// A `device_map` preset (`"auto"`, `"balanced"`, `"balanced_low_0"`, `"sequential"`)
+    /// follows it.
+    Transformers,
+}
+
 /// Everything `plan()` needs. Build it with [`PlanRequest::new`] and set the fields you need.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanRequest {
@@ -206,6 +225,18 @@ pub struct PlanRequest {
     /// Size of one host staging buffer for device uploads (the loader double-buffers). The
     /// default, 4 MiB, is the loader's (`weightlift_engine::LoadOptions`).
     pub staging_bytes: u64,
+    /// Execute the layers kept on `cpu`/`disk` on the main accelerator ([`crate::onload`]);
+    /// `None` computes every layer where its weights are.
+    pub offload: Option<crate::onload::WeightOffload>,
+    /// Which library's budgets the accelerate-family strategies follow.
+    #[serde(default)]
+    pub budget_rule: BudgetRule,
+    /// The model's sliding-window layers ([`SlidingWindow::from_gguf`],
+    /// [`SlidingWindow::from_hf_config`]). Their caches are cut to the window for
+    /// architectures the engine does not run; the engine attends to the full context for
+    /// those it runs, and their plans keep every cache full.
+    #[serde(default)]
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 impl PlanRequest {
@@ -223,8 +254,11 @@ impl PlanRequest {
             max_memory: BTreeMap::new(),
             overhead: BTreeMap::new(),
             allow_disk: false,
+            offload: None,
             use_mmap: true,
             staging_bytes: 4 << 20,
+            budget_rule: BudgetRule::Accelerate,
+            sliding_window: None,
         }
     }
 }

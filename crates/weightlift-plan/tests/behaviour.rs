@@ -32,23 +32,38 @@ fn device_map_prefixes_ranges_and_overrides() {
         &[(r"blk\.\d+\.ffn_(up|gate)", "cpu")],
     );
     let p = plan(&req).unwrap();
-    assert_eq!(p.device_of("token_embd.weight"), Some("cpu"));
-    assert_eq!(p.device_of("blk.3.attn_q.weight"), Some("virtual:0"));
-    assert_eq!(p.device_of("blk.20.attn_q.weight"), Some("virtual:1"));
-    assert_eq!(p.device_of("blk.20.ffn_down.weight"), Some("virtual:1"));
-    assert_eq!(p.device_of("blk.20.ffn_up.weight"), Some("cpu"));
-    assert_eq!(p.device_of("output_norm.weight"), Some("virtual:1"));
+    assert_eq!(p.device_of("token_embd.weight").as_deref(), Some("cpu"));
+    assert_eq!(
+        p.device_of("blk.3.attn_q.weight").as_deref(),
+        Some("virtual:0")
+    );
+    assert_eq!(
+        p.device_of("blk.20.attn_q.weight").as_deref(),
+        Some("virtual:1")
+    );
+    assert_eq!(
+        p.device_of("blk.20.ffn_down.weight").as_deref(),
+        Some("virtual:1")
+    );
+    assert_eq!(p.device_of("blk.20.ffn_up.weight").as_deref(), Some("cpu"));
+    assert_eq!(
+        p.device_of("output_norm.weight").as_deref(),
+        Some("virtual:1")
+    );
     assert_eq!(p.layer_devices()[14], "virtual:0");
     assert_eq!(p.layer_devices()[15], "virtual:1");
     // accelerate ties lm_head to embed_tokens: the head is where the embedding is.
     assert_eq!(p.head_device(), "cpu");
     // A default entry covers the rest.
     let p = plan(&map_req(&[("", "cpu"), ("blk.0", "virtual:0")], &[])).unwrap();
-    assert_eq!(p.device_of("blk.0.attn_k.weight"), Some("virtual:0"));
-    assert_eq!(p.device_of("blk.1.attn_k.weight"), Some("cpu"));
+    assert_eq!(
+        p.device_of("blk.0.attn_k.weight").as_deref(),
+        Some("virtual:0")
+    );
+    assert_eq!(p.device_of("blk.1.attn_k.weight").as_deref(), Some("cpu"));
     // Plain name prefixes.
     let p = plan(&map_req(&[("", "cpu"), ("blk.2.attn_q", "disk")], &[])).unwrap();
-    assert_eq!(p.device_of("blk.2.attn_q.weight"), Some("disk"));
+    assert_eq!(p.device_of("blk.2.attn_q.weight").as_deref(), Some("disk"));
 }
 
 #[test]
@@ -322,6 +337,13 @@ fn allow_disk_fix_is_offered_when_it_fits() {
         oom.fixes
     );
     req.allow_disk = true;
+    let p = plan(&req).expect("the suggested --allow-disk fits");
+    // With a disk to spill to, the layers take the host first and the embedding, a lookup
+    // that reads a few rows per token, is what the 4 GiB cpu leaves on disk.
+    assert_eq!(p.embed_device(), "disk");
+    assert!(p.layer_devices()[24..].iter().all(|d| d == "cpu"));
+    // On a 3 GiB cpu, layers 29-31 stay on disk too.
+    req.devices = devices("virtual:2x6GiB,cpu:3GiB");
     let p = plan(&req).expect("the suggested --allow-disk fits");
     assert!(p.host().disk_weights > 0);
     // The KV and compute scratch of the disk layers are the host's.

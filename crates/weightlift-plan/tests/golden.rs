@@ -218,19 +218,19 @@ fn llama_cpp_n_gpu_layers_semantics() {
     for (l, d) in p.layer_devices().iter().enumerate() {
         assert_eq!(d, if l >= 20 { "cuda:0" } else { "cpu" }, "layer {l}");
     }
-    assert_eq!(p.device_of("output.weight"), Some("cpu"));
-    assert_eq!(p.device_of("token_embd.weight"), Some("cpu"));
+    assert_eq!(p.device_of("output.weight").as_deref(), Some("cpu"));
+    assert_eq!(p.device_of("token_embd.weight").as_deref(), Some("cpu"));
 
     // 30 offloads every repeating layer but not the output; 31 adds the output layer.
     let p = layers_plan(30, SplitMode::Layer, vec![], "cuda:0:8GiB,cpu");
     assert!(p.layer_devices().iter().all(|d| d == "cuda:0"));
-    assert_eq!(p.device_of("output.weight"), Some("cpu"));
+    assert_eq!(p.device_of("output.weight").as_deref(), Some("cpu"));
     let p = layers_plan(31, SplitMode::Layer, vec![], "cuda:0:8GiB,cpu");
-    assert_eq!(p.device_of("output.weight"), Some("cuda:0"));
-    assert_eq!(p.device_of("output_norm.weight"), Some("cuda:0"));
-    assert_eq!(p.device_of("token_embd.weight"), Some("cpu"));
+    assert_eq!(p.device_of("output.weight").as_deref(), Some("cuda:0"));
+    assert_eq!(p.device_of("output_norm.weight").as_deref(), Some("cuda:0"));
+    assert_eq!(p.device_of("token_embd.weight").as_deref(), Some("cpu"));
     let p = layers_plan(-1, SplitMode::Layer, vec![], "cuda:0:8GiB,cpu");
-    assert_eq!(p.device_of("output.weight"), Some("cuda:0"));
+    assert_eq!(p.device_of("output.weight").as_deref(), Some("cuda:0"));
     let p = layers_plan(0, SplitMode::Layer, vec![], "cuda:0:8GiB,cpu");
     assert!(p.layer_devices().iter().all(|d| d == "cpu"));
 }
@@ -248,7 +248,7 @@ fn llama_cpp_layer_split_follows_cumulative_tensor_split() {
     for (l, d) in p.layer_devices().iter().enumerate() {
         assert_eq!(d, if l <= 23 { "cuda:0" } else { "cuda:1" }, "layer {l}");
     }
-    assert_eq!(p.device_of("output.weight"), Some("cuda:1"));
+    assert_eq!(p.device_of("output.weight").as_deref(), Some("cuda:1"));
     // Default split follows free memory: 6 GiB and 2 GiB behave like [3, 1].
     let q = layers_plan(-1, SplitMode::Layer, vec![], "cuda:0:6GiB,cuda:1:2GiB,cpu");
     assert_eq!(p.layer_devices(), q.layer_devices());
@@ -297,6 +297,45 @@ fn llama_cpp_row_split_records_row_ranges() {
     // Every byte is accounted once.
     let total: u64 = p.tensors().iter().map(|t| t.bytes).sum();
     assert_eq!(p.devices().iter().map(|d| d.weights).sum::<u64>(), total);
+}
+
+#[test]
+fn llama_cpp_row_split_names_every_slice() {
+    let p = layers_plan(
+        -1,
+        SplitMode::Row,
+        vec![1.0, 1.0],
+        "cuda:0:8GiB,cuda:1:8GiB,cpu",
+    );
+    // A split tensor lives on every device that holds a slice, as the loaded model says.
+    assert_eq!(
+        p.device_of("blk.3.ffn_up.weight").as_deref(),
+        Some("cuda:0,cuda:1")
+    );
+    assert_eq!(
+        p.device_of("output.weight").as_deref(),
+        Some("cuda:0,cuda:1")
+    );
+    assert_eq!(
+        p.device_of("blk.3.attn_norm.weight").as_deref(),
+        Some("cuda:0")
+    );
+    // 1000 vocabulary rows split at 500, rounded down to 448 (a multiple of 64).
+    let holds = |d: usize| p.devices()[d].holds.clone();
+    assert_eq!(holds(0), ["output_norm", "rows 0..448 of output"]);
+    assert_eq!(
+        holds(1),
+        ["rows 448..1000 of output", "row slices of layers 0-29"]
+    );
+    let table = p.explain();
+    assert!(
+        table.contains("layers 0-29 + output_norm + rows 0..448 of output"),
+        "{table}"
+    );
+    assert!(
+        table.contains("rows 448..1000 of output + row slices of layers 0-29"),
+        "{table}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

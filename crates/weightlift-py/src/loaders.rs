@@ -15,7 +15,12 @@ use crate::progress::Reporter;
 /// `"balanced_low_0"`, `"sequential"`, a device name, or a dict of module/layer prefix ->
 /// device, with `"re:PATTERN"` keys as llama.cpp `-ot` overrides) and `max_memory` (one size,
 /// a list in accelerator order, or a dict by device name or index), and load. Returns the
-/// loaded Model.
+/// loaded Model. The presets place as transformers 5's `from_pretrained` does: `balanced` caps
+/// each GPU but the last at its share of the model plus 1.25 × the larger of the largest
+/// decoder layer and the largest module (usually the embedding), not accelerate's first layer
+/// and mean module (`weightlift.plan(strategy="balanced")`); with no `max_memory`, 90% of the
+/// cpu. Unlike transformers, each device's budget also pays for the KV cache and scratch the
+/// engine allocates there, and the cpu for the upload staging buffers.
 // The text signatures are spelled out because PyO3 renders `-1` and non-literal defaults as
 // `...`, which `inspect.signature` (and mypy.stubtest against _native.pyi) would report.
 #[pyfunction]
@@ -69,8 +74,9 @@ pub fn from_pretrained(
                     use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
                     vocab_only = false, progress_callback = None, devices = None, runtime = None,
                     n_ctx = 512, n_batch = 512, type_k = "f16", type_v = "f16", n_threads = None,
-                    compute = "fast", seed = None, callback = None, progress = false),
-       text_signature = "(path, *, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False)")]
+                    compute = "fast", seed = None, callback = None, progress = false,
+                    offload = None, blocks_per_group = 1, prefetch = true),
+       text_signature = "(path, *, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False, offload=None, blocks_per_group=1, prefetch=True)")]
 #[allow(clippy::too_many_arguments)]
 pub fn load_gguf(
     py: Python<'_>,
@@ -96,7 +102,12 @@ pub fn load_gguf(
     seed: Option<u64>,
     callback: Option<Py<PyAny>>,
     progress: bool,
+    offload: Option<String>,
+    blocks_per_group: u32,
+    prefetch: bool,
 ) -> PyResult<Model> {
+    let offload =
+        wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
     let open = wf::OpenOptions {
         check_tensors: false,
         vocab_only,
@@ -136,6 +147,7 @@ pub fn load_gguf(
     let options = if no_accel {
         wp::PlanOptions {
             device_map: Some(wp::DeviceMapArg::Named("cpu".into())),
+            offload,
             ..wp::PlanOptions::default()
         }
     } else {
@@ -144,6 +156,7 @@ pub fn load_gguf(
             split_mode: Some(split_mode.to_owned()),
             tensor_split,
             main_gpu: Some(main_gpu),
+            offload,
             ..wp::PlanOptions::default()
         }
     };

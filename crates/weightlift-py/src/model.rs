@@ -260,7 +260,11 @@ impl Model {
     /// Load by `plan` (a `Plan` or its JSON), or plan now with the placement keywords of
     /// `weightlift.plan` (`strategy`, `reserve`, `max_memory`, `overhead`, `n_gpu_layers`,
     /// `split_mode`, `tensor_split`, `main_gpu`, `device_map`, `overrides`, `gpu_split`,
-    /// `allow_disk`), which mean here what they mean there. `cache` is a `Cache` (allocated
+    /// `allow_disk`), which mean here what they mean there. `offload="sequential"` or
+    /// `"group"` runs the layers kept on cpu or disk on the first accelerator, copying their
+    /// matrices in first (`blocks_per_group` layers at a time; `prefetch` copies the next group
+    /// while one computes), as accelerate's and diffusers' offloading; `None` computes each
+    /// layer where it is placed. `cache` is a `Cache` (allocated
     /// lazily, layer by layer beside each layer) or a `CacheSpec` or dict (the model allocates
     /// that cache itself).
     ///
@@ -271,7 +275,8 @@ impl Model {
                         staging_bytes = None, strategy = None, reserve = None, max_memory = None,
                         overhead = None, n_gpu_layers = None, split_mode = None,
                         tensor_split = None, main_gpu = None, device_map = None, overrides = None,
-                        gpu_split = None, allow_disk = None))]
+                        gpu_split = None, allow_disk = None, offload = None, blocks_per_group = 1,
+                        prefetch = true))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         &self,
@@ -296,7 +301,12 @@ impl Model {
         overrides: Option<Overrides>,
         gpu_split: Option<Vec<f64>>,
         allow_disk: Option<bool>,
+        offload: Option<String>,
+        blocks_per_group: u32,
+        prefetch: bool,
     ) -> PyResult<()> {
+        let offload = wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
+            .map_err(py_err)?;
         let plan = plan
             .filter(|p| !p.is_none())
             .map(plan_from_obj)
@@ -327,6 +337,7 @@ impl Model {
         };
         let options = wp::PlanOptions {
             allow_disk,
+            offload,
             ..placement.options()
         };
         let opts = load_options(use_mmap, use_direct_io, check_tensors, staging_bytes);

@@ -85,9 +85,32 @@ fn config_dtype(config: &serde_json::Value) -> Option<String> {
         .find_map(|k| config.get(k).and_then(|v| v.as_str()).map(str::to_owned))
 }
 
-fn spec_from_config(config: &serde_json::Value) -> PyResult<wp::ModelSource> {
+/// What a plan is made for, with the model's sliding-window layers.
+struct Source {
+    model: wp::ModelSource,
+    window: Option<wp::SlidingWindow>,
+}
+
+impl Source {
+    /// The request for these options on `devices`.
+    fn request(
+        self,
+        options: wp::PlanOptions,
+        devices: Vec<wp::DeviceSpec>,
+    ) -> PyResult<wp::PlanRequest> {
+        let mut req = options.into_request(self.model, devices).map_err(py_err)?;
+        req.sliding_window = self.window;
+        Ok(req)
+    }
+}
+
+fn spec_from_config(config: &serde_json::Value) -> PyResult<Source> {
     let spec = wf::ModelSpec::from_hf_config(config).map_err(py_err)?;
-    Ok(wp::ModelSource::Config(spec, config_dtype(config)))
+    let window = wp::SlidingWindow::from_hf_config(config, &spec).map_err(py_err)?;
+    Ok(Source {
+        model: wp::ModelSource::Config(spec, config_dtype(config)),
+        window,
+    })
 }
 
 /// True for a folder that holds no weights but a config.json (plan from the config alone).
@@ -106,13 +129,16 @@ fn is_config_only_dir(path: &Path) -> bool {
 }
 
 /// What a plan is made for: a checkpoint's tensor table, or a config's spec.
-fn resolve_source(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<wp::ModelSource> {
+fn resolve_source(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<Source> {
     if let Ok(ckpt) = source.cast::<Checkpoint>() {
         let ckpt = ckpt.get().shared()?;
         return checkpoint_source(&ckpt);
     }
     if let Ok(spec) = source.cast::<ModelSpec>() {
-        return Ok(wp::ModelSource::Config(spec.get().inner.clone(), None));
+        return Ok(Source {
+            model: wp::ModelSource::Config(spec.get().inner.clone(), None),
+            window: None,
+        });
     }
     if let Ok(dict) = source.cast::<PyDict>() {
         let text: String = py
@@ -152,7 +178,7 @@ fn resolve_source(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<wp::Mod
     checkpoint_source(&ckpt)
 }
 
-fn checkpoint_source(ckpt: &wf::Checkpoint) -> PyResult<wp::ModelSource> {
+fn checkpoint_source(ckpt: &wf::Checkpoint) -> PyResult<Source> {
     if ckpt.vocab_only() {
         return Err(raise(
             Exc::Plan,
@@ -171,10 +197,16 @@ fn checkpoint_source(ckpt: &wf::Checkpoint) -> PyResult<wp::ModelSource> {
             ),
         )
     })?;
-    Ok(wp::ModelSource::Tensors(
-        spec.clone(),
-        ckpt.tensors().to_vec(),
-    ))
+    let window = match (ckpt.format(), ckpt.config()) {
+        (wf::Format::Gguf, _) => wp::SlidingWindow::from_gguf(ckpt.metadata(), spec),
+        (wf::Format::Safetensors, Some(config)) => wp::SlidingWindow::from_hf_config(config, spec),
+        (wf::Format::Safetensors, None) => Ok(None),
+    }
+    .map_err(|e| raise(Exc::Format, format!("{}: {e}", ckpt.path().display())))?;
+    Ok(Source {
+        model: wp::ModelSource::Tensors(spec.clone(), ckpt.tensors().to_vec()),
+        window,
+    })
 }
 
 // --------------------------------------------------------------------------------------------
@@ -249,6 +281,15 @@ fn offloaded(
 /// `map`, the llama.cpp options imply `layers`, `gpu_split` implies `tensor_parallel`, and
 /// otherwise it is `autosplit`.
 ///
+/// The two ways to ask for a balanced split give the maps of two libraries:
+/// `device_map="auto" | "balanced" | "balanced_low_0" | "sequential"` gives transformers 5's
+/// `from_pretrained(device_map=...)` (each GPU but the last gets its share of the model plus
+/// 1.25 × the larger of the largest decoder layer and the largest module, usually the
+/// embedding; with no `max_memory` at all, 90% of the cpu), as `from_pretrained` does;
+/// `strategy="balanced"` (or `"balanced_low_0"`, `"sequential"`) without a preset gives
+/// accelerate's `infer_auto_device_map(get_balanced_memory(...))` (the share plus 1.25 × the
+/// larger of the first decoder layer and the mean module).
+///
 /// `reserve`, `max_memory` and `overhead` take one size for every accelerator, a list in
 /// accelerator order, or a dict keyed by device name or accelerator index; sizes are ints or
 /// strings such as `"512MiB"`. `cache` is a `CacheSpec`, a `Cache` or a dict; `runtime` a
@@ -310,9 +351,7 @@ fn plan(
         use_mmap: Some(use_mmap),
         ..placement.options()
     };
-    let req = options
-        .into_request(resolve_source(py, source)?, parse_device_arg(&devices)?)
-        .map_err(py_err)?;
+    let req = resolve_source(py, source)?.request(options, parse_device_arg(&devices)?)?;
     let inner = enter(py, || wp::plan(&req))?;
     Ok(Plan { inner })
 }
@@ -403,10 +442,8 @@ fn fit(
         use_mmap: Some(use_mmap),
         ..placement.options()
     };
-    let req = options
-        .for_fit(target)
-        .into_request(resolve_source(py, source)?, parse_device_arg(&devices)?)
-        .map_err(py_err)?;
+    let req = resolve_source(py, source)?
+        .request(options.for_fit(target), parse_device_arg(&devices)?)?;
     enter(py, || wp::fit(&req, target))
 }
 
@@ -763,11 +800,12 @@ impl Plan {
             inner: *self.inner.runtime(),
         }
     }
-    /// The device of a tensor; KeyError for a name the plan does not hold.
+    /// The device of a tensor; a tensor split across devices (row split, tensor parallelism)
+    /// gives every shard's device in shard order, joined by commas, as `Model.device_of` does.
+    /// KeyError for a name the plan does not hold.
     fn device_of(&self, name: &str) -> PyResult<String> {
         self.inner
             .device_of(name)
-            .map(str::to_owned)
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_owned()))
     }
     /// The device of every repeating layer, in layer order.

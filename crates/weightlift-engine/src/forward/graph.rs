@@ -22,9 +22,10 @@ use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
 
 use super::attention::{self, Shape, Tiles};
 use super::exec::{self, Ctx, Regions, kernel_on};
+use super::onload::{Onload, fill};
 use super::{Compute, Copies, Logits, Site, SiteExec, Views, carve, check_tokens, host_weight};
 use crate::cache::Cache;
-use crate::device::{Buffer, Device, DeviceKind, Storage, pace_link};
+use crate::device::{Buffer, Device, DeviceKind, Storage, link_rate, pace_link};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 use crate::source::Source;
@@ -74,6 +75,17 @@ pub(crate) struct Linear {
     pub rows: usize,
     pub cols: usize,
     pub bias: Option<Floats>,
+    /// Offset in its group's onload slot, when the layer is offloaded.
+    pub onload_at: Option<usize>,
+}
+
+impl Linear {
+    /// Index of the held tensor (or of the tensor a copy copies).
+    pub fn index(&self) -> usize {
+        match self.slot {
+            Slot::Tensor(i) | Slot::Copy(i) => i,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -89,6 +101,29 @@ pub(crate) struct Layer {
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
+    /// The onload group, when the layer's weights stay on cpu or disk and are copied in.
+    pub group: Option<usize>,
+}
+
+impl Layer {
+    /// The matrices, in the order they are laid out in an onload slot.
+    pub fn linears(&self) -> [&Linear; 7] {
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
+    }
+
+    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ]
+    }
 }
 
 /// The graph of a loaded model, with one workspace per computing device.
@@ -106,6 +141,7 @@ pub(crate) struct Graph {
     rope: RopeParams,
     inv_freqs: Vec<f32>,
     max_dq: usize,
+    onload: Option<Onload>,
 }
 
 /// What the model's state lends the graph to build it.
@@ -115,6 +151,7 @@ pub(crate) struct Loaded<'a> {
     pub copies: &'a [(usize, Held)],
     pub scratch: &'a [Buffer],
     pub layer_devices: &'a [String],
+    pub onload: Option<&'a weightlift_plan::OnloadPlan>,
     pub resolve: &'a dyn Fn(&str) -> Result<Arc<Device>>,
 }
 
@@ -196,6 +233,22 @@ impl Graph {
             });
         }
         let infos = m.source.tensors();
+        // GPTQ and EXL2 linears open, validate and plan, and dequantise through the checkpoint;
+        // the forward pass has no kernels for their packed weights yet.
+        if let Some(t) = infos
+            .iter()
+            .find(|t| weightlift_format::is_quantized_part(&t.name))
+        {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "running a GPTQ/EXL2-quantised checkpoint (tensor '{}')",
+                    t.name
+                ),
+                detail: "its linears can be opened, validated, planned and loaded, not yet \
+                         run; use a GGUF or a float safetensors checkpoint"
+                    .into(),
+            });
+        }
         let find = |role: Role, layer: Option<u32>| -> Option<usize> {
             infos
                 .iter()
@@ -242,6 +295,7 @@ impl Graph {
                 rows,
                 cols,
                 bias,
+                onload_at: None,
             })
         };
         let norm = |i: usize| floats(m.held, infos, i);
@@ -310,6 +364,7 @@ impl Graph {
                 gate: linear(need(Role::FfnGate, at)?, None, at)?,
                 up: linear(need(Role::FfnUp, at)?, None, at)?,
                 down: linear(need(Role::FfnDown, at)?, None, at)?,
+                group: None,
             });
         }
         let head_site = site(&head_dev, &|h| h.head = true);
@@ -325,18 +380,52 @@ impl Graph {
                 0,
             ));
         }
+        let onload = match m.onload {
+            Some(p) if !p.groups.is_empty() => {
+                let site = sites
+                    .iter()
+                    .position(|(n, _)| *n == p.device)
+                    .ok_or_else(|| {
+                        invalid(
+                            "offload execution device",
+                            "a device that computes the offloaded layers",
+                            &p.device,
+                        )
+                    })?;
+                let from = (m.resolve)("cpu")?;
+                let to = (m.resolve)(&p.device)?;
+                Some(Onload {
+                    site,
+                    groups: p
+                        .groups
+                        .iter()
+                        .map(|g| g.iter().map(|&l| l as usize).collect())
+                        .collect(),
+                    slot_bytes: usize::try_from(p.slot_bytes).unwrap_or(usize::MAX),
+                    slots: p.slots as usize,
+                    holds: vec![None; p.slots as usize],
+                    rate: link_rate(&from, &to),
+                })
+            }
+            _ => None,
+        };
         let sites = sites
             .into_iter()
-            .map(|(name, hosts)| -> Result<Site> {
+            .enumerate()
+            .map(|(i, (name, hosts))| -> Result<Site> {
                 let device = (m.resolve)(&name)?;
                 let layout = Workspace::new(&dims, hosts);
                 let scratch = m
                     .scratch
                     .iter()
                     .position(|b| b.device().name() == device.name());
+                let slots = onload
+                    .as_ref()
+                    .filter(|o| o.site == i)
+                    .map_or(0, |o| o.bytes() as u64);
                 let own = match scratch {
                     Some(_) => None,
-                    None => Some(device.alloc(layout.bytes)?),
+                    None => Some(device.alloc(layout.bytes + slots)?),
                 };
                 let exec = match device.kind() {
                     DeviceKind::Cuda => SiteExec::Cuda,
@@ -367,9 +456,25 @@ impl Graph {
             rope,
             inv_freqs,
             max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
+            onload,
         };
         g.check_shapes(spec)?;
         g.place_floats(m.held)?;
+        if let Some(o) = &g.onload {
+            if !matches!(g.sites[o.site].exec, SiteExec::Host) {
+                return Err(EngineError::Unsupported {
+                    what: format!(
+                        "offloaded execution on {} through the backend op sequence",
+                        g.sites[o.site].device.name()
+                    ),
+                    detail: "offload=\"sequential\" and \"group\" run on cpu kernels over \
+                             virtual devices for now; on cuda:N leave offload=None (each layer \
+                             computes where it is placed)"
+                        .into(),
+                });
+            }
+            o.assign(&mut g.layers, m.held)?;
+        }
         Ok(g)
     }
 
@@ -470,7 +575,13 @@ impl Graph {
         // Every site's workspace at once (distinct buffers), as its path sees it.
         let mut spare: Vec<Option<&mut Buffer>> = scratch.iter_mut().map(Some).collect();
         let mut works: Vec<Work<'_>> = Vec::with_capacity(self.sites.len());
-        for s in &mut self.sites {
+        // The onload slots: the tail of the execution device's workspace buffer.
+        let onload_site = self
+            .onload
+            .as_ref()
+            .map(|o| (o.site, o.slot_bytes, o.slots));
+        let mut slot_mem: Vec<Option<&mut [u8]>> = Vec::new();
+        for (si, s) in self.sites.iter_mut().enumerate() {
             let Site {
                 device,
                 layout,
@@ -498,6 +609,32 @@ impl Graph {
                         device: name,
                         detail: "the host forward pass needs a workspace in host memory".into(),
                     })?;
+                    let bytes = match onload_site {
+                        Some((os, per, n)) if os == si => {
+                            let ws = layout.bytes as usize;
+                            if bytes.len() < ws + per * n {
+                                return Err(invalid(
+                                    format!("scratch on {}", device.name()),
+                                    format!(
+                                        "{} bytes: workspace and {n} onload slot(s)",
+                                        ws + per * n
+                                    ),
+                                    format!(
+                                        "{}; the model was loaded for another plan",
+                                        bytes.len()
+                                    ),
+                                ));
+                            }
+                            let (ws, mut tail) = bytes.split_at_mut(ws);
+                            for _ in 0..n {
+                                let (slot, rest) = std::mem::take(&mut tail).split_at_mut(per);
+                                slot_mem.push(Some(slot));
+                                tail = rest;
+                            }
+                            ws
+                        }
+                        _ => bytes,
+                    };
                     Work::Host(carve(bytes, layout)?)
                 }
                 SiteExec::Cpu(b) => Work::Cpu(b, Regions::new(b, buf, layout)?),
@@ -547,13 +684,15 @@ impl Graph {
         let chunk = self.dims.tokens as usize;
         let h = c.hidden;
         let mut done = 0usize;
-        for part in ids.chunks(chunk) {
-            let n = part.len();
-            let pos = start + done;
-            // Embedding rows, dequantised into the embedding device's residual stream.
-            let es = self.embed_site;
-            on_site!(&mut works[es], v => {
-                let (ebytes, ety) = weight_of(held, copies, &self.embed)?;
+        std::thread::scope(|scope| -> Result<()> {
+            let mut pending: Option<Pending<'_, '_>> = None;
+            for part in ids.chunks(chunk) {
+                let n = part.len();
+                let pos = start + done;
+                // Embedding rows, dequantised into the embedding device's residual stream.
+                let es = self.embed_site;
+                on_site!(&mut works[es], v => {
+                let (ebytes, ety) = weight_of(held, copies, &self.embed, None)?;
                 let row_bytes = ebytes.len() / self.embed.rows;
                 for (t, id) in part.iter().enumerate() {
                     let r = *id as usize;
@@ -565,62 +704,80 @@ impl Graph {
                     .map_err(|e| kernel(&self.embed.name, e))?;
                 }
             }, (b, r) => exec::embed(*b, &cx(es), &self.embed, part, &mut r.x)?);
-            for (i, w) in works.iter_mut().enumerate() {
-                on_site!(w, _v => (), (b, r) => exec::positions(*b, &names[i], pos, n, r)?);
-            }
-            let mut at = self.embed_site;
-            for (li, layer) in self.layers.iter().enumerate() {
-                if layer.site != at {
+                for (i, w) in works.iter_mut().enumerate() {
+                    on_site!(w, _v => (), (b, r) => exec::positions(*b, &names[i], pos, n, r)?);
+                }
+                let mut at = self.embed_site;
+                for (li, layer) in self.layers.iter().enumerate() {
+                    if layer.site != at {
+                        move_rows(
+                            &mut works,
+                            &devs,
+                            at,
+                            layer.site,
+                            0,
+                            n * h,
+                            &mut copies_made,
+                        )?;
+                        at = layer.site;
+                    }
+                    let slot = match (layer.group, self.onload.as_mut()) {
+                        (Some(g), Some(o)) => {
+                            let si = onload_group(
+                                o,
+                                g,
+                                &self.layers,
+                                held,
+                                copies,
+                                &mut slot_mem,
+                                &mut pending,
+                                scope,
+                                &mut copies_made,
+                            )?;
+                            slot_mem[si].as_deref()
+                        }
+                        _ => None,
+                    };
+                    let wts = Weights { held, copies, slot };
+                    on_site!(&mut works[at],
+                    v => run_layer(&c, layer, li, &wts, cache, pos, n, v)?,
+                    (b, r) => exec::layer(*b, &cx(at), layer, li, cache, pos, n, r)?);
+                }
+                cache.note_ids(pos as u64, part);
+                cache.set_seq_len((pos + n) as u64)?;
+                // The head: only the rows asked for.
+                let first = match logits {
+                    Logits::Last if done + n < ids.len() => {
+                        done += n;
+                        continue;
+                    }
+                    Logits::Last => n - 1,
+                    Logits::All => 0,
+                };
+                let need = n - first;
+                if self.head_site != at {
                     move_rows(
                         &mut works,
                         &devs,
                         at,
-                        layer.site,
-                        0,
-                        n * h,
+                        self.head_site,
+                        first * h,
+                        need * h,
                         &mut copies_made,
                     )?;
-                    at = layer.site;
                 }
-                on_site!(&mut works[at],
-                    v => run_layer(&c, layer, li, held, copies, cache, pos, n, v)?,
-                    (b, r) => exec::layer(*b, &cx(at), layer, li, cache, pos, n, r)?);
-            }
-            cache.note_ids(pos as u64, part);
-            cache.set_seq_len((pos + n) as u64)?;
-            // The head: only the rows asked for.
-            let first = match logits {
-                Logits::Last if done + n < ids.len() => {
-                    done += n;
-                    continue;
-                }
-                Logits::Last => n - 1,
-                Logits::All => 0,
-            };
-            let need = n - first;
-            if self.head_site != at {
-                move_rows(
-                    &mut works,
-                    &devs,
-                    at,
-                    self.head_site,
-                    first * h,
-                    need * h,
-                    &mut copies_made,
-                )?;
-            }
-            let per = self.dims.logit_rows as usize;
-            let out_row0 = match logits {
-                Logits::Last => 0,
-                Logits::All => done,
-            };
-            let rows_out = &mut out[out_row0 * vocab..(out_row0 + need) * vocab];
-            let hs = self.head_site;
-            on_site!(&mut works[hs], w => {
+                let per = self.dims.logit_rows as usize;
+                let out_row0 = match logits {
+                    Logits::Last => 0,
+                    Logits::All => done,
+                };
+                let rows_out = &mut out[out_row0 * vocab..(out_row0 + need) * vocab];
+                let hs = self.head_site;
+                on_site!(&mut works[hs], w => {
                 let xs = &w.x[first * h..(first + need) * h];
                 weightlift_kernels::rms_norm(xs, &self.out_norm.host, c.eps, &mut w.xn[..need * h])
                     .map_err(|e| kernel("output_norm", e))?;
-                let (hb, hty) = weight_of(held, copies, &self.head)?;
+                let (hb, hty) = weight_of(held, copies, &self.head, None)?;
                 for r0 in (0..need).step_by(per) {
                     let nr = per.min(need - r0);
                     let y = &mut w.logits[..nr * vocab];
@@ -628,8 +785,10 @@ impl Graph {
                     rows_out[r0 * vocab..(r0 + nr) * vocab].copy_from_slice(y);
                 }
             }, (b, r) => exec::head(*b, &cx(hs), &self.out_norm, &self.head, first, per, rows_out, r)?);
-            done += n;
-        }
+                done += n;
+            }
+            Ok(())
+        })?;
         Ok(copies_made)
     }
 }
@@ -659,16 +818,32 @@ pub(crate) struct Consts {
     pub compute: Compute,
 }
 
-fn weight_of<'a>(
+/// A matrix's bytes and type: where the model holds it, or in `slot` (its group's onload slot)
+/// when the layer is offloaded.
+pub(crate) fn weight_of<'a>(
     held: &'a [Held],
     copies: &'a [(usize, Held)],
     l: &Linear,
+    slot: Option<&'a [u8]>,
 ) -> Result<(&'a [u8], QuantType)> {
     let h = match l.slot {
         Slot::Tensor(i) => &held[i],
         Slot::Copy(c) => &copies[c].1,
     };
-    host_weight(h, &l.name)
+    let (bytes, ty) = host_weight(h, &l.name)?;
+    match (slot, l.onload_at) {
+        (Some(s), Some(at)) => {
+            let b = s.get(at..at + bytes.len()).ok_or_else(|| {
+                invalid(
+                    format!("onloaded '{}'", l.name),
+                    format!("{} bytes from offset {at}", bytes.len()),
+                    format!("a slot of {} bytes", s.len()),
+                )
+            })?;
+            Ok((b, ty))
+        }
+        _ => Ok((bytes, ty)),
+    }
 }
 
 /// `y = W x (+ bias)` for `n` tokens: a matrix–vector product for one token, else a matrix
@@ -699,14 +874,13 @@ fn product(
 
 fn linear_on(
     c: &Consts,
-    held: &[Held],
-    copies: &[(usize, Held)],
+    wts: &Weights<'_>,
     l: &Linear,
     x: &[f32],
     n: usize,
     y: &mut [f32],
 ) -> Result<()> {
-    let (w, ty) = weight_of(held, copies, l)?;
+    let (w, ty) = weight_of(wts.held, wts.copies, l, wts.slot)?;
     product(c, ty, w, l, &x[..n * l.cols], n, &mut y[..n * l.rows])
 }
 
@@ -799,6 +973,74 @@ fn move_rows(
     Ok(())
 }
 
+/// A prefetch in flight: group `group` being copied into slot `slot` by a scoped thread, which
+/// hands the slot back with the copy's result.
+struct Pending<'s, 'w> {
+    group: usize,
+    slot: usize,
+    handle: std::thread::ScopedJoinHandle<'s, (&'w mut [u8], Result<Copies>)>,
+}
+
+/// Make group `g` resident in its slot (`g mod slots`), waiting for its prefetch or copying it
+/// now, then start the next group's prefetch into the other slot when there are two. Returns
+/// the slot that holds `g`.
+#[allow(clippy::too_many_arguments)]
+fn onload_group<'s, 'w: 's, 'h: 's>(
+    o: &mut Onload,
+    g: usize,
+    layers: &[Layer],
+    held: &'h [Held],
+    copies: &'h [(usize, Held)],
+    slot_mem: &mut [Option<&'w mut [u8]>],
+    pending: &mut Option<Pending<'s, 'w>>,
+    scope: &'s std::thread::Scope<'s, '_>,
+    made: &mut Copies,
+) -> Result<usize> {
+    if let Some(p) = pending.take() {
+        let (mem, r) = p.handle.join().map_err(|_| EngineError::Device {
+            device: "cpu".into(),
+            detail: "the onload copier thread panicked".into(),
+        })?;
+        slot_mem[p.slot] = Some(mem);
+        made.add(r?);
+        o.holds[p.slot] = Some(p.group);
+    }
+    let lost = || invalid("onload slot", "free for a copy", "in use by a prefetch");
+    let si = g % o.slots;
+    if o.holds[si] != Some(g) {
+        o.holds[si] = None;
+        let parts = o.parts(g, layers, held, copies)?;
+        let mem = slot_mem[si].as_deref_mut().ok_or_else(lost)?;
+        made.add(fill(&parts, mem, o.rate)?);
+        o.holds[si] = Some(g);
+    }
+    let next = g + 1;
+    if o.slots > 1 && next < o.groups.len() && o.holds[next % o.slots] != Some(next) {
+        let sj = next % o.slots;
+        let parts = o.parts(next, layers, held, copies)?;
+        let mem = slot_mem[sj].take().ok_or_else(lost)?;
+        o.holds[sj] = None;
+        let rate = o.rate;
+        let handle = scope.spawn(move || {
+            let r = fill(&parts, &mut *mem, rate);
+            (mem, r)
+        });
+        *pending = Some(Pending {
+            group: next,
+            slot: sj,
+            handle,
+        });
+    }
+    Ok(si)
+}
+
+/// Where a layer's matrices are read: the model's tensors, or its group's onload slot.
+struct Weights<'a> {
+    held: &'a [Held],
+    copies: &'a [(usize, Held)],
+    slot: Option<&'a [u8]>,
+}
+
 fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
@@ -809,8 +1051,7 @@ fn run_layer(
     c: &Consts,
     l: &Layer,
     li: usize,
-    held: &[Held],
-    copies: &[(usize, Held)],
+    wts: &Weights<'_>,
     cache: &Arc<Cache>,
     pos: usize,
     n: usize,
@@ -822,9 +1063,9 @@ fn run_layer(
     // attention
     weightlift_kernels::rms_norm(&w.x[..n * h], &l.attn_norm.host, c.eps, &mut w.xn[..n * h])
         .map_err(err("attn_norm"))?;
-    linear_on(c, held, copies, &l.q, w.xn, n, w.q)?;
-    linear_on(c, held, copies, &l.k, w.xn, n, w.k)?;
-    linear_on(c, held, copies, &l.v, w.xn, n, w.v)?;
+    linear_on(c, wts, &l.q, w.xn, n, w.q)?;
+    linear_on(c, wts, &l.k, w.xn, n, w.k)?;
+    linear_on(c, wts, &l.v, w.xn, n, w.v)?;
     for (t, p) in w.pos[..n].iter_mut().enumerate() {
         *p = (pos + t) as i32;
     }
@@ -866,16 +1107,16 @@ fn run_layer(
         tiles,
     )?;
     drop(resident);
-    linear_on(c, held, copies, &l.o, w.q, n, w.xn)?;
+    linear_on(c, wts, &l.o, w.q, n, w.xn)?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
     // MLP
     weightlift_kernels::rms_norm(&w.x[..n * h], &l.ffn_norm.host, c.eps, &mut w.xn[..n * h])
         .map_err(err("ffn_norm"))?;
     let i = l.gate.rows;
-    linear_on(c, held, copies, &l.gate, w.xn, n, w.gate)?;
-    linear_on(c, held, copies, &l.up, w.xn, n, w.up)?;
+    linear_on(c, wts, &l.gate, w.xn, n, w.gate)?;
+    linear_on(c, wts, &l.up, w.xn, n, w.up)?;
     swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i]).map_err(err("swiglu"))?;
-    linear_on(c, held, copies, &l.down, w.gate, n, w.xn)?;
+    linear_on(c, wts, &l.down, w.gate, n, w.xn)?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
     Ok(())
 }

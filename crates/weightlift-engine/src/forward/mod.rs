@@ -26,6 +26,7 @@
 mod attention;
 mod exec;
 mod graph;
+mod onload;
 
 use std::sync::Arc;
 
@@ -107,6 +108,12 @@ pub struct Copies {
 impl Copies {
     pub fn seconds(&self) -> f64 {
         self.nanos as f64 * 1e-9
+    }
+
+    pub(crate) fn add(&mut self, o: Copies) {
+        self.count += o.count;
+        self.bytes += o.bytes;
+        self.nanos += o.nanos;
     }
 
     /// Count one copy of `bytes` that started at `since`.
@@ -419,6 +426,7 @@ impl crate::Model {
                 copies: &state.copies,
                 scratch: &state.scratch,
                 layer_devices: &state.layer_devices,
+                onload: state.onload.as_ref(),
                 resolve: &resolve,
             };
             state.graph = Some(Graph::build(

@@ -73,9 +73,13 @@ impl Ctx<'_> {
             {
                 continue;
             }
-            // exllamav2 keeps the embedding on the CPU (`load_autosplit_gen`, module 0).
+            // exllamav2 keeps the embedding on the CPU (`load_autosplit_gen`, module 0). With a
+            // disk to spill to, the layers come first and the embedding goes to disk at the end
+            // if the host is then too small for it: a lookup reads only the rows of the tokens.
             if unit.kind == UnitKind::Embed && mode == FillMode::Exl {
-                used[self.host] = used[self.host].saturating_add(unit.weights);
+                if self.disk.is_none() {
+                    used[self.host] = used[self.host].saturating_add(unit.weights);
+                }
                 self.put(&mut a, unit, self.host);
                 continue;
             }
@@ -91,7 +95,7 @@ impl Ctx<'_> {
                 unit.kind == UnitKind::Embed && mode == FillMode::Accelerate && self.tied_bytes > 0;
             // The head computed where the embedding lives uses it as is: no copy there.
             let size_on = |d: usize, a: &Assign| {
-                if tied && d == a.embed_dev {
+                if tied && self.exec_dev(d) == self.exec_dev(a.embed_dev) {
                     size.saturating_sub(self.tied_bytes)
                 } else {
                     size
@@ -114,7 +118,7 @@ impl Ctx<'_> {
             let mut rule = Rule::default();
             loop {
                 let Some(&d) = order.get(pos) else {
-                    return Err(self.overflow(a, ui, &order, mode, rule));
+                    return Err(self.overflow(a, ui, &order, mode, rule, size));
                 };
                 let dev = &self.devs[d];
                 if dev.kind == DeviceKind::Disk {
@@ -170,9 +174,14 @@ impl Ctx<'_> {
             slots[d] = slots_with(d);
             self.put(&mut a, unit, d);
             a.hosts[d] = union(a.hosts[d], unit_hosts);
-            if tied && d != a.embed_dev {
+            if tied && self.exec_dev(d) != self.exec_dev(a.embed_dev) {
                 a.tied_copy = vec![(d, self.tied_bytes)];
             }
+        }
+        if mode == FillMode::Exl
+            && let Some(e) = self.units.iter().position(|u| u.kind == UnitKind::Embed)
+        {
+            self.spill_host_to_disk(&mut a, &[e]);
         }
         if mode == FillMode::Accelerate && self.tied_bytes > 0 {
             // accelerate keeps tied parameters together: lm_head is token_embd.
@@ -191,6 +200,7 @@ impl Ctx<'_> {
         order: &[usize],
         mode: FillMode,
         rule: Rule,
+        size: u64,
     ) -> Box<Overflow> {
         let last = order
             .iter()
@@ -226,10 +236,20 @@ impl Ctx<'_> {
                 fmt_bytes(rule.headroom)
             ));
         }
+        let unit = match self.units[from].kind {
+            UnitKind::Embed => "the input embedding".to_string(),
+            UnitKind::Layer(l) => format!("layer {l}"),
+            UnitKind::Norm => "the output norm".to_string(),
+            UnitKind::Output => "the output layer".to_string(),
+        };
+        let stopped = format!("{unit} ({}) fits on no device left", fmt_bytes(size));
         let note = if why.is_empty() {
-            ("the fill ran out of devices".to_string(), 0)
+            (stopped, 0)
         } else {
-            (why.join("; "), rule.cap.saturating_add(rule.headroom))
+            (
+                format!("{stopped}: {}", why.join("; ")),
+                rule.cap.saturating_add(rule.headroom),
+            )
         };
         a.head_dev = last;
         Box::new(Overflow { assign: a, note })

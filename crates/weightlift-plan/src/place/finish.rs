@@ -5,12 +5,12 @@
 
 use weightlift_format::Role;
 
-use super::{Assign, Ctx, Slots, union};
+use super::{Assign, Ctx, Slots};
 use crate::device::DeviceKind;
 use crate::error::{OutOfMemory, PlanError, Result, Shortfall};
+use crate::onload::OnloadPlan;
 use crate::plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit, to_ranges};
 use crate::size::fmt_bytes;
-use crate::workspace::Hosts;
 
 impl Ctx<'_> {
     /// Per-device usage, budget check, and the Plan.
@@ -77,10 +77,19 @@ impl Ctx<'_> {
         // host, and each device that computes layers holds its prefetch slots: as many as it
         // computes layers, at most OFFLOAD_SLOTS, each the size of its largest layer (slice),
         // which is what the engine's offloaded cache allocates.
+        let onload = self.onload(a)?;
+        let onloaded = |l: usize| {
+            onload
+                .as_ref()
+                .is_some_and(|(_, p)| p.groups.iter().flatten().any(|&x| x as usize == l))
+        };
         let mut slots = vec![Slots::default(); nd];
-        for slices in &a.kv_dev {
+        for (l, slices) in a.kv_dev.iter().enumerate() {
             for &(d, b) in slices {
-                let d = self.exec_dev(d);
+                let d = match &onload {
+                    Some((exec, _)) if onloaded(l) => *exec,
+                    _ => self.exec_dev(d),
+                };
                 if self.offload {
                     kv[self.host] = kv[self.host].saturating_add(b);
                     slots[d] = slots[d].with(b);
@@ -92,16 +101,19 @@ impl Ctx<'_> {
         for (k, s) in kv.iter_mut().zip(&slots) {
             *k = k.saturating_add(s.bytes());
         }
-        let mut hosts = a.hosts.clone();
-        if let Some(d) = self.disk {
-            hosts[self.host] = union(hosts[self.host], hosts[d]);
-            hosts[d] = Hosts::default();
+        let mut hosts = self.computed_hosts(a);
+        // Offloaded layers compute on the execution device; the host keeps no layer to run.
+        if let Some((exec, p)) = &onload
+            && !p.groups.is_empty()
+        {
+            hosts[*exec].layers = true;
+            hosts[self.host].layers = false;
         }
-        let disk_layers: Vec<u32> = match self.disk {
-            Some(dd) => (0..self.n_layers() as u32)
+        let disk_layers: Vec<u32> = match (self.disk, &onload) {
+            (Some(dd), None) => (0..self.n_layers() as u32)
                 .filter(|&l| a.layer_dev[l as usize] == dd)
                 .collect(),
-            None => Vec::new(),
+            _ => Vec::new(),
         };
         // Staging is charged whenever the inventory has an accelerator, sized by the largest
         // tensor of the model, so that giving a device more memory (and so more uploads) never
@@ -133,34 +145,15 @@ impl Ctx<'_> {
                 host_scratch = scratch;
                 scratch = scratch.saturating_add(staging);
             }
+            let onload_here = onload.as_ref().filter(|(e, p)| *e == i && p.slots > 0);
+            if let Some((_, p)) = onload_here {
+                scratch = scratch.saturating_add(p.bytes());
+            }
             // A device that allocates anything (weights, kv, compute scratch or, on the host,
             // staging buffers) is checked against its budget and pays its fixed overhead.
             let active = weights[i] > 0 || kv[i] > 0 || scratch > 0;
             let overhead = if active { dev.overhead } else { 0 };
-            let mut holds = Vec::new();
-            let in_dev = |role: Role| {
-                self.tensors().iter().enumerate().any(|(t, ti)| {
-                    ti.role == Some(role)
-                        && ti.layer.is_none()
-                        && a.tensor_dev[t] == i
-                        && a.splits[t].is_none()
-                }) || self.tensors().iter().enumerate().any(|(t, ti)| {
-                    ti.role == Some(role)
-                        && ti.layer.is_none()
-                        && a.splits[t]
-                            .as_ref()
-                            .is_some_and(|(_, _, s)| s.iter().any(|x| x.0 == i))
-                })
-            };
-            for (role, label) in [
-                (Role::TokenEmbd, "token_embd"),
-                (Role::OutputNorm, "output_norm"),
-                (Role::Output, "output"),
-            ] {
-                if in_dev(role) {
-                    holds.push(label.to_string());
-                }
-            }
+            let mut holds = self.held_parts(a, i, &layer_sets[i]);
             if a.tied_copy.iter().any(|x| x.0 == i) {
                 holds.push("output (tied copy)".to_string());
             }
@@ -175,6 +168,17 @@ impl Ctx<'_> {
                     "{} kv prefetch slot(s) of {}",
                     slots[i].layers.min(crate::memory::OFFLOAD_SLOTS),
                     fmt_bytes(slots[i].largest)
+                ));
+            }
+            if let Some((_, p)) = onload_here {
+                let layers: Vec<u32> = p.groups.iter().flatten().copied().collect();
+                holds.push(format!(
+                    "{} onload slot(s) of {} for layers {} (offload={}, {} group(s))",
+                    p.slots,
+                    fmt_bytes(p.slot_bytes),
+                    crate::plan::ranges(&to_ranges(layers.iter().copied())),
+                    p.mode.name(),
+                    p.groups.len()
                 ));
             }
             if i == self.host && !disk_layers.is_empty() {
@@ -270,7 +274,7 @@ impl Ctx<'_> {
             n_layers: self.req.spec.n_layers,
             dtype: self.req.dtype.name().to_string(),
             cache: self.cache,
-            runtime: self.tweak.runtime.unwrap_or(self.req.runtime),
+            runtime: self.runtime,
             tensors: placements,
             layers: a.layer_dev.iter().map(|&d| name(d)).collect(),
             embed_device: name(a.embed_dev),
@@ -280,16 +284,117 @@ impl Ctx<'_> {
             devices,
             host,
             warnings,
+            onload: onload.map(|(_, p)| p),
         })
     }
 
-    /// `"layers 12-29 + output: 3.10 GiB weights + 1.20 GiB kv at ctx 8192 (fp16) + 0.50 GiB scratch"`.
+    /// Offloaded execution ([`crate::onload`]): the layers kept on cpu or disk, grouped, to
+    /// execute on the first accelerator; `None` without `offload`.
+    fn onload(&self, a: &Assign) -> Result<Option<(usize, OnloadPlan)>> {
+        let Some(mode) = self.req.offload else {
+            return Ok(None);
+        };
+        if a.tp.is_some() {
+            return Err(PlanError::option(
+                "offload",
+                "a layer strategy (offloading moves whole layers)",
+                "strategy='tensor_parallel'",
+            ));
+        }
+        let Some(&exec) = self.accel.first() else {
+            return Err(PlanError::option(
+                "offload",
+                "an accelerator to execute offloaded layers on (cuda:N or virtual:SIZE in \
+                 devices); without one, leave offload=None and the cpu computes its layers",
+                format!("offload='{}' with no accelerator", mode.name()),
+            ));
+        };
+        let layers: Vec<u32> = (0..self.n_layers() as u32)
+            .filter(|&l| {
+                let d = a.layer_dev[l as usize];
+                d == self.host || Some(d) == self.disk
+            })
+            .collect();
+        let mut matrices = vec![0u64; self.n_layers()];
+        for (i, t) in self.tensors().iter().enumerate() {
+            if let Some(l) = t.layer
+                && t.shape.len() == 2
+                && let Some(m) = matrices.get_mut(l as usize)
+            {
+                *m = m.saturating_add(self.bytes[i]);
+            }
+        }
+        let name = self.devs[exec].name.clone();
+        Ok(Some((
+            exec,
+            OnloadPlan::new(mode, name, &layers, &matrices),
+        )))
+    }
+
+    /// The named non-layer parts device `i` holds, in the order explain() lists them: whole
+    /// tensors by name, row slices as `rows A..B of NAME`, and for row split the layers whose
+    /// matrices it holds slices of without holding the layer (`row slices of layers A-B`).
+    fn held_parts(&self, a: &Assign, i: usize, layers_here: &[u32]) -> Vec<String> {
+        let mut parts: Vec<String> = Vec::new();
+        let mut add = |p: String| {
+            if !parts.contains(&p) {
+                parts.push(p);
+            }
+        };
+        for (role, label) in [
+            (Role::TokenEmbd, "token_embd"),
+            (Role::OutputNorm, "output_norm"),
+            (Role::Output, "output"),
+        ] {
+            for (t, ti) in self.tensors().iter().enumerate() {
+                if self.roles[t] != Some(role) || ti.layer.is_some() {
+                    continue;
+                }
+                match &a.splits[t] {
+                    None if a.tensor_dev[t] == i => add(label.to_string()),
+                    None => {}
+                    Some((axis, replicated, shards)) => {
+                        for &(_, start, end, _) in shards.iter().filter(|x| x.0 == i) {
+                            add(if *replicated {
+                                label.to_string()
+                            } else {
+                                let what = if *axis == 0 { "rows" } else { "columns" };
+                                format!("{what} {start}..{end} of {label}")
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        let sliced: Vec<u32> = (0..self.n_layers() as u32)
+            .filter(|l| !layers_here.contains(l))
+            .filter(|&l| {
+                self.tensors().iter().enumerate().any(|(t, ti)| {
+                    ti.layer == Some(l)
+                        && a.splits[t]
+                            .as_ref()
+                            .is_some_and(|(_, rep, shards)| !rep && shards.iter().any(|x| x.0 == i))
+                })
+            })
+            .collect();
+        if !sliced.is_empty() {
+            add(format!(
+                "row slices of layers {}",
+                crate::plan::ranges(&to_ranges(sliced))
+            ));
+        }
+        parts
+    }
+
+    /// `"layers 12-29 + output: 3.10 GiB weights + 1.20 GiB kv at ctx 8192 (fp16) + 0.50 GiB
+    /// scratch"`; a device that holds no part of the model says so and lists what it
+    /// allocates anyway (`"no model weights, but 8.00 MiB host staging buffers ..."`).
     pub(super) fn what(&self, u: &DeviceUsage, staging: u64) -> String {
-        let mut s = format!(
-            "{}: {} weights",
-            crate::plan::describe_holds(u),
-            fmt_bytes(u.weights)
-        );
+        let placed = !u.layers.is_empty() || !u.holds.is_empty() || u.weights > 0;
+        let mut parts = Vec::new();
+        if placed {
+            parts.push(format!("{} weights", fmt_bytes(u.weights)));
+        }
         if u.kv > 0 {
             let ctx = self.cache.map_or(String::new(), |c| {
                 format!(
@@ -300,24 +405,28 @@ impl Ctx<'_> {
                     if c.offload { ", offloaded" } else { "" }
                 )
             });
-            s.push_str(&format!(" + {} kv{ctx}", fmt_bytes(u.kv)));
+            parts.push(format!("{} kv{ctx}", fmt_bytes(u.kv)));
         }
         let compute = u.scratch.saturating_sub(staging);
         if compute > 0 {
-            s.push_str(&format!(" + {} scratch", fmt_bytes(compute)));
+            parts.push(format!("{} scratch", fmt_bytes(compute)));
         }
         if staging > 0 {
-            s.push_str(&format!(
-                " + {} host staging buffers for uploads to the accelerators",
+            parts.push(format!(
+                "{} host staging buffers for uploads to the accelerators",
                 fmt_bytes(staging)
             ));
         }
         if u.overhead > 0 {
-            s.push_str(&format!(" + {} overhead", fmt_bytes(u.overhead)));
+            parts.push(format!("{} overhead", fmt_bytes(u.overhead)));
         }
         if u.reserve > 0 {
-            s.push_str(&format!(" + {} reserve", fmt_bytes(u.reserve)));
+            parts.push(format!("{} reserve", fmt_bytes(u.reserve)));
         }
-        s
+        match (placed, parts.is_empty()) {
+            (true, _) => format!("{}: {}", crate::plan::describe_holds(u), parts.join(" + ")),
+            (false, true) => "nothing placed yet".to_string(),
+            (false, false) => format!("no model weights, but {}", parts.join(" + ")),
+        }
     }
 }

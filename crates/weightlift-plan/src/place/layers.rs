@@ -1,7 +1,8 @@
 //! llama.cpp's `layers` strategy: the last `n_gpu_layers` repeating layers (and the output
 //! layer when `n_gpu_layers > n_layer`) on the GPUs, spread by the cumulative `tensor_split`
 //! with `upper_bound`; the input layer stays on the CPU. `split_mode="row"` keeps each
-//! offloaded layer on `main_gpu` and splits its 2-D matrices' rows across the GPUs.
+//! offloaded layer on `main_gpu` and splits its 2-D matrices' rows across the GPUs. With disk
+//! allowed, a host too small for its share streams part of it from disk.
 
 use weightlift_format::{Role, TensorInfo};
 
@@ -94,16 +95,14 @@ impl Ctx<'_> {
         }
         a.head_dev = dev_for(n);
         a.hosts[a.head_dev].head = true;
-        if self.tied_bytes > 0 && a.head_dev != a.embed_dev {
-            a.tied_copy = vec![(a.head_dev, self.tied_bytes)];
-        }
+        self.tie_head(&mut a);
         if o.split_mode == SplitMode::Row && !self.accel.is_empty() {
             // ggml-cuda's split buffer: row boundaries at nrows × cumulative split, rounded down.
             let mut starts = vec![0f32];
             starts.extend(cum.iter().take(cum.len().saturating_sub(1)).copied());
             let round = o.row_rounding.max(1);
             for (i, t) in self.tensors().iter().enumerate() {
-                if t.shape.len() != 2 || self.units_of_row_split(t, &a, i) {
+                if !self.splits_by_rows(t, &a, i) {
                     continue;
                 }
                 let rows = t.shape[0];
@@ -130,14 +129,28 @@ impl Ctx<'_> {
                 a.splits[i] = Some((0, false, shards));
             }
         }
+        // The host's share, in the order it goes to disk when the host is short: the input
+        // embedding first (a lookup reads only the rows of the tokens), then the host's other
+        // units from the last, as accelerate leaves the last modules on disk.
+        let on_host = |u: usize| {
+            let unit = &self.units[u];
+            !unit.tensors.is_empty() && unit.tensors.iter().all(|&t| a.tensor_dev[t] == self.host)
+        };
+        let embed = self.units.iter().position(|u| u.kind == UnitKind::Embed);
+        let spill: Vec<usize> = embed
+            .into_iter()
+            .chain((0..self.units.len()).rev().filter(|&u| Some(u) != embed))
+            .filter(|&u| on_host(u))
+            .collect();
+        self.spill_host_to_disk(&mut a, &spill);
         Ok(a)
     }
 
-    /// True when tensor `i` is NOT a row-split candidate: only offloaded 2-D matrices of layers
-    /// and the output matrix are split.
-    fn units_of_row_split(&self, t: &TensorInfo, a: &Assign, i: usize) -> bool {
+    /// Whether row split cuts tensor `i` across the GPUs: a 2-D matrix of an offloaded layer,
+    /// or the offloaded output matrix. Norms, biases and host tensors stay whole.
+    fn splits_by_rows(&self, t: &TensorInfo, a: &Assign, i: usize) -> bool {
         let on_gpu = self.devs[a.tensor_dev[i]].kind.is_accelerator();
-        let matrix = t.layer.is_some() || t.role == Some(Role::Output);
-        !(on_gpu && matrix)
+        let matrix = t.layer.is_some() || self.roles[i] == Some(Role::Output);
+        on_gpu && matrix && t.shape.len() == 2
     }
 }

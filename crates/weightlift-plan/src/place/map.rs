@@ -48,7 +48,7 @@ impl Ctx<'_> {
             }
             let mut hit: Option<(&str, usize)> = None;
             for (pat, mt, d) in &entries {
-                if !mt.matches(t) {
+                if !mt.matches(t, self.roles[i]) {
                     continue;
                 }
                 match hit {
@@ -88,7 +88,7 @@ impl Ctx<'_> {
                 let pick = unit
                     .tensors
                     .iter()
-                    .find(|&&t| self.tensors()[t].role == Some(Role::AttnK))
+                    .find(|&&t| self.roles[t] == Some(Role::AttnK))
                     .or(unit.tensors.first())
                     .map(|&t| a.tensor_dev[t]);
                 let d = pick.unwrap_or(self.host);
@@ -159,11 +159,12 @@ impl Matcher {
         Matcher::Prefix(p.to_string())
     }
 
-    fn matches(&self, t: &TensorInfo) -> bool {
+    /// Whether the key covers tensor `t`, whose role (see `Ctx::roles`) is `role`.
+    fn matches(&self, t: &TensorInfo, role: Option<Role>) -> bool {
         match self {
             Matcher::Default => true,
             Matcher::Layers(a, b) => t.layer.is_some_and(|l| (*a..=*b).contains(&l)),
-            Matcher::Role(r) => t.role == Some(*r) && t.layer.is_none(),
+            Matcher::Role(r) => role == Some(*r) && t.layer.is_none(),
             Matcher::Prefix(p) => {
                 t.name == *p
                     || (t.name.starts_with(p.as_str())

@@ -1,17 +1,38 @@
 //! Preparing the context: [`Ctx::new`] validates the request (spec, tensor table, cache,
 //! devices and their per-device options), resolves every device's budget (capacity capped by
 //! `max_memory`, reserve less the tweak's cut, overhead), adds the implicit cpu and disk, groups
-//! the tensors into units, sizes each layer's KV cache and the offloaded total, and builds the
-//! scratch model every strategy charges against.
+//! the tensors into units, sizes each layer's KV cache (cut to the window for sliding-window
+//! layers) and the offloaded total, and builds the scratch model every strategy charges
+//! against.
 
-use weightlift_format::Role;
+use weightlift_format::{ModelSpec, Role, TensorInfo};
 
 use super::{Ctx, Dev, Tweak, Unit, UnitKind};
 use crate::device::DeviceKind;
 use crate::error::{PlanError, Result};
 use crate::memory::ScratchModel;
-use crate::request::PlanRequest;
+use crate::request::{BudgetRule, PlanRequest, Strategy};
 use crate::synth::converted;
+use crate::window::{layer_cache, planned_window};
+
+/// The role of a tensor outside the repeating blocks, for every architecture: the one the
+/// checkpoint gave (llama, mistral, qwen2), else the one its name says. llama.cpp names the
+/// input embedding, the output norm and the head `token_embd`, `output_norm` and `output` in
+/// every architecture; transformers calls them `*embed_tokens`, `model.norm` and `lm_head`.
+fn global_role(t: &TensorInfo) -> Option<Role> {
+    if t.role.is_some() || t.layer.is_some() {
+        return t.role;
+    }
+    let name = t.name.as_str();
+    match name {
+        "token_embd.weight" => Some(Role::TokenEmbd),
+        "output.weight" | "lm_head.weight" => Some(Role::Output),
+        "output_norm.weight" | "model.norm.weight" => Some(Role::OutputNorm),
+        "rope_freqs.weight" => Some(Role::RopeFreqs),
+        _ if name.ends_with(".embed_tokens.weight") => Some(Role::TokenEmbd),
+        _ => None,
+    }
+}
 
 impl<'a> Ctx<'a> {
     pub fn new(req: &'a PlanRequest, tweak: Tweak) -> Result<Self> {
@@ -46,6 +67,14 @@ impl<'a> Ctx<'a> {
             ));
         }
         let mut warnings = Vec::new();
+        if !ModelSpec::supports_roles(&spec.architecture) {
+            warnings.push(format!(
+                "architecture '{}' is planned, but the engine runs only {}: this plan sizes the \
+                 memory, and loading it fails",
+                spec.architecture,
+                ModelSpec::SUPPORTED_ARCHITECTURES.join(", ")
+            ));
+        }
 
         // Devices.
         if req.devices.is_empty() {
@@ -55,6 +84,12 @@ impl<'a> Ctx<'a> {
                 "an empty list",
             ));
         }
+        let cpu_share = req.budget_rule == BudgetRule::Transformers
+            && req.max_memory.is_empty()
+            && matches!(
+                req.strategy,
+                Strategy::Sequential | Strategy::Balanced | Strategy::BalancedLow0
+            );
         let mut devs: Vec<Dev> = Vec::with_capacity(req.devices.len() + 2);
         for d in &req.devices {
             if devs.iter().any(|o| o.name == d.name) {
@@ -65,10 +100,15 @@ impl<'a> Ctx<'a> {
                 ));
             }
             let cap = req.max_memory.get(&d.name).copied().unwrap_or(u64::MAX);
+            let mut limit = d.capacity.min(cap);
+            // transformers' get_max_memory: with no max_memory at all, 90% of the host RAM.
+            if d.kind == DeviceKind::Cpu && limit != u64::MAX && cpu_share {
+                limit = limit / 10 * 9 + limit % 10 * 9 / 10;
+            }
             devs.push(Dev {
                 name: d.name.clone(),
                 kind: d.kind,
-                limit: d.capacity.min(cap),
+                limit,
                 reserve: req
                     .reserve
                     .get(&d.name)
@@ -163,11 +203,14 @@ impl<'a> Ctx<'a> {
         };
         let mut embd_tensor = None;
         let mut has_output = false;
+        let mut roles = Vec::with_capacity(req.tensors.len());
         for (i, t) in req.tensors.iter().enumerate() {
             let (dt, b) = converted(t, req.dtype);
             bytes.push(b);
             dtypes.push(dt);
-            let unit = match (t.layer, t.role) {
+            let role = global_role(t);
+            roles.push(role);
+            let unit = match (t.layer, role) {
                 (Some(l), _) => {
                     let Some(u) = layers.get_mut(l as usize) else {
                         return Err(PlanError::Tensor {
@@ -188,23 +231,58 @@ impl<'a> Ctx<'a> {
                 (None, _) if t.name.contains("embd") || t.name.contains("embed") => &mut embed,
                 (None, _) => &mut norm,
             };
-            if t.role == Some(Role::TokenEmbd) && embd_tensor.is_none() {
+            if role == Some(Role::TokenEmbd) && embd_tensor.is_none() {
                 embd_tensor = Some(i);
             }
             unit.tensors.push(i);
             unit.weights = unit.weights.saturating_add(b);
         }
-        let tied_bytes = match (
-            spec.tie_word_embeddings || !has_output,
-            has_output,
-            embd_tensor,
-        ) {
-            (true, false, Some(e)) => bytes[e],
+        // Tied when there is an embedding and no head of its own, whatever the config says: the
+        // head then reads the embedding (llama.cpp falls back to token_embd the same way).
+        let tied_bytes = match (has_output, embd_tensor) {
+            (false, Some(e)) => bytes[e],
             _ => 0,
         };
+        let runtime = tweak.runtime.unwrap_or(req.runtime);
+        let window = planned_window(req);
         let kv: Vec<u64> = (0..n_layers)
-            .map(|l| cache.map_or(0, |c| c.layer_bytes(spec, l)))
+            .map(|l| {
+                cache.map_or(0, |c| {
+                    layer_cache(&c, window, l, &runtime).layer_bytes(spec, l)
+                })
+            })
             .collect();
+        if let Some(w) = &req.sliding_window
+            && w.any()
+        {
+            let layers = crate::plan::ranges(&w.sliding_ranges());
+            let note = match (window, cache) {
+                (Some(_), Some(c)) => Some(format!(
+                    "layers {layers} attend to a sliding window of {} tokens: each keeps {} \
+                     cells of kv per sequence (llama.cpp's SWA cache: the window and one \
+                     chunk of input, padded to {}), the other layers all {}",
+                    w.window,
+                    w.cells(
+                        w.layers.iter().position(|&s| s).unwrap_or(0),
+                        c.max_seq_len,
+                        crate::window::ubatch(&runtime, c.max_seq_len)
+                    ),
+                    crate::window::SWA_PAD,
+                    c.max_seq_len
+                )),
+                (Some(_), None) => Some(format!(
+                    "layers {layers} attend to a sliding window of {} tokens",
+                    w.window
+                )),
+                (None, Some(c)) if c.max_seq_len > w.window => Some(format!(
+                    "the checkpoint gives layers {layers} a sliding window of {} tokens, but \
+                     the engine attends to the full context, so their kv holds all {} tokens",
+                    w.window, c.max_seq_len
+                )),
+                (None, _) => None,
+            };
+            warnings.extend(note);
+        }
         for (u, &k) in layers.iter_mut().zip(&kv) {
             u.kv = k;
         }
@@ -220,7 +298,6 @@ impl<'a> Ctx<'a> {
         units.push(norm);
         units.push(output);
 
-        let runtime = tweak.runtime.unwrap_or(req.runtime);
         let (seq, batch) = cache.map_or((runtime.max_input_len.max(1), 1), |c| {
             (c.max_seq_len, c.batch_size)
         });
@@ -244,6 +321,9 @@ impl<'a> Ctx<'a> {
             offload_total,
             tied_bytes,
             embd_tensor,
+            roles,
+            runtime,
+            window,
             staging_bound,
             warnings,
         })

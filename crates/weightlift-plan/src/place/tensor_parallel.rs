@@ -8,6 +8,7 @@ use super::{Assign, Ctx, ShardIdx};
 use crate::error::{PlanError, Result};
 use crate::request::TpOptions;
 use crate::tp::{TpInputs, define_split};
+use crate::window::{layer_cache, total_cache_bytes};
 
 impl Ctx<'_> {
     /// exllamav2 TPContext: split tables from `define_split`, tensors sharded by them.
@@ -60,8 +61,8 @@ impl Ctx<'_> {
             )
         };
         let mut footprints = vec![0u64; self.n_layers()];
-        for (t, &b) in self.tensors().iter().zip(&self.bytes) {
-            if let (Some(l), true) = (t.layer, attn_roles(t.role)) {
+        for ((t, &b), &role) in self.tensors().iter().zip(&self.bytes).zip(&self.roles) {
+            if let (Some(l), true) = (t.layer, attn_roles(role)) {
                 footprints[l as usize] = footprints[l as usize].saturating_add(b);
             }
         }
@@ -76,7 +77,8 @@ impl Ctx<'_> {
             cache_bytes: if self.offload {
                 self.offload_slots_estimate()
             } else {
-                self.cache.map_or(0, |c| c.total_bytes(spec))
+                self.cache
+                    .map_or(0, |c| total_cache_bytes(self.req, &c, &self.runtime))
             },
             attn_footprints: footprints,
         };
@@ -105,7 +107,7 @@ impl Ctx<'_> {
         let mut a = self.empty_assign();
         for (i, t) in self.tensors().iter().enumerate() {
             let b = self.bytes[i];
-            let (table, axis): (&[(usize, u64, u64)], u8) = match t.role {
+            let (table, axis): (&[(usize, u64, u64)], u8) = match self.roles[i] {
                 Some(Role::AttnQ | Role::AttnQBias) => (&q, 0),
                 Some(Role::AttnK | Role::AttnV | Role::AttnKBias | Role::AttnVBias) => (&kv, 0),
                 Some(Role::AttnOutput) => (&q, 1),
@@ -140,6 +142,7 @@ impl Ctx<'_> {
         for l in 0..self.n_layers() {
             a.layer_dev[l] = first;
             if let Some(c) = &self.cache {
+                let c = layer_cache(c, self.window, l, &self.runtime);
                 a.kv_dev[l] = tp
                     .kv
                     .iter()

@@ -1,0 +1,175 @@
+"""Offloaded-execution bench: what each `offload` mode moves per token and what a token costs,
+on virtual devices whose link to the host is throttled (`virtual:96MiB@RATE`) so that copies
+take what they would over PCIe.
+
+The demo model (SmolLM2-135M Q4_1, 30 layers) with its last 10 layers on the virtual device
+(`n_gpu_layers=10`) and the first 20 kept on the cpu. Modes:
+
+  none                 offload=None: the cpu computes the 20 kept layers (nothing is copied
+                       but the hidden state)
+  sequential           one layer at a time copied in, then run, no prefetch
+  group (no prefetch)  4 layers at a time, copied synchronously
+  group (prefetch)     4 layers at a time, the next group copied by a background copier while
+                       the current one computes
+
+For each link rate, two runs: decode (a greedy single-token forward after an 11-token prompt,
+DECODE_TOKENS steps timed as one loop: little compute per group, so the copies dominate) and a
+PROMPT_TOKENS-token prompt in one forward call (much compute per group). Reported per token:
+ms, the bytes copied and the seconds those copies took (`Model.transfer_stats()` of the last
+call), and `hidden` = 1 - (prefetch time - compute
+time) / copy time: the share of the copy time prefetch hid behind compute, where compute time
+is the synchronous group's time minus its copy time. Medians of REPEAT interleaved rounds, all
+modes in each round. The logits of every mode are checked equal to offload=None's first.
+
+Run with a weightlift build in the current Python (`make build` or a release wheel):
+
+    .venv/bin/python benches/offload.py
+
+Writes benches/results/offload.json and benches/results/offload.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import weightlift as wl
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benches" / "results"
+DEMO = Path(
+    os.environ.get(
+        "WEIGHTLIFT_DEMO_GGUF", ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+)
+REPEAT = int(os.environ.get("WEIGHTLIFT_BENCH_REPEAT", "5"))
+RATES = ("16GB/s", "4GB/s", "1GB/s")
+DECODE_TOKENS = 16
+THREADS = 2
+PROMPT = [1, 504, 3575, 282, 4649, 314, 253, 1789, 8760, 30, 198]
+PROMPT_TOKENS = 64
+LONG = (PROMPT * 8)[:PROMPT_TOKENS]
+MODES = {
+    "none": {},
+    "sequential": {"offload": "sequential"},
+    "group (no prefetch)": {"offload": "group", "blocks_per_group": 4, "prefetch": False},
+    "group (prefetch)": {"offload": "group", "blocks_per_group": 4, "prefetch": True},
+}
+
+
+def load(rate: str, kw: dict) -> wl.Model:
+    return wl.load_gguf(
+        DEMO,
+        n_ctx=128,
+        n_threads=THREADS,
+        devices=f"virtual:96MiB@{rate},cpu",
+        n_gpu_layers=10,
+        **kw,
+    )
+
+
+def prompt(m: wl.Model) -> tuple[float, dict]:
+    """ms per token of a PROMPT_TOKENS-token prompt in one forward call, and its stats."""
+    cache = wl.Cache(m, max_seq_len=128)
+    t = time.perf_counter()
+    m.forward(LONG, cache=cache)
+    return (time.perf_counter() - t) * 1e3 / len(LONG), m.transfer_stats()
+
+
+def decode(m: wl.Model) -> tuple[float, dict]:
+    """ms per decoded token, and the last step's transfer stats."""
+    logits = m.forward(PROMPT)
+    ids = [int(logits[0].argmax())]
+    cache = wl.Cache(m, max_seq_len=128)
+    m.forward(PROMPT, cache=cache)
+    t = time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        row = m.forward(ids[-1:], cache=cache)
+        ids.append(int(row[0].argmax()))
+    ms = (time.perf_counter() - t) * 1e3 / DECODE_TOKENS
+    return ms, m.transfer_stats()
+
+
+def main() -> None:
+    rows = []
+    for rate in RATES:
+        models = {name: load(rate, kw) for name, kw in MODES.items()}
+        want = models["none"].forward(PROMPT, logits="all")
+        for name, m in models.items():
+            assert np.array_equal(m.forward(PROMPT, logits="all"), want), name
+        for what, run in (("decode", decode), (f"{PROMPT_TOKENS}-token prompt", prompt)):
+            samples: dict[str, list[tuple[float, dict]]] = {name: [] for name in MODES}
+            for r in range(REPEAT + 1):
+                order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
+                for name in order:
+                    got = run(models[name])
+                    if r > 0:  # the first round warms up
+                        samples[name].append(got)
+            per = 1 if what == "decode" else PROMPT_TOKENS
+            med = {
+                name: {
+                    "ms_per_token": statistics.median(s[0] for s in ss),
+                    "bytes_per_token": statistics.median(s[1]["bytes"] for s in ss) / per,
+                    "copy_ms_per_token": statistics.median(s[1]["seconds"] * 1e3 for s in ss) / per,
+                }
+                for name, ss in samples.items()
+            }
+            sync, pre = med["group (no prefetch)"], med["group (prefetch)"]
+            compute = sync["ms_per_token"] - sync["copy_ms_per_token"]
+            hidden = (
+                1 - (pre["ms_per_token"] - compute) / sync["copy_ms_per_token"]
+                if sync["copy_ms_per_token"] > 0
+                else float("nan")
+            )
+            for name, v in med.items():
+                rows.append({"rate": rate, "what": what, "mode": name, **v})
+            rows.append({"rate": rate, "what": what, "mode": "prefetch hid", "hidden": hidden})
+        print(f"[offload bench] {rate}: done", flush=True)
+    info = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "weightlift": wl.__file__,
+        "threads": THREADS,
+        "repeat": REPEAT,
+        "decode_tokens": DECODE_TOKENS,
+        "loadavg": os.getloadavg(),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "offload.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    lines = [
+        "# Offloaded execution bench (virtual devices with a throttled link)",
+        "",
+        f"SmolLM2-135M Q4_1, last 10 layers on `virtual:96MiB@RATE`, the first 20 kept on the "
+        f"cpu; {THREADS} threads; decode after an 11-token prompt, {DECODE_TOKENS} steps, and "
+        f"a {PROMPT_TOKENS}-token prompt; "
+        f"medians of {REPEAT} interleaved rounds; {info['date']}, load average "
+        f"{info['loadavg'][0]:.2f} (the machine is shared; expect noise). Logits of every mode "
+        "equal offload=None's, checked before timing.",
+        "",
+        "| link | run | mode | ms / token | MB copied / token | copy ms / token |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        if row["mode"] == "prefetch hid":
+            lines.append(
+                f"| {row['rate']} | {row['what']} | prefetch hid | "
+                f"{row['hidden'] * 100:.0f} % of the copy time | | |"
+            )
+        else:
+            lines.append(
+                f"| {row['rate']} | {row['what']} | {row['mode']} | {row['ms_per_token']:.2f} | "
+                f"{row['bytes_per_token'] / 1e6:.1f} | {row['copy_ms_per_token']:.2f} |"
+            )
+    (RESULTS / "offload.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

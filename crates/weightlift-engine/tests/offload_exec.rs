@@ -1,0 +1,184 @@
+//! Offloaded execution (`offload="sequential" | "group"`): SmolLM2 with its last 10 layers on
+//! a virtual device (`n_gpu_layers=10`) and the first 20 kept on the cpu, which run on the virtual device after their matrices
+//! are copied into onload slots. The logits must equal the all-on-cpu run bit for bit in every
+//! mode; the virtual device's peak must be the plan's figure; each forward call must move the
+//! kept layers' matrices (or nothing, once both groups of a two-group plan are resident). The
+//! time prefetch hides is measured by `benches/offload.py`, not here.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{smollm2, smollm2_prompt};
+use weightlift_engine::forward::{Compute, Logits};
+use weightlift_engine::{Cache, CacheDType, Inventory, LoadOptions, Model};
+use weightlift_plan::{CacheSpec, LayerOptions, Plan, Strategy, WeightOffload};
+
+struct Run {
+    model: Model,
+    cache: Arc<Cache>,
+    plan: Plan,
+    inv: Inventory,
+}
+
+fn load(devices: &str, n_gpu_layers: i64, offload: Option<WeightOffload>) -> Run {
+    let src = smollm2();
+    let inv = Inventory::parse(devices).unwrap();
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let mut req = model.plan_request().unwrap();
+    req.strategy = Strategy::Layers(LayerOptions {
+        n_gpu_layers,
+        ..LayerOptions::default()
+    });
+    req.cache = Some(CacheSpec::new(64, 1, CacheDType::Fp16));
+    req.offload = offload;
+    let plan = weightlift_plan::plan(&req).unwrap();
+    let c = plan.cache().unwrap();
+    let cache = Arc::new(
+        Cache::new(
+            model
+                .cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
+                .unwrap(),
+        )
+        .unwrap(),
+    );
+    let placement = model.placement(&plan).unwrap();
+    model
+        .load(
+            &placement,
+            &LoadOptions::default(),
+            Some(&cache),
+            true,
+            &mut |_| true,
+        )
+        .unwrap();
+    model.set_threads(2).unwrap();
+    Run {
+        model,
+        cache,
+        plan,
+        inv,
+    }
+}
+
+fn logits(r: &mut Run, compute: Compute, ids: &[u32]) -> Vec<f32> {
+    r.model.set_compute(compute);
+    r.cache.reset();
+    let mut out = Vec::new();
+    r.model
+        .forward(ids, Some(&r.cache), Logits::All, &mut out)
+        .unwrap();
+    // and one decode step after the prompt
+    let mut next = Vec::new();
+    r.model
+        .forward(&[ids[0]], Some(&r.cache), Logits::Last, &mut next)
+        .unwrap();
+    out.extend(next);
+    out
+}
+
+const GROUP4: WeightOffload = WeightOffload::Group {
+    blocks_per_group: 4,
+    prefetch: true,
+};
+
+#[test]
+fn every_mode_gives_the_all_on_cpu_logits_bit_for_bit() {
+    let prompt = smollm2_prompt(1);
+    let mut cpu = load("cpu", 0, None);
+    for mode in [
+        WeightOffload::Sequential,
+        GROUP4,
+        WeightOffload::Group {
+            blocks_per_group: 3,
+            prefetch: false,
+        },
+        WeightOffload::Group {
+            blocks_per_group: 10,
+            prefetch: true,
+        },
+    ] {
+        let mut off = load("virtual:96MiB,cpu", 10, Some(mode));
+        let o = off.plan.onload().expect("an onload plan").clone();
+        assert_eq!(o.device, "virtual:0");
+        let kept: Vec<u32> = o.groups.iter().flatten().copied().collect();
+        assert_eq!(kept, (0..20).collect::<Vec<_>>(), "{mode:?}");
+        // every layer computes on the virtual device, where its cache is
+        assert!(
+            off.model
+                .layer_devices()
+                .unwrap()
+                .iter()
+                .all(|d| d == "virtual:0")
+        );
+        for compute in [Compute::Exact, Compute::Fast] {
+            let want = logits(&mut cpu, compute, &prompt);
+            let got = logits(&mut off, compute, &prompt);
+            assert!(got == want, "{mode:?} {compute:?}: logits differ");
+        }
+        // The device's peak is the plan's weights + kv + scratch (workspace and slots).
+        let d = off
+            .plan
+            .devices()
+            .iter()
+            .find(|d| d.name == "virtual:0")
+            .unwrap();
+        let promised = d.weights + d.kv + d.scratch;
+        let peak = off.inv.get("virtual:0").unwrap().peak();
+        assert!(
+            peak.abs_diff(promised) <= promised / 100,
+            "{mode:?}: plan {promised} B (scratch {} with {} slot(s) of {}), peak {peak} B",
+            d.scratch,
+            o.slots,
+            o.slot_bytes
+        );
+    }
+}
+
+#[test]
+fn copies_per_forward_call_follow_the_groups() {
+    let prompt = smollm2_prompt(1);
+    // 20 kept layers in 5 groups: every call copies all of them again.
+    let mut r = load("virtual:96MiB,cpu", 10, Some(GROUP4));
+    let o = r.plan.onload().unwrap().clone();
+    assert_eq!((o.groups.len(), o.slots), (5, 2));
+    let matrices: u64 = o.slot_bytes; // four layers of identical shape and type
+    let _ = logits(&mut r, Compute::Fast, &prompt);
+    let s = r.model.transfer_stats();
+    assert!(s.bytes >= 5 * matrices, "{} B moved", s.bytes);
+    // 20 kept layers in 2 groups of 10: resident after the first call, nothing moves after.
+    let mut r = load(
+        "virtual:160MiB,cpu",
+        10,
+        Some(WeightOffload::Group {
+            blocks_per_group: 10,
+            prefetch: true,
+        }),
+    );
+    let _ = logits(&mut r, Compute::Fast, &prompt);
+    let first = r.model.transfer_stats();
+    assert!(
+        first.bytes < 576 * 4 * 64,
+        "both groups were resident already"
+    );
+    let s = r.model.transfer_stats();
+    assert_eq!(
+        s.bytes % (576 * 4),
+        0,
+        "hidden-state rows only: {} B",
+        s.bytes
+    );
+}
+
+#[test]
+fn offload_without_an_accelerator_is_refused_before_any_copy() {
+    let src = smollm2();
+    let model = Model::new(Arc::clone(&src), Inventory::parse("cpu").unwrap());
+    let mut req = model.plan_request().unwrap();
+    req.offload = Some(WeightOffload::Sequential);
+    let e = weightlift_plan::plan(&req).unwrap_err().to_string();
+    assert!(
+        e.contains("an accelerator to execute offloaded layers on"),
+        "{e}"
+    );
+}
