@@ -1,6 +1,6 @@
 """The planner through its Python API: plans of real checkpoints whose predicted bytes per device
-must equal the actual tensor sizes placed there, KV bytes against DESIGN.md's formula, llama.cpp's
-documented n_gpu_layers rule, fit(), JSON round trips, errors, and the CLI."""
+must equal the actual tensor sizes placed there, KV bytes against the cache formula worked out by
+hand, llama.cpp's documented n_gpu_layers rule, fit(), JSON round trips, errors, and the CLI."""
 
 from __future__ import annotations
 

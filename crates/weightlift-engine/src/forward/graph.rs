@@ -402,7 +402,6 @@ impl Graph {
                         .map(|g| g.iter().map(|&l| l as usize).collect())
                         .collect(),
                     slot_bytes: usize::try_from(p.slot_bytes).unwrap_or(usize::MAX),
-                    slots: p.slots as usize,
                     holds: vec![None; p.slots as usize],
                     rate: link_rate(&from, &to),
                 })
@@ -565,11 +564,6 @@ impl Graph {
         };
         out.clear();
         out.resize(rows * vocab, 0.0);
-        let names: Vec<String> = self
-            .sites
-            .iter()
-            .map(|s| s.device.name().to_owned())
-            .collect();
         let devs: Vec<Arc<Device>> = self.sites.iter().map(|s| Arc::clone(&s.device)).collect();
 
         // Every site's workspace at once (distinct buffers), as its path sees it.
@@ -579,7 +573,7 @@ impl Graph {
         let onload_site = self
             .onload
             .as_ref()
-            .map(|o| (o.site, o.slot_bytes, o.slots));
+            .map(|o| (o.site, o.slot_bytes, o.slots()));
         let mut slot_mem: Vec<Option<&mut [u8]>> = Vec::new();
         for (si, s) in self.sites.iter_mut().enumerate() {
             let Site {
@@ -664,7 +658,7 @@ impl Graph {
             c: &c,
             held,
             copies,
-            device: &names[site],
+            device: devs[site].name(),
         };
         let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
         for (i, w) in works.iter_mut().enumerate() {
@@ -676,7 +670,7 @@ impl Graph {
                 // only the sites that compute layers hold the table
                 if b.len(&r.freqs) >= freqs.len() {
                     b.copy_from_host(freqs, &mut r.freqs, 0)
-                        .map_err(|e| kernel_on(&names[i], "rope frequencies", e))?;
+                        .map_err(|e| kernel_on(devs[i].name(), "rope frequencies", e))?;
                 }
             });
         }
@@ -705,7 +699,7 @@ impl Graph {
                 }
             }, (b, r) => exec::embed(*b, &cx(es), &self.embed, part, &mut r.x)?);
                 for (i, w) in works.iter_mut().enumerate() {
-                    on_site!(w, _v => (), (b, r) => exec::positions(*b, &names[i], pos, n, r)?);
+                    on_site!(w, _v => (), (b, r) => exec::positions(*b, devs[i].name(), pos, n, r)?);
                 }
                 let mut at = self.embed_site;
                 for (li, layer) in self.layers.iter().enumerate() {
@@ -1006,7 +1000,8 @@ fn onload_group<'s, 'w: 's, 'h: 's>(
         o.holds[p.slot] = Some(p.group);
     }
     let lost = || invalid("onload slot", "free for a copy", "in use by a prefetch");
-    let si = g % o.slots;
+    let slots = o.slots();
+    let si = g % slots;
     if o.holds[si] != Some(g) {
         o.holds[si] = None;
         let parts = o.parts(g, layers, held, copies)?;
@@ -1015,8 +1010,8 @@ fn onload_group<'s, 'w: 's, 'h: 's>(
         o.holds[si] = Some(g);
     }
     let next = g + 1;
-    if o.slots > 1 && next < o.groups.len() && o.holds[next % o.slots] != Some(next) {
-        let sj = next % o.slots;
+    if slots > 1 && next < o.groups.len() && o.holds[next % slots] != Some(next) {
+        let sj = next % slots;
         let parts = o.parts(next, layers, held, copies)?;
         let mem = slot_mem[sj].take().ok_or_else(lost)?;
         o.holds[sj] = None;

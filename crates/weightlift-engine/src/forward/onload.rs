@@ -22,17 +22,20 @@ pub(crate) struct Onload {
     /// Layer indices per group, in execution order.
     pub groups: Vec<Vec<usize>>,
     pub slot_bytes: usize,
-    pub slots: usize,
-    /// The group each slot holds now.
+    /// The group each slot holds now; one entry per slot.
     pub holds: Vec<Option<usize>>,
     /// The simulated link rate from where the weights are to the execution device.
     pub rate: Option<u64>,
 }
 
 impl Onload {
+    pub fn slots(&self) -> usize {
+        self.holds.len()
+    }
+
     /// Bytes of every slot together.
     pub fn bytes(&self) -> usize {
-        self.slot_bytes * self.slots
+        self.slot_bytes * self.slots()
     }
 
     /// Lay out each group's matrices in a slot: sets `Layer::group` and every matrix's offset,
