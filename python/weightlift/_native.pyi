@@ -163,6 +163,7 @@ _DeviceMap = (
 _Overrides = str | Sequence[str] | Mapping[str, str | int]
 _Devices = str | Sequence[str]
 _Compute = Literal["fast", "exact"]
+_Quantize = Literal["int8", "q8_0", "q4_k", "q6_k"]
 _FitTarget = Literal["max_seq_len", "ctx", "context", "batch_size", "batch", "n_gpu_layers", "ngl"]
 
 def plan(
@@ -187,6 +188,7 @@ def plan(
     gpu_split: Sequence[float] | None = None,
     use_mmap: bool = True,
     cache_offload: bool = False,
+    quantize: _Quantize | None = None,
 ) -> Plan:
     """Plan where every tensor and every layer's KV cache goes, before a byte is read.
 
@@ -241,6 +243,7 @@ def fit(
     gpu_split: Sequence[float] | None = None,
     use_mmap: bool = True,
     cache_offload: bool = False,
+    quantize: _Quantize | None = None,
 ) -> int: ...
 def devices() -> list[Device]: ...
 def parse_devices(spec: str | Sequence[str]) -> list[Device]: ...
@@ -352,6 +355,8 @@ class Plan:
     @property
     def n_layers(self) -> int: ...
     @property
+    def quantize(self) -> str | None: ...
+    @property
     def cache(self) -> CacheSpec | None: ...
     @property
     def runtime(self) -> RuntimeSpec: ...
@@ -436,6 +441,7 @@ class Model:
         runtime: RuntimeSpec | Mapping[str, Any] | None = None,
         compute: _Compute = "fast",
         n_threads: int | None = None,
+        quantize: _Quantize | None = None,
     ) -> Model: ...
     def forward(
         self, ids: Sequence[int], *, cache: Cache | None = None, logits: str = "last"
@@ -601,6 +607,7 @@ class Model:
     @property
     def layer_devices(self) -> list[str]: ...
     def tensor(self, name: str, dequantize: bool = False) -> npt.NDArray[Any]: ...
+    def tensor_info(self, name: str) -> TensorInfo: ...
 
 @final
 class Cache:
@@ -710,6 +717,7 @@ def from_pretrained(
     callback: _Callback | None = None,
     compute: _Compute = "fast",
     n_threads: int | None = None,
+    quantize: _Quantize | None = None,
 ) -> Model:
     """Open, plan with ``device_map`` and ``max_memory``, and load, as transformers 5's
     ``from_pretrained`` does: its presets cap each GPU but the last at its share of the model

@@ -245,6 +245,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cache": _cache_spec(args),
         "runtime": _runtime(args),
         "weight_dtype": args.weight_dtype,
+        "quantize": args.quantize,
         **_placement(args),
     }
 
@@ -361,7 +362,12 @@ def _load_model(
     import time
 
     model = weightlift.Model(
-        args.path, devices=args.devices, dtype=args.dtype, runtime=_runtime(args), **model_kw
+        args.path,
+        devices=args.devices,
+        dtype=args.dtype,
+        runtime=_runtime(args),
+        quantize=args.quantize,
+        **model_kw,
     )
     bar = _ProgressBar(args.progress)
     start = time.perf_counter()
@@ -522,6 +528,11 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
         help="keep the KV cache in host RAM, with two prefetch slots per layer device",
     )
     p.add_argument("--dtype", default="auto", help="convert float weights: auto, float16, ...")
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "q8_0", "q4_k", "q6_k"],
+        help="quantise a float checkpoint's linears on load (LLM.int8 or a ggml type)",
+    )
     if not load:
         p.add_argument(
             "--weight-dtype",

@@ -1,4 +1,5 @@
-//! Dtype conversion on the way to a device (F32 and BF16 to F16; quantised types are never
+//! Dtype conversion on the way to a device (F32 and BF16 to F16; F32, F16 and BF16 matrices to
+//! the types quantise-on-load writes, whole rows at a time; quantised types are never
 //! converted, they stay quantised; anything else is refused with `Unsupported`), and the one
 //! dequantiser every user-facing read goes through ([`dequantize_into`]).
 
@@ -12,11 +13,100 @@ pub fn check(info: &TensorInfo, to: DType) -> Result<()> {
     match (info.dtype, to) {
         (a, b) if a == b => Ok(()),
         (DType::F32 | DType::BF16, DType::F16) => Ok(()),
+        _ if quantizing(info, to) => {
+            let cols = info.shape.last().copied().unwrap_or(0);
+            if info.shape.len() == 2 && cols > 0 && cols.is_multiple_of(to.block_size()) {
+                Ok(())
+            } else {
+                Err(crate::error::invalid(
+                    format!("quantising tensor '{}' to {to}", info.name),
+                    format!(
+                        "a matrix whose rows are whole {}-value blocks",
+                        to.block_size()
+                    ),
+                    format!("shape {:?}", info.shape),
+                ))
+            }
+        }
         (from, to) => Err(EngineError::Unsupported {
             what: format!("converting tensor '{}' from {from} to {to}", info.name),
-            detail: "only F32 and BF16 convert (to F16); quantised types stay quantised".into(),
+            detail: "F32 and BF16 convert to F16, float matrices quantise to INT8, Q4_0, Q4_1, \
+                     Q5_0, Q5_1, Q8_0, Q4_K or Q6_K; quantised types stay quantised"
+                .into(),
         }),
     }
+}
+
+/// Whether holding `info` as `to` quantises it on load.
+pub fn quantizing(info: &TensorInfo, to: DType) -> bool {
+    let float = matches!(info.dtype, DType::F32 | DType::F16 | DType::BF16);
+    let writable =
+        to == DType::INT8 || kernel_type(to).is_some_and(weightlift_kernels::can_quantize);
+    float && writable
+}
+
+/// Source bytes of one row of `info`, the unit a quantising load reads in: every chunk handed
+/// to [`quantize_chunk`] is whole rows.
+pub fn source_row_bytes(info: &TensorInfo) -> u64 {
+    let cols = info.shape.last().copied().unwrap_or(1);
+    info.dtype.bytes_for(cols).unwrap_or(1).max(1)
+}
+
+/// Quantise whole source rows `data` (source bytes `at..at + data.len()` of `info`) to `to`,
+/// and hand each piece of the held tensor to `put(offset, bytes)`: the rows' quants, then, for
+/// INT8, their f32 scales, which sit after every quant of the tensor. `scratch` holds the
+/// output between the two (at most one chunk's worth), so a load needs no tensor-sized buffer.
+pub fn quantize_chunk(
+    info: &TensorInfo,
+    to: DType,
+    at: u64,
+    data: &[u8],
+    scratch: &mut Vec<u8>,
+    put: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+) -> Result<()> {
+    check(info, to)?;
+    let row_in = source_row_bytes(info) as usize;
+    let cols = info.shape.last().copied().unwrap_or(0) as usize;
+    let ragged = |what: String| {
+        crate::error::invalid(
+            format!("quantising tensor '{}'", info.name),
+            format!("whole rows of {row_in} bytes"),
+            what,
+        )
+    };
+    if !data.len().is_multiple_of(row_in) || !at.is_multiple_of(row_in as u64) {
+        return Err(ragged(format!("bytes {at}..{}", at + data.len() as u64)));
+    }
+    let first = (at / row_in as u64) as usize;
+    let rows = data.len() / row_in;
+    let src_ty = match info.dtype {
+        DType::F32 => weightlift_kernels::FloatType::F32,
+        DType::F16 => weightlift_kernels::FloatType::F16,
+        _ => weightlift_kernels::FloatType::BF16,
+    };
+    let kernel = |e: weightlift_kernels::KernelError| EngineError::Unsupported {
+        what: format!("quantising tensor '{}' to {to}", info.name),
+        detail: e.to_string(),
+    };
+    if to == DType::INT8 {
+        let all_rows = (info.n_elements() as usize) / cols.max(1);
+        let mut scales = vec![0f32; rows];
+        scratch.clear();
+        scratch.resize(rows * cols, 0);
+        let q: &mut [i8] = bytemuck::cast_slice_mut(scratch.as_mut_slice());
+        weightlift_kernels::int8_quantize_rows_from(src_ty, data, cols, q, &mut scales)
+            .map_err(kernel)?;
+        put(first * cols, scratch)?;
+        return put(all_rows * cols + first * 4, bytemuck::cast_slice(&scales));
+    }
+    let Some(qt) = kernel_type(to) else {
+        return Err(ragged(format!("a type the quantisers cannot write: {to}")));
+    };
+    let row_out = weightlift_kernels::quantized_row_bytes(qt, cols).map_err(kernel)?;
+    scratch.clear();
+    scratch.resize(rows * row_out, 0);
+    weightlift_kernels::quantize_rows_from(qt, src_ty, data, cols, scratch).map_err(kernel)?;
+    put(first * row_out, scratch)
 }
 
 /// Bytes per element in and out of a conversion from `info`'s dtype to `to`.
@@ -98,7 +188,9 @@ pub fn convert_into(
 
 /// Whether [`dequantize_into`] can decode `dtype`.
 pub fn can_dequantize(dtype: DType) -> bool {
-    kernel_type(dtype).is_some() || weightlift_format::dequant::supports(dtype)
+    dtype == DType::INT8
+        || kernel_type(dtype).is_some()
+        || weightlift_format::dequant::supports(dtype)
 }
 
 /// Dequantise `data`, exactly `out.len()` elements of `dtype`, into `out`. The kernels' SIMD
@@ -106,6 +198,9 @@ pub fn can_dequantize(dtype: DType) -> bool {
 /// crate's scalar reference takes the rest. `Checkpoint.dequantize` and
 /// `Model.tensor(dequantize=True)` both come here, so a tensor reads the same either way.
 pub fn dequantize_into(dtype: DType, data: &[u8], out: &mut [f32]) -> Result<(), FormatError> {
+    if dtype == DType::INT8 {
+        return int8_dequantize_into(data, out);
+    }
     match kernel_type(dtype) {
         Some(qt) => weightlift_kernels::dequantize_f32(qt, data, out).map_err(|e| {
             FormatError::DequantizeBlocks {
@@ -115,6 +210,40 @@ pub fn dequantize_into(dtype: DType, data: &[u8], out: &mut [f32]) -> Result<(),
         }),
         None => weightlift_format::dequant::dequantize_into(dtype, data, out),
     }
+}
+
+/// `1/127` as bitsandbytes' `int8_vectorwise_dequant` writes it (the same f32 the int8
+/// matmul's outlier columns use, so a dequantised weight equals the one the forward pass saw).
+const INT8_DEQUANT: f32 = 7.874_016e-3;
+
+/// An INT8 tensor's quants and row scales (see `DType::bytes_for_shape`) back to f32:
+/// `q · scale · 1/127`, as bitsandbytes dequantises `CB` with `SCB`.
+fn int8_dequantize_into(data: &[u8], out: &mut [f32]) -> Result<(), FormatError> {
+    let n = out.len();
+    let err = |detail: String| FormatError::DequantizeBlocks {
+        dtype: DType::INT8,
+        detail,
+    };
+    let trailer = data.len().checked_sub(n).filter(|t| t % 4 == 0 && *t > 0);
+    let Some(rows) = trailer.map(|t| t / 4).filter(|r| n.is_multiple_of(*r)) else {
+        return Err(err(format!(
+            "expected {n} quants and one 4-byte scale per row after them, got {} bytes",
+            data.len()
+        )));
+    };
+    let cols = n / rows;
+    let (q, scales) = data.split_at(n);
+    for ((y, q), s) in out
+        .chunks_exact_mut(cols)
+        .zip(q.chunks_exact(cols))
+        .zip(scales.chunks_exact(4))
+    {
+        let s = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        for (y, &q) in y.iter_mut().zip(q) {
+            *y = (f32::from(q as i8) * s) * INT8_DEQUANT;
+        }
+    }
+    Ok(())
 }
 
 fn kernel_type(dtype: DType) -> Option<weightlift_kernels::QuantType> {
@@ -140,4 +269,97 @@ pub fn to_f32(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
             .collect(),
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(dtype: DType, shape: &[u64]) -> TensorInfo {
+        let n: u64 = shape.iter().product();
+        TensorInfo {
+            name: "w".into(),
+            dtype,
+            shape: shape.to_vec(),
+            nbytes: dtype.bytes_for(n).unwrap(),
+            file: 0,
+            offset: 0,
+            layer: Some(0),
+            role: None,
+        }
+    }
+
+    /// Quantise `src` (f32 bytes of `info`) in chunks of `rows_per_chunk` rows into one buffer.
+    fn in_chunks(info: &TensorInfo, to: DType, src: &[u8], rows_per_chunk: usize) -> Vec<u8> {
+        let mut out = vec![0u8; to.bytes_for_shape(&info.shape).unwrap() as usize];
+        let step = rows_per_chunk * source_row_bytes(info) as usize;
+        let mut scratch = Vec::new();
+        for (k, chunk) in src.chunks(step).enumerate() {
+            quantize_chunk(
+                info,
+                to,
+                (k * step) as u64,
+                chunk,
+                &mut scratch,
+                &mut |at, b| {
+                    out[at..at + b.len()].copy_from_slice(b);
+                    Ok(())
+                },
+            )
+            .unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn chunks_of_rows_give_the_whole_tensors_bytes() {
+        let (rows, cols) = (6usize, 256usize);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let src: &[u8] = bytemuck::cast_slice(&values);
+        let t = info(DType::F32, &[rows as u64, cols as u64]);
+        for to in [DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::INT8] {
+            let whole = in_chunks(&t, to, src, rows);
+            assert_eq!(in_chunks(&t, to, src, 4), whole, "{to}");
+            assert_eq!(in_chunks(&t, to, src, 1), whole, "{to}");
+            let mut back = vec![0f32; rows * cols];
+            dequantize_into(to, &whole, &mut back).unwrap();
+            let err = values
+                .iter()
+                .zip(&back)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(err < 0.1, "{to}: {err}");
+        }
+    }
+
+    #[test]
+    fn ragged_chunks_and_shapes_are_refused() {
+        let t = info(DType::F32, &[4, 256]);
+        let e = quantize_chunk(
+            &t,
+            DType::Q8_0,
+            0,
+            &[0u8; 100],
+            &mut Vec::new(),
+            &mut |_, _| Ok(()),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("whole rows of 1024 bytes"), "{e}");
+        let odd = info(DType::F16, &[4, 48]);
+        let e = check(&odd, DType::Q4_K).unwrap_err().to_string();
+        assert!(
+            e.contains("whole 256-value blocks") && e.contains("[4, 48]"),
+            "{e}"
+        );
+        let e = check(&info(DType::Q4_0, &[4, 256]), DType::Q8_0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("quantised types stay quantised"), "{e}");
+        let e = dequantize_into(DType::INT8, &[0u8; 10], &mut [0f32; 8])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one 4-byte scale per row"), "{e}");
+    }
 }

@@ -590,7 +590,7 @@ impl DeviceTensor {
                     format!("{shape:?}"),
                 )
             })?;
-        let need = dtype.bytes_for(n).ok_or_else(|| {
+        let need = dtype.bytes_for_shape(&shape).ok_or_else(|| {
             invalid(
                 format!("tensor of {dtype}"),
                 format!("a whole number of {}-element blocks", dtype.block_size()),

@@ -128,7 +128,7 @@ pub fn target_bytes(info: &TensorInfo, dtype: DType) -> Result<u64> {
         return Ok(info.nbytes);
     }
     convert::check(info, dtype)?;
-    dtype.bytes_for(info.n_elements()).ok_or_else(|| {
+    dtype.bytes_for_shape(&info.shape).ok_or_else(|| {
         crate::error::invalid(
             format!("tensor '{}'", info.name),
             "a convertible shape",
@@ -220,6 +220,23 @@ pub fn load(
     }
 
     let staging = opts.staging_bytes.max(ALIGN).next_multiple_of(ALIGN);
+    // A quantising load reads whole source rows per chunk, as many as fit the staging buffer.
+    let mut units = vec![1u64; infos.len()];
+    for (i, (info, t)) in infos.iter().zip(targets).enumerate() {
+        if let Some(t) = t
+            && convert::quantizing(info, t.dtype)
+        {
+            let row = convert::source_row_bytes(info);
+            if row > staging as u64 {
+                return Err(crate::error::invalid(
+                    format!("quantising tensor '{}'", info.name),
+                    format!("rows of at most the staging size, {staging} bytes"),
+                    format!("rows of {row} bytes; raise staging_bytes"),
+                ));
+            }
+            units[i] = row;
+        }
+    }
     let stop = AtomicBool::new(false);
     let files = source.files();
     let mut out: Vec<Option<DeviceTensor>> = (0..infos.len()).map(|_| None).collect();
@@ -237,6 +254,7 @@ pub fn load(
                 source,
                 files: &files,
                 paths: &paths,
+                units: &units,
                 order: &order,
                 staging,
                 direct: opts.use_direct_io,
@@ -438,6 +456,11 @@ fn put_chunk(
     dst: &mut crate::device::Buffer,
     converted: &mut Vec<u8>,
 ) -> Result<()> {
+    if convert::quantizing(info, to) {
+        return convert::quantize_chunk(info, to, at, data, converted, &mut |at, bytes| {
+            dst.write(at, bytes)
+        });
+    }
     if let Some(host) = dst.host_mut() {
         return convert::convert_into(info, to, at, data, host);
     }
@@ -457,6 +480,8 @@ struct Reader<'a> {
     source: &'a Arc<dyn Source>,
     files: &'a [PathBuf],
     paths: &'a [Path_],
+    /// Chunks of each tensor are whole multiples of this many bytes.
+    units: &'a [u64],
     order: &'a [usize],
     staging: usize,
     direct: bool,
@@ -531,7 +556,9 @@ impl Reader<'_> {
                                 Err(_) => return Ok(()),
                             }
                         };
-                        let want = (info.nbytes - at).min(self.staging as u64) as usize;
+                        let unit = self.units[index];
+                        let want =
+                            (info.nbytes - at).min(self.staging as u64 / unit * unit) as usize;
                         let pos = info.offset + at;
                         let mut start = 0usize;
                         let mut got = false;

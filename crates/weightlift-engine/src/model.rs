@@ -467,12 +467,22 @@ impl Model {
                 Some(spec) => self.load_split(*i, spec)?,
                 None => {
                     let device = self.resolve(&place.device)?;
-                    let tensor = DeviceTensor::from_host(
-                        &device,
-                        info.shape.clone(),
-                        info.dtype,
-                        self.source.bytes(*i),
-                    )?;
+                    // A converted or quantised original is copied as held, so the copy has the
+                    // type (and the bytes) the plan counted.
+                    let converted = match held.get(*i) {
+                        Some(Held::Whole { tensor, .. })
+                            if place.dtype != info.dtype && tensor.dtype() == place.dtype =>
+                        {
+                            Some(tensor.to_host()?)
+                        }
+                        _ => None,
+                    };
+                    let (dtype, bytes) = match &converted {
+                        Some(b) => (place.dtype, &b[..]),
+                        None => (info.dtype, self.source.bytes(*i)),
+                    };
+                    let tensor =
+                        DeviceTensor::from_host(&device, info.shape.clone(), dtype, bytes)?;
                     Held::Whole {
                         tensor,
                         device: place.device.clone(),
@@ -642,6 +652,38 @@ impl Model {
             Held::Split { .. } => (info.dtype, info.shape.clone()),
         };
         let n: u64 = shape.iter().product();
+        if dtype == DType::INT8 {
+            // Its row scales follow every quant, so it decodes as one buffer.
+            let bytes;
+            let data = match held {
+                Held::Whole { tensor, .. } => match tensor.host_bytes() {
+                    Some(h) => h,
+                    None => {
+                        bytes = tensor.to_host()?;
+                        &bytes[..]
+                    }
+                },
+                Held::Split { .. } => {
+                    return Err(invalid(
+                        format!("dequantising tensor '{name}'"),
+                        "a whole INT8 tensor",
+                        "a split one",
+                    ));
+                }
+            };
+            let mut values = vec![0f32; usize::try_from(n).unwrap_or(usize::MAX)];
+            crate::convert::dequantize_into(dtype, data, &mut values)?;
+            return Ok(Dequantized {
+                values,
+                shape,
+                chunks: 1,
+                transient_bytes: if tensor_on_host(held) {
+                    0
+                } else {
+                    data.len() as u64
+                },
+            });
+        }
         let bs = dtype.block_size().max(1);
         let per = (max_dq_size / bs).max(1) * bs;
         let bytes_of = |e: u64| {
@@ -724,6 +766,21 @@ impl Model {
     pub fn held(&self, name: &str) -> Result<&Held> {
         let i = self.index(name)?;
         Ok(&self.state()?.held[i])
+    }
+
+    /// The checkpoint's entry for a tensor.
+    pub fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
+        Ok(&self.source.tensors()[self.index(name)?])
+    }
+
+    /// The dtype a loaded tensor is held in and its bytes there (split tensors keep their
+    /// stored type).
+    pub fn held_type(&self, name: &str) -> Result<(DType, u64)> {
+        let info = self.tensor_info(name)?;
+        Ok(match self.held(name)? {
+            Held::Whole { tensor, .. } => (tensor.dtype(), tensor.nbytes()),
+            Held::Split { .. } => (info.dtype, info.nbytes),
+        })
     }
 
     /// The device a tensor was placed on (`"tp"` joins the devices of a split tensor).
@@ -990,4 +1047,9 @@ pub struct Dequantized {
     pub chunks: usize,
     /// Bytes of the transient host buffer used (0 when decoded straight from host memory).
     pub transient_bytes: u64,
+}
+
+/// Whether a held tensor's bytes are host memory (read in place).
+fn tensor_on_host(held: &Held) -> bool {
+    matches!(held, Held::Whole { tensor, .. } if tensor.host_bytes().is_some())
 }

@@ -161,7 +161,7 @@ pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
                 }
                 TensorPlace {
                     device: dev.to_owned(),
-                    dtype: infos[embd].dtype,
+                    dtype: tensors[embd].dtype,
                     split: Some(SplitSpec {
                         axis: 0,
                         replicated: false,
@@ -171,7 +171,7 @@ pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
             }
             None => TensorPlace {
                 device: dev.to_owned(),
-                dtype: infos[embd].dtype,
+                dtype: tensors[embd].dtype,
                 split: None,
             },
         };

@@ -91,6 +91,9 @@ dtypes! {
     C64 = "C64", ggml: None, block: 1, bytes: 8;
     F8_E4M3FNUZ = "F8_E4M3FNUZ", ggml: None, block: 1, bytes: 1;
     F8_E5M2FNUZ = "F8_E5M2FNUZ", ggml: None, block: 1, bytes: 1;
+    // Quantised on load, never read from a file: LLM.int8 row-wise weights. The table counts
+    // the quants; each row's f32 absmax follows all of them (see `DType::bytes_for_shape`).
+    INT8 = "INT8", ggml: None, block: 1, bytes: 1;
 }
 
 impl DType {
@@ -129,6 +132,27 @@ impl DType {
         (n_elements / self.block_size()).checked_mul(self.type_size())
     }
 
+    /// Bytes of a row-major tensor of `shape`: [`DType::bytes_for`] of its elements, plus, for
+    /// [`DType::INT8`], one little-endian f32 scale per row stored after every quant (the
+    /// layout bitsandbytes keeps as `CB` and `SCB`, in one buffer so a tensor stays one
+    /// region of its device). `None` as `bytes_for`.
+    pub fn bytes_for_shape(self, shape: &[u64]) -> Option<u64> {
+        let n = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d))?;
+        let quants = self.bytes_for(n)?;
+        if self != DType::INT8 {
+            return Some(quants);
+        }
+        let cols = shape.last().copied().unwrap_or(1);
+        let rows = if cols == 0 { 0 } else { n / cols };
+        quants.checked_add(rows.checked_mul(4)?)
+    }
+
+    /// True for types whose values were quantised, by a file's writer or on load: the ggml
+    /// block types and [`DType::INT8`].
+    pub const fn holds_quants(self) -> bool {
+        self.is_quantized() || matches!(self, DType::INT8)
+    }
+
     /// numpy's name for this type, when numpy has one that reads the stored bytes exactly
     /// (little-endian, as every format here stores them).
     pub const fn numpy_name(self) -> Option<&'static str> {
@@ -136,7 +160,7 @@ impl DType {
             DType::F32 => "float32",
             DType::F16 => "float16",
             DType::F64 => "float64",
-            DType::I8 => "int8",
+            DType::I8 | DType::INT8 => "int8",
             DType::I16 => "int16",
             DType::I32 => "int32",
             DType::I64 => "int64",
@@ -205,7 +229,8 @@ mod tests {
         assert_eq!(DType::Q4_K.numpy_layout(&[2, 512]), ("uint8", vec![2, 288]));
         assert_eq!(DType::BF16.numpy_layout(&[4, 8]), ("uint8", vec![4, 16]));
         for t in DType::ALL {
-            if let Some(n) = t.numpy_name() {
+            // INT8 reads as numpy int8 quants; "int8" names the file type I8.
+            if let Some(n) = t.numpy_name().filter(|_| *t != DType::INT8) {
                 assert_eq!(DType::from_numpy_name(n), Some(*t));
             }
         }
@@ -218,5 +243,9 @@ mod tests {
         assert_eq!(DType::Q4_K.bytes_for(100), None);
         assert_eq!(DType::F4.bytes_for(6), Some(3));
         assert_eq!(DType::F32.bytes_for(u64::MAX), None);
+        assert_eq!(DType::Q8_0.bytes_for_shape(&[3, 64]), Some(3 * 68));
+        // 3 rows of 5 quants, then 3 f32 scales.
+        assert_eq!(DType::INT8.bytes_for_shape(&[3, 5]), Some(15 + 12));
+        assert_eq!(DType::INT8.bytes_for_shape(&[u64::MAX, 2]), None);
     }
 }

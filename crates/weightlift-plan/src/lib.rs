@@ -97,6 +97,7 @@ pub mod onload;
 mod options;
 mod place;
 mod plan;
+pub mod quantize;
 mod request;
 mod size;
 mod svg;
@@ -115,6 +116,7 @@ pub use onload::{OnloadPlan, WeightOffload};
 pub use options::{DeviceMapArg, ExpectCache, ModelSource, PerDevice, PlanOptions};
 pub use place::balanced_max_memory;
 pub use plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit};
+pub use quantize::Quantize;
 pub use request::{
     BudgetRule, DeviceMap, FitTarget, LayerOptions, PlanRequest, SplitMode, Strategy, TpOptions,
 };

@@ -173,6 +173,9 @@ pub struct PlanOptions {
     pub use_mmap: Option<bool>,
     /// accelerate/diffusers offloaded execution ([`crate::onload`]).
     pub offload: Option<crate::onload::WeightOffload>,
+    /// `"int8"`, `"q8_0"`, `"q4_k"` or `"q6_k"`: quantise the float linears on load
+    /// ([`crate::quantize`]).
+    pub quantize: Option<String>,
 }
 
 impl PlanOptions {
@@ -260,6 +263,9 @@ impl PlanOptions {
         }
         if self.offload.is_some() {
             req.offload = self.offload;
+        }
+        if let Some(q) = &self.quantize {
+            req.quantize = Some(crate::quantize::Quantize::parse(q)?);
         }
         Ok(())
     }

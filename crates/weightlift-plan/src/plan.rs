@@ -132,11 +132,18 @@ pub struct Plan {
     /// Offloaded execution: the layers that visit the main accelerator and its slots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) onload: Option<crate::onload::OnloadPlan>,
+    /// The quantise-on-load mode the sizes assume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) quantize: Option<crate::quantize::Quantize>,
 }
 
 impl Plan {
     pub fn strategy(&self) -> &str {
         &self.strategy
+    }
+    /// The quantise-on-load mode the sizes assume, if any.
+    pub fn quantize(&self) -> Option<crate::quantize::Quantize> {
+        self.quantize
     }
     pub fn architecture(&self) -> &str {
         &self.architecture
@@ -243,8 +250,15 @@ impl Plan {
             None => "no kv cache".to_string(),
         };
         s.push_str(&format!(
-            "plan: {} ({} layers), strategy {}, dtype {}, {}\n",
-            self.architecture, self.n_layers, self.strategy, self.dtype, ctx
+            "plan: {} ({} layers), strategy {}, dtype {}{}, {}\n",
+            self.architecture,
+            self.n_layers,
+            self.strategy,
+            self.dtype,
+            self.quantize
+                .map(|q| format!(", quantize {}", q.name()))
+                .unwrap_or_default(),
+            ctx
         ));
         // GiB columns, or MiB when every accelerator is small (host RAM alone does not decide:
         // a 100 MB model on two small devices reads best in MiB even on a 64 GiB host).

@@ -8,6 +8,7 @@ use weightlift_format::{ModelSpec, TensorInfo};
 use crate::device::DeviceSpec;
 use crate::error::{PlanError, Result};
 use crate::memory::{CacheSpec, RuntimeSpec};
+use crate::quantize::Quantize;
 use crate::synth::DTypeChoice;
 use crate::window::SlidingWindow;
 
@@ -237,6 +238,10 @@ pub struct PlanRequest {
     /// those it runs, and their plans keep every cache full.
     #[serde(default)]
     pub sliding_window: Option<SlidingWindow>,
+    /// Quantise the float linears on load ([`crate::quantize`]); `None` keeps the stored
+    /// types (and `dtype`'s conversion).
+    #[serde(default)]
+    pub quantize: Option<Quantize>,
 }
 
 impl PlanRequest {
@@ -259,6 +264,7 @@ impl PlanRequest {
             staging_bytes: 4 << 20,
             budget_rule: BudgetRule::Accelerate,
             sliding_window: None,
+            quantize: None,
         }
     }
 }

@@ -548,6 +548,20 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
+    /// `t` as a loaded model holds it: in `dtype`, taking `nbytes`.
+    pub(crate) fn held(
+        ckpt: &wf::Checkpoint,
+        t: &wf::TensorInfo,
+        dtype: wf::DType,
+        nbytes: u64,
+    ) -> Self {
+        TensorInfo {
+            dtype: dtype.name(),
+            nbytes,
+            ..TensorInfo::new(ckpt, t)
+        }
+    }
+
     fn new(ckpt: &wf::Checkpoint, t: &wf::TensorInfo) -> Self {
         TensorInfo {
             name: t.name.clone(),

@@ -20,15 +20,17 @@ use crate::progress::Reporter;
 /// decoder layer and the largest module (usually the embedding), not accelerate's first layer
 /// and mean module (`weightlift.plan(strategy="balanced")`); with no `max_memory`, 90% of the
 /// cpu. Unlike transformers, each device's budget also pays for the KV cache and scratch the
-/// engine allocates there, and the cpu for the upload staging buffers.
+/// engine allocates there, and the cpu for the upload staging buffers. `quantize="int8"` is
+/// transformers' `BitsAndBytesConfig(load_in_8bit=True)` (also `"q8_0"`, `"q4_k"`, `"q6_k"`;
+/// see `Model`).
 // The text signatures are spelled out because PyO3 renders `-1` and non-literal defaults as
 // `...`, which `inspect.signature` (and mypy.stubtest against _native.pyi) would report.
 #[pyfunction]
 #[pyo3(
     signature = (path, *, device_map = None, max_memory = None, dtype = "auto", devices = None,
                  runtime = None, progress = false, callback = None, compute = "fast",
-                 n_threads = None),
-    text_signature = "(path, *, device_map='auto', max_memory=None, dtype='auto', devices=None, runtime=None, progress=False, callback=None, compute='fast', n_threads=None)"
+                 n_threads = None, quantize = None),
+    text_signature = "(path, *, device_map='auto', max_memory=None, dtype='auto', devices=None, runtime=None, progress=False, callback=None, compute='fast', n_threads=None, quantize=None)"
 )]
 #[allow(clippy::too_many_arguments)]
 pub fn from_pretrained(
@@ -43,8 +45,9 @@ pub fn from_pretrained(
     callback: Option<Py<PyAny>>,
     compute: &str,
     n_threads: Option<usize>,
+    quantize: Option<&str>,
 ) -> PyResult<Model> {
-    let model = Model::new(path, devices, dtype, runtime, compute, n_threads)?;
+    let model = Model::new(path, devices, dtype, runtime, compute, n_threads, quantize)?;
     let device_map = device_map.map_or_else(|| wp::DeviceMapArg::Named("auto".into()), |d| d.0);
     let options = wp::PlanOptions {
         device_map: Some(device_map),
@@ -114,7 +117,7 @@ pub fn load_gguf(
     };
     let keep_n_batch = runtime.is_none();
     let ckpt = Model::open_source(path, open)?;
-    let model = Model::with_checkpoint(ckpt, devices, "auto", runtime, compute, n_threads)?;
+    let model = Model::with_checkpoint(ckpt, devices, "auto", runtime, compute, n_threads, None)?;
     model.lock()?.seed = load_seed(seed);
     if vocab_only {
         // the metadata and tokenizer only: no tensors to load

@@ -24,6 +24,7 @@ pub(crate) struct ModelInner {
     pub(crate) model: EModel,
     pub(crate) plan: Option<wp::Plan>,
     dtype: wp::DTypeChoice,
+    quantize: Option<wp::Quantize>,
     pub(crate) runtime: wp::RuntimeSpec,
     devices_spec: String,
     /// The sampling seed when a call gives none (`load_gguf(seed=...)`, as `Llama(seed=...)`).
@@ -85,8 +86,13 @@ impl Model {
         runtime: Option<RuntimeArg>,
         compute: &str,
         n_threads: Option<usize>,
+        quantize: Option<&str>,
     ) -> PyResult<Self> {
         let compute = eng(we::forward::Compute::parse(compute))?;
+        let quantize = quantize
+            .map(wp::Quantize::parse)
+            .transpose()
+            .map_err(py_err)?;
         let devices = devices.map(|d| d.0);
         let inv = inventory_for(devices.as_deref())?;
         let dtype = wp::DTypeChoice::parse(dtype).map_err(py_err)?;
@@ -102,6 +108,7 @@ impl Model {
                 model,
                 plan: None,
                 dtype,
+                quantize,
                 runtime: runtime.map(|r| r.0).unwrap_or_default(),
                 devices_spec,
                 seed: None,
@@ -145,6 +152,7 @@ impl Model {
             None => {
                 let mut req = eng(inner.model.plan_request())?;
                 req.dtype = inner.dtype;
+                req.quantize = inner.quantize;
                 req.runtime = inner.runtime;
                 req.use_mmap = opts.use_mmap;
                 req.staging_bytes = opts.staging_bytes as u64;
@@ -243,8 +251,11 @@ impl Model {
     /// or dict (`max_input_len`, `max_attention_size`, `max_dq_size`, `low_mem`). `compute`:
     /// `"fast"` (8-bit activations with quantised weights, as llama.cpp) or `"exact"` (f32 on
     /// dequantised weights). `n_threads`: the forward pass's threads (default: physical cores).
+    /// `quantize`: `"int8"` (LLM.int8, as transformers' `load_in_8bit`), `"q8_0"`, `"q4_k"` or
+    /// `"q6_k"` quantises a float checkpoint's linears while it loads; every plan of this model
+    /// sizes them in that type (see `weightlift.plan`).
     #[new]
-    #[pyo3(signature = (source, *, devices = None, dtype = "auto", runtime = None, compute = "fast", n_threads = None))]
+    #[pyo3(signature = (source, *, devices = None, dtype = "auto", runtime = None, compute = "fast", n_threads = None, quantize = None))]
     pub(crate) fn new(
         source: &Bound<'_, PyAny>,
         devices: Option<DevicesSpec>,
@@ -252,9 +263,10 @@ impl Model {
         runtime: Option<RuntimeArg>,
         compute: &str,
         n_threads: Option<usize>,
+        quantize: Option<&str>,
     ) -> PyResult<Self> {
         let ckpt = Model::open_source(source, wf::OpenOptions::default())?;
-        Model::with_checkpoint(ckpt, devices, dtype, runtime, compute, n_threads)
+        Model::with_checkpoint(ckpt, devices, dtype, runtime, compute, n_threads, quantize)
     }
 
     /// Load by `plan` (a `Plan` or its JSON), or plan now with the placement keywords of
@@ -521,6 +533,21 @@ impl Model {
         let (bytes, dtype, shape) = eng(inner.model.tensor_bytes(name))?;
         drop(inner);
         to_numpy(py, &bytes, dtype, &shape)
+    }
+
+    /// A loaded tensor as it is held: its checkpoint entry with the held `dtype` (`"Q8_0"`,
+    /// `"INT8"`, ... after a quantising load; `"F16"` after `dtype="float16"`) and the held
+    /// `nbytes` (an INT8 tensor's include its f32 row scales).
+    fn tensor_info(&self, name: &str) -> PyResult<crate::format::TensorInfo> {
+        let inner = self.lock()?;
+        let (dtype, nbytes) = eng(inner.model.held_type(name))?;
+        let info = eng(inner.model.tensor_info(name))?;
+        Ok(crate::format::TensorInfo::held(
+            &self.checkpoint,
+            info,
+            dtype,
+            nbytes,
+        ))
     }
 
     fn __repr__(&self) -> String {

@@ -295,7 +295,12 @@ fn offloaded(
 /// strings such as `"512MiB"`. `cache` is a `CacheSpec`, a `Cache` or a dict; `runtime` a
 /// `RuntimeSpec` or a dict. `cache_offload=True` offloads `cache` to host RAM (as
 /// `CacheSpec(..., offload=True)`): the cpu's kv column holds the whole cache and each device
-/// that computes layers two prefetch slots of its largest layer. Raises `OutOfMemoryError` (with
+/// that computes layers two prefetch slots of its largest layer. `quantize` (`"int8"`,
+/// `"q8_0"`, `"q4_k"`, `"q6_k"`) sizes a float checkpoint's linears as a quantising load will
+/// hold them: the blocks' linears in that type (a ggml type falls back as llama.cpp does when a
+/// row is not whole blocks: Q4_K to Q5_0, Q6_K to Q8_0), the embedding and head kept in full
+/// precision under int8 (as transformers) and promoted to Q6_K (q4_k, q6_k) or Q8_0 (q8_0)
+/// otherwise, norms and biases as they are. Raises `OutOfMemoryError` (with
 /// `.shortfalls` and `.fixes`) when it does not fit, and `PlanError` for an invalid request.
 #[pyfunction]
 #[pyo3(signature = (
@@ -303,7 +308,7 @@ fn offloaded(
     reserve = None, max_memory = None, n_gpu_layers = None, split_mode = None,
     tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
-    cache_offload = false
+    cache_offload = false, quantize = None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
@@ -328,6 +333,7 @@ fn plan(
     gpu_split: Option<Vec<f64>>,
     use_mmap: bool,
     cache_offload: bool,
+    quantize: Option<String>,
 ) -> PyResult<Plan> {
     let placement = PlacementArgs {
         strategy,
@@ -349,6 +355,7 @@ fn plan(
         runtime: runtime.map(|r| r.0),
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
+        quantize,
         ..placement.options()
     };
     let req = resolve_source(py, source)?.request(options, parse_device_arg(&devices)?)?;
@@ -367,7 +374,7 @@ fn plan(
     cache = None, cache_dtype = None, runtime = None, reserve = None, max_memory = None, n_gpu_layers = None,
     split_mode = None, tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
-    cache_offload = false
+    cache_offload = false, quantize = None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn fit(
@@ -394,6 +401,7 @@ fn fit(
     gpu_split: Option<Vec<f64>>,
     use_mmap: bool,
     cache_offload: bool,
+    quantize: Option<String>,
 ) -> PyResult<u64> {
     let target = wp::FitTarget::parse(target).map_err(py_err)?;
     let cache = match (cache.map(|c| c.0), cache_dtype) {
@@ -440,6 +448,7 @@ fn fit(
         runtime: runtime.map(|r| r.0),
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
+        quantize,
         ..placement.options()
     };
     let req = resolve_source(py, source)?
@@ -789,6 +798,11 @@ impl Plan {
     #[getter]
     fn n_layers(&self) -> u32 {
         self.inner.n_layers()
+    }
+    /// The quantise-on-load mode the sizes assume (`"int8"`, `"q8_0"`, ...), or None.
+    #[getter]
+    fn quantize(&self) -> Option<&'static str> {
+        self.inner.quantize().map(wp::Quantize::name)
     }
     #[getter]
     fn cache(&self) -> Option<CacheSpec> {

@@ -273,6 +273,7 @@ impl Ctx<'_> {
             architecture: self.req.spec.architecture.clone(),
             n_layers: self.req.spec.n_layers,
             dtype: self.req.dtype.name().to_string(),
+            quantize: self.req.quantize,
             cache: self.cache,
             runtime: self.runtime,
             tensors: placements,

@@ -11,7 +11,7 @@ use super::{Ctx, Dev, Tweak, Unit, UnitKind};
 use crate::device::DeviceKind;
 use crate::error::{PlanError, Result};
 use crate::memory::ScratchModel;
-use crate::request::{BudgetRule, PlanRequest, Strategy};
+use crate::request::{BudgetRule, PlanRequest, SplitMode, Strategy};
 use crate::synth::converted;
 use crate::window::{layer_cache, planned_window};
 
@@ -204,11 +204,33 @@ impl<'a> Ctx<'a> {
         let mut embd_tensor = None;
         let mut has_output = false;
         let mut roles = Vec::with_capacity(req.tensors.len());
+        if let Some(q) = req.quantize {
+            q.check(&req.tensors)?;
+            let split = match &req.strategy {
+                Strategy::TensorParallel(_) => Some("tensor_parallel"),
+                Strategy::Layers(o) if o.split_mode == SplitMode::Row => Some("split_mode='row'"),
+                _ => None,
+            };
+            if let Some(split) = split {
+                return Err(PlanError::option(
+                    "quantize",
+                    "a layer split (autosplit, layers, balanced, sequential or a device map)",
+                    format!(
+                        "quantize={} with {split}, whose shards are cut from the stored rows",
+                        q.name()
+                    ),
+                ));
+            }
+        }
         for (i, t) in req.tensors.iter().enumerate() {
-            let (dt, b) = converted(t, req.dtype);
+            let role = global_role(t);
+            let quantized = req.quantize.and_then(|q| q.target(t, role));
+            let (dt, b) = match quantized.and_then(|d| Some((d, d.bytes_for_shape(&t.shape)?))) {
+                Some(held) => held,
+                None => converted(t, req.dtype),
+            };
             bytes.push(b);
             dtypes.push(dt);
-            let role = global_role(t);
             roles.push(role);
             let unit = match (t.layer, role) {
                 (Some(l), _) => {

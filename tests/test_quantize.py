@@ -1,0 +1,166 @@
+"""Quantise on load (`quantize=`) against files and logits nobody here wrote: llama.cpp's own
+Q8_0, Q6_K and Q4_K_M quantisations of the tiny-llama reference model (made by
+`llama-quantize` from the same weights; `../shared/reference/tiny-llama/gguf`) and transformers'
+f32 forward pass over those files' dequantised weights (`hf_dequant_logits_*.npy`)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import weightlift as wl
+from conftest import TINY_LLAMA
+
+SAFETENSORS = TINY_LLAMA / "safetensors"
+GGUF = {
+    "q8_0": TINY_LLAMA / "gguf" / "tiny-llama-Q8_0.gguf",
+    "q6_k": TINY_LLAMA / "gguf" / "tiny-llama-Q6_K.gguf",
+    "q4_k": TINY_LLAMA / "gguf" / "tiny-llama-Q4_K_M.gguf",
+}
+N_HEAD, N_KV_HEAD = 4, 2
+
+# transformers' names for llama.cpp's.
+HF_NAME = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def ids() -> list[int]:
+    data = json.loads((TINY_LLAMA / "ids.json").read_text())
+    return data["ids"] if isinstance(data, dict) else data
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    blk, layer, role, _ = gguf_name.split(".")
+    assert blk == "blk"
+    return f"model.layers.{layer}.{HF_NAME[role]}.weight"
+
+
+def gguf_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """The converter's q/k row order (adjacent rope pairs) for rows in transformers' order;
+    quantised rows are independent blocks, so the permutation moves whole byte rows."""
+    out = rows.shape[0]
+    return rows.reshape(n_head, 2, out // n_head // 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def load(quantize: str, devices: str = "cpu", staging_bytes: int | None = None) -> wl.Model:
+    m = wl.Model(SAFETENSORS, devices=devices, quantize=quantize, compute="exact", n_threads=1)
+    m.load(cache=wl.CacheSpec(32, dtype="f32"), staging_bytes=staging_bytes)
+    return m
+
+
+@pytest.mark.parametrize(
+    ("quantize", "devices", "staging_bytes"),
+    [
+        ("q8_0", "cpu", None),
+        # The smallest staging buffer (4 KiB: two 1536-byte rows of ffn_down per chunk, eight
+        # of the others), into a device arena and into host memory.
+        ("q6_k", "virtual:64MiB,cpu", 4096),
+        ("q4_k", "cpu", 4096),
+    ],
+)
+def test_quantised_tensors_are_llama_cpps_bytes(
+    quantize: str, devices: str, staging_bytes: int | None
+) -> None:
+    m = load(quantize, devices, staging_bytes)
+    assert m.plan is not None and m.plan.quantize == quantize
+    ref = wl.open(GGUF[quantize])
+    compared = 0
+    for t in ref.tensors:
+        if len(t.shape) != 2:
+            continue
+        name = hf_name(t.name)
+        info = m.tensor_info(name)
+        if info.dtype != t.dtype:
+            # Q4_K_M gives blk.1.attn_v and blk.1.ffn_down more bits; q4_k does not.
+            assert quantize == "q4_k" and t.name in {"blk.1.attn_v.weight", "blk.1.ffn_down.weight"}
+            continue
+        ours = m.tensor(name)
+        if ".attn_q." in t.name or ".attn_k." in t.name:
+            ours = gguf_rows(ours, N_HEAD if ".attn_q." in t.name else N_KV_HEAD)
+        assert np.array_equal(ours, np.asarray(ref.raw(t.name))), t.name
+        assert info.nbytes == t.nbytes
+        compared += 1
+    assert compared == (13 if quantize == "q4_k" else 15)
+    # Norms stay as stored.
+    assert m.tensor_info("model.norm.weight").dtype == "BF16"
+
+
+@pytest.mark.parametrize("quantize", ["q8_0", "q6_k"])
+def test_quantised_logits_match_transformers_on_the_dequantised_file(quantize: str) -> None:
+    m = load(quantize)
+    want = np.load(TINY_LLAMA / f"hf_dequant_logits_{quantize.upper()}.npy")
+    got = m.forward(ids(), logits="all")
+    assert np.abs(got - want).max() <= 1e-3
+    assert (got.argmax(1) == want.argmax(1)).all()
+
+
+def test_int8_holds_row_wise_absmax_quants() -> None:
+    m = load("int8")
+    name = "model.layers.0.mlp.down_proj.weight"
+    info = m.tensor_info(name)
+    rows, cols = info.shape
+    assert info.dtype == "INT8" and info.nbytes == rows * cols + 4 * rows
+    # bitsandbytes' int8_vectorwise_quant: round(127 · w / absmax(row)).
+    w = wl.open(SAFETENSORS).dequantize(name).reshape(rows, cols)
+    absmax = np.abs(w).max(axis=1, keepdims=True)
+    q = m.tensor(name)
+    assert q.dtype == np.int8 and q.shape == (rows, cols)
+    assert np.array_equal(q, np.rint(w * (127 / absmax)).astype(np.int8))
+    back = m.tensor(name, dequantize=True)
+    assert np.abs(back - w).max() <= absmax.max() / 127
+    # The embedding (also the head) stays in full precision, as transformers keeps it.
+    assert m.tensor_info("model.embed_tokens.weight").dtype == "BF16"
+
+
+@pytest.mark.parametrize("quantize", ["int8", "q8_0", "q4_k"])
+def test_the_plan_sizes_what_the_load_holds(quantize: str) -> None:
+    plan = wl.plan(
+        SAFETENSORS, devices="virtual:64MiB,cpu", quantize=quantize, cache=wl.CacheSpec(32)
+    )
+    m = wl.Model(SAFETENSORS, devices="virtual:64MiB,cpu", quantize=quantize)
+    m.load(plan, cache=wl.CacheSpec(32))
+    for p in plan.tensors:
+        info = m.tensor_info(p.name)
+        assert (info.dtype, info.nbytes) == (p.dtype, p.nbytes), p.name
+    assert m.memory()["virtual:0"] == plan.devices[0].used
+    plain = wl.plan(SAFETENSORS, devices="virtual:64MiB,cpu", cache=wl.CacheSpec(32))
+    assert plan.devices[0].weights < plain.devices[0].weights
+    assert f"quantize {quantize}" in plan.explain()
+
+
+def test_refusals_name_the_reason() -> None:
+    with pytest.raises(wl.PlanError, match=r"token_embd.weight.*already Q8_0"):
+        wl.plan(GGUF["q8_0"], devices="cpu", quantize="q4_k")
+    with pytest.raises(wl.PlanError, match=r"int8, q8_0, q4_k or q6_k.*'q5_k'"):
+        wl.Model(SAFETENSORS, quantize="q5_k")
+    with pytest.raises(wl.PlanError, match="tensor_parallel"):
+        wl.plan(SAFETENSORS, devices="virtual:2x64MiB", strategy="tensor_parallel", quantize="q8_0")
+    # Nothing was loaded by a refused request.
+    m = wl.Model(GGUF["q8_0"], quantize="q8_0")
+    with pytest.raises(wl.PlanError, match="already"):
+        m.load()
+    assert not m.loaded
+
+
+def test_cli_quantize_flag() -> None:
+    from test_cli import run
+
+    out = run("plan", SAFETENSORS, "--devices", "cpu", "--quantize", "q6_k", "--json")
+    assert out.returncode == 0, out.stderr
+    placed = {t["name"]: t for t in json.loads(out.stdout)["tensors"]}
+    assert placed["model.layers.1.mlp.up_proj.weight"]["dtype"] == "Q6_K"
+    out = run("load", SAFETENSORS, "--quantize", "int8")
+    assert out.returncode == 0, out.stderr
+    assert "quantize int8" in out.stdout
+    bad = run("load", SAFETENSORS, "--quantize", "q5_k")
+    assert bad.returncode != 0 and "invalid choice: 'q5_k'" in bad.stderr
