@@ -147,3 +147,30 @@ def test_offloaded_execution_gives_the_cpu_logits(demo: Path) -> None:
         wl.load_gguf(
             demo, n_ctx=64, offload="disk", **{k: v for k, v in kw.items() if k != "n_ctx"}
         )
+
+
+def test_offload_keywords_on_every_accelerate_style_entry_point() -> None:
+    """from_pretrained, load_autosplit, plan and fit take offload= as Model.load does: the
+    layers a small device cannot hold compute on it anyway, and the plan charges its slot."""
+    ids = [1, 9038, 2501, 263, 931, 29892]
+    path = TINY_LLAMA / "safetensors"
+    rt = {"max_input_len": 16, "max_attention_size": 4096}
+    want = wl.from_pretrained(path, device_map="cpu", compute="exact", runtime=rt)
+    wl.Cache(want, max_seq_len=16, dtype="f32")
+    want_logits = want.forward(ids, logits="all")
+    # The 16 MB embedding fills the device; both 1.5 MB layers stay on the cpu.
+    kw = {"devices": "virtual:64MiB,cpu", "max_memory": {"virtual:0": "20MiB"}, "runtime": rt}
+    kept = wl.plan(path, device_map="auto", **kw)
+    assert {p.device for p in kept.tensors if p.layer is not None} == {"cpu"}
+    onload = wl.plan(path, device_map="auto", offload="sequential", **kw)
+    assert onload.devices[0].scratch - kept.devices[0].scratch >= 1_572_864, "the slot is charged"
+    m = wl.from_pretrained(path, offload="sequential", compute="exact", **kw)
+    assert set(m.layer_devices) == {"virtual:0"}
+    wl.Cache(m, max_seq_len=16, dtype="f32")
+    assert np.array_equal(m.forward(ids, logits="all"), want_logits)
+    assert wl.fit(path, device_map="auto", offload="sequential", **kw) > 0
+    auto = wl.Model(path, devices="virtual:20MiB,cpu", compute="exact", runtime=rt)
+    auto.load_autosplit(offload="group", blocks_per_group=2)
+    assert set(auto.layer_devices) == {"virtual:0"}
+    with pytest.raises(wl.PlanError, match="blocks_per_group"):
+        wl.plan(path, devices="virtual:64MiB,cpu", offload="group", blocks_per_group=0)

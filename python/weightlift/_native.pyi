@@ -189,6 +189,9 @@ def plan(
     use_mmap: bool = True,
     cache_offload: bool = False,
     quantize: _Quantize | None = None,
+    offload: Literal["sequential", "group"] | None = None,
+    blocks_per_group: int = 1,
+    prefetch: bool = True,
 ) -> Plan:
     """Plan where every tensor and every layer's KV cache goes, before a byte is read.
 
@@ -244,6 +247,9 @@ def fit(
     use_mmap: bool = True,
     cache_offload: bool = False,
     quantize: _Quantize | None = None,
+    offload: Literal["sequential", "group"] | None = None,
+    blocks_per_group: int = 1,
+    prefetch: bool = True,
 ) -> int: ...
 def devices() -> list[Device]: ...
 def parse_devices(spec: str | Sequence[str]) -> list[Device]: ...
@@ -577,6 +583,9 @@ class Model:
         *,
         progress: bool = False,
         callback: _Callback | None = None,
+        offload: Literal["sequential", "group"] | None = None,
+        blocks_per_group: int = 1,
+        prefetch: bool = True,
     ) -> None: ...
     def load_tp(
         self,
@@ -718,6 +727,9 @@ def from_pretrained(
     compute: _Compute = "fast",
     n_threads: int | None = None,
     quantize: _Quantize | None = None,
+    offload: Literal["sequential", "group"] | None = None,
+    blocks_per_group: int = 1,
+    prefetch: bool = True,
 ) -> Model:
     """Open, plan with ``device_map`` and ``max_memory``, and load, as transformers 5's
     ``from_pretrained`` does: its presets cap each GPU but the last at its share of the model

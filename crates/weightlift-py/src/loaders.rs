@@ -22,15 +22,18 @@ use crate::progress::Reporter;
 /// cpu. Unlike transformers, each device's budget also pays for the KV cache and scratch the
 /// engine allocates there, and the cpu for the upload staging buffers. `quantize="int8"` is
 /// transformers' `BitsAndBytesConfig(load_in_8bit=True)` (also `"q8_0"`, `"q4_k"`, `"q6_k"`;
-/// see `Model`).
+/// see `Model`). `offload="sequential"` (or `"group"` with `blocks_per_group` and
+/// `prefetch`) computes the layers the map leaves on cpu or disk on the first accelerator, as
+/// accelerate's dispatch hooks do (see `Model.load`); None computes each where it is.
 // The text signatures are spelled out because PyO3 renders `-1` and non-literal defaults as
 // `...`, which `inspect.signature` (and mypy.stubtest against _native.pyi) would report.
 #[pyfunction]
 #[pyo3(
     signature = (path, *, device_map = None, max_memory = None, dtype = "auto", devices = None,
                  runtime = None, progress = false, callback = None, compute = "fast",
-                 n_threads = None, quantize = None),
-    text_signature = "(path, *, device_map='auto', max_memory=None, dtype='auto', devices=None, runtime=None, progress=False, callback=None, compute='fast', n_threads=None, quantize=None)"
+                 n_threads = None, quantize = None, offload = None, blocks_per_group = 1,
+                 prefetch = true),
+    text_signature = "(path, *, device_map='auto', max_memory=None, dtype='auto', devices=None, runtime=None, progress=False, callback=None, compute='fast', n_threads=None, quantize=None, offload=None, blocks_per_group=1, prefetch=True)"
 )]
 #[allow(clippy::too_many_arguments)]
 pub fn from_pretrained(
@@ -46,12 +49,18 @@ pub fn from_pretrained(
     compute: &str,
     n_threads: Option<usize>,
     quantize: Option<&str>,
+    offload: Option<String>,
+    blocks_per_group: u32,
+    prefetch: bool,
 ) -> PyResult<Model> {
+    let offload =
+        wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
     let model = Model::new(path, devices, dtype, runtime, compute, n_threads, quantize)?;
     let device_map = device_map.map_or_else(|| wp::DeviceMapArg::Named("auto".into()), |d| d.0);
     let options = wp::PlanOptions {
         device_map: Some(device_map),
         max_memory: max_memory.map(|m| m.0),
+        offload,
         ..wp::PlanOptions::default()
     };
     model.run_load(

@@ -366,7 +366,11 @@ impl Model {
     /// exllamav2's `load_autosplit`: fill the accelerators in order, each layer's cache beside
     /// it, keeping `reserve_vram` free (one size for every accelerator, a list in accelerator
     /// order, or a dict by device; bytes or strings such as `"256MiB"`).
-    #[pyo3(signature = (cache = None, reserve_vram = None, *, progress = false, callback = None))]
+    /// `offload` (with `blocks_per_group`, `prefetch`) runs the layers that spill to the cpu on
+    /// the first accelerator, as in `load()`.
+    #[pyo3(signature = (cache = None, reserve_vram = None, *, progress = false, callback = None,
+                        offload = None, blocks_per_group = 1, prefetch = true))]
+    #[allow(clippy::too_many_arguments)]
     fn load_autosplit(
         &self,
         py: Python<'_>,
@@ -374,10 +378,15 @@ impl Model {
         reserve_vram: Option<Sizes>,
         progress: bool,
         callback: Option<Py<PyAny>>,
+        offload: Option<String>,
+        blocks_per_group: u32,
+        prefetch: bool,
     ) -> PyResult<()> {
         let options = wp::PlanOptions {
             strategy: Some("autosplit".into()),
             reserve: reserve_vram.map(|r| r.0),
+            offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
+                .map_err(py_err)?,
             ..wp::PlanOptions::default()
         };
         self.run_load(

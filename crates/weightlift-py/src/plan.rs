@@ -300,7 +300,10 @@ fn offloaded(
 /// hold them: the blocks' linears in that type (a ggml type falls back as llama.cpp does when a
 /// row is not whole blocks: Q4_K to Q5_0, Q6_K to Q8_0), the embedding and head kept in full
 /// precision under int8 (as transformers) and promoted to Q6_K (q4_k, q6_k) or Q8_0 (q8_0)
-/// otherwise, norms and biases as they are. Raises `OutOfMemoryError` (with
+/// otherwise, norms and biases as they are. `offload="sequential"` or `"group"`
+/// (`blocks_per_group`, `prefetch`) plans accelerate's and diffusers' offloaded execution: the
+/// layers kept on cpu or disk computed on the first accelerator, their onload slots charged to
+/// its scratch (see `Model.load`). Raises `OutOfMemoryError` (with
 /// `.shortfalls` and `.fixes`) when it does not fit, and `PlanError` for an invalid request.
 #[pyfunction]
 #[pyo3(signature = (
@@ -308,7 +311,7 @@ fn offloaded(
     reserve = None, max_memory = None, n_gpu_layers = None, split_mode = None,
     tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
-    cache_offload = false, quantize = None
+    cache_offload = false, quantize = None, offload = None, blocks_per_group = 1, prefetch = true
 ))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
@@ -334,6 +337,9 @@ fn plan(
     use_mmap: bool,
     cache_offload: bool,
     quantize: Option<String>,
+    offload: Option<String>,
+    blocks_per_group: u32,
+    prefetch: bool,
 ) -> PyResult<Plan> {
     let placement = PlacementArgs {
         strategy,
@@ -356,6 +362,8 @@ fn plan(
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
         quantize,
+        offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
+            .map_err(py_err)?,
         ..placement.options()
     };
     let req = resolve_source(py, source)?.request(options, parse_device_arg(&devices)?)?;
@@ -374,7 +382,7 @@ fn plan(
     cache = None, cache_dtype = None, runtime = None, reserve = None, max_memory = None, n_gpu_layers = None,
     split_mode = None, tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
-    cache_offload = false, quantize = None
+    cache_offload = false, quantize = None, offload = None, blocks_per_group = 1, prefetch = true
 ))]
 #[allow(clippy::too_many_arguments)]
 fn fit(
@@ -402,6 +410,9 @@ fn fit(
     use_mmap: bool,
     cache_offload: bool,
     quantize: Option<String>,
+    offload: Option<String>,
+    blocks_per_group: u32,
+    prefetch: bool,
 ) -> PyResult<u64> {
     let target = wp::FitTarget::parse(target).map_err(py_err)?;
     let cache = match (cache.map(|c| c.0), cache_dtype) {
@@ -449,6 +460,8 @@ fn fit(
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
         quantize,
+        offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
+            .map_err(py_err)?,
         ..placement.options()
     };
     let req = resolve_source(py, source)?
