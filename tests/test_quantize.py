@@ -164,3 +164,10 @@ def test_cli_quantize_flag() -> None:
     assert "quantize int8" in out.stdout
     bad = run("load", SAFETENSORS, "--quantize", "q5_k")
     assert bad.returncode != 0 and "invalid choice: 'q5_k'" in bad.stderr
+
+
+def test_a_quantising_load_on_the_cpu_is_charged_its_staging_buffers() -> None:
+    plain = wl.plan(SAFETENSORS, devices="cpu")
+    quantised = wl.plan(SAFETENSORS, devices="cpu", quantize="q8_0")
+    # Two 4 MiB buffers, the chunks rows are quantised from.
+    assert quantised.devices[0].scratch - plain.devices[0].scratch == 2 * 4 * 2**20

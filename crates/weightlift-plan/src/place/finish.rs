@@ -117,8 +117,14 @@ impl Ctx<'_> {
         };
         // Staging is charged whenever the inventory has an accelerator, sized by the largest
         // tensor of the model, so that giving a device more memory (and so more uploads) never
-        // makes the host side fail.
-        let staging = if self.accel.is_empty() {
+        // makes the host side fail; and whenever a tensor changes type on the way (a `dtype=`
+        // conversion or a quantising load reads through the same buffers on the host too).
+        let converts = self
+            .dtypes
+            .iter()
+            .zip(&self.req.tensors)
+            .any(|(d, t)| *d != t.dtype);
+        let staging = if self.accel.is_empty() && !converts {
             0
         } else {
             self.staging_bound

@@ -324,9 +324,14 @@ impl<'a> Ctx<'a> {
             (c.max_seq_len, c.batch_size)
         });
         let scratch = ScratchModel::new(spec, &runtime, seq, batch);
-        let staging_bound = 2 * req
-            .staging_bytes
-            .min(bytes.iter().copied().max().unwrap_or(0));
+        // A chunk holds stored bytes (before any conversion), at most one staging size.
+        let largest = req
+            .tensors
+            .iter()
+            .map(|t| t.nbytes)
+            .chain(bytes.iter().copied())
+            .max();
+        let staging_bound = 2 * req.staging_bytes.min(largest.unwrap_or(0));
         Ok(Ctx {
             req,
             tweak,
