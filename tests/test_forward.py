@@ -174,3 +174,19 @@ def test_offload_keywords_on_every_accelerate_style_entry_point() -> None:
     assert set(auto.layer_devices) == {"virtual:0"}
     with pytest.raises(wl.PlanError, match="blocks_per_group"):
         wl.plan(path, devices="virtual:64MiB,cpu", offload="group", blocks_per_group=0)
+
+
+def test_overrides_alone_apply_over_the_default_layer_split() -> None:
+    """As llama.cpp's -ot over -ngl: every layer offloaded, the matching tensors kept on the cpu,
+    and the logits those of the all-cpu run."""
+    ids = [1, 9038, 2501, 263, 931, 29892]
+    path = TINY_LLAMA / "safetensors"
+    want = wl.Model(path, compute="exact")
+    want.load(cache=wl.CacheSpec(16, dtype="f32"))
+    m = wl.Model(path, devices="virtual:64MiB,cpu", compute="exact")
+    m.load(cache=wl.CacheSpec(16, dtype="f32"), overrides=[r"mlp\.(up|gate)_proj=cpu"])
+    assert m.plan is not None and m.plan.strategy == "layers"
+    assert set(m.layer_devices) == {"virtual:0"}
+    assert m.device_of("model.layers.1.mlp.up_proj.weight") == "cpu"
+    assert m.device_of("model.layers.1.mlp.down_proj.weight") == "virtual:0"
+    assert np.array_equal(m.forward(ids, logits="all"), want.forward(ids, logits="all"))

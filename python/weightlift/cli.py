@@ -517,7 +517,7 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
     p.add_argument(
         "--strategy",
         help="autosplit (default), sequential, balanced, balanced_low_0, layers, "
-        "tensor_parallel or map; the llama.cpp flags imply layers, --override implies map",
+        "tensor_parallel or map; the llama.cpp flags and --override imply layers",
     )
     p.add_argument("--ctx", type=int, help=f"KV cache length (default {DEFAULT_CTX} with --cache)")
     p.add_argument("--batch", type=int, help="KV cache batch size (default 1)")

@@ -7,7 +7,9 @@
 //! everywhere:
 //!
 //! - **Strategy inference.** With no `strategy`, a `device_map` preset names its strategy, a
-//!   `device_map` dict or `overrides` mean `map`, a llama.cpp option means `layers`, and
+//!   `device_map` dict means `map`, a llama.cpp option or `overrides` alone mean `layers`
+//!   (llama.cpp applies `-ot` rules over the `-ngl` placement; with a map they win over its
+//!   entries), and
 //!   `gpu_split` or an expected TP cache mean `tensor_parallel`; otherwise the request's own
 //!   strategy stays (exllamav2's autosplit by default). Options of another strategy than the
 //!   one named are an error naming both, never silently dropped.
@@ -309,8 +311,8 @@ impl PlanOptions {
                 }
             }
             (None, Some(s)) => s,
-            (None, None) if !self.overrides.is_empty() => Strategy::Map(DeviceMap::default()),
-            (None, None) if llama => Strategy::parse("layers")?,
+            // llama.cpp applies -ot over -ngl's placement, whose default offloads every layer.
+            (None, None) if llama || !self.overrides.is_empty() => Strategy::parse("layers")?,
             (None, None) if tp => Strategy::parse("tensor_parallel")?,
             (None, None) => return Ok(None),
         };
@@ -346,12 +348,15 @@ impl PlanOptions {
             _ => {}
         }
         if !self.overrides.is_empty() {
-            let Strategy::Map(m) = &mut strategy else {
-                return Err(misplaced("overrides", "map"));
-            };
-            // explicit rules first, then the device_map's `re:` keys
-            let from_map = std::mem::take(&mut m.overrides);
-            m.overrides = self.overrides.iter().cloned().chain(from_map).collect();
+            match &mut strategy {
+                Strategy::Map(m) => {
+                    // explicit rules first, then the device_map's `re:` keys
+                    let from_map = std::mem::take(&mut m.overrides);
+                    m.overrides = self.overrides.iter().cloned().chain(from_map).collect();
+                }
+                Strategy::Layers(o) => o.overrides = self.overrides.clone(),
+                _ => return Err(misplaced("overrides", "map or layers")),
+            }
         }
         match &mut strategy {
             Strategy::TensorParallel(TpOptions { gpu_split_mib }) => {

@@ -63,6 +63,11 @@ pub struct LayerOptions {
     /// Row-split boundaries are rounded down to a multiple of this many rows. ggml-cuda uses
     /// an architecture-dependent MMQ tile height; 64 is our default.
     pub row_rounding: u64,
+    /// llama.cpp `-ot` rules (`regex`, `device`), applied over the layer assignment: a tensor
+    /// whose name matches goes to that device, the first match winning; its layer still
+    /// computes where the layer is.
+    #[serde(default)]
+    pub overrides: Vec<(String, String)>,
 }
 
 impl Default for LayerOptions {
@@ -73,6 +78,7 @@ impl Default for LayerOptions {
             tensor_split: Vec::new(),
             main_gpu: 0,
             row_rounding: 64,
+            overrides: Vec::new(),
         }
     }
 }

@@ -636,3 +636,53 @@ fn the_n_gpu_layers_fix_says_which_layers_it_means() {
          (all 30 repeating layers and the output layer))"
     );
 }
+
+#[test]
+fn overrides_apply_over_the_layer_split_as_llama_cpp_applies_ot_over_ngl() {
+    let ot = || vec![(r"blk\.\d+\.ffn_(up|gate)".to_string(), "cpu".to_string())];
+    let base = || request(smollm2(), "q4_1", "virtual:2x1GiB,cpu:4GiB");
+    // -ngl 20 -ot ...: layers 10..29 offloaded, their ffn_up/gate kept on the cpu.
+    let mut req = base();
+    PlanOptions {
+        n_gpu_layers: Some(20),
+        overrides: ot(),
+        ..PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap();
+    let p = plan(&req).unwrap();
+    assert_eq!(p.strategy(), "layers");
+    assert_eq!(p.layer_devices()[12], "virtual:0");
+    assert_eq!(
+        p.device_of("blk.12.attn_q.weight").as_deref(),
+        Some("virtual:0")
+    );
+    assert_eq!(p.device_of("blk.12.ffn_up.weight").as_deref(), Some("cpu"));
+    assert_eq!(
+        p.device_of("blk.12.ffn_down.weight").as_deref(),
+        Some("virtual:0")
+    );
+    assert_eq!(p.device_of("blk.3.attn_q.weight").as_deref(), Some("cpu"));
+    // -ot alone: over the default -ngl, which offloads everything.
+    let mut req = base();
+    PlanOptions {
+        overrides: ot(),
+        ..PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap();
+    let p = plan(&req).unwrap();
+    assert_eq!(p.strategy(), "layers");
+    assert_ne!(p.layer_devices()[0], "cpu");
+    assert_eq!(p.device_of("blk.0.ffn_gate.weight").as_deref(), Some("cpu"));
+    // Rules under a strategy that has no place for them are refused.
+    let mut req = base();
+    let e = PlanOptions {
+        strategy: Some("autosplit".into()),
+        overrides: ot(),
+        ..PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap_err();
+    assert!(e.to_string().contains("map or layers"), "{e}");
+}

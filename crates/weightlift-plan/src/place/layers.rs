@@ -96,6 +96,14 @@ impl Ctx<'_> {
         a.head_dev = dev_for(n);
         a.hosts[a.head_dev].head = true;
         self.tie_head(&mut a);
+        // `-ot` rules move single tensors after the layers are placed, as llama.cpp applies
+        // them over -ngl's buffer types.
+        let overrides = self.overrides(&o.overrides)?;
+        for (i, t) in self.tensors().iter().enumerate() {
+            if let Some((_, d)) = overrides.iter().find(|(re, _)| re.is_match(&t.name)) {
+                a.tensor_dev[i] = *d;
+            }
+        }
         if o.split_mode == SplitMode::Row && !self.accel.is_empty() {
             // ggml-cuda's split buffer: row boundaries at nrows × cumulative split, rounded down.
             let mut starts = vec![0f32];

@@ -22,14 +22,7 @@ impl Ctx<'_> {
             ));
         }
         let resolve = |d: &str| resolve_device_in(&self.devs, d);
-        let mut overrides = Vec::with_capacity(m.overrides.len());
-        for (pat, dev) in &m.overrides {
-            let re = Regex::new(pat).map_err(|e| PlanError::Regex {
-                pattern: pat.clone(),
-                reason: e.to_string(),
-            })?;
-            overrides.push((re, resolve(dev)?));
-        }
+        let overrides = self.overrides(&m.overrides)?;
         let mut entries = Vec::with_capacity(m.entries.len());
         let mut default = None;
         for (pat, dev) in &m.entries {
@@ -109,6 +102,22 @@ impl Ctx<'_> {
             .map_or(a.embed_dev, |&t| a.tensor_dev[t]);
         a.hosts[a.head_dev].head = true;
         Ok(a)
+    }
+}
+
+impl Ctx<'_> {
+    /// llama.cpp `-ot` rules compiled, each with its device's index.
+    pub(super) fn overrides(&self, rules: &[(String, String)]) -> Result<Vec<(Regex, usize)>> {
+        rules
+            .iter()
+            .map(|(pat, dev)| {
+                let re = Regex::new(pat).map_err(|e| PlanError::Regex {
+                    pattern: pat.clone(),
+                    reason: e.to_string(),
+                })?;
+                Ok((re, resolve_device_in(&self.devs, dev)?))
+            })
+            .collect()
     }
 }
 
