@@ -6,6 +6,7 @@ f32 forward pass over those files' dequantised weights (`hf_dequant_logits_*.npy
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,30 @@ def test_a_quantising_load_on_the_cpu_is_charged_its_staging_buffers() -> None:
     quantised = wl.plan(SAFETENSORS, devices="cpu", quantize="q8_0")
     # Two 4 MiB buffers, the chunks rows are quantised from.
     assert quantised.devices[0].scratch - plain.devices[0].scratch == 2 * 4 * 2**20
+
+
+def test_gptq_parts_keep_their_stored_types_under_dtype() -> None:
+    gptq = Path(__file__).resolve().parents[1] / "crates/weightlift-format/tests/data/gptq/g32"
+    placed = {p.name: p for p in wl.plan(gptq, devices="cpu", dtype="float32").tensors}
+    scales = [p for n, p in placed.items() if n.endswith(".scales")]
+    assert scales and all(p.dtype == "F16" for p in scales)
+    # The float tensors around them do convert.
+    assert placed["model.norm.weight"].dtype == "F32"
+    with pytest.raises(wl.PlanError, match="part of a GPTQ/EXL2 linear"):
+        wl.plan(gptq, devices="cpu", quantize="int8")
+
+
+def test_int8_runs_llm_int8_and_its_threshold_is_a_setting() -> None:
+    """The int8 forward pass against transformers' f32 logits of the same bf16 weights (the
+    engine's own tests check it against bitsandbytes' ops bit for bit)."""
+    m = load("int8")
+    want = np.load(TINY_LLAMA / "hf_logits.npy")
+    assert m.int8_threshold == 6.0
+    got = m.forward(ids(), logits="all")
+    assert np.abs(got - want).max() <= 0.6
+    m.int8_threshold = 0.0  # every column an outlier: f32 on the dequantised weights
+    wl.Cache(m, max_seq_len=32, dtype="f32")
+    exact = m.forward(ids(), logits="all")
+    assert not np.array_equal(exact, got)
+    with pytest.raises(wl.WeightliftError, match="threshold"):
+        m.int8_threshold = float("nan")

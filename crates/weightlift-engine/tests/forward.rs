@@ -322,26 +322,3 @@ fn quantised_caches_stay_within_their_bound_of_fp16() {
         );
     }
 }
-
-/// A GPTQ checkpoint (the format crate's fixture, packed by auto-gptq) loads, and running it is
-/// a typed `Unsupported` naming a quantised tensor, not a forward pass over packed integers.
-#[test]
-fn a_gptq_checkpoint_loads_but_refuses_to_run_by_name() {
-    let src = common::open(
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../weightlift-format/tests/data/gptq/g32/model.safetensors"),
-    );
-    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 16, CacheDType::F32);
-    let e = m
-        .forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut Vec::new())
-        .unwrap_err();
-    assert!(
-        matches!(e, weightlift_engine::EngineError::Unsupported { .. }),
-        "{e}"
-    );
-    assert!(
-        e.to_string()
-            .contains("GPTQ/EXL2-quantised checkpoint (tensor 'model.layers.0."),
-        "{e}"
-    );
-}

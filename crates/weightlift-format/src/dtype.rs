@@ -143,7 +143,7 @@ impl DType {
             return Some(quants);
         }
         let cols = shape.last().copied().unwrap_or(1);
-        let rows = if cols == 0 { 0 } else { n / cols };
+        let rows = n.checked_div(cols).unwrap_or(0);
         quants.checked_add(rows.checked_mul(4)?)
     }
 

@@ -8,10 +8,10 @@
 //! [`Backend::split`]: no copy, and nothing freed when the part is dropped.
 //!
 //! The operations cover one llama-family decoder layer: RMSNorm, the projections
-//! ([`Op::Matmul`], a bias by [`Op::AddBias`]), RoPE on a table of frequencies
-//! ([`Op::RopeInPlace`]), the f16 cache rows ([`Op::ConvertToF16`] into a view), causal
-//! grouped-query [`Op::Attention`] over the cache, the residual adds ([`Op::AddInPlace`]) and
-//! the gated MLP ([`Op::SwiGluInPlace`]).
+//! ([`Op::Matmul`], or [`Op::Int8Matmul`] for LLM.int8 weights; a bias by [`Op::AddBias`]),
+//! RoPE on a table of frequencies ([`Op::RopeInPlace`]), the f16 cache rows
+//! ([`Op::ConvertToF16`] into a view), causal grouped-query [`Op::Attention`] over the cache,
+//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]).
 
 use crate::cpu::kv::KvType;
 use crate::cpu::matvec::MatvecMode;
@@ -67,6 +67,28 @@ pub enum Op<'a, B> {
         /// Activations, `n_tok × cols`.
         x: &'a B,
         /// Output, f32, `n_tok × rows`.
+        y: &'a mut B,
+    },
+    /// The LLM.int8 product `y[t*rows + r] = Σ_i x[t, i] · W[r, i]` over row-wise absmax int8
+    /// weights, with the outlier columns (`|x| ≥ threshold` for some token) in f32 (see
+    /// [`crate::cpu::int8`]; `threshold ≤ 0` quantises every column). Every backend computes
+    /// the same i32 sums and the same float epilogue, so the results have the same bits.
+    Int8Matmul {
+        /// Output rows.
+        rows: usize,
+        /// Values per row (at most [`crate::cpu::int8::INT8_MAX_COLS`]).
+        cols: usize,
+        /// Tokens.
+        n_tok: usize,
+        /// Outlier threshold (bitsandbytes' `llm_int8_threshold`, default
+        /// [`crate::INT8_DEFAULT_THRESHOLD`]).
+        threshold: f32,
+        /// Weights in the one-buffer layout of [`crate::cpu::int8::int8_packed_bytes`]: the
+        /// `rows × cols` quants, then one f32 absmax per row.
+        w: &'a B,
+        /// Activations, `n_tok × cols` f32.
+        x: &'a B,
+        /// Output, `n_tok × rows` f32.
         y: &'a mut B,
     },
     /// RMSNorm of `n_rows` rows of `n_cols` f32 values with an f32 weight of `n_cols`.

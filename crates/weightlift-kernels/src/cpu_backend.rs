@@ -410,6 +410,30 @@ impl Backend for CpuBackend {
                     }),
                 }
             }
+            Op::Int8Matmul {
+                rows,
+                cols,
+                n_tok,
+                threshold,
+                w,
+                x,
+                y,
+            } => {
+                for b in [w, x] {
+                    self.own(b)?;
+                }
+                self.own(y)?;
+                // the host path's call on the same bytes, so both give the same bits
+                cpu::int8::int8_matmul_packed(
+                    w.as_bytes(),
+                    rows,
+                    cols,
+                    x.typed("int8 matmul activation values", n_tok.saturating_mul(cols))?,
+                    n_tok,
+                    threshold,
+                    y.typed_mut("int8 matmul output values", n_tok.saturating_mul(rows))?,
+                )
+            }
             Op::RmsNorm {
                 n_rows,
                 n_cols,

@@ -21,6 +21,10 @@
 //!   tiled `gemm_{act}`; when not one row fits in `max_dq_size` it keeps the in-register
 //!   kernels (no scratch), where the CPU dequantises one row at a time.
 //!
+//! - LLM.int8 ([`Op::Int8Matmul`], `kernels/int8.cu`): the outlier columns are listed on the
+//!   device, the tokens quantised with them zeroed, and the int8 weights met with them by dp4a,
+//!   the outliers added in f32 in the CPU kernel's order (scratch: a flag and an index per
+//!   column, and the tokens' quants and scales).
 //! - The decoder layer's operations (`kernels/attention.cu`, the in-place forms in
 //!   `kernels/ops.cu`): `attention_{f32,f16}` is one block of four warps per (head, query),
 //!   each warp folding every fourth key into its own running softmax and the warps merged at
@@ -46,6 +50,7 @@ use cudarc::driver::{
 };
 
 use crate::backend::{Backend, Op, check_range, check_ranges, quant_bytes};
+use crate::cpu::int8::{INT8_MAX_COLS, int8_packed_bytes};
 use crate::cpu::matvec::MatvecMode;
 use crate::cpu::ops::RopeStyle;
 use crate::cpu_backend::AttShape;
@@ -609,6 +614,141 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// LLM.int8 (`kernels/int8.cu`): `int8_outliers_f32` lists the outlier columns of `x`,
+    /// `int8_quantize_f32` quantises every token with them zeroed, and `int8_matmul_f32` meets
+    /// the int8 weights with the tokens in i32 (dp4a) and adds the outlier columns in f32, in
+    /// the CPU kernel's order.
+    #[allow(clippy::too_many_arguments)]
+    fn int8_matmul(
+        &self,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+        threshold: f32,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let shape = |reason: String| KernelError::Shape {
+            op: "int8 matmul on cuda",
+            reason,
+        };
+        if cols == 0 || cols > INT8_MAX_COLS {
+            return Err(shape(format!(
+                "rows of {cols} values; int8 needs 1..={INT8_MAX_COLS} (the i32 sums of longer \
+                 rows could overflow)"
+            )));
+        }
+        if threshold.is_nan() {
+            return Err(shape(
+                "the outlier threshold is NaN; give a number (6.0 is bitsandbytes' default, 0 \
+                 turns the outlier path off)"
+                    .into(),
+            ));
+        }
+        let quants = rows
+            .checked_mul(cols)
+            .ok_or_else(|| shape(format!("{rows} × {cols} weights overflow usize")))?;
+        let packed = int8_packed_bytes(rows, cols).unwrap_or(usize::MAX);
+        need(
+            "int8 weight bytes (quants, then a scale per row)",
+            w,
+            packed,
+        )?;
+        need("int8 matmul activation bytes", x, mul(mul(n_tok, cols), 4))?;
+        need("int8 matmul output bytes", y, mul(mul(n_tok, rows), 4))?;
+        if n_tok == 0 || rows == 0 {
+            return Ok(());
+        }
+        // The kernel reads the scales as floats: copy them to an aligned scratch when they
+        // start at an odd address (rows × cols not a multiple of 4, or a view at an odd
+        // offset).
+        let (base, record) = w.slice.device_ptr(&self.stream);
+        drop(record);
+        let scales_view = w.slice.slice(quants..quants + 4 * rows);
+        let aligned_copy = if (base + quants as u64).is_multiple_of(4) {
+            None
+        } else {
+            // SAFETY: the copy below writes all 4 × rows bytes before the matmul reads them.
+            let mut s = unsafe { self.scratch(4 * rows) }?;
+            self.stream
+                .memcpy_dtod(&scales_view, &mut s)
+                .map_err(drv("aligning the int8 scales"))?;
+            Some(s)
+        };
+        // SAFETY (the three scratches): int8_outliers writes flags[c] for every column, the
+        // count, and the first `count` column indices, which are all the matmul reads of them.
+        let mut flags = unsafe { self.scratch(cols) }?;
+        // SAFETY: as above.
+        let mut out_cols = unsafe { self.scratch(mul(cols, 4)) }?;
+        // SAFETY: as above.
+        let mut n_out = unsafe { self.scratch(4) }?;
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = [
+            KArg::In(&x.slice),
+            KArg::Out(&mut flags),
+            KArg::Out(&mut out_cols),
+            KArg::Out(&mut n_out),
+            KArg::U64(n_tok as u64),
+            KArg::U64(cols as u64),
+            KArg::F32(threshold),
+        ];
+        // SAFETY: one block walks the cols columns of n_tok × cols activations (checked above)
+        // and writes cols flags, at most cols indices and one count into scratches of that size.
+        unsafe { self.launch("int8", "int8_outliers_f32", one_block, &mut args) }?;
+        // SAFETY: int8_quantize writes every token's cols quants and its scale (one block per
+        // token) before the matmul, later on the same stream, reads them.
+        let mut xq = unsafe { self.scratch(mul(n_tok, cols)) }?;
+        // SAFETY: as above.
+        let mut xs = unsafe { self.scratch(mul(n_tok, 4)) }?;
+        let mut args = [
+            KArg::In(&x.slice),
+            KArg::In(&flags),
+            KArg::Out(&mut xq),
+            KArg::Out(&mut xs),
+            KArg::U64(n_tok as u64),
+            KArg::U64(cols as u64),
+            KArg::F32(threshold),
+        ];
+        // SAFETY: block t reads token t's cols activations and cols flags and writes its cols
+        // quants and one scale, all within the sizes checked or allocated above.
+        unsafe { self.launch("int8", "int8_quantize_f32", per_row(n_tok)?, &mut args) }?;
+        // one warp per (row, token): 8 rows per block of 256, tokens on grid.y (strided past
+        // cuda's 65535)
+        let cfg = LaunchConfig {
+            grid_dim: (grid_for(rows, 8, "rows")?, n_tok.min(MAX_GRID_YZ) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ws = match &aligned_copy {
+            Some(s) => KArg::In(s),
+            None => KArg::InView(scales_view),
+        };
+        let mut args = [
+            KArg::InView(w.slice.slice(0..quants)),
+            ws,
+            KArg::In(&x.slice),
+            KArg::In(&xq),
+            KArg::In(&xs),
+            KArg::In(&out_cols),
+            KArg::In(&n_out),
+            KArg::Out(&mut y.slice),
+            KArg::U64(rows as u64),
+            KArg::U64(cols as u64),
+            KArg::U64(n_tok as u64),
+        ];
+        // SAFETY: warp (r, t) reads weight row r (rows × cols quants and rows scales checked),
+        // token t's activations, quants and scale, at most `n_out` <= cols outlier indices,
+        // and writes y[t * rows + r] below n_tok × rows (checked).
+        unsafe { self.launch("int8", "int8_matmul_f32", cfg, &mut args) }
+    }
+}
+
 /// The largest head the attention kernel takes (`WL_ATT_MAX_HD` in `kernels/attention.cu`).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// Threads per attention block: four warps (`WL_ATT_WARPS`).
@@ -891,6 +1031,20 @@ impl Backend for CudaBackend {
                         _ => self.matmul_exact(shape, w, x, y)?,
                     },
                 }
+            }
+            Op::Int8Matmul {
+                rows,
+                cols,
+                n_tok,
+                threshold,
+                w,
+                x,
+                y,
+            } => {
+                self.own(w)?;
+                self.own(x)?;
+                self.own(y)?;
+                self.int8_matmul(rows, cols, n_tok, threshold, w, x, y)?;
             }
             Op::RmsNorm {
                 n_rows,

@@ -66,4 +66,17 @@ impl Model {
     fn n_threads(&self) -> PyResult<usize> {
         Ok(self.lock()?.model.n_threads())
     }
+
+    /// LLM.int8's outlier threshold for `quantize="int8"` weights (transformers'
+    /// `llm_int8_threshold`, default 6.0): activation columns with a value at least this large
+    /// multiply the dequantised weights in f32, the rest go through int8.
+    #[getter]
+    fn int8_threshold(&self) -> PyResult<f32> {
+        Ok(self.lock()?.model.int8_threshold())
+    }
+
+    #[setter]
+    fn set_int8_threshold(&self, value: f32) -> PyResult<()> {
+        eng(self.lock()?.model.set_int8_threshold(value))
+    }
 }

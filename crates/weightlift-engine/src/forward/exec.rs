@@ -32,6 +32,7 @@ use weightlift_plan::Workspace;
 
 use super::Compute;
 use super::graph::{Consts, Floats, Layer, Linear, Slot};
+use super::weights::Packing;
 use crate::cache::{Cache, CacheDType};
 use crate::device::{Buffer, DeviceTensor, Storage};
 use crate::error::{EngineError, Result, invalid};
@@ -375,8 +376,14 @@ impl<'a> Ctx<'a> {
         move |e| kernel_on(device, &what, e)
     }
 
-    /// A matrix's held tensor, read in place, with its kernel type.
-    fn weight<B: Exec>(&self, b: &B, l: &Linear) -> Result<(Part<'a, B::Buffer>, QuantType)> {
+    /// A matrix's held tensor, read in place, with how it is multiplied.
+    fn weight<B: Exec>(&self, b: &B, l: &Linear) -> Result<(Part<'a, B::Buffer>, Packing)> {
+        if l.gptq.is_some() {
+            return Err(EngineError::Unsupported {
+                what: format!("GPTQ linear '{}' on {}", l.name, self.device),
+                detail: "GPTQ linears run on the host path only".into(),
+            });
+        }
         let held = match l.slot {
             Slot::Tensor(i) => self.held.get(i),
             Slot::Copy(c) => self.copies.get(c).map(|(_, h)| h),
@@ -389,8 +396,8 @@ impl<'a> Ctx<'a> {
                     .into(),
             });
         };
-        let ty = kernel_type(&l.name, tensor.dtype())?;
-        Ok((b.tensor(tensor)?, ty))
+        let packing = Packing::of(&l.name, tensor.dtype())?;
+        Ok((b.tensor(tensor)?, packing))
     }
 
     /// `y = W x (+ bias)` for `n` tokens.
@@ -402,25 +409,35 @@ impl<'a> Ctx<'a> {
         n: usize,
         y: &mut B::Buffer,
     ) -> Result<()> {
-        let (w, ty) = self.weight(b, l)?;
-        let mode = if self.c.compute == Compute::Fast && B::q8_supports(ty) {
-            MatvecMode::Q8
-        } else {
-            MatvecMode::Exact
+        let (w, packing) = self.weight(b, l)?;
+        let op = match packing {
+            Packing::Blocks(ty) => Op::Matmul {
+                ty,
+                mode: if self.c.compute == Compute::Fast && B::q8_supports(ty) {
+                    MatvecMode::Q8
+                } else {
+                    MatvecMode::Exact
+                },
+                act: FloatType::F32,
+                rows: l.rows,
+                cols: l.cols,
+                n_tok: n,
+                max_dq_size: self.c.max_dq,
+                w: &*w,
+                x,
+                y: &mut *y,
+            },
+            Packing::Int8 => Op::Int8Matmul {
+                rows: l.rows,
+                cols: l.cols,
+                n_tok: n,
+                threshold: self.c.int8_threshold,
+                w: &*w,
+                x,
+                y: &mut *y,
+            },
         };
-        b.run(Op::Matmul {
-            ty,
-            mode,
-            act: FloatType::F32,
-            rows: l.rows,
-            cols: l.cols,
-            n_tok: n,
-            max_dq_size: self.c.max_dq,
-            w: &w,
-            x,
-            y,
-        })
-        .map_err(self.err(l.name.clone()))?;
+        b.run(op).map_err(self.err(l.name.clone()))?;
         if let Some(bias) = &l.bias {
             b.run(Op::AddBias {
                 n_rows: n,
@@ -475,7 +492,16 @@ pub(crate) fn embed<B: Exec>(
     ids: &[u32],
     x: &mut B::Buffer,
 ) -> Result<()> {
-    let (table, ty) = cx.weight(b, e)?;
+    let (table, ty) = match cx.weight(b, e)? {
+        (t, Packing::Blocks(ty)) => (t, ty),
+        (_, Packing::Int8) => {
+            return Err(invalid(
+                format!("embedding '{}'", e.name),
+                "float or ggml rows",
+                "int8 rows",
+            ));
+        }
+    };
     let h = e.cols;
     if !h.is_multiple_of(ty.block_size()) {
         return Err(invalid(

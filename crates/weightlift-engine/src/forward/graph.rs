@@ -13,17 +13,20 @@
 
 use std::sync::Arc;
 
-use weightlift_format::{DType, Format, ModelSpec, Role, TensorInfo};
+use weightlift_format::{DType, Format, ModelSpec, Role, TensorInfo, is_quantized_part};
 use weightlift_kernels::cpu::matvec::{matmul, matvec};
 use weightlift_kernels::{
-    Backend, CpuBackend, CpuBuffer, CudaBackend, CudaBuffer, QuantType, RopeParams, RopeStyle,
+    Backend, CpuBackend, CpuBuffer, CudaBackend, CudaBuffer, RopeParams, RopeStyle,
 };
 use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
 
 use super::attention::{self, Shape, Tiles};
 use super::exec::{self, Ctx, Regions, kernel_on};
 use super::onload::{Onload, fill};
-use super::{Compute, Copies, Logits, Site, SiteExec, Views, carve, check_tokens, host_weight};
+use super::weights::{Gptq, Packing, runnable_quantization};
+use super::{
+    Compute, Copies, Logits, Site, SiteExec, Views, carve, check_tokens, host_bytes, host_weight,
+};
 use crate::cache::Cache;
 use crate::device::{Buffer, Device, DeviceKind, Storage, link_rate, pace_link};
 use crate::error::{EngineError, Result, invalid};
@@ -77,6 +80,8 @@ pub(crate) struct Linear {
     pub bias: Option<Floats>,
     /// Offset in its group's onload slot, when the layer is offloaded.
     pub onload_at: Option<usize>,
+    /// The packed layout of a GPTQ linear (its slot names the `qweight`).
+    pub gptq: Option<Box<Gptq>>,
 }
 
 impl Linear {
@@ -233,26 +238,19 @@ impl Graph {
             });
         }
         let infos = m.source.tensors();
-        // GPTQ and EXL2 linears open, validate and plan, and dequantise through the checkpoint;
-        // the forward pass has no kernels for their packed weights yet.
-        if let Some(t) = infos
-            .iter()
-            .find(|t| weightlift_format::is_quantized_part(&t.name))
-        {
-            return Err(EngineError::Unsupported {
-                what: format!(
-                    "running a GPTQ/EXL2-quantised checkpoint (tensor '{}')",
-                    t.name
-                ),
-                detail: "its linears can be opened, validated, planned and loaded, not yet \
-                         run; use a GGUF or a float safetensors checkpoint"
-                    .into(),
-            });
-        }
+        // GPTQ linears run (their packed tensors stand for the weight); EXL2 is refused by name.
+        let quant = runnable_quantization(m.source.checkpoint(), infos)?;
+        let quantized = |role: Role, layer: Option<u32>| {
+            quant.and_then(|q| {
+                q.linears()
+                    .iter()
+                    .find(|l| l.role() == Some(role) && l.layer() == layer)
+            })
+        };
         let find = |role: Role, layer: Option<u32>| -> Option<usize> {
-            infos
-                .iter()
-                .position(|t| t.role == Some(role) && t.layer == layer)
+            infos.iter().position(|t| {
+                t.role == Some(role) && t.layer == layer && !is_quantized_part(&t.name)
+            })
         };
         let need = |role: Role, layer: Option<u32>| -> Result<usize> {
             find(role, layer).ok_or_else(|| EngineError::Validation {
@@ -264,9 +262,39 @@ impl Graph {
                 },
             })
         };
+        let finish = |slot: Slot,
+                      name: &str,
+                      (rows, cols): (usize, usize),
+                      gptq: Option<Box<Gptq>>,
+                      bias: Option<Role>,
+                      layer: Option<u32>|
+         -> Result<Linear> {
+            let bias = match bias.and_then(|b| find(b, layer)) {
+                Some(b) => Some(floats(m.held, infos, b)?),
+                None => None,
+            };
+            if let Some(b) = &bias
+                && b.host.len() != rows
+            {
+                return Err(invalid(
+                    format!("bias of '{name}'"),
+                    format!("{rows} values"),
+                    b.host.len(),
+                ));
+            }
+            Ok(Linear {
+                slot,
+                name: name.to_owned(),
+                rows,
+                cols,
+                bias,
+                onload_at: None,
+                gptq,
+            })
+        };
         let linear = |i: usize, bias: Option<Role>, layer: Option<u32>| -> Result<Linear> {
             let info = &infos[i];
-            let (rows, cols) = match info.shape.as_slice() {
+            let dims = match info.shape.as_slice() {
                 [r, c] => (*r as usize, *c as usize),
                 other => {
                     return Err(invalid(
@@ -276,27 +304,19 @@ impl Graph {
                     ));
                 }
             };
-            let bias = match bias.and_then(|b| find(b, layer)) {
-                Some(b) => Some(floats(m.held, infos, b)?),
-                None => None,
-            };
-            if let Some(b) = &bias
-                && b.host.len() != rows
-            {
-                return Err(invalid(
-                    format!("bias of '{}'", info.name),
-                    format!("{rows} values"),
-                    b.host.len(),
-                ));
+            finish(Slot::Tensor(i), &info.name, dims, None, bias, layer)
+        };
+        // A projection: a GPTQ linear where the checkpoint has one for the role, else its weight.
+        let matrix = |role: Role, bias: Option<Role>, layer: Option<u32>| -> Result<Linear> {
+            match quantized(role, layer) {
+                Some(q) => {
+                    let g = Gptq::new(q, infos)?;
+                    let slot = Slot::Tensor(g.tensors()[0]);
+                    let dims = (q.out_features(), q.in_features());
+                    finish(slot, q.prefix(), dims, Some(Box::new(g)), bias, layer)
+                }
+                None => linear(need(role, layer)?, bias, layer),
             }
-            Ok(Linear {
-                slot: Slot::Tensor(i),
-                name: info.name.clone(),
-                rows,
-                cols,
-                bias,
-                onload_at: None,
-            })
         };
         let norm = |i: usize| floats(m.held, infos, i);
 
@@ -312,9 +332,14 @@ impl Graph {
             }
         };
         let embd = need(Role::TokenEmbd, None)?;
-        let (head_slot, head_dev) = match find(Role::Output, None) {
-            Some(i) => (Slot::Tensor(i), device_of(&m.held[i])),
-            None => match m.copies.iter().position(|(i, _)| *i == embd) {
+        let head_gptq = match quantized(Role::Output, None) {
+            Some(_) => Some(matrix(Role::Output, None, None)?),
+            None => None,
+        };
+        let (head_slot, head_dev) = match (&head_gptq, find(Role::Output, None)) {
+            (Some(h), _) => (h.slot, device_of(&m.held[h.index()])),
+            (None, Some(i)) => (Slot::Tensor(i), device_of(&m.held[i])),
+            (None, None) => match m.copies.iter().position(|(i, _)| *i == embd) {
                 Some(c) => (Slot::Copy(c), device_of(&m.copies[c].1)),
                 None => (Slot::Tensor(embd), device_of(&m.held[embd])),
             },
@@ -323,8 +348,14 @@ impl Graph {
             Slot::Tensor(i) => i,
             Slot::Copy(c) => m.copies[c].0,
         };
-        let mut head = linear(head_index, None, None)?;
-        head.slot = head_slot;
+        let head = match head_gptq {
+            Some(h) => h,
+            None => {
+                let mut h = linear(head_index, None, None)?;
+                h.slot = head_slot;
+                h
+            }
+        };
 
         let mut sites: Vec<(String, Hosts)> = Vec::new();
         let mut site = |name: &str, f: &dyn Fn(&mut Hosts)| -> usize {
@@ -356,14 +387,14 @@ impl Graph {
                 site: s,
                 kv_heads: spec.n_kv_heads_at(l) as usize,
                 attn_norm: norm(need(Role::AttnNorm, at)?)?,
-                q: linear(need(Role::AttnQ, at)?, Some(Role::AttnQBias), at)?,
-                k: linear(need(Role::AttnK, at)?, Some(Role::AttnKBias), at)?,
-                v: linear(need(Role::AttnV, at)?, Some(Role::AttnVBias), at)?,
-                o: linear(need(Role::AttnOutput, at)?, Some(Role::AttnOutputBias), at)?,
+                q: matrix(Role::AttnQ, Some(Role::AttnQBias), at)?,
+                k: matrix(Role::AttnK, Some(Role::AttnKBias), at)?,
+                v: matrix(Role::AttnV, Some(Role::AttnVBias), at)?,
+                o: matrix(Role::AttnOutput, Some(Role::AttnOutputBias), at)?,
                 ffn_norm: norm(need(Role::FfnNorm, at)?)?,
-                gate: linear(need(Role::FfnGate, at)?, None, at)?,
-                up: linear(need(Role::FfnUp, at)?, None, at)?,
-                down: linear(need(Role::FfnDown, at)?, None, at)?,
+                gate: matrix(Role::FfnGate, None, at)?,
+                up: matrix(Role::FfnUp, None, at)?,
+                down: matrix(Role::FfnDown, None, at)?,
                 group: None,
             });
         }
@@ -458,6 +489,7 @@ impl Graph {
             onload,
         };
         g.check_shapes(spec)?;
+        g.check_packings(m.held, m.copies)?;
         g.place_floats(m.held)?;
         if let Some(o) = &g.onload {
             if !matches!(g.sites[o.site].exec, SiteExec::Host) {
@@ -475,6 +507,72 @@ impl Graph {
             o.assign(&mut g.layers, m.held)?;
         }
         Ok(g)
+    }
+
+    /// Every matrix can be multiplied where it computes: the embedding is a lookup of block or
+    /// float rows; GPTQ linears run on the host path, and not from onload slots (their packed
+    /// parts are several tensors, a slot holds one per matrix).
+    fn check_packings(&self, held: &[Held], copies: &[(usize, Held)]) -> Result<()> {
+        let dtype = |l: &Linear| {
+            let h = match l.slot {
+                Slot::Tensor(i) => held.get(i),
+                Slot::Copy(c) => copies.get(c).map(|(_, h)| h),
+            };
+            match h {
+                Some(Held::Whole { tensor, .. }) => Some(tensor.dtype()),
+                _ => None,
+            }
+        };
+        if let Some(d) = dtype(&self.embed)
+            && !matches!(Packing::of(&self.embed.name, d)?, Packing::Blocks(_))
+        {
+            return Err(EngineError::Unsupported {
+                what: format!("a token embedding '{}' held as {d}", self.embed.name),
+                detail: "the embedding is a row lookup of float or ggml rows; LLM.int8 \
+                         quantises linears only (keep the embedding in its float type)"
+                    .into(),
+            });
+        }
+        let gptq_off_host = |site: usize, l: &Linear| -> Result<()> {
+            let s = &self.sites[site];
+            if l.gptq.is_some() && !matches!(s.exec, SiteExec::Host) {
+                return Err(EngineError::Unsupported {
+                    what: format!(
+                        "GPTQ linear '{}' computed on {} through the backend op sequence",
+                        l.name,
+                        s.device.name()
+                    ),
+                    detail: "GPTQ linears run on the host path (cpu, disk, virtual:N) for now; \
+                             place their layers there, and leave the host backend off"
+                        .into(),
+                });
+            }
+            Ok(())
+        };
+        for l in &self.layers {
+            for lin in l.linears() {
+                gptq_off_host(l.site, lin)?;
+            }
+        }
+        gptq_off_host(self.head_site, &self.head)?;
+        if let Some(o) = &self.onload {
+            let packed = o
+                .groups
+                .iter()
+                .flatten()
+                .filter_map(|&li| self.layers.get(li))
+                .flat_map(|l| l.linears())
+                .find(|lin| lin.gptq.is_some());
+            if let Some(lin) = packed {
+                return Err(EngineError::Unsupported {
+                    what: format!("offloaded execution of GPTQ linear '{}'", lin.name),
+                    detail: "onload slots copy one tensor per matrix and a GPTQ linear is \
+                             several; load with offload=None"
+                        .into(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Makes the norms and biases of every part computed on a cuda device readable there.
@@ -553,7 +651,7 @@ impl Graph {
         cache: &Arc<Cache>,
         ids: &[u32],
         logits: Logits,
-        compute: Compute,
+        (compute, int8_threshold): (Compute, f32),
         out: &mut Vec<f32>,
     ) -> Result<Copies> {
         let vocab = self.dims.vocab as usize;
@@ -653,6 +751,7 @@ impl Graph {
             rope: self.rope,
             max_dq: self.max_dq,
             compute,
+            int8_threshold,
         };
         let cx = |site: usize| Ctx {
             c: &c,
@@ -686,7 +785,14 @@ impl Graph {
                 // Embedding rows, dequantised into the embedding device's residual stream.
                 let es = self.embed_site;
                 on_site!(&mut works[es], v => {
-                let (ebytes, ety) = weight_of(held, copies, &self.embed, None)?;
+                let (ebytes, ety) = match weight_of(held, copies, &self.embed, None)? {
+                    (b, Packing::Blocks(ty)) => (b, ty),
+                    _ => return Err(invalid(
+                        format!("embedding '{}'", self.embed.name),
+                        "float or ggml rows",
+                        "int8 rows",
+                    )),
+                };
                 let row_bytes = ebytes.len() / self.embed.rows;
                 for (t, id) in part.iter().enumerate() {
                     let r = *id as usize;
@@ -771,11 +877,11 @@ impl Graph {
                 let xs = &w.x[first * h..(first + need) * h];
                 weightlift_kernels::rms_norm(xs, &self.out_norm.host, c.eps, &mut w.xn[..need * h])
                     .map_err(|e| kernel("output_norm", e))?;
-                let (hb, hty) = weight_of(held, copies, &self.head, None)?;
+                let hw = Weights { held, copies, slot: None };
                 for r0 in (0..need).step_by(per) {
                     let nr = per.min(need - r0);
                     let y = &mut w.logits[..nr * vocab];
-                    product(&c, hty, hb, &self.head, &w.xn[r0 * h..(r0 + nr) * h], nr, y)?;
+                    linear_on(&c, &hw, &self.head, &w.xn[r0 * h..], nr, y)?;
                     rows_out[r0 * vocab..(r0 + nr) * vocab].copy_from_slice(y);
                 }
             }, (b, r) => exec::head(*b, &cx(hs), &self.out_norm, &self.head, first, per, rows_out, r)?);
@@ -810,21 +916,24 @@ pub(crate) struct Consts {
     pub rope: RopeParams,
     pub max_dq: usize,
     pub compute: Compute,
+    /// The LLM.int8 outlier threshold.
+    pub int8_threshold: f32,
 }
 
-/// A matrix's bytes and type: where the model holds it, or in `slot` (its group's onload slot)
+/// A matrix's bytes and packing: where the model holds it, or in `slot` (its group's onload slot)
 /// when the layer is offloaded.
 pub(crate) fn weight_of<'a>(
     held: &'a [Held],
     copies: &'a [(usize, Held)],
     l: &Linear,
     slot: Option<&'a [u8]>,
-) -> Result<(&'a [u8], QuantType)> {
+) -> Result<(&'a [u8], Packing)> {
     let h = match l.slot {
         Slot::Tensor(i) => &held[i],
         Slot::Copy(c) => &copies[c].1,
     };
-    let (bytes, ty) = host_weight(h, &l.name)?;
+    let (bytes, dtype) = host_bytes(h, &l.name)?;
+    let packing = Packing::of(&l.name, dtype)?;
     match (slot, l.onload_at) {
         (Some(s), Some(at)) => {
             let b = s.get(at..at + bytes.len()).ok_or_else(|| {
@@ -834,9 +943,9 @@ pub(crate) fn weight_of<'a>(
                     format!("a slot of {} bytes", s.len()),
                 )
             })?;
-            Ok((b, ty))
+            Ok((b, packing))
         }
-        _ => Ok((bytes, ty)),
+        _ => Ok((bytes, packing)),
     }
 }
 
@@ -844,26 +953,41 @@ pub(crate) fn weight_of<'a>(
 /// product that reuses each decoded weight across the tokens.
 fn product(
     c: &Consts,
-    ty: QuantType,
+    packing: Packing,
     w: &[u8],
     l: &Linear,
     x: &[f32],
     n: usize,
     y: &mut [f32],
 ) -> Result<()> {
-    let mode = c.compute.mode(ty);
-    let r = if n == 1 {
-        matvec(mode, ty, w, l.rows, l.cols, x, y)
-    } else {
-        matmul(mode, ty, w, l.rows, l.cols, x, n, y, c.max_dq)
+    let r = match packing {
+        Packing::Int8 => weightlift_kernels::cpu::int8::int8_matmul_packed(
+            w,
+            l.rows,
+            l.cols,
+            x,
+            n,
+            c.int8_threshold,
+            y,
+        ),
+        Packing::Blocks(ty) if n == 1 => matvec(c.compute.mode(ty), ty, w, l.rows, l.cols, x, y),
+        Packing::Blocks(ty) => {
+            let mode = c.compute.mode(ty);
+            matmul(mode, ty, w, l.rows, l.cols, x, n, y, c.max_dq)
+        }
     };
     r.map_err(|e| kernel(&l.name, e))?;
+    add_bias(l, y);
+    Ok(())
+}
+
+/// `y += bias`, per token.
+fn add_bias(l: &Linear, y: &mut [f32]) {
     if let Some(b) = &l.bias {
         for yr in y.chunks_exact_mut(l.rows) {
             yr.iter_mut().zip(&b.host).for_each(|(v, b)| *v += b);
         }
     }
-    Ok(())
 }
 
 fn linear_on(
@@ -874,8 +998,15 @@ fn linear_on(
     n: usize,
     y: &mut [f32],
 ) -> Result<()> {
-    let (w, ty) = weight_of(wts.held, wts.copies, l, wts.slot)?;
-    product(c, ty, w, l, &x[..n * l.cols], n, &mut y[..n * l.rows])
+    let (x, y) = (&x[..n * l.cols], &mut y[..n * l.rows]);
+    if let Some(g) = &l.gptq {
+        let b = g.bytes(wts.held, &l.name, l.rows, l.cols)?;
+        g.product(&b, &l.name, l.rows, l.cols, x, n, y, c.max_dq)?;
+        add_bias(l, y);
+        return Ok(());
+    }
+    let (w, packing) = weight_of(wts.held, wts.copies, l, wts.slot)?;
+    product(c, packing, w, l, x, n, y)
 }
 
 /// The residual stream of a site as host bytes, where it is host memory.

@@ -20,6 +20,8 @@
 //! - [`Compute::Fast`] multiplies quantised weights with 8-bit-quantised activations, as
 //!   llama.cpp's CPU backend does (for the types its scheme covers; other types run exactly);
 //!   [`Compute::Exact`] multiplies f32 activations with weights dequantised in registers.
+//!   LLM.int8 weights run bitsandbytes' mixed int8 product in both modes, and GPTQ linears are
+//!   dequantised by chunks of rows into f32 products in both (`weights.rs`).
 //!
 //! Placement never changes results: every device runs the same kernels on the same shapes.
 
@@ -27,10 +29,12 @@ mod attention;
 mod exec;
 mod graph;
 mod onload;
+mod weights;
 
 use std::sync::Arc;
 
-use weightlift_kernels::{CpuBackend, Isa, MatvecMode, QuantType};
+use weightlift_format::DType;
+use weightlift_kernels::{CpuBackend, INT8_DEFAULT_THRESHOLD, Isa, MatvecMode, QuantType};
 use weightlift_plan::{Region, Workspace};
 
 use crate::cache::Cache;
@@ -216,6 +220,12 @@ pub(crate) fn carve<'a>(bytes: &'a mut [u8], w: &Workspace) -> Result<Views<'a>>
 
 /// The bytes and kernel type of a held tensor computed on by the host.
 pub(crate) fn host_weight<'a>(held: &'a Held, name: &str) -> Result<(&'a [u8], QuantType)> {
+    let (bytes, dtype) = host_bytes(held, name)?;
+    Ok((bytes, exec::kernel_type(name, dtype)?))
+}
+
+/// The bytes and dtype of a held tensor computed on by the host.
+pub(crate) fn host_bytes<'a>(held: &'a Held, name: &str) -> Result<(&'a [u8], DType)> {
     let Held::Whole { tensor, device } = held else {
         return Err(EngineError::Unsupported {
             what: format!("a forward pass over split tensor '{name}'"),
@@ -230,12 +240,7 @@ pub(crate) fn host_weight<'a>(held: &'a Held, name: &str) -> Result<(&'a [u8], Q
             "tensor '{name}' is not in host memory, and the host forward pass reads it there"
         ),
     })?;
-    let ty =
-        QuantType::from_name(tensor.dtype().name()).ok_or_else(|| EngineError::Unsupported {
-            what: format!("tensor '{name}' of type {}", tensor.dtype()),
-            detail: "the kernels have no matrix product for it".into(),
-        })?;
-    Ok((bytes, ty))
+    Ok((bytes, tensor.dtype()))
 }
 
 /// The instruction set the kernels use, detected once.
@@ -284,13 +289,27 @@ pub(crate) fn check_tokens(ids: &[u32], vocab: u64, cache: &Cache) -> Result<u64
 
 /// How a model runs: its thread pool and compute mode. One persistent pool serves every
 /// forward call, so no thread is created per token.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Runner {
     threads: usize,
     pool: Option<Arc<rayon::ThreadPool>>,
     compute: Compute,
     host_backend: bool,
+    int8_threshold: f32,
     last_copies: Copies,
+}
+
+impl Default for Runner {
+    fn default() -> Self {
+        Runner {
+            threads: 0,
+            pool: None,
+            compute: Compute::default(),
+            host_backend: false,
+            int8_threshold: INT8_DEFAULT_THRESHOLD,
+            last_copies: Copies::default(),
+        }
+    }
 }
 
 /// Physical cores this process may run on (the `n_threads` default, as llama.cpp's), from the
@@ -352,6 +371,28 @@ impl crate::Model {
         self.runner.compute = compute;
     }
 
+    /// The outlier threshold of LLM.int8 ([`DType::INT8`]) products: input columns where some
+    /// token has `|x| ≥ threshold` are multiplied in f32 (transformers' `llm_int8_threshold`,
+    /// default [`INT8_DEFAULT_THRESHOLD`], 6.0).
+    pub fn int8_threshold(&self) -> f32 {
+        self.runner.int8_threshold
+    }
+
+    /// Set the LLM.int8 outlier threshold: a finite value, at least 0 (0 quantises every
+    /// column, bitsandbytes' `threshold=0.0`). It applies from the next forward call.
+    pub fn set_int8_threshold(&mut self, threshold: f32) -> Result<()> {
+        if !threshold.is_finite() || threshold < 0.0 {
+            return Err(invalid(
+                "int8_threshold",
+                "a finite value of at least 0 (6.0 is transformers' llm_int8_threshold; 0 \
+                 turns the outlier columns off)",
+                threshold,
+            ));
+        }
+        self.runner.int8_threshold = threshold;
+        Ok(())
+    }
+
     /// Whether host devices (`cpu`, `disk`, `virtual:N`) compute through the backend op
     /// sequence that `cuda:N` devices run, on the CPU backend, instead of the host path.
     pub fn host_backend(&self) -> bool {
@@ -397,6 +438,7 @@ impl crate::Model {
         let source = Arc::clone(self.source());
         let inventory = self.inventory().clone();
         let compute = self.runner.compute;
+        let int8_threshold = self.runner.int8_threshold;
         let host_backend = self.runner.host_backend;
         let pool = self.runner.pool.clone();
         let state = self.state.as_mut().ok_or_else(|| EngineError::NotLoaded {
@@ -449,7 +491,18 @@ impl crate::Model {
                 what: "the forward graph".into(),
             });
         };
-        let mut run = || graph.forward(held, copies, scratch, &cache, ids, logits, compute, out);
+        let mut run = || {
+            graph.forward(
+                held,
+                copies,
+                scratch,
+                &cache,
+                ids,
+                logits,
+                (compute, int8_threshold),
+                out,
+            )
+        };
         let made = match pool {
             Some(p) => p.install(run),
             None => run(),

@@ -460,3 +460,86 @@ pub(crate) fn layout(dot: Dot, q: &[i8]) -> Vec<u8> {
         _ => q.iter().map(|v| *v as u8).collect(),
     }
 }
+
+/// Bytes of a `rows × cols` int8 matrix in its one-buffer layout: the `rows · cols` quants,
+/// row-major, then one little-endian f32 absmax per row (the engine's `DType::INT8`, which
+/// keeps bitsandbytes' `CB` and `SCB` in one region). `None` on overflow.
+pub fn int8_packed_bytes(rows: usize, cols: usize) -> Option<usize> {
+    rows.checked_mul(cols)?.checked_add(rows.checked_mul(4)?)
+}
+
+/// Quantises `src` (whole rows of `n_per_row` values) as [`int8_quantize_rows`] into the
+/// one-buffer layout of [`int8_packed_bytes`]: `out` must hold exactly that many bytes.
+pub fn int8_pack_rows(src: &[f32], n_per_row: usize, out: &mut [u8]) -> Result<()> {
+    check_cols(n_per_row)?;
+    let rows = src.len() / n_per_row;
+    let need = int8_packed_bytes(rows, n_per_row).unwrap_or(usize::MAX);
+    super::check_len(
+        "int8 packed bytes (quants, then a scale per row)",
+        need,
+        out.len(),
+    )?;
+    let (q, s) = out.split_at_mut(rows * n_per_row);
+    let mut scales = vec![0f32; rows];
+    int8_quantize_rows(src, n_per_row, bytemuck::cast_slice_mut(q), &mut scales)?;
+    for (d, v) in s.chunks_exact_mut(4).zip(&scales) {
+        d.copy_from_slice(&v.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// [`int8_matmul`] over weights in the one-buffer layout of [`int8_packed_bytes`] (`w` may be
+/// longer; its first bytes are read). The scales are read in place when they are 4-byte
+/// aligned, else copied first (one f32 per row).
+pub fn int8_matmul_packed(
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    threshold: f32,
+    y: &mut [f32],
+) -> Result<()> {
+    int8_matmul_packed_with(Isa::detect(), w, rows, cols, x, n_tok, threshold, y)
+}
+
+/// [`int8_matmul_packed`] with a forced instruction set.
+#[allow(clippy::too_many_arguments)]
+pub fn int8_matmul_packed_with(
+    isa: Isa,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    threshold: f32,
+    y: &mut [f32],
+) -> Result<()> {
+    check_cols(cols)?;
+    let need = int8_packed_bytes(rows, cols).ok_or_else(|| KernelError::Shape {
+        op: "int8 matmul",
+        reason: format!("{rows} × {cols} weights overflow usize"),
+    })?;
+    if w.len() < need {
+        return Err(KernelError::LengthMismatch {
+            what: "int8 weight bytes (quants, then a scale per row)",
+            expected: need,
+            got: w.len(),
+        });
+    }
+    let (q, s) = w[..need].split_at(rows * cols);
+    let scales: std::borrow::Cow<'_, [f32]> = match bytemuck::try_cast_slice(s) {
+        Ok(s) => std::borrow::Cow::Borrowed(s),
+        Err(_) => s
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+    };
+    let weights = Int8Weights {
+        q: bytemuck::cast_slice(q),
+        scales: &scales,
+        rows,
+        cols,
+    };
+    int8_matmul_with(isa, &weights, x, n_tok, threshold, y)
+}

@@ -227,6 +227,8 @@ impl<'a> Ctx<'a> {
             let quantized = req.quantize.and_then(|q| q.target(t, role));
             let (dt, b) = match quantized.and_then(|d| Some((d, d.bytes_for_shape(&t.shape)?))) {
                 Some(held) => held,
+                // A GPTQ/EXL2 linear's float parts (scales) are read as stored.
+                None if weightlift_format::is_quantized_part(&t.name) => (t.dtype, t.nbytes),
                 None => converted(t, req.dtype),
             };
             bytes.push(b);
