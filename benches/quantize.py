@@ -7,8 +7,9 @@ Rows:
                     (`use_mmap=False`: the bf16 bytes read into owned memory) and a plain
                     `read()` of the file, timed in the same rounds (page cache warm); GB/s are
                     checkpoint bytes per second
-  2. peak host RAM  the same loads in a fresh process each: peak anonymous RSS beyond what the
-                    loaded model holds, against the staging buffers (2 × 4 MiB)
+  2. peak host RAM  the same loads in a fresh process each: peak anonymous RSS during the load
+                    beyond the anonymous RSS held when it returns, against the staging buffers
+                    (2 × 4 MiB)
   3. logits         each mode against the f32 forward pass of the same weights, exact compute
                     and an f32 cache: max|Δ| of the logits, argmax agreement, and perplexity on
                     a fixed text (next-token NLL over its ids):
@@ -189,9 +190,21 @@ def child(mode: str, path: str) -> None:
     seconds = time.perf_counter() - t0
     stop.set()
     sampler.join()
-    peak_anon = (max(peak[0], _status_kib("RssAnon")) - base) * 1024
+    now = _status_kib("RssAnon")
+    peak_anon = (max(peak[0], now) - base) * 1024
+    held_anon = (now - base) * 1024
     held = m.memory()["cpu"]
-    print(json.dumps({"mode": mode, "seconds": seconds, "peak_anon": peak_anon, "held": held}))
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "seconds": seconds,
+                "peak_anon": peak_anon,
+                "held_anon": held_anon,
+                "held": held,
+            }
+        )
+    )
 
 
 def run_child(mode: str, path: Path) -> dict:
@@ -237,7 +250,7 @@ def bench_load(path: Path) -> list[dict]:
                 "read_seconds": read,
                 "held_bytes": peaks[mode][-1]["held"],
                 "peak_anon_beyond_held": statistics.median(
-                    p["peak_anon"] - p["held"] for p in peaks[mode]
+                    p["peak_anon"] - p["held_anon"] for p in peaks[mode]
                 ),
                 "file_bytes": size,
             }
@@ -307,7 +320,8 @@ def markdown(info: dict, load: list[dict], logits: list[dict]) -> str:
         "hidden 2048, random weights), loaded onto cpu in a fresh process per load, page cache "
         f"warm; medians of {REPEAT} interleaved rounds. 'none' reads the bf16 bytes into owned "
         "memory (`use_mmap=False`). Peak RAM beyond held = peak anonymous RSS during the load "
-        "minus what the model holds at the end (the staging buffers are 2 × 4 MiB).",
+        "minus the anonymous RSS still held when it returns: what the load needed on top of "
+        "the model (the staging buffers are 2 × 4 MiB). Held = the model's bytes on cpu.",
         "",
         "| quantize | load s | GB/s of checkpoint | vs none | vs read() | held "
         "| peak RAM beyond held |",
