@@ -640,16 +640,24 @@ impl Backend for CpuBackend {
                         });
                     }
                 };
-                attention(
-                    &s,
+                // the host forward pass's kernel over the same tiles: the same bits
+                let shape = cpu::attention::AttnShape::new(
+                    s.n_heads,
+                    s.kv_heads,
+                    s.head_dim,
+                    s.n_q,
+                    s.start,
                     scale,
                     f16_operands,
+                )?;
+                cpu::attention::attention(
+                    shape,
+                    s.tile,
                     q.typed("attention query values", qn)?,
                     &kf,
                     &vf,
                     out.typed_mut("attention output values", qn)?,
-                );
-                Ok(())
+                )
             }
         }
     }
@@ -790,71 +798,4 @@ impl AttShape {
     pub(crate) fn kv_values(&self) -> usize {
         (self.start + self.n_q) * self.kv_heads * self.head_dim
     }
-}
-
-/// The reference attention: per query and head, the keys in tiles of `s.tile` rows, each tile
-/// folded into a running maximum and sum. The arithmetic and its order are those of the engine's
-/// host forward pass (`forward/attention.rs`), so the two give the same bits.
-fn attention(
-    s: &AttShape,
-    scale: f32,
-    f16_operands: bool,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &mut [f32],
-) {
-    let (nh, hd) = (s.n_heads, s.head_dim);
-    let group = nh / s.kv_heads;
-    let kvd = s.kv_heads * hd;
-    let isa = cpu::Isa::detect();
-    let round = |x: f32| half::f16::from_f32(x).to_f32();
-    out.par_chunks_mut(hd).enumerate().for_each_init(
-        || (vec![0f32; s.tile], vec![0f32; hd]),
-        |(scores, qr), (qh, o)| {
-            let (i, h) = (qh / nh, qh % nh);
-            let kh = h / group;
-            let qi = &q[qh * hd..][..hd];
-            let qi: &[f32] = if f16_operands {
-                qr.iter_mut().zip(qi).for_each(|(d, x)| *d = round(*x));
-                qr
-            } else {
-                qi
-            };
-            let total = s.start + i + 1;
-            let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-            o.fill(0.0);
-            let mut k0 = 0;
-            while k0 < total {
-                let seen = s.tile.min(total - k0);
-                let row = &mut scores[..seen];
-                let mut mx = f32::NEG_INFINITY;
-                for (j, w) in row.iter_mut().enumerate() {
-                    let kr = &k[(k0 + j) * kvd + kh * hd..][..hd];
-                    *w = cpu::matvec::dot_f32(isa, qi, kr) * scale;
-                    mx = mx.max(*w);
-                }
-                let m_new = m.max(mx);
-                let keep = (m - m_new).exp();
-                if keep != 1.0 {
-                    o.iter_mut().for_each(|x| *x *= keep);
-                }
-                let mut sum = 0f32;
-                for (j, w) in row.iter().enumerate() {
-                    let mut p = (w - m_new).exp();
-                    if f16_operands {
-                        p = round(p);
-                    }
-                    sum += p;
-                    let vr = &v[(k0 + j) * kvd + kh * hd..][..hd];
-                    o.iter_mut().zip(vr).for_each(|(x, v)| *x += p * v);
-                }
-                l = l * keep + sum;
-                m = m_new;
-                k0 += s.tile;
-            }
-            let inv = 1.0 / l;
-            o.iter_mut().for_each(|x| *x *= inv);
-        },
-    );
 }

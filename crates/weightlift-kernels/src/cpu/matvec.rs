@@ -19,7 +19,10 @@
 //!   `d · Σq` for this). Unlike llama.cpp, K-quants also use 32-value activation blocks
 //!   (llama.cpp uses 256-value `block_q8_K` with an f32 scale), so results differ from
 //!   llama.cpp's in the last bits. In [`matvec`] every instruction set gives bit-identical
-//!   results, and so does [`matmul`]. A [`matmul`] of fewer than 8 tokens is the [`matvec`]
+//!   results (its SIMD kernels take four rows at a time, two per 512-bit vector with
+//!   AVX512-VNNI, each row with the scalar path's operations, prefetching ahead because the
+//!   hardware prefetchers do not follow four interleaved rows), and so does [`matmul`]. A
+//!   [`matmul`] of fewer than 8 tokens is the [`matvec`]
 //!   of each token. From 8 tokens it runs integer register tiles (`x86_gemm`: 16 weight rows
 //!   × up to 12 tokens, VNNI where the CPU has it) that sum each 32-value group's integer
 //!   products in full (16 values for Q6_K, whose scales are per 16) and scale them once, where
@@ -64,24 +67,110 @@ pub struct Q8Block {
 /// `quantize_row_q8_0_ref`: `d = amax/127`, `q = roundf(x * (1/d))` (half away from zero),
 /// then `d` is stored as f16.
 pub fn quantize_q8_blocks(x: &[f32]) -> Vec<Q8Block> {
-    x.chunks_exact(32)
-        .map(|c| {
-            let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut qs = [0i8; 32];
-            let mut sum = 0i32;
-            for (q, v) in qs.iter_mut().zip(c) {
-                *q = (v * id).round() as i8;
-                sum += i32::from(*q);
-            }
-            Q8Block {
-                d: f16_to_f32(f32_to_f16(d)),
-                sum,
-                qs,
-            }
-        })
-        .collect()
+    x.chunks_exact(32).map(q8_block).collect()
+}
+
+/// One [`Q8Block`] of [`quantize_q8_blocks`].
+fn q8_block(c: &[f32]) -> Q8Block {
+    let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut qs = [0i8; 32];
+    let mut sum = 0i32;
+    for (q, v) in qs.iter_mut().zip(c) {
+        *q = (v * id).round() as i8;
+        sum += i32::from(*q);
+    }
+    Q8Block {
+        d: f16_to_f32(f32_to_f16(d)),
+        sum,
+        qs,
+    }
+}
+
+/// The quant offset of the VNNI Q8-mode kernels for `ty` (they multiply the weight quants made
+/// unsigned, `q + off`), or 0 where they need none: the types whose quants are unsigned
+/// already (Q4_1, Q5_1, Q4_K), and every type without VNNI.
+fn vnni_offset(vnni: Option<Vnni>, ty: QuantType) -> i32 {
+    match (vnni, ty) {
+        (None, _) => 0,
+        (_, QuantType::Q4_0) => 8,
+        (_, QuantType::Q5_0) => 16,
+        (_, QuantType::Q8_0) => 128,
+        (_, QuantType::Q6_K) => 32,
+        _ => 0,
+    }
+}
+
+/// One matvec call's activations, quantised: the blocks and the VNNI kernels' lane offsets
+/// (for [`vnni_offset`], or none).
+#[derive(Default)]
+struct Q8Activations {
+    q: Vec<Q8Block>,
+    bias: Vec<[i32; 8]>,
+}
+
+impl Q8Activations {
+    /// Quantises `x` as [`quantize_q8_blocks`] (bit for bit: the SIMD quantiser is tested
+    /// against it) and, when `off` is not 0, fills the lane offsets, `−off · Σ x` over each
+    /// lane's 4 values.
+    fn fill(&mut self, isa: Isa, x: &[f32], off: i32) {
+        let n = x.len() / 32;
+        let zero = Q8Block {
+            d: 0.0,
+            sum: 0,
+            qs: [0; 32],
+        };
+        self.q.clear();
+        self.q.resize(n, zero);
+        self.bias.clear();
+        self.bias.resize(if off != 0 { n } else { 0 }, [0; 8]);
+        self.quantize(isa, x, off);
+    }
+
+    fn quantize(&mut self, isa: Isa, x: &[f32], off: i32) {
+        #[cfg(target_arch = "x86_64")]
+        if isa.has_avx2() {
+            // SAFETY: AVX2, FMA and F16C detected at run time; q holds x.len() / 32 blocks
+            // and bias as many or none.
+            return unsafe {
+                super::x86_matvec::quantize_q8_avx2(x, off, &mut self.q, &mut self.bias)
+            };
+        }
+        let _ = isa;
+        for (b, c) in self.q.iter_mut().zip(x.chunks_exact(32)) {
+            *b = q8_block(c);
+        }
+        for (l, b) in self.bias.iter_mut().zip(&self.q) {
+            *l = std::array::from_fn(|j| {
+                -off * b.qs[4 * j..4 * j + 4]
+                    .iter()
+                    .map(|v| i32::from(*v))
+                    .sum::<i32>()
+            });
+        }
+    }
+}
+
+/// Runs `f` on `x` quantised by [`Q8Activations::fill`], in buffers each thread keeps, so a
+/// decode step's matvecs allocate nothing (fresh ones when the thread's are in use, as when
+/// a matvec runs inside another's parallel loop).
+fn with_q8_activations<T>(isa: Isa, x: &[f32], off: i32, f: impl FnOnce(&Q8Activations) -> T) -> T {
+    thread_local! {
+        static BUFFERS: std::cell::RefCell<Q8Activations> =
+            std::cell::RefCell::new(Q8Activations::default());
+    }
+    BUFFERS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut held) => {
+            held.fill(isa, x, off);
+            f(&held)
+        }
+        Err(_) => {
+            let mut fresh = Q8Activations::default();
+            fresh.fill(isa, x, off);
+            f(&fresh)
+        }
+    })
 }
 
 fn check_shapes(
@@ -333,63 +422,44 @@ fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
     finish_lanes(&acc, extra)
 }
 
-/// The lane offsets of the VNNI Q8-mode kernels, one per activation block: those kernels
-/// multiply the weight quants made unsigned (`q + off`) by the activations, so each lane
-/// starts from `−off · Σ x` over its 4 values. Empty for the types whose quants are unsigned
-/// already (Q4_1, Q5_1, Q4_K) and for the others without VNNI.
-fn vnni_bias(vnni: Option<Vnni>, ty: QuantType, xq: &[Q8Block]) -> Vec<[i32; 8]> {
-    let off = match (vnni, ty) {
-        (None, _) => return Vec::new(),
-        (_, QuantType::Q4_0) => 8,
-        (_, QuantType::Q5_0) => 16,
-        (_, QuantType::Q8_0) => 128,
-        (_, QuantType::Q6_K) => 32,
-        _ => return Vec::new(),
-    };
-    xq.iter()
-        .map(|b| {
-            std::array::from_fn(|j| {
-                -off * b.qs[4 * j..4 * j + 4]
-                    .iter()
-                    .map(|v| i32::from(*v))
-                    .sum::<i32>()
-            })
-        })
-        .collect()
-}
-
-/// Q8-mode dot of one weight row with quantised activations (see [`finish_lanes`]); `bias`
-/// is [`vnni_bias`]`(vnni, ty, xq)`.
-fn row_dot_q8(
+/// Q8-mode dots of `R` weight rows with quantised activations (see [`finish_lanes`]); `bias`
+/// holds the lane offsets for [`vnni_offset`]`(vnni, ty)`. Every `R` gives each row the bits
+/// of the scalar path.
+fn rows_dot_q8<const R: usize>(
     isa: Isa,
     vnni: Option<Vnni>,
     ty: QuantType,
-    row: &[u8],
-    xq: &[Q8Block],
-    bias: &[[i32; 8]],
-) -> f32 {
+    rows: [&[u8]; R],
+    a: &Q8Activations,
+) -> [f32; R] {
+    let (xq, bias) = (&a.q[..], &a.bias[..]);
     #[cfg(target_arch = "x86_64")]
-    match vnni.filter(|_| ty != QuantType::Q4_K) {
-        // SAFETY (both): Isa::vnni detected AVX2, FMA, F16C and the VNNI extension (with
-        // AVX-512F/BW/VL for the EVEX form, which it returns only at Isa::Avx512) at run
-        // time; the row holds whole blocks matched by xq, and bias matches xq where the type
-        // uses it.
-        Some(Vnni::AvxVnni) => {
-            return unsafe { super::x86::imp::row_dot_q8_avxvnni(ty, row, xq, bias) };
+    {
+        use super::x86_matvec as k;
+        match vnni.filter(|_| ty != QuantType::Q4_K) {
+            // SAFETY (all three): Isa::vnni detected AVX2, FMA, F16C and the VNNI extension
+            // (with AVX-512F/BW/VL for the EVEX forms, which it returns only at Isa::Avx512) at
+            // run time; each row holds whole blocks matched by xq, and bias matches xq where the
+            // type uses it.
+            Some(Vnni::Avx512Vnni) if R.is_multiple_of(2) && super::x86_matvec512::takes(ty) => {
+                return unsafe { super::x86_matvec512::rows_dot_q8_512::<R>(ty, rows, xq, bias) };
+            }
+            Some(Vnni::AvxVnni) => {
+                return unsafe { k::rows_dot_q8_avxvnni::<R>(ty, rows, xq, bias) };
+            }
+            Some(Vnni::Avx512Vnni) => {
+                return unsafe { k::rows_dot_q8_avx512vnni::<R>(ty, rows, xq, bias) };
+            }
+            None => {}
         }
-        Some(Vnni::Avx512Vnni) => {
-            return unsafe { super::x86::imp::row_dot_q8_avx512vnni(ty, row, xq, bias) };
+        if isa.has_avx2() {
+            // SAFETY: AVX2, FMA and F16C detected at run time; the rows hold whole blocks
+            // matched by xq.
+            return unsafe { k::rows_dot_q8_avx2::<R>(ty, rows, xq) };
         }
-        None => {}
     }
-    let _ = (vnni, bias);
-    #[cfg(target_arch = "x86_64")]
-    if isa.has_avx2() {
-        // SAFETY: AVX2 and FMA detected at run time; the row holds whole blocks matched by xq.
-        return unsafe { super::x86::imp::row_dot_q8_avx2(ty, row, xq) };
-    }
-    let _ = isa;
-    row_dot_q8_scalar(ty, row, xq)
+    let _ = (isa, vnni, bias);
+    rows.map(|row| row_dot_q8_scalar(ty, row, xq))
 }
 
 /// The 256 signed 6-bit quants (minus 32) of a Q6_K block, in element order.
@@ -417,6 +487,13 @@ const DQ_TILE: usize = 64 * 1024;
 
 /// Rows per parallel task.
 const ROWS_PER_TASK: usize = 16;
+
+/// Tasks of [`ROWS_PER_TASK`] rows that rayon keeps together in one job (a decode step's small
+/// matrices would otherwise be split into more jobs than threads).
+const TASKS_PER_JOB: usize = 4;
+
+/// Rows the Q8-mode matvec kernels take at once (their multiply-add chains run side by side).
+const ROWS_PER_DOT: usize = 4;
 
 /// `y = W x` for one f32 activation vector (`x.len() == cols`, `y.len() == rows`).
 pub fn matvec(
@@ -486,18 +563,26 @@ pub fn matvec_with_vnni(
         }
         MatvecMode::Q8 => {
             check_q8_type(ty)?;
-            let xq = quantize_q8_blocks(x);
             let vnni = isa.vnni().filter(|_| vnni);
-            let bias = vnni_bias(vnni, ty, &xq);
-            y.par_chunks_mut(ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(i, ys)| {
-                    for (k, yv) in ys.iter_mut().enumerate() {
-                        let r = i * ROWS_PER_TASK + k;
-                        let row = &w[r * row_bytes..(r + 1) * row_bytes];
-                        *yv = row_dot_q8(isa, vnni, ty, row, &xq, &bias);
-                    }
-                });
+            let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
+            with_q8_activations(isa, x, vnni_offset(vnni, ty), |act| {
+                y.par_chunks_mut(ROWS_PER_TASK)
+                    .with_min_len(TASKS_PER_JOB)
+                    .enumerate()
+                    .for_each(|(i, ys)| {
+                        let r0 = i * ROWS_PER_TASK;
+                        let whole = ys.len() / ROWS_PER_DOT * ROWS_PER_DOT;
+                        let (quads, rest) = ys.split_at_mut(whole);
+                        for (k, yq) in quads.chunks_exact_mut(ROWS_PER_DOT).enumerate() {
+                            let rows: [&[u8]; ROWS_PER_DOT] =
+                                std::array::from_fn(|j| row(r0 + ROWS_PER_DOT * k + j));
+                            yq.copy_from_slice(&rows_dot_q8(isa, vnni, ty, rows, act));
+                        }
+                        for (k, yv) in rest.iter_mut().enumerate() {
+                            *yv = rows_dot_q8(isa, vnni, ty, [row(r0 + whole + k)], act)[0];
+                        }
+                    });
+            });
         }
     }
     Ok(())
@@ -930,3 +1015,7 @@ pub fn matmul_f16(
     let xf: Vec<f32> = x.iter().map(|h| f16_to_f32(*h)).collect();
     matmul(mode, ty, w, rows, cols, &xf, n_tok, y, max_dq_size)
 }
+
+#[cfg(test)]
+#[path = "matvec_tests.rs"]
+mod tests;

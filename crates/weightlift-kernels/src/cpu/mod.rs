@@ -9,8 +9,11 @@
 // call site says which detection makes it sound.
 #![allow(unsafe_code)]
 
+pub mod attention;
+mod attention_rows;
 pub mod convert;
 pub mod dequant_scalar;
+pub(crate) mod exp;
 pub mod half;
 pub mod int8;
 pub mod kv;
@@ -25,6 +28,10 @@ pub(crate) mod x86_dequant;
 pub(crate) mod x86_gemm;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_int8;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_matvec;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_matvec512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_ops;
 #[cfg(target_arch = "x86_64")]
@@ -56,10 +63,12 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX2 + FMA + F16C plus AVX-512 F/BW/VL: the exact-mode matvec, both matmul modes,
-    /// RMSNorm, softmax, SwiGLU and dequantisation to f16 of every type but Q8_0, Q6_K, F16 and
-    /// BF16 (through f16 code tables) use 512-bit forms; dequantisation to f32 and the KV-cache
-    /// quantisers use their AVX2 forms at this level (the 512-bit forms measured no faster).
+    /// AVX2 + FMA + F16C plus AVX-512 F/BW/VL: the exact-mode matvec, both matmul modes, the
+    /// Q8-mode matvec of the 32-value types (two rows per vector, with AVX512-VNNI), the tiled
+    /// attention, RMSNorm, softmax, SwiGLU and dequantisation to f16 of every type but Q8_0,
+    /// Q6_K, F16 and BF16 (through f16 code tables) use 512-bit forms; dequantisation to f32
+    /// and the KV-cache quantisers use their AVX2 forms at this level (the 512-bit forms
+    /// measured no faster).
     Avx512,
 }
 

@@ -181,16 +181,21 @@ pub(crate) mod imp {
         _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
     }
 
-    /// The 32 quants of a Q4_0-style nibble block as signed bytes minus `offset`.
+    /// The 32 quants of a Q4_0-style nibble block as signed bytes minus `offset`: the 16
+    /// bytes loaded into both halves at once, the upper half shifted down a nibble (a 64-bit
+    /// shift: the bits it brings in from the next byte fall in the masked-off upper nibble),
+    /// then masked. Two vector operations where shifting, masking twice and inserting took
+    /// four: the Q8-mode matvec runs this once per block and row.
     #[inline]
     #[target_feature(enable = "avx2")]
     pub fn nibbles32(p: *const u8, offset: i8) -> __m256i {
         // SAFETY: callers pass a pointer to 16 readable bytes.
-        let v = unsafe { _mm_loadu_si128(p.cast()) };
-        let m = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(v, m);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m);
-        let q = _mm256_set_m128i(hi, lo);
+        let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(p.cast()) });
+        let v = _mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4));
+        let q = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+        if offset == 0 {
+            return q;
+        }
         _mm256_sub_epi8(q, _mm256_set1_epi8(offset))
     }
 
@@ -251,122 +256,6 @@ pub(crate) mod imp {
         unsafe { _mm256_loadu_si256(p.cast()) }
     }
 
-    /// Q8-mode row dot (see `matvec::finish_lanes`): integer lane sums per block, FMA into 8
-    /// f32 lanes, same operations as the scalar path.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; `row` holds whole blocks of `ty` and `xq` at least
-    /// as many 32-value activation blocks as the row has values / 32.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row_dot_q8_avx2(
-        ty: QuantType,
-        row: &[u8],
-        xq: &[crate::cpu::matvec::Q8Block],
-    ) -> f32 {
-        let bb = ty.block_bytes();
-        let mut acc = _mm256_setzero_ps();
-        let mut extra = 0f32;
-        let ones = _mm256_set1_epi16(1);
-        let m4 = _mm256_set1_epi8(0x0f);
-        // One loop per type, the block's `d · d_x` in every lane from a full-register load
-        // (`splat_f16`; a one-lane f16 load can merge into a register the previous block
-        // wrote last, a false dependency that made Q4_0 2.5x slower here).
-        macro_rules! blocks {
-            (|$blk:ident, $xb:ident, $xv:ident| $lanes:expr) => {
-                for ($blk, $xb) in row.chunks_exact(bb).zip(xq) {
-                    let dd = _mm256_mul_ps(splat_f16($blk, 0), _mm256_set1_ps($xb.d));
-                    let $xv = load32($xb.qs.as_ptr().cast());
-                    let l: __m256i = $lanes;
-                    acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                }
-            };
-        }
-        // Q4_1 and Q5_1: `d` and `m` by one 4-byte load, both lanes used (with one lane
-        // used LLVM narrows it back to a merging 2-byte load, here into the `extra` sum:
-        // Q4_1 measured 1.7 ms against 0.5 ms); unsigned quants × signed activations, so
-        // `maddubs` is exact (2 · 31 · 128 fits its i16).
-        macro_rules! offset_blocks {
-            (|$blk:ident| $quants:expr) => {
-                for ($blk, xb) in row.chunks_exact(bb).zip(xq) {
-                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
-                        $blk[0], $blk[1], $blk[2], $blk[3],
-                    ])));
-                    let dd = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_set1_ps(xb.d));
-                    let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-                    extra += (m * xb.d) * xb.sum as f32;
-                    let xv = load32(xb.qs.as_ptr().cast());
-                    let l = _mm256_madd_epi16(_mm256_maddubs_epi16($quants, xv), ones);
-                    acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                }
-            };
-        }
-        match ty {
-            QuantType::Q4_0 => {
-                blocks!(|blk, xb, xv| mul_sum_i8(nibbles32(blk[2..18].as_ptr(), 8), xv))
-            }
-            QuantType::Q5_0 => blocks!(|blk, xb, xv| mul_sum_i8(
-                quants5_i(rd_u32(blk, 2), blk[6..22].as_ptr()),
-                xv
-            )),
-            QuantType::Q8_0 => blocks!(|blk, xb, xv| mul_sum_i8(load32(blk[2..34].as_ptr()), xv)),
-            QuantType::Q4_1 => offset_blocks!(|blk| nibbles32(blk[4..20].as_ptr(), 0)),
-            QuantType::Q5_1 => {
-                offset_blocks!(|blk| quants5_u(rd_u32(blk, 4), blk[8..24].as_ptr()))
-            }
-            QuantType::Q4_K => {
-                for (blk, xbs) in row.chunks_exact(bb).zip(xq.chunks_exact(8)) {
-                    let (d, dmin) = rd_f16_pair(blk, 0);
-                    let scales = &blk[4..16];
-                    for c in 0..4 {
-                        let v = load32(blk[16 + 32 * c..].as_ptr());
-                        let halves = [
-                            _mm256_and_si256(v, m4),
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
-                        ];
-                        for (h, q) in halves.into_iter().enumerate() {
-                            let sb = 2 * c + h;
-                            let xb = &xbs[sb];
-                            let (sc, m) = scale_min_k4(sb, scales);
-                            let xv = load32(xb.qs.as_ptr().cast());
-                            let l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-                            acc = _mm256_fmadd_ps(
-                                _mm256_set1_ps(d * sc as f32 * xb.d),
-                                _mm256_cvtepi32_ps(l),
-                                acc,
-                            );
-                            extra -= (dmin * m as f32 * xb.d) * xb.sum as f32;
-                        }
-                    }
-                }
-            }
-            QuantType::Q6_K => {
-                let k32 = _mm256_set1_epi8(32);
-                for (blk, xbs) in row.chunks_exact(bb).zip(xq.chunks_exact(8)) {
-                    let d = rd_f16(blk, 208);
-                    for h in 0..2 {
-                        let qh = load32(blk[128 + 32 * h..].as_ptr());
-                        for g in 0..4 {
-                            let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
-                            let q = _mm256_sub_epi8(q6k_group(ql, qh, g), k32);
-                            let gi = 4 * h + g;
-                            let xb = &xbs[gi];
-                            let l = mul_sum_i8(q, load32(xb.qs.as_ptr().cast()));
-                            let s0 = d * f32::from(blk[192 + 2 * gi] as i8) * xb.d;
-                            let s1 = d * f32::from(blk[193 + 2 * gi] as i8) * xb.d;
-                            let dd = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
-                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                        }
-                    }
-                }
-            }
-            _ => {}
-        }
-        let mut lanes = [0f32; 8];
-        // SAFETY: lanes holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        crate::cpu::matvec::finish_lanes(&lanes, extra)
-    }
-
     /// The f16 at `off` of `b` as f32 (exact) in all 8 lanes, by F16C. With every lane used
     /// the load cannot become a `vpinsrw` merging into a register left by the previous loop
     /// iteration, as the scalar [`rd_f16`] can: a false loop-carried dependency through the
@@ -377,144 +266,6 @@ pub(crate) mod imp {
         let bits = u16::from_le_bytes([b[off], b[off + 1]]);
         _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
     }
-
-    /// Generates [`row_dot_q8_avx2`]'s VNNI twin for one VNNI extension: `vpdpbusd` sums
-    /// four unsigned-by-signed byte products per i32 lane in one instruction, so each block's
-    /// lanes are `bias + Σ u·x` with the weight quants made unsigned (`q + off`) and `bias`
-    /// the activation block's `−off · (lane sums of x)` from [`crate::cpu::matvec::vnni_bias`].
-    /// The integers equal the AVX2 path's exactly, and the float operations are the same, so
-    /// the result has the same bits. Q4_K is left to the AVX2 form: its quants are unsigned
-    /// already, so VNNI saves one instruction in ten there, and measured slower. `$q5` builds
-    /// the unsigned 5-bit quants of Q5_0/Q5_1 ([`quants5_u`], or with AVX-512BW a masked add).
-    macro_rules! row_dot_q8_vnni {
-        ($name:ident, $feat:literal, $dp:ident, $q5:ident) => {
-            /// VNNI Q8-mode row dot for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q6_K (0 for other
-            /// types); see the macro above.
-            ///
-            /// # Safety
-            /// The CPU must support the enabled features; `row` holds whole blocks of `ty`,
-            /// and `xq` and `bias` at least as many 32-value activation blocks as the row has
-            /// values / 32.
-            #[target_feature(enable = $feat)]
-            pub unsafe fn $name(
-                ty: QuantType,
-                row: &[u8],
-                xq: &[crate::cpu::matvec::Q8Block],
-                bias: &[[i32; 8]],
-            ) -> f32 {
-                let bb = ty.block_bytes();
-                let mut acc = _mm256_setzero_ps();
-                let mut extra = 0f32;
-                let zero = _mm256_setzero_si256();
-                let ldb = |b: &[i32; 8]| {
-                    // SAFETY: b holds 8 i32.
-                    unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
-                };
-                let xw = xq.iter().zip(bias);
-                match ty {
-                    QuantType::Q4_0 => {
-                        for (blk, (xb, b)) in row.chunks_exact(bb).zip(xw) {
-                            // d · d_x in every lane: the same rounding as the scalar product
-                            let dd = _mm256_mul_ps(splat_f16(blk, 0), _mm256_set1_ps(xb.d));
-                            let xv = load32(xb.qs.as_ptr().cast());
-                            let l = $dp(ldb(b), nibbles32(blk[2..].as_ptr(), 0), xv);
-                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                        }
-                    }
-                    QuantType::Q4_1 => {
-                        for (blk, xb) in row.chunks_exact(bb).zip(xq) {
-                            // d and m together by one full-register load (no merge, as above)
-                            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
-                                blk[0], blk[1], blk[2], blk[3],
-                            ])));
-                            let dd = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_set1_ps(xb.d));
-                            let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-                            extra += (m * xb.d) * xb.sum as f32;
-                            let xv = load32(xb.qs.as_ptr().cast());
-                            let l = $dp(zero, nibbles32(blk[4..].as_ptr(), 0), xv);
-                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                        }
-                    }
-                    QuantType::Q5_0 => {
-                        for (blk, (xb, b)) in row.chunks_exact(bb).zip(xw) {
-                            let dd = _mm256_mul_ps(splat_f16(blk, 0), _mm256_set1_ps(xb.d));
-                            let xv = load32(xb.qs.as_ptr().cast());
-                            // q + 16 as unsigned bytes; the bias takes 16 · Σx off
-                            let q = $q5(rd_u32(blk, 2), blk[6..22].as_ptr());
-                            let l = $dp(ldb(b), q, xv);
-                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                        }
-                    }
-                    QuantType::Q5_1 => {
-                        for (blk, xb) in row.chunks_exact(bb).zip(xq) {
-                            // d and m together, as Q4_1
-                            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
-                                blk[0], blk[1], blk[2], blk[3],
-                            ])));
-                            let dd = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_set1_ps(xb.d));
-                            let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-                            extra += (m * xb.d) * xb.sum as f32;
-                            let xv = load32(xb.qs.as_ptr().cast());
-                            let q = $q5(rd_u32(blk, 4), blk[8..24].as_ptr());
-                            let l = $dp(zero, q, xv);
-                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                        }
-                    }
-                    QuantType::Q8_0 => {
-                        let k80 = _mm256_set1_epi8(-128);
-                        for (blk, (xb, b)) in row.chunks_exact(bb).zip(xw) {
-                            let dd = _mm256_mul_ps(splat_f16(blk, 0), _mm256_set1_ps(xb.d));
-                            let xv = load32(xb.qs.as_ptr().cast());
-                            // q + 128 as unsigned bytes
-                            let q = _mm256_xor_si256(load32(blk[2..].as_ptr()), k80);
-                            let l = $dp(ldb(b), q, xv);
-                            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                        }
-                    }
-                    QuantType::Q6_K => {
-                        let blocks = xq.chunks_exact(8).zip(bias.chunks_exact(8));
-                        for (blk, (xbs, bs)) in row.chunks_exact(bb).zip(blocks) {
-                            let d = rd_f16(blk, 208);
-                            for h in 0..2 {
-                                let qh = load32(blk[128 + 32 * h..].as_ptr());
-                                for g in 0..4 {
-                                    let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
-                                    // the unsigned 6-bit quants (q + 32)
-                                    let q = q6k_group(ql, qh, g);
-                                    let gi = 4 * h + g;
-                                    let xb = &xbs[gi];
-                                    let l = $dp(ldb(&bs[gi]), q, load32(xb.qs.as_ptr().cast()));
-                                    let s0 = d * f32::from(blk[192 + 2 * gi] as i8) * xb.d;
-                                    let s1 = d * f32::from(blk[193 + 2 * gi] as i8) * xb.d;
-                                    let dd = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
-                                    acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), acc);
-                                }
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-                let mut lanes = [0f32; 8];
-                // SAFETY: lanes holds 8 f32.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-                crate::cpu::matvec::finish_lanes(&lanes, extra)
-            }
-        };
-    }
-
-    row_dot_q8_vnni!(
-        row_dot_q8_avxvnni,
-        "avx2,fma,f16c,avxvnni",
-        _mm256_dpbusd_avx_epi32,
-        quants5_u
-    );
-    // AVX512-VNNI is used only at Isa::Avx512, which also detected AVX-512BW
-    row_dot_q8_vnni!(
-        row_dot_q8_avx512vnni,
-        "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
-        _mm256_dpbusd_epi32,
-        quants5_u_avx512
-    );
 
     /// Σ_k q_k · x_k over 32 values: four 8-lane products summed with FMA.
     #[inline]

@@ -127,7 +127,7 @@ fn line_bytes(lines: &[Line]) -> &[u8] {
 /// sums of quants 0..16 and 16..32; `x` holds `32 · n` values, `n` ≤ 8.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn quantize_groups(x: &[f32]) -> [(__m256i, f32, i32, i32); 8] {
+pub(crate) fn quantize_groups(x: &[f32]) -> [(__m256i, f32, i32, i32); 8] {
     let n = x.len() / 32;
     assert!(
         n <= 8 && x.len() == 32 * n,

@@ -2,21 +2,7 @@
 
 use std::arch::x86_64::*;
 
-/// Above this `exp` overflows to +inf (the f32 just below ln(f32::MAX)).
-const EXP_HI: f32 = 88.722_83;
-/// Below this `exp` rounds to 0 (ln of 2⁻¹⁵⁰, half the smallest subnormal).
-const EXP_LO: f32 = -103.972_08;
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-// ln 2 split so that n·LN2_HI is exact for |n| ≤ 2⁹ (Cephes' C1, C2)
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-// Cephes expf: e^r ≈ 1 + r + r²·P(r) on |r| ≤ ln2/2
-const P0: f32 = 1.987_569_1e-4;
-const P1: f32 = 1.398_199_9e-3;
-const P2: f32 = 8.333_452e-3;
-const P3: f32 = 4.166_579_6e-2;
-const P4: f32 = 1.666_666_5e-1;
-const P5: f32 = 0.5; // Cephes 5.0000001201e-1, which rounds to 0.5 in f32
+use crate::cpu::exp::{EXP_HI, EXP_LO, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
 
 /// Vectorised `e^x` (Cephes-style range reduction `x = n·ln2 + r`, degree-7 polynomial,
 /// scaling by 2ⁿ in two exact steps so subnormal results are rounded once).
@@ -39,8 +25,8 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
     ));
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-    let mut p = _mm256_set1_ps(P0);
-    for c in [P1, P2, P3, P4, P5] {
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for c in EXP_POLY[1..].iter().copied() {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
     }
     let r2 = _mm256_mul_ps(r, r);
@@ -74,8 +60,8 @@ pub(crate) fn exp16(x: __m512) -> __m512 {
     );
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    let mut p = _mm512_set1_ps(P0);
-    for c in [P1, P2, P3, P4, P5] {
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for c in EXP_POLY[1..].iter().copied() {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     }
     let r2 = _mm512_mul_ps(r, r);
@@ -207,6 +193,33 @@ mod tests {
         } else {
             // SAFETY: AVX2/FMA detected; out is as long as x.
             unsafe { imp::exp_slice_256(x, out) }
+        }
+    }
+
+    /// `exp8`, `exp16` and the scalar `exp_twin` give the same bits everywhere, specials
+    /// included (the attention kernel relies on it).
+    #[test]
+    fn vector_exp_and_its_scalar_twin_agree_bit_for_bit() {
+        let mut xs: Vec<f32> = (0..=u32::MAX / 7919)
+            .map(|i| f32::from_bits(i * 7919))
+            .filter(|x| x.abs() < 120.0 || !x.is_finite())
+            .collect();
+        xs.extend([88.722_83, 88.722_84, -103.972_08, -103.972_09, -0.0, 0.0]);
+        let want: Vec<u32> = xs
+            .iter()
+            .map(|x| crate::cpu::exp::exp_twin(*x).to_bits())
+            .collect();
+        for isa in Isa::all_supported().into_iter().filter(|i| i.has_avx2()) {
+            let mut out = vec![0f32; xs.len()];
+            run(isa, &xs, &mut out);
+            for ((x, w), g) in xs.iter().zip(&want).zip(&out) {
+                let same = *w == g.to_bits() || (g.is_nan() && f32::from_bits(*w).is_nan());
+                assert!(
+                    same,
+                    "{isa:?} exp({x:e}): {g:e} against {:e}",
+                    f32::from_bits(*w)
+                );
+            }
         }
     }
 

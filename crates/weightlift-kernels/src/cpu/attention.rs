@@ -1,0 +1,528 @@
+//! Causal grouped-query attention over f32 key and value rows, folded into a running (online)
+//! softmax a fold step at a time, so no score matrix is ever held: each query row (one token,
+//! one head) carries its running maximum `m`, running sum `l` and unnormalised output `o`
+//! from one step to the next. The engine's host forward pass folds the cache tile by tile as
+//! it decodes it; the CPU backend's attention operation folds the rows it was given through
+//! [`attention_with`]. Both go through [`Attention`], so they give the same bits when they use
+//! the same tile.
+//!
+//! For a query row `q` and the keys `j < seen` of a step that its position lets it see:
+//!
+//! ```text
+//! q̃    = q, rounded to f16 and back when f16_operands
+//! s_j  = q̃ · k_j
+//! w_j  = s_j · scale
+//! m'   = max(m, maxⱼ w_j)
+//! keep = exp(m − m')
+//! p_j  = exp(w_j − m'), rounded to f16 and back when f16_operands
+//! l    = l · keep + (((0 + p_0) + p_1) + … + p_{seen−1})
+//! o[d] = (…((o[d] · keep) + p_0 · v_0[d]) + …) + p_{seen−1} · v_{seen−1}[d]
+//! m    = m'
+//! ```
+//!
+//! and at the end `out = o · (1 / l)`. Rounding `q` and `p` to f16 is what llama.cpp's CPU
+//! products do with an f16 cache (they convert the f32 operand to the cache's type), so
+//! `compute="fast"` keeps to its numbers. Two forms differ in how `s_j` and `exp` are
+//! computed, and in the step:
+//!
+//! - **The step form**, for calls of fewer than [`TILED_MIN_QUERIES`] queries (decode steps,
+//!   short prompts): one step per tile, `s_j` by [`dot_f32`] (the instruction set's own
+//!   summation order), libm's `exp`, and each `p_j · v_j[d]` rounded before it is added. This
+//!   is the arithmetic the forward pass had for every call before the tiled form, bit for bit.
+//!   The engine's greedy agreement with llama.cpp and its prefix-reuse checks were calibrated
+//!   on it, and the fast path's margins at some of their steps are a few hundredths (any change
+//!   in the last bits can flip them), so short calls keep it, as the matrix products keep
+//!   token-by-token products below 8 tokens. Its cost is a small share of a decode step.
+//! - **The tiled form**, from [`TILED_MIN_QUERIES`] queries: steps of at most [`FOLD_KEYS`]
+//!   keys, `s_j = fma(q̃[hd−1], k_j[hd−1], … fma(q̃[0], k_j[0], 0))` with `d` in order, the
+//!   vector exponential of the row operations (≤ 1.5 ulp; [`exp_twin`] is its scalar form),
+//!   `μ = m'` (0 while `m'` is −∞) in place of `m'` in both exponentials, and `o[d] + p_j ·
+//!   v_j[d]` fused when `f16_operands` (an f16 weight times an f16 cache value is exact in
+//!   f32, so that is the same sum). Every sum runs in a fixed order, so the AVX-512, AVX2 and
+//!   scalar forms give the same bits on finite inputs, whatever the thread count or the split
+//!   of the queries into calls. The SIMD forms (`x86_ops::attention`) only lay the work out
+//!   differently: each step's keys are transposed so that 16 (8) keys share a vector while
+//!   four query rows meet them in registers, and the weighted values are summed with head
+//!   dimensions in lanes. They also add the zero weights of keys a row cannot see within a
+//!   block of rows, which leaves `o` unchanged while the values are finite.
+
+use std::ops::Range;
+
+use super::attention_rows::{fold_task_scalar, fold_task_step};
+
+use rayon::prelude::*;
+
+use super::{Isa, check_len};
+use crate::error::{KernelError, Result};
+
+/// The most keys one fold step takes (the SIMD forms hold a step's scores for four query rows
+/// in registers).
+pub const FOLD_KEYS: usize = 64;
+
+/// Values of one step's transposed keys (`head_dim × keys`, keys rounded up to 16) that a SIMD
+/// task keeps on its stack (32 KiB); steps take fewer keys for heads wider than 128.
+pub(crate) const KT_VALUES: usize = 8192;
+
+/// The widest head the SIMD forms take (four query rows of it live on the stack); wider heads
+/// take the scalar form.
+pub(crate) const MAX_SIMD_HEAD_DIM: usize = 256;
+
+/// Calls with at least this many queries take the tiled form (see the module documentation).
+pub const TILED_MIN_QUERIES: usize = 16;
+
+/// Query rows (token × head of one kv head) per parallel task: enough to amortise transposing
+/// each step's keys, few enough that a prompt's queries make many tasks.
+const TASK_ROWS: usize = 48;
+
+/// Multiply-adds of a fold below which it runs on the calling thread (a decode step's handful
+/// of rows costs less than handing work to another thread).
+const MIN_PARALLEL_WORK: usize = 1 << 18;
+
+/// The sizes of one attention call: `n_q` queries at positions `start..start + n_q`, of
+/// `n_heads` heads of `head_dim` values, over the keys at positions `0..start + n_q` of
+/// `kv_heads` heads (query head `h` reads kv head `h / (n_heads / kv_heads)`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub n_q: usize,
+    pub start: usize,
+    /// Multiplier of the scores (`1/√head_dim`).
+    pub scale: f32,
+    /// Round each query and each attention weight to f16 before it meets the values (see the
+    /// module documentation).
+    pub f16_operands: bool,
+}
+
+impl AttnShape {
+    /// The shape, or a shape error naming what is wrong: heads a non-zero multiple of the kv
+    /// heads, a non-empty head, and buffer sizes that fit in memory arithmetic.
+    pub fn new(
+        n_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        n_q: usize,
+        start: usize,
+        scale: f32,
+        f16_operands: bool,
+    ) -> Result<AttnShape> {
+        let bad = |reason: String| KernelError::Shape {
+            op: "attention",
+            reason,
+        };
+        if kv_heads == 0 || n_heads == 0 || !n_heads.is_multiple_of(kv_heads) {
+            return Err(bad(format!(
+                "{n_heads} query heads are not a non-zero multiple of {kv_heads} kv heads"
+            )));
+        }
+        if head_dim == 0 {
+            return Err(bad("head_dim must be above 0".into()));
+        }
+        let fits = n_q
+            .checked_mul(n_heads)
+            .and_then(|v| v.checked_mul(head_dim))
+            .and_then(|v| v.checked_mul(4))
+            .zip(
+                start
+                    .checked_add(n_q)
+                    .and_then(|r| r.checked_mul(n_heads))
+                    .and_then(|v| v.checked_mul(head_dim))
+                    .and_then(|v| v.checked_mul(4)),
+            );
+        if fits.is_none() {
+            return Err(bad(format!(
+                "{n_q} queries at {start} of {n_heads} heads of {head_dim} overflow the buffer sizes"
+            )));
+        }
+        Ok(AttnShape {
+            n_heads,
+            kv_heads,
+            head_dim,
+            n_q,
+            start,
+            scale,
+            f16_operands,
+        })
+    }
+
+    /// Query heads per kv head.
+    fn group(&self) -> usize {
+        self.n_heads / self.kv_heads
+    }
+
+    /// Values of one cache row (`kv_heads × head_dim`).
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Values of the queries, and of the output.
+    pub fn q_values(&self) -> usize {
+        self.n_q * self.n_heads * self.head_dim
+    }
+
+    /// Whether this call takes the tiled form.
+    pub fn tiled(&self) -> bool {
+        self.n_q >= TILED_MIN_QUERIES
+    }
+
+    /// Keys each fold step takes when the keys come in tiles of `tile`: the whole tile in the
+    /// step form; in the tiled form at most [`FOLD_KEYS`], at most the tile, and few enough
+    /// that a SIMD task's transposed keys fit its stack. A function of the shape only, so
+    /// every path folds at the same keys.
+    pub fn fold_keys(&self, tile: usize) -> usize {
+        if !self.tiled() {
+            return tile.max(1);
+        }
+        let fit = (KT_VALUES / self.head_dim) / 16 * 16;
+        FOLD_KEYS.min(fit.max(16)).min(tile).max(1)
+    }
+
+    /// Values of the running maxima and sums [`Attention::new`] needs.
+    pub fn stats_len(&self) -> usize {
+        2 * self.n_q * self.n_heads
+    }
+
+    /// Values of the output accumulators [`Attention::new`] needs.
+    pub fn acc_len(&self) -> usize {
+        self.q_values()
+    }
+
+    /// Values of the weights scratch [`Attention::fold_with`] needs for `queries` queries with
+    /// tiles of `tile` keys.
+    pub fn scores_len(&self, queries: usize, tile: usize) -> usize {
+        queries * self.n_heads * self.fold_keys(tile)
+    }
+}
+
+/// One attention call in progress: the running state of every query row, in borrowed
+/// buffers, grouped by kv head (row `(kh · n_q + t) · group + g` is token `t`, head
+/// `kh · group + g`).
+pub struct Attention<'a> {
+    shape: AttnShape,
+    chunk: usize,
+    m: &'a mut [f32],
+    l: &'a mut [f32],
+    o: &'a mut [f32],
+}
+
+/// What every task of one fold reads: the queries, one tile of key and value rows (`keys`
+/// rows of `kv_dim`, the first at position `k0`) and the sizes.
+pub(crate) struct Fold<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub head_dim: usize,
+    pub n_heads: usize,
+    pub group: usize,
+    pub kv_dim: usize,
+    pub start: usize,
+    pub k0: usize,
+    pub keys: usize,
+    pub chunk: usize,
+    pub scale: f32,
+    pub f16: bool,
+}
+
+impl Fold<'_> {
+    /// The query of token `t`, head `kh · group + g`.
+    pub fn q_row(&self, kh: usize, t: usize, g: usize) -> &[f32] {
+        let h = kh * self.group + g;
+        &self.q[(t * self.n_heads + h) * self.head_dim..][..self.head_dim]
+    }
+
+    /// How many of this tile's keys token `t` sees.
+    pub fn seen(&self, t: usize) -> usize {
+        (self.start + t + 1).saturating_sub(self.k0).min(self.keys)
+    }
+
+    /// Key `j` of the tile, kv head `kh`.
+    pub fn k_row(&self, kh: usize, j: usize) -> &[f32] {
+        &self.k[j * self.kv_dim + kh * self.head_dim..][..self.head_dim]
+    }
+
+    /// Value `j` of the tile, kv head `kh`.
+    pub fn v_row(&self, kh: usize, j: usize) -> &[f32] {
+        &self.v[j * self.kv_dim + kh * self.head_dim..][..self.head_dim]
+    }
+}
+
+/// The rows of one kv head that one task folds: tokens from `t0`, `group` rows per token,
+/// their state and their weights scratch (`chunk` values per row).
+pub(crate) struct Task<'a> {
+    pub kh: usize,
+    pub t0: usize,
+    pub m: &'a mut [f32],
+    pub l: &'a mut [f32],
+    pub o: &'a mut [f32],
+    pub p: &'a mut [f32],
+}
+
+impl<'a> Attention<'a> {
+    /// Starts an attention call whose keys will come in tiles of `tile` (the first at key 0):
+    /// `stats` holds at least [`AttnShape::stats_len`] values and `acc` at least
+    /// [`AttnShape::acc_len`]; both are reset.
+    pub fn new(
+        shape: AttnShape,
+        tile: usize,
+        stats: &'a mut [f32],
+        acc: &'a mut [f32],
+    ) -> Result<Attention<'a>> {
+        if tile == 0 {
+            return Err(KernelError::Shape {
+                op: "attention",
+                reason: "the key tile must hold at least one key".into(),
+            });
+        }
+        let rows = shape.n_q * shape.n_heads;
+        let got = stats.len() + acc.len();
+        let (Some(stats), Some(o)) = (stats.get_mut(..2 * rows), acc.get_mut(..shape.acc_len()))
+        else {
+            return Err(KernelError::LengthMismatch {
+                what: "attention state values (stats, acc)",
+                expected: shape.stats_len() + shape.acc_len(),
+                got,
+            });
+        };
+        let (m, l) = stats.split_at_mut(rows);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        o.fill(0.0);
+        Ok(Attention {
+            chunk: shape.fold_keys(tile),
+            shape,
+            m,
+            l,
+            o,
+        })
+    }
+
+    /// [`Attention::fold_with`] with the best instruction set.
+    pub fn fold(
+        &mut self,
+        q: &[f32],
+        queries: Range<usize>,
+        k0: usize,
+        k: &[f32],
+        v: &[f32],
+        scores: &mut [f32],
+    ) -> Result<()> {
+        self.fold_with(Isa::detect(), q, queries, k0, k, v, scores)
+    }
+
+    /// Folds one tile of keys, the cache rows at positions `k0..k0 + k.len() / kv_dim` (`k` and
+    /// `v` token-major, `kv_heads × head_dim` per row), into the state of the queries
+    /// `queries` (indices into `q`, which holds all `n_q` queries token-major, `n_heads ×
+    /// head_dim` per token, already rotated). Each tile must start at a multiple of the
+    /// `tile` given to [`Attention::new`] and the tiles must come in order; `scores` holds at
+    /// least [`AttnShape::scores_len`]`(queries.len(), tile)` values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fold_with(
+        &mut self,
+        isa: Isa,
+        q: &[f32],
+        queries: Range<usize>,
+        k0: usize,
+        k: &[f32],
+        v: &[f32],
+        scores: &mut [f32],
+    ) -> Result<()> {
+        let s = self.shape;
+        let (hd, group, kvd, chunk) = (s.head_dim, s.group(), s.kv_dim(), self.chunk);
+        check_len("attention query values", s.q_values(), q.len())?;
+        check_len("attention value values", k.len(), v.len())?;
+        let keys = k.len() / kvd;
+        let bad = |reason: String| KernelError::Shape {
+            op: "attention",
+            reason,
+        };
+        if keys * kvd != k.len() || k0 + keys > s.start + s.n_q {
+            return Err(bad(format!(
+                "{} key values are not whole rows of {kvd} at positions {k0}.. below {}",
+                k.len(),
+                s.start + s.n_q
+            )));
+        }
+        if queries.start > queries.end || queries.end > s.n_q {
+            return Err(bad(format!("queries {queries:?} of {}", s.n_q)));
+        }
+        let nq = queries.len();
+        let need = nq * s.n_heads * chunk;
+        if scores.len() < need {
+            return Err(KernelError::LengthMismatch {
+                what: "attention scores values",
+                expected: need,
+                got: scores.len(),
+            });
+        }
+        if nq == 0 || keys == 0 {
+            return Ok(());
+        }
+        let f = Fold {
+            q,
+            k,
+            v,
+            head_dim: hd,
+            n_heads: s.n_heads,
+            group,
+            kv_dim: kvd,
+            start: s.start,
+            k0,
+            keys,
+            chunk,
+            scale: s.scale,
+            f16: s.f16_operands,
+        };
+        let tb = (TASK_ROWS / group).max(1);
+        let n = s.n_q;
+        let mut tasks = Vec::new();
+        let per_head = self
+            .m
+            .chunks_mut(n * group)
+            .zip(self.l.chunks_mut(n * group))
+            .zip(self.o.chunks_mut(n * group * hd))
+            .zip(scores[..need].chunks_mut(nq * group * chunk));
+        for (kh, (((m, l), o), p)) in per_head.enumerate() {
+            let (a, b) = (queries.start * group, queries.end * group);
+            let blocks = m[a..b]
+                .chunks_mut(tb * group)
+                .zip(l[a..b].chunks_mut(tb * group))
+                .zip(o[a * hd..b * hd].chunks_mut(tb * group * hd))
+                .zip(p.chunks_mut(tb * group * chunk));
+            for (i, (((m, l), o), p)) in blocks.enumerate() {
+                let t0 = queries.start + i * tb;
+                let last = t0 + m.len() / group - 1;
+                // no token of the block sees this tile's first key
+                if s.start + last < k0 {
+                    continue;
+                }
+                tasks.push(Task { kh, t0, m, l, o, p });
+            }
+        }
+        let tiled = s.tiled();
+        if nq * s.n_heads * keys * hd < MIN_PARALLEL_WORK {
+            tasks.into_iter().for_each(|t| fold_task(isa, tiled, &f, t));
+        } else {
+            tasks
+                .into_par_iter()
+                .for_each(|t| fold_task(isa, tiled, &f, t));
+        }
+        Ok(())
+    }
+
+    /// Writes the normalised outputs, token-major (`n_q × n_heads × head_dim`), into `out`.
+    pub fn finish(self, out: &mut [f32]) -> Result<()> {
+        let s = self.shape;
+        check_len("attention output values", s.q_values(), out.len())?;
+        let (n, nh, hd, group) = (s.n_q, s.n_heads, s.head_dim, s.group());
+        let (o, l) = (&*self.o, &*self.l);
+        out.par_chunks_mut(nh * hd)
+            .with_min_len(16)
+            .enumerate()
+            .for_each(|(t, orow)| {
+                for (h, oh) in orow.chunks_exact_mut(hd).enumerate() {
+                    let r = (h / group * n + t) * group + h % group;
+                    let inv = 1.0 / l[r];
+                    for (y, x) in oh.iter_mut().zip(&o[r * hd..(r + 1) * hd]) {
+                        *y = x * inv;
+                    }
+                }
+            });
+        Ok(())
+    }
+}
+
+/// [`attention_with`] with the best instruction set.
+pub fn attention(
+    shape: AttnShape,
+    tile: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
+    attention_with(Isa::detect(), shape, tile, q, k, v, out)
+}
+
+/// The whole attention call at once: `k` and `v` hold (at least) the cache rows of positions
+/// `0..start + n_q`, folded `tile` keys at a time; the result, token-major, goes to `out`.
+pub fn attention_with(
+    isa: Isa,
+    shape: AttnShape,
+    tile: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
+    let (kvd, keys) = (shape.kv_dim(), shape.start + shape.n_q);
+    for (what, got) in [
+        ("attention key values", k.len()),
+        ("attention value values", v.len()),
+    ] {
+        if got < keys * kvd {
+            return Err(KernelError::LengthMismatch {
+                what,
+                expected: keys * kvd,
+                got,
+            });
+        }
+    }
+    let mut stats = vec![0f32; shape.stats_len()];
+    let mut acc = vec![0f32; shape.acc_len()];
+    let mut scores = vec![0f32; shape.scores_len(shape.n_q, tile)];
+    let mut att = Attention::new(shape, tile, &mut stats, &mut acc)?;
+    let mut k0 = 0;
+    while k0 < keys {
+        let rows = k0 * kvd..(k0 + tile.min(keys - k0)) * kvd;
+        let (kt, vt) = (&k[rows.clone()], &v[rows]);
+        att.fold_with(isa, q, 0..shape.n_q, k0, kt, vt, &mut scores)?;
+        k0 += tile;
+    }
+    att.finish(out)
+}
+
+/// Folds one task with the call's form, the tiled one with the best instruction set for
+/// this head size.
+fn fold_task(isa: Isa, tiled: bool, f: &Fold<'_>, task: Task<'_>) {
+    if !tiled {
+        return fold_task_step(isa, f, task);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::x86_ops::imp;
+        let fits = f.head_dim <= MAX_SIMD_HEAD_DIM
+            && f.head_dim * f.chunk.next_multiple_of(16) <= KT_VALUES;
+        if isa.has_avx512() && fits && f.head_dim.is_multiple_of(16) {
+            // SAFETY: AVX-512F, AVX2, FMA and F16C detected at run time; fold_with checked the
+            // buffers the task's slices and the fold's rows come from, and the head fits.
+            return with_key_scratch(|kt| unsafe { imp::fold_task_avx512(f, task, kt) });
+        }
+        if isa.has_avx2() && fits && f.head_dim.is_multiple_of(8) {
+            // SAFETY: AVX2, FMA and F16C detected at run time; sizes as above.
+            return with_key_scratch(|kt| unsafe { imp::fold_task_avx2(f, task, kt) });
+        }
+    }
+    let _ = isa;
+    fold_task_scalar(f, task);
+}
+
+/// Runs `f` with [`KT_VALUES`] values of scratch for a SIMD task's transposed keys, kept per
+/// thread (zeroing 32 KiB per task cost as much as a decode step's attention).
+#[cfg(target_arch = "x86_64")]
+fn with_key_scratch<T>(f: impl FnOnce(&mut [f32]) -> T) -> T {
+    thread_local! {
+        static KEYS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    KEYS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut kt) => {
+            kt.resize(KT_VALUES, 0.0);
+            f(&mut kt)
+        }
+        Err(_) => f(&mut vec![0.0; KT_VALUES]),
+    })
+}
+
+#[cfg(test)]
+#[path = "attention_tests.rs"]
+mod tests;

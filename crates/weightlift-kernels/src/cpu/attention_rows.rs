@@ -1,0 +1,152 @@
+//! The forms of the attention fold that go one query row at a time (see
+//! [`attention`](super::attention)): the step form, and the tiled form's scalar level, which
+//! the SIMD levels match bit for bit.
+
+use super::Isa;
+use super::attention::{Fold, Task};
+use super::exp::exp_twin;
+use super::matvec::dot_f32;
+
+/// `x` rounded to the nearest f16 (ties to even) and back, as F16C's `vcvtps2ph` and the
+/// `half` crate round: ±inf from 65520 up, multiples of 2⁻²⁴ below 2⁻¹⁴, NaN kept.
+#[inline]
+pub(crate) fn round_f16(x: f32) -> f32 {
+    let a = x.abs();
+    if a.is_nan() {
+        return x;
+    }
+    if a >= 65520.0 {
+        return f32::INFINITY.copysign(x);
+    }
+    if a < 1.0 / 16384.0 {
+        let q = (a * 16_777_216.0).round_ties_even() * (1.0 / 16_777_216.0);
+        return q.copysign(x);
+    }
+    // drop 13 of f32's 23 mantissa bits, ties to even (a carry moves into the exponent)
+    let b = x.to_bits();
+    f32::from_bits((b + 0x0fff + ((b >> 13) & 1)) & !0x1fff)
+}
+
+/// The step form: the attention module documentation's operations, one row at a time, one
+/// step per tile.
+pub(crate) fn fold_task_step(isa: Isa, f: &Fold<'_>, task: Task<'_>) {
+    let hd = f.head_dim;
+    let mut q = vec![0f32; hd];
+    for r in 0..task.m.len() {
+        let t = task.t0 + r / f.group;
+        let seen = f.seen(t);
+        if seen == 0 {
+            continue;
+        }
+        for (d, x) in q.iter_mut().zip(f.q_row(task.kh, t, r % f.group)) {
+            *d = if f.f16 { round_f16(*x) } else { *x };
+        }
+        let (m, l) = (&mut task.m[r], &mut task.l[r]);
+        let o = &mut task.o[r * hd..(r + 1) * hd];
+        let w = &mut task.p[r * f.chunk..r * f.chunk + seen];
+        for (j, wj) in w.iter_mut().enumerate() {
+            *wj = dot_f32(isa, &q, f.k_row(task.kh, j)) * f.scale;
+        }
+        let m_new = m.max(w.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)));
+        let keep = (*m - m_new).exp();
+        if keep != 1.0 {
+            o.iter_mut().for_each(|x| *x *= keep);
+        }
+        let mut sum = 0f32;
+        for wj in w.iter_mut() {
+            let mut p = (*wj - m_new).exp();
+            if f.f16 {
+                p = round_f16(p);
+            }
+            sum += p;
+            *wj = p;
+        }
+        let v = &f.v[task.kh * hd..];
+        #[cfg(target_arch = "x86_64")]
+        if isa.has_avx2() {
+            // SAFETY: AVX2 (and AVX-512F where has_avx512) detected at run time; `v` holds the
+            // tile's `seen` value rows of kv_dim from kv head kh on.
+            unsafe {
+                if isa.has_avx512() {
+                    super::x86_ops::imp::add_weighted_rows_avx512(o, w, v, f.kv_dim);
+                } else {
+                    super::x86_ops::imp::add_weighted_rows_avx2(o, w, v, f.kv_dim);
+                }
+            }
+            *l = *l * keep + sum;
+            *m = m_new;
+            continue;
+        }
+        add_weighted_rows(o, w, v, f.kv_dim);
+        *l = *l * keep + sum;
+        *m = m_new;
+    }
+}
+
+/// `o += p_j · v_j` for each weight `p_j` in order, the row `v_j` at `j · stride` of `v`, each
+/// product rounded before it is added: the step form's values pass (its SIMD twins in
+/// `x86_ops::attention` are this loop compiled for wider vectors, lane for lane the same).
+#[inline(always)]
+pub(crate) fn add_weighted_rows(o: &mut [f32], p: &[f32], v: &[f32], stride: usize) {
+    for (j, pj) in p.iter().enumerate() {
+        for (x, vv) in o.iter_mut().zip(&v[j * stride..]) {
+            *x += pj * vv;
+        }
+    }
+}
+
+/// The tiled form's scalar level: the attention module documentation's operations, one row at
+/// a time.
+pub(crate) fn fold_task_scalar(f: &Fold<'_>, task: Task<'_>) {
+    let hd = f.head_dim;
+    let mut q = vec![0f32; hd];
+    for r in 0..task.m.len() {
+        let t = task.t0 + r / f.group;
+        for (d, x) in q.iter_mut().zip(f.q_row(task.kh, t, r % f.group)) {
+            *d = if f.f16 { round_f16(*x) } else { *x };
+        }
+        let (m, l) = (&mut task.m[r], &mut task.l[r]);
+        let o = &mut task.o[r * hd..(r + 1) * hd];
+        let p = &mut task.p[r * f.chunk..(r + 1) * f.chunk];
+        let seen_all = f.seen(t);
+        let mut c0 = 0;
+        while c0 < seen_all {
+            let seen = (seen_all - c0).min(f.chunk);
+            let w = &mut p[..seen];
+            for (j, wj) in w.iter_mut().enumerate() {
+                let mut s = 0f32;
+                for (a, b) in q.iter().zip(f.k_row(task.kh, c0 + j)) {
+                    s = a.mul_add(*b, s);
+                }
+                *wj = s * f.scale;
+            }
+            let m_new = m.max(w.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)));
+            let mu = if m_new == f32::NEG_INFINITY {
+                0.0
+            } else {
+                m_new
+            };
+            let keep = exp_twin(*m - mu);
+            o.iter_mut().for_each(|x| *x *= keep);
+            let mut sum = 0f32;
+            for (j, wj) in w.iter().enumerate() {
+                let mut pj = exp_twin(wj - mu);
+                if f.f16 {
+                    pj = round_f16(pj);
+                }
+                sum += pj;
+                let vr = f.v_row(task.kh, c0 + j);
+                if f.f16 {
+                    o.iter_mut()
+                        .zip(vr)
+                        .for_each(|(x, v)| *x = pj.mul_add(*v, *x));
+                } else {
+                    o.iter_mut().zip(vr).for_each(|(x, v)| *x += pj * v);
+                }
+            }
+            *l = *l * keep + sum;
+            *m = m_new;
+            c0 += f.chunk;
+        }
+    }
+}

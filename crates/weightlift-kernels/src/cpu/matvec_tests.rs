@@ -1,0 +1,133 @@
+use super::*;
+
+/// Deterministic bytes (xorshift64*).
+fn bytes(seed: u64, n: usize) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s >> 12;
+            s ^= s << 25;
+            s ^= s >> 27;
+            (s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8
+        })
+        .collect()
+}
+
+/// `rows` rows of `cols` values of `ty` with random quants and finite scales of mixed sizes
+/// and signs (every f16 field a block holds is rewritten).
+fn weights(ty: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let bb = ty.block_bytes();
+    let mut w = bytes(seed, rows * cols / ty.block_size() * bb);
+    let scales: &[usize] = match ty {
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K => &[0, 2],
+        QuantType::Q6_K => &[208],
+        _ => &[0],
+    };
+    for (k, blk) in w.chunks_exact_mut(bb).enumerate() {
+        for (j, off) in scales.iter().enumerate() {
+            let v = (0.001 + 0.0137 * ((k * 7 + j * 3) % 11) as f32)
+                * if k % 3 == j { -1.0 } else { 1.0 };
+            blk[*off..off + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
+        }
+    }
+    w
+}
+
+/// Activations with a wide range of block maxima, exact halves and a zero block.
+fn activations(n: usize, seed: u64) -> Vec<f32> {
+    bytes(seed, n)
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let block = i / 32;
+            if block % 7 == 3 {
+                return 0.0;
+            }
+            let scale = [1.0, 0.01, 40.0, 3.0][block % 4];
+            (f32::from(*b) - 127.5) / 127.5 * scale + if i % 13 == 0 { 0.5 } else { 0.0 }
+        })
+        .collect()
+}
+
+/// The Q8-mode matvec takes its rows four (and two, with AVX-512) at a time and the rest one by
+/// one: every row count, instruction set and VNNI choice gives the scalar path's bits.
+#[test]
+fn q8_matvec_rows_at_a_time_give_the_scalar_bits() {
+    let types = [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ];
+    for (k, ty) in types.into_iter().enumerate() {
+        let cols = 512;
+        for rows in [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 37] {
+            let w = weights(ty, rows, cols, (k * 100 + rows) as u64);
+            let x = activations(cols, rows as u64);
+            let mut want = vec![0f32; rows];
+            matvec_with_vnni(
+                Isa::Scalar,
+                false,
+                MatvecMode::Q8,
+                ty,
+                &w,
+                rows,
+                cols,
+                &x,
+                &mut want,
+            )
+            .unwrap();
+            for isa in Isa::all_supported() {
+                for vnni in [false, true] {
+                    let mut y = vec![0f32; rows];
+                    matvec_with_vnni(isa, vnni, MatvecMode::Q8, ty, &w, rows, cols, &x, &mut y)
+                        .unwrap();
+                    let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{ty} {rows} rows {isa:?} vnni {vnni}: {y:?} against {want:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The quantiser the matvec uses writes [`quantize_q8_blocks`]'s blocks on every instruction
+/// set, specials included, and lane offsets equal to `−off` times the sums of four quants.
+#[test]
+fn the_matvec_quantiser_is_quantize_q8_blocks() {
+    let mut x = activations(32 * 40, 5);
+    x[3] = f32::NAN;
+    x[40] = f32::INFINITY;
+    x[77] = f32::NEG_INFINITY;
+    x[100] = -0.0;
+    x[130] = 1e-42;
+    for (i, v) in x[32 * 20..32 * 21].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) + 0.5;
+    }
+    let want = quantize_q8_blocks(&x);
+    for isa in Isa::all_supported() {
+        for off in [0, 8, 128] {
+            let mut a = Q8Activations::default();
+            a.fill(isa, &x, off);
+            assert_eq!(a.q.len(), want.len());
+            for (k, (g, w)) in a.q.iter().zip(&want).enumerate() {
+                assert!(
+                    g.d.to_bits() == w.d.to_bits() && g.sum == w.sum && g.qs == w.qs,
+                    "{isa:?} block {k}: {g:?} against {w:?}"
+                );
+            }
+            assert_eq!(a.bias.len(), if off == 0 { 0 } else { want.len() });
+            for (l, w) in a.bias.iter().zip(&want) {
+                let sums: [i32; 8] = std::array::from_fn(|j| {
+                    w.qs[4 * j..4 * j + 4].iter().map(|v| i32::from(*v)).sum()
+                });
+                assert_eq!(*l, sums.map(|s| -off * s), "{isa:?}");
+            }
+        }
+    }
+}

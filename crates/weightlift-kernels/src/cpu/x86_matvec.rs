@@ -1,0 +1,384 @@
+//! The Q8-mode matvec's row dots on AVX2 and VNNI, `R` weight rows at a time: the rows share
+//! each activation block's loads and keep one accumulator each, so the multiply-add chains of
+//! `R` rows run side by side (one row's chain alone left the core waiting on the FMA latency).
+//! Each row's operations, and their order, are the single-row scalar path's
+//! (`matvec::row_dot_q8_scalar`, see `matvec::finish_lanes`), so every `R`, instruction set
+//! and VNNI choice gives the same bits.
+// The std::arch intrinsics are unsafe to call: they need the CPU features that `Isa` checked at
+// run time and raw pointers into slices whose bounds the callers check.
+
+use std::arch::x86_64::*;
+
+use super::dequant_scalar::scale_min_k4;
+use super::matvec::{Q8Block, finish_lanes};
+use super::x86::imp::{
+    load32, mul_sum_i8, nibbles32, q6k_group, quants5_i, quants5_u, quants5_u_avx512, rd_f16,
+    rd_f16_pair, rd_u32, splat_f16,
+};
+use super::x86_gemm::quantize_groups;
+use crate::types::QuantType;
+
+/// Block `i` (of `bb` bytes) of `row`.
+///
+/// # Safety
+/// `row` holds at least `(i + 1) · bb` bytes.
+#[inline(always)]
+unsafe fn block(row: &[u8], i: usize, bb: usize) -> &[u8] {
+    debug_assert!(row.len() >= (i + 1) * bb);
+    // SAFETY: as the contract.
+    unsafe { std::slice::from_raw_parts(row.as_ptr().add(i * bb), bb) }
+}
+
+/// `d` and `m` of a Q4_1/Q5_1 block by one 4-byte load, both used: with one lane used LLVM
+/// narrows the load back to a 2-byte one that merges into a register the previous block wrote
+/// (a false dependency: Q4_1 measured 1.7 ms against 0.5 ms).
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn dm_f16(blk: &[u8]) -> (__m256, f32) {
+    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+        blk[0], blk[1], blk[2], blk[3],
+    ])));
+    (
+        _mm256_broadcastss_ps(dm),
+        _mm_cvtss_f32(_mm_movehdup_ps(dm)),
+    )
+}
+
+/// How far ahead of each block the kernels prefetch. The rows of a group are read side by
+/// side, four interleaved streams the hardware prefetchers do not follow as they follow one
+/// row read after another (without this, 4 rows at a time ran at a third of the speed of 1 on
+/// matrices streamed from DRAM). Rows are contiguous, so this is the same block of a row read
+/// a few groups later; 14 KiB measured best (Zen 5, 1 thread, SmolLM2's matrices: 8–20 KiB
+/// within 3 %), and a multiple of 4 KiB is avoided so the prefetched lines do not land in the
+/// L1 sets being read.
+const PREFETCH_BYTES: usize = 14 * 1024 + 512;
+
+/// Prefetches the line [`PREFETCH_BYTES`] past `blk` into L1 (a prefetch never faults, so
+/// running past the matrix is harmless).
+#[inline(always)]
+pub(crate) fn prefetch_ahead(blk: &[u8]) {
+    let at = blk.as_ptr().wrapping_add(PREFETCH_BYTES);
+    // SAFETY: a prefetch never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
+}
+
+/// [`prefetch_ahead`] for every line of a 256-value block (K-quants: 144 to 210 bytes).
+#[inline(always)]
+fn prefetch_block(blk: &[u8]) {
+    for off in (0..blk.len()).step_by(64) {
+        prefetch_ahead(&blk[off..]);
+    }
+}
+
+/// Quantises `x` into `q` as `matvec::quantize_q8_blocks` does, bit for bit (with the Q8-mode
+/// matmul's quantiser, eight blocks at a time), and when `off` is not 0 writes each block's
+/// VNNI lane offsets, `−off` times the sums of its four-quant runs, into `bias`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `x.len()` a multiple of 32, `q` holding `x.len() / 32` blocks and
+/// `bias` as many when `off` is not 0.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_q8_avx2(
+    x: &[f32],
+    off: i32,
+    q: &mut [Q8Block],
+    bias: &mut [[i32; 8]],
+) {
+    assert!(
+        q.len() * 32 == x.len() && (off == 0 || bias.len() == q.len()),
+        "quantize_q8_avx2: shapes"
+    );
+    let ones8 = _mm256_set1_epi8(1);
+    let ones16 = _mm256_set1_epi16(1);
+    let neg_off = _mm256_set1_epi32(-off);
+    for (g0, (xs, qs)) in x.chunks(256).zip(q.chunks_mut(8)).enumerate() {
+        for (j, (b, (v, d, s_lo, s_hi))) in qs.iter_mut().zip(quantize_groups(xs)).enumerate() {
+            b.d = d;
+            b.sum = s_lo + s_hi;
+            // SAFETY: qs holds 32 bytes.
+            unsafe { _mm256_storeu_si256(b.qs.as_mut_ptr().cast(), v) };
+            if off != 0 {
+                // the sums of four quants (1 · q in pairs, then pairs of pairs), times −off
+                let runs = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);
+                let l = _mm256_mullo_epi32(runs, neg_off);
+                // SAFETY: the lane offsets hold 8 i32.
+                unsafe { _mm256_storeu_si256(bias[8 * g0 + j].as_mut_ptr().cast(), l) };
+            }
+        }
+    }
+}
+
+/// Each row's 8 lanes and offset sum, finished as the scalar path does.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn finish<const R: usize>(acc: [__m256; R], extra: [f32; R]) -> [f32; R] {
+    let mut out = [0f32; R];
+    for ((o, a), e) in out.iter_mut().zip(acc).zip(extra) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        *o = finish_lanes(&lanes, e);
+    }
+    out
+}
+
+/// The Q8-mode dots of `R` rows with the activations, AVX2 (`pmaddubsw` + `pmaddwd`): per
+/// block the integer lane sums, then `fma(d · d_x, lanes, acc)`; Q4_1, Q5_1 and Q4_K add their
+/// offset term apart.
+///
+/// # Safety
+/// AVX2, FMA and F16C; every row holds whole blocks of `ty` for all of `xq` (as many
+/// 32-value activation blocks as a row has values / 32).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
+    ty: QuantType,
+    rows: [&[u8]; R],
+    xq: &[Q8Block],
+) -> [f32; R] {
+    let bb = ty.block_bytes();
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut extra = [0f32; R];
+    let ones = _mm256_set1_epi16(1);
+    let m4 = _mm256_set1_epi8(0x0f);
+    // SAFETY (every `block` below): the contract gives each row a block per activation block.
+    // One loop per type; the block's `d · d_x` in every lane from a full-register load
+    // (`splat_f16`: a one-lane f16 load can merge into a register the previous block wrote
+    // last, a false dependency that made Q4_0 2.5x slower).
+    macro_rules! blocks {
+        (|$blk:ident, $xv:ident| $lanes:expr) => {
+            for (i, xb) in xq.iter().enumerate() {
+                let $xv = load32(xb.qs.as_ptr().cast());
+                let xd = _mm256_set1_ps(xb.d);
+                for (a, row) in acc.iter_mut().zip(rows) {
+                    let $blk = unsafe { block(row, i, bb) };
+                    prefetch_ahead($blk);
+                    let dd = _mm256_mul_ps(splat_f16($blk, 0), xd);
+                    let l: __m256i = $lanes;
+                    *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                }
+            }
+        };
+    }
+    // unsigned quants × signed activations: `maddubs` is exact (2 · 31 · 128 fits its i16)
+    macro_rules! offset_blocks {
+        (|$blk:ident| $quants:expr) => {
+            for (i, xb) in xq.iter().enumerate() {
+                let xv = load32(xb.qs.as_ptr().cast());
+                let xd = _mm256_set1_ps(xb.d);
+                let xs = xb.sum as f32;
+                for ((a, e), row) in acc.iter_mut().zip(&mut extra).zip(rows) {
+                    let $blk = unsafe { block(row, i, bb) };
+                    prefetch_ahead($blk);
+                    let (d, m) = dm_f16($blk);
+                    let dd = _mm256_mul_ps(d, xd);
+                    *e += (m * xb.d) * xs;
+                    let l = _mm256_madd_epi16(_mm256_maddubs_epi16($quants, xv), ones);
+                    *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                }
+            }
+        };
+    }
+    match ty {
+        QuantType::Q4_0 => blocks!(|blk, xv| mul_sum_i8(nibbles32(blk[2..18].as_ptr(), 8), xv)),
+        QuantType::Q5_0 => {
+            blocks!(|blk, xv| mul_sum_i8(quants5_i(rd_u32(blk, 2), blk[6..22].as_ptr()), xv))
+        }
+        QuantType::Q8_0 => blocks!(|blk, xv| mul_sum_i8(load32(blk[2..34].as_ptr()), xv)),
+        QuantType::Q4_1 => offset_blocks!(|blk| nibbles32(blk[4..20].as_ptr(), 0)),
+        QuantType::Q5_1 => offset_blocks!(|blk| quants5_u(rd_u32(blk, 4), blk[8..24].as_ptr())),
+        QuantType::Q4_K => {
+            for (i, xbs) in xq.chunks_exact(8).enumerate() {
+                let xv: [__m256i; 8] = std::array::from_fn(|s| load32(xbs[s].qs.as_ptr().cast()));
+                for ((a, e), row) in acc.iter_mut().zip(&mut extra).zip(rows) {
+                    let blk = unsafe { block(row, i, bb) };
+                    prefetch_block(blk);
+                    let (d, dmin) = rd_f16_pair(blk, 0);
+                    let scales = &blk[4..16];
+                    for c in 0..4 {
+                        let v = load32(blk[16 + 32 * c..].as_ptr());
+                        let halves = [
+                            _mm256_and_si256(v, m4),
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
+                        ];
+                        for (h, q) in halves.into_iter().enumerate() {
+                            let sb = 2 * c + h;
+                            let xb = &xbs[sb];
+                            let (sc, m) = scale_min_k4(sb, scales);
+                            let l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[sb]), ones);
+                            *a = _mm256_fmadd_ps(
+                                _mm256_set1_ps(d * sc as f32 * xb.d),
+                                _mm256_cvtepi32_ps(l),
+                                *a,
+                            );
+                            *e -= (dmin * m as f32 * xb.d) * xb.sum as f32;
+                        }
+                    }
+                }
+            }
+        }
+        QuantType::Q6_K => {
+            let k32 = _mm256_set1_epi8(32);
+            for (i, xbs) in xq.chunks_exact(8).enumerate() {
+                for (a, row) in acc.iter_mut().zip(rows) {
+                    let blk = unsafe { block(row, i, bb) };
+                    prefetch_block(blk);
+                    let d = rd_f16(blk, 208);
+                    for h in 0..2 {
+                        let qh = load32(blk[128 + 32 * h..].as_ptr());
+                        for g in 0..4 {
+                            let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
+                            let q = _mm256_sub_epi8(q6k_group(ql, qh, g), k32);
+                            let gi = 4 * h + g;
+                            let xb = &xbs[gi];
+                            let l = mul_sum_i8(q, load32(xb.qs.as_ptr().cast()));
+                            let s0 = d * f32::from(blk[192 + 2 * gi] as i8) * xb.d;
+                            let s1 = d * f32::from(blk[193 + 2 * gi] as i8) * xb.d;
+                            let dd = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                            *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                        }
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+    finish(acc, extra)
+}
+
+/// The VNNI loop of the types with a weight offset of zero (Q4_0, Q5_0, Q8_0): per activation
+/// block its quants, scale and bias once, then each row's `fma(d · d_x, dp(bias, q, x), acc)`
+/// with `$quants` the row block's unsigned quants.
+macro_rules! vnni_blocks {
+    ($dp:ident, $acc:ident, $rows:ident, $xq:ident, $bias:ident, $bb:ident, |$blk:ident| $quants:expr) => {
+        for (i, (xb, b)) in $xq.iter().zip($bias).enumerate() {
+            let xv = load32(xb.qs.as_ptr().cast());
+            let xd = _mm256_set1_ps(xb.d);
+            // SAFETY: b holds 8 i32.
+            let bv = unsafe { _mm256_loadu_si256(b.as_ptr().cast()) };
+            for (a, row) in $acc.iter_mut().zip($rows) {
+                // SAFETY: the caller gives each row a block per activation block.
+                let $blk = unsafe { block(row, i, $bb) };
+                prefetch_ahead($blk);
+                // d · d_x in every lane: the same rounding as the scalar product
+                let dd = _mm256_mul_ps(splat_f16($blk, 0), xd);
+                let l = $dp(bv, $quants, xv);
+                *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+            }
+        }
+    };
+}
+
+/// The VNNI loop of Q4_1 and Q5_1: unsigned quants (no bias), the offset term apart.
+macro_rules! vnni_offset_blocks {
+    ($dp:ident, $acc:ident, $extra:ident, $rows:ident, $xq:ident, $bb:ident, |$blk:ident| $quants:expr) => {
+        for (i, xb) in $xq.iter().enumerate() {
+            let xv = load32(xb.qs.as_ptr().cast());
+            let xd = _mm256_set1_ps(xb.d);
+            let xs = xb.sum as f32;
+            for ((a, e), row) in $acc.iter_mut().zip(&mut $extra).zip($rows) {
+                // SAFETY: the caller gives each row a block per activation block.
+                let $blk = unsafe { block(row, i, $bb) };
+                prefetch_ahead($blk);
+                let (d, m) = dm_f16($blk);
+                let dd = _mm256_mul_ps(d, xd);
+                *e += (m * xb.d) * xs;
+                let l = $dp(_mm256_setzero_si256(), $quants, xv);
+                *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+            }
+        }
+    };
+}
+
+/// Generates [`rows_dot_q8_avx2`]'s VNNI twin for one VNNI extension: `vpdpbusd` sums four
+/// unsigned-by-signed byte products per i32 lane in one instruction, so each block's lanes are
+/// `bias + Σ u·x` with the weight quants made unsigned (`q + off`) and `bias` the activation
+/// block's `−off · (lane sums of x)` from `matvec::vnni_bias`. The integers equal the AVX2
+/// path's exactly, and the float operations are the same, so the result has the same bits.
+/// Q4_K is left to the AVX2 form: its quants are unsigned already, so VNNI saves one
+/// instruction in ten there, and measured slower. `$q5` builds the unsigned 5-bit quants of
+/// Q5_0/Q5_1 ([`quants5_u`], or with AVX-512BW a masked add).
+macro_rules! rows_dot_q8_vnni {
+    ($name:ident, $feat:literal, $dp:ident, $q5:ident) => {
+        /// VNNI Q8-mode dots of `R` rows for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q6_K (0 for
+        /// other types); see the macro above.
+        ///
+        /// # Safety
+        /// The CPU must support the enabled features; every row holds whole blocks of `ty`
+        /// for all of `xq`, and `bias` matches `xq` where the type uses it.
+        #[target_feature(enable = $feat)]
+        pub(crate) unsafe fn $name<const R: usize>(
+            ty: QuantType,
+            rows: [&[u8]; R],
+            xq: &[Q8Block],
+            bias: &[[i32; 8]],
+        ) -> [f32; R] {
+            let bb = ty.block_bytes();
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut extra = [0f32; R];
+            match ty {
+                QuantType::Q4_0 => vnni_blocks!($dp, acc, rows, xq, bias, bb, |blk| {
+                    nibbles32(blk[2..].as_ptr(), 0)
+                }),
+                // q + 16 as unsigned bytes; the bias takes 16 · Σx off
+                QuantType::Q5_0 => vnni_blocks!($dp, acc, rows, xq, bias, bb, |blk| {
+                    $q5(rd_u32(blk, 2), blk[6..22].as_ptr())
+                }),
+                // q + 128 as unsigned bytes
+                QuantType::Q8_0 => vnni_blocks!($dp, acc, rows, xq, bias, bb, |blk| {
+                    _mm256_xor_si256(load32(blk[2..].as_ptr()), _mm256_set1_epi8(-128))
+                }),
+                QuantType::Q4_1 => vnni_offset_blocks!($dp, acc, extra, rows, xq, bb, |blk| {
+                    nibbles32(blk[4..].as_ptr(), 0)
+                }),
+                QuantType::Q5_1 => vnni_offset_blocks!($dp, acc, extra, rows, xq, bb, |blk| {
+                    $q5(rd_u32(blk, 4), blk[8..24].as_ptr())
+                }),
+                QuantType::Q6_K => {
+                    let blocks = xq.chunks_exact(8).zip(bias.chunks_exact(8));
+                    for (i, (xbs, bs)) in blocks.enumerate() {
+                        for (a, row) in acc.iter_mut().zip(rows) {
+                            // SAFETY: the contract gives each row a block per 8 activation
+                            // blocks.
+                            let blk = unsafe { block(row, i, bb) };
+                            prefetch_block(blk);
+                            let d = rd_f16(blk, 208);
+                            for h in 0..2 {
+                                let qh = load32(blk[128 + 32 * h..].as_ptr());
+                                for g in 0..4 {
+                                    let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
+                                    // the unsigned 6-bit quants (q + 32)
+                                    let q = q6k_group(ql, qh, g);
+                                    let gi = 4 * h + g;
+                                    let xb = &xbs[gi];
+                                    // SAFETY: bs[gi] holds 8 i32.
+                                    let bv = unsafe { _mm256_loadu_si256(bs[gi].as_ptr().cast()) };
+                                    let l = $dp(bv, q, load32(xb.qs.as_ptr().cast()));
+                                    let s0 = d * f32::from(blk[192 + 2 * gi] as i8) * xb.d;
+                                    let s1 = d * f32::from(blk[193 + 2 * gi] as i8) * xb.d;
+                                    let dd = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                                    *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                                }
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+            finish(acc, extra)
+        }
+    };
+}
+
+rows_dot_q8_vnni!(
+    rows_dot_q8_avxvnni,
+    "avx2,fma,f16c,avxvnni",
+    _mm256_dpbusd_avx_epi32,
+    quants5_u
+);
+// AVX512-VNNI is used only at Isa::Avx512, which also detected AVX-512BW
+rows_dot_q8_vnni!(
+    rows_dot_q8_avx512vnni,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    _mm256_dpbusd_epi32,
+    quants5_u_avx512
+);

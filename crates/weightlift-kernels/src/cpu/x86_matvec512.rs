@@ -1,0 +1,214 @@
+//! The Q8-mode matvec's AVX-512 row dots for the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q8_0): rows in pairs, one row's 8 lanes in each half of a 512-bit vector, so each
+//! operation on the quants, the scales and the accumulators serves two rows (the 256-bit
+//! forms of `x86_matvec` spent about seven vector operations per block and row, which bound a
+//! decode step on Zen-class cores before memory did). Lanes never mix: every lane runs the
+//! scalar path's operations in its order, so the bits are those of every other form.
+// The std::arch intrinsics are unsafe to call: they need the CPU features that `Isa` checked at
+// run time and raw pointers into slices whose bounds the callers check.
+
+use std::arch::x86_64::*;
+
+use super::matvec::Q8Block;
+use super::x86::imp::rd_u32;
+use super::x86_matvec::prefetch_ahead;
+use crate::types::QuantType;
+
+/// Whether [`rows_dot_q8_512`] takes `ty`.
+pub(crate) fn takes(ty: QuantType) -> bool {
+    matches!(
+        ty,
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q8_0
+    )
+}
+
+/// `a` in the low half and `b` in the high half.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn pair(a: __m256i, b: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
+}
+
+/// The 32 unsigned nibble quants of a Q4-style block in each half (the 16 bytes at `a` and at
+/// `b`): both halves of each half hold the bytes, the upper quarter shifted down a nibble
+/// (its bits from the next byte fall in the masked-off upper nibble), then masked.
+///
+/// # Safety
+/// AVX-512F/BW; `a` and `b` point to 16 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+unsafe fn nibbles_pair(a: *const u8, b: *const u8) -> __m512i {
+    // SAFETY: as the contract.
+    let (va, vb) = unsafe { (_mm_loadu_si128(a.cast()), _mm_loadu_si128(b.cast())) };
+    let v = pair(
+        _mm256_broadcastsi128_si256(va),
+        _mm256_broadcastsi128_si256(vb),
+    );
+    let v = _mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+    _mm512_and_si512(v, _mm512_set1_epi8(0x0f))
+}
+
+/// The f16 at `a` in the low 8 lanes and at `b` in the high 8, as f32.
+///
+/// # Safety
+/// AVX-512F and F16C; both point to 2 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2,f16c,avx512f")]
+unsafe fn scales_pair(a: *const u8, b: *const u8) -> __m512 {
+    // SAFETY: as the contract.
+    let (ha, hb) = unsafe {
+        (
+            a.cast::<u16>().read_unaligned() as i16,
+            b.cast::<u16>().read_unaligned() as i16,
+        )
+    };
+    _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(hb), _mm_set1_epi16(ha)))
+}
+
+/// `finish_lanes`'s sum of each half's 8 lanes, `((s0 + s2) + (s1 + s3))` with
+/// `s_k = l_k + l_(k+4)`, for both halves at once (before the offset term is added).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn finish_pair(acc: __m512) -> [f32; 2] {
+    // lanes 4..8 of each half onto 0..4: s_k = l_k + l_(k+4)
+    let s = _mm512_add_ps(acc, _mm512_shuffle_f32x4::<0b10_11_00_01>(acc, acc));
+    // s_0 + s_2 and s_1 + s_3
+    let t = _mm512_add_ps(s, _mm512_permute_ps::<0b01_00_11_10>(s));
+    // (s_0 + s_2) + (s_1 + s_3)
+    let u = _mm512_add_ps(t, _mm512_permute_ps::<0b10_11_00_01>(t));
+    [
+        _mm512_cvtss_f32(u),
+        _mm_cvtss_f32(_mm512_extractf32x4_ps::<2>(u)),
+    ]
+}
+
+/// The VNNI Q8-mode dots of `R` rows (an even number) for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
+/// (0 for other types), rows `2p` and `2p + 1` sharing vectors; `bias` holds the lane offsets
+/// for the type's quant offset (none for Q4_1 and Q5_1).
+///
+/// # Safety
+/// AVX2, FMA, F16C, AVX-512F/BW/VL and AVX512-VNNI; every row holds whole blocks of `ty` for
+/// all of `xq`, and `bias` matches `xq` where the type uses it.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
+    ty: QuantType,
+    rows: [&[u8]; R],
+    xq: &[Q8Block],
+    bias: &[[i32; 8]],
+) -> [f32; R] {
+    assert!(R.is_multiple_of(2), "rows_dot_q8_512: rows in pairs");
+    let bb = ty.block_bytes();
+    // one accumulator per pair (the upper half of the array is not used)
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut extra = [0f32; R];
+    // block i of row r (whole blocks, by the contract)
+    let at = |r: usize, i: usize| -> *const u8 {
+        debug_assert!(rows[r].len() >= (i + 1) * bb);
+        // SAFETY: as the contract.
+        unsafe { rows[r].as_ptr().add(i * bb) }
+    };
+    // The loop of the types without a weight offset: per activation block its quants, scale
+    // and lane offsets in both halves, then per pair `fma(d · d_x, dp(bias, q, x), acc)` with
+    // `$quants` the pair's unsigned quants from its two blocks.
+    macro_rules! blocks {
+        (|$a:ident, $b:ident| $quants:expr) => {
+            for (i, (xb, lb)) in xq.iter().zip(bias).enumerate() {
+                // SAFETY: a block's quants and a lane-offset row hold 32 bytes each.
+                let (xv, bv) = unsafe {
+                    (
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(xb.qs.as_ptr().cast())),
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(lb.as_ptr().cast())),
+                    )
+                };
+                let xd = _mm512_set1_ps(xb.d);
+                for (p, a) in acc.iter_mut().enumerate().take(R / 2) {
+                    let ($a, $b) = (at(2 * p, i), at(2 * p + 1, i));
+                    // SAFETY: both are whole blocks; a prefetch never faults.
+                    unsafe {
+                        prefetch_ahead(std::slice::from_raw_parts($a, 1));
+                        prefetch_ahead(std::slice::from_raw_parts($b, 1));
+                        let dd = _mm512_mul_ps(scales_pair($a, $b), xd);
+                        let l = _mm512_dpbusd_epi32(bv, $quants, xv);
+                        *a = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(l), *a);
+                    }
+                }
+            }
+        };
+    }
+    // Q4_1 and Q5_1: unsigned quants, no lane offsets; `(m · d_x) · Σq_x` summed apart, in
+    // every lane of the row's half (each lane does the scalar path's sequence)
+    let mut offsets = [_mm512_setzero_ps(); R];
+    macro_rules! offset_blocks {
+        (|$a:ident, $b:ident| $quants:expr) => {{
+            for (i, xb) in xq.iter().enumerate() {
+                // SAFETY: a block's quants hold 32 bytes.
+                let xv =
+                    unsafe { _mm512_broadcast_i64x4(_mm256_loadu_si256(xb.qs.as_ptr().cast())) };
+                let xd = _mm512_set1_ps(xb.d);
+                let xs = _mm512_set1_ps(xb.sum as f32);
+                let pairs = acc.iter_mut().zip(&mut offsets).enumerate().take(R / 2);
+                for (p, (a, o)) in pairs {
+                    let ($a, $b) = (at(2 * p, i), at(2 * p + 1, i));
+                    // SAFETY: both are whole blocks (d at 0, m at 2); a prefetch never faults.
+                    unsafe {
+                        prefetch_ahead(std::slice::from_raw_parts($a, 1));
+                        prefetch_ahead(std::slice::from_raw_parts($b, 1));
+                        let dd = _mm512_mul_ps(scales_pair($a, $b), xd);
+                        let m = scales_pair($a.add(2), $b.add(2));
+                        *o = _mm512_add_ps(*o, _mm512_mul_ps(_mm512_mul_ps(m, xd), xs));
+                        let l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), $quants, xv);
+                        *a = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(l), *a);
+                    }
+                }
+            }
+            for (p, o) in offsets.iter().enumerate().take(R / 2) {
+                let mut lanes = [0f32; 16];
+                // SAFETY: lanes holds 16 f32.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *o) };
+                extra[2 * p] = lanes[0];
+                extra[2 * p + 1] = lanes[8];
+            }
+        }};
+    }
+    // 16 added to the quants whose fifth bit is set: bit j of a block's `qh` is value j's
+    let fifth = |a: *const u8, b: *const u8, off: usize| -> __mmask64 {
+        // SAFETY: `off + 4` bytes of each block are readable.
+        let (ha, hb) = unsafe {
+            (
+                rd_u32(std::slice::from_raw_parts(a, off + 4), off),
+                rd_u32(std::slice::from_raw_parts(b, off + 4), off),
+            )
+        };
+        u64::from(ha) | (u64::from(hb) << 32)
+    };
+    let k16 = _mm512_set1_epi8(16);
+    match ty {
+        QuantType::Q4_0 => blocks!(|a, b| nibbles_pair(a.add(2), b.add(2))),
+        // q + 16 as unsigned bytes; the lane offsets take 16 · Σx off
+        QuantType::Q5_0 => blocks!(|a, b| {
+            let q = nibbles_pair(a.add(6), b.add(6));
+            _mm512_mask_add_epi8(q, fifth(a, b, 2), q, k16)
+        }),
+        // q + 128 as unsigned bytes
+        QuantType::Q8_0 => blocks!(|a, b| _mm512_xor_si512(
+            pair(
+                _mm256_loadu_si256(a.add(2).cast()),
+                _mm256_loadu_si256(b.add(2).cast())
+            ),
+            _mm512_set1_epi8(-128)
+        )),
+        QuantType::Q4_1 => offset_blocks!(|a, b| nibbles_pair(a.add(4), b.add(4))),
+        QuantType::Q5_1 => offset_blocks!(|a, b| {
+            let q = nibbles_pair(a.add(8), b.add(8));
+            _mm512_mask_add_epi8(q, fifth(a, b, 4), q, k16)
+        }),
+        _ => {}
+    }
+    let mut out = [0f32; R];
+    for (p, a) in acc.into_iter().enumerate().take(R / 2) {
+        let [lo, hi] = finish_pair(a);
+        out[2 * p] = lo + extra[2 * p];
+        out[2 * p + 1] = hi + extra[2 * p + 1];
+    }
+    out
+}

@@ -1,0 +1,330 @@
+//! AVX-512 and AVX2 forms of the attention fold (see [`crate::cpu::attention`]): each fold
+//! step's keys of one kv head are transposed so that 16 (AVX-512) or 8 (AVX2) keys share a
+//! vector, four query rows meet them at once in registers (`s_j` summed over `d` in order,
+//! one lane per key), and the weighted values are summed with head dimensions in lanes (over
+//! `j` in order). Per query row these are the scalar form's operations, so the results have
+//! its bits.
+
+use std::arch::x86_64::*;
+
+use super::attention_kernels::{
+    scores_256, scores_512, transpose_keys_256, transpose_keys_512, values_by_256, values_by_512,
+};
+use super::math::{exp8, exp16, hmax8, mask8, mask16};
+use crate::cpu::attention::{FOLD_KEYS, Fold, KT_VALUES, MAX_SIMD_HEAD_DIM, Task};
+use crate::cpu::attention_rows::add_weighted_rows;
+use crate::cpu::exp::exp_twin;
+
+/// Query rows that meet a step's keys together.
+pub(super) const BLOCK: usize = 4;
+
+/// The step's scores (then weights) of a block's rows.
+pub(super) type Weights = [[f32; FOLD_KEYS]; BLOCK];
+
+/// The rows of a block that the step reaches, and what the softmax hands to the values pass.
+struct Block {
+    rb: usize,
+    nr: usize,
+    seen: [usize; BLOCK],
+    keep: [f32; BLOCK],
+    m_new: [f32; BLOCK],
+}
+
+impl Block {
+    /// Rows `rb..` of `task` (at most four) at the step from tile key `c0` with `kn` keys.
+    fn new(f: &Fold<'_>, task: &Task<'_>, rb: usize, c0: usize, kn: usize) -> Block {
+        let nr = BLOCK.min(task.m.len() - rb);
+        let mut seen = [0; BLOCK];
+        for (i, s) in seen.iter_mut().enumerate().take(nr) {
+            *s = (f.seen(task.t0 + (rb + i) / f.group) - c0).min(kn);
+        }
+        Block {
+            rb,
+            nr,
+            seen,
+            keep: [1.0; BLOCK],
+            m_new: [0.0; BLOCK],
+        }
+    }
+
+    /// The new maximum of row `i` from its step maximum `mx`; returns `μ` and records `keep`.
+    fn update_max(&mut self, task: &Task<'_>, i: usize, mx: f32) -> f32 {
+        let m = task.m[self.rb + i];
+        let m_new = m.max(mx);
+        let mu = if m_new == f32::NEG_INFINITY {
+            0.0
+        } else {
+            m_new
+        };
+        self.keep[i] = exp_twin(m - mu);
+        self.m_new[i] = m_new;
+        mu
+    }
+
+    /// The step's last key any row of the block sees, plus one.
+    fn reach(&self) -> usize {
+        self.seen[..self.nr].iter().copied().max().unwrap_or(0)
+    }
+
+    /// Pointers to each row's weights and output (rows past `nr` read zero weights and write
+    /// into `spare`), for the values pass.
+    fn rows(
+        &self,
+        f: &Fold<'_>,
+        task: &mut Task<'_>,
+        zero: &[f32; FOLD_KEYS],
+        spare: &mut [f32; BLOCK * MAX_SIMD_HEAD_DIM],
+    ) -> ([*const f32; BLOCK], [*mut f32; BLOCK]) {
+        let mut pp = [zero.as_ptr(); BLOCK];
+        let mut op = [spare.as_mut_ptr(); BLOCK];
+        let (p, o) = (task.p.as_ptr(), task.o.as_mut_ptr());
+        for i in 0..BLOCK {
+            let r = self.rb + i;
+            // SAFETY: row r < rows of the task: its weights and output are in its slices; the
+            // spare rows are in `spare`.
+            unsafe {
+                if i < self.nr {
+                    pp[i] = p.add(r * f.chunk);
+                    op[i] = o.add(r * f.head_dim);
+                } else {
+                    op[i] = op[i].add(i * MAX_SIMD_HEAD_DIM);
+                }
+            }
+        }
+        (pp, op)
+    }
+
+    /// `l = l · keep + sum` and `m = m'` for each row.
+    fn finish(&self, task: &mut Task<'_>, sums: &[f32; BLOCK]) {
+        let rows = self.keep.iter().zip(&self.m_new).zip(sums).take(self.nr);
+        for (i, ((keep, m_new), sum)) in rows.enumerate() {
+            let r = self.rb + i;
+            task.l[r] = task.l[r] * keep + sum;
+            task.m[r] = *m_new;
+        }
+    }
+}
+
+/// The first task row whose token sees tile key `c0` (rows run in token order).
+fn first_row(f: &Fold<'_>, task: &Task<'_>, c0: usize) -> usize {
+    let t_first = (f.k0 + c0).saturating_sub(f.start);
+    (t_first.saturating_sub(task.t0) * f.group).min(task.m.len())
+}
+
+/// The AVX-512 form of one task: per fold step, the keys transposed once, then blocks of four
+/// query rows.
+///
+/// # Safety
+/// AVX-512F, AVX2, FMA and F16C; `head_dim` a multiple of 16 and at most
+/// [`MAX_SIMD_HEAD_DIM`], `head_dim · chunk` (rounded up to 16 keys) within [`KT_VALUES`], `f`
+/// and `task` as `Attention::fold_with` builds them; `kt` (at least [`KT_VALUES`]) is scratch
+/// for the transposed keys.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+pub(crate) unsafe fn fold_task_avx512(f: &Fold<'_>, mut task: Task<'_>, kt: &mut [f32]) {
+    let hd = f.head_dim;
+    assert!(kt.len() >= KT_VALUES, "fold_task_avx512: key scratch");
+    // the block's queries, its padding rows' outputs and zero weights, its scores
+    let mut qb = [0f32; BLOCK * MAX_SIMD_HEAD_DIM];
+    let mut spare = [0f32; BLOCK * MAX_SIMD_HEAD_DIM];
+    let zero = [0f32; FOLD_KEYS];
+    let mut w: Weights = [[0.0; FOLD_KEYS]; BLOCK];
+    let mut c0 = 0;
+    while c0 < f.keys {
+        let kn = f.chunk.min(f.keys - c0);
+        let kp = kn.next_multiple_of(16);
+        let r_first = first_row(f, &task, c0);
+        if r_first == task.m.len() {
+            break; // later steps start later still
+        }
+        // SAFETY: as the contract (kp · hd <= KT_VALUES).
+        unsafe { transpose_keys_512(f, task.kh, c0, kn, kp, kt) };
+        for rb in (r_first..task.m.len()).step_by(BLOCK) {
+            let mut b = Block::new(f, &task, rb, c0, kn);
+            for i in 0..b.nr {
+                let r = rb + i;
+                let src = f.q_row(task.kh, task.t0 + r / f.group, r % f.group);
+                for d in (0..hd).step_by(16) {
+                    // SAFETY: d + 16 <= head_dim within the row and within qb's row i.
+                    unsafe {
+                        let mut x = _mm512_loadu_ps(src.as_ptr().add(d));
+                        if f.f16 {
+                            x = _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+                        }
+                        _mm512_storeu_ps(qb.as_mut_ptr().add(i * hd + d), x);
+                    }
+                }
+            }
+            // SAFETY: kt holds hd rows of kp keys; qb four rows of hd.
+            unsafe {
+                match kp / 16 {
+                    1 => scores_512::<1>(&qb, hd, kt, kp, f.scale, &mut w),
+                    2 => scores_512::<2>(&qb, hd, kt, kp, f.scale, &mut w),
+                    3 => scores_512::<3>(&qb, hd, kt, kp, f.scale, &mut w),
+                    _ => scores_512::<4>(&qb, hd, kt, kp, f.scale, &mut w),
+                }
+            }
+            for (i, wi) in w.iter_mut().enumerate().take(b.nr) {
+                let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+                let mut mx = ninf;
+                let mut s = [ninf; FOLD_KEYS / 16];
+                for (v, sv) in s.iter_mut().enumerate().take(kp / 16) {
+                    let lanes = mask16(b.seen[i].saturating_sub(16 * v).min(16));
+                    // SAFETY: 16·v + 16 <= kp <= 64 values of the row.
+                    *sv = unsafe { _mm512_mask_loadu_ps(ninf, lanes, wi.as_ptr().add(16 * v)) };
+                    mx = _mm512_max_ps(mx, *sv);
+                }
+                let mu = _mm512_set1_ps(b.update_max(&task, i, _mm512_reduce_max_ps(mx)));
+                for (v, sv) in s.iter().enumerate().take(kp / 16) {
+                    let mut p = exp16(_mm512_sub_ps(*sv, mu));
+                    if f.f16 {
+                        p = _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p));
+                    }
+                    // SAFETY: as above.
+                    unsafe { _mm512_storeu_ps(wi.as_mut_ptr().add(16 * v), p) };
+                }
+                let r = rb + i;
+                task.p[r * f.chunk..r * f.chunk + kn].copy_from_slice(&wi[..kn]);
+            }
+            let (pp, op) = b.rows(f, &mut task, &zero, &mut spare);
+            let reach = b.reach();
+            let mut sums = [0f32; BLOCK];
+            // SAFETY: tile key c0 at kv head kh is in bounds.
+            let vrow = unsafe { f.v.as_ptr().add(c0 * f.kv_dim + task.kh * hd) };
+            for d0 in (0..hd).step_by(64) {
+                let op = op.map(|p| p.wrapping_add(d0));
+                let (keep, v, kvd) = (&b.keep, vrow.wrapping_add(d0), f.kv_dim);
+                // SAFETY: the weights hold reach <= kn values per row, the outputs hd values
+                // per row, and the tile `reach` value rows after key c0; AVX-512F.
+                unsafe {
+                    values_by_512(
+                        (hd - d0).min(64) / 16,
+                        d0 == 0,
+                        f.f16,
+                        &pp,
+                        &op,
+                        keep,
+                        v,
+                        kvd,
+                        reach,
+                        &mut sums,
+                    )
+                };
+            }
+            b.finish(&mut task, &sums);
+        }
+        c0 += f.chunk;
+    }
+}
+
+/// The AVX2 form of one task (as [`fold_task_avx512`], with 8-lane vectors).
+///
+/// # Safety
+/// AVX2, FMA and F16C; `head_dim` a multiple of 8, otherwise as [`fold_task_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn fold_task_avx2(f: &Fold<'_>, mut task: Task<'_>, kt: &mut [f32]) {
+    let hd = f.head_dim;
+    assert!(kt.len() >= KT_VALUES, "fold_task_avx2: key scratch");
+    // the block's queries, its padding rows' outputs and zero weights, its scores
+    let mut qb = [0f32; BLOCK * MAX_SIMD_HEAD_DIM];
+    let mut spare = [0f32; BLOCK * MAX_SIMD_HEAD_DIM];
+    let zero = [0f32; FOLD_KEYS];
+    let mut w: Weights = [[0.0; FOLD_KEYS]; BLOCK];
+    let mut c0 = 0;
+    while c0 < f.keys {
+        let kn = f.chunk.min(f.keys - c0);
+        let kp = kn.next_multiple_of(16);
+        let r_first = first_row(f, &task, c0);
+        if r_first == task.m.len() {
+            break;
+        }
+        // SAFETY: as the contract (kp · hd <= KT_VALUES).
+        unsafe { transpose_keys_256(f, task.kh, c0, kn, kp, kt) };
+        for rb in (r_first..task.m.len()).step_by(BLOCK) {
+            let mut b = Block::new(f, &task, rb, c0, kn);
+            for i in 0..b.nr {
+                let r = rb + i;
+                let src = f.q_row(task.kh, task.t0 + r / f.group, r % f.group);
+                for d in (0..hd).step_by(8) {
+                    // SAFETY: d + 8 <= head_dim within the row and within qb's row i.
+                    unsafe {
+                        let mut x = _mm256_loadu_ps(src.as_ptr().add(d));
+                        if f.f16 {
+                            x = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+                        }
+                        _mm256_storeu_ps(qb.as_mut_ptr().add(i * hd + d), x);
+                    }
+                }
+            }
+            // SAFETY: kt holds hd rows of kp keys; qb four rows of hd.
+            unsafe { scores_256(&qb, hd, kt, kp, f.scale, &mut w) };
+            for (i, wi) in w.iter_mut().enumerate().take(b.nr) {
+                let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+                let mut mx = ninf;
+                let mut s = [ninf; FOLD_KEYS / 8];
+                for (v, sv) in s.iter_mut().enumerate().take(kp / 8) {
+                    let lanes = mask8(b.seen[i].saturating_sub(8 * v).min(8));
+                    // SAFETY: 8·v + 8 <= kp <= 64 values of the row.
+                    let x = unsafe { _mm256_loadu_ps(wi.as_ptr().add(8 * v)) };
+                    *sv = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(lanes));
+                    mx = _mm256_max_ps(mx, *sv);
+                }
+                let mu = _mm256_set1_ps(b.update_max(&task, i, hmax8(mx)));
+                for (v, sv) in s.iter().enumerate().take(kp / 8) {
+                    let mut p = exp8(_mm256_sub_ps(*sv, mu));
+                    if f.f16 {
+                        p = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p));
+                    }
+                    // SAFETY: as above.
+                    unsafe { _mm256_storeu_ps(wi.as_mut_ptr().add(8 * v), p) };
+                }
+                let r = rb + i;
+                task.p[r * f.chunk..r * f.chunk + kn].copy_from_slice(&wi[..kn]);
+            }
+            let (pp, op) = b.rows(f, &mut task, &zero, &mut spare);
+            let reach = b.reach();
+            let mut sums = [0f32; BLOCK];
+            // SAFETY: tile key c0 at kv head kh is in bounds.
+            let vrow = unsafe { f.v.as_ptr().add(c0 * f.kv_dim + task.kh * hd) };
+            for d0 in (0..hd).step_by(16) {
+                let op = op.map(|p| p.wrapping_add(d0));
+                let (keep, v, kvd) = (&b.keep, vrow.wrapping_add(d0), f.kv_dim);
+                // SAFETY: as in the AVX-512 form, with 8-value vectors.
+                unsafe {
+                    values_by_256(
+                        (hd - d0).min(16) / 8,
+                        d0 == 0,
+                        f.f16,
+                        &pp,
+                        &op,
+                        keep,
+                        v,
+                        kvd,
+                        reach,
+                        &mut sums,
+                    )
+                };
+            }
+            b.finish(&mut task, &sums);
+        }
+        c0 += f.chunk;
+    }
+}
+
+/// The step form's values pass (`attention::add_weighted_rows`) compiled for AVX-512: the same
+/// products and sums, element by element, in 16-lane vectors.
+///
+/// # Safety
+/// AVX-512F; `v` holds `p.len()` rows of `o.len()` values at stride `stride`.
+#[target_feature(enable = "avx2,avx512f")]
+pub(crate) unsafe fn add_weighted_rows_avx512(o: &mut [f32], p: &[f32], v: &[f32], stride: usize) {
+    add_weighted_rows(o, p, v, stride);
+}
+
+/// [`add_weighted_rows_avx512`] in 8-lane vectors.
+///
+/// # Safety
+/// AVX2; as [`add_weighted_rows_avx512`].
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn add_weighted_rows_avx2(o: &mut [f32], p: &[f32], v: &[f32], stride: usize) {
+    add_weighted_rows(o, p, v, stride);
+}
