@@ -199,3 +199,34 @@ def test_int8_runs_llm_int8_and_its_threshold_is_a_setting() -> None:
     assert not np.array_equal(exact, got)
     with pytest.raises(wl.WeightliftError, match="threshold"):
         m.int8_threshold = float("nan")
+
+
+@pytest.mark.parametrize("quantize", ["int8", "q8_0"])
+def test_layers_left_on_disk_stay_in_their_stored_type(quantize: str) -> None:
+    # The host streams a disk layer from the file at every forward pass, so quantising it
+    # would repeat the work each time: it stays a view of the file, as under dtype=.
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
+    kw = dict(devices="cpu,disk", device_map=device_map, quantize=quantize)
+    plan = wl.plan(SAFETENSORS, cache=wl.CacheSpec(32, dtype="f32"), **kw)
+    m = wl.Model(SAFETENSORS, devices="cpu,disk", quantize=quantize, compute="exact", n_threads=1)
+    m.load(plan, cache=wl.CacheSpec(32, dtype="f32"))
+    stored = wl.open(SAFETENSORS)
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert plan.device_of(name) == "disk"
+    assert m.tensor_info(name).dtype == "BF16"
+    assert np.array_equal(m.tensor(name), np.asarray(stored.raw(name)))
+    assert m.tensor_info("model.layers.0.mlp.down_proj.weight").dtype == quantize.upper()
+    for p in plan.tensors:
+        info = m.tensor_info(p.name)
+        assert (info.dtype, info.nbytes) == (p.dtype, p.nbytes), p.name
+    # Half the linears quantised: as close to transformers' f32 logits as the whole model is.
+    want = np.load(TINY_LLAMA / "hf_logits.npy")
+    got = m.forward(ids(), logits="all")
+    assert np.abs(got - want).max() <= 0.6
+    assert (got.argmax(1) == want.argmax(1)).sum() >= 15

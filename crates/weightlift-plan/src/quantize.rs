@@ -12,6 +12,10 @@
 //! - **Norms, biases and every other 1-D tensor** stay as they are (`dtype=` may still convert
 //!   them).
 //!
+//! - **Tensors left on `disk`** stay views of the file in their stored type, as a `dtype=`
+//!   conversion leaves them: the host streams them at every forward pass, and quantising them
+//!   there would repeat the work each time.
+//!
 //! Only float checkpoints quantise: a checkpoint whose linears already hold quants (a quantised
 //! GGUF, GPTQ, EXL2) is refused before loading, as is a tensor-parallel or row split (their
 //! shards cut rows of the stored type).

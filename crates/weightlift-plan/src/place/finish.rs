@@ -13,6 +13,18 @@ use crate::plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSp
 use crate::size::fmt_bytes;
 
 impl Ctx<'_> {
+    /// The type and bytes tensor `i` is held in on device `d`: what `dtype=` and `quantize=`
+    /// decided, except on `disk`, where a tensor stays a view of the file in its stored type
+    /// (converting it would mean converting it again at every forward pass that streams it).
+    fn held_type(&self, i: usize, d: usize) -> (weightlift_format::DType, u64) {
+        let t = &self.req.tensors[i];
+        if Some(d) == self.disk {
+            (t.dtype, t.nbytes)
+        } else {
+            (self.dtypes[i], self.bytes[i])
+        }
+    }
+
     /// Per-device usage, budget check, and the Plan.
     pub(super) fn finish(&self, a: &Assign) -> Result<Plan> {
         let nd = self.devs.len();
@@ -23,6 +35,7 @@ impl Ctx<'_> {
         let mut placements = Vec::with_capacity(self.bytes.len());
         for (i, t) in self.tensors().iter().enumerate() {
             let d = a.tensor_dev[i];
+            let (dtype, bytes) = self.held_type(i, d);
             let split = a.splits[i].as_ref().map(|(axis, rep, shards)| TensorSplit {
                 axis: *axis,
                 replicated: *rep,
@@ -43,10 +56,10 @@ impl Ctx<'_> {
                     }
                 }
                 None => {
-                    let b = self.bytes[i];
+                    let b = bytes;
                     weights[d] = weights[d].saturating_add(b);
                     if d == self.host {
-                        if self.req.use_mmap && self.dtypes[i] == t.dtype {
+                        if self.req.use_mmap && dtype == t.dtype {
                             mapped = mapped.saturating_add(b);
                         } else {
                             owned = owned.saturating_add(b);
@@ -57,8 +70,8 @@ impl Ctx<'_> {
             placements.push(TensorPlacement {
                 name: t.name.clone(),
                 device: self.devs[d].name.clone(),
-                dtype: self.dtypes[i],
-                bytes: self.bytes[i],
+                dtype,
+                bytes,
                 layer: t.layer,
                 split,
             });
@@ -120,10 +133,11 @@ impl Ctx<'_> {
         // makes the host side fail; and whenever a tensor changes type on the way (a `dtype=`
         // conversion or a quantising load reads through the same buffers on the host too).
         let converts = self
-            .dtypes
+            .req
+            .tensors
             .iter()
-            .zip(&self.req.tensors)
-            .any(|(d, t)| *d != t.dtype);
+            .enumerate()
+            .any(|(i, t)| self.held_type(i, a.tensor_dev[i]).0 != t.dtype);
         let staging = if self.accel.is_empty() && !converts {
             0
         } else {
@@ -328,7 +342,7 @@ impl Ctx<'_> {
                 && t.shape.len() == 2
                 && let Some(m) = matrices.get_mut(l as usize)
             {
-                *m = m.saturating_add(self.bytes[i]);
+                *m = m.saturating_add(self.held_type(i, a.tensor_dev[i]).1);
             }
         }
         let name = self.devs[exec].name.clone();
