@@ -149,6 +149,28 @@ def test_offloaded_execution_gives_the_cpu_logits(demo: Path) -> None:
         )
 
 
+def test_autosplit_leaves_room_for_what_offload_adds(demo: Path) -> None:
+    """Offloaded layers execute on the device, so their KV and the onload slots land there
+    after the fill has packed it: the fill gives up layers until they fit. At ctx 1024 a
+    60 MiB device holds 9 layers without offload and none with it (all 30 layers' KV, 22.5
+    MiB, and two slots); the plan is what the load holds, and the logits are the cpu's."""
+    devices, spec = "virtual:60MiB,cpu:400MiB", wl.CacheSpec(1024)
+    kept = wl.plan(demo, devices=devices, cache=spec)
+    plan = wl.plan(demo, devices=devices, cache=spec, offload="group")
+    dev = plan.devices[0]
+    assert dev.used <= 60 << 20
+    assert dev.kv == 30 * 1024 * 2 * 3 * 64 * 2, "every layer's fp16 KV on the device"
+    held = lambda p: sum(t.layer is not None and t.device == "virtual:0" for t in p.tensors)  # noqa: E731
+    assert held(plan) < held(kept)
+    assert wl.fit(demo, devices=devices, offload="group") >= 1024
+    want = wl.load_gguf(demo, n_ctx=1024).forward(PROMPT_1, logits="all")
+    m = wl.Model(demo, devices=devices)
+    m.load(plan, cache=spec)
+    assert set(m.layer_devices) == {"virtual:0"}
+    assert np.array_equal(m.forward(PROMPT_1, logits="all"), want)
+    assert m.peak_memory()["virtual:0"] <= dev.used
+
+
 def test_offload_keywords_on_every_accelerate_style_entry_point() -> None:
     """from_pretrained, load_autosplit, plan and fit take offload= as Model.load does: the
     layers a small device cannot hold compute on it anyway, and the plan charges its slot."""

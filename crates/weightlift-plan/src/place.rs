@@ -92,6 +92,9 @@ pub(crate) struct Dev {
     pub reserve: u64,
     pub overhead: u64,
     pub implicit: bool,
+    /// Bytes the fill strategies leave free for what offloaded execution adds afterwards
+    /// (see [`Ctx::run`]).
+    pub held_back: u64,
 }
 
 impl Dev {
@@ -103,6 +106,7 @@ impl Dev {
         self.limit
             .saturating_sub(self.reserve)
             .saturating_sub(self.overhead)
+            .saturating_sub(self.held_back)
     }
 }
 
@@ -380,7 +384,52 @@ impl Ctx<'_> {
         })
     }
 
-    pub fn run(&self) -> Result<Plan> {
+    /// The plan. Under `offload=`, the layers a fill strategy leaves on the host execute on
+    /// the first accelerator, which then also holds their KV and the onload slots; the fill
+    /// packs layers without knowing how many will be left, so when that device comes up short
+    /// the fill runs again with the shortfall held back there, until the plan fits or the
+    /// device holds no layer to give up.
+    pub fn run(mut self) -> Result<Plan> {
+        let refills = matches!(
+            self.req.strategy,
+            Strategy::Autosplit
+                | Strategy::Sequential
+                | Strategy::Balanced
+                | Strategy::BalancedLow0
+        );
+        let exec = match (self.req.offload, self.accel.first()) {
+            (Some(_), Some(&exec)) if refills => exec,
+            _ => return self.run_once(),
+        };
+        // Each retry holds back at least the smallest layer, so the fill moves a layer off
+        // every time or the device runs out of layers to give up.
+        let step = self
+            .units
+            .iter()
+            .filter(|u| matches!(u.kind, UnitKind::Layer(_)))
+            .map(|u| u.weights)
+            .min()
+            .unwrap_or(0)
+            .max(1);
+        loop {
+            let held_back = self.devs[exec].held_back;
+            let out = self.run_once();
+            let Err(PlanError::OutOfMemory(oom)) = &out else {
+                return out;
+            };
+            let short = oom
+                .shortfalls
+                .iter()
+                .find(|s| s.device == self.devs[exec].name)
+                .map_or(0, |s| s.needed.saturating_sub(s.available));
+            if short == 0 || held_back >= self.devs[exec].room().saturating_add(held_back) {
+                return out;
+            }
+            self.devs[exec].held_back = held_back.saturating_add(short.max(step));
+        }
+    }
+
+    fn run_once(&self) -> Result<Plan> {
         let strategy = &self.req.strategy;
         let assign = self.assign()?;
         match assign {

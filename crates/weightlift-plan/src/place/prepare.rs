@@ -117,6 +117,7 @@ impl<'a> Ctx<'a> {
                     .saturating_sub(tweak.reserve_cut),
                 overhead: req.overhead.get(&d.name).copied().unwrap_or(d.overhead),
                 implicit: false,
+                held_back: 0,
             });
         }
         for (what, map) in [
@@ -151,6 +152,7 @@ impl<'a> Ctx<'a> {
                     reserve: 0,
                     overhead: 0,
                     implicit: true,
+                    held_back: 0,
                 });
                 devs.len() - 1
             }
@@ -164,6 +166,7 @@ impl<'a> Ctx<'a> {
                 reserve: 0,
                 overhead: 0,
                 implicit: false,
+                held_back: 0,
             });
             disk = Some(devs.len() - 1);
         }
