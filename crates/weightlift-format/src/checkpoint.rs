@@ -262,7 +262,7 @@ impl Checkpoint {
     /// linears (see the `quantized` module).
     fn read_quantization(&mut self) -> Result<()> {
         let folder = crate::safetensors::model_folder(&self.path)?;
-        let beside = crate::safetensors::read_quantize_config(&folder)?;
+        let beside = crate::hf_config::quantize_config_beside(&folder)?;
         let config_path = folder.join("config.json");
         let detected = crate::quantized::detect(
             self,

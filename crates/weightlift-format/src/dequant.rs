@@ -1,7 +1,7 @@
 //! Scalar reference dequantisation to f32: the oracle for the fast kernels.
 //!
-//! Written for clarity, one function per block layout. The layouts are ggml's
-//! (`ggml-common.h`), and the arithmetic follows gguf-py 0.19.0's `gguf.quants.dequantize`
+//! Written for clarity, one function per block layout. The layouts are ggml's block structs,
+//! and the arithmetic follows gguf-py 0.19.0's `gguf.quants.dequantize`
 //! operation for operation in f32, so results are bit-identical to it for every type it
 //! supports: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ2_XXS, IQ2_XS, IQ2_S,
 //! IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, MXFP4 and NVFP4.
@@ -26,7 +26,7 @@ use iq_grids::{
 
 /// ggml's super-block size for the K and IQ types.
 const QK_K: usize = 256;
-/// `IQ1S_DELTA` in ggml-common.h.
+/// ggml's `IQ1S_DELTA`: the offset IQ1_S and IQ1_M add to every grid value.
 const IQ1S_DELTA: f32 = 0.125;
 
 /// Whether [`dequantize_into`] can decode this type.

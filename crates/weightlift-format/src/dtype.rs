@@ -38,7 +38,7 @@ macro_rules! dtypes {
     };
 }
 
-// Block layouts follow ggml-common.h (`sizeof(block_*)`). Q8_1 is 36 bytes there (two f16
+// Block sizes are ggml's (`sizeof(block_*)`). Q8_1 is 36 bytes there (two f16
 // scales); gguf-py's table still lists 40, from an older layout with f32 scales.
 dtypes! {
     F32 = "F32", ggml: Some(0), block: 1, bytes: 4;

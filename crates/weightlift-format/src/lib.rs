@@ -15,6 +15,7 @@ mod tensor;
 
 pub mod dequant;
 pub mod gguf;
+pub mod hf_config;
 pub mod quantized;
 pub mod safetensors;
 pub mod scan;

@@ -19,11 +19,10 @@ use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use crate::checkpoint::{Parsed, TokenizerInfo};
 use crate::error::hint;
+use crate::hf_config::JSON_CAP;
 use crate::mapped::MappedFile;
 use crate::{DType, FormatError, MetaValue, Metadata, Result, TensorInfo};
 
-/// Cap on `config.json` and index files: real ones are kilobytes.
-pub(crate) const JSON_CAP: u64 = 64 << 20;
 /// The safetensors header-length prefix.
 const N_LEN: usize = 8;
 /// The official crate's header cap (`MAX_HEADER_SIZE`).
@@ -44,7 +43,7 @@ pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
         }
         Layout::Index(index) => read_index(&index, &folder)?,
     };
-    let config = read_config(&folder)?;
+    let config = crate::hf_config::beside(&folder)?;
     let tokenizer = tokenizer_info(&folder, config.as_ref())?;
     Ok(Parsed {
         files: files.into_iter().map(std::sync::Arc::new).collect(),
@@ -67,7 +66,7 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FormatError + '_ {
     }
 }
 
-fn invalid(
+pub(crate) fn invalid(
     path: &Path,
     what: impl Into<String>,
     expected: impl Into<String>,
@@ -150,7 +149,7 @@ fn resolve(path: &Path) -> Result<(PathBuf, Layout)> {
 }
 
 /// Read a whole small file, refusing anything over `cap` before reading it.
-fn read_capped(path: &Path, cap: u64, what: &str) -> Result<Vec<u8>> {
+pub(crate) fn read_capped(path: &Path, cap: u64, what: &str) -> Result<Vec<u8>> {
     let file = fs::File::open(path).map_err(io_err(path))?;
     let len = file.metadata().map_err(io_err(path))?.len();
     if len > cap {
@@ -894,7 +893,7 @@ fn read_index(index: &Path, folder: &Path) -> Result<Read3> {
     Ok((files, metadata, all))
 }
 
-fn super_kind(v: &serde_json::Value) -> &'static str {
+pub(crate) fn super_kind(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
         serde_json::Value::Bool(_) => "a bool",
@@ -906,54 +905,11 @@ fn super_kind(v: &serde_json::Value) -> &'static str {
 }
 
 // ---------------------------------------------------------------------------------------------
-// config.json and tokenizer.json
-
-fn read_config(folder: &Path) -> Result<Option<serde_json::Value>> {
-    let path = folder.join("config.json");
-    if !path.is_file() {
-        return Ok(None);
-    }
-    read_json_object(&path, "config.json").map(Some)
-}
+// tokenizer.json
 
 /// The folder that holds a safetensors checkpoint's config files.
 pub(crate) fn model_folder(path: &Path) -> Result<PathBuf> {
     resolve(path).map(|(folder, _)| folder)
-}
-
-/// The quantisation settings file auto-gptq and gptqmodel write beside `config.json`, if any.
-pub(crate) fn read_quantize_config(folder: &Path) -> Result<Option<(PathBuf, serde_json::Value)>> {
-    for name in crate::quantized::BESIDE_NAMES {
-        let path = folder.join(name);
-        if path.is_file() {
-            let v = read_json_object(&path, name)?;
-            return Ok(Some((path, v)));
-        }
-    }
-    Ok(None)
-}
-
-fn read_json_object(path: &Path, what: &str) -> Result<serde_json::Value> {
-    let text = read_capped(path, JSON_CAP, what)?;
-    let v: serde_json::Value = serde_json::from_slice(&text).map_err(|e| {
-        invalid(
-            path,
-            what,
-            "a json object",
-            format!("a parse error: {e}"),
-            "the config is corrupted or incomplete",
-        )
-    })?;
-    if !v.is_object() {
-        return Err(invalid(
-            path,
-            what,
-            "a json object",
-            super_kind(&v),
-            "the config is corrupted",
-        ));
-    }
-    Ok(v)
 }
 
 fn tokenizer_info(folder: &Path, config: Option<&serde_json::Value>) -> Result<TokenizerInfo> {

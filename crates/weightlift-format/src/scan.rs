@@ -1,7 +1,7 @@
 //! `check_tensors`: a multi-threaded NaN/Inf scan.
 //!
 //! - Float tensors (F32, F16, BF16, F64, F8_E5M2, F8_E4M3) have every value checked.
-//! - Block-quantised tensors have their scale fields checked, per ggml-common.h: the f16 `d`
+//! - Block-quantised tensors have their scale fields checked, at ggml's block offsets: the f16 `d`
 //!   (and `dmin`/`m`/`s` where the block has one) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
 //!   Q2_K..Q6_K, the IQ types and TQ1_0/TQ2_0; the f32 `d` of Q8_K; and IQ1_M's f16 scale,
 //!   which is spread over the top nibbles of its four scale words. The quantised values

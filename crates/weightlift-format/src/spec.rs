@@ -208,7 +208,7 @@ impl Gguf<'_> {
 
 impl ModelSpec {
     /// Read the architecture from GGUF metadata, as llama.cpp's loader does
-    /// (`llama-model.cpp`, `llm_load_hparams`).
+    /// (`llm_load_hparams`).
     ///
     /// `tie_word_embeddings` and `attention_bias` cannot be read from metadata: they are left
     /// `false` here and decided from the tensor table when the checkpoint is assembled.

@@ -1,5 +1,5 @@
 //! Reference dequantisation: hand-built blocks whose values follow from ggml's documented block
-//! layouts (ggml-common.h, `dequantize_row_*` in ggml-quants.c), and the tiny-llama GGUF files
+//! layouts (ggml's block structs and its `dequantize_row_*` functions), and the tiny-llama GGUF files
 //! against the bf16 safetensors weights they were converted from.
 //!
 //! The bit-exact comparison with `gguf.quants.dequantize` for every type lives in the Python
@@ -91,7 +91,7 @@ fn q4_k_scales_and_mins() {
 
 #[test]
 fn iq4_nl_uses_the_non_linear_table() {
-    // kvalues_iq4nl from ggml-common.h.
+    // ggml's `kvalues_iq4nl`, the IQ4_NL codebook.
     const K: [f32; 16] = [
         -127., -104., -83., -65., -49., -35., -22., -10., 1., 13., 25., 38., 53., 69., 89., 113.,
     ];

@@ -1,4 +1,4 @@
-//! Real GGUF files: the tiny-llama reference files in ../shared/reference and the SmolLM2 demo
+//! Real GGUF files: the tiny-llama files of the reference pack beside the repository and the SmolLM2 demo
 //! model. Expected values are what gguf-py 0.19.0's `GGUFReader` reports for the same files
 //! (its `shape` is `ne`; ours is the reverse).
 

@@ -4,13 +4,12 @@ Nothing here packs or dequantises by itself: the packers and dequantisers are th
 ones, fetched from PyPI at pinned versions (sha256 checked) and loaded without their compiled
 GPU extensions:
 
-* auto-gptq 0.7.1: `QuantLinear.pack` from `auto_gptq/nn_modules/qlinear/qlinear_cuda.py`,
-  the GPTQ packer most published GPTQ checkpoints were written with;
-* gptqmodel 7.7.0: `convert_gptq_file` and `pack_cols` from `gptqmodel/utils/model_dequant.py`,
-  its dequantiser for GPTQ safetensors (v1 and v2 zero points);
-* exllamav2 0.3.2: `AdaptiveGPTQ.pack` from `exllamav2/conversion/adaptivegptq.py`, with the
-  CUDA packing kernels it calls (`exllamav2_ext/cuda/pack_tensor.cu`) compiled for the host by
-  g++. The kernels' bodies are compiled unchanged; only the `<<<grid, block>>>` launches are
+* auto-gptq 0.7.1: the CUDA `QuantLinear.pack`, the GPTQ packer most published GPTQ
+  checkpoints were written with;
+* gptqmodel 7.7.0: `convert_gptq_file` and `pack_cols`, its dequantiser for GPTQ safetensors
+  (v1 and v2 zero points);
+* exllamav2 0.3.2: `AdaptiveGPTQ.pack`, with the CUDA packing kernels it calls compiled for
+  the host by g++. The kernels' bodies are compiled unchanged; only the `<<<grid, block>>>` launches are
   rewritten into a loop that runs every CUDA thread in turn (the kernels write disjoint
   outputs, so the order does not matter).
 
@@ -214,7 +213,7 @@ def _build_exl2_packer(root: Path) -> ctypes.CDLL:
 
 
 class _HostExt:
-    """The two packing entry points of exllamav2's extension (`ext_quant.cpp`), with the same
+    """The two packing entry points of exllamav2's C++ extension, with the same
     argument checks, over the host-compiled kernels."""
 
     def __init__(self, lib: ctypes.CDLL):

@@ -32,6 +32,16 @@ pub enum DeviceKind {
 }
 
 impl DeviceKind {
+    /// The name a device spec gives the kind: `"cpu"`, `"cuda"`, `"virtual"` or `"disk"`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Virtual => "virtual",
+            DeviceKind::Disk => "disk",
+        }
+    }
+
     /// Accelerators are the devices the GPU-first strategies fill: cuda and virtual.
     pub const fn is_accelerator(self) -> bool {
         matches!(self, DeviceKind::Cuda | DeviceKind::Virtual)
@@ -338,6 +348,16 @@ mod tests {
         fn cuda(&self, ordinal: u32) -> Option<(u64, u64)> {
             (ordinal < 2).then_some((20 << 30, 24 << 30))
         }
+    }
+
+    #[test]
+    fn kind_names_are_the_spec_grammar_and_the_json_names() {
+        for d in parse_devices("virtual:1GiB,cpu:1GiB,disk").unwrap() {
+            assert!(d.name.starts_with(d.kind.name()), "{}", d.name);
+            let json = serde_json::to_string(&d.kind).unwrap();
+            assert_eq!(json, format!("\"{}\"", d.kind.name()));
+        }
+        assert_eq!(DeviceKind::Cuda.name(), "cuda");
     }
 
     #[test]

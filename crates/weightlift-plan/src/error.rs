@@ -81,6 +81,10 @@ pub enum PlanError {
         got: String,
     },
 
+    /// Options that each make sense alone but not together, or one that needs another.
+    #[error("{option}: {detail}")]
+    OptionConflict { option: String, detail: String },
+
     #[error("unknown device '{device}' in {context}; the plan's devices are {known}")]
     UnknownDevice {
         device: String,

@@ -155,6 +155,9 @@ fn fits(req: &PlanRequest, tweak: Tweak) -> Result<bool> {
 /// Cache length granularity of [`fit`]: exllamav2 allocates its cache in pages of 256 tokens.
 pub const SEQ_STEP: u64 = 256;
 
+/// The cache [`fit`] sizes when the request has none: one step of fp16 at batch 1.
+pub(crate) const FIT_CACHE: CacheSpec = CacheSpec::new(SEQ_STEP, 1, CacheDType::Fp16);
+
 /// The largest value of `target` for which [`plan`] succeeds, by monotone binary search over
 /// the exact model (host RAM included, since the cpu is one of the devices):
 ///
@@ -175,9 +178,7 @@ pub fn fit(req: &PlanRequest, target: FitTarget) -> Result<u64> {
 
 /// `Ok(Ok(best))`, or `Ok(Err(tweak))` for the smallest failing setting.
 fn fit_inner(req: &PlanRequest, target: FitTarget) -> Result<std::result::Result<u64, Tweak>> {
-    let base_cache = req
-        .cache
-        .unwrap_or(CacheSpec::new(SEQ_STEP, 1, CacheDType::Fp16));
+    let base_cache = req.cache.unwrap_or(FIT_CACHE);
     let with_cache = |c: CacheSpec| Tweak {
         cache: Some(Some(c)),
         ..Tweak::default()

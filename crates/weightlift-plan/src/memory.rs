@@ -127,7 +127,7 @@ fn is_false(b: &bool) -> bool {
 
 impl CacheSpec {
     /// A cache beside the layers (not offloaded).
-    pub fn new(max_seq_len: u64, batch_size: u64, dtype: CacheDType) -> Self {
+    pub const fn new(max_seq_len: u64, batch_size: u64, dtype: CacheDType) -> Self {
         CacheSpec {
             max_seq_len,
             batch_size,
@@ -139,6 +139,22 @@ impl CacheSpec {
     /// The same cache, offloaded to host RAM or not.
     pub fn with_offload(self, offload: bool) -> Self {
         CacheSpec { offload, ..self }
+    }
+
+    /// Refuses an empty cache: a plan, and every cache the engine allocates, holds at least one
+    /// token of one sequence.
+    pub fn check(&self) -> Result<()> {
+        if self.max_seq_len == 0 || self.batch_size == 0 {
+            return Err(PlanError::option(
+                "cache",
+                "max_seq_len and batch_size of at least 1",
+                format!(
+                    "max_seq_len {}, batch_size {}",
+                    self.max_seq_len, self.batch_size
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Bytes of an offloaded cache's prefetch slots on a device that computes `n_layers` layers

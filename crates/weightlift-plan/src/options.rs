@@ -29,6 +29,7 @@ use std::collections::BTreeMap;
 
 use weightlift_format::{ModelSpec, TensorInfo};
 
+use crate::FIT_CACHE;
 use crate::device::{DeviceSpec, resolve_device};
 use crate::error::{PlanError, Result};
 use crate::memory::{CacheDType, CacheSpec, RuntimeSpec};
@@ -156,6 +157,8 @@ pub struct PlanOptions {
     /// Weight type of a config-only source (`"bfloat16"`, `"q4_k_m"`, ...).
     pub weight_dtype: Option<String>,
     pub cache: Option<CacheSpec>,
+    /// Offload `cache` to host RAM (transformers' `OffloadedCache`); an error without a cache.
+    pub cache_offload: bool,
     pub runtime: Option<RuntimeSpec>,
     pub reserve: Option<PerDevice>,
     pub max_memory: Option<PerDevice>,
@@ -225,8 +228,15 @@ impl PlanOptions {
         if let Some(d) = &self.dtype {
             req.dtype = DTypeChoice::parse(d)?;
         }
-        if let Some(c) = self.cache {
-            req.cache = Some(c);
+        match (self.cache, self.cache_offload) {
+            (Some(c), offload) => req.cache = Some(c.with_offload(c.offload || offload)),
+            (None, true) => {
+                return Err(PlanError::OptionConflict {
+                    option: "cache_offload=True".into(),
+                    detail: "there is no cache to offload; pass cache=CacheSpec(...) too".into(),
+                });
+            }
+            (None, false) => {}
         }
         if let Some(e) = self.expect_cache {
             let tokens = if e.tokens == 0 {
@@ -273,8 +283,10 @@ impl PlanOptions {
     }
 
     /// `fit()`'s options: the `n_gpu_layers` target is a llama.cpp question, so it names the
-    /// layers strategy when nothing else names one.
-    pub fn for_fit(mut self, target: FitTarget) -> Self {
+    /// layers strategy when nothing else names one. `cache_dtype` gives the dtype of the cache
+    /// searched with (fp16 without it); it must agree with `cache` when both are given. An
+    /// offloaded fit with no cache offloads the one [`crate::fit`] searches with.
+    pub fn for_fit(mut self, target: FitTarget, cache_dtype: Option<&str>) -> Result<Self> {
         let named = self.strategy.is_some()
             || self.device_map.is_some()
             || !self.overrides.is_empty()
@@ -283,7 +295,27 @@ impl PlanOptions {
         if target == FitTarget::NGpuLayers && !named {
             self.strategy = Some("layers".into());
         }
-        self
+        if let Some(d) = cache_dtype {
+            let dtype = CacheDType::parse(d)?;
+            match self.cache {
+                None => self.cache = Some(CacheSpec { dtype, ..FIT_CACHE }),
+                Some(c) if c.dtype != dtype => {
+                    return Err(PlanError::OptionConflict {
+                        option: "cache_dtype".into(),
+                        detail: format!(
+                            "'{}' contradicts cache.dtype '{}'; give one of them",
+                            dtype.name(),
+                            c.dtype.name()
+                        ),
+                    });
+                }
+                Some(_) => {}
+            }
+        }
+        if self.cache_offload && self.cache.is_none() {
+            self.cache = Some(FIT_CACHE);
+        }
+        Ok(self)
     }
 
     /// The strategy named or implied, with its options; `None` when nothing names one.
@@ -466,15 +498,62 @@ mod tests {
 
     #[test]
     fn fitting_n_gpu_layers_means_the_layers_strategy() {
-        let s = |o: PlanOptions| o.for_fit(FitTarget::NGpuLayers).strategy().unwrap();
+        let s = |o: PlanOptions| {
+            o.for_fit(FitTarget::NGpuLayers, None)
+                .unwrap()
+                .strategy()
+                .unwrap()
+        };
         assert_eq!(s(PlanOptions::default()).map(|s| s.name()), Some("layers"));
         let named = PlanOptions {
             strategy: Some("balanced".into()),
             ..PlanOptions::default()
         };
         assert_eq!(s(named).map(|s| s.name()), Some("balanced"));
-        let other = PlanOptions::default().for_fit(FitTarget::MaxSeqLen);
+        let other = PlanOptions::default()
+            .for_fit(FitTarget::MaxSeqLen, None)
+            .unwrap();
         assert_eq!(other.strategy().unwrap(), None);
+    }
+
+    #[test]
+    fn fit_cache_dtype_and_offload() {
+        let fit = |o: PlanOptions, d: Option<&str>| o.for_fit(FitTarget::MaxSeqLen, d);
+        let q4 = fit(PlanOptions::default(), Some("q4")).unwrap();
+        assert_eq!(q4.cache, Some(CacheSpec::new(256, 1, CacheDType::Q4)));
+        let q8 = PlanOptions {
+            cache: Some(CacheSpec::new(512, 2, CacheDType::Q8)),
+            ..PlanOptions::default()
+        };
+        assert_eq!(fit(q8.clone(), Some("q8_0")).unwrap().cache, q8.cache);
+        let e = fit(q8, Some("q4")).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "cache_dtype: 'q4' contradicts cache.dtype 'q8'; give one of them"
+        );
+        // Offloaded with no cache: fit's own search cache, offloaded when applied.
+        let offloaded = PlanOptions {
+            cache_offload: true,
+            ..PlanOptions::default()
+        };
+        let o = fit(offloaded.clone(), None).unwrap();
+        assert_eq!(o.cache, Some(CacheSpec::new(256, 1, CacheDType::Fp16)));
+        let devs = crate::device::parse_devices("cpu").unwrap();
+        let spec = ModelSpec::from_hf_config(&serde_json::json!({
+            "model_type": "llama", "num_hidden_layers": 1, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 32,
+            "max_position_embeddings": 256,
+        }))
+        .unwrap();
+        let mut req = PlanRequest::new(spec, Vec::new(), devs);
+        o.apply(&mut req).unwrap();
+        assert_eq!(req.cache.map(|c| c.offload), Some(true));
+        // plan() has no cache of its own to fall back to.
+        let e = offloaded.apply(&mut req).unwrap_err().to_string();
+        assert!(
+            e.starts_with("cache_offload=True: there is no cache to offload"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ use weightlift_format::DType;
 use weightlift_plan::*;
 
 // ---------------------------------------------------------------------------------------------
-// exllamav2 integer_split (exllamav2/util.py), computed by hand from its code.
+// exllamav2's integer_split: expected values worked out from its rounding rule.
 
 #[test]
 fn integer_split_examples() {
@@ -114,7 +114,7 @@ fn tensor_parallel_plan_uses_the_tables() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// accelerate get_balanced_memory: tests/test_modeling_utils.py::test_get_balanced_memory.
+// accelerate's get_balanced_memory, with the model and budgets of accelerate's own test of it.
 // ModelForTest: linear1 64 B, batchnorm 72 B, linear2 100 B, total 236, no no-split classes:
 // mean leaf = int(236 / 3) = 78.
 
@@ -139,7 +139,7 @@ fn accelerate_balanced_memory_examples() {
     );
 }
 
-/// accelerate tests/test_modeling_utils.py::test_infer_auto_device_map, with each
+/// accelerate's own test of infer_auto_device_map, with each
 /// ModelForTest module a layer (decoder blocks are never split).
 #[test]
 fn accelerate_infer_auto_device_map_examples() {
@@ -198,7 +198,7 @@ fn balanced_spreads_and_low_0_keeps_gpu0_light() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// llama.cpp n_gpu_layers (llama-model.cpp load_tensors): the last N repeating layers on the
+// llama.cpp n_gpu_layers (its loader's `load_tensors`): the last N repeating layers on the
 // GPUs, the output layer too when N > n_layer, the input layer always on the CPU.
 
 fn layers_plan(ngl: i64, mode: SplitMode, ts: Vec<f32>, devs: &str) -> Plan {
@@ -340,7 +340,7 @@ fn llama_cpp_row_split_names_every_slice() {
 
 // ---------------------------------------------------------------------------------------------
 // llama.cpp's quantiser mix, checked against GGUFs that llama.cpp wrote
-// (shared/reference/tiny-llama/gguf, tensor types and byte sizes read with gguf-py 0.19.0).
+// (the reference pack's tiny-llama GGUFs, tensor types and byte sizes read with gguf-py 0.19.0).
 
 fn synth_bytes(spec: &weightlift_format::ModelSpec, w: &str) -> Vec<(String, DType, u64)> {
     synthesize_tensors(spec, WeightType::parse(w).unwrap())

@@ -14,7 +14,7 @@ use crate::errors::{Exc, eng, enter, raise};
 /// a `Model(devices=...)`, else the real machine's (`cpu` plus any CUDA devices).
 static REGISTRY: Mutex<Option<Inventory>> = Mutex::new(None);
 
-pub(crate) fn registry() -> MutexGuard<'static, Option<Inventory>> {
+fn registry() -> MutexGuard<'static, Option<Inventory>> {
     REGISTRY
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -32,7 +32,7 @@ pub(crate) fn inventory_for(devices: Option<&str>) -> PyResult<Inventory> {
     Ok(inv)
 }
 
-pub(crate) fn resolve_device(name: &str) -> PyResult<Arc<Device>> {
+fn resolve_device(name: &str) -> PyResult<Arc<Device>> {
     let mut reg = registry();
     let inv = match reg.clone() {
         Some(inv) => inv,
@@ -67,7 +67,7 @@ pub fn use_devices(spec: &str) -> PyResult<Vec<(String, Option<u64>)>> {
         .collect())
 }
 
-pub(crate) fn dtype_of_numpy(name: &str) -> PyResult<DType> {
+fn dtype_of_numpy(name: &str) -> PyResult<DType> {
     DType::from_numpy_name(name).ok_or_else(|| {
         PyTypeError::new_err(format!(
             "numpy dtype {name} has no weightlift dtype; expected one of float32, float16, \

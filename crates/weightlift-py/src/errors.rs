@@ -20,7 +20,6 @@ use pyo3::types::PyType;
 
 /// The Python exception classes of `weightlift._errors`.
 #[derive(Clone, Copy, Debug)]
-#[allow(dead_code)] // some classes are raised only by bindings that land in later issues
 pub enum Exc {
     Weightlift,
     Format,
@@ -225,6 +224,7 @@ impl ToPyErr for EngineError {
     }
 }
 
+/// `Result::map_err` shorthand for engine results.
 pub fn eng<T>(r: Result<T, EngineError>) -> PyResult<T> {
     r.map_err(ToPyErr::to_pyerr)
 }

@@ -1,16 +1,21 @@
 //! Python bindings for weightlift-plan: `plan()`, `fit()`, `devices()`, `parse_devices()`,
 //! `CacheSpec`, `RuntimeSpec` and `Plan`.
 
-use std::path::{Path, PathBuf};
+mod result;
+mod source;
+mod specs;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
-use weightlift_format as wf;
+// The real machine is read through the engine's probe (MemAvailable, and the CUDA driver in a
+// build with the `cuda` feature); the planner itself does no I/O.
+use weightlift_engine::HostProbe;
 use weightlift_plan as wp;
 
-use crate::errors::{Exc, enter, io_error, py_err, raise};
-use crate::format::{Checkpoint, ModelSpec};
+use crate::errors::{enter, py_err};
 use crate::options::{CacheArg, DeviceMapValue, DevicesSpec, Overrides, RuntimeArg, Sizes};
+pub use result::{Device, DeviceUsage, Placement, Plan};
+use source::Source;
+pub use specs::{CacheSpec, RuntimeSpec};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
@@ -26,191 +31,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-// The real machine is read through the engine's probe (MemAvailable, and the CUDA driver in a
-// build with the `cuda` feature); the planner itself does no I/O.
-use weightlift_engine::HostProbe;
-
-const UNBOUNDED: u64 = u64::MAX;
-
-fn bounded(v: u64) -> Option<u64> {
-    (v != UNBOUNDED).then_some(v)
-}
-
-fn kind_name(k: wp::DeviceKind) -> &'static str {
-    match k {
-        wp::DeviceKind::Cpu => "cpu",
-        wp::DeviceKind::Cuda => "cuda",
-        wp::DeviceKind::Virtual => "virtual",
-        wp::DeviceKind::Disk => "disk",
-    }
-}
-
-// --------------------------------------------------------------------------------------------
-// Argument conversion
-
 fn parse_device_arg(spec: &DevicesSpec) -> PyResult<Vec<wp::DeviceSpec>> {
     wp::parse_devices_with(&spec.0, &HostProbe).map_err(py_err)
 }
-
-/// The largest config.json we read.
-const CONFIG_CAP: u64 = 64 << 20;
-
-fn read_config(path: &Path) -> PyResult<serde_json::Value> {
-    let meta = std::fs::metadata(path).map_err(|e| io_error(path, &e))?;
-    if meta.len() > CONFIG_CAP {
-        return Err(raise(
-            Exc::Format,
-            format!(
-                "{}: config: expected at most {CONFIG_CAP} bytes, got {}; this is not an HF config.json",
-                path.display(),
-                meta.len()
-            ),
-        ));
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| io_error(path, &e))?;
-    serde_json::from_str(&text).map_err(|e| {
-        raise(
-            Exc::Format,
-            format!(
-                "{}: config: expected a JSON object, got a parse error: {e}",
-                path.display()
-            ),
-        )
-    })
-}
-
-fn config_dtype(config: &serde_json::Value) -> Option<String> {
-    ["torch_dtype", "dtype"]
-        .iter()
-        .find_map(|k| config.get(k).and_then(|v| v.as_str()).map(str::to_owned))
-}
-
-/// What a plan is made for, with the model's sliding-window layers.
-struct Source {
-    model: wp::ModelSource,
-    window: Option<wp::SlidingWindow>,
-}
-
-impl Source {
-    /// The request for these options on `devices`.
-    fn request(
-        self,
-        options: wp::PlanOptions,
-        devices: Vec<wp::DeviceSpec>,
-    ) -> PyResult<wp::PlanRequest> {
-        let mut req = options.into_request(self.model, devices).map_err(py_err)?;
-        req.sliding_window = self.window;
-        Ok(req)
-    }
-}
-
-fn spec_from_config(config: &serde_json::Value) -> PyResult<Source> {
-    let spec = wf::ModelSpec::from_hf_config(config).map_err(py_err)?;
-    let window = wp::SlidingWindow::from_hf_config(config, &spec).map_err(py_err)?;
-    Ok(Source {
-        model: wp::ModelSource::Config(spec, config_dtype(config)),
-        window,
-    })
-}
-
-/// True for a folder that holds no weights but a config.json (plan from the config alone).
-fn is_config_only_dir(path: &Path) -> bool {
-    if !path.is_dir() || !path.join("config.json").is_file() {
-        return false;
-    }
-    let Ok(entries) = std::fs::read_dir(path) else {
-        return false;
-    };
-    !entries.flatten().any(|e| {
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        name.ends_with(".safetensors") || name.ends_with(".gguf") || name.ends_with(".index.json")
-    })
-}
-
-/// What a plan is made for: a checkpoint's tensor table, or a config's spec.
-fn resolve_source(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<Source> {
-    if let Ok(ckpt) = source.cast::<Checkpoint>() {
-        let ckpt = ckpt.get().shared()?;
-        return checkpoint_source(&ckpt);
-    }
-    if let Ok(spec) = source.cast::<ModelSpec>() {
-        return Ok(Source {
-            model: wp::ModelSource::Config(spec.get().inner.clone(), None),
-            window: None,
-        });
-    }
-    if let Ok(dict) = source.cast::<PyDict>() {
-        let text: String = py
-            .import("json")?
-            .call_method1("dumps", (dict,))?
-            .extract()?;
-        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-            raise(
-                Exc::Plan,
-                format!("config dict: not JSON-serialisable: {e}"),
-            )
-        })?;
-        return spec_from_config(&value);
-    }
-    let path: PathBuf = source.extract().map_err(|_| {
-        raise(
-            Exc::Plan,
-            format!(
-                "source: expected a Checkpoint, a path, an HF config (path or dict) or a ModelSpec, got {}",
-                source.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-            ),
-        )
-    })?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    if path.is_file() && name.ends_with(".json") && !name.ends_with(".index.json") {
-        return spec_from_config(&read_config(&path)?);
-    }
-    if is_config_only_dir(&path) {
-        return spec_from_config(&read_config(&path.join("config.json"))?);
-    }
-    let ckpt = enter(py, || {
-        wf::Checkpoint::open(&path, wf::OpenOptions::default())
-    })?;
-    checkpoint_source(&ckpt)
-}
-
-fn checkpoint_source(ckpt: &wf::Checkpoint) -> PyResult<Source> {
-    if ckpt.vocab_only() {
-        return Err(raise(
-            Exc::Plan,
-            format!(
-                "{}: opened with vocab_only=True, so it has no tensor table to plan; open it without vocab_only",
-                ckpt.path().display()
-            ),
-        ));
-    }
-    let spec = ckpt.spec().map_err(|e| {
-        raise(
-            Exc::Format,
-            format!(
-                "{}: cannot plan without the architecture: {e}",
-                ckpt.path().display()
-            ),
-        )
-    })?;
-    let window = match (ckpt.format(), ckpt.config()) {
-        (wf::Format::Gguf, _) => wp::SlidingWindow::from_gguf(ckpt.metadata(), spec),
-        (wf::Format::Safetensors, Some(config)) => wp::SlidingWindow::from_hf_config(config, spec),
-        (wf::Format::Safetensors, None) => Ok(None),
-    }
-    .map_err(|e| raise(Exc::Format, format!("{}: {e}", ckpt.path().display())))?;
-    Ok(Source {
-        model: wp::ModelSource::Tensors(spec.clone(), ckpt.tensors().to_vec()),
-        window,
-    })
-}
-
-// --------------------------------------------------------------------------------------------
-// Functions
 
 /// The placement keywords shared by `plan()`, `fit()` and `Model.load()`, as converted from
 /// Python: each is `None` when not given.
@@ -245,24 +68,6 @@ impl PlacementArgs {
             gpu_split: self.gpu_split,
             ..wp::PlanOptions::default()
         }
-    }
-}
-
-/// `cache_offload=True` offloads the cache asked for (or `fallback`, when none was).
-fn offloaded(
-    cache: Option<wp::CacheSpec>,
-    cache_offload: bool,
-    fallback: Option<wp::CacheSpec>,
-) -> PyResult<Option<wp::CacheSpec>> {
-    if !cache_offload {
-        return Ok(cache);
-    }
-    match cache.or(fallback) {
-        Some(c) => Ok(Some(c.with_offload(true))),
-        None => Err(raise(
-            Exc::Plan,
-            "cache_offload=True: there is no cache to offload; pass cache=CacheSpec(...) too",
-        )),
     }
 }
 
@@ -357,7 +162,8 @@ fn plan(
     let options = wp::PlanOptions {
         dtype: Some(dtype.to_owned()),
         weight_dtype,
-        cache: offloaded(cache.map(|c| c.0), cache_offload, None)?,
+        cache: cache.map(|c| c.0),
+        cache_offload,
         runtime: runtime.map(|r| r.0),
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
@@ -366,7 +172,7 @@ fn plan(
             .map_err(py_err)?,
         ..placement.options()
     };
-    let req = resolve_source(py, source)?.request(options, parse_device_arg(&devices)?)?;
+    let req = Source::resolve(py, source)?.request(options, parse_device_arg(&devices)?)?;
     let inner = enter(py, || wp::plan(&req))?;
     Ok(Plan { inner })
 }
@@ -415,30 +221,6 @@ fn fit(
     prefetch: bool,
 ) -> PyResult<u64> {
     let target = wp::FitTarget::parse(target).map_err(py_err)?;
-    let cache = match (cache.map(|c| c.0), cache_dtype) {
-        (c, None) => c,
-        (None, Some(d)) => Some(wp::CacheSpec::new(
-            wp::SEQ_STEP,
-            1,
-            wp::CacheDType::parse(d).map_err(py_err)?,
-        )),
-        (Some(c), Some(d)) => {
-            let d = wp::CacheDType::parse(d).map_err(py_err)?;
-            if d != c.dtype {
-                return Err(raise(
-                    Exc::Plan,
-                    format!(
-                        "cache_dtype: '{}' contradicts cache.dtype '{}'; give one of them",
-                        d.name(),
-                        c.dtype.name()
-                    ),
-                ));
-            }
-            Some(c)
-        }
-    };
-    // Offloading applies to the cache asked for, or to fit()'s default one (fp16, batch 1).
-    let default_cache = wp::CacheSpec::new(wp::SEQ_STEP, 1, wp::CacheDType::Fp16);
     let placement = PlacementArgs {
         strategy,
         reserve,
@@ -455,7 +237,8 @@ fn fit(
     let options = wp::PlanOptions {
         dtype: Some(dtype.to_owned()),
         weight_dtype,
-        cache: offloaded(cache, cache_offload, Some(default_cache))?,
+        cache: cache.map(|c| c.0),
+        cache_offload,
         runtime: runtime.map(|r| r.0),
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
@@ -464,8 +247,8 @@ fn fit(
             .map_err(py_err)?,
         ..placement.options()
     };
-    let req = resolve_source(py, source)?
-        .request(options.for_fit(target), parse_device_arg(&devices)?)?;
+    let options = options.for_fit(target, cache_dtype).map_err(py_err)?;
+    let req = Source::resolve(py, source)?.request(options, parse_device_arg(&devices)?)?;
     enter(py, || wp::fit(&req, target))
 }
 
@@ -491,467 +274,4 @@ fn parse_devices(spec: DevicesSpec) -> PyResult<Vec<Device>> {
         .into_iter()
         .map(|inner| Device { inner })
         .collect())
-}
-
-// --------------------------------------------------------------------------------------------
-// Classes
-
-/// The KV cache to plan for: `max_seq_len` tokens × `batch_size`, in `dtype` (fp16, fp8, q8,
-/// q6 or q4; the quantised ones carry one f16 scale per 32 values, q6 is 8-bit K, 4-bit V).
-/// `offload=True` plans transformers' `OffloadedCache`: the whole cache in host RAM (the cpu's
-/// kv column) and, on each device that computes layers, two prefetch slots of its largest layer
-/// (one when it computes a single layer).
-#[pyclass(module = "weightlift._native", frozen, eq, hash)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct CacheSpec {
-    pub(crate) inner: wp::CacheSpec,
-}
-
-#[pymethods]
-impl CacheSpec {
-    #[new]
-    #[pyo3(signature = (max_seq_len, batch_size = 1, dtype = "fp16", offload = false))]
-    pub(crate) fn new(
-        max_seq_len: u64,
-        batch_size: u64,
-        dtype: &str,
-        offload: bool,
-    ) -> PyResult<Self> {
-        if max_seq_len == 0 || batch_size == 0 {
-            return Err(raise(
-                Exc::Plan,
-                format!(
-                    "CacheSpec: expected max_seq_len and batch_size of at least 1, got {max_seq_len} and {batch_size}"
-                ),
-            ));
-        }
-        let dtype = wp::CacheDType::parse(dtype).map_err(py_err)?;
-        Ok(CacheSpec {
-            inner: wp::CacheSpec::new(max_seq_len, batch_size, dtype).with_offload(offload),
-        })
-    }
-    #[getter]
-    fn max_seq_len(&self) -> u64 {
-        self.inner.max_seq_len
-    }
-    #[getter]
-    fn batch_size(&self) -> u64 {
-        self.inner.batch_size
-    }
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        self.inner.dtype.name()
-    }
-    /// True for a cache offloaded to host RAM.
-    #[getter]
-    fn offload(&self) -> bool {
-        self.inner.offload
-    }
-    /// Bytes of the whole cache for a model.
-    fn nbytes(&self, spec: PyRef<'_, ModelSpec>) -> u64 {
-        self.inner.total_bytes(&spec.inner)
-    }
-    fn __repr__(&self) -> String {
-        let offload = if self.inner.offload {
-            ", offload=True"
-        } else {
-            ""
-        };
-        format!(
-            "CacheSpec(max_seq_len={}, batch_size={}, dtype='{}'{offload})",
-            self.inner.max_seq_len,
-            self.inner.batch_size,
-            self.inner.dtype.name()
-        )
-    }
-}
-
-/// Runtime limits that decide per-device scratch, named and defaulted as exllamav2's config.
-#[pyclass(module = "weightlift._native", frozen, eq, hash)]
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct RuntimeSpec {
-    pub(crate) inner: wp::RuntimeSpec,
-}
-
-#[pymethods]
-impl RuntimeSpec {
-    #[new]
-    // Defaults are exllamav2's: 2048 tokens, 2048² attention elements, 512 Mi dequant elements.
-    #[pyo3(signature = (max_input_len = 2048, max_attention_size = 4_194_304, max_dq_size = 536_870_912, low_mem = false))]
-    fn new(max_input_len: u64, max_attention_size: u64, max_dq_size: u64, low_mem: bool) -> Self {
-        RuntimeSpec {
-            inner: wp::RuntimeSpec {
-                max_input_len,
-                max_attention_size,
-                max_dq_size,
-                low_mem,
-            },
-        }
-    }
-    #[getter]
-    fn max_input_len(&self) -> u64 {
-        self.inner.max_input_len
-    }
-    #[getter]
-    fn max_attention_size(&self) -> u64 {
-        self.inner.max_attention_size
-    }
-    #[getter]
-    fn max_dq_size(&self) -> u64 {
-        self.inner.max_dq_size
-    }
-    #[getter]
-    fn low_mem(&self) -> bool {
-        self.inner.low_mem
-    }
-    fn __repr__(&self) -> String {
-        let r = &self.inner;
-        format!(
-            "RuntimeSpec(max_input_len={}, max_attention_size={}, max_dq_size={}, low_mem={})",
-            r.max_input_len,
-            r.max_attention_size,
-            r.max_dq_size,
-            if r.low_mem { "True" } else { "False" }
-        )
-    }
-}
-
-/// One device of an inventory. `capacity` is None for an unbounded device (`disk`, or `cpu`
-/// when its memory is unknown).
-#[pyclass(module = "weightlift._native", frozen, eq)]
-#[derive(Clone, PartialEq)]
-pub struct Device {
-    inner: wp::DeviceSpec,
-}
-
-#[pymethods]
-impl Device {
-    /// Normalised name: `"cpu"`, `"cuda:0"`, `"virtual:1"`, `"disk"`.
-    #[getter]
-    fn name(&self) -> &str {
-        &self.inner.name
-    }
-    /// `"cpu"`, `"cuda"`, `"virtual"` or `"disk"`.
-    #[getter]
-    fn kind(&self) -> &'static str {
-        kind_name(self.inner.kind)
-    }
-    /// Bytes, or None when unbounded.
-    #[getter]
-    fn capacity(&self) -> Option<u64> {
-        bounded(self.inner.capacity)
-    }
-    #[getter]
-    fn reserve(&self) -> u64 {
-        self.inner.reserve
-    }
-    #[getter]
-    fn overhead(&self) -> u64 {
-        self.inner.overhead
-    }
-    fn __repr__(&self) -> String {
-        match bounded(self.inner.capacity) {
-            Some(c) => format!("Device('{}', capacity={c})", self.inner.name),
-            None => format!("Device('{}', capacity=None)", self.inner.name),
-        }
-    }
-}
-
-/// A device's share of a plan, in bytes. `capacity` and `free` are None for unbounded devices.
-#[pyclass(module = "weightlift._native", frozen)]
-#[derive(Clone)]
-pub struct DeviceUsage {
-    inner: wp::DeviceUsage,
-}
-
-#[pymethods]
-impl DeviceUsage {
-    #[getter]
-    fn name(&self) -> &str {
-        &self.inner.name
-    }
-    #[getter]
-    fn kind(&self) -> &'static str {
-        kind_name(self.inner.kind)
-    }
-    #[getter]
-    fn capacity(&self) -> Option<u64> {
-        bounded(self.inner.capacity)
-    }
-    /// Bytes of the weights placed here, after any dtype conversion.
-    #[getter]
-    fn weights(&self) -> u64 {
-        self.inner.weights
-    }
-    /// Bytes of the KV cache of the layers placed here.
-    #[getter]
-    fn kv(&self) -> u64 {
-        self.inner.kv
-    }
-    #[getter]
-    fn scratch(&self) -> u64 {
-        self.inner.scratch
-    }
-    #[getter]
-    fn overhead(&self) -> u64 {
-        self.inner.overhead
-    }
-    #[getter]
-    fn reserve(&self) -> u64 {
-        self.inner.reserve
-    }
-    #[getter]
-    fn free(&self) -> Option<u64> {
-        bounded(self.inner.capacity).map(|_| self.inner.free)
-    }
-    /// weights + kv + scratch + overhead + reserve.
-    #[getter]
-    fn used(&self) -> u64 {
-        self.inner.used()
-    }
-    /// Inclusive layer ranges placed here, e.g. `[(0, 11)]`.
-    #[getter]
-    fn layers(&self) -> Vec<(u32, u32)> {
-        self.inner.layers.clone()
-    }
-    /// Other things held here (`"token_embd"`, `"output"`, ...).
-    #[getter]
-    fn holds(&self) -> Vec<String> {
-        self.inner.holds.clone()
-    }
-    /// True when the planner added the device (not in the given list).
-    #[getter]
-    fn implicit(&self) -> bool {
-        self.inner.implicit
-    }
-    fn __repr__(&self) -> String {
-        let d = &self.inner;
-        format!(
-            "DeviceUsage('{}', weights={}, kv={}, scratch={}, overhead={}, reserve={}, free={})",
-            d.name,
-            d.weights,
-            d.kv,
-            d.scratch,
-            d.overhead,
-            d.reserve,
-            bounded(d.capacity).map_or("None".into(), |_| d.free.to_string())
-        )
-    }
-}
-
-/// Where one tensor goes. `shards` lists `(device, start, end, bytes)` row ranges when the
-/// tensor is split across devices (llama.cpp row split, tensor parallel), else None.
-#[pyclass(module = "weightlift._native", frozen)]
-#[derive(Clone)]
-pub struct Placement {
-    inner: wp::TensorPlacement,
-}
-
-#[pymethods]
-impl Placement {
-    #[getter]
-    fn name(&self) -> &str {
-        &self.inner.name
-    }
-    #[getter]
-    fn device(&self) -> &str {
-        &self.inner.device
-    }
-    /// The dtype after any conversion.
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        self.inner.dtype.name()
-    }
-    #[getter]
-    fn nbytes(&self) -> u64 {
-        self.inner.bytes
-    }
-    #[getter]
-    fn layer(&self) -> Option<u32> {
-        self.inner.layer
-    }
-    #[getter]
-    fn shards(&self) -> Option<Vec<(String, u64, u64, u64)>> {
-        self.inner.split.as_ref().map(|s| {
-            s.shards
-                .iter()
-                .map(|sh| (sh.device.clone(), sh.start, sh.end, sh.bytes))
-                .collect()
-        })
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "Placement('{}' -> {}, {} bytes {})",
-            self.inner.name,
-            self.inner.device,
-            self.inner.bytes,
-            self.inner.dtype.name()
-        )
-    }
-}
-
-/// An immutable, deterministic placement plan. Round-trips through JSON.
-#[pyclass(module = "weightlift._native", frozen, eq)]
-#[derive(Clone, PartialEq)]
-pub struct Plan {
-    pub(crate) inner: wp::Plan,
-}
-
-#[pymethods]
-impl Plan {
-    /// The strategy that made the plan.
-    #[getter]
-    fn strategy(&self) -> &str {
-        self.inner.strategy()
-    }
-    #[getter]
-    fn architecture(&self) -> &str {
-        self.inner.architecture()
-    }
-    #[getter]
-    fn n_layers(&self) -> u32 {
-        self.inner.n_layers()
-    }
-    /// The quantise-on-load mode the sizes assume (`"int8"`, `"q8_0"`, ...), or None.
-    #[getter]
-    fn quantize(&self) -> Option<&'static str> {
-        self.inner.quantize().map(wp::Quantize::name)
-    }
-    #[getter]
-    fn cache(&self) -> Option<CacheSpec> {
-        self.inner.cache().map(|c| CacheSpec { inner: *c })
-    }
-    #[getter]
-    fn runtime(&self) -> RuntimeSpec {
-        RuntimeSpec {
-            inner: *self.inner.runtime(),
-        }
-    }
-    /// The device of a tensor; a tensor split across devices (row split, tensor parallelism)
-    /// gives every shard's device in shard order, joined by commas, as `Model.device_of` does.
-    /// KeyError for a name the plan does not hold.
-    fn device_of(&self, name: &str) -> PyResult<String> {
-        self.inner
-            .device_of(name)
-            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_owned()))
-    }
-    /// The device of every repeating layer, in layer order.
-    #[getter]
-    fn layer_devices(&self) -> Vec<String> {
-        self.inner.layer_devices().to_vec()
-    }
-    /// The device of the token embedding.
-    #[getter]
-    fn embed_device(&self) -> &str {
-        self.inner.embed_device()
-    }
-    /// The device of the output head.
-    #[getter]
-    fn head_device(&self) -> &str {
-        self.inner.head_device()
-    }
-    /// The device holding a separate copy of a tied output head (exllamav2 loads the tied
-    /// embedding again as the head), or None.
-    #[getter]
-    fn tied_output_copy(&self) -> Option<&str> {
-        self.inner.tied_output_copy()
-    }
-    /// Every tensor's placement, in checkpoint order.
-    #[getter]
-    fn tensors(&self) -> Vec<Placement> {
-        self.inner
-            .tensors()
-            .iter()
-            .map(|t| Placement { inner: t.clone() })
-            .collect()
-    }
-    /// Per-device breakdown: weights, kv, scratch, overhead, reserve and free, in bytes.
-    #[getter]
-    fn devices(&self) -> Vec<DeviceUsage> {
-        self.inner
-            .devices()
-            .iter()
-            .map(|d| DeviceUsage { inner: d.clone() })
-            .collect()
-    }
-    /// Host RAM at its peak during loading, in bytes: `staging`, `owned_weights`,
-    /// `mapped_weights` (page cache), `disk_weights`, `kv`, `scratch`, `peak_anon`, `peak_total`.
-    #[getter]
-    fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let h = self.inner.host();
-        let d = PyDict::new(py);
-        d.set_item("staging", h.staging)?;
-        d.set_item("owned_weights", h.owned_weights)?;
-        d.set_item("mapped_weights", h.mapped_weights)?;
-        d.set_item("disk_weights", h.disk_weights)?;
-        d.set_item("kv", h.kv)?;
-        d.set_item("scratch", h.scratch)?;
-        d.set_item("peak_anon", h.peak_anon)?;
-        d.set_item("peak_total", h.peak_total)?;
-        Ok(d)
-    }
-    #[getter]
-    fn warnings(&self) -> Vec<String> {
-        self.inner.warnings().to_vec()
-    }
-    /// A tensor-parallel split table as `(device index, start, end)` rows, for `kind` in
-    /// `"kv"`, `"id"`, `"vc"`, `"rs"`, `"q"`. Raises `PlanError` for a plan that is not
-    /// tensor-parallel.
-    fn tp_split(&self, kind: &str) -> PyResult<Vec<(usize, u64, u64)>> {
-        let k = wp::TpKind::parse(kind).map_err(py_err)?;
-        self.inner.tp_split(k).map(<[_]>::to_vec).ok_or_else(|| {
-            raise(
-                Exc::Plan,
-                format!(
-                    "tp_split: the plan has no tensor-parallel split (strategy {}); plan with strategy=\"tensor_parallel\"",
-                    self.inner.strategy()
-                ),
-            )
-        })
-    }
-    /// The plan as JSON; `Plan.from_json` reads it back to an equal plan.
-    fn to_json(&self) -> String {
-        self.inner.to_json()
-    }
-    /// Read a plan written by `to_json`.
-    #[staticmethod]
-    fn from_json(text: &str) -> PyResult<Plan> {
-        Ok(Plan {
-            inner: wp::Plan::from_json(text).map_err(py_err)?,
-        })
-    }
-    /// A readable table: one row per device, then host RAM and warnings.
-    fn explain(&self) -> String {
-        self.inner.explain()
-    }
-    /// The plan as an SVG chart: one stacked bar per device (weights, kv, scratch, reserve,
-    /// free) with layer ranges labelled.
-    fn to_svg(&self) -> String {
-        self.inner.to_svg()
-    }
-    /// Write `to_svg()` to a file.
-    fn save_svg(&self, path: PathBuf) -> PyResult<()> {
-        std::fs::write(&path, self.inner.to_svg()).map_err(|e| io_error(&path, &e))
-    }
-    fn __repr__(&self) -> String {
-        let devs: Vec<String> = self
-            .inner
-            .devices()
-            .iter()
-            .map(|d| {
-                format!(
-                    "{}: {} layers",
-                    d.name,
-                    d.layers.iter().map(|(a, b)| b - a + 1).sum::<u32>()
-                )
-            })
-            .collect();
-        format!(
-            "<Plan {} {} ({} layers): {}>",
-            self.inner.strategy(),
-            self.inner.architecture(),
-            self.inner.n_layers(),
-            devs.join(", ")
-        )
-    }
 }

@@ -65,11 +65,6 @@ impl Exl2Linear {
         self.columns
     }
 
-    /// The stored row that holds input `i`.
-    pub fn stored_row_of(&self, i: usize) -> Option<usize> {
-        self.invperm.get(i).map(|&r| r as usize)
-    }
-
     pub fn q_weight(&self) -> &str {
         &self.q_weight
     }

@@ -1,6 +1,6 @@
 //! Tensor names to (layer, role), in both naming schemes: llama.cpp's GGUF names
-//! (`blk.N.attn_q.weight`, from `llama-arch.cpp`) and the HF transformers names
-//! (`model.layers.N.self_attn.q_proj.weight`, from `modeling_llama.py`).
+//! (`blk.N.attn_q.weight`, llama.cpp's tensor name table) and the HF transformers names
+//! (`model.layers.N.self_attn.q_proj.weight`, transformers' Llama modules).
 
 use crate::Role;
 

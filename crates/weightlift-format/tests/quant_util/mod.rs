@@ -48,11 +48,11 @@ pub fn fnv1a64(bytes: impl IntoIterator<Item = u8>) -> String {
     format!("{h:016x}")
 }
 
-pub fn f32_digest(v: &[f32]) -> String {
+fn f32_digest(v: &[f32]) -> String {
     fnv1a64(v.iter().flat_map(|x| x.to_le_bytes()))
 }
 
-pub fn f16_digest(v: &[f16]) -> String {
+fn f16_digest(v: &[f16]) -> String {
     fnv1a64(v.iter().flat_map(|x| x.to_le_bytes()))
 }
 

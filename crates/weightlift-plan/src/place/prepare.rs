@@ -57,14 +57,8 @@ impl<'a> Ctx<'a> {
         }
         let allow_disk = tweak.allow_disk.unwrap_or(req.allow_disk);
         let cache = tweak.cache.unwrap_or(req.cache);
-        if let Some(c) = &cache
-            && (c.max_seq_len == 0 || c.batch_size == 0)
-        {
-            return Err(PlanError::option(
-                "cache",
-                "max_seq_len and batch_size of at least 1",
-                format!("max_seq_len {}, batch_size {}", c.max_seq_len, c.batch_size),
-            ));
+        if let Some(c) = &cache {
+            c.check()?;
         }
         let mut warnings = Vec::new();
         if !ModelSpec::supports_roles(&spec.architecture) {

@@ -40,17 +40,10 @@ pub fn smollm2() -> ModelSpec {
     llama(30, 576, 1536, 9, 3, 64, 49152, true)
 }
 
-/// The reference tiny-llama (shared/reference/tiny-llama/model.json).
+/// The reference pack's tiny-llama, as its `model.json` describes it.
 pub fn tiny_llama() -> ModelSpec {
     let mut s = llama(2, 256, 768, 4, 2, 64, 32000, true);
     s.context_length = 512;
-    s
-}
-
-/// Llama-3.1-405B-class config.
-pub fn llama_405b() -> ModelSpec {
-    let mut s = llama(126, 16384, 53248, 128, 8, 128, 128256, false);
-    s.context_length = 131072;
     s
 }
 

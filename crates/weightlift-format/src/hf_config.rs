@@ -1,0 +1,146 @@
+//! HF `config.json` and the settings files beside it: what transformers keeps next to the
+//! weights, read as JSON objects under a size cap.
+
+use std::path::{Path, PathBuf};
+
+use crate::Result;
+use crate::safetensors::{invalid, read_capped, super_kind};
+
+/// Cap on `config.json` and index files: real ones are kilobytes.
+pub(crate) const JSON_CAP: u64 = 64 << 20;
+
+/// Read an HF `config.json` as a JSON object. A file over the cap, one that is not JSON, or
+/// JSON that is not an object is a [`crate::FormatError::Invalid`] naming the file.
+pub fn read(path: &Path) -> Result<serde_json::Value> {
+    read_object(path, "config")
+}
+
+/// The config a path names when it holds no weights: a `.json` file other than a shard index,
+/// or a folder with a `config.json` and no weights (no `.safetensors`, `.gguf` or
+/// `.index.json` file). `None` for anything else, which opens as a checkpoint.
+pub fn config_only(path: &Path) -> Option<PathBuf> {
+    if path.is_file() {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let config = name.ends_with(".json") && !name.ends_with(".index.json");
+        return config.then(|| path.to_path_buf());
+    }
+    let config = path.join("config.json");
+    if !path.is_dir() || !config.is_file() {
+        return None;
+    }
+    let entries = std::fs::read_dir(path).ok()?;
+    let has_weights = entries.flatten().any(|e| {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        name.ends_with(".safetensors") || name.ends_with(".gguf") || name.ends_with(".index.json")
+    });
+    (!has_weights).then_some(config)
+}
+
+/// The type a config says its weights are stored in: `torch_dtype`, or `dtype` as
+/// transformers 5 writes it.
+pub fn stored_dtype(config: &serde_json::Value) -> Option<&str> {
+    ["torch_dtype", "dtype"]
+        .iter()
+        .find_map(|k| config.get(k).and_then(serde_json::Value::as_str))
+}
+
+/// The `config.json` in a safetensors checkpoint's folder, if there is one.
+pub(crate) fn beside(folder: &Path) -> Result<Option<serde_json::Value>> {
+    let path = folder.join("config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    read_object(&path, "config.json").map(Some)
+}
+
+/// The quantisation settings file auto-gptq and gptqmodel write beside `config.json`, if any.
+pub(crate) fn quantize_config_beside(
+    folder: &Path,
+) -> Result<Option<(PathBuf, serde_json::Value)>> {
+    for name in crate::quantized::BESIDE_NAMES {
+        let path = folder.join(name);
+        if path.is_file() {
+            let v = read_object(&path, name)?;
+            return Ok(Some((path, v)));
+        }
+    }
+    Ok(None)
+}
+
+fn read_object(path: &Path, what: &str) -> Result<serde_json::Value> {
+    let text = read_capped(path, JSON_CAP, what)?;
+    let v: serde_json::Value = serde_json::from_slice(&text).map_err(|e| {
+        invalid(
+            path,
+            what,
+            "a json object",
+            format!("a parse error: {e}"),
+            "the config is corrupted or incomplete",
+        )
+    })?;
+    if !v.is_object() {
+        return Err(invalid(
+            path,
+            what,
+            "a json object",
+            super_kind(&v),
+            "the config is corrupted",
+        ));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh folder under the system temp dir holding `files`.
+    fn folder(name: &str, files: &[&str]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("wl-hf-config-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in files {
+            std::fs::write(dir.join(f), "{}").unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn config_only_paths() {
+        let only = folder("only", &["config.json", "tokenizer.json"]);
+        assert_eq!(config_only(&only), Some(only.join("config.json")));
+        assert_eq!(
+            config_only(&only.join("tokenizer.json")),
+            Some(only.join("tokenizer.json"))
+        );
+        for weights in [
+            "model.safetensors",
+            "m.gguf",
+            "model.safetensors.index.json",
+        ] {
+            let dir = folder(weights, &["config.json", weights]);
+            assert_eq!(config_only(&dir), None, "{weights}");
+            assert_eq!(config_only(&dir.join(weights)), None, "{weights}");
+        }
+        assert_eq!(config_only(&folder("empty", &[])), None);
+        assert_eq!(config_only(&only.join("missing.json")), None);
+    }
+
+    #[test]
+    fn reads_objects_only() {
+        let dir = folder("read", &[]);
+        let path = dir.join("config.json");
+        std::fs::write(&path, r#"{"torch_dtype": "bfloat16"}"#).unwrap();
+        assert_eq!(stored_dtype(&read(&path).unwrap()), Some("bfloat16"));
+        std::fs::write(&path, "[1]").unwrap();
+        let e = read(&path).unwrap_err().to_string();
+        assert!(e.contains("expected a json object, got an array"), "{e}");
+        std::fs::write(&path, "{").unwrap();
+        let e = read(&path).unwrap_err().to_string();
+        assert!(e.contains("a parse error"), "{e}");
+        let v = serde_json::json!({"dtype": "float16"});
+        assert_eq!(stored_dtype(&v), Some("float16"));
+        assert_eq!(stored_dtype(&serde_json::json!({})), None);
+    }
+}
