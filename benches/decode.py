@@ -95,7 +95,7 @@ LLAMA_CMAKE_ARGS = (
     "-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "
     "-DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 )
-# llama.cpp's file types, from llama.h; the first whose tensors weightlift runs is benched.
+# llama.cpp's file type names; the first whose tensors weightlift runs is benched.
 KQUANT_FTYPES = ("Q4_K_M", "Q4_K_S", "Q4_0")
 # Single-type files for the by-type rows (with the demo's Q4_1).
 TYPE_FTYPES = ("Q4_0", "Q5_0", "Q8_0")

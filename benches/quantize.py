@@ -13,7 +13,7 @@ Rows:
   3. logits         each mode against the f32 forward pass of the same weights, exact compute
                     and an f32 cache: max|Δ| of the logits, argmax agreement, and perplexity on
                     a fixed text (next-token NLL over its ids):
-                      - tiny-llama (`../shared/reference/tiny-llama/safetensors`, bf16), the 16
+                      - tiny-llama (the shared reference pack's bf16 safetensors), the 16
                         reference ids, f32 = transformers' `hf_logits.npy`;
                       - SmolLM2-135M as an F32 GGUF (the demo Q4_1 file dequantised by gguf-py,
                         written to .cache/bench/), the reference's second prompt (41 ids);

@@ -10,7 +10,7 @@ import gen_fixtures as gen
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# ../shared/reference beside the checkout (CI lays it out the same way).
+# The shared reference data sits beside the checkout (CI lays it out the same way).
 REFERENCE = REPO.parent / "shared" / "reference"
 TINY_LLAMA = REFERENCE / "tiny-llama"
 DATA = Path(__file__).resolve().parent / "data"

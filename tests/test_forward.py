@@ -1,5 +1,5 @@
 """Model.forward from Python against logits transformers and llama.cpp computed
-(`../shared/reference`; tolerances from its README, section 3), and the errors a caller meets."""
+(the shared reference data, with the tolerances it states), and the errors a caller meets."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Text generation from Python: tokenize, generate, and llama-cpp-python's completion API, checked
-against llama.cpp's greedy continuation (`../shared/reference/smollm2-135m/greedy.json`) and the
+against llama.cpp's greedy continuation (the shared reference data's `greedy.json`) and the
 chat prompts llama-cpp-python builds (`tests/data/smollm2_chat.json`, from
 `tests/gen_chat_reference.py`)."""
 

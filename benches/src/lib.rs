@@ -7,7 +7,7 @@ use weightlift_kernels::QuantType;
 pub const ROWS: usize = 4096;
 pub const COLS: usize = 4096;
 
-/// Byte offsets of the f16 scales in one block (ggml-common.h), set to a sane finite value.
+/// Byte offsets of the f16 scales in one block (ggml's block layouts), set to a sane finite value.
 fn scale_offsets(ty: QuantType) -> &'static [usize] {
     match ty {
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],

@@ -1,6 +1,6 @@
 //! Token sampling as llama-cpp-python 0.3.x does it, and stop strings for streamed text.
 //!
-//! [`Sampler`] runs the chain that `Llama._init_sampler` (llama_cpp/llama.py) builds from
+//! [`Sampler`] runs the chain that llama-cpp-python's `Llama._init_sampler` builds from
 //! llama.cpp samplers, in its order:
 //!
 //! 1. penalties over the last `penalty_last_n` tokens (`llama_sampler_init_penalties`);
@@ -8,7 +8,7 @@
 //! 3. otherwise top-k, typical, top-p, min-p (each with `min_keep = 1`), temperature, and a draw
 //!    from the softmax of what is left (`llama_sampler_init_dist`).
 //!
-//! Each step follows llama.cpp's `src/llama-sampling.cpp`. Two consequences are easy to miss:
+//! Each step follows llama.cpp's samplers. Two consequences are easy to miss:
 //! the truncations run *before* the temperature, so top-p, min-p and typical see the model's own
 //! distribution, not the tempered one; and top-p and typical renormalise over what the earlier
 //! steps kept (top-p after top-k measures mass within the top k).

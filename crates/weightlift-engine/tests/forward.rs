@@ -1,5 +1,5 @@
 //! The forward pass against logits that transformers and llama.cpp computed
-//! (`../shared/reference`, tolerances from its README, section 3).
+//! (the shared reference data, with the tolerances it states).
 
 mod common;
 

@@ -1,6 +1,6 @@
 //! The forward pass through the kernels' `Backend` trait: the op sequence `cuda:N` layers run,
 //! checked here on the CPU backend (`Model::set_host_backend`) against logits transformers
-//! computed (`../shared/reference`, tolerances from its README, section 3; the tiny Qwen2 of
+//! computed (the shared reference data, with the tolerances it states; the tiny Qwen2 of
 //! `tests/data`) and against the host path, which it must equal bit for bit. The last test runs
 //! SmolLM2's layers on `cuda:0`; it needs a GPU and is `#[ignore]`d (`cargo test --features
 //! cuda -- --ignored` on a machine with one).

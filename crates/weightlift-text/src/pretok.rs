@@ -1,7 +1,7 @@
 //! Pre-tokenizer regexes for byte-level BPE vocabularies, by `tokenizer.ggml.pre` name.
 //!
-//! The names and the regex lists are llama.cpp's (`llm_tokenizer_bpe` and the
-//! `tokenizer_pre` table in `src/llama-vocab.cpp`). Each regex is applied in turn to the pieces
+//! The names and the regex lists are llama.cpp's (its BPE tokenizer's
+//! pre-tokenizer table). Each regex is applied in turn to the pieces
 //! the previous ones left, keeping matches and the text between them as separate pieces; that is
 //! the Hugging Face `Split` pre-tokenizer with `Isolated` behaviour.
 

@@ -18,8 +18,7 @@ use crate::pretok;
 /// hostile or corrupted file.
 const MAX_VOCAB: usize = 1 << 22;
 
-/// Token texts that llama.cpp's `llama_vocab_is_eog` treats as end of generation when present
-/// (`llama-vocab.cpp`, "maintain a list of tokens that cause end-of-generation").
+/// Token texts that llama.cpp's `llama_vocab_is_eog` treats as end of generation when present.
 const EOG_TEXTS: &[&str] = &[
     "<|eot_id|>",
     "<|im_end|>",

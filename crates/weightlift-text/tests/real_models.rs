@@ -1,5 +1,5 @@
 //! Real tokenizers against ids and text from llama.cpp and transformers
-//! (`../shared/reference`, see its README): the SmolLM2 demo GGUF (byte-level BPE, `smollm`),
+//! (the shared reference data): the SmolLM2 demo GGUF (byte-level BPE, `smollm`),
 //! and tiny-llama's SentencePiece vocabulary from `tokenizer.json` and from its GGUF.
 
 use std::path::{Path, PathBuf};

@@ -40,7 +40,7 @@ fn vocab_dir() -> PathBuf {
     dir
 }
 
-/// (text, expected ids) pairs, as `read_tests` in test-tokenizer-0.cpp.
+/// (text, expected ids) pairs, as llama.cpp's own tokenizer test reads them.
 fn read_vectors(gguf: &Path) -> Vec<(String, Vec<u32>)> {
     let inp = std::fs::read_to_string(gguf.with_extension("gguf.inp")).unwrap();
     let out = std::fs::read_to_string(gguf.with_extension("gguf.out")).unwrap();

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-/// `../shared/reference` beside the repository.
+/// The shared reference data, in a `shared/reference` folder beside the checkout.
 pub fn reference() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference")
 }
