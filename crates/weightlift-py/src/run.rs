@@ -6,12 +6,8 @@ use pyo3::prelude::*;
 use weightlift_engine::forward::{Compute, Logits};
 
 use crate::cache::Cache;
-use crate::errors::{ToPyErr, enter};
+use crate::errors::{eng, enter};
 use crate::model::Model;
-
-fn eng<T>(r: Result<T, weightlift_engine::EngineError>) -> PyResult<T> {
-    r.map_err(ToPyErr::to_pyerr)
-}
 
 #[pymethods]
 impl Model {
