@@ -266,12 +266,31 @@ fn row_dot_exact(isa: Isa, ty: QuantType, row: &[u8], x: &[f32], tmp: &mut [f32]
     let (bb, bs) = (ty.block_bytes(), ty.block_size());
     let per = (EXACT_TILE / bs).max(1);
     let mut acc = 0f32;
+    if let Some(values) = f32_values(ty, row) {
+        // The same tiles and sums as below, without copying the values out first (the copy
+        // made f32 weights eight times slower than their dot products).
+        for (ws, xs) in values.chunks(EXACT_TILE).zip(x.chunks(EXACT_TILE)) {
+            acc += dot_f32(isa, ws, xs);
+        }
+        return acc;
+    }
     for (wb, xs) in row.chunks(per * bb).zip(x.chunks(per * bs)) {
         let t = &mut tmp[..xs.len()];
         dequant_seq(isa, ty, wb, t);
         acc += dot_f32(isa, t, xs);
     }
     acc
+}
+
+/// An F32 row's bytes as values, where they are aligned for it (a mapped GGUF or safetensors
+/// tensor is); `None` for other types or an unaligned row.
+fn f32_values(ty: QuantType, row: &[u8]) -> Option<&[f32]> {
+    if ty != QuantType::F32 || cfg!(target_endian = "big") {
+        return None;
+    }
+    // SAFETY: every bit pattern is a valid f32; align_to only hands out the aligned middle.
+    let (head, values, tail) = unsafe { row.align_to::<f32>() };
+    (head.is_empty() && tail.is_empty()).then_some(values)
 }
 
 /// f32 dot product with the chosen instruction set. Inlined: attention calls it once per

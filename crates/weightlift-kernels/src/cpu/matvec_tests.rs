@@ -131,3 +131,63 @@ fn the_matvec_quantiser_is_quantize_q8_blocks() {
         }
     }
 }
+
+/// F32 rows are read in place where they are aligned and copied out where they are not; both
+/// take the same tiles and sums, so they give the same bits at every instruction set level,
+/// within rounding of a sum in f64.
+#[test]
+fn f32_matvec_reads_aligned_rows_in_place_with_the_copying_bits() {
+    let (rows, cols) = (37, 2500);
+    let w: Vec<f32> = activations(rows * cols, 5);
+    let x = activations(cols, 6);
+    let aligned: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    // The same bytes one past an aligned start, so every row is misaligned.
+    let mut shifted = vec![0u8; aligned.len() + 1];
+    shifted[1..].copy_from_slice(&aligned);
+    let (in_place, copied) = (&aligned[..], &shifted[1..]);
+    assert!(f32_values(QuantType::F32, &in_place[..cols * 4]).is_some());
+    assert!(f32_values(QuantType::F32, &copied[..cols * 4]).is_none());
+    for isa in Isa::all_supported() {
+        let mut a = vec![0f32; rows];
+        let mut b = vec![0f32; rows];
+        matvec_with(
+            isa,
+            MatvecMode::Exact,
+            QuantType::F32,
+            in_place,
+            rows,
+            cols,
+            &x,
+            &mut a,
+        )
+        .unwrap();
+        matvec_with(
+            isa,
+            MatvecMode::Exact,
+            QuantType::F32,
+            copied,
+            rows,
+            cols,
+            &x,
+            &mut b,
+        )
+        .unwrap();
+        assert_eq!(a, b, "{isa:?}");
+        for (r, got) in a.iter().enumerate() {
+            let want: f64 = w[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(&x)
+                .map(|(p, q)| f64::from(*p) * f64::from(*q))
+                .sum();
+            let scale: f64 = w[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(&x)
+                .map(|(p, q)| (f64::from(*p) * f64::from(*q)).abs())
+                .sum();
+            assert!(
+                (f64::from(*got) - want).abs() <= 1e-5 * scale,
+                "{isa:?} row {r}"
+            );
+        }
+    }
+}
