@@ -1116,9 +1116,10 @@ mod tests {
         );
     }
 
+    /// The first index of the largest non-NaN value; 0 when every value is NaN.
     fn reference_argmax(xs: &[f32]) -> usize {
         let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        xs.iter().position(|&x| x == max).unwrap()
+        xs.iter().position(|&x| x == max).unwrap_or(0)
     }
 
     proptest! {
@@ -1138,6 +1139,13 @@ mod tests {
             let params = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
             let mut s = Sampler::new(params).unwrap();
             prop_assert_eq!(s.sample(&xs, &[]) as usize, reference_argmax(&xs));
+        }
+
+        #[test]
+        fn greedy_over_all_nan_logits_is_the_first_id(n in 1usize..50) {
+            let params = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+            let mut s = Sampler::new(params).unwrap();
+            prop_assert_eq!(s.sample(&vec![f32::NAN; n], &[]), 0);
         }
 
         #[test]
