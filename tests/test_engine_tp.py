@@ -169,3 +169,147 @@ def test_load_tp_demo_model_three_devices(demo_gguf: Path) -> None:
     tp = wl.TPContext(m)
     assert covers(tp.kv_split, 3) and covers(tp.q_split, 9) and covers(tp.id_split, 1536)
     m.unload()
+
+
+# --- The tensor-parallel forward pass: load_tp, then forward and generate on the devices. ---
+
+TINY_LLAMA_IDS = [1, 415, 2936, 9060, 285, 1142, 28705, 28770, 28734]
+
+
+def widened_qwen2(src: Path, dst: Path) -> Path:
+    """The tiny Qwen2 with its MLP widened from 192 to 768 by zero rows of gate/up and zero
+    columns of down (exllamav2's split wants 128-wide units); the added units contribute exact
+    zeros, so transformers' logits of the original still hold."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir(exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["intermediate_size"] = 768
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (dst / f).write_bytes((src / f).read_bytes())
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            t = np.concatenate([t, np.zeros((768 - t.shape[0], t.shape[1]), t.dtype)], axis=0)
+        elif name.endswith("down_proj.weight"):
+            t = np.concatenate([t, np.zeros((t.shape[0], 768 - t.shape[1]), t.dtype)], axis=1)
+        out[name] = np.ascontiguousarray(t)
+    save_file(out, dst / "model.safetensors")
+    return dst
+
+
+QWEN2 = Path(__file__).parent / "data" / "tiny-qwen2"
+
+
+def cases(tiny_llama_st: Path, tmp: Path) -> list[tuple[str, Path, list[int]]]:
+    import json
+
+    qwen_ids = json.loads((QWEN2 / "stats.json").read_text())["ids"]
+    llama_ids = json.loads((tiny_llama_st.parent / "ids.json").read_text())["ids"]
+    return [
+        ("llama-gguf", tiny_llama_st.parent / "gguf" / "tiny-llama-Q8_0.gguf", llama_ids),
+        ("qwen2-safetensors", widened_qwen2(QWEN2, tmp / "qwen2"), qwen_ids),
+    ]
+
+
+@pytest.mark.parametrize("n_dev", [2, 3])
+def test_tp_forward_and_generate_equal_cpu(tiny_llama_st: Path, tmp_path: Path, n_dev: int) -> None:
+    for name, path, ids in cases(tiny_llama_st, tmp_path):
+        for compute in ("exact", "fast"):
+            one = wl.Model(path, devices="cpu", runtime=RT, compute=compute)
+            one.load(cache={"max_seq_len": 256, "dtype": "f32"})
+            tp = wl.Model(path, devices=f"virtual:{n_dev}x48MiB,cpu", runtime=RT, compute=compute)
+            tp.load_tp(expect_cache_tokens=256, expect_cache_base="f32")
+            want = one.forward(ids, logits="all")
+            got = tp.forward(ids, logits="all")
+            scale = max(1.0, float(np.abs(want).max()))
+            d = float(np.abs(got - want).max()) / scale
+            # f32 reduction order of the partial sums only (the Rust tp_forward test says why).
+            assert d <= 1e-4, f"{name} {compute} on {n_dev}: max|Δ|/scale {d}"
+            assert np.array_equal(got.argmax(-1), want.argmax(-1))
+            a = one.generate(ids[:4], max_new_tokens=8, temperature=0.0)
+            b = tp.generate(ids[:4], max_new_tokens=8, temperature=0.0)
+            assert a == b, f"{name} {compute}: greedy text"
+            stats = tp.transfer_stats()
+            assert stats["copies"] > 0 and stats["bytes"] > 0 and stats["seconds"] > 0
+
+
+def test_tp_qwen2_matches_transformers(tmp_path: Path) -> None:
+    import json
+
+    ids = json.loads((QWEN2 / "stats.json").read_text())["ids"]
+    m = wl.Model(
+        widened_qwen2(QWEN2, tmp_path / "q"),
+        devices="virtual:2x48MiB,cpu",
+        runtime=RT,
+        compute="exact",
+    )
+    m.load_tp(expect_cache_tokens=64, expect_cache_base="f32")
+    got = m.forward(ids, logits="all")
+    want = np.load(QWEN2 / "hf_logits.npy")
+    assert float(np.abs(got - want).max()) <= 1e-3
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_model_tp_is_the_context_the_forward_uses(tiny_llama_st: Path) -> None:
+    path = tiny_llama_st.parent / "gguf" / "tiny-llama-Q8_0.gguf"
+    m = wl.Model(path, devices="virtual:2x48MiB,cpu", runtime=RT)
+    assert m.tp is None
+    m.load_tp(gpu_split=[0.04, 0.04], expect_cache_tokens=256)
+    tp = m.tp
+    assert tp is not None and m.tp is tp
+    plan = m.plan
+    assert plan is not None
+    assert covers(tp.kv_split, 2) and covers(tp.rs_split, 256)
+    m.forward(TINY_LLAMA_IDS, logits="last")
+    stats = m.transfer_stats()
+    # The embedding scattered, per layer two all-gathers and two reductions, then the head's
+    # all-gather and gather: every transfer one copy.
+    rs, kv, idt, vc = (len(t) for t in (tp.rs_split, tp.kv_split, tp.id_split, tp.vc_split))
+
+    def pairs(src: list[tuple[int, int, int]]) -> int:
+        return sum(1 for r in tp.rs_split for s in src if s[0] != r[0])
+
+    per_layer = (rs + kv) + (rs + idt) + pairs(tp.kv_split) + pairs(tp.id_split)
+    assert stats["copies"] == rs + 2 * per_layer + (rs + vc) + vc
+    # Unloading the context frees its staging: the forward pass then refuses by name.
+    tp.unload()
+    with pytest.raises(Exception, match="staging"):
+        m.forward(TINY_LLAMA_IDS)
+    m.unload()
+    assert m.tp is None
+    assert all(v == 0 for v in m.device_usage().values())
+
+
+@pytest.mark.parametrize("n_dev", [2, 3])
+def test_tp_plan_equals_forward_peak(tiny_llama_st: Path, n_dev: int) -> None:
+    path = tiny_llama_st.parent / "gguf" / "tiny-llama-Q8_0.gguf"
+    m = wl.Model(path, devices=f"virtual:{n_dev}x48MiB,cpu", runtime=RT)
+    m.load_tp(expect_cache_tokens=256)
+    m.forward(list(range(1, 40)), logits="all")
+    plan = m.plan
+    assert plan is not None
+    peak = m.peak_memory()
+    for d in plan.devices:
+        if not d.name.startswith("virtual"):
+            continue
+        want = d.weights + d.kv + d.scratch
+        assert abs(peak[d.name] - want) <= 0.01 * want, (d.name, want, peak[d.name])
+        assert m.memory()[d.name] == want
+
+
+def test_tp_refuses_what_it_cannot_run(tiny_llama_st: Path) -> None:
+    path = tiny_llama_st.parent / "gguf" / "tiny-llama-Q8_0.gguf"
+    m = wl.Model(path, devices="virtual:2x48MiB,cpu", runtime=RT)
+    m.load_tp(gpu_split=[0.04, 0.04], expect_cache_tokens=64)
+    # A cache laid out for one device, not split by kv heads like the model's.
+    other = wl.Model(path, devices="cpu", runtime=RT)
+    cache = wl.Cache(other, max_seq_len=64)
+    other.load(cache=cache)
+    with pytest.raises(ValueError, match="split by kv heads") as e:
+        m.forward([1, 2], cache=cache)
+    assert "a cache that is not split" in str(e.value)
+    assert cache.seq_len == 0, "refused before any compute"

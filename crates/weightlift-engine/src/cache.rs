@@ -50,6 +50,9 @@ use half::f16;
 use crate::device::{Buffer, Device};
 use crate::error::{EngineError, Result, invalid};
 
+mod tp_parts;
+pub use tp_parts::TpPart;
+
 /// Values per quantisation group.
 pub const GROUP: usize = 32;
 
@@ -247,6 +250,9 @@ pub struct Cache {
     /// The ids at positions `0..seq_len`, while every one came through [`Cache::note_ids`]: a new
     /// prompt then reuses the longest common prefix, as llama-cpp-python's `generate` does.
     ids: Mutex<Vec<u32>>,
+    /// Tensor parallelism: the layers split by kv heads, one part per device
+    /// ([`Cache::allocate_tp`]); the parent keeps the sequence and these hold the rows.
+    tp: Mutex<Vec<TpPart>>,
 }
 
 impl Cache {
@@ -279,6 +285,7 @@ impl Cache {
             prefetch: Mutex::new(None),
             seq_len: AtomicU64::new(0),
             ids: Mutex::new(Vec::new()),
+            tp: Mutex::new(Vec::new()),
         })
     }
 
@@ -422,15 +429,24 @@ impl Cache {
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.lock().iter_mut().for_each(|l| *l = None);
         self.lock_pools().clear();
+        self.lock_tp().clear();
     }
 
     pub fn is_allocated(&self) -> bool {
+        let tp = self.lock_tp();
+        if !tp.is_empty() {
+            return tp.iter().all(|p| p.cache.is_allocated());
+        }
+        drop(tp);
         self.lock().iter().all(Option::is_some)
     }
 
     /// The device layer `layer` computes on, once allocated.
     pub fn device_of(&self, layer: usize) -> Result<String> {
         self.check_layer(layer)?;
+        if let Some(names) = self.tp_devices() {
+            return Ok(names);
+        }
         self.lock()[layer]
             .as_ref()
             .map(|s| s.device.name().to_owned())
@@ -442,6 +458,9 @@ impl Cache {
     /// What [`Cache::memory`] should report for the devices the layers were allocated for
     /// ([`CacheConfig::expected_memory`]); errors before every layer is allocated.
     pub fn expected_memory(&self) -> Result<Vec<(String, u64)>> {
+        if let Some(m) = self.expected_memory_tp() {
+            return Ok(m);
+        }
         let devs = (0..self.n_layers())
             .map(|l| self.device_of(l))
             .collect::<Result<Vec<_>>>()?;
@@ -460,6 +479,11 @@ impl Cache {
         }
         for p in self.lock_pools().iter() {
             add(p.device.name(), p.owned as u64 * (p.k_bytes + p.v_bytes));
+        }
+        for p in self.lock_tp().iter() {
+            for (n, b) in p.cache.memory() {
+                add(&n, b);
+            }
         }
         out
     }
@@ -732,6 +756,9 @@ impl Cache {
             )
         })?;
         self.check_span(layer, start, n_tokens)?;
+        if let Some(kv) = self.read_tp(layer, start, end)? {
+            return Ok(kv);
+        }
         self.join_prefetch();
         let layers = self.lock();
         let store = layers[layer]

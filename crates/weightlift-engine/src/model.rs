@@ -1,7 +1,7 @@
 //! `Model`: a checkpoint, the devices it may use, and (once loaded) every tensor in place, with
 //! the lazily allocated cache beside each layer.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use weightlift_format::{DType, Role, TensorInfo};
 
@@ -10,7 +10,7 @@ use crate::device::{Device, DeviceKind, DeviceTensor, Inventory};
 use crate::error::{EngineError, Result, invalid};
 use crate::loader::{LoadOptions, Progress, TensorTarget, load};
 use crate::source::Source;
-use crate::tp::{SplitTable, Splits};
+use crate::tp::{HostStaged, SplitTable, Splits, TpContext};
 
 /// How a tensor is spread over several devices (tensor parallelism, llama.cpp's row split).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,11 +54,15 @@ pub struct Placement {
 }
 
 /// What a plan sized the forward workspaces for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ForwardPlan {
     pub runtime: weightlift_plan::RuntimeSpec,
     pub max_seq_len: u64,
     pub batch: u64,
+    /// Tensor parallelism: the plan's split tables (device indices count the accelerators).
+    /// The load then splits the cache by kv heads and builds the [`TpContext`] the forward
+    /// pass runs through.
+    pub tp: Option<Splits>,
 }
 
 impl Placement {
@@ -122,6 +126,10 @@ pub(crate) struct State {
     pub warnings: Vec<String>,
     pub forward: Option<ForwardPlan>,
     pub onload: Option<weightlift_plan::OnloadPlan>,
+    /// Tensor parallelism: the context the forward pass runs through (shared with the
+    /// bindings' `Model.tp`), and the graph built on first use.
+    pub tp: Option<Arc<Mutex<TpContext>>>,
+    pub tp_graph: Option<crate::forward::TpGraph>,
 }
 
 /// The device named `name` in `inv`; `disk` resolves to the cpu, which computes and holds what
@@ -392,6 +400,7 @@ impl Model {
                 .map(|t| t.nbytes)
                 .sum::<u64>();
         let cpu = Arc::clone(self.inventory.cpu());
+        let tp = placement.forward.as_ref().and_then(|f| f.tp.as_ref());
         let mut done = 0u64;
         let loaded = load(
             &self.source,
@@ -402,15 +411,20 @@ impl Model {
                 progress(&Progress { bytes_total, ..*p })
             },
             &mut |layer| match (cache, layer_devs.get(layer as usize)) {
-                (Some(c), Some(d)) => c.allocate_layer(layer as usize, d, &cpu),
+                (Some(c), Some(d)) if tp.is_none() => c.allocate_layer(layer as usize, d, &cpu),
                 _ => Ok(()),
             },
         )?;
-        // Layers without tensors of their own (or all split) still get their cache slot.
-        if let Some(c) = cache {
-            for (l, d) in layer_devs.iter().enumerate() {
-                c.allocate_layer(l, d, &cpu)?;
+        match (cache, tp) {
+            // Tensor parallelism: each device holds its kv heads of every layer.
+            (Some(c), Some(t)) => c.allocate_tp(&self.tp_cache_parts(t)?)?,
+            // Layers without tensors of their own (or all split) still get their cache slot.
+            (Some(c), None) => {
+                for (l, d) in layer_devs.iter().enumerate() {
+                    c.allocate_layer(l, d, &cpu)?;
+                }
             }
+            (None, _) => {}
         }
         warnings.extend(loaded.warnings);
         let mut held = Vec::with_capacity(infos.len());
@@ -493,9 +507,20 @@ impl Model {
             report(&mut done, &info.name, &place.device, info.nbytes)?;
         }
         let mut scratch = Vec::new();
+        let tp_ctx = match (tp, &placement.forward) {
+            (Some(t), Some(f)) => Some(self.tp_context(t, f, &placement.scratch)?),
+            _ => None,
+        };
         for (dev, bytes) in &placement.scratch {
-            if *bytes > 0 && dev != "disk" {
-                scratch.push(self.resolve(dev)?.alloc(*bytes)?);
+            // Under tensor parallelism the context holds the accelerators' scratch and the
+            // host's staging buffers; the host keeps the rest (the load's staging).
+            let bytes = match &tp_ctx {
+                Some(c) => bytes
+                    .saturating_sub(c.memory().iter().find(|(n, _)| n == dev).map_or(0, |x| x.1)),
+                None => *bytes,
+            };
+            if bytes > 0 && dev != "disk" {
+                scratch.push(self.resolve(dev)?.alloc(bytes)?);
             }
         }
         let mut locked = crate::mlock::Locked::default();
@@ -511,8 +536,10 @@ impl Model {
         self.state = Some(State {
             locked,
             graph: None,
-            forward: placement.forward,
+            forward: placement.forward.clone(),
             onload: placement.onload.clone(),
+            tp: tp_ctx.map(|c| Arc::new(Mutex::new(c))),
+            tp_graph: None,
             held,
             copies,
             scratch,
@@ -521,6 +548,69 @@ impl Model {
             warnings,
         });
         Ok(())
+    }
+
+    /// The tensor-parallel context the forward pass runs through, once loaded with a
+    /// `tensor_parallel` plan: shared, so the bindings' `Model.tp` is this very context.
+    pub fn tp_context_shared(&self) -> Option<Arc<Mutex<TpContext>>> {
+        self.state.as_ref().and_then(|s| s.tp.clone())
+    }
+
+    /// The cache's split by the kv table: `(device, first head, end head)`.
+    fn tp_cache_parts(&self, splits: &Splits) -> Result<Vec<(Arc<Device>, u32, u32)>> {
+        let accel = self.inventory.accelerators();
+        splits
+            .kv
+            .iter()
+            .map(|&(d, a, b)| {
+                let dev = accel.get(d).ok_or_else(|| {
+                    invalid("tp kv table device", format!("below {}", accel.len()), d)
+                })?;
+                Ok((Arc::clone(dev), a as u32, b as u32))
+            })
+            .collect()
+    }
+
+    /// exllamav2's TPContext for a loaded plan: the plan's tables over the accelerators,
+    /// host-staged collectives, each accelerator's scratch as the plan reserved it
+    /// ([`weightlift_plan::TpWorkspace`]) and the two staging buffers of
+    /// [`weightlift_plan::tp_staging_bytes`] on the host.
+    fn tp_context(
+        &self,
+        splits: &Splits,
+        f: &ForwardPlan,
+        planned: &[(String, u64)],
+    ) -> Result<TpContext> {
+        let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
+            what: "tensor-parallel loading".into(),
+            detail: "the checkpoint's architecture could not be read".into(),
+        })?;
+        let accel = self.inventory.accelerators().to_vec();
+        let rope = crate::tp::Rope {
+            theta: spec.rope_theta,
+            dim: spec.rope_dim,
+            head_dim: spec.head_dim,
+            max_seq_len: f.max_seq_len,
+        };
+        let mut ctx = TpContext::new(splits.clone(), accel.clone(), rope, Box::new(HostStaged))?;
+        let dims = weightlift_plan::Dims::new(spec, &f.runtime, f.max_seq_len, f.batch);
+        if dims.tokens > 0 {
+            ctx.finalize(
+                self.inventory.cpu(),
+                weightlift_plan::tp_staging_bytes(&dims),
+            )?;
+        }
+        let scratch: Vec<u64> = accel
+            .iter()
+            .map(|d| {
+                planned
+                    .iter()
+                    .find(|(n, _)| n == d.name())
+                    .map_or(0, |x| x.1)
+            })
+            .collect();
+        ctx.reserve_scratch(&scratch)?;
+        Ok(ctx)
     }
 
     /// Cut tensor `i` by `spec` from the mmap and copy each part to its device.
@@ -736,10 +826,16 @@ impl Model {
 
     /// Free every tensor and the cache layers this model allocated.
     pub fn unload(&mut self) {
-        if let Some(s) = self.state.take()
-            && let Some(c) = &s.cache
-        {
-            c.free();
+        if let Some(s) = self.state.take() {
+            if let Some(c) = &s.cache {
+                c.free();
+            }
+            // The bindings may still hold the context: its buffers go now all the same.
+            if let Some(tp) = &s.tp {
+                tp.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .unload();
+            }
         }
     }
 
@@ -848,6 +944,12 @@ impl Model {
             }
             for b in &s.scratch {
                 add(b.device().name(), b.len() as u64);
+            }
+            if let Some(tp) = &s.tp {
+                let tp = tp.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                for (n, b) in tp.memory() {
+                    add(&n, b);
+                }
             }
             if let Some(c) = &s.cache {
                 for (n, b) in c.memory() {

@@ -206,6 +206,7 @@ pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
             runtime: *plan.runtime(),
             max_seq_len,
             batch,
+            tp: plan.tp().map(splits),
         }),
     })
 }

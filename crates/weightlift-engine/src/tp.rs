@@ -17,8 +17,11 @@ use std::sync::Arc;
 use half::f16;
 use weightlift_format::DType;
 
-use crate::device::{Buffer, Device, DeviceTensor};
+use crate::device::{Buffer, Device, DeviceTensor, pace_link};
 use crate::error::{EngineError, Result, invalid};
+
+mod lend;
+pub use lend::{Collectives, ScratchViews};
 
 /// exllamav2's broadcast types: which table a collective follows.
 pub const BROADCAST_KV: usize = 0;
@@ -73,6 +76,10 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         dst: &Arc<Device>,
     ) -> Result<DeviceTensor>;
 
+    /// Copy `src`, in `from`'s memory, into `dst`, in `to`'s (same length): the transfer the
+    /// tensor-parallel forward pass makes between host-addressable devices.
+    fn copy_host(&self, src: &[u8], from: &Device, dst: &mut [u8], to: &Device) -> Result<()>;
+
     /// Wait until every queued copy has finished (exllamav2's `wait_streams`).
     fn synchronize(&self) -> Result<()>;
 }
@@ -115,6 +122,21 @@ impl Collective for HostStaged {
         dst: &Arc<Device>,
     ) -> Result<DeviceTensor> {
         DeviceTensor::from_host(dst, shape, dtype, bytes)
+    }
+
+    fn copy_host(&self, src: &[u8], from: &Device, dst: &mut [u8], to: &Device) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(invalid(
+                format!("copy from {} to {}", from.name(), to.name()),
+                format!("{} bytes", dst.len()),
+                src.len(),
+            ));
+        }
+        let since = std::time::Instant::now();
+        dst.copy_from_slice(src);
+        // Simulated links (virtual devices given a bandwidth) take their time.
+        pace_link(from, to, src.len() as u64, since);
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -160,6 +182,8 @@ pub struct TpContext {
     rope: Rope,
     /// The two host staging buffers of `gather` (exllamav2's pinned temps), from `finalize`.
     staging: Vec<Buffer>,
+    /// The device the staging buffers live on.
+    staging_device: Option<Arc<Device>>,
     scratch: Vec<Scratch>,
     sin_cos: Option<Vec<(DeviceTensor, DeviceTensor)>>,
 }
@@ -221,6 +245,7 @@ impl TpContext {
             collective,
             rope,
             staging: Vec::new(),
+            staging_device: None,
             scratch,
             sin_cos: None,
         })
@@ -271,12 +296,42 @@ impl TpContext {
         let a = cpu.alloc(bytes)?;
         let b = cpu.alloc(bytes)?;
         self.staging = vec![a, b];
+        self.staging_device = Some(Arc::clone(cpu));
         Ok(())
+    }
+
+    /// Bytes of each staging buffer (0 before [`TpContext::finalize`]).
+    pub fn staging_bytes(&self) -> u64 {
+        self.staging.first().map_or(0, |b| b.len() as u64)
+    }
+
+    /// Bytes this context holds per device name: its scratch and its staging buffers.
+    pub fn memory(&self) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = Vec::new();
+        let buffers = self
+            .scratch
+            .iter()
+            .filter_map(|s| s.buffer.as_ref())
+            .chain(&self.staging);
+        for b in buffers {
+            let name = b.device().name();
+            match out.iter_mut().find(|(n, _)| n == name) {
+                Some((_, v)) => *v += b.len() as u64,
+                None => out.push((name.to_owned(), b.len() as u64)),
+            }
+        }
+        out
+    }
+
+    /// The devices, by table index.
+    pub fn devices(&self) -> &[Arc<Device>] {
+        &self.devices
     }
 
     /// Free staging, scratch and RoPE tables.
     pub fn unload(&mut self) {
         self.staging.clear();
+        self.staging_device = None;
         self.sin_cos = None;
         for s in &mut self.scratch {
             *s = Scratch {

@@ -239,6 +239,9 @@ struct Assign {
     tp: Option<TpSplit>,
     /// Devices that hold a share of every layer (tensor parallelism).
     shared_layers: Vec<usize>,
+    /// Per-device compute scratch when the strategy lays it out itself (tensor parallelism:
+    /// [`crate::TpWorkspace`] and the host staging buffers), instead of [`crate::Workspace`].
+    scratch: Option<Vec<u64>>,
 }
 
 impl Ctx<'_> {
@@ -283,6 +286,7 @@ impl Ctx<'_> {
             hosts: vec![Hosts::default(); self.devs.len()],
             tp: None,
             shared_layers: Vec::new(),
+            scratch: None,
         }
     }
 

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{PlanError, Result};
+use crate::workspace::{ALIGN, Dims, Hosts, Region, Workspace};
 
 /// Which dimension a table splits (exllamav2's `BROADCAST_*` constants).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -200,4 +201,102 @@ pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
         rs: to_table(&rs, 32),
         q: to_table(&q, 1),
     })
+}
+
+/// One device's share of every table (0 where the table does not name it), in the tables'
+/// units: heads for KV and Q, columns for ID, VC and RS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TpShare {
+    pub kv_heads: u64,
+    pub q_heads: u64,
+    pub inter: u64,
+    /// Vocabulary rows, cut at the real vocabulary (the table is padded to 32).
+    pub vocab: u64,
+    pub residual: u64,
+}
+
+impl TpSplit {
+    /// The share of accelerator `device` (an index of the tables), with the vocab table cut at
+    /// `vocab_size`.
+    pub fn share(&self, device: usize, vocab_size: u64) -> TpShare {
+        let width = |t: &[(usize, u64, u64)], cap: u64| {
+            t.iter()
+                .filter(|x| x.0 == device)
+                .map(|&(_, a, b)| b.min(cap).saturating_sub(a.min(cap)))
+                .sum::<u64>()
+        };
+        TpShare {
+            kv_heads: width(&self.kv, u64::MAX),
+            q_heads: width(&self.q, u64::MAX),
+            inter: width(&self.id, u64::MAX),
+            vocab: width(&self.vc, vocab_size),
+            residual: width(&self.rs, u64::MAX),
+        }
+    }
+}
+
+/// The tensor-parallel forward pass's working memory on one accelerator: the [`Workspace`] of
+/// a device that computes the heads, MLP columns and vocabulary rows of its share (the
+/// all-gathered hidden state in `x`, partial sums in `xn`), then its slice of the residual
+/// stream, a receive buffer for the partial sums other devices send it and the sum of those
+/// partials (added to the residual once, as one device adds its whole product), `T·rs` values
+/// each.
+/// The planner charges these bytes as the device's scratch and the engine carves its buffers
+/// by the same layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TpWorkspace {
+    pub base: Workspace,
+    pub residual: Region,
+    pub recv: Region,
+    pub sum: Region,
+    /// Total bytes.
+    pub bytes: u64,
+}
+
+impl TpWorkspace {
+    /// The layout for a device with `share`, under the model-wide dimensions `d`.
+    pub fn new(d: &Dims, share: TpShare) -> TpWorkspace {
+        let local = Dims {
+            q_dim: share.q_heads.saturating_mul(d.head_dim),
+            kv_dim: share.kv_heads.saturating_mul(d.head_dim),
+            inter: share.inter,
+            vocab: share.vocab,
+            n_heads: share.q_heads,
+            ..*d
+        };
+        let hosts = Hosts {
+            layers: share.kv_heads > 0 || share.inter > 0 || share.residual > 0,
+            head: share.vocab > 0,
+            embed: false,
+        };
+        let base = Workspace::new(&local, hosts);
+        let mut at = base.bytes;
+        let mut take = |len: u64| {
+            let r = Region { offset: at, len };
+            at = at.saturating_add(len.saturating_mul(4).next_multiple_of(ALIGN));
+            r
+        };
+        let rows = if base.bytes == 0 { 0 } else { d.tokens };
+        let residual = take(rows.saturating_mul(share.residual));
+        let recv = take(rows.saturating_mul(share.residual));
+        let sum = take(rows.saturating_mul(share.residual));
+        TpWorkspace {
+            base,
+            residual,
+            recv,
+            sum,
+            bytes: at,
+        }
+    }
+}
+
+/// Bytes of each of the two host staging buffers of a tensor-parallel forward pass (exllamav2's
+/// pinned temps, used alternately): the largest host-side collective, the hidden state of a
+/// whole chunk (`T·h` f32) or a block of logits (`R·V` f32).
+pub fn tp_staging_bytes(d: &Dims) -> u64 {
+    let values = d
+        .tokens
+        .saturating_mul(d.hidden)
+        .max(d.logit_rows.saturating_mul(d.vocab));
+    values.saturating_mul(4).next_multiple_of(ALIGN)
 }

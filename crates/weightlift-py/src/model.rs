@@ -31,6 +31,8 @@ pub(crate) struct ModelInner {
     pub(crate) seed: Option<u64>,
     /// The last generation's timings (`Model.timings`).
     pub(crate) timings: Option<we::Timings>,
+    /// The `Model.tp` object handed out for the current load.
+    tp_obj: Option<Py<crate::tp::TPContext>>,
 }
 
 impl ModelInner {
@@ -113,6 +115,7 @@ impl Model {
                 devices_spec,
                 seed: None,
                 timings: None,
+                tp_obj: None,
             }),
             checkpoint: ckpt,
         })
@@ -165,6 +168,14 @@ impl Model {
                 enter(py, || wp::plan(&req))?
             }
         };
+        // A tensor-parallel plan sizes its cache by `expect_cache_tokens`: the model holds that
+        // cache, split by kv heads over the devices, as exllamav2's TP cache.
+        if cache.is_none()
+            && plan.tp().is_some()
+            && let Some(c) = plan.cache()
+        {
+            cache = Some(inner.new_cache(c)?);
+        }
         let placement = eng(inner.model.placement(&plan))?;
         let inner_ref = &mut *inner;
         // Released by hand rather than through `enter`: the reporter re-attaches during the
@@ -402,7 +413,9 @@ impl Model {
     /// exllamav2's `load_tp`: weights split over the accelerators by the TPContext tables.
     /// `gpu_split` in GB per device (None: each device's free memory); the expected cache
     /// (`expect_cache_tokens`, 0 = the model's context length; `expect_cache_base` a cache dtype)
-    /// is subtracted when splitting.
+    /// is subtracted when splitting, and the model holds that cache, each device its kv heads.
+    /// `forward` and `generate` then run tensor-parallel on cpu and virtual devices, through
+    /// `Model.tp`.
     #[pyo3(signature = (gpu_split = None, expect_cache_tokens = 0, expect_cache_base = None, *, progress = false, callback = None))]
     fn load_tp(
         &self,
@@ -434,6 +447,28 @@ impl Model {
         })?;
         inner.plan = None;
         Ok(())
+    }
+
+    /// The `TPContext` the forward pass runs through after `load_tp()` (its tables, its
+    /// collectives and its staging buffers), the same object on every access; None otherwise.
+    #[getter]
+    fn tp(slf: &Bound<'_, Self>) -> PyResult<Option<Py<crate::tp::TPContext>>> {
+        let py = slf.py();
+        let m = slf.get();
+        let mut inner = m.lock()?;
+        let Some(shared) = inner.model.tp_context_shared() else {
+            inner.tp_obj = None;
+            return Ok(None);
+        };
+        if let Some(obj) = &inner.tp_obj
+            && obj.get().shares(&shared)
+        {
+            return Ok(Some(obj.clone_ref(py)));
+        }
+        let cpu = Arc::clone(inner.model.inventory().cpu());
+        let obj = Py::new(py, crate::tp::TPContext::from_shared(shared, cpu))?;
+        inner.tp_obj = Some(obj.clone_ref(py));
+        Ok(Some(obj))
     }
 
     #[getter]

@@ -26,12 +26,16 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// exllamav2's `TPContext`: the five split tables (from the planner), collectives over the
 /// accelerators (host-staged copies; real copies between virtual arenas), per-device RoPE
 /// tables and scratch.
+///
+/// `Model.tp` is the context a `load_tp()` model's forward pass runs through: its collectives
+/// and staging buffers are what `forward` and `generate` use.
 #[pyclass(module = "weightlift._native", frozen, name = "TPContext")]
 pub struct TPContext {
-    ctx: Mutex<TpContext>,
+    ctx: Arc<Mutex<TpContext>>,
     cpu: Arc<Device>,
     staging_bytes: u64,
-    _model: Py<Model>,
+    /// The model a standalone context was made for (None for `Model.tp`, which the model owns).
+    _model: Option<Py<Model>>,
 }
 
 fn tensors_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<Py<DeviceTensor>>> {
@@ -46,6 +50,25 @@ fn tensors_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<Py<DeviceTensor>>> {
 }
 
 impl TPContext {
+    /// The context a loaded model's forward pass runs through.
+    pub(crate) fn from_shared(ctx: Arc<Mutex<TpContext>>, cpu: Arc<Device>) -> Self {
+        let staging_bytes = ctx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .staging_bytes();
+        TPContext {
+            ctx,
+            cpu,
+            staging_bytes,
+            _model: None,
+        }
+    }
+
+    /// Whether this is `ctx`.
+    pub(crate) fn shares(&self, ctx: &Arc<Mutex<TpContext>>) -> bool {
+        Arc::ptr_eq(&self.ctx, ctx)
+    }
+
     fn lock(&self) -> MutexGuard<'_, TpContext> {
         self.ctx
             .lock()
@@ -121,10 +144,10 @@ impl TPContext {
             .saturating_mul(2);
         drop(inner);
         Ok(TPContext {
-            ctx: Mutex::new(ctx),
+            ctx: Arc::new(Mutex::new(ctx)),
             cpu,
             staging_bytes,
-            _model: model.clone().unbind(),
+            _model: Some(model.clone().unbind()),
         })
     }
 

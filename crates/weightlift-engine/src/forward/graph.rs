@@ -206,7 +206,7 @@ fn place(f: &mut Floats, held: &[Held], device: &Arc<Device>) -> Result<()> {
     Ok(())
 }
 
-fn kernel(what: &str, e: weightlift_kernels::KernelError) -> EngineError {
+pub(super) fn kernel(what: &str, e: weightlift_kernels::KernelError) -> EngineError {
     EngineError::Device {
         device: "cpu".into(),
         detail: format!("{what}: {e}"),
@@ -1248,7 +1248,7 @@ fn run_layer(
 }
 
 /// `gate = silu(gate) * up`, through the kernel in stack-sized pieces.
-fn swiglu_in_place(gate: &mut [f32], up: &[f32]) -> weightlift_kernels::Result<()> {
+pub(super) fn swiglu_in_place(gate: &mut [f32], up: &[f32]) -> weightlift_kernels::Result<()> {
     use rayon::prelude::*;
     const PIECE: usize = 1024;
     gate.par_chunks_mut(PIECE)
@@ -1265,7 +1265,7 @@ fn swiglu_in_place(gate: &mut [f32], up: &[f32]) -> weightlift_kernels::Result<(
 /// RoPE pairing and per-pair angles: adjacent pairs for GGUF llama/mistral (whose q/k rows
 /// the converter permuted), rotate-half (NeoX) for qwen2 and for Hugging Face checkpoints;
 /// Llama 3 frequency factors from `rope_freqs.weight` or the config's `rope_scaling`.
-fn rope_of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<(RopeParams, Vec<f32>)> {
+pub(super) fn rope_of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<(RopeParams, Vec<f32>)> {
     let gguf = m.source.checkpoint().map(|c| c.format()) == Some(Format::Gguf);
     let style = if gguf && spec.architecture != "qwen2" {
         RopeStyle::Normal

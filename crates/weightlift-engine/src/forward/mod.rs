@@ -29,6 +29,7 @@ mod attention;
 mod exec;
 mod graph;
 mod onload;
+mod tp;
 mod weights;
 
 use std::sync::Arc;
@@ -43,6 +44,7 @@ use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 
 pub(crate) use graph::Graph;
+pub(crate) use tp::TpGraph;
 
 /// How the matrix products treat activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -71,7 +73,7 @@ impl Compute {
         }
     }
 
-    fn mode(self, ty: QuantType) -> MatvecMode {
+    pub(crate) fn mode(self, ty: QuantType) -> MatvecMode {
         if self == Compute::Fast && weightlift_kernels::cpu::matvec::q8_supports(ty) {
             MatvecMode::Q8
         } else {
@@ -455,11 +457,26 @@ impl crate::Model {
             }
         };
         check_cache(&cache, &spec)?;
+        if let Some(tp) = state.tp.clone() {
+            let made = tp::run(
+                state,
+                &tp,
+                (source.as_ref(), &inventory),
+                &spec,
+                &cache,
+                (ids, logits, out),
+                (compute, int8_threshold, host_backend),
+                pool,
+            )?;
+            self.runner.last_copies = made;
+            return Ok(made);
+        }
         if state.graph.is_none() {
-            let plan = state.forward.unwrap_or(crate::model::ForwardPlan {
+            let plan = state.forward.clone().unwrap_or(crate::model::ForwardPlan {
                 runtime: weightlift_plan::RuntimeSpec::default(),
                 max_seq_len: cache.config().max_seq_len,
                 batch: cache.config().batch_size,
+                tp: None,
             });
             let resolve = |name: &str| crate::model::resolve_in(&inventory, name);
             let loaded = graph::Loaded {

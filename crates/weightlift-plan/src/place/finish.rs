@@ -156,10 +156,10 @@ impl Ctx<'_> {
         let mut shortfalls = Vec::new();
         let mut host_scratch = 0;
         for (i, dev) in self.devs.iter().enumerate() {
-            let mut scratch = if dev.kind == DeviceKind::Disk {
-                0
-            } else {
-                self.scratch.for_hosts(hosts[i])
+            let mut scratch = match &a.scratch {
+                Some(s) => s.get(i).copied().unwrap_or(0),
+                None if dev.kind == DeviceKind::Disk => 0,
+                None => self.scratch.for_hosts(hosts[i]),
             };
             if i == self.host {
                 host_scratch = scratch;

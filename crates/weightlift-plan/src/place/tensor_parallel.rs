@@ -7,8 +7,9 @@ use weightlift_format::Role;
 use super::{Assign, Ctx, ShardIdx};
 use crate::error::{PlanError, Result};
 use crate::request::TpOptions;
-use crate::tp::{TpInputs, define_split};
+use crate::tp::{TpInputs, TpWorkspace, define_split, tp_staging_bytes};
 use crate::window::{layer_cache, total_cache_bytes};
+use crate::workspace::Dims;
 
 impl Ctx<'_> {
     /// exllamav2 TPContext: split tables from `define_split`, tensors sharded by them.
@@ -167,8 +168,33 @@ impl Ctx<'_> {
                 .map(|(d, _, _, b)| (d, b))
                 .collect();
         }
+        a.scratch = Some(self.tp_scratch(&tp));
         a.tp = Some(tp);
         Ok(a)
+    }
+}
+
+impl Ctx<'_> {
+    /// Per-device scratch of the tensor-parallel forward pass: each accelerator its
+    /// [`TpWorkspace`], the host the two staging buffers the collectives go through (the host
+    /// computes only the embedding lookup, into a staging buffer).
+    fn tp_scratch(&self, tp: &crate::tp::TpSplit) -> Vec<u64> {
+        let spec = &self.req.spec;
+        let (seq, batch) = self
+            .cache
+            .map_or((self.runtime.max_input_len.max(1), 1), |c| {
+                (c.max_seq_len, c.batch_size)
+            });
+        let dims = Dims::new(spec, &self.runtime, seq, batch);
+        let mut out = vec![0u64; self.devs.len()];
+        if dims.tokens == 0 {
+            return out;
+        }
+        for (i, &d) in self.accel.iter().enumerate() {
+            out[d] = TpWorkspace::new(&dims, tp.share(i, spec.vocab_size)).bytes;
+        }
+        out[self.host] = tp_staging_bytes(&dims).saturating_mul(2);
+        out
     }
 }
 

@@ -1,0 +1,602 @@
+//! The tensor-parallel forward pass on the host path, as exllamav2's TP attention and MLP
+//! modules split the work, over a [`TpContext`] built at load from the plan's tables:
+//!
+//! - The residual stream follows the RS table: each device holds its columns of it.
+//! - Before attention and before the MLP, the residual is all-gathered (through a staging
+//!   buffer, 0 and 1 in turn) to every device of the KV (or ID) table, which normalises it with
+//!   its replica of the norm.
+//! - Attention is split by heads: each device projects its Q heads and its KV heads (with
+//!   their bias rows), rotates them, writes its KV heads into its own part of the cache (on
+//!   that device), attends, and multiplies by its columns of `o_proj`: a partial sum of the
+//!   whole hidden width. The MLP likewise: its rows of gate and up (the ID table), its columns
+//!   of down.
+//! - The partial sums are reduced into the residual: each RS device receives its columns of
+//!   every other device's partial (one copy per pair) and adds them; an `o_proj`/`down` bias
+//!   is added once, by the owner of each column.
+//! - The head: the needed rows are all-gathered to the VC devices, each computes its vocab
+//!   rows, and the logits are gathered into the caller's array.
+//!
+//! Every device runs the same kernels as the single-device pass; only the order in which the
+//! partial sums of `o_proj` and `down` are added differs, so logits agree with a `cpu` run to
+//! f32 reduction-order error.
+
+use std::sync::Arc;
+
+use weightlift_format::{ModelSpec, Role, TensorInfo, is_quantized_part};
+use weightlift_kernels::cpu::matvec::{matmul, matvec};
+use weightlift_kernels::{QuantType, RopeParams};
+use weightlift_plan::{Dims, RuntimeSpec, TpShare, TpWorkspace};
+
+use super::attention::{self, Shape, Tiles};
+use super::graph::{Loaded, kernel, rope_of, swiglu_in_place};
+use super::weights::Packing;
+use super::{Compute, Copies, Logits, Views, carve, check_tokens};
+use crate::cache::{Cache, CacheDType};
+use crate::device::DeviceKind;
+use crate::error::{EngineError, Result, invalid};
+use crate::model::Held;
+use crate::tp::{Collectives, SplitTable, Splits, TpContext};
+
+mod build;
+
+pub(crate) use build::run;
+
+/// A device's slice of one matrix: its part of a split tensor (or of the tied head's copy).
+#[derive(Debug)]
+struct Mat {
+    name: String,
+    /// The held tensor, or (`copy`) the model's extra copy.
+    index: usize,
+    copy: bool,
+    part: usize,
+    rows: usize,
+    cols: usize,
+    ty: QuantType,
+    /// This device's bias rows.
+    bias: Option<Vec<f32>>,
+}
+
+#[derive(Debug)]
+struct Attn {
+    norm: Vec<f32>,
+    q: Mat,
+    k: Mat,
+    v: Mat,
+    o: Mat,
+    q_heads: usize,
+    kv_heads: usize,
+    /// Index of this device's part of the cache.
+    cache_part: usize,
+}
+
+#[derive(Debug)]
+struct Mlp {
+    norm: Vec<f32>,
+    gate: Mat,
+    up: Mat,
+    down: Mat,
+}
+
+/// One layer: per device (by table index) its attention and MLP shares, and the biases of
+/// `o_proj` and `down` (whole, added once by the residual's owners).
+#[derive(Debug)]
+struct Layer {
+    attn: Vec<Option<Attn>>,
+    mlp: Vec<Option<Mlp>>,
+    o_bias: Option<Vec<f32>>,
+    down_bias: Option<Vec<f32>>,
+}
+
+#[derive(Debug)]
+struct Head {
+    norm: Vec<f32>,
+    mat: Mat,
+}
+
+/// The tensor-parallel graph of a loaded model.
+#[derive(Debug)]
+pub(crate) struct TpGraph {
+    splits: Splits,
+    layers: Vec<Layer>,
+    heads: Vec<Option<Head>>,
+    /// The embedding (whole, in host memory) and its row type.
+    embed: usize,
+    embed_ty: QuantType,
+    /// Per device: its workspace layout.
+    layouts: Vec<TpWorkspace>,
+    dims: Dims,
+    eps: f32,
+    rope: RopeParams,
+    inv_freqs: Vec<f32>,
+    max_dq: usize,
+}
+
+/// One device's workspace for a forward call.
+struct Work<'a> {
+    v: Views<'a>,
+    residual: &'a mut [f32],
+    recv: &'a mut [f32],
+    sum: &'a mut [f32],
+}
+
+fn carve_tp<'a>(bytes: &'a mut [u8], w: &TpWorkspace) -> Result<Work<'a>> {
+    if (bytes.len() as u64) < w.bytes {
+        return Err(invalid(
+            "tp forward workspace",
+            format!("{} bytes of scratch", w.bytes),
+            format!(
+                "{} bytes reserved; the model was loaded for another runtime or cache",
+                bytes.len()
+            ),
+        ));
+    }
+    let (base, tail) = bytes.split_at_mut(w.base.bytes as usize);
+    let tail: &mut [f32] =
+        bytemuck::try_cast_slice_mut(&mut tail[..(w.bytes - w.base.bytes) as usize])
+            .map_err(|e| invalid("tp forward workspace alignment", "4-byte aligned", e))?;
+    let at = |r: weightlift_plan::Region| ((r.offset - w.base.bytes) / 4) as usize;
+    let (head, rest) = tail.split_at_mut(at(w.recv));
+    let (rest, sum) = rest.split_at_mut(at(w.sum) - at(w.recv));
+    let residual = &mut head[at(w.residual)..at(w.residual) + w.residual.len as usize];
+    Ok(Work {
+        v: carve(base, &w.base)?,
+        residual,
+        recv: &mut rest[..w.recv.len as usize],
+        sum: &mut sum[..w.sum.len as usize],
+    })
+}
+
+/// Constants of one forward call.
+struct Run<'a> {
+    held: &'a [Held],
+    copies: &'a [(usize, Held)],
+    compute: Compute,
+    max_dq: usize,
+    hidden: usize,
+    head_dim: usize,
+    eps: f32,
+    rope: &'a RopeParams,
+    kv_tile: usize,
+    q_tile: usize,
+}
+
+impl Run<'_> {
+    fn bytes(&self, m: &Mat) -> Result<&[u8]> {
+        let held = if m.copy {
+            self.copies.get(m.index).map(|c| &c.1)
+        } else {
+            self.held.get(m.index)
+        };
+        let part = match held {
+            Some(Held::Split { parts, .. }) => parts.get(m.part),
+            _ => None,
+        };
+        part.and_then(|t| t.host_bytes()).ok_or_else(|| EngineError::Device {
+            device: "cpu".into(),
+            detail: format!(
+                "part {} of '{}' is not in host memory, and the host forward pass reads it there",
+                m.part, m.name
+            ),
+        })
+    }
+
+    /// `y = W x (+ bias)` for `n` tokens.
+    fn product(&self, m: &Mat, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
+        let w = self.bytes(m)?;
+        let (x, y) = (&x[..n * m.cols], &mut y[..n * m.rows]);
+        let mode = self.compute.mode(m.ty);
+        let r = if n == 1 {
+            matvec(mode, m.ty, w, m.rows, m.cols, x, y)
+        } else {
+            matmul(mode, m.ty, w, m.rows, m.cols, x, n, y, self.max_dq)
+        };
+        r.map_err(|e| kernel(&m.name, e))?;
+        if let Some(b) = &m.bias {
+            for yr in y.chunks_exact_mut(m.rows) {
+                yr.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            }
+        }
+        Ok(())
+    }
+
+    /// This device's heads of one attention layer on `n` tokens at `pos`: the partial sum of
+    /// `o_proj` lands in `w.xn`.
+    fn attention(
+        &self,
+        a: &Attn,
+        li: usize,
+        cache: &Cache,
+        pos: usize,
+        n: usize,
+        w: &mut Views<'_>,
+    ) -> Result<()> {
+        let (h, hd) = (self.hidden, self.head_dim);
+        let (qd, kvd) = (a.q_heads * hd, a.kv_heads * hd);
+        let err = |what: &'static str| move |e| kernel(&format!("layer {li} {what}"), e);
+        weightlift_kernels::rms_norm(&w.x[..n * h], &a.norm, self.eps, &mut w.xn[..n * h])
+            .map_err(err("attn_norm"))?;
+        self.product(&a.q, w.xn, n, w.q)?;
+        self.product(&a.k, w.xn, n, w.k)?;
+        self.product(&a.v, w.xn, n, w.v)?;
+        for (t, p) in w.pos[..n].iter_mut().enumerate() {
+            *p = (pos + t) as i32;
+        }
+        let freqs = &w.freqs[..self.rope.n_dims / 2];
+        weightlift_kernels::rope_in_place(&mut w.q[..n * qd], &w.pos[..n], self.rope, freqs)
+            .map_err(err("rope"))?;
+        weightlift_kernels::rope_in_place(&mut w.k[..n * kvd], &w.pos[..n], self.rope, freqs)
+            .map_err(err("rope"))?;
+        cache.write_rows(li, pos as u64, &w.k[..n * kvd], &w.v[..n * kvd])?;
+        let shape = Shape {
+            n_heads: a.q_heads,
+            kv_heads: a.kv_heads,
+            head_dim: hd,
+            kv_tile: self.kv_tile,
+            q_tile: self.q_tile,
+            f16_operands: self.compute == Compute::Fast && cache.config().dtype == CacheDType::Fp16,
+        };
+        let tiles = Tiles {
+            kt: w.kt,
+            vt: w.vt,
+            scores: w.scores,
+            stats: w.stats,
+            acc: w.att,
+        };
+        attention::attend(shape, cache, li, None, pos, &mut w.q[..n * qd], tiles)?;
+        self.product(&a.o, w.q, n, w.xn)
+    }
+
+    /// This device's columns of one MLP: the partial sum of `down` lands in `w.xn`.
+    fn mlp(&self, m: &Mlp, li: usize, n: usize, w: &mut Views<'_>) -> Result<()> {
+        let h = self.hidden;
+        weightlift_kernels::rms_norm(&w.x[..n * h], &m.norm, self.eps, &mut w.xn[..n * h])
+            .map_err(|e| kernel(&format!("layer {li} ffn_norm"), e))?;
+        let i = m.gate.rows;
+        self.product(&m.gate, w.xn, n, w.gate)?;
+        self.product(&m.up, w.xn, n, w.up)?;
+        swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i])
+            .map_err(|e| kernel(&format!("layer {li} swiglu"), e))?;
+        self.product(&m.down, w.gate, n, w.xn)
+    }
+}
+
+/// The entries' workspaces of `table`, mutably, in table order.
+fn pick<'s, 'a>(
+    ws: &'s mut [Option<Work<'a>>],
+    table: &SplitTable,
+) -> Result<Vec<&'s mut Work<'a>>> {
+    let mut slots: Vec<Option<&'s mut Work<'a>>> = ws.iter_mut().map(Option::as_mut).collect();
+    table
+        .iter()
+        .map(|&(d, _, _)| {
+            slots.get_mut(d).and_then(Option::take).ok_or_else(|| {
+                invalid(
+                    format!("tp device {d}"),
+                    "a workspace (scratch reserved by the plan)",
+                    "none",
+                )
+            })
+        })
+        .collect()
+}
+
+/// All-gather rows `first..first + n` of the residual (over the RS table) into `x` of every
+/// device of `tb`.
+fn gather_residual(
+    coll: &mut Collectives<'_>,
+    buffer: usize,
+    ws: &mut [Option<Work<'_>>],
+    rs: &SplitTable,
+    tb: &SplitTable,
+    (first, n, h): (usize, usize, usize),
+) -> Result<()> {
+    let mut srcs: Vec<Option<&[f32]>> = vec![None; ws.len()];
+    let mut dsts: Vec<Option<&mut [f32]>> = (0..ws.len()).map(|_| None).collect();
+    let widths: Vec<usize> = rs.iter().map(|&(_, a, b)| (b - a) as usize).collect();
+    for (d, w) in ws.iter_mut().enumerate() {
+        if let Some(Work { v, residual, .. }) = w {
+            let width = rs
+                .iter()
+                .zip(&widths)
+                .find(|(e, _)| e.0 == d)
+                .map_or(0, |x| *x.1);
+            srcs[d] = residual.get(first * width..(first + n) * width);
+            dsts[d] = Some(&mut v.x[..]);
+        }
+    }
+    let missing = |d: usize| invalid(format!("tp device {d}"), "a workspace", "none");
+    let srcs: Vec<&[f32]> = rs
+        .iter()
+        .map(|&(d, _, _)| srcs[d].ok_or_else(|| missing(d)))
+        .collect::<Result<_>>()?;
+    let mut dsts: Vec<&mut [f32]> = tb
+        .iter()
+        .map(|&(d, _, _)| dsts[d].take().ok_or_else(|| missing(d)))
+        .collect::<Result<_>>()?;
+    coll.allgather(buffer, n, h, rs, &srcs, tb, &mut dsts)
+}
+
+/// Reduce the partial sums in `xn` of the devices of `from` into the residual (RS table), then
+/// add `bias` (whole width) once, each owner its columns.
+fn reduce_partials(
+    coll: &mut Collectives<'_>,
+    ws: &mut [Option<Work<'_>>],
+    from: &SplitTable,
+    rs: &SplitTable,
+    (n, h): (usize, usize),
+    bias: Option<&[f32]>,
+) -> Result<()> {
+    let mut srcs: Vec<Option<&[f32]>> = vec![None; ws.len()];
+    type Owned<'r> = (&'r mut [f32], &'r mut [f32], &'r mut [f32]);
+    let mut owned: Vec<Option<Owned<'_>>> = (0..ws.len()).map(|_| None).collect();
+    for (d, w) in ws.iter_mut().enumerate() {
+        if let Some(Work {
+            v,
+            residual,
+            recv,
+            sum,
+        }) = w
+        {
+            srcs[d] = Some(&v.xn[..n * h]);
+            owned[d] = Some((&mut residual[..], &mut recv[..], &mut sum[..]));
+        }
+    }
+    let missing = |d: usize| invalid(format!("tp device {d}"), "a workspace", "none");
+    let srcs: Vec<(usize, &[f32])> = from
+        .iter()
+        .map(|&(d, _, _)| srcs[d].map(|s| (d, s)).ok_or_else(|| missing(d)))
+        .collect::<Result<_>>()?;
+    let mut residual = Vec::with_capacity(rs.len());
+    let mut recv = Vec::with_capacity(rs.len());
+    let mut sums = Vec::with_capacity(rs.len());
+    for &(d, _, _) in rs {
+        let (r, c, s) = owned[d].take().ok_or_else(|| missing(d))?;
+        residual.push(r);
+        recv.push(c);
+        sums.push(s);
+    }
+    coll.reduce_scatter(n, h, &srcs, rs, &mut residual, &mut recv, &mut sums)?;
+    if let Some(b) = bias {
+        for (res, &(_, a, e)) in residual.iter_mut().zip(rs) {
+            let cols = &b[a as usize..e as usize];
+            for row in res[..n * cols.len()].chunks_exact_mut(cols.len()) {
+                row.iter_mut().zip(cols).for_each(|(x, b)| *x += b);
+            }
+        }
+    }
+    Ok(())
+}
+
+impl TpGraph {
+    /// Run `ids` through the model tensor-parallel, appending to `cache` (split by kv heads)
+    /// at its `seq_len`, and write the logits asked for into `out`. Returns the copies the
+    /// collectives made.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        held: &[Held],
+        copies: &[(usize, Held)],
+        ctx: &mut TpContext,
+        cache: &Arc<Cache>,
+        ids: &[u32],
+        logits: Logits,
+        (compute, _int8_threshold): (Compute, f32),
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
+        let vocab = self.dims.vocab as usize;
+        let start = check_tokens(ids, self.dims.vocab, cache)? as usize;
+        let parts = cache.tp_parts();
+        self.check_cache(ctx, &parts)?;
+        let rows = match logits {
+            Logits::Last => 1,
+            Logits::All => ids.len(),
+        };
+        out.clear();
+        out.resize(rows * vocab, 0.0);
+        if ctx.splits() != &self.splits {
+            return Err(invalid(
+                "tp context tables",
+                "the tables the model was loaded with",
+                "other tables (the TPContext was changed after the load)",
+            ));
+        }
+        let (mut coll, scratch) = ctx.lend()?;
+        let mut ws: Vec<Option<Work<'_>>> = Vec::with_capacity(scratch.len());
+        for (d, bytes) in scratch.into_iter().enumerate() {
+            let layout = self.layouts.get(d).copied().unwrap_or_default();
+            ws.push(match bytes {
+                Some(b) if layout.bytes > 0 => Some(carve_tp(b, &layout)?),
+                _ => None,
+            });
+        }
+        for w in ws.iter_mut().flatten() {
+            let len = self.inv_freqs.len().min(w.v.freqs.len());
+            w.v.freqs[..len].copy_from_slice(&self.inv_freqs[..len]);
+        }
+        let run = Run {
+            held,
+            copies,
+            compute,
+            max_dq: self.max_dq,
+            hidden: self.dims.hidden as usize,
+            head_dim: self.dims.head_dim as usize,
+            eps: self.eps,
+            rope: &self.rope,
+            kv_tile: self.dims.kv_tile as usize,
+            q_tile: self.dims.q_tile as usize,
+        };
+        let h = run.hidden;
+        let s = &self.splits;
+        let chunk = self.dims.tokens as usize;
+        let mut done = 0usize;
+        let mut buffer = 0usize;
+        let mut flip = || {
+            buffer ^= 1;
+            buffer
+        };
+        for part in ids.chunks(chunk) {
+            let n = part.len();
+            let pos = start + done;
+            // The embedding rows, looked up on the host into a staging buffer, then scattered
+            // to the residual's owners.
+            let b = flip();
+            self.embed_rows(&run, part, coll.staging(b, n, h)?)?;
+            {
+                let mut dsts: Vec<&mut [f32]> = pick(&mut ws, &s.rs)?
+                    .into_iter()
+                    .map(|w| &mut w.residual[..])
+                    .collect();
+                coll.scatter(b, n, h, &s.rs, &mut dsts)?;
+            }
+            for (li, layer) in self.layers.iter().enumerate() {
+                gather_residual(&mut coll, flip(), &mut ws, &s.rs, &s.kv, (0, n, h))?;
+                for &(d, _, _) in &s.kv {
+                    let (Some(a), Some(w)) = (&layer.attn[d], ws[d].as_mut()) else {
+                        continue;
+                    };
+                    run.attention(a, li, &parts[a.cache_part].cache, pos, n, &mut w.v)?;
+                }
+                reduce_partials(
+                    &mut coll,
+                    &mut ws,
+                    &s.kv,
+                    &s.rs,
+                    (n, h),
+                    layer.o_bias.as_deref(),
+                )?;
+                gather_residual(&mut coll, flip(), &mut ws, &s.rs, &s.id, (0, n, h))?;
+                for &(d, _, _) in &s.id {
+                    let (Some(m), Some(w)) = (&layer.mlp[d], ws[d].as_mut()) else {
+                        continue;
+                    };
+                    run.mlp(m, li, n, &mut w.v)?;
+                }
+                reduce_partials(
+                    &mut coll,
+                    &mut ws,
+                    &s.id,
+                    &s.rs,
+                    (n, h),
+                    layer.down_bias.as_deref(),
+                )?;
+            }
+            cache.note_ids(pos as u64, part);
+            cache.set_seq_len((pos + n) as u64)?;
+            let first = match logits {
+                Logits::Last if done + n < ids.len() => {
+                    done += n;
+                    continue;
+                }
+                Logits::Last => n - 1,
+                Logits::All => 0,
+            };
+            let row0 = match logits {
+                Logits::Last => 0,
+                Logits::All => done,
+            };
+            let need = n - first;
+            let rows_out = &mut out[row0 * vocab..(row0 + need) * vocab];
+            self.head(&run, &mut coll, &mut flip, &mut ws, (first, need), rows_out)?;
+            done += n;
+        }
+        Ok(coll.copies)
+    }
+
+    /// Logits of residual rows `first..first + need` into `rows_out` (`need × vocab`).
+    fn head(
+        &self,
+        run: &Run<'_>,
+        coll: &mut Collectives<'_>,
+        flip: &mut dyn FnMut() -> usize,
+        ws: &mut [Option<Work<'_>>],
+        (first, need): (usize, usize),
+        rows_out: &mut [f32],
+    ) -> Result<()> {
+        let (h, vocab) = (run.hidden, self.dims.vocab as usize);
+        let s = &self.splits;
+        gather_residual(coll, flip(), ws, &s.rs, &s.vc, (first, need, h))?;
+        for (&(d, _, _), w) in s.vc.iter().zip(pick(ws, &s.vc)?) {
+            // A share wholly in the vocab table's padding has no rows.
+            let Some(hd) = self.heads[d].as_ref() else {
+                continue;
+            };
+            weightlift_kernels::rms_norm(
+                &w.v.x[..need * h],
+                &hd.norm,
+                run.eps,
+                &mut w.v.xn[..need * h],
+            )
+            .map_err(|e| kernel("output_norm", e))?;
+        }
+        let per = self.dims.logit_rows.max(1) as usize;
+        for r0 in (0..need).step_by(per) {
+            let nr = per.min(need - r0);
+            let mut blocks: Vec<&[f32]> = Vec::with_capacity(s.vc.len());
+            for (&(d, _, _), w) in s.vc.iter().zip(pick(ws, &s.vc)?) {
+                let Some(hd) = self.heads[d].as_ref() else {
+                    blocks.push(&[]);
+                    continue;
+                };
+                let Work { v, .. } = w;
+                let y = &mut v.logits[..nr * hd.mat.rows];
+                run.product(&hd.mat, &v.xn[r0 * h..], nr, y)?;
+                blocks.push(&v.logits[..nr * hd.mat.rows]);
+            }
+            let got = coll.gather(flip(), nr, vocab, &s.vc, &blocks)?;
+            rows_out[r0 * vocab..(r0 + nr) * vocab].copy_from_slice(got);
+        }
+        Ok(())
+    }
+
+    /// Embedding rows of `ids` into `dst` (`ids.len() × hidden`).
+    fn embed_rows(&self, run: &Run<'_>, ids: &[u32], dst: &mut [f32]) -> Result<()> {
+        let h = run.hidden;
+        let (bytes, name) = match run.held.get(self.embed) {
+            Some(Held::Whole { tensor, .. }) => (tensor.host_bytes(), "token_embd"),
+            _ => (None, "token_embd"),
+        };
+        let bytes = bytes.ok_or_else(|| EngineError::Unsupported {
+            what: "a tensor-parallel embedding outside host memory".into(),
+            detail: "the plan keeps the token embedding whole on the host".into(),
+        })?;
+        let row = bytes.len() / self.dims.vocab.max(1) as usize;
+        for (t, &id) in ids.iter().enumerate() {
+            let r = id as usize;
+            weightlift_kernels::dequantize_f32(
+                self.embed_ty,
+                &bytes[r * row..(r + 1) * row],
+                &mut dst[t * h..(t + 1) * h],
+            )
+            .map_err(|e| kernel(name, e))?;
+        }
+        Ok(())
+    }
+
+    /// The cache must be split as the KV table says, each part on its device.
+    fn check_cache(&self, ctx: &TpContext, parts: &[crate::cache::TpPart]) -> Result<()> {
+        let want: Vec<(String, u32, u32)> = self
+            .splits
+            .kv
+            .iter()
+            .map(|&(d, a, b)| Ok((ctx.device(d)?.name().to_owned(), a as u32, b as u32)))
+            .collect::<Result<_>>()?;
+        let got: Vec<(String, u32, u32)> = parts
+            .iter()
+            .map(|p| (p.device.name().to_owned(), p.heads.0, p.heads.1))
+            .collect();
+        if want != got {
+            return Err(invalid(
+                "cache for a tensor-parallel forward pass",
+                format!(
+                    "split by kv heads as {want:?} (the model's own cache, or one split like it)"
+                ),
+                if got.is_empty() {
+                    "a cache that is not split".to_owned()
+                } else {
+                    format!("{got:?}")
+                },
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,443 @@
+//! Building the tensor-parallel graph: each device's part of every split tensor, checked
+//! against the tables, and everything the host path cannot run tensor-parallel refused by name
+//! before any compute.
+
+use super::*;
+
+/// What the host tensor-parallel pass cannot run, refused by name.
+fn refuse(what: String, detail: &str) -> EngineError {
+    EngineError::Unsupported {
+        what,
+        detail: detail.to_owned(),
+    }
+}
+
+/// f32 values of a held tensor's part `p` (a replicated norm, a bias slice).
+fn part_f32(held: &Held, p: usize, name: &str) -> Result<Vec<f32>> {
+    let Held::Split { parts, .. } = held else {
+        let (bytes, ty) = super::super::host_weight(held, name)?;
+        let n = bytes.len() / ty.block_bytes() * ty.block_size();
+        let mut out = vec![0f32; n];
+        weightlift_kernels::dequantize_f32(ty, bytes, &mut out).map_err(|e| kernel(name, e))?;
+        return Ok(out);
+    };
+    let t = parts.get(p).ok_or_else(|| {
+        invalid(
+            format!("parts of '{name}'"),
+            format!("a part {p}"),
+            parts.len(),
+        )
+    })?;
+    let ty = super::super::exec::kernel_type(name, t.dtype())?;
+    let bytes = t.host_bytes().ok_or_else(|| EngineError::Device {
+        device: t.device().name().to_owned(),
+        detail: format!("a part of '{name}' is not in host memory"),
+    })?;
+    let mut out = vec![0f32; t.shape().iter().product::<u64>() as usize];
+    weightlift_kernels::dequantize_f32(ty, bytes, &mut out).map_err(|e| kernel(name, e))?;
+    Ok(out)
+}
+
+/// Which part of a split tensor lives on `device`.
+fn part_on(held: &Held, device: &str, name: &str) -> Result<usize> {
+    match held {
+        Held::Split { parts, .. } => parts
+            .iter()
+            .position(|t| t.device().name() == device)
+            .ok_or_else(|| {
+                invalid(
+                    format!("parts of '{name}'"),
+                    format!("one on {device}"),
+                    "none",
+                )
+            }),
+        Held::Whole { device: d, .. } => Err(invalid(
+            format!("tensor '{name}' under tensor parallelism"),
+            "split over the tp devices",
+            format!("whole on {d}; the model was not loaded with load_tp"),
+        )),
+    }
+}
+
+struct Ctx<'a> {
+    infos: &'a [TensorInfo],
+    held: &'a [Held],
+    copies: &'a [(usize, Held)],
+}
+
+impl Ctx<'_> {
+    fn find(&self, role: Role, layer: Option<u32>) -> Option<usize> {
+        self.infos
+            .iter()
+            .position(|t| t.role == Some(role) && t.layer == layer && !is_quantized_part(&t.name))
+    }
+
+    fn need(&self, role: Role, layer: Option<u32>) -> Result<usize> {
+        self.find(role, layer).ok_or_else(|| {
+            invalid(
+                format!("{} of layer {layer:?}", role.name()),
+                "a tensor in the checkpoint",
+                "none",
+            )
+        })
+    }
+
+    /// A replicated vector's copy on `device`.
+    fn replica(&self, i: usize, device: &str) -> Result<Vec<f32>> {
+        let name = &self.infos[i].name;
+        part_f32(&self.held[i], part_on(&self.held[i], device, name)?, name)
+    }
+
+    /// Device `device`'s part of matrix `i` (or of copy `copy`), expected `rows × cols` and
+    /// starting at `start` of its split axis, with its bias rows.
+    #[allow(clippy::too_many_arguments)]
+    fn mat(
+        &self,
+        i: usize,
+        copy: Option<usize>,
+        device: &str,
+        (rows, cols): (usize, usize),
+        start: u64,
+        bias: Option<usize>,
+    ) -> Result<Mat> {
+        let name = self.infos[i].name.clone();
+        let held = match copy {
+            Some(c) => &self.copies[c].1,
+            None => &self.held[i],
+        };
+        let p = part_on(held, device, &name)?;
+        let Held::Split { parts, spec } = held else {
+            return Err(invalid(format!("tensor '{name}'"), "split", "whole"));
+        };
+        let t = &parts[p];
+        let packing = Packing::of(&name, t.dtype())?;
+        let Packing::Blocks(ty) = packing else {
+            return Err(refuse(
+                format!("a tensor-parallel forward pass over LLM.int8 weight '{name}'"),
+                "int8 linears are not split by the tp tables; load without quantize=\"int8\" \
+                 or with a layer split",
+            ));
+        };
+        let shard = spec.shards.get(p).map(|s| s.1);
+        if t.shape() != [rows as u64, cols as u64] || shard != Some(start) {
+            return Err(invalid(
+                format!("part of '{name}' on {device}"),
+                format!("{rows} × {cols} from {start}, as the tp tables split it"),
+                format!("shape {:?} from {shard:?}", t.shape()),
+            ));
+        }
+        let bias = match bias {
+            Some(b) => {
+                let v = part_f32(&self.held[b], part_on(&self.held[b], device, &name)?, &name)?;
+                if v.len() != rows {
+                    return Err(invalid(
+                        format!("bias of '{name}' on {device}"),
+                        format!("{rows} values"),
+                        v.len(),
+                    ));
+                }
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(Mat {
+            name,
+            index: copy.unwrap_or(i),
+            copy: copy.is_some(),
+            part: p,
+            rows,
+            cols,
+            ty,
+            bias,
+        })
+    }
+}
+
+/// The start of device `d`'s range in `table` (0 when absent).
+fn start_of(table: &SplitTable, d: usize) -> Option<(u64, u64)> {
+    table.iter().find(|e| e.0 == d).map(|&(_, a, b)| (a, b))
+}
+
+impl TpGraph {
+    /// The graph for a model loaded tensor-parallel with `ctx`'s tables. `forward` is what the
+    /// plan sized the workspaces for.
+    pub fn build(
+        m: &Loaded<'_>,
+        spec: &ModelSpec,
+        (runtime, max_seq_len, batch): (&RuntimeSpec, u64, u64),
+        ctx: &TpContext,
+        host_backend: bool,
+    ) -> Result<TpGraph> {
+        if !super::super::graph::SUPPORTED.contains(&spec.architecture.as_str()) {
+            return Err(refuse(
+                format!("running the '{}' architecture", spec.architecture),
+                "the forward pass supports llama, mistral and qwen2",
+            ));
+        }
+        if host_backend {
+            return Err(refuse(
+                "a tensor-parallel forward pass through the backend op sequence".into(),
+                "tensor parallelism runs on the host path; leave the host backend off",
+            ));
+        }
+        let infos = m.source.tensors();
+        if let Some(t) = infos.iter().find(|t| is_quantized_part(&t.name)) {
+            return Err(refuse(
+                format!(
+                    "a tensor-parallel forward pass over quantised linear '{}'",
+                    t.name
+                ),
+                "GPTQ and EXL2 weights are packed across their input columns and are not split \
+                 by the tp tables; load them with a layer split",
+            ));
+        }
+        for (i, d) in ctx.devices().iter().enumerate() {
+            if d.kind() == DeviceKind::Cuda {
+                return Err(refuse(
+                    format!(
+                        "a tensor-parallel forward pass on {} (tp device {i})",
+                        d.name()
+                    ),
+                    "the tensor-parallel forward pass runs on cpu and virtual devices; CUDA \
+                     devices run tensor-parallel weights only through a layer split for now",
+                ));
+            }
+        }
+        let heads = spec.n_kv_heads_at(0);
+        if (0..spec.n_layers).any(|l| spec.n_kv_heads_at(l) != heads) {
+            return Err(refuse(
+                "a tensor-parallel forward pass with per-layer kv head counts".into(),
+                "the kv table splits one head count for every layer",
+            ));
+        }
+        let splits = ctx.splits().clone();
+        let dims = Dims::new(spec, runtime, max_seq_len, batch);
+        if dims.tokens == 0 {
+            return Err(invalid(
+                "runtime max_input_len",
+                "at least 1 token per forward chunk",
+                0,
+            ));
+        }
+        let plan_split = weightlift_plan::TpSplit {
+            kv: splits.kv.clone(),
+            id: splits.id.clone(),
+            vc: splits.vc.clone(),
+            rs: splits.rs.clone(),
+            q: splits.q.clone(),
+        };
+        let nd = ctx.devices().len();
+        let shares: Vec<TpShare> = (0..nd)
+            .map(|d| plan_split.share(d, spec.vocab_size))
+            .collect();
+        let layouts = shares.iter().map(|s| TpWorkspace::new(&dims, *s)).collect();
+        let c = Ctx {
+            infos,
+            held: m.held,
+            copies: m.copies,
+        };
+        let (h, hd) = (spec.hidden_size as usize, spec.head_dim as usize);
+        let name = |d: usize| ctx.device(d).map(|x| x.name().to_owned());
+        let mut layers = Vec::with_capacity(spec.n_layers as usize);
+        for l in 0..spec.n_layers {
+            let at = Some(l);
+            let mut attn: Vec<Option<Attn>> = (0..nd).map(|_| None).collect();
+            let mut mlp: Vec<Option<Mlp>> = (0..nd).map(|_| None).collect();
+            for (cache_part, &(d, ka, kb)) in splits.kv.iter().enumerate() {
+                let dev = name(d)?;
+                let (qa, qb) = start_of(&splits.q, d).unwrap_or((0, 0));
+                let (qh, kh) = ((qb - qa) as usize, (kb - ka) as usize);
+                let (hdu, q0, k0) = (hd as u64, qa * hd as u64, ka * hd as u64);
+                attn[d] = Some(Attn {
+                    norm: c.replica(c.need(Role::AttnNorm, at)?, &dev)?,
+                    q: c.mat(
+                        c.need(Role::AttnQ, at)?,
+                        None,
+                        &dev,
+                        (qh * hd, h),
+                        q0,
+                        c.find(Role::AttnQBias, at),
+                    )?,
+                    k: c.mat(
+                        c.need(Role::AttnK, at)?,
+                        None,
+                        &dev,
+                        (kh * hd, h),
+                        k0,
+                        c.find(Role::AttnKBias, at),
+                    )?,
+                    v: c.mat(
+                        c.need(Role::AttnV, at)?,
+                        None,
+                        &dev,
+                        (kh * hd, h),
+                        k0,
+                        c.find(Role::AttnVBias, at),
+                    )?,
+                    o: c.mat(
+                        c.need(Role::AttnOutput, at)?,
+                        None,
+                        &dev,
+                        (h, qh * hd),
+                        qa * hdu,
+                        None,
+                    )?,
+                    q_heads: qh,
+                    kv_heads: kh,
+                    cache_part,
+                });
+            }
+            for &(d, a, b) in &splits.id {
+                let dev = name(d)?;
+                let w = (b - a) as usize;
+                mlp[d] = Some(Mlp {
+                    norm: c.replica(c.need(Role::FfnNorm, at)?, &dev)?,
+                    gate: c.mat(c.need(Role::FfnGate, at)?, None, &dev, (w, h), a, None)?,
+                    up: c.mat(c.need(Role::FfnUp, at)?, None, &dev, (w, h), a, None)?,
+                    down: c.mat(c.need(Role::FfnDown, at)?, None, &dev, (h, w), a, None)?,
+                });
+            }
+            // A bias after a partial sum is replicated; the residual's owners add it once.
+            let whole = |role: Role| -> Result<Option<Vec<f32>>> {
+                match c.find(role, at) {
+                    Some(i) => {
+                        let first = splits.rs.first().map_or(0, |x| x.0);
+                        Ok(Some(c.replica(i, &name(first)?)?))
+                    }
+                    None => Ok(None),
+                }
+            };
+            layers.push(Layer {
+                attn,
+                mlp,
+                o_bias: whole(Role::AttnOutputBias)?,
+                down_bias: None,
+            });
+        }
+        let embed = c.need(Role::TokenEmbd, None)?;
+        let embed_ty = match &m.held[embed] {
+            Held::Whole { tensor, .. } => match Packing::of(&infos[embed].name, tensor.dtype())? {
+                Packing::Blocks(ty) => ty,
+                Packing::Int8 => {
+                    return Err(refuse(
+                        "an int8 token embedding".into(),
+                        "the embedding is a row lookup of float or ggml rows",
+                    ));
+                }
+            },
+            Held::Split { .. } => {
+                return Err(refuse(
+                    "a tensor-parallel forward pass over a split token embedding".into(),
+                    "the plan keeps the embedding whole on the host; load with load_tp",
+                ));
+            }
+        };
+        let (head_i, head_copy) = match c.find(Role::Output, None) {
+            Some(i) => (i, None),
+            None => {
+                let k = m
+                    .copies
+                    .iter()
+                    .position(|(i, _)| *i == embed)
+                    .ok_or_else(|| {
+                        invalid(
+                            "tied output head",
+                            "a copy of token_embd split by the vc table",
+                            "none",
+                        )
+                    })?;
+                (embed, Some(k))
+            }
+        };
+        let out_norm = c.need(Role::OutputNorm, None)?;
+        let vocab = spec.vocab_size;
+        let mut heads_of: Vec<Option<Head>> = (0..nd).map(|_| None).collect();
+        for &(d, a, b) in &splits.vc {
+            if a >= vocab {
+                continue;
+            }
+            let dev = name(d)?;
+            let rows = (b.min(vocab) - a) as usize;
+            heads_of[d] = Some(Head {
+                norm: c.replica(out_norm, &dev)?,
+                mat: c.mat(head_i, head_copy, &dev, (rows, h), a, None)?,
+            });
+        }
+        let (rope, inv_freqs) = rope_of(m, spec)?;
+        Ok(TpGraph {
+            splits,
+            layers,
+            heads: heads_of,
+            embed,
+            embed_ty,
+            layouts,
+            dims,
+            eps: spec.rms_norm_eps as f32,
+            rope,
+            inv_freqs,
+            max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
+        })
+    }
+}
+
+/// [`crate::Model::forward`] of a model loaded tensor-parallel: the graph is built on first
+/// use, then run under the context's lock on the model's thread pool.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run(
+    state: &mut crate::model::State,
+    tp: &std::sync::Mutex<TpContext>,
+    (source, inventory): (&dyn crate::source::Source, &crate::device::Inventory),
+    spec: &ModelSpec,
+    cache: &Arc<Cache>,
+    (ids, logits, out): (&[u32], Logits, &mut Vec<f32>),
+    (compute, int8_threshold, host_backend): (Compute, f32, bool),
+    pool: Option<Arc<rayon::ThreadPool>>,
+) -> Result<Copies> {
+    let mut ctx = tp.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if state.tp_graph.is_none() {
+        let plan = state
+            .forward
+            .as_ref()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: "the plan's forward sizes for tensor parallelism".into(),
+            })?;
+        let resolve = |name: &str| crate::model::resolve_in(inventory, name);
+        let loaded = Loaded {
+            source,
+            held: &state.held,
+            copies: &state.copies,
+            scratch: &state.scratch,
+            layer_devices: &state.layer_devices,
+            onload: None,
+            resolve: &resolve,
+        };
+        let sizes = (&plan.runtime, plan.max_seq_len, plan.batch);
+        state.tp_graph = Some(TpGraph::build(&loaded, spec, sizes, &ctx, host_backend)?);
+    }
+    let crate::model::State {
+        tp_graph,
+        held,
+        copies,
+        ..
+    } = state;
+    let graph = tp_graph.as_ref().ok_or_else(|| EngineError::NotLoaded {
+        what: "the tensor-parallel graph".into(),
+    })?;
+    let ctx = &mut *ctx;
+    let mut go = || {
+        graph.forward(
+            held,
+            copies,
+            ctx,
+            cache,
+            ids,
+            logits,
+            (compute, int8_threshold),
+            out,
+        )
+    };
+    match pool {
+        Some(p) => p.install(go),
+        None => go(),
+    }
+}
