@@ -212,3 +212,24 @@ def test_overrides_alone_apply_over_the_default_layer_split() -> None:
     assert m.device_of("model.layers.1.mlp.up_proj.weight") == "cpu"
     assert m.device_of("model.layers.1.mlp.down_proj.weight") == "virtual:0"
     assert np.array_equal(m.forward(ids, logits="all"), want.forward(ids, logits="all"))
+
+
+def test_a_model_loaded_without_a_cache_makes_its_own() -> None:
+    """As transformers' generate makes its own cache: from_pretrained loads no KV, and a call
+    without a cache allocates an fp16 one beside the layers, sized for the call in steps of
+    256, grown when a later call needs more, and dropped when a Cache is attached."""
+    ids = [1, 9038, 2501, 263, 931, 29892]
+    path = TINY_LLAMA / "safetensors"
+    m = wl.from_pretrained(path, compute="exact")
+    held = m.memory()["cpu"]
+    want = np.load(REFERENCE / "tiny-llama" / "hf_logits.npy")
+    got = m.forward(ids, logits="all")
+    assert np.abs(got - want[: len(ids)]).max() <= 0.05, "fp16 cache bound"
+    per_position = 2 * 2 * 2 * 64 * 2  # layers × (K, V) × kv heads × head_dim × fp16
+    assert m.n_ctx() == 256 and m.memory()["cpu"] - held == 256 * per_position
+    m.generate(ids, max_new_tokens=300)
+    assert m.n_ctx() == 512 and m.memory()["cpu"] - held == 512 * per_position
+    wl.Cache(m, max_seq_len=32, dtype="f32")
+    assert m.n_ctx() == 32 and m.memory()["cpu"] - held == 32 * per_position * 2
+    with pytest.raises(wl.ContextFullError):
+        m.forward(list(range(1, 40)))

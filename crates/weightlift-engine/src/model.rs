@@ -123,6 +123,9 @@ pub(crate) struct State {
     pub scratch: Vec<crate::device::Buffer>,
     pub layer_devices: Vec<String>,
     pub cache: Option<Arc<Cache>>,
+    /// `cache` was made by [`Model::own_cache_for`], not handed in: it may be replaced by a
+    /// larger one.
+    pub cache_made: bool,
     pub warnings: Vec<String>,
     pub forward: Option<ForwardPlan>,
     pub onload: Option<weightlift_plan::OnloadPlan>,
@@ -226,7 +229,42 @@ impl Model {
             })
     }
 
-    /// The cache attached at load (`Model.forward(cache=None)` and generation use it).
+    /// The cache that calls without one run on, with room for `tokens` positions: the one
+    /// attached at load or by the caller, whatever its size; else, as transformers' `generate`
+    /// makes its own cache, an fp16 cache of `tokens` positions rounded up to
+    /// [`weightlift_plan::SEQ_STEP`], allocated beside the layers now and kept, and replaced
+    /// by a larger one when a later call needs more. A model loaded tensor-parallel has its
+    /// cache from `load_tp`.
+    pub fn own_cache_for(&mut self, tokens: u64) -> Result<Arc<Cache>> {
+        let state = self.state()?;
+        if let Some(c) = &state.cache
+            && (!state.cache_made || c.config().max_seq_len >= tokens)
+        {
+            return Ok(Arc::clone(c));
+        }
+        if state.tp.is_some() {
+            return self.own_cache();
+        }
+        let step = weightlift_plan::SEQ_STEP;
+        let max_seq_len = tokens.max(1).div_ceil(step) * step;
+        let config = self.cache_config(max_seq_len, 1, CacheDType::Fp16, false)?;
+        let cache = Arc::new(Cache::new(config)?);
+        // The smaller one goes first, so both never need room at once.
+        if let Some(s) = self.state.as_mut()
+            && s.cache_made
+            && let Some(old) = s.cache.take()
+        {
+            old.free();
+        }
+        self.attach_cache(&cache)?;
+        if let Some(s) = self.state.as_mut() {
+            s.cache_made = true;
+        }
+        Ok(cache)
+    }
+
+    /// The cache attached at load or by the caller (`Model.forward(cache=None)` and generation
+    /// use it).
     pub fn own_cache(&self) -> Result<Arc<Cache>> {
         self.state
             .as_ref()
@@ -236,7 +274,9 @@ impl Model {
             .cache
             .clone()
             .ok_or_else(|| EngineError::NotLoaded {
-                what: "a cache for this model (pass one, or load with a cache)".into(),
+                what: "a KV cache for this model (pass cache=, load with one, or create \
+                       Cache(model, max_seq_len=N))"
+                    .into(),
             })
     }
 
@@ -545,6 +585,7 @@ impl Model {
             scratch,
             layer_devices: placement.layers.clone(),
             cache: cache.cloned(),
+            cache_made: false,
             warnings,
         });
         Ok(())
@@ -723,7 +764,12 @@ impl Model {
             }
         }
         if let Some(s) = self.state.as_mut() {
+            // A cache made for calls without one is nobody else's: it goes.
+            if let Some(made) = s.cache.take().filter(|_| s.cache_made) {
+                made.free();
+            }
             s.cache = Some(Arc::clone(cache));
+            s.cache_made = false;
         }
         Ok(())
     }

@@ -50,8 +50,9 @@ impl Model {
 
     /// Generate text after `prompt` (a string or token ids): the text, or with `stream=True` an
     /// iterator of text pieces. `temperature=0` is greedy over the whole vocabulary. Without a
-    /// `cache` the model's own cache is used and the prefix it already holds is reused; with one
-    /// the prompt is appended to it.
+    /// `cache` the model's own cache is used and the prefix it already holds is reused (a model
+    /// loaded without one makes an fp16 cache for the prompt and `max_new_tokens`, as
+    /// transformers' generate does); with one the prompt is appended to it.
     #[pyo3(signature = (prompt, *, max_new_tokens = 32, temperature = 0.0, top_k = 40,
                         top_p = 0.95, min_p = 0.05, typical_p = 1.0, repeat_penalty = 1.0,
                         presence_penalty = 0.0, frequency_penalty = 0.0, seed = None,

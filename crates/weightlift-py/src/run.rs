@@ -13,8 +13,8 @@ use crate::model::Model;
 impl Model {
     /// Run token `ids` through the model and return float32 logits of shape `[n, vocab]`:
     /// `n` is 1 for `logits="last"` and `len(ids)` for `"all"`. With `cache=None` each call
-    /// starts at position 0 on the model's own cache; with a `Cache` the ids are appended at
-    /// its `seq_len`. The GIL is released while it runs.
+    /// starts at position 0 on the model's own cache (made, fp16, when the model was loaded
+    /// without one); with a `Cache` the ids are appended at its `seq_len`. The GIL is released while it runs.
     #[pyo3(signature = (ids, *, cache = None, logits = "last"))]
     fn forward<'py>(
         &self,

@@ -437,6 +437,14 @@ impl crate::Model {
                 detail: "its architecture could not be read from the metadata or config.json"
                     .into(),
             })?;
+        let cache = match cache {
+            Some(c) => Arc::clone(c),
+            None => {
+                let c = self.own_cache_for(ids.len() as u64)?;
+                c.reset();
+                c
+            }
+        };
         let source = Arc::clone(self.source());
         let inventory = self.inventory().clone();
         let compute = self.runner.compute;
@@ -446,16 +454,6 @@ impl crate::Model {
         let state = self.state.as_mut().ok_or_else(|| EngineError::NotLoaded {
             what: "the model".into(),
         })?;
-        let cache = match cache {
-            Some(c) => Arc::clone(c),
-            None => {
-                let c = state.cache.clone().ok_or_else(|| EngineError::NotLoaded {
-                    what: "a cache for this model (pass one, or load with a cache)".into(),
-                })?;
-                c.reset();
-                c
-            }
-        };
         check_cache(&cache, &spec)?;
         if let Some(tp) = state.tp.clone() {
             let made = tp::run(

@@ -207,7 +207,13 @@ impl CompletionStream {
 
 impl Model {
     fn start(&self, call: Call) -> PyResult<Generation> {
-        let inner = self.lock()?;
+        let mut inner = self.lock()?;
+        if call.cache.is_none() {
+            // Room for the prompt and the tokens asked for (a cache's first step when the
+            // length is open), made now if the model has no cache of its own.
+            let asked = call.options.max_tokens.unwrap_or(weightlift_plan::SEQ_STEP);
+            eng(inner.model.own_cache_for(call.prompt.len() as u64 + asked))?;
+        }
         eng(Generation::new(
             &inner.model,
             &call.prompt,
