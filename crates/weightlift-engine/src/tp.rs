@@ -1,5 +1,5 @@
-//! Tensor parallelism in the manner of exllamav2's `TPContext` (exllamav2/tensor_p.py): five
-//! split tables, collectives over the devices they name, per-device RoPE tables and scratch.
+//! Tensor parallelism in the manner of exllamav2's `TPContext`: five split tables,
+//! collectives over the devices they name, per-device RoPE tables and scratch.
 //!
 //! Tensors in collectives are 2-D `(rows, columns)`; a split table entry `(device, a, b)` owns
 //! columns `a·dim .. b·dim`. As in exllamav2:

@@ -1,5 +1,5 @@
-//! Tensor-parallel split tables, following exllamav2's `TPContext.define_split`
-//! (exllamav2/tensor_p.py) and `integer_split` (exllamav2/util.py).
+//! Tensor-parallel split tables, following exllamav2's `TPContext.define_split` and its
+//! `integer_split` helper.
 
 use serde::{Deserialize, Serialize};
 
