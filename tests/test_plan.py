@@ -584,3 +584,23 @@ def test_gemma3_plans_with_sliding_window_and_tied_head(tmp_path):
             w = "\n".join(p.warnings)
             assert "architecture 'gemma3'" in w and "llama, mistral, qwen2" in w, w
             assert "layers 0-4, 6-7 attend to a sliding window of 300 tokens" in w, w
+
+
+def test_a_multimodal_checkpoint_plans_its_language_model_layers() -> None:
+    """transformers saves Gemma3ForConditionalGeneration with its decoder blocks under
+    `language_model.model.layers.N` and a vision tower with layers of its own
+    (tests/gen_gemma3_multimodal.py): the blocks are the model's layers, the vision tower's
+    are not, and the norm under the language model is the output norm."""
+    path = DATA / "tiny-gemma3-mm"
+    ck = wl.open(path)
+    layers = {t.name: t.layer for t in ck.tensors}
+    assert layers["language_model.model.layers.1.mlp.up_proj.weight"] == 1
+    assert layers["vision_tower.encoder.layers.0.mlp.fc1.weight"] is None
+    per_layer = [sum(t.nbytes for t in ck.tensors if t.layer == n) for n in (0, 1)]
+    assert per_layer[0] == per_layer[1] > 0
+    plan = wl.plan(path, devices="virtual:1MiB,cpu", cache=wl.CacheSpec(64))
+    on_device = sum(p.nbytes for p in plan.tensors if p.device == "virtual:0")
+    assert on_device >= sum(per_layer), "the decoder layers carry their weights"
+    assert plan.device_of("language_model.model.norm.weight") == "virtual:0"
+    assert "layers 0-1 + output_norm" in plan.explain()
+    assert any("architecture 'gemma3' is planned" in w for w in plan.warnings)

@@ -12,11 +12,22 @@ pub(crate) fn supports_roles(architecture: &str) -> bool {
     SUPPORTED_ARCHITECTURES.contains(&architecture)
 }
 
-/// Split `blk.N.rest` / `model.layers.N.rest` into the layer number and the rest.
+/// Where the decoder blocks' tensor names start: GGUF's, a transformers causal LM's, and a
+/// multimodal model's language model, as transformers names it in memory and as it saves it.
+/// A vision tower's `encoder.layers.N` are not decoder blocks.
+const LAYER_PREFIXES: [&str; 4] = [
+    "blk.",
+    "model.layers.",
+    "model.language_model.layers.",
+    "language_model.model.layers.",
+];
+
+/// Split `blk.N.rest` / `model.layers.N.rest` (or a multimodal language model's
+/// `model.language_model.layers.N.rest`) into the layer number and the rest.
 fn split_layer(name: &str) -> Option<(u32, &str)> {
-    let rest = name
-        .strip_prefix("blk.")
-        .or_else(|| name.strip_prefix("model.layers."))?;
+    let rest = LAYER_PREFIXES
+        .iter()
+        .find_map(|prefix| name.strip_prefix(prefix))?;
     let (num, tail) = rest.split_once('.')?;
     if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -109,6 +120,24 @@ pub(crate) fn classify(name: &str, architecture: &str) -> (Option<u32>, Option<R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_multimodal_language_model_has_the_decoder_blocks() {
+        for name in [
+            "model.language_model.layers.7.mlp.up_proj.weight",
+            "language_model.model.layers.7.mlp.up_proj.weight",
+        ] {
+            assert_eq!(layer_of(name), Some(7), "{name}");
+            assert_eq!(role_of(name), Some(Role::FfnUp), "{name}");
+        }
+        for name in [
+            "vision_tower.encoder.layers.0.mlp.fc1.weight",
+            "model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+            "model.language_model.layers.x.mlp.up_proj.weight",
+        ] {
+            assert_eq!(layer_of(name), None, "{name}");
+        }
+    }
 
     #[test]
     fn both_schemes_agree() {

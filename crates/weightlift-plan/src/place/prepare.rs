@@ -18,7 +18,8 @@ use crate::window::{layer_cache, planned_window};
 /// The role of a tensor outside the repeating blocks, for every architecture: the one the
 /// checkpoint gave (llama, mistral, qwen2), else the one its name says. llama.cpp names the
 /// input embedding, the output norm and the head `token_embd`, `output_norm` and `output` in
-/// every architecture; transformers calls them `*embed_tokens`, `model.norm` and `lm_head`.
+/// every architecture; transformers calls them `*embed_tokens`, `model.norm` and `lm_head` (under
+/// `language_model` in a multimodal model).
 fn global_role(t: &TensorInfo) -> Option<Role> {
     if t.role.is_some() || t.layer.is_some() {
         return t.role;
@@ -26,8 +27,11 @@ fn global_role(t: &TensorInfo) -> Option<Role> {
     let name = t.name.as_str();
     match name {
         "token_embd.weight" => Some(Role::TokenEmbd),
-        "output.weight" | "lm_head.weight" => Some(Role::Output),
-        "output_norm.weight" | "model.norm.weight" => Some(Role::OutputNorm),
+        "output.weight" | "lm_head.weight" | "language_model.lm_head.weight" => Some(Role::Output),
+        "output_norm.weight"
+        | "model.norm.weight"
+        | "model.language_model.norm.weight"
+        | "language_model.model.norm.weight" => Some(Role::OutputNorm),
         "rope_freqs.weight" => Some(Role::RopeFreqs),
         _ if name.ends_with(".embed_tokens.weight") => Some(Role::TokenEmbd),
         _ => None,
