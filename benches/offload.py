@@ -12,14 +12,19 @@ The demo model (SmolLM2-135M Q4_1, 30 layers) with its last 10 layers on the vir
   group (prefetch)     4 layers at a time, the next group copied by a background copier while
                        the current one computes
 
-For each link rate, two runs: decode (a greedy single-token forward after an 11-token prompt,
-DECODE_TOKENS steps timed as one loop: little compute per group, so the copies dominate) and a
-PROMPT_TOKENS-token prompt in one forward call (much compute per group). Reported per token:
-ms, the bytes copied and the seconds those copies took (`Model.transfer_stats()` of the last
-call), and `hidden` = 1 - (prefetch time - compute
-time) / copy time: the share of the copy time prefetch hid behind compute, where compute time
-is the synchronous group's time minus its copy time. Medians of REPEAT interleaved rounds, all
-modes in each round. The logits of every mode are checked equal to offload=None's first.
+For each link rate, three runs: decode (a greedy single-token forward after an 11-token
+prompt, DECODE_TOKENS steps timed as one loop: little compute per group, so the copies
+dominate), and prompts of 64 and 512 tokens in one forward call (more compute per group; at
+512 tokens a group computes longer than its copy takes on every link here). Reported per
+token: ms, the bytes copied and the seconds those copies took (`Model.transfer_stats()` of the
+last call), and `hidden` = 1 - (prefetch time - compute time) / copy time: the share of the
+copy time prefetch hid behind compute, where compute time is the synchronous group's time
+minus its copy time. Beside it, per forward call, one group's copy and compute (offload=None's
+time for the 20 kept layers, a 20/30 share of the call, over the 5 groups; an estimate) and the
+most prefetch can hide: the first group is copied before anything computes, and the others
+only as far as their predecessor's compute covers them, so
+`bound = (groups - 1) / groups * min(1, compute / copy)`. Medians of REPEAT interleaved rounds,
+all modes in each round. The logits of every mode are checked equal to offload=None's first.
 
 Run with a weightlift build in the current Python (`make build` or a release wheel):
 
@@ -53,8 +58,10 @@ RATES = ("16GB/s", "4GB/s", "1GB/s")
 DECODE_TOKENS = 16
 THREADS = 2
 PROMPT = [1, 504, 3575, 282, 4649, 314, 253, 1789, 8760, 30, 198]
-PROMPT_TOKENS = 64
-LONG = (PROMPT * 8)[:PROMPT_TOKENS]
+PROMPTS = (64, 512)
+N_CTX = 640
+GROUPS = 5  # the 20 kept layers, 4 per group
+KEPT_SHARE = 20 / 30  # of a forward call's layers
 MODES = {
     "none": {},
     "sequential": {"offload": "sequential"},
@@ -66,7 +73,7 @@ MODES = {
 def load(rate: str, kw: dict) -> wl.Model:
     return wl.load_gguf(
         DEMO,
-        n_ctx=128,
+        n_ctx=N_CTX,
         n_threads=THREADS,
         devices=f"virtual:96MiB@{rate},cpu",
         n_gpu_layers=10,
@@ -74,19 +81,24 @@ def load(rate: str, kw: dict) -> wl.Model:
     )
 
 
-def prompt(m: wl.Model) -> tuple[float, dict]:
-    """ms per token of a PROMPT_TOKENS-token prompt in one forward call, and its stats."""
-    cache = wl.Cache(m, max_seq_len=128)
-    t = time.perf_counter()
-    m.forward(LONG, cache=cache)
-    return (time.perf_counter() - t) * 1e3 / len(LONG), m.transfer_stats()
+def prompt_of(tokens: int):
+    """A run: ms per token of a `tokens`-token prompt in one forward call, and its stats."""
+    ids = (PROMPT * (tokens // len(PROMPT) + 1))[:tokens]
+
+    def run(m: wl.Model) -> tuple[float, dict]:
+        cache = wl.Cache(m, max_seq_len=N_CTX)
+        t = time.perf_counter()
+        m.forward(ids, cache=cache)
+        return (time.perf_counter() - t) * 1e3 / len(ids), m.transfer_stats()
+
+    return run
 
 
 def decode(m: wl.Model) -> tuple[float, dict]:
     """ms per decoded token, and the last step's transfer stats."""
     logits = m.forward(PROMPT)
     ids = [int(logits[0].argmax())]
-    cache = wl.Cache(m, max_seq_len=128)
+    cache = wl.Cache(m, max_seq_len=N_CTX)
     m.forward(PROMPT, cache=cache)
     t = time.perf_counter()
     for _ in range(DECODE_TOKENS):
@@ -103,7 +115,9 @@ def main() -> None:
         want = models["none"].forward(PROMPT, logits="all")
         for name, m in models.items():
             assert np.array_equal(m.forward(PROMPT, logits="all"), want), name
-        for what, run in (("decode", decode), (f"{PROMPT_TOKENS}-token prompt", prompt)):
+        runs = [("decode", 1, decode)]
+        runs += [(f"{n}-token prompt", n, prompt_of(n)) for n in PROMPTS]
+        for what, per, run in runs:
             samples: dict[str, list[tuple[float, dict]]] = {name: [] for name in MODES}
             for r in range(REPEAT + 1):
                 order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
@@ -111,7 +125,6 @@ def main() -> None:
                     got = run(models[name])
                     if r > 0:  # the first round warms up
                         samples[name].append(got)
-            per = 1 if what == "decode" else PROMPT_TOKENS
             med = {
                 name: {
                     "ms_per_token": statistics.median(s[0] for s in ss),
@@ -127,9 +140,22 @@ def main() -> None:
                 if sync["copy_ms_per_token"] > 0
                 else float("nan")
             )
+            copy_group = sync["copy_ms_per_token"] * per / GROUPS
+            compute_group = med["none"]["ms_per_token"] * per * KEPT_SHARE / GROUPS
+            bound = (GROUPS - 1) / GROUPS * min(1.0, compute_group / copy_group)
             for name, v in med.items():
                 rows.append({"rate": rate, "what": what, "mode": name, **v})
-            rows.append({"rate": rate, "what": what, "mode": "prefetch hid", "hidden": hidden})
+            rows.append(
+                {
+                    "rate": rate,
+                    "what": what,
+                    "mode": "prefetch hid",
+                    "hidden": hidden,
+                    "bound": bound,
+                    "copy_ms_per_group": copy_group,
+                    "compute_ms_per_group": compute_group,
+                }
+            )
         print(f"[offload bench] {rate}: done", flush=True)
     info = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -148,10 +174,12 @@ def main() -> None:
         "",
         f"SmolLM2-135M Q4_1, last 10 layers on `virtual:96MiB@RATE`, the first 20 kept on the "
         f"cpu; {THREADS} threads; decode after an 11-token prompt, {DECODE_TOKENS} steps, and "
-        f"a {PROMPT_TOKENS}-token prompt; "
+        f"prompts of {' and '.join(map(str, PROMPTS))} tokens; "
         f"medians of {REPEAT} interleaved rounds; {info['date']}, load average "
         f"{info['loadavg'][0]:.2f} (the machine is shared; expect noise). Logits of every mode "
-        "equal offload=None's, checked before timing.",
+        "equal offload=None's, checked before timing. `prefetch hid`: the share of the copy "
+        "time hidden, against the most that can be (bound), with one group's copy and "
+        "(estimated) compute per forward call.",
         "",
         "| link | run | mode | ms / token | MB copied / token | copy ms / token |",
         "|---|---|---|---:|---:|---:|",
@@ -160,7 +188,10 @@ def main() -> None:
         if row["mode"] == "prefetch hid":
             lines.append(
                 f"| {row['rate']} | {row['what']} | prefetch hid | "
-                f"{row['hidden'] * 100:.0f} % of the copy time | | |"
+                f"{row['hidden'] * 100:.0f} % of the copy time "
+                f"(bound {row['bound'] * 100:.0f} %) | "
+                f"group: copy {row['copy_ms_per_group']:.2f} ms | "
+                f"compute {row['compute_ms_per_group']:.2f} ms |"
             )
         else:
             lines.append(

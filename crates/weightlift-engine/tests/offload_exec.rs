@@ -182,3 +182,27 @@ fn offload_without_an_accelerator_is_refused_before_any_copy() {
         "{e}"
     );
 }
+
+#[test]
+fn prefetch_over_a_throttled_link_keeps_the_logits_and_every_copy() {
+    // The background copier hands each slot back across layers and calls: the logits must
+    // still be the all-on-cpu ones, and every call must count all five groups' copies.
+    let prompt = smollm2_prompt(1);
+    let mut cpu = load("cpu", 0, None);
+    let mut off = load("virtual:96MiB@4GB/s,cpu", 10, Some(GROUP4));
+    let matrices = off.plan.onload().unwrap().slot_bytes;
+    for compute in [Compute::Exact, Compute::Fast] {
+        let want = logits(&mut cpu, compute, &prompt);
+        let got = logits(&mut off, compute, &prompt);
+        assert!(got == want, "{compute:?}: logits differ");
+        let s = off.model.transfer_stats();
+        assert!(s.bytes >= 5 * matrices, "{compute:?}: {} B moved", s.bytes);
+        // the throttled link: 5 groups at 4 GB/s take at least this long
+        let least = 5.0 * matrices as f64 / 4e9;
+        assert!(
+            s.seconds() >= least,
+            "{compute:?}: {} s of copies",
+            s.seconds()
+        );
+    }
+}

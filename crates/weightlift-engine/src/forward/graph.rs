@@ -22,7 +22,7 @@ use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
 
 use super::attention::{self, Shape, Tiles};
 use super::exec::{self, Ctx, Regions, kernel_on};
-use super::onload::{Onload, fill};
+use super::onload::{Copier, Onload, onload_group};
 use super::weights::{Gptq, Packing, runnable_quantization};
 use super::{
     Compute, Copies, Logits, Site, SiteExec, Views, carve, check_tokens, host_bytes, host_weight,
@@ -778,7 +778,7 @@ impl Graph {
         let h = c.hidden;
         let mut done = 0usize;
         std::thread::scope(|scope| -> Result<()> {
-            let mut pending: Option<Pending<'_, '_>> = None;
+            let mut copier: Option<Copier<'_, '_>> = None;
             for part in ids.chunks(chunk) {
                 let n = part.len();
                 let pos = start + done;
@@ -830,7 +830,7 @@ impl Graph {
                                 held,
                                 copies,
                                 &mut slot_mem,
-                                &mut pending,
+                                &mut copier,
                                 scope,
                                 &mut copies_made,
                             )?;
@@ -1096,68 +1096,6 @@ fn move_rows(
     pace_link(&devs[from], &devs[to], bytes as u64, since);
     copies.note(bytes as u64, since);
     Ok(())
-}
-
-/// A prefetch in flight: group `group` being copied into slot `slot` by a scoped thread, which
-/// hands the slot back with the copy's result.
-struct Pending<'s, 'w> {
-    group: usize,
-    slot: usize,
-    handle: std::thread::ScopedJoinHandle<'s, (&'w mut [u8], Result<Copies>)>,
-}
-
-/// Make group `g` resident in its slot (`g mod slots`), waiting for its prefetch or copying it
-/// now, then start the next group's prefetch into the other slot when there are two. Returns
-/// the slot that holds `g`.
-#[allow(clippy::too_many_arguments)]
-fn onload_group<'s, 'w: 's, 'h: 's>(
-    o: &mut Onload,
-    g: usize,
-    layers: &[Layer],
-    held: &'h [Held],
-    copies: &'h [(usize, Held)],
-    slot_mem: &mut [Option<&'w mut [u8]>],
-    pending: &mut Option<Pending<'s, 'w>>,
-    scope: &'s std::thread::Scope<'s, '_>,
-    made: &mut Copies,
-) -> Result<usize> {
-    if let Some(p) = pending.take() {
-        let (mem, r) = p.handle.join().map_err(|_| EngineError::Device {
-            device: "cpu".into(),
-            detail: "the onload copier thread panicked".into(),
-        })?;
-        slot_mem[p.slot] = Some(mem);
-        made.add(r?);
-        o.holds[p.slot] = Some(p.group);
-    }
-    let lost = || invalid("onload slot", "free for a copy", "in use by a prefetch");
-    let slots = o.slots();
-    let si = g % slots;
-    if o.holds[si] != Some(g) {
-        o.holds[si] = None;
-        let parts = o.parts(g, layers, held, copies)?;
-        let mem = slot_mem[si].as_deref_mut().ok_or_else(lost)?;
-        made.add(fill(&parts, mem, o.rate)?);
-        o.holds[si] = Some(g);
-    }
-    let next = g + 1;
-    if slots > 1 && next < o.groups.len() && o.holds[next % slots] != Some(next) {
-        let sj = next % slots;
-        let parts = o.parts(next, layers, held, copies)?;
-        let mem = slot_mem[sj].take().ok_or_else(lost)?;
-        o.holds[sj] = None;
-        let rate = o.rate;
-        let handle = scope.spawn(move || {
-            let r = fill(&parts, &mut *mem, rate);
-            (mem, r)
-        });
-        *pending = Some(Pending {
-            group: next,
-            slot: sj,
-            handle,
-        });
-    }
-    Ok(si)
 }
 
 /// Where a layer's matrices are read: the model's tensors, or its group's onload slot.

@@ -1,14 +1,23 @@
 //! Offloaded execution (`offload="sequential" | "group"`): layers whose weights stay on `cpu`
 //! or `disk` run on the execution device, their matrices copied into onload slots there first.
 //! The slots are the tail of that device's planned scratch, after its workspace, so what the
-//! plan counted is what is held. With two slots the next group is copied by a scoped thread
-//! while the current one computes (a copy stream's work on a GPU); a slot keeps its group
-//! across forward calls, so a model with as many groups as slots copies each only once.
+//! plan counted is what is held. With two slots the next group is copied by a background
+//! copier while the current one computes (a copy stream's work on a GPU); a slot keeps its
+//! group across forward calls, so a model with as many groups as slots copies each only once.
+//!
+//! The copier is one thread per forward call, started with the first offloaded group and
+//! blocked on its queue between copies. A thread spawned per group started a millisecond or
+//! more after the spawn on a busy two-core host (a new thread queues behind the compute
+//! threads, a woken one does not), longer than a decode layer's compute; and the forward pass
+//! waits for a prefetch only when it reaches the group being copied, so the copy overlaps every
+//! layer of the current group, not the first one alone.
 
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::{Scope, ScopedJoinHandle};
 use std::time::Instant;
 
 use crate::device::pace;
-use crate::error::{Result, invalid};
+use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 
 use super::Copies;
@@ -90,19 +99,24 @@ impl Onload {
     }
 }
 
-/// Copy `parts` into `slot`, paced by the link rate. Returns the copy's count, bytes and time.
+/// Copy `parts` into `slot`, then sleep out what the link would take longer (a paced copy
+/// costs no CPU while it waits). One wait per group rather than one per part: each wake-up
+/// queues for a core behind the compute threads. Returns the copy's count, bytes and time.
 pub(crate) fn fill(parts: &[(&[u8], usize)], slot: &mut [u8], rate: Option<u64>) -> Result<Copies> {
     let since = Instant::now();
     let mut bytes = 0u64;
     let len = slot.len();
     for &(src, at) in parts {
-        let dst = slot.get_mut(at..at + src.len()).ok_or_else(|| {
-            invalid(
-                "onload copy",
-                format!("{} bytes in the slot from offset {at}", src.len()),
-                format!("a slot of {len} bytes"),
-            )
-        })?;
+        let dst = at
+            .checked_add(src.len())
+            .and_then(|end| slot.get_mut(at..end))
+            .ok_or_else(|| {
+                invalid(
+                    "onload copy",
+                    format!("{} bytes in the slot from offset {at}", src.len()),
+                    format!("a slot of {len} bytes"),
+                )
+            })?;
         dst.copy_from_slice(src);
         bytes += src.len() as u64;
     }
@@ -110,4 +124,125 @@ pub(crate) fn fill(parts: &[(&[u8], usize)], slot: &mut [u8], rate: Option<u64>)
     let mut c = Copies::default();
     c.note(bytes, since);
     Ok(c)
+}
+
+/// One group to copy: its parts, and the slot they go to (lent to the copier until it is done).
+struct Job<'w> {
+    group: usize,
+    slot: usize,
+    mem: &'w mut [u8],
+    parts: Vec<(&'w [u8], usize)>,
+    rate: Option<u64>,
+}
+
+/// A finished copy: the group, its slot handed back, and the copy's result.
+type Done<'w> = (usize, usize, &'w mut [u8], Result<Copies>);
+
+/// The background copier of one forward call (see the module docs).
+pub(crate) struct Copier<'s, 'w> {
+    jobs: Sender<Job<'w>>,
+    done: Receiver<Done<'w>>,
+    /// The group being copied and its slot.
+    in_flight: Option<(usize, usize)>,
+    _thread: ScopedJoinHandle<'s, ()>,
+}
+
+impl<'s, 'w: 's> Copier<'s, 'w> {
+    fn start(scope: &'s Scope<'s, '_>) -> Copier<'s, 'w> {
+        let (jobs, queue) = channel::<Job<'w>>();
+        let (finished, done) = channel();
+        let thread = scope.spawn(move || {
+            // Ends when the forward call drops its sender.
+            for j in queue {
+                let r = fill(&j.parts, j.mem, j.rate);
+                if finished.send((j.group, j.slot, j.mem, r)).is_err() {
+                    return;
+                }
+            }
+        });
+        Copier {
+            jobs,
+            done,
+            in_flight: None,
+            _thread: thread,
+        }
+    }
+
+    fn stopped() -> EngineError {
+        EngineError::Device {
+            device: "cpu".into(),
+            detail: "the onload copier thread stopped before its copy was done".into(),
+        }
+    }
+
+    fn post(&mut self, job: Job<'w>) -> Result<()> {
+        self.in_flight = Some((job.group, job.slot));
+        self.jobs.send(job).map_err(|_| Self::stopped())
+    }
+
+    /// Wait for the copy in flight: its group, slot, slot memory and result.
+    fn wait(&mut self) -> Result<Done<'w>> {
+        self.in_flight = None;
+        self.done.recv().map_err(|_| Self::stopped())
+    }
+}
+
+/// Make group `g` resident in its slot (`g mod slots`), waiting for its prefetch or copying it
+/// now, then hand the next group to the copier for the other slot when there are two. Returns
+/// the slot that holds `g`. Called before every offloaded layer; it waits for the copier only
+/// when `g` or its slot is what is being copied.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn onload_group<'s, 'w: 's, 'h: 'w>(
+    o: &mut Onload,
+    g: usize,
+    layers: &[Layer],
+    held: &'h [Held],
+    copies: &'h [(usize, Held)],
+    slot_mem: &mut [Option<&'w mut [u8]>],
+    copier: &mut Option<Copier<'s, 'w>>,
+    scope: &'s Scope<'s, '_>,
+    made: &mut Copies,
+) -> Result<usize> {
+    let slots = o.slots();
+    let si = g % slots;
+    let prefetch = slots > 1 && o.groups.len() > 1;
+    if prefetch && copier.is_none() {
+        // Started now, while this group is copied, so it is waiting when the next one is due.
+        *copier = Some(Copier::start(scope));
+    }
+    if let Some(c) = copier.as_mut()
+        && c.in_flight.is_some_and(|(pg, ps)| pg == g || ps == si)
+    {
+        let (pg, ps, mem, r) = c.wait()?;
+        slot_mem[ps] = Some(mem);
+        made.add(r?);
+        o.holds[ps] = Some(pg);
+    }
+    let lost = || invalid("onload slot", "free for a copy", "in use by a prefetch");
+    if o.holds[si] != Some(g) {
+        o.holds[si] = None;
+        let parts = o.parts(g, layers, held, copies)?;
+        let mem = slot_mem[si].as_deref_mut().ok_or_else(lost)?;
+        made.add(fill(&parts, mem, o.rate)?);
+        o.holds[si] = Some(g);
+    }
+    let next = g + 1;
+    if let Some(c) = copier.as_mut()
+        && next < o.groups.len()
+        && o.holds[next % slots] != Some(next)
+        && c.in_flight.is_none()
+    {
+        let sj = next % slots;
+        let parts = o.parts(next, layers, held, copies)?;
+        let mem = slot_mem[sj].take().ok_or_else(lost)?;
+        o.holds[sj] = None;
+        c.post(Job {
+            group: next,
+            slot: sj,
+            mem,
+            parts,
+            rate: o.rate,
+        })?;
+    }
+    Ok(si)
 }
