@@ -69,9 +69,10 @@ demo: build-release demo-model ## set up, then inspect, plan, load and generate 
 	$(VENV)/bin/weightlift run $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 2048 --chat \
 		-p "Write a haiku about a small machine lifting a heavy weight." -n 64 --seed 42
 
-test-rust: venv vocab ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC)
+test-rust: venv vocab ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC; the NCCL transport compile-checked)
 	$(CUDA_ENV) WEIGHTLIFT_VOCAB_DIR=$(CACHE)/vocab cargo test --workspace --exclude weightlift-py \
 		--exclude weightlift-benches --features weightlift-kernels/cuda
+	$(CUDA_ENV) cargo check -p weightlift-engine --all-targets --features nccl
 
 test-python: build demo-model ## run the Python suite against the built extension
 	$(CUDA_ENV) $(VENV)/bin/pytest -q tests
@@ -81,7 +82,7 @@ test: build demo-model test-rust test-python ## set up, then run every Rust and 
 lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy -p weightlift-kernels -p weightlift-engine -p weightlift-benches --all-targets --features weightlift-kernels/cuda,weightlift-engine/cuda,weightlift-benches/cuda -- -D warnings
+	cargo clippy -p weightlift-kernels -p weightlift-engine -p weightlift-benches --all-targets --features weightlift-kernels/cuda,weightlift-engine/cuda,weightlift-engine/nccl,weightlift-benches/cuda -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(MAKE) build

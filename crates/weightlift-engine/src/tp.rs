@@ -9,8 +9,10 @@
 //! - `add_residual` adds, on each device, its column slice of `source` into `target`.
 //!
 //! The copies go through a [`Collective`] so a transport such as NCCL can replace the
-//! host-staged one. On `cpu` and `virtual` devices every copy is a real copy between separate
-//! allocations.
+//! host-staged one; its rank-level collectives ([`Collective::all_gather`],
+//! [`Collective::reduce_scatter_sum`], ...) are what a process driving only some of the
+//! ranks calls, and what the `nccl` feature's `Nccl` runs through NCCL. On `cpu` and
+//! `virtual` devices every copy is a real copy between separate allocations.
 
 use std::sync::Arc;
 
@@ -20,8 +22,17 @@ use weightlift_format::DType;
 use crate::device::{Buffer, Device, DeviceTensor, pace_link};
 use crate::error::{EngineError, Result, invalid};
 
+mod host;
 mod lend;
+#[cfg(feature = "nccl")]
+mod nccl;
+mod world;
 pub use lend::{Collectives, ScratchViews};
+#[cfg(feature = "nccl")]
+pub use nccl::Nccl;
+pub use world::{
+    MAX_WORLD_SIZE, NCCL_ID_BYTES, NCCL_ID_FILE_VAR, NCCL_ID_VAR, NcclUniqueId, World,
+};
 
 /// exllamav2's broadcast types: which table a collective follows.
 pub const BROADCAST_KV: usize = 0;
@@ -82,15 +93,51 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
 
     /// Wait until every queued copy has finished (exllamav2's `wait_streams`).
     fn synchronize(&self) -> Result<()>;
+
+    /// Every rank's `values` becomes the element-wise sum over the ranks, added in rank order.
+    /// `parts` are the ranks this process drives; the default moves them with
+    /// [`Collective::copy_host`] and needs every rank of the world here.
+    fn all_reduce_sum(&self, parts: &mut [RankSlice<'_>]) -> Result<()> {
+        host::all_reduce_sum(self, parts)
+    }
+
+    /// Every rank's `values` becomes a copy of rank `root`'s.
+    fn broadcast_from(&self, root: usize, parts: &mut [RankSlice<'_>]) -> Result<()> {
+        host::broadcast_from(self, root, parts)
+    }
+
+    /// Rank `r` contributes `counts[r]` values (its block, at `counts[..r].sum()` inside its
+    /// `values`, which hold `counts.sum()`); afterwards every rank holds every block. Counts
+    /// may differ per rank, as split tables do, and may be 0 for a rank with no share.
+    fn all_gather(&self, counts: &[usize], parts: &mut [RankSlice<'_>]) -> Result<()> {
+        host::all_gather(self, counts, parts)
+    }
+
+    /// Every rank holds a partial sum of `counts.sum()` values; afterwards rank `r`'s block
+    /// (laid out as in [`Collective::all_gather`]) holds that block summed over the ranks, in
+    /// rank order. The other blocks are left as they were.
+    fn reduce_scatter_sum(&self, counts: &[usize], parts: &mut [RankSlice<'_>]) -> Result<()> {
+        host::reduce_scatter_sum(self, counts, parts)
+    }
+}
+
+/// One rank's buffer in a collective over f32 values (the host path's activations).
+#[derive(Debug)]
+pub struct RankSlice<'a> {
+    /// The rank: the split tables' device index, and the NCCL rank.
+    pub rank: usize,
+    /// The device whose memory `values` is.
+    pub device: &'a Device,
+    pub values: &'a mut [f32],
 }
 
 /// Copies staged through host memory: what exllamav2 does without peer access. Between `cpu`
 /// and `virtual` devices they are plain copies between the arenas; to, from and between CUDA
 /// devices they go through the kernels' pinned staging (host to device, queued on the device's
 /// stream) and synchronous device-to-host reads, bounced [`crate::device::BOUNCE_BYTES`] at a
-/// time. Peer (device-to-device across GPUs) copies and NCCL are later transports behind the
-/// same trait. `synchronize` has nothing of its own to wait for; [`TpContext::wait_streams`]
-/// also waits for every CUDA device's stream.
+/// time. Peer (device-to-device across GPUs) copies are a later transport behind the same trait,
+/// NCCL (feature `nccl`) another. `synchronize` has nothing of its own to wait for;
+/// [`TpContext::wait_streams`] also waits for every CUDA device's stream.
 #[derive(Debug, Default)]
 pub struct HostStaged;
 

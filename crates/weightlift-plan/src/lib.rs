@@ -123,8 +123,8 @@ pub use request::{
 pub use size::{fmt_bytes, parse_size};
 pub use synth::{DTypeChoice, QuantPreset, WeightType, converted, gguf_type, synthesize_tensors};
 pub use tp::{
-    SplitTable, TpInputs, TpKind, TpShare, TpSplit, TpWorkspace, define_split, integer_split,
-    to_table, tp_staging_bytes,
+    MAX_TP_RANKS, SplitTable, TpInputs, TpKind, TpRank, TpShare, TpSplit, TpWorkspace, TpWorld,
+    define_split, integer_split, to_table, tp_staging_bytes,
 };
 pub use window::{SWA_PAD, SlidingWindow};
 pub use workspace::{ALIGN, Dims, Hosts, KV_TILE, LOGIT_ROWS, Region, Workspace};

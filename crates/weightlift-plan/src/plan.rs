@@ -217,6 +217,10 @@ impl Plan {
         self.tp.as_ref()
     }
     /// One TP table: `(device_index, start, end)`.
+    /// The ranks of a multi-process tensor-parallel plan (rank `r` is the tables' device `r`).
+    pub fn tp_ranks(&self) -> Option<&[crate::tp::TpRank]> {
+        self.tp.as_ref().and_then(|t| t.ranks.as_deref())
+    }
     pub fn tp_split(&self, kind: TpKind) -> Option<&[(usize, u64, u64)]> {
         self.tp.as_ref().map(|t| t.table(kind))
     }
@@ -322,6 +326,15 @@ impl Plan {
                 fmt(&tp.rs),
                 fmt(&tp.vc)
             ));
+            if let Some(ranks) = &tp.ranks {
+                s.push_str(&format!("ranks ({}, one process per gpu):\n", ranks.len()));
+                for r in ranks {
+                    s.push_str(&format!(
+                        "  rank {:>3}  {} {}  (planned as {})\n",
+                        r.rank, r.host, r.device, r.planned_as
+                    ));
+                }
+            }
         }
         let h = &self.host;
         s.push_str(&format!(

@@ -248,6 +248,10 @@ pub struct PlanRequest {
     /// types (and `dtype`'s conversion).
     #[serde(default)]
     pub quantize: Option<Quantize>,
+    /// For `tensor_parallel` across processes: where each rank runs, one rank per accelerator
+    /// of `devices` (which give each rank's capacity). `None`: one process drives every device.
+    #[serde(default)]
+    pub world: Option<crate::tp::TpWorld>,
 }
 
 impl PlanRequest {
@@ -271,6 +275,7 @@ impl PlanRequest {
             budget_rule: BudgetRule::Accelerate,
             sliding_window: None,
             quantize: None,
+            world: None,
         }
     }
 }

@@ -51,6 +51,75 @@ pub struct TpSplit {
     pub vc: SplitTable,
     pub rs: SplitTable,
     pub q: SplitTable,
+    /// Where each rank runs, when the request gave a multi-process [`TpWorld`]: rank `r` is
+    /// the tables' device `r`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Vec<TpRank>>,
+}
+
+/// More ranks than any run has: a guard against a garbled world spec.
+pub const MAX_TP_RANKS: usize = 1 << 16;
+
+/// One rank of a multi-process tensor-parallel run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TpRank {
+    pub rank: usize,
+    /// The machine it runs on.
+    pub host: String,
+    /// Its device on that machine (`cuda:{local_rank}`, as torchrun's `LOCAL_RANK` picks it).
+    pub device: String,
+    /// The request's accelerator that stands for it (whose capacity the plan used); filled in
+    /// by the planner.
+    #[serde(default)]
+    pub planned_as: String,
+}
+
+/// The processes of a tensor-parallel run, one per GPU, in rank order: torchrun's layout,
+/// where node `k`'s `n` processes are the ranks after those of the nodes before it and take
+/// `cuda:0 .. cuda:{n-1}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TpWorld {
+    pub ranks: Vec<TpRank>,
+}
+
+impl TpWorld {
+    /// Parse `host:gpus[,host:gpus...]`, such as `node0:4,node1:4` (eight ranks, 0-3 on
+    /// `node0`).
+    pub fn parse(spec: &str) -> Result<TpWorld> {
+        let bad = |got: String| PlanError::option("world", "host:gpus[,host:gpus...]", got);
+        let mut ranks: Vec<TpRank> = Vec::new();
+        let mut hosts: Vec<&str> = Vec::new();
+        for entry in spec.split(',').map(str::trim) {
+            let Some((host, n)) = entry.rsplit_once(':') else {
+                return Err(bad(format!("'{entry}' (no ':gpus')")));
+            };
+            let host = host.trim();
+            let n: usize =
+                n.trim().parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+                    bad(format!("'{entry}' (gpus must be a whole number from 1)"))
+                })?;
+            if host.is_empty() || hosts.contains(&host) {
+                return Err(bad(format!("'{entry}' (an empty or repeated host)")));
+            }
+            if ranks.len().saturating_add(n) > MAX_TP_RANKS {
+                return Err(bad(format!("more than {MAX_TP_RANKS} ranks")));
+            }
+            hosts.push(host);
+            for local in 0..n {
+                ranks.push(TpRank {
+                    rank: ranks.len(),
+                    host: host.to_owned(),
+                    device: format!("cuda:{local}"),
+                    planned_as: String::new(),
+                });
+            }
+        }
+        Ok(TpWorld { ranks })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
 }
 
 impl TpSplit {
@@ -200,6 +269,7 @@ pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
         vc: to_table(&vc, 32),
         rs: to_table(&rs, 32),
         q: to_table(&q, 1),
+        ranks: None,
     })
 }
 

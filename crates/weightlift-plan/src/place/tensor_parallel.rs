@@ -7,7 +7,7 @@ use weightlift_format::Role;
 use super::{Assign, Ctx, ShardIdx};
 use crate::error::{PlanError, Result};
 use crate::request::TpOptions;
-use crate::tp::{TpInputs, TpWorkspace, define_split, tp_staging_bytes};
+use crate::tp::{TpInputs, TpRank, TpWorkspace, TpWorld, define_split, tp_staging_bytes};
 use crate::window::{layer_cache, total_cache_bytes};
 use crate::workspace::Dims;
 
@@ -83,9 +83,12 @@ impl Ctx<'_> {
             },
             attn_footprints: footprints,
         };
-        let tp = define_split(&inputs)?;
+        let mut tp = define_split(&inputs)?;
         let hd = u64::from(spec.head_dim);
         let acc = |i: usize| self.accel[i];
+        if let Some(world) = &self.req.world {
+            tp.ranks = Some(self.ranks(world)?);
+        }
         let scale = |t: &[(usize, u64, u64)], m: u64| -> Vec<(usize, u64, u64)> {
             t.iter()
                 .map(|&(d, a, b)| (acc(d), a.saturating_mul(m), b.saturating_mul(m)))
@@ -175,6 +178,31 @@ impl Ctx<'_> {
 }
 
 impl Ctx<'_> {
+    /// The world's ranks, each standing for the accelerator of the same index (its capacity
+    /// is that rank's budget).
+    fn ranks(&self, world: &TpWorld) -> Result<Vec<TpRank>> {
+        if world.world_size() != self.accel.len() {
+            return Err(PlanError::option(
+                "world",
+                &format!(
+                    "one rank per accelerator of the device list ({}), each giving that \
+                     rank's capacity",
+                    self.accel.len()
+                ),
+                format!("{} ranks", world.world_size()),
+            ));
+        }
+        Ok(world
+            .ranks
+            .iter()
+            .zip(&self.accel)
+            .map(|(r, &d)| TpRank {
+                planned_as: self.devs[d].name.clone(),
+                ..r.clone()
+            })
+            .collect())
+    }
+
     /// Per-device scratch of the tensor-parallel forward pass: each accelerator its
     /// [`TpWorkspace`], the host the two staging buffers the collectives go through (the host
     /// computes only the embedding lookup, into a staging buffer).
@@ -216,4 +244,120 @@ fn shard_bytes(table: &[(usize, u64, u64)], dim: u64, bytes: u64) -> Vec<ShardId
         out.push((d, s, e, b));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use weightlift_format::ModelSpec;
+
+    use crate::request::{Strategy, TpOptions};
+    use crate::tp::TpWorld;
+    use crate::{PlanRequest, WeightType, parse_devices, plan, synthesize_tensors};
+
+    /// SmolLM2-135M's shape (its GGUF's metadata): 3 kv heads, so up to three ranks get heads.
+    fn smollm2() -> ModelSpec {
+        ModelSpec {
+            architecture: "llama".into(),
+            n_layers: 30,
+            hidden_size: 576,
+            intermediate_size: 1536,
+            n_heads: 9,
+            n_kv_heads: vec![3; 30],
+            head_dim: 64,
+            vocab_size: 49152,
+            context_length: 8192,
+            rope_theta: 10000.0,
+            rope_dim: 64,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            attention_bias: false,
+        }
+    }
+
+    fn tp_request(devices: &str, world: Option<&str>) -> PlanRequest {
+        let spec = smollm2();
+        let tensors = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap()).unwrap();
+        let mut req = PlanRequest::new(spec, tensors, parse_devices(devices).unwrap());
+        req.strategy = Strategy::TensorParallel(TpOptions::default());
+        req.world = world.map(|w| TpWorld::parse(w).unwrap());
+        req
+    }
+
+    #[test]
+    fn a_world_names_each_ranks_host_and_device() {
+        let p = plan(&tp_request("virtual:3x1GiB", Some("node0:2,node1:1"))).unwrap();
+        let ranks = p.tp_ranks().unwrap();
+        let got: Vec<(usize, &str, &str, &str)> = ranks
+            .iter()
+            .map(|r| {
+                (
+                    r.rank,
+                    r.host.as_str(),
+                    r.device.as_str(),
+                    r.planned_as.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, "node0", "cuda:0", "virtual:0"),
+                (1, "node0", "cuda:1", "virtual:1"),
+                (2, "node1", "cuda:0", "virtual:2"),
+            ]
+        );
+        let text = p.explain();
+        assert!(text.contains("ranks (3, one process per gpu):"), "{text}");
+        assert!(
+            text.contains("rank   2  node1 cuda:0  (planned as virtual:2)"),
+            "{text}"
+        );
+        // Without a world the plan is one process's, and says nothing of ranks.
+        let single = plan(&tp_request("virtual:3x1GiB", None)).unwrap();
+        assert!(single.tp_ranks().is_none());
+        assert!(!single.explain().contains("ranks ("));
+        // The world names the ranks; it does not move the split.
+        let mut tables = p.tp().unwrap().clone();
+        tables.ranks = None;
+        assert_eq!(single.tp(), Some(&tables));
+    }
+
+    #[test]
+    fn a_world_must_match_the_accelerators() {
+        let e = plan(&tp_request("virtual:2x1GiB", Some("node0:2,node1:1")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("one rank per accelerator of the device list (2)") && e.contains("3 ranks"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn world_specs_parse_in_torchrun_order() {
+        let w = TpWorld::parse("a:1, b.example:2").unwrap();
+        let names: Vec<String> = w
+            .ranks
+            .iter()
+            .map(|r| format!("{}={}/{}", r.rank, r.host, r.device))
+            .collect();
+        assert_eq!(
+            names,
+            ["0=a/cuda:0", "1=b.example/cuda:0", "2=b.example/cuda:1"]
+        );
+        for (bad, why) in [
+            ("node0", "no ':gpus'"),
+            ("node0:0", "whole number from 1"),
+            ("node0:x", "whole number from 1"),
+            (":2", "empty or repeated host"),
+            ("a:1,a:1", "empty or repeated host"),
+            ("a:70000", "more than 65536 ranks"),
+        ] {
+            let e = TpWorld::parse(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("expected host:gpus[,host:gpus...]") && e.contains(why),
+                "{bad}: {e}"
+            );
+        }
+    }
 }

@@ -225,6 +225,7 @@ impl TpGraph {
             vc: splits.vc.clone(),
             rs: splits.rs.clone(),
             q: splits.q.clone(),
+            ranks: None,
         };
         let nd = ctx.devices().len();
         let shares: Vec<TpShare> = (0..nd)
