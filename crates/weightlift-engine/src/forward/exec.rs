@@ -31,7 +31,8 @@ use weightlift_kernels::{
 use weightlift_plan::Workspace;
 
 use super::Compute;
-use super::graph::{Consts, Floats, Layer, Linear, Slot};
+use super::layer::Consts;
+use super::parts::{Floats, Layer, Linear, Slot};
 use super::weights::Packing;
 use crate::cache::{Cache, CacheDType};
 use crate::device::{Buffer, DeviceTensor, Storage};

@@ -26,11 +26,18 @@
 //! Placement never changes results: every device runs the same kernels on the same shapes.
 
 mod attention;
+mod boundary;
+mod embed;
 mod exec;
 mod graph;
+mod layer;
+mod logits;
 mod onload;
+mod parts;
+mod rope;
 mod tp;
 mod weights;
+mod work;
 
 use std::sync::Arc;
 

@@ -21,7 +21,8 @@ use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 
 use super::Copies;
-use super::graph::{Layer, weight_of};
+use super::layer::weight_of;
+use super::parts::Layer;
 
 /// The onload state of a graph.
 #[derive(Debug)]

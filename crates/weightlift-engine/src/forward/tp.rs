@@ -28,7 +28,9 @@ use weightlift_kernels::{QuantType, RopeParams};
 use weightlift_plan::{Dims, RuntimeSpec, TpShare, TpWorkspace};
 
 use super::attention::{self, Shape, Tiles};
-use super::graph::{Loaded, kernel, rope_of, swiglu_in_place};
+use super::graph::Loaded;
+use super::layer::{kernel, swiglu_in_place};
+use super::rope::rope_of;
 use super::weights::Packing;
 use super::{Compute, Copies, Logits, Views, carve, check_tokens};
 use crate::cache::{Cache, CacheDType};

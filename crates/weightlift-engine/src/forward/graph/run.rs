@@ -1,0 +1,179 @@
+//! The forward call: a prompt in chunks of the workspace's tokens, each embedded, run through the
+//! layers on the devices that hold them (the hidden state copied at each device boundary), and
+//! the head for the rows whose logits are asked for.
+
+use std::sync::Arc;
+
+use super::Graph;
+use weightlift_kernels::Backend;
+
+use crate::cache::Cache;
+use crate::device::{Buffer, Device};
+use crate::error::Result;
+use crate::forward::boundary::move_rows;
+use crate::forward::embed::embed_rows;
+use crate::forward::exec::{self, Ctx, kernel_on};
+use crate::forward::layer::{Consts, Weights, run_layer};
+use crate::forward::logits::head_rows;
+use crate::forward::onload::{Copier, onload_group};
+use crate::forward::work::{Work, on_site, site_works};
+use crate::forward::{Compute, Copies, Logits, check_tokens};
+use crate::model::Held;
+
+impl Graph {
+    /// Run `ids` through the model, appending to `cache` at its `seq_len`, and write the
+    /// logits asked for into `out` (`rows × vocab`, row-major). Returns the copies made.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &mut self,
+        held: &[Held],
+        copies: &[(usize, Held)],
+        scratch: &mut [Buffer],
+        cache: &Arc<Cache>,
+        ids: &[u32],
+        logits: Logits,
+        (compute, int8_threshold): (Compute, f32),
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
+        let vocab = self.dims.vocab as usize;
+        let start = check_tokens(ids, self.dims.vocab, cache)? as usize;
+        let rows = match logits {
+            Logits::Last => 1,
+            Logits::All => ids.len(),
+        };
+        out.clear();
+        out.resize(rows * vocab, 0.0);
+        let devs: Vec<Arc<Device>> = self.sites.iter().map(|s| Arc::clone(&s.device)).collect();
+
+        let onload_site = self
+            .onload
+            .as_ref()
+            .map(|o| (o.site, o.slot_bytes, o.slots()));
+        let (mut works, mut slot_mem) = site_works(&mut self.sites, scratch, onload_site)?;
+
+        let c = Consts {
+            hidden: self.dims.hidden as usize,
+            n_heads: self.dims.n_heads as usize,
+            head_dim: self.dims.head_dim as usize,
+            kv_tile: self.dims.kv_tile as usize,
+            q_tile: self.dims.q_tile as usize,
+            eps: self.eps,
+            rope: self.rope,
+            max_dq: self.max_dq,
+            compute,
+            int8_threshold,
+        };
+        let cx = |site: usize| Ctx {
+            c: &c,
+            held,
+            copies,
+            device: devs[site].name(),
+        };
+        let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
+        for (i, w) in works.iter_mut().enumerate() {
+            on_site!(w, v => {
+                let len = self.inv_freqs.len().min(v.freqs.len());
+                let f = &mut v.freqs[..len];
+                f.copy_from_slice(&self.inv_freqs[..f.len()]);
+            }, (b, r) => {
+                // only the sites that compute layers hold the table
+                if b.len(&r.freqs) >= freqs.len() {
+                    b.copy_from_host(freqs, &mut r.freqs, 0)
+                        .map_err(|e| kernel_on(devs[i].name(), "rope frequencies", e))?;
+                }
+            });
+        }
+        let mut copies_made = Copies::default();
+        let chunk = self.dims.tokens as usize;
+        let h = c.hidden;
+        let mut done = 0usize;
+        std::thread::scope(|scope| -> Result<()> {
+            let mut copier: Option<Copier<'_, '_>> = None;
+            for part in ids.chunks(chunk) {
+                let n = part.len();
+                let pos = start + done;
+                // Embedding rows, dequantised into the embedding device's residual stream.
+                let es = self.embed_site;
+                on_site!(&mut works[es],
+                v => embed_rows(held, copies, &self.embed, part, h, v.x)?,
+                (b, r) => exec::embed(*b, &cx(es), &self.embed, part, &mut r.x)?);
+                for (i, w) in works.iter_mut().enumerate() {
+                    on_site!(w, _v => (), (b, r) => exec::positions(*b, devs[i].name(), pos, n, r)?);
+                }
+                let mut at = self.embed_site;
+                for (li, layer) in self.layers.iter().enumerate() {
+                    if layer.site != at {
+                        move_rows(
+                            &mut works,
+                            &devs,
+                            at,
+                            layer.site,
+                            0,
+                            n * h,
+                            &mut copies_made,
+                        )?;
+                        at = layer.site;
+                    }
+                    let slot = match (layer.group, self.onload.as_mut()) {
+                        (Some(g), Some(o)) => {
+                            let si = onload_group(
+                                o,
+                                g,
+                                &self.layers,
+                                held,
+                                copies,
+                                &mut slot_mem,
+                                &mut copier,
+                                scope,
+                                &mut copies_made,
+                            )?;
+                            slot_mem[si].as_deref()
+                        }
+                        _ => None,
+                    };
+                    let wts = Weights { held, copies, slot };
+                    on_site!(&mut works[at],
+                    v => run_layer(&c, layer, li, &wts, cache, pos, n, v)?,
+                    (b, r) => exec::layer(*b, &cx(at), layer, li, cache, pos, n, r)?);
+                }
+                cache.note_ids(pos as u64, part);
+                cache.set_seq_len((pos + n) as u64)?;
+                // The head: only the rows asked for.
+                let first = match logits {
+                    Logits::Last if done + n < ids.len() => {
+                        done += n;
+                        continue;
+                    }
+                    Logits::Last => n - 1,
+                    Logits::All => 0,
+                };
+                let need = n - first;
+                if self.head_site != at {
+                    move_rows(
+                        &mut works,
+                        &devs,
+                        at,
+                        self.head_site,
+                        first * h,
+                        need * h,
+                        &mut copies_made,
+                    )?;
+                }
+                let per = self.dims.logit_rows as usize;
+                let out_row0 = match logits {
+                    Logits::Last => 0,
+                    Logits::All => done,
+                };
+                let rows_out = &mut out[out_row0 * vocab..(out_row0 + need) * vocab];
+                let hs = self.head_site;
+                on_site!(&mut works[hs], w => {
+                let hw = Weights { held, copies, slot: None };
+                head_rows(&c, &hw, &self.out_norm, &self.head, first, per, rows_out, w)?;
+            }, (b, r) => exec::head(*b, &cx(hs), &self.out_norm, &self.head, first, per, rows_out, r)?);
+                done += n;
+            }
+            Ok(())
+        })?;
+        Ok(copies_made)
+    }
+}

@@ -1,0 +1,143 @@
+//! The parts of the graph: which held tensor each norm, bias and matrix of a layer reads, and
+//! the f32 copies of the small ones made once at build.
+
+use std::sync::Arc;
+
+use weightlift_format::{DType, TensorInfo};
+
+use super::exec;
+use super::host_weight;
+use super::layer::kernel;
+use super::weights::Gptq;
+use crate::device::{Buffer, Device, Storage};
+use crate::error::Result;
+use crate::model::Held;
+
+/// A held tensor: in the model's tensor list, or one of its extra copies (a tied head).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Slot {
+    Tensor(usize),
+    Copy(usize),
+}
+
+/// f32 parameters read once at build: a norm's weight or a bias. The host paths read the host
+/// copy; a cuda device reads the held tensor in place when it is f32 on that device, else a copy
+/// made there at build (a few KiB per layer).
+#[derive(Debug)]
+pub(crate) struct Floats {
+    pub host: Vec<f32>,
+    /// The held tensor it was read from.
+    pub index: usize,
+    pub name: String,
+    /// The held tensor is f32 on the computing cuda device and is read there.
+    pub held_on_device: bool,
+    /// A copy on the computing cuda device.
+    pub device: Option<Buffer>,
+}
+
+/// A matrix `rows × cols` and its optional f32 bias.
+#[derive(Debug)]
+pub(crate) struct Linear {
+    pub slot: Slot,
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub bias: Option<Floats>,
+    /// Offset in its group's onload slot, when the layer is offloaded.
+    pub onload_at: Option<usize>,
+    /// The packed layout of a GPTQ linear (its slot names the `qweight`).
+    pub gptq: Option<Box<Gptq>>,
+}
+
+impl Linear {
+    /// Index of the held tensor (or of the tensor a copy copies).
+    pub fn index(&self) -> usize {
+        match self.slot {
+            Slot::Tensor(i) | Slot::Copy(i) => i,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Layer {
+    pub site: usize,
+    pub kv_heads: usize,
+    pub attn_norm: Floats,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub ffn_norm: Floats,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    /// The onload group, when the layer's weights stay on cpu or disk and are copied in.
+    pub group: Option<usize>,
+}
+
+impl Layer {
+    /// The matrices, in the order they are laid out in an onload slot.
+    pub fn linears(&self) -> [&Linear; 7] {
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
+    }
+
+    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ]
+    }
+}
+
+/// A small tensor (a norm's weight, a bias) as f32 on the host, read back from device memory
+/// where it lives there.
+pub(super) fn f32_vector(held: &Held, info: &TensorInfo) -> Result<Vec<f32>> {
+    let n = info.n_elements() as usize;
+    let mut out = vec![0f32; n];
+    if let Held::Whole { tensor, .. } = held
+        && tensor.host_bytes().is_none()
+    {
+        let ty = exec::kernel_type(&info.name, tensor.dtype())?;
+        let bytes = tensor.to_host()?;
+        weightlift_kernels::dequantize_f32(ty, &bytes, &mut out)
+            .map_err(|e| kernel(&info.name, e))?;
+        return Ok(out);
+    }
+    let (bytes, ty) = host_weight(held, &info.name)?;
+    weightlift_kernels::dequantize_f32(ty, bytes, &mut out).map_err(|e| kernel(&info.name, e))?;
+    Ok(out)
+}
+
+pub(super) fn floats(held: &[Held], infos: &[TensorInfo], i: usize) -> Result<Floats> {
+    Ok(Floats {
+        host: f32_vector(&held[i], &infos[i])?,
+        index: i,
+        name: infos[i].name.clone(),
+        held_on_device: false,
+        device: None,
+    })
+}
+
+/// Makes `f` readable on cuda `device`: the held tensor in place when it is f32 there, else a
+/// copy.
+pub(super) fn place(f: &mut Floats, held: &[Held], device: &Arc<Device>) -> Result<()> {
+    if let Some(Held::Whole { tensor, .. }) = held.get(f.index)
+        && tensor.dtype() == DType::F32
+        && tensor.device().name() == device.name()
+        && matches!(tensor.storage(), Storage::Owned(b) if b.cuda().is_some())
+    {
+        f.held_on_device = true;
+        return Ok(());
+    }
+    let mut buf = device.alloc(f.host.len() as u64 * 4)?;
+    buf.write(0, bytemuck::cast_slice(&f.host))?;
+    f.device = Some(buf);
+    Ok(())
+}
