@@ -15,9 +15,16 @@
 //! - on the model's own cache, the longest prefix the cache already holds is reused (at least
 //!   one prompt token is always run, to get logits).
 //!
+//! With `logprobs` set, every sampled token also gets its log-probability and the most likely
+//! alternatives ([`logprobs::TokenLogprobs`], from the raw logits as llama-cpp-python reports
+//! them); with `prompt_logprobs` the prompt tokens do too, which runs the whole prompt with
+//! logits at every position and reuses nothing.
+//!
 //! With an explicit cache the prompt is appended at its `seq_len` (exllamav2's way of continuing
 //! a sequence). A failed step (a device out of memory) ends the generation with the error; the
 //! cache keeps the tokens written before it, so model and cache stay usable.
+
+pub mod logprobs;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +36,12 @@ use crate::error::{EngineError, Result};
 use crate::forward::Logits;
 use crate::model::Model;
 use crate::sample::{Sampler, SamplingParams, StopMatcher};
+use logprobs::TokenLogprobs;
+
+/// Logits a prompt run with `prompt_logprobs` may hold at once (rows × vocabulary): the prompt
+/// runs in slices of this many floats' worth of positions, so a long prompt over a large
+/// vocabulary never needs its whole `rows × vocab` matrix.
+const PROMPT_LOGITS_FLOATS: usize = 1 << 24;
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,6 +54,11 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// Whether an end-of-generation token ends the generation.
     pub stop_at_eog: bool,
+    /// Score every sampled token, with this many most likely alternatives per position
+    /// (llama-cpp-python's `logprobs`); `None` scores nothing.
+    pub logprobs: Option<usize>,
+    /// With `logprobs`, score the prompt tokens too (llama-cpp-python's `echo=True`).
+    pub prompt_logprobs: bool,
 }
 
 impl Default for GenerateOptions {
@@ -50,6 +68,8 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             stop_at_eog: true,
+            logprobs: None,
+            prompt_logprobs: false,
         }
     }
 }
@@ -124,6 +144,14 @@ pub struct Generation {
     tokens: Vec<u32>,
     max_tokens: u64,
     logits: Vec<f32>,
+    /// Alternatives per scored position, when scoring.
+    top_logprobs: Option<usize>,
+    /// Whether the first step scores the prompt.
+    score_prompt: bool,
+    /// One entry per prompt token run (none for the first: nothing here predicted it).
+    prompt_logprobs: Vec<Option<TokenLogprobs>>,
+    /// One entry per sampled token.
+    token_logprobs: Vec<TokenLogprobs>,
     finish: Option<FinishReason>,
     done: bool,
     timings: Timings,
@@ -157,7 +185,11 @@ impl Generation {
             None => (model.own_cache()?, true),
         };
         let max_seq_len = cache.config().max_seq_len;
-        let held = if reuse {
+        let score_prompt = options.logprobs.is_some() && options.prompt_logprobs;
+        let held = if reuse && score_prompt {
+            // Reused positions have no logits to score.
+            0
+        } else if reuse {
             cache.common_prefix(prompt).min(prompt.len() as u64 - 1)
         } else {
             cache.seq_len()
@@ -198,6 +230,10 @@ impl Generation {
             tokens: Vec::new(),
             max_tokens,
             logits: Vec::new(),
+            top_logprobs: options.logprobs,
+            score_prompt,
+            prompt_logprobs: Vec::new(),
+            token_logprobs: Vec::new(),
             finish: None,
             done: false,
             timings: Timings {
@@ -221,12 +257,17 @@ impl Generation {
         }
         let first = self.tokens.is_empty();
         let t0 = Instant::now();
-        let ran = model.forward(
-            &self.pending,
-            Some(&self.cache),
-            Logits::Last,
-            &mut self.logits,
-        );
+        let ran = match self.top_logprobs {
+            Some(n) if first && self.score_prompt => self.run_scored_prompt(model, n),
+            _ => model
+                .forward(
+                    &self.pending,
+                    Some(&self.cache),
+                    Logits::Last,
+                    &mut self.logits,
+                )
+                .map(|_| ()),
+        };
         if let Err(e) = ran {
             self.done = true;
             return Err(e);
@@ -246,6 +287,12 @@ impl Generation {
 
         if self.stop_at_eog && self.tokenizer.is_eog(token) {
             return Ok(Some(self.flush(FinishReason::Stop)));
+        }
+        if let Some(n) = self.top_logprobs {
+            let t = Instant::now();
+            self.token_logprobs
+                .push(TokenLogprobs::of(&self.logits, token, n));
+            self.timings.sample_secs += t.elapsed().as_secs_f64();
         }
         self.tokens.push(token);
         self.pending.clear();
@@ -285,6 +332,35 @@ impl Generation {
         Ok(text)
     }
 
+    /// Run the prompt with logits at every position, in slices that bound the logits held, and
+    /// score each prompt token against the row before it; the last row is left for sampling.
+    fn run_scored_prompt(&mut self, model: &mut Model, n: usize) -> Result<()> {
+        let vocab = usize::try_from(model.vocab_size()?)
+            .unwrap_or(usize::MAX)
+            .max(1);
+        let rows_per_call = (PROMPT_LOGITS_FLOATS / vocab).max(1);
+        let mut rows = Vec::new();
+        self.prompt_logprobs.clear();
+        self.prompt_logprobs.push(None);
+        let prompt = &self.pending;
+        for (c, slice) in prompt.chunks(rows_per_call).enumerate() {
+            model.forward(slice, Some(&self.cache), Logits::All, &mut rows)?;
+            for (r, row) in rows.chunks_exact(vocab).enumerate() {
+                let next = c * rows_per_call + r + 1;
+                match prompt.get(next) {
+                    Some(&t) => self
+                        .prompt_logprobs
+                        .push(Some(TokenLogprobs::of(row, t, n))),
+                    None => {
+                        self.logits.clear();
+                        self.logits.extend_from_slice(row);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The final piece: text the decoder and the stop matcher still hold.
     fn flush(&mut self, reason: FinishReason) -> Piece {
         self.done = true;
@@ -307,6 +383,18 @@ impl Generation {
     /// Tokens sampled so far (without a final end-of-generation token).
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// The log-probabilities of the sampled tokens, one per token of [`Generation::tokens`]
+    /// (empty unless `logprobs` was asked for).
+    pub fn token_logprobs(&self) -> &[TokenLogprobs] {
+        &self.token_logprobs
+    }
+
+    /// The log-probabilities of the prompt tokens, one per prompt token, the first `None`
+    /// (empty unless `logprobs` and `prompt_logprobs` were asked for, and until the first step).
+    pub fn prompt_logprobs(&self) -> &[Option<TokenLogprobs>] {
+        &self.prompt_logprobs
     }
 
     /// Tokens in the prompt (reused ones included).

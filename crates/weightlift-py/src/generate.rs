@@ -8,6 +8,7 @@
 //! written); a stream is a Python iterator that returns to Python after every piece.
 
 mod args;
+mod logprobs;
 mod respond;
 
 use std::sync::Arc;
@@ -18,7 +19,10 @@ use pyo3::types::{PyDict, PyTuple};
 use crate::cache::Cache;
 use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
-use args::{Call, Knobs, is_given, message, prompt_ids, refuse, refuse_sampling, text_of};
+use args::{
+    Call, Knobs, alternatives, is_given, logprobs_count, message, prompt_ids, refuse,
+    refuse_sampling, text_of,
+};
 pub use respond::CompletionStream;
 use respond::{Shape, timings_dict};
 
@@ -97,14 +101,19 @@ impl Model {
             stop,
             cache.map(|c| Arc::clone(&c.get().cache)),
         )?;
-        Model::respond(slf, call, Shape::Text, stream, None, None)
+        Model::respond(slf, call, Shape::Text, stream, None, 0, None)
     }
 
     /// llama-cpp-python's `Llama.create_completion`: the same arguments and defaults, and an
     /// OpenAI-style `text_completion` dict (`["choices"][0]["text"]`, `["usage"]`), or with
-    /// `stream=True` an iterator of chunks. Arguments it has that this build does not implement
-    /// (`suffix`, `logprobs`, mirostat, `tfs_z` other than 1, grammars, logits processors,
-    /// stopping criteria, `logit_bias`) raise `UnsupportedError` when given.
+    /// `stream=True` an iterator of chunks. `logprobs=N` adds `["choices"][0]["logprobs"]`:
+    /// `tokens`, `text_offset`, `token_logprobs` (the log-softmax of the raw logits, before any
+    /// sampling transform) and `top_logprobs` (the N most likely tokens keyed by their text, plus
+    /// the chosen one), per generated token, after the prompt's tokens with `echo=True` (the
+    /// first one null); each streamed chunk carries its token's. `logprobs=0` lists only the
+    /// chosen token, None or False none. Arguments it has that this build does not implement
+    /// (`suffix`, mirostat, `tfs_z` other than 1, grammars, logits processors, stopping
+    /// criteria, `logit_bias`) raise `UnsupportedError` when given.
     #[pyo3(signature = (prompt, suffix = None, max_tokens = 16, temperature = 0.8,
                         top_p = 0.95, min_p = 0.05, typical_p = 1.0, logprobs = None,
                         echo = false, stop = None, frequency_penalty = 0.0,
@@ -147,11 +156,7 @@ impl Model {
             is_given(suffix),
             "fill-in-the-middle prompts are not built",
         )?;
-        refuse(
-            "logprobs",
-            is_given(logprobs),
-            "log-probabilities are not returned yet",
-        )?;
+        let logprobs = logprobs_count(logprobs, "logprobs")?;
         refuse(
             "stopping_criteria",
             is_given(stopping_criteria),
@@ -171,14 +176,23 @@ impl Model {
             seed,
         };
         let ids = prompt_ids(&me.lock()?.model, prompt, None, true)?;
-        let echo = if echo {
+        let prompt_text = {
             let tok = eng(me.lock()?.model.tokenizer())?;
-            Some(tok.decode(&ids, true).map_err(ToPyErr::to_pyerr)?)
-        } else {
-            None
+            tok.decode(&ids, true).map_err(ToPyErr::to_pyerr)?
         };
-        let call = Call::new(ids, &knobs, me.default_seed()?, max_tokens, stop, None)?;
-        Model::respond(slf, call, Shape::Completion, stream, echo, model)
+        let prompt_chars = prompt_text.chars().count();
+        let echo = echo.then_some(prompt_text);
+        let mut call = Call::new(ids, &knobs, me.default_seed()?, max_tokens, stop, None)?;
+        call.options.logprobs = logprobs;
+        Model::respond(
+            slf,
+            call,
+            Shape::Completion,
+            stream,
+            echo,
+            prompt_chars,
+            model,
+        )
     }
 
     /// `create_completion`, as `Llama.__call__`.
@@ -202,8 +216,12 @@ impl Model {
     /// `content`) rendered with the model's chat template and a generation prompt; returns a
     /// `chat.completion` dict (`["choices"][0]["message"]["content"]`), or with `stream=True`
     /// an iterator of `chat.completion.chunk` dicts (a role delta, content deltas, then an empty
-    /// delta with the finish reason). Tools, functions, response formats, grammars, logprobs and
-    /// logit biases raise `UnsupportedError` when given.
+    /// delta with the finish reason). `logprobs=True` with `top_logprobs=N` adds
+    /// `["choices"][0]["logprobs"]["content"]`: per generated token its `token` text,
+    /// `logprob` and `top_logprobs` (`{token, logprob, bytes}` for the N most likely and the
+    /// chosen one), `bytes` None, as llama-cpp-python (which, like this, returns None for
+    /// `logprobs=True` without `top_logprobs`). Tools, functions, response formats, grammars
+    /// and logit biases raise `UnsupportedError` when given.
     #[pyo3(signature = (messages, functions = None, function_call = None, tools = None,
                         tool_choice = None, temperature = 0.2, top_p = 0.95, top_k = 40,
                         min_p = 0.05, typical_p = 1.0, stream = false, stop = None, seed = None,
@@ -242,7 +260,7 @@ impl Model {
         grammar: Option<&Bound<'_, PyAny>>,
         logit_bias: Option<&Bound<'_, PyAny>>,
         logprobs: Option<bool>,
-        top_logprobs: Option<i32>,
+        top_logprobs: Option<i64>,
     ) -> PyResult<Py<PyAny>> {
         let _ = (mirostat_tau, mirostat_eta);
         let tool_use = is_given(functions)
@@ -256,11 +274,12 @@ impl Model {
             "JSON modes are not built",
         )?;
         refuse_sampling(tfs_z, mirostat_mode, logits_processor, grammar, logit_bias)?;
-        refuse(
-            "logprobs",
-            logprobs == Some(true) || top_logprobs.is_some(),
-            "log-probabilities are not returned yet",
-        )?;
+        // llama-cpp-python passes `top_logprobs if logprobs else None` on as the completion's
+        // `logprobs`.
+        let logprobs = match (logprobs, top_logprobs) {
+            (Some(true), Some(n)) => Some(alternatives(n, "top_logprobs")?),
+            _ => None,
+        };
         let msgs = messages
             .try_iter()?
             .map(|m| message(&m?))
@@ -278,8 +297,9 @@ impl Model {
             frequency_penalty,
             seed,
         };
-        let call = Call::new(prompt, &knobs, me.default_seed()?, max_tokens, stop, None)?;
-        Model::respond(slf, call, Shape::Chat, stream, None, model)
+        let mut call = Call::new(prompt, &knobs, me.default_seed()?, max_tokens, stop, None)?;
+        call.options.logprobs = logprobs;
+        Model::respond(slf, call, Shape::Chat, stream, None, 0, model)
     }
 
     /// The last generation's timings: `prompt_tokens`, `prompt_ms`, `prompt_per_second`,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyString};
 use weightlift_engine::GenerateOptions;
 use weightlift_engine::sample::SamplingParams;
 use weightlift_text::Message;
@@ -79,6 +79,42 @@ pub(super) fn refuse(name: &str, given: bool, detail: &str) -> PyResult<()> {
         ));
     }
     Ok(())
+}
+
+/// `logprobs` (a completion's) or `top_logprobs` (a chat's): how many alternatives to list per
+/// token. None and False list nothing; a negative count is refused.
+pub(super) fn logprobs_count(
+    obj: Option<&Bound<'_, PyAny>>,
+    what: &str,
+) -> PyResult<Option<usize>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    if obj.cast::<PyBool>().is_ok_and(|b| !b.is_true()) {
+        return Ok(None);
+    }
+    let n: i64 = obj.extract().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what}: expected an int or None, got {}",
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        ))
+    })?;
+    alternatives(n, what).map(Some)
+}
+
+/// A count of alternatives per token, refused when negative.
+pub(super) fn alternatives(n: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(n).map_err(|_| {
+        raise(
+            Exc::Plan,
+            format!(
+                "{what}: expected a number of alternatives per token >= 0, got {n}; pass None \
+                 for no log-probabilities"
+            ),
+        )
+    })
 }
 
 pub(super) fn is_given(obj: Option<&Bound<'_, PyAny>>) -> bool {
@@ -165,6 +201,7 @@ impl Call {
                 sampling: knobs.params(default_seed),
                 stop: stops(stop)?,
                 stop_at_eog: true,
+                ..GenerateOptions::default()
             },
             cache,
         })

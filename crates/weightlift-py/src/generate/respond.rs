@@ -7,6 +7,7 @@ use pyo3::types::{PyDict, PyList, PyString};
 use weightlift_engine::{Generation, Piece, Timings};
 
 use super::args::Call;
+use super::logprobs::{Entry, Lister, chat_logprobs, completion_logprobs};
 use crate::errors::{ToPyErr, eng, enter};
 use crate::model::Model;
 
@@ -79,6 +80,7 @@ fn choice<'py>(
     py: Python<'py>,
     shape: Shape,
     body: Bound<'py, PyDict>,
+    logprobs: Option<Bound<'py, PyDict>>,
     finish: Option<&str>,
     streaming: bool,
 ) -> PyResult<Bound<'py, PyList>> {
@@ -93,7 +95,7 @@ fn choice<'py>(
         }
     }
     c.set_item("index", 0)?;
-    c.set_item("logprobs", py.None())?;
+    c.set_item("logprobs", logprobs)?;
     c.set_item("finish_reason", finish)?;
     PyList::new(py, [c])
 }
@@ -125,6 +127,10 @@ pub struct CompletionStream {
     head: Head,
     /// Text to put before the first piece (`echo=True`), or the chat role delta not yet sent.
     lead: Option<String>,
+    /// With `logprobs`: names and places each token for its chunk's log-probabilities.
+    lister: Option<Lister>,
+    /// The finish reason of a last token sent in a chunk of its own, for the closing chunk.
+    closing: Option<&'static str>,
 }
 
 #[pymethods]
@@ -138,11 +144,14 @@ impl CompletionStream {
             if self.shape == Shape::Chat {
                 let delta = PyDict::new(py);
                 delta.set_item("role", "assistant")?;
-                return self.chunk(py, delta, None).map(Some);
+                return self.chunk(py, delta, None, None).map(Some);
             }
             if !lead.is_empty() {
-                return self.text_chunk(py, &lead, None).map(Some);
+                return self.text_chunk(py, &lead, None, None).map(Some);
             }
+        }
+        if let Some(finish) = self.closing.take() {
+            return self.text_chunk(py, "", None, Some(finish)).map(Some);
         }
         loop {
             let model = self.model.bind(py).get();
@@ -154,10 +163,25 @@ impl CompletionStream {
                 inner.timings = Some(self.job.timings());
                 piece?
             };
-            let Some(Piece { text, finish, .. }) = piece else {
+            let Some(Piece {
+                token,
+                text,
+                finish,
+                ..
+            }) = piece
+            else {
                 return Ok(None);
             };
-            if text.is_empty() && finish.is_none() {
+            // With log-probabilities every token gets its chunk, even one whose text is held
+            // back for now (a possible stop string, part of a character).
+            let entry = match (&mut self.lister, token) {
+                (Some(lister), Some(t)) => {
+                    let scored = self.job.token_logprobs().last();
+                    Some(lister.entry(py, t, scored)?)
+                }
+                _ => None,
+            };
+            if text.is_empty() && finish.is_none() && entry.is_none() {
                 continue;
             }
             let finish = finish.map(|f| f.name());
@@ -167,7 +191,13 @@ impl CompletionStream {
                 }
                 return Ok(Some(PyString::new(py, &text).into_any().unbind()));
             }
-            return self.text_chunk(py, &text, finish).map(Some);
+            if entry.is_some() && finish.is_some() {
+                // As llama-cpp-python: a token's chunk, then a closing chunk with the finish
+                // reason and no log-probabilities.
+                self.closing = finish;
+                return self.text_chunk(py, &text, entry, None).map(Some);
+            }
+            return self.text_chunk(py, &text, entry, finish).map(Some);
         }
     }
 
@@ -179,20 +209,33 @@ impl CompletionStream {
 }
 
 impl CompletionStream {
-    fn text_chunk(&self, py: Python<'_>, text: &str, finish: Option<&str>) -> PyResult<Py<PyAny>> {
+    fn text_chunk<'py>(
+        &self,
+        py: Python<'py>,
+        text: &str,
+        entry: Option<Entry<'py>>,
+        finish: Option<&str>,
+    ) -> PyResult<Py<PyAny>> {
+        let logprobs = match entry {
+            None => None,
+            Some(e) if self.shape == Shape::Chat => Some(chat_logprobs(py, &[e])?),
+            Some(e) => Some(completion_logprobs(py, &[e])?),
+        };
         let body = PyDict::new(py);
         match self.shape {
-            Shape::Chat if text.is_empty() => {}
+            // A token's chunk keeps its (empty) content; the closing chunk is `{}`.
+            Shape::Chat if text.is_empty() && logprobs.is_none() => {}
             Shape::Chat => body.set_item("content", text)?,
             Shape::Completion | Shape::Text => body.set_item("text", text)?,
         }
-        self.chunk(py, body, finish)
+        self.chunk(py, body, logprobs, finish)
     }
 
-    fn chunk(
+    fn chunk<'py>(
         &self,
-        py: Python<'_>,
-        body: Bound<'_, PyDict>,
+        py: Python<'py>,
+        body: Bound<'py, PyDict>,
+        logprobs: Option<Bound<'py, PyDict>>,
         finish: Option<&str>,
     ) -> PyResult<Py<PyAny>> {
         let object = match self.shape {
@@ -200,7 +243,10 @@ impl CompletionStream {
             Shape::Completion | Shape::Text => "text_completion",
         };
         let d = self.head.dict(py, object)?;
-        d.set_item("choices", choice(py, self.shape, body, finish, true)?)?;
+        d.set_item(
+            "choices",
+            choice(py, self.shape, body, logprobs, finish, true)?,
+        )?;
         Ok(d.into_any().unbind())
     }
 }
@@ -226,18 +272,30 @@ impl Model {
         Ok(self.lock()?.model.source().path().display().to_string())
     }
 
-    /// A whole completion or a stream of chunks, as llama-cpp-python returns them.
+    /// A whole completion or a stream of chunks, as llama-cpp-python returns them. `echo` is
+    /// the prompt's text with `echo=True`; `prompt_chars` the length of the prompt's text, where
+    /// the generated text's `text_offset`s start when it is not echoed.
     pub(super) fn respond(
         slf: &Bound<'_, Model>,
-        call: Call,
+        mut call: Call,
         shape: Shape,
         stream: bool,
         echo: Option<String>,
+        prompt_chars: usize,
         name: Option<String>,
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let model = slf.get();
         let prompt_tokens = call.prompt.len() as u64;
+        let scoring = call.options.logprobs.is_some();
+        // A stream sends the echoed prompt as its first chunk, before anything runs: its tokens
+        // are not scored there (llama-cpp-python does not echo a stream at all).
+        call.options.prompt_logprobs = scoring && echo.is_some() && !stream;
+        let prompt_ids = if call.options.prompt_logprobs {
+            call.prompt.clone()
+        } else {
+            Vec::new()
+        };
         let mut job = model.start(call)?;
         let name = match name {
             Some(n) => n,
@@ -252,16 +310,20 @@ impl Model {
             name,
         );
         if stream {
+            let base = echo.as_ref().map_or(prompt_chars, |e| e.chars().count());
             let lead = match shape {
                 Shape::Chat => Some(String::new()),
                 _ => echo,
             };
+            let lister = scoring.then(|| Lister::new(std::sync::Arc::clone(job.tokenizer()), base));
             let s = CompletionStream {
                 model: slf.clone().unbind(),
                 job,
                 shape,
                 head,
                 lead,
+                lister,
+                closing: None,
             };
             return Ok(Py::new(py, s)?.into_any());
         }
@@ -270,6 +332,16 @@ impl Model {
             return Ok(PyString::new(py, &generated).into_any().unbind());
         }
         let finish = job.finish_reason().map(|f| f.name());
+        let logprobs = if scoring {
+            let entries = whole_entries(py, &job, &prompt_ids, echo.is_some(), prompt_chars)?;
+            Some(if shape == Shape::Chat {
+                chat_logprobs(py, &entries)?
+            } else {
+                completion_logprobs(py, &entries)?
+            })
+        } else {
+            None
+        };
         let body = PyDict::new(py);
         if shape == Shape::Chat {
             body.set_item("role", "assistant")?;
@@ -283,7 +355,7 @@ impl Model {
             "text_completion"
         };
         let d = head.dict(py, object)?;
-        d.set_item("choices", choice(py, shape, body, finish, false)?)?;
+        d.set_item("choices", choice(py, shape, body, logprobs, finish, false)?)?;
         d.set_item(
             "usage",
             usage(py, prompt_tokens, job.tokens().len() as u64)?,
@@ -295,6 +367,48 @@ impl Model {
     pub(super) fn default_seed(&self) -> PyResult<Option<u64>> {
         Ok(self.lock()?.seed)
     }
+}
+
+/// The entries of a whole completion, as llama-cpp-python lists them: with `echo` the prompt's
+/// tokens first (without a leading BOS, the first one unscored), then the generated ones; BOS
+/// tokens are never listed.
+fn whole_entries<'py>(
+    py: Python<'py>,
+    job: &Generation,
+    prompt: &[u32],
+    echo: bool,
+    prompt_chars: usize,
+) -> PyResult<Vec<Entry<'py>>> {
+    let tokenizer = job.tokenizer();
+    let bos = tokenizer.bos_id();
+    let mut lister = Lister::new(
+        std::sync::Arc::clone(tokenizer),
+        if echo { 0 } else { prompt_chars },
+    );
+    let scored_prompt = job.prompt_logprobs();
+    let prompt_part = prompt
+        .iter()
+        .enumerate()
+        .map(|(j, &t)| (t, scored_prompt.get(j).and_then(Option::as_ref)));
+    let generated = job
+        .tokens()
+        .iter()
+        .zip(job.token_logprobs())
+        .map(|(&t, s)| (t, Some(s)));
+    let mut entries = Vec::new();
+    for (token, scored) in prompt_part.chain(generated) {
+        if Some(token) == bos {
+            continue;
+        }
+        // llama-cpp-python writes null for the first echoed token, whatever came before it.
+        let scored = if echo && entries.is_empty() {
+            None
+        } else {
+            scored
+        };
+        entries.push(lister.entry(py, token, scored)?);
+    }
+    Ok(entries)
 }
 
 pub(super) fn timings_dict<'py>(py: Python<'py>, t: &Timings) -> PyResult<Bound<'py, PyDict>> {
