@@ -604,3 +604,17 @@ def test_a_multimodal_checkpoint_plans_its_language_model_layers() -> None:
     assert plan.device_of("language_model.model.norm.weight") == "virtual:0"
     assert "layers 0-1 + output_norm" in plan.explain()
     assert any("architecture 'gemma3' is planned" in w for w in plan.warnings)
+
+
+def test_a_multi_process_world_lists_its_ranks(demo_gguf: Path) -> None:
+    """world= plans a torchrun-style tensor-parallel run: it implies tensor_parallel, each rank
+    stands for the accelerator of its index, and explain() names its host and device."""
+    plan = wl.plan(demo_gguf, devices="virtual:3x1GiB,cpu", world="node0:2,node1:1")
+    assert plan.strategy == "tensor_parallel"
+    text = plan.explain()
+    assert "ranks (3, one process per gpu)" in text
+    assert "rank   2  node1 cuda:0  (planned as virtual:2)" in text
+    with pytest.raises(wl.PlanError, match="one rank per accelerator"):
+        wl.plan(demo_gguf, devices="virtual:3x1GiB,cpu", world="node0:2")
+    with pytest.raises(wl.PlanError, match="world"):
+        wl.plan(demo_gguf, devices="virtual:3x1GiB,cpu", world="node0:3", strategy="autosplit")

@@ -192,6 +192,7 @@ def plan(
     offload: Literal["sequential", "group"] | None = None,
     blocks_per_group: int = 1,
     prefetch: bool = True,
+    world: str | None = None,
 ) -> Plan:
     """Plan where every tensor and every layer's KV cache goes, before a byte is read.
 

@@ -10,7 +10,7 @@
 //!   `device_map` dict means `map`, a llama.cpp option or `overrides` alone mean `layers`
 //!   (llama.cpp applies `-ot` rules over the `-ngl` placement; with a map they win over its
 //!   entries), and
-//!   `gpu_split` or an expected TP cache mean `tensor_parallel`; otherwise the request's own
+//!   `gpu_split`, an expected TP cache or a multi-process `world` mean `tensor_parallel`; otherwise the request's own
 //!   strategy stays (exllamav2's autosplit by default). Options of another strategy than the
 //!   one named are an error naming both, never silently dropped.
 //! - **`device_map`** is a preset (`"auto"` and `"balanced"` = balanced, `"balanced_low_0"`,
@@ -181,6 +181,9 @@ pub struct PlanOptions {
     /// `"int8"`, `"q8_0"`, `"q4_k"` or `"q6_k"`: quantise the float linears on load
     /// ([`crate::quantize`]).
     pub quantize: Option<String>,
+    /// The ranks of a multi-process tensor-parallel run, `"host:gpus[,host:gpus...]"` in
+    /// torchrun's order ([`crate::tp::TpWorld::parse`]); implies `tensor_parallel`.
+    pub world: Option<String>,
 }
 
 impl PlanOptions {
@@ -279,6 +282,9 @@ impl PlanOptions {
         if let Some(q) = &self.quantize {
             req.quantize = Some(crate::quantize::Quantize::parse(q)?);
         }
+        if let Some(w) = &self.world {
+            req.world = Some(crate::tp::TpWorld::parse(w)?);
+        }
         Ok(())
     }
 
@@ -291,7 +297,8 @@ impl PlanOptions {
             || self.device_map.is_some()
             || !self.overrides.is_empty()
             || self.gpu_split.is_some()
-            || self.expect_cache.is_some();
+            || self.expect_cache.is_some()
+            || self.world.is_some();
         if target == FitTarget::NGpuLayers && !named {
             self.strategy = Some("layers".into());
         }
@@ -324,7 +331,7 @@ impl PlanOptions {
             || self.split_mode.is_some()
             || self.tensor_split.is_some()
             || self.main_gpu.is_some();
-        let tp = self.gpu_split.is_some() || self.expect_cache.is_some();
+        let tp = self.gpu_split.is_some() || self.expect_cache.is_some() || self.world.is_some();
         let implied = self.device_map.as_ref().map(DeviceMapArg::strategy);
         let mut strategy = match (&self.strategy, implied) {
             (Some(name), implied) => {
@@ -396,7 +403,7 @@ impl PlanOptions {
                     *gpu_split_mib = Some(gb_to_mib(g)?);
                 }
             }
-            _ if tp => return Err(misplaced("gpu_split/expect_cache", "tensor_parallel")),
+            _ if tp => return Err(misplaced("gpu_split/expect_cache/world", "tensor_parallel")),
             _ => {}
         }
         Ok(Some(strategy))
@@ -446,6 +453,43 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("cuda:3") && e.contains("virtual:0"), "{e}");
+    }
+
+    #[test]
+    fn a_world_means_tensor_parallel_and_only_that() {
+        let world = |strategy: Option<&str>| PlanOptions {
+            strategy: strategy.map(str::to_string),
+            world: Some("node0:2,node1:1".into()),
+            ..PlanOptions::default()
+        };
+        assert!(matches!(
+            world(None).strategy().unwrap(),
+            Some(Strategy::TensorParallel(_))
+        ));
+        let e = world(Some("autosplit")).strategy().unwrap_err().to_string();
+        assert!(
+            e.contains("gpu_split/expect_cache/world") && e.contains("strategy='autosplit'"),
+            "{e}"
+        );
+        let spec = ModelSpec::from_hf_config(&serde_json::json!({
+            "model_type": "llama", "num_hidden_layers": 1, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 32,
+            "max_position_embeddings": 256,
+        }))
+        .unwrap();
+        let mut req = PlanRequest::new(spec, vec![], parse_devices("virtual:3x1GiB").unwrap());
+        world(None).apply(&mut req).unwrap();
+        assert_eq!(req.world.as_ref().map(|w| w.world_size()), Some(3));
+        let bad = PlanOptions {
+            world: Some("node0".into()),
+            ..PlanOptions::default()
+        };
+        assert!(
+            bad.apply(&mut req)
+                .unwrap_err()
+                .to_string()
+                .contains("world")
+        );
     }
 
     #[test]

@@ -108,7 +108,10 @@ impl PlacementArgs {
 /// otherwise, norms and biases as they are. `offload="sequential"` or `"group"`
 /// (`blocks_per_group`, `prefetch`) plans accelerate's and diffusers' offloaded execution: the
 /// layers kept on cpu or disk computed on the first accelerator, their onload slots charged to
-/// its scratch (see `Model.load`). Raises `OutOfMemoryError` (with
+/// its scratch (see `Model.load`). `world` (`"host:gpus[,host:gpus...]"`, torchrun's rank
+/// order) plans a multi-process tensor-parallel run: rank `r` stands for the `r`-th
+/// accelerator of `devices`, and `explain()` lists each rank's host and device. Raises
+/// `OutOfMemoryError` (with
 /// `.shortfalls` and `.fixes`) when it does not fit, and `PlanError` for an invalid request.
 #[pyfunction]
 #[pyo3(signature = (
@@ -116,7 +119,8 @@ impl PlacementArgs {
     reserve = None, max_memory = None, n_gpu_layers = None, split_mode = None,
     tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
-    cache_offload = false, quantize = None, offload = None, blocks_per_group = 1, prefetch = true
+    cache_offload = false, quantize = None, offload = None, blocks_per_group = 1, prefetch = true,
+    world = None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
@@ -145,6 +149,7 @@ fn plan(
     offload: Option<String>,
     blocks_per_group: u32,
     prefetch: bool,
+    world: Option<String>,
 ) -> PyResult<Plan> {
     let placement = PlacementArgs {
         strategy,
@@ -170,6 +175,7 @@ fn plan(
         quantize,
         offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
             .map_err(py_err)?,
+        world,
         ..placement.options()
     };
     let req = Source::resolve(py, source)?.request(options, parse_device_arg(&devices)?)?;
