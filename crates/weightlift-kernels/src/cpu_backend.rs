@@ -749,35 +749,14 @@ impl AttShape {
         start: usize,
         tile: usize,
     ) -> Result<AttShape> {
-        let bad = |reason: String| KernelError::Shape {
-            op: "attention",
-            reason,
-        };
-        if kv_heads == 0 || n_heads == 0 || !n_heads.is_multiple_of(kv_heads) {
-            return Err(bad(format!(
-                "{n_heads} query heads are not a non-zero multiple of {kv_heads} kv heads"
-            )));
-        }
-        if head_dim == 0 || tile == 0 {
-            return Err(bad(format!(
-                "head_dim {head_dim} and tile {tile} must be above 0"
-            )));
-        }
-        let fits = n_q
-            .checked_mul(n_heads)
-            .and_then(|v| v.checked_mul(head_dim))
-            .and_then(|v| v.checked_mul(4))
-            .zip(
-                start
-                    .checked_add(n_q)
-                    .and_then(|r| r.checked_mul(kv_heads))
-                    .and_then(|v| v.checked_mul(head_dim))
-                    .and_then(|v| v.checked_mul(4)),
-            );
-        if fits.is_none() {
-            return Err(bad(format!(
-                "{n_q} queries at {start} of {n_heads} heads of {head_dim} overflow the buffer sizes"
-            )));
+        // The kernel's own checks (heads, head size, buffer sizes); the scale and operand
+        // rounding do not enter them.
+        cpu::attention::AttnShape::new(n_heads, kv_heads, head_dim, n_q, start, 1.0, false)?;
+        if tile == 0 {
+            return Err(KernelError::Shape {
+                op: "attention",
+                reason: "tile must be above 0".into(),
+            });
         }
         Ok(AttShape {
             n_heads,
