@@ -107,6 +107,16 @@ impl Logits {
             _ => Err(invalid("logits", "'last' or 'all'", format!("'{s}'"))),
         }
     }
+
+    /// The first of the `n` rows of a chunk starting at token `done` (of `total`) whose logits
+    /// are asked for; `None` when the chunk has none (every chunk but the last, for `Last`).
+    pub(crate) fn first_row(self, done: usize, n: usize, total: usize) -> Option<usize> {
+        match self {
+            Logits::Last if done + n < total => None,
+            Logits::Last => Some(n - 1),
+            Logits::All => Some(0),
+        }
+    }
 }
 
 /// Copies between devices during one forward call: how many, their bytes, and the wall time

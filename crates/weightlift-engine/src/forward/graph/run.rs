@@ -139,13 +139,9 @@ impl Graph {
                 cache.note_ids(pos as u64, part);
                 cache.set_seq_len((pos + n) as u64)?;
                 // The head: only the rows asked for.
-                let first = match logits {
-                    Logits::Last if done + n < ids.len() => {
-                        done += n;
-                        continue;
-                    }
-                    Logits::Last => n - 1,
-                    Logits::All => 0,
+                let Some(first) = logits.first_row(done, n, ids.len()) else {
+                    done += n;
+                    continue;
                 };
                 let need = n - first;
                 if self.head_site != at {
