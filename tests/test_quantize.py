@@ -144,8 +144,10 @@ def test_refusals_name_the_reason() -> None:
         wl.plan(GGUF["q8_0"], devices="cpu", quantize="q4_k")
     with pytest.raises(wl.PlanError, match=r"int8, q8_0, q4_k or q6_k.*'q5_k'"):
         wl.Model(SAFETENSORS, quantize="q5_k")
-    with pytest.raises(wl.PlanError, match="tensor_parallel"):
-        wl.plan(SAFETENSORS, devices="virtual:2x64MiB", strategy="tensor_parallel", quantize="q8_0")
+    with pytest.raises(wl.PlanError, match="int8 with tensor_parallel"):
+        wl.plan(SAFETENSORS, devices="virtual:2x64MiB", strategy="tensor_parallel", quantize="int8")
+    with pytest.raises(wl.PlanError, match="split_mode='row'"):
+        wl.plan(SAFETENSORS, devices="virtual:2x64MiB", split_mode="row", quantize="q8_0")
     # Nothing was loaded by a refused request.
     m = wl.Model(GGUF["q8_0"], quantize="q8_0")
     with pytest.raises(wl.PlanError, match="already"):

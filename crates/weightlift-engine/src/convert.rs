@@ -109,6 +109,97 @@ pub fn quantize_chunk(
     put(first * row_out, scratch)
 }
 
+/// Source bytes read per quantising step of a shard: a few rows at a time, so a shard needs no
+/// float copy of itself beside its quantised destination.
+const SHARD_STEP_BYTES: usize = 1 << 20;
+
+/// Quantise one tensor-parallel shard of `info` (stored bytes `bytes`) to `to`: rows
+/// `start..end` when `axis` is 0, else columns `start..end` of every row. Each row of a
+/// column shard is quantised as blocks of its own, which are the whole row's blocks at those
+/// columns because a cut on a block boundary leaves each block's values (and so its scale)
+/// unchanged; a cut inside a block is refused. Returns the shard's shape and its bytes, the
+/// only buffer the shard's size (the source rows pass through a staging step of about 1 MiB).
+pub fn quantize_shard(
+    info: &TensorInfo,
+    bytes: &[u8],
+    axis: u8,
+    start: u64,
+    end: u64,
+    to: DType,
+) -> Result<(Vec<u64>, Vec<u8>)> {
+    let bad = |expected: String, got: String| {
+        crate::error::invalid(
+            format!(
+                "quantising shard {start}..{end} (axis {axis}) of tensor '{}'",
+                info.name
+            ),
+            expected,
+            got,
+        )
+    };
+    let [rows, cols] = *info.shape.as_slice() else {
+        return Err(bad("a matrix".into(), format!("shape {:?}", info.shape)));
+    };
+    let (r0, r1, c0, c1) = if axis == 0 {
+        (start.min(rows), end.clamp(start.min(rows), rows), 0, cols)
+    } else {
+        (0, rows, start.min(cols), end.clamp(start.min(cols), cols))
+    };
+    if to == DType::INT8 {
+        // Its row scales and outlier columns belong to whole rows, not to a shard's columns.
+        return Err(bad("a ggml block type".into(), to.to_string()));
+    }
+    let block = to.block_size().max(1);
+    if !c0.is_multiple_of(block) {
+        return Err(bad(
+            format!("columns starting on a {block}-value block of {to}"),
+            format!("columns {c0}..{c1}"),
+        ));
+    }
+    let shard = TensorInfo {
+        shape: vec![r1 - r0, c1 - c0],
+        nbytes: info.dtype.bytes_for((r1 - r0) * (c1 - c0)).unwrap_or(0),
+        ..info.clone()
+    };
+    // Refuses ragged shards (a column range that is not whole blocks) before any work.
+    check(&shard, to)?;
+    let elem = info.dtype.bytes_for(1).unwrap_or(1) as usize;
+    let row_in = cols as usize * elem;
+    let (span0, span1) = (c0 as usize * elem, c1 as usize * elem);
+    let shard_row = span1 - span0;
+    let held = to.bytes_for_shape(&shard.shape).ok_or_else(|| {
+        bad(
+            format!("a shard {to} can hold"),
+            format!("{:?}", shard.shape),
+        )
+    })?;
+    if bytes.len() < rows as usize * row_in {
+        return Err(bad(
+            format!("{} stored bytes", rows as usize * row_in),
+            bytes.len().to_string(),
+        ));
+    }
+    let mut out = vec![0u8; held as usize];
+    let step = (SHARD_STEP_BYTES / shard_row.max(1)).max(1);
+    let mut src = Vec::with_capacity(step.min((r1 - r0) as usize) * shard_row);
+    let mut scratch = Vec::new();
+    let mut r = r0 as usize;
+    while r < r1 as usize {
+        let n = step.min(r1 as usize - r);
+        src.clear();
+        for row in r..r + n {
+            src.extend_from_slice(&bytes[row * row_in + span0..row * row_in + span1]);
+        }
+        let at = ((r - r0 as usize) * shard_row) as u64;
+        quantize_chunk(&shard, to, at, &src, &mut scratch, &mut |o, q| {
+            out[o..o + q.len()].copy_from_slice(q);
+            Ok(())
+        })?;
+        r += n;
+    }
+    Ok((shard.shape, out))
+}
+
 /// Bytes per element in and out of a conversion from `info`'s dtype to `to`.
 fn sizes(info: &TensorInfo, to: DType) -> Result<(usize, usize)> {
     match (info.dtype, to) {
@@ -332,6 +423,43 @@ mod tests {
                 .fold(0f32, f32::max);
             assert!(err < 0.1, "{to}: {err}");
         }
+    }
+
+    #[test]
+    fn shards_hold_the_whole_tensors_blocks_and_refuse_cuts_inside_one() {
+        let (rows, cols) = (5usize, 512usize);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 53) % 97) as f32 / 40.0 - 1.2)
+            .collect();
+        let src: &[u8] = bytemuck::cast_slice(&values);
+        let t = info(DType::F32, &[rows as u64, cols as u64]);
+        for to in [DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+            let whole = in_chunks(&t, to, src, rows);
+            let row_out = whole.len() / rows;
+            let (shape, top) = quantize_shard(&t, src, 0, 1, 4, to).unwrap();
+            assert_eq!(shape, vec![3, 512]);
+            assert_eq!(top, whole[row_out..4 * row_out], "{to} rows");
+            let per_block = to.type_size() as usize;
+            let (shape, right) = quantize_shard(&t, src, 1, 256, 512, to).unwrap();
+            assert_eq!(shape, vec![5, 256]);
+            let blocks = 256 / to.block_size() as usize;
+            let want: Vec<u8> = whole
+                .chunks(row_out)
+                .flat_map(|r| r[row_out - blocks * per_block..].to_vec())
+                .collect();
+            assert_eq!(right, want, "{to} columns");
+        }
+        let e = quantize_shard(&t, src, 1, 128, 512, DType::Q4_K)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("256-value block of Q4_K") && e.contains("128..512"),
+            "{e}"
+        );
+        let e = quantize_shard(&t, src, 1, 0, 128, DType::Q6_K)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("whole 256-value blocks"), "{e}");
     }
 
     #[test]

@@ -400,10 +400,16 @@ impl Model {
         let mut targets = Vec::with_capacity(infos.len());
         for (info, place) in infos.iter().zip(&placement.tensors) {
             if place.split.is_some() {
-                if place.dtype != info.dtype {
+                // A ggml block type quantises shard by shard; LLM.int8's scales and outlier
+                // columns span whole rows, and nothing else converts per shard.
+                let per_shard =
+                    place.dtype != DType::INT8 && crate::convert::quantizing(info, place.dtype);
+                if place.dtype != info.dtype && !per_shard {
                     return Err(EngineError::Unsupported {
                         what: format!("converting split tensor '{}' to {}", info.name, place.dtype),
-                        detail: "split tensors are held in their stored dtype".into(),
+                        detail: "split tensors are held in their stored dtype, or quantised \
+                                 shard by shard from a float matrix to a ggml block type"
+                            .into(),
                     });
                 }
                 targets.push(None);
@@ -497,7 +503,7 @@ impl Model {
                 }),
                 (None, Some(spec)) => {
                     let info = &infos[i];
-                    held.push(self.load_split(i, spec)?);
+                    held.push(self.load_split(i, spec, place.dtype)?);
                     report(&mut done, &info.name, &place.device, info.nbytes)?;
                 }
                 (None, None) => {
@@ -518,7 +524,7 @@ impl Model {
                 )
             })?;
             let copy = match &place.split {
-                Some(spec) => self.load_split(*i, spec)?,
+                Some(spec) => self.load_split(*i, spec, place.dtype)?,
                 None => {
                     let device = self.resolve(&place.device)?;
                     // A converted or quantised original is copied as held, so the copy has the
@@ -655,18 +661,26 @@ impl Model {
     }
 
     /// Cut tensor `i` by `spec` from the mmap and copy each part to its device.
-    fn load_split(&self, i: usize, spec: &SplitSpec) -> Result<Held> {
+    /// Cut tensor `i` into `spec`'s shards, each held as `dtype`: its stored type, or a ggml
+    /// block type each shard is quantised to from the stored rows.
+    fn load_split(&self, i: usize, spec: &SplitSpec, dtype: DType) -> Result<Held> {
         let info = &self.source.tensors()[i];
         let bytes = self.source.bytes(i);
         let mut parts = Vec::with_capacity(spec.shards.len());
         for (dev, a, b) in &spec.shards {
             let device = self.resolve(dev)?;
-            let (shape, data) = if spec.replicated {
-                (info.shape.clone(), bytes.to_vec())
-            } else {
-                slice_tensor(info, bytes, spec.axis, *a, *b)?
+            let (shape, data) = match (spec.replicated, dtype == info.dtype) {
+                (true, true) => (info.shape.clone(), bytes.to_vec()),
+                (false, true) => slice_tensor(info, bytes, spec.axis, *a, *b)?,
+                (true, false) => {
+                    let rows = info.shape.first().copied().unwrap_or(0);
+                    crate::convert::quantize_shard(info, bytes, 0, 0, rows, dtype)?
+                }
+                (false, false) => {
+                    crate::convert::quantize_shard(info, bytes, spec.axis, *a, *b, dtype)?
+                }
             };
-            parts.push(DeviceTensor::from_host(&device, shape, info.dtype, &data)?);
+            parts.push(DeviceTensor::from_host(&device, shape, dtype, &data)?);
         }
         Ok(Held::Split {
             parts,
@@ -785,7 +799,7 @@ impl Model {
         let held = &self.state()?.held[i];
         let (dtype, shape) = match held {
             Held::Whole { tensor, .. } => (tensor.dtype(), tensor.shape().to_vec()),
-            Held::Split { .. } => (info.dtype, info.shape.clone()),
+            Held::Split { .. } => (held_split_type(info, held).0, info.shape.clone()),
         };
         let n: u64 = shape.iter().product();
         if dtype == DType::INT8 {
@@ -915,13 +929,13 @@ impl Model {
         Ok(&self.source.tensors()[self.index(name)?])
     }
 
-    /// The dtype a loaded tensor is held in and its bytes there (split tensors keep their
-    /// stored type).
+    /// The dtype a loaded tensor is held in and its bytes there (a split tensor's bytes are
+    /// those of one copy: its shards together, or one replica).
     pub fn held_type(&self, name: &str) -> Result<(DType, u64)> {
         let info = self.tensor_info(name)?;
         Ok(match self.held(name)? {
             Held::Whole { tensor, .. } => (tensor.dtype(), tensor.nbytes()),
-            Held::Split { .. } => (info.dtype, info.nbytes),
+            held @ Held::Split { .. } => held_split_type(info, held),
         })
     }
 
@@ -951,9 +965,10 @@ impl Model {
                 Ok((tensor.to_host()?, tensor.dtype(), tensor.shape().to_vec()))
             }
             held @ Held::Split { .. } => {
-                let mut out = vec![0u8; info.nbytes as usize];
+                let (dtype, nbytes) = held_split_type(info, held);
+                let mut out = vec![0u8; nbytes as usize];
                 read_held(info, held, 0, &mut out)?;
-                Ok((out, info.dtype, info.shape.clone()))
+                Ok((out, dtype, info.shape.clone()))
             }
         }
     }
@@ -1184,6 +1199,23 @@ fn read_held(info: &TensorInfo, held: &Held, offset: u64, dst: &mut [u8]) -> Res
         return Err(short(filled));
     }
     Ok(())
+}
+
+/// The type a split tensor's parts hold and the bytes of one whole copy of it: the stored
+/// type and size, or the type its shards were quantised to and their sum.
+fn held_split_type(info: &TensorInfo, held: &Held) -> (DType, u64) {
+    match held {
+        Held::Split { parts, spec } => {
+            let dtype = parts.first().map_or(info.dtype, DeviceTensor::dtype);
+            let nbytes = if spec.replicated {
+                parts.first().map_or(info.nbytes, DeviceTensor::nbytes)
+            } else {
+                parts.iter().map(DeviceTensor::nbytes).sum()
+            };
+            (dtype, nbytes)
+        }
+        Held::Whole { tensor, .. } => (tensor.dtype(), tensor.nbytes()),
+    }
 }
 
 /// A tensor dequantised to f32 by [`Model::dequantized`].

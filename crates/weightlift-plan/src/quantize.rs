@@ -17,8 +17,12 @@
 //!   there would repeat the work each time.
 //!
 //! Only float checkpoints quantise: a checkpoint whose linears already hold quants (a quantised
-//! GGUF, GPTQ, EXL2) is refused before loading, as is a tensor-parallel or row split (their
-//! shards cut rows of the stored type).
+//! GGUF, GPTQ, EXL2) is refused before loading, as is a row split (its shards cut rows of the
+//! stored type). Tensor parallelism takes the ggml types: each shard is quantised by itself,
+//! row shards whole rows, column shards each row's column range as blocks of their own, which
+//! are the whole row's blocks there when the cut falls between blocks (the planner refuses a
+//! cut inside one). `int8` stays off tensor parallelism: its row scales and outlier columns
+//! are the whole row's.
 
 use serde::{Deserialize, Serialize};
 use weightlift_format::{DType, Role, TensorInfo};

@@ -11,6 +11,7 @@ use super::{Ctx, Dev, Tweak, Unit, UnitKind};
 use crate::device::DeviceKind;
 use crate::error::{PlanError, Result};
 use crate::memory::ScratchModel;
+use crate::quantize::Quantize;
 use crate::request::{BudgetRule, PlanRequest, SplitMode, Strategy};
 use crate::synth::converted;
 use crate::window::{layer_cache, planned_window};
@@ -207,20 +208,33 @@ impl<'a> Ctx<'a> {
         let mut roles = Vec::with_capacity(req.tensors.len());
         if let Some(q) = req.quantize {
             q.check(&req.tensors)?;
-            let split = match &req.strategy {
-                Strategy::TensorParallel(_) => Some("tensor_parallel"),
-                Strategy::Layers(o) if o.split_mode == SplitMode::Row => Some("split_mode='row'"),
-                _ => None,
-            };
-            if let Some(split) = split {
-                return Err(PlanError::option(
-                    "quantize",
-                    "a layer split (autosplit, layers, balanced, sequential or a device map)",
-                    format!(
-                        "quantize={} with {split}, whose shards are cut from the stored rows",
-                        q.name()
-                    ),
-                ));
+            match &req.strategy {
+                // A ggml type's blocks stand alone, so a shard quantises by itself into the
+                // blocks the whole tensor has there; LLM.int8's row scales and outlier columns
+                // are the whole row's, which a column shard does not see.
+                Strategy::TensorParallel(_) if q == Quantize::Int8 => {
+                    return Err(PlanError::option(
+                        "quantize",
+                        "q8_0, q4_k or q6_k with tensor_parallel",
+                        "quantize=int8 with tensor_parallel: LLM.int8's row-wise scales and \
+                         outlier columns are taken over whole rows, and the column shards of \
+                         o_proj and down_proj would each need their own (load with a layer \
+                         split, or pick a ggml type)",
+                    ));
+                }
+                Strategy::Layers(o) if o.split_mode == SplitMode::Row => {
+                    return Err(PlanError::option(
+                        "quantize",
+                        "a layer split (autosplit, layers, balanced, sequential or a device map) \
+                         or tensor_parallel",
+                        format!(
+                            "quantize={} with split_mode='row', whose shards are cut from the \
+                             stored rows",
+                            q.name()
+                        ),
+                    ));
+                }
+                _ => {}
             }
         }
         for (i, t) in req.tensors.iter().enumerate() {

@@ -2,7 +2,7 @@
 //! shards of every attention and MLP matrix and of the head, norms replicated on every TP
 //! device, the embedding on the CPU, and each layer's KV cache split by kv heads.
 
-use weightlift_format::Role;
+use weightlift_format::{DType, Role, TensorInfo};
 
 use super::{Assign, Ctx, ShardIdx};
 use crate::error::{PlanError, Result};
@@ -141,7 +141,13 @@ impl Ctx<'_> {
                 continue;
             }
             a.tensor_dev[i] = table.first().map_or(first, |x| x.0);
-            a.splits[i] = Some((axis, false, shard_bytes(table, dim, b)));
+            let shards = shard_bytes(table, dim, b);
+            // Only shards quantised on load are checked here; a checkpoint stored in blocks is
+            // refused by the loader when its cut falls inside one, as before quantize= existed.
+            if axis == 1 && self.dtypes[i] != t.dtype {
+                whole_blocks(t, self.dtypes[i], &shards, dim)?;
+            }
+            a.splits[i] = Some((axis, false, shards));
         }
         for l in 0..self.n_layers() {
             a.layer_dev[l] = first;
@@ -223,6 +229,32 @@ impl Ctx<'_> {
         }
         out[self.host] = tp_staging_bytes(&dims).saturating_mul(2);
         out
+    }
+}
+
+/// Refuse column shards of `t` (held as `dtype`) that cut inside a block: each row's blocks
+/// are whole values runs, so a shard starting or ending mid-block would share a block (and its
+/// scale) with its neighbour. The TP tables cut the output projection at whole heads and the
+/// down projection at multiples of 128, which Q8_0's 32-value blocks always meet and the
+/// 256-value K-quants meet only for some head counts and splits.
+fn whole_blocks(t: &TensorInfo, dtype: DType, shards: &[ShardIdx], dim: u64) -> Result<()> {
+    let block = dtype.block_size();
+    let inside = |c: u64| c != 0 && c != dim && !c.is_multiple_of(block);
+    let cut = shards
+        .iter()
+        .flat_map(|&(_, s, e, _)| [s, e.min(dim)])
+        .find(|&c| inside(c));
+    match cut {
+        Some(cut) => Err(PlanError::Tensor {
+            tensor: t.name.clone(),
+            detail: format!(
+                "tensor parallelism cuts its {dim} columns at column {cut}, inside a \
+                 {block}-value block of {dtype}; a column shard must be whole blocks (the split \
+                 tables cut at whole heads and at multiples of 128: pick a type with smaller \
+                 blocks such as q8_0, or a device count that cuts on {block}-value boundaries)"
+            ),
+        }),
+        None => Ok(()),
     }
 }
 
@@ -329,6 +361,71 @@ mod tests {
             .to_string();
         assert!(
             e.contains("one rank per accelerator of the device list (2)") && e.contains("3 ranks"),
+            "{e}"
+        );
+    }
+
+    /// tiny-llama's shape: 4 heads of 64 over 2 kv heads, a 768-wide MLP, bf16 weights.
+    fn tiny_llama(quantize: crate::Quantize) -> PlanRequest {
+        let spec = ModelSpec {
+            architecture: "llama".into(),
+            n_layers: 2,
+            hidden_size: 256,
+            intermediate_size: 768,
+            n_heads: 4,
+            n_kv_heads: vec![2; 2],
+            head_dim: 64,
+            vocab_size: 32000,
+            context_length: 2048,
+            rope_theta: 10000.0,
+            rope_dim: 64,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: false,
+            attention_bias: false,
+        };
+        let tensors = synthesize_tensors(&spec, WeightType::parse("bfloat16").unwrap()).unwrap();
+        let mut req = PlanRequest::new(spec, tensors, parse_devices("virtual:2x1GiB").unwrap());
+        req.strategy = Strategy::TensorParallel(TpOptions::default());
+        req.quantize = Some(quantize);
+        req
+    }
+
+    #[test]
+    fn ggml_quantize_shards_in_the_quantised_type() {
+        let p = plan(&tiny_llama(crate::Quantize::Q8_0)).unwrap();
+        let t = p
+            .tensors
+            .iter()
+            .find(|t| t.name == "blk.0.attn_output.weight")
+            .unwrap();
+        // 256 rows of 256 columns cut at column 128 (two heads of 64): 4 Q8_0 blocks of 34
+        // bytes per row on each side.
+        assert_eq!(t.dtype, weightlift_format::DType::Q8_0);
+        let split = t.split.as_ref().unwrap();
+        let got: Vec<(u64, u64, u64)> = split
+            .shards
+            .iter()
+            .map(|s| (s.start, s.end, s.bytes))
+            .collect();
+        assert_eq!(got, vec![(0, 128, 256 * 4 * 34), (128, 256, 256 * 4 * 34)]);
+    }
+
+    #[test]
+    fn a_cut_inside_a_block_and_int8_are_refused() {
+        let e = plan(&tiny_llama(crate::Quantize::Q4K))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("blk.0.attn_output.weight")
+                && e.contains("column 128")
+                && e.contains("256-value block of Q4_K"),
+            "{e}"
+        );
+        let e = plan(&tiny_llama(crate::Quantize::Int8))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("quantize=int8 with tensor_parallel") && e.contains("outlier columns"),
             "{e}"
         );
     }
