@@ -5,11 +5,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{json_ids, load_on, open, reference};
+use common::{json_ids, load_on, load_planned, open, reference};
 use weightlift_engine::sample::SamplingParams;
 use weightlift_engine::{
-    Cache, CacheDType, EngineError, FinishReason, GenerateOptions, Generation, Inventory,
-    LoadOptions, Model,
+    Cache, CacheDType, EngineError, FinishReason, GenerateOptions, Generation, Inventory, Model,
 };
 
 fn demo_path() -> String {
@@ -217,23 +216,7 @@ fn peak_memory_during_a_generation_is_the_plan() {
         ..RuntimeSpec::default()
     };
     let plan = weightlift_plan::plan(&req).unwrap();
-    let c = plan.cache().unwrap();
-    let cache = Arc::new(
-        Cache::new(
-            m.cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
-                .unwrap(),
-        )
-        .unwrap(),
-    );
-    let placement = m.placement(&plan).unwrap();
-    m.load(
-        &placement,
-        &LoadOptions::default(),
-        Some(&cache),
-        true,
-        &mut |_| true,
-    )
-    .unwrap();
+    let _cache = load_planned(&mut m, &plan).unwrap();
 
     let tok = m.tokenizer().unwrap();
     let text = "Rivers have shaped human settlement for thousands of years. ".repeat(8);

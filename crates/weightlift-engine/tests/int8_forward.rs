@@ -9,7 +9,9 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{argmax, forward_all, json_ids, max_abs_diff, open, read_npy, reference};
+use common::{
+    argmax, forward_all, json_ids, load_planned, max_abs_diff, open, read_npy, reference,
+};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::{
     Cache, CacheDType, EngineError, Inventory, LoadOptions, Model, Placement, Source,
@@ -226,20 +228,7 @@ fn a_planned_int8_load_runs_and_equals_the_hand_placed_one() {
         .collect();
     assert_eq!(int8.len(), 7 * m.n_layers() as usize);
     assert!(int8.iter().all(|t| t.device == "virtual:0"), "{int8:?}");
-    let c = plan.cache().unwrap();
-    let cfg = m
-        .cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
-        .unwrap();
-    let cache = Arc::new(Cache::new(cfg).unwrap());
-    let placement = m.placement(&plan).unwrap();
-    m.load(
-        &placement,
-        &LoadOptions::default(),
-        Some(&cache),
-        true,
-        &mut |_| true,
-    )
-    .unwrap();
+    let cache = load_planned(&mut m, &plan).unwrap();
     let planned = forward_all(&mut m, &cache, &ids);
     let mem = m.memory();
     let d = plan

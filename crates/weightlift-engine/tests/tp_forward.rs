@@ -17,9 +17,9 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{argmax, json_ids, load_on, max_abs_diff, open, read_npy, reference};
+use common::{argmax, json_ids, load_on, load_planned, max_abs_diff, open, read_npy, reference};
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{Cache, CacheDType, EngineError, Inventory, LoadOptions, Model, Source};
+use weightlift_engine::{Cache, CacheDType, EngineError, Inventory, Model, Source};
 use weightlift_plan as wp;
 
 const RT: wp::RuntimeSpec = wp::RuntimeSpec {
@@ -127,21 +127,7 @@ fn load_tp(
     .apply(&mut req)
     .unwrap();
     let plan = wp::plan(&req).unwrap();
-    let placement = m.placement(&plan)?;
-    let c = plan.cache().unwrap();
-    let cache = Arc::new(Cache::new(m.cache_config(
-        c.max_seq_len,
-        1,
-        c.dtype,
-        false,
-    )?)?);
-    m.load(
-        &placement,
-        &LoadOptions::default(),
-        Some(&cache),
-        true,
-        &mut |_| true,
-    )?;
+    let cache = load_planned(&mut m, &plan)?;
     Ok((m, cache, plan))
 }
 

@@ -8,8 +8,8 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{open, reference};
-use weightlift_engine::{Cache, Held, Inventory, LoadOptions, Model};
+use common::{load_planned, open, reference};
+use weightlift_engine::{Held, Inventory, Model};
 use weightlift_format::DType;
 use weightlift_plan as wp;
 
@@ -63,18 +63,7 @@ fn each_shard_is_llama_cpps_q8_0_slice() {
     .apply(&mut req)
     .unwrap();
     let plan = wp::plan(&req).unwrap();
-    let placement = m.placement(&plan).unwrap();
-    let c = plan.cache().unwrap();
-    let cache =
-        Arc::new(Cache::new(m.cache_config(c.max_seq_len, 1, c.dtype, false).unwrap()).unwrap());
-    m.load(
-        &placement,
-        &LoadOptions::default(),
-        Some(&cache),
-        true,
-        &mut |_| true,
-    )
-    .unwrap();
+    let _cache = load_planned(&mut m, &plan).unwrap();
 
     let mut shards = 0;
     for layer in 0..2 {

@@ -156,6 +156,25 @@ pub fn load_on(
     (m, cache)
 }
 
+/// Load `m` as `plan` places it, with the cache the plan sizes (which it must have).
+pub fn load_planned(
+    m: &mut weightlift_engine::Model,
+    plan: &weightlift_plan::Plan,
+) -> weightlift_engine::Result<std::sync::Arc<weightlift_engine::Cache>> {
+    let c = plan.cache().expect("a plan with a cache");
+    let config = m.cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)?;
+    let cache = std::sync::Arc::new(weightlift_engine::Cache::new(config)?);
+    let placement = m.placement(plan)?;
+    m.load(
+        &placement,
+        &weightlift_engine::LoadOptions::default(),
+        Some(&cache),
+        true,
+        &mut |_| true,
+    )?;
+    Ok(cache)
+}
+
 /// Load `src` with layer `l` on `devs[l * devs.len() / n_layers]` (or on `disk` below
 /// `disk_below`) and everything else on cpu, with a cache of 64 positions in `dtype`
 /// (`offload`: in host RAM); workspaces are allocated by the first forward call.
