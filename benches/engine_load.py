@@ -256,32 +256,43 @@ def llama_config(n_layers: int) -> dict:
     }
 
 
+def llama_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a transformers llama checkpoint of `cfg`, in file order."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    shapes = {
+        "model.embed_tokens.weight": (v, h),
+        "lm_head.weight": (v, h),
+        "model.norm.weight": (h,),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (h, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, h)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    return shapes
+
+
 def write_synthetic(directory: Path, n_layers: int) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
     cfg = llama_config(n_layers)
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     rng = np.random.default_rng(0)
 
-    def weight(*shape: int) -> np.ndarray:
+    def weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name.endswith("norm.weight"):
+            return np.ones(shape, dtype=np.float16)
         # finite f16 values in [0, 1): bit patterns below 0x3C00 (1.0)
         return rng.integers(0, 0x3C00, size=shape, dtype=np.uint16).view(np.float16)
 
-    tensors = {"model.embed_tokens.weight": weight(v, h), "lm_head.weight": weight(v, h)}
-    tensors["model.norm.weight"] = np.ones(h, dtype=np.float16)
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = np.ones(h, dtype=np.float16)
-        tensors[p + "post_attention_layernorm.weight"] = np.ones(h, dtype=np.float16)
-        tensors[p + "self_attn.q_proj.weight"] = weight(h, h)
-        tensors[p + "self_attn.k_proj.weight"] = weight(kv, h)
-        tensors[p + "self_attn.v_proj.weight"] = weight(kv, h)
-        tensors[p + "self_attn.o_proj.weight"] = weight(h, h)
-        tensors[p + "mlp.gate_proj.weight"] = weight(inter, h)
-        tensors[p + "mlp.up_proj.weight"] = weight(inter, h)
-        tensors[p + "mlp.down_proj.weight"] = weight(h, inter)
+    tensors = {name: weight(name, shape) for name, shape in llama_shapes(cfg).items()}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     target = directory / "model.safetensors"

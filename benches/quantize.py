@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from engine_load import llama_config, llama_shapes
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO.parent / "shared" / "reference"
@@ -65,41 +66,8 @@ GB = 1e9
 def write_synthetic(directory: Path, n_layers: int = 9) -> Path:
     """A llama checkpoint of random bf16 weights (1.05 GB with 9 layers), written by hand:
     numpy has no bfloat16, so the header is the safetensors layout itself."""
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 2048,
-        "intermediate_size": 5632,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "num_hidden_layers": n_layers,
-        "vocab_size": 32000,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-    }
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes = {
-        "model.embed_tokens.weight": (v, h),
-        "lm_head.weight": (v, h),
-        "model.norm.weight": (h,),
-    }
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (h, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, h)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    cfg = {**llama_config(n_layers), "torch_dtype": "bfloat16"}
+    shapes = llama_shapes(cfg)
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
