@@ -177,10 +177,11 @@ impl Workspace {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn spec() -> ModelSpec {
+    /// SmolLM2-135M's shape (its GGUF's metadata), for the crate's unit tests.
+    pub(crate) fn spec() -> ModelSpec {
         ModelSpec {
             architecture: "llama".into(),
             n_layers: 30,

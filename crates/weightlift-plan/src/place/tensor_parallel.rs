@@ -286,24 +286,9 @@ mod tests {
     use crate::tp::TpWorld;
     use crate::{PlanRequest, WeightType, parse_devices, plan, synthesize_tensors};
 
-    /// SmolLM2-135M's shape (its GGUF's metadata): 3 kv heads, so up to three ranks get heads.
+    /// SmolLM2-135M's shape: 3 kv heads, so up to three ranks get heads.
     fn smollm2() -> ModelSpec {
-        ModelSpec {
-            architecture: "llama".into(),
-            n_layers: 30,
-            hidden_size: 576,
-            intermediate_size: 1536,
-            n_heads: 9,
-            n_kv_heads: vec![3; 30],
-            head_dim: 64,
-            vocab_size: 49152,
-            context_length: 8192,
-            rope_theta: 10000.0,
-            rope_dim: 64,
-            rms_norm_eps: 1e-5,
-            tie_word_embeddings: true,
-            attention_bias: false,
-        }
+        crate::workspace::tests::spec()
     }
 
     fn tp_request(devices: &str, world: Option<&str>) -> PlanRequest {
