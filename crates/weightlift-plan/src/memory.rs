@@ -33,6 +33,18 @@ impl CacheDType {
     /// The one grammar of cache dtypes: ours (`fp16`, `fp8`/`e4m3`, `q8`, `q6`, `q4`, `f32`) and
     /// llama.cpp's `type_k`/`type_v` names with the same storage (`f16`, `f32`, `q8_0`, `q4_0`:
     /// our q8 and q4 groups are 32 values with one f16 scale, the sizes of ggml's Q8_0 and Q4_0).
+    /// llama.cpp's `type_k` / `type_v` pair as one cache dtype: equal types, or q8_0 keys with
+    /// q4_0 values (the q6 cache); `None` for a pair no cache here stores.
+    pub fn from_llama_types(type_k: &str, type_v: &str) -> Result<Option<CacheDType>> {
+        Ok(
+            match (CacheDType::parse(type_k)?, CacheDType::parse(type_v)?) {
+                (k, v) if k == v => Some(k),
+                (CacheDType::Q8, CacheDType::Q4) => Some(CacheDType::Q6),
+                _ => None,
+            },
+        )
+    }
+
     pub fn parse(s: &str) -> Result<CacheDType> {
         match s.trim().to_ascii_lowercase().as_str() {
             "f32" | "fp32" | "float32" => Ok(CacheDType::F32),

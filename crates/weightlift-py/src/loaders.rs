@@ -181,15 +181,11 @@ fn load_seed(seed: Option<u64>) -> Option<u64> {
     seed.filter(|&s| s != u64::from(u32::MAX))
 }
 
-/// llama.cpp's `type_k` / `type_v` pair as one cache dtype: equal types, or q8_0 keys with
-/// q4_0 values (the q6 cache).
+/// llama.cpp's `type_k` / `type_v` pair ([`CacheDType::from_llama_types`]), or the refusal.
 fn llama_cache_dtype(type_k: &str, type_v: &str) -> PyResult<CacheDType> {
-    let k = CacheDType::parse(type_k).map_err(py_err)?;
-    let v = CacheDType::parse(type_v).map_err(py_err)?;
-    match (k, v) {
-        (a, b) if a == b => Ok(a),
-        (CacheDType::Q8, CacheDType::Q4) => Ok(CacheDType::Q6),
-        _ => Err(raise(
+    match CacheDType::from_llama_types(type_k, type_v).map_err(py_err)? {
+        Some(d) => Ok(d),
+        None => Err(raise(
             Exc::Unsupported,
             format!(
                 "cache type_k={type_k}, type_v={type_v}: expected equal types (f32, f16, q8_0, q4_0) or type_k=q8_0 with type_v=q4_0"
