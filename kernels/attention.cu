@@ -1,5 +1,7 @@
-// attention_{f32,f16}: causal grouped-query attention over the KV cache, with a running
-// (online) softmax, so no score matrix is held.
+// attention_{fmt}: causal grouped-query attention over the KV cache, with a running (online)
+// softmax, so no score matrix is held. The cache rows are read in their storage format (f32,
+// f16, e4m3, or Hadamard-turned q8/q4 groups; attention_q8_q4 is the q6 cache: K q8, V q4) and
+// decoded as they are read, so no decoded copy of the cache exists.
 //
 // One block of WL_ATT_WARPS warps per (head, query); query i (at position start + i) meets keys
 // 0..=start + i. Warp w takes keys w, w + WL_ATT_WARPS, ...: its lanes split the head's dims
@@ -8,18 +10,46 @@
 // at the end: out = sum_w acc_w * e^(m_w - M) / sum_w l_w * e^(m_w - M), M the largest m_w.
 // With f16_operands each query value and each weight is rounded to f16 first, as llama.cpp's
 // CPU products meet an f16 cache (the CPU backend's reference does the same).
-#include "wl_common.cuh"
+#include "wl_kv.cuh"
 
 #define WL_ATT_WARPS 4
 #define WL_ATT_MAX_HD 256
 #define WL_ATT_PER_LANE (WL_ATT_MAX_HD / 32)
 
-__device__ __forceinline__ float wl_att_load(const float* p, wl_u64 i) { return p[i]; }
-__device__ __forceinline__ float wl_att_load(const wl_u16* p, wl_u64 i) { return wl_f16_to_f32(p[i]); }
+// Cache readers: `at(i, lane)` is value i of the cache half. The turned groups are decoded by
+// the warp together: every lane of the warp calls `at` for the same group at once, lane l for
+// value l of the group (the kernel's dims d = lane + 32 r with head_dim a multiple of 32), and
+// the turn back is a butterfly over the lanes in the codec's order.
+struct WlKvF32 {
+    const float* p;
+    __device__ __forceinline__ float at(wl_u64 i, int) const { return p[i]; }
+};
+struct WlKvF16 {
+    const wl_u16* p;
+    __device__ __forceinline__ float at(wl_u64 i, int) const { return wl_f16_to_f32(p[i]); }
+};
+struct WlKvE4M3 {
+    const wl_u8* p;
+    __device__ __forceinline__ float at(wl_u64 i, int) const { return wl_e4m3_decode(p[i]); }
+};
+template <int QMAX>
+struct WlKvTurned {
+    const wl_u8* p;
+    __device__ __forceinline__ float at(wl_u64 i, int lane) const {
+        float x = wl_kv_dequant(p + (i / 32) * (wl_u64)wl_kv_group_bytes(QMAX), lane, QMAX);
+        for (int h = 1; h < 32; h *= 2) {
+            float other = __shfl_xor_sync(0xffffffffu, x, h);
+            // lane j (bit h clear) keeps a + b, lane j + h keeps a - b, as the codec's stage h
+            x = (lane & h) ? WL_SUB(other, x) : WL_ADD(x, other);
+        }
+        return WL_MUL(x, wl_bits_to_f32(WL_KV_TURN_NORM));
+    }
+};
+
 __device__ __forceinline__ float wl_att_round(float x) { return wl_f16_to_f32(wl_f32_to_f16(x)); }
 
-template <typename T>
-__device__ void wl_attention(const float* q, const T* k, const T* v, float* out, wl_u64 n_q,
+template <typename K, typename V>
+__device__ void wl_attention(const float* q, K k, V v, float* out, wl_u64 n_q,
                              wl_u64 start, wl_u64 n_heads, wl_u64 kv_heads, int head_dim,
                              float scale, int f16_operands) {
     __shared__ float s_acc[WL_ATT_WARPS][WL_ATT_MAX_HD];
@@ -52,7 +82,7 @@ __device__ void wl_attention(const float* q, const T* k, const T* v, float* out,
 #pragma unroll
             for (int r = 0; r < WL_ATT_PER_LANE; r++) {
                 int d = lane + 32 * r;
-                if (d < head_dim) s = fmaf(qr[r], wl_att_load(k, row + (wl_u64)d), s);
+                if (d < head_dim) s = fmaf(qr[r], k.at(row + (wl_u64)d, lane), s);
             }
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             s *= scale;
@@ -64,7 +94,7 @@ __device__ void wl_attention(const float* q, const T* k, const T* v, float* out,
 #pragma unroll
             for (int r = 0; r < WL_ATT_PER_LANE; r++) {
                 int d = lane + 32 * r;
-                if (d < head_dim) acc[r] = fmaf(p, wl_att_load(v, row + (wl_u64)d), acc[r] * keep);
+                if (d < head_dim) acc[r] = fmaf(p, v.at(row + (wl_u64)d, lane), acc[r] * keep);
             }
             m = m_new;
         }
@@ -99,15 +129,18 @@ __device__ void wl_attention(const float* q, const T* k, const T* v, float* out,
     }
 }
 
-extern "C" __global__ void attention_f32(const float* q, const float* k, const float* v, float* out,
-                                         wl_u64 n_q, wl_u64 start, wl_u64 n_heads, wl_u64 kv_heads,
-                                         int head_dim, float scale, int f16_operands) {
-    wl_attention<float>(q, k, v, out, n_q, start, n_heads, kv_heads, head_dim, scale, f16_operands);
-}
+#define WL_ATTENTION(NAME, KT, KR, VT, VR)                                                         \
+    extern "C" __global__ void attention_##NAME(const float* q, const KT* k, const VT* v, float* out, \
+                                                wl_u64 n_q, wl_u64 start, wl_u64 n_heads,         \
+                                                wl_u64 kv_heads, int head_dim, float scale,       \
+                                                int f16_operands) {                               \
+        wl_attention(q, KR{k}, VR{v}, out, n_q, start, n_heads, kv_heads, head_dim, scale,         \
+                     f16_operands);                                                               \
+    }
 
-extern "C" __global__ void attention_f16(const float* q, const wl_u16* k, const wl_u16* v,
-                                         float* out, wl_u64 n_q, wl_u64 start, wl_u64 n_heads,
-                                         wl_u64 kv_heads, int head_dim, float scale,
-                                         int f16_operands) {
-    wl_attention<wl_u16>(q, k, v, out, n_q, start, n_heads, kv_heads, head_dim, scale, f16_operands);
-}
+WL_ATTENTION(f32, float, WlKvF32, float, WlKvF32)
+WL_ATTENTION(f16, wl_u16, WlKvF16, wl_u16, WlKvF16)
+WL_ATTENTION(e4m3, wl_u8, WlKvE4M3, wl_u8, WlKvE4M3)
+WL_ATTENTION(q8, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<127>)
+WL_ATTENTION(q4, wl_u8, WlKvTurned<7>, wl_u8, WlKvTurned<7>)
+WL_ATTENTION(q8_q4, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<7>)

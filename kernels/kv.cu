@@ -1,17 +1,30 @@
-// kv_quantize_{q8,q4}: one thread per group of 32; kv_dequantize_{q8,q4}: one thread per value.
+// The KV cache's storage formats (see the Rust codec `KvFormat`): kv_store_{fmt} encodes n f32
+// values into cache bytes, kv_load_{fmt} decodes them. e4m3: one thread per value. q8/q4: one
+// thread per group of 32, turned by the Walsh-Hadamard transform before quantising and after
+// dequantising. f32 and f16 are plain copies and conversions, launched from other modules.
 #include "wl_kv.cuh"
 
+extern "C" __global__ void kv_store_e4m3(const float* x, wl_u8* out, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = wl_e4m3_encode(x[i]);
+}
+
+extern "C" __global__ void kv_load_e4m3(const wl_u8* src, float* out, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = wl_e4m3_decode(src[i]);
+}
+
 #define WL_KV(NAME, QMAX)                                                                          \
-    extern "C" __global__ void kv_quantize_##NAME(const float* x, wl_u8* out, wl_u64 n_groups) {  \
+    extern "C" __global__ void kv_store_##NAME(const float* x, wl_u8* out, wl_u64 n) {            \
         wl_u64 g = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;                                  \
-        if (g < n_groups) {                                                                        \
-            wl_kv_quantize_group(x + g * 32, out + g * (wl_u64)wl_kv_group_bytes(QMAX), QMAX);     \
+        if (g < n / 32) {                                                                          \
+            wl_kv_store_group(x + g * 32, out + g * (wl_u64)wl_kv_group_bytes(QMAX), QMAX);        \
         }                                                                                          \
     }                                                                                              \
-    extern "C" __global__ void kv_dequantize_##NAME(const wl_u8* src, float* out, wl_u64 n) {     \
-        wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;                                  \
-        if (i < n) {                                                                               \
-            out[i] = wl_kv_dequant(src + (i / 32) * (wl_u64)wl_kv_group_bytes(QMAX), (int)(i % 32), QMAX); \
+    extern "C" __global__ void kv_load_##NAME(const wl_u8* src, float* out, wl_u64 n) {           \
+        wl_u64 g = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;                                  \
+        if (g < n / 32) {                                                                          \
+            wl_kv_load_group(src + g * (wl_u64)wl_kv_group_bytes(QMAX), out + g * 32, QMAX);       \
         }                                                                                          \
     }
 

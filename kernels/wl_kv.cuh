@@ -54,3 +54,78 @@ WL_HD float wl_kv_dequant(const wl_u8* g, int i, int qmax) {
     int q = qmax == 127 ? (int)(wl_i8)g[2 + i] : ((i < 16 ? (g[2 + i] & 0x0f) : (g[2 + i - 16] >> 4)) - 8);
     return WL_MUL((float)q, d);
 }
+
+// 1/sqrt(32) as an f32 (the bits Rust's `1.0 / 32f32.sqrt()` gives), so no compiler flag can
+// change the turn's last step.
+#define WL_KV_TURN_NORM 0x3e3504f3u
+
+// The orthonormal Walsh-Hadamard transform of a group of 32 values, in place, with the
+// butterflies in the Rust codec's order (stage h pairs value j with j + h for every j whose bit
+// h is clear): the quantised caches store each group turned by it, and it is its own inverse.
+WL_HD void wl_kv_turn(float* g) {
+    for (int h = 1; h < 32; h *= 2) {
+        for (int i = 0; i < 32; i += 2 * h) {
+            for (int j = i; j < i + h; ++j) {
+                float a = g[j];
+                float b = g[j + h];
+                g[j] = WL_ADD(a, b);
+                g[j + h] = WL_SUB(a, b);
+            }
+        }
+    }
+    float norm = wl_bits_to_f32(WL_KV_TURN_NORM);
+    for (int i = 0; i < 32; ++i) g[i] = WL_MUL(g[i], norm);
+}
+
+// OCP FP8 E4M3 (bias 7, no infinities, 0x7f/0xff NaN, largest 448): exact decode.
+WL_HD float wl_e4m3_decode(wl_u8 b) {
+    wl_u32 e = (b >> 3) & 0x0fu;
+    wl_u32 m = b & 0x07u;
+    if (e == 0x0fu && m == 0x07u) {
+        return wl_bits_to_f32(0x7fc00000u);
+    }
+    wl_u32 sign = (b & 0x80u) ? 0x80000000u : 0u;
+    if (e == 0u) {
+        // m * 2^-9, exact
+        return wl_bits_to_f32(sign | wl_f32_to_bits(WL_MUL((float)m, 0.001953125f)));
+    }
+    return wl_bits_to_f32(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// Round to nearest even, saturating at +-448; NaN gives 0x7f.
+WL_HD wl_u8 wl_e4m3_encode(float x) {
+    if (x != x) {
+        return 0x7fu;
+    }
+    wl_u32 bits = wl_f32_to_bits(x);
+    wl_u8 sign = (bits >> 31) ? 0x80u : 0u;
+    wl_u32 abits = bits & 0x7fffffffu;
+    float a = wl_bits_to_f32(abits);
+    if (a >= 448.0f) {
+        return (wl_u8)(sign | 0x7eu);
+    }
+    if (a < 0.015625f) {
+        // below 2^-6 the codes are m * 2^-9; a rounding up to 8 is the smallest normal's code
+        return (wl_u8)(sign | (wl_u8)(int)rintf(WL_MUL(a, 512.0f)));
+    }
+    int e = (int)(abits >> 23) - 127;
+    float scaled = wl_bits_to_f32((abits & 0x007fffffu) | 0x3f800000u);
+    int m = (int)rintf(WL_MUL(WL_SUB(scaled, 1.0f), 8.0f));
+    // a mantissa rounding up to 8 carries into the exponent, as the codes are ordered
+    int code = ((e + 7) << 3) + m;
+    return (wl_u8)(sign | (wl_u8)(code > 0x7e ? 0x7e : code));
+}
+
+// One cache group of a turned quantised format (q8: qmax 127, q4: qmax 7): turn, then quantise.
+WL_HD void wl_kv_store_group(const float* x, wl_u8* out, int qmax) {
+    float t[32];
+    for (int i = 0; i < 32; ++i) t[i] = x[i];
+    wl_kv_turn(t);
+    wl_kv_quantize_group(t, out, qmax);
+}
+
+// The inverse of wl_kv_store_group: dequantise, then turn back.
+WL_HD void wl_kv_load_group(const wl_u8* g, float* out, int qmax) {
+    for (int i = 0; i < 32; ++i) out[i] = wl_kv_dequant(g, i, qmax);
+    wl_kv_turn(out);
+}

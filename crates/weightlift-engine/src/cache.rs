@@ -13,8 +13,10 @@
 //! | q6 | 8.5/8 (8-bit) | 4.5/8 (4-bit) | K as q8, V as q4 (exllamav2's Q6 cache) |
 //! | q4 | 4.5/8 | 4.5/8 | `√32·‖g‖/14·(1+2⁻⁹) + 2⁻¹⁷` |
 //!
-//! q8 and q4 are the kernels crate's KV quantisers (`weightlift_kernels::kv_quantize`, whose CUDA
-//! twin is the same maths): symmetric absmax, the scale `d = absmax/127` (levels −127…127) or
+//! Rows are encoded and decoded by the kernels crate's one cache codec
+//! ([`weightlift_kernels::KvFormat`]), which the CPU backend calls and the CUDA kernels mirror
+//! bit for bit, so layers computed on either path read the same cache. q8 and q4 are its KV
+//! quantisers: symmetric absmax, the scale `d = absmax/127` (levels −127…127) or
 //! `absmax/7` (levels −7…7) rounded *up* to f16, one 34- or 18-byte group per 32 values (scale
 //! first). The kernels guarantee `|x − x̂| ≤ d·(1/2 + 2⁻¹⁶)`; with the upward f16 rounding of `d`
 //! (relative 2⁻¹⁰, or 2⁻²⁴ absolute for subnormal scales) that bounds the error of each stored
@@ -45,7 +47,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 
-use half::f16;
+use weightlift_kernels::KvFormat;
 
 use crate::device::{Buffer, Device};
 use crate::error::{EngineError, Result, invalid};
@@ -60,41 +62,16 @@ pub const GROUP: usize = 32;
 /// both.
 pub use weightlift_plan::CacheDType;
 
-/// How one of K or V is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Half {
-    F32,
-    F16,
-    E4M3,
-    Q8,
-    Q4,
-}
-
-impl Half {
-    fn quantised(self) -> bool {
-        matches!(self, Half::Q8 | Half::Q4)
-    }
-
-    /// The byte offset of value `slot` (a multiple of the group size for quantised kinds).
-    fn byte_at(self, slot: usize) -> usize {
-        match self {
-            Half::F32 => slot * 4,
-            Half::F16 => slot * 2,
-            Half::E4M3 => slot,
-            Half::Q8 | Half::Q4 => slot / GROUP * kv_type(self).group_bytes(),
-        }
-    }
-}
-
-/// How K and V of a cache dtype are stored.
-fn halves(d: CacheDType) -> (Half, Half) {
+/// How K and V of a cache dtype are stored (the kernels' one cache codec, which the CUDA kernels
+/// and the CPU backend share).
+pub(crate) fn formats(d: CacheDType) -> (KvFormat, KvFormat) {
     match d {
-        CacheDType::F32 => (Half::F32, Half::F32),
-        CacheDType::Fp16 => (Half::F16, Half::F16),
-        CacheDType::Fp8 => (Half::E4M3, Half::E4M3),
-        CacheDType::Q8 => (Half::Q8, Half::Q8),
-        CacheDType::Q6 => (Half::Q8, Half::Q4),
-        CacheDType::Q4 => (Half::Q4, Half::Q4),
+        CacheDType::F32 => (KvFormat::F32, KvFormat::F32),
+        CacheDType::Fp16 => (KvFormat::F16, KvFormat::F16),
+        CacheDType::Fp8 => (KvFormat::E4M3, KvFormat::E4M3),
+        CacheDType::Q8 => (KvFormat::Q8, KvFormat::Q8),
+        CacheDType::Q6 => (KvFormat::Q8, KvFormat::Q4),
+        CacheDType::Q4 => (KvFormat::Q4, KvFormat::Q4),
     }
 }
 
@@ -264,10 +241,10 @@ impl Cache {
                 format!("{} × {}", config.max_seq_len, config.batch_size),
             ));
         }
-        let (k, v) = halves(config.dtype);
+        let (k, v) = formats(config.dtype);
         for (l, &h) in config.n_kv_heads.iter().enumerate() {
             let row = u64::from(h) * u64::from(config.head_dim);
-            if (k.quantised() || v.quantised()) && row % GROUP as u64 != 0 {
+            if (k.quant().is_some() || v.quant().is_some()) && row % GROUP as u64 != 0 {
                 return Err(invalid(
                     format!("{} cache, layer {l}", config.dtype.name()),
                     format!("n_kv_heads × head_dim a multiple of {GROUP}"),
@@ -524,7 +501,7 @@ impl Cache {
         if let Some(v) = self.versions.get(layer) {
             v.fetch_add(1, Ordering::AcqRel);
         }
-        let (hk, hv) = halves(c.dtype);
+        let (hk, hv) = formats(c.dtype);
         let mut layers = self.lock();
         let store = layers[layer]
             .as_mut()
@@ -539,15 +516,15 @@ impl Cache {
         let mut tmp: Vec<u8> = Vec::new();
         for b in 0..c.batch_size as usize {
             let first = (b * c.max_seq_len as usize + pos as usize) * row_len;
-            for (src, half, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
-                let (b0, b1) = (half.byte_at(first), half.byte_at(first + n * row_len));
+            for (src, format, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
+                let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row_len));
                 let mut encode = |span: &mut [u8]| -> Result<()> {
                     for t in 0..n {
                         for h in 0..heads {
                             let from = ((b * heads + h) * n + t) * hd;
                             row[h * hd..(h + 1) * hd].copy_from_slice(&src[from..from + hd]);
                         }
-                        encode_row(half, t * row_len, &row, span)?;
+                        encode_row(format, t * row_len, &row, span)?;
                     }
                     Ok(())
                 };
@@ -641,7 +618,7 @@ impl Cache {
         if let Some(ver) = self.versions.get(layer) {
             ver.fetch_add(1, Ordering::AcqRel);
         }
-        let (hk, hv) = halves(self.config.dtype);
+        let (hk, hv) = formats(self.config.dtype);
         let mut layers = self.lock();
         let store = layers[layer]
             .as_mut()
@@ -649,8 +626,8 @@ impl Cache {
                 what: format!("cache layer {layer}"),
             })?;
         let first = pos as usize * row;
-        for (src, half, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
-            let (b0, b1) = (half.byte_at(first), half.byte_at(first + n * row));
+        for (src, format, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
+            let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row));
             let Some(h) = buf.host_mut() else {
                 return Err(EngineError::Unsupported {
                     what: format!("writing cache rows on {}", store.device.name()),
@@ -659,7 +636,7 @@ impl Cache {
             };
             let span = &mut h[b0..b1];
             for (t, r) in src.chunks_exact(row).enumerate() {
-                encode_row(half, t * row, r, span)?;
+                encode_row(format, t * row, r, span)?;
             }
         }
         Ok(())
@@ -709,11 +686,11 @@ impl Cache {
     ) -> Result<()> {
         let (row, n) = self.whole_rows(layer, k.len(), v.len())?;
         self.check_span(layer, start, n as u64)?;
-        let (hk, hv) = halves(self.config.dtype);
+        let (hk, hv) = formats(self.config.dtype);
         let first = start as usize * row;
         let mut go = |kb: &Buffer, vb: &Buffer| -> Result<()> {
-            for (dst, half, buf) in [(&mut *k, hk, kb), (&mut *v, hv, vb)] {
-                let (b0, b1) = (half.byte_at(first), half.byte_at(first + n * row));
+            for (dst, format, buf) in [(&mut *k, hk, kb), (&mut *v, hv, vb)] {
+                let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row));
                 let Some(h) = buf.host() else {
                     return Err(EngineError::Unsupported {
                         what: format!("reading cache rows on {}", buf.device().name()),
@@ -722,7 +699,7 @@ impl Cache {
                 };
                 let span = &h[b0..b1];
                 for (t, r) in dst.chunks_exact_mut(row).enumerate() {
-                    decode_row(half, t * row, span, r)?;
+                    decode_row(format, t * row, span, r)?;
                 }
             }
             Ok(())
@@ -994,7 +971,7 @@ fn decode_span(
     let hd = c.head_dim as usize;
     let n = n_tokens as usize;
     let row_len = heads * hd;
-    let (hk, hv) = halves(c.dtype);
+    let (hk, hv) = formats(c.dtype);
     let total = c.batch_size as usize * heads * n * hd;
     let mut k = vec![0f32; total];
     let mut v = vec![0f32; total];
@@ -1002,8 +979,8 @@ fn decode_span(
     let mut tmp: Vec<u8> = Vec::new();
     for b in 0..c.batch_size as usize {
         let first = (b * c.max_seq_len as usize + start as usize) * row_len;
-        for (half, src, dst) in [(hk, kb, &mut k), (hv, vb, &mut v)] {
-            let (b0, b1) = (half.byte_at(first), half.byte_at(first + n * row_len));
+        for (format, src, dst) in [(hk, kb, &mut k), (hv, vb, &mut v)] {
+            let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row_len));
             let span: &[u8] = match src.host() {
                 Some(h) => &h[b0..b1],
                 None => {
@@ -1014,7 +991,7 @@ fn decode_span(
                 }
             };
             for t in 0..n {
-                decode_row(half, t * row_len, span, &mut row)?;
+                decode_row(format, t * row_len, span, &mut row)?;
                 for h in 0..heads {
                     let to = ((b * heads + h) * n + t) * hd;
                     dst[to..to + hd].copy_from_slice(&row[h * hd..(h + 1) * hd]);
@@ -1025,57 +1002,17 @@ fn decode_span(
     Ok((k, v))
 }
 
-fn kv_type(half: Half) -> weightlift_kernels::KvType {
-    if half == Half::Q8 {
-        weightlift_kernels::KvType::Q8
-    } else {
-        weightlift_kernels::KvType::Q4
-    }
+/// Encode `row` at value index `slot` of `buf` (a multiple of the group size for quantised
+/// formats).
+fn encode_row(format: KvFormat, slot: usize, row: &[f32], buf: &mut [u8]) -> Result<()> {
+    let span = &mut buf[format.byte_at(slot)..format.byte_at(slot + row.len())];
+    weightlift_kernels::kv_encode(format, row, span).map_err(kernel)
 }
 
-/// Encode `row` at value index `slot` (a multiple of the group size for quantised kinds).
-fn encode_row(half: Half, slot: usize, row: &[f32], buf: &mut [u8]) -> Result<()> {
-    match half {
-        Half::F32 => {
-            for (d, x) in buf[slot * 4..(slot + row.len()) * 4]
-                .chunks_exact_mut(4)
-                .zip(row)
-            {
-                d.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-        Half::F16 => {
-            let mut words = vec![0u16; row.len()];
-            if weightlift_kernels::f32_to_f16_slice(row, &mut words).is_err() {
-                words
-                    .iter_mut()
-                    .zip(row)
-                    .for_each(|(w, x)| *w = f16::from_f32(*x).to_bits());
-            }
-            buf[slot * 2..(slot + row.len()) * 2].copy_from_slice(bytemuck::cast_slice(&words));
-        }
-        Half::E4M3 => {
-            for (i, &x) in row.iter().enumerate() {
-                buf[slot + i] = e4m3::encode(x);
-            }
-        }
-        Half::Q8 | Half::Q4 => {
-            let kt = kv_type(half);
-            let at = slot / GROUP * kt.group_bytes();
-            let dst = &mut buf[at..at + kt.bytes_for(row.len())];
-            // Group by group through a stack copy: this runs for every token of every layer.
-            for (group, out) in row
-                .chunks_exact(GROUP)
-                .zip(dst.chunks_exact_mut(kt.group_bytes()))
-            {
-                let mut turned = [0f32; GROUP];
-                turned.copy_from_slice(group);
-                hadamard(&mut turned);
-                weightlift_kernels::kv_quantize(kt, &turned, out).map_err(kernel)?;
-            }
-        }
-    }
-    Ok(())
+/// Decode the values at `slot..slot + row.len()` of `buf` into `row`.
+fn decode_row(format: KvFormat, slot: usize, buf: &[u8], row: &mut [f32]) -> Result<()> {
+    let span = &buf[format.byte_at(slot)..format.byte_at(slot + row.len())];
+    weightlift_kernels::kv_decode(format, span, row).map_err(kernel)
 }
 
 fn kernel(e: weightlift_kernels::KernelError) -> EngineError {
@@ -1085,124 +1022,9 @@ fn kernel(e: weightlift_kernels::KernelError) -> EngineError {
     }
 }
 
-fn decode_row(half: Half, slot: usize, buf: &[u8], row: &mut [f32]) -> Result<()> {
-    match half {
-        Half::F32 => {
-            let n = row.len();
-            for (x, b) in row
-                .iter_mut()
-                .zip(buf[slot * 4..(slot + n) * 4].chunks_exact(4))
-            {
-                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        Half::F16 => {
-            let bytes = &buf[slot * 2..(slot + row.len()) * 2];
-            match bytemuck::try_cast_slice::<u8, u16>(bytes) {
-                Ok(words) => weightlift_kernels::f16_to_f32_slice(words, row).map_err(kernel)?,
-                Err(_) => {
-                    for (x, b) in row.iter_mut().zip(bytes.chunks_exact(2)) {
-                        *x = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                    }
-                }
-            }
-        }
-        Half::E4M3 => {
-            for (i, x) in row.iter_mut().enumerate() {
-                *x = e4m3::decode(buf[slot + i]);
-            }
-        }
-        Half::Q8 | Half::Q4 => {
-            let kt = kv_type(half);
-            let at = slot / GROUP * kt.group_bytes();
-            weightlift_kernels::kv_dequantize(kt, &buf[at..at + kt.bytes_for(row.len())], row)
-                .map_err(kernel)?;
-            row.chunks_exact_mut(GROUP).for_each(hadamard);
-        }
-    }
-    Ok(())
-}
-
-/// The orthonormal Walsh-Hadamard transform of one group, in place; it is its own inverse.
-/// Quantised caches store each group rotated by it (as exllamav2's Q4 cache does): an outlier
-/// channel is spread over the whole group, so the group's scale no longer crushes the small
-/// values beside it.
-fn hadamard(g: &mut [f32]) {
-    let n = g.len();
-    let mut h = 1;
-    while h < n {
-        for i in (0..n).step_by(2 * h) {
-            for j in i..i + h {
-                let (a, b) = (g[j], g[j + h]);
-                g[j] = a + b;
-                g[j + h] = a - b;
-            }
-        }
-        h *= 2;
-    }
-    let norm = 1.0 / (n as f32).sqrt();
-    g.iter_mut().for_each(|x| *x *= norm);
-}
-
-/// OCP FP8 E4M3 (bias 7, no infinities, 0x7F/0xFF NaN, max 448), as CUDA's `__nv_fp8_e4m3`.
-pub mod e4m3 {
-    /// Decode one byte.
-    pub fn decode(b: u8) -> f32 {
-        let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-        let e = i32::from((b >> 3) & 0x0F);
-        let m = f32::from(b & 0x07);
-        if e == 0x0F && b & 0x07 == 0x07 {
-            return f32::NAN;
-        }
-        let mag = if e == 0 {
-            m / 8.0 * 2f32.powi(-6)
-        } else {
-            (1.0 + m / 8.0) * 2f32.powi(e - 7)
-        };
-        sign * mag
-    }
-
-    /// Encode with round-to-nearest-even, saturating at ±448 (CUDA's `__NV_SATFINITE`).
-    pub fn encode(x: f32) -> u8 {
-        if x.is_nan() {
-            return 0x7F;
-        }
-        let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
-        let a = x.abs();
-        // Codes 0x00..=0x7E are the finite non-negative values, in increasing order.
-        let (mut lo, mut hi) = (0u8, 0x7Eu8);
-        if a >= decode(hi) {
-            return sign | hi;
-        }
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if decode(mid) <= a { lo = mid } else { hi = mid }
-        }
-        let (dl, dh) = (a - decode(lo), decode(hi) - a);
-        let code = if dl < dh || (dl == dh && lo % 2 == 0) {
-            lo
-        } else {
-            hi
-        };
-        sign | code
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn e4m3_known_values() {
-        assert_eq!(e4m3::decode(0x7E), 448.0);
-        assert_eq!(e4m3::decode(0x01), 2f32.powi(-9));
-        assert_eq!(e4m3::decode(0x38), 1.0);
-        assert_eq!(e4m3::encode(1.0), 0x38);
-        assert_eq!(e4m3::encode(1e6), 0x7E);
-        assert_eq!(e4m3::encode(-1.0), 0xB8);
-        // 1.0625 lies halfway between 1.0 (0x38, even) and 1.125 (0x39).
-        assert_eq!(e4m3::encode(1.0625), 0x38);
-    }
 
     #[test]
     fn sizes_match_the_design_table() {

@@ -15,7 +15,7 @@ use common::{
     smollm2_prompt, split_load,
 };
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{Cache, CacheDType, EngineError, Inventory, LoadOptions, Model, Placement};
+use weightlift_engine::{Cache, CacheDType, Inventory, LoadOptions, Model, Placement};
 
 /// SmolLM2 exact, f32 cache, through the backend: within 1e-3 of transformers with the same
 /// argmax at every position, and transformers' greedy ids; and the host path's bits.
@@ -160,37 +160,44 @@ fn tiny_qwen2_through_the_backend_matches_transformers() {
     }
 }
 
-/// The quantised caches and an offloaded cache are refused by the backend path with a typed
-/// error naming the dtype and what is supported; nothing is written and the model stays usable.
+/// Every quantised cache (q8, q6, q4, fp8) through the backend: the cache rows are written by
+/// the backend's store operation and read by its attention in their own storage, and give the
+/// host path's bits: the prompt's logits at every position, a decode step after it, and the
+/// cache's decoded rows, in both compute modes. An offloaded cache is still refused by name.
 #[test]
-fn backend_path_refuses_caches_it_cannot_read() {
-    let src = open(reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf"));
+fn backend_path_reads_and_writes_every_cache_dtype_as_the_host_path() {
+    let src = smollm2();
+    let prompt = smollm2_prompt(2);
     for dtype in [
         CacheDType::Q8,
+        CacheDType::Q6,
         CacheDType::Q4,
         CacheDType::Fp8,
-        CacheDType::Q6,
     ] {
-        let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, dtype);
-        m.set_host_backend(true);
-        let mut out = Vec::new();
-        let e = m
-            .forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut out)
-            .unwrap_err();
-        assert!(matches!(e, EngineError::Unsupported { .. }), "{e}");
-        let msg = e.to_string();
-        assert!(
-            msg.starts_with(&format!(
-                "a {} kv cache for layers computed on cpu is not supported",
-                dtype.name()
-            )) && msg.contains("(supported: fp16, f32)"),
-            "{msg}"
-        );
-        assert_eq!(cache.seq_len(), 0);
-        m.set_host_backend(false);
-        m.forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut out)
-            .unwrap();
-        assert_eq!(cache.seq_len(), 3);
+        for compute in [Compute::Fast, Compute::Exact] {
+            let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, dtype);
+            m.set_compute(compute);
+            let run = |m: &mut Model| {
+                let all = forward_all(m, &cache, &prompt);
+                let mut next = Vec::new();
+                m.forward(&[42], Some(&cache), Logits::Last, &mut next)
+                    .unwrap();
+                let n = cache.seq_len();
+                let rows = cache.read(m.n_layers() as usize - 1, 0, n).unwrap();
+                (all, next, rows)
+            };
+            let host = run(&mut m);
+            m.set_host_backend(true);
+            let backend = run(&mut m);
+            let what = format!("{} cache, {compute:?}", dtype.name());
+            assert!(
+                backend.0 == host.0,
+                "{what}: prompt logits differ (max|Δ| {})",
+                max_abs_diff(&backend.0, &host.0)
+            );
+            assert!(backend.1 == host.1, "{what}: next-token logits differ");
+            assert!(backend.2 == host.2, "{what}: cache rows differ");
+        }
     }
     let mut m = Model::new(Arc::clone(&src), Inventory::parse("cpu").unwrap());
     let cfg = m.cache_config(64, 1, CacheDType::Fp16, true).unwrap();
@@ -214,7 +221,9 @@ fn backend_path_refuses_caches_it_cannot_read() {
 /// SmolLM2's layers on `cuda:0` (embedding and head on cpu), exact compute with an f32 cache
 /// and fast compute with an fp16 cache, against the host path on cpu: the same greedy ids and
 /// logits within 0.05 (exact) or the same argmax wherever the host margin is above 0.25
-/// (fast).
+/// (fast). Then exact compute over each quantised cache (q8, q6, q4, fp8), which the GPU stores
+/// and reads in place: logits within 0.05 of the host path over the same cache dtype (the
+/// cache's bytes are the codec's on both, only the sums' order differs), and its greedy ids.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn cuda_layers_match_the_host_path() {
@@ -226,6 +235,10 @@ fn cuda_layers_match_the_host_path() {
     for (compute, dtype) in [
         (Compute::Exact, CacheDType::F32),
         (Compute::Fast, CacheDType::Fp16),
+        (Compute::Exact, CacheDType::Q8),
+        (Compute::Exact, CacheDType::Q6),
+        (Compute::Exact, CacheDType::Q4),
+        (Compute::Exact, CacheDType::Fp8),
     ] {
         let (mut cpu, cc) = common::load_on(&src, "cpu", "cpu", 64, dtype);
         cpu.set_compute(compute);
@@ -238,7 +251,11 @@ fn cuda_layers_match_the_host_path() {
         match compute {
             Compute::Exact => {
                 let d = max_abs_diff(&got, &want);
-                assert!(d <= 0.05, "{compute:?}: max|Δ| {d} against the host path");
+                assert!(
+                    d <= 0.05,
+                    "{compute:?}, {} cache: max|Δ| {d} against the host path",
+                    dtype.name()
+                );
             }
             Compute::Fast => {
                 for (i, (a, b)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
@@ -254,6 +271,11 @@ fn cuda_layers_match_the_host_path() {
             .unwrap();
         assert_eq!(copies.count, 2, "cpu embedding → cuda:0 → cpu head");
         let ids = greedy(&mut gpu, &gc, &prompt, 16);
-        assert_eq!(ids, want_ids, "{compute:?}: greedy ids");
+        assert_eq!(
+            ids,
+            want_ids,
+            "{compute:?}, {} cache: greedy ids",
+            dtype.name()
+        );
     }
 }

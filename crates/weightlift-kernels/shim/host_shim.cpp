@@ -82,6 +82,26 @@ extern "C" void wl_host_kv_dequantize(const wl_u8* src, float* out, size_t n_gro
     }
 }
 
+// The cache codec's device half: qmax 127 or 7 for the turned q8/q4 groups, 0 for e4m3 (one
+// byte per value, n_groups counting values then).
+extern "C" void wl_host_kv_store(const float* x, wl_u8* out, size_t n_groups, int qmax) {
+    if (qmax == 0) {
+        for (size_t i = 0; i < n_groups; ++i) out[i] = wl_e4m3_encode(x[i]);
+        return;
+    }
+    size_t gb = (size_t)wl_kv_group_bytes(qmax);
+    for (size_t g = 0; g < n_groups; ++g) wl_kv_store_group(x + g * 32, out + g * gb, qmax);
+}
+
+extern "C" void wl_host_kv_load(const wl_u8* src, float* out, size_t n_groups, int qmax) {
+    if (qmax == 0) {
+        for (size_t i = 0; i < n_groups; ++i) out[i] = wl_e4m3_decode(src[i]);
+        return;
+    }
+    size_t gb = (size_t)wl_kv_group_bytes(qmax);
+    for (size_t g = 0; g < n_groups; ++g) wl_kv_load_group(src + g * gb, out + g * 32, qmax);
+}
+
 typedef const wl_u8* (*wl_row_fn)(const wl_u8*, wl_u64, wl_u64);
 typedef float (*wl_lane_f32_fn)(const wl_u8*, const float*, wl_u64, int);
 typedef float (*wl_lane_f16_fn)(const wl_u8*, const wl_u16*, wl_u64, int);

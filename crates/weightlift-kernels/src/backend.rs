@@ -9,11 +9,12 @@
 //!
 //! The operations cover one llama-family decoder layer: RMSNorm, the projections
 //! ([`Op::Matmul`], or [`Op::Int8Matmul`] for LLM.int8 weights; a bias by [`Op::AddBias`]),
-//! RoPE on a table of frequencies ([`Op::RopeInPlace`]), the f16 cache rows
-//! ([`Op::ConvertToF16`] into a view), causal grouped-query [`Op::Attention`] over the cache,
+//! RoPE on a table of frequencies ([`Op::RopeInPlace`]), the cache rows in any of the cache's
+//! storage formats ([`Op::KvStore`] into a view), causal grouped-query [`Op::Attention`] over
+//! the cache,
 //! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]).
 
-use crate::cpu::kv::KvType;
+use crate::cpu::kv_format::KvFormat;
 use crate::cpu::matvec::MatvecMode;
 use crate::cpu::ops::RopeParams;
 use crate::error::{KernelError, Result};
@@ -154,27 +155,28 @@ pub enum Op<'a, B> {
         /// Output.
         out: &'a mut B,
     },
-    /// Quantise `n` f32 values into the KV-cache format `kt`.
-    KvQuantize {
-        /// q8 or q4.
-        kt: KvType,
-        /// Values (a multiple of 32).
+    /// Encode `n` f32 values into cache storage `format` (see [`crate::KvFormat`]): `dst` holds
+    /// `format.byte_at(n)` bytes, usually a view of a cache layer at the row being written.
+    KvStore {
+        /// Storage of the cache half.
+        format: KvFormat,
+        /// Values (whole groups of 32 for the quantised formats).
         n: usize,
-        /// Input.
-        x: &'a B,
-        /// Output bytes.
-        out: &'a mut B,
-    },
-    /// Dequantise `n` values of KV-cache format `kt` to f32.
-    KvDequantize {
-        /// q8 or q4.
-        kt: KvType,
-        /// Values (a multiple of 32).
-        n: usize,
-        /// Input bytes.
+        /// f32 values.
         src: &'a B,
-        /// Output.
-        out: &'a mut B,
+        /// Cache bytes.
+        dst: &'a mut B,
+    },
+    /// Decode `n` values of cache storage `format` to f32.
+    KvLoad {
+        /// Storage of the cache half.
+        format: KvFormat,
+        /// Values (whole groups of 32 for the quantised formats).
+        n: usize,
+        /// Cache bytes.
+        src: &'a B,
+        /// f32 values.
+        dst: &'a mut B,
     },
     /// RoPE in place over `n_tok × n_heads × head_dim` f32 values with one i32 position per
     /// token and the per-pair angles `inv_freqs` (`params.n_dims / 2` f32, see
@@ -227,10 +229,13 @@ pub enum Op<'a, B> {
     /// the first `start + n_q` rows of a KV cache: query `i` of head `h` meets keys
     /// `0..=start + i` of kv head `h / (n_heads / kv_heads)`, and
     /// `out = softmax(scale · q·kᵀ) · v`, with a running (online) softmax so no score matrix
-    /// is held. Cache rows are `kv_heads × head_dim` values of `kv`, token-major.
+    /// is held. Cache rows are `kv_heads × head_dim` values, token-major, stored as `k_format`
+    /// and `v_format` (decoded as they are read: no decoded copy of the cache is made on a GPU).
     Attention {
-        /// Storage type of the cache rows: f32 or f16.
-        kv: FloatType,
+        /// Storage of the cached keys.
+        k_format: KvFormat,
+        /// Storage of the cached values.
+        v_format: KvFormat,
         /// Query heads.
         n_heads: usize,
         /// Key/value heads (a divisor of `n_heads`).

@@ -510,26 +510,38 @@ impl Backend for CpuBackend {
                     out.typed_mut("add output values", n)?,
                 )
             }
-            Op::KvQuantize { kt, n, x, out } => {
-                self.own(x)?;
-                self.own(out)?;
-                let nb = kt.bytes_for(n);
-                check_range("kv cache bytes", out.len, 0, nb)?;
-                cpu::kv::kv_quantize(
-                    kt,
-                    x.typed("kv input values", n)?,
-                    &mut out.as_bytes_mut()[..nb],
+            Op::KvStore {
+                format,
+                n,
+                src,
+                dst,
+            } => {
+                self.own(src)?;
+                self.own(dst)?;
+                format.check_values("kv store", 0, n)?;
+                let nb = format.byte_at(n);
+                check_range("kv cache bytes", dst.len, 0, nb)?;
+                cpu::kv_format::kv_encode(
+                    format,
+                    src.typed("kv input values", n)?,
+                    &mut dst.as_bytes_mut()[..nb],
                 )
             }
-            Op::KvDequantize { kt, n, src, out } => {
+            Op::KvLoad {
+                format,
+                n,
+                src,
+                dst,
+            } => {
                 self.own(src)?;
-                self.own(out)?;
-                let nb = kt.bytes_for(n);
+                self.own(dst)?;
+                format.check_values("kv load", 0, n)?;
+                let nb = format.byte_at(n);
                 check_range("kv cache bytes", src.len, 0, nb)?;
-                cpu::kv::kv_dequantize(
-                    kt,
+                cpu::kv_format::kv_decode(
+                    format,
                     &src.as_bytes()[..nb],
-                    out.typed_mut("kv output values", n)?,
+                    dst.typed_mut("kv output values", n)?,
                 )
             }
             Op::RopeInPlace {
@@ -593,7 +605,8 @@ impl Backend for CpuBackend {
                 )
             }
             Op::Attention {
-                kv,
+                k_format,
+                v_format,
                 n_heads,
                 kv_heads,
                 head_dim,
@@ -614,32 +627,8 @@ impl Backend for CpuBackend {
                 let s = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, tile)?;
                 let qn = s.q_values();
                 let kvn = s.kv_values();
-                let (kf, vf) = match kv {
-                    FloatType::F32 => (
-                        std::borrow::Cow::Borrowed(k.typed::<f32>("attention key values", kvn)?),
-                        std::borrow::Cow::Borrowed(v.typed::<f32>("attention value values", kvn)?),
-                    ),
-                    FloatType::F16 => {
-                        let mut kf = vec![0f32; kvn];
-                        let mut vf = vec![0f32; kvn];
-                        cpu::convert::f16_to_f32_slice(
-                            k.typed("attention key values", kvn)?,
-                            &mut kf,
-                        )?;
-                        cpu::convert::f16_to_f32_slice(
-                            v.typed("attention value values", kvn)?,
-                            &mut vf,
-                        )?;
-                        (std::borrow::Cow::Owned(kf), std::borrow::Cow::Owned(vf))
-                    }
-                    FloatType::BF16 => {
-                        return Err(KernelError::Unsupported {
-                            op: "attention",
-                            ty: "a bf16 cache".into(),
-                            supported: "f32, f16",
-                        });
-                    }
-                };
+                let kf = cache_values(k_format, k, kvn, "attention key")?;
+                let vf = cache_values(v_format, v, kvn, "attention value")?;
                 // the host forward pass's kernel over the same tiles: the same bits
                 let shape = cpu::attention::AttnShape::new(
                     s.n_heads,
@@ -777,4 +766,25 @@ impl AttShape {
     pub(crate) fn kv_values(&self) -> usize {
         (self.start + self.n_q) * self.kv_heads * self.head_dim
     }
+}
+
+/// The first `n` values of cache rows stored as `format`, as f32: borrowed when they are f32,
+/// else decoded (the CPU backend is the reference the CUDA kernels are checked against; they
+/// decode as they read).
+fn cache_values<'b>(
+    format: cpu::kv_format::KvFormat,
+    buf: &'b CpuBuffer,
+    n: usize,
+    what: &'static str,
+) -> Result<std::borrow::Cow<'b, [f32]>> {
+    use cpu::kv_format::KvFormat;
+    if format == KvFormat::F32 {
+        return Ok(std::borrow::Cow::Borrowed(buf.typed::<f32>(what, n)?));
+    }
+    format.check_values("attention", 0, n)?;
+    let nb = format.byte_at(n);
+    check_range(what, buf.len, 0, nb)?;
+    let mut out = vec![0f32; n];
+    cpu::kv_format::kv_decode(format, &buf.as_bytes()[..nb], &mut out)?;
+    Ok(std::borrow::Cow::Owned(out))
 }

@@ -51,6 +51,7 @@ use cudarc::driver::{
 
 use crate::backend::{Backend, Op, check_range, check_ranges, quant_bytes};
 use crate::cpu::int8::{INT8_MAX_COLS, int8_packed_bytes};
+use crate::cpu::kv_format::KvFormat;
 use crate::cpu::matvec::MatvecMode;
 use crate::cpu::ops::RopeStyle;
 use crate::cpu_backend::AttShape;
@@ -453,6 +454,27 @@ impl CudaBackend {
         // SAFETY: one thread per value below n; all three buffers hold n f32 (checked above).
         unsafe { self.launch("ops", name, elementwise(n)?, &mut args) }
     }
+
+    /// `{op}_{format}` of `kernels/kv.cu` over `n` values (whole groups for the quantised
+    /// formats; the caller checked both buffers against `n`).
+    fn kv_codec(
+        &self,
+        op: &str,
+        format: KvFormat,
+        n: usize,
+        src: &CudaSlice<u8>,
+        dst: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let threads = n / format.granule();
+        let name = format!("{op}_{}", format.name());
+        let mut args = [KArg::In(src), KArg::Out(dst), KArg::U64(n as u64)];
+        // SAFETY: one thread per value (e4m3) or group of 32 (q8, q4) below n, reading and
+        // writing only that value's or group's bytes; the caller checked both sizes for n.
+        unsafe { self.launch("kv", &name, elementwise(threads)?, &mut args) }
+    }
 }
 
 /// The shape of one checked matmul: weight and activation types, `rows × cols` weights,
@@ -746,6 +768,27 @@ impl CudaBackend {
         // token t's activations, quants and scale, at most `n_out` <= cols outlier indices,
         // and writes y[t * rows + r] below n_tok × rows (checked).
         unsafe { self.launch("int8", "int8_matmul_f32", cfg, &mut args) }
+    }
+}
+
+/// The attention kernel for a cache stored as `k` keys and `v` values: one per cache dtype
+/// (`attention_q8_q4` is the q6 cache).
+fn attention_kernel(k: KvFormat, v: KvFormat) -> Result<String> {
+    use KvFormat::{E4M3, F16, F32, Q4, Q8};
+    match (k, v) {
+        (F32, F32) | (F16, F16) | (E4M3, E4M3) | (Q8, Q8) | (Q4, Q4) => {
+            Ok(format!("attention_{}", k.name()))
+        }
+        (Q8, Q4) => Ok("attention_q8_q4".into()),
+        _ => Err(KernelError::Unsupported {
+            op: "attention on cuda",
+            ty: format!(
+                "keys stored as {} with values stored as {}",
+                k.name(),
+                v.name()
+            ),
+            supported: "f32, f16, e4m3, q8 or q4 for both, or q8 keys with q4 values",
+        }),
     }
 }
 
@@ -1135,45 +1178,60 @@ impl Backend for CudaBackend {
             }
             Op::SwiGlu { n, gate, up, out } => self.binary("swiglu_f32", n, gate, up, out)?,
             Op::Add { n, a, b, out } => self.binary("add_f32", n, a, b, out)?,
-            Op::KvQuantize { kt, n, x, out } => {
-                self.own(x)?;
-                self.own(out)?;
-                if n % 32 != 0 {
-                    return Err(KernelError::Shape {
-                        op: "kv quantize",
-                        reason: format!("{n} values are not whole groups of 32"),
-                    });
-                }
-                need("kv input bytes", x, mul(n, 4))?;
-                need("kv cache bytes", out, kt.bytes_for(n))?;
-                let name = format!("kv_quantize_{}", kt.name());
-                let mut args = [
-                    KArg::In(&x.slice),
-                    KArg::Out(&mut out.slice),
-                    KArg::U64((n / 32) as u64),
-                ];
-                // SAFETY: one thread per group below n / 32, sizes checked above.
-                unsafe { self.launch("kv", &name, elementwise(n / 32)?, &mut args) }?;
-            }
-            Op::KvDequantize { kt, n, src, out } => {
+            Op::KvStore {
+                format,
+                n,
+                src,
+                dst,
+            } => {
                 self.own(src)?;
-                self.own(out)?;
-                if n % 32 != 0 {
-                    return Err(KernelError::Shape {
-                        op: "kv dequantize",
-                        reason: format!("{n} values are not whole groups of 32"),
-                    });
+                self.own(dst)?;
+                format.check_values("kv store", 0, n)?;
+                need("kv input bytes", src, mul(n, 4))?;
+                need("kv cache bytes", dst, format.byte_at(n))?;
+                match format {
+                    KvFormat::F32 => {
+                        let view = src.slice.slice(0..4 * n);
+                        let mut out = dst.slice.slice_mut(0..4 * n);
+                        s.memcpy_dtod(&view, &mut out)
+                            .map_err(drv("copying f32 cache rows"))?;
+                    }
+                    KvFormat::F16 => self.run(Op::ConvertToF16 {
+                        from: FloatType::F32,
+                        n,
+                        src,
+                        dst,
+                    })?,
+                    _ => self.kv_codec("kv_store", format, n, &src.slice, &mut dst.slice)?,
                 }
-                need("kv cache bytes", src, kt.bytes_for(n))?;
-                need("kv output bytes", out, mul(n, 4))?;
-                let name = format!("kv_dequantize_{}", kt.name());
-                let mut args = [
-                    KArg::In(&src.slice),
-                    KArg::Out(&mut out.slice),
-                    KArg::U64(n as u64),
-                ];
-                // SAFETY: one thread per value below n, sizes checked above.
-                unsafe { self.launch("kv", &name, elementwise(n)?, &mut args) }?;
+            }
+            Op::KvLoad {
+                format,
+                n,
+                src,
+                dst,
+            } => {
+                self.own(src)?;
+                self.own(dst)?;
+                format.check_values("kv load", 0, n)?;
+                need("kv cache bytes", src, format.byte_at(n))?;
+                need("kv output bytes", dst, mul(n, 4))?;
+                match format {
+                    KvFormat::F32 => {
+                        let view = src.slice.slice(0..4 * n);
+                        let mut out = dst.slice.slice_mut(0..4 * n);
+                        s.memcpy_dtod(&view, &mut out)
+                            .map_err(drv("copying f32 cache rows"))?;
+                    }
+                    KvFormat::F16 => self.run(Op::Dequantize {
+                        ty: QuantType::F16,
+                        out: FloatType::F32,
+                        n,
+                        src,
+                        dst,
+                    })?,
+                    _ => self.kv_codec("kv_load", format, n, &src.slice, &mut dst.slice)?,
+                }
             }
             Op::RopeInPlace {
                 params,
@@ -1269,7 +1327,8 @@ impl Backend for CudaBackend {
                 unsafe { self.launch("ops", "swiglu_inplace_f32", elementwise(n)?, &mut args) }?;
             }
             Op::Attention {
-                kv,
+                k_format,
+                v_format,
                 n_heads,
                 kv_heads,
                 head_dim,
@@ -1287,17 +1346,7 @@ impl Backend for CudaBackend {
                     self.own(b)?;
                 }
                 self.own(out)?;
-                let name = match kv {
-                    FloatType::F32 => "attention_f32",
-                    FloatType::F16 => "attention_f16",
-                    FloatType::BF16 => {
-                        return Err(KernelError::Unsupported {
-                            op: "attention",
-                            ty: "a bf16 cache".into(),
-                            supported: "f32, f16",
-                        });
-                    }
-                };
+                let name = attention_kernel(k_format, v_format)?;
                 let sh = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, 1)?;
                 if head_dim > ATTENTION_MAX_HEAD_DIM {
                     return Err(KernelError::Shape {
@@ -1308,8 +1357,18 @@ impl Backend for CudaBackend {
                     });
                 }
                 need("attention query bytes", q, mul(sh.q_values(), 4))?;
-                need("attention key bytes", k, mul(sh.kv_values(), kv.size()))?;
-                need("attention value bytes", v, mul(sh.kv_values(), kv.size()))?;
+                let turned = k_format.quant().is_some() || v_format.quant().is_some();
+                if turned && !head_dim.is_multiple_of(32) {
+                    return Err(KernelError::Shape {
+                        op: "attention on cuda",
+                        reason: format!(
+                            "a quantised cache is decoded by whole warps: head_dim {head_dim} \
+                             must be a multiple of 32"
+                        ),
+                    });
+                }
+                need("attention key bytes", k, k_format.byte_at(sh.kv_values()))?;
+                need("attention value bytes", v, v_format.byte_at(sh.kv_values()))?;
                 need("attention output bytes", out, mul(sh.q_values(), 4))?;
                 if n_q == 0 {
                     return Ok(());
@@ -1340,7 +1399,7 @@ impl Backend for CudaBackend {
                 // checked), cache rows 0..=start + i of kv head h / (n_heads / kv_heads)
                 // ((start + n_q) rows checked) and writes output row i of head h; head_dim is
                 // within the kernel's shared arrays (checked).
-                unsafe { self.launch("attention", name, cfg, &mut args) }?;
+                unsafe { self.launch("attention", &name, cfg, &mut args) }?;
             }
         }
         Ok(())

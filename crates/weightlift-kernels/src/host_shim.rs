@@ -7,6 +7,7 @@
 #![allow(unsafe_code)]
 
 use crate::cpu::kv::KvType;
+use crate::cpu::kv_format::KvFormat;
 use crate::error::{KernelError, Result};
 use crate::types::QuantType;
 
@@ -50,6 +51,8 @@ unsafe extern "C" {
     );
     fn wl_host_kv_quantize(x: *const f32, out: *mut u8, n_groups: usize, qmax: i32);
     fn wl_host_kv_dequantize(src: *const u8, out: *mut f32, n_groups: usize, qmax: i32);
+    fn wl_host_kv_store(x: *const f32, out: *mut u8, n_groups: usize, qmax: i32);
+    fn wl_host_kv_load(src: *const u8, out: *mut f32, n_groups: usize, qmax: i32);
 }
 
 /// Dequantises with the host build of `wl_dequant.cuh`.
@@ -192,6 +195,47 @@ pub fn kv_dequantize(kt: KvType, src: &[u8], out: &mut [f32]) -> Result<()> {
     }
     // SAFETY: src has g groups of group_bytes and out g groups of 32 floats.
     unsafe { wl_host_kv_dequantize(src.as_ptr(), out.as_mut_ptr(), g, kt.qmax()) };
+    Ok(())
+}
+
+/// The shim's code for a cache format the kv kernels encode (e4m3 0; turned q8/q4 their qmax),
+/// and the units it counts (values or groups of 32) for `n` values.
+fn kv_format_code(format: KvFormat, n: usize, bytes: usize) -> Result<(i32, usize)> {
+    let code = match format {
+        KvFormat::E4M3 => 0,
+        KvFormat::Q8 | KvFormat::Q4 => format.quant().map_or(0, KvType::qmax),
+        other => {
+            return Err(KernelError::Unsupported {
+                op: "host kv codec",
+                ty: other.name().into(),
+                supported: "e4m3, q8, q4",
+            });
+        }
+    };
+    format.check_values("host kv codec", 0, n)?;
+    if bytes != format.byte_at(n) {
+        return Err(KernelError::LengthMismatch {
+            what: "host kv bytes",
+            expected: format.byte_at(n),
+            got: bytes,
+        });
+    }
+    Ok((code, n / format.granule()))
+}
+
+/// Encodes cache rows with `wl_kv.cuh` (the `kv_store_{format}` kernels' maths).
+pub fn kv_store(format: KvFormat, x: &[f32], out: &mut [u8]) -> Result<()> {
+    let (code, units) = kv_format_code(format, x.len(), out.len())?;
+    // SAFETY: x holds `units` groups (or values) and out their bytes (checked above).
+    unsafe { wl_host_kv_store(x.as_ptr(), out.as_mut_ptr(), units, code) };
+    Ok(())
+}
+
+/// Decodes cache rows with `wl_kv.cuh` (the `kv_load_{format}` kernels' maths).
+pub fn kv_load(format: KvFormat, src: &[u8], out: &mut [f32]) -> Result<()> {
+    let (code, units) = kv_format_code(format, out.len(), src.len())?;
+    // SAFETY: src holds `units` groups (or values) of bytes and out their values (checked).
+    unsafe { wl_host_kv_load(src.as_ptr(), out.as_mut_ptr(), units, code) };
     Ok(())
 }
 

@@ -36,6 +36,7 @@ pub use cpu::int8::{
     int8_quantize_rows, int8_quantize_rows_from,
 };
 pub use cpu::kv::{KV_GROUP, KvType, kv_dequantize, kv_quantize};
+pub use cpu::kv_format::{KvFormat, e4m3, hadamard, kv_decode, kv_encode};
 pub use cpu::matvec::{MatvecMode, matmul, matmul_f16, matvec, matvec_f16};
 pub use cpu::ops::{
     RopeParams, RopeStyle, add, rms_norm, rope, rope_in_place, rope_inv_freqs, softmax, swiglu,

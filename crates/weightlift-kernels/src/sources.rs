@@ -106,10 +106,9 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // (a, b, out, n)
     ("swiglu_", &[Ptr, Ptr, Ptr, U64]),
     ("add_", &[Ptr, Ptr, Ptr, U64]),
-    // (x, out, n_groups)
-    ("kv_quantize_", &[Ptr, Ptr, U64]),
-    // (src, out, n values)
-    ("kv_dequantize_", &[Ptr, Ptr, U64]),
+    // (src, dst, n values): the cache codec (kv.cu)
+    ("kv_store_", &[Ptr, Ptr, U64]),
+    ("kv_load_", &[Ptr, Ptr, U64]),
     // LLM.int8 (int8.cu): (x, flags, out_cols, n_out, n_tok, cols, threshold)
     ("int8_outliers_", &[Ptr, Ptr, Ptr, Ptr, U64, U64, F32]),
     // (x, flags or null, q, scales, n_rows, cols, threshold)

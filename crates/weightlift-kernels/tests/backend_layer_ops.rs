@@ -164,18 +164,13 @@ fn in_place_ops_match_closed_forms<B: Backend>(b: &B) -> Result<()> {
 }
 test_device!(in_place_ops_match_closed_forms);
 
-/// The cache rows as stored (`kv`) and as the kernels read them (f32).
-fn cache_rows(v: &[f32], kv: FloatType) -> (Vec<u8>, Vec<f32>) {
-    match kv {
-        FloatType::F16 => {
-            let h: Vec<half::f16> = v.iter().map(|x| half::f16::from_f32(*x)).collect();
-            (
-                h.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                h.iter().map(|x| x.to_f32()).collect(),
-            )
-        }
-        _ => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), v.to_vec()),
-    }
+/// The cache rows as stored (`format`) and as the kernels read them (f32), by the cache codec.
+fn cache_rows(v: &[f32], format: KvFormat) -> (Vec<u8>, Vec<f32>) {
+    let mut bytes = vec![0u8; format.byte_at(v.len())];
+    kv_encode(format, v, &mut bytes).unwrap();
+    let mut back = vec![0f32; v.len()];
+    kv_decode(format, &bytes, &mut back).unwrap();
+    (bytes, back)
 }
 
 /// Plain two-pass f64 attention: query `i` meets keys `0..=start + i`.
@@ -232,10 +227,11 @@ fn reference_attention(
     out
 }
 
-/// Attention over f32 and f16 caches, 1 and 5 queries after 0 and 37 cached positions, 6 query
-/// heads over 2 kv heads of 40 and 64 values, in tiles of 1, 4 and 256 keys: within 2e-6 of the
-/// f64 softmax (2e-3 relative with f16 operands, whose weights are rounded to f16 against a
-/// running maximum).
+/// Attention over caches in every storage format (f32 and f16 with heads of 40 and 64 values;
+/// e4m3, q8, q4 and the q6 pair with heads of 64, the quantised groups being whole in a head),
+/// 1 and 5 queries after 0 and 37 cached positions, 6 query heads over 2 kv heads, in tiles of
+/// 1, 4 and 256 keys: within 2e-6 of the f64 softmax over the rows the codec decodes (2e-3 with
+/// f16 operands, whose weights are rounded to f16 against a running maximum).
 fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(0xa77e);
     let (nh, kvh) = (6, 2);
@@ -246,9 +242,21 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
             let k = rng.vec(rows * kvh * hd, 2.0);
             let v = rng.vec(rows * kvh * hd, 1.0);
             let qb = f32s(b, &q)?;
-            for kv in [FloatType::F32, FloatType::F16] {
-                let (kbytes, kf) = cache_rows(&k, kv);
-                let (vbytes, vf) = cache_rows(&v, kv);
+            let mut formats = vec![
+                (KvFormat::F32, KvFormat::F32),
+                (KvFormat::F16, KvFormat::F16),
+            ];
+            if hd % 32 == 0 {
+                formats.extend([
+                    (KvFormat::E4M3, KvFormat::E4M3),
+                    (KvFormat::Q8, KvFormat::Q8),
+                    (KvFormat::Q4, KvFormat::Q4),
+                    (KvFormat::Q8, KvFormat::Q4),
+                ]);
+            }
+            for (k_format, v_format) in formats {
+                let (kbytes, kf) = cache_rows(&k, k_format);
+                let (vbytes, vf) = cache_rows(&v, v_format);
                 let (kb, vb) = (upload(b, &kbytes)?, upload(b, &vbytes)?);
                 for f16_operands in [false, true] {
                     let want =
@@ -256,7 +264,8 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
                     for tile in [1, 4, 256] {
                         let mut out = b.alloc(q.len() * 4)?;
                         b.run(Op::Attention {
-                            kv,
+                            k_format,
+                            v_format,
                             n_heads: nh,
                             kv_heads: kvh,
                             head_dim: hd,
@@ -275,7 +284,7 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
                         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                             assert!(
                                 (f64::from(*g) - w).abs() <= tol,
-                                "{} attention {kv} hd {hd} n_q {n_q} start {start} f16 ops \
+                                "{} attention {k_format:?}/{v_format:?} hd {hd} n_q {n_q} start {start} f16 ops \
                                  {f16_operands} tile {tile}: value {i}: {g} vs {w}",
                                 b.name()
                             );
@@ -291,7 +300,8 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
     let mut out = b.alloc(256)?;
     let mut att = |n_heads, kv_heads, start| {
         b.run(Op::Attention {
-            kv: FloatType::F32,
+            k_format: KvFormat::F32,
+            v_format: KvFormat::F32,
             n_heads,
             kv_heads,
             head_dim: 16,

@@ -260,44 +260,88 @@ fn row_ops_match_closed_forms<B: Backend>(b: &B) -> Result<()> {
 }
 test_device!(row_ops_match_closed_forms);
 
-fn kv_cache_round_trip_meets_bound<B: Backend>(b: &B) -> Result<()> {
+/// Every cache storage format through the backend's store and load: the bytes and the values
+/// of the cache codec, to the bit, and each value within its format's bound (per value `x` of
+/// group `g`: f16 `|x|·2⁻¹¹ + 2⁻²⁵`, e4m3 `|x|·2⁻⁴ + 2⁻¹⁰`, turned q8/q4
+/// `√32·‖g‖/(2·qmax)·(1 + 2⁻⁹) + 2⁻¹⁷`).
+fn kv_cache_formats_store_and_load_as_the_codec<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(29);
-    let x = rng.vec(32 * 64, 3.0);
+    let mut x = rng.vec(32 * 64, 3.0);
+    x[5] = 40.0; // an outlier channel
     let xb = f32s(b, &x)?;
-    for kt in [KvType::Q8, KvType::Q4] {
-        let mut q = b.alloc(kt.bytes_for(x.len()))?;
-        b.run(Op::KvQuantize {
-            kt,
+    for format in [
+        KvFormat::F32,
+        KvFormat::F16,
+        KvFormat::E4M3,
+        KvFormat::Q8,
+        KvFormat::Q4,
+    ] {
+        let nb = format.byte_at(x.len());
+        let mut stored = b.alloc(nb)?;
+        b.run(Op::KvStore {
+            format,
             n: x.len(),
-            x: &xb,
-            out: &mut q,
+            src: &xb,
+            dst: &mut stored,
         })?;
         let mut back = b.alloc(x.len() * 4)?;
-        b.run(Op::KvDequantize {
-            kt,
+        b.run(Op::KvLoad {
+            format,
             n: x.len(),
-            src: &q,
-            out: &mut back,
+            src: &stored,
+            dst: &mut back,
         })?;
         let got = download_f32(b, &back, x.len())?;
-        let mut qbytes = vec![0u8; kt.bytes_for(x.len())];
-        b.copy_to_host(&q, 0, &mut qbytes)?;
-        for (g, xs) in x.chunks(32).enumerate() {
-            let gb = kt.group_bytes();
-            let d = half::f16::from_le_bytes([qbytes[g * gb], qbytes[g * gb + 1]]).to_f32();
-            for (i, v) in xs.iter().enumerate() {
-                let err = (v - got[g * 32 + i]).abs();
+        let mut bytes = vec![0u8; nb];
+        b.copy_to_host(&stored, 0, &mut bytes)?;
+        let mut want_bytes = vec![0u8; nb];
+        kv_encode(format, &x, &mut want_bytes)?;
+        assert!(bytes == want_bytes, "{} {format:?}: stored bytes", b.name());
+        let mut want = vec![0f32; x.len()];
+        kv_decode(format, &bytes, &mut want)?;
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, w)| a.to_bits() == w.to_bits()),
+            "{} {format:?}: loaded values",
+            b.name()
+        );
+        for (gi, g) in x.chunks(32).enumerate() {
+            let norm = g.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt();
+            for (i, v) in g.iter().enumerate() {
+                let v = f64::from(*v);
+                let bound = match format {
+                    KvFormat::F32 => 0.0,
+                    KvFormat::F16 => v.abs() * 2f64.powi(-11) + 2f64.powi(-25),
+                    KvFormat::E4M3 => v.abs() * 2f64.powi(-4) + 2f64.powi(-10),
+                    KvFormat::Q8 | KvFormat::Q4 => {
+                        let qmax = f64::from(format.quant().unwrap().qmax());
+                        32f64.sqrt() * norm / (2.0 * qmax) * (1.0 + 2f64.powi(-9)) + 2f64.powi(-17)
+                    }
+                };
+                let err = (v - f64::from(got[gi * 32 + i])).abs();
                 assert!(
-                    f64::from(err) <= f64::from(d) * (0.5 + 2f64.powi(-16)),
-                    "{} {kt:?} group {g}",
+                    err <= bound,
+                    "{} {format:?} group {gi}: {err} > {bound}",
                     b.name()
                 );
             }
         }
     }
+    // a partial group is refused, naming it
+    let mut out = b.alloc(64)?;
+    let e = b
+        .run(Op::KvStore {
+            format: KvFormat::Q8,
+            n: 16,
+            src: &xb,
+            dst: &mut out,
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("not whole groups of 32"), "{e}");
     Ok(())
 }
-test_device!(kv_cache_round_trip_meets_bound);
+test_device!(kv_cache_formats_store_and_load_as_the_codec);
 
 fn convert_scan_and_copies<B: Backend>(b: &B) -> Result<()> {
     let mut v: Vec<f32> = (0..5000).map(|i| i as f32 * 0.37 - 900.0).collect();

@@ -17,7 +17,7 @@ fn host_twin_needs_a_cpp_compiler() {
 #[cfg(wl_host_shim)]
 mod twin {
     use super::common::{NAMES, Rng, load};
-    use weightlift_kernels::{KvType, QuantType, host_shim};
+    use weightlift_kernels::{KvFormat, KvType, QuantType, e4m3, host_shim, kv_decode, kv_encode};
 
     fn same(a: f32, b: f32) -> bool {
         a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
@@ -130,6 +130,72 @@ mod twin {
             host_shim::kv_dequantize(kt, &a, &mut da).unwrap();
             weightlift_kernels::kv_dequantize(kt, &b, &mut db).unwrap();
             assert_eq!(da, db, "{kt:?}");
+        }
+    }
+
+    /// The cache codec's device half (`wl_kv.cuh`: the Hadamard turn, the turned q8/q4 groups
+    /// and e4m3) writes the Rust codec's bytes and reads back its values, bit for bit: groups
+    /// with an outlier, zeros, subnormal and saturating magnitudes, and e4m3 on every code, the
+    /// midpoints between neighbouring codes (ties go to the even code) and one ulp either side.
+    #[test]
+    fn header_cache_codec_equals_rust_bytes_and_values() {
+        let mut rng = Rng(43);
+        let mut x = rng.vec(32 * 100, 5.0);
+        x[33] = 1e6;
+        x[64..96].fill(0.0);
+        x[96..128].iter_mut().for_each(|v| *v *= 1e-40);
+        x[130] = -500.0;
+        let mut e4m3_points = Vec::new();
+        for code in 0u8..0x7E {
+            let (lo, hi) = (e4m3::decode(code), e4m3::decode(code + 1));
+            let mid = (lo + hi) / 2.0;
+            for v in [lo, mid, hi] {
+                for p in [
+                    v,
+                    f32::from_bits(v.to_bits() + 1),
+                    f32::from_bits(v.to_bits().max(1) - 1),
+                ] {
+                    e4m3_points.extend([p, -p]);
+                }
+            }
+        }
+        e4m3_points.extend([
+            448.0,
+            449.0,
+            464.0,
+            1e9,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+        ]);
+        let even = e4m3_points.len() / 32 * 32;
+        for (format, xs) in [
+            (KvFormat::Q8, &x[..]),
+            (KvFormat::Q4, &x[..]),
+            (KvFormat::E4M3, &x[..]),
+            (KvFormat::E4M3, &e4m3_points[..even]),
+        ] {
+            let n = format.byte_at(xs.len());
+            let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
+            host_shim::kv_store(format, xs, &mut a).unwrap();
+            kv_encode(format, xs, &mut b).unwrap();
+            for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+                assert_eq!(p, q, "{format:?}: byte {i}");
+            }
+            let (mut da, mut db) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
+            host_shim::kv_load(format, &a, &mut da).unwrap();
+            kv_decode(format, &b, &mut db).unwrap();
+            for (i, (p, q)) in da.iter().zip(&db).enumerate() {
+                assert!(same(*p, *q), "{format:?}: value {i}: {p} vs {q}");
+            }
+        }
+        // every byte decodes alike (NaN codes included)
+        let codes: Vec<u8> = (0..=255).collect();
+        let (mut da, mut db) = (vec![0f32; 256], vec![0f32; 256]);
+        host_shim::kv_load(KvFormat::E4M3, &codes, &mut da).unwrap();
+        kv_decode(KvFormat::E4M3, &codes, &mut db).unwrap();
+        for (c, (p, q)) in da.iter().zip(&db).enumerate() {
+            assert!(same(*p, *q), "e4m3 code {c:#x}: {p} vs {q}");
         }
     }
 

@@ -67,8 +67,9 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("scan_", ["", ""]),
             ("q8_matmul_", ["", ""]),
             ("gemm_", ["", ""]),
-            ("kv_quantize_", ["", ""]),
-            ("kv_dequantize_", ["", ""]),
+            ("kv_store_", ["", ""]),
+            ("kv_load_", ["", ""]),
+            ("attention_", ["", ""]),
         ] {
             if let Some(rest) = k.strip_prefix(prefix) {
                 for s in suffixes {
@@ -76,7 +77,8 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                         let m = match prefix {
                             "dequantize_" => format!("WL_DEQUANT({t},"),
                             "scan_" => format!("WL_SCAN_BLOCKS({t},"),
-                            "kv_quantize_" | "kv_dequantize_" => format!("WL_KV({t},"),
+                            "kv_store_" | "kv_load_" => format!("WL_KV({t},"),
+                            "attention_" => format!("WL_ATTENTION({t},"),
                             "q8_matmul_" => format!("WL_Q8_MATMUL({t},"),
                             "gemm_" => format!("WL_GEMM({t},"),
                             _ => format!("WL_MATMUL_BOTH({t})"),
@@ -132,10 +134,12 @@ fn expected_kernels() -> Vec<String> {
         "softmax_f32",
         "swiglu_f32",
         "add_f32",
-        "kv_quantize_q8",
-        "kv_quantize_q4",
-        "kv_dequantize_q8",
-        "kv_dequantize_q4",
+        "kv_store_q8",
+        "kv_store_q4",
+        "kv_store_e4m3",
+        "kv_load_q8",
+        "kv_load_q4",
+        "kv_load_e4m3",
         // the forward pass's in-place forms and its attention over the cache
         "rope_inplace_norm_f32",
         "rope_inplace_neox_f32",
@@ -144,6 +148,10 @@ fn expected_kernels() -> Vec<String> {
         "add_bias_f32",
         "attention_f32",
         "attention_f16",
+        "attention_e4m3",
+        "attention_q8",
+        "attention_q4",
+        "attention_q8_q4",
     ] {
         expected.push(k.to_string());
     }

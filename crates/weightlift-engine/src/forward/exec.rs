@@ -8,8 +8,10 @@
 //! host memory when [`crate::Model::set_host_backend`] asks: the op sequence a GPU runs is then
 //! checked on any machine, and it gives the host path's bits (the tests compare them).
 //!
-//! The cache must be fp16 or f32 here (the attention operation reads those rows directly); the
-//! quantised caches and an offloaded cache are refused with a typed error naming them.
+//! The cache is read and written in its own storage (f32, fp16, fp8 or the quantised q8/q6/q4
+//! groups) through the kernels' one cache codec: the attention operation decodes rows as it
+//! reads them, so no decoded copy of the cache is made. An offloaded cache is refused with a
+//! typed error naming it.
 
 // A backend buffer has no lifetime in its type, so a view of memory the engine owns (a region
 // of a workspace, a weight, a cache layer) is made through the kernels' unsafe view
@@ -25,8 +27,8 @@ use std::ops::{Deref, DerefMut};
 
 use weightlift_format::DType;
 use weightlift_kernels::{
-    Backend, CpuBackend, CpuBuffer, CudaBackend, CudaBuffer, FloatType, KernelError, MatvecMode,
-    Op, QuantType, sources,
+    Backend, CpuBackend, CpuBuffer, CudaBackend, CudaBuffer, FloatType, KernelError, KvFormat,
+    MatvecMode, Op, QuantType, sources,
 };
 use weightlift_plan::Workspace;
 
@@ -34,7 +36,7 @@ use super::Compute;
 use super::layer::Consts;
 use super::parts::{Floats, Layer, Linear, Slot};
 use super::weights::Packing;
-use crate::cache::{Cache, CacheDType};
+use crate::cache::Cache;
 use crate::device::{Buffer, DeviceTensor, Storage};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
@@ -460,8 +462,8 @@ pub(crate) fn kernel_type(name: &str, dtype: DType) -> Result<QuantType> {
     })
 }
 
-/// The float type of the cache rows the backend path reads, or why it cannot.
-fn cache_rows(cache: &Cache, device: &str) -> Result<FloatType> {
+/// The storage of the cache rows the backend path reads and writes, or why it cannot.
+fn cache_rows(cache: &Cache, device: &str) -> Result<(KvFormat, KvFormat)> {
     if cache.is_offloaded() {
         return Err(EngineError::Unsupported {
             what: format!("an offloaded kv cache for layers computed on {device}"),
@@ -470,19 +472,7 @@ fn cache_rows(cache: &Cache, device: &str) -> Result<FloatType> {
                 .into(),
         });
     }
-    match cache.config().dtype {
-        CacheDType::F32 => Ok(FloatType::F32),
-        CacheDType::Fp16 => Ok(FloatType::F16),
-        other => Err(EngineError::Unsupported {
-            what: format!(
-                "a {} kv cache for layers computed on {device}",
-                other.name()
-            ),
-            detail: "layers that run through the kernels' backend keep their cache in fp16 or \
-                     f32 (supported: fp16, f32); load with cache dtype fp16"
-                .into(),
-        }),
-    }
+    Ok(crate::cache::formats(cache.config().dtype))
 }
 
 /// The embedding rows of `ids`, dequantised into the residual stream `x`.
@@ -528,27 +518,25 @@ pub(crate) fn embed<B: Exec>(
     Ok(())
 }
 
-/// Writes `n` f32 values of `src` into cache rows stored as `kv`, from value `at`.
+/// Writes `n` f32 values of `src` into cache rows stored as `format`, from value `at` (whole
+/// groups of the quantised formats: the cache's rows are).
 fn store<B: Backend>(
     b: &B,
-    kv: FloatType,
+    format: KvFormat,
     src: &B::Buffer,
     dst: &mut B::Buffer,
     at: usize,
     n: usize,
 ) -> weightlift_kernels::Result<()> {
-    match kv {
-        FloatType::F16 => {
-            let mut rows = split(b, dst, &[(at * 2, n * 2)])?;
-            b.run(Op::ConvertToF16 {
-                from: FloatType::F32,
-                n,
-                src,
-                dst: &mut rows[0],
-            })
-        }
-        _ => b.copy(src, 0, dst, at * 4, n * 4),
-    }
+    format.check_values("kv store", at, n)?;
+    let (b0, b1) = (format.byte_at(at), format.byte_at(at + n));
+    let mut rows = split(b, dst, &[(b0, b1 - b0)])?;
+    b.run(Op::KvStore {
+        format,
+        n,
+        src,
+        dst: &mut rows[0],
+    })
 }
 
 /// Writes the positions `pos..pos + n` into the workspace of a device that computes layers
@@ -587,7 +575,7 @@ pub(crate) fn layer<B: Exec>(
     let c = cx.c;
     let (h, hd, nh) = (c.hidden, c.head_dim, c.n_heads);
     let kvd = l.kv_heads * hd;
-    let kv = cache_rows(cache, cx.device)?;
+    let (k_format, v_format) = cache_rows(cache, cx.device)?;
     let at = |what: &str| format!("layer {li} {what}");
     // attention
     b.run(Op::RmsNorm {
@@ -616,10 +604,12 @@ pub(crate) fn layer<B: Exec>(
     cache.with_layer(li, |kb, vb| {
         let mut kc = b.whole_mut(kb)?;
         let mut vc = b.whole_mut(vb)?;
-        store(b, kv, &r.k, &mut kc, pos * kvd, n * kvd).map_err(cx.err(at("cache keys")))?;
-        store(b, kv, &r.v, &mut vc, pos * kvd, n * kvd).map_err(cx.err(at("cache values")))?;
+        store(b, k_format, &r.k, &mut kc, pos * kvd, n * kvd).map_err(cx.err(at("cache keys")))?;
+        store(b, v_format, &r.v, &mut vc, pos * kvd, n * kvd)
+            .map_err(cx.err(at("cache values")))?;
         b.run(Op::Attention {
-            kv,
+            k_format,
+            v_format,
             n_heads: nh,
             kv_heads: l.kv_heads,
             head_dim: hd,
@@ -627,7 +617,7 @@ pub(crate) fn layer<B: Exec>(
             start: pos,
             scale: 1.0 / (hd as f32).sqrt(),
             tile: c.kv_tile,
-            f16_operands: c.compute == Compute::Fast && kv == FloatType::F16,
+            f16_operands: c.compute == Compute::Fast && k_format == KvFormat::F16,
             q: &r.q,
             k: &kc,
             v: &vc,

@@ -17,6 +17,7 @@ pub(crate) mod exp;
 pub mod half;
 pub mod int8;
 pub mod kv;
+pub mod kv_format;
 pub mod matvec;
 pub mod ops;
 pub mod quantize;
