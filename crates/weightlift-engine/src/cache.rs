@@ -615,9 +615,10 @@ impl Cache {
         let (row, n) = self.whole_rows(layer, k.len(), v.len())?;
         self.check_span(layer, pos, n as u64)?;
         self.join_prefetch();
-        if let Some(ver) = self.versions.get(layer) {
-            ver.fetch_add(1, Ordering::AcqRel);
-        }
+        let was = self
+            .versions
+            .get(layer)
+            .map(|v| v.fetch_add(1, Ordering::AcqRel));
         let (hk, hv) = formats(self.config.dtype);
         let mut layers = self.lock();
         let store = layers[layer]
@@ -638,6 +639,46 @@ impl Cache {
             for (t, r) in src.chunks_exact(row).enumerate() {
                 encode_row(format, t * row, r, span)?;
             }
+        }
+        if let (true, Some(was)) = (self.config.offload, was) {
+            let spans = [hk, hv].map(|f| (f.byte_at(first), f.byte_at(first + n * row)));
+            self.refresh_slots(layer, store, was, spans)?;
+        }
+        Ok(())
+    }
+
+    /// Offload: a free slot that held `layer` as it was before a write (version `was`) gets the
+    /// written bytes (`spans` of K and V) too and stays current. Each forward pass writes a
+    /// layer's new rows just before it fetches the layer, so without this the prefetched copy
+    /// would always be stale and the whole layer copied again.
+    fn refresh_slots(
+        &self,
+        layer: usize,
+        store: &LayerStore,
+        was: u64,
+        spans: [(usize, usize); 2],
+    ) -> Result<()> {
+        let mut pools = self.lock_pools();
+        let Some(p) = pools
+            .iter_mut()
+            .find(|p| Arc::ptr_eq(&p.device, &store.device))
+        else {
+            return Ok(());
+        };
+        let now = self.version(layer);
+        for slot in p.free.iter_mut().filter(|s| s.holds == Some((layer, was))) {
+            slot.holds = None;
+            for (src, dst, (b0, b1)) in [
+                (&store.k, &mut slot.k, spans[0]),
+                (&store.v, &mut slot.v, spans[1]),
+            ] {
+                let host = src.host().ok_or_else(|| EngineError::Device {
+                    device: store.device.name().into(),
+                    detail: "an offloaded cache layer is not in host memory".into(),
+                })?;
+                dst.write(b0, &host[b0..b1])?;
+            }
+            slot.holds = Some((layer, now));
         }
         Ok(())
     }
@@ -671,6 +712,51 @@ impl Cache {
                 what: format!("cache layer {layer}"),
             })?;
         f(&mut store.k, &mut store.v)
+    }
+
+    /// Offload: as [`Cache::with_layer`] for an offloaded cache. `layer` is fetched to its
+    /// device (from the prefetched slot when it holds it), lent to `f`, which writes rows
+    /// `pos..pos + n` of sequence 0 there and reads the layer in place, and those rows are then
+    /// copied back to the layer's home in host RAM, so the slot stays a current copy.
+    pub(crate) fn with_fetched<R>(
+        self: &Arc<Self>,
+        layer: usize,
+        pos: u64,
+        n: u64,
+        f: impl FnOnce(&mut Buffer, &mut Buffer) -> Result<R>,
+    ) -> Result<R> {
+        self.check_span(layer, pos, n)?;
+        let mut r = self.fetch(layer)?;
+        let out = f(&mut r.k, &mut r.v)?;
+        let was = self.version(layer);
+        if let Some(ver) = self.versions.get(layer) {
+            ver.fetch_add(1, Ordering::AcqRel);
+        }
+        let row = self.config.n_kv_heads[layer] as usize * self.config.head_dim as usize;
+        let (first, n) = (pos as usize * row, n as usize);
+        let spans = {
+            let (hk, hv) = formats(self.config.dtype);
+            [hk, hv].map(|f| (f.byte_at(first), f.byte_at(first + n * row)))
+        };
+        let mut layers = self.lock();
+        let store = layers[layer]
+            .as_mut()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: format!("cache layer {layer}"),
+            })?;
+        for (src, dst, (b0, b1)) in [
+            (&r.k, &mut store.k, spans[0]),
+            (&r.v, &mut store.v, spans[1]),
+        ] {
+            let home = dst.host_mut().ok_or_else(|| EngineError::Device {
+                device: store.device.name().into(),
+                detail: "an offloaded cache layer is not in host memory".into(),
+            })?;
+            src.read(b0, &mut home[b0..b1])?;
+        }
+        r.version = self.version(layer);
+        self.refresh_slots(layer, store, was, spans)?;
+        Ok(out)
     }
 
     /// Decode rows `start..start + k.len() / row` of sequence 0 of `layer` into `k` and `v`

@@ -235,3 +235,47 @@ fn offloaded_cache_lives_on_the_host_and_prefetches() {
     assert_eq!(a.used(), 0);
     assert_eq!(cache.memory(), []);
 }
+
+/// A forward pass writes a layer's new rows just before it fetches the layer: the write reaches
+/// the prefetched copy too, so that copy stays current (no second copy of the whole layer) and
+/// reads back as the host's rows. A write of another layer's rows leaves it alone.
+#[test]
+fn row_writes_keep_the_prefetched_copy_of_an_offloaded_layer_current() {
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let [a] = inv.accelerators() else { panic!() };
+    for dtype in [CacheDType::Q4, CacheDType::Fp16] {
+        let cfg = CacheConfig {
+            batch_size: 1,
+            n_kv_heads: vec![2, 2, 2],
+            ..config(dtype, true)
+        };
+        let cache = Arc::new(Cache::new(cfg).unwrap());
+        for l in 0..3 {
+            cache.allocate_layer(l, a, inv.cpu()).unwrap();
+        }
+        let row = 2 * 64;
+        let (k, v) = (values(4 * row, 5), values(4 * row, 6));
+        cache
+            .write_rows(1, 0, &k[..2 * row], &v[..2 * row])
+            .unwrap();
+        drop(cache.fetch(0).unwrap());
+        assert_eq!(cache.prefetched("virtual:0"), [0, 1], "{}", dtype.name());
+        cache
+            .write_rows(1, 2, &k[2 * row..], &v[2 * row..])
+            .unwrap();
+        cache.write_rows(2, 0, &k[..row], &v[..row]).unwrap();
+        assert_eq!(
+            cache.prefetched("virtual:0"),
+            [0, 1],
+            "{}: layer 1's copy took its new rows",
+            dtype.name()
+        );
+        let r1 = cache.fetch(1).unwrap();
+        assert_eq!(
+            cache.read_resident(&r1, 0, 4).unwrap(),
+            cache.read(1, 0, 4).unwrap(),
+            "{}",
+            dtype.name()
+        );
+    }
+}

@@ -8,14 +8,13 @@
 mod common;
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use common::{
     argmax, forward_all, greedy, json_ids, max_abs_diff, open, read_npy, reference, smollm2,
     smollm2_prompt, split_load,
 };
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{Cache, CacheDType, Inventory, LoadOptions, Model, Placement};
+use weightlift_engine::{CacheDType, Model};
 
 /// SmolLM2 exact, f32 cache, through the backend: within 1e-3 of transformers with the same
 /// argmax at every position, and transformers' greedy ids; and the host path's bits.
@@ -199,23 +198,43 @@ fn backend_path_reads_and_writes_every_cache_dtype_as_the_host_path() {
             assert!(backend.2 == host.2, "{what}: cache rows differ");
         }
     }
-    let mut m = Model::new(Arc::clone(&src), Inventory::parse("cpu").unwrap());
-    let cfg = m.cache_config(64, 1, CacheDType::Fp16, true).unwrap();
-    let cache = Arc::new(Cache::new(cfg).unwrap());
-    let p = Placement::all_on(src.as_ref(), "cpu", m.n_layers());
-    m.load(&p, &LoadOptions::default(), Some(&cache), true, &mut |_| {
-        true
-    })
-    .unwrap();
-    m.set_host_backend(true);
-    let e = m
-        .forward(&[1], Some(&cache), Logits::Last, &mut Vec::new())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.starts_with("an offloaded kv cache for layers computed on cpu is not supported"),
-        "{e}"
-    );
+}
+
+/// An offloaded cache through the backend: each layer's slot on its device is lent to the
+/// backend's store and attention, the new rows go back to host RAM, and the logits, the next
+/// step's and the cache rows are the host path's bits (layers split over two virtual devices,
+/// q4 and fp16 caches).
+#[test]
+fn backend_path_runs_an_offloaded_cache_as_the_host_path() {
+    let src = smollm2();
+    let prompt = smollm2_prompt(2);
+    let devs = ["virtual:0", "virtual:1"];
+    for dtype in [CacheDType::Q4, CacheDType::Fp16] {
+        let run = |backend: bool| {
+            let (mut m, cache) = split_load(&src, "virtual:2x256MiB,cpu", &devs, dtype, 0, true);
+            assert!(cache.is_offloaded());
+            m.set_host_backend(backend);
+            let all = forward_all(&mut m, &cache, &prompt);
+            let mut next = Vec::new();
+            m.forward(&[42], Some(&cache), Logits::Last, &mut next)
+                .unwrap();
+            let n = cache.seq_len();
+            let rows: Vec<_> = (0..m.n_layers() as usize)
+                .map(|l| cache.read(l, 0, n).unwrap())
+                .collect();
+            (all, next, rows)
+        };
+        let host = run(false);
+        let backend = run(true);
+        let what = format!("offloaded {} cache", dtype.name());
+        assert!(
+            backend.0 == host.0,
+            "{what}: prompt logits differ (max|Δ| {})",
+            max_abs_diff(&backend.0, &host.0)
+        );
+        assert!(backend.1 == host.1, "{what}: next-token logits differ");
+        assert!(backend.2 == host.2, "{what}: cache rows differ");
+    }
 }
 
 /// SmolLM2's layers on `cuda:0` (embedding and head on cpu), exact compute with an f32 cache

@@ -10,8 +10,9 @@
 //!
 //! The cache is read and written in its own storage (f32, fp16, fp8 or the quantised q8/q6/q4
 //! groups) through the kernels' one cache codec: the attention operation decodes rows as it
-//! reads them, so no decoded copy of the cache is made. An offloaded cache is refused with a
-//! typed error naming it.
+//! reads them, so no decoded copy of the cache is made. An offloaded cache lends each layer's
+//! device slot (prefetched while the previous layer computes); the new rows are written there
+//! and copied back to host RAM.
 
 // A backend buffer has no lifetime in its type, so a view of memory the engine owns (a region
 // of a workspace, a weight, a cache layer) is made through the kernels' unsafe view
@@ -462,19 +463,6 @@ pub(crate) fn kernel_type(name: &str, dtype: DType) -> Result<QuantType> {
     })
 }
 
-/// The storage of the cache rows the backend path reads and writes, or why it cannot.
-fn cache_rows(cache: &Cache, device: &str) -> Result<(KvFormat, KvFormat)> {
-    if cache.is_offloaded() {
-        return Err(EngineError::Unsupported {
-            what: format!("an offloaded kv cache for layers computed on {device}"),
-            detail: "layers that run through the kernels' backend read their cache where it \
-                     lives; load without offload"
-                .into(),
-        });
-    }
-    Ok(crate::cache::formats(cache.config().dtype))
-}
-
 /// The embedding rows of `ids`, dequantised into the residual stream `x`.
 pub(crate) fn embed<B: Exec>(
     b: &B,
@@ -567,7 +555,7 @@ pub(crate) fn layer<B: Exec>(
     cx: &Ctx<'_>,
     l: &Layer,
     li: usize,
-    cache: &Cache,
+    cache: &std::sync::Arc<Cache>,
     pos: usize,
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
@@ -575,7 +563,7 @@ pub(crate) fn layer<B: Exec>(
     let c = cx.c;
     let (h, hd, nh) = (c.hidden, c.head_dim, c.n_heads);
     let kvd = l.kv_heads * hd;
-    let (k_format, v_format) = cache_rows(cache, cx.device)?;
+    let (k_format, v_format) = crate::cache::formats(cache.config().dtype);
     let at = |what: &str| format!("layer {li} {what}");
     // attention
     b.run(Op::RmsNorm {
@@ -601,7 +589,7 @@ pub(crate) fn layer<B: Exec>(
         })
         .map_err(cx.err(at("rope")))?;
     }
-    cache.with_layer(li, |kb, vb| {
+    let attend = |kb: &mut Buffer, vb: &mut Buffer| -> Result<()> {
         let mut kc = b.whole_mut(kb)?;
         let mut vc = b.whole_mut(vb)?;
         store(b, k_format, &r.k, &mut kc, pos * kvd, n * kvd).map_err(cx.err(at("cache keys")))?;
@@ -624,7 +612,12 @@ pub(crate) fn layer<B: Exec>(
             out: &mut r.att,
         })
         .map_err(cx.err(at("attention")))
-    })?;
+    };
+    if cache.is_offloaded() {
+        cache.with_fetched(li, pos as u64, n as u64, attend)?;
+    } else {
+        cache.with_layer(li, attend)?;
+    }
     cx.linear(b, &l.o, &r.att, n, &mut r.xn)?;
     b.run(Op::AddInPlace {
         n: n * h,
