@@ -29,7 +29,8 @@
 //!
 //! A lazy cache is allocated layer by layer during the load, on each layer's device. An offloaded
 //! cache keeps every layer in host RAM and, as transformers' `OffloadedCache` does, copies a
-//! layer to its device when it is used while the next layer is prefetched on a second thread.
+//! layer to its device when it is used while the next layer is prefetched on a second thread
+//! (one per cache, kept for its life).
 //!
 //! Memory of an offloaded cache (what [`Cache::memory`] reports, and what
 //! [`CacheConfig::expected_memory`] predicts from the layer devices): every layer's K and V on
@@ -45,14 +46,15 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::thread::JoinHandle;
 
 use weightlift_kernels::KvFormat;
 
 use crate::device::{Buffer, Device};
 use crate::error::{EngineError, Result, invalid};
 
+mod prefetch;
 mod tp_parts;
+use prefetch::Prefetcher;
 pub use tp_parts::TpPart;
 
 /// Values per quantisation group.
@@ -220,8 +222,8 @@ pub struct Cache {
     generation: AtomicU64,
     /// Per layer: bumped on every write, so a slot holding an older copy is refilled.
     versions: Vec<AtomicU64>,
-    /// Offload: the prefetch of the next layer into a free slot, on a second thread.
-    prefetch: Mutex<Option<JoinHandle<Result<()>>>>,
+    /// Offload: the prefetch of the next layer into a free slot, on the cache's own thread.
+    prefetch: Prefetcher,
     /// Tokens of sequence 0 the forward pass has written (`Cache.seq_len` in Python).
     seq_len: AtomicU64,
     /// The ids at positions `0..seq_len`, while every one came through [`Cache::note_ids`]: a new
@@ -259,7 +261,7 @@ impl Cache {
             pools: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
             versions: (0..n).map(|_| AtomicU64::new(0)).collect(),
-            prefetch: Mutex::new(None),
+            prefetch: Prefetcher::default(),
             seq_len: AtomicU64::new(0),
             ids: Mutex::new(Vec::new()),
             tp: Mutex::new(Vec::new()),
@@ -840,30 +842,14 @@ impl Cache {
     /// not offloaded this is a plain copy on the layer's device.
     pub fn fetch(self: &Arc<Self>, layer: usize) -> Result<Resident> {
         self.check_layer(layer)?;
-        let pending = self
-            .prefetch
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(h) = pending {
-            // A failed prefetch only costs the copy below.
-            let _ = h.join().map_err(|_| EngineError::Device {
-                device: "cpu".into(),
-                detail: "the cache prefetch thread panicked".into(),
-            })?;
-        }
+        self.prefetch.wait()?;
         let resident = match self.lend(layer)? {
             Some(r) => r,
             None => self.copy(layer)?,
         };
         let next = layer + 1;
         if self.config.offload && next < self.n_layers() {
-            let me = Arc::clone(self);
-            let h = std::thread::spawn(move || me.prefetch_into_slot(next));
-            *self
-                .prefetch
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(h);
+            self.prefetch.start(self, next)?;
         }
         let (mut r, generation) = resident;
         r.home = generation.map(|g| (Arc::downgrade(self), g));
@@ -872,10 +858,7 @@ impl Cache {
 
     /// Whether a prefetch is in flight or finished and not yet taken.
     pub fn prefetch_pending(&self) -> bool {
-        self.prefetch
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_some()
+        self.prefetch.pending()
     }
 
     /// The current (not since written) layers held by the free slots of `device` (offload).
@@ -992,14 +975,8 @@ impl Cache {
     }
 
     fn join_prefetch(&self) {
-        let h = self
-            .prefetch
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(h) = h {
-            let _ = h.join();
-        }
+        // a failed prefetch leaves its slot unfilled; the fetch that needs it copies instead
+        let _ = self.prefetch.wait();
     }
 
     /// Decode positions of a resident copy (see [`Cache::fetch`]).

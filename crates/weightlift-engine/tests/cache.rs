@@ -30,6 +30,15 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Held by the tests that start prefetch threads, so that one can count them.
+static PREFETCHING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn prefetching() -> std::sync::MutexGuard<'static, ()> {
+    PREFETCHING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 const ALL: [CacheDType; 6] = [
     CacheDType::F32,
     CacheDType::Fp16,
@@ -156,6 +165,7 @@ fn oom_on_a_small_device() {
 
 #[test]
 fn offloaded_cache_lives_on_the_host_and_prefetches() {
+    let _serial = prefetching();
     let inv = Inventory::parse("virtual:2x64MiB").unwrap();
     let [a, b] = inv.accelerators() else { panic!() };
     let cfg = CacheConfig {
@@ -241,6 +251,7 @@ fn offloaded_cache_lives_on_the_host_and_prefetches() {
 /// reads back as the host's rows. A write of another layer's rows leaves it alone.
 #[test]
 fn row_writes_keep_the_prefetched_copy_of_an_offloaded_layer_current() {
+    let _serial = prefetching();
     let inv = Inventory::parse("virtual:1x64MiB").unwrap();
     let [a] = inv.accelerators() else { panic!() };
     for dtype in [CacheDType::Q4, CacheDType::Fp16] {
@@ -278,4 +289,47 @@ fn row_writes_keep_the_prefetched_copy_of_an_offloaded_layer_current() {
             dtype.name()
         );
     }
+}
+
+/// The threads of this process whose name starts with `prefix` (Linux keeps 15 bytes of it).
+#[cfg(target_os = "linux")]
+fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with(prefix))
+        .count()
+}
+
+/// An offloaded cache prefetches on one thread of its own, kept across fetches (a decode step
+/// fetches every layer), and the thread ends when the cache is dropped.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_offloaded_cache_prefetches_on_one_thread_for_its_life() {
+    let _serial = prefetching();
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let [a] = inv.accelerators() else { panic!() };
+    let cfg = CacheConfig {
+        batch_size: 1,
+        n_kv_heads: vec![2, 2, 2, 2],
+        ..config(CacheDType::Fp16, true)
+    };
+    let name = "weightlift-kv-p";
+    let before = threads_named(name);
+    let cache = Arc::new(Cache::new(cfg).unwrap());
+    for l in 0..4 {
+        cache.allocate_layer(l, a, inv.cpu()).unwrap();
+    }
+    for _step in 0..5 {
+        for l in 0..4 {
+            drop(cache.fetch(l).unwrap());
+        }
+    }
+    assert_eq!(threads_named(name), before + 1, "one prefetch thread");
+    drop(cache);
+    let ended = (0..200).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        threads_named(name) == before
+    });
+    assert!(ended, "the prefetch thread outlived its cache");
 }
