@@ -206,3 +206,38 @@ fn prefetch_over_a_throttled_link_keeps_the_logits_and_every_copy() {
         );
     }
 }
+
+/// The op sequence a cuda execution device runs (here on the CPU backend over the virtual
+/// device's memory): the kept layers' matrices are read from the onload slots in place, the
+/// background copier fills the other slot, and the logits are the host path's bits in every
+/// mode, with the same bytes copied per call.
+#[test]
+fn offloaded_layers_run_through_the_backend_as_the_host_path() {
+    let prompt = smollm2_prompt(1);
+    for mode in [
+        WeightOffload::Sequential,
+        GROUP4,
+        WeightOffload::Group {
+            blocks_per_group: 3,
+            prefetch: false,
+        },
+    ] {
+        let mut off = load("virtual:96MiB,cpu", 10, Some(mode));
+        for compute in [Compute::Exact, Compute::Fast] {
+            off.model.set_host_backend(false);
+            let want = logits(&mut off, compute, &prompt);
+            let host_moved = off.model.transfer_stats().bytes;
+            off.model.set_host_backend(true);
+            let got = logits(&mut off, compute, &prompt);
+            assert!(
+                got == want,
+                "{mode:?} {compute:?}: backend and host paths differ"
+            );
+            assert_eq!(
+                off.model.transfer_stats().bytes,
+                host_moved,
+                "{mode:?} {compute:?}: bytes copied per call"
+            );
+        }
+    }
+}

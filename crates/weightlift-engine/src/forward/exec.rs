@@ -35,6 +35,7 @@ use weightlift_plan::Workspace;
 
 use super::Compute;
 use super::layer::Consts;
+use super::onload::SlotMem;
 use super::parts::{Floats, Layer, Linear, Slot};
 use super::weights::Packing;
 use crate::cache::Cache;
@@ -132,6 +133,14 @@ pub(crate) trait Exec: Backend + Sized {
         b: &'a mut Buffer,
         ranges: &[(usize, usize)],
     ) -> Result<Vec<PartMut<'a, Self::Buffer>>>;
+
+    /// `len` bytes of an onload slot of this device from byte `at`, read in place.
+    fn slot_view<'a>(
+        &self,
+        slot: &'a SlotMem<'_>,
+        at: usize,
+        len: usize,
+    ) -> Result<Part<'a, Self::Buffer>>;
 }
 
 fn not_host(device: &str, what: &str) -> EngineError {
@@ -204,6 +213,30 @@ impl Exec for CpuBackend {
                 ))
             })
             .collect()
+    }
+
+    fn slot_view<'a>(
+        &self,
+        slot: &'a SlotMem<'_>,
+        at: usize,
+        len: usize,
+    ) -> Result<Part<'a, CpuBuffer>> {
+        let bytes = slot
+            .host()
+            .ok_or_else(|| not_host(&self.name(), "an onload slot"))?;
+        let piece = at
+            .checked_add(len)
+            .and_then(|end| bytes.get(at..end))
+            .ok_or_else(|| {
+                invalid(
+                    "onloaded matrix",
+                    format!("{len} bytes from offset {at}"),
+                    format!("a slot of {} bytes", bytes.len()),
+                )
+            })?;
+        // SAFETY: the view lives in a guard that borrows the slot for 'a; nothing writes
+        // through a `Part`, and the slot is not refilled while the layer computes.
+        Ok(Part::View(unsafe { self.borrow(piece) }, PhantomData))
     }
 }
 
@@ -283,6 +316,18 @@ impl Exec for CudaBackend {
             .ok_or_else(|| not_cuda(&dev, &format!("a buffer on {name}")))?;
         split(self, buf, ranges).map_err(|e| kernel_on(&dev, "workspace regions", e))
     }
+
+    fn slot_view<'a>(
+        &self,
+        slot: &'a SlotMem<'_>,
+        at: usize,
+        len: usize,
+    ) -> Result<Part<'a, CudaBuffer>> {
+        let SlotMem::Cuda(_, p) = slot else {
+            return Err(not_cuda(&self.name(), "an onload slot in host memory"));
+        };
+        view(self, p, at, len).map_err(|e| kernel_on(&self.name(), "onload slot", e))
+    }
 }
 
 /// A kernel error on `device` during `what`.
@@ -310,16 +355,19 @@ pub(crate) struct Regions<'a, T> {
 }
 
 impl<'a, T> Regions<'a, T> {
-    /// The regions of `buf`, laid out as `w`.
+    /// The regions of `buf`, laid out as `w`, and `slots` onload slots of `per` bytes each
+    /// after the workspace (`slots` is 0 where no layer is onloaded).
     pub(crate) fn new<B: Exec<Buffer = T>>(
         b: &B,
         buf: &'a mut Buffer,
         w: &Workspace,
-    ) -> Result<Self> {
-        if (buf.len() as u64) < w.bytes {
+        (per, slots): (usize, usize),
+    ) -> Result<(Self, Vec<PartMut<'a, T>>)> {
+        let need = (w.bytes as usize).saturating_add(per.saturating_mul(slots));
+        if buf.len() < need {
             return Err(invalid(
                 "forward workspace",
-                format!("{} bytes of scratch", w.bytes),
+                format!("{need} bytes of scratch (workspace and {slots} onload slot(s))"),
                 format!(
                     "{} bytes reserved; the model was loaded for another runtime or cache",
                     buf.len()
@@ -327,28 +375,28 @@ impl<'a, T> Regions<'a, T> {
             ));
         }
         let r = |r: weightlift_plan::Region| (r.offset as usize, r.len as usize * 4);
-        let parts = b.regions(
-            buf,
-            &[
-                r(w.x),
-                r(w.xn),
-                r(w.q),
-                r(w.att),
-                r(w.k),
-                r(w.v),
-                r(w.gate),
-                r(w.up),
-                r(w.pos),
-                r(w.freqs),
-                r(w.logits),
-            ],
-        )?;
+        let mut ranges = vec![
+            r(w.x),
+            r(w.xn),
+            r(w.q),
+            r(w.att),
+            r(w.k),
+            r(w.v),
+            r(w.gate),
+            r(w.up),
+            r(w.pos),
+            r(w.freqs),
+            r(w.logits),
+        ];
+        ranges.extend((0..slots).map(|i| (w.bytes as usize + i * per, per)));
+        let mut parts = b.regions(buf, &ranges)?;
+        let slot_parts = parts.split_off(11);
         let Ok([x, xn, q, att, k, v, gate, up, pos, freqs, logits]) =
             <[PartMut<'a, T>; 11]>::try_from(parts)
         else {
             return Err(invalid("workspace regions", "11", "another count"));
         };
-        Ok(Regions {
+        let regions = Regions {
             x,
             xn,
             q,
@@ -360,17 +408,21 @@ impl<'a, T> Regions<'a, T> {
             pos,
             freqs,
             logits,
-        })
+        };
+        Ok((regions, slot_parts))
     }
 }
 
 /// What one forward call lends the backend path.
+#[derive(Clone, Copy)]
 pub(crate) struct Ctx<'a> {
     pub c: &'a Consts,
     pub held: &'a [Held],
     pub copies: &'a [(usize, Held)],
     /// The computing device's name, for errors.
     pub device: &'a str,
+    /// The onload slot holding the matrices of the layer being computed, when it is offloaded.
+    pub slot: Option<&'a SlotMem<'a>>,
 }
 
 impl<'a> Ctx<'a> {
@@ -401,6 +453,9 @@ impl<'a> Ctx<'a> {
             });
         };
         let packing = Packing::of(&l.name, tensor.dtype())?;
+        if let (Some(slot), Some(at)) = (self.slot, l.onload_at) {
+            return Ok((b.slot_view(slot, at, tensor.nbytes() as usize)?, packing));
+        }
         Ok((b.tensor(tensor)?, packing))
     }
 

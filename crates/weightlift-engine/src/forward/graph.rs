@@ -341,18 +341,6 @@ impl Graph {
         g.check_packings(m.held, m.copies)?;
         g.place_floats(m.held)?;
         if let Some(o) = &g.onload {
-            if !matches!(g.sites[o.site].exec, SiteExec::Host) {
-                return Err(EngineError::Unsupported {
-                    what: format!(
-                        "offloaded execution on {} through the backend op sequence",
-                        g.sites[o.site].device.name()
-                    ),
-                    detail: "offload=\"sequential\" and \"group\" run on cpu kernels over \
-                             virtual devices for now; on cuda:N leave offload=None (each layer \
-                             computes where it is placed)"
-                        .into(),
-                });
-            }
             o.assign(&mut g.layers, m.held)?;
         }
         Ok(g)

@@ -11,18 +11,80 @@
 //! threads, a woken one does not), longer than a decode layer's compute; and the forward pass
 //! waits for a prefetch only when it reaches the group being copied, so the copy overlaps every
 //! layer of the current group, not the first one alone.
+//!
+//! On a cuda execution device the slots are regions of its workspace buffer ([`SlotMem`]), the
+//! layers read their matrices there through the backend, and the copier's copies are queued on
+//! the device's one stream: in order with the kernels that read the slot before (so a slot is
+//! never overwritten under them), but not overlapping them on the GPU.
 
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::Instant;
+
+use weightlift_kernels::{Backend, CpuBuffer, CudaBackend, CudaBuffer};
 
 use crate::device::pace;
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 
 use super::Copies;
+use super::exec::{PartMut, kernel_on};
 use super::layer::weight_of;
 use super::parts::Layer;
+
+/// One onload slot's memory: the tail of the execution device's workspace, as the path that
+/// computes there sees it.
+pub(crate) enum SlotMem<'w> {
+    /// Host memory, for the host path.
+    Host(&'w mut [u8]),
+    /// Host memory as a CPU backend buffer.
+    Cpu(PartMut<'w, CpuBuffer>),
+    /// Device memory of a cuda device; copies into it go through its backend's stream.
+    Cuda(&'w CudaBackend, PartMut<'w, CudaBuffer>),
+}
+
+impl SlotMem<'_> {
+    /// The slot's bytes, where the host reads them.
+    pub fn host(&self) -> Option<&[u8]> {
+        match self {
+            SlotMem::Host(b) => Some(b),
+            SlotMem::Cpu(p) => Some(p.as_bytes()),
+            SlotMem::Cuda(..) => None,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            SlotMem::Host(b) => b.len(),
+            SlotMem::Cpu(p) => p.as_bytes().len(),
+            SlotMem::Cuda(b, p) => b.len(p),
+        }
+    }
+
+    /// Copies `src` into the slot from byte `at` (checked to fit).
+    fn write(&mut self, src: &[u8], at: usize) -> Result<()> {
+        let len = self.len();
+        let range = at
+            .checked_add(src.len())
+            .filter(|&end| end <= len)
+            .map(|end| at..end)
+            .ok_or_else(|| {
+                invalid(
+                    "onload copy",
+                    format!("{} bytes in the slot from offset {at}", src.len()),
+                    format!("a slot of {len} bytes"),
+                )
+            })?;
+        match self {
+            SlotMem::Host(b) => b[range].copy_from_slice(src),
+            SlotMem::Cpu(p) => p.as_bytes_mut()[range].copy_from_slice(src),
+            SlotMem::Cuda(b, p) => b
+                .copy_from_host(src, p, at)
+                .map_err(|e| kernel_on(&b.name(), "onload copy", e))?,
+        }
+        Ok(())
+    }
+}
 
 /// The onload state of a graph.
 #[derive(Debug)]
@@ -103,22 +165,15 @@ impl Onload {
 /// Copy `parts` into `slot`, then sleep out what the link would take longer (a paced copy
 /// costs no CPU while it waits). One wait per group rather than one per part: each wake-up
 /// queues for a core behind the compute threads. Returns the copy's count, bytes and time.
-pub(crate) fn fill(parts: &[(&[u8], usize)], slot: &mut [u8], rate: Option<u64>) -> Result<Copies> {
+pub(crate) fn fill(
+    parts: &[(&[u8], usize)],
+    slot: &mut SlotMem<'_>,
+    rate: Option<u64>,
+) -> Result<Copies> {
     let since = Instant::now();
     let mut bytes = 0u64;
-    let len = slot.len();
     for &(src, at) in parts {
-        let dst = at
-            .checked_add(src.len())
-            .and_then(|end| slot.get_mut(at..end))
-            .ok_or_else(|| {
-                invalid(
-                    "onload copy",
-                    format!("{} bytes in the slot from offset {at}", src.len()),
-                    format!("a slot of {len} bytes"),
-                )
-            })?;
-        dst.copy_from_slice(src);
+        slot.write(src, at)?;
         bytes += src.len() as u64;
     }
     pace(rate, bytes, since);
@@ -131,13 +186,13 @@ pub(crate) fn fill(parts: &[(&[u8], usize)], slot: &mut [u8], rate: Option<u64>)
 struct Job<'w> {
     group: usize,
     slot: usize,
-    mem: &'w mut [u8],
+    mem: SlotMem<'w>,
     parts: Vec<(&'w [u8], usize)>,
     rate: Option<u64>,
 }
 
 /// A finished copy: the group, its slot handed back, and the copy's result.
-type Done<'w> = (usize, usize, &'w mut [u8], Result<Copies>);
+type Done<'w> = (usize, usize, SlotMem<'w>, Result<Copies>);
 
 /// The background copier of one forward call (see the module docs).
 pub(crate) struct Copier<'s, 'w> {
@@ -154,8 +209,8 @@ impl<'s, 'w: 's> Copier<'s, 'w> {
         let (finished, done) = channel();
         let thread = scope.spawn(move || {
             // Ends when the forward call drops its sender.
-            for j in queue {
-                let r = fill(&j.parts, j.mem, j.rate);
+            for mut j in queue {
+                let r = fill(&j.parts, &mut j.mem, j.rate);
                 if finished.send((j.group, j.slot, j.mem, r)).is_err() {
                     return;
                 }
@@ -199,7 +254,7 @@ pub(crate) fn onload_group<'s, 'w: 's, 'h: 'w>(
     layers: &[Layer],
     held: &'h [Held],
     copies: &'h [(usize, Held)],
-    slot_mem: &mut [Option<&'w mut [u8]>],
+    slot_mem: &mut [Option<SlotMem<'w>>],
     copier: &mut Option<Copier<'s, 'w>>,
     scope: &'s Scope<'s, '_>,
     made: &mut Copies,
@@ -223,7 +278,7 @@ pub(crate) fn onload_group<'s, 'w: 's, 'h: 'w>(
     if o.holds[si] != Some(g) {
         o.holds[si] = None;
         let parts = o.parts(g, layers, held, copies)?;
-        let mem = slot_mem[si].as_deref_mut().ok_or_else(lost)?;
+        let mem = slot_mem[si].as_mut().ok_or_else(lost)?;
         made.add(fill(&parts, mem, o.rate)?);
         o.holds[si] = Some(g);
     }

@@ -4,6 +4,7 @@
 use weightlift_kernels::{CpuBackend, CpuBuffer, CudaBackend, CudaBuffer};
 
 use super::exec::Regions;
+use super::onload::SlotMem;
 use super::{Site, SiteExec, Views, carve};
 use crate::device::Buffer;
 use crate::error::{EngineError, Result, invalid};
@@ -34,7 +35,7 @@ pub(super) enum Work<'a> {
 }
 
 /// The onload slots' memory, each taken while a copy into it is in flight.
-pub(super) type OnloadSlots<'a> = Vec<Option<&'a mut [u8]>>;
+pub(super) type OnloadSlots<'a> = Vec<Option<SlotMem<'a>>>;
 
 /// Every site's workspace at once (distinct buffers), as its path sees it, and the onload slots:
 /// the tail of the execution device's workspace buffer, when `onload_site` is `(site, slot
@@ -47,6 +48,10 @@ pub(super) fn site_works<'a>(
     let mut spare: Vec<Option<&mut Buffer>> = scratch.iter_mut().map(Some).collect();
     let mut works: Vec<Work<'_>> = Vec::with_capacity(sites.len());
     let mut slot_mem: OnloadSlots<'a> = Vec::new();
+    let slots_of = |site: usize| match onload_site {
+        Some((os, per, n)) if os == site => (per, n),
+        _ => (0, 0),
+    };
     for (si, s) in sites.iter_mut().enumerate() {
         let Site {
             device,
@@ -88,7 +93,7 @@ pub(super) fn site_works<'a>(
                         let (ws, mut tail) = bytes.split_at_mut(ws);
                         for _ in 0..n {
                             let (slot, rest) = std::mem::take(&mut tail).split_at_mut(per);
-                            slot_mem.push(Some(slot));
+                            slot_mem.push(Some(SlotMem::Host(slot)));
                             tail = rest;
                         }
                         ws
@@ -97,13 +102,19 @@ pub(super) fn site_works<'a>(
                 };
                 Work::Host(carve(bytes, layout)?)
             }
-            SiteExec::Cpu(b) => Work::Cpu(b, Regions::new(b, buf, layout)?),
+            SiteExec::Cpu(b) => {
+                let (r, slots) = Regions::new(b, buf, layout, slots_of(si))?;
+                slot_mem.extend(slots.into_iter().map(|p| Some(SlotMem::Cpu(p))));
+                Work::Cpu(b, r)
+            }
             SiteExec::Cuda => {
                 let b = device.cuda_backend().ok_or_else(|| EngineError::Device {
                     device: device.name().to_owned(),
                     detail: "a cuda device without its backend".into(),
                 })?;
-                Work::Cuda(b, Regions::new(b, buf, layout)?)
+                let (r, slots) = Regions::new(b, buf, layout, slots_of(si))?;
+                slot_mem.extend(slots.into_iter().map(|p| Some(SlotMem::Cuda(b, p))));
+                Work::Cuda(b, r)
             }
         };
         works.push(work);

@@ -15,7 +15,7 @@ use crate::forward::embed::embed_rows;
 use crate::forward::exec::{self, Ctx, kernel_on};
 use crate::forward::layer::{Consts, Weights, run_layer};
 use crate::forward::logits::head_rows;
-use crate::forward::onload::{Copier, onload_group};
+use crate::forward::onload::{Copier, SlotMem, onload_group};
 use crate::forward::work::{Work, on_site, site_works};
 use crate::forward::{Compute, Copies, Logits, check_tokens};
 use crate::model::Held;
@@ -68,6 +68,7 @@ impl Graph {
             held,
             copies,
             device: devs[site].name(),
+            slot: None,
         };
         let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
         for (i, w) in works.iter_mut().enumerate() {
@@ -127,14 +128,19 @@ impl Graph {
                                 scope,
                                 &mut copies_made,
                             )?;
-                            slot_mem[si].as_deref()
+                            slot_mem[si].as_ref()
                         }
                         _ => None,
                     };
-                    let wts = Weights { held, copies, slot };
+                    let wts = Weights {
+                        held,
+                        copies,
+                        slot: slot.and_then(SlotMem::host),
+                    };
+                    let lcx = Ctx { slot, ..cx(at) };
                     on_site!(&mut works[at],
                     v => run_layer(&c, layer, li, &wts, cache, pos, n, v)?,
-                    (b, r) => exec::layer(*b, &cx(at), layer, li, cache, pos, n, r)?);
+                    (b, r) => exec::layer(*b, &lcx, layer, li, cache, pos, n, r)?);
                 }
                 cache.note_ids(pos as u64, part);
                 cache.set_seq_len((pos + n) as u64)?;
