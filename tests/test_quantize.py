@@ -187,6 +187,24 @@ def test_gptq_parts_keep_their_stored_types_under_dtype() -> None:
         wl.plan(gptq, devices="cpu", quantize="int8")
 
 
+def test_an_exl2_checkpoint_runs_on_the_host_path() -> None:
+    """exllamav2's packing (the format crate's EXL2 fixture) against transformers' f32 logits
+    over the weights exllamav2's arithmetic gives (crates/weightlift-engine/tests/
+    gen_exl2_logits.py), with the packed tensors on a virtual device."""
+    repo = Path(__file__).resolve().parents[1]
+    exl2 = repo / "crates/weightlift-format/tests/data/exl2"
+    data = repo / "crates/weightlift-engine/tests/data/exl2"
+    ids = json.loads((data / "meta.json").read_text())["ids"]
+    want = np.load(data / "logits.npy")
+    m = wl.Model(exl2, devices="virtual:64MiB,cpu", compute="exact", n_threads=1)
+    m.load(cache=wl.CacheSpec(32, dtype="f32"))
+    q_weight = "model.layers.0.mlp.down_proj.q_weight"
+    assert (m.device_of(q_weight), m.tensor_info(q_weight).dtype) == ("virtual:0", "I32")
+    got = m.forward(ids, logits="all")
+    assert np.abs(got - want).max() <= 4e-6 * np.abs(want).max()
+    assert np.array_equal(got.argmax(1), want.argmax(1))
+
+
 def test_int8_runs_llm_int8_and_its_threshold_is_a_setting() -> None:
     """The int8 forward pass against transformers' f32 logits of the same bf16 weights (the
     engine's own tests check it against bitsandbytes' ops bit for bit)."""

@@ -2,7 +2,8 @@
 //! auto-gptq 0.7.1 packed at 2, 3, 4 and 8 bits, with act-order, v1 and v2 zero points, one
 //! group over all inputs, and a quantised lm_head) against transformers' float32 forward pass
 //! over the weights gptqmodel 7.7.0's dequantiser reads back from the same files
-//! (`tests/gen_gptq_logits.py` wrote `tests/data/gptq/*.npy`). EXL2 is refused by name.
+//! (`tests/gen_gptq_logits.py` wrote `tests/data/gptq/*.npy`). EXL2 runs the same way
+//! (`tests/exl2_forward.rs`).
 
 mod common;
 
@@ -188,22 +189,5 @@ fn gptq_through_the_backend_op_sequence_is_refused_by_name() {
     assert!(
         msg.contains("GPTQ linear 'model.layers.0.self_attn.q_proj'") && msg.contains("host path"),
         "{msg}"
-    );
-}
-
-/// An EXL2 checkpoint (the format crate's fixture, packed by exllamav2) loads, and running it
-/// is a typed `Unsupported` naming EXL2 and a linear, not a forward pass over packed integers.
-#[test]
-fn an_exl2_checkpoint_loads_but_refuses_to_run_by_name() {
-    let src = open(fixtures().join("exl2/model.safetensors"));
-    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 16, CacheDType::F32);
-    let e = m
-        .forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut Vec::new())
-        .unwrap_err();
-    assert!(matches!(e, EngineError::Unsupported { .. }), "{e}");
-    assert!(
-        e.to_string()
-            .contains("running an EXL2-quantised checkpoint (linear 'model.layers.0."),
-        "{e}"
     );
 }

@@ -434,10 +434,10 @@ impl<'a> Ctx<'a> {
 
     /// A matrix's held tensor, read in place, with how it is multiplied.
     fn weight<B: Exec>(&self, b: &B, l: &Linear) -> Result<(Part<'a, B::Buffer>, Packing)> {
-        if l.gptq.is_some() {
+        if let Some(scheme) = l.packed() {
             return Err(EngineError::Unsupported {
-                what: format!("GPTQ linear '{}' on {}", l.name, self.device),
-                detail: "GPTQ linears run on the host path only".into(),
+                what: format!("{scheme} linear '{}' on {}", l.name, self.device),
+                detail: format!("{scheme} linears run on the host path only"),
             });
         }
         let held = match l.slot {

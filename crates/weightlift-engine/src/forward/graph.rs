@@ -23,7 +23,7 @@ use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
 use super::onload::Onload;
 use super::parts::{Floats, Layer, Linear, Slot, floats, place};
 use super::rope::rope_of;
-use super::weights::{Gptq, Packing, runnable_quantization};
+use super::weights::{PackedLinear, Packing, runnable_quantization};
 use super::{Site, SiteExec};
 use crate::device::{Buffer, Device, DeviceKind, link_rate};
 use crate::error::{EngineError, Result, invalid};
@@ -87,7 +87,7 @@ impl Graph {
             });
         }
         let infos = m.source.tensors();
-        // GPTQ linears run (their packed tensors stand for the weight); EXL2 is refused by name.
+        // GPTQ and EXL2 linears run: their packed tensors stand for the weight.
         let quant = runnable_quantization(m.source.checkpoint(), infos)?;
         let quantized = |role: Role, layer: Option<u32>| {
             quant.and_then(|q| {
@@ -114,7 +114,7 @@ impl Graph {
         let finish = |slot: Slot,
                       name: &str,
                       (rows, cols): (usize, usize),
-                      gptq: Option<Box<Gptq>>,
+                      packed: Option<PackedLinear>,
                       bias: Option<Role>,
                       layer: Option<u32>|
          -> Result<Linear> {
@@ -138,7 +138,7 @@ impl Graph {
                 cols,
                 bias,
                 onload_at: None,
-                gptq,
+                packed,
             })
         };
         let linear = |i: usize, bias: Option<Role>, layer: Option<u32>| -> Result<Linear> {
@@ -155,14 +155,15 @@ impl Graph {
             };
             finish(Slot::Tensor(i), &info.name, dims, None, bias, layer)
         };
-        // A projection: a GPTQ linear where the checkpoint has one for the role, else its weight.
+        // A projection: a packed linear where the checkpoint has one for the role, else its
+        // weight.
         let matrix = |role: Role, bias: Option<Role>, layer: Option<u32>| -> Result<Linear> {
             match quantized(role, layer) {
                 Some(q) => {
-                    let g = Gptq::new(q, infos)?;
-                    let slot = Slot::Tensor(g.tensors()[0]);
+                    let p = PackedLinear::new(q, infos)?;
+                    let slot = Slot::Tensor(p.codes());
                     let dims = (q.out_features(), q.in_features());
-                    finish(slot, q.prefix(), dims, Some(Box::new(g)), bias, layer)
+                    finish(slot, q.prefix(), dims, Some(p), bias, layer)
                 }
                 None => linear(need(role, layer)?, bias, layer),
             }
@@ -181,11 +182,11 @@ impl Graph {
             }
         };
         let embd = need(Role::TokenEmbd, None)?;
-        let head_gptq = match quantized(Role::Output, None) {
+        let head_packed = match quantized(Role::Output, None) {
             Some(_) => Some(matrix(Role::Output, None, None)?),
             None => None,
         };
-        let (head_slot, head_dev) = match (&head_gptq, find(Role::Output, None)) {
+        let (head_slot, head_dev) = match (&head_packed, find(Role::Output, None)) {
             (Some(h), _) => (h.slot, device_of(&m.held[h.index()])),
             (None, Some(i)) => (Slot::Tensor(i), device_of(&m.held[i])),
             (None, None) => match m.copies.iter().position(|(i, _)| *i == embd) {
@@ -197,7 +198,7 @@ impl Graph {
             Slot::Tensor(i) => i,
             Slot::Copy(c) => m.copies[c].0,
         };
-        let head = match head_gptq {
+        let head = match head_packed {
             Some(h) => h,
             None => {
                 let mut h = linear(head_index, None, None)?;
@@ -347,8 +348,8 @@ impl Graph {
     }
 
     /// Every matrix can be multiplied where it computes: the embedding is a lookup of block or
-    /// float rows; GPTQ linears run on the host path, and not from onload slots (their packed
-    /// parts are several tensors, a slot holds one per matrix).
+    /// float rows; packed (GPTQ and EXL2) linears run on the host path, and not from onload
+    /// slots (their packed parts are several tensors, a slot holds one per matrix).
     fn check_packings(&self, held: &[Held], copies: &[(usize, Held)]) -> Result<()> {
         let dtype = |l: &Linear| {
             let h = match l.slot {
@@ -370,28 +371,31 @@ impl Graph {
                     .into(),
             });
         }
-        let gptq_off_host = |site: usize, l: &Linear| -> Result<()> {
+        let packed_off_host = |site: usize, l: &Linear| -> Result<()> {
             let s = &self.sites[site];
-            if l.gptq.is_some() && !matches!(s.exec, SiteExec::Host) {
+            if let Some(scheme) = l.packed()
+                && !matches!(s.exec, SiteExec::Host)
+            {
                 return Err(EngineError::Unsupported {
                     what: format!(
-                        "GPTQ linear '{}' computed on {} through the backend op sequence",
+                        "{scheme} linear '{}' computed on {} through the backend op sequence",
                         l.name,
                         s.device.name()
                     ),
-                    detail: "GPTQ linears run on the host path (cpu, disk, virtual:N) for now; \
-                             place their layers there, and leave the host backend off"
-                        .into(),
+                    detail: format!(
+                        "{scheme} linears run on the host path (cpu, disk, virtual:N) for now; \
+                         place their layers there, and leave the host backend off"
+                    ),
                 });
             }
             Ok(())
         };
         for l in &self.layers {
             for lin in l.linears() {
-                gptq_off_host(l.site, lin)?;
+                packed_off_host(l.site, lin)?;
             }
         }
-        gptq_off_host(self.head_site, &self.head)?;
+        packed_off_host(self.head_site, &self.head)?;
         if let Some(o) = &self.onload {
             let packed = o
                 .groups
@@ -399,12 +403,12 @@ impl Graph {
                 .flatten()
                 .filter_map(|&li| self.layers.get(li))
                 .flat_map(|l| l.linears())
-                .find(|lin| lin.gptq.is_some());
-            if let Some(lin) = packed {
+                .find_map(|lin| lin.packed().map(|scheme| (scheme, lin)));
+            if let Some((scheme, lin)) = packed {
                 return Err(EngineError::Unsupported {
-                    what: format!("offloaded execution of GPTQ linear '{}'", lin.name),
-                    detail: "onload slots copy one tensor per matrix and a GPTQ linear is \
-                             several; load with offload=None"
+                    what: format!("offloaded execution of {scheme} linear '{}'", lin.name),
+                    detail: "onload slots copy one tensor per matrix, and a packed linear's \
+                             parts are several; load with offload=None"
                         .into(),
                 });
             }

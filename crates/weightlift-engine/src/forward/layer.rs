@@ -9,7 +9,7 @@ use weightlift_kernels::cpu::matvec::{matmul, matvec};
 
 use super::attention::{self, Shape, Tiles};
 use super::parts::{Layer, Linear, Slot};
-use super::weights::Packing;
+use super::weights::{PackedLinear, Packing};
 use super::{Compute, Views, host_bytes};
 use crate::cache::Cache;
 use crate::error::{EngineError, Result, invalid};
@@ -148,14 +148,21 @@ pub(super) fn linear_on(
     y: &mut [f32],
 ) -> Result<()> {
     let (x, y) = (&x[..n * l.cols], &mut y[..n * l.rows]);
-    if let Some(g) = &l.gptq {
-        let b = g.bytes(wts.held, &l.name, l.rows, l.cols)?;
-        g.product(&b, &l.name, l.rows, l.cols, x, n, y, c.max_dq)?;
-        add_bias(l, y);
-        return Ok(());
+    match &l.packed {
+        Some(PackedLinear::Gptq(g)) => {
+            let b = g.bytes(wts.held, &l.name, l.rows, l.cols)?;
+            g.product(&b, &l.name, l.rows, l.cols, x, n, y, c.max_dq)?;
+        }
+        Some(PackedLinear::Exl2(e)) => {
+            e.product(e.bytes(wts.held, &l.name)?, &l.name, x, n, y, c.max_dq)?;
+        }
+        None => {
+            let (w, packing) = weight_of(wts.held, wts.copies, l, wts.slot)?;
+            return product(c, packing, w, l, x, n, y);
+        }
     }
-    let (w, packing) = weight_of(wts.held, wts.copies, l, wts.slot)?;
-    product(c, packing, w, l, x, n, y)
+    add_bias(l, y);
+    Ok(())
 }
 
 /// A matrix's bytes and packing: where the model holds it, or in `slot` (its group's onload slot)

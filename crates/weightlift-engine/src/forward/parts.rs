@@ -8,7 +8,7 @@ use weightlift_format::{DType, TensorInfo};
 use super::exec;
 use super::host_weight;
 use super::layer::kernel;
-use super::weights::Gptq;
+use super::weights::PackedLinear;
 use crate::device::{Buffer, Device, Storage};
 use crate::error::Result;
 use crate::model::Held;
@@ -45,11 +45,16 @@ pub(crate) struct Linear {
     pub bias: Option<Floats>,
     /// Offset in its group's onload slot, when the layer is offloaded.
     pub onload_at: Option<usize>,
-    /// The packed layout of a GPTQ linear (its slot names the `qweight`).
-    pub gptq: Option<Box<Gptq>>,
+    /// The packed layout of a GPTQ or EXL2 linear (its slot names the packed codes).
+    pub packed: Option<PackedLinear>,
 }
 
 impl Linear {
+    /// The scheme of a packed linear (`"GPTQ"`, `"EXL2"`), which runs on the host path only.
+    pub fn packed(&self) -> Option<&'static str> {
+        self.packed.as_ref().map(PackedLinear::scheme)
+    }
+
     /// Index of the held tensor (or of the tensor a copy copies).
     pub fn index(&self) -> usize {
         match self.slot {

@@ -5,27 +5,36 @@
 //!   product ([`weightlift_kernels::cpu::int8`]), outlier columns `|x| ≥ threshold` in f32, as
 //!   transformers' `load_in_8bit` does: that product is the model's arithmetic, so there is no
 //!   "more exact" form to fall back to.
-//! - **GPTQ** (auto-gptq / gptqmodel safetensors): four held tensors (`qweight`, `qzeros`,
-//!   `scales`, and `g_idx`, whose validated table the format crate already read). The weights
-//!   stay packed where the plan put them; a product dequantises whole output rows to f32,
-//!   `W[o, i] = (q[i, o] − z[g, o]) · s[g, o]` with gptqmodel's arithmetic, into scratch bounded
-//!   by `max_dq_size` (one row per task for one token, a chunk of at most
-//!   `min(max_dq_size, GPTQ_CHUNK)` values for a prompt) and multiplies it with the kernels' f32
-//!   product. This is the memory the plan already states (weights at their stored bytes;
-//!   `max_dq_size` bounds the kernels' own dequantisation tiles), so nothing is resized. Both
-//!   compute modes run it; it runs on the host path only.
+//! - **Packed linears**, GPTQ (auto-gptq / gptqmodel, [`Gptq`]) and EXL2 (exllamav2,
+//!   [`Exl2`]): several held tensors each, which stay packed where the plan put them. A
+//!   product dequantises whole output rows to f32 with the scheme's own arithmetic (gptqmodel's
+//!   for GPTQ; for EXL2 the format crate's dequantiser, exllamav2's f16 arithmetic with its
+//!   input permutation and per-group widths) and multiplies them with the kernels' f32 products
+//!   ([`packed_product`]). Both compute modes run it; it runs on the host path only.
+//!
+//! The dequantised rows live in transient scratch bounded by `max_dq_size`, one rule for both
+//! schemes. With `B = min(max_dq_size, DQ_CHUNK)` values: one token holds [`DECODE_ROWS`]
+//! rows of `cols` per worker thread, each met with the token at once; a prompt of `n` tokens
+//! holds a tile of `r = clamp(B / max(cols, n), 1, rows)` dequantised rows and that tile's
+//! `n × r` products, so each is at most `max(B, cols, n)` values. Like the kernels' own
+//! dequantisation tiles, which `max_dq_size` also bounds, this scratch is not a workspace
+//! region: the plan charges packed weights at their stored bytes and reserves no
+//! dequantisation buffer.
+
+mod exl2;
+mod gptq;
 
 use rayon::prelude::*;
-use weightlift_format::quantized::{GptqFormat, LinearScheme};
-use weightlift_format::{
-    Checkpoint, DType, Quantization, QuantizedLinear, TensorInfo, is_quantized_part,
-};
+use weightlift_format::quantized::LinearScheme;
+use weightlift_format::{Checkpoint, DType, Quantization, QuantizedLinear, TensorInfo};
 use weightlift_kernels::cpu::matvec::{dot_f32, matmul};
 use weightlift_kernels::{MatvecMode, QuantType};
 
+pub(crate) use exl2::Exl2;
+pub(crate) use gptq::Gptq;
+
 use super::exec::kernel_type;
 use crate::error::{EngineError, Result, invalid};
-use crate::model::Held;
 
 /// How a matrix's held bytes are multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,370 +55,148 @@ impl Packing {
     }
 }
 
-/// Values one GPTQ chunk of a prompt's product dequantises at most, whatever `max_dq_size`
-/// allows (16 MiB of f32): larger chunks only save calls.
-const GPTQ_CHUNK: usize = 4 << 20;
+/// Values one tile of a prompt's packed product dequantises at most, whatever `max_dq_size`
+/// allows (16 MiB of f32): larger tiles only save calls.
+const DQ_CHUNK: usize = 4 << 20;
 
-/// Output rows per task of a one-token GPTQ product.
+/// Output rows a task dequantises at once: a one-token product's task, or a block of a
+/// prompt's tile.
 const DECODE_ROWS: usize = 16;
 
-/// The group of each input of a GPTQ linear.
+/// The packed form of a quantised linear, by scheme.
 #[derive(Debug)]
-enum Groups {
-    /// `i / group_size`.
-    Contiguous(usize),
-    /// Act-order (`desc_act`): the `g_idx` table, range-checked when the checkpoint opened.
-    Table(Box<[u32]>),
+pub(crate) enum PackedLinear {
+    Gptq(Box<Gptq>),
+    Exl2(Box<Exl2>),
 }
 
-/// A GPTQ linear as the forward pass reads it: its layout, and the held tensors that hold it.
-#[derive(Debug)]
-pub(crate) struct Gptq {
-    bits: u32,
-    /// Added to each stored zero point: 1 for v1 checkpoints, which store `z − 1`.
-    zero_add: u32,
-    n_groups: usize,
-    groups: Groups,
-    /// Indices of the held `qweight`, `qzeros` and `scales`.
-    qweight: usize,
-    qzeros: usize,
-    scales: usize,
-}
-
-/// A GPTQ linear's held bytes, checked against its layout.
-pub(crate) struct GptqBytes<'a> {
-    qweight: &'a [u8],
-    qzeros: &'a [u8],
-    scales: &'a [u8],
-    scales_dtype: DType,
-}
-
-/// Words of `n` codes of `bits` bits.
-fn words_for(n: usize, bits: u32) -> usize {
-    (n * bits as usize).div_ceil(32)
-}
-
-/// Little-endian word `i` of `bytes` (0 past the end: the lengths are checked before any read).
-#[inline]
-fn word(bytes: &[u8], i: usize) -> u32 {
-    bytes
-        .get(i * 4..i * 4 + 4)
-        .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-}
-
-#[inline]
-fn scale_at(bytes: &[u8], dtype: DType, i: usize) -> f32 {
-    let two = |b: &[u8]| [b[0], b[1]];
-    match dtype {
-        DType::F32 => bytes
-            .get(i * 4..i * 4 + 4)
-            .map_or(0.0, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::BF16 => bytes
-            .get(i * 2..i * 2 + 2)
-            .map_or(0.0, |b| half::bf16::from_le_bytes(two(b)).to_f32()),
-        _ => bytes
-            .get(i * 2..i * 2 + 2)
-            .map_or(0.0, |b| half::f16::from_le_bytes(two(b)).to_f32()),
-    }
-}
-
-impl Gptq {
-    /// The GPTQ form of `lin` (validated when the checkpoint opened), with the indices of its
-    /// tensors in `infos`; EXL2 is refused by name.
-    pub fn new(lin: &QuantizedLinear, infos: &[TensorInfo]) -> Result<Gptq> {
-        let LinearScheme::Gptq(g) = lin.scheme() else {
-            return Err(exl2_refused(lin.prefix()));
-        };
-        let index = |name: &str| {
-            infos.iter().position(|t| t.name == name).ok_or_else(|| {
-                invalid(
-                    format!("GPTQ linear '{}'", lin.prefix()),
-                    format!("its tensor '{name}' in the checkpoint"),
-                    "no such tensor",
-                )
-            })
-        };
-        let groups = if g.act_order() {
-            let table = (0..lin.in_features())
-                .map(|i| u32::try_from(g.group_of(i)).unwrap_or(u32::MAX))
-                .collect();
-            Groups::Table(table)
-        } else {
-            Groups::Contiguous(g.group_size().max(1))
-        };
-        Ok(Gptq {
-            bits: g.bits(),
-            zero_add: match g.format() {
-                GptqFormat::V1 => 1,
-                GptqFormat::V2 => 0,
-            },
-            n_groups: g.n_groups(),
-            groups,
-            qweight: index(g.qweight())?,
-            qzeros: index(g.qzeros())?,
-            scales: index(g.scales())?,
+impl PackedLinear {
+    /// The packed form of `lin` (validated when the checkpoint opened), with the indices of its
+    /// tensors in `infos`.
+    pub fn new(lin: &QuantizedLinear, infos: &[TensorInfo]) -> Result<PackedLinear> {
+        Ok(match lin.scheme() {
+            LinearScheme::Gptq(_) => PackedLinear::Gptq(Box::new(Gptq::new(lin, infos)?)),
+            LinearScheme::Exl2(_) => PackedLinear::Exl2(Box::new(Exl2::new(lin, infos)?)),
         })
     }
 
-    /// The held tensor indices, `qweight` first (the one a linear's slot names).
-    pub fn tensors(&self) -> [usize; 3] {
-        [self.qweight, self.qzeros, self.scales]
-    }
-
-    /// The held bytes of a `rows × cols` (outputs × inputs) linear named `name`, checked
-    /// against its layout: they must be in host memory, in the dtypes and sizes it opened with.
-    pub fn bytes<'a>(
-        &self,
-        held: &'a [Held],
-        name: &str,
-        rows: usize,
-        cols: usize,
-    ) -> Result<GptqBytes<'a>> {
-        let part = |i: usize, what: &str, dtypes: &[DType], len: usize| {
-            let (bytes, dtype) = super::host_bytes(
-                held.get(i)
-                    .ok_or_else(|| invalid("held tensors", format!("tensor {i}"), "none"))?,
-                &format!("{name}.{what}"),
-            )?;
-            if !dtypes.contains(&dtype) {
-                return Err(invalid(
-                    format!("GPTQ tensor '{name}.{what}'"),
-                    format!("held as {dtypes:?}"),
-                    dtype,
-                ));
-            }
-            let size = match dtype {
-                DType::F32 | DType::I32 | DType::U32 => 4,
-                _ => 2,
-            };
-            let want = len * size;
-            if bytes.len() != want {
-                return Err(invalid(
-                    format!("GPTQ tensor '{name}.{what}'"),
-                    format!("{want} bytes for {rows} outputs × {cols} inputs"),
-                    format!("{} bytes; it was loaded for another layout", bytes.len()),
-                ));
-            }
-            Ok((bytes, dtype))
-        };
-        let words = [DType::I32, DType::U32];
-        let (qweight, _) = part(
-            self.qweight,
-            "qweight",
-            &words,
-            words_for(cols, self.bits) * rows,
-        )?;
-        let (qzeros, _) = part(
-            self.qzeros,
-            "qzeros",
-            &words,
-            self.n_groups * words_for(rows, self.bits),
-        )?;
-        let (scales, scales_dtype) = part(
-            self.scales,
-            "scales",
-            &[DType::F16, DType::BF16, DType::F32],
-            self.n_groups * rows,
-        )?;
-        Ok(GptqBytes {
-            qweight,
-            qzeros,
-            scales,
-            scales_dtype,
-        })
-    }
-
-    #[inline]
-    fn group(&self, i: usize) -> usize {
-        match &self.groups {
-            Groups::Contiguous(gs) => i / gs,
-            // the table was range-checked at open; the clamp only keeps a bad one from panicking
-            Groups::Table(t) => t.get(i).map_or(0, |&g| (g as usize).min(self.n_groups - 1)),
+    /// The scheme's name, for messages.
+    pub fn scheme(&self) -> &'static str {
+        match self {
+            PackedLinear::Gptq(_) => "GPTQ",
+            PackedLinear::Exl2(_) => "EXL2",
         }
     }
 
-    /// Output rows `r0..r0 + out.len() / cols` of the weight, f32, row-major into `out`, the
-    /// rows in parallel (see [`Gptq::dequantize_row`]).
-    fn dequantize_rows(
-        &self,
-        b: &GptqBytes<'_>,
-        rows: usize,
-        cols: usize,
-        r0: usize,
-        out: &mut [f32],
-    ) {
-        out.par_chunks_mut(cols).enumerate().for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(zs, ss), (k, dst)| self.dequantize_row(b, rows, r0 + k, dst, zs, ss),
-        );
-    }
-
-    /// Output row `o` of the weight into `dst` (`cols` values): `(q − z) · s` with `q − z`
-    /// exact in f32 and one rounding for the product, as gptqmodel computes it (so the values
-    /// equal the format crate's `dequantize_linear_into`). `zs` and `ss` are scratch for the
-    /// row's zero points and scales, one per group.
-    fn dequantize_row(
-        &self,
-        b: &GptqBytes<'_>,
-        rows: usize,
-        o: usize,
-        dst: &mut [f32],
-        zs: &mut Vec<f32>,
-        ss: &mut Vec<f32>,
-    ) {
-        let bits = self.bits;
-        let mask = (1u32 << bits) - 1;
-        let zero_words = words_for(rows, bits);
-        zs.clear();
-        ss.clear();
-        for g in 0..self.n_groups {
-            // zero point `o` of the bit stream along row g of qzeros
-            let bit = o * bits as usize;
-            let (w, sh) = (g * zero_words + bit / 32, (bit % 32) as u32);
-            let mut z = word(b.qzeros, w) >> sh;
-            if sh + bits > 32 {
-                z |= word(b.qzeros, w + 1) << (32 - sh);
-            }
-            zs.push((z.wrapping_add(self.zero_add) & mask) as f32);
-            ss.push(scale_at(b.scales, b.scales_dtype, g * rows + o));
+    /// The held tensor a linear's slot names: the packed codes (`qweight`, `q_weight`).
+    pub fn codes(&self) -> usize {
+        match self {
+            PackedLinear::Gptq(g) => g.tensors()[0],
+            PackedLinear::Exl2(e) => e.tensors()[0],
         }
-        // the codes of input i run down column o of qweight as one bit stream
-        let per = (32 / bits) as usize;
-        if let Groups::Contiguous(gs) = self.groups
-            && 32 % bits == 0
-            && gs.is_multiple_of(per)
-        {
-            // every word's codes share a group: decode and scale in one pass, unrolled per width
-            match bits {
-                2 => decode_scaled::<2>(b.qweight, rows, o, dst, gs, zs, ss),
-                4 => decode_scaled::<4>(b.qweight, rows, o, dst, gs, zs, ss),
-                _ => decode_scaled::<8>(b.qweight, rows, o, dst, gs, zs, ss),
-            }
-            return;
-        }
-        if 32 % bits == 0 {
-            for (wr, piece) in dst.chunks_mut(per).enumerate() {
-                let w = word(b.qweight, wr * rows + o);
-                for (j, d) in piece.iter_mut().enumerate() {
-                    *d = ((w >> (j as u32 * bits)) & mask) as f32;
-                }
-            }
-        } else {
-            for (i, d) in dst.iter_mut().enumerate() {
-                let bit = i * bits as usize;
-                let (wr, sh) = (bit / 32, (bit % 32) as u32);
-                let mut v = word(b.qweight, wr * rows + o) >> sh;
-                if sh + bits > 32 {
-                    v |= word(b.qweight, (wr + 1) * rows + o) << (32 - sh);
-                }
-                *d = (v & mask) as f32;
-            }
-        }
-        match &self.groups {
-            Groups::Contiguous(gs) => {
-                for (g, piece) in dst.chunks_mut(*gs).enumerate() {
-                    let (z, s) = (zs[g], ss[g]);
-                    piece.iter_mut().for_each(|d| *d = (*d - z) * s);
-                }
-            }
-            Groups::Table(_) => {
-                for (i, d) in dst.iter_mut().enumerate() {
-                    let g = self.group(i);
-                    *d = (*d - zs[g]) * ss[g];
-                }
-            }
-        }
-    }
-
-    /// `y = W x` for one token: each task dequantises [`DECODE_ROWS`] rows, one at a time into
-    /// a row of scratch that stays in cache, and meets each with `x` in the kernels' f32 dot
-    /// product at once, so the dequantised weights never travel through memory.
-    fn matvec(&self, b: &GptqBytes<'_>, rows: usize, x: &[f32], y: &mut [f32]) {
-        let isa = super::isa();
-        y.par_chunks_mut(DECODE_ROWS).enumerate().for_each_init(
-            || (Vec::new(), Vec::new(), Vec::new()),
-            |(row, zs, ss), (k, ys)| {
-                row.resize(x.len(), 0f32);
-                for (r, yv) in ys.iter_mut().enumerate() {
-                    self.dequantize_row(b, rows, k * DECODE_ROWS + r, row, zs, ss);
-                    *yv = dot_f32(isa, row, x);
-                }
-            },
-        );
-    }
-
-    /// `y = W x` for `n` tokens (`x`: `n × cols`, `y`: `n × rows`, token-major). One token: each
-    /// row dequantised and met with `x` at once ([`Gptq::matvec`]). More: chunks of whole output
-    /// rows dequantised to f32 (at most `min(max_dq, GPTQ_CHUNK)` values, at least one row), each
-    /// multiplied with the kernels' exact f32 matrix product, which reuses every dequantised
-    /// weight across the tokens (the bits of that product over the whole dequantised weight).
-    #[allow(clippy::too_many_arguments)]
-    pub fn product(
-        &self,
-        b: &GptqBytes<'_>,
-        name: &str,
-        rows: usize,
-        cols: usize,
-        x: &[f32],
-        n: usize,
-        y: &mut [f32],
-        max_dq: usize,
-    ) -> Result<()> {
-        let kernel = |e: weightlift_kernels::KernelError| EngineError::Device {
-            device: "cpu".into(),
-            detail: format!("{name}: {e}"),
-        };
-        if rows == 0 || cols == 0 || n == 0 {
-            return Ok(());
-        }
-        if x.len() < n * cols || y.len() < n * rows {
-            return Err(invalid(
-                format!("GPTQ product '{name}'"),
-                format!("{n} tokens of {cols} inputs and {rows} outputs"),
-                format!("{} inputs and {} outputs", x.len(), y.len()),
-            ));
-        }
-        if n == 1 {
-            self.matvec(b, rows, &x[..cols], &mut y[..rows]);
-            return Ok(());
-        }
-        let chunk = (max_dq.min(GPTQ_CHUNK) / cols).clamp(1, rows);
-        let mut wd = vec![0f32; chunk * cols];
-        let mut part = vec![0f32; n * chunk];
-        for r0 in (0..rows).step_by(chunk) {
-            let nr = chunk.min(rows - r0);
-            let w = &mut wd[..nr * cols];
-            self.dequantize_rows(b, rows, cols, r0, w);
-            let wb: &[u8] = bytemuck::cast_slice(w);
-            let p = &mut part[..n * nr];
-            matmul(
-                MatvecMode::Exact,
-                QuantType::F32,
-                wb,
-                nr,
-                cols,
-                &x[..n * cols],
-                n,
-                p,
-                max_dq,
-            )
-            .map_err(kernel)?;
-            for (yt, pt) in y.chunks_exact_mut(rows).zip(p.chunks_exact(nr)) {
-                yt[r0..r0 + nr].copy_from_slice(pt);
-            }
-        }
-        Ok(())
     }
 }
 
-/// The quantisation of a checkpoint whose tensors include GPTQ or EXL2 parts, when the forward
-/// pass can run it (GPTQ); EXL2, or parts without the settings that describe them, are refused
-/// by name. `None` for a checkpoint without quantised parts.
+/// Where a packed product reads its weight: output rows dequantised to f32 on request.
+pub(crate) trait DequantRows: Sync {
+    /// Output rows `r0 .. r0 + out.len() / cols` of the weight, f32, row-major into `out`.
+    fn rows_into(&self, r0: usize, out: &mut [f32]) -> Result<()>;
+}
+
+/// `y = W x` for `n` tokens of a packed `rows × cols` linear (`x`: `n × cols`, `y`: `n × rows`,
+/// token-major), within the scratch the module's rule bounds. One token: each task dequantises
+/// [`DECODE_ROWS`] rows into a buffer that stays in cache and meets each with `x` in the
+/// kernels' f32 dot product at once. More: tiles of whole rows, dequantised in parallel blocks,
+/// each multiplied with the kernels' exact f32 matrix product, which reuses every dequantised
+/// weight across the tokens. Either way each output is the f32 product of the whole
+/// dequantised weight, whatever the tiles.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn packed_product(
+    src: &impl DequantRows,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    max_dq: usize,
+) -> Result<()> {
+    let kernel = |e: weightlift_kernels::KernelError| EngineError::Device {
+        device: "cpu".into(),
+        detail: format!("{name}: {e}"),
+    };
+    if rows == 0 || cols == 0 || n == 0 {
+        return Ok(());
+    }
+    if x.len() < n * cols || y.len() < n * rows {
+        return Err(invalid(
+            format!("packed product '{name}'"),
+            format!("{n} tokens of {cols} inputs and {rows} outputs"),
+            format!("{} inputs and {} outputs", x.len(), y.len()),
+        ));
+    }
+    if n == 1 {
+        let (isa, x) = (super::isa(), &x[..cols]);
+        return y[..rows]
+            .par_chunks_mut(DECODE_ROWS)
+            .enumerate()
+            .try_for_each_init(Vec::new, |block: &mut Vec<f32>, (k, ys)| {
+                block.resize(ys.len() * cols, 0.0);
+                src.rows_into(k * DECODE_ROWS, block)?;
+                for (yv, w) in ys.iter_mut().zip(block.chunks_exact(cols)) {
+                    *yv = dot_f32(isa, w, x);
+                }
+                Ok(())
+            });
+    }
+    let tile = dq_tile_rows(rows, cols, n, max_dq);
+    let mut wd = vec![0f32; tile * cols];
+    let mut part = vec![0f32; n * tile];
+    for r0 in (0..rows).step_by(tile) {
+        let nr = tile.min(rows - r0);
+        let w = &mut wd[..nr * cols];
+        w.par_chunks_mut(DECODE_ROWS * cols)
+            .enumerate()
+            .try_for_each(|(k, block)| src.rows_into(r0 + k * DECODE_ROWS, block))?;
+        let wb: &[u8] = bytemuck::cast_slice(w);
+        let p = &mut part[..n * nr];
+        matmul(
+            MatvecMode::Exact,
+            QuantType::F32,
+            wb,
+            nr,
+            cols,
+            &x[..n * cols],
+            n,
+            p,
+            max_dq,
+        )
+        .map_err(kernel)?;
+        for (yt, pt) in y.chunks_exact_mut(rows).zip(p.chunks_exact(nr)) {
+            yt[r0..r0 + nr].copy_from_slice(pt);
+        }
+    }
+    Ok(())
+}
+
+/// Rows of a prompt's dequantised tile: `clamp(B / max(cols, n), 1, rows)` with
+/// `B = min(max_dq, DQ_CHUNK)`, so the tile (`r × cols`) and its products (`n × r`) each stay
+/// within `max(B, cols, n)` values.
+fn dq_tile_rows(rows: usize, cols: usize, n: usize, max_dq: usize) -> usize {
+    (max_dq.min(DQ_CHUNK) / cols.max(n).max(1)).clamp(1, rows.max(1))
+}
+
+/// The quantisation of a checkpoint whose tensors include GPTQ or EXL2 parts; parts without the
+/// settings that describe them are refused by name. `None` for a checkpoint without quantised
+/// parts.
 pub(crate) fn runnable_quantization<'a>(
     ckpt: Option<&'a Checkpoint>,
     infos: &[TensorInfo],
 ) -> Result<Option<&'a Quantization>> {
-    let Some(t) = infos.iter().find(|t| is_quantized_part(&t.name)) else {
+    let Some(t) = infos
+        .iter()
+        .find(|t| weightlift_format::is_quantized_part(&t.name))
+    else {
         return Ok(None);
     };
     match ckpt.and_then(Checkpoint::quantization) {
@@ -419,195 +206,36 @@ pub(crate) fn runnable_quantization<'a>(
                      checkpoint folder with its config.json"
                 .into(),
         }),
-        Some(q) if q.method() != "gptq" => {
-            let prefix = t.name.rsplit_once('.').map_or(t.name.as_str(), |p| p.0);
-            Err(exl2_refused(
-                q.linears().first().map_or(prefix, |l| l.prefix()),
-            ))
-        }
         Some(q) => Ok(Some(q)),
-    }
-}
-
-/// Row `o` of a `BITS`-bit GPTQ weight (`BITS` dividing 32, `gs` a multiple of `32 / BITS`)
-/// into `dst`: `(q − z) · s` per code, with the group's zero point and scale.
-fn decode_scaled<const BITS: u32>(
-    qweight: &[u8],
-    rows: usize,
-    o: usize,
-    dst: &mut [f32],
-    gs: usize,
-    zs: &[f32],
-    ss: &[f32],
-) {
-    let per = (32 / BITS) as usize;
-    let mask = (1u32 << BITS) - 1;
-    let one = |wr: usize, piece: &mut [f32]| {
-        let w = word(qweight, wr * rows + o);
-        let g = wr * per / gs;
-        let (z, s) = (zs[g], ss[g]);
-        for (j, d) in piece.iter_mut().enumerate() {
-            *d = (((w >> (j as u32 * BITS)) & mask) as f32 - z) * s;
-        }
-    };
-    // whole words first, so the inner loop has a constant trip count
-    let whole = dst.len() / per;
-    let mut words = dst.chunks_exact_mut(per);
-    for (wr, piece) in (&mut words).enumerate() {
-        one(wr, piece);
-    }
-    let rest = words.into_remainder();
-    if !rest.is_empty() {
-        one(whole, rest);
-    }
-}
-
-/// The refusal of an EXL2 linear: its per-group widths and permutations have no kernel here.
-pub(crate) fn exl2_refused(prefix: &str) -> EngineError {
-    EngineError::Unsupported {
-        what: format!("running an EXL2-quantised checkpoint (linear '{prefix}')"),
-        detail: "EXL2 linears open, validate, plan, load and dequantise, but the forward pass \
-                 runs GPTQ and float or GGUF weights only; convert the model or use its GPTQ \
-                 or GGUF release"
-            .into(),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
-
     use super::*;
-    use crate::source::Source;
 
-    fn fixture(variant: &str) -> weightlift_format::Checkpoint {
-        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../weightlift-format/tests/data/gptq")
-            .join(variant)
-            .join("model.safetensors");
-        weightlift_format::Checkpoint::open(&p, weightlift_format::OpenOptions::default())
-            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-    }
-
-    /// Every fixture's every linear (auto-gptq's packing at 2, 3, 4 and 8 bits, act-order, v1
-    /// and v2 zero points, one group over all inputs) dequantises, chunk by chunk from the
-    /// bytes, to the format crate's weights bit for bit (which equal gptqmodel's dequantiser).
+    /// The prompt tile and its products stay within `max(B, cols, n)` values, and a tile is at
+    /// least one row and at most all of them.
     #[test]
-    fn dequantised_rows_equal_the_format_crates_for_every_fixture() {
-        for variant in [
-            "g32",
-            "act_order",
-            "int8",
-            "int3",
-            "int2",
-            "v2",
-            "per_channel",
+    fn the_prompt_tile_stays_within_its_bound() {
+        for (rows, cols, n, max_dq) in [
+            (4096, 4096, 2048, 512 << 20),
+            (152_064, 3584, 32, 512 << 20),
+            (1536, 576, 2048, 512 << 20),
+            (64, 128, 16, 128),
+            (64, 128, 16, 1),
+            (3, 7, 5, 1 << 20),
         ] {
-            let ckpt = fixture(variant);
-            let quant = ckpt.quantization().expect("a GPTQ fixture");
-            assert!(!quant.linears().is_empty(), "{variant}");
-            for lin in quant.linears() {
-                let g = Gptq::new(lin, Source::tensors(&ckpt)).unwrap();
-                let (rows, cols) = (lin.out_features(), lin.in_features());
-                let part = |i: usize| {
-                    let info = &Source::tensors(&ckpt)[i];
-                    (ckpt.bytes(info), info.dtype)
-                };
-                let (qweight, qzeros, (scales, scales_dtype)) =
-                    (part(g.qweight).0, part(g.qzeros).0, part(g.scales));
-                let b = GptqBytes {
-                    qweight,
-                    qzeros,
-                    scales,
-                    scales_dtype,
-                };
-                let want = ckpt.dequantize_linear(lin).unwrap();
-                // in chunks of 3 rows, so a chunk starts mid-way through the outputs
-                let mut got = vec![0f32; rows * cols];
-                for r0 in (0..rows).step_by(3) {
-                    let nr = 3.min(rows - r0);
-                    g.dequantize_rows(&b, rows, cols, r0, &mut got[r0 * cols..(r0 + nr) * cols]);
-                }
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got), bits(&want), "{variant}: {}", lin.prefix());
-            }
-        }
-    }
-
-    /// The product is the f32 product of the whole dequantised weight: for a prompt the
-    /// kernels' matrix product bit for bit, whatever `max_dq_size` cuts the rows into (one row,
-    /// three and a bit, all); for one token each row's f32 dot. Both are within f32 rounding of
-    /// the f64 product.
-    #[test]
-    fn the_chunked_product_equals_the_whole_float_product() {
-        let ckpt = fixture("act_order");
-        let infos = Source::tensors(&ckpt);
-        let quant = ckpt.quantization().unwrap();
-        for lin in quant.linears() {
-            let g = Gptq::new(lin, infos).unwrap();
-            let (rows, cols) = (lin.out_features(), lin.in_features());
-            let bytes = |i: usize| ckpt.bytes(&infos[i]);
-            let b = GptqBytes {
-                qweight: bytes(g.qweight),
-                qzeros: bytes(g.qzeros),
-                scales: bytes(g.scales),
-                scales_dtype: infos[g.scales].dtype,
-            };
-            let dense = ckpt.dequantize_linear(lin).unwrap();
-            let wb: &[u8] = bytemuck::cast_slice(&dense);
-            for n in [1usize, 5, 40] {
-                let x: Vec<f32> = (0..n * cols)
-                    .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
-                    .collect();
-                let mut want = vec![0f32; n * rows];
-                if n == 1 {
-                    for (y, w) in want.iter_mut().zip(dense.chunks_exact(cols)) {
-                        *y = dot_f32(crate::forward::isa(), w, &x);
-                    }
-                } else {
-                    let big = 1 << 20;
-                    matmul(
-                        MatvecMode::Exact,
-                        QuantType::F32,
-                        wb,
-                        rows,
-                        cols,
-                        &x,
-                        n,
-                        &mut want,
-                        big,
-                    )
-                    .unwrap();
-                }
-                for (t, xt) in x.chunks_exact(cols).enumerate() {
-                    for (o, w) in dense.chunks_exact(cols).enumerate() {
-                        let exact: f64 = w.iter().zip(xt).map(|(a, b)| *a as f64 * *b as f64).sum();
-                        let mag: f64 = w
-                            .iter()
-                            .zip(xt)
-                            .map(|(a, b)| (*a as f64 * *b as f64).abs())
-                            .sum();
-                        let got = want[t * rows + o] as f64;
-                        assert!(
-                            (got - exact).abs() <= 1e-5 * mag + 1e-12,
-                            "{}: token {t} row {o}: {got} vs f64 {exact}",
-                            lin.prefix()
-                        );
-                    }
-                }
-                for max_dq in [cols, 3 * cols + 1, 1 << 20] {
-                    let mut got = vec![0f32; n * rows];
-                    g.product(&b, lin.prefix(), rows, cols, &x, n, &mut got, max_dq)
-                        .unwrap();
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "{}: {n} tokens, max_dq {max_dq}",
-                        lin.prefix()
-                    );
-                }
-            }
+            let r = dq_tile_rows(rows, cols, n, max_dq);
+            let bound = max_dq.min(DQ_CHUNK).max(cols).max(n);
+            assert!(
+                (1..=rows).contains(&r),
+                "{rows}×{cols}, {n} tokens: {r} rows"
+            );
+            assert!(
+                r * cols <= bound && n * r <= bound,
+                "{rows}×{cols}, {n}: {r}"
+            );
         }
     }
 }

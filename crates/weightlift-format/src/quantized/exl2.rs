@@ -69,6 +69,21 @@ impl Exl2Linear {
         &self.q_weight
     }
 
+    pub fn q_scale(&self) -> &str {
+        &self.q_scale
+    }
+
+    pub fn q_scale_max(&self) -> &str {
+        &self.q_scale_max
+    }
+
+    /// Word rows of `q_weight`: where the last group ends.
+    fn qrows(&self) -> usize {
+        self.groups
+            .last()
+            .map_or(0, |g| g.first_qrow + words_for(g.rows, g.bits).unwrap_or(0))
+    }
+
     pub(super) fn tensor_names(&self) -> impl Iterator<Item = &str> {
         [
             &self.q_weight,
@@ -81,6 +96,15 @@ impl Exl2Linear {
         .map(String::as_str)
         .chain(self.q_perm.as_deref())
     }
+}
+
+/// The stored bytes of the three tensors an EXL2 weight is decoded from, wherever they are held
+/// (the permutation and the groups were read when the checkpoint opened).
+#[derive(Debug, Clone, Copy)]
+pub struct Exl2Bytes<'a> {
+    pub q_weight: &'a [u8],
+    pub q_scale: &'a [u8],
+    pub q_scale_max: &'a [u8],
 }
 
 const WORDS: &[DType] = &[DType::I32, DType::U32];
@@ -289,8 +313,8 @@ fn groups(part: &Part<'_>, raw: &[usize], n_in: usize, qrows: usize) -> Result<V
     Ok(out)
 }
 
-/// Rows `rows` (outputs) and columns `cols` (inputs) of the weight into `out`, row-major.
-/// The ranges and `out` were checked by the caller.
+/// Rows `rows` (outputs) and columns `cols` (inputs) of the weight into `out`, row-major, from
+/// the checkpoint's tensors. The ranges and `out` were checked by the caller.
 pub(super) fn dequantize<T: Element>(
     ckpt: &Checkpoint,
     lin: &Exl2Linear,
@@ -299,14 +323,42 @@ pub(super) fn dequantize<T: Element>(
     cols: Range<usize>,
     out: &mut [T],
 ) -> Result<()> {
-    let qrows = lin
-        .groups
-        .last()
-        .map_or(0, |g| g.first_qrow + words_for(g.rows, g.bits).unwrap_or(0));
     let n_groups = lin.groups.len();
-    let q_weight = Part::sized(ckpt, &lin.q_weight, WORDS, &[qrows, lin.columns])?;
+    let q_weight = Part::sized(ckpt, &lin.q_weight, WORDS, &[lin.qrows(), lin.columns])?;
     let q_scale = Part::sized(ckpt, &lin.q_scale, WORDS, &[n_groups, lin.columns / 8])?;
     let q_scale_max = Part::sized(ckpt, &lin.q_scale_max, &[DType::F16], &[n_groups])?;
+    let bytes = Exl2Bytes {
+        q_weight: q_weight.bytes,
+        q_scale: q_scale.bytes,
+        q_scale_max: q_scale_max.bytes,
+    };
+    dequantize_bytes(lin, bytes, n_in, rows, cols, out)
+}
+
+/// As [`dequantize`], from the tensors' bytes: each must be the size the linear opened with.
+pub(super) fn dequantize_bytes<T: Element>(
+    lin: &Exl2Linear,
+    b: Exl2Bytes<'_>,
+    n_in: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: &mut [T],
+) -> Result<()> {
+    let n_groups = lin.groups.len();
+    let sizes = [
+        (&lin.q_weight, b.q_weight, lin.qrows() * lin.columns * 4),
+        (&lin.q_scale, b.q_scale, n_groups * (lin.columns / 8) * 4),
+        (&lin.q_scale_max, b.q_scale_max, n_groups * 2),
+    ];
+    for (name, bytes, want) in sizes {
+        if bytes.len() != want {
+            return Err(FormatError::Request {
+                what: format!("EXL2 tensor '{name}'"),
+                expected: format!("{want} bytes, the size it was opened with"),
+                got: format!("{} bytes; it was loaded for another layout", bytes.len()),
+            });
+        }
+    }
     if lin.invperm.len() != n_in {
         return Err(FormatError::Request {
             what: format!("quantised linear with '{}'", lin.q_weight),
@@ -314,11 +366,11 @@ pub(super) fn dequantize<T: Element>(
             got: format!("a permutation of {}", lin.invperm.len()),
         });
     }
-    let q = Words::new(q_weight.bytes, lin.columns);
-    let sc = Words::new(q_scale.bytes, lin.columns / 8);
+    let q = Words::new(b.q_weight, lin.columns);
+    let sc = Words::new(b.q_scale, lin.columns / 8);
     // The loader divides q_scale_max by 256 in f16 (exact but for f16 subnormals).
     let max_scale: Vec<f32> = (0..n_groups)
-        .map(|g| f16::from_f32(float_at(q_scale_max.bytes, DType::F16, g) / 256.0).to_f32())
+        .map(|g| f16::from_f32(float_at(b.q_scale_max, DType::F16, g) / 256.0).to_f32())
         .collect();
     for_each_row(
         out,

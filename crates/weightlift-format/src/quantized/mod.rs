@@ -26,7 +26,7 @@ use rayon::prelude::*;
 
 pub(crate) use config::BESIDE_NAMES;
 pub use config::{Exl2Config, GPTQ_BITS, GptqConfig, GptqFormat, QuantConfig};
-pub use exl2::{EXL2_BITS, Exl2Group, Exl2Linear};
+pub use exl2::{EXL2_BITS, Exl2Bytes, Exl2Group, Exl2Linear};
 pub use gptq::GptqLinear;
 
 use crate::error::hint;
@@ -149,6 +149,58 @@ impl QuantizedLinear {
         names.extend(self.bias.as_deref());
         names
     }
+
+    /// As [`Checkpoint::dequantize_linear_into`] for an EXL2 linear, decoding its tensors from
+    /// `bytes` (a copy loaded anywhere in host memory, of the sizes it opened with) instead of
+    /// from the checkpoint's file: the same values, bit for bit.
+    pub fn dequantize_exl2_into(
+        &self,
+        bytes: Exl2Bytes<'_>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let LinearScheme::Exl2(e) = &self.scheme else {
+            return Err(FormatError::Request {
+                what: format!("quantised linear '{}'", self.prefix),
+                expected: "an EXL2 linear".into(),
+                got: "a GPTQ linear".into(),
+            });
+        };
+        self.check_region(&rows, &cols, out.len())?;
+        exl2::dequantize_bytes(e, bytes, self.in_features, rows, cols, out)
+    }
+
+    /// `rows` and `cols` lie within the weight and `out` holds exactly their block.
+    fn check_region(&self, rows: &Range<usize>, cols: &Range<usize>, len: usize) -> Result<()> {
+        let request = |what: &str, expected: String, got: String| FormatError::Request {
+            what: format!("{what} of quantised linear '{}'", self.prefix),
+            expected,
+            got,
+        };
+        if rows.start > rows.end || rows.end > self.out_features {
+            return Err(request(
+                "rows",
+                format!("a range within 0..{} (the outputs)", self.out_features),
+                format!("{rows:?}"),
+            ));
+        }
+        if cols.start > cols.end || cols.end > self.in_features {
+            return Err(request(
+                "columns",
+                format!("a range within 0..{} (the inputs)", self.in_features),
+                format!("{cols:?}"),
+            ));
+        }
+        if rows.len().checked_mul(cols.len()) != Some(len) {
+            return Err(request(
+                "output buffer",
+                format!("{} rows x {} columns", rows.len(), cols.len()),
+                format!("{len} elements"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -260,33 +312,7 @@ impl Checkpoint {
         cols: Range<usize>,
         out: &mut [T],
     ) -> Result<()> {
-        let request = |what: &str, expected: String, got: String| FormatError::Request {
-            what: format!("{what} of quantised linear '{}'", linear.prefix),
-            expected,
-            got,
-        };
-        if rows.start > rows.end || rows.end > linear.out_features {
-            return Err(request(
-                "rows",
-                format!("a range within 0..{} (the outputs)", linear.out_features),
-                format!("{rows:?}"),
-            ));
-        }
-        if cols.start > cols.end || cols.end > linear.in_features {
-            return Err(request(
-                "columns",
-                format!("a range within 0..{} (the inputs)", linear.in_features),
-                format!("{cols:?}"),
-            ));
-        }
-        let want = rows.len().checked_mul(cols.len());
-        if want != Some(out.len()) {
-            return Err(request(
-                "output buffer",
-                format!("{} rows x {} columns", rows.len(), cols.len()),
-                format!("{} elements", out.len()),
-            ));
-        }
+        linear.check_region(&rows, &cols, out.len())?;
         match &linear.scheme {
             LinearScheme::Gptq(g) => gptq::dequantize(
                 self,
