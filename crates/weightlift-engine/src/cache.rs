@@ -173,6 +173,11 @@ pub struct Cache {
     prefetch: Prefetcher,
     /// Tokens of sequence 0 the forward pass has written (`Cache.seq_len` in Python).
     seq_len: AtomicU64,
+    /// Rows of each sequence written since the last reset (the largest written position + 1):
+    /// filling an offloaded layer's slot copies these, not the whole `max_seq_len`.
+    written: AtomicU64,
+    /// Offload: bytes copied from host RAM into device slots since the cache was made.
+    filled: AtomicU64,
     /// The ids at positions `0..seq_len`, while every one came through [`Cache::note_ids`]: a new
     /// prompt then reuses the longest common prefix, as llama-cpp-python's `generate` does.
     ids: Mutex<Vec<u32>>,
@@ -210,6 +215,8 @@ impl Cache {
             versions: (0..n).map(|_| AtomicU64::new(0)).collect(),
             prefetch: Prefetcher::default(),
             seq_len: AtomicU64::new(0),
+            written: AtomicU64::new(0),
+            filled: AtomicU64::new(0),
             ids: Mutex::new(Vec::new()),
             tp: Mutex::new(Vec::new()),
         })
@@ -387,6 +394,7 @@ impl Cache {
             ));
         }
         self.join_prefetch();
+        self.written.fetch_max(pos + n_tokens, Ordering::AcqRel);
         // A prefetched copy of this layer is stale from now on.
         if let Some(v) = self.versions.get(layer) {
             v.fetch_add(1, Ordering::AcqRel);
@@ -460,6 +468,7 @@ impl Cache {
     /// Forget every token: the next forward pass starts at position 0. No memory is freed.
     pub fn reset(&self) {
         self.seq_len.store(0, Ordering::Release);
+        self.written.store(0, Ordering::Release);
         self.lock_ids().clear();
     }
 
@@ -505,6 +514,7 @@ impl Cache {
         let (row, n) = self.whole_rows(layer, k.len(), v.len())?;
         self.check_span(layer, pos, n as u64)?;
         self.join_prefetch();
+        self.written.fetch_max(pos + n as u64, Ordering::AcqRel);
         let was = self
             .versions
             .get(layer)

@@ -333,3 +333,36 @@ fn an_offloaded_cache_prefetches_on_one_thread_for_its_life() {
     });
     assert!(ended, "the prefetch thread outlived its cache");
 }
+
+/// Filling an offloaded layer's slot copies the rows written so far, not `max_seq_len` rows:
+/// after 3 rows of a 64-row cache, a slot fill moves 3 rows of K and V.
+#[test]
+fn filling_a_slot_copies_only_the_rows_written() {
+    let _serial = prefetching();
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let [a] = inv.accelerators() else { panic!() };
+    let cfg = CacheConfig {
+        batch_size: 1,
+        n_kv_heads: vec![2, 2, 2],
+        ..config(CacheDType::Fp16, true)
+    };
+    let cache = Arc::new(Cache::new(cfg.clone()).unwrap());
+    for l in 0..3 {
+        cache.allocate_layer(l, a, inv.cpu()).unwrap();
+    }
+    let row = 2 * 64;
+    let (k, v) = (values(3 * row, 7), values(3 * row, 8));
+    for l in 0..3 {
+        cache.write_rows(l, 0, &k, &v).unwrap();
+    }
+    let before = cache.offload_bytes();
+    // layer 2 is in no slot yet: its fetch fills one (layer 0's fetch prefetches 1 too)
+    let r = cache.fetch(2).unwrap();
+    let per_fill = 3 * row as u64 * 2 * 2; // 3 rows of K and V, 2 bytes a value
+    assert_eq!(cache.offload_bytes() - before, per_fill);
+    assert_eq!(
+        cache.read_resident(&r, 0, 3).unwrap(),
+        cache.read(2, 0, 3).unwrap()
+    );
+    assert!(per_fill < cfg.layer_bytes(2) / 16);
+}

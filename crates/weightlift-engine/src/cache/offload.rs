@@ -181,6 +181,7 @@ impl Cache {
         self.check_span(layer, pos, n)?;
         let mut r = self.fetch(layer)?;
         let out = f(&mut r.k, &mut r.v)?;
+        self.written.fetch_max(pos + n, Ordering::AcqRel);
         let was = self.version(layer);
         if let Some(ver) = self.versions.get(layer) {
             ver.fetch_add(1, Ordering::AcqRel);
@@ -281,7 +282,7 @@ impl Cache {
         let mut slot = p.free.swap_remove(at);
         if slot.holds != current {
             slot.holds = None;
-            fill(s, &mut slot)?;
+            self.fill(layer, s, &mut slot)?;
         }
         let generation = self.generation.load(Ordering::Acquire);
         Ok(Some((
@@ -347,9 +348,42 @@ impl Cache {
             return Ok(());
         };
         slot.holds = None;
-        fill(s, slot)?;
+        self.fill(layer, s, slot)?;
         slot.holds = current;
         Ok(())
+    }
+
+    /// Copy `layer`'s K and V from host RAM into `slot`: for each sequence only the rows
+    /// written so far (a decode step at position p of a long context copies p rows, not
+    /// `max_seq_len`); the rest of the slot is never read.
+    fn fill(&self, layer: usize, s: &LayerStore, slot: &mut Slot) -> Result<()> {
+        let c = &self.config;
+        let used = self
+            .written
+            .load(Ordering::Acquire)
+            .max(self.seq_len())
+            .min(c.max_seq_len) as usize;
+        let row = c.n_kv_heads[layer] as usize * c.head_dim as usize;
+        let (fk, fv) = formats(c.dtype);
+        for (format, src, dst) in [(fk, &s.k, &mut slot.k), (fv, &s.v, &mut slot.v)] {
+            let host = src.host().ok_or_else(|| EngineError::Device {
+                device: s.device.name().into(),
+                detail: "an offloaded cache layer is not in host memory".into(),
+            })?;
+            for b in 0..c.batch_size as usize {
+                let first = b * c.max_seq_len as usize * row;
+                let (b0, b1) = (format.byte_at(first), format.byte_at(first + used * row));
+                dst.write(b0, &host[b0..b1])?;
+                self.filled.fetch_add((b1 - b0) as u64, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Offload: bytes copied from host RAM into the device slots so far (the new rows a
+    /// forward pass writes are not counted: they are copied once, to host RAM or into a slot).
+    pub fn offload_bytes(&self) -> u64 {
+        self.filled.load(Ordering::Relaxed)
     }
 
     pub(super) fn join_prefetch(&self) {
@@ -374,18 +408,4 @@ impl Cache {
         self.check_span(r.layer, start, n_tokens)?;
         decode_span(&self.config, r.layer, start, n_tokens, &r.k, &r.v)
     }
-}
-
-/// Copy a layer's host-RAM K and V into the start of a slot.
-fn fill(s: &LayerStore, slot: &mut Slot) -> Result<()> {
-    for (src, dst) in [(&s.k, &mut slot.k), (&s.v, &mut slot.v)] {
-        match src.host() {
-            Some(b) => dst.write(0, b)?,
-            None => {
-                let host = src.to_vec()?;
-                dst.write(0, &host)?;
-            }
-        }
-    }
-    Ok(())
 }
