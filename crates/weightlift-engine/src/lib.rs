@@ -34,6 +34,7 @@ mod hostmem;
 
 pub mod cache;
 pub mod convert;
+pub mod dequantize;
 pub mod device;
 pub mod forward;
 pub mod generate;

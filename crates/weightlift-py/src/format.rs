@@ -4,7 +4,6 @@
 // unsafe by signature; the SAFETY note there says why it is sound.
 #![allow(unsafe_code)]
 
-mod dequantize;
 mod info;
 mod values;
 
@@ -16,10 +15,10 @@ use numpy::{PyArray, PyArray1, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
+use weightlift_engine::dequantize::{checkpoint_tensor, checkpoint_tensor_into};
 use weightlift_format as wf;
 
 use crate::errors::{Exc, enter, py_err, raise};
-use dequantize::{dequantize, dequantize_into};
 pub use info::{ModelSpec, TensorInfo};
 use values::{json_to_py, meta_to_py};
 
@@ -297,14 +296,14 @@ impl Checkpoint {
                 })?;
                 enter(py, || {
                     let info = ckpt.tensor(name)?;
-                    dequantize_into(&ckpt, info, slice)
+                    checkpoint_tensor_into(&ckpt, info, slice)
                 })?;
             }
             return Ok(out);
         }
         let values = enter(py, || {
             let info = ckpt.tensor(name)?;
-            dequantize(&ckpt, info)
+            checkpoint_tensor(&ckpt, info)
         })?;
         let dims = shape
             .iter()

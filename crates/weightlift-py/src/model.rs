@@ -13,10 +13,11 @@ use weightlift_engine::{self as we, LoadOptions, Model as EModel};
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
-use crate::cache::Cache;
 use crate::devices::{inventory_for, to_numpy};
 use crate::errors::{Exc, eng, enter, py_err, raise};
-use crate::options::{CacheArg, DeviceMapValue, DevicesSpec, Overrides, RuntimeArg, Sizes};
+use crate::options::{
+    CacheDTypeArg, CacheRef, DeviceMapValue, DevicesSpec, LoadCache, Overrides, RuntimeArg, Sizes,
+};
 use crate::plan::PlacementArgs;
 use crate::progress::Reporter;
 
@@ -38,13 +39,7 @@ pub(crate) struct ModelInner {
 impl ModelInner {
     /// A cache of `spec`'s shape for this model, allocated beside each layer as it loads.
     pub(crate) fn new_cache(&self, spec: &wp::CacheSpec) -> PyResult<Arc<ECache>> {
-        let cfg = eng(self.model.cache_config(
-            spec.max_seq_len,
-            spec.batch_size,
-            spec.dtype,
-            spec.offload,
-        ))?;
-        Ok(Arc::new(eng(ECache::new(cfg))?))
+        Ok(Arc::new(eng(self.model.cache_for(spec))?))
     }
 }
 
@@ -194,24 +189,6 @@ impl Model {
     }
 }
 
-/// exllamav2's TPContext sizing, as `load_tp` and `TPContext` take it.
-pub(crate) fn tp_options(
-    gpu_split: Option<Vec<f64>>,
-    expect_cache_tokens: u64,
-    expect_cache_base: Option<&str>,
-) -> PyResult<wp::PlanOptions> {
-    let dtype = wp::CacheDType::parse(expect_cache_base.unwrap_or("fp16")).map_err(py_err)?;
-    Ok(wp::PlanOptions {
-        strategy: Some("tensor_parallel".into()),
-        gpu_split,
-        expect_cache: Some(wp::ExpectCache {
-            tokens: expect_cache_tokens,
-            dtype,
-        }),
-        ..wp::PlanOptions::default()
-    })
-}
-
 pub(crate) fn load_options(
     use_mmap: bool,
     use_direct_io: bool,
@@ -237,19 +214,6 @@ fn plan_from_obj(plan: &Bound<'_, PyAny>) -> PyResult<wp::Plan> {
         plan.call_method0("to_json")?.extract()?
     };
     wp::Plan::from_json(&json).map_err(py_err)
-}
-
-fn cache_arg(cache: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<ECache>>> {
-    match cache {
-        None => Ok(None),
-        Some(c) if c.is_none() => Ok(None),
-        Some(c) => Ok(Some(Arc::clone(
-            &c.cast::<Cache>()
-                .map_err(|_| PyTypeError::new_err("cache must be a weightlift.Cache"))?
-                .get()
-                .cache,
-        ))),
-    }
 }
 
 #[pymethods]
@@ -307,7 +271,7 @@ impl Model {
         plan: Option<&Bound<'_, PyAny>>,
         progress: bool,
         callback: Option<Py<PyAny>>,
-        cache: Option<&Bound<'_, PyAny>>,
+        cache: Option<LoadCache>,
         use_mmap: bool,
         use_direct_io: bool,
         check_tensors: bool,
@@ -334,16 +298,10 @@ impl Model {
             .filter(|p| !p.is_none())
             .map(plan_from_obj)
             .transpose()?;
-        let cache = match cache.filter(|c| !c.is_none()) {
+        let cache = match cache {
             None => None,
-            Some(c) => match c.cast::<Cache>() {
-                Ok(c) => Some(Arc::clone(&c.get().cache)),
-                // a shape: the model allocates that cache, so what is held matches the plan
-                Err(_) => {
-                    let spec = c.extract::<CacheArg>()?.0;
-                    Some(self.lock()?.new_cache(&spec)?)
-                }
-            },
+            Some(LoadCache::Given(c)) => Some(c),
+            Some(LoadCache::Shape(spec)) => Some(self.lock()?.new_cache(&spec)?),
         };
         let placement = PlacementArgs {
             strategy,
@@ -385,7 +343,7 @@ impl Model {
     fn load_autosplit(
         &self,
         py: Python<'_>,
-        cache: Option<&Bound<'_, PyAny>>,
+        cache: Option<CacheRef>,
         reserve_vram: Option<Sizes>,
         progress: bool,
         callback: Option<Py<PyAny>>,
@@ -404,7 +362,7 @@ impl Model {
             py,
             None,
             options,
-            cache_arg(cache)?,
+            cache.map(|c| c.0),
             LoadOptions::default(),
             Reporter::new(callback, progress),
         )
@@ -422,11 +380,15 @@ impl Model {
         py: Python<'_>,
         gpu_split: Option<Vec<f64>>,
         expect_cache_tokens: u64,
-        expect_cache_base: Option<&str>,
+        expect_cache_base: Option<CacheDTypeArg>,
         progress: bool,
         callback: Option<Py<PyAny>>,
     ) -> PyResult<()> {
-        let options = tp_options(gpu_split, expect_cache_tokens, expect_cache_base)?;
+        let options = wp::PlanOptions::tensor_parallel(
+            gpu_split,
+            expect_cache_tokens,
+            expect_cache_base.map(|d| d.0),
+        );
         self.run_load(
             py,
             None,

@@ -4,10 +4,13 @@
 //! Each type here is a `FromPyObject`, so a wrong type fails at the argument with PyO3's
 //! "argument 'NAME': ..." prefix, and a wrong value with the planner's typed error.
 
+use std::sync::Arc;
+
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use weightlift_engine as we;
+use weightlift_engine::cache::Cache as ECache;
 use weightlift_plan as wp;
 
 use crate::cache::Cache;
@@ -198,6 +201,53 @@ impl<'a, 'py> FromPyObject<'a, 'py> for CacheArg {
         );
         let spec = CacheSpec::new(max_seq_len, batch, &dtype, offload)?;
         Ok(CacheArg(spec.inner))
+    }
+}
+
+/// A `Cache` object, by the engine cache it shares (`load_autosplit(cache=...)`).
+pub struct CacheRef(pub Arc<ECache>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for CacheRef {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.cast::<Cache>() {
+            Ok(c) => Ok(CacheRef(Arc::clone(&c.get().cache))),
+            Err(_) => Err(type_error("a weightlift.Cache", &obj)),
+        }
+    }
+}
+
+/// `Model.load(cache=...)`: a `Cache` to load beside the layers, or the shape of one (a
+/// `CacheSpec` or a dict, as [`CacheArg`]) that the model allocates itself, so what is held is
+/// what the plan counted.
+pub enum LoadCache {
+    Given(Arc<ECache>),
+    Shape(wp::CacheSpec),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for LoadCache {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(c) = obj.cast::<Cache>() {
+            return Ok(LoadCache::Given(Arc::clone(&c.get().cache)));
+        }
+        obj.extract::<CacheArg>().map(|c| LoadCache::Shape(c.0))
+    }
+}
+
+/// A cache dtype name (`"fp16"`, `"q4"`, ...), parsed by the planner's grammar.
+pub struct CacheDTypeArg(pub wp::CacheDType);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for CacheDTypeArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let name: String = obj.extract()?;
+        wp::CacheDType::parse(&name)
+            .map(CacheDTypeArg)
+            .map_err(py_err)
     }
 }
 

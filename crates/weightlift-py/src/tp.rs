@@ -11,7 +11,8 @@ use weightlift_plan as wp;
 
 use crate::devices::{DeviceTensor, to_numpy};
 use crate::errors::{Exc, eng, enter, py_err, raise};
-use crate::model::{Model, tp_options};
+use crate::model::Model;
+use crate::options::CacheDTypeArg;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TPContext>()?;
@@ -88,7 +89,7 @@ impl TPContext {
         model: &Bound<'_, Model>,
         gpu_split: Option<Vec<f64>>,
         expect_cache_tokens: u64,
-        expect_cache_base: Option<&str>,
+        expect_cache_base: Option<CacheDTypeArg>,
     ) -> PyResult<Self> {
         let m = model.get();
         let inner = m.lock()?;
@@ -109,9 +110,13 @@ impl TPContext {
             _ => {
                 let mut req = eng(inner.model.plan_request())?;
                 req.runtime = inner.runtime;
-                tp_options(gpu_split, expect_cache_tokens, expect_cache_base)?
-                    .apply(&mut req)
-                    .map_err(py_err)?;
+                wp::PlanOptions::tensor_parallel(
+                    gpu_split,
+                    expect_cache_tokens,
+                    expect_cache_base.map(|d| d.0),
+                )
+                .apply(&mut req)
+                .map_err(py_err)?;
                 let plan = enter(py, || wp::plan(&req))?;
                 plan.tp().cloned().ok_or_else(|| {
                     raise(

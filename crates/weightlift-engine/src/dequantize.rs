@@ -1,66 +1,68 @@
-//! Dequantising a checkpoint's tensor for `Checkpoint.dequantize`, through the engine's one
-//! dequantiser, with errors that name the file and the tensor.
+//! Whole tensors decoded to f32, as Python reads them: a checkpoint's straight from the map
+//! ([`checkpoint_tensor`], `Checkpoint.dequantize`) and a loaded model's from wherever it is held
+//! ([`crate::Model::dequantized`], `Model.tensor(dequantize=True)`). Both decode through
+//! [`crate::convert::dequantize_into`] into a [`zeroed_f32`] buffer, so a tensor reads the same
+//! either way.
 
 // `zeroed_f32` asks the kernel for huge pages with `madvise`; the SAFETY note there says why it
 // is sound.
 #![allow(unsafe_code)]
 
-use weightlift_engine as we;
-use weightlift_format as wf;
+use weightlift_format::{Checkpoint, FormatError, TensorInfo};
 
-/// Dequantise one tensor to a new f32 buffer in row-major order. Allocates `n_elements` floats,
-/// a count the reader checked against the file's bytes at open time, and only after the type is
-/// known to have a dequantiser.
-pub(super) fn dequantize(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::Result<Vec<f32>> {
+use crate::convert;
+
+/// Dequantise one tensor of `ckpt` to a new f32 buffer in row-major order. Allocates
+/// `n_elements` floats, a count the reader checked against the file's bytes at open time, and
+/// only after the type is known to have a dequantiser. Errors name the file and the tensor.
+pub fn checkpoint_tensor(
+    ckpt: &Checkpoint,
+    info: &TensorInfo,
+) -> weightlift_format::Result<Vec<f32>> {
     let n = usize::try_from(info.n_elements()).map_err(|_| {
         wrap_dequant(
             ckpt,
             info,
-            wf::FormatError::DequantizeBlocks {
+            FormatError::DequantizeBlocks {
                 dtype: info.dtype,
                 detail: format!("{} elements do not fit in memory", info.n_elements()),
             },
         )
     })?;
-    if !we::convert::can_dequantize(info.dtype) {
+    if !convert::can_dequantize(info.dtype) {
         return Err(no_dequantiser(ckpt, info));
     }
     let mut out = zeroed_f32(n);
-    dequantize_into(ckpt, info, &mut out)?;
+    checkpoint_tensor_into(ckpt, info, &mut out)?;
     Ok(out)
 }
 
-/// Dequantise one tensor into `out` (exactly `n_elements` long), through the engine's one
-/// dequantiser (the same one `Model.tensor(dequantize=True)` uses).
-pub(super) fn dequantize_into(
-    ckpt: &wf::Checkpoint,
-    info: &wf::TensorInfo,
+/// Dequantise one tensor of `ckpt` into `out` (exactly `n_elements` long).
+pub fn checkpoint_tensor_into(
+    ckpt: &Checkpoint,
+    info: &TensorInfo,
     out: &mut [f32],
-) -> wf::Result<()> {
-    if !we::convert::can_dequantize(info.dtype) {
+) -> weightlift_format::Result<()> {
+    if !convert::can_dequantize(info.dtype) {
         return Err(no_dequantiser(ckpt, info));
     }
-    we::convert::dequantize_into(info.dtype, ckpt.bytes(info), out)
+    convert::dequantize_into(info.dtype, ckpt.bytes(info), out)
         .map_err(|e| wrap_dequant(ckpt, info, e))
 }
 
-fn no_dequantiser(ckpt: &wf::Checkpoint, info: &wf::TensorInfo) -> wf::FormatError {
+fn no_dequantiser(ckpt: &Checkpoint, info: &TensorInfo) -> FormatError {
     wrap_dequant(
         ckpt,
         info,
-        wf::FormatError::DequantizeBlocks {
+        FormatError::DequantizeBlocks {
             dtype: info.dtype,
             detail: "no dequantiser for this type (gguf-py has none either)".into(),
         },
     )
 }
 
-fn wrap_dequant(
-    ckpt: &wf::Checkpoint,
-    info: &wf::TensorInfo,
-    source: wf::FormatError,
-) -> wf::FormatError {
-    wf::FormatError::Dequantize {
+fn wrap_dequant(ckpt: &Checkpoint, info: &TensorInfo, source: FormatError) -> FormatError {
+    FormatError::Dequantize {
         path: ckpt
             .files()
             .nth(info.file)
@@ -74,7 +76,7 @@ fn wrap_dequant(
 /// A zeroed output buffer. Large ones ask for transparent huge pages first (as numpy does for
 /// its own large arrays): a fresh 100 MB output otherwise costs ~25,000 page faults, which on a
 /// VM take longer than the dequantisation itself.
-fn zeroed_f32(n: usize) -> Vec<f32> {
+pub(crate) fn zeroed_f32(n: usize) -> Vec<f32> {
     let mut v = Vec::<f32>::with_capacity(n);
     #[cfg(target_os = "linux")]
     if n >= 1 << 20 {

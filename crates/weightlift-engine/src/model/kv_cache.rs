@@ -1,0 +1,129 @@
+//! The cache calls run on: one attached at load or by the caller, or one the model makes for
+//! itself (as transformers' `generate` does) and grows when a call needs more.
+
+use std::sync::Arc;
+
+use super::Model;
+use crate::cache::{Cache, CacheConfig, CacheDType};
+use crate::device::Device;
+use crate::error::{EngineError, Result, invalid};
+
+impl Model {
+    /// The cache that calls without one run on, with room for `tokens` positions: the one
+    /// attached at load or by the caller, whatever its size; else, as transformers' `generate`
+    /// makes its own cache, an fp16 cache of `tokens` positions rounded up to
+    /// [`weightlift_plan::SEQ_STEP`], allocated beside the layers now and kept, and replaced
+    /// by a larger one when a later call needs more. A model loaded tensor-parallel has its
+    /// cache from `load_tp`.
+    pub fn own_cache_for(&mut self, tokens: u64) -> Result<Arc<Cache>> {
+        let state = self.state()?;
+        if let Some(c) = &state.cache
+            && (!state.cache_made || c.config().max_seq_len >= tokens)
+        {
+            return Ok(Arc::clone(c));
+        }
+        if state.tp.is_some() {
+            return self.own_cache();
+        }
+        let step = weightlift_plan::SEQ_STEP;
+        let max_seq_len = tokens.max(1).div_ceil(step) * step;
+        let config = self.cache_config(max_seq_len, 1, CacheDType::Fp16, false)?;
+        let cache = Arc::new(Cache::new(config)?);
+        // The smaller one goes first, so both never need room at once.
+        if let Some(s) = self.state.as_mut()
+            && s.cache_made
+            && let Some(old) = s.cache.take()
+        {
+            old.free();
+        }
+        self.attach_cache(&cache)?;
+        if let Some(s) = self.state.as_mut() {
+            s.cache_made = true;
+        }
+        Ok(cache)
+    }
+
+    /// The cache attached at load or by the caller (`Model.forward(cache=None)` and generation
+    /// use it).
+    pub fn own_cache(&self) -> Result<Arc<Cache>> {
+        self.state
+            .as_ref()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: "the model".into(),
+            })?
+            .cache
+            .clone()
+            .ok_or_else(|| EngineError::NotLoaded {
+                what: "a KV cache for this model (pass cache=, load with one, or create \
+                       Cache(model, max_seq_len=N))"
+                    .into(),
+            })
+    }
+
+    /// The cache shape of this model's architecture.
+    pub fn cache_config(
+        &self,
+        max_seq_len: u64,
+        batch_size: u64,
+        dtype: CacheDType,
+        offload: bool,
+    ) -> Result<CacheConfig> {
+        let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
+            what: "a cache for this checkpoint".into(),
+            detail: "its architecture (n_kv_heads, head_dim) could not be read".into(),
+        })?;
+        Ok(CacheConfig {
+            max_seq_len,
+            batch_size,
+            dtype,
+            n_kv_heads: (0..spec.n_layers).map(|l| spec.n_kv_heads_at(l)).collect(),
+            head_dim: spec.head_dim,
+            offload,
+        })
+    }
+
+    /// A cache of the planner's `spec` (a plan's cache, or one a caller asked for) in this
+    /// model's shape: lazy, allocated beside each layer as it loads or by
+    /// [`Model::attach_cache`]. The inverse of [`crate::planned::cache_spec`].
+    pub fn cache_for(&self, spec: &weightlift_plan::CacheSpec) -> Result<Cache> {
+        Cache::new(self.cache_config(
+            spec.max_seq_len,
+            spec.batch_size,
+            spec.dtype,
+            spec.offload,
+        )?)
+    }
+
+    /// Allocate `cache` beside the loaded layers (each layer on its device) and count it in
+    /// [`Model::memory`]; the model frees it on unload.
+    pub fn attach_cache(&mut self, cache: &Arc<Cache>) -> Result<()> {
+        let cpu = Arc::clone(self.inventory.cpu());
+        let devs: Vec<Arc<Device>> = self
+            .layer_devices()?
+            .iter()
+            .map(|n| self.resolve(n))
+            .collect::<Result<_>>()?;
+        if cache.n_layers() != devs.len() {
+            return Err(invalid(
+                "cache",
+                format!("{} layers", devs.len()),
+                cache.n_layers(),
+            ));
+        }
+        for (l, d) in devs.iter().enumerate() {
+            if let Err(e) = cache.allocate_layer(l, d, &cpu) {
+                cache.free();
+                return Err(e);
+            }
+        }
+        if let Some(s) = self.state.as_mut() {
+            // A cache made for calls without one is nobody else's: it goes.
+            if let Some(made) = s.cache.take().filter(|_| s.cache_made) {
+                made.free();
+            }
+            s.cache = Some(Arc::clone(cache));
+            s.cache_made = false;
+        }
+        Ok(())
+    }
+}

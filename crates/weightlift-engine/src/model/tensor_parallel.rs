@@ -1,0 +1,186 @@
+//! Tensor parallelism: exllamav2's `load_tp` placement (each role cut by its split table) and
+//! the [`TpContext`] a loaded `tensor_parallel` plan runs through.
+
+use std::sync::{Arc, Mutex};
+
+use weightlift_format::{Role, TensorInfo};
+
+use super::{ForwardPlan, Model, Placement, SplitSpec, TensorPlace};
+use crate::device::Device;
+use crate::error::{EngineError, Result, invalid};
+use crate::tp::{HostStaged, SplitTable, Splits, TpContext};
+
+/// How a TP-loaded tensor is cut (exllamav2's `load_tp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// Rows `a·unit .. b·unit` of table `t` on each device.
+    Rows { table: usize, unit: u64 },
+    /// Columns `a·unit .. b·unit` of table `t` on each device.
+    Cols { table: usize, unit: u64 },
+    /// A full copy on every device of the KV table.
+    Replicate,
+}
+
+impl Model {
+    /// The tensor-parallel context the forward pass runs through, once loaded with a
+    /// `tensor_parallel` plan: shared, so the bindings' `Model.tp` is this very context.
+    pub fn tp_context_shared(&self) -> Option<Arc<Mutex<TpContext>>> {
+        self.state.as_ref().and_then(|s| s.tp.clone())
+    }
+
+    /// The cache's split by the kv table: `(device, first head, end head)`.
+    pub(super) fn tp_cache_parts(&self, splits: &Splits) -> Result<Vec<(Arc<Device>, u32, u32)>> {
+        let accel = self.inventory.accelerators();
+        splits
+            .kv
+            .iter()
+            .map(|&(d, a, b)| {
+                let dev = accel.get(d).ok_or_else(|| {
+                    invalid("tp kv table device", format!("below {}", accel.len()), d)
+                })?;
+                Ok((Arc::clone(dev), a as u32, b as u32))
+            })
+            .collect()
+    }
+
+    /// exllamav2's TPContext for a loaded plan: the plan's tables over the accelerators,
+    /// host-staged collectives, each accelerator's scratch as the plan reserved it
+    /// ([`weightlift_plan::TpWorkspace`]) and the two staging buffers of
+    /// [`weightlift_plan::tp_staging_bytes`] on the host.
+    pub(super) fn tp_context(
+        &self,
+        splits: &Splits,
+        f: &ForwardPlan,
+        planned: &[(String, u64)],
+    ) -> Result<TpContext> {
+        let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
+            what: "tensor-parallel loading".into(),
+            detail: "the checkpoint's architecture could not be read".into(),
+        })?;
+        let accel = self.inventory.accelerators().to_vec();
+        let rope = crate::tp::Rope {
+            theta: spec.rope_theta,
+            dim: spec.rope_dim,
+            head_dim: spec.head_dim,
+            max_seq_len: f.max_seq_len,
+        };
+        let mut ctx = TpContext::new(splits.clone(), accel.clone(), rope, Box::new(HostStaged))?;
+        let dims = weightlift_plan::Dims::new(spec, &f.runtime, f.max_seq_len, f.batch);
+        if dims.tokens > 0 {
+            ctx.finalize(
+                self.inventory.cpu(),
+                weightlift_plan::tp_staging_bytes(&dims),
+            )?;
+        }
+        let scratch: Vec<u64> = accel
+            .iter()
+            .map(|d| {
+                planned
+                    .iter()
+                    .find(|(n, _)| n == d.name())
+                    .map_or(0, |x| x.1)
+            })
+            .collect();
+        ctx.reserve_scratch(&scratch)?;
+        Ok(ctx)
+    }
+
+    /// The placement of exllamav2's `load_tp` for `splits`: Q/K/V rows and the output
+    /// projection's columns by the Q/KV tables, the MLP by the ID table, the embedding and head
+    /// by the VC table; norms are replicated on every device of the KV table. Table device
+    /// indices name the inventory's accelerators.
+    pub fn tp_placement(&self, splits: &Splits) -> Result<Placement> {
+        let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
+            what: "tensor-parallel loading".into(),
+            detail: "the checkpoint's architecture could not be read".into(),
+        })?;
+        let hd = u64::from(spec.head_dim);
+        let accel = self.inventory.accelerators();
+        let name = |d: usize| -> Result<String> {
+            accel
+                .get(d)
+                .map(|x| x.name().to_owned())
+                .ok_or_else(|| invalid("tp device index", format!("below {}", accel.len()), d))
+        };
+        let mut tensors = Vec::new();
+        for info in self.source.tensors() {
+            let cut = tp_cut(info, hd);
+            let (table, axis, unit, replicated): (&SplitTable, u8, u64, bool) = match cut {
+                Cut::Rows { table, unit } => (splits.get(table)?, 0, unit, false),
+                Cut::Cols { table, unit } => (splits.get(table)?, 1, unit, false),
+                Cut::Replicate => (&splits.kv, 0, 1, true),
+            };
+            let axis = if info.shape.len() == 1 { 0 } else { axis };
+            let len = if axis == 0 {
+                info.shape.first().copied().unwrap_or(0)
+            } else {
+                info.shape.last().copied().unwrap_or(0)
+            };
+            let mut shards = Vec::new();
+            for &(d, a, b) in table {
+                let (s, e) = if replicated {
+                    (0, len)
+                } else {
+                    ((a * unit).min(len), (b * unit).min(len))
+                };
+                shards.push((name(d)?, s, e));
+            }
+            let device = shards
+                .first()
+                .map_or_else(|| "cpu".to_owned(), |s| s.0.clone());
+            tensors.push(TensorPlace {
+                device,
+                dtype: info.dtype,
+                split: Some(SplitSpec {
+                    axis,
+                    replicated,
+                    shards,
+                }),
+            });
+        }
+        let kv_dev = splits
+            .kv
+            .first()
+            .map_or(Ok("cpu".to_owned()), |&(d, _, _)| name(d))?;
+        Ok(Placement {
+            tensors,
+            layers: vec![kv_dev; spec.n_layers as usize],
+            copies: Vec::new(),
+            scratch: Vec::new(),
+            forward: None,
+            onload: None,
+        })
+    }
+}
+
+/// exllamav2's TP cut of each role.
+pub fn tp_cut(info: &TensorInfo, head_dim: u64) -> Cut {
+    use crate::tp::{BROADCAST_ID, BROADCAST_KV, BROADCAST_Q, BROADCAST_VC};
+    match info.role {
+        Some(Role::AttnQ | Role::AttnQBias) => Cut::Rows {
+            table: BROADCAST_Q,
+            unit: head_dim,
+        },
+        Some(Role::AttnK | Role::AttnV | Role::AttnKBias | Role::AttnVBias) => Cut::Rows {
+            table: BROADCAST_KV,
+            unit: head_dim,
+        },
+        Some(Role::AttnOutput) => Cut::Cols {
+            table: BROADCAST_Q,
+            unit: head_dim,
+        },
+        Some(Role::FfnGate | Role::FfnUp) => Cut::Rows {
+            table: BROADCAST_ID,
+            unit: 1,
+        },
+        Some(Role::FfnDown) => Cut::Cols {
+            table: BROADCAST_ID,
+            unit: 1,
+        },
+        Some(Role::TokenEmbd | Role::Output) => Cut::Rows {
+            table: BROADCAST_VC,
+            unit: 1,
+        },
+        _ => Cut::Replicate,
+    }
+}
