@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use super::{Cache, LayerStore, SLOTS, decode_span, formats};
-use crate::device::{Buffer, Device};
+use crate::device::{Buffer, Device, pace_link};
 use crate::error::{EngineError, Result, invalid};
 
 /// A device-resident copy of one layer for the caller to compute with. For an offloaded cache it
@@ -160,7 +160,9 @@ impl Cache {
                     device: store.device.name().into(),
                     detail: "an offloaded cache layer is not in host memory".into(),
                 })?;
+                let since = std::time::Instant::now();
                 dst.write(b0, &host[b0..b1])?;
+                pace_link(src.device(), dst.device(), (b1 - b0) as u64, since);
             }
             slot.holds = Some((layer, now));
         }
@@ -206,7 +208,9 @@ impl Cache {
                 device: store.device.name().into(),
                 detail: "an offloaded cache layer is not in host memory".into(),
             })?;
+            let since = std::time::Instant::now();
             src.read(b0, &mut home[b0..b1])?;
+            pace_link(src.device(), &store.device, (b1 - b0) as u64, since);
         }
         r.version = self.version(layer);
         self.refresh_slots(layer, store, was, spans)?;
@@ -365,6 +369,8 @@ impl Cache {
             .min(c.max_seq_len) as usize;
         let row = c.n_kv_heads[layer] as usize * c.head_dim as usize;
         let (fk, fv) = formats(c.dtype);
+        let since = std::time::Instant::now();
+        let mut bytes = 0u64;
         for (format, src, dst) in [(fk, &s.k, &mut slot.k), (fv, &s.v, &mut slot.v)] {
             let host = src.host().ok_or_else(|| EngineError::Device {
                 device: s.device.name().into(),
@@ -374,9 +380,12 @@ impl Cache {
                 let first = b * c.max_seq_len as usize * row;
                 let (b0, b1) = (format.byte_at(first), format.byte_at(first + used * row));
                 dst.write(b0, &host[b0..b1])?;
-                self.filled.fetch_add((b1 - b0) as u64, Ordering::Relaxed);
+                bytes += (b1 - b0) as u64;
             }
         }
+        self.filled.fetch_add(bytes, Ordering::Relaxed);
+        // a virtual device's link rate: the copy costs what it would over PCIe
+        pace_link(s.k.device(), slot.k.device(), bytes, since);
         Ok(())
     }
 
