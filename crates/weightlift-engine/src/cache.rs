@@ -176,8 +176,9 @@ pub struct Cache {
     /// Rows of each sequence written since the last reset (the largest written position + 1):
     /// filling an offloaded layer's slot copies these, not the whole `max_seq_len`.
     written: AtomicU64,
-    /// Offload: bytes copied from host RAM into device slots since the cache was made.
-    filled: AtomicU64,
+    /// Offload: the copies between host RAM and the device slots since the cache was made
+    /// (count, bytes, nanoseconds).
+    copied: [AtomicU64; 3],
     /// The ids at positions `0..seq_len`, while every one came through [`Cache::note_ids`]: a new
     /// prompt then reuses the longest common prefix, as llama-cpp-python's `generate` does.
     ids: Mutex<Vec<u32>>,
@@ -216,7 +217,7 @@ impl Cache {
             prefetch: Prefetcher::default(),
             seq_len: AtomicU64::new(0),
             written: AtomicU64::new(0),
-            filled: AtomicU64::new(0),
+            copied: Default::default(),
             ids: Mutex::new(Vec::new()),
             tp: Mutex::new(Vec::new()),
         })

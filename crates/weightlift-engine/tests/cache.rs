@@ -355,11 +355,11 @@ fn filling_a_slot_copies_only_the_rows_written() {
     for l in 0..3 {
         cache.write_rows(l, 0, &k, &v).unwrap();
     }
-    let before = cache.offload_bytes();
+    let before = cache.offload_copies().bytes;
     // layer 2 is in no slot yet: its fetch fills one (layer 0's fetch prefetches 1 too)
     let r = cache.fetch(2).unwrap();
     let per_fill = 3 * row as u64 * 2 * 2; // 3 rows of K and V, 2 bytes a value
-    assert_eq!(cache.offload_bytes() - before, per_fill);
+    assert_eq!(cache.offload_copies().bytes - before, per_fill);
     assert_eq!(
         cache.read_resident(&r, 0, 3).unwrap(),
         cache.read(2, 0, 3).unwrap()

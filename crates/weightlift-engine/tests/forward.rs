@@ -176,16 +176,19 @@ fn smollm2_fast_path_agrees_with_llamacpp() {
 fn placement_does_not_change_the_logits() {
     let src = smollm2();
     let prompt = smollm2_prompt(2);
-    let run = |m: &mut Model, cache: &Arc<Cache>| -> (Vec<f32>, Vec<f32>, u64) {
+    // the copies of the decode step: the hidden state's, and the offloaded cache's
+    let run = |m: &mut Model, cache: &Arc<Cache>| -> (Vec<f32>, Vec<f32>, u64, u64) {
         let all = forward_all(m, cache, &prompt);
         let mut next = Vec::new();
+        let before = cache.offload_copies().count;
         let copies = m
             .forward(&[42], Some(cache), Logits::Last, &mut next)
             .unwrap();
-        (all, next, copies.count)
+        let of_cache = cache.offload_copies().count - before;
+        (all, next, copies.count - of_cache, of_cache)
     };
     let (mut base, c) = split_load(&src, "cpu", &["cpu"], CacheDType::Q8, 0, false);
-    let (want_all, want_next, copies) = run(&mut base, &c);
+    let (want_all, want_next, copies, _) = run(&mut base, &c);
     assert_eq!(copies, 0);
     for (what, inv, devs, disk, offload, hops) in [
         (
@@ -222,7 +225,7 @@ fn placement_does_not_change_the_logits() {
         ),
     ] {
         let (mut m, c) = split_load(&src, inv, devs, CacheDType::Q8, disk, offload);
-        let (all, next, copies) = run(&mut m, &c);
+        let (all, next, copies, of_cache) = run(&mut m, &c);
         assert!(
             all == want_all,
             "{what}: prompt logits differ (max|Δ| {})",
@@ -231,6 +234,8 @@ fn placement_does_not_change_the_logits() {
         assert!(next == want_next, "{what}: next-token logits differ");
         // embedding (cpu) → each layer device → head (cpu)
         assert_eq!(copies, hops, "{what}: copies per forward");
+        // an offloaded cache's slot copies are reported with them
+        assert_eq!(of_cache > 0, offload, "{what}: {of_cache} cache copies");
     }
 }
 

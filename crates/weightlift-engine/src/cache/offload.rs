@@ -8,6 +8,7 @@ use std::sync::{Arc, Weak};
 use super::{Cache, LayerStore, SLOTS, decode_span, formats};
 use crate::device::{Buffer, Device, pace_link};
 use crate::error::{EngineError, Result, invalid};
+use crate::forward::Copies;
 
 /// A device-resident copy of one layer for the caller to compute with. For an offloaded cache it
 /// is one of its device's slots, lent until dropped; otherwise a fresh copy.
@@ -163,6 +164,7 @@ impl Cache {
                 let since = std::time::Instant::now();
                 dst.write(b0, &host[b0..b1])?;
                 pace_link(src.device(), dst.device(), (b1 - b0) as u64, since);
+                self.tally((b1 - b0) as u64, since);
             }
             slot.holds = Some((layer, now));
         }
@@ -211,6 +213,7 @@ impl Cache {
             let since = std::time::Instant::now();
             src.read(b0, &mut home[b0..b1])?;
             pace_link(src.device(), &store.device, (b1 - b0) as u64, since);
+            self.tally((b1 - b0) as u64, since);
         }
         r.version = self.version(layer);
         self.refresh_slots(layer, store, was, spans)?;
@@ -383,16 +386,29 @@ impl Cache {
                 bytes += (b1 - b0) as u64;
             }
         }
-        self.filled.fetch_add(bytes, Ordering::Relaxed);
         // a virtual device's link rate: the copy costs what it would over PCIe
         pace_link(s.k.device(), slot.k.device(), bytes, since);
+        self.tally(bytes, since);
         Ok(())
     }
 
-    /// Offload: bytes copied from host RAM into the device slots so far (the new rows a
-    /// forward pass writes are not counted: they are copied once, to host RAM or into a slot).
-    pub fn offload_bytes(&self) -> u64 {
-        self.filled.load(Ordering::Relaxed)
+    fn tally(&self, bytes: u64, since: std::time::Instant) {
+        let nanos = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        for (a, v) in self.copied.iter().zip([1, bytes, nanos]) {
+            a.fetch_add(v, Ordering::Relaxed);
+        }
+    }
+
+    /// Offload: the copies between host RAM and the device slots so far: slot fills, new rows
+    /// added to a slot, rows written back to host RAM. The forward pass reports its share in
+    /// its copies.
+    pub fn offload_copies(&self) -> Copies {
+        let [count, bytes, nanos] = self.copied.each_ref().map(|a| a.load(Ordering::Relaxed));
+        Copies {
+            count,
+            bytes,
+            nanos,
+        }
     }
 
     pub(super) fn join_prefetch(&self) {

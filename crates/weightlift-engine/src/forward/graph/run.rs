@@ -85,6 +85,7 @@ impl Graph {
             });
         }
         let mut copies_made = Copies::default();
+        let cache_copies = cache.offload_copies();
         let chunk = self.dims.tokens as usize;
         let h = c.hidden;
         let mut done = 0usize;
@@ -176,6 +177,13 @@ impl Graph {
             }
             Ok(())
         })?;
+        // the offloaded cache's copies of this call (none is in flight after its last layer)
+        let now = cache.offload_copies();
+        copies_made.add(Copies {
+            count: now.count - cache_copies.count,
+            bytes: now.bytes - cache_copies.bytes,
+            nanos: now.nanos - cache_copies.nanos,
+        });
         Ok(copies_made)
     }
 }
