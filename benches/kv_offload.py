@@ -8,8 +8,9 @@ forward call, then DECODE_TOKENS greedy single-token steps timed as one loop. Th
 cache copies, per layer and token, the rows written so far into a slot (the next layer's while
 the current one computes, on the cache's prefetch thread), and writes each new row to host
 RAM. Reported: ms per decoded token for both caches and their ratio (the baseline is the
-on-device cache measured in the same rounds). Medians of REPEAT interleaved rounds. The
-logits of both caches are checked equal first.
+on-device cache measured in the same rounds), and the bytes the offloaded cache copied in the
+last decode step (`Model.transfer_stats()`, less the on-device run's hidden-state copies).
+Medians of REPEAT interleaved rounds. The logits of both caches are checked equal first.
 
 Run with a weightlift build in the current Python (`make build` or a release wheel):
 
@@ -47,8 +48,8 @@ THREADS = 2
 PROMPT = [1, 504, 3575, 282, 4649, 314, 253, 1789, 8760, 30, 198]
 
 
-def decode(m: wl.Model, cache: wl.Cache, prompt: list[int]) -> float:
-    """ms per decoded token after `prompt`."""
+def decode(m: wl.Model, cache: wl.Cache, prompt: list[int]) -> tuple[float, int]:
+    """ms per decoded token after `prompt`, and the bytes the last step copied."""
     cache.reset()
     row = m.forward(prompt, cache=cache)
     ids = [int(row[0].argmax())]
@@ -56,7 +57,7 @@ def decode(m: wl.Model, cache: wl.Cache, prompt: list[int]) -> float:
     for _ in range(DECODE_TOKENS):
         row = m.forward(ids[-1:], cache=cache)
         ids.append(int(row[0].argmax()))
-    return (time.perf_counter() - t) * 1e3 / DECODE_TOKENS
+    return (time.perf_counter() - t) * 1e3 / DECODE_TOKENS, m.transfer_stats()["bytes"]
 
 
 def main() -> None:
@@ -78,14 +79,15 @@ def main() -> None:
         assert np.array_equal(want, got), "offloaded cache changed the logits"
         for p in PROMPTS:
             prompt = (PROMPT * (p // len(PROMPT) + 1))[:p]
-            samples: dict[str, list[float]] = {name: [] for name in caches}
+            samples: dict[str, list[tuple[float, int]]] = {name: [] for name in caches}
             for r in range(REPEAT + 1):
                 order = list(caches) if r % 2 == 0 else list(reversed(caches))
                 for name in order:
-                    ms = decode(m, caches[name], prompt)
+                    got = decode(m, caches[name], prompt)
                     if r > 0:  # the first round warms up
-                        samples[name].append(ms)
-            med = {name: statistics.median(s) for name, s in samples.items()}
+                        samples[name].append(got)
+            med = {name: statistics.median(s[0] for s in ss) for name, ss in samples.items()}
+            moved = {name: samples[name][-1][1] for name in caches}
             rows.append(
                 {
                     "rate": rate,
@@ -93,6 +95,7 @@ def main() -> None:
                     "on_device_ms": med["on device"],
                     "offloaded_ms": med["offloaded"],
                     "ratio": med["offloaded"] / med["on device"],
+                    "offloaded_bytes_per_token": moved["offloaded"] - moved["on device"],
                 }
             )
             print(f"[kv offload bench] {rate} {p}-token prompt: {rows[-1]}", flush=True)
@@ -115,13 +118,15 @@ def main() -> None:
         f"after the prompt, medians of {REPEAT} interleaved rounds. Logits of both caches "
         "checked equal.",
         "",
-        "| link | prompt | on-device cache ms/token | offloaded cache ms/token | ratio |",
-        "|---|---:|---:|---:|---:|",
+        "| link | prompt | on-device cache ms/token | offloaded cache ms/token | ratio "
+        "| cache bytes copied per token |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['rate']} | {r['prompt']} | {r['on_device_ms']:.2f} | "
-            f"{r['offloaded_ms']:.2f} | {r['ratio']:.2f}x |"
+            f"{r['offloaded_ms']:.2f} | {r['ratio']:.2f}x | "
+            f"{r['offloaded_bytes_per_token'] / 2**20:.2f} MiB |"
         )
     (RESULTS / "kv_offload.md").write_text("\n".join(lines) + "\n")
 

@@ -161,9 +161,9 @@ impl Cache {
                     device: store.device.name().into(),
                     detail: "an offloaded cache layer is not in host memory".into(),
                 })?;
+                // a few rows: not paced (a sleep that short costs more than the copy would)
                 let since = std::time::Instant::now();
                 dst.write(b0, &host[b0..b1])?;
-                pace_link(src.device(), dst.device(), (b1 - b0) as u64, since);
                 self.tally((b1 - b0) as u64, since);
             }
             slot.holds = Some((layer, now));
@@ -210,9 +210,9 @@ impl Cache {
                 device: store.device.name().into(),
                 detail: "an offloaded cache layer is not in host memory".into(),
             })?;
+            // the new rows only: not paced, as in `refresh_slots`
             let since = std::time::Instant::now();
             src.read(b0, &mut home[b0..b1])?;
-            pace_link(src.device(), &store.device, (b1 - b0) as u64, since);
             self.tally((b1 - b0) as u64, since);
         }
         r.version = self.version(layer);
