@@ -1,0 +1,302 @@
+//! The matrix products: exact (in registers or dequantised chunks and the tiled GEMM), the
+//! Q8-activation mode, and LLM.int8.
+
+// cudarc's launch API is unsafe; each call says why its arguments are sound.
+#![allow(unsafe_code)]
+
+use super::launch::*;
+use super::*;
+
+/// The shape of one checked matmul: weight and activation types, `rows × cols` weights,
+/// `n_tok` tokens (all buffers already checked against it).
+#[derive(Clone, Copy)]
+pub(super) struct MatShape {
+    pub(super) ty: QuantType,
+    pub(super) act: FloatType,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) n_tok: usize,
+}
+
+impl CudaBackend {
+    /// Exact mode in registers: `matvec_{type}_{act}` / `matmul_{type}_{act}`, one warp per
+    /// (row, token), each weight decoded again per token.
+    pub(super) fn matmul_exact(
+        &self,
+        m: MatShape,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let kind = if m.n_tok == 1 { "matvec" } else { "matmul" };
+        let name = format!("{kind}_{}_{}", m.ty.name(), m.act.name());
+        // 8 warps of 32 per block, one row each; tokens ride grid.y, which CUDA caps at
+        // 65535, and the kernel strides over the rest
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_for(m.rows, 8, "rows")?,
+                m.n_tok.min(MAX_GRID_YZ) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = vec![
+            KArg::In(&w.slice),
+            KArg::In(&x.slice),
+            KArg::Out(&mut y.slice),
+            KArg::U64(m.rows as u64),
+            KArg::U64(m.cols as u64),
+        ];
+        if m.n_tok > 1 {
+            args.push(KArg::U64(m.n_tok as u64));
+        }
+        // SAFETY: one warp per (row, token) reads one weight row and one activation row and
+        // writes one output, all within the sizes the caller checked.
+        unsafe { self.launch("matvec", &name, cfg, &mut args) }
+    }
+
+    /// Q8 mode: `q8_quantize_{act}` turns every token's activations into 40-byte blocks in a
+    /// scratch buffer, then `q8_matmul_{type}` meets each weight group with them in integers.
+    pub(super) fn matmul_q8(
+        &self,
+        m: MatShape,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        // cols is a whole number of weight blocks (checked by quant_bytes), so of 32 values
+        let n_blocks = mul(m.n_tok, m.cols / 32);
+        let bytes = n_blocks
+            .checked_mul(Q8_BLOCK_BYTES)
+            .ok_or_else(|| KernelError::Shape {
+                op: "matmul on cuda (q8 mode)",
+                reason: format!(
+                    "{} tokens of {} values overflow the activation blocks",
+                    m.n_tok, m.cols
+                ),
+            })?;
+        // SAFETY: q8_quantize writes all n_blocks blocks before q8_matmul (later on the same
+        // stream) reads them.
+        let mut xq = unsafe { self.scratch(bytes) }?;
+        let name = format!("q8_quantize_{}", m.act.name());
+        let mut args = [
+            KArg::In(&x.slice),
+            KArg::Out(&mut xq),
+            KArg::U64(n_blocks as u64),
+        ];
+        // SAFETY: one thread per block below n_blocks reads its 32 activations (n_tok * cols
+        // were checked) and writes its 40 bytes of the scratch (allocated for n_blocks).
+        unsafe { self.launch("matvec", &name, elementwise(n_blocks)?, &mut args) }?;
+        // 8 threads per row, 32 rows per block of 256; 4 tokens per thread pass on grid.y
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_for(m.rows, 32, "rows")?,
+                m.n_tok.div_ceil(4).min(MAX_GRID_YZ) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = format!("q8_matmul_{}", m.ty.name());
+        let mut args = [
+            KArg::In(&w.slice),
+            KArg::In(&xq),
+            KArg::Out(&mut y.slice),
+            KArg::U64(m.rows as u64),
+            KArg::U64(m.cols as u64),
+            KArg::U64(m.n_tok as u64),
+        ];
+        // SAFETY: each row group reads one weight row (rows were checked) and each token's
+        // cols / 32 blocks of xq, and writes y[t * rows + r] below n_tok * rows (checked).
+        unsafe { self.launch("matvec", &name, cfg, &mut args) }
+    }
+
+    /// Exact mode for prompts: `chunk` weight rows at a time are dequantised to f32 into a
+    /// scratch buffer of `chunk × cols` values (at most `max_dq_size`, see
+    /// [`dq_chunk_rows`]), then `gemm_{act}` multiplies them with every token.
+    pub(super) fn matmul_dq(
+        &self,
+        m: MatShape,
+        chunk: usize,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let row_bytes = quant_bytes(m.ty, m.cols)?;
+        // SAFETY: each chunk's dequantize launch writes the values its gemm launch reads
+        // (chunk rows or fewer, from the start), earlier on the same stream.
+        let mut wd = unsafe { self.scratch(mul(mul(chunk, m.cols), 4)) }?;
+        let dq_name = format!("dequantize_{}_f32", m.ty.name());
+        let gemm_name = format!("gemm_{}", m.act.name());
+        let mut r0 = 0;
+        while r0 < m.rows {
+            let nr = chunk.min(m.rows - r0);
+            let n = nr * m.cols;
+            let view = w.slice.slice(r0 * row_bytes..(r0 + nr) * row_bytes);
+            let mut args = [KArg::InView(view), KArg::Out(&mut wd), KArg::U64(n as u64)];
+            // SAFETY: n values of nr whole weight rows, inside the checked weight bytes, into
+            // the scratch of chunk * cols >= n values.
+            unsafe { self.launch("dequant", &dq_name, elementwise(n)?, &mut args) }?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    grid_for(nr, GEMM_BLOCK_ROWS, "rows")?,
+                    m.n_tok.div_ceil(GEMM_BLOCK_TOKENS).min(MAX_GRID_YZ) as u32,
+                    1,
+                ),
+                block_dim: (GEMM_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut args = [
+                KArg::In(&wd),
+                KArg::In(&x.slice),
+                KArg::Out(&mut y.slice),
+                KArg::U64(nr as u64),
+                KArg::U64(m.cols as u64),
+                KArg::U64(m.n_tok as u64),
+                KArg::U64(r0 as u64),
+                KArg::U64(m.rows as u64),
+            ];
+            // SAFETY: the kernel reads nr rows of the scratch and n_tok activation rows, and
+            // writes y[t * rows + r0 + r] for r < nr, t < n_tok, below n_tok * rows (checked).
+            unsafe { self.launch("matvec", &gemm_name, cfg, &mut args) }?;
+            r0 += nr;
+        }
+        Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// LLM.int8 (`kernels/int8.cu`): `int8_outliers_f32` lists the outlier columns of `x`,
+    /// `int8_quantize_f32` quantises every token with them zeroed, and `int8_matmul_f32` meets
+    /// the int8 weights with the tokens in i32 (dp4a) and adds the outlier columns in f32, in
+    /// the CPU kernel's order.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn int8_matmul(
+        &self,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+        threshold: f32,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let shape = |reason: String| KernelError::Shape {
+            op: "int8 matmul on cuda",
+            reason,
+        };
+        if cols == 0 || cols > INT8_MAX_COLS {
+            return Err(shape(format!(
+                "rows of {cols} values; int8 needs 1..={INT8_MAX_COLS} (the i32 sums of longer \
+                 rows could overflow)"
+            )));
+        }
+        if threshold.is_nan() {
+            return Err(shape(
+                "the outlier threshold is NaN; give a number (6.0 is bitsandbytes' default, 0 \
+                 turns the outlier path off)"
+                    .into(),
+            ));
+        }
+        let quants = rows
+            .checked_mul(cols)
+            .ok_or_else(|| shape(format!("{rows} × {cols} weights overflow usize")))?;
+        let packed = int8_packed_bytes(rows, cols).unwrap_or(usize::MAX);
+        need(
+            "int8 weight bytes (quants, then a scale per row)",
+            w,
+            packed,
+        )?;
+        need("int8 matmul activation bytes", x, mul(mul(n_tok, cols), 4))?;
+        need("int8 matmul output bytes", y, mul(mul(n_tok, rows), 4))?;
+        if n_tok == 0 || rows == 0 {
+            return Ok(());
+        }
+        // The kernel reads the scales as floats: copy them to an aligned scratch when they
+        // start at an odd address (rows × cols not a multiple of 4, or a view at an odd
+        // offset).
+        let (base, record) = w.slice.device_ptr(&self.stream);
+        drop(record);
+        let scales_view = w.slice.slice(quants..quants + 4 * rows);
+        let aligned_copy = if (base + quants as u64).is_multiple_of(4) {
+            None
+        } else {
+            // SAFETY: the copy below writes all 4 × rows bytes before the matmul reads them.
+            let mut s = unsafe { self.scratch(4 * rows) }?;
+            self.stream
+                .memcpy_dtod(&scales_view, &mut s)
+                .map_err(drv("aligning the int8 scales"))?;
+            Some(s)
+        };
+        // SAFETY (the three scratches): int8_outliers writes flags[c] for every column, the
+        // count, and the first `count` column indices, which are all the matmul reads of them.
+        let mut flags = unsafe { self.scratch(cols) }?;
+        // SAFETY: as above.
+        let mut out_cols = unsafe { self.scratch(mul(cols, 4)) }?;
+        // SAFETY: as above.
+        let mut n_out = unsafe { self.scratch(4) }?;
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = [
+            KArg::In(&x.slice),
+            KArg::Out(&mut flags),
+            KArg::Out(&mut out_cols),
+            KArg::Out(&mut n_out),
+            KArg::U64(n_tok as u64),
+            KArg::U64(cols as u64),
+            KArg::F32(threshold),
+        ];
+        // SAFETY: one block walks the cols columns of n_tok × cols activations (checked above)
+        // and writes cols flags, at most cols indices and one count into scratches of that size.
+        unsafe { self.launch("int8", "int8_outliers_f32", one_block, &mut args) }?;
+        // SAFETY: int8_quantize writes every token's cols quants and its scale (one block per
+        // token) before the matmul, later on the same stream, reads them.
+        let mut xq = unsafe { self.scratch(mul(n_tok, cols)) }?;
+        // SAFETY: as above.
+        let mut xs = unsafe { self.scratch(mul(n_tok, 4)) }?;
+        let mut args = [
+            KArg::In(&x.slice),
+            KArg::In(&flags),
+            KArg::Out(&mut xq),
+            KArg::Out(&mut xs),
+            KArg::U64(n_tok as u64),
+            KArg::U64(cols as u64),
+            KArg::F32(threshold),
+        ];
+        // SAFETY: block t reads token t's cols activations and cols flags and writes its cols
+        // quants and one scale, all within the sizes checked or allocated above.
+        unsafe { self.launch("int8", "int8_quantize_f32", per_row(n_tok)?, &mut args) }?;
+        // one warp per (row, token): 8 rows per block of 256, tokens on grid.y (strided past
+        // cuda's 65535)
+        let cfg = LaunchConfig {
+            grid_dim: (grid_for(rows, 8, "rows")?, n_tok.min(MAX_GRID_YZ) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ws = match &aligned_copy {
+            Some(s) => KArg::In(s),
+            None => KArg::InView(scales_view),
+        };
+        let mut args = [
+            KArg::InView(w.slice.slice(0..quants)),
+            ws,
+            KArg::In(&x.slice),
+            KArg::In(&xq),
+            KArg::In(&xs),
+            KArg::In(&out_cols),
+            KArg::In(&n_out),
+            KArg::Out(&mut y.slice),
+            KArg::U64(rows as u64),
+            KArg::U64(cols as u64),
+            KArg::U64(n_tok as u64),
+        ];
+        // SAFETY: warp (r, t) reads weight row r (rows × cols quants and rows scales checked),
+        // token t's activations, quants and scale, at most `n_out` <= cols outlier indices,
+        // and writes y[t * rows + r] below n_tok × rows (checked).
+        unsafe { self.launch("int8", "int8_matmul_f32", cfg, &mut args) }
+    }
+}

@@ -1,0 +1,483 @@
+//! Every operation of the backend, as launches of `kernels/*.cu`.
+
+// cudarc's launch API is unsafe; each call says why its arguments are sound.
+#![allow(unsafe_code)]
+
+use super::launch::*;
+use super::matmul::MatShape;
+use super::*;
+
+/// The largest head the attention kernel takes (`WL_ATT_MAX_HD` in `kernels/attention.cu`).
+pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+/// Threads per attention block: four warps (`WL_ATT_WARPS`).
+const ATTENTION_THREADS: u32 = 128;
+
+/// The attention kernel for a cache stored as `k` keys and `v` values: one per cache dtype
+/// (`attention_q8_q4` is the q6 cache).
+fn attention_kernel(k: KvFormat, v: KvFormat) -> Result<String> {
+    use KvFormat::{E4M3, F16, F32, Q4, Q8};
+    match (k, v) {
+        (F32, F32) | (F16, F16) | (E4M3, E4M3) | (Q8, Q8) | (Q4, Q4) => {
+            Ok(format!("attention_{}", k.name()))
+        }
+        (Q8, Q4) => Ok("attention_q8_q4".into()),
+        _ => Err(KernelError::Unsupported {
+            op: "attention on cuda",
+            ty: format!(
+                "keys stored as {} with values stored as {}",
+                k.name(),
+                v.name()
+            ),
+            supported: "f32, f16, e4m3, q8 or q4 for both, or q8 keys with q4 values",
+        }),
+    }
+}
+impl CudaBackend {
+    /// Every [`Op`] on this device (see [`Backend::run`]).
+    pub(super) fn run_op(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
+        let s = &self.stream;
+        match op {
+            Op::Dequantize {
+                ty,
+                out,
+                n,
+                src,
+                dst,
+            } => {
+                self.own(src)?;
+                self.own(dst)?;
+                if out == FloatType::BF16 {
+                    return Err(KernelError::Unsupported {
+                        op: "dequantize",
+                        ty: "bf16 output".into(),
+                        supported: "f32, f16",
+                    });
+                }
+                need("dequantize source bytes", src, quant_bytes(ty, n)?)?;
+                need("dequantize output bytes", dst, mul(n, out.size()))?;
+                let name = format!("dequantize_{}_{}", ty.name(), out.name());
+                let mut args = [
+                    KArg::In(&src.slice),
+                    KArg::Out(&mut dst.slice),
+                    KArg::U64(n as u64),
+                ];
+                // SAFETY: the kernel reads quant_bytes(ty, n) bytes of src and writes n values of
+                // dst, both checked above.
+                unsafe { self.launch("dequant", &name, elementwise(n)?, &mut args) }?;
+            }
+            Op::ConvertToF16 { from, n, src, dst } => {
+                self.own(src)?;
+                self.own(dst)?;
+                need("convert input bytes", src, mul(n, from.size()))?;
+                need("convert output bytes", dst, mul(n, 2))?;
+                if from == FloatType::F16 {
+                    let view = src.slice.slice(0..2 * n);
+                    let mut out = dst.slice.slice_mut(0..2 * n);
+                    return s
+                        .memcpy_dtod(&view, &mut out)
+                        .map_err(drv("copying f16 values"));
+                }
+                let name = format!("convert_{}_f16", from.name());
+                let mut args = [
+                    KArg::In(&src.slice),
+                    KArg::Out(&mut dst.slice),
+                    KArg::U64(n as u64),
+                ];
+                // SAFETY: n values in and out, sizes checked above.
+                unsafe { self.launch("convert", &name, elementwise(n)?, &mut args) }?;
+            }
+            Op::Matmul {
+                ty,
+                mode,
+                act,
+                rows,
+                cols,
+                n_tok,
+                max_dq_size,
+                w,
+                x,
+                y,
+            } => {
+                self.own(w)?;
+                self.own(x)?;
+                self.own(y)?;
+                let (types, names) = match mode {
+                    MatvecMode::Q8 => (CUDA_Q8_TYPES, crate::CUDA_Q8_WEIGHT_TYPES),
+                    MatvecMode::Exact => {
+                        (CUDA_EXACT_TYPES, "q4_0, q4_1, q8_0, q4_k, q6_k, f16, f32")
+                    }
+                };
+                if !types.contains(&ty) {
+                    return Err(KernelError::Unsupported {
+                        op: match mode {
+                            MatvecMode::Q8 => "matmul on cuda (q8 mode)",
+                            MatvecMode::Exact => "matmul on cuda",
+                        },
+                        ty: ty.to_string(),
+                        supported: names,
+                    });
+                }
+                if act == FloatType::BF16 {
+                    return Err(KernelError::Unsupported {
+                        op: "matmul",
+                        ty: "bf16 activations".into(),
+                        supported: "f32, f16",
+                    });
+                }
+                need("matmul weight bytes", w, mul(rows, quant_bytes(ty, cols)?))?;
+                need(
+                    "matmul activation bytes",
+                    x,
+                    mul(mul(n_tok, cols), act.size()),
+                )?;
+                need("matmul output bytes", y, mul(mul(n_tok, rows), 4))?;
+                if n_tok == 0 || rows == 0 {
+                    return Ok(());
+                }
+                let shape = MatShape {
+                    ty,
+                    act,
+                    rows,
+                    cols,
+                    n_tok,
+                };
+                match mode {
+                    MatvecMode::Q8 => self.matmul_q8(shape, w, x, y)?,
+                    MatvecMode::Exact => match dq_chunk_rows(rows, cols, max_dq_size) {
+                        Some(chunk) if n_tok >= DQ_PATH_MIN_TOKENS => {
+                            self.matmul_dq(shape, chunk, w, x, y)?
+                        }
+                        _ => self.matmul_exact(shape, w, x, y)?,
+                    },
+                }
+            }
+            Op::Int8Matmul {
+                rows,
+                cols,
+                n_tok,
+                threshold,
+                w,
+                x,
+                y,
+            } => {
+                self.own(w)?;
+                self.own(x)?;
+                self.own(y)?;
+                self.int8_matmul(rows, cols, n_tok, threshold, w, x, y)?;
+            }
+            Op::RmsNorm {
+                n_rows,
+                n_cols,
+                eps,
+                x,
+                weight,
+                out,
+            } => {
+                self.own(x)?;
+                self.own(weight)?;
+                self.own(out)?;
+                let n = mul(n_rows, n_cols);
+                need("rms_norm input bytes", x, mul(n, 4))?;
+                need("rms_norm weight bytes", weight, mul(n_cols, 4))?;
+                need("rms_norm output bytes", out, mul(n, 4))?;
+                if n_rows == 0 {
+                    // one block per row: a launch of at least one block would touch row 0
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::In(&weight.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(n_cols as u64),
+                    KArg::F32(eps),
+                ];
+                // SAFETY: one block per row below n_rows, n_cols values each; sizes checked above.
+                unsafe { self.launch("ops", "rms_norm_f32", per_row(n_rows)?, &mut args) }?;
+            }
+            Op::Rope {
+                params,
+                n_tok,
+                n_heads,
+                x,
+                positions,
+                out,
+            } => {
+                self.own(x)?;
+                self.own(positions)?;
+                self.own(out)?;
+                params.check()?;
+                let hd = params.head_dim;
+                let n = mul(mul(n_tok, n_heads), hd);
+                need("rope input bytes", x, mul(n, 4))?;
+                need("rope positions bytes", positions, mul(n_tok, 4))?;
+                need("rope output bytes", out, mul(n, 4))?;
+                let name = match params.style {
+                    RopeStyle::Normal => "rope_norm_f32",
+                    RopeStyle::Neox => "rope_neox_f32",
+                };
+                let pairs = mul(mul(n_tok, n_heads), params.n_dims / 2);
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::In(&positions.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(pairs as u64),
+                    KArg::U64(n_heads as u64),
+                    KArg::I32(arg_i32("head_dim", hd)?),
+                    KArg::I32(arg_i32("n_dims", params.n_dims)?),
+                    KArg::F32(params.freq_base),
+                    KArg::F32(params.freq_scale),
+                ];
+                // SAFETY: one thread per rotated pair, each inside its head; sizes checked above.
+                unsafe { self.launch("ops", name, elementwise(pairs)?, &mut args) }?;
+            }
+            Op::Softmax {
+                n_rows,
+                n_cols,
+                x,
+                out,
+            } => {
+                self.own(x)?;
+                self.own(out)?;
+                let n = mul(n_rows, n_cols);
+                need("softmax input bytes", x, mul(n, 4))?;
+                need("softmax output bytes", out, mul(n, 4))?;
+                if n_rows == 0 {
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(n_cols as u64),
+                ];
+                // SAFETY: one block per row below n_rows, n_cols values each; sizes checked above.
+                unsafe { self.launch("ops", "softmax_f32", per_row(n_rows)?, &mut args) }?;
+            }
+            Op::SwiGlu { n, gate, up, out } => self.binary("swiglu_f32", n, gate, up, out)?,
+            Op::Add { n, a, b, out } => self.binary("add_f32", n, a, b, out)?,
+            Op::KvStore {
+                format,
+                n,
+                src,
+                dst,
+            } => {
+                self.own(src)?;
+                self.own(dst)?;
+                format.check_values("kv store", 0, n)?;
+                need("kv input bytes", src, mul(n, 4))?;
+                need("kv cache bytes", dst, format.byte_at(n))?;
+                match format {
+                    KvFormat::F32 => {
+                        let view = src.slice.slice(0..4 * n);
+                        let mut out = dst.slice.slice_mut(0..4 * n);
+                        s.memcpy_dtod(&view, &mut out)
+                            .map_err(drv("copying f32 cache rows"))?;
+                    }
+                    KvFormat::F16 => self.run(Op::ConvertToF16 {
+                        from: FloatType::F32,
+                        n,
+                        src,
+                        dst,
+                    })?,
+                    _ => self.kv_codec("kv_store", format, n, &src.slice, &mut dst.slice)?,
+                }
+            }
+            Op::KvLoad {
+                format,
+                n,
+                src,
+                dst,
+            } => {
+                self.own(src)?;
+                self.own(dst)?;
+                format.check_values("kv load", 0, n)?;
+                need("kv cache bytes", src, format.byte_at(n))?;
+                need("kv output bytes", dst, mul(n, 4))?;
+                match format {
+                    KvFormat::F32 => {
+                        let view = src.slice.slice(0..4 * n);
+                        let mut out = dst.slice.slice_mut(0..4 * n);
+                        s.memcpy_dtod(&view, &mut out)
+                            .map_err(drv("copying f32 cache rows"))?;
+                    }
+                    KvFormat::F16 => self.run(Op::Dequantize {
+                        ty: QuantType::F16,
+                        out: FloatType::F32,
+                        n,
+                        src,
+                        dst,
+                    })?,
+                    _ => self.kv_codec("kv_load", format, n, &src.slice, &mut dst.slice)?,
+                }
+            }
+            Op::RopeInPlace {
+                params,
+                n_tok,
+                n_heads,
+                x,
+                positions,
+                inv_freqs,
+            } => {
+                self.own(x)?;
+                self.own(positions)?;
+                self.own(inv_freqs)?;
+                params.check()?;
+                let hd = params.head_dim;
+                let n = mul(mul(n_tok, n_heads), hd);
+                need("rope values bytes", x, mul(n, 4))?;
+                need("rope positions bytes", positions, mul(n_tok, 4))?;
+                need(
+                    "rope frequencies bytes",
+                    inv_freqs,
+                    mul(params.n_dims / 2, 4),
+                )?;
+                let name = match params.style {
+                    RopeStyle::Normal => "rope_inplace_norm_f32",
+                    RopeStyle::Neox => "rope_inplace_neox_f32",
+                };
+                let pairs = mul(mul(n_tok, n_heads), params.n_dims / 2);
+                if pairs == 0 {
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::Out(&mut x.slice),
+                    KArg::In(&positions.slice),
+                    KArg::In(&inv_freqs.slice),
+                    KArg::U64(pairs as u64),
+                    KArg::U64(n_heads as u64),
+                    KArg::I32(arg_i32("head_dim", hd)?),
+                    KArg::I32(arg_i32("n_dims", params.n_dims)?),
+                ];
+                // SAFETY: one thread per rotated pair below n_tok * n_heads * n_dims / 2, each
+                // inside its head, reading its token's position and its pair's frequency; sizes
+                // checked above.
+                unsafe { self.launch("ops", name, elementwise(pairs)?, &mut args) }?;
+            }
+            Op::AddInPlace { n, x, y } => {
+                self.own(x)?;
+                self.own(y)?;
+                need("add accumulator bytes", x, mul(n, 4))?;
+                need("add addend bytes", y, mul(n, 4))?;
+                let mut args = [
+                    KArg::Out(&mut x.slice),
+                    KArg::In(&y.slice),
+                    KArg::U64(n as u64),
+                ];
+                // SAFETY: one thread per value below n; both buffers hold n f32 (checked).
+                unsafe { self.launch("ops", "add_inplace_f32", elementwise(n)?, &mut args) }?;
+            }
+            Op::AddBias {
+                n_rows,
+                n_cols,
+                x,
+                bias,
+            } => {
+                self.own(x)?;
+                self.own(bias)?;
+                let n = mul(n_rows, n_cols);
+                need("biased values bytes", x, mul(n, 4))?;
+                need("bias bytes", bias, mul(n_cols, 4))?;
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::Out(&mut x.slice),
+                    KArg::In(&bias.slice),
+                    KArg::U64(n as u64),
+                    KArg::U64(n_cols as u64),
+                ];
+                // SAFETY: one thread per value below n_rows * n_cols, reading bias[i % n_cols];
+                // sizes checked above.
+                unsafe { self.launch("ops", "add_bias_f32", elementwise(n)?, &mut args) }?;
+            }
+            Op::SwiGluInPlace { n, gate, up } => {
+                self.own(gate)?;
+                self.own(up)?;
+                need("swiglu gate bytes", gate, mul(n, 4))?;
+                need("swiglu up bytes", up, mul(n, 4))?;
+                let mut args = [
+                    KArg::Out(&mut gate.slice),
+                    KArg::In(&up.slice),
+                    KArg::U64(n as u64),
+                ];
+                // SAFETY: one thread per value below n; both buffers hold n f32 (checked).
+                unsafe { self.launch("ops", "swiglu_inplace_f32", elementwise(n)?, &mut args) }?;
+            }
+            Op::Attention {
+                k_format,
+                v_format,
+                n_heads,
+                kv_heads,
+                head_dim,
+                n_q,
+                start,
+                scale,
+                tile: _,
+                f16_operands,
+                q,
+                k,
+                v,
+                out,
+            } => {
+                for b in [q, k, v] {
+                    self.own(b)?;
+                }
+                self.own(out)?;
+                let name = attention_kernel(k_format, v_format)?;
+                let sh = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, 1)?;
+                if head_dim > ATTENTION_MAX_HEAD_DIM {
+                    return Err(KernelError::Shape {
+                        op: "attention on cuda",
+                        reason: format!(
+                            "head_dim {head_dim} is above the kernel's {ATTENTION_MAX_HEAD_DIM}"
+                        ),
+                    });
+                }
+                need("attention query bytes", q, mul(sh.q_values(), 4))?;
+                let turned = k_format.quant().is_some() || v_format.quant().is_some();
+                if turned && !head_dim.is_multiple_of(32) {
+                    return Err(KernelError::Shape {
+                        op: "attention on cuda",
+                        reason: format!(
+                            "a quantised cache is decoded by whole warps: head_dim {head_dim} \
+                             must be a multiple of 32"
+                        ),
+                    });
+                }
+                need("attention key bytes", k, k_format.byte_at(sh.kv_values()))?;
+                need("attention value bytes", v, v_format.byte_at(sh.kv_values()))?;
+                need("attention output bytes", out, mul(sh.q_values(), 4))?;
+                if n_q == 0 {
+                    return Ok(());
+                }
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        grid_for(n_heads, 1, "heads")?,
+                        n_q.min(MAX_GRID_YZ) as u32,
+                        1,
+                    ),
+                    block_dim: (ATTENTION_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut args = [
+                    KArg::In(&q.slice),
+                    KArg::In(&k.slice),
+                    KArg::In(&v.slice),
+                    KArg::Out(&mut out.slice),
+                    KArg::U64(n_q as u64),
+                    KArg::U64(start as u64),
+                    KArg::U64(n_heads as u64),
+                    KArg::U64(kv_heads as u64),
+                    KArg::I32(arg_i32("head_dim", head_dim)?),
+                    KArg::F32(scale),
+                    KArg::I32(i32::from(f16_operands)),
+                ];
+                // SAFETY: block (h, i) reads query row i of head h (n_q * n_heads * head_dim
+                // checked), cache rows 0..=start + i of kv head h / (n_heads / kv_heads)
+                // ((start + n_q) rows checked) and writes output row i of head h; head_dim is
+                // within the kernel's shared arrays (checked).
+                unsafe { self.launch("attention", &name, cfg, &mut args) }?;
+            }
+        }
+        Ok(())
+    }
+}
