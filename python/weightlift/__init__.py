@@ -2,8 +2,8 @@
 
 The package is a thin layer over the native module ``weightlift._native``; everything public is
 re-exported here: checkpoints (``open``), the planner (``plan``, ``fit``), the engine (``Model``,
-``Cache``, ``TPContext``, ``tensor``) and the accelerate / llama.cpp style loaders
-(``from_pretrained``, ``load_gguf``).
+``Cache``, ``TPContext``, ``tensor``), the accelerate / llama.cpp style loaders
+(``from_pretrained``, ``load_gguf``) and llama-cpp-python's ``LlamaGrammar``.
 """
 
 from weightlift._errors import (
@@ -31,6 +31,7 @@ from weightlift._native import (
     Device,
     DeviceTensor,
     DeviceUsage,
+    LlamaGrammar,
     Model,
     ModelSpec,
     Placement,
@@ -68,6 +69,7 @@ __all__ = [
     "DeviceTensor",
     "DeviceUsage",
     "FormatError",
+    "LlamaGrammar",
     "LoadCancelled",
     "Model",
     "ModelSpec",

@@ -31,6 +31,7 @@ __all__ = [
     "Model",
     "Cache",
     "CompletionStream",
+    "LlamaGrammar",
     "TPContext",
     "BROADCAST_KV",
     "BROADCAST_ID",
@@ -429,6 +430,17 @@ class DeviceTensor:
     def free(self) -> None: ...
 
 @final
+class LlamaGrammar:
+    """A parsed GBNF grammar (root rule `root`), as llama-cpp-python's `LlamaGrammar`."""
+
+    @staticmethod
+    def from_string(grammar: str, verbose: bool = True) -> LlamaGrammar: ...
+    @staticmethod
+    def from_file(file: _Path, verbose: bool = True) -> LlamaGrammar: ...
+    @property
+    def text(self) -> str: ...
+
+@final
 class CompletionStream:
     """A generation streamed as text pieces (`generate`) or response chunks (`create_*`)."""
 
@@ -480,6 +492,10 @@ class Model:
         repeat_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        grammar: str | LlamaGrammar | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         stream: bool = False,
@@ -511,7 +527,7 @@ class Model:
         model: str | None = None,
         stopping_criteria: Any = None,
         logits_processor: Any = None,
-        grammar: Any = None,
+        grammar: str | LlamaGrammar | None = None,
         logit_bias: Any = None,
     ) -> dict[str, Any] | CompletionStream: ...
     def __call__(
@@ -532,7 +548,7 @@ class Model:
         stream: bool = False,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
-        response_format: Any = None,
+        response_format: Mapping[str, Any] | None = None,
         max_tokens: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
@@ -543,7 +559,7 @@ class Model:
         mirostat_eta: float = 0.1,
         model: str | None = None,
         logits_processor: Any = None,
-        grammar: Any = None,
+        grammar: str | LlamaGrammar | None = None,
         logit_bias: Any = None,
         logprobs: bool | None = None,
         top_logprobs: int | None = None,

@@ -444,10 +444,25 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "top_p": args.top_p,
         "min_p": args.min_p,
         "repeat_penalty": args.repeat_penalty,
+        "mirostat_mode": args.mirostat,
+        "mirostat_tau": args.mirostat_ent,
+        "mirostat_eta": args.mirostat_lr,
+        "grammar": _grammar(args),
         "seed": args.seed,
         "stop": args.stop,
         "max_tokens": args.n_predict if args.n_predict > 0 else None,
     }
+
+
+def _grammar(args: argparse.Namespace) -> Any:
+    """``--grammar`` text or ``--grammar-file``, parsed once (llama.cpp's flags)."""
+    if args.grammar is not None and args.grammar_file is not None:
+        raise weightlift.PlanError("run: expected --grammar or --grammar-file, not both")
+    if args.grammar_file is not None:
+        return weightlift.LlamaGrammar.from_file(args.grammar_file)
+    if args.grammar is not None:
+        return weightlift.LlamaGrammar.from_string(args.grammar)
+    return None
 
 
 def _stream(chunks: Any, key: str) -> str:
@@ -609,6 +624,21 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument("--top-p", type=float, default=0.95, help="top-p (1: off)")
     rn.add_argument("--min-p", type=float, default=0.05, help="min-p (0: off)")
     rn.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty (1: off)")
+    rn.add_argument(
+        "--mirostat",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="Mirostat sampling in place of top-k/p, min-p and temperature (0: off, 1, 2)",
+    )
+    rn.add_argument(
+        "--mirostat-lr", type=float, default=0.1, help="Mirostat learning rate, eta (0.1)"
+    )
+    rn.add_argument(
+        "--mirostat-ent", type=float, default=5.0, help="Mirostat target entropy, tau (5.0)"
+    )
+    rn.add_argument("--grammar", help="GBNF grammar the output must follow")
+    rn.add_argument("--grammar-file", help="file with a GBNF grammar the output must follow")
     rn.add_argument("--seed", type=int, help="sampling seed (default: random)")
     rn.add_argument("--stop", action="append", help="stop string (repeatable)")
     rn.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")

@@ -15,6 +15,11 @@
 //! - on the model's own cache, the longest prefix the cache already holds is reused (at least
 //!   one prompt token is always run, to get logits).
 //!
+//! With a [`Grammar`], every token is sampled from those whose text continues it (the grammar's
+//! [`Constraint`] masks the rest between the penalties and the rest of the chain, as
+//! llama-cpp-python's sampler chain places llama.cpp's grammar sampler), and an
+//! end-of-generation token is allowed only where the grammar can end.
+//!
 //! With `logprobs` set, every sampled token also gets its log-probability and the most likely
 //! alternatives ([`logprobs::TokenLogprobs`], from the raw logits as llama-cpp-python reports
 //! them); with `prompt_logprobs` the prompt tokens do too, which runs the whole prompt with
@@ -34,6 +39,7 @@ use weightlift_text::{StreamDecoder, Tokenizer};
 use crate::cache::Cache;
 use crate::error::{EngineError, Result};
 use crate::forward::Logits;
+use crate::grammar::{Constraint, Grammar};
 use crate::model::Model;
 use crate::sample::{Sampler, SamplingParams, StopMatcher};
 use logprobs::TokenLogprobs;
@@ -59,6 +65,8 @@ pub struct GenerateOptions {
     pub logprobs: Option<usize>,
     /// With `logprobs`, score the prompt tokens too (llama-cpp-python's `echo=True`).
     pub prompt_logprobs: bool,
+    /// Keep the text inside this grammar (llama-cpp-python's `grammar=`).
+    pub grammar: Option<Arc<Grammar>>,
 }
 
 impl Default for GenerateOptions {
@@ -70,6 +78,7 @@ impl Default for GenerateOptions {
             stop_at_eog: true,
             logprobs: None,
             prompt_logprobs: false,
+            grammar: None,
         }
     }
 }
@@ -134,6 +143,8 @@ pub struct Generation {
     tokenizer: Arc<Tokenizer>,
     cache: Arc<Cache>,
     sampler: Sampler,
+    /// Where the text is in the grammar, when there is one.
+    grammar: Option<Constraint>,
     stops: StopMatcher,
     decoder: StreamDecoder,
     stop_at_eog: bool,
@@ -179,7 +190,8 @@ impl Generation {
     ) -> Result<Generation> {
         let tokenizer = model.tokenizer()?;
         let sampler = Sampler::new(options.sampling)?;
-        crate::forward::check_ids(prompt, model.vocab_size()?)?;
+        let vocab = model.vocab_size()?;
+        crate::forward::check_ids(prompt, vocab)?;
         let (cache, reuse) = match cache {
             Some(c) => (Arc::clone(c), false),
             None => (model.own_cache()?, true),
@@ -218,8 +230,17 @@ impl Generation {
         } else {
             prompt.to_vec()
         };
+        let grammar = match options.grammar {
+            Some(g) => Some(Constraint::new(
+                g,
+                &tokenizer,
+                usize::try_from(vocab).unwrap_or(usize::MAX),
+            )?),
+            None => None,
+        };
         Ok(Generation {
             decoder: tokenizer.stream(true),
+            grammar,
             tokenizer,
             cache,
             sampler,
@@ -273,7 +294,13 @@ impl Generation {
             return Err(e);
         }
         let t1 = Instant::now();
-        let token = self.sampler.sample(&self.logits, &self.tokens);
+        let token = match self.sample() {
+            Ok(t) => t,
+            Err(e) => {
+                self.done = true;
+                return Err(e);
+            }
+        };
         let t2 = Instant::now();
         let ran = t1.duration_since(t0).as_secs_f64();
         if first {
@@ -313,6 +340,22 @@ impl Generation {
             text,
             finish: None,
         }))
+    }
+
+    /// The next token from the last logits: through the grammar when there is one, which then
+    /// moves past it.
+    fn sample(&mut self) -> Result<u32> {
+        let Some(grammar) = &mut self.grammar else {
+            return Ok(self.sampler.sample(&self.logits, &self.tokens));
+        };
+        let token = self
+            .sampler
+            .sample_masked(&self.logits, &self.tokens, |logits| {
+                grammar.mask(logits)?;
+                Ok(())
+            })?;
+        grammar.accept(token)?;
+        Ok(token)
     }
 
     /// Run to the end, handing every piece to `on_piece`; it returns `false` to stop early (the

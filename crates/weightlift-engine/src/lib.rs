@@ -38,6 +38,7 @@ pub mod dequantize;
 pub mod device;
 pub mod forward;
 pub mod generate;
+pub mod grammar;
 pub mod loader;
 pub mod mlock;
 pub mod model;

@@ -8,6 +8,7 @@
 //! written); a stream is a Python iterator that returns to Python after every piece.
 
 mod args;
+mod grammar;
 mod logprobs;
 mod respond;
 
@@ -23,6 +24,8 @@ use args::{
     Call, Knobs, alternatives, is_given, logprobs_count, message, prompt_ids, refuse,
     refuse_sampling, text_of,
 };
+pub use grammar::LlamaGrammar;
+use grammar::{grammar_arg, mirostat, response_format_grammar};
 pub use respond::CompletionStream;
 use respond::{Shape, timings_dict};
 
@@ -53,13 +56,18 @@ impl Model {
     }
 
     /// Generate text after `prompt` (a string or token ids): the text, or with `stream=True` an
-    /// iterator of text pieces. `temperature=0` is greedy over the whole vocabulary. Without a
-    /// `cache` the model's own cache is used and the prefix it already holds is reused (a model
-    /// loaded without one makes an fp16 cache for the prompt and `max_new_tokens`, as
-    /// transformers' generate does); with one the prompt is appended to it.
+    /// iterator of text pieces. `temperature=0` is greedy over the whole vocabulary.
+    /// `mirostat_mode=1` or `2` samples with Mirostat (target surprise `mirostat_tau` bits,
+    /// learning rate `mirostat_eta`) in place of top-k, typical, top-p, min-p and the
+    /// temperature, as llama-cpp-python does. `grammar` (GBNF text or a `LlamaGrammar`) keeps
+    /// the text inside a grammar. Without a `cache` the model's own cache is used and the prefix
+    /// it already holds is reused (a model loaded without one makes an fp16 cache for the prompt
+    /// and `max_new_tokens`, as transformers' generate does); with one the prompt is appended to
+    /// it.
     #[pyo3(signature = (prompt, *, max_new_tokens = 32, temperature = 0.0, top_k = 40,
                         top_p = 0.95, min_p = 0.05, typical_p = 1.0, repeat_penalty = 1.0,
-                        presence_penalty = 0.0, frequency_penalty = 0.0, seed = None,
+                        presence_penalty = 0.0, frequency_penalty = 0.0, mirostat_mode = 0,
+                        mirostat_tau = 5.0, mirostat_eta = 0.1, grammar = None, seed = None,
                         stop = None, stream = false, cache = None, add_bos = None))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
@@ -74,6 +82,10 @@ impl Model {
         repeat_penalty: f32,
         presence_penalty: f32,
         frequency_penalty: f32,
+        mirostat_mode: i64,
+        mirostat_tau: f32,
+        mirostat_eta: f32,
+        grammar: Option<&Bound<'_, PyAny>>,
         seed: Option<u64>,
         stop: Option<&Bound<'_, PyAny>>,
         stream: bool,
@@ -91,9 +103,11 @@ impl Model {
             presence_penalty,
             frequency_penalty,
             seed,
+            mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
         };
+        let grammar = grammar_arg(grammar)?;
         let ids = prompt_ids(&model.lock()?.model, prompt, add_bos, false)?;
-        let call = Call::new(
+        let mut call = Call::new(
             ids,
             &knobs,
             model.default_seed()?,
@@ -101,6 +115,7 @@ impl Model {
             stop,
             cache.map(|c| Arc::clone(&c.get().cache)),
         )?;
+        call.options.grammar = grammar;
         Model::respond(slf, call, Shape::Text, stream, None, 0, None)
     }
 
@@ -111,9 +126,11 @@ impl Model {
     /// sampling transform) and `top_logprobs` (the N most likely tokens keyed by their text, plus
     /// the chosen one), per generated token, after the prompt's tokens with `echo=True` (the
     /// first one null); each streamed chunk carries its token's. `logprobs=0` lists only the
-    /// chosen token, None or False none. Arguments it has that this build does not implement
-    /// (`suffix`, mirostat, `tfs_z` other than 1, grammars, logits processors, stopping
-    /// criteria, `logit_bias`) raise `UnsupportedError` when given.
+    /// chosen token, None or False none. `mirostat_mode=1` or `2` samples with Mirostat in place
+    /// of top-k, typical, top-p, min-p and the temperature; `grammar` (GBNF text or a
+    /// `LlamaGrammar`) keeps the text inside a grammar. Arguments it has that this build does
+    /// not implement (`suffix`, `tfs_z` other than 1, logits processors, stopping criteria,
+    /// `logit_bias`) raise `UnsupportedError` when given.
     #[pyo3(signature = (prompt, suffix = None, max_tokens = 16, temperature = 0.8,
                         top_p = 0.95, min_p = 0.05, typical_p = 1.0, logprobs = None,
                         echo = false, stop = None, frequency_penalty = 0.0,
@@ -141,7 +158,7 @@ impl Model {
         stream: bool,
         seed: Option<u64>,
         tfs_z: f32,
-        mirostat_mode: i32,
+        mirostat_mode: i64,
         mirostat_tau: f32,
         mirostat_eta: f32,
         model: Option<String>,
@@ -150,7 +167,6 @@ impl Model {
         grammar: Option<&Bound<'_, PyAny>>,
         logit_bias: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        let _ = (mirostat_tau, mirostat_eta);
         refuse(
             "suffix",
             is_given(suffix),
@@ -162,7 +178,8 @@ impl Model {
             is_given(stopping_criteria),
             "use stop strings",
         )?;
-        refuse_sampling(tfs_z, mirostat_mode, logits_processor, grammar, logit_bias)?;
+        refuse_sampling(tfs_z, logits_processor, logit_bias)?;
+        let grammar = grammar_arg(grammar)?;
         let me = slf.get();
         let knobs = Knobs {
             temperature,
@@ -174,6 +191,7 @@ impl Model {
             presence_penalty,
             frequency_penalty,
             seed,
+            mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
         };
         let ids = prompt_ids(&me.lock()?.model, prompt, None, true)?;
         let prompt_text = {
@@ -184,6 +202,7 @@ impl Model {
         let echo = echo.then_some(prompt_text);
         let mut call = Call::new(ids, &knobs, me.default_seed()?, max_tokens, stop, None)?;
         call.options.logprobs = logprobs;
+        call.options.grammar = grammar;
         Model::respond(
             slf,
             call,
@@ -220,8 +239,10 @@ impl Model {
     /// `["choices"][0]["logprobs"]["content"]`: per generated token its `token` text,
     /// `logprob` and `top_logprobs` (`{token, logprob, bytes}` for the N most likely and the
     /// chosen one), `bytes` None, as llama-cpp-python (which, like this, returns None for
-    /// `logprobs=True` without `top_logprobs`). Tools, functions, response formats, grammars
-    /// and logit biases raise `UnsupportedError` when given.
+    /// `logprobs=True` without `top_logprobs`). `response_format={"type": "json_object"}` keeps
+    /// the reply inside llama-cpp-python's JSON grammar (in place of `grammar`); mirostat and
+    /// `grammar` are as in `create_completion`. Tools, functions, JSON schemas and logit biases
+    /// raise `UnsupportedError` when given.
     #[pyo3(signature = (messages, functions = None, function_call = None, tools = None,
                         tool_choice = None, temperature = 0.2, top_p = 0.95, top_k = 40,
                         min_p = 0.05, typical_p = 1.0, stream = false, stop = None, seed = None,
@@ -252,7 +273,7 @@ impl Model {
         frequency_penalty: f32,
         repeat_penalty: f32,
         tfs_z: f32,
-        mirostat_mode: i32,
+        mirostat_mode: i64,
         mirostat_tau: f32,
         mirostat_eta: f32,
         model: Option<String>,
@@ -262,18 +283,17 @@ impl Model {
         logprobs: Option<bool>,
         top_logprobs: Option<i64>,
     ) -> PyResult<Py<PyAny>> {
-        let _ = (mirostat_tau, mirostat_eta);
         let tool_use = is_given(functions)
             || is_given(function_call)
             || is_given(tools)
             || is_given(tool_choice);
         refuse("tools and functions", tool_use, "tool calling is not built")?;
-        refuse(
-            "response_format",
-            is_given(response_format),
-            "JSON modes are not built",
-        )?;
-        refuse_sampling(tfs_z, mirostat_mode, logits_processor, grammar, logit_bias)?;
+        refuse_sampling(tfs_z, logits_processor, logit_bias)?;
+        // As llama-cpp-python: a JSON response format replaces any grammar given.
+        let grammar = match response_format_grammar(response_format)? {
+            Some(json) => Some(json),
+            None => grammar_arg(grammar)?,
+        };
         // llama-cpp-python passes `top_logprobs if logprobs else None` on as the completion's
         // `logprobs`.
         let logprobs = match (logprobs, top_logprobs) {
@@ -296,9 +316,11 @@ impl Model {
             presence_penalty,
             frequency_penalty,
             seed,
+            mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
         };
         let mut call = Call::new(prompt, &knobs, me.default_seed()?, max_tokens, stop, None)?;
         call.options.logprobs = logprobs;
+        call.options.grammar = grammar;
         Model::respond(slf, call, Shape::Chat, stream, None, 0, model)
     }
 

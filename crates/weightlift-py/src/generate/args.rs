@@ -7,7 +7,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyString};
 use weightlift_engine::GenerateOptions;
-use weightlift_engine::sample::SamplingParams;
+use weightlift_engine::sample::{Mirostat, SamplingParams};
 use weightlift_text::Message;
 
 use crate::errors::{Exc, eng, raise};
@@ -124,9 +124,7 @@ pub(super) fn is_given(obj: Option<&Bound<'_, PyAny>>) -> bool {
 /// The sampling arguments of llama-cpp-python's completion calls that this build refuses.
 pub(super) fn refuse_sampling(
     tfs_z: f32,
-    mirostat_mode: i32,
     logits_processor: Option<&Bound<'_, PyAny>>,
-    grammar: Option<&Bound<'_, PyAny>>,
     logit_bias: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     refuse(
@@ -134,17 +132,7 @@ pub(super) fn refuse_sampling(
         tfs_z != 1.0,
         "llama.cpp removed tail-free sampling; use 1.0",
     )?;
-    refuse(
-        "mirostat_mode",
-        mirostat_mode != 0,
-        "mirostat sampling is not built",
-    )?;
     refuse("logits_processor", is_given(logits_processor), "not built")?;
-    refuse(
-        "grammar",
-        is_given(grammar),
-        "grammar-constrained sampling is not built",
-    )?;
     refuse("logit_bias", is_given(logit_bias), "not built")
 }
 
@@ -159,6 +147,7 @@ pub(super) struct Knobs {
     pub(super) presence_penalty: f32,
     pub(super) frequency_penalty: f32,
     pub(super) seed: Option<u64>,
+    pub(super) mirostat: Mirostat,
 }
 
 impl Knobs {
@@ -173,6 +162,7 @@ impl Knobs {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed: self.seed.or(default_seed),
+            mirostat: self.mirostat,
             ..SamplingParams::default()
         }
     }

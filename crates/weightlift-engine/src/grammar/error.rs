@@ -1,0 +1,153 @@
+//! Why a grammar was refused, or why constrained sampling could not go on.
+
+use std::fmt;
+
+use crate::error::EngineError;
+
+/// A GBNF grammar that cannot be used, or a constrained generation that cannot continue. Every
+/// message names where (a line and column, or the rule), what was expected and what was found,
+/// in the form `<where>: expected <what>, got <found>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GrammarError {
+    /// The text is not GBNF.
+    Syntax {
+        line: usize,
+        column: usize,
+        expected: String,
+        got: String,
+    },
+
+    /// A rule is used but never defined.
+    UndefinedRule {
+        name: String,
+        line: usize,
+        column: usize,
+    },
+
+    /// There is no `root` rule, where matching starts.
+    NoRoot { defined: String },
+
+    /// A rule can reach itself before matching a character, which a left-to-right matcher can
+    /// never finish expanding (llama.cpp refuses these too). A repetition of something that can
+    /// match nothing, such as `("a"?)*`, is one.
+    LeftRecursion { rule: String },
+
+    /// A grammar past this crate's bounds (repetition counts, rule sizes, nesting).
+    TooLarge {
+        what: &'static str,
+        line: usize,
+        column: usize,
+        limit: u64,
+        got: u64,
+    },
+
+    /// So many parses are alive at once that matching would not finish in reasonable time or
+    /// memory (an ambiguous grammar, such as one with nested optional repetitions).
+    TooAmbiguous { limit: usize, got: usize },
+
+    /// The grammar reaches more distinct states within one token than the matcher holds.
+    TooManyStates { limit: usize },
+
+    /// No token of the vocabulary can continue the text and the grammar cannot end here.
+    NoContinuation { vocab: usize },
+
+    /// A token the grammar forbids was fed to the matcher.
+    Rejected { token: u32 },
+}
+
+impl GrammarError {
+    /// Where, what was expected, and what was found.
+    pub fn parts(&self) -> (String, String, String) {
+        let at = |line: &usize, column: &usize| format!("grammar line {line}, column {column}");
+        match self {
+            GrammarError::Syntax {
+                line,
+                column,
+                expected,
+                got,
+            } => (at(line, column), expected.clone(), got.clone()),
+            GrammarError::UndefinedRule { name, line, column } => (
+                at(line, column),
+                format!("a definition of rule '{name}' (`{name} ::= ...`)"),
+                "none; is the name misspelt?".into(),
+            ),
+            GrammarError::NoRoot { defined } => (
+                "grammar".into(),
+                "a rule named 'root' (where generation starts)".into(),
+                format!("rules {defined}"),
+            ),
+            GrammarError::LeftRecursion { rule } => (
+                format!("grammar rule '{rule}'"),
+                "a rule that matches a character before it can reach itself".into(),
+                "a left-recursive rule; write it right-recursively (`x ::= \"a\" x | \"a\"`), or \
+                 repeat only what cannot be empty"
+                    .into(),
+            ),
+            GrammarError::TooLarge {
+                what,
+                line,
+                column,
+                limit,
+                got,
+            } => (
+                at(line, column),
+                format!("{what} of at most {limit}"),
+                got.to_string(),
+            ),
+            GrammarError::TooAmbiguous { limit, got } => (
+                "grammar-constrained sampling".into(),
+                format!("at most {limit} live parses"),
+                format!(
+                    "{got}; the grammar is too ambiguous, make its alternatives start differently"
+                ),
+            ),
+            GrammarError::TooManyStates { limit } => (
+                "grammar-constrained sampling".into(),
+                format!("at most {limit} grammar states within one token"),
+                "more; the grammar is too large to match, simplify it".into(),
+            ),
+            GrammarError::NoContinuation { vocab } => (
+                "grammar-constrained sampling".into(),
+                "a token that continues the grammar".into(),
+                format!(
+                    "none of the {vocab} tokens of the vocabulary; the grammar needs a character \
+                     no token spells"
+                ),
+            ),
+            GrammarError::Rejected { token } => (
+                "grammar-constrained sampling".into(),
+                "a token the grammar allows here".into(),
+                format!("token {token}"),
+            ),
+        }
+    }
+}
+
+impl fmt::Display for GrammarError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (what, expected, got) = self.parts();
+        write!(f, "{what}: expected {expected}, got {got}")
+    }
+}
+
+impl std::error::Error for GrammarError {}
+
+impl From<GrammarError> for EngineError {
+    /// An invalid argument, with the grammar's own message.
+    fn from(e: GrammarError) -> Self {
+        let (what, expected, got) = e.parts();
+        EngineError::Invalid {
+            what,
+            expected,
+            got,
+        }
+    }
+}
+
+/// 1-based line and column (in characters) of byte offset `at` of `src`.
+pub(super) fn line_column(src: &str, at: usize) -> (usize, usize) {
+    let before = &src[..at.min(src.len())];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    (line, before[line_start..].chars().count() + 1)
+}

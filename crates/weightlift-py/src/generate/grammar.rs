@@ -1,0 +1,119 @@
+//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar) and the `grammar=`,
+//! `response_format=` and mirostat arguments, converted to the engine's types. Parsing is the
+//! engine's; this only converts.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
+use weightlift_engine::EngineError;
+use weightlift_engine::grammar::Grammar;
+use weightlift_engine::sample::Mirostat;
+
+use super::args::refuse;
+use crate::errors::{Exc, ToPyErr, eng, io_error, raise};
+
+/// A parsed GBNF grammar (llama.cpp's grammar format, root rule `root`), as llama-cpp-python's
+/// `LlamaGrammar`: pass it as `grammar=` to keep generated text inside it. A grammar that does
+/// not parse raises `PlanError` (a ValueError) naming the line, the column and what was expected.
+#[pyclass(module = "weightlift._native", frozen)]
+pub struct LlamaGrammar {
+    pub(crate) grammar: Arc<Grammar>,
+}
+
+fn parsed(text: &str) -> PyResult<Arc<Grammar>> {
+    Grammar::parse(text)
+        .map(Arc::new)
+        .map_err(|e| EngineError::from(e).to_pyerr())
+}
+
+#[pymethods]
+impl LlamaGrammar {
+    /// Parse GBNF `grammar`. `verbose` is llama-cpp-python's and changes nothing: errors raise.
+    #[staticmethod]
+    #[pyo3(signature = (grammar, verbose = true))]
+    fn from_string(grammar: &str, verbose: bool) -> PyResult<LlamaGrammar> {
+        let _ = verbose;
+        Ok(LlamaGrammar {
+            grammar: parsed(grammar)?,
+        })
+    }
+
+    /// Read and parse the GBNF file `file` (a path). An unreadable file raises the matching
+    /// `OSError`.
+    #[staticmethod]
+    #[pyo3(signature = (file, verbose = true))]
+    fn from_file(file: PathBuf, verbose: bool) -> PyResult<LlamaGrammar> {
+        let _ = verbose;
+        let text = std::fs::read_to_string(&file).map_err(|e| io_error(&file, &e))?;
+        Ok(LlamaGrammar {
+            grammar: parsed(&text)?,
+        })
+    }
+
+    /// The GBNF text.
+    #[getter]
+    fn text(&self) -> &str {
+        self.grammar.source()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<LlamaGrammar: {} rules>", self.grammar.n_rules())
+    }
+}
+
+/// `grammar=`: None, GBNF text, or a `LlamaGrammar`.
+pub(super) fn grammar_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<Grammar>>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    if let Ok(g) = obj.cast::<LlamaGrammar>() {
+        return Ok(Some(Arc::clone(&g.get().grammar)));
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        return parsed(s.to_str()?).map(Some);
+    }
+    Err(PyTypeError::new_err(format!(
+        "grammar: expected GBNF text (str) or a LlamaGrammar, got {}",
+        obj.get_type().name()?
+    )))
+}
+
+/// `response_format=`: None or `{"type": "text"}` for no constraint, `{"type": "json_object"}`
+/// for llama-cpp-python's JSON grammar. A schema, or another type, is refused by name.
+pub(super) fn response_format_grammar(
+    obj: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<Arc<Grammar>>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let d = obj.cast::<PyDict>().map_err(|_| {
+        PyTypeError::new_err("response_format: expected a dict such as {\"type\": \"json_object\"}")
+    })?;
+    let kind: Option<String> = d.get_item("type")?.map(|t| t.extract()).transpose()?;
+    match kind.as_deref() {
+        Some("text") => Ok(None),
+        Some("json_object") => {
+            refuse(
+                "response_format with a schema",
+                d.contains("schema")?,
+                "JSON schemas are not built; pass a GBNF grammar with grammar=",
+            )?;
+            Ok(Some(Grammar::json()))
+        }
+        other => Err(raise(
+            Exc::Unsupported,
+            format!(
+                "response_format type {} is not supported: expected 'json_object' or 'text'",
+                other.map_or_else(|| "(none given)".to_owned(), |t| format!("'{t}'"))
+            ),
+        )),
+    }
+}
+
+/// `mirostat_mode`, `mirostat_tau`, `mirostat_eta`.
+pub(super) fn mirostat(mode: i64, tau: f32, eta: f32) -> PyResult<Mirostat> {
+    eng(Mirostat::from_mode(mode, tau, eta))
+}
