@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
 use weightlift_kernels::{
-    Backend, CudaBackend, FloatType, KvType, MatvecMode, Op, QuantType, RopeParams, RopeStyle,
+    Backend, CudaBackend, FloatType, KvFormat, MatvecMode, Op, QuantType, RopeParams, RopeStyle,
 };
 
 type Buf = <CudaBackend as Backend>::Buffer;
@@ -249,25 +249,25 @@ fn cases(be: &CudaBackend) -> weightlift_kernels::Result<Vec<Case<'_>>> {
             })
         }),
     });
-    for kt in [KvType::Q8, KvType::Q4] {
-        let qb = kt.bytes_for(n);
+    for format in [KvFormat::E4M3, KvFormat::Q8, KvFormat::Q4] {
+        let qb = format.byte_at(n);
         let q = leak(be.alloc(qb)?);
         let o = leak(be.alloc(n * 4)?);
         v.push(Case {
-            name: format!("kv_quantize_dequantize_{}", kt.name()),
+            name: format!("kv_store_load_{}", format.name()),
             bytes: 2 * (n * 4 + qb),
             run: Box::new(move || {
-                be.run(Op::KvQuantize {
-                    kt,
+                be.run(Op::KvStore {
+                    format,
                     n,
-                    x: f,
-                    out: &mut *q,
+                    src: f,
+                    dst: &mut *q,
                 })?;
-                be.run(Op::KvDequantize {
-                    kt,
+                be.run(Op::KvLoad {
+                    format,
                     n,
                     src: &*q,
-                    out: &mut *o,
+                    dst: &mut *o,
                 })
             }),
         });

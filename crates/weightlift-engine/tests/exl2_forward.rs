@@ -3,9 +3,9 @@
 //! random input permutations, and an 8/6-bit lm_head whose 48 outputs are stored padded to 64)
 //! against transformers' float32 forward pass over the weights exllamav2's arithmetic gives
 //! (`tests/gen_exl2_logits.py` wrote `tests/data/exl2/`); the same logits from cpu, a virtual
-//! device and disk; the plan's memory what a virtual device holds at its peak; and the paths
-//! EXL2 does not run (the backend op sequence, offloaded execution, tensor parallelism)
-//! refused by name.
+//! device, disk, and offloaded execution from onload slots; the plan's memory what a virtual
+//! device holds at its peak; and the paths EXL2 does not run (the backend op sequence, tensor
+//! parallelism) refused by name.
 
 mod common;
 
@@ -15,6 +15,7 @@ use std::sync::Arc;
 use common::{argmax, forward_all, json_ids, load_planned, max_abs_diff, open, read_npy};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::{CacheDType, EngineError, Inventory, Model, Source};
+use weightlift_format::quantized::LinearScheme;
 use weightlift_plan as wp;
 
 fn exl2() -> Arc<dyn Source> {
@@ -243,36 +244,195 @@ fn exl2_through_the_backend_op_sequence_is_refused_by_name() {
     );
 }
 
-/// Offloaded execution copies one tensor per matrix into its slots, and an EXL2 linear is
-/// several: refused by name.
-#[test]
-fn offloaded_exl2_is_refused_by_name() {
-    let src = exl2();
-    let mut m = Model::new(
-        Arc::clone(&src),
-        Inventory::parse("virtual:8MiB,cpu").unwrap(),
-    );
+/// Bytes of the tensors an EXL2 layer's packed products read (`q_weight`, `q_scale`,
+/// `q_scale_max`), from the checkpoint's byte ranges: what an onload slot holds of layer `l`.
+fn packed_layer_bytes(src: &Arc<dyn Source>, l: u32) -> u64 {
+    let ckpt = src.checkpoint().unwrap();
+    let linears: Vec<_> = ckpt
+        .quantization()
+        .unwrap()
+        .linears()
+        .iter()
+        .filter(|q| q.layer() == Some(l))
+        .collect();
+    assert_eq!(linears.len(), 7, "layer {l}: every projection is EXL2");
+    let size = |name: &str| ckpt.tensor(name).unwrap().nbytes;
+    linears
+        .iter()
+        .map(|q| {
+            let LinearScheme::Exl2(e) = q.scheme() else {
+                panic!("{}: not EXL2", q.prefix())
+            };
+            size(e.q_weight()) + size(e.q_scale()) + size(e.q_scale_max())
+        })
+        .sum()
+}
+
+/// The fixture with its layer stored twice (layers 0 and 1, the same tensors), so offloaded
+/// groups can outnumber the slots; the folder it was written to.
+fn two_layers() -> tempfile::TempDir {
+    use safetensors::SafeTensors;
+    let folder =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../weightlift-format/tests/data/exl2");
+    let bytes = std::fs::read(folder.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut views = Vec::new();
+    for (name, view) in st.tensors() {
+        if let Some(rest) = name.strip_prefix("model.layers.0.") {
+            views.push((format!("model.layers.1.{rest}"), view.clone()));
+        }
+        views.push((name, view));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(folder.join("config.json")).unwrap()).unwrap();
+    config["num_hidden_layers"] = 2.into();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    dir
+}
+
+/// `src` planned on `devices` with its last `n_gpu_layers` on the first and the rest kept on
+/// the cpu, executing on that first device under `offload` when given; a cache of 32
+/// positions and a small runtime, so a 12-token prompt runs in two chunks (the all-on-cpu run
+/// it is compared with takes the same runtime: chunks of another length sum in another
+/// order). The model, its cache, the plan and the inventory.
+fn planned(
+    src: &Arc<dyn Source>,
+    devices: &str,
+    n_gpu_layers: i64,
+    offload: Option<wp::WeightOffload>,
+) -> (Model, Arc<weightlift_engine::Cache>, wp::Plan, Inventory) {
+    let inv = Inventory::parse(devices).unwrap();
+    let mut m = Model::new(Arc::clone(src), inv.clone());
     let mut req = m.plan_request().unwrap();
     req.strategy = wp::Strategy::Layers(wp::LayerOptions {
-        n_gpu_layers: 0,
+        n_gpu_layers,
         ..wp::LayerOptions::default()
     });
     req.cache = Some(wp::CacheSpec::new(32, 1, CacheDType::F32));
-    req.offload = Some(wp::WeightOffload::Sequential);
-    let plan = wp::plan(&req).unwrap();
-    assert!(plan.onload().is_some(), "an onload plan");
-    let e = match load_planned(&mut m, &plan) {
-        Err(e) => e,
-        Ok(cache) => m
-            .forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut Vec::new())
-            .unwrap_err(),
+    req.runtime = wp::RuntimeSpec {
+        max_input_len: 8,
+        max_attention_size: 8 * 32,
+        max_dq_size: 1 << 12,
+        low_mem: false,
     };
-    assert!(matches!(e, EngineError::Unsupported { .. }), "{e}");
-    let msg = e.to_string();
-    assert!(
-        msg.contains("offloaded execution of EXL2 linear 'model.layers.0."),
-        "{msg}"
-    );
+    req.offload = offload;
+    let plan = wp::plan(&req).unwrap();
+    let cache = load_planned(&mut m, &plan).unwrap();
+    (m, cache, plan, inv)
+}
+
+/// The prompt's logits at every position, then three decode steps' (the cache reset first).
+fn prompt_and_decode(m: &mut Model, cache: &Arc<weightlift_engine::Cache>) -> Vec<u32> {
+    let ids = ids();
+    let mut all = forward_all(m, cache, &ids);
+    let mut out = Vec::new();
+    for id in &ids[..3] {
+        m.forward(&[*id], Some(cache), Logits::Last, &mut out)
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    bits(&all)
+}
+
+/// Offloaded execution (`offload="sequential" | "group"`, with and without prefetch), on the
+/// fixture and on its two-layer copy: the layers kept on the cpu run on the virtual device from
+/// their packed tensors copied into the onload slots (`q_scale_max`, 1-D, among them), and give
+/// the all-on-cpu logits bit for bit (the fixture's cpu run is checked against transformers
+/// above) in a two-chunk prompt and decode steps, in both compute modes. The slot is the
+/// largest group's `q_weight` + `q_scale` + `q_scale_max` as the file stores them; with more
+/// groups than slots every call copies each kept layer's again; the device's peak is the
+/// plan's weights + kv + scratch (workspace and slots). The backend op sequence still refuses
+/// an offloaded EXL2 linear by name.
+#[test]
+fn offloaded_exl2_equals_cpu_bit_for_bit_within_the_planned_memory() {
+    use wp::WeightOffload::{Group, Sequential};
+    let copy = two_layers();
+    let modes = [
+        Sequential,
+        Group {
+            blocks_per_group: 1,
+            prefetch: true,
+        },
+        Group {
+            blocks_per_group: 1,
+            prefetch: false,
+        },
+        Group {
+            blocks_per_group: 2,
+            prefetch: true,
+        },
+    ];
+    for (model, src) in [("fixture", exl2()), ("two layers", open(copy.path()))] {
+        let (mut cpu, cpu_cache, _, _) = planned(&src, "cpu", 0, None);
+        for (ngl, mode) in (0..src.spec().unwrap().n_layers as i64)
+            .flat_map(|ngl| modes.iter().map(move |&m| (ngl, m)))
+        {
+            let what = format!("{model}, n_gpu_layers={ngl}, {mode:?}");
+            let (mut m, cache, plan, inv) = planned(&src, "virtual:8MiB,cpu", ngl, Some(mode));
+            let o = plan.onload().expect("an onload plan").clone();
+            let kept: Vec<u32> = o.groups.iter().flatten().copied().collect();
+            let n = m.n_layers();
+            assert_eq!(kept, (0..n - ngl as u32).collect::<Vec<_>>(), "{what}");
+            assert!(
+                m.layer_devices().unwrap().iter().all(|d| d == "virtual:0"),
+                "{what}"
+            );
+            let largest = o
+                .groups
+                .iter()
+                .map(|g| g.iter().map(|&l| packed_layer_bytes(&src, l)).sum::<u64>())
+                .max()
+                .unwrap();
+            assert_eq!(o.slot_bytes, largest, "{what}: slot bytes");
+
+            for compute in [Compute::Exact, Compute::Fast] {
+                cpu.set_compute(compute);
+                m.set_compute(compute);
+                let want = prompt_and_decode(&mut cpu, &cpu_cache);
+                let got = prompt_and_decode(&mut m, &cache);
+                assert!(got == want, "{what} ({}): logits differ", compute.name());
+            }
+            if o.groups.len() as u64 > o.slots {
+                // more groups than slots: every call copies each group in again
+                let moved = m.transfer_stats().bytes;
+                let kept_bytes: u64 = kept.iter().map(|&l| packed_layer_bytes(&src, l)).sum();
+                assert!(
+                    moved >= kept_bytes,
+                    "{what}: {moved} B moved in a decode step"
+                );
+            }
+            let d = plan
+                .devices()
+                .iter()
+                .find(|d| d.name == "virtual:0")
+                .unwrap();
+            let promised = d.weights + d.kv + d.scratch;
+            let peak = inv.get("virtual:0").unwrap().peak();
+            eprintln!(
+                "{what}: plan {promised} B (weights {}, kv {}, scratch {} with {} slot(s) of \
+                 {}), peak {peak} B",
+                d.weights, d.kv, d.scratch, o.slots, o.slot_bytes
+            );
+            assert!(
+                peak.abs_diff(promised) <= promised / 100,
+                "{what}: plan {promised} B, peak {peak} B"
+            );
+
+            m.set_host_backend(true);
+            let e = m
+                .forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut Vec::new())
+                .unwrap_err();
+            assert!(matches!(e, EngineError::Unsupported { .. }), "{what}: {e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("EXL2 linear 'model.layers.0.self_attn.q_proj' computed on virtual:0")
+                    && msg.contains("host path"),
+                "{what}: {msg}"
+            );
+        }
+    }
 }
 
 /// Tensor parallelism splits linears by their columns, and EXL2 packs across them: refused by

@@ -10,9 +10,11 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{argmax, forward_all, json_ids, max_abs_diff, open, read_npy};
+use common::{argmax, forward_all, json_ids, load_planned, max_abs_diff, open, read_npy};
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{CacheDType, EngineError, Source};
+use weightlift_engine::{CacheDType, EngineError, Inventory, Model, Source};
+use weightlift_format::quantized::LinearScheme;
+use weightlift_plan as wp;
 
 const VARIANTS: [&str; 7] = [
     "g32",
@@ -190,4 +192,163 @@ fn gptq_through_the_backend_op_sequence_is_refused_by_name() {
         msg.contains("GPTQ linear 'model.layers.0.self_attn.q_proj'") && msg.contains("host path"),
         "{msg}"
     );
+}
+
+/// The prompt's logits at every position, then three decode steps' (the cache reset first).
+fn prompt_and_decode(m: &mut Model, cache: &Arc<weightlift_engine::Cache>) -> Vec<u32> {
+    let ids = ids();
+    let mut all = forward_all(m, cache, &ids);
+    let mut out = Vec::new();
+    for id in &ids[..3] {
+        m.forward(&[*id], Some(cache), Logits::Last, &mut out)
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    all.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Bytes of the tensors a GPTQ layer's packed products read (`qweight`, `qzeros`, `scales`),
+/// from the checkpoint's byte ranges: what an onload slot holds of layer `l`.
+fn packed_layer_bytes(src: &Arc<dyn Source>, l: u32) -> u64 {
+    let ckpt = src.checkpoint().unwrap();
+    let linears: Vec<_> = ckpt
+        .quantization()
+        .unwrap()
+        .linears()
+        .iter()
+        .filter(|q| q.layer() == Some(l))
+        .collect();
+    assert_eq!(linears.len(), 7, "layer {l}: every projection is GPTQ");
+    let size = |name: &str| ckpt.tensor(name).unwrap().nbytes;
+    linears
+        .iter()
+        .map(|q| {
+            let LinearScheme::Gptq(g) = q.scheme() else {
+                panic!("{}: not GPTQ", q.prefix())
+            };
+            size(g.qweight()) + size(g.qzeros()) + size(g.scales())
+        })
+        .sum()
+}
+
+/// `src` planned on `devices` with its last `n_gpu_layers` on the first and the rest kept on
+/// the cpu, executing on that first device under `offload` when given; a cache of 32
+/// positions and a small runtime, so a 12-token prompt runs in two chunks (the all-on-cpu run
+/// it is compared with takes the same runtime: chunks of another length sum in another
+/// order). The model, its cache, the plan and the inventory.
+fn planned(
+    src: &Arc<dyn Source>,
+    devices: &str,
+    n_gpu_layers: i64,
+    offload: Option<wp::WeightOffload>,
+) -> (Model, Arc<weightlift_engine::Cache>, wp::Plan, Inventory) {
+    let inv = Inventory::parse(devices).unwrap();
+    let mut m = Model::new(Arc::clone(src), inv.clone());
+    let mut req = m.plan_request().unwrap();
+    req.strategy = wp::Strategy::Layers(wp::LayerOptions {
+        n_gpu_layers,
+        ..wp::LayerOptions::default()
+    });
+    req.cache = Some(wp::CacheSpec::new(32, 1, CacheDType::F32));
+    req.runtime = wp::RuntimeSpec {
+        max_input_len: 8,
+        max_attention_size: 8 * 32,
+        max_dq_size: 1 << 12,
+        low_mem: false,
+    };
+    req.offload = offload;
+    let plan = wp::plan(&req).unwrap();
+    let cache = load_planned(&mut m, &plan).unwrap();
+    (m, cache, plan, inv)
+}
+
+/// Offloaded execution (`offload="sequential" | "group"`, with and without prefetch): the
+/// layers kept on the cpu run on the virtual device from their packed tensors copied into the
+/// onload slots, and give the all-on-cpu logits bit for bit (the cpu run is checked against
+/// transformers above), in a two-chunk prompt and decode steps, in both compute modes. The
+/// slot is the largest group's `qweight` + `qzeros` + `scales` as the file stores them; with
+/// more groups than slots every call copies each kept layer's again; the device's peak is the
+/// plan's weights + kv + scratch (workspace and slots).
+#[test]
+fn offloaded_gptq_equals_cpu_bit_for_bit_within_the_planned_memory() {
+    use wp::WeightOffload::{Group, Sequential};
+    let modes = [
+        Sequential,
+        Group {
+            blocks_per_group: 1,
+            prefetch: true,
+        },
+        Group {
+            blocks_per_group: 1,
+            prefetch: false,
+        },
+        Group {
+            blocks_per_group: 2,
+            prefetch: true,
+        },
+    ];
+    // g32 has two layers: both kept, or layer 0 kept and layer 1 on the device; the other
+    // fixtures have one, kept.
+    let mut cases: Vec<(&str, i64, wp::WeightOffload)> = Vec::new();
+    for ngl in [0, 1] {
+        cases.extend(modes.iter().map(|&m| ("g32", ngl, m)));
+    }
+    for variant in VARIANTS.iter().filter(|&&v| v != "g32") {
+        cases.extend([(*variant, 0, Sequential), (*variant, 0, modes[1])]);
+    }
+    for (variant, ngl, mode) in cases {
+        let src = gptq(variant);
+        let what = format!("{variant}, n_gpu_layers={ngl}, {mode:?}");
+        let (mut m, cache, plan, inv) = planned(&src, "virtual:8MiB,cpu", ngl, Some(mode));
+        let o = plan.onload().expect("an onload plan").clone();
+        let n = m.n_layers();
+        let kept: Vec<u32> = o.groups.iter().flatten().copied().collect();
+        assert_eq!(kept, (0..n - ngl as u32).collect::<Vec<_>>(), "{what}");
+        assert!(
+            m.layer_devices().unwrap().iter().all(|d| d == "virtual:0"),
+            "{what}: {:?}",
+            m.layer_devices()
+        );
+        let largest = o
+            .groups
+            .iter()
+            .map(|g| g.iter().map(|&l| packed_layer_bytes(&src, l)).sum::<u64>())
+            .max()
+            .unwrap();
+        assert_eq!(o.slot_bytes, largest, "{what}: slot bytes");
+
+        let (mut cpu, cpu_cache, _, _) = planned(&src, "cpu", 0, None);
+        for compute in [Compute::Exact, Compute::Fast] {
+            cpu.set_compute(compute);
+            m.set_compute(compute);
+            let want = prompt_and_decode(&mut cpu, &cpu_cache);
+            let got = prompt_and_decode(&mut m, &cache);
+            assert!(got == want, "{what} ({}): logits differ", compute.name());
+        }
+        if o.groups.len() as u64 > o.slots {
+            // more groups than slots: every call copies each group in again
+            let moved = m.transfer_stats().bytes;
+            let kept_bytes: u64 = kept.iter().map(|&l| packed_layer_bytes(&src, l)).sum();
+            assert!(
+                moved >= kept_bytes,
+                "{what}: {moved} B moved in a decode step"
+            );
+        }
+        let d = plan
+            .devices()
+            .iter()
+            .find(|d| d.name == "virtual:0")
+            .unwrap();
+        let promised = d.weights + d.kv + d.scratch;
+        let peak = inv.get("virtual:0").unwrap().peak();
+        eprintln!(
+            "{what}: plan {promised} B (weights {}, kv {}, scratch {} with {} slot(s) of {}), \
+             peak {peak} B",
+            d.weights, d.kv, d.scratch, o.slots, o.slot_bytes
+        );
+        assert!(
+            peak.abs_diff(promised) <= promised / 100,
+            "{what}: plan {promised} B, peak {peak} B"
+        );
+    }
 }

@@ -12,8 +12,19 @@
 //! execution device too (where it computes), as transformers keeps them.
 
 use serde::{Deserialize, Serialize};
+use weightlift_format::TensorInfo;
 
 use crate::error::{PlanError, Result};
+
+/// Whether the forward pass copies tensor `t` of an offloaded layer into its onload slot: the
+/// layer's matrices (its 2-D tensors: float and ggml weights, GPTQ's `qweight`, `qzeros` and
+/// `scales`, EXL2's `q_weight` and `q_scale`) and EXL2's 1-D `q_scale_max`, which the packed
+/// product reads beside them. Norms and biases are read once into host memory, and the packed
+/// linears' index tables (`g_idx`, `q_invperm`, `q_perm`, `q_groups`) when the checkpoint
+/// opened; none of them is copied.
+pub fn copied_to_slot(t: &TensorInfo) -> bool {
+    t.shape.len() == 2 || t.name.ends_with(".q_scale_max")
+}
 
 /// How layers kept on `cpu`/`disk` execute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -86,7 +97,7 @@ pub struct OnloadPlan {
     pub device: String,
     /// The offloaded layers, in execution order, cut into groups.
     pub groups: Vec<Vec<u32>>,
-    /// Bytes of one slot: the largest group's matrices.
+    /// Bytes of one slot: the largest group's copied tensors.
     pub slot_bytes: u64,
     /// 1, or 2 with prefetch and more than one group.
     pub slots: u64,
@@ -94,8 +105,7 @@ pub struct OnloadPlan {
 
 impl OnloadPlan {
     /// Groups and slots for `layers` (offloaded, in order), `matrix_bytes[l]` being the bytes
-    /// of layer `l`'s matrices (its 2-D tensors: what the forward pass copies; norms and biases
-    /// are read once into host memory).
+    /// of layer `l`'s tensors that the forward pass copies ([`copied_to_slot`]).
     pub fn new(mode: WeightOffload, device: String, layers: &[u32], matrix_bytes: &[u64]) -> Self {
         let groups: Vec<Vec<u32>> = layers
             .chunks(mode.group_len().max(1))
@@ -160,6 +170,48 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("blocks_per_group"), "{e}");
+    }
+
+    /// What a slot holds per linear: a float or ggml matrix; GPTQ's `qweight`, `qzeros` and
+    /// `scales` (not `g_idx`); EXL2's `q_weight`, `q_scale` and `q_scale_max` (not
+    /// `q_invperm`, `q_perm`, `q_groups`); never a norm or a bias.
+    #[test]
+    fn slots_hold_what_the_products_read() {
+        use weightlift_format::DType;
+        let t = |name: &str, shape: &[u64]| TensorInfo {
+            name: name.into(),
+            dtype: DType::I32,
+            shape: shape.to_vec(),
+            nbytes: shape.iter().product::<u64>() * 4,
+            file: 0,
+            offset: 0,
+            layer: Some(0),
+            role: None,
+        };
+        let p = "model.layers.0.mlp.down_proj";
+        let copied = |name: &str, shape: &[u64]| copied_to_slot(&t(&format!("{p}.{name}"), shape));
+        assert!(copied("weight", &[64, 128]));
+        for (part, shape) in [
+            ("qweight", &[16, 64][..]),
+            ("qzeros", &[4, 8]),
+            ("scales", &[4, 64]),
+        ] {
+            assert!(copied(part, shape), "{part}");
+        }
+        for (part, shape) in [
+            ("q_weight", &[20, 64][..]),
+            ("q_scale", &[4, 8]),
+            ("q_scale_max", &[4]),
+        ] {
+            assert!(copied(part, shape), "{part}");
+        }
+        for part in ["g_idx", "q_invperm", "q_perm", "q_groups", "bias"] {
+            assert!(!copied(part, &[128]), "{part}");
+        }
+        assert!(!copied_to_slot(&t(
+            "model.layers.0.input_layernorm.weight",
+            &[64]
+        )));
     }
 
     #[test]

@@ -348,8 +348,8 @@ impl Graph {
     }
 
     /// Every matrix can be multiplied where it computes: the embedding is a lookup of block or
-    /// float rows; packed (GPTQ and EXL2) linears run on the host path, and not from onload
-    /// slots (their packed parts are several tensors, a slot holds one per matrix).
+    /// float rows; packed (GPTQ and EXL2) linears run on the host path, from where the model
+    /// holds them or, offloaded, from their copies in an onload slot of a host device.
     fn check_packings(&self, held: &[Held], copies: &[(usize, Held)]) -> Result<()> {
         let dtype = |l: &Linear| {
             let h = match l.slot {
@@ -396,23 +396,6 @@ impl Graph {
             }
         }
         packed_off_host(self.head_site, &self.head)?;
-        if let Some(o) = &self.onload {
-            let packed = o
-                .groups
-                .iter()
-                .flatten()
-                .filter_map(|&li| self.layers.get(li))
-                .flat_map(|l| l.linears())
-                .find_map(|lin| lin.packed().map(|scheme| (scheme, lin)));
-            if let Some((scheme, lin)) = packed {
-                return Err(EngineError::Unsupported {
-                    what: format!("offloaded execution of {scheme} linear '{}'", lin.name),
-                    detail: "onload slots copy one tensor per matrix, and a packed linear's \
-                             parts are several; load with offload=None"
-                        .into(),
-                });
-            }
-        }
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use weightlift_kernels::cpu::matvec::{matmul, matvec};
 
 use super::attention::{self, Shape, Tiles};
 use super::parts::{Layer, Linear, Slot};
-use super::weights::{PackedLinear, Packing};
+use super::weights::Packing;
 use super::{Compute, Views, host_bytes};
 use crate::cache::Cache;
 use crate::error::{EngineError, Result, invalid};
@@ -149,12 +149,9 @@ pub(super) fn linear_on(
 ) -> Result<()> {
     let (x, y) = (&x[..n * l.cols], &mut y[..n * l.rows]);
     match &l.packed {
-        Some(PackedLinear::Gptq(g)) => {
-            let b = g.bytes(wts.held, &l.name, l.rows, l.cols)?;
-            g.product(&b, &l.name, l.rows, l.cols, x, n, y, c.max_dq)?;
-        }
-        Some(PackedLinear::Exl2(e)) => {
-            e.product(e.bytes(wts.held, &l.name)?, &l.name, x, n, y, c.max_dq)?;
+        Some(p) => {
+            let parts = p.parts(wts.held, wts.slot.zip(l.onload_at), &l.name)?;
+            p.product(parts, &l.name, l.rows, l.cols, x, n, y, c.max_dq)?;
         }
         None => {
             let (w, packing) = weight_of(wts.held, wts.copies, l, wts.slot)?;

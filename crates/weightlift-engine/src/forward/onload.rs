@@ -5,6 +5,10 @@
 //! copier while the current one computes (a copy stream's work on a GPU); a slot keeps its
 //! group across forward calls, so a model with as many groups as slots copies each only once.
 //!
+//! A matrix is one tensor in the slot; a packed (GPTQ, EXL2) linear is the tensors its product
+//! reads, back to back (see [`super::weights::PackedLinear::tensors`]), which the host path
+//! reads there. The planner sizes the slot for the same tensors.
+//!
 //! The copier is one thread per forward call, started with the first offloaded group and
 //! blocked on its queue between copies. A thread spawned per group started a millisecond or
 //! more after the spawn on a busy two-core host (a new thread queues behind the compute
@@ -111,7 +115,8 @@ impl Onload {
     }
 
     /// Lay out each group's matrices in a slot: sets `Layer::group` and every matrix's offset,
-    /// checking that the largest group fits the planned slot.
+    /// checking that the largest group fits the planned slot. A packed (GPTQ, EXL2) linear
+    /// takes the tensors its product reads, back to back from its offset.
     pub fn assign(&self, layers: &mut [Layer], held: &[Held]) -> Result<()> {
         for (g, group) in self.groups.iter().enumerate() {
             let mut at = 0usize;
@@ -121,15 +126,21 @@ impl Onload {
                     .ok_or_else(|| invalid("offloaded layer", "a layer of the model", li))?;
                 layer.group = Some(g);
                 for lin in layer.linears_mut() {
-                    let Some(Held::Whole { tensor, .. }) = held.get(lin.index()) else {
-                        return Err(invalid(
-                            format!("offloaded tensor '{}'", lin.name),
-                            "a whole tensor held by the model",
-                            "a split or missing one",
-                        ));
-                    };
                     lin.onload_at = Some(at);
-                    at += tensor.nbytes() as usize;
+                    let tensors = match &lin.packed {
+                        Some(p) => p.tensors().to_vec(),
+                        None => vec![lin.index()],
+                    };
+                    for i in tensors {
+                        let Some(Held::Whole { tensor, .. }) = held.get(i) else {
+                            return Err(invalid(
+                                format!("offloaded tensor '{}'", lin.name),
+                                "a whole tensor held by the model",
+                                "a split or missing one",
+                            ));
+                        };
+                        at += tensor.nbytes() as usize;
+                    }
                 }
             }
             if at > self.slot_bytes {
@@ -154,8 +165,16 @@ impl Onload {
         let mut out = Vec::new();
         for &li in &self.groups[g] {
             for lin in layers[li].linears() {
-                let (src, _) = weight_of(held, copies, lin, None)?;
-                out.push((src, lin.onload_at.unwrap_or(0)));
+                let mut at = lin.onload_at.unwrap_or(0);
+                match &lin.packed {
+                    Some(p) => {
+                        for (src, _) in p.parts(held, None, &lin.name)? {
+                            out.push((src, at));
+                            at += src.len();
+                        }
+                    }
+                    None => out.push((weight_of(held, copies, lin, None)?.0, at)),
+                }
             }
         }
         Ok(out)

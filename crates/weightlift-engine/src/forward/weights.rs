@@ -34,7 +34,9 @@ pub(crate) use exl2::Exl2;
 pub(crate) use gptq::Gptq;
 
 use super::exec::kernel_type;
+use super::host_bytes;
 use crate::error::{EngineError, Result, invalid};
+use crate::model::Held;
 
 /// How a matrix's held bytes are multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,12 +92,94 @@ impl PackedLinear {
 
     /// The held tensor a linear's slot names: the packed codes (`qweight`, `q_weight`).
     pub fn codes(&self) -> usize {
+        self.tensors()[0]
+    }
+
+    /// The held tensors the product reads, in the order an onload slot lays them out: GPTQ's
+    /// `qweight`, `qzeros`, `scales`; EXL2's `q_weight`, `q_scale`, `q_scale_max`. The index
+    /// tables (`g_idx`, `q_invperm`, `q_groups`) were read when the checkpoint opened and are
+    /// not among them.
+    pub fn tensors(&self) -> [usize; 3] {
         match self {
-            PackedLinear::Gptq(g) => g.tensors()[0],
-            PackedLinear::Exl2(e) => e.tensors()[0],
+            PackedLinear::Gptq(g) => g.tensors(),
+            PackedLinear::Exl2(e) => e.tensors(),
+        }
+    }
+
+    /// The names of [`PackedLinear::tensors`] after the linear's prefix, for messages.
+    fn part_names(&self) -> [&'static str; 3] {
+        match self {
+            PackedLinear::Gptq(_) => ["qweight", "qzeros", "scales"],
+            PackedLinear::Exl2(_) => ["q_weight", "q_scale", "q_scale_max"],
+        }
+    }
+
+    /// The bytes and held dtypes of the tensors the product of linear `name` reads: where the
+    /// model holds them, or, for an offloaded layer, their copies in its group's onload slot
+    /// (`slot`, and the offset of the first there), laid out back to back in
+    /// [`PackedLinear::tensors`] order as `Onload::assign` placed them.
+    pub fn parts<'a>(
+        &self,
+        held: &'a [Held],
+        slot: Option<(&'a [u8], usize)>,
+        name: &str,
+    ) -> Result<[PartBytes<'a>; 3]> {
+        let names = self.part_names();
+        let mut at = slot.map_or(0, |(_, at)| at);
+        let mut out: [PartBytes<'a>; 3] = [(&[], DType::F32); 3];
+        for ((o, &i), what) in out.iter_mut().zip(&self.tensors()).zip(names) {
+            let full = format!("{name}.{what}");
+            let h = held
+                .get(i)
+                .ok_or_else(|| invalid("held tensors", format!("tensor {i} ('{full}')"), "none"))?;
+            *o = match (slot, h) {
+                (None, h) => host_bytes(h, &full)?,
+                (Some((s, _)), Held::Whole { tensor, .. }) => {
+                    let len = usize::try_from(tensor.nbytes()).unwrap_or(usize::MAX);
+                    let bytes = at.checked_add(len).and_then(|end| s.get(at..end));
+                    let bytes = bytes.ok_or_else(|| {
+                        invalid(
+                            format!("onloaded '{full}'"),
+                            format!("{len} bytes from offset {at}"),
+                            format!("a slot of {} bytes", s.len()),
+                        )
+                    })?;
+                    at += len;
+                    (bytes, tensor.dtype())
+                }
+                // a split tensor is never onloaded: refused by name
+                (Some(_), Held::Split { .. }) => host_bytes(h, &full)?,
+            };
+        }
+        Ok(out)
+    }
+
+    /// `y = W x` for `n` tokens of this `rows × cols` linear from its tensors' bytes
+    /// ([`PackedLinear::parts`]), through the packed product; the bias is not added.
+    #[allow(clippy::too_many_arguments)]
+    pub fn product(
+        &self,
+        parts: [PartBytes<'_>; 3],
+        name: &str,
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        max_dq: usize,
+    ) -> Result<()> {
+        match self {
+            PackedLinear::Gptq(g) => {
+                let b = g.bytes(parts, name, rows, cols)?;
+                g.product(&b, name, rows, cols, x, n, y, max_dq)
+            }
+            PackedLinear::Exl2(e) => e.product(e.bytes(parts, name)?, name, x, n, y, max_dq),
         }
     }
 }
+
+/// One tensor of a packed linear as its product reads it: its bytes and its held dtype.
+pub(crate) type PartBytes<'a> = (&'a [u8], DType);
 
 /// Where a packed product reads its weight: output rows dequantised to f32 on request.
 pub(crate) trait DequantRows: Sync {
@@ -235,6 +319,67 @@ mod tests {
             assert!(
                 r * cols <= bound && n * r <= bound,
                 "{rows}×{cols}, {n}: {r}"
+            );
+        }
+    }
+
+    /// An offloaded linear reads its tensors where `Onload::assign` laid them out, back to back
+    /// from the linear's offset in the slot, not where the model holds them; a slot too short
+    /// for them is a typed error naming the tensor.
+    #[test]
+    fn packed_parts_are_read_from_the_onload_slot() {
+        use std::path::PathBuf;
+
+        use crate::device::{Device, DeviceTensor};
+        use crate::source::Source;
+
+        let data =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../weightlift-format/tests/data");
+        for (file, last) in [
+            ("gptq/act_order/model.safetensors", "scales"),
+            ("exl2/model.safetensors", "q_scale_max"),
+        ] {
+            let path = data.join(file);
+            let ckpt = Checkpoint::open(&path, weightlift_format::OpenOptions::default())
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let infos = Source::tensors(&ckpt);
+            let cpu = Device::cpu(None);
+            let held: Vec<Held> = infos
+                .iter()
+                .map(|t| Held::Whole {
+                    tensor: DeviceTensor::from_host(&cpu, t.shape.clone(), t.dtype, ckpt.bytes(t))
+                        .unwrap(),
+                    device: "cpu".into(),
+                })
+                .collect();
+            let lin = &ckpt.quantization().unwrap().linears()[0];
+            let p = PackedLinear::new(lin, infos).unwrap();
+            let name = lin.prefix();
+            let from_held = p.parts(&held, None, name).unwrap();
+            // five bytes of another linear before this one, and three after
+            let at = 5;
+            let mut slot = vec![0xa5u8; at];
+            for (b, _) in from_held {
+                slot.extend_from_slice(b);
+            }
+            slot.extend_from_slice(&[0xa5; 3]);
+            let from_slot = p.parts(&held, Some((&slot, at)), name).unwrap();
+            let inside = slot.as_ptr_range();
+            for ((s, sd), (h, hd)) in from_slot.iter().zip(&from_held) {
+                assert_eq!((s, sd), (h, hd), "{file}");
+                assert!(
+                    inside.contains(&s.as_ptr()),
+                    "{file}: not read from the slot"
+                );
+            }
+            let short = &slot[..slot.len() - 4];
+            let e = p
+                .parts(&held, Some((short, at)), name)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("onloaded '{name}.{last}'")) && e.contains("a slot of"),
+                "{e}"
             );
         }
     }

@@ -209,24 +209,17 @@ impl QuantizedLinear {
 /// What a dequantised weight can be written as.
 pub(crate) trait Element: Copy + Send + Sync {
     fn from_f32(v: f32) -> Self;
-    fn from_f16(v: f16) -> Self;
 }
 
 impl Element for f32 {
     fn from_f32(v: f32) -> Self {
         v
     }
-    fn from_f16(v: f16) -> Self {
-        v.to_f32()
-    }
 }
 
 impl Element for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
-    }
-    fn from_f16(v: f16) -> Self {
-        v
     }
 }
 

@@ -8,7 +8,7 @@ use weightlift_format::Role;
 use super::{Assign, Ctx, Slots};
 use crate::device::DeviceKind;
 use crate::error::{OutOfMemory, PlanError, Result, Shortfall};
-use crate::onload::OnloadPlan;
+use crate::onload::{OnloadPlan, copied_to_slot};
 use crate::plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit, to_ranges};
 use crate::size::fmt_bytes;
 
@@ -339,7 +339,7 @@ impl Ctx<'_> {
         let mut matrices = vec![0u64; self.n_layers()];
         for (i, t) in self.tensors().iter().enumerate() {
             if let Some(l) = t.layer
-                && t.shape.len() == 2
+                && copied_to_slot(t)
                 && let Some(m) = matrices.get_mut(l as usize)
             {
                 *m = m.saturating_add(self.held_type(i, a.tensor_dev[i]).1);

@@ -6,9 +6,8 @@
 use weightlift_format::quantized::{Exl2Bytes, LinearScheme};
 use weightlift_format::{DType, QuantizedLinear, TensorInfo};
 
-use super::{DequantRows, packed_product};
+use super::{DequantRows, PartBytes, packed_product};
 use crate::error::{Result, invalid};
-use crate::model::Held;
 
 /// An EXL2 linear as the forward pass reads it: the linear as it opened (its groups,
 /// permutation and real output count), and the held tensors that hold its weight.
@@ -54,14 +53,15 @@ impl Exl2 {
         [self.q_weight, self.q_scale, self.q_scale_max]
     }
 
-    /// The held bytes of the linear named `name`: in host memory, in the dtypes it opened with
-    /// (their sizes are checked when rows are decoded).
-    pub fn bytes<'a>(&self, held: &'a [Held], name: &str) -> Result<Exl2Bytes<'a>> {
-        let part = |i: usize, what: &str, dtypes: &[DType]| {
-            let h = held
-                .get(i)
-                .ok_or_else(|| invalid("held tensors", format!("tensor {i}"), "none"))?;
-            let (bytes, dtype) = crate::forward::host_bytes(h, &format!("{name}.{what}"))?;
+    /// The bytes of the linear named `name`, from its parts (`q_weight`, `q_scale`,
+    /// `q_scale_max`, as [`super::PackedLinear::parts`] reads them), in the dtypes it opened
+    /// with (their sizes are checked when rows are decoded).
+    pub fn bytes<'a>(
+        &self,
+        [q_weight, q_scale, q_scale_max]: [PartBytes<'a>; 3],
+        name: &str,
+    ) -> Result<Exl2Bytes<'a>> {
+        let check = |(bytes, dtype): PartBytes<'a>, what: &str, dtypes: &[DType]| {
             if !dtypes.contains(&dtype) {
                 return Err(invalid(
                     format!("EXL2 tensor '{name}.{what}'"),
@@ -73,9 +73,9 @@ impl Exl2 {
         };
         let words = [DType::I32, DType::U32];
         Ok(Exl2Bytes {
-            q_weight: part(self.q_weight, "q_weight", &words)?,
-            q_scale: part(self.q_scale, "q_scale", &words)?,
-            q_scale_max: part(self.q_scale_max, "q_scale_max", &[DType::F16])?,
+            q_weight: check(q_weight, "q_weight", &words)?,
+            q_scale: check(q_scale, "q_scale", &words)?,
+            q_scale_max: check(q_scale_max, "q_scale_max", &[DType::F16])?,
         })
     }
 

@@ -6,9 +6,8 @@
 use weightlift_format::quantized::{GptqFormat, LinearScheme};
 use weightlift_format::{DType, QuantizedLinear, TensorInfo};
 
-use super::{DequantRows, packed_product};
+use super::{DequantRows, PartBytes, packed_product};
 use crate::error::{Result, invalid};
-use crate::model::Held;
 
 /// The group of each input of a GPTQ linear.
 #[derive(Debug)]
@@ -117,21 +116,17 @@ impl Gptq {
         [self.qweight, self.qzeros, self.scales]
     }
 
-    /// The held bytes of a `rows × cols` (outputs × inputs) linear named `name`, checked
-    /// against its layout: they must be in host memory, in the dtypes and sizes it opened with.
+    /// The bytes of a `rows × cols` (outputs × inputs) linear named `name`, from its parts
+    /// (`qweight`, `qzeros`, `scales`, as [`super::PackedLinear::parts`] reads them), checked
+    /// against its layout: the dtypes and sizes it opened with.
     pub fn bytes<'a>(
         &self,
-        held: &'a [Held],
+        [qweight, qzeros, scales]: [PartBytes<'a>; 3],
         name: &str,
         rows: usize,
         cols: usize,
     ) -> Result<GptqBytes<'a>> {
-        let part = |i: usize, what: &str, dtypes: &[DType], len: usize| {
-            let (bytes, dtype) = crate::forward::host_bytes(
-                held.get(i)
-                    .ok_or_else(|| invalid("held tensors", format!("tensor {i}"), "none"))?,
-                &format!("{name}.{what}"),
-            )?;
+        let check = |(bytes, dtype): PartBytes<'a>, what: &str, dtypes: &[DType], len: usize| {
             if !dtypes.contains(&dtype) {
                 return Err(invalid(
                     format!("GPTQ tensor '{name}.{what}'"),
@@ -154,20 +149,20 @@ impl Gptq {
             Ok((bytes, dtype))
         };
         let words = [DType::I32, DType::U32];
-        let (qweight, _) = part(
-            self.qweight,
+        let (qweight, _) = check(
+            qweight,
             "qweight",
             &words,
             words_for(cols, self.bits) * rows,
         )?;
-        let (qzeros, _) = part(
-            self.qzeros,
+        let (qzeros, _) = check(
+            qzeros,
             "qzeros",
             &words,
             self.n_groups * words_for(rows, self.bits),
         )?;
-        let (scales, scales_dtype) = part(
-            self.scales,
+        let (scales, scales_dtype) = check(
+            scales,
             "scales",
             &[DType::F16, DType::BF16, DType::F32],
             self.n_groups * rows,
