@@ -3,9 +3,8 @@
 //! constrained generation on the demo model against llama-cpp-python's ids
 //! (`tests/data/grammar_reference.json`, written by `tests/gen_grammar_reference.py`).
 //!
-//! End-of-generation tokens are compared apart (allowed or not), and over llama.cpp's set:
-//! llama.cpp also counts the demo vocabulary's fill-in-the-middle token `<reponame>` (id 4) as
-//! one, the tokenizer here does not, so that id is left out of the token-by-token comparison.
+//! End-of-generation tokens are compared apart (allowed or not); the set is llama.cpp's (the
+//! demo vocabulary's fill-in-the-middle token `<reponame>` included).
 
 mod common;
 
@@ -140,7 +139,7 @@ fn masks_are_llama_cpp_masks_along_its_generations() {
     let n_vocab = tok.n_vocab();
     let their_eog = ids(&doc["eog"]);
     let ours: Vec<u32> = tok.eog_ids().to_vec();
-    assert!(!ours.is_empty() && ours.iter().all(|i| their_eog.contains(i)));
+    assert_eq!(ours, their_eog, "end-of-generation ids");
     // The ids compared token by token: every one that neither side treats as end of generation.
     let text_ids: Vec<u32> = (0..n_vocab as u32)
         .filter(|i| !their_eog.contains(i))

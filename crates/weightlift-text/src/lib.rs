@@ -21,6 +21,7 @@
 //! `tokenizer.ggml.add_eos_token` is ignored, and `remove_extra_whitespaces` is not supported.
 
 mod chat;
+mod eog;
 mod error;
 mod pretok;
 mod stream;

@@ -2,6 +2,8 @@
 //! Hugging Face `tokenizer.json`, with llama.cpp's rules for special tokens, BOS and pieces.
 
 use std::collections::HashMap;
+
+use crate::eog;
 use std::path::Path;
 
 use tokenizers::models::bpe::{BPE, Merges, Vocab};
@@ -17,29 +19,6 @@ use crate::pretok;
 /// More tokens than any released vocabulary has (the largest are ~260k); a larger count means a
 /// hostile or corrupted file.
 const MAX_VOCAB: usize = 1 << 22;
-
-/// Token texts that llama.cpp's `llama_vocab_is_eog` treats as end of generation when present.
-const EOG_TEXTS: &[&str] = &[
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<|return|>",
-    "<|call|>",
-    "<|flush|>",
-    "<|calls|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|eom_id|>",
-    "<EOT>",
-    "_<EOT>",
-    "[EOT]",
-    "[EOS]",
-    "<|end_of_text|>",
-    "<end_of_utterance>",
-    "<turn|>",
-    "<|tool_response>",
-    "<｜end▁of▁sentence｜>",
-];
 
 /// `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,24 +282,24 @@ impl Tokenizer {
 
         let bos = get_id(md, "tokenizer.ggml.bos_token_id", n)?;
         let eos = get_id(md, "tokenizer.ggml.eos_token_id", n)?;
-        let mut eog: Vec<u32> = [
+        let declared = [
             eos,
             get_id(md, "tokenizer.ggml.eot_token_id", n)?,
             get_id(md, "tokenizer.ggml.eom_token_id", n)?,
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
+        ];
+        let fim = [
+            get_id(md, "tokenizer.ggml.fim_pad_token_id", n)?,
+            get_id(md, "tokenizer.ggml.fim_rep_token_id", n)?,
+            get_id(md, "tokenizer.ggml.fim_sep_token_id", n)?,
+        ];
         let add_bos = get_bool(md, "tokenizer.ggml.add_bos_token")?.unwrap_or(add_bos_default);
         let chat_template = get_str(md, "tokenizer.chat_template")?.map(str::to_owned);
 
+        let eog = eog::end_of_generation(&texts, &declared, fim, |_| true);
         let mut types = types;
-        for (i, t) in texts.iter().enumerate() {
-            if EOG_TEXTS.contains(&t.as_str()) {
-                eog.push(i as u32);
-                // llama.cpp overrides a control-looking token that is not typed control.
-                types[i] = TokenType::Control;
-            }
+        for &i in &eog {
+            // llama.cpp overrides a control-looking token that is not typed control.
+            types[i as usize] = TokenType::Control;
         }
         Ok(Tokenizer::assemble(
             hf,
@@ -419,12 +398,9 @@ impl Tokenizer {
                 bos.is_some() && probe.get_ids().first().copied() == bos
             }
         };
-        let mut eog: Vec<u32> = eos.into_iter().collect();
-        for (i, t) in texts.iter().enumerate() {
-            if EOG_TEXTS.contains(&t.as_str()) && types[i] == TokenType::Control {
-                eog.push(i as u32);
-            }
-        }
+        let eog = eog::end_of_generation(&texts, &[eos], [None; 3], |i| {
+            types[i] == TokenType::Control
+        });
 
         let jinja_path = dir.join("chat_template.jinja");
         let chat_template = match std::fs::read_to_string(&jinja_path) {

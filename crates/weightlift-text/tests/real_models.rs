@@ -99,8 +99,9 @@ fn smollm2_special_tokens_and_eog() {
         (Some(1), Some(2), 49152)
     );
     assert_eq!(tok.token_text(1), Some("<|im_start|>"));
-    // <|im_end|> is EOS; <|endoftext|> is end-of-generation by text, as in llama.cpp.
-    assert_eq!(tok.eog_ids(), &[0, 2]);
+    // <|im_end|> is EOS; <|endoftext|> and the FIM repository token <reponame> end a
+    // generation by their text, as in llama.cpp (`tests/eog.rs` checks every vocabulary).
+    assert_eq!(tok.eog_ids(), &[0, 2, 4]);
     assert!(tok.is_eog(2) && tok.is_eog(0) && !tok.is_eog(1));
 
     let text = "<|im_start|>user\nHi<|im_end|>";

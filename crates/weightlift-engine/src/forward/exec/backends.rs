@@ -193,4 +193,3 @@ impl Exec for CudaBackend {
         view(self, p, at, len).map_err(|e| kernel_on(&self.name(), "onload slot", e))
     }
 }
-
