@@ -157,10 +157,7 @@ impl Cache {
                 (&store.k, &mut slot.k, spans[0]),
                 (&store.v, &mut slot.v, spans[1]),
             ] {
-                let host = src.host().ok_or_else(|| EngineError::Device {
-                    device: store.device.name().into(),
-                    detail: "an offloaded cache layer is not in host memory".into(),
-                })?;
+                let host = src.host().ok_or_else(|| not_in_host_ram(&store.device))?;
                 // a few rows: not paced (a sleep that short costs more than the copy would)
                 let since = std::time::Instant::now();
                 dst.write(b0, &host[b0..b1])?;
@@ -206,10 +203,9 @@ impl Cache {
             (&r.k, &mut store.k, spans[0]),
             (&r.v, &mut store.v, spans[1]),
         ] {
-            let home = dst.host_mut().ok_or_else(|| EngineError::Device {
-                device: store.device.name().into(),
-                detail: "an offloaded cache layer is not in host memory".into(),
-            })?;
+            let home = dst
+                .host_mut()
+                .ok_or_else(|| not_in_host_ram(&store.device))?;
             // the new rows only: not paced, as in `refresh_slots`
             let since = std::time::Instant::now();
             src.read(b0, &mut home[b0..b1])?;
@@ -375,10 +371,7 @@ impl Cache {
         let since = std::time::Instant::now();
         let mut bytes = 0u64;
         for (format, src, dst) in [(fk, &s.k, &mut slot.k), (fv, &s.v, &mut slot.v)] {
-            let host = src.host().ok_or_else(|| EngineError::Device {
-                device: s.device.name().into(),
-                detail: "an offloaded cache layer is not in host memory".into(),
-            })?;
+            let host = src.host().ok_or_else(|| not_in_host_ram(&s.device))?;
             for b in 0..c.batch_size as usize {
                 let first = b * c.max_seq_len as usize * row;
                 let (b0, b1) = (format.byte_at(first), format.byte_at(first + used * row));
@@ -432,5 +425,14 @@ impl Cache {
         })?;
         self.check_span(r.layer, start, n_tokens)?;
         decode_span(&self.config, r.layer, start, n_tokens, &r.k, &r.v)
+    }
+}
+
+/// An offloaded layer whose home is not host memory (the cache allocates it there, so this is
+/// a bug, reported rather than a panic).
+fn not_in_host_ram(device: &Device) -> EngineError {
+    EngineError::Device {
+        device: device.name().into(),
+        detail: "an offloaded cache layer is not in host memory".into(),
     }
 }
