@@ -294,6 +294,41 @@ pub(crate) fn runnable_quantization<'a>(
     }
 }
 
+/// The products of the dense f32 weight `dense` (`rows × cols`) with `n` tokens of `x`, as the
+/// kernels compute a float weight's: the reference a packed product must equal bit for bit.
+#[cfg(test)]
+pub(crate) fn dense_product(
+    dense: &[f32],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    use weightlift_kernels::QuantType;
+    use weightlift_kernels::cpu::matvec::{MatvecMode, dot_f32, matmul};
+    let mut want = vec![0f32; n * rows];
+    if n == 1 {
+        for (y, w) in want.iter_mut().zip(dense.chunks_exact(cols)) {
+            *y = dot_f32(crate::forward::isa(), w, x);
+        }
+    } else {
+        let wb: &[u8] = bytemuck::cast_slice(dense);
+        matmul(
+            MatvecMode::Exact,
+            QuantType::F32,
+            wb,
+            rows,
+            cols,
+            x,
+            n,
+            &mut want,
+            1 << 20,
+        )
+        .unwrap();
+    }
+    want
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

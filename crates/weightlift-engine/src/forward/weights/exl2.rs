@@ -121,9 +121,6 @@ impl DequantRows for Exl2Rows<'_> {
 mod tests {
     use std::path::PathBuf;
 
-    use weightlift_kernels::cpu::matvec::{dot_f32, matmul};
-    use weightlift_kernels::{MatvecMode, QuantType};
-
     use super::*;
     use crate::source::Source;
 
@@ -169,31 +166,11 @@ mod tests {
             };
             src.rows_into(5, &mut tail).unwrap();
             assert_eq!(bits(&tail), bits(&dense[5 * cols..]), "{}", lin.prefix());
-            let wb: &[u8] = bytemuck::cast_slice(&dense);
             for n in [1usize, 5, 40] {
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
                     .collect();
-                let mut want = vec![0f32; n * rows];
-                if n == 1 {
-                    for (y, w) in want.iter_mut().zip(dense.chunks_exact(cols)) {
-                        *y = dot_f32(crate::forward::isa(), w, &x);
-                    }
-                } else {
-                    let big = 1 << 20;
-                    matmul(
-                        MatvecMode::Exact,
-                        QuantType::F32,
-                        wb,
-                        rows,
-                        cols,
-                        &x,
-                        n,
-                        &mut want,
-                        big,
-                    )
-                    .unwrap();
-                }
+                let want = super::super::dense_product(&dense, rows, cols, &x, n);
                 for max_dq in [cols, 3 * cols + 1, 1 << 20] {
                     let mut got = vec![0f32; n * rows];
                     e.product(b, lin.prefix(), &x, n, &mut got, max_dq).unwrap();

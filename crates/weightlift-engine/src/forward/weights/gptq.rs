@@ -341,9 +341,6 @@ fn decode_scaled<const BITS: u32>(
 mod tests {
     use std::path::PathBuf;
 
-    use weightlift_kernels::cpu::matvec::{dot_f32, matmul};
-    use weightlift_kernels::{MatvecMode, QuantType};
-
     use super::*;
     use crate::source::Source;
 
@@ -428,31 +425,11 @@ mod tests {
                 scales_dtype: infos[g.scales].dtype,
             };
             let dense = ckpt.dequantize_linear(lin).unwrap();
-            let wb: &[u8] = bytemuck::cast_slice(&dense);
             for n in [1usize, 5, 40] {
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
                     .collect();
-                let mut want = vec![0f32; n * rows];
-                if n == 1 {
-                    for (y, w) in want.iter_mut().zip(dense.chunks_exact(cols)) {
-                        *y = dot_f32(crate::forward::isa(), w, &x);
-                    }
-                } else {
-                    let big = 1 << 20;
-                    matmul(
-                        MatvecMode::Exact,
-                        QuantType::F32,
-                        wb,
-                        rows,
-                        cols,
-                        &x,
-                        n,
-                        &mut want,
-                        big,
-                    )
-                    .unwrap();
-                }
+                let want = super::super::dense_product(&dense, rows, cols, &x, n);
                 for (t, xt) in x.chunks_exact(cols).enumerate() {
                     for (o, w) in dense.chunks_exact(cols).enumerate() {
                         let exact: f64 = w.iter().zip(xt).map(|(a, b)| *a as f64 * *b as f64).sum();
