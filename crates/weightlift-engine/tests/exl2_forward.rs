@@ -12,7 +12,10 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{argmax, forward_all, json_ids, load_planned, max_abs_diff, open, read_npy};
+use common::{
+    argmax, forward_all, json_ids, load_planned, max_abs_diff, open, planned_layers,
+    prompt_and_decode, read_npy,
+};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::{CacheDType, EngineError, Inventory, Model, Source};
 use weightlift_format::quantized::LinearScheme;
@@ -292,50 +295,6 @@ fn two_layers() -> tempfile::TempDir {
     dir
 }
 
-/// `src` planned on `devices` with its last `n_gpu_layers` on the first and the rest kept on
-/// the cpu, executing on that first device under `offload` when given; a cache of 32
-/// positions and a small runtime, so a 12-token prompt runs in two chunks (the all-on-cpu run
-/// it is compared with takes the same runtime: chunks of another length sum in another
-/// order). The model, its cache, the plan and the inventory.
-fn planned(
-    src: &Arc<dyn Source>,
-    devices: &str,
-    n_gpu_layers: i64,
-    offload: Option<wp::WeightOffload>,
-) -> (Model, Arc<weightlift_engine::Cache>, wp::Plan, Inventory) {
-    let inv = Inventory::parse(devices).unwrap();
-    let mut m = Model::new(Arc::clone(src), inv.clone());
-    let mut req = m.plan_request().unwrap();
-    req.strategy = wp::Strategy::Layers(wp::LayerOptions {
-        n_gpu_layers,
-        ..wp::LayerOptions::default()
-    });
-    req.cache = Some(wp::CacheSpec::new(32, 1, CacheDType::F32));
-    req.runtime = wp::RuntimeSpec {
-        max_input_len: 8,
-        max_attention_size: 8 * 32,
-        max_dq_size: 1 << 12,
-        low_mem: false,
-    };
-    req.offload = offload;
-    let plan = wp::plan(&req).unwrap();
-    let cache = load_planned(&mut m, &plan).unwrap();
-    (m, cache, plan, inv)
-}
-
-/// The prompt's logits at every position, then three decode steps' (the cache reset first).
-fn prompt_and_decode(m: &mut Model, cache: &Arc<weightlift_engine::Cache>) -> Vec<u32> {
-    let ids = ids();
-    let mut all = forward_all(m, cache, &ids);
-    let mut out = Vec::new();
-    for id in &ids[..3] {
-        m.forward(&[*id], Some(cache), Logits::Last, &mut out)
-            .unwrap();
-        all.extend_from_slice(&out);
-    }
-    bits(&all)
-}
-
 /// Offloaded execution (`offload="sequential" | "group"`, with and without prefetch), on the
 /// fixture and on its two-layer copy: the layers kept on the cpu run on the virtual device from
 /// their packed tensors copied into the onload slots (`q_scale_max`, 1-D, among them), and give
@@ -365,12 +324,13 @@ fn offloaded_exl2_equals_cpu_bit_for_bit_within_the_planned_memory() {
         },
     ];
     for (model, src) in [("fixture", exl2()), ("two layers", open(copy.path()))] {
-        let (mut cpu, cpu_cache, _, _) = planned(&src, "cpu", 0, None);
+        let (mut cpu, cpu_cache, _, _) = planned_layers(&src, "cpu", 0, None);
         for (ngl, mode) in (0..src.spec().unwrap().n_layers as i64)
             .flat_map(|ngl| modes.iter().map(move |&m| (ngl, m)))
         {
             let what = format!("{model}, n_gpu_layers={ngl}, {mode:?}");
-            let (mut m, cache, plan, inv) = planned(&src, "virtual:8MiB,cpu", ngl, Some(mode));
+            let (mut m, cache, plan, inv) =
+                planned_layers(&src, "virtual:8MiB,cpu", ngl, Some(mode));
             let o = plan.onload().expect("an onload plan").clone();
             let kept: Vec<u32> = o.groups.iter().flatten().copied().collect();
             let n = m.n_layers();
@@ -390,8 +350,8 @@ fn offloaded_exl2_equals_cpu_bit_for_bit_within_the_planned_memory() {
             for compute in [Compute::Exact, Compute::Fast] {
                 cpu.set_compute(compute);
                 m.set_compute(compute);
-                let want = prompt_and_decode(&mut cpu, &cpu_cache);
-                let got = prompt_and_decode(&mut m, &cache);
+                let want = prompt_and_decode(&mut cpu, &cpu_cache, &ids());
+                let got = prompt_and_decode(&mut m, &cache, &ids());
                 assert!(got == want, "{what} ({}): logits differ", compute.name());
             }
             if o.groups.len() as u64 > o.slots {

@@ -270,3 +270,68 @@ pub fn greedy(
     }
     ids
 }
+
+/// `src` planned on `devices` with its last `n_gpu_layers` on the first and the rest kept on
+/// the cpu, executing on that first device under `offload` when given; a cache of 32
+/// positions and a small runtime, so a 12-token prompt runs in two chunks (the all-on-cpu run
+/// it is compared with takes the same runtime: chunks of another length sum in another
+/// order). The model, its cache, the plan and the inventory.
+pub fn planned_layers(
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    devices: &str,
+    n_gpu_layers: i64,
+    offload: Option<weightlift_plan::WeightOffload>,
+) -> (
+    weightlift_engine::Model,
+    std::sync::Arc<weightlift_engine::Cache>,
+    weightlift_plan::Plan,
+    weightlift_engine::Inventory,
+) {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    let inv = Inventory::parse(devices).unwrap();
+    let mut m = Model::new(Arc::clone(src), inv.clone());
+    let mut req = m.plan_request().unwrap();
+    req.strategy = wp::Strategy::Layers(wp::LayerOptions {
+        n_gpu_layers,
+        ..wp::LayerOptions::default()
+    });
+    req.cache = Some(wp::CacheSpec::new(
+        32,
+        1,
+        weightlift_engine::CacheDType::F32,
+    ));
+    req.runtime = wp::RuntimeSpec {
+        max_input_len: 8,
+        max_attention_size: 8 * 32,
+        max_dq_size: 1 << 12,
+        low_mem: false,
+    };
+    req.offload = offload;
+    let plan = wp::plan(&req).unwrap();
+    let cache = load_planned(&mut m, &plan).unwrap();
+    (m, cache, plan, inv)
+}
+
+/// The prompt `ids`' logits at every position, then three decode steps' (the cache reset
+/// first), as bits.
+pub fn prompt_and_decode(
+    m: &mut weightlift_engine::Model,
+    cache: &std::sync::Arc<weightlift_engine::Cache>,
+    ids: &[u32],
+) -> Vec<u32> {
+    let mut all = forward_all(m, cache, ids);
+    let mut out = Vec::new();
+    for id in &ids[..3] {
+        m.forward(
+            &[*id],
+            Some(cache),
+            weightlift_engine::forward::Logits::Last,
+            &mut out,
+        )
+        .unwrap();
+        all.extend_from_slice(&out);
+    }
+    all.iter().map(|v| v.to_bits()).collect()
+}
