@@ -410,3 +410,25 @@ fn what_cannot_run_is_refused_by_name() {
     assert!(e.to_string().contains("split by kv heads"), "{e}");
     assert_eq!(layer_dev_cache.seq_len(), 0, "nothing ran");
 }
+
+/// The devices' shares of a layer compute at once, on the model's threads: the logits are the
+/// same bits on 1 thread (one share after another) and on 2 (shares side by side), in both
+/// compute modes, over 2 and 3 devices.
+#[test]
+fn devices_computing_at_once_give_the_same_bits_on_any_thread_count() {
+    let src = open(PathBuf::from(std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
+        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust`",
+    )));
+    let ids = common::smollm2_prompt(1);
+    for devices in ["virtual:2x256MiB,cpu", "virtual:3x256MiB,cpu"] {
+        let (mut m, cache, _) = load_tp(&src, devices, None, 64, CacheDType::Fp16).unwrap();
+        for compute in [Compute::Exact, Compute::Fast] {
+            m.set_compute(compute);
+            m.set_threads(1).unwrap();
+            let one = logits_all(&mut m, &cache, &ids);
+            m.set_threads(2).unwrap();
+            let two = logits_all(&mut m, &cache, &ids);
+            assert!(one == two, "{devices} {compute:?}: 1 and 2 threads differ");
+        }
+    }
+}

@@ -18,9 +18,13 @@
 //!
 //! Every device runs the same kernels as the single-device pass; only the order in which the
 //! partial sums of `o_proj` and `down` are added differs, so logits agree with a `cpu` run to
-//! f32 reduction-order error.
+//! f32 reduction-order error. Between two collectives the devices' shares run at once on the
+//! model's thread pool (each has its own weights, workspace and cache part, and the kernels'
+//! bits do not depend on the threads), as the GPUs of a TP group would.
 
 use std::sync::Arc;
+
+use rayon::prelude::*;
 
 use weightlift_format::{ModelSpec, Role, TensorInfo, is_quantized_part};
 use weightlift_kernels::cpu::matvec::{matmul, matvec};
@@ -262,6 +266,20 @@ impl Run<'_> {
     }
 }
 
+/// Each device of `table` that has a share of a layer (`per_device`, by device index), with
+/// its workspace: the work the devices then do at once.
+fn shares<'s, 'a, T>(
+    per_device: &'s [Option<T>],
+    ws: &'s mut [Option<Work<'a>>],
+    table: &SplitTable,
+) -> Result<Vec<(&'s T, &'s mut Work<'a>)>> {
+    Ok(table
+        .iter()
+        .zip(pick(ws, table)?)
+        .filter_map(|(&(d, _, _), w)| per_device.get(d)?.as_ref().map(|share| (share, w)))
+        .collect())
+}
+
 /// The entries' workspaces of `table`, mutably, in table order.
 fn pick<'s, 'a>(
     ws: &'s mut [Option<Work<'a>>],
@@ -452,12 +470,13 @@ impl TpGraph {
             }
             for (li, layer) in self.layers.iter().enumerate() {
                 gather_residual(&mut coll, flip(), &mut ws, &s.rs, &s.kv, (0, n, h))?;
-                for &(d, _, _) in &s.kv {
-                    let (Some(a), Some(w)) = (&layer.attn[d], ws[d].as_mut()) else {
-                        continue;
-                    };
-                    run.attention(a, li, &parts[a.cache_part].cache, pos, n, &mut w.v)?;
-                }
+                // Each device's heads at once: its weights, workspace and cache part are its
+                // own, and the kernels give the same bits whichever thread runs them.
+                shares(&layer.attn, &mut ws, &s.kv)?
+                    .into_par_iter()
+                    .try_for_each(|(a, w)| {
+                        run.attention(a, li, &parts[a.cache_part].cache, pos, n, &mut w.v)
+                    })?;
                 reduce_partials(
                     &mut coll,
                     &mut ws,
@@ -467,12 +486,9 @@ impl TpGraph {
                     layer.o_bias.as_deref(),
                 )?;
                 gather_residual(&mut coll, flip(), &mut ws, &s.rs, &s.id, (0, n, h))?;
-                for &(d, _, _) in &s.id {
-                    let (Some(m), Some(w)) = (&layer.mlp[d], ws[d].as_mut()) else {
-                        continue;
-                    };
-                    run.mlp(m, li, n, &mut w.v)?;
-                }
+                shares(&layer.mlp, &mut ws, &s.id)?
+                    .into_par_iter()
+                    .try_for_each(|(m, w)| run.mlp(m, li, n, &mut w.v))?;
                 reduce_partials(
                     &mut coll,
                     &mut ws,
