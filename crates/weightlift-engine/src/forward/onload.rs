@@ -321,3 +321,55 @@ pub(crate) fn onload_group<'s, 'w: 's, 'h: 'w>(
     }
     Ok(si)
 }
+
+/// After the last layer of a chunk: hand group 0 to the copier for its slot, when it is not
+/// resident and the slot is free, so that its copy overlaps the head (and the next call or
+/// chunk finds it in place) instead of starting the next pass with a synchronous copy. With
+/// prefetch off, or every group resident, there is nothing to do.
+pub(crate) fn prefetch_first<'s, 'w: 's, 'h: 'w>(
+    o: &mut Onload,
+    layers: &[Layer],
+    held: &'h [Held],
+    copies: &'h [(usize, Held)],
+    slot_mem: &mut [Option<SlotMem<'w>>],
+    copier: &mut Option<Copier<'s, 'w>>,
+) -> Result<()> {
+    let slots = o.slots();
+    let Some(c) = copier.as_mut() else {
+        return Ok(());
+    };
+    if o.groups.len() <= slots || o.holds[0] == Some(0) || c.in_flight.is_some() {
+        return Ok(());
+    }
+    let Some(mem) = slot_mem[0].take() else {
+        return Ok(());
+    };
+    o.holds[0] = None;
+    let parts = o.parts(0, layers, held, copies)?;
+    c.post(Job {
+        group: 0,
+        slot: 0,
+        mem,
+        parts,
+        rate: o.rate,
+    })
+}
+
+/// At the end of a forward call: wait for the copy in flight, if any, so that its slot's
+/// record is right for the next call; its bytes count in this call's copies.
+pub(crate) fn settle<'s, 'w: 's>(
+    o: &mut Onload,
+    slot_mem: &mut [Option<SlotMem<'w>>],
+    copier: &mut Option<Copier<'s, 'w>>,
+    made: &mut Copies,
+) -> Result<()> {
+    if let Some(c) = copier.as_mut()
+        && c.in_flight.is_some()
+    {
+        let (g, si, mem, r) = c.wait()?;
+        slot_mem[si] = Some(mem);
+        made.add(r?);
+        o.holds[si] = Some(g);
+    }
+    Ok(())
+}

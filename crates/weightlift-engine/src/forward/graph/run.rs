@@ -15,7 +15,7 @@ use crate::forward::embed::embed_rows;
 use crate::forward::exec::{self, Ctx, kernel_on};
 use crate::forward::layer::{Consts, Weights, run_layer};
 use crate::forward::logits::head_rows;
-use crate::forward::onload::{Copier, SlotMem, onload_group};
+use crate::forward::onload::{Copier, SlotMem, onload_group, prefetch_first, settle};
 use crate::forward::work::{Work, on_site, site_works};
 use crate::forward::{Compute, Copies, Logits, check_tokens};
 use crate::model::Held;
@@ -143,6 +143,9 @@ impl Graph {
                     v => run_layer(&c, layer, li, &wts, cache, pos, n, v)?,
                     (b, r) => exec::layer(*b, &lcx, layer, li, cache, pos, n, r)?);
                 }
+                if let Some(o) = self.onload.as_mut() {
+                    prefetch_first(o, &self.layers, held, copies, &mut slot_mem, &mut copier)?;
+                }
                 cache.note_ids(pos as u64, part);
                 cache.set_seq_len((pos + n) as u64)?;
                 // The head: only the rows asked for.
@@ -174,6 +177,9 @@ impl Graph {
                 head_rows(&c, &hw, &self.out_norm, &self.head, first, per, rows_out, w)?;
             }, (b, r) => exec::head(*b, &cx(hs), &self.out_norm, &self.head, first, per, rows_out, r)?);
                 done += n;
+            }
+            if let Some(o) = self.onload.as_mut() {
+                settle(o, &mut slot_mem, &mut copier, &mut copies_made)?;
             }
             Ok(())
         })?;
