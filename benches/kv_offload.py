@@ -27,25 +27,15 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import weightlift as wl
+from offload import DEMO, PROMPT, REPEAT, RESULTS, THREADS
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benches" / "results"
-DEMO = Path(
-    os.environ.get(
-        "WEIGHTLIFT_DEMO_GGUF", ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
-)
-REPEAT = int(os.environ.get("WEIGHTLIFT_BENCH_REPEAT", "5"))
 RATES = ("16GB/s", "4GB/s")
 PROMPTS = (64, 1024)
 N_CTX = 2048
 DECODE_TOKENS = 16
-THREADS = 2
-PROMPT = [1, 504, 3575, 282, 4649, 314, 253, 1789, 8760, 30, 198]
 
 
 def decode(m: wl.Model, cache: wl.Cache, prompt: list[int]) -> tuple[float, int]:

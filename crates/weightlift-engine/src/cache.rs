@@ -322,12 +322,7 @@ impl Cache {
         if let Some(names) = self.tp_devices() {
             return Ok(names);
         }
-        self.lock()[layer]
-            .as_ref()
-            .map(|s| s.device.name().to_owned())
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })
+        held(&self.lock(), layer).map(|s| s.device.name().to_owned())
     }
 
     /// What [`Cache::memory`] should report for the devices the layers were allocated for
@@ -402,11 +397,7 @@ impl Cache {
         }
         let (hk, hv) = formats(c.dtype);
         let mut layers = self.lock();
-        let store = layers[layer]
-            .as_mut()
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })?;
+        let store = held_mut(&mut layers, layer)?;
         let row_len = heads * hd;
         let n = n_tokens as usize;
         let mut row = vec![0f32; row_len];
@@ -522,11 +513,7 @@ impl Cache {
             .map(|v| v.fetch_add(1, Ordering::AcqRel));
         let (hk, hv) = formats(self.config.dtype);
         let mut layers = self.lock();
-        let store = layers[layer]
-            .as_mut()
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })?;
+        let store = held_mut(&mut layers, layer)?;
         let first = pos as usize * row;
         for (src, format, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
             let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row));
@@ -571,11 +558,7 @@ impl Cache {
             ver.fetch_add(1, Ordering::AcqRel);
         }
         let mut layers = self.lock();
-        let store = layers[layer]
-            .as_mut()
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })?;
+        let store = held_mut(&mut layers, layer)?;
         f(&mut store.k, &mut store.v)
     }
 
@@ -614,11 +597,7 @@ impl Cache {
             Some(r) => go(&r.k, &r.v),
             None => {
                 let layers = self.lock();
-                let store = layers[layer]
-                    .as_ref()
-                    .ok_or_else(|| EngineError::NotLoaded {
-                        what: format!("cache layer {layer}"),
-                    })?;
+                let store = held(&layers, layer)?;
                 go(&store.k, &store.v)
             }
         }
@@ -631,24 +610,14 @@ impl Cache {
 
     /// Read positions `start..end` back as f32 `(batch, n_kv_heads, end - start, head_dim)`.
     pub fn read(&self, layer: usize, start: u64, end: u64) -> Result<(Vec<f32>, Vec<f32>)> {
-        let n_tokens = end.checked_sub(start).ok_or_else(|| {
-            invalid(
-                "cache read range",
-                "start <= end",
-                format!("{start}..{end}"),
-            )
-        })?;
+        let n_tokens = read_len(start, end)?;
         self.check_span(layer, start, n_tokens)?;
         if let Some(kv) = self.read_tp(layer, start, end)? {
             return Ok(kv);
         }
         self.join_prefetch();
         let layers = self.lock();
-        let store = layers[layer]
-            .as_ref()
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })?;
+        let store = held(&layers, layer)?;
         decode_span(&self.config, layer, start, n_tokens, &store.k, &store.v)
     }
 }
@@ -704,6 +673,37 @@ fn decode_span(
         }
     }
     Ok((k, v))
+}
+
+/// `layer`'s store, or the error for a layer not allocated yet.
+fn held(layers: &[Option<LayerStore>], layer: usize) -> Result<&LayerStore> {
+    layers
+        .get(layer)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| EngineError::NotLoaded {
+            what: format!("cache layer {layer}"),
+        })
+}
+
+/// As [`held`], to write.
+fn held_mut(layers: &mut [Option<LayerStore>], layer: usize) -> Result<&mut LayerStore> {
+    layers
+        .get_mut(layer)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| EngineError::NotLoaded {
+            what: format!("cache layer {layer}"),
+        })
+}
+
+/// The tokens of a read of positions `start..end`.
+fn read_len(start: u64, end: u64) -> Result<u64> {
+    end.checked_sub(start).ok_or_else(|| {
+        invalid(
+            "cache read range",
+            "start <= end",
+            format!("{start}..{end}"),
+        )
+    })
 }
 
 /// Encode `row` at value index `slot` of `buf` (a multiple of the group size for quantised

@@ -250,25 +250,12 @@ fn exl2_through_the_backend_op_sequence_is_refused_by_name() {
 /// Bytes of the tensors an EXL2 layer's packed products read (`q_weight`, `q_scale`,
 /// `q_scale_max`), from the checkpoint's byte ranges: what an onload slot holds of layer `l`.
 fn packed_layer_bytes(src: &Arc<dyn Source>, l: u32) -> u64 {
-    let ckpt = src.checkpoint().unwrap();
-    let linears: Vec<_> = ckpt
-        .quantization()
-        .unwrap()
-        .linears()
-        .iter()
-        .filter(|q| q.layer() == Some(l))
-        .collect();
-    assert_eq!(linears.len(), 7, "layer {l}: every projection is EXL2");
-    let size = |name: &str| ckpt.tensor(name).unwrap().nbytes;
-    linears
-        .iter()
-        .map(|q| {
-            let LinearScheme::Exl2(e) = q.scheme() else {
-                panic!("{}: not EXL2", q.prefix())
-            };
-            size(e.q_weight()) + size(e.q_scale()) + size(e.q_scale_max())
-        })
-        .sum()
+    common::packed_layer_bytes(src, l, |q| {
+        let LinearScheme::Exl2(e) = q.scheme() else {
+            panic!("{}: not EXL2", q.prefix())
+        };
+        [e.q_weight(), e.q_scale(), e.q_scale_max()].map(str::to_owned)
+    })
 }
 
 /// The fixture with its layer stored twice (layers 0 and 1, the same tensors), so offloaded

@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use std::path::PathBuf;
 
 use common::{
@@ -14,7 +16,7 @@ use common::{
     smollm2_prompt, split_load,
 };
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{CacheDType, Model};
+use weightlift_engine::{Cache, CacheDType, Model};
 
 /// SmolLM2 exact, f32 cache, through the backend: within 1e-3 of transformers with the same
 /// argmax at every position, and transformers' greedy ids; and the host path's bits.
@@ -159,10 +161,36 @@ fn tiny_qwen2_through_the_backend_matches_transformers() {
     }
 }
 
+/// What a run leaves to compare: the prompt's logits at every position, the next step's, and
+/// every layer's cache rows decoded.
+type Outcome = (Vec<f32>, Vec<f32>, Vec<(Vec<f32>, Vec<f32>)>);
+
+fn prompt_step_rows(m: &mut Model, cache: &Arc<Cache>, prompt: &[u32]) -> Outcome {
+    let all = forward_all(m, cache, prompt);
+    let mut next = Vec::new();
+    m.forward(&[42], Some(cache), Logits::Last, &mut next)
+        .unwrap();
+    let n = cache.seq_len();
+    let rows = (0..m.n_layers() as usize)
+        .map(|l| cache.read(l, 0, n).unwrap())
+        .collect();
+    (all, next, rows)
+}
+
+fn assert_same(what: &str, backend: &Outcome, host: &Outcome) {
+    assert!(
+        backend.0 == host.0,
+        "{what}: prompt logits differ (max|Δ| {})",
+        max_abs_diff(&backend.0, &host.0)
+    );
+    assert!(backend.1 == host.1, "{what}: next-token logits differ");
+    assert!(backend.2 == host.2, "{what}: cache rows differ");
+}
+
 /// Every quantised cache (q8, q6, q4, fp8) through the backend: the cache rows are written by
 /// the backend's store operation and read by its attention in their own storage, and give the
 /// host path's bits: the prompt's logits at every position, a decode step after it, and the
-/// cache's decoded rows, in both compute modes. An offloaded cache is still refused by name.
+/// cache's decoded rows, in both compute modes.
 #[test]
 fn backend_path_reads_and_writes_every_cache_dtype_as_the_host_path() {
     let src = smollm2();
@@ -176,26 +204,14 @@ fn backend_path_reads_and_writes_every_cache_dtype_as_the_host_path() {
         for compute in [Compute::Fast, Compute::Exact] {
             let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 64, dtype);
             m.set_compute(compute);
-            let run = |m: &mut Model| {
-                let all = forward_all(m, &cache, &prompt);
-                let mut next = Vec::new();
-                m.forward(&[42], Some(&cache), Logits::Last, &mut next)
-                    .unwrap();
-                let n = cache.seq_len();
-                let rows = cache.read(m.n_layers() as usize - 1, 0, n).unwrap();
-                (all, next, rows)
-            };
-            let host = run(&mut m);
+            let host = prompt_step_rows(&mut m, &cache, &prompt);
             m.set_host_backend(true);
-            let backend = run(&mut m);
-            let what = format!("{} cache, {compute:?}", dtype.name());
-            assert!(
-                backend.0 == host.0,
-                "{what}: prompt logits differ (max|Δ| {})",
-                max_abs_diff(&backend.0, &host.0)
+            let backend = prompt_step_rows(&mut m, &cache, &prompt);
+            assert_same(
+                &format!("{} cache, {compute:?}", dtype.name()),
+                &backend,
+                &host,
             );
-            assert!(backend.1 == host.1, "{what}: next-token logits differ");
-            assert!(backend.2 == host.2, "{what}: cache rows differ");
         }
     }
 }
@@ -214,26 +230,10 @@ fn backend_path_runs_an_offloaded_cache_as_the_host_path() {
             let (mut m, cache) = split_load(&src, "virtual:2x256MiB,cpu", &devs, dtype, 0, true);
             assert!(cache.is_offloaded());
             m.set_host_backend(backend);
-            let all = forward_all(&mut m, &cache, &prompt);
-            let mut next = Vec::new();
-            m.forward(&[42], Some(&cache), Logits::Last, &mut next)
-                .unwrap();
-            let n = cache.seq_len();
-            let rows: Vec<_> = (0..m.n_layers() as usize)
-                .map(|l| cache.read(l, 0, n).unwrap())
-                .collect();
-            (all, next, rows)
+            prompt_step_rows(&mut m, &cache, &prompt)
         };
-        let host = run(false);
-        let backend = run(true);
         let what = format!("offloaded {} cache", dtype.name());
-        assert!(
-            backend.0 == host.0,
-            "{what}: prompt logits differ (max|Δ| {})",
-            max_abs_diff(&backend.0, &host.0)
-        );
-        assert!(backend.1 == host.1, "{what}: next-token logits differ");
-        assert!(backend.2 == host.2, "{what}: cache rows differ");
+        assert_same(&what, &run(true), &run(false));
     }
 }
 

@@ -199,25 +199,12 @@ fn gptq_through_the_backend_op_sequence_is_refused_by_name() {
 /// Bytes of the tensors a GPTQ layer's packed products read (`qweight`, `qzeros`, `scales`),
 /// from the checkpoint's byte ranges: what an onload slot holds of layer `l`.
 fn packed_layer_bytes(src: &Arc<dyn Source>, l: u32) -> u64 {
-    let ckpt = src.checkpoint().unwrap();
-    let linears: Vec<_> = ckpt
-        .quantization()
-        .unwrap()
-        .linears()
-        .iter()
-        .filter(|q| q.layer() == Some(l))
-        .collect();
-    assert_eq!(linears.len(), 7, "layer {l}: every projection is GPTQ");
-    let size = |name: &str| ckpt.tensor(name).unwrap().nbytes;
-    linears
-        .iter()
-        .map(|q| {
-            let LinearScheme::Gptq(g) = q.scheme() else {
-                panic!("{}: not GPTQ", q.prefix())
-            };
-            size(g.qweight()) + size(g.qzeros()) + size(g.scales())
-        })
-        .sum()
+    common::packed_layer_bytes(src, l, |q| {
+        let LinearScheme::Gptq(g) = q.scheme() else {
+            panic!("{}: not GPTQ", q.prefix())
+        };
+        [g.qweight(), g.qzeros(), g.scales()].map(str::to_owned)
+    })
 }
 
 /// Offloaded execution (`offload="sequential" | "group"`, with and without prefetch): the

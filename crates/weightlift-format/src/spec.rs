@@ -2,7 +2,7 @@
 //! and the mapping of tensor names (both naming schemes) to (layer, role).
 
 mod names;
-pub use names::is_quantized_part;
+pub use names::{is_packed_product_part, is_quantized_part};
 
 use serde::{Deserialize, Serialize};
 

@@ -12,18 +12,21 @@
 //! execution device too (where it computes), as transformers keeps them.
 
 use serde::{Deserialize, Serialize};
-use weightlift_format::TensorInfo;
+use weightlift_format::{TensorInfo, is_packed_product_part, is_quantized_part};
 
 use crate::error::{PlanError, Result};
 
 /// Whether the forward pass copies tensor `t` of an offloaded layer into its onload slot: the
-/// layer's matrices (its 2-D tensors: float and ggml weights, GPTQ's `qweight`, `qzeros` and
-/// `scales`, EXL2's `q_weight` and `q_scale`) and EXL2's 1-D `q_scale_max`, which the packed
-/// product reads beside them. Norms and biases are read once into host memory, and the packed
-/// linears' index tables (`g_idx`, `q_invperm`, `q_perm`, `q_groups`) when the checkpoint
-/// opened; none of them is copied.
+/// layer's matrices (its 2-D float and ggml weights) and, of a packed (GPTQ, EXL2) linear, the
+/// parts its product reads ([`is_packed_product_part`]). Norms and biases are read once into
+/// host memory, and the packed linears' index tables when the checkpoint opened; none of them
+/// is copied.
 pub fn copied_to_slot(t: &TensorInfo) -> bool {
-    t.shape.len() == 2 || t.name.ends_with(".q_scale_max")
+    if is_quantized_part(&t.name) {
+        is_packed_product_part(&t.name)
+    } else {
+        t.shape.len() == 2
+    }
 }
 
 /// How layers kept on `cpu`/`disk` execute.

@@ -5,9 +5,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
-use super::{Cache, LayerStore, SLOTS, decode_span, formats};
+use super::{Cache, LayerStore, SLOTS, decode_span, formats, held, held_mut, read_len};
 use crate::device::{Buffer, Device, pace_link};
-use crate::error::{EngineError, Result, invalid};
+use crate::error::{EngineError, Result};
 use crate::forward::Copies;
 
 /// A device-resident copy of one layer for the caller to compute with. For an offloaded cache it
@@ -194,11 +194,7 @@ impl Cache {
             [hk, hv].map(|f| (f.byte_at(first), f.byte_at(first + n * row)))
         };
         let mut layers = self.lock();
-        let store = layers[layer]
-            .as_mut()
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })?;
+        let store = held_mut(&mut layers, layer)?;
         for (src, dst, (b0, b1)) in [
             (&r.k, &mut store.k, spans[0]),
             (&r.v, &mut store.v, spans[1]),
@@ -265,11 +261,7 @@ impl Cache {
             return Ok(None);
         }
         let layers = self.lock();
-        let s = layers[layer]
-            .as_ref()
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })?;
+        let s = held(&layers, layer)?;
         let mut pools = self.lock_pools();
         let Some(p) = pools.iter_mut().find(|p| Arc::ptr_eq(&p.device, &s.device)) else {
             return Ok(None);
@@ -303,11 +295,7 @@ impl Cache {
     /// A fresh copy of `layer` on its compute device.
     fn copy(&self, layer: usize) -> Result<(Resident, Option<u64>)> {
         let layers = self.lock();
-        let s = layers[layer]
-            .as_ref()
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })?;
+        let s = held(&layers, layer)?;
         let mut k = s.device.alloc(s.k.len() as u64)?;
         let mut v = s.device.alloc(s.v.len() as u64)?;
         s.k.copy_into(&mut k)?;
@@ -328,11 +316,7 @@ impl Cache {
     /// layer if possible).
     pub(super) fn prefetch_into_slot(&self, layer: usize) -> Result<()> {
         let layers = self.lock();
-        let s = layers[layer]
-            .as_ref()
-            .ok_or_else(|| EngineError::NotLoaded {
-                what: format!("cache layer {layer}"),
-            })?;
+        let s = held(&layers, layer)?;
         let mut pools = self.lock_pools();
         let Some(p) = pools.iter_mut().find(|p| Arc::ptr_eq(&p.device, &s.device)) else {
             return Ok(());
@@ -416,13 +400,7 @@ impl Cache {
         start: u64,
         end: u64,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let n_tokens = end.checked_sub(start).ok_or_else(|| {
-            invalid(
-                "cache read range",
-                "start <= end",
-                format!("{start}..{end}"),
-            )
-        })?;
+        let n_tokens = read_len(start, end)?;
         self.check_span(r.layer, start, n_tokens)?;
         decode_span(&self.config, r.layer, start, n_tokens, &r.k, &r.v)
     }

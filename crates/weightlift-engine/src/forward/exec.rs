@@ -475,7 +475,7 @@ pub(crate) fn layer<B: Exec>(
             start: pos,
             scale: 1.0 / (hd as f32).sqrt(),
             tile: c.kv_tile,
-            f16_operands: c.compute == Compute::Fast && k_format == KvFormat::F16,
+            f16_operands: c.compute.f16_operands(cache.config().dtype),
             q: &r.q,
             k: &kc,
             v: &vc,

@@ -85,8 +85,7 @@ pub(super) fn run_layer(
         head_dim: hd,
         kv_tile: c.kv_tile,
         q_tile: c.q_tile,
-        f16_operands: c.compute == Compute::Fast
-            && cache.config().dtype == crate::cache::CacheDType::Fp16,
+        f16_operands: c.compute.f16_operands(cache.config().dtype),
     };
     let tiles = Tiles {
         kt: w.kt,

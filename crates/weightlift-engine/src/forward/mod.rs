@@ -80,6 +80,12 @@ impl Compute {
         }
     }
 
+    /// Whether attention rounds its queries and weights to f16 before they meet a cache of
+    /// `dtype`: in fast mode over an fp16 cache, as llama.cpp's CPU products do.
+    pub(crate) fn f16_operands(self, dtype: crate::cache::CacheDType) -> bool {
+        self == Compute::Fast && dtype == crate::cache::CacheDType::Fp16
+    }
+
     pub(crate) fn mode(self, ty: QuantType) -> MatvecMode {
         if self == Compute::Fast && weightlift_kernels::cpu::matvec::q8_supports(ty) {
             MatvecMode::Q8

@@ -37,7 +37,7 @@ use super::layer::{kernel, swiglu_in_place};
 use super::rope::rope_of;
 use super::weights::Packing;
 use super::{Compute, Copies, Logits, Views, carve, check_tokens};
-use crate::cache::{Cache, CacheDType};
+use crate::cache::Cache;
 use crate::device::DeviceKind;
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
@@ -239,7 +239,7 @@ impl Run<'_> {
             head_dim: hd,
             kv_tile: self.kv_tile,
             q_tile: self.q_tile,
-            f16_operands: self.compute == Compute::Fast && cache.config().dtype == CacheDType::Fp16,
+            f16_operands: self.compute.f16_operands(cache.config().dtype),
         };
         let tiles = Tiles {
             kt: w.kt,

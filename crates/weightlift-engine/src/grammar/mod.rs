@@ -151,6 +151,34 @@ impl Grammar {
         }))
     }
 
+    /// The grammar an OpenAI-style `response_format` of type `kind` asks for, as
+    /// llama-cpp-python reads it: `"text"` none, `"json_object"` the JSON grammar. A schema
+    /// (`has_schema`), or another type, is refused by name.
+    pub fn for_response_format(
+        kind: Option<&str>,
+        has_schema: bool,
+    ) -> Result<Option<Arc<Grammar>>, crate::EngineError> {
+        let refuse = |what: String, detail: &str| crate::EngineError::Unsupported {
+            what,
+            detail: detail.into(),
+        };
+        match kind {
+            Some("text") => Ok(None),
+            Some("json_object") if has_schema => Err(refuse(
+                "response_format with a schema".into(),
+                "JSON schemas are not built; pass a GBNF grammar with grammar=",
+            )),
+            Some("json_object") => Ok(Some(Grammar::json())),
+            other => Err(refuse(
+                format!(
+                    "response_format type {}",
+                    other.map_or_else(|| "(none given)".to_owned(), |t| format!("'{t}'"))
+                ),
+                "expected 'json_object' or 'text'",
+            )),
+        }
+    }
+
     /// The GBNF text this grammar was parsed from.
     pub fn source(&self) -> &str {
         &self.source

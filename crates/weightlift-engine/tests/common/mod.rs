@@ -335,3 +335,28 @@ pub fn prompt_and_decode(
     }
     all.iter().map(|v| v.to_bits()).collect()
 }
+
+/// Bytes of the tensors layer `l`'s packed products read, from the checkpoint's byte ranges:
+/// what an onload slot holds of the layer. `read` names a linear's product tensors (GPTQ:
+/// qweight, qzeros, scales; EXL2: q_weight, q_scale, q_scale_max) and panics on another
+/// scheme; every one of the 7 projections must be packed.
+pub fn packed_layer_bytes(
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    l: u32,
+    read: impl Fn(&weightlift_format::quantized::QuantizedLinear) -> [String; 3],
+) -> u64 {
+    let ckpt = src.checkpoint().unwrap();
+    let linears: Vec<_> = ckpt
+        .quantization()
+        .unwrap()
+        .linears()
+        .iter()
+        .filter(|q| q.layer() == Some(l))
+        .collect();
+    assert_eq!(linears.len(), 7, "layer {l}: every projection is packed");
+    linears
+        .iter()
+        .flat_map(|q| read(q))
+        .map(|name| ckpt.tensor(&name).unwrap().nbytes)
+        .sum()
+}

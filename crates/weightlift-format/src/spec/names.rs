@@ -57,6 +57,25 @@ const QUANT_PARTS: [&str; 10] = [
     "q_perm",
 ];
 
+/// The parts of a packed linear its product reads each time it runs (GPTQ: codes, zeros and
+/// scales; EXL2: codes, scales and the scales' maxima); the others are index tables, read
+/// once when the checkpoint opens.
+const PRODUCT_PARTS: [&str; 6] = [
+    "qweight",
+    "qzeros",
+    "scales",
+    "q_weight",
+    "q_scale",
+    "q_scale_max",
+];
+
+/// Whether `name` is a part of a GPTQ or EXL2 linear that its product reads each time it runs
+/// (what an offloaded layer must have beside its compute).
+pub fn is_packed_product_part(name: &str) -> bool {
+    name.rsplit_once('.')
+        .is_some_and(|(_, part)| PRODUCT_PARTS.contains(&part))
+}
+
 /// Whether `name` is one of the tensors a GPTQ or EXL2 linear stores in place of its weight
 /// (its shapes are the quantisation's, checked when the checkpoint opens).
 pub fn is_quantized_part(name: &str) -> bool {

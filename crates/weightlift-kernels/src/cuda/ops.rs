@@ -266,12 +266,7 @@ impl CudaBackend {
                 need("kv input bytes", src, mul(n, 4))?;
                 need("kv cache bytes", dst, format.byte_at(n))?;
                 match format {
-                    KvFormat::F32 => {
-                        let view = src.slice.slice(0..4 * n);
-                        let mut out = dst.slice.slice_mut(0..4 * n);
-                        s.memcpy_dtod(&view, &mut out)
-                            .map_err(drv("copying f32 cache rows"))?;
-                    }
+                    KvFormat::F32 => self.copy(src, 0, dst, 0, 4 * n)?,
                     KvFormat::F16 => self.run(Op::ConvertToF16 {
                         from: FloatType::F32,
                         n,
@@ -293,12 +288,7 @@ impl CudaBackend {
                 need("kv cache bytes", src, format.byte_at(n))?;
                 need("kv output bytes", dst, mul(n, 4))?;
                 match format {
-                    KvFormat::F32 => {
-                        let view = src.slice.slice(0..4 * n);
-                        let mut out = dst.slice.slice_mut(0..4 * n);
-                        s.memcpy_dtod(&view, &mut out)
-                            .map_err(drv("copying f32 cache rows"))?;
-                    }
+                    KvFormat::F32 => self.copy(src, 0, dst, 0, 4 * n)?,
                     KvFormat::F16 => self.run(Op::Dequantize {
                         ty: QuantType::F16,
                         out: FloatType::F32,

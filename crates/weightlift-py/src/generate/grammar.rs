@@ -12,8 +12,7 @@ use weightlift_engine::EngineError;
 use weightlift_engine::grammar::Grammar;
 use weightlift_engine::sample::Mirostat;
 
-use super::args::refuse;
-use crate::errors::{Exc, ToPyErr, eng, io_error, raise};
+use crate::errors::{ToPyErr, eng, io_error};
 
 /// A parsed GBNF grammar (llama.cpp's grammar format, root rule `root`), as llama-cpp-python's
 /// `LlamaGrammar`: pass it as `grammar=` to keep generated text inside it. A grammar that does
@@ -81,8 +80,8 @@ pub(super) fn grammar_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc
     )))
 }
 
-/// `response_format=`: None or `{"type": "text"}` for no constraint, `{"type": "json_object"}`
-/// for llama-cpp-python's JSON grammar. A schema, or another type, is refused by name.
+/// `response_format=`: None, or a dict whose `type` (and `schema`) pick the grammar
+/// ([`Grammar::for_response_format`]).
 pub(super) fn response_format_grammar(
     obj: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Option<Arc<Grammar>>> {
@@ -93,24 +92,10 @@ pub(super) fn response_format_grammar(
         PyTypeError::new_err("response_format: expected a dict such as {\"type\": \"json_object\"}")
     })?;
     let kind: Option<String> = d.get_item("type")?.map(|t| t.extract()).transpose()?;
-    match kind.as_deref() {
-        Some("text") => Ok(None),
-        Some("json_object") => {
-            refuse(
-                "response_format with a schema",
-                d.contains("schema")?,
-                "JSON schemas are not built; pass a GBNF grammar with grammar=",
-            )?;
-            Ok(Some(Grammar::json()))
-        }
-        other => Err(raise(
-            Exc::Unsupported,
-            format!(
-                "response_format type {} is not supported: expected 'json_object' or 'text'",
-                other.map_or_else(|| "(none given)".to_owned(), |t| format!("'{t}'"))
-            ),
-        )),
-    }
+    eng(Grammar::for_response_format(
+        kind.as_deref(),
+        d.contains("schema")?,
+    ))
 }
 
 /// `mirostat_mode`, `mirostat_tau`, `mirostat_eta`.
