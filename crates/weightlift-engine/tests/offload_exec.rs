@@ -242,31 +242,42 @@ fn offloaded_layers_run_through_the_backend_as_the_host_path() {
     }
 }
 
-/// Group offload onto `cuda:0`: the 20 kept layers' matrices copied into slots of the GPU's
-/// scratch and read there by the CUDA kernels. Exact compute: logits within 0.05 of the all-on-
-/// cpu run and the same argmax at every position. Needs a GPU.
+/// Offload onto `cuda:0`: the 20 kept layers' matrices copied into slots of the GPU's scratch
+/// through its copy stream and read there by the CUDA kernels, in group mode (two slots, the
+/// next group copied while one computes) and sequential mode (one slot). Exact compute: logits
+/// within 0.05 of the all-on-cpu run and the same argmax at every position, on a first pass and
+/// on a second one, which starts with group 0 copied at the end of the first (the copy stream's
+/// events, not a host wait, keep each read after its copy and each refill after its reads).
+/// Needs a GPU.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
-fn group_offload_onto_cuda_matches_the_cpu() {
+fn offload_onto_cuda_matches_the_cpu() {
     if let Some(reason) = weightlift_kernels::CudaBackend::unavailable_reason() {
         panic!("this test needs cuda:0: {reason}");
     }
     let prompt = smollm2_prompt(1);
     let mut cpu = load("cpu", 0, None);
-    let mut gpu = load("cuda:0,cpu", 10, Some(GROUP4));
-    assert_eq!(gpu.plan.onload().expect("an onload plan").device, "cuda:0");
     let want = logits(&mut cpu, Compute::Exact, &prompt);
-    let got = logits(&mut gpu, Compute::Exact, &prompt);
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    assert!(worst <= 0.05, "max|Δ| {worst} against the cpu");
-    let vocab = got.len() / (prompt.len() + 1);
-    let argmax = |r: &[f32]| (0..r.len()).max_by(|&i, &j| r[i].total_cmp(&r[j])).unwrap();
-    for (i, (a, b)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-        assert_eq!(argmax(a), argmax(b), "position {i}");
+    for mode in [GROUP4, WeightOffload::Sequential] {
+        let mut gpu = load("cuda:0,cpu", 10, Some(mode));
+        assert_eq!(gpu.plan.onload().expect("an onload plan").device, "cuda:0");
+        for pass in 0..2 {
+            let got = logits(&mut gpu, Compute::Exact, &prompt);
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= 0.05,
+                "{mode:?} pass {pass}: max|Δ| {worst} against the cpu"
+            );
+            let vocab = got.len() / (prompt.len() + 1);
+            let argmax = |r: &[f32]| (0..r.len()).max_by(|&i, &j| r[i].total_cmp(&r[j])).unwrap();
+            for (i, (a, b)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+                assert_eq!(argmax(a), argmax(b), "{mode:?} pass {pass}: position {i}");
+            }
+        }
+        assert!(gpu.model.transfer_stats().bytes >= 5 * gpu.plan.onload().unwrap().slot_bytes);
     }
-    assert!(gpu.model.transfer_stats().bytes >= 5 * gpu.plan.onload().unwrap().slot_bytes);
 }

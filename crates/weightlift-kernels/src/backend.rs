@@ -7,6 +7,11 @@
 //! cache rows at a position) is a buffer of its own through [`Backend::view`] and
 //! [`Backend::split`]: no copy, and nothing freed when the part is dropped.
 //!
+//! Copies: host to device and back, a range within a device ([`Backend::copy`]), strided rows
+//! within a device ([`Backend::copy_2d`]: a block of columns of a row-major matrix packed or
+//! unpacked in one call) and a range to another device of the same kind
+//! ([`Backend::copy_peer`], device to device where [`Backend::peer_access`]).
+//!
 //! The operations cover one llama-family decoder layer: RMSNorm, the projections
 //! ([`Op::Matmul`], or [`Op::Int8Matmul`] for LLM.int8 weights; a bias by [`Op::AddBias`]),
 //! RoPE on a table of frequencies ([`Op::RopeInPlace`]), the cache rows in any of the cache's
@@ -266,6 +271,17 @@ pub enum Op<'a, B> {
     },
 }
 
+/// A strided side of a 2-D copy ([`Backend::copy_2d`]): the first row's byte offset and the
+/// bytes from one row to the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rows {
+    /// Byte offset of the first row.
+    pub offset: usize,
+    /// Bytes from the start of one row to the start of the next (at least the row width when
+    /// there is more than one row).
+    pub pitch: usize,
+}
+
 /// A compute device: memory plus the operations of this crate.
 pub trait Backend: Send + Sync {
     /// A region of device memory.
@@ -295,6 +311,59 @@ pub trait Backend: Send + Sync {
         dst_offset: usize,
         bytes: usize,
     ) -> Result<()>;
+
+    /// Copies `rows` rows of `width` bytes within this device: row `r` from `src` at
+    /// `from.offset + r * from.pitch` to `dst` at `to.offset + r * to.pitch` (a block of columns
+    /// of a row-major matrix packed into a matrix of its own, or unpacked back). Bounds are
+    /// checked, and rows that would overlap (a pitch below `width`) are refused, with a typed
+    /// error, before anything is copied.
+    fn copy_2d(
+        &self,
+        src: &Self::Buffer,
+        from: Rows,
+        dst: &mut Self::Buffer,
+        to: Rows,
+        width: usize,
+        rows: usize,
+    ) -> Result<()>;
+
+    /// Whether [`Backend::copy_peer`] from this device to `to` copies device to device: always
+    /// between two CPU backends; on CUDA for the same device, or when the driver allows `to` to
+    /// access this device's memory (`cuDeviceCanAccessPeer`), which is then enabled once
+    /// (`cuCtxEnablePeerAccess`) and remembered per pair.
+    fn peer_access(&self, to: &Self) -> bool;
+
+    /// Copies `bytes` bytes of `src` (a buffer of this device) from `src_offset` into `dst` (a
+    /// buffer of `to`) at `dst_offset`: device to device where [`Backend::peer_access`], through
+    /// host memory otherwise. Ordered after the work queued on both devices before the call;
+    /// work queued on either after the call sees it done.
+    fn copy_peer(
+        &self,
+        src: &Self::Buffer,
+        src_offset: usize,
+        to: &Self,
+        dst: &mut Self::Buffer,
+        dst_offset: usize,
+        bytes: usize,
+    ) -> Result<()>;
+
+    /// As [`Backend::copy_peer`], for `rows` rows of `width` bytes with each side strided as
+    /// its [`Rows`] say (columns of a row-major matrix on either side). The default makes one
+    /// copy where both sides are contiguous, else one per row.
+    fn copy_peer_2d(
+        &self,
+        src: &Self::Buffer,
+        from: Rows,
+        to: &Self,
+        dst: &mut Self::Buffer,
+        to_rows: Rows,
+        (width, rows): (usize, usize),
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        copy_peer_by_rows(self, src, from, to, dst, to_rows, (width, rows))
+    }
 
     /// Runs (or enqueues) an operation.
     fn run(&self, op: Op<'_, Self::Buffer>) -> Result<()>;
@@ -368,6 +437,76 @@ pub(crate) fn check_range(
         _ => Err(KernelError::LengthMismatch {
             what,
             expected: offset.saturating_add(bytes),
+            got: len,
+        }),
+    }
+}
+
+/// Checks one side of a 2-D copy of `rows` rows of `width` bytes against a buffer of `len`
+/// bytes: the rows lie within it and do not overlap. Nothing is touched when `rows` or `width`
+/// is 0.
+/// [`Backend::copy_peer_2d`] as one [`Backend::copy_peer`] where both sides are contiguous,
+/// else one per row.
+pub(crate) fn copy_peer_by_rows<B: Backend>(
+    b: &B,
+    src: &B::Buffer,
+    from: Rows,
+    to: &B,
+    dst: &mut B::Buffer,
+    to_rows: Rows,
+    (width, rows): (usize, usize),
+) -> Result<()> {
+    check_rows("copy_peer_2d source bytes", b.len(src), from, width, rows)?;
+    check_rows(
+        "copy_peer_2d destination bytes",
+        to.len(dst),
+        to_rows,
+        width,
+        rows,
+    )?;
+    if rows <= 1 || (from.pitch == width && to_rows.pitch == width) {
+        let bytes = width.saturating_mul(rows);
+        return b.copy_peer(src, from.offset, to, dst, to_rows.offset, bytes);
+    }
+    for r in 0..rows {
+        let (s, d) = (
+            from.offset + r * from.pitch,
+            to_rows.offset + r * to_rows.pitch,
+        );
+        b.copy_peer(src, s, to, dst, d, width)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn check_rows(
+    what: &'static str,
+    len: usize,
+    side: Rows,
+    width: usize,
+    rows: usize,
+) -> Result<()> {
+    if rows == 0 || width == 0 {
+        return Ok(());
+    }
+    if rows > 1 && side.pitch < width {
+        return Err(KernelError::Shape {
+            op: "copy_2d",
+            reason: format!(
+                "{what}: rows of {width} bytes at a pitch of {} bytes overlap; the pitch is the \
+                 whole row of the matrix, not the part copied",
+                side.pitch
+            ),
+        });
+    }
+    let end = (rows - 1)
+        .checked_mul(side.pitch)
+        .and_then(|last| last.checked_add(side.offset))
+        .and_then(|last| last.checked_add(width));
+    match end {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(KernelError::LengthMismatch {
+            what,
+            expected: end.unwrap_or(usize::MAX),
             got: len,
         }),
     }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
-use crate::backend::{Backend, Op, check_range, check_ranges, quant_bytes};
+use crate::backend::{Backend, Op, Rows, check_range, check_ranges, check_rows, quant_bytes};
 use crate::cpu;
 use crate::error::{KernelError, Result};
 use crate::types::{FloatType, QuantType};
@@ -288,6 +288,52 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         self.own(src)?;
         self.own(dst)?;
+        check_range("copy source bytes", src.len, so, bytes)?;
+        check_range("copy destination bytes", dst.len, d_o, bytes)?;
+        dst.as_bytes_mut()[d_o..d_o + bytes].copy_from_slice(&src.as_bytes()[so..so + bytes]);
+        Ok(())
+    }
+
+    fn copy_2d(
+        &self,
+        src: &CpuBuffer,
+        from: Rows,
+        dst: &mut CpuBuffer,
+        to: Rows,
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        self.own(src)?;
+        self.own(dst)?;
+        check_rows("copy_2d source bytes", src.len, from, width, rows)?;
+        check_rows("copy_2d destination bytes", dst.len, to, width, rows)?;
+        if width == 0 {
+            return Ok(());
+        }
+        let (s, d) = (src.as_bytes(), dst.as_bytes_mut());
+        for r in 0..rows {
+            // in bounds: the last row ends within each buffer (checked above)
+            let (a, b) = (from.offset + r * from.pitch, to.offset + r * to.pitch);
+            d[b..b + width].copy_from_slice(&s[a..a + width]);
+        }
+        Ok(())
+    }
+
+    fn peer_access(&self, _to: &CpuBackend) -> bool {
+        true
+    }
+
+    fn copy_peer(
+        &self,
+        src: &CpuBuffer,
+        so: usize,
+        to: &CpuBackend,
+        dst: &mut CpuBuffer,
+        d_o: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.own(src)?;
+        to.own(dst)?;
         check_range("copy source bytes", src.len, so, bytes)?;
         check_range("copy destination bytes", dst.len, d_o, bytes)?;
         dst.as_bytes_mut()[d_o..d_o + bytes].copy_from_slice(&src.as_bytes()[so..so + bytes]);

@@ -9,6 +9,11 @@
 //! - Each backend owns a stream; operations are asynchronous until [`Backend::synchronize`] or
 //!   a copy to the host. Host-to-device copies go through two pinned staging buffers, so the
 //!   CPU fills one while the DMA engine drains the other (ordered by events).
+//! - Copies beyond one range (`copies`): strided rows by one `cuMemcpy2DAsync`, and copies to
+//!   another device on the destination's stream between events of both streams (peer access
+//!   enabled once per pair where the driver allows it, through the host otherwise). A second
+//!   stream per device, [`CopyStream`], uploads host bytes while the compute stream runs,
+//!   ordered against it only by the caller's events.
 //!
 //! - Every launch goes through [`CudaBackend::launch`], which checks the argument kinds against
 //!   [`crate::sources::SIGNATURES`]; a test checks that table against the PTX of every kernel.
@@ -34,8 +39,9 @@
 //! - The launch plumbing is in `launch`, the matrix products in `matmul`, and the operation
 //!   dispatch in `ops`.
 //! - Views ([`Backend::view`], [`Backend::split`]) are slices made from a device pointer inside
-//!   the parent allocation (`upgrade_device_ptr`) and leaked, not freed, when dropped. All work
-//!   is on the backend's one stream, so a view needs no events of its parent's.
+//!   the parent allocation (`upgrade_device_ptr`) and leaked, not freed, when dropped. Kernels
+//!   run on the backend's one stream, so a view needs no events of its parent's; a copy on a
+//!   [`CopyStream`] or to a peer is ordered by the explicit events above.
 //!
 //! These kernels are compile-checked (NVRTC: compute_80/compute_90 PTX, sm_75/sm_80/sm_90
 //! CUBIN), and their shared headers (block decoders, per-lane dot products, the Q8 quantiser
@@ -50,10 +56,10 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr,
-    DevicePtrMut, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
-use crate::backend::{Backend, Op, check_range, check_ranges, quant_bytes};
+use crate::backend::{Backend, Op, Rows, check_range, check_ranges, quant_bytes};
 use crate::cpu::int8::{INT8_MAX_COLS, int8_packed_bytes};
 use crate::cpu::kv_format::KvFormat;
 use crate::cpu::matvec::MatvecMode;
@@ -66,10 +72,14 @@ use crate::sources::{
 };
 use crate::types::{FloatType, QuantType};
 
+mod copies;
+mod copy_stream;
 mod launch;
 mod matmul;
 mod ops;
 
+use copies::{Staging, upload_staged};
+pub use copy_stream::CopyStream;
 use launch::*;
 pub use ops::ATTENTION_MAX_HEAD_DIM;
 
@@ -120,23 +130,6 @@ impl Drop for CudaBuffer {
     }
 }
 
-struct Staging {
-    bufs: [PinnedHostSlice<u8>; 2],
-    done: [CudaEvent; 2],
-}
-
-impl Drop for Staging {
-    /// A copy out of a staging buffer may still be in flight (copies return once queued), and
-    /// cudarc's `PinnedHostSlice` only waits for its own event, which these copies do not
-    /// record: wait for ours before the pinned memory is freed.
-    fn drop(&mut self) {
-        for e in &self.done {
-            // Nothing to report to from a drop; the context keeps a sticky error anyway.
-            let _ = e.synchronize();
-        }
-    }
-}
-
 /// One CUDA device with its own stream.
 pub struct CudaBackend {
     ordinal: usize,
@@ -146,6 +139,10 @@ pub struct CudaBackend {
     cc: (i32, i32),
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     staging: Mutex<Option<Staging>>,
+    /// Whether peer copies to each other device (by ordinal) go device to device.
+    peers: Mutex<HashMap<usize, bool>>,
+    /// The copy stream, made on first use ([`CudaBackend::copy_stream`]).
+    copy: Mutex<Option<CopyStream>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -194,6 +191,8 @@ impl CudaBackend {
             cc: (major, minor),
             modules: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
+            peers: Mutex::new(HashMap::new()),
+            copy: Mutex::new(None),
         })
     }
 
@@ -394,55 +393,15 @@ impl Backend for CudaBackend {
     fn copy_from_host(&self, src: &[u8], dst: &mut CudaBuffer, offset: usize) -> Result<()> {
         self.own(dst)?;
         check_range("copy destination bytes", dst.slice.len(), offset, src.len())?;
-        let mut guard = self.staging.lock().map_err(|_| KernelError::Cuda {
-            during: "staging".into(),
-            message: "staging lock poisoned".into(),
-        })?;
-        if guard.is_none() {
-            // SAFETY: pinned memory is uninitialised until written; every byte copied out of it
-            // below was first written from `src`.
-            let a = unsafe { self.ctx.alloc_pinned::<u8>(STAGING_BYTES) }
-                .map_err(drv("allocating pinned staging memory"))?;
-            // SAFETY: as above.
-            let b = unsafe { self.ctx.alloc_pinned::<u8>(STAGING_BYTES) }
-                .map_err(drv("allocating pinned staging memory"))?;
-            let e0 = self.ctx.new_event(None).map_err(drv("creating an event"))?;
-            let e1 = self.ctx.new_event(None).map_err(drv("creating an event"))?;
-            e0.record(&self.stream).map_err(drv("recording an event"))?;
-            e1.record(&self.stream).map_err(drv("recording an event"))?;
-            *guard = Some(Staging {
-                bufs: [a, b],
-                done: [e0, e1],
-            });
-        }
-        let st = guard.as_mut().ok_or_else(|| KernelError::Cuda {
-            during: "staging".into(),
-            message: "no staging buffers".into(),
-        })?;
-        for (k, chunk) in src.chunks(STAGING_BYTES).enumerate() {
-            let i = k % 2;
-            // wait until the DMA that last read this staging buffer has finished
-            st.done[i]
-                .synchronize()
-                .map_err(drv("waiting for a staging buffer"))?;
-            let pinned = st.bufs[i]
-                .as_mut_slice()
-                .map_err(drv("mapping pinned memory"))?;
-            pinned[..chunk.len()].copy_from_slice(chunk);
-            let at = offset + k * STAGING_BYTES;
-            let mut view = dst.slice.slice_mut(at..at + chunk.len());
-            self.stream
-                .memcpy_htod(&pinned[..chunk.len()], &mut view)
-                .map_err(drv(format!(
-                    "copying {} bytes to {}",
-                    chunk.len(),
-                    self.name()
-                )))?;
-            st.done[i]
-                .record(&self.stream)
-                .map_err(drv("recording an event"))?;
-        }
-        Ok(())
+        upload_staged(
+            &self.ctx,
+            &self.stream,
+            &self.staging,
+            &self.name(),
+            src,
+            dst,
+            offset,
+        )
     }
 
     fn copy_to_host(&self, src: &CudaBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
@@ -477,6 +436,47 @@ impl Backend for CudaBackend {
             .memcpy_dtod(&view, &mut out)
             .map_err(drv("copying between buffers"))
     }
+
+    fn copy_2d(
+        &self,
+        src: &CudaBuffer,
+        from: Rows,
+        dst: &mut CudaBuffer,
+        to: Rows,
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        self.copy_rows(src, from, dst, to, width, rows)
+    }
+
+    fn peer_access(&self, to: &CudaBackend) -> bool {
+        self.reaches(to)
+    }
+
+    fn copy_peer(
+        &self,
+        src: &CudaBuffer,
+        so: usize,
+        to: &CudaBackend,
+        dst: &mut CudaBuffer,
+        d_o: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.copy_to_peer(src, so, to, dst, d_o, bytes)
+    }
+
+    fn copy_peer_2d(
+        &self,
+        src: &CudaBuffer,
+        from: Rows,
+        to: &CudaBackend,
+        dst: &mut CudaBuffer,
+        to_rows: Rows,
+        shape: (usize, usize),
+    ) -> Result<()> {
+        self.copy_rows_to_peer(src, from, to, dst, to_rows, shape)
+    }
+
     fn run(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
         self.run_op(op)
     }

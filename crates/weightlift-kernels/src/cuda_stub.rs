@@ -1,7 +1,7 @@
 //! The CUDA backend when the crate is built without the `cuda` feature: every constructor
 //! returns [`KernelError::NotCompiledWithCuda`], so callers compile and test anywhere.
 
-use crate::backend::{Backend, Op};
+use crate::backend::{Backend, Op, Rows};
 use crate::error::{KernelError, Result};
 use crate::types::QuantType;
 
@@ -23,7 +23,40 @@ pub struct CudaBuffer {
     _never: std::convert::Infallible,
 }
 
+/// Stand-in for a CUDA device's copy stream; cannot be constructed.
+#[derive(Debug, Clone)]
+pub struct CopyStream {
+    _never: std::convert::Infallible,
+}
+
+impl CopyStream {
+    /// Never called: there is no copy stream without the `cuda` feature.
+    pub fn upload(&self, _src: &[u8], _dst: &mut CudaBuffer, _offset: usize) -> Result<()> {
+        match self._never {}
+    }
+
+    /// Never called: there is no copy stream without the `cuda` feature.
+    pub fn after_compute(&self, _b: &CudaBackend) -> Result<()> {
+        match self._never {}
+    }
+
+    /// Never called: there is no copy stream without the `cuda` feature.
+    pub fn before_compute(&self, _b: &CudaBackend) -> Result<()> {
+        match self._never {}
+    }
+
+    /// Never called: there is no copy stream without the `cuda` feature.
+    pub fn synchronize(&self) -> Result<()> {
+        match self._never {}
+    }
+}
+
 impl CudaBackend {
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn copy_stream(&self) -> Result<CopyStream> {
+        match self._never {}
+    }
+
     /// Always [`KernelError::NotCompiledWithCuda`].
     pub fn new(ordinal: usize) -> Result<Self> {
         Err(not_compiled(&format!("cuda:{ordinal}")))
@@ -62,6 +95,31 @@ impl Backend for CudaBackend {
         &self,
         _s: &CudaBuffer,
         _so: usize,
+        _d: &mut CudaBuffer,
+        _do: usize,
+        _n: usize,
+    ) -> Result<()> {
+        match self._never {}
+    }
+    fn copy_2d(
+        &self,
+        _s: &CudaBuffer,
+        _from: Rows,
+        _d: &mut CudaBuffer,
+        _to: Rows,
+        _width: usize,
+        _rows: usize,
+    ) -> Result<()> {
+        match self._never {}
+    }
+    fn peer_access(&self, _to: &CudaBackend) -> bool {
+        match self._never {}
+    }
+    fn copy_peer(
+        &self,
+        _s: &CudaBuffer,
+        _so: usize,
+        _to: &CudaBackend,
         _d: &mut CudaBuffer,
         _do: usize,
         _n: usize,

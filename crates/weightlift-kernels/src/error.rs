@@ -94,6 +94,16 @@ pub enum KernelError {
         /// Its size.
         got: usize,
     },
+    /// A device's copy stream ordered against the compute stream of another device.
+    #[error(
+        "the copy stream of {stream} was ordered against the compute stream of {backend}; a copy stream orders work on its own device only (use the copy stream of {backend})"
+    )]
+    StreamDevice {
+        /// The copy stream's device.
+        stream: String,
+        /// The backend it was paired with.
+        backend: String,
+    },
     /// A rayon thread pool could not be built.
     #[error("could not start a pool of {threads} threads: {message}")]
     ThreadPool {

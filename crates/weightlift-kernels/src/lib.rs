@@ -2,16 +2,18 @@
 //!
 //! - [`cpu`]: the reference kernels, used by the engine's `cpu` and `virtual` devices and by
 //!   `Checkpoint.dequantize`. Free functions on slices, each with a `_with(Isa, ...)` twin.
-//! - [`Backend`]: allocate, copy, run an [`Op`], synchronise; implemented by [`CpuBackend`]
-//!   and [`CudaBackend`] (a stub returning [`KernelError::NotCompiledWithCuda`] unless the
-//!   `cuda` feature is on).
+//! - [`Backend`]: allocate, copy (strided rows by [`Backend::copy_2d`], to another device by
+//!   [`Backend::copy_peer`]), run an [`Op`], synchronise; implemented by [`CpuBackend`] and
+//!   [`CudaBackend`] (a stub returning [`KernelError::NotCompiledWithCuda`] unless the `cuda`
+//!   feature is on). A CUDA device also has a [`CopyStream`] for uploads that overlap compute.
 //! - `kernels/*.cu` at the repository root: the CUDA twins, named `{op}_{dtype}`. Their
 //!   per-block decode maths lives in `kernels/*.cuh` (`__host__ __device__`, no `cuda_fp16.h`),
 //!   which `build.rs` also compiles for the host so tests compare it with the Rust kernels.
 //!
 //! Status of the CUDA kernels: every source is compiled by NVRTC for compute_80/compute_90
 //! (PTX) and sm_80/sm_90 (CUBIN) in the tests, warnings are errors, and the shared decoders
-//! run on the host; none of the kernels has run on a GPU yet.
+//! run on the host; none of the kernels, nor the CUDA copies and copy stream, has run on a GPU
+//! yet.
 //!
 //! Tests: `cargo test -p weightlift-kernels` runs everything that needs no GPU; with
 //! `--features cuda` (or `nvrtc-check`) and libnvrtc on `LD_LIBRARY_PATH` it also compiles
@@ -28,7 +30,7 @@ pub mod cuda;
 pub mod error;
 pub mod types;
 
-pub use backend::{Backend, Op};
+pub use backend::{Backend, Op, Rows};
 pub use cpu::Isa;
 pub use cpu::convert::{bf16_to_f16_slice, f16_to_f32_slice, f32_to_f16_slice, scan_non_finite};
 pub use cpu::int8::{
@@ -47,7 +49,7 @@ pub use cpu::quantize::{
 };
 pub use cpu::{dequantize_f16, dequantize_f32};
 pub use cpu_backend::{CpuBackend, CpuBuffer};
-pub use cuda::{CudaBackend, CudaBuffer};
+pub use cuda::{CopyStream, CudaBackend, CudaBuffer};
 pub use error::{KernelError, Result};
 pub use types::{FloatType, QuantType};
 

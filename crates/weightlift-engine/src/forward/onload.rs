@@ -17,15 +17,30 @@
 //! layer of the current group, not the first one alone.
 //!
 //! On a cuda execution device the slots are regions of its workspace buffer ([`SlotMem`]), the
-//! layers read their matrices there through the backend, and the copier's copies are queued on
-//! the device's one stream: in order with the kernels that read the slot before (so a slot is
-//! never overwritten under them), but not overlapping them on the GPU.
+//! layers read their matrices there through the backend, and every fill of a slot is queued on
+//! the device's copy stream ([`CopyStream`]), so it overlaps the kernels of the compute stream.
+//! The copy stream is the one the device's backend keeps: a forward call per decoded token pins
+//! no staging memory of its own, and the onload state (built by the graph) needs no GPU handle.
+//! Two events order the streams, neither a host wait:
+//! - before a slot is refilled the copy stream waits for the kernels queued so far, which
+//!   include every read of the group the slot held; it is asked on the forward thread when the
+//!   fill is handed out, so the current group's kernels, queued after that, overlap the copy;
+//! - before the first layer that reads a filled slot the compute stream waits for the copy
+//!   stream; it is asked before the next group's copy is handed out, so it waits for this
+//!   group's copies only. Each call waits so once per slot even when the slot was filled by the
+//!   previous call (group 0, prefetched at its end), and a slot's copies not yet waited for
+//!   when its memory drops are waited for then, so nothing the compute stream does with that
+//!   memory later (another call's kernels, freeing it) overtakes them.
+//!
+//! A cuda copy's count and time are those of queuing it (an upload returns once queued). On the
+//! host and the CPU backend a fill is a memcpy in order with the layers, and neither event
+//! applies. The cuda path is compile-checked only: it has not run on a GPU.
 
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::Instant;
 
-use weightlift_kernels::{Backend, CpuBuffer, CudaBackend, CudaBuffer};
+use weightlift_kernels::{Backend, CopyStream, CpuBuffer, CudaBackend, CudaBuffer};
 
 use crate::device::pace;
 use crate::error::{EngineError, Result, invalid};
@@ -43,8 +58,44 @@ pub(crate) enum SlotMem<'w> {
     Host(&'w mut [u8]),
     /// Host memory as a CPU backend buffer.
     Cpu(PartMut<'w, CpuBuffer>),
-    /// Device memory of a cuda device; copies into it go through its backend's stream.
-    Cuda(&'w CudaBackend, PartMut<'w, CudaBuffer>),
+    /// Device memory of a cuda device, filled through its copy stream.
+    Cuda(CudaSlot<'w>, PartMut<'w, CudaBuffer>),
+}
+
+/// How a slot of a cuda device is filled: the device's copy stream, and whether the compute
+/// stream has been ordered after the copies into the slot (see the module docs).
+pub(crate) struct CudaSlot<'w> {
+    backend: &'w CudaBackend,
+    copy: CopyStream,
+    /// Copies into the slot that the compute stream has not been made to wait for.
+    unfenced: bool,
+}
+
+impl Drop for CudaSlot<'_> {
+    /// The compute stream waits for the copies into the slot not yet waited for, so that what
+    /// it does next with this memory (another call's kernels, freeing it) comes after them.
+    fn drop(&mut self) {
+        if self.unfenced {
+            // Nothing to report to from a drop; the next call waits for the slot again anyway.
+            let _ = self.copy.before_compute(self.backend);
+        }
+    }
+}
+
+impl<'w> SlotMem<'w> {
+    /// A slot of cuda device `b`, filled through its copy stream. Marked as not waited for: a
+    /// group the previous call left in it may still be in copy.
+    pub fn cuda(b: &'w CudaBackend, part: PartMut<'w, CudaBuffer>) -> Result<SlotMem<'w>> {
+        let copy = b
+            .copy_stream()
+            .map_err(|e| kernel_on(&b.name(), "onload copy stream", e))?;
+        let slot = CudaSlot {
+            backend: b,
+            copy,
+            unfenced: true,
+        };
+        Ok(SlotMem::Cuda(slot, part))
+    }
 }
 
 impl SlotMem<'_> {
@@ -61,8 +112,36 @@ impl SlotMem<'_> {
         match self {
             SlotMem::Host(b) => b.len(),
             SlotMem::Cpu(p) => p.as_bytes().len(),
-            SlotMem::Cuda(b, p) => b.len(p),
+            SlotMem::Cuda(s, p) => s.backend.len(p),
         }
+    }
+
+    /// Before the slot is refilled, on the forward thread: on a cuda device the copy stream
+    /// waits for the kernels queued so far (every read of the group the slot held). Nothing to
+    /// do on the host, where a fill is in order with the layers.
+    fn before_refill(&self) -> Result<()> {
+        if let SlotMem::Cuda(s, _) = self {
+            let name = s.backend.name();
+            s.copy
+                .after_compute(s.backend)
+                .map_err(|e| kernel_on(&name, "onload copy after compute", e))?;
+        }
+        Ok(())
+    }
+
+    /// Before a layer reads the slot: on a cuda device the compute stream waits for the copies
+    /// into it, once per fill. Called before the next group's copy is handed out.
+    fn before_read(&mut self) -> Result<()> {
+        if let SlotMem::Cuda(s, _) = self
+            && s.unfenced
+        {
+            let name = s.backend.name();
+            s.copy
+                .before_compute(s.backend)
+                .map_err(|e| kernel_on(&name, "onload compute after copy", e))?;
+            s.unfenced = false;
+        }
+        Ok(())
     }
 
     /// Copies `src` into the slot from byte `at` (checked to fit).
@@ -82,9 +161,12 @@ impl SlotMem<'_> {
         match self {
             SlotMem::Host(b) => b[range].copy_from_slice(src),
             SlotMem::Cpu(p) => p.as_bytes_mut()[range].copy_from_slice(src),
-            SlotMem::Cuda(b, p) => b
-                .copy_from_host(src, p, at)
-                .map_err(|e| kernel_on(&b.name(), "onload copy", e))?,
+            SlotMem::Cuda(s, p) => {
+                s.unfenced = true;
+                s.copy
+                    .upload(src, p, at)
+                    .map_err(|e| kernel_on(&s.backend.name(), "onload copy", e))?
+            }
         }
         Ok(())
     }
@@ -298,9 +380,12 @@ pub(crate) fn onload_group<'s, 'w: 's, 'h: 'w>(
         o.holds[si] = None;
         let parts = o.parts(g, layers, held, copies)?;
         let mem = slot_mem[si].as_mut().ok_or_else(lost)?;
+        mem.before_refill()?;
         made.add(fill(&parts, mem, o.rate)?);
         o.holds[si] = Some(g);
     }
+    // before the next copy is queued, so that the layers wait for this group's copies only
+    slot_mem[si].as_mut().ok_or_else(lost)?.before_read()?;
     let next = g + 1;
     if let Some(c) = copier.as_mut()
         && next < o.groups.len()
@@ -309,6 +394,7 @@ pub(crate) fn onload_group<'s, 'w: 's, 'h: 'w>(
     {
         let sj = next % slots;
         let parts = o.parts(next, layers, held, copies)?;
+        slot_mem[sj].as_ref().ok_or_else(lost)?.before_refill()?;
         let mem = slot_mem[sj].take().ok_or_else(lost)?;
         o.holds[sj] = None;
         c.post(Job {
@@ -341,6 +427,11 @@ pub(crate) fn prefetch_first<'s, 'w: 's, 'h: 'w>(
     if o.groups.len() <= slots || o.holds[0] == Some(0) || c.in_flight.is_some() {
         return Ok(());
     }
+    let Some(mem) = slot_mem[0].as_ref() else {
+        return Ok(());
+    };
+    // the head's kernels, queued after this, overlap the copy
+    mem.before_refill()?;
     let Some(mem) = slot_mem[0].take() else {
         return Ok(());
     };

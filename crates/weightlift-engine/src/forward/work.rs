@@ -113,7 +113,9 @@ pub(super) fn site_works<'a>(
                     detail: "a cuda device without its backend".into(),
                 })?;
                 let (r, slots) = Regions::new(b, buf, layout, slots_of(si))?;
-                slot_mem.extend(slots.into_iter().map(|p| Some(SlotMem::Cuda(b, p))));
+                for p in slots {
+                    slot_mem.push(Some(SlotMem::cuda(b, p)?));
+                }
                 Work::Cuda(b, r)
             }
         };
