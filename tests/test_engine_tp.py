@@ -275,6 +275,14 @@ def test_model_tp_is_the_context_the_forward_uses(tiny_llama_st: Path) -> None:
 
     per_layer = (rs + kv) + (rs + idt) + pairs(tp.kv_split) + pairs(tp.id_split)
     assert stats["copies"] == rs + 2 * per_layer + (rs + vc) + vc
+    # Peer copies (device to device on GPUs that allow it) are on by default and can be
+    # turned off for the host-staged route; the host path's copies are the same either way.
+    assert tp.peer_copies is True
+    tp.peer_copies = False
+    assert tp.peer_copies is False and m.tp.peer_copies is False
+    m.forward(TINY_LLAMA_IDS, logits="last")
+    assert m.transfer_stats()["copies"] == stats["copies"]
+    tp.peer_copies = True
     # Unloading the context frees its staging: the forward pass then refuses by name.
     tp.unload()
     with pytest.raises(Exception, match="staging"):

@@ -233,6 +233,8 @@ pub struct TpContext {
     staging_device: Option<Arc<Device>>,
     scratch: Vec<Scratch>,
     sin_cos: Option<Vec<(DeviceTensor, DeviceTensor)>>,
+    /// Whether the backend pass may copy device to device where the driver allows.
+    peer_copies: bool,
 }
 
 fn elem_size(dtype: DType) -> Result<u64> {
@@ -295,7 +297,20 @@ impl TpContext {
             staging_device: None,
             scratch,
             sin_cos: None,
+            peer_copies: true,
         })
+    }
+
+    /// Whether the forward pass through the devices' backends copies activations device to
+    /// device where the driver allows (peer copies, the default), or stages every copy through
+    /// host memory as it must between GPUs without peer access (`false`: to compare the two
+    /// routes, or where a platform's peer copies misbehave).
+    pub fn set_peer_copies(&mut self, on: bool) {
+        self.peer_copies = on;
+    }
+
+    pub fn peer_copies(&self) -> bool {
+        self.peer_copies
     }
 
     pub fn splits(&self) -> &Splits {

@@ -177,6 +177,17 @@ impl TPContext {
         self.lock().splits().q.clone()
     }
 
+    /// Whether the forward pass on GPUs copies activations device to device where the driver
+    /// allows (the default), or stages every copy through host memory.
+    #[getter]
+    fn peer_copies(&self) -> bool {
+        self.lock().peer_copies()
+    }
+    #[setter]
+    fn set_peer_copies(&self, on: bool) {
+        self.lock().set_peer_copies(on);
+    }
+
     fn get_split(&self, broadcast_type: usize) -> PyResult<Vec<(usize, u64, u64)>> {
         eng(self.lock().get_split(broadcast_type).cloned())
     }

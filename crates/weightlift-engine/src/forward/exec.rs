@@ -189,6 +189,20 @@ impl<'a, T> Regions<'a, T> {
                 ),
             ));
         }
+        let tail: Vec<(usize, usize)> = (0..slots)
+            .map(|i| (w.bytes as usize + i * per, per))
+            .collect();
+        Self::with_tail(b, buf, w, &tail)
+    }
+
+    /// The regions of `buf`, laid out as `w`, and the byte ranges `tail` (outside them) as
+    /// further parts, in order.
+    pub(crate) fn with_tail<B: Exec<Buffer = T>>(
+        b: &B,
+        buf: &'a mut Buffer,
+        w: &Workspace,
+        tail: &[(usize, usize)],
+    ) -> Result<(Self, Vec<PartMut<'a, T>>)> {
         let r = |r: weightlift_plan::Region| (r.offset as usize, r.len as usize * 4);
         let mut ranges = vec![
             r(w.x),
@@ -203,9 +217,9 @@ impl<'a, T> Regions<'a, T> {
             r(w.freqs),
             r(w.logits),
         ];
-        ranges.extend((0..slots).map(|i| (w.bytes as usize + i * per, per)));
+        ranges.extend_from_slice(tail);
         let mut parts = b.regions(buf, &ranges)?;
-        let slot_parts = parts.split_off(11);
+        let tail_parts = parts.split_off(11);
         let Ok([x, xn, q, att, k, v, gate, up, pos, freqs, logits]) =
             <[PartMut<'a, T>; 11]>::try_from(parts)
         else {
@@ -224,7 +238,7 @@ impl<'a, T> Regions<'a, T> {
             freqs,
             logits,
         };
-        Ok((regions, slot_parts))
+        Ok((regions, tail_parts))
     }
 }
 
@@ -259,13 +273,18 @@ impl<'a> Ctx<'a> {
             Slot::Tensor(i) => self.held.get(i),
             Slot::Copy(c) => self.copies.get(c).map(|(_, h)| h),
         };
-        let Some(Held::Whole { tensor, .. }) = held else {
-            return Err(EngineError::Unsupported {
-                what: format!("a forward pass over split tensor '{}'", l.name),
-                detail: "tensor-parallel and row-split layers do not run yet; load with a layer \
-                         split (autosplit, layers, balanced)"
-                    .into(),
-            });
+        let tensor = match (held, l.part) {
+            (Some(Held::Whole { tensor, .. }), None) => tensor,
+            (Some(Held::Split { parts, .. }), Some(p)) if p < parts.len() => &parts[p],
+            _ => {
+                return Err(EngineError::Unsupported {
+                    what: format!("a forward pass over split tensor '{}'", l.name),
+                    detail: "a split tensor runs in the tensor-parallel pass (load_tp); row \
+                             splits do not run; load with a layer split (autosplit, layers, \
+                             balanced)"
+                        .into(),
+                });
+            }
         };
         let packing = Packing::of(&l.name, tensor.dtype())?;
         if let (Some(slot), Some(at)) = (self.slot, l.onload_at) {
@@ -275,7 +294,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// `y = W x (+ bias)` for `n` tokens.
-    fn linear<B: Exec>(
+    pub(crate) fn linear<B: Exec>(
         &self,
         b: &B,
         l: &Linear,
@@ -430,25 +449,82 @@ pub(crate) fn layer<B: Exec>(
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
+    let h = cx.c.hidden;
+    let attn = AttnShare {
+        norm: &l.attn_norm,
+        q: &l.q,
+        k: &l.k,
+        v: &l.v,
+        o: &l.o,
+        n_heads: cx.c.n_heads,
+        kv_heads: l.kv_heads,
+    };
+    attention(b, cx, &attn, li, cache, pos, n, r)?;
+    residual(b, cx, li, n * h, r)?;
+    mlp(b, cx, &l.ffn_norm, [&l.gate, &l.up, &l.down], li, n, r)?;
+    residual(b, cx, li, n * h, r)
+}
+
+/// `x += xn` over `n` values: a block's output added to the residual stream.
+fn residual<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    li: usize,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    b.run(Op::AddInPlace {
+        n,
+        x: &mut r.x,
+        y: &r.xn,
+    })
+    .map_err(cx.err(format!("layer {li} residual")))
+}
+
+/// The heads one device computes of an attention block: all of them on a single device, its
+/// share of them under tensor parallelism.
+pub(crate) struct AttnShare<'a> {
+    pub norm: &'a Floats,
+    pub q: &'a Linear,
+    pub k: &'a Linear,
+    pub v: &'a Linear,
+    pub o: &'a Linear,
+    pub n_heads: usize,
+    pub kv_heads: usize,
+}
+
+/// An attention block's heads of `a` on `n` tokens at `pos` (positions in `r.pos`), their rows
+/// written to `cache`: `o_proj` of the attended heads lands in `r.xn` (the whole block's output
+/// on one device, a partial sum of it under tensor parallelism).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    a: &AttnShare<'_>,
+    li: usize,
+    cache: &std::sync::Arc<Cache>,
+    pos: usize,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
     let c = cx.c;
-    let (h, hd, nh) = (c.hidden, c.head_dim, c.n_heads);
-    let kvd = l.kv_heads * hd;
+    let (h, hd, nh) = (c.hidden, c.head_dim, a.n_heads);
+    let kvd = a.kv_heads * hd;
     let (k_format, v_format) = crate::cache::formats(cache.config().dtype);
     let at = |what: &str| format!("layer {li} {what}");
-    // attention
     b.run(Op::RmsNorm {
         n_rows: n,
         n_cols: h,
         eps: c.eps,
         x: &r.x,
-        weight: &*b.floats(&l.attn_norm, cx.held)?,
+        weight: &*b.floats(a.norm, cx.held)?,
         out: &mut r.xn,
     })
     .map_err(cx.err(at("attn_norm")))?;
-    cx.linear(b, &l.q, &r.xn, n, &mut r.q)?;
-    cx.linear(b, &l.k, &r.xn, n, &mut r.k)?;
-    cx.linear(b, &l.v, &r.xn, n, &mut r.v)?;
-    for (x, heads) in [(&mut r.q, nh), (&mut r.k, l.kv_heads)] {
+    cx.linear(b, a.q, &r.xn, n, &mut r.q)?;
+    cx.linear(b, a.k, &r.xn, n, &mut r.k)?;
+    cx.linear(b, a.v, &r.xn, n, &mut r.v)?;
+    for (x, heads) in [(&mut r.q, nh), (&mut r.k, a.kv_heads)] {
         b.run(Op::RopeInPlace {
             params: c.rope,
             n_tok: n,
@@ -469,7 +545,7 @@ pub(crate) fn layer<B: Exec>(
             k_format,
             v_format,
             n_heads: nh,
-            kv_heads: l.kv_heads,
+            kv_heads: a.kv_heads,
             head_dim: hd,
             n_q: n,
             start: pos,
@@ -488,38 +564,40 @@ pub(crate) fn layer<B: Exec>(
     } else {
         cache.with_layer(li, attend)?;
     }
-    cx.linear(b, &l.o, &r.att, n, &mut r.xn)?;
-    b.run(Op::AddInPlace {
-        n: n * h,
-        x: &mut r.x,
-        y: &r.xn,
-    })
-    .map_err(cx.err(at("residual")))?;
-    // MLP
+    cx.linear(b, a.o, &r.att, n, &mut r.xn)
+}
+
+/// An MLP's rows `[gate, up, down]` (all of them, or a device's share under tensor parallelism)
+/// on `n` tokens of `r.x`: `down` of the gated product lands in `r.xn`.
+pub(crate) fn mlp<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    [gate, up, down]: [&Linear; 3],
+    li: usize,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let c = cx.c;
+    let at = |what: &str| format!("layer {li} {what}");
     b.run(Op::RmsNorm {
         n_rows: n,
-        n_cols: h,
+        n_cols: c.hidden,
         eps: c.eps,
         x: &r.x,
-        weight: &*b.floats(&l.ffn_norm, cx.held)?,
+        weight: &*b.floats(norm, cx.held)?,
         out: &mut r.xn,
     })
     .map_err(cx.err(at("ffn_norm")))?;
-    cx.linear(b, &l.gate, &r.xn, n, &mut r.gate)?;
-    cx.linear(b, &l.up, &r.xn, n, &mut r.up)?;
+    cx.linear(b, gate, &r.xn, n, &mut r.gate)?;
+    cx.linear(b, up, &r.xn, n, &mut r.up)?;
     b.run(Op::SwiGluInPlace {
-        n: n * l.gate.rows,
+        n: n * gate.rows,
         gate: &mut r.gate,
         up: &r.up,
     })
     .map_err(cx.err(at("swiglu")))?;
-    cx.linear(b, &l.down, &r.gate, n, &mut r.xn)?;
-    b.run(Op::AddInPlace {
-        n: n * h,
-        x: &mut r.x,
-        y: &r.xn,
-    })
-    .map_err(cx.err(at("residual")))
+    cx.linear(b, down, &r.gate, n, &mut r.xn)
 }
 
 /// The output norm and head for rows `first..first + out.len() / vocab` of the residual stream,

@@ -139,6 +139,7 @@ impl Graph {
                 bias,
                 onload_at: None,
                 packed,
+                part: None,
             })
         };
         let linear = |i: usize, bias: Option<Role>, layer: Option<u32>| -> Result<Linear> {

@@ -30,6 +30,28 @@ pub(crate) struct Consts {
     pub int8_threshold: f32,
 }
 
+impl Consts {
+    /// The constants of a call on a model of dimensions `d`, in `compute` mode.
+    pub fn new(
+        d: &weightlift_plan::Dims,
+        (eps, rope, max_dq): (f32, RopeParams, usize),
+        (compute, int8_threshold): (Compute, f32),
+    ) -> Consts {
+        Consts {
+            hidden: d.hidden as usize,
+            n_heads: d.n_heads as usize,
+            head_dim: d.head_dim as usize,
+            kv_tile: d.kv_tile as usize,
+            q_tile: d.q_tile as usize,
+            eps,
+            rope,
+            max_dq,
+            compute,
+            int8_threshold,
+        }
+    }
+}
+
 pub(super) fn kernel(what: &str, e: weightlift_kernels::KernelError) -> EngineError {
     EngineError::Device {
         device: "cpu".into(),

@@ -434,6 +434,7 @@ impl crate::Model {
             self.runner.host_backend = on;
             if let Some(s) = self.state.as_mut() {
                 s.graph = None;
+                s.tp_graph = None;
             }
         }
     }

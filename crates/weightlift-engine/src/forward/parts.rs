@@ -47,6 +47,8 @@ pub(crate) struct Linear {
     pub onload_at: Option<usize>,
     /// The packed layout of a GPTQ or EXL2 linear (its slot names the packed codes).
     pub packed: Option<PackedLinear>,
+    /// The part of a split held tensor this device multiplies (tensor parallelism).
+    pub part: Option<usize>,
 }
 
 impl Linear {

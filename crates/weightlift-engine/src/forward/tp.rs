@@ -1,5 +1,7 @@
-//! The tensor-parallel forward pass on the host path, as exllamav2's TP attention and MLP
-//! modules split the work, over a [`TpContext`] built at load from the plan's tables:
+//! The tensor-parallel forward pass, as exllamav2's TP attention and MLP modules split the
+//! work, over a [`TpContext`] built at load from the plan's tables. This file is the host path
+//! (`cpu` and `virtual:N` devices, on slices of host memory); `exec.rs` runs the same split
+//! through the kernels' backends (`cuda:N`, or host devices with the host backend on):
 //!
 //! - The residual stream follows the RS table: each device holds its columns of it.
 //! - Before attention and before the MLP, the residual is all-gathered (through a staging
@@ -44,6 +46,7 @@ use crate::model::Held;
 use crate::tp::{Collectives, SplitTable, Splits, TpContext};
 
 mod build;
+mod exec;
 
 pub(crate) use build::run;
 
@@ -115,6 +118,9 @@ pub(crate) struct TpGraph {
     rope: RopeParams,
     inv_freqs: Vec<f32>,
     max_dq: usize,
+    /// The devices' backends and what they read, where the pass runs through them (`cuda:N`
+    /// devices, or host devices with the host backend on); `None`: the host path.
+    backend: Option<exec::BackendGraph>,
 }
 
 /// One device's workspace for a forward call.
@@ -419,6 +425,18 @@ impl TpGraph {
                 "the tables the model was loaded with",
                 "other tables (the TPContext was changed after the load)",
             ));
+        }
+        if let Some(bg) = &self.backend {
+            return self.forward_backends(
+                bg,
+                held,
+                copies,
+                ctx,
+                cache,
+                (ids, start, logits),
+                (compute, _int8_threshold),
+                out,
+            );
         }
         let (mut coll, scratch) = ctx.lend()?;
         let mut ws: Vec<Option<Work<'_>>> = Vec::with_capacity(scratch.len());

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Collective, SplitTable, TpContext};
-use crate::device::Device;
+use crate::device::{Buffer, Device};
 use crate::error::{Result, invalid};
 use crate::forward::Copies;
 
@@ -33,6 +33,17 @@ impl TpContext {
     /// Lend the collectives and every device's scratch (by table device index) for one forward
     /// call. Needs [`TpContext::finalize`] first, and host-addressable staging and scratch.
     pub fn lend(&mut self) -> Result<(Collectives<'_>, ScratchViews<'_>)> {
+        let (coll, buffers) = self.lend_buffers()?;
+        let scratch = buffers
+            .into_iter()
+            .map(|b| b.and_then(Buffer::host_mut))
+            .collect();
+        Ok((coll, scratch))
+    }
+
+    /// As [`TpContext::lend`], with each device's scratch as the buffer it is (device memory
+    /// on a GPU): what the pass through the kernels' backends computes in.
+    pub fn lend_buffers(&mut self) -> Result<(Collectives<'_>, Vec<Option<&mut Buffer>>)> {
         let cpu = self
             .staging_device
             .as_ref()
@@ -48,11 +59,7 @@ impl TpContext {
             f32s(a.host_mut(), "staging")?,
             f32s(b.host_mut(), "staging")?,
         ];
-        let scratch = self
-            .scratch
-            .iter_mut()
-            .map(|s| s.buffer.as_mut().and_then(|b| b.host_mut()))
-            .collect();
+        let scratch = self.scratch.iter_mut().map(|s| s.buffer.as_mut()).collect();
         Ok((
             Collectives {
                 collective: self.collective.as_ref(),
@@ -79,6 +86,11 @@ fn cols(a: u64, b: u64, total: usize) -> (usize, usize) {
 }
 
 impl Collectives<'_> {
+    /// The device the staging buffers live on (host memory).
+    pub fn staging_device(&self) -> &Arc<Device> {
+        self.cpu
+    }
+
     fn device(&self, d: usize) -> Result<&Arc<Device>> {
         self.devices.get(d).ok_or_else(|| {
             invalid(

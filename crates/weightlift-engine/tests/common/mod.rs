@@ -360,3 +360,68 @@ pub fn packed_layer_bytes(
         .map(|name| ckpt.tensor(&name).unwrap().nbytes)
         .sum()
 }
+
+pub fn qwen2_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tiny-qwen2")
+}
+
+/// The tiny Qwen2 for tensor parallelism, with its MLP widened from 192 to 768 by zero rows of gate and up and zero
+/// columns of down: exllamav2's split wants the intermediate size in units of 128 (at least two
+/// per device), and the added units contribute exact zeros (`silu(0)·0`), so transformers'
+/// logits of the original still hold.
+pub fn qwen2() -> PathBuf {
+    use safetensors::SafeTensors;
+    use safetensors::tensor::TensorView;
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = std::fs::read_to_string(qwen2_data().join("config.json")).unwrap();
+        let cfg = cfg.replace("\"intermediate_size\": 192", "\"intermediate_size\": 768");
+        assert!(cfg.contains("768"));
+        std::fs::write(dir.path().join("config.json"), cfg).unwrap();
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
+            std::fs::copy(qwen2_data().join(f), dir.path().join(f)).unwrap();
+        }
+        let bytes = std::fs::read(qwen2_data().join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let (inter, wide) = (192usize, 768usize);
+        let padded: Vec<(String, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| {
+                let shape = v.shape().to_vec();
+                let data = v.data();
+                if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
+                    let mut d = data.to_vec();
+                    d.resize(wide * shape[1] * 4, 0);
+                    (n, vec![wide, shape[1]], d)
+                } else if n.ends_with("down_proj.weight") {
+                    let mut d = Vec::new();
+                    for row in data.chunks(inter * 4) {
+                        d.extend_from_slice(row);
+                        d.resize(d.len() + (wide - inter) * 4, 0);
+                    }
+                    (n, vec![shape[0], wide], d)
+                } else {
+                    (n, shape, data.to_vec())
+                }
+            })
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = padded
+            .iter()
+            .map(|(n, s, d)| {
+                (
+                    n.clone(),
+                    TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+        dir
+    });
+    dir.path().to_path_buf()
+}

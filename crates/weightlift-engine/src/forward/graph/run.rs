@@ -51,18 +51,11 @@ impl Graph {
             .map(|o| (o.site, o.slot_bytes, o.slots()));
         let (mut works, mut slot_mem) = site_works(&mut self.sites, scratch, onload_site)?;
 
-        let c = Consts {
-            hidden: self.dims.hidden as usize,
-            n_heads: self.dims.n_heads as usize,
-            head_dim: self.dims.head_dim as usize,
-            kv_tile: self.dims.kv_tile as usize,
-            q_tile: self.dims.q_tile as usize,
-            eps: self.eps,
-            rope: self.rope,
-            max_dq: self.max_dq,
-            compute,
-            int8_threshold,
-        };
+        let c = Consts::new(
+            &self.dims,
+            (self.eps, self.rope, self.max_dq),
+            (compute, int8_threshold),
+        );
         let cx = |site: usize| Ctx {
             c: &c,
             held,

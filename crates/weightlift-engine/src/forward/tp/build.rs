@@ -1,10 +1,11 @@
 //! Building the tensor-parallel graph: each device's part of every split tensor, checked
-//! against the tables, and everything the host path cannot run tensor-parallel refused by name
+//! against the tables, and everything the tensor-parallel pass cannot run refused by name
 //! before any compute.
 
 use super::*;
+use weightlift_kernels::CpuBackend;
 
-/// What the host tensor-parallel pass cannot run, refused by name.
+/// What the tensor-parallel pass cannot run, refused by name.
 fn refuse(what: String, detail: &str) -> EngineError {
     EngineError::Unsupported {
         what,
@@ -29,10 +30,15 @@ fn part_f32(held: &Held, p: usize, name: &str) -> Result<Vec<f32>> {
         )
     })?;
     let ty = super::super::exec::kernel_type(name, t.dtype())?;
-    let bytes = t.host_bytes().ok_or_else(|| EngineError::Device {
-        device: t.device().name().to_owned(),
-        detail: format!("a part of '{name}' is not in host memory"),
-    })?;
+    // a part in device memory (a norm replica on a GPU) is read back once, at build
+    let read;
+    let bytes = match t.host_bytes() {
+        Some(b) => b,
+        None => {
+            read = t.to_host()?;
+            &read
+        }
+    };
     let mut out = vec![0f32; t.shape().iter().product::<u64>() as usize];
     weightlift_kernels::dequantize_f32(ty, bytes, &mut out).map_err(|e| kernel(name, e))?;
     Ok(out)
@@ -174,12 +180,6 @@ impl TpGraph {
                 "the forward pass supports llama, mistral and qwen2",
             ));
         }
-        if host_backend {
-            return Err(refuse(
-                "a tensor-parallel forward pass through the backend op sequence".into(),
-                "tensor parallelism runs on the host path; leave the host backend off",
-            ));
-        }
         let infos = m.source.tensors();
         if let Some(t) = infos.iter().find(|t| is_quantized_part(&t.name)) {
             return Err(refuse(
@@ -191,17 +191,18 @@ impl TpGraph {
                  by the tp tables; load them with a layer split",
             ));
         }
-        for (i, d) in ctx.devices().iter().enumerate() {
-            if d.kind() == DeviceKind::Cuda {
-                return Err(refuse(
-                    format!(
-                        "a tensor-parallel forward pass on {} (tp device {i})",
-                        d.name()
-                    ),
-                    "the tensor-parallel forward pass runs on cpu and virtual devices; CUDA \
-                     devices run tensor-parallel weights only through a layer split for now",
-                ));
-            }
+        let on_cuda = ctx
+            .devices()
+            .iter()
+            .filter(|d| d.kind() == DeviceKind::Cuda)
+            .count();
+        if on_cuda > 0 && on_cuda < ctx.devices().len() {
+            let names: Vec<&str> = ctx.devices().iter().map(|d| d.name()).collect();
+            return Err(refuse(
+                format!("a tensor-parallel forward pass over {}", names.join(", ")),
+                "every tp device computes through the same kind of backend: make them all \
+                 cuda devices, or all host devices",
+            ));
         }
         let heads = spec.n_kv_heads_at(0);
         if (0..spec.n_layers).any(|l| spec.n_kv_heads_at(l) != heads) {
@@ -365,7 +366,7 @@ impl TpGraph {
             });
         }
         let (rope, inv_freqs) = rope_of(m, spec)?;
-        Ok(TpGraph {
+        let mut graph = TpGraph {
             splits,
             layers,
             heads: heads_of,
@@ -377,7 +378,21 @@ impl TpGraph {
             rope,
             inv_freqs,
             max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
-        })
+            backend: None,
+        };
+        let devices = ctx.devices();
+        let backends = if on_cuda > 0 {
+            Some(exec::Backends::Cuda)
+        } else if host_backend {
+            let cpus = devices.iter().map(|d| CpuBackend::named(d.name()));
+            Some(exec::Backends::Cpu(cpus.collect()))
+        } else {
+            None
+        };
+        if let Some(b) = backends {
+            graph.backend = Some(exec::BackendGraph::new(&graph, devices, b)?);
+        }
+        Ok(graph)
     }
 }
 

@@ -1,0 +1,349 @@
+//! The tensor-parallel pass through the kernels' [`Backend`](weightlift_kernels::Backend) trait: what `cuda:N` devices run,
+//! and host devices when [`crate::Model::set_host_backend`] asks (the op sequence a GPU runs,
+//! checked on any machine against the host path's bits).
+//!
+//! Each device runs the single-device backend path's attention and MLP blocks
+//! ([`exec::attention`], [`exec::mlp`]) on its share, in its own workspace and cache part. The
+//! collectives move the same values as the host path's, in the same order of addition:
+//!
+//! - **Peer route** (where every pair of devices can copy device to device, as
+//!   [`Backend::peer_access`](weightlift_kernels::Backend::peer_access) says, and the context allows it): a residual slice goes straight
+//!   into the columns of each receiver's hidden state, and each residual owner receives its
+//!   columns of every other device's partial sum into its `recv` region, adding them into `sum`
+//!   in source order. Nothing passes through host memory but the embedding and the logits.
+//! - **Host route** (GPUs without peer access): every copy goes through the context's staging
+//!   buffers in host memory, 0 and 1 in turn, as the host path's do.
+//!
+//! On CUDA every copy and kernel is queued on the devices' streams (peer copies ordered by
+//! events between them); only the reads into host memory wait. A device's norms and biases are
+//! read from f32 copies made on it at build (a few KiB per layer, outside the plan's weights);
+//! its matrices are its parts of the split tensors, read in place.
+
+use weightlift_kernels::{CpuBackend, CudaBackend, Op, Rows};
+
+use super::super::exec::{self, AttnShare, Ctx, Exec, PartMut, Regions, kernel_on, view};
+use super::super::layer::Consts;
+use super::super::parts::{Floats, Linear, Slot, place};
+use super::*;
+
+mod collect;
+mod parts;
+
+use crate::device::{Buffer, Device, pace_link};
+use collect::Pass;
+pub(super) use parts::{BackendGraph, Backends};
+
+/// One device's workspace as buffers of its backend: the single-device regions, then the
+/// residual slice it owns and the reduction's receive and sum buffers.
+pub(super) struct DeviceWork<'a, T> {
+    pub(super) r: Regions<'a, T>,
+    pub(super) residual: PartMut<'a, T>,
+    pub(super) recv: PartMut<'a, T>,
+    pub(super) sum: PartMut<'a, T>,
+}
+
+fn carve_work<'a, B: Exec>(
+    b: &B,
+    buf: &'a mut Buffer,
+    w: &TpWorkspace,
+) -> Result<DeviceWork<'a, B::Buffer>> {
+    if (buf.len() as u64) < w.bytes {
+        return Err(invalid(
+            "tp forward workspace",
+            format!("{} bytes of scratch", w.bytes),
+            format!(
+                "{} bytes reserved; the model was loaded for another runtime or cache",
+                buf.len()
+            ),
+        ));
+    }
+    let r = |r: weightlift_plan::Region| (r.offset as usize, r.len as usize * 4);
+    let tail = [r(w.residual), r(w.recv), r(w.sum)];
+    let (regions, parts) = Regions::with_tail(b, buf, &w.base, &tail)?;
+    let Ok([residual, recv, sum]) = <[PartMut<'a, B::Buffer>; 3]>::try_from(parts) else {
+        return Err(invalid("tp workspace regions", "3", "another count"));
+    };
+    Ok(DeviceWork {
+        r: regions,
+        residual,
+        recv,
+        sum,
+    })
+}
+
+/// `(&v[s], &mut v[d])` for two different devices.
+pub(super) fn pair<T>(v: &mut [Option<T>], s: usize, d: usize) -> Result<(&T, &mut T)> {
+    let missing = |x: usize| invalid(format!("tp device {x}"), "a workspace", "none");
+    if s == d || s.max(d) >= v.len() {
+        return Err(invalid(
+            "tp copy",
+            "two devices with workspaces",
+            format!("{s} and {d}"),
+        ));
+    }
+    let (lo, hi) = v.split_at_mut(s.max(d));
+    let (src, dst) = if s < d {
+        (lo[s].as_ref(), hi[0].as_mut())
+    } else {
+        (hi[0].as_ref(), lo[d].as_mut())
+    };
+    Ok((
+        src.ok_or_else(|| missing(s))?,
+        dst.ok_or_else(|| missing(d))?,
+    ))
+}
+
+pub(super) fn work<T>(v: &mut [Option<T>], d: usize) -> Result<&mut T> {
+    v.get_mut(d)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| invalid(format!("tp device {d}"), "a workspace", "none"))
+}
+
+impl TpGraph {
+    /// [`TpGraph::forward`] on the devices' backends.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward_backends(
+        &self,
+        bg: &BackendGraph,
+        held: &[Held],
+        copies: &[(usize, Held)],
+        ctx: &mut TpContext,
+        cache: &Arc<Cache>,
+        (ids, start, logits): (&[u32], usize, Logits),
+        (compute, int8_threshold): (Compute, f32),
+        out: &mut [f32],
+    ) -> Result<Copies> {
+        let devices: Vec<Arc<Device>> = ctx.devices().to_vec();
+        let allow_peer = ctx.peer_copies();
+        // one call per backend type (the pass is generic over it)
+        macro_rules! run_on {
+            ($bs:expr) => {
+                self.run_on(
+                    bg,
+                    $bs,
+                    &devices,
+                    allow_peer,
+                    held,
+                    copies,
+                    ctx,
+                    cache,
+                    (ids, start, logits),
+                    (compute, int8_threshold),
+                    out,
+                )
+            };
+        }
+        match &bg.backends {
+            Backends::Cpu(v) => run_on!(v.iter().collect::<Vec<&CpuBackend>>()),
+            Backends::Cuda => {
+                let bs = devices
+                    .iter()
+                    .map(|d| {
+                        d.cuda_backend().ok_or_else(|| EngineError::Device {
+                            device: d.name().to_owned(),
+                            detail: "a cuda device without its backend".into(),
+                        })
+                    })
+                    .collect::<Result<Vec<&CudaBackend>>>()?;
+                run_on!(bs)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_on<B: Exec>(
+        &self,
+        bg: &BackendGraph,
+        bs: Vec<&B>,
+        devices: &[Arc<Device>],
+        allow_peer: bool,
+        held: &[Held],
+        copies: &[(usize, Held)],
+        ctx: &mut TpContext,
+        cache: &Arc<Cache>,
+        (ids, start, logits): (&[u32], usize, Logits),
+        (compute, int8_threshold): (Compute, f32),
+        out: &mut [f32],
+    ) -> Result<Copies> {
+        let s = &self.splits;
+        let peer = allow_peer
+            && bs.iter().enumerate().all(|(i, a)| {
+                bs.iter()
+                    .enumerate()
+                    .all(|(j, b)| i == j || a.peer_access(b))
+            });
+        let parts = cache.tp_parts();
+        let (mut coll, buffers) = ctx.lend_buffers()?;
+        let pass = Pass {
+            bs,
+            devices,
+            cpu: Arc::clone(coll.staging_device()),
+            peer,
+        };
+        let mut ws: Vec<Option<DeviceWork<'_, B::Buffer>>> = Vec::with_capacity(buffers.len());
+        for (d, buf) in buffers.into_iter().enumerate() {
+            let layout = self.layouts.get(d).copied().unwrap_or_default();
+            ws.push(match buf {
+                Some(b) if layout.bytes > 0 => Some(carve_work(pass.bs[d], b, &layout)?),
+                _ => None,
+            });
+        }
+        let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
+        for (d, w) in ws.iter_mut().enumerate() {
+            if let Some(w) = w
+                && pass.bs[d].len(&w.r.freqs) >= freqs.len()
+            {
+                pass.bs[d]
+                    .copy_from_host(freqs, &mut w.r.freqs, 0)
+                    .map_err(pass.err(d, "rope frequencies"))?;
+            }
+        }
+        let c = Consts::new(
+            &self.dims,
+            (self.eps, self.rope, self.max_dq),
+            (compute, int8_threshold),
+        );
+        let cx = |d: usize| Ctx {
+            c: &c,
+            held,
+            copies,
+            device: devices[d].name(),
+            slot: None,
+        };
+        let run = Run {
+            held,
+            copies,
+            compute,
+            max_dq: self.max_dq,
+            hidden: c.hidden,
+            head_dim: c.head_dim,
+            eps: self.eps,
+            rope: &self.rope,
+            kv_tile: c.kv_tile,
+            q_tile: c.q_tile,
+        };
+        let (h, vocab) = (c.hidden, self.dims.vocab as usize);
+        let mut buffer = 0usize;
+        let mut flip = || {
+            buffer ^= 1;
+            buffer
+        };
+        let mut done = 0usize;
+        for part in ids.chunks(self.dims.tokens as usize) {
+            let n = part.len();
+            let pos = start + done;
+            let b = flip();
+            self.embed_rows(&run, part, coll.staging(b, n, h)?)?;
+            let staged = coll.staging(b, n, h)?.to_vec();
+            pass.scatter(&mut coll.copies, &staged, &mut ws, &s.rs, (n, h))?;
+            for (d, w) in ws.iter_mut().enumerate() {
+                if let Some(w) = w {
+                    exec::positions(pass.bs[d], devices[d].name(), pos, n, &mut w.r)?;
+                }
+            }
+            for (li, l) in bg.layers.iter().enumerate() {
+                pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.kv), (0, n, h))?;
+                for &(d, _, _) in &s.kv {
+                    let Some(a) = l.attn.get(d).and_then(Option::as_ref) else {
+                        continue;
+                    };
+                    let share = AttnShare {
+                        norm: &a.norm,
+                        q: &a.q,
+                        k: &a.k,
+                        v: &a.v,
+                        o: &a.o,
+                        n_heads: a.q_heads,
+                        kv_heads: a.kv_heads,
+                    };
+                    let part_cache = &parts
+                        .get(a.cache_part)
+                        .ok_or_else(|| {
+                            invalid(
+                                format!("tp cache part {}", a.cache_part),
+                                "a part of the cache",
+                                parts.len(),
+                            )
+                        })?
+                        .cache;
+                    let w = work(&mut ws, d)?;
+                    exec::attention(pass.bs[d], &cx(d), &share, li, part_cache, pos, n, &mut w.r)?;
+                }
+                pass.reduce(&mut coll, &mut ws, (&s.kv, &s.rs), (n, h), &l.o_bias, held)?;
+                pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.id), (0, n, h))?;
+                for &(d, _, _) in &s.id {
+                    let Some(m) = l.mlp.get(d).and_then(Option::as_ref) else {
+                        continue;
+                    };
+                    let w = work(&mut ws, d)?;
+                    exec::mlp(
+                        pass.bs[d],
+                        &cx(d),
+                        &m.norm,
+                        [&m.gate, &m.up, &m.down],
+                        li,
+                        n,
+                        &mut w.r,
+                    )?;
+                }
+                pass.reduce(
+                    &mut coll,
+                    &mut ws,
+                    (&s.id, &s.rs),
+                    (n, h),
+                    &l.down_bias,
+                    held,
+                )?;
+            }
+            cache.note_ids(pos as u64, part);
+            cache.set_seq_len((pos + n) as u64)?;
+            let Some(first) = logits.first_row(done, n, ids.len()) else {
+                done += n;
+                continue;
+            };
+            let row0 = match logits {
+                Logits::Last => 0,
+                Logits::All => done,
+            };
+            let need = n - first;
+            let rows_out = &mut out[row0 * vocab..(row0 + need) * vocab];
+            pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.vc), (first, need, h))?;
+            let per = self.dims.logit_rows.max(1) as usize;
+            for &(d, a, _) in &s.vc {
+                let Some((norm, mat)) = bg.heads.get(d).and_then(Option::as_ref) else {
+                    continue;
+                };
+                let b = pass.bs[d];
+                let w = work(&mut ws, d)?;
+                {
+                    let xs =
+                        view(b, &w.r.x, 0, need * h * 4).map_err(pass.err(d, "output_norm"))?;
+                    b.run(Op::RmsNorm {
+                        n_rows: need,
+                        n_cols: h,
+                        eps: self.eps,
+                        x: &xs,
+                        weight: &*b.floats(norm, held)?,
+                        out: &mut w.r.xn,
+                    })
+                    .map_err(pass.err(d, "output_norm"))?;
+                }
+                let mut block = vec![0f32; per.min(need) * mat.rows];
+                for r0 in (0..need).step_by(per) {
+                    let nr = per.min(need - r0);
+                    let xin =
+                        view(b, &w.r.xn, r0 * h * 4, nr * h * 4).map_err(pass.err(d, &mat.name))?;
+                    cx(d).linear(b, mat, &xin, nr, &mut w.r.logits)?;
+                    let got = &mut block[..nr * mat.rows];
+                    pass.download(&mut coll.copies, d, &w.r.logits, 0, got)?;
+                    for (i, row) in got.chunks_exact(mat.rows).enumerate() {
+                        let at = (r0 + i) * vocab + a as usize;
+                        rows_out[at..at + mat.rows].copy_from_slice(row);
+                    }
+                }
+            }
+            done += n;
+        }
+        Ok(coll.copies)
+    }
+}

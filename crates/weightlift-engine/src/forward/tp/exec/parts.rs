@@ -1,0 +1,175 @@
+//! The tensor-parallel graph as the backends read it: each device's matrices as parts of the
+//! split held tensors, and its norms and biases where it reads them.
+
+use super::*;
+
+/// The backends a tensor-parallel pass computes on.
+#[derive(Debug)]
+pub(crate) enum Backends {
+    /// Host devices through the CPU backend, one per device.
+    Cpu(Vec<CpuBackend>),
+    /// Every device is `cuda:N` and computes on its own backend.
+    Cuda,
+}
+
+#[derive(Debug)]
+pub(super) struct AttnParts {
+    pub(super) norm: Floats,
+    pub(super) q: Linear,
+    pub(super) k: Linear,
+    pub(super) v: Linear,
+    pub(super) o: Linear,
+    pub(super) q_heads: usize,
+    pub(super) kv_heads: usize,
+    pub(super) cache_part: usize,
+}
+
+#[derive(Debug)]
+pub(super) struct MlpParts {
+    pub(super) norm: Floats,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+}
+
+/// A layer's shares per device (by table index), and the columns of the `o_proj`/`down` biases
+/// each residual owner adds.
+#[derive(Debug)]
+pub(super) struct LayerParts {
+    pub(super) attn: Vec<Option<AttnParts>>,
+    pub(super) mlp: Vec<Option<MlpParts>>,
+    pub(super) o_bias: Vec<Option<Floats>>,
+    pub(super) down_bias: Vec<Option<Floats>>,
+}
+
+/// The tensor-parallel graph as the backends read it: the host graph's shares, with their
+/// norms and biases where each device reads them (on a GPU, copies made there at build).
+#[derive(Debug)]
+pub(crate) struct BackendGraph {
+    pub(super) backends: Backends,
+    pub(super) layers: Vec<LayerParts>,
+    pub(super) heads: Vec<Option<(Floats, Linear)>>,
+}
+
+/// f32 parameters `values` of tensor `index` for `device`: copied there on a GPU.
+fn floats_on(values: &[f32], index: usize, name: &str, device: &Arc<Device>) -> Result<Floats> {
+    let mut f = Floats {
+        host: values.to_vec(),
+        index,
+        name: name.to_owned(),
+        held_on_device: false,
+        device: None,
+    };
+    if device.kind() == DeviceKind::Cuda {
+        place(&mut f, &[], device)?;
+    }
+    Ok(f)
+}
+
+/// A device's slice of a matrix as the backend path's [`Linear`].
+fn linear_of(m: &Mat, device: &Arc<Device>) -> Result<Linear> {
+    let bias = match &m.bias {
+        Some(b) => Some(floats_on(b, m.index, &m.name, device)?),
+        None => None,
+    };
+    Ok(Linear {
+        slot: if m.copy {
+            Slot::Copy(m.index)
+        } else {
+            Slot::Tensor(m.index)
+        },
+        name: m.name.clone(),
+        rows: m.rows,
+        cols: m.cols,
+        bias,
+        onload_at: None,
+        packed: None,
+        part: Some(m.part),
+    })
+}
+
+impl BackendGraph {
+    /// The backend form of `g` over `devices` (by table index).
+    pub(in crate::forward::tp) fn new(
+        g: &TpGraph,
+        devices: &[Arc<Device>],
+        backends: Backends,
+    ) -> Result<BackendGraph> {
+        let dev = |d: usize| {
+            devices
+                .get(d)
+                .ok_or_else(|| invalid("tp device index", format!("below {}", devices.len()), d))
+        };
+        let mut layers = Vec::with_capacity(g.layers.len());
+        for (li, l) in g.layers.iter().enumerate() {
+            let mut attn = Vec::with_capacity(devices.len());
+            let mut mlp = Vec::with_capacity(devices.len());
+            for d in 0..devices.len() {
+                let on = dev(d)?;
+                attn.push(match l.attn.get(d).and_then(Option::as_ref) {
+                    Some(a) => Some(AttnParts {
+                        norm: floats_on(&a.norm, a.q.index, &format!("layer {li} attn_norm"), on)?,
+                        q: linear_of(&a.q, on)?,
+                        k: linear_of(&a.k, on)?,
+                        v: linear_of(&a.v, on)?,
+                        o: linear_of(&a.o, on)?,
+                        q_heads: a.q_heads,
+                        kv_heads: a.kv_heads,
+                        cache_part: a.cache_part,
+                    }),
+                    None => None,
+                });
+                mlp.push(match l.mlp.get(d).and_then(Option::as_ref) {
+                    Some(m) => Some(MlpParts {
+                        norm: floats_on(
+                            &m.norm,
+                            m.gate.index,
+                            &format!("layer {li} ffn_norm"),
+                            on,
+                        )?,
+                        gate: linear_of(&m.gate, on)?,
+                        up: linear_of(&m.up, on)?,
+                        down: linear_of(&m.down, on)?,
+                    }),
+                    None => None,
+                });
+            }
+            let columns = |bias: &Option<Vec<f32>>, what: &str| -> Result<Vec<Option<Floats>>> {
+                let mut out: Vec<Option<Floats>> = (0..devices.len()).map(|_| None).collect();
+                if let Some(b) = bias {
+                    for &(d, a, e) in &g.splits.rs {
+                        let cols = b.get(a as usize..e as usize).ok_or_else(|| {
+                            invalid(format!("layer {li} {what}"), format!("{e} values"), b.len())
+                        })?;
+                        out[d] = Some(floats_on(cols, 0, &format!("layer {li} {what}"), dev(d)?)?);
+                    }
+                }
+                Ok(out)
+            };
+            layers.push(LayerParts {
+                attn,
+                mlp,
+                o_bias: columns(&l.o_bias, "attn_output bias")?,
+                down_bias: columns(&l.down_bias, "ffn_down bias")?,
+            });
+        }
+        let mut heads = Vec::with_capacity(devices.len());
+        for d in 0..devices.len() {
+            heads.push(match g.heads.get(d).and_then(Option::as_ref) {
+                Some(h) => {
+                    let on = dev(d)?;
+                    Some((
+                        floats_on(&h.norm, h.mat.index, "output_norm", on)?,
+                        linear_of(&h.mat, on)?,
+                    ))
+                }
+                None => None,
+            });
+        }
+        Ok(BackendGraph {
+            backends,
+            layers,
+            heads,
+        })
+    }
+}
