@@ -114,13 +114,19 @@ impl Logits {
         }
     }
 
-    /// The first of the `n` rows of a chunk starting at token `done` (of `total`) whose logits
-    /// are asked for; `None` when the chunk has none (every chunk but the last, for `Last`).
-    pub(crate) fn first_row(self, done: usize, n: usize, total: usize) -> Option<usize> {
+    /// For the `n` rows of a chunk starting at token `done` (of `total`): the first whose
+    /// logits are asked for, and the rows of the output they fill; `None` when the chunk has
+    /// none (every chunk but the last, for `Last`).
+    pub(crate) fn rows(
+        self,
+        done: usize,
+        n: usize,
+        total: usize,
+    ) -> Option<(usize, std::ops::Range<usize>)> {
         match self {
             Logits::Last if done + n < total => None,
-            Logits::Last => Some(n - 1),
-            Logits::All => Some(0),
+            Logits::Last => Some((n - 1, 0..1)),
+            Logits::All => Some((0, done..done + n)),
         }
     }
 }

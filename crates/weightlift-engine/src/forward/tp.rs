@@ -518,16 +518,12 @@ impl TpGraph {
             }
             cache.note_ids(pos as u64, part);
             cache.set_seq_len((pos + n) as u64)?;
-            let Some(first) = logits.first_row(done, n, ids.len()) else {
+            let Some((first, out_rows)) = logits.rows(done, n, ids.len()) else {
                 done += n;
                 continue;
             };
-            let row0 = match logits {
-                Logits::Last => 0,
-                Logits::All => done,
-            };
-            let need = n - first;
-            let rows_out = &mut out[row0 * vocab..(row0 + need) * vocab];
+            let need = out_rows.len();
+            let rows_out = &mut out[out_rows.start * vocab..out_rows.end * vocab];
             self.head(&run, &mut coll, &mut flip, &mut ws, (first, need), rows_out)?;
             done += n;
         }

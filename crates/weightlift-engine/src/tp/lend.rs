@@ -116,8 +116,20 @@ impl Collectives<'_> {
 
     /// Staging buffer `buffer` as `n × total` values (the caller writes the whole of it).
     pub fn staging(&mut self, buffer: usize, n: usize, total: usize) -> Result<&mut [f32]> {
+        self.staging_and_copies(buffer, n, total).map(|(s, _)| s)
+    }
+
+    /// [`Collectives::staging`] with the copy count beside it, to copy out of the buffer and
+    /// count those copies without a copy of the buffer.
+    pub fn staging_and_copies(
+        &mut self,
+        buffer: usize,
+        n: usize,
+        total: usize,
+    ) -> Result<(&mut [f32], &mut Copies)> {
         let len = self.staging.get(buffer).map_or(0, |s| s.len());
-        self.staging
+        let staged = self
+            .staging
             .get_mut(buffer)
             .and_then(|s| s.get_mut(..n * total))
             .ok_or_else(|| {
@@ -126,7 +138,8 @@ impl Collectives<'_> {
                     format!("{} values", n * total),
                     format!("{len}; the model was loaded for another runtime"),
                 )
-            })
+            })?;
+        Ok((staged, &mut self.copies))
     }
 
     /// Copy each device's columns of staging buffer `buffer` (`n × total`, host memory) into

@@ -142,11 +142,11 @@ impl Graph {
                 cache.note_ids(pos as u64, part);
                 cache.set_seq_len((pos + n) as u64)?;
                 // The head: only the rows asked for.
-                let Some(first) = logits.first_row(done, n, ids.len()) else {
+                let Some((first, out_rows)) = logits.rows(done, n, ids.len()) else {
                     done += n;
                     continue;
                 };
-                let need = n - first;
+                let need = out_rows.len();
                 if self.head_site != at {
                     move_rows(
                         &mut works,
@@ -159,11 +159,7 @@ impl Graph {
                     )?;
                 }
                 let per = self.dims.logit_rows as usize;
-                let out_row0 = match logits {
-                    Logits::Last => 0,
-                    Logits::All => done,
-                };
-                let rows_out = &mut out[out_row0 * vocab..(out_row0 + need) * vocab];
+                let rows_out = &mut out[out_rows.start * vocab..out_rows.end * vocab];
                 let hs = self.head_site;
                 on_site!(&mut works[hs], w => {
                 let hw = Weights { held, copies, slot: None };

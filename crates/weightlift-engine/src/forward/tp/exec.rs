@@ -233,9 +233,9 @@ impl TpGraph {
             let n = part.len();
             let pos = start + done;
             let b = flip();
-            self.embed_rows(&run, part, coll.staging(b, n, h)?)?;
-            let staged = coll.staging(b, n, h)?.to_vec();
-            pass.scatter(&mut coll.copies, &staged, &mut ws, &s.rs, (n, h))?;
+            let (staged, copies) = coll.staging_and_copies(b, n, h)?;
+            self.embed_rows(&run, part, staged)?;
+            pass.scatter(copies, staged, &mut ws, &s.rs, (n, h))?;
             for (d, w) in ws.iter_mut().enumerate() {
                 if let Some(w) = w {
                     exec::positions(pass.bs[d], devices[d].name(), pos, n, &mut w.r)?;
@@ -297,16 +297,12 @@ impl TpGraph {
             }
             cache.note_ids(pos as u64, part);
             cache.set_seq_len((pos + n) as u64)?;
-            let Some(first) = logits.first_row(done, n, ids.len()) else {
+            let Some((first, out_rows)) = logits.rows(done, n, ids.len()) else {
                 done += n;
                 continue;
             };
-            let row0 = match logits {
-                Logits::Last => 0,
-                Logits::All => done,
-            };
-            let need = n - first;
-            let rows_out = &mut out[row0 * vocab..(row0 + need) * vocab];
+            let need = out_rows.len();
+            let rows_out = &mut out[out_rows.start * vocab..out_rows.end * vocab];
             pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.vc), (first, need, h))?;
             let per = self.dims.logit_rows.max(1) as usize;
             for &(d, a, _) in &s.vc {

@@ -174,10 +174,10 @@ impl<B: Exec> Pass<'_, B> {
                     .copy_from_slice(&block[r * w..(r + 1) * w]);
             }
         }
+        let (staged, copies) = coll.staging_and_copies(buffer, n, h)?;
         for &(d, _, _) in tb {
-            let staged = coll.staging(buffer, n, h)?.to_vec();
             let x = &mut work(ws, d)?.r.x;
-            self.upload(&mut coll.copies, &staged, d, x, 0)?;
+            self.upload(copies, staged, d, x, 0)?;
         }
         Ok(())
     }
