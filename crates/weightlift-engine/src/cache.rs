@@ -185,6 +185,9 @@ pub struct Cache {
     /// Tensor parallelism: the layers split by kv heads, one part per device
     /// ([`Cache::allocate_tp`]); the parent keeps the sequence and these hold the rows.
     tp: Mutex<Vec<TpPart>>,
+    /// Split for one rank of a multi-process run ([`Cache::allocate_tp_rank`]): allocated even
+    /// with no parts, where the rank holds no kv heads.
+    tp_rank: std::sync::atomic::AtomicBool,
 }
 
 impl Cache {
@@ -220,6 +223,7 @@ impl Cache {
             copied: Default::default(),
             ids: Mutex::new(Vec::new()),
             tp: Mutex::new(Vec::new()),
+            tp_rank: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -305,11 +309,12 @@ impl Cache {
         self.lock().iter_mut().for_each(|l| *l = None);
         self.lock_pools().clear();
         self.lock_tp().clear();
+        self.tp_rank.store(false, Ordering::Release);
     }
 
     pub fn is_allocated(&self) -> bool {
         let tp = self.lock_tp();
-        if !tp.is_empty() {
+        if !tp.is_empty() || self.tp_rank.load(Ordering::Acquire) {
             return tp.iter().all(|p| p.cache.is_allocated());
         }
         drop(tp);

@@ -82,6 +82,18 @@ impl Device {
         Arc::new(d)
     }
 
+    /// The device of rank `rank` of a multi-process tensor-parallel run, as a process driving
+    /// another rank sees it: a name for the split tables and messages, with no memory (its
+    /// weights, cache and scratch live in that rank's process).
+    pub fn elsewhere(rank: usize) -> Arc<Device> {
+        Arc::new(Device::new(
+            format!("rank {rank} (another process)"),
+            DeviceKind::Virtual,
+            rank as u32,
+            Some(0),
+        ))
+    }
+
     /// The simulated link rate in bytes/s, if this device has one.
     pub fn bandwidth(&self) -> Option<u64> {
         self.bandwidth

@@ -54,6 +54,6 @@ pub use device::{Buffer, Device, DeviceKind, DeviceTensor, HostProbe, Inventory,
 pub use error::{EngineError, Result};
 pub use generate::{FinishReason, GenerateOptions, Generation, Piece, Timings};
 pub use loader::{LoadOptions, Loaded, Progress, TensorTarget, load};
-pub use model::{Dequantized, Held, Model, Placement};
+pub use model::{Dequantized, Held, Model, Placement, RankPlace};
 pub use source::Source;
 pub use tp::{Collective, HostStaged, Splits, TpContext};

@@ -23,7 +23,7 @@ use crate::error::{EngineError, Result, invalid};
 use crate::source::Source;
 use crate::tp::TpContext;
 
-pub use placement::{ForwardPlan, Placement, SplitSpec, TensorPlace};
+pub use placement::{ForwardPlan, Placement, RankPlace, SplitSpec, TensorPlace};
 pub use tensor_parallel::{Cut, tp_cut};
 pub use tensors::{Dequantized, Held};
 

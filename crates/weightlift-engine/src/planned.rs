@@ -82,6 +82,17 @@ impl Model {
     pub fn placement(&self, plan: &Plan) -> Result<Placement> {
         placement(plan, self.source().as_ref())
     }
+
+    /// The placement that loads rank `rank` of a tensor-parallel `plan` on `device`
+    /// ([`rank_placement`]).
+    pub fn rank_placement(
+        &self,
+        plan: &Plan,
+        rank: usize,
+        device: Option<&str>,
+    ) -> Result<Placement> {
+        rank_placement(plan, self.source().as_ref(), rank, device)
+    }
 }
 
 /// A plan as a placement for `source`: every tensor's device and dtype, splits (llama.cpp row
@@ -142,12 +153,7 @@ pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
         let place = match plan.tp() {
             // Under tensor parallelism the tied head is split by the vocab table.
             Some(tp) => {
-                let accel: Vec<&str> = plan
-                    .devices()
-                    .iter()
-                    .filter(|d| d.kind.is_accelerator())
-                    .map(|d| d.name.as_str())
-                    .collect();
+                let accel = accelerators(plan);
                 let mut shards = Vec::new();
                 for &(d, a, b) in tp.table(TpKind::Vc) {
                     let name = accel.get(d).ok_or_else(|| {
@@ -207,6 +213,94 @@ pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
             max_seq_len,
             batch,
             tp: plan.tp().map(splits),
+            rank: None,
         }),
     })
+}
+
+/// The names of a plan's accelerators: what its split tables' device indices count.
+fn accelerators(plan: &Plan) -> Vec<&str> {
+    plan.devices()
+        .iter()
+        .filter(|d| d.kind.is_accelerator())
+        .map(|d| d.name.as_str())
+        .collect()
+}
+
+/// The share of a tensor-parallel `plan` that the process running rank `rank` loads: its
+/// parts of every split tensor (renamed from the plan's `rank`-th accelerator, which stood for
+/// it, to `device`), the host's whole tensors, its scratch and the host's; the other ranks'
+/// parts are left to their processes. `device` defaults to the rank's device in the plan's
+/// world (`cuda:{local_rank}`), else the accelerator that stood for it.
+pub fn rank_placement(
+    plan: &Plan,
+    source: &dyn Source,
+    rank: usize,
+    device: Option<&str>,
+) -> Result<Placement> {
+    if plan.tp().is_none() {
+        return Err(invalid(
+            "plan for a rank-local load",
+            "a tensor_parallel plan",
+            format!("a {} plan", plan.strategy()),
+        ));
+    }
+    let accel = accelerators(plan);
+    let planned = *accel.get(rank).ok_or_else(|| {
+        invalid(
+            "tp rank",
+            format!("below the plan's {} ranks (its accelerators)", accel.len()),
+            rank,
+        )
+    })?;
+    let local = match (device, plan.tp_ranks()) {
+        (Some(d), _) => d.to_owned(),
+        (None, Some(ranks)) => ranks
+            .get(rank)
+            .map_or_else(|| planned.to_owned(), |r| r.device.clone()),
+        (None, None) => planned.to_owned(),
+    };
+    let mut p = placement(plan, source)?;
+    let elsewhere = |d: &str| accel.contains(&d) && d != planned;
+    let keep = |place: &mut TensorPlace, name: &str| -> Result<()> {
+        match &mut place.split {
+            Some(s) => {
+                s.shards.retain(|sh| sh.0 == planned);
+                s.shards.iter_mut().for_each(|sh| sh.0.clone_from(&local));
+                place.device.clone_from(&local);
+            }
+            None if place.device == planned => place.device.clone_from(&local),
+            None if elsewhere(&place.device) => {
+                return Err(invalid(
+                    format!("tensor '{name}' in a rank-local load"),
+                    format!("split over the ranks, or whole on the host or on {planned}"),
+                    format!("whole on {}, another rank's device", place.device),
+                ));
+            }
+            None => {}
+        }
+        Ok(())
+    };
+    for (place, info) in p.tensors.iter_mut().zip(source.tensors()) {
+        keep(place, &info.name)?;
+    }
+    for (i, place) in &mut p.copies {
+        let name = source.tensors().get(*i).map_or("?", |t| t.name.as_str());
+        keep(place, name)?;
+    }
+    p.layers.iter_mut().for_each(|l| l.clone_from(&local));
+    p.scratch.retain(|(d, _)| !elsewhere(d));
+    for (d, _) in &mut p.scratch {
+        if d == planned {
+            d.clone_from(&local);
+        }
+    }
+    if let Some(f) = &mut p.forward {
+        f.rank = Some(crate::model::RankPlace {
+            rank,
+            world_size: accel.len(),
+            device: local,
+        });
+    }
+    Ok(p)
 }

@@ -26,10 +26,12 @@ mod host;
 mod lend;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod threads;
 mod world;
 pub use lend::{Collectives, ScratchViews};
 #[cfg(feature = "nccl")]
 pub use nccl::Nccl;
+pub use threads::ThreadGroup;
 pub use world::{
     MAX_WORLD_SIZE, NCCL_ID_BYTES, NCCL_ID_FILE_VAR, NCCL_ID_VAR, NcclUniqueId, World,
 };
@@ -72,11 +74,18 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// A short name for messages (`"host-staged"`, `"nccl"`).
     fn name(&self) -> &'static str;
 
+    // The tensor copies default to [`HostStaged`]'s: a transport whose own wire serves only
+    // the rank-level collectives (NCCL, a thread group) moves tensors through host memory.
+
     /// A copy of `src` on `dst`.
-    fn copy(&self, src: &DeviceTensor, dst: &Arc<Device>) -> Result<DeviceTensor>;
+    fn copy(&self, src: &DeviceTensor, dst: &Arc<Device>) -> Result<DeviceTensor> {
+        HostStaged.copy(src, dst)
+    }
 
     /// Copy `src`'s bytes into host memory `dst` (same length).
-    fn to_host(&self, src: &DeviceTensor, dst: &mut [u8]) -> Result<()>;
+    fn to_host(&self, src: &DeviceTensor, dst: &mut [u8]) -> Result<()> {
+        HostStaged.to_host(src, dst)
+    }
 
     /// Upload host bytes as a tensor on `dst`.
     fn upload(
@@ -85,14 +94,25 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         shape: Vec<u64>,
         dtype: DType,
         dst: &Arc<Device>,
-    ) -> Result<DeviceTensor>;
+    ) -> Result<DeviceTensor> {
+        HostStaged.upload(bytes, shape, dtype, dst)
+    }
 
     /// Copy `src`, in `from`'s memory, into `dst`, in `to`'s (same length): the transfer the
     /// tensor-parallel forward pass makes between host-addressable devices.
-    fn copy_host(&self, src: &[u8], from: &Device, dst: &mut [u8], to: &Device) -> Result<()>;
+    fn copy_host(&self, src: &[u8], from: &Device, dst: &mut [u8], to: &Device) -> Result<()> {
+        HostStaged.copy_host(src, from, dst, to)
+    }
 
     /// Wait until every queued copy has finished (exllamav2's `wait_streams`).
     fn synchronize(&self) -> Result<()>;
+
+    /// Whether the rank-level collectives may be given only this process's rank, the transport
+    /// bringing the other ranks' values (NCCL, a [`ThreadGroup`]): what a rank-local forward
+    /// pass needs. The default, host-staged bodies need every rank's buffer in the call.
+    fn joins_other_ranks(&self) -> bool {
+        false
+    }
 
     /// Every rank's `values` becomes the element-wise sum over the ranks, added in rank order.
     /// `parts` are the ranks this process drives; the default moves them with
@@ -235,6 +255,9 @@ pub struct TpContext {
     sin_cos: Option<Vec<(DeviceTensor, DeviceTensor)>>,
     /// Whether the backend pass may copy device to device where the driver allows.
     peer_copies: bool,
+    /// The one table device this process drives in a multi-process run (`None`: every one);
+    /// the other entries of `devices` are [`Device::elsewhere`] stand-ins.
+    rank: Option<usize>,
 }
 
 fn elem_size(dtype: DType) -> Result<u64> {
@@ -298,6 +321,7 @@ impl TpContext {
             scratch,
             sin_cos: None,
             peer_copies: true,
+            rank: None,
         })
     }
 
@@ -311,6 +335,35 @@ impl TpContext {
 
     pub fn peer_copies(&self) -> bool {
         self.peer_copies
+    }
+
+    /// Make this the context of one rank of a multi-process run: this process computes only
+    /// table device `rank`, and meets the other ranks through the collective's rank-level
+    /// operations ([`Collective::all_gather`], [`Collective::reduce_scatter_sum`]), which
+    /// [`TpContext::set_collective`] must give a transport that reaches them.
+    pub fn set_rank(&mut self, rank: Option<usize>) -> Result<()> {
+        if let Some(r) = rank
+            && r >= self.devices.len()
+        {
+            return Err(invalid(
+                "tp rank",
+                format!("below the world size {}", self.devices.len()),
+                r,
+            ));
+        }
+        self.rank = rank;
+        Ok(())
+    }
+
+    /// The rank this process drives in a multi-process run (`None`: it drives every device).
+    pub fn rank(&self) -> Option<usize> {
+        self.rank
+    }
+
+    /// Replace the transport of the collectives (NCCL across processes, a
+    /// [`ThreadGroup`] member for ranks run as threads).
+    pub fn set_collective(&mut self, collective: Box<dyn Collective>) {
+        self.collective = collective;
     }
 
     pub fn splits(&self) -> &Splits {

@@ -10,9 +10,9 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{load_planned, open};
+use common::open;
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{Cache, CacheDType, Inventory, Model, Source};
+use weightlift_engine::{Cache, CacheDType, Model, Source};
 use weightlift_plan as wp;
 
 const RT: wp::RuntimeSpec = wp::RuntimeSpec {
@@ -32,44 +32,13 @@ fn load_tp_plan(
     devices: &str,
     dtype: CacheDType,
 ) -> (Model, Arc<Cache>, wp::Plan) {
-    let mut m = Model::new(Arc::clone(src), Inventory::parse(devices).unwrap());
-    let mut req = m.plan_request().unwrap();
-    req.runtime = RT;
-    wp::PlanOptions {
-        strategy: Some("tensor_parallel".into()),
-        expect_cache: Some(wp::ExpectCache { tokens: 64, dtype }),
-        ..wp::PlanOptions::default()
-    }
-    .apply(&mut req)
-    .unwrap();
-    let plan = wp::plan(&req).unwrap();
-    let cache = load_planned(&mut m, &plan).unwrap();
-    (m, cache, plan)
+    common::load_tp_planned(src, devices, RT, dtype)
 }
 
-/// Every position's logits of `ids` (in chunks of the runtime's 16 tokens), then two decode
-/// steps, and every layer's cache rows from each part.
+/// [`common::tp_run`], the parts' cache rows one after another.
 fn run(m: &mut Model, cache: &Arc<Cache>, ids: &[u32]) -> (Vec<f32>, Vec<Vec<f32>>) {
-    cache.reset();
-    let mut logits = Vec::new();
-    m.forward(ids, Some(cache), Logits::All, &mut logits)
-        .unwrap();
-    let mut step = Vec::new();
-    for id in [7u32, 11] {
-        m.forward(&[id], Some(cache), Logits::Last, &mut step)
-            .unwrap();
-        logits.extend_from_slice(&step);
-    }
-    let n = cache.seq_len();
-    let mut rows = Vec::new();
-    for p in cache.tp_parts() {
-        for l in 0..m.n_layers() as usize {
-            let (k, v) = p.cache.read(l, 0, n).unwrap();
-            rows.push(k);
-            rows.push(v);
-        }
-    }
-    (logits, rows)
+    let (logits, parts) = common::tp_run(m, cache, ids);
+    (logits, parts.into_iter().flatten().collect())
 }
 
 fn same_bits(a: &[f32], b: &[f32]) -> bool {

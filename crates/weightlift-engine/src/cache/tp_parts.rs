@@ -29,22 +29,7 @@ impl Cache {
     /// `0..n_kv_heads` in order; each part's layers are allocated on its device now. Every
     /// layer must have the same kv heads, and the cache must not be offloaded.
     pub fn allocate_tp(&self, parts: &[(Arc<Device>, u32, u32)]) -> Result<()> {
-        let c = &self.config;
-        if c.offload {
-            return Err(EngineError::Unsupported {
-                what: "an offloaded cache under tensor parallelism".into(),
-                detail: "each device holds its kv heads' slice of every layer; load the cache \
-                         without offload"
-                    .into(),
-            });
-        }
-        let heads = c.n_kv_heads.first().copied().unwrap_or(0);
-        if c.n_kv_heads.iter().any(|&h| h != heads) {
-            return Err(EngineError::Unsupported {
-                what: "a tensor-parallel cache with per-layer kv head counts".into(),
-                detail: "the kv table splits one head count for every layer".into(),
-            });
-        }
+        let heads = self.tp_heads()?;
         let mut at = 0;
         for (d, a, b) in parts {
             if *a != at || b <= a {
@@ -63,6 +48,49 @@ impl Cache {
                 format!("0..{at}"),
             ));
         }
+        self.fill_tp(parts, false)
+    }
+
+    /// The share of one rank of a multi-process run: kv heads `a..b` of every layer on
+    /// `device`, or nothing where the rank holds no heads. The other ranks' heads live in
+    /// their processes.
+    pub fn allocate_tp_rank(&self, share: Option<(Arc<Device>, u32, u32)>) -> Result<()> {
+        let heads = self.tp_heads()?;
+        if let Some((d, a, b)) = &share
+            && (b <= a || *b > heads)
+        {
+            return Err(invalid(
+                format!("tp cache share on {}", d.name()),
+                format!("at least one of kv heads 0..{heads}"),
+                format!("{a}..{b}"),
+            ));
+        }
+        self.fill_tp(share.as_slice(), true)
+    }
+
+    /// The kv heads every layer has, where the cache can be split.
+    fn tp_heads(&self) -> Result<u32> {
+        let c = &self.config;
+        if c.offload {
+            return Err(EngineError::Unsupported {
+                what: "an offloaded cache under tensor parallelism".into(),
+                detail: "each device holds its kv heads' slice of every layer; load the cache \
+                         without offload"
+                    .into(),
+            });
+        }
+        let heads = c.n_kv_heads.first().copied().unwrap_or(0);
+        if c.n_kv_heads.iter().any(|&h| h != heads) {
+            return Err(EngineError::Unsupported {
+                what: "a tensor-parallel cache with per-layer kv head counts".into(),
+                detail: "the kv table splits one head count for every layer".into(),
+            });
+        }
+        Ok(heads)
+    }
+
+    fn fill_tp(&self, parts: &[(Arc<Device>, u32, u32)], rank_share: bool) -> Result<()> {
+        let c = &self.config;
         self.free();
         let mut made = Vec::with_capacity(parts.len());
         for (device, a, b) in parts {
@@ -81,6 +109,8 @@ impl Cache {
             });
         }
         *self.lock_tp() = made;
+        self.tp_rank
+            .store(rank_share, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 

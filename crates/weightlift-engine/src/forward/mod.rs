@@ -505,6 +505,7 @@ impl crate::Model {
                 max_seq_len: cache.config().max_seq_len,
                 batch: cache.config().batch_size,
                 tp: None,
+                rank: None,
             });
             let resolve = |name: &str| crate::model::resolve_in(&inventory, name);
             let loaded = graph::Loaded {

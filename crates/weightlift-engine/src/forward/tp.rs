@@ -451,18 +451,7 @@ impl TpGraph {
             let len = self.inv_freqs.len().min(w.v.freqs.len());
             w.v.freqs[..len].copy_from_slice(&self.inv_freqs[..len]);
         }
-        let run = Run {
-            held,
-            copies,
-            compute,
-            max_dq: self.max_dq,
-            hidden: self.dims.hidden as usize,
-            head_dim: self.dims.head_dim as usize,
-            eps: self.eps,
-            rope: &self.rope,
-            kv_tile: self.dims.kv_tile as usize,
-            q_tile: self.dims.q_tile as usize,
-        };
+        let run = self.run(held, copies, compute);
         let h = run.hidden;
         let s = &self.splits;
         let chunk = self.dims.tokens as usize;
@@ -528,6 +517,28 @@ impl TpGraph {
             done += n;
         }
         Ok(coll.copies)
+    }
+
+    /// The constants of one forward call on the host path (on the backends' path, what the
+    /// embedding lookup reads).
+    fn run<'a>(
+        &'a self,
+        held: &'a [Held],
+        copies: &'a [(usize, Held)],
+        compute: Compute,
+    ) -> Run<'a> {
+        Run {
+            held,
+            copies,
+            compute,
+            max_dq: self.max_dq,
+            hidden: self.dims.hidden as usize,
+            head_dim: self.dims.head_dim as usize,
+            eps: self.eps,
+            rope: &self.rope,
+            kv_tile: self.dims.kv_tile as usize,
+            q_tile: self.dims.q_tile as usize,
+        }
     }
 
     /// Logits of residual rows `first..first + need` into `rows_out` (`need × vocab`).
@@ -606,6 +617,8 @@ impl TpGraph {
             .splits
             .kv
             .iter()
+            // a rank-local cache holds only its rank's heads
+            .filter(|e| ctx.rank().is_none_or(|r| r == e.0))
             .map(|&(d, a, b)| Ok((ctx.device(d)?.name().to_owned(), a as u32, b as u32)))
             .collect::<Result<_>>()?;
         let got: Vec<(String, u32, u32)> = parts

@@ -128,16 +128,19 @@ impl Model {
                 _ => Ok(()),
             },
         )?;
-        match (cache, tp) {
+        let rank = placement.forward.as_ref().and_then(|f| f.rank.as_ref());
+        match (cache, tp, rank) {
             // Tensor parallelism: each device holds its kv heads of every layer.
-            (Some(c), Some(t)) => c.allocate_tp(&self.tp_cache_parts(t)?)?,
+            (Some(c), Some(t), None) => c.allocate_tp(&self.tp_cache_parts(t)?)?,
+            // One rank of a multi-process run: its own kv heads.
+            (Some(c), Some(t), Some(r)) => c.allocate_tp_rank(self.tp_cache_share(t, r)?)?,
             // Layers without tensors of their own (or all split) still get their cache slot.
-            (Some(c), None) => {
+            (Some(c), None, _) => {
                 for (l, d) in layer_devs.iter().enumerate() {
                     c.allocate_layer(l, d, &cpu)?;
                 }
             }
-            (None, _) => {}
+            (None, _, _) => {}
         }
         warnings.extend(loaded.warnings);
         let mut held = Vec::with_capacity(infos.len());

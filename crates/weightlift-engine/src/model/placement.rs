@@ -56,6 +56,19 @@ pub struct ForwardPlan {
     /// The load then splits the cache by kv heads and builds the [`TpContext`] the forward
     /// pass runs through.
     pub tp: Option<Splits>,
+    /// A multi-process tensor-parallel load: the one rank this process holds and computes.
+    pub rank: Option<RankPlace>,
+}
+
+/// One process's share of a multi-process tensor-parallel plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankPlace {
+    /// The rank: the split tables' device index.
+    pub rank: usize,
+    /// Ranks in the run: the plan's accelerators.
+    pub world_size: usize,
+    /// The device this process holds the rank's parts on (`cuda:{local_rank}`).
+    pub device: String,
 }
 
 impl Placement {

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use weightlift_format::{Role, TensorInfo};
 
-use super::{ForwardPlan, Model, Placement, SplitSpec, TensorPlace};
+use super::{ForwardPlan, Model, Placement, RankPlace, SplitSpec, TensorPlace};
 use crate::device::Device;
 use crate::error::{EngineError, Result, invalid};
 use crate::tp::{HostStaged, SplitTable, Splits, TpContext};
@@ -43,6 +43,35 @@ impl Model {
             .collect()
     }
 
+    /// The kv heads a rank-local load holds, on its device (`None`: the rank has none).
+    pub(super) fn tp_cache_share(
+        &self,
+        splits: &Splits,
+        rank: &RankPlace,
+    ) -> Result<Option<(Arc<Device>, u32, u32)>> {
+        match splits.kv.iter().find(|e| e.0 == rank.rank) {
+            Some(&(_, a, b)) => Ok(Some((self.resolve(&rank.device)?, a as u32, b as u32))),
+            None => Ok(None),
+        }
+    }
+
+    /// The table devices of a context: the accelerators, or for a rank-local load its device
+    /// at its rank and [`Device::elsewhere`] stand-ins for the others.
+    fn tp_devices(&self, rank: Option<&RankPlace>) -> Result<Vec<Arc<Device>>> {
+        match rank {
+            None => Ok(self.inventory.accelerators().to_vec()),
+            Some(r) => (0..r.world_size)
+                .map(|i| {
+                    if i == r.rank {
+                        self.resolve(&r.device)
+                    } else {
+                        Ok(Device::elsewhere(i))
+                    }
+                })
+                .collect(),
+        }
+    }
+
     /// exllamav2's TPContext for a loaded plan: the plan's tables over the accelerators,
     /// host-staged collectives, each accelerator's scratch as the plan reserved it
     /// ([`weightlift_plan::TpWorkspace`]) and the two staging buffers of
@@ -57,7 +86,7 @@ impl Model {
             what: "tensor-parallel loading".into(),
             detail: "the checkpoint's architecture could not be read".into(),
         })?;
-        let accel = self.inventory.accelerators().to_vec();
+        let accel = self.tp_devices(f.rank.as_ref())?;
         let rope = crate::tp::Rope {
             theta: spec.rope_theta,
             dim: spec.rope_dim,
@@ -65,6 +94,7 @@ impl Model {
             max_seq_len: f.max_seq_len,
         };
         let mut ctx = TpContext::new(splits.clone(), accel.clone(), rope, Box::new(HostStaged))?;
+        ctx.set_rank(f.rank.as_ref().map(|r| r.rank))?;
         let dims = weightlift_plan::Dims::new(spec, &f.runtime, f.max_seq_len, f.batch);
         if dims.tokens > 0 {
             ctx.finalize(

@@ -85,7 +85,12 @@ fn cols(a: u64, b: u64, total: usize) -> (usize, usize) {
     ((a as usize).min(total), (b as usize).min(total))
 }
 
-impl Collectives<'_> {
+impl<'a> Collectives<'a> {
+    /// The transport, for the rank-level collectives of a multi-process pass.
+    pub fn transport(&self) -> &'a dyn Collective {
+        self.collective
+    }
+
     /// The device the staging buffers live on (host memory).
     pub fn staging_device(&self) -> &Arc<Device> {
         self.cpu

@@ -24,11 +24,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, CudaStream};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{Comm, Id, ReduceOp, group_end, group_start};
-use weightlift_format::DType;
 
 use super::host::blocks;
-use super::{Collective, HostStaged, NCCL_ID_BYTES, NcclUniqueId, RankSlice, World};
-use crate::device::{Device, DeviceKind, DeviceTensor};
+use super::{Collective, NCCL_ID_BYTES, NcclUniqueId, RankSlice, World};
+use crate::device::{Device, DeviceKind};
 use crate::error::{EngineError, Result, invalid};
 
 /// A communicator and the device it lives on.
@@ -253,28 +252,6 @@ impl Collective for Nccl {
         "nccl"
     }
 
-    fn copy(&self, src: &DeviceTensor, dst: &Arc<Device>) -> Result<DeviceTensor> {
-        HostStaged.copy(src, dst)
-    }
-
-    fn to_host(&self, src: &DeviceTensor, dst: &mut [u8]) -> Result<()> {
-        HostStaged.to_host(src, dst)
-    }
-
-    fn upload(
-        &self,
-        bytes: &[u8],
-        shape: Vec<u64>,
-        dtype: DType,
-        dst: &Arc<Device>,
-    ) -> Result<DeviceTensor> {
-        HostStaged.upload(bytes, shape, dtype, dst)
-    }
-
-    fn copy_host(&self, src: &[u8], from: &Device, dst: &mut [u8], to: &Device) -> Result<()> {
-        HostStaged.copy_host(src, from, dst, to)
-    }
-
     fn synchronize(&self) -> Result<()> {
         for c in self.lock()?.iter() {
             c.comm
@@ -283,6 +260,10 @@ impl Collective for Nccl {
                 .map_err(driver_err(c.comm.rank(), "synchronising"))?;
         }
         Ok(())
+    }
+
+    fn joins_other_ranks(&self) -> bool {
+        true
     }
 
     fn all_reduce_sum(&self, parts: &mut [RankSlice<'_>]) -> Result<()> {

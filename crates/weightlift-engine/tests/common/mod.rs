@@ -161,18 +161,56 @@ pub fn load_planned(
     m: &mut weightlift_engine::Model,
     plan: &weightlift_plan::Plan,
 ) -> weightlift_engine::Result<std::sync::Arc<weightlift_engine::Cache>> {
+    let placement = m.placement(plan)?;
+    load_placed(m, plan, &placement)
+}
+
+/// Load `m` by `placement` (made from `plan`), with the cache the plan sizes.
+pub fn load_placed(
+    m: &mut weightlift_engine::Model,
+    plan: &weightlift_plan::Plan,
+    placement: &weightlift_engine::Placement,
+) -> weightlift_engine::Result<std::sync::Arc<weightlift_engine::Cache>> {
     let c = plan.cache().expect("a plan with a cache");
     let config = m.cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)?;
     let cache = std::sync::Arc::new(weightlift_engine::Cache::new(config)?);
-    let placement = m.placement(plan)?;
     m.load(
-        &placement,
+        placement,
         &weightlift_engine::LoadOptions::default(),
         Some(&cache),
         true,
         &mut |_| true,
     )?;
     Ok(cache)
+}
+
+/// `src` loaded tensor-parallel over `devices` by the planner's tables, with `runtime` and a
+/// cache of 64 positions in `dtype`: the model, its cache and the plan.
+pub fn load_tp_planned(
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    devices: &str,
+    runtime: weightlift_plan::RuntimeSpec,
+    dtype: weightlift_engine::CacheDType,
+) -> (
+    weightlift_engine::Model,
+    std::sync::Arc<weightlift_engine::Cache>,
+    weightlift_plan::Plan,
+) {
+    use weightlift_plan as wp;
+    let inventory = weightlift_engine::Inventory::parse(devices).unwrap();
+    let mut m = weightlift_engine::Model::new(std::sync::Arc::clone(src), inventory);
+    let mut req = m.plan_request().unwrap();
+    req.runtime = runtime;
+    wp::PlanOptions {
+        strategy: Some("tensor_parallel".into()),
+        expect_cache: Some(wp::ExpectCache { tokens: 64, dtype }),
+        ..wp::PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap();
+    let plan = wp::plan(&req).unwrap();
+    let cache = load_planned(&mut m, &plan).unwrap();
+    (m, cache, plan)
 }
 
 /// Load `src` with layer `l` on `devs[l * devs.len() / n_layers]` (or on `disk` below
@@ -424,4 +462,39 @@ pub fn qwen2() -> PathBuf {
         dir
     });
     dir.path().to_path_buf()
+}
+
+/// A tensor-parallel run's logits, and per part of the cache every layer's K and V rows.
+pub type TpRan = (Vec<f32>, Vec<Vec<Vec<f32>>>);
+
+/// Every position's logits of `ids` from an empty `cache` (in chunks of the runtime's tokens),
+/// then two decode steps' logits, and every layer's rows of each part of the split cache.
+pub fn tp_run(
+    m: &mut weightlift_engine::Model,
+    cache: &std::sync::Arc<weightlift_engine::Cache>,
+    ids: &[u32],
+) -> TpRan {
+    use weightlift_engine::forward::Logits;
+    cache.reset();
+    let mut logits = Vec::new();
+    m.forward(ids, Some(cache), Logits::All, &mut logits)
+        .unwrap();
+    let mut step = Vec::new();
+    for id in [7u32, 11] {
+        m.forward(&[id], Some(cache), Logits::Last, &mut step)
+            .unwrap();
+        logits.extend_from_slice(&step);
+    }
+    let n = cache.seq_len();
+    let parts = cache.tp_parts();
+    let rows = parts.iter().map(|p| {
+        let mut rows = Vec::new();
+        for l in 0..m.n_layers() as usize {
+            let (k, v) = p.cache.read(l, 0, n).unwrap();
+            rows.push(k);
+            rows.push(v);
+        }
+        rows
+    });
+    (logits, rows.collect())
 }

@@ -191,12 +191,18 @@ impl TpGraph {
                  by the tp tables; load them with a layer split",
             ));
         }
-        let on_cuda = ctx
-            .devices()
+        // A rank-local load computes only its own device; the others are stand-ins.
+        let rank = ctx.rank();
+        let ours = |d: usize| rank.is_none_or(|r| r == d);
+        let computing: Vec<&Arc<crate::device::Device>> = (ctx.devices().iter().enumerate())
+            .filter(|&(d, _)| ours(d))
+            .map(|(_, x)| x)
+            .collect();
+        let on_cuda = computing
             .iter()
             .filter(|d| d.kind() == DeviceKind::Cuda)
             .count();
-        if on_cuda > 0 && on_cuda < ctx.devices().len() {
+        if on_cuda > 0 && on_cuda < computing.len() {
             let names: Vec<&str> = ctx.devices().iter().map(|d| d.name()).collect();
             return Err(refuse(
                 format!("a tensor-parallel forward pass over {}", names.join(", ")),
@@ -245,7 +251,12 @@ impl TpGraph {
             let at = Some(l);
             let mut attn: Vec<Option<Attn>> = (0..nd).map(|_| None).collect();
             let mut mlp: Vec<Option<Mlp>> = (0..nd).map(|_| None).collect();
-            for (cache_part, &(d, ka, kb)) in splits.kv.iter().enumerate() {
+            for (i, &(d, ka, kb)) in splits.kv.iter().enumerate() {
+                if !ours(d) {
+                    continue;
+                }
+                // A rank-local cache holds only this rank's part.
+                let cache_part = if rank.is_some() { 0 } else { i };
                 let dev = name(d)?;
                 let (qa, qb) = start_of(&splits.q, d).unwrap_or((0, 0));
                 let (qh, kh) = ((qb - qa) as usize, (kb - ka) as usize);
@@ -289,7 +300,7 @@ impl TpGraph {
                     cache_part,
                 });
             }
-            for &(d, a, b) in &splits.id {
+            for &(d, a, b) in splits.id.iter().filter(|e| ours(e.0)) {
                 let dev = name(d)?;
                 let w = (b - a) as usize;
                 mlp[d] = Some(Mlp {
@@ -304,7 +315,7 @@ impl TpGraph {
                 match c.find(role, at) {
                     Some(i) => {
                         let first = splits.rs.first().map_or(0, |x| x.0);
-                        Ok(Some(c.replica(i, &name(first)?)?))
+                        Ok(Some(c.replica(i, &name(rank.unwrap_or(first))?)?))
                     }
                     None => Ok(None),
                 }
@@ -354,7 +365,7 @@ impl TpGraph {
         let out_norm = c.need(Role::OutputNorm, None)?;
         let vocab = spec.vocab_size;
         let mut heads_of: Vec<Option<Head>> = (0..nd).map(|_| None).collect();
-        for &(d, a, b) in &splits.vc {
+        for &(d, a, b) in splits.vc.iter().filter(|e| ours(e.0)) {
             if a >= vocab {
                 continue;
             }
@@ -383,7 +394,8 @@ impl TpGraph {
         let devices = ctx.devices();
         let backends = if on_cuda > 0 {
             Some(exec::Backends::Cuda)
-        } else if host_backend {
+        } else if host_backend || rank.is_some() {
+            // A rank-local pass always runs through the backends.
             let cpus = devices.iter().map(|d| CpuBackend::named(d.name()));
             Some(exec::Backends::Cpu(cpus.collect()))
         } else {

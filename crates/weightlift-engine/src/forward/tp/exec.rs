@@ -28,6 +28,7 @@ use super::*;
 
 mod collect;
 mod parts;
+mod rank;
 
 use crate::device::{Buffer, Device, pace_link};
 use collect::Pass;
@@ -114,6 +115,24 @@ impl TpGraph {
         out: &mut [f32],
     ) -> Result<Copies> {
         let devices: Vec<Arc<Device>> = ctx.devices().to_vec();
+        if let Some(rank) = ctx.rank() {
+            let device = &devices[rank];
+            let args = (ids, start, logits);
+            let modes = (compute, int8_threshold);
+            let on = (rank, &devices[..]);
+            return match &bg.backends {
+                Backends::Cpu(v) => {
+                    self.run_rank(bg, &v[rank], on, held, copies, ctx, cache, args, modes, out)
+                }
+                Backends::Cuda => {
+                    let b = device.cuda_backend().ok_or_else(|| EngineError::Device {
+                        device: device.name().to_owned(),
+                        detail: "a cuda device without its backend".into(),
+                    })?;
+                    self.run_rank(bg, b, on, held, copies, ctx, cache, args, modes, out)
+                }
+            };
+        }
         let allow_peer = ctx.peer_copies();
         // one call per backend type (the pass is generic over it)
         macro_rules! run_on {
@@ -210,18 +229,7 @@ impl TpGraph {
             device: devices[d].name(),
             slot: None,
         };
-        let run = Run {
-            held,
-            copies,
-            compute,
-            max_dq: self.max_dq,
-            hidden: c.hidden,
-            head_dim: c.head_dim,
-            eps: self.eps,
-            rope: &self.rope,
-            kv_tile: c.kv_tile,
-            q_tile: c.q_tile,
-        };
+        let run = self.run(held, copies, compute);
         let (h, vocab) = (c.hidden, self.dims.vocab as usize);
         let mut buffer = 0usize;
         let mut flip = || {
@@ -247,27 +255,8 @@ impl TpGraph {
                     let Some(a) = l.attn.get(d).and_then(Option::as_ref) else {
                         continue;
                     };
-                    let share = AttnShare {
-                        norm: &a.norm,
-                        q: &a.q,
-                        k: &a.k,
-                        v: &a.v,
-                        o: &a.o,
-                        n_heads: a.q_heads,
-                        kv_heads: a.kv_heads,
-                    };
-                    let part_cache = &parts
-                        .get(a.cache_part)
-                        .ok_or_else(|| {
-                            invalid(
-                                format!("tp cache part {}", a.cache_part),
-                                "a part of the cache",
-                                parts.len(),
-                            )
-                        })?
-                        .cache;
                     let w = work(&mut ws, d)?;
-                    exec::attention(pass.bs[d], &cx(d), &share, li, part_cache, pos, n, &mut w.r)?;
+                    a.run((pass.bs[d], &cx(d)), &parts, (li, pos, n), &mut w.r)?;
                 }
                 pass.reduce(&mut coll, &mut ws, (&s.kv, &s.rs), (n, h), &l.o_bias, held)?;
                 pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.id), (0, n, h))?;

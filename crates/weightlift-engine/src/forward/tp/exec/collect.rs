@@ -49,7 +49,7 @@ impl<B: Exec> Pass<'_, B> {
     }
 
     /// Host bytes into device `d`'s `dst` at byte `at`, counted and paced as one transfer.
-    fn upload(
+    pub(super) fn upload(
         &self,
         copies: &mut Copies,
         src: &[f32],

@@ -24,6 +24,36 @@ pub(super) struct AttnParts {
     pub(super) cache_part: usize,
 }
 
+impl AttnParts {
+    /// This share's attention block for layer `li` on `n` tokens at `pos`, its rows written to
+    /// its part of the cache (`parts`): the partial sum of `o_proj` lands in `r.xn`.
+    pub(super) fn run<B: Exec>(
+        &self,
+        (b, cx): (&B, &Ctx<'_>),
+        parts: &[crate::cache::TpPart],
+        (li, pos, n): (usize, usize, usize),
+        r: &mut Regions<'_, B::Buffer>,
+    ) -> Result<()> {
+        let share = AttnShare {
+            norm: &self.norm,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            o: &self.o,
+            n_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+        };
+        let part = parts.get(self.cache_part).ok_or_else(|| {
+            invalid(
+                format!("tp cache part {}", self.cache_part),
+                "a part of the cache holding this device's kv heads",
+                format!("{} parts", parts.len()),
+            )
+        })?;
+        exec::attention(b, cx, &share, li, &part.cache, pos, n, r)
+    }
+}
+
 #[derive(Debug)]
 pub(super) struct MlpParts {
     pub(super) norm: Floats,

@@ -1,0 +1,385 @@
+//! One rank of a multi-process tensor-parallel pass: this process holds and computes only its
+//! table device's shares, and meets the other ranks through the transport's rank-level
+//! collectives (NCCL across processes and machines, [`crate::tp::ThreadGroup`] for ranks run as
+//! threads). Every rank makes the same sequence of calls, whatever its shares:
+//!
+//! - The embedding rows are looked up by every rank (the embedding is whole on each host);
+//!   each keeps its residual columns.
+//! - Before attention, the MLP and the head, the residual is all-gathered: rank `r`
+//!   contributes its columns of every row as block `r`, and every rank lays the blocks out
+//!   as whole rows.
+//! - After attention and the MLP, each rank's partial sum (zeros where it has no share) is cut
+//!   into the residual owners' column blocks and reduce-scattered: each owner receives its
+//!   block summed over the ranks in rank order, the order the single-process pass adds them
+//!   in, adds it to its residual and then its columns of the bias.
+//! - The logits' vocabulary rows are all-gathered, so every rank returns every logit.
+//!
+//! The collectives run on host f32 values: the pass copies the device's slices out and back
+//! around each one (NCCL stages them on its own device).
+
+use super::*;
+use crate::tp::{Collective, RankSlice};
+
+/// Per rank: how many of `table`'s `0..limit` it owns (0 for a rank the table leaves out).
+fn widths(table: &SplitTable, world: usize, limit: u64) -> Vec<usize> {
+    let mut w = vec![0usize; world];
+    for &(d, a, b) in table {
+        if let Some(x) = w.get_mut(d) {
+            *x = (b.min(limit) - a.min(limit)) as usize;
+        }
+    }
+    w
+}
+
+/// `table`'s start of rank `r`'s range (cut at `limit`), where it has one.
+fn start_of(table: &SplitTable, r: usize, limit: u64) -> Option<usize> {
+    table
+        .iter()
+        .find(|e| e.0 == r)
+        .map(|e| e.1.min(limit) as usize)
+}
+
+/// This rank's place in one pass: its backend (through [`Pass`], indexed by the rank), the
+/// transport, and a host buffer the collectives' blocks are laid out through.
+struct RankPass<'p, 'a, B> {
+    pass: &'p Pass<'a, B>,
+    rank: usize,
+    world: usize,
+    transport: &'p dyn Collective,
+    held: &'p [Held],
+    /// Residual columns per rank, and where each rank's columns start.
+    rs: (Vec<usize>, Vec<usize>),
+    host: Vec<f32>,
+}
+
+impl<B: Exec> RankPass<'_, '_, B> {
+    fn slice<'v>(&'v self, values: &'v mut [f32]) -> [RankSlice<'v>; 1] {
+        [RankSlice {
+            rank: self.rank,
+            device: &self.pass.devices[self.rank],
+            values,
+        }]
+    }
+
+    /// Every rank's residual rows `first..first + n` into `x` (when `into_x`), as whole rows.
+    fn gather(
+        &mut self,
+        coll: &mut Collectives<'_>,
+        buffer: usize,
+        w: &mut DeviceWork<'_, B::Buffer>,
+        (first, n, h): (usize, usize, usize),
+        into_x: bool,
+    ) -> Result<()> {
+        let counts: Vec<usize> = self.rs.0.iter().map(|c| c * n).collect();
+        let own: usize = counts[..self.rank].iter().sum();
+        let mine = counts[self.rank];
+        let since = std::time::Instant::now();
+        {
+            let (values, copies) = coll.staging_and_copies(buffer, n, h)?;
+            if mine > 0 {
+                let at = first * self.rs.0[self.rank] * 4;
+                let dst = &mut values[own..own + mine];
+                self.pass
+                    .download(copies, self.rank, &w.residual, at, dst)?;
+            }
+            self.transport
+                .all_gather(&counts, &mut self.slice(values))?;
+        }
+        coll.copies.note(((n * h - mine) * 4) as u64, since);
+        if !into_x {
+            return Ok(());
+        }
+        let (staged, copies) = coll.staging_and_copies(buffer, n, h)?;
+        self.host.resize(n * h, 0.0);
+        let mut at = 0;
+        for (r, &width) in self.rs.0.iter().enumerate() {
+            let a = self.rs.1[r];
+            for row in 0..n {
+                self.host[row * h + a..row * h + a + width]
+                    .copy_from_slice(&staged[at + row * width..at + (row + 1) * width]);
+            }
+            at += width * n;
+        }
+        self.pass
+            .upload(copies, &self.host, self.rank, &mut w.r.x, 0)
+    }
+
+    /// The ranks' partial sums (this rank's in `xn` when `computed`, else zeros) reduced into
+    /// the residual owners' columns, then this rank's columns of `bias` added.
+    fn reduce(
+        &mut self,
+        coll: &mut Collectives<'_>,
+        buffer: usize,
+        w: &mut DeviceWork<'_, B::Buffer>,
+        (n, h): (usize, usize),
+        computed: bool,
+        bias: Option<&Floats>,
+    ) -> Result<()> {
+        let counts: Vec<usize> = self.rs.0.iter().map(|c| c * n).collect();
+        let own: usize = counts[..self.rank].iter().sum();
+        let mine = counts[self.rank];
+        self.host.resize(n * h, 0.0);
+        if computed {
+            let (pass, rank) = (self.pass, self.rank);
+            pass.download(&mut coll.copies, rank, &w.r.xn, 0, &mut self.host)?;
+        }
+        let since = std::time::Instant::now();
+        {
+            let values = coll.staging(buffer, n, h)?;
+            let mut at = 0;
+            for (r, &width) in self.rs.0.iter().enumerate() {
+                let a = self.rs.1[r];
+                for row in 0..n {
+                    let dst = &mut values[at + row * width..at + (row + 1) * width];
+                    if computed {
+                        dst.copy_from_slice(&self.host[row * h + a..row * h + a + width]);
+                    } else {
+                        dst.fill(0.0);
+                    }
+                }
+                at += width * n;
+            }
+            self.transport
+                .reduce_scatter_sum(&counts, &mut self.slice(values))?;
+        }
+        coll.copies.note(((n * h - mine) * 4) as u64, since);
+        if mine == 0 {
+            return Ok(());
+        }
+        let (staged, copies) = coll.staging_and_copies(buffer, n, h)?;
+        let (b, rank) = (self.pass.bs[self.rank], self.rank);
+        self.pass
+            .upload(copies, &staged[own..own + mine], rank, &mut w.sum, 0)?;
+        b.run(Op::AddInPlace {
+            n: mine,
+            x: &mut w.residual,
+            y: &w.sum,
+        })
+        .map_err(self.pass.err(rank, "tp residual"))?;
+        if let Some(f) = bias {
+            b.run(Op::AddBias {
+                n_rows: n,
+                n_cols: self.rs.0[rank],
+                x: &mut w.residual,
+                bias: &*b.floats(f, self.held)?,
+            })
+            .map_err(self.pass.err(rank, "tp bias"))?;
+        }
+        Ok(())
+    }
+}
+
+impl TpGraph {
+    /// [`TpGraph::forward`] for the one rank of a rank-local load, on its backend `b`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_rank<B: Exec>(
+        &self,
+        bg: &BackendGraph,
+        b: &B,
+        (rank, devices): (usize, &[Arc<Device>]),
+        held: &[Held],
+        copies: &[(usize, Held)],
+        ctx: &mut TpContext,
+        cache: &Arc<Cache>,
+        (ids, start, logits): (&[u32], usize, Logits),
+        (compute, int8_threshold): (Compute, f32),
+        out: &mut [f32],
+    ) -> Result<Copies> {
+        let s = &self.splits;
+        let world = devices.len();
+        // Decided alike on every rank (the layouts come from the shared tables), so no rank
+        // waits in a collective for one that refused.
+        if let Some(r) = self.layouts.iter().position(|l| l.bytes == 0) {
+            return Err(EngineError::Unsupported {
+                what: format!("a multi-process tensor-parallel pass where rank {r} has no share"),
+                detail: "every rank joins every collective with its workspace; give each rank \
+                         a share of the split (gpu_split)"
+                    .into(),
+            });
+        }
+        let parts = cache.tp_parts();
+        let (mut coll, mut buffers) = ctx.lend_buffers()?;
+        let transport = coll.transport();
+        if !transport.joins_other_ranks() {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "a rank-local tensor-parallel pass through the {} collectives",
+                    transport.name()
+                ),
+                detail: "the other ranks' values live in other processes: give the TPContext \
+                         a transport that reaches them (TpContext::set_collective with \
+                         tp::Nccl::for_rank, or a tp::ThreadGroup member)"
+                    .into(),
+            });
+        }
+        let pass = Pass {
+            bs: vec![b; world],
+            devices,
+            cpu: Arc::clone(coll.staging_device()),
+            peer: false,
+        };
+        let buf = buffers
+            .get_mut(rank)
+            .and_then(Option::take)
+            .ok_or_else(|| invalid(format!("tp rank {rank}"), "a workspace", "none"))?;
+        let mut w = carve_work(b, buf, &self.layouts[rank])?;
+        let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
+        if b.len(&w.r.freqs) >= freqs.len() {
+            b.copy_from_host(freqs, &mut w.r.freqs, 0)
+                .map_err(pass.err(rank, "rope frequencies"))?;
+        }
+        let c = Consts::new(
+            &self.dims,
+            (self.eps, self.rope, self.max_dq),
+            (compute, int8_threshold),
+        );
+        let cx = Ctx {
+            c: &c,
+            held,
+            copies,
+            device: devices[rank].name(),
+            slot: None,
+        };
+        let run = self.run(held, copies, compute);
+        let (h, vocab) = (c.hidden, self.dims.vocab as usize);
+        let rs_start = (0..world)
+            .map(|r| start_of(&s.rs, r, h as u64).unwrap_or(0))
+            .collect();
+        let mut rp = RankPass {
+            pass: &pass,
+            rank,
+            world,
+            transport,
+            held,
+            rs: (widths(&s.rs, world, h as u64), rs_start),
+            host: Vec::new(),
+        };
+        let in_table = |t: &SplitTable| t.iter().any(|e| e.0 == rank);
+        let mut buffer = 0usize;
+        let mut flip = || {
+            buffer ^= 1;
+            buffer
+        };
+        let mut done = 0usize;
+        for part in ids.chunks(self.dims.tokens as usize) {
+            let n = part.len();
+            let pos = start + done;
+            {
+                let (staged, copies) = coll.staging_and_copies(flip(), n, h)?;
+                self.embed_rows(&run, part, staged)?;
+                let width = rp.rs.0[rank];
+                if width > 0 {
+                    let a = rp.rs.1[rank];
+                    let block: Vec<f32> = (0..n)
+                        .flat_map(|r| staged[r * h + a..r * h + a + width].iter().copied())
+                        .collect();
+                    pass.upload(copies, &block, rank, &mut w.residual, 0)?;
+                }
+            }
+            exec::positions(b, devices[rank].name(), pos, n, &mut w.r)?;
+            for (li, l) in bg.layers.iter().enumerate() {
+                rp.gather(&mut coll, flip(), &mut w, (0, n, h), in_table(&s.kv))?;
+                let attn = l.attn.get(rank).and_then(Option::as_ref);
+                if let Some(a) = attn {
+                    a.run((b, &cx), &parts, (li, pos, n), &mut w.r)?;
+                }
+                let o_bias = l.o_bias.get(rank).and_then(Option::as_ref);
+                rp.reduce(&mut coll, flip(), &mut w, (n, h), attn.is_some(), o_bias)?;
+                rp.gather(&mut coll, flip(), &mut w, (0, n, h), in_table(&s.id))?;
+                let mlp = l.mlp.get(rank).and_then(Option::as_ref);
+                if let Some(m) = mlp {
+                    let mats = [&m.gate, &m.up, &m.down];
+                    exec::mlp(b, &cx, &m.norm, mats, li, n, &mut w.r)?;
+                }
+                let down_bias = l.down_bias.get(rank).and_then(Option::as_ref);
+                rp.reduce(&mut coll, flip(), &mut w, (n, h), mlp.is_some(), down_bias)?;
+            }
+            cache.note_ids(pos as u64, part);
+            cache.set_seq_len((pos + n) as u64)?;
+            let Some((first, out_rows)) = logits.rows(done, n, ids.len()) else {
+                done += n;
+                continue;
+            };
+            let rows_out = &mut out[out_rows.start * vocab..out_rows.end * vocab];
+            let rows = (first, out_rows.len());
+            self.rank_head(
+                (bg, &cx),
+                &mut rp,
+                &mut coll,
+                &mut flip,
+                &mut w,
+                rows,
+                rows_out,
+            )?;
+            done += n;
+        }
+        Ok(coll.copies)
+    }
+
+    /// Logits of residual rows `first..first + need` on every rank: each computes its
+    /// vocabulary rows, and they are all-gathered into `rows_out` (`need × vocab`).
+    #[allow(clippy::too_many_arguments)]
+    fn rank_head<B: Exec>(
+        &self,
+        (bg, cx): (&BackendGraph, &Ctx<'_>),
+        rp: &mut RankPass<'_, '_, B>,
+        coll: &mut Collectives<'_>,
+        flip: &mut dyn FnMut() -> usize,
+        w: &mut DeviceWork<'_, B::Buffer>,
+        (first, need): (usize, usize),
+        rows_out: &mut [f32],
+    ) -> Result<()> {
+        let (h, vocab) = (self.dims.hidden as usize, self.dims.vocab as usize);
+        let (rank, world) = (rp.rank, rp.world);
+        let head = bg.heads.get(rank).and_then(Option::as_ref);
+        rp.gather(coll, flip(), w, (first, need, h), head.is_some())?;
+        let b = rp.pass.bs[rank];
+        if let Some((norm, _)) = head {
+            let xs = view(b, &w.r.x, 0, need * h * 4).map_err(rp.pass.err(rank, "output_norm"))?;
+            b.run(Op::RmsNorm {
+                n_rows: need,
+                n_cols: h,
+                eps: self.eps,
+                x: &xs,
+                weight: &*b.floats(norm, cx.held)?,
+                out: &mut w.r.xn,
+            })
+            .map_err(rp.pass.err(rank, "output_norm"))?;
+        }
+        let rows = widths(&self.splits.vc, world, vocab as u64);
+        let starts: Vec<usize> = (0..world)
+            .map(|r| start_of(&self.splits.vc, r, vocab as u64).unwrap_or(0))
+            .collect();
+        let per = self.dims.logit_rows.max(1) as usize;
+        for r0 in (0..need).step_by(per) {
+            let nr = per.min(need - r0);
+            let counts: Vec<usize> = rows.iter().map(|x| x * nr).collect();
+            let (own, mine) = (counts[..rank].iter().sum::<usize>(), counts[rank]);
+            let buffer = flip();
+            let since = std::time::Instant::now();
+            {
+                let (values, copies) = coll.staging_and_copies(buffer, nr, vocab)?;
+                if let Some((_, mat)) = head {
+                    let xin = view(b, &w.r.xn, r0 * h * 4, nr * h * 4)
+                        .map_err(rp.pass.err(rank, &mat.name))?;
+                    cx.linear(b, mat, &xin, nr, &mut w.r.logits)?;
+                    let dst = &mut values[own..own + mine];
+                    rp.pass.download(copies, rank, &w.r.logits, 0, dst)?;
+                }
+                rp.transport.all_gather(&counts, &mut rp.slice(values))?;
+            }
+            coll.copies.note(((nr * vocab - mine) * 4) as u64, since);
+            let (staged, _) = coll.staging_and_copies(buffer, nr, vocab)?;
+            let mut at = 0;
+            for (&width, &a) in rows.iter().zip(&starts) {
+                for i in 0..nr {
+                    let o = (r0 + i) * vocab + a;
+                    rows_out[o..o + width]
+                        .copy_from_slice(&staged[at + i * width..at + (i + 1) * width]);
+                }
+                at += width * nr;
+            }
+        }
+        Ok(())
+    }
+}

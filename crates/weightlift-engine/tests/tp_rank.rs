@@ -1,0 +1,271 @@
+//! Multi-process tensor parallelism, with each rank run as a thread holding a model of its
+//! own: every model loads only its rank's share of the plan (on its own device, as a process
+//! on another machine would), and the ranks meet only through the collective's rank-level
+//! operations (here a `ThreadGroup`; NCCL across processes). Against the single-process pass,
+//! which is itself checked against `cpu` and transformers in `tp_forward.rs`:
+//! - every rank returns the same logits bit for bit, prompt chunks and decode steps alike;
+//! - each rank's cache holds exactly its kv heads' rows of the single-process cache;
+//! - each rank's device holds exactly the plan's column for its rank, and nothing else is
+//!   allocated on an accelerator.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use common::{TpRan, open, tp_run};
+use weightlift_engine::forward::{Compute, Logits};
+use weightlift_engine::tp::{HostStaged, ThreadGroup};
+use weightlift_engine::{Cache, CacheDType, Inventory, Model, Source};
+use weightlift_plan as wp;
+
+const RT: wp::RuntimeSpec = wp::RuntimeSpec {
+    max_input_len: 16,
+    max_attention_size: 256,
+    max_dq_size: 1 << 16,
+    low_mem: false,
+};
+
+/// The tensor-parallel plan over `devices`, and the single-process model loaded by it.
+fn single_process(
+    src: &Arc<dyn Source>,
+    devices: &str,
+    dtype: CacheDType,
+) -> (Model, Arc<Cache>, wp::Plan) {
+    common::load_tp_planned(src, devices, RT, dtype)
+}
+
+/// Rank `rank` of `plan`, loaded by a model of its own with the devices `inventory` (its share
+/// on `device`, or where the plan puts it).
+fn load_rank(
+    src: &Arc<dyn Source>,
+    inventory: &str,
+    plan: &wp::Plan,
+    rank: usize,
+    device: Option<&str>,
+) -> (Model, Arc<Cache>) {
+    let mut m = Model::new(Arc::clone(src), Inventory::parse(inventory).unwrap());
+    let placement = m.rank_placement(plan, rank, device).unwrap();
+    let cache = common::load_placed(&mut m, plan, &placement).unwrap();
+    (m, cache)
+}
+
+/// Run every rank at once, one thread each, joined by a thread group.
+fn run_ranks(ranks: &mut [(Model, Arc<Cache>)], ids: &[u32]) -> Vec<TpRan> {
+    let members = ThreadGroup::new(ranks.len()).unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter_mut()
+            .zip(members)
+            .map(|((m, cache), member)| {
+                let tp = m.tp_context_shared().unwrap();
+                tp.lock().unwrap().set_collective(Box::new(member));
+                s.spawn(move || {
+                    // A rank that fails leaves the group, so the others fail rather than wait.
+                    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        tp_run(m, cache, ids)
+                    }));
+                    let mut ctx = tp.lock().unwrap_or_else(|e| e.into_inner());
+                    ctx.set_collective(Box::new(HostStaged));
+                    got.unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// `n` ranks of `path` planned over `n` virtual devices of `size`, each loaded on a one-device
+/// inventory of its own (`virtual:0`, as each process of a multi-node run sees its GPU),
+/// against the single-process pass: logits, cache rows and memory.
+fn check(path: &PathBuf, n: usize, size: &str, ids: &[u32], dtype: CacheDType) {
+    let src = open(path);
+    let devices = format!("virtual:{n}x{size},cpu");
+    let (mut whole, whole_cache, plan) = single_process(&src, &devices, dtype);
+    let local = format!("virtual:{size},cpu");
+    let mut ranks: Vec<(Model, Arc<Cache>)> = (0..n)
+        .map(|r| load_rank(&src, &local, &plan, r, Some("virtual:0")))
+        .collect();
+    for (r, (m, _)) in ranks.iter().enumerate() {
+        let planned = &plan.devices()[r];
+        let want = planned.weights + planned.kv + planned.scratch;
+        let held = m.memory();
+        let got = held
+            .iter()
+            .find(|(d, _)| d == "virtual:0")
+            .map_or(0, |x| x.1);
+        let rel = (got as f64 - want as f64).abs() / want as f64;
+        eprintln!("rank {r}: plan {want} for {}, held {got}", planned.name);
+        assert!(rel <= 0.01, "rank {r}: plan {want}, held {got} ({held:?})");
+    }
+    for compute in [Compute::Exact, Compute::Fast] {
+        whole.set_compute(compute);
+        ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
+        let (want, want_parts) = tp_run(&mut whole, &whole_cache, ids);
+        let got = run_ranks(&mut ranks, ids);
+        let what = format!(
+            "{} over {n} ranks, {} cache, {}",
+            path.display(),
+            dtype.name(),
+            compute.name()
+        );
+        assert!(want.iter().all(|v| v.is_finite()), "{what}");
+        let kv = &plan.tp().unwrap().kv;
+        for (r, (logits, parts)) in got.iter().enumerate() {
+            assert!(same_bits(logits, &want), "{what}: rank {r}'s logits differ");
+            // A rank without kv heads (3 ranks over 2 heads) holds no part of the cache.
+            let Some(k) = kv.iter().position(|e| e.0 == r) else {
+                assert!(parts.is_empty(), "{what}: rank {r} holds no kv heads");
+                continue;
+            };
+            assert_eq!(
+                parts.len(),
+                1,
+                "{what}: rank {r} holds one part of the cache"
+            );
+            assert_eq!(parts[0].len(), want_parts[k].len());
+            for (i, (g, w)) in parts[0].iter().zip(&want_parts[k]).enumerate() {
+                assert!(same_bits(g, w), "{what}: rank {r}'s cache rows {i} differ");
+            }
+        }
+        let copies = ranks[0].0.transfer_stats().count;
+        assert!(copies > 0, "{what}: no copies counted");
+    }
+}
+
+#[test]
+fn llama_gguf_ranks_equal_the_single_process_pass() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
+    check(&path, 2, "48MiB", &ids, CacheDType::F32);
+    check(&path, 3, "48MiB", &ids, CacheDType::Q8);
+}
+
+#[test]
+fn qwen2_ranks_equal_the_single_process_pass() {
+    let ids = common::json_ids(&common::qwen2_data().join("stats.json"), "ids");
+    check(&common::qwen2(), 2, "48MiB", &ids, CacheDType::Fp16);
+}
+
+#[test]
+fn demo_model_ranks_equal_the_single_process_pass() {
+    let path = PathBuf::from(
+        std::env::var("WEIGHTLIFT_DEMO_GGUF")
+            .expect("WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust`"),
+    );
+    check(
+        &path,
+        3,
+        "256MiB",
+        &common::smollm2_prompt(1),
+        CacheDType::Fp16,
+    );
+}
+
+/// Without a rank given a device, each loads on the accelerator that stood for it in the plan,
+/// and the inventory's other accelerators hold nothing.
+#[test]
+fn a_rank_loads_only_its_share() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let src = open(&path);
+    let (_, _, plan) = single_process(&src, "virtual:2x48MiB,cpu", CacheDType::Fp16);
+    let (m, cache) = load_rank(&src, "virtual:2x48MiB,cpu", &plan, 1, None);
+    let held = m.memory();
+    let on = |d: &str| held.iter().find(|(n, _)| n == d).map_or(0, |x| x.1);
+    assert_eq!(on("virtual:0"), 0, "{held:?}");
+    assert!(on("virtual:1") > 0, "{held:?}");
+    let parts = cache.tp_parts();
+    let kv = &plan.tp().unwrap().kv;
+    let (_, a, b) = kv.iter().find(|e| e.0 == 1).copied().unwrap();
+    assert_eq!(parts.len(), 1);
+    assert_eq!(parts[0].device.name(), "virtual:1");
+    assert_eq!(parts[0].heads, (a as u32, b as u32));
+}
+
+/// What a rank-local load cannot do is refused by name, and a rank whose peer fails does not
+/// wait for it.
+#[test]
+fn rank_errors_are_clear() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let src = open(&path);
+    let (_, _, plan) = single_process(&src, "virtual:2x48MiB,cpu", CacheDType::Fp16);
+    let m = Model::new(
+        Arc::clone(&src),
+        Inventory::parse("virtual:48MiB,cpu").unwrap(),
+    );
+    let e = m.rank_placement(&plan, 2, None).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "tp rank: expected below the plan's 2 ranks (its accelerators), got 2"
+    );
+    let layers = common::load_on(&src, "virtual:48MiB,cpu", "virtual:0", 64, CacheDType::Fp16);
+    let mut req = layers.0.plan_request().unwrap();
+    req.runtime = RT;
+    let layer_plan = wp::plan(&req).unwrap();
+    let e = m
+        .rank_placement(&layer_plan, 0, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected a tensor_parallel plan"), "{e}");
+
+    // The default transport cannot reach ranks in other processes.
+    let (mut r0, cache) = load_rank(&src, "virtual:48MiB,cpu", &plan, 0, Some("virtual:0"));
+    let e = r0
+        .forward(&[1, 2], Some(&cache), Logits::Last, &mut Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "a rank-local tensor-parallel pass through the host-staged collectives is not \
+         supported: the other ranks' values live in other processes: give the TPContext a transport that \
+         reaches them (TpContext::set_collective with tp::Nccl::for_rank, or a tp::ThreadGroup \
+         member)"
+    );
+    assert_eq!(cache.seq_len(), 0, "nothing ran");
+
+    // A rank whose peer has gone fails instead of waiting.
+    let mut members = ThreadGroup::new(2).unwrap();
+    drop(members.pop());
+    r0.tp_context_shared()
+        .unwrap()
+        .lock()
+        .unwrap()
+        .set_collective(Box::new(members.pop().unwrap()));
+    let e = r0
+        .forward(&[1, 2], Some(&cache), Logits::Last, &mut Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 1 left the group"), "{e}");
+}
+
+/// Two ranks as threads, each a model of its own on `cuda:0` (one GPU stands for both ranks'
+/// devices), through the CUDA backend: the single-process host pass's logits within the
+/// tensor-parallel bound of `tp_forward.rs`, and the same greedy ids.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
+fn ranks_on_cuda_give_the_host_pass_logits() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
+    let src = open(&path);
+    let (mut whole, whole_cache, plan) =
+        single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
+    let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
+        .map(|r| load_rank(&src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
+        .collect();
+    let (want, _) = tp_run(&mut whole, &whole_cache, &ids);
+    let got = run_ranks(&mut ranks, &ids);
+    let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
+    for (r, (logits, _)) in got.iter().enumerate() {
+        let d = common::max_abs_diff(logits, &want) / scale;
+        eprintln!("cuda rank {r}: max|Δ|/scale {d:e}");
+        assert!(d <= 1e-3, "rank {r}: {d}");
+    }
+    let vocab = whole.vocab_size().unwrap() as usize;
+    let argmaxes =
+        |l: &[f32]| -> Vec<usize> { l.chunks_exact(vocab).map(common::argmax).collect() };
+    assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "greedy ids");
+}
