@@ -82,7 +82,7 @@ test: build demo-model test-rust test-python ## set up, then run every Rust and 
 lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy -p weightlift-kernels -p weightlift-engine -p weightlift-benches --all-targets --features weightlift-kernels/cuda,weightlift-engine/cuda,weightlift-engine/nccl,weightlift-benches/cuda -- -D warnings
+	cargo clippy -p weightlift-kernels -p weightlift-engine -p weightlift-benches -p weightlift-py --all-targets --features weightlift-kernels/cuda,weightlift-engine/cuda,weightlift-engine/nccl,weightlift-benches/cuda,weightlift-py/nccl -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(MAKE) build

@@ -33,6 +33,7 @@ __all__ = [
     "CompletionStream",
     "LlamaGrammar",
     "TPContext",
+    "TPGroupMember",
     "BROADCAST_KV",
     "BROADCAST_ID",
     "BROADCAST_VC",
@@ -616,6 +617,8 @@ class Model:
         *,
         progress: bool = False,
         callback: _Callback | None = None,
+        world: str | None = None,
+        rank: int | None = None,
     ) -> None: ...
     def unload(self) -> None: ...
     @property
@@ -681,6 +684,11 @@ _Split = list[tuple[int, int, int]]
 _ScratchSlices = list[tuple[int, int, int, int]]
 
 @final
+class TPGroupMember:
+    @property
+    def rank(self) -> int: ...
+
+@final
 class TPContext:
     def __new__(
         cls,
@@ -703,6 +711,14 @@ class TPContext:
     def peer_copies(self) -> bool: ...
     @peer_copies.setter
     def peer_copies(self, on: bool) -> None: ...
+    @property
+    def rank(self) -> int | None: ...
+    @property
+    def transport(self) -> str: ...
+    @staticmethod
+    def thread_group(world_size: int) -> list[TPGroupMember]: ...
+    def join(self, member: TPGroupMember) -> None: ...
+    def join_nccl(self, wait: float = 300.0) -> tuple[int, int]: ...
     def get_split(self, broadcast_type: int) -> _Split: ...
     def get_devs(self, broadcast_type: int) -> list[int]: ...
     def all_devices(self) -> list[int]: ...

@@ -83,6 +83,20 @@ impl Model {
         placement(plan, self.source().as_ref())
     }
 
+    /// The placement that loads rank `rank` of a tensor-parallel `plan` on this model's one
+    /// accelerator: a rank's process drives one GPU.
+    pub fn own_rank_placement(&self, plan: &Plan, rank: usize) -> Result<Placement> {
+        let accel = self.inventory().accelerators();
+        let [own] = accel else {
+            return Err(invalid(
+                "devices of a rank's process",
+                "one accelerator, this rank's GPU (cuda:$LOCAL_RANK)",
+                format!("{} accelerators", accel.len()),
+            ));
+        };
+        rank_placement(plan, self.source().as_ref(), rank, Some(own.name()))
+    }
+
     /// The placement that loads rank `rank` of a tensor-parallel `plan` on `device`
     /// ([`rank_placement`]).
     pub fn rank_placement(

@@ -184,6 +184,10 @@ pub struct PlanOptions {
     /// The ranks of a multi-process tensor-parallel run, `"host:gpus[,host:gpus...]"` in
     /// torchrun's order ([`crate::tp::TpWorld::parse`]); implies `tensor_parallel`.
     pub world: Option<String>,
+    /// The rank of `world` this process runs: the request's one accelerator (this process's
+    /// GPU) then stands for every rank, as `virtual:0 .. virtual:{world_size - 1}` of its
+    /// capacity (the nodes of a torchrun job are alike), so every rank makes the same plan.
+    pub rank: Option<usize>,
 }
 
 impl PlanOptions {
@@ -251,6 +255,9 @@ impl PlanOptions {
         if let Some(d) = &self.dtype {
             req.dtype = DTypeChoice::parse(d)?;
         }
+        if let Some(r) = self.rank {
+            self.stand_in_for_ranks(r, req)?;
+        }
         match (self.cache, self.cache_offload) {
             (Some(c), offload) => req.cache = Some(c.with_offload(c.offload || offload)),
             (None, true) => {
@@ -308,6 +315,48 @@ impl PlanOptions {
         Ok(())
     }
 
+    /// The request of one rank's process (see [`PlanOptions::rank`]): its one accelerator
+    /// becomes a stand-in for each rank of the world.
+    fn stand_in_for_ranks(&self, rank: usize, req: &mut PlanRequest) -> Result<()> {
+        let Some(world) = &self.world else {
+            return Err(PlanError::option(
+                "rank",
+                "a world too (\"host:gpus[,host:gpus...]\"): the rank of which run",
+                format!("rank={rank} alone"),
+            ));
+        };
+        let n = crate::tp::TpWorld::parse(world)?.world_size();
+        if rank >= n {
+            return Err(PlanError::option(
+                "rank",
+                &format!("below the world's {n} ranks ('{world}')"),
+                rank,
+            ));
+        }
+        let accel: Vec<&DeviceSpec> = req
+            .devices
+            .iter()
+            .filter(|d| d.kind.is_accelerator())
+            .collect();
+        let [own] = accel.as_slice() else {
+            return Err(PlanError::option(
+                "devices of a rank's process",
+                "one accelerator, this rank's GPU (cuda:$LOCAL_RANK)",
+                format!("{} accelerators", accel.len()),
+            ));
+        };
+        let ranks = (0..n).map(|i| DeviceSpec {
+            name: format!("virtual:{i}"),
+            ..(*own).clone()
+        });
+        let hosts: Vec<DeviceSpec> = (req.devices.iter())
+            .filter(|d| !d.kind.is_accelerator())
+            .cloned()
+            .collect();
+        req.devices = ranks.chain(hosts).collect();
+        Ok(())
+    }
+
     /// `fit()`'s options: the `n_gpu_layers` target is a llama.cpp question, so it names the
     /// layers strategy when nothing else names one. `cache_dtype` gives the dtype of the cache
     /// searched with (fp16 without it); it must agree with `cache` when both are given. An
@@ -351,7 +400,10 @@ impl PlanOptions {
             || self.split_mode.is_some()
             || self.tensor_split.is_some()
             || self.main_gpu.is_some();
-        let tp = self.gpu_split.is_some() || self.expect_cache.is_some() || self.world.is_some();
+        let tp = self.gpu_split.is_some()
+            || self.expect_cache.is_some()
+            || self.world.is_some()
+            || self.rank.is_some();
         let implied = self.device_map.as_ref().map(DeviceMapArg::strategy);
         let mut strategy = match (&self.strategy, implied) {
             (Some(name), implied) => {
@@ -423,7 +475,12 @@ impl PlanOptions {
                     *gpu_split_mib = Some(gb_to_mib(g)?);
                 }
             }
-            _ if tp => return Err(misplaced("gpu_split/expect_cache/world", "tensor_parallel")),
+            _ if tp => {
+                return Err(misplaced(
+                    "gpu_split/expect_cache/world/rank",
+                    "tensor_parallel",
+                ));
+            }
             _ => {}
         }
         Ok(Some(strategy))

@@ -129,6 +129,7 @@ impl Model {
     ) -> PyResult<()> {
         let mut inner = self.lock()?;
         let mut cache = cache;
+        let rank = options.rank;
         let plan = match plan {
             Some(p) => {
                 // A plan that reserved a cache gets that cache, so what is held is what the
@@ -171,7 +172,10 @@ impl Model {
         {
             cache = Some(inner.new_cache(c)?);
         }
-        let placement = eng(inner.model.placement(&plan))?;
+        let placement = match rank {
+            Some(r) => eng(inner.model.own_rank_placement(&plan, r))?,
+            None => eng(inner.model.placement(&plan))?,
+        };
         let inner_ref = &mut *inner;
         // Released by hand rather than through `enter`: the reporter re-attaches during the
         // load to call the user's callback and check for Ctrl-C, and `finish` maps a
@@ -374,7 +378,14 @@ impl Model {
     /// is subtracted when splitting, and the model holds that cache, each device its kv heads.
     /// `forward` and `generate` then run tensor-parallel on cpu and virtual devices, through
     /// `Model.tp`.
-    #[pyo3(signature = (gpu_split = None, expect_cache_tokens = 0, expect_cache_base = None, *, progress = false, callback = None))]
+    ///
+    /// Across processes (one per GPU, as torchrun starts them), `world` names the run's ranks
+    /// (`"node0:4,node1:4"`) and `rank` this process's: the model's one accelerator stands for
+    /// every rank in the plan, and only this rank's share is loaded on it. Its forward pass
+    /// then meets the other ranks through the transport `Model.tp` is given
+    /// (`TPContext.join_nccl()`, or a `TPContext.thread_group` member).
+    #[pyo3(signature = (gpu_split = None, expect_cache_tokens = 0, expect_cache_base = None, *, progress = false, callback = None, world = None, rank = None))]
+    #[allow(clippy::too_many_arguments)]
     fn load_tp(
         &self,
         py: Python<'_>,
@@ -383,12 +394,18 @@ impl Model {
         expect_cache_base: Option<CacheDTypeArg>,
         progress: bool,
         callback: Option<Py<PyAny>>,
+        world: Option<String>,
+        rank: Option<usize>,
     ) -> PyResult<()> {
-        let options = wp::PlanOptions::tensor_parallel(
-            gpu_split,
-            expect_cache_tokens,
-            expect_cache_base.map(|d| d.0),
-        );
+        let options = wp::PlanOptions {
+            world,
+            rank,
+            ..wp::PlanOptions::tensor_parallel(
+                gpu_split,
+                expect_cache_tokens,
+                expect_cache_base.map(|d| d.0),
+            )
+        };
         self.run_load(
             py,
             None,

@@ -16,6 +16,7 @@ use crate::options::CacheDTypeArg;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TPContext>()?;
+    m.add_class::<TPGroupMember>()?;
     m.add("BROADCAST_KV", we::tp::BROADCAST_KV)?;
     m.add("BROADCAST_ID", we::tp::BROADCAST_ID)?;
     m.add("BROADCAST_VC", we::tp::BROADCAST_VC)?;
@@ -37,6 +38,26 @@ pub struct TPContext {
     staging_bytes: u64,
     /// The model a standalone context was made for (None for `Model.tp`, which the model owns).
     _model: Option<Py<Model>>,
+}
+
+/// One rank of a `TPContext.thread_group`: ranks run as threads of one process, each a model
+/// of its own, meeting in shared memory. Given to that rank's context with `TPContext.join`.
+#[pyclass(module = "weightlift._native", frozen, name = "TPGroupMember")]
+pub struct TPGroupMember {
+    rank: usize,
+    member: Mutex<Option<we::tp::ThreadGroup>>,
+}
+
+#[pymethods]
+impl TPGroupMember {
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn __repr__(&self) -> String {
+        format!("TPGroupMember(rank={})", self.rank)
+    }
 }
 
 fn tensors_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<Py<DeviceTensor>>> {
@@ -186,6 +207,76 @@ impl TPContext {
     #[setter]
     fn set_peer_copies(&self, on: bool) {
         self.lock().set_peer_copies(on);
+    }
+
+    /// The rank this process drives in a multi-process run (`load_tp(world=..., rank=...)`);
+    /// None when it drives every device.
+    #[getter]
+    fn rank(&self) -> Option<usize> {
+        self.lock().rank()
+    }
+
+    /// The transport of the collectives: `"host-staged"`, `"threads"` or `"nccl"`.
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.lock().collective().name()
+    }
+
+    /// One member per rank of a group whose ranks run as threads of this process (each rank a
+    /// model of its own, its forward calls on a thread of its own).
+    #[staticmethod]
+    fn thread_group(world_size: usize) -> PyResult<Vec<TPGroupMember>> {
+        let members = eng(we::tp::ThreadGroup::new(world_size))?;
+        Ok(members
+            .into_iter()
+            .map(|m| TPGroupMember {
+                rank: m.rank(),
+                member: Mutex::new(Some(m)),
+            })
+            .collect())
+    }
+
+    /// Meet the other ranks through `member` of a thread group: its rank must be this
+    /// context's. A member joins once.
+    fn join(&self, member: &TPGroupMember) -> PyResult<()> {
+        let mut ctx = self.lock();
+        if ctx.rank() != Some(member.rank) {
+            let ours = match ctx.rank() {
+                Some(r) => format!("a member for this context's rank {r}"),
+                None => "a rank-local context (load_tp(world=..., rank=...))".to_owned(),
+            };
+            return Err(PyValueError::new_err(format!(
+                "join: expected {ours}, got a member for rank {}",
+                member.rank
+            )));
+        }
+        let taken = member
+            .member
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let Some(m) = taken else {
+            return Err(PyValueError::new_err(format!(
+                "join: the member for rank {} has joined a context already",
+                member.rank
+            )));
+        };
+        ctx.set_collective(Box::new(m));
+        Ok(())
+    }
+
+    /// Join the multi-process run the launcher describes (torchrun's `RANK`, `WORLD_SIZE`,
+    /// `LOCAL_RANK`; the NCCL id in `WEIGHTLIFT_NCCL_ID` or the file `WEIGHTLIFT_NCCL_ID_FILE`
+    /// names, which rank 0 writes), waiting up to `wait` seconds for the id: the collectives
+    /// then run over NCCL. Returns `(rank, world_size)`. Needs a build with the `nccl` feature.
+    #[pyo3(signature = (wait = 300.0))]
+    fn join_nccl(&self, py: Python<'_>, wait: f64) -> PyResult<(usize, usize)> {
+        if !(wait.is_finite() && wait >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "join_nccl: expected wait in seconds, finite and >= 0, got {wait}"
+            )));
+        }
+        join_nccl(py, &self.ctx, std::time::Duration::from_secs_f64(wait))
     }
 
     fn get_split(&self, broadcast_type: usize) -> PyResult<Vec<(usize, u64, u64)>> {
@@ -403,4 +494,31 @@ fn scratch_dtype(s: &str) -> PyResult<DType> {
             "scratch dtype must be 'float16' or 'float32', got '{s}'"
         ))),
     }
+}
+
+#[cfg(feature = "nccl")]
+fn join_nccl(
+    py: Python<'_>,
+    ctx: &Arc<Mutex<TpContext>>,
+    wait: std::time::Duration,
+) -> PyResult<(usize, usize)> {
+    enter(py, || {
+        let mut ctx = ctx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        we::tp::Nccl::join_from_env(&mut ctx, wait).map(|w| (w.rank, w.world_size))
+    })
+}
+
+#[cfg(not(feature = "nccl"))]
+fn join_nccl(
+    _py: Python<'_>,
+    _ctx: &Arc<Mutex<TpContext>>,
+    _wait: std::time::Duration,
+) -> PyResult<(usize, usize)> {
+    Err(raise(
+        Exc::Unsupported,
+        "join_nccl: this build of weightlift has no NCCL transport; build the extension with \
+         the `nccl` feature (maturin develop --features nccl) on a machine with CUDA",
+    ))
 }

@@ -20,6 +20,7 @@
 #![allow(unsafe_code)]
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use cudarc::nccl::result::NcclError;
@@ -146,6 +147,37 @@ impl Nccl {
                 device: Arc::clone(device),
             }]),
         })
+    }
+
+    /// Join the run this process is one rank of, as the launcher's environment describes it
+    /// ([`World::from_env`]), and make it `ctx`'s transport: `ctx` must be the context of that
+    /// rank's rank-local load. Rank 0 makes the unique id and, where `WEIGHTLIFT_NCCL_ID_FILE`
+    /// names a file and `WEIGHTLIFT_NCCL_ID` is unset, writes it there; the other ranks read it
+    /// ([`NcclUniqueId::from_env`], waiting up to `wait`). Blocks until every rank has joined.
+    pub fn join_from_env(ctx: &mut super::TpContext, wait: Duration) -> Result<World> {
+        let world = World::from_env()?;
+        if ctx.rank() != Some(world.rank) || ctx.devices().len() != world.world_size {
+            return Err(invalid(
+                "tp context for the launcher's rank",
+                format!(
+                    "the context of rank {} of {} (a rank-local load of that rank)",
+                    world.rank, world.world_size
+                ),
+                format!("rank {:?} of {}", ctx.rank(), ctx.devices().len()),
+            ));
+        }
+        let writes = world.rank == 0 && std::env::var_os(super::NCCL_ID_VAR).is_none();
+        let id = match std::env::var_os(super::NCCL_ID_FILE_VAR) {
+            Some(path) if writes => {
+                let id = Nccl::unique_id()?;
+                id.write_file(std::path::Path::new(&path))?;
+                id
+            }
+            _ => NcclUniqueId::from_env(wait)?,
+        };
+        let device = Arc::clone(ctx.device(world.rank)?);
+        ctx.set_collective(Box::new(Nccl::for_rank(&world, &device, &id)?));
+        Ok(world)
     }
 
     pub fn world_size(&self) -> usize {

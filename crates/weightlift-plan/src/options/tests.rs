@@ -237,3 +237,59 @@ fn strategy_is_inferred_and_misplaced_options_refused() {
     .to_string();
     assert!(e.contains("gpu_split") && e.contains("NaN"), "{e}");
 }
+
+#[test]
+fn a_rank_plans_the_world_over_stand_ins_for_its_own_gpu() {
+    let spec = ModelSpec::from_hf_config(&serde_json::json!({
+        "model_type": "llama", "num_hidden_layers": 1, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 32,
+        "max_position_embeddings": 256,
+    }))
+    .unwrap();
+    let rank = |devices: &str, world: Option<&str>, rank: usize| {
+        let mut req = PlanRequest::new(spec.clone(), vec![], parse_devices(devices).unwrap());
+        PlanOptions {
+            world: world.map(str::to_string),
+            rank: Some(rank),
+            ..PlanOptions::default()
+        }
+        .apply(&mut req)
+        .map(|()| req)
+    };
+    let req = rank("virtual:3GiB,cpu:8GiB", Some("node0:2,node1:1"), 2).unwrap();
+    let got: Vec<(&str, u64)> = req
+        .devices
+        .iter()
+        .map(|d| (d.name.as_str(), d.capacity))
+        .collect();
+    let gib = 1 << 30;
+    assert_eq!(
+        got,
+        [
+            ("virtual:0", 3 * gib),
+            ("virtual:1", 3 * gib),
+            ("virtual:2", 3 * gib),
+            ("cpu", 8 * gib)
+        ]
+    );
+    assert!(matches!(req.strategy, Strategy::TensorParallel(_)));
+    assert_eq!(req.world.as_ref().map(|w| w.world_size()), Some(3));
+    for (devices, world, r, want) in [
+        ("virtual:1GiB", None, 0, "rank: expected a world too"),
+        (
+            "virtual:1GiB",
+            Some("a:2"),
+            2,
+            "rank: expected below the world's 2 ranks ('a:2'), got 2",
+        ),
+        (
+            "virtual:2x1GiB",
+            Some("a:2"),
+            0,
+            "expected one accelerator, this rank's GPU (cuda:$LOCAL_RANK), got 2 accelerators",
+        ),
+    ] {
+        let e = rank(devices, world, r).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+}

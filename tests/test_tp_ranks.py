@@ -1,0 +1,103 @@
+"""Multi-process tensor parallelism from Python: each rank is a model of its own that loads only
+its share (``load_tp(world=..., rank=...)``, its one device standing for every rank), and the
+ranks, run here as threads joined by ``TPContext.thread_group``, meet only through the
+collectives. Compared with the single-process ``load_tp`` over as many devices, itself checked
+against ``cpu`` and transformers in test_engine_tp.py."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import weightlift._native as wl
+from weightlift import PlanError, UnsupportedError, WeightliftError
+
+RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
+SIZE = "48MiB"
+
+
+def gguf(tiny_llama_st: Path) -> Path:
+    return tiny_llama_st.parent / "gguf" / "tiny-llama-Q8_0.gguf"
+
+
+def load_ranks(path: Path, n: int, **load: Any) -> list[wl.Model]:
+    ranks = []
+    for r in range(n):
+        m = wl.Model(path, devices=f"virtual:{SIZE},cpu", runtime=RT)
+        m.load_tp(world=f"localhost:{n}", rank=r, **load)
+        ranks.append(m)
+    return ranks
+
+
+def on_threads(ranks: list[wl.Model], job: Any) -> list[Any]:
+    members = wl.TPContext.thread_group(len(ranks))
+    for m, member in zip(ranks, members, strict=True):
+        tp = m.tp
+        assert tp is not None
+        tp.join(member)
+    with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+        return list(pool.map(job, ranks))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_give_the_single_process_logits_and_text(tiny_llama_st: Path, n: int) -> None:
+    path = gguf(tiny_llama_st)
+    ids = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889] * 2
+    whole = wl.Model(path, devices=f"virtual:{n}x{SIZE},cpu", runtime=RT)
+    whole.load_tp(expect_cache_tokens=64, expect_cache_base="f32")
+    ranks = load_ranks(path, n, expect_cache_tokens=64, expect_cache_base="f32")
+    plan = whole.plan
+    assert plan is not None
+    for r, m in enumerate(ranks):
+        tp = m.tp
+        assert tp is not None and tp.rank == r and tp.transport == "host-staged"
+        assert whole.tp is not None and tp.kv_split == whole.tp.kv_split
+        # The rank's device holds exactly the single-process plan's column for that rank.
+        d = plan.devices[r]
+        assert m.memory()["virtual:0"] == d.weights + d.kv + d.scratch, r
+    for compute in ("exact", "fast"):
+        whole.compute = compute
+        for m in ranks:
+            m.compute = compute
+        want = whole.forward(ids, logits="all")
+        got = on_threads(ranks, lambda m: m.forward(ids, logits="all"))
+        for r, g in enumerate(got):
+            assert np.array_equal(g, want), f"rank {r} of {n}, {compute}"
+        text = whole.generate(ids[:4], max_new_tokens=8, temperature=0.0)
+        texts = on_threads(ranks, lambda m: m.generate(ids[:4], max_new_tokens=8, temperature=0.0))
+        assert texts == [text] * n
+    assert ranks[0].tp is not None and ranks[0].tp.transport == "threads"
+
+
+def test_rank_errors_name_the_cause(tiny_llama_st: Path) -> None:
+    path = gguf(tiny_llama_st)
+    m = wl.Model(path, devices=f"virtual:{SIZE},cpu", runtime=RT)
+    with pytest.raises(PlanError, match="rank: expected a world too"):
+        m.load_tp(expect_cache_tokens=64, rank=0)
+    with pytest.raises(PlanError, match="below the world's 2 ranks"):
+        m.load_tp(expect_cache_tokens=64, world="localhost:2", rank=2)
+    two = wl.Model(path, devices=f"virtual:2x{SIZE},cpu", runtime=RT)
+    with pytest.raises(PlanError, match="one accelerator, this rank's GPU"):
+        two.load_tp(expect_cache_tokens=64, world="localhost:2", rank=0)
+
+    m.load_tp(expect_cache_tokens=64, world="localhost:2", rank=1)
+    # Without a transport that reaches the other rank, nothing runs.
+    with pytest.raises(UnsupportedError, match="through the host-staged collectives"):
+        m.forward([1, 2])
+    tp = m.tp
+    assert tp is not None
+    members = wl.TPContext.thread_group(2)
+    with pytest.raises(ValueError, match="this context's rank 1, got a member for rank 0"):
+        tp.join(members[0])
+    tp.join(members[1])
+    with pytest.raises(ValueError, match="has joined a context already"):
+        tp.join(members[1])
+    # Rank 0 never comes: its member is dropped, so rank 1 fails instead of waiting.
+    del members
+    with pytest.raises(WeightliftError, match="rank 0 left the group"):
+        m.forward([1, 2])
+    with pytest.raises(UnsupportedError, match="no NCCL transport"):
+        tp.join_nccl()
