@@ -395,3 +395,37 @@ def test_run_bad_request_exit_2(demo_gguf, args, expected):
     p = run("run", demo_gguf, *args)
     assert p.returncode == 2, p.stderr
     assert expected in p.stderr and "Traceback" not in p.stderr
+
+
+def test_load_one_rank_of_a_world(demo_gguf):
+    # A rank's process: its one device stands for every rank, and it holds only its own share.
+    p = run(
+        "load", demo_gguf, "--devices", "virtual:256MiB,cpu", "--ctx", "256",
+        "--world", "localhost:2", "--rank", "1", "--json",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert [r["rank"] for r in doc["plan"]["tp"]["ranks"]] == [0, 1]
+    memory = doc["memory"]
+    assert set(memory) == {"virtual:1", "cpu"}
+    for name, row in memory.items():
+        assert row["held"] == row["planned"] > 0, (name, row)
+    # The plan over both ranks, as every rank makes it.
+    p = run("plan", demo_gguf, "--devices", "virtual:2x256MiB,cpu", "--world", "localhost:2")
+    assert p.returncode == 0, p.stderr
+    assert "rank   1  localhost cuda:1  (planned as virtual:1)" in p.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--rank", "0", "-ngl", "4"], "--world: expected only the cache flags beside it"),
+        (["--rank", "2"], "below the world's 2 ranks"),
+        (["--rank", "0", "-p", "hi"], "no NCCL transport"),
+        (["--rank", "0", "--chat"], "cannot share a terminal"),
+    ],
+)
+def test_run_one_rank_refuses_clearly(demo_gguf, args, expected):
+    p = run("run", demo_gguf, "--devices", "virtual:256MiB,cpu", "--world", "localhost:2", *args)
+    assert p.returncode == 2, p.stderr
+    assert expected in p.stderr and "Traceback" not in p.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -239,7 +240,7 @@ def _placement(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
+    kw = {
         "devices": args.devices,
         "dtype": args.dtype,
         "cache": _cache_spec(args),
@@ -248,6 +249,25 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "quantize": args.quantize,
         **_placement(args),
     }
+    if getattr(args, "world", None) is not None:
+        kw["world"] = args.world
+    return kw
+
+
+def _rank(args: argparse.Namespace) -> int | None:
+    """The rank a ``--world`` load takes: ``--rank``, else torchrun's ``RANK``, else None (one
+    process over every device of ``--devices``)."""
+    if args.rank is not None:
+        return int(args.rank)
+    raw = os.environ.get("RANK")
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise weightlift.PlanError(
+            f"environment variable RANK: expected an integer (torchrun sets it), got {raw!r}"
+        ) from None
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -313,10 +333,21 @@ class _ProgressBar:
             self.bar = None
 
 
-def _memory_rows(plan: weightlift.Plan, held: dict[str, int]) -> dict[str, dict[str, int]]:
-    """Per device: the plan's weights, kv and scratch, their sum, and what is actually held."""
+def _memory_rows(
+    plan: weightlift.Plan, held: dict[str, int], rank: int | None = None
+) -> dict[str, dict[str, int]]:
+    """Per device: the plan's weights, kv and scratch, their sum, and what is actually held.
+    A rank's process (``rank``) holds only its rank's stand-in, on its own accelerator, named
+    by that one."""
     rows: dict[str, dict[str, int]] = {}
-    for d in plan.devices:
+    devices = plan.devices
+    if rank is not None:
+        accel = [d for d in devices if d.kind in ("cuda", "virtual")]
+        stand_in = accel[rank].name
+        own = next((n for n in held if n.startswith(("cuda", "virtual"))), stand_in)
+        held = {stand_in if n == own else n: v for n, v in held.items()}
+        devices = [accel[rank], *(d for d in devices if d.kind not in ("cuda", "virtual"))]
+    for d in devices:
         planned = d.weights + d.kv + d.scratch
         rows[d.name] = {
             "weights": d.weights,
@@ -361,9 +392,13 @@ def _load_model(
     model, its progress bar (bytes read) and the seconds the load took."""
     import time
 
+    devices = args.devices
+    if devices is None and args.world is not None and "LOCAL_RANK" in os.environ:
+        # A rank started by torchrun drives the GPU its local rank names.
+        devices = f"cuda:{os.environ['LOCAL_RANK']},cpu"
     model = weightlift.Model(
         args.path,
-        devices=args.devices,
+        devices=devices,
         dtype=args.dtype,
         runtime=_runtime(args),
         quantize=args.quantize,
@@ -372,14 +407,17 @@ def _load_model(
     bar = _ProgressBar(args.progress)
     start = time.perf_counter()
     try:
-        model.load(
-            callback=bar,
-            cache=_cache_spec(args, default=default_cache),
-            use_mmap=not args.no_mmap,
-            use_direct_io=args.direct_io,
-            check_tensors=args.check_tensors,
-            **_placement(args),
-        )
+        if args.world is not None:
+            _load_world(args, model, bar)
+        else:
+            model.load(
+                callback=bar,
+                cache=_cache_spec(args, default=default_cache),
+                use_mmap=not args.no_mmap,
+                use_direct_io=args.direct_io,
+                check_tensors=args.check_tensors,
+                **_placement(args),
+            )
     except BaseException:
         bar.close(ok=False)
         raise
@@ -387,12 +425,32 @@ def _load_model(
     return model, bar, time.perf_counter() - start
 
 
+def _load_world(args: argparse.Namespace, model: weightlift.Model, bar: _ProgressBar) -> None:
+    """``--world``: exllamav2's ``load_tp`` over the run's ranks, this process holding only its
+    rank's share when it has one (``--rank`` or ``RANK``)."""
+    given = {k for k, v in _placement(args).items() if v not in (False, [])} - {"strategy"}
+    if given or args.strategy not in (None, "tensor_parallel"):
+        flags = ", ".join(sorted(given | ({"strategy"} if args.strategy else set())))
+        raise weightlift.PlanError(
+            f"--world: expected only the cache flags beside it (the split is tensor_parallel's), "
+            f"got {flags}"
+        )
+    model.load_tp(
+        expect_cache_tokens=args.ctx if args.ctx is not None else DEFAULT_CTX,
+        expect_cache_base=args.cache,
+        callback=bar,
+        world=args.world,
+        rank=_rank(args),
+    )
+
+
 def _cmd_load(args: argparse.Namespace) -> int:
     model, bar, seconds = _load_model(args)
     plan = model.plan
     if plan is None:
         raise weightlift.WeightliftError("the load finished without a plan")
-    rows = _memory_rows(plan, model.memory())
+    tp = model.tp
+    rows = _memory_rows(plan, model.memory(), tp.rank if tp is not None else None)
     if args.json:
         doc = {
             "plan": json.loads(plan.to_json()),
@@ -489,6 +547,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         args, default_cache=True, compute=args.compute, n_threads=args.threads
     )
     sampling = _sampling(args)
+    tp = model.tp
+    if tp is not None and tp.rank is not None:
+        # Every rank runs the same generation; only rank 0 prints it.
+        if args.chat and args.prompt is None:
+            raise weightlift.PlanError(
+                "run --world: expected a prompt (-p): the ranks of a run cannot share a terminal"
+            )
+        if args.seed is None:
+            sampling["seed"] = 0
+        tp.join_nccl()
+        if tp.rank != 0:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
     if not args.chat:
         if args.prompt is None:
             raise weightlift.PlanError("run: expected a prompt (-p PROMPT), or --chat")
@@ -521,19 +591,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
 DEFAULT_BATCH = 512  # run's max_input_len when not given: llama-cpp-python's n_batch
 
 
-def _plan_options(p: argparse.ArgumentParser, *, load: bool = False) -> None:
+def _plan_options(p: argparse.ArgumentParser, *, load: bool = False, world: bool = True) -> None:
     p.add_argument("path", help="a checkpoint (file, folder, index.json) or an HF config.json")
     p.add_argument(
         "--devices",
         required=not load,
         help='device spec, e.g. "virtual:2x8GiB,cpu" or "cuda:0:24GiB,cpu:64GiB,disk"'
-        + (" (default: cpu only)" if load else ""),
+        + (
+            " (default: cpu only; with --world under torchrun: cuda:$LOCAL_RANK,cpu)"
+            if load
+            else ""
+        ),
     )
     p.add_argument(
         "--strategy",
         help="autosplit (default), sequential, balanced, balanced_low_0, layers, "
         "tensor_parallel or map; the llama.cpp flags and --override imply layers",
     )
+    if world:
+        p.add_argument(
+            "--world",
+            help="the ranks of a multi-process tensor-parallel run, host:gpus[,host:gpus...] in "
+            "torchrun's order (implies tensor_parallel)",
+        )
+    if load:
+        p.add_argument(
+            "--rank",
+            type=int,
+            help="with --world: the rank this process loads on its one device (default: $RANK; "
+            "unset: one process over every device). run joins the others over NCCL, samples "
+            "with seed 0 unless --seed, and prints on rank 0 only",
+        )
     p.add_argument("--ctx", type=int, help=f"KV cache length (default {DEFAULT_CTX} with --cache)")
     p.add_argument("--batch", type=int, help="KV cache batch size (default 1)")
     p.add_argument("--cache", help="KV cache dtype: fp16, fp8, q8, q6 or q4")
@@ -594,7 +682,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
 
     ft = sub.add_parser("fit", help="the largest context, batch or n_gpu_layers that fits")
-    _plan_options(ft)
+    _plan_options(ft, world=False)
     ft.add_argument(
         "--target",
         default="max_seq_len",
