@@ -5,8 +5,8 @@
 //! which is itself checked against `cpu` and transformers in `tp_forward.rs`:
 //! - every rank returns the same logits bit for bit, prompt chunks and decode steps alike;
 //! - each rank's cache holds exactly its kv heads' rows of the single-process cache;
-//! - each rank's device holds exactly the plan's column for its rank, and nothing else is
-//!   allocated on an accelerator.
+//! - each rank's device holds exactly the plan's column for its rank, after the load and at
+//!   the forward pass's peak, and nothing else is allocated on an accelerator.
 
 mod common;
 
@@ -134,6 +134,17 @@ fn check(path: &PathBuf, n: usize, size: &str, ids: &[u32], dtype: CacheDType) {
         }
         let copies = ranks[0].0.transfer_stats().count;
         assert!(copies > 0, "{what}: no copies counted");
+        // What the forward pass held at its peak is still the plan's column for the rank.
+        for (r, (m, _)) in ranks.iter().enumerate() {
+            let planned = &plan.devices()[r];
+            let want = planned.weights + planned.kv + planned.scratch;
+            let peak = m.peak_memory();
+            let got = peak
+                .iter()
+                .find(|(d, _)| d == "virtual:0")
+                .map_or(0, |x| x.1);
+            assert_eq!(got, want, "{what}: rank {r}'s peak");
+        }
     }
 }
 
