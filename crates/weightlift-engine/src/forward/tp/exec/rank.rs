@@ -73,8 +73,7 @@ impl<B: Exec> RankPass<'_, '_, B> {
         let counts: Vec<usize> = self.rs.0.iter().map(|c| c * n).collect();
         let own: usize = counts[..self.rank].iter().sum();
         let mine = counts[self.rank];
-        let since = std::time::Instant::now();
-        {
+        let since = {
             let (values, copies) = coll.staging_and_copies(buffer, n, h)?;
             if mine > 0 {
                 let at = first * self.rs.0[self.rank] * 4;
@@ -82,9 +81,12 @@ impl<B: Exec> RankPass<'_, '_, B> {
                 self.pass
                     .download(copies, self.rank, &w.residual, at, dst)?;
             }
+            let since = std::time::Instant::now();
             self.transport
                 .all_gather(&counts, &mut self.slice(values))?;
-        }
+            since
+        };
+        // The other ranks' blocks, as one transfer.
         coll.copies.note(((n * h - mine) * 4) as u64, since);
         if !into_x {
             return Ok(());
@@ -356,8 +358,7 @@ impl TpGraph {
             let counts: Vec<usize> = rows.iter().map(|x| x * nr).collect();
             let (own, mine) = (counts[..rank].iter().sum::<usize>(), counts[rank]);
             let buffer = flip();
-            let since = std::time::Instant::now();
-            {
+            let since = {
                 let (values, copies) = coll.staging_and_copies(buffer, nr, vocab)?;
                 if let Some((_, mat)) = head {
                     let xin = view(b, &w.r.xn, r0 * h * 4, nr * h * 4)
@@ -366,8 +367,10 @@ impl TpGraph {
                     let dst = &mut values[own..own + mine];
                     rp.pass.download(copies, rank, &w.r.logits, 0, dst)?;
                 }
+                let since = std::time::Instant::now();
                 rp.transport.all_gather(&counts, &mut rp.slice(values))?;
-            }
+                since
+            };
             coll.copies.note(((nr * vocab - mine) * 4) as u64, since);
             let (staged, _) = coll.staging_and_copies(buffer, nr, vocab)?;
             let mut at = 0;
