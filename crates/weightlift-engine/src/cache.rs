@@ -480,6 +480,13 @@ impl Cache {
         }
     }
 
+    /// A forward pass has written `ids` at positions `start..`: record them, and hold
+    /// `start + ids.len()` tokens.
+    pub(crate) fn appended(&self, start: u64, ids: &[u32]) -> Result<()> {
+        self.note_ids(start, ids);
+        self.set_seq_len(start + ids.len() as u64)
+    }
+
     /// How many leading ids of `prompt` the cache already holds at positions `0..`, when its
     /// positions all have known ids; 0 otherwise.
     pub fn common_prefix(&self, prompt: &[u32]) -> u64 {

@@ -162,7 +162,9 @@ impl Device {
         self.cuda.as_ref()
     }
 
-    fn backend(&self) -> Result<&CudaBackend> {
+    /// The CUDA backend of a `cuda:N` device, or an error naming the device: what a pass that
+    /// computes on it needs.
+    pub fn backend(&self) -> Result<&CudaBackend> {
         self.cuda.as_ref().ok_or_else(|| EngineError::Device {
             device: self.name.clone(),
             detail: "device memory without a CUDA backend".into(),

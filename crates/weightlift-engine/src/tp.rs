@@ -360,6 +360,27 @@ impl TpContext {
         self.rank
     }
 
+    /// Whether a thread-group member of rank `rank` may join this context: the rank must be
+    /// this context's.
+    pub fn check_member(&self, rank: usize) -> Result<()> {
+        if self.rank == Some(rank) {
+            return Ok(());
+        }
+        let ours = match self.rank {
+            Some(r) => format!("a member for this context's rank {r}"),
+            None => "a rank-local context (load_tp(world=..., rank=...))".to_owned(),
+        };
+        Err(invalid("join", ours, format!("a member for rank {rank}")))
+    }
+
+    /// Meet the other ranks through `member` of a thread group ([`TpContext::check_member`]);
+    /// a refused member is dropped, which leaves its group.
+    pub fn join(&mut self, member: ThreadGroup) -> Result<()> {
+        self.check_member(member.rank())?;
+        self.set_collective(Box::new(member));
+        Ok(())
+    }
+
     /// Replace the transport of the collectives (NCCL across processes, a
     /// [`ThreadGroup`] member for ranks run as threads).
     pub fn set_collective(&mut self, collective: Box<dyn Collective>) {

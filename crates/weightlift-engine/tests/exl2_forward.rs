@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use common::{
-    argmax, forward_all, json_ids, load_planned, max_abs_diff, open, planned_layers,
-    prompt_and_decode, read_npy,
+    OFFLOAD_MODES, argmax, check_packed_offload, forward_all, json_ids, load_planned, max_abs_diff,
+    open, planned_layers, read_npy,
 };
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::{CacheDType, EngineError, Inventory, Model, Source};
@@ -293,80 +293,20 @@ fn two_layers() -> tempfile::TempDir {
 /// an offloaded EXL2 linear by name.
 #[test]
 fn offloaded_exl2_equals_cpu_bit_for_bit_within_the_planned_memory() {
-    use wp::WeightOffload::{Group, Sequential};
     let copy = two_layers();
-    let modes = [
-        Sequential,
-        Group {
-            blocks_per_group: 1,
-            prefetch: true,
-        },
-        Group {
-            blocks_per_group: 1,
-            prefetch: false,
-        },
-        Group {
-            blocks_per_group: 2,
-            prefetch: true,
-        },
-    ];
     for (model, src) in [("fixture", exl2()), ("two layers", open(copy.path()))] {
         let (mut cpu, cpu_cache, _, _) = planned_layers(&src, "cpu", 0, None);
         for (ngl, mode) in (0..src.spec().unwrap().n_layers as i64)
-            .flat_map(|ngl| modes.iter().map(move |&m| (ngl, m)))
+            .flat_map(|ngl| OFFLOAD_MODES.iter().map(move |&m| (ngl, m)))
         {
             let what = format!("{model}, n_gpu_layers={ngl}, {mode:?}");
-            let (mut m, cache, plan, inv) =
-                planned_layers(&src, "virtual:8MiB,cpu", ngl, Some(mode));
-            let o = plan.onload().expect("an onload plan").clone();
-            let kept: Vec<u32> = o.groups.iter().flatten().copied().collect();
-            let n = m.n_layers();
-            assert_eq!(kept, (0..n - ngl as u32).collect::<Vec<_>>(), "{what}");
-            assert!(
-                m.layer_devices().unwrap().iter().all(|d| d == "virtual:0"),
-                "{what}"
+            let (mut m, cache) = check_packed_offload(
+                &what,
+                &src,
+                (ngl, mode),
+                (&mut cpu, &cpu_cache, &ids()),
+                |l| packed_layer_bytes(&src, l),
             );
-            let largest = o
-                .groups
-                .iter()
-                .map(|g| g.iter().map(|&l| packed_layer_bytes(&src, l)).sum::<u64>())
-                .max()
-                .unwrap();
-            assert_eq!(o.slot_bytes, largest, "{what}: slot bytes");
-
-            for compute in [Compute::Exact, Compute::Fast] {
-                cpu.set_compute(compute);
-                m.set_compute(compute);
-                let want = prompt_and_decode(&mut cpu, &cpu_cache, &ids());
-                let got = prompt_and_decode(&mut m, &cache, &ids());
-                assert!(got == want, "{what} ({}): logits differ", compute.name());
-            }
-            if o.groups.len() as u64 > o.slots {
-                // more groups than slots: every call copies each group in again
-                let moved = m.transfer_stats().bytes;
-                let kept_bytes: u64 = kept.iter().map(|&l| packed_layer_bytes(&src, l)).sum();
-                assert!(
-                    moved >= kept_bytes,
-                    "{what}: {moved} B moved in a decode step"
-                );
-            }
-            let d = plan
-                .devices()
-                .iter()
-                .find(|d| d.name == "virtual:0")
-                .unwrap();
-            let promised = d.weights + d.kv + d.scratch;
-            let peak = inv.get("virtual:0").unwrap().peak();
-            eprintln!(
-                "{what}: plan {promised} B (weights {}, kv {}, scratch {} with {} slot(s) of \
-                 {}), peak {peak} B",
-                d.weights, d.kv, d.scratch, o.slots, o.slot_bytes
-            );
-            assert!(
-                peak.abs_diff(promised) <= promised / 100,
-                "{what}: plan {promised} B, peak {peak} B"
-            );
-
             m.set_host_backend(true);
             let e = m
                 .forward(&[1, 2, 3], Some(&cache), Logits::Last, &mut Vec::new())

@@ -4,22 +4,10 @@
 //! `r·h + c .. r·h + c + w`. The CPU cases run here; the CUDA ones need a GPU and compare with
 //! the CPU backend's result.
 
+mod common;
+
+use common::{download_f32, f32s};
 use weightlift_kernels::*;
-
-fn upload<B: Backend>(b: &B, v: &[f32]) -> Result<B::Buffer> {
-    let mut buf = b.alloc(v.len() * 4)?;
-    b.copy_from_host(bytemuck::cast_slice(v), &mut buf, 0)?;
-    Ok(buf)
-}
-
-fn download<B: Backend>(b: &B, buf: &B::Buffer, n: usize) -> Result<Vec<f32>> {
-    let mut bytes = vec![0u8; n * 4];
-    b.copy_to_host(buf, 0, &mut bytes)?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
 
 /// An `n × h` matrix with every value distinct.
 fn matrix(n: usize, h: usize) -> Vec<f32> {
@@ -38,7 +26,7 @@ const H: usize = 24;
 
 fn column_blocks_pack_and_unpack<B: Backend>(b: &B) -> Result<()> {
     let m = matrix(N, H);
-    let src = upload(b, &m)?;
+    let src = f32s(b, &m)?;
     // gather columns 8..20 of every row (a tensor-parallel share of a row-major matrix)
     let (c, w) = (8, 12);
     let mut packed = b.alloc(N * w * 4)?;
@@ -52,7 +40,7 @@ fn column_blocks_pack_and_unpack<B: Backend>(b: &B) -> Result<()> {
     };
     b.copy_2d(&src, whole, &mut packed, dense, w * 4, N)?;
     assert_eq!(
-        download(b, &packed, N * w)?,
+        download_f32(b, &packed, N * w)?,
         columns(&m, H, c, w),
         "{} pack",
         b.name()
@@ -69,7 +57,7 @@ fn column_blocks_pack_and_unpack<B: Backend>(b: &B) -> Result<()> {
     for r in 0..N {
         want[r * H + 4..r * H + 4 + w].copy_from_slice(&m[r * H + c..r * H + c + w]);
     }
-    assert_eq!(download(b, &back, N * H)?, want, "{} unpack", b.name());
+    assert_eq!(download_f32(b, &back, N * H)?, want, "{} unpack", b.name());
 
     // rows 2..5 only, two columns each at a pitch of 3 rows (every third row of the block)
     let mut few = b.alloc(2 * 2 * 4)?;
@@ -88,7 +76,7 @@ fn column_blocks_pack_and_unpack<B: Backend>(b: &B) -> Result<()> {
         8,
         2,
     )?;
-    let got = download(b, &few, 4)?;
+    let got = download_f32(b, &few, 4)?;
     assert_eq!(
         got,
         [m[2 * H + 1], m[2 * H + 2], m[5 * H + 1], m[5 * H + 2]]
@@ -109,10 +97,10 @@ fn column_blocks_pack_and_unpack<B: Backend>(b: &B) -> Result<()> {
         8,
         1,
     )?;
-    assert_eq!(download(b, &few, 4)?, [got[0], m[1], m[2], got[3]]);
+    assert_eq!(download_f32(b, &few, 4)?, [got[0], m[1], m[2], got[3]]);
 
     // bad input is an error naming the side, and copies nothing
-    let before = download(b, &packed, N * w)?;
+    let before = download_f32(b, &packed, N * w)?;
     let past_end = Rows {
         offset: 4,
         pitch: w * 4,
@@ -176,7 +164,7 @@ fn column_blocks_pack_and_unpack<B: Backend>(b: &B) -> Result<()> {
             N * H * 4
         )
     );
-    assert_eq!(download(b, &packed, N * w)?, before, "{}", b.name());
+    assert_eq!(download_f32(b, &packed, N * w)?, before, "{}", b.name());
     // nothing to copy is not an error, wherever it points
     b.copy_2d(&src, huge, &mut packed, huge, 0, N)?;
     b.copy_2d(&src, huge, &mut packed, huge, 4, 0)?;
@@ -188,14 +176,14 @@ test_device!(column_blocks_pack_and_unpack);
 /// as it was, and ranges past either end are errors.
 fn peer_copy<B: Backend>(a: &B, b: &B) -> Result<()> {
     let m = matrix(N, H);
-    let src = upload(a, &m)?;
+    let src = f32s(a, &m)?;
     // queued on `b` just before the copy, which must land after it
-    let mut dst = upload(b, &vec![1.5f32; N * H])?;
+    let mut dst = f32s(b, &vec![1.5f32; N * H])?;
     a.copy_peer(&src, 40, b, &mut dst, 8, 100 * 4)?;
     let mut want = vec![1.5f32; N * H];
     want[2..102].copy_from_slice(&m[10..110]);
     assert_eq!(
-        download(b, &dst, N * H)?,
+        download_f32(b, &dst, N * H)?,
         want,
         "{} to {}",
         a.name(),
@@ -227,8 +215,8 @@ fn peer_copy<B: Backend>(a: &B, b: &B) -> Result<()> {
 /// of sides in one copy; overlapping rows refused.
 fn peer_rows<B: Backend>(a: &B, b: &B) -> Result<()> {
     let (m, wide) = (matrix(N, H), H + 6);
-    let src = upload(a, &m)?;
-    let mut dst = upload(b, &vec![1.5f32; N * wide])?;
+    let src = f32s(a, &m)?;
+    let mut dst = f32s(b, &vec![1.5f32; N * wide])?;
     let from = Rows {
         offset: 3 * 4,
         pitch: H * 4,
@@ -242,14 +230,14 @@ fn peer_rows<B: Backend>(a: &B, b: &B) -> Result<()> {
     for r in 0..N {
         want[r * wide + 5..r * wide + 13].copy_from_slice(&m[r * H + 3..r * H + 11]);
     }
-    assert_eq!(download(b, &dst, N * wide)?, want);
+    assert_eq!(download_f32(b, &dst, N * wide)?, want);
     let packed = Rows {
         offset: 0,
         pitch: H * 4,
     };
-    let mut whole = upload(b, &vec![0f32; N * H])?;
+    let mut whole = f32s(b, &vec![0f32; N * H])?;
     a.copy_peer_2d(&src, packed, b, &mut whole, packed, (H * 4, N))?;
-    assert_eq!(download(b, &whole, N * H)?, m);
+    assert_eq!(download_f32(b, &whole, N * H)?, m);
     let tight = Rows {
         offset: 0,
         pitch: 4,
@@ -312,10 +300,10 @@ fn pattern(bytes: usize, seed: u8) -> Vec<u8> {
 
 /// `m` uploaded to `b`, and `w` columns of it from `from` gathered into `to` by `copy_2d`.
 fn pack<B: Backend>(b: &B, m: &[f32], from: Rows, to: Rows, w: usize) -> Result<Vec<f32>> {
-    let src = upload(b, m)?;
+    let src = f32s(b, m)?;
     let mut dst = b.alloc(N * w * 4)?;
     b.copy_2d(&src, from, &mut dst, to, w * 4, N)?;
-    download(b, &dst, N * w)
+    download_f32(b, &dst, N * w)
 }
 
 /// On cuda:0: `copy_2d` gives the CPU backend's bytes; peer copies within the device (two

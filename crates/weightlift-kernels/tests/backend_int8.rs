@@ -8,7 +8,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::Rng;
+use common::{Rng, download_f32, upload};
 use weightlift_kernels::cpu::int8::{
     Int8Weights, int8_matmul, int8_matmul_packed, int8_pack_rows, int8_packed_bytes,
 };
@@ -76,21 +76,6 @@ fn case() -> Case {
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
-}
-
-fn upload<B: Backend>(b: &B, bytes: &[u8]) -> Result<B::Buffer> {
-    let mut buf = b.alloc(bytes.len())?;
-    b.copy_from_host(bytes, &mut buf, 0)?;
-    Ok(buf)
-}
-
-fn download_f32<B: Backend>(b: &B, buf: &B::Buffer, n: usize) -> Result<Vec<f32>> {
-    let mut bytes = vec![0u8; n * 4];
-    b.copy_to_host(buf, 0, &mut bytes)?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
 }
 
 #[allow(clippy::too_many_arguments)]

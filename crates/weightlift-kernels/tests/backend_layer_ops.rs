@@ -9,27 +9,8 @@
 
 mod common;
 
-use common::Rng;
+use common::{Rng, download_f32, f32s, upload};
 use weightlift_kernels::*;
-
-fn upload<B: Backend>(b: &B, bytes: &[u8]) -> Result<B::Buffer> {
-    let mut buf = b.alloc(bytes.len())?;
-    b.copy_from_host(bytes, &mut buf, 0)?;
-    Ok(buf)
-}
-
-fn f32s<B: Backend>(b: &B, v: &[f32]) -> Result<B::Buffer> {
-    upload(b, bytemuck::cast_slice(v))
-}
-
-fn download_f32<B: Backend>(b: &B, buf: &B::Buffer, n: usize) -> Result<Vec<f32>> {
-    let mut bytes = vec![0u8; n * 4];
-    b.copy_to_host(buf, 0, &mut bytes)?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
 
 fn close(got: f32, want: f64, rel: f64) -> bool {
     (f64::from(got) - want).abs() <= rel * want.abs().max(1.0)

@@ -9,25 +9,10 @@
 
 mod common;
 
-use common::{Rng, group_offset, load};
+use common::{Rng, download_f32, group_offset, load, upload};
 use weightlift_kernels::cpu::matvec::{matvec_with, quantize_q8_blocks};
 use weightlift_kernels::sources::DQ_PATH_MIN_TOKENS;
 use weightlift_kernels::*;
-
-fn upload<B: Backend>(b: &B, bytes: &[u8]) -> Result<B::Buffer> {
-    let mut buf = b.alloc(bytes.len())?;
-    b.copy_from_host(bytes, &mut buf, 0)?;
-    Ok(buf)
-}
-
-fn download_f32<B: Backend>(b: &B, buf: &B::Buffer, n: usize) -> Result<Vec<f32>> {
-    let mut bytes = vec![0u8; n * 4];
-    b.copy_to_host(buf, 0, &mut bytes)?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
 
 /// Activations as uploaded (f32 or f16 bytes) and as the kernels see them (f32).
 fn activations(x: &[f32], act: FloatType) -> (Vec<u8>, Vec<f32>) {

@@ -8,27 +8,8 @@
 
 mod common;
 
-use common::{NAMES, Rng, load};
+use common::{NAMES, Rng, download_f32, f32s, load, upload};
 use weightlift_kernels::*;
-
-fn upload<B: Backend>(b: &B, bytes: &[u8]) -> Result<B::Buffer> {
-    let mut buf = b.alloc(bytes.len())?;
-    b.copy_from_host(bytes, &mut buf, 0)?;
-    Ok(buf)
-}
-
-fn f32s<B: Backend>(b: &B, v: &[f32]) -> Result<B::Buffer> {
-    upload(b, bytemuck::cast_slice(v))
-}
-
-fn download_f32<B: Backend>(b: &B, buf: &B::Buffer, n: usize) -> Result<Vec<f32>> {
-    let mut bytes = vec![0u8; n * 4];
-    b.copy_to_host(buf, 0, &mut bytes)?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
 
 fn dequantize_matches_gguf_py<B: Backend>(b: &B) -> Result<()> {
     for name in NAMES {

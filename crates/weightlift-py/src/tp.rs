@@ -240,16 +240,8 @@ impl TPContext {
     /// context's. A member joins once.
     fn join(&self, member: &TPGroupMember) -> PyResult<()> {
         let mut ctx = self.lock();
-        if ctx.rank() != Some(member.rank) {
-            let ours = match ctx.rank() {
-                Some(r) => format!("a member for this context's rank {r}"),
-                None => "a rank-local context (load_tp(world=..., rank=...))".to_owned(),
-            };
-            return Err(PyValueError::new_err(format!(
-                "join: expected {ours}, got a member for rank {}",
-                member.rank
-            )));
-        }
+        // Checked before the member is taken, so a refused one can still join its own rank.
+        eng(ctx.check_member(member.rank))?;
         let taken = member
             .member
             .lock()
@@ -261,8 +253,7 @@ impl TPContext {
                 member.rank
             )));
         };
-        ctx.set_collective(Box::new(m));
-        Ok(())
+        eng(ctx.join(m))
     }
 
     /// Join the multi-process run the launcher describes (torchrun's `RANK`, `WORLD_SIZE`,

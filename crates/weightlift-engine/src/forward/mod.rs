@@ -115,19 +115,20 @@ impl Logits {
     }
 
     /// For the `n` rows of a chunk starting at token `done` (of `total`): the first whose
-    /// logits are asked for, and the rows of the output they fill; `None` when the chunk has
-    /// none (every chunk but the last, for `Last`).
+    /// logits are asked for, and the rows of `out` (`vocab` values each) they fill; `None` when
+    /// the chunk has none (every chunk but the last, for `Last`).
     pub(crate) fn rows(
         self,
-        done: usize,
-        n: usize,
-        total: usize,
-    ) -> Option<(usize, std::ops::Range<usize>)> {
-        match self {
-            Logits::Last if done + n < total => None,
-            Logits::Last => Some((n - 1, 0..1)),
-            Logits::All => Some((0, done..done + n)),
-        }
+        (done, n, total): (usize, usize, usize),
+        vocab: usize,
+        out: &mut [f32],
+    ) -> Option<(usize, &mut [f32])> {
+        let (first, rows) = match self {
+            Logits::Last if done + n < total => return None,
+            Logits::Last => (n - 1, 0..1),
+            Logits::All => (0, done..done + n),
+        };
+        Some((first, &mut out[rows.start * vocab..rows.end * vocab]))
     }
 }
 

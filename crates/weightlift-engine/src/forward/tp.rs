@@ -505,14 +505,12 @@ impl TpGraph {
                     layer.down_bias.as_deref(),
                 )?;
             }
-            cache.note_ids(pos as u64, part);
-            cache.set_seq_len((pos + n) as u64)?;
-            let Some((first, out_rows)) = logits.rows(done, n, ids.len()) else {
+            cache.appended(pos as u64, part)?;
+            let Some((first, rows_out)) = logits.rows((done, n, ids.len()), vocab, out) else {
                 done += n;
                 continue;
             };
-            let need = out_rows.len();
-            let rows_out = &mut out[out_rows.start * vocab..out_rows.end * vocab];
+            let need = rows_out.len() / vocab;
             self.head(&run, &mut coll, &mut flip, &mut ws, (first, need), rows_out)?;
             done += n;
         }

@@ -108,10 +108,7 @@ pub(super) fn site_works<'a>(
                 Work::Cpu(b, r)
             }
             SiteExec::Cuda => {
-                let b = device.cuda_backend().ok_or_else(|| EngineError::Device {
-                    device: device.name().to_owned(),
-                    detail: "a cuda device without its backend".into(),
-                })?;
+                let b = device.backend()?;
                 let (r, slots) = Regions::new(b, buf, layout, slots_of(si))?;
                 for p in slots {
                     slot_mem.push(Some(SlotMem::cuda(b, p)?));

@@ -498,3 +498,103 @@ pub fn tp_run(
     });
     (logits, rows.collect())
 }
+
+/// The offload modes the packed-format (GPTQ, EXL2) tests run: sequential, then groups of one
+/// layer with and without prefetch, and of two with.
+pub const OFFLOAD_MODES: [weightlift_plan::WeightOffload; 4] = {
+    use weightlift_plan::WeightOffload::{Group, Sequential};
+    [
+        Sequential,
+        Group {
+            blocks_per_group: 1,
+            prefetch: true,
+        },
+        Group {
+            blocks_per_group: 1,
+            prefetch: false,
+        },
+        Group {
+            blocks_per_group: 2,
+            prefetch: true,
+        },
+    ]
+};
+
+/// One offloaded case of a packed model `src`, `n_gpu_layers` of its layers on
+/// `virtual:8MiB` and the rest kept on the cpu under `mode`: the kept layers are the first
+/// ones and compute on the device; the slot holds the largest group's packed bytes
+/// (`layer_bytes` of each layer); prompt and decode of `ids` give `cpu`'s logits bit for bit in
+/// both compute modes; with more groups than slots a decode step copies every kept layer again; the
+/// device's peak is the plan's weights + kv + scratch within 1 %. Returns the model and its
+/// cache.
+pub fn check_packed_offload(
+    what: &str,
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    (n_gpu_layers, mode): (i64, weightlift_plan::WeightOffload),
+    (cpu, cpu_cache, ids): (
+        &mut weightlift_engine::Model,
+        &std::sync::Arc<weightlift_engine::Cache>,
+        &[u32],
+    ),
+    layer_bytes: impl Fn(u32) -> u64,
+) -> (
+    weightlift_engine::Model,
+    std::sync::Arc<weightlift_engine::Cache>,
+) {
+    use weightlift_engine::forward::Compute;
+    let (mut m, cache, plan, inv) =
+        planned_layers(src, "virtual:8MiB,cpu", n_gpu_layers, Some(mode));
+    let o = plan.onload().expect("an onload plan").clone();
+    let kept: Vec<u32> = o.groups.iter().flatten().copied().collect();
+    let n = m.n_layers();
+    assert_eq!(
+        kept,
+        (0..n - n_gpu_layers as u32).collect::<Vec<_>>(),
+        "{what}"
+    );
+    assert!(
+        m.layer_devices().unwrap().iter().all(|d| d == "virtual:0"),
+        "{what}: {:?}",
+        m.layer_devices()
+    );
+    let largest = o
+        .groups
+        .iter()
+        .map(|g| g.iter().map(|&l| layer_bytes(l)).sum::<u64>())
+        .max()
+        .unwrap();
+    assert_eq!(o.slot_bytes, largest, "{what}: slot bytes");
+    for compute in [Compute::Exact, Compute::Fast] {
+        cpu.set_compute(compute);
+        m.set_compute(compute);
+        let want = prompt_and_decode(cpu, cpu_cache, ids);
+        let got = prompt_and_decode(&mut m, &cache, ids);
+        assert!(got == want, "{what} ({}): logits differ", compute.name());
+    }
+    if o.groups.len() as u64 > o.slots {
+        // more groups than slots: every call copies each group in again
+        let moved = m.transfer_stats().bytes;
+        let kept_bytes: u64 = kept.iter().map(|&l| layer_bytes(l)).sum();
+        assert!(
+            moved >= kept_bytes,
+            "{what}: {moved} B moved in a decode step"
+        );
+    }
+    let d = plan
+        .devices()
+        .iter()
+        .find(|d| d.name == "virtual:0")
+        .unwrap();
+    let promised = d.weights + d.kv + d.scratch;
+    let peak = inv.get("virtual:0").unwrap().peak();
+    eprintln!(
+        "{what}: plan {promised} B (weights {}, kv {}, scratch {} with {} slot(s) of {}), \
+         peak {peak} B",
+        d.weights, d.kv, d.scratch, o.slots, o.slot_bytes
+    );
+    assert!(
+        peak.abs_diff(promised) <= promised / 100,
+        "{what}: plan {promised} B, peak {peak} B"
+    );
+    (m, cache)
+}

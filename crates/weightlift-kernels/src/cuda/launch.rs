@@ -103,6 +103,28 @@ impl CudaBackend {
         unsafe { self.launch("ops", name, elementwise(n)?, &mut args) }
     }
 
+    /// `x = name(x, y)` over `n` f32 values (`kernels/ops.cu`), as `binary` without a separate
+    /// output.
+    pub(super) fn binary_in_place(
+        &self,
+        name: &str,
+        n: usize,
+        x: &mut CudaBuffer,
+        y: &CudaBuffer,
+    ) -> Result<()> {
+        self.own(x)?;
+        self.own(y)?;
+        need("elementwise accumulator bytes", x, mul(n, 4))?;
+        need("elementwise operand bytes", y, mul(n, 4))?;
+        let mut args = [
+            KArg::Out(&mut x.slice),
+            KArg::In(&y.slice),
+            KArg::U64(n as u64),
+        ];
+        // SAFETY: one thread per value below n; both buffers hold n f32 (checked above).
+        unsafe { self.launch("ops", name, elementwise(n)?, &mut args) }
+    }
+
     /// `{op}_{format}` of `kernels/kv.cu` over `n` values (whole groups for the quantised
     /// formats; the caller checked both buffers against `n`).
     pub(super) fn kv_codec(

@@ -342,19 +342,7 @@ impl CudaBackend {
                 // checked above.
                 unsafe { self.launch("ops", name, elementwise(pairs)?, &mut args) }?;
             }
-            Op::AddInPlace { n, x, y } => {
-                self.own(x)?;
-                self.own(y)?;
-                need("add accumulator bytes", x, mul(n, 4))?;
-                need("add addend bytes", y, mul(n, 4))?;
-                let mut args = [
-                    KArg::Out(&mut x.slice),
-                    KArg::In(&y.slice),
-                    KArg::U64(n as u64),
-                ];
-                // SAFETY: one thread per value below n; both buffers hold n f32 (checked).
-                unsafe { self.launch("ops", "add_inplace_f32", elementwise(n)?, &mut args) }?;
-            }
+            Op::AddInPlace { n, x, y } => self.binary_in_place("add_inplace_f32", n, x, y)?,
             Op::AddBias {
                 n_rows,
                 n_cols,
@@ -380,17 +368,7 @@ impl CudaBackend {
                 unsafe { self.launch("ops", "add_bias_f32", elementwise(n)?, &mut args) }?;
             }
             Op::SwiGluInPlace { n, gate, up } => {
-                self.own(gate)?;
-                self.own(up)?;
-                need("swiglu gate bytes", gate, mul(n, 4))?;
-                need("swiglu up bytes", up, mul(n, 4))?;
-                let mut args = [
-                    KArg::Out(&mut gate.slice),
-                    KArg::In(&up.slice),
-                    KArg::U64(n as u64),
-                ];
-                // SAFETY: one thread per value below n; both buffers hold n f32 (checked).
-                unsafe { self.launch("ops", "swiglu_inplace_f32", elementwise(n)?, &mut args) }?;
+                self.binary_in_place("swiglu_inplace_f32", n, gate, up)?
             }
             Op::Attention {
                 k_format,

@@ -128,3 +128,35 @@ pub fn group_offset(ty: QuantType, row: &[u8], g: usize) -> f64 {
         _ => 0.0,
     }
 }
+
+/// `bytes` in a new buffer of `b`.
+pub fn upload<B: weightlift_kernels::Backend>(
+    b: &B,
+    bytes: &[u8],
+) -> weightlift_kernels::Result<B::Buffer> {
+    let mut buf = b.alloc(bytes.len())?;
+    b.copy_from_host(bytes, &mut buf, 0)?;
+    Ok(buf)
+}
+
+/// f32 `v` in a new buffer of `b`.
+pub fn f32s<B: weightlift_kernels::Backend>(
+    b: &B,
+    v: &[f32],
+) -> weightlift_kernels::Result<B::Buffer> {
+    upload(b, bytemuck::cast_slice(v))
+}
+
+/// The first `n` f32 values of `buf`.
+pub fn download_f32<B: weightlift_kernels::Backend>(
+    b: &B,
+    buf: &B::Buffer,
+    n: usize,
+) -> weightlift_kernels::Result<Vec<f32>> {
+    let mut bytes = vec![0u8; n * 4];
+    b.copy_to_host(buf, 0, &mut bytes)?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}

@@ -139,14 +139,13 @@ impl Graph {
                 if let Some(o) = self.onload.as_mut() {
                     prefetch_first(o, &self.layers, held, copies, &mut slot_mem, &mut copier)?;
                 }
-                cache.note_ids(pos as u64, part);
-                cache.set_seq_len((pos + n) as u64)?;
+                cache.appended(pos as u64, part)?;
                 // The head: only the rows asked for.
-                let Some((first, out_rows)) = logits.rows(done, n, ids.len()) else {
+                let Some((first, rows_out)) = logits.rows((done, n, ids.len()), vocab, out) else {
                     done += n;
                     continue;
                 };
-                let need = out_rows.len();
+                let need = rows_out.len() / vocab;
                 if self.head_site != at {
                     move_rows(
                         &mut works,
@@ -159,7 +158,6 @@ impl Graph {
                     )?;
                 }
                 let per = self.dims.logit_rows as usize;
-                let rows_out = &mut out[out_rows.start * vocab..out_rows.end * vocab];
                 let hs = self.head_site;
                 on_site!(&mut works[hs], w => {
                 let hw = Weights { held, copies, slot: None };

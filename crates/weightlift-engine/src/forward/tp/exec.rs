@@ -101,6 +101,33 @@ pub(super) fn work<T>(v: &mut [Option<T>], d: usize) -> Result<&mut T> {
 }
 
 impl TpGraph {
+    /// Device `d`'s workspace in `buf`, laid out as the plan sized it, with the RoPE
+    /// frequencies copied in.
+    fn device_work<'a, B: Exec>(
+        &self,
+        pass: &Pass<'_, B>,
+        d: usize,
+        buf: &'a mut Buffer,
+    ) -> Result<DeviceWork<'a, B::Buffer>> {
+        let b = pass.bs[d];
+        let mut w = carve_work(b, buf, &self.layouts[d])?;
+        let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
+        if b.len(&w.r.freqs) >= freqs.len() {
+            b.copy_from_host(freqs, &mut w.r.freqs, 0)
+                .map_err(pass.err(d, "rope frequencies"))?;
+        }
+        Ok(w)
+    }
+
+    /// The constants of the backend op sequence for one forward call.
+    fn consts(&self, compute: Compute, int8_threshold: f32) -> Consts {
+        Consts::new(
+            &self.dims,
+            (self.eps, self.rope, self.max_dq),
+            (compute, int8_threshold),
+        )
+    }
+
     /// [`TpGraph::forward`] on the devices' backends.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn forward_backends(
@@ -125,10 +152,7 @@ impl TpGraph {
                     self.run_rank(bg, &v[rank], on, held, copies, ctx, cache, args, modes, out)
                 }
                 Backends::Cuda => {
-                    let b = device.cuda_backend().ok_or_else(|| EngineError::Device {
-                        device: device.name().to_owned(),
-                        detail: "a cuda device without its backend".into(),
-                    })?;
+                    let b = device.backend()?;
                     self.run_rank(bg, b, on, held, copies, ctx, cache, args, modes, out)
                 }
             };
@@ -157,12 +181,7 @@ impl TpGraph {
             Backends::Cuda => {
                 let bs = devices
                     .iter()
-                    .map(|d| {
-                        d.cuda_backend().ok_or_else(|| EngineError::Device {
-                            device: d.name().to_owned(),
-                            detail: "a cuda device without its backend".into(),
-                        })
-                    })
+                    .map(|d| d.backend())
                     .collect::<Result<Vec<&CudaBackend>>>()?;
                 run_on!(bs)
             }
@@ -201,27 +220,13 @@ impl TpGraph {
         };
         let mut ws: Vec<Option<DeviceWork<'_, B::Buffer>>> = Vec::with_capacity(buffers.len());
         for (d, buf) in buffers.into_iter().enumerate() {
-            let layout = self.layouts.get(d).copied().unwrap_or_default();
+            let has = self.layouts.get(d).is_some_and(|l| l.bytes > 0);
             ws.push(match buf {
-                Some(b) if layout.bytes > 0 => Some(carve_work(pass.bs[d], b, &layout)?),
+                Some(b) if has => Some(self.device_work(&pass, d, b)?),
                 _ => None,
             });
         }
-        let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
-        for (d, w) in ws.iter_mut().enumerate() {
-            if let Some(w) = w
-                && pass.bs[d].len(&w.r.freqs) >= freqs.len()
-            {
-                pass.bs[d]
-                    .copy_from_host(freqs, &mut w.r.freqs, 0)
-                    .map_err(pass.err(d, "rope frequencies"))?;
-            }
-        }
-        let c = Consts::new(
-            &self.dims,
-            (self.eps, self.rope, self.max_dq),
-            (compute, int8_threshold),
-        );
+        let c = self.consts(compute, int8_threshold);
         let cx = |d: usize| Ctx {
             c: &c,
             held,
@@ -284,14 +289,12 @@ impl TpGraph {
                     held,
                 )?;
             }
-            cache.note_ids(pos as u64, part);
-            cache.set_seq_len((pos + n) as u64)?;
-            let Some((first, out_rows)) = logits.rows(done, n, ids.len()) else {
+            cache.appended(pos as u64, part)?;
+            let Some((first, rows_out)) = logits.rows((done, n, ids.len()), vocab, out) else {
                 done += n;
                 continue;
             };
-            let need = out_rows.len();
-            let rows_out = &mut out[out_rows.start * vocab..out_rows.end * vocab];
+            let need = rows_out.len() / vocab;
             pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.vc), (first, need, h))?;
             let per = self.dims.logit_rows.max(1) as usize;
             for &(d, a, _) in &s.vc {

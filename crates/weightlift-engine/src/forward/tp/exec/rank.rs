@@ -224,17 +224,8 @@ impl TpGraph {
             .get_mut(rank)
             .and_then(Option::take)
             .ok_or_else(|| invalid(format!("tp rank {rank}"), "a workspace", "none"))?;
-        let mut w = carve_work(b, buf, &self.layouts[rank])?;
-        let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
-        if b.len(&w.r.freqs) >= freqs.len() {
-            b.copy_from_host(freqs, &mut w.r.freqs, 0)
-                .map_err(pass.err(rank, "rope frequencies"))?;
-        }
-        let c = Consts::new(
-            &self.dims,
-            (self.eps, self.rope, self.max_dq),
-            (compute, int8_threshold),
-        );
+        let mut w = self.device_work(&pass, rank, buf)?;
+        let c = self.consts(compute, int8_threshold);
         let cx = Ctx {
             c: &c,
             held,
@@ -296,14 +287,12 @@ impl TpGraph {
                 let down_bias = l.down_bias.get(rank).and_then(Option::as_ref);
                 rp.reduce(&mut coll, flip(), &mut w, (n, h), mlp.is_some(), down_bias)?;
             }
-            cache.note_ids(pos as u64, part);
-            cache.set_seq_len((pos + n) as u64)?;
-            let Some((first, out_rows)) = logits.rows(done, n, ids.len()) else {
+            cache.appended(pos as u64, part)?;
+            let Some((first, rows_out)) = logits.rows((done, n, ids.len()), vocab, out) else {
                 done += n;
                 continue;
             };
-            let rows_out = &mut out[out_rows.start * vocab..out_rows.end * vocab];
-            let rows = (first, out_rows.len());
+            let rows = (first, rows_out.len() / vocab);
             self.rank_head(
                 (bg, &cx),
                 &mut rp,
