@@ -22,7 +22,7 @@ CUDA_ENV = LD_LIBRARY_PATH="$(SITE)/nvidia/cuda_nvrtc/lib:$(SITE)/nvidia/cuda_ru
 	WEIGHTLIFT_CUDA_INCLUDE="$(SITE)/nvidia/cuda_runtime/include"
 
 
-.PHONY: help venv build build-release demo-model vocab demo test test-rust test-python lint fuzz bench clean
+.PHONY: help venv build build-release demo-model vocab reference check-paths demo test test-rust test-python lint fuzz bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -36,6 +36,13 @@ venv: $(VENV)/.stamp ## create .venv with the build, test and lint tools
 
 build: venv ## build the Rust extension into .venv (dev profile, shared with cargo test)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q
+
+# `make build-release` leaves this stamp; the targets that need the dev build (tests, stubtest)
+# put the release build back afterwards when it is there, so the demo keeps its speed.
+RELEASE_STAMP := $(VENV)/.release-build
+RESTORE_RELEASE = if [ -z "$(NO_RESTORE)" ] && [ -e $(RELEASE_STAMP) ]; then \
+	echo "restoring the release build of the extension (make build-release was run before)"; \
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release; fi
 
 $(DEMO_GGUF):
 	mkdir -p $(CACHE)/wheels $(CACHE)/models
@@ -52,6 +59,16 @@ vocab: venv $(CACHE)/vocab ## fetch llama.cpp's tokenizer test vectors (llama-cp
 
 build-release: venv ## build the Rust extension into .venv with optimisations (the demo's tokens/s)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
+	touch $(RELEASE_STAMP)
+
+# The reference data lives compressed in tests/reference/; rebuilding its GGUFs uses the
+# extension's quantise-on-load, so the extension is built first. Every file is checked against
+# the original's sha256; files already in place with the right hash are kept.
+reference: build ## lay out the reference data from tests/reference/ in .cache/reference (sha256 checked)
+	$(VPY) tests/reference/materialize.py $(CACHE)/reference
+
+check-paths: ## fail when a test, script, bench or Makefile rule names a path outside the checkout
+	$(PYTHON) tests/check_paths.py
 
 demo: build-release demo-model ## set up, then inspect, plan, load and generate with the SmolLM2 demo model
 	$(VENV)/bin/weightlift inspect $(DEMO_GGUF)
@@ -69,15 +86,16 @@ demo: build-release demo-model ## set up, then inspect, plan, load and generate 
 	$(VENV)/bin/weightlift run $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 2048 --chat \
 		-p "Write a haiku about a small machine lifting a heavy weight." -n 64 --seed 42
 
-test-rust: venv vocab ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC; the NCCL transport compile-checked)
+test-rust: venv vocab reference ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC; the NCCL transport compile-checked)
 	$(CUDA_ENV) WEIGHTLIFT_VOCAB_DIR=$(CACHE)/vocab cargo test --workspace --exclude weightlift-py \
 		--exclude weightlift-benches --features weightlift-kernels/cuda
 	$(CUDA_ENV) cargo check -p weightlift-engine --all-targets --features nccl
 
-test-python: build demo-model ## run the Python suite against the built extension
-	$(CUDA_ENV) $(VENV)/bin/pytest -q tests
+test-python: build demo-model reference ## run the Python suite against the built extension
+	$(CUDA_ENV) $(VENV)/bin/pytest -q tests; rc=$$?; $(RESTORE_RELEASE); exit $$rc
 
-test: build demo-model test-rust test-python ## set up, then run every Rust and Python test
+test: check-paths ## set up, then run every Rust and Python test (the demo's release build is kept)
+	$(MAKE) NO_RESTORE=1 build demo-model reference test-rust test-python; rc=$$?; $(RESTORE_RELEASE); exit $$rc
 
 lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 	cargo fmt --all --check
@@ -86,14 +104,15 @@ lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(MAKE) build
-	$(VENV)/bin/python -m mypy.stubtest weightlift._native
+	$(VENV)/bin/python -m mypy.stubtest weightlift._native; rc=$$?; $(RESTORE_RELEASE); exit $$rc
 
 fuzz: ## run the GGUF parser fuzz target over 100,000 inputs (not part of CI)
 	WEIGHTLIFT_FUZZ_CASES=100000 cargo test --release -p weightlift-format --test fuzz_gguf -- --ignored --nocapture
 
-bench: venv demo-model ## run the benches (release build) and write benches/results/
+bench: venv demo-model reference ## run the benches (release build) and write benches/results/
 	$(CUDA_ENV) cargo bench -p weightlift-benches --features cuda
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
+	touch $(RELEASE_STAMP)
 	$(VPY) benches/python_peers.py | tee benches/results/python_peers.md
 	$(VPY) benches/engine_load.py
 

@@ -32,7 +32,8 @@ DEMO = Path(
         "WEIGHTLIFT_DEMO_GGUF", ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     )
 )
-REFERENCE = ROOT.parent / "shared" / "reference"
+# The reference pack as `make reference` lays it out.
+REFERENCE = Path(os.environ.get("WEIGHTLIFT_REFERENCE") or ROOT / ".cache" / "reference")
 
 
 def median_seconds(fn, *, repeat: int, warmup: int = 1) -> float:

@@ -13,11 +13,12 @@ Rows:
   3. logits         each mode against the f32 forward pass of the same weights, exact compute
                     and an f32 cache: max|Δ| of the logits, argmax agreement, and perplexity on
                     a fixed text (next-token NLL over its ids):
-                      - tiny-llama (the shared reference pack's bf16 safetensors), the 16
+                      - tiny-llama (the reference pack's bf16 safetensors), the 16
                         reference ids, f32 = transformers' `hf_logits.npy`;
                       - SmolLM2-135M as an F32 GGUF (the demo Q4_1 file dequantised by gguf-py,
                         written to .cache/bench/), the reference's second prompt (41 ids);
-                        f32 = transformers on the dequantised file (`hf_logits_2.npy`).
+                        f32 = transformers on the dequantised file (`hf_logits_2_rows.npy`,
+                        11 of its positions).
 
 Quantise throughput per kernel (GB/s of input, 1 and 2 threads) is in benches/results/kernels.md
 (`quantize_*` and `int8_quantize_*` rows of `cargo bench --bench kernels`).
@@ -44,7 +45,8 @@ import numpy as np
 from engine_load import llama_config, llama_shapes
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE = REPO.parent / "shared" / "reference"
+# The reference pack as `make reference` lays it out.
+REFERENCE = Path(os.environ.get("WEIGHTLIFT_REFERENCE") or REPO / ".cache" / "reference")
 BENCH_DIR = REPO / ".cache" / "bench"
 SYNTH = BENCH_DIR / "synthetic-llama-bf16-1g"
 SMOL_F32 = BENCH_DIR / "SmolLM2-135M-Instruct.F32.gguf"
@@ -246,26 +248,33 @@ def logits_of(path: Path, mode: str | None, ids: list[int]) -> np.ndarray:
     return m.forward(ids, logits="all")
 
 
-def bench_logits(name: str, path: Path, ids: list[int], f32: np.ndarray) -> list[dict]:
+def bench_logits(
+    name: str, path: Path, ids: list[int], f32: np.ndarray, positions: list[int] | None = None
+) -> list[dict]:
+    """`f32` holds the reference's rows at `positions` (every position when None); the
+    reference's perplexity needs every row, so it is left out (nan) when some are missing."""
+    positions = list(range(len(ids))) if positions is None else positions
+    whole = len(positions) == len(ids)
     rows = [
         {
             "model": name,
             "mode": "f32 reference",
             "max_abs": 0.0,
-            "argmax": len(ids),
-            "n": len(ids),
-            "ppl": float(np.exp(nll(f32, ids))),
+            "argmax": len(positions),
+            "n": len(positions),
+            "ppl": float(np.exp(nll(f32, ids))) if whole else float("nan"),
         }
     ]
     for mode in [None, *MODES]:
         got = logits_of(path, mode, ids)
+        at = got[positions]
         rows.append(
             {
                 "model": name,
                 "mode": mode or "none (exact, stored type)",
-                "max_abs": float(np.abs(got - f32).max()),
-                "argmax": int((got.argmax(1) == f32.argmax(1)).sum()),
-                "n": len(ids),
+                "max_abs": float(np.abs(at - f32).max()),
+                "argmax": int((at.argmax(1) == f32.argmax(1)).sum()),
+                "n": len(positions),
                 "ppl": float(np.exp(nll(got, ids))),
             }
         )
@@ -307,7 +316,8 @@ def markdown(info: dict, load: list[dict], logits: list[dict]) -> str:
         "",
         "Exact compute (f32 activations on the dequantised weights), f32 KV cache. max|Δ| over "
         "all positions and the vocabulary; argmax = positions whose top token matches the f32 "
-        "run; ppl = exp(mean next-token NLL) over the text's own ids.",
+        "run (SmolLM2: at the 11 positions whose transformers rows the reference keeps); ppl = "
+        "exp(mean next-token NLL) over the text's own ids.",
         "",
         "| model | quantize | max abs Δ | argmax | ppl |",
         "|---|---|---|---|---|",
@@ -338,8 +348,12 @@ def main() -> None:
     )
     prompts = json.loads((REFERENCE / "smollm2-135m" / "prompts.json").read_text())
     smol_ids = prompts["prompts"]["2"]["ids_llamacpp"]
-    smol_f32 = np.load(REFERENCE / "smollm2-135m" / "hf_logits_2.npy")
-    logits += bench_logits("SmolLM2-135M (F32 GGUF)", SMOL_F32, smol_ids, smol_f32)
+    # transformers' logits are kept at 11 of prompt 2's 41 positions, whole rows.
+    smol_f32 = np.load(REFERENCE / "smollm2-135m" / "hf_logits_2_rows.npy")
+    kept = json.loads((REFERENCE / "smollm2-135m" / "hf_logits_2_rows.json").read_text())
+    logits += bench_logits(
+        "SmolLM2-135M (F32 GGUF)", SMOL_F32, smol_ids, smol_f32, kept["positions"]
+    )
     info = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

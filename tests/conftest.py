@@ -1,18 +1,86 @@
 """Shared fixtures: generated GGUF/safetensors files (written by gguf-py and the `safetensors`
-package), the SmolLM2 demo model, and the tiny-llama reference pack beside the checkout."""
+package), the SmolLM2 demo model, and the reference pack (`make reference` lays it out from
+`tests/reference/`; a missing or stale one fails the tests that read it, naming the target)."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import gen_fixtures as gen
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The shared reference data sits beside the checkout (CI lays it out the same way).
-REFERENCE = REPO.parent / "shared" / "reference"
+# The reference pack as `make reference` lays it out (`$WEIGHTLIFT_REFERENCE` moves it).
+REFERENCE = Path(os.environ.get("WEIGHTLIFT_REFERENCE") or REPO / ".cache" / "reference")
 TINY_LLAMA = REFERENCE / "tiny-llama"
+
+
+def reference_problem() -> str | None:
+    """Why the reference pack cannot be read, or None. `materialize.py` writes its copy of the
+    manifest last, so a copy equal to the checkout's means complete and current."""
+    stamp = REFERENCE / "manifest.json"
+    if not stamp.is_file():
+        return (
+            f"the reference data is missing: {stamp} does not exist; run `make reference` "
+            "(`make test` does), which lays it out from tests/reference/"
+        )
+    if "WEIGHTLIFT_REFERENCE" not in os.environ:
+        want = REPO / "tests" / "reference" / "manifest.json"
+        if want.is_file() and want.read_bytes() != stamp.read_bytes():
+            return (
+                f"the reference data in {REFERENCE} is out of date with {want}; "
+                "run `make reference`"
+            )
+    return None
+
+
+@pytest.fixture(scope="session")
+def reference_data() -> Path:
+    """The reference pack's folder; fails the test, naming `make reference`, without it."""
+    problem = reference_problem()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    return REFERENCE
+
+
+def reference_file(rel: str) -> Path:
+    """A file of the reference pack; fails the test, naming `make reference`, without it."""
+    problem = reference_problem()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    path = REFERENCE / rel
+    if not path.exists():
+        pytest.fail(f"reference file {path} is missing; run `make reference`", pytrace=False)
+    return path
+
+
+class ReferenceJson(Mapping[str, Any]):
+    """A JSON file of the reference pack, read at first use, so a test module imports (and its
+    other tests run) without the data."""
+
+    def __init__(self, rel: str) -> None:
+        self.rel = rel
+        self._read: dict[str, Any] | None = None
+
+    def _data(self) -> dict[str, Any]:
+        if self._read is None:
+            self._read = json.loads(reference_file(self.rel).read_text())
+        return self._read
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data())
+
+    def __len__(self) -> int:
+        return len(self._data())
+
+
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_DEMO = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,12 +139,7 @@ def demo_reader(demo_gguf: Path):
 
 
 def _reference(sub: str) -> Path:
-    path = TINY_LLAMA / sub
-    if not path.is_dir():
-        pytest.skip(
-            f"reference pack {path} is absent (expected ../shared/reference beside the repo)"
-        )
-    return path
+    return reference_file(f"tiny-llama/{sub}")
 
 
 @pytest.fixture(scope="session")

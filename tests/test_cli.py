@@ -11,6 +11,7 @@ from pathlib import Path
 import gen_fixtures as gen
 import gguf
 import pytest
+from conftest import ReferenceJson
 
 EXE = Path(sys.executable).with_name("weightlift")
 
@@ -345,9 +346,7 @@ def test_load_cancel_frees_everything(demo_gguf, monkeypatch, capsys):
     assert all(v == 0 for v in m.device_usage().values()), m.device_usage()
 
 
-GREEDY = json.loads(
-    (Path(__file__).resolve().parents[2] / "shared/reference/smollm2-135m/greedy.json").read_text()
-)
+GREEDY = ReferenceJson("smollm2-135m/greedy.json")
 
 
 def test_run_prints_llamacpp_greedy_text_then_timings(demo_gguf):

@@ -1,5 +1,5 @@
 """Model.forward from Python against logits transformers and llama.cpp computed
-(the shared reference data, with the tolerances it states), and the errors a caller meets."""
+(the reference data, with the tolerances it states), and the errors a caller meets."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 import weightlift as wl
 from conftest import REFERENCE, TINY_LLAMA
+
+# Every test here reads the reference pack: without it each fails, naming `make reference`.
+pytestmark = pytest.mark.usefixtures("reference_data")
 
 SMOL = REFERENCE / "smollm2-135m"
 PROMPT_1 = [504, 3575, 282, 4649, 314]

@@ -1,5 +1,5 @@
 """Text generation from Python: tokenize, generate, and llama-cpp-python's completion API, checked
-against llama.cpp's greedy continuation (the shared reference data's `greedy.json`) and the
+against llama.cpp's greedy continuation (the reference data's `greedy.json`) and the
 chat prompts llama-cpp-python builds (`tests/data/smollm2_chat.json`, from
 `tests/gen_chat_reference.py`)."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import weightlift as wl
-from conftest import DATA, REFERENCE
+from conftest import DATA, ReferenceJson
 
-GREEDY = json.loads((REFERENCE / "smollm2-135m" / "greedy.json").read_text())
-PROMPTS = json.loads((REFERENCE / "smollm2-135m" / "prompts.json").read_text())
+GREEDY = ReferenceJson("smollm2-135m/greedy.json")
+PROMPTS = ReferenceJson("smollm2-135m/prompts.json")
 CHAT = json.loads((DATA / "smollm2_chat.json").read_text())
 
 

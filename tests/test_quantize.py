@@ -1,6 +1,6 @@
 """Quantise on load (`quantize=`) against files and logits nobody here wrote: llama.cpp's own
 Q8_0, Q6_K and Q4_K_M quantisations of the tiny-llama reference model (made by
-`llama-quantize` from the same weights, in the shared reference data) and transformers'
+`llama-quantize` from the same weights, in the reference data) and transformers'
 f32 forward pass over those files' dequantised weights (`hf_dequant_logits_*.npy`)."""
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 import weightlift as wl
 from conftest import TINY_LLAMA
+
+# Every test here reads the reference pack: without it each fails, naming `make reference`.
+pytestmark = pytest.mark.usefixtures("reference_data")
 
 SAFETENSORS = TINY_LLAMA / "safetensors"
 GGUF = {

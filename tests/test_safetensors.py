@@ -156,7 +156,7 @@ def test_sharded_index(st_sharded):
 
 
 # --------------------------------------------------------------------------------------------
-# the tiny-llama reference pack (shared reference data), written by transformers
+# the tiny-llama reference pack (tests/reference/), written by transformers
 
 
 def test_tiny_llama_single(tiny_llama_st):

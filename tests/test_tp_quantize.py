@@ -13,6 +13,8 @@ import pytest
 import weightlift as wl
 from test_quantize import GGUF, N_HEAD, N_KV_HEAD, SAFETENSORS, gguf_rows, hf_name, ids
 
+pytestmark = pytest.mark.usefixtures("reference_data")
+
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
 DEVICES = "virtual:2x48MiB,cpu"
 HEAD_DIM = 64

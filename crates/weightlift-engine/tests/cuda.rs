@@ -3,7 +3,6 @@
 //! passed): on a machine with a GPU, `cargo test --features cuda -- --ignored` checks device
 //! memory, loading, copies back, accounting, caches and unload against the checkpoint.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use weightlift_engine::model::TensorPlace;
@@ -14,8 +13,8 @@ use weightlift_format::{Checkpoint, DType, OpenOptions};
 use weightlift_kernels::CudaBackend;
 
 fn open(sub: &str) -> Arc<dyn Source> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/reference/tiny-llama")
+    let p = weightlift_testdata::reference()
+        .join("tiny-llama")
         .join(sub);
     Arc::new(Checkpoint::open(p, OpenOptions::default()).unwrap())
 }

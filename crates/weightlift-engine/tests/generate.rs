@@ -1,5 +1,5 @@
 //! Generation on the SmolLM2 demo model, checked against llama.cpp's greedy continuation in the
-//! shared reference (`smollm2-135m/greedy.json`): its ids and its text.
+//! reference data (`smollm2-135m/greedy.json`): its ids and its text.
 
 mod common;
 
@@ -12,9 +12,10 @@ use weightlift_engine::{
 };
 
 fn demo_path() -> String {
-    std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
-        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
-    )
+    weightlift_testdata::demo_gguf()
+        .to_str()
+        .expect("the demo model's path is UTF-8")
+        .to_owned()
 }
 
 /// The demo model whole on cpu, with an fp16 cache of `max_seq_len`.

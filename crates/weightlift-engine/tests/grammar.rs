@@ -55,7 +55,7 @@ fn argmax(xs: &[f32]) -> u32 {
 #[test]
 fn on_llama_cpps_path_our_greedy_constrained_choice_is_its_own_at_every_step() {
     let doc = fixture();
-    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect("WEIGHTLIFT_DEMO_GGUF is not set");
+    let path = weightlift_testdata::demo_gguf();
     let (mut m, cache) = common::load_on(&common::open(path), "cpu", "cpu", 512, CacheDType::Fp16);
     let tok = m.tokenizer().unwrap();
     let n_vocab = m.vocab_size().unwrap() as usize;
@@ -106,12 +106,10 @@ fn fixture() -> serde_json::Value {
 }
 
 fn demo_tokenizer() -> Tokenizer {
-    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
-        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
-    );
+    let path = weightlift_testdata::demo_gguf();
     let ckpt =
         weightlift_format::Checkpoint::open(&path, weightlift_format::OpenOptions::default())
-            .unwrap_or_else(|e| panic!("{path}: {e}"));
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     Tokenizer::from_gguf(ckpt.metadata()).unwrap()
 }
 
@@ -211,7 +209,7 @@ fn every_fixture_case_is_a_grammar_that_parses_and_json_mode_is_llama_cpp_python
 #[test]
 fn greedy_constrained_generation_gives_llama_cpp_pythons_ids() {
     let doc = fixture();
-    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect("WEIGHTLIFT_DEMO_GGUF is not set");
+    let path = weightlift_testdata::demo_gguf();
     let (mut m, _) = common::load_on(&common::open(path), "cpu", "cpu", 512, CacheDType::Fp16);
     let mut diverged = Vec::new();
     for case in doc["cases"].as_array().unwrap() {

@@ -9,7 +9,7 @@ use weightlift_engine::{Device, EngineError, Inventory, LoadOptions, Source, Ten
 use weightlift_format::{Checkpoint, DType, OpenOptions};
 
 fn reference() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference/tiny-llama")
+    weightlift_testdata::reference().join("tiny-llama")
 }
 
 fn open(sub: &str) -> Arc<dyn Source> {

@@ -14,7 +14,7 @@ use weightlift_engine::{
 use weightlift_format::{Checkpoint, OpenOptions};
 
 fn reference() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference/tiny-llama")
+    weightlift_testdata::reference().join("tiny-llama")
 }
 
 fn open(sub: &str) -> Arc<dyn Source> {

@@ -13,20 +13,12 @@ use weightlift_plan::{
 };
 
 fn demo() -> PathBuf {
-    let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF").map(PathBuf::from).expect(
-        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
-    );
-    assert!(
-        p.exists(),
-        "{}: the demo model is missing (make demo-model)",
-        p.display()
-    );
-    p
+    weightlift_testdata::demo_gguf()
 }
 
 fn tiny(sub: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/reference/tiny-llama")
+    weightlift_testdata::reference()
+        .join("tiny-llama")
         .join(sub)
 }
 

@@ -88,10 +88,7 @@ fn check(path: &PathBuf, devices: &str, ids: &[u32], dtypes: &[CacheDType]) {
 /// share, and nothing through the host but the embedding and the logits.
 #[test]
 fn the_peer_route_copies_once_per_pair_of_devices() {
-    let path = PathBuf::from(
-        std::env::var("WEIGHTLIFT_DEMO_GGUF")
-            .expect("WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust`"),
-    );
+    let path = weightlift_testdata::demo_gguf();
     let (mut m, cache, plan) = load_tp_plan(&open(&path), "virtual:3x256MiB,cpu", CacheDType::Fp16);
     let tp = plan.tp().unwrap();
     m.set_host_backend(true);
@@ -144,10 +141,7 @@ fn qwen2_backend_pass_equals_the_host_pass() {
 
 #[test]
 fn demo_model_backend_pass_equals_the_host_pass() {
-    let path = PathBuf::from(
-        std::env::var("WEIGHTLIFT_DEMO_GGUF")
-            .expect("WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust`"),
-    );
+    let path = weightlift_testdata::demo_gguf();
     let ids = common::smollm2_prompt(1);
     check(&path, "virtual:2x256MiB,cpu", &ids, &[CacheDType::Fp16]);
     check(&path, "virtual:3x256MiB,cpu", &ids, &[CacheDType::Q8]);

@@ -177,10 +177,7 @@ fn qwen2_safetensors_two_and_three_devices_equal_cpu() {
 
 #[test]
 fn demo_model_two_and_three_devices_equal_cpu() {
-    let path = PathBuf::from(
-        std::env::var("WEIGHTLIFT_DEMO_GGUF")
-            .expect("WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust`"),
-    );
+    let path = weightlift_testdata::demo_gguf();
     let ids = common::smollm2_prompt(1);
     check_against_cpu(&path, "virtual:2x256MiB,cpu", None, &ids);
     check_against_cpu(&path, "virtual:3x256MiB,cpu", None, &ids);
@@ -347,9 +344,7 @@ fn what_cannot_run_is_refused_by_name() {
 /// compute modes, over 2 and 3 devices.
 #[test]
 fn devices_computing_at_once_give_the_same_bits_on_any_thread_count() {
-    let src = open(PathBuf::from(std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
-        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust`",
-    )));
+    let src = open(weightlift_testdata::demo_gguf());
     let ids = common::smollm2_prompt(1);
     for devices in ["virtual:2x256MiB,cpu", "virtual:3x256MiB,cpu"] {
         let (mut m, cache, _) = load_tp(&src, devices, None, 64, CacheDType::Fp16).unwrap();

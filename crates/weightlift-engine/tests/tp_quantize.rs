@@ -1,7 +1,7 @@
 //! Quantise on load under tensor parallelism, part by part: tiny-llama's bf16 safetensors
 //! loaded tensor-parallel over two virtual devices with `quantize=q8_0`, and every shard a
 //! device holds compared byte for byte with the matching slice of llama.cpp's own Q8_0
-//! quantisation of the same weights (`tiny-llama-Q8_0.gguf` in the shared reference data):
+//! quantisation of the same weights (`tiny-llama-Q8_0.gguf` in the reference data):
 //! whole rows for q/k/v/gate/up, each row's block range for o_proj/down.
 
 mod common;

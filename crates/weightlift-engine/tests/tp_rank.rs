@@ -164,10 +164,7 @@ fn qwen2_ranks_equal_the_single_process_pass() {
 
 #[test]
 fn demo_model_ranks_equal_the_single_process_pass() {
-    let path = PathBuf::from(
-        std::env::var("WEIGHTLIFT_DEMO_GGUF")
-            .expect("WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust`"),
-    );
+    let path = weightlift_testdata::demo_gguf();
     check(
         &path,
         3,

@@ -3,8 +3,6 @@
 
 mod st_util;
 
-use std::path::Path;
-
 use st_util::{Scratch, open_err, st_f32, st_raw};
 use weightlift_format::{Checkpoint, DType, FormatError, OpenOptions, Role};
 
@@ -230,13 +228,7 @@ fn check_tensors_reports_first_bad_tensor_in_file_order() {
 
 #[test]
 fn check_tensors_passes_on_real_files() {
-    let r = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/reference/tiny-llama"
-    ));
-    if !r.exists() {
-        return;
-    }
+    let r = weightlift_testdata::reference().join("tiny-llama");
     let opts = OpenOptions {
         check_tensors: true,
         ..OpenOptions::default()

@@ -5,8 +5,6 @@
 //! The bit-exact comparison with `gguf.quants.dequantize` for every type lives in the Python
 //! suite (tests/), where gguf-py is.
 
-use std::path::Path;
-
 use half::{bf16, f16};
 use weightlift_format::dequant::{dequantize, dequantize_into, supports};
 use weightlift_format::{Checkpoint, DType, FormatError, OpenOptions};
@@ -187,11 +185,6 @@ fn unsupported_and_wrong_lengths() {
 
 // ---- tiny-llama: GGUF dequantised against the bf16 weights it was converted from ----
 
-const TINY: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/reference/tiny-llama"
-);
-
 /// HF name for a GGUF name, and the number of heads whose rows llama.cpp's converter permuted
 /// (q and k are reordered for its rope layout: within each head, rows (2, d/2) become (d/2, 2)).
 fn hf_name(gguf: &str) -> (String, Option<usize>) {
@@ -235,15 +228,8 @@ struct Compared {
 use std::collections::BTreeMap;
 
 fn compare(file: &str) -> Compared {
-    let gguf = Path::new(TINY).join("gguf").join(file);
-    let st = Path::new(TINY).join("safetensors/model.safetensors");
-    assert!(
-        gguf.exists() && st.exists(),
-        "tiny-llama reference files are missing under {TINY} (expected {} and {}); the shared \
-         reference folder must sit beside the repository",
-        gguf.display(),
-        st.display()
-    );
+    let gguf = weightlift_testdata::reference_file(&format!("tiny-llama/gguf/{file}"));
+    let st = weightlift_testdata::reference_file("tiny-llama/safetensors/model.safetensors");
     let st_bytes = std::fs::read(&st).unwrap();
     let st = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
     let ck = Checkpoint::open(&gguf, OpenOptions::default()).unwrap();

@@ -1,42 +1,19 @@
-//! Real GGUF files: the tiny-llama files of the reference pack beside the repository and the SmolLM2 demo
+//! Real GGUF files: the tiny-llama files of the reference pack and the SmolLM2 demo
 //! model. Expected values are what gguf-py 0.19.0's `GGUFReader` reports for the same files
 //! (its `shape` is `ne`; ours is the reverse).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use weightlift_format::gguf;
 use weightlift_format::{Checkpoint, DType, MetaArray, MetaRef, MetaValue, OpenOptions};
 
-const TINY: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/reference/tiny-llama/gguf"
-);
-
 fn tiny(name: &str) -> PathBuf {
-    let p = Path::new(TINY).join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: the shared reference pack is not beside the checkout",
-        p.display()
-    );
-    p
+    weightlift_testdata::reference_file(&format!("tiny-llama/gguf/{name}"))
 }
 
-/// The SmolLM2 demo model: `$WEIGHTLIFT_DEMO_GGUF` (set by the Makefile), else the repo cache.
 fn smollm2() -> PathBuf {
-    let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        p.exists(),
-        "the SmolLM2 demo model is not at {} (run `make demo-model`)",
-        p.display()
-    );
-    p
+    weightlift_testdata::demo_gguf()
 }
 
 fn histogram(ck: &Checkpoint) -> BTreeMap<DType, usize> {

@@ -1,37 +1,23 @@
 //! ModelSpec from real GGUF files (written by llama.cpp's converter) against the HF config the
 //! same model came from, and the SmolLM2 demo model against its published architecture.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use weightlift_format::{Checkpoint, Format, OpenOptions, Role};
 
-const TINY: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/reference/tiny-llama"
-);
-
-/// Test data must be there: a missing file fails the test rather than skipping it.
-fn require(p: &Path) {
-    assert!(
-        p.exists(),
-        "{} is missing (the shared reference pack beside the checkout, or `make demo-model`)",
-        p.display()
-    );
-}
-
-fn smollm() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+/// A file of the tiny llama's reference folder; a missing one fails the test, naming the
+/// `make` target that provides it.
+fn tiny(rel: &str) -> PathBuf {
+    weightlift_testdata::reference_file(&format!("tiny-llama/{rel}"))
 }
 
 #[test]
 fn tiny_llama_gguf_spec_matches_its_hf_config() {
-    let hf_dir = Path::new(TINY).join("safetensors");
-    require(&hf_dir);
+    let hf_dir = tiny("safetensors");
     let hf = Checkpoint::open(&hf_dir, OpenOptions::default()).unwrap();
     let hf = hf.spec().unwrap().clone();
     for q in ["Q8_0", "Q4_K_M", "Q6_K"] {
-        let p = Path::new(TINY).join(format!("gguf/tiny-llama-{q}.gguf"));
+        let p = tiny(&format!("gguf/tiny-llama-{q}.gguf"));
         let c = Checkpoint::open(&p, OpenOptions::default()).unwrap();
         assert_eq!(c.format(), Format::Gguf);
         let s = c.spec().unwrap();
@@ -75,8 +61,7 @@ fn tiny_llama_gguf_spec_matches_its_hf_config() {
 
 #[test]
 fn tiny_llama_gguf_vocab_only() {
-    let p = Path::new(TINY).join("gguf/tiny-llama-Q8_0.gguf");
-    require(&p);
+    let p = tiny("gguf/tiny-llama-Q8_0.gguf");
     let opts = OpenOptions {
         vocab_only: true,
         ..OpenOptions::default()
@@ -90,8 +75,7 @@ fn tiny_llama_gguf_vocab_only() {
 
 #[test]
 fn smollm2_spec() {
-    let p = smollm();
-    require(&p);
+    let p = weightlift_testdata::demo_gguf();
     let c = Checkpoint::open(&p, OpenOptions::default()).unwrap();
     let s = c.spec().unwrap();
     assert_eq!(s.architecture, "llama");

@@ -7,18 +7,8 @@ use std::path::{Path, PathBuf};
 
 use weightlift_format::{Checkpoint, DType, Format, OpenOptions, Role};
 
-const REF: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/reference/tiny-llama"
-);
-
 fn reference() -> PathBuf {
-    let p = PathBuf::from(REF);
-    assert!(
-        p.join("model.json").is_file(),
-        "{REF} is missing: the shared reference pack is not beside the checkout"
-    );
-    p
+    weightlift_testdata::reference_file("tiny-llama")
 }
 
 fn json(path: &Path) -> serde_json::Value {
@@ -47,7 +37,7 @@ fn check_against_references(
     ckpt: &Checkpoint,
     digest: &serde_json::Map<String, serde_json::Value>,
 ) {
-    let model = json(&Path::new(REF).join("model.json"));
+    let model = json(&reference().join("model.json"));
     let expected = model["tensors"].as_object().unwrap();
     assert_eq!(ckpt.tensors().len(), 20);
     assert_eq!(ckpt.tensors().len(), expected.len());

@@ -2,19 +2,15 @@
 //! safetensors. Predicted weight bytes per device must equal the sum of the real tensor sizes
 //! placed there. A missing file fails the test.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use weightlift_format::{Checkpoint, OpenOptions};
 use weightlift_plan::*;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn open(path: &Path) -> Option<Checkpoint> {
     assert!(
         path.exists(),
-        "{} is missing (the demo model comes from `make demo-model`; the tiny-llama files from ../shared/reference)",
+        "{} is missing (the demo model comes from `make demo-model`; the tiny-llama files from `make reference`)",
         path.display()
     );
     Some(
@@ -77,7 +73,7 @@ fn check(ckpt: &Checkpoint, devices: &str, strategy: Strategy, cache: Option<Cac
 
 #[test]
 fn smollm2_gguf_under_several_inventories() {
-    let Some(ckpt) = open(&root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")) else {
+    let Some(ckpt) = open(&weightlift_testdata::demo_gguf()) else {
         return;
     };
     assert_eq!(
@@ -162,10 +158,9 @@ fn smollm2_gguf_under_several_inventories() {
 
 #[test]
 fn tiny_llama_safetensors_under_several_inventories() {
-    let Some(ckpt) = open(Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/reference/tiny-llama/safetensors/model.safetensors"
-    ))) else {
+    let Some(ckpt) = open(&weightlift_testdata::reference_file(
+        "tiny-llama/safetensors/model.safetensors",
+    )) else {
         return;
     };
     let cache = Some(CacheSpec::new(512, 1, CacheDType::Fp16));
@@ -203,10 +198,9 @@ fn tiny_llama_safetensors_under_several_inventories() {
 /// planner must say so instead of handing the engine a plan it cannot allocate.
 #[test]
 fn tiny_llama_all_on_disk_charges_the_small_cpu() {
-    let Some(ckpt) = open(Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/reference/tiny-llama/safetensors/model.safetensors"
-    ))) else {
+    let Some(ckpt) = open(&weightlift_testdata::reference_file(
+        "tiny-llama/safetensors/model.safetensors",
+    )) else {
         return;
     };
     let spec = ckpt.spec().expect("spec").clone();

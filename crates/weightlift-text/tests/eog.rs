@@ -32,14 +32,9 @@ fn reference() -> BTreeMap<String, Vec<u32>> {
 
 fn path_of(name: &str) -> PathBuf {
     if name.starts_with("ggml-vocab-") {
-        let dir = std::env::var_os("WEIGHTLIFT_VOCAB_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/vocab"));
-        dir.join(name)
+        weightlift_testdata::vocab_dir().join(name)
     } else {
-        std::env::var_os("WEIGHTLIFT_DEMO_GGUF")
-            .map(PathBuf::from)
-            .expect("WEIGHTLIFT_DEMO_GGUF is not set: run the tests through `make test-rust`")
+        weightlift_testdata::demo_gguf()
     }
 }
 

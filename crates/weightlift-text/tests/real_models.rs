@@ -1,5 +1,5 @@
 //! Real tokenizers against ids and text from llama.cpp and transformers
-//! (the shared reference data): the SmolLM2 demo GGUF (byte-level BPE, `smollm`),
+//! (the reference data): the SmolLM2 demo GGUF (byte-level BPE, `smollm`),
 //! and tiny-llama's SentencePiece vocabulary from `tokenizer.json` and from its GGUF.
 
 use std::path::{Path, PathBuf};
@@ -9,7 +9,7 @@ use weightlift_format::{Checkpoint, OpenOptions};
 use weightlift_text::{Message, Tokenizer};
 
 fn reference() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference")
+    weightlift_testdata::reference()
 }
 
 fn json(path: PathBuf) -> Value {
@@ -33,20 +33,9 @@ fn gguf_tokenizer(path: &Path) -> Tokenizer {
     Tokenizer::from_gguf(ck.metadata()).unwrap()
 }
 
-/// The SmolLM2 demo model: `$WEIGHTLIFT_DEMO_GGUF` (set by the Makefile), else the repo cache.
+/// The SmolLM2 demo model's tokenizer.
 fn smollm2() -> Tokenizer {
-    let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        p.exists(),
-        "the SmolLM2 demo model is not at {} (run `make demo-model`)",
-        p.display()
-    );
-    gguf_tokenizer(&p)
+    gguf_tokenizer(&weightlift_testdata::demo_gguf())
 }
 
 fn tiny_llama_gguf() -> Tokenizer {

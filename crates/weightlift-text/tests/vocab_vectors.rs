@@ -26,12 +26,9 @@ const SUPPORTED: &[&str] = &[
     "phi-3",
 ];
 
-/// `$WEIGHTLIFT_VOCAB_DIR` (set by the Makefile), else the repo's `.cache/vocab`. Missing is a
-/// failure, not a skip: these vectors are the tokenizer's reference.
+/// Missing is a failure, not a skip: these vectors are the tokenizer's reference.
 fn vocab_dir() -> PathBuf {
-    let dir = std::env::var_os("WEIGHTLIFT_VOCAB_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/vocab"));
+    let dir = weightlift_testdata::vocab_dir();
     assert!(
         dir.join("ggml-vocab-llama-spm.gguf.inp").is_file(),
         "llama.cpp's vocab test vectors are not in {}: run `make vocab`",

@@ -6,9 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
-/// The shared reference data, in a `shared/reference` folder beside the checkout.
+/// The reference data (`make reference` lays it out; a missing folder fails the test).
 pub fn reference() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference")
+    weightlift_testdata::reference()
 }
 
 /// A little-endian float32, C-order `.npy` file: `(shape, values)`. Panics (failing the test)
@@ -99,6 +99,93 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// transformers' f32 logits for SmolLM2's reference prompt `k`, as whole vocabulary rows at
+/// the positions the reference keeps: `(positions, vocab, rows)`. Prompt 1 keeps all 5;
+/// prompt 2 keeps 11 of its 41 (`hf_logits_2_rows.json` lists them).
+pub fn smollm2_hf_logits(k: u32) -> (Vec<usize>, usize, Vec<f32>) {
+    let dir = reference().join("smollm2-135m");
+    let (positions, file) = match k {
+        2 => {
+            let listed = json_ids(&dir.join("hf_logits_2_rows.json"), "positions");
+            (
+                listed.into_iter().map(|p| p as usize).collect(),
+                "hf_logits_2_rows.npy",
+            )
+        }
+        _ => (Vec::new(), "hf_logits_1.npy"),
+    };
+    let (shape, rows) = read_npy(&dir.join(file));
+    let positions = if positions.is_empty() {
+        (0..shape[0]).collect()
+    } else {
+        positions
+    };
+    assert_eq!(positions.len(), shape[0], "{file}: rows against positions");
+    (positions, shape[1], rows)
+}
+
+/// The rows of `logits` (`vocab` wide) at `positions`, one after another.
+pub fn rows_at(logits: &[f32], vocab: usize, positions: &[usize]) -> Vec<f32> {
+    positions
+        .iter()
+        .flat_map(|&p| logits[p * vocab..(p + 1) * vocab].iter().copied())
+        .collect()
+}
+
+/// llama.cpp's logits as the reference keeps them: each position's top entries, best first
+/// (ids and exact values), enough for its argmax, its top-1/top-2 margin and the rank of a
+/// token among its first few.
+pub struct LlamaCppTop {
+    pub vocab: usize,
+    pub ids: Vec<Vec<usize>>,
+    pub logits: Vec<Vec<f32>>,
+}
+
+impl LlamaCppTop {
+    /// `rel`: a `llamacpp_top8_*.json` file of the reference folder.
+    pub fn read(rel: &str) -> LlamaCppTop {
+        let path = reference().join(rel);
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let table = |key: &str| -> Vec<Vec<serde_json::Value>> {
+            v[key]
+                .as_array()
+                .unwrap_or_else(|| panic!("{}: no list at {key}", path.display()))
+                .iter()
+                .map(|row| row.as_array().unwrap().clone())
+                .collect()
+        };
+        LlamaCppTop {
+            vocab: v["vocab"].as_u64().unwrap() as usize,
+            ids: table("ids")
+                .iter()
+                .map(|r| r.iter().map(|x| x.as_u64().unwrap() as usize).collect())
+                .collect(),
+            logits: table("logits")
+                .iter()
+                .map(|r| r.iter().map(|x| x.as_f64().unwrap() as f32).collect())
+                .collect(),
+        }
+    }
+
+    pub fn argmax(&self, pos: usize) -> usize {
+        self.ids[pos][0]
+    }
+
+    /// Top-1 minus top-2.
+    pub fn margin(&self, pos: usize) -> f32 {
+        self.logits[pos][0] - self.logits[pos][1]
+    }
+
+    /// Rank of `id` at `pos` (0: the largest), or the number of kept entries when `id` is not
+    /// among them.
+    pub fn rank(&self, pos: usize, id: usize) -> usize {
+        let row = &self.ids[pos];
+        row.iter().position(|&i| i == id).unwrap_or(row.len())
+    }
 }
 
 /// The ids of a reference JSON list field, e.g. `"ids"`.
@@ -253,12 +340,9 @@ pub fn split_load(
     (m, cache)
 }
 
-/// The SmolLM2 demo model (`WEIGHTLIFT_DEMO_GGUF`, which `make test-rust` sets).
+/// The SmolLM2 demo model (`make demo-model` fetches it).
 pub fn smollm2() -> std::sync::Arc<dyn weightlift_engine::Source> {
-    let path = std::env::var("WEIGHTLIFT_DEMO_GGUF").expect(
-        "WEIGHTLIFT_DEMO_GGUF is not set: run the Rust tests through `make test-rust` (it fetches the demo model)",
-    );
-    open(path)
+    open(weightlift_testdata::demo_gguf())
 }
 
 /// Reference prompt `k` of SmolLM2, as llama.cpp tokenised it.

@@ -7,11 +7,19 @@ Run: .venv/bin/python crates/weightlift-format/tests/data/st_gen_digest.py
 """
 
 import json
+import os
 import pathlib
 
 from safetensors import deserialize
 
-REF = pathlib.Path(__file__).resolve().parents[4] / "shared" / "reference" / "tiny-llama"
+# The reference pack as `make reference` lays it out (or `$WEIGHTLIFT_REFERENCE`).
+REF = (
+    pathlib.Path(
+        os.environ.get("WEIGHTLIFT_REFERENCE")
+        or pathlib.Path(__file__).resolve().parents[4] / ".cache" / "reference"
+    )
+    / "tiny-llama"
+)
 OUT = pathlib.Path(__file__).with_name("st_tiny_llama_digest.json")
 
 

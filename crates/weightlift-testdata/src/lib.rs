@@ -1,0 +1,88 @@
+//! Where the tests find their data, and the failure that names the `make` target providing it.
+//!
+//! Every test of every crate reaches the reference pack, the demo model and llama.cpp's
+//! tokenizer vectors through these functions, so a missing file fails the same way everywhere:
+//! with the path and the target that makes it. Each location can be moved by an environment
+//! variable (a GPU bundle runs the test binaries away from the build folder); otherwise it is
+//! a folder of this checkout that `make` fills.
+
+use std::path::{Path, PathBuf};
+
+/// The repository root, as this crate was built from.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn from_env_or(var: &str, default: impl FnOnce() -> PathBuf) -> PathBuf {
+    std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(default)
+}
+
+/// The reference pack (`tiny-llama/`, `smollm2-135m/`) as `make reference` lays it out from
+/// `tests/reference/`: `$WEIGHTLIFT_REFERENCE`, else `.cache/reference`.
+///
+/// Panics, failing the test, when the folder is missing or was laid out from another
+/// `tests/reference/manifest.json` than this checkout's.
+pub fn reference() -> PathBuf {
+    let dir = from_env_or("WEIGHTLIFT_REFERENCE", || {
+        repo_root().join(".cache/reference")
+    });
+    let stamp = dir.join("manifest.json");
+    let Ok(laid_out) = std::fs::read(&stamp) else {
+        panic!(
+            "the reference data is missing: {} does not exist; run `make reference` \
+             (`make test` does), which lays it out from tests/reference/",
+            stamp.display()
+        );
+    };
+    if std::env::var_os("WEIGHTLIFT_REFERENCE").is_none() {
+        let want = repo_root().join("tests/reference/manifest.json");
+        if std::fs::read(&want).is_ok_and(|w| w != laid_out) {
+            panic!(
+                "the reference data in {} is out of date with {}; run `make reference`",
+                dir.display(),
+                want.display()
+            );
+        }
+    }
+    dir
+}
+
+/// A file of the reference pack, which must exist (see [`reference`]).
+pub fn reference_file(rel: &str) -> PathBuf {
+    let path = reference().join(rel);
+    assert!(
+        path.exists(),
+        "reference file {} is missing; run `make reference` (`make test` does)",
+        path.display()
+    );
+    path
+}
+
+/// The SmolLM2 demo model: `$WEIGHTLIFT_DEMO_GGUF` (the Makefile exports it), else the repo's
+/// `.cache/models`. Panics, naming `make demo-model`, when it is not there.
+pub fn demo_gguf() -> PathBuf {
+    let path = from_env_or("WEIGHTLIFT_DEMO_GGUF", || {
+        repo_root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    assert!(
+        path.is_file(),
+        "the demo model {} is missing; run `make demo-model` (`make test` does)",
+        path.display()
+    );
+    path
+}
+
+/// llama.cpp's tokenizer test vectors: `$WEIGHTLIFT_VOCAB_DIR`, else the repo's `.cache/vocab`.
+/// Panics, naming `make vocab`, when the folder is not there.
+pub fn vocab_dir() -> PathBuf {
+    let dir = from_env_or("WEIGHTLIFT_VOCAB_DIR", || repo_root().join(".cache/vocab"));
+    assert!(
+        dir.is_dir(),
+        "llama.cpp's tokenizer vectors are missing at {}; run `make vocab` (`make test` does)",
+        dir.display()
+    );
+    dir
+}

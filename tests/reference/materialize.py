@@ -1,0 +1,229 @@
+"""Lay out the reference data (README.md) in full, from what this folder keeps::
+
+    python tests/reference/materialize.py [OUT]      # OUT defaults to .cache/reference
+
+`make reference` runs it. Every file written is checked against the sha256 of the original
+(recorded in `manifest.json` by `pack.py`), so what the tests read is byte for byte what
+llama.cpp, transformers and the `safetensors` package wrote. Files already present with the
+right hash are left alone.
+
+Two kinds of file are rebuilt rather than unpacked:
+- the sharded safetensors copy is written again by the `safetensors` package from the single
+  file's tensors, in the index's shards;
+- a GGUF's tensor bytes are quantised again from the safetensors weights by weightlift's
+  quantise-on-load, which writes llama.cpp's reference quantisers' bytes. The hash check is
+  what makes this sound: a rebuilt GGUF is used only if it hashes to llama.cpp's own file, so
+  a test that compares our quantiser with these files still compares it with llama.cpp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DEFAULT_OUT = REPO / ".cache" / "reference"
+SAFETENSORS = "tiny-llama/safetensors/model.safetensors"
+N_HEAD, N_KV_HEAD = 4, 2
+# llama.cpp's roles for transformers' names.
+HF_ROLE = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# safetensors' header dtype names, as its serializer takes them.
+SPEC_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+# The GGUF tensor type, as weightlift's `quantize=` names it.
+QUANTIZE = {"Q8_0": "q8_0", "Q6_K": "q6_k", "Q4_K": "q4_k"}
+
+
+class ReferenceError(Exception):
+    """A file could not be rebuilt to its recorded hash."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    blk, layer, role, _ = gguf_name.split(".")
+    if blk != "blk" or role not in HF_ROLE:
+        raise ReferenceError(f"no transformers name for GGUF tensor '{gguf_name}'")
+    return f"model.layers.{layer}.{HF_ROLE[role]}.weight"
+
+
+def gguf_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order (rope on adjacent pairs) from transformers' order.
+    Quantised rows are independent blocks, so the permutation moves whole byte rows."""
+    out = rows.shape[0]
+    return rows.reshape(n_head, 2, out // n_head // 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def read_safetensors(data: bytes) -> dict[str, tuple[str, list[int], bytes]]:
+    """name -> (dtype, shape, bytes), read by the `safetensors` package."""
+    from safetensors import deserialize
+
+    return {name: (t["dtype"], t["shape"], bytes(t["data"])) for name, t in deserialize(data)}
+
+
+def bf16_to_f32(raw: bytes) -> np.ndarray:
+    return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view("<f4")
+
+
+class Builder:
+    def __init__(self, out: Path, manifest: dict) -> None:
+        self.out = out
+        self.files = manifest["files"]
+        self._tensors: dict | None = None
+        self._quantised: dict[str, object] = {}
+
+    def tensors(self) -> dict[str, tuple[str, list[int], bytes]]:
+        if self._tensors is None:
+            self._tensors = read_safetensors(self.get(SAFETENSORS))
+        return self._tensors
+
+    def get(self, rel: str) -> bytes:
+        """The checked bytes of `rel`, built first if need be."""
+        path = self.out / rel
+        want = self.files[rel]["sha256"]
+        if path.is_file():
+            data = path.read_bytes()
+            if sha256(data) == want:
+                return data
+        data = self.build(rel, self.files[rel])
+        got = sha256(data)
+        if got != want:
+            raise ReferenceError(
+                f"{rel}: rebuilt file has sha256 {got}, expected {want} (the original's); "
+                "the weights or the quantiser that rebuilds it changed"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return data
+
+    def build(self, rel: str, entry: dict) -> bytes:
+        how = entry["how"]
+        if how == "copy":
+            return (HERE / rel).read_bytes()
+        if how == "xz":
+            return lzma.decompress((HERE / entry["from"]).read_bytes())
+        if how == "same":
+            return self.get(entry["from"])
+        if how == "shard":
+            return self.shard(entry["tensors"])
+        if how == "gguf":
+            return self.gguf(entry)
+        raise ReferenceError(f"{rel}: unknown way '{how}' in manifest.json")
+
+    def shard(self, names: list[str]) -> bytes:
+        from safetensors import TensorSpec, serialize
+
+        tensors = self.tensors()
+        keep = []
+        specs = {}
+        for name in names:
+            dtype, shape, raw = tensors[name]
+            buf = np.frombuffer(raw, dtype=np.uint8)
+            keep.append(buf)
+            specs[name] = TensorSpec(
+                dtype=SPEC_DTYPE[dtype], shape=shape, data_ptr=buf.ctypes.data, data_len=buf.nbytes
+            )
+        # transformers' save_pretrained writes this metadata into every shard.
+        return bytes(serialize(specs, metadata={"format": "pt"}))
+
+    def quantised(self, qtype: str):
+        """The tiny llama loaded with `quantize=` (weightlift's quantise-on-load)."""
+        if qtype not in self._quantised:
+            try:
+                import weightlift as wl
+            except ImportError as e:
+                raise ReferenceError(
+                    f"rebuilding the GGUF files needs the weightlift extension ({e}); "
+                    "run `make build` first (`make reference` does)"
+                ) from e
+            m = wl.Model(
+                self.out / "tiny-llama" / "safetensors",
+                devices="cpu",
+                quantize=qtype,
+                compute="exact",
+                n_threads=1,
+            )
+            m.load(cache=wl.CacheSpec(32, dtype="f32"))
+            self._quantised[qtype] = m
+        return self._quantised[qtype]
+
+    def gguf(self, entry: dict) -> bytes:
+        self.get("tiny-llama/safetensors/config.json")
+        self.get(SAFETENSORS)
+        out = bytearray(entry["size"])
+        header = lzma.decompress((HERE / entry["from"]).read_bytes())
+        if len(header) != entry["header_bytes"]:
+            raise ReferenceError(f"{entry['from']}: {len(header)} bytes, expected header_bytes")
+        out[: len(header)] = header
+        for t in entry["tensors"]:
+            name, ty = hf_name(t["name"]), t["type"]
+            if ty == "F32":
+                dtype, _, raw = self.tensors()[name]
+                if dtype != "BF16":
+                    raise ReferenceError(f"{name}: stored as {dtype}, expected bfloat16")
+                data = bf16_to_f32(raw).tobytes()
+            elif ty in QUANTIZE:
+                m = self.quantised(QUANTIZE[ty])
+                got = m.tensor_info(name).dtype
+                if got != ty:
+                    raise ReferenceError(f"{name}: quantize={QUANTIZE[ty]} gave {got}, not {ty}")
+                rows = np.asarray(m.tensor(name))
+                if ".attn_q." in t["name"] or ".attn_k." in t["name"]:
+                    rows = gguf_rows(rows, N_HEAD if ".attn_q." in t["name"] else N_KV_HEAD)
+                data = np.ascontiguousarray(rows).tobytes()
+            else:
+                raise ReferenceError(f"{t['name']}: no way to rebuild a {ty} tensor")
+            if len(data) != t["end"] - t["start"]:
+                raise ReferenceError(
+                    f"{t['name']}: {len(data)} bytes rebuilt, expected {t['end'] - t['start']}"
+                )
+            out[t["start"] : t["end"]] = data
+        return bytes(out)
+
+
+def main(out: Path) -> int:
+    manifest = json.loads((HERE / "manifest.json").read_text())
+    builder = Builder(out, manifest)
+    (out / "manifest.json").unlink(missing_ok=True)
+    try:
+        for rel in manifest["files"]:
+            builder.get(rel)
+    except ReferenceError as e:
+        print(f"materialize.py: {e}", file=sys.stderr)
+        return 1
+    # Written last: the tests take a copy equal to the checkout's manifest as "complete and
+    # current".
+    stamp = out / "manifest.json"
+    stamp.write_bytes((HERE / "manifest.json").read_bytes())
+    print(f"reference data: {len(manifest['files'])} files in {out}, each matching its sha256")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        sys.exit("usage: materialize.py [OUT]")
+    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) == 2 else DEFAULT_OUT))

@@ -1,0 +1,181 @@
+"""Pack the reference data (llama.cpp's and transformers' outputs, see README.md) into this
+folder, small enough to live in the repository. Run once, by hand, on the full pack::
+
+    python tests/reference/pack.py SOURCE_DIR
+
+SOURCE_DIR holds `tiny-llama/` and `smollm2-135m/` as their generator wrote them. What is kept,
+and how `materialize.py` gives every file back (each checked against the sha256 of the
+original, recorded in `manifest.json`):
+
+- small JSON files are copied as they are;
+- large files are xz-compressed (`.xz`), byte for byte;
+- a GGUF keeps only its header (metadata and tensor table, xz-compressed): its tensor bytes
+  are quantised again from the safetensors weights and must hash to llama.cpp's file;
+- the sharded safetensors copy is not kept: it is written again from the single file by the
+  `safetensors` package, in the same shards, and must hash to the original shards;
+- llama.cpp's logits are kept as each position's top 8 (ids and exact values): the tests
+  read only llama.cpp's argmax, its top-1/top-2 margin and the rank of our top-1 in its top 3;
+- SmolLM2's prompt-2 logits (41 positions × 49,152) are kept at 11 positions, whole rows, so
+  the f32 comparisons still cover every vocabulary entry of those positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import shutil
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+TOP_K = 8
+# Prompt 2 of SmolLM2: the first and last positions, every fifth, and 21-22 (where llama.cpp
+# and transformers disagree, and our near-tie).
+SMOL_PROMPT2_ROWS = [0, 1, 5, 10, 15, 20, 21, 22, 30, 35, 40]
+
+COPY = [
+    "tiny-llama/ids.json",
+    "tiny-llama/model.json",
+    "tiny-llama/stats.json",
+    "tiny-llama/safetensors/config.json",
+    "tiny-llama/safetensors/generation_config.json",
+    "tiny-llama/safetensors/tokenizer_config.json",
+    "smollm2-135m/greedy.json",
+    "smollm2-135m/model.json",
+    "smollm2-135m/prompts.json",
+    "smollm2-135m/stats.json",
+]
+COMPRESS = [
+    "tiny-llama/safetensors/model.safetensors",
+    "tiny-llama/safetensors/tokenizer.json",
+    "tiny-llama/hf_logits.npy",
+    "tiny-llama/hf_dequant_logits_Q8_0.npy",
+    "tiny-llama/hf_dequant_logits_Q6_K.npy",
+    "tiny-llama/hf_dequant_logits_Q4_K_M.npy",
+    "smollm2-135m/hf_logits_1.npy",
+]
+GGUFS = ["Q8_0", "Q6_K", "Q4_K_M"]
+SHARDED = "tiny-llama/safetensors-sharded"
+LLAMACPP_TOP = {
+    "tiny-llama/llamacpp_logits_Q8_0.npy": "tiny-llama/llamacpp_top8_Q8_0.json",
+    "tiny-llama/llamacpp_logits_Q6_K.npy": "tiny-llama/llamacpp_top8_Q6_K.json",
+    "tiny-llama/llamacpp_logits_Q4_K_M.npy": "tiny-llama/llamacpp_top8_Q4_K_M.json",
+    "smollm2-135m/llamacpp_logits_1.npy": "smollm2-135m/llamacpp_top8_1.json",
+    "smollm2-135m/llamacpp_logits_2.npy": "smollm2-135m/llamacpp_top8_2.json",
+}
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write(rel: str, data: bytes) -> None:
+    path = HERE / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def xz(data: bytes) -> bytes:
+    return lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
+
+
+def top_k(logits: np.ndarray) -> dict:
+    """Each row's `TOP_K` largest logits, best first (ties: the lower id first, as argmax)."""
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :TOP_K]
+    values = np.take_along_axis(logits, order, axis=1)
+    return {
+        "k": TOP_K,
+        "vocab": int(logits.shape[1]),
+        "ids": order.tolist(),
+        # float32 values written as the shortest decimal that reads back to the same float32.
+        "logits": [
+            [float(np.format_float_positional(v, unique=True)) for v in row] for row in values
+        ],
+    }
+
+
+def gguf_header(path: Path) -> tuple[bytes, dict]:
+    """The bytes before the tensor data, and what `materialize.py` needs to fill in the rest."""
+    data = path.read_bytes()
+    reader = gguf.GGUFReader(path)
+    tensors = []
+    filled = bytearray(data[: reader.data_offset])
+    filled.extend(bytes(len(data) - reader.data_offset))
+    for t in reader.tensors:
+        start = int(t.data_offset)
+        end = start + int(t.n_bytes)
+        filled[start:end] = data[start:end]
+        tensors.append({"name": t.name, "type": t.tensor_type.name, "start": start, "end": end})
+    # Everything that is not a tensor's bytes is header or zero padding.
+    assert bytes(filled) == data, f"{path}: bytes outside the header and tensors are not zero"
+    info = {"header_bytes": reader.data_offset, "size": len(data), "tensors": tensors}
+    return data[: reader.data_offset], info
+
+
+def main(src: Path) -> None:
+    manifest: dict = {"files": {}}
+    for rel in COPY:
+        data = (src / rel).read_bytes()
+        write(rel, data)
+        manifest["files"][rel] = {"sha256": sha256(data), "how": "copy"}
+    for rel in COMPRESS:
+        data = (src / rel).read_bytes()
+        write(rel + ".xz", xz(data))
+        manifest["files"][rel] = {"sha256": sha256(data), "how": "xz", "from": rel + ".xz"}
+    for ty in GGUFS:
+        rel = f"tiny-llama/gguf/tiny-llama-{ty}.gguf"
+        data = (src / rel).read_bytes()
+        header, info = gguf_header(src / rel)
+        write(rel + ".header.xz", xz(header))
+        manifest["files"][rel] = {
+            "sha256": sha256(data),
+            "how": "gguf",
+            "from": rel + ".header.xz",
+            **info,
+        }
+    index = json.loads((src / SHARDED / "model.safetensors.index.json").read_text())
+    for name in sorted((src / SHARDED).iterdir()):
+        rel = f"{SHARDED}/{name.name}"
+        data = name.read_bytes()
+        if name.suffix == ".safetensors":
+            entry = {"how": "shard", "from": "tiny-llama/safetensors/model.safetensors"}
+            entry["tensors"] = sorted(k for k, v in index["weight_map"].items() if v == name.name)
+        else:
+            twin = src / "tiny-llama/safetensors" / name.name
+            if twin.is_file() and twin.read_bytes() == data:
+                entry = {"how": "same", "from": f"tiny-llama/safetensors/{name.name}"}
+            else:
+                write(rel, data)
+                entry = {"how": "copy"}
+        manifest["files"][rel] = {"sha256": sha256(data), **entry}
+    for rel, out in LLAMACPP_TOP.items():
+        logits = np.load(src / rel)
+        write(out, (json.dumps(top_k(logits)) + "\n").encode())
+        manifest["files"][out] = {"sha256": sha256((HERE / out).read_bytes()), "how": "copy"}
+    rows = np.load(src / "smollm2-135m/hf_logits_2.npy")[SMOL_PROMPT2_ROWS]
+    rel = "smollm2-135m/hf_logits_2_rows.npy"
+    tmp = HERE / "rows.tmp.npy"
+    np.save(tmp, np.ascontiguousarray(rows, dtype="<f4"))
+    data = tmp.read_bytes()
+    tmp.unlink()
+    write(rel + ".xz", xz(data))
+    manifest["files"][rel] = {"sha256": sha256(data), "how": "xz", "from": rel + ".xz"}
+    positions = {"positions": SMOL_PROMPT2_ROWS, "of": "hf_logits_2.npy", "n_positions": 41}
+    write("smollm2-135m/hf_logits_2_rows.json", (json.dumps(positions) + "\n").encode())
+    manifest["files"]["smollm2-135m/hf_logits_2_rows.json"] = {
+        "sha256": sha256((HERE / "smollm2-135m/hf_logits_2_rows.json").read_bytes()),
+        "how": "copy",
+    }
+    write("manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: pack.py SOURCE_DIR (holding tiny-llama/ and smollm2-135m/)")
+    for old in ("tiny-llama", "smollm2-135m"):
+        shutil.rmtree(HERE / old, ignore_errors=True)
+    main(Path(sys.argv[1]))
