@@ -19,6 +19,8 @@
 //! the cache,
 //! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]).
 
+use std::collections::BTreeMap;
+
 use crate::cpu::kv_format::KvFormat;
 use crate::cpu::matvec::MatvecMode;
 use crate::cpu::ops::RopeParams;
@@ -269,6 +271,74 @@ pub enum Op<'a, B> {
         /// Output, `n_q × n_heads × head_dim` f32.
         out: &'a mut B,
     },
+}
+
+impl<B> Op<'_, B> {
+    /// The operation's name, as [`OpCounter`] reports it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Dequantize { .. } => "dequantize",
+            Op::ConvertToF16 { .. } => "convert_to_f16",
+            Op::Matmul { .. } => "matmul",
+            Op::Int8Matmul { .. } => "int8_matmul",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Rope { .. } => "rope",
+            Op::Softmax { .. } => "softmax",
+            Op::SwiGlu { .. } => "swiglu",
+            Op::Add { .. } => "add",
+            Op::KvStore { .. } => "kv_store",
+            Op::KvLoad { .. } => "kv_load",
+            Op::RopeInPlace { .. } => "rope_in_place",
+            Op::AddInPlace { .. } => "add_in_place",
+            Op::AddBias { .. } => "add_bias",
+            Op::SwiGluInPlace { .. } => "swiglu_in_place",
+            Op::Attention { .. } => "attention",
+        }
+    }
+}
+
+/// Whether an [`OpCounter`] is alive; checked first, so counting costs one relaxed load when
+/// off.
+static COUNTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static COUNTS: std::sync::Mutex<BTreeMap<&'static str, usize>> =
+    std::sync::Mutex::new(BTreeMap::new());
+
+/// Counts the operations every backend runs in this process while it is alive, by
+/// [`Op::name`]. Each operation is at least one kernel launch on a GPU, so a test on the CPU
+/// backend (which runs the same sequence the CUDA backend would) pins how many a decode step
+/// issues, and a change that adds launches shows without a GPU. Meant for a test binary of
+/// its own: counters of concurrent tests would see each other's operations.
+pub struct OpCounter(());
+
+impl OpCounter {
+    /// Starts counting from zero.
+    pub fn start() -> OpCounter {
+        COUNTS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        COUNTING.store(true, std::sync::atomic::Ordering::SeqCst);
+        OpCounter(())
+    }
+
+    /// The operations run since [`OpCounter::start`], by name.
+    pub fn counts(&self) -> BTreeMap<&'static str, usize> {
+        COUNTS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl Drop for OpCounter {
+    fn drop(&mut self) {
+        COUNTING.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Called by every backend's [`Backend::run`] with the operation it is about to run.
+pub(crate) fn record<B>(op: &Op<'_, B>) {
+    if COUNTING.load(std::sync::atomic::Ordering::Relaxed) {
+        *COUNTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(op.name())
+            .or_default() += 1;
+    }
 }
 
 /// A strided side of a 2-D copy ([`Backend::copy_2d`]): the first row's byte offset and the

@@ -341,6 +341,7 @@ impl Backend for CpuBackend {
     }
 
     fn run(&self, op: Op<'_, CpuBuffer>) -> Result<()> {
+        crate::backend::record(&op);
         match op {
             Op::Dequantize {
                 ty,

@@ -478,6 +478,7 @@ impl Backend for CudaBackend {
     }
 
     fn run(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
+        crate::backend::record(&op);
         self.run_op(op)
     }
 

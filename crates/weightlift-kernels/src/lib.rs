@@ -30,7 +30,7 @@ pub mod cuda;
 pub mod error;
 pub mod types;
 
-pub use backend::{Backend, Op, Rows};
+pub use backend::{Backend, Op, OpCounter, Rows};
 pub use cpu::Isa;
 pub use cpu::convert::{bf16_to_f16_slice, f16_to_f32_slice, f32_to_f16_slice, scan_non_finite};
 pub use cpu::int8::{

@@ -1,0 +1,112 @@
+//! How many backend operations one decode step issues, per layer and around the layers.
+//!
+//! On a GPU every operation is at least one kernel launch, and decode of a small model is
+//! bound by launches as much as by bandwidth. The CPU backend runs the operation sequence the
+//! CUDA backend runs, so counting it here pins the launch budget without a GPU: a change that
+//! adds an operation to the layer fails this test, and a fusion that removes one updates the
+//! expected table on purpose.
+//!
+//! Two llama models with tied heads and different depths (the tiny llama, 2 layers; SmolLM2,
+//! 30 layers) separate the per-layer share from the fixed one: what the deeper model issues
+//! beyond the shallower one, divided by the extra layers, is one layer's operations.
+//! Its own test binary: the counter sees every backend in the process.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{argmax, open, reference, smollm2, smollm2_prompt};
+use weightlift_engine::forward::{Compute, Logits};
+use weightlift_engine::{CacheDType, Model};
+use weightlift_kernels::OpCounter;
+
+/// Operations of one decode step (one new token, the last row's logits) after `prompt`, with
+/// the layers run through the CPU backend.
+fn decode_step_ops(
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    prompt: &[u32],
+) -> BTreeMap<&'static str, usize> {
+    let (mut m, cache) = common::load_on(src, "cpu", "cpu", 64, CacheDType::Fp16);
+    m.set_compute(Compute::Fast);
+    m.set_host_backend(true);
+    assert!(m.host_backend());
+    let mut out = Vec::new();
+    m.forward(prompt, Some(&cache), Logits::Last, &mut out)
+        .unwrap();
+    let next = argmax(&out) as u32;
+    let counter = OpCounter::start();
+    step(&mut m, &cache, next, &mut out);
+    counter.counts()
+}
+
+fn step(
+    m: &mut Model,
+    cache: &std::sync::Arc<weightlift_engine::Cache>,
+    id: u32,
+    out: &mut Vec<f32>,
+) {
+    m.forward(&[id], Some(cache), Logits::Last, out).unwrap();
+}
+
+#[test]
+fn a_decode_step_issues_a_fixed_number_of_operations_per_layer() {
+    let tiny = open(reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf"));
+    let tiny_ops = decode_step_ops(&tiny, &[1, 9038, 2501, 263]);
+    let smol_ops = decode_step_ops(&smollm2(), &smollm2_prompt(1));
+    let (tiny_layers, smol_layers) = (2usize, 30usize);
+
+    let names: Vec<&str> = tiny_ops.keys().chain(smol_ops.keys()).copied().collect();
+    let mut per_layer = BTreeMap::new();
+    let mut fixed = BTreeMap::new();
+    for name in names {
+        let (t, s) = (
+            tiny_ops.get(name).copied().unwrap_or(0),
+            smol_ops.get(name).copied().unwrap_or(0),
+        );
+        let extra = s
+            .checked_sub(t)
+            .unwrap_or_else(|| panic!("{name}: {s} ops at 30 layers, {t} at 2"));
+        assert_eq!(
+            extra % (smol_layers - tiny_layers),
+            0,
+            "{name}: {t} ops at 2 layers, {s} at 30: not a whole number per layer"
+        );
+        let n = extra / (smol_layers - tiny_layers);
+        if n > 0 {
+            per_layer.insert(name, n);
+        }
+        if t - n * tiny_layers > 0 {
+            fixed.insert(name, t - n * tiny_layers);
+        }
+    }
+    eprintln!("per layer: {per_layer:?}\naround the layers: {fixed:?}");
+
+    // One layer, fast mode: the attention norm, the q/k/v products (each quantises the same
+    // normed activation again), RoPE on q and on k, the two cache stores, attention, the
+    // output product and its residual add; the MLP norm, the gate and up products (again one
+    // activation quantised twice), SwiGLU, the down product and its residual add. Fusing the
+    // residual add with the next norm, gate/up with SwiGLU, RoPE with the cache store, or
+    // the products that share an input, lowers these counts: update the table with it.
+    let want_layer = BTreeMap::from([
+        ("add_in_place", 2),
+        ("attention", 1),
+        ("kv_store", 2),
+        ("matmul", 7),
+        ("rms_norm", 2),
+        ("rope_in_place", 2),
+        ("swiglu_in_place", 1),
+    ]);
+    assert_eq!(
+        per_layer, want_layer,
+        "operations per layer of a decode step"
+    );
+    let per_layer_total: usize = per_layer.values().sum();
+    assert_eq!(per_layer_total, 17, "operations per layer");
+    // Around the layers: the new token's embedding row (dequantised from the tied table), the
+    // final norm and the head product.
+    let want_fixed = BTreeMap::from([("dequantize", 1), ("matmul", 1), ("rms_norm", 1)]);
+    assert_eq!(
+        fixed, want_fixed,
+        "operations around the layers of a decode step"
+    );
+}
