@@ -53,6 +53,8 @@ vocab: venv $(CACHE)/vocab ## fetch llama.cpp's tokenizer test vectors (llama-cp
 build-release: venv ## build the Rust extension into .venv with optimisations (the demo's tokens/s)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
 
+# The chat step reads its further turns from stdin; the demo gives it none, so it answers the
+# one message and ends (the same command at a terminal goes on as an interactive chat).
 demo: build-release demo-model ## set up, then inspect, plan, load and generate with the SmolLM2 demo model
 	$(VENV)/bin/weightlift inspect $(DEMO_GGUF)
 	@echo
@@ -67,7 +69,7 @@ demo: build-release demo-model ## set up, then inspect, plan, load and generate 
 		-p "The three primary colours are" -n 64 --temp 0
 	@echo
 	$(VENV)/bin/weightlift run $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 2048 --chat \
-		-p "Write a haiku about a small machine lifting a heavy weight." -n 64 --seed 42
+		-p "Write a haiku about a small machine lifting a heavy weight." -n 64 --seed 42 </dev/null
 
 test-rust: venv vocab ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC; the NCCL transport compile-checked)
 	$(CUDA_ENV) WEIGHTLIFT_VOCAB_DIR=$(CACHE)/vocab cargo test --workspace --exclude weightlift-py \
