@@ -70,6 +70,8 @@ reference: build ## lay out the reference data from tests/reference/ in .cache/r
 check-paths: ## fail when a test, script, bench or Makefile rule names a path outside the checkout
 	$(PYTHON) tests/check_paths.py
 
+# The chat step reads its further turns from stdin; the demo gives it none, so it answers the
+# one message and ends (the same command at a terminal goes on as an interactive chat).
 demo: build-release demo-model ## set up, then inspect, plan, load and generate with the SmolLM2 demo model
 	$(VENV)/bin/weightlift inspect $(DEMO_GGUF)
 	@echo
@@ -84,7 +86,7 @@ demo: build-release demo-model ## set up, then inspect, plan, load and generate 
 		-p "The three primary colours are" -n 64 --temp 0
 	@echo
 	$(VENV)/bin/weightlift run $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 2048 --chat \
-		-p "Write a haiku about a small machine lifting a heavy weight." -n 64 --seed 42
+		-p "Write a haiku about a small machine lifting a heavy weight." -n 64 --seed 42 </dev/null
 
 test-rust: venv vocab reference ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC; the NCCL transport compile-checked)
 	$(CUDA_ENV) WEIGHTLIFT_VOCAB_DIR=$(CACHE)/vocab cargo test --workspace --exclude weightlift-py \

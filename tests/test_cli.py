@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import gen_fixtures as gen
 import gguf
 import pytest
+import weightlift as wl
 from conftest import ReferenceJson
 
 EXE = Path(sys.executable).with_name("weightlift")
@@ -364,21 +366,124 @@ def test_run_prints_llamacpp_greedy_text_then_timings(demo_gguf):
     assert "/    31 runs" in gen_line and "tokens per second" in gen_line
 
 
-def test_run_chat_reads_turns_from_stdin(demo_gguf):
+CHAT_FLAGS = ("--chat", "-n", "6", "--temp", "0", "--ctx", "512", "--threads", "2")
+
+
+def chat(path: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``weightlift run PATH --chat`` greedily, with ``stdin`` as its input (None: no stdin)."""
     cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
-    p = subprocess.run(
-        [*cmd, "run", str(demo_gguf), "--chat", "-n", "4", "--temp", "0", "--ctx", "512"],
-        input="Hi\nWhat is two plus two?\n",
+    return subprocess.run(
+        [*cmd, "run", str(path), *CHAT_FLAGS, *args],
+        input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def usage(stderr: str, line: str) -> list[int]:
+    """The token count of every timing line that starts with ``line`` (``prompt eval time``,
+    ``eval time``, ``reused prompt``)."""
+    rows = [r for r in stderr.splitlines() if r.startswith(line)]
+    return [int(re.search(r"(\d+) (?:tokens|runs)\b", r)[1]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def chat_model(demo_gguf) -> wl.Model:
+    """The demo model as ``run --chat`` loads it with CHAT_FLAGS (run's 512-token batches)."""
+    model = wl.Model(demo_gguf, runtime=wl.RuntimeSpec(max_input_len=512), n_threads=2)
+    model.load(cache=wl.CacheSpec(512, 1, "fp16"))
+    return model
+
+
+def replies(model: wl.Model, turns: list[str]) -> list[str]:
+    """The greedy answers to ``turns``, each asked with the whole conversation before it."""
+    messages: list[dict[str, str]] = []
+    out = []
+    for user in turns:
+        messages.append({"role": "user", "content": user})
+        r = model.create_chat_completion(messages, max_tokens=6, temperature=0, repeat_penalty=1.0)
+        out.append(r["choices"][0]["message"]["content"])
+        messages.append({"role": "assistant", "content": out[-1]})
+    return out
+
+
+def test_run_chat_answers_p_then_stdin_turns_until_exit(demo_gguf, chat_model):
+    # llama-cli's conversation mode: -p is the first turn, each line of stdin the next, /exit
+    # ends the chat (the line after it is never read as a turn), blank lines are no turn.
+    turns = ["My name is Ada and I like tea.", "What is my name?"]
+    p = chat(demo_gguf, "-p", turns[0], stdin=f"{turns[1]}\n\n/exit\nNever answered\n")
     assert p.returncode == 0, p.stderr
-    # Two prompts answered, then end of input.
-    assert p.stdout.count("> ") == 3
-    assert p.stderr.count("eval time") == 4  # prompt eval and eval, per turn
-    # The second turn reuses the first turn's prompt from the cache.
+    # Not a terminal: no "> " marker, only the answers, each on its line.
+    answers = replies(chat_model, turns)
+    assert p.stdout == "".join(f"{r}\n" for r in answers)
+    # (Asked alone, the second turn gets another answer: the one above needed the first turn.)
+    assert replies(chat_model, turns[1:]) != answers[1:]
+    # Two turns, the second on top of the first: its prompt starts with the first exchange,
+    # which the cache still holds (the first prompt and every token fed back after it).
+    prompts, evals = usage(p.stderr, "prompt eval time"), usage(p.stderr, "eval time")
+    assert len(prompts) == len(evals) == 2
+    assert usage(p.stderr, "reused prompt") == [prompts[0] + evals[0]]
+    assert p.stderr.count("load time") == 1
+
+
+def test_run_chat_without_p_reads_every_turn_until_end_of_input(demo_gguf, chat_model):
+    turns = ["Hi", "What is two plus two?"]
+    p = chat(demo_gguf, stdin="".join(f"{t}\n" for t in turns))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "".join(f"{r}\n" for r in replies(chat_model, turns))
+    assert len(usage(p.stderr, "prompt eval time")) == 2
     assert "reused prompt" in p.stderr
+
+
+def test_run_chat_with_no_input_answers_p_and_ends(demo_gguf, chat_model):
+    # As `make demo` runs it: stdin at end of input (or closed) ends the chat after -p.
+    p = chat(demo_gguf, "-p", "Hi")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == replies(chat_model, ["Hi"])[0] + "\n"
+    p = chat(demo_gguf, "-p", "Hi", stdin="")
+    assert p.returncode == 0, p.stderr
+    assert len(usage(p.stderr, "prompt eval time")) == 1
+
+
+@pytest.mark.parametrize(
+    ("typed", "end"), [(b"/exit\n", "\n> "), (b"\x04", "\n> \n")], ids=["exit", "ctrl-d"]
+)
+def test_run_chat_on_a_terminal_prompts_for_each_turn(demo_gguf, typed, end):
+    # stdin a terminal: "> " asks for each turn after the -p answer; /exit ends the chat, and
+    # so does Ctrl-D (end of input), which also ends the prompt's line.
+    pty = pytest.importorskip("pty")
+    leader, follower = pty.openpty()
+    try:
+        cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
+        proc = subprocess.Popen(
+            [*cmd, "run", str(demo_gguf), *CHAT_FLAGS, "-p", "Hi"],
+            stdin=follower,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        os.write(leader, typed)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert proc.returncode == 0, err
+    assert out.endswith(end) and out.count("> ") == 1
+    assert len(usage(err, "prompt eval time")) == 1
+
+
+@pytest.mark.parametrize("stdin", [None, "hi\n"], ids=["p", "stdin"])
+def test_run_chat_without_a_chat_template_exit_2(tiny_llama_gguf, stdin):
+    args = ("-p", "hi") if stdin is None else ()
+    p = chat(tiny_llama_gguf, *args, stdin=stdin)
+    assert p.returncode == 2, p.stderr
+    assert (
+        "a chat completion with this model is not supported: its checkpoint has no chat "
+        "template (tokenizer.chat_template)" in p.stderr
+    )
+    assert "Traceback" not in p.stderr
 
 
 @pytest.mark.parametrize(

@@ -6,26 +6,43 @@
 //!   inputs at 6, 5, 4 and 3 bits, about 4.4 bits per weight, a random input permutation),
 //!   whole and in the 16-row blocks the forward pass asks for, against memcpy of its f32 rows.
 //!
-//! The demo model path comes from `WEIGHTLIFT_DEMO_GGUF` (set by the Makefile).
+//! The demo model path comes from `WEIGHTLIFT_DEMO_GGUF` (set by the Makefile), else
+//! `.cache/models/` at the repository root, wherever cargo is run from.
 
 use std::hint::black_box;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use weightlift_format::{Checkpoint, DType, OpenOptions, dequant, scan};
 
-fn demo_path() -> Option<PathBuf> {
+/// The demo model, or where it was looked for when it is not there.
+fn demo_path() -> Result<PathBuf, PathBuf> {
     let p = std::env::var_os("WEIGHTLIFT_DEMO_GGUF")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    p.exists().then_some(p)
+        .unwrap_or_else(|| {
+            // cargo runs a bench in its package folder, whichever folder it was started from;
+            // the model cache sits at the repository root, one level up from this package.
+            let package = Path::new(env!("CARGO_MANIFEST_DIR"));
+            package
+                .parent()
+                .unwrap_or(package)
+                .join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    if p.is_file() { Ok(p) } else { Err(p) }
 }
 
 fn open(c: &mut Criterion) {
-    let Some(path) = demo_path() else {
-        eprintln!("format bench: demo model missing; run `make demo-model`");
-        return;
+    let path = match demo_path() {
+        Ok(path) => path,
+        Err(missing) => {
+            eprintln!(
+                "format bench: demo model {} is missing; run `make demo-model` \
+                 (open, scan and dequantise not timed)",
+                missing.display()
+            );
+            return;
+        }
     };
     let mut g = c.benchmark_group("open");
     g.measurement_time(Duration::from_secs(3));
@@ -55,7 +72,7 @@ fn tensors_of(ckpt: &Checkpoint, dtype: DType) -> Vec<u8> {
 }
 
 fn scan_and_dequant(c: &mut Criterion) {
-    let Some(path) = demo_path() else { return };
+    let Ok(path) = demo_path() else { return };
     let ckpt = Checkpoint::open(&path, OpenOptions::default()).expect("open");
     let f32s: Vec<u8> = tensors_of(&ckpt, DType::F32);
     // The F32 tensors are small norms; a 64 MiB buffer of finite values measures the scan.

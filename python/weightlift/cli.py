@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import weightlift
@@ -569,23 +569,53 @@ def _cmd_run(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    turns = [args.prompt] if args.prompt is not None else None
-    while True:
-        if turns is not None:
-            if not turns:
-                break
-            user = turns.pop()
-        else:
-            try:
-                user = input("> ")
-            except EOFError:
-                sys.stdout.write("\n")
-                break
+    # The ranks of a world cannot share stdin, so they answer the -p message only.
+    world = tp is not None and tp.rank is not None
+    for user in _user_turns(args.prompt, more=not world):
         messages.append({"role": "user", "content": user})
         reply = _stream(model.create_chat_completion(messages, stream=True, **sampling), "delta")
         messages.append({"role": "assistant", "content": reply})
         _print_timings(seconds if len(messages) <= 3 else None, model.timings)
     return 0
+
+
+CHAT_EXIT = "/exit"
+
+
+def _user_turns(first: str | None, *, more: bool) -> Iterator[str]:
+    """The user's messages of ``run --chat``: ``first`` (``-p``), then, when ``more``, one per
+    line of stdin until end of input or ``/exit``, as llama-cli's conversation mode reads them.
+
+    On a terminal each line is asked for after a ``> `` marker; from a pipe or a file the lines
+    are read as they come with no marker, so a chat can be scripted. Blank lines are skipped.
+    """
+    if first is not None:
+        yield first
+    # sys.stdin is None when the process was started with stdin closed.
+    if not more or sys.stdin is None:
+        return
+    terminal = sys.stdin.isatty()
+    if terminal:
+        try:  # once loaded, input() edits the line and keeps a history, as llama-cli's does
+            import readline  # noqa: F401
+        except ImportError:  # not built on every platform
+            pass
+    while True:
+        if terminal:
+            try:
+                line = input("> ")
+            except EOFError:  # Ctrl-D: end the prompt's line before leaving
+                sys.stdout.write("\n")
+                return
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                return
+        text = line.strip()
+        if text == CHAT_EXIT:
+            return
+        if text:
+            yield line.rstrip("\r\n")
 
 
 DEFAULT_BATCH = 512  # run's max_input_len when not given: llama-cpp-python's n_batch
@@ -734,7 +764,8 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument(
         "--chat",
         action="store_true",
-        help="use the model's chat template; interactive when no -p is given",
+        help="chat through the model's chat template: -p is the first message, then each line "
+        f"of stdin a turn (asked for with > on a terminal) until end of input or {CHAT_EXIT}",
     )
     rn.add_argument("--system", help="with --chat: a system message")
     rn.set_defaults(func=_cmd_run)
