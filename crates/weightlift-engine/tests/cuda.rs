@@ -3,6 +3,8 @@
 //! passed): on a machine with a GPU, `cargo test --features cuda -- --ignored` checks device
 //! memory, loading, copies back, accounting, caches and unload against the checkpoint.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -201,4 +203,56 @@ fn offloaded_cache_prefetches_into_cuda() {
     drop(r1);
     cache.free();
     assert_eq!(gpu.used(), 0);
+}
+
+/// The tiny llama's bf16 safetensors on `cuda:0` as stored (its placement keeps every dtype, as
+/// `dtype="auto"` does): the embedding lookup, the layers and the tied head run the CUDA
+/// kernels on bf16 (the bandwidth matvec one token at a time, the dequantised GEMM for the
+/// 16-token prompt). Exact compute with an f32 cache: within 1e-3 of the cpu path and of
+/// transformers (the reference README's f32 check), the same argmax, and the same per-token
+/// decode; with a bf16 cache, within the bf16 cache bound of `tests/forward.rs` (0.1) of
+/// transformers and of the cpu path over a bf16 cache.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn tiny_llama_bf16_runs_on_cuda_as_stored() {
+    use common::{argmax, forward_all, json_ids, max_abs_diff, read_npy, reference};
+    use weightlift_engine::forward::{Compute, Logits};
+    cuda();
+    let src = common::open(reference().join("tiny-llama/safetensors"));
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let (shape, hf) = read_npy(&reference().join("tiny-llama/hf_logits.npy"));
+    for (dtype, bound) in [(CacheDType::F32, 1e-3f32), (CacheDType::Bf16, 0.1)] {
+        let (mut cpu, cc) = common::load_on(&src, "cpu", "cpu", 64, dtype);
+        cpu.set_compute(Compute::Exact);
+        let want = forward_all(&mut cpu, &cc, &ids);
+        let (mut gpu, gc) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 64, dtype);
+        gpu.set_compute(Compute::Exact);
+        for (i, t) in src.tensors().iter().enumerate() {
+            let (bytes, held, _) = gpu.tensor_bytes(&t.name).unwrap();
+            assert_eq!(held, DType::BF16, "{}: held as stored", t.name);
+            assert!(bytes == src.bytes(i), "{}", t.name);
+        }
+        let got = forward_all(&mut gpu, &gc, &ids);
+        let (d_cpu, d_hf) = (max_abs_diff(&got, &want), max_abs_diff(&got, &hf));
+        eprintln!(
+            "{} cache: max|Δ| {d_cpu:.2e} against the cpu path, {d_hf:.2e} against transformers",
+            dtype.name()
+        );
+        assert!(d_cpu <= bound && d_hf <= bound, "{} cache", dtype.name());
+        if dtype == CacheDType::F32 {
+            for (i, (a, b)) in got.chunks(shape[1]).zip(hf.chunks(shape[1])).enumerate() {
+                assert_eq!(argmax(a), argmax(b), "position {i}");
+            }
+        }
+        // token by token: every step is a one-token pass through the matvec kernels
+        gc.reset();
+        let mut out = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            gpu.forward(&[*id], Some(&gc), Logits::Last, &mut out)
+                .unwrap();
+            let row = &want[i * shape[1]..(i + 1) * shape[1]];
+            let d = max_abs_diff(&out, row);
+            assert!(d <= bound, "{} cache, step {i}: max|Δ| {d}", dtype.name());
+        }
+    }
 }
