@@ -102,6 +102,49 @@ fn device_memory_round_trips_and_is_accounted() {
     assert_eq!(gpu.used(), 0);
 }
 
+/// Writes 3 tokens of 2 kv heads × 64 values into layer 1 of a q8 `cache` (2 kv heads, head_dim
+/// 64) at position 5 and reads them back: each value within the q8 cache's documented bound,
+/// [`CacheDType::error_bound`], which is stated on its group's L2 norm because the groups are
+/// stored Hadamard-turned (the largest value's `amax/254` held before the turn; on these values
+/// the turned groups exceed it).
+fn q8_cache_round_trips_within_its_bound(cache: &Cache) {
+    let n = 2 * 64 * 3;
+    let k: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    cache.write(1, 5, 3, &k, &k).unwrap();
+    let (k2, v2) = cache.read(1, 5, 8).unwrap();
+    // (batch, head, token, dim) order: every 32 values are one group of one head and token
+    for (is_v, back) in [(false, &k2), (true, &v2)] {
+        for (g, b) in k.chunks(32).zip(back.chunks(32)) {
+            for (x, y) in g.iter().zip(b) {
+                let bound = CacheDType::Q8.error_bound(is_v, *x, g);
+                assert!((x - y).abs() <= bound, "{x} -> {y}, bound {bound}");
+            }
+        }
+    }
+}
+
+/// The round trip of the q8 cache test on `cuda:0`, on a virtual device: the cache encodes and
+/// decodes rows with the same codec there, so the bound that test checks is checked here on
+/// every machine.
+#[test]
+fn q8_cache_round_trip_bound_holds_on_a_virtual_device() {
+    let inv = Inventory::parse("virtual:1x8MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    let cfg = weightlift_engine::CacheConfig {
+        max_seq_len: 16,
+        batch_size: 1,
+        dtype: CacheDType::Q8,
+        n_kv_heads: vec![2, 2],
+        head_dim: 64,
+        offload: false,
+    };
+    let cache = Cache::new(cfg).unwrap();
+    for l in 0..2 {
+        cache.allocate_layer(l, &dev, inv.cpu()).unwrap();
+    }
+    q8_cache_round_trips_within_its_bound(&cache);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn load_onto_cuda_copies_back_the_checkpoint_and_unload_frees() {
@@ -160,13 +203,7 @@ fn load_onto_cuda_copies_back_the_checkpoint_and_unload_frees() {
     assert_eq!(held, layer_bytes + kv + (1 << 20));
     assert_eq!(gpu.used(), held);
     // The cache on CUDA memory round-trips within the q8 bound.
-    let n = 2 * 64 * 3;
-    let k: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-    cache.write(1, 5, 3, &k, &k).unwrap();
-    let (k2, _) = cache.read(1, 5, 8).unwrap();
-    for (a, b) in k.iter().zip(&k2) {
-        assert!((a - b).abs() <= 1.0 / 254.0 * 1.01 + 1e-5);
-    }
+    q8_cache_round_trips_within_its_bound(&cache);
     model.unload();
     assert_eq!(gpu.used(), 0);
     assert!(!cache.is_allocated());
