@@ -140,6 +140,7 @@ __device__ void wl_attention(const float* q, K k, V v, float* out, wl_u64 n_q,
 
 WL_ATTENTION(f32, float, WlKvF32, float, WlKvF32)
 WL_ATTENTION(f16, wl_u16, WlKvF16, wl_u16, WlKvF16)
+WL_ATTENTION(bf16, wl_u16, WlKvBf16, wl_u16, WlKvBf16)
 WL_ATTENTION(e4m3, wl_u8, WlKvE4M3, wl_u8, WlKvE4M3)
 WL_ATTENTION(q8, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<127>)
 WL_ATTENTION(q4, wl_u8, WlKvTurned<7>, wl_u8, WlKvTurned<7>)

@@ -1,8 +1,11 @@
-// The quantised products y[t * rows + r] = dot(W[r], x[t]), in three families:
-// - matvec_{type}_{f32,f16} and matmul_{type}_{f32,f16}: exact mode (weights dequantised in
-//   registers, f32 accumulation). One warp per output value: each lane sums a strided share of
-//   the row (wl_lane_dot_*, in wl_matvec.cuh, which the host twin tests) and the 32 partial sums
-//   meet through an xor butterfly of warp shuffles. Launch with blockDim.x a multiple of 32.
+// The products y[t * rows + r] = dot(W[r], x[t]), in four families:
+// - matvec_{f16,bf16,f32}_{f32,f16} and matmul_{f16,bf16,f32}_{f32,f16}: float weights, exact
+//   mode (f32 accumulation), written for memory bandwidth (below: WL_FV_KERNELS).
+// - matvec_{type}_{f32,f16} and matmul_{type}_{f32,f16} for the quantised types: exact mode
+//   (weights dequantised in registers, f32 accumulation). One warp per output value: each lane
+//   sums a strided share of the row (wl_lane_dot_*, in wl_matvec.cuh, which the host twin
+//   tests) and the 32 partial sums meet through an xor butterfly of warp shuffles. Launch with
+//   blockDim.x a multiple of 32.
 // - q8_quantize_{f32,f16} and q8_matmul_{type}: the Q8-activation mode (wl_q8.cuh), integer
 //   dot products per 32-value group with dp4a, in the CPU's order.
 // - gemm_{f32,f16}: the exact mode's dequantised path for prompts, a tiled shared-memory f32
@@ -50,8 +53,94 @@ WL_MATMUL_BOTH(q4_1)
 WL_MATMUL_BOTH(q8_0)
 WL_MATMUL_BOTH(q4_k)
 WL_MATMUL_BOTH(q6_k)
-WL_MATMUL_BOTH(f16)
-WL_MATMUL_BOTH(f32)
+
+// Float weights: decode is a read of every weight byte once, so these kernels are written for
+// bandwidth. Bytes per call: rows * cols * (2 for f16 and bf16, 4 for f32) of weights, read once
+// with 128-bit loads (the activations, n_tok * cols values, come from L1/L2 after the first
+// block), plus n_tok * rows * 4 written. They should move those bytes at >= 70 % of a
+// device-to-device copy's rate on 2048 x 2048 to 4096 x 14336 (about 3 TB/s on an H200; the
+// bench prints the ratio). How:
+// - A block of WL_FV_THREADS threads is blockDim.y rows of blockDim.x = tpr threads each
+//   (16: two rows a warp, for rows of at most 32 chunks; 32: a warp a row; 64, 128, 256: several
+//   warps a row for few, long rows). The host picks tpr (sources::float_row_threads) so that
+//   the grid fills every SM while each thread keeps at least two chunks.
+// - Each thread loads WL_FV_UNROLL 16-byte chunks before it uses any (wl_fv_lane_*), and a
+//   warp's loads of one step are 512 contiguous bytes.
+// - Each thread's FMA chains meet by xor shuffles within the warp (offsets tpr/2 .. 1, or
+//   16 .. 1), then, for tpr > 32, the warps' sums are added in warp order through shared memory
+//   (one float per warp and token: no bank conflict). The host shim replays this order.
+// - matmul_* carries WL_FV_NT tokens per pass, so each weight chunk is loaded once for them;
+//   grid.y (at most 65535) strides over the passes.
+// A thread whose row is past the last computes the last row and stores nothing, so every thread
+// reaches the shuffles and the barriers.
+#define WL_FV_THREADS 256
+
+template <int NT, typename ACT_T,
+          void (*LANE)(const wl_u8*, const ACT_T*, wl_u64, int, int, int, float*)>
+__device__ __forceinline__ void wl_fv_rows(const wl_u8* w, const ACT_T* x, float* y, wl_u64 rows,
+                                           wl_u64 cols, wl_u64 n_tok, wl_u64 row_bytes) {
+    __shared__ float part[WL_FV_THREADS / 32][WL_FV_NT];
+    const int tpr = blockDim.x;
+    const int lane = threadIdx.x;
+    const int warp = (threadIdx.y * tpr + lane) / 32;
+    wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;
+    const int live = r < rows;
+    if (!live) r = rows - 1;
+    const wl_u8* row = w + r * row_bytes;
+    const int width = tpr < 32 ? tpr : 32;
+    for (wl_u64 t0 = (wl_u64)blockIdx.y * NT; t0 < n_tok; t0 += (wl_u64)gridDim.y * NT) {
+        const int nt = NT == 1 ? 1 : (n_tok - t0 < (wl_u64)NT ? (int)(n_tok - t0) : NT);
+        float acc[WL_FV_NT];
+        LANE(row, x + t0 * cols, cols, nt, lane, tpr, acc);
+#pragma unroll
+        for (int k = 0; k < NT; ++k) {
+            for (int o = width / 2; o > 0; o >>= 1) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], o);
+        }
+        if (tpr > 32) {
+            if (lane % 32 == 0) {
+#pragma unroll
+                for (int k = 0; k < NT; ++k) part[warp][k] = acc[k];
+            }
+            __syncthreads();
+            if (lane == 0) {
+#pragma unroll
+                for (int k = 0; k < NT; ++k) {
+                    float v = part[warp][k];
+                    for (int j = 1; j < tpr / 32; ++j) v += part[warp + j][k];
+                    acc[k] = v;
+                }
+            }
+            // the next pass writes `part` again
+            __syncthreads();
+        }
+        if (live && lane == 0) {
+#pragma unroll
+            for (int k = 0; k < NT; ++k) {
+                if (k < nt) y[(t0 + k) * rows + r] = acc[k];
+            }
+        }
+    }
+}
+
+#define WL_FV_KERNEL(NAME, ES, ACT, ACT_T)                                                         \
+    extern "C" __global__ void __launch_bounds__(WL_FV_THREADS, 4)                                 \
+        matvec_##NAME##_##ACT(const wl_u8* w, const ACT_T* x, float* y, wl_u64 rows, wl_u64 cols) { \
+        wl_fv_rows<1, ACT_T, wl_fv_lane_##NAME##_##ACT>(w, x, y, rows, cols, 1, cols * (ES));      \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(WL_FV_THREADS, 4)                                 \
+        matmul_##NAME##_##ACT(const wl_u8* w, const ACT_T* x, float* y, wl_u64 rows, wl_u64 cols,  \
+                              wl_u64 n_tok) {                                                      \
+        wl_fv_rows<WL_FV_NT, ACT_T, wl_fv_lane_##NAME##_##ACT>(w, x, y, rows, cols, n_tok,          \
+                                                              cols * (ES));                        \
+    }
+
+#define WL_FV_KERNELS(NAME, ES)          \
+    WL_FV_KERNEL(NAME, ES, f32, float)   \
+    WL_FV_KERNEL(NAME, ES, f16, wl_u16)
+
+WL_FV_KERNELS(f16, 2)
+WL_FV_KERNELS(bf16, 2)
+WL_FV_KERNELS(f32, 4)
 
 // q8_quantize_{f32,f16}: one thread per activation block of 32 values, written as the 40-byte
 // blocks of wl_q8.cuh (the CPU's Q8Block bytes). f16 inputs are widened first, as the CPU does.

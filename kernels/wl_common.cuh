@@ -99,6 +99,17 @@ WL_HD wl_u16 wl_f32_to_f16(float f) {
 
 WL_HD float wl_bf16_to_f32(wl_u16 h) { return wl_bits_to_f32(((wl_u32)h) << 16); }
 
+// f32 -> bf16 bits, round to nearest even (adding 0x7fff plus the kept half's lowest bit
+// carries exactly at the ties that round up); overflow gives inf, and NaN stays a quiet NaN
+// (a signalling NaN's payload may lie wholly in the dropped half). The Rust `f32_to_bf16`.
+WL_HD wl_u16 wl_f32_to_bf16(float f) {
+    wl_u32 x = wl_f32_to_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (wl_u16)((x >> 16) | 0x0040u);
+    }
+    return (wl_u16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 // Little-endian loads from byte pointers. Blocks of 18, 20, 22 or 34 bytes leave their f16
 // fields at odd or 2-mod-4 addresses, and a misaligned wide load faults on the GPU (while x86
 // forgives it), so every multi-byte field of a block is read a byte at a time.

@@ -1,5 +1,5 @@
 // KV-cache groups of 32 values with one f16 scale, shared by the CUDA kernels and the host
-// shim. q8: 34 bytes (f16 d, 32 x int8), q = round(x/d) in [-127, 127], d = amax/127.
+// shim (and the bf16 cache's codec and attention reader, at the end). q8: 34 bytes (f16 d, 32 x int8), q = round(x/d) in [-127, 127], d = amax/127.
 // q4: 18 bytes (f16 d, 16 bytes of nibbles in Q4_0 order), q in [-7, 7] stored as q + 8,
 // d = amax/7. d is rounded *up* to the next f16, so |x - q*d| <= d * (1/2 + 2^-16).
 #pragma once
@@ -129,3 +129,17 @@ WL_HD void wl_kv_load_group(const wl_u8* g, float* out, int qmax) {
     for (int i = 0; i < 32; ++i) out[i] = wl_kv_dequant(g, i, qmax);
     wl_kv_turn(out);
 }
+
+// The bf16 cache: one value per 2 bytes, rounded to nearest even on the way in
+// (wl_f32_to_bf16) and widened exactly on the way out, as the Rust codec's KvFormat::BF16.
+WL_HD wl_u16 wl_kv_store_bf16(float x) { return wl_f32_to_bf16(x); }
+WL_HD float wl_kv_load_bf16(wl_u16 h) { return wl_bf16_to_f32(h); }
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+// The attention kernels' reader of a bf16 cache half (beside attention.cu's readers: `at(i,
+// lane)` is value i, whichever lane asks).
+struct WlKvBf16 {
+    const wl_u16* p;
+    __device__ __forceinline__ float at(wl_u64 i, int) const { return wl_kv_load_bf16(p[i]); }
+};
+#endif

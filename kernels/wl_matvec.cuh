@@ -1,8 +1,11 @@
-// The per-lane half of the warp-per-row dot product in matvec.cu, shared with the host C++
-// test shim: lane `lane` of 32 sums values lane, lane + 32, lane + 64, ... of one weight row
-// against the activations, in that order, with fused multiply-adds (explicit on both sides, so
-// the device and the host twin round identically). The kernel then adds the 32 partial sums
-// with an xor butterfly (wl_warp_sum), which the host shim replays in the same order.
+// The per-thread halves of matvec.cu's dot products, shared with the host C++ test shim:
+// - quantised weights: lane `lane` of 32 sums values lane, lane + 32, lane + 64, ... of one
+//   weight row against the activations, in that order, with fused multiply-adds (explicit on
+//   both sides, so the device and the host twin round identically). The kernel then adds the
+//   32 partial sums with an xor butterfly (wl_warp_sum), which the host shim replays in the
+//   same order.
+// - float weights (f16, bf16, f32): 16-byte chunks of a row spread over `tpr` threads
+//   (wl_fv_lane_*, below), for the bandwidth kernels.
 #pragma once
 #include "wl_dequant.cuh"
 
@@ -12,8 +15,27 @@
 #define WL_FMA(a, b, c) fmaf((a), (b), (c))
 #endif
 
+// f16 bits -> f32, exact: the hardware conversion on the device (a float kernel widens every
+// weight, and the bit-by-bit form costs several instructions a value), the bit manipulation on
+// the host. The two agree on every finite value and infinity; a NaN stays a NaN.
+WL_HD float wl_f16_to_f32_fast(wl_u16 h) {
+#if defined(__CUDA_ARCH__)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return wl_f16_to_f32(h);
+#endif
+}
+
+#if defined(__CUDA_ARCH__)
+#define WL_UNROLL _Pragma("unroll")
+#else
+#define WL_UNROLL
+#endif
+
 WL_HD float wl_act_f32(const float* x, wl_u64 i) { return x[i]; }
-WL_HD float wl_act_f16(const wl_u16* x, wl_u64 i) { return wl_f16_to_f32(x[i]); }
+WL_HD float wl_act_f16(const wl_u16* x, wl_u64 i) { return wl_f16_to_f32_fast(x[i]); }
 
 // wl_lane_dot_{type}_{act}(row, x, cols, lane): `row` is one weight row of cols / BS blocks of
 // BB bytes, `x` the cols activations of one token.
@@ -41,8 +63,134 @@ WL_LANE_DOT_BOTH(q4_1, 32, 20)
 WL_LANE_DOT_BOTH(q8_0, 32, 34)
 WL_LANE_DOT_BOTH(q4_k, 256, 144)
 WL_LANE_DOT_BOTH(q6_k, 256, 210)
-WL_LANE_DOT_BOTH(f16, 1, 2)
-WL_LANE_DOT_BOTH(f32, 1, 4)
+
+// Float weights (f16, bf16, f32) for matvec.cu's bandwidth kernels. A row is read in chunks of
+// WL_FV_CHUNK bytes (E values: 8 f16 or bf16, 4 f32), one 128-bit load each where the row and
+// the activations are 16-byte aligned and byte by byte otherwise (the same values either way,
+// so alignment never changes a result). A row belongs to `tpr` threads (16: half a warp; 32; or
+// 64, 128, 256: several warps); thread `lane` takes chunks lane, lane + tpr, lane + 2 tpr, ...
+// (loading WL_FV_UNROLL of them before it uses any, so their loads are in flight together) and
+// then, when cols is not a whole number of chunks, the value n_chunks * E + lane if that is
+// below cols. Each thread keeps one FMA chain per token, in value order within a chunk; the
+// kernel adds the tpr chains of a row in the order wl_fv_rows (matvec.cu) states, and the host
+// shim replays that sum.
+#define WL_FV_CHUNK 16
+#define WL_FV_UNROLL 4
+// Tokens one thread carries per pass (each weight chunk loaded once meets this many tokens).
+#define WL_FV_NT 4
+
+// The WL_FV_CHUNK bytes at p as four little-endian words: when `wide` (p 16-byte aligned,
+// which the caller checked: wl_fv_wide) one 128-bit load through the read-only path, written
+// in PTX so no pointer is cast to a wider type; else byte by byte.
+WL_HD void wl_fv_load(const wl_u8* p, int wide, wl_u32* w) {
+#if defined(__CUDA_ARCH__)
+    if (wide) {
+        asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+            : "l"(p));
+        return;
+    }
+#endif
+    (void)wide;
+    for (int k = 0; k < 4; ++k) {
+        const wl_u8* q = p + 4 * k;
+        w[k] = (wl_u32)q[0] | ((wl_u32)q[1] << 8) | ((wl_u32)q[2] << 16) | ((wl_u32)q[3] << 24);
+    }
+}
+
+// Value e of a chunk held as four little-endian words.
+WL_HD float wl_fv_w_f16(const wl_u32* w, int e) {
+    return wl_f16_to_f32_fast((wl_u16)(w[e >> 1] >> (16 * (e & 1))));
+}
+WL_HD float wl_fv_w_bf16(const wl_u32* w, int e) {
+    wl_u32 v = w[e >> 1];
+    return wl_bits_to_f32((e & 1) ? (v & 0xffff0000u) : (v << 16));
+}
+WL_HD float wl_fv_w_f32(const wl_u32* w, int e) { return wl_bits_to_f32(w[e]); }
+
+// The n (4 or 8) activations at x into v: 128-bit loads when `wide` (x 16-byte aligned, as
+// the caller checked), else one at a time.
+WL_HD void wl_fv_x_f32(const float* x, int wide, float* v, int n) {
+#if defined(__CUDA_ARCH__)
+    if (wide) {
+        for (int k = 0; k < n; k += 4) {
+            asm("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];"
+                : "=f"(v[k]), "=f"(v[k + 1]), "=f"(v[k + 2]), "=f"(v[k + 3])
+                : "l"(x + k));
+        }
+        return;
+    }
+#endif
+    (void)wide;
+    for (int k = 0; k < n; ++k) v[k] = x[k];
+}
+WL_HD void wl_fv_x_f16(const wl_u16* x, int, float* v, int n) {
+    for (int k = 0; k < n; ++k) v[k] = wl_f16_to_f32_fast(x[k]);
+}
+
+// Whether the 128-bit loads may be used: the row and the first token's activations 16-byte
+// aligned, and every later token's too (rows of cols values a multiple of 16 bytes apart).
+WL_HD int wl_fv_wide(const void* row, const void* x, wl_u64 x_row_bytes, int nt) {
+    wl_u64 a = (wl_u64)row | (wl_u64)x;
+    return (a % 16 == 0) && (nt == 1 || x_row_bytes % 16 == 0);
+}
+
+// wl_fv_lane_{type}_{act}(row, x, cols, nt, lane, tpr, acc): thread `lane` of the `tpr`
+// threads of weight row `row` (cols values of ES bytes): its partial dot products with nt <=
+// WL_FV_NT tokens (token k's activations at x + k * cols) into acc[0..nt).
+#define WL_FV_LANE(NAME, ES, ACT, ACT_T)                                                           \
+    WL_HD void wl_fv_chains_##NAME##_##ACT(const wl_u8* row, const ACT_T* x, wl_u64 cols, int nt, \
+                                           int lane, int tpr, float* acc, const int wide) {        \
+        const int E = WL_FV_CHUNK / (ES);                                                          \
+        const wl_u64 nc = cols / (wl_u64)E;                                                        \
+        WL_UNROLL                                                                                  \
+        for (int k = 0; k < WL_FV_NT; ++k) acc[k] = 0.0f;                                          \
+        for (wl_u64 c0 = (wl_u64)lane; c0 < nc; c0 += (wl_u64)tpr * WL_FV_UNROLL) {               \
+            wl_u32 w[WL_FV_UNROLL][4];                                                             \
+            WL_UNROLL                                                                              \
+            for (int u = 0; u < WL_FV_UNROLL; ++u) {                                               \
+                wl_u64 c = c0 + (wl_u64)u * (wl_u64)tpr;                                           \
+                if (c < nc) wl_fv_load(row + c * WL_FV_CHUNK, wide, w[u]);                         \
+            }                                                                                      \
+            WL_UNROLL                                                                              \
+            for (int u = 0; u < WL_FV_UNROLL; ++u) {                                               \
+                wl_u64 c = c0 + (wl_u64)u * (wl_u64)tpr;                                           \
+                if (c >= nc) break;                                                                \
+                WL_UNROLL                                                                          \
+                for (int k = 0; k < WL_FV_NT; ++k) {                                               \
+                    if (k >= nt) break;                                                            \
+                    float xv[WL_FV_CHUNK / (ES)];                                                  \
+                    wl_fv_x_##ACT(x + (wl_u64)k * cols + c * (wl_u64)E, wide, xv, E);              \
+                    WL_UNROLL                                                                      \
+                    for (int e = 0; e < E; ++e) acc[k] = WL_FMA(wl_fv_w_##NAME(w[u], e), xv[e], acc[k]); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        wl_u64 t = nc * (wl_u64)E + (wl_u64)lane;                                                  \
+        if (t < cols) {                                                                            \
+            for (int k = 0; k < nt; ++k) {                                                         \
+                acc[k] = WL_FMA(wl_dq_##NAME(row + t * (ES), 0),                                   \
+                                wl_act_##ACT(x + (wl_u64)k * cols, t), acc[k]);                    \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    /* the two inlined calls give a loop without the alignment test and one without wide loads */ \
+    WL_HD void wl_fv_lane_##NAME##_##ACT(const wl_u8* row, const ACT_T* x, wl_u64 cols, int nt,   \
+                                         int lane, int tpr, float* acc) {                          \
+        if (wl_fv_wide(row, x, cols * sizeof(ACT_T), nt)) {                                        \
+            wl_fv_chains_##NAME##_##ACT(row, x, cols, nt, lane, tpr, acc, 1);                      \
+        } else {                                                                                   \
+            wl_fv_chains_##NAME##_##ACT(row, x, cols, nt, lane, tpr, acc, 0);                      \
+        }                                                                                          \
+    }
+
+#define WL_FV_LANE_BOTH(NAME, ES)       \
+    WL_FV_LANE(NAME, ES, f32, float)    \
+    WL_FV_LANE(NAME, ES, f16, wl_u16)
+
+WL_FV_LANE_BOTH(f16, 2)
+WL_FV_LANE_BOTH(bf16, 2)
+WL_FV_LANE_BOTH(f32, 4)
 
 // The dequantised path of matmul (gemm_{act} in matvec.cu), as phases the kernel separates
 // with __syncthreads and the host twin replays thread by thread: a block of WL_GEMM_THREADS
@@ -59,11 +207,6 @@ WL_LANE_DOT_BOTH(f32, 1, 4)
 // Shared-tile row stride: one padding column, so a warp's column reads hit distinct banks.
 #define WL_GEMM_LD (WL_GEMM_TILE + 1)
 
-#if defined(__CUDA_ARCH__)
-#define WL_UNROLL _Pragma("unroll")
-#else
-#define WL_UNROLL
-#endif
 
 // Thread `tid` stages elements tid, tid + 256, ... of the BM x TILE weight tile at (rbase, k0):
 // ws[lr * LD + kk] = wd[(rbase + lr) * cols + k0 + kk], 0 past the rows or the tile's length.

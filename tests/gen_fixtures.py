@@ -14,6 +14,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import safetensors
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from safetensors.numpy import save_file
@@ -255,6 +256,55 @@ def write_tiny_llama_gguf(
     add("output.weight", (v, h), Q.F16)
     _finish(w)
     return made
+
+
+def write_bf16_llama_gguf(st_folder: Path, path: Path) -> None:
+    """The reference tiny llama (a bf16 `save_pretrained` folder) as a BF16 GGUF, as llama.cpp's
+    converter names and lays it out: every tensor keeps its bf16 bytes, `q_proj`/`k_proj` rows
+    are permuted to llama.cpp's adjacent rope pairs, and the tied embedding is the only output
+    matrix. The bytes come from the `safetensors` package; nothing is rounded."""
+    cfg = json.loads((st_folder / "config.json").read_text())
+    raw: dict[str, np.ndarray] = {}
+    for f in sorted(st_folder.glob("*.safetensors")):
+        for name, info in safetensors.deserialize(f.read_bytes()):
+            assert info["dtype"] == "BF16", (name, info["dtype"])
+            raw[name] = np.frombuffer(bytes(info["data"]), dtype=np.uint16).reshape(info["shape"])
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        rows, cols = w.shape
+        return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_name("tiny-llama-bf16")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    w.add_vocab_size(cfg["vocab_size"])
+
+    def add(name: str, data: np.ndarray) -> None:
+        w.add_tensor(name, np.ascontiguousarray(data), raw_dtype=Q.BF16)
+
+    add("token_embd.weight", raw["model.embed_tokens.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        hf = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", raw[hf + "input_layernorm.weight"])
+        add(f"blk.{i}.attn_q.weight", permute(raw[hf + "self_attn.q_proj.weight"], heads))
+        add(f"blk.{i}.attn_k.weight", permute(raw[hf + "self_attn.k_proj.weight"], kv_heads))
+        add(f"blk.{i}.attn_v.weight", raw[hf + "self_attn.v_proj.weight"])
+        add(f"blk.{i}.attn_output.weight", raw[hf + "self_attn.o_proj.weight"])
+        add(f"blk.{i}.ffn_norm.weight", raw[hf + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.ffn_gate.weight", raw[hf + "mlp.gate_proj.weight"])
+        add(f"blk.{i}.ffn_up.weight", raw[hf + "mlp.up_proj.weight"])
+        add(f"blk.{i}.ffn_down.weight", raw[hf + "mlp.down_proj.weight"])
+    add("output_norm.weight", raw["model.norm.weight"])
+    _finish(w)
 
 
 # --------------------------------------------------------------------------------------------

@@ -264,6 +264,15 @@ def test_load_too_small_device_exit_2(demo_gguf, args, has):
     assert "Traceback" not in p.stderr
 
 
+def test_plan_with_a_bf16_cache(demo_gguf):
+    """--cache bf16: the one cache grammar, 2 bytes a value in the plan's kv column."""
+    p = run(
+        "plan", demo_gguf, "--devices", "virtual:2x160MiB,cpu", "--ctx", "512", "--cache", "bf16"
+    )
+    assert p.returncode == 0, p.stderr
+    assert "ctx 512 × batch 1, cache bf16" in p.stdout
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [

@@ -14,6 +14,7 @@ RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
 # Bytes per element of K and V in each cache dtype.
 BYTES = {
     "fp16": (2.0, 2.0),
+    "bf16": (2.0, 2.0),
     "fp8": (1.0, 1.0),
     "q8": (8.5 / 8, 8.5 / 8),
     "q6": (8.5 / 8, 4.5 / 8),
@@ -31,10 +32,27 @@ def bound(dtype: str, is_v: bool, x: np.ndarray) -> np.ndarray:
     ax = np.abs(x)
     return {
         "fp16": ax * 2.0**-11 + 2.0**-25,
+        "bf16": ax * 2.0**-8 + 2.0**-133,
         "fp8": ax * 2.0**-4 + 2.0**-10,
         "q8": norm / 254 * (1 + 2.0**-9) + 2.0**-17,
         "q4": norm / 14 * (1 + 2.0**-9) + 2.0**-17,
     }[kind]
+
+
+def nearest_bf16(x: np.ndarray) -> np.ndarray:
+    """The bf16 value nearest each f32 (ties to the even one), picked by distance in float64
+    from the two bf16 values around it: numpy has no bfloat16, and this does not reuse the
+    engine's carry-based rounding."""
+    bits = x.astype(np.float32).view(np.uint32)
+    down = bits & np.uint32(0xFFFF0000)
+    up = down + np.uint32(0x10000)
+    lo = down.view(np.float32).astype(np.float64)
+    hi = up.view(np.float32).astype(np.float64)
+    xd = x.astype(np.float64)
+    d_lo, d_hi = np.abs(xd - lo), np.abs(hi - xd)
+    odd = ((down >> np.uint32(16)) & np.uint32(1)).astype(bool)
+    pick_up = (d_hi < d_lo) | ((d_hi == d_lo) & odd)
+    return np.where(pick_up, up, down).view(np.float32)
 
 
 @pytest.fixture()
@@ -88,6 +106,8 @@ def test_round_trip_within_bound(model: wl.Model, dtype: str) -> None:
     assert np.all(np.abs(v2 - v) <= bound(dtype, True, v))
     if dtype == "fp16":
         assert np.array_equal(k2, k.astype(np.float16).astype(np.float32))
+    if dtype == "bf16":
+        assert np.array_equal(k2, nearest_bf16(k))
     zeros, _ = cache.read(7, 0, 40)
     assert not zeros.any(), "other positions untouched"
     with pytest.raises(ValueError, match="within max_seq_len 64"):

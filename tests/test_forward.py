@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import gen_fixtures as gen
 import numpy as np
 import pytest
 import weightlift as wl
@@ -87,6 +89,90 @@ def test_tiny_llama_safetensors_runs_exactly() -> None:
     got = m.forward(ids, logits="all")
     assert np.abs(got - np.load(TINY_LLAMA / "hf_logits.npy")).max() <= 1e-3
     assert m.n_threads == 1 and m.compute == "exact"
+
+
+# The logit deviation a bf16 KV cache may cause on the tiny llama in exact mode, against
+# transformers' f32 logits: measured 0.0495 (an fp16 cache: 0.0077; bf16 keeps 3 bits fewer), and
+# the bound leaves twice that (crates/weightlift-engine/tests/forward.rs derives it).
+BF16_CACHE_BOUND = 0.1
+
+
+def tiny_ids() -> list[int]:
+    return json.loads((TINY_LLAMA / "ids.json").read_text())["ids"]
+
+
+def cuda_names() -> list[str]:
+    return [d.name for d in wl.devices() if d.kind == "cuda"]
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_st: Path) -> Path:
+    """The reference tiny llama's bf16 bytes in a GGUF of BF16 tensors (gguf-py's writer)."""
+    path = tmp_path_factory.mktemp("bf16") / "tiny-llama-BF16.gguf"
+    gen.write_bf16_llama_gguf(tiny_llama_st, path)
+    return path
+
+
+def test_bf16_gguf_runs_as_stored(tiny_bf16_gguf: Path) -> None:
+    """A GGUF of BF16 tensors loads with every tensor held as stored, and its exact forward
+    pass meets transformers to 1e-3 with the same argmax (the README's f32 check)."""
+    m = wl.load_gguf(tiny_bf16_gguf, n_ctx=64, type_k="f32", type_v="f32", compute="exact")
+    names = [t.name for t in wl.open(tiny_bf16_gguf).tensors]
+    assert {m.tensor_info(n).dtype for n in names} == {"BF16"}
+    want = np.load(TINY_LLAMA / "hf_logits.npy")
+    got = m.forward(tiny_ids(), logits="all")
+    assert np.abs(got - want).max() <= 1e-3
+    assert (got.argmax(1) == want.argmax(1)).all()
+
+
+def test_bf16_cache_wherever_a_cache_dtype_is_taken(
+    tiny_llama_st: Path, tiny_bf16_gguf: Path
+) -> None:
+    """`type_k="bf16"` (llama.cpp's name), `Cache(dtype="bfloat16")` and `CacheSpec(dtype=
+    "bf16")`: a bf16 cache of 2 bytes a value whose logits stay within the bf16 cache bound of
+    transformers'."""
+    want = np.load(TINY_LLAMA / "hf_logits.npy")
+    m = wl.load_gguf(tiny_bf16_gguf, n_ctx=64, type_k="bf16", type_v="bf16", compute="exact")
+    got = m.forward(tiny_ids(), logits="all")
+    assert 0 < np.abs(got - want).max() <= BF16_CACHE_BOUND
+    st = wl.from_pretrained(tiny_llama_st, device_map="cpu", compute="exact")
+    cache = wl.Cache(st, max_seq_len=32, dtype="bfloat16")
+    assert cache.dtype == "bf16"
+    # 2 layers x (K, V) x 2 kv heads x 64 x 32 positions x 2 bytes
+    assert sum(cache.memory().values()) == 2 * 2 * 2 * 64 * 32 * 2
+    got = st.forward(tiny_ids(), cache=cache, logits="all")
+    assert 0 < np.abs(got - want).max() <= BF16_CACHE_BOUND
+    spec = wl.CacheSpec(512, 1, "bf16")
+    assert spec.dtype == "bf16"
+    assert spec.nbytes(wl.open(tiny_llama_st).spec) == 2 * 2 * 2 * 64 * 512 * 2
+
+
+def test_bf16_checkpoint_on_cuda_as_stored(tiny_llama_st: Path, tiny_bf16_gguf: Path) -> None:
+    """On a GPU: the tiny llama's bf16 safetensors through `from_pretrained` and `Model.load`,
+    and its BF16 GGUF through `load_gguf`, all on cuda:0 with `dtype="auto"`: every tensor held
+    as BF16 there, and the exact forward pass within 1e-3 of transformers (f32 cache) and within
+    the bf16 cache bound with a bf16 cache."""
+    if not cuda_names():
+        pytest.skip("no CUDA device (no GPU, no libcuda, or a build without the cuda feature)")
+    want = np.load(TINY_LLAMA / "hf_logits.npy")
+    st = wl.from_pretrained(
+        tiny_llama_st, devices="cuda:0,cpu", device_map="cuda:0", compute="exact"
+    )
+    gg = wl.load_gguf(
+        tiny_bf16_gguf, n_gpu_layers=-1, devices="cuda:0,cpu", compute="exact", n_ctx=64
+    )
+    ml = wl.Model(tiny_llama_st, devices="cuda:0,cpu", dtype="auto", compute="exact")
+    ml.load(device_map="cuda:0")
+    for m, path in ((st, tiny_llama_st), (gg, tiny_bf16_gguf), (ml, tiny_llama_st)):
+        assert m.layer_devices == ["cuda:0", "cuda:0"]
+        for t in wl.open(path).tensors:
+            assert m.tensor_info(t.name).dtype == "BF16", t.name
+            if t.layer is not None:
+                assert m.device_of(t.name) == "cuda:0", t.name
+        for dtype, bound in (("f32", 1e-3), ("bf16", BF16_CACHE_BOUND)):
+            cache = wl.Cache(m, max_seq_len=32, dtype=dtype)
+            got = m.forward(tiny_ids(), cache=cache, logits="all")
+            assert np.abs(got - want).max() <= bound, (path, dtype)
 
 
 def test_bad_input_raises_typed_errors_and_loses_nothing(demo: Path) -> None:

@@ -111,13 +111,14 @@ def test_row_split_weight_bytes(tiny_llama_gguf):
 
 def test_kv_bytes_follow_design_formula(smollm):
     """The cache formula: 2 x n_kv_heads x head_dim x max_seq_len x batch elements per layer;
-    fp16 2 B, fp8 1 B, q8 8.5/8 B, q4 4.5/8 B, q6 K at 8.5/8 and V at 4.5/8 (one f16 scale per
-    32)."""
+    fp16 and bf16 2 B, fp8 1 B, q8 8.5/8 B, q4 4.5/8 B, q6 K at 8.5/8 and V at 4.5/8 (one f16
+    scale per 32)."""
     s = smollm.spec
     ctx, batch = 2048, 2
     n = s.n_kv_heads[0] * s.head_dim * ctx * batch  # K (or V) elements of one layer
     per_layer = {
         "fp16": 2 * n * 2,
+        "bf16": 2 * n * 2,
         "fp8": 2 * n,
         "q8": 2 * n // 32 * 34,
         "q6": n // 32 * 34 + n // 32 * 18,

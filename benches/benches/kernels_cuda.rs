@@ -133,6 +133,43 @@ fn cases(be: &CudaBackend) -> weightlift_kernels::Result<Vec<Case<'_>>> {
             }
         }
     }
+    // The float weights' bandwidth kernels at decode, on a 1.1B llama's shapes (projections,
+    // MLP, head) and an 8B's MLP: every weight byte read once, so the copy ratio is the
+    // kernel's share of the memory bandwidth (the kernels aim at 70 % or more).
+    for (rows, cols) in [
+        (2048, 2048),
+        (5632, 2048),
+        (2048, 5632),
+        (32000, 2048),
+        (4096, 14336),
+        (14336, 4096),
+    ] {
+        for ty in [QuantType::F16, QuantType::BF16, QuantType::F32] {
+            let w = random_weights(ty, rows * cols);
+            let x = f32_bytes((0..cols).map(|i| (i as f32 * 0.01).sin()));
+            let bytes = w.len() + x.len() + rows * 4;
+            let (w, x) = (&*leak(upload(be, &w)?), &*leak(upload(be, &x)?));
+            let y = leak(be.alloc(rows * 4)?);
+            v.push(Case {
+                name: format!("matvec_{ty}_f32_exact_{rows}x{cols}"),
+                bytes,
+                run: Box::new(move || {
+                    be.run(Op::Matmul {
+                        ty,
+                        mode: MatvecMode::Exact,
+                        act: FloatType::F32,
+                        rows,
+                        cols,
+                        n_tok: 1,
+                        max_dq_size: 64 << 20,
+                        w,
+                        x,
+                        y: &mut *y,
+                    })
+                }),
+            });
+        }
+    }
     let f = &*leak(upload(
         be,
         &f32_bytes((0..n).map(|i| (i as f32 * 1e-3).sin())),

@@ -654,7 +654,7 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False, world: bool
         )
     p.add_argument("--ctx", type=int, help=f"KV cache length (default {DEFAULT_CTX} with --cache)")
     p.add_argument("--batch", type=int, help="KV cache batch size (default 1)")
-    p.add_argument("--cache", help="KV cache dtype: fp16, fp8, q8, q6 or q4")
+    p.add_argument("--cache", help="KV cache dtype: fp16, bf16, fp8, q8, q6 or q4")
     p.add_argument(
         "--cache-offload",
         action="store_true",

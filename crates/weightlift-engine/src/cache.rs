@@ -8,6 +8,7 @@
 //! | dtype | K | V | round-trip error bound, per value `x` of group `g` |
 //! |---|---|---|---|
 //! | fp16 | 2 | 2 | `|x|·2⁻¹¹ + 2⁻²⁵` for `|x| ≤ 65504` |
+//! | bf16 | 2 | 2 | `|x|·2⁻⁸ + 2⁻¹³³` (f32's range) |
 //! | fp8 (e4m3) | 1 | 1 | `|x|·2⁻⁴ + 2⁻¹⁰` for `|x| ≤ 448` (saturates above) |
 //! | q8 | 8.5/8 | 8.5/8 | `√32·‖g‖/254·(1+2⁻⁹) + 2⁻¹⁷` |
 //! | q6 | 8.5/8 (8-bit) | 4.5/8 (4-bit) | K as q8, V as q4 (exllamav2's Q6 cache) |
@@ -73,6 +74,7 @@ pub(crate) fn formats(d: CacheDType) -> (KvFormat, KvFormat) {
     match d {
         CacheDType::F32 => (KvFormat::F32, KvFormat::F32),
         CacheDType::Fp16 => (KvFormat::F16, KvFormat::F16),
+        CacheDType::Bf16 => (KvFormat::BF16, KvFormat::BF16),
         CacheDType::Fp8 => (KvFormat::E4M3, KvFormat::E4M3),
         CacheDType::Q8 => (KvFormat::Q8, KvFormat::Q8),
         CacheDType::Q6 => (KvFormat::Q8, KvFormat::Q4),

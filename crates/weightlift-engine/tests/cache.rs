@@ -39,9 +39,10 @@ fn prefetching() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-const ALL: [CacheDType; 6] = [
+const ALL: [CacheDType; 7] = [
     CacheDType::F32,
     CacheDType::Fp16,
+    CacheDType::Bf16,
     CacheDType::Fp8,
     CacheDType::Q8,
     CacheDType::Q6,
@@ -51,7 +52,7 @@ const ALL: [CacheDType; 6] = [
 #[test]
 fn byte_sizes_follow_the_design_table() {
     // 2 × n_kv_heads × head_dim × max_seq_len × batch elements times bytes per element
-    // (fp16 2, fp8 1, q8 8.5/8, q6 8.5/8 for K and 4.5/8 for V, q4 4.5/8).
+    // (fp16 and bf16 2, fp8 1, q8 8.5/8, q6 8.5/8 for K and 4.5/8 for V, q4 4.5/8).
     let inv = Inventory::parse("virtual:1x64MiB").unwrap();
     let dev = Arc::clone(&inv.accelerators()[0]);
     for dtype in ALL {
@@ -62,7 +63,7 @@ fn byte_sizes_follow_the_design_table() {
         let per = |heads: f64| heads * 64.0 * 64.0 * 2.0;
         let (k, v) = match dtype {
             CacheDType::F32 => (4.0, 4.0),
-            CacheDType::Fp16 => (2.0, 2.0),
+            CacheDType::Fp16 | CacheDType::Bf16 => (2.0, 2.0),
             CacheDType::Fp8 => (1.0, 1.0),
             CacheDType::Q8 => (8.5 / 8.0, 8.5 / 8.0),
             CacheDType::Q6 => (8.5 / 8.0, 4.5 / 8.0),
@@ -114,6 +115,14 @@ fn round_trip_within_documented_bounds() {
                 k.iter()
                     .zip(&k2)
                     .all(|(x, y)| half::f16::from_f32(*x).to_f32() == *y)
+            );
+        }
+        if dtype == CacheDType::Bf16 {
+            // bf16 likewise, at 8 bits of precision
+            assert!(
+                k.iter()
+                    .zip(&k2)
+                    .all(|(x, y)| half::bf16::from_f32(*x).to_f32() == *y)
             );
         }
         // Neighbouring positions were not touched.

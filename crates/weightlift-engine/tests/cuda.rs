@@ -3,6 +3,8 @@
 //! passed): on a machine with a GPU, `cargo test --features cuda -- --ignored` checks device
 //! memory, loading, copies back, accounting, caches and unload against the checkpoint.
 
+mod common;
+
 use std::sync::Arc;
 
 use weightlift_engine::model::TensorPlace;
@@ -99,6 +101,49 @@ fn device_memory_round_trips_and_is_accounted() {
     assert_eq!(gpu.used(), 0);
 }
 
+/// Writes 3 tokens of 2 kv heads × 64 values into layer 1 of a q8 `cache` (2 kv heads, head_dim
+/// 64) at position 5 and reads them back: each value within the q8 cache's documented bound,
+/// [`CacheDType::error_bound`], which is stated on its group's L2 norm because the groups are
+/// stored Hadamard-turned (the largest value's `amax/254` held before the turn; on these values
+/// the turned groups exceed it).
+fn q8_cache_round_trips_within_its_bound(cache: &Cache) {
+    let n = 2 * 64 * 3;
+    let k: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    cache.write(1, 5, 3, &k, &k).unwrap();
+    let (k2, v2) = cache.read(1, 5, 8).unwrap();
+    // (batch, head, token, dim) order: every 32 values are one group of one head and token
+    for (is_v, back) in [(false, &k2), (true, &v2)] {
+        for (g, b) in k.chunks(32).zip(back.chunks(32)) {
+            for (x, y) in g.iter().zip(b) {
+                let bound = CacheDType::Q8.error_bound(is_v, *x, g);
+                assert!((x - y).abs() <= bound, "{x} -> {y}, bound {bound}");
+            }
+        }
+    }
+}
+
+/// The round trip of the q8 cache test on `cuda:0`, on a virtual device: the cache encodes and
+/// decodes rows with the same codec there, so the bound that test checks is checked here on
+/// every machine.
+#[test]
+fn q8_cache_round_trip_bound_holds_on_a_virtual_device() {
+    let inv = Inventory::parse("virtual:1x8MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    let cfg = weightlift_engine::CacheConfig {
+        max_seq_len: 16,
+        batch_size: 1,
+        dtype: CacheDType::Q8,
+        n_kv_heads: vec![2, 2],
+        head_dim: 64,
+        offload: false,
+    };
+    let cache = Cache::new(cfg).unwrap();
+    for l in 0..2 {
+        cache.allocate_layer(l, &dev, inv.cpu()).unwrap();
+    }
+    q8_cache_round_trips_within_its_bound(&cache);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn load_onto_cuda_copies_back_the_checkpoint_and_unload_frees() {
@@ -157,13 +202,7 @@ fn load_onto_cuda_copies_back_the_checkpoint_and_unload_frees() {
     assert_eq!(held, layer_bytes + kv + (1 << 20));
     assert_eq!(gpu.used(), held);
     // The cache on CUDA memory round-trips within the q8 bound.
-    let n = 2 * 64 * 3;
-    let k: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-    cache.write(1, 5, 3, &k, &k).unwrap();
-    let (k2, _) = cache.read(1, 5, 8).unwrap();
-    for (a, b) in k.iter().zip(&k2) {
-        assert!((a - b).abs() <= 1.0 / 254.0 * 1.01 + 1e-5);
-    }
+    q8_cache_round_trips_within_its_bound(&cache);
     model.unload();
     assert_eq!(gpu.used(), 0);
     assert!(!cache.is_allocated());
@@ -200,4 +239,56 @@ fn offloaded_cache_prefetches_into_cuda() {
     drop(r1);
     cache.free();
     assert_eq!(gpu.used(), 0);
+}
+
+/// The tiny llama's bf16 safetensors on `cuda:0` as stored (its placement keeps every dtype, as
+/// `dtype="auto"` does): the embedding lookup, the layers and the tied head run the CUDA
+/// kernels on bf16 (the bandwidth matvec one token at a time, the dequantised GEMM for the
+/// 16-token prompt). Exact compute with an f32 cache: within 1e-3 of the cpu path and of
+/// transformers (the reference README's f32 check), the same argmax, and the same per-token
+/// decode; with a bf16 cache, within the bf16 cache bound of `tests/forward.rs` (0.1) of
+/// transformers and of the cpu path over a bf16 cache.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn tiny_llama_bf16_runs_on_cuda_as_stored() {
+    use common::{argmax, forward_all, json_ids, max_abs_diff, read_npy, reference};
+    use weightlift_engine::forward::{Compute, Logits};
+    cuda();
+    let src = common::open(reference().join("tiny-llama/safetensors"));
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let (shape, hf) = read_npy(&reference().join("tiny-llama/hf_logits.npy"));
+    for (dtype, bound) in [(CacheDType::F32, 1e-3f32), (CacheDType::Bf16, 0.1)] {
+        let (mut cpu, cc) = common::load_on(&src, "cpu", "cpu", 64, dtype);
+        cpu.set_compute(Compute::Exact);
+        let want = forward_all(&mut cpu, &cc, &ids);
+        let (mut gpu, gc) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 64, dtype);
+        gpu.set_compute(Compute::Exact);
+        for (i, t) in src.tensors().iter().enumerate() {
+            let (bytes, held, _) = gpu.tensor_bytes(&t.name).unwrap();
+            assert_eq!(held, DType::BF16, "{}: held as stored", t.name);
+            assert!(bytes == src.bytes(i), "{}", t.name);
+        }
+        let got = forward_all(&mut gpu, &gc, &ids);
+        let (d_cpu, d_hf) = (max_abs_diff(&got, &want), max_abs_diff(&got, &hf));
+        eprintln!(
+            "{} cache: max|Δ| {d_cpu:.2e} against the cpu path, {d_hf:.2e} against transformers",
+            dtype.name()
+        );
+        assert!(d_cpu <= bound && d_hf <= bound, "{} cache", dtype.name());
+        if dtype == CacheDType::F32 {
+            for (i, (a, b)) in got.chunks(shape[1]).zip(hf.chunks(shape[1])).enumerate() {
+                assert_eq!(argmax(a), argmax(b), "position {i}");
+            }
+        }
+        // token by token: every step is a one-token pass through the matvec kernels
+        gc.reset();
+        let mut out = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            gpu.forward(&[*id], Some(&gc), Logits::Last, &mut out)
+                .unwrap();
+            let row = &want[i * shape[1]..(i + 1) * shape[1]];
+            let d = max_abs_diff(&out, row);
+            assert!(d <= bound, "{} cache, step {i}: max|Δ| {d}", dtype.name());
+        }
+    }
 }

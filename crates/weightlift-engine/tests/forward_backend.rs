@@ -192,15 +192,16 @@ fn assert_same(what: &str, backend: &Outcome, host: &Outcome) {
     assert!(backend.2 == host.2, "{what}: cache rows differ");
 }
 
-/// Every quantised cache (q8, q6, q4, fp8) through the backend: the cache rows are written by
-/// the backend's store operation and read by its attention in their own storage, and give the
-/// host path's bits: the prompt's logits at every position, a decode step after it, and the
-/// cache's decoded rows, in both compute modes.
+/// Every quantised cache (q8, q6, q4, fp8) and the bf16 one through the backend: the cache
+/// rows are written by the backend's store operation and read by its attention in their own
+/// storage, and give the host path's bits: the prompt's logits at every position, a decode step
+/// after it, and the cache's decoded rows, in both compute modes.
 #[test]
 fn backend_path_reads_and_writes_every_cache_dtype_as_the_host_path() {
     let src = smollm2();
     let prompt = smollm2_prompt(2);
     for dtype in [
+        CacheDType::Bf16,
         CacheDType::Q8,
         CacheDType::Q6,
         CacheDType::Q4,
@@ -245,9 +246,10 @@ fn backend_path_runs_an_offloaded_cache_as_the_host_path() {
 /// SmolLM2's layers on `cuda:0` (embedding and head on cpu), exact compute with an f32 cache
 /// and fast compute with an fp16 cache, against the host path on cpu: the same greedy ids and
 /// logits within 0.05 (exact) or the same argmax wherever the host margin is above 0.25
-/// (fast). Then exact compute over each quantised cache (q8, q6, q4, fp8), which the GPU stores
-/// and reads in place: logits within 0.05 of the host path over the same cache dtype (the
-/// cache's bytes are the codec's on both, only the sums' order differs), and its greedy ids.
+/// (fast). Then exact compute over each quantised cache (q8, q6, q4, fp8) and bf16, which the
+/// GPU stores and reads in place: logits within 0.05 of the host path over the same cache dtype
+/// (the cache's bytes are the codec's on both, only the sums' order differs), and its greedy
+/// ids.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn cuda_layers_match_the_host_path() {
@@ -263,6 +265,7 @@ fn cuda_layers_match_the_host_path() {
         (Compute::Exact, CacheDType::Q6),
         (Compute::Exact, CacheDType::Q4),
         (Compute::Exact, CacheDType::Fp8),
+        (Compute::Exact, CacheDType::Bf16),
     ] {
         let (mut cpu, cc) = common::load_on(&src, "cpu", "cpu", 64, dtype);
         cpu.set_compute(compute);

@@ -83,10 +83,19 @@ extern "C" void wl_host_kv_dequantize(const wl_u8* src, float* out, size_t n_gro
 }
 
 // The cache codec's device half: qmax 127 or 7 for the turned q8/q4 groups, 0 for e4m3 (one
-// byte per value, n_groups counting values then).
+// byte per value) and 1 for bf16 (two little-endian bytes per value); n_groups counts values
+// for those two.
 extern "C" void wl_host_kv_store(const float* x, wl_u8* out, size_t n_groups, int qmax) {
     if (qmax == 0) {
         for (size_t i = 0; i < n_groups; ++i) out[i] = wl_e4m3_encode(x[i]);
+        return;
+    }
+    if (qmax == 1) {
+        for (size_t i = 0; i < n_groups; ++i) {
+            wl_u16 h = wl_kv_store_bf16(x[i]);
+            out[2 * i] = (wl_u8)(h & 0xffu);
+            out[2 * i + 1] = (wl_u8)(h >> 8);
+        }
         return;
     }
     size_t gb = (size_t)wl_kv_group_bytes(qmax);
@@ -96,6 +105,10 @@ extern "C" void wl_host_kv_store(const float* x, wl_u8* out, size_t n_groups, in
 extern "C" void wl_host_kv_load(const wl_u8* src, float* out, size_t n_groups, int qmax) {
     if (qmax == 0) {
         for (size_t i = 0; i < n_groups; ++i) out[i] = wl_e4m3_decode(src[i]);
+        return;
+    }
+    if (qmax == 1) {
+        for (size_t i = 0; i < n_groups; ++i) out[i] = wl_kv_load_bf16(wl_rd_u16(src + 2 * i));
         return;
     }
     size_t gb = (size_t)wl_kv_group_bytes(qmax);
@@ -120,8 +133,6 @@ static int wl_matvec_fns(int ty, wl_row_fn* row, wl_lane_f32_fn* f32, wl_lane_f1
         WL_MV_CASE(q8_0, WL_Q8_0)
         WL_MV_CASE(q4_k, WL_Q4_K)
         WL_MV_CASE(q6_k, WL_Q6_K)
-        WL_MV_CASE(f16, WL_F16)
-        WL_MV_CASE(f32, WL_F32)
         default: return 0;
     }
 }
@@ -150,6 +161,73 @@ extern "C" int wl_host_matmul(int ty, int act_f16, const wl_u8* w, const void* x
                 for (int l = 0; l < 32; ++l) v[l] = next[l];
             }
             y[t * rows + r] = v[0];
+        }
+    }
+    return 1;
+}
+
+typedef void (*wl_fv_f32_fn)(const wl_u8*, const float*, wl_u64, int, int, int, float*);
+typedef void (*wl_fv_f16_fn)(const wl_u8*, const wl_u16*, wl_u64, int, int, int, float*);
+
+#define WL_FV_CASE(NAME, TY, ES)            \
+    case TY:                                \
+        *f32 = wl_fv_lane_##NAME##_f32;     \
+        *f16 = wl_fv_lane_##NAME##_f16;     \
+        *es = ES;                           \
+        return 1;
+
+static int wl_fv_fns(int ty, wl_fv_f32_fn* f32, wl_fv_f16_fn* f16, int* es) {
+    switch (ty) {
+        WL_FV_CASE(f16, WL_F16, 2)
+        WL_FV_CASE(bf16, WL_BF16, 2)
+        WL_FV_CASE(f32, WL_F32, 4)
+        default: return 0;
+    }
+}
+
+// What matvec_/matmul_{f16,bf16,f32}_{act} compute with `tpr` threads a row (16, 32, 64, 128 or
+// 256): per pass of `nt_max` tokens (1 for matvec_, WL_FV_NT for matmul_) and per row, every
+// thread's chains from wl_fv_lane_*, then the kernel's sum: within each warp's share of the
+// row an xor butterfly over min(tpr, 32) threads (thread l takes v[l] + v[l ^ o], o halving
+// from half that width), and for tpr > 32 the warps' results added in warp order. Returns 0
+// for a type without a float kernel or an unsupported tpr.
+extern "C" int wl_host_float_matmul(int ty, int act_f16, const wl_u8* w, const void* x, float* y,
+                                    size_t rows, size_t cols, size_t n_tok, int tpr, int nt_max) {
+    wl_fv_f32_fn lane_f32;
+    wl_fv_f16_fn lane_f16;
+    int es;
+    if (!wl_fv_fns(ty, &lane_f32, &lane_f16, &es)) return 0;
+    if (tpr != 16 && tpr != 32 && tpr != 64 && tpr != 128 && tpr != 256) return 0;
+    if (nt_max < 1 || nt_max > WL_FV_NT) return 0;
+    int width = tpr < 32 ? tpr : 32;
+    // the partial sums of one row: 256 threads by WL_FV_NT tokens (tests call this from several
+    // threads at once, so nothing is static)
+    float v[256][WL_FV_NT], next[32];
+    for (size_t t0 = 0; t0 < n_tok; t0 += (size_t)nt_max) {
+        int nt = n_tok - t0 < (size_t)nt_max ? (int)(n_tok - t0) : nt_max;
+        for (size_t r = 0; r < rows; ++r) {
+            const wl_u8* row = w + r * cols * (size_t)es;
+            for (int l = 0; l < tpr; ++l) {
+                if (act_f16) {
+                    lane_f16(row, (const wl_u16*)x + t0 * cols, cols, nt, l, tpr, v[l]);
+                } else {
+                    lane_f32(row, (const float*)x + t0 * cols, cols, nt, l, tpr, v[l]);
+                }
+            }
+            for (int k = 0; k < nt; ++k) {
+                float total = 0.0f;
+                for (int g = 0; g < tpr / width; ++g) {
+                    float* s = &v[g * width][0];
+                    float cur[32];
+                    for (int l = 0; l < width; ++l) cur[l] = s[l * WL_FV_NT + k];
+                    for (int o = width / 2; o > 0; o >>= 1) {
+                        for (int l = 0; l < width; ++l) next[l] = cur[l] + cur[l ^ o];
+                        for (int l = 0; l < width; ++l) cur[l] = next[l];
+                    }
+                    total = g == 0 ? cur[0] : total + cur[0];
+                }
+                y[(t0 + (size_t)k) * rows + r] = total;
+            }
         }
     }
     return 1;

@@ -20,7 +20,9 @@
 //!
 //! - Matmul: [`MatvecMode::Q8`] quantises the activations on the device (`q8_quantize_*`, the
 //!   CPU's `Q8Block` bytes) and runs `q8_matmul_{type}` (dp4a, the CPU scalar Q8 order).
-//!   [`MatvecMode::Exact`] uses the in-register warp kernels below
+//!   Float weights (f16, bf16, f32) have bandwidth kernels: 16-byte loads, a row over
+//!   [`float_row_threads`] threads chosen from the shape and the SM count.
+//!   [`MatvecMode::Exact`] uses the in-register kernels below
 //!   [`DQ_PATH_MIN_TOKENS`] tokens; from there on it dequantises chunks of weight rows into a
 //!   scratch of at most `max_dq_size` values ([`dq_chunk_rows`]) and multiplies them with the
 //!   tiled `gemm_{act}`; when not one row fits in `max_dq_size` it keeps the in-register
@@ -67,8 +69,9 @@ use crate::cpu::ops::RopeStyle;
 use crate::cpu_backend::AttShape;
 use crate::error::{KernelError, Result};
 use crate::sources::{
-    CUDA_EXACT_TYPES, CUDA_Q8_TYPES, DQ_PATH_MIN_TOKENS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS,
-    GEMM_THREADS, Param, Q8_BLOCK_BYTES, dq_chunk_rows, signature,
+    CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FLOAT_TYPES, CUDA_Q8_TYPES, DQ_PATH_MIN_TOKENS,
+    FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS,
+    Param, Q8_BLOCK_BYTES, dq_chunk_rows, float_row_threads, signature,
 };
 use crate::types::{FloatType, QuantType};
 
@@ -137,6 +140,8 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     /// Compute capability (major, minor).
     cc: (i32, i32),
+    /// Streaming multiprocessors: the float matvec kernels size their grid by it.
+    sm_count: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     staging: Mutex<Option<Staging>>,
     /// Whether peer copies to each other device (by ordinal) go device to device.
@@ -150,6 +155,7 @@ impl std::fmt::Debug for CudaBackend {
         f.debug_struct("CudaBackend")
             .field("ordinal", &self.ordinal)
             .field("compute_capability", &self.cc)
+            .field("sm_count", &self.sm_count)
             .finish()
     }
 }
@@ -183,12 +189,18 @@ impl CudaBackend {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(drv("reading the compute capability"))?;
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(drv("reading the multiprocessor count"))?;
         let stream = ctx.new_stream().map_err(drv("creating a stream"))?;
         Ok(CudaBackend {
             ordinal,
             ctx,
             stream,
             cc: (major, minor),
+            sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
             modules: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
             peers: Mutex::new(HashMap::new()),

@@ -1,7 +1,8 @@
 //! The host C++ build of `kernels/*.cuh` (see `shim/host_shim.cpp`), for tests that check the
 //! device maths without a GPU: block decoders and layouts, the `scan_{type}` block check, the
-//! matvec kernels' per-lane dot products and warp butterfly, f16 rounding and the KV-cache
-//! quantisers, and the Q8-activation mode and dequantised-path GEMM of the matmul kernels.
+//! matvec kernels' per-lane dot products and warp butterfly (and the float-weight kernels'
+//! chunked chains and reduction), f16 rounding and the KV-cache codecs, and the Q8-activation
+//! mode and dequantised-path GEMM of the matmul kernels.
 //! Present when `build.rs` found a C++ compiler.
 // Calling the C++ shim is FFI; each wrapper checks the buffer sizes the shim relies on.
 #![allow(unsafe_code)]
@@ -25,6 +26,19 @@ unsafe extern "C" {
         rows: usize,
         cols: usize,
         n_tok: usize,
+    ) -> i32;
+    #[allow(clippy::too_many_arguments)]
+    fn wl_host_float_matmul(
+        ty: i32,
+        act_f16: i32,
+        w: *const u8,
+        x: *const u8,
+        y: *mut f32,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+        tpr: i32,
+        nt_max: i32,
     ) -> i32;
     fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
     fn wl_host_q8_matmul(
@@ -155,7 +169,73 @@ pub fn matmul(
         return Err(KernelError::Unsupported {
             op: "host matmul",
             ty: ty.to_string(),
-            supported: "q4_0, q4_1, q8_0, q4_k, q6_k, f16, f32",
+            supported: "q4_0, q4_1, q8_0, q4_k, q6_k (float weights: float_matmul)",
+        });
+    }
+    Ok(())
+}
+
+/// What the float-weight kernels `matvec_{f16,bf16,f32}_{act}` (`matmul` false: one token a
+/// pass) and `matmul_…` (`matmul` true: [`crate::sources::FLOAT_TOKENS_PER_PASS`] tokens a pass)
+/// compute with `tpr` threads a row, every thread's FMA chains (the header's `wl_fv_lane_*`) and
+/// the kernel's reduction replayed in order: `y[t * rows + r]` for the tokens in `x`.
+#[allow(clippy::too_many_arguments)]
+pub fn float_matmul(
+    ty: QuantType,
+    w: &[u8],
+    x: Act<'_>,
+    y: &mut [f32],
+    rows: usize,
+    cols: usize,
+    tpr: usize,
+    matmul: bool,
+) -> Result<()> {
+    let (x_len, act_f16, x_ptr) = x.raw();
+    let n_tok = x_len.checked_div(cols).unwrap_or(0);
+    let shape_ok = n_tok * cols == x_len
+        && rows
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(ty.block_bytes()))
+            == Some(w.len())
+        && y.len() == rows * n_tok
+        && ty.block_size() == 1
+        && crate::sources::FLOAT_ROW_THREADS.contains(&tpr);
+    if !shape_ok {
+        return Err(KernelError::Shape {
+            op: "host float matmul",
+            reason: format!(
+                "{rows} x {cols} {ty} weights in {} bytes, {x_len} activations, {} outputs, {tpr} threads a row",
+                w.len(),
+                y.len()
+            ),
+        });
+    }
+    let nt_max = if matmul {
+        crate::sources::FLOAT_TOKENS_PER_PASS
+    } else {
+        1
+    };
+    // SAFETY: w holds rows × cols values of the type's width, x n_tok * cols activations of the
+    // declared width and y rows * n_tok floats (checked above): all the shim touches.
+    let ok = unsafe {
+        wl_host_float_matmul(
+            ty.ggml_id() as i32,
+            act_f16,
+            w.as_ptr(),
+            x_ptr,
+            y.as_mut_ptr(),
+            rows,
+            cols,
+            n_tok,
+            tpr as i32,
+            nt_max as i32,
+        )
+    };
+    if ok == 0 {
+        return Err(KernelError::Unsupported {
+            op: "host float matmul",
+            ty: ty.to_string(),
+            supported: "f16, bf16, f32",
         });
     }
     Ok(())
@@ -198,17 +278,18 @@ pub fn kv_dequantize(kt: KvType, src: &[u8], out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// The shim's code for a cache format the kv kernels encode (e4m3 0; turned q8/q4 their qmax),
-/// and the units it counts (values or groups of 32) for `n` values.
+/// The shim's code for a cache format the kv kernels encode (e4m3 0, bf16 1; turned q8/q4
+/// their qmax), and the units it counts (values or groups of 32) for `n` values.
 fn kv_format_code(format: KvFormat, n: usize, bytes: usize) -> Result<(i32, usize)> {
     let code = match format {
         KvFormat::E4M3 => 0,
+        KvFormat::BF16 => 1,
         KvFormat::Q8 | KvFormat::Q4 => format.quant().map_or(0, KvType::qmax),
         other => {
             return Err(KernelError::Unsupported {
                 op: "host kv codec",
                 ty: other.name().into(),
-                supported: "e4m3, q8, q4",
+                supported: "e4m3, bf16, q8, q4",
             });
         }
     };

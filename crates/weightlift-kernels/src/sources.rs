@@ -61,8 +61,66 @@ pub const CUDA_EXACT_TYPES: &[QuantType] = &[
     QuantType::Q4_K,
     QuantType::Q6_K,
     QuantType::F16,
+    QuantType::BF16,
     QuantType::F32,
 ];
+
+/// [`CUDA_EXACT_TYPES`] as the error messages name them.
+pub const CUDA_EXACT_NAMES: &str = "q4_0, q4_1, q8_0, q4_k, q6_k, f16, bf16, f32";
+
+/// The float weight types, whose `matvec_`/`matmul_` kernels are the bandwidth kernels of
+/// `kernels/matvec.cu` (16-byte chunks spread over [`float_row_threads`] threads a row).
+pub const CUDA_FLOAT_TYPES: &[QuantType] = &[QuantType::F16, QuantType::BF16, QuantType::F32];
+
+/// Threads per float-kernel block (`WL_FV_THREADS`): `256 / tpr` rows of `tpr` threads.
+pub const FLOAT_BLOCK_THREADS: usize = 256;
+
+/// The threads a row the float kernels take (`blockDim.x`): half a warp, a warp, or 2, 4 or 8
+/// warps.
+pub const FLOAT_ROW_THREADS: [usize; 5] = [16, 32, 64, 128, 256];
+
+/// Tokens one float `matmul_` thread carries per pass (`WL_FV_NT`).
+pub const FLOAT_TOKENS_PER_PASS: usize = 4;
+
+/// Bytes of one float-kernel chunk (`WL_FV_CHUNK`): one 128-bit load.
+const FLOAT_CHUNK_BYTES: usize = 16;
+
+/// Resident warps per SM the float kernels aim for before they spread a row over more threads:
+/// half of the 64 an SM of compute capability 8.0 to 9.0 holds (the register budget of
+/// `__launch_bounds__(256, 4)` allows 32), enough loads in flight to cover memory latency.
+const FLOAT_WARPS_PER_SM: usize = 32;
+
+/// Threads per row (`blockDim.x`, one of [`FLOAT_ROW_THREADS`]) of a float `matvec_`/`matmul_`
+/// launch over `rows` rows of `cols` values of `elem_bytes` bytes, with `passes` token passes
+/// side by side on grid.y, on a device of `sm_count` SMs:
+///
+/// - rows of at most 32 chunks of 16 bytes take half a warp (two rows a warp), longer ones a
+///   warp;
+/// - then, while the grid's warps are fewer than [`FLOAT_WARPS_PER_SM`] per SM and every thread
+///   would still load at least two chunks, a row takes twice the threads (up to a whole block).
+///
+/// A pure function of the shape and the SM count, so the host twin can replay any launch; the
+/// sum order (and so the last bits of a result) follows the threads per row.
+pub fn float_row_threads(
+    rows: usize,
+    cols: usize,
+    elem_bytes: usize,
+    passes: usize,
+    sm_count: usize,
+) -> usize {
+    let chunks = cols.saturating_mul(elem_bytes).div_ceil(FLOAT_CHUNK_BYTES);
+    let want = FLOAT_WARPS_PER_SM.saturating_mul(sm_count.max(1));
+    let warps = |tpr: usize| {
+        rows.saturating_mul(tpr)
+            .div_ceil(32)
+            .saturating_mul(passes.max(1))
+    };
+    let mut tpr = if chunks <= 32 { 16 } else { 32 };
+    while tpr < FLOAT_BLOCK_THREADS && chunks >= 4 * tpr && warps(tpr) < want {
+        tpr *= 2;
+    }
+    tpr
+}
 
 /// The parameter list of every kernel family, by name prefix: the ABI between `kernels/*.cu`
 /// and the launches in `cuda.rs`. The CUDA backend refuses a launch whose arguments differ from
@@ -74,7 +132,7 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("convert_", &[Ptr, Ptr, U64]),
     // (src, n values or blocks, first)
     ("scan_", &[Ptr, U64, Ptr]),
-    // (w, x, y, rows, cols)
+    // (w, x, y, rows, cols); the float types' kernels too, whose threads a row ride blockDim
     ("matvec_", &[Ptr, Ptr, Ptr, U64, U64]),
     // (w, x, y, rows, cols, n_tok)
     ("matmul_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
@@ -167,3 +225,35 @@ pub const GEMM_BLOCK_ROWS: usize = 64;
 pub const GEMM_BLOCK_TOKENS: usize = 64;
 /// Threads per GEMM thread block, one-dimensional (`WL_GEMM_THREADS`).
 pub const GEMM_THREADS: usize = 256;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shapes the float kernels are written for (a 1.1B llama's and an 8B's projections and
+    /// heads on a 132-SM H200), tiny rows, and token passes that fill the grid on their own.
+    #[test]
+    fn float_row_threads_fill_the_sms_and_keep_two_chunks_a_thread() {
+        // 2048 x 2048 f16: 256 chunks a row; 32 threads give 2048 warps (15 an SM), 64 give
+        // 31, 128 give 62 with two chunks a thread
+        assert_eq!(float_row_threads(2048, 2048, 2, 1, 132), 128);
+        // 4096 x 14336 f16: 64 threads a row already make 62 warps an SM
+        assert_eq!(float_row_threads(4096, 14336, 2, 1, 132), 64);
+        // a 32000-row head needs no help
+        assert_eq!(float_row_threads(32000, 2048, 2, 1, 132), 32);
+        // 256 k/v rows of 2048: more threads, but never fewer than two chunks each
+        assert_eq!(float_row_threads(256, 2048, 2, 1, 132), 128);
+        // short rows: half a warp each (the tiny llama's 256 values of bf16 are 32 chunks)
+        assert_eq!(float_row_threads(768, 256, 2, 1, 132), 16);
+        assert_eq!(float_row_threads(7, 100, 4, 1, 132), 16);
+        // one very long row takes the whole block
+        assert_eq!(float_row_threads(1, 1 << 20, 4, 1, 132), 256);
+        // eight token passes fill the grid with a warp a row
+        assert_eq!(float_row_threads(2048, 2048, 2, 8, 132), 32);
+        // fewer SMs, fewer threads a row
+        assert_eq!(float_row_threads(2048, 2048, 2, 1, 16), 32);
+        for (rows, cols) in [(0, 0), (1, 1), (3, 33), (100_000, 8)] {
+            assert!(FLOAT_ROW_THREADS.contains(&float_row_threads(rows, cols, 2, 1, 0)));
+        }
+    }
+}

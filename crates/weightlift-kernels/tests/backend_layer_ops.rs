@@ -208,7 +208,7 @@ fn reference_attention(
     out
 }
 
-/// Attention over caches in every storage format (f32 and f16 with heads of 40 and 64 values;
+/// Attention over caches in every storage format (f32, f16 and bf16 with heads of 40 and 64 values;
 /// e4m3, q8, q4 and the q6 pair with heads of 64, the quantised groups being whole in a head),
 /// 1 and 5 queries after 0 and 37 cached positions, 6 query heads over 2 kv heads, in tiles of
 /// 1, 4 and 256 keys: within 2e-6 of the f64 softmax over the rows the codec decodes (2e-3 with
@@ -226,6 +226,7 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
             let mut formats = vec![
                 (KvFormat::F32, KvFormat::F32),
                 (KvFormat::F16, KvFormat::F16),
+                (KvFormat::BF16, KvFormat::BF16),
             ];
             if hd % 32 == 0 {
                 formats.extend([

@@ -203,3 +203,97 @@ fn q8_mode_refuses_other_weight_types<B: Backend>(b: &B) -> Result<()> {
     Ok(())
 }
 weightlift_kernels::test_device!(q8_mode_refuses_other_weight_types);
+
+/// `ty`'s bytes of `v` (f16 and bf16 rounded to nearest even by the `half` crate, which the
+/// kernels' results are compared against) and the values the kernels see.
+fn float_weights(ty: QuantType, v: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    match ty {
+        QuantType::F16 => v
+            .iter()
+            .map(|x| half::f16::from_f32(*x))
+            .map(|h| (h.to_le_bytes(), h.to_f32()))
+            .fold((Vec::new(), Vec::new()), |(mut b, mut w), (h, f)| {
+                b.extend(h);
+                w.push(f);
+                (b, w)
+            }),
+        QuantType::BF16 => v
+            .iter()
+            .map(|x| half::bf16::from_f32(*x))
+            .map(|h| (h.to_le_bytes(), h.to_f32()))
+            .fold((Vec::new(), Vec::new()), |(mut b, mut w), (h, f)| {
+                b.extend(h);
+                w.push(f);
+                (b, w)
+            }),
+        _ => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), v.to_vec()),
+    }
+}
+
+/// Float weights (f16, bf16, f32) in exact mode on every backend: one token (the bandwidth
+/// matvec), 3 and 6 tokens (a pass of four and a short one), DQ_PATH_MIN_TOKENS + 3 (the
+/// dequantised path), rows of 100 values (a tail past whole 16-byte chunks) and of 256 and 600,
+/// 7 and 37 rows (blocks with rows past the last), the weights and activations read in place
+/// at 16-byte aligned offsets and through views at offsets that are not (the CUDA kernels'
+/// byte-by-byte path): within 1e-5 · Σ|w·x| of an f64 dot of the values as the `half` crate
+/// reads them.
+// Views of an uploaded buffer are unsafe (their lifetime is the caller's to keep).
+#[allow(unsafe_code)]
+fn float_weights_match_f64_at_any_alignment<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0xbf16_0001);
+    for (rows, cols) in [(7usize, 100usize), (37, 256), (5, 600)] {
+        let wv = rng.vec(rows * cols, 1.5);
+        for ty in [QuantType::F16, QuantType::BF16, QuantType::F32] {
+            let (raw, w) = float_weights(ty, &wv);
+            for n_tok in [1usize, 3, 6, DQ_PATH_MIN_TOKENS + 3] {
+                let x = rng.vec(n_tok * cols, 1.0);
+                let xb: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+                // offsets 0 (aligned) and 2 and 4: still aligned to the element, not to 16 bytes
+                for (w_off, x_off) in [(0usize, 0usize), (2, 4)] {
+                    let mut wpad = vec![0u8; w_off];
+                    wpad.extend_from_slice(&raw);
+                    let mut xpad = vec![0u8; x_off];
+                    xpad.extend_from_slice(&xb);
+                    let (wbuf, xbuf) = (upload(b, &wpad)?, upload(b, &xpad)?);
+                    // SAFETY: the views are dropped at the end of this iteration, before the
+                    // buffers; nothing writes to either meanwhile.
+                    let wv_ = unsafe { b.view(&wbuf, w_off, raw.len()) }?;
+                    // SAFETY: as above.
+                    let xv_ = unsafe { b.view(&xbuf, x_off, xb.len()) }?;
+                    let mut y = b.alloc(rows * n_tok * 4)?;
+                    b.run(Op::Matmul {
+                        ty,
+                        mode: MatvecMode::Exact,
+                        act: FloatType::F32,
+                        rows,
+                        cols,
+                        n_tok,
+                        max_dq_size: 1 << 20,
+                        w: &wv_,
+                        x: &xv_,
+                        y: &mut y,
+                    })?;
+                    let got = download_f32(b, &y, rows * n_tok)?;
+                    for t in 0..n_tok {
+                        for r in 0..rows {
+                            let (mut s, mut m) = (0f64, 0f64);
+                            for c in 0..cols {
+                                let p = f64::from(w[r * cols + c]) * f64::from(x[t * cols + c]);
+                                s += p;
+                                m += p.abs();
+                            }
+                            let g = f64::from(got[t * rows + r]);
+                            assert!(
+                                (g - s).abs() <= 1e-5 * m + 1e-30,
+                                "{} {ty} {rows}x{cols} {n_tok} tokens, offsets {w_off}/{x_off}: token {t} row {r}: {g} vs f64 {s}",
+                                b.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+weightlift_kernels::test_device!(float_weights_match_f64_at_any_alignment);

@@ -243,7 +243,7 @@ test_device!(row_ops_match_closed_forms);
 
 /// Every cache storage format through the backend's store and load: the bytes and the values
 /// of the cache codec, to the bit, and each value within its format's bound (per value `x` of
-/// group `g`: f16 `|x|·2⁻¹¹ + 2⁻²⁵`, e4m3 `|x|·2⁻⁴ + 2⁻¹⁰`, turned q8/q4
+/// group `g`: f16 `|x|·2⁻¹¹ + 2⁻²⁵`, bf16 `|x|·2⁻⁸`, e4m3 `|x|·2⁻⁴ + 2⁻¹⁰`, turned q8/q4
 /// `√32·‖g‖/(2·qmax)·(1 + 2⁻⁹) + 2⁻¹⁷`).
 fn kv_cache_formats_store_and_load_as_the_codec<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(29);
@@ -253,6 +253,7 @@ fn kv_cache_formats_store_and_load_as_the_codec<B: Backend>(b: &B) -> Result<()>
     for format in [
         KvFormat::F32,
         KvFormat::F16,
+        KvFormat::BF16,
         KvFormat::E4M3,
         KvFormat::Q8,
         KvFormat::Q4,
@@ -294,6 +295,7 @@ fn kv_cache_formats_store_and_load_as_the_codec<B: Backend>(b: &B) -> Result<()>
                 let bound = match format {
                     KvFormat::F32 => 0.0,
                     KvFormat::F16 => v.abs() * 2f64.powi(-11) + 2f64.powi(-25),
+                    KvFormat::BF16 => v.abs() * 2f64.powi(-8),
                     KvFormat::E4M3 => v.abs() * 2f64.powi(-4) + 2f64.powi(-10),
                     KvFormat::Q8 | KvFormat::Q4 => {
                         let qmax = f64::from(format.quant().unwrap().qmax());

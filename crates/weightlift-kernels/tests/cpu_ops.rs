@@ -8,7 +8,9 @@
 mod common;
 
 use common::{Rng, group_offset, load, q8_bound, reference};
-use weightlift_kernels::cpu::convert::{bf16_to_f16_slice_with, f32_to_f16_slice_with};
+use weightlift_kernels::cpu::convert::{
+    bf16_to_f16_slice_with, f32_to_bf16_slice_with, f32_to_f16_slice_with,
+};
 use weightlift_kernels::cpu::matvec::{
     matmul_with, matvec_with, matvec_with_vnni, quantize_q8_blocks,
 };
@@ -476,6 +478,47 @@ fn f32_and_bf16_to_f16_round_like_the_half_crate() {
             );
         }
     }
+}
+
+/// f32 to bf16 (the bf16 cache's encoder) on every instruction set, bit for bit the `half`
+/// crate: random bit patterns (NaN payloads, infinities, subnormals), every rounding tie
+/// (low half 0x8000, even and odd kept halves), one either side, and the largest finite values
+/// (which round up to infinity past the last tie), at lengths that leave SIMD tails.
+#[test]
+fn f32_to_bf16_rounds_like_the_half_crate_on_every_isa() {
+    let mut rng = Rng(0xbf16);
+    let mut src: Vec<f32> = (0..4099)
+        .map(|_| f32::from_bits((rng.next_u64() >> 32) as u32))
+        .collect();
+    for hi in (0..=u16::MAX).step_by(7) {
+        for lo in [0x7fffu32, 0x8000, 0x8001] {
+            src.push(f32::from_bits((u32::from(hi) << 16) | lo));
+        }
+    }
+    src.extend([
+        f32::MAX,
+        -f32::MAX,
+        f32::from_bits(0x7f7f_8000),
+        f32::from_bits(0x7f7f_7fff),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::from_bits(0x7f80_0001), // signalling NaN: must stay NaN, not become inf
+        f32::from_bits(0xff80_0001),
+        -0.0,
+        f32::from_bits(1),
+    ]);
+    for len in [src.len(), 7, 9] {
+        for isa in Isa::all_supported() {
+            let mut out = vec![0u16; len];
+            f32_to_bf16_slice_with(isa, &src[..len], &mut out).unwrap();
+            for (s, o) in src.iter().zip(&out) {
+                let want = half::bf16::from_f32(*s).to_bits();
+                assert_eq!(*o, want, "{isa:?} {:#010x}", s.to_bits());
+            }
+        }
+    }
+    let e = f32_to_bf16_slice_with(Isa::Scalar, &src[..4], &mut [0u16; 3]).unwrap_err();
+    assert_eq!(e.to_string(), "bf16 output values: expected 4, got 3");
 }
 
 #[test]

@@ -81,6 +81,8 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "attention_" => format!("WL_ATTENTION({t},"),
                             "q8_matmul_" => format!("WL_Q8_MATMUL({t},"),
                             "gemm_" => format!("WL_GEMM({t},"),
+                            // the float weights' bandwidth kernels, or the warp-per-row ones
+                            _ if all.contains(&format!("WL_FV_KERNELS({t},")) => return true,
                             _ => format!("WL_MATMUL_BOTH({t})"),
                         };
                         return all.contains(&m);
@@ -103,7 +105,7 @@ fn expected_kernels() -> Vec<String> {
         expected.push(format!("dequantize_{t}_f32"));
         expected.push(format!("dequantize_{t}_f16"));
     }
-    for t in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "f32"] {
+    for t in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"] {
         for a in ["f32", "f16"] {
             expected.push(format!("matvec_{t}_{a}"));
             expected.push(format!("matmul_{t}_{a}"));
@@ -140,6 +142,8 @@ fn expected_kernels() -> Vec<String> {
         "kv_load_q8",
         "kv_load_q4",
         "kv_load_e4m3",
+        "kv_store_bf16",
+        "kv_load_bf16",
         // the forward pass's in-place forms and its attention over the cache
         "rope_inplace_norm_f32",
         "rope_inplace_neox_f32",
@@ -148,6 +152,7 @@ fn expected_kernels() -> Vec<String> {
         "add_bias_f32",
         "attention_f32",
         "attention_f16",
+        "attention_bf16",
         "attention_e4m3",
         "attention_q8",
         "attention_q4",
@@ -319,4 +324,48 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
         }
     }
     assert_eq!(entries, 5, "q8_matmul kernels in the matvec PTX");
+}
+
+/// The float-weight kernels read their weights with 128-bit loads (`wl_fv_load`'s PTX) and have
+/// launch bounds: check the PTX of every `matvec_`/`matmul_` kernel of f16, bf16 and f32, so
+/// the `__CUDA_ARCH__` guard did not silently select the byte-by-byte fallback alone.
+#[cfg(feature = "nvrtc-check")]
+#[test]
+fn float_matvec_kernels_load_128_bits_at_a_time() {
+    use weightlift_kernels::{nvrtc, sources};
+    assert!(
+        nvrtc::nvrtc_available(),
+        "libnvrtc could not be loaded: put the pip nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH (make test does)"
+    );
+    let src = sources::source("matvec").expect("the matvec module");
+    let ptx = nvrtc::compile_strict("matvec", src, "compute_90")
+        .unwrap()
+        .ptx;
+    let mut entries = 0;
+    for body in ptx.split(".entry ").skip(1) {
+        let name = body.split('(').next().unwrap_or("").trim();
+        let float = ["f16", "bf16", "f32"].iter().any(|t| {
+            ["matvec_", "matmul_"]
+                .iter()
+                .any(|k| name.starts_with(&format!("{k}{t}_")))
+        });
+        if !float {
+            continue;
+        }
+        entries += 1;
+        // the entry's body runs up to the next .entry; the directives sit before its `{`
+        let head = body.split('{').next().unwrap_or("");
+        assert!(head.contains(".maxntid 256"), "{name}: no launch bounds");
+        assert!(
+            body.contains("ld.global.nc.v4.u32"),
+            "{name}: no 128-bit weight load in its PTX"
+        );
+        if name.ends_with("_f32") {
+            assert!(
+                body.contains("ld.global.nc.v4.f32"),
+                "{name}: no 128-bit activation load in its PTX"
+            );
+        }
+    }
+    assert_eq!(entries, 12, "float matvec/matmul kernels in the matvec PTX");
 }

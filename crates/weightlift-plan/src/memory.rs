@@ -14,6 +14,9 @@ pub enum CacheDType {
     F32,
     #[default]
     Fp16,
+    /// bfloat16: f32's range at 8 bits of precision, 2 bytes (transformers' default cache
+    /// dtype for a bf16 model; llama.cpp's `type_k=bf16`).
+    Bf16,
     Fp8,
     Q8,
     Q6,
@@ -24,14 +27,16 @@ impl CacheDType {
     pub const ALL: &'static [CacheDType] = &[
         CacheDType::F32,
         CacheDType::Fp16,
+        CacheDType::Bf16,
         CacheDType::Fp8,
         CacheDType::Q8,
         CacheDType::Q6,
         CacheDType::Q4,
     ];
 
-    /// The one grammar of cache dtypes: ours (`fp16`, `fp8`/`e4m3`, `q8`, `q6`, `q4`, `f32`) and
-    /// llama.cpp's `type_k`/`type_v` names with the same storage (`f16`, `f32`, `q8_0`, `q4_0`:
+    /// The one grammar of cache dtypes: ours (`fp16`, `bf16`/`bfloat16`, `fp8`/`e4m3`, `q8`,
+    /// `q6`, `q4`, `f32`) and llama.cpp's `type_k`/`type_v` names with the same storage (`f16`,
+    /// `bf16`, `f32`, `q8_0`, `q4_0`:
     /// our q8 and q4 groups are 32 values with one f16 scale, the sizes of ggml's Q8_0 and Q4_0).
     /// llama.cpp's `type_k` / `type_v` pair as one cache dtype: equal types, or q8_0 keys with
     /// q4_0 values (the q6 cache); `None` for a pair no cache here stores.
@@ -49,13 +54,14 @@ impl CacheDType {
         match s.trim().to_ascii_lowercase().as_str() {
             "f32" | "fp32" | "float32" => Ok(CacheDType::F32),
             "fp16" | "f16" | "float16" => Ok(CacheDType::Fp16),
+            "bf16" | "bfloat16" => Ok(CacheDType::Bf16),
             "fp8" | "8bit" | "e4m3" | "f8" => Ok(CacheDType::Fp8),
             "q8" | "q8_0" => Ok(CacheDType::Q8),
             "q6" => Ok(CacheDType::Q6),
             "q4" | "q4_0" => Ok(CacheDType::Q4),
             _ => Err(PlanError::option(
                 "cache dtype",
-                "f32, fp16 (f16), fp8 (e4m3), q8 (q8_0), q6 or q4 (q4_0)",
+                "f32, fp16 (f16), bf16 (bfloat16), fp8 (e4m3), q8 (q8_0), q6 or q4 (q4_0)",
                 format!("'{s}'"),
             )),
         }
@@ -65,6 +71,7 @@ impl CacheDType {
         match self {
             CacheDType::F32 => "f32",
             CacheDType::Fp16 => "fp16",
+            CacheDType::Bf16 => "bf16",
             CacheDType::Fp8 => "fp8",
             CacheDType::Q8 => "q8",
             CacheDType::Q6 => "q6",
@@ -74,7 +81,9 @@ impl CacheDType {
 
     /// The documented round-trip bound of the cache encoding for one value `x` of `group`
     /// (the 32 consecutive values it is stored with), in K (`is_v = false`) or V: f32 is exact;
-    /// fp16 `|x|·2⁻¹¹ + 2⁻²⁵`; fp8 (e4m3) `|x|·2⁻⁴ + 2⁻¹⁰` within ±448. The quantised kinds
+    /// fp16 `|x|·2⁻¹¹ + 2⁻²⁵`; bf16 `|x|·2⁻⁸ + 2⁻¹³³` (round to nearest at 8 bits of
+    /// precision, f32's exponent range, so only f32's subnormals lose more: at most half of
+    /// bf16's smallest step, 2⁻¹³³); fp8 (e4m3) `|x|·2⁻⁴ + 2⁻¹⁰` within ±448. The quantised kinds
     /// store each group turned by an orthonormal Hadamard transform, so the bound is stated on
     /// the group's L2 norm `‖g‖`: q8 `√32·‖g‖/254·(1+2⁻⁹) + 2⁻¹⁷`, q4 `√32·‖g‖/14·(1+2⁻⁹) +
     /// 2⁻¹⁷` (the turned group's largest value is at most `‖g‖`, and turning back spreads each
@@ -86,6 +95,8 @@ impl CacheDType {
         match self {
             CacheDType::F32 => 0.0,
             CacheDType::Fp16 => x.abs() * 2f32.powi(-11) + 2f32.powi(-25),
+            // 2⁻¹³³ is an f32 subnormal (bits 0x0001_0000); `powi` would overflow on the way
+            CacheDType::Bf16 => x.abs() * 2f32.powi(-8) + f32::from_bits(0x0001_0000),
             CacheDType::Fp8 => x.abs() * 2f32.powi(-4) + 2f32.powi(-10),
             CacheDType::Q8 => q8,
             CacheDType::Q6 if is_v => q4,
@@ -104,7 +115,7 @@ impl CacheDType {
         let q4 = groups.saturating_mul(18);
         match self {
             CacheDType::F32 => (n.saturating_mul(4), n.saturating_mul(4)),
-            CacheDType::Fp16 => (n.saturating_mul(2), n.saturating_mul(2)),
+            CacheDType::Fp16 | CacheDType::Bf16 => (n.saturating_mul(2), n.saturating_mul(2)),
             CacheDType::Fp8 => (n, n),
             CacheDType::Q8 => (q8, q8),
             CacheDType::Q6 => (q8, q4),
@@ -322,6 +333,7 @@ mod tests {
         let n: u64 = 8 * 128 * 4096;
         let c = |d| CacheSpec::new(4096, 1, d).layer_bytes(&s, 0);
         assert_eq!(c(CacheDType::Fp16), 2 * n * 2);
+        assert_eq!(c(CacheDType::Bf16), 2 * n * 2);
         assert_eq!(c(CacheDType::Fp8), 2 * n);
         assert_eq!(c(CacheDType::Q8), 2 * n * 17 / 16); // 8.5/8 B
         assert_eq!(c(CacheDType::Q6), n * 17 / 16 + n * 9 / 16); // 8.5/8 + 4.5/8
@@ -334,6 +346,36 @@ mod tests {
         assert_eq!(
             CacheSpec::new(4096, 2, CacheDType::Fp16).total_bytes(&s),
             2 * (2 * n * 2 + n * 2)
+        );
+    }
+
+    /// bf16 in the one grammar: both spellings, llama.cpp's `type_k`/`type_v`, and its name
+    /// and serde form; the bound is round-to-nearest at 8 bits of precision.
+    #[test]
+    fn bf16_cache_parses_sizes_and_bounds() {
+        for s in ["bf16", "BFloat16", " bfloat16 "] {
+            assert_eq!(CacheDType::parse(s).unwrap(), CacheDType::Bf16, "{s}");
+        }
+        assert_eq!(
+            CacheDType::from_llama_types("bf16", "bf16").unwrap(),
+            Some(CacheDType::Bf16)
+        );
+        assert_eq!(CacheDType::from_llama_types("bf16", "f16").unwrap(), None);
+        assert_eq!(CacheDType::Bf16.name(), "bf16");
+        assert_eq!(
+            serde_json::to_string(&CacheDType::Bf16).unwrap(),
+            "\"bf16\""
+        );
+        assert_eq!(CacheDType::Bf16.kv_bytes(96), (192, 192));
+        assert_eq!(
+            CacheDType::Bf16.error_bound(false, 3.0, &[]),
+            3.0 / 256.0 + 2f32.powi(-126) / 128.0
+        );
+        assert!(CacheDType::Bf16.error_bound(true, 0.0, &[]) > 0.0);
+        let e = CacheDType::parse("bfloat8").unwrap_err().to_string();
+        assert!(
+            e.contains("bf16 (bfloat16)") && e.contains("'bfloat8'"),
+            "{e}"
         );
     }
 

@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use weightlift_format::DType;
 use weightlift_plan::*;
 
 fn map_req(entries: &[(&str, &str)], overrides: &[(&str, &str)]) -> PlanRequest {
@@ -685,4 +686,60 @@ fn overrides_apply_over_the_layer_split_as_llama_cpp_applies_ot_over_ngl() {
     .apply(&mut req)
     .unwrap_err();
     assert!(e.to_string().contains("map or layers"), "{e}");
+}
+
+/// A bf16 checkpoint on a cuda device keeps bf16 with `dtype="auto"`: every tensor placed on
+/// cuda:0 is held as stored (the CUDA kernels multiply, look up and cache bf16 as it is), at 2
+/// bytes a value, and the cuda column holds exactly those bytes plus a bf16 cache (2 bytes a
+/// value too). `float16` still converts, to the same bytes.
+#[test]
+fn bf16_checkpoint_on_cuda_keeps_bf16() {
+    let mut req = request(tiny_llama(), "bfloat16", "cuda:0:64MiB,cpu:1GiB");
+    req.dtype = DTypeChoice::Auto;
+    req.cache = Some(CacheSpec::new(512, 1, CacheDType::Bf16));
+    let p = plan(&req).unwrap();
+    let on_cuda: Vec<_> = p
+        .tensors()
+        .iter()
+        .filter(|t| t.device == "cuda:0")
+        .collect();
+    assert!(
+        p.layer_devices().iter().all(|d| d == "cuda:0"),
+        "{:?}",
+        p.layer_devices()
+    );
+    assert!(!on_cuda.is_empty());
+    for t in &on_cuda {
+        assert_eq!(t.dtype, DType::BF16, "{}", t.name);
+    }
+    for (t, info) in p.tensors().iter().zip(&req.tensors) {
+        assert_eq!(t.dtype, DType::BF16, "{}", t.name);
+        assert_eq!(t.bytes, info.nbytes, "{}: held as stored", t.name);
+    }
+    // the head on cuda:0 holds the tied embedding's second copy, as stored (bf16) too
+    let cuda = p.devices().iter().find(|d| d.name == "cuda:0").unwrap();
+    let embd = p
+        .tensors()
+        .iter()
+        .find(|t| t.name == "token_embd.weight")
+        .unwrap();
+    let tied: u64 = p
+        .tied_output_parts()
+        .iter()
+        .filter(|(d, _)| d == "cuda:0")
+        .map(|(_, b)| *b)
+        .sum();
+    assert!(tied == 0 || tied == embd.bytes, "{tied}");
+    let weights: u64 = on_cuda.iter().map(|t| t.bytes).sum();
+    assert_eq!(cuda.weights, weights + tied);
+    // 2 layers × (K, V) × 2 kv heads × 64 × 512 positions × 2 bytes
+    assert_eq!(cuda.kv, 2 * 2 * 2 * 64 * 512 * 2);
+    assert!(p.explain().contains("cache bf16"), "{}", p.explain());
+    req.dtype = DTypeChoice::Float16;
+    let p16 = plan(&req).unwrap();
+    assert!(p16.tensors().iter().all(|t| t.dtype == DType::F16));
+    assert_eq!(
+        p16.tensors().iter().map(|t| t.bytes).sum::<u64>(),
+        p.tensors().iter().map(|t| t.bytes).sum::<u64>()
+    );
 }

@@ -16,8 +16,8 @@ use crate::model::Model;
 /// A KV cache for a model. `max_seq_len` and `batch_size` are keyword-only (exllamav2 takes
 /// `batch_size` first, so a positional `Cache(model, 1, 8192)` would mean opposite things);
 /// `max_seq_len=None` is the model's trained context length, as exllamav2's `-1`. `dtype`: fp16,
-/// fp8 (e4m3), q8, q6 (8-bit K, 4-bit V) or q4, the quantised ones with one f16 scale per 32
-/// values. A lazy cache is allocated during the load,
+/// bf16, fp8 (e4m3), q8, q6 (8-bit K, 4-bit V), q4 or f32, the quantised ones with one f16 scale
+/// per 32 values. A lazy cache is allocated during the load,
 /// layer by layer on each layer's device; on a loaded model it is allocated at once. `offload`
 /// keeps it in host RAM and prefetches the next layer to its device on a second thread.
 #[pyclass(module = "weightlift._native", frozen)]

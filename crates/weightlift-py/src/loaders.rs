@@ -188,7 +188,7 @@ fn llama_cache_dtype(type_k: &str, type_v: &str) -> PyResult<CacheDType> {
         None => Err(raise(
             Exc::Unsupported,
             format!(
-                "cache type_k={type_k}, type_v={type_v}: expected equal types (f32, f16, q8_0, q4_0) or type_k=q8_0 with type_v=q4_0"
+                "cache type_k={type_k}, type_v={type_v}: expected equal types (f32, f16, bf16, q8_0, q4_0) or type_k=q8_0 with type_v=q4_0"
             ),
         )),
     }

@@ -1,8 +1,8 @@
-//! Dtype conversion to f16 and the NaN/Inf scan used by `check_tensors`.
+//! Dtype conversion to f16 and bf16, and the NaN/Inf scan used by `check_tensors`.
 
 use rayon::prelude::*;
 
-use super::half::{f32_to_f16, rd_u16};
+use super::half::{f32_to_bf16, f32_to_f16, rd_u16};
 use super::{CHUNK_ELEMS, Isa, check_len};
 use crate::error::Result;
 use crate::types::QuantType;
@@ -31,6 +31,34 @@ pub fn f32_to_f16_slice_with(isa: Isa, src: &[f32], out: &mut [u16]) -> Result<(
     src.par_chunks(CHUNK_ELEMS)
         .zip(out.par_chunks_mut(CHUNK_ELEMS))
         .for_each(|(s, o)| f32_to_f16_seq(isa, s, o));
+    Ok(())
+}
+
+pub(crate) fn f32_to_bf16_seq(isa: Isa, src: &[f32], out: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() {
+        // SAFETY: AVX2 was detected at run time; lengths are equal (checked by callers).
+        unsafe { super::x86::imp::f32_to_bf16_avx2(src, out) };
+        return;
+    }
+    let _ = isa;
+    for (o, x) in out.iter_mut().zip(src) {
+        *o = f32_to_bf16(*x);
+    }
+}
+
+/// f32 to bf16 bit patterns, round to nearest even (see [`f32_to_bf16`]: overflow gives ±inf,
+/// NaN stays a quiet NaN). Every instruction set writes the same bits.
+pub fn f32_to_bf16_slice(src: &[f32], out: &mut [u16]) -> Result<()> {
+    f32_to_bf16_slice_with(Isa::detect(), src, out)
+}
+
+/// [`f32_to_bf16_slice`] with a forced instruction set.
+pub fn f32_to_bf16_slice_with(isa: Isa, src: &[f32], out: &mut [u16]) -> Result<()> {
+    check_len("bf16 output values", src.len(), out.len())?;
+    src.par_chunks(CHUNK_ELEMS)
+        .zip(out.par_chunks_mut(CHUNK_ELEMS))
+        .for_each(|(s, o)| f32_to_bf16_seq(isa, s, o));
     Ok(())
 }
 

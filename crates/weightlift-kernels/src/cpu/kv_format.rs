@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | f32 | 4 | the value |
 //! | f16 | 2 | the value rounded to nearest (even) f16 |
+//! | bf16 | 2 | the value rounded to nearest (even) bf16 (transformers' default cache dtype) |
 //! | e4m3 | 1 | OCP FP8 E4M3, round to nearest even, saturating at ±448 |
 //! | q8 | 34 per 32 | each group of 32 turned by the Walsh-Hadamard transform, then [`KvType::Q8`] |
 //! | q4 | 18 per 32 | likewise with [`KvType::Q4`] |
@@ -20,6 +21,7 @@
 use super::half::f16_to_f32;
 use super::kv::{KV_GROUP, KvType, kv_dequantize, kv_quantize};
 use crate::error::{KernelError, Result};
+use crate::types::QuantType;
 
 /// The storage of one of K or V in a cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -28,6 +30,8 @@ pub enum KvFormat {
     F32,
     /// IEEE half, 2 bytes.
     F16,
+    /// bfloat16, 2 bytes: f32's range with 8 bits of precision.
+    BF16,
     /// FP8 E4M3, 1 byte.
     E4M3,
     /// Hadamard-turned groups of 8-bit quants (34 bytes per 32 values).
@@ -42,6 +46,7 @@ impl KvFormat {
         match self {
             KvFormat::F32 => "f32",
             KvFormat::F16 => "f16",
+            KvFormat::BF16 => "bf16",
             KvFormat::E4M3 => "e4m3",
             KvFormat::Q8 => "q8",
             KvFormat::Q4 => "q4",
@@ -66,7 +71,7 @@ impl KvFormat {
     pub const fn byte_at(self, at: usize) -> usize {
         match self {
             KvFormat::F32 => at * 4,
-            KvFormat::F16 => at * 2,
+            KvFormat::F16 | KvFormat::BF16 => at * 2,
             KvFormat::E4M3 => at,
             KvFormat::Q8 => KvType::Q8.bytes_for(at),
             KvFormat::Q4 => KvType::Q4.bytes_for(at),
@@ -107,6 +112,18 @@ pub fn kv_encode(format: KvFormat, values: &[f32], out: &mut [u8]) -> Result<()>
                 d.copy_from_slice(&w.to_le_bytes());
             }
         }
+        KvFormat::BF16 => match bytemuck::try_cast_slice_mut::<u8, u16>(out) {
+            // the cache rows are 2-byte aligned in every cache this crate allocates; the
+            // fallback keeps an odd view correct
+            Ok(words) if cfg!(target_endian = "little") => {
+                super::convert::f32_to_bf16_slice(values, words)?
+            }
+            _ => {
+                for (d, x) in out.chunks_exact_mut(2).zip(values) {
+                    d.copy_from_slice(&super::half::f32_to_bf16(*x).to_le_bytes());
+                }
+            }
+        },
         KvFormat::E4M3 => {
             for (d, &x) in out.iter_mut().zip(values) {
                 *d = e4m3::encode(x);
@@ -147,6 +164,8 @@ pub fn kv_decode(format: KvFormat, src: &[u8], out: &mut [f32]) -> Result<()> {
                 }
             }
         },
+        // the bf16 weight dequantiser: widened exactly, SIMD where the CPU has it
+        KvFormat::BF16 => super::dequantize_f32(QuantType::BF16, src, out)?,
         KvFormat::E4M3 => {
             for (x, &b) in out.iter_mut().zip(src) {
                 *x = e4m3::decode(b);
@@ -276,6 +295,7 @@ mod tests {
         for f in [
             KvFormat::F32,
             KvFormat::F16,
+            KvFormat::BF16,
             KvFormat::E4M3,
             KvFormat::Q8,
             KvFormat::Q4,
@@ -284,18 +304,46 @@ mod tests {
             kv_encode(f, &x, &mut bytes).unwrap();
             let mut y = vec![0f32; x.len()];
             kv_decode(f, &bytes, &mut y).unwrap();
-            // per value of group g: f16 |x|·2⁻¹¹, e4m3 |x|·2⁻⁴ + 2⁻¹⁰, q √32·‖g‖/(2·qmax)
+            // per value of group g: f16 |x|·2⁻¹¹, bf16 |x|·2⁻⁸, e4m3 |x|·2⁻⁴ + 2⁻¹⁰,
+            // q √32·‖g‖/(2·qmax)
             for (i, (a, b)) in x.iter().zip(&y).enumerate() {
                 let g = &x[i / 32 * 32..][..32];
                 let norm = g.iter().map(|v| v * v).sum::<f32>().sqrt();
                 let bound = match f {
                     KvFormat::F32 => 0.0,
                     KvFormat::F16 => a.abs() / 2048.0,
+                    KvFormat::BF16 => a.abs() / 256.0,
                     KvFormat::E4M3 => a.abs() / 16.0 + 1.0 / 1024.0,
                     KvFormat::Q8 => 32f32.sqrt() * norm / 254.0 * 1.01,
                     KvFormat::Q4 => 32f32.sqrt() * norm / 14.0 * 1.01,
                 };
                 assert!((a - b).abs() <= bound, "{} value {i}: {a} vs {b}", f.name());
+            }
+        }
+    }
+
+    /// bf16 rows are the `half` crate's bf16 bytes (round to nearest even), whether the cache
+    /// bytes are 2-byte aligned or not, and decode to exactly those values.
+    #[test]
+    fn bf16_rows_are_the_half_crate_bytes_at_any_alignment() {
+        let x: Vec<f32> = (0..203)
+            .map(|i| ((i * 7919) % 997) as f32 * 1.37e-3 - 0.6)
+            .chain([1e-40, -3e38, 3.4e38, f32::INFINITY, f32::NAN])
+            .collect();
+        let want: Vec<u8> = x
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let mut buf = vec![0u8; want.len() + 1];
+        for off in [0, 1] {
+            let out = &mut buf[off..off + want.len()];
+            kv_encode(KvFormat::BF16, &x, out).unwrap();
+            assert!(out == &want[..], "offset {off}");
+            let mut back = vec![0f32; x.len()];
+            kv_decode(KvFormat::BF16, out, &mut back).unwrap();
+            for (b, w) in back.iter().zip(want.chunks_exact(2)) {
+                let w = half::bf16::from_le_bytes([w[0], w[1]]).to_f32();
+                assert!(b.to_bits() == w.to_bits() || (b.is_nan() && w.is_nan()));
             }
         }
     }

@@ -117,6 +117,44 @@ pub(crate) mod imp {
         }
     }
 
+    /// f32 to bf16 bits, round to nearest even, NaN kept quiet: the integer form of
+    /// [`crate::cpu::half::f32_to_bf16`], eight values at a time (AVX2 has no bf16
+    /// conversion; AVX512-BF16's rounds the same way but is rarer than this is fast).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `out.len() >= src.len()`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn f32_to_bf16_avx2(src: &[f32], out: &mut [u16]) {
+        let n = src.len();
+        assert!(out.len() >= n, "f32_to_bf16_avx2: output too short");
+        let one = _mm256_set1_epi32(1);
+        let half = _mm256_set1_epi32(0x7fff);
+        let abs = _mm256_set1_epi32(0x7fff_ffff);
+        let inf = _mm256_set1_epi32(0x7f80_0000);
+        let quiet = _mm256_set1_epi32(0x0040_0000);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n on both sides.
+            unsafe {
+                let v = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+                let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(v), one);
+                let rounded = _mm256_add_epi32(v, _mm256_add_epi32(half, lsb));
+                // |v| as a signed integer is non-negative, so the signed compare is exact
+                let nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), inf);
+                let r = _mm256_blendv_epi8(rounded, _mm256_or_si256(v, quiet), nan);
+                let r = _mm256_srli_epi32::<16>(r);
+                // every lane is below 2^16, so the saturating pack is exact; it packs within
+                // 128-bit halves, and the permute brings the two halves' results together
+                let p = _mm256_permute4x64_epi64::<0b00_00_10_00>(_mm256_packus_epi32(r, r));
+                _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), _mm256_castsi256_si128(p));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            out[j] = crate::cpu::half::f32_to_bf16(src[j]);
+        }
+    }
+
     /// Horizontal sum of 8 lanes.
     #[inline]
     #[target_feature(enable = "avx2")]

@@ -141,7 +141,7 @@ impl CudaBackend {
         let threads = n / format.granule();
         let name = format!("{op}_{}", format.name());
         let mut args = [KArg::In(src), KArg::Out(dst), KArg::U64(n as u64)];
-        // SAFETY: one thread per value (e4m3) or group of 32 (q8, q4) below n, reading and
+        // SAFETY: one thread per value (e4m3, bf16) or group of 32 (q8, q4) below n, reading and
         // writing only that value's or group's bytes; the caller checked both sizes for n.
         unsafe { self.launch("kv", &name, elementwise(threads)?, &mut args) }
     }

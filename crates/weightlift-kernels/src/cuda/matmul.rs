@@ -19,8 +19,10 @@ pub(super) struct MatShape {
 }
 
 impl CudaBackend {
-    /// Exact mode in registers: `matvec_{type}_{act}` / `matmul_{type}_{act}`, one warp per
-    /// (row, token), each weight decoded again per token.
+    /// Exact mode in registers: `matvec_{type}_{act}` / `matmul_{type}_{act}`. Quantised
+    /// weights: one warp per (row, token), each weight decoded again per token. Float weights:
+    /// [`float_row_threads`] threads a row, each weight chunk loaded once per pass of
+    /// [`FLOAT_TOKENS_PER_PASS`] tokens.
     pub(super) fn matmul_exact(
         &self,
         m: MatShape,
@@ -30,16 +32,33 @@ impl CudaBackend {
     ) -> Result<()> {
         let kind = if m.n_tok == 1 { "matvec" } else { "matmul" };
         let name = format!("{kind}_{}_{}", m.ty.name(), m.act.name());
-        // 8 warps of 32 per block, one row each; tokens ride grid.y, which CUDA caps at
-        // 65535, and the kernel strides over the rest
-        let cfg = LaunchConfig {
-            grid_dim: (
-                grid_for(m.rows, 8, "rows")?,
-                m.n_tok.min(MAX_GRID_YZ) as u32,
-                1,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = if CUDA_FLOAT_TYPES.contains(&m.ty) {
+            // `tpr` threads a row, 256 / tpr rows a block; token passes of
+            // FLOAT_TOKENS_PER_PASS ride grid.y, which CUDA caps at 65535 (the kernel strides)
+            let passes = if m.n_tok == 1 {
+                1
+            } else {
+                m.n_tok.div_ceil(FLOAT_TOKENS_PER_PASS).min(MAX_GRID_YZ)
+            };
+            let tpr = float_row_threads(m.rows, m.cols, m.ty.block_bytes(), passes, self.sm_count);
+            let per_block = FLOAT_BLOCK_THREADS / tpr;
+            LaunchConfig {
+                grid_dim: (grid_for(m.rows, per_block, "rows")?, passes as u32, 1),
+                block_dim: (tpr as u32, per_block as u32, 1),
+                shared_mem_bytes: 0,
+            }
+        } else {
+            // 8 warps of 32 per block, one row each; tokens ride grid.y, which CUDA caps at
+            // 65535, and the kernel strides over the rest
+            LaunchConfig {
+                grid_dim: (
+                    grid_for(m.rows, 8, "rows")?,
+                    m.n_tok.min(MAX_GRID_YZ) as u32,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            }
         };
         let mut args = vec![
             KArg::In(&w.slice),
@@ -51,8 +70,9 @@ impl CudaBackend {
         if m.n_tok > 1 {
             args.push(KArg::U64(m.n_tok as u64));
         }
-        // SAFETY: one warp per (row, token) reads one weight row and one activation row and
-        // writes one output, all within the sizes the caller checked.
+        // SAFETY: the threads of a row read that weight row and the activation rows of their
+        // tokens and write one output per token (a thread past the last row reads the last row
+        // and writes nothing), all within the sizes the caller checked.
         unsafe { self.launch("matvec", &name, cfg, &mut args) }
     }
 

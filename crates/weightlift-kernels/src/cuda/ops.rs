@@ -15,9 +15,9 @@ const ATTENTION_THREADS: u32 = 128;
 /// The attention kernel for a cache stored as `k` keys and `v` values: one per cache dtype
 /// (`attention_q8_q4` is the q6 cache).
 fn attention_kernel(k: KvFormat, v: KvFormat) -> Result<String> {
-    use KvFormat::{E4M3, F16, F32, Q4, Q8};
+    use KvFormat::{BF16, E4M3, F16, F32, Q4, Q8};
     match (k, v) {
-        (F32, F32) | (F16, F16) | (E4M3, E4M3) | (Q8, Q8) | (Q4, Q4) => {
+        (F32, F32) | (F16, F16) | (BF16, BF16) | (E4M3, E4M3) | (Q8, Q8) | (Q4, Q4) => {
             Ok(format!("attention_{}", k.name()))
         }
         (Q8, Q4) => Ok("attention_q8_q4".into()),
@@ -28,7 +28,7 @@ fn attention_kernel(k: KvFormat, v: KvFormat) -> Result<String> {
                 k.name(),
                 v.name()
             ),
-            supported: "f32, f16, e4m3, q8 or q4 for both, or q8 keys with q4 values",
+            supported: "f32, f16, bf16, e4m3, q8 or q4 for both, or q8 keys with q4 values",
         }),
     }
 }
@@ -103,9 +103,7 @@ impl CudaBackend {
                 self.own(y)?;
                 let (types, names) = match mode {
                     MatvecMode::Q8 => (CUDA_Q8_TYPES, crate::CUDA_Q8_WEIGHT_TYPES),
-                    MatvecMode::Exact => {
-                        (CUDA_EXACT_TYPES, "q4_0, q4_1, q8_0, q4_k, q6_k, f16, f32")
-                    }
+                    MatvecMode::Exact => (CUDA_EXACT_TYPES, CUDA_EXACT_NAMES),
                 };
                 if !types.contains(&ty) {
                     return Err(KernelError::Unsupported {

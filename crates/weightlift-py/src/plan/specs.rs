@@ -7,8 +7,9 @@ use weightlift_plan as wp;
 use crate::errors::py_err;
 use crate::format::ModelSpec;
 
-/// The KV cache to plan for: `max_seq_len` tokens × `batch_size`, in `dtype` (fp16, fp8, q8,
-/// q6 or q4; the quantised ones carry one f16 scale per 32 values, q6 is 8-bit K, 4-bit V).
+/// The KV cache to plan for: `max_seq_len` tokens × `batch_size`, in `dtype` (fp16, bf16, fp8,
+/// q8, q6, q4 or f32; the quantised ones carry one f16 scale per 32 values, q6 is 8-bit K,
+/// 4-bit V).
 /// `offload=True` plans transformers' `OffloadedCache`: the whole cache in host RAM (the cpu's
 /// kv column) and, on each device that computes layers, two prefetch slots of its largest layer
 /// (one when it computes a single layer).
