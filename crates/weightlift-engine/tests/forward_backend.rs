@@ -140,6 +140,50 @@ fn backend_path_across_devices_copies_and_matches() {
     );
 }
 
+/// The plan reserves the split attention's partial results (the workspace's `parts`) with the
+/// CUDA launch's own bounds: a cache of `n` positions gets the room for the most splits a call
+/// over `n` keys can take on any GPU, the largest `n_heads × splits × (head_dim + 2)` the launch
+/// may write; a device that computes no layers gets none.
+#[test]
+fn split_attention_scratch_is_planned_with_the_kernels_bounds() {
+    use weightlift_kernels::sources;
+    use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
+    assert_eq!(
+        weightlift_plan::ATTENTION_SPLITS,
+        sources::ATTENTION_MAX_SPLITS as u64
+    );
+    assert_eq!(
+        weightlift_plan::ATTENTION_SPLIT_KEYS,
+        sources::ATTENTION_MIN_SPLIT_KEYS as u64
+    );
+    let path =
+        std::env::var("WEIGHTLIFT_DEMO_GGUF").expect("WEIGHTLIFT_DEMO_GGUF (make test-rust)");
+    let ckpt =
+        weightlift_format::Checkpoint::open(&path, weightlift_format::OpenOptions::default())
+            .unwrap();
+    let spec = ckpt.spec().unwrap();
+    let (nh, hd) = (spec.n_heads as usize, spec.head_dim as usize);
+    let layers = Hosts {
+        layers: true,
+        ..Hosts::default()
+    };
+    for seq in [1, 31, 64, 2048, 4096, 1 << 16] {
+        let d = Dims::new(spec, &RuntimeSpec::default(), seq as u64, 1);
+        let most = sources::attention_splits(seq, 1, usize::MAX);
+        let want = sources::attention_scratch_values(1, nh, hd, most).unwrap();
+        assert_eq!(
+            Workspace::new(&d, layers).parts.len as usize,
+            want,
+            "max_seq_len {seq}"
+        );
+        let head = Hosts {
+            head: true,
+            ..Hosts::default()
+        };
+        assert_eq!(Workspace::new(&d, head).parts.len, 0);
+    }
+}
+
 fn qwen2_data() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tiny-qwen2")
 }

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "wl_attention.cuh"
 #include "wl_dequant.cuh"
 #include "wl_kv.cuh"
 #include "wl_matvec.cuh"
@@ -326,4 +327,152 @@ extern "C" void wl_host_gemm(int act_f16, const float* wd, const void* x, float*
             }
         }
     }
+}
+
+// wl_att_block_heads, for the test that the host's launch grid agrees with it.
+extern "C" int wl_host_att_block_heads(int head_dim) { return wl_att_block_heads(head_dim); }
+
+// `head_dim` values of a cache half stored as `fmt` (0 f32, 1 f16, 2 e4m3, 3 turned q8, 4 turned
+// q4, 5 bf16) from value `first`, decoded as the kernel's readers decode them (the turned groups with the
+// codec's butterflies, then the norm).
+static void wl_att_row(int fmt, const void* base, wl_u64 first, int head_dim, float* out) {
+    if (fmt == 0) {
+        for (int d = 0; d < head_dim; d++) out[d] = ((const float*)base)[first + d];
+    } else if (fmt == 1) {
+        for (int d = 0; d < head_dim; d++) out[d] = wl_f16_to_f32(((const wl_u16*)base)[first + d]);
+    } else if (fmt == 2) {
+        for (int d = 0; d < head_dim; d++) out[d] = wl_e4m3_decode(((const wl_u8*)base)[first + d]);
+    } else if (fmt == 5) {
+        for (int d = 0; d < head_dim; d++) out[d] = wl_kv_load_bf16(((const wl_u16*)base)[first + d]);
+    } else {
+        int qmax = fmt == 3 ? 127 : 7;
+        wl_u64 gb = (wl_u64)wl_kv_group_bytes(qmax);
+        for (int g = 0; g < head_dim / 32; g++) {
+            wl_kv_load_group((const wl_u8*)base + (first / 32 + (wl_u64)g) * gb, out + g * 32, qmax);
+        }
+    }
+}
+
+// What attention_{fmt} and attention_reduce_f32 compute, block by block, warp by warp and lane
+// by lane: for every query i, KV head, chunk of its query heads and split s, warp w folds keys
+// lo + w, lo + w + WL_ATT_WARPS, ... of the split (each score the 32 lanes' fmaf chains over
+// dims lane + 32 r, met in the xor butterfly), the warps are merged as the block merges them,
+// and the result is the output (one split) or the split's partial results in `part` (laid out
+// by wl_att_part_*), which are then merged as the reduce kernel merges them. Formats as
+// wl_att_row. Returns 0 when the shape is outside the kernel's (the Rust wrapper checks it).
+extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const void* k, const void* v,
+                                 float* out, float* part, size_t n_q, size_t start, size_t n_heads,
+                                 size_t kv_heads, int head_dim, float scale, int f16_operands,
+                                 size_t n_splits) {
+    if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS || head_dim <= 0 || head_dim > WL_ATT_MAX_HD ||
+        kv_heads == 0 || n_heads % kv_heads != 0) {
+        return 0;
+    }
+    const float neg_inf = wl_bits_to_f32(0xff800000u);
+    const int R = wl_att_lane_dims(head_dim);
+    const int hb = wl_att_block_heads(head_dim);
+    const wl_u64 hd = (wl_u64)head_dim;
+    const wl_u64 group = n_heads / kv_heads;
+    const wl_u64 chunks = (group + (wl_u64)hb - 1) / (wl_u64)hb;
+    const wl_u64 kvd = kv_heads * hd;
+    const wl_u64 per = wl_att_split_keys(start + n_q, n_splits);
+    float* dst = n_splits == 1 ? out : part;
+    // one block's registers, per warp (kept off the static area: tests run in parallel)
+    float qr[WL_ATT_MAX_GROUP][WL_ATT_MAX_HD];
+    float acc[WL_ATT_WARPS][WL_ATT_MAX_GROUP][WL_ATT_MAX_HD];
+    float m[WL_ATT_WARPS * WL_ATT_MAX_GROUP], l[WL_ATT_WARPS * WL_ATT_MAX_GROUP];
+    float kr[WL_ATT_MAX_HD], vr[WL_ATT_MAX_HD], t[32], next[32];
+    for (wl_u64 i = 0; i < n_q; i++) {
+        for (wl_u64 kh = 0; kh < kv_heads; kh++) {
+            for (wl_u64 c = 0; c < chunks; c++) {
+                const wl_u64 first = c * (wl_u64)hb;
+                const wl_u64 h0 = kh * group + first;
+                const int ng = group - first < (wl_u64)hb ? (int)(group - first) : hb;
+                for (int g = 0; g < ng; g++) {
+                    for (int e = 0; e < R * 32; e++) {
+                        float x = e < head_dim ? q[(i * n_heads + h0 + (wl_u64)g) * hd + (wl_u64)e] : 0.0f;
+                        qr[g][e] = f16_operands ? wl_att_round(x) : x;
+                    }
+                }
+                for (wl_u64 s = 0; s < n_splits; s++) {
+                    wl_u64 lo, hi;
+                    wl_att_split_range(per, s, start + i + 1, &lo, &hi);
+                    for (int w = 0; w < WL_ATT_WARPS; w++) {
+                        for (int g = 0; g < ng; g++) {
+                            m[w * WL_ATT_MAX_GROUP + g] = neg_inf;
+                            l[w * WL_ATT_MAX_GROUP + g] = 0.0f;
+                            for (int e = 0; e < R * 32; e++) acc[w][g][e] = 0.0f;
+                        }
+                        for (wl_u64 j = lo + (wl_u64)w; j < hi; j += WL_ATT_WARPS) {
+                            const wl_u64 row = j * kvd + kh * hd;
+                            for (int e = 0; e < WL_ATT_MAX_HD; e++) kr[e] = vr[e] = 0.0f;
+                            wl_att_row(k_fmt, k, row, head_dim, kr);
+                            wl_att_row(v_fmt, v, row, head_dim, vr);
+                            for (int g = 0; g < ng; g++) {
+                                for (int ln = 0; ln < 32; ln++) {
+                                    t[ln] = 0.0f;
+                                    for (int r = 0; r < R; r++) t[ln] = fmaf(qr[g][ln + 32 * r], kr[ln + 32 * r], t[ln]);
+                                }
+                                for (int o = 16; o > 0; o >>= 1) {
+                                    for (int ln = 0; ln < 32; ln++) next[ln] = t[ln] + t[ln ^ o];
+                                    for (int ln = 0; ln < 32; ln++) t[ln] = next[ln];
+                                }
+                                float keep, p;
+                                wl_att_step(WL_MUL(t[0], scale), f16_operands, &m[w * WL_ATT_MAX_GROUP + g],
+                                            &l[w * WL_ATT_MAX_GROUP + g], &keep, &p);
+                                for (int e = 0; e < R * 32; e++) {
+                                    acc[w][g][e] = wl_att_accumulate(acc[w][g][e], keep, p, vr[e]);
+                                }
+                            }
+                        }
+                    }
+                    for (int g = 0; g < ng; g++) {
+                        float mm = wl_att_merge_max(m + g, WL_ATT_WARPS, WL_ATT_MAX_GROUP);
+                        float f[WL_ATT_WARPS];
+                        float ll = 0.0f;
+                        for (int w = 0; w < WL_ATT_WARPS; w++) {
+                            f[w] = wl_att_merge_factor(m[w * WL_ATT_MAX_GROUP + g], mm);
+                            ll = fmaf(l[w * WL_ATT_MAX_GROUP + g], f[w], ll);
+                        }
+                        const wl_u64 h = h0 + (wl_u64)g;
+                        wl_u64 rec = wl_att_part_record(i, h, s, n_heads, n_splits);
+                        for (int d = 0; d < head_dim; d++) {
+                            float a = 0.0f;
+                            for (int w = 0; w < WL_ATT_WARPS; w++) a = fmaf(acc[w][g][d], f[w], a);
+                            if (n_splits == 1) {
+                                dst[(i * n_heads + h) * hd + (wl_u64)d] = WL_MUL(a, 1.0f / ll);
+                            } else {
+                                dst[wl_att_part_acc(rec, head_dim) + (wl_u64)d] = a;
+                            }
+                        }
+                        if (n_splits > 1) {
+                            wl_u64 ml = wl_att_part_ml(rec, n_q, n_heads, n_splits, head_dim);
+                            dst[ml] = mm;
+                            dst[ml + 1] = ll;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (n_splits == 1) return 1;
+    float f[WL_ATT_MAX_SPLITS];
+    for (wl_u64 i = 0; i < n_q; i++) {
+        for (wl_u64 h = 0; h < n_heads; h++) {
+            const wl_u64 rec0 = wl_att_part_record(i, h, 0, n_heads, n_splits);
+            const float* ml = part + wl_att_part_ml(rec0, n_q, n_heads, n_splits, head_dim);
+            float mm = wl_att_merge_max(ml, (int)n_splits, 2);
+            for (wl_u64 s = 0; s < n_splits; s++) f[s] = wl_att_merge_factor(ml[2 * s], mm);
+            float ll = 0.0f;
+            for (wl_u64 s = 0; s < n_splits; s++) ll = fmaf(ml[2 * s + 1], f[s], ll);
+            float inv = 1.0f / ll;
+            const float* a0 = part + wl_att_part_acc(rec0, head_dim);
+            for (wl_u64 d = 0; d < hd; d++) {
+                float a = 0.0f;
+                for (wl_u64 s = 0; s < n_splits; s++) a = fmaf(a0[s * hd + d], f[s], a);
+                out[(i * n_heads + h) * hd + d] = WL_MUL(a, inv);
+            }
+        }
+    }
+    return 1;
 }

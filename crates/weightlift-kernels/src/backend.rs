@@ -270,6 +270,11 @@ pub enum Op<'a, B> {
         v: &'a B,
         /// Output, `n_q × n_heads × head_dim` f32.
         out: &'a mut B,
+        /// Room for the partial results of a call whose keys are split across thread blocks
+        /// (the CUDA kernel's flash-decoding split; `weightlift-plan` reserves
+        /// `n_heads × ATTENTION_MAX_SPLITS × (head_dim + 2)` f32 for it): the splits are cut
+        /// to what it holds, and `None` runs the call unsplit. The CPU backend needs none.
+        scratch: Option<&'a mut B>,
     },
 }
 

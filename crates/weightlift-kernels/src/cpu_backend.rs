@@ -666,11 +666,16 @@ impl Backend for CpuBackend {
                 k,
                 v,
                 out,
+                scratch,
             } => {
                 for b in [q, k, v] {
                     self.own(b)?;
                 }
                 self.own(out)?;
+                // the CPU folds every query's keys in one pass: no partial results to keep
+                if let Some(b) = scratch {
+                    self.own(b)?;
+                }
                 let s = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, tile)?;
                 let qn = s.q_values();
                 let kvn = s.kv_values();

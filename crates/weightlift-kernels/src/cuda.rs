@@ -33,11 +33,16 @@
 //!   the outliers added in f32 in the CPU kernel's order (scratch: a flag and an index per
 //!   column, and the tokens' quants and scales).
 //! - The decoder layer's operations (`kernels/attention.cu`, the in-place forms in
-//!   `kernels/ops.cu`): `attention_{format}` is one block of four warps per (head, query),
-//!   each warp folding every fourth key into its own running softmax and the warps merged at
-//!   the end; the lanes split the head (at most [`ATTENTION_MAX_HEAD_DIM`] values). The cache
-//!   is read in its storage format (f32, f16, e4m3, Hadamard-turned q8/q4 groups, decoded by
-//!   the warp's 32 lanes together), and written by `kv_store_{format}`.
+//!   `kernels/ops.cu`): `attention_{format}` is one block of four warps per (key split, KV
+//!   head, query), taking all the query heads of the KV group (up to
+//!   [`crate::sources::attention_block_heads`] of them; wider groups take several blocks), so
+//!   each cache row is read once per block. Each warp folds every fourth key of the split into
+//!   its own running softmax per head and the warps are merged at the end; the lanes split the
+//!   head (at most [`ATTENTION_MAX_HEAD_DIM`] values). The keys are split
+//!   ([`crate::sources::attention_grid`]) so that a decode step fills every SM; the splits'
+//!   partial results go to the caller's scratch and `attention_reduce_f32` merges them. The
+//!   cache is read in its storage format (f32, f16, e4m3, Hadamard-turned q8/q4 groups, decoded
+//!   by the warp's 32 lanes together), and written by `kv_store_{format}`.
 //! - The launch plumbing is in `launch`, the matrix products in `matmul`, and the operation
 //!   dispatch in `ops`.
 //! - Views ([`Backend::view`], [`Backend::split`]) are slices made from a device pointer inside
@@ -69,9 +74,10 @@ use crate::cpu::ops::RopeStyle;
 use crate::cpu_backend::AttShape;
 use crate::error::{KernelError, Result};
 use crate::sources::{
-    CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FLOAT_TYPES, CUDA_Q8_TYPES, DQ_PATH_MIN_TOKENS,
-    FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS,
-    Param, Q8_BLOCK_BYTES, dq_chunk_rows, float_row_threads, signature,
+    ATTENTION_WARPS, CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FLOAT_TYPES, CUDA_Q8_TYPES,
+    DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS,
+    GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, attention_grid, dq_chunk_rows,
+    float_row_threads, signature,
 };
 use crate::types::{FloatType, QuantType};
 
@@ -140,7 +146,8 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     /// Compute capability (major, minor).
     cc: (i32, i32),
-    /// Streaming multiprocessors: the float matvec kernels size their grid by it.
+    /// Streaming multiprocessors: the float matvec kernels size their grid by it, and the
+    /// attention splits fill it ([`crate::sources::attention_splits`]).
     sm_count: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     staging: Mutex<Option<Staging>>,

@@ -1,12 +1,14 @@
 //! The host C++ build of `kernels/*.cuh` (see `shim/host_shim.cpp`), for tests that check the
 //! device maths without a GPU: block decoders and layouts, the `scan_{type}` block check, the
 //! matvec kernels' per-lane dot products and warp butterfly (and the float-weight kernels'
-//! chunked chains and reduction), f16 rounding and the KV-cache codecs, and the Q8-activation
-//! mode and dequantised-path GEMM of the matmul kernels.
+//! chunked chains and reduction), f16 rounding and the KV-cache codecs, the Q8-activation
+//! mode and dequantised-path GEMM of the matmul kernels, and the split attention with its
+//! reduce.
 //! Present when `build.rs` found a C++ compiler.
 // Calling the C++ shim is FFI; each wrapper checks the buffer sizes the shim relies on.
 #![allow(unsafe_code)]
 
+use crate::cpu::attention::AttnShape;
 use crate::cpu::kv::KvType;
 use crate::cpu::kv_format::KvFormat;
 use crate::error::{KernelError, Result};
@@ -67,6 +69,25 @@ unsafe extern "C" {
     fn wl_host_kv_dequantize(src: *const u8, out: *mut f32, n_groups: usize, qmax: i32);
     fn wl_host_kv_store(x: *const f32, out: *mut u8, n_groups: usize, qmax: i32);
     fn wl_host_kv_load(src: *const u8, out: *mut f32, n_groups: usize, qmax: i32);
+    fn wl_host_att_block_heads(head_dim: i32) -> i32;
+    #[allow(clippy::too_many_arguments)]
+    fn wl_host_attention(
+        k_fmt: i32,
+        v_fmt: i32,
+        q: *const f32,
+        k: *const u8,
+        v: *const u8,
+        out: *mut f32,
+        part: *mut f32,
+        n_q: usize,
+        start: usize,
+        n_heads: usize,
+        kv_heads: usize,
+        head_dim: i32,
+        scale: f32,
+        f16_operands: i32,
+        n_splits: usize,
+    ) -> i32;
 }
 
 /// Dequantises with the host build of `wl_dequant.cuh`.
@@ -449,5 +470,129 @@ pub fn gemm(
             grid_y,
         )
     };
+    Ok(())
+}
+
+/// The header's `wl_att_block_heads`: query heads one attention block takes for heads of
+/// `head_dim` values.
+pub fn attention_block_heads(head_dim: usize) -> usize {
+    let hd = i32::try_from(head_dim).unwrap_or(i32::MAX);
+    // SAFETY: a pure function of an integer.
+    let h = unsafe { wl_host_att_block_heads(hd) };
+    usize::try_from(h).unwrap_or(0)
+}
+
+/// The shim's code for a cache format the attention kernels read (`wl_att_row`).
+fn attention_format_code(format: KvFormat) -> Result<i32> {
+    match format {
+        KvFormat::F32 => Ok(0),
+        KvFormat::F16 => Ok(1),
+        KvFormat::E4M3 => Ok(2),
+        KvFormat::Q8 => Ok(3),
+        KvFormat::Q4 => Ok(4),
+        KvFormat::BF16 => Ok(5),
+        #[allow(unreachable_patterns)]
+        other => Err(KernelError::Unsupported {
+            op: "host attention",
+            ty: other.name().into(),
+            supported: "f32, f16, e4m3, q8, q4, bf16",
+        }),
+    }
+}
+
+/// What `attention_{format}` computes with its keys split `splits` ways, then
+/// `attention_reduce_f32` (when `splits > 1`), replayed block by block, warp by warp and lane by
+/// lane with the kernels' own header functions: `out` (`n_q × n_heads × head_dim`) for queries
+/// `q` over the cache rows `k` and `v` (stored as `k_format` and `v_format`, at least
+/// `start + n_q` rows each).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    k_format: KvFormat,
+    v_format: KvFormat,
+    shape: AttnShape,
+    splits: usize,
+    q: &[f32],
+    k: &[u8],
+    v: &[u8],
+    out: &mut [f32],
+) -> Result<()> {
+    let bad = |reason: String| KernelError::Shape {
+        op: "host attention",
+        reason,
+    };
+    let AttnShape {
+        n_heads,
+        kv_heads,
+        head_dim,
+        n_q,
+        start,
+        scale,
+        f16_operands,
+    } = shape;
+    let turned = k_format.quant().is_some() || v_format.quant().is_some();
+    if head_dim > crate::sources::ATTENTION_MAX_HEAD_DIM || (turned && head_dim % 32 != 0) {
+        return Err(bad(format!(
+            "head_dim {head_dim}: the kernel takes at most {}, a multiple of 32 for a quantised \
+             cache",
+            crate::sources::ATTENTION_MAX_HEAD_DIM
+        )));
+    }
+    if splits == 0 || splits > crate::sources::ATTENTION_MAX_SPLITS {
+        return Err(bad(format!(
+            "{splits} splits: the kernel takes 1 to {}",
+            crate::sources::ATTENTION_MAX_SPLITS
+        )));
+    }
+    let (kc, vc) = (
+        attention_format_code(k_format)?,
+        attention_format_code(v_format)?,
+    );
+    let qn = n_q * n_heads * head_dim;
+    let kvn = (start + n_q) * kv_heads * head_dim;
+    let lens = [
+        ("host attention query values", qn, q.len()),
+        ("host attention key bytes", k_format.byte_at(kvn), k.len()),
+        ("host attention value bytes", v_format.byte_at(kvn), v.len()),
+        ("host attention output values", qn, out.len()),
+    ];
+    for (what, expected, got) in lens {
+        if got < expected {
+            return Err(KernelError::LengthMismatch {
+                what,
+                expected,
+                got,
+            });
+        }
+    }
+    let part_len = crate::sources::attention_scratch_values(n_q, n_heads, head_dim, splits)
+        .ok_or_else(|| bad("the partial results overflow".into()))?;
+    let mut part = vec![0f32; if splits > 1 { part_len } else { 0 }];
+    // SAFETY: q, k, v and out hold what the shape reads and writes (checked above), part the
+    // split's partial results (wl_att_part_*), and the shim refuses splits and heads outside
+    // its arrays.
+    let ok = unsafe {
+        wl_host_attention(
+            kc,
+            vc,
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            out.as_mut_ptr(),
+            part.as_mut_ptr(),
+            n_q,
+            start,
+            n_heads,
+            kv_heads,
+            head_dim as i32,
+            scale,
+            i32::from(f16_operands),
+            splits,
+        )
+    };
+    if ok == 0 {
+        return Err(bad(format!(
+            "{n_heads} heads over {kv_heads} kv heads of {head_dim} in {splits} splits"
+        )));
+    }
     Ok(())
 }

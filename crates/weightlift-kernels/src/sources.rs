@@ -152,10 +152,14 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("swiglu_inplace_", &[Ptr, Ptr, U64]),
     // (x, bias, n values, n_cols)
     ("add_bias_", &[Ptr, Ptr, U64, U64]),
-    // (q, k, v, out, n_q, start, n_heads, kv_heads, head_dim, scale, f16_operands)
+    // the splits merged, before the family its name starts with: (part, out, n_q, n_heads,
+    // head_dim, n_splits)
+    ("attention_reduce_", &[Ptr, Ptr, U64, U64, I32, U64]),
+    // (q, k, v, out or partial results, n_q, start, n_heads, kv_heads, head_dim, scale,
+    // f16_operands, n_splits)
     (
         "attention_",
-        &[Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32],
+        &[Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64],
     ),
     // (x, positions, out, n_pairs, n_heads, head_dim, n_dims, freq_base, freq_scale)
     ("rope_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32, F32, F32]),
@@ -226,6 +230,109 @@ pub const GEMM_BLOCK_TOKENS: usize = 64;
 /// Threads per GEMM thread block, one-dimensional (`WL_GEMM_THREADS`).
 pub const GEMM_THREADS: usize = 256;
 
+/// The largest head the attention kernel takes (`WL_ATT_MAX_HD` in
+/// `kernels/wl_attention.cuh`).
+pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+
+/// Warps per attention block (`WL_ATT_WARPS` in `kernels/wl_attention.cuh`).
+pub const ATTENTION_WARPS: usize = 4;
+
+/// Query values one lane of an attention block holds for all the block's heads
+/// (`WL_ATT_REGS`): heads per block × values per lane.
+const ATTENTION_REGS: usize = 16;
+
+/// The most query heads of one KV group an attention block takes (`WL_ATT_MAX_GROUP`).
+const ATTENTION_MAX_GROUP: usize = 8;
+
+/// The most key splits of one attention call (`WL_ATT_MAX_SPLITS`), counted over all its
+/// queries: a call of `n_q` queries takes at most `ATTENTION_MAX_SPLITS / n_q` splits, so its
+/// partial results fit in `n_heads × ATTENTION_MAX_SPLITS × (head_dim + 2)` values. The plan
+/// reserves that much (weightlift-plan's `ATTENTION_SPLITS`, tested equal in the engine).
+pub const ATTENTION_MAX_SPLITS: usize = 128;
+
+/// The fewest keys worth a split of their own: a block's fixed cost (loading its queries,
+/// merging its warps, writing its partial results) is a few memory round trips, and 32 keys give
+/// each of its warps eight to spread that over (an estimate, to revisit with GPU timings). The
+/// plan bounds the splits of a cache of `n` positions by `ceil(n / ATTENTION_MIN_SPLIT_KEYS)`
+/// (weightlift-plan's `ATTENTION_SPLIT_KEYS`).
+pub const ATTENTION_MIN_SPLIT_KEYS: usize = 32;
+
+/// Attention blocks per SM the splits aim for: two blocks of four warps give each SM eight
+/// warps to hide the latency of the cache reads with.
+pub const ATTENTION_BLOCKS_PER_SM: usize = 2;
+
+/// Query heads one attention block takes for heads of `head_dim` values
+/// (`wl_att_block_heads`): the values per lane (`ceil(head_dim / 32)` rounded up to 2, 4 or 8)
+/// times the heads stay within `ATTENTION_REGS`, and at most `ATTENTION_MAX_GROUP`. A KV
+/// group of more query heads takes several blocks ("chunks") per split.
+pub fn attention_block_heads(head_dim: usize) -> usize {
+    let per_lane = head_dim.div_ceil(32).next_power_of_two().clamp(2, 8);
+    (ATTENTION_REGS / per_lane).min(ATTENTION_MAX_GROUP)
+}
+
+/// How many ways to split the keys of an attention call (the flash-decoding split): enough
+/// that `n_groups` blocks per split (KV heads × chunks of their query heads × queries) give
+/// every one of `sm_count` SMs [`ATTENTION_BLOCKS_PER_SM`] blocks, but no split under
+/// [`ATTENTION_MIN_SPLIT_KEYS`] of the `n_keys` keys, and at most [`ATTENTION_MAX_SPLITS`].
+/// 1 (no split, no reduce kernel) when the grid is full without one, and when any count is 0.
+pub fn attention_splits(n_keys: usize, n_groups: usize, sm_count: usize) -> usize {
+    if n_keys == 0 || n_groups == 0 || sm_count == 0 {
+        return 1;
+    }
+    let fill = sm_count
+        .saturating_mul(ATTENTION_BLOCKS_PER_SM)
+        .div_ceil(n_groups);
+    let by_keys = n_keys.div_ceil(ATTENTION_MIN_SPLIT_KEYS);
+    fill.min(by_keys).clamp(1, ATTENTION_MAX_SPLITS)
+}
+
+/// Values of the partial results of an attention call split `n_splits` ways
+/// (`wl_att_part_*`): a maximum, a sum and `head_dim` accumulators per query, head and split.
+/// `None` on overflow.
+pub fn attention_scratch_values(
+    n_q: usize,
+    n_heads: usize,
+    head_dim: usize,
+    n_splits: usize,
+) -> Option<usize> {
+    n_q.checked_mul(n_heads)?
+        .checked_mul(n_splits)?
+        .checked_mul(head_dim.checked_add(2)?)
+}
+
+/// The launch of one attention call: its keys split `splits` ways, `blocks` blocks along x
+/// (splits × KV heads × chunks of their query heads), and the query rows along y.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionGrid {
+    pub splits: usize,
+    pub blocks: usize,
+}
+
+/// The grid of an attention call of `[n_heads, kv_heads, head_dim, n_q, start]` (a checked
+/// shape: `kv_heads` divides `n_heads`) on a GPU of `sm_count` SMs: the split that fills it
+/// ([`attention_splits`]), cut to what `scratch_values` f32 of scratch hold for the call's
+/// partial results ([`attention_scratch_values`]; no room for two splits: no split).
+pub fn attention_grid(
+    [n_heads, kv_heads, head_dim, n_q, start]: [usize; 5],
+    sm_count: usize,
+    scratch_values: usize,
+) -> AttentionGrid {
+    let chunks = n_heads
+        .checked_div(kv_heads)
+        .unwrap_or(0)
+        .div_ceil(attention_block_heads(head_dim));
+    let groups = kv_heads.saturating_mul(chunks);
+    let n_keys = start.saturating_add(n_q);
+    let want = attention_splits(n_keys, groups.saturating_mul(n_q), sm_count);
+    let per_split = attention_scratch_values(n_q, n_heads, head_dim, 1).unwrap_or(usize::MAX);
+    let room = scratch_values / per_split.max(1);
+    let splits = want.min(room).clamp(1, ATTENTION_MAX_SPLITS);
+    AttentionGrid {
+        splits,
+        blocks: groups.saturating_mul(splits),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,5 +362,107 @@ mod tests {
         for (rows, cols) in [(0, 0), (1, 1), (3, 33), (100_000, 8)] {
             assert!(FLOAT_ROW_THREADS.contains(&float_row_threads(rows, cols, 2, 1, 0)));
         }
+    }
+
+    #[test]
+    fn grid_takes_the_split_the_scratch_holds() {
+        let planned = |nh: usize, hd: usize| nh * ATTENTION_MAX_SPLITS * (hd + 2);
+        // a 1.1B llama's decode step at 2,048 positions on 132 SMs: 4 KV heads of 8 query
+        // heads, 64 splits of 32 keys, 256 blocks
+        let g = attention_grid([32, 4, 64, 1, 2047], 132, planned(32, 64));
+        assert_eq!(
+            g,
+            AttentionGrid {
+                splits: 64,
+                blocks: 256
+            }
+        );
+        // at 64 positions: two splits
+        let g = attention_grid([32, 4, 64, 1, 63], 132, planned(32, 64));
+        assert_eq!(
+            g,
+            AttentionGrid {
+                splits: 2,
+                blocks: 8
+            }
+        );
+        // 12 query heads of 128 a KV head: three chunks of four
+        let g = attention_grid([12, 1, 128, 1, 4095], 132, planned(12, 128));
+        assert_eq!(
+            g,
+            AttentionGrid {
+                splits: 88,
+                blocks: 264
+            }
+        );
+        // 5 queries share the planned room: at most 128 / 5 splits
+        let g = attention_grid([4, 1, 64, 5, 1 << 20], 132, planned(4, 64));
+        assert_eq!(g.splits, ATTENTION_MAX_SPLITS / 5);
+        // room for two splits, then none
+        let two = attention_scratch_values(1, 32, 64, 2).unwrap();
+        assert_eq!(attention_grid([32, 4, 64, 1, 2047], 132, two).splits, 2);
+        assert_eq!(attention_grid([32, 4, 64, 1, 2047], 132, two - 1).splits, 1);
+        assert_eq!(attention_grid([32, 4, 64, 1, 2047], 132, 0).splits, 1);
+        // a prompt fills the GPU by itself
+        let g = attention_grid([32, 4, 64, 512, 0], 132, planned(32, 64));
+        assert_eq!(
+            g,
+            AttentionGrid {
+                splits: 1,
+                blocks: 4
+            }
+        );
+    }
+
+    #[test]
+    fn block_heads_follow_the_register_budget() {
+        for (hd, want) in [
+            (1, 8),
+            (32, 8),
+            (40, 8),
+            (64, 8),
+            (80, 4),
+            (96, 4),
+            (128, 4),
+            (160, 2),
+            (256, 2),
+        ] {
+            assert_eq!(attention_block_heads(hd), want, "head_dim {hd}");
+        }
+    }
+
+    #[test]
+    fn splits_fill_the_sms_with_enough_keys_each() {
+        // a 1.1B llama's decode step on 132 SMs: 4 KV heads, one chunk of 8 query heads each
+        assert_eq!(attention_splits(2048, 4, 132), 64, "32 keys a split");
+        assert_eq!(attention_splits(64, 4, 132), 2);
+        assert_eq!(attention_splits(65, 4, 132), 3, "a last split of one key");
+        // 66 splits fill 132 SMs twice over; more keys do not make more
+        assert_eq!(attention_splits(1 << 20, 4, 132), 66);
+        // one KV head (a tensor-parallel rank, or multi-query attention) stops at the cap
+        assert_eq!(attention_splits(1 << 20, 1, 132), ATTENTION_MAX_SPLITS);
+        // a prompt of 512 queries fills the GPU without a split
+        assert_eq!(attention_splits(4096, 4 * 512, 132), 1);
+        // few keys, or nothing to split
+        assert_eq!(attention_splits(1, 4, 132), 1);
+        assert_eq!(attention_splits(31, 4, 132), 1);
+        assert_eq!(attention_splits(33, 4, 132), 2);
+        for zero in [(0, 4, 132), (64, 0, 132), (64, 4, 0)] {
+            assert_eq!(attention_splits(zero.0, zero.1, zero.2), 1, "{zero:?}");
+        }
+        assert_eq!(
+            attention_splits(usize::MAX, 1, usize::MAX),
+            ATTENTION_MAX_SPLITS
+        );
+    }
+
+    #[test]
+    fn split_scratch_is_bounded_by_the_heads_and_the_cap() {
+        assert_eq!(attention_scratch_values(1, 32, 64, 64), Some(32 * 64 * 66));
+        assert_eq!(
+            attention_scratch_values(1, 32, 64, ATTENTION_MAX_SPLITS),
+            Some(32 * ATTENTION_MAX_SPLITS * 66)
+        );
+        assert_eq!(attention_scratch_values(usize::MAX, 2, 64, 2), None);
     }
 }

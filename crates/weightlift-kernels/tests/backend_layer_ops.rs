@@ -210,69 +210,19 @@ fn reference_attention(
 
 /// Attention over caches in every storage format (f32, f16 and bf16 with heads of 40 and 64 values;
 /// e4m3, q8, q4 and the q6 pair with heads of 64, the quantised groups being whole in a head),
-/// 1 and 5 queries after 0 and 37 cached positions, 6 query heads over 2 kv heads, in tiles of
-/// 1, 4 and 256 keys: within 2e-6 of the f64 softmax over the rows the codec decodes (2e-3 with
-/// f16 operands, whose weights are rounded to f16 against a running maximum).
+/// 1 and 5 queries after 0, 37 and 300 cached positions, 6 query heads over 2 kv heads and 12
+/// over 1 (wider than one CUDA block takes), in tiles of 1, 4 and 256 keys: within 2e-6 of the
+/// f64 softmax over the rows the codec decodes (2e-3 with f16 operands, whose weights are
+/// rounded to f16 against a running maximum; 1e-5 for the 300-position rows, whose sums are
+/// longer). On CUDA the keys are split across blocks where the scratch allows (after 37 and
+/// 300 positions the split kernel and its reduce run), cut to a scratch with room for two
+/// splits, and unsplit without one.
 fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(0xa77e);
-    let (nh, kvh) = (6, 2);
-    for hd in [40, 64] {
-        for (n_q, start) in [(1, 0), (5, 0), (1, 37), (5, 37)] {
-            let rows = start + n_q;
-            let q = rng.vec(n_q * nh * hd, 2.0);
-            let k = rng.vec(rows * kvh * hd, 2.0);
-            let v = rng.vec(rows * kvh * hd, 1.0);
-            let qb = f32s(b, &q)?;
-            let mut formats = vec![
-                (KvFormat::F32, KvFormat::F32),
-                (KvFormat::F16, KvFormat::F16),
-                (KvFormat::BF16, KvFormat::BF16),
-            ];
-            if hd % 32 == 0 {
-                formats.extend([
-                    (KvFormat::E4M3, KvFormat::E4M3),
-                    (KvFormat::Q8, KvFormat::Q8),
-                    (KvFormat::Q4, KvFormat::Q4),
-                    (KvFormat::Q8, KvFormat::Q4),
-                ]);
-            }
-            for (k_format, v_format) in formats {
-                let (kbytes, kf) = cache_rows(&k, k_format);
-                let (vbytes, vf) = cache_rows(&v, v_format);
-                let (kb, vb) = (upload(b, &kbytes)?, upload(b, &vbytes)?);
-                for f16_operands in [false, true] {
-                    let want =
-                        reference_attention(&q, &kf, &vf, n_q, start, nh, kvh, hd, f16_operands);
-                    for tile in [1, 4, 256] {
-                        let mut out = b.alloc(q.len() * 4)?;
-                        b.run(Op::Attention {
-                            k_format,
-                            v_format,
-                            n_heads: nh,
-                            kv_heads: kvh,
-                            head_dim: hd,
-                            n_q,
-                            start,
-                            scale: 1.0 / (hd as f32).sqrt(),
-                            tile,
-                            f16_operands,
-                            q: &qb,
-                            k: &kb,
-                            v: &vb,
-                            out: &mut out,
-                        })?;
-                        let got = download_f32(b, &out, q.len())?;
-                        let tol = if f16_operands { 2e-3 } else { 2e-6 };
-                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                            assert!(
-                                (f64::from(*g) - w).abs() <= tol,
-                                "{} attention {k_format:?}/{v_format:?} hd {hd} n_q {n_q} start {start} f16 ops \
-                                 {f16_operands} tile {tile}: value {i}: {g} vs {w}",
-                                b.name()
-                            );
-                        }
-                    }
-                }
+    for (nh, kvh) in [(6, 2), (12, 1)] {
+        for hd in [40, 64] {
+            for (n_q, start) in [(1, 0), (5, 0), (1, 37), (5, 37), (1, 300), (5, 300)] {
+                attention_case(b, &mut rng, (nh, kvh, hd), n_q, start)?;
             }
         }
     }
@@ -296,6 +246,7 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
             k: &kb,
             v: &kb,
             out: &mut out,
+            scratch: None,
         })
         .unwrap_err()
         .to_string()
@@ -311,6 +262,86 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
     b.synchronize()
 }
 test_device!(attention_matches_an_f64_softmax);
+
+/// One shape of [`attention_matches_an_f64_softmax`], in every format its head takes.
+fn attention_case<B: Backend>(
+    b: &B,
+    rng: &mut Rng,
+    (nh, kvh, hd): (usize, usize, usize),
+    n_q: usize,
+    start: usize,
+) -> Result<()> {
+    let rows = start + n_q;
+    let q = rng.vec(n_q * nh * hd, 2.0);
+    let k = rng.vec(rows * kvh * hd, 2.0);
+    let v = rng.vec(rows * kvh * hd, 1.0);
+    let qb = f32s(b, &q)?;
+    let mut formats = vec![
+        (KvFormat::F32, KvFormat::F32),
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::BF16, KvFormat::BF16),
+    ];
+    if hd % 32 == 0 {
+        formats.extend([
+            (KvFormat::E4M3, KvFormat::E4M3),
+            (KvFormat::Q8, KvFormat::Q8),
+            (KvFormat::Q4, KvFormat::Q4),
+            (KvFormat::Q8, KvFormat::Q4),
+        ]);
+    }
+    // what the plan reserves per device, and room for two splits of this call
+    let full = nh * sources::ATTENTION_MAX_SPLITS * (hd + 2);
+    let two = sources::attention_scratch_values(n_q, nh, hd, 2).unwrap();
+    for (k_format, v_format) in formats {
+        let (kbytes, kf) = cache_rows(&k, k_format);
+        let (vbytes, vf) = cache_rows(&v, v_format);
+        let (kb, vb) = (upload(b, &kbytes)?, upload(b, &vbytes)?);
+        for f16_operands in [false, true] {
+            let want = reference_attention(&q, &kf, &vf, n_q, start, nh, kvh, hd, f16_operands);
+            for (tile, room) in [(1, full), (4, full), (256, full), (256, two), (256, 0)] {
+                let mut out = b.alloc(q.len() * 4)?;
+                let mut scratch = if room > 0 {
+                    Some(b.alloc(room * 4)?)
+                } else {
+                    None
+                };
+                b.run(Op::Attention {
+                    k_format,
+                    v_format,
+                    n_heads: nh,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                    n_q,
+                    start,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    tile,
+                    f16_operands,
+                    q: &qb,
+                    k: &kb,
+                    v: &vb,
+                    out: &mut out,
+                    scratch: scratch.as_mut(),
+                })?;
+                let got = download_f32(b, &out, q.len())?;
+                let tol = match (f16_operands, rows > 64) {
+                    (true, _) => 2e-3,
+                    (false, false) => 2e-6,
+                    (false, true) => 1e-5,
+                };
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (f64::from(*g) - w).abs() <= tol,
+                        "{} attention {k_format:?}/{v_format:?} {nh}/{kvh} heads of {hd} n_q {n_q} \
+                         start {start} f16 ops {f16_operands} tile {tile} scratch {room}: value \
+                         {i}: {g} vs {w}",
+                        b.name()
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
 
 /// Views read and write their part of a buffer in place; overlapping or out-of-range parts are
 /// errors.

@@ -898,4 +898,177 @@ mod twin {
         assert_eq!(dq_chunk_rows(4096, 4096, 512 << 20), Some(4096));
         assert_eq!(dq_chunk_rows(1 << 17, 4096, 512 << 20), Some(4096));
     }
+
+    /// The launch grid's heads per block (Rust) is the kernel's (`wl_att_block_heads`) for
+    /// every head the kernel takes.
+    #[test]
+    fn attention_block_heads_are_the_kernels() {
+        for hd in 1..=weightlift_kernels::sources::ATTENTION_MAX_HEAD_DIM {
+            assert_eq!(
+                host_shim::attention_block_heads(hd),
+                weightlift_kernels::sources::attention_block_heads(hd),
+                "head_dim {hd}"
+            );
+        }
+    }
+
+    /// The CPU backend's attention over the cache rows as stored.
+    #[allow(clippy::too_many_arguments)]
+    fn cpu_attention(
+        (k_format, v_format): (KvFormat, KvFormat),
+        shape: weightlift_kernels::cpu::attention::AttnShape,
+        q: &[f32],
+        k: &[u8],
+        v: &[u8],
+    ) -> Vec<f32> {
+        use weightlift_kernels::{Backend, CpuBackend, Op};
+        let b = CpuBackend::new();
+        let up = |bytes: &[u8]| {
+            let mut buf = b.alloc(bytes.len()).unwrap();
+            b.copy_from_host(bytes, &mut buf, 0).unwrap();
+            buf
+        };
+        let (qb, kb, vb) = (up(bytemuck::cast_slice(q)), up(k), up(v));
+        let mut out = b.alloc(q.len() * 4).unwrap();
+        b.run(Op::Attention {
+            k_format,
+            v_format,
+            n_heads: shape.n_heads,
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+            n_q: shape.n_q,
+            start: shape.start,
+            scale: shape.scale,
+            tile: 256,
+            f16_operands: shape.f16_operands,
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            out: &mut out,
+            scratch: None,
+        })
+        .unwrap();
+        let mut bytes = vec![0u8; q.len() * 4];
+        b.copy_to_host(&out, 0, &mut bytes).unwrap();
+        bytemuck::cast_slice(&bytes).to_vec()
+    }
+
+    /// The split attention (`attention_{format}` with its keys split across blocks, then
+    /// `attention_reduce_f32`), replayed on the host, against the CPU backend's attention over
+    /// the same stored rows: every cache format, heads of 64 and 128 (and 40 for the float
+    /// caches), GQA ratios 1, 3, 8 and 12 (wider than one block's heads), splits that divide
+    /// the keys and splits that do not, splits left empty for the early queries of a prompt
+    /// and for every query (more splits than keys), with and without f16 operands. Within
+    /// 2e-6 (1e-5 past 64 keys, whose sums are longer; 2e-3 with f16 operands, whose weights
+    /// are rounded against each split's own running maximum).
+    #[test]
+    fn split_attention_matches_the_cpu_backend() {
+        use weightlift_kernels::cpu::attention::AttnShape;
+        let mut rng = Rng(0x5917);
+        let formats = [
+            (KvFormat::F32, KvFormat::F32),
+            (KvFormat::F16, KvFormat::F16),
+            (KvFormat::BF16, KvFormat::BF16),
+            (KvFormat::E4M3, KvFormat::E4M3),
+            (KvFormat::Q8, KvFormat::Q8),
+            (KvFormat::Q4, KvFormat::Q4),
+            (KvFormat::Q8, KvFormat::Q4),
+        ];
+        // (n_q, start, splits): 1 split is the unsplit kernel; 100 keys in 3 and 7 splits leave
+        // a short last split; 4 prompt queries from 0 in 4 splits see 1 key a split, so query 0
+        // meets three empty splits; 6 splits of 4 keys leave two empty for every query
+        let calls = [
+            (1, 0, 1),
+            (1, 99, 1),
+            (1, 99, 3),
+            (1, 99, 7),
+            (1, 299, 10),
+            (3, 97, 7),
+            (4, 0, 4),
+            (4, 0, 6),
+            (2, 40, 128),
+        ];
+        let mut checked = 0;
+        for (nh, kvh) in [(4, 4), (6, 2), (8, 1), (12, 1)] {
+            for hd in [40, 64, 128] {
+                for &(n_q, start, splits) in &calls {
+                    let rows = start + n_q;
+                    let q = rng.vec(n_q * nh * hd, 2.0);
+                    let kx = rng.vec(rows * kvh * hd, 2.0);
+                    let vx = rng.vec(rows * kvh * hd, 1.0);
+                    for &(kf, vf) in &formats {
+                        if hd % 32 != 0 && (kf.quant().is_some() || kf == KvFormat::E4M3) {
+                            continue;
+                        }
+                        let mut k = vec![0u8; kf.byte_at(kx.len())];
+                        let mut v = vec![0u8; vf.byte_at(vx.len())];
+                        kv_encode(kf, &kx, &mut k).unwrap();
+                        kv_encode(vf, &vx, &mut v).unwrap();
+                        for f16_operands in [false, true] {
+                            let shape = AttnShape::new(
+                                nh,
+                                kvh,
+                                hd,
+                                n_q,
+                                start,
+                                1.0 / (hd as f32).sqrt(),
+                                f16_operands,
+                            )
+                            .unwrap();
+                            let want = cpu_attention((kf, vf), shape, &q, &k, &v);
+                            let mut got = vec![f32::NAN; q.len()];
+                            host_shim::attention(kf, vf, shape, splits, &q, &k, &v, &mut got)
+                                .unwrap();
+                            let tol = match (f16_operands, rows > 64) {
+                                (true, _) => 2e-3,
+                                (false, false) => 2e-6,
+                                (false, true) => 1e-5,
+                            };
+                            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                                assert!(
+                                    (g - w).abs() <= tol,
+                                    "{kf:?}/{vf:?} {nh}/{kvh} heads of {hd}, n_q {n_q} start \
+                                     {start} in {splits} splits, f16 ops {f16_operands}: value \
+                                     {i}: twin {g}, cpu {w}"
+                                );
+                            }
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 4 * 9 * 2 * (2 + 6 + 6));
+    }
+
+    /// The twin refuses what the kernel does not take, naming it.
+    #[test]
+    fn split_attention_refuses_shapes_outside_the_kernel() {
+        use weightlift_kernels::cpu::attention::AttnShape;
+        let shape = AttnShape::new(2, 1, 64, 1, 0, 0.125, false).unwrap();
+        let (q, kv, mut out) = (vec![0f32; 128], vec![0u8; 64 * 4], vec![0f32; 128]);
+        let run = |splits, shape, out: &mut [f32]| {
+            host_shim::attention(
+                KvFormat::F32,
+                KvFormat::F32,
+                shape,
+                splits,
+                &q,
+                &kv,
+                &kv,
+                out,
+            )
+            .unwrap_err()
+            .to_string()
+        };
+        let e = run(0, shape, &mut out);
+        assert!(e.contains("0 splits: the kernel takes 1 to 128"), "{e}");
+        let e = run(129, shape, &mut out);
+        assert!(e.contains("129 splits"), "{e}");
+        let e = run(1, shape, &mut out[..127]);
+        assert!(e.contains("host attention output values"), "{e}");
+        let wide = AttnShape::new(2, 1, 320, 1, 0, 0.125, false).unwrap();
+        let e = run(1, wide, &mut out);
+        assert!(e.contains("head_dim 320"), "{e}");
+    }
 }

@@ -157,6 +157,7 @@ fn expected_kernels() -> Vec<String> {
         "attention_q8",
         "attention_q4",
         "attention_q8_q4",
+        "attention_reduce_f32",
     ] {
         expected.push(k.to_string());
     }

@@ -127,7 +127,10 @@ pub use tp::{
     define_split, integer_split, to_table, tp_staging_bytes,
 };
 pub use window::{SWA_PAD, SlidingWindow};
-pub use workspace::{ALIGN, Dims, Hosts, KV_TILE, LOGIT_ROWS, Region, Workspace};
+pub use workspace::{
+    ALIGN, ATTENTION_SPLIT_KEYS, ATTENTION_SPLITS, Dims, Hosts, KV_TILE, LOGIT_ROWS, Region,
+    Workspace,
+};
 
 use place::{Ctx, Tweak};
 

@@ -16,6 +16,7 @@
 //! | `kt`, `vt` (a tile of cached keys and values, decoded) | `Tk·kvd` each | layers |
 //! | `scores` (attention weights of one tile, every head) | `n_heads·Tq·Tk` | layers |
 //! | `stats` (running max and sum of the online softmax) | `2·T·n_heads` | layers |
+//! | `parts` (an accelerator's attention split into `S` key ranges: max, sum and `head_dim` accumulators per head and range) | `n_heads·S·(head_dim + 2)` | layers |
 //! | `pos` (positions, i32) and `freqs` (RoPE inverse frequencies) | `T` and `head_dim/2` | layers |
 //! | `logits` | `R·V` | the head |
 //!
@@ -23,6 +24,10 @@
 //! `Tq = min(T, max(1, max_attention_size / Tk))` queries per tile, so no head ever holds more
 //! than `max_attention_size` attention weights. `R = min(LOGIT_ROWS, T)`: logits for more rows
 //! (`logits="all"`) are produced `R` rows at a time straight into the caller's array.
+//! `S = min(ATTENTION_SPLITS, ceil(max_seq_len / ATTENTION_SPLIT_KEYS))`: the CUDA attention
+//! kernel splits a decode step's keys across thread blocks so that every SM has work, never into
+//! ranges under `ATTENTION_SPLIT_KEYS` keys, and a call of `n` queries into at most `S / n`
+//! ranges, so its partial results fit here.
 //!
 //! Weights are used in their stored type (the CPU kernels dequantise in registers), so no
 //! dequantisation buffer is reserved; `max_dq_size` bounds the kernels' own tiles.
@@ -37,6 +42,12 @@ pub const ALIGN: u64 = 64;
 pub const KV_TILE: u64 = 256;
 /// Rows of logits computed at once.
 pub const LOGIT_ROWS: u64 = 32;
+/// The most key ranges an accelerator's attention call is split into, over all its queries
+/// (weightlift-kernels' `ATTENTION_MAX_SPLITS`; the engine tests that they are equal).
+pub const ATTENTION_SPLITS: u64 = 128;
+/// The fewest keys in one range of a split attention call (weightlift-kernels'
+/// `ATTENTION_MIN_SPLIT_KEYS`): a cache of `n` positions is split at most `ceil(n / this)` ways.
+pub const ATTENTION_SPLIT_KEYS: u64 = 32;
 
 /// What a device computes, which decides the regions it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -74,6 +85,8 @@ pub struct Dims {
     pub q_tile: u64,
     /// Rows of logits at once, `R`.
     pub logit_rows: u64,
+    /// Key ranges of a split attention call, `S`.
+    pub att_splits: u64,
 }
 
 impl Dims {
@@ -102,6 +115,7 @@ impl Dims {
             kv_tile,
             q_tile: tokens.min((max_attn / kv_tile).max(1)),
             logit_rows: LOGIT_ROWS.min(tokens),
+            att_splits: seq.div_ceil(ATTENTION_SPLIT_KEYS).min(ATTENTION_SPLITS),
         }
     }
 }
@@ -128,6 +142,7 @@ pub struct Workspace {
     pub vt: Region,
     pub scores: Region,
     pub stats: Region,
+    pub parts: Region,
     pub pos: Region,
     pub freqs: Region,
     pub logits: Region,
@@ -165,6 +180,11 @@ impl Workspace {
             w.vt = take(d.kv_tile.saturating_mul(d.kv_dim));
             w.scores = take(d.n_heads.saturating_mul(d.q_tile).saturating_mul(d.kv_tile));
             w.stats = take(2u64.saturating_mul(t).saturating_mul(d.n_heads));
+            w.parts = take(
+                d.n_heads
+                    .saturating_mul(d.att_splits)
+                    .saturating_mul(d.head_dim.saturating_add(2)),
+            );
             w.pos = take(t);
             w.freqs = take(d.head_dim / 2);
         }
@@ -208,8 +228,8 @@ pub(crate) mod tests {
         };
         let d = Dims::new(&spec(), &rt, 8192, 1);
         assert_eq!(
-            (d.tokens, d.kv_tile, d.q_tile, d.logit_rows),
-            (512, 256, 512, 32)
+            (d.tokens, d.kv_tile, d.q_tile, d.logit_rows, d.att_splits),
+            (512, 256, 512, 32, 128)
         );
         let all = Hosts {
             layers: true,
@@ -224,6 +244,7 @@ pub(crate) mod tests {
             + 2 * 256 * 192
             + 9 * 512 * 256
             + 2 * 512 * 9
+            + 9 * 128 * 66
             + 512
             + 32
             + 32 * 49152;
@@ -269,5 +290,43 @@ pub(crate) mod tests {
             embed: true,
         };
         assert_eq!(Workspace::new(&d, all).bytes, 0);
+    }
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::tests::spec;
+    use super::*;
+
+    #[test]
+    fn attention_splits_follow_the_cache_length() {
+        let rt = RuntimeSpec {
+            max_input_len: 16,
+            ..RuntimeSpec::default()
+        };
+        let layers = Hosts {
+            layers: true,
+            ..Hosts::default()
+        };
+        // 9 heads of 64: one range of 66 values per head and split
+        for (seq, splits) in [
+            (1, 1),
+            (32, 1),
+            (33, 2),
+            (2048, 64),
+            (4096, 128),
+            (1 << 20, 128),
+        ] {
+            let d = Dims::new(&spec(), &rt, seq, 1);
+            assert_eq!(d.att_splits, splits, "max_seq_len {seq}");
+            assert_eq!(Workspace::new(&d, layers).parts.len, 9 * splits * 66);
+        }
+        // a device without layers holds none
+        let d = Dims::new(&spec(), &rt, 2048, 1);
+        let head = Hosts {
+            head: true,
+            ..Hosts::default()
+        };
+        assert_eq!(Workspace::new(&d, head).parts.len, 0);
     }
 }

@@ -154,7 +154,8 @@ pub(crate) fn kernel_on(device: &str, what: &str, e: KernelError) -> EngineError
 }
 
 /// One device's workspace as buffers of its backend, region by region (the plan's layout; the
-/// attention tiles of the host path are not used here).
+/// attention tiles of the host path are not used here, the split attention's partial results
+/// are).
 pub(crate) struct Regions<'a, T> {
     pub x: PartMut<'a, T>,
     pub xn: PartMut<'a, T>,
@@ -164,6 +165,7 @@ pub(crate) struct Regions<'a, T> {
     pub v: PartMut<'a, T>,
     pub gate: PartMut<'a, T>,
     pub up: PartMut<'a, T>,
+    pub parts: PartMut<'a, T>,
     pub pos: PartMut<'a, T>,
     pub freqs: PartMut<'a, T>,
     pub logits: PartMut<'a, T>,
@@ -213,17 +215,18 @@ impl<'a, T> Regions<'a, T> {
             r(w.v),
             r(w.gate),
             r(w.up),
+            r(w.parts),
             r(w.pos),
             r(w.freqs),
             r(w.logits),
         ];
         ranges.extend_from_slice(tail);
         let mut parts = b.regions(buf, &ranges)?;
-        let tail_parts = parts.split_off(11);
-        let Ok([x, xn, q, att, k, v, gate, up, pos, freqs, logits]) =
-            <[PartMut<'a, T>; 11]>::try_from(parts)
+        let tail_parts = parts.split_off(12);
+        let Ok([x, xn, q, att, k, v, gate, up, split, pos, freqs, logits]) =
+            <[PartMut<'a, T>; 12]>::try_from(parts)
         else {
-            return Err(invalid("workspace regions", "11", "another count"));
+            return Err(invalid("workspace regions", "12", "another count"));
         };
         let regions = Regions {
             x,
@@ -234,6 +237,7 @@ impl<'a, T> Regions<'a, T> {
             v,
             gate,
             up,
+            parts: split,
             pos,
             freqs,
             logits,
@@ -556,6 +560,7 @@ pub(crate) fn attention<B: Exec>(
             k: &kc,
             v: &vc,
             out: &mut r.att,
+            scratch: Some(&mut *r.parts),
         })
         .map_err(cx.err(at("attention")))
     };

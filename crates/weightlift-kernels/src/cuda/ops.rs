@@ -7,10 +7,10 @@ use super::launch::*;
 use super::matmul::MatShape;
 use super::*;
 
-/// The largest head the attention kernel takes (`WL_ATT_MAX_HD` in `kernels/attention.cu`).
-pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
-/// Threads per attention block: four warps (`WL_ATT_WARPS`).
-const ATTENTION_THREADS: u32 = 128;
+pub use crate::sources::ATTENTION_MAX_HEAD_DIM;
+
+/// Threads per attention block (`WL_ATT_THREADS`).
+const ATTENTION_THREADS: u32 = ATTENTION_WARPS as u32 * 32;
 
 /// The attention kernel for a cache stored as `k` keys and `v` values: one per cache dtype
 /// (`attention_q8_q4` is the q6 cache).
@@ -383,11 +383,15 @@ impl CudaBackend {
                 k,
                 v,
                 out,
+                scratch,
             } => {
                 for b in [q, k, v] {
                     self.own(b)?;
                 }
                 self.own(out)?;
+                if let Some(b) = &scratch {
+                    self.own(b)?;
+                }
                 let name = attention_kernel(k_format, v_format)?;
                 let sh = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, 1)?;
                 if head_dim > ATTENTION_MAX_HEAD_DIM {
@@ -415,35 +419,110 @@ impl CudaBackend {
                 if n_q == 0 {
                     return Ok(());
                 }
+                let room = scratch.as_deref().map_or(0, |b| b.slice.len() / 4);
+                let grid = attention_grid(
+                    [n_heads, kv_heads, head_dim, n_q, start],
+                    self.sm_count,
+                    room,
+                );
+                let rows = n_q.min(MAX_GRID_YZ) as u32;
                 let cfg = LaunchConfig {
-                    grid_dim: (
-                        grid_for(n_heads, 1, "heads")?,
-                        n_q.min(MAX_GRID_YZ) as u32,
-                        1,
-                    ),
+                    grid_dim: (grid_for(grid.blocks, 1, "attention blocks")?, rows, 1),
+                    block_dim: (ATTENTION_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let split = match scratch {
+                    Some(part) if grid.splits > 1 => Some(part),
+                    _ => None,
+                };
+                let fixed = AttentionArgs {
+                    n_q: n_q as u64,
+                    start: start as u64,
+                    n_heads: n_heads as u64,
+                    kv_heads: kv_heads as u64,
+                    head_dim: arg_i32("head_dim", head_dim)?,
+                    scale,
+                    f16_operands: i32::from(f16_operands),
+                    splits: grid.splits as u64,
+                };
+                let Some(part) = split else {
+                    // SAFETY: block (x, i) reads query rows i of the heads of one chunk of KV
+                    // head x (n_q * n_heads * head_dim checked) and cache rows below
+                    // start + i + 1 of that KV head ((start + n_q) rows checked), and writes
+                    // those heads' output rows i (n_q * n_heads * head_dim checked); head_dim
+                    // is within the kernel's shared arrays (checked).
+                    return unsafe { self.attention_pass(&name, cfg, [q, k, v], out, &fixed) };
+                };
+                // SAFETY: as above, with block (x, i) reading split x % splits of the keys and
+                // writing its heads' partial results (attention_grid cut the splits to what the
+                // scratch holds) instead of the output.
+                unsafe { self.attention_pass(&name, cfg, [q, k, v], part, &fixed) }?;
+                let reduce = LaunchConfig {
+                    grid_dim: (grid_for(n_heads, 1, "heads")?, rows, 1),
                     block_dim: (ATTENTION_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 let mut args = [
-                    KArg::In(&q.slice),
-                    KArg::In(&k.slice),
-                    KArg::In(&v.slice),
+                    KArg::In(&part.slice),
                     KArg::Out(&mut out.slice),
-                    KArg::U64(n_q as u64),
-                    KArg::U64(start as u64),
-                    KArg::U64(n_heads as u64),
-                    KArg::U64(kv_heads as u64),
-                    KArg::I32(arg_i32("head_dim", head_dim)?),
-                    KArg::F32(scale),
-                    KArg::I32(i32::from(f16_operands)),
+                    KArg::U64(fixed.n_q),
+                    KArg::U64(fixed.n_heads),
+                    KArg::I32(fixed.head_dim),
+                    KArg::U64(fixed.splits),
                 ];
-                // SAFETY: block (h, i) reads query row i of head h (n_q * n_heads * head_dim
-                // checked), cache rows 0..=start + i of kv head h / (n_heads / kv_heads)
-                // ((start + n_q) rows checked) and writes output row i of head h; head_dim is
-                // within the kernel's shared arrays (checked).
-                unsafe { self.launch("attention", &name, cfg, &mut args) }?;
+                // SAFETY: block (h, i) reads the splits' partial results of head h, query i,
+                // which the pass above wrote inside the scratch, and writes output row i of
+                // head h (n_q * n_heads * head_dim checked); splits <= ATTENTION_MAX_SPLITS,
+                // the kernel's shared weights (attention_grid).
+                unsafe { self.launch("attention", "attention_reduce_f32", reduce, &mut args) }?;
             }
         }
         Ok(())
+    }
+}
+
+/// The scalar arguments of `attention_{format}`, in its order after the four buffers.
+struct AttentionArgs {
+    n_q: u64,
+    start: u64,
+    n_heads: u64,
+    kv_heads: u64,
+    head_dim: i32,
+    scale: f32,
+    f16_operands: i32,
+    splits: u64,
+}
+
+impl CudaBackend {
+    /// One launch of `attention_{format}` writing `dst` (the output, or the partial results of
+    /// a split call).
+    ///
+    /// # Safety
+    ///
+    /// As [`CudaBackend::launch`]: the caller checked the buffers against the arguments.
+    unsafe fn attention_pass(
+        &self,
+        name: &str,
+        cfg: LaunchConfig,
+        [q, k, v]: [&CudaBuffer; 3],
+        dst: &mut CudaBuffer,
+        a: &AttentionArgs,
+    ) -> Result<()> {
+        let mut args = [
+            KArg::In(&q.slice),
+            KArg::In(&k.slice),
+            KArg::In(&v.slice),
+            KArg::Out(&mut dst.slice),
+            KArg::U64(a.n_q),
+            KArg::U64(a.start),
+            KArg::U64(a.n_heads),
+            KArg::U64(a.kv_heads),
+            KArg::I32(a.head_dim),
+            KArg::F32(a.scale),
+            KArg::I32(a.f16_operands),
+            KArg::U64(a.splits),
+        ];
+        // SAFETY: the caller's contract.
+        unsafe { self.launch("attention", name, cfg, &mut args) }
     }
 }
