@@ -1038,7 +1038,7 @@ mod twin {
                 }
             }
         }
-        assert_eq!(checked, 4 * 9 * 2 * (2 + 6 + 6));
+        assert_eq!(checked, 4 * 9 * 2 * (3 + 7 + 7));
     }
 
     /// The twin refuses what the kernel does not take, naming it.
