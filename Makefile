@@ -121,3 +121,7 @@ bench: venv demo-model reference ## run the benches (release build) and write be
 clean: ## remove build outputs (keeps the model cache)
 	cargo clean
 	rm -rf $(VENV)
+
+.PHONY: gpu-bundle
+gpu-bundle: venv ## build gpu-bundle/ for benches/gpu/run.sh on a GPU machine (release test binaries, the cuda+nccl wheel, reference files; fails above 64 MiB with the checkout)
+	MATURIN=$(abspath $(VENV))/bin/maturin PYTHON=$(VPY) benches/gpu/bundle.sh

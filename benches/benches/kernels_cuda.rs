@@ -1,402 +1,793 @@
-//! CUDA kernel bench: the same operations and shapes as `kernels.rs`, run through the
-//! [`Backend`] trait on `cuda:0`, as GB/s moved and as a fraction of a device-to-device copy of
-//! the same bytes timed in the same run.
+//! Kernel bench through the [`Backend`] trait on one device: the CUDA backend on `cuda:0` (the
+//! default), or the CPU backend with `--device cpu`, which is how the GPU bundle's `--cpu`
+//! rehearsal runs the same cases and writes the same tables on a machine without a GPU.
 //!
-//! Every timed run ends with a device synchronise, so a figure covers the work, not the launch.
-//! Build with `--features cuda` (`make bench` does); without the feature, or without a GPU and
-//! driver, the bench says why and times nothing. Results go to `benches/results/kernels_cuda.md`
-//! and `.json` only when a GPU was timed. `WEIGHTLIFT_BENCH_QUICK=1` and
-//! `WEIGHTLIFT_BENCH_FILTER` work as in `kernels.rs`.
+//! Every figure is GB/s moved (bytes read plus written) and a share of the device's copy
+//! bandwidth: a device-to-device copy of a large buffer, timed in the same run before and after
+//! the cases (the shares divide by the faster of the two). Two tables:
+//! - decode's matrix-vector products, for each shape from 2048×2048 to 4096×14336 and each
+//!   weight type the CUDA matmul runs (`sources::CUDA_EXACT_TYPES` exactly,
+//!   `sources::CUDA_Q8_TYPES` with 8-bit activations): µs per call, GB/s and % of the copy;
+//! - the other operations at llama-7B's 4096×4096 (dequantisation, 32-token products, norms,
+//!   RoPE, the KV codecs).
+//!
+//! A sample queues `k` calls and ends with one device synchronise, `k` chosen so that a sample
+//! lasts about [`SAMPLE`]; the figure is the median of the samples' per-call times. Calls queued
+//! back to back overlap their launch latency as decode's do, where one call per synchronise
+//! would time the launch and the synchronise instead of the kernel. The weights of a product
+//! rotate over copies that hold [`ROTATE_BYTES`] together, several times an H100's or H200's L2
+//! cache, so each call reads its weights from device memory as decode does (every layer's
+//! weights are different) rather than from the cache.
+//!
+//! Arguments: `--device cuda|cpu` and `--out DIR` (default `benches/results`); `cargo bench`
+//! adds `--bench`, which is ignored. Without the `cuda` feature, a GPU or a driver, the CUDA
+//! device says why and times nothing. `WEIGHTLIFT_BENCH_QUICK=1` and `WEIGHTLIFT_BENCH_FILTER`
+//! work as in `kernels.rs`. Writes `kernels_cuda.md` and `.json` (`kernels_cuda_on_cpu.*` for
+//! the CPU device) when every case ran.
 #![allow(clippy::print_stdout)] // a bench reports on stdout
 
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
+use weightlift_kernels::sources::{CUDA_EXACT_TYPES, CUDA_Q8_TYPES};
 use weightlift_kernels::{
-    Backend, CudaBackend, FloatType, KernelError, KvFormat, MatvecMode, Op, QuantType, RopeParams,
-    RopeStyle,
+    Backend, CpuBackend, CudaBackend, FloatType, KernelError, KvFormat, MatvecMode, Op, QuantType,
+    Result, RopeParams, RopeStyle,
 };
 
-type Buf = <CudaBackend as Backend>::Buffer;
+/// Decode's matrix-vector shapes, rows × cols: TinyLlama-1.1B's attention, FFN up and FFN down
+/// (2048×2048, 5632×2048, 2048×5632), then llama-7B's and llama-3-8B's (4096×4096, 14336×4096,
+/// 4096×14336).
+const MATVEC_SHAPES: [(usize, usize); 6] = [
+    (2048, 2048),
+    (5632, 2048),
+    (2048, 5632),
+    (4096, 4096),
+    (14336, 4096),
+    (4096, 14336),
+];
 
-fn f32_bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
-    v.flat_map(f32::to_le_bytes).collect()
+/// Weight types a llama checkpoint may hold; those missing from the CUDA lists are named as
+/// such under the table, so a kernel that is absent reads as absent, not as slow.
+const CHECKPOINT_TYPES: [QuantType; 10] = [
+    QuantType::F32,
+    QuantType::F16,
+    QuantType::BF16,
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q8_0,
+    QuantType::Q4_K,
+    QuantType::Q6_K,
+];
+
+/// Bytes of weight copies a product rotates over (H100: 50 MB of L2, H200: 60 MB).
+const ROTATE_BYTES: usize = 256 << 20;
+/// At most this many copies, for the smallest matrices.
+const MAX_COPIES: usize = 256;
+/// How long one sample of queued calls should last.
+const SAMPLE: Duration = Duration::from_millis(2);
+/// Bytes of each buffer of the copy baseline (a copy moves twice this).
+const COPY_BYTES: usize = 512 << 20;
+
+/// The device the bench runs on, chosen by `--device`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Device {
+    Cuda,
+    Cpu,
 }
 
-/// Median wall time of `f` (which ends with a device synchronise) over ~`budget`.
-fn time_median(budget: Duration, mut f: impl FnMut()) -> Duration {
-    f();
+struct Args {
+    device: Device,
+    out: PathBuf,
+    quick: bool,
+    filter: String,
+}
+
+impl Args {
+    fn parse() -> std::result::Result<Self, String> {
+        let mut device = Device::Cuda;
+        let mut out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results");
+        let mut it = std::env::args().skip(1);
+        while let Some(a) = it.next() {
+            match a.as_str() {
+                "--device" => match it.next().as_deref() {
+                    Some("cuda") => device = Device::Cuda,
+                    Some("cpu") => device = Device::Cpu,
+                    other => {
+                        return Err(format!(
+                            "--device takes cuda or cpu, got {}",
+                            other.unwrap_or("nothing")
+                        ));
+                    }
+                },
+                "--out" => match it.next() {
+                    Some(d) => out = PathBuf::from(d),
+                    None => return Err("--out takes a folder".into()),
+                },
+                _ => {} // `cargo bench` passes --bench; criterion-style flags mean nothing here
+            }
+        }
+        Ok(Self {
+            device,
+            out,
+            quick: std::env::var("WEIGHTLIFT_BENCH_QUICK").is_ok_and(|v| v == "1"),
+            filter: std::env::var("WEIGHTLIFT_BENCH_FILTER").unwrap_or_default(),
+        })
+    }
+
+    /// Time spent sampling one case, after its warm-up.
+    fn budget(&self) -> Duration {
+        Duration::from_millis(if self.quick { 20 } else { 60 })
+    }
+
+    fn min_samples(&self) -> usize {
+        if self.quick { 3 } else { 5 }
+    }
+}
+
+fn main() -> ExitCode {
+    let args = match Args::parse() {
+        Ok(a) => a,
+        Err(e) => {
+            println!("kernel bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let done = match args.device {
+        Device::Cuda => match CudaBackend::new(0) {
+            Ok(be) => bench(&be, &args),
+            // A root `cargo bench` builds this without the feature, and a GPU-less machine runs
+            // it: both are normal, so say which and end cleanly rather than fail the whole run.
+            Err(KernelError::NotCompiledWithCuda { .. }) => {
+                println!(
+                    "CUDA kernel bench: not timed: built without the `cuda` feature \
+                     (run `cargo bench -p weightlift-benches --features cuda` or `make bench`)"
+                );
+                return ExitCode::SUCCESS;
+            }
+            Err(e) => {
+                println!("CUDA kernel bench: not timed: no usable GPU here: {e}");
+                return ExitCode::SUCCESS;
+            }
+        },
+        Device::Cpu => bench(&CpuBackend::new(), &args),
+    };
+    match done {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            println!("kernel bench failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Median time of one call of `call(i)` (`i` counts the calls, so a case can rotate its
+/// buffers), in samples of `k` queued calls ended by one synchronise.
+fn per_call<B: Backend>(
+    be: &B,
+    args: &Args,
+    mut call: impl FnMut(usize) -> Result<()>,
+) -> Result<Duration> {
+    call(0)?; // warm-up: module load, first-touch of the pages
+    be.synchronize()?;
+    let s = Instant::now();
+    call(1)?;
+    be.synchronize()?;
+    let one = s.elapsed().max(Duration::from_nanos(100));
+    let k = (SAMPLE.as_secs_f64() / one.as_secs_f64()).clamp(1.0, 512.0) as usize;
+    let mut i = 2;
     let mut t = Vec::new();
     let start = Instant::now();
-    while t.len() < 5 || (start.elapsed() < budget && t.len() < 500) {
+    while t.len() < args.min_samples() || (start.elapsed() < args.budget() && t.len() < 200) {
         let s = Instant::now();
-        f();
-        t.push(s.elapsed());
+        for _ in 0..k {
+            call(i)?;
+            i += 1;
+        }
+        be.synchronize()?;
+        t.push(s.elapsed() / k as u32);
     }
     t.sort();
-    t[t.len() / 2]
+    Ok(t[t.len() / 2])
 }
 
-/// One case: its name, bytes moved, and a closure that enqueues it on the backend.
-struct Case<'a> {
-    name: String,
-    bytes: usize,
-    run: Box<dyn FnMut() -> weightlift_kernels::Result<()> + 'a>,
-}
-
-fn upload(be: &CudaBackend, host: &[u8]) -> weightlift_kernels::Result<Buf> {
+fn upload<B: Backend>(be: &B, host: &[u8]) -> Result<B::Buffer> {
     let mut b = be.alloc(host.len().max(1))?;
     be.copy_from_host(host, &mut b, 0)?;
     Ok(b)
 }
 
-/// Device buffers leaked for the bench's lifetime, so that cases can borrow them freely.
-fn leak(b: Buf) -> &'static mut Buf {
-    Box::leak(Box::new(b))
+fn f32_bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
+    v.flat_map(f32::to_le_bytes).collect()
 }
 
-fn cases(be: &CudaBackend) -> weightlift_kernels::Result<Vec<Case<'_>>> {
+/// The copy baseline in GB/s (bytes read plus written), timed as the cases are.
+fn copy_gbs<B: Backend>(be: &B, args: &Args, bytes: usize) -> Result<f64> {
+    let src = be.alloc(bytes)?;
+    let mut dst = be.alloc(bytes)?;
+    let t = per_call(be, args, |_| be.copy(&src, 0, &mut dst, 0, bytes))?;
+    Ok(2.0 * bytes as f64 / t.as_secs_f64() / 1e9)
+}
+
+/// One measured row of a table.
+struct Row {
+    name: String,
+    shape: String,
+    ty: String,
+    mode: &'static str,
+    bytes: usize,
+    /// The median per-call time, or why the case did not run.
+    time: std::result::Result<Duration, String>,
+}
+
+impl Row {
+    fn gbs(&self) -> Option<f64> {
+        self.time
+            .as_ref()
+            .ok()
+            .map(|t| self.bytes as f64 / t.as_secs_f64() / 1e9)
+    }
+}
+
+/// A case refused by name (a type the device has no kernel for) is a row that says so; any
+/// other error is a failure of the bench.
+fn outcome(r: Result<Duration>) -> (std::result::Result<Duration, String>, bool) {
+    match r {
+        Ok(t) => (Ok(t), true),
+        Err(e @ KernelError::Unsupported { .. }) => (Err(format!("unsupported: {e}")), true),
+        Err(e) => (Err(format!("error: {e}")), false),
+    }
+}
+
+/// The decode products: every shape × every type the CUDA matmul runs, in each mode.
+fn matvec_rows<B: Backend>(be: &B, args: &Args, ok: &mut bool) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for &ty in CUDA_EXACT_TYPES.iter().chain(
+        CUDA_Q8_TYPES
+            .iter()
+            .filter(|t| !CUDA_EXACT_TYPES.contains(*t)),
+    ) {
+        for (r, c) in MATVEC_SHAPES {
+            let modes: Vec<MatvecMode> = [MatvecMode::Exact, MatvecMode::Q8]
+                .into_iter()
+                .filter(|m| match m {
+                    MatvecMode::Exact => CUDA_EXACT_TYPES.contains(&ty),
+                    MatvecMode::Q8 => CUDA_Q8_TYPES.contains(&ty),
+                })
+                .collect();
+            let names: Vec<String> = modes
+                .iter()
+                .map(|&m| format!("matvec_{ty}_f32_{}_{r}x{c}", mode_name(m)))
+                .collect();
+            if !names.iter().any(|n| n.contains(&args.filter)) {
+                continue;
+            }
+            let host = random_weights(ty, r * c);
+            let first = upload(be, &host)?;
+            drop(host);
+            let copies = ROTATE_BYTES.div_ceil(be.len(&first)).clamp(1, MAX_COPIES);
+            let mut w = vec![first];
+            for _ in 1..copies {
+                let mut b = be.alloc(be.len(&w[0]))?;
+                be.copy(&w[0], 0, &mut b, 0, be.len(&w[0]))?;
+                w.push(b);
+            }
+            let x = upload(be, &f32_bytes((0..c).map(|i| (i as f32 * 0.01).sin())))?;
+            let mut y = be.alloc(r * 4)?;
+            let bytes = be.len(&w[0]) + c * 4 + r * 4;
+            for (mode, name) in modes.into_iter().zip(names) {
+                if !name.contains(&args.filter) {
+                    continue;
+                }
+                let t = per_call(be, args, |i| {
+                    be.run(Op::Matmul {
+                        ty,
+                        mode,
+                        act: FloatType::F32,
+                        rows: r,
+                        cols: c,
+                        n_tok: 1,
+                        max_dq_size: 64 << 20,
+                        w: &w[i % w.len()],
+                        x: &x,
+                        y: &mut y,
+                    })
+                });
+                let (time, fine) = outcome(t);
+                *ok &= fine;
+                let row = Row {
+                    name,
+                    shape: format!("{r}×{c}"),
+                    ty: ty.to_string(),
+                    mode: mode_name(mode),
+                    bytes,
+                    time,
+                };
+                print_row(&row);
+                rows.push(row);
+            }
+        }
+    }
+    Ok(rows)
+}
+
+fn mode_name(m: MatvecMode) -> &'static str {
+    match m {
+        MatvecMode::Exact => "exact",
+        MatvecMode::Q8 => "q8",
+    }
+}
+
+/// A case of the second table: its buffers (inputs first) and the call that runs it.
+struct Case<B: Backend> {
+    name: String,
+    bytes: usize,
+    bufs: Vec<B::Buffer>,
+    n_in: usize,
+    run: OpFn<B>,
+}
+
+type OpFn<B> =
+    Box<dyn Fn(&B, &[<B as Backend>::Buffer], &mut [<B as Backend>::Buffer]) -> Result<()>>;
+
+/// Builds one case on the device; the cases are built one at a time, run, and freed.
+type Build<B> = Box<dyn Fn(&B) -> Result<Case<B>>>;
+
+fn case<B: Backend>(
+    name: String,
+    bytes: usize,
+    bufs: Vec<B::Buffer>,
+    n_in: usize,
+    run: impl Fn(&B, &[B::Buffer], &mut [B::Buffer]) -> Result<()> + 'static,
+) -> Case<B> {
+    Case {
+        name,
+        bytes,
+        bufs,
+        n_in,
+        run: Box::new(run),
+    }
+}
+
+/// The other operations at 4096×4096, as `kernels.rs` times them on the CPU.
+fn other_cases<B: Backend + 'static>() -> Vec<Build<B>> {
     let n = ROWS * COLS;
-    let mut v = Vec::new();
+    let mut v: Vec<Build<B>> = Vec::new();
     for out in [FloatType::F32, FloatType::F16] {
         let ob = if out == FloatType::F32 { 4 } else { 2 };
         for ty in DEQUANT_TYPES {
-            let w = random_weights(ty, n);
-            let bytes = w.len() + n * ob;
-            let src = &*leak(upload(be, &w)?);
-            let dst = leak(be.alloc(n * ob)?);
-            v.push(Case {
-                name: format!("dequantize_{ty}_{}", if ob == 4 { "f32" } else { "f16" }),
-                bytes,
-                run: Box::new(move || {
-                    be.run(Op::Dequantize {
-                        ty,
-                        out,
-                        n,
-                        src,
-                        dst: &mut *dst,
-                    })
-                }),
-            });
+            v.push(Box::new(move |be: &B| {
+                let w = random_weights(ty, n);
+                let bytes = w.len() + n * ob;
+                let bufs = vec![upload(be, &w)?, be.alloc(n * ob)?];
+                Ok(case(
+                    format!("dequantize_{ty}_{}", out.name()),
+                    bytes,
+                    bufs,
+                    1,
+                    move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                        be.run(Op::Dequantize {
+                            ty,
+                            out,
+                            n,
+                            src: &i[0],
+                            dst: &mut o[0],
+                        })
+                    },
+                ))
+            }));
         }
     }
-    for nt in [1, 32] {
-        for ty in PRODUCT_TYPES {
-            for mode in [MatvecMode::Exact, MatvecMode::Q8] {
-                for act in [FloatType::F32, FloatType::F16] {
-                    if nt > 1 && act == FloatType::F16 {
-                        continue;
-                    }
-                    let w = random_weights(ty, n);
-                    let xf = (0..COLS * nt).map(|i| (i as f32 * 0.01).sin());
-                    let x: Vec<u8> = if act == FloatType::F32 {
-                        f32_bytes(xf)
-                    } else {
-                        let xf: Vec<f32> = xf.collect();
-                        let mut h = vec![0u16; xf.len()];
-                        weightlift_kernels::f32_to_f16_slice(&xf, &mut h)?;
-                        h.iter().flat_map(|v| v.to_le_bytes()).collect()
-                    };
-                    let bytes = w.len() + x.len() + ROWS * nt * 4;
-                    let (w, x) = (&*leak(upload(be, &w)?), &*leak(upload(be, &x)?));
-                    let y = leak(be.alloc(ROWS * nt * 4)?);
-                    let m = if mode == MatvecMode::Exact {
-                        "exact"
-                    } else {
-                        "q8"
-                    };
-                    let a = if act == FloatType::F32 { "f32" } else { "f16" };
-                    let name = if nt == 1 {
-                        format!("matvec_{ty}_{a}_{m}_4096x4096")
-                    } else {
-                        format!("matmul_{ty}_{a}_{m}_4096x4096x{nt}")
-                    };
-                    v.push(Case {
-                        name,
-                        bytes,
-                        run: Box::new(move || {
-                            be.run(Op::Matmul {
-                                ty,
-                                mode,
-                                act,
-                                rows: ROWS,
-                                cols: COLS,
-                                n_tok: nt,
-                                max_dq_size: 64 << 20,
-                                w,
-                                x,
-                                y: &mut *y,
-                            })
-                        }),
-                    });
-                }
-            }
+    let nt = 32;
+    for ty in PRODUCT_TYPES {
+        for mode in [MatvecMode::Exact, MatvecMode::Q8] {
+            v.push(Box::new(move |be: &B| {
+                let w = random_weights(ty, n);
+                let x = f32_bytes((0..COLS * nt).map(|i| (i as f32 * 0.01).sin()));
+                let bytes = w.len() + x.len() + ROWS * nt * 4;
+                let bufs = vec![upload(be, &w)?, upload(be, &x)?, be.alloc(ROWS * nt * 4)?];
+                Ok(case(
+                    format!("matmul_{ty}_f32_{}_4096x4096x{nt}", mode_name(mode)),
+                    bytes,
+                    bufs,
+                    2,
+                    move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                        be.run(Op::Matmul {
+                            ty,
+                            mode,
+                            act: FloatType::F32,
+                            rows: ROWS,
+                            cols: COLS,
+                            n_tok: nt,
+                            max_dq_size: 64 << 20,
+                            w: &i[0],
+                            x: &i[1],
+                            y: &mut o[0],
+                        })
+                    },
+                ))
+            }));
         }
     }
-    // The float weights' bandwidth kernels at decode, on a 1.1B llama's shapes (projections,
-    // MLP, head) and an 8B's MLP: every weight byte read once, so the copy ratio is the
-    // kernel's share of the memory bandwidth (the kernels aim at 70 % or more).
-    for (rows, cols) in [
-        (2048, 2048),
-        (5632, 2048),
-        (2048, 5632),
-        (32000, 2048),
-        (4096, 14336),
-        (14336, 4096),
-    ] {
-        for ty in [QuantType::F16, QuantType::BF16, QuantType::F32] {
-            let w = random_weights(ty, rows * cols);
-            let x = f32_bytes((0..cols).map(|i| (i as f32 * 0.01).sin()));
-            let bytes = w.len() + x.len() + rows * 4;
-            let (w, x) = (&*leak(upload(be, &w)?), &*leak(upload(be, &x)?));
-            let y = leak(be.alloc(rows * 4)?);
-            v.push(Case {
-                name: format!("matvec_{ty}_f32_exact_{rows}x{cols}"),
-                bytes,
-                run: Box::new(move || {
-                    be.run(Op::Matmul {
-                        ty,
-                        mode: MatvecMode::Exact,
-                        act: FloatType::F32,
-                        rows,
-                        cols,
-                        n_tok: 1,
-                        max_dq_size: 64 << 20,
-                        w,
-                        x,
-                        y: &mut *y,
-                    })
-                }),
-            });
-        }
-    }
-    let f = &*leak(upload(
-        be,
-        &f32_bytes((0..n).map(|i| (i as f32 * 1e-3).sin())),
-    )?);
-    let g = &*leak(upload(
-        be,
-        &f32_bytes((0..n).map(|i| (i as f32 * 7e-4).cos())),
-    )?);
     let row = 4096;
-    let w_norm = &*leak(upload(
-        be,
-        &f32_bytes((0..row).map(|i| 1.0 + i as f32 * 1e-4)),
-    )?);
     let n_tok = n / (32 * 128);
-    let pos: Vec<u8> = (0..n_tok as i32).flat_map(i32::to_le_bytes).collect();
-    let pos = &*leak(upload(be, &pos)?);
-    let o = leak(be.alloc(n * 4)?);
-    v.push(Case {
-        name: "convert_f32_f16".into(),
-        bytes: n * 6,
-        run: Box::new(move || {
-            be.run(Op::ConvertToF16 {
-                from: FloatType::F32,
-                n,
-                src: f,
-                dst: &mut *o,
-            })
-        }),
-    });
-    v.push(Case {
-        name: "scan_f32".into(),
-        bytes: n * 4,
-        run: Box::new(move || be.scan_non_finite(QuantType::F32, f, n * 4).map(drop)),
-    });
-    let o = leak(be.alloc(n * 4)?);
-    v.push(Case {
-        name: "rms_norm_f32".into(),
-        bytes: n * 8,
-        run: Box::new(move || {
-            be.run(Op::RmsNorm {
-                n_rows: n / row,
-                n_cols: row,
-                eps: 1e-5,
-                x: f,
-                weight: w_norm,
-                out: &mut *o,
-            })
-        }),
-    });
-    let o = leak(be.alloc(n * 4)?);
-    v.push(Case {
-        name: "softmax_f32".into(),
-        bytes: n * 8,
-        run: Box::new(move || {
-            be.run(Op::Softmax {
-                n_rows: n / row,
-                n_cols: row,
-                x: f,
-                out: &mut *o,
-            })
-        }),
-    });
+    let f = move || f32_bytes((0..n).map(|i| (i as f32 * 1e-3).sin()));
+    let g = move || f32_bytes((0..n).map(|i| (i as f32 * 7e-4).cos()));
+    v.push(Box::new(move |be: &B| {
+        let bufs = vec![upload(be, &f())?, be.alloc(n * 2)?];
+        Ok(case(
+            "convert_f32_f16".into(),
+            n * 6,
+            bufs,
+            1,
+            move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                be.run(Op::ConvertToF16 {
+                    from: FloatType::F32,
+                    n,
+                    src: &i[0],
+                    dst: &mut o[0],
+                })
+            },
+        ))
+    }));
+    v.push(Box::new(move |be: &B| {
+        let bufs = vec![upload(be, &f())?];
+        Ok(case(
+            "scan_f32".into(),
+            n * 4,
+            bufs,
+            1,
+            move |be: &B, i: &[B::Buffer], _: &mut [B::Buffer]| {
+                be.scan_non_finite(QuantType::F32, &i[0], n * 4).map(drop)
+            },
+        ))
+    }));
+    v.push(Box::new(move |be: &B| {
+        let w = f32_bytes((0..row).map(|i| 1.0 + i as f32 * 1e-4));
+        let bufs = vec![upload(be, &f())?, upload(be, &w)?, be.alloc(n * 4)?];
+        Ok(case(
+            "rms_norm_f32".into(),
+            n * 8,
+            bufs,
+            2,
+            move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                be.run(Op::RmsNorm {
+                    n_rows: n / row,
+                    n_cols: row,
+                    eps: 1e-5,
+                    x: &i[0],
+                    weight: &i[1],
+                    out: &mut o[0],
+                })
+            },
+        ))
+    }));
+    v.push(Box::new(move |be: &B| {
+        let bufs = vec![upload(be, &f())?, be.alloc(n * 4)?];
+        Ok(case(
+            "softmax_f32".into(),
+            n * 8,
+            bufs,
+            1,
+            move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                be.run(Op::Softmax {
+                    n_rows: n / row,
+                    n_cols: row,
+                    x: &i[0],
+                    out: &mut o[0],
+                })
+            },
+        ))
+    }));
     for style in [RopeStyle::Normal, RopeStyle::Neox] {
-        let params = RopeParams {
-            style,
-            head_dim: 128,
-            n_dims: 128,
-            freq_base: 10000.0,
-            freq_scale: 1.0,
-        };
-        let s = if style == RopeStyle::Normal {
-            "norm"
-        } else {
-            "neox"
-        };
-        let o = leak(be.alloc(n * 4)?);
-        v.push(Case {
-            name: format!("rope_{s}_f32"),
-            bytes: n * 8,
-            run: Box::new(move || {
-                be.run(Op::Rope {
-                    params,
-                    n_tok,
-                    n_heads: 32,
-                    x: f,
-                    positions: pos,
-                    out: &mut *o,
-                })
-            }),
-        });
+        v.push(Box::new(move |be: &B| {
+            let params = RopeParams {
+                style,
+                head_dim: 128,
+                n_dims: 128,
+                freq_base: 10000.0,
+                freq_scale: 1.0,
+            };
+            let pos: Vec<u8> = (0..n_tok as i32).flat_map(i32::to_le_bytes).collect();
+            let bufs = vec![upload(be, &f())?, upload(be, &pos)?, be.alloc(n * 4)?];
+            let s = if style == RopeStyle::Normal {
+                "norm"
+            } else {
+                "neox"
+            };
+            Ok(case(
+                format!("rope_{s}_f32"),
+                n * 8,
+                bufs,
+                2,
+                move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                    be.run(Op::Rope {
+                        params,
+                        n_tok,
+                        n_heads: 32,
+                        x: &i[0],
+                        positions: &i[1],
+                        out: &mut o[0],
+                    })
+                },
+            ))
+        }));
     }
-    let o = leak(be.alloc(n * 4)?);
-    v.push(Case {
-        name: "swiglu_f32".into(),
-        bytes: n * 12,
-        run: Box::new(move || {
-            be.run(Op::SwiGlu {
-                n,
-                gate: f,
-                up: g,
-                out: &mut *o,
-            })
-        }),
-    });
-    let o = leak(be.alloc(n * 4)?);
-    v.push(Case {
-        name: "add_f32".into(),
-        bytes: n * 12,
-        run: Box::new(move || {
-            be.run(Op::Add {
-                n,
-                a: f,
-                b: g,
-                out: &mut *o,
-            })
-        }),
-    });
+    v.push(Box::new(move |be: &B| {
+        let bufs = vec![upload(be, &f())?, upload(be, &g())?, be.alloc(n * 4)?];
+        Ok(case(
+            "swiglu_f32".into(),
+            n * 12,
+            bufs,
+            2,
+            move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                be.run(Op::SwiGlu {
+                    n,
+                    gate: &i[0],
+                    up: &i[1],
+                    out: &mut o[0],
+                })
+            },
+        ))
+    }));
+    v.push(Box::new(move |be: &B| {
+        let bufs = vec![upload(be, &f())?, upload(be, &g())?, be.alloc(n * 4)?];
+        Ok(case(
+            "add_f32".into(),
+            n * 12,
+            bufs,
+            2,
+            move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                be.run(Op::Add {
+                    n,
+                    a: &i[0],
+                    b: &i[1],
+                    out: &mut o[0],
+                })
+            },
+        ))
+    }));
     for format in [KvFormat::E4M3, KvFormat::Q8, KvFormat::Q4] {
-        let qb = format.byte_at(n);
-        let q = leak(be.alloc(qb)?);
-        let o = leak(be.alloc(n * 4)?);
-        v.push(Case {
-            name: format!("kv_store_load_{}", format.name()),
-            bytes: 2 * (n * 4 + qb),
-            run: Box::new(move || {
-                be.run(Op::KvStore {
-                    format,
-                    n,
-                    src: f,
-                    dst: &mut *q,
-                })?;
-                be.run(Op::KvLoad {
-                    format,
-                    n,
-                    src: &*q,
-                    dst: &mut *o,
-                })
-            }),
-        });
+        v.push(Box::new(move |be: &B| {
+            let qb = format.byte_at(n);
+            let bufs = vec![upload(be, &f())?, be.alloc(qb)?, be.alloc(n * 4)?];
+            Ok(case(
+                format!("kv_store_load_{}", format.name()),
+                2 * (n * 4 + qb),
+                bufs,
+                1,
+                move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                    let (q, out) = o.split_at_mut(1);
+                    be.run(Op::KvStore {
+                        format,
+                        n,
+                        src: &i[0],
+                        dst: &mut q[0],
+                    })?;
+                    be.run(Op::KvLoad {
+                        format,
+                        n,
+                        src: &q[0],
+                        dst: &mut out[0],
+                    })
+                },
+            ))
+        }));
     }
-    Ok(v)
+    v
 }
 
-fn main() {
-    let be = match CudaBackend::new(0) {
-        Ok(be) => Box::leak(Box::new(be)),
-        // A root `cargo bench` builds this without the feature, and a GPU-less machine runs it:
-        // both are normal, so say which and exit cleanly rather than fail the whole run.
-        Err(KernelError::NotCompiledWithCuda { .. }) => {
-            println!(
-                "CUDA kernel bench: not timed: built without the `cuda` feature \
-                 (run `cargo bench -p weightlift-benches --features cuda` or `make bench`)"
-            );
-            return;
-        }
-        Err(e) => {
-            println!("CUDA kernel bench: not timed: no usable GPU here: {e}");
-            return;
-        }
-    };
-    if let Err(e) = run(be) {
-        println!("CUDA kernel bench failed: {e}");
-        std::process::exit(1);
-    }
-}
-
-fn run(be: &'static CudaBackend) -> Result<(), Box<dyn std::error::Error>> {
-    let quick = std::env::var("WEIGHTLIFT_BENCH_QUICK").is_ok_and(|v| v == "1");
-    let budget = Duration::from_millis(if quick { 300 } else { 1500 });
-    let filter = std::env::var("WEIGHTLIFT_BENCH_FILTER").unwrap_or_default();
+fn other_rows<B: Backend + 'static>(be: &B, args: &Args, ok: &mut bool) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    for mut case in cases(be)?.into_iter().filter(|c| c.name.contains(&filter)) {
-        // Baseline: a device-to-device copy of half the bytes (it reads and writes each one).
-        let half = (case.bytes / 2).max(1);
-        let src = be.alloc(half)?;
-        let mut dst = be.alloc(half)?;
-        let mut err = None;
-        let t_copy = time_median(budget, || {
-            if let Err(e) = be
-                .copy(&src, 0, &mut dst, 0, half)
-                .and_then(|()| be.synchronize())
-            {
-                err.get_or_insert(e);
-            }
-        });
-        let t = time_median(budget, || {
-            if let Err(e) = (case.run)().and_then(|()| be.synchronize()) {
-                err.get_or_insert(e);
-            }
-        });
-        if let Some(e) = err {
-            return Err(e.into());
+    for build in other_cases::<B>() {
+        let mut c = build(be)?;
+        if !c.name.contains(&args.filter) {
+            continue;
         }
-        let gbs = case.bytes as f64 / t.as_secs_f64() / 1e9;
-        let copy_gbs = case.bytes as f64 / t_copy.as_secs_f64() / 1e9;
-        println!(
-            "{:<40} {:>9.3} ms {gbs:>8.1} GB/s  copy {copy_gbs:>8.1} GB/s  {:>4.0}%",
-            case.name,
-            t.as_secs_f64() * 1e3,
-            100.0 * gbs / copy_gbs
-        );
-        rows.push((case.name, t, gbs, copy_gbs));
+        let (i, o) = c.bufs.split_at_mut(c.n_in);
+        let (time, fine) = outcome(per_call(be, args, |_| (c.run)(be, i, o)));
+        *ok &= fine;
+        let row = Row {
+            name: c.name,
+            shape: String::new(),
+            ty: String::new(),
+            mode: "",
+            bytes: c.bytes,
+            time,
+        };
+        print_row(&row);
+        rows.push(row);
     }
-    if !filter.is_empty() {
-        return Ok(());
+    Ok(rows)
+}
+
+fn print_row(r: &Row) {
+    match (&r.time, r.gbs()) {
+        (Ok(t), Some(gbs)) => println!(
+            "{:<44} {:>10.1} µs {gbs:>8.1} GB/s",
+            r.name,
+            t.as_secs_f64() * 1e6
+        ),
+        (Err(why), _) => println!("{:<44} {why}", r.name),
+        (Ok(_), None) => {}
     }
-    let mut md = format!(
-        "# Kernel bench (CUDA, {})\n\nGB/s moved (bytes read + written); `vs copy` divides by a device-to-device copy of the same bytes timed in the same run. Each timed run ends with a device synchronise. Times are medians.\n\n| kernel | time | GB/s | copy GB/s | vs copy |\n|---|---|---|---|---|\n",
-        be.name()
+}
+
+/// Runs every case; false when one failed (an error other than an unsupported type).
+fn bench<B: Backend + 'static>(be: &B, args: &Args) -> Result<bool> {
+    let mut ok = true;
+    let started = Instant::now();
+    // The CPU rehearsal copies less: the copy's speed settles well below 512 MiB there.
+    let copy_bytes = if args.device == Device::Cpu {
+        COPY_BYTES / 4
+    } else {
+        COPY_BYTES
+    };
+    let copy_before = copy_gbs(be, args, copy_bytes)?;
+    println!(
+        "{}: device copy {copy_before:.1} GB/s ({} MiB, read plus written)",
+        be.name(),
+        (2 * copy_bytes) >> 20
     );
-    let mut json = String::from("[\n");
-    for (i, (name, t, gbs, copy)) in rows.iter().enumerate() {
-        md.push_str(&format!(
-            "| {name} | {:.3} ms | {gbs:.1} | {copy:.1} | {:.0}% |\n",
-            t.as_secs_f64() * 1e3,
-            100.0 * gbs / copy
-        ));
-        json.push_str(&format!(
-            "  {{\"kernel\": \"{name}\", \"seconds\": {:.6e}, \"gb_per_s\": {gbs:.3}, \"copy_gb_per_s\": {copy:.3}}}{}\n",
-            t.as_secs_f64(),
-            if i + 1 < rows.len() { "," } else { "" }
-        ));
+    let matvec = matvec_rows(be, args, &mut ok)?;
+    let others = other_rows(be, args, &mut ok)?;
+    let copy_after = copy_gbs(be, args, copy_bytes)?;
+    let copy = copy_before.max(copy_after);
+    println!(
+        "{}: device copy {copy_after:.1} GB/s after the cases; {:.0} s in all",
+        be.name(),
+        started.elapsed().as_secs_f64()
+    );
+    if !args.filter.is_empty() {
+        return Ok(ok);
     }
-    json.push_str("]\n");
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("kernels_cuda.md"), md)?;
-    std::fs::write(dir.join("kernels_cuda.json"), json)?;
-    Ok(())
+    let md = markdown(
+        be,
+        args,
+        (copy_before, copy_after, copy_bytes),
+        &matvec,
+        &others,
+    );
+    println!("\n{md}");
+    let stem = match args.device {
+        Device::Cuda => "kernels_cuda",
+        Device::Cpu => "kernels_cuda_on_cpu",
+    };
+    let json = json_rows(copy, matvec.iter().chain(&others));
+    let written = std::fs::create_dir_all(&args.out)
+        .and_then(|()| std::fs::write(args.out.join(format!("{stem}.md")), md))
+        .and_then(|()| std::fs::write(args.out.join(format!("{stem}.json")), json));
+    if let Err(e) = written {
+        println!("kernel bench: cannot write {}: {e}", args.out.display());
+        return Ok(false);
+    }
+    println!("wrote {}/{stem}.md and .json", args.out.display());
+    Ok(ok)
+}
+
+fn markdown<B: Backend>(
+    be: &B,
+    args: &Args,
+    (before, after, bytes): (f64, f64, usize),
+    matvec: &[Row],
+    others: &[Row],
+) -> String {
+    let copy = before.max(after);
+    let mut md = String::new();
+    let device = match args.device {
+        Device::Cuda => format!("CUDA, {}", be.name()),
+        Device::Cpu => format!(
+            "the CUDA cases on the CPU backend, {}: a rehearsal of the GPU bundle, not a GPU figure",
+            be.name()
+        ),
+    };
+    let _ = writeln!(md, "# Kernel bench ({device})\n");
+    let _ = writeln!(
+        md,
+        "Device copy bandwidth: {before:.1} GB/s before the cases and {after:.1} GB/s after \
+         (a device-to-device copy of {} MiB, bytes read plus written). `% copy` divides by the \
+         faster, {copy:.1} GB/s. GB/s counts bytes read plus written. A time is the median per \
+         call over samples of calls queued back to back and ended by one synchronise.\n",
+        bytes >> 20
+    );
+    let _ = writeln!(
+        md,
+        "## Matrix-vector products (decode: one token, f32 activations)\n\n\
+         Bytes per call: the weights, the activations and the f32 output. The weights rotate \
+         over copies holding {} MiB together, so each call reads them from device memory, not \
+         from the L2 cache. `exact` dequantises in registers; `q8` quantises the activations \
+         to 8 bits first (the fast compute mode).\n",
+        ROTATE_BYTES >> 20
+    );
+    md.push_str("| weights | mode | rows × cols | µs / call | GB/s | % copy |\n");
+    md.push_str("|---|---|---|---:|---:|---:|\n");
+    for r in matvec {
+        match (&r.time, r.gbs()) {
+            (Ok(t), Some(gbs)) => {
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {:.1} | {gbs:.1} | {:.0}% |",
+                    r.ty,
+                    r.mode,
+                    r.shape,
+                    t.as_secs_f64() * 1e6,
+                    100.0 * gbs / copy
+                );
+            }
+            _ => {
+                let why = r.time.as_ref().err().map_or("", String::as_str);
+                let _ = writeln!(md, "| {} | {} | {} | {why} | | |", r.ty, r.mode, r.shape);
+            }
+        }
+    }
+    let absent = |list: &[QuantType]| {
+        CHECKPOINT_TYPES
+            .iter()
+            .filter(|t| !list.contains(t))
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let _ = writeln!(
+        md,
+        "\nNo CUDA kernel (so not in the table): exact mode {}; q8 mode {}.\n",
+        absent(CUDA_EXACT_TYPES),
+        absent(CUDA_Q8_TYPES)
+    );
+    md.push_str("## Other operations (4096 × 4096 values)\n\n");
+    md.push_str("| kernel | time | GB/s | % copy |\n|---|---:|---:|---:|\n");
+    for r in others {
+        match (&r.time, r.gbs()) {
+            (Ok(t), Some(gbs)) => {
+                let _ = writeln!(
+                    md,
+                    "| {} | {:.3} ms | {gbs:.1} | {:.0}% |",
+                    r.name,
+                    t.as_secs_f64() * 1e3,
+                    100.0 * gbs / copy
+                );
+            }
+            _ => {
+                let why = r.time.as_ref().err().map_or("", String::as_str);
+                let _ = writeln!(md, "| {} | {why} | | |", r.name);
+            }
+        }
+    }
+    md
+}
+
+fn json_rows<'a>(copy: f64, rows: impl Iterator<Item = &'a Row>) -> String {
+    let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
+    let rows: Vec<String> = rows
+        .map(|r| {
+            let (secs, gbs, pct) = match (&r.time, r.gbs()) {
+                (Ok(t), Some(g)) => (
+                    format!("{:.6e}", t.as_secs_f64()),
+                    format!("{g:.3}"),
+                    format!("{:.2}", 100.0 * g / copy),
+                ),
+                _ => ("null".into(), "null".into(), "null".into()),
+            };
+            let note = r.time.as_ref().err().map_or("", String::as_str);
+            format!(
+                "    {{\"kernel\": \"{}\", \"type\": \"{}\", \"mode\": \"{}\", \"shape\": \"{}\", \"bytes\": {}, \"seconds\": {secs}, \"gb_per_s\": {gbs}, \"percent_of_copy\": {pct}, \"note\": \"{}\"}}",
+                r.name,
+                r.ty,
+                r.mode,
+                r.shape,
+                r.bytes,
+                esc(note)
+            )
+        })
+        .collect();
+    format!(
+        "{{\n  \"copy_gb_per_s\": {copy:.3},\n  \"rows\": [\n{}\n  ]\n}}\n",
+        rows.join(",\n")
+    )
 }

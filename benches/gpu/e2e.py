@@ -1,0 +1,598 @@
+"""End-to-end bench: weightlift against transformers on one device, on a random-weight llama
+shaped like TinyLlama-1.1B (hidden 2048, 22 layers, 32 query and 4 KV heads, FFN 5632, vocab
+32000), stored as bf16 safetensors.
+
+The checkpoint is made here: with transformers (`LlamaForCausalLM(config)` after
+`torch.manual_seed(0)`, then `save_pretrained`) where torch and transformers import, otherwise
+with numpy and the `safetensors` package (the same tensor names, shapes and dtype; random normal
+weights of std 0.02, the initializer_range, with unit norms), and then the transformers peer is
+skipped by name. It is kept in WEIGHTLIFT_E2E_DIR (default $TMPDIR/weightlift-e2e) for the
+next run.
+
+Rows, batch 1, greedy, fp16 KV cache, through weightlift's Python API the way
+benches/decode.py times it (a loaded model, a Cache of its own, `forward` one token at a time
+with the argmax of the last logits fed back in, the loop timed as a whole):
+
+  load           open, plan and load (bf16 as stored, f16 converted on load, q8_0 and q4_k
+                 quantised on load), from the page cache
+  decode @64     tok/s over DECODE_TOKENS tokens after a 64-token prompt
+  decode @2048   tok/s over DECODE_TOKENS tokens after a 2,048-token prompt
+  prefill        ms for a 512- and a 2,048-token prompt into an empty cache
+  memory         the plan's total for the device, Model.memory() and Model.peak_memory() after
+                 the runs, and the GPU memory this process holds (nvidia-smi's used memory less
+                 what was used before the bench, so the CUDA context counts), against each other
+
+and transformers (bf16, sdpa, its default dynamic cache) on the same device in the same run,
+after weightlift's rows, so that torch's CUDA context is not in weightlift's memory figures.
+
+Five minutes on the GPU by design: DECODE_TOKENS = 32 tokens per decode measurement, medians of
+REPEATS = 3 (after one untimed warm-up, which compiles the kernels), and once --budget-s is spent
+what is left is skipped by name. `--cpu` runs the same rows on the cpu with a smaller model of
+the same family (SMALL below), so that the rehearsal finishes in a few minutes on two cores.
+
+    python benches/gpu/e2e.py --device cuda:0 --out benches/results/gpu
+    python benches/gpu/e2e.py --cpu --out /tmp/e2e
+
+Writes e2e.md and e2e.json in --out, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# TinyLlama-1.1B's shape, and the rehearsal's (head_dim 64 in both; FFN a whole number of the
+# 256-value K-quant blocks, so q4_k applies to every matrix).
+TINYLLAMA = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "intermediate_size": 5632,
+    "vocab_size": 32000,
+}
+SMALL = {
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "intermediate_size": 768,
+    "vocab_size": 32000,
+}
+COMMON = {
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+SEED = 0
+
+DECODE_TOKENS = 32
+REPEATS = 3
+SHORT = 64
+PROMPTS = (512, 2048)
+MAX_SEQ = max(PROMPTS) + DECODE_TOKENS
+
+# weightlift's rows: label, Model keyword arguments.
+OURS: list[tuple[str, dict[str, Any]]] = [
+    ("bf16", {"dtype": "auto"}),
+    ("f16", {"dtype": "float16"}),
+    ("q8_0", {"quantize": "q8_0"}),
+    ("q4_k", {"quantize": "q4_k"}),
+]
+PEER = "transformers bf16"
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Budget:
+    """Wall-clock budget; what does not start in time is skipped by name."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+        self.seconds = seconds
+        self.skipped: list[str] = []
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+    def allows(self, what: str) -> bool:
+        if self.left() > 0:
+            return True
+        self.skipped.append(what)
+        say(f"skipped: time budget ({self.seconds:.0f} s) spent: {what}")
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint
+
+
+def tensor_shapes(shape: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Hugging Face llama's tensor names and shapes for `shape`."""
+    h, f, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        }
+    out |= {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    return out
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bit patterns, rounding to nearest even (as torch does)."""
+    u = a.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_with_numpy(folder: Path, shape: dict[str, int]) -> None:
+    import safetensors
+
+    rng = np.random.default_rng(SEED)
+    arrays = {}
+    for name, dims in tensor_shapes(shape).items():
+        if name.endswith("norm.weight"):
+            arrays[name] = bf16_bits(np.ones(dims, np.float32))
+        else:
+            w = rng.standard_normal(dims, dtype=np.float32) * COMMON["initializer_range"]
+            arrays[name] = bf16_bits(w)
+    specs: dict[str, Any] = {}
+    for name, a in arrays.items():
+        if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.7: pointers, no copies
+            specs[name] = safetensors.TensorSpec(
+                dtype="bfloat16", shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
+            )
+        else:
+            specs[name] = {"dtype": "bfloat16", "shape": list(a.shape), "data": a.tobytes()}
+    safetensors.serialize_file(specs, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **shape,
+        **COMMON,
+        "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+        "torch_dtype": "bfloat16",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_with_transformers(folder: Path, shape: dict[str, int]) -> None:
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(**shape, **COMMON)
+    torch.manual_seed(SEED)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialise in bf16: half the memory and time
+    try:
+        model = transformers.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    model.to(torch.bfloat16).save_pretrained(folder)
+
+
+def has_transformers() -> str | None:
+    """None when torch and transformers import, else why not."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return f"{e.name or e} is not installed"
+    return None
+
+
+def checkpoint(shape: dict[str, int], root: Path) -> tuple[Path, dict[str, Any]]:
+    """The bf16 checkpoint for `shape`, made once in `root` and reused."""
+    maker = "transformers" if has_transformers() is None else "numpy + safetensors"
+    key = {"shape": shape, "common": COMMON, "seed": SEED, "made with": maker}
+    name = f"llama-h{shape['hidden_size']}-l{shape['num_hidden_layers']}-{maker.split()[0]}"
+    folder = root / name
+    stamp = folder / "e2e-stamp.json"
+    info: dict[str, Any] = {"made_with": maker, "path": str(folder)}
+    if stamp.is_file() and json.loads(stamp.read_text()) == key:
+        info["seconds_to_make"] = None
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        say(f"making the checkpoint with {maker} in {folder}")
+        t0 = time.perf_counter()
+        if maker == "transformers":
+            write_with_transformers(folder, shape)
+        else:
+            write_with_numpy(folder, shape)
+        info["seconds_to_make"] = time.perf_counter() - t0
+        stamp.write_text(json.dumps(key) + "\n")
+    info["bytes"] = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    return folder, info
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU memory, from nvidia-smi (no CUDA context of our own is needed to read it)
+
+
+def gpu_used_bytes(index: int) -> int | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=memory.used",
+                "--format=csv,noheader,nounits",
+                "-i",
+                str(index),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        return int(out.strip().splitlines()[0]) << 20
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def measure(
+    run: Callable[[list[int], int], tuple[float, float]], ids: list[int], budget: Budget, what: str
+) -> dict[str, Any]:
+    """One warm-up, then REPEATS rounds of: decode after SHORT positions, each prefill, and
+    decode after the longest prompt. `run(prompt, n)` resets the cache, runs the prompt, decodes
+    n tokens and returns (prefill seconds, decode seconds)."""
+    run(ids[: PROMPTS[0]], 2)  # compiles and loads the kernels, touches the cache
+    got: dict[str, list[float]] = {"decode_short": [], "decode_long": []}
+    for n in PROMPTS:
+        got[f"prefill_{n}"] = []
+    for r in range(REPEATS):
+        if r > 0 and not budget.allows(f"{what}: rounds {r + 1}-{REPEATS}"):
+            break
+        _, d = run(ids[:SHORT], DECODE_TOKENS)
+        got["decode_short"].append(DECODE_TOKENS / d)
+        for n in PROMPTS:
+            p, d = run(ids[:n], DECODE_TOKENS if n == max(PROMPTS) else 0)
+            got[f"prefill_{n}"].append(p * 1e3)
+            if n == max(PROMPTS):
+                got["decode_long"].append(DECODE_TOKENS / d)
+    return {"samples": got, "median": {k: median(v) for k, v in got.items()}}
+
+
+def ours_forward(m: Any, cache: Any, prompt: list[int], n: int) -> tuple[float, float]:
+    """The prompt into an emptied cache, then n greedy tokens: (prefill s, decode s)."""
+    cache.reset()
+    t = time.perf_counter()
+    logits = m.forward(prompt, cache=cache)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(n):
+        logits = m.forward([int(logits[0].argmax())], cache=cache)
+    return prefill, time.perf_counter() - t
+
+
+def bench_ours(
+    label: str,
+    kw: dict[str, Any],
+    path: Path,
+    device: str,
+    ids: list[int],
+    budget: Budget,
+    gpu_before: int | None,
+) -> dict[str, Any]:
+    import weightlift as wl
+
+    row: dict[str, Any] = {"engine": "weightlift", "label": label, "options": kw}
+    m = cache = None
+    try:
+        t0 = time.perf_counter()
+        m = wl.Model(path, devices=device, compute="fast", **kw)
+        cache = wl.Cache(m, max_seq_len=MAX_SEQ, dtype="fp16")
+        m.load(cache=cache)
+        row["load_s"] = time.perf_counter() - t0
+
+        loaded, c = m, cache
+        row |= measure(
+            lambda p, n: ours_forward(loaded, c, p, n), ids, budget, f"weightlift {label}"
+        )
+        plan = m.plan
+        row["plan"] = {
+            d.name: {
+                "weights": d.weights,
+                "kv": d.kv,
+                "scratch": d.scratch,
+                "overhead": d.overhead,
+                "used": d.used,
+            }
+            for d in (plan.devices if plan is not None else [])
+            if d.used
+        }
+        row["memory"] = dict(m.memory())
+        row["peak_memory"] = dict(m.peak_memory())
+        if gpu_before is not None:
+            now = gpu_used_bytes(device_index(device))
+            row["gpu_used"] = None if now is None else now - gpu_before
+    except Exception as e:  # the report names whatever the engine refused, and goes on
+        row["error"] = f"{type(e).__name__}: {e}"
+        say(f"weightlift {label}: {row['error']}")
+    finally:
+        if cache is not None:
+            cache.free()
+        if m is not None:
+            m.unload()
+        m = cache = None
+        gc.collect()
+    return row
+
+
+def peer_forward(model: Any, dev: Any, prompt: list[int], n: int) -> tuple[float, float]:
+    """As `ours_forward`, for transformers: a fresh dynamic cache per call."""
+    import torch
+
+    def sync() -> None:
+        if dev != "cpu":
+            torch.cuda.synchronize(dev)
+
+    with torch.inference_mode():
+        x = torch.tensor([prompt], device=dev)
+        sync()
+        t = time.perf_counter()
+        out = model(input_ids=x, use_cache=True)
+        tok = int(out.logits[0, -1].argmax())
+        prefill = time.perf_counter() - t
+        past = out.past_key_values
+        t = time.perf_counter()
+        for _ in range(n):
+            x = torch.tensor([[tok]], device=dev)
+            out = model(input_ids=x, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tok = int(out.logits[0, -1].argmax())  # the host sees each token, as ours does
+        return prefill, time.perf_counter() - t
+
+
+def bench_peer(
+    path: Path, device: str, ids: list[int], budget: Budget, gpu_before: int | None
+) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    row: dict[str, Any] = {"engine": "transformers", "label": PEER, "options": {"attn": "sdpa"}}
+    row["version"] = transformers.__version__
+    dev = torch.device("cuda", device_index(device)) if device.startswith("cuda") else "cpu"
+
+    def sync() -> None:
+        if dev != "cpu":
+            torch.cuda.synchronize(dev)
+
+    model = None
+    try:
+        t0 = time.perf_counter()
+        try:
+            model = transformers.LlamaForCausalLM.from_pretrained(
+                path, dtype=torch.bfloat16, attn_implementation="sdpa"
+            )
+        except TypeError:  # transformers 4 names it torch_dtype
+            model = transformers.LlamaForCausalLM.from_pretrained(
+                path, torch_dtype=torch.bfloat16, attn_implementation="sdpa"
+            )
+        model = model.to(dev).eval()
+        sync()
+        row["load_s"] = time.perf_counter() - t0
+
+        loaded = model
+        row |= measure(lambda p, n: peer_forward(loaded, dev, p, n), ids, budget, PEER)
+        if dev != "cpu":
+            row["torch_max_allocated"] = torch.cuda.max_memory_allocated(dev)
+            free, total = torch.cuda.mem_get_info(dev)
+            row["torch_mem_get_info_used"] = total - free
+            if gpu_before is not None:
+                now = gpu_used_bytes(device_index(device))
+                row["gpu_used"] = None if now is None else now - gpu_before
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+        say(f"{PEER}: {row['error']}")
+    finally:
+        model = None
+        gc.collect()
+        if dev != "cpu":
+            torch.cuda.empty_cache()
+    return row
+
+
+def device_index(device: str) -> int:
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt(v: float | None, digits: int = 1) -> str:
+    return "—" if v is None else f"{v:,.{digits}f}"
+
+
+def gib(v: int | None) -> str:
+    return "—" if v is None else f"{v / 2**30:.2f}"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    cols = [r["label"] if r["engine"] == "transformers" else f"ours {r['label']}" for r in rows]
+    out = [
+        f"# End-to-end bench ({res['device']})",
+        "",
+        res["header"],
+        "",
+        f"Model: random-weight llama, {res['shape_name']}: hidden {res['shape']['hidden_size']}, "
+        f"{res['shape']['num_hidden_layers']} layers, {res['shape']['num_attention_heads']} query "
+        f"and {res['shape']['num_key_value_heads']} KV heads, FFN "
+        f"{res['shape']['intermediate_size']}, vocab {res['shape']['vocab_size']}; bf16 "
+        f"safetensors, {res['checkpoint']['bytes'] / 1e9:.2f} GB, made with "
+        f"{res['checkpoint']['made_with']}. Batch 1, greedy, fp16 KV cache; weightlift "
+        f"{res['weightlift']} in its fast compute mode. Medians of {REPEATS} rounds after a "
+        f"warm-up; each decode figure times {DECODE_TOKENS} tokens.",
+        "",
+        "| | " + " | ".join(cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+
+    def line(title: str, get: Callable[[dict[str, Any]], str]) -> None:
+        cells = []
+        for r in rows:
+            if "error" in r:
+                cells.append("failed")
+            elif "median" not in r:
+                cells.append("skipped")
+            else:
+                cells.append(get(r))
+        out.append(f"| {title} | " + " | ".join(cells) + " |")
+
+    med = lambda k: lambda r: fmt(r["median"].get(k))  # noqa: E731
+    line(f"decode tok/s @{SHORT}", med("decode_short"))
+    line(f"decode tok/s @{max(PROMPTS)}", med("decode_long"))
+    for n in PROMPTS:
+        line(f"prefill {n} ms", med(f"prefill_{n}"))
+    line("load s", lambda r: fmt(r.get("load_s"), 2))
+    dev = res["device"]
+    line(f"plan for {dev}, GiB", lambda r: gib(r.get("plan", {}).get(dev, {}).get("used")))
+    line("memory(), GiB", lambda r: gib(r.get("memory", {}).get(dev)))
+    line("peak_memory(), GiB", lambda r: gib(r.get("peak_memory", {}).get(dev)))
+    line("torch max allocated, GiB", lambda r: gib(r.get("torch_max_allocated")))
+    line("GPU used by the process (nvidia-smi), GiB", lambda r: gib(r.get("gpu_used")))
+    out += [
+        "",
+        "The plan's figure is its total for the device (weights, KV, scratch, overhead); GPU "
+        "used is nvidia-smi's used memory after the rounds less before the bench, so it holds "
+        "the CUDA context (which weightlift's first row creates and later rows share).",
+    ]
+    notes = [f"{r['label']}: {r['error']}" for r in rows if "error" in r]
+    notes += [f"skipped: {s}" for s in res["skipped"]]
+    notes += res["notes"]
+    if notes:
+        out += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--cpu", action="store_true", help="the rehearsal: cpu, smaller model")
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "gpu"
+    )
+    ap.add_argument("--budget-s", type=float, default=180.0)
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else args.device
+    shape, shape_name = (
+        (SMALL, "the --cpu rehearsal's small shape")
+        if args.cpu
+        else (
+            TINYLLAMA,
+            "TinyLlama-1.1B's shape",
+        )
+    )
+    if args.cpu:
+        say(
+            f"--cpu: a smaller model than TinyLlama-1.1B's shape (hidden {SMALL['hidden_size']}, "
+            f"{SMALL['num_hidden_layers']} layers), on the cpu"
+        )
+    budget = Budget(args.budget_s)
+    notes: list[str] = []
+    root = Path(
+        os.environ.get("WEIGHTLIFT_E2E_DIR", Path(tempfile.gettempdir()) / "weightlift-e2e")
+    )
+    path, ck = checkpoint(shape, root)
+    say(f"checkpoint: {path} ({ck['bytes'] / 1e9:.2f} GB, made with {ck['made_with']})")
+
+    import weightlift as wl
+
+    ids = np.random.default_rng(SEED).integers(3, shape["vocab_size"], size=max(PROMPTS)).tolist()
+    gpu_before = gpu_used_bytes(device_index(device)) if device.startswith("cuda") else None
+    rows = []
+    for label, kw in OURS:
+        if not budget.allows(f"weightlift {label}"):
+            continue
+        say(f"weightlift {label} on {device}")
+        r = bench_ours(label, kw, path, device, ids, budget, gpu_before)
+        rows.append(r)
+        say(summary_line(r))
+    why_not = has_transformers()
+    if why_not is not None:
+        say(f"skipped: {why_not}: transformers peer")
+        budget.skipped.append(f"{why_not}: transformers peer")
+    elif budget.allows("transformers peer"):
+        say(f"{PEER} on {device}")
+        r = bench_peer(path, device, ids, budget, gpu_before)
+        rows.append(r)
+        say(summary_line(r))
+    res = {
+        "header": os.environ.get("WEIGHTLIFT_RUN_HEADER", f"Run {time.strftime('%Y-%m-%d %H:%M')}"),
+        "device": device,
+        "shape": shape,
+        "shape_name": shape_name,
+        "weightlift": getattr(wl, "__version__", "?"),
+        "python": platform.python_version(),
+        "checkpoint": ck,
+        "decode_tokens": DECODE_TOKENS,
+        "repeats": REPEATS,
+        "rows": rows,
+        "skipped": budget.skipped,
+        "notes": notes,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "e2e.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = markdown(res)
+    (args.out / "e2e.md").write_text(md)
+    say("\n" + md)
+    return 0
+
+
+def summary_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"  {r['label']}: failed"
+    m = r.get("median", {})
+    prefill = " / ".join(fmt(m.get(f"prefill_{n}")) for n in PROMPTS)
+    return (
+        f"  {r['label']}: load {fmt(r.get('load_s'), 2)} s, "
+        f"decode {fmt(m.get('decode_short'))} tok/s @{SHORT}, "
+        f"{fmt(m.get('decode_long'))} @{max(PROMPTS)}, prefill {prefill} ms"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

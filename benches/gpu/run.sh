@@ -1,0 +1,385 @@
+#!/usr/bin/env bash
+# The GPU check in one call: every test that needs a GPU, the CUDA kernel bench and the
+# end-to-end bench, on a machine with one NVIDIA GPU and its own Python (torch and transformers,
+# no internet), from the folder `make gpu-bundle` builds beside this checkout (release test
+# binaries, the wheel, the reference files the tests read).
+#
+#   benches/gpu/run.sh [--out DIR] [--bundle DIR]   on the GPU machine; results in DIR
+#                                                  (default benches/results/gpu)
+#   benches/gpu/run.sh --cpu [--out DIR]           the same steps on a machine without a GPU:
+#                                                  the CUDA steps skipped by name, the benches
+#                                                  on cpu with a smaller model (default out
+#                                                  benches/results/gpu/cpu, which git ignores)
+#   benches/gpu/run.sh --list                      the tables below, for the bundle builder
+#
+# Environment: PYTHON (default python3, the machine's own; with --cpu, the checkout's .venv
+# where there is one, since the rehearsal needs numpy and safetensors), WEIGHTLIFT_DEMO_GGUF
+# (the demo model, for the two suites that read it; the bundle leaves it out, see GPU_TESTS).
+#
+# Five minutes on the GPU by design: the test suites take about a minute together (each under a
+# timeout of SUITE_TIMEOUT_S); the kernel bench samples each of its ~120 cases for 60 ms after a
+# warm-up (well under a minute with the set-up); the end-to-end bench decodes 32 tokens per
+# measurement, quotes medians of 3, and skips what is left by name once E2E_BUDGET_S is spent.
+# Each step runs even when one before it failed; the exit status is 1 when any failed.
+set -uo pipefail
+
+SUITE_TIMEOUT_S=150
+BENCH_TIMEOUT_S=150
+E2E_BUDGET_S=180
+E2E_TIMEOUT_S=300
+
+# Every test that needs a GPU (`grep -rn '#\[ignore' crates`), by the suite that holds it:
+# how the suite runs on the GPU and in --cpu mode, and what else it needs. Kernel suites run
+# whole on the GPU (the CPU cases beside the CUDA ones cost little); engine suites run their
+# ignored tests only (the others run in CI, and some read the demo model). `needs`: `reference`
+# = the files in REFERENCE_FILES; `demo` = WEIGHTLIFT_DEMO_GGUF, 94 MiB, too large for the
+# bundle's 64 MiB, so these are skipped by name unless the machine has the file; `2gpu` = two
+# GPUs.
+#  crate               suite                 on the GPU       --cpu  needs
+GPU_TESTS='
+weightlift-kernels    nvrtc_compile         all              all    -
+weightlift-kernels    backends              include-ignored  all    -
+weightlift-kernels    backend_copies        include-ignored  all    -
+weightlift-kernels    backend_int8          include-ignored  all    -
+weightlift-kernels    backend_layer_ops     include-ignored  all    -
+weightlift-kernels    backend_matmul_modes  include-ignored  all    -
+weightlift-kernels    int8                  include-ignored  all    -
+weightlift-engine     cuda                  ignored          all    reference
+weightlift-engine     tp_rank               ignored          skip   reference
+weightlift-engine     offload_exec          ignored          skip   demo
+weightlift-engine     forward_backend       ignored          skip   demo
+weightlift-engine     tp_backend            ignored          skip   2gpu
+'
+# The bench binaries the bundle carries (benches/benches/*.rs).
+BENCHES='kernels_cuda'
+# The reference files those tests read, under WEIGHTLIFT_REFERENCE (a folder laid out as the
+# reference pack: tiny-llama/, smollm2-135m/); the bundle carries these and no more of the pack.
+REFERENCE_FILES='
+manifest.json
+tiny-llama/gguf/tiny-llama-Q8_0.gguf
+tiny-llama/gguf/tiny-llama-Q4_K_M.gguf
+tiny-llama/ids.json
+tiny-llama/hf_logits.npy
+tiny-llama/safetensors
+smollm2-135m/prompts.json
+'
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# The checkout: the first folder upwards holding Cargo.toml and kernels/ (this script runs from
+# benches/gpu/ or from the bundle folder's copy).
+ROOT=$here
+while [ "$ROOT" != / ] && ! { [ -f "$ROOT/Cargo.toml" ] && [ -d "$ROOT/kernels" ]; }; do
+    ROOT=$(dirname "$ROOT")
+done
+if [ "$ROOT" = / ]; then
+    echo "run.sh: no weightlift checkout above $here" >&2
+    exit 2
+fi
+
+CPU=0
+OUT=
+BUNDLE=$ROOT/gpu-bundle
+while [ $# -gt 0 ]; do
+    case $1 in
+    --cpu) CPU=1 ;;
+    --out) OUT=${2:?--out takes a folder}; shift ;;
+    --bundle) BUNDLE=${2:?--bundle takes a folder}; shift ;;
+    --list)
+        echo "$GPU_TESTS" | awk 'NF {print "test", $1, $2, $3, $4, $5}'
+        for b in $BENCHES; do echo "bench $b"; done
+        echo "$REFERENCE_FILES" | awk 'NF {print "reference", $1}'
+        exit 0
+        ;;
+    -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+if [ -z "$OUT" ]; then
+    if [ $CPU = 1 ]; then OUT=$ROOT/benches/results/gpu/cpu; else OUT=$ROOT/benches/results/gpu; fi
+fi
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+# A result left by an earlier run must not pass for this one's.
+rm -f "$OUT"/{summary,tests,e2e,kernels_cuda,kernels_cuda_on_cpu}.{md,json}
+if [ -z "${PYTHON:-}" ]; then
+    PYTHON=python3
+    [ $CPU = 1 ] && [ -x "$ROOT/.venv/bin/python" ] && PYTHON=$ROOT/.venv/bin/python
+fi
+if [ $CPU = 1 ]; then
+    # Two shared cores do in minutes what the GPU does in seconds.
+    SUITE_TIMEOUT_S=600 BENCH_TIMEOUT_S=600 E2E_BUDGET_S=360 E2E_TIMEOUT_S=600
+fi
+exec > >(tee "$OUT/run.log") 2>&1
+TEE=$!
+
+FAILED=()
+step() { printf '\n== %s\n' "$*"; }
+skip() { echo "skipped: $*"; SKIPPED+=("$*"); }
+SKIPPED=()
+
+# ---------------------------------------------------------------------------------------------
+# Unpack the bundle into a scratch folder, removed at exit with everything else made here.
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/weightlift-gpu-run.XXXXXX")
+MADE=("$WORK")
+cleanup() {
+    local p
+    for p in "${MADE[@]}"; do rm -rf -- "$p"; done
+    # let tee write the last lines before the caller reads the log
+    exec >&- 2>&-
+    wait "$TEE" 2>/dev/null
+}
+trap cleanup EXIT
+
+step "bundle"
+if [ ! -f "$BUNDLE/bundle.tar.xz" ]; then
+    echo "run.sh: no $BUNDLE/bundle.tar.xz; build it with \`make gpu-bundle\` on any machine" >&2
+    exit 2
+fi
+if ! tar -C "$WORK" -xJf "$BUNDLE/bundle.tar.xz" 2>/dev/null; then
+    # tar without xz support: Python's tarfile reads it too
+    "$PYTHON" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+        "$BUNDLE/bundle.tar.xz" "$WORK" || { echo "run.sh: cannot unpack the bundle" >&2; exit 2; }
+fi
+# shellcheck source=/dev/null
+. "$WORK/manifest.env"
+echo "built $BUNDLE_BUILT from commit $BUNDLE_COMMIT in $BUNDLE_BUILD_ROOT ($BUNDLE_FEATURES)"
+commit=$BUNDLE_COMMIT
+if head=$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null) && [ "${commit%%+*}" != "$head" ]; then
+    echo "note: this checkout is at $head, the bundle was built from $commit"
+    commit="$commit (checkout at $head)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# The machine: GPU, driver, CUDA, and the libraries the loader must find.
+
+if [ $CPU = 0 ] && ! command -v nvidia-smi >/dev/null; then
+    echo "run.sh: no nvidia-smi on this machine; use --cpu for the rehearsal without a GPU" >&2
+    exit 2
+fi
+n_gpus=0
+gpu="none"
+driver="n/a"
+cuda="n/a"
+if [ $CPU = 0 ]; then
+    n_gpus=$(nvidia-smi -L | grep -c '^GPU')
+    gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader -i 0 | sed 's/, / (/; s/$/)/')
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader -i 0)
+    cuda=$(nvidia-smi | grep -o 'CUDA Version: [0-9.]*' | awk '{print $3}')
+fi
+# NVRTC sits in the toolkit's lib64, which is not on the loader's path there; libnccl.so.2 and
+# (on a machine without the toolkit) NVRTC come with the Python's `nvidia` packages.
+libs=()
+[ -d /usr/local/cuda/lib64 ] && libs+=(/usr/local/cuda/lib64)
+while IFS= read -r d; do libs+=("$d"); done < <("$PYTHON" - <<'EOF' 2>/dev/null
+import glob, os
+try:
+    import nvidia
+except ImportError:
+    raise SystemExit
+for p in nvidia.__path__:
+    for lib in sorted(glob.glob(os.path.join(p, "*", "lib"))):
+        if glob.glob(os.path.join(lib, "libnccl.so*")) + glob.glob(os.path.join(lib, "libnvrtc.so*")):
+            print(lib)
+EOF
+)
+if [ ${#libs[@]} -gt 0 ]; then
+    LD_LIBRARY_PATH=$(IFS=:; echo "${libs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export LD_LIBRARY_PATH
+fi
+# NVRTC's version from its file name (libnvrtc.so.13.0.88 in a toolkit, libnvrtc.so.12 from pip)
+nvrtc=$(for d in "${libs[@]+"${libs[@]}"}"; do ls "$d"/libnvrtc.so.* 2>/dev/null; done |
+    awk '{print length, $0}' | sort -rn | head -1 | sed 's/.*libnvrtc\.so\.//')
+DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
+if [ $CPU = 1 ]; then
+    what="no GPU (--cpu rehearsal: CUDA steps skipped, benches on cpu with a smaller model)"
+else
+    what="$gpu, driver $driver, CUDA $cuda"
+fi
+HEADER="Run $DATE on $(hostname): $what; NVRTC ${nvrtc:-not found}; commit $commit; bundle built $BUNDLE_BUILT."
+export WEIGHTLIFT_RUN_HEADER=$HEADER
+echo "$HEADER"
+echo "python: $PYTHON; loader path: ${LD_LIBRARY_PATH:-}"
+
+# The wheel, into a folder of its own on PYTHONPATH (abi3: any Python from 3.10).
+if "$PYTHON" -m pip install -q --no-deps --no-index --disable-pip-version-check \
+    --target "$WORK/site" "$WORK"/wheel/*.whl; then
+    export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+else
+    echo "run.sh: pip could not install the wheel into $WORK/site"
+    FAILED+=("wheel install")
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Test data. The binaries read it through CARGO_MANIFEST_DIR paths compiled in on the build
+# machine, under BUNDLE_BUILD_ROOT. Where that folder is absent, lay it out: real folders down to
+# each crate holding links to this checkout's files (a single link to the checkout would not do:
+# a path that climbs out with `..` would then climb out of the checkout, not the link), and the
+# bundle's reference files at `.cache/reference` inside it, unless something is there already
+# (the tests also find them through WEIGHTLIFT_REFERENCE).
+
+export WEIGHTLIFT_REFERENCE=$WORK/reference
+demo=${WEIGHTLIFT_DEMO_GGUF:-$ROOT/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+if [ -f "$demo" ]; then export WEIGHTLIFT_DEMO_GGUF=$demo; else unset WEIGHTLIFT_DEMO_GGUF; fi
+
+# Makes folder $1 where it is absent, and remembers the first folder made on the way for
+# removal at exit (nothing that was there before is ever removed).
+make_path() {
+    [ -e "$1" ] && return 0
+    local top=$1
+    while [ ! -e "$(dirname "$top")" ]; do top=$(dirname "$top"); done
+    mkdir -p "$1" || return 1
+    MADE+=("$top")
+}
+
+# Links to every entry of folder $1 (but those named in $3) inside folder $2.
+link_entries() {
+    local e
+    for e in "$1"/* "$1"/.[!.]*; do
+        [ -e "$e" ] || continue
+        case " $3 " in *" $(basename "$e") "*) continue ;; esac
+        ln -s "$e" "$2/"
+    done
+}
+
+lay_out_build_root() {
+    local b=$BUNDLE_BUILD_ROOT c
+    if [ "$(cd "$b" 2>/dev/null && pwd -P)" = "$(cd "$ROOT" && pwd -P)" ]; then
+        echo "test data: the binaries' build folder is this checkout"
+    elif [ -e "$b" ]; then
+        echo "note: $b exists and is not this checkout: the tests read the data there"
+    else
+        make_path "$b" || return 1
+        link_entries "$ROOT" "$b" "crates"
+        for c in "$ROOT"/crates/*/; do
+            c=$(basename "$c")
+            mkdir -p "$b/crates/$c"
+            link_entries "$ROOT/crates/$c" "$b/crates/$c" ""
+        done
+        echo "test data: laid out $b with links to this checkout"
+    fi
+    if [ ! -e "$b/.cache" ]; then
+        make_path "$b/.cache" && ln -s "$WEIGHTLIFT_REFERENCE" "$b/.cache/reference"
+    fi
+}
+lay_out_build_root || FAILED+=("test data layout")
+
+missing=()
+for f in $REFERENCE_FILES; do [ -e "$WEIGHTLIFT_REFERENCE/$f" ] || missing+=("$f"); done
+[ ${#missing[@]} -eq 0 ] || echo "note: reference files missing from the bundle: ${missing[*]}"
+
+# ---------------------------------------------------------------------------------------------
+# 1. The tests.
+
+step "tests"
+printf 'suite\targs\tresult\tseconds\n' >"$WORK/tests.tsv"
+declare -A FAILS=()
+run_suite() {
+    local crate=$1 suite=$2 mode=$3 args=() log="$WORK/logs/$suite.log" t0 rc summary
+    case $mode in
+    ignored) args=(--ignored) ;;
+    include-ignored) args=(--include-ignored) ;;
+    esac
+    mkdir -p "$WORK/logs"
+    echo "-- $crate $suite ${args[*]}"
+    t0=$(date +%s)
+    (cd "$BUNDLE_BUILD_ROOT/crates/$crate" &&
+        timeout "$SUITE_TIMEOUT_S" "$WORK/bin/$suite" "${args[@]}") >"$log" 2>&1
+    rc=$?
+    cat "$log"
+    summary=$(grep '^test result:' "$log" | tail -1 | sed 's/^test result: //; s/; finished in.*//')
+    [ $rc = 124 ] && summary="timed out after $SUITE_TIMEOUT_S s"
+    [ -n "$summary" ] || summary="exit status $rc"
+    if [ $rc != 0 ]; then
+        FAILED+=("$crate $suite")
+        FAILS[$suite]=$log
+    fi
+    printf '%s %s\t%s\t%s\t%s\n' "$crate" "$suite" "${args[*]:-(no flags)}" "$summary" \
+        "$(($(date +%s) - t0))" >>"$WORK/tests.tsv"
+}
+while read -r crate suite gpu_mode cpu_mode needs; do
+    [ -n "$crate" ] || continue
+    name="$crate $suite"
+    if [ $CPU = 1 ]; then
+        if [ "$cpu_mode" = skip ]; then
+            skip "no GPU: $name (${gpu_mode} tests)"
+            continue
+        fi
+        [ "$gpu_mode" = all ] || skip "no GPU: $name (its ignored CUDA tests; the others run)"
+        run_suite "$crate" "$suite" "$cpu_mode"
+        continue
+    fi
+    case $needs in
+    demo) if [ -z "${WEIGHTLIFT_DEMO_GGUF:-}" ]; then
+        skip "no demo model (set WEIGHTLIFT_DEMO_GGUF; 94 MiB, more than the bundle may carry): $name"
+        continue
+    fi ;;
+    2gpu) if [ "$n_gpus" -lt 2 ]; then
+        skip "needs two GPUs, this machine has $n_gpus: $name"
+        continue
+    fi ;;
+    esac
+    run_suite "$crate" "$suite" "$gpu_mode"
+done <<<"$GPU_TESTS"
+
+{
+    echo "# GPU tests"
+    echo
+    echo "$HEADER"
+    echo
+    echo "| suite | run with | result | s |"
+    echo "|---|---|---|---:|"
+    tail -n +2 "$WORK/tests.tsv" | awk -F'\t' '{printf "| %s | `%s` | %s | %s |\n", $1, $2, $3, $4}'
+    if [ ${#SKIPPED[@]} -gt 0 ]; then
+        echo
+        for s in "${SKIPPED[@]}"; do echo "- skipped: $s"; done
+    fi
+    for suite in "${!FAILS[@]}"; do
+        echo
+        echo "## $suite: failures"
+        echo
+        echo '```'
+        grep -E '^test .* FAILED$|panicked at|^---- ' "${FAILS[$suite]}" | head -40
+        awk '/^failures:$/ {p = 1} p' "${FAILS[$suite]}" | head -80
+        echo '```'
+    done
+} >"$OUT/tests.md"
+
+# ---------------------------------------------------------------------------------------------
+# 2. The CUDA kernel bench.
+
+step "kernel bench"
+if [ $CPU = 1 ]; then
+    skip "no GPU: kernels_cuda on cuda:0 (its cases run on the cpu backend instead, quick)"
+    WEIGHTLIFT_BENCH_QUICK=1 timeout "$BENCH_TIMEOUT_S" "$WORK/bin/kernels_cuda" --device cpu --out "$OUT"
+else
+    timeout "$BENCH_TIMEOUT_S" "$WORK/bin/kernels_cuda" --device cuda --out "$OUT"
+fi
+rc=$?
+[ $rc = 0 ] || FAILED+=("kernel bench (exit status $rc)")
+if [ $rc = 0 ] && ! ls "$OUT"/kernels_cuda*.md >/dev/null 2>&1; then
+    FAILED+=("kernel bench (timed nothing)")
+fi
+for f in "$OUT"/kernels_cuda*.md; do
+    [ -f "$f" ] && { printf '%s\n\n' "$HEADER"; cat "$f"; } >"$f.tmp" && mv "$f.tmp" "$f"
+done
+
+# ---------------------------------------------------------------------------------------------
+# 3. The end-to-end bench.
+
+step "end-to-end bench"
+e2e=(--out "$OUT" --budget-s "$E2E_BUDGET_S")
+if [ $CPU = 1 ]; then e2e+=(--cpu); else e2e+=(--device cuda:0); fi
+PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
+rc=$?
+[ $rc = 0 ] || FAILED+=("end-to-end bench (exit status $rc)")
+
+# ---------------------------------------------------------------------------------------------
+
+step "summary"
+"$PYTHON" "$ROOT/benches/gpu/summary.py" --out "$OUT" --tests "$WORK/tests.tsv" \
+    --failed "$(printf '%s\n' "${FAILED[@]+"${FAILED[@]}"}")" \
+    --skipped "$(printf '%s\n' "${SKIPPED[@]+"${SKIPPED[@]}"}")" || FAILED+=("summary")
+echo "results: $OUT"
+[ ${#FAILED[@]} -eq 0 ]

@@ -1,0 +1,121 @@
+"""The short summary at the end of benches/gpu/run.sh: the tests' results, the kernel bench's
+matrix-vector products against the device copy, and the end-to-end rows, from the files the
+steps wrote in --out. Prints it and writes summary.md beside them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def tests(tsv: Path) -> list[str]:
+    if not tsv.is_file():
+        return ["- no test results"]
+    rows = [line.split("\t") for line in tsv.read_text().splitlines()[1:] if line.strip()]
+    out = []
+    for suite, args, result, secs in rows:
+        ok = result.startswith("ok.")
+        out.append(f"- {'ok  ' if ok else 'FAIL'} {suite} {args}: {result} ({secs} s)")
+    return out
+
+
+def kernels(folder: Path) -> list[str]:
+    out = []
+    for path in sorted(folder.glob("kernels_cuda*.json")):
+        res = json.loads(path.read_text())
+        copy = res["copy_gb_per_s"]
+        # matvec_{type}_f32_{mode}_{rows}x{cols}: the share of the copy per type and mode,
+        # the median and range over the shapes
+        by: dict[str, list[float]] = {}
+        unsupported = []
+        for r in res["rows"]:
+            m = re.fullmatch(r"matvec_(\w+?)_f32_(exact|q8)_(\d+)x(\d+)", r["kernel"])
+            if not m:
+                continue
+            key = f"{m[1]} {m[2]}"
+            if r["gb_per_s"] is None:
+                unsupported.append(key)
+                continue
+            by.setdefault(key, []).append(100 * r["gb_per_s"] / copy)
+        out.append(
+            f"- {path.stem}: device copy {copy:,.0f} GB/s; matvec % of copy over the shapes:"
+        )
+        for key, pct in by.items():
+            out.append(
+                f"  - {key}: median {statistics.median(pct):.0f} % "
+                f"({min(pct):.0f}-{max(pct):.0f} %)"
+            )
+        for key in dict.fromkeys(unsupported):
+            out.append(f"  - {key}: did not run (see the table)")
+    return out or ["- no kernel bench results"]
+
+
+def e2e(folder: Path) -> list[str]:
+    path = folder / "e2e.json"
+    if not path.is_file():
+        return ["- no end-to-end results"]
+    res = json.loads(path.read_text())
+    out = [f"- {res['device']}, {res['shape_name']}:"]
+    for r in res["rows"]:
+        name = r["label"] if r["engine"] == "transformers" else f"weightlift {r['label']}"
+        if "error" in r:
+            out.append(f"  - {name}: failed: {r['error'][:200]}")
+            continue
+        m: dict[str, Any] = r.get("median", {})
+
+        def f(k: str, m: dict[str, Any] = m) -> str:
+            v = m.get(k)
+            return "—" if v is None else f"{v:,.1f}"
+
+        out.append(
+            f"  - {name}: decode {f('decode_short')} tok/s @64, {f('decode_long')} @2048; "
+            f"prefill {f('prefill_512')} / {f('prefill_2048')} ms (512 / 2048); "
+            f"load {r.get('load_s', 0):.2f} s"
+        )
+    out += [f"  - skipped: {s}" for s in res.get("skipped", [])]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tests", type=Path, required=True)
+    ap.add_argument("--failed", default="")
+    ap.add_argument("--skipped", default="")
+    a = ap.parse_args()
+    failed = [x for x in a.failed.splitlines() if x.strip()]
+    skipped = [x for x in a.skipped.splitlines() if x.strip()]
+    lines = [
+        "# GPU check: summary",
+        "",
+        os.environ.get("WEIGHTLIFT_RUN_HEADER", ""),
+        "",
+        "## Tests",
+        "",
+        *tests(a.tests),
+        *[f"- skipped: {s}" for s in skipped],
+        "",
+        "## Kernel bench",
+        "",
+        *kernels(a.out),
+        "",
+        "## End to end",
+        "",
+        *e2e(a.out),
+        "",
+        "## Verdict",
+        "",
+        f"- failed: {', '.join(failed)}" if failed else "- every step that ran passed",
+    ]
+    text = "\n".join(lines) + "\n"
+    (a.out / "summary.md").write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
