@@ -25,6 +25,7 @@ __all__ = [
     "Plan",
     "tensor",
     "use_devices",
+    "cuda_info",
     "from_pretrained",
     "load_gguf",
     "DeviceTensor",
@@ -418,6 +419,7 @@ _Size = int | str
 _Callback = Callable[[int, int, str, str], bool | None]
 
 def use_devices(spec: str) -> list[tuple[str, int | None]]: ...
+def cuda_info() -> dict[str, Any]: ...
 def tensor(array: npt.ArrayLike, device: str) -> DeviceTensor: ...
 
 @final
