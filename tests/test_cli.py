@@ -26,6 +26,41 @@ def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_devices_lists_driver_nvrtc_gpus_and_host():
+    p = run("devices")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("driver   ") and lines[1].startswith("nvrtc    "), p.stdout
+    assert any(line.startswith("cpu ") for line in lines), p.stdout
+    doc = json.loads(run("devices", "--json").stdout)
+    assert set(doc) == {"driver", "nvrtc", "devices", "plan"}
+    assert [d["name"] for d in doc["plan"]][-1] == "disk"
+    if not Path("/proc/driver/nvidia").exists():
+        assert lines[0].startswith("driver   none: libcuda.so.1 not found: install the NVIDIA")
+        assert "no cuda devices" in lines
+    if "error" not in doc["nvrtc"]:
+        # found without LD_LIBRARY_PATH pointing at it: the search covers sys.path's wheels
+        assert Path(doc["nvrtc"]["path"]).name.startswith("libnvrtc.so"), doc["nvrtc"]
+        assert lines[1] == f"nvrtc    {doc['nvrtc']['path']} ({doc['nvrtc']['version']})"
+
+
+def test_devices_finds_pip_nvrtc_without_ld_library_path():
+    """The wheel's NVRTC in this Python's site-packages is found with no LD_LIBRARY_PATH."""
+    import importlib.util
+
+    if importlib.util.find_spec("nvidia") is None:
+        pytest.skip("no pip nvidia packages in this environment")
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    code = "import weightlift, json; print(json.dumps(weightlift.cuda_info()['nvrtc']))"
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert p.returncode == 0, p.stderr
+    nvrtc = json.loads(p.stdout)
+    assert "error" not in nvrtc, nvrtc
+    assert "site-packages/nvidia/" in nvrtc["path"], nvrtc
+
+
 def test_inspect_demo_model(demo_gguf):
     p = run("inspect", demo_gguf)
     assert p.returncode == 0, p.stderr

@@ -90,6 +90,16 @@ def test_cuda_fails_cleanly(demo_gguf: Path) -> None:
     with pytest.raises(CudaUnavailable, match="cuda:0") as e:
         wl.use_devices("cuda:0")
     assert isinstance(e.value, DeviceError)
+    if not Path("/proc/driver/nvidia").exists():
+        # no driver at all (the package always has the CUDA backend): say what to install
+        assert str(e.value).startswith(
+            "device cuda:0: cuda is unavailable: libcuda.so.1 not found: install the NVIDIA "
+            "driver (libcuda.so.1 comes with the driver, not with a CUDA toolkit or pip's "
+            "nvidia packages)"
+        ), str(e.value)
+        info = wl.cuda_info()
+        assert info["driver"]["error"].startswith("libcuda.so.1 not found"), info
+        assert info["devices"] == []
     for make in (
         lambda: wl.Model(demo_gguf, devices="cuda:0"),
         lambda: wl.load_gguf(demo_gguf, devices="cuda:0,cuda:1"),

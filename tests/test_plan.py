@@ -388,6 +388,57 @@ def test_devices_and_parse_devices():
         wl.parse_devices("cpu,cpu")
 
 
+def test_a_cuda_device_is_charged_its_overhead(tiny_llama_gguf):
+    """A cuda:N planned without its GPU is charged the default context, cuBLAS workspace and
+    graph memory of its compute capability, part by part; overhead= replaces them; an
+    out-of-memory error names them, and fit() leaves room for them."""
+    with wl.open(tiny_llama_gguf) as ckpt:
+        p = wl.plan(ckpt, devices="cuda:0:4GiB:sm_90,cpu", runtime=SMALL_RT)
+        gpu = next(d for d in p.devices if d.name == "cuda:0")
+        assert gpu.overhead_parts == [
+            ("cuda context and modules", 543 * MiB, "default, sm_90"),
+            ("cublas workspace", 32 * MiB, "cuBLAS's recommendation, sm_90"),
+            ("cuda graphs", 8 * MiB, "allowance"),
+        ]
+        assert gpu.overhead == 583 * MiB
+        assert gpu.used == gpu.weights + gpu.kv + gpu.scratch + gpu.overhead + gpu.reserve
+        assert (
+            "overhead of cuda:0: 543.00 MiB cuda context and modules (default, sm_90) + 32.00 "
+            "MiB cublas workspace (cuBLAS's recommendation, sm_90) + 8.00 MiB cuda graphs "
+            "(allowance)\n"
+        ) in p.explain()
+        assert json.loads(p.to_json())["devices"][0]["overhead_parts"][0]["bytes"] == 543 * MiB
+        cpu = next(d for d in p.devices if d.name == "cpu")
+        assert cpu.overhead == 0 and cpu.overhead_parts == []
+        # a GPU of unknown capability gets the largest default
+        [dev] = wl.parse_devices("cuda:1:24GiB")
+        assert dev.overhead == (555 + 32 + 8) * MiB
+        assert dev.overhead_parts[0] == (
+            "cuda context and modules",
+            555 * MiB,
+            "default, capability unknown",
+        )
+        # overhead= wins
+        p = wl.plan(ckpt, devices="cuda:0:4GiB:sm_90,cpu", runtime=SMALL_RT, overhead="100MiB")
+        gpu = next(d for d in p.devices if d.name == "cuda:0")
+        assert gpu.overhead_parts == [("given", 100 * MiB, "overhead=")]
+        # a device with room for everything but the overhead
+        every = {"runtime": SMALL_RT, "strategy": "layers", "n_gpu_layers": -1}
+        bare = wl.plan(ckpt, devices="cuda:0:4GiB,cpu", overhead=0, **every)
+        need = next(d for d in bare.devices if d.name == "cuda:0").used
+        tight = f"cuda:0:{need + 16 * MiB}B:sm_90,cpu"
+        with pytest.raises(wl.OutOfMemoryError) as info:
+            wl.plan(ckpt, devices=tight, **every)
+        msg = str(info.value)
+        assert "583.00 MiB fixed overhead (543.00 MiB cuda context and modules" in msg, msg
+        assert "; the fixed overhead is what does not fit" in msg, msg
+        wl.plan(ckpt, devices=tight, overhead=0, **every)
+        # fit counts the overhead too: every layer fits only without it
+        kw = {"devices": tight, "runtime": SMALL_RT, "strategy": "layers"}
+        assert wl.fit(ckpt, target="n_gpu_layers", **kw) < ckpt.spec.n_layers + 1
+        assert wl.fit(ckpt, target="n_gpu_layers", overhead=0, **kw) == ckpt.spec.n_layers + 1
+
+
 def test_cache_and_runtime_specs():
     c = wl.CacheSpec(4096)
     assert (c.max_seq_len, c.batch_size, c.dtype) == (4096, 1, "fp16")

@@ -1,4 +1,4 @@
-"""The ``weightlift`` command: ``inspect``, ``plan``, ``fit`` and ``load``.
+"""The ``weightlift`` command: ``devices``, ``inspect``, ``plan``, ``fit``, ``load`` and ``run``.
 
 Every subcommand prints a readable table by default and one JSON object with ``--json``. A bad
 file or a request that cannot be met prints one line, ``weightlift: error: <message>``, on
@@ -292,6 +292,52 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(f"{args.target} {value}\n")
+    return 0
+
+
+def _cmd_devices(args: argparse.Namespace) -> int:
+    info = weightlift.cuda_info()
+    devices = weightlift.devices()
+    if args.json:
+        info["plan"] = [
+            {
+                "name": d.name,
+                "kind": d.kind,
+                "capacity": d.capacity,
+                "overhead": d.overhead,
+                "overhead_parts": d.overhead_parts,
+            }
+            for d in devices
+        ]
+        json.dump(info, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    driver, nvrtc = info["driver"], info["nvrtc"]
+    if "error" in driver:
+        sys.stdout.write(f"driver   none: {driver['error']}\n")
+    else:
+        sys.stdout.write(f"driver   {driver['path']} (CUDA {driver['cuda_version']})\n")
+    if "error" in nvrtc:
+        sys.stdout.write(f"nvrtc    none: {nvrtc['error']}\n")
+    else:
+        sys.stdout.write(f"nvrtc    {nvrtc['path']} ({nvrtc['version']})\n")
+    gpus = {g["name"]: g for g in info["devices"]}
+    if not gpus:
+        sys.stdout.write("no cuda devices\n")
+    for d in devices:
+        if d.capacity is None:
+            line = f"{d.name:<8} unbounded"
+        else:
+            line = f"{d.name:<8} {_human(d.capacity)} available"
+        g = gpus.get(d.name)
+        if g is not None:
+            context = "not measured" if g["context"] is None else _human(g["context"])
+            line = (
+                f"{d.name:<8} {g['model']}, {g['capability']}, {_human(g['free'])} free of "
+                f"{_human(g['total'])}; one context takes {context}; the plan charges "
+                f"{_human(d.overhead)} of overhead"
+            )
+        sys.stdout.write(line + "\n")
     return 0
 
 
@@ -696,6 +742,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"weightlift {weightlift.__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    dv = sub.add_parser(
+        "devices",
+        help="what this machine offers: the CUDA driver, NVRTC, each GPU and the host",
+    )
+    dv.add_argument("--json", action="store_true", help="print one JSON object")
+    dv.set_defaults(func=_cmd_devices)
 
     ins = sub.add_parser("inspect", help="describe a GGUF or safetensors checkpoint")
     ins.add_argument("path", help="a .gguf file, a .safetensors file, a folder or an index.json")

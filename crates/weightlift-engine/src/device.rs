@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use weightlift_kernels::{Backend, CudaBackend};
+use weightlift_plan::CudaOverhead;
 
 use crate::error::{EngineError, Result};
 
@@ -51,6 +52,9 @@ pub struct Device {
     bandwidth: Option<u64>,
     /// The kernels' CUDA backend of a `cuda:N` device (its context, stream and pinned staging).
     cuda: Option<CudaBackend>,
+    /// A `cuda:N` device's overhead as the plan charges it ([`cuda_overhead`]), and the
+    /// capacity the plan sees: as given, or the free memory plus the context already held.
+    planned: Option<(u64, CudaOverhead)>,
 }
 
 impl Device {
@@ -101,9 +105,11 @@ impl Device {
 
     /// `cuda:N`, through the kernels crate's CUDA backend: device memory per tensor, the
     /// backend's two pinned staging buffers for copies from the host, and its stream. The
-    /// capacity is `capacity`, or the free memory the driver reports now. Without a
-    /// GPU, libcuda or the `cuda` feature this fails with [`EngineError::CudaUnavailable`]
-    /// carrying the backend's reason.
+    /// capacity is `capacity`, or the free memory the driver reports now. Its overhead is
+    /// measured now ([`cuda_overhead`]) for the plan, which also sees the context this process
+    /// holds as part of a driver-read capacity ([`Device::planned`]). Without a GPU, libcuda
+    /// or the `cuda` feature this fails with [`EngineError::CudaUnavailable`] carrying the
+    /// backend's reason (libcuda missing: install the NVIDIA driver).
     pub fn cuda(ordinal: u32, capacity: Option<u64>) -> Result<Arc<Device>> {
         let name = format!("cuda:{ordinal}");
         let unavailable = |e: weightlift_kernels::KernelError| EngineError::CudaUnavailable {
@@ -111,16 +117,29 @@ impl Device {
             detail: e.to_string(),
         };
         let backend = CudaBackend::new(ordinal as usize).map_err(unavailable)?;
-        let capacity = match capacity {
-            Some(c) => c,
-            None => cuda_free(&backend).map_err(|e| EngineError::Device {
-                device: name.clone(),
-                detail: format!("reading free memory from the driver: {e}"),
-            })?,
+        let overhead = cuda_overhead(&backend);
+        let (capacity, planned) = match capacity {
+            Some(c) => (c, c),
+            None => {
+                let free = cuda_free(&backend).map_err(|e| EngineError::Device {
+                    device: name.clone(),
+                    detail: format!("reading free memory from the driver: {e}"),
+                })?;
+                (free, free.saturating_add(overhead.held))
+            }
         };
         let mut d = Device::new(name, DeviceKind::Cuda, ordinal, Some(capacity));
         d.cuda = Some(backend);
+        d.planned = Some((planned, overhead));
         Ok(Arc::new(d))
+    }
+
+    /// The capacity and overhead the plan uses for a `cuda:N` device: its capacity as given,
+    /// or its free memory plus the context this process already holds (what was free before
+    /// the process used the GPU), and the overhead measured when the device was opened.
+    /// `None` for the other kinds.
+    pub fn planned(&self) -> Option<(u64, CudaOverhead)> {
+        self.planned
     }
 
     fn new(name: String, kind: DeviceKind, ordinal: u32, capacity: Option<u64>) -> Device {
@@ -133,6 +152,7 @@ impl Device {
             peak: AtomicU64::new(0),
             bandwidth: None,
             cuda: None,
+            planned: None,
         }
     }
 
@@ -249,6 +269,28 @@ impl Device {
             free: capacity.saturating_sub(used),
             capacity,
         }
+    }
+}
+
+/// The fixed overhead the plan charges for `backend`'s device: one context, measured beside
+/// the backend's own ([`CudaBackend::context_bytes`]), with our kernel modules
+/// ([`weightlift_kernels::sources::MODULE_BYTES`]) still to load, and cuBLAS's workspace and the
+/// graph allowance for its capability; the defaults for its capability when the context
+/// cannot be measured (no memory left for a second one). The one place that measures: the
+/// probe behind `plan()` and the devices a model loads onto both come here.
+pub fn cuda_overhead(backend: &CudaBackend) -> CudaOverhead {
+    let (major, minor) = backend.compute_capability();
+    let capability = (
+        u32::try_from(major).unwrap_or(0),
+        u32::try_from(minor).unwrap_or(0),
+    );
+    match backend.context_bytes() {
+        Ok(context) => CudaOverhead::measured(
+            capability,
+            context,
+            weightlift_kernels::sources::MODULE_BYTES,
+        ),
+        Err(_) => CudaOverhead::default_for(Some(capability)),
     }
 }
 

@@ -10,18 +10,25 @@ use crate::model::{Model, Placement, SplitSpec, TensorPlace};
 use crate::source::Source;
 use crate::tp::Splits;
 
-/// The planner's view of an inventory: accelerators in order, then `cpu` (unbounded unless
-/// capped), then `disk` when it was named.
+/// The planner's view of an inventory: accelerators in order (a `cuda:N` with the capacity and
+/// the measured overhead of [`crate::Device::planned`]), then `cpu` (unbounded unless capped),
+/// then `disk` when it was named.
 pub fn device_specs(inv: &Inventory) -> Vec<DeviceSpec> {
     let mut out: Vec<DeviceSpec> = inv
         .accelerators()
         .iter()
-        .map(|d| {
-            let kind = match d.kind() {
-                DeviceKind::Cuda => PlanKind::Cuda,
-                _ => PlanKind::Virtual,
-            };
-            DeviceSpec::new(d.name(), kind, d.capacity().unwrap_or(u64::MAX))
+        .map(|d| match (d.kind(), d.planned()) {
+            (DeviceKind::Cuda, Some((capacity, overhead))) => {
+                DeviceSpec::cuda(d.name(), capacity, overhead)
+            }
+            (DeviceKind::Cuda, None) => {
+                DeviceSpec::new(d.name(), PlanKind::Cuda, d.capacity().unwrap_or(u64::MAX))
+            }
+            _ => DeviceSpec::new(
+                d.name(),
+                PlanKind::Virtual,
+                d.capacity().unwrap_or(u64::MAX),
+            ),
         })
         .collect();
     if inv.cpu_listed {

@@ -23,7 +23,8 @@ fn open(sub: &str) -> Arc<dyn Source> {
 
 /// Without a GPU, libcuda or the `cuda` feature, asking for `cuda:0` is the clean
 /// `CudaUnavailable` error naming the device, and the real inventory is the host alone; with
-/// one, `cuda:0` parses.
+/// one, `cuda:0` parses. A build with the feature on a machine without the driver says what is
+/// missing and what to install.
 #[test]
 fn cuda_unavailable_is_a_clean_error() {
     match CudaBackend::unavailable_reason() {
@@ -34,6 +35,16 @@ fn cuda_unavailable_is_a_clean_error() {
                 "{e}"
             );
             assert!(e.to_string().contains("cuda:0"), "{e}");
+            let no_driver = !std::path::Path::new("/proc/driver/nvidia").exists();
+            if cfg!(feature = "cuda") && no_driver {
+                assert!(
+                    e.to_string().starts_with(
+                        "device cuda:0: cuda is unavailable: libcuda.so.1 not found: install \
+                         the NVIDIA driver"
+                    ),
+                    "{e}"
+                );
+            }
             let inv = Inventory::detect().unwrap();
             assert!(inv.accelerators().is_empty());
         }
@@ -47,6 +58,49 @@ fn cuda() -> Inventory {
         panic!("this test needs cuda:0: {reason}");
     }
     Inventory::parse("cuda:0,cpu").unwrap()
+}
+
+/// The plan counts what the GPU really holds: after loading the tiny llama on `cuda:0` as
+/// planned (and one forward pass, so the kernel modules it uses are loaded), what the driver
+/// reports used (`cuMemGetInfo`: total less free) is the plan's column for `cuda:0` (weights,
+/// kv, scratch and the overhead measured when the device was opened) within 64 MiB. Run it on a
+/// GPU nothing else uses: other processes' memory counts as used.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn the_plan_counts_what_the_gpu_holds() {
+    let inv = cuda();
+    let src = common::open(common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf"));
+    let mut m = Model::new(Arc::clone(&src), inv.clone());
+    let mut req = m.plan_request().unwrap();
+    req.cache = Some(weightlift_plan::CacheSpec::new(64, 1, CacheDType::Fp16));
+    req.runtime = weightlift_plan::RuntimeSpec {
+        max_input_len: 16,
+        max_attention_size: 16 * 64,
+        max_dq_size: 1 << 20,
+        low_mem: false,
+    };
+    let plan = weightlift_plan::plan(&req).unwrap();
+    let cache = common::load_planned(&mut m, &plan).unwrap();
+    common::forward_all(&mut m, &cache, &[1, 2, 3, 4]);
+    let gpu = &inv.accelerators()[0];
+    let backend = gpu.cuda_backend().unwrap();
+    weightlift_kernels::Backend::synchronize(backend).unwrap();
+    let (free, total) = backend.mem_info().unwrap();
+    let used = (total - free) as i64;
+    let planned = plan.devices().iter().find(|d| d.name == "cuda:0").unwrap();
+    let diff = used - planned.used() as i64;
+    assert!(
+        diff.abs() <= 64 << 20,
+        "the driver reports {used} bytes used on cuda:0, the plan {} ({} weights, {} kv, {} \
+         scratch, overhead {:?}; the engine holds {}): {diff} bytes apart\n{}",
+        planned.used(),
+        planned.weights,
+        planned.kv,
+        planned.scratch,
+        planned.overhead_parts,
+        gpu.used(),
+        plan.explain()
+    );
 }
 
 /// Layer-1 float tensors are converted to F16 on the way (in the staging path).

@@ -103,18 +103,86 @@ fn drv<E: std::fmt::Debug>(during: impl Into<String>) -> impl FnOnce(E) -> Kerne
     }
 }
 
+/// What is missing when libcuda cannot be opened.
+const NO_DRIVER: &str = "install the NVIDIA driver (libcuda.so.1 comes with the driver, not \
+                         with a CUDA toolkit or pip's nvidia packages)";
+
 /// Why CUDA cannot be used on this machine, or `None` when a driver and a device exist.
-pub fn unavailable_reason() -> Option<String> {
+fn unavailable() -> Option<KernelError> {
     // SAFETY: only tries to dlopen libcuda by its candidate names.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Some("libcuda not found".into());
+        return Some(KernelError::LibraryNotFound {
+            library: "libcuda.so.1".into(),
+            fix: NO_DRIVER.into(),
+            detail: String::new(),
+        });
     }
     match CudaContext::device_count() {
         Ok(n) if n > 0 => None,
-        Ok(_) => Some("the driver reports no CUDA devices".into()),
-        Err(e) => Some(format!("cuInit/cuDeviceGetCount failed: {e:?}")),
+        Ok(_) => Some(KernelError::CudaUnavailable {
+            reason: "the driver reports no CUDA devices (are they hidden by \
+                     CUDA_VISIBLE_DEVICES, or is the GPU not passed into this container?)"
+                .into(),
+        }),
+        Err(e) => Some(KernelError::CudaUnavailable {
+            reason: format!(
+                "cuInit/cuDeviceGetCount failed: {e:?}; is the driver loaded (nvidia-smi)?"
+            ),
+        }),
     }
 }
+
+/// Why CUDA cannot be used on this machine, or `None` when a driver and a device exist.
+pub fn unavailable_reason() -> Option<String> {
+    unavailable().map(|e| e.to_string())
+}
+
+/// The driver, NVRTC and every device, for `weightlift devices`.
+pub fn report() -> crate::cuda_libs::CudaReport {
+    use crate::cuda_libs::{CudaDeviceReport, CudaReport, loaded_path};
+    let nvrtc = crate::nvrtc::nvrtc_library()
+        .and_then(|p| Ok((p, crate::nvrtc::nvrtc_version()?)))
+        .map_err(|e| e.to_string());
+    if let Some(e) = unavailable() {
+        return CudaReport {
+            driver: Err(e.to_string()),
+            nvrtc,
+            devices: Vec::new(),
+        };
+    }
+    let mut version = 0;
+    // SAFETY: libcuda is present (checked above); the pointer is valid for a write.
+    let driver = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| format!("cuDriverGetVersion failed: {e:?}"))
+        .map(|()| {
+            let path = loaded_path("libcuda.so").unwrap_or_else(|| "libcuda.so.1".into());
+            (path, (version / 1000, version % 1000 / 10))
+        });
+    let count = CudaBackend::device_count().unwrap_or(0);
+    let devices = (0..count)
+        .filter_map(|ordinal| {
+            let b = CudaBackend::new(ordinal).ok()?;
+            let (free, total) = b.mem_info().ok()?;
+            Some(CudaDeviceReport {
+                ordinal,
+                name: b.device_name().unwrap_or_else(|e| e.to_string()),
+                capability: b.cc,
+                free: free as u64,
+                total: total as u64,
+                context: b.context_bytes().map_err(|e| e.to_string()),
+            })
+        })
+        .collect();
+    CudaReport {
+        driver,
+        nvrtc,
+        devices,
+    }
+}
+
+/// Bytes one CUDA context took on each device, measured once per process (by ordinal).
+static CONTEXT_BYTES: Mutex<Vec<(usize, u64)>> = Mutex::new(Vec::new());
 
 /// Device memory on one CUDA device: an allocation, or a view of part of one
 /// ([`Backend::view`], [`Backend::split`]) that frees nothing when dropped.
@@ -180,8 +248,8 @@ impl CudaBackend {
     /// Opens device `ordinal`. Fails with [`KernelError::CudaUnavailable`] when there is no
     /// libcuda or no such device.
     pub fn new(ordinal: usize) -> Result<Self> {
-        if let Some(reason) = unavailable_reason() {
-            return Err(KernelError::CudaUnavailable { reason });
+        if let Some(e) = unavailable() {
+            return Err(e);
         }
         let count = CudaContext::device_count().map_err(drv("counting devices"))? as usize;
         if ordinal >= count {
@@ -219,8 +287,10 @@ impl CudaBackend {
     pub fn device_count() -> Result<usize> {
         // SAFETY: only tries to dlopen libcuda.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(KernelError::CudaUnavailable {
-                reason: "libcuda not found".into(),
+            return Err(KernelError::LibraryNotFound {
+                library: "libcuda.so.1".into(),
+                fix: NO_DRIVER.into(),
+                detail: String::new(),
             });
         }
         Ok(CudaContext::device_count().map_err(drv("counting devices"))? as usize)
@@ -252,6 +322,57 @@ impl CudaBackend {
     /// (free, total) device memory in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.ctx.mem_get_info().map_err(drv("reading memory info"))
+    }
+
+    /// The compute capability, (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+
+    /// The device's name as the driver gives it (`"NVIDIA H200"`).
+    pub fn device_name(&self) -> Result<String> {
+        self.ctx.name().map_err(drv("reading the device name"))
+    }
+
+    /// The bytes one CUDA context takes on this device. `cuMemGetInfo` answers only inside a
+    /// context, so the one this backend holds cannot be measured by itself: the free memory is
+    /// read before and after a second, short-lived context is made on the device (an equal
+    /// cost: the same device, driver and limits). Measured once per device per process; the
+    /// driver's other users come and go meanwhile, so this is close, not exact.
+    pub fn context_bytes(&self) -> Result<u64> {
+        let cache = || {
+            CONTEXT_BYTES
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
+        if let Some(&(_, b)) = cache().iter().find(|(o, _)| *o == self.ordinal) {
+            return Ok(b);
+        }
+        use cudarc::driver::sys;
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv("binding the context to measure it"))?;
+        let (before, _) = self.mem_info()?;
+        let mut other: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `other` is valid for a write and the device is this backend's; the new
+        // context becomes current on this thread until it is destroyed below.
+        unsafe { sys::cuCtxCreate_v2(&mut other, 0, self.ctx.cu_device()) }
+            .result()
+            .map_err(drv("creating a second context to measure one"))?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: a context is current (the new one); both pointers are valid for writes.
+        let read = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }.result();
+        // SAFETY: `other` was created above and is used no more; destroying the current
+        // context also pops it from this thread.
+        let destroyed = unsafe { sys::cuCtxDestroy_v2(other) }.result();
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv("binding the context again after measuring"))?;
+        read.map_err(drv("reading free memory beside a second context"))?;
+        destroyed.map_err(drv("destroying the second context"))?;
+        let bytes = (before.saturating_sub(free)) as u64;
+        cache().push((self.ordinal, bytes));
+        Ok(bytes)
     }
 
     fn module(&self, name: &'static str) -> Result<Arc<CudaModule>> {
@@ -311,10 +432,16 @@ impl CudaBackend {
                     }
                 }
                 // no libnvrtc: say so plainly (with what else was tried)
-                Err(KernelError::CudaUnavailable { reason }) => {
-                    tried.push(reason);
-                    return Err(KernelError::CudaUnavailable {
-                        reason: format!("{during}: {}", tried.join("; ")),
+                Err(KernelError::LibraryNotFound {
+                    library,
+                    fix,
+                    detail,
+                }) => {
+                    tried.push(format!("nvrtc {arch}: {library} not found"));
+                    return Err(KernelError::LibraryNotFound {
+                        library,
+                        fix,
+                        detail: format!("{detail}; needed for {during} ({})", tried.join("; ")),
                     });
                 }
                 Err(e) => tried.push(e.to_string()),

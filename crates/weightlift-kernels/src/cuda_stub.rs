@@ -71,6 +71,31 @@ impl CudaBackend {
     pub fn unavailable_reason() -> Option<String> {
         Some(not_compiled("cuda").to_string())
     }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn context_bytes(&self) -> Result<u64> {
+        match self._never {}
+    }
+}
+
+/// What this build offers for CUDA: nothing, and it says why.
+pub fn report() -> crate::cuda_libs::CudaReport {
+    let why = not_compiled("cuda").to_string();
+    crate::cuda_libs::CudaReport {
+        driver: Err(why.clone()),
+        nvrtc: Err(why),
+        devices: Vec::new(),
+    }
 }
 
 impl Backend for CudaBackend {

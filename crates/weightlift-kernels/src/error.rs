@@ -8,13 +8,22 @@ use crate::types::QuantType;
 /// cause, so the engine and the Python layer can pass them on unchanged.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
-    /// No usable CUDA driver library (libcuda) on this machine.
-    #[error(
-        "cuda is unavailable: {reason}; is the NVIDIA driver installed and libcuda on the loader path?"
-    )]
+    /// CUDA cannot be used on this machine: no device, a driver call that failed at start.
+    #[error("cuda is unavailable: {reason}")]
     CudaUnavailable {
-        /// What was checked and failed.
+        /// What was checked and failed, and what to do about it.
         reason: String,
+    },
+    /// A CUDA library this machine lacks, or has only in a form that does not load: libcuda
+    /// (from the NVIDIA driver), libnvrtc (from a CUDA toolkit or pip).
+    #[error("{library} not found: {fix}{detail}")]
+    LibraryNotFound {
+        /// `libcuda.so.1`, `libnvrtc`, ...
+        library: String,
+        /// What to install.
+        fix: String,
+        /// Where it was looked for, and why files found there would not load (may be empty).
+        detail: String,
     },
     /// The crate was built without the `cuda` cargo feature.
     #[error(

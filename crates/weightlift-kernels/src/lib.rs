@@ -15,9 +15,13 @@
 //! run on the host; none of the kernels, nor the CUDA copies and copy stream, has run on a GPU
 //! yet.
 //!
+//! - [`cuda_libs`]: where libnvrtc (and later cuBLAS) is found at run time: the loader's path, a
+//!   CUDA toolkit's folders, or pip's `nvidia/*/lib` in a site folder.
+//!
 //! Tests: `cargo test -p weightlift-kernels` runs everything that needs no GPU; with
-//! `--features cuda` (or `nvrtc-check`) and libnvrtc on `LD_LIBRARY_PATH` it also compiles
-//! every kernel (the tests fail, saying why, when libnvrtc cannot be loaded).
+//! `--features cuda` (or `nvrtc-check`) it also compiles every kernel, with libnvrtc from the
+//! repository's `.venv` (`make venv`), a CUDA toolkit or `LD_LIBRARY_PATH` (the tests fail,
+//! saying why, when libnvrtc cannot be loaded).
 
 pub mod backend;
 pub mod cpu;
@@ -27,6 +31,7 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_stub.rs"]
 pub mod cuda;
+pub mod cuda_libs;
 pub mod error;
 pub mod types;
 

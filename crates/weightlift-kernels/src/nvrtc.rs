@@ -3,13 +3,19 @@
 //! Used at run time by the CUDA backend when the build had no nvcc, and by the test that
 //! compiles every source for compute_80/compute_90 (PTX) and sm_80/sm_90 (CUBIN) and fails on
 //! any error or warning.
-// NVRTC is a C API reached through cudarc's raw bindings; each call says what keeps it sound.
+//!
+//! libnvrtc is found by [`crate::cuda_libs`] (the loader's path, a CUDA toolkit, or pip's
+//! `nvidia/*/lib` folders) and opened by its path; its functions are called through the table
+//! below. cudarc's own NVRTC loader only tries names (`libnvrtc.so.12` and older), which would
+//! miss NVRTC 13 and every library outside the loader's path.
+// NVRTC is a C API reached through function pointers; each call says what keeps it sound.
 #![allow(unsafe_code)]
 
-use std::ffi::{CString, c_char};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::path::PathBuf;
+use std::sync::OnceLock;
 
-use cudarc::nvrtc::{result, sys};
-
+use crate::cuda_libs::{self, Located};
 use crate::error::{KernelError, Result};
 
 /// What NVRTC produced for one source and architecture.
@@ -23,49 +29,166 @@ pub struct Compiled {
     pub log: String,
 }
 
-/// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
+type Program = *mut c_void;
+/// `nvrtcResult`, a C enum: 0 is `NVRTC_SUCCESS`.
+type Status = c_int;
+type SizeFn = unsafe extern "C" fn(Program, *mut usize) -> Status;
+type CopyFn = unsafe extern "C" fn(Program, *mut c_char) -> Status;
+
+/// The NVRTC functions we call, from one opened library. Their C signatures are the same in
+/// NVRTC 11, 12 and 13.
+struct Nvrtc {
+    located: Located,
+    version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> Status,
+    error_string: unsafe extern "C" fn(Status) -> *const c_char,
+    create: unsafe extern "C" fn(
+        *mut Program,
+        *const c_char,
+        *const c_char,
+        c_int,
+        *const *const c_char,
+        *const *const c_char,
+    ) -> Status,
+    compile: unsafe extern "C" fn(Program, c_int, *const *const c_char) -> Status,
+    log_size: SizeFn,
+    log: CopyFn,
+    ptx_size: SizeFn,
+    ptx: CopyFn,
+    cubin_size: SizeFn,
+    cubin: CopyFn,
+    destroy: unsafe extern "C" fn(*mut Program) -> Status,
+    /// Keeps the functions above mapped; declared last so it is dropped last.
+    _lib: libloading::Library,
+}
+
+impl Nvrtc {
+    /// Opens `name` (a loader name or a path) and looks up every function.
+    fn open(name: &std::ffi::OsStr) -> std::result::Result<Nvrtc, String> {
+        // SAFETY: libnvrtc's initialisers only set up the library itself.
+        let lib = unsafe { libloading::Library::new(name) }.map_err(|e| e.to_string())?;
+        /// Looks one function up; its type is the NVRTC header's declaration of `symbol`.
+        macro_rules! sym {
+            ($symbol:literal) => {
+                // SAFETY: the field this initialises has the C signature of `$symbol` in
+                // nvrtc.h, and the pointer does not outlive `lib`, which the table owns.
+                *unsafe { lib.get($symbol) }.map_err(|e| format!("{}: {e}", $symbol))?
+            };
+        }
+        Ok(Nvrtc {
+            located: Located::Loader(String::new()),
+            version: sym!("nvrtcVersion"),
+            error_string: sym!("nvrtcGetErrorString"),
+            create: sym!("nvrtcCreateProgram"),
+            compile: sym!("nvrtcCompileProgram"),
+            log_size: sym!("nvrtcGetProgramLogSize"),
+            log: sym!("nvrtcGetProgramLog"),
+            ptx_size: sym!("nvrtcGetPTXSize"),
+            ptx: sym!("nvrtcGetPTX"),
+            cubin_size: sym!("nvrtcGetCUBINSize"),
+            cubin: sym!("nvrtcGetCUBIN"),
+            destroy: sym!("nvrtcDestroyProgram"),
+            _lib: lib,
+        })
+    }
+
+    /// `NVRTC_ERROR_COMPILATION` for a failed status.
+    fn describe(&self, status: Status) -> String {
+        // SAFETY: nvrtcGetErrorString takes any status and returns a static string or null.
+        let p = unsafe { (self.error_string)(status) };
+        if p.is_null() {
+            return format!("nvrtc status {status}");
+        }
+        // SAFETY: non-null: a NUL-terminated static string.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
+    fn check(&self, status: Status, call: &str) -> std::result::Result<(), String> {
+        if status == 0 {
+            Ok(())
+        } else {
+            Err(format!("{call}: {}", self.describe(status)))
+        }
+    }
+
+    /// One of the program's outputs (log, PTX, CUBIN) through its size and copy functions.
+    fn output(
+        &self,
+        prog: Program,
+        size: SizeFn,
+        copy: CopyFn,
+        what: &str,
+    ) -> std::result::Result<Vec<u8>, String> {
+        let mut n = 0usize;
+        // SAFETY: `prog` is a live program; `n` is valid for a write.
+        self.check(unsafe { size(prog, &mut n) }, &format!("{what} size"))?;
+        let mut buf = vec![0u8; n];
+        // SAFETY: `buf` holds the `n` bytes NVRTC said it writes.
+        self.check(unsafe { copy(prog, buf.as_mut_ptr().cast()) }, what)?;
+        Ok(buf)
+    }
+}
+
+/// The library, once loaded. A failure is not kept: a later call searches again (the Python
+/// package registers its site folders at import, tests their venv).
+static NVRTC: OnceLock<Nvrtc> = OnceLock::new();
+
+fn nvrtc() -> Result<&'static Nvrtc> {
+    if let Some(n) = NVRTC.get() {
+        return Ok(n);
+    }
+    match cuda_libs::open_first("nvrtc", &Nvrtc::open) {
+        Ok((mut n, located)) => {
+            n.located = located;
+            Ok(NVRTC.get_or_init(|| n))
+        }
+        Err(missing) => Err(missing.into_error(
+            "install a CUDA toolkit, or NVRTC from pip: pip install weightlift[cuda] \
+             (nvidia-cuda-nvrtc-cu12)",
+        )),
+    }
+}
+
+/// Whether libnvrtc can be found and loaded.
 pub fn nvrtc_available() -> bool {
-    // SAFETY: only tries to dlopen the library by its candidate names; no NVRTC call is made.
-    unsafe { sys::is_culib_present() }
+    nvrtc().is_ok()
+}
+
+/// Where libnvrtc was loaded from: its file, or the name the system loader resolved (with the
+/// file it mapped, where the process's maps say).
+pub fn nvrtc_library() -> Result<PathBuf> {
+    let n = nvrtc()?;
+    Ok(match &n.located {
+        Located::File(p) => p.clone(),
+        Located::Loader(name) => {
+            cuda_libs::loaded_path("libnvrtc.so").unwrap_or_else(|| PathBuf::from(name))
+        }
+    })
 }
 
 /// NVRTC's version as (major, minor).
 pub fn nvrtc_version() -> Result<(i32, i32)> {
-    ensure()?;
+    let n = nvrtc()?;
     let (mut major, mut minor) = (0, 0);
-    // SAFETY: the library is present (checked above); both pointers are valid for writes.
-    let r = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
-    r.result().map_err(|e| KernelError::Nvrtc {
-        source_name: "-".into(),
-        arch: "-".into(),
-        log: format!("nvrtcVersion failed: {e:?}"),
-    })?;
+    // SAFETY: both pointers are valid for writes.
+    let r = unsafe { (n.version)(&mut major, &mut minor) };
+    n.check(r, "nvrtcVersion")
+        .map_err(|log| KernelError::Nvrtc {
+            source_name: "-".into(),
+            arch: "-".into(),
+            log,
+        })?;
     Ok((major, minor))
 }
 
-fn ensure() -> Result<()> {
-    if nvrtc_available() {
-        Ok(())
-    } else {
-        Err(KernelError::CudaUnavailable {
-            reason: "libnvrtc could not be loaded (install nvidia-cuda-nvrtc-cu12 and put its lib directory on LD_LIBRARY_PATH)".into(),
-        })
-    }
-}
-
-fn c_chars_to_string(v: &[c_char]) -> String {
-    let bytes: Vec<u8> = v
-        .iter()
-        .take_while(|c| **c != 0)
-        .map(|c| *c as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).trim().to_string()
+fn c_bytes_to_string(v: &[u8]) -> String {
+    let text = v.split(|&b| b == 0).next().unwrap_or_default();
+    String::from_utf8_lossy(text).trim().to_string()
 }
 
 /// Compiles `src` (module `name`) for `arch` (`compute_80`, `sm_90`, ...). Extra include
 /// directories come from `WEIGHTLIFT_CUDA_INCLUDE` when set (the sources need none).
 pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
-    ensure()?;
+    let n = nvrtc()?;
     let err = |log: String| KernelError::Nvrtc {
         source_name: format!("{name}.cu"),
         arch: arch.to_string(),
@@ -74,8 +197,6 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     let csrc = CString::new(src).map_err(|_| err("source contains a NUL byte".into()))?;
     let cname =
         CString::new(format!("{name}.cu")).map_err(|_| err("name contains a NUL byte".into()))?;
-    let prog = result::create_program(&csrc, Some(&cname))
-        .map_err(|e| err(format!("nvrtcCreateProgram: {e:?}")))?;
     let mut opts = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
@@ -84,42 +205,57 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     if let Ok(inc) = std::env::var("WEIGHTLIFT_CUDA_INCLUDE") {
         opts.push(format!("--include-path={inc}"));
     }
-    // SAFETY: prog was created above and is destroyed once, at the end of this function.
-    let compiled = unsafe { result::compile_program(prog, &opts) };
-    // SAFETY: as above.
-    let log = unsafe { result::get_program_log(prog) }
-        .map(|l| c_chars_to_string(&l))
+    let copts = opts
+        .iter()
+        .map(|o| CString::new(o.as_str()))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| err("an option contains a NUL byte".into()))?;
+    let ptrs: Vec<*const c_char> = copts.iter().map(|o| o.as_ptr()).collect();
+    let count = c_int::try_from(ptrs.len()).map_err(|_| err("too many options".into()))?;
+    let mut prog: Program = std::ptr::null_mut();
+    // SAFETY: `prog` is valid for a write; the source and name are NUL-terminated and outlive
+    // the call; no headers are passed (count 0, null arrays).
+    let created = unsafe {
+        (n.create)(
+            &mut prog,
+            csrc.as_ptr(),
+            cname.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    n.check(created, "nvrtcCreateProgram").map_err(err)?;
+    // SAFETY: `prog` was created above and is destroyed once, at the end; `ptrs` holds `count`
+    // NUL-terminated options that outlive the call.
+    let compiled = unsafe { (n.compile)(prog, count, ptrs.as_ptr()) };
+    let log = n
+        .output(prog, n.log_size, n.log, "nvrtcGetProgramLog")
+        .map(|l| c_bytes_to_string(&l))
         .unwrap_or_default();
-    let out = compiled
-        .map_err(|e| err(format!("{e:?}: {log}")))
+    let out = n
+        .check(compiled, "nvrtcCompileProgram")
+        .map_err(|e| err(format!("{e}: {log}")))
         .and_then(|()| {
-            // SAFETY: as above; the program compiled.
-            let ptx =
-                unsafe { result::get_ptx(prog) }.map_err(|e| err(format!("nvrtcGetPTX: {e:?}")))?;
-            let ptx = c_chars_to_string(&ptx);
+            let ptx = n
+                .output(prog, n.ptx_size, n.ptx, "nvrtcGetPTX")
+                .map_err(err)?;
             let cubin = if arch.starts_with("sm_") {
-                let mut size = 0usize;
-                // SAFETY: valid program and out-pointer.
-                unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
-                    .result()
-                    .map_err(|e| err(format!("nvrtcGetCUBINSize: {e:?}")))?;
-                let mut buf = vec![0u8; size];
-                // SAFETY: buf has the size NVRTC reported.
-                unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) }
-                    .result()
-                    .map_err(|e| err(format!("nvrtcGetCUBIN: {e:?}")))?;
-                Some(buf)
+                Some(
+                    n.output(prog, n.cubin_size, n.cubin, "nvrtcGetCUBIN")
+                        .map_err(err)?,
+                )
             } else {
                 None
             };
             Ok(Compiled {
-                ptx,
+                ptx: c_bytes_to_string(&ptx),
                 cubin,
                 log: log.clone(),
             })
         });
-    // SAFETY: prog is valid and not used after this.
-    let _ = unsafe { result::destroy_program(prog) };
+    // SAFETY: `prog` is live and not used after this.
+    let _ = unsafe { (n.destroy)(&mut prog) };
     out
 }
 
@@ -142,10 +278,10 @@ mod tests {
 
     #[test]
     fn a_warning_fails_the_strict_compile() {
-        assert!(
-            nvrtc_available(),
-            "libnvrtc could not be loaded: put the pip nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH (make test does)"
-        );
+        crate::cuda_libs::use_repo_venv();
+        if let Err(e) = nvrtc() {
+            panic!("{e} (make venv installs it into .venv)");
+        }
         let src = "extern \"C\" __global__ void k(float* y) { int unused; y[0] = 1.0f; }";
         let err = compile_strict("warn", src, "compute_80").unwrap_err();
         let msg = err.to_string();

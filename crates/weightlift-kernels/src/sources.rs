@@ -8,6 +8,13 @@ pub fn source(name: &str) -> Option<&'static str> {
     SOURCES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
 }
 
+/// Device memory our kernel modules hold once all are loaded on a GPU, which the plan charges
+/// with a measured CUDA context: each module's sm_90 CUBIN (code and constants) rounded up to
+/// 2 MiB, the granularity the driver allocates device memory in. `nvrtc_compile` checks it
+/// against the CUBINs NVRTC produces (seven modules of 35 to 240 KB each: 14 MiB, and room for
+/// one more).
+pub const MODULE_BYTES: u64 = 16 << 20;
+
 /// nvcc's PTX for module `name`, if the build had nvcc.
 pub fn prebuilt_ptx(name: &str) -> Option<&'static str> {
     PTX.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)

@@ -401,10 +401,20 @@ fn cuda_without_the_feature_or_driver_is_a_typed_error() {
             assert!(
                 matches!(
                     e,
-                    KernelError::NotCompiledWithCuda { .. } | KernelError::CudaUnavailable { .. }
+                    KernelError::NotCompiledWithCuda { .. }
+                        | KernelError::CudaUnavailable { .. }
+                        | KernelError::LibraryNotFound { .. }
                 ),
                 "unexpected error {msg}"
             );
+            // no driver at all: the library and the fix are named
+            if let KernelError::LibraryNotFound { library, .. } = &e {
+                assert_eq!(library, "libcuda.so.1");
+                assert!(
+                    msg.starts_with("libcuda.so.1 not found: install the NVIDIA driver"),
+                    "{msg}"
+                );
+            }
             eprintln!("{msg}");
         }
     }

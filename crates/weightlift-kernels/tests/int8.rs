@@ -395,10 +395,7 @@ fn bad_inputs_are_refused_by_name() {
 #[test]
 fn the_cuda_int8_kernels_compile_and_the_matmul_uses_dp4a() {
     use weightlift_kernels::{nvrtc, sources};
-    assert!(
-        nvrtc::nvrtc_available(),
-        "libnvrtc could not be loaded: put the pip nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH (make test does)"
-    );
+    common::require_nvrtc();
     let src = sources::source("int8").expect("kernels/int8.cu is embedded");
     for arch in ["compute_80", "sm_75", "sm_90"] {
         let ptx = nvrtc::compile_strict("int8", src, arch).unwrap().ptx;

@@ -3,20 +3,19 @@
 //! device's own `sm_XY` at run time), with no error and no warning; every kernel's PTX
 //! parameters equal the argument list the CUDA backend launches it with; and no block decoder
 //! loads a multi-byte field through a cast pointer (a misaligned load faults on the GPU, and
-//! the host twin cannot see it). Needs libnvrtc (pip nvidia-cuda-nvrtc-cu12 on
-//! LD_LIBRARY_PATH); without it they fail, saying so.
+//! the host twin cannot see it). Needs libnvrtc (pip nvidia-cuda-nvrtc-cu12 in the repository's
+//! `.venv`, a CUDA toolkit, or on `LD_LIBRARY_PATH`); without it they fail, saying so.
 
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
+
+mod common;
 
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn every_kernel_compiles_without_warnings_for_sm75_sm80_and_sm90() {
     use weightlift_kernels::{nvrtc, sources};
-    assert!(
-        nvrtc::nvrtc_available(),
-        "libnvrtc could not be loaded: put the pip nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH (make test does)"
-    );
+    common::require_nvrtc();
     let (major, minor) = nvrtc::nvrtc_version().unwrap();
     eprintln!("nvrtc {major}.{minor}");
     assert!(
@@ -194,10 +193,7 @@ fn ptx_entries(ptx: &str) -> Vec<(String, Vec<String>)> {
 #[test]
 fn every_kernel_takes_exactly_the_arguments_the_backend_launches_it_with() {
     use weightlift_kernels::{nvrtc, sources};
-    assert!(
-        nvrtc::nvrtc_available(),
-        "libnvrtc could not be loaded: put the pip nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH (make test does)"
-    );
+    common::require_nvrtc();
     let mut seen_families = std::collections::HashSet::new();
     let mut entries = std::collections::HashSet::new();
     let mut n_kernels = 0;
@@ -305,10 +301,7 @@ fn nvrtc_compile_check_needs_the_feature() {
 #[test]
 fn q8_matmul_kernels_use_dp4a_on_the_device() {
     use weightlift_kernels::{nvrtc, sources};
-    assert!(
-        nvrtc::nvrtc_available(),
-        "libnvrtc could not be loaded: put the pip nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH (make test does)"
-    );
+    common::require_nvrtc();
     let src = sources::source("matvec").expect("the matvec module");
     let ptx = nvrtc::compile_strict("matvec", src, "compute_80")
         .unwrap()
@@ -369,4 +362,25 @@ fn float_matvec_kernels_load_128_bits_at_a_time() {
         }
     }
     assert_eq!(entries, 12, "float matvec/matmul kernels in the matvec PTX");
+}
+
+/// The plan charges [`sources::MODULE_BYTES`] for our kernel modules beside a measured CUDA
+/// context: it must cover every module's sm_90 CUBIN (code and constants), each rounded up to
+/// the 2 MiB granularity the driver allocates device memory in.
+#[cfg(feature = "nvrtc-check")]
+#[test]
+fn the_module_allowance_covers_every_cubin() {
+    use weightlift_kernels::{nvrtc, sources};
+    common::require_nvrtc();
+    let granule = 2u64 << 20;
+    let mut needed = 0u64;
+    for (name, src) in sources::SOURCES {
+        let cubin = nvrtc::compile(name, src, "sm_90").unwrap().cubin.unwrap();
+        eprintln!("{name}: {} bytes of sm_90 cubin", cubin.len());
+        needed += (cubin.len() as u64).div_ceil(granule) * granule;
+    }
+    assert!(
+        needed <= sources::MODULE_BYTES,
+        "the modules need {needed} bytes; raise sources::MODULE_BYTES"
+    );
 }

@@ -9,16 +9,22 @@
 //! | `cpu:64GiB` | host RAM capped at 64 GiB |
 //! | `cuda:N` | GPU N; capacity from the probe (free memory), an error without one |
 //! | `cuda:N:24GiB` | GPU N with a given capacity |
+//! | `cuda:N:24GiB:sm_89` | the same, of compute capability 8.9 (planning without the GPU) |
 //! | `virtual:24GiB` | a simulated accelerator of 24 GiB |
 //! | `virtual:2x24GiB` | two of them |
 //! | `disk` | weights left in the file; unbounded |
 //!
 //! Virtual devices are numbered in order of appearance: `virtual:24GiB,virtual:12GiB` gives
 //! `virtual:0` and `virtual:1`. Sizes are parsed by [`parse_size`].
+//!
+//! Every `cuda:N` device carries its fixed overhead ([`CudaOverhead`]): what the probe measured
+//! on the GPU, or, without one, the defaults for the capability the spec names (the largest
+//! defaults when it names none).
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{PlanError, Result};
+use crate::overhead::{Capability, CudaOverhead, Overhead, parse_sm};
 use crate::size::parse_size;
 
 /// What kind of memory a device has.
@@ -58,18 +64,34 @@ pub struct DeviceSpec {
     pub capacity: u64,
     /// Bytes kept free (exllamav2's `reserve_vram`, llama.cpp's fit margin).
     pub reserve: u64,
-    /// Fixed cost of using the device at all (a CUDA context, for example); 0 unless given.
-    pub overhead: u64,
+    /// Fixed cost of using the device at all, in named parts: for `cuda:N` its context and
+    /// modules, cuBLAS workspace and graph memory ([`CudaOverhead`]); none for the other kinds
+    /// unless given.
+    #[serde(default)]
+    pub overhead: Overhead,
 }
 
 impl DeviceSpec {
+    /// A device of `kind`; a `cuda` one carries the default overhead of a GPU of unknown
+    /// capability ([`DeviceSpec::cuda`] names its own).
     pub fn new(name: impl Into<String>, kind: DeviceKind, capacity: u64) -> Self {
         DeviceSpec {
             name: name.into(),
             kind,
             capacity,
             reserve: 0,
-            overhead: 0,
+            overhead: match kind {
+                DeviceKind::Cuda => CudaOverhead::default_for(None).into(),
+                _ => Overhead::default(),
+            },
+        }
+    }
+
+    /// A CUDA device with its overhead, measured or defaulted.
+    pub fn cuda(name: impl Into<String>, capacity: u64, overhead: CudaOverhead) -> Self {
+        DeviceSpec {
+            overhead: overhead.into(),
+            ..DeviceSpec::new(name, DeviceKind::Cuda, capacity)
         }
     }
 }
@@ -85,17 +107,51 @@ pub trait MemoryProbe {
     fn cuda_count(&self) -> u32 {
         (0..64).take_while(|&i| self.cuda(i).is_some()).count() as u32
     }
+    /// The fixed overhead of CUDA device `ordinal` as the probe found it, if it can tell. A
+    /// probe that answers here reads `cuda()`'s free memory from inside its own context, which
+    /// already holds [`CudaOverhead::held`] bytes: the planner adds them back to the free
+    /// memory, so the capacity is what was free before this process used the device, and
+    /// charges them with the rest of the overhead (as nvidia-smi counts them). The default
+    /// knows nothing: the planner then uses the defaults for the capability the spec names.
+    fn cuda_overhead(&self, _ordinal: u32) -> Option<CudaOverhead> {
+        None
+    }
+}
+
+/// One CUDA device: its overhead from `probe`, else the defaults for `capability`; its
+/// capacity as given, else the probe's free memory plus the context the probe holds.
+fn cuda_spec(
+    ordinal: u32,
+    capacity: Option<u64>,
+    capability: Option<Capability>,
+    probe: &dyn MemoryProbe,
+) -> Result<DeviceSpec> {
+    let name = format!("cuda:{ordinal}");
+    let measured = probe.cuda_overhead(ordinal);
+    let overhead = measured.unwrap_or_else(|| CudaOverhead::default_for(capability));
+    let capacity = match capacity {
+        Some(c) => c,
+        None => {
+            let Some((free, _)) = probe.cuda(ordinal) else {
+                return Err(PlanError::DeviceSpec {
+                    spec: name.clone(),
+                    reason: format!(
+                        "capacity of {name} is unknown (no GPU probe); give it as {name}:24GiB"
+                    ),
+                });
+            };
+            free.saturating_add(measured.map_or(0, |o| o.held))
+        }
+    };
+    Ok(DeviceSpec::cuda(name, capacity, overhead))
 }
 
 /// The real machine as `probe` sees it (Python's `weightlift.devices()`): every CUDA device at
-/// its free memory, then `cpu` at MemAvailable (unbounded when unknown).
+/// what was free before this process used it (with its overhead), then `cpu` at MemAvailable
+/// (unbounded when unknown).
 pub fn inventory(probe: &dyn MemoryProbe) -> Vec<DeviceSpec> {
     let mut out: Vec<DeviceSpec> = (0..probe.cuda_count())
-        .filter_map(|i| {
-            probe
-                .cuda(i)
-                .map(|(free, _)| DeviceSpec::new(format!("cuda:{i}"), DeviceKind::Cuda, free))
-        })
+        .filter_map(|i| cuda_spec(i, None, None, probe).ok())
         .collect();
     out.push(DeviceSpec::new(
         "cpu",
@@ -136,6 +192,9 @@ pub struct DeviceItem {
     /// copies to and from it take what they would over that link (PCIe 4.0 x16 is about
     /// 25 GB/s); `None` copies at memory speed.
     pub bandwidth: Option<u64>,
+    /// A CUDA device's compute capability as the spec names it (`cuda:0:24GiB:sm_89`), for
+    /// the overhead defaults when planning without the GPU; a real GPU's own wins.
+    pub capability: Option<Capability>,
 }
 
 /// A link rate such as `16GB/s` or `12.5GiB/s`: a size per second, more than zero.
@@ -188,6 +247,7 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
                 ordinal,
                 capacity,
                 bandwidth: None,
+                capability: None,
             };
         match head {
             "cpu" => {
@@ -202,12 +262,13 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
             }
             "cuda" | "gpu" => {
                 let Some(rest) = rest else {
-                    return Err(err(item, "expected cuda:N or cuda:N:SIZE".into()));
+                    return Err(err(
+                        item,
+                        "expected cuda:N, cuda:N:SIZE or cuda:N:SIZE:sm_XY".into(),
+                    ));
                 };
-                let (ord, cap) = match rest.split_once(':') {
-                    Some((o, s)) => (o, Some(s)),
-                    None => (rest, None),
-                };
+                let mut parts = rest.split(':');
+                let ord = parts.next().unwrap_or_default();
                 // as typed: the item lowercased keeps every byte offset
                 let start = head.len() + 1;
                 let typed = &item[start..start + ord.len()];
@@ -221,13 +282,30 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
                         ),
                     )
                 })?;
-                let capacity = cap.map(|s| size(item, s)).transpose()?;
-                out.push(one(
+                let (mut capacity, mut capability) = (None, None);
+                for part in parts {
+                    if part.starts_with("sm_") && capability.is_none() {
+                        capability = Some(parse_sm(part).map_err(|e| err(item, e.to_string()))?);
+                    } else if capacity.is_none() && capability.is_none() {
+                        capacity = Some(size(item, part)?);
+                    } else {
+                        return Err(err(
+                            item,
+                            format!(
+                                "unexpected '{part}'; expected cuda:N, cuda:N:SIZE or \
+                                 cuda:N:SIZE:sm_XY"
+                            ),
+                        ));
+                    }
+                }
+                let mut d = one(
                     format!("cuda:{ordinal}"),
                     DeviceKind::Cuda,
                     ordinal,
                     capacity,
-                ));
+                );
+                d.capability = capability;
+                out.push(d);
             }
             "virtual" => {
                 let Some(rest) = rest else {
@@ -290,21 +368,14 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
 pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<DeviceSpec>> {
     let mut out = Vec::new();
     for d in parse_device_items(spec)? {
+        if d.kind == DeviceKind::Cuda {
+            out.push(cuda_spec(d.ordinal, d.capacity, d.capability, probe)?);
+            continue;
+        }
         let capacity = match (d.kind, d.capacity) {
             (_, Some(c)) => c,
             (DeviceKind::Cpu, None) => probe.cpu_available().unwrap_or(u64::MAX),
-            (DeviceKind::Cuda, None) => {
-                probe.cuda(d.ordinal).map(|(free, _)| free).ok_or_else(|| {
-                    PlanError::DeviceSpec {
-                        spec: d.name.clone(),
-                        reason: format!(
-                            "capacity of {0} is unknown (no GPU probe); give it as {0}:24GiB",
-                            d.name
-                        ),
-                    }
-                })?
-            }
-            (DeviceKind::Disk | DeviceKind::Virtual, None) => u64::MAX,
+            (_, None) => u64::MAX,
         };
         out.push(DeviceSpec::new(d.name, d.kind, capacity));
     }
@@ -413,6 +484,80 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("capacity of cuda:5 is unknown"), "{e}");
+    }
+
+    /// A probe that measured cuda:0's context at 300 MiB (16 MiB of modules to come) and reads
+    /// free memory inside it.
+    struct MeasuringProbe;
+    impl MemoryProbe for MeasuringProbe {
+        fn cpu_available(&self) -> Option<u64> {
+            None
+        }
+        fn cuda(&self, ordinal: u32) -> Option<(u64, u64)> {
+            (ordinal == 0).then_some((20 << 30, 24 << 30))
+        }
+        fn cuda_overhead(&self, ordinal: u32) -> Option<CudaOverhead> {
+            (ordinal == 0).then(|| CudaOverhead::measured((8, 9), 300 << 20, 16 << 20))
+        }
+    }
+
+    #[test]
+    fn cuda_devices_carry_their_overhead() {
+        use crate::overhead::{CONTEXT, CUBLAS, GRAPHS};
+        // Without a probe: the defaults for the capability the spec names, else the largest.
+        let d = parse_devices("cuda:0:24GiB:sm_90,cuda:1:8GiB,virtual:1GiB,cpu").unwrap();
+        assert_eq!(d[0].capacity, 24 << 30);
+        assert_eq!(
+            d[0].overhead,
+            CudaOverhead::default_for(Some((9, 0))).into()
+        );
+        let names: Vec<_> = d[0]
+            .overhead
+            .parts()
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect();
+        assert_eq!(names, [CONTEXT, CUBLAS, GRAPHS]);
+        assert_eq!(d[1].overhead, CudaOverhead::default_for(None).into());
+        assert!(d[2].overhead.parts().is_empty() && d[3].overhead.parts().is_empty());
+        assert_eq!(
+            parse_device_items("cuda:2:sm_120").unwrap()[0].capability,
+            Some((12, 0))
+        );
+        for (bad, says) in [
+            ("cuda:0:sm_9", "sm_XY"),
+            ("cuda:0:sm_90:8GiB", "unexpected '8gib'"),
+            ("cuda:0:8GiB:4GiB", "unexpected '4gib'"),
+        ] {
+            let e = parse_devices(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // A probe that measured the context: its overhead wins over the spec's capability, and
+        // the context it holds while reading free memory is added back to the capacity.
+        let d = parse_devices_with("cuda:0:sm_90,cuda:0:sm_90", &MeasuringProbe);
+        assert!(d.is_err(), "listed twice");
+        let d = parse_devices_with("cuda:0:sm_90", &MeasuringProbe).unwrap();
+        assert_eq!(d[0].capacity, (20 << 30) + (300 << 20));
+        assert_eq!(
+            d[0].overhead,
+            CudaOverhead::measured((8, 9), 300 << 20, 16 << 20).into()
+        );
+        let given = parse_devices_with("cuda:0:16GiB", &MeasuringProbe).unwrap();
+        assert_eq!(
+            given[0].capacity,
+            16 << 30,
+            "a given capacity stays as given"
+        );
+        // A probe that cannot measure: free memory as read, the defaults charged.
+        let d = parse_devices_with("cuda:1", &FakeProbe).unwrap();
+        assert_eq!(d[0].capacity, 20 << 30);
+        assert_eq!(
+            d[0].overhead.total(),
+            CudaOverhead::default_for(None).total()
+        );
+        let inv = inventory(&MeasuringProbe);
+        assert_eq!(inv[0].capacity, (20 << 30) + (300 << 20));
+        assert_eq!(inv[0].overhead.total(), (316 + 4 + 8) << 20);
     }
 
     #[test]

@@ -54,6 +54,11 @@
 //!   minimum with the user's values (exllamav2 overwrites them), so it never adds scratch. In
 //!   the workspace it caps the tokens per chunk at `1024 × batch`, and with them every
 //!   per-token region, and each head's attention tile at 1024² weights.
+//! - **fixed overhead** ([`overhead`]): every `cuda:N` that holds anything is charged its CUDA
+//!   context and kernel modules (measured on the GPU, or a default for its compute
+//!   capability), the cuBLAS workspace and graph memory, part by part. exllamav2 and accelerate
+//!   count none of these (exllamav2's `reserve_vram` stands in for them); `overhead=` replaces
+//!   them with one figure.
 //! - **disk**: a layer left on disk is streamed and computed by the host (the engine runs it on
 //!   the cpu), so its KV cache and compute scratch are charged to the cpu, never to `disk`;
 //!   once a fill reaches the cpu with disk allowed, the cpu keeps room for the KV and compute
@@ -95,6 +100,7 @@ mod error;
 mod memory;
 pub mod onload;
 mod options;
+pub mod overhead;
 mod place;
 mod plan;
 pub mod quantize;
@@ -114,6 +120,7 @@ pub use error::{OutOfMemory, PlanError, Result, Shortfall};
 pub use memory::{CacheDType, CacheSpec, OFFLOAD_SLOTS, RuntimeSpec};
 pub use onload::{OnloadPlan, WeightOffload};
 pub use options::{DeviceMapArg, ExpectCache, ModelSource, PerDevice, PlanOptions};
+pub use overhead::{Capability, CudaOverhead, Overhead, OverheadPart};
 pub use place::balanced_max_memory;
 pub use plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit};
 pub use quantize::Quantize;

@@ -30,6 +30,7 @@ use weightlift_format::{DType, Role, TensorInfo};
 use crate::device::DeviceKind;
 use crate::error::{OutOfMemory, PlanError, Result, Shortfall};
 use crate::memory::{CacheSpec, RuntimeSpec, ScratchModel};
+use crate::overhead::Overhead;
 use crate::plan::Plan;
 use crate::request::{PlanRequest, Strategy};
 use crate::tp::TpSplit;
@@ -90,7 +91,7 @@ pub(crate) struct Dev {
     pub kind: DeviceKind,
     pub limit: u64,
     pub reserve: u64,
-    pub overhead: u64,
+    pub overhead: Overhead,
     pub implicit: bool,
     /// Bytes the fill strategies leave free for what offloaded execution adds afterwards
     /// (see [`Ctx::run`]).
@@ -100,12 +101,22 @@ pub(crate) struct Dev {
 impl Dev {
     /// Bytes left for weights, kv and scratch.
     fn room(&self) -> u64 {
+        match self.free_memory() {
+            u64::MAX => u64::MAX,
+            free => free.saturating_sub(self.overhead.total()),
+        }
+    }
+
+    /// The device's free memory as llama.cpp weighs its default `tensor_split` by it: the
+    /// capacity less reserve (and what offloaded execution holds back), not our fixed
+    /// overhead. llama.cpp reads free memory with its own context already made, and a
+    /// context costs about the same on every GPU of a split, so the proportions are the same.
+    fn free_memory(&self) -> u64 {
         if self.limit == u64::MAX {
             return u64::MAX;
         }
         self.limit
             .saturating_sub(self.reserve)
-            .saturating_sub(self.overhead)
             .saturating_sub(self.held_back)
     }
 }

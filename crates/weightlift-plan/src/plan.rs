@@ -6,6 +6,7 @@ use weightlift_format::DType;
 use crate::device::DeviceKind;
 use crate::error::{PlanError, Result};
 use crate::memory::{CacheSpec, RuntimeSpec};
+use crate::overhead::OverheadPart;
 use crate::size::{fmt_bytes, gib, mib};
 use crate::tp::{TpKind, TpSplit};
 
@@ -59,8 +60,14 @@ pub struct DeviceUsage {
     /// Compute scratch; on the cpu, plus the host staging buffers for uploads
     /// ([`HostUsage::staging`]) whenever the inventory has an accelerator.
     pub scratch: u64,
-    /// The device's fixed overhead, charged when it allocates anything.
+    /// The device's fixed overhead, charged when it allocates anything: the sum of
+    /// `overhead_parts`.
     pub overhead: u64,
+    /// What the overhead is, part by part (for `cuda:N`: its context and modules, cuBLAS
+    /// workspace and graph memory, each with where the figure comes from); empty when none is
+    /// charged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overhead_parts: Vec<OverheadPart>,
     pub reserve: u64,
     /// `capacity - weights - kv - scratch - overhead - reserve`.
     pub free: u64,
@@ -235,8 +242,8 @@ impl Plan {
         serde_json::from_str(text).map_err(|e| PlanError::Json(e.to_string()))
     }
 
-    /// A readable table: one row per device with layer ranges and GiB columns, then host RAM
-    /// and warnings.
+    /// A readable table: one row per device with layer ranges and GiB columns, then each
+    /// device's overhead part by part, host RAM and warnings.
     pub fn explain(&self) -> String {
         let mut s = String::new();
         let ctx = match &self.cache {
@@ -310,6 +317,13 @@ impl Plan {
         }
         if self.devices.iter().any(|d| d.implicit) {
             s.push_str("* not in the device list: added for the input layer, host RAM unchecked\n");
+        }
+        for d in self.devices.iter().filter(|d| !d.overhead_parts.is_empty()) {
+            s.push_str(&format!(
+                "overhead of {}: {}\n",
+                d.name,
+                crate::overhead::describe(&d.overhead_parts)
+            ));
         }
         if let Some(tp) = &self.tp {
             let fmt = |t: &[(usize, u64, u64)]| {

@@ -178,9 +178,11 @@ fn check_budgets(req: &PlanRequest, p: &Plan) -> Result<(), TestCaseError> {
             .overhead
             .get(&d.name)
             .copied()
-            .or(spec.map(|x| x.overhead))
+            .or(spec.map(|x| x.overhead.total()))
             .unwrap_or(0);
         prop_assert_eq!(d.overhead, if active { overhead } else { 0 }, "{}", d.name);
+        let parts: u64 = d.overhead_parts.iter().map(|p| p.bytes).sum();
+        prop_assert_eq!(parts, d.overhead, "{}", d.name);
         prop_assert_eq!(
             d.used(),
             d.weights + d.kv + d.scratch + d.overhead + d.reserve

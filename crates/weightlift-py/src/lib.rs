@@ -19,10 +19,22 @@ mod tp;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // pip's NVRTC (and later cuBLAS) sit in nvidia/*/lib under a site folder the loader does
+    // not search: hand the kernels' library search this Python's folders. Nothing is opened
+    // here; the search runs at the first kernel compile.
+    let path = m.py().import("sys")?.getattr("path")?;
+    weightlift_kernels::cuda_libs::add_site_dirs(
+        path.try_iter()?
+            .flatten()
+            .filter_map(|p| p.extract::<String>().ok())
+            .filter(|p| !p.is_empty())
+            .map(std::path::PathBuf::from),
+    );
     format::register(m)?;
     plan::register(m)?;
     m.add_function(wrap_pyfunction!(devices::tensor, m)?)?;
     m.add_function(wrap_pyfunction!(devices::use_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(devices::cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(loaders::from_pretrained, m)?)?;
     m.add_function(wrap_pyfunction!(loaders::load_gguf, m)?)?;
     m.add_class::<devices::DeviceTensor>()?;

@@ -110,6 +110,7 @@ impl Inventory {
                     .strip_prefix("cuda:")
                     .and_then(|o| o.parse().ok())
                     .ok_or_else(|| invalid("probed device", "cuda:N", &spec.name))?;
+                // the capacity the probe planned with: free memory plus the context held
                 accelerators.push(Device::cuda(ordinal, Some(spec.capacity))?);
             }
         }
@@ -151,6 +152,13 @@ impl weightlift_plan::MemoryProbe for HostProbe {
     #[cfg(not(feature = "cuda"))]
     fn cuda(&self, _ordinal: u32) -> Option<(u64, u64)> {
         None
+    }
+
+    /// The overhead measured on the device ([`super::cuda_overhead`]); `cuda()` reads the free
+    /// memory inside the same kind of context, which is why the planner adds it back.
+    fn cuda_overhead(&self, ordinal: u32) -> Option<weightlift_plan::CudaOverhead> {
+        let backend = CudaBackend::new(usize::try_from(ordinal).ok()?).ok()?;
+        Some(super::cuda_overhead(&backend))
     }
 
     fn cuda_count(&self) -> u32 {

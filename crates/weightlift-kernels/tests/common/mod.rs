@@ -6,6 +6,19 @@ use std::path::PathBuf;
 
 use weightlift_kernels::QuantType;
 
+/// Finds libnvrtc as the package does, also searching the repository's `.venv` (where `make
+/// venv` installs pip's NVRTC), so these tests need no `LD_LIBRARY_PATH`; fails saying why when
+/// there is none.
+#[cfg(feature = "nvrtc-check")]
+pub fn require_nvrtc() {
+    use weightlift_kernels::cuda_libs;
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv");
+    cuda_libs::add_site_dirs(cuda_libs::site_packages_of(&venv));
+    if let Err(e) = weightlift_kernels::nvrtc::nvrtc_library() {
+        panic!("{e} (make venv installs pip's NVRTC into .venv)");
+    }
+}
+
 /// xorshift64*: deterministic, no dependency.
 pub struct Rng(pub u64);
 

@@ -172,7 +172,11 @@ impl Ctx<'_> {
             // A device that allocates anything (weights, kv, compute scratch or, on the host,
             // staging buffers) is checked against its budget and pays its fixed overhead.
             let active = weights[i] > 0 || kv[i] > 0 || scratch > 0;
-            let overhead = if active { dev.overhead } else { 0 };
+            let (overhead, overhead_parts) = if active {
+                (dev.overhead.total(), dev.overhead.parts().to_vec())
+            } else {
+                (0, Vec::new())
+            };
             let mut holds = self.held_parts(a, i, &layer_sets[i]);
             if a.tied_copy.iter().any(|x| x.0 == i) {
                 holds.push("output (tied copy)".to_string());
@@ -215,6 +219,7 @@ impl Ctx<'_> {
                 kv: kv[i],
                 scratch,
                 overhead,
+                overhead_parts,
                 reserve: dev.reserve,
                 free: 0,
                 layers: to_ranges(layer_sets[i].iter().copied()),
@@ -231,11 +236,21 @@ impl Ctx<'_> {
                 ..usage
             };
             if active && dev.limit != u64::MAX && used > dev.limit {
+                let mut what = self.what(&usage, if i == self.host { staging } else { 0 });
+                let without = used.saturating_sub(usage.overhead);
+                if usage.overhead > 0 && without <= dev.limit {
+                    what.push_str(&format!(
+                        "; the fixed overhead is what does not fit: the rest takes {} of {}, and \
+                         the device holds the overhead whatever is placed on it",
+                        fmt_bytes(without),
+                        fmt_bytes(dev.limit)
+                    ));
+                }
                 shortfalls.push(Shortfall {
                     device: dev.name.clone(),
                     needed: used,
                     available: dev.limit,
-                    what: self.what(&usage, if i == self.host { staging } else { 0 }),
+                    what,
                 });
             }
             devices.push(usage);
@@ -439,7 +454,11 @@ impl Ctx<'_> {
             ));
         }
         if u.overhead > 0 {
-            parts.push(format!("{} overhead", fmt_bytes(u.overhead)));
+            parts.push(format!(
+                "{} fixed overhead ({})",
+                fmt_bytes(u.overhead),
+                crate::overhead::describe(&u.overhead_parts)
+            ));
         }
         if u.reserve > 0 {
             parts.push(format!("{} reserve", fmt_bytes(u.reserve)));

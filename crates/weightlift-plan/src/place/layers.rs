@@ -58,7 +58,9 @@ impl Ctx<'_> {
                         .map(|i| o.tensor_split.get(i).copied().unwrap_or(0.0))
                         .collect()
                 } else {
-                    devs.iter().map(|&d| self.devs[d].room() as f32).collect()
+                    devs.iter()
+                        .map(|&d| self.devs[d].free_memory() as f32)
+                        .collect()
                 };
             let mut sum = 0f32;
             for x in w.iter_mut() {

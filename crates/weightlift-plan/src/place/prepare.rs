@@ -11,6 +11,7 @@ use super::{Ctx, Dev, Tweak, Unit, UnitKind};
 use crate::device::DeviceKind;
 use crate::error::{PlanError, Result};
 use crate::memory::ScratchModel;
+use crate::overhead::Overhead;
 use crate::quantize::Quantize;
 use crate::request::{BudgetRule, PlanRequest, SplitMode, Strategy};
 use crate::synth::converted;
@@ -114,7 +115,11 @@ impl<'a> Ctx<'a> {
                     .copied()
                     .unwrap_or(d.reserve)
                     .saturating_sub(tweak.reserve_cut),
-                overhead: req.overhead.get(&d.name).copied().unwrap_or(d.overhead),
+                // the user's overhead= replaces the measured or default parts
+                overhead: match req.overhead.get(&d.name) {
+                    Some(&given) => Overhead::given(given),
+                    None => d.overhead.clone(),
+                },
                 implicit: false,
                 held_back: 0,
             });
@@ -149,7 +154,7 @@ impl<'a> Ctx<'a> {
                     kind: DeviceKind::Cpu,
                     limit: u64::MAX,
                     reserve: 0,
-                    overhead: 0,
+                    overhead: Overhead::default(),
                     implicit: true,
                     held_back: 0,
                 });
@@ -163,7 +168,7 @@ impl<'a> Ctx<'a> {
                 kind: DeviceKind::Disk,
                 limit: u64::MAX,
                 reserve: 0,
-                overhead: 0,
+                overhead: Overhead::default(),
                 implicit: false,
                 held_back: 0,
             });

@@ -15,6 +15,13 @@ fn bounded(v: u64) -> Option<u64> {
     (v != u64::MAX).then_some(v)
 }
 
+/// Overhead parts as Python tuples.
+fn parts(p: &[wp::OverheadPart]) -> Vec<(String, u64, String)> {
+    p.iter()
+        .map(|x| (x.name.clone(), x.bytes, x.source.clone()))
+        .collect()
+}
+
 /// One device of an inventory. `capacity` is None for an unbounded device (`disk`, or `cpu`
 /// when its memory is unknown).
 #[pyclass(module = "weightlift._native", frozen, eq)]
@@ -44,9 +51,16 @@ impl Device {
     fn reserve(&self) -> u64 {
         self.inner.reserve
     }
+    /// Bytes of fixed overhead: for `cuda:N` its context and modules, cuBLAS workspace and
+    /// graph memory (see `overhead_parts`).
     #[getter]
     fn overhead(&self) -> u64 {
-        self.inner.overhead
+        self.inner.overhead.total()
+    }
+    /// The overhead part by part: `[(name, bytes, where the figure comes from)]`.
+    #[getter]
+    fn overhead_parts(&self) -> Vec<(String, u64, String)> {
+        parts(self.inner.overhead.parts())
     }
     fn __repr__(&self) -> String {
         match bounded(self.inner.capacity) {
@@ -91,9 +105,16 @@ impl DeviceUsage {
     fn scratch(&self) -> u64 {
         self.inner.scratch
     }
+    /// Bytes of fixed overhead charged here (0 on a device that holds nothing).
     #[getter]
     fn overhead(&self) -> u64 {
         self.inner.overhead
+    }
+    /// The overhead charged here, part by part: `[(name, bytes, where the figure comes from)]`,
+    /// e.g. `("cuda context and modules", 569376768, "measured on this sm_90")`.
+    #[getter]
+    fn overhead_parts(&self) -> Vec<(String, u64, String)> {
+        parts(&self.inner.overhead_parts)
     }
     #[getter]
     fn reserve(&self) -> u64 {
