@@ -17,10 +17,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The folder the reference pack once sat in, beside the checkout (spelt once, so this file does
+# not name the path it looks for).
+BESIDE = "shared"
 PATTERNS = [
-    (re.compile(r"\.\./shared\b"), "a 'shared' folder beside the checkout"),
-    (re.compile(r"""["']shared["']\s*/\s*["']reference"""), "a 'shared/reference' folder"),
-    (re.compile(r"shared/reference"), "a 'shared/reference' folder"),
+    (re.compile(rf"\.\./{BESIDE}\b"), f"a '{BESIDE}' folder beside the checkout"),
+    (re.compile(rf"""["']{BESIDE}["']\s*/\s*["']reference"""), f"a '{BESIDE}/reference' folder"),
+    (re.compile(rf"{BESIDE}/reference"), f"a '{BESIDE}/reference' folder"),
     (re.compile(r"(REPO|ROOT|REPO_ROOT)\.parent\b"), "the folder above the repository"),
     (re.compile(r"\.\./\.\./\.\./"), "a path climbing out of a crate and the repository"),
     (re.compile(r"(?<![\w.])/work/"), "an absolute path of the development machine"),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import weightlift as wl
 from conftest import TINY_LLAMA
+from reference.materialize import N_HEAD, N_KV_HEAD, gguf_rows, hf_name
 
 # Every test here reads the reference pack: without it each fails, naming `make reference`.
 pytestmark = pytest.mark.usefixtures("reference_data")
@@ -22,38 +23,13 @@ GGUF = {
     "q6_k": TINY_LLAMA / "gguf" / "tiny-llama-Q6_K.gguf",
     "q4_k": TINY_LLAMA / "gguf" / "tiny-llama-Q4_K_M.gguf",
 }
-N_HEAD, N_KV_HEAD = 4, 2
-
-# transformers' names for llama.cpp's.
-HF_NAME = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# hf_name and gguf_rows (the converter's naming and q/k row order) come from the reference
+# builder, which rebuilds llama.cpp's files with them.
 
 
 def ids() -> list[int]:
     data = json.loads((TINY_LLAMA / "ids.json").read_text())
     return data["ids"] if isinstance(data, dict) else data
-
-
-def hf_name(gguf_name: str) -> str:
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    blk, layer, role, _ = gguf_name.split(".")
-    assert blk == "blk"
-    return f"model.layers.{layer}.{HF_NAME[role]}.weight"
-
-
-def gguf_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """The converter's q/k row order (adjacent rope pairs) for rows in transformers' order;
-    quantised rows are independent blocks, so the permutation moves whole byte rows."""
-    out = rows.shape[0]
-    return rows.reshape(n_head, 2, out // n_head // 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
 def load(quantize: str, devices: str = "cpu", staging_bytes: int | None = None) -> wl.Model:

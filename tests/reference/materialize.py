@@ -93,6 +93,7 @@ class Builder:
         self.files = manifest["files"]
         self._tensors: dict | None = None
         self._quantised: dict[str, object] = {}
+        self._checked: set[str] = set()
 
     def tensors(self) -> dict[str, tuple[str, list[int], bytes]]:
         if self._tensors is None:
@@ -101,24 +102,28 @@ class Builder:
 
     def get(self, rel: str) -> bytes:
         """The checked bytes of `rel`, built first if need be."""
+        return self.ensure(rel).read_bytes()
+
+    def ensure(self, rel: str) -> Path:
+        """The path of `rel` in the output, holding the recorded bytes (checked once a run)."""
         path = self.out / rel
+        if rel in self._checked:
+            return path
         want = self.files[rel]["sha256"]
-        if path.is_file():
-            data = path.read_bytes()
-            if sha256(data) == want:
-                return data
-        data = self.build(rel, self.files[rel])
-        got = sha256(data)
-        if got != want:
-            raise ReferenceError(
-                f"{rel}: rebuilt file has sha256 {got}, expected {want} (the original's); "
-                "the weights or the quantiser that rebuilds it changed"
-            )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        return data
+        if not (path.is_file() and sha256(path.read_bytes()) == want):
+            data = self.build(rel, self.files[rel])
+            got = sha256(data)
+            if got != want:
+                raise ReferenceError(
+                    f"{rel}: rebuilt file has sha256 {got}, expected {want} (the original's); "
+                    "the weights or the quantiser that rebuilds it changed"
+                )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        self._checked.add(rel)
+        return path
 
     def build(self, rel: str, entry: dict) -> bytes:
         how = entry["how"]
@@ -172,8 +177,9 @@ class Builder:
         return self._quantised[qtype]
 
     def gguf(self, entry: dict) -> bytes:
-        self.get("tiny-llama/safetensors/config.json")
-        self.get(SAFETENSORS)
+        # quantise-on-load opens the safetensors folder: its config and weights must be there
+        self.ensure("tiny-llama/safetensors/config.json")
+        self.ensure(SAFETENSORS)
         out = bytearray(entry["size"])
         header = lzma.decompress((HERE / entry["from"]).read_bytes())
         if len(header) != entry["header_bytes"]:
@@ -211,7 +217,7 @@ def main(out: Path) -> int:
     (out / "manifest.json").unlink(missing_ok=True)
     try:
         for rel in manifest["files"]:
-            builder.get(rel)
+            builder.ensure(rel)
     except ReferenceError as e:
         print(f"materialize.py: {e}", file=sys.stderr)
         return 1

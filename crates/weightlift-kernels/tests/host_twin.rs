@@ -381,14 +381,10 @@ mod twin {
         let mut rng = Rng(77);
         let check = |what: &str, w: &[f32], x: &[f32], got: &[f32], rows: usize, cols: usize| {
             let n_tok = x.len() / cols;
+            let (want, mag) = super::common::reference(w, rows, cols, x, n_tok);
             for t in 0..n_tok {
                 for r in 0..rows {
-                    let (mut s, mut m) = (0f64, 0f64);
-                    for c in 0..cols {
-                        let p = f64::from(w[r * cols + c]) * f64::from(x[t * cols + c]);
-                        s += p;
-                        m += p.abs();
-                    }
+                    let (s, m) = (want[t * rows + r], mag[t * rows + r]);
                     let g = f64::from(got[t * rows + r]);
                     assert!(
                         (g - s).abs() <= 1e-5 * m + 1e-30,

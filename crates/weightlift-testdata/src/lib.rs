@@ -7,6 +7,7 @@
 //! a folder of this checkout that `make` fills.
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// The repository root, as this crate was built from.
 pub fn repo_root() -> PathBuf {
@@ -24,30 +25,38 @@ fn from_env_or(var: &str, default: impl FnOnce() -> PathBuf) -> PathBuf {
 /// `tests/reference/`: `$WEIGHTLIFT_REFERENCE`, else `.cache/reference`.
 ///
 /// Panics, failing the test, when the folder is missing or was laid out from another
-/// `tests/reference/manifest.json` than this checkout's.
+/// `tests/reference/manifest.json` than this checkout's. The folder is checked once a process.
 pub fn reference() -> PathBuf {
+    static CHECKED: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    match CHECKED.get_or_init(check_reference) {
+        Ok(dir) => dir.clone(),
+        Err(why) => panic!("{why}"),
+    }
+}
+
+fn check_reference() -> Result<PathBuf, String> {
     let dir = from_env_or("WEIGHTLIFT_REFERENCE", || {
         repo_root().join(".cache/reference")
     });
     let stamp = dir.join("manifest.json");
     let Ok(laid_out) = std::fs::read(&stamp) else {
-        panic!(
+        return Err(format!(
             "the reference data is missing: {} does not exist; run `make reference` \
              (`make test` does), which lays it out from tests/reference/",
             stamp.display()
-        );
+        ));
     };
     if std::env::var_os("WEIGHTLIFT_REFERENCE").is_none() {
         let want = repo_root().join("tests/reference/manifest.json");
         if std::fs::read(&want).is_ok_and(|w| w != laid_out) {
-            panic!(
+            return Err(format!(
                 "the reference data in {} is out of date with {}; run `make reference`",
                 dir.display(),
                 want.display()
-            );
+            ));
         }
     }
-    dir
+    Ok(dir)
 }
 
 /// A file of the reference pack, which must exist (see [`reference`]).
