@@ -6,8 +6,9 @@
 //   sums a strided share of the row (wl_lane_dot_*, in wl_matvec.cuh, which the host twin
 //   tests) and the 32 partial sums meet through an xor butterfly of warp shuffles. Launch with
 //   blockDim.x a multiple of 32.
-// - q8_quantize_{f32,f16} and q8_matmul_{type}: the Q8-activation mode (wl_q8.cuh), integer
-//   dot products per 32-value group with dp4a, in the CPU's order.
+// - q8_quantize_{f32,f16}, q8_matmul_{type} and q8_matvec_{type}: the Q8-activation mode
+//   (wl_q8.cuh), integer dot products per 32-value group with dp4a; q8_matmul in the CPU's
+//   order, q8_matvec (decode, one token) in an order of its own made for bandwidth.
 // - gemm_{f32,f16}: the exact mode's dequantised path for prompts, a tiled shared-memory f32
 //   product of rows already dequantised (by dequantize_{type}_f32) into a chunk of scratch.
 #include "wl_matvec.cuh"
@@ -50,8 +51,13 @@ __device__ __forceinline__ float wl_warp_sum(float v) {
 
 WL_MATMUL_BOTH(q4_0)
 WL_MATMUL_BOTH(q4_1)
+WL_MATMUL_BOTH(q5_0)
+WL_MATMUL_BOTH(q5_1)
 WL_MATMUL_BOTH(q8_0)
+WL_MATMUL_BOTH(q2_k)
+WL_MATMUL_BOTH(q3_k)
 WL_MATMUL_BOTH(q4_k)
+WL_MATMUL_BOTH(q5_k)
 WL_MATMUL_BOTH(q6_k)
 
 // Float weights: decode is a read of every weight byte once, so these kernels are written for
@@ -176,6 +182,7 @@ extern "C" __global__ void q8_quantize_f16(const wl_u16* x, wl_u8* out, wl_u64 n
         int live = r < rows;                                                                       \
         if (!live) r = rows - 1;                                                                   \
         const wl_u8* row = w + r * (cols / (BS)) * (BB);                                           \
+        const int al = ((wl_u64)w & 3) == 0;                                                       \
         wl_u64 per_tok = cols / 32;                                                                \
         for (wl_u64 t0 = (wl_u64)blockIdx.y * WL_Q8_NT; t0 < n_tok; t0 += (wl_u64)gridDim.y * WL_Q8_NT) { \
             float acc[WL_Q8_NT], ext[WL_Q8_NT];                                                    \
@@ -183,7 +190,7 @@ extern "C" __global__ void q8_quantize_f16(const wl_u16* x, wl_u8* out, wl_u64 n
             for (wl_u64 b = 0; b < cols / (BS); ++b) {                                             \
                 for (int g = 0; g < (BS) / 32; ++g) {                                              \
                     float dw, mw;                                                                  \
-                    wl_u32 w4 = wl_q8w_##NAME(row + b * (BB), g, j, &dw, &mw);                     \
+                    wl_u32 w4 = wl_q8w_##NAME(row + b * (BB), g, j, al, &dw, &mw);                 \
                     wl_u64 gi = b * ((BS) / 32) + (wl_u64)g;                                       \
                     for (int k = 0; k < WL_Q8_NT; ++k) {                                           \
                         if (t0 + k < n_tok) {                                                      \
@@ -204,11 +211,40 @@ extern "C" __global__ void q8_quantize_f16(const wl_u16* x, wl_u8* out, wl_u64 n
         }                                                                                          \
     }
 
-WL_Q8_MATMUL(q4_0, 32, 18)
-WL_Q8_MATMUL(q4_1, 32, 20)
-WL_Q8_MATMUL(q8_0, 32, 34)
-WL_Q8_MATMUL(q4_k, 256, 144)
-WL_Q8_MATMUL(q6_k, 256, 210)
+// q8_matvec_{type}(w, xq, y, rows, cols): decode's product, y[r] = the Q8-mode dot of weight
+// row r with one token's quantised blocks, in the order of wl_q8v_lane_* (wl_q8.cuh): one warp a
+// row, WL_Q8V_ROWS rows a block. Bytes per call: the weights once, which bound it (the
+// activations, cols / 32 blocks of 40 bytes, are read by every warp from L1/L2). A warp whose
+// row is out of range leaves as a whole, so the shuffles always see 32 live lanes.
+#define WL_Q8V_ROWS 8
+#define WL_Q8_MATVEC(NAME, BS, BB)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * WL_Q8V_ROWS)                                 \
+        q8_matvec_##NAME(const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {    \
+        wl_u64 r = (wl_u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                      \
+        int lane = threadIdx.x % 32;                                                               \
+        if (r >= rows) return;                                                                     \
+        const int al = (((wl_u64)w | (wl_u64)xq) & 3) == 0;                                        \
+        float a, e;                                                                                \
+        wl_q8v_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, al, &a, &e);             \
+        for (int o = 16; o > 0; o >>= 1) a = WL_ADD(a, __shfl_xor_sync(0xffffffffu, a, o));        \
+        if (WL_Q8_KIND_##NAME != 0) {                                                              \
+            for (int o = 16; o > 0; o >>= 1) e = WL_ADD(e, __shfl_xor_sync(0xffffffffu, e, o));    \
+            a = WL_ADD(a, e);                                                                      \
+        }                                                                                          \
+        if (lane == 0) y[r] = a;                                                                   \
+    }
+
+#define WL_Q8_KERNELS(NAME, BS, BB) \
+    WL_Q8_MATMUL(NAME, BS, BB)      \
+    WL_Q8_MATVEC(NAME, BS, BB)
+
+WL_Q8_KERNELS(q4_0, 32, 18)
+WL_Q8_KERNELS(q4_1, 32, 20)
+WL_Q8_KERNELS(q5_0, 32, 22)
+WL_Q8_KERNELS(q5_1, 32, 24)
+WL_Q8_KERNELS(q8_0, 32, 34)
+WL_Q8_KERNELS(q4_k, 256, 144)
+WL_Q8_KERNELS(q6_k, 256, 210)
 
 // gemm_{f32,f16}(wd, x, y, n_rows, cols, n_tok, row0, rows): the dense product of the
 // dequantised path. wd holds n_rows dequantised weight rows (f32, cols each: rows row0.. of the

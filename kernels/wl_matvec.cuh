@@ -60,8 +60,13 @@ WL_HD float wl_act_f16(const wl_u16* x, wl_u64 i) { return wl_f16_to_f32_fast(x[
 
 WL_LANE_DOT_BOTH(q4_0, 32, 18)
 WL_LANE_DOT_BOTH(q4_1, 32, 20)
+WL_LANE_DOT_BOTH(q5_0, 32, 22)
+WL_LANE_DOT_BOTH(q5_1, 32, 24)
 WL_LANE_DOT_BOTH(q8_0, 32, 34)
+WL_LANE_DOT_BOTH(q2_k, 256, 84)
+WL_LANE_DOT_BOTH(q3_k, 256, 110)
 WL_LANE_DOT_BOTH(q4_k, 256, 144)
+WL_LANE_DOT_BOTH(q5_k, 256, 176)
 WL_LANE_DOT_BOTH(q6_k, 256, 210)
 
 // Float weights (f16, bf16, f32) for matvec.cu's bandwidth kernels. A row is read in chunks of

@@ -76,44 +76,97 @@ WL_HD int wl_dot4_i8(wl_u32 a, wl_u32 b, int c) {
 #endif
 }
 
-// wl_q8w_{type}(blk, g, j, &dw, &mw): lane j's four weights of 32-value group g of weight block
-// `blk`, packed as signed bytes; dw is the group's weight-side scale (d, d*sc, d*scale) and mw
-// its min/offset factor (Q4_1's m, Q4_K's dmin*m; 0 for the other types).
-WL_HD wl_u32 wl_q8w_q4_0(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+// Little-endian weight words. A kernel passes `al` = its weight base is 4-byte aligned (a
+// buffer may be a view at any offset, so it checks at run time); every block and row size is
+// even, so then every block starts 2-byte aligned, and the loads below are 16- or 32-bit loads
+// through the read-only path. Otherwise, and on the host, byte by byte: the same words.
+WL_HD wl_u32 wl_wld16(const wl_u8* p, int al) {
+#if defined(__CUDA_ARCH__)
+    if (al) {
+        unsigned short v;
+        asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+        return v;
+    }
+#endif
+    (void)al;
+    return (wl_u32)p[0] | ((wl_u32)p[1] << 8);
+}
+// Four bytes at p, 2-byte aligned when al.
+WL_HD wl_u32 wl_wld32(const wl_u8* p, int al) { return wl_wld16(p, al) | (wl_wld16(p + 2, al) << 16); }
+// Four bytes at p, 4-byte aligned when al.
+WL_HD wl_u32 wl_wld32a(const wl_u8* p, int al) {
+#if defined(__CUDA_ARCH__)
+    if (al) {
+        wl_u32 v;
+        asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+        return v;
+    }
+#endif
+    (void)al;
+    return wl_rd_u32(p);
+}
+WL_HD float wl_wf16(const wl_u8* p, int al) { return wl_f16_to_f32_fast((wl_u16)wl_wld16(p, al)); }
+
+// Each byte of v (all below 128) minus k, as signed bytes: the top bit set first, so no byte
+// borrows from its neighbour, then flipped back.
+WL_HD wl_u32 wl_sub_bytes(wl_u32 v, wl_u32 k) {
+    return ((v | 0x80808080u) - k * 0x01010101u) ^ 0x80808080u;
+}
+
+// Bits 0..3 of `h` moved to bit 4 of bytes 0..3 (the fifth bit of four Q5 quants).
+WL_HD wl_u32 wl_q5_high(wl_u32 h) {
+    return ((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25);
+}
+
+// wl_q8w_{type}(blk, g, j, al, &dw, &mw): lane j's four weights (values 4j..4j+3 of 32-value
+// group g of weight block `blk`), packed as signed bytes; dw is the group's weight-side scale
+// (d, d*sc, d*scale) and mw its min/offset factor (Q4_1's and Q5_1's m, Q4_K's dmin*m; 0 for
+// the other types).
+WL_HD wl_u32 wl_q8w_q4_0(const wl_u8* blk, int g, int j, int al, float* dw, float* mw) {
     (void)g;
-    const wl_u8* qs = blk + 2 + 4 * (j % 4);
-    int sh = 4 * (j / 4);
-    *dw = wl_rd_f16(blk);
+    *dw = wl_wf16(blk, al);
     *mw = 0.0f;
-    return wl_pack4(((qs[0] >> sh) & 15) - 8, ((qs[1] >> sh) & 15) - 8, ((qs[2] >> sh) & 15) - 8,
-                    ((qs[3] >> sh) & 15) - 8);
+    return wl_sub_bytes((wl_wld32(blk + 2 + 4 * (j % 4), al) >> (4 * (j / 4))) & 0x0f0f0f0fu, 8);
 }
 
-WL_HD wl_u32 wl_q8w_q4_1(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+WL_HD wl_u32 wl_q8w_q4_1(const wl_u8* blk, int g, int j, int al, float* dw, float* mw) {
     (void)g;
-    const wl_u8* qs = blk + 4 + 4 * (j % 4);
-    int sh = 4 * (j / 4);
-    *dw = wl_rd_f16(blk);
-    *mw = wl_rd_f16(blk + 2);
-    return wl_pack4((qs[0] >> sh) & 15, (qs[1] >> sh) & 15, (qs[2] >> sh) & 15, (qs[3] >> sh) & 15);
+    *dw = wl_wf16(blk, al);
+    *mw = wl_wf16(blk + 2, al);
+    return (wl_wld32(blk + 4 + 4 * (j % 4), al) >> (4 * (j / 4))) & 0x0f0f0f0fu;
 }
 
-WL_HD wl_u32 wl_q8w_q8_0(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+WL_HD wl_u32 wl_q8w_q5_0(const wl_u8* blk, int g, int j, int al, float* dw, float* mw) {
     (void)g;
-    const wl_u8* qs = blk + 2 + 4 * j;
-    *dw = wl_rd_f16(blk);
+    *dw = wl_wf16(blk, al);
     *mw = 0.0f;
-    return (wl_u32)qs[0] | ((wl_u32)qs[1] << 8) | ((wl_u32)qs[2] << 16) | ((wl_u32)qs[3] << 24);
+    wl_u32 lo = (wl_wld32(blk + 6 + 4 * (j % 4), al) >> (4 * (j / 4))) & 0x0f0f0f0fu;
+    wl_u32 hi = wl_q5_high((wl_wld32(blk + 2, al) >> (4 * j)) & 15u);
+    return wl_sub_bytes(lo | hi, 16);
 }
 
-WL_HD wl_u32 wl_q8w_q4_k(const wl_u8* blk, int g, int j, float* dw, float* mw) {
+WL_HD wl_u32 wl_q8w_q5_1(const wl_u8* blk, int g, int j, int al, float* dw, float* mw) {
+    (void)g;
+    *dw = wl_wf16(blk, al);
+    *mw = wl_wf16(blk + 2, al);
+    wl_u32 lo = (wl_wld32(blk + 8 + 4 * (j % 4), al) >> (4 * (j / 4))) & 0x0f0f0f0fu;
+    return lo | wl_q5_high((wl_wld32(blk + 4, al) >> (4 * j)) & 15u);
+}
+
+WL_HD wl_u32 wl_q8w_q8_0(const wl_u8* blk, int g, int j, int al, float* dw, float* mw) {
+    (void)g;
+    *dw = wl_wf16(blk, al);
+    *mw = 0.0f;
+    return wl_wld32(blk + 2 + 4 * j, al);
+}
+
+WL_HD wl_u32 wl_q8w_q4_k(const wl_u8* blk, int g, int j, int al, float* dw, float* mw) {
     int sc, m;
     wl_scale_min_k4(g, blk + 4, &sc, &m);
-    *dw = WL_MUL(wl_rd_f16(blk), (float)sc);
-    *mw = WL_MUL(wl_rd_f16(blk + 2), (float)m);
-    const wl_u8* qs = blk + 16 + 32 * (g / 2) + 4 * j;
-    int sh = 4 * (g % 2);
-    return wl_pack4((qs[0] >> sh) & 15, (qs[1] >> sh) & 15, (qs[2] >> sh) & 15, (qs[3] >> sh) & 15);
+    *dw = WL_MUL(wl_wf16(blk, al), (float)sc);
+    *mw = WL_MUL(wl_wf16(blk + 2, al), (float)m);
+    // 144-byte blocks: the quants' words are 4-byte aligned when the base is
+    return (wl_wld32a(blk + 16 + 32 * (g / 2) + 4 * j, al) >> (4 * (g % 2))) & 0x0f0f0f0fu;
 }
 
 // Q6_K value e of the block as a signed 6-bit quant (the same bits as wl_dq_q6_k).
@@ -124,27 +177,35 @@ WL_HD int wl_q6k_quant(const wl_u8* b, int e) {
     return (lo | (hi << 4)) - 32;
 }
 
-WL_HD wl_u32 wl_q8w_q6_k(const wl_u8* blk, int g, int j, float* dw, float* mw) {
-    int e = 32 * g + 4 * j;
+WL_HD wl_u32 wl_q8w_q6_k(const wl_u8* blk, int g, int j, int al, float* dw, float* mw) {
+    // values e..e+3 share their low-nibble byte run and their high-bit byte run (e % 4 == 0)
+    int e = 32 * g + 4 * j, h = e / 128, r = e % 128;
+    wl_u32 lo = (wl_wld32(blk + h * 64 + r % 64, al) >> (4 * (r / 64))) & 0x0f0f0f0fu;
+    wl_u32 hi = (wl_wld32(blk + 128 + h * 32 + r % 32, al) >> (2 * (r / 32))) & 0x03030303u;
     // scales are per 16 values: lanes 0..3 take scale 2g, lanes 4..7 scale 2g + 1
-    *dw = WL_MUL(wl_rd_f16(blk + 208), (float)(wl_i8)blk[192 + 2 * g + j / 4]);
+    *dw = WL_MUL(wl_wf16(blk + 208, al), (float)(wl_i8)blk[192 + 2 * g + j / 4]);
     *mw = 0.0f;
-    return wl_pack4(wl_q6k_quant(blk, e), wl_q6k_quant(blk, e + 1), wl_q6k_quant(blk, e + 2),
-                    wl_q6k_quant(blk, e + 3));
+    return wl_sub_bytes(lo | (hi << 4), 32);
 }
 
-// One group of one lane against activation block `xb`: the integer dot of lane j, scaled into
-// `acc` with one FMA; `kind` > 0 adds (mw * d_x) * sum_x to `extra` (Q4_1), < 0 subtracts it
-// (Q4_K), 0 leaves it.
-WL_HD void wl_q8_step(wl_u32 w4, float dw, float mw, const wl_u8* xb, int j, int kind, float* acc,
-                      float* extra) {
-    float xd = wl_q8_d(xb);
-    int isum = wl_dot4_i8(w4, wl_rd_u32(xb + 8 + 4 * j), 0);
+// One group of one lane: the integer dot of the lane's weight word w4 with its activation word
+// xw, scaled into `acc` with one FMA (xd the activation block's scale); `kind` > 0 adds
+// (mw * xd) * xsum to `extra` (Q4_1, Q5_1), < 0 subtracts it (Q4_K), 0 leaves it.
+WL_HD void wl_q8_step_v(wl_u32 w4, float dw, float mw, float xd, int xsum, wl_u32 xw, int kind,
+                        float* acc, float* extra) {
+    int isum = wl_dot4_i8(w4, xw, 0);
     *acc = WL_FMA(WL_MUL(dw, xd), (float)isum, *acc);
     if (kind != 0) {
-        float t = WL_MUL(WL_MUL(mw, xd), (float)wl_q8_sum(xb));
+        float t = WL_MUL(WL_MUL(mw, xd), (float)xsum);
         *extra = kind > 0 ? WL_ADD(*extra, t) : WL_SUB(*extra, t);
     }
+}
+
+// The same against activation block `xb` (lane j's word at 8 + 4j), read byte by byte.
+WL_HD void wl_q8_step(wl_u32 w4, float dw, float mw, const wl_u8* xb, int j, int kind, float* acc,
+                      float* extra) {
+    wl_q8_step_v(w4, dw, mw, wl_q8_d(xb), wl_q8_sum(xb), wl_rd_u32(xb + 8 + 4 * j), kind, acc,
+                 extra);
 }
 
 // The lane sums and the extra term in the CPU's fixed order (finish_lanes).
@@ -159,6 +220,8 @@ WL_HD float wl_q8_finish(const float* acc, float extra) {
 // order. The kernel runs the same steps, several tokens per decoded group.
 #define WL_Q8_KIND_q4_0 0
 #define WL_Q8_KIND_q4_1 1
+#define WL_Q8_KIND_q5_0 0
+#define WL_Q8_KIND_q5_1 1
 #define WL_Q8_KIND_q8_0 0
 #define WL_Q8_KIND_q4_k (-1)
 #define WL_Q8_KIND_q6_k 0
@@ -170,7 +233,7 @@ WL_HD float wl_q8_finish(const float* acc, float extra) {
         for (wl_u64 b = 0; b < cols / (BS); ++b) {                                                \
             for (int g = 0; g < (BS) / 32; ++g) {                                                 \
                 float dw, mw;                                                                     \
-                wl_u32 w4 = wl_q8w_##NAME(row + b * (BB), g, j, &dw, &mw);                        \
+                wl_u32 w4 = wl_q8w_##NAME(row + b * (BB), g, j, 0, &dw, &mw);                     \
                 const wl_u8* xb = xq + (b * ((BS) / 32) + (wl_u64)g) * WL_Q8_BLOCK_BYTES;         \
                 wl_q8_step(w4, dw, mw, xb, j, WL_Q8_KIND_##NAME, &a, &e);                         \
             }                                                                                     \
@@ -181,6 +244,68 @@ WL_HD float wl_q8_finish(const float* acc, float extra) {
 
 WL_Q8_LANE(q4_0, 32, 18)
 WL_Q8_LANE(q4_1, 32, 20)
+WL_Q8_LANE(q5_0, 32, 22)
+WL_Q8_LANE(q5_1, 32, 24)
 WL_Q8_LANE(q8_0, 32, 34)
 WL_Q8_LANE(q4_k, 256, 144)
 WL_Q8_LANE(q6_k, 256, 210)
+
+// Four bytes of an activation block (4-byte aligned when al; see wl_wld16).
+WL_HD wl_u32 wl_xld32(const wl_u8* p, int al) { return wl_wld32a(p, al); }
+
+// The decode kernels' order (q8_matvec_{type}, one warp a weight row, for memory bandwidth): lane
+// l of 32 takes word j = l % 8 of the row's 32-value groups l / 8, l / 8 + 4, l / 8 + 8, ...,
+// in that order, in one FMA chain of wl_q8_step_v (the lanes of word 0 also keep the groups'
+// extra terms, in a chain of their own). The kernel
+// then adds the 32 chains by an xor butterfly (offsets 16, 8, 4, 2, 1), the extra chains
+// likewise, and the two sums. This is not the CPU's order (q8_matmul_{type} keeps that one for
+// prompts); it spreads a row over four times the threads and reads whole words.
+// wl_q8v_lane_{type}(row, xq, cols, lane, al, &acc, &extra) is lane `lane`'s two chains; it
+// loads WL_Q8V_UNROLL groups' words before it uses any, so their loads are in flight together.
+#define WL_Q8V_UNROLL 4
+
+#define WL_Q8V_LANE(NAME, BS, BB)                                                                  \
+    WL_HD void wl_q8v_lane_##NAME(const wl_u8* row, const wl_u8* xq, wl_u64 cols, int lane, int al,  \
+                                  float* acc, float* extra) {                                      \
+        const int j = lane % 8;                                                                    \
+        /* a group's extra term is the whole block's: word 0's lane adds it */                     \
+        const int kind = j == 0 ? WL_Q8_KIND_##NAME : 0;                                           \
+        const wl_u64 n_groups = cols / 32;                                                         \
+        float a = 0.0f, e = 0.0f;                                                                  \
+        for (wl_u64 g0 = (wl_u64)(lane / 8); g0 < n_groups; g0 += 4 * WL_Q8V_UNROLL) {             \
+            wl_u32 w4[WL_Q8V_UNROLL], xw[WL_Q8V_UNROLL];                                           \
+            float dw[WL_Q8V_UNROLL], mw[WL_Q8V_UNROLL], xd[WL_Q8V_UNROLL];                         \
+            int xs[WL_Q8V_UNROLL];                                                                 \
+            WL_UNROLL                                                                              \
+            for (int u = 0; u < WL_Q8V_UNROLL; ++u) {                                              \
+                wl_u64 g = g0 + 4 * (wl_u64)u;                                                     \
+                w4[u] = xw[u] = 0u;                                                                \
+                dw[u] = mw[u] = xd[u] = 0.0f;                                                      \
+                xs[u] = 0;                                                                         \
+                if (g < n_groups) {                                                                \
+                    w4[u] = wl_q8w_##NAME(row + (g / ((BS) / 32)) * (BB), (int)(g % ((BS) / 32)), j, \
+                                          al, &dw[u], &mw[u]);                                     \
+                    const wl_u8* xb = xq + g * WL_Q8_BLOCK_BYTES;                                  \
+                    xd[u] = wl_bits_to_f32(wl_xld32(xb, al));                                      \
+                    xs[u] = (int)wl_xld32(xb + 4, al);                                             \
+                    xw[u] = wl_xld32(xb + 8 + 4 * j, al);                                          \
+                }                                                                                  \
+            }                                                                                      \
+            WL_UNROLL                                                                              \
+            for (int u = 0; u < WL_Q8V_UNROLL; ++u) {                                              \
+                if (g0 + 4 * (wl_u64)u < n_groups) {                                               \
+                    wl_q8_step_v(w4[u], dw[u], mw[u], xd[u], xs[u], xw[u], kind, &a, &e);          \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        *acc = a;                                                                                  \
+        *extra = e;                                                                                \
+    }
+
+WL_Q8V_LANE(q4_0, 32, 18)
+WL_Q8V_LANE(q4_1, 32, 20)
+WL_Q8V_LANE(q5_0, 32, 22)
+WL_Q8V_LANE(q5_1, 32, 24)
+WL_Q8V_LANE(q8_0, 32, 34)
+WL_Q8V_LANE(q4_k, 256, 144)
+WL_Q8V_LANE(q6_k, 256, 210)

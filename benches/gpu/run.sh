@@ -23,10 +23,11 @@
 # Each step runs even when one before it failed; the exit status is 1 when any failed.
 set -uo pipefail
 
-SUITE_TIMEOUT_S=150
-BENCH_TIMEOUT_S=150
-E2E_BUDGET_S=180
-E2E_TIMEOUT_S=300
+SUITE_TIMEOUT_S=${SUITE_TIMEOUT_S:-150}
+BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-150}
+E2E_BUDGET_S=${E2E_BUDGET_S:-180}
+E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}
+PROFILE_TIMEOUT_S=${PROFILE_TIMEOUT_S:-120}
 
 # Every test that needs a GPU (`grep -rn '#\[ignore' crates`), by the suite that holds it:
 # how the suite runs on the GPU and in --cpu mode, and what else it needs. Kernel suites run
@@ -101,7 +102,7 @@ fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
-rm -f "$OUT"/{summary,tests,e2e,kernels_cuda,kernels_cuda_on_cpu}.{md,json}
+rm -f "$OUT"/{summary,tests,e2e,profile,kernels_cuda,kernels_cuda_on_cpu}.{md,json}
 if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
     [ $CPU = 1 ] && [ -x "$ROOT/.venv/bin/python" ] && PYTHON=$ROOT/.venv/bin/python
@@ -374,6 +375,17 @@ if [ $CPU = 1 ]; then e2e+=(--cpu); else e2e+=(--device cuda:0); fi
 PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
 rc=$?
 [ $rc = 0 ] || FAILED+=("end-to-end bench (exit status $rc)")
+
+# ---------------------------------------------------------------------------------------------
+# 4. The kernel profile (GPU only: torch.profiler), on the end-to-end bench's checkpoint.
+
+step "kernel profile"
+if [ $CPU = 1 ]; then
+    skip "no GPU: the kernel profile"
+else
+    PYTHONUNBUFFERED=1 timeout "$PROFILE_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/profile.py" \
+        --device cuda:0 --out "$OUT" || FAILED+=("kernel profile (exit status $?)")
+fi
 
 # ---------------------------------------------------------------------------------------------
 

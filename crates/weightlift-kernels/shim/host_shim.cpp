@@ -131,8 +131,13 @@ static int wl_matvec_fns(int ty, wl_row_fn* row, wl_lane_f32_fn* f32, wl_lane_f1
     switch (ty) {
         WL_MV_CASE(q4_0, WL_Q4_0)
         WL_MV_CASE(q4_1, WL_Q4_1)
+        WL_MV_CASE(q5_0, WL_Q5_0)
+        WL_MV_CASE(q5_1, WL_Q5_1)
         WL_MV_CASE(q8_0, WL_Q8_0)
+        WL_MV_CASE(q2_k, WL_Q2_K)
+        WL_MV_CASE(q3_k, WL_Q3_K)
         WL_MV_CASE(q4_k, WL_Q4_K)
+        WL_MV_CASE(q5_k, WL_Q5_K)
         WL_MV_CASE(q6_k, WL_Q6_K)
         default: return 0;
     }
@@ -247,18 +252,23 @@ extern "C" void wl_host_q8_quantize(int act_f16, const void* x, wl_u8* out, size
 }
 
 typedef void (*wl_q8_lane_fn)(const wl_u8*, const wl_u8*, wl_u64, int, float*, float*);
+typedef void (*wl_q8v_lane_fn)(const wl_u8*, const wl_u8*, wl_u64, int, int, float*, float*);
 
-#define WL_Q8_CASE(NAME, TY, BS, BB) \
-    case TY:                         \
-        *f = wl_q8_lane_##NAME;      \
-        *bs = BS;                    \
-        *bb = BB;                    \
+#define WL_Q8_CASE(NAME, TY, BS, BB)  \
+    case TY:                          \
+        *f = wl_q8_lane_##NAME;       \
+        *fv = wl_q8v_lane_##NAME;     \
+        *kind = WL_Q8_KIND_##NAME;    \
+        *bs = BS;                     \
+        *bb = BB;                     \
         return 1;
 
-static int wl_q8_fns(int ty, wl_q8_lane_fn* f, int* bs, int* bb) {
+static int wl_q8_fns(int ty, wl_q8_lane_fn* f, wl_q8v_lane_fn* fv, int* kind, int* bs, int* bb) {
     switch (ty) {
         WL_Q8_CASE(q4_0, WL_Q4_0, 32, 18)
         WL_Q8_CASE(q4_1, WL_Q4_1, 32, 20)
+        WL_Q8_CASE(q5_0, WL_Q5_0, 32, 22)
+        WL_Q8_CASE(q5_1, WL_Q5_1, 32, 24)
         WL_Q8_CASE(q8_0, WL_Q8_0, 32, 34)
         WL_Q8_CASE(q4_k, WL_Q4_K, 256, 144)
         WL_Q8_CASE(q6_k, WL_Q6_K, 256, 210)
@@ -273,8 +283,9 @@ static int wl_q8_fns(int ty, wl_q8_lane_fn* f, int* bs, int* bb) {
 extern "C" int wl_host_q8_matmul(int ty, const wl_u8* w, const wl_u8* xq, float* y, size_t rows,
                                  size_t cols, size_t n_tok) {
     wl_q8_lane_fn f;
-    int bs, bb;
-    if (!wl_q8_fns(ty, &f, &bs, &bb)) return 0;
+    wl_q8v_lane_fn fv;
+    int kind, bs, bb;
+    if (!wl_q8_fns(ty, &f, &fv, &kind, &bs, &bb)) return 0;
     size_t row_bytes = cols / (size_t)bs * (size_t)bb;
     for (size_t t = 0; t < n_tok; ++t) {
         for (size_t r = 0; r < rows; ++r) {
@@ -284,6 +295,40 @@ extern "C" int wl_host_q8_matmul(int ty, const wl_u8* w, const wl_u8* xq, float*
             }
             y[t * rows + r] = wl_q8_finish(acc, extra[0]);
         }
+    }
+    return 1;
+}
+
+// The xor butterfly of a warp's 32 values (lane l takes v[l] + v[l ^ o] for o = 16, 8, 4, 2,
+// 1), in place; every lane ends with the same sum.
+static void wl_host_butterfly(float* v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float t[32];
+        for (int l = 0; l < 32; ++l) t[l] = WL_ADD(v[l], v[l ^ o]);
+        for (int l = 0; l < 32; ++l) v[l] = t[l];
+    }
+}
+
+// What q8_matvec_{type} computes for one token: every row's 32 lane chains of wl_q8v_lane_*
+// (with `al` as the kernel finds it: 1 for the word loads, 0 byte by byte; the same words),
+// the butterfly over the chains, and over the extra chains added when the type has one.
+// Returns 0 for a weight type without a Q8 kernel.
+extern "C" int wl_host_q8_matvec(int ty, int al, const wl_u8* w, const wl_u8* xq, float* y,
+                                 size_t rows, size_t cols) {
+    wl_q8_lane_fn f;
+    wl_q8v_lane_fn fv;
+    int kind, bs, bb;
+    if (!wl_q8_fns(ty, &f, &fv, &kind, &bs, &bb)) return 0;
+    size_t row_bytes = cols / (size_t)bs * (size_t)bb;
+    for (size_t r = 0; r < rows; ++r) {
+        float acc[32], extra[32];
+        for (int l = 0; l < 32; ++l) fv(w + r * row_bytes, xq, cols, l, al, &acc[l], &extra[l]);
+        wl_host_butterfly(acc);
+        if (kind != 0) {
+            wl_host_butterfly(extra);
+            acc[0] = WL_ADD(acc[0], extra[0]);
+        }
+        y[r] = acc[0];
     }
     return 1;
 }

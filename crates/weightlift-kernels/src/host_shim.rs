@@ -43,6 +43,15 @@ unsafe extern "C" {
         nt_max: i32,
     ) -> i32;
     fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
+    fn wl_host_q8_matvec(
+        ty: i32,
+        al: i32,
+        w: *const u8,
+        xq: *const u8,
+        y: *mut f32,
+        rows: usize,
+        cols: usize,
+    ) -> i32;
     fn wl_host_q8_matmul(
         ty: i32,
         w: *const u8,
@@ -190,7 +199,7 @@ pub fn matmul(
         return Err(KernelError::Unsupported {
             op: "host matmul",
             ty: ty.to_string(),
-            supported: "q4_0, q4_1, q8_0, q4_k, q6_k (float weights: float_matmul)",
+            supported: "q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k (float weights: float_matmul)",
         });
     }
     Ok(())
@@ -415,6 +424,57 @@ pub fn q8_matmul(
     if ok == 0 {
         return Err(KernelError::Unsupported {
             op: "host q8 matmul",
+            ty: ty.to_string(),
+            supported: crate::CUDA_Q8_WEIGHT_TYPES,
+        });
+    }
+    Ok(())
+}
+
+/// What the decode kernel `q8_matvec_{type}` computes for one token's `cols / 32` activation
+/// blocks `xq`: 32 lane chains a row in its own order and their butterfly. `word_loads` picks
+/// the kernel's aligned word loads or its byte-by-byte path (the same words either way).
+pub fn q8_matvec(
+    ty: QuantType,
+    word_loads: bool,
+    w: &[u8],
+    xq: &[u8],
+    y: &mut [f32],
+    cols: usize,
+) -> Result<()> {
+    let bs = ty.block_size();
+    let row_bytes = cols / bs * ty.block_bytes();
+    let rows = y.len();
+    let shape_ok = cols.is_multiple_of(bs)
+        && cols.is_multiple_of(32)
+        && xq.len() == cols / 32 * crate::sources::Q8_BLOCK_BYTES
+        && rows.checked_mul(row_bytes) == Some(w.len());
+    if !shape_ok {
+        return Err(KernelError::Shape {
+            op: "host q8 matvec",
+            reason: format!(
+                "{rows} x {cols} {ty} weights in {} bytes, {} activation block bytes",
+                w.len(),
+                xq.len(),
+            ),
+        });
+    }
+    // SAFETY: w holds rows whole rows, xq cols / 32 blocks and y rows floats (checked above):
+    // all the shim touches.
+    let ok = unsafe {
+        wl_host_q8_matvec(
+            ty.ggml_id() as i32,
+            i32::from(word_loads),
+            w.as_ptr(),
+            xq.as_ptr(),
+            y.as_mut_ptr(),
+            rows,
+            cols,
+        )
+    };
+    if ok == 0 {
+        return Err(KernelError::Unsupported {
+            op: "host q8 matvec",
             ty: ty.to_string(),
             supported: crate::CUDA_Q8_WEIGHT_TYPES,
         });

@@ -82,4 +82,4 @@ pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool> {
 
 /// The weight types the CUDA kernels (and their host twins) multiply with 8-bit activations; the
 /// CPU's list is `cpu::matvec::Q8_WEIGHT_TYPES` (it also has q5_0 and q5_1).
-pub const CUDA_Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q8_0, q4_k, q6_k";
+pub const CUDA_Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k";

@@ -54,6 +54,8 @@ use crate::types::QuantType;
 pub const CUDA_Q8_TYPES: &[QuantType] = &[
     QuantType::Q4_0,
     QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
     QuantType::Q8_0,
     QuantType::Q4_K,
     QuantType::Q6_K,
@@ -64,8 +66,13 @@ pub const CUDA_Q8_TYPES: &[QuantType] = &[
 pub const CUDA_EXACT_TYPES: &[QuantType] = &[
     QuantType::Q4_0,
     QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
     QuantType::Q8_0,
+    QuantType::Q2_K,
+    QuantType::Q3_K,
     QuantType::Q4_K,
+    QuantType::Q5_K,
     QuantType::Q6_K,
     QuantType::F16,
     QuantType::BF16,
@@ -73,7 +80,8 @@ pub const CUDA_EXACT_TYPES: &[QuantType] = &[
 ];
 
 /// [`CUDA_EXACT_TYPES`] as the error messages name them.
-pub const CUDA_EXACT_NAMES: &str = "q4_0, q4_1, q8_0, q4_k, q6_k, f16, bf16, f32";
+pub const CUDA_EXACT_NAMES: &str =
+    "q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, f16, bf16, f32";
 
 /// The float weight types, whose `matvec_`/`matmul_` kernels are the bandwidth kernels of
 /// `kernels/matvec.cu` (16-byte chunks spread over [`float_row_threads`] threads a row).
@@ -147,6 +155,8 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("q8_quantize_", &[Ptr, Ptr, U64]),
     // (w, xq, y, rows, cols, n_tok)
     ("q8_matmul_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
+    // (w, xq, y, rows, cols): one token
+    ("q8_matvec_", &[Ptr, Ptr, Ptr, U64, U64]),
     // (wd, x, y, n_rows, cols, n_tok, row0, rows)
     ("gemm_", &[Ptr, Ptr, Ptr, U64, U64, U64, U64, U64]),
     // (x, weight, out, n_cols, eps)
@@ -200,6 +210,10 @@ pub fn signature(name: &str) -> Option<&'static [Param]> {
 /// Bytes of one Q8 activation block on the device (`kernels/wl_q8.cuh`): the CPU's
 /// `#[repr(C)] Q8Block` (f32 `d`, i32 `sum`, 32 × i8), little-endian.
 pub const Q8_BLOCK_BYTES: usize = 40;
+
+/// Weight rows per block of decode's Q8 kernel `q8_matvec_{type}`, one warp each
+/// (`WL_Q8V_ROWS` in `kernels/matvec.cu`).
+pub const Q8_MATVEC_ROWS: usize = 8;
 
 /// Tokens from which an exact-mode matmul on CUDA takes the dequantised path (dequantise a
 /// chunk of weight rows, then the tiled `gemm_{act}`) instead of the warp-per-row kernels,

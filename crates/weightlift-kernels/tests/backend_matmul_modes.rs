@@ -28,13 +28,44 @@ fn activations(x: &[f32], act: FloatType) -> (Vec<u8>, Vec<f32>) {
     }
 }
 
-/// Q8 mode, 1 and 6 tokens (the CUDA kernel carries 4 per pass), f32 and f16 activations:
-/// within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with the Q8-dequantised activations; on
-/// CUDA bit for bit the CPU's scalar Q8 mode.
+/// The host twin of decode's Q8 kernel for one token's activations (`bytes`, as uploaded).
+#[cfg(wl_host_shim)]
+fn decode_twin(
+    ty: QuantType,
+    w: &[u8],
+    bytes: &[u8],
+    act: FloatType,
+    rows: usize,
+    cols: usize,
+) -> Vec<f32> {
+    use weightlift_kernels::host_shim;
+    let mut xq = vec![0u8; cols / 32 * weightlift_kernels::sources::Q8_BLOCK_BYTES];
+    let h: Vec<u16> = bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    let f: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let x = match act {
+        FloatType::F16 => host_shim::Act::F16(&h),
+        _ => host_shim::Act::F32(&f),
+    };
+    host_shim::q8_quantize(x, &mut xq).expect("host q8 quantise");
+    let mut y = vec![0f32; rows];
+    host_shim::q8_matvec(ty, true, w, &xq, &mut y, cols).expect("host q8 matvec");
+    y
+}
+
+/// Q8 mode, 1 and 6 tokens (the CUDA prompt kernel carries 4 per pass), f32 and f16
+/// activations: within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with the Q8-dequantised
+/// activations; on CUDA bit for bit the CPU's scalar Q8 mode for 6 tokens, and for one token
+/// (decode's kernel, in an order of its own) the host twin of that kernel.
 fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(0x0a81);
     let on_cuda = b.name().starts_with("cuda");
-    for name in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"] {
+    for name in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
         let f = load(name);
         let cols = 256;
         let rows = f.want.len() / cols;
@@ -87,13 +118,24 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
                             "{} {name} {act:?} token {t} row {r}: {g} vs f64 {s}",
                             b.name()
                         );
-                        if on_cuda {
+                        if on_cuda && n_tok > 1 {
                             assert_eq!(
                                 g.to_bits(),
                                 cpu[r].to_bits(),
                                 "{} {name} token {t} row {r}: {g:e} vs cpu scalar q8 {:e}",
                                 b.name(),
                                 cpu[r]
+                            );
+                        }
+                        #[cfg(wl_host_shim)]
+                        if on_cuda && n_tok == 1 {
+                            let twin = decode_twin(f.ty, &f.raw, &bytes, act, rows, cols);
+                            assert_eq!(
+                                g.to_bits(),
+                                twin[r].to_bits(),
+                                "{} {name} row {r}: {g:e} vs the decode kernel's host twin {:e}",
+                                b.name(),
+                                twin[r]
                             );
                         }
                     }
@@ -113,7 +155,9 @@ fn prompt_matmul_chunked_by_max_dq_size_matches_f64<B: Backend>(b: &B) -> Result
     let mut rng = Rng(0xd9);
     let on_cuda = b.name().starts_with("cuda");
     let n_tok = DQ_PATH_MIN_TOKENS + 3;
-    for name in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"] {
+    for name in [
+        "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+    ] {
         let f = load(name);
         let cols = 256;
         let rows = f.want.len() / cols;

@@ -426,17 +426,17 @@ mod twin {
         .unwrap_err();
         assert!(err.to_string().contains("float_matmul"), "{err}");
         // no kernel for this weight type: a typed error, not a silent zero
-        let q5 = vec![0u8; QuantType::Q5_0.block_bytes() * 8];
+        let iq4 = vec![0u8; QuantType::IQ4_NL.block_bytes() * 8];
         let err = host_shim::matmul(
-            QuantType::Q5_0,
-            &q5,
+            QuantType::IQ4_NL,
+            &iq4,
             Act::F32(&[0.0; 32]),
             &mut [0.0; 8],
             8,
             32,
         )
         .unwrap_err();
-        assert!(err.to_string().contains("q5_0"), "{err}");
+        assert!(err.to_string().contains("iq4_nl"), "{err}");
     }
 
     /// The float-weight kernels (`matvec_`/`matmul_{f16,bf16,f32}_{f32,f16}`: 16-byte chunks
@@ -704,6 +704,7 @@ mod twin {
             |b: &[u8], o: usize| f64::from(half::f16::from_le_bytes([b[o], b[o + 1]]).to_f32());
         match ty {
             QuantType::Q4_1 => f16(&row[g * 20..], 2),
+            QuantType::Q5_1 => f16(&row[g * 24..], 2),
             QuantType::Q4_K => {
                 let blk = &row[(g / 8) * 144..];
                 let (j, q) = (g % 8, &blk[4..16]);
@@ -728,7 +729,7 @@ mod twin {
         use weightlift_kernels::cpu::matvec::matvec_with;
         use weightlift_kernels::{Isa, MatvecMode};
         let mut rng = Rng(0x0a8d07);
-        for name in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"] {
+        for name in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
             let f = load(name);
             let cols = 256;
             let rows = f.want.len() / cols;
@@ -778,10 +779,65 @@ mod twin {
             }
         }
         // no Q8 kernel for this weight type: a typed error naming it
-        let q5 = vec![0u8; QuantType::Q5_0.block_bytes()];
-        let err =
-            host_shim::q8_matmul(QuantType::Q5_0, &q5, &[0u8; 40], &mut [0.0], 1, 32).unwrap_err();
-        assert!(err.to_string().contains("q5_0"), "{err}");
+        let q2 = vec![0u8; QuantType::Q2_K.block_bytes()];
+        let err = host_shim::q8_matmul(QuantType::Q2_K, &q2, &[0u8; 320], &mut [0.0], 1, 256)
+            .unwrap_err();
+        assert!(err.to_string().contains("q2_k"), "{err}");
+    }
+
+    /// Decode's Q8 kernel (`q8_matvec_{type}`: 32 lane chains a row, then the butterfly),
+    /// replayed on the host: its word loads and its byte-by-byte path give the same bits, and
+    /// every row lies within 1e-5 of an f64 dot of gguf-py's dequantised weights with the
+    /// Q8-dequantised activations, relative to Σ(|w| + 2|m|)·|x| (as the prompt kernel's). Rows
+    /// of 1,024 values, so each lane's chain is several groups long and the unrolled loads run
+    /// past the row's end in the last pass (cols / 32 = 32 groups, 4 a pass of 16).
+    #[test]
+    fn header_q8_matvec_reads_words_and_matches_an_f64_dot() {
+        let mut rng = Rng(0x0a8d08);
+        for name in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
+            let f = load(name);
+            let row_bytes_256 = f.ty.block_bytes() * 256 / f.ty.block_size();
+            // four fixture rows of 256 values side by side make one row of 1,024
+            let cols = 1024;
+            let rows = f.raw.len() / row_bytes_256 / 4;
+            let row_bytes = row_bytes_256 * 4;
+            let raw = &f.raw[..rows * row_bytes];
+            let want = &f.want[..rows * cols];
+            let x = rng.vec(cols, 2.0);
+            let mut xq = vec![0u8; cols / 32 * 40];
+            host_shim::q8_quantize(host_shim::Act::F32(&x), &mut xq).unwrap();
+            let mut y = vec![0f32; rows];
+            let mut y_bytes = vec![0f32; rows];
+            host_shim::q8_matvec(f.ty, true, raw, &xq, &mut y, cols).unwrap();
+            host_shim::q8_matvec(f.ty, false, raw, &xq, &mut y_bytes, cols).unwrap();
+            let blocks = q8_blocks(&xq);
+            for r in 0..rows {
+                assert!(
+                    same(y[r], y_bytes[r]),
+                    "{name} row {r}: words {} bytes {}",
+                    y[r],
+                    y_bytes[r]
+                );
+                let (mut s, mut mag) = (0f64, 0f64);
+                for c in 0..cols {
+                    let (d, qs) = &blocks[c / 32];
+                    let xv = f64::from(*d) * f64::from(qs[c % 32]);
+                    let w = f64::from(want[r * cols + c]);
+                    let m = group_min(f.ty, &raw[r * row_bytes..], c / 32);
+                    s += w * xv;
+                    mag += (w.abs() + 2.0 * m.abs()) * xv.abs();
+                }
+                assert!(
+                    (f64::from(y[r]) - s).abs() <= 1e-5 * mag + 1e-30,
+                    "{name} row {r}: {} vs f64 {s} (magnitude {mag})",
+                    y[r]
+                );
+            }
+        }
+        let q2 = vec![0u8; QuantType::Q2_K.block_bytes()];
+        let err = host_shim::q8_matvec(QuantType::Q2_K, true, &q2, &[0u8; 320], &mut [0.0], 256)
+            .unwrap_err();
+        assert!(err.to_string().contains("q2_k"), "{err}");
     }
 
     /// The dequantised path (`dequantize_{type}_f32` into a chunk of rows bounded by

@@ -65,6 +65,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("matmul_", ["_f32", "_f16"]),
             ("scan_", ["", ""]),
             ("q8_matmul_", ["", ""]),
+            ("q8_matvec_", ["", ""]),
             ("gemm_", ["", ""]),
             ("kv_store_", ["", ""]),
             ("kv_load_", ["", ""]),
@@ -78,7 +79,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "scan_" => format!("WL_SCAN_BLOCKS({t},"),
                             "kv_store_" | "kv_load_" => format!("WL_KV({t},"),
                             "attention_" => format!("WL_ATTENTION({t},"),
-                            "q8_matmul_" => format!("WL_Q8_MATMUL({t},"),
+                            "q8_matmul_" | "q8_matvec_" => format!("WL_Q8_KERNELS({t},"),
                             "gemm_" => format!("WL_GEMM({t},"),
                             // the float weights' bandwidth kernels, or the warp-per-row ones
                             _ if all.contains(&format!("WL_FV_KERNELS({t},")) => return true,
@@ -104,7 +105,10 @@ fn expected_kernels() -> Vec<String> {
         expected.push(format!("dequantize_{t}_f32"));
         expected.push(format!("dequantize_{t}_f16"));
     }
-    for t in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"] {
+    for t in [
+        "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "f16",
+        "bf16", "f32",
+    ] {
         for a in ["f32", "f16"] {
             expected.push(format!("matvec_{t}_{a}"));
             expected.push(format!("matmul_{t}_{a}"));
@@ -116,8 +120,9 @@ fn expected_kernels() -> Vec<String> {
         expected.push(format!("scan_{t}"));
     }
     // the Q8-activation mode and the dequantised path's dense product
-    for t in ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"] {
+    for t in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
         expected.push(format!("q8_matmul_{t}"));
+        expected.push(format!("q8_matvec_{t}"));
     }
     for a in ["f32", "f16"] {
         expected.push(format!("q8_quantize_{a}"));
@@ -296,7 +301,8 @@ fn nvrtc_compile_check_needs_the_feature() {
 
 /// The Q8 kernels' per-lane integer dot is `__dp4a` on the device (wl_q8.cuh keeps a scalar
 /// twin for the host): check the PTX really uses the instruction, so the `__CUDA_ARCH__` guard
-/// did not silently select the fallback.
+/// did not silently select the fallback; and decode's kernels (`q8_matvec_`) read weights and
+/// activations with 16- and 32-bit loads, not byte by byte only.
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn q8_matmul_kernels_use_dp4a_on_the_device() {
@@ -306,18 +312,30 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
     let ptx = nvrtc::compile_strict("matvec", src, "compute_80")
         .unwrap()
         .ptx;
-    let mut entries = 0;
+    let (mut prompt, mut decode) = (0, 0);
     for body in ptx.split(".entry ").skip(1) {
+        let name = body.split('(').next().unwrap_or("");
+        if !body.starts_with("q8_mat") {
+            continue;
+        }
+        assert!(
+            body.contains("dp4a.s32.s32"),
+            "{name}: no dp4a.s32.s32 in its PTX"
+        );
         if body.starts_with("q8_matmul_") {
-            entries += 1;
-            assert!(
-                body.contains("dp4a.s32.s32"),
-                "{}: no dp4a.s32.s32 in its PTX",
-                body.split('(').next().unwrap_or("")
-            );
+            prompt += 1;
+        } else if body.starts_with("q8_matvec_") {
+            decode += 1;
+            for load in ["ld.global.nc.u16", "ld.global.nc.u32"] {
+                assert!(body.contains(load), "{name}: no {load} in its PTX");
+            }
         }
     }
-    assert_eq!(entries, 5, "q8_matmul kernels in the matvec PTX");
+    assert_eq!(
+        (prompt, decode),
+        (7, 7),
+        "q8_matmul and q8_matvec kernels in the matvec PTX"
+    );
 }
 
 /// The float-weight kernels read their weights with 128-bit loads (`wl_fv_load`'s PTX) and have

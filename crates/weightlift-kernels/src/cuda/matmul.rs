@@ -108,6 +108,25 @@ impl CudaBackend {
         // SAFETY: one thread per block below n_blocks reads its 32 activations (n_tok * cols
         // were checked) and writes its 40 bytes of the scratch (allocated for n_blocks).
         unsafe { self.launch("matvec", &name, elementwise(n_blocks)?, &mut args) }?;
+        if m.n_tok == 1 {
+            // decode: one warp a row, Q8_MATVEC_ROWS rows a block
+            let cfg = LaunchConfig {
+                grid_dim: (grid_for(m.rows, Q8_MATVEC_ROWS, "rows")?, 1, 1),
+                block_dim: (32 * Q8_MATVEC_ROWS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let name = format!("q8_matvec_{}", m.ty.name());
+            let mut args = [
+                KArg::In(&w.slice),
+                KArg::In(&xq),
+                KArg::Out(&mut y.slice),
+                KArg::U64(m.rows as u64),
+                KArg::U64(m.cols as u64),
+            ];
+            // SAFETY: each warp reads one weight row (rows were checked) and the token's
+            // cols / 32 blocks of xq, and writes y[r] below rows (checked).
+            return unsafe { self.launch("matvec", &name, cfg, &mut args) };
+        }
         // 8 threads per row, 32 rows per block of 256; 4 tokens per thread pass on grid.y
         let cfg = LaunchConfig {
             grid_dim: (

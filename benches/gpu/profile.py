@@ -1,0 +1,172 @@
+"""Kernel profile of weightlift's decode and prefill on one GPU: which kernels a token costs,
+how many launches, and how long each takes, recorded with torch.profiler (CUPTI sees every
+kernel launched in this process, weightlift's included).
+
+On the end-to-end bench's checkpoint (e2e.py makes it in WEIGHTLIFT_E2E_DIR and keeps it), for
+each weight type: STEPS greedy decode steps after a SHORT-token prompt, and one PREFILL-token
+prompt into an empty cache. Writes profile.md and profile.json in --out.
+
+    python benches/gpu/profile.py --device cuda:0 --out benches/results/gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e  # noqa: E402  (the checkpoint and the weight types are the end-to-end bench's)
+
+STEPS = 16
+SHORT = 64
+PREFILL = 512
+TOP = 12
+
+
+def kernel_table(prof: Any, per: int) -> tuple[list[dict[str, Any]], float]:
+    """Device kernels by total time: name, calls per unit, mean µs, share; and the total µs."""
+    by: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) is None or str(ev.device_type) != "DeviceType.CUDA":
+            continue
+        by.setdefault(ev.name, []).append(ev.time_range.elapsed_us())
+    total = sum(sum(v) for v in by.values())
+    rows = [
+        {
+            "kernel": k,
+            "calls_per": len(v) / per,
+            "mean_us": sum(v) / len(v),
+            "share": sum(v) / total if total else 0.0,
+        }
+        for k, v in by.items()
+    ]
+    rows.sort(key=lambda r: -r["share"])
+    return rows, total
+
+
+def profile_one(label: str, kw: dict[str, Any], path: Path, device: str, ids: list[int]) -> dict:
+    import torch
+    import weightlift as wl
+    from torch.profiler import ProfilerActivity, profile
+
+    res: dict[str, Any] = {"label": label}
+    m = cache = None
+    try:
+        m = wl.Model(path, devices=device, compute="fast", **kw)
+        cache = wl.Cache(m, max_seq_len=PREFILL + STEPS + SHORT, dtype="fp16")
+        m.load(cache=cache)
+        e2e.ours_forward(m, cache, ids[:SHORT], 4)  # compiles the kernels
+        e2e.ours_forward(m, cache, ids[:PREFILL], 0)
+        cache.reset()
+        logits = m.forward(ids[:SHORT], cache=cache)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(STEPS):
+                logits = m.forward([int(logits[0].argmax())], cache=cache)
+            wall = time.perf_counter() - t
+        rows, total = kernel_table(prof, STEPS)
+        res["decode"] = {
+            "wall_us_per_token": wall / STEPS * 1e6,
+            "kernel_us_per_token": total / STEPS,
+            "launches_per_token": sum(r["calls_per"] for r in rows),
+            "kernels": rows[:TOP],
+        }
+        cache.reset()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            m.forward(ids[:PREFILL], cache=cache)
+            wall = time.perf_counter() - t
+        rows, total = kernel_table(prof, 1)
+        res["prefill"] = {
+            "wall_ms": wall * 1e3,
+            "kernel_ms": total / 1e3,
+            "launches": sum(r["calls_per"] for r in rows),
+            "kernels": rows[:TOP],
+        }
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if cache is not None:
+            cache.free()
+        if m is not None:
+            m.unload()
+        gc.collect()
+        torch.cuda.synchronize()
+    return res
+
+
+def markdown(header: str, results: list[dict[str, Any]]) -> str:
+    out = ["# Kernel profile", "", header, ""]
+    for r in results:
+        out.append(f"## {r['label']}")
+        out.append("")
+        if "error" in r:
+            out += [f"failed: {r['error']}", ""]
+            continue
+        d, p = r["decode"], r["prefill"]
+        out.append(
+            f"Decode after {SHORT} positions: {d['wall_us_per_token']:.0f} µs a token wall, "
+            f"{d['kernel_us_per_token']:.0f} µs of kernels, {d['launches_per_token']:.0f} launches."
+        )
+        out += ["", "| kernel | calls/token | µs/call | share |", "|---|---:|---:|---:|"]
+        for k in d["kernels"]:
+            out.append(
+                f"| `{k['kernel'][:60]}` | {k['calls_per']:.1f} | {k['mean_us']:.1f} | "
+                f"{100 * k['share']:.0f} % |"
+            )
+        out += [
+            "",
+            f"Prefill of {PREFILL} tokens: {p['wall_ms']:.1f} ms wall, {p['kernel_ms']:.1f} ms of "
+            f"kernels, {p['launches']:.0f} launches.",
+            "",
+            "| kernel | calls | µs/call | share |",
+            "|---|---:|---:|---:|",
+        ]
+        for k in p["kernels"]:
+            out.append(
+                f"| `{k['kernel'][:60]}` | {k['calls_per']:.0f} | {k['mean_us']:.1f} | "
+                f"{100 * k['share']:.0f} % |"
+            )
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", default="", help="comma-separated labels (default: all)")
+    args = ap.parse_args()
+    root = Path(
+        os.environ.get("WEIGHTLIFT_E2E_DIR", Path(tempfile.gettempdir()) / "weightlift-e2e")
+    )
+    path, _ = e2e.checkpoint(e2e.TINYLLAMA, root)
+    ids = np.random.default_rng(e2e.SEED).integers(3, 32000, size=PREFILL + SHORT).tolist()
+    wanted = {s for s in args.only.split(",") if s}
+    results = []
+    for label, kw in e2e.OURS:
+        if wanted and label not in wanted:
+            continue
+        r = profile_one(label, kw, path, args.device, ids)
+        results.append(r)
+        print(f"{label}: {r.get('error') or 'done'}", flush=True)
+    header = os.environ.get("WEIGHTLIFT_RUN_HEADER", time.strftime("Run %Y-%m-%d %H:%M"))
+    md = markdown(header, results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.md").write_text(md)
+    (args.out / "profile.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
