@@ -261,6 +261,14 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(ordinal)
             .map_err(drv(format!("creating a context on cuda:{ordinal}")))?;
+        // cudarc would otherwise record and wait on events for every buffer of every launch
+        // (seven driver calls for a matrix product, and two new events for each scratch
+        // buffer) once a context has a second stream, as ours do. The backend orders its
+        // streams itself: one compute stream, and explicit events for the copy stream and peer
+        // copies (`CopyStream::after_compute`/`before_compute`, `copy_rows_to_peer`).
+        // SAFETY: no buffer exists yet on this context; every buffer is allocated and freed on
+        // the compute stream, and another stream touches one only between the events above.
+        unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx
             .compute_capability()
             .map_err(drv("reading the compute capability"))?;
