@@ -4,14 +4,16 @@
 # the checkout, and that benches/gpu/run.sh runs there:
 #   bundle.tar.xz   the release test binaries and bench binaries run.sh lists, built with the
 #                   `gpu-bundle` profile (release, stripped); the wheel (`--features cuda,nccl`,
-#                   the same profile); the reference files the tests read; manifest.env (the
+#                   the same profile); manifest.env (the
 #                   commit, the build folder the binaries' data paths start from, the date)
 #   run.sh          a copy of benches/gpu/run.sh
 # It fails when the bundle and the checkout (without .git, target, .venv, .cache and the bundle
 # folder itself) come to more than LIMIT_MIB together: what the GPU machine is sent has to fit.
 #
-# Environment: WEIGHTLIFT_REFERENCE (the reference pack; default .cache/reference, which
-# `make reference` lays out), MATURIN (default maturin), PYTHON (python3),
+# The reference files the tests read are not in it: run.sh lays them out there from the
+# checkout's tests/reference (which travels anyway) with the bundle's wheel.
+#
+# Environment: MATURIN (default maturin), PYTHON (python3),
 # GPU_BUNDLE_DIR (the output folder).
 set -euo pipefail
 
@@ -24,14 +26,9 @@ MATURIN=${MATURIN:-maturin}
 PYTHON=${PYTHON:-python3}
 FEATURES=weightlift-kernels/cuda,weightlift-engine/cuda,weightlift-engine/nccl,weightlift-benches/cuda
 WHEEL_FEATURES=cuda,nccl
-REF=${WEIGHTLIFT_REFERENCE:-$ROOT/.cache/reference}
-if [ ! -f "$REF/manifest.json" ]; then
-    echo "bundle.sh: the reference data is not laid out in $REF; run \`make reference\`" >&2
-    exit 2
-fi
 
 rm -rf "$STAGE"
-mkdir -p "$STAGE/bin" "$STAGE/wheel" "$STAGE/reference"
+mkdir -p "$STAGE/bin" "$STAGE/wheel"
 list=$(benches/gpu/run.sh --list)
 suites=$(awk '$1 == "test" {print $3}' <<<"$list")
 benches=$(awk '$1 == "bench" {print $2}' <<<"$list")
@@ -65,15 +62,6 @@ rm "$STAGE/cargo-messages.json"
 echo "== wheel (--features $WHEEL_FEATURES, profile gpu-bundle)"
 "$MATURIN" build --profile gpu-bundle --features "$WHEEL_FEATURES" --out "$STAGE/wheel"
 
-echo "== reference files from $REF"
-for f in $(awk '$1 == "reference" {print $2}' <<<"$list"); do
-    if [ ! -e "$REF/$f" ]; then
-        echo "bundle: $REF/$f is missing; set WEIGHTLIFT_REFERENCE to the reference pack" >&2
-        exit 1
-    fi
-    mkdir -p "$STAGE/reference/$(dirname "$f")"
-    cp -a "$REF/$f" "$STAGE/reference/$f"
-done
 
 commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
@@ -92,16 +80,15 @@ mkdir -p "$OUT"
 tar -C "$STAGE" -cf - . | xz -T0 -9 >"$OUT/bundle.tar.xz"
 cp benches/gpu/run.sh "$OUT/run.sh"
 
-# What travels: the bundle, and the checkout less what never travels with it (git's folder,
-# build outputs, the venv, the caches; du counts more than git would send, which keeps the
-# check on the safe side).
+# What travels: the bundle, and the files of the checkout git tracks or would track (what the
+# GPU machine is sent of a working tree; ignored build outputs stay behind).
 mib() { awk -v b="$1" 'BEGIN {printf "%.1f MiB", b / 1048576}'; }
 bundle_bytes=$(du -sb "$OUT" | cut -f1)
 rel_out=$(realpath --relative-to="$ROOT" "$OUT")
-checkout_bytes=$(du -sb --exclude=./.git --exclude=./target --exclude=./.venv \
-    --exclude=./.cache --exclude="./$rel_out" . | cut -f1)
+checkout_bytes=$(git ls-files -z --cached --others --exclude-standard |
+    xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
 total=$((bundle_bytes + checkout_bytes))
-echo "bundle: $(du -sh "$STAGE/bin" | cut -f1) of binaries, $(du -sh "$STAGE/wheel" | cut -f1) wheel, $(du -sh "$STAGE/reference" | cut -f1) reference files before compression"
+echo "bundle: $(du -sh "$STAGE/bin" | cut -f1) of binaries, $(du -sh "$STAGE/wheel" | cut -f1) wheel before compression"
 echo "size: bundle $(mib "$bundle_bytes") + checkout $(mib "$checkout_bytes") = $(mib "$total") (limit $LIMIT_MIB MiB)"
 if [ "$total" -gt $((LIMIT_MIB << 20)) ]; then
     echo "bundle: over the $LIMIT_MIB MiB the GPU machine accepts" >&2

@@ -2,7 +2,7 @@
 # The GPU check in one call: every test that needs a GPU, the CUDA kernel bench and the
 # end-to-end bench, on a machine with one NVIDIA GPU and its own Python (torch and transformers,
 # no internet), from the folder `make gpu-bundle` builds beside this checkout (release test
-# binaries, the wheel, the reference files the tests read).
+# binaries, the wheel; the reference files the tests read are laid out here).
 #
 #   benches/gpu/run.sh [--out DIR] [--bundle DIR]   on the GPU machine; results in DIR
 #                                                  (default benches/results/gpu)
@@ -54,14 +54,19 @@ weightlift-engine     tp_backend            ignored          skip   2gpu
 # The bench binaries the bundle carries (benches/benches/*.rs).
 BENCHES='kernels_cuda'
 # The reference files those tests read, under WEIGHTLIFT_REFERENCE (a folder laid out as the
-# reference pack: tiny-llama/, smollm2-135m/); the bundle carries these and no more of the pack.
+# reference pack: tiny-llama/, smollm2-135m/); laid out here from the checkout's
+# tests/reference by its materialize.py with the bundle's wheel (the GGUFs are rebuilt by
+# quantise-on-load and checked against llama.cpp's sha256).
 REFERENCE_FILES='
-manifest.json
 tiny-llama/gguf/tiny-llama-Q8_0.gguf
 tiny-llama/gguf/tiny-llama-Q4_K_M.gguf
 tiny-llama/ids.json
 tiny-llama/hf_logits.npy
-tiny-llama/safetensors
+tiny-llama/safetensors/model.safetensors
+tiny-llama/safetensors/config.json
+tiny-llama/safetensors/tokenizer.json
+tiny-llama/safetensors/tokenizer_config.json
+tiny-llama/safetensors/generation_config.json
 smollm2-135m/prompts.json
 '
 
@@ -217,7 +222,7 @@ fi
 # machine, under BUNDLE_BUILD_ROOT. Where that folder is absent, lay it out: real folders down to
 # each crate holding links to this checkout's files (a single link to the checkout would not do:
 # a path that climbs out with `..` would then climb out of the checkout, not the link), and the
-# bundle's reference files at `.cache/reference` inside it, unless something is there already
+# reference files at `.cache/reference` inside it, unless something is there already
 # (the tests also find them through WEIGHTLIFT_REFERENCE).
 
 export WEIGHTLIFT_REFERENCE=$WORK/reference
@@ -266,9 +271,9 @@ lay_out_build_root() {
 }
 lay_out_build_root || FAILED+=("test data layout")
 
-missing=()
-for f in $REFERENCE_FILES; do [ -e "$WEIGHTLIFT_REFERENCE/$f" ] || missing+=("$f"); done
-[ ${#missing[@]} -eq 0 ] || echo "note: reference files missing from the bundle: ${missing[*]}"
+# shellcheck disable=SC2086  # the file list splits on whitespace
+"$PYTHON" "$ROOT/tests/reference/materialize.py" "$WEIGHTLIFT_REFERENCE" $REFERENCE_FILES ||
+    FAILED+=("reference files (materialize.py)")
 
 # ---------------------------------------------------------------------------------------------
 # 1. The tests.

@@ -1,6 +1,9 @@
 """Lay out the reference data (README.md) in full, from what this folder keeps::
 
-    python tests/reference/materialize.py [OUT]      # OUT defaults to .cache/reference
+    python tests/reference/materialize.py [OUT [FILE ...]]   # OUT defaults to .cache/reference
+
+With FILEs (paths as manifest.json names them), only those and what they are rebuilt from (the
+GPU run lays out the few files its tests read this way).
 
 `make reference` runs it. Every file written is checked against the sha256 of the original
 (recorded in `manifest.json` by `pack.py`), so what the tests read is byte for byte what
@@ -211,12 +214,17 @@ class Builder:
         return bytes(out)
 
 
-def main(out: Path) -> int:
+def main(out: Path, only: list[str] | None = None) -> int:
     manifest = json.loads((HERE / "manifest.json").read_text())
     builder = Builder(out, manifest)
+    wanted = list(only) if only else list(manifest["files"])
+    unknown = [rel for rel in wanted if rel not in manifest["files"]]
+    if unknown:
+        print(f"materialize.py: not in manifest.json: {', '.join(unknown)}", file=sys.stderr)
+        return 2
     (out / "manifest.json").unlink(missing_ok=True)
     try:
-        for rel in manifest["files"]:
+        for rel in wanted:
             builder.ensure(rel)
     except ReferenceError as e:
         print(f"materialize.py: {e}", file=sys.stderr)
@@ -225,11 +233,10 @@ def main(out: Path) -> int:
     # current".
     stamp = out / "manifest.json"
     stamp.write_bytes((HERE / "manifest.json").read_bytes())
-    print(f"reference data: {len(manifest['files'])} files in {out}, each matching its sha256")
+    print(f"reference data: {len(wanted)} files in {out}, each matching its sha256")
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2:
-        sys.exit("usage: materialize.py [OUT]")
-    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) == 2 else DEFAULT_OUT))
+    args = sys.argv[1:]
+    sys.exit(main(Path(args[0]) if args else DEFAULT_OUT, args[1:]))
