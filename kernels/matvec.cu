@@ -148,19 +148,44 @@ WL_FV_KERNELS(f16, 2)
 WL_FV_KERNELS(bf16, 2)
 WL_FV_KERNELS(f32, 4)
 
-// q8_quantize_{f32,f16}: one thread per activation block of 32 values, written as the 40-byte
-// blocks of wl_q8.cuh (the CPU's Q8Block bytes). f16 inputs are widened first, as the CPU does.
+// q8_quantize_{f32,f16}: one warp per activation block of 32 values (lane i holds value i, so
+// the loads and stores are contiguous), written as the 40-byte blocks of wl_q8.cuh (the CPU's
+// Q8Block bytes): the same bytes as wl_q8_quantize_block, since neither the maximum nor the
+// integer sum depends on the order. f16 inputs are widened first, as the CPU does. Launch with
+// 32 threads per block of activations.
+__device__ __forceinline__ void wl_q8_quantize_warp(float v, wl_u8* out, int lane) {
+    // |v|, with NaN as 0: a NaN never becomes wl_q8_quantize_block's maximum, which starts at 0
+    float a = wl_bits_to_f32(wl_f32_to_bits(v) & 0x7fffffffu);
+    if (!(a > 0.0f)) a = 0.0f;
+    for (int o = 16; o > 0; o >>= 1) {
+        float b = __shfl_xor_sync(0xffffffffu, a, o);
+        a = b > a ? b : a;
+    }
+    float d = WL_DIV(a, 127.0f);
+    float id = d != 0.0f ? WL_DIV(1.0f, d) : 0.0f;
+    float t = roundf(WL_MUL(v, id));
+    int q = t != t ? 0 : (t >= 127.0f ? 127 : (t <= -128.0f ? -128 : (int)t));
+    out[8 + lane] = (wl_u8)(wl_i8)q;
+    int sum = q;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) {
+        wl_wr_u32(out, wl_f32_to_bits(wl_f16_to_f32(wl_f32_to_f16(d))));
+        wl_wr_u32(out + 4, (wl_u32)sum);
+    }
+}
+
 extern "C" __global__ void q8_quantize_f32(const float* x, wl_u8* out, wl_u64 n_blocks) {
-    wl_u64 b = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b < n_blocks) wl_q8_quantize_block(x + b * 32, out + b * WL_Q8_BLOCK_BYTES);
+    wl_u64 b = ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (b >= n_blocks) return;  // a whole warp: b is the warp's
+    int lane = threadIdx.x % 32;
+    wl_q8_quantize_warp(x[b * 32 + lane], out + b * WL_Q8_BLOCK_BYTES, lane);
 }
 
 extern "C" __global__ void q8_quantize_f16(const wl_u16* x, wl_u8* out, wl_u64 n_blocks) {
-    wl_u64 b = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    wl_u64 b = ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     if (b >= n_blocks) return;
-    float v[32];
-    for (int i = 0; i < 32; ++i) v[i] = wl_f16_to_f32(x[b * 32 + i]);
-    wl_q8_quantize_block(v, out + b * WL_Q8_BLOCK_BYTES);
+    int lane = threadIdx.x % 32;
+    wl_q8_quantize_warp(wl_f16_to_f32(x[b * 32 + lane]), out + b * WL_Q8_BLOCK_BYTES, lane);
 }
 
 // Tokens one thread carries per pass: each decoded weight group meets this many activations.
@@ -212,26 +237,43 @@ extern "C" __global__ void q8_quantize_f16(const wl_u16* x, wl_u8* out, wl_u64 n
     }
 
 // q8_matvec_{type}(w, xq, y, rows, cols): decode's product, y[r] = the Q8-mode dot of weight
-// row r with one token's quantised blocks, in the order of wl_q8v_lane_* (wl_q8.cuh): one warp a
-// row, WL_Q8V_ROWS rows a block. Bytes per call: the weights once, which bound it (the
-// activations, cols / 32 blocks of 40 bytes, are read by every warp from L1/L2). A warp whose
-// row is out of range leaves as a whole, so the shuffles always see 32 live lanes.
-#define WL_Q8V_ROWS 8
+// row r with one token's quantised blocks, in the order of wl_q8v_lane_* (wl_q8.cuh): a block of
+// WL_Q8V_THREADS threads is blockDim.y rows of blockDim.x = 32 * wpr threads (the host picks
+// wpr: sources::q8_matvec_warps). Bytes per call: the weights once, which bound it (the
+// activations, cols / 32 blocks of 40 bytes, are read by every row from L1/L2). A row past the
+// last computes the last row and stores nothing, so every thread reaches the barrier.
+#define WL_Q8V_THREADS 256
 #define WL_Q8_MATVEC(NAME, BS, BB)                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * WL_Q8V_ROWS)                                 \
+    extern "C" __global__ void __launch_bounds__(WL_Q8V_THREADS)                                   \
         q8_matvec_##NAME(const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {    \
-        wl_u64 r = (wl_u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                      \
-        int lane = threadIdx.x % 32;                                                               \
-        if (r >= rows) return;                                                                     \
+        __shared__ float part[2][WL_Q8V_THREADS / 32];                                             \
+        const int wpr = blockDim.x / 32, lane = threadIdx.x, warp = lane / 32;                     \
+        wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
+        const int live = r < rows;                                                                 \
+        if (!live) r = rows - 1;                                                                   \
         const int al = (((wl_u64)w | (wl_u64)xq) & 3) == 0;                                        \
         float a, e;                                                                                \
-        wl_q8v_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, al, &a, &e);             \
+        wl_q8v_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, wpr, al, &a, &e);        \
         for (int o = 16; o > 0; o >>= 1) a = WL_ADD(a, __shfl_xor_sync(0xffffffffu, a, o));        \
         if (WL_Q8_KIND_##NAME != 0) {                                                              \
             for (int o = 16; o > 0; o >>= 1) e = WL_ADD(e, __shfl_xor_sync(0xffffffffu, e, o));    \
-            a = WL_ADD(a, e);                                                                      \
         }                                                                                          \
-        if (lane == 0) y[r] = a;                                                                   \
+        if (wpr > 1) {                                                                             \
+            const int slot = threadIdx.y * wpr + warp;                                             \
+            if (lane % 32 == 0) {                                                                  \
+                part[0][slot] = a;                                                                 \
+                part[1][slot] = e;                                                                 \
+            }                                                                                      \
+            __syncthreads();                                                                       \
+            if (lane == 0) {                                                                       \
+                for (int k = 1; k < wpr; ++k) {                                                    \
+                    a = WL_ADD(a, part[0][slot + k]);                                              \
+                    e = WL_ADD(e, part[1][slot + k]);                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        if (WL_Q8_KIND_##NAME != 0) a = WL_ADD(a, e);                                              \
+        if (live && lane == 0) y[r] = a;                                                           \
     }
 
 #define WL_Q8_KERNELS(NAME, BS, BB) \

@@ -253,32 +253,35 @@ WL_Q8_LANE(q6_k, 256, 210)
 // Four bytes of an activation block (4-byte aligned when al; see wl_wld16).
 WL_HD wl_u32 wl_xld32(const wl_u8* p, int al) { return wl_wld32a(p, al); }
 
-// The decode kernels' order (q8_matvec_{type}, one warp a weight row, for memory bandwidth): lane
-// l of 32 takes word j = l % 8 of the row's 32-value groups l / 8, l / 8 + 4, l / 8 + 8, ...,
-// in that order, in one FMA chain of wl_q8_step_v (the lanes of word 0 also keep the groups'
-// extra terms, in a chain of their own). The kernel
-// then adds the 32 chains by an xor butterfly (offsets 16, 8, 4, 2, 1), the extra chains
-// likewise, and the two sums. This is not the CPU's order (q8_matmul_{type} keeps that one for
-// prompts); it spreads a row over four times the threads and reads whole words.
-// wl_q8v_lane_{type}(row, xq, cols, lane, al, &acc, &extra) is lane `lane`'s two chains; it
+// The decode kernels' order (q8_matvec_{type}, for memory bandwidth): a weight row belongs to
+// `wpr` warps (1, 2, 4 or 8, chosen by the host to fill the device), 32 * wpr lanes in all.
+// Lane L of the row (warp L / 32, lane L % 32) takes word j = L % 8 of the row's 32-value
+// groups L / 8, L / 8 + 4 * wpr, L / 8 + 8 * wpr, ..., in that order, in one FMA chain of
+// wl_q8_step_v (the lanes of word 0 also keep the groups' extra terms, in a chain of their
+// own). Each warp adds its 32 chains by an xor butterfly (offsets 16, 8, 4, 2, 1), its extra
+// chains likewise; the row's result is then the warps' sums added in warp order, plus the
+// warps' extra sums added in warp order. This is not the CPU's order (q8_matmul_{type} keeps
+// that one for prompts); it spreads a row over up to 32 times the threads and reads words.
+// wl_q8v_lane_{type}(row, xq, cols, L, wpr, al, &acc, &extra) is lane L's two chains; it
 // loads WL_Q8V_UNROLL groups' words before it uses any, so their loads are in flight together.
 #define WL_Q8V_UNROLL 4
 
 #define WL_Q8V_LANE(NAME, BS, BB)                                                                  \
-    WL_HD void wl_q8v_lane_##NAME(const wl_u8* row, const wl_u8* xq, wl_u64 cols, int lane, int al,  \
-                                  float* acc, float* extra) {                                      \
+    WL_HD void wl_q8v_lane_##NAME(const wl_u8* row, const wl_u8* xq, wl_u64 cols, int lane, int wpr, \
+                                  int al, float* acc, float* extra) {                              \
         const int j = lane % 8;                                                                    \
+        const wl_u64 step = 4 * (wl_u64)wpr;                                                       \
         /* a group's extra term is the whole block's: word 0's lane adds it */                     \
         const int kind = j == 0 ? WL_Q8_KIND_##NAME : 0;                                           \
         const wl_u64 n_groups = cols / 32;                                                         \
         float a = 0.0f, e = 0.0f;                                                                  \
-        for (wl_u64 g0 = (wl_u64)(lane / 8); g0 < n_groups; g0 += 4 * WL_Q8V_UNROLL) {             \
+        for (wl_u64 g0 = (wl_u64)(lane / 8); g0 < n_groups; g0 += step * WL_Q8V_UNROLL) {          \
             wl_u32 w4[WL_Q8V_UNROLL], xw[WL_Q8V_UNROLL];                                           \
             float dw[WL_Q8V_UNROLL], mw[WL_Q8V_UNROLL], xd[WL_Q8V_UNROLL];                         \
             int xs[WL_Q8V_UNROLL];                                                                 \
             WL_UNROLL                                                                              \
             for (int u = 0; u < WL_Q8V_UNROLL; ++u) {                                              \
-                wl_u64 g = g0 + 4 * (wl_u64)u;                                                     \
+                wl_u64 g = g0 + step * (wl_u64)u;                                                  \
                 w4[u] = xw[u] = 0u;                                                                \
                 dw[u] = mw[u] = xd[u] = 0.0f;                                                      \
                 xs[u] = 0;                                                                         \
@@ -293,7 +296,7 @@ WL_HD wl_u32 wl_xld32(const wl_u8* p, int al) { return wl_wld32a(p, al); }
             }                                                                                      \
             WL_UNROLL                                                                              \
             for (int u = 0; u < WL_Q8V_UNROLL; ++u) {                                              \
-                if (g0 + 4 * (wl_u64)u < n_groups) {                                               \
+                if (g0 + step * (wl_u64)u < n_groups) {                                            \
                     wl_q8_step_v(w4[u], dw[u], mw[u], xd[u], xs[u], xw[u], kind, &a, &e);          \
                 }                                                                                  \
             }                                                                                      \

@@ -252,7 +252,7 @@ extern "C" void wl_host_q8_quantize(int act_f16, const void* x, wl_u8* out, size
 }
 
 typedef void (*wl_q8_lane_fn)(const wl_u8*, const wl_u8*, wl_u64, int, float*, float*);
-typedef void (*wl_q8v_lane_fn)(const wl_u8*, const wl_u8*, wl_u64, int, int, float*, float*);
+typedef void (*wl_q8v_lane_fn)(const wl_u8*, const wl_u8*, wl_u64, int, int, int, float*, float*);
 
 #define WL_Q8_CASE(NAME, TY, BS, BB)  \
     case TY:                          \
@@ -309,11 +309,12 @@ static void wl_host_butterfly(float* v) {
     }
 }
 
-// What q8_matvec_{type} computes for one token: every row's 32 lane chains of wl_q8v_lane_*
-// (with `al` as the kernel finds it: 1 for the word loads, 0 byte by byte; the same words),
-// the butterfly over the chains, and over the extra chains added when the type has one.
-// Returns 0 for a weight type without a Q8 kernel.
-extern "C" int wl_host_q8_matvec(int ty, int al, const wl_u8* w, const wl_u8* xq, float* y,
+// What q8_matvec_{type} computes for one token with `wpr` warps a row: every row's 32 * wpr
+// lane chains of wl_q8v_lane_* (with `al` as the kernel finds it: 1 for the word loads, 0 byte
+// by byte; the same words), each warp's butterfly over its chains, the warps' sums in warp
+// order, and the same for the extra chains, added when the type has them. Returns 0 for a
+// weight type without a Q8 kernel.
+extern "C" int wl_host_q8_matvec(int ty, int al, int wpr, const wl_u8* w, const wl_u8* xq, float* y,
                                  size_t rows, size_t cols) {
     wl_q8_lane_fn f;
     wl_q8v_lane_fn fv;
@@ -321,14 +322,18 @@ extern "C" int wl_host_q8_matvec(int ty, int al, const wl_u8* w, const wl_u8* xq
     if (!wl_q8_fns(ty, &f, &fv, &kind, &bs, &bb)) return 0;
     size_t row_bytes = cols / (size_t)bs * (size_t)bb;
     for (size_t r = 0; r < rows; ++r) {
-        float acc[32], extra[32];
-        for (int l = 0; l < 32; ++l) fv(w + r * row_bytes, xq, cols, l, al, &acc[l], &extra[l]);
-        wl_host_butterfly(acc);
-        if (kind != 0) {
+        float a = 0.0f, e = 0.0f;
+        for (int k = 0; k < wpr; ++k) {
+            float acc[32], extra[32];
+            for (int l = 0; l < 32; ++l) {
+                fv(w + r * row_bytes, xq, cols, 32 * k + l, wpr, al, &acc[l], &extra[l]);
+            }
+            wl_host_butterfly(acc);
             wl_host_butterfly(extra);
-            acc[0] = WL_ADD(acc[0], extra[0]);
+            a = k == 0 ? acc[0] : WL_ADD(a, acc[0]);
+            e = k == 0 ? extra[0] : WL_ADD(e, extra[0]);
         }
-        y[r] = acc[0];
+        y[r] = kind != 0 ? WL_ADD(a, e) : a;
     }
     return 1;
 }

@@ -76,8 +76,8 @@ use crate::error::{KernelError, Result};
 use crate::sources::{
     ATTENTION_WARPS, CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FLOAT_TYPES, CUDA_Q8_TYPES,
     DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS,
-    GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_ROWS, attention_grid,
-    dq_chunk_rows, float_row_threads, signature,
+    GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS, attention_grid,
+    dq_chunk_rows, float_row_threads, q8_matvec_warps, signature,
 };
 use crate::types::{FloatType, QuantType};
 

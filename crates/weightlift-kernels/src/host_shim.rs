@@ -43,9 +43,11 @@ unsafe extern "C" {
         nt_max: i32,
     ) -> i32;
     fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
+    #[allow(clippy::too_many_arguments)]
     fn wl_host_q8_matvec(
         ty: i32,
         al: i32,
+        wpr: i32,
         w: *const u8,
         xq: *const u8,
         y: *mut f32,
@@ -432,11 +434,13 @@ pub fn q8_matmul(
 }
 
 /// What the decode kernel `q8_matvec_{type}` computes for one token's `cols / 32` activation
-/// blocks `xq`: 32 lane chains a row in its own order and their butterfly. `word_loads` picks
-/// the kernel's aligned word loads or its byte-by-byte path (the same words either way).
+/// blocks `xq` with `wpr` warps a row (1, 2, 4 or 8): 32 · wpr lane chains a row in its own
+/// order, each warp's butterfly and the warps' sums. `word_loads` picks the kernel's aligned
+/// word loads or its byte-by-byte path (the same words either way).
 pub fn q8_matvec(
     ty: QuantType,
     word_loads: bool,
+    wpr: usize,
     w: &[u8],
     xq: &[u8],
     y: &mut [f32],
@@ -448,12 +452,14 @@ pub fn q8_matvec(
     let shape_ok = cols.is_multiple_of(bs)
         && cols.is_multiple_of(32)
         && xq.len() == cols / 32 * crate::sources::Q8_BLOCK_BYTES
-        && rows.checked_mul(row_bytes) == Some(w.len());
+        && rows.checked_mul(row_bytes) == Some(w.len())
+        && [1, 2, 4, 8].contains(&wpr);
     if !shape_ok {
         return Err(KernelError::Shape {
             op: "host q8 matvec",
             reason: format!(
-                "{rows} x {cols} {ty} weights in {} bytes, {} activation block bytes",
+                "{rows} x {cols} {ty} weights in {} bytes, {} activation block bytes, {wpr} \
+                 warps a row",
                 w.len(),
                 xq.len(),
             ),
@@ -465,6 +471,7 @@ pub fn q8_matvec(
         wl_host_q8_matvec(
             ty.ggml_id() as i32,
             i32::from(word_loads),
+            wpr as i32,
             w.as_ptr(),
             xq.as_ptr(),
             y.as_mut_ptr(),

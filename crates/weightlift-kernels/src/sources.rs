@@ -211,9 +211,21 @@ pub fn signature(name: &str) -> Option<&'static [Param]> {
 /// `#[repr(C)] Q8Block` (f32 `d`, i32 `sum`, 32 × i8), little-endian.
 pub const Q8_BLOCK_BYTES: usize = 40;
 
-/// Weight rows per block of decode's Q8 kernel `q8_matvec_{type}`, one warp each
-/// (`WL_Q8V_ROWS` in `kernels/matvec.cu`).
-pub const Q8_MATVEC_ROWS: usize = 8;
+/// Threads per block of decode's Q8 kernel `q8_matvec_{type}` (`WL_Q8V_THREADS` in
+/// `kernels/matvec.cu`): `256 / (32 wpr)` rows of [`q8_matvec_warps`] warps each.
+pub const Q8_MATVEC_THREADS: usize = 256;
+
+/// Warps per weight row of decode's Q8 kernel (1, 2, 4 or 8): enough that the launch has about
+/// 64 warps per SM in flight (a decode product is too short for a second wave to hide the
+/// first's memory latency), and no more than leave every lane two groups of the row.
+pub fn q8_matvec_warps(rows: usize, cols: usize, sm_count: usize) -> usize {
+    let want = (sm_count.max(1) * 64)
+        .div_ceil(rows.max(1))
+        .next_power_of_two();
+    // a row of g groups keeps 32 * wpr lanes busy for two groups each when wpr <= g / 8
+    let most = 1usize << (cols / 32 / 8).max(1).ilog2();
+    want.min(most).min(8)
+}
 
 /// Tokens from which an exact-mode matmul on CUDA takes the dequantised path (dequantise a
 /// chunk of weight rows, then the tiled `gemm_{act}`) instead of the warp-per-row kernels,

@@ -54,12 +54,18 @@ fn decode_twin(
     };
     host_shim::q8_quantize(x, &mut xq).expect("host q8 quantise");
     let mut y = vec![0f32; rows];
-    host_shim::q8_matvec(ty, true, w, &xq, &mut y, cols).expect("host q8 matvec");
+    // the device's choice for so few rows: any SM count asks for the most warps a row allows
+    let wpr = weightlift_kernels::sources::q8_matvec_warps(rows, cols, 1024);
+    assert!(
+        wpr > 1,
+        "{rows} x {cols}: the test means to cover several warps a row"
+    );
+    host_shim::q8_matvec(ty, true, wpr, w, &xq, &mut y, cols).expect("host q8 matvec");
     y
 }
 
 /// Q8 mode, 1 and 6 tokens (the CUDA prompt kernel carries 4 per pass), f32 and f16
-/// activations: within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with the Q8-dequantised
+/// activations, rows of 512 values: within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with the Q8-dequantised
 /// activations; on CUDA bit for bit the CPU's scalar Q8 mode for 6 tokens, and for one token
 /// (decode's kernel, in an order of its own) the host twin of that kernel.
 fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()> {
@@ -67,7 +73,8 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
     let on_cuda = b.name().starts_with("cuda");
     for name in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
         let f = load(name);
-        let cols = 256;
+        // rows of 512 values: decode's kernel spreads each over two warps
+        let cols = 512;
         let rows = f.want.len() / cols;
         let row_bytes = f.raw.len() / rows;
         let w = upload(b, &f.raw)?;

@@ -785,12 +785,12 @@ mod twin {
         assert!(err.to_string().contains("q2_k"), "{err}");
     }
 
-    /// Decode's Q8 kernel (`q8_matvec_{type}`: 32 lane chains a row, then the butterfly),
-    /// replayed on the host: its word loads and its byte-by-byte path give the same bits, and
-    /// every row lies within 1e-5 of an f64 dot of gguf-py's dequantised weights with the
+    /// Decode's Q8 kernel (`q8_matvec_{type}`: 32 lane chains per warp, 1, 2 or 4 warps a row,
+    /// each warp's butterfly, the warps' sums in order), replayed on the host: its word loads
+    /// and its byte-by-byte path give the same bits, and every row lies within 1e-5 of an f64 dot of gguf-py's dequantised weights with the
     /// Q8-dequantised activations, relative to Σ(|w| + 2|m|)·|x| (as the prompt kernel's). Rows
     /// of 1,024 values, so each lane's chain is several groups long and the unrolled loads run
-    /// past the row's end in the last pass (cols / 32 = 32 groups, 4 a pass of 16).
+    /// past the row's end in the last pass (32 groups; with one warp a row, 4 a pass of 16).
     #[test]
     fn header_q8_matvec_reads_words_and_matches_an_f64_dot() {
         let mut rng = Rng(0x0a8d08);
@@ -806,36 +806,38 @@ mod twin {
             let x = rng.vec(cols, 2.0);
             let mut xq = vec![0u8; cols / 32 * 40];
             host_shim::q8_quantize(host_shim::Act::F32(&x), &mut xq).unwrap();
-            let mut y = vec![0f32; rows];
-            let mut y_bytes = vec![0f32; rows];
-            host_shim::q8_matvec(f.ty, true, raw, &xq, &mut y, cols).unwrap();
-            host_shim::q8_matvec(f.ty, false, raw, &xq, &mut y_bytes, cols).unwrap();
             let blocks = q8_blocks(&xq);
-            for r in 0..rows {
-                assert!(
-                    same(y[r], y_bytes[r]),
-                    "{name} row {r}: words {} bytes {}",
-                    y[r],
-                    y_bytes[r]
-                );
-                let (mut s, mut mag) = (0f64, 0f64);
-                for c in 0..cols {
-                    let (d, qs) = &blocks[c / 32];
-                    let xv = f64::from(*d) * f64::from(qs[c % 32]);
-                    let w = f64::from(want[r * cols + c]);
-                    let m = group_min(f.ty, &raw[r * row_bytes..], c / 32);
-                    s += w * xv;
-                    mag += (w.abs() + 2.0 * m.abs()) * xv.abs();
+            for wpr in [1, 2, 4] {
+                let mut y = vec![0f32; rows];
+                let mut y_bytes = vec![0f32; rows];
+                host_shim::q8_matvec(f.ty, true, wpr, raw, &xq, &mut y, cols).unwrap();
+                host_shim::q8_matvec(f.ty, false, wpr, raw, &xq, &mut y_bytes, cols).unwrap();
+                for r in 0..rows {
+                    assert!(
+                        same(y[r], y_bytes[r]),
+                        "{name} {wpr} warps row {r}: words {} bytes {}",
+                        y[r],
+                        y_bytes[r]
+                    );
+                    let (mut s, mut mag) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let (d, qs) = &blocks[c / 32];
+                        let xv = f64::from(*d) * f64::from(qs[c % 32]);
+                        let w = f64::from(want[r * cols + c]);
+                        let m = group_min(f.ty, &raw[r * row_bytes..], c / 32);
+                        s += w * xv;
+                        mag += (w.abs() + 2.0 * m.abs()) * xv.abs();
+                    }
+                    assert!(
+                        (f64::from(y[r]) - s).abs() <= 1e-5 * mag + 1e-30,
+                        "{name} {wpr} warps row {r}: {} vs f64 {s} (magnitude {mag})",
+                        y[r]
+                    );
                 }
-                assert!(
-                    (f64::from(y[r]) - s).abs() <= 1e-5 * mag + 1e-30,
-                    "{name} row {r}: {} vs f64 {s} (magnitude {mag})",
-                    y[r]
-                );
             }
         }
         let q2 = vec![0u8; QuantType::Q2_K.block_bytes()];
-        let err = host_shim::q8_matvec(QuantType::Q2_K, true, &q2, &[0u8; 320], &mut [0.0], 256)
+        let err = host_shim::q8_matvec(QuantType::Q2_K, true, 1, &q2, &[0u8; 320], &mut [0.0], 256)
             .unwrap_err();
         assert!(err.to_string().contains("q2_k"), "{err}");
     }

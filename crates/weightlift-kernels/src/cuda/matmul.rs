@@ -105,14 +105,16 @@ impl CudaBackend {
             KArg::Out(&mut xq),
             KArg::U64(n_blocks as u64),
         ];
-        // SAFETY: one thread per block below n_blocks reads its 32 activations (n_tok * cols
+        // SAFETY: one warp per block below n_blocks reads its 32 activations (n_tok * cols
         // were checked) and writes its 40 bytes of the scratch (allocated for n_blocks).
-        unsafe { self.launch("matvec", &name, elementwise(n_blocks)?, &mut args) }?;
+        unsafe { self.launch("matvec", &name, elementwise(mul(n_blocks, 32))?, &mut args) }?;
         if m.n_tok == 1 {
-            // decode: one warp a row, Q8_MATVEC_ROWS rows a block
+            // decode: `wpr` warps a row, Q8_MATVEC_THREADS / (32 wpr) rows a block
+            let wpr = q8_matvec_warps(m.rows, m.cols, self.sm_count);
+            let per_block = Q8_MATVEC_THREADS / (32 * wpr);
             let cfg = LaunchConfig {
-                grid_dim: (grid_for(m.rows, Q8_MATVEC_ROWS, "rows")?, 1, 1),
-                block_dim: (32 * Q8_MATVEC_ROWS as u32, 1, 1),
+                grid_dim: (grid_for(m.rows, per_block, "rows")?, 1, 1),
+                block_dim: ((32 * wpr) as u32, per_block as u32, 1),
                 shared_mem_bytes: 0,
             };
             let name = format!("q8_matvec_{}", m.ty.name());
@@ -123,8 +125,9 @@ impl CudaBackend {
                 KArg::U64(m.rows as u64),
                 KArg::U64(m.cols as u64),
             ];
-            // SAFETY: each warp reads one weight row (rows were checked) and the token's
-            // cols / 32 blocks of xq, and writes y[r] below rows (checked).
+            // SAFETY: each row's warps read one weight row (rows were checked; a row past the
+            // last reads the last) and the token's cols / 32 blocks of xq, and write y[r]
+            // below rows (checked).
             return unsafe { self.launch("matvec", &name, cfg, &mut args) };
         }
         // 8 threads per row, 32 rows per block of 256; 4 tokens per thread pass on grid.y

@@ -6,7 +6,7 @@ On the end-to-end bench's checkpoint (e2e.py makes it in WEIGHTLIFT_E2E_DIR and 
 each weight type: STEPS greedy decode steps after a SHORT-token prompt, and one PREFILL-token
 prompt into an empty cache. Writes profile.md and profile.json in --out.
 
-    python benches/gpu/profile.py --device cuda:0 --out benches/results/gpu
+    python benches/gpu/kernel_profile.py --device cuda:0 --out benches/results/gpu
 """
 
 from __future__ import annotations
