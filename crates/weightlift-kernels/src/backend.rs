@@ -77,6 +77,27 @@ pub enum Op<'a, B> {
         /// Output, f32, `n_tok × rows`.
         y: &'a mut B,
     },
+    /// Products of one activation matrix with several weight matrices: for each member,
+    /// `y[t*rows + r] = dot(W[r], x[t])`, each with its own weight type and rows, all with the
+    /// same `cols`, tokens, mode and activations (a layer's q, k and v, or its gate and up).
+    /// The results are those of one [`Op::Matmul`] per member; a backend may share work
+    /// between them (CUDA quantises the activations once in Q8 mode).
+    MatmulShared {
+        /// Exact or llama.cpp-style q8 activations.
+        mode: MatvecMode,
+        /// Activation type, f32 or f16.
+        act: FloatType,
+        /// Values per row, of every member.
+        cols: usize,
+        /// Tokens.
+        n_tok: usize,
+        /// Chunk size of the dequantised path, in values.
+        max_dq_size: usize,
+        /// Activations, `n_tok × cols`.
+        x: &'a B,
+        /// The weight matrices and their outputs.
+        products: Vec<Product<'a, B>>,
+    },
     /// The LLM.int8 product `y[t*rows + r] = Σ_i x[t, i] · W[r, i]` over row-wise absmax int8
     /// weights, with the outlier columns (`|x| ≥ threshold` for some token) in f32 (see
     /// [`crate::cpu::int8`]; `threshold ≤ 0` quantises every column). Every backend computes
@@ -278,6 +299,49 @@ pub enum Op<'a, B> {
     },
 }
 
+/// One member of [`Op::MatmulShared`]: `rows × cols` weights of type `ty` and their output.
+#[derive(Debug)]
+pub struct Product<'a, B> {
+    /// Weight type.
+    pub ty: QuantType,
+    /// Output rows.
+    pub rows: usize,
+    /// Weights.
+    pub w: &'a B,
+    /// Output, f32, `n_tok × rows`.
+    pub y: &'a mut B,
+}
+
+/// [`Op::MatmulShared`] as one [`Op::Matmul`] per member, each given to `run` (a backend's
+/// own dispatch, which does not count them again), for a backend with nothing to share.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_each<'a, B>(
+    mode: MatvecMode,
+    act: FloatType,
+    cols: usize,
+    n_tok: usize,
+    max_dq_size: usize,
+    x: &'a B,
+    products: Vec<Product<'a, B>>,
+    mut run: impl FnMut(Op<'a, B>) -> Result<()>,
+) -> Result<()> {
+    for p in products {
+        run(Op::Matmul {
+            ty: p.ty,
+            mode,
+            act,
+            rows: p.rows,
+            cols,
+            n_tok,
+            max_dq_size,
+            w: p.w,
+            x,
+            y: p.y,
+        })?;
+    }
+    Ok(())
+}
+
 impl<B> Op<'_, B> {
     /// The operation's name, as [`OpCounter`] reports it.
     pub fn name(&self) -> &'static str {
@@ -285,6 +349,7 @@ impl<B> Op<'_, B> {
             Op::Dequantize { .. } => "dequantize",
             Op::ConvertToF16 { .. } => "convert_to_f16",
             Op::Matmul { .. } => "matmul",
+            Op::MatmulShared { .. } => "matmul_shared",
             Op::Int8Matmul { .. } => "int8_matmul",
             Op::RmsNorm { .. } => "rms_norm",
             Op::Rope { .. } => "rope",

@@ -225,124 +225,11 @@ impl CpuBackend {
     }
 }
 
-impl Backend for CpuBackend {
-    type Buffer = CpuBuffer;
-
-    fn name(&self) -> String {
-        self.name.to_string()
-    }
-
-    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
-        let oom = || KernelError::OutOfMemory {
-            device: self.name.to_string(),
-            bytes,
-        };
-        // reserve first, so concurrent allocations cannot overshoot the capacity together
-        let prev = self.used.fetch_add(bytes, Ordering::Relaxed);
-        if let Some(cap) = self.capacity
-            && prev.checked_add(bytes).is_none_or(|t| t > cap)
-        {
-            self.used.fetch_sub(bytes, Ordering::Relaxed);
-            return Err(oom());
-        }
-        let words = bytes.div_ceil(64);
-        let mut data = Vec::new();
-        if data.try_reserve_exact(words).is_err() {
-            self.used.fetch_sub(bytes, Ordering::Relaxed);
-            return Err(oom());
-        }
-        data.resize(words, Align64([0; 64]));
-        Ok(CpuBuffer {
-            mem: Mem::Owned(data),
-            len: bytes,
-            used: self.used.clone(),
-            device: self.name.clone(),
-        })
-    }
-
-    fn len(&self, buf: &CpuBuffer) -> usize {
-        buf.len
-    }
-
-    fn copy_from_host(&self, src: &[u8], dst: &mut CpuBuffer, offset: usize) -> Result<()> {
-        self.own(dst)?;
-        check_range("copy destination bytes", dst.len, offset, src.len())?;
-        dst.as_bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
-        Ok(())
-    }
-
-    fn copy_to_host(&self, src: &CpuBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.own(src)?;
-        check_range("copy source bytes", src.len, offset, dst.len())?;
-        dst.copy_from_slice(&src.as_bytes()[offset..offset + dst.len()]);
-        Ok(())
-    }
-
-    fn copy(
-        &self,
-        src: &CpuBuffer,
-        so: usize,
-        dst: &mut CpuBuffer,
-        d_o: usize,
-        bytes: usize,
-    ) -> Result<()> {
-        self.own(src)?;
-        self.own(dst)?;
-        check_range("copy source bytes", src.len, so, bytes)?;
-        check_range("copy destination bytes", dst.len, d_o, bytes)?;
-        dst.as_bytes_mut()[d_o..d_o + bytes].copy_from_slice(&src.as_bytes()[so..so + bytes]);
-        Ok(())
-    }
-
-    fn copy_2d(
-        &self,
-        src: &CpuBuffer,
-        from: Rows,
-        dst: &mut CpuBuffer,
-        to: Rows,
-        width: usize,
-        rows: usize,
-    ) -> Result<()> {
-        self.own(src)?;
-        self.own(dst)?;
-        check_rows("copy_2d source bytes", src.len, from, width, rows)?;
-        check_rows("copy_2d destination bytes", dst.len, to, width, rows)?;
-        if width == 0 {
-            return Ok(());
-        }
-        let (s, d) = (src.as_bytes(), dst.as_bytes_mut());
-        for r in 0..rows {
-            // in bounds: the last row ends within each buffer (checked above)
-            let (a, b) = (from.offset + r * from.pitch, to.offset + r * to.pitch);
-            d[b..b + width].copy_from_slice(&s[a..a + width]);
-        }
-        Ok(())
-    }
-
-    fn peer_access(&self, _to: &CpuBackend) -> bool {
-        true
-    }
-
-    fn copy_peer(
-        &self,
-        src: &CpuBuffer,
-        so: usize,
-        to: &CpuBackend,
-        dst: &mut CpuBuffer,
-        d_o: usize,
-        bytes: usize,
-    ) -> Result<()> {
-        self.own(src)?;
-        to.own(dst)?;
-        check_range("copy source bytes", src.len, so, bytes)?;
-        check_range("copy destination bytes", dst.len, d_o, bytes)?;
-        dst.as_bytes_mut()[d_o..d_o + bytes].copy_from_slice(&src.as_bytes()[so..so + bytes]);
-        Ok(())
-    }
-
-    fn run(&self, op: Op<'_, CpuBuffer>) -> Result<()> {
-        crate::backend::record(&op);
+impl CpuBackend {
+    /// Does one operation ([`Backend::run`] counts it first).
+    fn run_op(&self, op: Op<'_, CpuBuffer>) -> Result<()> {
         match op {
+
             Op::Dequantize {
                 ty,
                 out,
@@ -700,7 +587,139 @@ impl Backend for CpuBackend {
                     out.typed_mut("attention output values", qn)?,
                 )
             }
+            Op::MatmulShared {
+                mode,
+                act,
+                cols,
+                n_tok,
+                max_dq_size,
+                x,
+                products,
+            } => crate::backend::matmul_each(mode, act, cols, n_tok, max_dq_size, x, products, |op| {
+                self.run_op(op)
+            }),
         }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+
+    fn name(&self) -> String {
+        self.name.to_string()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
+        let oom = || KernelError::OutOfMemory {
+            device: self.name.to_string(),
+            bytes,
+        };
+        // reserve first, so concurrent allocations cannot overshoot the capacity together
+        let prev = self.used.fetch_add(bytes, Ordering::Relaxed);
+        if let Some(cap) = self.capacity
+            && prev.checked_add(bytes).is_none_or(|t| t > cap)
+        {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            return Err(oom());
+        }
+        let words = bytes.div_ceil(64);
+        let mut data = Vec::new();
+        if data.try_reserve_exact(words).is_err() {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            return Err(oom());
+        }
+        data.resize(words, Align64([0; 64]));
+        Ok(CpuBuffer {
+            mem: Mem::Owned(data),
+            len: bytes,
+            used: self.used.clone(),
+            device: self.name.clone(),
+        })
+    }
+
+    fn len(&self, buf: &CpuBuffer) -> usize {
+        buf.len
+    }
+
+    fn copy_from_host(&self, src: &[u8], dst: &mut CpuBuffer, offset: usize) -> Result<()> {
+        self.own(dst)?;
+        check_range("copy destination bytes", dst.len, offset, src.len())?;
+        dst.as_bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_to_host(&self, src: &CpuBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.own(src)?;
+        check_range("copy source bytes", src.len, offset, dst.len())?;
+        dst.copy_from_slice(&src.as_bytes()[offset..offset + dst.len()]);
+        Ok(())
+    }
+
+    fn copy(
+        &self,
+        src: &CpuBuffer,
+        so: usize,
+        dst: &mut CpuBuffer,
+        d_o: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.own(src)?;
+        self.own(dst)?;
+        check_range("copy source bytes", src.len, so, bytes)?;
+        check_range("copy destination bytes", dst.len, d_o, bytes)?;
+        dst.as_bytes_mut()[d_o..d_o + bytes].copy_from_slice(&src.as_bytes()[so..so + bytes]);
+        Ok(())
+    }
+
+    fn copy_2d(
+        &self,
+        src: &CpuBuffer,
+        from: Rows,
+        dst: &mut CpuBuffer,
+        to: Rows,
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        self.own(src)?;
+        self.own(dst)?;
+        check_rows("copy_2d source bytes", src.len, from, width, rows)?;
+        check_rows("copy_2d destination bytes", dst.len, to, width, rows)?;
+        if width == 0 {
+            return Ok(());
+        }
+        let (s, d) = (src.as_bytes(), dst.as_bytes_mut());
+        for r in 0..rows {
+            // in bounds: the last row ends within each buffer (checked above)
+            let (a, b) = (from.offset + r * from.pitch, to.offset + r * to.pitch);
+            d[b..b + width].copy_from_slice(&s[a..a + width]);
+        }
+        Ok(())
+    }
+
+    fn peer_access(&self, _to: &CpuBackend) -> bool {
+        true
+    }
+
+    fn copy_peer(
+        &self,
+        src: &CpuBuffer,
+        so: usize,
+        to: &CpuBackend,
+        dst: &mut CpuBuffer,
+        d_o: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.own(src)?;
+        to.own(dst)?;
+        check_range("copy source bytes", src.len, so, bytes)?;
+        check_range("copy destination bytes", dst.len, d_o, bytes)?;
+        dst.as_bytes_mut()[d_o..d_o + bytes].copy_from_slice(&src.as_bytes()[so..so + bytes]);
+        Ok(())
+    }
+
+    fn run(&self, op: Op<'_, CpuBuffer>) -> Result<()> {
+        crate::backend::record(&op);
+        self.run_op(op)
     }
 
     fn scan_non_finite(

@@ -218,12 +218,23 @@ pub struct CudaBackend {
     /// attention splits fill it ([`crate::sources::attention_splits`]).
     sm_count: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// The kernels launched so far, by module and name.
+    funcs: Mutex<HashMap<(&'static str, String), CudaFunction>>,
     staging: Mutex<Option<Staging>>,
     /// Whether peer copies to each other device (by ordinal) go device to device.
     peers: Mutex<HashMap<usize, bool>>,
     /// The copy stream, made on first use ([`CudaBackend::copy_stream`]).
     copy: Mutex<Option<CopyStream>>,
+    /// Decode's quantised activations ([`Q8_KEPT_BYTES`]), made on first use and kept, so a
+    /// product allocates nothing ([`CudaBackend::q8_activations`]).
+    q8_kept: Mutex<Option<CudaSlice<u8>>>,
 }
+
+/// The largest Q8 activation buffer the backend keeps between products: 64 KiB, 1,638 blocks
+/// of 32 values (a token of up to 52,416 values, or a few tokens of a short prompt). Larger
+/// ones are allocated per product, so a long prompt leaves nothing behind that the plan does
+/// not count.
+const Q8_KEPT_BYTES: usize = 64 << 10;
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -285,9 +296,11 @@ impl CudaBackend {
             cc: (major, minor),
             sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
             modules: Mutex::new(HashMap::new()),
+            funcs: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
             peers: Mutex::new(HashMap::new()),
             copy: Mutex::new(None),
+            q8_kept: Mutex::new(None),
         })
     }
 
@@ -461,10 +474,23 @@ impl CudaBackend {
         })
     }
 
+    /// Kernel `name` of `module`, looked up in the driver once and kept: a decode step
+    /// launches a few hundred kernels, and each lookup is a driver call.
     fn func(&self, module: &'static str, name: &str) -> Result<CudaFunction> {
-        self.module(module)?
+        let mut funcs = self
+            .funcs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let key = (module, name.to_string());
+        if let Some(f) = funcs.get(&key) {
+            return Ok(f.clone());
+        }
+        let f = self
+            .module(module)?
             .load_function(name)
-            .map_err(drv(format!("finding kernel {name}")))
+            .map_err(drv(format!("finding kernel {name}")))?;
+        funcs.insert(key, f.clone());
+        Ok(f)
     }
 
     /// An allocation failure: [`KernelError::OutOfMemory`] when the driver says so.

@@ -297,6 +297,78 @@ impl<'a> Ctx<'a> {
         Ok((b.tensor(tensor)?, packing))
     }
 
+    /// The matvec mode of a `ty` product on this backend.
+    fn mode<B: Exec>(&self, ty: QuantType) -> MatvecMode {
+        if self.c.compute == Compute::Fast && B::q8_supports(ty) {
+            MatvecMode::Q8
+        } else {
+            MatvecMode::Exact
+        }
+    }
+
+    /// `y_i = W_i x (+ bias_i)` for `n` tokens and several matrices of the same input (a
+    /// layer's q, k and v; its gate and up), in one [`Op::MatmulShared`] when they are all
+    /// block or float matrices in one mode (CUDA then quantises `x` once), else one by one.
+    pub(crate) fn linears<B: Exec>(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        n: usize,
+        outs: Vec<(&Linear, &mut B::Buffer)>,
+    ) -> Result<()> {
+        let mut held = Vec::with_capacity(outs.len());
+        for (l, _) in &outs {
+            held.push(self.weight(b, l)?);
+        }
+        let types: Vec<Option<QuantType>> = held
+            .iter()
+            .map(|(_, p)| match p {
+                Packing::Blocks(ty) => Some(*ty),
+                Packing::Int8 => None,
+            })
+            .collect();
+        let mode = types.first().copied().flatten().map(|ty| self.mode::<B>(ty));
+        let shared = outs.len() > 1
+            && types.iter().all(|t| t.is_some_and(|ty| Some(self.mode::<B>(ty)) == mode))
+            && outs.iter().all(|(l, _)| l.cols == outs[0].0.cols);
+        let (Some(mode), true) = (mode, shared) else {
+            drop(held);
+            for (l, y) in outs {
+                self.linear(b, l, x, n, y)?;
+            }
+            return Ok(());
+        };
+        let mut outs = outs;
+        let names: Vec<String> = outs.iter().map(|(l, _)| l.name.clone()).collect();
+        let cols = outs[0].0.cols;
+        let products = outs
+            .iter_mut()
+            .zip(held.iter().zip(&types))
+            .map(|((l, y), ((w, _), ty))| weightlift_kernels::Product {
+                ty: ty.expect("every member is a block matrix (checked above)"),
+                rows: l.rows,
+                w: &**w,
+                y: &mut **y,
+            })
+            .collect();
+        b.run(Op::MatmulShared {
+            mode,
+            act: FloatType::F32,
+            cols,
+            n_tok: n,
+            max_dq_size: self.c.max_dq,
+            x,
+            products,
+        })
+        .map_err(self.err(names.join(", ")))?;
+        for (l, y) in outs {
+            if let Some(bias) = &l.bias {
+                self.add_bias(b, l, bias, n, y)?;
+            }
+        }
+        Ok(())
+    }
+
     /// `y = W x (+ bias)` for `n` tokens.
     pub(crate) fn linear<B: Exec>(
         &self,
@@ -310,11 +382,7 @@ impl<'a> Ctx<'a> {
         let op = match packing {
             Packing::Blocks(ty) => Op::Matmul {
                 ty,
-                mode: if self.c.compute == Compute::Fast && B::q8_supports(ty) {
-                    MatvecMode::Q8
-                } else {
-                    MatvecMode::Exact
-                },
+                mode: self.mode::<B>(ty),
                 act: FloatType::F32,
                 rows: l.rows,
                 cols: l.cols,
@@ -336,15 +404,27 @@ impl<'a> Ctx<'a> {
         };
         b.run(op).map_err(self.err(l.name.clone()))?;
         if let Some(bias) = &l.bias {
-            b.run(Op::AddBias {
-                n_rows: n,
-                n_cols: l.rows,
-                x: y,
-                bias: &*b.floats(bias, self.held)?,
-            })
-            .map_err(self.err(format!("bias of {}", l.name)))?;
+            self.add_bias(b, l, bias, n, y)?;
         }
         Ok(())
+    }
+
+    /// `y += bias` on each of `n` rows of `l`'s output.
+    fn add_bias<B: Exec>(
+        &self,
+        b: &B,
+        l: &Linear,
+        bias: &Floats,
+        n: usize,
+        y: &mut B::Buffer,
+    ) -> Result<()> {
+        b.run(Op::AddBias {
+            n_rows: n,
+            n_cols: l.rows,
+            x: y,
+            bias: &*b.floats(bias, self.held)?,
+        })
+        .map_err(self.err(format!("bias of {}", l.name)))
     }
 }
 
@@ -525,9 +605,12 @@ pub(crate) fn attention<B: Exec>(
         out: &mut r.xn,
     })
     .map_err(cx.err(at("attn_norm")))?;
-    cx.linear(b, a.q, &r.xn, n, &mut r.q)?;
-    cx.linear(b, a.k, &r.xn, n, &mut r.k)?;
-    cx.linear(b, a.v, &r.xn, n, &mut r.v)?;
+    cx.linears(
+        b,
+        &r.xn,
+        n,
+        vec![(a.q, &mut r.q), (a.k, &mut r.k), (a.v, &mut r.v)],
+    )?;
     for (x, heads) in [(&mut r.q, nh), (&mut r.k, a.kv_heads)] {
         b.run(Op::RopeInPlace {
             params: c.rope,
@@ -594,8 +677,7 @@ pub(crate) fn mlp<B: Exec>(
         out: &mut r.xn,
     })
     .map_err(cx.err(at("ffn_norm")))?;
-    cx.linear(b, gate, &r.xn, n, &mut r.gate)?;
-    cx.linear(b, up, &r.xn, n, &mut r.up)?;
+    cx.linears(b, &r.xn, n, vec![(gate, &mut r.gate), (up, &mut r.up)])?;
     b.run(Op::SwiGluInPlace {
         n: n * gate.rows,
         gate: &mut r.gate,

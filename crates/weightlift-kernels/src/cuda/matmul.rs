@@ -19,6 +19,49 @@ pub(super) struct MatShape {
 }
 
 impl CudaBackend {
+    /// The checks of one product before any launch: every buffer on this device, a weight
+    /// type with a kernel in `mode`, f32 or f16 activations, and buffers large enough.
+    pub(super) fn check_matmul(
+        &self,
+        mode: MatvecMode,
+        m: MatShape,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &CudaBuffer,
+    ) -> Result<()> {
+        self.own(w)?;
+        self.own(x)?;
+        self.own(y)?;
+        let (types, names) = match mode {
+            MatvecMode::Q8 => (CUDA_Q8_TYPES, crate::CUDA_Q8_WEIGHT_TYPES),
+            MatvecMode::Exact => (CUDA_EXACT_TYPES, CUDA_EXACT_NAMES),
+        };
+        if !types.contains(&m.ty) {
+            return Err(KernelError::Unsupported {
+                op: match mode {
+                    MatvecMode::Q8 => "matmul on cuda (q8 mode)",
+                    MatvecMode::Exact => "matmul on cuda",
+                },
+                ty: m.ty.to_string(),
+                supported: names,
+            });
+        }
+        if m.act == FloatType::BF16 {
+            return Err(KernelError::Unsupported {
+                op: "matmul",
+                ty: "bf16 activations".into(),
+                supported: "f32, f16",
+            });
+        }
+        need("matmul weight bytes", w, mul(m.rows, quant_bytes(m.ty, m.cols)?))?;
+        need(
+            "matmul activation bytes",
+            x,
+            mul(mul(m.n_tok, m.cols), m.act.size()),
+        )?;
+        need("matmul output bytes", y, mul(mul(m.n_tok, m.rows), 4))
+    }
+
     /// Exact mode in registers: `matvec_{type}_{act}` / `matmul_{type}_{act}`. Quantised
     /// weights: one warp per (row, token), each weight decoded again per token. Float weights:
     /// [`float_row_threads`] threads a row, each weight chunk loaded once per pass of
@@ -76,8 +119,9 @@ impl CudaBackend {
         unsafe { self.launch("matvec", &name, cfg, &mut args) }
     }
 
-    /// Q8 mode: `q8_quantize_{act}` turns every token's activations into 40-byte blocks in a
-    /// scratch buffer, then `q8_matmul_{type}` meets each weight group with them in integers.
+    /// Q8 mode: `q8_quantize_{act}` turns every token's activations into 40-byte blocks
+    /// ([`CudaBackend::q8_activations`]), then `q8_matvec_{type}` (one token) or
+    /// `q8_matmul_{type}` meets each weight group with them in integers.
     pub(super) fn matmul_q8(
         &self,
         m: MatShape,
@@ -85,6 +129,19 @@ impl CudaBackend {
         x: &CudaBuffer,
         y: &mut CudaBuffer,
     ) -> Result<()> {
+        self.q8_activations(m, x, |xq| self.q8_product(m, w, xq, y))
+    }
+
+    /// Quantises the `m.n_tok × m.cols` activations `x` into 40-byte blocks and gives them to
+    /// `then`. Decode's few blocks go to a buffer the backend keeps (locked until `then`
+    /// returns, so a thread sharing the backend cannot overwrite them between the two
+    /// launches); a prompt's get a scratch buffer of their own, freed after.
+    pub(super) fn q8_activations<R>(
+        &self,
+        m: MatShape,
+        x: &CudaBuffer,
+        then: impl FnOnce(&CudaSlice<u8>) -> Result<R>,
+    ) -> Result<R> {
         // cols is a whole number of weight blocks (checked by quant_bytes), so of 32 values
         let n_blocks = mul(m.n_tok, m.cols / 32);
         let bytes = n_blocks
@@ -96,18 +153,46 @@ impl CudaBackend {
                     m.n_tok, m.cols
                 ),
             })?;
-        // SAFETY: q8_quantize writes all n_blocks blocks before q8_matmul (later on the same
-        // stream) reads them.
-        let mut xq = unsafe { self.scratch(bytes) }?;
-        let name = format!("q8_quantize_{}", m.act.name());
-        let mut args = [
-            KArg::In(&x.slice),
-            KArg::Out(&mut xq),
-            KArg::U64(n_blocks as u64),
-        ];
-        // SAFETY: one warp per block below n_blocks reads its 32 activations (n_tok * cols
-        // were checked) and writes its 40 bytes of the scratch (allocated for n_blocks).
-        unsafe { self.launch("matvec", &name, elementwise(mul(n_blocks, 32))?, &mut args) }?;
+        let quantise = |xq: &mut CudaSlice<u8>| -> Result<()> {
+            let name = format!("q8_quantize_{}", m.act.name());
+            let mut args = [
+                KArg::In(&x.slice),
+                KArg::Out(xq),
+                KArg::U64(n_blocks as u64),
+            ];
+            // SAFETY: one warp per block below n_blocks reads its 32 activations (n_tok * cols
+            // were checked) and writes its 40 bytes of xq (which holds at least n_blocks).
+            unsafe { self.launch("matvec", &name, elementwise(mul(n_blocks, 32))?, &mut args) }
+        };
+        if bytes > Q8_KEPT_BYTES {
+            // SAFETY: q8_quantize writes all n_blocks blocks before the products (later on
+            // the same stream) read them.
+            let mut xq = unsafe { self.scratch(bytes) }?;
+            quantise(&mut xq)?;
+            return then(&xq);
+        }
+        let mut kept = self
+            .q8_kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if kept.is_none() {
+            // SAFETY: as above: every use quantises into it before a product reads it.
+            *kept = Some(unsafe { self.scratch(Q8_KEPT_BYTES) }?);
+        }
+        let xq = kept.as_mut().expect("made above");
+        quantise(xq)?;
+        then(xq)
+    }
+
+    /// One product of Q8 mode on activations `xq` already quantised (see
+    /// [`CudaBackend::matmul_q8`]).
+    pub(super) fn q8_product(
+        &self,
+        m: MatShape,
+        w: &CudaBuffer,
+        xq: &CudaSlice<u8>,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
         if m.n_tok == 1 {
             // decode: `wpr` warps a row, Q8_MATVEC_THREADS / (32 wpr) rows a block
             let wpr = q8_matvec_warps(m.rows, m.cols, self.sm_count);
@@ -120,7 +205,7 @@ impl CudaBackend {
             let name = format!("q8_matvec_{}", m.ty.name());
             let mut args = [
                 KArg::In(&w.slice),
-                KArg::In(&xq),
+                KArg::In(xq),
                 KArg::Out(&mut y.slice),
                 KArg::U64(m.rows as u64),
                 KArg::U64(m.cols as u64),
@@ -143,7 +228,7 @@ impl CudaBackend {
         let name = format!("q8_matmul_{}", m.ty.name());
         let mut args = [
             KArg::In(&w.slice),
-            KArg::In(&xq),
+            KArg::In(xq),
             KArg::Out(&mut y.slice),
             KArg::U64(m.rows as u64),
             KArg::U64(m.cols as u64),

@@ -98,40 +98,6 @@ impl CudaBackend {
                 x,
                 y,
             } => {
-                self.own(w)?;
-                self.own(x)?;
-                self.own(y)?;
-                let (types, names) = match mode {
-                    MatvecMode::Q8 => (CUDA_Q8_TYPES, crate::CUDA_Q8_WEIGHT_TYPES),
-                    MatvecMode::Exact => (CUDA_EXACT_TYPES, CUDA_EXACT_NAMES),
-                };
-                if !types.contains(&ty) {
-                    return Err(KernelError::Unsupported {
-                        op: match mode {
-                            MatvecMode::Q8 => "matmul on cuda (q8 mode)",
-                            MatvecMode::Exact => "matmul on cuda",
-                        },
-                        ty: ty.to_string(),
-                        supported: names,
-                    });
-                }
-                if act == FloatType::BF16 {
-                    return Err(KernelError::Unsupported {
-                        op: "matmul",
-                        ty: "bf16 activations".into(),
-                        supported: "f32, f16",
-                    });
-                }
-                need("matmul weight bytes", w, mul(rows, quant_bytes(ty, cols)?))?;
-                need(
-                    "matmul activation bytes",
-                    x,
-                    mul(mul(n_tok, cols), act.size()),
-                )?;
-                need("matmul output bytes", y, mul(mul(n_tok, rows), 4))?;
-                if n_tok == 0 || rows == 0 {
-                    return Ok(());
-                }
                 let shape = MatShape {
                     ty,
                     act,
@@ -139,6 +105,10 @@ impl CudaBackend {
                     cols,
                     n_tok,
                 };
+                self.check_matmul(mode, shape, w, x, y)?;
+                if n_tok == 0 || rows == 0 {
+                    return Ok(());
+                }
                 match mode {
                     MatvecMode::Q8 => self.matmul_q8(shape, w, x, y)?,
                     MatvecMode::Exact => match dq_chunk_rows(rows, cols, max_dq_size) {
@@ -149,6 +119,57 @@ impl CudaBackend {
                     },
                 }
             }
+            Op::MatmulShared {
+                mode: MatvecMode::Q8,
+                act,
+                cols,
+                n_tok,
+                x,
+                mut products,
+                ..
+            } if products.iter().all(|p| CUDA_Q8_TYPES.contains(&p.ty)) => {
+                // the activations quantised once, for every member
+                let shape = |p: &crate::backend::Product<'_, CudaBuffer>| MatShape {
+                    ty: p.ty,
+                    act,
+                    rows: p.rows,
+                    cols,
+                    n_tok,
+                };
+                for p in &products {
+                    self.check_matmul(MatvecMode::Q8, shape(p), p.w, x, p.y)?;
+                }
+                if n_tok == 0 || cols == 0 {
+                    return Ok(());
+                }
+                let first = shape(&products[0]);
+                self.q8_activations(first, x, |xq| {
+                    for p in &mut products {
+                        if p.rows > 0 {
+                            self.q8_product(shape(p), p.w, xq, p.y)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+            }
+            Op::MatmulShared {
+                mode,
+                act,
+                cols,
+                n_tok,
+                max_dq_size,
+                x,
+                products,
+            } => crate::backend::matmul_each(
+                mode,
+                act,
+                cols,
+                n_tok,
+                max_dq_size,
+                x,
+                products,
+                |op| self.run_op(op),
+            )?,
             Op::Int8Matmul {
                 rows,
                 cols,
