@@ -46,6 +46,24 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* o
     for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) orow[i] = (xr[i] * scale) * w[i];
 }
 
+// add_rms_norm_f32(x, h, w, n, eps): x += h, then h = rms_norm(x) * w, one block per row: the
+// arithmetic of add_inplace_f32 and then rms_norm_f32, in one pass (each thread rewrites only
+// the values it read, so the in-place writes race with nothing).
+extern "C" __global__ void add_rms_norm_f32(float* x, float* h, const float* w, wl_u64 n, float eps) {
+    float* xr = x + (wl_u64)blockIdx.x * n;
+    float* hr = h + (wl_u64)blockIdx.x * n;
+    double ss = 0.0;
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = WL_ADD(xr[i], hr[i]);
+        xr[i] = v;
+        ss += (double)v * (double)v;
+    }
+    ss = wl_block_sum(ss);
+    float mean = (float)(ss / (double)n);
+    float scale = 1.0f / sqrtf(mean + eps);
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) hr[i] = (xr[i] * scale) * w[i];
+}
+
 // One thread per rotated pair. x: n_tok x n_heads x head_dim; pos: one per token.
 __device__ __forceinline__ void wl_rope(const float* x, const int* pos, float* out, wl_u64 n_heads,
                                         int head_dim, int n_dims, float base, float scale, int neox) {

@@ -135,6 +135,23 @@ pub enum Op<'a, B> {
         /// Output.
         out: &'a mut B,
     },
+    /// A block's output added to the residual stream and the sum normed for the next block:
+    /// `x += h`, then `h = RMSNorm(x) · weight`, over `n_rows` rows of `n_cols` f32 values.
+    /// The same values as [`Op::AddInPlace`] then [`Op::RmsNorm`], in one pass.
+    AddRmsNorm {
+        /// Rows.
+        n_rows: usize,
+        /// Values per row.
+        n_cols: usize,
+        /// Epsilon.
+        eps: f32,
+        /// The residual stream, updated in place.
+        x: &'a mut B,
+        /// The block's output on the way in; the normed sum on the way out.
+        h: &'a mut B,
+        /// Weight.
+        weight: &'a B,
+    },
     /// RoPE over `n_tok × n_heads × head_dim` f32 values with one i32 position per token.
     Rope {
         /// Style, head size, rotated dims, frequencies.
@@ -352,6 +369,7 @@ impl<B> Op<'_, B> {
             Op::MatmulShared { .. } => "matmul_shared",
             Op::Int8Matmul { .. } => "int8_matmul",
             Op::RmsNorm { .. } => "rms_norm",
+            Op::AddRmsNorm { .. } => "add_rms_norm",
             Op::Rope { .. } => "rope",
             Op::Softmax { .. } => "softmax",
             Op::SwiGlu { .. } => "swiglu",

@@ -229,7 +229,6 @@ impl CpuBackend {
     /// Does one operation ([`Backend::run`] counts it first).
     fn run_op(&self, op: Op<'_, CpuBuffer>) -> Result<()> {
         match op {
-
             Op::Dequantize {
                 ty,
                 out,
@@ -385,6 +384,30 @@ impl CpuBackend {
                     weight.typed("rms_norm weight values", n_cols)?,
                     eps,
                     out.typed_mut("rms_norm output values", n)?,
+                )
+            }
+            Op::AddRmsNorm {
+                n_rows,
+                n_cols,
+                eps,
+                x,
+                h,
+                weight,
+            } => {
+                self.own(x)?;
+                self.own(h)?;
+                self.own(weight)?;
+                let n = n_rows.saturating_mul(n_cols);
+                let xs = x.typed_mut::<f32>("add_rms_norm residual values", n)?;
+                let hs = h.typed_mut::<f32>("add_rms_norm block output values", n)?;
+                xs.par_chunks_mut(PAR_ELEMS)
+                    .zip(hs.par_chunks(PAR_ELEMS))
+                    .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, b)| *a += b));
+                cpu::ops::rms_norm(
+                    xs,
+                    weight.typed("add_rms_norm weight values", n_cols)?,
+                    eps,
+                    hs,
                 )
             }
             Op::Rope {
@@ -595,9 +618,16 @@ impl CpuBackend {
                 max_dq_size,
                 x,
                 products,
-            } => crate::backend::matmul_each(mode, act, cols, n_tok, max_dq_size, x, products, |op| {
-                self.run_op(op)
-            }),
+            } => crate::backend::matmul_each(
+                mode,
+                act,
+                cols,
+                n_tok,
+                max_dq_size,
+                x,
+                products,
+                |op| self.run_op(op),
+            ),
         }
     }
 }

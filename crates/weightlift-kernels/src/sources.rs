@@ -161,6 +161,8 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("gemm_", &[Ptr, Ptr, Ptr, U64, U64, U64, U64, U64]),
     // (x, weight, out, n_cols, eps)
     ("rms_norm_", &[Ptr, Ptr, Ptr, U64, F32]),
+    // (x, h, weight, n_cols, eps): x += h, h = rms_norm(x), before the add_ families
+    ("add_rms_norm_", &[Ptr, Ptr, Ptr, U64, F32]),
     // in place, before the families their names start with: (x, positions, inv_freqs,
     // n_pairs, n_heads, head_dim, n_dims)
     ("rope_inplace_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32]),

@@ -135,6 +135,7 @@ fn expected_kernels() -> Vec<String> {
         "scan_f16",
         "scan_bf16",
         "rms_norm_f32",
+        "add_rms_norm_f32",
         "rope_norm_f32",
         "rope_neox_f32",
         "softmax_f32",

@@ -327,9 +327,15 @@ impl<'a> Ctx<'a> {
                 Packing::Int8 => None,
             })
             .collect();
-        let mode = types.first().copied().flatten().map(|ty| self.mode::<B>(ty));
+        let mode = types
+            .first()
+            .copied()
+            .flatten()
+            .map(|ty| self.mode::<B>(ty));
         let shared = outs.len() > 1
-            && types.iter().all(|t| t.is_some_and(|ty| Some(self.mode::<B>(ty)) == mode))
+            && types
+                .iter()
+                .all(|t| t.is_some_and(|ty| Some(self.mode::<B>(ty)) == mode))
             && outs.iter().all(|(l, _)| l.cols == outs[0].0.cols);
         let (Some(mode), true) = (mode, shared) else {
             drop(held);
@@ -544,8 +550,17 @@ pub(crate) fn layer<B: Exec>(
         kv_heads: l.kv_heads,
     };
     attention(b, cx, &attn, li, cache, pos, n, r)?;
-    residual(b, cx, li, n * h, r)?;
-    mlp(b, cx, &l.ffn_norm, [&l.gate, &l.up, &l.down], li, n, r)?;
+    // the attention block's residual and the MLP's norm in one op
+    b.run(Op::AddRmsNorm {
+        n_rows: n,
+        n_cols: h,
+        eps: cx.c.eps,
+        x: &mut r.x,
+        h: &mut r.xn,
+        weight: &*b.floats(&l.ffn_norm, cx.held)?,
+    })
+    .map_err(cx.err(format!("layer {li} residual and ffn_norm")))?;
+    mlp_normed(b, cx, [&l.gate, &l.up, &l.down], li, n, r)?;
     residual(b, cx, li, n * h, r)
 }
 
@@ -677,6 +692,19 @@ pub(crate) fn mlp<B: Exec>(
         out: &mut r.xn,
     })
     .map_err(cx.err(at("ffn_norm")))?;
+    mlp_normed(b, cx, [gate, up, down], li, n, r)
+}
+
+/// [`mlp`] on activations already normed into `r.xn`.
+pub(crate) fn mlp_normed<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    [gate, up, down]: [&Linear; 3],
+    li: usize,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let at = |what: &str| format!("layer {li} {what}");
     cx.linears(b, &r.xn, n, vec![(gate, &mut r.gate), (up, &mut r.up)])?;
     b.run(Op::SwiGluInPlace {
         n: n * gate.rows,

@@ -53,7 +53,11 @@ impl CudaBackend {
                 supported: "f32, f16",
             });
         }
-        need("matmul weight bytes", w, mul(m.rows, quant_bytes(m.ty, m.cols)?))?;
+        need(
+            "matmul weight bytes",
+            w,
+            mul(m.rows, quant_bytes(m.ty, m.cols)?),
+        )?;
         need(
             "matmul activation bytes",
             x,

@@ -213,6 +213,35 @@ impl CudaBackend {
                 // SAFETY: one block per row below n_rows, n_cols values each; sizes checked above.
                 unsafe { self.launch("ops", "rms_norm_f32", per_row(n_rows)?, &mut args) }?;
             }
+            Op::AddRmsNorm {
+                n_rows,
+                n_cols,
+                eps,
+                x,
+                h,
+                weight,
+            } => {
+                self.own(x)?;
+                self.own(h)?;
+                self.own(weight)?;
+                let n = mul(n_rows, n_cols);
+                need("add_rms_norm residual bytes", x, mul(n, 4))?;
+                need("add_rms_norm block output bytes", h, mul(n, 4))?;
+                need("add_rms_norm weight bytes", weight, mul(n_cols, 4))?;
+                if n_rows == 0 {
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::Out(&mut x.slice),
+                    KArg::Out(&mut h.slice),
+                    KArg::In(&weight.slice),
+                    KArg::U64(n_cols as u64),
+                    KArg::F32(eps),
+                ];
+                // SAFETY: one block per row below n_rows, n_cols values each of x and h (each
+                // thread rewrites only the values it read); sizes checked above.
+                unsafe { self.launch("ops", "add_rms_norm_f32", per_row(n_rows)?, &mut args) }?;
+            }
             Op::Rope {
                 params,
                 n_tok,
