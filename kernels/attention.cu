@@ -47,7 +47,7 @@ struct WlKvF32 {
 };
 struct WlKvF16 {
     const wl_u16* p;
-    __device__ __forceinline__ float at(wl_u64 i, int) const { return wl_f16_to_f32(p[i]); }
+    __device__ __forceinline__ float at(wl_u64 i, int) const { return wl_f16_to_f32_fast(p[i]); }
 };
 struct WlKvE4M3 {
     const wl_u8* p;

@@ -15,19 +15,6 @@
 #define WL_FMA(a, b, c) fmaf((a), (b), (c))
 #endif
 
-// f16 bits -> f32, exact: the hardware conversion on the device (a float kernel widens every
-// weight, and the bit-by-bit form costs several instructions a value), the bit manipulation on
-// the host. The two agree on every finite value and infinity; a NaN stays a NaN.
-WL_HD float wl_f16_to_f32_fast(wl_u16 h) {
-#if defined(__CUDA_ARCH__)
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    return wl_f16_to_f32(h);
-#endif
-}
-
 #if defined(__CUDA_ARCH__)
 #define WL_UNROLL _Pragma("unroll")
 #else

@@ -75,26 +75,27 @@ fn a_decode_step_issues_a_fixed_number_of_operations_per_layer() {
         if n > 0 {
             per_layer.insert(name, n);
         }
-        if t - n * tiny_layers > 0 {
-            fixed.insert(name, t - n * tiny_layers);
+        // around the layers, which may take one off: a fusion across two layers leaves the
+        // first layer's half unfused
+        let edge = t as i64 - (n * tiny_layers) as i64;
+        if edge != 0 {
+            fixed.insert(name, edge);
         }
     }
     eprintln!("per layer: {per_layer:?}\naround the layers: {fixed:?}");
 
-    // One layer, fast mode: the attention norm, the q/k/v products (one shared op, so the
-    // normed activation is quantised once), RoPE on q and on k, the two cache stores,
-    // attention, the output product; its residual add fused with the MLP norm; the gate and
-    // up products (one shared op), SwiGLU, the down product and its residual add. Fusing
-    // that residual add with the next layer's norm, gate/up with SwiGLU, or RoPE with the
-    // cache store lowers these counts: update the table with it.
+    // One layer, fast mode: the previous layer's MLP residual fused with the attention norm;
+    // the q/k/v products (one shared op, so the normed activation is quantised once), RoPE on
+    // q and on k, the two cache stores, attention, the output product; its residual fused with
+    // the MLP norm; the gate and up products (one shared op), SwiGLU and the down product.
+    // Fusing gate/up with SwiGLU, or RoPE with the cache store, lowers these counts: update
+    // the table with it.
     let want_layer = BTreeMap::from([
-        ("add_in_place", 1),
-        ("add_rms_norm", 1),
+        ("add_rms_norm", 2),
         ("attention", 1),
         ("kv_store", 2),
         ("matmul", 2),
         ("matmul_shared", 2),
-        ("rms_norm", 1),
         ("rope_in_place", 2),
         ("swiglu_in_place", 1),
     ]);
@@ -103,10 +104,17 @@ fn a_decode_step_issues_a_fixed_number_of_operations_per_layer() {
         "operations per layer of a decode step"
     );
     let per_layer_total: usize = per_layer.values().sum();
-    assert_eq!(per_layer_total, 13, "operations per layer");
-    // Around the layers: the new token's embedding row (dequantised from the tied table), the
-    // final norm and the head product.
-    let want_fixed = BTreeMap::from([("dequantize", 1), ("matmul", 1), ("rms_norm", 1)]);
+    assert_eq!(per_layer_total, 12, "operations per layer");
+    // Around the layers: the new token's embedding row (dequantised from the tied table); the
+    // first layer's attention norm alone (one plain norm, one fused add-and-norm fewer); the
+    // last layer's MLP residual alone; the final norm and the head product.
+    let want_fixed = BTreeMap::from([
+        ("add_in_place", 1),
+        ("add_rms_norm", -1),
+        ("dequantize", 1),
+        ("matmul", 1),
+        ("rms_norm", 2),
+    ]);
     assert_eq!(
         fixed, want_fixed,
         "operations around the layers of a decode step"

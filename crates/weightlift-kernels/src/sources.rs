@@ -286,11 +286,12 @@ const ATTENTION_MAX_GROUP: usize = 8;
 pub const ATTENTION_MAX_SPLITS: usize = 128;
 
 /// The fewest keys worth a split of their own: a block's fixed cost (loading its queries,
-/// merging its warps, writing its partial results) is a few memory round trips, and 32 keys give
-/// each of its warps eight to spread that over (an estimate, to revisit with GPU timings). The
+/// merging its warps, writing its partial results) is a few memory round trips, and each warp
+/// walks its keys one after another. On an H200, 32 keys a split (eight a warp) made decode
+/// attention at 64 positions cost 23 µs a layer, most of it those walks; 16 halves them. The
 /// plan bounds the splits of a cache of `n` positions by `ceil(n / ATTENTION_MIN_SPLIT_KEYS)`
 /// (weightlift-plan's `ATTENTION_SPLIT_KEYS`).
-pub const ATTENTION_MIN_SPLIT_KEYS: usize = 32;
+pub const ATTENTION_MIN_SPLIT_KEYS: usize = 16;
 
 /// Attention blocks per SM the splits aim for: two blocks of four warps give each SM eight
 /// warps to hide the latency of the cache reads with.
@@ -403,22 +404,22 @@ mod tests {
     fn grid_takes_the_split_the_scratch_holds() {
         let planned = |nh: usize, hd: usize| nh * ATTENTION_MAX_SPLITS * (hd + 2);
         // a 1.1B llama's decode step at 2,048 positions on 132 SMs: 4 KV heads of 8 query
-        // heads, 64 splits of 32 keys, 256 blocks
+        // heads, 66 splits of 32 keys (the last of 16), 264 blocks: two an SM
         let g = attention_grid([32, 4, 64, 1, 2047], 132, planned(32, 64));
         assert_eq!(
             g,
             AttentionGrid {
-                splits: 64,
-                blocks: 256
+                splits: 66,
+                blocks: 264
             }
         );
-        // at 64 positions: two splits
+        // at 64 positions: four splits of 16 keys
         let g = attention_grid([32, 4, 64, 1, 63], 132, planned(32, 64));
         assert_eq!(
             g,
             AttentionGrid {
-                splits: 2,
-                blocks: 8
+                splits: 4,
+                blocks: 16
             }
         );
         // 12 query heads of 128 a KV head: three chunks of four
@@ -469,9 +470,9 @@ mod tests {
     #[test]
     fn splits_fill_the_sms_with_enough_keys_each() {
         // a 1.1B llama's decode step on 132 SMs: 4 KV heads, one chunk of 8 query heads each
-        assert_eq!(attention_splits(2048, 4, 132), 64, "32 keys a split");
-        assert_eq!(attention_splits(64, 4, 132), 2);
-        assert_eq!(attention_splits(65, 4, 132), 3, "a last split of one key");
+        assert_eq!(attention_splits(2048, 4, 132), 66, "two blocks an SM");
+        assert_eq!(attention_splits(64, 4, 132), 4, "16 keys a split");
+        assert_eq!(attention_splits(65, 4, 132), 5, "a last split of one key");
         // 66 splits fill 132 SMs twice over; more keys do not make more
         assert_eq!(attention_splits(1 << 20, 4, 132), 66);
         // one KV head (a tensor-parallel rank, or multi-query attention) stops at the cap
@@ -480,8 +481,8 @@ mod tests {
         assert_eq!(attention_splits(4096, 4 * 512, 132), 1);
         // few keys, or nothing to split
         assert_eq!(attention_splits(1, 4, 132), 1);
-        assert_eq!(attention_splits(31, 4, 132), 1);
-        assert_eq!(attention_splits(33, 4, 132), 2);
+        assert_eq!(attention_splits(15, 4, 132), 1);
+        assert_eq!(attention_splits(17, 4, 132), 2);
         for zero in [(0, 4, 132), (64, 0, 132), (64, 4, 0)] {
             assert_eq!(attention_splits(zero.0, zero.1, zero.2), 1, "{zero:?}");
         }

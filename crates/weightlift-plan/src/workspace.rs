@@ -47,7 +47,7 @@ pub const LOGIT_ROWS: u64 = 32;
 pub const ATTENTION_SPLITS: u64 = 128;
 /// The fewest keys in one range of a split attention call (weightlift-kernels'
 /// `ATTENTION_MIN_SPLIT_KEYS`): a cache of `n` positions is split at most `ceil(n / this)` ways.
-pub const ATTENTION_SPLIT_KEYS: u64 = 32;
+pub const ATTENTION_SPLIT_KEYS: u64 = 16;
 
 /// What a device computes, which decides the regions it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -311,9 +311,9 @@ mod split_tests {
         // 9 heads of 64: one range of 66 values per head and split
         for (seq, splits) in [
             (1, 1),
-            (32, 1),
-            (33, 2),
-            (2048, 64),
+            (16, 1),
+            (17, 2),
+            (2048, 128),
             (4096, 128),
             (1 << 20, 128),
         ] {

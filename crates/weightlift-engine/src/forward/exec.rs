@@ -527,7 +527,10 @@ pub(crate) fn positions<B: Backend>(
 
 /// One decoder layer on `n` tokens at positions `pos..pos + n` (already in `r.pos`, see
 /// [`positions`]), in place on `r.x`: the op sequence of `graph.rs`'s host `run_layer`, through
-/// the backend.
+/// the backend. Each block's residual add is fused with the norm after it: always the
+/// attention block's with the MLP norm; the MLP's with the next layer's attention norm when
+/// `defer` (the next layer runs on this device right after, and is called with `pending`:
+/// `r.xn` then holds this layer's MLP output, not yet added to `r.x`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layer<B: Exec>(
     b: &B,
@@ -538,6 +541,7 @@ pub(crate) fn layer<B: Exec>(
     pos: usize,
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
+    (pending, defer): (bool, bool),
 ) -> Result<()> {
     let h = cx.c.hidden;
     let attn = AttnShare {
@@ -549,19 +553,54 @@ pub(crate) fn layer<B: Exec>(
         n_heads: cx.c.n_heads,
         kv_heads: l.kv_heads,
     };
-    attention(b, cx, &attn, li, cache, pos, n, r)?;
+    if pending {
+        // the previous layer's MLP residual and this layer's attention norm in one op
+        add_norm(
+            b,
+            cx,
+            &l.attn_norm,
+            n,
+            r,
+            format!("layer {li} residual and attn_norm"),
+        )?;
+        attention_normed(b, cx, &attn, li, cache, pos, n, r)?;
+    } else {
+        attention(b, cx, &attn, li, cache, pos, n, r)?;
+    }
     // the attention block's residual and the MLP's norm in one op
+    add_norm(
+        b,
+        cx,
+        &l.ffn_norm,
+        n,
+        r,
+        format!("layer {li} residual and ffn_norm"),
+    )?;
+    mlp_normed(b, cx, [&l.gate, &l.up, &l.down], li, n, r)?;
+    if defer {
+        return Ok(());
+    }
+    residual(b, cx, li, n * h, r)
+}
+
+/// `x += xn`, then `xn = RMSNorm(x) · norm`, over `n` tokens.
+fn add_norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+    what: String,
+) -> Result<()> {
     b.run(Op::AddRmsNorm {
         n_rows: n,
-        n_cols: h,
+        n_cols: cx.c.hidden,
         eps: cx.c.eps,
         x: &mut r.x,
         h: &mut r.xn,
-        weight: &*b.floats(&l.ffn_norm, cx.held)?,
+        weight: &*b.floats(norm, cx.held)?,
     })
-    .map_err(cx.err(format!("layer {li} residual and ffn_norm")))?;
-    mlp_normed(b, cx, [&l.gate, &l.up, &l.down], li, n, r)?;
-    residual(b, cx, li, n * h, r)
+    .map_err(cx.err(what))
 }
 
 /// `x += xn` over `n` values: a block's output added to the residual stream.
@@ -607,19 +646,35 @@ pub(crate) fn attention<B: Exec>(
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
     let c = cx.c;
-    let (h, hd, nh) = (c.hidden, c.head_dim, a.n_heads);
-    let kvd = a.kv_heads * hd;
-    let (k_format, v_format) = crate::cache::formats(cache.config().dtype);
-    let at = |what: &str| format!("layer {li} {what}");
     b.run(Op::RmsNorm {
         n_rows: n,
-        n_cols: h,
+        n_cols: c.hidden,
         eps: c.eps,
         x: &r.x,
         weight: &*b.floats(a.norm, cx.held)?,
         out: &mut r.xn,
     })
-    .map_err(cx.err(at("attn_norm")))?;
+    .map_err(cx.err(format!("layer {li} attn_norm")))?;
+    attention_normed(b, cx, a, li, cache, pos, n, r)
+}
+
+/// [`attention`] on activations already normed into `r.xn`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_normed<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    a: &AttnShare<'_>,
+    li: usize,
+    cache: &std::sync::Arc<Cache>,
+    pos: usize,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let c = cx.c;
+    let (hd, nh) = (c.head_dim, a.n_heads);
+    let kvd = a.kv_heads * hd;
+    let (k_format, v_format) = crate::cache::formats(cache.config().dtype);
+    let at = |what: &str| format!("layer {li} {what}");
     cx.linears(
         b,
         &r.xn,

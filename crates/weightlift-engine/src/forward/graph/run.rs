@@ -96,6 +96,9 @@ impl Graph {
                     on_site!(w, _v => (), (b, r) => exec::positions(*b, devs[i].name(), pos, n, r)?);
                 }
                 let mut at = self.embed_site;
+                // whether the last layer left its MLP output in the workspace, not yet added
+                // to the residual stream (see exec::layer)
+                let mut pending = false;
                 for (li, layer) in self.layers.iter().enumerate() {
                     if layer.site != at {
                         move_rows(
@@ -132,9 +135,13 @@ impl Graph {
                         slot: slot.and_then(SlotMem::host),
                     };
                     let lcx = Ctx { slot, ..cx(at) };
+                    let defer = self.layers.get(li + 1).is_some_and(|next| next.site == at);
                     on_site!(&mut works[at],
-                    v => run_layer(&c, layer, li, &wts, cache, pos, n, v)?,
-                    (b, r) => exec::layer(*b, &lcx, layer, li, cache, pos, n, r)?);
+                    v => { run_layer(&c, layer, li, &wts, cache, pos, n, v)?; pending = false; },
+                    (b, r) => {
+                        exec::layer(*b, &lcx, layer, li, cache, pos, n, r, (pending, defer))?;
+                        pending = defer;
+                    });
                 }
                 if let Some(o) = self.onload.as_mut() {
                     prefetch_first(o, &self.layers, held, copies, &mut slot_mem, &mut copier)?;
