@@ -35,15 +35,65 @@ __device__ float wl_block_max(float v) {
 
 // One block per row of n values: out = x / sqrt(mean(x^2) + eps) * w, with the CPU kernel's
 // rounding steps (sum of squares in double, mean rounded to f32, then f32 maths).
-extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* out, wl_u64 n, float eps) {
-    const float* xr = x + (wl_u64)blockIdx.x * n;
-    float* orow = out + (wl_u64)blockIdx.x * n;
+// The norms keep a row in registers, WL_NORM_VALS values a thread (rows of up to 2,048 values
+// with the 256 threads of per_row's launch; longer rows loop over chunks of that many): every
+// load of a chunk is issued before any value is used, where a plain loop would wait on each
+// load in turn (its stores may alias the next load). The sums keep their order: each thread
+// adds its values' squares in value order, in double, then wl_block_sum.
+#define WL_NORM_VALS 8
+
+// x[i] (+ h[i] stored to xout[i], when h is given) for the chunk of values `base +
+// threadIdx.x + k * blockDim.x`; `w` loaded alongside; `ss` gains the squares in order.
+__device__ __forceinline__ void wl_norm_chunk(const float* x, const float* h, float* xout,
+                                              const float* w, wl_u64 n, wl_u64 base, float* v,
+                                              float* wv, double* ss) {
+#pragma unroll
+    for (int k = 0; k < WL_NORM_VALS; ++k) {
+        wl_u64 i = base + threadIdx.x + (wl_u64)k * blockDim.x;
+        v[k] = i < n ? (h ? WL_ADD(x[i], h[i]) : x[i]) : 0.0f;
+        wv[k] = i < n ? w[i] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < WL_NORM_VALS; ++k) {
+        wl_u64 i = base + threadIdx.x + (wl_u64)k * blockDim.x;
+        if (i < n) {
+            if (h) xout[i] = v[k];
+            *ss += (double)v[k] * (double)v[k];
+        }
+    }
+}
+
+// One row: rms_norm (h and xout null: out = rms_norm(x) * w) or add_rms_norm (xout = x + h,
+// then out = rms_norm(xout) * w; xout is x and out is h), one block per row.
+__device__ __forceinline__ void wl_norm_row(const float* xr, const float* hr, float* xout,
+                                            const float* w, float* orow, wl_u64 n, float eps) {
+    const wl_u64 chunk = (wl_u64)WL_NORM_VALS * blockDim.x;
+    float v[WL_NORM_VALS], wv[WL_NORM_VALS];
     double ss = 0.0;
-    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    for (wl_u64 base = 0; base < n; base += chunk) {
+        wl_norm_chunk(xr, hr, xout, w, n, base, v, wv, &ss);
+    }
     ss = wl_block_sum(ss);
     float mean = (float)(ss / (double)n);
     float scale = 1.0f / sqrtf(mean + eps);
-    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) orow[i] = (xr[i] * scale) * w[i];
+    if (n <= chunk) {
+        // the row is still in registers
+#pragma unroll
+        for (int k = 0; k < WL_NORM_VALS; ++k) {
+            wl_u64 i = threadIdx.x + (wl_u64)k * blockDim.x;
+            if (i < n) orow[i] = (v[k] * scale) * wv[k];
+        }
+        return;
+    }
+    // a long row: the summed values again, from xout where they were stored (a thread rereads
+    // only values it wrote)
+    const float* src = hr ? xout : xr;
+    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) orow[i] = (src[i] * scale) * w[i];
+}
+
+extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* out, wl_u64 n, float eps) {
+    wl_norm_row(x + (wl_u64)blockIdx.x * n, nullptr, nullptr, w, out + (wl_u64)blockIdx.x * n, n,
+                eps);
 }
 
 // add_rms_norm_f32(x, h, w, n, eps): x += h, then h = rms_norm(x) * w, one block per row: the
@@ -52,16 +102,7 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* o
 extern "C" __global__ void add_rms_norm_f32(float* x, float* h, const float* w, wl_u64 n, float eps) {
     float* xr = x + (wl_u64)blockIdx.x * n;
     float* hr = h + (wl_u64)blockIdx.x * n;
-    double ss = 0.0;
-    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = WL_ADD(xr[i], hr[i]);
-        xr[i] = v;
-        ss += (double)v * (double)v;
-    }
-    ss = wl_block_sum(ss);
-    float mean = (float)(ss / (double)n);
-    float scale = 1.0f / sqrtf(mean + eps);
-    for (wl_u64 i = threadIdx.x; i < n; i += blockDim.x) hr[i] = (xr[i] * scale) * w[i];
+    wl_norm_row(xr, hr, xr, w, hr, n, eps);
 }
 
 // One thread per rotated pair. x: n_tok x n_heads x head_dim; pos: one per token.

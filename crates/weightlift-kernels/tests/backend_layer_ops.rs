@@ -148,67 +148,70 @@ test_device!(in_place_ops_match_closed_forms);
 
 /// The fused residual add and norm: `x` is `x + h` and `h` the RMSNorm of it, bit for bit what
 /// the residual add and then the norm give on the same backend, and within 1e-5 of an f64
-/// closed form. Three rows of 1,000 values (not a multiple of a block's threads).
+/// closed form. Three rows of 1,000 values (not a multiple of a block's threads), and of 5,000
+/// (longer than a CUDA block holds in registers).
 fn add_rms_norm_is_the_add_then_the_norm<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(0x4d5);
-    let (n_rows, n_cols, eps) = (3usize, 1000usize, 1e-5f32);
-    let (x0, h0, w) = (
-        rng.vec(n_rows * n_cols, 3.0),
-        rng.vec(n_rows * n_cols, 2.0),
-        rng.vec(n_cols, 1.5),
-    );
-    let wb = f32s(b, &w)?;
-    // fused
-    let (mut x, mut h) = (f32s(b, &x0)?, f32s(b, &h0)?);
-    b.run(Op::AddRmsNorm {
-        n_rows,
-        n_cols,
-        eps,
-        x: &mut x,
-        h: &mut h,
-        weight: &wb,
-    })?;
-    // separate
-    let (mut x2, h2) = (f32s(b, &x0)?, f32s(b, &h0)?);
-    let mut out = b.alloc(n_rows * n_cols * 4)?;
-    b.run(Op::AddInPlace {
-        n: n_rows * n_cols,
-        x: &mut x2,
-        y: &h2,
-    })?;
-    b.run(Op::RmsNorm {
-        n_rows,
-        n_cols,
-        eps,
-        x: &x2,
-        weight: &wb,
-        out: &mut out,
-    })?;
-    let n = n_rows * n_cols;
-    let (gx, gh) = (download_f32(b, &x, n)?, download_f32(b, &h, n)?);
-    let (wx, wh) = (download_f32(b, &x2, n)?, download_f32(b, &out, n)?);
-    for i in 0..n {
-        assert_eq!(
-            gx[i].to_bits(),
-            wx[i].to_bits(),
-            "{} residual {i}",
-            b.name()
+    for n_cols in [1000usize, 5000] {
+        let (n_rows, eps) = (3usize, 1e-5f32);
+        let (x0, h0, w) = (
+            rng.vec(n_rows * n_cols, 3.0),
+            rng.vec(n_rows * n_cols, 2.0),
+            rng.vec(n_cols, 1.5),
         );
-        assert_eq!(gh[i].to_bits(), wh[i].to_bits(), "{} normed {i}", b.name());
-    }
-    for r in 0..n_rows {
-        let row: Vec<f64> = (0..n_cols)
-            .map(|c| f64::from(x0[r * n_cols + c]) + f64::from(h0[r * n_cols + c]))
-            .collect();
-        let ms = row.iter().map(|v| v * v).sum::<f64>() / n_cols as f64;
-        let scale = 1.0 / (ms + f64::from(eps)).sqrt();
-        for c in 0..n_cols {
-            let want = row[c] * scale * f64::from(w[c]);
-            assert!(
-                close(gh[r * n_cols + c], want, 1e-5),
-                "{} row {r} col {c}",
+        let wb = f32s(b, &w)?;
+        // fused
+        let (mut x, mut h) = (f32s(b, &x0)?, f32s(b, &h0)?);
+        b.run(Op::AddRmsNorm {
+            n_rows,
+            n_cols,
+            eps,
+            x: &mut x,
+            h: &mut h,
+            weight: &wb,
+        })?;
+        // separate
+        let (mut x2, h2) = (f32s(b, &x0)?, f32s(b, &h0)?);
+        let mut out = b.alloc(n_rows * n_cols * 4)?;
+        b.run(Op::AddInPlace {
+            n: n_rows * n_cols,
+            x: &mut x2,
+            y: &h2,
+        })?;
+        b.run(Op::RmsNorm {
+            n_rows,
+            n_cols,
+            eps,
+            x: &x2,
+            weight: &wb,
+            out: &mut out,
+        })?;
+        let n = n_rows * n_cols;
+        let (gx, gh) = (download_f32(b, &x, n)?, download_f32(b, &h, n)?);
+        let (wx, wh) = (download_f32(b, &x2, n)?, download_f32(b, &out, n)?);
+        for i in 0..n {
+            assert_eq!(
+                gx[i].to_bits(),
+                wx[i].to_bits(),
+                "{} residual {i}",
                 b.name()
             );
+            assert_eq!(gh[i].to_bits(), wh[i].to_bits(), "{} normed {i}", b.name());
+        }
+        for r in 0..n_rows {
+            let row: Vec<f64> = (0..n_cols)
+                .map(|c| f64::from(x0[r * n_cols + c]) + f64::from(h0[r * n_cols + c]))
+                .collect();
+            let ms = row.iter().map(|v| v * v).sum::<f64>() / n_cols as f64;
+            let scale = 1.0 / (ms + f64::from(eps)).sqrt();
+            for c in 0..n_cols {
+                let want = row[c] * scale * f64::from(w[c]);
+                assert!(
+                    close(gh[r * n_cols + c], want, 1e-5),
+                    "{} row {r} col {c}",
+                    b.name()
+                );
+            }
         }
     }
     Ok(())
