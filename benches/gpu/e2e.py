@@ -516,7 +516,13 @@ def main() -> int:
         "--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "gpu"
     )
     ap.add_argument("--budget-s", type=float, default=180.0)
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated row labels (bf16, f16, q8_0, q4_k, transformers); default all",
+    )
     args = ap.parse_args()
+    only = {s for s in args.only.split(",") if s}
     device = "cpu" if args.cpu else args.device
     shape, shape_name = (
         (SMALL, "the --cpu rehearsal's small shape")
@@ -545,6 +551,8 @@ def main() -> int:
     gpu_before = gpu_used_bytes(device_index(device)) if device.startswith("cuda") else None
     rows = []
     for label, kw in OURS:
+        if only and label not in only:
+            continue
         if not budget.allows(f"weightlift {label}"):
             continue
         say(f"weightlift {label} on {device}")
@@ -552,7 +560,9 @@ def main() -> int:
         rows.append(r)
         say(summary_line(r))
     why_not = has_transformers()
-    if why_not is not None:
+    if only and "transformers" not in only:
+        pass
+    elif why_not is not None:
         say(f"skipped: {why_not}: transformers peer")
         budget.skipped.append(f"{why_not}: transformers peer")
     elif budget.allows("transformers peer"):

@@ -12,7 +12,10 @@
 #                                                  benches/results/gpu/cpu, which git ignores)
 #   benches/gpu/run.sh --list                      the tables below, for the bundle builder
 #
-# Environment: PYTHON (default python3, the machine's own; with --cpu, the checkout's .venv
+# Environment: STEPS (the steps to run, default tests,kernels,e2e,profile; the others are
+# skipped by name), WEIGHTS (the weight types of the end-to-end bench and the profile, e.g.
+# bf16,q4_k, and transformers for the peer; default all), PYTHON (default python3, the
+# machine's own; with --cpu, the checkout's .venv
 # where there is one, since the rehearsal needs numpy and safetensors), WEIGHTLIFT_DEMO_GGUF
 # (the demo model, for the two suites that read it; the bundle leaves it out, see GPU_TESTS).
 #
@@ -120,6 +123,9 @@ exec > >(tee "$OUT/run.log") 2>&1
 TEE=$!
 
 FAILED=()
+STEPS=${STEPS:-tests,kernels,e2e,profile}
+WEIGHTS=${WEIGHTS:-}
+wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; skip "not in STEPS ($STEPS): $2"; return 1; }
 step() { printf '\n== %s\n' "$*"; }
 skip() { echo "skipped: $*"; SKIPPED+=("$*"); }
 SKIPPED=()
@@ -280,6 +286,8 @@ lay_out_build_root || FAILED+=("test data layout")
 
 step "tests"
 printf 'suite\targs\tresult\tseconds\n' >"$WORK/tests.tsv"
+RUN_TESTS=1
+wants tests "the GPU tests" || RUN_TESTS=0
 declare -A FAILS=()
 run_suite() {
     local crate=$1 suite=$2 mode=$3 args=() log="$WORK/logs/$suite.log" t0 rc summary
@@ -308,7 +316,7 @@ run_suite() {
         "$(($(date +%s) - t0))" >>"$WORK/tests.tsv"
 }
 while read -r crate suite gpu_mode cpu_mode needs; do
-    [ -n "$crate" ] || continue
+    [ -n "$crate" ] && [ $RUN_TESTS = 1 ] || continue
     name="$crate $suite"
     if [ $CPU = 1 ]; then
         if [ "$cpu_mode" = skip ]; then
@@ -359,7 +367,10 @@ done <<<"$GPU_TESTS"
 # 2. The CUDA kernel bench.
 
 step "kernel bench"
-if [ $CPU = 1 ]; then
+rc=0
+if ! wants kernels "the kernel bench"; then
+    :
+elif [ $CPU = 1 ]; then
     skip "no GPU: kernels_cuda on cuda:0 (its cases run on the cpu backend instead, quick)"
     WEIGHTLIFT_BENCH_QUICK=1 timeout "$BENCH_TIMEOUT_S" "$WORK/bin/kernels_cuda" --device cpu --out "$OUT"
 else
@@ -367,7 +378,7 @@ else
 fi
 rc=$?
 [ $rc = 0 ] || FAILED+=("kernel bench (exit status $rc)")
-if [ $rc = 0 ] && ! ls "$OUT"/kernels_cuda*.md >/dev/null 2>&1; then
+if [ $rc = 0 ] && [[ ",$STEPS," == *,kernels,* ]] && ! ls "$OUT"/kernels_cuda*.md >/dev/null 2>&1; then
     FAILED+=("kernel bench (timed nothing)")
 fi
 for f in "$OUT"/kernels_cuda*.md; do
@@ -378,11 +389,13 @@ done
 # 3. The end-to-end bench.
 
 step "end-to-end bench"
-e2e=(--out "$OUT" --budget-s "$E2E_BUDGET_S")
-if [ $CPU = 1 ]; then e2e+=(--cpu); else e2e+=(--device cuda:0); fi
-PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
-rc=$?
-[ $rc = 0 ] || FAILED+=("end-to-end bench (exit status $rc)")
+if wants e2e "the end-to-end bench"; then
+    e2e=(--out "$OUT" --budget-s "$E2E_BUDGET_S" --only "$WEIGHTS")
+    if [ $CPU = 1 ]; then e2e+=(--cpu); else e2e+=(--device cuda:0); fi
+    PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
+    rc=$?
+    [ $rc = 0 ] || FAILED+=("end-to-end bench (exit status $rc)")
+fi
 
 # ---------------------------------------------------------------------------------------------
 # 4. The kernel profile (GPU only: torch.profiler), on the end-to-end bench's checkpoint.
@@ -390,9 +403,9 @@ rc=$?
 step "kernel profile"
 if [ $CPU = 1 ]; then
     skip "no GPU: the kernel profile"
-else
+elif wants profile "the kernel profile"; then
     PYTHONUNBUFFERED=1 timeout "$PROFILE_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/kernel_profile.py" \
-        --device cuda:0 --out "$OUT" || FAILED+=("kernel profile (exit status $?)")
+        --device cuda:0 --out "$OUT" --only "$WEIGHTS" || FAILED+=("kernel profile (exit status $?)")
 fi
 
 # ---------------------------------------------------------------------------------------------
