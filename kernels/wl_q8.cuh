@@ -264,7 +264,6 @@ WL_HD wl_u32 wl_xld32(const wl_u8* p, int al) { return wl_wld32a(p, al); }
 // that one for prompts); it spreads a row over up to 32 times the threads and reads words.
 // wl_q8v_lane_{type}(row, xq, cols, L, wpr, al, &acc, &extra) is lane L's two chains; it
 // loads WL_Q8V_UNROLL groups' words before it uses any, so their loads are in flight together.
-// Q4_K takes pairs of groups instead (below).
 #define WL_Q8V_UNROLL 4
 
 #define WL_Q8V_LANE(NAME, BS, BB)                                                                  \
@@ -311,83 +310,5 @@ WL_Q8V_LANE(q4_1, 32, 20)
 WL_Q8V_LANE(q5_0, 32, 22)
 WL_Q8V_LANE(q5_1, 32, 24)
 WL_Q8V_LANE(q8_0, 32, 34)
+WL_Q8V_LANE(q4_k, 256, 144)
 WL_Q8V_LANE(q6_k, 256, 210)
-
-// Q4_K's decode lanes take pairs of groups rather than groups: groups 2k and 2k + 1 of a block
-// share their quant bytes (low and high nibbles) and their scale bytes, so one load of each
-// serves both. Lane L of the row's 32 * wpr takes word j = L % 8 of the pairs L / 8,
-// L / 8 + 4 * wpr, ... (pair p: groups 2p, 2p + 1), in that order, group 2p then group 2p + 1,
-// in one FMA chain (and the extra chain on word 0's lanes), with the same steps as the other
-// types; the warps meet as theirs do. Per pair a lane loads one quant word, d and dmin as one
-// word, the 12 scale bytes as three, and each group's activation scale, sum and word.
-
-// Byte i of the 12 scale bytes held as three little-endian words.
-WL_HD int wl_k4_byte(const wl_u32* s, int i) { return (int)((s[i / 4] >> (8 * (i % 4))) & 0xffu); }
-
-// wl_scale_min_k4 on the scale bytes held as three words.
-WL_HD void wl_scale_min_k4_w(int j, const wl_u32* s, int* sc, int* m) {
-    if (j < 4) {
-        *sc = wl_k4_byte(s, j) & 63;
-        *m = wl_k4_byte(s, j + 4) & 63;
-    } else {
-        *sc = (wl_k4_byte(s, j + 4) & 0x0f) | ((wl_k4_byte(s, j - 4) >> 6) << 4);
-        *m = (wl_k4_byte(s, j + 4) >> 4) | ((wl_k4_byte(s, j) >> 6) << 4);
-    }
-}
-
-WL_HD void wl_q8v_lane_q4_k(const wl_u8* row, const wl_u8* xq, wl_u64 cols, int lane, int wpr,
-                            int al, float* acc, float* extra) {
-    const int j = lane % 8;
-    const int kind = j == 0 ? WL_Q8_KIND_q4_k : 0;
-    const wl_u64 step = 4 * (wl_u64)wpr;
-    const wl_u64 n_pairs = cols / 64;
-    float a = 0.0f, e = 0.0f;
-    for (wl_u64 p0 = (wl_u64)(lane / 8); p0 < n_pairs; p0 += step * WL_Q8V_UNROLL) {
-        wl_u32 w4[WL_Q8V_UNROLL], xw[WL_Q8V_UNROLL][2];
-        float dw[WL_Q8V_UNROLL][2], mw[WL_Q8V_UNROLL][2], xd[WL_Q8V_UNROLL][2];
-        int xs[WL_Q8V_UNROLL][2];
-        WL_UNROLL
-        for (int u = 0; u < WL_Q8V_UNROLL; ++u) {
-            wl_u64 p = p0 + step * (wl_u64)u;
-            w4[u] = 0u;
-            for (int h = 0; h < 2; ++h) {
-                xw[u][h] = 0u;
-                dw[u][h] = mw[u][h] = xd[u][h] = 0.0f;
-                xs[u][h] = 0;
-            }
-            if (p < n_pairs) {
-                const wl_u8* blk = row + (p / 4) * 144;
-                const int k = 2 * (int)(p % 4);
-                // 144-byte blocks: every word below is 4-byte aligned when the base is
-                wl_u32 dd = wl_wld32a(blk, al);
-                wl_u32 s[3] = {wl_wld32a(blk + 4, al), wl_wld32a(blk + 8, al),
-                               wl_wld32a(blk + 12, al)};
-                w4[u] = wl_wld32a(blk + 16 + 16 * k + 4 * j, al);
-                float d = wl_f16_to_f32_fast((wl_u16)(dd & 0xffffu));
-                float dmin = wl_f16_to_f32_fast((wl_u16)(dd >> 16));
-                for (int h = 0; h < 2; ++h) {
-                    int sc, m;
-                    wl_scale_min_k4_w(k + h, s, &sc, &m);
-                    dw[u][h] = WL_MUL(d, (float)sc);
-                    mw[u][h] = WL_MUL(dmin, (float)m);
-                    const wl_u8* xb = xq + (2 * p + (wl_u64)h) * WL_Q8_BLOCK_BYTES;
-                    xd[u][h] = wl_bits_to_f32(wl_xld32(xb, al));
-                    xs[u][h] = (int)wl_xld32(xb + 4, al);
-                    xw[u][h] = wl_xld32(xb + 8 + 4 * j, al);
-                }
-            }
-        }
-        WL_UNROLL
-        for (int u = 0; u < WL_Q8V_UNROLL; ++u) {
-            if (p0 + step * (wl_u64)u < n_pairs) {
-                for (int h = 0; h < 2; ++h) {
-                    wl_u32 q = (w4[u] >> (4 * h)) & 0x0f0f0f0fu;
-                    wl_q8_step_v(q, dw[u][h], mw[u][h], xd[u][h], xs[u][h], xw[u][h], kind, &a,
-                                 &e);
-                }
-            }
-        }
-    }
-    *acc = a;
-    *extra = e;
-}

@@ -13,7 +13,8 @@
 #   benches/gpu/run.sh --list                      the tables below, for the bundle builder
 #
 # Environment: STEPS (the steps to run, default tests,kernels,e2e,profile; the others are
-# skipped by name), WEIGHTS (the weight types of the end-to-end bench and the profile, e.g.
+# skipped by name), SUITES (the test suites to run, e.g. backend_matmul_modes,cuda; default
+# all), WEIGHTS (the weight types of the end-to-end bench and the profile, e.g.
 # bf16,q4_k, and transformers for the peer; default all), PYTHON (default python3, the
 # machine's own; with --cpu, the checkout's .venv
 # where there is one, since the rehearsal needs numpy and safetensors), WEIGHTLIFT_DEMO_GGUF
@@ -124,6 +125,7 @@ TEE=$!
 
 FAILED=()
 STEPS=${STEPS:-tests,kernels,e2e,profile}
+SUITES=${SUITES:-}
 WEIGHTS=${WEIGHTS:-}
 wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; skip "not in STEPS ($STEPS): $2"; return 1; }
 step() { printf '\n== %s\n' "$*"; }
@@ -318,6 +320,10 @@ run_suite() {
 while read -r crate suite gpu_mode cpu_mode needs; do
     [ -n "$crate" ] && [ $RUN_TESTS = 1 ] || continue
     name="$crate $suite"
+    if [ -n "$SUITES" ] && [[ ",$SUITES," != *",$suite,"* ]]; then
+        skip "not in SUITES ($SUITES): $name"
+        continue
+    fi
     if [ $CPU = 1 ]; then
         if [ "$cpu_mode" = skip ]; then
             skip "no GPU: $name (${gpu_mode} tests)"

@@ -327,13 +327,8 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
             prompt += 1;
         } else if body.starts_with("q8_matvec_") {
             decode += 1;
-            // words (the activations', and Q4_K's weights) and, for the 2-byte aligned
-            // blocks, half-words
-            let load = "ld.global.nc.u32";
-            assert!(body.contains(load), "{name}: no {load} in its PTX");
-            if !name.ends_with("q4_k") {
-                let half = "ld.global.nc.u16";
-                assert!(body.contains(half), "{name}: no {half} in its PTX");
+            for load in ["ld.global.nc.u16", "ld.global.nc.u32"] {
+                assert!(body.contains(load), "{name}: no {load} in its PTX");
             }
         }
     }
