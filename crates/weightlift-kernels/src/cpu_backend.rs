@@ -225,6 +225,13 @@ impl CpuBackend {
     }
 }
 
+/// `x += y`, value by value, in parallel chunks.
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    x.par_chunks_mut(PAR_ELEMS)
+        .zip(y.par_chunks(PAR_ELEMS))
+        .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, b)| *a += b));
+}
+
 impl CpuBackend {
     /// Does one operation ([`Backend::run`] counts it first).
     fn run_op(&self, op: Op<'_, CpuBuffer>) -> Result<()> {
@@ -400,9 +407,7 @@ impl CpuBackend {
                 let n = n_rows.saturating_mul(n_cols);
                 let xs = x.typed_mut::<f32>("add_rms_norm residual values", n)?;
                 let hs = h.typed_mut::<f32>("add_rms_norm block output values", n)?;
-                xs.par_chunks_mut(PAR_ELEMS)
-                    .zip(hs.par_chunks(PAR_ELEMS))
-                    .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, b)| *a += b));
+                add_in_place(xs, hs);
                 cpu::ops::rms_norm(
                     xs,
                     weight.typed("add_rms_norm weight values", n_cols)?,
@@ -530,10 +535,7 @@ impl CpuBackend {
                 self.own(x)?;
                 self.own(y)?;
                 let y = y.typed::<f32>("add addend values", n)?;
-                x.typed_mut::<f32>("add accumulator values", n)?
-                    .par_chunks_mut(PAR_ELEMS)
-                    .zip(y.par_chunks(PAR_ELEMS))
-                    .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, b)| *a += b));
+                add_in_place(x.typed_mut::<f32>("add accumulator values", n)?, y);
                 Ok(())
             }
             Op::AddBias {

@@ -583,6 +583,26 @@ pub(crate) fn layer<B: Exec>(
     residual(b, cx, li, n * h, r)
 }
 
+/// `xn = RMSNorm(x) · norm` over `n` tokens.
+fn norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+    what: String,
+) -> Result<()> {
+    b.run(Op::RmsNorm {
+        n_rows: n,
+        n_cols: cx.c.hidden,
+        eps: cx.c.eps,
+        x: &r.x,
+        weight: &*b.floats(norm, cx.held)?,
+        out: &mut r.xn,
+    })
+    .map_err(cx.err(what))
+}
+
 /// `x += xn`, then `xn = RMSNorm(x) · norm`, over `n` tokens.
 fn add_norm<B: Exec>(
     b: &B,
@@ -645,16 +665,7 @@ pub(crate) fn attention<B: Exec>(
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
-    let c = cx.c;
-    b.run(Op::RmsNorm {
-        n_rows: n,
-        n_cols: c.hidden,
-        eps: c.eps,
-        x: &r.x,
-        weight: &*b.floats(a.norm, cx.held)?,
-        out: &mut r.xn,
-    })
-    .map_err(cx.err(format!("layer {li} attn_norm")))?;
+    norm(b, cx, a.norm, n, r, format!("layer {li} attn_norm"))?;
     attention_normed(b, cx, a, li, cache, pos, n, r)
 }
 
@@ -736,17 +747,7 @@ pub(crate) fn mlp<B: Exec>(
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
-    let c = cx.c;
-    let at = |what: &str| format!("layer {li} {what}");
-    b.run(Op::RmsNorm {
-        n_rows: n,
-        n_cols: c.hidden,
-        eps: c.eps,
-        x: &r.x,
-        weight: &*b.floats(norm, cx.held)?,
-        out: &mut r.xn,
-    })
-    .map_err(cx.err(at("ffn_norm")))?;
+    self::norm(b, cx, norm, n, r, format!("layer {li} ffn_norm"))?;
     mlp_normed(b, cx, [gate, up, down], li, n, r)
 }
 
