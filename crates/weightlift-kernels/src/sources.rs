@@ -468,6 +468,24 @@ mod tests {
     }
 
     #[test]
+    fn q8_decode_rows_take_warps_to_fill_the_device() {
+        // a 1.1B llama on 132 SMs (about 8,448 warps wanted): k/v (256 rows) and q/o (2,048
+        // rows) of 2,048 values take eight warps a row, the FFN's 5,632 rows two, the head's
+        // 32,000 rows one
+        assert_eq!(q8_matvec_warps(256, 2048, 132), 8);
+        assert_eq!(q8_matvec_warps(2048, 2048, 132), 8);
+        assert_eq!(q8_matvec_warps(5632, 2048, 132), 2);
+        assert_eq!(q8_matvec_warps(32000, 2048, 132), 1);
+        // short rows keep two groups a lane: 512 values (16 groups) take two warps at most,
+        // 256 values one
+        assert_eq!(q8_matvec_warps(8, 512, 132), 2);
+        assert_eq!(q8_matvec_warps(8, 256, 132), 1);
+        // nothing to fill, or rows shorter than a block
+        assert_eq!(q8_matvec_warps(0, 2048, 0), 8);
+        assert_eq!(q8_matvec_warps(1, 32, 132), 1);
+    }
+
+    #[test]
     fn splits_fill_the_sms_with_enough_keys_each() {
         // a 1.1B llama's decode step on 132 SMs: 4 KV heads, one chunk of 8 query heads each
         assert_eq!(attention_splits(2048, 4, 132), 66, "two blocks an SM");
