@@ -111,7 +111,7 @@ fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
-rm -f "$OUT"/{summary,tests,e2e,profile,kernels_cuda,kernels_cuda_on_cpu}.{md,json}
+rm -f "$OUT"/{summary,tests,e2e,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info}.{md,json}
 if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
     [ $CPU = 1 ] && [ -x "$ROOT/.venv/bin/python" ] && PYTHON=$ROOT/.venv/bin/python
@@ -224,6 +224,12 @@ else
     echo "run.sh: pip could not install the wheel into $WORK/site"
     FAILED+=("wheel install")
 fi
+# What the package finds by itself, before the loader path above helps it: its own search for
+# the driver and NVRTC (the toolkit's folders and the pip packages), recorded in cuda_info.json.
+# The steps below keep the loader path, so a search that misses costs this line, not the run.
+env -u LD_LIBRARY_PATH "$PYTHON" -c 'import json, weightlift; print(json.dumps(weightlift.cuda_info(), default=str))' \
+    >"$OUT/cuda_info.json" 2>&1 || true
+echo "the package's own CUDA search, without LD_LIBRARY_PATH: $(cat "$OUT/cuda_info.json")"
 
 # ---------------------------------------------------------------------------------------------
 # Test data. The binaries read it through CARGO_MANIFEST_DIR paths compiled in on the build

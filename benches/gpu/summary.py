@@ -81,6 +81,26 @@ def e2e(folder: Path) -> list[str]:
     return out
 
 
+def cuda_libs(folder: Path) -> list[str]:
+    """What the package's own search found (run.sh's cuda_info.json, read without
+    LD_LIBRARY_PATH): the driver and NVRTC, each a path and version or the error."""
+    path = folder / "cuda_info.json"
+    if not path.is_file():
+        return ["- not probed"]
+    try:
+        info = json.loads(path.read_text())
+    except ValueError:
+        return [f"- the probe failed: {path.read_text().strip()[-300:]}"]
+    out = []
+    for lib in ("driver", "nvrtc"):
+        got = info.get(lib) or {}
+        if "error" in got:
+            out.append(f"- {lib}: not found: {got['error']}")
+        else:
+            out.append(f"- {lib}: {got.get('path', '?')} (version {got.get('version', '?')})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -94,6 +114,10 @@ def main() -> None:
         "# GPU check: summary",
         "",
         os.environ.get("WEIGHTLIFT_RUN_HEADER", ""),
+        "",
+        "## CUDA libraries the package found by itself (no LD_LIBRARY_PATH)",
+        "",
+        *cuda_libs(a.out),
         "",
         "## Tests",
         "",
