@@ -123,5 +123,5 @@ clean: ## remove build outputs (keeps the model cache)
 	rm -rf $(VENV)
 
 .PHONY: gpu-bundle
-gpu-bundle: venv ## build gpu-bundle/ for benches/gpu/run.sh on a GPU machine (release test binaries, the cuda+nccl wheel, reference files; fails above 64 MiB with the checkout)
+gpu-bundle: venv ## build gpu-bundle/ for benches/gpu/run.sh on a GPU machine (release test binaries and the cuda+nccl wheel; fails above 64 MiB with the checkout)
 	MATURIN=$(abspath $(VENV))/bin/maturin PYTHON=$(VPY) benches/gpu/bundle.sh
