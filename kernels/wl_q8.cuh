@@ -250,9 +250,6 @@ WL_Q8_LANE(q8_0, 32, 34)
 WL_Q8_LANE(q4_k, 256, 144)
 WL_Q8_LANE(q6_k, 256, 210)
 
-// Four bytes of an activation block (4-byte aligned when al; see wl_wld16).
-WL_HD wl_u32 wl_xld32(const wl_u8* p, int al) { return wl_wld32a(p, al); }
-
 // The decode kernels' order (q8_matvec_{type}, for memory bandwidth): a weight row belongs to
 // `wpr` warps (1, 2, 4 or 8, chosen by the host to fill the device), 32 * wpr lanes in all.
 // Lane L of the row (warp L / 32, lane L % 32) takes word j = L % 8 of the row's 32-value
@@ -289,9 +286,10 @@ WL_HD wl_u32 wl_xld32(const wl_u8* p, int al) { return wl_wld32a(p, al); }
                     w4[u] = wl_q8w_##NAME(row + (g / ((BS) / 32)) * (BB), (int)(g % ((BS) / 32)), j, \
                                           al, &dw[u], &mw[u]);                                     \
                     const wl_u8* xb = xq + g * WL_Q8_BLOCK_BYTES;                                  \
-                    xd[u] = wl_bits_to_f32(wl_xld32(xb, al));                                      \
-                    xs[u] = (int)wl_xld32(xb + 4, al);                                             \
-                    xw[u] = wl_xld32(xb + 8 + 4 * j, al);                                          \
+                    /* activation blocks are 40 bytes: 4-byte aligned when al */                  \
+                    xd[u] = wl_bits_to_f32(wl_wld32a(xb, al));                                     \
+                    xs[u] = (int)wl_wld32a(xb + 4, al);                                            \
+                    xw[u] = wl_wld32a(xb + 8 + 4 * j, al);                                         \
                 }                                                                                  \
             }                                                                                      \
             WL_UNROLL                                                                              \

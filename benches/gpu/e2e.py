@@ -559,10 +559,9 @@ def main() -> int:
         r = bench_ours(label, kw, path, device, ids, budget, gpu_before)
         rows.append(r)
         say(summary_line(r))
-    why_not = has_transformers()
     if only and "transformers" not in only:
-        pass
-    elif why_not is not None:
+        say(f"transformers peer: not in --only ({args.only})")
+    elif (why_not := has_transformers()) is not None:
         say(f"skipped: {why_not}: transformers peer")
         budget.skipped.append(f"{why_not}: transformers peer")
     elif budget.allows("transformers peer"):

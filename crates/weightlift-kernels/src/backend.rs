@@ -330,18 +330,24 @@ pub struct Product<'a, B> {
 }
 
 /// [`Op::MatmulShared`] as one [`Op::Matmul`] per member, each given to `run` (a backend's
-/// own dispatch, which does not count them again), for a backend with nothing to share.
-#[allow(clippy::too_many_arguments)]
+/// own dispatch, which does not count them again), for a backend with nothing to share. Any
+/// other op goes to `run` as it is.
 pub fn matmul_each<'a, B>(
-    mode: MatvecMode,
-    act: FloatType,
-    cols: usize,
-    n_tok: usize,
-    max_dq_size: usize,
-    x: &'a B,
-    products: Vec<Product<'a, B>>,
+    op: Op<'a, B>,
     mut run: impl FnMut(Op<'a, B>) -> Result<()>,
 ) -> Result<()> {
+    let Op::MatmulShared {
+        mode,
+        act,
+        cols,
+        n_tok,
+        max_dq_size,
+        x,
+        products,
+    } = op
+    else {
+        return run(op);
+    };
     for p in products {
         run(Op::Matmul {
             ty: p.ty,

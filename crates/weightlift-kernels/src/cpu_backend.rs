@@ -612,24 +612,7 @@ impl CpuBackend {
                     out.typed_mut("attention output values", qn)?,
                 )
             }
-            Op::MatmulShared {
-                mode,
-                act,
-                cols,
-                n_tok,
-                max_dq_size,
-                x,
-                products,
-            } => crate::backend::matmul_each(
-                mode,
-                act,
-                cols,
-                n_tok,
-                max_dq_size,
-                x,
-                products,
-                |op| self.run_op(op),
-            ),
+            op @ Op::MatmulShared { .. } => crate::backend::matmul_each(op, |op| self.run_op(op)),
         }
     }
 }

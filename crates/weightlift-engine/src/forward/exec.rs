@@ -320,7 +320,8 @@ impl<'a> Ctx<'a> {
         for (l, _) in &outs {
             held.push(self.weight(b, l)?);
         }
-        let types: Vec<Option<QuantType>> = held
+        // one op when every member is a block or float matrix of the same width and mode
+        let types: Option<Vec<QuantType>> = held
             .iter()
             .map(|(_, p)| match p {
                 Packing::Blocks(ty) => Some(*ty),
@@ -328,30 +329,25 @@ impl<'a> Ctx<'a> {
             })
             .collect();
         let mode = types
-            .first()
-            .copied()
-            .flatten()
-            .map(|ty| self.mode::<B>(ty));
-        let shared = outs.len() > 1
-            && types
-                .iter()
-                .all(|t| t.is_some_and(|ty| Some(self.mode::<B>(ty)) == mode))
-            && outs.iter().all(|(l, _)| l.cols == outs[0].0.cols);
-        let (Some(mode), true) = (mode, shared) else {
-            drop(held);
-            for (l, y) in outs {
-                self.linear(b, l, x, n, y)?;
-            }
-            return Ok(());
+            .as_deref()
+            .and_then(|t| t.first())
+            .map(|ty| self.mode::<B>(*ty));
+        let (Some(types), Some(mode)) = (types, mode) else {
+            return self.linears_each(b, x, n, outs);
         };
-        let mut outs = outs;
-        let names: Vec<String> = outs.iter().map(|(l, _)| l.name.clone()).collect();
         let cols = outs[0].0.cols;
+        if outs.len() < 2
+            || types.iter().any(|ty| self.mode::<B>(*ty) != mode)
+            || outs.iter().any(|(l, _)| l.cols != cols)
+        {
+            return self.linears_each(b, x, n, outs);
+        }
+        let mut outs = outs;
         let products = outs
             .iter_mut()
-            .zip(held.iter().zip(&types))
+            .zip(held.iter().zip(types))
             .map(|((l, y), ((w, _), ty))| weightlift_kernels::Product {
-                ty: ty.expect("every member is a block matrix (checked above)"),
+                ty,
                 rows: l.rows,
                 w: &**w,
                 y: &mut **y,
@@ -366,11 +362,28 @@ impl<'a> Ctx<'a> {
             x,
             products,
         })
-        .map_err(self.err(names.join(", ")))?;
+        .map_err(|e| {
+            let names: Vec<&str> = outs.iter().map(|(l, _)| l.name.as_str()).collect();
+            kernel_on(self.device, &names.join(", "), e)
+        })?;
         for (l, y) in outs {
             if let Some(bias) = &l.bias {
                 self.add_bias(b, l, bias, n, y)?;
             }
+        }
+        Ok(())
+    }
+
+    /// [`Ctx::linears`] one matrix at a time.
+    fn linears_each<B: Exec>(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        n: usize,
+        outs: Vec<(&Linear, &mut B::Buffer)>,
+    ) -> Result<()> {
+        for (l, y) in outs {
+            self.linear(b, l, x, n, y)?;
         }
         Ok(())
     }

@@ -152,24 +152,7 @@ impl CudaBackend {
                     Ok(())
                 })?;
             }
-            Op::MatmulShared {
-                mode,
-                act,
-                cols,
-                n_tok,
-                max_dq_size,
-                x,
-                products,
-            } => crate::backend::matmul_each(
-                mode,
-                act,
-                cols,
-                n_tok,
-                max_dq_size,
-                x,
-                products,
-                |op| self.run_op(op),
-            )?,
+            op @ Op::MatmulShared { .. } => crate::backend::matmul_each(op, |op| self.run_op(op))?,
             Op::Int8Matmul {
                 rows,
                 cols,
