@@ -93,7 +93,7 @@ test-rust: venv vocab reference ## run the Rust suites (kernels with the CUDA fe
 		--exclude weightlift-benches --features weightlift-kernels/cuda
 	$(CUDA_ENV) cargo check -p weightlift-engine --all-targets --features nccl
 
-test-python: build demo-model reference ## run the Python suite against the built extension
+test-python: build demo-model vocab reference ## run the Python suite against the built extension
 	$(CUDA_ENV) $(VENV)/bin/pytest -q tests; rc=$$?; $(RESTORE_RELEASE); exit $$rc
 
 test: check-paths ## set up, then run every Rust and Python test (the demo's release build is kept)

@@ -103,8 +103,6 @@ def test_chat_prompts_are_llamacpp_prompts(model: wl.Model) -> None:
 
 
 def test_unsupported_arguments_and_bad_prompts_are_typed_errors(model: wl.Model) -> None:
-    with pytest.raises(wl.UnsupportedError, match="logit_bias is not supported"):
-        model("hi", logit_bias={1: 1.0})
     with pytest.raises(wl.UnsupportedError, match="logits_processor is not supported"):
         model("hi", logits_processor=[lambda ids, logits: logits])
     with pytest.raises(wl.UnsupportedError, match="tool"):

@@ -3,7 +3,8 @@
 The package is a thin layer over the native module ``weightlift._native``; everything public is
 re-exported here: checkpoints (``open``), the planner (``plan``, ``fit``), the engine (``Model``,
 ``Cache``, ``TPContext``, ``tensor``), the accelerate / llama.cpp style loaders
-(``from_pretrained``, ``load_gguf``) and llama-cpp-python's ``LlamaGrammar``.
+(``from_pretrained``, ``load_gguf``) and llama-cpp-python's ``Llama``, ``LlamaState`` and
+``LlamaGrammar``: a llama-cpp-python program runs with ``from weightlift import Llama``.
 """
 
 from weightlift._errors import (
@@ -49,9 +50,11 @@ from weightlift._native import (
     open,
     parse_devices,
     plan,
+    sample,
     tensor,
     use_devices,
 )
+from weightlift.llama import Llama, LlamaState
 
 __all__ = [
     "BROADCAST_ID",
@@ -71,7 +74,9 @@ __all__ = [
     "DeviceTensor",
     "DeviceUsage",
     "FormatError",
+    "Llama",
     "LlamaGrammar",
+    "LlamaState",
     "LoadCancelled",
     "Model",
     "ModelSpec",
@@ -94,6 +99,7 @@ __all__ = [
     "open",
     "parse_devices",
     "plan",
+    "sample",
     "tensor",
     "use_devices",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "cuda_info",
     "from_pretrained",
     "load_gguf",
+    "sample",
     "DeviceTensor",
     "Model",
     "Cache",
@@ -419,6 +420,23 @@ _Size = int | str
 _Callback = Callable[[int, int, str, str], bool | None]
 
 def use_devices(spec: str) -> list[tuple[str, int | None]]: ...
+def sample(
+    logits: npt.NDArray[np.float32],
+    history: Sequence[int] = ...,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    top_p: float = 0.95,
+    min_p: float = 0.05,
+    typical_p: float = 1.0,
+    repeat_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    mirostat_mode: int = 0,
+    mirostat_tau: float = 5.0,
+    mirostat_eta: float = 0.1,
+    seed: int | None = None,
+) -> int: ...
 def cuda_info() -> dict[str, Any]: ...
 def tensor(array: npt.ArrayLike, device: str) -> DeviceTensor: ...
 
@@ -486,17 +504,18 @@ class Model:
         self, text: str | bytes, add_bos: bool | None = None, special: bool = False
     ) -> list[int]: ...
     def detokenize(self, ids: Sequence[int], special: bool = False) -> str: ...
+    def detokenize_bytes(self, ids: Sequence[int], special: bool = False) -> bytes: ...
     def generate(
         self,
         prompt: str | bytes | Sequence[int],
         *,
-        max_new_tokens: int | None = 32,
-        temperature: float = 0.0,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
         typical_p: float = 1.0,
-        repeat_penalty: float = 1.0,
+        repeat_penalty: float | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         mirostat_mode: int = 0,
@@ -508,6 +527,12 @@ class Model:
         stream: bool = False,
         cache: Cache | None = None,
         add_bos: bool | None = None,
+        do_sample: bool | None = None,
+        max_length: int | None = None,
+        repetition_penalty: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        num_return_sequences: int = 1,
     ) -> str | CompletionStream: ...
     def create_completion(
         self,
@@ -649,6 +674,13 @@ class Model:
     def layer_devices(self) -> list[str]: ...
     def tensor(self, name: str, dequantize: bool = False) -> npt.NDArray[Any]: ...
     def tensor_info(self, name: str) -> TensorInfo: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    def __enter__(self) -> Model: ...
+    def __exit__(self, *_args: object) -> bool: ...
+    @property
+    def cache(self) -> Cache | None: ...
 
 @final
 class Cache:
@@ -675,6 +707,11 @@ class Cache:
     @property
     def seq_len(self) -> int: ...
     def reset(self) -> None: ...
+    @property
+    def tokens(self) -> list[int]: ...
+    def save_state(self) -> bytes: ...
+    def truncate(self, n: int) -> None: ...
+    def load_state(self, state: bytes) -> None: ...
     def memory(self) -> dict[str, int]: ...
     def expected_memory(self) -> dict[str, int]: ...
     def device_of(self, layer: int) -> str: ...

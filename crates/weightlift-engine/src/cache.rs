@@ -55,10 +55,12 @@ use crate::error::{EngineError, Result, invalid};
 
 mod offload;
 mod prefetch;
+mod state;
 mod tp_parts;
 use offload::Pool;
 pub use offload::Resident;
 use prefetch::Prefetcher;
+pub use state::CacheState;
 pub use tp_parts::TpPart;
 
 /// Values per quantisation group.

@@ -37,7 +37,7 @@ use std::time::Instant;
 use weightlift_text::{StreamDecoder, Tokenizer};
 
 use crate::cache::Cache;
-use crate::error::{EngineError, Result};
+use crate::error::{EngineError, Result, invalid};
 use crate::forward::Logits;
 use crate::grammar::{Constraint, Grammar};
 use crate::model::Model;
@@ -60,6 +60,9 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// Whether an end-of-generation token ends the generation.
     pub stop_at_eog: bool,
+    /// The end-of-generation tokens, in place of the tokenizer's (transformers'
+    /// `eos_token_id`); `None` keeps the tokenizer's.
+    pub eog_tokens: Option<Vec<u32>>,
     /// Score every sampled token, with this many most likely alternatives per position
     /// (llama-cpp-python's `logprobs`); `None` scores nothing.
     pub logprobs: Option<usize>,
@@ -67,6 +70,10 @@ pub struct GenerateOptions {
     pub prompt_logprobs: bool,
     /// Keep the text inside this grammar (llama-cpp-python's `grammar=`).
     pub grammar: Option<Arc<Grammar>>,
+    /// Added to these tokens' logits before every sample (OpenAI's and llama-cpp-python's
+    /// `logit_bias`; `-inf` bans a token). Log-probabilities are still of the model's own
+    /// logits, as llama-cpp-python reports them.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for GenerateOptions {
@@ -76,9 +83,11 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             stop_at_eog: true,
+            eog_tokens: None,
             logprobs: None,
             prompt_logprobs: false,
             grammar: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -145,9 +154,13 @@ pub struct Generation {
     sampler: Sampler,
     /// Where the text is in the grammar, when there is one.
     grammar: Option<Constraint>,
+    logit_bias: Vec<(u32, f32)>,
+    /// The logits with the bias added, sampled in place of `logits` when there is a bias.
+    biased: Vec<f32>,
     stops: StopMatcher,
     decoder: StreamDecoder,
     stop_at_eog: bool,
+    eog_tokens: Option<Vec<u32>>,
     prompt_tokens: u64,
     /// Ids to run next: the unreused prompt, then the last sampled token.
     pending: Vec<u32>,
@@ -192,6 +205,10 @@ impl Generation {
         let sampler = Sampler::new(options.sampling)?;
         let vocab = model.vocab_size()?;
         crate::forward::check_ids(prompt, vocab)?;
+        check_bias(&options.logit_bias, vocab)?;
+        if let Some(ids) = &options.eog_tokens {
+            crate::forward::check_ids(ids, vocab)?;
+        }
         let (cache, reuse) = match cache {
             Some(c) => (Arc::clone(c), false),
             None => (model.own_cache()?, true),
@@ -241,11 +258,14 @@ impl Generation {
         Ok(Generation {
             decoder: tokenizer.stream(true),
             grammar,
+            logit_bias: options.logit_bias,
+            biased: Vec::new(),
             tokenizer,
             cache,
             sampler,
             stops: StopMatcher::new(options.stop),
             stop_at_eog: options.stop_at_eog,
+            eog_tokens: options.eog_tokens,
             prompt_tokens: prompt.len() as u64,
             pending,
             tokens: Vec::new(),
@@ -312,7 +332,11 @@ impl Generation {
         }
         self.timings.sample_secs += t2.duration_since(t1).as_secs_f64();
 
-        if self.stop_at_eog && self.tokenizer.is_eog(token) {
+        let eog = match &self.eog_tokens {
+            Some(ids) => ids.contains(&token),
+            None => self.tokenizer.is_eog(token),
+        };
+        if self.stop_at_eog && eog {
             return Ok(Some(self.flush(FinishReason::Stop)));
         }
         if let Some(n) = self.top_logprobs {
@@ -345,15 +369,22 @@ impl Generation {
     /// The next token from the last logits: through the grammar when there is one, which then
     /// moves past it.
     fn sample(&mut self) -> Result<u32> {
-        let Some(grammar) = &mut self.grammar else {
-            return Ok(self.sampler.sample(&self.logits, &self.tokens));
+        let logits = if self.logit_bias.is_empty() {
+            &self.logits
+        } else {
+            self.biased.clone_from(&self.logits);
+            for &(t, b) in &self.logit_bias {
+                self.biased[t as usize] += b;
+            }
+            &self.biased
         };
-        let token = self
-            .sampler
-            .sample_masked(&self.logits, &self.tokens, |logits| {
-                grammar.mask(logits)?;
-                Ok(())
-            })?;
+        let Some(grammar) = &mut self.grammar else {
+            return Ok(self.sampler.sample(logits, &self.tokens));
+        };
+        let token = self.sampler.sample_masked(logits, &self.tokens, |logits| {
+            grammar.mask(logits)?;
+            Ok(())
+        })?;
         grammar.accept(token)?;
         Ok(token)
     }
@@ -498,4 +529,25 @@ impl Model {
         let text = template.render(messages, true)?;
         self.prompt_ids(&text, Some(false))
     }
+}
+
+/// Every biased token is in the vocabulary and every bias is a number (`-inf` bans a token).
+fn check_bias(bias: &[(u32, f32)], vocab: u64) -> Result<()> {
+    for &(t, b) in bias {
+        if u64::from(t) >= vocab {
+            return Err(invalid(
+                "logit_bias token id",
+                format!("an id below the vocabulary size {vocab}"),
+                t,
+            ));
+        }
+        if b.is_nan() || b == f32::INFINITY {
+            return Err(invalid(
+                format!("logit_bias for token {t}"),
+                "a finite number, or -inf to ban the token",
+                b,
+            ));
+        }
+    }
+    Ok(())
 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use numpy::{PyArray1, PyReadonlyArrayDyn};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
-use weightlift_engine::cache::{Cache as ECache, CacheDType};
+use pyo3::types::{PyBytes, PyTuple};
+use weightlift_engine::cache::{Cache as ECache, CacheDType, CacheState};
 use weightlift_plan as wp;
 
 use crate::errors::{Exc, eng, enter, py_err, raise};
@@ -101,6 +101,42 @@ impl Cache {
     /// Forget every token (the memory stays allocated).
     fn reset(&self) {
         self.cache.reset();
+    }
+
+    /// Keep the first `n` tokens (at most `seq_len`) and forget the rest.
+    fn truncate(&self, n: u64) -> PyResult<()> {
+        let held = self.cache.seq_len();
+        if n > held {
+            return Err(raise(
+                Exc::Plan,
+                format!("Cache.truncate({n}): expected at most the {held} tokens held"),
+            ));
+        }
+        eng(self.cache.set_seq_len(n))
+    }
+
+    /// The token ids at positions `0..seq_len`; empty when some were written directly with
+    /// `write()`.
+    #[getter]
+    fn tokens(&self) -> Vec<u32> {
+        self.cache.ids()
+    }
+
+    /// The tokens held and their keys and values, as bytes `load_state()` takes back (into this
+    /// cache or another of the same model, of any dtype).
+    fn save_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let c = Arc::clone(&self.cache);
+        let bytes = enter(py, || c.save_state().map(|s| s.to_bytes()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Replace what the cache holds with a `save_state()` result.
+    fn load_state(&self, py: Python<'_>, state: &[u8]) -> PyResult<()> {
+        let c = Arc::clone(&self.cache);
+        enter(py, || {
+            let s = CacheState::from_bytes(state)?;
+            c.load_state(&s)
+        })
     }
 
     /// Bytes held per device: the layers, and an offloaded cache's prefetch slots.

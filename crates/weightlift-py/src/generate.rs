@@ -21,8 +21,8 @@ use crate::cache::Cache;
 use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
 use args::{
-    Call, Knobs, alternatives, is_given, logprobs_count, message, prompt_ids, refuse,
-    refuse_sampling, text_of,
+    Call, Knobs, SampleDefaults, alternatives, is_given, logit_bias_arg, logprobs_count, message,
+    new_token_budget, prompt_ids, refuse, refuse_sampling, same_knob, text_of, token_ids_arg,
 };
 pub use grammar::LlamaGrammar;
 use grammar::{grammar_arg, mirostat, response_format_grammar};
@@ -55,6 +55,22 @@ impl Model {
         tok.decode(&ids, !special).map_err(ToPyErr::to_pyerr)
     }
 
+    /// The bytes of token `ids` (llama-cpp-python's `Llama.detokenize`): `detokenize` before
+    /// the UTF-8 check, so a cut through a character stays cut.
+    #[pyo3(signature = (ids, special = false))]
+    fn detokenize_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        special: bool,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let tok = eng(self.lock()?.model.tokenizer())?;
+        let bytes = tok
+            .decode_bytes(&ids, !special)
+            .map_err(ToPyErr::to_pyerr)?;
+        Ok(pyo3::types::PyBytes::new(py, &bytes))
+    }
+
     /// Generate text after `prompt` (a string or token ids): the text, or with `stream=True` an
     /// iterator of text pieces. `temperature=0` is greedy over the whole vocabulary.
     /// `mirostat_mode=1` or `2` samples with Mirostat (target surprise `mirostat_tau` bits,
@@ -64,22 +80,33 @@ impl Model {
     /// it already holds is reused (a model loaded without one makes an fp16 cache for the prompt
     /// and `max_new_tokens`, as transformers' generate does); with one the prompt is appended to
     /// it.
-    #[pyo3(signature = (prompt, *, max_new_tokens = 32, temperature = 0.0, top_k = 40,
-                        top_p = 0.95, min_p = 0.05, typical_p = 1.0, repeat_penalty = 1.0,
+    ///
+    /// transformers' words work too: `do_sample=False` is greedy and `do_sample=True` samples
+    /// with transformers' defaults for what is not given (temperature 1, top-k 50, top-p 1, no
+    /// min-p); `max_length` counts the prompt (`max_new_tokens` wins when both are given; with
+    /// neither, 32 new tokens; `max_new_tokens <= 0` runs until the cache is full);
+    /// `repetition_penalty` is `repeat_penalty` (over the last 64 tokens, as llama.cpp);
+    /// `eos_token_id` (an id or a list) replaces the tokenizer's end-of-generation tokens;
+    /// `pad_token_id` is accepted and unused (one sequence needs no padding);
+    /// `num_return_sequences` above 1 is refused until batched generation lands.
+    #[pyo3(signature = (prompt, *, max_new_tokens = None, temperature = None, top_k = None,
+                        top_p = None, min_p = None, typical_p = 1.0, repeat_penalty = None,
                         presence_penalty = 0.0, frequency_penalty = 0.0, mirostat_mode = 0,
                         mirostat_tau = 5.0, mirostat_eta = 0.1, grammar = None, seed = None,
-                        stop = None, stream = false, cache = None, add_bos = None))]
+                        stop = None, stream = false, cache = None, add_bos = None,
+                        do_sample = None, max_length = None, repetition_penalty = None,
+                        eos_token_id = None, pad_token_id = None, num_return_sequences = 1))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         slf: &Bound<'_, Model>,
         prompt: &Bound<'_, PyAny>,
         max_new_tokens: Option<i64>,
-        temperature: f32,
-        top_k: i32,
-        top_p: f32,
-        min_p: f32,
+        temperature: Option<f32>,
+        top_k: Option<i32>,
+        top_p: Option<f32>,
+        min_p: Option<f32>,
         typical_p: f32,
-        repeat_penalty: f32,
+        repeat_penalty: Option<f32>,
         presence_penalty: f32,
         frequency_penalty: f32,
         mirostat_mode: i64,
@@ -91,22 +118,44 @@ impl Model {
         stream: bool,
         cache: Option<&Bound<'_, Cache>>,
         add_bos: Option<bool>,
+        do_sample: Option<bool>,
+        max_length: Option<i64>,
+        repetition_penalty: Option<f32>,
+        eos_token_id: Option<&Bound<'_, PyAny>>,
+        pad_token_id: Option<i64>,
+        num_return_sequences: i64,
     ) -> PyResult<Py<PyAny>> {
+        let _ = pad_token_id;
+        refuse(
+            "num_return_sequences above 1",
+            num_return_sequences != 1,
+            "generation runs one sequence at a time; call generate once per sequence (with \
+             different seeds)",
+        )?;
         let model = slf.get();
+        let sampled = SampleDefaults::of(do_sample);
         let knobs = Knobs {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
+            temperature: sampled.temperature(temperature),
+            top_k: top_k.unwrap_or(sampled.top_k),
+            top_p: top_p.unwrap_or(sampled.top_p),
+            min_p: min_p.unwrap_or(sampled.min_p),
             typical_p,
-            repeat_penalty,
+            repeat_penalty: same_knob(
+                "repeat_penalty",
+                repeat_penalty,
+                "repetition_penalty",
+                repetition_penalty,
+            )?
+            .unwrap_or(1.0),
             presence_penalty,
             frequency_penalty,
             seed,
             mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
         };
         let grammar = grammar_arg(grammar)?;
+        let eog = token_ids_arg(eos_token_id, "eos_token_id")?;
         let ids = prompt_ids(&model.lock()?.model, prompt, add_bos, false)?;
+        let max_new_tokens = new_token_budget(max_new_tokens, max_length, ids.len())?;
         let mut call = Call::new(
             ids,
             &knobs,
@@ -116,6 +165,7 @@ impl Model {
             cache.map(|c| Arc::clone(&c.get().cache)),
         )?;
         call.options.grammar = grammar;
+        call.options.eog_tokens = eog;
         Model::respond(slf, call, Shape::Text, stream, None, 0, None)
     }
 
@@ -129,8 +179,9 @@ impl Model {
     /// chosen token, None or False none. `mirostat_mode=1` or `2` samples with Mirostat in place
     /// of top-k, typical, top-p, min-p and the temperature; `grammar` (GBNF text or a
     /// `LlamaGrammar`) keeps the text inside a grammar. Arguments it has that this build does
-    /// not implement (`suffix`, `tfs_z` other than 1, logits processors, stopping criteria,
-    /// `logit_bias`) raise `UnsupportedError` when given.
+    /// not implement (`suffix`, `tfs_z` other than 1, logits processors, stopping criteria)
+    /// raise `UnsupportedError` when given. `logit_bias` (`{token_id: bias}`) is added to those
+    /// tokens' logits before sampling; log-probabilities stay the model's own.
     #[pyo3(signature = (prompt, suffix = None, max_tokens = 16, temperature = 0.8,
                         top_p = 0.95, min_p = 0.05, typical_p = 1.0, logprobs = None,
                         echo = false, stop = None, frequency_penalty = 0.0,
@@ -178,7 +229,8 @@ impl Model {
             is_given(stopping_criteria),
             "use stop strings",
         )?;
-        refuse_sampling(tfs_z, logits_processor, logit_bias)?;
+        refuse_sampling(tfs_z, logits_processor)?;
+        let logit_bias = logit_bias_arg(logit_bias)?;
         let grammar = grammar_arg(grammar)?;
         let me = slf.get();
         let knobs = Knobs {
@@ -203,6 +255,7 @@ impl Model {
         let mut call = Call::new(ids, &knobs, me.default_seed()?, max_tokens, stop, None)?;
         call.options.logprobs = logprobs;
         call.options.grammar = grammar;
+        call.options.logit_bias = logit_bias;
         Model::respond(
             slf,
             call,
@@ -241,8 +294,8 @@ impl Model {
     /// chosen one), `bytes` None, as llama-cpp-python (which, like this, returns None for
     /// `logprobs=True` without `top_logprobs`). `response_format={"type": "json_object"}` keeps
     /// the reply inside llama-cpp-python's JSON grammar (in place of `grammar`); mirostat and
-    /// `grammar` are as in `create_completion`. Tools, functions, JSON schemas and logit biases
-    /// raise `UnsupportedError` when given.
+    /// `grammar` and `logit_bias` are as in `create_completion`. Tools, functions and JSON
+    /// schemas raise `UnsupportedError` when given.
     #[pyo3(signature = (messages, functions = None, function_call = None, tools = None,
                         tool_choice = None, temperature = 0.2, top_p = 0.95, top_k = 40,
                         min_p = 0.05, typical_p = 1.0, stream = false, stop = None, seed = None,
@@ -288,7 +341,8 @@ impl Model {
             || is_given(tools)
             || is_given(tool_choice);
         refuse("tools and functions", tool_use, "tool calling is not built")?;
-        refuse_sampling(tfs_z, logits_processor, logit_bias)?;
+        refuse_sampling(tfs_z, logits_processor)?;
+        let logit_bias = logit_bias_arg(logit_bias)?;
         // As llama-cpp-python: a JSON response format replaces any grammar given.
         let grammar = match response_format_grammar(response_format)? {
             Some(json) => Some(json),
@@ -321,6 +375,7 @@ impl Model {
         let mut call = Call::new(prompt, &knobs, me.default_seed()?, max_tokens, stop, None)?;
         call.options.logprobs = logprobs;
         call.options.grammar = grammar;
+        call.options.logit_bias = logit_bias;
         Model::respond(slf, call, Shape::Chat, stream, None, 0, model)
     }
 
@@ -354,4 +409,55 @@ impl Model {
         let tok = eng(self.lock()?.model.tokenizer())?;
         Ok(tok.eos_id().map_or(-1, i64::from))
     }
+}
+
+/// One token from `logits` (one row, float32) through the engine's sampler chain, with the
+/// penalties over `history`: llama-cpp-python's `Llama.sample` on logits the caller holds.
+/// `temperature=0` is the argmax, lowest id on ties.
+#[pyfunction]
+#[pyo3(signature = (logits, history = Vec::new(), *, temperature = 0.8, top_k = 40, top_p = 0.95,
+                    min_p = 0.05, typical_p = 1.0, repeat_penalty = 1.0, presence_penalty = 0.0,
+                    frequency_penalty = 0.0, mirostat_mode = 0, mirostat_tau = 5.0,
+                    mirostat_eta = 0.1, seed = None))]
+#[allow(clippy::too_many_arguments)]
+pub fn sample(
+    logits: numpy::PyReadonlyArray1<'_, f32>,
+    history: Vec<u32>,
+    temperature: f32,
+    top_k: i32,
+    top_p: f32,
+    min_p: f32,
+    typical_p: f32,
+    repeat_penalty: f32,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    mirostat_mode: i64,
+    mirostat_tau: f32,
+    mirostat_eta: f32,
+    seed: Option<u64>,
+) -> PyResult<u32> {
+    let knobs = Knobs {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        typical_p,
+        repeat_penalty,
+        presence_penalty,
+        frequency_penalty,
+        seed,
+        mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
+    };
+    let logits = logits.as_slice().map_err(|e| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "logits: expected one contiguous float32 row; {e}"
+        ))
+    })?;
+    if logits.is_empty() {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "logits: expected one row of the vocabulary's logits, got an empty array",
+        ));
+    }
+    let mut sampler = eng(weightlift_engine::sample::Sampler::new(knobs.params(None)))?;
+    Ok(sampler.sample(logits, &history))
 }

@@ -37,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devices::cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(loaders::from_pretrained, m)?)?;
     m.add_function(wrap_pyfunction!(loaders::load_gguf, m)?)?;
+    m.add_function(wrap_pyfunction!(generate::sample, m)?)?;
     m.add_class::<devices::DeviceTensor>()?;
     m.add_class::<model::Model>()?;
     m.add_class::<cache::Cache>()?;

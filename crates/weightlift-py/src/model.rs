@@ -34,6 +34,8 @@ pub(crate) struct ModelInner {
     pub(crate) timings: Option<we::Timings>,
     /// The `Model.tp` object handed out for the current load.
     tp_obj: Option<Py<crate::tp::TPContext>>,
+    /// Set by `close()`: every later call raises `ClosedError`.
+    closed: bool,
 }
 
 impl ModelInner {
@@ -52,7 +54,22 @@ pub struct Model {
 }
 
 impl Model {
+    /// The model's state, for any call but `close()`: `ClosedError` once closed.
     pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, ModelInner>> {
+        let g = self.lock_even_closed()?;
+        if g.closed {
+            return Err(raise(
+                Exc::Closed,
+                format!(
+                    "Model('{}') is closed; open the checkpoint again to use it",
+                    self.checkpoint.path().display()
+                ),
+            ));
+        }
+        Ok(g)
+    }
+
+    fn lock_even_closed(&self) -> PyResult<MutexGuard<'_, ModelInner>> {
         match self.inner.try_lock() {
             Ok(g) => Ok(g),
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
@@ -111,6 +128,7 @@ impl Model {
                 seed: None,
                 timings: None,
                 tp_obj: None,
+                closed: false,
             }),
             checkpoint: ckpt,
         })
@@ -573,8 +591,58 @@ impl Model {
         ))
     }
 
+    /// Free everything the model holds (as `unload()`, the own cache included) and refuse
+    /// every later call with `ClosedError`. Closing twice does nothing; `with` closes on exit.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let mut inner = self.lock_even_closed()?;
+        if inner.closed {
+            return Ok(());
+        }
+        let inner_ref = &mut *inner;
+        enter(py, || {
+            inner_ref.model.unload();
+            Ok::<(), PyErr>(())
+        })?;
+        inner.plan = None;
+        inner.tp_obj = None;
+        inner.closed = true;
+        Ok(())
+    }
+
+    /// True once `close()` has run.
+    #[getter]
+    fn closed(&self) -> PyResult<bool> {
+        Ok(self.lock_even_closed()?.closed)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// The cache generation and `forward(cache=None)` use: the one the model was loaded with,
+    /// or the one it made for a prompt; None before either.
+    #[getter]
+    fn cache(&self) -> PyResult<Option<crate::cache::Cache>> {
+        let inner = self.lock()?;
+        if !inner.model.is_loaded() {
+            return Ok(None);
+        }
+        Ok(inner
+            .model
+            .own_cache()
+            .ok()
+            .map(|cache| crate::cache::Cache { cache }))
+    }
+
     fn __repr__(&self) -> String {
         match self.inner.try_lock() {
+            Ok(i) if i.closed => format!("Model('{}', closed)", self.checkpoint.path().display()),
             Ok(i) => format!(
                 "Model('{}', devices='{}', loaded={})",
                 self.checkpoint.path().display(),

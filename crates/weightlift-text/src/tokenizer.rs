@@ -624,6 +624,13 @@ impl Tokenizer {
     /// when `skip_special`, and one leading space removed when the first id is BOS (SPM's space
     /// prefix). Bytes that are not UTF-8 become U+FFFD.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        let bytes = self.decode_bytes(ids, skip_special)?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// [`Tokenizer::decode`]'s bytes before any UTF-8 check (llama-cpp-python's
+    /// `Llama.detokenize`, which returns bytes): a cut through a character stays cut.
+    pub fn decode_bytes(&self, ids: &[u32], skip_special: bool) -> Result<Vec<u8>> {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
             self.push_piece(id, !skip_special, &mut bytes)?;
@@ -631,7 +638,7 @@ impl Tokenizer {
         if self.bos.is_some() && ids.first().copied() == self.bos && bytes.first() == Some(&b' ') {
             bytes.remove(0);
         }
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+        Ok(bytes)
     }
 
     /// A streaming decoder over this tokenizer (see [`crate::StreamDecoder`]).

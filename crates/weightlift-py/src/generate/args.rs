@@ -125,15 +125,65 @@ pub(super) fn is_given(obj: Option<&Bound<'_, PyAny>>) -> bool {
 pub(super) fn refuse_sampling(
     tfs_z: f32,
     logits_processor: Option<&Bound<'_, PyAny>>,
-    logit_bias: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     refuse(
         "tfs_z",
         tfs_z != 1.0,
         "llama.cpp removed tail-free sampling; use 1.0",
     )?;
-    refuse("logits_processor", is_given(logits_processor), "not built")?;
-    refuse("logit_bias", is_given(logit_bias), "not built")
+    refuse(
+        "logits_processor",
+        is_given(logits_processor),
+        "not built; logit_bias covers fixed biases",
+    )
+}
+
+/// `logit_bias`: a mapping of token id (an int, or its decimal string as OpenAI's JSON sends
+/// it) to the number added to that token's logit. The engine checks ids and values.
+pub(super) fn logit_bias_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<(u32, f32)>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let d = obj.cast::<PyDict>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "logit_bias: expected a dict of token id to bias, got {}",
+            type_name(obj)
+        ))
+    })?;
+    let mut out = Vec::with_capacity(d.len());
+    for (k, v) in d.iter() {
+        let id = match k.extract::<u32>() {
+            Ok(id) => Some(id),
+            Err(_) => k
+                .extract::<String>()
+                .ok()
+                .and_then(|s| s.trim().parse::<u32>().ok()),
+        };
+        let id = id.ok_or_else(|| {
+            raise(
+                Exc::Plan,
+                format!(
+                    "logit_bias: expected token ids (ints >= 0, or their decimal strings) as \
+                     keys, got {}",
+                    k.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+                ),
+            )
+        })?;
+        let bias: f32 = v.extract().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "logit_bias[{id}]: expected a number, got {}",
+                type_name(&v)
+            ))
+        })?;
+        out.push((id, bias));
+    }
+    Ok(out)
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".into(), |n| n.to_string())
 }
 
 /// The sampler's knobs as each entry point names them.
@@ -151,7 +201,7 @@ pub(super) struct Knobs {
 }
 
 impl Knobs {
-    fn params(&self, default_seed: Option<u64>) -> SamplingParams {
+    pub(super) fn params(&self, default_seed: Option<u64>) -> SamplingParams {
         SamplingParams {
             temperature: self.temperature,
             top_k: self.top_k,
@@ -195,6 +245,104 @@ impl Call {
             },
             cache,
         })
+    }
+}
+
+/// `generate`'s sampling defaults: llama.cpp's when `do_sample` is not given (greedy unless a
+/// temperature is), transformers' when it is.
+pub(super) struct SampleDefaults {
+    do_sample: Option<bool>,
+    pub(super) top_k: i32,
+    pub(super) top_p: f32,
+    pub(super) min_p: f32,
+}
+
+impl SampleDefaults {
+    pub(super) fn of(do_sample: Option<bool>) -> SampleDefaults {
+        match do_sample {
+            Some(_) => SampleDefaults {
+                do_sample,
+                top_k: 50,
+                top_p: 1.0,
+                min_p: 0.0,
+            },
+            None => SampleDefaults {
+                do_sample,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+            },
+        }
+    }
+
+    /// `do_sample=False` is greedy whatever the temperature, as transformers.
+    pub(super) fn temperature(&self, given: Option<f32>) -> f32 {
+        match self.do_sample {
+            Some(false) => 0.0,
+            Some(true) => given.unwrap_or(1.0),
+            None => given.unwrap_or(0.0),
+        }
+    }
+}
+
+/// One knob under two names (llama.cpp's and transformers'): either, or both when they agree.
+pub(super) fn same_knob(
+    name: &str,
+    value: Option<f32>,
+    alias: &str,
+    alias_value: Option<f32>,
+) -> PyResult<Option<f32>> {
+    match (value, alias_value) {
+        (Some(a), Some(b)) if a != b => Err(raise(
+            Exc::Plan,
+            format!("{name}={a} and {alias}={b} name the same penalty; pass one of them"),
+        )),
+        (a, b) => Ok(a.or(b)),
+    }
+}
+
+/// Token ids given as one int or a list of ints (transformers' `eos_token_id`).
+pub(super) fn token_ids_arg(
+    obj: Option<&Bound<'_, PyAny>>,
+    what: &str,
+) -> PyResult<Option<Vec<u32>>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    if let Ok(id) = obj.extract::<u32>() {
+        return Ok(Some(vec![id]));
+    }
+    obj.extract::<Vec<u32>>().map(Some).map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what}: expected a token id (an int >= 0) or a list of them, got {}",
+            type_name(obj)
+        ))
+    })
+}
+
+/// `max_new_tokens`, or what transformers' `max_length` (prompt included) leaves after a
+/// prompt of `prompt_len` tokens; `max_new_tokens` wins when both are given.
+pub(super) fn new_token_budget(
+    max_new_tokens: Option<i64>,
+    max_length: Option<i64>,
+    prompt_len: usize,
+) -> PyResult<Option<i64>> {
+    match (max_new_tokens, max_length) {
+        (Some(n), _) => Ok(Some(n)),
+        (None, Some(total)) => {
+            let prompt = i64::try_from(prompt_len).unwrap_or(i64::MAX);
+            if total <= prompt {
+                return Err(raise(
+                    Exc::Plan,
+                    format!(
+                        "max_length={total} counts the prompt, which is already {prompt} tokens; \
+                         pass a larger max_length or max_new_tokens"
+                    ),
+                ));
+            }
+            Ok(Some(total - prompt))
+        }
+        (None, None) => Ok(Some(32)),
     }
 }
 

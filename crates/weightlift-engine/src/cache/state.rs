@@ -1,0 +1,280 @@
+//! A cache's sequence saved and restored: llama-cpp-python's `save_state` / `load_state`.
+//!
+//! The state holds the token ids and every layer's K and V rows of positions `0..seq_len` as
+//! f32, read through [`Cache::read`] and written back through [`Cache::write`], so it works on
+//! every device and layout the cache has (host, CUDA, offloaded, split by heads) and can be
+//! restored into any cache of the same model shape, whatever its dtype. A quantised cache's rows
+//! come back as the values it decodes to; encoding those again gives the same groups.
+//!
+//! [`CacheState::to_bytes`] is a flat little-endian record (magic, version, shape, ids, rows),
+//! and [`CacheState::from_bytes`] checks every length against the bytes it has before it
+//! allocates, so a truncated or foreign blob is an error, never a huge allocation.
+
+use super::Cache;
+use crate::error::{EngineError, Result, invalid};
+
+const MAGIC: &[u8; 8] = b"WLKVSTAT";
+const VERSION: u32 = 1;
+
+/// The tokens and K/V rows a cache held when [`Cache::save_state`] ran.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheState {
+    /// Positions held.
+    pub seq_len: u64,
+    /// The ids at those positions; empty when the cache did not know them all.
+    pub ids: Vec<u32>,
+    /// Values per position of each layer (`n_kv_heads × head_dim`).
+    pub rows: Vec<u64>,
+    /// Per layer, K then V in `(1, n_kv_heads, seq_len, head_dim)` order.
+    pub layers: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+impl Cache {
+    /// The tokens this cache holds, with their keys and values.
+    pub fn save_state(&self) -> Result<CacheState> {
+        self.check_one_sequence("save_state")?;
+        let seq_len = self.seq_len();
+        let ids = self.ids();
+        let mut layers = Vec::with_capacity(self.n_layers());
+        for l in 0..self.n_layers() {
+            layers.push(if seq_len == 0 {
+                (Vec::new(), Vec::new())
+            } else {
+                self.read(l, 0, seq_len)?
+            });
+        }
+        Ok(CacheState {
+            seq_len,
+            ids,
+            rows: (0..self.n_layers()).map(|l| self.config.row(l)).collect(),
+            layers,
+        })
+    }
+
+    /// Replace what this cache holds with `state`: afterwards it holds `state.seq_len` tokens,
+    /// and a prompt that starts with `state.ids` reuses them.
+    pub fn load_state(&self, state: &CacheState) -> Result<()> {
+        self.check_one_sequence("load_state")?;
+        let rows: Vec<u64> = (0..self.n_layers()).map(|l| self.config.row(l)).collect();
+        if rows != state.rows {
+            return Err(invalid(
+                "cache state",
+                format!(
+                    "one saved from a cache of this model ({} layers)",
+                    rows.len()
+                ),
+                format!(
+                    "{} layers; it was saved from another model",
+                    state.rows.len()
+                ),
+            ));
+        }
+        if state.seq_len > self.config.max_seq_len {
+            return Err(EngineError::ContextFull {
+                tokens: state.seq_len,
+                held: 0,
+                max_seq_len: self.config.max_seq_len,
+            });
+        }
+        self.reset();
+        for (l, (k, v)) in state.layers.iter().enumerate() {
+            if state.seq_len > 0 {
+                self.write(l, 0, state.seq_len, k, v)?;
+            }
+        }
+        if state.ids.len() as u64 == state.seq_len {
+            self.note_ids(0, &state.ids);
+        }
+        self.set_seq_len(state.seq_len)
+    }
+
+    /// The ids at positions `0..seq_len`, or none when some position's id is unknown (rows
+    /// written directly with [`Cache::write`]).
+    pub fn ids(&self) -> Vec<u32> {
+        let ids = self.lock_ids();
+        if ids.len() as u64 == self.seq_len() {
+            ids.clone()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn check_one_sequence(&self, what: &str) -> Result<()> {
+        if self.config.batch_size != 1 {
+            return Err(EngineError::Unsupported {
+                what: format!("{what} on a cache of batch_size {}", self.config.batch_size),
+                detail: "a state holds one sequence; use a cache of batch_size 1".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl CacheState {
+    /// The state as one flat record, for pickling or a file.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let floats: usize = self.layers.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let mut out =
+            Vec::with_capacity(32 + 4 * self.ids.len() + 8 * self.rows.len() + 4 * floats);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&self.seq_len.to_le_bytes());
+        out.extend_from_slice(&(self.ids.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(self.rows.len() as u64).to_le_bytes());
+        self.ids
+            .iter()
+            .for_each(|i| out.extend_from_slice(&i.to_le_bytes()));
+        self.rows
+            .iter()
+            .for_each(|r| out.extend_from_slice(&r.to_le_bytes()));
+        for (k, v) in &self.layers {
+            k.iter()
+                .chain(v)
+                .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+        }
+        out
+    }
+
+    /// Read a record [`CacheState::to_bytes`] wrote.
+    pub fn from_bytes(bytes: &[u8]) -> Result<CacheState> {
+        let mut r = Reader { bytes, at: 0 };
+        let magic = r.take(MAGIC.len())?;
+        if magic != MAGIC {
+            return Err(invalid(
+                "cache state",
+                "bytes that save_state() returned (magic WLKVSTAT)",
+                format!("a record starting {:02x?}", &magic[..magic.len().min(8)]),
+            ));
+        }
+        let version = u32::from_le_bytes(r.array()?);
+        if version != VERSION {
+            return Err(invalid("cache state version", VERSION.to_string(), version));
+        }
+        let seq_len = r.u64()?;
+        let n_ids = r.count(4)?;
+        let n_layers = r.count(8)?;
+        let ids = (0..n_ids)
+            .map(|_| r.array().map(u32::from_le_bytes))
+            .collect::<Result<Vec<_>>>()?;
+        let rows = (0..n_layers).map(|_| r.u64()).collect::<Result<Vec<_>>>()?;
+        let mut layers = Vec::with_capacity(n_layers);
+        for &row in &rows {
+            let n = usize::try_from(row.saturating_mul(seq_len)).unwrap_or(usize::MAX);
+            let k = r.floats(n)?;
+            let v = r.floats(n)?;
+            layers.push((k, v));
+        }
+        if r.at != bytes.len() {
+            return Err(invalid(
+                "cache state",
+                format!("{} bytes", r.at),
+                format!("{} (trailing bytes)", bytes.len()),
+            ));
+        }
+        Ok(CacheState {
+            seq_len,
+            ids,
+            rows,
+            layers,
+        })
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        let left = self.bytes.len() - self.at;
+        if n > left {
+            return Err(invalid(
+                "cache state",
+                format!("{n} more bytes at offset {}", self.at),
+                format!("{left}; the record is truncated"),
+            ));
+        }
+        self.at += n;
+        Ok(&self.bytes[self.at - n..self.at])
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        self.array().map(u64::from_le_bytes)
+    }
+
+    /// A count of items of `size` bytes each that the remaining bytes can hold.
+    fn count(&mut self, size: usize) -> Result<usize> {
+        let n = self.u64()?;
+        let left = (self.bytes.len() - self.at) / size;
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= left)
+            .ok_or_else(|| {
+                invalid(
+                    "cache state",
+                    format!("at most {left} items at offset {}", self.at),
+                    format!("{n}; the record is truncated or corrupt"),
+                )
+            })
+    }
+
+    fn floats(&mut self, n: usize) -> Result<Vec<f32>> {
+        let b = self.take(n.saturating_mul(4))?;
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CacheState {
+        CacheState {
+            seq_len: 2,
+            ids: vec![7, 9],
+            rows: vec![4],
+            layers: vec![((0..8).map(|x| x as f32).collect(), vec![0.5; 8])],
+        }
+    }
+
+    #[test]
+    fn a_state_round_trips_through_bytes() {
+        let s = sample();
+        assert_eq!(CacheState::from_bytes(&s.to_bytes()).unwrap(), s);
+    }
+
+    #[test]
+    fn truncated_or_foreign_bytes_are_errors_naming_the_cause() {
+        let b = sample().to_bytes();
+        for cut in [0, 7, 20, b.len() - 1] {
+            let e = CacheState::from_bytes(&b[..cut]).unwrap_err().to_string();
+            assert!(e.contains("cache state"), "{e}");
+        }
+        let mut bad = b.clone();
+        bad[0] = b'X';
+        let e = CacheState::from_bytes(&bad).unwrap_err().to_string();
+        assert!(e.contains("WLKVSTAT"), "{e}");
+        // A huge id count is refused before anything is allocated.
+        let mut huge = b.clone();
+        huge[20..28].copy_from_slice(&u64::MAX.to_le_bytes());
+        let e = CacheState::from_bytes(&huge).unwrap_err().to_string();
+        assert!(e.contains("truncated or corrupt"), "{e}");
+        let mut extra = b;
+        extra.push(0);
+        assert!(
+            CacheState::from_bytes(&extra)
+                .unwrap_err()
+                .to_string()
+                .contains("trailing")
+        );
+    }
+}

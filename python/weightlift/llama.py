@@ -1,0 +1,530 @@
+"""``weightlift.Llama``: llama-cpp-python's ``Llama`` class over a weightlift ``Model``.
+
+A program written for llama-cpp-python runs with ``from weightlift import Llama`` in place of
+``from llama_cpp import Llama``. Each constructor keyword maps to a weightlift option, is accepted
+because it changes nothing here (a performance knob of llama.cpp's own), or is refused by name
+with ``UnsupportedError`` when it asks for something weightlift does not do. The methods keep
+llama-cpp-python's names, arguments and return shapes; the work is the native ``Model``'s.
+
+This module holds only that mapping: generation, sampling, tokenizers, caches and states are the
+engine's, so a Rust caller gets the same behaviour without it.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from weightlift._errors import UnsupportedError
+from weightlift._native import Model, load_gguf, sample
+from weightlift._native import open as open_checkpoint
+
+# llama.cpp's constants that llama-cpp-python programs pass as numbers.
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+LLAMA_SPLIT_MODE_NONE = 0
+LLAMA_SPLIT_MODE_LAYER = 1
+LLAMA_SPLIT_MODE_ROW = 2
+LLAMA_POOLING_TYPE_UNSPECIFIED = -1
+LLAMA_POOLING_TYPE_NONE = 0
+LLAMA_POOLING_TYPE_MEAN = 1
+LLAMA_POOLING_TYPE_CLS = 2
+LLAMA_POOLING_TYPE_LAST = 3
+LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED = -1
+LLAMA_ATTENTION_TYPE_UNSPECIFIED = -1
+
+_SPLIT_MODES = {
+    LLAMA_SPLIT_MODE_NONE: "none",
+    LLAMA_SPLIT_MODE_LAYER: "layer",
+    LLAMA_SPLIT_MODE_ROW: "row",
+}
+# ggml type numbers of the KV cache types the engine stores (`type_k` / `type_v`).
+_GGML_CACHE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0", 30: "bf16"}
+
+# Keywords that only tune llama.cpp's own scheduling: accepted, and they change nothing here.
+_NO_EFFECT = {
+    "n_ubatch": 512,
+    "n_threads_batch": None,
+    "flash_attn": False,
+    "op_offload": None,
+    "swa_full": None,
+    "no_perf": False,
+    "offload_kqv": True,
+}
+
+# Keywords for features weightlift does not have, with their do-nothing values.
+_REFUSED = {
+    "kv_overrides": (None, "metadata overrides are not built; edit the GGUF with gguf-py"),
+    "rope_scaling_type": (LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED, "RoPE comes from the model"),
+    "attention_type": (LLAMA_ATTENTION_TYPE_UNSPECIFIED, "attention is causal"),
+    "rope_freq_base": (0.0, "RoPE comes from the model's metadata"),
+    "rope_freq_scale": (0.0, "RoPE comes from the model's metadata"),
+    "yarn_ext_factor": (-1.0, "YaRN comes from the model's metadata"),
+    "yarn_attn_factor": (1.0, "YaRN comes from the model's metadata"),
+    "yarn_beta_fast": (32.0, "YaRN comes from the model's metadata"),
+    "yarn_beta_slow": (1.0, "YaRN comes from the model's metadata"),
+    "yarn_orig_ctx": (0, "YaRN comes from the model's metadata"),
+    "lora_base": (None, "LoRA adapters are not built; merge the adapter first"),
+    "lora_path": (None, "LoRA adapters are not built; merge the adapter first"),
+    "lora_scale": (1.0, "LoRA adapters are not built; merge the adapter first"),
+    "numa": (False, "NUMA placement is not built"),
+    "chat_handler": (None, "chat handlers are not built; the model's chat template is used"),
+    "draft_model": (None, "speculative decoding is not built"),
+    "tokenizer": (None, "the model's own tokenizer is used"),
+    "spm_infill": (False, "fill-in-the-middle prompts are not built"),
+    "last_n_tokens_size": (64, "the penalties look at the last 64 tokens"),
+}
+
+
+def _refuse(name: str, why: str) -> UnsupportedError:
+    return UnsupportedError(f"Llama({name}=...) is not supported: {why}")
+
+
+class LlamaState:
+    """What ``Llama.save_state`` returns: the tokens held, the last logits, the seed, and the
+    cache's keys and values as bytes (``llama_state``), picklable as llama-cpp-python's."""
+
+    def __init__(
+        self,
+        input_ids: npt.NDArray[np.intc],
+        scores: npt.NDArray[np.single],
+        n_tokens: int,
+        llama_state: bytes,
+        llama_state_size: int,
+        seed: int,
+    ) -> None:
+        self.input_ids = input_ids
+        self.scores = scores
+        self.n_tokens = n_tokens
+        self.llama_state = llama_state
+        self.llama_state_size = llama_state_size
+        self.seed = seed
+
+
+class Llama:
+    """llama-cpp-python's ``Llama``: load ``model_path`` (a GGUF, or any checkpoint weightlift
+    opens) and run completions, chats, embeddings and the low-level ``eval``/``sample`` loop."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        n_gpu_layers: int = 0,
+        split_mode: int = LLAMA_SPLIT_MODE_LAYER,
+        main_gpu: int = 0,
+        tensor_split: Sequence[float] | None = None,
+        vocab_only: bool = False,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        seed: int = LLAMA_DEFAULT_SEED,
+        n_ctx: int = 512,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        pooling_type: int = LLAMA_POOLING_TYPE_UNSPECIFIED,
+        logits_all: bool = False,
+        embedding: bool = False,
+        chat_format: str | None = None,
+        type_k: int | None = None,
+        type_v: int | None = None,
+        verbose: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        for name, value in kwargs.items():
+            if name in _NO_EFFECT:
+                continue
+            if name in _REFUSED:
+                default, why = _REFUSED[name]
+                if value != default and not (default is None and not value):
+                    raise _refuse(name, why)
+                continue
+            raise TypeError(f"Llama() got an unexpected keyword argument '{name}'")
+        if chat_format is not None:
+            raise _refuse(
+                "chat_format",
+                f"built-in chat format {chat_format!r} is not built; with chat_format=None the "
+                "model's own chat template (tokenizer.chat_template) formats the messages",
+            )
+        if split_mode not in _SPLIT_MODES:
+            raise ValueError(
+                f"Llama(split_mode={split_mode!r}): expected LLAMA_SPLIT_MODE_NONE (0), "
+                "LLAMA_SPLIT_MODE_LAYER (1) or LLAMA_SPLIT_MODE_ROW (2)"
+            )
+        self.model_path = str(model_path)
+        self.verbose = verbose
+        self.n_batch = n_batch
+        self._logits_all = logits_all
+        self._embedding = embedding
+        self._pooling_type = pooling_type
+        self._seed = LLAMA_DEFAULT_SEED if seed is None else seed
+        # The logits of the last `eval` (every position with logits_all, else the last one).
+        self._scores: npt.NDArray[np.single] = np.zeros((0, 0), dtype=np.single)
+        with open_checkpoint(self.model_path) as ckpt:
+            spec = ckpt.spec
+        self._n_embd = spec.hidden_size if spec is not None else 0
+        if n_ctx == 0:
+            # llama.cpp's 0: the context the model was trained with.
+            n_ctx = spec.context_length if spec is not None else 512
+        self._model: Model = load_gguf(
+            self.model_path,
+            n_gpu_layers=n_gpu_layers,
+            split_mode=_SPLIT_MODES[split_mode],
+            tensor_split=list(tensor_split) if tensor_split is not None else None,
+            main_gpu=main_gpu,
+            use_mmap=use_mmap,
+            use_mlock=use_mlock,
+            vocab_only=vocab_only,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            type_k=_cache_type("type_k", type_k),
+            type_v=_cache_type("type_v", type_v),
+            n_threads=n_threads,
+            seed=None if self._seed == LLAMA_DEFAULT_SEED else self._seed,
+        )
+        if verbose:
+            where = ", ".join(self._model.layer_devices[:1]) if not vocab_only else "-"
+            print(
+                f"weightlift: loaded {self.model_path} (n_ctx={n_ctx if not vocab_only else 0}, "
+                f"first layer on {where})",
+                file=sys.stderr,
+            )
+
+    # --- the model ---------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Model:
+        """The weightlift ``Model`` underneath."""
+        return self._model
+
+    def n_ctx(self) -> int:
+        return self._model.n_ctx()
+
+    def n_vocab(self) -> int:
+        return self._model.n_vocab()
+
+    def n_embd(self) -> int:
+        return self._n_embd
+
+    def token_bos(self) -> int:
+        return self._model.token_bos()
+
+    def token_eos(self) -> int:
+        return self._model.token_eos()
+
+    def token_nl(self) -> int:
+        ids = self._model.tokenize(b"\n", add_bos=False, special=False)
+        return ids[-1] if ids else -1
+
+    # --- text --------------------------------------------------------------------------------
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of UTF-8 ``text``. As llama.cpp, ``add_bos=True`` adds BOS only when the
+        vocabulary asks for one; ``special=True`` parses special tokens such as ``</s>``."""
+        return self._model.tokenize(text, add_bos=None if add_bos else False, special=special)
+
+    def detokenize(
+        self,
+        tokens: Sequence[int],
+        prev_tokens: Sequence[int] | None = None,
+        special: bool = False,
+    ) -> bytes:
+        """The bytes of ``tokens``; with ``prev_tokens``, only the bytes ``tokens`` add after
+        them."""
+        if prev_tokens is None:
+            return self._model.detokenize_bytes(list(tokens), special)
+        prev = list(prev_tokens)
+        whole = self._model.detokenize_bytes(prev + list(tokens), special)
+        return whole[len(self._model.detokenize_bytes(prev, special)) :]
+
+    # --- completions -------------------------------------------------------------------------
+
+    def _next_seed(self, seed: int | None) -> int:
+        # llama-cpp-python's rule: a given seed is used and kept; otherwise the next seed is
+        # drawn from the last, so calls differ but a run is reproducible from its first seed.
+        self._seed = seed if seed is not None else random.Random(self._seed).randint(0, 2**32)
+        return self._seed
+
+    def create_completion(self, prompt: str | bytes | Sequence[int], **kwargs: Any) -> Any:
+        """``Model.create_completion`` with llama-cpp-python's seed rule."""
+        kwargs["seed"] = self._next_seed(kwargs.get("seed"))
+        return self._model.create_completion(prompt, **kwargs)
+
+    def __call__(self, prompt: str | bytes | Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        names = ("suffix", "max_tokens", "temperature", "top_p", "min_p", "typical_p")
+        if len(args) > len(names):
+            raise TypeError(f"Llama.__call__ takes at most {len(names) + 1} positional arguments")
+        kwargs.update(zip(names, args, strict=False))
+        return self.create_completion(prompt, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
+        kwargs["seed"] = self._next_seed(kwargs.get("seed"))
+        return self._model.create_chat_completion(messages, **kwargs)
+
+    def set_seed(self, seed: int) -> None:
+        self._seed = seed
+
+    # --- the low-level loop ------------------------------------------------------------------
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens the model's cache holds."""
+        cache = self._model.cache
+        return cache.seq_len if cache is not None else 0
+
+    @property
+    def input_ids(self) -> npt.NDArray[np.intc]:
+        """The ids of the tokens held."""
+        cache = self._model.cache
+        return np.asarray(cache.tokens if cache is not None else [], dtype=np.intc)
+
+    @property
+    def scores(self) -> npt.NDArray[np.single]:
+        """The logits of the last ``eval`` (every position with ``logits_all``)."""
+        return self._scores
+
+    def reset(self) -> None:
+        """Forget every token held."""
+        cache = self._model.cache
+        if cache is not None:
+            cache.reset()
+        self._scores = np.zeros((0, 0), dtype=np.single)
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Run ``tokens`` after those held, keeping their logits for ``sample``."""
+        tokens = list(tokens)
+        if not tokens:
+            return
+        logits = self._model.forward(
+            tokens, cache=self._model.cache, logits="all" if self._logits_all else "last"
+        )
+        self._scores = logits
+
+    def sample(
+        self,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        temp: float = 0.80,
+        repeat_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_eta: float = 0.1,
+        mirostat_tau: float = 5.0,
+        penalize_nl: bool = True,
+        logits_processor: Any = None,
+        grammar: Any = None,
+        idx: int | None = None,
+    ) -> int:
+        """A token from the logits of position ``idx`` (the last evaluated by default)."""
+        if tfs_z != 1.0:
+            raise UnsupportedError(
+                "Llama.sample(tfs_z=...) is not supported: llama.cpp removed tail-free "
+                "sampling; use 1.0"
+            )
+        if grammar is not None:
+            raise UnsupportedError(
+                "Llama.sample(grammar=...) is not supported: pass grammar= to "
+                "create_completion, which keeps the grammar's state across tokens"
+            )
+        if len(self._scores) == 0:
+            raise ValueError("Llama.sample: nothing evaluated yet; call eval(tokens) first")
+        n = self.n_tokens
+        if idx is None:
+            row = self._scores[-1]
+        else:
+            first = n - len(self._scores)
+            if not first <= idx < n:
+                raise ValueError(
+                    f"Llama.sample(idx={idx}): expected a position with logits, "
+                    f"{first}..{n - 1} (pass logits_all=True to keep every position's)"
+                )
+            row = self._scores[idx - first]
+        row = np.array(row, dtype=np.single)
+        history = list(self.input_ids[: idx + 1] if idx is not None else self.input_ids)
+        if logits_processor is not None:
+            row = np.asarray(
+                logits_processor(np.asarray(history, dtype=np.intc), row), dtype=np.single
+            )
+        return sample(
+            row,
+            history[-64:],
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            typical_p=typical_p,
+            repeat_penalty=repeat_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            mirostat_mode=mirostat_mode,
+            mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta,
+            seed=self._next_seed(None),
+        )
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        temp: float = 0.80,
+        repeat_penalty: float = 1.0,
+        reset: bool = True,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        penalize_nl: bool = True,
+        logits_processor: Any = None,
+        stopping_criteria: Any = None,
+        grammar: Any = None,
+    ) -> Generator[int, Sequence[int] | None, None]:
+        """Tokens after ``tokens``, one per ``next()``, without end (the caller stops). With
+        ``reset`` the longest prefix of ``tokens`` already held is reused."""
+        tokens = list(tokens)
+        if reset:
+            held = list(self.input_ids)
+            common = 0
+            for a, b in zip(held, tokens, strict=False):
+                if a != b:
+                    break
+                common += 1
+            # At least one token runs, so there are logits to sample.
+            common = min(common, len(tokens) - 1) if tokens else 0
+            self._rewind(common)
+            tokens = tokens[common:]
+        while True:
+            self.eval(tokens)
+            token = self.sample(
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                typical_p=typical_p,
+                temp=temp,
+                repeat_penalty=repeat_penalty,
+                frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty,
+                tfs_z=tfs_z,
+                mirostat_mode=mirostat_mode,
+                mirostat_tau=mirostat_tau,
+                mirostat_eta=mirostat_eta,
+                logits_processor=logits_processor,
+                grammar=grammar,
+            )
+            if stopping_criteria is not None and stopping_criteria(
+                self.input_ids, self._scores[-1]
+            ):
+                return
+            more = yield token
+            tokens = [token, *(more or [])]
+
+    def _rewind(self, n: int) -> None:
+        """Keep the first ``n`` tokens held and drop the rest."""
+        cache = self._model.cache
+        if cache is not None:
+            cache.truncate(min(n, cache.seq_len))
+
+    # --- state -------------------------------------------------------------------------------
+
+    def save_state(self) -> LlamaState:
+        """The tokens held with their keys and values, the last logits and the seed."""
+        cache = self._model.cache
+        blob = cache.save_state() if cache is not None else b""
+        return LlamaState(
+            input_ids=self.input_ids.copy(),
+            scores=self._scores.copy(),
+            n_tokens=self.n_tokens,
+            llama_state=blob,
+            llama_state_size=len(blob),
+            seed=self._seed,
+        )
+
+    def load_state(self, state: LlamaState) -> None:
+        """Hold exactly what ``state`` held."""
+        cache = self._model.cache
+        if cache is None:
+            raise ValueError("Llama.load_state: this Llama was made with vocab_only=True")
+        cache.load_state(state.llama_state)
+        self._scores = state.scores.copy()
+        self._seed = state.seed
+
+    # --- embeddings --------------------------------------------------------------------------
+
+    def embed(
+        self,
+        input: str | list[str],
+        normalize: bool = False,
+        truncate: bool = True,
+        return_count: bool = False,
+    ) -> Any:
+        """Embeddings of ``input`` (a string, or a list of them): with the model's pooling (or
+        ``pooling_type``) one vector per input, with no pooling one vector per token."""
+        if not self._embedding:
+            raise RuntimeError(
+                "Llama model must be created with embedding=True to call this method"
+            )
+        inputs = [input] if isinstance(input, str) else list(input)
+        data: list[Any] = []
+        total = 0
+        for text in inputs:
+            ids = self.tokenize(text.encode("utf-8"))
+            if truncate:
+                ids = ids[: self.n_batch]
+            elif len(ids) > self.n_batch:
+                raise ValueError(
+                    f"Requested tokens ({len(ids)}) exceed batch size of {self.n_batch}"
+                )
+            total += len(ids)
+            data.append(self._model.embed(ids, pooling=self._pooling_type, normalize=normalize))
+        output = data[0] if isinstance(input, str) else data
+        return (output, total) if return_count else output
+
+    def create_embedding(self, input: str | list[str], model: str | None = None) -> Any:
+        """OpenAI's embedding response for ``input``."""
+        embeds, total = self.embed(input, return_count=True)
+        if isinstance(input, str):
+            embeds = [embeds]
+        return {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "embedding": e, "index": i} for i, e in enumerate(embeds)
+            ],
+            "model": model if model is not None else self.model_path,
+            "usage": {"prompt_tokens": total, "total_tokens": total},
+        }
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the model and its cache; later calls raise ``ClosedError``."""
+        self._model.close()
+
+    def __enter__(self) -> Llama:
+        return self
+
+    def __exit__(self, *_args: object) -> None:
+        self.close()
+
+
+def _cache_type(name: str, value: int | str | None) -> str:
+    if value is None:
+        return "f16"
+    if isinstance(value, str):
+        return value
+    if value not in _GGML_CACHE_TYPES:
+        raise _refuse(
+            name,
+            f"ggml type {value} is not a KV cache type here; expected one of "
+            + ", ".join(f"{n} ({t})" for n, t in sorted(_GGML_CACHE_TYPES.items())),
+        )
+    return _GGML_CACHE_TYPES[value]

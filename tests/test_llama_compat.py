@@ -1,0 +1,279 @@
+"""llama-cpp-python's `Llama` and transformers' `generate` words on weightlift.
+
+Checked against outputs nobody here wrote:
+- llama-cpp-python's own example programs (from the 0.3.36 sdist that `make vocab` fetches,
+  sha256 checked), run with only the import changed;
+- the shapes of llama-cpp-python's own tests (`tests/test_llama.py` in that sdist): its
+  tokenizer test on llama.cpp's SPM vocabulary verbatim, and its save/load-state and grammar
+  test on the demo model;
+- llama.cpp's greedy continuation of the demo model (the reference data's `greedy.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import weightlift as wl
+from conftest import REPO, ReferenceJson
+
+GREEDY = ReferenceJson("smollm2-135m/greedy.json")
+SDIST = REPO / ".cache" / "wheels" / "llama_cpp_python-0.3.36.tar.gz"
+VOCAB = Path(os.environ.get("WEIGHTLIFT_VOCAB_DIR") or REPO / ".cache" / "vocab")
+
+
+def sdist_file(rel: str) -> str:
+    """A file of the llama-cpp-python sdist; fails the test, naming `make vocab`, without it."""
+    if not SDIST.is_file():
+        pytest.fail(f"{SDIST} is missing; run `make vocab` (`make test` does)", pytrace=False)
+    with tarfile.open(SDIST) as tar:
+        member = tar.extractfile(f"llama_cpp_python-0.3.36/{rel}")
+        assert member is not None, rel
+        return member.read().decode()
+
+
+@pytest.fixture(scope="module")
+def llm(demo_gguf: Path) -> wl.Llama:
+    return wl.Llama(str(demo_gguf), n_ctx=256, verbose=False)
+
+
+def run_example(tmp_path: Path, rel: str, *args: str) -> str:
+    """Run one of llama-cpp-python's example programs with `llama_cpp` swapped for
+    `weightlift`, and return its stdout."""
+    source = sdist_file(rel)
+    assert "from llama_cpp import Llama" in source, rel
+    script = tmp_path / Path(rel).name
+    script.write_text(source.replace("from llama_cpp import Llama", "from weightlift import Llama"))
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_llamacpp_inference_example_runs_with_the_import_changed(
+    tmp_path: Path, demo_gguf: Path
+) -> None:
+    out = json.loads(
+        run_example(
+            tmp_path, "examples/high_level_api/high_level_api_inference.py", "-m", str(demo_gguf)
+        )
+    )
+    assert out["object"] == "text_completion"
+    choice = out["choices"][0]
+    # echo=True: the text starts with the prompt; stop=["\n"] cut it at the first newline.
+    assert choice["text"].startswith("Question: What are the names of the planets")
+    assert "\n" not in choice["text"]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert set(out["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+
+
+def test_llamacpp_streaming_example_runs_with_the_import_changed(
+    tmp_path: Path, demo_gguf: Path
+) -> None:
+    out = run_example(
+        tmp_path, "examples/high_level_api/high_level_api_streaming.py", "-m", str(demo_gguf)
+    )
+    # One json.dumps(chunk, indent=2) per chunk, back to back.
+    chunks, at, decoder = [], 0, json.JSONDecoder()
+    while at < len(out.rstrip()):
+        chunk, at = decoder.raw_decode(out, at)
+        chunks.append(chunk)
+        while at < len(out) and out[at].isspace():
+            at += 1
+    assert len(chunks) > 1
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_llamacpp_tokenization_test_passes_verbatim_on_its_spm_vocabulary() -> None:
+    # llama-cpp-python's test_llama_cpp_tokenization, on the same vocabulary file.
+    path = VOCAB / "ggml-vocab-llama-spm.gguf"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing; run `make vocab`", pytrace=False)
+    llama = wl.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    text = b"Hello World"
+    tokens = llama.tokenize(text)
+    assert tokens[0] == llama.token_bos()
+    assert tokens == [1, 15043, 2787]
+    assert llama.detokenize(tokens) == text
+    tokens = llama.tokenize(text, add_bos=False)
+    assert tokens == [15043, 2787]
+    assert llama.detokenize(tokens) != text
+    text = b"Hello World</s>"
+    tokens = llama.tokenize(text)
+    assert tokens == [1, 15043, 2787, 829, 29879, 29958]
+    tokens = llama.tokenize(text, special=True)
+    assert tokens[-1] == llama.token_eos()
+    assert tokens == [1, 15043, 2787, 2]
+    text = b""
+    tokens = llama.tokenize(text, add_bos=True, special=True)
+    assert tokens == [llama.token_bos()]
+    assert text == llama.detokenize(tokens)
+
+
+def test_greedy_completion_is_llamacpp_text(llm: wl.Llama) -> None:
+    out = llm.create_completion(GREEDY["prompt"], max_tokens=32, temperature=0.0)
+    assert out["choices"][0]["text"] == GREEDY["llamacpp"]["text"].split("<|im_end|>")[0]
+
+
+def test_state_grammar_and_seed_behave_as_llamacpp_tests_them(llm: wl.Llama) -> None:
+    # The shape of llama-cpp-python's test_real_llama, on the demo model.
+    out = llm.create_completion(
+        "The capital of france is paris, 'true' or 'false'?:\n",
+        max_tokens=4,
+        temperature=0.8,
+        seed=1337,
+        grammar=wl.LlamaGrammar.from_string('root ::= "true" | "false"'),
+    )
+    assert out["choices"][0]["text"] in ("true", "false")
+    llm.set_seed(1337)
+    state = llm.save_state()
+    pick = wl.LlamaGrammar.from_string(
+        'root ::= "1" | "2" | "3" | "4" | "5" | "6" | "7" | "8" | "9" | "10"'
+    )
+    kw = dict(max_tokens=4, top_k=50, top_p=0.9, temperature=1.0, grammar=pick)
+    # Several draws: two in a row must differ somewhere (the seed moves on), and the draws
+    # after load_state repeat the first ones (the seed comes back with the state).
+    first = [llm.create_completion("Pick a number from 1 to 10?:\n", **kw) for _ in range(4)]
+    llm.load_state(pickle.loads(pickle.dumps(state)))
+    again = [llm.create_completion("Pick a number from 1 to 10?:\n", **kw) for _ in range(4)]
+    texts = [o["choices"][0]["text"] for o in first]
+    assert texts == [o["choices"][0]["text"] for o in again]
+    assert len(set(texts)) > 1
+
+
+def test_eval_sample_and_generate_follow_the_greedy_continuation(llm: wl.Llama) -> None:
+    ids = llm.tokenize(GREEDY["prompt"].encode())
+    assert ids == GREEDY["prompt_ids"]
+    want = GREEDY["llamacpp"]["ids"]
+    llm.reset()
+    assert llm.n_tokens == 0
+    llm.eval(ids)
+    assert llm.n_tokens == len(ids) and llm.input_ids.tolist() == ids
+    assert llm.sample(temp=0.0) == want[0]
+    gen = llm.generate(ids, temp=0.0)
+    assert [next(gen) for _ in range(6)] == want[:6]
+    # The prompt was reused, not run again: the cache holds prompt + the 5 tokens fed back.
+    assert llm.n_tokens == len(ids) + 5
+    assert (
+        llm.detokenize(want[:2], prev_tokens=ids)
+        == llm.detokenize(ids + want[:2])[len(llm.detokenize(ids)) :]
+    )
+
+
+def test_save_state_restores_the_cache_exactly(llm: wl.Llama) -> None:
+    ids = GREEDY["prompt_ids"]
+    llm.reset()
+    llm.eval(ids)
+    state = llm.save_state()
+    logits = llm.scores.copy()
+    llm.reset()
+    llm.eval(llm.tokenize(b"Something else entirely, longer than before"))
+    llm.load_state(state)
+    assert llm.n_tokens == len(ids) and llm.input_ids.tolist() == ids
+    # The next token's logits from the restored cache are those of the original cache.
+    llm.eval([GREEDY["llamacpp"]["ids"][0]])
+    restored = llm.scores.copy()
+    llm.reset()
+    llm.eval(ids + [GREEDY["llamacpp"]["ids"][0]])
+    np.testing.assert_array_equal(restored, llm.scores)
+    assert logits.shape == (1, llm.n_vocab())
+    with pytest.raises(ValueError, match="WLKVSTAT"):
+        llm.model.cache.load_state(b"not a state")
+
+
+def test_logit_bias_bans_and_forces_tokens(llm: wl.Llama) -> None:
+    prompt = GREEDY["prompt"]
+    paris = GREEDY["llamacpp"]["ids"][0]
+    out = llm(prompt, max_tokens=1, temperature=0.0, logprobs=1)
+    assert out["choices"][0]["text"] == " Paris"
+    banned = llm(prompt, max_tokens=1, temperature=0.0, logit_bias={str(paris): -float("inf")})
+    assert banned["choices"][0]["text"] != " Paris"
+    forced = llm(prompt, max_tokens=1, temperature=0.0, logit_bias={198: 100.0})
+    assert forced["choices"][0]["text"] == "\n"
+    with pytest.raises(ValueError, match="logit_bias token id"):
+        llm(prompt, max_tokens=1, logit_bias={10**6: 1.0})
+    with pytest.raises(wl.WeightliftError, match="logit_bias"):
+        llm(prompt, max_tokens=1, logit_bias={"Paris": 1.0})
+    chat = llm.create_chat_completion(
+        [{"role": "user", "content": "Say hi"}],
+        max_tokens=1,
+        temperature=0.0,
+        logit_bias={198: 100.0},
+    )
+    assert chat["choices"][0]["message"]["content"] == "\n"
+
+
+def test_constructor_keywords_map_or_are_refused_by_name(demo_gguf: Path) -> None:
+    with pytest.raises(wl.UnsupportedError, match="chat_format"):
+        wl.Llama(str(demo_gguf), chat_format="chatml", verbose=False)
+    with pytest.raises(wl.UnsupportedError, match="lora_path"):
+        wl.Llama(str(demo_gguf), lora_path="adapter.gguf", verbose=False)
+    with pytest.raises(wl.UnsupportedError, match="type_k"):
+        wl.Llama(str(demo_gguf), type_k=12, verbose=False)
+    with pytest.raises(TypeError, match="no_such_thing"):
+        wl.Llama(str(demo_gguf), no_such_thing=1, verbose=False)
+    # Scheduling knobs of llama.cpp's own are accepted; n_ctx=0 is the trained context.
+    with wl.Llama(
+        str(demo_gguf),
+        n_ctx=0,
+        n_ubatch=64,
+        n_threads_batch=2,
+        flash_attn=True,
+        type_k=8,
+        type_v=8,
+        seed=5,
+        verbose=False,
+    ) as m:
+        assert m.n_ctx() == 8192
+        assert m.model.cache.dtype == "q8"
+    with pytest.raises(wl.ClosedError):
+        m("hi", max_tokens=1)
+
+
+def test_model_is_a_context_manager_and_close_frees_it(demo_gguf: Path) -> None:
+    with wl.load_gguf(demo_gguf, n_ctx=64) as m:
+        assert m.generate("Hi", max_new_tokens=2)
+        assert sum(m.memory().values()) > 0
+    assert m.closed
+    with pytest.raises(wl.ClosedError, match="closed"):
+        m.generate("Hi")
+    with pytest.raises(wl.ClosedError):
+        m.memory()
+    m.close()  # twice is fine
+    assert "closed" in repr(m)
+
+
+def test_transformers_generate_words(llm: wl.Llama) -> None:
+    m = llm.model
+    prompt = GREEDY["prompt"]
+    want = GREEDY["llamacpp"]["text"]
+    greedy = m.generate(prompt, max_new_tokens=8)
+    assert m.generate(prompt, do_sample=False, temperature=0.7, max_new_tokens=8) == greedy
+    # max_length counts the prompt's 5 tokens.
+    assert m.generate(prompt, max_length=13) == greedy
+    assert want.startswith(greedy)
+    with pytest.raises(wl.WeightliftError, match="max_length=5 counts the prompt"):
+        m.generate(prompt, max_length=5)
+    # eos_token_id replaces the end-of-generation tokens: stop at the first newline (198).
+    assert m.generate(prompt, max_new_tokens=8, eos_token_id=198) == " Paris."
+    assert m.generate(prompt, max_new_tokens=8, eos_token_id=[198, 30]) == " Paris"
+    assert m.generate(prompt, max_new_tokens=8, repetition_penalty=1.0, pad_token_id=0) == greedy
+    with pytest.raises(wl.WeightliftError, match="repetition_penalty"):
+        m.generate(prompt, repeat_penalty=1.1, repetition_penalty=1.3)
+    with pytest.raises(wl.UnsupportedError, match="num_return_sequences"):
+        m.generate(prompt, num_return_sequences=2)
+    a = m.generate(prompt, do_sample=True, seed=3, max_new_tokens=8)
+    assert a == m.generate(prompt, do_sample=True, seed=3, max_new_tokens=8)
