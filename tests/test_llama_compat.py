@@ -277,3 +277,21 @@ def test_transformers_generate_words(llm: wl.Llama) -> None:
         m.generate(prompt, num_return_sequences=2)
     a = m.generate(prompt, do_sample=True, seed=3, max_new_tokens=8)
     assert a == m.generate(prompt, do_sample=True, seed=3, max_new_tokens=8)
+
+
+def test_a_hub_id_says_how_to_download_it_and_where_to_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download org/tiny-model"):
+        wl.from_pretrained("org/tiny-model")
+    snap = tmp_path / "hub" / "models--org--tiny-model" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="the hub's cache holds it") as e:
+        wl.from_pretrained("org/tiny-model")
+    assert str(snap) in str(e.value)
+    # A missing file path is only that.
+    with pytest.raises(FileNotFoundError) as e:
+        wl.load_gguf("org/model.gguf")
+    assert "Hub" not in str(e.value)
