@@ -616,6 +616,8 @@ def test_gemma3_plans_with_sliding_window_and_tied_head(tmp_path):
     kv_row = 2 * ref["model"]["n_kv_heads"] * ref["model"]["head_dim"] * 2  # K and V, f16
     with wl.open(path) as ckpt:
         assert ckpt.spec.architecture == "gemma3"
+        # No output.weight: tied, whatever the architecture (as llama.cpp falls back).
+        assert ckpt.spec.tie_word_embeddings
         embd = next(t.nbytes for t in ckpt.tensors if t.name == "token_embd.weight")
         for case in ref["cases"]:
             p = wl.plan(
@@ -636,6 +638,12 @@ def test_gemma3_plans_with_sliding_window_and_tied_head(tmp_path):
             w = "\n".join(p.warnings)
             assert "architecture 'gemma3'" in w and "llama, mistral, qwen2" in w, w
             assert "layers 0-4, 6-7 attend to a sliding window of 300 tokens" in w, w
+    # The engine cannot run it: load refuses before reading a byte, naming what is missing.
+    m = wl.Model(path)
+    with pytest.raises(wl.UnsupportedError, match="'gemma3' needs GeGLU") as e:
+        m.load()
+    assert "inspect and plan still work" in str(e.value)
+    assert not m.loaded and sum(m.memory().values()) == 0
 
 
 def test_a_multimodal_checkpoint_plans_its_language_model_layers() -> None:

@@ -207,11 +207,22 @@ impl Checkpoint {
             if has(Role::AttnQBias) || has(Role::AttnKBias) || has(Role::AttnVBias) {
                 s.attention_bias = true;
             }
+            // Whatever the architecture: without roles, the head is found by its name in
+            // either naming scheme (a multimodal checkpoint prefixes it).
+            let has_head = if roles_known {
+                has(Role::Output)
+            } else {
+                tensors.iter().any(|t| {
+                    t.name == "output.weight"
+                        || t.name == "lm_head.weight"
+                        || t.name.ends_with(".lm_head.weight")
+                })
+            };
             match format {
                 // llama.cpp ties when there is no `output.weight` (it falls back to token_embd).
-                Format::Gguf => s.tie_word_embeddings = roles_known && !has(Role::Output),
+                Format::Gguf => s.tie_word_embeddings = !has_head,
                 Format::Safetensors => {
-                    if roles_known && !s.tie_word_embeddings && !has(Role::Output) {
+                    if !s.tie_word_embeddings && !has_head {
                         warnings.push(
                             "config.json says tie_word_embeddings is false, but there is no lm_head.weight; the output will reuse the embedding"
                                 .to_owned(),

@@ -141,10 +141,17 @@ fn unsupported_architecture_still_opens() {
     s.write("config.json", llama_config("gpt2"));
     let c = Checkpoint::open(s.path(), OpenOptions::default()).unwrap();
     assert_eq!(c.spec().unwrap().architecture, "gpt2");
+    // No lm_head.weight: the head is tied whatever the architecture, and the config that
+    // said otherwise is named.
     assert_eq!(
         c.warnings(),
-        ["unsupported architecture 'gpt2' for tensor roles (supported: llama, mistral, qwen2)"]
+        [
+            "unsupported architecture 'gpt2' for tensor roles (supported: llama, mistral, qwen2)",
+            "config.json says tie_word_embeddings is false, but there is no lm_head.weight; the \
+             output will reuse the embedding"
+        ]
     );
+    assert!(c.spec().unwrap().tie_word_embeddings);
     assert!(!c.roles_known());
     let q = c.tensor("model.layers.0.self_attn.q_proj.weight").unwrap();
     assert_eq!((q.layer, q.role), (Some(0), None));

@@ -30,8 +30,38 @@ use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 use crate::source::Source;
 
-/// The architectures the forward pass runs.
-pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2"];
+/// The architectures the forward pass runs: those whose tensor roles the format crate knows.
+pub const SUPPORTED: &[&str] = ModelSpec::SUPPORTED_ARCHITECTURES;
+
+/// `Ok` when the forward pass runs `architecture`; otherwise the refusal, naming what the
+/// architecture needs that the engine lacks. Loading checks this before it reads a byte, so a
+/// model the engine cannot run is refused at `load` and still opens and plans.
+pub fn check_runs(architecture: &str) -> Result<()> {
+    if SUPPORTED.contains(&architecture) {
+        return Ok(());
+    }
+    let needs = match architecture {
+        "qwen3" => "per-head RMSNorm on q and k",
+        "gemma" | "gemma2" | "gemma3" | "gemma3_text" | "gemma3n" => {
+            "GeGLU, (1 + w) RMSNorms, post-attention and post-feed-forward norms, scaled \
+             embeddings and sliding-window layers"
+        }
+        "phi3" | "phi4" => "fused qkv and gate_up projections and LongRoPE",
+        "mixtral" | "qwen2moe" | "qwen3moe" | "deepseek" => "mixture-of-experts routing",
+        "deepseek2" => "multi-head latent attention (MLA) and mixture-of-experts routing",
+        "mamba" | "mamba2" => "state-space (selective scan) layers instead of attention",
+        "bert" | "nomic-bert" | "jina-bert-v2" => "a bidirectional encoder with absolute positions",
+        _ => "its own layer definitions",
+    };
+    Err(EngineError::Unsupported {
+        what: format!("running the '{architecture}' architecture"),
+        detail: format!(
+            "the forward pass runs {}, and '{architecture}' needs {needs}; inspect and plan \
+             still work for it",
+            SUPPORTED.join(", ")
+        ),
+    })
+}
 
 /// The graph of a loaded model, with one workspace per computing device.
 #[derive(Debug)]
@@ -76,16 +106,7 @@ impl Graph {
         seq_batch: (u64, u64),
         host_backend: bool,
     ) -> Result<Graph> {
-        if !SUPPORTED.contains(&spec.architecture.as_str()) {
-            return Err(EngineError::Unsupported {
-                what: format!("running the '{}' architecture", spec.architecture),
-                detail: format!(
-                    "the forward pass supports {}; this model can still be opened, planned and \
-                     loaded",
-                    SUPPORTED.join(", ")
-                ),
-            });
-        }
+        check_runs(&spec.architecture)?;
         let infos = m.source.tensors();
         // GPTQ and EXL2 linears run: their packed tensors stand for the weight.
         let quant = runnable_quantization(m.source.checkpoint(), infos)?;

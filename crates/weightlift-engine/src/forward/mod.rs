@@ -51,6 +51,7 @@ use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
 
 pub(crate) use graph::Graph;
+pub use graph::check_runs;
 pub(crate) use tp::TpGraph;
 
 /// How the matrix products treat activations.

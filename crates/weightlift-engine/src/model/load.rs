@@ -46,6 +46,9 @@ impl Model {
         validate: bool,
         progress: &mut dyn FnMut(&Progress<'_>) -> bool,
     ) -> Result<()> {
+        if let Some(spec) = self.source.spec() {
+            crate::forward::check_runs(&spec.architecture)?;
+        }
         let infos = self.source.tensors();
         if placement.tensors.len() != infos.len() {
             return Err(invalid(

@@ -70,7 +70,7 @@ impl<'a> Ctx<'a> {
         if !ModelSpec::supports_roles(&spec.architecture) {
             warnings.push(format!(
                 "architecture '{}' is planned, but the engine runs only {}: this plan sizes the \
-                 memory, and loading it fails",
+                 memory, and loading it is refused",
                 spec.architecture,
                 ModelSpec::SUPPORTED_ARCHITECTURES.join(", ")
             ));

@@ -174,12 +174,7 @@ impl TpGraph {
         ctx: &TpContext,
         host_backend: bool,
     ) -> Result<TpGraph> {
-        if !super::super::graph::SUPPORTED.contains(&spec.architecture.as_str()) {
-            return Err(refuse(
-                format!("running the '{}' architecture", spec.architecture),
-                "the forward pass supports llama, mistral and qwen2",
-            ));
-        }
+        super::super::graph::check_runs(&spec.architecture)?;
         let infos = m.source.tensors();
         if let Some(t) = infos.iter().find(|t| is_quantized_part(&t.name)) {
             return Err(refuse(
