@@ -30,6 +30,8 @@
 //! cache keeps the tokens written before it, so model and cache stay usable.
 
 pub mod logprobs;
+pub mod openai;
+pub mod respond;
 
 use std::sync::Arc;
 use std::time::Instant;

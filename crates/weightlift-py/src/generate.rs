@@ -9,7 +9,6 @@
 
 mod args;
 mod grammar;
-mod logprobs;
 mod respond;
 
 use std::sync::Arc;
@@ -166,7 +165,7 @@ impl Model {
         )?;
         call.options.grammar = grammar;
         call.options.eog_tokens = eog;
-        Model::respond(slf, call, Shape::Text, stream, None, 0, None)
+        Model::respond(slf, call, Shape::Text, stream, None, 0, None, None)
     }
 
     /// llama-cpp-python's `Llama.create_completion`: the same arguments and defaults, and an
@@ -264,6 +263,7 @@ impl Model {
             echo,
             prompt_chars,
             model,
+            None,
         )
     }
 
@@ -376,7 +376,7 @@ impl Model {
         call.options.logprobs = logprobs;
         call.options.grammar = grammar;
         call.options.logit_bias = logit_bias;
-        Model::respond(slf, call, Shape::Chat, stream, None, 0, model)
+        Model::respond(slf, call, Shape::Chat, stream, None, 0, model, None)
     }
 
     /// The last generation's timings: `prompt_tokens`, `prompt_ms`, `prompt_per_second`,
