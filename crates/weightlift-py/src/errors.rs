@@ -31,6 +31,7 @@ pub enum Exc {
     Closed,
     Plan,
     ContextFull,
+    Grammar,
 }
 
 impl Exc {
@@ -46,6 +47,7 @@ impl Exc {
             Exc::Closed => "ClosedError",
             Exc::Plan => "PlanError",
             Exc::ContextFull => "ContextFullError",
+            Exc::Grammar => "GrammarError",
         }
     }
 }
@@ -220,6 +222,7 @@ impl ToPyErr for EngineError {
             EngineError::NotLoaded { .. } => raise(Exc::Weightlift, self.to_string()),
             EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
             EngineError::Text(e) => e.to_pyerr(),
+            EngineError::Grammar(_) => raise(Exc::Grammar, self.to_string()),
         }
     }
 }
