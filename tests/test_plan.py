@@ -351,7 +351,8 @@ def test_bad_requests_are_plan_errors(tiny_llama_gguf):
             ({"devices": "virtual:8GiB", "dtype": "int3"}, "int3"),
             ({"devices": "virtual:8GiB", "strategy": "balanced", "n_gpu_layers": 3}, "layers"),
             ({"devices": "virtual:8GiB", "split_mode": "diagonal"}, "diagonal"),
-            ({"devices": "cuda:0"}, "cuda:0"),
+            # gpu:N is cuda:N spelt another way; the message says what was written.
+            ({"devices": "gpu:0:8GiB,cuda:0:8GiB"}, "cuda:0 is listed twice (as gpu:0 and cuda:0)"),
         ]
         for kwargs, needle in cases:
             with pytest.raises(wl.PlanError) as info:

@@ -131,8 +131,9 @@ impl ToPyErr for weightlift_format::FormatError {
 
 impl ToPyErr for weightlift_plan::PlanError {
     /// A plan that does not fit is an `OutOfMemoryError` carrying `.shortfalls` (a list of
-    /// dicts: device, needed, available, missing, what) and `.fixes` (strings); every other
-    /// planner error is an invalid request, a `PlanError` (a ValueError).
+    /// dicts: device, needed, available, missing, what) and `.fixes` (strings); a `cuda:N`
+    /// without a size where CUDA cannot be used is `CudaUnavailable`, as `Model()` raises for
+    /// it; every other planner error is an invalid request, a `PlanError` (a ValueError).
     fn to_pyerr(self) -> PyErr {
         use weightlift_plan::PlanError as E;
         match self {
@@ -159,6 +160,7 @@ impl ToPyErr for weightlift_plan::PlanError {
                     build().unwrap_or_else(|e| e)
                 })
             }
+            E::CudaUnavailable { .. } => raise(Exc::CudaUnavailable, self.to_string()),
             other => raise(Exc::Plan, other.to_string()),
         }
     }

@@ -111,8 +111,9 @@ impl PlacementArgs {
 /// its scratch (see `Model.load`). `world` (`"host:gpus[,host:gpus...]"`, torchrun's rank
 /// order) plans a multi-process tensor-parallel run: rank `r` stands for the `r`-th
 /// accelerator of `devices`, and `explain()` lists each rank's host and device. Raises
-/// `OutOfMemoryError` (with
-/// `.shortfalls` and `.fixes`) when it does not fit, and `PlanError` for an invalid request.
+/// `OutOfMemoryError` (with `.shortfalls` and `.fixes`) when it does not fit,
+/// `CudaUnavailable` for a `cuda:N` without a size where CUDA cannot be used (as `Model()`
+/// does; `cuda:N:24GiB` plans without the GPU), and `PlanError` for an invalid request.
 #[pyfunction]
 #[pyo3(signature = (
     source, *, devices, strategy = None, dtype = "auto", cache = None, runtime = None,
