@@ -113,15 +113,15 @@ def test_cuda_fails_cleanly(demo_gguf: Path) -> None:
 
 
 def test_a_bare_cuda_device_is_the_same_error_in_plan_and_model(demo_gguf: Path) -> None:
-    """Without CUDA, a `cuda:N` without a size is CudaUnavailable from the planner as from
-    Model(), in the same words: the device as written, why, and what to do instead."""
+    """A `cuda:N` without a size that cannot be opened (no CUDA here, or past the last GPU) is
+    CudaUnavailable from the planner as from Model(), in the same words: the device as written,
+    why, and what to do instead."""
     from weightlift._errors import CudaUnavailable
 
-    if cuda_names():
-        pytest.skip(f"this machine has {cuda_names()}; the no-GPU errors are not reachable")
+    n = len(cuda_names())  # the first ordinal this machine does not have
     for spec, named, fix in [
-        ("cuda:0", "cuda:0", "cuda:0:24GiB"),
-        ("gpu:1,cpu", "gpu:1 (cuda:1)", "cuda:1:24GiB"),
+        (f"cuda:{n}", f"cuda:{n}", f"cuda:{n}:24GiB"),
+        (f"gpu:{n + 1},cpu", f"gpu:{n + 1} (cuda:{n + 1})", f"cuda:{n + 1}:24GiB"),
     ]:
         with pytest.raises(CudaUnavailable) as planned:
             wl.plan(demo_gguf, devices=spec)
@@ -135,8 +135,8 @@ def test_a_bare_cuda_device_is_the_same_error_in_plan_and_model(demo_gguf: Path)
             "to run here, use cpu or simulated accelerators (virtual:24GiB)"
         ), msg
     # With a size it is a what-if plan, which needs no GPU; the plan names the device cuda:N.
-    p = wl.plan(demo_gguf, devices="gpu:0:24GiB,cpu")
-    assert [d.name for d in p.devices] == ["cuda:0", "cpu"]
+    p = wl.plan(demo_gguf, devices=f"gpu:{n}:24GiB,cpu")
+    assert [d.name for d in p.devices] == [f"cuda:{n}", "cpu"]
     assert p.devices[0].capacity == 24 << 30
 
 
