@@ -204,6 +204,9 @@ def test_exception_hierarchy():
     assert issubclass(wl.PlanError, wl.WeightliftError) and issubclass(wl.PlanError, ValueError)
     assert issubclass(wl.ClosedError, wl.WeightliftError) and issubclass(wl.ClosedError, ValueError)
     assert issubclass(wl.CudaUnavailable, wl.DeviceError)
+    assert issubclass(wl.GrammarError, wl.WeightliftError)
+    assert issubclass(wl.GrammarError, ValueError)
+    assert not issubclass(wl.GrammarError, wl.PlanError)
     assert issubclass(wl.UnsupportedError, wl.WeightliftError)
 
 

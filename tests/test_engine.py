@@ -104,9 +104,40 @@ def test_cuda_fails_cleanly(demo_gguf: Path) -> None:
         lambda: wl.Model(demo_gguf, devices="cuda:0"),
         lambda: wl.load_gguf(demo_gguf, devices="cuda:0,cuda:1"),
         lambda: wl.from_pretrained(demo_gguf, devices="cuda:1"),
+        lambda: wl.plan(demo_gguf, devices="cuda:0,cpu"),
+        lambda: wl.fit(demo_gguf, devices="cuda:1"),
+        lambda: wl.parse_devices("virtual:1GiB,cuda:0"),
     ):
         with pytest.raises(CudaUnavailable, match=r"device cuda:\d: cuda is unavailable"):
             make()
+
+
+def test_a_bare_cuda_device_is_the_same_error_in_plan_and_model(demo_gguf: Path) -> None:
+    """A `cuda:N` without a size that cannot be opened (no CUDA here, or past the last GPU) is
+    CudaUnavailable from the planner as from Model(), in the same words: the device as written,
+    why, and what to do instead."""
+    from weightlift._errors import CudaUnavailable
+
+    n = len(cuda_names())  # the first ordinal this machine does not have
+    for spec, named, fix in [
+        (f"cuda:{n}", f"cuda:{n}", f"cuda:{n}:24GiB"),
+        (f"gpu:{n + 1},cpu", f"gpu:{n + 1} (cuda:{n + 1})", f"cuda:{n + 1}:24GiB"),
+    ]:
+        with pytest.raises(CudaUnavailable) as planned:
+            wl.plan(demo_gguf, devices=spec)
+        with pytest.raises(CudaUnavailable) as loaded:
+            wl.Model(demo_gguf, devices=spec)
+        assert str(planned.value) == str(loaded.value)
+        msg = str(planned.value)
+        assert msg.startswith(f"device {named}: cuda is unavailable: "), msg
+        assert msg.endswith(
+            f"plan() and fit() plan for it without a GPU when its size is given ({fix}); "
+            "to run here, use cpu or simulated accelerators (virtual:24GiB)"
+        ), msg
+    # With a size it is a what-if plan, which needs no GPU; the plan names the device cuda:N.
+    p = wl.plan(demo_gguf, devices=f"gpu:{n}:24GiB,cpu")
+    assert [d.name for d in p.devices] == [f"cuda:{n}", "cpu"]
+    assert p.devices[0].capacity == 24 << 30
 
 
 def test_default_devices_are_the_real_inventory(demo_gguf: Path, tiny_llama_st: Path) -> None:

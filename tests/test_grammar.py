@@ -113,23 +113,38 @@ def test_llama_grammar_from_file_and_its_errors(tmp_path: Path) -> None:
     bad = 'root ::= "a"\nitem := "b"'
     with pytest.raises(ValueError) as e:
         wl.LlamaGrammar.from_string(bad)
-    assert isinstance(e.value, wl.PlanError)
+    # A grammar error of its own, not an invalid plan request.
+    assert type(e.value) is wl.GrammarError
+    assert isinstance(e.value, wl.WeightliftError) and not isinstance(e.value, wl.PlanError)
     assert str(e.value) == (
         "grammar line 2, column 6: expected '::=' after the rule name 'item', got ':'"
     )
-    with pytest.raises(wl.PlanError, match="rule 'item'.*misspelt"):
+    f.write_text(bad)
+    with pytest.raises(wl.GrammarError, match="grammar line 2, column 6: expected '::='"):
+        wl.LlamaGrammar.from_file(f)
+    with pytest.raises(
+        wl.GrammarError,
+        match=r"grammar line 1, column 10: expected a definition of rule 'item' "
+        r"\(`item ::= \.\.\.`\), got none; is the name misspelt\?",
+    ):
         wl.LlamaGrammar.from_string("root ::= item")
-    with pytest.raises(wl.PlanError, match="left-recursive"):
+    with pytest.raises(wl.GrammarError, match="grammar rule 'root': .*left-recursive"):
         wl.LlamaGrammar.from_string('root ::= root "a" | "b"')
+    with pytest.raises(wl.GrammarError, match="expected a rule named 'root'"):
+        wl.LlamaGrammar.from_string('answer ::= "yes"')
 
 
 def test_bad_grammar_arguments_are_typed_errors(model: wl.Model) -> None:
     with pytest.raises(TypeError, match="grammar: expected GBNF text"):
         model("hi", grammar=42)
-    with pytest.raises(wl.PlanError, match="line 1, column 10"):
+    with pytest.raises(wl.GrammarError, match=r"grammar line 1, column 10: expected .*, got '\)'"):
         model("hi", grammar="root ::= )")
+    with pytest.raises(wl.GrammarError, match="grammar line 1, column 10"):
+        model.generate("hi", grammar="root ::= )", max_new_tokens=2)
+    with pytest.raises(wl.GrammarError, match="grammar line 1, column 10"):
+        model.create_chat_completion([{"role": "user", "content": "hi"}], grammar="root ::= )")
     # No token spells the character the grammar needs: an error, not a stuck loop.
-    with pytest.raises(wl.PlanError, match="no token spells"):
+    with pytest.raises(wl.GrammarError, match="no token spells"):
         model("hi", grammar='root ::= "\\x00"', max_tokens=4)
     # The model still runs.
     assert model.generate("The capital of France is", max_new_tokens=2) == " Paris."

@@ -84,3 +84,36 @@ def test_random_header_bit_flips_never_crash(tmp_path):
                 ckpt.dequantize(t.name)
         opened += 1
     assert refused > 200 and opened > 0, (refused, opened)
+
+
+def test_magic_and_version_errors_show_what_was_read(tmp_path):
+    """The bytes read where the magic should be show as hex with their printable text, never as
+    an escape; a version just above 3 is a newer tool's, a wild one a corrupt header."""
+    import struct
+
+    binary = tmp_path / "binary.gguf"
+    binary.write_bytes(b"\x18\x00\xaf\x3c" + bytes(28))
+    with pytest.raises(wl.FormatError) as e:
+        wl.open(binary)
+    msg = str(e.value)
+    assert "magic: expected the GGUF magic 47 47 55 46 ('GGUF'), got 18 00 af 3c ('...<')" in msg
+    assert "\\u{" not in msg and "not a GGUF file" in msg, msg
+
+    def with_version(version: int) -> Path:
+        path = tmp_path / f"v{version}.gguf"
+        path.write_bytes(b"GGUF" + struct.pack("<IQQ", version, 0, 0))
+        return path
+
+    with pytest.raises(wl.FormatError) as e:
+        wl.open(with_version(4))
+    assert "gguf version 4 is not supported" in str(e.value)
+    assert "newer tool" in str(e.value)
+
+    wild = 0x3CFA12AB
+    with pytest.raises(wl.FormatError) as e:
+        wl.open(with_version(wild))
+    msg = str(e.value)
+    assert "header version: expected 2 or 3 (a later GGUF revision would be a small number" in msg
+    assert f"got {wild} (bytes ab 12 fa 3c ('...<'))" in msg, msg
+    assert "the header is corrupted, or the file is not a GGUF file this tool can read" in msg
+    assert "newer" not in msg, msg

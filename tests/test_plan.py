@@ -351,7 +351,8 @@ def test_bad_requests_are_plan_errors(tiny_llama_gguf):
             ({"devices": "virtual:8GiB", "dtype": "int3"}, "int3"),
             ({"devices": "virtual:8GiB", "strategy": "balanced", "n_gpu_layers": 3}, "layers"),
             ({"devices": "virtual:8GiB", "split_mode": "diagonal"}, "diagonal"),
-            ({"devices": "cuda:0"}, "cuda:0"),
+            # gpu:N is cuda:N spelt another way; the message says what was written.
+            ({"devices": "gpu:0:8GiB,cuda:0:8GiB"}, "cuda:0 is listed twice (as gpu:0 and cuda:0)"),
         ]
         for kwargs, needle in cases:
             with pytest.raises(wl.PlanError) as info:
@@ -533,6 +534,35 @@ def test_cli_fit(demo_gguf):
     )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("n_gpu_layers ")
+
+
+def test_plan_and_fit_default_to_this_machines_devices(demo_gguf):
+    """Without devices, plan() and fit() take this machine's devices (every CUDA GPU, then cpu)
+    as Model() does, and the CLI's plan and fit default the way load and run do."""
+    real = [d.name for d in wl.devices() if d.kind != "disk"]
+    assert [d.name for d in wl.plan(demo_gguf).devices] == real
+    assert wl.Model(demo_gguf).devices.split(",") == real
+    spec = ",".join(real)
+    assert wl.fit(demo_gguf, cache_dtype="q4") == wl.fit(demo_gguf, devices=spec, cache_dtype="q4")
+    for cmd in ("plan", "fit"):
+        p = run(cmd, demo_gguf, "--json")
+        assert p.returncode == 0, p.stderr
+        q = run(cmd, demo_gguf, "--devices", spec, "--json")
+        if cmd == "plan":
+            planned = wl.Plan.from_json(p.stdout)
+            assert [d.name for d in planned.devices] == real
+            assert planned.layer_devices == wl.Plan.from_json(q.stdout).layer_devices
+        else:
+            assert json.loads(p.stdout) == json.loads(q.stdout)
+    # --help says so, for all four commands alike.
+    for cmd in ("plan", "fit", "load", "run"):
+        p = run(cmd, "--help")
+        assert p.returncode == 0, p.stderr
+        text = " ".join(p.stdout.split())
+        assert (
+            "(default: this machine's devices, every CUDA GPU then cpu, as `weightlift devices` "
+            "lists them" in text
+        ), text
 
 
 def test_cli_plan_errors(demo_gguf, tmp_path):

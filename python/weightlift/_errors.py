@@ -29,6 +29,12 @@ class PlanError(WeightliftError, ValueError):
     """A plan request that is invalid: a device spec, a size, an option or a device map."""
 
 
+class GrammarError(WeightliftError, ValueError):
+    """A GBNF grammar that cannot be used (``grammar=``, ``LlamaGrammar``): the message names
+    the line and column or the rule, what was expected and what was found. Also raised when a
+    grammar-constrained generation cannot go on (no token can continue the grammar)."""
+
+
 class DeviceError(WeightliftError, RuntimeError):
     """A device is missing, unusable, or failed an operation."""
 
@@ -59,6 +65,7 @@ __all__ = [
     "CudaUnavailable",
     "DeviceError",
     "FormatError",
+    "GrammarError",
     "LoadCancelled",
     "OutOfMemoryError",
     "PlanError",

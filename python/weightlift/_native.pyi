@@ -173,7 +173,7 @@ _FitTarget = Literal["max_seq_len", "ctx", "context", "batch_size", "batch", "n_
 def plan(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
     *,
-    devices: _Devices,
+    devices: _Devices | None = None,
     strategy: _Strategy | None = None,
     dtype: str = "auto",
     cache: CacheSpec | Cache | Mapping[str, Any] | None = None,
@@ -228,7 +228,7 @@ def plan(
 def fit(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
     *,
-    devices: _Devices,
+    devices: _Devices | None = None,
     target: Literal[
         "max_seq_len", "ctx", "context", "batch_size", "batch", "n_gpu_layers", "ngl"
     ] = "max_seq_len",

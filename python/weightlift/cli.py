@@ -671,13 +671,9 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False, world: bool
     p.add_argument("path", help="a checkpoint (file, folder, index.json) or an HF config.json")
     p.add_argument(
         "--devices",
-        required=not load,
-        help='device spec, e.g. "virtual:2x8GiB,cpu" or "cuda:0:24GiB,cpu:64GiB,disk"'
-        + (
-            " (default: cpu only; with --world under torchrun: cuda:$LOCAL_RANK,cpu)"
-            if load
-            else ""
-        ),
+        help='device spec, e.g. "virtual:2x8GiB,cpu" or "cuda:0:24GiB,cpu:64GiB,disk" '
+        "(default: this machine's devices, every CUDA GPU then cpu, as `weightlift devices` "
+        "lists them" + ("; with --world under torchrun: cuda:$LOCAL_RANK,cpu)" if load else ")"),
     )
     p.add_argument(
         "--strategy",

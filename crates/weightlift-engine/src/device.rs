@@ -114,7 +114,7 @@ impl Device {
         let name = format!("cuda:{ordinal}");
         let unavailable = |e: weightlift_kernels::KernelError| EngineError::CudaUnavailable {
             device: name.clone(),
-            detail: e.to_string(),
+            detail: format!("{e}; {}", weightlift_plan::cuda_unavailable_fix(&name)),
         };
         let backend = CudaBackend::new(ordinal as usize).map_err(unavailable)?;
         let overhead = cuda_overhead(&backend);

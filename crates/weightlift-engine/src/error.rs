@@ -102,6 +102,11 @@ pub enum EngineError {
     #[error(transparent)]
     Text(#[from] weightlift_text::TextError),
 
+    /// A GBNF grammar that cannot be used (its line and column, what was expected and what was
+    /// found), or a grammar-constrained generation that cannot go on.
+    #[error(transparent)]
+    Grammar(#[from] crate::grammar::GrammarError),
+
     /// An operation that needs loaded weights or an allocated cache ran before the load.
     #[error("{what} is not loaded; call load() first")]
     NotLoaded { what: String },

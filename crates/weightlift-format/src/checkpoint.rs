@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::hint;
+use crate::error::{hint, show_bytes};
 use crate::mapped::MappedFile;
 use crate::{FormatError, Metadata, ModelSpec, Result, Role, TensorInfo};
 
@@ -467,37 +467,30 @@ fn detect(path: &Path) -> Result<Format> {
         return Ok(Format::Safetensors);
     }
     if ext.eq_ignore_ascii_case("gguf") || n < 4 {
-        let got: Vec<String> = head[..n].iter().map(|b| format!("{b:02x}")).collect();
         return Err(FormatError::Invalid {
             path: path.to_path_buf(),
             what: "magic".into(),
-            expected: "\"GGUF\" (47 47 55 46)".into(),
+            expected: format!("the GGUF magic {}", show_bytes(&crate::gguf::MAGIC)),
             got: if n < 4 {
                 format!("a {n}-byte file")
             } else {
-                format!(
-                    "{} ({:?})",
-                    got[..4].join(" "),
-                    String::from_utf8_lossy(&head[..4])
-                )
+                show_bytes(&head[..4])
             },
             hint: if n < 4 {
                 hint::TRUNCATED
             } else {
-                hint::CORRUPT
+                hint::NOT_GGUF
             },
         });
     }
-    let got: Vec<String> = head[..4].iter().map(|b| format!("{b:02x}")).collect();
     Err(FormatError::Invalid {
         path: path.to_path_buf(),
         what: "magic".into(),
-        expected: "\"GGUF\" (47 47 55 46), or a safetensors file, folder or index".into(),
-        got: format!(
-            "{} ({:?})",
-            got.join(" "),
-            String::from_utf8_lossy(&head[..4])
+        expected: format!(
+            "the GGUF magic {}, or a safetensors file, folder or index",
+            show_bytes(&crate::gguf::MAGIC)
         ),
+        got: show_bytes(&head[..4]),
         hint: "the file is neither GGUF nor safetensors (a pickle .bin or .pt checkpoint is not supported)",
     })
 }

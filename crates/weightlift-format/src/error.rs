@@ -90,6 +90,9 @@ pub mod hint {
     pub const ESCAPE: &str =
         "the index points outside the model folder, which is refused for safety";
     pub const NEWER_WRITER: &str = "the file was written by a newer tool than this build knows";
+    pub const NOT_GGUF: &str = "the file is not a GGUF file, or is corrupted";
+    pub const CORRUPT_HEADER: &str =
+        "the header is corrupted, or the file is not a GGUF file this tool can read";
     pub const SPLIT_NAMES: &str = "split GGUF parts must keep the names gguf-split gave them (name-00001-of-00003.gguf) and sit in one folder";
     pub const QUANT_CONFIG: &str = "the quantisation settings or the architecture in config.json do not match the tensors; the config was edited or belongs to another conversion of the model";
     pub const QUANT_TENSORS: &str =
@@ -100,3 +103,45 @@ pub mod hint {
 }
 
 pub type Result<T, E = FormatError> = std::result::Result<T, E>;
+
+/// Bytes from a file as a message shows them: hex, then, when any byte is printable ASCII, the
+/// text with `.` for the others (as `hexdump -C` prints it): `50 4b 03 04 ('PK..')`,
+/// `47 47 4d 4c ('GGML')`, `00 00 00 00`. Never a Rust escape such as `\u{18}`.
+pub(crate) fn show_bytes(bytes: &[u8]) -> String {
+    let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = hex.join(" ");
+    if !bytes.iter().any(u8::is_ascii_graphic) {
+        return hex;
+    }
+    let text: String = bytes
+        .iter()
+        .map(|&b| {
+            if b.is_ascii_graphic() || b == b' ' {
+                char::from(b)
+            } else {
+                '.'
+            }
+        })
+        .collect();
+    format!("{hex} ('{text}')")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::show_bytes;
+
+    #[test]
+    fn bytes_show_as_hex_and_their_printable_text() {
+        assert_eq!(show_bytes(b"GGML"), "47 47 4d 4c ('GGML')");
+        assert_eq!(show_bytes(b"PK\x03\x04"), "50 4b 03 04 ('PK..')");
+        assert_eq!(
+            show_bytes(&[0x18, 0x00, 0xaf, 0x3c]),
+            "18 00 af 3c ('...<')"
+        );
+        assert_eq!(show_bytes(&[0x18, 0x00, 0xaf, 0x80]), "18 00 af 80");
+        assert_eq!(show_bytes(b""), "");
+        for b in 0..=255u8 {
+            assert!(!show_bytes(&[b]).contains("\\u{"), "{b:#04x}");
+        }
+    }
+}

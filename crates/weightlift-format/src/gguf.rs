@@ -9,7 +9,8 @@
 //! memory from a claimed count beyond what the bytes that remain could hold. Every limit below
 //! is a named constant. Every structural check runs before a tensor is handed out:
 //!
-//! - magic, version (1 and unknown versions are refused; a byte-swapped version means a
+//! - magic, version (1 and unknown versions are refused: one up to [`MAX_LATER_VERSION`] as
+//!   written by a newer tool, a larger one as a corrupt header; a byte-swapped version means a
 //!   big-endian file, refused with [`hint::BYTE_ORDER`](crate::hint::BYTE_ORDER));
 //! - keys: UTF-8, non-empty, at most [`MAX_KEY_LEN`] bytes, unique; values of all 13 types,
 //!   arrays nested at most [`MAX_ARRAY_DEPTH`] deep, each at most [`MAX_ARRAY_LEN`] long, at most
@@ -55,6 +56,11 @@ pub use split::{MAX_SPLIT_PARTS, SPLIT_COUNT_KEY, SPLIT_NO_KEY, SPLIT_TENSORS_CO
 pub const MAGIC: [u8; 4] = *b"GGUF";
 /// Versions this reader accepts.
 pub const SUPPORTED_VERSIONS: [u32; 2] = [2, 3];
+/// The largest version read as a later revision of GGUF ("written by a newer tool") rather than
+/// as a corrupt header. GGUF reached version 3 within months of its start in 2023 and has stayed
+/// there; each revision adds one. llama.cpp refuses any version above its `GGUF_VERSION` (3),
+/// gguf-py any but 2 and 3, and both print the number they read.
+pub const MAX_LATER_VERSION: u32 = 15;
 /// Alignment of the data section and of every tensor offset when `general.alignment` is absent.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// The metadata key that overrides the alignment.

@@ -39,14 +39,25 @@ fn detection_by_magic_and_extension() {
     let zip = s.write("model.bin", b"PK\x03\x04rest of a zip");
     let msg = open_err(&zip);
     assert!(
-        msg.contains("50 4b 03 04") && msg.contains("GGUF") && msg.contains("pickle"),
+        msg.contains("got 50 4b 03 04 ('PK..')")
+            && msg.contains("47 47 55 46 ('GGUF')")
+            && msg.contains("pickle"),
         "{msg}"
     );
 
     let bad = s.write("model.gguf", b"GGML\x03\0\0\0");
     let msg = open_err(&bad);
     assert!(
-        msg.contains("47 47 4d 4c") && msg.contains("47 47 55 46"),
+        msg.contains(
+            "magic: expected the GGUF magic 47 47 55 46 ('GGUF'), got 47 47 4d 4c ('GGML')"
+        ),
+        "{msg}"
+    );
+    // Bytes that are not text: hex, the printable ones beside, never a Rust escape.
+    let binary = s.write("binary.gguf", b"\x18\x00\xaf\x3c\0\0\0\0");
+    let msg = open_err(&binary);
+    assert!(
+        msg.contains("got 18 00 af 3c ('...<')") && !msg.contains("\\u{"),
         "{msg}"
     );
 

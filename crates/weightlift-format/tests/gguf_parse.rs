@@ -130,7 +130,18 @@ fn metadata_only_skips_the_tensor_table() {
 fn bad_magic() {
     let mut g = valid();
     g.magic = *b"GGML";
-    has(&err(&g), &["header magic", "'GGUF'", "47 47 4d 4c"]);
+    has(
+        &err(&g),
+        &[
+            "header magic: expected the GGUF magic 47 47 55 46 ('GGUF'), got 47 47 4d 4c ('GGML')",
+            "not a GGUF file",
+        ],
+    );
+    // Bytes that are not text show as hex, with the printable ones beside: never an escape.
+    g.magic = [0x18, 0x00, 0xaf, 0x3c];
+    let msg = err(&g);
+    has(&msg, &["got 18 00 af 3c ('...<')"]);
+    assert!(!msg.contains("\\u{"), "{msg}");
     g.magic = *b"FUGG";
     has(&err(&g), &["header magic", "big-endian"]);
 }
@@ -153,10 +164,49 @@ fn version_1_is_refused() {
 #[test]
 fn unknown_version_is_refused() {
     let mut g = valid();
-    g.version = 4;
-    has(&err(&g), &["gguf version 4 is not supported", "newer tool"]);
+    // Just above the versions read: a later GGUF revision.
+    for v in [4, gguf::MAX_LATER_VERSION] {
+        g.version = v;
+        let e = parse(&g.bytes()).unwrap_err();
+        assert!(matches!(e, FormatError::Unsupported { .. }), "{e}");
+        has(
+            &e.to_string(),
+            &[&format!("gguf version {v} is not supported"), "newer tool"],
+        );
+    }
     g.version = 0;
     has(&err(&g), &["header version", "expected 2 or 3, got 0"]);
+}
+
+#[test]
+fn a_wild_version_is_a_corrupt_header_not_a_newer_tool() {
+    let mut g = valid();
+    for v in [
+        gguf::MAX_LATER_VERSION + 1,
+        0x3cfa_12ab,
+        u32::from_le_bytes(*b"ggml"),
+    ] {
+        g.version = v;
+        let e = parse(&g.bytes()).unwrap_err();
+        assert!(matches!(e, FormatError::Invalid { .. }), "{e}");
+        let msg = e.to_string();
+        has(
+            &msg,
+            &[
+                "header version: expected 2 or 3 (a later GGUF revision would be a small number",
+                &format!("got {v} (bytes "),
+                "the header is corrupted, or the file is not a GGUF file this tool can read",
+            ],
+        );
+        assert!(!msg.contains("newer"), "{msg}");
+    }
+    g.version = u32::from_le_bytes(*b"ggml");
+    has(&err(&g), &["(bytes 67 67 6d 6c ('ggml'))"]);
+    // Low 16 bits zero, but no version stored big-endian: corrupt too.
+    g.version = 0x1234_0000;
+    let msg = err(&g);
+    has(&msg, &["the header is corrupted"]);
+    assert!(!msg.contains("big-endian"), "{msg}");
 }
 
 #[test]

@@ -7,15 +7,18 @@
 //! |---|---|
 //! | `cpu` | host RAM; capacity from the probe (MemAvailable), unbounded if there is none |
 //! | `cpu:64GiB` | host RAM capped at 64 GiB |
-//! | `cuda:N` | GPU N; capacity from the probe (free memory), an error without one |
-//! | `cuda:N:24GiB` | GPU N with a given capacity |
+//! | `cuda:N` | GPU N; capacity from the probe (free memory): `CudaUnavailable` where the probe says CUDA cannot be used, as opening the device would |
+//! | `cuda:N:24GiB` | GPU N with a given capacity (a what-if plan: no GPU needed) |
 //! | `cuda:N:24GiB:sm_89` | the same, of compute capability 8.9 (planning without the GPU) |
+//! | `gpu:N`, `gpu:N:24GiB`, ... | another spelling of `cuda:N`: plans, device maps and memory reports name the device `cuda:N`; an error about the item says `gpu:N (cuda:N)` |
 //! | `virtual:24GiB` | a simulated accelerator of 24 GiB |
 //! | `virtual:2x24GiB` | two of them |
 //! | `disk` | weights left in the file; unbounded |
 //!
 //! Virtual devices are numbered in order of appearance: `virtual:24GiB,virtual:12GiB` gives
-//! `virtual:0` and `virtual:1`. Sizes are parsed by [`parse_size`].
+//! `virtual:0` and `virtual:1`. Sizes are parsed by [`parse_size`]. A device name given
+//! elsewhere (a device map, a `reserve` key) is read by [`canonical_device_name`], so `gpu:1`
+//! and `CUDA:1` name `cuda:1` there too.
 //!
 //! Every `cuda:N` device carries its fixed overhead ([`CudaOverhead`]): what the probe measured
 //! on the GPU, or, without one, the defaults for the capability the spec names (the largest
@@ -116,14 +119,33 @@ pub trait MemoryProbe {
     fn cuda_overhead(&self, _ordinal: u32) -> Option<CudaOverhead> {
         None
     }
+    /// Why CUDA device `ordinal` cannot be used, when `cuda()` has no answer for it and the
+    /// probe can tell (no driver, a build without CUDA, fewer GPUs than the ordinal): in the
+    /// words opening the device would fail with. The planner then refuses a `cuda:N` named
+    /// without a size with [`PlanError::CudaUnavailable`], as loading onto it would. The
+    /// default cannot tell.
+    fn cuda_unavailable(&self, _ordinal: u32) -> Option<String> {
+        None
+    }
+}
+
+/// What to do about a named `cuda:N` that cannot be used here; the planner's and the engine's
+/// `CudaUnavailable` messages end with it. `name` is the canonical name (`cuda:0`).
+pub fn cuda_unavailable_fix(name: &str) -> String {
+    format!(
+        "plan() and fit() plan for it without a GPU when its size is given ({name}:24GiB); \
+         to run here, use cpu or simulated accelerators (virtual:24GiB)"
+    )
 }
 
 /// One CUDA device: its overhead from `probe`, else the defaults for `capability`; its
-/// capacity as given, else the probe's free memory plus the context the probe holds.
+/// capacity as given, else the probe's free memory plus the context the probe holds. Errors
+/// name the device as `label` (the spec's spelling, see [`DeviceItem::label`]).
 fn cuda_spec(
     ordinal: u32,
     capacity: Option<u64>,
     capability: Option<Capability>,
+    label: &str,
     probe: &dyn MemoryProbe,
 ) -> Result<DeviceSpec> {
     let name = format!("cuda:{ordinal}");
@@ -133,10 +155,17 @@ fn cuda_spec(
         Some(c) => c,
         None => {
             let Some((free, _)) = probe.cuda(ordinal) else {
+                if let Some(why) = probe.cuda_unavailable(ordinal) {
+                    return Err(PlanError::CudaUnavailable {
+                        device: label.to_owned(),
+                        detail: format!("{why}; {}", cuda_unavailable_fix(&name)),
+                    });
+                }
                 return Err(PlanError::DeviceSpec {
-                    spec: name.clone(),
+                    spec: label.to_owned(),
                     reason: format!(
-                        "capacity of {name} is unknown (no GPU probe); give it as {name}:24GiB"
+                        "capacity of {name} is unknown (no GPU probe read its free memory); \
+                         give it as {name}:24GiB"
                     ),
                 });
             };
@@ -151,7 +180,7 @@ fn cuda_spec(
 /// (unbounded when unknown).
 pub fn inventory(probe: &dyn MemoryProbe) -> Vec<DeviceSpec> {
     let mut out: Vec<DeviceSpec> = (0..probe.cuda_count())
-        .filter_map(|i| cuda_spec(i, None, None, probe).ok())
+        .filter_map(|i| cuda_spec(i, None, None, &format!("cuda:{i}"), probe).ok())
         .collect();
     out.push(DeviceSpec::new(
         "cpu",
@@ -195,6 +224,31 @@ pub struct DeviceItem {
     /// A CUDA device's compute capability as the spec names it (`cuda:0:24GiB:sm_89`), for
     /// the overhead defaults when planning without the GPU; a real GPU's own wins.
     pub capability: Option<Capability>,
+    /// The device as the spec spelt it when that was an alias of `name` (`gpu:0` for
+    /// `cuda:0`), so that messages about the item can say what the user wrote.
+    pub alias: Option<String>,
+}
+
+impl DeviceItem {
+    /// The device as messages about this item name it: `name`, or `gpu:0 (cuda:0)` where the
+    /// spec used an alias.
+    pub fn label(&self) -> String {
+        match &self.alias {
+            Some(a) => format!("{a} ({})", self.name),
+            None => self.name.clone(),
+        }
+    }
+}
+
+/// A device name as written elsewhere than a spec (a device map entry, a `reserve` key, a
+/// tensor's target) in the inventory's spelling: trimmed, lower-case, with `gpu:N` read as
+/// `cuda:N`, the alias the spec grammar takes.
+pub fn canonical_device_name(name: &str) -> String {
+    let n = name.trim().to_ascii_lowercase();
+    match n.strip_prefix("gpu:") {
+        Some(rest) => format!("cuda:{rest}"),
+        None => n,
+    }
 }
 
 /// A link rate such as `16GB/s` or `12.5GiB/s`: a size per second, more than zero.
@@ -248,6 +302,7 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
                 capacity,
                 bandwidth: None,
                 capability: None,
+                alias: None,
             };
         match head {
             "cpu" => {
@@ -305,6 +360,7 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
                     capacity,
                 );
                 d.capability = capability;
+                d.alias = (head == "gpu").then(|| format!("gpu:{ordinal}"));
                 out.push(d);
             }
             "virtual" => {
@@ -357,8 +413,19 @@ pub fn parse_device_items(spec: &str) -> Result<Vec<DeviceItem>> {
         }
     }
     for (i, d) in out.iter().enumerate() {
-        if out[..i].iter().any(|o| o.name == d.name) {
-            return Err(err(spec, format!("device {} is listed twice", d.name)));
+        if let Some(first) = out[..i].iter().find(|o| o.name == d.name) {
+            let as_written = match (&first.alias, &d.alias) {
+                (None, None) => String::new(),
+                (a, b) => format!(
+                    " (as {} and {})",
+                    a.as_deref().unwrap_or(&first.name),
+                    b.as_deref().unwrap_or(&d.name)
+                ),
+            };
+            return Err(err(
+                spec,
+                format!("device {} is listed twice{as_written}", d.name),
+            ));
         }
     }
     Ok(out)
@@ -369,7 +436,13 @@ pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<Dev
     let mut out = Vec::new();
     for d in parse_device_items(spec)? {
         if d.kind == DeviceKind::Cuda {
-            out.push(cuda_spec(d.ordinal, d.capacity, d.capability, probe)?);
+            out.push(cuda_spec(
+                d.ordinal,
+                d.capacity,
+                d.capability,
+                &d.label(),
+                probe,
+            )?);
             continue;
         }
         let capacity = match (d.kind, d.capacity) {
@@ -383,9 +456,9 @@ pub fn parse_devices_with(spec: &str, probe: &dyn MemoryProbe) -> Result<Vec<Dev
 }
 
 /// Normalise a device name as users write it (`"0"` is the first accelerator, `"CUDA:1"`,
-/// `"cpu"`) against an inventory. Returns the index into `devices`.
+/// `"gpu:1"`, `"cpu"`) against an inventory. Returns the index into `devices`.
 pub fn resolve_device(devices: &[DeviceSpec], name: &str, context: &str) -> Result<usize> {
-    let n = name.trim().to_ascii_lowercase();
+    let n = canonical_device_name(name);
     let found = if let Ok(i) = n.parse::<usize>() {
         devices
             .iter()
@@ -584,6 +657,83 @@ mod tests {
         let e = parse_devices("cpu,cpu").unwrap_err().to_string();
         assert!(e.contains("listed twice"), "{e}");
         assert!(parse_devices("disk:1GiB").is_err());
+    }
+
+    /// The real probe on a machine without CUDA: no free memory to read, and a reason.
+    struct NoCudaProbe;
+    impl MemoryProbe for NoCudaProbe {
+        fn cpu_available(&self) -> Option<u64> {
+            Some(64 << 30)
+        }
+        fn cuda(&self, _ordinal: u32) -> Option<(u64, u64)> {
+            None
+        }
+        fn cuda_unavailable(&self, _ordinal: u32) -> Option<String> {
+            Some("libcuda.so.1 not found: install the NVIDIA driver".into())
+        }
+    }
+
+    #[test]
+    fn a_bare_cuda_device_without_cuda_is_cuda_unavailable() {
+        let e = parse_devices_with("cuda:0,cpu", &NoCudaProbe).unwrap_err();
+        assert!(matches!(e, PlanError::CudaUnavailable { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "device cuda:0: cuda is unavailable: libcuda.so.1 not found: install the NVIDIA \
+             driver; plan() and fit() plan for it without a GPU when its size is given \
+             (cuda:0:24GiB); to run here, use cpu or simulated accelerators (virtual:24GiB)"
+        );
+        // The spec's spelling is kept where the item is echoed.
+        let e = parse_devices_with("virtual:1GiB,GPU:1", &NoCudaProbe)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("device gpu:1 (cuda:1): cuda is unavailable: libcuda.so.1 not found")
+                && e.contains("(cuda:1:24GiB)"),
+            "{e}"
+        );
+        // With a size it is a what-if plan, which needs no GPU.
+        let d = parse_devices_with("cuda:0:24GiB,gpu:1:8GiB", &NoCudaProbe).unwrap();
+        assert_eq!(d[0].capacity, 24 << 30);
+        assert_eq!(d[1].name, "cuda:1");
+        // A probe that cannot tell why (none at all) asks for the size.
+        let e = parse_devices("gpu:0").unwrap_err();
+        assert!(matches!(e, PlanError::DeviceSpec { .. }), "{e:?}");
+        assert!(
+            e.to_string()
+                .starts_with("invalid device spec 'gpu:0 (cuda:0)': capacity of cuda:0")
+                && e.to_string().contains("give it as cuda:0:24GiB"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn gpu_is_another_spelling_of_cuda_and_errors_say_what_was_written() {
+        let d = parse_device_items("gpu:0:8GiB,Cuda:1:4GiB").unwrap();
+        assert_eq!(
+            (d[0].name.as_str(), d[0].kind),
+            ("cuda:0", DeviceKind::Cuda)
+        );
+        assert_eq!(d[0].alias.as_deref(), Some("gpu:0"));
+        assert_eq!(d[0].label(), "gpu:0 (cuda:0)");
+        assert_eq!(
+            (d[1].alias.as_deref(), d[1].label()),
+            (None, "cuda:1".into())
+        );
+        let e = parse_devices("cuda:0:1GiB,gpu:0:2GiB")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("device cuda:0 is listed twice (as cuda:0 and gpu:0)"),
+            "{e}"
+        );
+        let e = parse_devices("gpu:x").unwrap_err().to_string();
+        assert!(e.contains("'gpu:x'") && e.contains("gpu:N"), "{e}");
+        // Names given elsewhere take the alias too.
+        let d = parse_devices("cpu,cuda:0:1GiB,cuda:1:1GiB").unwrap();
+        assert_eq!(resolve_device(&d, "gpu:1", "device_map").unwrap(), 2);
+        assert_eq!(canonical_device_name(" GPU:0 "), "cuda:0");
+        assert_eq!(canonical_device_name("Virtual:2"), "virtual:2");
     }
 
     #[test]

@@ -71,6 +71,13 @@ pub enum PlanError {
     #[error("invalid device spec '{spec}': {reason}")]
     DeviceSpec { spec: String, reason: String },
 
+    /// A `cuda:N` named without a size where the probe says CUDA cannot be used (no driver, a
+    /// build without CUDA, fewer GPUs), in the words of the engine's error for opening it.
+    /// `device` is the device as the spec named it (`cuda:0`, or `gpu:0 (cuda:0)`); `detail`
+    /// says why, then what to do ([`cuda_unavailable_fix`](crate::cuda_unavailable_fix)).
+    #[error("device {device}: cuda is unavailable: {detail}")]
+    CudaUnavailable { device: String, detail: String },
+
     #[error("invalid size '{text}': {reason}")]
     Size { text: String, reason: String },
 

@@ -113,8 +113,9 @@ mod window;
 mod workspace;
 
 pub use device::{
-    DeviceItem, DeviceKind, DeviceSpec, MemoryProbe, NoProbe, inventory, parse_device_items,
-    parse_devices, parse_devices_with, resolve_device,
+    DeviceItem, DeviceKind, DeviceSpec, MemoryProbe, NoProbe, canonical_device_name,
+    cuda_unavailable_fix, inventory, parse_device_items, parse_devices, parse_devices_with,
+    resolve_device,
 };
 pub use error::{OutOfMemory, PlanError, Result, Shortfall};
 pub use memory::{CacheDType, CacheSpec, OFFLOAD_SLOTS, RuntimeSpec};

@@ -31,6 +31,7 @@ pub enum Exc {
     Closed,
     Plan,
     ContextFull,
+    Grammar,
 }
 
 impl Exc {
@@ -46,6 +47,7 @@ impl Exc {
             Exc::Closed => "ClosedError",
             Exc::Plan => "PlanError",
             Exc::ContextFull => "ContextFullError",
+            Exc::Grammar => "GrammarError",
         }
     }
 }
@@ -172,8 +174,9 @@ impl ToPyErr for weightlift_format::FormatError {
 
 impl ToPyErr for weightlift_plan::PlanError {
     /// A plan that does not fit is an `OutOfMemoryError` carrying `.shortfalls` (a list of
-    /// dicts: device, needed, available, missing, what) and `.fixes` (strings); every other
-    /// planner error is an invalid request, a `PlanError` (a ValueError).
+    /// dicts: device, needed, available, missing, what) and `.fixes` (strings); a `cuda:N`
+    /// without a size where CUDA cannot be used is `CudaUnavailable`, as `Model()` raises for
+    /// it; every other planner error is an invalid request, a `PlanError` (a ValueError).
     fn to_pyerr(self) -> PyErr {
         use weightlift_plan::PlanError as E;
         match self {
@@ -200,6 +203,7 @@ impl ToPyErr for weightlift_plan::PlanError {
                     build().unwrap_or_else(|e| e)
                 })
             }
+            E::CudaUnavailable { .. } => raise(Exc::CudaUnavailable, self.to_string()),
             other => raise(Exc::Plan, other.to_string()),
         }
     }
@@ -263,6 +267,7 @@ impl ToPyErr for EngineError {
             EngineError::NotLoaded { .. } => raise(Exc::Weightlift, self.to_string()),
             EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
             EngineError::Text(e) => e.to_pyerr(),
+            EngineError::Grammar(_) => raise(Exc::Grammar, self.to_string()),
         }
     }
 }

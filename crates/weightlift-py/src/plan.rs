@@ -31,8 +31,13 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-fn parse_device_arg(spec: &DevicesSpec) -> PyResult<Vec<wp::DeviceSpec>> {
-    wp::parse_devices_with(&spec.0, &HostProbe).map_err(py_err)
+/// The devices of `spec`; without one, this machine's: every CUDA GPU, then `cpu` (the
+/// planner's [`wp::inventory`], which `Model(devices=None)` and `devices()` read too).
+fn parse_device_arg(spec: Option<&DevicesSpec>) -> PyResult<Vec<wp::DeviceSpec>> {
+    match spec {
+        Some(spec) => wp::parse_devices_with(&spec.0, &HostProbe).map_err(py_err),
+        None => Ok(wp::inventory(&HostProbe)),
+    }
 }
 
 /// The placement keywords shared by `plan()`, `fit()` and `Model.load()`, as converted from
@@ -76,7 +81,9 @@ impl PlacementArgs {
 /// `source` is a Checkpoint, a path (checkpoint, HF config.json, or a folder holding only a
 /// config.json), an HF config dict, or a ModelSpec. Config-only sources need `weight_dtype`
 /// (`"bfloat16"`, `"float16"`, `"q8_0"`, `"q4_k_m"`, ...) unless the config names its
-/// `torch_dtype`. `devices` is a spec string (`"virtual:2x8GiB,cpu,disk"`) or a list of them.
+/// `torch_dtype`. `devices` is a spec string (`"virtual:2x8GiB,cpu,disk"`) or a list of them;
+/// None (the default) is this machine's devices, every CUDA GPU then `cpu`, as
+/// `Model(devices=None)` takes them.
 ///
 /// `strategy` is `autosplit` (exllamav2), `sequential`, `balanced`, `balanced_low_0`
 /// (accelerate), `layers` (llama.cpp: `n_gpu_layers`, `split_mode`, `tensor_split`,
@@ -111,11 +118,12 @@ impl PlacementArgs {
 /// its scratch (see `Model.load`). `world` (`"host:gpus[,host:gpus...]"`, torchrun's rank
 /// order) plans a multi-process tensor-parallel run: rank `r` stands for the `r`-th
 /// accelerator of `devices`, and `explain()` lists each rank's host and device. Raises
-/// `OutOfMemoryError` (with
-/// `.shortfalls` and `.fixes`) when it does not fit, and `PlanError` for an invalid request.
+/// `OutOfMemoryError` (with `.shortfalls` and `.fixes`) when it does not fit,
+/// `CudaUnavailable` for a `cuda:N` without a size where CUDA cannot be used (as `Model()`
+/// does; `cuda:N:24GiB` plans without the GPU), and `PlanError` for an invalid request.
 #[pyfunction]
 #[pyo3(signature = (
-    source, *, devices, strategy = None, dtype = "auto", cache = None, runtime = None,
+    source, *, devices = None, strategy = None, dtype = "auto", cache = None, runtime = None,
     reserve = None, max_memory = None, n_gpu_layers = None, split_mode = None,
     tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
@@ -126,7 +134,7 @@ impl PlacementArgs {
 fn plan(
     py: Python<'_>,
     source: &Bound<'_, PyAny>,
-    devices: DevicesSpec,
+    devices: Option<DevicesSpec>,
     strategy: Option<String>,
     dtype: &str,
     cache: Option<CacheArg>,
@@ -178,7 +186,7 @@ fn plan(
         world,
         ..placement.options()
     };
-    let req = Source::resolve(py, source)?.request(options, parse_device_arg(&devices)?)?;
+    let req = Source::resolve(py, source)?.request(options, parse_device_arg(devices.as_ref())?)?;
     let inner = enter(py, || wp::plan(&req))?;
     Ok(Plan { inner })
 }
@@ -186,11 +194,12 @@ fn plan(
 /// The largest `target` that fits: `"max_seq_len"` (multiples of 256 up to the model's context
 /// length), `"batch_size"`, or `"n_gpu_layers"` (strategy `layers`). Same options as `plan()`;
 /// `cache` (or just `cache_dtype`) gives the cache dtype and batch (fp16, batch 1 without one);
-/// `cache_offload=True` offloads that cache to host RAM. Raises `OutOfMemoryError` when even the
-/// smallest value does not fit.
+/// `cache_offload=True` offloads that cache to host RAM; `devices` left at None is this
+/// machine's, as for `plan()`. Raises `OutOfMemoryError` when even the smallest value does not
+/// fit.
 #[pyfunction]
 #[pyo3(signature = (
-    source, *, devices, target = "max_seq_len", strategy = None, dtype = "auto",
+    source, *, devices = None, target = "max_seq_len", strategy = None, dtype = "auto",
     cache = None, cache_dtype = None, runtime = None, reserve = None, max_memory = None, n_gpu_layers = None,
     split_mode = None, tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
@@ -200,7 +209,7 @@ fn plan(
 fn fit(
     py: Python<'_>,
     source: &Bound<'_, PyAny>,
-    devices: DevicesSpec,
+    devices: Option<DevicesSpec>,
     target: &str,
     strategy: Option<String>,
     dtype: &str,
@@ -254,7 +263,7 @@ fn fit(
         ..placement.options()
     };
     let options = options.for_fit(target, cache_dtype).map_err(py_err)?;
-    let req = Source::resolve(py, source)?.request(options, parse_device_arg(&devices)?)?;
+    let req = Source::resolve(py, source)?.request(options, parse_device_arg(devices.as_ref())?)?;
     enter(py, || wp::fit(&req, target))
 }
 
@@ -276,7 +285,7 @@ fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
 /// size is the machine's MemAvailable.
 #[pyfunction]
 fn parse_devices(spec: DevicesSpec) -> PyResult<Vec<Device>> {
-    Ok(parse_device_arg(&spec)?
+    Ok(parse_device_arg(Some(&spec))?
         .into_iter()
         .map(|inner| Device { inner })
         .collect())

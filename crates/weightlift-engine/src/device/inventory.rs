@@ -7,7 +7,7 @@ use weightlift_kernels::CudaBackend;
 use weightlift_plan::MemoryProbe;
 
 use super::Device;
-use crate::error::{Result, invalid};
+use crate::error::{EngineError, Result, invalid};
 
 /// The devices a model may use: accelerators in order, then the host.
 #[derive(Debug, Clone)]
@@ -44,7 +44,18 @@ impl Inventory {
                         None => Device::virtual_device(item.ordinal, capacity),
                     })
                 }
-                K::Cuda => accelerators.push(Device::cuda(item.ordinal, item.capacity)?),
+                // Named as the spec wrote it (`gpu:0 (cuda:0)`), as the planner names it.
+                K::Cuda => accelerators.push(Device::cuda(item.ordinal, item.capacity).map_err(
+                    |e| match e {
+                        EngineError::CudaUnavailable { detail, .. } => {
+                            EngineError::CudaUnavailable {
+                                device: item.label(),
+                                detail,
+                            }
+                        }
+                        other => other,
+                    },
+                )?),
             }
         }
         Ok(Inventory {
@@ -80,11 +91,13 @@ impl Inventory {
         v
     }
 
-    /// Look a device up by its normalised name (`"cpu"`, `"virtual:1"`, `"cuda:0"`).
+    /// Look a device up by its name (`"cpu"`, `"virtual:1"`, `"cuda:0"`), read as the spec
+    /// grammar reads names (`"CUDA:0"` and `"gpu:0"` are `cuda:0`).
     pub fn get(&self, name: &str) -> Result<Arc<Device>> {
+        let canonical = weightlift_plan::canonical_device_name(name);
         self.all()
             .into_iter()
-            .find(|d| d.name() == name)
+            .find(|d| d.name() == canonical)
             .ok_or_else(|| {
                 let names: Vec<String> = self.all().iter().map(|d| d.name().to_owned()).collect();
                 invalid(
@@ -164,6 +177,14 @@ impl weightlift_plan::MemoryProbe for HostProbe {
     fn cuda_count(&self) -> u32 {
         CudaBackend::device_count().map_or(0, |n| u32::try_from(n).unwrap_or(0))
     }
+
+    /// What opening the device says ([`Device::cuda`](super::Device::cuda) words its
+    /// `CudaUnavailable` from the same error), so a bare `cuda:N` fails alike in `plan()` and
+    /// in `Model()`.
+    fn cuda_unavailable(&self, ordinal: u32) -> Option<String> {
+        let ordinal = usize::try_from(ordinal).ok()?;
+        CudaBackend::new(ordinal).err().map(|e| e.to_string())
+    }
 }
 
 /// The host's MemAvailable from /proc/meminfo, in bytes.
@@ -177,7 +198,6 @@ pub fn mem_available() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::EngineError;
 
     #[test]
     fn specs_parse() {
@@ -194,12 +214,32 @@ mod tests {
                 .contains("'tpu:0'")
         );
         if weightlift_kernels::CudaBackend::unavailable_reason().is_some() {
-            for (spec, name) in [("cuda:0", "cuda:0"), ("virtual:1MiB,cuda:1:8GiB", "cuda:1")] {
+            for (spec, name, fix) in [
+                ("cuda:0", "cuda:0", "cuda:0:24GiB"),
+                ("virtual:1MiB,cuda:1:8GiB", "cuda:1", "cuda:1:24GiB"),
+                ("gpu:2", "gpu:2 (cuda:2)", "cuda:2:24GiB"),
+            ] {
                 let e = Inventory::parse(spec).unwrap_err();
                 assert!(matches!(e, EngineError::CudaUnavailable { .. }), "{e}");
+                let msg = e.to_string();
                 assert!(
-                    e.to_string()
-                        .starts_with(&format!("device {name}: cuda is unavailable"))
+                    msg.starts_with(&format!("device {name}: cuda is unavailable")),
+                    "{msg}"
+                );
+                // The planner's words for the same bare device, fix included; with a size it
+                // plans (a what-if), though loading onto it fails.
+                let planned = weightlift_plan::parse_devices_with(spec, &HostProbe);
+                match planned {
+                    Err(planned) => assert_eq!(planned.to_string(), msg),
+                    Ok(_) => assert!(spec.contains(":8GiB"), "{spec}"),
+                }
+                assert!(
+                    msg.ends_with(&format!(
+                        "plan() and fit() plan for it without a GPU when its size is given \
+                         ({fix}); to run here, use cpu or simulated accelerators \
+                         (virtual:24GiB)"
+                    )),
+                    "{msg}"
                 );
             }
             assert!(Inventory::detect().unwrap().accelerators().is_empty());

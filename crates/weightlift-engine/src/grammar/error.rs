@@ -2,8 +2,6 @@
 
 use std::fmt;
 
-use crate::error::EngineError;
-
 /// A GBNF grammar that cannot be used, or a constrained generation that cannot continue. Every
 /// message names where (a line and column, or the rule), what was expected and what was found,
 /// in the form `<where>: expected <what>, got <found>`.
@@ -131,18 +129,6 @@ impl fmt::Display for GrammarError {
 }
 
 impl std::error::Error for GrammarError {}
-
-impl From<GrammarError> for EngineError {
-    /// An invalid argument, with the grammar's own message.
-    fn from(e: GrammarError) -> Self {
-        let (what, expected, got) = e.parts();
-        EngineError::Invalid {
-            what,
-            expected,
-            got,
-        }
-    }
-}
 
 /// 1-based line and column (in characters) of byte offset `at` of `src`.
 pub(super) fn line_column(src: &str, at: usize) -> (usize, usize) {

@@ -282,6 +282,26 @@ fn parse_errors_name_the_line_the_column_and_what_was_expected() {
 }
 
 #[test]
+fn grammar_errors_stay_grammar_errors_in_the_engine_error() {
+    // The bindings map `EngineError::Grammar` to Python's GrammarError, not to an invalid
+    // request; the message is the grammar's own.
+    let e = Grammar::parse("root ::= )").unwrap_err();
+    let message = e.to_string();
+    let engine = crate::EngineError::from(e.clone());
+    assert!(
+        matches!(&engine, crate::EngineError::Grammar(g) if *g == e),
+        "{engine:?}"
+    );
+    assert_eq!(engine.to_string(), message);
+    assert!(
+        message.starts_with("grammar line 1, column 10: expected ") && message.ends_with("got ')'"),
+        "{message}"
+    );
+    let stuck = crate::EngineError::from(GrammarError::NoContinuation { vocab: 7 });
+    assert!(matches!(stuck, crate::EngineError::Grammar(_)), "{stuck:?}");
+}
+
+#[test]
 fn left_recursion_is_refused_by_rule() {
     for (src, rule) in [
         ("root ::= root \"a\" | \"b\"", "root"),

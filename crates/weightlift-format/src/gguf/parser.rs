@@ -11,9 +11,10 @@ mod tensors;
 use std::path::Path;
 
 use super::{
-    ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GgufHeader, MAGIC, MAX_KV, MAX_TENSORS, SUPPORTED_VERSIONS,
-    invalid,
+    ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GgufHeader, MAGIC, MAX_KV, MAX_LATER_VERSION, MAX_TENSORS,
+    SUPPORTED_VERSIONS, invalid,
 };
+use crate::error::show_bytes;
 use crate::metadata::Backing;
 use crate::{FormatError, MetaValue, Metadata, Result, hint};
 
@@ -167,8 +168,8 @@ impl<'a> Parser<'a> {
             return Err(invalid(
                 self.path,
                 "header magic",
-                "the bytes 'GGUF'",
-                "'FUGG', the magic stored big-endian",
+                format!("the GGUF magic {}", show_bytes(&MAGIC)),
+                format!("{}, the magic stored big-endian", show_bytes(&magic)),
                 hint::BYTE_ORDER,
             ));
         }
@@ -176,12 +177,9 @@ impl<'a> Parser<'a> {
             return Err(invalid(
                 self.path,
                 "header magic",
-                "the bytes 'GGUF' (47 47 55 46)",
-                format!(
-                    "{:02x} {:02x} {:02x} {:02x}",
-                    magic[0], magic[1], magic[2], magic[3]
-                ),
-                "the file is not a GGUF file, or is corrupted",
+                format!("the GGUF magic {}", show_bytes(&MAGIC)),
+                show_bytes(&magic),
+                hint::NOT_GGUF,
             ));
         }
         let version = self.u32(|| "header version".into())?;
@@ -229,8 +227,9 @@ impl<'a> Parser<'a> {
         }
         let swapped = version.swap_bytes();
         // gguf-py's reader uses the same test: a little-endian version never has its low 16
-        // bits all zero, a big-endian one read as little-endian always does.
-        if version & 0xffff == 0 && swapped != 0 {
+        // bits all zero, a big-endian one read as little-endian always does. Only a swapped
+        // value that is itself a version is taken for one.
+        if version & 0xffff == 0 && (1..=MAX_LATER_VERSION).contains(&swapped) {
             return Err(invalid(
                 self.path,
                 "header version",
@@ -239,30 +238,38 @@ impl<'a> Parser<'a> {
                 hint::BYTE_ORDER,
             ));
         }
-        if version == 1 {
-            return Err(FormatError::Unsupported {
+        match version {
+            1 => Err(FormatError::Unsupported {
                 path: self.path.to_path_buf(),
                 what: "gguf version 1".into(),
                 detail: format!(
                     "version 1 (32-bit counts and lengths) is refused; this build reads versions 2 and 3; {}",
                     hint::OLD_GGUF
                 ),
-            });
-        }
-        if version == 0 {
-            return Err(invalid(
+            }),
+            0 => Err(invalid(
                 self.path,
                 "header version",
                 "2 or 3",
                 "0",
                 hint::CORRUPT,
-            ));
+            )),
+            4..=MAX_LATER_VERSION => Err(FormatError::Unsupported {
+                path: self.path.to_path_buf(),
+                what: format!("gguf version {version}"),
+                detail: format!("this build reads versions 2 and 3; {}", hint::NEWER_WRITER),
+            }),
+            _ => Err(invalid(
+                self.path,
+                "header version",
+                format!(
+                    "2 or 3 (a later GGUF revision would be a small number, at most \
+                     {MAX_LATER_VERSION})"
+                ),
+                format!("{version} (bytes {})", show_bytes(&version.to_le_bytes())),
+                hint::CORRUPT_HEADER,
+            )),
         }
-        Err(FormatError::Unsupported {
-            path: self.path.to_path_buf(),
-            what: format!("gguf version {version}"),
-            detail: format!("this build reads versions 2 and 3; {}", hint::NEWER_WRITER),
-        })
     }
 
     fn alignment(&self, metadata: &Metadata) -> Result<u64> {

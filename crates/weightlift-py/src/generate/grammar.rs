@@ -16,7 +16,8 @@ use crate::errors::{ToPyErr, eng, io_error};
 
 /// A parsed GBNF grammar (llama.cpp's grammar format, root rule `root`), as llama-cpp-python's
 /// `LlamaGrammar`: pass it as `grammar=` to keep generated text inside it. A grammar that does
-/// not parse raises `PlanError` (a ValueError) naming the line, the column and what was expected.
+/// not parse raises `GrammarError` (a ValueError) naming the line, the column and what was
+/// expected.
 #[pyclass(module = "weightlift._native", frozen)]
 pub struct LlamaGrammar {
     pub(crate) grammar: Arc<Grammar>,
