@@ -21,6 +21,8 @@
 //!   documented error bound per dtype; offloaded caches prefetch the next layer on a thread.
 //! - [`forward`] and [`generate`]: the forward pass where the plan put every layer, and text
 //!   generation on it (tokenizer, sampler, stop strings, prompt-prefix reuse).
+//! - [`embeddings`]: the final-norm hidden states pooled as llama.cpp pools them
+//!   ([`Pooling`]), for llama-cpp-python's `embed` and `create_embedding`.
 //! - [`tp`]: exllamav2's TPContext: split tables, collectives behind the [`Collective`] trait,
 //!   per-device RoPE tables and scratch.
 //!
@@ -36,6 +38,7 @@ pub mod cache;
 pub mod convert;
 pub mod dequantize;
 pub mod device;
+pub mod embeddings;
 pub mod forward;
 pub mod generate;
 pub mod grammar;
@@ -51,6 +54,7 @@ pub mod validate;
 
 pub use cache::{Cache, CacheConfig, CacheDType};
 pub use device::{Buffer, Device, DeviceKind, DeviceTensor, HostProbe, Inventory, Storage};
+pub use embeddings::Pooling;
 pub use error::{EngineError, Result};
 pub use generate::{FinishReason, GenerateOptions, Generation, Piece, Timings};
 pub use loader::{LoadOptions, Loaded, Progress, TensorTarget, load};

@@ -784,6 +784,28 @@ pub(crate) fn mlp_normed<B: Exec>(
     cx.linear(b, down, &r.gate, n, &mut r.xn)
 }
 
+/// `xn = RMSNorm(x) · norm` for rows `first..first + need` of the residual stream, into rows
+/// `0..need` of `r.xn`: the head's input.
+fn out_norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    (first, need): (usize, usize),
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let h = cx.c.hidden;
+    let xs = view(b, &r.x, first * h * 4, need * h * 4).map_err(cx.err("output_norm"))?;
+    b.run(Op::RmsNorm {
+        n_rows: need,
+        n_cols: h,
+        eps: cx.c.eps,
+        x: &xs,
+        weight: &*b.floats(norm, cx.held)?,
+        out: &mut r.xn,
+    })
+    .map_err(cx.err("output_norm"))
+}
+
 /// The output norm and head for rows `first..first + out.len() / vocab` of the residual stream,
 /// `rows` logit rows at a time through the workspace, into `out`.
 #[allow(clippy::too_many_arguments)]
@@ -800,18 +822,7 @@ pub(crate) fn head<B: Exec>(
     let h = cx.c.hidden;
     let vocab = head.rows;
     let need = out.len() / vocab;
-    {
-        let xs = view(b, &r.x, first * h * 4, need * h * 4).map_err(cx.err("output_norm"))?;
-        b.run(Op::RmsNorm {
-            n_rows: need,
-            n_cols: h,
-            eps: cx.c.eps,
-            x: &xs,
-            weight: &*b.floats(norm, cx.held)?,
-            out: &mut r.xn,
-        })
-        .map_err(cx.err("output_norm"))?;
-    }
+    out_norm(b, cx, norm, (first, need), r)?;
     for r0 in (0..need).step_by(rows.max(1)) {
         let nr = rows.max(1).min(need - r0);
         let xin = view(b, &r.xn, r0 * h * 4, nr * h * 4).map_err(cx.err(&head.name))?;
@@ -821,4 +832,20 @@ pub(crate) fn head<B: Exec>(
             .map_err(cx.err("copying logits to the host"))?;
     }
     Ok(())
+}
+
+/// The output norm of rows `first..first + out.len() / hidden` of the residual stream, copied
+/// into `out`: the rows [`head`] would multiply by the head.
+pub(crate) fn hidden<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    first: usize,
+    out: &mut [f32],
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let need = out.len() / cx.c.hidden;
+    out_norm(b, cx, norm, (first, need), r)?;
+    b.copy_to_host(&r.xn, 0, bytemuck::cast_slice_mut(out))
+        .map_err(cx.err("copying hidden states to the host"))
 }

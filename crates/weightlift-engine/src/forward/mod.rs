@@ -17,6 +17,9 @@
 //! - Prompts run in chunks of the workspace's `tokens` (`max_input_len`); attention is tiled
 //!   (`max_attention_size` weights per head at most) with an online softmax; logits are
 //!   computed only for the rows asked for, [`LOGIT_ROWS`](weightlift_plan::LOGIT_ROWS) at a time.
+//!   [`crate::Model::forward_hidden`] returns every row's hidden state after the output norm
+//!   instead (the head's input, what embeddings are pooled from): the same norm on the head's
+//!   device, each chunk's rows out of the workspace's `xn`, and no head product.
 //! - [`Compute::Fast`] multiplies quantised weights with 8-bit-quantised activations, as
 //!   llama.cpp's CPU backend does (for the types its scheme covers; other types run exactly);
 //!   [`Compute::Exact`] multiplies f32 activations with weights dequantised in registers.
@@ -130,6 +133,48 @@ impl Logits {
             Logits::All => (0, done..done + n),
         };
         Some((first, &mut out[rows.start * vocab..rows.end * vocab]))
+    }
+}
+
+/// What one forward call writes: logits, or the hidden states the head would read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Output {
+    /// The rows [`Logits`] asks for, `vocab` floats a row.
+    Logits(Logits),
+    /// Every position's hidden state after the output norm, `hidden` floats a row: the head's
+    /// input (llama.cpp's `result_norm`, the `t_embd` its embeddings are pooled from). No head
+    /// product runs.
+    Hidden,
+}
+
+impl Output {
+    /// Rows written for a call of `n` ids.
+    pub(crate) fn rows(self, n: usize) -> usize {
+        match self {
+            Output::Logits(Logits::Last) => 1,
+            Output::Logits(Logits::All) | Output::Hidden => n,
+        }
+    }
+
+    /// Floats a row: the vocabulary's for logits, the hidden size's for hidden states.
+    pub(crate) fn width(self, d: &weightlift_plan::Dims) -> usize {
+        match self {
+            Output::Logits(_) => d.vocab as usize,
+            Output::Hidden => d.hidden as usize,
+        }
+    }
+
+    /// [`Logits::rows`] for rows `width` floats wide: hidden states are written for every row.
+    pub(crate) fn chunk_rows(
+        self,
+        chunk: (usize, usize, usize),
+        width: usize,
+        out: &mut [f32],
+    ) -> Option<(usize, &mut [f32])> {
+        match self {
+            Output::Logits(l) => l.rows(chunk, width, out),
+            Output::Hidden => Logits::All.rows(chunk, width, out),
+        }
     }
 }
 
@@ -457,6 +502,30 @@ impl crate::Model {
         logits: Logits,
         out: &mut Vec<f32>,
     ) -> Result<Copies> {
+        self.run_forward(ids, cache, Output::Logits(logits), out)
+    }
+
+    /// [`Model::forward`], writing every position's hidden state after the output norm instead
+    /// of logits: `out` receives `ids.len() × hidden` floats (row-major), the rows the head
+    /// would multiply (llama.cpp's `result_norm`, which its embeddings pool). The head product
+    /// does not run. The cache is used as by [`Model::forward`].
+    pub fn forward_hidden(
+        &mut self,
+        ids: &[u32],
+        cache: Option<&Arc<Cache>>,
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
+        self.run_forward(ids, cache, Output::Hidden, out)
+    }
+
+    /// The forward call of [`Model::forward`] and [`Model::forward_hidden`].
+    pub(crate) fn run_forward(
+        &mut self,
+        ids: &[u32],
+        cache: Option<&Arc<Cache>>,
+        output: Output,
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
         if self.runner.pool.is_none() {
             self.set_threads(self.runner.threads)?;
         }
@@ -494,7 +563,7 @@ impl crate::Model {
                 (source.as_ref(), &inventory),
                 &spec,
                 &cache,
-                (ids, logits, out),
+                (ids, output, out),
                 (compute, int8_threshold, host_backend),
                 pool,
             )?;
@@ -502,10 +571,14 @@ impl crate::Model {
             return Ok(made);
         }
         if state.graph.is_none() {
+            // Sized for the context the model was loaded for: its plan, else its own cache (a
+            // call on another cache, such as an embedding's scratch cache, must not shrink the
+            // prompt chunks of every later call).
+            let sized = state.cache.as_ref().unwrap_or(&cache).config();
             let plan = state.forward.clone().unwrap_or(crate::model::ForwardPlan {
                 runtime: weightlift_plan::RuntimeSpec::default(),
-                max_seq_len: cache.config().max_seq_len,
-                batch: cache.config().batch_size,
+                max_seq_len: sized.max_seq_len,
+                batch: sized.batch_size,
                 tp: None,
                 rank: None,
             });
@@ -546,7 +619,7 @@ impl crate::Model {
                 scratch,
                 &cache,
                 ids,
-                logits,
+                output,
                 (compute, int8_threshold),
                 out,
             )

@@ -16,7 +16,9 @@
 //!   every other device's partial (one copy per pair) and adds them; an `o_proj`/`down` bias
 //!   is added once, by the owner of each column.
 //! - The head: the needed rows are all-gathered to the VC devices, each computes its vocab
-//!   rows, and the logits are gathered into the caller's array.
+//!   rows, and the logits are gathered into the caller's array. Hidden states instead of logits
+//!   ([`Output::Hidden`]): the rows are gathered to the first VC device only, which applies its
+//!   replica of the output norm and hands the normed rows back.
 //!
 //! Every device runs the same kernels as the single-device pass; only the order in which the
 //! partial sums of `o_proj` and `down` are added differs, so logits agree with a `cpu` run to
@@ -38,7 +40,7 @@ use super::graph::Loaded;
 use super::layer::{kernel, swiglu_in_place};
 use super::rope::rope_of;
 use super::weights::Packing;
-use super::{Compute, Copies, Logits, Views, carve, check_tokens};
+use super::{Compute, Copies, Output, Views, carve, check_tokens};
 use crate::cache::Cache;
 use crate::device::DeviceKind;
 use crate::error::{EngineError, Result, invalid};
@@ -395,7 +397,7 @@ fn reduce_partials(
 
 impl TpGraph {
     /// Run `ids` through the model tensor-parallel, appending to `cache` (split by kv heads)
-    /// at its `seq_len`, and write the logits asked for into `out`. Returns the copies the
+    /// at its `seq_len`, and write the `output` asked for into `out`. Returns the copies the
     /// collectives made.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
@@ -405,20 +407,16 @@ impl TpGraph {
         ctx: &mut TpContext,
         cache: &Arc<Cache>,
         ids: &[u32],
-        logits: Logits,
+        output: Output,
         (compute, _int8_threshold): (Compute, f32),
         out: &mut Vec<f32>,
     ) -> Result<Copies> {
-        let vocab = self.dims.vocab as usize;
+        let width = output.width(&self.dims);
         let start = check_tokens(ids, self.dims.vocab, cache)? as usize;
         let parts = cache.tp_parts();
         self.check_cache(ctx, &parts)?;
-        let rows = match logits {
-            Logits::Last => 1,
-            Logits::All => ids.len(),
-        };
         out.clear();
-        out.resize(rows * vocab, 0.0);
+        out.resize(output.rows(ids.len()) * width, 0.0);
         if ctx.splits() != &self.splits {
             return Err(invalid(
                 "tp context tables",
@@ -433,7 +431,7 @@ impl TpGraph {
                 copies,
                 ctx,
                 cache,
-                (ids, start, logits),
+                (ids, start, output),
                 (compute, _int8_threshold),
                 out,
             );
@@ -506,12 +504,20 @@ impl TpGraph {
                 )?;
             }
             cache.appended(pos as u64, part)?;
-            let Some((first, rows_out)) = logits.rows((done, n, ids.len()), vocab, out) else {
+            let Some((first, rows_out)) = output.chunk_rows((done, n, ids.len()), width, out)
+            else {
                 done += n;
                 continue;
             };
-            let need = rows_out.len() / vocab;
-            self.head(&run, &mut coll, &mut flip, &mut ws, (first, need), rows_out)?;
+            let rows = (first, rows_out.len() / width);
+            match output {
+                Output::Logits(_) => {
+                    self.head(&run, &mut coll, &mut flip, &mut ws, rows, rows_out)?;
+                }
+                Output::Hidden => {
+                    self.hidden(&run, &mut coll, &mut flip, &mut ws, rows, rows_out)?;
+                }
+            }
             done += n;
         }
         Ok(coll.copies)
@@ -581,6 +587,56 @@ impl TpGraph {
             }
             let got = coll.gather(flip(), nr, vocab, &s.vc, &blocks)?;
             rows_out[r0 * vocab..(r0 + nr) * vocab].copy_from_slice(got);
+        }
+        Ok(())
+    }
+
+    /// The first entry of the vocab table whose device holds a share of the head, and with it
+    /// a replica of the output norm (every entry but one wholly in the table's padding does).
+    fn norm_entry(&self) -> Result<(usize, u64, u64)> {
+        self.splits
+            .vc
+            .iter()
+            .copied()
+            .find(|e| self.heads.get(e.0).is_some_and(Option::is_some))
+            .ok_or_else(|| {
+                invalid(
+                    "tp vocab table",
+                    "a device with a share of the head",
+                    "none",
+                )
+            })
+    }
+
+    /// The output norm of residual rows `first..first + need` into `rows_out` (`need ×
+    /// hidden`): the rows gathered to one device of the vocab table, normed there with its
+    /// replica of the norm, as [`TpGraph::head`] norms them before its product.
+    fn hidden(
+        &self,
+        run: &Run<'_>,
+        coll: &mut Collectives<'_>,
+        flip: &mut dyn FnMut() -> usize,
+        ws: &mut [Option<Work<'_>>],
+        (first, need): (usize, usize),
+        rows_out: &mut [f32],
+    ) -> Result<()> {
+        let h = run.hidden;
+        let entry = self.norm_entry()?;
+        let Some(hd) = self.heads.get(entry.0).and_then(Option::as_ref) else {
+            return Err(invalid("tp head", "a share of the head", "none"));
+        };
+        let one: SplitTable = vec![entry];
+        gather_residual(coll, flip(), ws, &self.splits.rs, &one, (first, need, h))?;
+        for w in pick(ws, &one)? {
+            let v = &mut w.v;
+            weightlift_kernels::rms_norm(
+                &v.x[..need * h],
+                &hd.norm,
+                run.eps,
+                &mut v.xn[..need * h],
+            )
+            .map_err(|e| kernel("output_norm", e))?;
+            rows_out.copy_from_slice(&v.xn[..need * h]);
         }
         Ok(())
     }

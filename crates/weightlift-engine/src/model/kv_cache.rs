@@ -97,6 +97,23 @@ impl Model {
     /// Allocate `cache` beside the loaded layers (each layer on its device) and count it in
     /// [`Model::memory`]; the model frees it on unload.
     pub fn attach_cache(&mut self, cache: &Arc<Cache>) -> Result<()> {
+        if let Err(e) = self.allocate_beside_layers(cache) {
+            cache.free();
+            return Err(e);
+        }
+        if let Some(s) = self.state.as_mut() {
+            // A cache made for calls without one is nobody else's: it goes.
+            if let Some(made) = s.cache.take().filter(|_| s.cache_made) {
+                made.free();
+            }
+            s.cache = Some(Arc::clone(cache));
+            s.cache_made = false;
+        }
+        Ok(())
+    }
+
+    /// Every layer of `cache` allocated on its layer's device (on the cpu when offloaded).
+    fn allocate_beside_layers(&self, cache: &Cache) -> Result<()> {
         let cpu = Arc::clone(self.inventory.cpu());
         let devs: Vec<Arc<Device>> = self
             .layer_devices()?
@@ -111,19 +128,37 @@ impl Model {
             ));
         }
         for (l, d) in devs.iter().enumerate() {
-            if let Err(e) = cache.allocate_layer(l, d, &cpu) {
-                cache.free();
-                return Err(e);
-            }
-        }
-        if let Some(s) = self.state.as_mut() {
-            // A cache made for calls without one is nobody else's: it goes.
-            if let Some(made) = s.cache.take().filter(|_| s.cache_made) {
-                made.free();
-            }
-            s.cache = Some(Arc::clone(cache));
-            s.cache_made = false;
+            cache.allocate_layer(l, d, &cpu)?;
         }
         Ok(())
+    }
+
+    /// A cache of `tokens` positions for a call that must leave the model's own cache alone
+    /// (an embedding): the own cache's dtype and offload (fp16 on the layers' devices when
+    /// there is none), allocated as a load allocates it: beside each layer, or split by kv
+    /// heads over the tensor-parallel devices (a rank-local load: its rank's heads). Not
+    /// attached: the caller frees it.
+    pub(crate) fn scratch_cache(&self, tokens: u64) -> Result<Arc<Cache>> {
+        let state = self.state()?;
+        let (dtype, offload) = state.cache.as_ref().map_or((CacheDType::Fp16, false), |c| {
+            (c.config().dtype, c.config().offload)
+        });
+        let cache = Arc::new(Cache::new(self.cache_config(tokens, 1, dtype, offload)?)?);
+        let forward = state.forward.as_ref();
+        let tp = forward.and_then(|f| f.tp.as_ref());
+        let made = match (tp, forward.and_then(|f| f.rank.as_ref())) {
+            (Some(t), None) => self
+                .tp_cache_parts(t)
+                .and_then(|parts| cache.allocate_tp(&parts)),
+            (Some(t), Some(r)) => self
+                .tp_cache_share(t, r)
+                .and_then(|share| cache.allocate_tp_rank(share)),
+            (None, _) => self.allocate_beside_layers(&cache),
+        };
+        if let Err(e) = made {
+            cache.free();
+            return Err(e);
+        }
+        Ok(cache)
     }
 }

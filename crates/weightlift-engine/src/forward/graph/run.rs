@@ -1,6 +1,7 @@
 //! The forward call: a prompt in chunks of the workspace's tokens, each embedded, run through the
 //! layers on the devices that hold them (the hidden state copied at each device boundary), and
-//! the head for the rows whose logits are asked for.
+//! the head for the rows whose logits are asked for (or, for hidden states, the output norm of
+//! every row on the head's device, without the head).
 
 use std::sync::Arc;
 
@@ -14,15 +15,15 @@ use crate::forward::boundary::move_rows;
 use crate::forward::embed::embed_rows;
 use crate::forward::exec::{self, Ctx, kernel_on};
 use crate::forward::layer::{Consts, Weights, run_layer};
-use crate::forward::logits::head_rows;
+use crate::forward::logits::{head_rows, hidden_rows};
 use crate::forward::onload::{Copier, SlotMem, onload_group, prefetch_first, settle};
 use crate::forward::work::{Work, on_site, site_works};
-use crate::forward::{Compute, Copies, Logits, check_tokens};
+use crate::forward::{Compute, Copies, Output, check_tokens};
 use crate::model::Held;
 
 impl Graph {
     /// Run `ids` through the model, appending to `cache` at its `seq_len`, and write the
-    /// logits asked for into `out` (`rows × vocab`, row-major). Returns the copies made.
+    /// `output` asked for into `out` (`rows × width`, row-major). Returns the copies made.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
@@ -31,18 +32,14 @@ impl Graph {
         scratch: &mut [Buffer],
         cache: &Arc<Cache>,
         ids: &[u32],
-        logits: Logits,
+        output: Output,
         (compute, int8_threshold): (Compute, f32),
         out: &mut Vec<f32>,
     ) -> Result<Copies> {
-        let vocab = self.dims.vocab as usize;
+        let width = output.width(&self.dims);
         let start = check_tokens(ids, self.dims.vocab, cache)? as usize;
-        let rows = match logits {
-            Logits::Last => 1,
-            Logits::All => ids.len(),
-        };
         out.clear();
-        out.resize(rows * vocab, 0.0);
+        out.resize(output.rows(ids.len()) * width, 0.0);
         let devs: Vec<Arc<Device>> = self.sites.iter().map(|s| Arc::clone(&s.device)).collect();
 
         let onload_site = self
@@ -148,11 +145,12 @@ impl Graph {
                 }
                 cache.appended(pos as u64, part)?;
                 // The head: only the rows asked for.
-                let Some((first, rows_out)) = logits.rows((done, n, ids.len()), vocab, out) else {
+                let Some((first, rows_out)) = output.chunk_rows((done, n, ids.len()), width, out)
+                else {
                     done += n;
                     continue;
                 };
-                let need = rows_out.len() / vocab;
+                let need = rows_out.len() / width;
                 if self.head_site != at {
                     move_rows(
                         &mut works,
@@ -166,10 +164,16 @@ impl Graph {
                 }
                 let per = self.dims.logit_rows as usize;
                 let hs = self.head_site;
-                on_site!(&mut works[hs], w => {
-                let hw = Weights { held, copies, slot: None };
-                head_rows(&c, &hw, &self.out_norm, &self.head, first, per, rows_out, w)?;
-            }, (b, r) => exec::head(*b, &cx(hs), &self.out_norm, &self.head, first, per, rows_out, r)?);
+                let norm = &self.out_norm;
+                match output {
+                    Output::Logits(_) => on_site!(&mut works[hs], w => {
+                        let hw = Weights { held, copies, slot: None };
+                        head_rows(&c, &hw, norm, &self.head, first, per, rows_out, w)?;
+                    }, (b, r) => exec::head(*b, &cx(hs), norm, &self.head, first, per, rows_out, r)?),
+                    Output::Hidden => on_site!(&mut works[hs],
+                        w => hidden_rows(&c, norm, first, rows_out, w)?,
+                        (b, r) => exec::hidden(*b, &cx(hs), norm, first, rows_out, r)?),
+                }
                 done += n;
             }
             if let Some(o) = self.onload.as_mut() {

@@ -412,7 +412,7 @@ pub(crate) fn run(
     (source, inventory): (&dyn crate::source::Source, &crate::device::Inventory),
     spec: &ModelSpec,
     cache: &Arc<Cache>,
-    (ids, logits, out): (&[u32], Logits, &mut Vec<f32>),
+    (ids, output, out): (&[u32], Output, &mut Vec<f32>),
     (compute, int8_threshold, host_backend): (Compute, f32, bool),
     pool: Option<Arc<rayon::ThreadPool>>,
 ) -> Result<Copies> {
@@ -454,7 +454,7 @@ pub(crate) fn run(
             ctx,
             cache,
             ids,
-            logits,
+            output,
             (compute, int8_threshold),
             out,
         )

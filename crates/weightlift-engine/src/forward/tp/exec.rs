@@ -10,7 +10,9 @@
 //!   [`Backend::peer_access`](weightlift_kernels::Backend::peer_access) says, and the context allows it): a residual slice goes straight
 //!   into the columns of each receiver's hidden state, and each residual owner receives its
 //!   columns of every other device's partial sum into its `recv` region, adding them into `sum`
-//!   in source order. Nothing passes through host memory but the embedding and the logits.
+//!   in source order. Nothing passes through host memory but the embedding and the logits (or
+//!   the normed hidden states, which one device of the vocab table computes as the host path
+//!   does).
 //! - **Host route** (GPUs without peer access): every copy goes through the context's staging
 //!   buffers in host memory, 0 and 1 in turn, as the host path's do.
 //!
@@ -119,6 +121,29 @@ impl TpGraph {
         Ok(w)
     }
 
+    /// `xn = RMSNorm(x) · norm` over rows `0..need` of device `d`'s gathered hidden state: the
+    /// head's input, for logits and hidden states alike.
+    fn out_norm<B: Exec>(
+        &self,
+        pass: &Pass<'_, B>,
+        d: usize,
+        (norm, held): (&Floats, &[Held]),
+        need: usize,
+        r: &mut Regions<'_, B::Buffer>,
+    ) -> Result<()> {
+        let (b, h) = (pass.bs[d], self.dims.hidden as usize);
+        let xs = view(b, &r.x, 0, need * h * 4).map_err(pass.err(d, "output_norm"))?;
+        b.run(Op::RmsNorm {
+            n_rows: need,
+            n_cols: h,
+            eps: self.eps,
+            x: &xs,
+            weight: &*b.floats(norm, held)?,
+            out: &mut r.xn,
+        })
+        .map_err(pass.err(d, "output_norm"))
+    }
+
     /// The constants of the backend op sequence for one forward call.
     fn consts(&self, compute: Compute, int8_threshold: f32) -> Consts {
         Consts::new(
@@ -137,14 +162,14 @@ impl TpGraph {
         copies: &[(usize, Held)],
         ctx: &mut TpContext,
         cache: &Arc<Cache>,
-        (ids, start, logits): (&[u32], usize, Logits),
+        (ids, start, output): (&[u32], usize, Output),
         (compute, int8_threshold): (Compute, f32),
         out: &mut [f32],
     ) -> Result<Copies> {
         let devices: Vec<Arc<Device>> = ctx.devices().to_vec();
         if let Some(rank) = ctx.rank() {
             let device = &devices[rank];
-            let args = (ids, start, logits);
+            let args = (ids, start, output);
             let modes = (compute, int8_threshold);
             let on = (rank, &devices[..]);
             return match &bg.backends {
@@ -170,7 +195,7 @@ impl TpGraph {
                     copies,
                     ctx,
                     cache,
-                    (ids, start, logits),
+                    (ids, start, output),
                     (compute, int8_threshold),
                     out,
                 )
@@ -199,7 +224,7 @@ impl TpGraph {
         copies: &[(usize, Held)],
         ctx: &mut TpContext,
         cache: &Arc<Cache>,
-        (ids, start, logits): (&[u32], usize, Logits),
+        (ids, start, output): (&[u32], usize, Output),
         (compute, int8_threshold): (Compute, f32),
         out: &mut [f32],
     ) -> Result<Copies> {
@@ -290,11 +315,28 @@ impl TpGraph {
                 )?;
             }
             cache.appended(pos as u64, part)?;
-            let Some((first, rows_out)) = logits.rows((done, n, ids.len()), vocab, out) else {
+            let width = output.width(&self.dims);
+            let Some((first, rows_out)) = output.chunk_rows((done, n, ids.len()), width, out)
+            else {
                 done += n;
                 continue;
             };
-            let need = rows_out.len() / vocab;
+            let need = rows_out.len() / width;
+            if output == Output::Hidden {
+                // the rows to one device of the vocab table, normed there as the head norms them
+                let entry = self.norm_entry()?;
+                let d = entry.0;
+                let Some((norm, _)) = bg.heads.get(d).and_then(Option::as_ref) else {
+                    return Err(invalid("tp head", "a share of the head", "none"));
+                };
+                let one: SplitTable = vec![entry];
+                pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &one), (first, need, h))?;
+                let w = work(&mut ws, d)?;
+                self.out_norm(&pass, d, (norm, held), need, &mut w.r)?;
+                pass.download(&mut coll.copies, d, &w.r.xn, 0, rows_out)?;
+                done += n;
+                continue;
+            }
             pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.vc), (first, need, h))?;
             let per = self.dims.logit_rows.max(1) as usize;
             for &(d, a, _) in &s.vc {
@@ -303,19 +345,7 @@ impl TpGraph {
                 };
                 let b = pass.bs[d];
                 let w = work(&mut ws, d)?;
-                {
-                    let xs =
-                        view(b, &w.r.x, 0, need * h * 4).map_err(pass.err(d, "output_norm"))?;
-                    b.run(Op::RmsNorm {
-                        n_rows: need,
-                        n_cols: h,
-                        eps: self.eps,
-                        x: &xs,
-                        weight: &*b.floats(norm, held)?,
-                        out: &mut w.r.xn,
-                    })
-                    .map_err(pass.err(d, "output_norm"))?;
-                }
+                self.out_norm(&pass, d, (norm, held), need, &mut w.r)?;
                 let mut block = vec![0f32; per.min(need) * mat.rows];
                 for r0 in (0..need).step_by(per) {
                     let nr = per.min(need - r0);

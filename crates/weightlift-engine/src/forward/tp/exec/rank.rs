@@ -12,7 +12,9 @@
 //!   into the residual owners' column blocks and reduce-scattered: each owner receives its
 //!   block summed over the ranks in rank order, the order the single-process pass adds them
 //!   in, adds it to its residual and then its columns of the bias.
-//! - The logits' vocabulary rows are all-gathered, so every rank returns every logit.
+//! - The logits' vocabulary rows are all-gathered, so every rank returns every logit. Hidden
+//!   states instead of logits: the rows are all-gathered to every rank, each norms them with
+//!   its replica of the output norm, and every rank returns the same rows.
 //!
 //! The collectives run on host f32 values: the pass copies the device's slices out and back
 //! around each one (NCCL stages them on its own device).
@@ -183,7 +185,7 @@ impl TpGraph {
         copies: &[(usize, Held)],
         ctx: &mut TpContext,
         cache: &Arc<Cache>,
-        (ids, start, logits): (&[u32], usize, Logits),
+        (ids, start, output): (&[u32], usize, Output),
         (compute, int8_threshold): (Compute, f32),
         out: &mut [f32],
     ) -> Result<Copies> {
@@ -196,6 +198,22 @@ impl TpGraph {
                 what: format!("a multi-process tensor-parallel pass where rank {r} has no share"),
                 detail: "every rank joins every collective with its workspace; give each rank \
                          a share of the split (gpu_split)"
+                    .into(),
+            });
+        }
+        // Decided from the shared tables, alike on every rank.
+        let vocab = self.dims.vocab;
+        if output == Output::Hidden
+            && let Some(r) = widths(&s.vc, world, vocab).iter().position(|&w| w == 0)
+        {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "hidden states from a multi-process tensor-parallel pass where rank {r} \
+                     holds no rows of the head"
+                ),
+                detail: "each rank norms the hidden states with its replica of the output norm, \
+                         which comes with its rows of the head; split the vocabulary over every \
+                         rank"
                     .into(),
             });
         }
@@ -234,7 +252,7 @@ impl TpGraph {
             slot: None,
         };
         let run = self.run(held, copies, compute);
-        let (h, vocab) = (c.hidden, self.dims.vocab as usize);
+        let h = c.hidden;
         let rs_start = (0..world)
             .map(|r| start_of(&s.rs, r, h as u64).unwrap_or(0))
             .collect();
@@ -288,20 +306,22 @@ impl TpGraph {
                 rp.reduce(&mut coll, flip(), &mut w, (n, h), mlp.is_some(), down_bias)?;
             }
             cache.appended(pos as u64, part)?;
-            let Some((first, rows_out)) = logits.rows((done, n, ids.len()), vocab, out) else {
+            let width = output.width(&self.dims);
+            let Some((first, rows_out)) = output.chunk_rows((done, n, ids.len()), width, out)
+            else {
                 done += n;
                 continue;
             };
-            let rows = (first, rows_out.len() / vocab);
-            self.rank_head(
-                (bg, &cx),
-                &mut rp,
-                &mut coll,
-                &mut flip,
-                &mut w,
-                rows,
-                rows_out,
-            )?;
+            let rows = (first, rows_out.len() / width);
+            let at = (bg, &cx);
+            match output {
+                Output::Logits(_) => {
+                    self.rank_head(at, &mut rp, &mut coll, &mut flip, &mut w, rows, rows_out)?;
+                }
+                Output::Hidden => {
+                    self.rank_hidden(at, &mut rp, &mut coll, &mut flip, &mut w, rows, rows_out)?;
+                }
+            }
             done += n;
         }
         Ok(coll.copies)
@@ -326,16 +346,7 @@ impl TpGraph {
         rp.gather(coll, flip(), w, (first, need, h), head.is_some())?;
         let b = rp.pass.bs[rank];
         if let Some((norm, _)) = head {
-            let xs = view(b, &w.r.x, 0, need * h * 4).map_err(rp.pass.err(rank, "output_norm"))?;
-            b.run(Op::RmsNorm {
-                n_rows: need,
-                n_cols: h,
-                eps: self.eps,
-                x: &xs,
-                weight: &*b.floats(norm, cx.held)?,
-                out: &mut w.r.xn,
-            })
-            .map_err(rp.pass.err(rank, "output_norm"))?;
+            self.out_norm(rp.pass, rank, (norm, cx.held), need, &mut w.r)?;
         }
         let rows = widths(&self.splits.vc, world, vocab as u64);
         let starts: Vec<usize> = (0..world)
@@ -373,5 +384,39 @@ impl TpGraph {
             }
         }
         Ok(())
+    }
+
+    /// The output norm of residual rows `first..first + need` on every rank: the rows
+    /// all-gathered into each rank's hidden state, normed with its replica of the norm (as
+    /// [`TpGraph::rank_head`] norms them), and read back into `rows_out` (`need × hidden`).
+    #[allow(clippy::too_many_arguments)]
+    fn rank_hidden<B: Exec>(
+        &self,
+        (bg, cx): (&BackendGraph, &Ctx<'_>),
+        rp: &mut RankPass<'_, '_, B>,
+        coll: &mut Collectives<'_>,
+        flip: &mut dyn FnMut() -> usize,
+        w: &mut DeviceWork<'_, B::Buffer>,
+        (first, need): (usize, usize),
+        rows_out: &mut [f32],
+    ) -> Result<()> {
+        let rank = rp.rank;
+        rp.gather(
+            coll,
+            flip(),
+            w,
+            (first, need, self.dims.hidden as usize),
+            true,
+        )?;
+        let Some((norm, _)) = bg.heads.get(rank).and_then(Option::as_ref) else {
+            return Err(invalid(
+                format!("tp rank {rank}"),
+                "a share of the head",
+                "none",
+            ));
+        };
+        self.out_norm(rp.pass, rank, (norm, cx.held), need, &mut w.r)?;
+        rp.pass
+            .download(&mut coll.copies, rank, &w.r.xn, 0, rows_out)
     }
 }
