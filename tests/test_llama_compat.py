@@ -295,3 +295,55 @@ def test_a_hub_id_says_how_to_download_it_and_where_to_point(
     with pytest.raises(FileNotFoundError) as e:
         wl.load_gguf("org/model.gguf")
     assert "Hub" not in str(e.value)
+
+
+def test_llamacpp_embedding_example_runs_with_the_import_changed(
+    tmp_path: Path, demo_gguf: Path
+) -> None:
+    out = run_example(
+        tmp_path, "examples/high_level_api/high_level_api_embedding.py", "-m", str(demo_gguf)
+    )
+    # It prints the response dict's repr: one embedding of "Hello world!".
+    assert out.startswith("{'object': 'list', 'data': [{'object': 'embedding', 'embedding': [")
+    assert "'usage': {'prompt_tokens':" in out
+
+
+def test_embeddings_have_llamacpps_shapes_and_pooling(demo_gguf: Path) -> None:
+    # The shape of llama-cpp-python's test_real_llama_embeddings, with mean pooling.
+    with wl.Llama(
+        str(demo_gguf),
+        n_ctx=64,
+        embedding=True,
+        pooling_type=wl.llama.LLAMA_POOLING_TYPE_MEAN,
+        verbose=False,
+    ) as model:
+        embedding = model.embed("Hello World")
+        assert len(embedding) == model.n_embd() == 576
+        prompts = ["Hello World", "A different prompt"]
+        individual = [model.embed(p) for p in prompts]
+        batched = model.embed(prompts)
+        assert len(batched) == len(prompts)
+        for one, many in zip(individual, batched, strict=True):
+            np.testing.assert_allclose(many, one, rtol=1e-4, atol=1e-4)
+        # Mean pooling is the mean of the unpooled rows; normalising gives unit vectors.
+        rows = np.array(model.model.embed(model.tokenize(b"Hello World"), pooling="none"))
+        np.testing.assert_allclose(rows.mean(axis=0), embedding, rtol=1e-5, atol=1e-6)
+        unit = model.embed("Hello World", normalize=True)
+        assert abs(np.linalg.norm(unit) - 1.0) < 1e-5
+        # The cache generation uses is left alone.
+        model.eval(model.tokenize(b"The sky is"))
+        held = model.input_ids.tolist()
+        model.embed("Something else")
+        assert model.input_ids.tolist() == held
+        resp = model.create_embedding(prompts)
+        assert [d["index"] for d in resp["data"]] == [0, 1]
+        assert resp["usage"]["prompt_tokens"] == sum(
+            len(model.tokenize(p.encode())) for p in prompts
+        )
+    # The model's default (no pooling_type in the GGUF): one vector per token, as llama.cpp.
+    with wl.Llama(str(demo_gguf), n_ctx=64, embedding=True, verbose=False) as model:
+        per_token = model.embed("Hello World")
+        assert len(per_token) == len(model.tokenize(b"Hello World")) and len(per_token[0]) == 576
+    with wl.Llama(str(demo_gguf), n_ctx=64, verbose=False) as model:
+        with pytest.raises(RuntimeError, match="embedding=True"):
+            model.embed("Hello")

@@ -1,8 +1,9 @@
-//! Running a loaded model: `Model.forward`, its compute mode and threads. Conversion only; the
+//! Running a loaded model: `Model.forward`, `Model.embed`, its compute mode and threads. Conversion only; the
 //! forward pass is the engine's.
 
 use numpy::{PyArray2, ndarray::Array2};
 use pyo3::prelude::*;
+use weightlift_engine::Pooling;
 use weightlift_engine::forward::{Compute, Logits};
 
 use crate::cache::Cache;
@@ -74,5 +75,43 @@ impl Model {
     #[setter]
     fn set_int8_threshold(&self, value: f32) -> PyResult<()> {
         eng(self.lock()?.model.set_int8_threshold(value))
+    }
+}
+
+#[pymethods]
+impl Model {
+    /// The hidden states after the output norm of token `ids` (the head's input), pooled:
+    /// `pooling` is llama.cpp's number (-1: the model's `pooling_type`, else none; 0 none, 1
+    /// mean, 2 cls, 3 last) or its name. No pooling gives one vector per token, the others one
+    /// vector; `normalize` scales each to unit length. Runs on a cache of its own, so the
+    /// model's cache and the prefix it holds are untouched. The GIL is released while it runs.
+    #[pyo3(signature = (ids, *, pooling = None, normalize = false))]
+    fn embed<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        pooling: Option<&Bound<'py, PyAny>>,
+        normalize: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let mut inner = self.lock()?;
+        let model = &mut inner.model;
+        let pooling = match pooling.filter(|p| !p.is_none()) {
+            None => eng(model.pooling_for(weightlift_engine::embeddings::POOLING_UNSPECIFIED))?,
+            Some(p) => match p.extract::<i32>() {
+                Ok(n) => eng(model.pooling_for(n))?,
+                Err(_) => eng(Pooling::parse(&p.extract::<String>().map_err(|_| {
+                    pyo3::exceptions::PyTypeError::new_err(
+                        "pooling: expected llama.cpp's pooling number or a name ('none', \
+                         'mean', 'cls', 'last')",
+                    )
+                })?))?,
+            },
+        };
+        let mut vectors = enter(py, || model.embed(&ids, pooling, normalize))?;
+        if pooling == Pooling::None {
+            return Ok(pyo3::types::PyList::new(py, vectors)?.into_any());
+        }
+        let one = vectors.pop().unwrap_or_default();
+        Ok(pyo3::types::PyList::new(py, one)?.into_any())
     }
 }
