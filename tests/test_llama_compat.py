@@ -347,3 +347,72 @@ def test_embeddings_have_llamacpps_shapes_and_pooling(demo_gguf: Path) -> None:
     with wl.Llama(str(demo_gguf), n_ctx=64, verbose=False) as model:
         with pytest.raises(RuntimeError, match="embedding=True"):
             model.embed("Hello")
+
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def test_a_forced_tool_choice_returns_llamacpps_tool_call_shapes(llm: wl.Llama) -> None:
+    msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
+    kw = dict(
+        tools=WEATHER,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=48,
+        temperature=0.0,
+    )
+    llm.reset()
+    whole = llm.create_chat_completion(msgs, **kw)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    msg = choice["message"]
+    assert msg["role"] == "assistant" and msg["content"] is None
+    call = msg["tool_calls"][0]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert call["id"] == f"call__0_get_weather_cmpl-{whole['id'].removeprefix('chatcmpl-')}"
+    assert msg["function_call"] == call["function"]
+    # The arguments are kept inside a JSON object by the grammar.
+    assert isinstance(json.loads(call["function"]["arguments"]), dict)
+    llm.reset()
+    chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
+    first, middle, last = chunks[0], chunks[1:-1], chunks[-1]
+    assert first["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": None,
+        "function_call": None,
+        "tool_calls": None,
+    }
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    assert all(v is None for v in last["choices"][0]["delta"].values())
+    assert all(c["choices"][0]["delta"]["tool_calls"][0]["index"] == 0 for c in middle)
+    streamed = "".join(c["choices"][0]["delta"]["function_call"]["arguments"] for c in middle)
+    assert streamed == call["function"]["arguments"]
+    # The legacy pair says the same.
+    llm.reset()
+    legacy = llm.create_chat_completion(
+        msgs,
+        functions=[WEATHER[0]["function"]],
+        function_call={"name": "get_weather"},
+        max_tokens=48,
+        temperature=0.0,
+    )
+    assert legacy["choices"][0]["message"]["function_call"] == msg["function_call"]
+    with pytest.raises(ValueError, match="'nope', which is not among them"):
+        llm.create_chat_completion(
+            msgs, tools=WEATHER, tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
+    # "auto": the tools go to the template and the reply is text.
+    auto = llm.create_chat_completion(msgs, tools=WEATHER, tool_choice="auto", max_tokens=4)
+    assert auto["choices"][0]["message"]["content"] is not None

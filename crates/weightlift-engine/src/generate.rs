@@ -32,6 +32,7 @@
 pub mod logprobs;
 pub mod openai;
 pub mod respond;
+pub mod tools;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -520,6 +521,15 @@ impl Model {
     /// generation prompt, tokenized with special tokens parsed and no BOS added beyond what the
     /// template writes (llama-cpp-python's `Jinja2ChatFormatter` path).
     pub fn chat_prompt(&self, messages: &[weightlift_text::Message]) -> Result<Vec<u32>> {
+        self.chat_prompt_with(messages, &weightlift_text::ChatTools::default())
+    }
+
+    /// [`Model::chat_prompt`] with the request's `tools` and `tool_choice` for the template.
+    pub fn chat_prompt_with(
+        &self,
+        messages: &[weightlift_text::Message],
+        tools: &weightlift_text::ChatTools,
+    ) -> Result<Vec<u32>> {
         let template = self
             .chat_template()?
             .ok_or_else(|| EngineError::Unsupported {
@@ -528,7 +538,7 @@ impl Model {
                      create_completion with a prompt you format yourself"
                     .into(),
             })?;
-        let text = template.render(messages, true)?;
+        let text = template.render_with(messages, true, tools)?;
         self.prompt_ids(&text, Some(false))
     }
 }

@@ -20,13 +20,15 @@ use crate::cache::Cache;
 use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
 use args::{
-    Call, Knobs, SampleDefaults, alternatives, is_given, logit_bias_arg, logprobs_count, message,
-    new_token_budget, prompt_ids, refuse, refuse_sampling, same_knob, text_of, token_ids_arg,
+    Call, Knobs, SampleDefaults, alternatives, is_given, json_arg, logit_bias_arg, logprobs_count,
+    message, new_token_budget, prompt_ids, refuse, refuse_sampling, same_knob, text_of,
+    token_ids_arg,
 };
 pub use grammar::LlamaGrammar;
 use grammar::{grammar_arg, mirostat, response_format_grammar};
 pub use respond::CompletionStream;
 use respond::{Shape, timings_dict};
+use weightlift_engine::generate::tools::{chat_tools, forced_tool, tool_grammar};
 
 #[pymethods]
 impl Model {
@@ -294,8 +296,11 @@ impl Model {
     /// chosen one), `bytes` None, as llama-cpp-python (which, like this, returns None for
     /// `logprobs=True` without `top_logprobs`). `response_format={"type": "json_object"}` keeps
     /// the reply inside llama-cpp-python's JSON grammar (in place of `grammar`); mirostat and
-    /// `grammar` and `logit_bias` are as in `create_completion`. Tools, functions and JSON
-    /// schemas raise `UnsupportedError` when given.
+    /// `grammar` and `logit_bias` are as in `create_completion`. `tools` and `tool_choice`
+    /// (or the legacy `functions` and `function_call`) go to the chat template; a `tool_choice`
+    /// naming one tool returns a tool call (`message.tool_calls`, `finish_reason`
+    /// `"tool_calls"`) whose arguments are kept inside JSON. JSON schemas raise
+    /// `UnsupportedError` when given.
     #[pyo3(signature = (messages, functions = None, function_call = None, tools = None,
                         tool_choice = None, temperature = 0.2, top_p = 0.95, top_k = 40,
                         min_p = 0.05, typical_p = 1.0, stream = false, stop = None, seed = None,
@@ -336,17 +341,21 @@ impl Model {
         logprobs: Option<bool>,
         top_logprobs: Option<i64>,
     ) -> PyResult<Py<PyAny>> {
-        let tool_use = is_given(functions)
-            || is_given(function_call)
-            || is_given(tools)
-            || is_given(tool_choice);
-        refuse("tools and functions", tool_use, "tool calling is not built")?;
+        let tools = chat_tools(
+            json_arg(functions, "functions")?,
+            json_arg(function_call, "function_call")?,
+            json_arg(tools, "tools")?,
+            json_arg(tool_choice, "tool_choice")?,
+        );
+        let forced = eng(forced_tool(&tools))?;
         refuse_sampling(tfs_z, logits_processor)?;
         let logit_bias = logit_bias_arg(logit_bias)?;
-        // As llama-cpp-python: a JSON response format replaces any grammar given.
-        let grammar = match response_format_grammar(response_format)? {
-            Some(json) => Some(json),
-            None => grammar_arg(grammar)?,
+        // As llama-cpp-python: a forced tool's schema, else a JSON response format, replaces
+        // any grammar given.
+        let grammar = match (&forced, response_format_grammar(response_format)?) {
+            (Some((_, schema)), _) => Some(eng(tool_grammar(schema))?),
+            (None, Some(json)) => Some(json),
+            (None, None) => grammar_arg(grammar)?,
         };
         // llama-cpp-python passes `top_logprobs if logprobs else None` on as the completion's
         // `logprobs`.
@@ -359,7 +368,7 @@ impl Model {
             .map(|m| message(&m?))
             .collect::<PyResult<Vec<_>>>()?;
         let me = slf.get();
-        let prompt = eng(me.lock()?.model.chat_prompt(&msgs))?;
+        let prompt = eng(me.lock()?.model.chat_prompt_with(&msgs, &tools))?;
         let knobs = Knobs {
             temperature,
             top_k,
@@ -376,7 +385,8 @@ impl Model {
         call.options.logprobs = logprobs;
         call.options.grammar = grammar;
         call.options.logit_bias = logit_bias;
-        Model::respond(slf, call, Shape::Chat, stream, None, 0, model, None)
+        let tool = forced.map(|(name, _)| name);
+        Model::respond(slf, call, Shape::Chat, stream, None, 0, model, tool)
     }
 
     /// The last generation's timings: `prompt_tokens`, `prompt_ms`, `prompt_per_second`,

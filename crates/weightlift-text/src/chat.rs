@@ -5,11 +5,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TextError};
 
-/// One chat message.
+/// One chat message: its role and text, and any other fields the caller gave (an assistant's
+/// `tool_calls`, a tool result's `tool_call_id` or `name`), which templates that know them read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Message {
@@ -17,8 +20,18 @@ impl Message {
         Message {
             role: role.into(),
             content: content.into(),
+            extra: serde_json::Map::new(),
         }
     }
+}
+
+/// What a chat request offers the model besides its messages: OpenAI's `tools` and
+/// `tool_choice`, which templates that support tool use render (llama-cpp-python's
+/// `Jinja2ChatFormatter` passes both).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ChatTools {
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
 }
 
 /// A compiled chat template. Rendering passes what llama-cpp-python's `Jinja2ChatFormatter`
@@ -75,15 +88,34 @@ impl ChatTemplate {
 
     /// Render `messages`; with `add_generation_prompt` the template opens the assistant's turn.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &ChatTools::default())
+    }
+
+    /// [`ChatTemplate::render`] with `tools` and `tool_choice` (undefined when not given, as
+    /// templates test them with `is defined`).
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        tools: &ChatTools,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template("chat")
             .map_err(|e| template_err("lookup", &e))?;
+        let value = |v: &Option<serde_json::Value>| {
+            v.as_ref().map_or(
+                minijinja::Value::UNDEFINED,
+                minijinja::Value::from_serialize,
+            )
+        };
         tmpl.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
+            tools => value(&tools.tools),
+            tool_choice => value(&tools.tool_choice),
         })
         .map_err(|e| template_err("render", &e))
     }

@@ -27,7 +27,7 @@ mod pretok;
 mod stream;
 mod tokenizer;
 
-pub use chat::{ChatTemplate, Message};
+pub use chat::{ChatTemplate, ChatTools, Message};
 pub use error::{Result, TextError};
 pub use stream::StreamDecoder;
 pub use tokenizer::{TokenType, Tokenizer, VocabKind};

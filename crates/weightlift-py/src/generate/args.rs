@@ -351,8 +351,29 @@ pub(super) fn token_budget(n: Option<i64>) -> Option<u64> {
     n.and_then(|n| u64::try_from(n).ok()).filter(|&n| n > 0)
 }
 
+/// A Python value as JSON (through Python's `json`, so it takes what `json.dumps` takes);
+/// None and absent are `None`.
+pub(super) fn json_arg(
+    obj: Option<&Bound<'_, PyAny>>,
+    what: &str,
+) -> PyResult<Option<serde_json::Value>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let text: String = obj
+        .py()
+        .import("json")?
+        .call_method1("dumps", (obj,))
+        .map_err(|e| PyTypeError::new_err(format!("{what}: expected JSON-like data; {e}")))?
+        .extract()?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| PyTypeError::new_err(format!("{what}: expected JSON-like data; {e}")))
+}
+
 /// A chat message dict: `role` and `content` (a string, None, or a list of `{"type": "text"}`
-/// parts).
+/// parts), and its other fields (`tool_calls`, `tool_call_id`, `name`) as JSON for the
+/// template.
 pub(super) fn message(obj: &Bound<'_, PyAny>) -> PyResult<Message> {
     let d = obj
         .cast::<PyDict>()
@@ -389,5 +410,15 @@ pub(super) fn message(obj: &Bound<'_, PyAny>) -> PyResult<Message> {
             text
         }
     };
-    Ok(Message::new(role, content))
+    let mut m = Message::new(role, content);
+    for (k, v) in d.iter() {
+        let key: String = k.extract()?;
+        if key != "role"
+            && key != "content"
+            && let Some(v) = json_arg(Some(&v), &format!("message field '{key}'"))?
+        {
+            m.extra.insert(key, v);
+        }
+    }
+    Ok(m)
 }

@@ -1,0 +1,142 @@
+//! Tool use in a chat, as llama-cpp-python's chat handlers do it for a model's own template:
+//!
+//! - the legacy `functions` / `function_call` become `tools` / `tool_choice`;
+//! - the template renders `tools` and `tool_choice` (templates that know tool use list them);
+//! - a `tool_choice` naming one tool forces a call of it: the reply is constrained to that
+//!   tool's `parameters` schema (to any JSON object when the schema cannot be turned into a
+//!   grammar, as llama-cpp-python falls back) and returned as a tool call
+//!   ([`super::respond::ResponseOptions::tool`]);
+//! - with `"auto"`, `"none"` or no choice the reply is text: the model may write a call in its
+//!   own format, which is returned as it is (llama-cpp-python does not parse it either).
+
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use weightlift_text::ChatTools;
+
+use crate::error::{Result, invalid};
+use crate::grammar::Grammar;
+
+/// `tools` and `tool_choice` from a request's four fields, llama-cpp-python's conversion of
+/// the legacy pair included: `functions` become function tools, and `function_call` (`"none"`,
+/// `"auto"` or `{"name": ...}`) the choice.
+pub fn chat_tools(
+    functions: Option<Value>,
+    function_call: Option<Value>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+) -> ChatTools {
+    let tools = match functions {
+        Some(Value::Array(fs)) => Some(Value::Array(
+            fs.into_iter()
+                .map(|f| json!({"type": "function", "function": f}))
+                .collect(),
+        )),
+        _ => tools,
+    };
+    let tool_choice = match function_call {
+        Some(Value::String(s)) => Some(Value::String(s)),
+        Some(Value::Object(call)) => Some(json!({
+            "type": "function",
+            "function": {"name": call.get("name").cloned().unwrap_or(Value::Null)},
+        })),
+        _ => tool_choice,
+    };
+    ChatTools { tools, tool_choice }
+}
+
+/// The tool a request forces (`tool_choice={"type": "function", "function": {"name": ...}}`)
+/// and its `parameters` schema; `None` when the choice is `"auto"`, `"none"` or absent.
+pub fn forced_tool(tools: &ChatTools) -> Result<Option<(String, Value)>> {
+    let Some(Value::Object(choice)) = &tools.tool_choice else {
+        return Ok(None);
+    };
+    let name = choice
+        .get("function")
+        .and_then(|f| f.get("name"))
+        .and_then(Value::as_str)
+        .ok_or_else(|| {
+            invalid(
+                "tool_choice",
+                "\"auto\", \"none\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                Value::Object(choice.clone()).to_string(),
+            )
+        })?;
+    let listed = tools.tools.as_ref().and_then(Value::as_array);
+    let tool = listed.and_then(|ts| {
+        ts.iter().find(|t| {
+            t.get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                == Some(name)
+        })
+    });
+    let Some(tool) = tool else {
+        let names: Vec<&str> = listed
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t.get("function")?.get("name")?.as_str())
+            .collect();
+        return Err(invalid(
+            "tool_choice",
+            format!("one of the tools given ({})", names.join(", ")),
+            format!("'{name}', which is not among them"),
+        ));
+    };
+    let schema = tool
+        .get("function")
+        .and_then(|f| f.get("parameters"))
+        .cloned()
+        .unwrap_or_else(|| json!({"type": "object"}));
+    Ok(Some((name.to_owned(), schema)))
+}
+
+/// The grammar a forced call of a tool with `parameters` keeps its arguments in.
+pub fn tool_grammar(parameters: &Value) -> Result<Arc<Grammar>> {
+    // The JSON-object grammar until schemas are turned into grammars: what llama-cpp-python
+    // falls back to for a schema it cannot convert.
+    let _ = parameters;
+    Ok(Grammar::json())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weather() -> Value {
+        json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])
+    }
+
+    #[test]
+    fn legacy_functions_become_tools_and_a_named_call_forces_one() {
+        let t = chat_tools(
+            Some(json!([{"name": "f", "parameters": {"type": "object"}}])),
+            Some(json!({"name": "f"})),
+            None,
+            None,
+        );
+        assert_eq!(
+            t.tools,
+            Some(
+                json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+            )
+        );
+        let (name, schema) = forced_tool(&t).unwrap().unwrap();
+        assert_eq!((name.as_str(), schema), ("f", json!({"type": "object"})));
+    }
+
+    #[test]
+    fn auto_forces_nothing_and_an_unknown_name_is_an_error_listing_the_tools() {
+        let auto = chat_tools(None, None, Some(weather()), Some(json!("auto")));
+        assert_eq!(forced_tool(&auto).unwrap(), None);
+        let bad = chat_tools(
+            None,
+            None,
+            Some(weather()),
+            Some(json!({"type": "function", "function": {"name": "nope"}})),
+        );
+        let e = forced_tool(&bad).unwrap_err().to_string();
+        assert!(e.contains("get_weather") && e.contains("'nope'"), "{e}");
+    }
+}
