@@ -1,5 +1,8 @@
 //! [`ChatTemplate`]: a model's Jinja chat template rendered with minijinja.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+
 use minijinja::{Environment, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 
@@ -35,13 +38,17 @@ pub struct ChatTools {
 }
 
 /// A compiled chat template. Rendering passes what llama-cpp-python's `Jinja2ChatFormatter`
-/// passes: `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and a
-/// `raise_exception(msg)` function, with `trim_blocks` and `lstrip_blocks` on (as it and
-/// transformers set them) and Python string methods (`.strip()`, `.startswith()`, ...).
+/// passes: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools`,
+/// `tool_choice`, and the functions `raise_exception(msg)` and `strftime_now(format)`, with
+/// `trim_blocks` and `lstrip_blocks` on (as it and transformers set them), Python string
+/// methods (`.strip()`, `.startswith()`, ...) and transformers' `tojson` (Python's
+/// `json.dumps` layout).
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// `strftime_now`'s time: unix seconds, or `i64::MIN` for the clock.
+    now: Arc<AtomicI64>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -77,13 +84,29 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
+        env.add_filter("tojson", crate::pyjson::tojson);
+        let now = Arc::new(AtomicI64::new(i64::MIN));
+        let clock = Arc::clone(&now);
+        env.add_function("strftime_now", move |format: String| {
+            match clock.load(Ordering::Relaxed) {
+                i64::MIN => crate::pyjson::strftime_now(&format),
+                t => crate::pyjson::strftime(&format, t),
+            }
+        });
         env.add_template_owned("chat", source.to_owned())
             .map_err(|e| template_err("parse", &e))?;
         Ok(ChatTemplate {
             env,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
+            now,
         })
+    }
+
+    /// Render `strftime_now` at `unix` seconds (UTC) rather than now: a prompt that does not
+    /// change with the day, for a test or a cached prefix.
+    pub fn pin_clock(&self, unix: i64) {
+        self.now.store(unix, Ordering::Relaxed);
     }
 
     /// Render `messages`; with `add_generation_prompt` the template opens the assistant's turn.

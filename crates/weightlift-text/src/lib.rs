@@ -24,6 +24,7 @@ mod chat;
 mod eog;
 mod error;
 mod pretok;
+mod pyjson;
 mod stream;
 mod tokenizer;
 
