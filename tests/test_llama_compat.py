@@ -416,3 +416,14 @@ def test_a_forced_tool_choice_returns_llamacpps_tool_call_shapes(llm: wl.Llama) 
     # "auto": the tools go to the template and the reply is text.
     auto = llm.create_chat_completion(msgs, tools=WEATHER, tool_choice="auto", max_tokens=4)
     assert auto["choices"][0]["message"]["content"] is not None
+
+
+def test_load_gguf_takes_llamacpps_keywords(demo_gguf: Path) -> None:
+    with wl.load_gguf(model_path=str(demo_gguf), n_ctx=64, verbose=False) as m:
+        assert m.n_ctx() == 64
+    with pytest.raises(wl.UnsupportedError, match="chat_format='chatml'.*own chat template"):
+        wl.load_gguf(demo_gguf, chat_format="chatml")
+    with pytest.raises(TypeError, match="both path and model_path"):
+        wl.load_gguf(demo_gguf, model_path=str(demo_gguf))
+    with pytest.raises(TypeError, match="missing the GGUF"):
+        wl.load_gguf()

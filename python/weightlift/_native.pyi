@@ -828,8 +828,11 @@ def from_pretrained(
     KV cache and scratch placed there, and the cpu for the upload staging buffers."""
 
 def load_gguf(
-    path: _Path,
+    path: _Path | None = None,
     *,
+    model_path: _Path | None = None,
+    verbose: bool = True,
+    chat_format: str | None = None,
     n_gpu_layers: int = 0,
     split_mode: _SplitMode = "layer",
     tensor_split: Sequence[float] | None = None,

@@ -142,12 +142,6 @@ class Llama:
                     raise _refuse(name, why)
                 continue
             raise TypeError(f"Llama() got an unexpected keyword argument '{name}'")
-        if chat_format is not None:
-            raise _refuse(
-                "chat_format",
-                f"built-in chat format {chat_format!r} is not built; with chat_format=None the "
-                "model's own chat template (tokenizer.chat_template) formats the messages",
-            )
         if split_mode not in _SPLIT_MODES:
             raise ValueError(
                 f"Llama(split_mode={split_mode!r}): expected LLAMA_SPLIT_MODE_NONE (0), "
@@ -169,7 +163,9 @@ class Llama:
             # llama.cpp's 0: the context the model was trained with.
             n_ctx = spec.context_length if spec is not None else 512
         self._model: Model = load_gguf(
-            self.model_path,
+            model_path=self.model_path,
+            verbose=verbose,
+            chat_format=chat_format,
             n_gpu_layers=n_gpu_layers,
             split_mode=_SPLIT_MODES[split_mode],
             tensor_split=list(tensor_split) if tensor_split is not None else None,

@@ -80,19 +80,24 @@ pub fn from_pretrained(
 /// called with the fraction loaded, as in llama.cpp, and returning False cancels
 /// (`LoadCancelled`). `vocab_only` opens the metadata and tokenizer only and loads no tensors.
 /// `use_mlock` locks the memory-mapped tensors in RAM (a locked-memory limit that refuses is
-/// reported in `Model.warnings`).
+/// reported in `Model.warnings`). As llama-cpp-python's `Llama`, the file may be given as
+/// `model_path=`, and `verbose` is accepted (nothing is printed); `chat_format` names a
+/// built-in chat format, which is not built: the model's own template is used when it is None.
 #[pyfunction]
-#[pyo3(signature = (path, *, n_gpu_layers = 0, split_mode = "layer", tensor_split = None, main_gpu = 0,
+#[pyo3(signature = (path = None, *, model_path = None, verbose = true, chat_format = None, n_gpu_layers = 0, split_mode = "layer", tensor_split = None, main_gpu = 0,
                     use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
                     vocab_only = false, progress_callback = None, devices = None, runtime = None,
                     n_ctx = 512, n_batch = 512, type_k = "f16", type_v = "f16", n_threads = None,
                     compute = "fast", seed = None, callback = None, progress = false,
                     offload = None, blocks_per_group = 1, prefetch = true),
-       text_signature = "(path, *, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False, offload=None, blocks_per_group=1, prefetch=True)")]
+       text_signature = "(path=None, *, model_path=None, verbose=True, chat_format=None, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False, offload=None, blocks_per_group=1, prefetch=True)")]
 #[allow(clippy::too_many_arguments)]
 pub fn load_gguf(
     py: Python<'_>,
-    path: &Bound<'_, PyAny>,
+    path: Option<&Bound<'_, PyAny>>,
+    model_path: Option<&Bound<'_, PyAny>>,
+    verbose: bool,
+    chat_format: Option<&str>,
     n_gpu_layers: i64,
     split_mode: &str,
     tensor_split: Option<Vec<f32>>,
@@ -118,6 +123,30 @@ pub fn load_gguf(
     blocks_per_group: u32,
     prefetch: bool,
 ) -> PyResult<Model> {
+    let _ = verbose;
+    let path = match (path, model_path) {
+        (Some(p), None) | (None, Some(p)) => p,
+        (Some(_), Some(_)) => {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "load_gguf: got both path and model_path; pass the GGUF once",
+            ));
+        }
+        (None, None) => {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "load_gguf: missing the GGUF to load (path, or model_path=)",
+            ));
+        }
+    };
+    if let Some(name) = chat_format {
+        return Err(raise(
+            Exc::Unsupported,
+            format!(
+                "chat_format='{name}' is not supported: built-in chat formats are not built; with \
+                 chat_format=None the model's own chat template (tokenizer.chat_template) \
+                 formats the messages"
+            ),
+        ));
+    }
     let offload =
         wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
     let open = wf::OpenOptions {
