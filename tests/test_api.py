@@ -129,13 +129,14 @@ def params(fn) -> list[tuple[str, object, object]]:
             [("path", POS, EMPTY), ("device_map", KW, "auto"), ("max_memory", KW, None)]
             + [("dtype", KW, "auto"), ("devices", KW, None)],
         ),
-        # load_gguf(path, *, n_gpu_layers=0 (llama-cpp-python's default), split_mode="layer",
+        # load_gguf(path=None, *, n_gpu_layers=0 (llama-cpp-python's default), split_mode="layer",
         #   tensor_split=None, main_gpu=0,
         #   use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False,
-        #   vocab_only=False, progress_callback=None, devices=None)
+        #   vocab_only=False, progress_callback=None, devices=None); the path may also come as
+        #   llama-cpp-python's model_path=, so it has a default.
         (
             wl.load_gguf,
-            [("path", POS, EMPTY), ("n_gpu_layers", KW, 0), ("split_mode", KW, "layer")]
+            [("path", POS, None), ("n_gpu_layers", KW, 0), ("split_mode", KW, "layer")]
             + [("tensor_split", KW, None), ("main_gpu", KW, 0), ("use_mmap", KW, True)]
             + [("use_direct_io", KW, False), ("use_mlock", KW, False)]
             + [("check_tensors", KW, False), ("vocab_only", KW, False)]

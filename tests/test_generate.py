@@ -103,8 +103,6 @@ def test_chat_prompts_are_llamacpp_prompts(model: wl.Model) -> None:
 
 
 def test_unsupported_arguments_and_bad_prompts_are_typed_errors(model: wl.Model) -> None:
-    with pytest.raises(wl.UnsupportedError, match="logits_processor is not supported"):
-        model("hi", logits_processor=[lambda ids, logits: logits])
     with pytest.raises(wl.WeightliftError, match="tool_choice"):
         model.create_chat_completion(
             [{"role": "user", "content": "hi"}], tools=[{}], tool_choice={"type": "function"}

@@ -314,7 +314,7 @@ def test_embeddings_have_llamacpps_shapes_and_pooling(demo_gguf: Path) -> None:
         str(demo_gguf),
         n_ctx=64,
         embedding=True,
-        pooling_type=wl.llama.LLAMA_POOLING_TYPE_MEAN,
+        pooling_type=wl.LLAMA_POOLING_TYPE_MEAN,
         verbose=False,
     ) as model:
         embedding = model.embed("Hello World")
@@ -427,3 +427,56 @@ def test_load_gguf_takes_llamacpps_keywords(demo_gguf: Path) -> None:
         wl.load_gguf(demo_gguf, model_path=str(demo_gguf))
     with pytest.raises(TypeError, match="missing the GGUF"):
         wl.load_gguf()
+
+
+def test_logits_processors_and_stopping_criteria_run_as_llamacpps(llm: wl.Llama) -> None:
+    # The logits-processor part of llama-cpp-python's test_real_llama.
+    tokens = llm.tokenize(b"rot", add_bos=True, special=True)
+
+    def logit_processor_func(input_ids, logits):  # type: ignore[no-untyped-def]
+        for token in tokens:
+            logits[token] *= 1000
+        return logits
+
+    output = llm.create_completion(
+        "The capital of france is par",
+        max_tokens=4,
+        top_k=50,
+        top_p=0.9,
+        temperature=0.8,
+        seed=1337,
+        logits_processor=wl.LogitsProcessorList([logit_processor_func]),
+    )
+    assert output["choices"][0]["text"].lower().startswith("rot")
+    # A criterion sees the ids so far (prompt, then generated) and the logits; true stops
+    # before the token just sampled is kept.
+    seen: list[int] = []
+    vocab = llm.n_vocab()
+
+    def stop_after_three(input_ids, logits):  # type: ignore[no-untyped-def]
+        assert logits.shape == (vocab,) and input_ids.dtype == np.intc
+        seen.append(len(input_ids))
+        return len(input_ids) >= len(GREEDY["prompt_ids"]) + 3
+
+    out = llm.create_completion(
+        GREEDY["prompt"],
+        max_tokens=10,
+        temperature=0.0,
+        stopping_criteria=wl.StoppingCriteriaList([stop_after_three]),
+    )
+    assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["text"] == llm.detokenize(GREEDY["llamacpp"]["ids"][:3]).decode()
+    assert seen == [5, 6, 7, 8]
+
+    # A processor's exception comes out as it is, and the model goes on.
+    def broken(input_ids, logits):  # type: ignore[no-untyped-def]
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        llm("hi", logits_processor=broken, max_tokens=2)
+    with pytest.raises(ValueError, match="expected 49152 scores back, got 3"):
+        llm("hi", logits_processor=lambda ids, s: s[:3], max_tokens=2)
+    # A hook that calls back into its own model is told why that cannot work.
+    with pytest.raises(RuntimeError, match="logits processor or stopping criterion"):
+        llm("hi", max_tokens=2, stopping_criteria=lambda ids, s: llm.n_vocab() > 0)
+    assert llm(GREEDY["prompt"], max_tokens=2, temperature=0.0)["choices"][0]["text"] == " Paris."

@@ -20,6 +20,21 @@ from weightlift._errors import (
     UnsupportedError,
     WeightliftError,
 )
+from weightlift._llama import (
+    LLAMA_DEFAULT_SEED,
+    LLAMA_POOLING_TYPE_CLS,
+    LLAMA_POOLING_TYPE_LAST,
+    LLAMA_POOLING_TYPE_MEAN,
+    LLAMA_POOLING_TYPE_NONE,
+    LLAMA_POOLING_TYPE_UNSPECIFIED,
+    LLAMA_SPLIT_MODE_LAYER,
+    LLAMA_SPLIT_MODE_NONE,
+    LLAMA_SPLIT_MODE_ROW,
+    Llama,
+    LlamaState,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+)
 from weightlift._native import (
     BROADCAST_ID,
     BROADCAST_KV,
@@ -55,9 +70,17 @@ from weightlift._native import (
     tensor,
     use_devices,
 )
-from weightlift.llama import Llama, LlamaState
 
 __all__ = [
+    "LLAMA_DEFAULT_SEED",
+    "LLAMA_POOLING_TYPE_CLS",
+    "LLAMA_POOLING_TYPE_LAST",
+    "LLAMA_POOLING_TYPE_MEAN",
+    "LLAMA_POOLING_TYPE_NONE",
+    "LLAMA_POOLING_TYPE_UNSPECIFIED",
+    "LLAMA_SPLIT_MODE_LAYER",
+    "LLAMA_SPLIT_MODE_NONE",
+    "LLAMA_SPLIT_MODE_ROW",
     "BROADCAST_ID",
     "BROADCAST_KV",
     "BROADCAST_Q",
@@ -80,6 +103,7 @@ __all__ = [
     "LlamaGrammar",
     "LlamaState",
     "LoadCancelled",
+    "LogitsProcessorList",
     "Model",
     "ModelSpec",
     "OutOfMemoryError",
@@ -87,6 +111,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "RuntimeSpec",
+    "StoppingCriteriaList",
     "TPContext",
     "TPGroupMember",
     "TensorInfo",

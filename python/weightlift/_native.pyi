@@ -830,9 +830,6 @@ def from_pretrained(
 def load_gguf(
     path: _Path | None = None,
     *,
-    model_path: _Path | None = None,
-    verbose: bool = True,
-    chat_format: str | None = None,
     n_gpu_layers: int = 0,
     split_mode: _SplitMode = "layer",
     tensor_split: Sequence[float] | None = None,
@@ -857,4 +854,7 @@ def load_gguf(
     offload: Literal["sequential", "group"] | None = None,
     blocks_per_group: int = 1,
     prefetch: bool = True,
+    model_path: _Path | None = None,
+    verbose: bool = True,
+    chat_format: str | None = None,
 ) -> Model: ...

@@ -110,6 +110,11 @@ pub enum EngineError {
     /// An operation that needs loaded weights or an allocated cache ran before the load.
     #[error("{what} is not loaded; call load() first")]
     NotLoaded { what: String },
+
+    /// A caller's hook (a logits processor, a stopping criterion) failed; the caller holds
+    /// its own error.
+    #[error("{what} failed: {detail}")]
+    Hook { what: String, detail: String },
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

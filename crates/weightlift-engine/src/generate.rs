@@ -77,6 +77,38 @@ pub struct GenerateOptions {
     /// `logit_bias`; `-inf` bans a token). Log-probabilities are still of the model's own
     /// logits, as llama-cpp-python reports them.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Changes the logits before every sample, after the bias (llama-cpp-python's
+    /// `logits_processor`).
+    pub logits_hook: Option<Hook<LogitsFn>>,
+    /// Ends the generation when it says so, before the token just sampled is kept
+    /// (llama-cpp-python's `stopping_criteria`; finish reason `stop`).
+    pub stop_hook: Option<Hook<StopFn>>,
+}
+
+/// A logits processor: the ids so far (prompt and generated) and the logits to change.
+pub type LogitsFn = dyn Fn(&[u32], &mut [f32]) -> Result<()> + Send + Sync;
+/// A stopping criterion: the ids so far and the logits the next token was sampled from.
+pub type StopFn = dyn Fn(&[u32], &[f32]) -> Result<bool> + Send + Sync;
+
+/// A caller's function in a generation; two are equal when they are the same function.
+pub struct Hook<F: ?Sized>(pub Arc<F>);
+
+impl<F: ?Sized> Clone for Hook<F> {
+    fn clone(&self) -> Self {
+        Hook(Arc::clone(&self.0))
+    }
+}
+
+impl<F: ?Sized> PartialEq for Hook<F> {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl<F: ?Sized> std::fmt::Debug for Hook<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook(..)")
+    }
 }
 
 impl Default for GenerateOptions {
@@ -91,6 +123,8 @@ impl Default for GenerateOptions {
             prompt_logprobs: false,
             grammar: None,
             logit_bias: Vec::new(),
+            logits_hook: None,
+            stop_hook: None,
         }
     }
 }
@@ -158,8 +192,13 @@ pub struct Generation {
     /// Where the text is in the grammar, when there is one.
     grammar: Option<Constraint>,
     logit_bias: Vec<(u32, f32)>,
-    /// The logits with the bias added, sampled in place of `logits` when there is a bias.
+    /// The logits with the bias and the hook applied, sampled in place of `logits` when there
+    /// is either.
     biased: Vec<f32>,
+    logits_hook: Option<Hook<LogitsFn>>,
+    stop_hook: Option<Hook<StopFn>>,
+    /// The prompt's ids followed by the sampled ones, kept for the hooks only.
+    history: Vec<u32>,
     stops: StopMatcher,
     decoder: StreamDecoder,
     stop_at_eog: bool,
@@ -263,6 +302,13 @@ impl Generation {
             grammar,
             logit_bias: options.logit_bias,
             biased: Vec::new(),
+            history: if options.logits_hook.is_some() || options.stop_hook.is_some() {
+                prompt.to_vec()
+            } else {
+                Vec::new()
+            },
+            logits_hook: options.logits_hook,
+            stop_hook: options.stop_hook,
             tokenizer,
             cache,
             sampler,
@@ -342,6 +388,19 @@ impl Generation {
         if self.stop_at_eog && eog {
             return Ok(Some(self.flush(FinishReason::Stop)));
         }
+        if let Some(Hook(stop)) = &self.stop_hook {
+            match stop(&self.history, &self.logits) {
+                Ok(true) => return Ok(Some(self.flush(FinishReason::Stop))),
+                Ok(false) => {}
+                Err(e) => {
+                    self.done = true;
+                    return Err(e);
+                }
+            }
+        }
+        if !self.history.is_empty() {
+            self.history.push(token);
+        }
         if let Some(n) = self.top_logprobs {
             let t = Instant::now();
             self.token_logprobs
@@ -372,12 +431,15 @@ impl Generation {
     /// The next token from the last logits: through the grammar when there is one, which then
     /// moves past it.
     fn sample(&mut self) -> Result<u32> {
-        let logits = if self.logit_bias.is_empty() {
+        let logits = if self.logit_bias.is_empty() && self.logits_hook.is_none() {
             &self.logits
         } else {
             self.biased.clone_from(&self.logits);
             for &(t, b) in &self.logit_bias {
                 self.biased[t as usize] += b;
+            }
+            if let Some(Hook(f)) = &self.logits_hook {
+                f(&self.history, &mut self.biased)?;
             }
             &self.biased
         };

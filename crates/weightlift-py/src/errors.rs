@@ -264,7 +264,9 @@ impl ToPyErr for EngineError {
             }
             EngineError::Invalid { .. } => raise(Exc::Plan, self.to_string()),
             EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
-            EngineError::NotLoaded { .. } => raise(Exc::Weightlift, self.to_string()),
+            EngineError::NotLoaded { .. } | EngineError::Hook { .. } => {
+                raise(Exc::Weightlift, self.to_string())
+            }
             EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
             EngineError::Text(e) => e.to_pyerr(),
             EngineError::Grammar(_) => raise(Exc::Grammar, self.to_string()),

@@ -9,6 +9,7 @@
 
 mod args;
 mod grammar;
+mod hooks;
 mod respond;
 
 use std::sync::Arc;
@@ -180,9 +181,12 @@ impl Model {
     /// chosen token, None or False none. `mirostat_mode=1` or `2` samples with Mirostat in place
     /// of top-k, typical, top-p, min-p and the temperature; `grammar` (GBNF text or a
     /// `LlamaGrammar`) keeps the text inside a grammar. Arguments it has that this build does
-    /// not implement (`suffix`, `tfs_z` other than 1, logits processors, stopping criteria)
-    /// raise `UnsupportedError` when given. `logit_bias` (`{token_id: bias}`) is added to those
-    /// tokens' logits before sampling; log-probabilities stay the model's own.
+    /// not implement (`suffix`, `tfs_z` other than 1) raise `UnsupportedError` when given.
+    /// `logits_processor` (`(input_ids, scores) -> scores`, after the bias) and
+    /// `stopping_criteria` (`(input_ids, logits) -> bool`) are called with the GIL on every
+    /// token, as llama-cpp-python calls them; they cannot call this model. `logit_bias`
+    /// (`{token_id: bias}`) is added to those tokens' logits before sampling;
+    /// log-probabilities stay the model's own.
     #[pyo3(signature = (prompt, suffix = None, max_tokens = 16, temperature = 0.8,
                         top_p = 0.95, min_p = 0.05, typical_p = 1.0, logprobs = None,
                         echo = false, stop = None, frequency_penalty = 0.0,
@@ -225,12 +229,7 @@ impl Model {
             "fill-in-the-middle prompts are not built",
         )?;
         let logprobs = logprobs_count(logprobs, "logprobs")?;
-        refuse(
-            "stopping_criteria",
-            is_given(stopping_criteria),
-            "use stop strings",
-        )?;
-        refuse_sampling(tfs_z, logits_processor)?;
+        refuse_sampling(tfs_z)?;
         let logit_bias = logit_bias_arg(logit_bias)?;
         let grammar = grammar_arg(grammar)?;
         let me = slf.get();
@@ -257,6 +256,7 @@ impl Model {
         call.options.logprobs = logprobs;
         call.options.grammar = grammar;
         call.options.logit_bias = logit_bias;
+        hooks::install(&mut call, logits_processor, stopping_criteria);
         Model::respond(
             slf,
             call,
@@ -348,7 +348,7 @@ impl Model {
             json_arg(tool_choice, "tool_choice")?,
         );
         let forced = eng(forced_tool(&tools))?;
-        refuse_sampling(tfs_z, logits_processor)?;
+        refuse_sampling(tfs_z)?;
         let logit_bias = logit_bias_arg(logit_bias)?;
         // As llama-cpp-python: a forced tool's schema, else a JSON response format, replaces
         // any grammar given.
@@ -385,6 +385,7 @@ impl Model {
         call.options.logprobs = logprobs;
         call.options.grammar = grammar;
         call.options.logit_bias = logit_bias;
+        hooks::install(&mut call, logits_processor, None);
         let tool = forced.map(|(name, _)| name);
         Model::respond(slf, call, Shape::Chat, stream, None, 0, model, tool)
     }

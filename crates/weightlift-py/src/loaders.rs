@@ -84,20 +84,18 @@ pub fn from_pretrained(
 /// `model_path=`, and `verbose` is accepted (nothing is printed); `chat_format` names a
 /// built-in chat format, which is not built: the model's own template is used when it is None.
 #[pyfunction]
-#[pyo3(signature = (path = None, *, model_path = None, verbose = true, chat_format = None, n_gpu_layers = 0, split_mode = "layer", tensor_split = None, main_gpu = 0,
+#[pyo3(signature = (path = None, *, n_gpu_layers = 0, split_mode = "layer", tensor_split = None, main_gpu = 0,
                     use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
                     vocab_only = false, progress_callback = None, devices = None, runtime = None,
                     n_ctx = 512, n_batch = 512, type_k = "f16", type_v = "f16", n_threads = None,
                     compute = "fast", seed = None, callback = None, progress = false,
-                    offload = None, blocks_per_group = 1, prefetch = true),
-       text_signature = "(path=None, *, model_path=None, verbose=True, chat_format=None, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False, offload=None, blocks_per_group=1, prefetch=True)")]
+                    offload = None, blocks_per_group = 1, prefetch = true, model_path = None,
+                    verbose = true, chat_format = None),
+       text_signature = "(path=None, *, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False, offload=None, blocks_per_group=1, prefetch=True, model_path=None, verbose=True, chat_format=None)")]
 #[allow(clippy::too_many_arguments)]
 pub fn load_gguf(
     py: Python<'_>,
     path: Option<&Bound<'_, PyAny>>,
-    model_path: Option<&Bound<'_, PyAny>>,
-    verbose: bool,
-    chat_format: Option<&str>,
     n_gpu_layers: i64,
     split_mode: &str,
     tensor_split: Option<Vec<f32>>,
@@ -122,6 +120,9 @@ pub fn load_gguf(
     offload: Option<String>,
     blocks_per_group: u32,
     prefetch: bool,
+    model_path: Option<&Bound<'_, PyAny>>,
+    verbose: bool,
+    chat_format: Option<&str>,
 ) -> PyResult<Model> {
     let _ = verbose;
     let path = match (path, model_path) {

@@ -74,7 +74,8 @@ impl Model {
             Ok(g) => Ok(g),
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
             Err(TryLockError::WouldBlock) => Err(PyRuntimeError::new_err(
-                "the model is busy (a load is running on another thread)",
+                "the model is busy: a load or a generation is running (on another thread, or this \
+                 call came from a logits processor or stopping criterion of that generation)",
             )),
         }
     }

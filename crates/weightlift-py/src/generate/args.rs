@@ -121,20 +121,12 @@ pub(super) fn is_given(obj: Option<&Bound<'_, PyAny>>) -> bool {
     obj.is_some_and(|o| !o.is_none())
 }
 
-/// The sampling arguments of llama-cpp-python's completion calls that this build refuses.
-pub(super) fn refuse_sampling(
-    tfs_z: f32,
-    logits_processor: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
+/// The sampling argument of llama-cpp-python's completion calls that this build refuses.
+pub(super) fn refuse_sampling(tfs_z: f32) -> PyResult<()> {
     refuse(
         "tfs_z",
         tfs_z != 1.0,
         "llama.cpp removed tail-free sampling; use 1.0",
-    )?;
-    refuse(
-        "logits_processor",
-        is_given(logits_processor),
-        "not built; logit_bias covers fixed biases",
     )
 }
 
@@ -223,6 +215,8 @@ pub(super) struct Call {
     pub(super) prompt: Vec<u32>,
     pub(super) options: GenerateOptions,
     pub(super) cache: Option<Arc<weightlift_engine::Cache>>,
+    /// Where a Python hook's exception waits to be raised.
+    pub(super) hook_error: super::hooks::HookError,
 }
 
 impl Call {
@@ -244,6 +238,7 @@ impl Call {
                 ..GenerateOptions::default()
             },
             cache,
+            hook_error: super::hooks::HookError::default(),
         })
     }
 }

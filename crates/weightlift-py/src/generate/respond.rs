@@ -10,6 +10,7 @@ use weightlift_engine::generate::respond::{Kind, Responder, ResponseOptions};
 use weightlift_engine::{Generation, Timings};
 
 use super::args::Call;
+use super::hooks::HookError;
 use crate::errors::{ToPyErr, eng, enter};
 use crate::model::Model;
 
@@ -57,6 +58,7 @@ pub struct CompletionStream {
     job: Generation,
     /// `None` for text pieces.
     responder: Option<Responder>,
+    hook_error: HookError,
 }
 
 #[pymethods]
@@ -77,7 +79,7 @@ impl CompletionStream {
                 let job = &mut self.job;
                 let piece = enter(py, || job.step(engine));
                 inner.timings = Some(self.job.timings());
-                piece?
+                piece.map_err(|e| self.hook_error.raise(e))?
             };
             let Some(piece) = piece else {
                 return Ok(None);
@@ -149,6 +151,7 @@ impl Model {
         } else {
             Vec::new()
         };
+        let hook_error = call.hook_error.clone();
         let mut job = model.start(call)?;
         let kind = match shape {
             Shape::Text => None,
@@ -176,10 +179,11 @@ impl Model {
                 model: slf.clone().unbind(),
                 job,
                 responder,
+                hook_error,
             };
             return Ok(Py::new(py, s)?.into_any());
         }
-        let generated = run_to_end(py, model, &mut job)?;
+        let generated = run_to_end(py, model, &mut job).map_err(|e| hook_error.raise(e))?;
         match responder {
             None => Ok(PyString::new(py, &generated).into_any().unbind()),
             Some(r) => to_dict(py, &eng(r.whole(&job, &generated))?),

@@ -105,6 +105,26 @@ class LlamaState:
         self.seed = seed
 
 
+class LogitsProcessorList(list):  # type: ignore[type-arg]
+    """llama-cpp-python's list of logits processors, each ``(input_ids, scores) -> scores``,
+    applied in order."""
+
+    def __call__(
+        self, input_ids: npt.NDArray[np.intc], scores: npt.NDArray[np.single]
+    ) -> npt.NDArray[np.single]:
+        for processor in self:
+            scores = processor(input_ids, scores)
+        return scores
+
+
+class StoppingCriteriaList(list):  # type: ignore[type-arg]
+    """llama-cpp-python's list of stopping criteria, each ``(input_ids, logits) -> bool``; any
+    true one stops."""
+
+    def __call__(self, input_ids: npt.NDArray[np.intc], logits: npt.NDArray[np.single]) -> bool:
+        return any(criterion(input_ids, logits) for criterion in self)
+
+
 class Llama:
     """llama-cpp-python's ``Llama``: load ``model_path`` (a GGUF, or any checkpoint weightlift
     opens) and run completions, chats, embeddings and the low-level ``eval``/``sample`` loop."""
