@@ -1,6 +1,8 @@
 //! GBNF grammars (llama.cpp's grammar format) and the constraint that keeps sampling inside one.
 //!
-//! A [`Grammar`] is parsed once from GBNF text ([`Grammar::parse`]); a [`Constraint`] follows
+//! A [`Grammar`] is parsed once from GBNF text ([`Grammar::parse`]), or made from a JSON schema
+//! as llama.cpp's converter makes one ([`Grammar::from_json_schema`], [`json_schema_to_gbnf`]:
+//! `schema.rs` says what it covers, refuses and does differently); a [`Constraint`] follows
 //! one generation through it. Before each token is sampled, [`Constraint::mask`] sets the logit
 //! of every token whose text cannot continue the grammar to −inf, as llama.cpp's grammar sampler
 //! does; after it, [`Constraint::accept`] advances the grammar by the token's text.
@@ -33,15 +35,20 @@
 mod class;
 mod dfa;
 mod error;
+mod json;
 mod parse;
+mod schema;
 mod vocab;
 
+#[cfg(test)]
+mod schema_tests;
 #[cfg(test)]
 mod tests;
 
 use std::sync::Arc;
 
 pub use error::GrammarError;
+pub use schema::json_schema_to_gbnf;
 pub use vocab::Constraint;
 
 use class::CharClass;
@@ -149,6 +156,14 @@ impl Grammar {
         Arc::clone(JSON.get_or_init(|| {
             Arc::new(Grammar::parse(JSON_GBNF).expect("the built-in JSON grammar parses"))
         }))
+    }
+
+    /// The grammar of the JSON texts JSON Schema `schema` (JSON text) accepts, as llama.cpp's
+    /// converter writes it ([`json_schema_to_gbnf`]: what it covers, and where it differs). A
+    /// keyword it cannot enforce is refused with [`GrammarError::SchemaUnsupported`], naming
+    /// the keyword and where it is.
+    pub fn from_json_schema(schema: &str) -> Result<Grammar, GrammarError> {
+        Grammar::parse(&json_schema_to_gbnf(schema)?)
     }
 
     /// The grammar an OpenAI-style `response_format` of type `kind` asks for, as
