@@ -293,9 +293,11 @@ impl Model {
     /// `logprob` and `top_logprobs` (`{token, logprob, bytes}` for the N most likely and the
     /// chosen one), `bytes` None, as llama-cpp-python (which, like this, returns None for
     /// `logprobs=True` without `top_logprobs`). `response_format={"type": "json_object"}` keeps
-    /// the reply inside llama-cpp-python's JSON grammar (in place of `grammar`); mirostat and
-    /// `grammar` and `logit_bias` are as in `create_completion`. Tools, functions and JSON
-    /// schemas raise `UnsupportedError` when given.
+    /// the reply inside llama-cpp-python's JSON grammar (in place of `grammar`), and with a
+    /// `"schema"` (or OpenAI's `{"type": "json_schema", "json_schema": {"schema": ...}}`)
+    /// inside the schema's grammar (`LlamaGrammar.from_json_schema`); mirostat and `grammar`
+    /// and `logit_bias` are as in `create_completion`. Tools and functions raise
+    /// `UnsupportedError` when given.
     #[pyo3(signature = (messages, functions = None, function_call = None, tools = None,
                         tool_choice = None, temperature = 0.2, top_p = 0.95, top_k = 40,
                         min_p = 0.05, typical_p = 1.0, stream = false, stop = None, seed = None,

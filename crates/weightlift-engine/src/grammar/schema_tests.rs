@@ -471,3 +471,55 @@ fn hostile_schemas_end_in_errors() {
     assert!(m.accepts(r#"{"p7": null, "p4999": null, "p5000": 3}"#));
     assert!(!m.accepts(r#"{"p7": null, "p4999": 3}"#));
 }
+
+#[test]
+fn response_formats() {
+    let grammar = |f: &str| Grammar::for_response_format(f).map_err(|e| e.to_string());
+    assert_eq!(grammar(r#"{"type": "text"}"#), Ok(None));
+    let json = grammar(r#"{"type": "json_object"}"#).unwrap().unwrap();
+    assert_eq!(json.source(), JSON_GBNF);
+    let plain = grammar(r#"{"type": "json_object", "schema": null}"#)
+        .unwrap()
+        .unwrap();
+    assert_eq!(plain.source(), JSON_GBNF);
+    let schema =
+        r#"{"type": "object", "properties": {"z": {"type": "integer"}, "a": {"const": 1}}}"#;
+    let want = json_schema_to_gbnf(schema).unwrap();
+    let llama = grammar(&format!(r#"{{"type": "json_object", "schema": {schema}}}"#));
+    assert_eq!(llama.unwrap().unwrap().source(), want);
+    let openai = grammar(&format!(
+        r#"{{"type": "json_schema", "json_schema": {{"name": "r", "strict": true, "schema": {schema}}}}}"#
+    ));
+    assert_eq!(openai.unwrap().unwrap().source(), want);
+    let bare = grammar(r#"{"type": "json_schema", "json_schema": {"name": "r"}}"#);
+    assert_eq!(bare.unwrap().unwrap().source(), JSON_GBNF);
+    for (f, want) in [
+        (
+            r#"{"type": "json_schema"}"#,
+            "response_format[\"json_schema\"]: expected an object with the schema, such as \
+             {\"name\": \"reply\", \"schema\": {...}}, got nothing",
+        ),
+        (
+            r#"{"type": "yaml"}"#,
+            "response_format type 'yaml' is not supported: expected 'json_object', 'json_schema' \
+             or 'text'",
+        ),
+        (
+            r#"{}"#,
+            "response_format type (none given) is not supported: expected 'json_object', \
+             'json_schema' or 'text'",
+        ),
+        (
+            r#"{"type": "json_object", "schema": {"pattern": "a+"}}"#,
+            "json schema keyword 'pattern' at # is not supported: regular expressions are not \
+             converted; list the values with enum, or pass a GBNF grammar with grammar=",
+        ),
+        (
+            r#"["json_object"]"#,
+            "response_format: expected an object such as {\"type\": \"json_object\"}, got \
+             [\"json_object\"]",
+        ),
+    ] {
+        assert_eq!(grammar(f).unwrap_err(), want, "{f}");
+    }
+}
