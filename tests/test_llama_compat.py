@@ -383,8 +383,9 @@ def test_a_forced_tool_choice_returns_llamacpps_tool_call_shapes(llm: wl.Llama) 
     assert call["type"] == "function" and call["function"]["name"] == "get_weather"
     assert call["id"] == f"call__0_get_weather_cmpl-{whole['id'].removeprefix('chatcmpl-')}"
     assert msg["function_call"] == call["function"]
-    # The arguments are kept inside a JSON object by the grammar.
-    assert isinstance(json.loads(call["function"]["arguments"]), dict)
+    # The arguments are kept inside the tool's parameters schema by the grammar.
+    args = json.loads(call["function"]["arguments"])
+    assert isinstance(args["city"], str) and set(args) <= {"city", "unit"}
     llm.reset()
     chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
     first, middle, last = chunks[0], chunks[1:-1], chunks[-1]

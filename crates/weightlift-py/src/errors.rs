@@ -269,6 +269,10 @@ impl ToPyErr for EngineError {
             }
             EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
             EngineError::Text(e) => e.to_pyerr(),
+            // A schema keyword the converter does not enforce is a feature not built.
+            EngineError::Grammar(weightlift_engine::grammar::GrammarError::SchemaUnsupported {
+                ..
+            }) => raise(Exc::Unsupported, self.to_string()),
             EngineError::Grammar(_) => raise(Exc::Grammar, self.to_string()),
         }
     }

@@ -295,11 +295,13 @@ impl Model {
     /// `logprob` and `top_logprobs` (`{token, logprob, bytes}` for the N most likely and the
     /// chosen one), `bytes` None, as llama-cpp-python (which, like this, returns None for
     /// `logprobs=True` without `top_logprobs`). `response_format={"type": "json_object"}` keeps
-    /// the reply inside llama-cpp-python's JSON grammar (in place of `grammar`); mirostat and
-    /// `grammar` and `logit_bias` are as in `create_completion`. `tools` and `tool_choice`
-    /// (or the legacy `functions` and `function_call`) go to the chat template; a `tool_choice`
-    /// naming one tool returns a tool call (`message.tool_calls`, `finish_reason`
-    /// `"tool_calls"`) whose arguments are kept inside JSON. JSON schemas raise
+    /// the reply inside llama-cpp-python's JSON grammar (in place of `grammar`), and with a
+    /// `"schema"` (or OpenAI's `{"type": "json_schema", "json_schema": {"schema": ...}}`)
+    /// inside the schema's grammar (`LlamaGrammar.from_json_schema`); mirostat and `grammar`
+    /// and `logit_bias` are as in `create_completion`. `tools` and `tool_choice` (or the
+    /// legacy `functions` and `function_call`) go to the chat template; a `tool_choice` naming
+    /// one tool returns a tool call (`message.tool_calls`, `finish_reason` `"tool_calls"`)
+    /// whose arguments are kept inside the tool's `parameters` schema.
     /// `UnsupportedError` when given.
     #[pyo3(signature = (messages, functions = None, function_call = None, tools = None,
                         tool_choice = None, temperature = 0.2, top_p = 0.95, top_k = 40,

@@ -91,12 +91,15 @@ pub fn forced_tool(tools: &ChatTools) -> Result<Option<(String, Value)>> {
     Ok(Some((name.to_owned(), schema)))
 }
 
-/// The grammar a forced call of a tool with `parameters` keeps its arguments in.
+/// The grammar a forced call of a tool with `parameters` keeps its arguments in: the schema's,
+/// or, for a schema with a keyword the converter cannot enforce, any JSON object (what
+/// llama-cpp-python falls back to, so a tool whose schema says `pattern` still runs).
 pub fn tool_grammar(parameters: &Value) -> Result<Arc<Grammar>> {
-    // The JSON-object grammar until schemas are turned into grammars: what llama-cpp-python
-    // falls back to for a schema it cannot convert.
-    let _ = parameters;
-    Ok(Grammar::json())
+    match Grammar::from_json_schema(&parameters.to_string()) {
+        Ok(g) => Ok(Arc::new(g)),
+        Err(crate::grammar::GrammarError::SchemaUnsupported { .. }) => Ok(Grammar::json()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[cfg(test)]

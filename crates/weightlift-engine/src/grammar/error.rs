@@ -1,10 +1,12 @@
-//! Why a grammar was refused, or why constrained sampling could not go on.
+//! Why a grammar (or a JSON schema) was refused, or why constrained sampling could not go on.
 
 use std::fmt;
 
-/// A GBNF grammar that cannot be used, or a constrained generation that cannot continue. Every
-/// message names where (a line and column, or the rule), what was expected and what was found,
-/// in the form `<where>: expected <what>, got <found>`.
+/// A GBNF grammar that cannot be used, a JSON schema that cannot be made into one, or a
+/// constrained generation that cannot continue. Every message names where (a line and column,
+/// the rule, or the place in the schema), what was expected and what was found, in the form
+/// `<where>: expected <what>, got <found>`; a schema keyword the converter does not enforce reads
+/// `json schema keyword '<keyword>' at <place> is not supported: <why>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GrammarError {
     /// The text is not GBNF.
@@ -51,6 +53,23 @@ pub enum GrammarError {
 
     /// A token the grammar forbids was fed to the matcher.
     Rejected { token: u32 },
+
+    /// A JSON schema keyword, or a value of one, that the schema converter does not turn into
+    /// grammar, so that text the grammar allows could break it; `path` is where in the schema
+    /// (a JSON pointer such as `#/properties/code`).
+    SchemaUnsupported {
+        keyword: String,
+        path: String,
+        detail: String,
+    },
+
+    /// Not a JSON schema the converter can read: not JSON, a keyword with a value of the wrong
+    /// kind, a `$ref` that leads nowhere, or a schema no value satisfies.
+    SchemaInvalid {
+        path: String,
+        expected: String,
+        got: String,
+    },
 }
 
 impl GrammarError {
@@ -117,6 +136,24 @@ impl GrammarError {
                 "a token the grammar allows here".into(),
                 format!("token {token}"),
             ),
+            GrammarError::SchemaUnsupported {
+                keyword,
+                path,
+                detail,
+            } => (
+                format!("json schema keyword '{keyword}' at {path}"),
+                "a keyword the schema converter enforces".into(),
+                detail.clone(),
+            ),
+            GrammarError::SchemaInvalid {
+                path,
+                expected,
+                got,
+            } => (
+                format!("json schema at {path}"),
+                expected.clone(),
+                got.clone(),
+            ),
         }
     }
 }
@@ -124,7 +161,10 @@ impl GrammarError {
 impl fmt::Display for GrammarError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (what, expected, got) = self.parts();
-        write!(f, "{what}: expected {expected}, got {got}")
+        match self {
+            GrammarError::SchemaUnsupported { .. } => write!(f, "{what} is not supported: {got}"),
+            _ => write!(f, "{what}: expected {expected}, got {got}"),
+        }
     }
 }
 

@@ -1,6 +1,8 @@
 //! GBNF grammars (llama.cpp's grammar format) and the constraint that keeps sampling inside one.
 //!
-//! A [`Grammar`] is parsed once from GBNF text ([`Grammar::parse`]); a [`Constraint`] follows
+//! A [`Grammar`] is parsed once from GBNF text ([`Grammar::parse`]), or made from a JSON schema
+//! as llama.cpp's converter makes one ([`Grammar::from_json_schema`], [`json_schema_to_gbnf`]:
+//! `schema.rs` says what it covers, refuses and does differently); a [`Constraint`] follows
 //! one generation through it. Before each token is sampled, [`Constraint::mask`] sets the logit
 //! of every token whose text cannot continue the grammar to −inf, as llama.cpp's grammar sampler
 //! does; after it, [`Constraint::accept`] advances the grammar by the token's text.
@@ -33,18 +35,24 @@
 mod class;
 mod dfa;
 mod error;
+mod json;
 mod parse;
+mod schema;
 mod vocab;
 
+#[cfg(test)]
+mod schema_tests;
 #[cfg(test)]
 mod tests;
 
 use std::sync::Arc;
 
 pub use error::GrammarError;
+pub use schema::json_schema_to_gbnf;
 pub use vocab::Constraint;
 
 use class::CharClass;
+use json::Json;
 use parse::Sym;
 
 /// A grammar accepting JSON values whose top level is an object: the same language as
@@ -151,31 +159,67 @@ impl Grammar {
         }))
     }
 
-    /// The grammar an OpenAI-style `response_format` of type `kind` asks for, as
-    /// llama-cpp-python reads it: `"text"` none, `"json_object"` the JSON grammar. A schema
-    /// (`has_schema`), or another type, is refused by name.
+    /// The grammar of the JSON texts JSON Schema `schema` (JSON text) accepts, as llama.cpp's
+    /// converter writes it ([`json_schema_to_gbnf`]: what it covers, and where it differs). A
+    /// keyword it cannot enforce is refused with [`GrammarError::SchemaUnsupported`], naming
+    /// the keyword and where it is.
+    pub fn from_json_schema(schema: &str) -> Result<Grammar, GrammarError> {
+        Grammar::parse(&json_schema_to_gbnf(schema)?)
+    }
+
+    /// The grammar an OpenAI-style `response_format` (JSON text of an object) asks for:
+    /// `{"type": "text"}` none; `{"type": "json_object"}` the JSON grammar, as
+    /// llama-cpp-python; `{"type": "json_object", "schema": {...}}` (llama-cpp-python's form)
+    /// and `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` (OpenAI's;
+    /// `strict` changes nothing, the grammar always keeps to the schema) the schema's grammar
+    /// ([`Grammar::from_json_schema`]); a `json_schema` without a schema the JSON grammar.
+    /// Where llama-cpp-python falls back to the JSON grammar for a schema its converter fails
+    /// on, this raises the converter's error; another type is refused by name.
     pub fn for_response_format(
-        kind: Option<&str>,
-        has_schema: bool,
+        response_format: &str,
     ) -> Result<Option<Arc<Grammar>>, crate::EngineError> {
-        let refuse = |what: String, detail: &str| crate::EngineError::Unsupported {
-            what,
-            detail: detail.into(),
+        let invalid = |what: &str, expected: &str, got: String| crate::EngineError::Invalid {
+            what: what.into(),
+            expected: expected.into(),
+            got,
         };
-        match kind {
-            Some("text") => Ok(None),
-            Some("json_object") if has_schema => Err(refuse(
-                "response_format with a schema".into(),
-                "JSON schemas are not built; pass a GBNF grammar with grammar=",
-            )),
-            Some("json_object") => Ok(Some(Grammar::json())),
-            other => Err(refuse(
-                format!(
+        let format = Json::parse(response_format)
+            .map_err(|e| invalid("response_format", "JSON text of an object", e.to_string()))?;
+        let Json::Object(_) = format else {
+            return Err(invalid(
+                "response_format",
+                "an object such as {\"type\": \"json_object\"}",
+                format.python_dumps(),
+            ));
+        };
+        let from_schema = |schema: Option<&Json>| -> Result<Arc<Grammar>, crate::EngineError> {
+            match schema {
+                None | Some(Json::Null) => Ok(Grammar::json()),
+                Some(schema) => Ok(Arc::new(Grammar::parse(&schema::convert(schema)?)?)),
+            }
+        };
+        match format.get("type") {
+            Some(Json::Str(t)) if t == "text" => Ok(None),
+            Some(Json::Str(t)) if t == "json_object" => from_schema(format.get("schema")).map(Some),
+            Some(Json::Str(t)) if t == "json_schema" => match format.get("json_schema") {
+                Some(spec @ Json::Object(_)) => from_schema(spec.get("schema")).map(Some),
+                other => Err(invalid(
+                    "response_format[\"json_schema\"]",
+                    "an object with the schema, such as {\"name\": \"reply\", \"schema\": {...}}",
+                    other.map_or_else(|| "nothing".to_owned(), Json::python_dumps),
+                )),
+            },
+            other => Err(crate::EngineError::Unsupported {
+                what: format!(
                     "response_format type {}",
-                    other.map_or_else(|| "(none given)".to_owned(), |t| format!("'{t}'"))
+                    match other {
+                        None => "(none given)".to_owned(),
+                        Some(Json::Str(t)) => format!("'{t}'"),
+                        Some(v) => v.python_dumps(),
+                    }
                 ),
-                "expected 'json_object' or 'text'",
-            )),
+                detail: "expected 'json_object', 'json_schema' or 'text'".into(),
+            }),
         }
     }
 

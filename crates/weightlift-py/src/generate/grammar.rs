@@ -1,13 +1,13 @@
 //! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar) and the `grammar=`,
-//! `response_format=` and mirostat arguments, converted to the engine's types. Parsing is the
-//! engine's; this only converts.
+//! `response_format=` and mirostat arguments, converted to the engine's types. Parsing, and
+//! converting JSON schemas, is the engine's; this only converts.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyDict, PyModule, PyString};
 use weightlift_engine::EngineError;
 use weightlift_engine::grammar::Grammar;
 use weightlift_engine::sample::Mirostat;
@@ -38,6 +38,23 @@ impl LlamaGrammar {
         let _ = verbose;
         Ok(LlamaGrammar {
             grammar: parsed(grammar)?,
+        })
+    }
+
+    /// The grammar of the JSON texts that JSON Schema `json_schema` (JSON text) accepts, as
+    /// llama-cpp-python's `from_json_schema` (llama.cpp's converter) lays them out: required
+    /// properties first in schema order, at most one space between tokens. A keyword it cannot
+    /// enforce (`pattern`, most `format`s, bounds on `number`, ...) raises `UnsupportedError`
+    /// naming the keyword and where it is in the schema, where llama-cpp-python ignores it;
+    /// text that is not a schema raises `PlanError`. `verbose` changes nothing.
+    #[staticmethod]
+    #[pyo3(signature = (json_schema, verbose = true))]
+    fn from_json_schema(json_schema: &str, verbose: bool) -> PyResult<LlamaGrammar> {
+        let _ = verbose;
+        let grammar =
+            Grammar::from_json_schema(json_schema).map_err(|e| EngineError::from(e).to_pyerr())?;
+        Ok(LlamaGrammar {
+            grammar: Arc::new(grammar),
         })
     }
 
@@ -81,8 +98,9 @@ pub(super) fn grammar_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc
     )))
 }
 
-/// `response_format=`: None, or a dict whose `type` (and `schema`) pick the grammar
-/// ([`Grammar::for_response_format`]).
+/// `response_format=`: None, or a dict whose `type` (and `schema`, or `json_schema`) pick the
+/// grammar ([`Grammar::for_response_format`]). Python's `json.dumps` writes the dict for the
+/// engine, so a schema's properties keep their order.
 pub(super) fn response_format_grammar(
     obj: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Option<Arc<Grammar>>> {
@@ -92,11 +110,11 @@ pub(super) fn response_format_grammar(
     let d = obj.cast::<PyDict>().map_err(|_| {
         PyTypeError::new_err("response_format: expected a dict such as {\"type\": \"json_object\"}")
     })?;
-    let kind: Option<String> = d.get_item("type")?.map(|t| t.extract()).transpose()?;
-    eng(Grammar::for_response_format(
-        kind.as_deref(),
-        d.contains("schema")?,
-    ))
+    let text: String = PyModule::import(d.py(), "json")?
+        .call_method1("dumps", (d,))
+        .map_err(|e| PyTypeError::new_err(format!("response_format: {}", e.value(d.py()))))?
+        .extract()?;
+    eng(Grammar::for_response_format(&text))
 }
 
 /// `mirostat_mode`, `mirostat_tau`, `mirostat_eta`.
