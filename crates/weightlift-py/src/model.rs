@@ -595,16 +595,11 @@ impl Model {
     /// Free everything the model holds (as `unload()`, the own cache included) and refuse
     /// every later call with `ClosedError`. Closing twice does nothing; `with` closes on exit.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let mut inner = self.lock_even_closed()?;
-        if inner.closed {
+        if self.lock_even_closed()?.closed {
             return Ok(());
         }
-        let inner_ref = &mut *inner;
-        enter(py, || {
-            inner_ref.model.unload();
-            Ok::<(), PyErr>(())
-        })?;
-        inner.plan = None;
+        self.unload(py)?;
+        let mut inner = self.lock_even_closed()?;
         inner.tp_obj = None;
         inner.closed = true;
         Ok(())
