@@ -481,3 +481,39 @@ def test_logits_processors_and_stopping_criteria_run_as_llamacpps(llm: wl.Llama)
     with pytest.raises(RuntimeError, match="logits processor or stopping criterion"):
         llm("hi", max_tokens=2, stopping_criteria=lambda ids, s: llm.n_vocab() > 0)
     assert llm(GREEDY["prompt"], max_tokens=2, temperature=0.0)["choices"][0]["text"] == " Paris."
+
+
+def test_a_ram_cache_hit_loads_the_state_once_and_matches_a_fresh_run(demo_gguf: Path) -> None:
+    # The shape of llama-cpp-python's _assert_ram_cache_exact_prompt_hit_matches_fresh.
+    def make() -> wl.Llama:
+        return wl.Llama(str(demo_gguf), n_ctx=64, verbose=False)
+
+    fresh = make()
+    tokens = fresh.tokenize(b"The quick brown fox", add_bos=True, special=True)
+    expected = fresh.create_completion(tokens, max_tokens=1, temperature=0.0, seed=1337)
+    cache = wl.LlamaRAMCache()
+    writer = make()
+    writer.set_cache(cache)
+    writer.create_completion(tokens, max_tokens=1, temperature=0.0, seed=1337)
+    assert tokens in cache and cache.cache_size > 0
+    cached = make()
+    cached.set_cache(cache)
+    calls = 0
+    original = cached.load_state
+
+    def tracking(state: wl.LlamaState) -> None:
+        nonlocal calls
+        calls += 1
+        original(state)
+
+    cached.load_state = tracking  # type: ignore[method-assign]
+    actual = cached.create_completion(tokens, max_tokens=1, temperature=0.0, seed=1337)
+    assert calls == 1
+    assert actual["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert actual["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
+    # The prompt ran from the loaded state: all but its last token were reused.
+    assert cached.model.timings["reused_tokens"] == len(tokens) - 1
+    # A capacity of one byte keeps nothing.
+    small = wl.LlamaRAMCache(capacity_bytes=1)
+    small[tokens] = cached.save_state()
+    assert tokens not in small

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Generator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,57 @@ class LlamaState:
         self.seed = seed
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class LlamaRAMCache:
+    """llama-cpp-python's prompt cache in RAM: states saved after completions, keyed by their
+    token ids; a lookup returns the state whose ids share the longest prefix with the key, and
+    the least recently used states go once their bytes pass ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int = 2 << 30) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.cache_state: OrderedDict[tuple[int, ...], LlamaState] = OrderedDict()
+
+    @property
+    def cache_size(self) -> int:
+        return sum(s.llama_state_size for s in self.cache_state.values())
+
+    def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+        best, best_len = None, 0
+        for k in self.cache_state:
+            n = _common_prefix(k, key)
+            if n > best_len:
+                best, best_len = k, n
+        return best
+
+    def __getitem__(self, key: Sequence[int]) -> LlamaState:
+        found = self._find_longest_prefix_key(tuple(key))
+        if found is None:
+            raise KeyError("Key not found")
+        self.cache_state.move_to_end(found)
+        return self.cache_state[found]
+
+    def __contains__(self, key: Sequence[int]) -> bool:
+        return self._find_longest_prefix_key(tuple(key)) is not None
+
+    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
+        key = tuple(key)
+        self.cache_state.pop(key, None)
+        self.cache_state[key] = value
+        while self.cache_size > self.capacity_bytes and self.cache_state:
+            self.cache_state.popitem(last=False)
+
+
+LlamaCache = LlamaRAMCache
+
+
 class LogitsProcessorList(list):  # type: ignore[type-arg]
     """llama-cpp-python's list of logits processors, each ``(input_ids, scores) -> scores``,
     applied in order."""
@@ -174,6 +226,7 @@ class Llama:
         self._embedding = embedding
         self._pooling_type = pooling_type
         self._seed = LLAMA_DEFAULT_SEED if seed is None else seed
+        self.cache: LlamaRAMCache | None = None
         # The logits of the last `eval` (every position with logits_all, else the last one).
         self._scores: npt.NDArray[np.single] = np.zeros((0, 0), dtype=np.single)
         with open_checkpoint(self.model_path) as ckpt:
@@ -264,9 +317,42 @@ class Llama:
         return self._seed
 
     def create_completion(self, prompt: str | bytes | Sequence[int], **kwargs: Any) -> Any:
-        """``Model.create_completion`` with llama-cpp-python's seed rule."""
+        """``Model.create_completion`` with llama-cpp-python's seed rule, and its prompt cache
+        when ``set_cache`` gave one: a cached state that holds more of the prompt than the model
+        does is loaded first, and the state after the completion is saved."""
         kwargs["seed"] = self._next_seed(kwargs.get("seed"))
-        return self._model.create_completion(prompt, **kwargs)
+        if self.cache is None:
+            return self._model.create_completion(prompt, **kwargs)
+        if isinstance(prompt, str | bytes):
+            text = prompt.encode() if isinstance(prompt, str) else prompt
+            ids = self.tokenize(text, add_bos=True, special=True) if text else []
+        else:
+            ids = list(prompt)
+        try:
+            item = self.cache[ids]
+            held = _common_prefix(self.input_ids.tolist(), ids)
+            if _common_prefix(item.input_ids.tolist(), ids) > held:
+                self.load_state(item)
+        except KeyError:
+            pass
+        out = self._model.create_completion(prompt, **kwargs)
+        if kwargs.get("stream"):
+            return self._saved_after(out)
+        self._save_to_cache()
+        return out
+
+    def _save_to_cache(self) -> None:
+        if self.cache is not None:
+            self.cache[self.input_ids.tolist()] = self.save_state()
+
+    def _saved_after(self, chunks: Iterator[Any]) -> Iterator[Any]:
+        yield from chunks
+        self._save_to_cache()
+
+    def set_cache(self, cache: LlamaRAMCache | None) -> None:
+        """Use ``cache`` (a ``LlamaRAMCache``, or anything with its mapping methods) as the
+        prompt cache of ``create_completion``; None stops."""
+        self.cache = cache
 
     def __call__(self, prompt: str | bytes | Sequence[int], *args: Any, **kwargs: Any) -> Any:
         names = ("suffix", "max_tokens", "temperature", "top_p", "min_p", "typical_p")
