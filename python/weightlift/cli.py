@@ -1,4 +1,5 @@
-"""The ``weightlift`` command: ``devices``, ``inspect``, ``plan``, ``fit``, ``load`` and ``run``.
+"""The ``weightlift`` command: ``devices``, ``inspect``, ``plan``, ``fit``, ``load``, ``run`` and
+``serve``.
 
 Every subcommand prints a readable table by default and one JSON object with ``--json``. A bad
 file or a request that cannot be met prints one line, ``weightlift: error: <message>``, on
@@ -439,7 +440,8 @@ def _load_model(
     import time
 
     devices = args.devices
-    if devices is None and args.world is not None and "LOCAL_RANK" in os.environ:
+    world = getattr(args, "world", None)
+    if devices is None and world is not None and "LOCAL_RANK" in os.environ:
         # A rank started by torchrun drives the GPU its local rank names.
         devices = f"cuda:{os.environ['LOCAL_RANK']},cpu"
     model = weightlift.Model(
@@ -453,7 +455,7 @@ def _load_model(
     bar = _ProgressBar(args.progress)
     start = time.perf_counter()
     try:
-        if args.world is not None:
+        if world is not None:
             _load_world(args, model, bar)
         else:
             model.load(
@@ -665,9 +667,45 @@ def _user_turns(first: str | None, *, more: bool) -> Iterator[str]:
 
 
 DEFAULT_BATCH = 512  # run's max_input_len when not given: llama-cpp-python's n_batch
+DEFAULT_QUEUE = 16  # serve's waiting requests
 
 
-def _plan_options(p: argparse.ArgumentParser, *, load: bool = False, world: bool = True) -> None:
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import socket
+
+    from weightlift import server
+
+    if args.parallel != 1:
+        raise weightlift.PlanError(
+            f"serve: --parallel {args.parallel} is not supported yet: the engine decodes one "
+            "sequence at a time until batched decoding lands; use --parallel 1 (the default), "
+            "and --queue for the requests that wait"
+        )
+    if args.queue < 0:
+        raise weightlift.PlanError(f"serve: --queue: expected 0 or more, got {args.queue}")
+    server.require()
+    # Bind before the load, so a port in use fails at once.
+    sock = socket.create_server((args.host, args.port))
+    with sock:
+        if args.max_input_len is None:
+            args.max_input_len = DEFAULT_BATCH
+        model, _, seconds = _load_model(
+            args, default_cache=True, compute=args.compute, n_threads=args.threads
+        )
+        alias = args.model_alias or os.path.basename(os.path.normpath(args.path))
+        host, port = sock.getsockname()[:2]
+        sys.stderr.write(
+            f"weightlift: serving {alias} on http://{host}:{port}/v1 (loaded in {seconds:.2f} s; "
+            f"one generation at a time, {args.queue} may wait)\n"
+        )
+        sys.stderr.flush()
+        server.serve(model, sock, alias=alias, parallel=args.parallel, queue=args.queue)
+    return 0
+
+
+def _plan_options(
+    p: argparse.ArgumentParser, *, load: bool = False, world: bool = True, as_json: bool = True
+) -> None:
     p.add_argument("path", help="a checkpoint (file, folder, index.json) or an HF config.json")
     p.add_argument(
         "--devices",
@@ -686,7 +724,7 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False, world: bool
             help="the ranks of a multi-process tensor-parallel run, host:gpus[,host:gpus...] in "
             "torchrun's order (implies tensor_parallel)",
         )
-    if load:
+    if load and world:
         p.add_argument(
             "--rank",
             type=int,
@@ -728,7 +766,8 @@ def _plan_options(p: argparse.ArgumentParser, *, load: bool = False, world: bool
     p.add_argument("--max-input-len", type=int, help="runtime max_input_len (default 2048)")
     p.add_argument("--low-mem", action="store_true", help="exllamav2 low_mem scratch sizes")
     p.add_argument("--allow-disk", action="store_true", help="let weights stay on disk")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    if as_json:
+        p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -808,8 +847,7 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument("--grammar-file", help="file with a GBNF grammar the output must follow")
     rn.add_argument("--seed", type=int, help="sampling seed (default: random)")
     rn.add_argument("--stop", action="append", help="stop string (repeatable)")
-    rn.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")
-    rn.add_argument("--compute", default="fast", help="fast (as llama.cpp) or exact (f32)")
+    _engine_flags(rn)
     rn.add_argument(
         "--chat",
         action="store_true",
@@ -818,12 +856,48 @@ def _parser() -> argparse.ArgumentParser:
     )
     rn.add_argument("--system", help="with --chat: a system message")
     rn.set_defaults(func=_cmd_run)
+
+    sv = sub.add_parser(
+        "serve",
+        help="load a model, then serve it over HTTP with OpenAI's API",
+        description="Load a model, then serve it with OpenAI's API: POST /v1/completions and "
+        "/v1/chat/completions (stream: true as server-sent events), GET /v1/models and /health. "
+        "One generation runs at a time; the other requests wait in a queue, first come first "
+        "served, and get 503 beyond it. SIGINT or SIGTERM lets the running requests finish "
+        "(for up to 10 s), then exits 0. Needs `pip install weightlift[server]`.",
+    )
+    _load_flags(sv, serve=True)
+    _engine_flags(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (8000; 0: any free one)")
+    sv.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="generations at once; only 1 for now: the engine decodes one sequence at a "
+        "time, and larger values are refused until batched decoding lands",
+    )
+    sv.add_argument(
+        "--queue",
+        type=int,
+        default=DEFAULT_QUEUE,
+        help=f"requests that may wait for the model ({DEFAULT_QUEUE}); more get 503",
+    )
+    sv.add_argument("--model-alias", help="the model's name in the API (default: the file name)")
+    sv.set_defaults(func=_cmd_serve)
     return p
 
 
-def _load_flags(p: argparse.ArgumentParser) -> None:
-    """The placement and reading flags of ``load``, shared with ``run``."""
-    _plan_options(p, load=True)
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """The generation flags ``run`` and ``serve`` share."""
+    p.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")
+    p.add_argument("--compute", default="fast", help="fast (as llama.cpp) or exact (f32)")
+
+
+def _load_flags(p: argparse.ArgumentParser, *, serve: bool = False) -> None:
+    """The placement and reading flags of ``load``, shared with ``run`` and ``serve`` (which
+    has no ``--world`` and no ``--json``)."""
+    _plan_options(p, load=True, world=not serve, as_json=not serve)
     p.add_argument(
         "--no-mmap", action="store_true", help="read CPU tensors into owned memory (use_mmap=False)"
     )
@@ -846,7 +920,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         status: int = args.func(args)
-    except (weightlift.WeightliftError, OSError, ValueError) as e:
+    except (weightlift.WeightliftError, OSError, ValueError, ImportError) as e:
         if isinstance(e, BrokenPipeError):
             return 0
         sys.stderr.write(f"weightlift: error: {_one_line(e)}\n")

@@ -1,0 +1,80 @@
+"""``weightlift serve``: an OpenAI-compatible HTTP server over one loaded ``Model``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` as
+Server-Sent Events), ``GET /v1/models`` and ``GET /health``. Request fields are
+llama-cpp-python's server's (``llama_cpp/server/types.py``); every response carries ``usage`` and
+llama.cpp's server's ``timings``.
+
+The HTTP stack is FastAPI on uvicorn: the one llama-cpp-python's and vLLM's servers use, well
+kept, with request validation by pydantic and SSE through ``StreamingResponse``. A generation runs
+in a worker thread while the event loop keeps serving: the engine releases the GIL as it computes.
+
+The engine decodes one sequence at a time, so one generation runs on the model and the other
+requests wait in a bounded first-come-first-served queue (``queue``), beyond which they get 503.
+FastAPI and uvicorn are the ``server`` extra: ``pip install weightlift[server]``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import socket
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import weightlift
+
+# Seconds uvicorn lets in-flight requests finish after SIGINT/SIGTERM before it cancels them
+# (a cancelled stream stops at its next token).
+GRACEFUL_SECONDS = 10
+
+
+def require() -> None:
+    """Raise ImportError naming the extra when FastAPI or uvicorn is missing."""
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"weightlift serve needs {' and '.join(missing)}, which are not installed; "
+            "run `pip install weightlift[server]`"
+        )
+
+
+def create_app(model: weightlift.Model, *, alias: str, parallel: int = 1, queue: int = 16) -> Any:
+    """The FastAPI app serving ``model`` under the name ``alias``."""
+    require()
+    from weightlift.server.app import create_app as create
+
+    return create(model, alias=alias, parallel=parallel, queue=queue)
+
+
+def serve(
+    model: weightlift.Model,
+    sock: socket.socket,
+    *,
+    alias: str,
+    parallel: int = 1,
+    queue: int = 16,
+    log_level: str = "info",
+) -> None:
+    """Serve ``model`` on the bound socket ``sock`` until SIGINT or SIGTERM, then return once
+    uvicorn's graceful shutdown is over (in-flight requests finished or cancelled)."""
+    require()
+    import uvicorn
+
+    app = create_app(model, alias=alias, parallel=parallel, queue=queue)
+    config = uvicorn.Config(
+        app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS
+    )
+    # uvicorn raises the signal it caught again after its shutdown, for the handler it found;
+    # this one takes it, so a stop by signal is a clean exit (status 0), not a death by SIGTERM.
+    caught: list[int] = []
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda sig, _frame: caught.append(sig)) for s in handled}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+__all__ = ["GRACEFUL_SECONDS", "create_app", "require", "serve"]

@@ -1,0 +1,118 @@
+"""Every error the server answers, in OpenAI's shape::
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+``ENGINE_ERRORS`` is the one table from weightlift's typed exceptions to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+import weightlift
+
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+
+
+class APIError(Exception):
+    """An answer other than 200, raised anywhere a request is handled."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# (exception, status, type, code, the request field it is about: "prompt" and "grammar" stand
+# for the field the request used, e.g. "messages" or "response_format"). First match wins.
+ENGINE_ERRORS: tuple[tuple[type[BaseException], int, str, str, str | None], ...] = (
+    (weightlift.ContextFullError, 400, INVALID, "context_length_exceeded", "prompt"),
+    (weightlift.GrammarError, 400, INVALID, "invalid_grammar", "grammar"),
+    (weightlift.UnsupportedError, 400, INVALID, "unsupported", None),
+    (weightlift.ClosedError, 503, SERVER, "model_closed", None),
+    (weightlift.OutOfMemoryError, 503, SERVER, "out_of_memory", None),
+    # The argument checks of create_completion / create_chat_completion (PlanError included).
+    (ValueError, 400, INVALID, "invalid_value", None),
+    (TypeError, 400, INVALID, "invalid_value", None),
+    (weightlift.WeightliftError, 500, SERVER, "engine_error", None),
+    (Exception, 500, SERVER, "internal_error", None),
+)
+
+_LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[[^\]]*\])*:")
+
+
+def from_engine(e: Exception, fields: Collection[str], roles: dict[str, str]) -> APIError:
+    """The answer to an exception of a generation; ``fields`` are the request's field names
+    (a message that starts with one names it), ``roles`` map "prompt"/"grammar" to fields."""
+    message = " ".join(str(e).split()) or type(e).__name__
+    _, status, kind, code, role = next(row for row in ENGINE_ERRORS if isinstance(e, row[0]))
+    m = _LEADING_FIELD.match(message)
+    param = m.group(1) if m and m.group(1) in fields else roles.get(role or "")
+    return APIError(status, message, type=kind, param=param, code=code)
+
+
+def _validation(exc: RequestValidationError) -> APIError:
+    """pydantic's first complaint, naming the field by its path (``messages.0.role``)."""
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "not JSON")
+        return APIError(400, f"malformed JSON in the request body: {reason}", code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    what = f"{param}: " if param else "request body: "
+    return APIError(400, what + str(first.get("msg")), param=param, code="invalid_value")
+
+
+def install(app: FastAPI) -> None:
+    """Answer every error of ``app`` in OpenAI's shape."""
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return _validation(exc).response()
+
+    async def http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        kind = INVALID if exc.status_code < 500 else SERVER
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(HTTPException, http)

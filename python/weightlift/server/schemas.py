@@ -1,0 +1,116 @@
+"""The request bodies, with the field names and defaults of llama-cpp-python's server (its
+``llama_cpp/server/types.py``), so a client written for that server sends the same JSON here.
+
+Fields outside this list (``user``, ``stream_options``, ...) are ignored, as there. Fields whose
+behaviour is not implemented refuse any value but their neutral one, by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(0.8, ge=0.0)
+    top_p: float = Field(0.95, ge=0.0, le=1.0)
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    top_k: int = Field(40, ge=0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    seed: int | None = None
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    repeat_penalty: float = Field(1.1, ge=0.0)
+    logit_bias: dict[str, float] | None = None
+    # "tokens" (keys as token text) is llama-cpp-python's own; token ids only here.
+    logit_bias_type: Literal["input_ids"] | None = None
+    mirostat_mode: int = Field(0, ge=0, le=2)
+    mirostat_tau: float = Field(5.0, ge=0.0, le=10.0)
+    mirostat_eta: float = Field(0.1, ge=0.001, le=1.0)
+    grammar: str | None = None
+    # One choice per request, and no minimum length (llama-cpp-python ignores n; say so here).
+    n: int = Field(1, ge=1, le=1)
+    min_tokens: int = Field(0, ge=0, le=0)
+
+    def sampling(self) -> dict[str, Any]:
+        """The keywords of ``Model.create_completion`` / ``create_chat_completion`` these set."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "top_k": self.top_k,
+            "stop": self.stop,
+            "stream": self.stream,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repeat_penalty": self.repeat_penalty,
+            "logit_bias": self.logit_bias,
+            "mirostat_mode": self.mirostat_mode,
+            "mirostat_tau": self.mirostat_tau,
+            "mirostat_eta": self.mirostat_eta,
+            "grammar": self.grammar,
+        }
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    # A string, or token ids (OpenAI's form); a list of strings holds at most one prompt.
+    prompt: str | list[int] | list[str] = ""
+    suffix: str | None = None
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = Field(1, ge=1, le=1)
+
+    def kwargs(self) -> dict[str, Any]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) > 1:
+                # The checks of pydantic come first; this one is raised by the caller.
+                raise ValueError("prompt: one prompt per request, got a list of several")
+            prompt = prompt[0]
+        return {
+            "prompt": prompt or "",
+            "suffix": self.suffix,
+            "max_tokens": self.max_tokens,
+            "echo": self.echo,
+            "logprobs": self.logprobs,
+            **self.sampling(),
+        }
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    response_format: dict[str, Any] | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "messages": self.messages,
+            "functions": self.functions,
+            "function_call": self.function_call,
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "max_tokens": self.max_tokens,
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
+            "response_format": self.response_format,
+            **self.sampling(),
+        }

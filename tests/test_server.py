@@ -1,0 +1,283 @@
+"""`weightlift serve`, run as a user runs it: a subprocess on a free port of 127.0.0.1, spoken to
+with the official `openai` client and, for what that client will not send, raw httpx.
+
+The server runs the demo model in exact compute, where a greedy reply does not depend on what
+the cache held before (fast mode's reused prefixes can move the last bits of a logit), so "the
+same request run alone" is a fair reference for a request run among others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+EXE = Path(sys.executable).with_name("weightlift")
+START_TIMEOUT = 60.0
+REQUEST_TIMEOUT = 30.0
+# Token ids the demo model ends a reply with (<|endoftext|>, <|im_end|>); a bias of -100 on them
+# makes a generation run to max_tokens.
+NO_EOS = {"0": -100, "2": -100}
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+
+    def client(self) -> openai.OpenAI:
+        # No retries: a 503 or a dropped connection must show, not be retried away.
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT
+        )
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=REQUEST_TIMEOUT, **kw)
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/health", timeout=REQUEST_TIMEOUT).json()
+
+
+@contextmanager
+def serving(model: Path, tmp: Path, *args: str) -> Iterator[Server]:
+    cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
+    log = tmp / f"serve-{time.monotonic_ns()}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, "serve", str(model), "--port", "0", "-t", "2", "--compute", "exact", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        url = None
+        while url is None:
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+            if m:
+                url = m.group(1)
+            elif proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the server did not start:\n{log.read_text()}")
+            else:
+                time.sleep(0.1)
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"/health never answered:\n{log.read_text()}")
+            time.sleep(0.1)
+        yield Server(proc, url, log)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(
+        demo_gguf, tmp_path_factory.mktemp("serve"), "--ctx", "1024", "--model-alias", "demo"
+    ) as s:
+        yield s
+
+
+# The requests of the concurrent test: (endpoint, stream, body).
+CASES: list[tuple[str, bool, dict[str, Any]]] = [
+    ("chat", False, {"messages": [{"role": "user", "content": "Say hi"}]}),
+    ("chat", True, {"messages": [{"role": "user", "content": "Name a fruit"}]}),
+    ("text", False, {"prompt": "The capital of France is"}),
+    ("text", True, {"prompt": "One, two, three,"}),
+    ("chat", True, {"messages": [{"role": "user", "content": "Say hi"}]}),
+    ("text", False, {"prompt": "Once upon a time"}),
+    ("chat", False, {"messages": [{"role": "user", "content": "What is 2+2?"}]}),
+    ("text", True, {"prompt": "The capital of France is"}),
+]
+
+
+def _generate(client: openai.OpenAI, kind: str, stream: bool, body: dict[str, Any]) -> str:
+    common: dict[str, Any] = {"model": "demo", "max_tokens": 12, "temperature": 0, "stream": stream}
+    if kind == "chat":
+        out: Any = client.chat.completions.create(**common, **body)
+        if stream:
+            return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+        return out.choices[0].message.content
+    out = client.completions.create(**common, **body)
+    if stream:
+        return "".join(c.choices[0].text for c in out)
+    return out.choices[0].text
+
+
+def test_completion_usage_and_timings(server: Server):
+    client = server.client()
+    out = client.completions.create(
+        model="demo", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert out.object == "text_completion" and out.model == "demo"
+    assert out.choices[0].text and out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage is not None and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    timings = out.model_extra["timings"] if out.model_extra else None
+    assert timings and timings["predicted_per_second"] > 0 and timings["prompt_ms"] > 0
+
+
+def test_chat_stream_joins_to_the_plain_reply(server: Server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Say hi"}]
+    kw: dict[str, Any] = {"model": "demo", "messages": messages, "max_tokens": 16, "temperature": 0}
+    plain = client.chat.completions.create(**kw)
+    assert plain.object == "chat.completion" and plain.usage is not None
+    assert plain.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content and text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    last = chunks[-1].model_extra or {}
+    assert last["timings"]["predicted_n"] >= 0
+
+
+def test_models_and_health(server: Server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "words"),
+    [
+        ("/v1/completions", b'{"prompt": "hi",', 400, None, "malformed JSON"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "'gpt-4'"),
+        ("/v1/completions", {"prompt": "hi " * 1500}, 400, "prompt", "do not fit the cache"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi " * 1500}]},
+            400,
+            "messages",
+            "do not fit the cache",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "grammar": "root ::= ("}, 400, "grammar", "line 1"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+            400,
+            "temperature",
+            "valid number",
+        ),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n:"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server: Server, path, body, status, param, words):
+    if isinstance(body, bytes):
+        r = server.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = server.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert words in err["message"], err
+
+
+def test_concurrent_requests_match_each_run_alone(server: Server):
+    client = server.client()
+    alone = [_generate(client, *case) for case in CASES]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda case: _generate(client, *case), CASES))
+    assert together == alone
+    assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
+
+
+def test_disconnect_mid_stream_frees_the_model(server: Server):
+    body = {"prompt": "Count:", "max_tokens": 800, "logit_bias": NO_EOS, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=10) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
+        assert len(got) >= 2
+    # 800 tokens take far longer than this: the generation must have stopped.
+    start = time.monotonic()
+    out = server.client().completions.create(model="demo", prompt="Hi", max_tokens=4)
+    assert out.choices[0].text is not None and time.monotonic() - start < 8
+    assert server.health()["running"] == 0
+
+
+def test_full_queue_answers_503(demo_gguf: Path, tmp_path: Path):
+    with serving(demo_gguf, tmp_path, "--ctx", "512", "--queue", "1") as s:
+        long = {"prompt": "Count:", "max_tokens": 150, "logit_bias": NO_EOS}
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(s.post, "/v1/completions", json=long)
+            deadline = time.monotonic() + REQUEST_TIMEOUT
+            while s.health()["running"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            short = {"prompt": "Hi", "max_tokens": 2}
+            rest = [pool.submit(s.post, "/v1/completions", json=short) for _ in range(3)]
+            answers = [f.result(timeout=REQUEST_TIMEOUT) for f in [first, *rest]]
+        codes = sorted(r.status_code for r in answers)
+        assert codes == [200, 200, 503, 503], [r.text for r in answers]
+        busy = next(r for r in answers if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1"
+        err = busy.json()["error"]
+        assert err["code"] == "queue_full" and err["type"] == "server_error"
+        assert "the server is busy" in err["message"] and "--queue" in err["message"]
+        assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
+        # Without --model-alias the model is named by its file.
+        models = httpx.get(s.url + "/v1/models", timeout=REQUEST_TIMEOUT).json()["data"]
+        assert [m["id"] for m in models] == [demo_gguf.name]
+
+
+def test_sigterm_finishes_the_stream_then_exits_0(demo_gguf: Path, tmp_path: Path):
+    with serving(demo_gguf, tmp_path, "--ctx", "512") as s:
+        body = {"prompt": "Count:", "max_tokens": 40, "logit_bias": NO_EOS, "stream": True}
+        events: list[str] = []
+        started = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line)
+                        started.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(REQUEST_TIMEOUT)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0, s.log.read_text()
+        reader.join(timeout=10)
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "Finished server process" in s.log.read_text()
+
+
+def test_parallel_above_one_is_refused(demo_gguf: Path):
+    cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
+    p = subprocess.run(
+        [*cmd, "serve", str(demo_gguf), "--parallel", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
+    assert p.returncode == 2
+    assert "--parallel 2 is not supported yet" in p.stderr and "batched decoding" in p.stderr
