@@ -517,3 +517,20 @@ def test_a_ram_cache_hit_loads_the_state_once_and_matches_a_fresh_run(demo_gguf:
     small = wl.LlamaRAMCache(capacity_bytes=1)
     small[tokens] = cached.save_state()
     assert tokens not in small
+
+
+def test_llamacpp_infill_example_runs_with_the_import_changed(
+    tmp_path: Path, demo_gguf: Path
+) -> None:
+    # The demo model has no fill-in-the-middle tokens: as llama-cpp-python, the prompt is
+    # completed and the suffix put after the text (the example then strips it again).
+    out = run_example(
+        tmp_path, "examples/high_level_api/high_level_api_infill.py", "-m", str(demo_gguf)
+    )
+    assert out.startswith("Fill-in-Middle completion")
+    with wl.Llama(str(demo_gguf), n_ctx=128, verbose=False) as llm:
+        plain = llm("def add(", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+        filled = llm("def add(", suffix="\n    return sum\n", max_tokens=8, temperature=0.0)
+        assert filled["choices"][0]["text"] == plain + "\n    return sum\n"
+        with pytest.raises(TypeError, match="suffix"):
+            llm([504, 3575], suffix="x", max_tokens=1)

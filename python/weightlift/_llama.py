@@ -76,7 +76,6 @@ _REFUSED = {
     "chat_handler": (None, "chat handlers are not built; the model's chat template is used"),
     "draft_model": (None, "speculative decoding is not built"),
     "tokenizer": (None, "the model's own tokenizer is used"),
-    "spm_infill": (False, "fill-in-the-middle prompts are not built"),
     "last_n_tokens_size": (64, "the penalties look at the last 64 tokens"),
 }
 
@@ -202,6 +201,7 @@ class Llama:
         chat_format: str | None = None,
         type_k: int | None = None,
         type_v: int | None = None,
+        spm_infill: bool = False,
         verbose: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -239,6 +239,7 @@ class Llama:
             model_path=self.model_path,
             verbose=verbose,
             chat_format=chat_format,
+            spm_infill=spm_infill,
             n_gpu_layers=n_gpu_layers,
             split_mode=_SPLIT_MODES[split_mode],
             tensor_split=list(tensor_split) if tensor_split is not None else None,

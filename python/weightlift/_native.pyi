@@ -859,4 +859,5 @@ def load_gguf(
     model_path: _Path | None = None,
     verbose: bool = True,
     chat_format: str | None = None,
+    spm_infill: bool = False,
 ) -> Model: ...

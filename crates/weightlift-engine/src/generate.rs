@@ -570,6 +570,30 @@ impl Model {
         Ok(self.tokenizer()?.encode(text, add_bos, true)?)
     }
 
+    /// The prompt of a fill-in-the-middle completion of the text between `prefix` and
+    /// `suffix`, as llama.cpp lays it out: BOS (when the tokenizer adds one), then the prefix
+    /// token and the prefix, the suffix token and the suffix, and the middle token
+    /// (`spm`: suffix part first). `None` when the vocabulary has no FIM tokens: the caller then
+    /// completes `prefix` alone and puts `suffix` after the text, as llama-cpp-python does.
+    pub fn infill_prompt(&self, prefix: &str, suffix: &str, spm: bool) -> Result<Option<Vec<u32>>> {
+        let tok = self.tokenizer()?;
+        let Some(fim) = tok.fim() else {
+            return Ok(None);
+        };
+        let mut pre = vec![fim.prefix];
+        pre.extend(tok.encode(prefix, Some(false), false)?);
+        let mut suf = vec![fim.suffix];
+        suf.extend(tok.encode(suffix, Some(false), false)?);
+        let mut ids: Vec<u32> = tok.bos_id().filter(|_| tok.add_bos()).into_iter().collect();
+        if spm {
+            ids.extend(suf.into_iter().chain(pre));
+        } else {
+            ids.extend(pre.into_iter().chain(suf));
+        }
+        ids.push(fim.middle);
+        Ok(Some(ids))
+    }
+
     /// The prompt ids of a text completion: [`Model::prompt_ids`], except that an empty prompt
     /// is BOS alone, as llama-cpp-python runs it.
     pub fn completion_prompt(&self, text: &str) -> Result<Vec<u32>> {

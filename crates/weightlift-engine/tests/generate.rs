@@ -248,3 +248,36 @@ fn peak_memory_during_a_generation_is_the_plan() {
     }
     assert_eq!(checked, 2, "both virtual devices hold layers");
 }
+
+/// A fill-in-the-middle prompt is laid out as llama.cpp lays it out, with the FIM tokens the
+/// vocabulary has (StarCoder's, found by their texts): prefix token and prefix, suffix token and
+/// suffix, middle token (the suffix part first with `spm`); a vocabulary without them (the demo
+/// model's) has none, and the caller falls back to a plain completion.
+#[test]
+fn infill_prompts_use_the_vocabularys_fim_tokens() {
+    let path = weightlift_testdata::vocab_dir().join("ggml-vocab-starcoder.gguf");
+    assert!(path.is_file(), "{} is missing: run `make vocab`", path.display());
+    let m = Model::new(open(path.to_str().unwrap()), Inventory::parse("cpu").unwrap());
+    let tok = m.tokenizer().unwrap();
+    let id = |text: &str| (0..tok.n_vocab() as u32).find(|&i| tok.token_text(i) == Some(text));
+    let (pre, suf, mid) = (
+        id("<fim_prefix>").unwrap(),
+        id("<fim_suffix>").unwrap(),
+        id("<fim_middle>").unwrap(),
+    );
+    let p = tok.encode("def add(a, b):", Some(false), false).unwrap();
+    let s = tok.encode("\n    return c\n", Some(false), false).unwrap();
+    let psm = m
+        .infill_prompt("def add(a, b):", "\n    return c\n", false)
+        .unwrap()
+        .unwrap();
+    let want: Vec<u32> = [vec![pre], p.clone(), vec![suf], s.clone(), vec![mid]].concat();
+    assert_eq!(psm, want);
+    let spm = m
+        .infill_prompt("def add(a, b):", "\n    return c\n", true)
+        .unwrap()
+        .unwrap();
+    assert_eq!(spm, [vec![suf], s, vec![pre], p, vec![mid]].concat());
+    let demo = Model::new(open(demo_path()), Inventory::parse("cpu").unwrap());
+    assert_eq!(demo.infill_prompt("a", "b", false).unwrap(), None);
+}

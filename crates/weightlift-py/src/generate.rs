@@ -21,9 +21,8 @@ use crate::cache::Cache;
 use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
 use args::{
-    Call, Knobs, SampleDefaults, alternatives, is_given, json_arg, logit_bias_arg, logprobs_count,
-    message, new_token_budget, prompt_ids, refuse, refuse_sampling, same_knob, text_of,
-    token_ids_arg,
+    Call, Knobs, SampleDefaults, alternatives, json_arg, logit_bias_arg, logprobs_count, message,
+    new_token_budget, prompt_ids, refuse, refuse_sampling, same_knob, text_of, token_ids_arg,
 };
 pub use grammar::LlamaGrammar;
 use grammar::{grammar_arg, mirostat, response_format_grammar};
@@ -181,7 +180,10 @@ impl Model {
     /// chosen token, None or False none. `mirostat_mode=1` or `2` samples with Mirostat in place
     /// of top-k, typical, top-p, min-p and the temperature; `grammar` (GBNF text or a
     /// `LlamaGrammar`) keeps the text inside a grammar. Arguments it has that this build does
-    /// not implement (`suffix`, `tfs_z` other than 1) raise `UnsupportedError` when given.
+    /// not implement (`tfs_z` other than 1) raise `UnsupportedError` when given. `suffix`
+    /// asks for the text between `prompt` and it: a fill-in-the-middle prompt on a model whose
+    /// vocabulary has FIM tokens (`spm_infill` at load puts the suffix first), else the
+    /// completion of `prompt` with `suffix` put after it, as llama-cpp-python does.
     /// `logits_processor` (`(input_ids, scores) -> scores`, after the bias) and
     /// `stopping_criteria` (`(input_ids, logits) -> bool`) are called with the GIL on every
     /// token, as llama-cpp-python calls them; they cannot call this model. `logit_bias`
@@ -223,11 +225,6 @@ impl Model {
         grammar: Option<&Bound<'_, PyAny>>,
         logit_bias: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        refuse(
-            "suffix",
-            is_given(suffix),
-            "fill-in-the-middle prompts are not built",
-        )?;
         let logprobs = logprobs_count(logprobs, "logprobs")?;
         refuse_sampling(tfs_z)?;
         let logit_bias = logit_bias_arg(logit_bias)?;
@@ -245,7 +242,31 @@ impl Model {
             seed,
             mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
         };
-        let ids = prompt_ids(&me.lock()?.model, prompt, None, true)?;
+        let suffix = suffix
+            .filter(|s| !s.is_none())
+            .map(|s| text_of(s, "suffix"))
+            .transpose()?;
+        let (ids, append) = {
+            let inner = me.lock()?;
+            match &suffix {
+                Some(sfx) if prompt.cast::<pyo3::types::PyList>().is_err() => {
+                    let prefix = text_of(prompt, "prompt")?;
+                    match eng(inner.model.infill_prompt(&prefix, sfx, inner.spm_infill))? {
+                        Some(ids) => (ids, None),
+                        None => (
+                            prompt_ids(&inner.model, prompt, None, true)?,
+                            suffix.clone(),
+                        ),
+                    }
+                }
+                Some(_) => {
+                    return Err(pyo3::exceptions::PyTypeError::new_err(
+                        "suffix: a fill-in-the-middle prompt is text (str or bytes), not ids",
+                    ));
+                }
+                None => (prompt_ids(&inner.model, prompt, None, true)?, None),
+            }
+        };
         let prompt_text = {
             let tok = eng(me.lock()?.model.tokenizer())?;
             tok.decode(&ids, true).map_err(ToPyErr::to_pyerr)?
@@ -257,6 +278,7 @@ impl Model {
         call.options.grammar = grammar;
         call.options.logit_bias = logit_bias;
         hooks::install(&mut call, logits_processor, stopping_criteria);
+        call.append = append;
         Model::respond(
             slf,
             call,

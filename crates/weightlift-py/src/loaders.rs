@@ -83,6 +83,7 @@ pub fn from_pretrained(
 /// reported in `Model.warnings`). As llama-cpp-python's `Llama`, the file may be given as
 /// `model_path=`, and `verbose` is accepted (nothing is printed); `chat_format` names a
 /// built-in chat format, which is not built: the model's own template is used when it is None.
+/// `spm_infill` puts the suffix first in fill-in-the-middle prompts (`suffix=`).
 #[pyfunction]
 #[pyo3(signature = (path = None, *, n_gpu_layers = 0, split_mode = "layer", tensor_split = None, main_gpu = 0,
                     use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
@@ -90,8 +91,8 @@ pub fn from_pretrained(
                     n_ctx = 512, n_batch = 512, type_k = "f16", type_v = "f16", n_threads = None,
                     compute = "fast", seed = None, callback = None, progress = false,
                     offload = None, blocks_per_group = 1, prefetch = true, model_path = None,
-                    verbose = true, chat_format = None),
-       text_signature = "(path=None, *, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False, offload=None, blocks_per_group=1, prefetch=True, model_path=None, verbose=True, chat_format=None)")]
+                    verbose = true, chat_format = None, spm_infill = false),
+       text_signature = "(path=None, *, n_gpu_layers=0, split_mode='layer', tensor_split=None, main_gpu=0, use_mmap=True, use_direct_io=False, use_mlock=False, check_tensors=False, vocab_only=False, progress_callback=None, devices=None, runtime=None, n_ctx=512, n_batch=512, type_k='f16', type_v='f16', n_threads=None, compute='fast', seed=None, callback=None, progress=False, offload=None, blocks_per_group=1, prefetch=True, model_path=None, verbose=True, chat_format=None, spm_infill=False)")]
 #[allow(clippy::too_many_arguments)]
 pub fn load_gguf(
     py: Python<'_>,
@@ -123,6 +124,7 @@ pub fn load_gguf(
     model_path: Option<&Bound<'_, PyAny>>,
     verbose: bool,
     chat_format: Option<&str>,
+    spm_infill: bool,
 ) -> PyResult<Model> {
     let _ = verbose;
     let path = match (path, model_path) {
@@ -158,6 +160,7 @@ pub fn load_gguf(
     let ckpt = Model::open_source(path, open)?;
     let model = Model::with_checkpoint(ckpt, devices, "auto", runtime, compute, n_threads, None)?;
     model.lock()?.seed = load_seed(seed);
+    model.lock()?.spm_infill = spm_infill;
     if vocab_only {
         // the metadata and tokenizer only: no tensors to load
         return Ok(model);

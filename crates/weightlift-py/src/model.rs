@@ -36,6 +36,8 @@ pub(crate) struct ModelInner {
     tp_obj: Option<Py<crate::tp::TPContext>>,
     /// Set by `close()`: every later call raises `ClosedError`.
     closed: bool,
+    /// Fill-in-the-middle prompts put the suffix first (`load_gguf(spm_infill=True)`).
+    pub(crate) spm_infill: bool,
 }
 
 impl ModelInner {
@@ -130,6 +132,7 @@ impl Model {
                 timings: None,
                 tp_obj: None,
                 closed: false,
+                spm_infill: false,
             }),
             checkpoint: ckpt,
         })

@@ -23,6 +23,7 @@
 mod chat;
 mod eog;
 mod error;
+mod fim;
 mod pretok;
 mod pyjson;
 mod stream;
@@ -30,5 +31,6 @@ mod tokenizer;
 
 pub use chat::{ChatTemplate, ChatTools, Message};
 pub use error::{Result, TextError};
+pub use fim::FimTokens;
 pub use stream::StreamDecoder;
 pub use tokenizer::{TokenType, Tokenizer, VocabKind};

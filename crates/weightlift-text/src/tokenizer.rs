@@ -77,6 +77,7 @@ pub struct Tokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     eog: Vec<u32>,
+    fim: Option<crate::FimTokens>,
     add_bos: bool,
     chat_template: Option<String>,
 }
@@ -296,12 +297,31 @@ impl Tokenizer {
         let chat_template = get_str(md, "tokenizer.chat_template")?.map(str::to_owned);
 
         let eog = eog::end_of_generation(&texts, &declared, fim, |_| true);
+        let declared_fim = [
+            "tokenizer.ggml.fim_pre_token_id",
+            "tokenizer.ggml.fim_suf_token_id",
+            "tokenizer.ggml.fim_mid_token_id",
+        ];
+        let older_fim = [
+            "tokenizer.ggml.prefix_token_id",
+            "tokenizer.ggml.suffix_token_id",
+            "tokenizer.ggml.middle_token_id",
+        ];
+        let mut fim_ids = [None; 3];
+        for (slot, (key, older)) in fim_ids.iter_mut().zip(declared_fim.iter().zip(older_fim)) {
+            *slot = match get_id(md, key, n)? {
+                Some(id) => Some(id),
+                None => get_id(md, older, n)?,
+            };
+        }
+        let fim_tokens = crate::fim::fim_tokens(&texts, fim_ids);
         let mut types = types;
-        for &i in &eog {
+        let fim_list = fim_tokens.map(|f| [f.prefix, f.suffix, f.middle]);
+        for &i in eog.iter().chain(fim_list.iter().flatten()) {
             // llama.cpp overrides a control-looking token that is not typed control.
             types[i as usize] = TokenType::Control;
         }
-        Ok(Tokenizer::assemble(
+        let mut t = Tokenizer::assemble(
             hf,
             kind,
             model == "llama",
@@ -313,7 +333,9 @@ impl Tokenizer {
             eog,
             add_bos,
             chat_template,
-        ))
+        );
+        t.fim = fim_tokens;
+        Ok(t)
     }
 
     /// Build the tokenizer in a Hugging Face folder: `tokenizer.json`, plus `tokenizer_config.json`
@@ -416,7 +438,8 @@ impl Tokenizer {
             },
         };
 
-        Ok(Tokenizer::assemble(
+        let fim = crate::fim::fim_tokens(&texts, [None; 3]);
+        let mut t = Tokenizer::assemble(
             hf,
             kind,
             false,
@@ -428,7 +451,9 @@ impl Tokenizer {
             eog,
             add_bos,
             chat_template,
-        ))
+        );
+        t.fim = fim;
+        Ok(t)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -465,6 +490,7 @@ impl Tokenizer {
             bos,
             eos,
             eog,
+            fim: None,
             add_bos,
             chat_template,
         }
@@ -682,6 +708,12 @@ impl Tokenizer {
     /// `<|eot_id|>`, `<|endoftext|>`, ...).
     pub fn eog_ids(&self) -> &[u32] {
         &self.eog
+    }
+
+    /// The fill-in-the-middle tokens (llama.cpp's `llama_vocab_fim_pre`/`_suf`/`_mid`), when
+    /// the vocabulary has all three.
+    pub fn fim(&self) -> Option<crate::FimTokens> {
+        self.fim
     }
 
     pub fn is_eog(&self, id: u32) -> bool {

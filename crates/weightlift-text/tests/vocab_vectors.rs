@@ -155,3 +155,35 @@ fn survey_all_vocabs() {
         }
     }
 }
+
+/// Fill-in-the-middle tokens, found by their texts as llama.cpp finds them (these vocabularies
+/// declare no ids): StarCoder's `<fim_prefix>`/`<fim_suffix>`/`<fim_middle>` and DeepSeek
+/// Coder's `<｜fim▁begin｜>`/`<｜fim▁hole｜>`/`<｜fim▁end｜>`; none in llama's SPM vocabulary.
+#[test]
+fn fim_tokens_are_found_by_their_texts() {
+    let dir = vocab_dir();
+    let open = |name: &str| {
+        let ckpt = Checkpoint::open(
+            dir.join(format!("ggml-vocab-{name}.gguf")),
+            OpenOptions::default(),
+        )
+        .unwrap();
+        Tokenizer::from_gguf(ckpt.metadata()).unwrap()
+    };
+    for (name, texts) in [
+        (
+            "starcoder",
+            ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"],
+        ),
+        (
+            "deepseek-coder",
+            ["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"],
+        ),
+    ] {
+        let t = open(name);
+        let fim = t.fim().unwrap_or_else(|| panic!("{name}: no FIM tokens"));
+        let got = [fim.prefix, fim.suffix, fim.middle].map(|id| t.token_text(id).unwrap());
+        assert_eq!(got, texts, "{name}");
+    }
+    assert_eq!(open("llama-spm").fim(), None);
+}

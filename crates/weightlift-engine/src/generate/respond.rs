@@ -48,6 +48,9 @@ pub struct ResponseOptions {
     pub prompt_ids: Vec<u32>,
     /// A chat answering by calling this tool.
     pub tool: Option<String>,
+    /// Text put after the generated text (`suffix=` on a model without fill-in-the-middle
+    /// tokens, as llama-cpp-python does).
+    pub append: Option<String>,
 }
 
 /// Builds the response of one generation: the whole of it, or its stream chunk by chunk.
@@ -124,7 +127,9 @@ impl Responder {
                 created: self.created,
                 model: self.options.model.clone(),
                 choices: vec![CompletionChoice {
-                    text: self.options.echo.clone().unwrap_or_default() + text,
+                    text: self.options.echo.clone().unwrap_or_default()
+                        + text
+                        + self.options.append.as_deref().unwrap_or_default(),
                     index: 0,
                     logprobs,
                     finish_reason: finish,

@@ -217,6 +217,8 @@ pub(super) struct Call {
     pub(super) cache: Option<Arc<weightlift_engine::Cache>>,
     /// Where a Python hook's exception waits to be raised.
     pub(super) hook_error: super::hooks::HookError,
+    /// Text to put after the generated text (a `suffix` without fill-in-the-middle tokens).
+    pub(super) append: Option<String>,
 }
 
 impl Call {
@@ -239,6 +241,7 @@ impl Call {
             },
             cache,
             hook_error: super::hooks::HookError::default(),
+            append: None,
         })
     }
 }

@@ -152,6 +152,7 @@ impl Model {
             Vec::new()
         };
         let hook_error = call.hook_error.clone();
+        let append = call.append.take();
         let mut job = model.start(call)?;
         let kind = match shape {
             Shape::Text => None,
@@ -169,6 +170,7 @@ impl Model {
                     prompt_chars,
                     prompt_ids,
                     tool,
+                    append,
                 };
                 Some(Responder::new(kind, &job, options))
             }
