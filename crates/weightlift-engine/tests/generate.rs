@@ -256,8 +256,15 @@ fn peak_memory_during_a_generation_is_the_plan() {
 #[test]
 fn infill_prompts_use_the_vocabularys_fim_tokens() {
     let path = weightlift_testdata::vocab_dir().join("ggml-vocab-starcoder.gguf");
-    assert!(path.is_file(), "{} is missing: run `make vocab`", path.display());
-    let m = Model::new(open(path.to_str().unwrap()), Inventory::parse("cpu").unwrap());
+    assert!(
+        path.is_file(),
+        "{} is missing: run `make vocab`",
+        path.display()
+    );
+    let m = Model::new(
+        open(path.to_str().unwrap()),
+        Inventory::parse("cpu").unwrap(),
+    );
     let tok = m.tokenizer().unwrap();
     let id = |text: &str| (0..tok.n_vocab() as u32).find(|&i| tok.token_text(i) == Some(text));
     let (pre, suf, mid) = (
