@@ -43,8 +43,6 @@ _SPLIT_MODES = {
     LLAMA_SPLIT_MODE_LAYER: "layer",
     LLAMA_SPLIT_MODE_ROW: "row",
 }
-# ggml type numbers of the KV cache types the engine stores (`type_k` / `type_v`).
-_GGML_CACHE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0", 30: "bf16"}
 
 # Keywords that only tune llama.cpp's own scheduling: accepted, and they change nothing here.
 _NO_EFFECT = {
@@ -229,31 +227,32 @@ class Llama:
         self.cache: LlamaRAMCache | None = None
         # The logits of the last `eval` (every position with logits_all, else the last one).
         self._scores: npt.NDArray[np.single] = np.zeros((0, 0), dtype=np.single)
-        with open_checkpoint(self.model_path) as ckpt:
+        # One open: the spec for n_embd and n_ctx=0, and the source the model loads from.
+        with open_checkpoint(self.model_path, vocab_only=vocab_only) as ckpt:
             spec = ckpt.spec
-        self._n_embd = spec.hidden_size if spec is not None else 0
-        if n_ctx == 0:
-            # llama.cpp's 0: the context the model was trained with.
-            n_ctx = spec.context_length if spec is not None else 512
-        self._model: Model = load_gguf(
-            model_path=self.model_path,
-            verbose=verbose,
-            chat_format=chat_format,
-            spm_infill=spm_infill,
-            n_gpu_layers=n_gpu_layers,
-            split_mode=_SPLIT_MODES[split_mode],
-            tensor_split=list(tensor_split) if tensor_split is not None else None,
-            main_gpu=main_gpu,
-            use_mmap=use_mmap,
-            use_mlock=use_mlock,
-            vocab_only=vocab_only,
-            n_ctx=n_ctx,
-            n_batch=n_batch,
-            type_k=_cache_type("type_k", type_k),
-            type_v=_cache_type("type_v", type_v),
-            n_threads=n_threads,
-            seed=None if self._seed == LLAMA_DEFAULT_SEED else self._seed,
-        )
+            self._n_embd = spec.hidden_size if spec is not None else 0
+            if n_ctx == 0:
+                # llama.cpp's 0: the context the model was trained with.
+                n_ctx = spec.context_length if spec is not None else 512
+            self._model: Model = load_gguf(
+                ckpt,
+                verbose=verbose,
+                chat_format=chat_format,
+                spm_infill=spm_infill,
+                n_gpu_layers=n_gpu_layers,
+                split_mode=_SPLIT_MODES[split_mode],
+                tensor_split=list(tensor_split) if tensor_split is not None else None,
+                main_gpu=main_gpu,
+                use_mmap=use_mmap,
+                use_mlock=use_mlock,
+                vocab_only=vocab_only,
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                type_k=type_k,
+                type_v=type_v,
+                n_threads=n_threads,
+                seed=None if self._seed == LLAMA_DEFAULT_SEED else self._seed,
+            )
         if verbose:
             where = ", ".join(self._model.layer_devices[:1]) if not vocab_only else "-"
             print(
@@ -456,7 +455,7 @@ class Llama:
             )
         return sample(
             row,
-            history[-64:],
+            history,
             temperature=temp,
             top_k=top_k,
             top_p=top_p,
@@ -496,13 +495,8 @@ class Llama:
         ``reset`` the longest prefix of ``tokens`` already held is reused."""
         tokens = list(tokens)
         if reset:
-            held = list(self.input_ids)
-            common = 0
-            for a, b in zip(held, tokens, strict=False):
-                if a != b:
-                    break
-                common += 1
             # At least one token runs, so there are logits to sample.
+            common = _common_prefix(self.input_ids.tolist(), tokens)
             common = min(common, len(tokens) - 1) if tokens else 0
             self._rewind(common)
             tokens = tokens[common:]
@@ -617,17 +611,3 @@ class Llama:
 
     def __exit__(self, *_args: object) -> None:
         self.close()
-
-
-def _cache_type(name: str, value: int | str | None) -> str:
-    if value is None:
-        return "f16"
-    if isinstance(value, str):
-        return value
-    if value not in _GGML_CACHE_TYPES:
-        raise _refuse(
-            name,
-            f"ggml type {value} is not a KV cache type here; expected one of "
-            + ", ".join(f"{n} ({t})" for n, t in sorted(_GGML_CACHE_TYPES.items())),
-        )
-    return _GGML_CACHE_TYPES[value]

@@ -88,7 +88,7 @@ pub fn from_pretrained(
 #[pyo3(signature = (path = None, *, n_gpu_layers = 0, split_mode = "layer", tensor_split = None, main_gpu = 0,
                     use_mmap = true, use_direct_io = false, use_mlock = false, check_tensors = false,
                     vocab_only = false, progress_callback = None, devices = None, runtime = None,
-                    n_ctx = 512, n_batch = 512, type_k = "f16", type_v = "f16", n_threads = None,
+                    n_ctx = 512, n_batch = 512, type_k = None, type_v = None, n_threads = None,
                     compute = "fast", seed = None, callback = None, progress = false,
                     offload = None, blocks_per_group = 1, prefetch = true, model_path = None,
                     verbose = true, chat_format = None, spm_infill = false),
@@ -111,8 +111,8 @@ pub fn load_gguf(
     runtime: Option<RuntimeArg>,
     n_ctx: u64,
     n_batch: u64,
-    type_k: &str,
-    type_v: &str,
+    type_k: Option<&Bound<'_, PyAny>>,
+    type_v: Option<&Bound<'_, PyAny>>,
     n_threads: Option<usize>,
     compute: &str,
     seed: Option<u64>,
@@ -165,7 +165,10 @@ pub fn load_gguf(
         // the metadata and tokenizer only: no tensors to load
         return Ok(model);
     }
-    let cache_dtype = llama_cache_dtype(type_k, type_v)?;
+    let cache_dtype = llama_cache_dtype(
+        &cache_type_name(type_k, "type_k")?,
+        &cache_type_name(type_v, "type_v")?,
+    )?;
     let cache = {
         let mut inner = model.lock()?;
         if keep_n_batch {
@@ -212,6 +215,36 @@ pub fn load_gguf(
 /// `load_gguf(seed=...)`: llama.cpp's `LLAMA_DEFAULT_SEED` (0xFFFFFFFF) means a random seed.
 fn load_seed(seed: Option<u64>) -> Option<u64> {
     seed.filter(|&s| s != u64::from(u32::MAX))
+}
+
+/// `type_k` / `type_v` as a name: given as one, or as the ggml type number llama-cpp-python
+/// passes (named by the format crate's type table); a ggml type the cache cannot store is
+/// refused by name.
+fn cache_type_name(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<String> {
+    // None is llama.cpp's default, f16 (the text signature shows it).
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok("f16".into());
+    };
+    if let Ok(name) = obj.extract::<String>() {
+        return Ok(name);
+    }
+    let id: u32 = obj.extract().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "{what}: expected a cache type name ('f16', 'q8_0', ...) or a ggml type number"
+        ))
+    })?;
+    let name = wf::DType::from_ggml_id(id).map(|t| t.name().to_ascii_lowercase());
+    match name {
+        Some(n) if CacheDType::parse(&n).is_ok() => Ok(n),
+        other => Err(raise(
+            Exc::Unsupported,
+            format!(
+                "{what}={id} ({}) is not supported: the KV cache stores f32 (0), f16 (1), \
+                 q4_0 (2), q8_0 (8) or bf16 (30)",
+                other.unwrap_or_else(|| "not a ggml type".into())
+            ),
+        )),
+    }
 }
 
 /// llama.cpp's `type_k` / `type_v` pair ([`CacheDType::from_llama_types`]), or the refusal.

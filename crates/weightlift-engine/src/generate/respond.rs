@@ -23,7 +23,7 @@ use super::openai::{
     CompletionLogprobs, Delta, Field, FunctionCall, Response, ToolCall, Usage,
 };
 use super::{FinishReason, Generation, Piece};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 
 /// Which object a response is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,17 +185,9 @@ impl Responder {
         if std::mem::take(&mut self.opening) {
             match self.kind {
                 Kind::Chat => {
-                    let delta = match self.options.tool {
-                        Some(_) => Delta {
-                            role: Field::Set("assistant"),
-                            content: Field::Null,
-                            function_call: Field::Null,
-                            tool_calls: Field::Null,
-                        },
-                        None => Delta {
-                            role: Field::Set("assistant"),
-                            ..Delta::default()
-                        },
+                    let delta = Delta {
+                        role: Field::Set("assistant"),
+                        ..self.closing_delta()
                     };
                     return Some(self.chat_chunk(delta, None, None));
                 }
@@ -250,13 +242,12 @@ impl Responder {
             Kind::Chat => {
                 let delta = match &self.options.tool {
                     Some(name) => Delta {
-                        role: Field::Null,
-                        content: Field::Null,
                         function_call: Field::Set(FunctionCall {
                             name: name.clone(),
                             arguments: text.clone(),
                         }),
                         tool_calls: Field::Set(vec![self.tool_call(name, text, Some(0))]),
+                        ..self.closing_delta()
                     },
                     // A token's chunk keeps its (empty) content; the closing chunk is `{}`.
                     None if text.is_empty() && entry.is_none() => Delta::default(),
@@ -270,6 +261,8 @@ impl Responder {
         }))
     }
 
+    /// The delta with nothing in it: `{}` for text, every field null for a tool call (as
+    /// llama-cpp-python writes a tool call's chunks).
     fn closing_delta(&self) -> Delta {
         match self.options.tool {
             Some(_) => Delta {
@@ -379,7 +372,7 @@ impl Lister {
     }
 
     fn text(&self, id: u32) -> Result<String> {
-        let piece = self.tokenizer.token_piece(id, false).map_err(text_err)?;
+        let piece = self.tokenizer.token_piece(id, false)?;
         Ok(text_ignoring_invalid(&piece))
     }
 
@@ -390,7 +383,7 @@ impl Lister {
         token: u32,
         scored: Option<&TokenLogprobs>,
     ) -> Result<()> {
-        let piece = self.tokenizer.token_piece(token, false).map_err(text_err)?;
+        let piece = self.tokenizer.token_piece(token, false)?;
         let text = text_ignoring_invalid(&piece);
         out.text_offset.push(self.base + self.offsets.chars());
         self.offsets.push(&piece);
@@ -410,10 +403,6 @@ impl Lister {
         out.top_logprobs.push(top);
         Ok(())
     }
-}
-
-fn text_err(e: weightlift_text::TextError) -> EngineError {
-    EngineError::from(e)
 }
 
 /// 32 hex digits for response ids (uniqueness, not secrecy: std's randomly keyed hasher).
