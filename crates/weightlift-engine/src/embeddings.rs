@@ -287,7 +287,7 @@ impl Model {
                 ),
             });
         }
-        let cache = self.scratch_cache(tokens)?;
+        let cache = self.sequence_cache(tokens)?;
         let mut rows = Vec::new();
         let ran = self.run_forward(ids, Some(&cache), Output::Hidden, &mut rows);
         cache.free();

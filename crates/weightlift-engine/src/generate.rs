@@ -333,23 +333,32 @@ impl Generation {
         })
     }
 
-    /// The next piece, or `None` once the final piece (the one with a finish reason) was
-    /// returned.
-    pub fn step(&mut self, model: &mut Model) -> Result<Option<Piece>> {
+    /// What this step does before sampling.
+    fn next(&mut self) -> Next {
         if self.done {
-            return Ok(None);
+            return Next::Done;
         }
         if self.finish.is_none() && self.tokens.len() as u64 >= self.max_tokens {
             self.finish = Some(FinishReason::Length);
         }
         if let Some(reason) = self.finish {
-            return Ok(Some(self.flush(reason)));
+            return Next::Flush(reason);
         }
-        let first = self.tokens.is_empty();
+        match self.top_logprobs {
+            Some(n) if self.tokens.is_empty() && self.score_prompt => Next::Scored(n),
+            _ => Next::Forward,
+        }
+    }
+
+    /// The next piece, or `None` once the final piece (the one with a finish reason) was
+    /// returned.
+    pub fn step(&mut self, model: &mut Model) -> Result<Option<Piece>> {
         let t0 = Instant::now();
-        let ran = match self.top_logprobs {
-            Some(n) if first && self.score_prompt => self.run_scored_prompt(model, n),
-            _ => model
+        let ran = match self.next() {
+            Next::Done => return Ok(None),
+            Next::Flush(reason) => return Ok(Some(self.flush(reason))),
+            Next::Scored(n) => self.run_scored_prompt(model, n),
+            Next::Forward => model
                 .forward(
                     &self.pending,
                     Some(&self.cache),
@@ -362,6 +371,13 @@ impl Generation {
             self.done = true;
             return Err(e);
         }
+        self.sampled(t0.elapsed().as_secs_f64())
+    }
+
+    /// The rest of a step once its forward call left the logits (it took `ran` seconds):
+    /// sample, check the end, detokenize.
+    fn sampled(&mut self, ran: f64) -> Result<Option<Piece>> {
+        let first = self.tokens.is_empty();
         let t1 = Instant::now();
         let token = match self.sample() {
             Ok(t) => t,
@@ -371,7 +387,6 @@ impl Generation {
             }
         };
         let t2 = Instant::now();
-        let ran = t1.duration_since(t0).as_secs_f64();
         if first {
             self.timings.prompt_tokens = self.pending.len() as u64;
             self.timings.prompt_secs = ran;
@@ -561,6 +576,71 @@ impl Generation {
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
     }
+}
+
+/// What a step does before sampling.
+enum Next {
+    /// Nothing: the final piece was returned.
+    Done,
+    /// Return the final piece, for this reason.
+    Flush(FinishReason),
+    /// Run the pending ids for the last position's logits.
+    Forward,
+    /// Run the prompt with logits at every position, scoring it with this many alternatives.
+    Scored(usize),
+}
+
+/// One step of each of several generations, their forward calls as one
+/// [`Model::forward_batch`]: the step of continuous batching. A new generation's prompt and the
+/// others' last tokens run together; a finished generation returns its final piece (or `None`
+/// after it) and takes no part. A generation that scores its prompt runs that step alone (it
+/// needs every position's logits). Each generation keeps its own sampler, stops and grammar, so
+/// its tokens are those it samples alone from the same logits.
+///
+/// Each entry of the answer is that generation's [`Generation::step`]. When the batch's forward
+/// call fails (a device out of memory), every generation in it ends and the error is returned;
+/// their caches keep what was written before it.
+pub fn step_batch(
+    model: &mut Model,
+    gens: &mut [&mut Generation],
+) -> Result<Vec<Result<Option<Piece>>>> {
+    let mut out: Vec<Option<Result<Option<Piece>>>> = Vec::with_capacity(gens.len());
+    let mut batch = Vec::new();
+    for (i, g) in gens.iter_mut().enumerate() {
+        out.push(match g.next() {
+            Next::Done => Some(Ok(None)),
+            Next::Flush(reason) => Some(Ok(Some(g.flush(reason)))),
+            Next::Scored(_) => Some(g.step(model)),
+            Next::Forward => {
+                batch.push(i);
+                None
+            }
+        });
+    }
+    if !batch.is_empty() {
+        let t0 = Instant::now();
+        let mut rows = Vec::new();
+        let seqs: Vec<(&Arc<Cache>, &[u32])> = batch
+            .iter()
+            .map(|&i| (&gens[i].cache, gens[i].pending.as_slice()))
+            .collect();
+        let ran = model.forward_batch(&seqs, &mut rows);
+        let secs = t0.elapsed().as_secs_f64();
+        if let Err(e) = ran {
+            for &i in &batch {
+                gens[i].done = true;
+            }
+            return Err(e);
+        }
+        let vocab = rows.len() / batch.len();
+        for (&i, row) in batch.iter().zip(rows.chunks_exact(vocab)) {
+            let g = &mut *gens[i];
+            g.logits.clear();
+            g.logits.extend_from_slice(row);
+            out[i] = Some(g.sampled(secs));
+        }
+    }
+    Ok(out.into_iter().map(|r| r.unwrap_or(Ok(None))).collect())
 }
 
 impl Model {

@@ -66,78 +66,134 @@ pub(super) struct Weights<'a> {
     pub slot: Option<&'a [u8]>,
 }
 
-/// One decoder layer on `n` tokens at positions `pos..pos + n`, in place on `w.x`.
-#[allow(clippy::too_many_arguments)]
+/// One sequence's tokens in a forward chunk: its cache, the position of its first token, and
+/// how many tokens it has. A chunk's pieces take consecutive rows of the workspace, in order.
+#[derive(Clone, Copy)]
+pub(crate) struct Piece<'a> {
+    pub cache: &'a Arc<Cache>,
+    pub pos: usize,
+    pub n: usize,
+}
+
+/// The tokens of a chunk's pieces.
+pub(crate) fn tokens(pieces: &[Piece<'_>]) -> usize {
+    pieces.iter().map(|p| p.n).sum()
+}
+
+/// One decoder layer on the tokens of `pieces` (each at its own positions, attending to its own
+/// cache), in place on `w.x`. Everything but attention is per token or a product, so the
+/// pieces share it; attention runs piece by piece.
 pub(super) fn run_layer(
     c: &Consts,
     l: &Layer,
     li: usize,
     wts: &Weights<'_>,
-    cache: &Arc<Cache>,
-    pos: usize,
-    n: usize,
+    pieces: &[Piece<'_>],
     w: &mut Views<'_>,
 ) -> Result<()> {
     let (h, hd, nh) = (c.hidden, c.head_dim, c.n_heads);
     let (qd, kvd) = (nh * hd, l.kv_heads * hd);
+    let n = tokens(pieces);
     let err = |what: &'static str| move |e| kernel(&format!("layer {li} {what}"), e);
     // attention
     weightlift_kernels::rms_norm(&w.x[..n * h], &l.attn_norm.host, c.eps, &mut w.xn[..n * h])
         .map_err(err("attn_norm"))?;
-    linear_on(c, wts, &l.q, w.xn, n, w.q)?;
-    linear_on(c, wts, &l.k, w.xn, n, w.k)?;
-    linear_on(c, wts, &l.v, w.xn, n, w.v)?;
-    for (t, p) in w.pos[..n].iter_mut().enumerate() {
-        *p = (pos + t) as i32;
+    linear_pieces(c, wts, &l.q, pieces, w.xn, w.q)?;
+    linear_pieces(c, wts, &l.k, pieces, w.xn, w.k)?;
+    linear_pieces(c, wts, &l.v, pieces, w.xn, w.v)?;
+    let mut slots = w.pos[..n].iter_mut();
+    for p in pieces {
+        for (t, slot) in slots.by_ref().take(p.n).enumerate() {
+            *slot = (p.pos + t) as i32;
+        }
     }
     let freqs = &w.freqs[..c.rope.n_dims / 2];
     weightlift_kernels::rope_in_place(&mut w.q[..n * qd], &w.pos[..n], &c.rope, freqs)
         .map_err(err("rope"))?;
     weightlift_kernels::rope_in_place(&mut w.k[..n * kvd], &w.pos[..n], &c.rope, freqs)
         .map_err(err("rope"))?;
-    cache.write_rows(li, pos as u64, &w.k[..n * kvd], &w.v[..n * kvd])?;
-    let resident = if cache.is_offloaded() {
-        Some(cache.fetch(li)?)
-    } else {
-        None
-    };
-    let shape = Shape {
-        n_heads: nh,
-        kv_heads: l.kv_heads,
-        head_dim: hd,
-        kv_tile: c.kv_tile,
-        q_tile: c.q_tile,
-        f16_operands: c.compute.f16_operands(cache.config().dtype),
-    };
-    let tiles = Tiles {
-        kt: w.kt,
-        vt: w.vt,
-        scores: w.scores,
-        stats: w.stats,
-        acc: w.att,
-    };
-    // The rotated queries are read from `q`; the attention output replaces them there.
-    attention::attend(
-        shape,
-        cache,
-        li,
-        resident.as_ref(),
-        pos,
-        &mut w.q[..n * qd],
-        tiles,
-    )?;
-    drop(resident);
-    linear_on(c, wts, &l.o, w.q, n, w.xn)?;
+    let mut at = 0;
+    for p in pieces {
+        let (rows, cache) = (at..at + p.n, p.cache);
+        at += p.n;
+        let kv = rows.start * kvd..rows.end * kvd;
+        cache.write_rows(li, p.pos as u64, &w.k[kv.clone()], &w.v[kv])?;
+        let resident = if cache.is_offloaded() {
+            Some(cache.fetch(li)?)
+        } else {
+            None
+        };
+        let shape = Shape {
+            n_heads: nh,
+            kv_heads: l.kv_heads,
+            head_dim: hd,
+            kv_tile: c.kv_tile,
+            q_tile: c.q_tile,
+            f16_operands: c.compute.f16_operands(cache.config().dtype),
+        };
+        let tiles = Tiles {
+            kt: &mut *w.kt,
+            vt: &mut *w.vt,
+            scores: &mut *w.scores,
+            stats: &mut *w.stats,
+            acc: &mut *w.att,
+        };
+        // The rotated queries are read from `q`; the attention output replaces them there.
+        attention::attend(
+            shape,
+            cache,
+            li,
+            resident.as_ref(),
+            p.pos,
+            &mut w.q[rows.start * qd..rows.end * qd],
+            tiles,
+        )?;
+    }
+    linear_pieces(c, wts, &l.o, pieces, w.q, w.xn)?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
     // MLP
     weightlift_kernels::rms_norm(&w.x[..n * h], &l.ffn_norm.host, c.eps, &mut w.xn[..n * h])
         .map_err(err("ffn_norm"))?;
     let i = l.gate.rows;
-    linear_on(c, wts, &l.gate, w.xn, n, w.gate)?;
-    linear_on(c, wts, &l.up, w.xn, n, w.up)?;
+    linear_pieces(c, wts, &l.gate, pieces, w.xn, w.gate)?;
+    linear_pieces(c, wts, &l.up, pieces, w.xn, w.up)?;
     swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i]).map_err(err("swiglu"))?;
-    linear_on(c, wts, &l.down, w.gate, n, w.xn)?;
+    linear_pieces(c, wts, &l.down, pieces, w.gate, w.xn)?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
+    Ok(())
+}
+
+/// `y = W x` for the tokens of `pieces`. Several sequences share one product when its result
+/// for a token does not depend on the other tokens beside it: the fast mode's block products
+/// (within its activation-rounding bound of the product each sequence gets alone). Exact mode
+/// keeps each sequence's product as it is alone (one token takes the matrix–vector kernel, whose
+/// summation order differs from the matrix product's), and so do LLM.int8 weights (their
+/// outlier columns are chosen over every token of the product) and packed GPTQ/EXL2 linears.
+pub(super) fn linear_pieces(
+    c: &Consts,
+    wts: &Weights<'_>,
+    l: &Linear,
+    pieces: &[Piece<'_>],
+    x: &[f32],
+    y: &mut [f32],
+) -> Result<()> {
+    let n = tokens(pieces);
+    let shared = pieces.len() == 1
+        || (c.compute == Compute::Fast
+            && l.packed.is_none()
+            && matches!(
+                weight_of(wts.held, wts.copies, l, wts.slot)?.1,
+                Packing::Blocks(_)
+            ));
+    if shared {
+        return linear_on(c, wts, l, x, n, y);
+    }
+    let mut at = 0;
+    for p in pieces {
+        let (xs, ys) = (&x[at * l.cols..], &mut y[at * l.rows..]);
+        linear_on(c, wts, l, xs, p.n, ys)?;
+        at += p.n;
+    }
     Ok(())
 }
 

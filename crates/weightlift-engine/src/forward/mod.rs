@@ -518,11 +518,64 @@ impl crate::Model {
         self.run_forward(ids, cache, Output::Hidden, out)
     }
 
+    /// Run several sequences in one call, each appended to its own cache at its `seq_len`:
+    /// `out` receives the logits of each sequence's last position, `seqs.len() × vocab`
+    /// (row-major, in order). New prompts and single decode tokens mix freely (continuous
+    /// batching).
+    ///
+    /// On the host path the sequences share every matrix product and each attends to its own
+    /// cache. In [`Compute::Exact`] each sequence's logits are the bits it gets alone (only the
+    /// products of one sequence's tokens are shared); in [`Compute::Fast`] products are shared
+    /// across sequences, within the activation-rounding bound of the fast mode. Where the model
+    /// cannot batch (a device on the backend op sequence, tensor parallelism, an offloaded
+    /// cache), and for a prompt longer than a chunk, the sequences run one at a time, with the
+    /// same results.
+    pub fn forward_batch(
+        &mut self,
+        seqs: &[(&Arc<Cache>, &[u32])],
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
+        if seqs.is_empty() {
+            return Err(invalid("a forward batch", "at least one sequence", "none"));
+        }
+        // Every sequence is checked before any runs, so a bad one leaves every cache as it was.
+        let vocab = self.vocab_size()?;
+        for (i, (cache, ids)) in seqs.iter().enumerate() {
+            if seqs[..i].iter().any(|(c, _)| Arc::ptr_eq(c, cache)) {
+                return Err(invalid(
+                    format!("the cache of sequence {i} in a batch"),
+                    "a cache of its own for each sequence",
+                    "a cache that an earlier sequence of the batch also appends to",
+                ));
+            }
+            check_tokens(ids, vocab, cache)?;
+        }
+        self.run_seqs(seqs, Output::Logits(Logits::Last), out)
+    }
+
     /// The forward call of [`Model::forward`] and [`Model::forward_hidden`].
     pub(crate) fn run_forward(
         &mut self,
         ids: &[u32],
         cache: Option<&Arc<Cache>>,
+        output: Output,
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
+        let cache = match cache {
+            Some(c) => Arc::clone(c),
+            None => {
+                let c = self.own_cache_for(ids.len() as u64)?;
+                c.reset();
+                c
+            }
+        };
+        self.run_seqs(&[(&cache, ids)], output, out)
+    }
+
+    /// Sequences through the model: together where the graph batches, else one at a time.
+    fn run_seqs(
+        &mut self,
+        seqs: &[(&Arc<Cache>, &[u32])],
         output: Output,
         out: &mut Vec<f32>,
     ) -> Result<Copies> {
@@ -538,14 +591,6 @@ impl crate::Model {
                 detail: "its architecture could not be read from the metadata or config.json"
                     .into(),
             })?;
-        let cache = match cache {
-            Some(c) => Arc::clone(c),
-            None => {
-                let c = self.own_cache_for(ids.len() as u64)?;
-                c.reset();
-                c
-            }
-        };
         let source = Arc::clone(self.source());
         let inventory = self.inventory().clone();
         let compute = self.runner.compute;
@@ -555,18 +600,26 @@ impl crate::Model {
         let state = self.state.as_mut().ok_or_else(|| EngineError::NotLoaded {
             what: "the model".into(),
         })?;
-        check_cache(&cache, &spec)?;
+        for (cache, _) in seqs {
+            check_cache(cache, &spec)?;
+        }
         if let Some(tp) = state.tp.clone() {
-            let made = tp::run(
-                state,
-                &tp,
-                (source.as_ref(), &inventory),
-                &spec,
-                &cache,
-                (ids, output, out),
-                (compute, int8_threshold, host_backend),
-                pool,
-            )?;
+            let mut made = Copies::default();
+            let mut rows = Vec::new();
+            out.clear();
+            for (cache, ids) in seqs {
+                made.add(tp::run(
+                    state,
+                    &tp,
+                    (source.as_ref(), &inventory),
+                    &spec,
+                    cache,
+                    (ids, output, &mut rows),
+                    (compute, int8_threshold, host_backend),
+                    pool.clone(),
+                )?);
+                out.extend_from_slice(&rows);
+            }
             self.runner.last_copies = made;
             return Ok(made);
         }
@@ -574,7 +627,7 @@ impl crate::Model {
             // Sized for the context the model was loaded for: its plan, else its own cache (a
             // call on another cache, such as an embedding's scratch cache, must not shrink the
             // prompt chunks of every later call).
-            let sized = state.cache.as_ref().unwrap_or(&cache).config();
+            let sized = state.cache.as_ref().unwrap_or(seqs[0].0).config();
             let plan = state.forward.clone().unwrap_or(crate::model::ForwardPlan {
                 runtime: weightlift_plan::RuntimeSpec::default(),
                 max_seq_len: sized.max_seq_len,
@@ -612,17 +665,18 @@ impl crate::Model {
                 what: "the forward graph".into(),
             });
         };
-        let mut run = || {
-            graph.forward(
-                held,
-                copies,
-                scratch,
-                &cache,
-                ids,
-                output,
-                (compute, int8_threshold),
-                out,
-            )
+        let rounds = rounds(graph, seqs);
+        let mut run = || -> Result<Copies> {
+            let mut made = Copies::default();
+            let mut rows = Vec::new();
+            out.clear();
+            for round in &rounds {
+                let at = &seqs[round.clone()];
+                let c = (compute, int8_threshold);
+                made.add(graph.forward(held, copies, scratch, at, output, c, &mut rows)?);
+                out.extend_from_slice(&rows);
+            }
+            Ok(made)
         };
         let made = match pool {
             Some(p) => p.install(run),
@@ -644,6 +698,28 @@ impl crate::Model {
             .and_then(|s| s.graph.as_ref())
             .map_or_else(Vec::new, Graph::workspaces)
     }
+}
+
+/// The calls a batch of sequences takes, as ranges of `seqs`: consecutive sequences together
+/// while their tokens fit one chunk and the graph batches, else one a call.
+fn rounds(graph: &Graph, seqs: &[(&Arc<Cache>, &[u32])]) -> Vec<std::ops::Range<usize>> {
+    let chunk = graph.chunk_tokens();
+    let alone = !graph.batches() || seqs.iter().any(|(c, _)| c.is_offloaded());
+    let mut rounds: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut tokens = 0;
+    for (i, (_, ids)) in seqs.iter().enumerate() {
+        match rounds.last_mut() {
+            Some(r) if !alone && tokens + ids.len() <= chunk => {
+                r.end = i + 1;
+                tokens += ids.len();
+            }
+            _ => {
+                rounds.push(i..i + 1);
+                tokens = ids.len();
+            }
+        }
+    }
+    rounds
 }
 
 /// A cache must have this model's shape and be allocated.

@@ -133,12 +133,13 @@ impl Model {
         Ok(())
     }
 
-    /// A cache of `tokens` positions for a call that must leave the model's own cache alone
-    /// (an embedding): the own cache's dtype and offload (fp16 on the layers' devices when
-    /// there is none), allocated as a load allocates it: beside each layer, or split by kv
-    /// heads over the tensor-parallel devices (a rank-local load: its rank's heads). Not
-    /// attached: the caller frees it.
-    pub(crate) fn scratch_cache(&self, tokens: u64) -> Result<Arc<Cache>> {
+    /// A cache of `tokens` positions for one more sequence, leaving the model's own cache
+    /// alone (an embedding's scratch, a slot of a [`Model::forward_batch`]): the own cache's
+    /// dtype and offload (fp16 on the layers' devices when there is none), allocated as a load
+    /// allocates it: beside each layer, or split by kv heads over the tensor-parallel devices
+    /// (a rank-local load: its rank's heads). Not attached: the caller frees it
+    /// ([`Cache::free`]), or it is freed when the last handle goes.
+    pub fn sequence_cache(&self, tokens: u64) -> Result<Arc<Cache>> {
         let state = self.state()?;
         let (dtype, offload) = state.cache.as_ref().map_or((CacheDType::Fp16, false), |c| {
             (c.config().dtype, c.config().offload)

@@ -11,35 +11,108 @@ use weightlift_kernels::Backend;
 use crate::cache::Cache;
 use crate::device::{Buffer, Device};
 use crate::error::Result;
+use crate::error::{EngineError, invalid};
 use crate::forward::boundary::move_rows;
 use crate::forward::embed::embed_rows;
 use crate::forward::exec::{self, Ctx, kernel_on};
-use crate::forward::layer::{Consts, Weights, run_layer};
+use crate::forward::layer::{Consts, Piece, Weights, run_layer, tokens};
 use crate::forward::logits::{head_rows, hidden_rows};
 use crate::forward::onload::{Copier, SlotMem, onload_group, prefetch_first, settle};
 use crate::forward::work::{Work, on_site, site_works};
-use crate::forward::{Compute, Copies, Output, check_tokens};
+use crate::forward::{Compute, Copies, Logits, Output, check_tokens};
 use crate::model::Held;
 
+/// One sequence of a forward call: the cache its ids are appended to, and the ids.
+pub(crate) type Seq<'a> = (&'a Arc<Cache>, &'a [u32]);
+
+/// One chunk of a forward call: `(sequence, position, ids)` for each sequence it holds.
+type Chunk<'a> = Vec<(usize, usize, &'a [u32])>;
+
 impl Graph {
-    /// Run `ids` through the model, appending to `cache` at its `seq_len`, and write the
-    /// `output` asked for into `out` (`rows × width`, row-major). Returns the copies made.
+    /// The chunks of a forward call: one sequence's ids in pieces of at most `chunk` tokens, or
+    /// several sequences' ids together in one chunk (their logits: the last row of each).
+    fn chunks<'a>(&self, seqs: &[Seq<'a>], output: Output, chunk: usize) -> Result<Vec<Chunk<'a>>> {
+        let mut starts = Vec::with_capacity(seqs.len());
+        for (cache, ids) in seqs {
+            starts.push(check_tokens(ids, self.dims.vocab, cache)? as usize);
+        }
+        match seqs {
+            [] => Err(invalid("a forward batch", "at least one sequence", "none")),
+            [(_, ids)] => Ok(ids
+                .chunks(chunk)
+                .scan(starts[0], |pos, part| {
+                    let at = *pos;
+                    *pos += part.len();
+                    Some(vec![(0, at, part)])
+                })
+                .collect()),
+            _ => {
+                let n: usize = seqs.iter().map(|(_, ids)| ids.len()).sum();
+                if output != Output::Logits(Logits::Last) || n > chunk {
+                    return Err(invalid(
+                        "a forward batch of several sequences",
+                        format!("the last logits of each, for {chunk} tokens in all at most"),
+                        format!("{n} tokens, {output:?}"),
+                    ));
+                }
+                Ok(vec![
+                    seqs.iter()
+                        .zip(&starts)
+                        .enumerate()
+                        .map(|(i, ((_, ids), &pos))| (i, pos, *ids))
+                        .collect(),
+                ])
+            }
+        }
+    }
+
+    /// The tokens of one chunk: a call's prompt runs in chunks of this many.
+    pub fn chunk_tokens(&self) -> usize {
+        self.dims.tokens as usize
+    }
+
+    /// Whether one call can run several sequences together: every device computes on the host
+    /// path (the backend op sequence takes one sequence a call).
+    pub fn batches(&self) -> bool {
+        self.sites
+            .iter()
+            .all(|s| matches!(s.exec, crate::forward::SiteExec::Host))
+    }
+
+    /// Run each sequence's ids through the model, appending to its cache at its `seq_len`, and
+    /// write the `output` asked for into `out` (`rows × width`, row-major). Several sequences
+    /// run as one chunk (see [`Graph::batches`]) and write the logits of their last positions,
+    /// a row each, in order. Returns the copies made.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
         held: &[Held],
         copies: &[(usize, Held)],
         scratch: &mut [Buffer],
-        cache: &Arc<Cache>,
-        ids: &[u32],
+        seqs: &[Seq<'_>],
         output: Output,
         (compute, int8_threshold): (Compute, f32),
         out: &mut Vec<f32>,
     ) -> Result<Copies> {
         let width = output.width(&self.dims);
-        let start = check_tokens(ids, self.dims.vocab, cache)? as usize;
+        let chunk = self.dims.tokens as usize;
+        let plan = self.chunks(seqs, output, chunk)?;
+        if seqs.len() > 1 && !self.batches() {
+            return Err(EngineError::Unsupported {
+                what: "several sequences in one forward call".into(),
+                detail: "a device of this model computes through the backend op sequence, which \
+                         takes one sequence a call; run them one at a time"
+                    .into(),
+            });
+        }
+        let total = seqs[0].1.len();
         out.clear();
-        out.resize(output.rows(ids.len()) * width, 0.0);
+        let rows = if seqs.len() > 1 {
+            seqs.len()
+        } else {
+            output.rows(total)
+        };
+        out.resize(rows * width, 0.0);
         let devs: Vec<Arc<Device>> = self.sites.iter().map(|s| Arc::clone(&s.device)).collect();
 
         let onload_site = self
@@ -75,20 +148,40 @@ impl Graph {
             });
         }
         let mut copies_made = Copies::default();
-        let cache_copies = cache.offload_copies();
-        let chunk = self.dims.tokens as usize;
+        let offload_copies = || {
+            seqs.iter().fold(Copies::default(), |mut all, (cache, _)| {
+                all.add(cache.offload_copies());
+                all
+            })
+        };
+        let cache_copies = offload_copies();
         let h = c.hidden;
         let mut done = 0usize;
         std::thread::scope(|scope| -> Result<()> {
             let mut copier: Option<Copier<'_, '_>> = None;
-            for part in ids.chunks(chunk) {
-                let n = part.len();
-                let pos = start + done;
+            for part in &plan {
+                let pieces: Vec<Piece<'_>> = part
+                    .iter()
+                    .map(|&(s, pos, ids)| Piece {
+                        cache: seqs[s].0,
+                        pos,
+                        n: ids.len(),
+                    })
+                    .collect();
+                let n = tokens(&pieces);
+                let (pos, cache) = (pieces[0].pos, pieces[0].cache);
+                let ids: std::borrow::Cow<'_, [u32]> = match part.as_slice() {
+                    [(_, _, ids)] => (*ids).into(),
+                    _ => part
+                        .iter()
+                        .flat_map(|(_, _, ids)| ids.iter().copied())
+                        .collect(),
+                };
                 // Embedding rows, dequantised into the embedding device's residual stream.
                 let es = self.embed_site;
                 on_site!(&mut works[es],
-                v => embed_rows(held, copies, &self.embed, part, h, v.x)?,
-                (b, r) => exec::embed(*b, &cx(es), &self.embed, part, &mut r.x)?);
+                v => embed_rows(held, copies, &self.embed, &ids, h, v.x)?,
+                (b, r) => exec::embed(*b, &cx(es), &self.embed, &ids, &mut r.x)?);
                 for (i, w) in works.iter_mut().enumerate() {
                     on_site!(w, _v => (), (b, r) => exec::positions(*b, devs[i].name(), pos, n, r)?);
                 }
@@ -134,7 +227,7 @@ impl Graph {
                     let lcx = Ctx { slot, ..cx(at) };
                     let defer = self.layers.get(li + 1).is_some_and(|next| next.site == at);
                     on_site!(&mut works[at],
-                    v => { run_layer(&c, layer, li, &wts, cache, pos, n, v)?; pending = false; },
+                    v => { run_layer(&c, layer, li, &wts, &pieces, v)?; pending = false; },
                     (b, r) => {
                         exec::layer(*b, &lcx, layer, li, cache, pos, n, r, (pending, defer))?;
                         pending = defer;
@@ -143,9 +236,52 @@ impl Graph {
                 if let Some(o) = self.onload.as_mut() {
                     prefetch_first(o, &self.layers, held, copies, &mut slot_mem, &mut copier)?;
                 }
-                cache.appended(pos as u64, part)?;
+                for &(s, pos, ids) in part {
+                    seqs[s].0.appended(pos as u64, ids)?;
+                }
+                if pieces.len() > 1 {
+                    let last = &mut works[at];
+                    let Work::Host(v) = last else {
+                        return Err(invalid(
+                            "a batch's last layer",
+                            "the host path",
+                            "a backend",
+                        ));
+                    };
+                    batch_rows(&pieces, h, v);
+                    if self.head_site != at {
+                        let n_rows = pieces.len();
+                        move_rows(
+                            &mut works,
+                            &devs,
+                            at,
+                            self.head_site,
+                            0,
+                            n_rows * h,
+                            &mut copies_made,
+                        )?;
+                    }
+                    let Work::Host(w) = &mut works[self.head_site] else {
+                        return Err(invalid("a batch's head", "the host path", "a backend"));
+                    };
+                    let hw = Weights {
+                        held,
+                        copies,
+                        slot: None,
+                    };
+                    let per = self.dims.logit_rows as usize;
+                    if compute == Compute::Exact {
+                        // a row at a time, as each sequence's head runs alone
+                        for (r, row) in out.chunks_exact_mut(width).enumerate() {
+                            head_rows(&c, &hw, &self.out_norm, &self.head, r, 1, row, w)?;
+                        }
+                    } else {
+                        head_rows(&c, &hw, &self.out_norm, &self.head, 0, per, out, w)?;
+                    }
+                    continue;
+                }
                 // The head: only the rows asked for.
-                let Some((first, rows_out)) = output.chunk_rows((done, n, ids.len()), width, out)
+                let Some((first, rows_out)) = output.chunk_rows((done, n, total), width, out)
                 else {
                     done += n;
                     continue;
@@ -181,13 +317,24 @@ impl Graph {
             }
             Ok(())
         })?;
-        // the offloaded cache's copies of this call (none is in flight after its last layer)
-        let now = cache.offload_copies();
+        // the offloaded caches' copies of this call (none is in flight after its last layer)
+        let now = offload_copies();
         copies_made.add(Copies {
             count: now.count - cache_copies.count,
             bytes: now.bytes - cache_copies.bytes,
             nanos: now.nanos - cache_copies.nanos,
         });
         Ok(copies_made)
+    }
+}
+
+/// Each piece's last row of the residual stream, moved to row `i` for piece `i`: the rows the
+/// head reads. A piece's last row is at or after its index, so no row is overwritten before it
+/// is moved.
+fn batch_rows(pieces: &[Piece<'_>], h: usize, v: &mut crate::forward::Views<'_>) {
+    let mut end = 0;
+    for (i, p) in pieces.iter().enumerate() {
+        end += p.n;
+        v.x.copy_within((end - 1) * h..end * h, i * h);
     }
 }

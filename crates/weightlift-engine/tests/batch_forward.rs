@@ -1,0 +1,312 @@
+//! Several sequences in one forward call (`Model::forward_batch`): prompts joining between
+//! decode steps, finished sequences leaving, each sequence on its own cache. In exact mode a
+//! sequence's logits in a batch are the bits it gets alone, on every placement; in fast mode
+//! the shared products round differently and the logits stay within a small bound of the
+//! sequence's own.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{argmax, load_on, max_abs_diff, smollm2, smollm2_prompt, split_load};
+use weightlift_engine::forward::{Compute, Logits};
+use weightlift_engine::generate::{FinishReason, GenerateOptions, Generation, step_batch};
+use weightlift_engine::sample::SamplingParams;
+use weightlift_engine::{Cache, CacheDType, EngineError, Model};
+
+/// Greedy decode steps each sequence runs after its prompt.
+const STEPS: usize = 6;
+
+/// Prompts of several lengths from the reference prompts, and the step at which each joins the
+/// batch (so prompts arrive while other sequences decode, and sequences leave at different
+/// steps).
+fn requests() -> Vec<(Vec<u32>, usize)> {
+    let (short, long) = (smollm2_prompt(1), smollm2_prompt(2));
+    vec![
+        (long.clone(), 0),
+        (short.clone(), 0),
+        (long[..17].to_vec(), 2),
+        (short[..3].to_vec(), 3),
+        (long[5..30].to_vec(), 3),
+    ]
+}
+
+/// A cache of 64 positions of the model's own cache type (f32 here), allocated beside its layers.
+fn new_cache(m: &Model) -> Arc<Cache> {
+    m.sequence_cache(64).unwrap()
+}
+
+/// Each request alone on a fresh cache: the logits after its prompt and after each greedy step.
+fn alone(m: &mut Model, reqs: &[(Vec<u32>, usize)]) -> Vec<Vec<Vec<f32>>> {
+    reqs.iter()
+        .map(|(prompt, _)| {
+            let cache = new_cache(m);
+            let mut rows = Vec::new();
+            let mut out = Vec::new();
+            m.forward(prompt, Some(&cache), Logits::Last, &mut out)
+                .unwrap();
+            rows.push(out.clone());
+            for _ in 0..STEPS {
+                let next = argmax(&out) as u32;
+                m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                    .unwrap();
+                rows.push(out.clone());
+            }
+            rows
+        })
+        .collect()
+}
+
+/// The requests as a continuous batch: at each step every active sequence appends its prompt
+/// (the step it joins) or its last greedy token, all in one `forward_batch` call. The same rows
+/// as [`alone`].
+fn batched(m: &mut Model, reqs: &[(Vec<u32>, usize)]) -> Vec<Vec<Vec<f32>>> {
+    let caches: Vec<Arc<Cache>> = reqs.iter().map(|_| new_cache(m)).collect();
+    let mut rows: Vec<Vec<Vec<f32>>> = vec![Vec::new(); reqs.len()];
+    let mut step = 0;
+    while rows.iter().any(|r| r.len() <= STEPS) {
+        let active: Vec<usize> = (0..reqs.len())
+            .filter(|&i| reqs[i].1 <= step && rows[i].len() <= STEPS)
+            .collect();
+        let ids: Vec<Vec<u32>> = active
+            .iter()
+            .map(|&i| match rows[i].last() {
+                None => reqs[i].0.clone(),
+                Some(last) => vec![argmax(last) as u32],
+            })
+            .collect();
+        let seqs: Vec<(&Arc<Cache>, &[u32])> = active
+            .iter()
+            .zip(&ids)
+            .map(|(&i, ids)| (&caches[i], ids.as_slice()))
+            .collect();
+        let mut out = Vec::new();
+        m.forward_batch(&seqs, &mut out).unwrap();
+        let vocab = out.len() / active.len();
+        for (&i, row) in active.iter().zip(out.chunks_exact(vocab)) {
+            rows[i].push(row.to_vec());
+        }
+        step += 1;
+    }
+    for ((prompt, _), cache) in reqs.iter().zip(&caches) {
+        assert_eq!(cache.seq_len() as usize, prompt.len() + STEPS);
+    }
+    rows
+}
+
+fn assert_same_bits(what: &str, got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>]) {
+    for (s, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: sequence {s}");
+        for (t, (a, b)) in g.iter().zip(w).enumerate() {
+            let same =
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "{what}: sequence {s} step {t}: max|Δ| {}",
+                max_abs_diff(a, b)
+            );
+        }
+    }
+}
+
+#[test]
+fn exact_batched_logits_are_the_bits_of_each_sequence_alone() {
+    let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+    m.set_compute(Compute::Exact);
+    let reqs = requests();
+    let want = alone(&mut m, &reqs);
+    assert_same_bits("cpu", &batched(&mut m, &reqs), &want);
+}
+
+#[test]
+fn exact_batches_give_the_same_bits_across_virtual_devices_and_disk() {
+    let reqs = requests();
+    let (mut one, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+    one.set_compute(Compute::Exact);
+    let want = alone(&mut one, &reqs);
+    for (inv, devs, disk_below) in [
+        ("virtual:2x1GiB,cpu", &["virtual:0", "virtual:1"][..], 0),
+        (
+            "virtual:3x1GiB,cpu",
+            &["virtual:0", "virtual:1", "virtual:2"][..],
+            0,
+        ),
+        (
+            "virtual:2x1GiB,cpu,disk",
+            &["virtual:0", "virtual:1"][..],
+            4,
+        ),
+    ] {
+        let (mut m, _) = split_load(&smollm2(), inv, devs, CacheDType::F32, disk_below, false);
+        m.set_compute(Compute::Exact);
+        assert_same_bits(inv, &batched(&mut m, &reqs), &want);
+    }
+}
+
+#[test]
+fn the_backend_op_sequence_runs_a_batch_one_sequence_at_a_time_with_the_same_bits() {
+    let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+    m.set_compute(Compute::Exact);
+    let reqs = requests();
+    let want = alone(&mut m, &reqs);
+    let (mut b, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+    b.set_compute(Compute::Exact);
+    b.set_host_backend(true);
+    assert_same_bits("host backend", &batched(&mut b, &reqs), &want);
+}
+
+#[test]
+fn fast_batched_logits_stay_within_the_fast_modes_own_distance_from_exact() {
+    let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+    let reqs = requests();
+    m.set_compute(Compute::Exact);
+    let exact = alone(&mut m, &reqs);
+    m.set_compute(Compute::Fast);
+    let want = alone(&mut m, &reqs);
+    let got = batched(&mut m, &reqs);
+    // Shared products of 8 tokens or more take the register-tile kernel, which scales each
+    // 32-value group's integer sum once where the matrix-vector kernel scales lanes: the same
+    // 8-bit products, rounded otherwise, so an activation near a quantisation step can round to
+    // the other side in a later layer. That is the fast mode's own error, of the size of its
+    // distance from exact products; batching must add no more than that.
+    let (mut batch, mut own) = (0f32, 0f32);
+    for ((g, w), e) in got.iter().zip(&want).zip(&exact) {
+        for ((a, b), x) in g.iter().zip(w).zip(e) {
+            batch = batch.max(max_abs_diff(a, b));
+            own = own.max(max_abs_diff(b, x));
+        }
+    }
+    eprintln!("fast mode: max|Δ| batched vs alone {batch:e}; alone vs exact {own:e}");
+    assert!(
+        batch <= own,
+        "batched vs alone {batch}, fast vs exact {own}"
+    );
+    // and the greedy tokens agree (the batch feeds back its own argmax)
+    for (g, w) in got.iter().zip(&want) {
+        let ids = |rows: &Vec<Vec<f32>>| rows.iter().map(|r| argmax(r)).collect::<Vec<_>>();
+        assert_eq!(ids(g), ids(w));
+    }
+}
+
+#[test]
+fn a_bad_batch_is_refused_before_any_cache_moves() {
+    let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+    let (a, b) = (new_cache(&m), new_cache(&m));
+    let prompt = smollm2_prompt(1);
+    let mut out = Vec::new();
+
+    let e = m.forward_batch(&[], &mut out).unwrap_err();
+    assert!(e.to_string().contains("at least one sequence"), "{e}");
+
+    let e = m
+        .forward_batch(&[(&a, &prompt), (&a, &prompt)], &mut out)
+        .unwrap_err();
+    assert!(e.to_string().contains("a cache of its own"), "{e}");
+
+    // the second sequence does not fit its cache: neither cache is written
+    let long = vec![1u32; 70];
+    let e = m
+        .forward_batch(&[(&a, &prompt), (&b, &long)], &mut out)
+        .unwrap_err();
+    assert!(matches!(e, EngineError::ContextFull { .. }), "{e}");
+    assert_eq!((a.seq_len(), b.seq_len()), (0, 0));
+
+    let e = m
+        .forward_batch(&[(&a, &prompt), (&b, &[])], &mut out)
+        .unwrap_err();
+    assert!(e.to_string().contains("at least one token"), "{e}");
+    assert_eq!((a.seq_len(), b.seq_len()), (0, 0));
+}
+
+/// Generations of several kinds: greedy, seeded sampling, a stop string, a short max_tokens.
+fn generation_options() -> Vec<GenerateOptions> {
+    let sampled = |seed| SamplingParams {
+        temperature: 0.8,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    vec![
+        GenerateOptions {
+            max_tokens: Some(12),
+            sampling: greedy,
+            ..GenerateOptions::default()
+        },
+        GenerateOptions {
+            max_tokens: Some(10),
+            sampling: sampled(7),
+            ..GenerateOptions::default()
+        },
+        GenerateOptions {
+            max_tokens: Some(4),
+            sampling: sampled(11),
+            ..GenerateOptions::default()
+        },
+        GenerateOptions {
+            max_tokens: Some(12),
+            sampling: greedy,
+            stop: vec![" the".into()],
+            ..GenerateOptions::default()
+        },
+    ]
+}
+
+#[test]
+fn generations_stepped_together_give_what_each_gives_alone() {
+    let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+    m.set_compute(Compute::Exact);
+    let reqs = requests();
+    let opts = generation_options();
+    let alone: Vec<(String, Vec<u32>, Option<FinishReason>)> = reqs
+        .iter()
+        .zip(&opts)
+        .map(|((prompt, _), o)| {
+            let cache = new_cache(&m);
+            let mut g = Generation::new(&m, prompt, Some(&cache), o.clone()).unwrap();
+            let text = g.run(&mut m, |_| true).unwrap();
+            (text, g.tokens().to_vec(), g.finish_reason())
+        })
+        .collect();
+    // one ends at its stop string, the others at their lengths
+    let ends: Vec<_> = alone.iter().map(|a| a.2).collect();
+    assert!(ends.contains(&Some(FinishReason::Stop)), "{alone:?}");
+    assert!(ends.contains(&Some(FinishReason::Length)), "{alone:?}");
+
+    // joined at their steps; each leaves when it returns its final piece
+    let caches: Vec<Arc<Cache>> = opts.iter().map(|_| new_cache(&m)).collect();
+    let mut gens: Vec<Option<Generation>> = opts.iter().map(|_| None).collect();
+    let mut texts = vec![String::new(); opts.len()];
+    let mut steps_with_several = 0;
+    for step in 0.. {
+        for (i, ((prompt, join), o)) in reqs.iter().zip(&opts).enumerate() {
+            if *join == step {
+                gens[i] = Some(Generation::new(&m, prompt, Some(&caches[i]), o.clone()).unwrap());
+            }
+        }
+        let mut live: Vec<(usize, &mut Generation)> = gens
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, g)| g.as_mut().filter(|g| !g.is_done()).map(|g| (i, g)))
+            .collect();
+        if live.is_empty() && step > 3 {
+            break;
+        }
+        steps_with_several += usize::from(live.len() > 1);
+        let (idx, mut refs): (Vec<usize>, Vec<&mut Generation>) =
+            live.iter_mut().map(|(i, g)| (*i, &mut **g)).unzip();
+        for (i, piece) in idx.iter().zip(step_batch(&mut m, &mut refs).unwrap()) {
+            if let Some(p) = piece.unwrap() {
+                texts[*i].push_str(&p.text);
+            }
+        }
+    }
+    assert!(steps_with_several >= 4, "{steps_with_several}");
+    for (i, g) in gens.iter().enumerate() {
+        let g = g.as_ref().unwrap();
+        let got = (texts[i].clone(), g.tokens().to_vec(), g.finish_reason());
+        assert_eq!(got, alone[i], "generation {i}");
+    }
+}
