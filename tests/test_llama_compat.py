@@ -217,8 +217,8 @@ def test_logit_bias_bans_and_forces_tokens(llm: wl.Llama) -> None:
 
 
 def test_constructor_keywords_map_or_are_refused_by_name(demo_gguf: Path) -> None:
-    with pytest.raises(wl.UnsupportedError, match="chat_format"):
-        wl.Llama(str(demo_gguf), chat_format="chatml", verbose=False)
+    with pytest.raises(wl.UnsupportedError, match="chat format 'chatml2'.*llama-3"):
+        wl.Llama(str(demo_gguf), chat_format="chatml2", verbose=False)
     with pytest.raises(wl.UnsupportedError, match="lora_path"):
         wl.Llama(str(demo_gguf), lora_path="adapter.gguf", verbose=False)
     with pytest.raises(wl.UnsupportedError, match="type_k"):
@@ -422,8 +422,8 @@ def test_a_forced_tool_choice_returns_llamacpps_tool_call_shapes(llm: wl.Llama) 
 def test_load_gguf_takes_llamacpps_keywords(demo_gguf: Path) -> None:
     with wl.load_gguf(model_path=str(demo_gguf), n_ctx=64, verbose=False) as m:
         assert m.n_ctx() == 64
-    with pytest.raises(wl.UnsupportedError, match="chat_format='chatml'.*own chat template"):
-        wl.load_gguf(demo_gguf, chat_format="chatml")
+    with pytest.raises(wl.UnsupportedError, match="chat format 'nope'.*chatml.*chat_format=None"):
+        wl.load_gguf(demo_gguf, chat_format="nope")
     with pytest.raises(TypeError, match="both path and model_path"):
         wl.load_gguf(demo_gguf, model_path=str(demo_gguf))
     with pytest.raises(TypeError, match="missing the GGUF"):
@@ -534,3 +534,36 @@ def test_llamacpp_infill_example_runs_with_the_import_changed(
         assert filled["choices"][0]["text"] == plain + "\n    return sum\n"
         with pytest.raises(TypeError, match="suffix"):
             llm([504, 3575], suffix="x", max_tokens=1)
+
+
+CHAT_FORMATS = Path(__file__).parent.parent / "crates/weightlift-text/tests/data/chat_formats.json"
+
+
+@pytest.mark.parametrize("name", ["llama-2", "zephyr", "alpaca", "mistral-instruct"])
+def test_a_built_in_chat_format_makes_llama_cpp_pythons_prompt(demo_gguf: Path, name: str) -> None:
+    # The prompt llama-cpp-python's formatter made of this conversation (its formatters'
+    # output, recorded by crates/weightlift-text/tests/gen_chat_formats.py), tokenized as its
+    # chat handler does: BOS by the vocabulary's rule, special tokens parsed.
+    case = json.loads(CHAT_FORMATS.read_text())["formats"][name][0]
+    with wl.Llama(str(demo_gguf), chat_format=name, n_ctx=256, verbose=False) as llm:
+        want = llm.tokenize(case["prompt"].encode(), add_bos=True, special=True)
+        reply = llm.create_chat_completion(case["messages"], max_tokens=1, temperature=0.0)
+        assert reply["usage"]["prompt_tokens"] == len(want)
+        llm.reset()
+        llm.eval(want)
+        assert reply["choices"][0]["message"]["content"] == llm.detokenize(
+            [int(np.argmax(llm.scores[-1]))]
+        ).decode("utf-8", "ignore")
+
+
+def test_a_chat_formats_stop_string_ends_the_reply(demo_gguf: Path) -> None:
+    # pygmalion's stop is a newline: the chat reply is the plain completion of its prompt cut at
+    # the first one.
+    case = json.loads(CHAT_FORMATS.read_text())["formats"]["pygmalion"][1]
+    with wl.Llama(str(demo_gguf), chat_format="pygmalion", n_ctx=256, verbose=False) as llm:
+        plain = llm.create_completion(case["prompt"], max_tokens=48, temperature=0.0)
+        text = plain["choices"][0]["text"]
+        assert "\n" in text
+        reply = llm.create_chat_completion(case["messages"], max_tokens=48, temperature=0.0)
+        assert reply["choices"][0]["message"]["content"] == text.split("\n")[0]
+        assert reply["choices"][0]["finish_reason"] == "stop"

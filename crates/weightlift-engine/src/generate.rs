@@ -685,7 +685,8 @@ impl Model {
 
     /// The prompt ids for a chat: the model's chat template rendered with `messages` and the
     /// generation prompt, tokenized with special tokens parsed and no BOS added beyond what the
-    /// template writes (llama-cpp-python's `Jinja2ChatFormatter` path).
+    /// template writes (llama-cpp-python's `Jinja2ChatFormatter` path); with a built-in chat
+    /// format, BOS by the vocabulary's rule (llama-cpp-python's formatter path).
     pub fn chat_prompt(&self, messages: &[weightlift_text::Message]) -> Result<Vec<u32>> {
         self.chat_prompt_with(messages, &weightlift_text::ChatTools::default())
     }
@@ -705,7 +706,12 @@ impl Model {
                     .into(),
             })?;
         let text = template.render_with(messages, true, tools)?;
-        self.prompt_ids(&text, Some(false))
+        let bos = if self.chat_format().is_some() {
+            None
+        } else {
+            Some(false)
+        };
+        self.prompt_ids(&text, bos)
     }
 }
 

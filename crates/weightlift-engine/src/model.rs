@@ -69,6 +69,8 @@ pub struct Model {
     tokenizer: std::sync::OnceLock<Arc<weightlift_text::Tokenizer>>,
     /// The tokenizer's chat template, compiled on first use (`None`: the model has none).
     chat: std::sync::OnceLock<Option<Arc<weightlift_text::ChatTemplate>>>,
+    /// A built-in chat format used in place of the checkpoint's template.
+    chat_format: Option<&'static weightlift_text::ChatFormat>,
 }
 
 impl std::fmt::Debug for Model {
@@ -90,6 +92,7 @@ impl Model {
             runner: crate::forward::Runner::default(),
             tokenizer: std::sync::OnceLock::new(),
             chat: std::sync::OnceLock::new(),
+            chat_format: None,
         }
     }
 
@@ -123,12 +126,40 @@ impl Model {
         Ok(Arc::clone(self.tokenizer.get_or_init(|| Arc::new(built))))
     }
 
-    /// The chat template compiled once, or `None` when the checkpoint has none.
+    /// Format chats with llama-cpp-python's built-in chat format `name` (`"chatml"`,
+    /// `"llama-3"`, ...; see [`weightlift_text::CHAT_FORMATS`]) in place of the checkpoint's
+    /// template, or again with the checkpoint's (`None`). The format's stop string then ends
+    /// chat replies ([`Model::chat_stop`]) and the prompt gets BOS by the vocabulary's rule.
+    pub fn set_chat_format(&mut self, name: Option<&str>) -> Result<()> {
+        self.chat_format = name.map(weightlift_text::chat_format).transpose()?;
+        self.chat = std::sync::OnceLock::new();
+        Ok(())
+    }
+
+    /// The built-in chat format in use, if any.
+    pub fn chat_format(&self) -> Option<&'static weightlift_text::ChatFormat> {
+        self.chat_format
+    }
+
+    /// The stop string of the built-in chat format in use: a chat reply ends there.
+    pub fn chat_stop(&self) -> Option<&'static str> {
+        self.chat_format.and_then(|f| f.stop)
+    }
+
+    /// The chat template compiled once: the built-in format's when one is set, else the
+    /// checkpoint's, or `None` when it has none.
     pub fn chat_template(&self) -> Result<Option<Arc<weightlift_text::ChatTemplate>>> {
         if let Some(t) = self.chat.get() {
             return Ok(t.clone());
         }
-        let built = self.tokenizer()?.chat()?.map(Arc::new);
+        let built = match self.chat_format {
+            Some(f) => Some(Arc::new(weightlift_text::ChatTemplate::new(
+                &f.template(),
+                "",
+                "",
+            )?)),
+            None => self.tokenizer()?.chat()?.map(Arc::new),
+        };
         Ok(self.chat.get_or_init(|| built).clone())
     }
 

@@ -406,6 +406,9 @@ impl Model {
             mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
         };
         let mut call = Call::new(prompt, &knobs, me.default_seed()?, max_tokens, stop, None)?;
+        // a built-in chat format's stop string joins the request's
+        let format_stop = me.lock()?.model.chat_stop();
+        call.options.stop.extend(format_stop.map(str::to_owned));
         call.options.logprobs = logprobs;
         call.options.grammar = grammar;
         call.options.logit_bias = logit_bias;

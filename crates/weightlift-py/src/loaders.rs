@@ -6,7 +6,7 @@ use weightlift_engine::cache::CacheDType;
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
-use crate::errors::{Exc, py_err, raise};
+use crate::errors::{Exc, eng, py_err, raise};
 use crate::model::{Model, load_options};
 use crate::options::{DeviceMapValue, DevicesSpec, RuntimeArg, Sizes};
 use crate::progress::Reporter;
@@ -81,8 +81,10 @@ pub fn from_pretrained(
 /// (`LoadCancelled`). `vocab_only` opens the metadata and tokenizer only and loads no tensors.
 /// `use_mlock` locks the memory-mapped tensors in RAM (a locked-memory limit that refuses is
 /// reported in `Model.warnings`). As llama-cpp-python's `Llama`, the file may be given as
-/// `model_path=`, and `verbose` is accepted (nothing is printed); `chat_format` names a
-/// built-in chat format, which is not built: the model's own template is used when it is None.
+/// `model_path=`, and `verbose` is accepted (nothing is printed); `chat_format` names one of
+/// llama-cpp-python's built-in chat formats (`"chatml"`, `"llama-2"`, `"llama-3"`,
+/// `"mistral-instruct"`, `"gemma"`, `"zephyr"`, ...) used in place of the model's own chat
+/// template, whose stop string then ends chat replies; None keeps the model's template.
 /// `spm_infill` puts the suffix first in fill-in-the-middle prompts (`suffix=`).
 #[pyfunction]
 #[pyo3(signature = (path = None, *, n_gpu_layers = 0, split_mode = "layer", tensor_split = None, main_gpu = 0,
@@ -140,16 +142,6 @@ pub fn load_gguf(
             ));
         }
     };
-    if let Some(name) = chat_format {
-        return Err(raise(
-            Exc::Unsupported,
-            format!(
-                "chat_format='{name}' is not supported: built-in chat formats are not built; with \
-                 chat_format=None the model's own chat template (tokenizer.chat_template) \
-                 formats the messages"
-            ),
-        ));
-    }
     let offload =
         wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
     let open = wf::OpenOptions {
@@ -161,6 +153,7 @@ pub fn load_gguf(
     let model = Model::with_checkpoint(ckpt, devices, "auto", runtime, compute, n_threads, None)?;
     model.lock()?.seed = load_seed(seed);
     model.lock()?.spm_infill = spm_infill;
+    eng(model.lock()?.model.set_chat_format(chat_format))?;
     if vocab_only {
         // the metadata and tokenizer only: no tensors to load
         return Ok(model);

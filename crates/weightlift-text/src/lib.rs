@@ -21,6 +21,7 @@
 //! `tokenizer.ggml.add_eos_token` is ignored, and `remove_extra_whitespaces` is not supported.
 
 mod chat;
+mod chat_formats;
 mod eog;
 mod error;
 mod fim;
@@ -30,6 +31,7 @@ mod stream;
 mod tokenizer;
 
 pub use chat::{ChatTemplate, ChatTools, Message};
+pub use chat_formats::{CHAT_FORMATS, ChatFormat, chat_format};
 pub use error::{Result, TextError};
 pub use fim::FimTokens;
 pub use stream::StreamDecoder;
