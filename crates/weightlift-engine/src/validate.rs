@@ -46,6 +46,8 @@ fn name_for(role: Role, layer: Option<u32>, gguf: bool) -> String {
             Role::FfnGate => "mlp.gate_proj",
             Role::FfnUp => "mlp.up_proj",
             Role::FfnDown => "mlp.down_proj",
+            Role::AttnQNorm => "self_attn.q_norm",
+            Role::AttnKNorm => "self_attn.k_norm",
             r => r.name(),
         };
         format!("model.layers.{l}.{base}.weight")
@@ -66,6 +68,7 @@ fn expected_shape(spec: &ModelSpec, role: Role, layer: Option<u32>) -> Option<Ve
         Role::AttnOutput => vec![h, q],
         Role::FfnGate | Role::FfnUp => vec![spec.intermediate_size, h],
         Role::FfnDown => vec![h, spec.intermediate_size],
+        Role::AttnQNorm | Role::AttnKNorm => vec![hd],
         _ => return None,
     })
 }
@@ -103,8 +106,13 @@ pub fn validate(source: &dyn Source) -> Result<Vec<String>> {
             missing.push(name_for(r, None, gguf));
         }
     }
+    let qk_norm: &[Role] = if spec.per_head_qk_norm() {
+        &[Role::AttnQNorm, Role::AttnKNorm]
+    } else {
+        &[]
+    };
     for l in 0..spec.n_layers {
-        for r in PER_LAYER {
+        for &r in PER_LAYER.iter().chain(qk_norm) {
             if !present.contains(&(Some(l), r)) {
                 missing.push(name_for(r, Some(l), gguf));
             }

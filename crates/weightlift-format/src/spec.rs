@@ -455,9 +455,21 @@ impl ModelSpec {
     /// Architectures whose tensor roles are known.
     pub const SUPPORTED_ARCHITECTURES: &'static [&'static str] = names::SUPPORTED_ARCHITECTURES;
 
-    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2).
+    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2, qwen3).
     pub fn supports_roles(architecture: &str) -> bool {
         names::supports_roles(architecture)
+    }
+
+    /// Whether every layer norms each query and key head before RoPE (qwen3's `q_norm` and
+    /// `k_norm`, `head_dim` long): the layers then need those two tensors.
+    pub fn per_head_qk_norm(&self) -> bool {
+        names::per_head_qk_norm(&self.architecture)
+    }
+
+    /// Whether a GGUF of this architecture pairs adjacent RoPE dimensions (llama.cpp's
+    /// converter permuted its q/k rows: llama, mistral) rather than rotating halves.
+    pub fn gguf_adjacent_rope(&self) -> bool {
+        names::gguf_adjacent_rope(&self.architecture)
     }
 
     /// (layer, role) of a tensor name in either naming scheme (`blk.N.attn_q.weight`,

@@ -19,6 +19,10 @@ pub enum Role {
     AttnKBias,
     AttnVBias,
     AttnOutputBias,
+    /// Per-head RMSNorm weight of the queries (qwen3), `head_dim` long.
+    AttnQNorm,
+    /// Per-head RMSNorm weight of the keys (qwen3), `head_dim` long.
+    AttnKNorm,
     FfnNorm,
     FfnGate,
     FfnUp,
@@ -42,6 +46,8 @@ impl Role {
             Role::AttnKBias => "attn_k_bias",
             Role::AttnVBias => "attn_v_bias",
             Role::AttnOutputBias => "attn_output_bias",
+            Role::AttnQNorm => "attn_q_norm",
+            Role::AttnKNorm => "attn_k_norm",
             Role::FfnNorm => "ffn_norm",
             Role::FfnGate => "ffn_gate",
             Role::FfnUp => "ffn_up",

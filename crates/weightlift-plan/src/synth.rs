@@ -222,7 +222,9 @@ fn check_spec(spec: &ModelSpec) -> Result<()> {
 
 /// The exact tensor table of a llama-family model (llama, mistral, qwen2, smollm, ...) derived
 /// from its config: `token_embd`, per layer `attn_norm`, `attn_q/k/v/output` (with q/k/v biases
-/// when `attention_bias`, as qwen2 has), `ffn_norm`, `ffn_gate/up/down`, then `output_norm` and
+/// when `attention_bias`, as qwen2 has, and per-head `attn_q_norm`/`attn_k_norm` of `head_dim`
+/// when the architecture norms its heads, as qwen3 does), `ffn_norm`, `ffn_gate/up/down`, then
+/// `output_norm` and
 /// `output` unless the embeddings are tied. `file` and `offset` are 0: nothing is read.
 pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<TensorInfo>> {
     check_spec(spec)?;
@@ -291,6 +293,11 @@ pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<T
             push(p("attn_q.bias"), Role::AttnQBias, ly, vec![q_dim])?;
             push(p("attn_k.bias"), Role::AttnKBias, ly, vec![kv_dim])?;
             push(p("attn_v.bias"), Role::AttnVBias, ly, vec![kv_dim])?;
+        }
+        if spec.per_head_qk_norm() {
+            let hd = u64::from(spec.head_dim);
+            push(p("attn_q_norm.weight"), Role::AttnQNorm, ly, vec![hd])?;
+            push(p("attn_k_norm.weight"), Role::AttnKNorm, ly, vec![hd])?;
         }
         push(
             p("attn_output.weight"),

@@ -563,6 +563,7 @@ pub(crate) fn layer<B: Exec>(
         k: &l.k,
         v: &l.v,
         o: &l.o,
+        qk_norm: l.qk_norm.as_ref(),
         n_heads: cx.c.n_heads,
         kv_heads: l.kv_heads,
     };
@@ -660,6 +661,8 @@ pub(crate) struct AttnShare<'a> {
     pub k: &'a Linear,
     pub v: &'a Linear,
     pub o: &'a Linear,
+    /// Per-head RMSNorm weights of the queries and keys, when the layers have them.
+    pub qk_norm: Option<&'a [Floats; 2]>,
     pub n_heads: usize,
     pub kv_heads: usize,
 }
@@ -705,6 +708,19 @@ pub(crate) fn attention_normed<B: Exec>(
         n,
         vec![(a.q, &mut r.q), (a.k, &mut r.k), (a.v, &mut r.v)],
     )?;
+    if let Some([qn, kn]) = a.qk_norm {
+        // normed into the attention output's region (free until attention writes it), then
+        // copied back where RoPE and the cache read them
+        head_norm(b, cx, qn, n * nh, (&mut r.q, &mut r.att), at("q_norm"))?;
+        head_norm(
+            b,
+            cx,
+            kn,
+            n * a.kv_heads,
+            (&mut r.k, &mut r.att),
+            at("k_norm"),
+        )?;
+    }
     for (x, heads) in [(&mut r.q, nh), (&mut r.k, a.kv_heads)] {
         b.run(Op::RopeInPlace {
             params: c.rope,
@@ -747,6 +763,28 @@ pub(crate) fn attention_normed<B: Exec>(
         cache.with_layer(li, attend)?;
     }
     cx.linear(b, a.o, &r.att, n, &mut r.xn)
+}
+
+/// `x = RMSNorm(x) · norm` over `rows` head vectors of `head_dim` values, through `tmp`.
+fn head_norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    rows: usize,
+    (x, tmp): (&mut B::Buffer, &mut B::Buffer),
+    what: String,
+) -> Result<()> {
+    let hd = cx.c.head_dim;
+    b.run(Op::RmsNorm {
+        n_rows: rows,
+        n_cols: hd,
+        eps: cx.c.eps,
+        x,
+        weight: &*b.floats(norm, cx.held)?,
+        out: tmp,
+    })
+    .map_err(cx.err(what.clone()))?;
+    b.copy(tmp, 0, x, 0, rows * hd * 4).map_err(cx.err(what))
 }
 
 /// An MLP's rows `[gate, up, down]` (all of them, or a device's share under tensor parallelism)

@@ -3,8 +3,9 @@
 //!
 //! The family variants are data read once from the checkpoint, never tests on the
 //! architecture name inside the layer code: the RoPE pairing
-//! ([`RopeStyle`](weightlift_kernels::RopeStyle)), the q/k/v biases (qwen2), a tied head
-//! (`token_embd` when there is no `output.weight`) and Llama 3 frequency factors.
+//! ([`RopeStyle`](weightlift_kernels::RopeStyle)), the q/k/v biases (qwen2), the per-head
+//! q/k RMSNorms (qwen3), a tied head (`token_embd` when there is no `output.weight`) and
+//! Llama 3 frequency factors.
 //!
 //! Each device computes its parts one of two ways ([`SiteExec`]): the host path of
 //! [`super::layer`] (the CPU kernels on slices of host memory: `cpu`, `disk`, `virtual:N`), or
@@ -41,7 +42,6 @@ pub fn check_runs(architecture: &str) -> Result<()> {
         return Ok(());
     }
     let needs = match architecture {
-        "qwen3" => "per-head RMSNorm on q and k",
         "gemma" | "gemma2" | "gemma3" | "gemma3_text" | "gemma3n" => {
             "GeGLU, (1 + w) RMSNorms, post-attention and post-feed-forward norms, scaled \
              embeddings and sliding-window layers"
@@ -255,6 +255,14 @@ impl Graph {
             })?;
             let s = site(dev, &|h| h.layers = true);
             let at = Some(l);
+            let qk_norm = if spec.per_head_qk_norm() {
+                Some([
+                    norm(need(Role::AttnQNorm, at)?)?,
+                    norm(need(Role::AttnKNorm, at)?)?,
+                ])
+            } else {
+                None
+            };
             layers.push(Layer {
                 site: s,
                 kv_heads: spec.n_kv_heads_at(l) as usize,
@@ -263,6 +271,7 @@ impl Graph {
                 k: matrix(Role::AttnK, Some(Role::AttnKBias), at)?,
                 v: matrix(Role::AttnV, Some(Role::AttnVBias), at)?,
                 o: matrix(Role::AttnOutput, Some(Role::AttnOutputBias), at)?,
+                qk_norm,
                 ffn_norm: norm(need(Role::FfnNorm, at)?)?,
                 gate: matrix(Role::FfnGate, None, at)?,
                 up: matrix(Role::FfnUp, None, at)?,
@@ -431,6 +440,9 @@ impl Graph {
             let Some(dev) = on_cuda(l.site) else { continue };
             place(&mut l.attn_norm, held, &dev)?;
             place(&mut l.ffn_norm, held, &dev)?;
+            for n in l.qk_norm.iter_mut().flatten() {
+                place(n, held, &dev)?;
+            }
             for lin in [&mut l.q, &mut l.k, &mut l.v, &mut l.o] {
                 if let Some(b) = &mut lin.bias {
                     place(b, held, &dev)?;
@@ -470,6 +482,15 @@ impl Graph {
             expect(&l.k, l.kv_heads * hd, h)?;
             expect(&l.v, l.kv_heads * hd, h)?;
             expect(&l.o, h, nh * hd)?;
+            for n in l.qk_norm.iter().flatten() {
+                if n.host.len() != hd {
+                    return Err(invalid(
+                        format!("tensor '{}'", n.name),
+                        format!("{hd} values (one per head dimension)"),
+                        n.host.len(),
+                    ));
+                }
+            }
             expect(&l.gate, i, h)?;
             expect(&l.up, i, h)?;
             expect(&l.down, h, i)?;

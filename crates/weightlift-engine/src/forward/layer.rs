@@ -87,6 +87,10 @@ pub(super) fn run_layer(
     linear_on(c, wts, &l.q, w.xn, n, w.q)?;
     linear_on(c, wts, &l.k, w.xn, n, w.k)?;
     linear_on(c, wts, &l.v, w.xn, n, w.v)?;
+    if let Some([qn, kn]) = &l.qk_norm {
+        head_norm_in_place(&mut w.q[..n * qd], &qn.host, c.eps).map_err(err("q_norm"))?;
+        head_norm_in_place(&mut w.k[..n * kvd], &kn.host, c.eps).map_err(err("k_norm"))?;
+    }
     for (t, p) in w.pos[..n].iter_mut().enumerate() {
         *p = (pos + t) as i32;
     }
@@ -143,6 +147,32 @@ pub(super) fn run_layer(
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+/// Each `weight.len()`-long head vector of `x` RMS-normed by `weight`, in place, through the
+/// kernel in stack-sized pieces of whole heads (the backend path norms into a second buffer
+/// with the same kernel, so both give the same bits).
+pub(super) fn head_norm_in_place(
+    x: &mut [f32],
+    weight: &[f32],
+    eps: f32,
+) -> weightlift_kernels::Result<()> {
+    use rayon::prelude::*;
+    const PIECE: usize = 1024;
+    let hd = weight.len().max(1);
+    if hd > PIECE {
+        let mut tmp = vec![0f32; x.len()];
+        weightlift_kernels::rms_norm(x, weight, eps, &mut tmp)?;
+        x.copy_from_slice(&tmp);
+        return Ok(());
+    }
+    x.par_chunks_mut(PIECE / hd * hd).try_for_each(|heads| {
+        let mut tmp = [0f32; PIECE];
+        let t = &mut tmp[..heads.len()];
+        weightlift_kernels::rms_norm(heads, weight, eps, t)?;
+        heads.copy_from_slice(t);
+        Ok(())
+    })
 }
 
 /// `gate = silu(gate) * up`, through the kernel in stack-sized pieces.

@@ -1,4 +1,4 @@
-//! The forward pass of the llama family (llama, mistral, qwen2), carried out where the plan put
+//! The forward pass of the llama family (llama, mistral, qwen2, qwen3), carried out where the plan put
 //! every layer.
 //!
 //! - Each layer computes on the device that holds it. `cpu`, `disk` (computed by the host) and

@@ -74,6 +74,9 @@ pub(crate) struct Layer {
     pub k: Linear,
     pub v: Linear,
     pub o: Linear,
+    /// Per-head RMSNorm weights of the queries and keys (`head_dim` each), applied after the
+    /// projections and before RoPE, when the architecture has them (qwen3).
+    pub qk_norm: Option<[Floats; 2]>,
     pub ffn_norm: Floats,
     pub gate: Linear,
     pub up: Linear,

@@ -10,11 +10,12 @@ use super::parts::f32_vector;
 use crate::error::Result;
 
 /// RoPE pairing and per-pair angles: adjacent pairs for GGUF llama/mistral (whose q/k rows
-/// the converter permuted), rotate-half (NeoX) for qwen2 and for Hugging Face checkpoints;
-/// Llama 3 frequency factors from `rope_freqs.weight` or the config's `rope_scaling`.
+/// the converter permuted), rotate-half (NeoX) for qwen2, qwen3 and for Hugging Face
+/// checkpoints; Llama 3 frequency factors from `rope_freqs.weight` or the config's
+/// `rope_scaling`.
 pub(super) fn rope_of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<(RopeParams, Vec<f32>)> {
     let gguf = m.source.checkpoint().map(|c| c.format()) == Some(Format::Gguf);
-    let style = if gguf && spec.architecture != "qwen2" {
+    let style = if gguf && spec.gguf_adjacent_rope() {
         RopeStyle::Normal
     } else {
         RopeStyle::Neox

@@ -5,11 +5,29 @@
 use crate::Role;
 
 /// Architectures whose tensor roles are known (GGUF `general.architecture` or HF `model_type`).
-pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
+pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
 
 /// Whether roles are known for this architecture.
 pub(crate) fn supports_roles(architecture: &str) -> bool {
     SUPPORTED_ARCHITECTURES.contains(&architecture)
+}
+
+/// Architectures whose attention norms each head's queries and keys (an RMSNorm of `head_dim`
+/// with its own weight, after the projection and before RoPE): transformers' Qwen3Attention.
+const PER_HEAD_QK_NORM: &[&str] = &["qwen3"];
+
+/// Whether `architecture`'s layers norm each query and key head.
+pub(crate) fn per_head_qk_norm(architecture: &str) -> bool {
+    PER_HEAD_QK_NORM.contains(&architecture)
+}
+
+/// Architectures whose q/k rows llama.cpp's converter permutes into adjacent RoPE pairs in
+/// GGUF (its llama-family `permute`); every other GGUF, and every HF checkpoint, rotates halves.
+const GGUF_ADJACENT_ROPE: &[&str] = &["llama", "mistral"];
+
+/// Whether a GGUF of `architecture` pairs adjacent RoPE dimensions.
+pub(crate) fn gguf_adjacent_rope(architecture: &str) -> bool {
+    GGUF_ADJACENT_ROPE.contains(&architecture)
 }
 
 /// Where the decoder blocks' tensor names start: GGUF's, a transformers causal LM's, and a
@@ -114,6 +132,8 @@ fn per_layer_role(tail: &str) -> Option<Role> {
         "attn_k.bias" | "self_attn.k_proj.bias" => Role::AttnKBias,
         "attn_v.bias" | "self_attn.v_proj.bias" => Role::AttnVBias,
         "attn_output.bias" | "self_attn.o_proj.bias" => Role::AttnOutputBias,
+        "attn_q_norm.weight" | "self_attn.q_norm.weight" => Role::AttnQNorm,
+        "attn_k_norm.weight" | "self_attn.k_norm.weight" => Role::AttnKNorm,
         "ffn_norm.weight" | "post_attention_layernorm.weight" => Role::FfnNorm,
         "ffn_gate.weight" | "mlp.gate_proj.weight" => Role::FfnGate,
         "ffn_up.weight" | "mlp.up_proj.weight" => Role::FfnUp,
@@ -190,6 +210,14 @@ mod tests {
             ),
             ("output_norm.weight", "model.norm.weight"),
             ("output.weight", "lm_head.weight"),
+            (
+                "blk.3.attn_q_norm.weight",
+                "model.layers.3.self_attn.q_norm.weight",
+            ),
+            (
+                "blk.3.attn_k_norm.weight",
+                "model.layers.3.self_attn.k_norm.weight",
+            ),
         ];
         for (g, h) in pairs {
             let a = classify(g, "llama");

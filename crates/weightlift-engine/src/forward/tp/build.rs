@@ -212,6 +212,16 @@ impl TpGraph {
                 "the kv table splits one head count for every layer",
             ));
         }
+        if spec.per_head_qk_norm() {
+            return Err(refuse(
+                format!(
+                    "a tensor-parallel forward pass over '{}' (per-head q/k RMSNorm)",
+                    spec.architecture
+                ),
+                "the tensor-parallel pass does not apply q_norm/k_norm yet; load with a layer \
+                 split (autosplit, layers, balanced), which runs them on every device",
+            ));
+        }
         let splits = ctx.splits().clone();
         let dims = Dims::new(spec, runtime, max_seq_len, batch);
         if dims.tokens == 0 {

@@ -40,6 +40,8 @@ impl AttnParts {
             k: &self.k,
             v: &self.v,
             o: &self.o,
+            // refused at build: the tensor-parallel pass has no per-head q/k norms
+            qk_norm: None,
             n_heads: self.q_heads,
             kv_heads: self.kv_heads,
         };
