@@ -362,13 +362,16 @@ def main() -> int:
         "ids_text": tok.decode(ids),
         "prompt": PROMPT,
         "greedy_ids": greedy_ids,
-        "greedy_text": tok.decode(greedy_ids),
+        # as llama.cpp detokenizes for output: control tokens render as nothing
+        "greedy_text": tok.decode(greedy_ids, skip_special_tokens=True),
         "greedy_top1_minus_top2": greedy_gaps,
         "chat_messages": CHAT,
         "chat_prompt_text": chat_text,
         "chat_prompt_ids": chat_ids,
         "chat_greedy_ids": chat_greedy,
-        "chat_greedy_text": tok.decode(chat_greedy),
+        "chat_greedy_text": tok.decode(chat_greedy, skip_special_tokens=True),
+        # ids from here to the config's vocab_size are padding that tokenizer.json lacks
+        "tokenizer_size": len(tok),
         "chat_greedy_top1_minus_top2": chat_gaps,
         "parameters": n_params,
         "logit_std": float(ref.std()),

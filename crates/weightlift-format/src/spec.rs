@@ -416,7 +416,11 @@ impl ModelSpec {
             // transformers' LlamaConfig default.
             None => float("rope_theta", get("rope_theta"))?.unwrap_or(10_000.0),
         };
-        let rope_dim = match float("partial_rotary_factor", get("partial_rotary_factor"))? {
+        // transformers 5 keeps the factor under `rope_parameters` (Phi-3/4), 4 at the top level.
+        let partial = get("rope_parameters")
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .or_else(|| get("partial_rotary_factor"));
+        let rope_dim = match float("partial_rotary_factor", partial)? {
             Some(f) if f > 0.0 && f <= 1.0 => (f64::from(head_dim) * f) as u32,
             Some(f) => {
                 return Err(spec_err(
@@ -455,7 +459,7 @@ impl ModelSpec {
     /// Architectures whose tensor roles are known.
     pub const SUPPORTED_ARCHITECTURES: &'static [&'static str] = names::SUPPORTED_ARCHITECTURES;
 
-    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2, qwen3).
+    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2, qwen3, phi3).
     pub fn supports_roles(architecture: &str) -> bool {
         names::supports_roles(architecture)
     }
@@ -464,6 +468,12 @@ impl ModelSpec {
     /// `k_norm`, `head_dim` long): the layers then need those two tensors.
     pub fn per_head_qk_norm(&self) -> bool {
         names::per_head_qk_norm(&self.architecture)
+    }
+
+    /// Whether the layers hold q, k and v as one `qkv` matrix and gate and up as one `gate_up`
+    /// matrix (phi3: Phi-3 and Phi-4), stacked by rows in that order.
+    pub fn fused_projections(&self) -> bool {
+        names::fused_projections(&self.architecture)
     }
 
     /// Whether a GGUF of this architecture pairs adjacent RoPE dimensions (llama.cpp's

@@ -100,6 +100,24 @@ pub(crate) fn view<'a, B: Backend>(
     Ok(Part::View(v, PhantomData))
 }
 
+/// `len` bytes of `part` from `offset`, read only, for as long as the part's memory lives.
+pub(crate) fn narrow<'a, B: Backend>(
+    b: &B,
+    part: Part<'a, B::Buffer>,
+    offset: usize,
+    len: usize,
+) -> weightlift_kernels::Result<Part<'a, B::Buffer>> {
+    match part {
+        Part::Whole(t) => view(b, t, offset, len),
+        Part::View(t, _) => {
+            // SAFETY: `t` shows memory that 'a keeps alive and nothing writes; the narrower view
+            // shows part of that same memory, and dropping `t` (a view) frees nothing.
+            let v = unsafe { b.view(&t, offset, len) }?;
+            Ok(Part::View(v, PhantomData))
+        }
+    }
+}
+
 /// Disjoint byte ranges of `buf`, read and written in place.
 pub(crate) fn split<'a, B: Backend>(
     b: &B,
@@ -291,10 +309,16 @@ impl<'a> Ctx<'a> {
             }
         };
         let packing = Packing::of(&l.name, tensor.dtype())?;
+        let (from, len) = l.byte_range(tensor.nbytes() as usize);
         if let (Some(slot), Some(at)) = (self.slot, l.onload_at) {
-            return Ok((b.slot_view(slot, at, tensor.nbytes() as usize)?, packing));
+            return Ok((b.slot_view(slot, at, len)?, packing));
         }
-        Ok((b.tensor(tensor)?, packing))
+        let whole = b.tensor(tensor)?;
+        if l.rows_of.is_none() {
+            return Ok((whole, packing));
+        }
+        let rows = narrow(b, whole, from, len).map_err(self.err(l.name.clone()))?;
+        Ok((rows, packing))
     }
 
     /// The matvec mode of a `ty` product on this backend.

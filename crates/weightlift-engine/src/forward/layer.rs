@@ -227,19 +227,20 @@ pub(crate) fn weight_of<'a>(
     };
     let (bytes, dtype) = host_bytes(h, &l.name)?;
     let packing = Packing::of(&l.name, dtype)?;
-    match (slot, l.onload_at) {
-        (Some(s), Some(at)) => {
-            let b = s.get(at..at + bytes.len()).ok_or_else(|| {
-                invalid(
-                    format!("onloaded '{}'", l.name),
-                    format!("{} bytes from offset {at}", bytes.len()),
-                    format!("a slot of {} bytes", s.len()),
-                )
-            })?;
-            Ok((b, packing))
-        }
-        _ => Ok((bytes, packing)),
-    }
+    // its rows of the held tensor; an onload slot holds just those, from `onload_at`
+    let (from, len) = l.byte_range(bytes.len());
+    let (s, at) = match (slot, l.onload_at) {
+        (Some(s), Some(at)) => (s, at),
+        _ => (bytes, from),
+    };
+    let b = s.get(at..at + len).ok_or_else(|| {
+        invalid(
+            format!("rows of '{}'", l.name),
+            format!("{len} bytes from offset {at}"),
+            format!("{} bytes", s.len()),
+        )
+    })?;
+    Ok((b, packing))
 }
 
 /// `y = W x (+ bias)` for `n` tokens: a matrix–vector product for one token, else a matrix

@@ -212,14 +212,22 @@ impl TpGraph {
                 "the kv table splits one head count for every layer",
             ));
         }
-        if spec.per_head_qk_norm() {
+        let lacks = if spec.per_head_qk_norm() {
+            Some("per-head q/k RMSNorm")
+        } else if spec.fused_projections() {
+            Some("stacked qkv and gate_up matrices")
+        } else {
+            None
+        };
+        if let Some(lacks) = lacks {
             return Err(refuse(
                 format!(
-                    "a tensor-parallel forward pass over '{}' (per-head q/k RMSNorm)",
+                    "a tensor-parallel forward pass over '{}' ({lacks})",
                     spec.architecture
                 ),
-                "the tensor-parallel pass does not apply q_norm/k_norm yet; load with a layer \
-                 split (autosplit, layers, balanced), which runs them on every device",
+                "the tensor-parallel tables split separate q, k, v, gate and up matrices and the \
+                 pass applies no q_norm/k_norm yet; load with a layer split (autosplit, layers, \
+                 balanced), which runs it on every device",
             ));
         }
         let splits = ctx.splits().clone();

@@ -117,6 +117,7 @@ fn linear_of(m: &Mat, device: &Arc<Device>) -> Result<Linear> {
         onload_at: None,
         packed: None,
         part: Some(m.part),
+        rows_of: None,
     })
 }
 
