@@ -212,22 +212,14 @@ impl TpGraph {
                 "the kv table splits one head count for every layer",
             ));
         }
-        let lacks = if spec.per_head_qk_norm() {
-            Some("per-head q/k RMSNorm")
-        } else if spec.fused_projections() {
-            Some("stacked qkv and gate_up matrices")
-        } else {
-            None
-        };
-        if let Some(lacks) = lacks {
+        if spec.fused_projections() {
             return Err(refuse(
                 format!(
-                    "a tensor-parallel forward pass over '{}' ({lacks})",
+                    "a tensor-parallel forward pass over '{}' (stacked qkv and gate_up matrices)",
                     spec.architecture
                 ),
-                "the tensor-parallel tables split separate q, k, v, gate and up matrices and the \
-                 pass applies no q_norm/k_norm yet; load with a layer split (autosplit, layers, \
-                 balanced), which runs it on every device",
+                "the tensor-parallel tables split separate q, k, v, gate and up matrices; load \
+                 with a layer split (autosplit, layers, balanced), which runs it on every device",
             ));
         }
         let splits = ctx.splits().clone();
@@ -308,6 +300,14 @@ impl TpGraph {
                         qa * hdu,
                         None,
                     )?,
+                    qk_norm: if spec.per_head_qk_norm() {
+                        Some([
+                            c.replica(c.need(Role::AttnQNorm, at)?, &dev)?,
+                            c.replica(c.need(Role::AttnKNorm, at)?, &dev)?,
+                        ])
+                    } else {
+                        None
+                    },
                     q_heads: qh,
                     kv_heads: kh,
                     cache_part,
