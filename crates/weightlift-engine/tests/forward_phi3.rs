@@ -374,3 +374,56 @@ fn tiny_phi3_plan_is_what_the_load_holds() {
         }
     }
 }
+
+/// The tensor-parallel tables split separate q, k, v, gate and up matrices: phi3's stacked ones
+/// are refused by name, with the way out, before any compute (the MLP widened with zeros so
+/// that the planner's tables can be made at all).
+#[test]
+fn tiny_phi3_tensor_parallel_is_refused_by_name() {
+    let wide = common::widened_mlp(&data());
+    let src = open(wide.path());
+    let mut m = Model::new(
+        Arc::clone(&src),
+        Inventory::parse("virtual:2x64MiB").unwrap(),
+    );
+    // the widened copy is transformers' model still, on a layer split
+    let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+    whole.set_compute(Compute::Exact);
+    assert_matches(
+        "widened",
+        &forward_all(&mut whole, &cache, &ids()),
+        "hf_logits.npy",
+    );
+    let mut req = m.plan_request().unwrap();
+    wp::PlanOptions {
+        strategy: Some("tensor_parallel".into()),
+        expect_cache: Some(wp::ExpectCache {
+            tokens: 64,
+            dtype: CacheDType::F32,
+        }),
+        ..wp::PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap();
+    req.runtime.max_input_len = 16;
+    let plan = wp::plan(&req).unwrap();
+    let err = match load_planned(&mut m, &plan) {
+        Err(e) => e,
+        Ok(cache) => {
+            let mut out = Vec::new();
+            m.forward(
+                &ids(),
+                Some(&cache),
+                weightlift_engine::forward::Logits::All,
+                &mut out,
+            )
+            .expect_err("the tensor-parallel pass ran phi3")
+        }
+    };
+    let text = err.to_string();
+    assert!(matches!(err, EngineError::Unsupported { .. }), "{text}");
+    assert!(
+        text.contains("'phi3'") && text.contains("stacked qkv") && text.contains("layer split"),
+        "{text}"
+    );
+}

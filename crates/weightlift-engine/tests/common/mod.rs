@@ -499,7 +499,8 @@ pub fn qwen2() -> PathBuf {
 }
 
 /// A copy of the tiny safetensors model in `data` (intermediate size 192) with its MLP widened
-/// to 768 by zero rows and columns, as [`qwen2`] describes: a model the tensor-parallel tables
+/// to 768 by zero rows and columns (each half of a stacked gate_up on its own), as [`qwen2`]
+/// describes: a model the tensor-parallel tables
 /// can split, with the original's logits.
 pub fn widened_mlp(data: &Path) -> tempfile::TempDir {
     use safetensors::SafeTensors;
@@ -526,7 +527,16 @@ pub fn widened_mlp(data: &Path) -> tempfile::TempDir {
             .map(|(n, v)| {
                 let shape = v.shape().to_vec();
                 let data = v.data();
-                if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
+                if n.ends_with("gate_up_proj.weight") {
+                    // gate and up stacked (phi3): each half widened on its own
+                    let half = inter * shape[1] * 4;
+                    let mut d = Vec::new();
+                    for part in data.chunks(half) {
+                        d.extend_from_slice(part);
+                        d.resize(d.len() + (wide - inter) * shape[1] * 4, 0);
+                    }
+                    (n, vec![2 * wide, shape[1]], d)
+                } else if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
                     let mut d = data.to_vec();
                     d.resize(wide * shape[1] * 4, 0);
                     (n, vec![wide, shape[1]], d)
