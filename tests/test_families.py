@@ -1,7 +1,8 @@
 """The model families beyond llama, through the Python API and the CLI, against what
 transformers computed for their tiny random fixtures (``tests/data/tiny-<family>/``, made by
 ``tests/gen_<family>.py``): the tokenizer's ids, greedy ``generate``, a chat completion with
-the checkpoint's chat template, and ``weightlift run --chat``."""
+the checkpoint's chat template, and ``weightlift run --chat``; ``inspect`` and ``plan`` without
+loading; and what stays refused (phi3's LongRoPE) refused by name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import weightlift as wl
 
@@ -123,3 +126,32 @@ def test_inspect_and_plan_without_loading(family):
 
 def test_qwen3_head_dim_is_read_not_derived():
     assert wl.open(QWEN3).spec.head_dim == 32  # hidden 64 / 4 heads would be 16
+
+
+def test_phi3_longrope_gguf_is_refused_by_name(tmp_path):
+    # A 128k Phi-3 as llama.cpp's converter writes it: the same model with LongRoPE's factor
+    # tensors and attention factor beside it. Refused before loading, by name; inspect and
+    # plan still read it.
+    src = gguf.GGUFReader(PHI3 / "tiny-phi3-F32.gguf")
+    path = tmp_path / "longrope.gguf"
+    w = gguf.GGUFWriter(path, arch="phi3")
+    for name, field in src.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    w.add_float32("phi3.rope.scaling.attn_factor", 1.19)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.array(t.data, dtype=np.float32))
+    for which, value in (("long", 2.0), ("short", 1.0)):
+        w.add_tensor(f"rope_factors_{which}.weight", np.full(4, value, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert wl.open(path).spec.architecture == "phi3"
+    assert wl.plan(path, devices="cpu").architecture == "phi3"
+    with pytest.raises(
+        wl.UnsupportedError, match=r"LongRoPE factors \('rope_factors_long.weight'\)"
+    ):
+        wl.load_gguf(path, n_ctx=64)
