@@ -605,6 +605,23 @@ mod tests {
     }
 
     #[test]
+    fn hf_partial_rotary_at_the_top_or_under_rope_parameters() {
+        let mut c = json!({
+            "model_type": "phi3", "num_hidden_layers": 2, "hidden_size": 64,
+            "intermediate_size": 192, "num_attention_heads": 4, "vocab_size": 320,
+            "max_position_embeddings": 512,
+            "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}
+        });
+        let s = ModelSpec::from_hf_config(&c).unwrap();
+        assert_eq!((s.head_dim, s.rope_dim), (16, 8));
+        assert!(s.fused_projections() && !s.per_head_qk_norm());
+        let top = c.as_object_mut().unwrap();
+        top.remove("rope_parameters");
+        top.insert("partial_rotary_factor".into(), json!(0.75));
+        assert_eq!(ModelSpec::from_hf_config(&c).unwrap().rope_dim, 12);
+    }
+
+    #[test]
     fn hf_defaults_and_rope_parameters() {
         let c = json!({
             "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 128,
