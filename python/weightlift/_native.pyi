@@ -215,8 +215,8 @@ def plan(
     and the cpu the two upload staging buffers (at most 4 MiB each); with no cache,
     ``runtime=RuntimeSpec(0, 0, 0)`` and the cpu's budget 8 MiB larger, the maps are theirs.
 
-    Architectures the engine does not run (anything but llama, mistral and qwen2) are planned
-    with a warning; a head with no tensor of its own is tied to the embedding whatever the
+    Architectures the engine does not run (anything but llama, mistral, qwen2, qwen3 and phi3) are
+    planned with a warning; a head with no tensor of its own is tied to the embedding whatever the
     architecture; sliding-window layers (GGUF ``{arch}.attention.sliding_window``, config.json
     ``sliding_window`` with transformers' per-layer rules) keep llama.cpp's SWA cache, the
     window plus one input chunk padded to 256 tokens, for architectures the engine does not

@@ -120,7 +120,12 @@ impl Model {
                 } else {
                     path.parent().unwrap_or(path)
                 };
-                weightlift_text::Tokenizer::from_files(dir)?
+                let mut t = weightlift_text::Tokenizer::from_files(dir)?;
+                // ids past tokenizer.json's up to the embedding's rows, as a GGUF holds them
+                if let Some(spec) = self.source.spec() {
+                    t.pad_to(usize::try_from(spec.vocab_size).unwrap_or(usize::MAX));
+                }
+                t
             }
         };
         Ok(Arc::clone(self.tokenizer.get_or_init(|| Arc::new(built))))

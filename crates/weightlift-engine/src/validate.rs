@@ -27,6 +27,8 @@ fn name_for(role: Role, layer: Option<u32>, gguf: bool) -> String {
     if gguf {
         let base = match role {
             Role::TokenEmbd => return "token_embd.weight".into(),
+            // llama.cpp keeps the up projection's name for phi3's stacked gate and up
+            Role::FfnGateUp => "ffn_up",
             Role::OutputNorm => return "output_norm.weight".into(),
             Role::Output => return "output.weight".into(),
             r => r.name(),
@@ -46,6 +48,10 @@ fn name_for(role: Role, layer: Option<u32>, gguf: bool) -> String {
             Role::FfnGate => "mlp.gate_proj",
             Role::FfnUp => "mlp.up_proj",
             Role::FfnDown => "mlp.down_proj",
+            Role::AttnQNorm => "self_attn.q_norm",
+            Role::AttnKNorm => "self_attn.k_norm",
+            Role::AttnQkv => "self_attn.qkv_proj",
+            Role::FfnGateUp => "mlp.gate_up_proj",
             r => r.name(),
         };
         format!("model.layers.{l}.{base}.weight")
@@ -66,6 +72,9 @@ fn expected_shape(spec: &ModelSpec, role: Role, layer: Option<u32>) -> Option<Ve
         Role::AttnOutput => vec![h, q],
         Role::FfnGate | Role::FfnUp => vec![spec.intermediate_size, h],
         Role::FfnDown => vec![h, spec.intermediate_size],
+        Role::AttnQNorm | Role::AttnKNorm => vec![hd],
+        Role::AttnQkv => vec![q + 2 * kv, h],
+        Role::FfnGateUp => vec![2 * spec.intermediate_size, h],
         _ => return None,
     })
 }
@@ -103,8 +112,27 @@ pub fn validate(source: &dyn Source) -> Result<Vec<String>> {
             missing.push(name_for(r, None, gguf));
         }
     }
+    let qk_norm: &[Role] = if spec.per_head_qk_norm() {
+        &[Role::AttnQNorm, Role::AttnKNorm]
+    } else {
+        &[]
+    };
+    // phi3 stacks q, k and v in one matrix, and gate and up in another
+    let fused = [
+        Role::AttnNorm,
+        Role::AttnQkv,
+        Role::AttnOutput,
+        Role::FfnNorm,
+        Role::FfnGateUp,
+        Role::FfnDown,
+    ];
+    let per_layer: &[Role] = if spec.fused_projections() {
+        &fused
+    } else {
+        &PER_LAYER
+    };
     for l in 0..spec.n_layers {
-        for r in PER_LAYER {
+        for &r in per_layer.iter().chain(qk_norm) {
             if !present.contains(&(Some(l), r)) {
                 missing.push(name_for(r, Some(l), gguf));
             }

@@ -416,7 +416,11 @@ impl ModelSpec {
             // transformers' LlamaConfig default.
             None => float("rope_theta", get("rope_theta"))?.unwrap_or(10_000.0),
         };
-        let rope_dim = match float("partial_rotary_factor", get("partial_rotary_factor"))? {
+        // transformers 5 keeps the factor under `rope_parameters` (Phi-3/4), 4 at the top level.
+        let partial = get("rope_parameters")
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .or_else(|| get("partial_rotary_factor"));
+        let rope_dim = match float("partial_rotary_factor", partial)? {
             Some(f) if f > 0.0 && f <= 1.0 => (f64::from(head_dim) * f) as u32,
             Some(f) => {
                 return Err(spec_err(
@@ -455,9 +459,27 @@ impl ModelSpec {
     /// Architectures whose tensor roles are known.
     pub const SUPPORTED_ARCHITECTURES: &'static [&'static str] = names::SUPPORTED_ARCHITECTURES;
 
-    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2).
+    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2, qwen3, phi3).
     pub fn supports_roles(architecture: &str) -> bool {
         names::supports_roles(architecture)
+    }
+
+    /// Whether every layer norms each query and key head before RoPE (qwen3's `q_norm` and
+    /// `k_norm`, `head_dim` long): the layers then need those two tensors.
+    pub fn per_head_qk_norm(&self) -> bool {
+        names::per_head_qk_norm(&self.architecture)
+    }
+
+    /// Whether the layers hold q, k and v as one `qkv` matrix and gate and up as one `gate_up`
+    /// matrix (phi3: Phi-3 and Phi-4), stacked by rows in that order.
+    pub fn fused_projections(&self) -> bool {
+        names::fused_projections(&self.architecture)
+    }
+
+    /// Whether a GGUF of this architecture pairs adjacent RoPE dimensions (llama.cpp's
+    /// converter permuted its q/k rows: llama, mistral) rather than rotating halves.
+    pub fn gguf_adjacent_rope(&self) -> bool {
+        names::gguf_adjacent_rope(&self.architecture)
     }
 
     /// (layer, role) of a tensor name in either naming scheme (`blk.N.attn_q.weight`,
@@ -580,6 +602,23 @@ mod tests {
             e.contains("head_count_kv") && e.contains("expected 3 per-layer"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn hf_partial_rotary_at_the_top_or_under_rope_parameters() {
+        let mut c = json!({
+            "model_type": "phi3", "num_hidden_layers": 2, "hidden_size": 64,
+            "intermediate_size": 192, "num_attention_heads": 4, "vocab_size": 320,
+            "max_position_embeddings": 512,
+            "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}
+        });
+        let s = ModelSpec::from_hf_config(&c).unwrap();
+        assert_eq!((s.head_dim, s.rope_dim), (16, 8));
+        assert!(s.fused_projections() && !s.per_head_qk_norm());
+        let top = c.as_object_mut().unwrap();
+        top.remove("rope_parameters");
+        top.insert("partial_rotary_factor".into(), json!(0.75));
+        assert_eq!(ModelSpec::from_hf_config(&c).unwrap().rope_dim, 12);
     }
 
     #[test]

@@ -19,6 +19,15 @@ pub enum Role {
     AttnKBias,
     AttnVBias,
     AttnOutputBias,
+    /// Per-head RMSNorm weight of the queries (qwen3), `head_dim` long.
+    AttnQNorm,
+    /// Per-head RMSNorm weight of the keys (qwen3), `head_dim` long.
+    AttnKNorm,
+    /// q, k and v stacked by rows in one matrix (phi3's `qkv_proj`).
+    AttnQkv,
+    /// gate and up stacked by rows in one matrix (phi3's `gate_up_proj`; GGUF's `ffn_up` of a
+    /// phi3), `2 × intermediate` rows.
+    FfnGateUp,
     FfnNorm,
     FfnGate,
     FfnUp,
@@ -42,6 +51,10 @@ impl Role {
             Role::AttnKBias => "attn_k_bias",
             Role::AttnVBias => "attn_v_bias",
             Role::AttnOutputBias => "attn_output_bias",
+            Role::AttnQNorm => "attn_q_norm",
+            Role::AttnKNorm => "attn_k_norm",
+            Role::AttnQkv => "attn_qkv",
+            Role::FfnGateUp => "ffn_gate_up",
             Role::FfnNorm => "ffn_norm",
             Role::FfnGate => "ffn_gate",
             Role::FfnUp => "ffn_up",

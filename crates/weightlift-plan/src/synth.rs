@@ -222,8 +222,11 @@ fn check_spec(spec: &ModelSpec) -> Result<()> {
 
 /// The exact tensor table of a llama-family model (llama, mistral, qwen2, smollm, ...) derived
 /// from its config: `token_embd`, per layer `attn_norm`, `attn_q/k/v/output` (with q/k/v biases
-/// when `attention_bias`, as qwen2 has), `ffn_norm`, `ffn_gate/up/down`, then `output_norm` and
-/// `output` unless the embeddings are tied. `file` and `offset` are 0: nothing is read.
+/// when `attention_bias`, as qwen2 has, and per-head `attn_q_norm`/`attn_k_norm` of `head_dim`
+/// when the architecture norms its heads, as qwen3 does), `ffn_norm`, `ffn_gate/up/down`, then
+/// `output_norm` and
+/// `output` unless the embeddings are tied; phi3's layers hold `attn_qkv` and a `ffn_up` of both
+/// gate and up in place of the separate projections. `file` and `offset` are 0: nothing is read.
 pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<TensorInfo>> {
     check_spec(spec)?;
     let h = spec.hidden_size;
@@ -284,13 +287,23 @@ pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<T
         let p = |s: &str| format!("blk.{l}.{s}");
         let ly = Some(l);
         push(p("attn_norm.weight"), Role::AttnNorm, ly, vec![h])?;
-        push(p("attn_q.weight"), Role::AttnQ, ly, vec![q_dim, h])?;
-        push(p("attn_k.weight"), Role::AttnK, ly, vec![kv_dim, h])?;
-        push(p("attn_v.weight"), Role::AttnV, ly, vec![kv_dim, h])?;
+        if spec.fused_projections() {
+            let rows = q_dim + 2 * kv_dim;
+            push(p("attn_qkv.weight"), Role::AttnQkv, ly, vec![rows, h])?;
+        } else {
+            push(p("attn_q.weight"), Role::AttnQ, ly, vec![q_dim, h])?;
+            push(p("attn_k.weight"), Role::AttnK, ly, vec![kv_dim, h])?;
+            push(p("attn_v.weight"), Role::AttnV, ly, vec![kv_dim, h])?;
+        }
         if spec.attention_bias {
             push(p("attn_q.bias"), Role::AttnQBias, ly, vec![q_dim])?;
             push(p("attn_k.bias"), Role::AttnKBias, ly, vec![kv_dim])?;
             push(p("attn_v.bias"), Role::AttnVBias, ly, vec![kv_dim])?;
+        }
+        if spec.per_head_qk_norm() {
+            let hd = u64::from(spec.head_dim);
+            push(p("attn_q_norm.weight"), Role::AttnQNorm, ly, vec![hd])?;
+            push(p("attn_k_norm.weight"), Role::AttnKNorm, ly, vec![hd])?;
         }
         push(
             p("attn_output.weight"),
@@ -299,8 +312,12 @@ pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<T
             vec![h, q_dim],
         )?;
         push(p("ffn_norm.weight"), Role::FfnNorm, ly, vec![h])?;
-        push(p("ffn_gate.weight"), Role::FfnGate, ly, vec![i_dim, h])?;
-        push(p("ffn_up.weight"), Role::FfnUp, ly, vec![i_dim, h])?;
+        if spec.fused_projections() {
+            push(p("ffn_up.weight"), Role::FfnGateUp, ly, vec![2 * i_dim, h])?;
+        } else {
+            push(p("ffn_gate.weight"), Role::FfnGate, ly, vec![i_dim, h])?;
+            push(p("ffn_up.weight"), Role::FfnUp, ly, vec![i_dim, h])?;
+        }
         push(p("ffn_down.weight"), Role::FfnDown, ly, vec![h, i_dim])?;
     }
     push("output_norm.weight".into(), Role::OutputNorm, None, vec![h])?;

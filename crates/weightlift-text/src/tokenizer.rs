@@ -60,6 +60,10 @@ pub enum VocabKind {
     ByteLevel,
 }
 
+/// The most ids [`Tokenizer::pad_to`] pads a vocabulary to: past any published vocabulary, and a
+/// cap on what a config's `vocab_size` can make it allocate.
+pub const MAX_PADDED: usize = 1 << 22;
+
 /// A tokenizer. Encoding splits out special tokens the way llama.cpp does
 /// (`tokenizer_st_partition`), then runs a Hugging Face `tokenizers` model on each stretch of
 /// plain text; decoding follows llama.cpp's `token_to_piece`.
@@ -684,6 +688,17 @@ impl Tokenizer {
 
     pub fn kind(&self) -> VocabKind {
         self.kind
+    }
+
+    /// Unused tokens `[PAD{id}]` appended up to `n` ids (at most [`MAX_PADDED`]), as llama.cpp's
+    /// converter writes them for a model whose embedding has more rows than its tokenizer.json
+    /// has tokens (Qwen's and Phi's configs pad `vocab_size`): they decode to nothing, as
+    /// transformers decodes them, and no text encodes to them.
+    pub fn pad_to(&mut self, n: usize) {
+        for id in self.texts.len()..n.min(MAX_PADDED) {
+            self.texts.push(format!("[PAD{id}]"));
+            self.types.push(TokenType::Unused);
+        }
     }
 
     pub fn n_vocab(&self) -> usize {

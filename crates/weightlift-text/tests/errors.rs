@@ -87,6 +87,28 @@ fn bad_token_id_in_decode() {
 }
 
 #[test]
+fn padded_ids_decode_to_nothing() {
+    let tokens: MetaValue = MetaValue::Array(vec![s("a"), s("b"), s("ab")].into());
+    let merges: MetaValue = MetaValue::Array(vec![s("a b")].into());
+    let mut tok = Tokenizer::from_gguf(&md(&[
+        ("tokenizer.ggml.model", s("gpt2")),
+        ("tokenizer.ggml.pre", s("gpt-2")),
+        ("tokenizer.ggml.tokens", tokens),
+        ("tokenizer.ggml.merges", merges),
+    ]))
+    .unwrap();
+    tok.pad_to(8);
+    assert_eq!(tok.n_vocab(), 8);
+    assert_eq!(tok.token_text(7), Some("[PAD7]"));
+    // as transformers decodes ids its tokenizer lacks, and llama.cpp the converter's [PAD]s
+    assert_eq!(tok.decode(&[2, 7, 5, 0], false).unwrap(), "aba");
+    assert_eq!(tok.encode("[PAD7]ab", None, true).unwrap().last(), Some(&2));
+    assert!(tok.decode(&[8], true).is_err());
+    tok.pad_to(4);
+    assert_eq!(tok.n_vocab(), 8);
+}
+
+#[test]
 fn template_errors_are_typed() {
     let err = ChatTemplate::new("{% for m in messages %}", "", "").unwrap_err();
     assert!(

@@ -100,6 +100,24 @@ pub(crate) fn view<'a, B: Backend>(
     Ok(Part::View(v, PhantomData))
 }
 
+/// `len` bytes of `part` from `offset`, read only, for as long as the part's memory lives.
+pub(crate) fn narrow<'a, B: Backend>(
+    b: &B,
+    part: Part<'a, B::Buffer>,
+    offset: usize,
+    len: usize,
+) -> weightlift_kernels::Result<Part<'a, B::Buffer>> {
+    match part {
+        Part::Whole(t) => view(b, t, offset, len),
+        Part::View(t, _) => {
+            // SAFETY: `t` shows memory that 'a keeps alive and nothing writes; the narrower view
+            // shows part of that same memory, and dropping `t` (a view) frees nothing.
+            let v = unsafe { b.view(&t, offset, len) }?;
+            Ok(Part::View(v, PhantomData))
+        }
+    }
+}
+
 /// Disjoint byte ranges of `buf`, read and written in place.
 pub(crate) fn split<'a, B: Backend>(
     b: &B,
@@ -291,10 +309,16 @@ impl<'a> Ctx<'a> {
             }
         };
         let packing = Packing::of(&l.name, tensor.dtype())?;
+        let (from, len) = l.byte_range(tensor.nbytes() as usize);
         if let (Some(slot), Some(at)) = (self.slot, l.onload_at) {
-            return Ok((b.slot_view(slot, at, tensor.nbytes() as usize)?, packing));
+            return Ok((b.slot_view(slot, at, len)?, packing));
         }
-        Ok((b.tensor(tensor)?, packing))
+        let whole = b.tensor(tensor)?;
+        if l.rows_of.is_none() {
+            return Ok((whole, packing));
+        }
+        let rows = narrow(b, whole, from, len).map_err(self.err(l.name.clone()))?;
+        Ok((rows, packing))
     }
 
     /// The matvec mode of a `ty` product on this backend.
@@ -563,6 +587,7 @@ pub(crate) fn layer<B: Exec>(
         k: &l.k,
         v: &l.v,
         o: &l.o,
+        qk_norm: l.qk_norm.as_ref(),
         n_heads: cx.c.n_heads,
         kv_heads: l.kv_heads,
     };
@@ -660,6 +685,8 @@ pub(crate) struct AttnShare<'a> {
     pub k: &'a Linear,
     pub v: &'a Linear,
     pub o: &'a Linear,
+    /// Per-head RMSNorm weights of the queries and keys, when the layers have them.
+    pub qk_norm: Option<&'a [Floats; 2]>,
     pub n_heads: usize,
     pub kv_heads: usize,
 }
@@ -705,6 +732,19 @@ pub(crate) fn attention_normed<B: Exec>(
         n,
         vec![(a.q, &mut r.q), (a.k, &mut r.k), (a.v, &mut r.v)],
     )?;
+    if let Some([qn, kn]) = a.qk_norm {
+        // normed into the attention output's region (free until attention writes it), then
+        // copied back where RoPE and the cache read them
+        head_norm(b, cx, qn, n * nh, (&mut r.q, &mut r.att), at("q_norm"))?;
+        head_norm(
+            b,
+            cx,
+            kn,
+            n * a.kv_heads,
+            (&mut r.k, &mut r.att),
+            at("k_norm"),
+        )?;
+    }
     for (x, heads) in [(&mut r.q, nh), (&mut r.k, a.kv_heads)] {
         b.run(Op::RopeInPlace {
             params: c.rope,
@@ -747,6 +787,28 @@ pub(crate) fn attention_normed<B: Exec>(
         cache.with_layer(li, attend)?;
     }
     cx.linear(b, a.o, &r.att, n, &mut r.xn)
+}
+
+/// `x = RMSNorm(x) · norm` over `rows` head vectors of `head_dim` values, through `tmp`.
+fn head_norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    rows: usize,
+    (x, tmp): (&mut B::Buffer, &mut B::Buffer),
+    what: String,
+) -> Result<()> {
+    let hd = cx.c.head_dim;
+    b.run(Op::RmsNorm {
+        n_rows: rows,
+        n_cols: hd,
+        eps: cx.c.eps,
+        x,
+        weight: &*b.floats(norm, cx.held)?,
+        out: tmp,
+    })
+    .map_err(cx.err(what.clone()))?;
+    b.copy(tmp, 0, x, 0, rows * hd * 4).map_err(cx.err(what))
 }
 
 /// An MLP's rows `[gate, up, down]` (all of them, or a device's share under tensor parallelism)

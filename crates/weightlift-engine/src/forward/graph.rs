@@ -3,8 +3,9 @@
 //!
 //! The family variants are data read once from the checkpoint, never tests on the
 //! architecture name inside the layer code: the RoPE pairing
-//! ([`RopeStyle`](weightlift_kernels::RopeStyle)), the q/k/v biases (qwen2), a tied head
-//! (`token_embd` when there is no `output.weight`) and Llama 3 frequency factors.
+//! ([`RopeStyle`](weightlift_kernels::RopeStyle)), the q/k/v biases (qwen2), the per-head
+//! q/k RMSNorms (qwen3), stacked qkv and gate_up matrices read by row blocks (phi3), a tied
+//! head (`token_embd` when there is no `output.weight`) and Llama 3 frequency factors.
 //!
 //! Each device computes its parts one of two ways ([`SiteExec`]): the host path of
 //! [`super::layer`] (the CPU kernels on slices of host memory: `cpu`, `disk`, `virtual:N`), or
@@ -41,12 +42,10 @@ pub fn check_runs(architecture: &str) -> Result<()> {
         return Ok(());
     }
     let needs = match architecture {
-        "qwen3" => "per-head RMSNorm on q and k",
         "gemma" | "gemma2" | "gemma3" | "gemma3_text" | "gemma3n" => {
             "GeGLU, (1 + w) RMSNorms, post-attention and post-feed-forward norms, scaled \
              embeddings and sliding-window layers"
         }
-        "phi3" | "phi4" => "fused qkv and gate_up projections and LongRoPE",
         "mixtral" | "qwen2moe" | "qwen3moe" | "deepseek" => "mixture-of-experts routing",
         "deepseek2" => "multi-head latent attention (MLA) and mixture-of-experts routing",
         "mamba" | "mamba2" => "state-space (selective scan) layers instead of attention",
@@ -161,6 +160,7 @@ impl Graph {
                 onload_at: None,
                 packed,
                 part: None,
+                rows_of: None,
             })
         };
         let linear = |i: usize, bias: Option<Role>, layer: Option<u32>| -> Result<Linear> {
@@ -191,6 +191,38 @@ impl Graph {
             }
         };
         let norm = |i: usize| floats(m.held, infos, i);
+        // The row blocks of a stacked matrix (phi3's qkv and gate_up), `parts` rows each in
+        // order, each multiplied as a matrix of its own from its rows of the held tensor.
+        let stacked = |role: Role, parts: &[usize], layer: Option<u32>| -> Result<Vec<Linear>> {
+            let i = need(role, layer)?;
+            if quantized(role, layer).is_some() {
+                return Err(EngineError::Unsupported {
+                    what: format!("a packed (GPTQ or EXL2) stacked matrix '{}'", infos[i].name),
+                    detail: "stacked qkv and gate_up matrices run from float or ggml weights"
+                        .into(),
+                });
+            }
+            let total: usize = parts.iter().sum();
+            let mut first = 0;
+            let mut out = Vec::with_capacity(parts.len());
+            for &rows in parts {
+                let mut l = linear(i, None, layer)?;
+                if l.rows != total {
+                    let sizes: Vec<String> = parts.iter().map(usize::to_string).collect();
+                    return Err(invalid(
+                        format!("tensor '{}'", l.name),
+                        format!("{total} rows ({}) for this architecture", sizes.join(" + ")),
+                        format!("{} rows", l.rows),
+                    ));
+                }
+                l.name = format!("{} rows {first}..{}", l.name, first + rows);
+                l.rows = rows;
+                l.rows_of = Some((first, total));
+                first += rows;
+                out.push(l);
+            }
+            Ok(out)
+        };
 
         // Where each part computes: layers on their devices, the embedding and head on the
         // devices holding their tensors (a tied head on its copy, when the plan made one).
@@ -245,6 +277,7 @@ impl Graph {
         };
         let embed_site = site(&device_of(&m.held[embd]), &|h| h.embed = true);
         let mut layers = Vec::with_capacity(spec.n_layers as usize);
+        let dims_q = spec.n_heads as usize * spec.head_dim as usize;
         for l in 0..spec.n_layers {
             let dev = m.layer_devices.get(l as usize).ok_or_else(|| {
                 invalid(
@@ -255,17 +288,48 @@ impl Graph {
             })?;
             let s = site(dev, &|h| h.layers = true);
             let at = Some(l);
+            let qk_norm = if spec.per_head_qk_norm() {
+                Some([
+                    norm(need(Role::AttnQNorm, at)?)?,
+                    norm(need(Role::AttnKNorm, at)?)?,
+                ])
+            } else {
+                None
+            };
+            let kv_heads = spec.n_kv_heads_at(l) as usize;
+            let [q, k, v, gate, up] = if spec.fused_projections() {
+                let (qd, kvd) = (dims_q, kv_heads * spec.head_dim as usize);
+                let inter = spec.intermediate_size as usize;
+                let qkv = stacked(Role::AttnQkv, &[qd, kvd, kvd], at)?;
+                let gate_up = stacked(Role::FfnGateUp, &[inter, inter], at)?;
+                match (
+                    <[Linear; 3]>::try_from(qkv),
+                    <[Linear; 2]>::try_from(gate_up),
+                ) {
+                    (Ok([q, k, v]), Ok([gate, up])) => [q, k, v, gate, up],
+                    _ => return Err(invalid("stacked matrices", "3 and 2 row blocks", "others")),
+                }
+            } else {
+                [
+                    matrix(Role::AttnQ, Some(Role::AttnQBias), at)?,
+                    matrix(Role::AttnK, Some(Role::AttnKBias), at)?,
+                    matrix(Role::AttnV, Some(Role::AttnVBias), at)?,
+                    matrix(Role::FfnGate, None, at)?,
+                    matrix(Role::FfnUp, None, at)?,
+                ]
+            };
             layers.push(Layer {
                 site: s,
-                kv_heads: spec.n_kv_heads_at(l) as usize,
+                kv_heads,
                 attn_norm: norm(need(Role::AttnNorm, at)?)?,
-                q: matrix(Role::AttnQ, Some(Role::AttnQBias), at)?,
-                k: matrix(Role::AttnK, Some(Role::AttnKBias), at)?,
-                v: matrix(Role::AttnV, Some(Role::AttnVBias), at)?,
+                q,
+                k,
+                v,
                 o: matrix(Role::AttnOutput, Some(Role::AttnOutputBias), at)?,
+                qk_norm,
                 ffn_norm: norm(need(Role::FfnNorm, at)?)?,
-                gate: matrix(Role::FfnGate, None, at)?,
-                up: matrix(Role::FfnUp, None, at)?,
+                gate,
+                up,
                 down: matrix(Role::FfnDown, None, at)?,
                 group: None,
             });
@@ -393,6 +457,19 @@ impl Graph {
                     .into(),
             });
         }
+        for l in self.layers.iter().flat_map(Layer::linears) {
+            if let (Some(_), Some(d)) = (l.rows_of, dtype(l))
+                && !matches!(Packing::of(&l.name, d)?, Packing::Blocks(_))
+            {
+                return Err(EngineError::Unsupported {
+                    what: format!("'{}' held as {d}", l.name),
+                    detail: "a block of a stacked qkv or gate_up matrix is read as its rows of \
+                             float or ggml blocks; LLM.int8 packs the whole matrix (load without \
+                             quantize=\"int8\")"
+                        .into(),
+                });
+            }
+        }
         let packed_off_host = |site: usize, l: &Linear| -> Result<()> {
             let s = &self.sites[site];
             if let Some(scheme) = l.packed()
@@ -431,6 +508,9 @@ impl Graph {
             let Some(dev) = on_cuda(l.site) else { continue };
             place(&mut l.attn_norm, held, &dev)?;
             place(&mut l.ffn_norm, held, &dev)?;
+            for n in l.qk_norm.iter_mut().flatten() {
+                place(n, held, &dev)?;
+            }
             for lin in [&mut l.q, &mut l.k, &mut l.v, &mut l.o] {
                 if let Some(b) = &mut lin.bias {
                     place(b, held, &dev)?;
@@ -470,6 +550,15 @@ impl Graph {
             expect(&l.k, l.kv_heads * hd, h)?;
             expect(&l.v, l.kv_heads * hd, h)?;
             expect(&l.o, h, nh * hd)?;
+            for n in l.qk_norm.iter().flatten() {
+                if n.host.len() != hd {
+                    return Err(invalid(
+                        format!("tensor '{}'", n.name),
+                        format!("{hd} values (one per head dimension)"),
+                        n.host.len(),
+                    ));
+                }
+            }
             expect(&l.gate, i, h)?;
             expect(&l.up, i, h)?;
             expect(&l.down, h, i)?;

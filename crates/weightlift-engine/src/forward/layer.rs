@@ -101,6 +101,10 @@ pub(super) fn run_layer(
     linear_pieces(c, wts, &l.q, pieces, w.xn, w.q)?;
     linear_pieces(c, wts, &l.k, pieces, w.xn, w.k)?;
     linear_pieces(c, wts, &l.v, pieces, w.xn, w.v)?;
+    if let Some([qn, kn]) = &l.qk_norm {
+        head_norm_in_place(&mut w.q[..n * qd], &qn.host, c.eps).map_err(err("q_norm"))?;
+        head_norm_in_place(&mut w.k[..n * kvd], &kn.host, c.eps).map_err(err("k_norm"))?;
+    }
     let mut slots = w.pos[..n].iter_mut();
     for p in pieces {
         for (t, slot) in slots.by_ref().take(p.n).enumerate() {
@@ -201,6 +205,32 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
+/// Each `weight.len()`-long head vector of `x` RMS-normed by `weight`, in place, through the
+/// kernel in stack-sized pieces of whole heads (the backend path norms into a second buffer
+/// with the same kernel, so both give the same bits).
+pub(super) fn head_norm_in_place(
+    x: &mut [f32],
+    weight: &[f32],
+    eps: f32,
+) -> weightlift_kernels::Result<()> {
+    use rayon::prelude::*;
+    const PIECE: usize = 1024;
+    let hd = weight.len().max(1);
+    if hd > PIECE {
+        let mut tmp = vec![0f32; x.len()];
+        weightlift_kernels::rms_norm(x, weight, eps, &mut tmp)?;
+        x.copy_from_slice(&tmp);
+        return Ok(());
+    }
+    x.par_chunks_mut(PIECE / hd * hd).try_for_each(|heads| {
+        let mut tmp = [0f32; PIECE];
+        let t = &mut tmp[..heads.len()];
+        weightlift_kernels::rms_norm(heads, weight, eps, t)?;
+        heads.copy_from_slice(t);
+        Ok(())
+    })
+}
+
 /// `gate = silu(gate) * up`, through the kernel in stack-sized pieces.
 pub(super) fn swiglu_in_place(gate: &mut [f32], up: &[f32]) -> weightlift_kernels::Result<()> {
     use rayon::prelude::*;
@@ -253,19 +283,20 @@ pub(crate) fn weight_of<'a>(
     };
     let (bytes, dtype) = host_bytes(h, &l.name)?;
     let packing = Packing::of(&l.name, dtype)?;
-    match (slot, l.onload_at) {
-        (Some(s), Some(at)) => {
-            let b = s.get(at..at + bytes.len()).ok_or_else(|| {
-                invalid(
-                    format!("onloaded '{}'", l.name),
-                    format!("{} bytes from offset {at}", bytes.len()),
-                    format!("a slot of {} bytes", s.len()),
-                )
-            })?;
-            Ok((b, packing))
-        }
-        _ => Ok((bytes, packing)),
-    }
+    // its rows of the held tensor; an onload slot holds just those, from `onload_at`
+    let (from, len) = l.byte_range(bytes.len());
+    let (s, at) = match (slot, l.onload_at) {
+        (Some(s), Some(at)) => (s, at),
+        _ => (bytes, from),
+    };
+    let b = s.get(at..at + len).ok_or_else(|| {
+        invalid(
+            format!("rows of '{}'", l.name),
+            format!("{len} bytes from offset {at}"),
+            format!("{} bytes", s.len()),
+        )
+    })?;
+    Ok((b, packing))
 }
 
 /// `y = W x (+ bias)` for `n` tokens: a matrix–vector product for one token, else a matrix

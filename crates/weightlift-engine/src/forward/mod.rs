@@ -1,5 +1,5 @@
-//! The forward pass of the llama family (llama, mistral, qwen2), carried out where the plan put
-//! every layer.
+//! The forward pass of the llama family (llama, mistral, qwen2, qwen3, phi3), carried out where
+//! the plan put every layer.
 //!
 //! - Each layer computes on the device that holds it. `cpu`, `disk` (computed by the host) and
 //!   `virtual:N` run the CPU kernels on host memory; `cuda:N` runs the same layer as a sequence
@@ -55,6 +55,7 @@ use crate::model::Held;
 
 pub(crate) use graph::Graph;
 pub use graph::check_runs;
+pub use rope::check_rope;
 pub(crate) use tp::TpGraph;
 
 /// How the matrix products treat activations.

@@ -214,6 +214,7 @@ impl Onload {
                         None => vec![lin.index()],
                     };
                     for i in tensors {
+                        let whole = lin.packed.is_some();
                         let Some(Held::Whole { tensor, .. }) = held.get(i) else {
                             return Err(invalid(
                                 format!("offloaded tensor '{}'", lin.name),
@@ -221,7 +222,13 @@ impl Onload {
                                 "a split or missing one",
                             ));
                         };
-                        at += tensor.nbytes() as usize;
+                        // a block of a stacked matrix takes its own rows only
+                        let nbytes = tensor.nbytes() as usize;
+                        at += if whole {
+                            nbytes
+                        } else {
+                            lin.byte_range(nbytes).1
+                        };
                     }
                 }
             }

@@ -49,12 +49,27 @@ pub(crate) struct Linear {
     pub packed: Option<PackedLinear>,
     /// The part of a split held tensor this device multiplies (tensor parallelism).
     pub part: Option<usize>,
+    /// `(first, total)`: the matrix is rows `first..first + rows` of a held tensor of `total`
+    /// rows (a block of phi3's stacked qkv or gate_up), read in place.
+    pub rows_of: Option<(usize, usize)>,
 }
 
 impl Linear {
     /// The scheme of a packed linear (`"GPTQ"`, `"EXL2"`), which runs on the host path only.
     pub fn packed(&self) -> Option<&'static str> {
         self.packed.as_ref().map(PackedLinear::scheme)
+    }
+
+    /// The byte range `(offset, len)` of its rows in its held tensor of `nbytes` bytes: all of
+    /// them, or its block of a stacked matrix (every row is the same whole number of bytes).
+    pub fn byte_range(&self, nbytes: usize) -> (usize, usize) {
+        match self.rows_of {
+            None => (0, nbytes),
+            Some((first, total)) => {
+                let per = nbytes / total.max(1);
+                (first * per, self.rows * per)
+            }
+        }
     }
 
     /// Index of the held tensor (or of the tensor a copy copies).
@@ -74,6 +89,9 @@ pub(crate) struct Layer {
     pub k: Linear,
     pub v: Linear,
     pub o: Linear,
+    /// Per-head RMSNorm weights of the queries and keys (`head_dim` each), applied after the
+    /// projections and before RoPE, when the architecture has them (qwen3).
+    pub qk_norm: Option<[Floats; 2]>,
     pub ffn_norm: Floats,
     pub gate: Linear,
     pub up: Linear,

@@ -7,14 +7,43 @@ use weightlift_kernels::{RopeParams, RopeStyle};
 use super::graph::Loaded;
 use super::layer::kernel;
 use super::parts::f32_vector;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
+use crate::source::Source;
+
+/// The per-pair factor tensors llama.cpp's converter writes for LongRoPE (Phi-3's 128k models).
+const LONGROPE_TENSORS: [&str; 2] = ["rope_factors_long.weight", "rope_factors_short.weight"];
+
+/// `Ok` unless the checkpoint scales RoPE in a way the forward pass does not run: LongRoPE
+/// (`rope_scaling` of type `longrope`, or `su` as the first Phi-3 128k configs wrote it, with
+/// `short_factor`/`long_factor`; in GGUF, the `rope_factors_long`/`rope_factors_short`
+/// tensors). Checked before loading, as [`super::check_runs`] is.
+pub fn check_rope(source: &dyn Source) -> Result<()> {
+    let cfg = source.checkpoint().and_then(|c| c.config());
+    let kind = cfg.and_then(scaling_kind);
+    let tensor = source
+        .tensors()
+        .iter()
+        .find(|t| LONGROPE_TENSORS.contains(&t.name.as_str()));
+    let what = match (kind, tensor) {
+        (Some(k @ ("longrope" | "su")), _) => format!("rope_scaling type '{k}' (LongRoPE)"),
+        (_, Some(t)) => format!("LongRoPE factors ('{}')", t.name),
+        _ => return Ok(()),
+    };
+    Err(EngineError::Unsupported {
+        what,
+        detail: "the forward pass scales RoPE linearly or as Llama 3 does, not by LongRoPE's \
+                 short and long factors (the 128k Phi-3 models); use a 4k/16k variant"
+            .into(),
+    })
+}
 
 /// RoPE pairing and per-pair angles: adjacent pairs for GGUF llama/mistral (whose q/k rows
-/// the converter permuted), rotate-half (NeoX) for qwen2 and for Hugging Face checkpoints;
-/// Llama 3 frequency factors from `rope_freqs.weight` or the config's `rope_scaling`.
+/// the converter permuted), rotate-half (NeoX) for every other GGUF (qwen2, qwen3, phi3) and
+/// for Hugging Face checkpoints, over the first `rope_dim` values of each head (phi3's partial
+/// rotary); Llama 3 frequency factors from `rope_freqs.weight` or the config's `rope_scaling`.
 pub(super) fn rope_of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<(RopeParams, Vec<f32>)> {
     let gguf = m.source.checkpoint().map(|c| c.format()) == Some(Format::Gguf);
-    let style = if gguf && spec.architecture != "qwen2" {
+    let style = if gguf && spec.gguf_adjacent_rope() {
         RopeStyle::Normal
     } else {
         RopeStyle::Neox
@@ -64,15 +93,24 @@ enum Scaling {
 }
 
 /// `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) of a config.
-fn rope_scaling(cfg: &serde_json::Value) -> Option<Scaling> {
-    let r = cfg
-        .get("rope_scaling")
+fn scaling_of(cfg: &serde_json::Value) -> Option<&serde_json::Value> {
+    cfg.get("rope_scaling")
         .filter(|v| !v.is_null())
-        .or_else(|| cfg.get("rope_parameters"))?;
-    let kind = r
-        .get("rope_type")
+        .or_else(|| cfg.get("rope_parameters"))
+}
+
+/// The type of a config's RoPE scaling (`rope_type`, or `type` as older configs write it).
+fn scaling_kind(cfg: &serde_json::Value) -> Option<&str> {
+    let r = scaling_of(cfg)?;
+    r.get("rope_type")
         .or_else(|| r.get("type"))
-        .and_then(|v| v.as_str())?;
+        .and_then(|v| v.as_str())
+}
+
+/// The RoPE scaling of a config that the forward pass applies.
+fn rope_scaling(cfg: &serde_json::Value) -> Option<Scaling> {
+    let r = scaling_of(cfg)?;
+    let kind = scaling_kind(cfg)?;
     let num = |k: &str| {
         r.get(k)
             .and_then(serde_json::Value::as_f64)

@@ -37,7 +37,7 @@ use weightlift_plan::{Dims, RuntimeSpec, TpShare, TpWorkspace};
 
 use super::attention::{self, Shape, Tiles};
 use super::graph::Loaded;
-use super::layer::{kernel, swiglu_in_place};
+use super::layer::{head_norm_in_place, kernel, swiglu_in_place};
 use super::rope::rope_of;
 use super::weights::Packing;
 use super::{Compute, Copies, Output, Views, carve, check_tokens};
@@ -74,6 +74,9 @@ struct Attn {
     k: Mat,
     v: Mat,
     o: Mat,
+    /// Replicas of the per-head q/k RMSNorm weights (qwen3): heads are split whole, so each
+    /// device norms its own heads with the same weights.
+    qk_norm: Option<[Vec<f32>; 2]>,
     q_heads: usize,
     kv_heads: usize,
     /// Index of this device's part of the cache.
@@ -232,6 +235,10 @@ impl Run<'_> {
         self.product(&a.q, w.xn, n, w.q)?;
         self.product(&a.k, w.xn, n, w.k)?;
         self.product(&a.v, w.xn, n, w.v)?;
+        if let Some([qn, kn]) = &a.qk_norm {
+            head_norm_in_place(&mut w.q[..n * qd], qn, self.eps).map_err(err("q_norm"))?;
+            head_norm_in_place(&mut w.k[..n * kvd], kn, self.eps).map_err(err("k_norm"))?;
+        }
         for (t, p) in w.pos[..n].iter_mut().enumerate() {
             *p = (pos + t) as i32;
         }

@@ -49,6 +49,7 @@ impl Model {
         if let Some(spec) = self.source.spec() {
             crate::forward::check_runs(&spec.architecture)?;
         }
+        crate::forward::check_rope(self.source.as_ref())?;
         let infos = self.source.tensors();
         if placement.tensors.len() != infos.len() {
             return Err(invalid(

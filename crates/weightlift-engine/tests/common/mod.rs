@@ -492,12 +492,22 @@ pub fn qwen2_data() -> PathBuf {
 /// per device), and the added units contribute exact zeros (`silu(0)·0`), so transformers'
 /// logits of the original still hold.
 pub fn qwen2() -> PathBuf {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| widened_mlp(&qwen2_data()))
+        .path()
+        .to_path_buf()
+}
+
+/// A copy of the tiny safetensors model in `data` (intermediate size 192) with its MLP widened
+/// to 768 by zero rows and columns (each half of a stacked gate_up on its own), as [`qwen2`]
+/// describes: a model the tensor-parallel tables
+/// can split, with the original's logits.
+pub fn widened_mlp(data: &Path) -> tempfile::TempDir {
     use safetensors::SafeTensors;
     use safetensors::tensor::TensorView;
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    let dir = DIR.get_or_init(|| {
+    {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = std::fs::read_to_string(qwen2_data().join("config.json")).unwrap();
+        let cfg = std::fs::read_to_string(data.join("config.json")).unwrap();
         let cfg = cfg.replace("\"intermediate_size\": 192", "\"intermediate_size\": 768");
         assert!(cfg.contains("768"));
         std::fs::write(dir.path().join("config.json"), cfg).unwrap();
@@ -506,9 +516,9 @@ pub fn qwen2() -> PathBuf {
             "tokenizer_config.json",
             "generation_config.json",
         ] {
-            std::fs::copy(qwen2_data().join(f), dir.path().join(f)).unwrap();
+            std::fs::copy(data.join(f), dir.path().join(f)).unwrap();
         }
-        let bytes = std::fs::read(qwen2_data().join("model.safetensors")).unwrap();
+        let bytes = std::fs::read(data.join("model.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let (inter, wide) = (192usize, 768usize);
         let padded: Vec<(String, Vec<usize>, Vec<u8>)> = st
@@ -517,7 +527,16 @@ pub fn qwen2() -> PathBuf {
             .map(|(n, v)| {
                 let shape = v.shape().to_vec();
                 let data = v.data();
-                if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
+                if n.ends_with("gate_up_proj.weight") {
+                    // gate and up stacked (phi3): each half widened on its own
+                    let half = inter * shape[1] * 4;
+                    let mut d = Vec::new();
+                    for part in data.chunks(half) {
+                        d.extend_from_slice(part);
+                        d.resize(d.len() + (wide - inter) * shape[1] * 4, 0);
+                    }
+                    (n, vec![2 * wide, shape[1]], d)
+                } else if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
                     let mut d = data.to_vec();
                     d.resize(wide * shape[1] * 4, 0);
                     (n, vec![wide, shape[1]], d)
@@ -544,8 +563,7 @@ pub fn qwen2() -> PathBuf {
             .collect();
         safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
         dir
-    });
-    dir.path().to_path_buf()
+    }
 }
 
 /// A tensor-parallel run's logits, and per part of the cache every layer's K and V rows.

@@ -5,11 +5,39 @@
 use crate::Role;
 
 /// Architectures whose tensor roles are known (GGUF `general.architecture` or HF `model_type`).
-pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
+pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "phi3"];
 
 /// Whether roles are known for this architecture.
 pub(crate) fn supports_roles(architecture: &str) -> bool {
     SUPPORTED_ARCHITECTURES.contains(&architecture)
+}
+
+/// Architectures whose attention norms each head's queries and keys (an RMSNorm of `head_dim`
+/// with its own weight, after the projection and before RoPE): transformers' Qwen3Attention.
+const PER_HEAD_QK_NORM: &[&str] = &["qwen3"];
+
+/// Whether `architecture`'s layers norm each query and key head.
+pub(crate) fn per_head_qk_norm(architecture: &str) -> bool {
+    PER_HEAD_QK_NORM.contains(&architecture)
+}
+
+/// Architectures whose layers hold q/k/v as one matrix and gate/up as one (transformers'
+/// Phi3Attention `qkv_proj` and Phi3MLP `gate_up_proj`; llama.cpp's `attn_qkv` and an `ffn_up`
+/// of twice the MLP width).
+const FUSED_PROJECTIONS: &[&str] = &["phi3"];
+
+/// Whether `architecture`'s layers hold fused qkv and gate_up matrices.
+pub(crate) fn fused_projections(architecture: &str) -> bool {
+    FUSED_PROJECTIONS.contains(&architecture)
+}
+
+/// Architectures whose q/k rows llama.cpp's converter permutes into adjacent RoPE pairs in
+/// GGUF (its llama-family `permute`); every other GGUF, and every HF checkpoint, rotates halves.
+const GGUF_ADJACENT_ROPE: &[&str] = &["llama", "mistral"];
+
+/// Whether a GGUF of `architecture` pairs adjacent RoPE dimensions.
+pub(crate) fn gguf_adjacent_rope(architecture: &str) -> bool {
+    GGUF_ADJACENT_ROPE.contains(&architecture)
 }
 
 /// Where the decoder blocks' tensor names start: GGUF's, a transformers causal LM's, and a
@@ -114,6 +142,10 @@ fn per_layer_role(tail: &str) -> Option<Role> {
         "attn_k.bias" | "self_attn.k_proj.bias" => Role::AttnKBias,
         "attn_v.bias" | "self_attn.v_proj.bias" => Role::AttnVBias,
         "attn_output.bias" | "self_attn.o_proj.bias" => Role::AttnOutputBias,
+        "attn_q_norm.weight" | "self_attn.q_norm.weight" => Role::AttnQNorm,
+        "attn_k_norm.weight" | "self_attn.k_norm.weight" => Role::AttnKNorm,
+        "attn_qkv.weight" | "self_attn.qkv_proj.weight" => Role::AttnQkv,
+        "mlp.gate_up_proj.weight" => Role::FfnGateUp,
         "ffn_norm.weight" | "post_attention_layernorm.weight" => Role::FfnNorm,
         "ffn_gate.weight" | "mlp.gate_proj.weight" => Role::FfnGate,
         "ffn_up.weight" | "mlp.up_proj.weight" => Role::FfnUp,
@@ -130,6 +162,13 @@ pub(crate) fn classify(name: &str, architecture: &str) -> (Option<u32>, Option<R
         role_of(name)
     } else {
         None
+    };
+    // llama.cpp keeps the name `ffn_up` for phi3's stacked gate and up.
+    let role = match role {
+        Some(Role::FfnUp) if fused_projections(architecture) && name.starts_with("blk.") => {
+            Some(Role::FfnGateUp)
+        }
+        r => r,
     };
     // A per-layer role outside a block, or a global role inside one, is not that role.
     let role = role.filter(|r| r.is_per_layer() == layer.is_some());
@@ -190,6 +229,14 @@ mod tests {
             ),
             ("output_norm.weight", "model.norm.weight"),
             ("output.weight", "lm_head.weight"),
+            (
+                "blk.3.attn_q_norm.weight",
+                "model.layers.3.self_attn.q_norm.weight",
+            ),
+            (
+                "blk.3.attn_k_norm.weight",
+                "model.layers.3.self_attn.k_norm.weight",
+            ),
         ];
         for (g, h) in pairs {
             let a = classify(g, "llama");
@@ -228,6 +275,29 @@ mod tests {
         assert_eq!(
             classify("model.layers.1.mlp.down_proj.zeros", "llama").1,
             None
+        );
+    }
+
+    #[test]
+    fn phi3_fused_projections_in_both_schemes() {
+        for (g, h) in [
+            (
+                "blk.2.attn_qkv.weight",
+                "model.layers.2.self_attn.qkv_proj.weight",
+            ),
+            (
+                "blk.2.ffn_up.weight",
+                "model.layers.2.mlp.gate_up_proj.weight",
+            ),
+        ] {
+            let a = classify(g, "phi3");
+            assert!(matches!(a.1, Some(Role::AttnQkv | Role::FfnGateUp)), "{g}");
+            assert_eq!(a, classify(h, "phi3"), "{g} vs {h}");
+        }
+        // another architecture's ffn_up stays the up projection
+        assert_eq!(
+            classify("blk.2.ffn_up.weight", "llama").1,
+            Some(Role::FfnUp)
         );
     }
 

@@ -212,6 +212,16 @@ impl TpGraph {
                 "the kv table splits one head count for every layer",
             ));
         }
+        if spec.fused_projections() {
+            return Err(refuse(
+                format!(
+                    "a tensor-parallel forward pass over '{}' (stacked qkv and gate_up matrices)",
+                    spec.architecture
+                ),
+                "the tensor-parallel tables split separate q, k, v, gate and up matrices; load \
+                 with a layer split (autosplit, layers, balanced), which runs it on every device",
+            ));
+        }
         let splits = ctx.splits().clone();
         let dims = Dims::new(spec, runtime, max_seq_len, batch);
         if dims.tokens == 0 {
@@ -290,6 +300,14 @@ impl TpGraph {
                         qa * hdu,
                         None,
                     )?,
+                    qk_norm: if spec.per_head_qk_norm() {
+                        Some([
+                            c.replica(c.need(Role::AttnQNorm, at)?, &dev)?,
+                            c.replica(c.need(Role::AttnKNorm, at)?, &dev)?,
+                        ])
+                    } else {
+                        None
+                    },
                     q_heads: qh,
                     kv_heads: kh,
                     cache_part,

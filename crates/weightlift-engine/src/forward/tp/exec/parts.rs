@@ -19,6 +19,7 @@ pub(super) struct AttnParts {
     pub(super) k: Linear,
     pub(super) v: Linear,
     pub(super) o: Linear,
+    pub(super) qk_norm: Option<[Floats; 2]>,
     pub(super) q_heads: usize,
     pub(super) kv_heads: usize,
     pub(super) cache_part: usize,
@@ -40,6 +41,7 @@ impl AttnParts {
             k: &self.k,
             v: &self.v,
             o: &self.o,
+            qk_norm: self.qk_norm.as_ref(),
             n_heads: self.q_heads,
             kv_heads: self.kv_heads,
         };
@@ -115,6 +117,7 @@ fn linear_of(m: &Mat, device: &Arc<Device>) -> Result<Linear> {
         onload_at: None,
         packed: None,
         part: Some(m.part),
+        rows_of: None,
     })
 }
 
@@ -143,6 +146,13 @@ impl BackendGraph {
                         k: linear_of(&a.k, on)?,
                         v: linear_of(&a.v, on)?,
                         o: linear_of(&a.o, on)?,
+                        qk_norm: match &a.qk_norm {
+                            Some([qn, kn]) => Some([
+                                floats_on(qn, a.q.index, &format!("layer {li} q_norm"), on)?,
+                                floats_on(kn, a.k.index, &format!("layer {li} k_norm"), on)?,
+                            ]),
+                            None => None,
+                        },
                         q_heads: a.q_heads,
                         kv_heads: a.kv_heads,
                         cache_part: a.cache_part,
