@@ -519,6 +519,33 @@ def test_a_ram_cache_hit_loads_the_state_once_and_matches_a_fresh_run(demo_gguf:
     assert tokens not in small
 
 
+def test_a_disk_cache_outlives_its_object_and_a_hit_matches_a_fresh_run(
+    tmp_path: Path, demo_gguf: Path
+) -> None:
+    def make() -> wl.Llama:
+        return wl.Llama(str(demo_gguf), n_ctx=64, verbose=False)
+
+    fresh = make()
+    tokens = fresh.tokenize(b"The quick brown fox", add_bos=True, special=True)
+    expected = fresh.create_completion(tokens, max_tokens=2, temperature=0.0, seed=7)
+    writer = make()
+    writer.set_cache(wl.LlamaDiskCache(str(tmp_path / "prompts")))
+    writer.create_completion(tokens, max_tokens=2, temperature=0.0, seed=7)
+    # a new cache object over the same directory finds what the first one stored
+    reopened = wl.LlamaDiskCache(str(tmp_path / "prompts"))
+    assert tokens in reopened and reopened.cache_size > 0
+    assert tokens + [42] in reopened  # the longest stored prefix answers a longer key
+    cached = make()
+    cached.set_cache(reopened)
+    actual = cached.create_completion(tokens, max_tokens=2, temperature=0.0, seed=7)
+    assert actual["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert cached.model.timings["reused_tokens"] == len(tokens) - 1
+    assert tokens in reopened  # a hit keeps the state
+    small = wl.LlamaDiskCache(str(tmp_path / "small"), capacity_bytes=1)
+    small[tokens] = cached.save_state()
+    assert tokens not in small
+
+
 def test_llamacpp_infill_example_runs_with_the_import_changed(
     tmp_path: Path, demo_gguf: Path
 ) -> None:

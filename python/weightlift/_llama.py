@@ -154,6 +154,58 @@ class LlamaRAMCache:
 LlamaCache = LlamaRAMCache
 
 
+class LlamaDiskCache:
+    """llama-cpp-python's prompt cache on disk: the states of :class:`LlamaRAMCache`, pickled
+    into a ``diskcache`` store under ``cache_dir``, so they outlive the process. A lookup
+    returns the state whose ids share the longest prefix with the key (and keeps it, where
+    llama-cpp-python's removes it); the oldest states go once the store passes
+    ``capacity_bytes``. Needs the ``diskcache`` package (``pip install weightlift[disk-cache]``).
+    """
+
+    def __init__(
+        self, cache_dir: str = ".cache/llama_cache", capacity_bytes: int = 2 << 30
+    ) -> None:
+        try:
+            import diskcache
+        except ImportError:
+            raise ImportError(
+                "LlamaDiskCache needs the diskcache package, which is not installed; run "
+                "`pip install weightlift[disk-cache]`, or use LlamaRAMCache"
+            ) from None
+        self.capacity_bytes = capacity_bytes
+        self.cache = diskcache.Cache(cache_dir)
+
+    @property
+    def cache_size(self) -> int:
+        return int(self.cache.volume())
+
+    def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+        best, best_len = None, 0
+        for k in self.cache.iterkeys():
+            n = _common_prefix(k, key)
+            if n > best_len:
+                best, best_len = k, n
+        return best
+
+    def __getitem__(self, key: Sequence[int]) -> LlamaState:
+        found = self._find_longest_prefix_key(tuple(key))
+        if found is None:
+            raise KeyError("Key not found")
+        state: LlamaState = self.cache[found]
+        return state
+
+    def __contains__(self, key: Sequence[int]) -> bool:
+        return self._find_longest_prefix_key(tuple(key)) is not None
+
+    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
+        key = tuple(key)
+        self.cache.pop(key, None)
+        self.cache[key] = value
+        # diskcache iterates in insertion order: the oldest state goes first
+        while self.cache_size > self.capacity_bytes and len(self.cache) > 0:
+            del self.cache[next(iter(self.cache))]
+
+
 class LogitsProcessorList(list):  # type: ignore[type-arg]
     """llama-cpp-python's list of logits processors, each ``(input_ids, scores) -> scores``,
     applied in order."""
@@ -224,7 +276,7 @@ class Llama:
         self._embedding = embedding
         self._pooling_type = pooling_type
         self._seed = LLAMA_DEFAULT_SEED if seed is None else seed
-        self.cache: LlamaRAMCache | None = None
+        self.cache: LlamaRAMCache | LlamaDiskCache | None = None
         # The logits of the last `eval` (every position with logits_all, else the last one).
         self._scores: npt.NDArray[np.single] = np.zeros((0, 0), dtype=np.single)
         # One open: the spec for n_embd and n_ctx=0, and the source the model loads from.
@@ -349,9 +401,9 @@ class Llama:
         yield from chunks
         self._save_to_cache()
 
-    def set_cache(self, cache: LlamaRAMCache | None) -> None:
-        """Use ``cache`` (a ``LlamaRAMCache``, or anything with its mapping methods) as the
-        prompt cache of ``create_completion``; None stops."""
+    def set_cache(self, cache: LlamaRAMCache | LlamaDiskCache | None) -> None:
+        """Use ``cache`` (a ``LlamaRAMCache`` or ``LlamaDiskCache``, or anything with their
+        mapping methods) as the prompt cache of ``create_completion``; None stops."""
         self.cache = cache
 
     def __call__(self, prompt: str | bytes | Sequence[int], *args: Any, **kwargs: Any) -> Any:
