@@ -31,6 +31,7 @@
 
 pub mod logprobs;
 pub mod openai;
+pub mod request;
 pub mod respond;
 pub mod tools;
 
@@ -235,6 +236,23 @@ impl std::fmt::Debug for Generation {
 }
 
 impl Generation {
+    /// [`Generation::new`] on a model that may have no cache of its own yet: with `cache: None`
+    /// the model's own cache is made (or grown) first with room for the prompt and the tokens
+    /// asked for ([`weightlift_plan::SEQ_STEP`] of them when the length is open), as
+    /// transformers' `generate` sizes its cache.
+    pub fn start(
+        model: &mut Model,
+        prompt: &[u32],
+        cache: Option<&Arc<Cache>>,
+        options: GenerateOptions,
+    ) -> Result<Generation> {
+        if cache.is_none() {
+            let asked = options.max_tokens.unwrap_or(weightlift_plan::SEQ_STEP);
+            model.own_cache_for((prompt.len() as u64).saturating_add(asked))?;
+        }
+        Generation::new(model, prompt, cache, options)
+    }
+
     /// Start generating from `prompt` ids. `cache: None` uses the model's own cache, reusing the
     /// prefix it holds; a cache given here is appended to.
     pub fn new(
@@ -592,6 +610,22 @@ impl Model {
         }
         ids.push(fim.middle);
         Ok(Some(ids))
+    }
+
+    /// The prompt of a completion of the text between `prefix` and `suffix`
+    /// (llama-cpp-python's `suffix=`): the fill-in-the-middle prompt ([`Model::infill_prompt`])
+    /// where the vocabulary has FIM tokens; else the completion prompt of `prefix`, with
+    /// `suffix` handed back to be put after the generated text, as llama-cpp-python does.
+    pub fn suffixed_prompt(
+        &self,
+        prefix: &str,
+        suffix: &str,
+        spm: bool,
+    ) -> Result<(Vec<u32>, Option<String>)> {
+        Ok(match self.infill_prompt(prefix, suffix, spm)? {
+            Some(ids) => (ids, None),
+            None => (self.completion_prompt(prefix)?, Some(suffix.to_owned())),
+        })
     }
 
     /// The prompt ids of a text completion: [`Model::prompt_ids`], except that an empty prompt

@@ -262,7 +262,9 @@ impl ToPyErr for EngineError {
             EngineError::Validation { .. } | EngineError::NonFinite { .. } => {
                 raise(Exc::Format, self.to_string())
             }
-            EngineError::Invalid { .. } => raise(Exc::Plan, self.to_string()),
+            EngineError::Invalid { .. }
+            | EngineError::MaxLength { .. }
+            | EngineError::Aliased { .. } => raise(Exc::Plan, self.to_string()),
             EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
             EngineError::NotLoaded { .. } | EngineError::Hook { .. } => {
                 raise(Exc::Weightlift, self.to_string())
