@@ -4,13 +4,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use weightlift_engine::tp::{HostStaged, Rope, TpContext};
+use weightlift_engine::tp::{TpArgs, TpContext, scratch_dtype};
 use weightlift_engine::{self as we, Device};
 use weightlift_format::DType;
-use weightlift_plan as wp;
 
 use crate::devices::{DeviceTensor, to_numpy};
-use crate::errors::{Exc, eng, enter, py_err, raise};
+use crate::errors::{Exc, eng, enter, raise};
 use crate::model::Model;
 use crate::options::CacheDTypeArg;
 
@@ -114,65 +113,18 @@ impl TPContext {
     ) -> PyResult<Self> {
         let m = model.get();
         let inner = m.lock()?;
-        let spec = m.checkpoint.spec().map_err(|e| {
-            raise(
-                Exc::Unsupported,
-                format!("tensor parallelism needs the architecture: {e}"),
-            )
-        })?;
-        let tokens = if expect_cache_tokens == 0 {
-            spec.context_length
-        } else {
-            expect_cache_tokens
+        let args = TpArgs {
+            gpu_split,
+            expect_cache_tokens,
+            expect_cache_base: expect_cache_base.map(|d| d.0),
         };
-        // Reuse a TP plan from load_tp; otherwise plan the split now.
-        let tp = match inner.plan.as_ref().and_then(|p| p.tp()) {
-            Some(tp) if gpu_split.is_none() => tp.clone(),
-            _ => {
-                let mut req = eng(inner.model.plan_request())?;
-                req.runtime = inner.runtime;
-                wp::PlanOptions::tensor_parallel(
-                    gpu_split,
-                    expect_cache_tokens,
-                    expect_cache_base.map(|d| d.0),
-                )
-                .apply(&mut req)
-                .map_err(py_err)?;
-                let plan = enter(py, || wp::plan(&req))?;
-                plan.tp().cloned().ok_or_else(|| {
-                    raise(
-                        Exc::Weightlift,
-                        "the planner returned no tensor-parallel tables",
-                    )
-                })?
-            }
-        };
-        let devices = inner.model.inventory().accelerators().to_vec();
-        let cpu = Arc::clone(inner.model.inventory().cpu());
-        let rope = Rope {
-            theta: spec.rope_theta,
-            dim: spec.rope_dim,
-            head_dim: spec.head_dim,
-            max_seq_len: tokens.min(spec.context_length.max(1)),
-        };
-        let ctx = eng(TpContext::new(
-            we::planned::splits(&tp),
-            devices,
-            rope,
-            Box::new(HostStaged),
-        ))?;
-        // exllamav2 sizes its pinned temps as max(max_input_len × vocab, max_input_len × intermediate)
-        // halves.
-        let rt = inner.runtime;
-        let staging_bytes = rt
-            .max_input_len
-            .saturating_mul(spec.vocab_size.max(spec.intermediate_size))
-            .saturating_mul(2);
+        let (engine, plan, runtime) = (&inner.model, inner.plan.as_ref(), inner.defaults.runtime);
+        let made = enter(py, || engine.standalone_tp(plan, runtime, args))?;
         drop(inner);
         Ok(TPContext {
-            ctx: Arc::new(Mutex::new(ctx)),
-            cpu,
-            staging_bytes,
+            ctx: Arc::new(Mutex::new(made.ctx)),
+            cpu: made.cpu,
+            staging_bytes: made.staging_bytes,
             _model: Some(model.clone().unbind()),
         })
     }
@@ -443,7 +395,7 @@ impl TPContext {
         broadcast_type: usize,
         dim: u64,
     ) -> PyResult<Vec<(usize, u64, u64, u64)>> {
-        let d = scratch_dtype(dtype)?;
+        let d = eng(scratch_dtype(dtype))?;
         let s = eng(self
             .lock()
             .get_scratch_slice_tp(rows, d, broadcast_type, dim))?;
@@ -459,7 +411,7 @@ impl TPContext {
         broadcast_type: usize,
         dim: u64,
     ) -> PyResult<Vec<(usize, u64, u64, u64)>> {
-        let d = scratch_dtype(dtype)?;
+        let d = eng(scratch_dtype(dtype))?;
         let s = eng(self
             .lock()
             .get_scratch_slice_tp_bc(rows, d, broadcast_type, dim))?;
@@ -475,16 +427,6 @@ fn slice_tuples<S: IntoIterator<Item = weightlift_engine::tp::ScratchSlice>>(
         .into_iter()
         .map(|x| (x.device, x.offset, x.rows, x.cols))
         .collect()
-}
-
-fn scratch_dtype(s: &str) -> PyResult<DType> {
-    match s {
-        "float16" | "half" | "f16" => Ok(DType::F16),
-        "float32" | "float" | "f32" => Ok(DType::F32),
-        _ => Err(PyValueError::new_err(format!(
-            "scratch dtype must be 'float16' or 'float32', got '{s}'"
-        ))),
-    }
 }
 
 #[cfg(feature = "nccl")]
