@@ -144,7 +144,7 @@ impl Checkpoint {
     #[getter]
     fn spec(&self) -> PyResult<Option<ModelSpec>> {
         let ckpt = self.shared()?;
-        Ok(ckpt.spec().ok().map(|s| ModelSpec { inner: s.clone() }))
+        Ok(ckpt.spec().ok().map(ModelSpec::from))
     }
 
     /// Why `spec` is None, or None when it is present.
