@@ -254,3 +254,20 @@ fn plan_sources_from_a_checkpoint_a_config_or_a_spec() {
     let e = PlanSource::checkpoint(&vocab).unwrap_err().to_string();
     assert!(e.contains("vocab_only"), "{e}");
 }
+
+#[test]
+fn a_caller_cache_defaults_to_the_context_length_and_is_lazy_until_the_load() {
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(demo(), OpenOptions::default()).unwrap());
+    let mut model = Model::new(src, Inventory::parse("virtual:64MiB").unwrap());
+    // SmolLM2-135M's trained context (llama.context_length) is 8192.
+    let cache = model
+        .new_cache(None, 1, CacheDType::Fp16, false, true)
+        .unwrap();
+    assert_eq!(cache.config().max_seq_len, 8192);
+    assert!(!cache.is_allocated());
+    let e = model
+        .new_cache(Some(64), 1, CacheDType::Fp16, false, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("non-lazy cache needs a loaded model"), "{e}");
+}
