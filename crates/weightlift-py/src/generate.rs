@@ -28,7 +28,7 @@ use grammar::{grammar_arg, response_format_grammar};
 pub use respond::CompletionStream;
 use respond::{Shape, timings_dict};
 use weightlift_engine::generate::request::{self, Request, Sampling, TransformersArgs};
-use weightlift_engine::generate::tools::{chat_tools, forced_tool, tool_grammar};
+use weightlift_engine::generate::tools::{chat_grammar, chat_tools, forced_tool};
 
 #[pymethods]
 impl Model {
@@ -349,13 +349,11 @@ impl Model {
         );
         let forced = eng(forced_tool(&tools))?;
         eng(request::refuse_tfs_z(tfs_z))?;
-        // As llama-cpp-python: a forced tool's schema, else a JSON response format, replaces
-        // any grammar given.
-        let grammar = match (&forced, response_format_grammar(response_format)?) {
-            (Some((_, schema)), _) => Some(eng(tool_grammar(schema))?),
-            (None, Some(json)) => Some(json),
-            (None, None) => grammar_arg(grammar)?,
-        };
+        let grammar = eng(chat_grammar(
+            forced.as_ref(),
+            response_format_grammar(response_format)?,
+            grammar_arg(grammar)?,
+        ))?;
         let msgs = messages
             .try_iter()?
             .map(|m| message(&m?))
