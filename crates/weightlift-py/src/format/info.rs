@@ -4,9 +4,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use weightlift_format as wf;
 
-use super::values::json_to_py;
-use crate::errors::{Exc, raise};
-
 /// One tensor of a checkpoint: where it is and what it holds.
 #[pyclass(module = "weightlift._native", frozen, eq)]
 #[derive(Clone, PartialEq)]
@@ -172,9 +169,7 @@ impl From<&wf::ModelSpec> for ModelSpec {
 impl ModelSpec {
     /// Every field as a plain dict.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let value = serde_json::to_value(&self.inner)
-            .map_err(|e| raise(Exc::Weightlift, format!("model spec: {e}")))?;
-        json_to_py(py, &value)
+        Ok(pythonize::pythonize(py, &self.inner)?)
     }
 
     fn __repr__(&self) -> String {

@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 use weightlift_plan as wp;
 
 use super::{CacheSpec, RuntimeSpec};
@@ -255,18 +254,8 @@ impl Plan {
     /// Host RAM at its peak during loading, in bytes: `staging`, `owned_weights`,
     /// `mapped_weights` (page cache), `disk_weights`, `kv`, `scratch`, `peak_anon`, `peak_total`.
     #[getter]
-    fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let h = self.inner.host();
-        let d = PyDict::new(py);
-        d.set_item("staging", h.staging)?;
-        d.set_item("owned_weights", h.owned_weights)?;
-        d.set_item("mapped_weights", h.mapped_weights)?;
-        d.set_item("disk_weights", h.disk_weights)?;
-        d.set_item("kv", h.kv)?;
-        d.set_item("scratch", h.scratch)?;
-        d.set_item("peak_anon", h.peak_anon)?;
-        d.set_item("peak_total", h.peak_total)?;
-        Ok(d)
+    fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(pythonize::pythonize(py, self.inner.host())?)
     }
     #[getter]
     fn warnings(&self) -> Vec<String> {
