@@ -426,20 +426,11 @@ impl Model {
         Ok(self.lock()?.model.is_loaded())
     }
 
-    /// The plan of the last load (a `weightlift.Plan` when the plan bindings are present, else
-    /// its JSON as a dict), or None.
+    /// The plan of the last load, or None.
     #[getter]
-    fn plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(json) = self.lock()?.plan.as_ref().map(wp::Plan::to_json) else {
-            return Ok(None);
-        };
-        let native = py.import("weightlift._native")?;
-        if let Ok(cls) = native.getattr("Plan")
-            && let Ok(p) = cls.call_method1("from_json", (json.as_str(),))
-        {
-            return Ok(Some(p));
-        }
-        Ok(Some(py.import("json")?.call_method1("loads", (json,))?))
+    fn plan(&self) -> PyResult<Option<crate::plan::Plan>> {
+        let plan = self.lock()?.plan.clone();
+        Ok(plan.map(|inner| crate::plan::Plan { inner }))
     }
 
     /// The last plan as JSON (None before a load).

@@ -59,6 +59,23 @@ impl TPGroupMember {
     }
 }
 
+/// `f` on the engine tensors of `list` (DeviceTensors, each held locked meanwhile); `what`
+/// names them when one was freed.
+fn with_tensors<T>(
+    list: &Bound<'_, PyAny>,
+    what: &str,
+    f: impl FnOnce(&[&we::DeviceTensor]) -> PyResult<T>,
+) -> PyResult<T> {
+    let list = tensors_of(list)?;
+    let guards: Vec<_> = list.iter().map(|t| t.get().lock()).collect();
+    let refs = guards
+        .iter()
+        .map(|g| g.as_ref())
+        .collect::<Option<Vec<&we::DeviceTensor>>>()
+        .ok_or_else(|| raise(Exc::Device, format!("{what} was freed")))?;
+    f(&refs)
+}
+
 fn tensors_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<Py<DeviceTensor>>> {
     let list: Vec<Bound<'_, PyAny>> = list.extract()?;
     list.iter()
@@ -275,18 +292,11 @@ impl TPContext {
         broadcast_type: usize,
         dim: u64,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let list = tensors_of(inputs)?;
-        let guards: Vec<_> = list.iter().map(|t| t.get().lock()).collect();
-        let refs: Vec<&we::DeviceTensor> = guards
-            .iter()
-            .map(|g| {
-                g.as_ref()
-                    .ok_or_else(|| raise(Exc::Device, "a gather input was freed"))
-            })
-            .collect::<PyResult<_>>()?;
-        let dtype = refs.first().map_or(DType::F32, |t| t.dtype());
-        let (bytes, rows, cols) = eng(self.lock().gather(buffer, &refs, broadcast_type, dim))?;
-        drop(guards);
+        let (bytes, rows, cols, dtype) = with_tensors(inputs, "a gather input", |refs| {
+            let dtype = refs.first().map_or(DType::F32, |t| t.dtype());
+            let (bytes, rows, cols) = eng(self.lock().gather(buffer, refs, broadcast_type, dim))?;
+            Ok((bytes, rows, cols, dtype))
+        })?;
         to_numpy(py, &bytes, dtype, &[rows, cols])
     }
 
@@ -300,19 +310,11 @@ impl TPContext {
         broadcast_type_b: usize,
         dim: u64,
     ) -> PyResult<Vec<DeviceTensor>> {
-        let list = tensors_of(inputs)?;
-        let guards: Vec<_> = list.iter().map(|t| t.get().lock()).collect();
-        let refs: Vec<&we::DeviceTensor> = guards
-            .iter()
-            .map(|g| {
-                g.as_ref()
-                    .ok_or_else(|| raise(Exc::Device, "an allgather input was freed"))
-            })
-            .collect::<PyResult<_>>()?;
-        let out =
+        let out = with_tensors(inputs, "an allgather input", |refs| {
             eng(self
                 .lock()
-                .allgather(buffer, &refs, broadcast_type_g, broadcast_type_b, dim))?;
+                .allgather(buffer, refs, broadcast_type_g, broadcast_type_b, dim))
+        })?;
         Ok(out.into_iter().map(DeviceTensor::new).collect())
     }
 
@@ -326,7 +328,6 @@ impl TPContext {
         dim: u64,
     ) -> PyResult<()> {
         let targets = tensors_of(target)?;
-        let sources = tensors_of(source)?;
         let mut taken = Vec::with_capacity(targets.len());
         for t in &targets {
             match t.get().lock().take() {
@@ -339,19 +340,15 @@ impl TPContext {
                 }
             }
         }
-        let result = {
-            let guards: Vec<_> = sources.iter().map(|t| t.get().lock()).collect();
-            let refs: Option<Vec<&we::DeviceTensor>> = guards.iter().map(|g| g.as_ref()).collect();
-            match refs {
-                Some(refs) => eng(self
+        let result = with_tensors(
+            source,
+            "an add_residual source (or one that is also a target)",
+            |refs| {
+                eng(self
                     .lock()
-                    .add_residual(&mut taken, &refs, broadcast_type, dim)),
-                None => Err(raise(
-                    Exc::Device,
-                    "an add_residual source was freed (or is also a target)",
-                )),
-            }
-        };
+                    .add_residual(&mut taken, refs, broadcast_type, dim))
+            },
+        );
         for (t, x) in targets.iter().zip(taken) {
             *t.get().lock() = Some(x);
         }
