@@ -20,13 +20,12 @@ use pyo3::types::{PyDict, PyTuple};
 use crate::cache::Cache;
 use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
-use args::{
-    Call, json_arg, logit_bias_arg, logprobs_count, message, prompt_ids, text_of, token_ids_arg,
-};
+use args::{Call, json_arg, logit_bias_arg, logprobs_count, prompt_ids, text_of, token_ids_arg};
 pub use grammar::LlamaGrammar;
 use grammar::{grammar_arg, response_format_grammar};
 pub use respond::CompletionStream;
 use respond::{Shape, timings_dict};
+use weightlift_engine::generate::openai::chat_message;
 use weightlift_engine::generate::request::{self, Request, Sampling, TransformersArgs};
 use weightlift_engine::generate::tools::{chat_grammar, chat_tools, forced_tool};
 
@@ -356,7 +355,11 @@ impl Model {
         ))?;
         let msgs = messages
             .try_iter()?
-            .map(|m| message(&m?))
+            .map(|m| {
+                eng(chat_message(
+                    json_arg(Some(&m?), "messages")?.unwrap_or_default(),
+                ))
+            })
             .collect::<PyResult<Vec<_>>>()?;
         let me = slf.get();
         let prompt = eng(me.lock()?.model.chat_prompt_with(&msgs, &tools))?;

@@ -8,7 +8,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyString};
 use weightlift_engine::GenerateOptions;
 use weightlift_engine::generate::request::{self, BiasKey, Request};
-use weightlift_text::Message;
 
 use crate::errors::{Exc, eng, raise};
 use crate::model::Model;
@@ -199,56 +198,4 @@ pub(super) fn json_arg(
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|e| PyTypeError::new_err(format!("{what}: expected JSON-like data; {e}")))
-}
-
-/// A chat message dict: `role` and `content` (a string, None, or a list of `{"type": "text"}`
-/// parts), and its other fields (`tool_calls`, `tool_call_id`, `name`) as JSON for the
-/// template.
-pub(super) fn message(obj: &Bound<'_, PyAny>) -> PyResult<Message> {
-    let d = obj
-        .cast::<PyDict>()
-        .map_err(|_| PyTypeError::new_err("messages: expected a list of dicts"))?;
-    let role: String = d
-        .get_item("role")?
-        .ok_or_else(|| PyTypeError::new_err("messages: every message needs a 'role'"))?
-        .extract()?;
-    let content = match d.get_item("content")? {
-        None => String::new(),
-        Some(c) if c.is_none() => String::new(),
-        Some(c) if c.cast::<PyString>().is_ok() => c.extract()?,
-        Some(c) => {
-            let mut text = String::new();
-            for part in c.try_iter()? {
-                let part = part?;
-                let part = part.cast::<PyDict>().map_err(|_| {
-                    PyTypeError::new_err("message content: expected a string or a list of parts")
-                })?;
-                let kind: Option<String> =
-                    part.get_item("type")?.map(|t| t.extract()).transpose()?;
-                if kind.as_deref() != Some("text") {
-                    return Err(raise(
-                        Exc::Unsupported,
-                        format!(
-                            "message content part of type {kind:?} is not supported: only text parts are"
-                        ),
-                    ));
-                }
-                if let Some(t) = part.get_item("text")? {
-                    text.push_str(&t.extract::<String>()?);
-                }
-            }
-            text
-        }
-    };
-    let mut m = Message::new(role, content);
-    for (k, v) in d.iter() {
-        let key: String = k.extract()?;
-        if key != "role"
-            && key != "content"
-            && let Some(v) = json_arg(Some(&v), &format!("message field '{key}'"))?
-        {
-            m.extra.insert(key, v);
-        }
-    }
-    Ok(m)
 }
