@@ -24,7 +24,7 @@ use args::{Call, json_arg, logit_bias_arg, logprobs_count, prompt_ids, text_of, 
 pub use grammar::LlamaGrammar;
 use grammar::{grammar_arg, response_format_grammar};
 pub use respond::CompletionStream;
-use respond::{Shape, timings_dict};
+use respond::Shape;
 use weightlift_engine::generate::openai::chat_message;
 use weightlift_engine::generate::request::{self, Request, Sampling, TransformersArgs};
 use weightlift_engine::generate::tools::{chat_grammar, chat_tools, forced_tool};
@@ -394,9 +394,10 @@ impl Model {
     /// `reused_tokens` (prompt tokens the cache already held), `eval_tokens`, `eval_ms`,
     /// `eval_per_second` and `sample_ms`; None before any.
     #[getter]
-    fn timings<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    fn timings<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let t = self.lock()?.timings;
-        t.map(|t| timings_dict(py, &t)).transpose()
+        Ok(t.map(|t| pythonize::pythonize(py, &t.report()))
+            .transpose()?)
     }
 
     /// Positions in the model's own cache (`Llama.n_ctx()`).

@@ -4,10 +4,10 @@
 //! them to Python as dicts.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::PyString;
+use weightlift_engine::Generation;
 use weightlift_engine::generate::openai::Response;
 use weightlift_engine::generate::respond::{Kind, Responder, ResponseOptions};
-use weightlift_engine::{Generation, Timings};
 
 use super::args::Call;
 use super::hooks::HookError;
@@ -184,20 +184,4 @@ impl Model {
     pub(super) fn default_seed(&self) -> PyResult<Option<u64>> {
         Ok(self.lock()?.seed)
     }
-}
-
-pub(super) fn timings_dict<'py>(py: Python<'py>, t: &Timings) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("prompt_tokens", t.prompt_tokens)?;
-    d.set_item("prompt_ms", t.prompt_secs * 1e3)?;
-    d.set_item(
-        "prompt_per_second",
-        Timings::rate(t.prompt_tokens, t.prompt_secs),
-    )?;
-    d.set_item("reused_tokens", t.reused_tokens)?;
-    d.set_item("eval_tokens", t.eval_tokens)?;
-    d.set_item("eval_ms", t.eval_secs * 1e3)?;
-    d.set_item("eval_per_second", Timings::rate(t.eval_tokens, t.eval_secs))?;
-    d.set_item("sample_ms", t.sample_secs * 1e3)?;
-    Ok(d)
 }
