@@ -3,6 +3,8 @@
 
 use weightlift_format::DType;
 
+use weightlift_plan::RuntimeSpec;
+
 use crate::cache::CacheDType;
 use crate::error::{EngineError, Result};
 
@@ -12,6 +14,30 @@ pub const DEFAULT_SEED: u64 = 0xFFFF_FFFF;
 /// A seed as llama-cpp-python's `Llama(seed=...)` takes it: [`DEFAULT_SEED`] is no seed.
 pub fn seed(seed: Option<u64>) -> Option<u64> {
     seed.filter(|&s| s != DEFAULT_SEED)
+}
+
+/// The runtime limits of a `Llama(n_batch=...)` model: llama.cpp's `n_batch` is the longest
+/// prompt chunk of one forward call, our `max_input_len`, unless the caller gave its own
+/// `runtime`.
+pub fn runtime(n_batch: u64, given: Option<RuntimeSpec>) -> RuntimeSpec {
+    given.unwrap_or(RuntimeSpec {
+        max_input_len: n_batch,
+        ..RuntimeSpec::default()
+    })
+}
+
+/// `chat_format=`: llama-cpp-python's built-in chat formats are not built; with `None` the
+/// model's own chat template formats the messages.
+pub fn chat_format(name: Option<&str>) -> Result<()> {
+    match name {
+        None => Ok(()),
+        Some(name) => Err(EngineError::Unsupported {
+            what: format!("chat_format='{name}'"),
+            detail: "built-in chat formats are not built; with chat_format=None the model's own \
+                     chat template (tokenizer.chat_template) formats the messages"
+                .into(),
+        }),
+    }
 }
 
 /// A `type_k` or `type_v` as given.
@@ -69,6 +95,26 @@ mod tests {
         assert_eq!(seed(Some(DEFAULT_SEED)), None);
         assert_eq!(seed(Some(5)), Some(5));
         assert_eq!(seed(None), None);
+    }
+
+    #[test]
+    fn n_batch_is_the_prompt_chunk_unless_a_runtime_is_given() {
+        assert_eq!(runtime(64, None).max_input_len, 64);
+        assert_eq!(
+            runtime(64, None).max_dq_size,
+            RuntimeSpec::default().max_dq_size
+        );
+        let given = RuntimeSpec {
+            max_input_len: 7,
+            ..RuntimeSpec::default()
+        };
+        assert_eq!(runtime(64, Some(given)), given);
+        assert!(chat_format(None).is_ok());
+        let e = chat_format(Some("chatml")).unwrap_err().to_string();
+        assert!(
+            e.starts_with("chat_format='chatml' is not supported"),
+            "{e}"
+        );
     }
 
     #[test]

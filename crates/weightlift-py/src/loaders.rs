@@ -137,23 +137,14 @@ pub fn load_gguf(
             ));
         }
     };
-    if let Some(name) = chat_format {
-        return Err(raise(
-            Exc::Unsupported,
-            format!(
-                "chat_format='{name}' is not supported: built-in chat formats are not built; with \
-                 chat_format=None the model's own chat template (tokenizer.chat_template) \
-                 formats the messages"
-            ),
-        ));
-    }
+    eng(llama_cpp::chat_format(chat_format))?;
     let offload =
         wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
     let open = wf::OpenOptions {
         check_tensors: false,
         vocab_only,
     };
-    let keep_n_batch = runtime.is_none();
+    let given_runtime = runtime.as_ref().map(|r| r.0);
     let ckpt = Model::open_source(path, open)?;
     let model = Model::with_checkpoint(ckpt, devices, "auto", runtime, compute, n_threads, None)?;
     model.lock()?.seed = llama_cpp::seed(seed);
@@ -168,9 +159,7 @@ pub fn load_gguf(
     ))?;
     let cache = {
         let mut inner = model.lock()?;
-        if keep_n_batch {
-            inner.defaults.runtime.max_input_len = n_batch;
-        }
+        inner.defaults.runtime = llama_cpp::runtime(n_batch, given_runtime);
         inner.new_cache(&wp::CacheSpec::new(n_ctx, 1, cache_dtype))?
     };
     let mut reporter = Reporter::new(callback, progress);
