@@ -466,6 +466,19 @@ impl Cache {
         Ok(())
     }
 
+    /// Keep the first `n` tokens, at most those held, and forget the rest.
+    pub fn truncate(&self, n: u64) -> Result<()> {
+        let held = self.seq_len();
+        if n > held {
+            return Err(invalid(
+                "cache truncate",
+                format!("at most the {held} tokens held"),
+                n,
+            ));
+        }
+        self.set_seq_len(n)
+    }
+
     /// Forget every token: the next forward pass starts at position 0. No memory is freed.
     pub fn reset(&self) {
         self.seq_len.store(0, Ordering::Release);

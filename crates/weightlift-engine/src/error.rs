@@ -87,6 +87,24 @@ pub enum EngineError {
     #[error("{what} is not supported: {detail}")]
     Unsupported { what: String, detail: String },
 
+    /// transformers' `max_length` (prompt included) that leaves no room for a new token.
+    #[error(
+        "max_length={max_length} counts the prompt, which is already {prompt} tokens; pass a \
+         larger max_length or max_new_tokens"
+    )]
+    MaxLength { max_length: i64, prompt: i64 },
+
+    /// One knob given under two names with two values (llama.cpp's `repeat_penalty` and
+    /// transformers' `repetition_penalty`).
+    #[error("{name}={value} and {alias}={alias_value} name the same {what}; pass one of them")]
+    Aliased {
+        what: &'static str,
+        name: &'static str,
+        value: f32,
+        alias: &'static str,
+        alias_value: f32,
+    },
+
     /// A forward call with more tokens than the cache has room for.
     #[error(
         "{tokens} tokens do not fit the cache: {held} of its {max_seq_len} positions are in use; \

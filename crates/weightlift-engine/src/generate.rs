@@ -31,6 +31,7 @@
 
 pub mod logprobs;
 pub mod openai;
+pub mod request;
 pub mod respond;
 pub mod tools;
 
@@ -174,6 +175,56 @@ impl Timings {
     }
 }
 
+/// [`Timings`] as llama.cpp's timing lines and `Model.timings` report them: milliseconds and
+/// tokens per second.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct TimingsReport {
+    pub prompt_tokens: u64,
+    pub prompt_ms: f64,
+    pub prompt_per_second: f64,
+    pub reused_tokens: u64,
+    pub eval_tokens: u64,
+    pub eval_ms: f64,
+    pub eval_per_second: f64,
+    pub sample_ms: f64,
+}
+
+impl Timings {
+    pub fn report(&self) -> TimingsReport {
+        TimingsReport {
+            prompt_tokens: self.prompt_tokens,
+            prompt_ms: self.prompt_secs * 1e3,
+            prompt_per_second: Timings::rate(self.prompt_tokens, self.prompt_secs),
+            reused_tokens: self.reused_tokens,
+            eval_tokens: self.eval_tokens,
+            eval_ms: self.eval_secs * 1e3,
+            eval_per_second: Timings::rate(self.eval_tokens, self.eval_secs),
+            sample_ms: self.sample_secs * 1e3,
+        }
+    }
+}
+
+#[cfg(test)]
+mod timings_tests {
+    use super::Timings;
+
+    #[test]
+    fn a_report_is_in_milliseconds_and_tokens_per_second() {
+        let r = Timings {
+            prompt_tokens: 10,
+            prompt_secs: 0.5,
+            reused_tokens: 3,
+            eval_tokens: 4,
+            eval_secs: 0.0,
+            sample_secs: 0.25,
+        }
+        .report();
+        assert_eq!((r.prompt_ms, r.prompt_per_second), (500.0, 20.0));
+        assert_eq!((r.eval_ms, r.eval_per_second), (0.0, 0.0));
+        assert_eq!((r.reused_tokens, r.sample_ms), (3, 250.0));
+    }
+}
+
 /// One step's output: the sampled token (none on the final step that only flushes held text),
 /// the text that is safe to show now, and the finish reason on the last step.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -235,6 +286,23 @@ impl std::fmt::Debug for Generation {
 }
 
 impl Generation {
+    /// [`Generation::new`] on a model that may have no cache of its own yet: with `cache: None`
+    /// the model's own cache is made (or grown) first with room for the prompt and the tokens
+    /// asked for ([`weightlift_plan::SEQ_STEP`] of them when the length is open), as
+    /// transformers' `generate` sizes its cache.
+    pub fn start(
+        model: &mut Model,
+        prompt: &[u32],
+        cache: Option<&Arc<Cache>>,
+        options: GenerateOptions,
+    ) -> Result<Generation> {
+        if cache.is_none() {
+            let asked = options.max_tokens.unwrap_or(weightlift_plan::SEQ_STEP);
+            model.own_cache_for((prompt.len() as u64).saturating_add(asked))?;
+        }
+        Generation::new(model, prompt, cache, options)
+    }
+
     /// Start generating from `prompt` ids. `cache: None` uses the model's own cache, reusing the
     /// prefix it holds; a cache given here is appended to.
     pub fn new(
@@ -672,6 +740,22 @@ impl Model {
         }
         ids.push(fim.middle);
         Ok(Some(ids))
+    }
+
+    /// The prompt of a completion of the text between `prefix` and `suffix`
+    /// (llama-cpp-python's `suffix=`): the fill-in-the-middle prompt ([`Model::infill_prompt`])
+    /// where the vocabulary has FIM tokens; else the completion prompt of `prefix`, with
+    /// `suffix` handed back to be put after the generated text, as llama-cpp-python does.
+    pub fn suffixed_prompt(
+        &self,
+        prefix: &str,
+        suffix: &str,
+        spm: bool,
+    ) -> Result<(Vec<u32>, Option<String>)> {
+        Ok(match self.infill_prompt(prefix, suffix, spm)? {
+            Some(ids) => (ids, None),
+            None => (self.completion_prompt(prefix)?, Some(suffix.to_owned())),
+        })
     }
 
     /// The prompt ids of a text completion: [`Model::prompt_ids`], except that an empty prompt

@@ -42,6 +42,7 @@ pub mod embeddings;
 pub mod forward;
 pub mod generate;
 pub mod grammar;
+pub mod llama_cpp;
 pub mod loader;
 pub mod mlock;
 pub mod model;

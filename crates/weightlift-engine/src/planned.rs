@@ -65,6 +65,15 @@ pub fn splits(tp: &TpSplit) -> Splits {
     }
 }
 
+/// What a model's own plan request takes from the model rather than the call: its `dtype`,
+/// its quantise-on-load mode and its runtime limits.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PlanDefaults {
+    pub dtype: weightlift_plan::DTypeChoice,
+    pub quantize: Option<weightlift_plan::Quantize>,
+    pub runtime: weightlift_plan::RuntimeSpec,
+}
+
 impl Model {
     /// A plan request for this model: its architecture, its real tensor table and its devices,
     /// with exllamav2's default strategy (the caller sets the rest).
@@ -83,6 +92,60 @@ impl Model {
             self.source().tensors().to_vec(),
             device_specs(self.inventory()),
         ))
+    }
+
+    /// Load by `plan`, or plan now with `options` over this model's own request (its
+    /// `defaults`: dtype, quantisation and runtime, and `opts`' mmap and staging), and return
+    /// the plan loaded. A given plan takes no placement options; a plan that reserved a cache,
+    /// or a tensor-parallel plan (whose cache is `expect_cache_tokens`, split by kv heads as
+    /// exllamav2's TP cache), gets that cache made beside its layers when `cache` is `None`. A
+    /// plan with a `rank` loads only that rank's share, on this model's one accelerator.
+    pub fn plan_and_load(
+        &mut self,
+        plan: Option<Plan>,
+        options: weightlift_plan::PlanOptions,
+        defaults: &PlanDefaults,
+        mut cache: Option<std::sync::Arc<crate::Cache>>,
+        opts: &crate::LoadOptions,
+        progress: &mut dyn FnMut(&crate::Progress<'_>) -> bool,
+    ) -> Result<Plan> {
+        let rank = options.rank;
+        let given = plan.is_some();
+        let plan = match plan {
+            Some(_) if options != weightlift_plan::PlanOptions::default() => {
+                return Err(invalid(
+                    "load",
+                    "a plan or placement options",
+                    "both; a plan already says where everything goes, so pass one or the other",
+                ));
+            }
+            Some(p) => p,
+            None => {
+                let mut req = self.plan_request()?;
+                req.dtype = defaults.dtype;
+                req.quantize = defaults.quantize;
+                req.runtime = defaults.runtime;
+                req.use_mmap = opts.use_mmap;
+                req.staging_bytes = opts.staging_bytes as u64;
+                // Offloaded, the plan charges the whole cache to the cpu and the prefetch
+                // slots to each layer device, as the cache allocates them.
+                req.cache = cache.as_ref().map(|c| cache_spec(c.config()));
+                options.apply(&mut req)?;
+                weightlift_plan::plan(&req)?
+            }
+        };
+        let own = plan
+            .cache()
+            .filter(|_| cache.is_none() && (given || plan.tp().is_some()));
+        if let Some(spec) = own {
+            cache = Some(std::sync::Arc::new(self.cache_for(spec)?));
+        }
+        let placement = match rank {
+            Some(r) => self.own_rank_placement(&plan, r)?,
+            None => self.placement(&plan)?,
+        };
+        self.load(&placement, opts, cache.as_ref(), true, progress)?;
+        Ok(plan)
     }
 
     /// The placement that carries out `plan`.
@@ -324,4 +387,91 @@ pub fn rank_placement(
         });
     }
     Ok(p)
+}
+
+/// What `plan()` and `fit()` plan for, with the model's sliding-window layers: a checkpoint,
+/// an HF config (a dict, a config.json, or a folder holding only one) or a bare spec. Planning
+/// reads no tensor data; opening a path reads the headers.
+#[derive(Debug, Clone)]
+pub struct PlanSource {
+    model: weightlift_plan::ModelSource,
+    window: Option<weightlift_plan::SlidingWindow>,
+}
+
+impl PlanSource {
+    /// A spec alone: its tensors are synthesised at the weight type the options name.
+    pub fn spec(spec: weightlift_format::ModelSpec) -> PlanSource {
+        PlanSource {
+            model: weightlift_plan::ModelSource::Config(spec, None),
+            window: None,
+        }
+    }
+
+    /// An HF `config.json`'s contents; its `torch_dtype` is the weight type unless the options
+    /// name one.
+    pub fn hf_config(config: &serde_json::Value) -> Result<PlanSource> {
+        let spec = weightlift_format::ModelSpec::from_hf_config(config)?;
+        let window = weightlift_plan::SlidingWindow::from_hf_config(config, &spec)?;
+        let dtype = weightlift_format::hf_config::stored_dtype(config).map(str::to_owned);
+        Ok(PlanSource {
+            model: weightlift_plan::ModelSource::Config(spec, dtype),
+            window,
+        })
+    }
+
+    /// A path: a folder holding only a config.json or the config itself is read as a config,
+    /// anything else is opened as a checkpoint.
+    pub fn path(path: &std::path::Path) -> Result<PlanSource> {
+        use weightlift_format::hf_config;
+        if let Some(config) = hf_config::config_only(path) {
+            return PlanSource::hf_config(&hf_config::read(&config)?);
+        }
+        let ckpt = weightlift_format::Checkpoint::open(path, Default::default())?;
+        PlanSource::checkpoint(&ckpt)
+    }
+
+    /// An opened checkpoint's tensor table, which needs its architecture; one opened
+    /// `vocab_only` has no table to plan.
+    pub fn checkpoint(ckpt: &weightlift_format::Checkpoint) -> Result<PlanSource> {
+        use weightlift_format::{Format, FormatError};
+        let path = ckpt.path().to_path_buf();
+        if ckpt.vocab_only() {
+            return Err(invalid(
+                path.display().to_string(),
+                "a tensor table to plan; open it without vocab_only",
+                "a checkpoint opened with vocab_only=True",
+            ));
+        }
+        let spec = ckpt.spec().map_err(|e| FormatError::Unsupported {
+            path: path.clone(),
+            what: "planning without the architecture".into(),
+            detail: e.to_owned(),
+        })?;
+        let window = match (ckpt.format(), ckpt.config()) {
+            (Format::Gguf, _) => weightlift_plan::SlidingWindow::from_gguf(ckpt.metadata(), spec),
+            (Format::Safetensors, Some(config)) => {
+                weightlift_plan::SlidingWindow::from_hf_config(config, spec)
+            }
+            (Format::Safetensors, None) => Ok(None),
+        }
+        .map_err(|e| FormatError::Spec {
+            key: "sliding window".into(),
+            detail: format!("{}: {e}", path.display()),
+        })?;
+        Ok(PlanSource {
+            model: weightlift_plan::ModelSource::Tensors(spec.clone(), ckpt.tensors().to_vec()),
+            window,
+        })
+    }
+
+    /// The request for `options` on `devices`.
+    pub fn request(
+        self,
+        options: weightlift_plan::PlanOptions,
+        devices: Vec<DeviceSpec>,
+    ) -> Result<PlanRequest> {
+        let mut req = options.into_request(self.model, devices)?;
+        req.sliding_window = self.window;
+        Ok(req)
+    }
 }

@@ -26,11 +26,13 @@ mod host;
 mod lend;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod standalone;
 mod threads;
 mod world;
 pub use lend::{Collectives, ScratchViews};
 #[cfg(feature = "nccl")]
 pub use nccl::Nccl;
+pub use standalone::{Standalone, TpArgs, scratch_dtype};
 pub use threads::ThreadGroup;
 pub use world::{
     MAX_WORLD_SIZE, NCCL_ID_BYTES, NCCL_ID_FILE_VAR, NCCL_ID_VAR, NcclUniqueId, World,

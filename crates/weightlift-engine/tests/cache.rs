@@ -375,3 +375,13 @@ fn filling_a_slot_copies_only_the_rows_written() {
     );
     assert!(per_fill < cfg.layer_bytes(2) / 16);
 }
+
+#[test]
+fn truncate_keeps_at_most_what_is_held() {
+    let cache = Cache::new(config(CacheDType::Fp16, false)).unwrap();
+    cache.set_seq_len(5).unwrap();
+    cache.truncate(3).unwrap();
+    assert_eq!(cache.seq_len(), 3);
+    let e = cache.truncate(4).unwrap_err().to_string();
+    assert!(e.contains("at most the 3 tokens held"), "{e}");
+}

@@ -212,3 +212,62 @@ fn demo_model_with_an_offloaded_cache() {
     let plan = check(&p, "virtual:2x64MiB", Strategy::Layers(layers), Some(cache));
     assert_eq!(kv_of(&plan, "cpu"), 13_271_040 + 2 * 442_368);
 }
+
+#[test]
+fn plan_sources_from_a_checkpoint_a_config_or_a_spec() {
+    use weightlift_engine::planned::PlanSource;
+    use weightlift_plan::PlanOptions;
+    let devices = || weightlift_plan::parse_devices("virtual:64MiB,cpu").unwrap();
+    // A GGUF path opens as a checkpoint: its real tensor table is planned.
+    let ckpt = Checkpoint::open(demo(), OpenOptions::default()).unwrap();
+    let req = PlanSource::path(&demo())
+        .unwrap()
+        .request(PlanOptions::default(), devices())
+        .unwrap();
+    assert_eq!(req.tensors.len(), ckpt.tensors().len());
+    // transformers' config.json (tiny-llama says bfloat16) synthesises the table.
+    let config = weightlift_testdata::repo_root().join("tests/data/tiny-llama/config.json");
+    let plan = weightlift_plan::plan(
+        &PlanSource::path(&config)
+            .unwrap()
+            .request(PlanOptions::default(), devices())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(plan.architecture(), "llama");
+    // A bare spec needs a weight type.
+    let spec = PlanSource::spec(ckpt.spec().unwrap().clone());
+    let e = spec
+        .request(PlanOptions::default(), devices())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("weight_dtype"), "{e}");
+    // A vocab-only checkpoint has no table to plan.
+    let vocab = Checkpoint::open(
+        demo(),
+        OpenOptions {
+            vocab_only: true,
+            ..OpenOptions::default()
+        },
+    )
+    .unwrap();
+    let e = PlanSource::checkpoint(&vocab).unwrap_err().to_string();
+    assert!(e.contains("vocab_only"), "{e}");
+}
+
+#[test]
+fn a_caller_cache_defaults_to_the_context_length_and_is_lazy_until_the_load() {
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(demo(), OpenOptions::default()).unwrap());
+    let mut model = Model::new(src, Inventory::parse("virtual:64MiB").unwrap());
+    // SmolLM2-135M's trained context (llama.context_length) is 8192.
+    let cache = model
+        .new_cache(None, 1, CacheDType::Fp16, false, true)
+        .unwrap();
+    assert_eq!(cache.config().max_seq_len, 8192);
+    assert!(!cache.is_allocated());
+    let e = model
+        .new_cache(Some(64), 1, CacheDType::Fp16, false, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("non-lazy cache needs a loaded model"), "{e}");
+}

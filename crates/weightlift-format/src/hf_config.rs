@@ -91,9 +91,80 @@ fn read_object(path: &Path, what: &str) -> Result<serde_json::Value> {
     Ok(v)
 }
 
+/// The Hugging Face Hub cache: `HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+/// `~/.cache/huggingface/hub`, as huggingface_hub finds it.
+pub fn hub_cache() -> Option<PathBuf> {
+    std::env::var_os("HF_HUB_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HF_HOME").map(|h| Path::new(&h).join("hub")))
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/huggingface/hub")))
+}
+
+/// For a missing `path` that reads like a Hub ID (`org/name`, no file extension): what to run to
+/// download it and where to point, naming the snapshot when `hub` (the hub's cache,
+/// [`hub_cache`]) already has one. `None` for anything else.
+pub fn hub_id_hint(path: &Path, hub: Option<&Path>) -> Option<String> {
+    let text = path.to_str()?;
+    let (org, name) = text.split_once('/')?;
+    let word = |w: &str| {
+        !w.is_empty()
+            && !w.starts_with('.')
+            && w.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    };
+    let file = [".gguf", ".safetensors", ".json", ".bin"]
+        .iter()
+        .any(|ext| name.ends_with(ext));
+    if !word(org) || !word(name) || file {
+        return None;
+    }
+    let snapshots = hub?
+        .join(format!("models--{org}--{name}"))
+        .join("snapshots");
+    let cached = std::fs::read_dir(snapshots)
+        .ok()
+        .and_then(|mut d| d.find_map(|e| e.ok()))
+        .map(|snap| snap.path());
+    Some(match cached {
+        Some(snap) => format!(
+            "'{text}' looks like a Hugging Face Hub ID, and the hub's cache holds it: pass '{}'",
+            snap.display()
+        ),
+        None => format!(
+            "'{text}' looks like a Hugging Face Hub ID, and weightlift reads local files only: \
+             download it first with `huggingface-cli download {text} --local-dir {name}` and \
+             pass '{name}'"
+        ),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hub_ids_get_a_download_hint_or_their_cached_snapshot() {
+        let hub = folder("hub", &[]);
+        let e = hub_id_hint(Path::new("org/tiny-model"), Some(&hub)).unwrap();
+        assert!(
+            e.contains("huggingface-cli download org/tiny-model --local-dir tiny-model"),
+            "{e}"
+        );
+        let snap = hub.join("models--org--tiny-model/snapshots/abc123");
+        std::fs::create_dir_all(&snap).unwrap();
+        let e = hub_id_hint(Path::new("org/tiny-model"), Some(&hub)).unwrap();
+        assert!(
+            e.contains("the hub's cache holds it") && e.contains(&*snap.to_string_lossy()),
+            "{e}"
+        );
+        for not_an_id in ["org/model.gguf", "a/b/c", "model", "./x", "/abs/path"] {
+            assert_eq!(
+                hub_id_hint(Path::new(not_an_id), Some(&hub)),
+                None,
+                "{not_an_id}"
+            );
+        }
+    }
 
     /// A fresh folder under the system temp dir holding `files`.
     fn folder(name: &str, files: &[&str]) -> PathBuf {

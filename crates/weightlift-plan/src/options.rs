@@ -211,6 +211,53 @@ impl PlanOptions {
         }
     }
 
+    /// exllamav2's `load_autosplit`: fill the accelerators in order, keeping `reserve` free.
+    pub fn autosplit(reserve: Option<PerDevice>) -> PlanOptions {
+        PlanOptions {
+            strategy: Some("autosplit".into()),
+            reserve,
+            ..PlanOptions::default()
+        }
+    }
+
+    /// transformers' `from_pretrained(device_map=..., max_memory=...)`, whose map is `"auto"`
+    /// when not given.
+    pub fn from_pretrained(
+        device_map: Option<DeviceMapArg>,
+        max_memory: Option<PerDevice>,
+    ) -> PlanOptions {
+        PlanOptions {
+            device_map: Some(device_map.unwrap_or_else(|| DeviceMapArg::Named("auto".into()))),
+            max_memory,
+            ..PlanOptions::default()
+        }
+    }
+
+    /// llama.cpp's placement (`-ngl`, `-sm`, `-ts`, `-mg`), as `load_gguf` takes it. With no
+    /// accelerator there is nothing to offload to, so everything goes to the cpu whatever the
+    /// numbers say, as llama.cpp runs a CPU-only build.
+    pub fn llama(
+        n_gpu_layers: i64,
+        split_mode: &str,
+        tensor_split: Option<Vec<f32>>,
+        main_gpu: usize,
+        has_accelerator: bool,
+    ) -> PlanOptions {
+        if !has_accelerator {
+            return PlanOptions {
+                device_map: Some(DeviceMapArg::Named("cpu".into())),
+                ..PlanOptions::default()
+            };
+        }
+        PlanOptions {
+            n_gpu_layers: Some(n_gpu_layers),
+            split_mode: Some(split_mode.to_owned()),
+            tensor_split,
+            main_gpu: Some(main_gpu),
+            ..PlanOptions::default()
+        }
+    }
+
     /// A fresh request for `source` on `devices`.
     pub fn into_request(
         self,

@@ -8,9 +8,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use weightlift_engine::cache::{Cache as ECache, CacheDType, CacheState};
-use weightlift_plan as wp;
 
-use crate::errors::{Exc, eng, enter, py_err, raise};
+use crate::errors::{eng, enter, py_err};
 use crate::model::Model;
 
 /// A KV cache for a model. `max_seq_len` and `batch_size` are keyword-only (exllamav2 takes
@@ -38,32 +37,10 @@ impl Cache {
         offload: bool,
     ) -> PyResult<Self> {
         let d = CacheDType::parse(dtype).map_err(py_err)?;
-        let m = model.get();
-        let max_seq_len = match max_seq_len {
-            Some(n) => n,
-            None => {
-                m.checkpoint
-                    .spec()
-                    .map_err(|e| {
-                        raise(
-                            Exc::Format,
-                            format!("Cache(max_seq_len=None) reads the model's context length: {e}; pass max_seq_len"),
-                        )
-                    })?
-                    .context_length
-            }
-        };
-        let mut inner = m.lock()?;
-        let spec = wp::CacheSpec::new(max_seq_len, batch_size, d).with_offload(offload);
-        let cache = inner.new_cache(&spec)?;
-        if inner.model.is_loaded() {
-            eng(inner.model.attach_cache(&cache))?;
-        } else if !lazy {
-            return Err(raise(
-                Exc::Weightlift,
-                "a non-lazy cache needs a loaded model; load the model first or pass lazy=True and hand the cache to load_autosplit()",
-            ));
-        }
+        let mut inner = model.get().lock()?;
+        let cache = eng(inner
+            .model
+            .new_cache(max_seq_len, batch_size, d, offload, lazy))?;
         Ok(Cache { cache })
     }
 
@@ -105,14 +82,7 @@ impl Cache {
 
     /// Keep the first `n` tokens (at most `seq_len`) and forget the rest.
     fn truncate(&self, n: u64) -> PyResult<()> {
-        let held = self.cache.seq_len();
-        if n > held {
-            return Err(raise(
-                Exc::Plan,
-                format!("Cache.truncate({n}): expected at most the {held} tokens held"),
-            ));
-        }
-        eng(self.cache.set_seq_len(n))
+        eng(self.cache.truncate(n))
     }
 
     /// The token ids at positions `0..seq_len`; empty when some were written directly with

@@ -9,6 +9,7 @@
 use std::path::Path;
 
 use weightlift_engine::EngineError;
+use weightlift_format::hf_config;
 
 use pyo3::exceptions::{
     PyFileExistsError, PyFileNotFoundError, PyInterruptedError, PyIsADirectoryError,
@@ -80,8 +81,9 @@ pub fn io_error_in(path: &Path, tensor: Option<&str>, err: &std::io::Error) -> P
     let filename = path.display().to_string();
     let mut context = tensor.map_or_else(String::new, |t| format!(" (reading tensor '{t}')"));
     if err.kind() == std::io::ErrorKind::NotFound
-        && let Some(hint) = hub_id_hint(path)
+        && let Some(hint) = hf_config::hub_id_hint(path, hf_config::hub_cache().as_deref())
     {
+        context.push_str("; ");
         context.push_str(&hint);
     }
     if let Some(errno) = err.raw_os_error() {
@@ -108,44 +110,6 @@ pub fn io_error_in(path: &Path, tensor: Option<&str>, err: &std::io::Error) -> P
         K::TimedOut => PyTimeoutError::new_err(message),
         _ => PyOSError::new_err(message),
     }
-}
-
-/// For a missing path that reads like a Hugging Face Hub ID (`org/name`): what to run to
-/// download it and where to point, naming the snapshot when the hub's cache already has one.
-fn hub_id_hint(path: &Path) -> Option<String> {
-    let text = path.to_str()?;
-    let (org, name) = text.split_once('/')?;
-    let word = |w: &str| {
-        !w.is_empty()
-            && !w.starts_with('.')
-            && w.chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-    };
-    let file = [".gguf", ".safetensors", ".json", ".bin"]
-        .iter()
-        .any(|ext| name.ends_with(ext));
-    if !word(org) || !word(name) || file {
-        return None;
-    }
-    let cached = std::env::var_os("HF_HUB_CACHE")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HF_HOME").map(|h| Path::new(&h).join("hub")))
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/huggingface/hub")))
-        .map(|hub| hub.join(format!("models--{org}--{name}")).join("snapshots"))
-        .and_then(|snaps| std::fs::read_dir(snaps).ok()?.flatten().next())
-        .map(|snap| snap.path());
-    Some(match cached {
-        Some(snap) => format!(
-            "; '{text}' looks like a Hugging Face Hub ID, and the hub's cache holds it: pass \
-             '{}'",
-            snap.display()
-        ),
-        None => format!(
-            "; '{text}' looks like a Hugging Face Hub ID, and weightlift reads local files \
-             only: download it first with `huggingface-cli download {text} --local-dir {name}` \
-             and pass '{name}'"
-        ),
-    })
 }
 
 /// Conversion of a core crate's error into its Python exception.
@@ -262,7 +226,9 @@ impl ToPyErr for EngineError {
             EngineError::Validation { .. } | EngineError::NonFinite { .. } => {
                 raise(Exc::Format, self.to_string())
             }
-            EngineError::Invalid { .. } => raise(Exc::Plan, self.to_string()),
+            EngineError::Invalid { .. }
+            | EngineError::MaxLength { .. }
+            | EngineError::Aliased { .. } => raise(Exc::Plan, self.to_string()),
             EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
             EngineError::NotLoaded { .. } | EngineError::Hook { .. } => {
                 raise(Exc::Weightlift, self.to_string())

@@ -20,7 +20,7 @@ use weightlift_format as wf;
 
 use crate::errors::{Exc, enter, py_err, raise};
 pub use info::{ModelSpec, TensorInfo};
-use values::{json_to_py, meta_to_py};
+use values::meta_to_py;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(open, m)?)?;
@@ -144,7 +144,7 @@ impl Checkpoint {
     #[getter]
     fn spec(&self) -> PyResult<Option<ModelSpec>> {
         let ckpt = self.shared()?;
-        Ok(ckpt.spec().ok().map(|s| ModelSpec { inner: s.clone() }))
+        Ok(ckpt.spec().ok().map(ModelSpec::from))
     }
 
     /// Why `spec` is None, or None when it is present.
@@ -175,25 +175,18 @@ impl Checkpoint {
     /// A summary of the tokenizer: `model`, `pre`, `n_tokens`, `n_merges`, `bos_token_id`,
     /// `eos_token_id` and `has_tokenizer_json`.
     #[getter]
-    fn tokenizer<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let ckpt = self.shared()?;
-        let t = ckpt.tokenizer();
-        let dict = PyDict::new(py);
-        dict.set_item("model", t.model.as_deref())?;
-        dict.set_item("pre", t.pre.as_deref())?;
-        dict.set_item("n_tokens", t.n_tokens)?;
-        dict.set_item("n_merges", t.n_merges)?;
-        dict.set_item("bos_token_id", t.bos_token_id)?;
-        dict.set_item("eos_token_id", t.eos_token_id)?;
-        dict.set_item("has_tokenizer_json", t.has_tokenizer_json)?;
-        Ok(dict)
+    fn tokenizer<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(pythonize::pythonize(py, self.shared()?.tokenizer())?)
     }
 
     /// The HF `config.json` beside safetensors weights, as a dict; None for GGUF.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let ckpt = self.shared()?;
-        ckpt.config().map(|c| json_to_py(py, c)).transpose()
+        Ok(ckpt
+            .config()
+            .map(|c| pythonize::pythonize(py, c))
+            .transpose()?)
     }
 
     /// Total number of parameters (elements over all tensors).

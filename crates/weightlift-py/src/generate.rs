@@ -20,15 +20,14 @@ use pyo3::types::{PyDict, PyTuple};
 use crate::cache::Cache;
 use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
-use args::{
-    Call, Knobs, SampleDefaults, alternatives, json_arg, logit_bias_arg, logprobs_count, message,
-    new_token_budget, prompt_ids, refuse, refuse_sampling, same_knob, text_of, token_ids_arg,
-};
+use args::{Call, json_arg, logit_bias_arg, logprobs_count, prompt_ids, text_of, token_ids_arg};
 pub use grammar::LlamaGrammar;
-use grammar::{grammar_arg, mirostat, response_format_grammar};
+use grammar::{grammar_arg, response_format_grammar};
 pub use respond::CompletionStream;
-use respond::{Shape, timings_dict};
-use weightlift_engine::generate::tools::{chat_tools, forced_tool, tool_grammar};
+use respond::Shape;
+use weightlift_engine::generate::openai::chat_message;
+use weightlift_engine::generate::request::{self, Request, Sampling, TransformersArgs};
+use weightlift_engine::generate::tools::{chat_grammar, chat_tools, forced_tool};
 
 #[pymethods]
 impl Model {
@@ -127,47 +126,43 @@ impl Model {
         num_return_sequences: i64,
     ) -> PyResult<Py<PyAny>> {
         let _ = pad_token_id;
-        refuse(
-            "num_return_sequences above 1",
-            num_return_sequences != 1,
-            "generation runs one sequence at a time; call generate once per sequence (with \
-             different seeds)",
-        )?;
         let model = slf.get();
-        let sampled = SampleDefaults::of(do_sample);
-        let knobs = Knobs {
-            temperature: sampled.temperature(temperature),
-            top_k: top_k.unwrap_or(sampled.top_k),
-            top_p: top_p.unwrap_or(sampled.top_p),
-            min_p: min_p.unwrap_or(sampled.min_p),
+        let words = TransformersArgs {
+            do_sample,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repetition_penalty,
+            max_new_tokens,
+            max_length,
+            num_return_sequences,
+        };
+        let rest = Sampling {
             typical_p,
-            repeat_penalty: same_knob(
-                "repeat_penalty",
-                repeat_penalty,
-                "repetition_penalty",
-                repetition_penalty,
-            )?
-            .unwrap_or(1.0),
             presence_penalty,
             frequency_penalty,
             seed,
-            mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
+            mirostat_mode,
+            mirostat_tau,
+            mirostat_eta,
+            ..Sampling::default()
         };
         let grammar = grammar_arg(grammar)?;
-        let eog = token_ids_arg(eos_token_id, "eos_token_id")?;
+        let eog_tokens = token_ids_arg(eos_token_id, "eos_token_id")?;
         let ids = prompt_ids(&model.lock()?.model, prompt, add_bos, false)?;
-        let max_new_tokens = new_token_budget(max_new_tokens, max_length, ids.len())?;
-        let mut call = Call::new(
-            ids,
-            &knobs,
-            model.default_seed()?,
-            max_new_tokens,
-            stop,
-            cache.map(|c| Arc::clone(&c.get().cache)),
-        )?;
-        call.options.grammar = grammar;
-        call.options.eog_tokens = eog;
-        Model::respond(slf, call, Shape::Text, stream, None, 0, None, None)
+        let (sampling, max_tokens) = eng(words.resolve(rest, ids.len()))?;
+        let req = Request {
+            sampling,
+            max_tokens,
+            grammar,
+            eog_tokens,
+            ..Request::default()
+        };
+        let cache = cache.map(|c| Arc::clone(&c.get().cache));
+        let call = Call::new(model, ids, req, stop, cache)?;
+        Model::respond(slf, call, Shape::Text, stream, false, None, None)
     }
 
     /// llama-cpp-python's `Llama.create_completion`: the same arguments and defaults, and an
@@ -225,70 +220,50 @@ impl Model {
         grammar: Option<&Bound<'_, PyAny>>,
         logit_bias: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        let logprobs = logprobs_count(logprobs, "logprobs")?;
-        refuse_sampling(tfs_z)?;
-        let logit_bias = logit_bias_arg(logit_bias)?;
-        let grammar = grammar_arg(grammar)?;
+        eng(request::refuse_tfs_z(tfs_z))?;
         let me = slf.get();
-        let knobs = Knobs {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            typical_p,
-            repeat_penalty,
-            presence_penalty,
-            frequency_penalty,
-            seed,
-            mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
+        let req = Request {
+            sampling: Sampling {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                typical_p,
+                repeat_penalty,
+                presence_penalty,
+                frequency_penalty,
+                seed,
+                mirostat_mode,
+                mirostat_tau,
+                mirostat_eta,
+            },
+            max_tokens,
+            logprobs: logprobs_count(logprobs, "logprobs")?,
+            grammar: grammar_arg(grammar)?,
+            logit_bias: logit_bias_arg(logit_bias)?,
+            ..Request::default()
         };
-        let suffix = suffix
-            .filter(|s| !s.is_none())
-            .map(|s| text_of(s, "suffix"))
-            .transpose()?;
+        let suffix = suffix.filter(|s| !s.is_none());
         let (ids, append) = {
             let inner = me.lock()?;
-            match &suffix {
-                Some(sfx) if prompt.cast::<pyo3::types::PyList>().is_err() => {
-                    let prefix = text_of(prompt, "prompt")?;
-                    match eng(inner.model.infill_prompt(&prefix, sfx, inner.spm_infill))? {
-                        Some(ids) => (ids, None),
-                        None => (
-                            prompt_ids(&inner.model, prompt, None, true)?,
-                            suffix.clone(),
-                        ),
-                    }
-                }
-                Some(_) => {
+            match suffix {
+                Some(_) if prompt.cast::<pyo3::types::PyList>().is_ok() => {
                     return Err(pyo3::exceptions::PyTypeError::new_err(
                         "suffix: a fill-in-the-middle prompt is text (str or bytes), not ids",
                     ));
                 }
+                Some(sfx) => eng(inner.model.suffixed_prompt(
+                    &text_of(prompt, "prompt")?,
+                    &text_of(sfx, "suffix")?,
+                    inner.spm_infill,
+                ))?,
                 None => (prompt_ids(&inner.model, prompt, None, true)?, None),
             }
         };
-        let prompt_text = {
-            let tok = eng(me.lock()?.model.tokenizer())?;
-            tok.decode(&ids, true).map_err(ToPyErr::to_pyerr)?
-        };
-        let prompt_chars = prompt_text.chars().count();
-        let echo = echo.then_some(prompt_text);
-        let mut call = Call::new(ids, &knobs, me.default_seed()?, max_tokens, stop, None)?;
-        call.options.logprobs = logprobs;
-        call.options.grammar = grammar;
-        call.options.logit_bias = logit_bias;
+        let mut call = Call::new(me, ids, req, stop, None)?;
         hooks::install(&mut call, logits_processor, stopping_criteria);
         call.append = append;
-        Model::respond(
-            slf,
-            call,
-            Shape::Completion,
-            stream,
-            echo,
-            prompt_chars,
-            model,
-            None,
-        )
+        Model::respond(slf, call, Shape::Completion, stream, echo, model, None)
     }
 
     /// `create_completion`, as `Llama.__call__`.
@@ -372,58 +347,60 @@ impl Model {
             json_arg(tool_choice, "tool_choice")?,
         );
         let forced = eng(forced_tool(&tools))?;
-        refuse_sampling(tfs_z)?;
-        let logit_bias = logit_bias_arg(logit_bias)?;
-        // As llama-cpp-python: a forced tool's schema, else a JSON response format, replaces
-        // any grammar given.
-        let grammar = match (&forced, response_format_grammar(response_format)?) {
-            (Some((_, schema)), _) => Some(eng(tool_grammar(schema))?),
-            (None, Some(json)) => Some(json),
-            (None, None) => grammar_arg(grammar)?,
-        };
-        // llama-cpp-python passes `top_logprobs if logprobs else None` on as the completion's
-        // `logprobs`.
-        let logprobs = match (logprobs, top_logprobs) {
-            (Some(true), Some(n)) => Some(alternatives(n, "top_logprobs")?),
-            _ => None,
-        };
+        eng(request::refuse_tfs_z(tfs_z))?;
+        let grammar = eng(chat_grammar(
+            forced.as_ref(),
+            response_format_grammar(response_format)?,
+            grammar_arg(grammar)?,
+        ))?;
         let msgs = messages
             .try_iter()?
-            .map(|m| message(&m?))
+            .map(|m| {
+                eng(chat_message(
+                    json_arg(Some(&m?), "messages")?.unwrap_or_default(),
+                ))
+            })
             .collect::<PyResult<Vec<_>>>()?;
         let me = slf.get();
         let prompt = eng(me.lock()?.model.chat_prompt_with(&msgs, &tools))?;
-        let knobs = Knobs {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            typical_p,
-            repeat_penalty,
-            presence_penalty,
-            frequency_penalty,
-            seed,
-            mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
+        let req = Request {
+            sampling: Sampling {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                typical_p,
+                repeat_penalty,
+                presence_penalty,
+                frequency_penalty,
+                seed,
+                mirostat_mode,
+                mirostat_tau,
+                mirostat_eta,
+            },
+            max_tokens,
+            logprobs: eng(request::chat_logprobs(logprobs, top_logprobs))?,
+            grammar,
+            logit_bias: logit_bias_arg(logit_bias)?,
+            ..Request::default()
         };
-        let mut call = Call::new(prompt, &knobs, me.default_seed()?, max_tokens, stop, None)?;
+        let mut call = Call::new(me, prompt, req, stop, None)?;
         // a built-in chat format's stop string joins the request's
         let format_stop = me.lock()?.model.chat_stop();
         call.options.stop.extend(format_stop.map(str::to_owned));
-        call.options.logprobs = logprobs;
-        call.options.grammar = grammar;
-        call.options.logit_bias = logit_bias;
         hooks::install(&mut call, logits_processor, None);
         let tool = forced.map(|(name, _)| name);
-        Model::respond(slf, call, Shape::Chat, stream, None, 0, model, tool)
+        Model::respond(slf, call, Shape::Chat, stream, false, model, tool)
     }
 
     /// The last generation's timings: `prompt_tokens`, `prompt_ms`, `prompt_per_second`,
     /// `reused_tokens` (prompt tokens the cache already held), `eval_tokens`, `eval_ms`,
     /// `eval_per_second` and `sample_ms`; None before any.
     #[getter]
-    fn timings<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    fn timings<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let t = self.lock()?.timings;
-        t.map(|t| timings_dict(py, &t)).transpose()
+        Ok(t.map(|t| pythonize::pythonize(py, &t.report()))
+            .transpose()?)
     }
 
     /// Positions in the model's own cache (`Llama.n_ctx()`).
@@ -474,7 +451,7 @@ pub fn sample(
     mirostat_eta: f32,
     seed: Option<u64>,
 ) -> PyResult<u32> {
-    let knobs = Knobs {
+    let knobs = Sampling {
         temperature,
         top_k,
         top_p,
@@ -484,7 +461,9 @@ pub fn sample(
         presence_penalty,
         frequency_penalty,
         seed,
-        mirostat: mirostat(mirostat_mode, mirostat_tau, mirostat_eta)?,
+        mirostat_mode,
+        mirostat_tau,
+        mirostat_eta,
     };
     let logits = logits.as_slice().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!(
@@ -496,6 +475,8 @@ pub fn sample(
             "logits: expected one row of the vocabulary's logits, got an empty array",
         ));
     }
-    let mut sampler = eng(weightlift_engine::sample::Sampler::new(knobs.params(None)))?;
+    let mut sampler = eng(weightlift_engine::sample::Sampler::new(eng(
+        knobs.params(None)
+    )?))?;
     Ok(sampler.sample(logits, &history))
 }

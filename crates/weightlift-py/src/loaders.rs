@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 use weightlift_engine::LoadOptions;
-use weightlift_engine::cache::CacheDType;
+use weightlift_engine::llama_cpp::{self, CacheType};
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
@@ -56,12 +56,9 @@ pub fn from_pretrained(
     let offload =
         wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
     let model = Model::new(path, devices, dtype, runtime, compute, n_threads, quantize)?;
-    let device_map = device_map.map_or_else(|| wp::DeviceMapArg::Named("auto".into()), |d| d.0);
     let options = wp::PlanOptions {
-        device_map: Some(device_map),
-        max_memory: max_memory.map(|m| m.0),
         offload,
-        ..wp::PlanOptions::default()
+        ..wp::PlanOptions::from_pretrained(device_map.map(|d| d.0), max_memory.map(|m| m.0))
     };
     model.run_load(
         py,
@@ -148,25 +145,23 @@ pub fn load_gguf(
         check_tensors: false,
         vocab_only,
     };
-    let keep_n_batch = runtime.is_none();
+    let given_runtime = runtime.as_ref().map(|r| r.0);
     let ckpt = Model::open_source(path, open)?;
     let model = Model::with_checkpoint(ckpt, devices, "auto", runtime, compute, n_threads, None)?;
-    model.lock()?.seed = load_seed(seed);
+    model.lock()?.seed = llama_cpp::seed(seed);
     model.lock()?.spm_infill = spm_infill;
     eng(model.lock()?.model.set_chat_format(chat_format))?;
     if vocab_only {
         // the metadata and tokenizer only: no tensors to load
         return Ok(model);
     }
-    let cache_dtype = llama_cache_dtype(
-        &cache_type_name(type_k, "type_k")?,
-        &cache_type_name(type_v, "type_v")?,
-    )?;
+    let cache_dtype = eng(llama_cpp::cache_dtype(
+        cache_type(type_k, "type_k")?,
+        cache_type(type_v, "type_v")?,
+    ))?;
     let cache = {
         let mut inner = model.lock()?;
-        if keep_n_batch {
-            inner.runtime.max_input_len = n_batch;
-        }
+        inner.defaults.runtime = llama_cpp::runtime(n_batch, given_runtime);
         inner.new_cache(&wp::CacheSpec::new(n_ctx, 1, cache_dtype))?
     };
     let mut reporter = Reporter::new(callback, progress);
@@ -183,72 +178,34 @@ pub fn load_gguf(
     }
     let mut opts = load_options(use_mmap, use_direct_io, check_tensors, None);
     opts.mlock = use_mlock;
-    // With no accelerator there is nothing to offload to: everything runs on the cpu.
-    let no_accel = model.lock()?.model.inventory().accelerators().is_empty();
-    let options = if no_accel {
-        wp::PlanOptions {
-            device_map: Some(wp::DeviceMapArg::Named("cpu".into())),
-            offload,
-            ..wp::PlanOptions::default()
-        }
-    } else {
-        wp::PlanOptions {
-            n_gpu_layers: Some(n_gpu_layers),
-            split_mode: Some(split_mode.to_owned()),
+    let has_accelerator = !model.lock()?.model.inventory().accelerators().is_empty();
+    let options = wp::PlanOptions {
+        offload,
+        ..wp::PlanOptions::llama(
+            n_gpu_layers,
+            split_mode,
             tensor_split,
-            main_gpu: Some(main_gpu),
-            offload,
-            ..wp::PlanOptions::default()
-        }
+            main_gpu,
+            has_accelerator,
+        )
     };
     model.run_load(py, None, options, Some(cache), opts, reporter)?;
     Ok(model)
 }
 
-/// `load_gguf(seed=...)`: llama.cpp's `LLAMA_DEFAULT_SEED` (0xFFFFFFFF) means a random seed.
-fn load_seed(seed: Option<u64>) -> Option<u64> {
-    seed.filter(|&s| s != u64::from(u32::MAX))
-}
-
-/// `type_k` / `type_v` as a name: given as one, or as the ggml type number llama-cpp-python
-/// passes (named by the format crate's type table); a ggml type the cache cannot store is
-/// refused by name.
-fn cache_type_name(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<String> {
-    // None is llama.cpp's default, f16 (the text signature shows it).
+/// `type_k` / `type_v`: a cache type name, or the ggml type number llama-cpp-python passes.
+fn cache_type(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<CacheType>> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok("f16".into());
+        return Ok(None);
     };
     if let Ok(name) = obj.extract::<String>() {
-        return Ok(name);
+        return Ok(Some(CacheType::Name(name)));
     }
-    let id: u32 = obj.extract().map_err(|_| {
-        pyo3::exceptions::PyTypeError::new_err(format!(
-            "{what}: expected a cache type name ('f16', 'q8_0', ...) or a ggml type number"
-        ))
-    })?;
-    let name = wf::DType::from_ggml_id(id).map(|t| t.name().to_ascii_lowercase());
-    match name {
-        Some(n) if CacheDType::parse(&n).is_ok() => Ok(n),
-        other => Err(raise(
-            Exc::Unsupported,
-            format!(
-                "{what}={id} ({}) is not supported: the KV cache stores f32 (0), f16 (1), \
-                 q4_0 (2), q8_0 (8) or bf16 (30)",
-                other.unwrap_or_else(|| "not a ggml type".into())
-            ),
-        )),
-    }
-}
-
-/// llama.cpp's `type_k` / `type_v` pair ([`CacheDType::from_llama_types`]), or the refusal.
-fn llama_cache_dtype(type_k: &str, type_v: &str) -> PyResult<CacheDType> {
-    match CacheDType::from_llama_types(type_k, type_v).map_err(py_err)? {
-        Some(d) => Ok(d),
-        None => Err(raise(
-            Exc::Unsupported,
-            format!(
-                "cache type_k={type_k}, type_v={type_v}: expected equal types (f32, f16, bf16, q8_0, q4_0) or type_k=q8_0 with type_v=q4_0"
-            ),
-        )),
-    }
+    obj.extract()
+        .map(|id| Some(CacheType::Ggml(id)))
+        .map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "{what}: expected a cache type name ('f16', 'q8_0', ...) or a ggml type number"
+            ))
+        })
 }

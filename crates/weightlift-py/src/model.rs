@@ -9,6 +9,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use weightlift_engine::cache::Cache as ECache;
+use weightlift_engine::planned::PlanDefaults;
 use weightlift_engine::{self as we, LoadOptions, Model as EModel};
 use weightlift_format as wf;
 use weightlift_plan as wp;
@@ -18,15 +19,14 @@ use crate::errors::{Exc, eng, enter, py_err, raise};
 use crate::options::{
     CacheDTypeArg, CacheRef, DeviceMapValue, DevicesSpec, LoadCache, Overrides, RuntimeArg, Sizes,
 };
-use crate::plan::PlacementArgs;
+use crate::plan::PlanArgs;
 use crate::progress::Reporter;
 
 pub(crate) struct ModelInner {
     pub(crate) model: EModel,
     pub(crate) plan: Option<wp::Plan>,
-    dtype: wp::DTypeChoice,
-    quantize: Option<wp::Quantize>,
-    pub(crate) runtime: wp::RuntimeSpec,
+    /// The dtype, quantise-on-load mode and runtime limits every plan of this model takes.
+    pub(crate) defaults: PlanDefaults,
     devices_spec: String,
     /// The sampling seed when a call gives none (`load_gguf(seed=...)`, as `Llama(seed=...)`).
     pub(crate) seed: Option<u64>,
@@ -124,9 +124,11 @@ impl Model {
             inner: Mutex::new(ModelInner {
                 model,
                 plan: None,
-                dtype,
-                quantize,
-                runtime: runtime.map(|r| r.0).unwrap_or_default(),
+                defaults: PlanDefaults {
+                    dtype,
+                    quantize,
+                    runtime: runtime.map(|r| r.0).unwrap_or_default(),
+                },
                 devices_spec,
                 seed: None,
                 timings: None,
@@ -138,8 +140,8 @@ impl Model {
         })
     }
 
-    /// Plan (unless a plan is given) with `options` over the model's own request, and load,
-    /// with the GIL released.
+    /// Plan (unless a plan is given) with `options` over the model's own request, and load
+    /// ([`EModel::plan_and_load`]), with the GIL released.
     pub(crate) fn run_load(
         &self,
         py: Python<'_>,
@@ -150,67 +152,17 @@ impl Model {
         mut reporter: Reporter,
     ) -> PyResult<()> {
         let mut inner = self.lock()?;
-        let mut cache = cache;
-        let rank = options.rank;
-        let plan = match plan {
-            Some(p) => {
-                // A plan that reserved a cache gets that cache, so what is held is what the
-                // plan says, as a CacheSpec passed to load() would.
-                if cache.is_none()
-                    && let Some(c) = p.cache()
-                {
-                    cache = Some(inner.new_cache(c)?);
-                }
-                if options != wp::PlanOptions::default() {
-                    return Err(raise(
-                        Exc::Plan,
-                        "load: got a plan and placement options; a plan already says where \
-                         everything goes, so pass one or the other",
-                    ));
-                }
-                p
-            }
-            None => {
-                let mut req = eng(inner.model.plan_request())?;
-                req.dtype = inner.dtype;
-                req.quantize = inner.quantize;
-                req.runtime = inner.runtime;
-                req.use_mmap = opts.use_mmap;
-                req.staging_bytes = opts.staging_bytes as u64;
-                if let Some(c) = &cache {
-                    // Offloaded, the plan charges the whole cache to the cpu and the prefetch
-                    // slots to each layer device, as the cache allocates them.
-                    req.cache = Some(we::planned::cache_spec(c.config()));
-                }
-                options.apply(&mut req).map_err(py_err)?;
-                enter(py, || wp::plan(&req))?
-            }
-        };
-        // A tensor-parallel plan sizes its cache by `expect_cache_tokens`: the model holds that
-        // cache, split by kv heads over the devices, as exllamav2's TP cache.
-        if cache.is_none()
-            && plan.tp().is_some()
-            && let Some(c) = plan.cache()
-        {
-            cache = Some(inner.new_cache(c)?);
-        }
-        let placement = match rank {
-            Some(r) => eng(inner.model.own_rank_placement(&plan, r))?,
-            None => eng(inner.model.placement(&plan))?,
-        };
         let inner_ref = &mut *inner;
+        let (engine, defaults) = (&mut inner_ref.model, &inner_ref.defaults);
         // Released by hand rather than through `enter`: the reporter re-attaches during the
         // load to call the user's callback and check for Ctrl-C, and `finish` maps a
         // cancellation (by either) to its exception once everything is freed.
         let r = py.detach(|| {
-            inner_ref
-                .model
-                .load(&placement, &opts, cache.as_ref(), true, &mut |p| {
-                    reporter.report(p)
-                })
+            engine.plan_and_load(plan, options, defaults, cache, &opts, &mut |p| {
+                reporter.report(p)
+            })
         });
-        reporter.finish(r)?;
-        inner.plan = Some(plan);
+        inner.plan = Some(reporter.finish(r)?);
         Ok(())
     }
 }
@@ -318,8 +270,6 @@ impl Model {
         blocks_per_group: u32,
         prefetch: bool,
     ) -> PyResult<()> {
-        let offload = wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
-            .map_err(py_err)?;
         let plan = plan
             .filter(|p| !p.is_none())
             .map(plan_from_obj)
@@ -329,7 +279,7 @@ impl Model {
             Some(LoadCache::Given(c)) => Some(c),
             Some(LoadCache::Shape(spec)) => Some(self.lock()?.new_cache(&spec)?),
         };
-        let placement = PlacementArgs {
+        let options = PlanArgs {
             strategy,
             reserve,
             max_memory,
@@ -341,12 +291,13 @@ impl Model {
             device_map,
             overrides,
             gpu_split,
-        };
-        let options = wp::PlanOptions {
             allow_disk,
             offload,
-            ..placement.options()
-        };
+            blocks_per_group,
+            prefetch,
+            ..PlanArgs::default()
+        }
+        .options()?;
         let opts = load_options(use_mmap, use_direct_io, check_tensors, staging_bytes);
         self.run_load(
             py,
@@ -378,11 +329,9 @@ impl Model {
         prefetch: bool,
     ) -> PyResult<()> {
         let options = wp::PlanOptions {
-            strategy: Some("autosplit".into()),
-            reserve: reserve_vram.map(|r| r.0),
             offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
                 .map_err(py_err)?,
-            ..wp::PlanOptions::default()
+            ..wp::PlanOptions::autosplit(reserve_vram.map(|r| r.0))
         };
         self.run_load(
             py,
@@ -477,20 +426,11 @@ impl Model {
         Ok(self.lock()?.model.is_loaded())
     }
 
-    /// The plan of the last load (a `weightlift.Plan` when the plan bindings are present, else
-    /// its JSON as a dict), or None.
+    /// The plan of the last load, or None.
     #[getter]
-    fn plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(json) = self.lock()?.plan.as_ref().map(wp::Plan::to_json) else {
-            return Ok(None);
-        };
-        let native = py.import("weightlift._native")?;
-        if let Ok(cls) = native.getattr("Plan")
-            && let Ok(p) = cls.call_method1("from_json", (json.as_str(),))
-        {
-            return Ok(Some(p));
-        }
-        Ok(Some(py.import("json")?.call_method1("loads", (json,))?))
+    fn plan(&self) -> PyResult<Option<crate::plan::Plan>> {
+        let plan = self.lock()?.plan.clone();
+        Ok(plan.map(|inner| crate::plan::Plan { inner }))
     }
 
     /// The last plan as JSON (None before a load).
@@ -568,7 +508,7 @@ impl Model {
     ) -> PyResult<Bound<'py, PyAny>> {
         let inner = self.lock()?;
         if dequantize {
-            let max_dq = inner.runtime.max_dq_size;
+            let max_dq = inner.defaults.runtime.max_dq_size;
             let model = &inner.model;
             let d = enter(py, || model.dequantized(name, max_dq))?;
             drop(inner);

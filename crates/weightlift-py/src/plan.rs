@@ -11,10 +11,9 @@ use pyo3::prelude::*;
 use weightlift_engine::HostProbe;
 use weightlift_plan as wp;
 
-use crate::errors::{enter, py_err};
+use crate::errors::{eng, enter, py_err};
 use crate::options::{CacheArg, DeviceMapValue, DevicesSpec, Overrides, RuntimeArg, Sizes};
 pub use result::{Device, DeviceUsage, Placement, Plan};
-use source::Source;
 pub use specs::{CacheSpec, RuntimeSpec};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -40,10 +39,16 @@ fn parse_device_arg(spec: Option<&DevicesSpec>) -> PyResult<Vec<wp::DeviceSpec>>
     }
 }
 
-/// The placement keywords shared by `plan()`, `fit()` and `Model.load()`, as converted from
-/// Python: each is `None` when not given.
-pub(crate) struct PlacementArgs {
+/// The planning keywords of `plan()`, `fit()` and `Model.load()`, as converted from Python:
+/// each is `None` (or false) when not given, and each becomes the planner's option of its name.
+#[derive(Default)]
+pub(crate) struct PlanArgs {
     pub strategy: Option<String>,
+    pub dtype: Option<String>,
+    pub weight_dtype: Option<String>,
+    pub cache: Option<CacheArg>,
+    pub cache_offload: bool,
+    pub runtime: Option<RuntimeArg>,
     pub reserve: Option<Sizes>,
     pub max_memory: Option<Sizes>,
     pub overhead: Option<Sizes>,
@@ -54,13 +59,25 @@ pub(crate) struct PlacementArgs {
     pub device_map: Option<DeviceMapValue>,
     pub overrides: Option<Overrides>,
     pub gpu_split: Option<Vec<f64>>,
+    pub allow_disk: Option<bool>,
+    pub use_mmap: Option<bool>,
+    pub quantize: Option<String>,
+    pub offload: Option<String>,
+    pub blocks_per_group: u32,
+    pub prefetch: bool,
+    pub world: Option<String>,
 }
 
-impl PlacementArgs {
+impl PlanArgs {
     /// The planner's options for these keywords.
-    pub fn options(self) -> wp::PlanOptions {
-        wp::PlanOptions {
+    pub fn options(self) -> PyResult<wp::PlanOptions> {
+        Ok(wp::PlanOptions {
             strategy: self.strategy,
+            dtype: self.dtype,
+            weight_dtype: self.weight_dtype,
+            cache: self.cache.map(|c| c.0),
+            cache_offload: self.cache_offload,
+            runtime: self.runtime.map(|r| r.0),
             reserve: self.reserve.map(|s| s.0),
             max_memory: self.max_memory.map(|s| s.0),
             overhead: self.overhead.map(|s| s.0),
@@ -71,8 +88,18 @@ impl PlacementArgs {
             device_map: self.device_map.map(|d| d.0),
             overrides: self.overrides.map(|o| o.0).unwrap_or_default(),
             gpu_split: self.gpu_split,
+            allow_disk: self.allow_disk,
+            use_mmap: self.use_mmap,
+            quantize: self.quantize,
+            offload: wp::WeightOffload::parse(
+                self.offload.as_deref(),
+                self.blocks_per_group,
+                self.prefetch,
+            )
+            .map_err(py_err)?,
+            world: self.world,
             ..wp::PlanOptions::default()
-        }
+        })
     }
 }
 
@@ -159,8 +186,13 @@ fn plan(
     prefetch: bool,
     world: Option<String>,
 ) -> PyResult<Plan> {
-    let placement = PlacementArgs {
+    let options = PlanArgs {
         strategy,
+        dtype: Some(dtype.to_owned()),
+        weight_dtype,
+        cache,
+        cache_offload,
+        runtime,
         reserve,
         max_memory,
         overhead,
@@ -171,22 +203,17 @@ fn plan(
         device_map,
         overrides,
         gpu_split,
-    };
-    let options = wp::PlanOptions {
-        dtype: Some(dtype.to_owned()),
-        weight_dtype,
-        cache: cache.map(|c| c.0),
-        cache_offload,
-        runtime: runtime.map(|r| r.0),
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
         quantize,
-        offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
-            .map_err(py_err)?,
+        offload,
+        blocks_per_group,
+        prefetch,
         world,
-        ..placement.options()
-    };
-    let req = Source::resolve(py, source)?.request(options, parse_device_arg(devices.as_ref())?)?;
+    }
+    .options()?;
+    let req =
+        eng(source::resolve(py, source)?.request(options, parse_device_arg(devices.as_ref())?))?;
     let inner = enter(py, || wp::plan(&req))?;
     Ok(Plan { inner })
 }
@@ -236,8 +263,13 @@ fn fit(
     prefetch: bool,
 ) -> PyResult<u64> {
     let target = wp::FitTarget::parse(target).map_err(py_err)?;
-    let placement = PlacementArgs {
+    let options = PlanArgs {
         strategy,
+        dtype: Some(dtype.to_owned()),
+        weight_dtype,
+        cache,
+        cache_offload,
+        runtime,
         reserve,
         max_memory,
         overhead,
@@ -248,22 +280,18 @@ fn fit(
         device_map,
         overrides,
         gpu_split,
-    };
-    let options = wp::PlanOptions {
-        dtype: Some(dtype.to_owned()),
-        weight_dtype,
-        cache: cache.map(|c| c.0),
-        cache_offload,
-        runtime: runtime.map(|r| r.0),
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
         quantize,
-        offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
-            .map_err(py_err)?,
-        ..placement.options()
-    };
+        offload,
+        blocks_per_group,
+        prefetch,
+        world: None,
+    }
+    .options()?;
     let options = options.for_fit(target, cache_dtype).map_err(py_err)?;
-    let req = Source::resolve(py, source)?.request(options, parse_device_arg(devices.as_ref())?)?;
+    let req =
+        eng(source::resolve(py, source)?.request(options, parse_device_arg(devices.as_ref())?))?;
     enter(py, || wp::fit(&req, target))
 }
 
@@ -277,7 +305,7 @@ fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
         items.push("disk".into());
         wp::parse_devices_with(&items.join(","), &HostProbe)
     })?;
-    Ok(list.into_iter().map(|inner| Device { inner }).collect())
+    Ok(list.into_iter().map(Device::from).collect())
 }
 
 /// Parse a device spec string (`"cpu"`, `"cuda:0:24GiB"`, `"virtual:2x24GiB"`,
@@ -287,6 +315,6 @@ fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
 fn parse_devices(spec: DevicesSpec) -> PyResult<Vec<Device>> {
     Ok(parse_device_arg(Some(&spec))?
         .into_iter()
-        .map(|inner| Device { inner })
+        .map(Device::from)
         .collect())
 }

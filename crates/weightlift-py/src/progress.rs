@@ -92,14 +92,14 @@ impl Reporter {
     }
 
     /// The error to raise: the callback's own exception or KeyboardInterrupt first.
-    pub(crate) fn finish(self, r: Result<(), EngineError>) -> PyResult<()> {
+    pub(crate) fn finish<T>(self, r: Result<T, EngineError>) -> PyResult<T> {
         if let Some(bar) = self.bar {
             Python::attach(|py| {
                 let _ = bar.bind(py).call_method0("close");
             });
         }
         match (r, self.error) {
-            (Ok(()), _) => Ok(()),
+            (Ok(v), _) => Ok(v),
             (Err(EngineError::Cancelled { .. }), Some(e)) => Err(e),
             (Err(e), _) => Err(e.to_pyerr()),
         }

@@ -4,13 +4,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use weightlift_engine::tp::{HostStaged, Rope, TpContext};
+use weightlift_engine::tp::{TpArgs, TpContext, scratch_dtype};
 use weightlift_engine::{self as we, Device};
 use weightlift_format::DType;
-use weightlift_plan as wp;
 
 use crate::devices::{DeviceTensor, to_numpy};
-use crate::errors::{Exc, eng, enter, py_err, raise};
+use crate::errors::{Exc, eng, enter, raise};
 use crate::model::Model;
 use crate::options::CacheDTypeArg;
 
@@ -58,6 +57,23 @@ impl TPGroupMember {
     fn __repr__(&self) -> String {
         format!("TPGroupMember(rank={})", self.rank)
     }
+}
+
+/// `f` on the engine tensors of `list` (DeviceTensors, each held locked meanwhile); `what`
+/// names them when one was freed.
+fn with_tensors<T>(
+    list: &Bound<'_, PyAny>,
+    what: &str,
+    f: impl FnOnce(&[&we::DeviceTensor]) -> PyResult<T>,
+) -> PyResult<T> {
+    let list = tensors_of(list)?;
+    let guards: Vec<_> = list.iter().map(|t| t.get().lock()).collect();
+    let refs = guards
+        .iter()
+        .map(|g| g.as_ref())
+        .collect::<Option<Vec<&we::DeviceTensor>>>()
+        .ok_or_else(|| raise(Exc::Device, format!("{what} was freed")))?;
+    f(&refs)
 }
 
 fn tensors_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<Py<DeviceTensor>>> {
@@ -114,65 +130,18 @@ impl TPContext {
     ) -> PyResult<Self> {
         let m = model.get();
         let inner = m.lock()?;
-        let spec = m.checkpoint.spec().map_err(|e| {
-            raise(
-                Exc::Unsupported,
-                format!("tensor parallelism needs the architecture: {e}"),
-            )
-        })?;
-        let tokens = if expect_cache_tokens == 0 {
-            spec.context_length
-        } else {
-            expect_cache_tokens
+        let args = TpArgs {
+            gpu_split,
+            expect_cache_tokens,
+            expect_cache_base: expect_cache_base.map(|d| d.0),
         };
-        // Reuse a TP plan from load_tp; otherwise plan the split now.
-        let tp = match inner.plan.as_ref().and_then(|p| p.tp()) {
-            Some(tp) if gpu_split.is_none() => tp.clone(),
-            _ => {
-                let mut req = eng(inner.model.plan_request())?;
-                req.runtime = inner.runtime;
-                wp::PlanOptions::tensor_parallel(
-                    gpu_split,
-                    expect_cache_tokens,
-                    expect_cache_base.map(|d| d.0),
-                )
-                .apply(&mut req)
-                .map_err(py_err)?;
-                let plan = enter(py, || wp::plan(&req))?;
-                plan.tp().cloned().ok_or_else(|| {
-                    raise(
-                        Exc::Weightlift,
-                        "the planner returned no tensor-parallel tables",
-                    )
-                })?
-            }
-        };
-        let devices = inner.model.inventory().accelerators().to_vec();
-        let cpu = Arc::clone(inner.model.inventory().cpu());
-        let rope = Rope {
-            theta: spec.rope_theta,
-            dim: spec.rope_dim,
-            head_dim: spec.head_dim,
-            max_seq_len: tokens.min(spec.context_length.max(1)),
-        };
-        let ctx = eng(TpContext::new(
-            we::planned::splits(&tp),
-            devices,
-            rope,
-            Box::new(HostStaged),
-        ))?;
-        // exllamav2 sizes its pinned temps as max(max_input_len × vocab, max_input_len × intermediate)
-        // halves.
-        let rt = inner.runtime;
-        let staging_bytes = rt
-            .max_input_len
-            .saturating_mul(spec.vocab_size.max(spec.intermediate_size))
-            .saturating_mul(2);
+        let (engine, plan, runtime) = (&inner.model, inner.plan.as_ref(), inner.defaults.runtime);
+        let made = enter(py, || engine.standalone_tp(plan, runtime, args))?;
         drop(inner);
         Ok(TPContext {
-            ctx: Arc::new(Mutex::new(ctx)),
-            cpu,
-            staging_bytes,
+            ctx: Arc::new(Mutex::new(made.ctx)),
+            cpu: made.cpu,
+            staging_bytes: made.staging_bytes,
             _model: Some(model.clone().unbind()),
         })
     }
@@ -323,18 +292,11 @@ impl TPContext {
         broadcast_type: usize,
         dim: u64,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let list = tensors_of(inputs)?;
-        let guards: Vec<_> = list.iter().map(|t| t.get().lock()).collect();
-        let refs: Vec<&we::DeviceTensor> = guards
-            .iter()
-            .map(|g| {
-                g.as_ref()
-                    .ok_or_else(|| raise(Exc::Device, "a gather input was freed"))
-            })
-            .collect::<PyResult<_>>()?;
-        let dtype = refs.first().map_or(DType::F32, |t| t.dtype());
-        let (bytes, rows, cols) = eng(self.lock().gather(buffer, &refs, broadcast_type, dim))?;
-        drop(guards);
+        let (bytes, rows, cols, dtype) = with_tensors(inputs, "a gather input", |refs| {
+            let dtype = refs.first().map_or(DType::F32, |t| t.dtype());
+            let (bytes, rows, cols) = eng(self.lock().gather(buffer, refs, broadcast_type, dim))?;
+            Ok((bytes, rows, cols, dtype))
+        })?;
         to_numpy(py, &bytes, dtype, &[rows, cols])
     }
 
@@ -348,19 +310,11 @@ impl TPContext {
         broadcast_type_b: usize,
         dim: u64,
     ) -> PyResult<Vec<DeviceTensor>> {
-        let list = tensors_of(inputs)?;
-        let guards: Vec<_> = list.iter().map(|t| t.get().lock()).collect();
-        let refs: Vec<&we::DeviceTensor> = guards
-            .iter()
-            .map(|g| {
-                g.as_ref()
-                    .ok_or_else(|| raise(Exc::Device, "an allgather input was freed"))
-            })
-            .collect::<PyResult<_>>()?;
-        let out =
+        let out = with_tensors(inputs, "an allgather input", |refs| {
             eng(self
                 .lock()
-                .allgather(buffer, &refs, broadcast_type_g, broadcast_type_b, dim))?;
+                .allgather(buffer, refs, broadcast_type_g, broadcast_type_b, dim))
+        })?;
         Ok(out.into_iter().map(DeviceTensor::new).collect())
     }
 
@@ -374,7 +328,6 @@ impl TPContext {
         dim: u64,
     ) -> PyResult<()> {
         let targets = tensors_of(target)?;
-        let sources = tensors_of(source)?;
         let mut taken = Vec::with_capacity(targets.len());
         for t in &targets {
             match t.get().lock().take() {
@@ -387,19 +340,15 @@ impl TPContext {
                 }
             }
         }
-        let result = {
-            let guards: Vec<_> = sources.iter().map(|t| t.get().lock()).collect();
-            let refs: Option<Vec<&we::DeviceTensor>> = guards.iter().map(|g| g.as_ref()).collect();
-            match refs {
-                Some(refs) => eng(self
+        let result = with_tensors(
+            source,
+            "an add_residual source (or one that is also a target)",
+            |refs| {
+                eng(self
                     .lock()
-                    .add_residual(&mut taken, &refs, broadcast_type, dim)),
-                None => Err(raise(
-                    Exc::Device,
-                    "an add_residual source was freed (or is also a target)",
-                )),
-            }
-        };
+                    .add_residual(&mut taken, refs, broadcast_type, dim))
+            },
+        );
         for (t, x) in targets.iter().zip(taken) {
             *t.get().lock() = Some(x);
         }
@@ -443,7 +392,7 @@ impl TPContext {
         broadcast_type: usize,
         dim: u64,
     ) -> PyResult<Vec<(usize, u64, u64, u64)>> {
-        let d = scratch_dtype(dtype)?;
+        let d = eng(scratch_dtype(dtype))?;
         let s = eng(self
             .lock()
             .get_scratch_slice_tp(rows, d, broadcast_type, dim))?;
@@ -459,7 +408,7 @@ impl TPContext {
         broadcast_type: usize,
         dim: u64,
     ) -> PyResult<Vec<(usize, u64, u64, u64)>> {
-        let d = scratch_dtype(dtype)?;
+        let d = eng(scratch_dtype(dtype))?;
         let s = eng(self
             .lock()
             .get_scratch_slice_tp_bc(rows, d, broadcast_type, dim))?;
@@ -475,16 +424,6 @@ fn slice_tuples<S: IntoIterator<Item = weightlift_engine::tp::ScratchSlice>>(
         .into_iter()
         .map(|x| (x.device, x.offset, x.rows, x.cols))
         .collect()
-}
-
-fn scratch_dtype(s: &str) -> PyResult<DType> {
-    match s {
-        "float16" | "half" | "f16" => Ok(DType::F16),
-        "float32" | "float" | "f32" => Ok(DType::F32),
-        _ => Err(PyValueError::new_err(format!(
-            "scratch dtype must be 'float16' or 'float32', got '{s}'"
-        ))),
-    }
 }
 
 #[cfg(feature = "nccl")]

@@ -214,3 +214,91 @@ impl Response {
         serde_json::to_string(self).unwrap_or_default()
     }
 }
+
+/// A chat message as OpenAI's JSON (and llama-cpp-python) writes it: `role`, `content` (a
+/// string, null, or a list of parts of which only `{"type": "text"}` ones are taken, joined),
+/// and its other fields (`tool_calls`, `tool_call_id`, `name`, ...) kept for the chat template.
+pub fn chat_message(value: serde_json::Value) -> crate::error::Result<weightlift_text::Message> {
+    use crate::error::{EngineError, invalid};
+    use serde_json::Value;
+    let Value::Object(mut fields) = value else {
+        return Err(invalid(
+            "messages",
+            "a list of dicts",
+            "a message that is not one",
+        ));
+    };
+    let role = match fields.remove("role") {
+        Some(Value::String(role)) => role,
+        other => {
+            return Err(invalid(
+                "message role",
+                "a string ('system', 'user', 'assistant', 'tool')",
+                other.map_or("none".into(), |v| v.to_string()),
+            ));
+        }
+    };
+    let content = match fields.remove("content") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(text)) => text,
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    (Some("text"), None) => {}
+                    (Some("text"), Some(other)) => {
+                        return Err(invalid("message text part", "a string", other.to_string()));
+                    }
+                    (kind, _) => {
+                        return Err(EngineError::Unsupported {
+                            what: format!("message content part of type {kind:?}"),
+                            detail: "only text parts are".into(),
+                        });
+                    }
+                }
+            }
+            text
+        }
+        Some(other) => {
+            return Err(invalid(
+                "message content",
+                "a string or a list of parts",
+                other.to_string(),
+            ));
+        }
+    };
+    let mut message = weightlift_text::Message::new(role, content);
+    // null fields are left out, as Python's `None` was.
+    message.extra = fields.into_iter().filter(|(_, v)| !v.is_null()).collect();
+    Ok(message)
+}
+
+#[cfg(test)]
+mod message_tests {
+    use serde_json::json;
+
+    use super::chat_message;
+
+    #[test]
+    fn messages_take_text_parts_and_keep_their_other_fields() {
+        let m = chat_message(json!({"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}))
+        .unwrap();
+        assert_eq!((m.role.as_str(), m.content.as_str()), ("user", "ab"));
+        let m = chat_message(json!({"role": "assistant", "content": null, "name": null,
+            "tool_calls": [{"id": "1"}]}))
+        .unwrap();
+        assert_eq!(m.content, "");
+        assert_eq!(m.extra.keys().collect::<Vec<_>>(), ["tool_calls"]);
+        let e = chat_message(json!({"role": "user", "content": [{"type": "image_url"}]}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"image_url\"") && e.contains("only text parts"),
+            "{e}"
+        );
+        assert!(chat_message(json!({"content": "x"})).is_err());
+        assert!(chat_message(json!("x")).is_err());
+    }
+}

@@ -53,6 +53,37 @@ pub struct ResponseOptions {
     pub append: Option<String>,
 }
 
+impl ResponseOptions {
+    /// A completion's options for `prompt`, named `model`: with `echo` the prompt's text goes
+    /// before the generated text, and without it `text_offset`s start after that text. A whole
+    /// completion with `echo` and log-probabilities scores the prompt's tokens too (this sets
+    /// `generate.prompt_logprobs`); a stream sends the echoed prompt as its first chunk before
+    /// anything runs, so its tokens are not scored there (llama-cpp-python does not echo a
+    /// stream at all).
+    pub fn completion(
+        tokenizer: &Tokenizer,
+        prompt: &[u32],
+        model: String,
+        echo: bool,
+        stream: bool,
+        generate: &mut super::GenerateOptions,
+    ) -> Result<ResponseOptions> {
+        let text = tokenizer.decode(prompt, true)?;
+        generate.prompt_logprobs = generate.logprobs.is_some() && echo && !stream;
+        Ok(ResponseOptions {
+            model,
+            prompt_chars: text.chars().count(),
+            echo: echo.then_some(text),
+            prompt_ids: if generate.prompt_logprobs {
+                prompt.to_vec()
+            } else {
+                Vec::new()
+            },
+            ..ResponseOptions::default()
+        })
+    }
+}
+
 /// Builds the response of one generation: the whole of it, or its stream chunk by chunk.
 #[derive(Debug)]
 pub struct Responder {

@@ -102,9 +102,37 @@ pub fn tool_grammar(parameters: &Value) -> Result<Arc<Grammar>> {
     }
 }
 
+/// The grammar a chat generates under, as llama-cpp-python picks it: the forced tool's
+/// arguments schema ([`tool_grammar`]), else the JSON of `response_format`, else `grammar`.
+pub fn chat_grammar(
+    forced: Option<&(String, Value)>,
+    response_format: Option<Arc<Grammar>>,
+    grammar: Option<Arc<Grammar>>,
+) -> Result<Option<Arc<Grammar>>> {
+    Ok(match (forced, response_format) {
+        (Some((_, schema)), _) => Some(tool_grammar(schema)?),
+        (None, Some(json)) => Some(json),
+        (None, None) => grammar,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forced_tool_beats_a_response_format_which_beats_a_grammar() {
+        let given = Arc::new(Grammar::parse("root ::= \"x\"").unwrap());
+        let json = Grammar::json();
+        let pick = |forced, format: Option<&Arc<Grammar>>| {
+            chat_grammar(forced, format.cloned(), Some(Arc::clone(&given))).unwrap()
+        };
+        assert!(Arc::ptr_eq(&pick(None, None).unwrap(), &given));
+        assert!(Arc::ptr_eq(&pick(None, Some(&json)).unwrap(), &json));
+        let tool = ("f".to_owned(), json!({"type": "object"}));
+        let g = pick(Some(&tool), Some(&json)).unwrap();
+        assert!(!Arc::ptr_eq(&g, &json) && !Arc::ptr_eq(&g, &given));
+    }
 
     fn weather() -> Value {
         json!([{"type": "function", "function": {"name": "get_weather",

@@ -94,6 +94,49 @@ impl Model {
         )?)
     }
 
+    /// A cache a caller asks for, exllamav2's `Cache(model, max_seq_len, batch_size, lazy)`:
+    /// `max_seq_len` `None` is the model's trained context length (exllamav2's `-1`). On a
+    /// loaded model it is allocated beside the layers at once; on one not loaded yet it is
+    /// lazy, allocated by the load it is handed to, and a non-lazy one is refused.
+    pub fn new_cache(
+        &mut self,
+        max_seq_len: Option<u64>,
+        batch_size: u64,
+        dtype: CacheDType,
+        offload: bool,
+        lazy: bool,
+    ) -> Result<Arc<Cache>> {
+        let max_seq_len = match max_seq_len {
+            Some(n) => n,
+            None => {
+                let spec =
+                    self.source()
+                        .spec()
+                        .ok_or_else(|| weightlift_format::FormatError::Spec {
+                            key: "context_length".into(),
+                            detail: "the architecture could not be read, so a cache without \
+                                 max_seq_len has no length; pass max_seq_len"
+                                .into(),
+                        })?;
+                spec.context_length
+            }
+        };
+        if !lazy && !self.is_loaded() {
+            return Err(EngineError::NotLoaded {
+                what: "the model of a non-lazy cache (a non-lazy cache needs a loaded model; \
+                       or pass lazy=True and hand the cache to load_autosplit())"
+                    .into(),
+            });
+        }
+        let spec =
+            weightlift_plan::CacheSpec::new(max_seq_len, batch_size, dtype).with_offload(offload);
+        let cache = Arc::new(self.cache_for(&spec)?);
+        if self.is_loaded() {
+            self.attach_cache(&cache)?;
+        }
+        Ok(cache)
+    }
+
     /// Allocate `cache` beside the loaded layers (each layer on its device) and count it in
     /// [`Model::memory`]; the model frees it on unload.
     pub fn attach_cache(&mut self, cache: &Arc<Cache>) -> Result<()> {

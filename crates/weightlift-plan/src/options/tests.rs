@@ -293,3 +293,29 @@ fn a_rank_plans_the_world_over_stand_ins_for_its_own_gpu() {
         assert!(e.contains(want), "{e}");
     }
 }
+
+#[test]
+fn entry_point_presets_name_their_strategies() {
+    let s = |o: PlanOptions| o.strategy().unwrap().unwrap().name().to_owned();
+    assert_eq!(s(PlanOptions::autosplit(None)), "autosplit");
+    // transformers' from_pretrained: "auto" (balanced) when no map is given.
+    assert_eq!(s(PlanOptions::from_pretrained(None, None)), "balanced");
+    let seq = DeviceMapArg::Named("sequential".into());
+    assert_eq!(
+        s(PlanOptions::from_pretrained(Some(seq), None)),
+        "sequential"
+    );
+    // llama.cpp's numbers mean the layers strategy; with no accelerator, all on the cpu.
+    let gpu = PlanOptions::llama(-1, "layer", None, 0, true);
+    assert_eq!(s(gpu.clone()), "layers");
+    assert_eq!((gpu.n_gpu_layers, gpu.main_gpu), (Some(-1), Some(0)));
+    assert_eq!(
+        PlanOptions::llama(-1, "row", Some(vec![1.0]), 1, false)
+            .strategy()
+            .unwrap(),
+        Some(Strategy::Map(DeviceMap {
+            entries: vec![(String::new(), "cpu".into())],
+            overrides: vec![],
+        }))
+    );
+}

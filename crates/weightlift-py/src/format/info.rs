@@ -4,9 +4,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use weightlift_format as wf;
 
-use super::values::json_to_py;
-use crate::errors::{Exc, raise};
-
 /// One tensor of a checkpoint: where it is and what it holds.
 #[pyclass(module = "weightlift._native", frozen, eq)]
 #[derive(Clone, PartialEq)]
@@ -102,86 +99,77 @@ impl TensorInfo {
 #[derive(Clone, PartialEq)]
 pub struct ModelSpec {
     pub(crate) inner: wf::ModelSpec,
+    /// `general.architecture` or the HF `model_type` (e.g. `"llama"`).
+    #[pyo3(get)]
+    architecture: String,
+    /// Number of repeating blocks.
+    #[pyo3(get)]
+    n_layers: u32,
+    /// Width of the residual stream.
+    #[pyo3(get)]
+    hidden_size: u64,
+    /// Width of the feed-forward layer.
+    #[pyo3(get)]
+    intermediate_size: u64,
+    /// Attention (query) heads.
+    #[pyo3(get)]
+    n_heads: u32,
+    /// KV heads per layer (one entry per layer).
+    #[pyo3(get)]
+    n_kv_heads: Vec<u32>,
+    /// Dimension of one attention head.
+    #[pyo3(get)]
+    head_dim: u32,
+    /// Vocabulary size.
+    #[pyo3(get)]
+    vocab_size: u64,
+    /// The context length the model was trained for.
+    #[pyo3(get)]
+    context_length: u64,
+    /// RoPE base frequency.
+    #[pyo3(get)]
+    rope_theta: f64,
+    /// Rotary dimensions, usually `head_dim`.
+    #[pyo3(get)]
+    rope_dim: u32,
+    /// RMSNorm epsilon.
+    #[pyo3(get)]
+    rms_norm_eps: f64,
+    /// True when the output projection reuses the token embedding.
+    #[pyo3(get)]
+    tie_word_embeddings: bool,
+    /// Whether the q/k/v projections carry biases.
+    #[pyo3(get)]
+    attention_bias: bool,
+}
+
+impl From<&wf::ModelSpec> for ModelSpec {
+    fn from(s: &wf::ModelSpec) -> Self {
+        ModelSpec {
+            inner: s.clone(),
+            architecture: s.architecture.clone(),
+            n_layers: s.n_layers,
+            hidden_size: s.hidden_size,
+            intermediate_size: s.intermediate_size,
+            n_heads: s.n_heads,
+            n_kv_heads: s.n_kv_heads.clone(),
+            head_dim: s.head_dim,
+            vocab_size: s.vocab_size,
+            context_length: s.context_length,
+            rope_theta: s.rope_theta,
+            rope_dim: s.rope_dim,
+            rms_norm_eps: s.rms_norm_eps,
+            tie_word_embeddings: s.tie_word_embeddings,
+            attention_bias: s.attention_bias,
+        }
+    }
 }
 
 #[pymethods]
 impl ModelSpec {
-    /// `general.architecture` or the HF `model_type` (e.g. `"llama"`).
-    #[getter]
-    fn architecture(&self) -> &str {
-        &self.inner.architecture
-    }
-    /// Number of repeating blocks.
-    #[getter]
-    fn n_layers(&self) -> u32 {
-        self.inner.n_layers
-    }
-    /// Width of the residual stream.
-    #[getter]
-    fn hidden_size(&self) -> u64 {
-        self.inner.hidden_size
-    }
-    /// Width of the feed-forward layer.
-    #[getter]
-    fn intermediate_size(&self) -> u64 {
-        self.inner.intermediate_size
-    }
-    /// Attention (query) heads.
-    #[getter]
-    fn n_heads(&self) -> u32 {
-        self.inner.n_heads
-    }
-    /// KV heads per layer (one entry per layer).
-    #[getter]
-    fn n_kv_heads(&self) -> Vec<u32> {
-        self.inner.n_kv_heads.clone()
-    }
-    /// Dimension of one attention head.
-    #[getter]
-    fn head_dim(&self) -> u32 {
-        self.inner.head_dim
-    }
-    /// Vocabulary size.
-    #[getter]
-    fn vocab_size(&self) -> u64 {
-        self.inner.vocab_size
-    }
-    /// The context length the model was trained for.
-    #[getter]
-    fn context_length(&self) -> u64 {
-        self.inner.context_length
-    }
-    /// RoPE base frequency.
-    #[getter]
-    fn rope_theta(&self) -> f64 {
-        self.inner.rope_theta
-    }
-    /// Rotary dimensions, usually `head_dim`.
-    #[getter]
-    fn rope_dim(&self) -> u32 {
-        self.inner.rope_dim
-    }
-    /// RMSNorm epsilon.
-    #[getter]
-    fn rms_norm_eps(&self) -> f64 {
-        self.inner.rms_norm_eps
-    }
-    /// True when the output projection reuses the token embedding.
-    #[getter]
-    fn tie_word_embeddings(&self) -> bool {
-        self.inner.tie_word_embeddings
-    }
-    /// Whether the q/k/v projections carry biases.
-    #[getter]
-    fn attention_bias(&self) -> bool {
-        self.inner.attention_bias
-    }
-
     /// Every field as a plain dict.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let value = serde_json::to_value(&self.inner)
-            .map_err(|e| raise(Exc::Weightlift, format!("model spec: {e}")))?;
-        json_to_py(py, &value)
+        Ok(pythonize::pythonize(py, &self.inner)?)
     }
 
     fn __repr__(&self) -> String {

@@ -1,7 +1,7 @@
-//! Checkpoint metadata and JSON as Python values: numbers, strings, lists and dicts.
+//! Checkpoint metadata as Python values: numbers, strings and lists.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString};
+use pyo3::types::{PyBool, PyFloat, PyList, PyString};
 use weightlift_format::{MetaRef, MetaValue};
 
 pub(super) fn meta_to_py<'py>(py: Python<'py>, value: &MetaValue) -> PyResult<Bound<'py, PyAny>> {
@@ -29,41 +29,6 @@ fn meta_ref_to_py<'py>(py: Python<'py>, value: MetaRef<'_>) -> PyResult<Bound<'p
                 list.push(meta_ref_to_py(py, item)?);
             }
             PyList::new(py, list)?.into_any()
-        }
-    })
-}
-
-pub(super) fn json_to_py<'py>(
-    py: Python<'py>,
-    value: &serde_json::Value,
-) -> PyResult<Bound<'py, PyAny>> {
-    use serde_json::Value as J;
-    Ok(match value {
-        J::Null => py.None().into_bound(py),
-        J::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
-        J::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                i.into_pyobject(py)?.into_any()
-            } else if let Some(u) = n.as_u64() {
-                u.into_pyobject(py)?.into_any()
-            } else {
-                PyFloat::new(py, n.as_f64().unwrap_or(f64::NAN)).into_any()
-            }
-        }
-        J::String(s) => PyString::new(py, s).into_any(),
-        J::Array(items) => {
-            let list = PyList::empty(py);
-            for item in items {
-                list.append(json_to_py(py, item)?)?;
-            }
-            list.into_any()
-        }
-        J::Object(map) => {
-            let dict = PyDict::new(py);
-            for (k, v) in map {
-                dict.set_item(k, json_to_py(py, v)?)?;
-            }
-            dict.into_any()
         }
     })
 }

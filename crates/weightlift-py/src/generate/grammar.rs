@@ -1,5 +1,5 @@
-//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar) and the `grammar=`,
-//! `response_format=` and mirostat arguments, converted to the engine's types. Parsing, and
+//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar) and the `grammar=`
+//! and `response_format=` arguments, converted to the engine's types. Parsing, and
 //! converting JSON schemas, is the engine's; this only converts.
 
 use std::path::PathBuf;
@@ -10,7 +10,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString};
 use weightlift_engine::EngineError;
 use weightlift_engine::grammar::Grammar;
-use weightlift_engine::sample::Mirostat;
 
 use crate::errors::{ToPyErr, eng, io_error};
 
@@ -115,9 +114,4 @@ pub(super) fn response_format_grammar(
         .map_err(|e| PyTypeError::new_err(format!("response_format: {}", e.value(d.py()))))?
         .extract()?;
     eng(Grammar::for_response_format(&text))
-}
-
-/// `mirostat_mode`, `mirostat_tau`, `mirostat_eta`.
-pub(super) fn mirostat(mode: i64, tau: f32, eta: f32) -> PyResult<Mirostat> {
-    eng(Mirostat::from_mode(mode, tau, eta))
 }

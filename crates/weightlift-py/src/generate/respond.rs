@@ -4,10 +4,10 @@
 //! them to Python as dicts.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::PyString;
+use weightlift_engine::Generation;
 use weightlift_engine::generate::openai::Response;
 use weightlift_engine::generate::respond::{Kind, Responder, ResponseOptions};
-use weightlift_engine::{Generation, Timings};
 
 use super::args::Call;
 use super::hooks::HookError;
@@ -105,77 +105,65 @@ impl CompletionStream {
 }
 
 impl Model {
-    fn start(&self, call: Call) -> PyResult<Generation> {
-        let mut inner = self.lock()?;
-        if call.cache.is_none() {
-            // Room for the prompt and the tokens asked for (a cache's first step when the
-            // length is open), made now if the model has no cache of its own.
-            let asked = call.options.max_tokens.unwrap_or(weightlift_plan::SEQ_STEP);
-            eng(inner.model.own_cache_for(call.prompt.len() as u64 + asked))?;
-        }
-        eng(Generation::new(
-            &inner.model,
-            &call.prompt,
-            call.cache.as_ref(),
-            call.options,
-        ))
-    }
-
     fn model_name(&self) -> PyResult<String> {
         Ok(self.lock()?.model.source().path().display().to_string())
     }
 
-    /// A whole completion or a stream of chunks, as llama-cpp-python returns them. `echo` is
-    /// the prompt's text with `echo=True`; `prompt_chars` the length of the prompt's text, where
-    /// the generated text's `text_offset`s start when it is not echoed; `tool` the tool a chat
-    /// answers by calling.
-    #[allow(clippy::too_many_arguments)]
+    /// A whole completion or a stream of chunks, as llama-cpp-python returns them, named
+    /// `name` (the model's path when None). `echo` puts the prompt's text first; `tool` is the
+    /// tool a chat answers by calling.
     pub(super) fn respond(
         slf: &Bound<'_, Model>,
         mut call: Call,
         shape: Shape,
         stream: bool,
-        echo: Option<String>,
-        prompt_chars: usize,
+        echo: bool,
         name: Option<String>,
         tool: Option<String>,
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let model = slf.get();
-        let scoring = call.options.logprobs.is_some();
-        // A stream sends the echoed prompt as its first chunk, before anything runs: its tokens
-        // are not scored there (llama-cpp-python does not echo a stream at all).
-        call.options.prompt_logprobs = scoring && echo.is_some() && !stream;
-        let prompt_ids = if call.options.prompt_logprobs {
-            call.prompt.clone()
-        } else {
-            Vec::new()
+        let name = match (shape, name) {
+            (Shape::Text, _) => String::new(),
+            (_, Some(n)) => n,
+            (_, None) => model.model_name()?,
+        };
+        let options = match shape {
+            Shape::Completion => {
+                let tok = eng(model.lock()?.model.tokenizer())?;
+                let o = ResponseOptions::completion(
+                    &tok,
+                    &call.prompt,
+                    name,
+                    echo,
+                    stream,
+                    &mut call.options,
+                );
+                Some((Kind::Completion, eng(o)?))
+            }
+            Shape::Chat => Some((
+                Kind::Chat,
+                ResponseOptions {
+                    model: name,
+                    tool,
+                    ..ResponseOptions::default()
+                },
+            )),
+            Shape::Text => None,
         };
         let hook_error = call.hook_error.clone();
         let append = call.append.take();
-        let mut job = model.start(call)?;
-        let kind = match shape {
-            Shape::Text => None,
-            Shape::Completion => Some(Kind::Completion),
-            Shape::Chat => Some(Kind::Chat),
+        let mut job = {
+            let mut inner = model.lock()?;
+            eng(Generation::start(
+                &mut inner.model,
+                &call.prompt,
+                call.cache.as_ref(),
+                call.options,
+            ))?
         };
-        let responder = match kind {
-            Some(kind) => {
-                let options = ResponseOptions {
-                    model: match name {
-                        Some(n) => n,
-                        None => model.model_name()?,
-                    },
-                    echo,
-                    prompt_chars,
-                    prompt_ids,
-                    tool,
-                    append,
-                };
-                Some(Responder::new(kind, &job, options))
-            }
-            None => None,
-        };
+        let responder =
+            options.map(|(kind, o)| Responder::new(kind, &job, ResponseOptions { append, ..o }));
         if stream {
             let s = CompletionStream {
                 model: slf.clone().unbind(),
@@ -196,20 +184,4 @@ impl Model {
     pub(super) fn default_seed(&self) -> PyResult<Option<u64>> {
         Ok(self.lock()?.seed)
     }
-}
-
-pub(super) fn timings_dict<'py>(py: Python<'py>, t: &Timings) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("prompt_tokens", t.prompt_tokens)?;
-    d.set_item("prompt_ms", t.prompt_secs * 1e3)?;
-    d.set_item(
-        "prompt_per_second",
-        Timings::rate(t.prompt_tokens, t.prompt_secs),
-    )?;
-    d.set_item("reused_tokens", t.reused_tokens)?;
-    d.set_item("eval_tokens", t.eval_tokens)?;
-    d.set_item("eval_ms", t.eval_secs * 1e3)?;
-    d.set_item("eval_per_second", Timings::rate(t.eval_tokens, t.eval_secs))?;
-    d.set_item("sample_ms", t.sample_secs * 1e3)?;
-    Ok(d)
 }

@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 use weightlift_plan as wp;
 
 use super::{CacheSpec, RuntimeSpec};
@@ -27,185 +26,151 @@ fn parts(p: &[wp::OverheadPart]) -> Vec<(String, u64, String)> {
 #[pyclass(module = "weightlift._native", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct Device {
-    pub(super) inner: wp::DeviceSpec,
-}
-
-#[pymethods]
-impl Device {
     /// Normalised name: `"cpu"`, `"cuda:0"`, `"virtual:1"`, `"disk"`.
-    #[getter]
-    fn name(&self) -> &str {
-        &self.inner.name
-    }
+    #[pyo3(get)]
+    name: String,
     /// `"cpu"`, `"cuda"`, `"virtual"` or `"disk"`.
-    #[getter]
-    fn kind(&self) -> &'static str {
-        self.inner.kind.name()
-    }
+    #[pyo3(get)]
+    kind: &'static str,
     /// Bytes, or None when unbounded.
-    #[getter]
-    fn capacity(&self) -> Option<u64> {
-        bounded(self.inner.capacity)
-    }
-    #[getter]
-    fn reserve(&self) -> u64 {
-        self.inner.reserve
-    }
+    #[pyo3(get)]
+    capacity: Option<u64>,
+    #[pyo3(get)]
+    reserve: u64,
     /// Bytes of fixed overhead: for `cuda:N` its context and modules, cuBLAS workspace and
     /// graph memory (see `overhead_parts`).
-    #[getter]
-    fn overhead(&self) -> u64 {
-        self.inner.overhead.total()
-    }
+    #[pyo3(get)]
+    overhead: u64,
     /// The overhead part by part: `[(name, bytes, where the figure comes from)]`.
-    #[getter]
-    fn overhead_parts(&self) -> Vec<(String, u64, String)> {
-        parts(self.inner.overhead.parts())
-    }
-    fn __repr__(&self) -> String {
-        match bounded(self.inner.capacity) {
-            Some(c) => format!("Device('{}', capacity={c})", self.inner.name),
-            None => format!("Device('{}', capacity=None)", self.inner.name),
+    #[pyo3(get)]
+    overhead_parts: Vec<(String, u64, String)>,
+}
+
+impl From<wp::DeviceSpec> for Device {
+    fn from(d: wp::DeviceSpec) -> Self {
+        Device {
+            kind: d.kind.name(),
+            capacity: bounded(d.capacity),
+            reserve: d.reserve,
+            overhead: d.overhead.total(),
+            overhead_parts: parts(d.overhead.parts()),
+            name: d.name,
         }
     }
 }
 
+#[pymethods]
+impl Device {
+    fn __repr__(&self) -> String {
+        let capacity = self.capacity.map_or("None".into(), |c| c.to_string());
+        format!("Device('{}', capacity={capacity})", self.name)
+    }
+}
+
 /// A device's share of a plan, in bytes. `capacity` and `free` are None for unbounded devices.
-#[pyclass(module = "weightlift._native", frozen)]
+#[pyclass(module = "weightlift._native", frozen, get_all)]
 #[derive(Clone)]
 pub struct DeviceUsage {
-    inner: wp::DeviceUsage,
+    name: String,
+    kind: &'static str,
+    capacity: Option<u64>,
+    /// Bytes of the weights placed here, after any dtype conversion.
+    weights: u64,
+    /// Bytes of the KV cache of the layers placed here.
+    kv: u64,
+    scratch: u64,
+    /// Bytes of fixed overhead charged here (0 on a device that holds nothing).
+    overhead: u64,
+    /// The overhead charged here, part by part: `[(name, bytes, where the figure comes from)]`,
+    /// e.g. `("cuda context and modules", 569376768, "measured on this sm_90")`.
+    overhead_parts: Vec<(String, u64, String)>,
+    reserve: u64,
+    free: Option<u64>,
+    /// weights + kv + scratch + overhead + reserve.
+    used: u64,
+    /// Inclusive layer ranges placed here, e.g. `[(0, 11)]`.
+    layers: Vec<(u32, u32)>,
+    /// Other things held here (`"token_embd"`, `"output"`, ...).
+    holds: Vec<String>,
+    /// True when the planner added the device (not in the given list).
+    implicit: bool,
+}
+
+impl From<&wp::DeviceUsage> for DeviceUsage {
+    fn from(d: &wp::DeviceUsage) -> Self {
+        DeviceUsage {
+            name: d.name.clone(),
+            kind: d.kind.name(),
+            capacity: bounded(d.capacity),
+            weights: d.weights,
+            kv: d.kv,
+            scratch: d.scratch,
+            overhead: d.overhead,
+            overhead_parts: parts(&d.overhead_parts),
+            reserve: d.reserve,
+            free: bounded(d.capacity).map(|_| d.free),
+            used: d.used(),
+            layers: d.layers.clone(),
+            holds: d.holds.clone(),
+            implicit: d.implicit,
+        }
+    }
 }
 
 #[pymethods]
 impl DeviceUsage {
-    #[getter]
-    fn name(&self) -> &str {
-        &self.inner.name
-    }
-    #[getter]
-    fn kind(&self) -> &'static str {
-        self.inner.kind.name()
-    }
-    #[getter]
-    fn capacity(&self) -> Option<u64> {
-        bounded(self.inner.capacity)
-    }
-    /// Bytes of the weights placed here, after any dtype conversion.
-    #[getter]
-    fn weights(&self) -> u64 {
-        self.inner.weights
-    }
-    /// Bytes of the KV cache of the layers placed here.
-    #[getter]
-    fn kv(&self) -> u64 {
-        self.inner.kv
-    }
-    #[getter]
-    fn scratch(&self) -> u64 {
-        self.inner.scratch
-    }
-    /// Bytes of fixed overhead charged here (0 on a device that holds nothing).
-    #[getter]
-    fn overhead(&self) -> u64 {
-        self.inner.overhead
-    }
-    /// The overhead charged here, part by part: `[(name, bytes, where the figure comes from)]`,
-    /// e.g. `("cuda context and modules", 569376768, "measured on this sm_90")`.
-    #[getter]
-    fn overhead_parts(&self) -> Vec<(String, u64, String)> {
-        parts(&self.inner.overhead_parts)
-    }
-    #[getter]
-    fn reserve(&self) -> u64 {
-        self.inner.reserve
-    }
-    #[getter]
-    fn free(&self) -> Option<u64> {
-        bounded(self.inner.capacity).map(|_| self.inner.free)
-    }
-    /// weights + kv + scratch + overhead + reserve.
-    #[getter]
-    fn used(&self) -> u64 {
-        self.inner.used()
-    }
-    /// Inclusive layer ranges placed here, e.g. `[(0, 11)]`.
-    #[getter]
-    fn layers(&self) -> Vec<(u32, u32)> {
-        self.inner.layers.clone()
-    }
-    /// Other things held here (`"token_embd"`, `"output"`, ...).
-    #[getter]
-    fn holds(&self) -> Vec<String> {
-        self.inner.holds.clone()
-    }
-    /// True when the planner added the device (not in the given list).
-    #[getter]
-    fn implicit(&self) -> bool {
-        self.inner.implicit
-    }
     fn __repr__(&self) -> String {
-        let d = &self.inner;
         format!(
             "DeviceUsage('{}', weights={}, kv={}, scratch={}, overhead={}, reserve={}, free={})",
-            d.name,
-            d.weights,
-            d.kv,
-            d.scratch,
-            d.overhead,
-            d.reserve,
-            bounded(d.capacity).map_or("None".into(), |_| d.free.to_string())
+            self.name,
+            self.weights,
+            self.kv,
+            self.scratch,
+            self.overhead,
+            self.reserve,
+            self.free.map_or("None".into(), |f| f.to_string())
         )
     }
 }
 
 /// Where one tensor goes. `shards` lists `(device, start, end, bytes)` row ranges when the
 /// tensor is split across devices (llama.cpp row split, tensor parallel), else None.
-#[pyclass(module = "weightlift._native", frozen)]
+#[pyclass(module = "weightlift._native", frozen, get_all)]
 #[derive(Clone)]
 pub struct Placement {
-    inner: wp::TensorPlacement,
+    name: String,
+    device: String,
+    /// The dtype after any conversion.
+    dtype: &'static str,
+    nbytes: u64,
+    layer: Option<u32>,
+    shards: Option<Vec<(String, u64, u64, u64)>>,
+}
+
+impl From<&wp::TensorPlacement> for Placement {
+    fn from(t: &wp::TensorPlacement) -> Self {
+        Placement {
+            name: t.name.clone(),
+            device: t.device.clone(),
+            dtype: t.dtype.name(),
+            nbytes: t.bytes,
+            layer: t.layer,
+            shards: t.split.as_ref().map(|s| {
+                s.shards
+                    .iter()
+                    .map(|sh| (sh.device.clone(), sh.start, sh.end, sh.bytes))
+                    .collect()
+            }),
+        }
+    }
 }
 
 #[pymethods]
 impl Placement {
-    #[getter]
-    fn name(&self) -> &str {
-        &self.inner.name
-    }
-    #[getter]
-    fn device(&self) -> &str {
-        &self.inner.device
-    }
-    /// The dtype after any conversion.
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        self.inner.dtype.name()
-    }
-    #[getter]
-    fn nbytes(&self) -> u64 {
-        self.inner.bytes
-    }
-    #[getter]
-    fn layer(&self) -> Option<u32> {
-        self.inner.layer
-    }
-    #[getter]
-    fn shards(&self) -> Option<Vec<(String, u64, u64, u64)>> {
-        self.inner.split.as_ref().map(|s| {
-            s.shards
-                .iter()
-                .map(|sh| (sh.device.clone(), sh.start, sh.end, sh.bytes))
-                .collect()
-        })
-    }
     fn __repr__(&self) -> String {
         format!(
             "Placement('{}' -> {}, {} bytes {})",
-            self.inner.name,
-            self.inner.device,
-            self.inner.bytes,
-            self.inner.dtype.name()
+            self.name, self.device, self.nbytes, self.dtype
         )
     }
 }
@@ -279,36 +244,18 @@ impl Plan {
     /// Every tensor's placement, in checkpoint order.
     #[getter]
     fn tensors(&self) -> Vec<Placement> {
-        self.inner
-            .tensors()
-            .iter()
-            .map(|t| Placement { inner: t.clone() })
-            .collect()
+        self.inner.tensors().iter().map(Placement::from).collect()
     }
     /// Per-device breakdown: weights, kv, scratch, overhead, reserve and free, in bytes.
     #[getter]
     fn devices(&self) -> Vec<DeviceUsage> {
-        self.inner
-            .devices()
-            .iter()
-            .map(|d| DeviceUsage { inner: d.clone() })
-            .collect()
+        self.inner.devices().iter().map(DeviceUsage::from).collect()
     }
     /// Host RAM at its peak during loading, in bytes: `staging`, `owned_weights`,
     /// `mapped_weights` (page cache), `disk_weights`, `kv`, `scratch`, `peak_anon`, `peak_total`.
     #[getter]
-    fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let h = self.inner.host();
-        let d = PyDict::new(py);
-        d.set_item("staging", h.staging)?;
-        d.set_item("owned_weights", h.owned_weights)?;
-        d.set_item("mapped_weights", h.mapped_weights)?;
-        d.set_item("disk_weights", h.disk_weights)?;
-        d.set_item("kv", h.kv)?;
-        d.set_item("scratch", h.scratch)?;
-        d.set_item("peak_anon", h.peak_anon)?;
-        d.set_item("peak_total", h.peak_total)?;
-        Ok(d)
+    fn host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(pythonize::pythonize(py, self.inner.host())?)
     }
     #[getter]
     fn warnings(&self) -> Vec<String> {
