@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import weightlift
 import weightlift._native as wl
 
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
@@ -260,3 +261,24 @@ def test_length_and_batch_are_keyword_only(model: wl.Model, demo_gguf: Path) -> 
     cache = wl.Cache(model)
     assert cache.max_seq_len == wl.open(demo_gguf).spec.context_length == 8192
     assert cache.batch_size == 1
+
+
+def test_forward_batch_gives_each_sequence_its_own_bits_in_exact_mode(demo_gguf: Path) -> None:
+    m = wl.load_gguf(demo_gguf, n_ctx=64, compute="exact")
+    a, b = wl.Cache(m, max_seq_len=64), wl.Cache(m, max_seq_len=64)
+    p1, p2 = [1, 504, 3201, 18908, 592], [9, 8, 7]
+    rows = m.forward_batch([(a, p1), (b, p2)])
+    for ids, row in ((p1, rows[0]), (p2, rows[1])):
+        alone = m.forward(ids, cache=wl.Cache(m, max_seq_len=64))
+        assert rows.shape == (2, alone.shape[1])
+        assert np.array_equal(alone[0], row)
+    # a decode step of one sequence beside a new prompt of another
+    c = wl.Cache(m, max_seq_len=64)
+    step = m.forward_batch([(a, [int(rows[0].argmax())]), (c, p2)])
+    assert (a.seq_len, b.seq_len, c.seq_len) == (6, 3, 3)
+    assert np.array_equal(step[1], rows[1])
+    with pytest.raises(ValueError, match="a cache of its own"):
+        m.forward_batch([(a, [1]), (a, [2])])
+    with pytest.raises(weightlift.ContextFullError):
+        m.forward_batch([(b, [1]), (c, [1] * 70)])
+    assert (b.seq_len, c.seq_len) == (3, 3)

@@ -492,6 +492,9 @@ class Model:
     def forward(
         self, ids: Sequence[int], *, cache: Cache | None = None, logits: str = "last"
     ) -> npt.NDArray[np.float32]: ...
+    def forward_batch(
+        self, seqs: Sequence[tuple[Cache, Sequence[int]]]
+    ) -> npt.NDArray[np.float32]: ...
     def embed(
         self, ids: Sequence[int], *, pooling: int | str | None = None, normalize: bool = False
     ) -> list[float] | list[list[float]]: ...

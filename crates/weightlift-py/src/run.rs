@@ -45,6 +45,39 @@ impl Model {
         Ok(PyArray2::from_owned_array(py, arr))
     }
 
+    /// Run several sequences in one call, each `(cache, ids)` appending its ids to its own
+    /// `Cache` at its `seq_len` (a new prompt and single decode tokens mix freely: continuous
+    /// batching), and return float32 logits of shape `[len(seqs), vocab]`, the last position of
+    /// each. In `compute="exact"` each row is the bits the sequence gets alone; in `"fast"` the
+    /// sequences share each product, within the fast mode's rounding of it. A bad sequence
+    /// (too long for its cache, a cache given twice) fails the call before any cache moves. The
+    /// GIL is released while it runs.
+    fn forward_batch<'py>(
+        &self,
+        py: Python<'py>,
+        seqs: Vec<(Bound<'py, Cache>, Vec<u32>)>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let caches: Vec<_> = seqs
+            .iter()
+            .map(|(c, _)| std::sync::Arc::clone(&c.get().cache))
+            .collect();
+        let batch: Vec<_> = caches
+            .iter()
+            .zip(&seqs)
+            .map(|(c, (_, ids))| (c, ids.as_slice()))
+            .collect();
+        let mut inner = self.lock()?;
+        let model = &mut inner.model;
+        let out = enter(py, || {
+            let mut out = Vec::new();
+            model.forward_batch(&batch, &mut out).map(|_| out)
+        })?;
+        let rows = batch.len();
+        let arr = Array2::from_shape_vec((rows, out.len() / rows.max(1)), out)
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        Ok(PyArray2::from_owned_array(py, arr))
+    }
+
     /// `"fast"` or `"exact"`.
     #[getter]
     fn compute(&self) -> PyResult<&'static str> {
