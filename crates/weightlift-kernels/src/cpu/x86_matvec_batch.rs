@@ -74,6 +74,30 @@ fn dot_u_avx512vnni(q: __m256i, x: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
 }
 
+/// Each token's 8 lanes and offset term, finished as `matvec::finish_lanes` does, two tokens
+/// per vector: `s_k = l_k + l_(k+4)`, then `(s_0 + s_2) + (s_1 + s_3)`, then the offset term.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn finish_tokens<const T: usize>(acc: [__m256; T], extra: &[f32; 16]) -> [f32; T] {
+    let mut out = [0f32; T];
+    for p in 0..T / 2 {
+        let (a, b) = (acc[2 * p], acc[2 * p + 1]);
+        // each 128-bit half a token's s_0..s_3
+        let s = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a, b),
+            _mm256_permute2f128_ps::<0x31>(a, b),
+        );
+        let v = _mm256_add_ps(s, _mm256_permute_ps::<0b01_00_11_10>(s));
+        let w = _mm256_add_ps(v, _mm256_permute_ps::<0b10_11_00_01>(v));
+        out[2 * p] = _mm256_cvtss_f32(w) + extra[2 * p];
+        out[2 * p + 1] = _mm_cvtss_f32(_mm256_extractf128_ps::<1>(w)) + extra[2 * p + 1];
+    }
+    if T % 2 == 1 {
+        out[T - 1] = finish([acc[T - 1]], [extra[T - 1]])[0];
+    }
+    out
+}
+
 /// Generates one instruction set's kernel. `$signed`: the types with signed quants (Q4_0,
 /// Q5_0, Q8_0, Q6_K) keep them signed for `$dot_s` (AVX2's sign trick) rather than offset to
 /// unsigned with the token's lane offsets (VNNI; `bias` must then hold them, from
@@ -283,7 +307,7 @@ macro_rules! row_tokens_q8 {
                 // SAFETY: extra holds 16 f32.
                 unsafe { _mm256_storeu_ps(extra.as_mut_ptr().add(8 * h), *e) };
             }
-            finish(acc, std::array::from_fn(|t| extra[t]))
+            finish_tokens(acc, &extra)
         }
     };
 }
