@@ -697,12 +697,13 @@ pub(crate) fn q6k_quants(blk: &[u8], q: &mut [i8; 256]) {
 /// From 2 up to this many tokens take [`q8_matmul_batch`] in [`MatvecMode::Q8`] (one token
 /// takes [`matvec`]), more the integer tiles of `x86_gemm`. The batch decodes the weights
 /// once per 16 tokens and gives each token its matvec bits; the tiles decode them into panels
-/// first (a fixed cost of about one matvec) and round differently. Measured (1 thread, process
-/// CPU time, AVX512-VNNI, SmolLM2-135M's 210 Q4_1 layer matrices, per-token matvecs → batch):
-/// 2 tokens 20.5 → 12.0 ms, 4: 38.1 → 15.1, and against the tiles 8: 37.7 → 22.7, 12: 39.8 →
-/// 31.3, 16: 52.7 → 45.5 (one token 10.4 ms); its Q8_0 head, 49152 × 576, 16 tokens: 16.6 →
-/// 13.8 ms; Q4_K and Q6_K 2048 × 2048 at 16 tokens about even with the tiles (12.6 → 12.9,
-/// 16.4 → 13.8 ms).
+/// first (a fixed cost of about one matvec) and round differently. Measured (1 thread,
+/// process CPU time, medians, Zen 4 with AVX512-VNNI, SmolLM2-135M's 210 Q4_1 layer matrices;
+/// 2 to 4 tokens against a matvec per token, 8 to 16 against the tiles): one token 10.4 ms;
+/// 2 tokens 19.4 → 13.2 ms, 4: 36.2 → 15.9, 8: 34.5 → 23.1, 12: 38.9 → 30.3, 16: 44.9 →
+/// 39.5. Its Q8_0 head (49152 × 576): 2 tokens 8.5 → 3.8 ms, 8: 17.3 → 6.7, 16: 17.3 → 13.9.
+/// Q4_K and Q6_K (2048 × 2048) at 16 tokens are about even with the tiles (12.6 → 12.9 and
+/// 16.4 → 13.8 ms), and faster below.
 const Q8_BATCH_MAX_TOKENS: usize = 16;
 
 /// Values dequantised per matmul task (256 KiB of f32: stays in L2 while every token uses it).
