@@ -698,7 +698,7 @@ pub(crate) fn q6k_quants(blk: &[u8], q: &mut [i8; 256]) {
 /// takes [`matvec`]), more the integer tiles of `x86_gemm`. The batch decodes the weights
 /// once per 16 tokens and gives each token its matvec bits; the tiles decode them into panels
 /// first (a fixed cost of about one matvec) and round differently. Measured (1 thread,
-/// process CPU time, medians, Zen 4 with AVX512-VNNI, SmolLM2-135M's 210 Q4_1 layer matrices;
+/// process CPU time, medians, an AMD EPYC with AVX512-VNNI, SmolLM2-135M's 210 Q4_1 layer matrices;
 /// 2 to 4 tokens against a matvec per token, 8 to 16 against the tiles): one token 10.4 ms;
 /// 2 tokens 19.4 → 13.2 ms, 4: 36.2 → 15.9, 8: 34.5 → 23.1, 12: 38.9 → 30.3, 16: 44.9 →
 /// 39.5. Its Q8_0 head (49152 × 576): 2 tokens 8.5 → 3.8 ms, 8: 17.3 → 6.7, 16: 17.3 → 13.9.
