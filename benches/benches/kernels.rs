@@ -137,6 +137,7 @@ fn cases() -> Vec<Case> {
             });
         }
     }
+    v.extend(decode_batch_cases());
     let f: Vec<f32> = (0..n).map(|i| (i as f32 * 1e-3).sin()).collect();
     let g: Vec<f32> = (0..n).map(|i| (i as f32 * 7e-4).cos()).collect();
     {
@@ -336,6 +337,118 @@ fn cases() -> Vec<Case> {
 }
 
 /// memcpy of `bytes / 2` bytes (it reads and writes each byte: `bytes` moved).
+/// SmolLM2-135M's linear layers (30 layers of q, k, v, o: 576 → 576, 192, 192, 576; gate, up:
+/// 576 → 1536; down: 1536 → 576) as one forward call of continuous batching meets them: each a
+/// Q8-mode product with `n` tokens, one per sequence (Q4_1 weights, the Q8_0 head of 49152
+/// rows apart).
+const SMOLLM2_LAYERS: usize = 30;
+const SMOLLM2_MATRICES: [(usize, usize); 7] = [
+    (576, 576),
+    (192, 576),
+    (192, 576),
+    (576, 576),
+    (1536, 576),
+    (1536, 576),
+    (576, 1536),
+];
+
+/// Decode-batch cases: `decode_{what}_x{n}` runs the matrices with `n` tokens through
+/// `matmul`, `decode_{what}_matvec_x{n}` through `n` matvecs (one per token), both Q8 mode,
+/// so their ratio in one run is the batch's gain. Distinct copies of every layer's weights, so
+/// the forward streams them from memory as a decode step does. The K-quant rows take a
+/// 2048 × 2048 matrix (SmolLM2's 576 is not a multiple of 256).
+fn decode_batch_cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    let mats: Vec<(QuantType, usize, usize, std::sync::Arc<Vec<u8>>)> = (0..SMOLLM2_LAYERS)
+        .flat_map(|_| SMOLLM2_MATRICES)
+        .map(|(r, c)| {
+            (
+                QuantType::Q4_1,
+                r,
+                c,
+                random_weights(QuantType::Q4_1, r * c).into(),
+            )
+        })
+        .collect();
+    let head = vec![(
+        QuantType::Q8_0,
+        49152,
+        576,
+        std::sync::Arc::new(random_weights(QuantType::Q8_0, 49152 * 576)),
+    )];
+    let k_mats = |ty: QuantType| vec![(ty, 2048, 2048, random_weights(ty, 2048 * 2048).into())];
+    let sets = [
+        ("smollm2_layers_q4_1", mats),
+        ("smollm2_head_q8_0", head),
+        ("q4_k_2048x2048", k_mats(QuantType::Q4_K)),
+        ("q6_k_2048x2048", k_mats(QuantType::Q6_K)),
+    ];
+    for (what, set) in sets {
+        let bytes: usize = set.iter().map(|m| m.3.len()).sum();
+        // every count for the layers; the head and the K-quants at 1, 8 and 16 (a full run
+        // times each case for several seconds)
+        let counts: &[usize] = if what.starts_with("smollm2_layers") {
+            &[1, 2, 4, 8, 12, 16]
+        } else {
+            &[1, 8, 16]
+        };
+        for &n_tok in counts {
+            for per_token in [false, true] {
+                let set = set.clone();
+                let x: Vec<f32> = (0..2048 * n_tok)
+                    .map(|i| (i as f32 * 0.013).sin())
+                    .collect();
+                let y = std::sync::Mutex::new(vec![0f32; 49152 * n_tok]);
+                let name = if per_token {
+                    format!("decode_{what}_matvec_x{n_tok}")
+                } else {
+                    format!("decode_{what}_x{n_tok}")
+                };
+                v.push(Case {
+                    name,
+                    bytes,
+                    run: Box::new(move || {
+                        let mut o = y.lock().expect("bench lock");
+                        for (ty, rows, cols, w) in &set {
+                            let (x, o) = (&x[..cols * n_tok], &mut o[..rows * n_tok]);
+                            if per_token {
+                                for (xt, ot) in x.chunks_exact(*cols).zip(o.chunks_exact_mut(*rows))
+                                {
+                                    weightlift_kernels::matvec(
+                                        MatvecMode::Q8,
+                                        *ty,
+                                        w,
+                                        *rows,
+                                        *cols,
+                                        xt,
+                                        ot,
+                                    )
+                                    .expect("matvec");
+                                }
+                            } else {
+                                weightlift_kernels::matmul(
+                                    MatvecMode::Q8,
+                                    *ty,
+                                    w,
+                                    *rows,
+                                    *cols,
+                                    x,
+                                    n_tok,
+                                    o,
+                                    64 << 20,
+                                )
+                                .expect("matmul");
+                            }
+                        }
+                        black_box(&*o);
+                    }),
+                });
+            }
+        }
+    }
+    v
+}
+
 fn memcpy_case(bytes: usize) -> impl Fn() {
     let src = vec![1u8; bytes / 2];
     let dst = std::sync::Mutex::new(vec![0u8; bytes / 2]);

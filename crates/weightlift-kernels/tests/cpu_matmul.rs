@@ -166,7 +166,15 @@ fn q8_matmul_has_the_same_bits_on_every_isa_and_matches_the_reference() {
                     matvec_with(isa, MatvecMode::Q8, ty, &raw, rows, cols, xt, &mut yv).unwrap();
                     for r in 0..rows {
                         let i = t * rows + r;
-                        // one rounding per 32-value group instead of per 4-value lane
+                        // up to 16 tokens: each token's own matvec, bit for bit
+                        assert!(
+                            n_tok > 16 || y[i].to_bits() == yv[r].to_bits(),
+                            "{name} {isa:?} n_tok {n_tok} token {t} row {r}: {} vs matvec {}",
+                            y[i],
+                            yv[r]
+                        );
+                        // from 17 (the tiles): one rounding per 32-value group instead of per
+                        // 4-value lane
                         assert!(
                             (f64::from(y[i]) - f64::from(yv[r])).abs() <= 1e-5 * mag_q[i] + 1e-30,
                             "{name} {isa:?} n_tok {n_tok} token {t} row {r}: {} vs matvec {}",
@@ -212,8 +220,9 @@ fn random_blocks(rng: &mut Rng, ty: QuantType, rows: usize, cols: usize, scale: 
 }
 
 /// Several panels of 16 rows and a ragged last one, token counts around the tiles' 12 (and
-/// 3) tokens, random blocks: the same bits everywhere, and within 1e-5 · Σ(|w| + 2|m|)·|x| of
-/// the f64 dot with the Q8-rounded activations.
+/// 3) tokens (the tiles take more than 16 tokens: 20, 23 and 25 end in 8, 11 and 1), random
+/// blocks: the same bits everywhere, and within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with
+/// the Q8-rounded activations.
 #[test]
 fn q8_matmul_of_several_panels_has_the_same_bits_on_every_isa() {
     let mut rng = Rng(207);
@@ -223,7 +232,7 @@ fn q8_matmul_of_several_panels_has_the_same_bits_on_every_isa() {
         let raw = random_blocks(&mut rng, ty, rows, cols, 0x2c00);
         let mut w = vec![0f32; rows * cols];
         dequantize_f32(ty, &raw, &mut w).unwrap();
-        for n_tok in [6, 8, 11, 12, 13, 26, 40] {
+        for n_tok in [6, 8, 11, 12, 13, 20, 23, 25, 26, 40] {
             let x = rng.vec(cols * n_tok, 3.0);
             let y = same_bits_on_every_isa(&ty.to_string(), ty, &raw, rows, cols, &x, n_tok);
             let (want, mag) = q8_reference(ty, &raw, &w, rows, cols, &x, n_tok);
@@ -247,8 +256,9 @@ fn q8_matmul_of_several_panels_has_the_same_bits_on_every_isa() {
 #[test]
 fn q8_matmul_is_exact_at_the_extreme_quants() {
     let mut rng = Rng(211);
-    let (rows, n_tok) = (20, 14);
-    for ty in Q8_TYPES {
+    let rows = 20;
+    // 14 tokens take the batched matvec kernels, 30 the tiles
+    for (ty, n_tok) in Q8_TYPES.into_iter().flat_map(|ty| [(ty, 14), (ty, 30)]) {
         let cols = 256;
         let bb = ty.block_bytes();
         let mut raw = Vec::new();

@@ -21,14 +21,27 @@
 //!   llama.cpp's in the last bits. In [`matvec`] every instruction set gives bit-identical
 //!   results (its SIMD kernels take four rows at a time, two per 512-bit vector with
 //!   AVX512-VNNI, each row with the scalar path's operations, prefetching ahead because the
-//!   hardware prefetchers do not follow four interleaved rows), and so does [`matmul`]. A
-//!   [`matmul`] of fewer than 8 tokens is the [`matvec`]
-//!   of each token. From 8 tokens it runs integer register tiles (`x86_gemm`: 16 weight rows
-//!   × up to 12 tokens, VNNI where the CPU has it) that sum each 32-value group's integer
-//!   products in full (16 values for Q6_K, whose scales are per 16) and scale them once, where
-//!   the matvec scales eight 4-value lanes: one f32 rounding per group instead of eight, so
-//!   those results differ from the matvec's in the last bits (tested within 1e-5 of
-//!   Σ(|w| + 2|m|)·|x|); the scalar path does the tiles' float operations in their order.
+//!   hardware prefetchers do not follow four interleaved rows), and so does [`matmul`].
+//!
+//! [`matmul`] in [`MatvecMode::Q8`] takes one of three paths by token count:
+//!
+//! - 1 token: [`matvec`].
+//! - 2 to 16 tokens (a decode step of continuous batching, one token per sequence, or a short
+//!   prompt): the tokens are quantised once, and each weight row is read and decoded once per
+//!   pass of up to 16 tokens (8 without AVX512-VNNI, whose 16 vector registers hold fewer
+//!   accumulators) and met with every token's activation block in registers
+//!   (`x86_matvec_batch`, one accumulator per token). Each token gets the integer lane sums
+//!   and the float operations, in their order, of [`matvec`] of that token alone (per block
+//!   `fma(d · d_x, lane, acc)`, `(d · sc) · d_x` for the K-quants, the offset term summed
+//!   apart, the same final tree): only the loop order changes, so **a token's result has the
+//!   bits of its own [`matvec`]**, on every instruction set and VNNI choice, whatever the
+//!   other tokens are: a sequence decoded in a batch gets the products it gets alone.
+//! - More tokens (prompts): integer register tiles (`x86_gemm`: 16 weight rows × up to 12
+//!   tokens, VNNI where the CPU has it) that sum each 32-value group's integer products in
+//!   full (16 values for Q6_K, whose scales are per 16) and scale them once, where the matvec
+//!   scales eight 4-value lanes: one f32 rounding per group instead of eight, so those results
+//!   differ from the matvec's in the last bits (tested within 1e-5 of Σ(|w| + 2|m|)·|x|); the
+//!   scalar path does the tiles' float operations in their order.
 
 use rayon::prelude::*;
 
@@ -379,9 +392,41 @@ fn quants5(qh_qs: &[u8], off: i32) -> [i32; 32] {
 
 /// Scalar Q8-mode dot of one weight row with quantised activations.
 fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
+    let mut y = [0f32];
+    row_tokens_q8_scalar(ty, row, &[xq], &mut y);
+    y[0]
+}
+
+/// Most tokens one call of the batched Q8-mode row kernels takes.
+const BATCH_PASS_MAX: usize = 16;
+
+/// One activation block's scale and quant sum for each token of a pass (token `t` in lane
+/// `t`), laid out once per product so the SIMD row kernels take every token's `d · d_x` and
+/// offset term with a few vector operations per weight block.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct TokenScales {
+    /// Each token's [`Q8Block::d`].
+    pub(crate) d: [f32; BATCH_PASS_MAX],
+    /// Each token's [`Q8Block::sum`], as f32 (exact: at most 32 · 127).
+    pub(crate) s: [f32; BATCH_PASS_MAX],
+}
+
+/// Scalar Q8-mode dots of one weight row with up to [`BATCH_PASS_MAX`] tokens' quantised
+/// activations (`xs[t]`, into `out[t]`). Each block's quants and scales are decoded once,
+/// then every token takes the single-token operations in their order: per block the 8 lane
+/// sums of [`lanes`], `fma(d · d_x, lane, acc)` (`(d · sc) · d_x` for the K-quants), the
+/// offset term apart, [`finish_lanes`] at the end.
+fn row_tokens_q8_scalar(ty: QuantType, row: &[u8], xs: &[&[Q8Block]], out: &mut [f32]) {
+    let n = xs.len();
+    assert!(
+        n <= BATCH_PASS_MAX && out.len() == n,
+        "row_tokens_q8_scalar: tokens"
+    );
     let bb = ty.block_bytes();
-    let mut acc = [0f32; 8];
-    let mut extra = 0f32;
+    let mut acc = [[0f32; 8]; BATCH_PASS_MAX];
+    let mut extra = [0f32; BATCH_PASS_MAX];
+    let (acc, extra) = (&mut acc[..n], &mut extra[..n]);
     let fma_lanes = |dd: [f32; 8], l: [i32; 8], acc: &mut [f32; 8]| {
         for j in 0..8 {
             acc[j] = dd[j].mul_add(l[j] as f32, acc[j]);
@@ -389,7 +434,7 @@ fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
     };
     match ty {
         QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q8_0 => {
-            for (blk, xb) in row.chunks_exact(bb).zip(xq) {
+            for (i, blk) in row.chunks_exact(bb).enumerate() {
                 let d = rd_f16(blk, 0);
                 let w: [i32; 32] = match ty {
                     QuantType::Q4_0 => nibbles(&blk[2..18], 8),
@@ -398,47 +443,59 @@ fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
                     QuantType::Q5_1 => quants5(&blk[4..24], 0),
                     _ => std::array::from_fn(|i| i32::from(blk[2 + i] as i8)),
                 };
-                fma_lanes([d * xb.d; 8], lanes(&w, &xb.qs), &mut acc);
-                if matches!(ty, QuantType::Q4_1 | QuantType::Q5_1) {
-                    extra += (rd_f16(blk, 2) * xb.d) * xb.sum as f32;
+                let m = matches!(ty, QuantType::Q4_1 | QuantType::Q5_1).then(|| rd_f16(blk, 2));
+                for ((a, e), x) in acc.iter_mut().zip(extra.iter_mut()).zip(xs) {
+                    let xb = &x[i];
+                    fma_lanes([d * xb.d; 8], lanes(&w, &xb.qs), a);
+                    if let Some(m) = m {
+                        *e += (m * xb.d) * xb.sum as f32;
+                    }
                 }
             }
         }
         QuantType::Q4_K => {
-            for (blk, xbs) in row.chunks_exact(bb).zip(xq.chunks_exact(8)) {
+            for (i, blk) in row.chunks_exact(bb).enumerate() {
                 let d = rd_f16(blk, 0);
                 let dmin = rd_f16(blk, 2);
                 let scales = &blk[4..16];
-                for (sb, xb) in xbs.iter().enumerate() {
+                for sb in 0..8 {
                     let (sc, m) = scale_min_k4(sb, scales);
                     let (c, shift) = (sb / 2, 4 * (sb % 2));
                     let w: [i32; 32] =
                         std::array::from_fn(|l| i32::from((blk[16 + 32 * c + l] >> shift) & 0x0f));
-                    fma_lanes([d * sc as f32 * xb.d; 8], lanes(&w, &xb.qs), &mut acc);
-                    extra -= (dmin * m as f32 * xb.d) * xb.sum as f32;
+                    // the first products of `d · sc · d_x` and `dmin · m · d_x`
+                    let (ds, dm) = (d * sc as f32, dmin * m as f32);
+                    for ((a, e), x) in acc.iter_mut().zip(extra.iter_mut()).zip(xs) {
+                        let xb = &x[8 * i + sb];
+                        fma_lanes([ds * xb.d; 8], lanes(&w, &xb.qs), a);
+                        *e -= (dm * xb.d) * xb.sum as f32;
+                    }
                 }
             }
         }
         QuantType::Q6_K => {
             let mut q = [0i8; 256];
-            for (blk, xbs) in row.chunks_exact(bb).zip(xq.chunks_exact(8)) {
+            for (i, blk) in row.chunks_exact(bb).enumerate() {
                 let d = rd_f16(blk, 208);
                 q6k_quants(blk, &mut q);
-                for (g, xb) in xbs.iter().enumerate() {
+                for g in 0..8 {
                     let w: [i32; 32] = std::array::from_fn(|l| i32::from(q[32 * g + l]));
-                    let s0 = d * f32::from(blk[192 + 2 * g] as i8) * xb.d;
-                    let s1 = d * f32::from(blk[193 + 2 * g] as i8) * xb.d;
-                    fma_lanes(
-                        [s0, s0, s0, s0, s1, s1, s1, s1],
-                        lanes(&w, &xb.qs),
-                        &mut acc,
-                    );
+                    // the first products of `d · sc · d_x`, one per 16 values
+                    let s0 = d * f32::from(blk[192 + 2 * g] as i8);
+                    let s1 = d * f32::from(blk[193 + 2 * g] as i8);
+                    for (a, x) in acc.iter_mut().zip(xs) {
+                        let xb = &x[8 * i + g];
+                        let (s0, s1) = (s0 * xb.d, s1 * xb.d);
+                        fma_lanes([s0, s0, s0, s0, s1, s1, s1, s1], lanes(&w, &xb.qs), a);
+                    }
                 }
             }
         }
         _ => {}
     }
-    finish_lanes(&acc, extra)
+    for ((o, a), e) in out.iter_mut().zip(acc.iter()).zip(extra.iter()) {
+        *o = finish_lanes(a, *e);
+    }
 }
 
 /// Q8-mode dots of `R` weight rows with quantised activations (see [`finish_lanes`]); `bias`
@@ -481,6 +538,151 @@ fn rows_dot_q8<const R: usize>(
     rows.map(|row| row_dot_q8_scalar(ty, row, xq))
 }
 
+/// One pass of the batched Q8-mode row kernels: up to [`BATCH_PASS_MAX`] tokens'
+/// quantised activations (`xs[t]`, the scalar path's view), and for the SIMD kernels the same
+/// blocks interleaved by block (`qs[i · n + t]`, the quants of token `t`'s block `i`), their
+/// VNNI lane offsets alike (for [`vnni_offset`]; empty without) and their [`TokenScales`].
+struct TokenPass<'a> {
+    xs: &'a [&'a [Q8Block]],
+    qs: Vec<[i8; 32]>,
+    bias: Vec<[i32; 8]>,
+    scales: Vec<TokenScales>,
+}
+
+impl<'a> TokenPass<'a> {
+    /// The pass of tokens `xs` (their lane offsets `bias[t]`, or none), laid out for `isa`.
+    fn new(isa: Isa, xs: &'a [&'a [Q8Block]], bias: &[&[[i32; 8]]]) -> Self {
+        let (n, nb) = (xs.len(), xs.first().map_or(0, |x| x.len()));
+        if !isa.has_avx2() {
+            return TokenPass {
+                xs,
+                qs: Vec::new(),
+                bias: Vec::new(),
+                scales: Vec::new(),
+            };
+        }
+        let qs = (0..nb * n).map(|k| xs[k % n][k / n].qs).collect();
+        let bias = if bias.iter().all(|b| b.len() == nb) && nb > 0 {
+            (0..nb * n).map(|k| bias[k % n][k / n]).collect()
+        } else {
+            Vec::new()
+        };
+        let scales = (0..nb)
+            .map(|i| TokenScales {
+                d: std::array::from_fn(|t| xs.get(t).map_or(0.0, |x| x[i].d)),
+                s: std::array::from_fn(|t| xs.get(t).map_or(0.0, |x| x[i].sum as f32)),
+            })
+            .collect();
+        TokenPass {
+            xs,
+            qs,
+            bias,
+            scales,
+        }
+    }
+}
+
+/// Q8-mode dots of one weight row with the tokens of `pass` into `out`, each token's with the
+/// bits [`rows_dot_q8`] gives it alone.
+fn row_tokens_q8(
+    isa: Isa,
+    vnni: Option<Vnni>,
+    ty: QuantType,
+    row: &[u8],
+    pass: &TokenPass,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() {
+        use super::x86_matvec_batch as k;
+        let (qs, bias, scales) = (&pass.qs[..], &pass.bias[..], &pass.scales[..]);
+        macro_rules! by_tokens {
+            ($f:ident, $($t:literal)*) => {
+                match out.len() {
+                    $($t => {
+                        // SAFETY: the caller's Isa and Vnni were detected at run time (Vnni
+                        // names the extension, with AVX-512F/BW/VL for the EVEX form, which
+                        // Isa::vnni returns only at Isa::Avx512); the row holds whole blocks for
+                        // the pass's tokens, laid out by TokenPass::new, with the lane offsets
+                        // of vnni_offset(vnni, ty).
+                        out.copy_from_slice(&unsafe { k::$f::<$t>(ty, row, qs, bias, scales) });
+                    })*
+                    _ => unreachable!("row_tokens_q8: at most {BATCH_PASS_MAX} tokens"),
+                }
+            };
+        }
+        match vnni {
+            Some(Vnni::Avx512Vnni) => {
+                by_tokens!(row_tokens_q8_avx512vnni, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+            }
+            Some(Vnni::AvxVnni) => by_tokens!(row_tokens_q8_avxvnni, 1 2 3 4 5 6 7 8),
+            None => by_tokens!(row_tokens_q8_avx2, 1 2 3 4 5 6 7 8),
+        }
+        return;
+    }
+    let _ = (isa, vnni);
+    row_tokens_q8_scalar(ty, row, pass.xs, out);
+}
+
+/// Tokens per pass of the batched row kernels at this level: their accumulators stay in
+/// registers (16 vector registers without AVX-512, 32 with it).
+fn batch_pass(isa: Isa, vnni: Option<Vnni>) -> usize {
+    if vnni == Some(Vnni::Avx512Vnni) || !isa.has_avx2() {
+        BATCH_PASS_MAX
+    } else {
+        8
+    }
+}
+
+/// The Q8-mode matmul of a few tokens ([`Q8_BATCH_MAX_TOKENS`] at most): the tokens are
+/// quantised once, each weight row is decoded once per pass of up to [`batch_pass`] tokens
+/// and met with every token of the pass in registers ([`row_tokens_q8`]), so each token's
+/// result has the bits of [`matvec`] of that token alone.
+#[allow(clippy::too_many_arguments)]
+fn q8_matmul_batch(
+    isa: Isa,
+    vnni: Option<Vnni>,
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    y: &mut [f32],
+) {
+    let row_bytes = w.len() / rows;
+    let per_tok = cols / 32;
+    // balanced passes: 12 tokens at 8 per pass go as 6 + 6
+    let passes = n_tok.div_ceil(batch_pass(isa, vnni));
+    let pass = n_tok.div_ceil(passes);
+    let mut yt = vec![0f32; rows * n_tok];
+    with_q8_activations(isa, x, vnni_offset(vnni, ty), |act| {
+        let xs: Vec<&[Q8Block]> = act.q.chunks_exact(per_tok).collect();
+        let bias: Vec<&[[i32; 8]]> = if act.bias.is_empty() {
+            vec![&[][..]; n_tok]
+        } else {
+            act.bias.chunks_exact(per_tok).collect()
+        };
+        let passes: Vec<TokenPass> = xs
+            .chunks(pass)
+            .zip(bias.chunks(pass))
+            .map(|(xp, bp)| TokenPass::new(isa, xp, bp))
+            .collect();
+        yt.par_chunks_mut(ROWS_PER_TASK * n_tok)
+            .enumerate()
+            .for_each(|(i, yc)| {
+                for (k, yr) in yc.chunks_exact_mut(n_tok).enumerate() {
+                    let r = i * ROWS_PER_TASK + k;
+                    let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                    for (o, p) in yr.chunks_mut(pass).zip(&passes) {
+                        row_tokens_q8(isa, vnni, ty, row, p, o);
+                    }
+                }
+            });
+    });
+    transpose_into(&yt, rows, n_tok, y);
+}
+
 /// The 256 signed 6-bit quants (minus 32) of a Q6_K block, in element order.
 pub(crate) fn q6k_quants(blk: &[u8], q: &mut [i8; 256]) {
     for (e, qe) in q.iter_mut().enumerate() {
@@ -492,14 +694,17 @@ pub(crate) fn q6k_quants(blk: &[u8], q: &mut [i8; 256]) {
     }
 }
 
-/// Fewer tokens than this take [`matvec`] once per token in [`MatvecMode::Q8`]. The tiles
-/// first decode every weight into panels (about the cost of one matvec), so they are slower
-/// for 1 or 2 tokens and faster from 3 (1 thread, 576 × 576 Q4_1: 36 µs against 22 µs for one
-/// token, 39 µs against 46 µs for three, 44 µs against 106 µs for eight). Below 8 tokens the
-/// tiles' gain is a few tens of µs per matrix, and a prompt that short keeps the logits of
-/// decoding it token by token (as the AVX-512 path did before the tiles); the forward tests'
-/// greedy agreement with llama.cpp was calibrated on those.
-const Q8_GEMM_MIN_TOKENS: usize = 8;
+/// From 2 up to this many tokens take [`q8_matmul_batch`] in [`MatvecMode::Q8`] (one token
+/// takes [`matvec`]), more the integer tiles of `x86_gemm`. The batch decodes the weights
+/// once per 16 tokens and gives each token its matvec bits; the tiles decode them into panels
+/// first (a fixed cost of about one matvec) and round differently. Measured (1 thread,
+/// process CPU time, medians, an AMD EPYC with AVX512-VNNI, SmolLM2-135M's 210 Q4_1 layer matrices;
+/// 2 to 4 tokens against a matvec per token, 8 to 16 against the tiles): one token 10.4 ms;
+/// 2 tokens 19.4 → 13.2 ms, 4: 36.2 → 15.9, 8: 34.5 → 23.1, 12: 38.9 → 30.3, 16: 44.9 →
+/// 39.5. Its Q8_0 head (49152 × 576): 2 tokens 8.5 → 3.8 ms, 8: 17.3 → 6.7, 16: 17.3 → 13.9.
+/// Q4_K and Q6_K (2048 × 2048) at 16 tokens are about even with the tiles (12.6 → 12.9 and
+/// 16.4 → 13.8 ms), and faster below.
+const Q8_BATCH_MAX_TOKENS: usize = 16;
 
 /// Values dequantised per matmul task (256 KiB of f32: stays in L2 while every token uses it).
 const DQ_TILE: usize = 64 * 1024;
@@ -630,10 +835,11 @@ pub fn matvec_f16(
 /// tokens over the transposed activations, k in chunks of 128, so each dequantised weight is
 /// loaded once per 32 tokens; each output sums its products in f32, in order within a chunk.
 ///
-/// In [`MatvecMode::Q8`], from 8 tokens, the tokens are quantised and laid out once, each
-/// task decodes 16 weight rows once into a panel of unsigned 8-bit quants and per-row scales,
-/// and meets it with up to 12 tokens at a time in integer registers (see the module
-/// documentation); fewer tokens take [`matvec`] once per token.
+/// In [`MatvecMode::Q8`] one token takes [`matvec`]; 2 to 16 tokens decode each weight row
+/// once per pass of up to 16 tokens and give each token the bits of its own [`matvec`]; from
+/// 17 tokens the tokens are quantised and laid out once, each task decodes 16 weight rows once
+/// into a panel of unsigned 8-bit quants and per-row scales, and meets it with up to 12 tokens
+/// at a time in integer registers (see the module documentation).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     mode: MatvecMode,
@@ -700,10 +906,21 @@ pub fn matmul_with_vnni(
     }
     if mode == MatvecMode::Q8 {
         check_q8_type(ty)?;
-        if n_tok < Q8_GEMM_MIN_TOKENS {
-            for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
-                matvec_with_vnni(isa, vnni, mode, ty, w, rows, cols, xt, yt)?;
-            }
+        if n_tok == 1 {
+            return matvec_with_vnni(isa, vnni, mode, ty, w, rows, cols, x, y);
+        }
+        if n_tok <= Q8_BATCH_MAX_TOKENS {
+            q8_matmul_batch(
+                isa,
+                isa.vnni().filter(|_| vnni),
+                ty,
+                w,
+                rows,
+                cols,
+                x,
+                n_tok,
+                y,
+            );
             return Ok(());
         }
         #[cfg(target_arch = "x86_64")]

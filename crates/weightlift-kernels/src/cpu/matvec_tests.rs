@@ -191,3 +191,68 @@ fn f32_matvec_reads_aligned_rows_in_place_with_the_copying_bits() {
         }
     }
 }
+
+/// A Q8-mode matmul of 2 to 16 tokens decodes each weight block once for all of them, and
+/// every token's output has the bits of the scalar matvec of that token alone, on every
+/// instruction set, VNNI choice, odd row count and token count.
+#[test]
+fn q8_matmul_of_few_tokens_gives_each_token_its_matvec_bits() {
+    let types = [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ];
+    for (k, ty) in types.into_iter().enumerate() {
+        for (rows, cols) in [(1, 256), (3, 512), (17, 256), (37, 768)] {
+            let w = weights(ty, rows, cols, (k * 1000 + rows) as u64);
+            let x = activations(16 * cols, (k + rows) as u64);
+            let mut want = vec![0f32; 16 * rows];
+            for (xt, yt) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
+                matvec_with_vnni(
+                    Isa::Scalar,
+                    false,
+                    MatvecMode::Q8,
+                    ty,
+                    &w,
+                    rows,
+                    cols,
+                    xt,
+                    yt,
+                )
+                .unwrap();
+            }
+            for n_tok in 1..=16 {
+                for isa in Isa::all_supported() {
+                    for vnni in [false, true] {
+                        let mut y = vec![f32::NAN; n_tok * rows];
+                        matmul_with_vnni(
+                            isa,
+                            vnni,
+                            MatvecMode::Q8,
+                            ty,
+                            &w,
+                            rows,
+                            cols,
+                            &x[..n_tok * cols],
+                            n_tok,
+                            &mut y,
+                            usize::MAX,
+                        )
+                        .unwrap();
+                        let good = &want[..n_tok * rows];
+                        let same = y.iter().zip(good).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{ty} {rows}x{cols} {n_tok} tokens {isa:?} vnni {vnni}: \
+                             {y:?} against {good:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -34,6 +34,8 @@ pub(crate) mod x86_matvec;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_matvec512;
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_matvec_batch;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_ops;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_quantize;

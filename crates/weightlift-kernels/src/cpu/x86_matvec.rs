@@ -23,7 +23,7 @@ use crate::types::QuantType;
 /// # Safety
 /// `row` holds at least `(i + 1) · bb` bytes.
 #[inline(always)]
-unsafe fn block(row: &[u8], i: usize, bb: usize) -> &[u8] {
+pub(crate) unsafe fn block(row: &[u8], i: usize, bb: usize) -> &[u8] {
     debug_assert!(row.len() >= (i + 1) * bb);
     // SAFETY: as the contract.
     unsafe { std::slice::from_raw_parts(row.as_ptr().add(i * bb), bb) }
@@ -34,7 +34,7 @@ unsafe fn block(row: &[u8], i: usize, bb: usize) -> &[u8] {
 /// (a false dependency: Q4_1 measured 1.7 ms against 0.5 ms).
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-fn dm_f16(blk: &[u8]) -> (__m256, f32) {
+pub(crate) fn dm_f16(blk: &[u8]) -> (__m256, f32) {
     let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
         blk[0], blk[1], blk[2], blk[3],
     ])));
