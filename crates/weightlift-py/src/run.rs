@@ -48,8 +48,8 @@ impl Model {
     /// Run several sequences in one call, each `(cache, ids)` appending its ids to its own
     /// `Cache` at its `seq_len` (a new prompt and single decode tokens mix freely: continuous
     /// batching), and return float32 logits of shape `[len(seqs), vocab]`, the last position of
-    /// each. In `compute="exact"` each row is the bits the sequence gets alone; in `"fast"` the
-    /// sequences share each product, within the fast mode's rounding of it. A bad sequence
+    /// each, the bits each sequence gets alone (in `"fast"` the decode tokens share each
+    /// product, every token keeping its own bits). A bad sequence
     /// (too long for its cache, a cache given twice) fails the call before any cache moves. The
     /// GIL is released while it runs.
     fn forward_batch<'py>(

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use weightlift_kernels::MatvecMode;
 use weightlift_kernels::RopeParams;
 use weightlift_kernels::cpu::matvec::{matmul, matvec};
 
@@ -167,12 +168,25 @@ pub(super) fn run_layer(
     Ok(())
 }
 
-/// `y = W x` for the tokens of `pieces`. Several sequences share one product when its result
-/// for a token does not depend on the other tokens beside it: the fast mode's block products
-/// (within its activation-rounding bound of the product each sequence gets alone). Exact mode
-/// keeps each sequence's product as it is alone (one token takes the matrix–vector kernel, whose
-/// summation order differs from the matrix product's), and so do LLM.int8 weights (their
-/// outlier columns are chosen over every token of the product) and packed GPTQ/EXL2 linears.
+/// Whether a product of `l` with several tokens gives each token the bits of its own
+/// matrix-vector product, up to `Q8_BATCH_MAX_TOKENS` tokens: the fast mode's block products.
+pub(super) fn shares_rows(c: &Consts, wts: &Weights<'_>, l: &Linear) -> Result<bool> {
+    Ok(l.packed.is_none()
+        && matches!(
+            weight_of(wts.held, wts.copies, l, wts.slot)?.1,
+            Packing::Blocks(ty) if c.compute.mode(ty) == MatvecMode::Q8
+        ))
+}
+
+/// `y = W x` for the tokens of `pieces`, each token's row the bits it gets when its sequence
+/// runs alone. A fast-mode block product of at most
+/// [`Q8_BATCH_MAX_TOKENS`](weightlift_kernels::cpu::matvec::Q8_BATCH_MAX_TOKENS) tokens gives
+/// every token its own matrix–vector bits (each weight block decoded once for all of them), so
+/// the pieces of that many tokens or fewer share products of up to that many tokens; a longer
+/// piece (a prompt, which alone takes the register tiles) runs alone. Exact mode, LLM.int8
+/// weights (their outlier columns are chosen over every token of the product), packed
+/// GPTQ/EXL2 linears and the types the fast mode multiplies exactly keep one product per
+/// piece: their one-token and several-token kernels sum in different orders.
 pub(super) fn linear_pieces(
     c: &Consts,
     wts: &Weights<'_>,
@@ -181,22 +195,26 @@ pub(super) fn linear_pieces(
     x: &[f32],
     y: &mut [f32],
 ) -> Result<()> {
-    let n = tokens(pieces);
-    let shared = pieces.len() == 1
-        || (c.compute == Compute::Fast
-            && l.packed.is_none()
-            && matches!(
-                weight_of(wts.held, wts.copies, l, wts.slot)?.1,
-                Packing::Blocks(_)
-            ));
-    if shared {
-        return linear_on(c, wts, l, x, n, y);
+    use weightlift_kernels::cpu::matvec::Q8_BATCH_MAX_TOKENS as SHARED;
+    if let [p] = pieces {
+        return linear_on(c, wts, l, x, p.n, y);
     }
+    let q8 = shares_rows(c, wts, l)?;
+    // consecutive runs of rows, each one product
+    let mut runs: Vec<(usize, usize)> = Vec::with_capacity(pieces.len());
     let mut at = 0;
     for p in pieces {
-        let (xs, ys) = (&x[at * l.cols..], &mut y[at * l.rows..]);
-        linear_on(c, wts, l, xs, p.n, ys)?;
+        match runs.last_mut() {
+            Some((_, n)) if q8 && p.n <= SHARED && *n <= SHARED && *n + p.n <= SHARED => {
+                *n += p.n;
+            }
+            _ => runs.push((at, p.n)),
+        }
         at += p.n;
+    }
+    for (start, n) in runs {
+        let (xs, ys) = (&x[start * l.cols..], &mut y[start * l.rows..]);
+        linear_on(c, wts, l, xs, n, ys)?;
     }
     Ok(())
 }

@@ -524,10 +524,10 @@ impl crate::Model {
     /// (row-major, in order). New prompts and single decode tokens mix freely (continuous
     /// batching).
     ///
-    /// On the host path the sequences share every matrix product and each attends to its own
-    /// cache. In [`Compute::Exact`] each sequence's logits are the bits it gets alone (only the
-    /// products of one sequence's tokens are shared); in [`Compute::Fast`] products are shared
-    /// across sequences, within the activation-rounding bound of the fast mode. Where the model
+    /// On the host path each sequence attends to its own cache, and its logits are the bits it
+    /// gets alone: in [`Compute::Fast`] the sequences of up to 16 tokens share the block products
+    /// (which give every token its own matrix–vector bits), and in [`Compute::Exact`] each
+    /// sequence keeps its own products (see `layer::linear_pieces`). Where the model
     /// cannot batch (a device on the backend op sequence, tensor parallelism, an offloaded
     /// cache), and for a prompt longer than a chunk, the sequences run one at a time, with the
     /// same results.

@@ -704,7 +704,7 @@ pub(crate) fn q6k_quants(blk: &[u8], q: &mut [i8; 256]) {
 /// 39.5. Its Q8_0 head (49152 × 576): 2 tokens 8.5 → 3.8 ms, 8: 17.3 → 6.7, 16: 17.3 → 13.9.
 /// Q4_K and Q6_K (2048 × 2048) at 16 tokens are about even with the tiles (12.6 → 12.9 and
 /// 16.4 → 13.8 ms), and faster below.
-const Q8_BATCH_MAX_TOKENS: usize = 16;
+pub const Q8_BATCH_MAX_TOKENS: usize = 16;
 
 /// Values dequantised per matmul task (256 KiB of f32: stays in L2 while every token uses it).
 const DQ_TILE: usize = 64 * 1024;

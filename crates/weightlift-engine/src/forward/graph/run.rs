@@ -15,12 +15,13 @@ use crate::error::{EngineError, invalid};
 use crate::forward::boundary::move_rows;
 use crate::forward::embed::embed_rows;
 use crate::forward::exec::{self, Ctx, kernel_on};
-use crate::forward::layer::{Consts, Piece, Weights, run_layer, tokens};
+use crate::forward::layer::{Consts, Piece, Weights, run_layer, shares_rows, tokens};
 use crate::forward::logits::{head_rows, hidden_rows};
 use crate::forward::onload::{Copier, SlotMem, onload_group, prefetch_first, settle};
 use crate::forward::work::{Work, on_site, site_works};
 use crate::forward::{Compute, Copies, Logits, Output, check_tokens};
 use crate::model::Held;
+use weightlift_kernels::cpu::matvec::Q8_BATCH_MAX_TOKENS;
 
 /// One sequence of a forward call: the cache its ids are appended to, and the ids.
 pub(crate) type Seq<'a> = (&'a Arc<Cache>, &'a [u32]);
@@ -269,14 +270,15 @@ impl Graph {
                         copies,
                         slot: None,
                     };
-                    let per = self.dims.logit_rows as usize;
-                    if compute == Compute::Exact {
-                        // a row at a time, as each sequence's head runs alone
-                        for (r, row) in out.chunks_exact_mut(width).enumerate() {
-                            head_rows(&c, &hw, &self.out_norm, &self.head, r, 1, row, w)?;
-                        }
+                    // Rows share the head's products where that keeps each row's bits (see
+                    // layer::linear_pieces), else a row at a time, as each sequence runs alone.
+                    let per = if shares_rows(&c, &hw, &self.head)? {
+                        (self.dims.logit_rows as usize).min(Q8_BATCH_MAX_TOKENS)
                     } else {
-                        head_rows(&c, &hw, &self.out_norm, &self.head, 0, per, out, w)?;
+                        1
+                    };
+                    for (k, rows) in out.chunks_mut(per * width).enumerate() {
+                        head_rows(&c, &hw, &self.out_norm, &self.head, k * per, per, rows, w)?;
                     }
                     continue;
                 }
