@@ -23,6 +23,14 @@ pub enum Role {
     FfnGate,
     FfnUp,
     FfnDown,
+    /// The norm of the attention block's output before the residual add (gemma2, gemma3).
+    AttnPostNorm,
+    /// The norm of the MLP's output before the residual add (gemma2, gemma3).
+    FfnPostNorm,
+    /// Per-head RMSNorm of the queries before RoPE (gemma3).
+    AttnQNorm,
+    /// Per-head RMSNorm of the keys before RoPE (gemma3).
+    AttnKNorm,
     OutputNorm,
     Output,
     RopeFreqs,
@@ -46,6 +54,10 @@ impl Role {
             Role::FfnGate => "ffn_gate",
             Role::FfnUp => "ffn_up",
             Role::FfnDown => "ffn_down",
+            Role::AttnPostNorm => "attn_post_norm",
+            Role::FfnPostNorm => "ffn_post_norm",
+            Role::AttnQNorm => "attn_q_norm",
+            Role::AttnKNorm => "attn_k_norm",
             Role::OutputNorm => "output_norm",
             Role::Output => "output",
             Role::RopeFreqs => "rope_freqs",

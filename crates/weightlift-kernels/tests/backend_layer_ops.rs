@@ -305,6 +305,8 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
     let mut out = b.alloc(256)?;
     let mut att = |n_heads, kv_heads, start| {
         b.run(Op::Attention {
+            window: 0,
+            softcap: 0.0,
             k_format: KvFormat::F32,
             v_format: KvFormat::F32,
             n_heads,
@@ -379,6 +381,8 @@ fn attention_case<B: Backend>(
                     None
                 };
                 b.run(Op::Attention {
+                    window: 0,
+                    softcap: 0.0,
                     k_format,
                     v_format,
                     n_heads: nh,

@@ -23,6 +23,12 @@ pub(crate) struct Shape {
     /// llama.cpp's CPU matrix products do (its `vec_dot_type` for f16 is f16): the fast path's
     /// fidelity to llama.cpp.
     pub f16_operands: bool,
+    /// Multiplier of the scores.
+    pub scale: f32,
+    /// The sliding window (0: none).
+    pub window: usize,
+    /// Attention logit soft-cap (0: none).
+    pub softcap: f32,
 }
 
 /// Buffers of one device's workspace that attention uses.
@@ -57,9 +63,9 @@ pub(crate) fn attend(
     };
     let (hd, nh) = (s.head_dim, s.n_heads);
     let n = qo.len() / (nh * hd);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let shape =
-        AttnShape::new(nh, s.kv_heads, hd, n, start, scale, s.f16_operands).map_err(kernel)?;
+    let shape = AttnShape::new(nh, s.kv_heads, hd, n, start, s.scale, s.f16_operands)
+        .map_err(kernel)?
+        .masked(s.window, s.softcap);
     let kvd = shape.kv_dim();
     let isa = isa();
     let mut att = Attention::new(shape, s.kv_tile, t.stats, t.acc).map_err(kernel)?;

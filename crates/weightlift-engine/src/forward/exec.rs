@@ -565,6 +565,10 @@ pub(crate) fn layer<B: Exec>(
         o: &l.o,
         n_heads: cx.c.n_heads,
         kv_heads: l.kv_heads,
+        q_norm: l.q_norm.as_ref(),
+        k_norm: l.k_norm.as_ref(),
+        rope: l.rope.as_ref(),
+        window: l.window,
     };
     if pending {
         // the previous layer's MLP residual and this layer's attention norm in one op
@@ -580,6 +584,9 @@ pub(crate) fn layer<B: Exec>(
     } else {
         attention(b, cx, &attn, li, cache, pos, n, r)?;
     }
+    if let Some(f) = &l.post_attn_norm {
+        post_norm(b, cx, f, n, r, format!("layer {li} post_attention_norm"))?;
+    }
     // the attention block's residual and the MLP's norm in one op
     add_norm(
         b,
@@ -590,6 +597,9 @@ pub(crate) fn layer<B: Exec>(
         format!("layer {li} residual and ffn_norm"),
     )?;
     mlp_normed(b, cx, [&l.gate, &l.up, &l.down], li, n, r)?;
+    if let Some(f) = &l.post_ffn_norm {
+        post_norm(b, cx, f, n, r, format!("layer {li} post_ffw_norm"))?;
+    }
     if defer {
         return Ok(());
     }
@@ -636,6 +646,61 @@ fn add_norm<B: Exec>(
     .map_err(cx.err(what))
 }
 
+/// `xn = RMSNorm(xn) · norm` over `n` tokens (a block's post-norm), through the gate region
+/// (free between the blocks; the graph checked it holds a hidden row per token).
+fn post_norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+    what: String,
+) -> Result<()> {
+    head_norm(
+        b,
+        cx,
+        norm,
+        (n, cx.c.hidden),
+        (&mut r.xn, &mut r.gate),
+        what,
+    )
+}
+
+/// `x = RMSNorm(x) · norm` over `rows` rows of `cols` values, in place through `tmp` (which
+/// holds at least as many values).
+fn head_norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    (rows, cols): (usize, usize),
+    (x, tmp): (&mut B::Buffer, &mut B::Buffer),
+    what: String,
+) -> Result<()> {
+    b.run(Op::RmsNorm {
+        n_rows: rows,
+        n_cols: cols,
+        eps: cx.c.eps,
+        x: &*x,
+        weight: &*b.floats(norm, cx.held)?,
+        out: &mut *tmp,
+    })
+    .map_err(cx.err(what.clone()))?;
+    b.copy(&*tmp, 0, x, 0, rows * cols * 4)
+        .map_err(cx.err(what))
+}
+
+/// `x *= s` over `n` values (the embedding scale).
+pub(crate) fn scale<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    n: usize,
+    s: f32,
+    x: &mut B::Buffer,
+) -> Result<()> {
+    b.run(Op::ScaleInPlace { n, s, x })
+        .map_err(cx.err("embedding scale"))
+}
+
 /// `x += xn` over `n` values: a block's output added to the residual stream.
 fn residual<B: Exec>(
     b: &B,
@@ -662,6 +727,13 @@ pub(crate) struct AttnShare<'a> {
     pub o: &'a Linear,
     pub n_heads: usize,
     pub kv_heads: usize,
+    /// Per-head norms of the queries and keys before RoPE.
+    pub q_norm: Option<&'a Floats>,
+    pub k_norm: Option<&'a Floats>,
+    /// The layer's own RoPE angles (else the workspace's table).
+    pub rope: Option<&'a Floats>,
+    /// The sliding window (0: none).
+    pub window: usize,
 }
 
 /// An attention block's heads of `a` on `n` tokens at `pos` (positions in `r.pos`), their rows
@@ -705,6 +777,24 @@ pub(crate) fn attention_normed<B: Exec>(
         n,
         vec![(a.q, &mut r.q), (a.k, &mut r.k), (a.v, &mut r.v)],
     )?;
+    // per-head norms, through the attention output region (free until attention)
+    if let Some(f) = a.q_norm {
+        head_norm(b, cx, f, (n * nh, hd), (&mut r.q, &mut r.att), at("q norm"))?;
+    }
+    if let Some(f) = a.k_norm {
+        head_norm(
+            b,
+            cx,
+            f,
+            (n * a.kv_heads, hd),
+            (&mut r.k, &mut r.att),
+            at("k norm"),
+        )?;
+    }
+    let own = match a.rope {
+        Some(f) => Some(b.floats(f, cx.held)?),
+        None => None,
+    };
     for (x, heads) in [(&mut r.q, nh), (&mut r.k, a.kv_heads)] {
         b.run(Op::RopeInPlace {
             params: c.rope,
@@ -712,7 +802,7 @@ pub(crate) fn attention_normed<B: Exec>(
             n_heads: heads,
             x,
             positions: &r.pos,
-            inv_freqs: &r.freqs,
+            inv_freqs: own.as_deref().unwrap_or(&r.freqs),
         })
         .map_err(cx.err(at("rope")))?;
     }
@@ -730,7 +820,9 @@ pub(crate) fn attention_normed<B: Exec>(
             head_dim: hd,
             n_q: n,
             start: pos,
-            scale: 1.0 / (hd as f32).sqrt(),
+            scale: c.attn_scale,
+            window: a.window,
+            softcap: c.attn_softcap,
             tile: c.kv_tile,
             f16_operands: c.compute.f16_operands(cache.config().dtype),
             q: &r.q,
@@ -775,12 +867,19 @@ pub(crate) fn mlp_normed<B: Exec>(
 ) -> Result<()> {
     let at = |what: &str| format!("layer {li} {what}");
     cx.linears(b, &r.xn, n, vec![(gate, &mut r.gate), (up, &mut r.up)])?;
-    b.run(Op::SwiGluInPlace {
-        n: n * gate.rows,
-        gate: &mut r.gate,
-        up: &r.up,
-    })
-    .map_err(cx.err(at("swiglu")))?;
+    let op = match cx.c.gate {
+        super::family::Gate::Silu => Op::SwiGluInPlace {
+            n: n * gate.rows,
+            gate: &mut *r.gate,
+            up: &*r.up,
+        },
+        super::family::Gate::GeluTanh => Op::GeGluTanhInPlace {
+            n: n * gate.rows,
+            gate: &mut *r.gate,
+            up: &*r.up,
+        },
+    };
+    b.run(op).map_err(cx.err(at("gated activation")))?;
     cx.linear(b, down, &r.gate, n, &mut r.xn)
 }
 

@@ -32,6 +32,7 @@ mod attention;
 mod boundary;
 mod embed;
 mod exec;
+mod family;
 mod graph;
 mod layer;
 mod logits;

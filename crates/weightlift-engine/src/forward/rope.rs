@@ -10,11 +10,17 @@ use super::parts::f32_vector;
 use crate::error::Result;
 
 /// RoPE pairing and per-pair angles: adjacent pairs for GGUF llama/mistral (whose q/k rows
-/// the converter permuted), rotate-half (NeoX) for qwen2 and for Hugging Face checkpoints;
+/// the converter permuted), rotate-half (NeoX) for qwen2, gemma and Hugging Face checkpoints;
 /// Llama 3 frequency factors from `rope_freqs.weight` or the config's `rope_scaling`.
 pub(super) fn rope_of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<(RopeParams, Vec<f32>)> {
     let gguf = m.source.checkpoint().map(|c| c.format()) == Some(Format::Gguf);
-    let style = if gguf && spec.architecture != "qwen2" {
+    // llama.cpp's converter permutes the q/k rows of llama and mistral only; qwen2 and gemma
+    // keep transformers' rotate-half layout (llama.cpp runs them as NEOX)
+    let neox_gguf = matches!(
+        spec.architecture.as_str(),
+        "qwen2" | "gemma2" | "gemma3" | "gemma3_text"
+    );
+    let style = if gguf && !neox_gguf {
         RopeStyle::Normal
     } else {
         RopeStyle::Neox

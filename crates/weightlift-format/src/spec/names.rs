@@ -5,7 +5,21 @@
 use crate::Role;
 
 /// Architectures whose tensor roles are known (GGUF `general.architecture` or HF `model_type`).
-pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
+pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+];
+
+/// The Gemma 2 and 3 architectures (GGUF names and HF `model_type`s): four norms a layer, and
+/// transformers' `post_attention_layernorm` is the attention block's post-norm there, not the
+/// MLP's pre-norm it is in the llama family.
+pub(crate) fn is_gemma(architecture: &str) -> bool {
+    matches!(architecture, "gemma2" | "gemma3" | "gemma3_text")
+}
 
 /// Whether roles are known for this architecture.
 pub(crate) fn supports_roles(architecture: &str) -> bool {
@@ -118,6 +132,11 @@ fn per_layer_role(tail: &str) -> Option<Role> {
         "ffn_gate.weight" | "mlp.gate_proj.weight" => Role::FfnGate,
         "ffn_up.weight" | "mlp.up_proj.weight" => Role::FfnUp,
         "ffn_down.weight" | "mlp.down_proj.weight" => Role::FfnDown,
+        "post_attention_norm.weight" => Role::AttnPostNorm,
+        "post_ffw_norm.weight" | "post_feedforward_layernorm.weight" => Role::FfnPostNorm,
+        "pre_feedforward_layernorm.weight" => Role::FfnNorm,
+        "attn_q_norm.weight" | "self_attn.q_norm.weight" => Role::AttnQNorm,
+        "attn_k_norm.weight" | "self_attn.k_norm.weight" => Role::AttnKNorm,
         _ => return None,
     })
 }
@@ -127,7 +146,14 @@ fn per_layer_role(tail: &str) -> Option<Role> {
 pub(crate) fn classify(name: &str, architecture: &str) -> (Option<u32>, Option<Role>) {
     let layer = layer_of(name);
     let role = if supports_roles(architecture) {
-        role_of(name)
+        match role_of(name) {
+            Some(Role::FfnNorm)
+                if is_gemma(architecture) && name.ends_with("post_attention_layernorm.weight") =>
+            {
+                Some(Role::AttnPostNorm)
+            }
+            r => r,
+        }
     } else {
         None
     };
@@ -228,6 +254,37 @@ mod tests {
         assert_eq!(
             classify("model.layers.1.mlp.down_proj.zeros", "llama").1,
             None
+        );
+    }
+
+    #[test]
+    fn gemma_norms_in_both_schemes() {
+        for arch in ["gemma2", "gemma3", "gemma3_text"] {
+            for (gguf, hf, role) in [
+                (
+                    "post_attention_norm",
+                    "post_attention_layernorm",
+                    Role::AttnPostNorm,
+                ),
+                ("ffn_norm", "pre_feedforward_layernorm", Role::FfnNorm),
+                (
+                    "post_ffw_norm",
+                    "post_feedforward_layernorm",
+                    Role::FfnPostNorm,
+                ),
+                ("attn_q_norm", "self_attn.q_norm", Role::AttnQNorm),
+                ("attn_k_norm", "self_attn.k_norm", Role::AttnKNorm),
+            ] {
+                let g = classify(&format!("blk.2.{gguf}.weight"), arch);
+                let h = classify(&format!("model.layers.2.{hf}.weight"), arch);
+                assert_eq!(g, (Some(2), Some(role)), "{arch} {gguf}");
+                assert_eq!(h, (Some(2), Some(role)), "{arch} {hf}");
+            }
+        }
+        // the llama family's post_attention_layernorm is the MLP's norm
+        assert_eq!(
+            classify("model.layers.0.post_attention_layernorm.weight", "llama"),
+            (Some(0), Some(Role::FfnNorm))
         );
     }
 

@@ -42,6 +42,10 @@ impl AttnParts {
             o: &self.o,
             n_heads: self.q_heads,
             kv_heads: self.kv_heads,
+            q_norm: None,
+            k_norm: None,
+            rope: None,
+            window: 0,
         };
         let part = parts.get(self.cache_part).ok_or_else(|| {
             invalid(
@@ -89,6 +93,7 @@ fn floats_on(values: &[f32], index: usize, name: &str, device: &Arc<Device>) -> 
         name: name.to_owned(),
         held_on_device: false,
         device: None,
+        derived: false,
     };
     if device.kind() == DeviceKind::Cuda {
         place(&mut f, &[], device)?;
