@@ -462,7 +462,7 @@ impl ModelSpec {
     /// Architectures whose tensor roles are known.
     pub const SUPPORTED_ARCHITECTURES: &'static [&'static str] = names::SUPPORTED_ARCHITECTURES;
 
-    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2).
+    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2, gemma2, gemma3).
     pub fn supports_roles(architecture: &str) -> bool {
         names::supports_roles(architecture)
     }

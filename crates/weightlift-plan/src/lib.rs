@@ -68,7 +68,7 @@
 //!   non-offloaded layers) stream the fewest of them from disk when the host is too small,
 //!   the embedding first (a lookup reads only a few rows), then the last layers.
 //!
-//! - **architectures without a role table** (anything but llama, mistral, qwen2): planned with
+//! - **architectures without a role table** (anything but llama, mistral, qwen2, gemma2, gemma3): planned with
 //!   a warning that the engine cannot run them; the embedding and the head are recognised by
 //!   name, and a head with no tensor of its own is tied to the embedding. Their
 //!   sliding-window layers ([`SlidingWindow`]) keep llama.cpp's SWA cache, `pad256(window +

@@ -18,7 +18,7 @@ use crate::synth::converted;
 use crate::window::{layer_cache, planned_window};
 
 /// The role of a tensor outside the repeating blocks, for every architecture: the one the
-/// checkpoint gave (llama, mistral, qwen2), else the one its name says. llama.cpp names the
+/// checkpoint gave (llama, mistral, qwen2, gemma2, gemma3), else the one its name says. llama.cpp names the
 /// input embedding, the output norm and the head `token_embd`, `output_norm` and `output` in
 /// every architecture; transformers calls them `*embed_tokens`, `model.norm` and `lm_head` (under
 /// `language_model` in a multimodal model).
