@@ -220,12 +220,36 @@ def make_tokenizer(sp: spm.SentencePieceProcessor) -> GemmaTokenizer:
         vocab=vocab,
         merges=[(a, b) for *_, a, b in merges],
         additional_special_tokens=SPECIALS[1:],
+        add_bos_token=True,
     )
     tok.chat_template = CHAT_TEMPLATE
     for s in TOKENIZE + CORPUS:
         got, want = tok.encode(s, add_special_tokens=False), sp.encode(s)
         assert got == want, (s, got, want)
+    assert tok.encode("hi") == [sp.bos_id()] + sp.encode("hi"), tok.encode("hi")
     return tok
+
+
+def mark_specials(folder: Path, sp: spm.SentencePieceProcessor) -> None:
+    """Google's Gemma repositories list their special tokens in tokenizer_config.json's
+    ``added_tokens_decoder`` (transformers 5 keeps them in tokenizer.json only); the GGUF
+    converter reads them there to type them CONTROL, so they are written the same way here."""
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["add_bos_token"] = True
+    cfg["add_eos_token"] = False
+    cfg["added_tokens_decoder"] = {
+        str(i): {
+            "content": sp.id_to_piece(i),
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i in range(7)
+    }
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def make_model(family: str):
@@ -380,6 +404,7 @@ def build(family: str, root: Path, sp_model: bytes) -> dict[str, object]:
     model = make_model(family)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    mark_specials(out, sp)
     # The converter reads the sentencepiece model itself.
     (out / "tokenizer.model").write_bytes(sp_model)
 

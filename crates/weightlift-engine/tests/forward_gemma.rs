@@ -79,6 +79,43 @@ fn q8_0_gguf_exact_matches_transformers_on_dequantised_weights() {
     }
 }
 
+/// Against llama.cpp on the same GGUF files (its logits recorded by the generator through
+/// llama-cpp-python): the F32 file within llama.cpp's own distance to transformers (its GELU
+/// goes through an f16 table), and the Q8_0 file, in both compute modes, no further from
+/// transformers' f32 logits than llama.cpp is.
+#[test]
+fn gguf_files_are_within_llama_cpps_distance_to_transformers() {
+    for f in FAMILIES {
+        let (_, hf) = read_npy(&data(f).join("hf_logits.npy"));
+        for ty in ["F32", "Q8_0"] {
+            let path = data(f).join(format!("tiny-{f}-{ty}.gguf"));
+            let (_, lc) = read_npy(&data(f).join(format!("llamacpp_logits_{ty}.npy")));
+            let theirs = max_abs_diff(&lc, &hf);
+            for compute in [Compute::Exact, Compute::Fast] {
+                let (mut m, cache) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
+                m.set_compute(compute);
+                let mut out = Vec::new();
+                m.forward(&ids(f), Some(&cache), Logits::All, &mut out)
+                    .unwrap();
+                let ours = max_abs_diff(&out, &hf);
+                let to_lc = max_abs_diff(&out, &lc);
+                eprintln!(
+                    "{f} {ty} {compute:?}: max|Δ| to transformers {ours:e} (llama.cpp's {theirs:e}), \
+                     to llama.cpp {to_lc:e}"
+                );
+                assert!(
+                    ours <= theirs,
+                    "{f} {ty} {compute:?}: {ours} > llama.cpp's {theirs}"
+                );
+                assert!(
+                    to_lc <= 2.0 * theirs,
+                    "{f} {ty} {compute:?}: {to_lc} from llama.cpp"
+                );
+            }
+        }
+    }
+}
+
 /// The backend op sequence (what a cuda device runs) gives the host path's bits, from both
 /// formats.
 #[test]
