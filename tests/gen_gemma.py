@@ -445,13 +445,15 @@ def build(family: str, root: Path, sp_model: bytes) -> dict[str, object]:
         sens["no_linear_scaling_on_global_layers"] = stats(
             ref, logits(variant(model, rope_parameters=rp), ids)
         )
-        sens["no_q_k_norms"] = stats(
+        sens["q_k_norm_weights_ignored"] = stats(
             ref,
             logits(
                 variant(
                     model,
                     lambda sd: [
-                        sd[k].fill_(0.0) for k in sd if k.endswith(("q_norm.weight", "k_norm.weight"))
+                        sd[k].fill_(0.0)
+                        for k in sd
+                        if k.endswith(("q_norm.weight", "k_norm.weight"))
                     ],
                 ),
                 ids,
@@ -491,7 +493,15 @@ def build(family: str, root: Path, sp_model: bytes) -> dict[str, object]:
         "sensitivity": sens,
         "gguf": {},
     }
-    report["chat"]["prompt_ids"] = [sp.bos_id()] + sp.encode(report["chat"]["prompt"][5:])
+    chat_ids = tok.apply_chat_template(
+        report["chat"]["messages"], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    assert chat_ids == [sp.bos_id()] + sp.encode(report["chat"]["prompt"][len("<bos>") :])
+    report["chat"]["prompt_ids"] = chat_ids
+    with torch.no_grad():
+        report["chat"]["greedy_ids"] = model.generate(
+            torch.tensor([chat_ids]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None
+        )[0, len(chat_ids) :].tolist()
 
     for ty in GGUF_TYPES:
         dest = out / f"tiny-{family}-{ty}.gguf"

@@ -196,7 +196,7 @@ fn the_checks_would_catch_each_mistake() {
     }
     far("gemma3", "local_rope_base_1e6_instead_of_1e4");
     far("gemma3", "no_linear_scaling_on_global_layers");
-    far("gemma3", "no_q_k_norms");
+    far("gemma3", "q_k_norm_weights_ignored");
     far("gemma2", "no_attention_softcap");
     far("gemma2", "no_final_softcap");
     far(
