@@ -17,7 +17,9 @@
 //! RoPE on a table of frequencies ([`Op::RopeInPlace`]), the cache rows in any of the cache's
 //! storage formats ([`Op::KvStore`] into a view), causal grouped-query [`Op::Attention`] over
 //! the cache,
-//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]).
+//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]; gemma's
+//! [`Op::GeGluTanhInPlace`], with its embedding scale [`Op::ScaleInPlace`] and the attention's
+//! sliding window and soft-cap).
 
 use std::collections::BTreeMap;
 
