@@ -78,6 +78,17 @@ def test_chat_completion_uses_gemmas_template(model) -> None:
     assert m.tokenize(chat["prompt"], add_bos=False, special=True) == chat["prompt_ids"]
 
 
+def test_end_of_turn_ends_a_generation(model) -> None:
+    """``<end_of_turn>`` (id 6) ends a turn by llama.cpp's end-of-generation rule: pushed to the
+    top by a logit bias, the reply stops there, empty."""
+    _, m = model
+    r = m.create_chat_completion(
+        [{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, logit_bias={6: 100.0}
+    )
+    assert r["choices"][0]["finish_reason"] == "stop", r
+    assert r["choices"][0]["message"]["content"] == ""
+
+
 def test_run_chat_through_the_cli() -> None:
     path = DATA / "tiny-gemma2" / "tiny-gemma2-F32.gguf"
     p = subprocess.run(
