@@ -70,7 +70,13 @@ pub(crate) fn attend(
     let isa = isa();
     let mut att = Attention::new(shape, s.kv_tile, t.stats, t.acc).map_err(kernel)?;
     let total = start + n;
-    let mut k0 = 0;
+    // a sliding layer's first query sees no key before `start + 1 - window`: the tiles wholly
+    // before it add nothing to any query, so they are neither decoded nor folded
+    let first = match s.window {
+        0 => 0,
+        w => (start + 1).saturating_sub(w) / s.kv_tile.max(1) * s.kv_tile.max(1),
+    };
+    let mut k0 = first;
     while k0 < total {
         let tk = s.kv_tile.min(total - k0);
         let (kt, vt) = (&mut t.kt[..tk * kvd], &mut t.vt[..tk * kvd]);

@@ -523,7 +523,11 @@ pub fn attention_with(
     let mut acc = vec![0f32; shape.acc_len()];
     let mut scores = vec![0f32; shape.scores_len(shape.n_q, tile)];
     let mut att = Attention::new(shape, tile, &mut stats, &mut acc)?;
-    let mut k0 = 0;
+    // with a window, the tiles wholly before the first query's window add nothing: skipped
+    let mut k0 = match shape.window {
+        0 => 0,
+        w => (shape.start + 1).saturating_sub(w) / tile.max(1) * tile.max(1),
+    };
     while k0 < keys {
         let rows = k0 * kvd..(k0 + tile.min(keys - k0)) * kvd;
         let (kt, vt) = (&k[rows.clone()], &v[rows]);
