@@ -668,7 +668,7 @@ def test_gemma3_plans_with_sliding_window_and_tied_head(tmp_path):
                 next(t.nbytes for t in ckpt.tensors if t.name == "output_norm.weight") + embd
             )
             w = "\n".join(p.warnings)
-            assert "the engine attends to the full context" in w, w
+            assert "the engine keeps every position in their cache" in w, w
             assert "is planned, but the engine runs only" not in w, w
 
 

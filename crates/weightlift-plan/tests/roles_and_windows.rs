@@ -147,9 +147,9 @@ fn sliding_window_kv_is_llama_cpps_swa_cache() {
 
 #[test]
 fn engine_architectures_keep_full_caches() {
-    // The engine attends to the full context for the architectures it runs (masking the
-    // window in attention): a window in the checkpoint does not shrink its cache, and the plan
-    // says so.
+    // The engine keeps every position in the caches of the architectures it runs (gemma masks
+    // the window in attention): a window in the checkpoint does not shrink their cache, and the
+    // plan says so.
     for arch in ["mistral", "gemma3", "gemma2"] {
         let mut req = gemma3_request(4096, 512);
         req.spec.architecture = arch.into();
@@ -163,7 +163,7 @@ fn engine_architectures_keep_full_caches() {
     assert!(
         p.warnings()
             .iter()
-            .any(|w| w.contains("the engine attends to the full context")),
+            .any(|w| w.contains("the engine keeps every position in their cache")),
         "{:?}",
         p.warnings()
     );

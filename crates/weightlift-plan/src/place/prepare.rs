@@ -320,7 +320,8 @@ impl<'a> Ctx<'a> {
                 )),
                 (None, Some(c)) if c.max_seq_len > w.window => Some(format!(
                     "the checkpoint gives layers {layers} a sliding window of {} tokens, but \
-                     the engine attends to the full context, so their kv holds all {} tokens",
+                     the engine keeps every position in their cache, so their kv holds all {} \
+                     tokens",
                     w.window, c.max_seq_len
                 )),
                 (None, _) => None,
