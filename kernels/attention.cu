@@ -85,7 +85,7 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
                                                   wl_u64 n_q, wl_u64 start, wl_u64 n_heads,
                                                   wl_u64 kv_heads, int head_dim, float scale,
                                                   int f16_operands, wl_u64 n_splits,
-                                                  WlAttShared sh) {
+                                                  wl_u64 window, float softcap, WlAttShared sh) {
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const wl_u64 group = n_heads / kv_heads;
@@ -120,6 +120,10 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
         }
         wl_u64 lo, hi;
         wl_att_split_range(per, s, start + i + 1, &lo, &hi);
+        // a sliding window: the keys at positions above start + i - window only (the splits
+        // stay those of the causal range, some of them empty)
+        const wl_u64 first = window != 0 && start + i + 1 > window ? start + i + 1 - window : 0;
+        if (lo < first) lo = first;
         for (wl_u64 j = lo + (wl_u64)warp; j < hi; j += WL_ATT_WARPS) {
             const wl_u64 row = j * kvd + kh * hd;
             // d < head_dim is the same for all lanes of a warp whenever the reader shuffles
@@ -144,7 +148,10 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
                     for (int r = 0; r < R; r++) t = fmaf(qr[g][r], kr[r], t);
                     for (int o = 16; o > 0; o >>= 1) t = WL_ADD(t, __shfl_xor_sync(0xffffffffu, t, o));
                     float keep, p;
-                    wl_att_step(WL_MUL(t, scale), f16_operands, &m[g], &l[g], &keep, &p);
+                    float w = WL_MUL(t, scale);
+                    // soft-capping (gemma2): softcap * tanh(w / softcap)
+                    if (softcap > 0.0f) w = WL_MUL(softcap, tanhf(w / softcap));
+                    wl_att_step(w, f16_operands, &m[g], &l[g], &keep, &p);
 #pragma unroll
                     for (int r = 0; r < R; r++) acc[g][r] = wl_att_accumulate(acc[g][r], keep, p, vr[r]);
                 }
@@ -207,7 +214,7 @@ template <typename K, typename V>
 __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* out, wl_u64 n_q,
                                              wl_u64 start, wl_u64 n_heads, wl_u64 kv_heads,
                                              int head_dim, float scale, int f16_operands,
-                                             wl_u64 n_splits) {
+                                             wl_u64 n_splits, wl_u64 window, float softcap) {
     __shared__ float s_acc[WL_ATT_WARPS * WL_ATT_REGS * 32];
     __shared__ float s_m[WL_ATT_WARPS * WL_ATT_MAX_GROUP];
     __shared__ float s_l[WL_ATT_WARPS * WL_ATT_MAX_GROUP];
@@ -222,15 +229,18 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
     switch (wl_att_lane_dims(head_dim)) {
         case 2:
             wl_attention_body<2, WL_ATT_HEADS(2)>(q, k, v, out, n_q, start, n_heads, kv_heads,
-                                                  head_dim, scale, f16_operands, n_splits, sh);
+                                                  head_dim, scale, f16_operands, n_splits, window,
+                                                  softcap, sh);
             break;
         case 4:
             wl_attention_body<4, WL_ATT_HEADS(4)>(q, k, v, out, n_q, start, n_heads, kv_heads,
-                                                  head_dim, scale, f16_operands, n_splits, sh);
+                                                  head_dim, scale, f16_operands, n_splits, window,
+                                                  softcap, sh);
             break;
         default:
             wl_attention_body<8, WL_ATT_HEADS(8)>(q, k, v, out, n_q, start, n_heads, kv_heads,
-                                                  head_dim, scale, f16_operands, n_splits, sh);
+                                                  head_dim, scale, f16_operands, n_splits, window,
+                                                  softcap, sh);
             break;
     }
 }
@@ -241,9 +251,9 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
     extern "C" __global__ void __launch_bounds__(WL_ATT_THREADS)                                   \
         attention_##NAME(const float* q, const KT* k, const VT* v, float* out, wl_u64 n_q,         \
                          wl_u64 start, wl_u64 n_heads, wl_u64 kv_heads, int head_dim, float scale, \
-                         int f16_operands, wl_u64 n_splits) {                                      \
+                         int f16_operands, wl_u64 n_splits, wl_u64 window, float softcap) {        \
         wl_attention(q, KR{k}, VR{v}, out, n_q, start, n_heads, kv_heads, head_dim, scale,         \
-                     f16_operands, n_splits);                                                      \
+                     f16_operands, n_splits, window, softcap);                                     \
     }
 
 WL_ATTENTION(f32, float, WlKvF32, float, WlKvF32)

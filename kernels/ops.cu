@@ -1,6 +1,6 @@
 // rms_norm_f32, rope_{norm,neox}_f32, softmax_f32, swiglu_f32, add_f32, and the in-place
 // forms the forward pass uses: rope_inplace_{norm,neox}_f32, add_inplace_f32,
-// swiglu_inplace_f32, add_bias_f32.
+// swiglu_inplace_f32, geglu_tanh_inplace_f32, scale_inplace_f32, add_bias_f32.
 #include "wl_common.cuh"
 
 // Block-wide sum for blockDim.x a multiple of 32, at most 1024; every thread must call it, and
@@ -217,6 +217,24 @@ extern "C" __global__ void swiglu_inplace_f32(float* gate, const float* up, wl_u
         float g = gate[i];
         gate[i] = WL_MUL(g / (1.0f + expf(-g)), up[i]);
     }
+}
+
+// gate = gelu_tanh(gate) * up (GeGLU): 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))), the
+// CPU reference's order of operations.
+extern "C" __global__ void geglu_tanh_inplace_f32(float* gate, const float* up, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        float inner = WL_MUL(WL_MUL(0.7978846f, g), WL_ADD(1.0f, WL_MUL(WL_MUL(0.044715f, g), g)));
+        float gelu = WL_MUL(WL_MUL(0.5f, g), WL_ADD(1.0f, tanhf(inner)));
+        gate[i] = WL_MUL(gelu, up[i]);
+    }
+}
+
+// x *= s (gemma's embedding scale).
+extern "C" __global__ void scale_inplace_f32(float* x, float s, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = WL_MUL(x[i], s);
 }
 
 // x[r * n_cols + c] += bias[c] over n = rows * n_cols values.

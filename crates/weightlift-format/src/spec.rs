@@ -410,7 +410,12 @@ impl ModelSpec {
             None => uint("n_positions")?
                 .ok_or_else(|| spec_err("max_position_embeddings", "missing from config.json"))?,
         };
-        let rope_params = get("rope_parameters").and_then(|p| p.get("rope_theta"));
+        // gemma3 keeps one set of parameters per attention type; the global layers' is the
+        // model's base (as the GGUF converter writes it)
+        let rope_params = get("rope_parameters").and_then(|p| {
+            p.get("rope_theta")
+                .or_else(|| p.get("full_attention").and_then(|f| f.get("rope_theta")))
+        });
         let rope_theta = match float("rope_parameters.rope_theta", rope_params)? {
             Some(v) => v,
             // transformers' LlamaConfig default.
@@ -434,7 +439,9 @@ impl ModelSpec {
         let rms_norm_eps = float("rms_norm_eps", get("rms_norm_eps"))?.unwrap_or(1e-6);
         // PretrainedConfig defaults to tied, but LlamaConfig, MistralConfig and Qwen2Config set
         // it false; the llama family is what we read.
-        let tie_word_embeddings = boolean("tie_word_embeddings")?.unwrap_or(false);
+        // Gemma's configs keep PretrainedConfig's tied default.
+        let tie_word_embeddings =
+            boolean("tie_word_embeddings")?.unwrap_or(names::is_gemma(&model_type));
         // Qwen2 has q/k/v biases and no `attention_bias` key.
         let attention_bias = boolean("attention_bias")?.unwrap_or(model_type == "qwen2");
 
@@ -459,7 +466,8 @@ impl ModelSpec {
     /// Architectures whose tensor roles are known.
     pub const SUPPORTED_ARCHITECTURES: &'static [&'static str] = names::SUPPORTED_ARCHITECTURES;
 
-    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2, qwen3, phi3).
+    /// Whether tensor roles are known for `architecture` (llama, mistral, qwen2, qwen3, phi3,
+    /// gemma2, gemma3).
     pub fn supports_roles(architecture: &str) -> bool {
         names::supports_roles(architecture)
     }

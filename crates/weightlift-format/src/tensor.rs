@@ -19,9 +19,9 @@ pub enum Role {
     AttnKBias,
     AttnVBias,
     AttnOutputBias,
-    /// Per-head RMSNorm weight of the queries (qwen3), `head_dim` long.
+    /// Per-head RMSNorm weight of the queries, before RoPE (qwen3, gemma3), `head_dim` long.
     AttnQNorm,
-    /// Per-head RMSNorm weight of the keys (qwen3), `head_dim` long.
+    /// Per-head RMSNorm weight of the keys, before RoPE (qwen3, gemma3), `head_dim` long.
     AttnKNorm,
     /// q, k and v stacked by rows in one matrix (phi3's `qkv_proj`).
     AttnQkv,
@@ -32,6 +32,10 @@ pub enum Role {
     FfnGate,
     FfnUp,
     FfnDown,
+    /// The norm of the attention block's output before the residual add (gemma2, gemma3).
+    AttnPostNorm,
+    /// The norm of the MLP's output before the residual add (gemma2, gemma3).
+    FfnPostNorm,
     OutputNorm,
     Output,
     RopeFreqs,
@@ -59,6 +63,8 @@ impl Role {
             Role::FfnGate => "ffn_gate",
             Role::FfnUp => "ffn_up",
             Role::FfnDown => "ffn_down",
+            Role::AttnPostNorm => "attn_post_norm",
+            Role::FfnPostNorm => "ffn_post_norm",
             Role::OutputNorm => "output_norm",
             Role::Output => "output",
             Role::RopeFreqs => "rope_freqs",

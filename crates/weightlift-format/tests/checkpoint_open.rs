@@ -157,7 +157,8 @@ fn unsupported_architecture_still_opens() {
     assert_eq!(
         c.warnings(),
         [
-            "unsupported architecture 'gpt2' for tensor roles (supported: llama, mistral, qwen2, qwen3, phi3)",
+            "unsupported architecture 'gpt2' for tensor roles (supported: llama, mistral, qwen2, \
+             qwen3, phi3, gemma2, gemma3, gemma3_text)",
             "config.json says tie_word_embeddings is false, but there is no lm_head.weight; the \
              output will reuse the embedding"
         ]

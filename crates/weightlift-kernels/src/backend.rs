@@ -17,7 +17,9 @@
 //! RoPE on a table of frequencies ([`Op::RopeInPlace`]), the cache rows in any of the cache's
 //! storage formats ([`Op::KvStore`] into a view), causal grouped-query [`Op::Attention`] over
 //! the cache,
-//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]).
+//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]; gemma's
+//! [`Op::GeGluTanhInPlace`], with its embedding scale [`Op::ScaleInPlace`] and the attention's
+//! sliding window and soft-cap).
 
 use std::collections::BTreeMap;
 
@@ -270,6 +272,25 @@ pub enum Op<'a, B> {
         /// Up.
         up: &'a B,
     },
+    /// `gate = gelu_tanh(gate) · up` over `n` f32 values, in place (GeGLU with the tanh GELU,
+    /// see [`crate::geglu_tanh_in_place`]).
+    GeGluTanhInPlace {
+        /// Values.
+        n: usize,
+        /// Gate, replaced by the product.
+        gate: &'a mut B,
+        /// Up.
+        up: &'a B,
+    },
+    /// `x *= s` over `n` f32 values (gemma's embedding scale).
+    ScaleInPlace {
+        /// Values.
+        n: usize,
+        /// The factor.
+        s: f32,
+        /// Values, scaled in place.
+        x: &'a mut B,
+    },
     /// Causal grouped-query attention of `n_q` queries at positions `start..start + n_q` over
     /// the first `start + n_q` rows of a KV cache: query `i` of head `h` meets keys
     /// `0..=start + i` of kv head `h / (n_heads / kv_heads)`, and
@@ -293,6 +314,12 @@ pub enum Op<'a, B> {
         start: usize,
         /// Multiplier of the scores (`1/√head_dim`).
         scale: f32,
+        /// A sliding window (0: none): query `i` meets only the keys at positions above
+        /// `start + i - window`.
+        window: usize,
+        /// Attention logit soft-capping (0: none): each scaled score `w` becomes
+        /// `softcap · tanh(w / softcap)`.
+        softcap: f32,
         /// Keys folded into the running softmax at a time by the CPU backend (the engine's
         /// attention tile, so that this operation gives the host forward pass's bits); the
         /// CUDA kernel keeps its own order.
@@ -387,6 +414,8 @@ impl<B> Op<'_, B> {
             Op::AddBias { .. } => "add_bias",
             Op::SwiGluInPlace { .. } => "swiglu_in_place",
             Op::Attention { .. } => "attention",
+            Op::GeGluTanhInPlace { .. } => "geglu_tanh_in_place",
+            Op::ScaleInPlace { .. } => "scale_in_place",
         }
     }
 }

@@ -563,6 +563,19 @@ impl CpuBackend {
                     up.typed("swiglu up values", n)?,
                 )
             }
+            Op::GeGluTanhInPlace { n, gate, up } => {
+                self.own(gate)?;
+                self.own(up)?;
+                cpu::ops::geglu_tanh_in_place(
+                    gate.typed_mut("geglu gate values", n)?,
+                    up.typed("geglu up values", n)?,
+                )
+            }
+            Op::ScaleInPlace { n, s, x } => {
+                self.own(x)?;
+                cpu::ops::scale_in_place(x.typed_mut("scaled values", n)?, s);
+                Ok(())
+            }
             Op::Attention {
                 k_format,
                 v_format,
@@ -572,6 +585,8 @@ impl CpuBackend {
                 n_q,
                 start,
                 scale,
+                window,
+                softcap,
                 tile,
                 f16_operands,
                 q,
@@ -602,7 +617,8 @@ impl CpuBackend {
                     s.start,
                     scale,
                     f16_operands,
-                )?;
+                )?
+                .masked(window, softcap);
                 cpu::attention::attention(
                     shape,
                     s.tile,

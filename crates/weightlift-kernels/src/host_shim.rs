@@ -595,6 +595,7 @@ pub fn attention(
         start,
         scale,
         f16_operands,
+        ..
     } = shape;
     let turned = k_format.quant().is_some() || v_format.quant().is_some();
     if head_dim > crate::sources::ATTENTION_MAX_HEAD_DIM || (turned && head_dim % 32 != 0) {

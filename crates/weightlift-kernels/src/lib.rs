@@ -46,7 +46,8 @@ pub use cpu::kv::{KV_GROUP, KvType, kv_dequantize, kv_quantize};
 pub use cpu::kv_format::{KvFormat, e4m3, hadamard, kv_decode, kv_encode};
 pub use cpu::matvec::{MatvecMode, matmul, matmul_f16, matvec, matvec_f16};
 pub use cpu::ops::{
-    RopeParams, RopeStyle, add, rms_norm, rope, rope_in_place, rope_inv_freqs, softmax, swiglu,
+    RopeParams, RopeStyle, add, geglu_tanh_in_place, gelu_tanh, rms_norm, rope, rope_in_place,
+    rope_inv_freqs, scale_in_place, softcap_in_place, softmax, swiglu,
 };
 pub use cpu::quantize::{
     QUANTIZE_TYPES, can_quantize, quantize_row, quantize_rows, quantize_rows_from,

@@ -169,16 +169,21 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // (x, y, n): x += y, x = silu(x) * y
     ("add_inplace_", &[Ptr, Ptr, U64]),
     ("swiglu_inplace_", &[Ptr, Ptr, U64]),
+    ("geglu_tanh_inplace_", &[Ptr, Ptr, U64]),
+    // (x, s, n): x *= s
+    ("scale_inplace_", &[Ptr, F32, U64]),
     // (x, bias, n values, n_cols)
     ("add_bias_", &[Ptr, Ptr, U64, U64]),
     // the splits merged, before the family its name starts with: (part, out, n_q, n_heads,
     // head_dim, n_splits)
     ("attention_reduce_", &[Ptr, Ptr, U64, U64, I32, U64]),
     // (q, k, v, out or partial results, n_q, start, n_heads, kv_heads, head_dim, scale,
-    // f16_operands, n_splits)
+    // f16_operands, n_splits, window, softcap)
     (
         "attention_",
-        &[Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64],
+        &[
+            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, U64, F32,
+        ],
     ),
     // (x, positions, out, n_pairs, n_heads, head_dim, n_dims, freq_base, freq_scale)
     ("rope_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32, F32, F32]),

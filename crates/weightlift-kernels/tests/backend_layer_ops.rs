@@ -1,7 +1,8 @@
 //! The operations one decoder layer adds to the backends, on every backend present
 //! (`test_device!`): RoPE in place on a frequency table, the residual add (alone and fused with
 //! the next norm), the bias add, the
-//! gated MLP in place, causal grouped-query attention over an f32 or f16 cache, and views of
+//! gated MLP in place (SwiGLU and gemma's GeGLU), gemma's embedding scale, causal grouped-query
+//! attention over an f32 or f16 cache (with gemma's sliding window and soft-cap), and views of
 //! parts of a buffer. References: f64 closed forms and a plain (two-pass) f64 softmax. The CUDA
 //! cases skip, saying why, without a GPU.
 
@@ -305,6 +306,8 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
     let mut out = b.alloc(256)?;
     let mut att = |n_heads, kv_heads, start| {
         b.run(Op::Attention {
+            window: 0,
+            softcap: 0.0,
             k_format: KvFormat::F32,
             v_format: KvFormat::F32,
             n_heads,
@@ -379,6 +382,8 @@ fn attention_case<B: Backend>(
                     None
                 };
                 b.run(Op::Attention {
+                    window: 0,
+                    softcap: 0.0,
                     k_format,
                     v_format,
                     n_heads: nh,
@@ -415,6 +420,134 @@ fn attention_case<B: Backend>(
     }
     Ok(())
 }
+
+/// Gemma's operations: GeGLU with the tanh GELU and the scale in place against their f64 closed
+/// forms, and attention with a sliding window and a logit soft-cap against an f64 softmax over
+/// the window's capped scores (1 and 6 queries after 0, 9 and 40 cached positions, windows of
+/// 1, 4 and 8, caps of 0 and 3, split across blocks on CUDA where the scratch allows).
+fn gemma_ops_match_their_definitions<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x6e33);
+    let n = 3000;
+    let (x, y) = (rng.vec(n, 4.0), rng.vec(n, 2.0));
+    let yb = f32s(b, &y)?;
+    let mut gb = f32s(b, &x)?;
+    b.run(Op::GeGluTanhInPlace {
+        n,
+        gate: &mut gb,
+        up: &yb,
+    })?;
+    let got = download_f32(b, &gb, n)?;
+    for i in 0..n {
+        let (g, u) = (f64::from(x[i]), f64::from(y[i]));
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let want = 0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh()) * u;
+        assert!(
+            close(got[i], want, 2e-6),
+            "{} geglu at {i}: {} vs {want}",
+            b.name(),
+            got[i]
+        );
+    }
+    let mut xb = f32s(b, &x)?;
+    b.run(Op::ScaleInPlace {
+        n,
+        s: 8.0,
+        x: &mut xb,
+    })?;
+    let got = download_f32(b, &xb, n)?;
+    for i in 0..n {
+        assert_eq!(got[i], x[i] * 8.0, "{} scale at {i}", b.name());
+    }
+
+    let (nh, kvh, hd) = (4, 2, 32);
+    let kvd = kvh * hd;
+    for (n_q, start) in [(1, 0), (6, 0), (1, 9), (6, 9), (1, 40), (6, 40)] {
+        let rows = start + n_q;
+        let q = rng.vec(n_q * nh * hd, 2.0);
+        let k = rng.vec(rows * kvd, 2.0);
+        let v = rng.vec(rows * kvd, 1.0);
+        let (qb, kb, vb) = (f32s(b, &q)?, f32s(b, &k)?, f32s(b, &v)?);
+        for window in [1, 4, 8] {
+            for cap in [0.0f32, 3.0] {
+                let scale = 1.0 / (hd as f64).sqrt();
+                let mut want = vec![0f64; q.len()];
+                for i in 0..n_q {
+                    let p = start + i;
+                    let lo = (p + 1).saturating_sub(window);
+                    for h in 0..nh {
+                        let kh = h / (nh / kvh);
+                        let qi = &q[(i * nh + h) * hd..][..hd];
+                        let s: Vec<f64> = (lo..=p)
+                            .map(|j| {
+                                let kr = &k[j * kvd + kh * hd..][..hd];
+                                let d: f64 = qi
+                                    .iter()
+                                    .zip(kr)
+                                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                                    .sum();
+                                let w = d * scale;
+                                if cap > 0.0 {
+                                    f64::from(cap) * (w / f64::from(cap)).tanh()
+                                } else {
+                                    w
+                                }
+                            })
+                            .collect();
+                        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                        let z: f64 = e.iter().sum();
+                        for d in 0..hd {
+                            want[(i * nh + h) * hd + d] = (lo..=p)
+                                .zip(&e)
+                                .map(|(j, e)| e * f64::from(v[j * kvd + kh * hd + d]))
+                                .sum::<f64>()
+                                / z;
+                        }
+                    }
+                }
+                let full = nh * sources::ATTENTION_MAX_SPLITS * (hd + 2);
+                for (tile, room) in [(1, full), (256, full), (256, 0)] {
+                    let mut out = b.alloc(q.len() * 4)?;
+                    let mut scratch = if room > 0 {
+                        Some(b.alloc(room * 4)?)
+                    } else {
+                        None
+                    };
+                    b.run(Op::Attention {
+                        k_format: KvFormat::F32,
+                        v_format: KvFormat::F32,
+                        n_heads: nh,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        n_q,
+                        start,
+                        scale: scale as f32,
+                        window,
+                        softcap: cap,
+                        tile,
+                        f16_operands: false,
+                        q: &qb,
+                        k: &kb,
+                        v: &vb,
+                        out: &mut out,
+                        scratch: scratch.as_mut(),
+                    })?;
+                    let got = download_f32(b, &out, q.len())?;
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (f64::from(*g) - w).abs() <= 2e-6,
+                            "{} attention n_q {n_q} start {start} window {window} cap {cap} \
+                             tile {tile} scratch {room}: value {i}: {g} vs {w}",
+                            b.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    b.synchronize()
+}
+test_device!(gemma_ops_match_their_definitions);
 
 /// Views read and write their part of a buffer in place; overlapping or out-of-range parts are
 /// errors.

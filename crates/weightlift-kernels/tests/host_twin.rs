@@ -985,6 +985,8 @@ mod twin {
         let (qb, kb, vb) = (up(bytemuck::cast_slice(q)), up(k), up(v));
         let mut out = b.alloc(q.len() * 4).unwrap();
         b.run(Op::Attention {
+            window: 0,
+            softcap: 0.0,
             k_format,
             v_format,
             n_heads: shape.n_heads,

@@ -68,12 +68,12 @@
 //!   non-offloaded layers) stream the fewest of them from disk when the host is too small,
 //!   the embedding first (a lookup reads only a few rows), then the last layers.
 //!
-//! - **architectures without a role table** (anything but llama, mistral, qwen2, qwen3, phi3):
-//!   planned with a warning that the engine cannot run them; the embedding and the head are
-//!   recognised by name, and a head with no tensor of its own is tied to the embedding. Their
-//!   sliding-window layers ([`SlidingWindow`]) keep llama.cpp's SWA cache, `pad256(window +
-//!   chunk)` cells; the engine attends to the full context for the architectures it runs, so
-//!   theirs keep full caches.
+//! - **architectures without a role table** (anything but llama, mistral, qwen2, qwen3,
+//!   phi3, gemma2, gemma3): planned with a warning that the engine cannot run them; the embedding and the
+//!   head are recognised by name, and a head with no tensor of its own is tied to the
+//!   embedding. Their sliding-window layers ([`SlidingWindow`]) keep llama.cpp's SWA cache,
+//!   `pad256(window + chunk)` cells; the engine keeps every position in the caches of the
+//!   architectures it runs, so theirs keep full caches.
 //!
 //! - **offloaded cache** ([`CacheSpec::offload`], transformers' `OffloadedCache`): every
 //!   layer's K and V live in host RAM and are charged to `cpu` (its kv column holds the whole

@@ -240,8 +240,8 @@ pub struct PlanRequest {
     pub budget_rule: BudgetRule,
     /// The model's sliding-window layers ([`SlidingWindow::from_gguf`],
     /// [`SlidingWindow::from_hf_config`]). Their caches are cut to the window for
-    /// architectures the engine does not run; the engine attends to the full context for
-    /// those it runs, and their plans keep every cache full.
+    /// architectures the engine does not run; the engine keeps every position in the caches
+    /// of those it runs, and their plans keep every cache full.
     #[serde(default)]
     pub sliding_window: Option<SlidingWindow>,
     /// Quantise the float linears on load ([`crate::quantize`]); `None` keeps the stored

@@ -210,8 +210,9 @@ impl SlidingWindow {
 }
 
 /// The window a plan sizes caches by: the request's, for an architecture the engine does not
-/// run. The engine attends to the full context for the architectures it runs (and allocates
-/// their caches that way), so their plans keep every layer's cache full.
+/// run. The engine keeps every position in the caches of the architectures it runs (gemma's
+/// sliding layers mask the window in attention over a full cache), so their plans keep every
+/// layer's cache full.
 pub(crate) fn planned_window(req: &PlanRequest) -> Option<&SlidingWindow> {
     let w = req.sliding_window.as_ref()?;
     (w.any() && !ModelSpec::supports_roles(&req.spec.architecture)).then_some(w)

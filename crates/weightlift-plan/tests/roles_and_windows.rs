@@ -1,8 +1,10 @@
-//! Architectures without a role table (gemma3 and the like): the head is tied from the tensor
+//! Architectures without a role table (cohere2 and the like): the head is tied from the tensor
 //! table, the plan warns that the engine cannot run them, and sliding-window layers keep only
-//! llama.cpp's SWA cache. The expected cells and layers come from llama.cpp's own log and the
-//! per-layer rules from transformers' config classes (tests/data/swa_reference.json, written
-//! by tests/gen_swa_reference.py).
+//! llama.cpp's SWA cache. The expected cells and layers come from llama.cpp's own log of a
+//! gemma3 (tests/data/swa_reference.json, written by tests/gen_swa_reference.py) and the
+//! per-layer rules from transformers' config classes; the engine now runs gemma3, with full
+//! caches, so the SWA sizes are checked on an architecture it does not run, with gemma3's
+//! layers and window.
 
 mod common;
 
@@ -43,7 +45,7 @@ fn without_roles(spec: &ModelSpec, arch: &str) -> (ModelSpec, Vec<TensorInfo>) {
 #[test]
 fn a_head_without_a_tensor_is_tied_for_every_architecture() {
     // Tied: no output.weight in the table.
-    let (spec, tensors) = without_roles(&tiny_llama(), "gemma3");
+    let (spec, tensors) = without_roles(&tiny_llama(), "cohere2");
     assert!(tensors.iter().all(|t| t.name != "output.weight"));
     let embd = tensors
         .iter()
@@ -71,14 +73,14 @@ fn a_head_without_a_tensor_is_tied_for_every_architecture() {
     // The engine runs the llama family only: the plan says so, and what it runs.
     let w = p.warnings().join("\n");
     assert!(
-        w.contains("architecture 'gemma3'") && w.contains("llama, mistral, qwen2"),
+        w.contains("architecture 'cohere2'") && w.contains("llama, mistral, qwen2, gemma2"),
         "{w}"
     );
 }
 
 #[test]
 fn hf_names_are_recognised_without_roles() {
-    let (spec, mut tensors) = without_roles(&tiny_llama(), "gemma3_text");
+    let (spec, mut tensors) = without_roles(&tiny_llama(), "cohere2");
     for t in &mut tensors {
         if t.name == "token_embd.weight" {
             t.name = "model.embed_tokens.weight".into();
@@ -100,14 +102,14 @@ fn hf_names_are_recognised_without_roles() {
     );
 }
 
-/// The tiny gemma3 of the reference, as a spec: 8 layers, 1 KV head of 32, window 300, every
-/// sixth layer full (llama.cpp's gemma3 pattern).
+/// The tiny gemma3 of the reference, as a spec of an architecture the engine does not run: 8
+/// layers, 1 KV head of 32, window 300, every sixth layer full (llama.cpp's gemma3 pattern).
 fn gemma3_request(n_ctx: u64, n_ubatch: u64) -> PlanRequest {
     let r = reference();
     let m = &r["model"];
     let n_layers = m["n_layers"].as_u64().unwrap() as u32;
     let mut spec = llama(n_layers, 64, 128, 2, 1, 32, 64, true);
-    spec.architecture = "gemma3".into();
+    spec.architecture = "cohere2".into();
     let tensors = synthesize_tensors(&spec, WeightType::parse("f16").unwrap()).unwrap();
     let mut req = PlanRequest::new(spec, tensors, devices("cpu:1GiB"));
     req.sliding_window = Some(SlidingWindow::periodic(
@@ -145,17 +147,23 @@ fn sliding_window_kv_is_llama_cpps_swa_cache() {
 
 #[test]
 fn engine_architectures_keep_full_caches() {
-    // The engine attends to the full context for the llama family: a window in the
-    // checkpoint does not shrink its cache, and the plan says so.
+    // The engine keeps every position in the caches of the architectures it runs (gemma masks
+    // the window in attention): a window in the checkpoint does not shrink their cache, and the
+    // plan says so.
+    for arch in ["mistral", "gemma3", "gemma2"] {
+        let mut req = gemma3_request(4096, 512);
+        req.spec.architecture = arch.into();
+        let p = plan(&req).unwrap();
+        let kv: u64 = p.devices().iter().map(|d| d.kv).sum();
+        assert_eq!(kv, 8 * 4096 * 2 * 32 * 2, "{arch}");
+    }
     let mut req = gemma3_request(4096, 512);
     req.spec.architecture = "mistral".into();
     let p = plan(&req).unwrap();
-    let kv: u64 = p.devices().iter().map(|d| d.kv).sum();
-    assert_eq!(kv, 8 * 4096 * 2 * 32 * 2);
     assert!(
         p.warnings()
             .iter()
-            .any(|w| w.contains("the engine attends to the full context")),
+            .any(|w| w.contains("the engine keeps every position in their cache")),
         "{:?}",
         p.warnings()
     );

@@ -23,6 +23,12 @@ pub(crate) struct Shape {
     /// llama.cpp's CPU matrix products do (its `vec_dot_type` for f16 is f16): the fast path's
     /// fidelity to llama.cpp.
     pub f16_operands: bool,
+    /// Multiplier of the scores.
+    pub scale: f32,
+    /// The sliding window (0: none).
+    pub window: usize,
+    /// Attention logit soft-cap (0: none).
+    pub softcap: f32,
 }
 
 /// Buffers of one device's workspace that attention uses.
@@ -57,14 +63,20 @@ pub(crate) fn attend(
     };
     let (hd, nh) = (s.head_dim, s.n_heads);
     let n = qo.len() / (nh * hd);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let shape =
-        AttnShape::new(nh, s.kv_heads, hd, n, start, scale, s.f16_operands).map_err(kernel)?;
+    let shape = AttnShape::new(nh, s.kv_heads, hd, n, start, s.scale, s.f16_operands)
+        .map_err(kernel)?
+        .masked(s.window, s.softcap);
     let kvd = shape.kv_dim();
     let isa = isa();
     let mut att = Attention::new(shape, s.kv_tile, t.stats, t.acc).map_err(kernel)?;
     let total = start + n;
-    let mut k0 = 0;
+    // a sliding layer's first query sees no key before `start + 1 - window`: the tiles wholly
+    // before it add nothing to any query, so they are neither decoded nor folded
+    let first = match s.window {
+        0 => 0,
+        w => (start + 1).saturating_sub(w) / s.kv_tile.max(1) * s.kv_tile.max(1),
+    };
+    let mut k0 = first;
     while k0 < total {
         let tk = s.kv_tile.min(total - k0);
         let (kt, vt) = (&mut t.kt[..tk * kvd], &mut t.vt[..tk * kvd]);

@@ -590,6 +590,8 @@ pub(crate) fn layer<B: Exec>(
         qk_norm: l.qk_norm.as_ref(),
         n_heads: cx.c.n_heads,
         kv_heads: l.kv_heads,
+        rope: l.rope.as_ref(),
+        window: l.window,
     };
     if pending {
         // the previous layer's MLP residual and this layer's attention norm in one op
@@ -605,6 +607,9 @@ pub(crate) fn layer<B: Exec>(
     } else {
         attention(b, cx, &attn, li, cache, pos, n, r)?;
     }
+    if let Some(f) = &l.post_attn_norm {
+        post_norm(b, cx, f, n, r, format!("layer {li} post_attention_norm"))?;
+    }
     // the attention block's residual and the MLP's norm in one op
     add_norm(
         b,
@@ -615,6 +620,9 @@ pub(crate) fn layer<B: Exec>(
         format!("layer {li} residual and ffn_norm"),
     )?;
     mlp_normed(b, cx, [&l.gate, &l.up, &l.down], li, n, r)?;
+    if let Some(f) = &l.post_ffn_norm {
+        post_norm(b, cx, f, n, r, format!("layer {li} post_ffw_norm"))?;
+    }
     if defer {
         return Ok(());
     }
@@ -661,6 +669,61 @@ fn add_norm<B: Exec>(
     .map_err(cx.err(what))
 }
 
+/// `xn = RMSNorm(xn) · norm` over `n` tokens (a block's post-norm), through the gate region
+/// (free between the blocks; the graph checked it holds a hidden row per token).
+fn post_norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    n: usize,
+    r: &mut Regions<'_, B::Buffer>,
+    what: String,
+) -> Result<()> {
+    head_norm(
+        b,
+        cx,
+        norm,
+        (n, cx.c.hidden),
+        (&mut r.xn, &mut r.gate),
+        what,
+    )
+}
+
+/// `x = RMSNorm(x) · norm` over `rows` rows of `cols` values, in place through `tmp` (which
+/// holds at least as many values).
+fn head_norm<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm: &Floats,
+    (rows, cols): (usize, usize),
+    (x, tmp): (&mut B::Buffer, &mut B::Buffer),
+    what: String,
+) -> Result<()> {
+    b.run(Op::RmsNorm {
+        n_rows: rows,
+        n_cols: cols,
+        eps: cx.c.eps,
+        x: &*x,
+        weight: &*b.floats(norm, cx.held)?,
+        out: &mut *tmp,
+    })
+    .map_err(cx.err(what.clone()))?;
+    b.copy(&*tmp, 0, x, 0, rows * cols * 4)
+        .map_err(cx.err(what))
+}
+
+/// `x *= s` over `n` values (the embedding scale).
+pub(crate) fn scale<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    n: usize,
+    s: f32,
+    x: &mut B::Buffer,
+) -> Result<()> {
+    b.run(Op::ScaleInPlace { n, s, x })
+        .map_err(cx.err("embedding scale"))
+}
+
 /// `x += xn` over `n` values: a block's output added to the residual stream.
 fn residual<B: Exec>(
     b: &B,
@@ -689,6 +752,10 @@ pub(crate) struct AttnShare<'a> {
     pub qk_norm: Option<&'a [Floats; 2]>,
     pub n_heads: usize,
     pub kv_heads: usize,
+    /// The layer's own RoPE angles (else the workspace's table).
+    pub rope: Option<&'a Floats>,
+    /// The sliding window (0: none).
+    pub window: usize,
 }
 
 /// An attention block's heads of `a` on `n` tokens at `pos` (positions in `r.pos`), their rows
@@ -735,16 +802,27 @@ pub(crate) fn attention_normed<B: Exec>(
     if let Some([qn, kn]) = a.qk_norm {
         // normed into the attention output's region (free until attention writes it), then
         // copied back where RoPE and the cache read them
-        head_norm(b, cx, qn, n * nh, (&mut r.q, &mut r.att), at("q_norm"))?;
+        head_norm(
+            b,
+            cx,
+            qn,
+            (n * nh, hd),
+            (&mut r.q, &mut r.att),
+            at("q_norm"),
+        )?;
         head_norm(
             b,
             cx,
             kn,
-            n * a.kv_heads,
+            (n * a.kv_heads, hd),
             (&mut r.k, &mut r.att),
             at("k_norm"),
         )?;
     }
+    let own = match a.rope {
+        Some(f) => Some(b.floats(f, cx.held)?),
+        None => None,
+    };
     for (x, heads) in [(&mut r.q, nh), (&mut r.k, a.kv_heads)] {
         b.run(Op::RopeInPlace {
             params: c.rope,
@@ -752,7 +830,7 @@ pub(crate) fn attention_normed<B: Exec>(
             n_heads: heads,
             x,
             positions: &r.pos,
-            inv_freqs: &r.freqs,
+            inv_freqs: own.as_deref().unwrap_or(&r.freqs),
         })
         .map_err(cx.err(at("rope")))?;
     }
@@ -770,7 +848,9 @@ pub(crate) fn attention_normed<B: Exec>(
             head_dim: hd,
             n_q: n,
             start: pos,
-            scale: 1.0 / (hd as f32).sqrt(),
+            scale: c.attn_scale,
+            window: a.window,
+            softcap: c.attn_softcap,
             tile: c.kv_tile,
             f16_operands: c.compute.f16_operands(cache.config().dtype),
             q: &r.q,
@@ -787,28 +867,6 @@ pub(crate) fn attention_normed<B: Exec>(
         cache.with_layer(li, attend)?;
     }
     cx.linear(b, a.o, &r.att, n, &mut r.xn)
-}
-
-/// `x = RMSNorm(x) · norm` over `rows` head vectors of `head_dim` values, through `tmp`.
-fn head_norm<B: Exec>(
-    b: &B,
-    cx: &Ctx<'_>,
-    norm: &Floats,
-    rows: usize,
-    (x, tmp): (&mut B::Buffer, &mut B::Buffer),
-    what: String,
-) -> Result<()> {
-    let hd = cx.c.head_dim;
-    b.run(Op::RmsNorm {
-        n_rows: rows,
-        n_cols: hd,
-        eps: cx.c.eps,
-        x,
-        weight: &*b.floats(norm, cx.held)?,
-        out: tmp,
-    })
-    .map_err(cx.err(what.clone()))?;
-    b.copy(tmp, 0, x, 0, rows * hd * 4).map_err(cx.err(what))
 }
 
 /// An MLP's rows `[gate, up, down]` (all of them, or a device's share under tensor parallelism)
@@ -837,12 +895,19 @@ pub(crate) fn mlp_normed<B: Exec>(
 ) -> Result<()> {
     let at = |what: &str| format!("layer {li} {what}");
     cx.linears(b, &r.xn, n, vec![(gate, &mut r.gate), (up, &mut r.up)])?;
-    b.run(Op::SwiGluInPlace {
-        n: n * gate.rows,
-        gate: &mut r.gate,
-        up: &r.up,
-    })
-    .map_err(cx.err(at("swiglu")))?;
+    let op = match cx.c.gate {
+        super::family::Gate::Silu => Op::SwiGluInPlace {
+            n: n * gate.rows,
+            gate: &mut *r.gate,
+            up: &*r.up,
+        },
+        super::family::Gate::GeluTanh => Op::GeGluTanhInPlace {
+            n: n * gate.rows,
+            gate: &mut *r.gate,
+            up: &*r.up,
+        },
+    };
+    b.run(op).map_err(cx.err(at("gated activation")))?;
     cx.linear(b, down, &r.gate, n, &mut r.xn)
 }
 

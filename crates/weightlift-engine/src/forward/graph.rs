@@ -21,8 +21,9 @@ use weightlift_format::{ModelSpec, Role, is_quantized_part};
 use weightlift_kernels::{CpuBackend, RopeParams};
 use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
 
+use super::family::Family;
 use super::onload::Onload;
-use super::parts::{Floats, Layer, Linear, Slot, floats, place};
+use super::parts::{Floats, Layer, Linear, Slot, floats, place, shifted};
 use super::rope::rope_of;
 use super::weights::{PackedLinear, Packing, runnable_quantization};
 use super::{Site, SiteExec};
@@ -62,6 +63,23 @@ pub fn check_runs(architecture: &str) -> Result<()> {
     })
 }
 
+/// `Ok` when the tensor-parallel pass runs `architecture` (it runs the forward pass's
+/// architectures but gemma's, whose post-norms, GeGLU, sliding windows and soft-caps run on a
+/// layer split only).
+pub fn check_tensor_parallel(architecture: &str) -> Result<()> {
+    check_runs(architecture)?;
+    if matches!(architecture, "gemma2" | "gemma3" | "gemma3_text") {
+        return Err(EngineError::Unsupported {
+            what: format!("tensor parallelism for '{architecture}'"),
+            detail: "gemma's post-norms, GeGLU, sliding windows and soft-caps run on a layer \
+                     split only; load with a layer split (autosplit, layers, balanced) instead \
+                     of tensor_parallel"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
 /// The graph of a loaded model, with one workspace per computing device.
 #[derive(Debug)]
 pub(crate) struct Graph {
@@ -78,6 +96,7 @@ pub(crate) struct Graph {
     inv_freqs: Vec<f32>,
     max_dq: usize,
     onload: Option<Onload>,
+    family: Family,
 }
 
 /// What the model's state lends the graph to build it.
@@ -190,7 +209,12 @@ impl Graph {
                 None => linear(need(role, layer)?, bias, layer),
             }
         };
-        let norm = |i: usize| floats(m.held, infos, i);
+        let family = Family::of(m, spec)?;
+        let norm = |i: usize| shifted(m.held, infos, i, family.norm_offset);
+        let optional = |role: Role, layer: Option<u32>| -> Result<Option<Floats>> {
+            find(role, layer).map(norm).transpose()
+        };
+        let (rope, inv_freqs) = rope_of(m, spec)?;
         // The row blocks of a stacked matrix (phi3's qkv and gate_up), `parts` rows each in
         // order, each multiplied as a matrix of its own from its rows of the held tensor.
         let stacked = |role: Role, parts: &[usize], layer: Option<u32>| -> Result<Vec<Linear>> {
@@ -331,6 +355,22 @@ impl Graph {
                 gate,
                 up,
                 down: matrix(Role::FfnDown, None, at)?,
+                post_attn_norm: optional(Role::AttnPostNorm, at)?,
+                post_ffn_norm: optional(Role::FfnPostNorm, at)?,
+                window: family.windows[l as usize],
+                rope: match family.ropes[l as usize] {
+                    Some((base, scale)) => {
+                        let p = RopeParams {
+                            freq_base: base,
+                            freq_scale: scale,
+                            ..rope
+                        };
+                        let table = weightlift_kernels::rope_inv_freqs(&p, None)
+                            .map_err(|e| super::layer::kernel("rope frequencies", e))?;
+                        Some(Floats::computed(format!("layer {l} rope angles"), table))
+                    }
+                    None => None,
+                },
                 group: None,
             });
         }
@@ -408,7 +448,6 @@ impl Graph {
             })
             .collect::<Result<Vec<_>>>()?;
 
-        let (rope, inv_freqs) = rope_of(m, spec)?;
         let mut g = Graph {
             sites,
             layers,
@@ -423,6 +462,7 @@ impl Graph {
             inv_freqs,
             max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
             onload,
+            family,
         };
         g.check_shapes(spec)?;
         g.check_packings(m.held, m.copies)?;
@@ -511,6 +551,12 @@ impl Graph {
             for n in l.qk_norm.iter_mut().flatten() {
                 place(n, held, &dev)?;
             }
+            for f in [&mut l.post_attn_norm, &mut l.post_ffn_norm, &mut l.rope]
+                .into_iter()
+                .flatten()
+            {
+                place(f, held, &dev)?;
+            }
             for lin in [&mut l.q, &mut l.k, &mut l.v, &mut l.o] {
                 if let Some(b) = &mut lin.bias {
                     place(b, held, &dev)?;
@@ -562,6 +608,16 @@ impl Graph {
             expect(&l.gate, i, h)?;
             expect(&l.up, i, h)?;
             expect(&l.down, h, i)?;
+            // the post-norms' output is written to the gate region on the way back
+            if (l.post_attn_norm.is_some() || l.post_ffn_norm.is_some()) && i < h {
+                return Err(EngineError::Unsupported {
+                    what: format!(
+                        "post-norms with an intermediate size {i} below the hidden size {h}"
+                    ),
+                    detail: "the forward pass norms the block outputs through the MLP's workspace"
+                        .into(),
+                });
+            }
         }
         expect(&self.head, self.dims.vocab as usize, h)?;
         expect(&self.embed, self.dims.vocab as usize, h)
@@ -573,5 +629,25 @@ impl Graph {
             .iter()
             .map(|s| (s.device.name().to_owned(), s.layout.bytes))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_parallel_refuses_gemma_by_name() {
+        for arch in ["gemma2", "gemma3", "gemma3_text"] {
+            assert!(check_runs(arch).is_ok(), "{arch}");
+            let e = check_tensor_parallel(arch).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("tensor parallelism for '{arch}'")),
+                "{e}"
+            );
+            assert!(e.contains("layer split"), "{e}");
+        }
+        assert!(check_tensor_parallel("qwen2").is_ok());
+        assert!(check_tensor_parallel("phi3").is_err());
     }
 }

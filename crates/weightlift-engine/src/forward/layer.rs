@@ -9,6 +9,7 @@ use weightlift_kernels::RopeParams;
 use weightlift_kernels::cpu::matvec::{matmul, matvec};
 
 use super::attention::{self, Shape, Tiles};
+use super::family::{Family, Gate};
 use super::parts::{Layer, Linear, Slot};
 use super::weights::Packing;
 use super::{Compute, Views, host_bytes};
@@ -29,6 +30,12 @@ pub(crate) struct Consts {
     pub compute: Compute,
     /// The LLM.int8 outlier threshold.
     pub int8_threshold: f32,
+    /// The MLP's gating activation.
+    pub gate: Gate,
+    /// Multiplier of the attention scores.
+    pub attn_scale: f32,
+    /// Attention logit soft-cap (0: none).
+    pub attn_softcap: f32,
 }
 
 impl Consts {
@@ -49,6 +56,19 @@ impl Consts {
             max_dq,
             compute,
             int8_threshold,
+            gate: Gate::Silu,
+            attn_scale: 1.0 / (d.head_dim as f32).sqrt(),
+            attn_softcap: 0.0,
+        }
+    }
+
+    /// These constants with the variants of `f`.
+    pub fn with_family(self, f: &Family) -> Consts {
+        Consts {
+            gate: f.gate,
+            attn_scale: f.attn_scale,
+            attn_softcap: f.attn_softcap,
+            ..self
         }
     }
 }
@@ -112,7 +132,10 @@ pub(super) fn run_layer(
             *slot = (p.pos + t) as i32;
         }
     }
-    let freqs = &w.freqs[..c.rope.n_dims / 2];
+    let freqs = match &l.rope {
+        Some(f) => &f.host[..c.rope.n_dims / 2],
+        None => &w.freqs[..c.rope.n_dims / 2],
+    };
     weightlift_kernels::rope_in_place(&mut w.q[..n * qd], &w.pos[..n], &c.rope, freqs)
         .map_err(err("rope"))?;
     weightlift_kernels::rope_in_place(&mut w.k[..n * kvd], &w.pos[..n], &c.rope, freqs)
@@ -135,6 +158,9 @@ pub(super) fn run_layer(
             kv_tile: c.kv_tile,
             q_tile: c.q_tile,
             f16_operands: c.compute.f16_operands(cache.config().dtype),
+            scale: c.attn_scale,
+            window: l.window,
+            softcap: c.attn_softcap,
         };
         let tiles = Tiles {
             kt: &mut *w.kt,
@@ -155,6 +181,7 @@ pub(super) fn run_layer(
         )?;
     }
     linear_pieces(c, wts, &l.o, pieces, w.q, w.xn)?;
+    post_norm(c, l.post_attn_norm.as_ref(), n * h, w).map_err(err("post_attention_norm"))?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
     // MLP
     weightlift_kernels::rms_norm(&w.x[..n * h], &l.ffn_norm.host, c.eps, &mut w.xn[..n * h])
@@ -162,8 +189,17 @@ pub(super) fn run_layer(
     let i = l.gate.rows;
     linear_pieces(c, wts, &l.gate, pieces, w.xn, w.gate)?;
     linear_pieces(c, wts, &l.up, pieces, w.xn, w.up)?;
-    swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i]).map_err(err("swiglu"))?;
+    match c.gate {
+        Gate::Silu => {
+            swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i]).map_err(err("swiglu"))?;
+        }
+        Gate::GeluTanh => {
+            weightlift_kernels::geglu_tanh_in_place(&mut w.gate[..n * i], &w.up[..n * i])
+                .map_err(err("geglu"))?;
+        }
+    }
     linear_pieces(c, wts, &l.down, pieces, w.gate, w.xn)?;
+    post_norm(c, l.post_ffn_norm.as_ref(), n * h, w).map_err(err("post_ffw_norm"))?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
     Ok(())
 }
@@ -215,6 +251,22 @@ pub(super) fn linear_pieces(
     for (start, n) in runs {
         let (xs, ys) = (&x[start * l.cols..], &mut y[start * l.rows..]);
         linear_on(c, wts, l, xs, n, ys)?;
+    }
+    Ok(())
+}
+
+/// `xn = RMSNorm(xn) · norm` over `len` values, through the gate region, when the block has a
+/// post-norm.
+fn post_norm(
+    c: &Consts,
+    norm: Option<&super::parts::Floats>,
+    len: usize,
+    w: &mut Views<'_>,
+) -> weightlift_kernels::Result<()> {
+    if let Some(f) = norm {
+        let tmp = &mut w.gate[..len];
+        weightlift_kernels::rms_norm(&w.xn[..len], &f.host, c.eps, tmp)?;
+        w.xn[..len].copy_from_slice(tmp);
     }
     Ok(())
 }

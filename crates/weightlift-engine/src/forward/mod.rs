@@ -1,5 +1,5 @@
-//! The forward pass of the llama family (llama, mistral, qwen2, qwen3, phi3), carried out where
-//! the plan put every layer.
+//! The forward pass of the llama family (llama, mistral, qwen2, qwen3, phi3) and of gemma2 and
+//! gemma3, carried out where the plan put every layer.
 //!
 //! - Each layer computes on the device that holds it. `cpu`, `disk` (computed by the host) and
 //!   `virtual:N` run the CPU kernels on host memory; `cuda:N` runs the same layer as a sequence
@@ -32,6 +32,7 @@ mod attention;
 mod boundary;
 mod embed;
 mod exec;
+mod family;
 mod graph;
 mod layer;
 mod logits;

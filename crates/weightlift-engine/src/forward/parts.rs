@@ -33,6 +33,23 @@ pub(crate) struct Floats {
     pub held_on_device: bool,
     /// A copy on the computing cuda device.
     pub device: Option<Buffer>,
+    /// The values are computed from the held tensor (shifted) or from no tensor (a RoPE
+    /// table): a cuda device reads a copy, never the tensor.
+    pub derived: bool,
+}
+
+impl Floats {
+    /// Values made at build, read from no tensor.
+    pub fn computed(name: String, host: Vec<f32>) -> Floats {
+        Floats {
+            host,
+            index: usize::MAX,
+            name,
+            held_on_device: false,
+            device: None,
+            derived: true,
+        }
+    }
 }
 
 /// A matrix `rows × cols` and its optional f32 bias.
@@ -90,12 +107,21 @@ pub(crate) struct Layer {
     pub v: Linear,
     pub o: Linear,
     /// Per-head RMSNorm weights of the queries and keys (`head_dim` each), applied after the
-    /// projections and before RoPE, when the architecture has them (qwen3).
+    /// projections and before RoPE, when the architecture has them (qwen3, gemma3).
     pub qk_norm: Option<[Floats; 2]>,
     pub ffn_norm: Floats,
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
+    /// Norms of the attention block's and the MLP's outputs before their residual adds
+    /// (gemma2, gemma3).
+    pub post_attn_norm: Option<Floats>,
+    pub post_ffn_norm: Option<Floats>,
+    /// The sliding window of this layer's attention (0: full).
+    pub window: usize,
+    /// This layer's own RoPE angles, where they differ from the model's (gemma3's local and
+    /// global bases).
+    pub rope: Option<Floats>,
     /// The onload group, when the layer's weights stay on cpu or disk and are copied in.
     pub group: Option<usize>,
 }
@@ -141,12 +167,27 @@ pub(super) fn f32_vector(held: &Held, info: &TensorInfo) -> Result<Vec<f32>> {
 }
 
 pub(super) fn floats(held: &[Held], infos: &[TensorInfo], i: usize) -> Result<Floats> {
+    shifted(held, infos, i, 0.0)
+}
+
+/// [`floats`] plus `offset` on every value (a `(1 + w)` norm stored as `w`).
+pub(super) fn shifted(
+    held: &[Held],
+    infos: &[TensorInfo],
+    i: usize,
+    offset: f32,
+) -> Result<Floats> {
+    let mut host = f32_vector(&held[i], &infos[i])?;
+    if offset != 0.0 {
+        host.iter_mut().for_each(|v| *v += offset);
+    }
     Ok(Floats {
-        host: f32_vector(&held[i], &infos[i])?,
+        host,
         index: i,
         name: infos[i].name.clone(),
         held_on_device: false,
         device: None,
+        derived: offset != 0.0,
     })
 }
 
@@ -154,6 +195,7 @@ pub(super) fn floats(held: &[Held], infos: &[TensorInfo], i: usize) -> Result<Fl
 /// copy.
 pub(super) fn place(f: &mut Floats, held: &[Held], device: &Arc<Device>) -> Result<()> {
     if let Some(Held::Whole { tensor, .. }) = held.get(f.index)
+        && !f.derived
         && tensor.dtype() == DType::F32
         && tensor.device().name() == device.name()
         && matches!(tensor.storage(), Storage::Owned(b) if b.cuda().is_some())

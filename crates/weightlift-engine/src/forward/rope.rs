@@ -38,7 +38,7 @@ pub fn check_rope(source: &dyn Source) -> Result<()> {
 }
 
 /// RoPE pairing and per-pair angles: adjacent pairs for GGUF llama/mistral (whose q/k rows
-/// the converter permuted), rotate-half (NeoX) for every other GGUF (qwen2, qwen3, phi3) and
+/// the converter permuted), rotate-half (NeoX) for every other GGUF (qwen2, qwen3, phi3, gemma) and
 /// for Hugging Face checkpoints, over the first `rope_dim` values of each head (phi3's partial
 /// rotary); Llama 3 frequency factors from `rope_freqs.weight` or the config's `rope_scaling`.
 pub(super) fn rope_of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<(RopeParams, Vec<f32>)> {

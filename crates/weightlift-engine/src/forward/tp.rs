@@ -255,6 +255,9 @@ impl Run<'_> {
             kv_tile: self.kv_tile,
             q_tile: self.q_tile,
             f16_operands: self.compute.f16_operands(cache.config().dtype),
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: 0,
+            softcap: 0.0,
         };
         let tiles = Tiles {
             kt: w.kt,

@@ -5,7 +5,23 @@
 use crate::Role;
 
 /// Architectures whose tensor roles are known (GGUF `general.architecture` or HF `model_type`).
-pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "phi3"];
+pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+];
+
+/// The Gemma 2 and 3 architectures (GGUF names and HF `model_type`s): four norms a layer, and
+/// transformers' `post_attention_layernorm` is the attention block's post-norm there, not the
+/// MLP's pre-norm it is in the llama family.
+pub(crate) fn is_gemma(architecture: &str) -> bool {
+    matches!(architecture, "gemma2" | "gemma3" | "gemma3_text")
+}
 
 /// Whether roles are known for this architecture.
 pub(crate) fn supports_roles(architecture: &str) -> bool {
@@ -13,8 +29,9 @@ pub(crate) fn supports_roles(architecture: &str) -> bool {
 }
 
 /// Architectures whose attention norms each head's queries and keys (an RMSNorm of `head_dim`
-/// with its own weight, after the projection and before RoPE): transformers' Qwen3Attention.
-const PER_HEAD_QK_NORM: &[&str] = &["qwen3"];
+/// with its own weight, after the projection and before RoPE): transformers' Qwen3Attention
+/// and Gemma3Attention.
+const PER_HEAD_QK_NORM: &[&str] = &["qwen3", "gemma3", "gemma3_text"];
 
 /// Whether `architecture`'s layers norm each query and key head.
 pub(crate) fn per_head_qk_norm(architecture: &str) -> bool {
@@ -150,6 +167,9 @@ fn per_layer_role(tail: &str) -> Option<Role> {
         "ffn_gate.weight" | "mlp.gate_proj.weight" => Role::FfnGate,
         "ffn_up.weight" | "mlp.up_proj.weight" => Role::FfnUp,
         "ffn_down.weight" | "mlp.down_proj.weight" => Role::FfnDown,
+        "post_attention_norm.weight" => Role::AttnPostNorm,
+        "post_ffw_norm.weight" | "post_feedforward_layernorm.weight" => Role::FfnPostNorm,
+        "pre_feedforward_layernorm.weight" => Role::FfnNorm,
         _ => return None,
     })
 }
@@ -159,7 +179,14 @@ fn per_layer_role(tail: &str) -> Option<Role> {
 pub(crate) fn classify(name: &str, architecture: &str) -> (Option<u32>, Option<Role>) {
     let layer = layer_of(name);
     let role = if supports_roles(architecture) {
-        role_of(name)
+        match role_of(name) {
+            Some(Role::FfnNorm)
+                if is_gemma(architecture) && name.ends_with("post_attention_layernorm.weight") =>
+            {
+                Some(Role::AttnPostNorm)
+            }
+            r => r,
+        }
     } else {
         None
     };
@@ -298,6 +325,37 @@ mod tests {
         assert_eq!(
             classify("blk.2.ffn_up.weight", "llama").1,
             Some(Role::FfnUp)
+        );
+    }
+
+    #[test]
+    fn gemma_norms_in_both_schemes() {
+        for arch in ["gemma2", "gemma3", "gemma3_text"] {
+            for (gguf, hf, role) in [
+                (
+                    "post_attention_norm",
+                    "post_attention_layernorm",
+                    Role::AttnPostNorm,
+                ),
+                ("ffn_norm", "pre_feedforward_layernorm", Role::FfnNorm),
+                (
+                    "post_ffw_norm",
+                    "post_feedforward_layernorm",
+                    Role::FfnPostNorm,
+                ),
+                ("attn_q_norm", "self_attn.q_norm", Role::AttnQNorm),
+                ("attn_k_norm", "self_attn.k_norm", Role::AttnKNorm),
+            ] {
+                let g = classify(&format!("blk.2.{gguf}.weight"), arch);
+                let h = classify(&format!("model.layers.2.{hf}.weight"), arch);
+                assert_eq!(g, (Some(2), Some(role)), "{arch} {gguf}");
+                assert_eq!(h, (Some(2), Some(role)), "{arch} {hf}");
+            }
+        }
+        // the llama family's post_attention_layernorm is the MLP's norm
+        assert_eq!(
+            classify("model.layers.0.post_attention_layernorm.weight", "llama"),
+            (Some(0), Some(Role::FfnNorm))
         );
     }
 

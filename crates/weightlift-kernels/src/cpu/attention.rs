@@ -93,6 +93,12 @@ pub struct AttnShape {
     /// Round each query and each attention weight to f16 before it meets the values (see the
     /// module documentation).
     pub f16_operands: bool,
+    /// A sliding window: the query at position `p` sees the keys at `p - window + 1..=p` only
+    /// (transformers' and llama.cpp's `p - k < window`); 0 for none.
+    pub window: usize,
+    /// Attention logit soft-capping (gemma2): each scaled score `w` becomes
+    /// `softcap · tanh(w / softcap)` before the softmax; 0 for none.
+    pub softcap: f32,
 }
 
 impl AttnShape {
@@ -143,7 +149,24 @@ impl AttnShape {
             start,
             scale,
             f16_operands,
+            window: 0,
+            softcap: 0.0,
         })
+    }
+
+    /// This shape with a sliding `window` (0: none) and a logit `softcap` (0: none). A shape
+    /// with either folds through the scalar rows (the SIMD tiled forms do not mask or cap).
+    pub fn masked(self, window: usize, softcap: f32) -> AttnShape {
+        AttnShape {
+            window,
+            softcap,
+            ..self
+        }
+    }
+
+    /// Whether a window or a soft-cap applies.
+    fn is_masked(&self) -> bool {
+        self.window > 0 || self.softcap > 0.0
     }
 
     /// Query heads per kv head.
@@ -222,9 +245,32 @@ pub(crate) struct Fold<'a> {
     pub chunk: usize,
     pub scale: f32,
     pub f16: bool,
+    pub window: usize,
+    pub softcap: f32,
 }
 
 impl Fold<'_> {
+    /// The first of this tile's keys token `t` sees: 0 without a window.
+    pub fn first(&self, t: usize) -> usize {
+        if self.window == 0 {
+            return 0;
+        }
+        (self.start + t + 1)
+            .saturating_sub(self.window)
+            .saturating_sub(self.k0)
+            .min(self.keys)
+    }
+
+    /// A scaled score, soft-capped when the call caps.
+    #[inline]
+    pub fn cap(&self, w: f32) -> f32 {
+        if self.softcap > 0.0 {
+            self.softcap * (w / self.softcap).tanh()
+        } else {
+            w
+        }
+    }
+
     /// The query of token `t`, head `kh · group + g`.
     pub fn q_row(&self, kh: usize, t: usize, g: usize) -> &[f32] {
         let h = kh * self.group + g;
@@ -372,6 +418,8 @@ impl<'a> Attention<'a> {
             chunk,
             scale: s.scale,
             f16: s.f16_operands,
+            window: s.window,
+            softcap: s.softcap,
         };
         let tb = (TASK_ROWS / group).max(1);
         let n = s.n_q;
@@ -400,12 +448,15 @@ impl<'a> Attention<'a> {
             }
         }
         let tiled = s.tiled();
+        let masked = s.is_masked();
         if nq * s.n_heads * keys * hd < MIN_PARALLEL_WORK {
-            tasks.into_iter().for_each(|t| fold_task(isa, tiled, &f, t));
+            tasks
+                .into_iter()
+                .for_each(|t| fold_task(isa, tiled, masked, &f, t));
         } else {
             tasks
                 .into_par_iter()
-                .for_each(|t| fold_task(isa, tiled, &f, t));
+                .for_each(|t| fold_task(isa, tiled, masked, &f, t));
         }
         Ok(())
     }
@@ -472,7 +523,11 @@ pub fn attention_with(
     let mut acc = vec![0f32; shape.acc_len()];
     let mut scores = vec![0f32; shape.scores_len(shape.n_q, tile)];
     let mut att = Attention::new(shape, tile, &mut stats, &mut acc)?;
-    let mut k0 = 0;
+    // with a window, the tiles wholly before the first query's window add nothing: skipped
+    let mut k0 = match shape.window {
+        0 => 0,
+        w => (shape.start + 1).saturating_sub(w) / tile.max(1) * tile.max(1),
+    };
     while k0 < keys {
         let rows = k0 * kvd..(k0 + tile.min(keys - k0)) * kvd;
         let (kt, vt) = (&k[rows.clone()], &v[rows]);
@@ -484,9 +539,12 @@ pub fn attention_with(
 
 /// Folds one task with the call's form, the tiled one with the best instruction set for
 /// this head size.
-fn fold_task(isa: Isa, tiled: bool, f: &Fold<'_>, task: Task<'_>) {
+fn fold_task(isa: Isa, tiled: bool, masked: bool, f: &Fold<'_>, task: Task<'_>) {
     if !tiled {
         return fold_task_step(isa, f, task);
+    }
+    if masked {
+        return fold_task_scalar(f, task);
     }
     #[cfg(target_arch = "x86_64")]
     {

@@ -34,8 +34,8 @@ pub(crate) fn fold_task_step(isa: Isa, f: &Fold<'_>, task: Task<'_>) {
     let mut q = vec![0f32; hd];
     for r in 0..task.m.len() {
         let t = task.t0 + r / f.group;
-        let seen = f.seen(t);
-        if seen == 0 {
+        let (first, seen) = (f.first(t), f.seen(t));
+        if seen <= first {
             continue;
         }
         for (d, x) in q.iter_mut().zip(f.q_row(task.kh, t, r % f.group)) {
@@ -43,9 +43,9 @@ pub(crate) fn fold_task_step(isa: Isa, f: &Fold<'_>, task: Task<'_>) {
         }
         let (m, l) = (&mut task.m[r], &mut task.l[r]);
         let o = &mut task.o[r * hd..(r + 1) * hd];
-        let w = &mut task.p[r * f.chunk..r * f.chunk + seen];
+        let w = &mut task.p[r * f.chunk + first..r * f.chunk + seen];
         for (j, wj) in w.iter_mut().enumerate() {
-            *wj = dot_f32(isa, &q, f.k_row(task.kh, j)) * f.scale;
+            *wj = f.cap(dot_f32(isa, &q, f.k_row(task.kh, first + j)) * f.scale);
         }
         let m_new = m.max(w.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)));
         let keep = (*m - m_new).exp();
@@ -61,7 +61,7 @@ pub(crate) fn fold_task_step(isa: Isa, f: &Fold<'_>, task: Task<'_>) {
             sum += p;
             *wj = p;
         }
-        let v = &f.v[task.kh * hd..];
+        let v = &f.v[first * f.kv_dim + task.kh * hd..];
         #[cfg(target_arch = "x86_64")]
         if isa.has_avx2() {
             // SAFETY: AVX2 (and AVX-512F where has_avx512) detected at run time; `v` holds the
@@ -109,16 +109,20 @@ pub(crate) fn fold_task_scalar(f: &Fold<'_>, task: Task<'_>) {
         let o = &mut task.o[r * hd..(r + 1) * hd];
         let p = &mut task.p[r * f.chunk..(r + 1) * f.chunk];
         let seen_all = f.seen(t);
-        let mut c0 = 0;
+        // the keys before the window's first are skipped whole steps at a time, and the
+        // step holding it starts there: without a window, every step from 0
+        let first = f.first(t);
+        let mut c0 = first - first % f.chunk;
         while c0 < seen_all {
+            let lo = first.max(c0);
             let seen = (seen_all - c0).min(f.chunk);
-            let w = &mut p[..seen];
+            let w = &mut p[lo - c0..seen];
             for (j, wj) in w.iter_mut().enumerate() {
                 let mut s = 0f32;
-                for (a, b) in q.iter().zip(f.k_row(task.kh, c0 + j)) {
+                for (a, b) in q.iter().zip(f.k_row(task.kh, lo + j)) {
                     s = a.mul_add(*b, s);
                 }
-                *wj = s * f.scale;
+                *wj = f.cap(s * f.scale);
             }
             let m_new = m.max(w.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)));
             let mu = if m_new == f32::NEG_INFINITY {
@@ -135,7 +139,7 @@ pub(crate) fn fold_task_scalar(f: &Fold<'_>, task: Task<'_>) {
                     pj = round_f16(pj);
                 }
                 sum += pj;
-                let vr = f.v_row(task.kh, c0 + j);
+                let vr = f.v_row(task.kh, lo + j);
                 if f.f16 {
                     o.iter_mut()
                         .zip(vr)

@@ -273,3 +273,65 @@ fn bad_shapes_and_buffers_are_typed_errors() {
     let e = attention(s, 8, &c.q, &c.k[..kvd], &c.v, &mut out).unwrap_err();
     assert!(e.to_string().contains("attention key values"), "{e}");
 }
+
+/// Sliding-window and soft-capped attention against a direct f64 evaluation of its definition:
+/// query `i` (position `start + i`) meets the keys at positions `p` with
+/// `start + i - window < p ≤ start + i`, each scaled score `w` capped to `cap · tanh(w / cap)`.
+#[test]
+fn windows_and_soft_caps_follow_their_definition() {
+    for (n_q, start, tile) in [
+        (1, 40, 256),
+        (1, 40, 7),
+        (20, 0, 256),
+        (33, 10, 16),
+        (5, 3, 2),
+    ] {
+        for (window, cap) in [(8, 0.0), (0, 4.0), (8, 4.0), (1, 0.0), (100, 0.0)] {
+            let mut c = case((4, 2, 32), n_q, start, false, 7);
+            c.shape = c.shape.masked(window, cap);
+            let (nh, hd, kvd) = (4, 32, c.shape.kv_dim());
+            let got = run(Isa::detect(), &c, tile);
+            let mut worst = 0f64;
+            for i in 0..n_q {
+                let p = start + i;
+                let lo = if window == 0 {
+                    0
+                } else {
+                    (p + 1).saturating_sub(window)
+                };
+                for h in 0..nh {
+                    let kh = h / 2;
+                    let q = &c.q[(i * nh + h) * hd..][..hd];
+                    let w: Vec<f64> = (lo..=p)
+                        .map(|j| {
+                            let k = &c.k[j * kvd + kh * hd..][..hd];
+                            let s: f64 = q.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum();
+                            let s = s * f64::from(c.shape.scale);
+                            if cap > 0.0 {
+                                f64::from(cap) * (s / f64::from(cap)).tanh()
+                            } else {
+                                s
+                            }
+                        })
+                        .collect();
+                    let m = w.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = w.iter().map(|x| (x - m).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let o: f64 = (lo..=p)
+                            .zip(&e)
+                            .map(|(j, e)| e * f64::from(c.v[j * kvd + kh * hd + d]))
+                            .sum::<f64>()
+                            / sum;
+                        let g = f64::from(got[(i * nh + h) * hd + d]);
+                        worst = worst.max((g - o).abs());
+                    }
+                }
+            }
+            assert!(
+                worst < 1e-5,
+                "n_q {n_q} start {start} tile {tile} window {window} cap {cap}: {worst}"
+            );
+        }
+    }
+}

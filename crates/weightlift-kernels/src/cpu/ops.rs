@@ -280,6 +280,44 @@ pub fn swiglu_with(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) -> Resul
     Ok(())
 }
 
+/// `√(2/π)`, the tanh GELU's inner factor.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+/// The tanh GELU's cubic coefficient.
+const GELU_COEF_A: f32 = 0.044_715;
+
+/// The tanh approximation of GELU, `0.5·g·(1 + tanh(√(2/π)·g·(1 + 0.044715·g²)))` (torch's
+/// `gelu(approximate="tanh")`, transformers' `gelu_pytorch_tanh`, ggml's `gelu`).
+#[inline]
+pub fn gelu_tanh(g: f32) -> f32 {
+    0.5 * g * (1.0 + (SQRT_2_OVER_PI * g * (1.0 + GELU_COEF_A * g * g)).tanh())
+}
+
+/// GeGLU in place (gemma's MLP): `gate = gelu_tanh(gate) · up`. Scalar on every machine: the
+/// MLP's products dominate, and one order of operations keeps every path's bits equal.
+pub fn geglu_tanh_in_place(gate: &mut [f32], up: &[f32]) -> Result<()> {
+    check_len("geglu up values", gate.len(), up.len())?;
+    gate.par_chunks_mut(ROW_TASK_ELEMS)
+        .zip(up.par_chunks(ROW_TASK_ELEMS))
+        .for_each(|(g, u)| {
+            for (g, u) in g.iter_mut().zip(u) {
+                *g = gelu_tanh(*g) * u;
+            }
+        });
+    Ok(())
+}
+
+/// `x *= s` (gemma's embedding scale).
+pub fn scale_in_place(x: &mut [f32], s: f32) {
+    x.par_chunks_mut(ROW_TASK_ELEMS)
+        .for_each(|c| c.iter_mut().for_each(|v| *v *= s));
+}
+
+/// `x = cap · tanh(x / cap)` (gemma2's logit soft-capping).
+pub fn softcap_in_place(x: &mut [f32], cap: f32) {
+    x.par_chunks_mut(ROW_TASK_ELEMS)
+        .for_each(|c| c.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh()));
+}
+
 /// Residual add: `out = a + b`.
 pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
     check_len("add rhs values", a.len(), b.len())?;
@@ -293,4 +331,32 @@ pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
             }
         });
     Ok(())
+}
+
+#[cfg(test)]
+mod gemma_tests {
+    use super::*;
+
+    #[test]
+    fn gelu_tanh_matches_its_definition() {
+        // values of torch.nn.functional.gelu(x, approximate="tanh") in float64, rounded
+        for (x, want) in [
+            (0.0f32, 0.0f64),
+            (1.0, 0.841_191_990_608_276_8),
+            (-1.0, -0.158_808_009_391_723_24),
+            (3.0, 2.996_362_607_918_227),
+            (-0.5, -0.154_285_990_174_856_06),
+        ] {
+            let got = f64::from(gelu_tanh(x));
+            assert!((got - want).abs() < 2e-7, "{x}: {got} vs {want}");
+        }
+        let mut g = vec![1.0f32, -1.0, 2.0];
+        geglu_tanh_in_place(&mut g, &[2.0, 3.0, 0.0]).unwrap();
+        assert_eq!(g, [2.0 * gelu_tanh(1.0), 3.0 * gelu_tanh(-1.0), 0.0]);
+        assert!(geglu_tanh_in_place(&mut g, &[1.0]).is_err());
+        let mut x = vec![100.0f32, -3.0, 0.0];
+        softcap_in_place(&mut x, 30.0);
+        assert!((x[0] - 30.0 * (100.0f32 / 30.0).tanh()).abs() == 0.0 && x[0] < 30.0);
+        assert_eq!(x[2], 0.0);
+    }
 }

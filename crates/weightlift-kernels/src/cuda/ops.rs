@@ -401,6 +401,16 @@ impl CudaBackend {
             Op::SwiGluInPlace { n, gate, up } => {
                 self.binary_in_place("swiglu_inplace_f32", n, gate, up)?
             }
+            Op::GeGluTanhInPlace { n, gate, up } => {
+                self.binary_in_place("geglu_tanh_inplace_f32", n, gate, up)?
+            }
+            Op::ScaleInPlace { n, s, x } => {
+                self.own(x)?;
+                need("scaled bytes", x, mul(n, 4))?;
+                let mut args = [KArg::Out(&mut x.slice), KArg::F32(s), KArg::U64(n as u64)];
+                // SAFETY: one thread per value below n; x holds n f32 (checked above).
+                unsafe { self.launch("ops", "scale_inplace_f32", elementwise(n)?, &mut args) }?;
+            }
             Op::Attention {
                 k_format,
                 v_format,
@@ -410,6 +420,8 @@ impl CudaBackend {
                 n_q,
                 start,
                 scale,
+                window,
+                softcap,
                 tile: _,
                 f16_operands,
                 q,
@@ -477,6 +489,8 @@ impl CudaBackend {
                     scale,
                     f16_operands: i32::from(f16_operands),
                     splits: grid.splits as u64,
+                    window: window as u64,
+                    softcap,
                 };
                 let Some(part) = split else {
                     // SAFETY: block (x, i) reads query rows i of the heads of one chunk of KV
@@ -524,6 +538,8 @@ struct AttentionArgs {
     scale: f32,
     f16_operands: i32,
     splits: u64,
+    window: u64,
+    softcap: f32,
 }
 
 impl CudaBackend {
@@ -554,6 +570,8 @@ impl CudaBackend {
             KArg::F32(a.scale),
             KArg::I32(a.f16_operands),
             KArg::U64(a.splits),
+            KArg::U64(a.window),
+            KArg::F32(a.softcap),
         ];
         // SAFETY: the caller's contract.
         unsafe { self.launch("attention", name, cfg, &mut args) }

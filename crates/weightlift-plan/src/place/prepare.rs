@@ -18,9 +18,9 @@ use crate::synth::converted;
 use crate::window::{layer_cache, planned_window};
 
 /// The role of a tensor outside the repeating blocks, for every architecture: the one the
-/// checkpoint gave (llama, mistral, qwen2, qwen3, phi3), else the one its name says. llama.cpp
-/// names the input embedding, the output norm and the head `token_embd`, `output_norm` and
-/// `output` in every architecture; transformers calls them `*embed_tokens`, `model.norm` and `lm_head` (under
+/// checkpoint gave (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3), else the one its name says. llama.cpp names the
+/// input embedding, the output norm and the head `token_embd`, `output_norm` and `output` in
+/// every architecture; transformers calls them `*embed_tokens`, `model.norm` and `lm_head` (under
 /// `language_model` in a multimodal model).
 fn global_role(t: &TensorInfo) -> Option<Role> {
     if t.role.is_some() || t.layer.is_some() {
@@ -320,7 +320,8 @@ impl<'a> Ctx<'a> {
                 )),
                 (None, Some(c)) if c.max_seq_len > w.window => Some(format!(
                     "the checkpoint gives layers {layers} a sliding window of {} tokens, but \
-                     the engine attends to the full context, so their kv holds all {} tokens",
+                     the engine keeps every position in their cache, so their kv holds all {} \
+                     tokens",
                     w.window, c.max_seq_len
                 )),
                 (None, _) => None,

@@ -126,7 +126,10 @@ impl Graph {
             &self.dims,
             (self.eps, self.rope, self.max_dq),
             (compute, int8_threshold),
-        );
+        )
+        .with_family(&self.family);
+        let embed_scale = self.family.embed_scale;
+        let final_softcap = self.family.final_softcap;
         let cx = |site: usize| Ctx {
             c: &c,
             held,
@@ -181,8 +184,18 @@ impl Graph {
                 // Embedding rows, dequantised into the embedding device's residual stream.
                 let es = self.embed_site;
                 on_site!(&mut works[es],
-                v => embed_rows(held, copies, &self.embed, &ids, h, v.x)?,
-                (b, r) => exec::embed(*b, &cx(es), &self.embed, &ids, &mut r.x)?);
+                v => {
+                    embed_rows(held, copies, &self.embed, &ids, h, v.x)?;
+                    if let Some(s) = embed_scale {
+                        weightlift_kernels::scale_in_place(&mut v.x[..n * h], s);
+                    }
+                },
+                (b, r) => {
+                    exec::embed(*b, &cx(es), &self.embed, &ids, &mut r.x)?;
+                    if let Some(s) = embed_scale {
+                        exec::scale(*b, &cx(es), n * h, s, &mut r.x)?;
+                    }
+                });
                 for (i, w) in works.iter_mut().enumerate() {
                     on_site!(w, _v => (), (b, r) => exec::positions(*b, devs[i].name(), pos, n, r)?);
                 }
@@ -311,6 +324,10 @@ impl Graph {
                     Output::Hidden => on_site!(&mut works[hs],
                         w => hidden_rows(&c, norm, first, rows_out, w)?,
                         (b, r) => exec::hidden(*b, &cx(hs), norm, first, rows_out, r)?),
+                }
+                // gemma2's final soft-cap, on the host rows every path wrote
+                if final_softcap > 0.0 && matches!(output, Output::Logits(_)) {
+                    weightlift_kernels::softcap_in_place(rows_out, final_softcap);
                 }
                 done += n;
             }

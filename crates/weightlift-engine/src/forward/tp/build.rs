@@ -174,7 +174,7 @@ impl TpGraph {
         ctx: &TpContext,
         host_backend: bool,
     ) -> Result<TpGraph> {
-        super::super::graph::check_runs(&spec.architecture)?;
+        super::super::graph::check_tensor_parallel(&spec.architecture)?;
         let infos = m.source.tensors();
         if let Some(t) = infos.iter().find(|t| is_quantized_part(&t.name)) {
             return Err(refuse(

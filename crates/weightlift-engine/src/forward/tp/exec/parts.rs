@@ -44,6 +44,8 @@ impl AttnParts {
             qk_norm: self.qk_norm.as_ref(),
             n_heads: self.q_heads,
             kv_heads: self.kv_heads,
+            rope: None,
+            window: 0,
         };
         let part = parts.get(self.cache_part).ok_or_else(|| {
             invalid(
@@ -91,6 +93,7 @@ fn floats_on(values: &[f32], index: usize, name: &str, device: &Arc<Device>) -> 
         name: name.to_owned(),
         held_on_device: false,
         device: None,
+        derived: false,
     };
     if device.kind() == DeviceKind::Cuda {
         place(&mut f, &[], device)?;

@@ -1,0 +1,103 @@
+"""Gemma 2 and Gemma 3 (text) through the Python surface: the tiny models of
+``tests/gen_gemma.py`` (``tests/data/tiny-gemma{2,3}``) tokenized from GGUF metadata and from
+``tokenizer.json`` as sentencepiece and transformers tokenize, chatted with through gemma's chat
+template, and generating transformers' greedy ids, from both formats; ``weightlift run --chat``
+once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import weightlift as wl
+
+DATA = Path(__file__).parent / "data"
+FAMILIES = ["gemma3", "gemma2"]
+
+
+def stats(family: str) -> dict:
+    return json.loads((DATA / f"tiny-{family}" / "stats.json").read_text())
+
+
+def load(family: str, fmt: str) -> wl.Model:
+    """The model in exact compute with an f32 cache (transformers' arithmetic)."""
+    folder = DATA / f"tiny-{family}"
+    if fmt == "gguf":
+        return wl.load_gguf(
+            folder / f"tiny-{family}-F32.gguf",
+            n_ctx=64,
+            type_k="f32",
+            type_v="f32",
+            compute="exact",
+            n_threads=2,
+            verbose=False,
+        )
+    m = wl.Model(folder, compute="exact", n_threads=2)
+    m.load(cache=wl.CacheSpec(64, 1, "f32"))
+    return m
+
+
+@pytest.fixture(scope="module", params=[(f, fmt) for f in FAMILIES for fmt in ("gguf", "st")])
+def model(request) -> tuple[str, wl.Model]:
+    family, fmt = request.param
+    return family, load(family, fmt)
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_transformers(model) -> None:
+    family, m = model
+    s = stats(family)
+    for text, ids in s["tokenize"].items():
+        assert m.tokenize(text, add_bos=False, special=True) == ids, text
+    # BOS first, as Gemma's tokenizer adds it (tokenizer.ggml.add_bos_token, tokenizer.json's
+    # post-processor)
+    assert m.tokenize(s["prompt"])[: len(s["ids"])] == s["ids"]
+    assert m.token_bos() == 2 and m.token_eos() == 1
+
+
+def test_generate_is_transformers_greedy_text(model) -> None:
+    family, m = model
+    s = stats(family)
+    text = m.detokenize(s["ids"][1:])
+    out = m.generate(text, max_new_tokens=len(s["greedy_ids"]))
+    assert out == m.detokenize(s["greedy_ids"]), (out, s["greedy_text"])
+    assert s["greedy_text"] == m.detokenize(s["greedy_ids"])
+
+
+def test_chat_completion_uses_gemmas_template(model) -> None:
+    family, m = model
+    chat = stats(family)["chat"]
+    n = len(chat["greedy_ids"])
+    r = m.create_chat_completion(chat["messages"], max_tokens=n, temperature=0)
+    # the rendered prompt is transformers' ids, BOS once
+    assert r["usage"]["prompt_tokens"] == len(chat["prompt_ids"]), r["usage"]
+    assert r["usage"]["completion_tokens"] == n
+    assert r["choices"][0]["message"]["content"] == m.detokenize(chat["greedy_ids"])
+    assert m.tokenize(chat["prompt"], add_bos=False, special=True) == chat["prompt_ids"]
+
+
+def test_end_of_turn_ends_a_generation(model) -> None:
+    """``<end_of_turn>`` (id 6) ends a turn by llama.cpp's end-of-generation rule: pushed to the
+    top by a logit bias, the reply stops there, empty."""
+    _, m = model
+    r = m.create_chat_completion(
+        [{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, logit_bias={6: 100.0}
+    )
+    assert r["choices"][0]["finish_reason"] == "stop", r
+    assert r["choices"][0]["message"]["content"] == ""
+
+
+def test_run_chat_through_the_cli() -> None:
+    path = DATA / "tiny-gemma2" / "tiny-gemma2-F32.gguf"
+    p = subprocess.run(
+        [sys.executable, "-m", "weightlift.cli", "run", str(path), "--chat", "-n", "4"]
+        + ["--temp", "0", "--ctx", "64", "--threads", "2", "-p", "Tell me about the cat."],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "prompt eval time" in p.stderr, p.stderr
