@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import sys
 from collections import OrderedDict
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -112,6 +112,18 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _longest_prefix_key(
+    keys: Iterable[tuple[int, ...]], key: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """The stored key sharing the longest non-empty prefix with ``key`` (the first of equals)."""
+    best, best_len = None, 0
+    for k in keys:
+        n = _common_prefix(k, key)
+        if n > best_len:
+            best, best_len = k, n
+    return best
+
+
 class LlamaRAMCache:
     """llama-cpp-python's prompt cache in RAM: states saved after completions, keyed by their
     token ids; a lookup returns the state whose ids share the longest prefix with the key, and
@@ -126,12 +138,7 @@ class LlamaRAMCache:
         return sum(s.llama_state_size for s in self.cache_state.values())
 
     def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
-        best, best_len = None, 0
-        for k in self.cache_state:
-            n = _common_prefix(k, key)
-            if n > best_len:
-                best, best_len = k, n
-        return best
+        return _longest_prefix_key(self.cache_state, key)
 
     def __getitem__(self, key: Sequence[int]) -> LlamaState:
         found = self._find_longest_prefix_key(tuple(key))
@@ -180,12 +187,7 @@ class LlamaDiskCache:
         return int(self.cache.volume())
 
     def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
-        best, best_len = None, 0
-        for k in self.cache.iterkeys():
-            n = _common_prefix(k, key)
-            if n > best_len:
-                best, best_len = k, n
-        return best
+        return _longest_prefix_key(self.cache.iterkeys(), key)
 
     def __getitem__(self, key: Sequence[int]) -> LlamaState:
         found = self._find_longest_prefix_key(tuple(key))

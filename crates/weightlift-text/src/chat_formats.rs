@@ -68,7 +68,8 @@ macro_rules! roles {
     };
 }
 
-const fn format(name: &'static str, style: Style) -> ChatFormat {
+/// A format of `style` with no system text, roles or separators: what each entry fills in.
+const fn base(name: &'static str, style: Style) -> ChatFormat {
     ChatFormat {
         name,
         style,
@@ -89,7 +90,7 @@ pub const CHAT_FORMATS: &[ChatFormat] = &[
         roles: roles!("<|im_start|>user", "<|im_start|>assistant"),
         sep: "<|im_end|>",
         stop: Some("<|im_end|>"),
-        ..format("chatml", Style::ChatMl)
+        ..base("chatml", Style::ChatMl)
     },
     ChatFormat {
         system: "<|im_start|>system\n{}",
@@ -97,14 +98,14 @@ pub const CHAT_FORMATS: &[ChatFormat] = &[
         roles: roles!("<|im_start|>user", "<|im_start|>assistant"),
         sep: "<|im_end|>",
         stop: Some("<|endoftext|>"),
-        ..format("qwen", Style::ChatMl)
+        ..base("qwen", Style::ChatMl)
     },
     ChatFormat {
         system: "[INST] <<SYS>>\n{}\n<</SYS>>",
         roles: roles!("<s>[INST]", "[/INST]"),
         sep: " ",
         sep2: "</s>",
-        ..format("llama-2", Style::Llama2)
+        ..base("llama-2", Style::Llama2)
     },
     ChatFormat {
         system: "",
@@ -118,33 +119,33 @@ pub const CHAT_FORMATS: &[ChatFormat] = &[
         ],
         sep: "<|eot_id|>",
         stop: Some("<|eot_id|>"),
-        ..format("llama-3", Style::NoColon)
+        ..base("llama-3", Style::NoColon)
     },
     ChatFormat {
         sep2: "</s>",
         stop: Some("</s>"),
-        ..format("mistral-instruct", Style::MistralInstruct)
+        ..base("mistral-instruct", Style::MistralInstruct)
     },
     ChatFormat {
         system: "",
         roles: roles!("<start_of_turn>user\n", "<start_of_turn>model\n"),
         sep: "<end_of_turn>\n",
         stop: Some("<end_of_turn>\n"),
-        ..format("gemma", Style::NoColon)
+        ..base("gemma", Style::NoColon)
     },
     ChatFormat {
         system: "<|system|>\n{}",
         roles: roles!("<|user|>\n", "<|assistant|>\n"),
         sep: "</s>",
         stop: Some("</s>"),
-        ..format("zephyr", Style::ChatMl)
+        ..base("zephyr", Style::ChatMl)
     },
     ChatFormat {
         roles: roles!("### Instruction", "### Response"),
         sep: "\n\n",
         sep2: "</s>",
         opens_reply: false,
-        ..format("alpaca", Style::ColonTwo)
+        ..base("alpaca", Style::ColonTwo)
     },
     ChatFormat {
         system: "A chat between a curious user and an artificial intelligence assistant. The \
@@ -152,7 +153,7 @@ pub const CHAT_FORMATS: &[ChatFormat] = &[
         roles: roles!("USER", "ASSISTANT"),
         sep: " ",
         sep2: "</s>",
-        ..format("vicuna", Style::ColonTwo)
+        ..base("vicuna", Style::ColonTwo)
     },
     ChatFormat {
         system: "{}<|end_of_turn|>",
@@ -162,20 +163,20 @@ pub const CHAT_FORMATS: &[ChatFormat] = &[
         ),
         sep: "<|end_of_turn|>",
         stop: Some("<|end_of_turn|>"),
-        ..format("openchat", Style::ChatMl)
+        ..base("openchat", Style::ChatMl)
     },
     ChatFormat {
         system: "<|system|>{}",
         roles: roles!("<|user|>", "<|model|>"),
         sep: "\n",
         stop: Some("\n"),
-        ..format("pygmalion", Style::ChatMl)
+        ..base("pygmalion", Style::ChatMl)
     },
     ChatFormat {
         roles: roles!("<human>", "<bot>"),
         sep: "\n",
         stop: Some("<human>"),
-        ..format("redpajama-incite", Style::Colon)
+        ..base("redpajama-incite", Style::Colon)
     },
     ChatFormat {
         default_system: "The prompt below is a question to answer, a task to complete, or a \
@@ -184,37 +185,37 @@ pub const CHAT_FORMATS: &[ChatFormat] = &[
         roles: roles!("### Prompt", "### Response"),
         sep: "\n",
         stop: Some("###"),
-        ..format("snoozy", Style::Colon)
+        ..base("snoozy", Style::Colon)
     },
     ChatFormat {
         system: "<|system|>\n{}",
         roles: roles!("<|user|>", "<|assistant|>"),
         stop: Some("</s>"),
-        ..format("chatglm3", Style::Glm)
+        ..base("chatglm3", Style::Glm)
     },
     ChatFormat {
         roles: roles!("<reserved_102>", "<reserved_103>"),
-        ..format("baichuan", Style::NoColon)
+        ..base("baichuan", Style::NoColon)
     },
     ChatFormat {
         roles: roles!("<reserved_106>", "<reserved_107>"),
-        ..format("baichuan-2", Style::NoColon)
+        ..base("baichuan-2", Style::NoColon)
     },
     ChatFormat {
         system: "[INST] <<SYS>>\n{}\n<</SYS>>\n\n",
         roles: roles!("<|prompter|>", "<|assistant|>"),
         sep: "</s>",
-        ..format("oasst_llama", Style::NoColon)
+        ..base("oasst_llama", Style::NoColon)
     },
     ChatFormat {
         system: "<|system|>{}</s>",
         roles: roles!("<|prompter|>", "</s>\n<|assistant|>"),
         sep: " ",
-        ..format("mistrallite", Style::NoColon)
+        ..base("mistrallite", Style::NoColon)
     },
     ChatFormat {
         roles: &[("user", "user"), ("bot", "bot"), ("system", "system")],
-        ..format("saiga", Style::Saiga)
+        ..base("saiga", Style::Saiga)
     },
 ];
 

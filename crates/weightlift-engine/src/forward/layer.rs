@@ -241,7 +241,7 @@ pub(super) fn linear_pieces(
     let mut at = 0;
     for p in pieces {
         match runs.last_mut() {
-            Some((_, n)) if q8 && p.n <= SHARED && *n <= SHARED && *n + p.n <= SHARED => {
+            Some((_, n)) if q8 && *n + p.n <= SHARED => {
                 *n += p.n;
             }
             _ => runs.push((at, p.n)),
