@@ -270,14 +270,14 @@ def test_sigterm_finishes_the_stream_then_exits_0(demo_gguf: Path, tmp_path: Pat
         assert "Finished server process" in s.log.read_text()
 
 
-def test_parallel_above_one_is_refused(demo_gguf: Path):
+def test_parallel_below_one_is_refused(demo_gguf: Path):
     cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
     p = subprocess.run(
-        [*cmd, "serve", str(demo_gguf), "--parallel", "2"],
+        [*cmd, "serve", str(demo_gguf), "--parallel", "0"],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ},
     )
     assert p.returncode == 2
-    assert "--parallel 2 is not supported yet" in p.stderr and "batched decoding" in p.stderr
+    assert "--parallel: expected 1 or more, got 0" in p.stderr

@@ -675,12 +675,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from weightlift import server
 
-    if args.parallel != 1:
-        raise weightlift.PlanError(
-            f"serve: --parallel {args.parallel} is not supported yet: the engine decodes one "
-            "sequence at a time until batched decoding lands; use --parallel 1 (the default), "
-            "and --queue for the requests that wait"
-        )
+    if args.parallel < 1:
+        raise weightlift.PlanError(f"serve: --parallel: expected 1 or more, got {args.parallel}")
     if args.queue < 0:
         raise weightlift.PlanError(f"serve: --queue: expected 0 or more, got {args.queue}")
     server.require()
@@ -696,7 +692,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]
         sys.stderr.write(
             f"weightlift: serving {alias} on http://{host}:{port}/v1 (loaded in {seconds:.2f} s; "
-            f"one generation at a time, {args.queue} may wait)\n"
+            f"{args.parallel} generation(s) at once, {args.queue} may wait)\n"
         )
         sys.stderr.flush()
         server.serve(model, sock, alias=alias, parallel=args.parallel, queue=args.queue)
@@ -862,9 +858,11 @@ def _parser() -> argparse.ArgumentParser:
         help="load a model, then serve it over HTTP with OpenAI's API",
         description="Load a model, then serve it with OpenAI's API: POST /v1/completions and "
         "/v1/chat/completions (stream: true as server-sent events), GET /v1/models and /health. "
-        "One generation runs at a time; the other requests wait in a queue, first come first "
-        "served, and get 503 beyond it. SIGINT or SIGTERM lets the running requests finish "
-        "(for up to 10 s), then exits 0. Needs `pip install weightlift[server]`.",
+        "--parallel generations run at once, batched into one forward call a token, each in a "
+        "slot that keeps its cache (a repeated prompt prefix runs once per slot); the other "
+        "requests wait in a queue, first come first served, and get 503 beyond it. SIGINT or "
+        "SIGTERM lets the running requests finish (for up to 10 s), then exits 0. "
+        "Needs `pip install weightlift[server]`.",
     )
     _load_flags(sv, serve=True)
     _engine_flags(sv)
@@ -874,8 +872,8 @@ def _parser() -> argparse.ArgumentParser:
         "--parallel",
         type=int,
         default=1,
-        help="generations at once; only 1 for now: the engine decodes one sequence at a "
-        "time, and larger values are refused until batched decoding lands",
+        help="generations at once (1): each gets a slot, a KV cache of --ctx positions (the "
+        "model's own and parallel-1 more)",
     )
     sv.add_argument(
         "--queue",

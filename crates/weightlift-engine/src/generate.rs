@@ -29,6 +29,7 @@
 //! a sequence). A failed step (a device out of memory) ends the generation with the error; the
 //! cache keeps the tokens written before it, so model and cache stay usable.
 
+pub mod batch;
 pub mod logprobs;
 pub mod openai;
 pub mod request;
@@ -311,6 +312,33 @@ impl Generation {
         cache: Option<&Arc<Cache>>,
         options: GenerateOptions,
     ) -> Result<Generation> {
+        match cache {
+            Some(c) => Generation::begin(model, prompt, Arc::clone(c), false, options),
+            None => Generation::begin(model, prompt, model.own_cache()?, true, options),
+        }
+    }
+
+    /// [`Generation::new`] in `cache`, reusing the prefix of `prompt` it already holds as the
+    /// model's own cache is reused: a slot that served an earlier request
+    /// ([`batch::Batch`]).
+    pub fn in_slot(
+        model: &Model,
+        prompt: &[u32],
+        cache: &Arc<Cache>,
+        options: GenerateOptions,
+    ) -> Result<Generation> {
+        Generation::begin(model, prompt, Arc::clone(cache), true, options)
+    }
+
+    /// Start in `cache`; `reuse` keeps the prefix of `prompt` it holds, else the prompt is
+    /// appended at its `seq_len`.
+    fn begin(
+        model: &Model,
+        prompt: &[u32],
+        cache: Arc<Cache>,
+        reuse: bool,
+        options: GenerateOptions,
+    ) -> Result<Generation> {
         let tokenizer = model.tokenizer()?;
         let sampler = Sampler::new(options.sampling)?;
         let vocab = model.vocab_size()?;
@@ -319,10 +347,6 @@ impl Generation {
         if let Some(ids) = &options.eog_tokens {
             crate::forward::check_ids(ids, vocab)?;
         }
-        let (cache, reuse) = match cache {
-            Some(c) => (Arc::clone(c), false),
-            None => (model.own_cache()?, true),
-        };
         let max_seq_len = cache.config().max_seq_len;
         let score_prompt = options.logprobs.is_some() && options.prompt_logprobs;
         let held = if reuse && score_prompt {

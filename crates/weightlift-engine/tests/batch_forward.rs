@@ -4,11 +4,13 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use common::{argmax, load_on, max_abs_diff, smollm2, smollm2_prompt, split_load};
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::generate::{FinishReason, GenerateOptions, Generation, step_batch};
+use weightlift_engine::generate::batch::{Answer, Batch, Event};
+use weightlift_engine::generate::{FinishReason, GenerateOptions, Generation, Timings, step_batch};
 use weightlift_engine::sample::SamplingParams;
 use weightlift_engine::{Cache, CacheDType, EngineError, Model};
 
@@ -286,4 +288,87 @@ fn generations_stepped_together_give_what_each_gives_alone() {
         let got = (texts[i].clone(), g.tokens().to_vec(), g.finish_reason());
         assert_eq!(got, alone[i], "generation {i}");
     }
+}
+
+/// The text of every `Event::Text` of `events` per id, and the ids that ended with their
+/// timings.
+fn collect(
+    events: Vec<(u64, Event)>,
+    texts: &mut HashMap<u64, String>,
+    ended: &mut HashMap<u64, Timings>,
+) {
+    for (id, e) in events {
+        match e {
+            Event::Text(t) => texts.entry(id).or_default().push_str(&t),
+            Event::End(t) => {
+                ended.insert(id, t);
+            }
+            other => panic!("unexpected event of {id}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_batch_runs_generations_in_slots_that_keep_their_prefix() {
+    let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+    m.set_compute(Compute::Exact);
+    assert!(matches!(
+        Batch::new(&m, 0),
+        Err(EngineError::Invalid { what, .. }) if what == "parallel"
+    ));
+    let opts = generation_options();
+    let prompts = [smollm2_prompt(2)[..17].to_vec(), smollm2_prompt(1)];
+    let alone: Vec<String> = prompts
+        .iter()
+        .zip(&opts)
+        .map(|(p, o)| {
+            let cache = new_cache(&m);
+            let mut g = Generation::new(&m, p, Some(&cache), o.clone()).unwrap();
+            g.run(&mut m, |_| true).unwrap()
+        })
+        .collect();
+
+    let mut batch = Batch::new(&m, 2).unwrap();
+    assert_eq!((batch.parallel(), batch.n_ctx()), (2, 64));
+    let ids: Vec<u64> = prompts
+        .iter()
+        .zip(&opts)
+        .map(|(p, o)| batch.start(&m, p, o.clone(), Answer::Text).unwrap())
+        .collect();
+    // a third has no slot, and starting it changes nothing
+    let refused = batch.start(&m, &prompts[0], opts[0].clone(), Answer::Text);
+    assert!(
+        matches!(refused, Err(EngineError::Invalid { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(batch.running(), 2);
+    let (mut texts, mut ended) = (HashMap::new(), HashMap::new());
+    while batch.running() > 0 {
+        collect(batch.step(&mut m).unwrap(), &mut texts, &mut ended);
+    }
+    for (id, want) in ids.iter().zip(&alone) {
+        assert_eq!(texts.get(id).map(String::as_str).unwrap_or(""), want);
+        assert_eq!(ended[id].reused_tokens, 0);
+    }
+
+    // the same prompt again goes to the slot holding it and runs only its last token
+    let again = batch
+        .start(&m, &prompts[1], opts[0].clone(), Answer::Text)
+        .unwrap();
+    // a client that leaves frees its slot at once
+    let gone = batch
+        .start(&m, &prompts[0], opts[0].clone(), Answer::Text)
+        .unwrap();
+    collect(batch.step(&mut m).unwrap(), &mut texts, &mut ended);
+    assert!(batch.cancel(gone) && !batch.cancel(gone));
+    assert_eq!(batch.running(), 1);
+    while batch.running() > 0 {
+        collect(batch.step(&mut m).unwrap(), &mut texts, &mut ended);
+    }
+    let held = prompts[1].len() as u64 - 1;
+    assert_eq!(
+        (ended[&again].reused_tokens, ended[&again].prompt_tokens),
+        (held, 1)
+    );
+    assert!(!ended.contains_key(&gone));
 }

@@ -8,6 +8,7 @@
 //! written); a stream is a Python iterator that returns to Python after every piece.
 
 mod args;
+mod batch;
 mod grammar;
 mod hooks;
 mod respond;
@@ -21,6 +22,7 @@ use crate::cache::Cache;
 use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
 use args::{Call, json_arg, logit_bias_arg, logprobs_count, prompt_ids, text_of, token_ids_arg};
+pub use batch::Batch;
 pub use grammar::LlamaGrammar;
 use grammar::{grammar_arg, response_format_grammar};
 pub use respond::CompletionStream;
@@ -183,14 +185,17 @@ impl Model {
     /// `stopping_criteria` (`(input_ids, logits) -> bool`) are called with the GIL on every
     /// token, as llama-cpp-python calls them; they cannot call this model. `logit_bias`
     /// (`{token_id: bias}`) is added to those tokens' logits before sampling;
-    /// log-probabilities stay the model's own.
+    /// log-probabilities stay the model's own. With `batch` (a `Batch` of this model) the
+    /// completion starts in one of the batch's slots and its id is returned; `Batch.step()`
+    /// runs it with the others and hands over its chunks, or with `stream=False` the dict.
     #[pyo3(signature = (prompt, suffix = None, max_tokens = 16, temperature = 0.8,
                         top_p = 0.95, min_p = 0.05, typical_p = 1.0, logprobs = None,
                         echo = false, stop = None, frequency_penalty = 0.0,
                         presence_penalty = 0.0, repeat_penalty = 1.0, top_k = 40, stream = false,
                         seed = None, tfs_z = 1.0, mirostat_mode = 0, mirostat_tau = 5.0,
                         mirostat_eta = 0.1, model = None, stopping_criteria = None,
-                        logits_processor = None, grammar = None, logit_bias = None))]
+                        logits_processor = None, grammar = None, logit_bias = None,
+                        batch = None))]
     #[allow(clippy::too_many_arguments)]
     fn create_completion(
         slf: &Bound<'_, Model>,
@@ -219,6 +224,7 @@ impl Model {
         logits_processor: Option<&Bound<'_, PyAny>>,
         grammar: Option<&Bound<'_, PyAny>>,
         logit_bias: Option<&Bound<'_, PyAny>>,
+        batch: Option<&Bound<'_, Batch>>,
     ) -> PyResult<Py<PyAny>> {
         eng(request::refuse_tfs_z(tfs_z))?;
         let me = slf.get();
@@ -263,6 +269,7 @@ impl Model {
         let mut call = Call::new(me, ids, req, stop, None)?;
         hooks::install(&mut call, logits_processor, stopping_criteria);
         call.append = append;
+        call.batch = batch_arg(slf, batch)?;
         Model::respond(slf, call, Shape::Completion, stream, echo, model, None)
     }
 
@@ -298,8 +305,8 @@ impl Model {
     /// and `logit_bias` are as in `create_completion`. `tools` and `tool_choice` (or the
     /// legacy `functions` and `function_call`) go to the chat template; a `tool_choice` naming
     /// one tool returns a tool call (`message.tool_calls`, `finish_reason` `"tool_calls"`)
-    /// whose arguments are kept inside the tool's `parameters` schema.
-    /// `UnsupportedError` when given.
+    /// whose arguments are kept inside the tool's `parameters` schema. `tfs_z` other than 1
+    /// raises `UnsupportedError`; `batch` is as in `create_completion`.
     #[pyo3(signature = (messages, functions = None, function_call = None, tools = None,
                         tool_choice = None, temperature = 0.2, top_p = 0.95, top_k = 40,
                         min_p = 0.05, typical_p = 1.0, stream = false, stop = None, seed = None,
@@ -307,7 +314,7 @@ impl Model {
                         frequency_penalty = 0.0, repeat_penalty = 1.0, tfs_z = 1.0,
                         mirostat_mode = 0, mirostat_tau = 5.0, mirostat_eta = 0.1, model = None,
                         logits_processor = None, grammar = None, logit_bias = None,
-                        logprobs = None, top_logprobs = None))]
+                        logprobs = None, top_logprobs = None, batch = None))]
     #[allow(clippy::too_many_arguments)]
     fn create_chat_completion(
         slf: &Bound<'_, Model>,
@@ -339,6 +346,7 @@ impl Model {
         logit_bias: Option<&Bound<'_, PyAny>>,
         logprobs: Option<bool>,
         top_logprobs: Option<i64>,
+        batch: Option<&Bound<'_, Batch>>,
     ) -> PyResult<Py<PyAny>> {
         let tools = chat_tools(
             json_arg(functions, "functions")?,
@@ -389,6 +397,7 @@ impl Model {
         let format_stop = me.lock()?.model.chat_stop();
         call.options.stop.extend(format_stop.map(str::to_owned));
         hooks::install(&mut call, logits_processor, None);
+        call.batch = batch_arg(slf, batch)?;
         let tool = forced.map(|(name, _)| name);
         Model::respond(slf, call, Shape::Chat, stream, false, model, tool)
     }
@@ -423,6 +432,19 @@ impl Model {
     fn token_eos(&self) -> PyResult<i64> {
         let tok = eng(self.lock()?.model.tokenizer())?;
         Ok(tok.eos_id().map_or(-1, i64::from))
+    }
+}
+
+/// `batch=`: a `Batch` of this model.
+fn batch_arg(
+    model: &Bound<'_, Model>,
+    batch: Option<&Bound<'_, Batch>>,
+) -> PyResult<Option<Py<Batch>>> {
+    match batch {
+        Some(b) if !b.get().serves(model) => Err(pyo3::exceptions::PyValueError::new_err(
+            "batch: expected a Batch of this model, got one made for another Model",
+        )),
+        b => Ok(b.map(|b| b.clone().unbind())),
     }
 }
 

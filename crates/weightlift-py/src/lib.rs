@@ -41,6 +41,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<devices::DeviceTensor>()?;
     m.add_class::<model::Model>()?;
     m.add_class::<cache::Cache>()?;
+    m.add_class::<generate::Batch>()?;
     m.add_class::<generate::CompletionStream>()?;
     m.add_class::<generate::LlamaGrammar>()?;
     tp::register(m)?;

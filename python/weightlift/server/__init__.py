@@ -6,11 +6,14 @@ llama-cpp-python's server's (``llama_cpp/server/types.py``); every response carr
 llama.cpp's server's ``timings``.
 
 The HTTP stack is FastAPI on uvicorn: the one llama-cpp-python's and vLLM's servers use, well
-kept, with request validation by pydantic and SSE through ``StreamingResponse``. A generation runs
-in a worker thread while the event loop keeps serving: the engine releases the GIL as it computes.
+kept, with request validation by pydantic and SSE through ``StreamingResponse``. Generations run
+on an engine thread while the event loop keeps serving: the engine releases the GIL as it computes.
 
-The engine decodes one sequence at a time, so one generation runs on the model and the other
-requests wait in a bounded first-come-first-served queue (``queue``), beyond which they get 503.
+``parallel`` generations run at once on one engine thread, stepped together (continuous
+batching: one forward call a token for all of them, new requests joining between steps), each
+in a slot, a KV cache of the model's context length that keeps its tokens, so a prompt sharing
+a prefix with the slot's last one runs only the rest. The other requests wait in a bounded
+first-come-first-served queue (``queue``), beyond which they get 503.
 FastAPI and uvicorn are the ``server`` extra: ``pip install weightlift[server]``.
 """
 
@@ -73,6 +76,7 @@ def serve(
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
+        app.state.server.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 

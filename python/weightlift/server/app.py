@@ -7,19 +7,18 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import weightlift
 from weightlift.server.errors import SERVER, APIError, from_engine, install
+from weightlift.server.scheduler import Job, Scheduler
 from weightlift.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from weightlift.server.slots import QueueFull, Slots
 
 
-def timings(model: weightlift.Model) -> dict[str, float] | None:
-    """The last generation's times, under llama.cpp's server's names."""
-    t = model.timings
+def timings(t: dict[str, float] | None) -> dict[str, float] | None:
+    """A generation's times (``Model.timings``' keys) under llama.cpp's server's names."""
     if t is None:
         return None
     prompt_n, prompt_ms = t["prompt_tokens"], t["prompt_ms"]
@@ -38,7 +37,8 @@ def timings(model: weightlift.Model) -> dict[str, float] | None:
 
 
 class _SlotStream(StreamingResponse):
-    """An SSE response that gives its slot back once sent, cut off, or never started."""
+    """An SSE response that ends its generation and gives its slot back once sent, cut off,
+    or never started."""
 
     def __init__(self, body: AsyncIterator[str], release: Callable[[], None]) -> None:
         super().__init__(body, media_type="text/event-stream")
@@ -48,8 +48,7 @@ class _SlotStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            # Sync on purpose: this also runs in a cancelled task. The engine step that was
-            # running has returned by now (a worker thread is waited for, not abandoned).
+            # Sync on purpose: this also runs in a cancelled task.
             self._release()
 
 
@@ -57,10 +56,14 @@ class Server:
     """One model behind the slots; the routes' shared state."""
 
     def __init__(self, model: weightlift.Model, alias: str, parallel: int, queue: int) -> None:
-        self.model = model
         self.alias = alias
         self.slots = Slots(parallel, queue)
+        self.scheduler = Scheduler(model, parallel)
         self.created = int(time.time())
+
+    def close(self) -> None:
+        """Stop the engine thread."""
+        self.scheduler.close()
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.alias:
@@ -74,25 +77,14 @@ class Server:
     async def generate(
         self, request: Request, body: _Sampling, method: str, roles: dict[str, str]
     ) -> Response:
-        """Run ``model.<method>(**body.kwargs())`` in its turn; JSON, or SSE when streaming."""
+        """Run ``model.<method>(**body.kwargs())`` in a slot of the batch; JSON, or SSE when
+        streaming."""
         self._check_model(body.model)
         try:
             kwargs = body.kwargs()  # type: ignore[attr-defined]
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(":")[0]) from None
         fields = set(type(body).model_fields)
-        call = getattr(self.model, method)
-
-        def run() -> Any:
-            try:
-                out = call(**kwargs, model=self.alias)
-                if not body.stream:
-                    out["timings"] = timings(self.model)
-                    return out
-                return out, next(out, None)  # the prompt's errors come before the headers
-            except Exception as e:
-                raise from_engine(e, fields, roles) from e
-
         try:
             await self.slots.acquire()
         except QueueFull:
@@ -104,51 +96,55 @@ class Server:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             ) from None
+        job: Job | None = None
         handed_over = False
+
+        def release() -> None:
+            if job is not None:
+                self.scheduler.cancel(job)  # no-op for one that has ended
+            self.slots.release()
+
         try:
             if await request.is_disconnected():
                 return Response(status_code=499)  # it left while queued: nobody to answer
-            result = await to_thread.run_sync(run)
+            job = self.scheduler.submit(method, {**kwargs, "model": self.alias})
+            kind, value, _ = await job.next()
+            if kind == "error":  # refused before anything ran: a 4xx naming the field
+                raise from_engine(value, fields, roles) from value
             if not body.stream:
-                return JSONResponse(result)
-            stream, first = result
+                kind, value, t = await job.next()
+                if kind == "error":
+                    raise from_engine(value, fields, roles) from value
+                value["timings"] = timings(t)
+                return JSONResponse(value)
             handed_over = True
-            return _SlotStream(self._events(request, stream, first, fields, roles), self.release)
+            return _SlotStream(self._events(job, fields, roles), release)
         finally:
             if not handed_over:
-                self.slots.release()
-
-    def release(self) -> None:
-        self.slots.release()
+                release()
 
     async def _events(
-        self,
-        request: Request,
-        stream: Any,
-        chunk: dict[str, Any] | None,
-        fields: set[str],
-        roles: dict[str, str],
+        self, job: Job, fields: set[str], roles: dict[str, str]
     ) -> AsyncIterator[str]:
-        """``data: {chunk}`` per chunk, ``data: [DONE]`` at the end; the generation stops at
-        the next token once the client is gone."""
-
-        def step() -> Any:
-            try:
-                return next(stream, None)
-            except Exception as e:
-                return from_engine(e, fields, roles)
-
-        while chunk is not None:
-            if chunk["choices"] and chunk["choices"][0].get("finish_reason") is not None:
-                chunk["timings"] = timings(self.model)
-            yield f"data: {json.dumps(chunk)}\n\n"
-            if await request.is_disconnected():
+        """``data: {chunk}`` per chunk, ``data: [DONE]`` at the end. A client that goes away
+        cancels this body, and the release ends the generation at once."""
+        closing: dict[str, Any] | None = None  # the chunk with the finish reason
+        while True:
+            kind, value, t = await job.next()
+            if kind == "chunk":
+                if value["choices"] and value["choices"][0].get("finish_reason") is not None:
+                    closing = value  # sent with the timings, which come with the end next
+                else:
+                    yield f"data: {json.dumps(value)}\n\n"
+            elif kind == "end":
+                if closing is not None:
+                    closing["timings"] = timings(t)
+                    yield f"data: {json.dumps(closing)}\n\n"
+                yield "data: [DONE]\n\n"
                 return
-            chunk = await to_thread.run_sync(step)
-            if isinstance(chunk, APIError):  # after the headers: an error event ends it
-                yield f"data: {json.dumps(chunk.body())}\n\n"
+            else:  # after the headers: an error event ends it
+                yield f"data: {json.dumps(from_engine(value, fields, roles).body())}\n\n"
                 return
-        yield "data: [DONE]\n\n"
 
 
 def create_app(model: weightlift.Model, *, alias: str, parallel: int, queue: int) -> FastAPI:

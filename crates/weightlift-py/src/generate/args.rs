@@ -140,6 +140,8 @@ pub(super) struct Call {
     pub(super) hook_error: super::hooks::HookError,
     /// Text to put after the generated text (a `suffix` without fill-in-the-middle tokens).
     pub(super) append: Option<String>,
+    /// The batch to start in, instead of running now.
+    pub(super) batch: Option<Py<super::batch::Batch>>,
 }
 
 impl Call {
@@ -157,6 +159,7 @@ impl Call {
             cache,
             hook_error: super::hooks::HookError::default(),
             append: None,
+            batch: None,
         })
     }
 }

@@ -6,6 +6,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 use weightlift_engine::Generation;
+use weightlift_engine::generate::batch::Answer;
 use weightlift_engine::generate::openai::Response;
 use weightlift_engine::generate::respond::{Kind, Responder, ResponseOptions};
 
@@ -26,7 +27,7 @@ pub(super) enum Shape {
 }
 
 /// A response as the dict llama-cpp-python returns: the engine's JSON, parsed by Python's.
-fn to_dict(py: Python<'_>, r: &Response) -> PyResult<Py<PyAny>> {
+pub(super) fn to_dict(py: Python<'_>, r: &Response) -> PyResult<Py<PyAny>> {
     Ok(py
         .import("json")?
         .call_method1("loads", (r.to_json(),))?
@@ -153,6 +154,15 @@ impl Model {
         };
         let hook_error = call.hook_error.clone();
         let append = call.append.take();
+        if let Some(batch) = call.batch.take() {
+            let answer = match options {
+                None => Answer::Text,
+                Some((kind, o)) if stream => Answer::Stream(kind, ResponseOptions { append, ..o }),
+                Some((kind, o)) => Answer::Whole(kind, ResponseOptions { append, ..o }),
+            };
+            let id = batch.get().start(model, call, answer)?;
+            return Ok(id.into_pyobject(py)?.into_any().unbind());
+        }
         let mut job = {
             let mut inner = model.lock()?;
             eng(Generation::start(

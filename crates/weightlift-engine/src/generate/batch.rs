@@ -1,0 +1,281 @@
+//! Several generations on one model at once (continuous batching), each in a slot: a cache of
+//! its own, kept between requests so that a prompt sharing a prefix with the slot's last one
+//! runs only the rest (the same system prompt is prefilled once per slot).
+//!
+//! A [`Batch`] takes new generations between steps and drops finished ones; every
+//! [`Batch::step`] is one [`step_batch`] over the running generations, so a sequence's tokens
+//! are those it gets alone. Each step returns what every generation has to say as [`Event`]s,
+//! already in its response shape (llama-cpp-python's chunks, or the whole response at the
+//! end), which is what a server hands to its clients.
+
+use std::sync::Arc;
+
+use super::respond::{Kind, Responder, ResponseOptions};
+use super::{GenerateOptions, Generation, Piece, Timings, step_batch};
+use crate::cache::Cache;
+use crate::error::{EngineError, Result, invalid};
+use crate::generate::openai::Response;
+use crate::model::Model;
+
+/// What a generation of a batch said during one step.
+#[derive(Debug)]
+pub enum Event {
+    /// A piece of text (a generation with no response shape).
+    Text(String),
+    /// A chunk of a streamed response.
+    Chunk(Response),
+    /// The whole response of a generation that is not streamed; it has ended.
+    Whole(Response, Timings),
+    /// The generation has ended (after its last chunk or piece).
+    End(Timings),
+    /// The generation failed and has ended; its slot is free again.
+    Failed(EngineError),
+}
+
+/// How a generation of a batch answers.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    /// Text pieces, as they come.
+    Text,
+    /// Response chunks of this kind, as they come.
+    Stream(Kind, ResponseOptions),
+    /// One response of this kind at the end.
+    Whole(Kind, ResponseOptions),
+}
+
+struct Job {
+    id: u64,
+    slot: usize,
+    generation: Generation,
+    responder: Option<Responder>,
+    stream: bool,
+    text: String,
+}
+
+/// Slots of one model and the generations running in them.
+pub struct Batch {
+    slots: Vec<Arc<Cache>>,
+    busy: Vec<bool>,
+    /// When each slot was last taken (a step count): among slots holding no useful prefix, the
+    /// one unused longest goes first, so every slot's prefix gets its chance to be reused.
+    taken: Vec<u64>,
+    clock: u64,
+    jobs: Vec<Job>,
+    next_id: u64,
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("slots", &self.slots.len())
+            .field("running", &self.jobs.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Batch {
+    /// `parallel` slots of the model's context length: the model's own cache and
+    /// `parallel - 1` more made like it ([`Model::sequence_cache`]).
+    pub fn new(model: &Model, parallel: usize) -> Result<Batch> {
+        if parallel == 0 {
+            return Err(invalid(
+                "parallel",
+                "at least 1 sequence at a time",
+                "0".to_owned(),
+            ));
+        }
+        let own = model.own_cache()?;
+        let n_ctx = own.config().max_seq_len;
+        let mut slots = vec![own];
+        for _ in 1..parallel {
+            slots.push(model.sequence_cache(n_ctx)?);
+        }
+        Ok(Batch {
+            busy: vec![false; slots.len()],
+            taken: vec![0; slots.len()],
+            slots,
+            clock: 0,
+            jobs: Vec::new(),
+            next_id: 0,
+        })
+    }
+
+    /// Slots in all.
+    pub fn parallel(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Generations running.
+    pub fn running(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Positions of each slot.
+    pub fn n_ctx(&self) -> u64 {
+        self.slots[0].config().max_seq_len
+    }
+
+    /// Start a generation of `prompt` in the free slot holding the longest prefix of it; it
+    /// runs from the next [`Batch::step`]. Returns its id. Fails, starting nothing, when every
+    /// slot is busy or the prompt does not fit a slot.
+    pub fn start(
+        &mut self,
+        model: &Model,
+        prompt: &[u32],
+        options: GenerateOptions,
+        answer: Answer,
+    ) -> Result<u64> {
+        let slot = self.free_slot(prompt).ok_or_else(|| {
+            invalid(
+                "a batch slot",
+                format!("a free one of the {}", self.slots.len()),
+                "every slot busy; wait for a generation to end".to_owned(),
+            )
+        })?;
+        let generation = Generation::in_slot(model, prompt, &self.slots[slot], options)?;
+        let (responder, stream) = match answer {
+            Answer::Text => (None, true),
+            Answer::Stream(kind, o) => (Some(Responder::new(kind, &generation, o)), true),
+            Answer::Whole(kind, o) => (Some(Responder::new(kind, &generation, o)), false),
+        };
+        self.clock += 1;
+        self.busy[slot] = true;
+        self.taken[slot] = self.clock;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.jobs.push(Job {
+            id,
+            slot,
+            generation,
+            responder,
+            stream,
+            text: String::new(),
+        });
+        Ok(id)
+    }
+
+    /// The free slot whose cache holds the longest prefix of `prompt`; on a tie the one
+    /// unused longest.
+    fn free_slot(&self, prompt: &[u32]) -> Option<usize> {
+        (0..self.slots.len())
+            .filter(|&i| !self.busy[i])
+            .max_by_key(|&i| {
+                let held = self.slots[i].common_prefix(prompt);
+                (held, std::cmp::Reverse(self.taken[i]))
+            })
+    }
+
+    /// End generation `id` now (its client left); its slot is free for the next start. False
+    /// when no such generation runs.
+    pub fn cancel(&mut self, id: u64) -> bool {
+        match self.jobs.iter().position(|j| j.id == id) {
+            Some(i) => {
+                let job = self.jobs.swap_remove(i);
+                self.busy[job.slot] = false;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One step of every running generation, their forward calls as one. Returns each one's
+    /// events in order; a generation that ends (or fails) leaves the batch and frees its slot.
+    /// When the shared forward call fails (a device out of memory), every running generation
+    /// ends and the error is returned; the slots stay usable.
+    pub fn step(&mut self, model: &mut Model) -> Result<Vec<(u64, Event)>> {
+        let mut events = Vec::new();
+        for job in &mut self.jobs {
+            job.opening(&mut events);
+        }
+        let pieces = {
+            let mut gens: Vec<&mut Generation> =
+                self.jobs.iter_mut().map(|j| &mut j.generation).collect();
+            step_batch(model, &mut gens)
+        };
+        let pieces = match pieces {
+            Ok(p) => p,
+            Err(e) => {
+                for job in self.jobs.drain(..) {
+                    self.busy[job.slot] = false;
+                }
+                return Err(e);
+            }
+        };
+        let mut ended = Vec::new();
+        for (i, (job, piece)) in self.jobs.iter_mut().zip(pieces).enumerate() {
+            if job.answer(piece, &mut events) {
+                ended.push(i);
+            }
+        }
+        for i in ended.into_iter().rev() {
+            let job = self.jobs.swap_remove(i);
+            self.busy[job.slot] = false;
+        }
+        Ok(events)
+    }
+}
+
+impl Job {
+    /// A stream's opening chunk (the chat role, an echoed prompt), before its first step.
+    fn opening(&mut self, events: &mut Vec<(u64, Event)>) {
+        if let (true, Some(r)) = (self.stream, self.responder.as_mut())
+            && let Some(chunk) = r.ready()
+        {
+            events.push((self.id, Event::Chunk(chunk)));
+        }
+    }
+
+    /// This step's events for `piece`; true when the generation has ended.
+    fn answer(&mut self, piece: Result<Option<Piece>>, events: &mut Vec<(u64, Event)>) -> bool {
+        let id = self.id;
+        let piece = match piece {
+            Ok(Some(p)) => p,
+            Ok(None) => {
+                events.push((id, self.end()));
+                return true;
+            }
+            Err(e) => {
+                events.push((id, Event::Failed(e)));
+                return true;
+            }
+        };
+        let said = match (&mut self.responder, self.stream) {
+            (None, _) => {
+                if !piece.text.is_empty() {
+                    events.push((id, Event::Text(piece.text.clone())));
+                }
+                Ok(())
+            }
+            (Some(_), false) => {
+                self.text.push_str(&piece.text);
+                Ok(())
+            }
+            (Some(r), true) => r.chunk(&self.generation, &piece).map(|chunk| {
+                events.extend(chunk.map(|c| (id, Event::Chunk(c))));
+                // a finish reason may leave a closing chunk of its own
+                events.extend(r.ready().map(|c| (id, Event::Chunk(c))));
+            }),
+        };
+        if let Err(e) = said {
+            events.push((id, Event::Failed(e)));
+            return true;
+        }
+        if piece.finish.is_some() {
+            events.push((id, self.end()));
+            return true;
+        }
+        false
+    }
+
+    /// The closing event of a generation that has ended.
+    fn end(&self) -> Event {
+        let timings = self.generation.timings();
+        match (&self.responder, self.stream) {
+            (Some(r), false) => match r.whole(&self.generation, &self.text) {
+                Ok(whole) => Event::Whole(whole, timings),
+                Err(e) => Event::Failed(e),
+            },
+            _ => Event::End(timings),
+        }
+    }
+}

@@ -1,0 +1,121 @@
+"""The engine thread: one ``weightlift.Batch`` stepped in a loop, with requests joining between
+steps (continuous batching) and leaving when they end or their client goes.
+
+Only this thread calls the model, so the event loop never waits on it: a request hands its call
+over and reads its events from an ``asyncio.Queue`` that this thread fills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import weightlift
+
+# Seconds the idle thread waits for work before looking whether it should stop.
+IDLE_POLL = 0.1
+
+
+@dataclass
+class Job:
+    """One request's generation: its call, and the events the engine thread sends back."""
+
+    method: str
+    kwargs: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[tuple[str, Any, Any]] = field(default_factory=asyncio.Queue)
+    id: int | None = None
+    cancelled: bool = False
+
+    def post(self, kind: str, value: Any = None, timings: Any = None) -> None:
+        """Send an event to the request (from the engine thread)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, timings))
+
+    async def next(self) -> tuple[str, Any, Any]:
+        """The next event: ``started``, ``chunk``, ``whole``, ``end`` or ``error``."""
+        return await self.events.get()
+
+
+class Scheduler:
+    """``parallel`` generations of ``model`` stepped together on one thread."""
+
+    def __init__(self, model: weightlift.Model, parallel: int) -> None:
+        self.model = model
+        self.batch = weightlift.Batch(model, parallel)
+        self._inbox: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
+        self._jobs: dict[int, Job] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weightlift-batch", daemon=True)
+        self._thread.start()
+
+    def submit(self, method: str, kwargs: dict[str, Any]) -> Job:
+        """Start ``model.<method>(**kwargs)`` in the batch; its first event says whether it
+        started (``started``) or was refused (``error``, the exception)."""
+        job = Job(method, kwargs, asyncio.get_running_loop())
+        self._inbox.put(("start", job))
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """End ``job`` at once (its client left); its slot is free before the next start."""
+        job.cancelled = True
+        self._inbox.put(("cancel", job))
+
+    def close(self) -> None:
+        """Stop the thread after its current step; running generations end unanswered."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take(block=not self._jobs)
+            if self._jobs:
+                self._step()
+
+    def _take(self, *, block: bool) -> None:
+        """Start and cancel what the requests asked for, in the order they asked; waits for
+        work when ``block``."""
+        try:
+            what, job = self._inbox.get(timeout=IDLE_POLL) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if what == "cancel" and job.id is not None:
+                self.batch.cancel(job.id)
+                self._jobs.pop(job.id, None)
+            elif what == "start" and not job.cancelled:
+                self._start(job)
+            try:
+                what, job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _start(self, job: Job) -> None:
+        try:
+            job.id = getattr(self.model, job.method)(**job.kwargs, batch=self.batch)
+        except Exception as e:  # the request's own error (a bad field, a prompt too long)
+            job.post("error", e)
+            return
+        self._jobs[job.id] = job
+        job.post("started", job.id)
+
+    def _step(self) -> None:
+        try:
+            events = self.batch.step()
+        except Exception as e:  # the shared forward call failed: every generation has ended
+            for job in self._jobs.values():
+                job.post("error", e)
+            self._jobs.clear()
+            return
+        for id, kind, value, timings in events:
+            job = self._jobs.get(id)
+            if job is None:
+                continue
+            job.post(kind, value, timings)
+            if kind in ("whole", "end", "error"):
+                del self._jobs[id]
+
+
+__all__ = ["Job", "Scheduler"]
