@@ -32,6 +32,7 @@ __all__ = [
     "DeviceTensor",
     "Model",
     "Cache",
+    "Batch",
     "CompletionStream",
     "LlamaGrammar",
     "TPContext",
