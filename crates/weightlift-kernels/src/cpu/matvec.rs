@@ -624,6 +624,50 @@ fn row_tokens_q8(
     row_tokens_q8_scalar(ty, row, pass.xs, out);
 }
 
+/// Whether [`q8_matmul_batch`] takes the rows of `ty` in pairs ([`row_pair_tokens_q8`]): the
+/// 32-value types under AVX512-VNNI, one row in each half of a 512-bit vector.
+fn takes_row_pairs(vnni: Option<Vnni>, ty: QuantType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if vnni == Some(Vnni::Avx512Vnni) {
+        return super::x86_matvec512::takes(ty);
+    }
+    let _ = (vnni, ty);
+    false
+}
+
+/// [`row_tokens_q8`] of two rows at once, where [`takes_row_pairs`] says so: each token's
+/// results have the same bits.
+fn row_pair_tokens_q8(ty: QuantType, rows: [&[u8]; 2], pass: &TokenPass, out: [&mut [f32]; 2]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::x86_matvec512::row_pair_tokens_q8_512 as k;
+        let (qs, bias, scales) = (&pass.qs[..], &pass.bias[..], &pass.scales[..]);
+        let [o0, o1] = out;
+        macro_rules! by_tokens {
+            ($($t:literal)*) => {
+                match o0.len() {
+                    $($t => {
+                        // SAFETY: takes_row_pairs saw AVX512-VNNI detected at run time (with
+                        // AVX-512F/BW/VL: Isa::vnni returns it only at Isa::Avx512) and a type
+                        // the kernel takes; both rows hold whole blocks for the pass's tokens,
+                        // laid out by TokenPass::new with vnni_offset's lane offsets.
+                        let [a, b] = unsafe { k::<$t>(ty, rows, qs, bias, scales) };
+                        o0.copy_from_slice(&a);
+                        o1.copy_from_slice(&b);
+                    })*
+                    _ => unreachable!("row_pair_tokens_q8: at most {BATCH_PASS_MAX} tokens"),
+                }
+            };
+        }
+        by_tokens!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (rows, pass, out);
+        unreachable!("row_pair_tokens_q8 {ty}: only x86-64 takes rows in pairs");
+    }
+}
+
 /// Tokens per pass of the batched row kernels at this level: their accumulators stay in
 /// registers (16 vector registers without AVX-512, 32 with it).
 fn batch_pass(isa: Isa, vnni: Option<Vnni>) -> usize {
@@ -668,14 +712,28 @@ fn q8_matmul_batch(
             .zip(bias.chunks(pass))
             .map(|(xp, bp)| TokenPass::new(isa, xp, bp))
             .collect();
+        let paired = takes_row_pairs(vnni, ty);
+        let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
         yt.par_chunks_mut(ROWS_PER_TASK * n_tok)
             .enumerate()
             .for_each(|(i, yc)| {
-                for (k, yr) in yc.chunks_exact_mut(n_tok).enumerate() {
-                    let r = i * ROWS_PER_TASK + k;
-                    let row = &w[r * row_bytes..(r + 1) * row_bytes];
-                    for (o, p) in yr.chunks_mut(pass).zip(&passes) {
-                        row_tokens_q8(isa, vnni, ty, row, p, o);
+                let (first, n) = (i * ROWS_PER_TASK, yc.len() / n_tok);
+                let mut k = 0;
+                while k < n {
+                    let r = first + k;
+                    if paired && k + 1 < n {
+                        let (y0, y1) = yc[k * n_tok..(k + 2) * n_tok].split_at_mut(n_tok);
+                        let outs = y0.chunks_mut(pass).zip(y1.chunks_mut(pass));
+                        for ((o0, o1), p) in outs.zip(&passes) {
+                            row_pair_tokens_q8(ty, [row(r), row(r + 1)], p, [o0, o1]);
+                        }
+                        k += 2;
+                    } else {
+                        let yr = &mut yc[k * n_tok..(k + 1) * n_tok];
+                        for (o, p) in yr.chunks_mut(pass).zip(&passes) {
+                            row_tokens_q8(isa, vnni, ty, row(r), p, o);
+                        }
+                        k += 1;
                     }
                 }
             });

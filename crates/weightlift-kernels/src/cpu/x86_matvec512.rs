@@ -9,8 +9,8 @@
 
 use std::arch::x86_64::*;
 
-use super::matvec::Q8Block;
-use super::x86::imp::rd_u32;
+use super::matvec::{Q8Block, TokenScales};
+use super::x86::imp::{rd_f16_int, rd_u32};
 use super::x86_matvec::prefetch_ahead;
 use crate::types::QuantType;
 
@@ -209,6 +209,122 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
         let [lo, hi] = finish_pair(a);
         out[2 * p] = lo + extra[2 * p];
         out[2 * p + 1] = hi + extra[2 * p + 1];
+    }
+    out
+}
+
+/// The batched form of [`rows_dot_q8_512`]: the VNNI Q8-mode dots of two rows (one in each
+/// half of a 512-bit vector) with `T` tokens, each row's block decoded once for all of them.
+/// The tokens' blocks come interleaved as `x86_matvec_batch` takes them (`xq[i · T + t]`, and
+/// `bias` alike for the types with a quant offset), `scales[i]` their scales and quant sums.
+/// Every lane runs the operations of the single-token kernels in their order (`d · d_x`
+/// rounded per block, one FMA per block and lane, the offset term summed apart in block order),
+/// so each token's two results have the bits of [`rows_dot_q8_512`] for that token alone.
+/// Returns `[row 0's T results, row 1's]`.
+///
+/// # Safety
+/// AVX2, FMA, F16C, AVX-512F/BW/VL and AVX512-VNNI; `ty` is one [`takes`]; both rows hold
+/// `scales.len()` whole blocks; `xq` holds `T` blocks per scale entry, and `bias` as many lane
+/// offsets for Q4_0, Q5_0 and Q8_0; at most 16 tokens.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn row_pair_tokens_q8_512<const T: usize>(
+    ty: QuantType,
+    rows: [&[u8]; 2],
+    xq: &[[i8; 32]],
+    bias: &[[i32; 8]],
+    scales: &[TokenScales],
+) -> [[f32; T]; 2] {
+    let (nb, bb) = (scales.len(), ty.block_bytes());
+    let offset = matches!(ty, QuantType::Q4_1 | QuantType::Q5_1);
+    assert!(
+        takes(ty)
+            && T <= 16
+            && rows.iter().all(|r| r.len() == nb * bb)
+            && xq.len() == nb * T
+            && (offset || bias.len() == nb * T),
+        "row_pair_tokens_q8_512: shapes"
+    );
+    let mut acc = [_mm512_setzero_ps(); T];
+    // the offset terms of Q4_1 and Q5_1, each row's in token lanes
+    let mut ext = [_mm512_setzero_ps(); 2];
+    // 16 added to the quants whose fifth bit is set: bit j of a block's `qh` is value j's
+    let fifth = |a: &[u8], b: &[u8], off: usize| -> __mmask64 {
+        u64::from(rd_u32(a, off)) | (u64::from(rd_u32(b, off)) << 32)
+    };
+    let k16 = _mm512_set1_epi8(16);
+    for i in 0..nb {
+        let (a, b) = (
+            &rows[0][i * bb..(i + 1) * bb],
+            &rows[1][i * bb..(i + 1) * bb],
+        );
+        prefetch_ahead(a);
+        prefetch_ahead(b);
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: whole blocks of `ty` (checked above), so each quant field is readable.
+        let q = unsafe {
+            match ty {
+                QuantType::Q4_0 => nibbles_pair(pa.add(2), pb.add(2)),
+                QuantType::Q5_0 => {
+                    let q = nibbles_pair(pa.add(6), pb.add(6));
+                    _mm512_mask_add_epi8(q, fifth(a, b, 2), q, k16)
+                }
+                QuantType::Q8_0 => _mm512_xor_si512(
+                    pair(
+                        _mm256_loadu_si256(pa.add(2).cast()),
+                        _mm256_loadu_si256(pb.add(2).cast()),
+                    ),
+                    _mm512_set1_epi8(-128),
+                ),
+                QuantType::Q4_1 => nibbles_pair(pa.add(4), pb.add(4)),
+                _ => {
+                    let q = nibbles_pair(pa.add(8), pb.add(8));
+                    _mm512_mask_add_epi8(q, fifth(a, b, 4), q, k16)
+                }
+            }
+        };
+        // SAFETY: d is the first field of every block.
+        let sp = unsafe { scales_pair(pa, pb) };
+        let ts = &scales[i];
+        if offset {
+            // SAFETY: TokenScales holds 16 lanes of each.
+            let (xd, xs) = unsafe {
+                (
+                    _mm512_loadu_ps(ts.d.as_ptr()),
+                    _mm512_loadu_ps(ts.s.as_ptr()),
+                )
+            };
+            for (e, blk) in ext.iter_mut().zip([a, b]) {
+                let m = _mm512_set1_ps(rd_f16_int(blk, 2));
+                *e = _mm512_add_ps(*e, _mm512_mul_ps(_mm512_mul_ps(m, xd), xs));
+            }
+        }
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let k = i * T + t;
+            // SAFETY: k < nb · T (checked above); each row of quants and offsets is 32 bytes.
+            let (xv, bv) = unsafe {
+                let xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(xq[k].as_ptr().cast()));
+                let bv = if offset {
+                    _mm512_setzero_si512()
+                } else {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(bias[k].as_ptr().cast()))
+                };
+                (xv, bv)
+            };
+            let l = _mm512_dpbusd_epi32(bv, q, xv);
+            let dd = _mm512_mul_ps(sp, _mm512_set1_ps(ts.d[t]));
+            *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(l), *acc);
+        }
+    }
+    let mut extra = [[0f32; 16]; 2];
+    for (x, e) in extra.iter_mut().zip(ext) {
+        // SAFETY: each holds 16 f32.
+        unsafe { _mm512_storeu_ps(x.as_mut_ptr(), e) };
+    }
+    let mut out = [[0f32; T]; 2];
+    for (t, a) in acc.into_iter().enumerate() {
+        let [lo, hi] = finish_pair(a);
+        out[0][t] = lo + extra[0][t];
+        out[1][t] = hi + extra[1][t];
     }
     out
 }
