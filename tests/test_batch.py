@@ -68,3 +68,27 @@ def test_batch_refusals_name_the_argument(model: weightlift.Model, demo_gguf: Pa
     with pytest.raises(ValueError, match="a Batch of this model"):
         other.create_completion("Hi", batch=batch)
     assert batch.running == 0
+
+
+def test_a_cache_of_several_sequences_is_planned_and_held_as_slots(demo_gguf: Path):
+    m = weightlift.Model(str(demo_gguf), devices="virtual:2x96MiB,cpu", compute="exact")
+    m.load(cache=weightlift.CacheSpec(256, 3, "fp16"))
+    assert m.cache is not None and (m.cache.batch_size, m.cache.max_seq_len) == (1, 256)
+    plan = m.plan
+    assert plan is not None and plan.cache is not None and plan.cache.batch_size == 3
+    one = weightlift.Model(str(demo_gguf), devices="virtual:2x96MiB,cpu")
+    one.load(cache=weightlift.CacheSpec(256, 1, "fp16"))
+    assert one.plan is not None
+    kv = sum(d.kv for d in plan.devices)
+    assert kv == 3 * sum(d.kv for d in one.plan.devices) > 0
+    held = m.memory()
+    for d in plan.devices:
+        want = d.weights + d.kv + d.scratch
+        assert abs(held[d.name] - want) <= want // 100, (d.name, held[d.name], want)
+    batch = weightlift.Batch(m, parallel=3)
+    assert m.memory() == held  # the planned slots, no new allocation
+    ids = [m.create_completion(p, max_tokens=6, temperature=0, batch=batch) for p in PROMPTS]
+    got = _drain(batch)
+    alone = [m.create_completion(p, max_tokens=6, temperature=0) for p in PROMPTS]
+    for id, want in zip(ids, alone, strict=True):
+        assert got[id][0][1]["choices"] == want["choices"]

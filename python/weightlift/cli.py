@@ -677,6 +677,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.parallel < 1:
         raise weightlift.PlanError(f"serve: --parallel: expected 1 or more, got {args.parallel}")
+    if args.batch is not None and args.batch != args.parallel:
+        raise weightlift.PlanError(
+            f"serve: --batch {args.batch} and --parallel {args.parallel} disagree: the cache holds "
+            "one sequence per slot; give --parallel alone"
+        )
+    # the plan counts a cache of --ctx positions per slot, and the load makes them
+    args.batch = args.parallel
     if args.queue < 0:
         raise weightlift.PlanError(f"serve: --queue: expected 0 or more, got {args.queue}")
     server.require()
@@ -872,8 +879,8 @@ def _parser() -> argparse.ArgumentParser:
         "--parallel",
         type=int,
         default=1,
-        help="generations at once (1): each gets a slot, a KV cache of --ctx positions (the "
-        "model's own and parallel-1 more)",
+        help="generations at once (1): each gets a slot, a KV cache of --ctx positions, all "
+        "of them in the plan (as --batch N is in `weightlift plan`)",
     )
     sv.add_argument(
         "--queue",

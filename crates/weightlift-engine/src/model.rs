@@ -41,6 +41,10 @@ pub(crate) struct State {
     /// `cache` was made by [`Model::own_cache_for`], not handed in: it may be replaced by a
     /// larger one.
     pub cache_made: bool,
+    /// More sequences the plan counted beside `cache` (a plan's cache of batch_size N: the
+    /// own cache is sequence 0 and these the other N − 1), each a cache of its own for a
+    /// [`crate::generate::batch::Batch`].
+    pub sequences: Vec<Arc<Cache>>,
     pub warnings: Vec<String>,
     pub forward: Option<ForwardPlan>,
     pub onload: Option<weightlift_plan::OnloadPlan>,
@@ -227,7 +231,7 @@ impl Model {
     /// Free every tensor and the cache layers this model allocated.
     pub fn unload(&mut self) {
         if let Some(s) = self.state.take() {
-            if let Some(c) = &s.cache {
+            for c in s.cache.iter().chain(&s.sequences) {
                 c.free();
             }
             // The bindings may still hold the context: its buffers go now all the same.

@@ -96,10 +96,12 @@ impl Model {
 
     /// Load by `plan`, or plan now with `options` over this model's own request (its
     /// `defaults`: dtype, quantisation and runtime, and `opts`' mmap and staging), and return
-    /// the plan loaded. A given plan takes no placement options; a plan that reserved a cache,
-    /// or a tensor-parallel plan (whose cache is `expect_cache_tokens`, split by kv heads as
-    /// exllamav2's TP cache), gets that cache made beside its layers when `cache` is `None`. A
-    /// plan with a `rank` loads only that rank's share, on this model's one accelerator.
+    /// the plan loaded. A given plan takes no placement options; a plan that reserved a cache
+    /// (given, or asked for by `options.cache`), or a tensor-parallel plan (whose cache is
+    /// `expect_cache_tokens`, split by kv heads as exllamav2's TP cache), gets that cache made
+    /// beside its layers when `cache` is `None`; a cache of N sequences is made as N caches of
+    /// one, the own cache and [`Model::planned_sequences`]. A plan with a `rank` loads only
+    /// that rank's share, on this model's one accelerator.
     pub fn plan_and_load(
         &mut self,
         plan: Option<Plan>,
@@ -110,7 +112,6 @@ impl Model {
         progress: &mut dyn FnMut(&crate::Progress<'_>) -> bool,
     ) -> Result<Plan> {
         let rank = options.rank;
-        let given = plan.is_some();
         let plan = match plan {
             Some(_) if options != weightlift_plan::PlanOptions::default() => {
                 return Err(invalid(
@@ -134,17 +135,36 @@ impl Model {
                 weightlift_plan::plan(&req)?
             }
         };
-        let own = plan
-            .cache()
-            .filter(|_| cache.is_none() && (given || plan.tp().is_some()));
+        let own = plan.cache().filter(|_| cache.is_none());
+        // A plan's cache of several sequences is that many caches of one: the own cache and
+        // the rest beside it (the forward pass runs caches of one sequence).
+        let mut sequences = 1;
         if let Some(spec) = own {
-            cache = Some(std::sync::Arc::new(self.cache_for(spec)?));
+            let mut one = spec.clone();
+            if plan.tp().is_none() {
+                (sequences, one.batch_size) = (spec.batch_size, 1);
+            }
+            cache = Some(std::sync::Arc::new(self.cache_for(&one)?));
         }
         let placement = match rank {
             Some(r) => self.own_rank_placement(&plan, r)?,
             None => self.placement(&plan)?,
         };
         self.load(&placement, opts, cache.as_ref(), true, progress)?;
+        if sequences > 1 {
+            let n_ctx = self.own_cache()?.config().max_seq_len;
+            let more = (1..sequences)
+                .map(|_| self.sequence_cache(n_ctx))
+                .collect::<Result<Vec<_>>>();
+            match (more, self.state.as_mut()) {
+                (Ok(more), Some(s)) => s.sequences = more,
+                (Err(e), _) => {
+                    self.unload();
+                    return Err(e);
+                }
+                (Ok(_), None) => {}
+            }
+        }
         Ok(plan)
     }
 

@@ -271,3 +271,60 @@ fn a_caller_cache_defaults_to_the_context_length_and_is_lazy_until_the_load() {
         .to_string();
     assert!(e.contains("non-lazy cache needs a loaded model"), "{e}");
 }
+
+/// A plan's cache of several sequences (a server's `--parallel 3`) is held as three caches of
+/// one beside the layers: the model's own and two for a batch's slots. What the model holds
+/// equals the plan within 1 %, a batch of three takes those slots without allocating, and
+/// the unload frees them.
+#[test]
+fn a_planned_cache_of_several_sequences_is_held_as_that_many_slots() {
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(&demo(), OpenOptions::default()).unwrap());
+    let inv = Inventory::parse("virtual:2x96MiB,cpu").unwrap();
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let options = weightlift_plan::PlanOptions {
+        cache: Some(CacheSpec::new(512, 3, CacheDType::Fp16)),
+        runtime: Some(RuntimeSpec {
+            max_input_len: 32,
+            max_attention_size: 32 * 32,
+            max_dq_size: 1 << 16,
+            low_mem: false,
+        }),
+        ..Default::default()
+    };
+    let plan = model
+        .plan_and_load(
+            None,
+            options,
+            &Default::default(),
+            None,
+            &LoadOptions::default(),
+            &mut |_| true,
+        )
+        .unwrap();
+    let own = model.own_cache().unwrap();
+    let more = model.planned_sequences();
+    assert_eq!((own.config().batch_size, more.len()), (1, 2));
+    assert!(
+        more.iter()
+            .all(|c| c.config().max_seq_len == 512 && c.is_allocated())
+    );
+    let held = model.memory();
+    for d in plan.devices() {
+        let want = d.weights + d.kv + d.scratch;
+        let got = held
+            .iter()
+            .find(|(n, _)| *n == d.name)
+            .map_or(0, |(_, b)| *b);
+        assert!(
+            got.abs_diff(want) <= want / 100,
+            "{}: plan {want} B, held {got} B",
+            d.name
+        );
+    }
+    assert!(plan.devices().iter().map(|d| d.kv).sum::<u64>() > 0);
+    let batch = weightlift_engine::generate::batch::Batch::new(&model, 3).unwrap();
+    assert_eq!(model.memory(), held);
+    drop(batch);
+    model.unload();
+    assert!(inv.all().iter().all(|d| d.used() == 0));
+}

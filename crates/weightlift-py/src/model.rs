@@ -274,12 +274,18 @@ impl Model {
             .filter(|p| !p.is_none())
             .map(plan_from_obj)
             .transpose()?;
+        let mut sequences = None;
         let cache = match cache {
             None => None,
             Some(LoadCache::Given(c)) => Some(c),
+            // several sequences: planned, then made as that many caches of one by the load
+            Some(LoadCache::Shape(spec)) if spec.batch_size > 1 && plan.is_none() => {
+                sequences = Some(spec);
+                None
+            }
             Some(LoadCache::Shape(spec)) => Some(self.lock()?.new_cache(&spec)?),
         };
-        let options = PlanArgs {
+        let mut options = PlanArgs {
             strategy,
             reserve,
             max_memory,
@@ -298,6 +304,7 @@ impl Model {
             ..PlanArgs::default()
         }
         .options()?;
+        options.cache = sequences;
         let opts = load_options(use_mmap, use_direct_io, check_tensors, staging_bytes);
         self.run_load(
             py,

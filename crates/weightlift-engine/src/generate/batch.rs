@@ -74,8 +74,9 @@ impl std::fmt::Debug for Batch {
 }
 
 impl Batch {
-    /// `parallel` slots of the model's context length: the model's own cache and
-    /// `parallel - 1` more made like it ([`Model::sequence_cache`]).
+    /// `parallel` slots of the model's context length: the model's own cache, the sequences
+    /// its plan counted beside it ([`Model::planned_sequences`]), and as many more as that
+    /// leaves short, made like it ([`Model::sequence_cache`]).
     pub fn new(model: &Model, parallel: usize) -> Result<Batch> {
         if parallel == 0 {
             return Err(invalid(
@@ -87,7 +88,8 @@ impl Batch {
         let own = model.own_cache()?;
         let n_ctx = own.config().max_seq_len;
         let mut slots = vec![own];
-        for _ in 1..parallel {
+        slots.extend(model.planned_sequences().into_iter().take(parallel - 1));
+        while slots.len() < parallel {
             slots.push(model.sequence_cache(n_ctx)?);
         }
         Ok(Batch {

@@ -176,6 +176,14 @@ impl Model {
         Ok(())
     }
 
+    /// The sequences beyond the own cache that the plan counted (a plan's cache of
+    /// batch_size N: N − 1 caches of its length), for a [`crate::generate::batch::Batch`].
+    pub fn planned_sequences(&self) -> Vec<Arc<Cache>> {
+        self.state
+            .as_ref()
+            .map_or_else(Vec::new, |s| s.sequences.clone())
+    }
+
     /// A cache of `tokens` positions for one more sequence, leaving the model's own cache
     /// alone (an embedding's scratch, a slot of a [`Model::forward_batch`]): the own cache's
     /// dtype and offload (fp16 on the layers' devices when there is none), allocated as a load

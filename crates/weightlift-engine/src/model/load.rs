@@ -266,6 +266,7 @@ impl Model {
             layer_devices: placement.layers.clone(),
             cache: cache.cloned(),
             cache_made: false,
+            sequences: Vec::new(),
             warnings,
         });
         Ok(())

@@ -46,7 +46,7 @@ impl Model {
                     add(&n, b);
                 }
             }
-            if let Some(c) = &s.cache {
+            for c in s.cache.iter().chain(&s.sequences) {
                 for (n, b) in c.memory() {
                     add(&n, b);
                 }
