@@ -47,8 +47,9 @@ def test_batched_completions_answer_what_each_answers_alone(model: weightlift.Mo
         [(kind, whole, timings)] = got[id]
         assert kind == "whole" and timings["eval_tokens"] == whole["usage"]["completion_tokens"] - 1
         _same(whole, want)
-    *chunks, (end, none, timings) = got[chat]
-    assert (end, none) == ("end", None) and timings["prompt_tokens"] > 0
+    *chunks, (end, usage, timings) = got[chat]
+    whole = model.create_chat_completion(CHAT, **kw)
+    assert (end, usage) == ("end", whole["usage"]) and timings["prompt_tokens"] > 0
     assert [c[0] for c in chunks] == ["chunk"] * len(alone_chat)
     for (_, c, _), want in zip(chunks, alone_chat, strict=True):
         _same(c, want)

@@ -155,6 +155,7 @@ def test_chat_stream_joins_to_the_plain_reply(server: Server):
     assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
     last = chunks[-1].model_extra or {}
     assert last["timings"]["predicted_n"] >= 0
+    assert chunks[-1].usage == plain.usage  # the closing chunk counts the tokens too
 
 
 def test_models_and_health(server: Server):

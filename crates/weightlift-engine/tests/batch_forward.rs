@@ -300,7 +300,7 @@ fn collect(
     for (id, e) in events {
         match e {
             Event::Text(t) => texts.entry(id).or_default().push_str(&t),
-            Event::End(t) => {
+            Event::End(_, t) => {
                 ended.insert(id, t);
             }
             other => panic!("unexpected event of {id}: {other:?}"),

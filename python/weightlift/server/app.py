@@ -126,18 +126,20 @@ class Server:
     async def _events(
         self, job: Job, fields: set[str], roles: dict[str, str]
     ) -> AsyncIterator[str]:
-        """``data: {chunk}`` per chunk, ``data: [DONE]`` at the end. A client that goes away
-        cancels this body, and the release ends the generation at once."""
+        """``data: {chunk}`` per chunk, ``data: [DONE]`` at the end; the chunk with the finish
+        reason carries ``usage`` and ``timings``. A client that goes away cancels this body,
+        and the release ends the generation at once."""
         closing: dict[str, Any] | None = None  # the chunk with the finish reason
         while True:
             kind, value, t = await job.next()
             if kind == "chunk":
                 if value["choices"] and value["choices"][0].get("finish_reason") is not None:
-                    closing = value  # sent with the timings, which come with the end next
+                    closing = value  # sent with usage and timings, which come with the end
                 else:
                     yield f"data: {json.dumps(value)}\n\n"
             elif kind == "end":
                 if closing is not None:
+                    closing["usage"] = value
                     closing["timings"] = timings(t)
                     yield f"data: {json.dumps(closing)}\n\n"
                 yield "data: [DONE]\n\n"

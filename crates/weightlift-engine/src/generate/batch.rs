@@ -14,7 +14,7 @@ use super::respond::{Kind, Responder, ResponseOptions};
 use super::{GenerateOptions, Generation, Piece, Timings, step_batch};
 use crate::cache::Cache;
 use crate::error::{EngineError, Result, invalid};
-use crate::generate::openai::Response;
+use crate::generate::openai::{Response, Usage};
 use crate::model::Model;
 
 /// What a generation of a batch said during one step.
@@ -26,8 +26,9 @@ pub enum Event {
     Chunk(Response),
     /// The whole response of a generation that is not streamed; it has ended.
     Whole(Response, Timings),
-    /// The generation has ended (after its last chunk or piece).
-    End(Timings),
+    /// The generation has ended (after its last chunk or piece): its token counts, as a whole
+    /// response's `usage`, and its timings.
+    End(Usage, Timings),
     /// The generation failed and has ended; its slot is free again.
     Failed(EngineError),
 }
@@ -277,7 +278,13 @@ impl Job {
                 Ok(whole) => Event::Whole(whole, timings),
                 Err(e) => Event::Failed(e),
             },
-            _ => Event::End(timings),
+            _ => Event::End(
+                Usage::new(
+                    self.generation.prompt_tokens(),
+                    self.generation.tokens().len() as u64,
+                ),
+                timings,
+            ),
         }
     }
 }

@@ -30,8 +30,8 @@ struct State {
 /// `create_chat_completion(..., batch=b)` start a generation and return its id; `step()` runs
 /// one token of each generation (their forward calls as one) and returns `(id, kind, value,
 /// timings)` tuples: `"chunk"` (a streamed chunk), `"text"`, `"whole"` (the whole response of a
-/// call with `stream=False`; it has ended), `"end"` (a stream has ended) or `"error"` (the
-/// exception it ended with). `timings` is the finished generation's `Model.timings`, else None.
+/// call with `stream=False`; it has ended), `"end"` (a stream has ended; the value is its
+/// `usage` dict) or `"error"` (the exception it ended with). `timings` is the finished generation's `Model.timings`, else None.
 /// A generation's tokens are those it gets alone.
 #[pyclass(module = "weightlift._native", frozen)]
 pub struct Batch {
@@ -125,7 +125,12 @@ impl Batch {
                 Event::Text(t) => (id, "text", PyString::new(py, &t).into_any().unbind(), None),
                 Event::Chunk(c) => (id, "chunk", to_dict(py, &c)?, None),
                 Event::Whole(w, t) => (id, "whole", to_dict(py, &w)?, Some(report(py, t)?)),
-                Event::End(t) => (id, "end", py.None(), Some(report(py, t)?)),
+                Event::End(u, t) => (
+                    id,
+                    "end",
+                    pythonize::pythonize(py, &u)?.unbind(),
+                    Some(report(py, t)?),
+                ),
                 Event::Failed(e) => {
                     let err = hook.unwrap_or_default().raise(e.to_pyerr());
                     (id, "error", err.into_value(py).into_any(), None)
