@@ -736,7 +736,9 @@ def _plan_options(
             "with seed 0 unless --seed, and prints on rank 0 only",
         )
     p.add_argument("--ctx", type=int, help=f"KV cache length (default {DEFAULT_CTX} with --cache)")
-    p.add_argument("--batch", type=int, help="KV cache batch size (default 1)")
+    p.add_argument(
+        "--batch", type=int, help="sequences the KV cache holds, each of --ctx (default 1)"
+    )
     p.add_argument("--cache", help="KV cache dtype: fp16, bf16, fp8, q8, q6 or q4")
     p.add_argument(
         "--cache-offload",
