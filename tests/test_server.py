@@ -228,6 +228,17 @@ def test_disconnect_mid_stream_frees_the_model(server: Server):
     assert server.health()["running"] == 0
 
 
+def test_a_client_that_leaves_a_plain_request_frees_the_model(server: Server):
+    body = {"prompt": "Count:", "max_tokens": 800, "logit_bias": NO_EOS}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    deadline = time.monotonic() + 3
+    while server.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # 800 tokens take far longer than this: the generation must have stopped.
+    assert server.health()["running"] == 0
+
+
 def test_full_queue_answers_503(demo_gguf: Path, tmp_path: Path):
     with serving(demo_gguf, tmp_path, "--ctx", "512", "--queue", "1") as s:
         long = {"prompt": "Count:", "max_tokens": 150, "logit_bias": NO_EOS}

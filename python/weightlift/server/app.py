@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +16,9 @@ from weightlift.server.errors import SERVER, APIError, from_engine, install
 from weightlift.server.scheduler import Job, Scheduler
 from weightlift.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from weightlift.server.slots import QueueFull, Slots
+
+# Seconds between looks at whether the client of a non-streamed request is still there.
+DISCONNECT_POLL = 0.25
 
 
 def timings(t: dict[str, float] | None) -> dict[str, float] | None:
@@ -112,7 +116,10 @@ class Server:
             if kind == "error":  # refused before anything ran: a 4xx naming the field
                 raise from_engine(value, fields, roles) from value
             if not body.stream:
-                kind, value, t = await job.next()
+                event = await self._unless_gone(request, job)
+                if event is None:
+                    return Response(status_code=499)  # it left: the release ends the generation
+                kind, value, t = event
                 if kind == "error":
                     raise from_engine(value, fields, roles) from value
                 value["timings"] = timings(t)
@@ -122,6 +129,18 @@ class Server:
         finally:
             if not handed_over:
                 release()
+
+    async def _unless_gone(self, request: Request, job: Job) -> tuple[str, Any, Any] | None:
+        """The job's next event, or None once the client has gone (looked at every
+        ``DISCONNECT_POLL`` seconds while it waits)."""
+        event = asyncio.ensure_future(job.next())
+        while True:
+            done, _ = await asyncio.wait({event}, timeout=DISCONNECT_POLL)
+            if done:
+                return event.result()
+            if await request.is_disconnected():
+                event.cancel()
+                return None
 
     async def _events(
         self, job: Job, fields: set[str], roles: dict[str, str]
