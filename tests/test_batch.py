@@ -93,3 +93,18 @@ def test_a_cache_of_several_sequences_is_planned_and_held_as_slots(demo_gguf: Pa
     alone = [m.create_completion(p, max_tokens=6, temperature=0) for p in PROMPTS]
     for id, want in zip(ids, alone, strict=True):
         assert got[id][0][1]["choices"] == want["choices"]
+
+
+@pytest.mark.parametrize(("dtype", "offload"), [("q8", False), ("q4", False), ("fp16", True)])
+def test_quantised_and_offloaded_slots_answer_what_each_answers_alone(
+    demo_gguf: Path, dtype: str, offload: bool
+):
+    m = weightlift.Model(str(demo_gguf), devices="virtual:2x96MiB,cpu", compute="exact")
+    m.load(cache=weightlift.CacheSpec(128, 2, dtype, offload=offload))
+    assert m.cache is not None and (m.cache.dtype, m.cache.offload) == (dtype, offload)
+    batch = weightlift.Batch(m, parallel=2)
+    ids = [m.create_completion(p, max_tokens=6, temperature=0, batch=batch) for p in PROMPTS[:2]]
+    got = _drain(batch)
+    alone = [m.create_completion(p, max_tokens=6, temperature=0) for p in PROMPTS[:2]]
+    for id, want in zip(ids, alone, strict=True):
+        assert got[id][0][1]["choices"] == want["choices"]
