@@ -273,10 +273,18 @@ def test_transformers_generate_words(llm: wl.Llama) -> None:
     assert m.generate(prompt, max_new_tokens=8, repetition_penalty=1.0, pad_token_id=0) == greedy
     with pytest.raises(wl.WeightliftError, match="repetition_penalty"):
         m.generate(prompt, repeat_penalty=1.1, repetition_penalty=1.3)
-    with pytest.raises(wl.UnsupportedError, match="num_return_sequences"):
+    with pytest.raises(wl.UnsupportedError, match="num_return_sequences above 1 with greedy"):
         m.generate(prompt, num_return_sequences=2)
     a = m.generate(prompt, do_sample=True, seed=3, max_new_tokens=8)
     assert a == m.generate(prompt, do_sample=True, seed=3, max_new_tokens=8)
+    # several samples at once: sequence i is the one seed 3 + i gives alone
+    many = m.generate(prompt, do_sample=True, seed=3, max_new_tokens=8, num_return_sequences=3)
+    assert many[0] == a and len(many) == 3
+    assert many[1:] == [
+        m.generate(prompt, do_sample=True, seed=s, max_new_tokens=8) for s in (4, 5)
+    ]
+    with pytest.raises(ValueError, match="stream=True"):
+        m.generate(prompt, do_sample=True, num_return_sequences=2, stream=True)
 
 
 def test_a_hub_id_says_how_to_download_it_and_where_to_point(

@@ -556,7 +556,7 @@ class Model:
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         num_return_sequences: int = 1,
-    ) -> str | CompletionStream: ...
+    ) -> str | list[str] | CompletionStream: ...
     def create_completion(
         self,
         prompt: str | bytes | Sequence[int],

@@ -90,7 +90,9 @@ impl Model {
     /// `repetition_penalty` is `repeat_penalty` (over the last 64 tokens, as llama.cpp);
     /// `eos_token_id` (an id or a list) replaces the tokenizer's end-of-generation tokens;
     /// `pad_token_id` is accepted and unused (one sequence needs no padding);
-    /// `num_return_sequences` above 1 is refused until batched generation lands.
+    /// `num_return_sequences=N` above 1 samples N texts from the prompt at once (a `Batch` of
+    /// N slots) and returns their list; their seeds are `seed`, `seed + 1`, ... (random
+    /// without one); greedy decoding, `stream` and `cache` are refused with it.
     #[pyo3(signature = (prompt, *, max_new_tokens = None, temperature = None, top_k = None,
                         top_p = None, min_p = None, typical_p = 1.0, repeat_penalty = None,
                         presence_penalty = 0.0, frequency_penalty = 0.0, mirostat_mode = 0,
@@ -164,6 +166,9 @@ impl Model {
         };
         let cache = cache.map(|c| Arc::clone(&c.get().cache));
         let call = Call::new(model, ids, req, stop, cache)?;
+        if num_return_sequences > 1 {
+            return Model::generate_each(slf, call, num_return_sequences as usize, stream);
+        }
         Model::respond(slf, call, Shape::Text, stream, false, None, None)
     }
 

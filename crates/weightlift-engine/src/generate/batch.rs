@@ -288,3 +288,40 @@ impl Job {
         }
     }
 }
+
+/// Generate from `prompt` once per entry of `each` (transformers' `num_return_sequences`), all
+/// at once in a [`Batch`] of that many slots, and return their texts in order. The model's own
+/// cache is made (or grown) first for the prompt and the longest generation, as
+/// [`Generation::start`] makes it; the other slots are made like it.
+pub fn generate_each(
+    model: &mut Model,
+    prompt: &[u32],
+    each: Vec<GenerateOptions>,
+) -> Result<Vec<String>> {
+    let asked = each
+        .iter()
+        .map(|o| o.max_tokens.unwrap_or(weightlift_plan::SEQ_STEP))
+        .max()
+        .unwrap_or(0);
+    model.own_cache_for((prompt.len() as u64).saturating_add(asked))?;
+    let mut batch = Batch::new(model, each.len())?;
+    let ids = each
+        .into_iter()
+        .map(|o| batch.start(model, prompt, o, Answer::Text))
+        .collect::<Result<Vec<u64>>>()?;
+    let mut texts = vec![String::new(); ids.len()];
+    while batch.running() > 0 {
+        for (id, event) in batch.step(model)? {
+            match event {
+                Event::Text(t) => {
+                    if let Some(i) = ids.iter().position(|&j| j == id) {
+                        texts[i].push_str(&t);
+                    }
+                }
+                Event::Failed(e) => return Err(e),
+                _ => {}
+            }
+        }
+    }
+    Ok(texts)
+}

@@ -218,12 +218,6 @@ impl TransformersArgs {
     /// `do_sample=False` is greedy whatever the temperature. `max_new_tokens` wins over
     /// `max_length`, which counts the prompt; with neither, [`DEFAULT_NEW_TOKENS`].
     pub fn resolve(&self, rest: Sampling, prompt_len: usize) -> Result<(Sampling, Option<i64>)> {
-        refuse(
-            "num_return_sequences above 1",
-            self.num_return_sequences != 1,
-            "generation runs one sequence at a time; call generate once per sequence (with \
-             different seeds)",
-        )?;
         let (top_k, top_p, min_p) = match self.do_sample {
             Some(_) => (50, 1.0, 0.0),
             None => (40, 0.95, 0.05),
@@ -245,6 +239,19 @@ impl TransformersArgs {
             }
             (a, b) => a.or(b).unwrap_or(1.0),
         };
+        if self.num_return_sequences < 1 {
+            return Err(invalid(
+                "num_return_sequences",
+                "at least 1",
+                self.num_return_sequences,
+            ));
+        }
+        // as transformers: greedy decoding would return the same sequence every time
+        refuse(
+            "num_return_sequences above 1 with greedy decoding",
+            self.num_return_sequences > 1 && temperature == 0.0,
+            "every sequence would be the same; pass do_sample=True (or a temperature above 0)",
+        )?;
         let sampling = Sampling {
             temperature,
             top_k: self.top_k.unwrap_or(top_k),
@@ -362,7 +369,24 @@ mod tests {
         }
         .resolve(Sampling::default(), 1)
         .unwrap_err();
-        assert!(matches!(e, EngineError::Unsupported { .. }));
+        assert!(matches!(e, EngineError::Unsupported { .. }), "{e}");
+        let sampled = TransformersArgs {
+            num_return_sequences: 2,
+            do_sample: Some(true),
+            ..args()
+        };
+        assert!(sampled.resolve(Sampling::default(), 1).is_ok());
+        let e = TransformersArgs {
+            num_return_sequences: 0,
+            ..args()
+        }
+        .resolve(Sampling::default(), 1)
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("num_return_sequences: expected at least 1"),
+            "{e}"
+        );
         assert!(e.to_string().contains("num_return_sequences"), "{e}");
     }
 

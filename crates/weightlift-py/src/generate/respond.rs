@@ -6,7 +6,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 use weightlift_engine::Generation;
-use weightlift_engine::generate::batch::Answer;
+use weightlift_engine::generate::batch::{Answer, generate_each};
 use weightlift_engine::generate::openai::Response;
 use weightlift_engine::generate::respond::{Kind, Responder, ResponseOptions};
 
@@ -188,6 +188,37 @@ impl Model {
             None => Ok(PyString::new(py, &generated).into_any().unbind()),
             Some(r) => to_dict(py, &eng(r.whole(&job, &generated))?),
         }
+    }
+
+    /// `Model.generate(num_return_sequences=n)`: `n` generations of `call`'s prompt at once,
+    /// their seeds `seed`, `seed + 1`, ...; a list of their texts.
+    pub(super) fn generate_each(
+        slf: &Bound<'_, Model>,
+        call: Call,
+        n: usize,
+        stream: bool,
+    ) -> PyResult<Py<PyAny>> {
+        if stream || call.cache.is_some() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "num_return_sequences={n}: expected neither stream=True nor cache= with it (the \
+                 sequences run in slots of their own and return whole texts)"
+            )));
+        }
+        let each = (0..n as u64)
+            .map(|i| {
+                let mut o = call.options.clone();
+                o.sampling.seed = o.sampling.seed.map(|s| s.wrapping_add(i));
+                o
+            })
+            .collect();
+        let py = slf.py();
+        let model = slf.get();
+        let mut inner = model.lock()?;
+        let engine = &mut inner.model;
+        let prompt = &call.prompt;
+        let texts = enter(py, || generate_each(engine, prompt, each))
+            .map_err(|e| call.hook_error.raise(e))?;
+        Ok(pyo3::types::PyList::new(py, texts)?.into_any().unbind())
     }
 
     /// Default seed of this model (`load_gguf(seed=...)`).
