@@ -53,21 +53,7 @@ fn check(path: &PathBuf, devices: &str, strategy: Strategy, cache: Option<CacheS
             &mut |_| true,
         )
         .unwrap();
-    let mem = model.memory();
-    for d in plan.devices() {
-        let want = d.weights + d.kv + d.scratch;
-        let got = mem
-            .iter()
-            .find(|(n, _)| *n == d.name)
-            .map_or(0, |(_, b)| *b);
-        let tol = want / 100;
-        assert!(
-            got.abs_diff(want) <= tol,
-            "{} {}: plan {want} B, held {got} B",
-            plan.strategy(),
-            d.name
-        );
-    }
+    assert_holds_the_plan(&model, &plan);
     if let Some(c) = &cache {
         for (l, dev) in plan.layer_devices().iter().enumerate() {
             assert_eq!(&c.device_of(l).unwrap(), dev);
@@ -83,6 +69,25 @@ fn check(path: &PathBuf, devices: &str, strategy: Strategy, cache: Option<CacheS
     model.unload();
     assert!(inv.all().iter().all(|d| d.used() == 0));
     plan
+}
+
+/// What `model` holds per device equals what `plan` charges it (weights, KV, scratch) within
+/// 1 %.
+fn assert_holds_the_plan(model: &Model, plan: &Plan) {
+    let mem = model.memory();
+    for d in plan.devices() {
+        let want = d.weights + d.kv + d.scratch;
+        let got = mem
+            .iter()
+            .find(|(n, _)| *n == d.name)
+            .map_or(0, |(_, b)| *b);
+        assert!(
+            got.abs_diff(want) <= want / 100,
+            "{} {}: plan {want} B, held {got} B",
+            plan.strategy(),
+            d.name
+        );
+    }
 }
 
 #[test]
@@ -308,19 +313,8 @@ fn a_planned_cache_of_several_sequences_is_held_as_that_many_slots() {
         more.iter()
             .all(|c| c.config().max_seq_len == 512 && c.is_allocated())
     );
+    assert_holds_the_plan(&model, &plan);
     let held = model.memory();
-    for d in plan.devices() {
-        let want = d.weights + d.kv + d.scratch;
-        let got = held
-            .iter()
-            .find(|(n, _)| *n == d.name)
-            .map_or(0, |(_, b)| *b);
-        assert!(
-            got.abs_diff(want) <= want / 100,
-            "{}: plan {want} B, held {got} B",
-            d.name
-        );
-    }
     assert!(plan.devices().iter().map(|d| d.kv).sum::<u64>() > 0);
     let batch = weightlift_engine::generate::batch::Batch::new(&model, 3).unwrap();
     assert_eq!(model.memory(), held);
