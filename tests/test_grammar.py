@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import weightlift as wl
 import weightlift.cli as cli
@@ -226,3 +227,27 @@ def test_cli_run_takes_llama_cpp_sampling_flags(
     first = capsys.readouterr().out
     assert cli.main([*base, "-n", "12", *mirostat]) == 0
     assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in REFERENCE["cases"] if "grammar" in c], ids=lambda c: c["name"]
+)
+def test_llama_sample_with_a_grammar_masks_as_llama_cpp_does(demo_gguf: Path, case: dict) -> None:
+    """`Llama.sample(grammar=...)` samples from the row llama.cpp's grammar sampler leaves (a
+    sampler made for the call, so from the grammar's root, as llama-cpp-python's): the tokens
+    it allows are llama.cpp's first mask, and the greedy pick is llama.cpp's first token."""
+    llm = wl.Llama(model_path=str(demo_gguf), n_ctx=256, verbose=False)
+    llm.eval(llm.tokenize(case["prompt"].encode()))
+    grammar = wl.LlamaGrammar.from_string(case["grammar"])
+    first = case["masks"][0]
+    row = llm.model.grammar_mask(grammar, np.asarray(llm.scores[-1], np.single))
+    allowed = [i for i in np.flatnonzero(np.isfinite(row)) if i not in REFERENCE["eog"]]
+    assert len(allowed) == first["n_allowed"]
+    if "allowed" in first:
+        assert allowed == first["allowed"]
+    token = llm.sample(temp=0.0, grammar=grammar)
+    if first["margin"] is None or first["margin"] >= NEAR_TIE:
+        assert token == case["ids"][0]
+    assert token in allowed
+    with pytest.raises(wl.GrammarError):
+        llm.sample(grammar='root ::= "a" (')

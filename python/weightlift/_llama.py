@@ -483,11 +483,6 @@ class Llama:
                 "Llama.sample(tfs_z=...) is not supported: llama.cpp removed tail-free "
                 "sampling; use 1.0"
             )
-        if grammar is not None:
-            raise UnsupportedError(
-                "Llama.sample(grammar=...) is not supported: pass grammar= to "
-                "create_completion, which keeps the grammar's state across tokens"
-            )
         if len(self._scores) == 0:
             raise ValueError("Llama.sample: nothing evaluated yet; call eval(tokens) first")
         n = self.n_tokens
@@ -507,6 +502,10 @@ class Llama:
             row = np.asarray(
                 logits_processor(np.asarray(history, dtype=np.intc), row), dtype=np.single
             )
+        if grammar is not None:
+            # As llama-cpp-python's sample(): a sampler made for this call, so the grammar
+            # starts from its root (generate and create_completion keep its state instead).
+            row = self.model.grammar_mask(grammar, row)
         return sample(
             row,
             history,

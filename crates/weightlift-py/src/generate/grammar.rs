@@ -9,9 +9,10 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString};
 use weightlift_engine::EngineError;
-use weightlift_engine::grammar::Grammar;
+use weightlift_engine::grammar::{Constraint, Grammar};
 
 use crate::errors::{ToPyErr, eng, io_error};
+use crate::model::Model;
 
 /// A parsed GBNF grammar (llama.cpp's grammar format, root rule `root`), as llama-cpp-python's
 /// `LlamaGrammar`: pass it as `grammar=` to keep generated text inside it. A grammar that does
@@ -114,4 +115,30 @@ pub(super) fn response_format_grammar(
         .map_err(|e| PyTypeError::new_err(format!("response_format: {}", e.value(d.py()))))?
         .extract()?;
     eng(Grammar::for_response_format(&text))
+}
+
+#[pymethods]
+impl Model {
+    /// `logits` (one float32 row of the vocabulary) with every token that cannot begin text of
+    /// `grammar` (GBNF text or a `LlamaGrammar`) set to −inf, as llama.cpp's grammar sampler
+    /// masks a row from the grammar's start: what `Llama.sample(grammar=...)` samples from. A
+    /// grammar no token may begin raises `GrammarError`.
+    fn grammar_mask<'py>(
+        &self,
+        py: Python<'py>,
+        grammar: &Bound<'_, PyAny>,
+        logits: numpy::PyReadonlyArray1<'_, f32>,
+    ) -> PyResult<Bound<'py, numpy::PyArray1<f32>>> {
+        let grammar = grammar_arg(Some(grammar))?.ok_or_else(|| {
+            PyTypeError::new_err("grammar: expected GBNF text or a LlamaGrammar, got None")
+        })?;
+        let mut row = logits.as_slice()?.to_vec();
+        let tok = eng(self.lock()?.model.tokenizer())?;
+        let mut constraint = Constraint::new(grammar, &tok, row.len())
+            .map_err(|e| EngineError::from(e).to_pyerr())?;
+        constraint
+            .mask(&mut row)
+            .map_err(|e| EngineError::from(e).to_pyerr())?;
+        Ok(numpy::PyArray1::from_vec(py, row))
+    }
 }
