@@ -70,9 +70,16 @@ class Scheduler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._take(block=not self._jobs)
-            if self._jobs:
-                self._step()
+            try:
+                self._take(block=not self._jobs)
+                if self._jobs:
+                    self._step()
+            except Exception as e:  # a fault of the loop itself: answer everyone, go on
+                for job in self._jobs.values():
+                    job.post("error", e)
+                    if job.id is not None:
+                        self.batch.cancel(job.id)
+                self._jobs.clear()
 
     def _take(self, *, block: bool) -> None:
         """Start and cancel what the requests asked for, in the order they asked; waits for
