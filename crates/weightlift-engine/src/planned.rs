@@ -140,7 +140,7 @@ impl Model {
         // the rest beside it (the forward pass runs caches of one sequence).
         let mut sequences = 1;
         if let Some(spec) = own {
-            let mut one = spec.clone();
+            let mut one = *spec;
             if plan.tp().is_none() {
                 (sequences, one.batch_size) = (spec.batch_size, 1);
             }

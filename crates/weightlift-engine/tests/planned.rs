@@ -283,7 +283,7 @@ fn a_caller_cache_defaults_to_the_context_length_and_is_lazy_until_the_load() {
 /// the unload frees them.
 #[test]
 fn a_planned_cache_of_several_sequences_is_held_as_that_many_slots() {
-    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(&demo(), OpenOptions::default()).unwrap());
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(demo(), OpenOptions::default()).unwrap());
     let inv = Inventory::parse("virtual:2x96MiB,cpu").unwrap();
     let mut model = Model::new(Arc::clone(&src), inv.clone());
     let options = weightlift_plan::PlanOptions {
