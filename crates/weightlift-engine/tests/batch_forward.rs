@@ -119,25 +119,39 @@ fn exact_batched_logits_are_the_bits_of_each_sequence_alone() {
 }
 
 #[test]
-fn exact_batches_give_the_same_bits_across_virtual_devices_and_disk() {
+fn exact_batches_give_the_same_bits_across_virtual_devices_disk_and_offloaded_caches() {
     let reqs = requests();
     let (mut one, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
     one.set_compute(Compute::Exact);
     let want = alone(&mut one, &reqs);
-    for (inv, devs, disk_below) in [
-        ("virtual:2x1GiB,cpu", &["virtual:0", "virtual:1"][..], 0),
+    for (inv, devs, disk_below, offload) in [
+        (
+            "virtual:2x1GiB,cpu",
+            &["virtual:0", "virtual:1"][..],
+            0,
+            false,
+        ),
         (
             "virtual:3x1GiB,cpu",
             &["virtual:0", "virtual:1", "virtual:2"][..],
             0,
+            false,
         ),
         (
             "virtual:2x1GiB,cpu,disk",
             &["virtual:0", "virtual:1"][..],
             4,
+            false,
+        ),
+        // offloaded caches: each sequence's layer rows fetched to the device as it attends
+        (
+            "virtual:2x1GiB,cpu",
+            &["virtual:0", "virtual:1"][..],
+            0,
+            true,
         ),
     ] {
-        let (mut m, _) = split_load(&smollm2(), inv, devs, CacheDType::F32, disk_below, false);
+        let (mut m, _) = split_load(&smollm2(), inv, devs, CacheDType::F32, disk_below, offload);
         m.set_compute(Compute::Exact);
         assert_same_bits(inv, &batched(&mut m, &reqs), &want);
     }

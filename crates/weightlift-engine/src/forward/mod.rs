@@ -528,10 +528,10 @@ impl crate::Model {
     /// On the host path each sequence attends to its own cache, and its logits are the bits it
     /// gets alone: in [`Compute::Fast`] the sequences of up to 16 tokens share the block products
     /// (which give every token its own matrix–vector bits), and in [`Compute::Exact`] each
-    /// sequence keeps its own products (see `layer::linear_pieces`). Where the model
-    /// cannot batch (a device on the backend op sequence, tensor parallelism, an offloaded
-    /// cache), and for a prompt longer than a chunk, the sequences run one at a time, with the
-    /// same results.
+    /// sequence keeps its own products (see `layer::linear_pieces`); an offloaded cache's layer
+    /// rows are fetched as its sequence attends. Where the model cannot batch (a device on the
+    /// backend op sequence, tensor parallelism), and for a prompt longer than a chunk, the
+    /// sequences run one at a time, with the same results.
     pub fn forward_batch(
         &mut self,
         seqs: &[(&Arc<Cache>, &[u32])],
@@ -706,7 +706,7 @@ impl crate::Model {
 /// while their tokens fit one chunk and the graph batches, else one a call.
 fn rounds(graph: &Graph, seqs: &[(&Arc<Cache>, &[u32])]) -> Vec<std::ops::Range<usize>> {
     let chunk = graph.chunk_tokens();
-    let alone = !graph.batches() || seqs.iter().any(|(c, _)| c.is_offloaded());
+    let alone = !graph.batches();
     let mut rounds: Vec<std::ops::Range<usize>> = Vec::new();
     let mut tokens = 0;
     for (i, (_, ids)) in seqs.iter().enumerate() {
