@@ -88,9 +88,11 @@ demo: build-release demo-model ## set up, then inspect, plan, load and generate 
 	$(VENV)/bin/weightlift run $(DEMO_GGUF) --devices virtual:2x160MiB,cpu --ctx 2048 --chat \
 		-p "Write a haiku about a small machine lifting a heavy weight." -n 64 --seed 42 </dev/null
 
-test-rust: venv vocab reference ## run the Rust suites (kernels with the CUDA feature: every kernel must compile through NVRTC; the NCCL transport compile-checked)
+# The suites build the engine with the CUDA feature, as the extension is built: the two builds
+# share their compiled crates, and the tests cover the code the package ships.
+test-rust: venv vocab reference ## run the Rust suites (with the CUDA feature: every kernel must compile through NVRTC; the NCCL transport compile-checked)
 	$(CUDA_ENV) WEIGHTLIFT_VOCAB_DIR=$(CACHE)/vocab cargo test --workspace --exclude weightlift-py \
-		--exclude weightlift-benches --features weightlift-kernels/cuda
+		--exclude weightlift-benches --features weightlift-kernels/cuda,weightlift-engine/cuda
 	$(CUDA_ENV) cargo check -p weightlift-engine --all-targets --features nccl
 
 test-python: build demo-model vocab reference ## run the Python suite against the built extension
