@@ -119,6 +119,7 @@ bench: venv demo-model reference ## run the benches (release build) and write be
 	touch $(RELEASE_STAMP)
 	$(VPY) benches/python_peers.py | tee benches/results/python_peers.md
 	$(VPY) benches/engine_load.py
+	$(VPY) benches/serve.py
 
 clean: ## remove build outputs (keeps the model cache)
 	cargo clean
