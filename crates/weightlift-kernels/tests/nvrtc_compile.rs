@@ -22,26 +22,45 @@ fn every_kernel_compiles_without_warnings_for_sm75_sm80_and_sm90() {
         sources::SOURCES.len() >= 6,
         "expected the attention, convert, dequant, kv, matvec and ops modules"
     );
-    let mut failures = Vec::new();
-    for (name, src) in sources::SOURCES {
-        for arch in ["compute_80", "compute_90", "sm_75", "sm_80", "sm_90"] {
-            match nvrtc::compile_strict(name, src, arch) {
-                Ok(c) => {
-                    assert!(
-                        c.ptx.contains(".entry"),
-                        "{name} {arch}: no kernel entry in the PTX"
-                    );
-                    if arch.starts_with("sm_") {
-                        assert!(
-                            c.cubin.as_ref().is_some_and(|b| b.starts_with(b"\x7fELF")),
-                            "{name} {arch}: no CUBIN"
-                        );
+    let jobs: Vec<(&str, &str, &str)> = sources::SOURCES
+        .iter()
+        .flat_map(|&(name, src)| {
+            ["compute_80", "compute_90", "sm_75", "sm_80", "sm_90"].map(|arch| (name, src, arch))
+        })
+        .collect();
+    // Each compile is independent and single-threaded: spread them over the cores.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let jobs = &jobs;
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    let mut failures = Vec::new();
+                    for &(name, src, arch) in jobs.iter().skip(t).step_by(threads) {
+                        match nvrtc::compile_strict(name, src, arch) {
+                            Ok(c) => {
+                                if !c.ptx.contains(".entry") {
+                                    failures
+                                        .push(format!("{name} {arch}: no kernel entry in the PTX"));
+                                }
+                                let elf =
+                                    c.cubin.as_ref().is_some_and(|b| b.starts_with(b"\x7fELF"));
+                                if arch.starts_with("sm_") && !elf {
+                                    failures.push(format!("{name} {arch}: no CUBIN"));
+                                }
+                            }
+                            Err(e) => failures.push(e.to_string()),
+                        }
                     }
-                }
-                Err(e) => failures.push(e.to_string()),
-            }
-        }
-    }
+                    failures
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a compile thread panicked"))
+            .collect()
+    });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
