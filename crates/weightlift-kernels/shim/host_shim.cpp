@@ -239,6 +239,12 @@ extern "C" int wl_host_float_matmul(int ty, int act_f16, const wl_u8* w, const v
     return 1;
 }
 
+// What the fused gate/up kernels (swiglu_matvec_*, swiglu_q8_matvec_*) and swiglu_inplace_f32
+// make of each row's two sums: WL_SILU_MUL(gate[i], up[i]) into out[i].
+extern "C" void wl_host_silu_mul(const float* gate, const float* up, float* out, size_t n) {
+    for (size_t i = 0; i < n; ++i) out[i] = WL_SILU_MUL(gate[i], up[i]);
+}
+
 // What q8_quantize_{f32,f16} computes: `n_blocks` blocks of 32 activations (f32 values, or f16
 // bits when `act_f16`) into 40-byte Q8 blocks.
 extern "C" void wl_host_q8_quantize(int act_f16, const void* x, wl_u8* out, size_t n_blocks) {

@@ -17,7 +17,8 @@
 //! RoPE on a table of frequencies ([`Op::RopeInPlace`]), the cache rows in any of the cache's
 //! storage formats ([`Op::KvStore`] into a view), causal grouped-query [`Op::Attention`] over
 //! the cache,
-//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]; gemma's
+//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`], or with the
+//! gate and up products in one op, [`Op::MatmulSwiGlu`]; gemma's
 //! [`Op::GeGluTanhInPlace`], with its embedding scale [`Op::ScaleInPlace`] and the attention's
 //! sliding window and soft-cap).
 
@@ -99,6 +100,31 @@ pub enum Op<'a, B> {
         x: &'a B,
         /// The weight matrices and their outputs.
         products: Vec<Product<'a, B>>,
+    },
+    /// The gated MLP's first half, SwiGLU over a gate and an up matrix of the same rows and
+    /// input: `gate.y[t*rows + r] = silu(dot(G[r], x[t])) · dot(U[r], x[t])`. The values of
+    /// [`Op::MatmulShared`] over the two and then [`Op::SwiGluInPlace`] on `gate.y` (the CPU
+    /// backend runs exactly those). CUDA runs one token of one weight type with a kernel that
+    /// writes the product directly, from the same sums as the two ops (f16, bf16 and f32 in
+    /// exact mode, the Q8 types in Q8 mode, on activations quantised once), and the two ops
+    /// otherwise. `up.y` is room for the up products: what it holds afterwards is unspecified.
+    MatmulSwiGlu {
+        /// Exact or llama.cpp-style q8 activations.
+        mode: MatvecMode,
+        /// Activation type, f32 or f16.
+        act: FloatType,
+        /// Values per row, of both matrices.
+        cols: usize,
+        /// Tokens.
+        n_tok: usize,
+        /// Chunk size of the dequantised path, in values.
+        max_dq_size: usize,
+        /// Activations, `n_tok × cols`.
+        x: &'a B,
+        /// The gate matrix; its output receives the gated product.
+        gate: Product<'a, B>,
+        /// The up matrix (as many rows as the gate); its output is scratch.
+        up: Product<'a, B>,
     },
     /// The LLM.int8 product `y[t*rows + r] = Σ_i x[t, i] · W[r, i]` over row-wise absmax int8
     /// weights, with the outlier columns (`|x| ≥ threshold` for some token) in f32 (see
@@ -392,6 +418,77 @@ pub fn matmul_each<'a, B>(
     Ok(())
 }
 
+/// [`Op::MatmulSwiGlu`] as the two operations it stands for, [`Op::MatmulShared`] of the gate
+/// and up matrices and then [`Op::SwiGluInPlace`] on the gate's output, each given to `run` (a
+/// backend's own dispatch). Any other op goes to `run` as it is.
+pub fn matmul_swiglu_unfused<B>(
+    op: Op<'_, B>,
+    mut run: impl FnMut(Op<'_, B>) -> Result<()>,
+) -> Result<()> {
+    let Op::MatmulSwiGlu {
+        mode,
+        act,
+        cols,
+        n_tok,
+        max_dq_size,
+        x,
+        gate,
+        up,
+    } = op
+    else {
+        return run(op);
+    };
+    let n = swiglu_values(gate.rows, up.rows, n_tok)?;
+    let (gate_y, up_y) = (gate.y, up.y);
+    run(Op::MatmulShared {
+        mode,
+        act,
+        cols,
+        n_tok,
+        max_dq_size,
+        x,
+        products: vec![
+            Product {
+                ty: gate.ty,
+                rows: gate.rows,
+                w: gate.w,
+                y: &mut *gate_y,
+            },
+            Product {
+                ty: up.ty,
+                rows: up.rows,
+                w: up.w,
+                y: &mut *up_y,
+            },
+        ],
+    })?;
+    run(Op::SwiGluInPlace {
+        n,
+        gate: gate_y,
+        up: up_y,
+    })
+}
+
+/// The values of an [`Op::MatmulSwiGlu`] output: `n_tok × rows`, when the gate and up matrices
+/// have the same rows.
+pub(crate) fn swiglu_values(gate_rows: usize, up_rows: usize, n_tok: usize) -> Result<usize> {
+    if gate_rows != up_rows {
+        return Err(KernelError::Shape {
+            op: "matmul_swiglu",
+            reason: format!(
+                "the gate matrix has {gate_rows} rows and the up matrix {up_rows}; SwiGLU pairs \
+                 them row by row"
+            ),
+        });
+    }
+    n_tok
+        .checked_mul(gate_rows)
+        .ok_or_else(|| KernelError::Shape {
+            op: "matmul_swiglu",
+            reason: format!("{n_tok} tokens × {gate_rows} rows overflow usize"),
+        })
+}
+
 impl<B> Op<'_, B> {
     /// The operation's name, as [`OpCounter`] reports it.
     pub fn name(&self) -> &'static str {
@@ -400,6 +497,7 @@ impl<B> Op<'_, B> {
             Op::ConvertToF16 { .. } => "convert_to_f16",
             Op::Matmul { .. } => "matmul",
             Op::MatmulShared { .. } => "matmul_shared",
+            Op::MatmulSwiGlu { .. } => "matmul_swiglu",
             Op::Int8Matmul { .. } => "int8_matmul",
             Op::RmsNorm { .. } => "rms_norm",
             Op::AddRmsNorm { .. } => "add_rms_norm",

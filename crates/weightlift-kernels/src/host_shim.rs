@@ -1,7 +1,7 @@
 //! The host C++ build of `kernels/*.cuh` (see `shim/host_shim.cpp`), for tests that check the
 //! device maths without a GPU: block decoders and layouts, the `scan_{type}` block check, the
 //! matvec kernels' per-lane dot products and warp butterfly (and the float-weight kernels'
-//! chunked chains and reduction), f16 rounding and the KV-cache codecs, the Q8-activation
+//! chunked chains and reduction), SwiGLU's product, f16 rounding and the KV-cache codecs, the Q8-activation
 //! mode and dequantised-path GEMM of the matmul kernels, and the split attention with its
 //! reduce.
 //! Present when `build.rs` found a C++ compiler.
@@ -42,6 +42,7 @@ unsafe extern "C" {
         tpr: i32,
         nt_max: i32,
     ) -> i32;
+    fn wl_host_silu_mul(gate: *const f32, up: *const f32, out: *mut f32, n: usize);
     fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
     #[allow(clippy::too_many_arguments)]
     fn wl_host_q8_matvec(
@@ -270,6 +271,25 @@ pub fn float_matmul(
             supported: "f16, bf16, f32",
         });
     }
+    Ok(())
+}
+
+/// SwiGLU's product of each gate and up value with the header's `WL_SILU_MUL`: what the fused
+/// gate/up kernels and `swiglu_inplace_f32` make of a row's two sums.
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+    if gate.len() != out.len() || up.len() != out.len() {
+        return Err(KernelError::Shape {
+            op: "host silu_mul",
+            reason: format!(
+                "{} gate, {} up and {} output values; all three must be equal",
+                gate.len(),
+                up.len(),
+                out.len()
+            ),
+        });
+    }
+    // SAFETY: all three slices hold out.len() floats (checked above).
+    unsafe { wl_host_silu_mul(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), out.len()) }
     Ok(())
 }
 

@@ -157,6 +157,10 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("q8_matmul_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
     // (w, xq, y, rows, cols): one token
     ("q8_matvec_", &[Ptr, Ptr, Ptr, U64, U64]),
+    // gate and up with SwiGLU, one token, before the swiglu_ family: (w_gate, w_up, x or xq,
+    // y, rows, cols)
+    ("swiglu_matvec_", &[Ptr, Ptr, Ptr, Ptr, U64, U64]),
+    ("swiglu_q8_matvec_", &[Ptr, Ptr, Ptr, Ptr, U64, U64]),
     // (wd, x, y, n_rows, cols, n_tok, row0, rows)
     ("gemm_", &[Ptr, Ptr, Ptr, U64, U64, U64, U64, U64]),
     // (x, weight, out, n_cols, eps)

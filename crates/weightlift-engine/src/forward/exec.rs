@@ -398,6 +398,54 @@ impl<'a> Ctx<'a> {
         Ok(())
     }
 
+    /// `gy = silu(W_gate x) · (W_up x)` for `n` tokens in one [`Op::MatmulSwiGlu`] (`uy` is
+    /// its scratch), when the gate and up are block or float matrices of one shape and mode
+    /// without a bias (CUDA then writes the product in one launch for a decode step). `false`,
+    /// with nothing run, when they are not: the caller runs the products and SwiGLU apart.
+    fn swiglu<B: Exec>(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        n: usize,
+        [gate, up]: [&Linear; 2],
+        [gy, uy]: [&mut B::Buffer; 2],
+    ) -> Result<bool> {
+        if gate.bias.is_some() || up.bias.is_some() || gate.rows != up.rows || gate.cols != up.cols
+        {
+            return Ok(false);
+        }
+        let ((gw, gp), (uw, up_p)) = (self.weight(b, gate)?, self.weight(b, up)?);
+        let (Packing::Blocks(gty), Packing::Blocks(uty)) = (gp, up_p) else {
+            return Ok(false);
+        };
+        let mode = self.mode::<B>(gty);
+        if self.mode::<B>(uty) != mode {
+            return Ok(false);
+        }
+        b.run(Op::MatmulSwiGlu {
+            mode,
+            act: FloatType::F32,
+            cols: gate.cols,
+            n_tok: n,
+            max_dq_size: self.c.max_dq,
+            x,
+            gate: weightlift_kernels::Product {
+                ty: gty,
+                rows: gate.rows,
+                w: &gw,
+                y: gy,
+            },
+            up: weightlift_kernels::Product {
+                ty: uty,
+                rows: up.rows,
+                w: &uw,
+                y: uy,
+            },
+        })
+        .map_err(|e| kernel_on(self.device, &format!("{}, {}", gate.name, up.name), e))?;
+        Ok(true)
+    }
+
     /// [`Ctx::linears`] one matrix at a time.
     fn linears_each<B: Exec>(
         &self,
@@ -894,6 +942,11 @@ pub(crate) fn mlp_normed<B: Exec>(
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
     let at = |what: &str| format!("layer {li} {what}");
+    let fused = cx.c.gate == super::family::Gate::Silu
+        && cx.swiglu(b, &r.xn, n, [gate, up], [&mut r.gate, &mut r.up])?;
+    if fused {
+        return cx.linear(b, down, &r.gate, n, &mut r.xn);
+    }
     cx.linears(b, &r.xn, n, vec![(gate, &mut r.gate), (up, &mut r.up)])?;
     let op = match cx.c.gate {
         super::family::Gate::Silu => Op::SwiGluInPlace {

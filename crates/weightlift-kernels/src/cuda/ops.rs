@@ -32,6 +32,19 @@ fn attention_kernel(k: KvFormat, v: KvFormat) -> Result<String> {
         }),
     }
 }
+/// Whether [`Op::MatmulSwiGlu`] of one token has a fused kernel for gate and up matrices of
+/// `gate` and `up` types in `mode`: one type for both, a float type in exact mode
+/// (`swiglu_matvec_{type}_{act}`) or a Q8 type in Q8 mode (`swiglu_q8_matvec_{type}`), and
+/// rows that are not empty.
+fn swiglu_fuses(mode: MatvecMode, gate: QuantType, up: QuantType, cols: usize) -> bool {
+    gate == up
+        && cols > 0
+        && match mode {
+            MatvecMode::Exact => CUDA_FLOAT_TYPES.contains(&gate),
+            MatvecMode::Q8 => CUDA_Q8_TYPES.contains(&gate),
+        }
+}
+
 impl CudaBackend {
     /// Every [`Op`] on this device (see [`Backend::run`]).
     pub(super) fn run_op(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
@@ -153,6 +166,30 @@ impl CudaBackend {
                 })?;
             }
             op @ Op::MatmulShared { .. } => crate::backend::matmul_each(op, |op| self.run_op(op))?,
+            Op::MatmulSwiGlu {
+                mode,
+                act,
+                cols,
+                n_tok: 1,
+                x,
+                gate,
+                up,
+                ..
+            } if swiglu_fuses(mode, gate.ty, up.ty, cols) => {
+                let shape = MatShape {
+                    ty: gate.ty,
+                    act,
+                    rows: gate.rows,
+                    cols,
+                    n_tok: 1,
+                };
+                crate::backend::swiglu_values(gate.rows, up.rows, 1)?;
+                self.own(up.y)?;
+                self.matvec_swiglu(mode, shape, [gate.w, up.w], x, gate.y)?;
+            }
+            op @ Op::MatmulSwiGlu { .. } => {
+                crate::backend::matmul_swiglu_unfused(op, |op| self.run_op(op))?
+            }
             Op::Int8Matmul {
                 rows,
                 cols,
