@@ -633,6 +633,10 @@ impl CpuBackend {
             op @ Op::MatmulSwiGlu { .. } => {
                 crate::backend::matmul_swiglu_unfused(op, |op| self.run_op(op))
             }
+            // the reference: RoPE on the queries and keys, then the two cache stores
+            op @ Op::RopeKvStore { .. } => {
+                crate::backend::rope_kv_store_unfused(op, |op| self.run_op(op))
+            }
         }
     }
 }

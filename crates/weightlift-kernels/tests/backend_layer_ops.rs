@@ -1,5 +1,6 @@
 //! The operations one decoder layer adds to the backends, on every backend present
-//! (`test_device!`): RoPE in place on a frequency table, the residual add (alone and fused with
+//! (`test_device!`): RoPE in place on a frequency table (alone and fused with the cache
+//! store), the residual add (alone and fused with
 //! the next norm), the bias add, the
 //! gated MLP in place (SwiGLU and gemma's GeGLU), gemma's embedding scale, causal grouped-query
 //! attention over an f32 or f16 cache (with gemma's sliding window and soft-cap), and views of
@@ -218,6 +219,182 @@ fn add_rms_norm_is_the_add_then_the_norm<B: Backend>(b: &B) -> Result<()> {
     Ok(())
 }
 test_device!(add_rms_norm_is_the_add_then_the_norm);
+
+/// RoPE fused with the cache store (`RopeKvStore`) gives the bits of the four ops it stands
+/// for (RoPE in place on the queries and on the keys, then the key and value stores) on every
+/// backend, for every cache dtype (q8 keys with q4 values too), both pairings, partial rotary
+/// dims and heads of 80 values (quantised groups that straddle two heads), at positions 0, 7
+/// and 1,000 written from cache row 5. The rotated queries, and the keys as an f32 cache
+/// holds them, lie within 4e-6 · max(1, |θ|) of an f64 rotation.
+// Parts of a buffer are unsafe (keeping them within their buffer's life is the caller's task).
+#[allow(unsafe_code)]
+fn rope_kv_store_is_the_rope_then_the_stores<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x7c5);
+    let pos = [0i32, 7, 1000];
+    let n_tok = pos.len();
+    let pb = upload(b, bytemuck::cast_slice(&pos))?;
+    let pairs = [
+        (KvFormat::F32, KvFormat::F32),
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::BF16, KvFormat::BF16),
+        (KvFormat::E4M3, KvFormat::E4M3),
+        (KvFormat::Q8, KvFormat::Q8),
+        (KvFormat::Q4, KvFormat::Q4),
+        (KvFormat::Q8, KvFormat::Q4),
+    ];
+    for (hd, n_dims) in [(64usize, 64usize), (64, 32), (80, 80)] {
+        let (n_heads, kv_heads) = (4, 2);
+        let kvn = n_tok * kv_heads * hd;
+        for style in [RopeStyle::Normal, RopeStyle::Neox] {
+            let params = RopeParams {
+                style,
+                head_dim: hd,
+                n_dims,
+                freq_base: 10000.0,
+                freq_scale: 1.0,
+            };
+            let freqs = rope_inv_freqs(&params, None)?;
+            let fb = f32s(b, &freqs)?;
+            for (kf, vf) in pairs {
+                let what = format!(
+                    "{} {kf:?}/{vf:?} head_dim {hd} n_dims {n_dims} {style:?}",
+                    b.name()
+                );
+                let (q, k, v) = (
+                    rng.vec(n_tok * n_heads * hd, 2.0),
+                    rng.vec(kvn, 2.0),
+                    rng.vec(kvn, 2.0),
+                );
+                let vb = f32s(b, &v)?;
+                // the cache rows from row 5 on, as a layer's cache is written at a position
+                let at = 5 * kv_heads * hd;
+                let (k_off, v_off) = (kf.byte_at(at), vf.byte_at(at));
+                let (k_len, v_len) = (kf.byte_at(kvn), vf.byte_at(kvn));
+                // fused
+                let (mut qb, mut kb) = (f32s(b, &q)?, f32s(b, &k)?);
+                let mut kc = b.alloc(k_off + k_len)?;
+                let mut vc = b.alloc(v_off + v_len)?;
+                {
+                    // SAFETY: the parts are dropped at the end of this block, before the
+                    // caches are used again.
+                    let mut kp = unsafe { b.split(&mut kc, &[(k_off, k_len)]) }?;
+                    // SAFETY: as above.
+                    let mut vp = unsafe { b.split(&mut vc, &[(v_off, v_len)]) }?;
+                    b.run(Op::RopeKvStore {
+                        params,
+                        n_tok,
+                        n_heads,
+                        kv_heads,
+                        q: &mut qb,
+                        k: &mut kb,
+                        v: &vb,
+                        positions: &pb,
+                        inv_freqs: &fb,
+                        k_format: kf,
+                        v_format: vf,
+                        k_cache: &mut kp[0],
+                        v_cache: &mut vp[0],
+                    })?;
+                }
+                // the four ops
+                let (mut qb2, mut kb2) = (f32s(b, &q)?, f32s(b, &k)?);
+                let (mut kc2, mut vc2) = (b.alloc(k_len)?, b.alloc(v_len)?);
+                for (x, heads) in [(&mut qb2, n_heads), (&mut kb2, kv_heads)] {
+                    b.run(Op::RopeInPlace {
+                        params,
+                        n_tok,
+                        n_heads: heads,
+                        x,
+                        positions: &pb,
+                        inv_freqs: &fb,
+                    })?;
+                }
+                b.run(Op::KvStore {
+                    format: kf,
+                    n: kvn,
+                    src: &kb2,
+                    dst: &mut kc2,
+                })?;
+                b.run(Op::KvStore {
+                    format: vf,
+                    n: kvn,
+                    src: &vb,
+                    dst: &mut vc2,
+                })?;
+                let bytes = |buf: &B::Buffer, off: usize, n: usize| -> Result<Vec<u8>> {
+                    let mut out = vec![0u8; n];
+                    b.copy_to_host(buf, off, &mut out)?;
+                    Ok(out)
+                };
+                let got_q = download_f32(b, &qb, q.len())?;
+                let want_q = download_f32(b, &qb2, q.len())?;
+                for i in 0..q.len() {
+                    assert_eq!(
+                        got_q[i].to_bits(),
+                        want_q[i].to_bits(),
+                        "{what}: query value {i}"
+                    );
+                }
+                assert_eq!(
+                    bytes(&kc, k_off, k_len)?,
+                    bytes(&kc2, 0, k_len)?,
+                    "{what}: key cache bytes"
+                );
+                assert_eq!(
+                    bytes(&vc, v_off, v_len)?,
+                    bytes(&vc2, 0, v_len)?,
+                    "{what}: value cache bytes"
+                );
+                // the rows before the ones written are untouched
+                assert!(bytes(&kc, 0, k_off)?.iter().all(|&x| x == 0), "{what}");
+                // against f64: the queries, and the keys where the cache holds them as f32
+                let kcache: Vec<f32> = if kf == KvFormat::F32 {
+                    bytes(&kc, k_off, k_len)?
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let rotated: [(&[f32], &[f32], usize); 2] =
+                    [(&q, &got_q, n_heads), (&k, &kcache, kv_heads)];
+                for (src, got, heads) in rotated {
+                    if got.is_empty() {
+                        continue;
+                    }
+                    for t in 0..n_tok {
+                        for h in 0..heads {
+                            let base = (t * heads + h) * hd;
+                            for i in 0..n_dims / 2 {
+                                let th = f64::from(pos[t]) * f64::from(freqs[i]);
+                                let (ia, ib) = match style {
+                                    RopeStyle::Neox => (i, i + n_dims / 2),
+                                    RopeStyle::Normal => (2 * i, 2 * i + 1),
+                                };
+                                let (a, c) = (f64::from(src[base + ia]), f64::from(src[base + ib]));
+                                let tol = 4e-6 * th.abs().max(1.0);
+                                let (wa, wb) =
+                                    (a * th.cos() - c * th.sin(), a * th.sin() + c * th.cos());
+                                assert!(
+                                    (f64::from(got[base + ia]) - wa).abs() <= tol
+                                        && (f64::from(got[base + ib]) - wb).abs() <= tol,
+                                    "{what}: token {t} head {h} pair {i}"
+                                );
+                            }
+                            assert_eq!(
+                                &got[base + n_dims..base + hd],
+                                &src[base + n_dims..base + hd],
+                                "{what}: dims past n_dims"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(rope_kv_store_is_the_rope_then_the_stores);
 
 /// The cache rows as stored (`format`) and as the kernels read them (f32), by the cache codec.
 fn cache_rows(v: &[f32], format: KvFormat) -> (Vec<u8>, Vec<f32>) {

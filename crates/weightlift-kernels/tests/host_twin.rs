@@ -895,6 +895,130 @@ mod twin {
         assert!(err.to_string().contains("2 up"), "{err}");
     }
 
+    /// RoPE fused with the cache store (`rope_kv_store_{format}`) replayed on the host, unit by
+    /// unit with the header's functions: for every cache dtype (q8 keys with q4 values too),
+    /// both pairings, whole and partial rotary dims, and heads of 80 values (quantised groups
+    /// of 32 that straddle two heads), the rotated queries and both caches' bytes are bit for
+    /// bit what the CPU backend's RoPE and cache stores give (the same expression over the
+    /// same libm `cosf`/`sinf`).
+    #[test]
+    fn header_rope_kv_store_equals_the_cpu_rope_and_stores() {
+        use weightlift_kernels::{Backend, CpuBackend, Op, RopeParams, RopeStyle, rope_inv_freqs};
+        let mut rng = Rng(0x70e4);
+        let b = CpuBackend::new();
+        let upload = |bytes: &[u8]| {
+            let mut buf = b.alloc(bytes.len()).unwrap();
+            b.copy_from_host(bytes, &mut buf, 0).unwrap();
+            buf
+        };
+        let bytes_of = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let download = |buf: &weightlift_kernels::CpuBuffer, n: usize| -> Vec<u8> {
+            let mut out = vec![0u8; n];
+            b.copy_to_host(buf, 0, &mut out).unwrap();
+            out
+        };
+        let pos = [0i32, 7, 1000];
+        let n_tok = pos.len();
+        let pairs = [
+            (KvFormat::F32, KvFormat::F32),
+            (KvFormat::F16, KvFormat::F16),
+            (KvFormat::BF16, KvFormat::BF16),
+            (KvFormat::E4M3, KvFormat::E4M3),
+            (KvFormat::Q8, KvFormat::Q8),
+            (KvFormat::Q4, KvFormat::Q4),
+            (KvFormat::Q8, KvFormat::Q4),
+        ];
+        for (head_dim, n_dims) in [(64usize, 64usize), (64, 32), (80, 80)] {
+            let (n_heads, kv_heads) = (4, 2);
+            let kvn = n_tok * kv_heads * head_dim;
+            for style in [RopeStyle::Normal, RopeStyle::Neox] {
+                let params = RopeParams {
+                    style,
+                    head_dim,
+                    n_dims,
+                    freq_base: 10000.0,
+                    freq_scale: 1.0,
+                };
+                let freqs = rope_inv_freqs(&params, None).unwrap();
+                for (kf, vf) in pairs {
+                    let what =
+                        format!("{kf:?}/{vf:?} head_dim {head_dim} n_dims {n_dims} {style:?}");
+                    let q = rng.vec(n_tok * n_heads * head_dim, 2.0);
+                    let k = rng.vec(kvn, 2.0);
+                    let v = rng.vec(kvn, 2.0);
+                    // the twin
+                    let (mut tq, mut tkc, mut tvc) = (
+                        q.clone(),
+                        vec![0u8; kf.byte_at(kvn)],
+                        vec![0u8; vf.byte_at(kvn)],
+                    );
+                    host_shim::rope_kv_store(
+                        &params,
+                        (n_heads, kv_heads),
+                        (kf, vf),
+                        &mut tq,
+                        &k,
+                        &v,
+                        &pos,
+                        &freqs,
+                        &mut tkc,
+                        &mut tvc,
+                    )
+                    .unwrap();
+                    // the CPU backend's four ops
+                    let mut qb = upload(&bytes_of(&q));
+                    let mut kb = upload(&bytes_of(&k));
+                    let vb = upload(&bytes_of(&v));
+                    let pb = upload(&pos.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>());
+                    let fb = upload(&bytes_of(&freqs));
+                    let mut kc = b.alloc(kf.byte_at(kvn)).unwrap();
+                    let mut vc = b.alloc(vf.byte_at(kvn)).unwrap();
+                    b.run(Op::RopeKvStore {
+                        params,
+                        n_tok,
+                        n_heads,
+                        kv_heads,
+                        q: &mut qb,
+                        k: &mut kb,
+                        v: &vb,
+                        positions: &pb,
+                        inv_freqs: &fb,
+                        k_format: kf,
+                        v_format: vf,
+                        k_cache: &mut kc,
+                        v_cache: &mut vc,
+                    })
+                    .unwrap();
+                    assert_eq!(download(&qb, q.len() * 4), bytes_of(&tq), "{what}: queries");
+                    assert_eq!(download(&kc, tkc.len()), tkc, "{what}: key cache bytes");
+                    assert_eq!(download(&vc, tvc.len()), tvc, "{what}: value cache bytes");
+                }
+            }
+        }
+        // quantised caches need whole groups of 32 keys
+        let params = RopeParams {
+            style: RopeStyle::Neox,
+            head_dim: 8,
+            n_dims: 8,
+            freq_base: 1e4,
+            freq_scale: 1.0,
+        };
+        let err = host_shim::rope_kv_store(
+            &params,
+            (1, 1),
+            (KvFormat::Q8, KvFormat::Q8),
+            &mut [0.0; 8],
+            &[0.0; 8],
+            &[0.0; 8],
+            &[0],
+            &[0.0; 4],
+            &mut [0u8; 0],
+            &mut [0u8; 0],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("whole groups of 32"), "{err}");
+    }
+
     /// Decode's fused gate/up kernels (`swiglu_matvec_{f16,bf16,f32}_{act}`,
     /// `swiglu_q8_matvec_{type}`) replayed on the host: each row's gate and up sums by the
     /// matvec kernels' own replays at the threads (warps) a row the launch takes on a 132-SM

@@ -70,6 +70,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("swiglu_matvec_", ["_f32", "_f16"]),
             ("gemm_", ["", ""]),
             ("kv_store_", ["", ""]),
+            ("rope_kv_store_", ["", ""]),
             ("kv_load_", ["", ""]),
             ("attention_", ["", ""]),
         ] {
@@ -80,6 +81,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "dequantize_" => format!("WL_DEQUANT({t},"),
                             "scan_" => format!("WL_SCAN_BLOCKS({t},"),
                             "kv_store_" | "kv_load_" => format!("WL_KV({t},"),
+                            "rope_kv_store_" => format!("WL_ROPE_KV({t},"),
                             "attention_" => format!("WL_ATTENTION({t},"),
                             "q8_matmul_" | "q8_matvec_" | "swiglu_q8_matvec_" => {
                                 format!("WL_Q8_KERNELS({t},")
@@ -175,6 +177,14 @@ fn expected_kernels() -> Vec<String> {
         "attention_q4",
         "attention_q8_q4",
         "attention_reduce_f32",
+        // RoPE fused with the cache store, by cache dtype
+        "rope_kv_store_f32",
+        "rope_kv_store_f16",
+        "rope_kv_store_bf16",
+        "rope_kv_store_e4m3",
+        "rope_kv_store_q8",
+        "rope_kv_store_q4",
+        "rope_kv_store_q8_q4",
     ] {
         expected.push(k.to_string());
     }

@@ -570,25 +570,20 @@ pub(crate) fn embed<B: Exec>(
     Ok(())
 }
 
-/// Writes `n` f32 values of `src` into cache rows stored as `format`, from value `at` (whole
-/// groups of the quantised formats: the cache's rows are).
-fn store<B: Backend>(
+/// The cache bytes of values `at..at + n` of a cache half stored as `format` (whole groups of
+/// the quantised formats: the cache's rows are), read and written in place: the rows a step
+/// writes.
+fn cache_rows<'a, B: Backend>(
     b: &B,
     format: KvFormat,
-    src: &B::Buffer,
-    dst: &mut B::Buffer,
+    cache: &'a mut B::Buffer,
     at: usize,
     n: usize,
-) -> weightlift_kernels::Result<()> {
+) -> weightlift_kernels::Result<PartMut<'a, B::Buffer>> {
     format.check_values("kv store", at, n)?;
     let (b0, b1) = (format.byte_at(at), format.byte_at(at + n));
-    let mut rows = split(b, dst, &[(b0, b1 - b0)])?;
-    b.run(Op::KvStore {
-        format,
-        n,
-        src,
-        dst: &mut rows[0],
-    })
+    let mut rows = split(b, cache, &[(b0, b1 - b0)])?;
+    Ok(rows.remove(0))
 }
 
 /// Writes the positions `pos..pos + n` into the workspace of a device that computes layers
@@ -871,23 +866,31 @@ pub(crate) fn attention_normed<B: Exec>(
         Some(f) => Some(b.floats(f, cx.held)?),
         None => None,
     };
-    for (x, heads) in [(&mut r.q, nh), (&mut r.k, a.kv_heads)] {
-        b.run(Op::RopeInPlace {
-            params: c.rope,
-            n_tok: n,
-            n_heads: heads,
-            x,
-            positions: &r.pos,
-            inv_freqs: own.as_deref().unwrap_or(&r.freqs),
-        })
-        .map_err(cx.err(at("rope")))?;
-    }
     let attend = |kb: &mut Buffer, vb: &mut Buffer| -> Result<()> {
         let mut kc = b.whole_mut(kb)?;
         let mut vc = b.whole_mut(vb)?;
-        store(b, k_format, &r.k, &mut kc, pos * kvd, n * kvd).map_err(cx.err(at("cache keys")))?;
-        store(b, v_format, &r.v, &mut vc, pos * kvd, n * kvd)
+        // RoPE on q and k and the new cache rows in one op
+        let mut k_rows = cache_rows(b, k_format, &mut kc, pos * kvd, n * kvd)
+            .map_err(cx.err(at("cache keys")))?;
+        let mut v_rows = cache_rows(b, v_format, &mut vc, pos * kvd, n * kvd)
             .map_err(cx.err(at("cache values")))?;
+        b.run(Op::RopeKvStore {
+            params: c.rope,
+            n_tok: n,
+            n_heads: nh,
+            kv_heads: a.kv_heads,
+            q: &mut r.q,
+            k: &mut r.k,
+            v: &r.v,
+            positions: &r.pos,
+            inv_freqs: own.as_deref().unwrap_or(&r.freqs),
+            k_format,
+            v_format,
+            k_cache: &mut k_rows,
+            v_cache: &mut v_rows,
+        })
+        .map_err(cx.err(at("rope and cache store")))?;
+        drop((k_rows, v_rows));
         b.run(Op::Attention {
             k_format,
             v_format,
