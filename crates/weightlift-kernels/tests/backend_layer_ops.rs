@@ -873,3 +873,136 @@ fn cpu_borrowed_memory_is_computed_on_in_place() -> Result<()> {
     assert!(e.to_string().contains("not aligned to 4"), "{e}");
     Ok(())
 }
+
+/// On cuda:0, a captured graph of decode's fused ops (RoPE with the f16 cache store, the
+/// gate and up products with SwiGLU over f16 weights) replays them: after new queries, keys
+/// and a new position are uploaded (outside the graph, as a decode step would), each replay
+/// gives bit for bit what running the two ops again gives, and a different position turns
+/// the queries differently.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+// The replay touches buffers the graph recorded; the test keeps them alive (see below).
+#[allow(unsafe_code)]
+fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
+    let b = CudaBackend::new(0)?;
+    let mut rng = Rng(0x96a9);
+    let (n_heads, kv_heads, hd, rows, cols) = (8usize, 2usize, 64usize, 256usize, 512usize);
+    let params = RopeParams {
+        style: RopeStyle::Neox,
+        head_dim: hd,
+        n_dims: hd,
+        freq_base: 10000.0,
+        freq_scale: 1.0,
+    };
+    let fb = f32s(&b, &rope_inv_freqs(&params, None)?)?;
+    let f16_bytes = |v: &[f32]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect()
+    };
+    let wg = upload(&b, &f16_bytes(&rng.vec(rows * cols, 0.5)))?;
+    let wu = upload(&b, &f16_bytes(&rng.vec(rows * cols, 0.5)))?;
+    let kvn = kv_heads * hd;
+    // one set of buffers for the graph, one for the ops run directly
+    struct Set<T> {
+        q: T,
+        k: T,
+        v: T,
+        pos: T,
+        kc: T,
+        vc: T,
+        x: T,
+        gy: T,
+        uy: T,
+    }
+    let set = |b: &CudaBackend| -> Result<Set<CudaBuffer>> {
+        Ok(Set {
+            q: b.alloc(n_heads * hd * 4)?,
+            k: b.alloc(kvn * 4)?,
+            v: b.alloc(kvn * 4)?,
+            pos: b.alloc(4)?,
+            kc: b.alloc(kvn * 2)?,
+            vc: b.alloc(kvn * 2)?,
+            x: b.alloc(cols * 4)?,
+            gy: b.alloc(rows * 4)?,
+            uy: b.alloc(rows * 4)?,
+        })
+    };
+    let run = |b: &CudaBackend, s: &mut Set<CudaBuffer>| -> Result<()> {
+        b.run(Op::RopeKvStore {
+            params,
+            n_tok: 1,
+            n_heads,
+            kv_heads,
+            q: &mut s.q,
+            k: &mut s.k,
+            v: &s.v,
+            positions: &s.pos,
+            inv_freqs: &fb,
+            k_format: KvFormat::F16,
+            v_format: KvFormat::F16,
+            k_cache: &mut s.kc,
+            v_cache: &mut s.vc,
+        })?;
+        b.run(Op::MatmulSwiGlu {
+            mode: MatvecMode::Exact,
+            act: FloatType::F32,
+            cols,
+            n_tok: 1,
+            max_dq_size: 1 << 20,
+            x: &s.x,
+            gate: Product {
+                ty: QuantType::F16,
+                rows,
+                w: &wg,
+                y: &mut s.gy,
+            },
+            up: Product {
+                ty: QuantType::F16,
+                rows,
+                w: &wu,
+                y: &mut s.uy,
+            },
+        })
+    };
+    let (mut g, mut d) = (set(&b)?, set(&b)?);
+    // once directly, so every module is loaded before the capture
+    run(&b, &mut d)?;
+    b.synchronize()?;
+    let graph = b.capture(|b| run(b, &mut g))?;
+    for p in [3i32, 900] {
+        let (q, k, v, x) = (
+            rng.vec(n_heads * hd, 1.0),
+            rng.vec(kvn, 1.0),
+            rng.vec(kvn, 1.0),
+            rng.vec(cols, 1.0),
+        );
+        for s in [&mut g, &mut d] {
+            b.copy_from_host(bytemuck::cast_slice(&q), &mut s.q, 0)?;
+            b.copy_from_host(bytemuck::cast_slice(&k), &mut s.k, 0)?;
+            b.copy_from_host(bytemuck::cast_slice(&v), &mut s.v, 0)?;
+            b.copy_from_host(bytemuck::cast_slice(&[p]), &mut s.pos, 0)?;
+            b.copy_from_host(bytemuck::cast_slice(&x), &mut s.x, 0)?;
+        }
+        // SAFETY: every buffer the graph recorded (`g`, the weights, the angles) lives until
+        // the end of this test, and nothing else uses them while the replay runs (one stream).
+        unsafe { b.replay(&graph) }?;
+        run(&b, &mut d)?;
+        let bytes = |buf: &CudaBuffer, n: usize| -> Result<Vec<u8>> {
+            let mut out = vec![0u8; n];
+            b.copy_to_host(buf, 0, &mut out)?;
+            Ok(out)
+        };
+        for (what, gb, db, n) in [
+            ("queries", &g.q, &d.q, n_heads * hd * 4),
+            ("key cache", &g.kc, &d.kc, kvn * 2),
+            ("value cache", &g.vc, &d.vc, kvn * 2),
+            ("gated product", &g.gy, &d.gy, rows * 4),
+        ] {
+            assert_eq!(bytes(gb, n)?, bytes(db, n)?, "position {p}: {what}");
+        }
+        // the same queries at another position turn differently: the graph read the new one
+        assert_ne!(download_f32(&b, &g.q, 1)?[0], q[0], "position {p}");
+    }
+    Ok(())
+}
