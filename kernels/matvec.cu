@@ -9,6 +9,8 @@
 // - q8_quantize_{f32,f16}, q8_matmul_{type} and q8_matvec_{type}: the Q8-activation mode
 //   (wl_q8.cuh), integer dot products per 32-value group with dp4a; q8_matmul in the CPU's
 //   order, q8_matvec (decode, one token) in an order of its own made for bandwidth.
+// - swiglu_matvec_{f16,bf16,f32}_{f32,f16} and swiglu_q8_matvec_{type}: decode's gate and up
+//   products with SwiGLU in one launch, each row's sums those of the matvec kernels above.
 // - gemm_{f32,f16}: the exact mode's dequantised path for prompts, a tiled shared-memory f32
 //   product of rows already dequantised (by dequantize_{type}_f32) into a chunk of scratch.
 #include "wl_matvec.cuh"
@@ -148,6 +150,66 @@ WL_FV_KERNELS(f16, 2)
 WL_FV_KERNELS(bf16, 2)
 WL_FV_KERNELS(f32, 4)
 
+// swiglu_matvec_{f16,bf16,f32}_{f32,f16}(wg, wu, x, y, rows, cols): the gated MLP's first half
+// for one token, y[r] = silu(dot(G[r], x)) * dot(U[r], x), in one launch where matvec_* twice
+// and swiglu_inplace_f32 took three. Launched as matvec_{type}_{act} for the same rows and
+// cols (the same threads a row), each row's two sums are that kernel's: each thread runs the
+// gate row's chains and then the up row's (so both rows' loads are in flight before the first
+// shuffle), the chains meet by the same xor shuffles, and the warps' sums are added in warp
+// order through shared memory. WL_SILU_MUL then makes the product as swiglu_inplace_f32 does:
+// the bits of the three launches, without the gate and up products in memory. Bytes per call:
+// both weight matrices once (2 * rows * cols * element bytes), rows * 4 written.
+template <typename ACT_T, void (*LANE)(const wl_u8*, const ACT_T*, wl_u64, int, int, int, float*)>
+__device__ __forceinline__ void wl_fv_glu_rows(const wl_u8* wg, const wl_u8* wu, const ACT_T* x,
+                                               float* y, wl_u64 rows, wl_u64 cols,
+                                               wl_u64 row_bytes) {
+    __shared__ float part[WL_FV_THREADS / 32][2];
+    const int tpr = blockDim.x;
+    const int lane = threadIdx.x;
+    const int warp = (threadIdx.y * tpr + lane) / 32;
+    wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;
+    const int live = r < rows;
+    if (!live) r = rows - 1;
+    const int width = tpr < 32 ? tpr : 32;
+    float g[WL_FV_NT], u[WL_FV_NT];
+    LANE(wg + r * row_bytes, x, cols, 1, lane, tpr, g);
+    LANE(wu + r * row_bytes, x, cols, 1, lane, tpr, u);
+    float a = g[0], b = u[0];
+    for (int o = width / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    for (int o = width / 2; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+    if (tpr > 32) {
+        if (lane % 32 == 0) {
+            part[warp][0] = a;
+            part[warp][1] = b;
+        }
+        __syncthreads();
+        if (lane == 0) {
+            a = part[warp][0];
+            b = part[warp][1];
+            for (int j = 1; j < tpr / 32; ++j) {
+                a += part[warp + j][0];
+                b += part[warp + j][1];
+            }
+        }
+    }
+    if (live && lane == 0) y[r] = WL_SILU_MUL(a, b);
+}
+
+#define WL_FV_GLU_KERNEL(NAME, ES, ACT, ACT_T)                                                     \
+    extern "C" __global__ void __launch_bounds__(WL_FV_THREADS, 4)                                 \
+        swiglu_matvec_##NAME##_##ACT(const wl_u8* wg, const wl_u8* wu, const ACT_T* x, float* y,   \
+                                     wl_u64 rows, wl_u64 cols) {                                   \
+        wl_fv_glu_rows<ACT_T, wl_fv_lane_##NAME##_##ACT>(wg, wu, x, y, rows, cols, cols * (ES));   \
+    }
+
+#define WL_FV_GLU_KERNELS(NAME, ES)          \
+    WL_FV_GLU_KERNEL(NAME, ES, f32, float)   \
+    WL_FV_GLU_KERNEL(NAME, ES, f16, wl_u16)
+
+WL_FV_GLU_KERNELS(f16, 2)
+WL_FV_GLU_KERNELS(bf16, 2)
+WL_FV_GLU_KERNELS(f32, 4)
+
 // q8_quantize_{f32,f16}: one warp per activation block of 32 values (lane i holds value i, so
 // the loads and stores are contiguous), written as the 40-byte blocks of wl_q8.cuh (the CPU's
 // Q8Block bytes): the same bytes as wl_q8_quantize_block, since neither the maximum nor the
@@ -243,42 +305,82 @@ extern "C" __global__ void q8_quantize_f16(const wl_u16* x, wl_u8* out, wl_u64 n
 // activations, cols / 32 blocks of 40 bytes, are read by every row from L1/L2). A row past the
 // last computes the last row and stores nothing, so every thread reaches the barrier.
 #define WL_Q8V_THREADS 256
+
+// One row's sum from its lanes' chains `a` (products) and `e` (extra terms) in the order above:
+// each warp's xor butterflies, then the warps' sums added in warp order through `part` (two
+// rows of WL_Q8V_THREADS / 32 floats: a block's warps), the extra sum last. Every thread of the
+// block calls it (a barrier when wpr > 1); lane 0 of the row gets the row's value.
+template <int KIND>
+__device__ __forceinline__ float wl_q8v_row_sum(float a, float e,
+                                                float (*part)[WL_Q8V_THREADS / 32]) {
+    const int wpr = blockDim.x / 32, lane = threadIdx.x, warp = lane / 32;
+    for (int o = 16; o > 0; o >>= 1) a = WL_ADD(a, __shfl_xor_sync(0xffffffffu, a, o));
+    if (KIND != 0) {
+        for (int o = 16; o > 0; o >>= 1) e = WL_ADD(e, __shfl_xor_sync(0xffffffffu, e, o));
+    }
+    if (wpr > 1) {
+        const int slot = threadIdx.y * wpr + warp;
+        if (lane % 32 == 0) {
+            part[0][slot] = a;
+            part[1][slot] = e;
+        }
+        __syncthreads();
+        if (lane == 0) {
+            for (int k = 1; k < wpr; ++k) {
+                a = WL_ADD(a, part[0][slot + k]);
+                e = WL_ADD(e, part[1][slot + k]);
+            }
+        }
+    }
+    if (KIND != 0) a = WL_ADD(a, e);
+    return a;
+}
+
 #define WL_Q8_MATVEC(NAME, BS, BB)                                                                 \
     extern "C" __global__ void __launch_bounds__(WL_Q8V_THREADS)                                   \
         q8_matvec_##NAME(const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {    \
         __shared__ float part[2][WL_Q8V_THREADS / 32];                                             \
-        const int wpr = blockDim.x / 32, lane = threadIdx.x, warp = lane / 32;                     \
+        const int wpr = blockDim.x / 32, lane = threadIdx.x;                                       \
         wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
         const int live = r < rows;                                                                 \
         if (!live) r = rows - 1;                                                                   \
         const int al = (((wl_u64)w | (wl_u64)xq) & 3) == 0;                                        \
         float a, e;                                                                                \
         wl_q8v_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, wpr, al, &a, &e);        \
-        for (int o = 16; o > 0; o >>= 1) a = WL_ADD(a, __shfl_xor_sync(0xffffffffu, a, o));        \
-        if (WL_Q8_KIND_##NAME != 0) {                                                              \
-            for (int o = 16; o > 0; o >>= 1) e = WL_ADD(e, __shfl_xor_sync(0xffffffffu, e, o));    \
-        }                                                                                          \
-        if (wpr > 1) {                                                                             \
-            const int slot = threadIdx.y * wpr + warp;                                             \
-            if (lane % 32 == 0) {                                                                  \
-                part[0][slot] = a;                                                                 \
-                part[1][slot] = e;                                                                 \
-            }                                                                                      \
-            __syncthreads();                                                                       \
-            if (lane == 0) {                                                                       \
-                for (int k = 1; k < wpr; ++k) {                                                    \
-                    a = WL_ADD(a, part[0][slot + k]);                                              \
-                    e = WL_ADD(e, part[1][slot + k]);                                              \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        if (WL_Q8_KIND_##NAME != 0) a = WL_ADD(a, e);                                              \
+        a = wl_q8v_row_sum<WL_Q8_KIND_##NAME>(a, e, part);                                         \
         if (live && lane == 0) y[r] = a;                                                           \
+    }
+
+// swiglu_q8_matvec_{type}(wg, wu, xq, y, rows, cols): the gated MLP's first half for one token
+// in Q8 mode, y[r] = silu(gate row r . x) * (up row r . x), on activations quantised once
+// (q8_quantize_*). Launched as q8_matvec_{type} for the same rows and cols (the same warps a
+// row), each row's two sums are that kernel's (every lane runs its gate chains and then its up
+// chains, so both rows' loads are in flight before the first shuffle); WL_SILU_MUL then makes
+// the product as swiglu_inplace_f32 does. Bytes per call: both weight matrices once.
+#define WL_Q8_GLU_MATVEC(NAME, BS, BB)                                                             \
+    extern "C" __global__ void __launch_bounds__(WL_Q8V_THREADS)                                   \
+        swiglu_q8_matvec_##NAME(const wl_u8* wg, const wl_u8* wu, const wl_u8* xq, float* y,       \
+                                wl_u64 rows, wl_u64 cols) {                                        \
+        __shared__ float part[2][2][WL_Q8V_THREADS / 32];                                          \
+        const int wpr = blockDim.x / 32, lane = threadIdx.x;                                       \
+        wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
+        const int live = r < rows;                                                                 \
+        if (!live) r = rows - 1;                                                                   \
+        const int al = (((wl_u64)wg | (wl_u64)wu | (wl_u64)xq) & 3) == 0;                          \
+        const wl_u64 off = r * (cols / (BS)) * (BB);                                               \
+        float ga, ge, ua, ue;                                                                      \
+        wl_q8v_lane_##NAME(wg + off, xq, cols, lane, wpr, al, &ga, &ge);                          \
+        wl_q8v_lane_##NAME(wu + off, xq, cols, lane, wpr, al, &ua, &ue);                          \
+        /* two shared arrays: no thread writes one while another reads it */                      \
+        float g = wl_q8v_row_sum<WL_Q8_KIND_##NAME>(ga, ge, part[0]);                              \
+        float u = wl_q8v_row_sum<WL_Q8_KIND_##NAME>(ua, ue, part[1]);                              \
+        if (live && lane == 0) y[r] = WL_SILU_MUL(g, u);                                           \
     }
 
 #define WL_Q8_KERNELS(NAME, BS, BB) \
     WL_Q8_MATMUL(NAME, BS, BB)      \
-    WL_Q8_MATVEC(NAME, BS, BB)
+    WL_Q8_MATVEC(NAME, BS, BB)      \
+    WL_Q8_GLU_MATVEC(NAME, BS, BB)
 
 WL_Q8_KERNELS(q4_0, 32, 18)
 WL_Q8_KERNELS(q4_1, 32, 20)

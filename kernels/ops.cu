@@ -215,7 +215,7 @@ extern "C" __global__ void swiglu_inplace_f32(float* gate, const float* up, wl_u
     wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
-        gate[i] = WL_MUL(g / (1.0f + expf(-g)), up[i]);
+        gate[i] = WL_SILU_MUL(g, up[i]);
     }
 }
 

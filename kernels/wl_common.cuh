@@ -27,6 +27,13 @@ typedef unsigned long long wl_u64;
 #define WL_SUB(a, b) ((a) - (b))
 #endif
 
+// SwiGLU's product silu(g) * u, silu(g) = g / (1 + e^-g): the one expression of the in-place
+// kernel (ops.cu) and of the fused gate/up kernels (matvec.cu), so a device gives them the same
+// bits for the same sums. The add is kept apart from the exponential's last step (WL_ADD), so
+// no contraction differs between kernels or from the host twin; expf is the device's and the
+// host's own (within 2 ulp of each other).
+#define WL_SILU_MUL(g, u) WL_MUL((g) / WL_ADD(1.0f, expf(-(g))), (u))
+
 WL_HD float wl_bits_to_f32(wl_u32 u) {
 #if defined(__CUDA_ARCH__)
     return __uint_as_float(u);

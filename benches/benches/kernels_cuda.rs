@@ -34,8 +34,9 @@ use std::time::{Duration, Instant};
 use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
 use weightlift_kernels::sources::{CUDA_EXACT_TYPES, CUDA_Q8_TYPES};
 use weightlift_kernels::{
-    Backend, CpuBackend, CudaBackend, FloatType, KernelError, KvFormat, MatvecMode, Op, QuantType,
-    Result, RopeParams, RopeStyle,
+    Backend, CpuBackend, CudaBackend, FloatType, KernelError, KvFormat, MatvecMode, Op, Product,
+    QuantType, Result, RopeParams, RopeStyle, matmul_swiglu_unfused, rope_inv_freqs,
+    rope_kv_store_unfused,
 };
 
 /// Decode's matrix-vector shapes, rows × cols: TinyLlama-1.1B's attention, FFN up and FFN down
@@ -576,6 +577,130 @@ fn other_cases<B: Backend + 'static>() -> Vec<Build<B>> {
                         src: &q[0],
                         dst: &mut out[0],
                     })
+                },
+            ))
+        }));
+    }
+    // decode's fused ops against the separate ones they replace, one token: the gate and up
+    // products with SwiGLU (TinyLlama's FFN; both matrices are read, so the bytes are twice a
+    // matvec's; the two bf16 matrices, 46 MB, may stay partly in an H200's 60 MB of L2 between
+    // calls, which the first table's rotating copies avoid: compare the fused row with the
+    // separate one), and RoPE with the f16 cache store (TinyLlama's 32 query and 4 KV heads of
+    // 64)
+    for (ty, mode) in [
+        (QuantType::BF16, MatvecMode::Exact),
+        (QuantType::F16, MatvecMode::Exact),
+        (QuantType::Q8_0, MatvecMode::Q8),
+        (QuantType::Q4_K, MatvecMode::Q8),
+    ] {
+        for (r, c) in [(5632usize, 2048usize)] {
+            for fused in [true, false] {
+                v.push(Box::new(move |be: &B| {
+                    let (wg, wu) = (random_weights(ty, r * c), random_weights(ty, r * c));
+                    let x = f32_bytes((0..c).map(|i| (i as f32 * 0.01).sin()));
+                    let bytes = wg.len() + wu.len() + x.len() + r * 4;
+                    let bufs = vec![
+                        upload(be, &wg)?,
+                        upload(be, &wu)?,
+                        upload(be, &x)?,
+                        be.alloc(r * 4)?,
+                        be.alloc(r * 4)?,
+                    ];
+                    let how = if fused { "fused" } else { "separate" };
+                    Ok(case(
+                        format!("swiglu_matvec_{ty}_f32_{}_{r}x{c}_{how}", mode_name(mode)),
+                        bytes,
+                        bufs,
+                        3,
+                        move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                            let (gy, uy) = o.split_at_mut(1);
+                            let gate = Product {
+                                ty,
+                                rows: r,
+                                w: &i[0],
+                                y: &mut gy[0],
+                            };
+                            let up = Product {
+                                ty,
+                                rows: r,
+                                w: &i[1],
+                                y: &mut uy[0],
+                            };
+                            let (cols, n_tok, max_dq_size, x) = (c, 1, 64 << 20, &i[2]);
+                            let op = Op::MatmulSwiGlu {
+                                mode,
+                                act: FloatType::F32,
+                                cols,
+                                n_tok,
+                                max_dq_size,
+                                x,
+                                gate,
+                                up,
+                            };
+                            if fused {
+                                be.run(op)
+                            } else {
+                                // the ops it replaces, each counted as a run of its own
+                                matmul_swiglu_unfused(op, |op| be.run(op))
+                            }
+                        },
+                    ))
+                }));
+            }
+        }
+    }
+    for fused in [true, false] {
+        v.push(Box::new(move |be: &B| {
+            let (n_heads, kv_heads, hd) = (32usize, 4usize, 64usize);
+            let params = RopeParams {
+                style: RopeStyle::Normal,
+                head_dim: hd,
+                n_dims: hd,
+                freq_base: 10000.0,
+                freq_scale: 1.0,
+            };
+            let freqs = rope_inv_freqs(&params, None)?;
+            let kvn = kv_heads * hd;
+            let vals = |n: usize| f32_bytes((0..n).map(|i| (i as f32 * 0.37).sin()));
+            let bufs = vec![
+                upload(be, &vals(kvn))?,
+                upload(be, &70i32.to_le_bytes())?,
+                upload(be, &f32_bytes(freqs.into_iter()))?,
+                upload(be, &vals(n_heads * hd))?,
+                upload(be, &vals(kvn))?,
+                be.alloc(kvn * 2)?,
+                be.alloc(kvn * 2)?,
+            ];
+            let how = if fused { "fused" } else { "separate" };
+            Ok(case(
+                format!("rope_kv_store_f16_decode_{how}"),
+                n_heads * hd * 8 + kvn * 8 + kvn * 4,
+                bufs,
+                3,
+                move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                    let [q, k, kc, vc] = o else {
+                        unreachable!("four output buffers");
+                    };
+                    let op = Op::RopeKvStore {
+                        params,
+                        n_tok: 1,
+                        n_heads,
+                        kv_heads,
+                        q,
+                        k,
+                        v: &i[0],
+                        positions: &i[1],
+                        inv_freqs: &i[2],
+                        k_format: KvFormat::F16,
+                        v_format: KvFormat::F16,
+                        k_cache: kc,
+                        v_cache: vc,
+                    };
+                    if fused {
+                        be.run(op)
+                    } else {
+                        rope_kv_store_unfused(op, |op| be.run(op))
+                    }
                 },
             ))
         }));

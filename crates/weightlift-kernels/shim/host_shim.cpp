@@ -7,6 +7,7 @@
 #include "wl_attention.cuh"
 #include "wl_dequant.cuh"
 #include "wl_kv.cuh"
+#include "wl_rope_kv.cuh"
 #include "wl_matvec.cuh"
 #include "wl_q8.cuh"
 
@@ -237,6 +238,23 @@ extern "C" int wl_host_float_matmul(int ty, int act_f16, const wl_u8* w, const v
         }
     }
     return 1;
+}
+
+// What the fused gate/up kernels (swiglu_matvec_*, swiglu_q8_matvec_*) and swiglu_inplace_f32
+// make of each row's two sums: WL_SILU_MUL(gate[i], up[i]) into out[i].
+extern "C" void wl_host_silu_mul(const float* gate, const float* up, float* out, size_t n) {
+    for (size_t i = 0; i < n; ++i) out[i] = WL_SILU_MUL(gate[i], up[i]);
+}
+
+// What rope_kv_store_{format} computes (kf, vf: the WL_KVF_ codes of the keys and values): its
+// threads' work units one after another.
+extern "C" void wl_host_rope_kv_store(int kf, int vf, float* q, const float* k, const float* v,
+                                      const int* pos, const float* freqs, wl_u8* kc, wl_u8* vc,
+                                      size_t n_tok, size_t n_heads, size_t kv_heads, int head_dim,
+                                      int n_dims, int neox) {
+    wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox};
+    wl_u64 units = wl_rope_kv_units(s, kf, vf);
+    for (wl_u64 u = 0; u < units; ++u) wl_rope_kv_unit(u, kf, vf, q, k, v, pos, freqs, kc, vc, s);
 }
 
 // What q8_quantize_{f32,f16} computes: `n_blocks` blocks of 32 activations (f32 values, or f16

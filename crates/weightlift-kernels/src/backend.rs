@@ -15,9 +15,11 @@
 //! The operations cover one llama-family decoder layer: RMSNorm, the projections
 //! ([`Op::Matmul`], or [`Op::Int8Matmul`] for LLM.int8 weights; a bias by [`Op::AddBias`]),
 //! RoPE on a table of frequencies ([`Op::RopeInPlace`]), the cache rows in any of the cache's
-//! storage formats ([`Op::KvStore`] into a view), causal grouped-query [`Op::Attention`] over
+//! storage formats ([`Op::KvStore`] into a view; both at once, [`Op::RopeKvStore`]), causal
+//! grouped-query [`Op::Attention`] over
 //! the cache,
-//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`]; gemma's
+//! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`], or with the
+//! gate and up products in one op, [`Op::MatmulSwiGlu`]; gemma's
 //! [`Op::GeGluTanhInPlace`], with its embedding scale [`Op::ScaleInPlace`] and the attention's
 //! sliding window and soft-cap).
 
@@ -99,6 +101,31 @@ pub enum Op<'a, B> {
         x: &'a B,
         /// The weight matrices and their outputs.
         products: Vec<Product<'a, B>>,
+    },
+    /// The gated MLP's first half, SwiGLU over a gate and an up matrix of the same rows and
+    /// input: `gate.y[t*rows + r] = silu(dot(G[r], x[t])) · dot(U[r], x[t])`. The values of
+    /// [`Op::MatmulShared`] over the two and then [`Op::SwiGluInPlace`] on `gate.y` (the CPU
+    /// backend runs exactly those). CUDA runs one token of one weight type with a kernel that
+    /// writes the product directly, from the same sums as the two ops (f16, bf16 and f32 in
+    /// exact mode, the Q8 types in Q8 mode, on activations quantised once), and the two ops
+    /// otherwise. `up.y` is room for the up products: what it holds afterwards is unspecified.
+    MatmulSwiGlu {
+        /// Exact or llama.cpp-style q8 activations.
+        mode: MatvecMode,
+        /// Activation type, f32 or f16.
+        act: FloatType,
+        /// Values per row, of both matrices.
+        cols: usize,
+        /// Tokens.
+        n_tok: usize,
+        /// Chunk size of the dequantised path, in values.
+        max_dq_size: usize,
+        /// Activations, `n_tok × cols`.
+        x: &'a B,
+        /// The gate matrix; its output receives the gated product.
+        gate: Product<'a, B>,
+        /// The up matrix (as many rows as the gate); its output is scratch.
+        up: Product<'a, B>,
     },
     /// The LLM.int8 product `y[t*rows + r] = Σ_i x[t, i] · W[r, i]` over row-wise absmax int8
     /// weights, with the outlier columns (`|x| ≥ threshold` for some token) in f32 (see
@@ -242,6 +269,41 @@ pub enum Op<'a, B> {
         positions: &'a B,
         /// Angle per position of each rotated pair (f32).
         inv_freqs: &'a B,
+    },
+    /// RoPE on a layer's queries and keys, and the keys and values stored in the cache, for
+    /// `n_tok` tokens: [`Op::RopeInPlace`] on `q` (`n_heads` heads a token) and on `k`
+    /// (`kv_heads` heads), then [`Op::KvStore`] of `k` into `k_cache` and of `v` into `v_cache`
+    /// (each `n_tok × kv_heads × head_dim` values: the cache rows being written). The CPU
+    /// backend runs exactly those; CUDA runs them in one launch for every cache dtype, with the
+    /// same arithmetic. `k` is room for the rotated keys: what it holds afterwards is
+    /// unspecified (CUDA rotates them on their way into the cache and leaves `k` as it was).
+    RopeKvStore {
+        /// Style, head size and rotated dims (the angles are in `inv_freqs`).
+        params: RopeParams,
+        /// Tokens.
+        n_tok: usize,
+        /// Query heads per token.
+        n_heads: usize,
+        /// Key/value heads per token.
+        kv_heads: usize,
+        /// Queries, rotated in place.
+        q: &'a mut B,
+        /// Keys (f32), rotated on their way into the cache.
+        k: &'a mut B,
+        /// Values (f32).
+        v: &'a B,
+        /// Positions (i32), one per token.
+        positions: &'a B,
+        /// Angle per position of each rotated pair (f32, see [`Op::RopeInPlace`]).
+        inv_freqs: &'a B,
+        /// Storage of the cached keys.
+        k_format: KvFormat,
+        /// Storage of the cached values.
+        v_format: KvFormat,
+        /// The key rows being written (`k_format.byte_at(n_tok × kv_heads × head_dim)` bytes).
+        k_cache: &'a mut B,
+        /// The value rows being written.
+        v_cache: &'a mut B,
     },
     /// `x += y` over `n` f32 values (the residual add).
     AddInPlace {
@@ -392,6 +454,144 @@ pub fn matmul_each<'a, B>(
     Ok(())
 }
 
+/// [`Op::MatmulSwiGlu`] as the two operations it stands for, [`Op::MatmulShared`] of the gate
+/// and up matrices and then [`Op::SwiGluInPlace`] on the gate's output, each given to `run` (a
+/// backend's own dispatch). Any other op goes to `run` as it is.
+pub fn matmul_swiglu_unfused<B>(
+    op: Op<'_, B>,
+    mut run: impl FnMut(Op<'_, B>) -> Result<()>,
+) -> Result<()> {
+    let Op::MatmulSwiGlu {
+        mode,
+        act,
+        cols,
+        n_tok,
+        max_dq_size,
+        x,
+        gate,
+        up,
+    } = op
+    else {
+        return run(op);
+    };
+    let n = swiglu_values(gate.rows, up.rows, n_tok)?;
+    let (gate_y, up_y) = (gate.y, up.y);
+    run(Op::MatmulShared {
+        mode,
+        act,
+        cols,
+        n_tok,
+        max_dq_size,
+        x,
+        products: vec![
+            Product {
+                ty: gate.ty,
+                rows: gate.rows,
+                w: gate.w,
+                y: &mut *gate_y,
+            },
+            Product {
+                ty: up.ty,
+                rows: up.rows,
+                w: up.w,
+                y: &mut *up_y,
+            },
+        ],
+    })?;
+    run(Op::SwiGluInPlace {
+        n,
+        gate: gate_y,
+        up: up_y,
+    })
+}
+
+/// [`Op::RopeKvStore`] as the four operations it stands for, each given to `run` (a backend's
+/// own dispatch): [`Op::RopeInPlace`] on the queries and on the keys, then [`Op::KvStore`] of
+/// the keys and of the values. Any other op goes to `run` as it is.
+pub fn rope_kv_store_unfused<B>(
+    op: Op<'_, B>,
+    mut run: impl FnMut(Op<'_, B>) -> Result<()>,
+) -> Result<()> {
+    let Op::RopeKvStore {
+        params,
+        n_tok,
+        n_heads,
+        kv_heads,
+        q,
+        k,
+        v,
+        positions,
+        inv_freqs,
+        k_format,
+        v_format,
+        k_cache,
+        v_cache,
+    } = op
+    else {
+        return run(op);
+    };
+    let n = kv_values(n_tok, kv_heads, params.head_dim)?;
+    run(Op::RopeInPlace {
+        params,
+        n_tok,
+        n_heads,
+        x: q,
+        positions,
+        inv_freqs,
+    })?;
+    run(Op::RopeInPlace {
+        params,
+        n_tok,
+        n_heads: kv_heads,
+        x: &mut *k,
+        positions,
+        inv_freqs,
+    })?;
+    run(Op::KvStore {
+        format: k_format,
+        n,
+        src: k,
+        dst: k_cache,
+    })?;
+    run(Op::KvStore {
+        format: v_format,
+        n,
+        src: v,
+        dst: v_cache,
+    })
+}
+
+/// The key (or value) count of an [`Op::RopeKvStore`]: `n_tok × kv_heads × head_dim`.
+pub(crate) fn kv_values(n_tok: usize, kv_heads: usize, head_dim: usize) -> Result<usize> {
+    n_tok
+        .checked_mul(kv_heads)
+        .and_then(|v| v.checked_mul(head_dim))
+        .ok_or_else(|| KernelError::Shape {
+            op: "rope_kv_store",
+            reason: format!("{n_tok} tokens × {kv_heads} heads × {head_dim} values overflow usize"),
+        })
+}
+
+/// The values of an [`Op::MatmulSwiGlu`] output: `n_tok × rows`, when the gate and up matrices
+/// have the same rows.
+pub(crate) fn swiglu_values(gate_rows: usize, up_rows: usize, n_tok: usize) -> Result<usize> {
+    if gate_rows != up_rows {
+        return Err(KernelError::Shape {
+            op: "matmul_swiglu",
+            reason: format!(
+                "the gate matrix has {gate_rows} rows and the up matrix {up_rows}; SwiGLU pairs \
+                 them row by row"
+            ),
+        });
+    }
+    n_tok
+        .checked_mul(gate_rows)
+        .ok_or_else(|| KernelError::Shape {
+            op: "matmul_swiglu",
+            reason: format!("{n_tok} tokens × {gate_rows} rows overflow usize"),
+        })
+}
+
 impl<B> Op<'_, B> {
     /// The operation's name, as [`OpCounter`] reports it.
     pub fn name(&self) -> &'static str {
@@ -400,6 +600,7 @@ impl<B> Op<'_, B> {
             Op::ConvertToF16 { .. } => "convert_to_f16",
             Op::Matmul { .. } => "matmul",
             Op::MatmulShared { .. } => "matmul_shared",
+            Op::MatmulSwiGlu { .. } => "matmul_swiglu",
             Op::Int8Matmul { .. } => "int8_matmul",
             Op::RmsNorm { .. } => "rms_norm",
             Op::AddRmsNorm { .. } => "add_rms_norm",
@@ -410,6 +611,7 @@ impl<B> Op<'_, B> {
             Op::KvStore { .. } => "kv_store",
             Op::KvLoad { .. } => "kv_load",
             Op::RopeInPlace { .. } => "rope_in_place",
+            Op::RopeKvStore { .. } => "rope_kv_store",
             Op::AddInPlace { .. } => "add_in_place",
             Op::AddBias { .. } => "add_bias",
             Op::SwiGluInPlace { .. } => "swiglu_in_place",

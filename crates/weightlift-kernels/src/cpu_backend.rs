@@ -629,6 +629,14 @@ impl CpuBackend {
                 )
             }
             op @ Op::MatmulShared { .. } => crate::backend::matmul_each(op, |op| self.run_op(op)),
+            // the reference: the products, then SwiGLU over the gate's output
+            op @ Op::MatmulSwiGlu { .. } => {
+                crate::backend::matmul_swiglu_unfused(op, |op| self.run_op(op))
+            }
+            // the reference: RoPE on the queries and keys, then the two cache stores
+            op @ Op::RopeKvStore { .. } => {
+                crate::backend::rope_kv_store_unfused(op, |op| self.run_op(op))
+            }
         }
     }
 }

@@ -44,7 +44,8 @@
 //!   cache is read in its storage format (f32, f16, e4m3, Hadamard-turned q8/q4 groups, decoded
 //!   by the warp's 32 lanes together), and written by `kv_store_{format}`.
 //! - The launch plumbing is in `launch`, the matrix products in `matmul`, and the operation
-//!   dispatch in `ops`.
+//!   dispatch in `ops`. `graph` records a sequence of operations as a CUDA graph and replays it
+//!   ([`CudaBackend::capture`], [`CudaBackend::replay`]; nothing captures by default).
 //! - Views ([`Backend::view`], [`Backend::split`]) are slices made from a device pointer inside
 //!   the parent allocation (`upgrade_device_ptr`) and leaked, not freed, when dropped. Kernels
 //!   run on the backend's one stream, so a view needs no events of its parent's; a copy on a
@@ -83,12 +84,14 @@ use crate::types::{FloatType, QuantType};
 
 mod copies;
 mod copy_stream;
+mod graph;
 mod launch;
 mod matmul;
 mod ops;
 
 use copies::{Staging, upload_staged};
 pub use copy_stream::CopyStream;
+pub use graph::CudaStepGraph;
 use launch::*;
 pub use ops::ATTENTION_MAX_HEAD_DIM;
 

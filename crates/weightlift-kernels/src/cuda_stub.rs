@@ -51,9 +51,33 @@ impl CopyStream {
     }
 }
 
+/// Stand-in for a captured CUDA graph; cannot be constructed.
+#[derive(Debug)]
+pub struct CudaStepGraph {
+    _never: std::convert::Infallible,
+}
+
 impl CudaBackend {
     /// Never called: a stand-in backend cannot be constructed.
     pub fn copy_stream(&self) -> Result<CopyStream> {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn capture(
+        &self,
+        _record: impl FnOnce(&CudaBackend) -> Result<()>,
+    ) -> Result<CudaStepGraph> {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    ///
+    /// # Safety
+    ///
+    /// As the CUDA backend's `replay`.
+    #[allow(unsafe_code)]
+    pub unsafe fn replay(&self, _step: &CudaStepGraph) -> Result<()> {
         match self._never {}
     }
 

@@ -1,7 +1,8 @@
 //! The host C++ build of `kernels/*.cuh` (see `shim/host_shim.cpp`), for tests that check the
 //! device maths without a GPU: block decoders and layouts, the `scan_{type}` block check, the
 //! matvec kernels' per-lane dot products and warp butterfly (and the float-weight kernels'
-//! chunked chains and reduction), f16 rounding and the KV-cache codecs, the Q8-activation
+//! chunked chains and reduction), SwiGLU's product, RoPE fused with the cache store, f16
+//! rounding and the KV-cache codecs, the Q8-activation
 //! mode and dequantised-path GEMM of the matmul kernels, and the split attention with its
 //! reduce.
 //! Present when `build.rs` found a C++ compiler.
@@ -42,6 +43,25 @@ unsafe extern "C" {
         tpr: i32,
         nt_max: i32,
     ) -> i32;
+    fn wl_host_silu_mul(gate: *const f32, up: *const f32, out: *mut f32, n: usize);
+    #[allow(clippy::too_many_arguments)]
+    fn wl_host_rope_kv_store(
+        kf: i32,
+        vf: i32,
+        q: *mut f32,
+        k: *const f32,
+        v: *const f32,
+        pos: *const i32,
+        freqs: *const f32,
+        kc: *mut u8,
+        vc: *mut u8,
+        n_tok: usize,
+        n_heads: usize,
+        kv_heads: usize,
+        head_dim: i32,
+        n_dims: i32,
+        neox: i32,
+    );
     fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
     #[allow(clippy::too_many_arguments)]
     fn wl_host_q8_matvec(
@@ -269,6 +289,104 @@ pub fn float_matmul(
             ty: ty.to_string(),
             supported: "f16, bf16, f32",
         });
+    }
+    Ok(())
+}
+
+/// SwiGLU's product of each gate and up value with the header's `WL_SILU_MUL`: what the fused
+/// gate/up kernels and `swiglu_inplace_f32` make of a row's two sums.
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+    if gate.len() != out.len() || up.len() != out.len() {
+        return Err(KernelError::Shape {
+            op: "host silu_mul",
+            reason: format!(
+                "{} gate, {} up and {} output values; all three must be equal",
+                gate.len(),
+                up.len(),
+                out.len()
+            ),
+        });
+    }
+    // SAFETY: all three slices hold out.len() floats (checked above).
+    unsafe { wl_host_silu_mul(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), out.len()) }
+    Ok(())
+}
+
+/// The cache formats' codes in `kernels/wl_rope_kv.cuh` (`WL_KVF_*`).
+fn kvf_code(format: KvFormat) -> i32 {
+    match format {
+        KvFormat::F32 => 0,
+        KvFormat::F16 => 1,
+        KvFormat::BF16 => 2,
+        KvFormat::E4M3 => 3,
+        KvFormat::Q8 => 4,
+        KvFormat::Q4 => 5,
+    }
+}
+
+/// What the fused `rope_kv_store_{format}` kernel computes, work unit by work unit with the
+/// header's own functions: `q` (`positions.len() × n_heads × head_dim`) rotated in place, and
+/// `k` rotated and `v` as it is (each `positions.len() × kv_heads × head_dim`) encoded into the
+/// cache rows `k_cache` (as `k_format`) and `v_cache` (as `v_format`); `k` is left as it was.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kv_store(
+    params: &crate::cpu::ops::RopeParams,
+    (n_heads, kv_heads): (usize, usize),
+    (k_format, v_format): (KvFormat, KvFormat),
+    q: &mut [f32],
+    k: &[f32],
+    v: &[f32],
+    positions: &[i32],
+    inv_freqs: &[f32],
+    k_cache: &mut [u8],
+    v_cache: &mut [u8],
+) -> Result<()> {
+    params.check()?;
+    let (n_tok, hd) = (positions.len(), params.head_dim);
+    let kvn = n_tok * kv_heads * hd;
+    k_format.check_values("host rope_kv_store", 0, kvn)?;
+    v_format.check_values("host rope_kv_store", 0, kvn)?;
+    let shape_ok = q.len() == n_tok * n_heads * hd
+        && k.len() == kvn
+        && v.len() == kvn
+        && inv_freqs.len() == params.n_dims / 2
+        && k_cache.len() == k_format.byte_at(kvn)
+        && v_cache.len() == v_format.byte_at(kvn)
+        && i32::try_from(hd).is_ok();
+    if !shape_ok {
+        return Err(KernelError::Shape {
+            op: "host rope_kv_store",
+            reason: format!(
+                "{n_tok} tokens of {n_heads} query and {kv_heads} key heads of {hd}: {} query, \
+                 {} key, {} value values, {} angles, {} and {} cache bytes",
+                q.len(),
+                k.len(),
+                v.len(),
+                inv_freqs.len(),
+                k_cache.len(),
+                v_cache.len()
+            ),
+        });
+    }
+    // SAFETY: every slice holds what the shape needs (checked above): the shim touches no more.
+    unsafe {
+        wl_host_rope_kv_store(
+            kvf_code(k_format),
+            kvf_code(v_format),
+            q.as_mut_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            positions.as_ptr(),
+            inv_freqs.as_ptr(),
+            k_cache.as_mut_ptr(),
+            v_cache.as_mut_ptr(),
+            n_tok,
+            n_heads,
+            kv_heads,
+            hd as i32,
+            params.n_dims as i32,
+            i32::from(params.style == crate::cpu::ops::RopeStyle::Neox),
+        )
     }
     Ok(())
 }

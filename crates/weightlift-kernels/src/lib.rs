@@ -35,7 +35,10 @@ pub mod cuda_libs;
 pub mod error;
 pub mod types;
 
-pub use backend::{Backend, Op, OpCounter, Product, Rows, matmul_each};
+pub use backend::{
+    Backend, Op, OpCounter, Product, Rows, matmul_each, matmul_swiglu_unfused,
+    rope_kv_store_unfused,
+};
 pub use cpu::Isa;
 pub use cpu::convert::{bf16_to_f16_slice, f16_to_f32_slice, f32_to_f16_slice, scan_non_finite};
 pub use cpu::int8::{
@@ -55,7 +58,7 @@ pub use cpu::quantize::{
 };
 pub use cpu::{dequantize_f16, dequantize_f32};
 pub use cpu_backend::{CpuBackend, CpuBuffer};
-pub use cuda::{CopyStream, CudaBackend, CudaBuffer};
+pub use cuda::{CopyStream, CudaBackend, CudaBuffer, CudaStepGraph};
 pub use error::{KernelError, Result};
 pub use types::{FloatType, QuantType};
 

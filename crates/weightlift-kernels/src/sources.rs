@@ -157,6 +157,10 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("q8_matmul_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
     // (w, xq, y, rows, cols): one token
     ("q8_matvec_", &[Ptr, Ptr, Ptr, U64, U64]),
+    // gate and up with SwiGLU, one token, before the swiglu_ family: (w_gate, w_up, x or xq,
+    // y, rows, cols)
+    ("swiglu_matvec_", &[Ptr, Ptr, Ptr, Ptr, U64, U64]),
+    ("swiglu_q8_matvec_", &[Ptr, Ptr, Ptr, Ptr, U64, U64]),
     // (wd, x, y, n_rows, cols, n_tok, row0, rows)
     ("gemm_", &[Ptr, Ptr, Ptr, U64, U64, U64, U64, U64]),
     // (x, weight, out, n_cols, eps)
@@ -166,6 +170,14 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // in place, before the families their names start with: (x, positions, inv_freqs,
     // n_pairs, n_heads, head_dim, n_dims)
     ("rope_inplace_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32]),
+    // (q, k, v, positions, inv_freqs, k_cache, v_cache, n_tok, n_heads, kv_heads, head_dim,
+    // n_dims, neox): RoPE and the cache store in one launch
+    (
+        "rope_kv_store_",
+        &[
+            Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, I32, I32, I32,
+        ],
+    ),
     // (x, y, n): x += y, x = silu(x) * y
     ("add_inplace_", &[Ptr, Ptr, U64]),
     ("swiglu_inplace_", &[Ptr, Ptr, U64]),

@@ -1,5 +1,6 @@
 //! The operations one decoder layer adds to the backends, on every backend present
-//! (`test_device!`): RoPE in place on a frequency table, the residual add (alone and fused with
+//! (`test_device!`): RoPE in place on a frequency table (alone and fused with the cache
+//! store), the residual add (alone and fused with
 //! the next norm), the bias add, the
 //! gated MLP in place (SwiGLU and gemma's GeGLU), gemma's embedding scale, causal grouped-query
 //! attention over an f32 or f16 cache (with gemma's sliding window and soft-cap), and views of
@@ -218,6 +219,182 @@ fn add_rms_norm_is_the_add_then_the_norm<B: Backend>(b: &B) -> Result<()> {
     Ok(())
 }
 test_device!(add_rms_norm_is_the_add_then_the_norm);
+
+/// RoPE fused with the cache store (`RopeKvStore`) gives the bits of the four ops it stands
+/// for (RoPE in place on the queries and on the keys, then the key and value stores) on every
+/// backend, for every cache dtype (q8 keys with q4 values too), both pairings, partial rotary
+/// dims and heads of 80 values (quantised groups that straddle two heads), at positions 0, 7
+/// and 1,000 written from cache row 5. The rotated queries, and the keys as an f32 cache
+/// holds them, lie within 4e-6 · max(1, |θ|) of an f64 rotation.
+// Parts of a buffer are unsafe (keeping them within their buffer's life is the caller's task).
+#[allow(unsafe_code)]
+fn rope_kv_store_is_the_rope_then_the_stores<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x7c5);
+    let pos = [0i32, 7, 1000];
+    let n_tok = pos.len();
+    let pb = upload(b, bytemuck::cast_slice(&pos))?;
+    let pairs = [
+        (KvFormat::F32, KvFormat::F32),
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::BF16, KvFormat::BF16),
+        (KvFormat::E4M3, KvFormat::E4M3),
+        (KvFormat::Q8, KvFormat::Q8),
+        (KvFormat::Q4, KvFormat::Q4),
+        (KvFormat::Q8, KvFormat::Q4),
+    ];
+    for (hd, n_dims) in [(64usize, 64usize), (64, 32), (80, 80)] {
+        let (n_heads, kv_heads) = (4, 2);
+        let kvn = n_tok * kv_heads * hd;
+        for style in [RopeStyle::Normal, RopeStyle::Neox] {
+            let params = RopeParams {
+                style,
+                head_dim: hd,
+                n_dims,
+                freq_base: 10000.0,
+                freq_scale: 1.0,
+            };
+            let freqs = rope_inv_freqs(&params, None)?;
+            let fb = f32s(b, &freqs)?;
+            for (kf, vf) in pairs {
+                let what = format!(
+                    "{} {kf:?}/{vf:?} head_dim {hd} n_dims {n_dims} {style:?}",
+                    b.name()
+                );
+                let (q, k, v) = (
+                    rng.vec(n_tok * n_heads * hd, 2.0),
+                    rng.vec(kvn, 2.0),
+                    rng.vec(kvn, 2.0),
+                );
+                let vb = f32s(b, &v)?;
+                // the cache rows from row 5 on, as a layer's cache is written at a position
+                let at = 5 * kv_heads * hd;
+                let (k_off, v_off) = (kf.byte_at(at), vf.byte_at(at));
+                let (k_len, v_len) = (kf.byte_at(kvn), vf.byte_at(kvn));
+                // fused
+                let (mut qb, mut kb) = (f32s(b, &q)?, f32s(b, &k)?);
+                let mut kc = b.alloc(k_off + k_len)?;
+                let mut vc = b.alloc(v_off + v_len)?;
+                {
+                    // SAFETY: the parts are dropped at the end of this block, before the
+                    // caches are used again.
+                    let mut kp = unsafe { b.split(&mut kc, &[(k_off, k_len)]) }?;
+                    // SAFETY: as above.
+                    let mut vp = unsafe { b.split(&mut vc, &[(v_off, v_len)]) }?;
+                    b.run(Op::RopeKvStore {
+                        params,
+                        n_tok,
+                        n_heads,
+                        kv_heads,
+                        q: &mut qb,
+                        k: &mut kb,
+                        v: &vb,
+                        positions: &pb,
+                        inv_freqs: &fb,
+                        k_format: kf,
+                        v_format: vf,
+                        k_cache: &mut kp[0],
+                        v_cache: &mut vp[0],
+                    })?;
+                }
+                // the four ops
+                let (mut qb2, mut kb2) = (f32s(b, &q)?, f32s(b, &k)?);
+                let (mut kc2, mut vc2) = (b.alloc(k_len)?, b.alloc(v_len)?);
+                for (x, heads) in [(&mut qb2, n_heads), (&mut kb2, kv_heads)] {
+                    b.run(Op::RopeInPlace {
+                        params,
+                        n_tok,
+                        n_heads: heads,
+                        x,
+                        positions: &pb,
+                        inv_freqs: &fb,
+                    })?;
+                }
+                b.run(Op::KvStore {
+                    format: kf,
+                    n: kvn,
+                    src: &kb2,
+                    dst: &mut kc2,
+                })?;
+                b.run(Op::KvStore {
+                    format: vf,
+                    n: kvn,
+                    src: &vb,
+                    dst: &mut vc2,
+                })?;
+                let bytes = |buf: &B::Buffer, off: usize, n: usize| -> Result<Vec<u8>> {
+                    let mut out = vec![0u8; n];
+                    b.copy_to_host(buf, off, &mut out)?;
+                    Ok(out)
+                };
+                let got_q = download_f32(b, &qb, q.len())?;
+                let want_q = download_f32(b, &qb2, q.len())?;
+                for i in 0..q.len() {
+                    assert_eq!(
+                        got_q[i].to_bits(),
+                        want_q[i].to_bits(),
+                        "{what}: query value {i}"
+                    );
+                }
+                assert_eq!(
+                    bytes(&kc, k_off, k_len)?,
+                    bytes(&kc2, 0, k_len)?,
+                    "{what}: key cache bytes"
+                );
+                assert_eq!(
+                    bytes(&vc, v_off, v_len)?,
+                    bytes(&vc2, 0, v_len)?,
+                    "{what}: value cache bytes"
+                );
+                // the rows before the ones written are untouched
+                assert!(bytes(&kc, 0, k_off)?.iter().all(|&x| x == 0), "{what}");
+                // against f64: the queries, and the keys where the cache holds them as f32
+                let kcache: Vec<f32> = if kf == KvFormat::F32 {
+                    bytes(&kc, k_off, k_len)?
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let rotated: [(&[f32], &[f32], usize); 2] =
+                    [(&q, &got_q, n_heads), (&k, &kcache, kv_heads)];
+                for (src, got, heads) in rotated {
+                    if got.is_empty() {
+                        continue;
+                    }
+                    for t in 0..n_tok {
+                        for h in 0..heads {
+                            let base = (t * heads + h) * hd;
+                            for i in 0..n_dims / 2 {
+                                let th = f64::from(pos[t]) * f64::from(freqs[i]);
+                                let (ia, ib) = match style {
+                                    RopeStyle::Neox => (i, i + n_dims / 2),
+                                    RopeStyle::Normal => (2 * i, 2 * i + 1),
+                                };
+                                let (a, c) = (f64::from(src[base + ia]), f64::from(src[base + ib]));
+                                let tol = 4e-6 * th.abs().max(1.0);
+                                let (wa, wb) =
+                                    (a * th.cos() - c * th.sin(), a * th.sin() + c * th.cos());
+                                assert!(
+                                    (f64::from(got[base + ia]) - wa).abs() <= tol
+                                        && (f64::from(got[base + ib]) - wb).abs() <= tol,
+                                    "{what}: token {t} head {h} pair {i}"
+                                );
+                            }
+                            assert_eq!(
+                                &got[base + n_dims..base + hd],
+                                &src[base + n_dims..base + hd],
+                                "{what}: dims past n_dims"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(rope_kv_store_is_the_rope_then_the_stores);
 
 /// The cache rows as stored (`format`) and as the kernels read them (f32), by the cache codec.
 fn cache_rows(v: &[f32], format: KvFormat) -> (Vec<u8>, Vec<f32>) {
@@ -694,5 +871,138 @@ fn cpu_borrowed_memory_is_computed_on_in_place() -> Result<()> {
     let odd = unsafe { b.borrow(&bytes[1..33]) };
     let e = odd.typed::<f32>("odd values", 4).unwrap_err();
     assert!(e.to_string().contains("not aligned to 4"), "{e}");
+    Ok(())
+}
+
+/// On cuda:0, a captured graph of decode's fused ops (RoPE with the f16 cache store, the
+/// gate and up products with SwiGLU over f16 weights) replays them: after new queries, keys
+/// and a new position are uploaded (outside the graph, as a decode step would), each replay
+/// gives bit for bit what running the two ops again gives, and a different position turns
+/// the queries differently.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+// The replay touches buffers the graph recorded; the test keeps them alive (see below).
+#[allow(unsafe_code)]
+fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
+    let b = CudaBackend::new(0)?;
+    let mut rng = Rng(0x96a9);
+    let (n_heads, kv_heads, hd, rows, cols) = (8usize, 2usize, 64usize, 256usize, 512usize);
+    let params = RopeParams {
+        style: RopeStyle::Neox,
+        head_dim: hd,
+        n_dims: hd,
+        freq_base: 10000.0,
+        freq_scale: 1.0,
+    };
+    let fb = f32s(&b, &rope_inv_freqs(&params, None)?)?;
+    let f16_bytes = |v: &[f32]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect()
+    };
+    let wg = upload(&b, &f16_bytes(&rng.vec(rows * cols, 0.5)))?;
+    let wu = upload(&b, &f16_bytes(&rng.vec(rows * cols, 0.5)))?;
+    let kvn = kv_heads * hd;
+    // one set of buffers for the graph, one for the ops run directly
+    struct Set<T> {
+        q: T,
+        k: T,
+        v: T,
+        pos: T,
+        kc: T,
+        vc: T,
+        x: T,
+        gy: T,
+        uy: T,
+    }
+    let set = |b: &CudaBackend| -> Result<Set<CudaBuffer>> {
+        Ok(Set {
+            q: b.alloc(n_heads * hd * 4)?,
+            k: b.alloc(kvn * 4)?,
+            v: b.alloc(kvn * 4)?,
+            pos: b.alloc(4)?,
+            kc: b.alloc(kvn * 2)?,
+            vc: b.alloc(kvn * 2)?,
+            x: b.alloc(cols * 4)?,
+            gy: b.alloc(rows * 4)?,
+            uy: b.alloc(rows * 4)?,
+        })
+    };
+    let run = |b: &CudaBackend, s: &mut Set<CudaBuffer>| -> Result<()> {
+        b.run(Op::RopeKvStore {
+            params,
+            n_tok: 1,
+            n_heads,
+            kv_heads,
+            q: &mut s.q,
+            k: &mut s.k,
+            v: &s.v,
+            positions: &s.pos,
+            inv_freqs: &fb,
+            k_format: KvFormat::F16,
+            v_format: KvFormat::F16,
+            k_cache: &mut s.kc,
+            v_cache: &mut s.vc,
+        })?;
+        b.run(Op::MatmulSwiGlu {
+            mode: MatvecMode::Exact,
+            act: FloatType::F32,
+            cols,
+            n_tok: 1,
+            max_dq_size: 1 << 20,
+            x: &s.x,
+            gate: Product {
+                ty: QuantType::F16,
+                rows,
+                w: &wg,
+                y: &mut s.gy,
+            },
+            up: Product {
+                ty: QuantType::F16,
+                rows,
+                w: &wu,
+                y: &mut s.uy,
+            },
+        })
+    };
+    let (mut g, mut d) = (set(&b)?, set(&b)?);
+    // once directly, so every module is loaded before the capture
+    run(&b, &mut d)?;
+    b.synchronize()?;
+    let graph = b.capture(|b| run(b, &mut g))?;
+    for p in [3i32, 900] {
+        let (q, k, v, x) = (
+            rng.vec(n_heads * hd, 1.0),
+            rng.vec(kvn, 1.0),
+            rng.vec(kvn, 1.0),
+            rng.vec(cols, 1.0),
+        );
+        for s in [&mut g, &mut d] {
+            b.copy_from_host(bytemuck::cast_slice(&q), &mut s.q, 0)?;
+            b.copy_from_host(bytemuck::cast_slice(&k), &mut s.k, 0)?;
+            b.copy_from_host(bytemuck::cast_slice(&v), &mut s.v, 0)?;
+            b.copy_from_host(bytemuck::cast_slice(&[p]), &mut s.pos, 0)?;
+            b.copy_from_host(bytemuck::cast_slice(&x), &mut s.x, 0)?;
+        }
+        // SAFETY: every buffer the graph recorded (`g`, the weights, the angles) lives until
+        // the end of this test, and nothing else uses them while the replay runs (one stream).
+        unsafe { b.replay(&graph) }?;
+        run(&b, &mut d)?;
+        let bytes = |buf: &CudaBuffer, n: usize| -> Result<Vec<u8>> {
+            let mut out = vec![0u8; n];
+            b.copy_to_host(buf, 0, &mut out)?;
+            Ok(out)
+        };
+        for (what, gb, db, n) in [
+            ("queries", &g.q, &d.q, n_heads * hd * 4),
+            ("key cache", &g.kc, &d.kc, kvn * 2),
+            ("value cache", &g.vc, &d.vc, kvn * 2),
+            ("gated product", &g.gy, &d.gy, rows * 4),
+        ] {
+            assert_eq!(bytes(gb, n)?, bytes(db, n)?, "position {p}: {what}");
+        }
+        // the same queries at another position turn differently: the graph read the new one
+        assert_ne!(download_f32(&b, &g.q, 1)?[0], q[0], "position {p}");
+    }
     Ok(())
 }

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Rng, download_f32, group_offset, load, upload};
+use common::{Rng, download_f32, float_weights, group_offset, load, upload};
 use weightlift_kernels::cpu::matvec::{matvec_with, quantize_q8_blocks};
 use weightlift_kernels::sources::DQ_PATH_MIN_TOKENS;
 use weightlift_kernels::*;
@@ -255,32 +255,6 @@ fn q8_mode_refuses_other_weight_types<B: Backend>(b: &B) -> Result<()> {
 }
 weightlift_kernels::test_device!(q8_mode_refuses_other_weight_types);
 
-/// `ty`'s bytes of `v` (f16 and bf16 rounded to nearest even by the `half` crate, which the
-/// kernels' results are compared against) and the values the kernels see.
-fn float_weights(ty: QuantType, v: &[f32]) -> (Vec<u8>, Vec<f32>) {
-    match ty {
-        QuantType::F16 => v
-            .iter()
-            .map(|x| half::f16::from_f32(*x))
-            .map(|h| (h.to_le_bytes(), h.to_f32()))
-            .fold((Vec::new(), Vec::new()), |(mut b, mut w), (h, f)| {
-                b.extend(h);
-                w.push(f);
-                (b, w)
-            }),
-        QuantType::BF16 => v
-            .iter()
-            .map(|x| half::bf16::from_f32(*x))
-            .map(|h| (h.to_le_bytes(), h.to_f32()))
-            .fold((Vec::new(), Vec::new()), |(mut b, mut w), (h, f)| {
-                b.extend(h);
-                w.push(f);
-                (b, w)
-            }),
-        _ => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), v.to_vec()),
-    }
-}
-
 /// Float weights (f16, bf16, f32) in exact mode on every backend: one token (the bandwidth
 /// matvec), 3 and 6 tokens (a pass of four and a short one), DQ_PATH_MIN_TOKENS + 3 (the
 /// dequantised path), rows of 100 values (a tail past whole 16-byte chunks) and of 256 and 600,
@@ -344,3 +318,181 @@ fn float_weights_match_f64_at_any_alignment<B: Backend>(b: &B) -> Result<()> {
     Ok(())
 }
 weightlift_kernels::test_device!(float_weights_match_f64_at_any_alignment);
+
+/// Decode's gate and up products with SwiGLU in one op (`MatmulSwiGlu`) give the bits of the
+/// two ops it stands for (`MatmulShared` of the gate and up, then `SwiGluInPlace`) on every
+/// backend: on CUDA one fused kernel for one token (float weights in exact mode, the Q8 types
+/// in Q8 mode, f32 and f16 activations), and the two ops for 3 tokens, for a gate and up of
+/// different types, and for q5_k in exact mode (no fused kernel). The float cases also lie
+/// within the sums' error bound of `silu(g)·u` in f64. Gate and up of different row counts are
+/// a typed error naming both.
+fn matmul_swiglu_is_the_products_then_swiglu<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x5e61);
+    // (gate type, up type, mode, rows, cols): the f16 rows of 1,004 values end past whole
+    // 16-byte chunks; 600 rows take several threads (warps) a row on a large device
+    let mut cases = vec![
+        (QuantType::F16, QuantType::F16, MatvecMode::Exact, 96, 1004),
+        (
+            QuantType::BF16,
+            QuantType::BF16,
+            MatvecMode::Exact,
+            600,
+            256,
+        ),
+        (QuantType::F32, QuantType::F32, MatvecMode::Exact, 37, 512),
+        (QuantType::Q5_K, QuantType::Q5_K, MatvecMode::Exact, 0, 256),
+        (QuantType::Q4_0, QuantType::Q8_0, MatvecMode::Q8, 0, 256),
+    ];
+    for name in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
+        let ty = load(name).ty;
+        cases.push((ty, ty, MatvecMode::Q8, 0, 256));
+    }
+    for (gty, uty, mode, rows, cols) in cases {
+        // quantised weights from gguf-py's fixtures (as many rows as both hold), float ones
+        // random
+        let weights = |ty: QuantType, rng: &mut Rng| -> (Vec<u8>, Option<Vec<f32>>) {
+            if ty.block_size() == 1 {
+                let (raw, w) = float_weights(ty, &rng.vec(rows * cols, 0.5));
+                return (raw, Some(w));
+            }
+            (load(ty.name()).raw, None)
+        };
+        let row_bytes = |ty: QuantType| cols / ty.block_size() * ty.block_bytes();
+        let (mut graw, gw) = weights(gty, &mut rng);
+        let (mut uraw, uw) = weights(uty, &mut rng);
+        let rows = if rows > 0 {
+            rows
+        } else {
+            (graw.len() / row_bytes(gty)).min(uraw.len() / row_bytes(uty))
+        };
+        graw.truncate(rows * row_bytes(gty));
+        uraw.truncate(rows * row_bytes(uty));
+        let (wg, wu) = (upload(b, &graw)?, upload(b, &uraw)?);
+        for n_tok in [1usize, 3] {
+            for act in [FloatType::F32, FloatType::F16] {
+                let (xbytes, xs) = activations(&rng.vec(n_tok * cols, 1.0), act);
+                let x = upload(b, &xbytes)?;
+                let n = n_tok * rows;
+                // fused
+                let (mut gy, mut uy) = (b.alloc(n * 4)?, b.alloc(n * 4)?);
+                b.run(Op::MatmulSwiGlu {
+                    mode,
+                    act,
+                    cols,
+                    n_tok,
+                    max_dq_size: 1 << 20,
+                    x: &x,
+                    gate: Product {
+                        ty: gty,
+                        rows,
+                        w: &wg,
+                        y: &mut gy,
+                    },
+                    up: Product {
+                        ty: uty,
+                        rows,
+                        w: &wu,
+                        y: &mut uy,
+                    },
+                })?;
+                let got = download_f32(b, &gy, n)?;
+                // the two ops
+                let (mut gy2, mut uy2) = (b.alloc(n * 4)?, b.alloc(n * 4)?);
+                b.run(Op::MatmulShared {
+                    mode,
+                    act,
+                    cols,
+                    n_tok,
+                    max_dq_size: 1 << 20,
+                    x: &x,
+                    products: vec![
+                        Product {
+                            ty: gty,
+                            rows,
+                            w: &wg,
+                            y: &mut gy2,
+                        },
+                        Product {
+                            ty: uty,
+                            rows,
+                            w: &wu,
+                            y: &mut uy2,
+                        },
+                    ],
+                })?;
+                b.run(Op::SwiGluInPlace {
+                    n,
+                    gate: &mut gy2,
+                    up: &uy2,
+                })?;
+                let want = download_f32(b, &gy2, n)?;
+                let what = format!(
+                    "{} {gty}/{uty} {mode:?} {rows}x{cols} {n_tok} tokens {act:?}",
+                    b.name()
+                );
+                for i in 0..n {
+                    assert_eq!(
+                        got[i].to_bits(),
+                        want[i].to_bits(),
+                        "{what}: output {i}: fused {} vs the two ops {}",
+                        got[i],
+                        want[i]
+                    );
+                }
+                let (Some(gw), Some(uw)) = (&gw, &uw) else {
+                    continue;
+                };
+                let (gs, gm) = common::reference(gw, rows, cols, &xs, n_tok);
+                let (us, um) = common::reference(uw, rows, cols, &xs, n_tok);
+                for i in 0..n {
+                    let silu = gs[i] / (1.0 + (-gs[i]).exp());
+                    let want = silu * us[i];
+                    let bound = 1.1 * us[i].abs() * 1e-5 * gm[i]
+                        + silu.abs() * 1e-5 * um[i]
+                        + 4e-7 * want.abs()
+                        + 1e-30;
+                    assert!(
+                        (f64::from(got[i]) - want).abs() <= bound,
+                        "{what}: output {i}: {} vs f64 {want}",
+                        got[i]
+                    );
+                }
+            }
+        }
+    }
+    // gate and up rows must pair up
+    let f = load("q8_0");
+    let w = upload(b, &f.raw[..2 * 34 * 8])?;
+    let x = upload(b, &vec![0u8; 256 * 4])?;
+    let (mut gy, mut uy) = (b.alloc(2 * 4)?, b.alloc(2 * 4)?);
+    let err = b
+        .run(Op::MatmulSwiGlu {
+            mode: MatvecMode::Q8,
+            act: FloatType::F32,
+            cols: 256,
+            n_tok: 1,
+            max_dq_size: 1 << 20,
+            x: &x,
+            gate: Product {
+                ty: f.ty,
+                rows: 2,
+                w: &w,
+                y: &mut gy,
+            },
+            up: Product {
+                ty: f.ty,
+                rows: 1,
+                w: &w,
+                y: &mut uy,
+            },
+        })
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("gate matrix has 2 rows and the up matrix 1"),
+        "{}: {err}",
+        b.name()
+    );
+    Ok(())
+}
+weightlift_kernels::test_device!(matmul_swiglu_is_the_products_then_swiglu);

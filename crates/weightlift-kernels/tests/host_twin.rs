@@ -16,7 +16,7 @@ fn host_twin_needs_a_cpp_compiler() {
 
 #[cfg(wl_host_shim)]
 mod twin {
-    use super::common::{NAMES, Rng, load};
+    use super::common::{NAMES, Rng, float_weights, load};
     use weightlift_kernels::{KvFormat, KvType, QuantType, e4m3, host_shim, kv_decode, kv_encode};
 
     fn same(a: f32, b: f32) -> bool {
@@ -840,6 +840,354 @@ mod twin {
         let err = host_shim::q8_matvec(QuantType::Q2_K, true, 1, &q2, &[0u8; 320], &mut [0.0], 256)
             .unwrap_err();
         assert!(err.to_string().contains("q2_k"), "{err}");
+    }
+
+    /// SwiGLU's product as the fused gate/up kernels and `swiglu_inplace_f32` make it
+    /// (`WL_SILU_MUL`): bit for bit the CPU's scalar `swiglu` (the same expression over the
+    /// same libm `expf`), and within 4e-7 relative (or 1e-36, below which e^-g overflows f32
+    /// and silu is -0) of an f64 closed form, on gates from -100 to 100, and NaN in, NaN out.
+    #[test]
+    fn header_silu_mul_equals_the_cpu_scalar_swiglu_and_f64() {
+        use weightlift_kernels::Isa;
+        use weightlift_kernels::cpu::ops::swiglu_with;
+        let mut rng = Rng(0x5117);
+        let mut g: Vec<f32> = (0..4000).map(|i| (i as f32 - 2000.0) / 20.0).collect();
+        g.extend(rng.vec(1000, 8.0));
+        g.extend([
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            88.7,
+            -88.7,
+            89.0,
+            -104.0,
+            f32::NAN,
+        ]);
+        let u: Vec<f32> = (0..g.len()).map(|_| rng.unit() * 3.0).collect();
+        let (mut dev, mut cpu) = (vec![0f32; g.len()], vec![0f32; g.len()]);
+        host_shim::silu_mul(&g, &u, &mut dev).unwrap();
+        swiglu_with(Isa::Scalar, &g, &u, &mut cpu).unwrap();
+        for i in 0..g.len() {
+            assert!(
+                same(dev[i], cpu[i]),
+                "g {} u {}: header {} cpu {}",
+                g[i],
+                u[i],
+                dev[i],
+                cpu[i]
+            );
+            if g[i].is_nan() {
+                assert!(dev[i].is_nan(), "NaN gate gives {}", dev[i]);
+                continue;
+            }
+            let (gf, uf) = (f64::from(g[i]), f64::from(u[i]));
+            let want = gf / (1.0 + (-gf).exp()) * uf;
+            assert!(
+                (f64::from(dev[i]) - want).abs() <= 4e-7 * want.abs() + 1e-36,
+                "g {} u {}: {} vs f64 {want}",
+                g[i],
+                u[i],
+                dev[i]
+            );
+        }
+        let err = host_shim::silu_mul(&g[..3], &u[..2], &mut dev[..3]).unwrap_err();
+        assert!(err.to_string().contains("2 up"), "{err}");
+    }
+
+    /// RoPE fused with the cache store (`rope_kv_store_{format}`) replayed on the host, unit by
+    /// unit with the header's functions: for every cache dtype (q8 keys with q4 values too),
+    /// both pairings, whole and partial rotary dims, and heads of 80 values (quantised groups
+    /// of 32 that straddle two heads), the rotated queries and both caches' bytes are bit for
+    /// bit what the CPU backend's RoPE and cache stores give (the same expression over the
+    /// same libm `cosf`/`sinf`).
+    #[test]
+    fn header_rope_kv_store_equals_the_cpu_rope_and_stores() {
+        use weightlift_kernels::{Backend, CpuBackend, Op, RopeParams, RopeStyle, rope_inv_freqs};
+        let mut rng = Rng(0x70e4);
+        let b = CpuBackend::new();
+        let upload = |bytes: &[u8]| {
+            let mut buf = b.alloc(bytes.len()).unwrap();
+            b.copy_from_host(bytes, &mut buf, 0).unwrap();
+            buf
+        };
+        let bytes_of = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let download = |buf: &weightlift_kernels::CpuBuffer, n: usize| -> Vec<u8> {
+            let mut out = vec![0u8; n];
+            b.copy_to_host(buf, 0, &mut out).unwrap();
+            out
+        };
+        let pos = [0i32, 7, 1000];
+        let n_tok = pos.len();
+        let pairs = [
+            (KvFormat::F32, KvFormat::F32),
+            (KvFormat::F16, KvFormat::F16),
+            (KvFormat::BF16, KvFormat::BF16),
+            (KvFormat::E4M3, KvFormat::E4M3),
+            (KvFormat::Q8, KvFormat::Q8),
+            (KvFormat::Q4, KvFormat::Q4),
+            (KvFormat::Q8, KvFormat::Q4),
+        ];
+        for (head_dim, n_dims) in [(64usize, 64usize), (64, 32), (80, 80)] {
+            let (n_heads, kv_heads) = (4, 2);
+            let kvn = n_tok * kv_heads * head_dim;
+            for style in [RopeStyle::Normal, RopeStyle::Neox] {
+                let params = RopeParams {
+                    style,
+                    head_dim,
+                    n_dims,
+                    freq_base: 10000.0,
+                    freq_scale: 1.0,
+                };
+                let freqs = rope_inv_freqs(&params, None).unwrap();
+                for (kf, vf) in pairs {
+                    let what =
+                        format!("{kf:?}/{vf:?} head_dim {head_dim} n_dims {n_dims} {style:?}");
+                    let q = rng.vec(n_tok * n_heads * head_dim, 2.0);
+                    let k = rng.vec(kvn, 2.0);
+                    let v = rng.vec(kvn, 2.0);
+                    // the twin
+                    let (mut tq, mut tkc, mut tvc) = (
+                        q.clone(),
+                        vec![0u8; kf.byte_at(kvn)],
+                        vec![0u8; vf.byte_at(kvn)],
+                    );
+                    host_shim::rope_kv_store(
+                        &params,
+                        (n_heads, kv_heads),
+                        (kf, vf),
+                        &mut tq,
+                        &k,
+                        &v,
+                        &pos,
+                        &freqs,
+                        &mut tkc,
+                        &mut tvc,
+                    )
+                    .unwrap();
+                    // the CPU backend's four ops
+                    let mut qb = upload(&bytes_of(&q));
+                    let mut kb = upload(&bytes_of(&k));
+                    let vb = upload(&bytes_of(&v));
+                    let pb = upload(&pos.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>());
+                    let fb = upload(&bytes_of(&freqs));
+                    let mut kc = b.alloc(kf.byte_at(kvn)).unwrap();
+                    let mut vc = b.alloc(vf.byte_at(kvn)).unwrap();
+                    b.run(Op::RopeKvStore {
+                        params,
+                        n_tok,
+                        n_heads,
+                        kv_heads,
+                        q: &mut qb,
+                        k: &mut kb,
+                        v: &vb,
+                        positions: &pb,
+                        inv_freqs: &fb,
+                        k_format: kf,
+                        v_format: vf,
+                        k_cache: &mut kc,
+                        v_cache: &mut vc,
+                    })
+                    .unwrap();
+                    assert_eq!(download(&qb, q.len() * 4), bytes_of(&tq), "{what}: queries");
+                    assert_eq!(download(&kc, tkc.len()), tkc, "{what}: key cache bytes");
+                    assert_eq!(download(&vc, tvc.len()), tvc, "{what}: value cache bytes");
+                }
+            }
+        }
+        // quantised caches need whole groups of 32 keys
+        let params = RopeParams {
+            style: RopeStyle::Neox,
+            head_dim: 8,
+            n_dims: 8,
+            freq_base: 1e4,
+            freq_scale: 1.0,
+        };
+        let err = host_shim::rope_kv_store(
+            &params,
+            (1, 1),
+            (KvFormat::Q8, KvFormat::Q8),
+            &mut [0.0; 8],
+            &[0.0; 8],
+            &[0.0; 8],
+            &[0],
+            &[0.0; 4],
+            &mut [0u8; 0],
+            &mut [0u8; 0],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("whole groups of 32"), "{err}");
+    }
+
+    /// Decode's fused gate/up kernels (`swiglu_matvec_{f16,bf16,f32}_{act}`,
+    /// `swiglu_q8_matvec_{type}`) replayed on the host: each row's gate and up sums by the
+    /// matvec kernels' own replays at the threads (warps) a row the launch takes on a 132-SM
+    /// device, then `WL_SILU_MUL`. Every output lies within the bound the sums' errors allow of
+    /// `silu(g)·u` in f64 from gguf-py's dequantised weights (or the float weights as the `half`
+    /// crate reads them), with the Q8-dequantised activations in Q8 mode: `1.1·|u|·εg +
+    /// |silu(g)|·εu` plus 4e-7 relative, ε the matvec bound (1e-5 of Σ|w·x|, or of
+    /// Σ(|w| + 2|m|)·|x| in Q8 mode) and 1.1 the most |silu'| reaches; and so does the CPU
+    /// backend's `MatmulSwiGlu`, the reference the engine runs on the host.
+    #[test]
+    fn header_fused_swiglu_matvec_meets_f64_as_the_cpu_op_does() {
+        use weightlift_kernels::sources::{float_row_threads, q8_matvec_warps};
+        use weightlift_kernels::{
+            Backend, CpuBackend, FloatType, MatvecMode, Op, Product, Result as KResult,
+        };
+        fn cpu_op(
+            ty: QuantType,
+            mode: MatvecMode,
+            [wg, wu]: [&[u8]; 2],
+            x: &[f32],
+            rows: usize,
+        ) -> KResult<Vec<f32>> {
+            let b = CpuBackend::new();
+            let up = |bytes: &[u8]| -> KResult<_> {
+                let mut buf = b.alloc(bytes.len())?;
+                b.copy_from_host(bytes, &mut buf, 0)?;
+                Ok(buf)
+            };
+            let xbytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let (gw, uw, xb) = (up(wg)?, up(wu)?, up(&xbytes)?);
+            let (mut gy, mut uy) = (b.alloc(rows * 4)?, b.alloc(rows * 4)?);
+            b.run(Op::MatmulSwiGlu {
+                mode,
+                act: FloatType::F32,
+                cols: x.len(),
+                n_tok: 1,
+                max_dq_size: 1 << 20,
+                x: &xb,
+                gate: Product {
+                    ty,
+                    rows,
+                    w: &gw,
+                    y: &mut gy,
+                },
+                up: Product {
+                    ty,
+                    rows,
+                    w: &uw,
+                    y: &mut uy,
+                },
+            })?;
+            let mut out = vec![0u8; rows * 4];
+            b.copy_to_host(&gy, 0, &mut out)?;
+            Ok(out
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect())
+        }
+        // (sum, bound) of each row in f64
+        let check = |what: &str, got: &[f32], g: &[(f64, f64)], u: &[(f64, f64)]| {
+            for r in 0..got.len() {
+                let ((gs, ge), (us, ue)) = (g[r], u[r]);
+                let silu = gs / (1.0 + (-gs).exp());
+                let want = silu * us;
+                let bound = 1.1 * us.abs() * ge + silu.abs() * ue + 4e-7 * want.abs() + 1e-30;
+                assert!(
+                    (f64::from(got[r]) - want).abs() <= bound,
+                    "{what} row {r}: {} vs f64 {want} (bound {bound})",
+                    got[r]
+                );
+            }
+        };
+        let mut rng = Rng(0x6a7e);
+        // float weights: 96 rows of 1,004 values (a tail of 4 values past whole 16-byte chunks
+        // in f16 and bf16) and 2,048 of 256 (other threads-a-row choices)
+        for (rows, cols) in [(96usize, 1004usize), (2048, 256)] {
+            for ty in [QuantType::F16, QuantType::BF16, QuantType::F32] {
+                let mats = [
+                    float_weights(ty, &rng.vec(rows * cols, 0.5)),
+                    float_weights(ty, &rng.vec(rows * cols, 0.5)),
+                ];
+                let x = rng.vec(cols, 1.0);
+                let tpr = float_row_threads(rows, cols, ty.block_bytes(), 1, 132);
+                let mut sums = Vec::new();
+                let mut ys = Vec::new();
+                for (raw, w) in &mats {
+                    let mut y = vec![0f32; rows];
+                    host_shim::float_matmul(
+                        ty,
+                        raw,
+                        host_shim::Act::F32(&x),
+                        &mut y,
+                        rows,
+                        cols,
+                        tpr,
+                        false,
+                    )
+                    .unwrap();
+                    ys.push(y);
+                    sums.push(
+                        (0..rows)
+                            .map(|r| {
+                                let (mut s, mut m) = (0f64, 0f64);
+                                for c in 0..cols {
+                                    let p = f64::from(w[r * cols + c]) * f64::from(x[c]);
+                                    s += p;
+                                    m += p.abs();
+                                }
+                                (s, 1e-5 * m)
+                            })
+                            .collect::<Vec<_>>(),
+                    );
+                }
+                let mut fused = vec![0f32; rows];
+                host_shim::silu_mul(&ys[0], &ys[1], &mut fused).unwrap();
+                let what = format!("{ty} {rows}x{cols} tpr {tpr}");
+                check(&what, &fused, &sums[0], &sums[1]);
+                let cpu =
+                    cpu_op(ty, MatvecMode::Exact, [&mats[0].0, &mats[1].0], &x, rows).unwrap();
+                check(&format!("cpu {what}"), &cpu, &sums[0], &sums[1]);
+            }
+        }
+        // Q8 mode: the fixture's rows of 256 values, the first half the gate, the second the up
+        for name in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
+            let f = load(name);
+            let cols = 256;
+            let row_bytes = f.ty.block_bytes() * cols / f.ty.block_size();
+            let rows = f.raw.len() / row_bytes / 2;
+            let x = rng.vec(cols, 2.0);
+            let mut xq = vec![0u8; cols / 32 * 40];
+            host_shim::q8_quantize(host_shim::Act::F32(&x), &mut xq).unwrap();
+            let blocks = q8_blocks(&xq);
+            let wpr = q8_matvec_warps(rows, cols, 132);
+            let mut ys = Vec::new();
+            let mut sums = Vec::new();
+            for m in 0..2 {
+                let raw = &f.raw[m * rows * row_bytes..(m + 1) * rows * row_bytes];
+                let want = &f.want[m * rows * cols..(m + 1) * rows * cols];
+                let mut y = vec![0f32; rows];
+                host_shim::q8_matvec(f.ty, true, wpr, raw, &xq, &mut y, cols).unwrap();
+                ys.push(y);
+                sums.push(
+                    (0..rows)
+                        .map(|r| {
+                            let (mut s, mut mag) = (0f64, 0f64);
+                            for c in 0..cols {
+                                let (d, qs) = &blocks[c / 32];
+                                let xv = f64::from(*d) * f64::from(qs[c % 32]);
+                                let w = f64::from(want[r * cols + c]);
+                                let gm = group_min(f.ty, &raw[r * row_bytes..], c / 32);
+                                s += w * xv;
+                                mag += (w.abs() + 2.0 * gm.abs()) * xv.abs();
+                            }
+                            (s, 1e-5 * mag)
+                        })
+                        .collect::<Vec<_>>(),
+                );
+            }
+            let mut fused = vec![0f32; rows];
+            host_shim::silu_mul(&ys[0], &ys[1], &mut fused).unwrap();
+            let what = format!("{name} {rows}x{cols} {wpr} warps a row");
+            check(&what, &fused, &sums[0], &sums[1]);
+            let halves = [
+                &f.raw[..rows * row_bytes],
+                &f.raw[rows * row_bytes..2 * rows * row_bytes],
+            ];
+            let cpu = cpu_op(f.ty, MatvecMode::Q8, halves, &x, rows).unwrap();
+            check(&format!("cpu {what}"), &cpu, &sums[0], &sums[1]);
+        }
     }
 
     /// The dequantised path (`dequantize_{type}_f32` into a chunk of rows bounded by

@@ -85,8 +85,11 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("scan_", ["", ""]),
             ("q8_matmul_", ["", ""]),
             ("q8_matvec_", ["", ""]),
+            ("swiglu_q8_matvec_", ["", ""]),
+            ("swiglu_matvec_", ["_f32", "_f16"]),
             ("gemm_", ["", ""]),
             ("kv_store_", ["", ""]),
+            ("rope_kv_store_", ["", ""]),
             ("kv_load_", ["", ""]),
             ("attention_", ["", ""]),
         ] {
@@ -97,8 +100,12 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "dequantize_" => format!("WL_DEQUANT({t},"),
                             "scan_" => format!("WL_SCAN_BLOCKS({t},"),
                             "kv_store_" | "kv_load_" => format!("WL_KV({t},"),
+                            "rope_kv_store_" => format!("WL_ROPE_KV({t},"),
                             "attention_" => format!("WL_ATTENTION({t},"),
-                            "q8_matmul_" | "q8_matvec_" => format!("WL_Q8_KERNELS({t},"),
+                            "q8_matmul_" | "q8_matvec_" | "swiglu_q8_matvec_" => {
+                                format!("WL_Q8_KERNELS({t},")
+                            }
+                            "swiglu_matvec_" => format!("WL_FV_GLU_KERNELS({t},"),
                             "gemm_" => format!("WL_GEMM({t},"),
                             // the float weights' bandwidth kernels, or the warp-per-row ones
                             _ if all.contains(&format!("WL_FV_KERNELS({t},")) => return true,
@@ -142,6 +149,13 @@ fn expected_kernels() -> Vec<String> {
     for t in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
         expected.push(format!("q8_matmul_{t}"));
         expected.push(format!("q8_matvec_{t}"));
+        expected.push(format!("swiglu_q8_matvec_{t}"));
+    }
+    // decode's gate and up products with SwiGLU, float weights
+    for t in ["f16", "bf16", "f32"] {
+        for a in ["f32", "f16"] {
+            expected.push(format!("swiglu_matvec_{t}_{a}"));
+        }
     }
     for a in ["f32", "f16"] {
         expected.push(format!("q8_quantize_{a}"));
@@ -182,6 +196,14 @@ fn expected_kernels() -> Vec<String> {
         "attention_q4",
         "attention_q8_q4",
         "attention_reduce_f32",
+        // RoPE fused with the cache store, by cache dtype
+        "rope_kv_store_f32",
+        "rope_kv_store_f16",
+        "rope_kv_store_bf16",
+        "rope_kv_store_e4m3",
+        "rope_kv_store_q8",
+        "rope_kv_store_q4",
+        "rope_kv_store_q8_q4",
     ] {
         expected.push(k.to_string());
     }
@@ -321,7 +343,8 @@ fn nvrtc_compile_check_needs_the_feature() {
 
 /// The Q8 kernels' per-lane integer dot is `__dp4a` on the device (wl_q8.cuh keeps a scalar
 /// twin for the host): check the PTX really uses the instruction, so the `__CUDA_ARCH__` guard
-/// did not silently select the fallback; and decode's kernels (`q8_matvec_`) read weights and
+/// did not silently select the fallback; and decode's kernels (`q8_matvec_`, and
+/// `swiglu_q8_matvec_` with its gate and up) read weights and
 /// activations with 16- and 32-bit loads, not byte by byte only.
 #[cfg(feature = "nvrtc-check")]
 #[test]
@@ -335,7 +358,7 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
     let (mut prompt, mut decode) = (0, 0);
     for body in ptx.split(".entry ").skip(1) {
         let name = body.split('(').next().unwrap_or("");
-        if !body.starts_with("q8_mat") {
+        if !body.starts_with("q8_mat") && !body.starts_with("swiglu_q8_matvec_") {
             continue;
         }
         assert!(
@@ -344,7 +367,7 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
         );
         if body.starts_with("q8_matmul_") {
             prompt += 1;
-        } else if body.starts_with("q8_matvec_") {
+        } else {
             decode += 1;
             for load in ["ld.global.nc.u16", "ld.global.nc.u32"] {
                 assert!(body.contains(load), "{name}: no {load} in its PTX");
@@ -353,13 +376,14 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
     }
     assert_eq!(
         (prompt, decode),
-        (7, 7),
-        "q8_matmul and q8_matvec kernels in the matvec PTX"
+        (7, 14),
+        "q8_matmul and q8_matvec (with swiglu_q8_matvec) kernels in the matvec PTX"
     );
 }
 
 /// The float-weight kernels read their weights with 128-bit loads (`wl_fv_load`'s PTX) and have
-/// launch bounds: check the PTX of every `matvec_`/`matmul_` kernel of f16, bf16 and f32, so
+/// launch bounds: check the PTX of every `matvec_`/`matmul_`/`swiglu_matvec_` kernel of f16,
+/// bf16 and f32, so
 /// the `__CUDA_ARCH__` guard did not silently select the byte-by-byte fallback alone.
 #[cfg(feature = "nvrtc-check")]
 #[test]
@@ -377,7 +401,7 @@ fn float_matvec_kernels_load_128_bits_at_a_time() {
     for body in ptx.split(".entry ").skip(1) {
         let name = body.split('(').next().unwrap_or("").trim();
         let float = ["f16", "bf16", "f32"].iter().any(|t| {
-            ["matvec_", "matmul_"]
+            ["matvec_", "matmul_", "swiglu_matvec_"]
                 .iter()
                 .any(|k| name.starts_with(&format!("{k}{t}_")))
         });
@@ -399,7 +423,10 @@ fn float_matvec_kernels_load_128_bits_at_a_time() {
             );
         }
     }
-    assert_eq!(entries, 12, "float matvec/matmul kernels in the matvec PTX");
+    assert_eq!(
+        entries, 18,
+        "float matvec/matmul/swiglu_matvec kernels in the matvec PTX"
+    );
 }
 
 /// The plan charges [`sources::MODULE_BYTES`] for our kernel modules beside a measured CUDA

@@ -398,6 +398,54 @@ impl<'a> Ctx<'a> {
         Ok(())
     }
 
+    /// `gy = silu(W_gate x) · (W_up x)` for `n` tokens in one [`Op::MatmulSwiGlu`] (`uy` is
+    /// its scratch), when the gate and up are block or float matrices of one shape and mode
+    /// without a bias (CUDA then writes the product in one launch for a decode step). `false`,
+    /// with nothing run, when they are not: the caller runs the products and SwiGLU apart.
+    fn swiglu<B: Exec>(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        n: usize,
+        [gate, up]: [&Linear; 2],
+        [gy, uy]: [&mut B::Buffer; 2],
+    ) -> Result<bool> {
+        if gate.bias.is_some() || up.bias.is_some() || gate.rows != up.rows || gate.cols != up.cols
+        {
+            return Ok(false);
+        }
+        let ((gw, gp), (uw, up_p)) = (self.weight(b, gate)?, self.weight(b, up)?);
+        let (Packing::Blocks(gty), Packing::Blocks(uty)) = (gp, up_p) else {
+            return Ok(false);
+        };
+        let mode = self.mode::<B>(gty);
+        if self.mode::<B>(uty) != mode {
+            return Ok(false);
+        }
+        b.run(Op::MatmulSwiGlu {
+            mode,
+            act: FloatType::F32,
+            cols: gate.cols,
+            n_tok: n,
+            max_dq_size: self.c.max_dq,
+            x,
+            gate: weightlift_kernels::Product {
+                ty: gty,
+                rows: gate.rows,
+                w: &gw,
+                y: gy,
+            },
+            up: weightlift_kernels::Product {
+                ty: uty,
+                rows: up.rows,
+                w: &uw,
+                y: uy,
+            },
+        })
+        .map_err(|e| kernel_on(self.device, &format!("{}, {}", gate.name, up.name), e))?;
+        Ok(true)
+    }
+
     /// [`Ctx::linears`] one matrix at a time.
     fn linears_each<B: Exec>(
         &self,
@@ -522,25 +570,20 @@ pub(crate) fn embed<B: Exec>(
     Ok(())
 }
 
-/// Writes `n` f32 values of `src` into cache rows stored as `format`, from value `at` (whole
-/// groups of the quantised formats: the cache's rows are).
-fn store<B: Backend>(
+/// The cache bytes of values `at..at + n` of a cache half stored as `format` (whole groups of
+/// the quantised formats: the cache's rows are), read and written in place: the rows a step
+/// writes.
+fn cache_rows<'a, B: Backend>(
     b: &B,
     format: KvFormat,
-    src: &B::Buffer,
-    dst: &mut B::Buffer,
+    cache: &'a mut B::Buffer,
     at: usize,
     n: usize,
-) -> weightlift_kernels::Result<()> {
+) -> weightlift_kernels::Result<PartMut<'a, B::Buffer>> {
     format.check_values("kv store", at, n)?;
     let (b0, b1) = (format.byte_at(at), format.byte_at(at + n));
-    let mut rows = split(b, dst, &[(b0, b1 - b0)])?;
-    b.run(Op::KvStore {
-        format,
-        n,
-        src,
-        dst: &mut rows[0],
-    })
+    let mut rows = split(b, cache, &[(b0, b1 - b0)])?;
+    Ok(rows.remove(0))
 }
 
 /// Writes the positions `pos..pos + n` into the workspace of a device that computes layers
@@ -823,23 +866,31 @@ pub(crate) fn attention_normed<B: Exec>(
         Some(f) => Some(b.floats(f, cx.held)?),
         None => None,
     };
-    for (x, heads) in [(&mut r.q, nh), (&mut r.k, a.kv_heads)] {
-        b.run(Op::RopeInPlace {
-            params: c.rope,
-            n_tok: n,
-            n_heads: heads,
-            x,
-            positions: &r.pos,
-            inv_freqs: own.as_deref().unwrap_or(&r.freqs),
-        })
-        .map_err(cx.err(at("rope")))?;
-    }
     let attend = |kb: &mut Buffer, vb: &mut Buffer| -> Result<()> {
         let mut kc = b.whole_mut(kb)?;
         let mut vc = b.whole_mut(vb)?;
-        store(b, k_format, &r.k, &mut kc, pos * kvd, n * kvd).map_err(cx.err(at("cache keys")))?;
-        store(b, v_format, &r.v, &mut vc, pos * kvd, n * kvd)
+        // RoPE on q and k and the new cache rows in one op
+        let mut k_rows = cache_rows(b, k_format, &mut kc, pos * kvd, n * kvd)
+            .map_err(cx.err(at("cache keys")))?;
+        let mut v_rows = cache_rows(b, v_format, &mut vc, pos * kvd, n * kvd)
             .map_err(cx.err(at("cache values")))?;
+        b.run(Op::RopeKvStore {
+            params: c.rope,
+            n_tok: n,
+            n_heads: nh,
+            kv_heads: a.kv_heads,
+            q: &mut r.q,
+            k: &mut r.k,
+            v: &r.v,
+            positions: &r.pos,
+            inv_freqs: own.as_deref().unwrap_or(&r.freqs),
+            k_format,
+            v_format,
+            k_cache: &mut k_rows,
+            v_cache: &mut v_rows,
+        })
+        .map_err(cx.err(at("rope and cache store")))?;
+        drop((k_rows, v_rows));
         b.run(Op::Attention {
             k_format,
             v_format,
@@ -894,6 +945,11 @@ pub(crate) fn mlp_normed<B: Exec>(
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
     let at = |what: &str| format!("layer {li} {what}");
+    let fused = cx.c.gate == super::family::Gate::Silu
+        && cx.swiglu(b, &r.xn, n, [gate, up], [&mut r.gate, &mut r.up])?;
+    if fused {
+        return cx.linear(b, down, &r.gate, n, &mut r.xn);
+    }
     cx.linears(b, &r.xn, n, vec![(gate, &mut r.gate), (up, &mut r.up)])?;
     let op = match cx.c.gate {
         super::family::Gate::Silu => Op::SwiGluInPlace {

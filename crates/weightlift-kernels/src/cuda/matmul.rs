@@ -243,6 +243,70 @@ impl CudaBackend {
         unsafe { self.launch("matvec", &name, cfg, &mut args) }
     }
 
+    /// [`Op::MatmulSwiGlu`] of one token in one launch (after the activations' quantisation
+    /// in Q8 mode): `swiglu_matvec_{type}_{act}` with the threads a row of
+    /// `matvec_{type}_{act}`, or `swiglu_q8_matvec_{type}` with the warps a row of
+    /// `q8_matvec_{type}`, so each row's gate and up sums are those kernels' sums and `y` gets
+    /// the bits of the two products and `swiglu_inplace_f32`. `m` is the shape of either
+    /// matrix (one type, one row count: the caller checked).
+    pub(super) fn matvec_swiglu(
+        &self,
+        mode: MatvecMode,
+        m: MatShape,
+        [wg, wu]: [&CudaBuffer; 2],
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.check_matmul(mode, m, wg, x, y)?;
+        self.check_matmul(mode, m, wu, x, y)?;
+        if m.rows == 0 {
+            return Ok(());
+        }
+        let launch = |name: String,
+                      cfg: LaunchConfig,
+                      xin: &CudaSlice<u8>,
+                      y: &mut CudaBuffer|
+         -> Result<()> {
+            let mut args = [
+                KArg::In(&wg.slice),
+                KArg::In(&wu.slice),
+                KArg::In(xin),
+                KArg::Out(&mut y.slice),
+                KArg::U64(m.rows as u64),
+                KArg::U64(m.cols as u64),
+            ];
+            // SAFETY: the threads of a row read that row of both weight matrices (rows × cols
+            // of each checked; a row past the last reads the last) and the token's activations
+            // (checked, or the cols / 32 quantised blocks written before on this stream), and
+            // write y[r] below rows (checked).
+            unsafe { self.launch("matvec", &name, cfg, &mut args) }
+        };
+        match mode {
+            MatvecMode::Exact => {
+                let tpr = float_row_threads(m.rows, m.cols, m.ty.block_bytes(), 1, self.sm_count);
+                let per_block = FLOAT_BLOCK_THREADS / tpr;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid_for(m.rows, per_block, "rows")?, 1, 1),
+                    block_dim: (tpr as u32, per_block as u32, 1),
+                    shared_mem_bytes: 0,
+                };
+                let name = format!("swiglu_matvec_{}_{}", m.ty.name(), m.act.name());
+                launch(name, cfg, &x.slice, y)
+            }
+            MatvecMode::Q8 => {
+                let wpr = q8_matvec_warps(m.rows, m.cols, self.sm_count);
+                let per_block = Q8_MATVEC_THREADS / (32 * wpr);
+                let cfg = LaunchConfig {
+                    grid_dim: (grid_for(m.rows, per_block, "rows")?, 1, 1),
+                    block_dim: ((32 * wpr) as u32, per_block as u32, 1),
+                    shared_mem_bytes: 0,
+                };
+                let name = format!("swiglu_q8_matvec_{}", m.ty.name());
+                self.q8_activations(m, x, |xq| launch(name, cfg, xq, y))
+            }
+        }
+    }
+
     /// Exact mode for prompts: `chunk` weight rows at a time are dequantised to f32 into a
     /// scratch buffer of `chunk × cols` values (at most `max_dq_size`, see
     /// [`dq_chunk_rows`]), then `gemm_{act}` multiplies them with every token.

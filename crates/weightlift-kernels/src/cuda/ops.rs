@@ -32,6 +32,36 @@ fn attention_kernel(k: KvFormat, v: KvFormat) -> Result<String> {
         }),
     }
 }
+/// The fused RoPE-and-store kernel for a cache of `k` keys and `v` values (`kernels/kv.cu`),
+/// named by the cache dtype as the attention kernels are; `None` for a pair no cache dtype
+/// makes (the four ops run then).
+fn rope_kv_kernel(k: KvFormat, v: KvFormat) -> Option<&'static str> {
+    use KvFormat::{BF16, E4M3, F16, F32, Q4, Q8};
+    Some(match (k, v) {
+        (F32, F32) => "rope_kv_store_f32",
+        (F16, F16) => "rope_kv_store_f16",
+        (BF16, BF16) => "rope_kv_store_bf16",
+        (E4M3, E4M3) => "rope_kv_store_e4m3",
+        (Q8, Q8) => "rope_kv_store_q8",
+        (Q4, Q4) => "rope_kv_store_q4",
+        (Q8, Q4) => "rope_kv_store_q8_q4",
+        _ => return None,
+    })
+}
+
+/// Whether [`Op::MatmulSwiGlu`] of one token has a fused kernel for gate and up matrices of
+/// `gate` and `up` types in `mode`: one type for both, a float type in exact mode
+/// (`swiglu_matvec_{type}_{act}`) or a Q8 type in Q8 mode (`swiglu_q8_matvec_{type}`), and
+/// rows that are not empty.
+fn swiglu_fuses(mode: MatvecMode, gate: QuantType, up: QuantType, cols: usize) -> bool {
+    gate == up
+        && cols > 0
+        && match mode {
+            MatvecMode::Exact => CUDA_FLOAT_TYPES.contains(&gate),
+            MatvecMode::Q8 => CUDA_Q8_TYPES.contains(&gate),
+        }
+}
+
 impl CudaBackend {
     /// Every [`Op`] on this device (see [`Backend::run`]).
     pub(super) fn run_op(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
@@ -153,6 +183,30 @@ impl CudaBackend {
                 })?;
             }
             op @ Op::MatmulShared { .. } => crate::backend::matmul_each(op, |op| self.run_op(op))?,
+            Op::MatmulSwiGlu {
+                mode,
+                act,
+                cols,
+                n_tok: 1,
+                x,
+                gate,
+                up,
+                ..
+            } if swiglu_fuses(mode, gate.ty, up.ty, cols) => {
+                let shape = MatShape {
+                    ty: gate.ty,
+                    act,
+                    rows: gate.rows,
+                    cols,
+                    n_tok: 1,
+                };
+                crate::backend::swiglu_values(gate.rows, up.rows, 1)?;
+                self.own(up.y)?;
+                self.matvec_swiglu(mode, shape, [gate.w, up.w], x, gate.y)?;
+            }
+            op @ Op::MatmulSwiGlu { .. } => {
+                crate::backend::matmul_swiglu_unfused(op, |op| self.run_op(op))?
+            }
             Op::Int8Matmul {
                 rows,
                 cols,
@@ -372,6 +426,71 @@ impl CudaBackend {
                 // inside its head, reading its token's position and its pair's frequency; sizes
                 // checked above.
                 unsafe { self.launch("ops", name, elementwise(pairs)?, &mut args) }?;
+            }
+            Op::RopeKvStore {
+                params,
+                n_tok,
+                n_heads,
+                kv_heads,
+                q,
+                k,
+                v,
+                positions,
+                inv_freqs,
+                k_format,
+                v_format,
+                k_cache,
+                v_cache,
+            } if rope_kv_kernel(k_format, v_format).is_some() => {
+                for b in [&*q, &*k, v, positions, inv_freqs, &*k_cache, &*v_cache] {
+                    self.own(b)?;
+                }
+                params.check()?;
+                let hd = params.head_dim;
+                let kvn = crate::backend::kv_values(n_tok, kv_heads, hd)?;
+                k_format.check_values("kv store", 0, kvn)?;
+                v_format.check_values("kv store", 0, kvn)?;
+                need("rope values bytes", q, mul(mul(mul(n_tok, n_heads), hd), 4))?;
+                need("rope_kv_store key bytes", k, mul(kvn, 4))?;
+                need("rope_kv_store value bytes", v, mul(kvn, 4))?;
+                need("rope positions bytes", positions, mul(n_tok, 4))?;
+                need(
+                    "rope frequencies bytes",
+                    inv_freqs,
+                    mul(params.n_dims / 2, 4),
+                )?;
+                need("kv cache key bytes", k_cache, k_format.byte_at(kvn))?;
+                need("kv cache value bytes", v_cache, v_format.byte_at(kvn))?;
+                let units = mul(mul(n_tok, n_heads), params.n_dims / 2)
+                    .saturating_add(kvn / k_format.granule())
+                    .saturating_add(kvn / v_format.granule());
+                if units == 0 {
+                    return Ok(());
+                }
+                let name = rope_kv_kernel(k_format, v_format).expect("matched above");
+                let mut args = [
+                    KArg::Out(&mut q.slice),
+                    KArg::In(&k.slice),
+                    KArg::In(&v.slice),
+                    KArg::In(&positions.slice),
+                    KArg::In(&inv_freqs.slice),
+                    KArg::Out(&mut k_cache.slice),
+                    KArg::Out(&mut v_cache.slice),
+                    KArg::U64(n_tok as u64),
+                    KArg::U64(n_heads as u64),
+                    KArg::U64(kv_heads as u64),
+                    KArg::I32(arg_i32("head_dim", hd)?),
+                    KArg::I32(arg_i32("n_dims", params.n_dims)?),
+                    KArg::I32(i32::from(params.style == RopeStyle::Neox)),
+                ];
+                // SAFETY: one thread per work unit below `units` (the kernel's own count of the
+                // same shape): a query pair inside its head (n_tok * n_heads * head_dim checked),
+                // a key or value (or group of 32) below kvn (checked for k, v and both caches'
+                // bytes), each token's position and each pair's angle (checked).
+                unsafe { self.launch("kv", name, elementwise(units)?, &mut args) }?;
+            }
+            op @ Op::RopeKvStore { .. } => {
+                crate::backend::rope_kv_store_unfused(op, |op| self.run_op(op))?
             }
             Op::AddInPlace { n, x, y } => self.binary_in_place("add_inplace_f32", n, x, y)?,
             Op::AddBias {

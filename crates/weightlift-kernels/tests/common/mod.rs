@@ -142,6 +142,32 @@ pub fn group_offset(ty: QuantType, row: &[u8], g: usize) -> f64 {
     }
 }
 
+/// `ty`'s bytes of `v` (f16 and bf16 rounded to nearest even by the `half` crate, which the
+/// kernels' results are compared against) and the values the kernels see.
+pub fn float_weights(ty: QuantType, v: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    match ty {
+        QuantType::F16 => v
+            .iter()
+            .map(|x| half::f16::from_f32(*x))
+            .map(|h| (h.to_le_bytes(), h.to_f32()))
+            .fold((Vec::new(), Vec::new()), |(mut b, mut w), (h, f)| {
+                b.extend(h);
+                w.push(f);
+                (b, w)
+            }),
+        QuantType::BF16 => v
+            .iter()
+            .map(|x| half::bf16::from_f32(*x))
+            .map(|h| (h.to_le_bytes(), h.to_f32()))
+            .fold((Vec::new(), Vec::new()), |(mut b, mut w), (h, f)| {
+                b.extend(h);
+                w.push(f);
+                (b, w)
+            }),
+        _ => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), v.to_vec()),
+    }
+}
+
 /// `bytes` in a new buffer of `b`.
 pub fn upload<B: weightlift_kernels::Backend>(
     b: &B,
