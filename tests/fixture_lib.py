@@ -117,8 +117,8 @@ def logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
     return out.float().numpy().astype("<f4")
 
 
-def logits_f64(model: torch.nn.Module, load: Callable, ids: list[int]) -> np.ndarray:
-    """The same forward pass in f64 (the f32 noise floor)."""
+def logits_f64(load: Callable, ids: list[int]) -> np.ndarray:
+    """The forward pass of `load(None)` (a copy of the model) in f64: the f32 noise floor."""
     with torch.no_grad():
         return load(None).double()(torch.tensor([ids]), use_cache=False).logits[0].numpy()
 

@@ -38,8 +38,8 @@ merges, checked here to encode as the sentencepiece model does.
 from __future__ import annotations
 
 import io
-import os
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -378,7 +378,7 @@ def build(family: str, root: Path, sp_model: bytes) -> dict[str, object]:
         # the converter's + 1 is taken off the norms by fl.gguf_state_dict
         return variant(model, None if sd is None else lambda s: s.update(sd))
 
-    ref64 = fl.logits_f64(model, load, ids)
+    ref64 = fl.logits_f64(load, ids)
 
     report: dict[str, object] = {
         "ids": ids,

@@ -224,7 +224,7 @@ def main() -> int:
     def load(sd):
         return variant(model, None if sd is None else lambda s: s.update(sd))
 
-    ref64 = fl.logits_f64(model, load, ids)
+    ref64 = fl.logits_f64(load, ids)
     report: dict[str, object] = {
         "ids": ids,
         "ids_text": tok.decode(ids),

@@ -28,12 +28,13 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 OUT = fl.DATA / "tiny-qwen3"
 
-# Seeds 0-5 were tried; 2 is the first whose smallest top-1/top-2 margin over the prompt's 16
-# positions (0.146), the greedy steps (0.050), the chat answer (0.064) and the Q8_0 weights'
-# logits (0.130) is well above the tests' 1e-3 tolerance, and whose Q8_0 weights keep
-# transformers' argmax at every position, in transformers and in llama.cpp (seed 0: 0.005 on a
-# greedy step; seed 1: an argmax flipped by Q8_0).
-SEED = int(os.environ.get("QWEN3_SEED", "2"))
+# Seeds 0-18 were tried; 17 is the first whose smallest top-1/top-2 margin over the prompt's 16
+# positions (0.096), the greedy steps (0.063), the chat answer (0.111) and the Q8_0 weights'
+# logits (0.112) is well above the tests' 1e-3 tolerance, whose Q8_0 weights keep transformers'
+# argmax at every position (in transformers and in llama.cpp), and whose greedy answers hold no
+# special token (seed 2 ends its chat answer with <|im_end|>; seed 6 has a margin of 0.053 that
+# 8-bit activations cross).
+SEED = int(os.environ.get("QWEN3_SEED", "17"))
 # Qwen2's pre-tokenizer regex, which Qwen3 keeps (Qwen/Qwen3-0.6B tokenizer.json).
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -207,7 +208,7 @@ def main() -> int:
     def load(sd):
         return variant(model, None if sd is None else lambda s: s.update(sd))
 
-    ref64 = fl.logits_f64(model, load, ids)
+    ref64 = fl.logits_f64(load, ids)
     n_params = sum(p.numel() for p in model.parameters())
     report: dict[str, object] = {
         "seed": SEED,
