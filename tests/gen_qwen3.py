@@ -1,53 +1,40 @@
 """Regenerate ``tests/data/tiny-qwen3/``: a tiny random Qwen3 (dense) made by transformers,
 converted to GGUF by llama.cpp's own converter, and the logits transformers computes for it.
 
-Nothing here is weightlift code: the weights come from ``Qwen3ForCausalLM``, the GGUF files from
-the ``convert_hf_to_gguf.py`` and gguf-py vendored in the llama-cpp-python 0.3.36 sdist
-(``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the reference logits and greedy ids from
-transformers, and (when llama-cpp-python is importable) llama.cpp's logits for the GGUF files.
+Nothing here is weightlift code: the weights come from ``Qwen3ForCausalLM`` (rounded to f16, see
+``tests/fixture_lib.py``), the GGUF files from the ``convert_hf_to_gguf.py`` and gguf-py vendored
+in the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the
+reference logits and greedy ids from transformers, and llama.cpp's logits for the GGUF files
+from llama-cpp-python 0.3.36.
 
 It runs in a venv with torch 2.13.0, transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3,
-numpy 2.4.6 (the recipe of ``tests/gen_qwen2.py``)::
+numpy 2.4.6 and llama-cpp-python 0.3.36::
 
-    .cache/qwen2-venv/bin/python tests/gen_qwen3.py
-
-gguf-py is not pip-installed: the script unpacks the converter and gguf-py from the sdist into
-``.cache/qwen3-llamacpp/`` and puts gguf-py first on ``sys.path``, as the converter itself does.
+    python tests/gen_qwen3.py
 """
 
 from __future__ import annotations
 
-import os
-
-# Two threads everywhere, as for the other references (set before torch starts its pools).
-os.environ.setdefault("OMP_NUM_THREADS", "2")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import hashlib
 import json
-import re
-import subprocess
+import os
 import sys
-import tarfile
-from pathlib import Path
 
+import fixture_lib as fl  # before torch: it sets the thread counts
 import numpy as np
-import safetensors
 import tokenizers
 import torch
-import transformers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "tests" / "data" / "tiny-qwen3"
-SDIST = REPO / ".cache" / "wheels" / "llama_cpp_python-0.3.36.tar.gz"
-LLAMACPP = REPO / ".cache" / "qwen3-llamacpp"
-VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+OUT = fl.DATA / "tiny-qwen3"
 
-# The first seed whose smallest top-1/top-2 margin, over the prompt's 16 positions and the 16
-# greedy steps, is well above the tests' 1e-3 tolerance (see stats.json).
-SEED = int(os.environ.get("QWEN3_SEED", "0"))
+# Seeds 0-18 were tried; 17 is the first whose smallest top-1/top-2 margin over the prompt's 16
+# positions (0.096), the greedy steps (0.063), the chat answer (0.111) and the Q8_0 weights'
+# logits (0.112) is well above the tests' 1e-3 tolerance, whose Q8_0 weights keep transformers'
+# argmax at every position (in transformers and in llama.cpp), and whose greedy answers hold no
+# special token (seed 2 ends its chat answer with <|im_end|>; seed 6 has a margin of 0.053 that
+# 8-bit activations cross).
+SEED = int(os.environ.get("QWEN3_SEED", "17"))
 # Qwen2's pre-tokenizer regex, which Qwen3 keeps (Qwen/Qwen3-0.6B tokenizer.json).
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -82,7 +69,8 @@ CHAT_TEMPLATE = (
 CONFIG = dict(
     vocab_size=VOCAB,
     hidden_size=64,
-    intermediate_size=192,
+    # Half the hidden size rather than the usual 3 x, to keep the files small (fixture_lib.py).
+    intermediate_size=32,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -101,24 +89,6 @@ CONFIG = dict(
     bos_token_id=None,
     eos_token_id=BPE_VOCAB,  # <|endoftext|>
 )
-GGUF_TYPES = ["F32", "Q8_0"]
-
-
-def unpack_llamacpp() -> Path:
-    """The converter, its ``conversion`` package and gguf-py, out of the sdist."""
-    root = LLAMACPP / VENDOR
-    if not (root / "convert_hf_to_gguf.py").exists():
-        with tarfile.open(SDIST) as tf:
-            members = [
-                m
-                for m in tf.getmembers()
-                if m.name == VENDOR + "convert_hf_to_gguf.py"
-                or m.name.startswith(VENDOR + "conversion/")
-                or m.name.startswith(VENDOR + "gguf-py/")
-            ]
-            tf.extractall(LLAMACPP, members=members, filter="data")
-    sys.path.insert(0, str(root / "gguf-py"))
-    return root
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -154,65 +124,25 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_model() -> Qwen3ForCausalLM:
-    """Seeded random weights. Every norm weight (the per-head q_norm and k_norm included) is
-    drawn again from the same stream, because the default init leaves norms at 1, which would
-    hide a missing norm weight."""
+    """Seeded random weights, every norm weight (the per-head q_norm and k_norm included) drawn
+    in [0.5, 1.5], all rounded to f16."""
     torch.manual_seed(SEED)
     cfg = Qwen3Config(**CONFIG)
     cfg._attn_implementation = "sdpa"
     model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+    fl.perturb_norms(model, 0.5, 1.5)
+    fl.round_to_f16(model)
     return model
-
-
-def logits(model: Qwen3ForCausalLM, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=False).logits[0]
-    return out.float().numpy().astype("<f4")
-
-
-def greedy(model: Qwen3ForCausalLM, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
-    """`steps` argmax tokens after `ids`, each from a full forward pass over everything so far,
-    with each step's top-1/top-2 margin."""
-    seq, out, gaps = list(ids), [], []
-    for _ in range(steps):
-        last = logits(model, seq)[-1].astype(np.float64)
-        top = np.sort(last)
-        gaps.append(float(top[-1] - top[-2]))
-        nxt = int(last.argmax())
-        out.append(nxt)
-        seq.append(nxt)
-    return out, gaps
 
 
 def variant(model: Qwen3ForCausalLM, edit) -> Qwen3ForCausalLM:
     """A copy of `model` with `edit(state_dict)` applied (state_dict maps names to tensors)."""
     other = Qwen3ForCausalLM(model.config).eval()
     sd = {k: v.clone() for k, v in model.state_dict().items()}
-    edit(sd)
+    if edit is not None:
+        edit(sd)
     other.load_state_dict(sd, strict=True)
     return other
-
-
-def convert(src: Path, outtype: str, dest: Path, root: Path) -> None:
-    """Run the vendored converter. Its pre-tokenizer check hashes the ids of a fixed text and only
-    knows real vocabularies; our vocabulary is tiny but uses Qwen2's exact pre-tokenizer (which
-    Qwen3 keeps), so the one method that maps that hash to a name is answered with "qwen2"."""
-    boot = (
-        "import sys\n"
-        f"sys.path.insert(0, {str(root)!r})\n"
-        f"sys.path.insert(1, {str(root / 'gguf-py')!r})\n"
-        "import conversion.base as b\n"
-        "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
-        "import convert_hf_to_gguf as c\n"
-        f"sys.argv = ['convert_hf_to_gguf.py', {str(src)!r}, '--outtype', {outtype!r},"
-        f" '--outfile', {str(dest)!r}]\n"
-        "c.main()\n"
-    )
-    subprocess.run([sys.executable, "-c", boot], check=True, cwd=root)
 
 
 GGUF_TO_HF = {
@@ -231,109 +161,33 @@ GGUF_TO_HF = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-
-
-def gguf_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor of the GGUF dequantized to f32 by gguf-py, under its transformers name, and
-    each tensor's GGUF type. A tied head is the embedding's tensor under both names."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    sd, types = {}, {}
-    for t in reader.tensors:
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}." + GGUF_TO_HF[".".join(parts[2:])]
-        else:
-            hf = GGUF_TO_HF[t.name]
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = [int(n) for n in reversed(t.shape.tolist())]
-        sd[hf] = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
-        types[t.name] = t.tensor_type.name
-    if "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    return sd, types
-
-
-def gguf_metadata(path: Path) -> dict[str, object]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    keep = {}
-    for name, field in reader.fields.items():
-        if name.startswith(("qwen3.", "general.architecture", "general.file_type")) or name in (
-            "tokenizer.ggml.model",
-            "tokenizer.ggml.pre",
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.padding_token_id",
-            "tokenizer.ggml.add_bos_token",
-            "tokenizer.chat_template",
-        ):
-            keep[name] = field.contents()
-    keep["n_tokens"] = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    return keep
-
-
-def llamacpp_logits(path: Path, ids: list[int]) -> np.ndarray | None:
-    """llama.cpp's logits for every position of `ids`, when llama-cpp-python is importable."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(
-        model_path=str(path),
-        logits_all=True,
-        n_ctx=64,
-        n_threads=2,
-        n_batch=64,
-        verbose=False,
-    )
-    llm.eval(ids)
-    return np.array(llm.scores[: len(ids)], dtype="<f4")
-
-
-def margins(a: np.ndarray) -> list[float]:
-    """Top-1 minus top-2 at each position."""
-    s = np.sort(a.astype(np.float64), -1)
-    return [float(m) for m in s[:, -1] - s[:, -2]]
-
-
-def stats(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
-    d = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    return {
-        "max_abs": float(d.max()),
-        "mean_abs": float(d.mean()),
-        "argmax_agree": int((a.argmax(-1) == b.argmax(-1)).sum()),
-    }
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+METADATA = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template",
+)
 
 
 def main() -> int:
-    torch.set_num_threads(2)
-    root = unpack_llamacpp()
-    # Everything here is generated but the README.
-    OUT.mkdir(parents=True, exist_ok=True)
-    for p in OUT.iterdir():
-        if p.name != "README.md":
-            p.unlink()
-
+    root = fl.start()
+    fl.clean(OUT)
     tok = make_tokenizer()
     model = make_model()
     # The folder's name becomes the GGUF's general.name, so it is fixed.
-    model.save_pretrained(OUT)
+    fl.save_f16(model, OUT)
     tok.save_pretrained(OUT)
 
     ids = tok.encode(PROMPT, add_special_tokens=False)[:N_IDS]
     assert len(ids) == N_IDS, ids
-    ref = logits(model, ids)
+    ref = fl.logits(model, ids)
     np.save(OUT / "hf_logits.npy", ref)
-    greedy_ids, greedy_gaps = greedy(model, ids, GREEDY_STEPS)
+    greedy_ids, greedy_gaps = fl.greedy(model, ids, GREEDY_STEPS)
     chat_text = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     chat_ids = tok.encode(chat_text, add_special_tokens=False)
-    chat_greedy, chat_gaps = greedy(model, chat_ids, CHAT_STEPS)
+    chat_greedy, chat_gaps = fl.greedy(model, chat_ids, CHAT_STEPS)
 
     # The same forward pass with every q_norm/k_norm weight set to 1 (the per-head RMSNorm
     # still applied), and with the per-head norms left out altogether (as a llama/qwen2 layer
@@ -343,18 +197,18 @@ def main() -> int:
             if k.endswith(("q_norm.weight", "k_norm.weight")):
                 sd[k].fill_(1.0)
 
-    qk_ones = logits(variant(model, ones), ids)
+    qk_ones = fl.logits(variant(model, ones), ids)
     np.save(OUT / "hf_logits_qk_norm_ones.npy", qk_ones)
-    skipped = variant(model, lambda sd: None)
+    skipped = variant(model, None)
     for layer in skipped.model.layers:
         layer.self_attn.q_norm = torch.nn.Identity()
         layer.self_attn.k_norm = torch.nn.Identity()
-    qk_skipped = logits(skipped, ids)
+    qk_skipped = fl.logits(skipped, ids)
 
-    f64 = variant(model, lambda sd: None).double()
-    with torch.no_grad():
-        ref64 = f64(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    def load(sd):
+        return variant(model, None if sd is None else lambda s: s.update(sd))
 
+    ref64 = fl.logits_f64(load, ids)
     n_params = sum(p.numel() for p in model.parameters())
     report: dict[str, object] = {
         "seed": SEED,
@@ -375,70 +229,29 @@ def main() -> int:
         "chat_greedy_top1_minus_top2": chat_gaps,
         "parameters": n_params,
         "logit_std": float(ref.std()),
-        "top1_minus_top2": margins(ref),
-        "noise_floor": {"float32_vs_float64": stats(ref, ref64)},
+        "top1_minus_top2": fl.margins(ref),
+        "noise_floor": {"float32_vs_float64": fl.stats(ref, ref64)},
         "sensitivity": {
-            "q_k_norm_weights_ones": stats(ref, qk_ones),
-            "q_k_norm_skipped": stats(ref, qk_skipped),
+            "q_k_norm_weights_ones": fl.stats(ref, qk_ones),
+            "q_k_norm_skipped": fl.stats(ref, qk_skipped),
         },
-        "gguf": {},
     }
-
-    for ty in GGUF_TYPES:
-        dest = OUT / f"tiny-qwen3-{ty}.gguf"
-        convert(OUT, ty.lower(), dest, root)
-        sd, types = gguf_state_dict(dest)
-        entry: dict[str, object] = {
-            "bytes": dest.stat().st_size,
-            "sha256": sha256(dest),
-            "types": dict(sorted(types.items())),
-            "metadata": gguf_metadata(dest),
-        }
-        if ty == "F32":
-            # Qwen3's q/k rows are written as they are (no llama-style permutation).
-            want = model.state_dict()
-            same = sorted(sd) == sorted(want) and all(torch.equal(sd[k], want[k]) for k in want)
-            assert same, "the F32 GGUF does not hold the transformers tensors bit for bit"
-            entry["tensors_equal_safetensors"] = True
-        deq = variant(model, lambda s, sd=sd: s.update(sd))
-        out = logits(deq, ids)
-        if ty == "F32":
-            assert np.array_equal(out, ref)
-        else:
-            np.save(OUT / f"hf_dequant_logits_{ty}.npy", out)
-            entry["hf_dequant_top1_minus_top2_min"] = min(margins(out))
-        entry["hf_dequant_vs_hf_logits"] = stats(ref, out)
-        lc = llamacpp_logits(dest, ids)
-        if lc is not None:
-            np.save(OUT / f"llamacpp_logits_{ty}.npy", lc)
-            entry["llamacpp_vs_hf_logits"] = stats(ref, lc)
-            entry["llamacpp_vs_hf_dequant_logits"] = stats(out, lc)
-        report["gguf"][ty] = entry
-
-    report["files"] = {
-        p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
-        for p in sorted(OUT.iterdir())
-        if p.suffix != ".md"
-    }
-    report["versions"] = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "safetensors": safetensors.__version__,
-        "numpy": np.__version__,
-        "converter": "convert_hf_to_gguf.py of llama-cpp-python 0.3.36 (sdist, vendored)",
-        "gguf-py": re.search(
-            r'^version = "(.+)"', (root / "gguf-py/pyproject.toml").read_text(), re.M
-        )[1],
-    }
-    try:
-        import llama_cpp
-
-        report["versions"]["llama-cpp-python"] = llama_cpp.__version__
-    except ImportError:
-        report["versions"]["llama-cpp-python"] = None
-    (OUT / "stats.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["gguf"] = fl.write_ggufs(
+        OUT,
+        "tiny-qwen3",
+        model,
+        ids,
+        ref,
+        root,
+        load=load,
+        gguf_to_hf=GGUF_TO_HF,
+        metadata=lambda p: fl.gguf_metadata(p, "qwen3", METADATA),
+        # Qwen2's exact pre-tokenizer, which Qwen3 keeps
+        pre="qwen2",
+    )
+    report["files"] = fl.files(OUT)
+    report["versions"] = fl.versions(root)
+    fl.write_stats(OUT, report)
     print(
         json.dumps(
             {

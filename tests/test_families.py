@@ -41,7 +41,7 @@ def models() -> list[tuple[str, str, Any]]:
                 lambda f=folder: wl.from_pretrained(f, devices="cpu", compute="exact"),
             )
         )
-        for ty in ("F32", "Q8_0"):
+        for ty in ("F16", "Q8_0"):
             path = folder / f"tiny-{family}-{ty}.gguf"
             out.append(
                 (family, f"gguf-{ty}", lambda p=path: wl.load_gguf(p, n_ctx=64, compute="exact"))
@@ -97,7 +97,7 @@ def test_run_chat_answers_as_transformers(family):
     s = stats(folder)
     cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
     args = [
-        "run", str(folder / f"tiny-{family}-F32.gguf"), "--chat",
+        "run", str(folder / f"tiny-{family}-F16.gguf"), "--chat",
         "-p", s["chat_messages"][0]["content"], "-n", str(len(s["chat_greedy_ids"])),
         "--temp", "0", "--ctx", "64", "--compute", "exact", "--threads", "2",
     ]  # fmt: skip
@@ -132,7 +132,7 @@ def test_phi3_longrope_gguf_is_refused_by_name(tmp_path):
     # A 128k Phi-3 as llama.cpp's converter writes it: the same model with LongRoPE's factor
     # tensors and attention factor beside it. Refused before loading, by name; inspect and
     # plan still read it.
-    src = gguf.GGUFReader(PHI3 / "tiny-phi3-F32.gguf")
+    src = gguf.GGUFReader(PHI3 / "tiny-phi3-F16.gguf")
     path = tmp_path / "longrope.gguf"
     w = gguf.GGUFWriter(path, arch="phi3")
     for name, field in src.fields.items():

@@ -27,7 +27,7 @@ def load(family: str, fmt: str) -> wl.Model:
     folder = DATA / f"tiny-{family}"
     if fmt == "gguf":
         return wl.load_gguf(
-            folder / f"tiny-{family}-F32.gguf",
+            folder / f"tiny-{family}-F16.gguf",
             n_ctx=64,
             type_k="f32",
             type_v="f32",
@@ -90,7 +90,7 @@ def test_end_of_turn_ends_a_generation(model) -> None:
 
 
 def test_run_chat_through_the_cli() -> None:
-    path = DATA / "tiny-gemma2" / "tiny-gemma2-F32.gguf"
+    path = DATA / "tiny-gemma2" / "tiny-gemma2-F16.gguf"
     p = subprocess.run(
         [sys.executable, "-m", "weightlift.cli", "run", str(path), "--chat", "-n", "4"]
         + ["--temp", "0", "--ctx", "64", "--threads", "2", "-p", "Tell me about the cat."],

@@ -131,7 +131,7 @@ fn hidden_states_times_the_head_are_the_logits() {
 /// of every position do.
 #[test]
 fn the_backend_path_and_placement_give_the_host_rows() {
-    let qwen2 = open(common::qwen2_data().join("tiny-qwen2-F32.gguf"));
+    let qwen2 = open(common::qwen2_data().join("tiny-qwen2-F16.gguf"));
     let qwen2_ids = json_ids(&common::qwen2_data().join("stats.json"), "ids");
     for (src, ids) in [(llama_gguf(), llama_ids()), (qwen2, qwen2_ids)] {
         let what = src.path().display().to_string();

@@ -194,7 +194,7 @@ fn qwen2_data() -> PathBuf {
 fn tiny_qwen2_through_the_backend_matches_transformers() {
     let ids = json_ids(&qwen2_data().join("stats.json"), "ids");
     let (shape, want) = read_npy(&qwen2_data().join("hf_logits.npy"));
-    for file in ["tiny-qwen2-F32.gguf", ""] {
+    for file in ["tiny-qwen2-F16.gguf", ""] {
         let path = qwen2_data().join(file);
         let (mut m, cache) = common::load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
         m.set_compute(Compute::Exact);

@@ -5,180 +5,60 @@
 //! GeGLU with the tanh GELU, `query_pre_attn_scalar`, sliding-window layers among global ones
 //! with a prompt of 20 tokens over a window of 8, gemma3's per-head q/k norms and its local and
 //! global RoPE bases (linear scaling on the global layer), gemma2's attention and final logit
-//! soft-caps, a tied head.
+//! soft-caps, a tied head. The checks every family fixture is held to are in `common/family.rs`;
+//! here, what is particular to gemma: the mistakes the checks would catch.
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use common::family::Family;
 
-use common::{argmax, greedy, json_ids, load_on, max_abs_diff, open, read_npy, split_load};
-use weightlift_engine::CacheDType;
-use weightlift_engine::forward::{Compute, Logits};
-
-const FAMILIES: [&str; 2] = ["gemma3", "gemma2"];
-
-fn data(family: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../tests/data/tiny-{family}"))
-}
-
-fn stats(family: &str) -> serde_json::Value {
-    let text = std::fs::read_to_string(data(family).join("stats.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-fn ids(family: &str) -> Vec<u32> {
-    json_ids(&data(family).join("stats.json"), "ids")
-}
-
-/// Every position's logits of `path`, loaded whole on cpu with an f32 cache and exact compute
-/// (`backend`: through the CPU backend's op sequence, the path cuda devices take).
-fn exact_logits(family: &str, path: &Path, backend: bool) -> Vec<f32> {
-    let (mut m, cache) = load_on(&open(path), "cpu", "cpu", 64, CacheDType::F32);
-    m.set_compute(Compute::Exact);
-    m.set_host_backend(backend);
-    let mut out = Vec::new();
-    m.forward(&ids(family), Some(&cache), Logits::All, &mut out)
-        .unwrap();
-    out
-}
-
-/// max|Δ| ≤ 1e-3 against the reference `npy` and the same argmax at every position.
-fn assert_matches(family: &str, what: &str, out: &[f32], npy: &str) {
-    let (shape, want) = read_npy(&data(family).join(npy));
-    assert_eq!(out.len(), shape[0] * shape[1], "{family} {what}");
-    let d = max_abs_diff(out, &want);
-    eprintln!("{family} {what}: max|Δ| {d:e} against {npy}");
-    assert!(d <= 1e-3, "{family} {what}: max|Δ| {d} against {npy}");
-    for (i, (a, b)) in out.chunks(shape[1]).zip(want.chunks(shape[1])).enumerate() {
-        assert_eq!(argmax(a), argmax(b), "{family} {what}: position {i}");
-    }
-}
+const FAMILIES: [Family; 2] = [Family("gemma3"), Family("gemma2")];
 
 #[test]
 fn safetensors_exact_matches_transformers() {
     for f in FAMILIES {
-        let out = exact_logits(f, &data(f), false);
-        assert_matches(f, "safetensors", &out, "hf_logits.npy");
+        f.safetensors_exact_matches_transformers();
     }
 }
 
+/// llama.cpp's converter stores 1 + w for every norm (checked by the generator): read as is.
 #[test]
-fn f32_gguf_exact_matches_transformers() {
-    // llama.cpp's converter stores 1 + w for every norm (checked by the generator): read as is.
+fn f16_gguf_exact_matches_transformers() {
     for f in FAMILIES {
-        let out = exact_logits(f, &data(f).join(format!("tiny-{f}-F32.gguf")), false);
-        assert_matches(f, "F32 GGUF", &out, "hf_logits.npy");
+        f.f16_gguf_exact_matches_transformers();
     }
 }
 
 #[test]
 fn q8_0_gguf_exact_matches_transformers_on_dequantised_weights() {
     for f in FAMILIES {
-        let out = exact_logits(f, &data(f).join(format!("tiny-{f}-Q8_0.gguf")), false);
-        assert_matches(f, "Q8_0 GGUF", &out, "hf_dequant_logits_Q8_0.npy");
+        f.q8_0_gguf_exact_matches_transformers_on_dequantised_weights();
+    }
+}
+
+/// Each step of the greedy continuation past the window.
+#[test]
+fn greedy_continuation_is_transformers() {
+    for f in FAMILIES {
+        f.greedy_ids_are_transformers();
+    }
+}
+
+/// The sliding layers' KV over virtual devices and through the backend op sequence (what a
+/// cuda device runs).
+#[test]
+fn same_bits_on_cpu_virtual_devices_and_the_backend() {
+    for f in FAMILIES {
+        f.same_bits_on_cpu_virtual_devices_and_the_backend();
     }
 }
 
 /// Against llama.cpp on the same GGUF files (its logits recorded by the generator through
-/// llama-cpp-python): the F32 file within llama.cpp's own distance to transformers (its GELU
-/// goes through an f16 table), and the Q8_0 file, in both compute modes, no further from
-/// transformers' f32 logits than llama.cpp is.
+/// llama-cpp-python; its GELU goes through an f16 table): the rule of every family.
 #[test]
 fn gguf_files_are_within_llama_cpps_distance_to_transformers() {
     for f in FAMILIES {
-        let (_, hf) = read_npy(&data(f).join("hf_logits.npy"));
-        for ty in ["F32", "Q8_0"] {
-            let path = data(f).join(format!("tiny-{f}-{ty}.gguf"));
-            let (_, lc) = read_npy(&data(f).join(format!("llamacpp_logits_{ty}.npy")));
-            let theirs = max_abs_diff(&lc, &hf);
-            for compute in [Compute::Exact, Compute::Fast] {
-                let (mut m, cache) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
-                m.set_compute(compute);
-                let mut out = Vec::new();
-                m.forward(&ids(f), Some(&cache), Logits::All, &mut out)
-                    .unwrap();
-                let ours = max_abs_diff(&out, &hf);
-                let to_lc = max_abs_diff(&out, &lc);
-                eprintln!(
-                    "{f} {ty} {compute:?}: max|Δ| to transformers {ours:e} (llama.cpp's {theirs:e}), \
-                     to llama.cpp {to_lc:e}"
-                );
-                assert!(
-                    ours <= theirs,
-                    "{f} {ty} {compute:?}: {ours} > llama.cpp's {theirs}"
-                );
-                assert!(
-                    to_lc <= 2.0 * theirs,
-                    "{f} {ty} {compute:?}: {to_lc} from llama.cpp"
-                );
-            }
-        }
-    }
-}
-
-/// The backend op sequence (what a cuda device runs) gives the host path's bits, from both
-/// formats.
-#[test]
-fn backend_op_sequence_gives_the_host_paths_bits() {
-    for f in FAMILIES {
-        for path in [data(f), data(f).join(format!("tiny-{f}-F32.gguf"))] {
-            let host = exact_logits(f, &path, false);
-            let backend = exact_logits(f, &path, true);
-            assert!(
-                host == backend,
-                "{f} {}: backend differs by {}",
-                path.display(),
-                max_abs_diff(&host, &backend)
-            );
-        }
-    }
-}
-
-/// Layers split over 2 and 3 virtual devices (each computing on the CPU kernels, the hidden
-/// state copied at each boundary) give the bits of the whole model on cpu, on the host path and
-/// on the backend path.
-#[test]
-fn virtual_devices_give_the_same_bits() {
-    for f in FAMILIES {
-        let path = data(f);
-        let want = exact_logits(f, &path, false);
-        for devs in [
-            &["virtual:0", "virtual:1"][..],
-            &["virtual:0", "virtual:1", "virtual:2"][..],
-        ] {
-            let inv = format!("virtual:{}x64MiB,cpu", devs.len());
-            for backend in [false, true] {
-                let (mut m, cache) =
-                    split_load(&open(&path), &inv, devs, CacheDType::F32, 0, false);
-                m.set_compute(Compute::Exact);
-                m.set_host_backend(backend);
-                let mut out = Vec::new();
-                m.forward(&ids(f), Some(&cache), Logits::All, &mut out)
-                    .unwrap();
-                assert!(
-                    out == want,
-                    "{f} on {devs:?} (backend {backend}): differs by {}",
-                    max_abs_diff(&out, &want)
-                );
-            }
-        }
-    }
-}
-
-/// Greedy decoding one token at a time (each step past the window) gives transformers' ids.
-#[test]
-fn greedy_continuation_is_transformers() {
-    for f in FAMILIES {
-        let want = json_ids(&data(f).join("stats.json"), "greedy_ids");
-        for path in [data(f), data(f).join(format!("tiny-{f}-F32.gguf"))] {
-            for backend in [false, true] {
-                let (mut m, cache) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
-                m.set_compute(Compute::Exact);
-                m.set_host_backend(backend);
-                let got = greedy(&mut m, &cache, &ids(f), want.len());
-                assert_eq!(got, want, "{f} {} backend {backend}", path.display());
-            }
-        }
+        f.gguf_within_llamacpps_distance_to_transformers();
     }
 }
 
@@ -186,11 +66,13 @@ fn greedy_continuation_is_transformers() {
 /// made (recorded by the generator) are far outside the 1e-3 tolerance.
 #[test]
 fn the_checks_would_catch_each_mistake() {
-    let far = |f: &str, key: &str| {
-        let d = stats(f)["sensitivity"][key]["max_abs"].as_f64().unwrap();
+    let far = |f: &'static str, key: &str| {
+        let d = Family(f).stats()["sensitivity"][key]["max_abs"]
+            .as_f64()
+            .unwrap();
         assert!(d > 0.1, "{f}: {key} moves the logits by {d} only");
     };
-    for f in FAMILIES {
+    for Family(f) in FAMILIES {
         far(f, "no_sliding_window");
         far(f, "norms_as_w_not_1_plus_w");
     }
@@ -205,7 +87,7 @@ fn the_checks_would_catch_each_mistake() {
     );
     // the prompt is longer than the window, so the sliding layers' mask matters
     for f in FAMILIES {
-        let s = stats(f);
-        assert!(ids(f).len() as u64 > 2 * s["window"].as_u64().unwrap());
+        let s = f.stats();
+        assert!(f.ids().len() as u64 > 2 * s["window"].as_u64().unwrap());
     }
 }

@@ -1,5 +1,6 @@
 """Reference logits for the LLM.int8 forward tests (tests/int8_forward.rs): tiny-qwen2
-(tests/data/tiny-qwen2, float32, with q/k/v biases) run by transformers in float32, every
+(tests/data/tiny-qwen2, f16 weights read as float32, with q/k/v biases) run by transformers in
+float32, every
 projection of its decoder layers replaced by bitsandbytes 0.50.2's LLM.int8 product on the CPU.
 
 Each projection's weight is quantised once by `bitsandbytes.functional.int8_vectorwise_quant`

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod family;
+
 use std::path::{Path, PathBuf};
 
 /// The reference data (`make reference` lays it out; a missing folder fails the test).
@@ -487,8 +489,8 @@ pub fn qwen2_data() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tiny-qwen2")
 }
 
-/// The tiny Qwen2 for tensor parallelism, with its MLP widened from 192 to 768 by zero rows of gate and up and zero
-/// columns of down: exllamav2's split wants the intermediate size in units of 128 (at least two
+/// The tiny Qwen2 for tensor parallelism, with its MLP widened to 768 by zero rows of gate and
+/// up and zero columns of down: exllamav2's split wants the intermediate size in units of 128 (at least two
 /// per device), and the added units contribute exact zeros (`silu(0)·0`), so transformers'
 /// logits of the original still hold.
 pub fn qwen2() -> PathBuf {
@@ -498,72 +500,72 @@ pub fn qwen2() -> PathBuf {
         .to_path_buf()
 }
 
-/// A copy of the tiny safetensors model in `data` (intermediate size 192) with its MLP widened
-/// to 768 by zero rows and columns (each half of a stacked gate_up on its own), as [`qwen2`]
-/// describes: a model the tensor-parallel tables
-/// can split, with the original's logits.
+/// A copy of the tiny safetensors model in `data` with its MLP widened to 768 by zero rows and
+/// columns (each half of a stacked gate_up on its own), as [`qwen2`] describes: a model the
+/// tensor-parallel tables can split, with the original's logits.
 pub fn widened_mlp(data: &Path) -> tempfile::TempDir {
     use safetensors::SafeTensors;
     use safetensors::tensor::TensorView;
-    {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = std::fs::read_to_string(data.join("config.json")).unwrap();
-        let cfg = cfg.replace("\"intermediate_size\": 192", "\"intermediate_size\": 768");
-        assert!(cfg.contains("768"));
-        std::fs::write(dir.path().join("config.json"), cfg).unwrap();
-        for f in [
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "generation_config.json",
-        ] {
-            std::fs::copy(data.join(f), dir.path().join(f)).unwrap();
-        }
-        let bytes = std::fs::read(data.join("model.safetensors")).unwrap();
-        let st = SafeTensors::deserialize(&bytes).unwrap();
-        let (inter, wide) = (192usize, 768usize);
-        let padded: Vec<(String, Vec<usize>, Vec<u8>)> = st
-            .tensors()
-            .into_iter()
-            .map(|(n, v)| {
-                let shape = v.shape().to_vec();
-                let data = v.data();
-                if n.ends_with("gate_up_proj.weight") {
-                    // gate and up stacked (phi3): each half widened on its own
-                    let half = inter * shape[1] * 4;
-                    let mut d = Vec::new();
-                    for part in data.chunks(half) {
-                        d.extend_from_slice(part);
-                        d.resize(d.len() + (wide - inter) * shape[1] * 4, 0);
-                    }
-                    (n, vec![2 * wide, shape[1]], d)
-                } else if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
-                    let mut d = data.to_vec();
-                    d.resize(wide * shape[1] * 4, 0);
-                    (n, vec![wide, shape[1]], d)
-                } else if n.ends_with("down_proj.weight") {
-                    let mut d = Vec::new();
-                    for row in data.chunks(inter * 4) {
-                        d.extend_from_slice(row);
-                        d.resize(d.len() + (wide - inter) * 4, 0);
-                    }
-                    (n, vec![shape[0], wide], d)
-                } else {
-                    (n, shape, data.to_vec())
-                }
-            })
-            .collect();
-        let views: Vec<(String, TensorView<'_>)> = padded
-            .iter()
-            .map(|(n, s, d)| {
-                (
-                    n.clone(),
-                    TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap(),
-                )
-            })
-            .collect();
-        safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
-        dir
+    const WIDE: usize = 768;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = std::fs::read_to_string(data.join("config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    let inter = cfg["intermediate_size"].as_u64().unwrap() as usize;
+    assert!(
+        inter < WIDE,
+        "{}: intermediate size {inter}",
+        data.display()
+    );
+    cfg["intermediate_size"] = WIDE.into();
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(data.join(f), dir.path().join(f)).unwrap();
     }
+    let bytes = std::fs::read(data.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let padded: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let shape = v.shape().to_vec();
+            let data = v.data();
+            // bytes per element, the tensor's own dtype kept
+            let e = v.dtype().bitsize() / 8;
+            let (shape, d) = if n.ends_with("gate_up_proj.weight") {
+                // gate and up stacked (phi3): each half widened on its own
+                let mut d = Vec::new();
+                for part in data.chunks(inter * shape[1] * e) {
+                    d.extend_from_slice(part);
+                    d.resize(d.len() + (WIDE - inter) * shape[1] * e, 0);
+                }
+                (vec![2 * WIDE, shape[1]], d)
+            } else if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
+                let mut d = data.to_vec();
+                d.resize(WIDE * shape[1] * e, 0);
+                (vec![WIDE, shape[1]], d)
+            } else if n.ends_with("down_proj.weight") {
+                let mut d = Vec::new();
+                for row in data.chunks(inter * e) {
+                    d.extend_from_slice(row);
+                    d.resize(d.len() + (WIDE - inter) * e, 0);
+                }
+                (vec![shape[0], WIDE], d)
+            } else {
+                (shape, data.to_vec())
+            };
+            (n, v.dtype(), shape, d)
+        })
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = padded
+        .iter()
+        .map(|(n, t, s, d)| (n.clone(), TensorView::new(*t, s.clone(), d).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    dir
 }
 
 /// A tensor-parallel run's logits, and per part of the cache every layer's K and V rows.
