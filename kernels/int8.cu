@@ -3,8 +3,8 @@
 //   int8_outliers_f32     the outlier columns of x (n_tok × cols): |x| >= threshold for some
 //                         token, as a flag per column and an ascending list with its length.
 //   int8_quantize_{f32,f16}  row-wise absmax int8: scale = max |x| over the values below the
-//                         threshold (all values when threshold <= 0), q = rint(x * (127 / scale))
-//                         saturated to i8 (NaN to 0), 0 in flagged columns; weights are this
+//                         threshold (all values when threshold <= 0),
+//                         q = rint(x * (127 * (1 / scale))) saturated to i8 (NaN to 0), 0 in flagged columns; weights are this
 //                         with threshold 0 and no flags.
 //   int8_matmul_f32       y[t * rows + o] = (acc * (sx[t] * sw[o])) * (1/127^2)
 //                         + sum over outlier columns c, in list order, of x[t, c] * ((q[o, c] * sw[o]) * (1/127)),
@@ -80,7 +80,7 @@ __device__ __forceinline__ float wl_int8_load(const wl_u16* x, wl_u64 i) { retur
         }                                                                                          \
         const float amax = wl_int8_block_max(m);                                                   \
         if (threadIdx.x == 0) scales[r] = amax;                                                    \
-        const float s = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;                             \
+        const float s = amax != 0.0f ? __fmul_rn(127.0f, __frcp_rn(amax)) : 0.0f;                 \
         for (wl_u64 c = threadIdx.x; c < cols; c += blockDim.x) {                                  \
             float v = rintf(WL_MUL(wl_int8_load(x, r * cols + c), s));                             \
             if (v != v || amax == 0.0f || (flags != 0 && flags[c])) v = 0.0f;                      \

@@ -2,7 +2,7 @@
 //! `load_in_8bit` (Dettmers et al., "LLM.int8()", 2022), following bitsandbytes' CPU ops.
 //!
 //! **Quantiser** (`int8_vectorwise_quant` with threshold 0): per row, `absmax = max |w|`, kept as
-//! the f32 scale, and `q = round_half_even(w · (127 / absmax))`. A row of zeros has scale 0 and
+//! the f32 scale, and `q = round_half_even(w · (127 · (1 / absmax)))`. A row of zeros has scale 0 and
 //! quants 0 (bitsandbytes divides by zero there and converts NaN, which x86 makes 0).
 //!
 //! **Matmul** `y[t, o] = Σ_i x[t, i] · W[o, i]`:
@@ -111,14 +111,17 @@ impl Dot {
 }
 
 /// Quantises one row against a given `absmax` (the weights' is over all values, the
-/// activations' only over those below the threshold): `q = round_half_even(x · (127 / absmax))`,
-/// saturated to i8; all zeros when `absmax` is 0.
+/// activations' only over those below the threshold): `q = round_half_even(x · s)`, saturated
+/// to i8, with `s = 127 · (1 / absmax)` (all zeros when `absmax` is 0). The scale is rounded as
+/// bitsandbytes' `127.0 / row_stats` is: torch divides a number by a tensor as the tensor's
+/// reciprocal times the number, which differs from `127 / absmax` in the last bit for some
+/// `absmax`, and then a weight that lands on `.5` rounds the other way.
 fn quantize_row_i8(isa: Isa, x: &[f32], absmax: f32, q: &mut [i8]) {
     if absmax == 0.0 {
         q.fill(0);
         return;
     }
-    let s = 127.0 / absmax;
+    let s = 127.0 * (1.0 / absmax);
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() {
         // SAFETY: AVX2 detected at run time; `q` and `x` have the same length (callers).
