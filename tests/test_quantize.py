@@ -90,12 +90,14 @@ def test_int8_holds_row_wise_absmax_quants() -> None:
     info = m.tensor_info(name)
     rows, cols = info.shape
     assert info.dtype == "INT8" and info.nbytes == rows * cols + 4 * rows
-    # bitsandbytes' int8_vectorwise_quant: round(127 · w / absmax(row)).
+    # bitsandbytes' int8_vectorwise_quant: round(w · (127.0 / absmax(row))), the scale as torch
+    # divides a number by a tensor: the tensor's f32 reciprocal times the number.
     w = wl.open(SAFETENSORS).dequantize(name).reshape(rows, cols)
     absmax = np.abs(w).max(axis=1, keepdims=True)
     q = m.tensor(name)
     assert q.dtype == np.int8 and q.shape == (rows, cols)
-    assert np.array_equal(q, np.rint(w * (127 / absmax)).astype(np.int8))
+    scale = np.float32(127) * (np.float32(1) / absmax)
+    assert np.array_equal(q, np.rint(w * scale).astype(np.int8))
     back = m.tensor(name, dequantize=True)
     assert np.abs(back - w).max() <= absmax.max() / 127
     # The embedding (also the head) stays in full precision, as transformers keeps it.
