@@ -274,13 +274,13 @@ impl Model {
             .filter(|p| !p.is_none())
             .map(plan_from_obj)
             .transpose()?;
-        let mut sequences = None;
+        let mut shape = None;
         let cache = match cache {
             None => None,
             Some(LoadCache::Given(c)) => Some(c),
-            // several sequences: planned, then made as that many caches of one by the load
-            Some(LoadCache::Shape(spec)) if spec.batch_size > 1 && plan.is_none() => {
-                sequences = Some(spec);
+            // a shape the load plans and makes (a given plan takes no options: made here)
+            Some(LoadCache::Shape(spec)) if plan.is_none() => {
+                shape = Some(spec);
                 None
             }
             Some(LoadCache::Shape(spec)) => Some(self.lock()?.new_cache(&spec)?),
@@ -304,7 +304,7 @@ impl Model {
             ..PlanArgs::default()
         }
         .options()?;
-        options.cache = sequences;
+        options.cache = shape;
         let opts = load_options(use_mmap, use_direct_io, check_tensors, staging_bytes);
         self.run_load(
             py,

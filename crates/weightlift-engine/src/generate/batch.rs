@@ -56,7 +56,6 @@ struct Job {
 /// Slots of one model and the generations running in them.
 pub struct Batch {
     slots: Vec<Arc<Cache>>,
-    busy: Vec<bool>,
     /// When each slot was last taken (a step count): among slots holding no useful prefix, the
     /// one unused longest goes first, so every slot's prefix gets its chance to be reused.
     taken: Vec<u64>,
@@ -94,7 +93,6 @@ impl Batch {
             slots.push(model.sequence_cache(n_ctx)?);
         }
         Ok(Batch {
-            busy: vec![false; slots.len()],
             taken: vec![0; slots.len()],
             slots,
             clock: 0,
@@ -142,7 +140,6 @@ impl Batch {
             Answer::Whole(kind, o) => (Some(Responder::new(kind, &generation, o)), false),
         };
         self.clock += 1;
-        self.busy[slot] = true;
         self.taken[slot] = self.clock;
         let id = self.next_id;
         self.next_id += 1;
@@ -161,7 +158,7 @@ impl Batch {
     /// unused longest.
     fn free_slot(&self, prompt: &[u32]) -> Option<usize> {
         (0..self.slots.len())
-            .filter(|&i| !self.busy[i])
+            .filter(|&i| self.jobs.iter().all(|j| j.slot != i))
             .max_by_key(|&i| {
                 let held = self.slots[i].common_prefix(prompt);
                 (held, std::cmp::Reverse(self.taken[i]))
@@ -173,8 +170,7 @@ impl Batch {
     pub fn cancel(&mut self, id: u64) -> bool {
         match self.jobs.iter().position(|j| j.id == id) {
             Some(i) => {
-                let job = self.jobs.swap_remove(i);
-                self.busy[job.slot] = false;
+                self.jobs.swap_remove(i);
                 true
             }
             None => false,
@@ -198,9 +194,7 @@ impl Batch {
         let pieces = match pieces {
             Ok(p) => p,
             Err(e) => {
-                for job in self.jobs.drain(..) {
-                    self.busy[job.slot] = false;
-                }
+                self.jobs.clear();
                 return Err(e);
             }
         };
@@ -211,8 +205,7 @@ impl Batch {
             }
         }
         for i in ended.into_iter().rev() {
-            let job = self.jobs.swap_remove(i);
-            self.busy[job.slot] = false;
+            self.jobs.swap_remove(i);
         }
         Ok(events)
     }
