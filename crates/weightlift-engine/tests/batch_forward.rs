@@ -1,12 +1,14 @@
 //! Several sequences in one forward call (`Model::forward_batch`): prompts joining between
 //! decode steps, finished sequences leaving, each sequence on its own cache. A sequence's
-//! logits in a batch are the bits it gets alone, in exact and in fast mode, on every placement.
+//! logits in a batch are the bits it gets alone, in exact and in fast mode, on every placement,
+//! on the host path and through the backend op sequence a GPU runs.
 
 mod common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use common::family::Family;
 use common::{argmax, load_on, max_abs_diff, smollm2, smollm2_prompt, split_load};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::generate::batch::{Answer, Batch, Event};
@@ -158,15 +160,70 @@ fn exact_batches_give_the_same_bits_across_virtual_devices_disk_and_offloaded_ca
 }
 
 #[test]
-fn the_backend_op_sequence_runs_a_batch_one_sequence_at_a_time_with_the_same_bits() {
-    let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
-    m.set_compute(Compute::Exact);
+fn the_backend_op_sequence_batches_with_the_bits_of_each_sequence_alone() {
+    // The op sequence a GPU runs, on the CPU backend: the products shared where the backend
+    // keeps each token's bits (fast mode's block products of up to 16 tokens), one per
+    // sequence otherwise; RoPE, the cache stores and attention per sequence.
     let reqs = requests();
-    let want = alone(&mut m, &reqs);
-    let (mut b, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
-    b.set_compute(Compute::Exact);
-    b.set_host_backend(true);
-    assert_same_bits("host backend", &batched(&mut b, &reqs), &want);
+    for compute in [Compute::Exact, Compute::Fast] {
+        let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
+        m.set_compute(compute);
+        m.set_host_backend(true);
+        let want = alone(&mut m, &reqs);
+        assert_same_bits(
+            &format!("host backend, {compute:?}"),
+            &batched(&mut m, &reqs),
+            &want,
+        );
+        // the same through two devices and with offloaded caches (each sequence's layer rows
+        // fetched to the device as it attends)
+        for offload in [false, true] {
+            let inv = "virtual:2x1GiB,cpu";
+            let devs = ["virtual:0", "virtual:1"];
+            let (mut m, _) = split_load(&smollm2(), inv, &devs, CacheDType::F32, 0, offload);
+            m.set_compute(compute);
+            m.set_host_backend(true);
+            assert_same_bits(
+                &format!("host backend over {inv}, {compute:?}, offloaded caches {offload}"),
+                &batched(&mut m, &reqs),
+                &want,
+            );
+        }
+    }
+}
+
+/// Requests over a family fixture's prompt: it whole, its first half, a middle piece and its
+/// first three ids, joining at steps 0, 0, 2 and 3.
+fn family_requests(ids: &[u32]) -> Vec<(Vec<u32>, usize)> {
+    let n = ids.len();
+    vec![
+        (ids.to_vec(), 0),
+        (ids[..n / 2].to_vec(), 0),
+        (ids[1..n - 1].to_vec(), 2),
+        (ids[..3].to_vec(), 3),
+    ]
+}
+
+#[test]
+fn every_family_batches_with_the_bits_of_each_sequence_alone() {
+    // qwen2's biases, qwen3's q/k norms, phi3's stacked matrices, gemma's post-norms, sliding
+    // windows (the whole prompt is longer than the window) and gemma2's final soft-cap, on the
+    // host path and through the backend, in both modes.
+    for family in ["qwen2", "qwen3", "phi3", "gemma2", "gemma3"] {
+        let fixture = Family(family);
+        let reqs = family_requests(&fixture.ids());
+        let src = common::open(fixture.data());
+        for compute in [Compute::Exact, Compute::Fast] {
+            for backend in [false, true] {
+                let (mut m, _) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+                m.set_compute(compute);
+                m.set_host_backend(backend);
+                let want = alone(&mut m, &reqs);
+                let what = format!("{family}, {compute:?}, backend {backend}");
+                assert_same_bits(&what, &batched(&mut m, &reqs), &want);
+            }
+        }
+    }
 }
 
 #[test]

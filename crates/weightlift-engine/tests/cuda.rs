@@ -346,3 +346,75 @@ fn tiny_llama_bf16_runs_on_cuda_as_stored() {
         }
     }
 }
+
+/// A batch on `cuda:0` (three prompts in one call, then their decode steps in one call each)
+/// gives each sequence what it gets alone: the same bits in exact mode (one product per
+/// sequence), and in fast mode (every product shared) within 1e-3 with the same argmax, for
+/// bf16 weights and Q4_K_M blocks.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn a_batch_on_cuda_gives_each_sequence_what_it_gets_alone() {
+    use common::{argmax, json_ids, max_abs_diff, reference};
+    use weightlift_engine::forward::{Compute, Logits};
+    const STEPS: usize = 4;
+    cuda();
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let prompts = [
+        ids.clone(),
+        ids[..ids.len() / 2].to_vec(),
+        ids[2..].to_vec(),
+    ];
+    for path in ["safetensors", "gguf/tiny-llama-Q4_K_M.gguf"] {
+        let src = common::open(reference().join("tiny-llama").join(path));
+        for compute in [Compute::Exact, Compute::Fast] {
+            let (mut m, _) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 64, CacheDType::Fp16);
+            m.set_compute(compute);
+            let mut want = Vec::new();
+            for p in &prompts {
+                let cache = m.sequence_cache(64).unwrap();
+                let mut out = Vec::new();
+                m.forward(p, Some(&cache), Logits::Last, &mut out).unwrap();
+                let mut rows = vec![out.clone()];
+                for _ in 0..STEPS {
+                    let next = argmax(&out) as u32;
+                    m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                        .unwrap();
+                    rows.push(out.clone());
+                }
+                want.push(rows);
+            }
+            let alone_row = |s: usize, step: usize| &want[s][step];
+            let caches: Vec<Arc<Cache>> = prompts
+                .iter()
+                .map(|_| m.sequence_cache(64).unwrap())
+                .collect();
+            let mut next: Vec<Vec<u32>> = prompts.to_vec();
+            for step in 0..=STEPS {
+                let seqs: Vec<(&Arc<Cache>, &[u32])> = caches
+                    .iter()
+                    .zip(&next)
+                    .map(|(c, i)| (c, i.as_slice()))
+                    .collect();
+                let mut out = Vec::new();
+                m.forward_batch(&seqs, &mut out).unwrap();
+                let vocab = out.len() / prompts.len();
+                for (s, row) in out.chunks_exact(vocab).enumerate() {
+                    let w = alone_row(s, step);
+                    let what = format!("{path}, {compute:?}, sequence {s}, step {step}");
+                    match compute {
+                        Compute::Exact => {
+                            assert!(row == &w[..], "{what}: max|Δ| {}", max_abs_diff(row, w))
+                        }
+                        Compute::Fast => {
+                            let d = max_abs_diff(row, w);
+                            assert!(d <= 1e-3, "{what}: max|Δ| {d}");
+                            assert_eq!(argmax(row), argmax(w), "{what}");
+                        }
+                    }
+                    // each sequence follows its own greedy tokens from when it ran alone
+                    next[s] = vec![argmax(w) as u32];
+                }
+            }
+        }
+    }
+}

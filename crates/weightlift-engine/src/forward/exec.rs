@@ -34,11 +34,10 @@ use weightlift_kernels::{
 use weightlift_plan::Workspace;
 
 use super::Compute;
-use super::layer::Consts;
+use super::layer::{Consts, Piece, tokens};
 use super::onload::SlotMem;
 use super::parts::{Floats, Layer, Linear, Slot};
 use super::weights::Packing;
-use crate::cache::Cache;
 use crate::device::{Buffer, DeviceTensor, Storage};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
@@ -137,6 +136,12 @@ pub(crate) fn split<'a, B: Backend>(
 pub(crate) trait Exec: Backend + Sized {
     /// Whether [`MatvecMode::Q8`] multiplies weights of `ty` on this backend.
     fn q8_supports(ty: QuantType) -> bool;
+
+    /// The most tokens of several sequences one product of `mode` may take in `compute`
+    /// (0: one product per sequence). A batch must give each sequence the bits it gets alone
+    /// in exact mode, and stay within the activation quantisation's bound in fast mode; see
+    /// each backend for which products keep that.
+    fn shared_tokens(compute: Compute, mode: MatvecMode) -> usize;
 
     /// A held tensor's bytes, read in place.
     fn tensor<'a>(&self, t: &'a DeviceTensor) -> Result<Part<'a, Self::Buffer>>;
@@ -274,6 +279,9 @@ pub(crate) struct Ctx<'a> {
     pub device: &'a str,
     /// The onload slot holding the matrices of the layer being computed, when it is offloaded.
     pub slot: Option<&'a SlotMem<'a>>,
+    /// The tokens of each sequence of a batch, in row order: the products of several run in
+    /// [`Ctx::runs`]. Empty (or one): every product takes all its rows at once.
+    pub pieces: &'a [usize],
 }
 
 impl<'a> Ctx<'a> {
@@ -330,10 +338,90 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// The row ranges `(first, count)` a batch's product of `mode` runs in: consecutive
+    /// sequences together while their tokens fit [`Exec::shared_tokens`], a longer one alone.
+    /// One range of all `n` rows when there is no batch.
+    fn runs<B: Exec>(&self, mode: Option<MatvecMode>, n: usize) -> Result<Vec<(usize, usize)>> {
+        if self.pieces.len() < 2 {
+            return Ok(vec![(0, n)]);
+        }
+        if self.pieces.iter().sum::<usize>() != n {
+            return Err(invalid(
+                "a batch's product",
+                format!("{n} rows, the batch's tokens"),
+                format!("sequences of {:?} tokens", self.pieces),
+            ));
+        }
+        let limit = mode.map_or(0, |m| B::shared_tokens(self.c.compute, m));
+        let mut runs: Vec<(usize, usize)> = Vec::with_capacity(self.pieces.len());
+        let mut at = 0;
+        for &k in self.pieces {
+            match runs.last_mut() {
+                Some((_, m)) if *m + k <= limit => *m += k,
+                _ => runs.push((at, k)),
+            }
+            at += k;
+        }
+        Ok(runs)
+    }
+
+    /// This context for one run of rows: its products take them all.
+    fn one_run(&self) -> Ctx<'a> {
+        Ctx {
+            pieces: &[],
+            ..*self
+        }
+    }
+
+    /// The matvec mode a product of `l` takes (None: not a block or float matrix).
+    fn mode_of<B: Exec>(&self, b: &B, l: &Linear) -> Result<Option<MatvecMode>> {
+        Ok(match self.weight(b, l)?.1 {
+            Packing::Blocks(ty) => Some(self.mode::<B>(ty)),
+            Packing::Int8 => None,
+        })
+    }
+
     /// `y_i = W_i x (+ bias_i)` for `n` tokens and several matrices of the same input (a
     /// layer's q, k and v; its gate and up), in one [`Op::MatmulShared`] when they are all
-    /// block or float matrices in one mode (CUDA then quantises `x` once), else one by one.
+    /// block or float matrices in one mode (CUDA then quantises `x` once), else one by one;
+    /// a batch's rows in its [`Ctx::runs`].
     pub(crate) fn linears<B: Exec>(
+        &self,
+        b: &B,
+        x: &B::Buffer,
+        n: usize,
+        mut outs: Vec<(&Linear, &mut B::Buffer)>,
+    ) -> Result<()> {
+        let Some(&(first, _)) = outs.first() else {
+            return Ok(());
+        };
+        let runs = self.runs::<B>(self.mode_of(b, first)?, n)?;
+        if let [(0, all)] = runs[..]
+            && all == n
+        {
+            return self.linears_all(b, x, n, outs);
+        }
+        let cols = first.cols;
+        for (start, k) in runs {
+            let what = || first.name.clone();
+            let xv = view(b, x, start * cols * 4, k * cols * 4).map_err(self.err(what()))?;
+            let mut parts = Vec::with_capacity(outs.len());
+            for (l, y) in outs.iter_mut() {
+                let range = [(start * l.rows * 4, k * l.rows * 4)];
+                let part = split(b, &mut **y, &range).map_err(self.err(l.name.clone()))?;
+                parts.push((*l, part));
+            }
+            let outs_k = parts
+                .iter_mut()
+                .flat_map(|(l, p)| p.iter_mut().map(move |y| (*l, &mut **y)))
+                .collect();
+            self.one_run().linears_all(b, &xv, k, outs_k)?;
+        }
+        Ok(())
+    }
+
+    /// [`Ctx::linears`] on all `n` rows at once.
+    fn linears_all<B: Exec>(
         &self,
         b: &B,
         x: &B::Buffer,
@@ -414,6 +502,10 @@ impl<'a> Ctx<'a> {
         {
             return Ok(false);
         }
+        // a batch whose products split into runs takes the separate products, which run so
+        if self.runs::<B>(self.mode_of(b, gate)?, n)?.len() > 1 {
+            return Ok(false);
+        }
         let ((gw, gp), (uw, up_p)) = (self.weight(b, gate)?, self.weight(b, up)?);
         let (Packing::Blocks(gty), Packing::Blocks(uty)) = (gp, up_p) else {
             return Ok(false);
@@ -455,13 +547,38 @@ impl<'a> Ctx<'a> {
         outs: Vec<(&Linear, &mut B::Buffer)>,
     ) -> Result<()> {
         for (l, y) in outs {
-            self.linear(b, l, x, n, y)?;
+            self.linear_all(b, l, x, n, y)?;
         }
         Ok(())
     }
 
-    /// `y = W x (+ bias)` for `n` tokens.
+    /// `y = W x (+ bias)` for `n` tokens (a batch's rows in its [`Ctx::runs`]).
     pub(crate) fn linear<B: Exec>(
+        &self,
+        b: &B,
+        l: &Linear,
+        x: &B::Buffer,
+        n: usize,
+        y: &mut B::Buffer,
+    ) -> Result<()> {
+        let runs = self.runs::<B>(self.mode_of(b, l)?, n)?;
+        if let [(0, all)] = runs[..]
+            && all == n
+        {
+            return self.linear_all(b, l, x, n, y);
+        }
+        for (start, k) in runs {
+            let xv =
+                view(b, x, start * l.cols * 4, k * l.cols * 4).map_err(self.err(l.name.clone()))?;
+            let mut yv = split(b, y, &[(start * l.rows * 4, k * l.rows * 4)])
+                .map_err(self.err(l.name.clone()))?;
+            self.one_run().linear_all(b, l, &xv, k, &mut yv[0])?;
+        }
+        Ok(())
+    }
+
+    /// [`Ctx::linear`] on all `n` rows at once.
+    fn linear_all<B: Exec>(
         &self,
         b: &B,
         l: &Linear,
@@ -595,19 +712,33 @@ pub(crate) fn positions<B: Backend>(
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
+    positions_of(b, device, &[(pos, n)], r)
+}
+
+/// [`positions`] of several sequences, `(first position, tokens)` each, one after the other.
+pub(crate) fn positions_of<B: Backend>(
+    b: &B,
+    device: &str,
+    seqs: &[(usize, usize)],
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let n: usize = seqs.iter().map(|s| s.1).sum();
     if b.len(&r.pos) < n * 4 {
         return Ok(());
     }
-    let positions = (pos..pos + n)
+    let positions = seqs
+        .iter()
+        .flat_map(|&(pos, n)| pos..pos + n)
         .map(|p| i32::try_from(p).map_err(|_| invalid("position", "below 2^31", p)))
         .collect::<Result<Vec<i32>>>()?;
     b.copy_from_host(bytemuck::cast_slice(&positions), &mut r.pos, 0)
         .map_err(|e| kernel_on(device, "positions", e))
 }
 
-/// One decoder layer on `n` tokens at positions `pos..pos + n` (already in `r.pos`, see
-/// [`positions`]), in place on `r.x`: the op sequence of `graph.rs`'s host `run_layer`, through
-/// the backend. Each block's residual add is fused with the norm after it: always the
+/// One decoder layer on the tokens of `pieces` (one sequence, or a batch's, each at its own
+/// positions, already in `r.pos`, see [`positions`]), in place on `r.x`: the op sequence of
+/// `graph.rs`'s host `run_layer`, through the backend (`cx.pieces` holds the pieces' token
+/// counts, for the products' runs). Each block's residual add is fused with the norm after it: always the
 /// attention block's with the MLP norm; the MLP's with the next layer's attention norm when
 /// `defer` (the next layer runs on this device right after, and is called with `pending`:
 /// `r.xn` then holds this layer's MLP output, not yet added to `r.x`).
@@ -617,13 +748,12 @@ pub(crate) fn layer<B: Exec>(
     cx: &Ctx<'_>,
     l: &Layer,
     li: usize,
-    cache: &std::sync::Arc<Cache>,
-    pos: usize,
-    n: usize,
+    pieces: &[Piece<'_>],
     r: &mut Regions<'_, B::Buffer>,
     (pending, defer): (bool, bool),
 ) -> Result<()> {
     let h = cx.c.hidden;
+    let n = tokens(pieces);
     let attn = AttnShare {
         norm: &l.attn_norm,
         q: &l.q,
@@ -646,9 +776,9 @@ pub(crate) fn layer<B: Exec>(
             r,
             format!("layer {li} residual and attn_norm"),
         )?;
-        attention_normed(b, cx, &attn, li, cache, pos, n, r)?;
+        attention_normed(b, cx, &attn, li, pieces, r)?;
     } else {
-        attention(b, cx, &attn, li, cache, pos, n, r)?;
+        attention(b, cx, &attn, li, pieces, r)?;
     }
     if let Some(f) = &l.post_attn_norm {
         post_norm(b, cx, f, n, r, format!("layer {li} post_attention_norm"))?;
@@ -801,40 +931,44 @@ pub(crate) struct AttnShare<'a> {
     pub window: usize,
 }
 
-/// An attention block's heads of `a` on `n` tokens at `pos` (positions in `r.pos`), their rows
-/// written to `cache`: `o_proj` of the attended heads lands in `r.xn` (the whole block's output
-/// on one device, a partial sum of it under tensor parallelism).
-#[allow(clippy::too_many_arguments)]
+/// An attention block's heads of `a` on the tokens of `pieces` (each sequence at its own
+/// positions, in `r.pos`), their rows written to each piece's cache: `o_proj` of the attended
+/// heads lands in `r.xn` (the whole block's output on one device, a partial sum of it under
+/// tensor parallelism).
 pub(crate) fn attention<B: Exec>(
     b: &B,
     cx: &Ctx<'_>,
     a: &AttnShare<'_>,
     li: usize,
-    cache: &std::sync::Arc<Cache>,
-    pos: usize,
-    n: usize,
+    pieces: &[Piece<'_>],
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
-    norm(b, cx, a.norm, n, r, format!("layer {li} attn_norm"))?;
-    attention_normed(b, cx, a, li, cache, pos, n, r)
+    norm(
+        b,
+        cx,
+        a.norm,
+        tokens(pieces),
+        r,
+        format!("layer {li} attn_norm"),
+    )?;
+    attention_normed(b, cx, a, li, pieces, r)
 }
 
-/// [`attention`] on activations already normed into `r.xn`.
-#[allow(clippy::too_many_arguments)]
+/// [`attention`] on activations already normed into `r.xn`. The products take every piece's
+/// rows (see [`Ctx::runs`]); RoPE, the cache store and attention run piece by piece, each on
+/// its own rows and cache.
 pub(crate) fn attention_normed<B: Exec>(
     b: &B,
     cx: &Ctx<'_>,
     a: &AttnShare<'_>,
     li: usize,
-    cache: &std::sync::Arc<Cache>,
-    pos: usize,
-    n: usize,
+    pieces: &[Piece<'_>],
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
     let c = cx.c;
     let (hd, nh) = (c.head_dim, a.n_heads);
     let kvd = a.kv_heads * hd;
-    let (k_format, v_format) = crate::cache::formats(cache.config().dtype);
+    let n = tokens(pieces);
     let at = |what: &str| format!("layer {li} {what}");
     cx.linears(
         b,
@@ -866,6 +1000,78 @@ pub(crate) fn attention_normed<B: Exec>(
         Some(f) => Some(b.floats(f, cx.held)?),
         None => None,
     };
+    let freqs = own.as_deref().unwrap_or(&r.freqs);
+    if let [p] = pieces {
+        let rows = PieceRows {
+            q: &mut *r.q,
+            k: &mut *r.k,
+            v: &*r.v,
+            pos: &*r.pos,
+            att: &mut *r.att,
+            parts: &mut *r.parts,
+        };
+        attend_piece(b, cx, a, li, p, rows, freqs)?;
+    } else {
+        let mut t0 = 0;
+        for p in pieces {
+            let bytes = |per: usize| (t0 * per * 4, p.n * per * 4);
+            let (qb, kb, pb) = (bytes(nh * hd), bytes(kvd), bytes(1));
+            let mut q = split(b, &mut r.q, &[qb]).map_err(cx.err(at("queries")))?;
+            let mut k = split(b, &mut r.k, &[kb]).map_err(cx.err(at("keys")))?;
+            let v = view(b, &r.v, kb.0, kb.1).map_err(cx.err(at("values")))?;
+            let pos = view(b, &r.pos, pb.0, pb.1).map_err(cx.err(at("positions")))?;
+            let mut att = split(b, &mut r.att, &[qb]).map_err(cx.err(at("attention rows")))?;
+            let rows = PieceRows {
+                q: &mut *q[0],
+                k: &mut *k[0],
+                v: &*v,
+                pos: &*pos,
+                att: &mut *att[0],
+                parts: &mut *r.parts,
+            };
+            attend_piece(b, cx, a, li, p, rows, freqs)?;
+            t0 += p.n;
+        }
+    }
+    cx.linear(b, a.o, &r.att, n, &mut r.xn)
+}
+
+/// One sequence's rows of an attention block's buffers: its queries, keys and values (after
+/// the products), positions and attention output, and the split attention's partial results.
+struct PieceRows<'r, T> {
+    q: &'r mut T,
+    k: &'r mut T,
+    v: &'r T,
+    pos: &'r T,
+    att: &'r mut T,
+    parts: &'r mut T,
+}
+
+/// RoPE on one sequence's queries and keys with its new rows stored in its cache (one op),
+/// then its attention over that cache.
+fn attend_piece<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    a: &AttnShare<'_>,
+    li: usize,
+    p: &Piece<'_>,
+    rows: PieceRows<'_, B::Buffer>,
+    freqs: &B::Buffer,
+) -> Result<()> {
+    let c = cx.c;
+    let (hd, nh) = (c.head_dim, a.n_heads);
+    let kvd = a.kv_heads * hd;
+    let (pos, n, cache) = (p.pos, p.n, p.cache);
+    let (k_format, v_format) = crate::cache::formats(cache.config().dtype);
+    let at = |what: &str| format!("layer {li} {what}");
+    let PieceRows {
+        q,
+        k,
+        v,
+        pos: positions,
+        att,
+        parts,
+    } = rows;
     let attend = |kb: &mut Buffer, vb: &mut Buffer| -> Result<()> {
         let mut kc = b.whole_mut(kb)?;
         let mut vc = b.whole_mut(vb)?;
@@ -879,11 +1085,11 @@ pub(crate) fn attention_normed<B: Exec>(
             n_tok: n,
             n_heads: nh,
             kv_heads: a.kv_heads,
-            q: &mut r.q,
-            k: &mut r.k,
-            v: &r.v,
-            positions: &r.pos,
-            inv_freqs: own.as_deref().unwrap_or(&r.freqs),
+            q: &mut *q,
+            k: &mut *k,
+            v,
+            positions,
+            inv_freqs: freqs,
             k_format,
             v_format,
             k_cache: &mut k_rows,
@@ -904,20 +1110,19 @@ pub(crate) fn attention_normed<B: Exec>(
             softcap: c.attn_softcap,
             tile: c.kv_tile,
             f16_operands: c.compute.f16_operands(cache.config().dtype),
-            q: &r.q,
+            q: &*q,
             k: &kc,
             v: &vc,
-            out: &mut r.att,
-            scratch: Some(&mut *r.parts),
+            out: &mut *att,
+            scratch: Some(&mut *parts),
         })
         .map_err(cx.err(at("attention")))
     };
     if cache.is_offloaded() {
-        cache.with_fetched(li, pos as u64, n as u64, attend)?;
+        cache.with_fetched(li, pos as u64, n as u64, attend)
     } else {
-        cache.with_layer(li, attend)?;
+        cache.with_layer(li, attend)
     }
-    cx.linear(b, a.o, &r.att, n, &mut r.xn)
 }
 
 /// An MLP's rows `[gate, up, down]` (all of them, or a device's share under tensor parallelism)
@@ -1015,6 +1220,33 @@ pub(crate) fn head<B: Exec>(
             .map_err(cx.err("copying logits to the host"))?;
     }
     Ok(())
+}
+
+/// Each sequence's last row of the residual stream `r.x` (`counts` tokens a sequence, in
+/// order), moved to row `i` for sequence `i` through `r.xn`: the rows a batch's head reads.
+pub(crate) fn batch_rows<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    counts: &[usize],
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let row = cx.c.hidden * 4;
+    let mut end = 0;
+    for (i, &k) in counts.iter().enumerate() {
+        end += k;
+        b.copy(&r.x, (end - 1) * row, &mut r.xn, i * row, row)
+            .map_err(cx.err("a batch's last rows"))?;
+    }
+    b.copy(&r.xn, 0, &mut r.x, 0, counts.len() * row)
+        .map_err(cx.err("a batch's last rows"))
+}
+
+/// The rows one product of a batch's head takes: those the backend shares in its mode (see
+/// [`Exec::shared_tokens`]), at least one.
+pub(crate) fn head_shared_rows<B: Exec>(b: &B, cx: &Ctx<'_>, head: &Linear) -> Result<usize> {
+    Ok(cx
+        .mode_of(b, head)?
+        .map_or(1, |m| B::shared_tokens(cx.c.compute, m).max(1)))
 }
 
 /// The output norm of rows `first..first + out.len() / hidden` of the residual stream, copied

@@ -529,9 +529,10 @@ impl crate::Model {
     /// gets alone: in [`Compute::Fast`] the sequences of up to 16 tokens share the block products
     /// (which give every token its own matrix–vector bits), and in [`Compute::Exact`] each
     /// sequence keeps its own products (see `layer::linear_pieces`); an offloaded cache's layer
-    /// rows are fetched as its sequence attends. Where the model cannot batch (a device on the
-    /// backend op sequence, tensor parallelism), and for a prompt longer than a chunk, the
-    /// sequences run one at a time, with the same results.
+    /// rows are fetched as its sequence attends. The backend op sequence (`cuda:N`, or host
+    /// devices through the CPU backend) batches too, its products shared as each backend
+    /// allows (`exec::Exec::shared_tokens`). Under tensor parallelism, and for sequences whose
+    /// tokens overflow a chunk, the sequences run one at a time, with the same results.
     pub fn forward_batch(
         &mut self,
         seqs: &[(&Arc<Cache>, &[u32])],
@@ -574,7 +575,7 @@ impl crate::Model {
         self.run_seqs(&[(&cache, ids)], output, out)
     }
 
-    /// Sequences through the model: together where the graph batches, else one at a time.
+    /// Sequences through the model: together while they fit a chunk, else one at a time.
     fn run_seqs(
         &mut self,
         seqs: &[(&Arc<Cache>, &[u32])],
@@ -703,15 +704,14 @@ impl crate::Model {
 }
 
 /// The calls a batch of sequences takes, as ranges of `seqs`: consecutive sequences together
-/// while their tokens fit one chunk and the graph batches, else one a call.
+/// while their tokens fit one chunk, else one a call.
 fn rounds(graph: &Graph, seqs: &[(&Arc<Cache>, &[u32])]) -> Vec<std::ops::Range<usize>> {
     let chunk = graph.chunk_tokens();
-    let alone = !graph.batches();
     let mut rounds: Vec<std::ops::Range<usize>> = Vec::new();
     let mut tokens = 0;
     for (i, (_, ids)) in seqs.iter().enumerate() {
         match rounds.last_mut() {
-            Some(r) if !alone && tokens + ids.len() <= chunk => {
+            Some(r) if tokens + ids.len() <= chunk => {
                 r.end = i + 1;
                 tokens += ids.len();
             }

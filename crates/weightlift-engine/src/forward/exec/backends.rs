@@ -28,6 +28,16 @@ impl Exec for CpuBackend {
         weightlift_kernels::cpu::matvec::q8_supports(ty)
     }
 
+    /// The fast mode's block products of up to `Q8_BATCH_MAX_TOKENS` tokens give every token
+    /// its own matrix-vector bits (the host path's rule); every other product sums a
+    /// several-token product in another order than one token's, so it runs per sequence.
+    fn shared_tokens(_compute: Compute, mode: MatvecMode) -> usize {
+        match mode {
+            MatvecMode::Q8 => weightlift_kernels::cpu::matvec::Q8_BATCH_MAX_TOKENS,
+            MatvecMode::Exact => 0,
+        }
+    }
+
     fn tensor<'a>(&self, t: &'a DeviceTensor) -> Result<Part<'a, CpuBuffer>> {
         let bytes = t
             .host_bytes()
@@ -134,6 +144,17 @@ fn carve_bytes<'a>(bytes: &'a mut [u8], ranges: &[(usize, usize)]) -> Result<Vec
 impl Exec for CudaBackend {
     fn q8_supports(ty: QuantType) -> bool {
         sources::CUDA_Q8_TYPES.contains(&ty)
+    }
+
+    /// In fast mode every product takes the whole batch: the several-token kernels quantise
+    /// each token's activations as one token's do and differ from them only in the order of
+    /// the f32 sums over blocks, far inside the activation quantisation's bound. Exact mode
+    /// keeps one product per sequence, so each gets its own bits.
+    fn shared_tokens(compute: Compute, _mode: MatvecMode) -> usize {
+        match compute {
+            Compute::Fast => usize::MAX,
+            Compute::Exact => 0,
+        }
     }
 
     fn tensor<'a>(&self, t: &'a DeviceTensor) -> Result<Part<'a, CudaBuffer>> {

@@ -11,7 +11,7 @@ use weightlift_kernels::Backend;
 use crate::cache::Cache;
 use crate::device::{Buffer, Device};
 use crate::error::Result;
-use crate::error::{EngineError, invalid};
+use crate::error::invalid;
 use crate::forward::boundary::move_rows;
 use crate::forward::embed::embed_rows;
 use crate::forward::exec::{self, Ctx, kernel_on};
@@ -72,14 +72,6 @@ impl Graph {
         self.dims.tokens as usize
     }
 
-    /// Whether one call can run several sequences together: every device computes on the host
-    /// path (the backend op sequence takes one sequence a call).
-    pub fn batches(&self) -> bool {
-        self.sites
-            .iter()
-            .all(|s| matches!(s.exec, crate::forward::SiteExec::Host))
-    }
-
     /// Run each sequence's ids through the model, appending to its cache at its `seq_len`, and
     /// write the `output` asked for into `out` (`rows × width`, row-major). Several sequences
     /// run as one chunk (see [`Graph::batches`]) and write the logits of their last positions,
@@ -98,14 +90,6 @@ impl Graph {
         let width = output.width(&self.dims);
         let chunk = self.dims.tokens as usize;
         let plan = self.chunks(seqs, output, chunk)?;
-        if seqs.len() > 1 && !self.batches() {
-            return Err(EngineError::Unsupported {
-                what: "several sequences in one forward call".into(),
-                detail: "a device of this model computes through the backend op sequence, which \
-                         takes one sequence a call; run them one at a time"
-                    .into(),
-            });
-        }
         let total = seqs[0].1.len();
         out.clear();
         let rows = if seqs.len() > 1 {
@@ -136,6 +120,7 @@ impl Graph {
             copies,
             device: devs[site].name(),
             slot: None,
+            pieces: &[],
         };
         let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
         for (i, w) in works.iter_mut().enumerate() {
@@ -173,7 +158,8 @@ impl Graph {
                     })
                     .collect();
                 let n = tokens(&pieces);
-                let (pos, cache) = (pieces[0].pos, pieces[0].cache);
+                let counts: Vec<usize> = pieces.iter().map(|p| p.n).collect();
+                let spans: Vec<(usize, usize)> = pieces.iter().map(|p| (p.pos, p.n)).collect();
                 let ids: std::borrow::Cow<'_, [u32]> = match part.as_slice() {
                     [(_, _, ids)] => (*ids).into(),
                     _ => part
@@ -197,7 +183,7 @@ impl Graph {
                     }
                 });
                 for (i, w) in works.iter_mut().enumerate() {
-                    on_site!(w, _v => (), (b, r) => exec::positions(*b, devs[i].name(), pos, n, r)?);
+                    on_site!(w, _v => (), (b, r) => exec::positions_of(*b, devs[i].name(), &spans, r)?);
                 }
                 let mut at = self.embed_site;
                 // whether the last layer left its MLP output in the workspace, not yet added
@@ -238,12 +224,16 @@ impl Graph {
                         copies,
                         slot: slot.and_then(SlotMem::host),
                     };
-                    let lcx = Ctx { slot, ..cx(at) };
+                    let lcx = Ctx {
+                        slot,
+                        pieces: &counts,
+                        ..cx(at)
+                    };
                     let defer = self.layers.get(li + 1).is_some_and(|next| next.site == at);
                     on_site!(&mut works[at],
                     v => { run_layer(&c, layer, li, &wts, &pieces, v)?; pending = false; },
                     (b, r) => {
-                        exec::layer(*b, &lcx, layer, li, cache, pos, n, r, (pending, defer))?;
+                        exec::layer(*b, &lcx, layer, li, &pieces, r, (pending, defer))?;
                         pending = defer;
                     });
                 }
@@ -254,17 +244,12 @@ impl Graph {
                     seqs[s].0.appended(pos as u64, ids)?;
                 }
                 if pieces.len() > 1 {
-                    let last = &mut works[at];
-                    let Work::Host(v) = last else {
-                        return Err(invalid(
-                            "a batch's last layer",
-                            "the host path",
-                            "a backend",
-                        ));
-                    };
-                    batch_rows(&pieces, h, v);
+                    // each sequence's last row, then the head for those rows
+                    on_site!(&mut works[at],
+                        v => batch_rows(&pieces, h, v),
+                        (b, r) => exec::batch_rows(*b, &cx(at), &counts, r)?);
+                    let n_rows = pieces.len();
                     if self.head_site != at {
-                        let n_rows = pieces.len();
                         move_rows(
                             &mut works,
                             &devs,
@@ -275,23 +260,32 @@ impl Graph {
                             &mut copies_made,
                         )?;
                     }
-                    let Work::Host(w) = &mut works[self.head_site] else {
-                        return Err(invalid("a batch's head", "the host path", "a backend"));
-                    };
+                    let hs = self.head_site;
+                    let norm = &self.out_norm;
                     let hw = Weights {
                         held,
                         copies,
                         slot: None,
                     };
                     // Rows share the head's products where that keeps each row's bits (see
-                    // layer::linear_pieces), else a row at a time, as each sequence runs alone.
-                    let per = if shares_rows(&c, &hw, &self.head)? {
-                        (self.dims.logit_rows as usize).min(Q8_BATCH_MAX_TOKENS)
-                    } else {
-                        1
-                    };
-                    for (k, rows) in out.chunks_mut(per * width).enumerate() {
-                        head_rows(&c, &hw, &self.out_norm, &self.head, k * per, per, rows, w)?;
+                    // layer::linear_pieces and Exec::shared_tokens), else a row at a time, as
+                    // each sequence runs alone.
+                    let logit_rows = self.dims.logit_rows as usize;
+                    on_site!(&mut works[hs], w => {
+                        let per = if shares_rows(&c, &hw, &self.head)? {
+                            logit_rows.min(Q8_BATCH_MAX_TOKENS)
+                        } else {
+                            1
+                        };
+                        for (k, rows) in out.chunks_mut(per * width).enumerate() {
+                            head_rows(&c, &hw, norm, &self.head, k * per, per, rows, w)?;
+                        }
+                    }, (b, r) => {
+                        let per = exec::head_shared_rows(*b, &cx(hs), &self.head)?.min(logit_rows);
+                        exec::head(*b, &cx(hs), norm, &self.head, 0, per, out, r)?;
+                    });
+                    if final_softcap > 0.0 {
+                        weightlift_kernels::softcap_in_place(out, final_softcap);
                     }
                     continue;
                 }

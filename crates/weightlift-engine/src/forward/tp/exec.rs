@@ -258,6 +258,7 @@ impl TpGraph {
             copies,
             device: devices[d].name(),
             slot: None,
+            pieces: &[],
         };
         let run = self.run(held, copies, compute);
         let (h, vocab) = (c.hidden, self.dims.vocab as usize);

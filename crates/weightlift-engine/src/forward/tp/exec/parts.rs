@@ -54,7 +54,12 @@ impl AttnParts {
                 format!("{} parts", parts.len()),
             )
         })?;
-        exec::attention(b, cx, &share, li, &part.cache, pos, n, r)
+        let piece = crate::forward::layer::Piece {
+            cache: &part.cache,
+            pos,
+            n,
+        };
+        exec::attention(b, cx, &share, li, &[piece], r)
     }
 }
 

@@ -250,6 +250,7 @@ impl TpGraph {
             copies,
             device: devices[rank].name(),
             slot: None,
+            pieces: &[],
         };
         let run = self.run(held, copies, compute);
         let h = c.hidden;
