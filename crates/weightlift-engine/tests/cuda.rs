@@ -418,3 +418,82 @@ fn a_batch_on_cuda_gives_each_sequence_what_it_gets_alone() {
         }
     }
 }
+
+/// Weight offload onto `cuda:0` (both layers of the tiny llama kept on the cpu, copied into
+/// slots of the GPU's scratch for every pass, sequential and grouped with prefetch): the
+/// offloaded matrices are page-locked, so each copy goes straight from where the model holds
+/// them by DMA (no warning that the driver refused them), and the logits are those of the
+/// same model loaded whole on `cuda:0` (within 1e-3, the same argmax: the plan may put the
+/// head on the cpu), on two passes (the second starting from what the first left in the slots).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn offloaded_weights_are_copied_from_page_locked_memory() {
+    use common::{json_ids, reference};
+    use weightlift_engine::forward::{Compute, Logits};
+    use weightlift_plan::{CacheSpec, LayerOptions, Strategy, WeightOffload};
+    let inv = cuda();
+    let src = common::open(reference().join("tiny-llama/safetensors"));
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let (mut whole, wc) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 64, CacheDType::Fp16);
+    whole.set_compute(Compute::Exact);
+    let mut want = Vec::new();
+    whole
+        .forward(&ids, Some(&wc), Logits::All, &mut want)
+        .unwrap();
+    let group = WeightOffload::Group {
+        blocks_per_group: 1,
+        prefetch: true,
+    };
+    for mode in [WeightOffload::Sequential, group] {
+        let mut m = Model::new(Arc::clone(&src), inv.clone());
+        let mut req = m.plan_request().unwrap();
+        req.strategy = Strategy::Layers(LayerOptions {
+            n_gpu_layers: 0,
+            ..LayerOptions::default()
+        });
+        req.cache = Some(CacheSpec::new(64, 1, CacheDType::Fp16));
+        req.offload = Some(mode);
+        let plan = weightlift_plan::plan(&req).unwrap();
+        assert_eq!(plan.onload().expect("an onload plan").device, "cuda:0");
+        let c = plan.cache().unwrap();
+        let cfg = m
+            .cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
+            .unwrap();
+        let cache = Arc::new(Cache::new(cfg).unwrap());
+        let placement = m.placement(&plan).unwrap();
+        m.load(
+            &placement,
+            &LoadOptions::default(),
+            Some(&cache),
+            true,
+            &mut |_| true,
+        )
+        .unwrap();
+        m.set_compute(Compute::Exact);
+        for pass in 0..2 {
+            cache.reset();
+            let mut got = Vec::new();
+            m.forward(&ids, Some(&cache), Logits::All, &mut got)
+                .unwrap();
+            let d = common::max_abs_diff(&got, &want);
+            assert!(
+                d <= 1e-3,
+                "{mode:?} pass {pass}: max|Δ| {d} from cuda:0 whole"
+            );
+            let vocab = got.len() / ids.len();
+            for (i, (a, b)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+                let at = format!("{mode:?} pass {pass} position {i}");
+                assert_eq!(common::argmax(a), common::argmax(b), "{at}");
+            }
+            if pass == 0 {
+                assert!(m.transfer_stats().bytes > 0, "{mode:?}: nothing was copied");
+            }
+        }
+        let refused: Vec<&String> = m
+            .warnings()
+            .iter()
+            .filter(|w| w.contains("page-locked"))
+            .collect();
+        assert!(refused.is_empty(), "{mode:?}: {refused:?}");
+    }
+}

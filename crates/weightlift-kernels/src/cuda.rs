@@ -85,6 +85,7 @@ use crate::types::{FloatType, QuantType};
 mod copies;
 mod copy_stream;
 mod graph;
+mod host_pins;
 mod launch;
 mod matmul;
 mod ops;
@@ -92,6 +93,7 @@ mod ops;
 use copies::{Staging, upload_staged};
 pub use copy_stream::CopyStream;
 pub use graph::CudaStepGraph;
+pub use host_pins::HostPins;
 use launch::*;
 pub use ops::ATTENTION_MAX_HEAD_DIM;
 

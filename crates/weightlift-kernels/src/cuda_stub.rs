@@ -36,6 +36,17 @@ impl CopyStream {
     }
 
     /// Never called: there is no copy stream without the `cuda` feature.
+    pub fn upload_from(
+        &self,
+        _pins: &HostPins,
+        _src: &[u8],
+        _dst: &mut CudaBuffer,
+        _offset: usize,
+    ) -> Result<()> {
+        match self._never {}
+    }
+
+    /// Never called: there is no copy stream without the `cuda` feature.
     pub fn after_compute(&self, _b: &CudaBackend) -> Result<()> {
         match self._never {}
     }
@@ -51,6 +62,24 @@ impl CopyStream {
     }
 }
 
+/// Stand-in for page-locked host memory; cannot be constructed.
+#[derive(Debug)]
+pub struct HostPins {
+    _never: std::convert::Infallible,
+}
+
+impl HostPins {
+    /// Never called: there are no pins without the `cuda` feature.
+    pub fn pinned_bytes(&self) -> usize {
+        match self._never {}
+    }
+
+    /// Never called: there are no pins without the `cuda` feature.
+    pub fn refused(&self) -> (usize, Option<&str>) {
+        match self._never {}
+    }
+}
+
 /// Stand-in for a captured CUDA graph; cannot be constructed.
 #[derive(Debug)]
 pub struct CudaStepGraph {
@@ -60,6 +89,16 @@ pub struct CudaStepGraph {
 impl CudaBackend {
     /// Never called: a stand-in backend cannot be constructed.
     pub fn copy_stream(&self) -> Result<CopyStream> {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    ///
+    /// # Safety
+    ///
+    /// As the CUDA backend's `pin_host`.
+    #[allow(unsafe_code)]
+    pub unsafe fn pin_host(&self, _ranges: &[&[u8]]) -> HostPins {
         match self._never {}
     }
 

@@ -58,7 +58,7 @@ pub use cpu::quantize::{
 };
 pub use cpu::{dequantize_f16, dequantize_f32};
 pub use cpu_backend::{CpuBackend, CpuBuffer};
-pub use cuda::{CopyStream, CudaBackend, CudaBuffer, CudaStepGraph};
+pub use cuda::{CopyStream, CudaBackend, CudaBuffer, CudaStepGraph, HostPins};
 pub use error::{KernelError, Result};
 pub use types::{FloatType, QuantType};
 

@@ -411,6 +411,8 @@ impl Graph {
                     slot_bytes: usize::try_from(p.slot_bytes).unwrap_or(usize::MAX),
                     holds: vec![None; p.slots as usize],
                     rate: link_rate(&from, &to),
+                    pins: None,
+                    pin_warning: None,
                 })
             }
             _ => None,
@@ -467,10 +469,22 @@ impl Graph {
         g.check_shapes(spec)?;
         g.check_packings(m.held, m.copies)?;
         g.place_floats(m.held)?;
-        if let Some(o) = &g.onload {
+        if let Some(o) = g.onload.as_mut() {
             o.assign(&mut g.layers, m.held)?;
+            let device = Arc::clone(&g.sites[o.site].device);
+            o.pin_warning = o.pin(&device, &g.layers, m.held, m.copies)?;
         }
         Ok(g)
+    }
+
+    /// What building the graph found worth telling the user (host memory the driver would not
+    /// page-lock for offloaded copies), once.
+    pub(crate) fn take_warnings(&mut self) -> Vec<String> {
+        self.onload
+            .as_mut()
+            .and_then(|o| o.pin_warning.take())
+            .into_iter()
+            .collect()
     }
 
     /// Every matrix can be multiplied where it computes: the embedding is a lookup of block or

@@ -648,13 +648,15 @@ impl crate::Model {
                 onload: state.onload.as_ref(),
                 resolve: &resolve,
             };
-            state.graph = Some(Graph::build(
+            let mut graph = Graph::build(
                 &loaded,
                 &spec,
                 &plan.runtime,
                 (plan.max_seq_len, plan.batch),
                 host_backend,
-            )?);
+            )?;
+            state.warnings.extend(graph.take_warnings());
+            state.graph = Some(graph);
         }
         let crate::model::State {
             graph,

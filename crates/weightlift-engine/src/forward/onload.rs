@@ -21,6 +21,10 @@
 //! the device's copy stream ([`CopyStream`]), so it overlaps the kernels of the compute stream.
 //! The copy stream is the one the device's backend keeps: a forward call per decoded token pins
 //! no staging memory of its own, and the onload state (built by the graph) needs no GPU handle.
+//! The host memory of every offloaded matrix is page-locked once, when the graph is built
+//! ([`Onload::pin`]), so each fill is DMA straight from where the model holds the weights; what
+//! the driver will not lock goes through the copy stream's pinned staging (a host `memcpy`
+//! first), and the model's warnings say how much.
 //! Two events order the streams, neither a host wait:
 //! - before a slot is refilled the copy stream waits for the kernels queued so far, which
 //!   include every read of the group the slot held; it is asked on the forward thread when the
@@ -40,7 +44,9 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::Instant;
 
-use weightlift_kernels::{Backend, CopyStream, CpuBuffer, CudaBackend, CudaBuffer};
+use std::sync::Arc;
+
+use weightlift_kernels::{Backend, CopyStream, CpuBuffer, CudaBackend, CudaBuffer, HostPins};
 
 use crate::device::pace;
 use crate::error::{EngineError, Result, invalid};
@@ -69,6 +75,8 @@ pub(crate) struct CudaSlot<'w> {
     copy: CopyStream,
     /// Copies into the slot that the compute stream has not been made to wait for.
     unfenced: bool,
+    /// The page-locked host memory the groups are copied from (see [`Onload::pin`]).
+    pins: Option<Arc<HostPins>>,
 }
 
 impl Drop for CudaSlot<'_> {
@@ -93,12 +101,20 @@ impl<'w> SlotMem<'w> {
             backend: b,
             copy,
             unfenced: true,
+            pins: None,
         };
         Ok(SlotMem::Cuda(slot, part))
     }
 }
 
 impl SlotMem<'_> {
+    /// Copies into a cuda slot go straight from `pins` where they cover the source.
+    pub fn use_pins(&mut self, pins: &Arc<HostPins>) {
+        if let SlotMem::Cuda(s, _) = self {
+            s.pins = Some(Arc::clone(pins));
+        }
+    }
+
     /// The slot's bytes, where the host reads them.
     pub fn host(&self) -> Option<&[u8]> {
         match self {
@@ -163,9 +179,11 @@ impl SlotMem<'_> {
             SlotMem::Cpu(p) => p.as_bytes_mut()[range].copy_from_slice(src),
             SlotMem::Cuda(s, p) => {
                 s.unfenced = true;
-                s.copy
-                    .upload(src, p, at)
-                    .map_err(|e| kernel_on(&s.backend.name(), "onload copy", e))?
+                match &s.pins {
+                    Some(pins) => s.copy.upload_from(pins, src, p, at),
+                    None => s.copy.upload(src, p, at),
+                }
+                .map_err(|e| kernel_on(&s.backend.name(), "onload copy", e))?
             }
         }
         Ok(())
@@ -184,6 +202,11 @@ pub(crate) struct Onload {
     pub holds: Vec<Option<usize>>,
     /// The simulated link rate from where the weights are to the execution device.
     pub rate: Option<u64>,
+    /// On a cuda execution device, the host memory every group is copied from, page-locked
+    /// so its copies go straight from there (see [`Onload::pin`]).
+    pub pins: Option<Arc<HostPins>>,
+    /// What [`Onload::pin`] could not lock, until the model takes it into its warnings.
+    pub pin_warning: Option<String>,
 }
 
 impl Onload {
@@ -241,6 +264,63 @@ impl Onload {
             }
         }
         Ok(())
+    }
+
+    /// On a cuda execution device, page-lock the host memory of every group's matrices held in
+    /// RAM (not those the plan keeps on disk), so
+    /// that their copies go from there by DMA (at the link's rate, overlapping compute) instead
+    /// of through the copy stream's staging buffers, which a host `memcpy` fills first. The
+    /// driver may refuse some of it (what it refuses is copied through staging): the returned
+    /// warning says how much. Elsewhere nothing to do.
+    ///
+    /// The pins must go before `held` and `copies` do: the graph holding this onload state is
+    /// dropped before the model's tensors (`model::State` declares it first).
+    // Registering host memory with the driver is unsafe: see the SAFETY note on the call.
+    #[allow(unsafe_code)]
+    pub fn pin(
+        &mut self,
+        device: &crate::device::Device,
+        layers: &[Layer],
+        held: &[Held],
+        copies: &[(usize, Held)],
+    ) -> Result<Option<String>> {
+        let Some(b) = device.cuda_backend() else {
+            return Ok(None);
+        };
+        let mut ranges = Vec::new();
+        for g in 0..self.groups.len() {
+            ranges.extend(
+                self.parts(g, layers, held, copies)?
+                    .into_iter()
+                    .map(|p| p.0),
+            );
+        }
+        // Weights the plan keeps on disk stay pageable: locking them would hold in RAM what
+        // the plan left out of it.
+        let on_disk: Vec<std::ops::Range<usize>> = held
+            .iter()
+            .filter_map(|h| match h {
+                Held::Whole { tensor, device } if device == "disk" => tensor.host_bytes(),
+                _ => None,
+            })
+            .map(|b| b.as_ptr() as usize..b.as_ptr() as usize + b.len())
+            .collect();
+        ranges.retain(|r| !on_disk.iter().any(|d| d.contains(&(r.as_ptr() as usize))));
+        // SAFETY: the ranges are bytes of the model's held tensors (mapped from the checkpoint
+        // or owned), which outlive the graph this state belongs to (see above) and which
+        // nothing writes while the model is loaded.
+        let pins = unsafe { b.pin_host(&ranges) };
+        let warning = match pins.refused() {
+            (0, _) => None,
+            (bytes, why) => Some(format!(
+                "{bytes} bytes of offloaded weights could not be page-locked for {} ({}); \
+                 their copies go through staging, at the speed of a host memcpy",
+                device.name(),
+                why.unwrap_or("no reason given")
+            )),
+        };
+        self.pins = Some(Arc::new(pins));
+        Ok(warning)
     }
 
     /// Where each matrix of group `g` comes from and where it goes in the slot.

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::copies::{Staging, upload_staged};
-use super::{CudaBackend, CudaBuffer, drv};
+use super::{CudaBackend, CudaBuffer, HostPins, drv};
 use crate::backend::{Backend, check_range};
 use crate::error::{KernelError, Result};
 
@@ -105,6 +105,36 @@ impl CopyStream {
             dst,
             offset,
         )
+    }
+
+    /// [`CopyStream::upload`], straight from page-locked memory where `pins` (of this device)
+    /// covers all of `src`: one asynchronous copy the DMA engine reads from where the bytes
+    /// are, with no staging and no host wait. Otherwise through staging, as `upload`.
+    pub fn upload_from(
+        &self,
+        pins: &HostPins,
+        src: &[u8],
+        dst: &mut CudaBuffer,
+        offset: usize,
+    ) -> Result<()> {
+        let i = &self.inner;
+        if !Arc::ptr_eq(&pins.ctx, &i.ctx) || !pins.covers(src) || dst.ordinal != i.ordinal {
+            return self.upload(src, dst, offset);
+        }
+        check_range("copy destination bytes", dst.slice.len(), offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let during = || format!("copying {} pinned bytes to {}", src.len(), self.name());
+        i.ctx.bind_to_thread().map_err(drv(during()))?;
+        let mut view = dst.slice.slice_mut(offset..offset + src.len());
+        let (ptr, _written) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut view, &i.stream);
+        // SAFETY: `src` lies in pages `pins` registered with this device's context, which the
+        // caller of `pin_host` keeps mapped and unchanged while the pins live (and the pins wait
+        // for every stream before they go), so the copy reads valid memory whenever it runs;
+        // `ptr` is `src.len()` bytes of this device's buffer from `offset` (checked above).
+        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, src, i.stream.cu_stream()) }
+            .map_err(drv(during()))
     }
 
     /// This stream waits for the work queued on `b`'s compute stream so far (the kernels that

@@ -105,6 +105,11 @@ impl Graph {
             .as_ref()
             .map(|o| (o.site, o.slot_bytes, o.slots()));
         let (mut works, mut slot_mem) = site_works(&mut self.sites, scratch, onload_site)?;
+        if let Some(pins) = self.onload.as_ref().and_then(|o| o.pins.as_ref()) {
+            for m in slot_mem.iter_mut().flatten() {
+                m.use_pins(pins);
+            }
+        }
 
         let c = Consts::new(
             &self.dims,
