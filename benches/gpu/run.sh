@@ -12,7 +12,7 @@
 #                                                  benches/results/gpu/cpu, which git ignores)
 #   benches/gpu/run.sh --list                      the tables below, for the bundle builder
 #
-# Environment: STEPS (the steps to run, default tests,kernels,e2e,profile; the others are
+# Environment: STEPS (the steps to run, default tests,kernels,e2e,offload,profile; the others are
 # skipped by name), SUITES (the test suites to run, e.g. backend_matmul_modes,cuda; default
 # all), WEIGHTS (the weight types of the end-to-end bench and the profile, e.g.
 # bf16,q4_k, and transformers for the peer; default all), PYTHON (default python3, the
@@ -31,6 +31,8 @@ SUITE_TIMEOUT_S=${SUITE_TIMEOUT_S:-150}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-150}
 E2E_BUDGET_S=${E2E_BUDGET_S:-180}
 E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}
+OFFLOAD_BUDGET_S=${OFFLOAD_BUDGET_S:-90}
+OFFLOAD_TIMEOUT_S=${OFFLOAD_TIMEOUT_S:-200}
 PROFILE_TIMEOUT_S=${PROFILE_TIMEOUT_S:-120}
 
 # Every test that needs a GPU (`grep -rn '#\[ignore' crates`), by the suite that holds it:
@@ -111,7 +113,7 @@ fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
-rm -f "$OUT"/{summary,tests,e2e,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info}.{md,json}
+rm -f "$OUT"/{summary,tests,e2e,offload_e2e,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info}.{md,json}
 if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
     [ $CPU = 1 ] && [ -x "$ROOT/.venv/bin/python" ] && PYTHON=$ROOT/.venv/bin/python
@@ -124,7 +126,7 @@ exec > >(tee "$OUT/run.log") 2>&1
 TEE=$!
 
 FAILED=()
-STEPS=${STEPS:-tests,kernels,e2e,profile}
+STEPS=${STEPS:-tests,kernels,e2e,offload,profile}
 SUITES=${SUITES:-}
 WEIGHTS=${WEIGHTS:-}
 wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; skip "not in STEPS ($STEPS): $2"; return 1; }
@@ -407,6 +409,19 @@ if wants e2e "the end-to-end bench"; then
     PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
     rc=$?
     [ $rc = 0 ] || FAILED+=("end-to-end bench (exit status $rc)")
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 3b. The offload bench: 1 GiB of GPU, the rest of the same checkpoint in host RAM, against
+# accelerate.
+
+step "offload bench"
+if wants offload "the offload bench"; then
+    off=(--out "$OUT" --budget-s "$OFFLOAD_BUDGET_S")
+    if [ $CPU = 1 ]; then off+=(--cpu); else off+=(--device cuda:0); fi
+    PYTHONUNBUFFERED=1 timeout "$OFFLOAD_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/offload_e2e.py" "${off[@]}"
+    rc=$?
+    [ $rc = 0 ] || FAILED+=("offload bench (exit status $rc)")
 fi
 
 # ---------------------------------------------------------------------------------------------

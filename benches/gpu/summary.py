@@ -55,6 +55,14 @@ def kernels(folder: Path) -> list[str]:
     return out or ["- no kernel bench results"]
 
 
+def offload(folder: Path) -> list[str]:
+    path = folder / "offload_e2e.md"
+    if not path.is_file():
+        return ["- no offload results"]
+    # the bench's own lines, without its title
+    return path.read_text().strip().splitlines()[2:]
+
+
 def e2e(folder: Path) -> list[str]:
     path = folder / "e2e.json"
     if not path.is_file():
@@ -131,6 +139,10 @@ def main() -> None:
         "## End to end",
         "",
         *e2e(a.out),
+        "",
+        "## Offload",
+        "",
+        *offload(a.out),
         "",
         "## Verdict",
         "",
