@@ -43,7 +43,7 @@ WL_KV(q8, 127)
 WL_KV(q4, 7)
 
 // rope_kv_store_{format}(q, k, v, pos, freqs, kc, vc, n_tok, n_heads, kv_heads, head_dim,
-// n_dims, neox): a decoder layer's RoPE on its queries and keys and its cache store in one
+// n_dims, neox, mscale): a decoder layer's RoPE on its queries and keys and its cache store in one
 // launch, where rope_inplace twice and kv_store (or the copy, or the conversion) twice took
 // four: the queries turned in place, the keys turned on their way into the cache rows kc (left
 // unrotated in k), the values stored into vc, all with the arithmetic of those kernels (so the
@@ -54,8 +54,8 @@ WL_KV(q4, 7)
     extern "C" __global__ void rope_kv_store_##NAME(                                               \
         float* q, const float* k, const float* v, const int* pos, const float* freqs, wl_u8* kc,   \
         wl_u8* vc, wl_u64 n_tok, wl_u64 n_heads, wl_u64 kv_heads, int head_dim, int n_dims,        \
-        int neox) {                                                                                \
-        wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox};                   \
+        int neox, float mscale) {                                                                  \
+        wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox, mscale};           \
         wl_u64 u = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;                                  \
         if (u >= wl_rope_kv_units(s, KF, VF)) return;                                              \
         wl_rope_kv_unit(u, KF, VF, q, k, v, pos, freqs, kc, vc, s);                                \

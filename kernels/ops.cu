@@ -170,11 +170,13 @@ extern "C" __global__ void add_f32(const float* a, const float* b, float* out, w
     if (i < n) out[i] = a[i] + b[i];
 }
 
-// RoPE in place with a table of per-pair angles (Llama 3's frequency factors are folded into
-// it on the host): one thread per rotated pair; pair i at position p turns by p * freqs[i], as
-// the CPU's rope_in_place. Dims past n_dims are left as they are.
+// RoPE in place with a table of per-pair angles (Llama 3's and LongRoPE's frequency factors are
+// folded into it on the host): one thread per rotated pair; pair i at position p turns by
+// p * freqs[i], its cosine and sine times mscale (LongRoPE's attention factor; 1 leaves the
+// bits), as the CPU's rope_in_place. Dims past n_dims are left as they are.
 __device__ __forceinline__ void wl_rope_inplace(float* x, const int* pos, const float* freqs,
-                                                wl_u64 n_heads, int head_dim, int n_dims, int neox) {
+                                                wl_u64 n_heads, int head_dim, int n_dims, int neox,
+                                                float mscale) {
     wl_u64 idx = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
     int half = n_dims / 2;
     wl_u64 head = idx / (wl_u64)half;
@@ -182,7 +184,7 @@ __device__ __forceinline__ void wl_rope_inplace(float* x, const int* pos, const 
     wl_u64 tok = head / n_heads;
     float* xh = x + head * head_dim;
     float theta = WL_MUL((float)pos[tok], freqs[i]);
-    float c = cosf(theta), s = sinf(theta);
+    float c = WL_MUL(cosf(theta), mscale), s = WL_MUL(sinf(theta), mscale);
     int ia = neox ? i : 2 * i;
     int ib = neox ? i + half : 2 * i + 1;
     float a = xh[ia], b = xh[ib];
@@ -192,16 +194,16 @@ __device__ __forceinline__ void wl_rope_inplace(float* x, const int* pos, const 
 
 extern "C" __global__ void rope_inplace_norm_f32(float* x, const int* pos, const float* freqs,
                                                  wl_u64 n_pairs, wl_u64 n_heads, int head_dim,
-                                                 int n_dims) {
+                                                 int n_dims, float mscale) {
     if ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x >= n_pairs) return;
-    wl_rope_inplace(x, pos, freqs, n_heads, head_dim, n_dims, 0);
+    wl_rope_inplace(x, pos, freqs, n_heads, head_dim, n_dims, 0, mscale);
 }
 
 extern "C" __global__ void rope_inplace_neox_f32(float* x, const int* pos, const float* freqs,
                                                  wl_u64 n_pairs, wl_u64 n_heads, int head_dim,
-                                                 int n_dims) {
+                                                 int n_dims, float mscale) {
     if ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x >= n_pairs) return;
-    wl_rope_inplace(x, pos, freqs, n_heads, head_dim, n_dims, 1);
+    wl_rope_inplace(x, pos, freqs, n_heads, head_dim, n_dims, 1, mscale);
 }
 
 // x += y (the residual add).

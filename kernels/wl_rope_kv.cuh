@@ -27,7 +27,7 @@ WL_HD int wl_kvf_granule(int f) { return f >= WL_KVF_Q8 ? 32 : 1; }
 // Dim d of one head `xh` after RoPE at position p with the per-pair angles `freqs` (n_dims
 // rotated dims, NeoX pairing when `neox`): dims past n_dims pass through.
 WL_HD float wl_rope_value(const float* xh, int d, float p, const float* freqs, int n_dims,
-                          int neox) {
+                          int neox, float mscale) {
     if (d >= n_dims) return xh[d];
     int half = n_dims / 2;
     int i = neox ? (d < half ? d : d - half) : d / 2;
@@ -35,7 +35,7 @@ WL_HD float wl_rope_value(const float* xh, int d, float p, const float* freqs, i
     int ia = neox ? i : 2 * i;
     int ib = neox ? i + half : 2 * i + 1;
     float theta = WL_MUL(p, freqs[i]);
-    float c = cosf(theta), s = sinf(theta);
+    float c = WL_MUL(cosf(theta), mscale), s = WL_MUL(sinf(theta), mscale);
     float a = xh[ia], b = xh[ib];
     return first ? WL_SUB(WL_MUL(a, c), WL_MUL(b, s)) : WL_ADD(WL_MUL(a, s), WL_MUL(b, c));
 }
@@ -65,6 +65,7 @@ WL_HD void wl_kvf_put(int f, wl_u8* out, wl_u64 i, float x) {
 typedef struct {
     wl_u64 n_tok, n_heads, kv_heads;
     int head_dim, n_dims, neox;
+    float mscale;
 } wl_rope_kv_shape;
 
 // Work units of one call: query pairs, then key units, then value units.
@@ -81,7 +82,7 @@ WL_HD float wl_rope_key(const float* k, const int* pos, const float* freqs, wl_r
     wl_u64 tok = e / kvd, head = (e % kvd) / (wl_u64)s.head_dim;
     int d = (int)(e % (wl_u64)s.head_dim);
     return wl_rope_value(k + tok * kvd + head * (wl_u64)s.head_dim, d, (float)pos[tok], freqs,
-                         s.n_dims, s.neox);
+                         s.n_dims, s.neox, s.mscale);
 }
 
 // Work unit u of one call with keys stored as kf and values as vf (see the top of this file).
@@ -98,7 +99,7 @@ WL_HD void wl_rope_kv_unit(wl_u64 u, int kf, int vf, float* q, const float* k, c
         wl_u64 tok = head / s.n_heads;
         float* xh = q + head * (wl_u64)s.head_dim;
         float theta = WL_MUL((float)pos[tok], freqs[i]);
-        float c = cosf(theta), sn = sinf(theta);
+        float c = WL_MUL(cosf(theta), s.mscale), sn = WL_MUL(sinf(theta), s.mscale);
         int ia = s.neox ? i : 2 * i;
         int ib = s.neox ? i + half : 2 * i + 1;
         float a = xh[ia], b = xh[ib];

@@ -185,12 +185,15 @@ def gguf_state_dict(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of the GGUF dequantised to f32 by gguf-py, under its transformers name (norm
     weights less `norm_shift`, which gemma's converter adds), and each tensor's GGUF type. A
-    tied head is the embedding's tensor under both names."""
+    tied head is the embedding's tensor under both names. LongRoPE's factor lists, which the
+    converter writes as tensors from the config, are left out."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     sd, types = {}, {}
     for t in reader.tensors:
+        if t.name.startswith("rope_factors_"):
+            continue  # LongRoPE's lists: the config's, not parameters of the model
         parts = t.name.split(".")
         if parts[0] == "blk":
             hf = f"model.layers.{parts[1]}." + gguf_to_hf[".".join(parts[2:])]

@@ -2,7 +2,8 @@
 transformers computed for their tiny random fixtures (``tests/data/tiny-<family>/``, made by
 ``tests/gen_<family>.py``): the tokenizer's ids, greedy ``generate``, a chat completion with
 the checkpoint's chat template, and ``weightlift run --chat``; ``inspect`` and ``plan`` without
-loading; and what stays refused (phi3's LongRoPE) refused by name."""
+loading; and what stays refused (a RoPE scaling the engine does not apply) refused by name. The
+phi3 fixture is scaled by LongRoPE, as Phi-3.5-mini and Phi-4-mini are."""
 
 from __future__ import annotations
 
@@ -128,30 +129,25 @@ def test_qwen3_head_dim_is_read_not_derived():
     assert wl.open(QWEN3).spec.head_dim == 32  # hidden 64 / 4 heads would be 16
 
 
-def test_phi3_longrope_gguf_is_refused_by_name(tmp_path):
-    # A 128k Phi-3 as llama.cpp's converter writes it: the same model with LongRoPE's factor
-    # tensors and attention factor beside it. Refused before loading, by name; inspect and
-    # plan still read it.
+def test_an_unapplied_rope_scaling_in_gguf_is_refused_by_name(tmp_path):
+    # The LongRoPE fixture with llama.cpp's YaRN key beside it: a scaling the forward pass
+    # does not apply, refused before loading, by name; inspect and plan still read it.
     src = gguf.GGUFReader(PHI3 / "tiny-phi3-F16.gguf")
-    path = tmp_path / "longrope.gguf"
+    path = tmp_path / "yarn.gguf"
     w = gguf.GGUFWriter(path, arch="phi3")
     for name, field in src.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
-    w.add_float32("phi3.rope.scaling.attn_factor", 1.19)
+    w.add_string("phi3.rope.scaling.type", "yarn")
     for t in src.tensors:
         w.add_tensor(t.name, np.array(t.data, dtype=np.float32))
-    for which, value in (("long", 2.0), ("short", 1.0)):
-        w.add_tensor(f"rope_factors_{which}.weight", np.full(4, value, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     assert wl.open(path).spec.architecture == "phi3"
     assert wl.plan(path, devices="cpu").architecture == "phi3"
-    with pytest.raises(
-        wl.UnsupportedError, match=r"LongRoPE factors \('rope_factors_long.weight'\)"
-    ):
+    with pytest.raises(wl.UnsupportedError, match=r"rope scaling type 'yarn'"):
         wl.load_gguf(path, n_ctx=64)

@@ -195,6 +195,7 @@ fn cases() -> Vec<Case> {
             n_dims: 128,
             freq_base: 10000.0,
             freq_scale: 1.0,
+            attn_factor: 1.0,
         };
         let s = if style == RopeStyle::Normal {
             "norm"

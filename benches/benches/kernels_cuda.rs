@@ -494,6 +494,7 @@ fn other_cases<B: Backend + 'static>() -> Vec<Build<B>> {
                 n_dims: 128,
                 freq_base: 10000.0,
                 freq_scale: 1.0,
+                attn_factor: 1.0,
             };
             let pos: Vec<u8> = (0..n_tok as i32).flat_map(i32::to_le_bytes).collect();
             let bufs = vec![upload(be, &f())?, upload(be, &pos)?, be.alloc(n * 4)?];
@@ -658,6 +659,7 @@ fn other_cases<B: Backend + 'static>() -> Vec<Build<B>> {
                 n_dims: hd,
                 freq_base: 10000.0,
                 freq_scale: 1.0,
+                attn_factor: 1.0,
             };
             let freqs = rope_inv_freqs(&params, None)?;
             let kvn = kv_heads * hd;

@@ -39,6 +39,9 @@ pub enum Role {
     OutputNorm,
     Output,
     RopeFreqs,
+    /// LongRoPE's per-pair factor lists (`rope_factors_long` and `rope_factors_short`, which
+    /// llama.cpp's converter writes from the config of Phi-3's 128k models).
+    RopeFactors,
 }
 
 impl Role {
@@ -68,6 +71,7 @@ impl Role {
             Role::OutputNorm => "output_norm",
             Role::Output => "output",
             Role::RopeFreqs => "rope_freqs",
+            Role::RopeFactors => "rope_factors",
         }
     }
 
@@ -75,7 +79,7 @@ impl Role {
     pub const fn is_per_layer(self) -> bool {
         !matches!(
             self,
-            Role::TokenEmbd | Role::OutputNorm | Role::Output | Role::RopeFreqs
+            Role::TokenEmbd | Role::OutputNorm | Role::Output | Role::RopeFreqs | Role::RopeFactors
         )
     }
 }

@@ -251,8 +251,8 @@ extern "C" void wl_host_silu_mul(const float* gate, const float* up, float* out,
 extern "C" void wl_host_rope_kv_store(int kf, int vf, float* q, const float* k, const float* v,
                                       const int* pos, const float* freqs, wl_u8* kc, wl_u8* vc,
                                       size_t n_tok, size_t n_heads, size_t kv_heads, int head_dim,
-                                      int n_dims, int neox) {
-    wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox};
+                                      int n_dims, int neox, float mscale) {
+    wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox, mscale};
     wl_u64 units = wl_rope_kv_units(s, kf, vf);
     for (wl_u64 u = 0; u < units; ++u) wl_rope_kv_unit(u, kf, vf, q, k, v, pos, freqs, kc, vc, s);
 }

@@ -61,6 +61,7 @@ unsafe extern "C" {
         head_dim: i32,
         n_dims: i32,
         neox: i32,
+        mscale: f32,
     );
     fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
     #[allow(clippy::too_many_arguments)]
@@ -386,6 +387,7 @@ pub fn rope_kv_store(
             hd as i32,
             params.n_dims as i32,
             i32::from(params.style == crate::cpu::ops::RopeStyle::Neox),
+            params.attn_factor,
         )
     }
     Ok(())

@@ -168,14 +168,14 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // (x, h, weight, n_cols, eps): x += h, h = rms_norm(x), before the add_ families
     ("add_rms_norm_", &[Ptr, Ptr, Ptr, U64, F32]),
     // in place, before the families their names start with: (x, positions, inv_freqs,
-    // n_pairs, n_heads, head_dim, n_dims)
-    ("rope_inplace_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32]),
+    // n_pairs, n_heads, head_dim, n_dims, mscale)
+    ("rope_inplace_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32, F32]),
     // (q, k, v, positions, inv_freqs, k_cache, v_cache, n_tok, n_heads, kv_heads, head_dim,
-    // n_dims, neox): RoPE and the cache store in one launch
+    // n_dims, neox, mscale): RoPE and the cache store in one launch
     (
         "rope_kv_store_",
         &[
-            Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, I32, I32, I32,
+            Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, I32, I32, I32, F32,
         ],
     ),
     // (x, y, n): x += y, x = silu(x) * y

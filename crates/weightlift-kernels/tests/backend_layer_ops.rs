@@ -85,6 +85,7 @@ fn in_place_ops_match_closed_forms<B: Backend>(b: &B) -> Result<()> {
             n_dims: 8,
             freq_base: 10000.0,
             freq_scale: 0.5,
+            attn_factor: 1.0,
         };
         let freqs = rope_inv_freqs(&params, Some(&[1.0, 2.0, 4.0, 8.0]))?;
         let fb = f32s(b, &freqs)?;
@@ -130,6 +131,7 @@ fn in_place_ops_match_closed_forms<B: Backend>(b: &B) -> Result<()> {
         n_dims: 7,
         freq_base: 1e4,
         freq_scale: 1.0,
+        attn_factor: 1.0,
     };
     let fb = f32s(b, &[1.0; 4])?;
     let mut x = f32s(b, &xr)?;
@@ -252,6 +254,7 @@ fn rope_kv_store_is_the_rope_then_the_stores<B: Backend>(b: &B) -> Result<()> {
                 n_dims,
                 freq_base: 10000.0,
                 freq_scale: 1.0,
+                attn_factor: 1.0,
             };
             let freqs = rope_inv_freqs(&params, None)?;
             let fb = f32s(b, &freqs)?;
@@ -893,6 +896,7 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
         n_dims: hd,
         freq_base: 10000.0,
         freq_scale: 1.0,
+        attn_factor: 1.0,
     };
     let fb = f32s(&b, &rope_inv_freqs(&params, None)?)?;
     let f16_bytes = |v: &[f32]| -> Vec<u8> {

@@ -166,6 +166,7 @@ fn row_ops_match_closed_forms<B: Backend>(b: &B) -> Result<()> {
             n_dims: 4,
             freq_base: 10000.0,
             freq_scale: 1.0,
+            attn_factor: 1.0,
         };
         let mut o = b.alloc(xr.len() * 4)?;
         b.run(Op::Rope {

@@ -598,6 +598,7 @@ fn rope_rotates_pairs_as_llama_cpp_normal_and_neox_styles() {
             n_dims: 4,
             freq_base: 10000.0,
             freq_scale: 1.0,
+            attn_factor: 1.0,
         };
         let mut out = [0f32; 4];
         rope(&x, &[p], &params, &mut out).unwrap();
@@ -616,6 +617,7 @@ fn rope_rotates_pairs_as_llama_cpp_normal_and_neox_styles() {
         n_dims: 4,
         freq_base: 10000.0,
         freq_scale: 1.0,
+        attn_factor: 1.0,
     };
     let x: Vec<f32> = (0..32).map(|i| i as f32).collect();
     let mut out = vec![0f32; 32];
@@ -623,6 +625,43 @@ fn rope_rotates_pairs_as_llama_cpp_normal_and_neox_styles() {
     assert_eq!(&out[..16], &x[..16]); // position 0: identity
     assert_eq!(&out[16 + 4..16 + 8], &x[16 + 4..16 + 8]);
     assert_ne!(&out[16..20], &x[16..20]);
+}
+
+#[test]
+fn rope_attention_factor_scales_the_rotated_dims_only() {
+    // LongRoPE's attention factor multiplies the cosine and sine: the rotated dims grow by it,
+    // the dims past n_dims pass through as they are (transformers' `attention_scaling`).
+    let m = 1.25f32;
+    let params = RopeParams {
+        style: RopeStyle::Neox,
+        head_dim: 8,
+        n_dims: 4,
+        freq_base: 10000.0,
+        freq_scale: 1.0,
+        attn_factor: m,
+    };
+    let x: Vec<f32> = (0..16).map(|i| 0.5 + i as f32 * 0.25).collect();
+    let positions = [0i32, 9];
+    let mut out = vec![0f32; 16];
+    rope(&x, &positions, &params, &mut out).unwrap();
+    for (t, &p) in positions.iter().enumerate() {
+        let h = &x[t * 8..t * 8 + 8];
+        let o = &out[t * 8..t * 8 + 8];
+        for i in 0..2 {
+            let th = f64::from(p) * 10000f64.powf(-2.0 * i as f64 / 4.0);
+            let (c, s) = (th.cos() * f64::from(m), th.sin() * f64::from(m));
+            let (a, b) = (f64::from(h[i]), f64::from(h[i + 2]));
+            assert!(
+                (f64::from(o[i]) - (a * c - b * s)).abs() < 1e-5,
+                "token {t} pair {i}"
+            );
+            assert!(
+                (f64::from(o[i + 2]) - (a * s + b * c)).abs() < 1e-5,
+                "token {t} pair {i}"
+            );
+        }
+        assert_eq!(&o[4..], &h[4..], "token {t}: the unrotated dims");
+    }
 }
 
 #[test]

@@ -931,18 +931,27 @@ mod twin {
         for (head_dim, n_dims) in [(64usize, 64usize), (64, 32), (80, 80)] {
             let (n_heads, kv_heads) = (4, 2);
             let kvn = n_tok * kv_heads * head_dim;
-            for style in [RopeStyle::Normal, RopeStyle::Neox] {
+            // LongRoPE's attention factor (1.5) as well as plain RoPE's 1
+            for (style, attn_factor) in [
+                (RopeStyle::Normal, 1.0),
+                (RopeStyle::Neox, 1.0),
+                (RopeStyle::Normal, 1.5),
+                (RopeStyle::Neox, 1.5),
+            ] {
                 let params = RopeParams {
                     style,
                     head_dim,
                     n_dims,
                     freq_base: 10000.0,
                     freq_scale: 1.0,
+                    attn_factor,
                 };
                 let freqs = rope_inv_freqs(&params, None).unwrap();
                 for (kf, vf) in pairs {
-                    let what =
-                        format!("{kf:?}/{vf:?} head_dim {head_dim} n_dims {n_dims} {style:?}");
+                    let what = format!(
+                        "{kf:?}/{vf:?} head_dim {head_dim} n_dims {n_dims} {style:?} \
+                         attn_factor {attn_factor}"
+                    );
                     let q = rng.vec(n_tok * n_heads * head_dim, 2.0);
                     let k = rng.vec(kvn, 2.0);
                     let v = rng.vec(kvn, 2.0);
@@ -1002,6 +1011,7 @@ mod twin {
             n_dims: 8,
             freq_base: 1e4,
             freq_scale: 1.0,
+            attn_factor: 1.0,
         };
         let err = host_shim::rope_kv_store(
             &params,

@@ -214,7 +214,7 @@ impl Graph {
         let optional = |role: Role, layer: Option<u32>| -> Result<Option<Floats>> {
             find(role, layer).map(norm).transpose()
         };
-        let (rope, inv_freqs) = rope_of(m, spec)?;
+        let (rope, inv_freqs) = rope_of(m, spec, seq_batch.0)?;
         // The row blocks of a stacked matrix (phi3's qkv and gate_up), `parts` rows each in
         // order, each multiplied as a matrix of its own from its rows of the held tensor.
         let stacked = |role: Role, parts: &[usize], layer: Option<u32>| -> Result<Vec<Linear>> {

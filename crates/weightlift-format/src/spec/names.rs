@@ -144,6 +144,7 @@ pub(crate) fn role_of(name: &str) -> Option<Role> {
         "output_norm.weight" | "model.norm.weight" => Role::OutputNorm,
         "output.weight" | "lm_head.weight" => Role::Output,
         "rope_freqs.weight" => Role::RopeFreqs,
+        "rope_factors_long.weight" | "rope_factors_short.weight" => Role::RopeFactors,
         _ => return None,
     })
 }

@@ -99,6 +99,10 @@ pub struct RopeParams {
     pub freq_base: f32,
     /// Linear position scale (`rope_freq_scale`, 1.0 unless the context is stretched).
     pub freq_scale: f32,
+    /// Multiplier of the cosine and sine (so of the rotated dims' magnitude; the dims past
+    /// `n_dims` pass through unscaled): LongRoPE's attention factor, ggml's `attn_factor`,
+    /// transformers' `attention_scaling`. 1.0 for plain RoPE, which it leaves bit for bit.
+    pub attn_factor: f32,
 }
 
 impl RopeParams {
@@ -120,8 +124,9 @@ impl RopeParams {
 
 /// Rotary position embedding. `x` is `n_tok × n_heads × head_dim` (token-major), `positions`
 /// holds one position per token. Pair `i` of a head at position `p` turns by
-/// `θ = p · freq_scale · freq_base^(−2i/n_dims)`: `(a, b) → (a cos θ − b sin θ, a sin θ + b cos θ)`,
-/// as ggml's `rope_yarn` with extrapolation factor 0.
+/// `θ = p · freq_scale · freq_base^(−2i/n_dims)`: `(a, b) → (a c − b s, a s + b c)` with
+/// `c = cos θ · attn_factor`, `s = sin θ · attn_factor`, as ggml's `rope_yarn` with
+/// extrapolation factor 0.
 pub fn rope(x: &[f32], positions: &[i32], p: &RopeParams, out: &mut [f32]) -> Result<()> {
     check_len("rope output values", x.len(), out.len())?;
     out.copy_from_slice(x);
@@ -179,7 +184,7 @@ pub fn rope_in_place(
             };
             for (c, f) in cs.iter_mut().zip(inv_freqs) {
                 let th = *pos as f32 * f;
-                *c = (th.cos(), th.sin());
+                *c = (th.cos() * p.attn_factor, th.sin() * p.attn_factor);
             }
             for xh in xt.chunks_exact_mut(hd) {
                 for (i, (c, s)) in cs.iter().enumerate() {

@@ -421,6 +421,7 @@ impl CudaBackend {
                     KArg::U64(n_heads as u64),
                     KArg::I32(arg_i32("head_dim", hd)?),
                     KArg::I32(arg_i32("n_dims", params.n_dims)?),
+                    KArg::F32(params.attn_factor),
                 ];
                 // SAFETY: one thread per rotated pair below n_tok * n_heads * n_dims / 2, each
                 // inside its head, reading its token's position and its pair's frequency; sizes
@@ -482,6 +483,7 @@ impl CudaBackend {
                     KArg::I32(arg_i32("head_dim", hd)?),
                     KArg::I32(arg_i32("n_dims", params.n_dims)?),
                     KArg::I32(i32::from(params.style == RopeStyle::Neox)),
+                    KArg::F32(params.attn_factor),
                 ];
                 // SAFETY: one thread per work unit below `units` (the kernel's own count of the
                 // same shape): a query pair inside its head (n_tok * n_heads * head_dim checked),

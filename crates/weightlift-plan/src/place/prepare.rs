@@ -35,6 +35,7 @@ fn global_role(t: &TensorInfo) -> Option<Role> {
         | "model.language_model.norm.weight"
         | "language_model.model.norm.weight" => Some(Role::OutputNorm),
         "rope_freqs.weight" => Some(Role::RopeFreqs),
+        "rope_factors_long.weight" | "rope_factors_short.weight" => Some(Role::RopeFactors),
         _ if name.ends_with(".embed_tokens.weight") => Some(Role::TokenEmbd),
         _ => None,
     }
@@ -266,7 +267,7 @@ impl<'a> Ctx<'a> {
                     };
                     u
                 }
-                (None, Some(Role::TokenEmbd | Role::RopeFreqs)) => &mut embed,
+                (None, Some(Role::TokenEmbd | Role::RopeFreqs | Role::RopeFactors)) => &mut embed,
                 (None, Some(Role::Output)) => {
                     has_output = true;
                     &mut output

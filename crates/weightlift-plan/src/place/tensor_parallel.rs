@@ -118,7 +118,9 @@ impl Ctx<'_> {
                 Some(Role::FfnGate | Role::FfnUp) => (&id, 0),
                 Some(Role::FfnDown) => (&id, 1),
                 Some(Role::Output) => (&vc, 0),
-                Some(Role::TokenEmbd | Role::RopeFreqs) if t.layer.is_none() => {
+                Some(Role::TokenEmbd | Role::RopeFreqs | Role::RopeFactors)
+                    if t.layer.is_none() =>
+                {
                     a.tensor_dev[i] = self.host;
                     continue;
                 }

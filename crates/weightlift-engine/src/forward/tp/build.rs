@@ -389,7 +389,7 @@ impl TpGraph {
                 mat: c.mat(head_i, head_copy, &dev, (rows, h), a, None)?,
             });
         }
-        let (rope, inv_freqs) = rope_of(m, spec)?;
+        let (rope, inv_freqs) = rope_of(m, spec, max_seq_len)?;
         let mut graph = TpGraph {
             splits,
             layers,
