@@ -79,6 +79,16 @@ pub const CUDA_EXACT_TYPES: &[QuantType] = &[
     QuantType::F32,
 ];
 
+/// The float weight types CUDA multiplies in [`MatvecMode::Q8`](crate::MatvecMode::Q8), the
+/// fast mode, besides [`CUDA_Q8_TYPES`]: one token and short prompts as in exact mode (their
+/// kernels round nothing), prompts from [`CUBLAS_MIN_TOKENS`] tokens on tensor cores with the
+/// activations rounded to the weights' type (llama.cpp's CUDA backend does the same).
+pub const CUDA_FAST_FLOAT_TYPES: &[QuantType] = &[QuantType::F16, QuantType::BF16];
+
+/// The weight types of CUDA's fast mode ([`CUDA_Q8_TYPES`] and [`CUDA_FAST_FLOAT_TYPES`]) as
+/// the error messages name them.
+pub const CUDA_FAST_NAMES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k, f16, bf16";
+
 /// [`CUDA_EXACT_TYPES`] as the error messages name them.
 pub const CUDA_EXACT_NAMES: &str =
     "q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, f16, bf16, f32";
@@ -253,6 +263,22 @@ pub fn q8_matvec_warps(rows: usize, cols: usize, sm_count: usize) -> usize {
 /// (one AVX2 vector); below that, decoding in registers costs a GPU less than a round trip
 /// through scratch memory.
 pub const DQ_PATH_MIN_TOKENS: usize = 8;
+
+/// Tokens from which a prompt's products run on cuBLAS (`cublasGemmEx`) on CUDA, where
+/// libcublas is found: exact mode as f32 GEMMs of dequantised chunks (no TF32), fast mode on
+/// tensor cores with the activations rounded to f16 (bf16 for bf16 weights) and quantised
+/// weights dequantised chunk by chunk to f16. Below it, the backend's own kernels (decode and
+/// short prompts read each weight once; a GEMM's tiles would mostly wait). A first guess, for
+/// the GPU bench to tune: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` overrides it per process.
+pub const CUBLAS_MIN_TOKENS: usize = 32;
+
+/// The cuBLAS workspace a CUDA backend allocates once and gives its handle
+/// (`cublasSetWorkspace`), so cuBLAS allocates none of its own: 32 MiB on Hopper (sm_90) and
+/// later, 4 MiB before, as the cuBLAS documentation recommends. weightlift-plan's
+/// `cublas_workspace` charges the same (the engine tests that they agree).
+pub fn cublas_workspace_bytes((major, _minor): (i32, i32)) -> usize {
+    if major < 9 { 4 << 20 } else { 32 << 20 }
+}
 
 /// The most values one dequantised chunk holds on the device (64 MiB of f32), whatever
 /// `max_dq_size` allows: larger chunks only save launches.

@@ -30,7 +30,10 @@
 //! ranges, so its partial results fit here.
 //!
 //! Weights are used in their stored type (the CPU kernels dequantise in registers), so no
-//! dequantisation buffer is reserved; `max_dq_size` bounds the kernels' own tiles.
+//! dequantisation buffer is reserved; `max_dq_size` bounds the kernels' own tiles. A CUDA
+//! device's prompt products allocate such tiles of their own (a dequantised chunk, the
+//! activations re-encoded), which the plan charges beside the workspace
+//! ([`cuda_product_tiles`]); the engine does not carve them out of it.
 
 use weightlift_format::ModelSpec;
 
@@ -48,6 +51,43 @@ pub const ATTENTION_SPLITS: u64 = 128;
 /// The fewest keys in one range of a split attention call (weightlift-kernels'
 /// `ATTENTION_MIN_SPLIT_KEYS`): a cache of `n` positions is split at most `ceil(n / this)` ways.
 pub const ATTENTION_SPLIT_KEYS: u64 = 16;
+
+/// The most values one dequantised weight chunk of a CUDA prompt product holds, whatever
+/// `max_dq_size` allows (weightlift-kernels' `DQ_CHUNK_CAP`; the engine tests that they are
+/// equal).
+pub const DQ_CHUNK_VALUES: u64 = 16 << 20;
+
+/// Device scratch a CUDA device's prompt products allocate beside the workspace, per product
+/// and freed after it (so the largest one counts): the dequantised chunk of weight rows of the
+/// exact path, `min(max_dq_size, DQ_CHUNK_VALUES, the largest matrix)` f32 values (fast mode's
+/// f16 chunk is half of it), plus the activations as the products re-encode them, `T` tokens of
+/// the widest input at 2 bytes a value (fast mode's f16/bf16 copy for cuBLAS; the Q8 blocks of
+/// the quantised kernels take 1.25). 0 for a device that computes no layers and no head.
+/// The cuBLAS workspace is not here: it is part of the device's overhead (`overhead.rs`).
+pub fn cuda_product_tiles(d: &Dims, max_dq_size: u64, hosts: Hosts) -> u64 {
+    if d.tokens == 0 || !(hosts.layers || hosts.head) {
+        return 0;
+    }
+    let mut widest_out = 0u64;
+    let mut widest_in = 0u64;
+    if hosts.layers {
+        widest_out = widest_out.max(d.q_dim).max(d.kv_dim).max(d.inter);
+        widest_in = widest_in.max(d.hidden).max(d.q_dim).max(d.inter);
+    }
+    if hosts.head {
+        widest_out = widest_out.max(d.vocab);
+        widest_in = widest_in.max(d.hidden);
+    }
+    // the largest matrix: the down projection (hidden × inter) or one of hidden columns
+    let largest = widest_out
+        .max(d.hidden)
+        .saturating_mul(d.hidden)
+        .max(d.hidden.saturating_mul(d.inter));
+    let chunk = max_dq_size.min(DQ_CHUNK_VALUES).min(largest);
+    let round = |b: u64| b.div_ceil(ALIGN).saturating_mul(ALIGN);
+    round(chunk.saturating_mul(4))
+        .saturating_add(round(d.tokens.saturating_mul(widest_in).saturating_mul(2)))
+}
 
 /// What a device computes, which decides the regions it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -261,6 +301,59 @@ pub(crate) mod tests {
         );
         assert_eq!(e.bytes, 512 * 576 * 4);
         assert_eq!(Workspace::new(&d, Hosts::default()).bytes, 0);
+    }
+
+    /// A CUDA device's prompt tiles: the largest dequantised chunk (capped by `max_dq_size`
+    /// and [`DQ_CHUNK_VALUES`]) in f32 and the widest input of `T` tokens in 2 bytes, charged
+    /// on top of the workspace on cuda devices only.
+    #[test]
+    fn cuda_devices_are_charged_their_prompt_tiles() {
+        use crate::device::DeviceKind;
+        use crate::memory::ScratchModel;
+        let rt = RuntimeSpec {
+            max_input_len: 512,
+            ..RuntimeSpec::default()
+        };
+        let d = Dims::new(&spec(), &rt, 8192, 1);
+        let layers = Hosts {
+            layers: true,
+            ..Hosts::default()
+        };
+        let all = Hosts {
+            layers: true,
+            head: true,
+            embed: true,
+        };
+        // layers: the 1536 × 576 gate/up/down matrices in one f32 chunk, 512 tokens of the
+        // 1536-wide down projection's input in f16
+        let acts = 512 * 1536 * 2;
+        assert_eq!(
+            cuda_product_tiles(&d, rt.max_dq_size, layers),
+            1536 * 576 * 4 + acts
+        );
+        // the head's 49152 × 576 matrix is chunked at DQ_CHUNK_VALUES
+        assert_eq!(
+            cuda_product_tiles(&d, rt.max_dq_size, all),
+            DQ_CHUNK_VALUES * 4 + acts
+        );
+        // max_dq_size bounds the chunk; nothing for an embedding-only device or no tokens
+        assert_eq!(cuda_product_tiles(&d, 1 << 20, all), (4 << 20) + acts);
+        let embed = Hosts {
+            embed: true,
+            ..Hosts::default()
+        };
+        assert_eq!(cuda_product_tiles(&d, rt.max_dq_size, embed), 0);
+        let none = Dims::new(&spec(), &RuntimeSpec::none(), 8192, 1);
+        assert_eq!(cuda_product_tiles(&none, 1 << 20, all), 0);
+        // the scratch model adds them on cuda devices only
+        let m = ScratchModel::new(&spec(), &rt, 8192, 1);
+        let ws = Workspace::new(&d, all).bytes;
+        assert_eq!(m.for_device(all, DeviceKind::Virtual), ws);
+        assert_eq!(m.for_device(all, DeviceKind::Cpu), ws);
+        assert_eq!(
+            m.for_device(all, DeviceKind::Cuda),
+            ws + DQ_CHUNK_VALUES * 4 + acts
+        );
     }
 
     #[test]

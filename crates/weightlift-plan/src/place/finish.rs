@@ -159,7 +159,7 @@ impl Ctx<'_> {
             let mut scratch = match &a.scratch {
                 Some(s) => s.get(i).copied().unwrap_or(0),
                 None if dev.kind == DeviceKind::Disk => 0,
-                None => self.scratch.for_hosts(hosts[i]),
+                None => self.scratch.for_device(hosts[i], dev.kind),
             };
             if i == self.host {
                 host_scratch = scratch;
