@@ -48,7 +48,14 @@
 //!   ([`crate::sources::attention_grid`]) so that a decode step fills every SM; the splits'
 //!   partial results go to the caller's scratch and `attention_reduce_f32` merges them. The
 //!   cache is read in its storage format (f32, f16, e4m3, Hadamard-turned q8/q4 groups, decoded
-//!   by the warp's 32 lanes together), and written by `kv_store_{format}`.
+//!   by the warp's 32 lanes together), and written by `kv_store_{format}`. Prompts of
+//!   [`crate::sources::ATTENTION_PREFILL_MIN_QUERIES`] queries or more with heads up to
+//!   [`crate::sources::ATTENTION_PREFILL_MAX_HEAD_DIM`] take `attention_prefill_{format}`
+//!   instead: flash attention in f32, a block of (query, head) rows of one KV group staging
+//!   tiles of 32 keys and values in shared memory (decoded from the cache format once per
+//!   block) and folding them into each row's online softmax, so the cache is read once per
+//!   block of rows rather than once per query; window, soft-cap, f16 operands and a start
+//!   offset (a chunked prompt continuing a cache) as `attention_{format}`. No scratch.
 //! - The launch plumbing is in `launch`, the matrix products in `matmul`, and the operation
 //!   dispatch in `ops`. `graph` records a sequence of operations as a CUDA graph and replays it
 //!   ([`CudaBackend::capture`], [`CudaBackend::replay`]; nothing captures by default).
@@ -81,11 +88,11 @@ use crate::cpu::ops::RopeStyle;
 use crate::cpu_backend::AttShape;
 use crate::error::{KernelError, Result};
 use crate::sources::{
-    ATTENTION_WARPS, CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FAST_FLOAT_TYPES, CUDA_FAST_NAMES,
-    CUDA_FLOAT_TYPES, CUDA_Q8_TYPES, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS,
-    FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES,
-    Q8_MATVEC_THREADS, attention_grid, dq_chunk_rows, float_row_threads, q8_matvec_warps,
-    signature,
+    ATTENTION_PREFILL_MAX_HEAD_DIM, ATTENTION_PREFILL_MIN_QUERIES, ATTENTION_WARPS,
+    CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FAST_FLOAT_TYPES, CUDA_FAST_NAMES, CUDA_FLOAT_TYPES,
+    CUDA_Q8_TYPES, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS,
+    GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS, attention_grid,
+    attention_prefill_rows, dq_chunk_rows, float_row_threads, q8_matvec_warps, signature,
 };
 use crate::types::{FloatType, QuantType};
 

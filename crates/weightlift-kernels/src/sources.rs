@@ -199,6 +199,14 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // the splits merged, before the family its name starts with: (part, out, n_q, n_heads,
     // head_dim, n_splits)
     ("attention_reduce_", &[Ptr, Ptr, U64, U64, I32, U64]),
+    // prompts, before the family its name starts with: (q, k, v, out, n_q, start, n_heads,
+    // kv_heads, head_dim, scale, f16_operands, window, softcap)
+    (
+        "attention_prefill_",
+        &[
+            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, F32,
+        ],
+    ),
     // (q, k, v, out or partial results, n_q, start, n_heads, kv_heads, head_dim, scale,
     // f16_operands, n_splits, window, softcap)
     (
@@ -311,6 +319,26 @@ pub const GEMM_THREADS: usize = 256;
 /// The largest head the attention kernel takes (`WL_ATT_MAX_HD` in
 /// `kernels/wl_attention.cuh`).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+
+/// The widest head the prompt attention kernel `attention_prefill_{format}` takes
+/// (`WL_FA_MAX_HD`); prompts of wider heads take `attention_{format}`.
+pub const ATTENTION_PREFILL_MAX_HEAD_DIM: usize = 128;
+
+/// Queries from which a call of CUDA attention takes the prompt kernel
+/// `attention_prefill_{format}` (K/V tiles in shared memory met by a block of (query, head)
+/// rows) instead of `attention_{format}` (one block per query, keys split across blocks): a few
+/// queries fill the GPU only through the splits. A first guess, for the GPU bench to tune.
+pub const ATTENTION_PREFILL_MIN_QUERIES: usize = 16;
+
+/// Keys per tile of the prompt attention kernel (`WL_FA_KEYS`).
+pub const ATTENTION_PREFILL_KEYS: usize = 32;
+
+/// The (query, query head) rows one prompt attention block takes for heads of `head_dim`
+/// values (`wl_fa_rows`): 32 up to 64 values, 16 up to 128 (the staged queries stay at 2,048
+/// floats of shared memory).
+pub fn attention_prefill_rows(head_dim: usize) -> usize {
+    if head_dim.div_ceil(32) <= 2 { 32 } else { 16 }
+}
 
 /// Warps per attention block (`WL_ATT_WARPS` in `kernels/wl_attention.cuh`).
 pub const ATTENTION_WARPS: usize = 4;

@@ -218,3 +218,225 @@ fn cublas_is_ready_on_this_gpu() -> Result<()> {
     );
     Ok(())
 }
+
+/// The cache formats every attention kernel reads, as (keys, values).
+const KV_FORMATS: [(KvFormat, KvFormat); 7] = [
+    (KvFormat::F32, KvFormat::F32),
+    (KvFormat::F16, KvFormat::F16),
+    (KvFormat::BF16, KvFormat::BF16),
+    (KvFormat::E4M3, KvFormat::E4M3),
+    (KvFormat::Q8, KvFormat::Q8),
+    (KvFormat::Q4, KvFormat::Q4),
+    (KvFormat::Q8, KvFormat::Q4),
+];
+
+/// One prompt-attention case: its shape, window, soft-cap, queries and stored cache rows.
+struct AttCase {
+    formats: (KvFormat, KvFormat),
+    shape: cpu::attention::AttnShape,
+    window: usize,
+    softcap: f32,
+    q: Vec<f32>,
+    k: Vec<u8>,
+    v: Vec<u8>,
+}
+
+/// Every case the prompt-attention tests run: each cache format; heads of 64 and 128 values
+/// (40 for the float caches: a partial lane layout) with GQA ratios 1, 3 and 8; prompts of
+/// 17 and 40 queries from position 0 and continuing a cache of 37 rows (a chunked prompt);
+/// no window and a window of 20 keys (shorter than a key tile, so early tiles are skipped for
+/// the late rows); gemma's soft-cap; with and without f16 operands.
+fn attention_cases(rng: &mut Rng) -> Vec<AttCase> {
+    let mut out = Vec::new();
+    for (nh, kvh) in [(4usize, 4usize), (6, 2), (8, 1)] {
+        for hd in [40usize, 64, 128] {
+            for (n_q, start) in [(17usize, 0usize), (40, 37)] {
+                let rows = start + n_q;
+                let q = rng.vec(n_q * nh * hd, 2.0);
+                let kx = rng.vec(rows * kvh * hd, 2.0);
+                let vx = rng.vec(rows * kvh * hd, 1.0);
+                for (ci, &(kf, vf)) in KV_FORMATS.iter().enumerate() {
+                    if hd % 32 != 0 && (kf.quant().is_some() || kf == KvFormat::E4M3) {
+                        continue;
+                    }
+                    let mut k = vec![0u8; kf.byte_at(kx.len())];
+                    let mut v = vec![0u8; vf.byte_at(vx.len())];
+                    kv_encode(kf, &kx, &mut k).unwrap();
+                    kv_encode(vf, &vx, &mut v).unwrap();
+                    // the window, soft-cap and f16 operands vary with the case, not all at once
+                    let (window, softcap) = match (ci + n_q) % 3 {
+                        0 => (0, 0.0),
+                        1 => (20, 0.0),
+                        _ => (0, 30.0),
+                    };
+                    for f16_operands in [false, true] {
+                        let shape = cpu::attention::AttnShape::new(
+                            nh,
+                            kvh,
+                            hd,
+                            n_q,
+                            start,
+                            1.0 / (hd as f32).sqrt(),
+                            f16_operands,
+                        )
+                        .unwrap();
+                        out.push(AttCase {
+                            formats: (kf, vf),
+                            shape,
+                            window,
+                            softcap,
+                            q: q.clone(),
+                            k: k.clone(),
+                            v: v.clone(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `Op::Attention` of case `c` on backend `b`.
+fn attention_on<B: Backend>(b: &B, c: &AttCase) -> Result<Vec<f32>> {
+    let (qb, kb, vb) = (
+        upload(b, bytemuck::cast_slice(&c.q))?,
+        upload(b, &c.k)?,
+        upload(b, &c.v)?,
+    );
+    let mut out = b.alloc(c.q.len() * 4)?;
+    let s = c.shape;
+    b.run(Op::Attention {
+        k_format: c.formats.0,
+        v_format: c.formats.1,
+        n_heads: s.n_heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        n_q: s.n_q,
+        start: s.start,
+        scale: s.scale,
+        window: c.window,
+        softcap: c.softcap,
+        tile: 256,
+        f16_operands: s.f16_operands,
+        q: &qb,
+        k: &kb,
+        v: &vb,
+        out: &mut out,
+        scratch: None,
+    })?;
+    download_f32(b, &out, c.q.len())
+}
+
+/// Within 2e-6 (1e-5 past 64 keys, whose sums are longer; 2e-3 with f16 operands, whose
+/// weights are rounded against each tile's running maximum, not the CPU's).
+fn attention_close(what: &str, c: &AttCase, got: &[f32], want: &[f32]) {
+    let s = c.shape;
+    let tol = match (s.f16_operands, s.start + s.n_q > 64) {
+        (true, _) => 2e-3,
+        (false, false) => 2e-6,
+        (false, true) => 1e-5,
+    };
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol,
+            "{what} {:?}/{:?} {}/{} heads of {}, n_q {} start {}, window {} softcap {}, f16 ops \
+             {}: value {i}: {g} vs cpu {w}",
+            c.formats.0,
+            c.formats.1,
+            s.n_heads,
+            s.kv_heads,
+            s.head_dim,
+            s.n_q,
+            s.start,
+            c.window,
+            c.softcap,
+            s.f16_operands
+        );
+    }
+}
+
+/// The prompt attention kernel's tile algorithm (`attention_prefill_{format}`), replayed on the
+/// host with its own header functions, against the CPU backend's attention over the same
+/// stored rows, for every case of [`attention_cases`].
+#[cfg(wl_host_shim)]
+#[test]
+fn prompt_attention_twin_matches_the_cpu_backend() {
+    use weightlift_kernels::host_shim;
+    let cpu = CpuBackend::new();
+    let cases = attention_cases(&mut Rng(0xfa01));
+    for c in &cases {
+        let want = attention_on(&cpu, c).unwrap();
+        let mut got = vec![f32::NAN; c.q.len()];
+        host_shim::attention_prefill(
+            c.formats.0,
+            c.formats.1,
+            c.shape,
+            (c.window, c.softcap),
+            &c.q,
+            &c.k,
+            &c.v,
+            &mut got,
+        )
+        .unwrap();
+        attention_close("twin", c, &got, &want);
+    }
+    // 3 head layouts × (3 + 7 + 7 formats) × 2 prompts × 2 operand roundings
+    assert_eq!(cases.len(), 3 * 17 * 2 * 2);
+}
+
+/// The twin's rows a block and the launch's agree for every head the kernel takes, and it
+/// refuses wider heads, naming them.
+#[cfg(wl_host_shim)]
+#[test]
+fn prompt_attention_blocks_are_the_kernels() {
+    use weightlift_kernels::host_shim;
+    use weightlift_kernels::sources::{ATTENTION_PREFILL_MAX_HEAD_DIM, attention_prefill_rows};
+    for hd in 1..=ATTENTION_PREFILL_MAX_HEAD_DIM {
+        assert_eq!(
+            host_shim::attention_prefill_rows(hd),
+            attention_prefill_rows(hd),
+            "head_dim {hd}"
+        );
+    }
+    let wide = cpu::attention::AttnShape::new(2, 1, 160, 1, 0, 0.1, false).unwrap();
+    let (q, kv, mut out) = (vec![0f32; 320], vec![0u8; 160 * 4], vec![0f32; 320]);
+    let e = host_shim::attention_prefill(
+        KvFormat::F32,
+        KvFormat::F32,
+        wide,
+        (0, 0.0),
+        &q,
+        &kv,
+        &kv,
+        &mut out,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("head_dim 160: the kernel takes at most 128"),
+        "{e}"
+    );
+}
+
+/// Prompt attention on every backend against the CPU backend, for the cases of
+/// [`attention_cases`]: on CUDA `attention_prefill_{format}` (at least
+/// `ATTENTION_PREFILL_MIN_QUERIES` queries, heads up to 128), with its chunked prompts
+/// continuing a cache, windows and soft-cap.
+fn prompt_attention_matches_the_cpu_backend<B: Backend>(b: &B) -> Result<()> {
+    use weightlift_kernels::sources::ATTENTION_PREFILL_MIN_QUERIES;
+    let cpu = CpuBackend::new();
+    let cases = attention_cases(&mut Rng(0xfa02));
+    assert!(
+        cases
+            .iter()
+            .all(|c| c.shape.n_q >= ATTENTION_PREFILL_MIN_QUERIES)
+    );
+    for c in &cases {
+        let want = attention_on(&cpu, c)?;
+        let got = attention_on(b, c)?;
+        attention_close(&b.name(), c, &got, &want);
+    }
+    Ok(())
+}
+weightlift_kernels::test_device!(prompt_attention_matches_the_cpu_backend);

@@ -600,6 +600,42 @@ impl CudaBackend {
                 if n_q == 0 {
                     return Ok(());
                 }
+                if n_q >= ATTENTION_PREFILL_MIN_QUERIES
+                    && head_dim <= ATTENTION_PREFILL_MAX_HEAD_DIM
+                {
+                    // a prompt: K/V tiles in shared memory, met by blocks of (query, head) rows
+                    let name = name.replacen("attention_", "attention_prefill_", 1);
+                    let rows = mul(n_q, n_heads / kv_heads);
+                    let blocks = mul(kv_heads, rows.div_ceil(attention_prefill_rows(head_dim)));
+                    let cfg = LaunchConfig {
+                        grid_dim: (grid_for(blocks, 1, "attention blocks")?, 1, 1),
+                        block_dim: (ATTENTION_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut args = [
+                        KArg::In(&q.slice),
+                        KArg::In(&k.slice),
+                        KArg::In(&v.slice),
+                        KArg::Out(&mut out.slice),
+                        KArg::U64(n_q as u64),
+                        KArg::U64(start as u64),
+                        KArg::U64(n_heads as u64),
+                        KArg::U64(kv_heads as u64),
+                        KArg::I32(arg_i32("head_dim", head_dim)?),
+                        KArg::F32(scale),
+                        KArg::I32(i32::from(f16_operands)),
+                        KArg::U64(window as u64),
+                        KArg::F32(softcap),
+                    ];
+                    // SAFETY: block (kh, b) reads the query rows of its (query, head) pairs
+                    // (n_q * n_heads * head_dim checked), cache rows below start + n_q of KV
+                    // head kh ((start + n_q) rows checked), and writes the output rows of its
+                    // pairs (checked); head_dim is within the kernel's shared arrays (checked
+                    // against ATTENTION_PREFILL_MAX_HEAD_DIM), and kv_heads divides n_heads
+                    // (AttShape::check).
+                    unsafe { self.launch("attention", &name, cfg, &mut args) }?;
+                    return Ok(());
+                }
                 let room = scratch.as_deref().map_or(0, |b| b.slice.len() / 4);
                 let grid = attention_grid(
                     [n_heads, kv_heads, head_dim, n_q, start],
