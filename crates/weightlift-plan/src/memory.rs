@@ -300,17 +300,32 @@ impl ScratchModel {
         }
     }
 
-    /// Scratch of a device that hosts what `hosts` says: the workspace, and on a CUDA device
-    /// also its prompt products' own tiles ([`cuda_product_tiles`]).
+    /// Scratch of a `kind` device that hosts what `hosts` says: its workspace (the engine
+    /// allocates this), laid out without the host attention's tiles on a CUDA device
+    /// ([`Workspace::for_kernel_attention`]).
     pub fn for_device(&self, hosts: Hosts, kind: DeviceKind) -> u64 {
-        let tiles = if kind == DeviceKind::Cuda {
+        if kind == DeviceKind::Cuda {
+            Workspace::for_kernel_attention(&self.dims, hosts).bytes
+        } else {
+            Workspace::new(&self.dims, hosts).bytes
+        }
+    }
+
+    /// The prompt products' own tiles on a `kind` device ([`cuda_product_tiles`] on CUDA, 0
+    /// elsewhere): charged as overhead, allocated by the kernels.
+    pub fn cuda_tiles(&self, hosts: Hosts, kind: DeviceKind) -> u64 {
+        if kind == DeviceKind::Cuda {
             cuda_product_tiles(&self.dims, self.max_dq_size, hosts)
         } else {
             0
-        };
-        Workspace::new(&self.dims, hosts)
-            .bytes
-            .saturating_add(tiles)
+        }
+    }
+
+    /// What computing `hosts` costs a `kind` device beside its weights and cache: the scratch
+    /// and the tiles, for the placement's budgets.
+    pub fn charged(&self, hosts: Hosts, kind: DeviceKind) -> u64 {
+        self.for_device(hosts, kind)
+            .saturating_add(self.cuda_tiles(hosts, kind))
     }
 }
 

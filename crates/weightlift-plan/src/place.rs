@@ -66,8 +66,8 @@ pub(crate) fn scratch_saving(
         .filter(|(_, d)| d.kind != DeviceKind::Disk)
         .map(|(h, d)| {
             let saved = before
-                .for_device(h, d.kind)
-                .saturating_sub(ctx.scratch.for_device(h, d.kind));
+                .charged(h, d.kind)
+                .saturating_sub(ctx.scratch.charged(h, d.kind));
             (d.name.clone(), saved)
         })
         .filter(|&(_, b)| b > 0)

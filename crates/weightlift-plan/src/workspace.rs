@@ -20,6 +20,9 @@
 //! | `pos` (positions, i32) and `freqs` (RoPE inverse frequencies) | `T` and `head_dim/2` | layers |
 //! | `logits` | `R·V` | the head |
 //!
+//! A CUDA device's layout ([`Workspace::for_kernel_attention`]) has no `kt`, `vt`, `scores` or
+//! `stats`: its attention kernels hold their tiles and running softmax on the chip.
+//!
 //! `Tk = min(KV_TILE, max_seq_len, max_attention_size)` keys per tile, and
 //! `Tq = min(T, max(1, max_attention_size / Tk))` queries per tile, so no head ever holds more
 //! than `max_attention_size` attention weights. `R = min(LOGIT_ROWS, T)`: logits for more rows
@@ -57,8 +60,10 @@ pub const ATTENTION_SPLIT_KEYS: u64 = 16;
 /// equal).
 pub const DQ_CHUNK_VALUES: u64 = 16 << 20;
 
-/// Device scratch a CUDA device's prompt products allocate beside the workspace, per product
-/// and freed after it (so the largest one counts): the dequantised chunk of weight rows of the
+/// Device memory a CUDA device's prompt products allocate beside the workspace, per product
+/// and freed after it (so the largest one counts), which the plan charges as a part of the
+/// device's overhead ([`crate::overhead::PROMPT_TILES`]; the engine allocates the scratch
+/// column, and these are the kernels' own): the dequantised chunk of weight rows of the
 /// exact path, `min(max_dq_size, DQ_CHUNK_VALUES, the largest matrix)` f32 values (fast mode's
 /// f16 chunk is half of it), plus the activations as the products re-encode them, `T` tokens of
 /// the widest input at 2 bytes a value (fast mode's f16/bf16 copy for cuBLAS; the Q8 blocks of
@@ -193,6 +198,18 @@ pub struct Workspace {
 impl Workspace {
     /// The layout for a device that computes `hosts`. Every value is 4 bytes (f32 or i32).
     pub fn new(d: &Dims, hosts: Hosts) -> Workspace {
+        Workspace::layout(d, hosts, true)
+    }
+
+    /// The layout for a device whose attention is one kernel over the cache (CUDA: the split
+    /// decode kernel and the prompt kernel keep their tiles, scores and running softmax in
+    /// registers and shared memory): [`Workspace::new`] without `kt`, `vt`, `scores` and
+    /// `stats`, which only the host's tiled attention uses.
+    pub fn for_kernel_attention(d: &Dims, hosts: Hosts) -> Workspace {
+        Workspace::layout(d, hosts, false)
+    }
+
+    fn layout(d: &Dims, hosts: Hosts, host_attention: bool) -> Workspace {
         let mut w = Workspace::default();
         if d.tokens == 0 || !hosts.any() {
             return w;
@@ -216,10 +233,12 @@ impl Workspace {
             w.v = take(t.saturating_mul(d.kv_dim));
             w.gate = take(t.saturating_mul(d.inter));
             w.up = take(t.saturating_mul(d.inter));
-            w.kt = take(d.kv_tile.saturating_mul(d.kv_dim));
-            w.vt = take(d.kv_tile.saturating_mul(d.kv_dim));
-            w.scores = take(d.n_heads.saturating_mul(d.q_tile).saturating_mul(d.kv_tile));
-            w.stats = take(2u64.saturating_mul(t).saturating_mul(d.n_heads));
+            if host_attention {
+                w.kt = take(d.kv_tile.saturating_mul(d.kv_dim));
+                w.vt = take(d.kv_tile.saturating_mul(d.kv_dim));
+                w.scores = take(d.n_heads.saturating_mul(d.q_tile).saturating_mul(d.kv_tile));
+                w.stats = take(2u64.saturating_mul(t).saturating_mul(d.n_heads));
+            }
             w.parts = take(
                 d.n_heads
                     .saturating_mul(d.att_splits)
@@ -345,15 +364,69 @@ pub(crate) mod tests {
         assert_eq!(cuda_product_tiles(&d, rt.max_dq_size, embed), 0);
         let none = Dims::new(&spec(), &RuntimeSpec::none(), 8192, 1);
         assert_eq!(cuda_product_tiles(&none, 1 << 20, all), 0);
-        // the scratch model adds them on cuda devices only
+        // the scratch model: cuda devices hold the kernel-attention layout, and are charged
+        // the tiles besides
         let m = ScratchModel::new(&spec(), &rt, 8192, 1);
         let ws = Workspace::new(&d, all).bytes;
-        assert_eq!(m.for_device(all, DeviceKind::Virtual), ws);
-        assert_eq!(m.for_device(all, DeviceKind::Cpu), ws);
+        let kernel = Workspace::for_kernel_attention(&d, all).bytes;
+        for kind in [DeviceKind::Virtual, DeviceKind::Cpu] {
+            assert_eq!(m.for_device(all, kind), ws);
+            assert_eq!(m.charged(all, kind), ws);
+            assert_eq!(m.cuda_tiles(all, kind), 0);
+        }
+        assert_eq!(m.for_device(all, DeviceKind::Cuda), kernel);
         assert_eq!(
-            m.for_device(all, DeviceKind::Cuda),
-            ws + DQ_CHUNK_VALUES * 4 + acts
+            m.cuda_tiles(all, DeviceKind::Cuda),
+            DQ_CHUNK_VALUES * 4 + acts
         );
+        assert_eq!(
+            m.charged(all, DeviceKind::Cuda),
+            kernel + DQ_CHUNK_VALUES * 4 + acts
+        );
+    }
+
+    /// A CUDA device's layout drops the host attention's regions (decoded K/V tiles, one
+    /// tile's scores, the softmax stats) and keeps every other region the same size.
+    #[test]
+    fn kernel_attention_layouts_hold_no_host_attention_tiles() {
+        let rt = RuntimeSpec {
+            max_input_len: 512,
+            ..RuntimeSpec::default()
+        };
+        let d = Dims::new(&spec(), &rt, 8192, 1);
+        let all = Hosts {
+            layers: true,
+            head: true,
+            embed: true,
+        };
+        let (w, k) = (
+            Workspace::new(&d, all),
+            Workspace::for_kernel_attention(&d, all),
+        );
+        for r in [k.kt, k.vt, k.scores, k.stats] {
+            assert_eq!(r.len, 0);
+        }
+        for (a, b) in [
+            (w.x, k.x),
+            (w.xn, k.xn),
+            (w.q, k.q),
+            (w.att, k.att),
+            (w.k, k.k),
+            (w.v, k.v),
+            (w.gate, k.gate),
+            (w.up, k.up),
+            (w.parts, k.parts),
+            (w.pos, k.pos),
+            (w.freqs, k.freqs),
+            (w.logits, k.logits),
+        ] {
+            assert_eq!(a.len, b.len);
+        }
+        // SmolLM2 at 512 tokens: 2 × 256 × 192 decoded keys and values, 9 × 512 × 256 scores
+        // and 2 × 512 × 9 stats, 4 bytes each
+        let host = 2 * 256 * 192 + 9 * 512 * 256 + 2 * 512 * 9;
+        assert_eq!(w.bytes - k.bytes, host * 4);
+        assert_eq!(k.logits.offset + k.logits.len * 4, k.bytes);
     }
 
     #[test]

@@ -744,3 +744,58 @@ fn bf16_checkpoint_on_cuda_keeps_bf16() {
         p.tensors().iter().map(|t| t.bytes).sum::<u64>()
     );
 }
+
+/// A cuda device computing the layers and the head holds the kernel-attention workspace (no
+/// host attention tiles) as scratch, and is charged its prompt products' own tiles as a named
+/// part of its overhead; a virtual device of the same size holds the full workspace and no
+/// such part.
+#[test]
+fn cuda_devices_hold_kernel_attention_scratch_and_are_charged_prompt_tiles() {
+    let mut req = request(tiny_llama(), "bfloat16", "cuda:0:1GiB,cpu:1GiB");
+    req.cache = Some(CacheSpec::new(512, 1, CacheDType::Fp16));
+    let p = plan(&req).unwrap();
+    assert!(p.layer_devices().iter().all(|d| d == "cuda:0"));
+    assert_eq!(p.head_device(), "cuda:0");
+    let d = Dims::new(&req.spec, &req.runtime, 512, 1);
+    let hosts = |embed| Hosts {
+        layers: true,
+        head: true,
+        embed,
+    };
+    let cuda = p.devices().iter().find(|d| d.name == "cuda:0").unwrap();
+    assert!(
+        [true, false]
+            .iter()
+            .any(|&e| cuda.scratch == Workspace::for_kernel_attention(&d, hosts(e)).bytes),
+        "{}",
+        cuda.scratch
+    );
+    let tiles = cuda_product_tiles(&d, req.runtime.max_dq_size, hosts(true));
+    assert!(tiles > 0);
+    let part = cuda
+        .overhead_parts
+        .iter()
+        .find(|o| o.name == overhead::PROMPT_TILES)
+        .expect("a prompt tiles part");
+    assert_eq!(part.bytes, tiles);
+    assert_eq!(
+        cuda.overhead,
+        cuda.overhead_parts.iter().map(|o| o.bytes).sum::<u64>()
+    );
+    let mut req = request(tiny_llama(), "bfloat16", "virtual:1x1GiB,cpu:1GiB");
+    req.cache = Some(CacheSpec::new(512, 1, CacheDType::Fp16));
+    let p = plan(&req).unwrap();
+    let v = p.devices().iter().find(|d| d.name == "virtual:0").unwrap();
+    assert!(
+        [true, false]
+            .iter()
+            .any(|&e| v.scratch == Workspace::new(&d, hosts(e)).bytes),
+        "{}",
+        v.scratch
+    );
+    assert!(
+        v.overhead_parts
+            .iter()
+            .all(|o| o.name != overhead::PROMPT_TILES)
+    );
+}
