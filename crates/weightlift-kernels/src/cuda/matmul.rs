@@ -324,7 +324,8 @@ impl CudaBackend {
 
     /// A prompt's product on cuBLAS (see [`crate::sources::CUBLAS_MIN_TOKENS`]), or `false`
     /// with nothing run when this one does not take it: too few tokens, f16 activations, no
-    /// libcublas, or a weight row longer than `max_dq_size` allows in one chunk.
+    /// libcublas, a weight row longer than `max_dq_size` allows in one chunk, or an operand it
+    /// reads in place at an address that is not a multiple of its element.
     ///
     /// - Exact mode: f32 weights as they are, the others dequantised to f32 `chunk` rows at a
     ///   time into a scratch of at most `max_dq_size` values ([`dq_chunk_rows`], the chunks of
@@ -356,6 +357,20 @@ impl CudaBackend {
         } else {
             m.ty == QuantType::F32
         };
+        // cuBLAS reads whole elements: a view at an offset that is not a multiple of one (the
+        // kernels' byte-by-byte path takes those) stays on the kernels
+        let aligned = |b: &CudaBuffer, size: usize| {
+            b.slice
+                .device_ptr(&self.stream)
+                .0
+                .is_multiple_of(size as u64)
+        };
+        if !aligned(y, 4)
+            || (!fast && !aligned(x, 4))
+            || (direct && !aligned(w, m.ty.block_bytes()))
+        {
+            return Ok(false);
+        }
         let chunk = if direct {
             m.rows
         } else {
