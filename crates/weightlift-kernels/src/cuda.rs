@@ -90,9 +90,10 @@ use crate::error::{KernelError, Result};
 use crate::sources::{
     ATTENTION_PREFILL_MAX_HEAD_DIM, ATTENTION_PREFILL_MIN_QUERIES, ATTENTION_WARPS,
     CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FAST_FLOAT_TYPES, CUDA_FAST_NAMES, CUDA_FLOAT_TYPES,
-    CUDA_Q8_TYPES, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS,
-    GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS, attention_grid,
-    attention_prefill_rows, dq_chunk_rows, float_row_threads, q8_matvec_warps, signature,
+    CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS,
+    GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS,
+    attention_grid, attention_prefill_rows, cublas_route, dq_chunk_rows, float_row_threads,
+    q8_matvec_warps, signature,
 };
 use crate::types::{FloatType, QuantType};
 

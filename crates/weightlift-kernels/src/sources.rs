@@ -280,6 +280,78 @@ pub const DQ_PATH_MIN_TOKENS: usize = 8;
 /// the GPU bench to tune: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` overrides it per process.
 pub const CUBLAS_MIN_TOKENS: usize = 32;
 
+/// What a prompt product on cuBLAS runs ([`cublas_route`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CublasRoute {
+    /// The kernel that rounds the f32 activations once before the GEMMs (`convert_f32_f16`,
+    /// `convert_f32_bf16`), or `None`: exact mode reads them as they are.
+    pub convert: Option<&'static str>,
+    /// The kernel that dequantises each chunk of weight rows into scratch
+    /// (`dequantize_{type}_{f32,f16}`), or `None`: the weights are the GEMM's operand as stored.
+    pub dequantize: Option<String>,
+    /// Weight rows per GEMM (all of them when the weights are read as stored).
+    pub chunk: usize,
+    /// The type of both GEMM operands: `f32` (exact mode, no TF32), `f16` or `bf16` (tensor
+    /// cores, f32 accumulation).
+    pub operands: &'static str,
+}
+
+/// The cuBLAS route of a prompt product of `rows × cols` weights of `ty` in fast or exact
+/// mode under `max_dq_size` (the CUDA backend takes it from [`CUBLAS_MIN_TOKENS`] tokens of f32
+/// activations): exact mode reads f32 weights as stored and dequantises the others to f32 in
+/// the chunks of [`dq_chunk_rows`]; fast mode reads f16 and bf16 weights as stored with the
+/// activations rounded to their type, and dequantises the others to f16. `None` when there is
+/// nothing to multiply, the type has no CUDA kernels in that mode, or not one row fits in
+/// `max_dq_size` (the kernels then run without scratch).
+pub fn cublas_route(
+    fast: bool,
+    ty: QuantType,
+    rows: usize,
+    cols: usize,
+    max_dq_size: usize,
+) -> Option<CublasRoute> {
+    if rows == 0 || cols == 0 {
+        return None;
+    }
+    let known = if fast {
+        CUDA_Q8_TYPES.contains(&ty) || CUDA_FAST_FLOAT_TYPES.contains(&ty)
+    } else {
+        CUDA_EXACT_TYPES.contains(&ty)
+    };
+    if !known {
+        return None;
+    }
+    let direct = if fast {
+        CUDA_FAST_FLOAT_TYPES.contains(&ty)
+    } else {
+        ty == QuantType::F32
+    };
+    let operands = match (fast, ty) {
+        (false, _) => "f32",
+        (true, QuantType::BF16) => "bf16",
+        (true, _) => "f16",
+    };
+    let convert = match operands {
+        "f32" => None,
+        "bf16" => Some("convert_f32_bf16"),
+        _ => Some("convert_f32_f16"),
+    };
+    if direct {
+        return Some(CublasRoute {
+            convert,
+            dequantize: None,
+            chunk: rows,
+            operands,
+        });
+    }
+    Some(CublasRoute {
+        convert,
+        dequantize: Some(format!("dequantize_{}_{operands}", ty.name())),
+        chunk: dq_chunk_rows(rows, cols, max_dq_size)?,
+        operands,
+    })
+}
+
 /// The cuBLAS workspace a CUDA backend allocates once and gives its handle
 /// (`cublasSetWorkspace`), so cuBLAS allocates none of its own: 32 MiB on Hopper (sm_90) and
 /// later, 4 MiB before, as the cuBLAS documentation recommends. weightlift-plan's
@@ -469,6 +541,58 @@ mod tests {
         for (rows, cols) in [(0, 0), (1, 1), (3, 33), (100_000, 8)] {
             assert!(FLOAT_ROW_THREADS.contains(&float_row_threads(rows, cols, 2, 1, 0)));
         }
+    }
+
+    /// The routes of the prompt products: what is converted, dequantised and multiplied, for
+    /// the types the tests run on a GPU (f16, bf16, q8_0, q4_k) and f32, in both modes.
+    #[test]
+    fn cublas_routes_convert_dequantise_and_chunk_as_documented() {
+        use QuantType::{BF16, F16, F32, Q4_K, Q5_K, Q8_0};
+        let r = |fast, ty, max_dq| cublas_route(fast, ty, 5632, 2048, max_dq);
+        let big = 1 << 30;
+        // exact: f32 as stored, the others dequantised to f32 in chunks of whole GEMM blocks
+        let e = r(false, F32, big).unwrap();
+        assert_eq!(
+            (e.convert, e.dequantize, e.chunk, e.operands),
+            (None, None, 5632, "f32")
+        );
+        for (ty, name) in [(F16, "f16"), (BF16, "bf16"), (Q8_0, "q8_0"), (Q4_K, "q4_k")] {
+            let e = r(false, ty, big).unwrap();
+            assert_eq!(e.convert, None);
+            assert_eq!(e.dequantize, Some(format!("dequantize_{name}_f32")));
+            assert_eq!(e.operands, "f32");
+            // 16 Mi values (DQ_CHUNK_CAP) of 2048 are 8192 rows: all 5632 in one chunk
+            assert_eq!(e.chunk, 5632);
+            let e = r(false, ty, 2048 * 100).unwrap();
+            assert_eq!(e.chunk, 64, "100 rows fit: one GEMM block");
+        }
+        // fast: f16 and bf16 as stored with the activations rounded to their type
+        let f = r(true, F16, big).unwrap();
+        assert_eq!(
+            (f.convert, f.dequantize, f.chunk, f.operands),
+            (Some("convert_f32_f16"), None, 5632, "f16")
+        );
+        let b = r(true, BF16, big).unwrap();
+        assert_eq!(
+            (b.convert, b.dequantize, b.chunk, b.operands),
+            (Some("convert_f32_bf16"), None, 5632, "bf16")
+        );
+        // fast, quantised: dequantised to f16, activations to f16
+        for (ty, name) in [(Q8_0, "q8_0"), (Q4_K, "q4_k")] {
+            let q = r(true, ty, big).unwrap();
+            assert_eq!(q.convert, Some("convert_f32_f16"));
+            assert_eq!(q.dequantize, Some(format!("dequantize_{name}_f16")));
+            assert_eq!(q.operands, "f16");
+        }
+        // no route: a type without fast-mode kernels, f32 in fast mode, a row past
+        // max_dq_size (the kernels need no scratch), nothing to multiply
+        assert_eq!(r(true, Q5_K, big), None);
+        assert_eq!(r(true, F32, big), None);
+        assert_eq!(r(false, Q4_K, 2047), None);
+        assert_eq!(r(true, Q8_0, 2047), None);
+        assert!(r(true, F16, 2047).is_some(), "as stored: no chunk to fit");
+        assert_eq!(cublas_route(false, F16, 0, 2048, big), None);
+        assert_eq!(cublas_route(false, F16, 8, 0, big), None);
     }
 
     #[test]

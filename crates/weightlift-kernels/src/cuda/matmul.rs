@@ -352,10 +352,8 @@ impl CudaBackend {
             return Ok(false);
         }
         let fast = mode == MatvecMode::Q8;
-        let direct = if fast {
-            CUDA_FAST_FLOAT_TYPES.contains(&m.ty)
-        } else {
-            m.ty == QuantType::F32
+        let Some(route) = cublas_route(fast, m.ty, m.rows, m.cols, max_dq_size) else {
+            return Ok(false);
         };
         // cuBLAS reads whole elements: a view at an offset that is not a multiple of one (the
         // kernels' byte-by-byte path takes those) stays on the kernels
@@ -366,32 +364,21 @@ impl CudaBackend {
                 .is_multiple_of(size as u64)
         };
         if !aligned(y, 4)
-            || (!fast && !aligned(x, 4))
-            || (direct && !aligned(w, m.ty.block_bytes()))
+            || (route.convert.is_none() && !aligned(x, 4))
+            || (route.dequantize.is_none() && !aligned(w, m.ty.block_bytes()))
         {
             return Ok(false);
         }
-        let chunk = if direct {
-            m.rows
-        } else {
-            match dq_chunk_rows(m.rows, m.cols, max_dq_size) {
-                Some(c) => c,
-                None => return Ok(false),
-            }
-        };
-        let ran = self.with_cublas(|h| self.cublas_product(h, fast, direct, chunk, m, w, x, y))?;
+        let ran = self.with_cublas(|h| self.cublas_product(h, &route, m, w, x, y))?;
         Ok(ran.is_some())
     }
 
-    /// The launches of [`CudaBackend::matmul_cublas`] on handle `h` (the buffers were checked
-    /// against `m` by the caller).
-    #[allow(clippy::too_many_arguments)]
+    /// The launches of [`CudaBackend::matmul_cublas`] on handle `h` along `route` (the buffers
+    /// were checked against `m` by the caller).
     fn cublas_product(
         &self,
         h: &cublas::Handle,
-        fast: bool,
-        direct: bool,
-        chunk: usize,
+        route: &CublasRoute,
         m: MatShape,
         w: &CudaBuffer,
         x: &CudaBuffer,
@@ -399,38 +386,29 @@ impl CudaBackend {
     ) -> Result<()> {
         use cudarc::cublas::sys::{cublasComputeType_t as Compute, cudaDataType as Dt};
         let row_bytes = quant_bytes(m.ty, m.cols)?;
-        let bf16 = fast && m.ty == QuantType::BF16;
-        let (ab, compute, dq_out, elem) = match (fast, bf16) {
-            (false, _) => (
-                Dt::CUDA_R_32F,
-                Compute::CUBLAS_COMPUTE_32F_PEDANTIC,
-                "f32",
-                4,
-            ),
-            (true, false) => (Dt::CUDA_R_16F, Compute::CUBLAS_COMPUTE_32F, "f16", 2),
-            (true, true) => (Dt::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F, "bf16", 2),
+        let chunk = route.chunk;
+        let (ab, compute, elem) = match route.operands {
+            "f32" => (Dt::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F_PEDANTIC, 4),
+            "bf16" => (Dt::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F, 2),
+            _ => (Dt::CUDA_R_16F, Compute::CUBLAS_COMPUTE_32F, 2),
         };
         // the activations: f32 as they are in exact mode, rounded once in fast mode
         let n_x = mul(m.n_tok, m.cols);
-        let converted = if fast {
-            // SAFETY: the conversion below writes all n_x values before the GEMMs read them.
-            let mut xs = unsafe { self.scratch(mul(n_x, 2)) }?;
-            let name = if bf16 {
-                "convert_f32_bf16"
-            } else {
-                "convert_f32_f16"
-            };
-            let mut args = [
-                KArg::In(&x.slice),
-                KArg::Out(&mut xs),
-                KArg::U64(n_x as u64),
-            ];
-            // SAFETY: one thread per value below n_x; x holds n_tok × cols f32 (checked by
-            // the caller) and xs n_x 2-byte values.
-            unsafe { self.launch("convert", name, elementwise(n_x)?, &mut args) }?;
-            Some(xs)
-        } else {
-            None
+        let converted = match route.convert {
+            Some(name) => {
+                // SAFETY: the conversion below writes all n_x values before the GEMMs read them.
+                let mut xs = unsafe { self.scratch(mul(n_x, 2)) }?;
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::Out(&mut xs),
+                    KArg::U64(n_x as u64),
+                ];
+                // SAFETY: one thread per value below n_x; x holds n_tok × cols f32 (checked by
+                // the caller) and xs n_x 2-byte values.
+                unsafe { self.launch("convert", name, elementwise(n_x)?, &mut args) }?;
+                Some(xs)
+            }
+            None => None,
         };
         let x_ptr = match &converted {
             Some(xs) => xs.device_ptr(&self.stream).0,
@@ -451,17 +429,16 @@ impl CudaBackend {
             ab,
             compute,
         };
-        if direct {
+        let Some(dq_name) = &route.dequantize else {
             // SAFETY: A is the rows × cols weights (checked), B the n_tok × cols activations
             // (checked, or converted above), C the n_tok × rows output (checked); all on this
             // backend's stream, which the handle is bound to.
             return unsafe { h.gemm(&gemm(w_ptr, 0, m.rows)) };
-        }
+        };
         // SAFETY: each chunk's dequantize launch writes the values its GEMM reads (chunk rows
         // or fewer, from the start), earlier on the same stream.
         let mut wd = unsafe { self.scratch(mul(mul(chunk, m.cols), elem)) }?;
         let wd_ptr = wd.device_ptr(&self.stream).0;
-        let dq_name = format!("dequantize_{}_{dq_out}", m.ty.name());
         let mut r0 = 0;
         while r0 < m.rows {
             let nr = chunk.min(m.rows - r0);
@@ -470,7 +447,7 @@ impl CudaBackend {
             let mut args = [KArg::InView(view), KArg::Out(&mut wd), KArg::U64(n as u64)];
             // SAFETY: n values of nr whole weight rows, inside the checked weight bytes, into
             // the scratch of chunk × cols >= n values.
-            unsafe { self.launch("dequant", &dq_name, elementwise(n)?, &mut args) }?;
+            unsafe { self.launch("dequant", dq_name, elementwise(n)?, &mut args) }?;
             // SAFETY: A is the nr × cols chunk just written, B as above, C the output rows
             // r0..r0 + nr of every token (ld rows, inside the checked n_tok × rows).
             unsafe { h.gemm(&gemm(wd_ptr, r0, nr)) }?;
