@@ -404,14 +404,15 @@ __device__ __forceinline__ void wl_attention_prefill_body(
             const float keep = wl_fa_keep(m[w], m_new);
             l[w] = wl_fa_sum(l[w], keep, ps);
             m[w] = m_new;
+            // each accumulator: rescaled, then the tile's keys in order (one shuffle a key for
+            // all of the lane's dims)
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                float a = WL_MUL(acc[w][r], keep);
-                const float* vs = s_v + lane + 32 * r;
-                for (int jj = 0; jj < WL_FA_KEYS; jj++) {
-                    a = fmaf(__shfl_sync(0xffffffffu, p, jj), vs[jj * VS], a);
-                }
-                acc[w][r] = a;
+            for (int r = 0; r < R; r++) acc[w][r] = WL_MUL(acc[w][r], keep);
+            for (int jj = 0; jj < WL_FA_KEYS; jj++) {
+                const float pj = __shfl_sync(0xffffffffu, p, jj);
+                const float* vs = s_v + jj * VS + lane;
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[w][r] = fmaf(pj, vs[32 * r], acc[w][r]);
             }
         }
     }
