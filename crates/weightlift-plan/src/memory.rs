@@ -312,7 +312,7 @@ impl ScratchModel {
     }
 
     /// The prompt products' own tiles on a `kind` device ([`cuda_product_tiles`] on CUDA, 0
-    /// elsewhere): charged as overhead, allocated by the kernels.
+    /// elsewhere): charged as scratch, allocated by the kernels.
     pub fn cuda_tiles(&self, hosts: Hosts, kind: DeviceKind) -> u64 {
         if kind == DeviceKind::Cuda {
             cuda_product_tiles(&self.dims, self.max_dq_size, hosts)

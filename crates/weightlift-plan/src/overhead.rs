@@ -35,9 +35,6 @@ pub struct OverheadPart {
 pub const CONTEXT: &str = "cuda context and modules";
 /// The part name of the cuBLAS workspace.
 pub const CUBLAS: &str = "cublas workspace";
-/// The part name of a CUDA device's prompt tiles (`workspace::cuda_product_tiles`): added by
-/// the planner, which knows the model and the runtime, beside the three fixed parts.
-pub const PROMPT_TILES: &str = "cuda prompt tiles";
 /// The part name of captured CUDA graphs.
 pub const GRAPHS: &str = "cuda graphs";
 /// The part name of an overhead given with `overhead=`.

@@ -35,8 +35,8 @@
 //! Weights are used in their stored type (the CPU kernels dequantise in registers), so no
 //! dequantisation buffer is reserved; `max_dq_size` bounds the kernels' own tiles. A CUDA
 //! device's prompt products allocate such tiles of their own (a dequantised chunk, the
-//! activations re-encoded), which the plan charges beside the workspace
-//! ([`cuda_product_tiles`]); the engine does not carve them out of it.
+//! activations re-encoded), which the plan charges in the scratch column beside the workspace
+//! ([`cuda_product_tiles`], `DeviceUsage::kernel_scratch`); the engine does not allocate them.
 
 use weightlift_format::ModelSpec;
 
@@ -61,9 +61,9 @@ pub const ATTENTION_SPLIT_KEYS: u64 = 16;
 pub const DQ_CHUNK_VALUES: u64 = 16 << 20;
 
 /// Device memory a CUDA device's prompt products allocate beside the workspace, per product
-/// and freed after it (so the largest one counts), which the plan charges as a part of the
-/// device's overhead ([`crate::overhead::PROMPT_TILES`]; the engine allocates the scratch
-/// column, and these are the kernels' own): the dequantised chunk of weight rows of the
+/// and freed after it (so the largest one counts), which the plan charges as scratch the
+/// kernels allocate themselves (`DeviceUsage::kernel_scratch`; the engine's buffer holds the
+/// rest of the scratch column): the dequantised chunk of weight rows of the
 /// exact path, `min(max_dq_size, DQ_CHUNK_VALUES, the largest matrix)` f32 values (fast mode's
 /// f16 chunk is half of it), plus the activations as the products re-encode them, `T` tokens of
 /// the widest input at 2 bytes a value (fast mode's f16/bf16 copy for cuBLAS; the Q8 blocks of

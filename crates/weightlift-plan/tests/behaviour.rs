@@ -745,10 +745,10 @@ fn bf16_checkpoint_on_cuda_keeps_bf16() {
     );
 }
 
-/// A cuda device computing the layers and the head holds the kernel-attention workspace (no
-/// host attention tiles) as scratch, and is charged its prompt products' own tiles as a named
-/// part of its overhead; a virtual device of the same size holds the full workspace and no
-/// such part.
+/// A cuda device computing the layers and the head is charged the kernel-attention workspace
+/// (no host attention tiles) and its prompt products' own tiles as scratch, the tiles named as
+/// the kernels' share (`kernel_scratch`); its overhead is the three fixed parts. A virtual
+/// device of the same size holds the full workspace and no kernel share.
 #[test]
 fn cuda_devices_hold_kernel_attention_scratch_and_are_charged_prompt_tiles() {
     let mut req = request(tiny_llama(), "bfloat16", "cuda:0:1GiB,cpu:1GiB");
@@ -763,24 +763,24 @@ fn cuda_devices_hold_kernel_attention_scratch_and_are_charged_prompt_tiles() {
         embed,
     };
     let cuda = p.devices().iter().find(|d| d.name == "cuda:0").unwrap();
+    let tiles = cuda_product_tiles(&d, req.runtime.max_dq_size, hosts(true));
+    assert!(tiles > 0);
+    assert_eq!(cuda.kernel_scratch, tiles);
     assert!(
         [true, false]
             .iter()
-            .any(|&e| cuda.scratch == Workspace::for_kernel_attention(&d, hosts(e)).bytes),
+            .any(|&e| cuda.scratch == Workspace::for_kernel_attention(&d, hosts(e)).bytes + tiles),
         "{}",
         cuda.scratch
     );
-    let tiles = cuda_product_tiles(&d, req.runtime.max_dq_size, hosts(true));
-    assert!(tiles > 0);
-    let part = cuda
+    let names: Vec<&str> = cuda
         .overhead_parts
         .iter()
-        .find(|o| o.name == overhead::PROMPT_TILES)
-        .expect("a prompt tiles part");
-    assert_eq!(part.bytes, tiles);
+        .map(|o| o.name.as_str())
+        .collect();
     assert_eq!(
-        cuda.overhead,
-        cuda.overhead_parts.iter().map(|o| o.bytes).sum::<u64>()
+        names,
+        [overhead::CONTEXT, overhead::CUBLAS, overhead::GRAPHS]
     );
     let mut req = request(tiny_llama(), "bfloat16", "virtual:1x1GiB,cpu:1GiB");
     req.cache = Some(CacheSpec::new(512, 1, CacheDType::Fp16));
@@ -793,9 +793,5 @@ fn cuda_devices_hold_kernel_attention_scratch_and_are_charged_prompt_tiles() {
         "{}",
         v.scratch
     );
-    assert!(
-        v.overhead_parts
-            .iter()
-            .all(|o| o.name != overhead::PROMPT_TILES)
-    );
+    assert_eq!(v.kernel_scratch, 0);
 }

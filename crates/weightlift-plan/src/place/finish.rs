@@ -172,25 +172,18 @@ impl Ctx<'_> {
             // A device that allocates anything (weights, kv, compute scratch or, on the host,
             // staging buffers) is checked against its budget and pays its fixed overhead.
             let active = weights[i] > 0 || kv[i] > 0 || scratch > 0;
-            let (mut overhead, mut overhead_parts) = if active {
+            // a CUDA device's prompt products allocate their own tiles: scratch that the
+            // engine's buffer does not hold
+            let kernel_scratch = match &a.scratch {
+                None if active => self.scratch.cuda_tiles(hosts[i], dev.kind),
+                _ => 0,
+            };
+            scratch = scratch.saturating_add(kernel_scratch);
+            let (overhead, overhead_parts) = if active {
                 (dev.overhead.total(), dev.overhead.parts().to_vec())
             } else {
                 (0, Vec::new())
             };
-            // a CUDA device's prompt products allocate their own tiles (not the engine's
-            // scratch buffer): charged beside the fixed overhead, named
-            let tiles = match &a.scratch {
-                None if active => self.scratch.cuda_tiles(hosts[i], dev.kind),
-                _ => 0,
-            };
-            if tiles > 0 {
-                overhead = overhead.saturating_add(tiles);
-                overhead_parts.push(crate::overhead::OverheadPart {
-                    name: crate::overhead::PROMPT_TILES.into(),
-                    bytes: tiles,
-                    source: "max_dq_size chunk and prompt activations".into(),
-                });
-            }
             let mut holds = self.held_parts(a, i, &layer_sets[i]);
             if a.tied_copy.iter().any(|x| x.0 == i) {
                 holds.push("output (tied copy)".to_string());
@@ -232,6 +225,7 @@ impl Ctx<'_> {
                 weights: weights[i],
                 kv: kv[i],
                 scratch,
+                kernel_scratch,
                 overhead,
                 overhead_parts,
                 reserve: dev.reserve,
