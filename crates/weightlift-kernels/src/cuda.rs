@@ -384,13 +384,18 @@ impl CudaBackend {
     }
 
     /// Makes this backend's cuBLAS handle if it has none yet: `Ok` when prompts of
-    /// [`CudaBackend::cublas_min_tokens`] tokens or more take cuBLAS, else why they do not.
+    /// [`CudaBackend::cublas_min_tokens`] tokens or more take cuBLAS, else why they do not
+    /// ([`KernelError::LibraryNotFound`] naming libcublas and where it was looked for, when
+    /// that is the reason).
     pub fn cublas_ready(&self) -> Result<()> {
-        self.with_cublas(|_| Ok(()))?
-            .ok_or_else(|| KernelError::Cuda {
-                during: format!("making a cuBLAS handle on {}", self.name()),
-                message: self.cublas_unavailable().unwrap_or_default(),
-            })
+        if self.with_cublas(|_| Ok(()))?.is_some() {
+            return Ok(());
+        }
+        cublas::cublas_library()?;
+        Err(KernelError::Cuda {
+            during: format!("making a cuBLAS handle on {}", self.name()),
+            message: self.cublas_unavailable().unwrap_or_default(),
+        })
     }
 
     /// Why this backend runs prompts without cuBLAS, once it has tried to make a handle.
