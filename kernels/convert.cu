@@ -1,9 +1,15 @@
-// convert_{src}_f16 and scan_{type}: dtype conversion and the NaN/Inf scan.
+// convert_{src}_{dst} and scan_{type}: dtype conversion and the NaN/Inf scan.
 #include "wl_dequant.cuh"
 
 extern "C" __global__ void convert_f32_f16(const float* src, wl_u16* dst, wl_u64 n) {
     wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = wl_f32_to_f16(src[i]);
+}
+
+// The activations of a bf16 prompt product on tensor cores (cuBLAS), rounded to nearest even.
+extern "C" __global__ void convert_f32_bf16(const float* src, wl_u16* dst, wl_u64 n) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = wl_f32_to_bf16(src[i]);
 }
 
 extern "C" __global__ void convert_bf16_f16(const wl_u16* src, wl_u16* dst, wl_u64 n) {

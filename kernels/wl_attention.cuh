@@ -113,3 +113,55 @@ WL_HD wl_u64 wl_att_part_ml(wl_u64 rec, wl_u64 n_q, wl_u64 n_heads, wl_u64 n_spl
                             int head_dim) {
     return n_q * n_heads * n_splits * (wl_u64)head_dim + 2 * rec;
 }
+
+// ---- Prompt attention (attention_prefill_{fmt}): the flash-attention tiling. ----
+//
+// The rows of one KV head are the (query, query head) pairs of its group, row r = i * group + g
+// (query i, head kh * group + g); a block takes WL_FA_ROWS(R) consecutive rows, so the K/V tiles
+// it stages in shared memory meet every head of the group and several queries at once. Keys
+// are folded in tiles of WL_FA_KEYS, aligned to multiples of it from key 0, in ascending order;
+// in a tile, lane j scores key 32 t + j, and each row's running state takes the whole tile in
+// one update (wl_fa_*), so the host twin replays the same sums.
+
+// Keys per K/V tile (one a lane when scoring).
+#define WL_FA_KEYS 32
+// The widest head the prompt kernel takes; wider heads (gemma's 256) take attention_{fmt}.
+#define WL_FA_MAX_HD 128
+// Rows a block takes with R dims a lane: 32 for heads up to 64 values, 16 up to 128 (the
+// staged queries stay at 2,048 floats; each warp holds WL_FA_ROWS(R) / 4 rows' accumulators).
+#define WL_FA_ROWS(R) ((R) <= 2 ? 32 : 16)
+// Floats of staged queries, keys (one more than a row per key, so the lanes of a score read
+// different banks) and values in one block's shared memory: at most 41 KiB.
+#define WL_FA_Q_FLOATS 2048
+#define WL_FA_K_FLOATS (WL_FA_KEYS * (WL_FA_MAX_HD + 1))
+#define WL_FA_V_FLOATS (WL_FA_KEYS * WL_FA_MAX_HD)
+
+// Rows a block takes for heads of `head_dim` (the host sizes the grid with the same rule).
+WL_HD int wl_fa_rows(int head_dim) { return WL_FA_ROWS(wl_att_lane_dims(head_dim)); }
+
+// The first key query i (at position start + i) meets: past a sliding window of `window` keys,
+// else 0.
+WL_HD wl_u64 wl_fa_first_key(wl_u64 start, wl_u64 i, wl_u64 window) {
+    return window != 0 && start + i + 1 > window ? start + i + 1 - window : 0;
+}
+
+// A key's weight before the softmax from its dot product `t`: scaled, then soft-capped
+// (gemma2: softcap * tanh(w / softcap)) when softcap > 0, as attention_{fmt} does.
+WL_HD float wl_fa_weight(float t, float scale, float softcap) {
+    float w = WL_MUL(t, scale);
+    if (softcap > 0.0f) w = WL_MUL(softcap, tanhf(w / softcap));
+    return w;
+}
+
+// A key of weight `w` (valid: inside the row's causal and window range) in a tile whose row
+// maximum becomes `m_new`: its unnormalised probability, rounded to f16 with f16_operands.
+WL_HD float wl_fa_p(float w, int valid, float m_new, int f16_operands) {
+    if (!valid) return 0.0f;
+    float p = expf(WL_SUB(w, m_new));
+    return f16_operands ? wl_att_round(p) : p;
+}
+
+// A row's running state after one tile: `keep` rescales what it had, `psum` is the tile's
+// probabilities summed (the lanes' xor butterfly).
+WL_HD float wl_fa_keep(float m, float m_new) { return expf(WL_SUB(m, m_new)); }
+WL_HD float wl_fa_sum(float l, float keep, float psum) { return fmaf(l, keep, psum); }

@@ -17,7 +17,9 @@ with the argmax of the last logits fed back in, the loop timed as a whole):
                  quantised on load), from the page cache
   decode @64     tok/s over DECODE_TOKENS tokens after a 64-token prompt
   decode @2048   tok/s over DECODE_TOKENS tokens after a 2,048-token prompt
-  prefill        ms for a 512- and a 2,048-token prompt into an empty cache
+  prefill        ms for a 512- and a 2,048-token prompt into an empty cache (on CUDA the
+                 products on cuBLAS, the attention in attention_prefill_*; run.sh repeats the
+                 prefills with WEIGHTLIFT_CUBLAS=0 and --prefill-only for the A/B)
   memory         the plan's total for the device, Model.memory() and Model.peak_memory() after
                  the runs, and the GPU memory this process holds (nvidia-smi's used memory less
                  what was used before the bench, so the CUDA context counts), against each other
@@ -271,25 +273,32 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+# Prefill only (--prefill-only): the A/B run of run.sh without cuBLAS measures no decode.
+PREFILL_ONLY = False
+
+
 def measure(
     run: Callable[[list[int], int], tuple[float, float]], ids: list[int], budget: Budget, what: str
 ) -> dict[str, Any]:
     """One warm-up, then REPEATS rounds of: decode after SHORT positions, each prefill, and
-    decode after the longest prompt. `run(prompt, n)` resets the cache, runs the prompt, decodes
-    n tokens and returns (prefill seconds, decode seconds)."""
+    decode after the longest prompt (with PREFILL_ONLY, the prefills alone). `run(prompt, n)`
+    resets the cache, runs the prompt, decodes n tokens and returns (prefill seconds, decode
+    seconds)."""
     run(ids[: PROMPTS[0]], 2)  # compiles and loads the kernels, touches the cache
-    got: dict[str, list[float]] = {"decode_short": [], "decode_long": []}
+    got: dict[str, list[float]] = {} if PREFILL_ONLY else {"decode_short": [], "decode_long": []}
     for n in PROMPTS:
         got[f"prefill_{n}"] = []
     for r in range(REPEATS):
         if r > 0 and not budget.allows(f"{what}: rounds {r + 1}-{REPEATS}"):
             break
-        _, d = run(ids[:SHORT], DECODE_TOKENS)
-        got["decode_short"].append(DECODE_TOKENS / d)
+        if not PREFILL_ONLY:
+            _, d = run(ids[:SHORT], DECODE_TOKENS)
+            got["decode_short"].append(DECODE_TOKENS / d)
         for n in PROMPTS:
-            p, d = run(ids[:n], DECODE_TOKENS if n == max(PROMPTS) else 0)
+            long = n == max(PROMPTS) and not PREFILL_ONLY
+            p, d = run(ids[:n], DECODE_TOKENS if long else 0)
             got[f"prefill_{n}"].append(p * 1e3)
-            if n == max(PROMPTS):
+            if long:
                 got["decode_long"].append(DECODE_TOKENS / d)
     return {"samples": got, "median": {k: median(v) for k, v in got.items()}}
 
@@ -517,11 +526,18 @@ def main() -> int:
     )
     ap.add_argument("--budget-s", type=float, default=180.0)
     ap.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="measure the prefills only (run.sh's A/B run with WEIGHTLIFT_CUBLAS=0)",
+    )
+    ap.add_argument(
         "--only",
         default="",
         help="comma-separated row labels (bf16, f16, q8_0, q4_k, transformers); default all",
     )
     args = ap.parse_args()
+    global PREFILL_ONLY
+    PREFILL_ONLY = args.prefill_only
     only = {s for s in args.only.split(",") if s}
     device = "cpu" if args.cpu else args.device
     shape, shape_name = (
@@ -539,6 +555,14 @@ def main() -> int:
         )
     budget = Budget(args.budget_s)
     notes: list[str] = []
+    # the prompt products' route (cuBLAS from WEIGHTLIFT_CUBLAS_MIN_TOKENS tokens, unless
+    # WEIGHTLIFT_CUBLAS=0) and the prompt attention kernel are chosen in the engine; say how
+    # this run asked for them
+    cublas = os.environ.get("WEIGHTLIFT_CUBLAS", "on (default)")
+    min_tokens = os.environ.get("WEIGHTLIFT_CUBLAS_MIN_TOKENS", "default")
+    notes.append(f"WEIGHTLIFT_CUBLAS={cublas}, WEIGHTLIFT_CUBLAS_MIN_TOKENS={min_tokens}")
+    if PREFILL_ONLY:
+        notes.append("prefill only: no decode rows were measured")
     root = Path(
         os.environ.get("WEIGHTLIFT_E2E_DIR", Path(tempfile.gettempdir()) / "weightlift-e2e")
     )

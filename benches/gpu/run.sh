@@ -12,7 +12,8 @@
 #                                                  benches/results/gpu/cpu, which git ignores)
 #   benches/gpu/run.sh --list                      the tables below, for the bundle builder
 #
-# Environment: STEPS (the steps to run, default tests,kernels,e2e,offload,profile; the others are
+# Environment: STEPS (the steps to run, default tests,kernels,e2e,prefill_ab,offload,profile; the
+# others are
 # skipped by name), SUITES (the test suites to run, e.g. backend_matmul_modes,cuda; default
 # all), WEIGHTS (the weight types of the end-to-end bench and the profile, e.g.
 # bf16,q4_k, and transformers for the peer; default all), PYTHON (default python3, the
@@ -23,7 +24,8 @@
 # Five minutes on the GPU by design: the test suites take about a minute together (each under a
 # timeout of SUITE_TIMEOUT_S); the kernel bench samples each of its ~120 cases for 60 ms after a
 # warm-up (well under a minute with the set-up); the end-to-end bench decodes 32 tokens per
-# measurement, quotes medians of 3, and skips what is left by name once E2E_BUDGET_S is spent.
+# measurement, quotes medians of 3, and skips what is left by name once E2E_BUDGET_S is spent;
+# the prefill A/B repeats two rows' prefills without cuBLAS within PREFILL_AB_BUDGET_S.
 # Each step runs even when one before it failed; the exit status is 1 when any failed.
 set -uo pipefail
 
@@ -34,6 +36,8 @@ E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}
 OFFLOAD_BUDGET_S=${OFFLOAD_BUDGET_S:-90}
 OFFLOAD_TIMEOUT_S=${OFFLOAD_TIMEOUT_S:-200}
 PROFILE_TIMEOUT_S=${PROFILE_TIMEOUT_S:-120}
+PREFILL_AB_BUDGET_S=${PREFILL_AB_BUDGET_S:-60}
+PREFILL_AB_TIMEOUT_S=${PREFILL_AB_TIMEOUT_S:-120}
 
 # Every test that needs a GPU (`grep -rn '#\[ignore' crates`), by the suite that holds it:
 # how the suite runs on the GPU and in --cpu mode, and what else it needs. Kernel suites run
@@ -50,6 +54,7 @@ weightlift-kernels    backend_copies        include-ignored  all    -
 weightlift-kernels    backend_int8          include-ignored  all    -
 weightlift-kernels    backend_layer_ops     include-ignored  all    -
 weightlift-kernels    backend_matmul_modes  include-ignored  all    -
+weightlift-kernels    backend_prefill       include-ignored  all    -
 weightlift-kernels    int8                  include-ignored  all    -
 weightlift-engine     cuda                  ignored          all    reference
 weightlift-engine     tp_rank               ignored          skip   reference
@@ -114,6 +119,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
 rm -f "$OUT"/{summary,tests,e2e,offload_e2e,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info}.{md,json}
+rm -f "$OUT"/prefill-no-cublas/e2e.{md,json}
 if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
     [ $CPU = 1 ] && [ -x "$ROOT/.venv/bin/python" ] && PYTHON=$ROOT/.venv/bin/python
@@ -126,7 +132,7 @@ exec > >(tee "$OUT/run.log") 2>&1
 TEE=$!
 
 FAILED=()
-STEPS=${STEPS:-tests,kernels,e2e,offload,profile}
+STEPS=${STEPS:-tests,kernels,e2e,prefill_ab,offload,profile}
 SUITES=${SUITES:-}
 WEIGHTS=${WEIGHTS:-}
 wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; skip "not in STEPS ($STEPS): $2"; return 1; }
@@ -196,7 +202,7 @@ except ImportError:
     raise SystemExit
 for p in nvidia.__path__:
     for lib in sorted(glob.glob(os.path.join(p, "*", "lib"))):
-        if glob.glob(os.path.join(lib, "libnccl.so*")) + glob.glob(os.path.join(lib, "libnvrtc.so*")):
+        if any(glob.glob(os.path.join(lib, f"lib{n}.so*")) for n in ("nccl", "nvrtc", "cublas")):
             print(lib)
 EOF
 )
@@ -409,6 +415,21 @@ if wants e2e "the end-to-end bench"; then
     PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
     rc=$?
     [ $rc = 0 ] || FAILED+=("end-to-end bench (exit status $rc)")
+fi
+
+# The A/B of the prompt products: the same prefills (512 and 2,048 tokens) without cuBLAS, on
+# the kernels prompts took before (the dequantised chunks and gemm_f32, the Q8 kernels), for
+# bf16 and q4_k, into prefill-no-cublas/e2e.md. The prompt attention kernel is the same in both.
+step "prefill without cuBLAS (A/B)"
+if [ $CPU = 1 ]; then
+    skip "no GPU: the prefill A/B without cuBLAS"
+elif wants prefill_ab "the prefill A/B without cuBLAS"; then
+    ab_only=bf16,q4_k
+    [ -n "$WEIGHTS" ] && ab_only=$WEIGHTS
+    WEIGHTLIFT_CUBLAS=0 PYTHONUNBUFFERED=1 timeout "$PREFILL_AB_TIMEOUT_S" "$PYTHON" \
+        "$ROOT/benches/gpu/e2e.py" --device cuda:0 --prefill-only --only "${ab_only/transformers/}" \
+        --budget-s "$PREFILL_AB_BUDGET_S" --out "$OUT/prefill-no-cublas" ||
+        FAILED+=("prefill A/B without cuBLAS (exit status $?)")
 fi
 
 # ---------------------------------------------------------------------------------------------

@@ -354,4 +354,25 @@ mod tests {
         assert_eq!(d.used(), 0);
         assert_eq!(d.peak(), 600);
     }
+
+    /// What the plan charges a CUDA device for its prompt products is what the kernels
+    /// allocate: the cuBLAS workspace per capability, and the dequantised chunk's cap.
+    #[test]
+    fn the_plan_charges_the_cuda_products_with_the_kernels_sizes() {
+        use weightlift_kernels::sources;
+        for cc in [(7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0)] {
+            let plan_cc = (cc.0 as u32, cc.1 as u32);
+            assert_eq!(
+                weightlift_plan::overhead::cublas_workspace(Some(plan_cc)),
+                sources::cublas_workspace_bytes(cc) as u64,
+                "sm_{}{}",
+                cc.0,
+                cc.1
+            );
+        }
+        assert_eq!(
+            weightlift_plan::DQ_CHUNK_VALUES,
+            sources::DQ_CHUNK_CAP as u64
+        );
+    }
 }

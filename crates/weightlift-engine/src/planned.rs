@@ -290,7 +290,8 @@ pub fn placement(plan: &Plan, source: &dyn Source) -> Result<Placement> {
     let scratch = plan
         .devices()
         .iter()
-        .map(|d| (d.name.clone(), d.scratch))
+        // the kernels' own share (CUDA's prompt tiles) is theirs to allocate
+        .map(|d| (d.name.clone(), d.scratch.saturating_sub(d.kernel_scratch)))
         .collect();
     let (max_seq_len, batch) = plan
         .cache()

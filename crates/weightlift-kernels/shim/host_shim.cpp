@@ -544,3 +544,95 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
     }
     return 1;
 }
+
+// wl_fa_rows, for the test that the host's launch grid agrees with it.
+extern "C" int wl_host_fa_rows(int head_dim) { return wl_fa_rows(head_dim); }
+
+// What attention_prefill_{fmt} computes, block by block, tile by tile and lane by lane: for
+// every KV head and block of wl_fa_rows(head_dim) rows (the group's (query, head) pairs), the
+// key tiles of WL_FA_KEYS from the window start of its first query to the causal end of its
+// last, each row scoring key 32 t + lane with one fmaf chain over the dims, the tile's maximum
+// and probability sum met in the xor butterfly, and the accumulators updated in key order.
+// Formats as wl_att_row. Returns 0 when the shape is outside the kernel's.
+extern "C" int wl_host_attention_prefill(int k_fmt, int v_fmt, const float* q, const void* k,
+                                         const void* v, float* out, size_t n_q, size_t start,
+                                         size_t n_heads, size_t kv_heads, int head_dim,
+                                         float scale, int f16_operands, size_t window,
+                                         float softcap) {
+    if (head_dim <= 0 || head_dim > WL_FA_MAX_HD || kv_heads == 0 || n_heads % kv_heads != 0) {
+        return 0;
+    }
+    const float neg_inf = wl_bits_to_f32(0xff800000u);
+    const wl_u64 rows = (wl_u64)wl_fa_rows(head_dim);
+    const wl_u64 hd = (wl_u64)head_dim;
+    const wl_u64 group = n_heads / kv_heads;
+    const wl_u64 n_rows = n_q * group;
+    const wl_u64 kvd = kv_heads * hd;
+    // one block's staged rows and state (kept off the static area: tests run in parallel)
+    float qs[32][WL_FA_MAX_HD], ks[WL_FA_KEYS][WL_FA_MAX_HD], vs[WL_FA_KEYS][WL_FA_MAX_HD];
+    float acc[32][WL_FA_MAX_HD], m[32], l[32];
+    float w[32], p[32], next[32];
+    for (wl_u64 kh = 0; kh < kv_heads; kh++) {
+        for (wl_u64 r0 = 0; r0 < n_rows; r0 += rows) {
+            const wl_u64 r_end = r0 + rows < n_rows ? r0 + rows : n_rows;
+            for (wl_u64 r = r0; r < r_end; r++) {
+                const wl_u64 i = r / group, h = kh * group + r % group;
+                for (wl_u64 d = 0; d < hd; d++) {
+                    float x = q[(i * n_heads + h) * hd + d];
+                    qs[r - r0][d] = f16_operands ? wl_att_round(x) : x;
+                    acc[r - r0][d] = 0.0f;
+                }
+                m[r - r0] = neg_inf;
+                l[r - r0] = 0.0f;
+            }
+            const wl_u64 key_end = start + (r_end - 1) / group + 1;
+            const wl_u64 key_lo = wl_fa_first_key(start, r0 / group, window);
+            for (wl_u64 t0 = key_lo / WL_FA_KEYS * WL_FA_KEYS; t0 < key_end; t0 += WL_FA_KEYS) {
+                for (int jj = 0; jj < WL_FA_KEYS; jj++) {
+                    const wl_u64 j = t0 + (wl_u64)jj;
+                    for (int d = 0; d < WL_FA_MAX_HD; d++) ks[jj][d] = vs[jj][d] = 0.0f;
+                    if (j < key_end) {
+                        wl_att_row(k_fmt, k, j * kvd + kh * hd, head_dim, ks[jj]);
+                        wl_att_row(v_fmt, v, j * kvd + kh * hd, head_dim, vs[jj]);
+                    }
+                }
+                for (wl_u64 r = r0; r < r_end; r++) {
+                    const wl_u64 b = r - r0, i = r / group;
+                    float mt = neg_inf;
+                    int valid[32];
+                    for (int ln = 0; ln < 32; ln++) {
+                        const wl_u64 j = t0 + (wl_u64)ln;
+                        valid[ln] = j < start + i + 1 && j >= wl_fa_first_key(start, i, window);
+                        float t = 0.0f;
+                        for (int d = 0; d < head_dim; d++) t = fmaf(qs[b][d], ks[ln][d], t);
+                        w[ln] = valid[ln] ? wl_fa_weight(t, scale, softcap) : neg_inf;
+                        mt = fmaxf(mt, w[ln]);
+                    }
+                    const float m_new = fmaxf(m[b], mt);
+                    if (m_new == neg_inf) continue;
+                    for (int ln = 0; ln < 32; ln++) p[ln] = wl_fa_p(w[ln], valid[ln], m_new, f16_operands);
+                    float ps[32];
+                    for (int ln = 0; ln < 32; ln++) ps[ln] = p[ln];
+                    for (int o = 16; o > 0; o >>= 1) {
+                        for (int ln = 0; ln < 32; ln++) next[ln] = WL_ADD(ps[ln], ps[ln ^ o]);
+                        for (int ln = 0; ln < 32; ln++) ps[ln] = next[ln];
+                    }
+                    const float keep = wl_fa_keep(m[b], m_new);
+                    l[b] = wl_fa_sum(l[b], keep, ps[0]);
+                    m[b] = m_new;
+                    for (wl_u64 d = 0; d < hd; d++) {
+                        float a = WL_MUL(acc[b][d], keep);
+                        for (int jj = 0; jj < WL_FA_KEYS; jj++) a = fmaf(p[jj], vs[jj][d], a);
+                        acc[b][d] = a;
+                    }
+                }
+            }
+            for (wl_u64 r = r0; r < r_end; r++) {
+                const wl_u64 i = r / group, h = kh * group + r % group;
+                const float inv = 1.0f / l[r - r0];
+                for (wl_u64 d = 0; d < hd; d++) out[(i * n_heads + h) * hd + d] = WL_MUL(acc[r - r0][d], inv);
+            }
+        }
+    }
+    return 1;
+}

@@ -27,6 +27,12 @@
 //!   scratch of at most `max_dq_size` values ([`dq_chunk_rows`]) and multiplies them with the
 //!   tiled `gemm_{act}`; when not one row fits in `max_dq_size` it keeps the in-register
 //!   kernels (no scratch), where the CPU dequantises one row at a time.
+//! - Prompts of [`crate::sources::CUBLAS_MIN_TOKENS`] tokens or more run on cuBLAS where
+//!   libcublas is found (`cublas`, loaded at run time as NVRTC is): exact mode as f32 GEMMs
+//!   (`CUBLAS_COMPUTE_32F_PEDANTIC`, no TF32) of the same dequantised chunks, fast mode
+//!   ([`MatvecMode::Q8`], which f16 and bf16 weights also take on CUDA) on tensor cores with
+//!   the activations rounded to f16 (bf16 for bf16 weights) and quantised weights dequantised
+//!   to f16 chunk by chunk. Without libcublas those prompts take the kernels above.
 //!
 //! - LLM.int8 ([`Op::Int8Matmul`], `kernels/int8.cu`): the outlier columns are listed on the
 //!   device, the tokens quantised with them zeroed, and the int8 weights met with them by dp4a,
@@ -42,7 +48,14 @@
 //!   ([`crate::sources::attention_grid`]) so that a decode step fills every SM; the splits'
 //!   partial results go to the caller's scratch and `attention_reduce_f32` merges them. The
 //!   cache is read in its storage format (f32, f16, e4m3, Hadamard-turned q8/q4 groups, decoded
-//!   by the warp's 32 lanes together), and written by `kv_store_{format}`.
+//!   by the warp's 32 lanes together), and written by `kv_store_{format}`. Prompts of
+//!   [`crate::sources::ATTENTION_PREFILL_MIN_QUERIES`] queries or more with heads up to
+//!   [`crate::sources::ATTENTION_PREFILL_MAX_HEAD_DIM`] take `attention_prefill_{format}`
+//!   instead: flash attention in f32, a block of (query, head) rows of one KV group staging
+//!   tiles of 32 keys and values in shared memory (decoded from the cache format once per
+//!   block) and folding them into each row's online softmax, so the cache is read once per
+//!   block of rows rather than once per query; window, soft-cap, f16 operands and a start
+//!   offset (a chunked prompt continuing a cache) as `attention_{format}`. No scratch.
 //! - The launch plumbing is in `launch`, the matrix products in `matmul`, and the operation
 //!   dispatch in `ops`. `graph` records a sequence of operations as a CUDA graph and replays it
 //!   ([`CudaBackend::capture`], [`CudaBackend::replay`]; nothing captures by default).
@@ -75,15 +88,18 @@ use crate::cpu::ops::RopeStyle;
 use crate::cpu_backend::AttShape;
 use crate::error::{KernelError, Result};
 use crate::sources::{
-    ATTENTION_WARPS, CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FLOAT_TYPES, CUDA_Q8_TYPES,
-    DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS,
-    GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS, attention_grid,
-    dq_chunk_rows, float_row_threads, q8_matvec_warps, signature,
+    ATTENTION_PREFILL_MAX_HEAD_DIM, ATTENTION_PREFILL_MIN_QUERIES, ATTENTION_WARPS,
+    CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FAST_FLOAT_TYPES, CUDA_FAST_NAMES, CUDA_FLOAT_TYPES,
+    CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS,
+    GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS,
+    attention_grid, attention_prefill_rows, cublas_route, dq_chunk_rows, float_row_threads,
+    q8_matvec_warps, signature,
 };
 use crate::types::{FloatType, QuantType};
 
 mod copies;
 mod copy_stream;
+pub mod cublas;
 mod graph;
 mod host_pins;
 mod launch;
@@ -148,10 +164,14 @@ pub fn report() -> crate::cuda_libs::CudaReport {
     let nvrtc = crate::nvrtc::nvrtc_library()
         .and_then(|p| Ok((p, crate::nvrtc::nvrtc_version()?)))
         .map_err(|e| e.to_string());
+    let cublas = cublas::cublas_library()
+        .and_then(|p| Ok((p, cublas::cublas_version()?)))
+        .map_err(|e| e.to_string());
     if let Some(e) = unavailable() {
         return CudaReport {
             driver: Err(e.to_string()),
             nvrtc,
+            cublas,
             devices: Vec::new(),
         };
     }
@@ -182,6 +202,7 @@ pub fn report() -> crate::cuda_libs::CudaReport {
     CudaReport {
         driver,
         nvrtc,
+        cublas,
         devices,
     }
 }
@@ -233,6 +254,21 @@ pub struct CudaBackend {
     /// Decode's quantised activations ([`Q8_KEPT_BYTES`]), made on first use and kept, so a
     /// product allocates nothing ([`CudaBackend::q8_activations`]).
     q8_kept: Mutex<Option<CudaSlice<u8>>>,
+    /// The cuBLAS handle of the prompt products, made at the first one
+    /// ([`CudaBackend::with_cublas`]), or why there is none.
+    cublas: Mutex<CublasState>,
+    /// Tokens from which prompts take cuBLAS ([`crate::sources::CUBLAS_MIN_TOKENS`], or
+    /// `WEIGHTLIFT_CUBLAS_MIN_TOKENS`).
+    cublas_min_tokens: usize,
+}
+
+/// Whether a backend has a cuBLAS handle.
+enum CublasState {
+    NotTried,
+    Ready(cublas::Handle),
+    /// Why not (no libcublas, `WEIGHTLIFT_CUBLAS=0`, a failed create): prompts take the
+    /// backend's own kernels.
+    Unavailable(String),
 }
 
 /// The largest Q8 activation buffer the backend keeps between products: 64 KiB, 1,638 blocks
@@ -257,6 +293,8 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Nothing to report to from a drop; the context keeps a sticky error anyway.
         let _ = self.stream.synchronize();
+        // the cuBLAS handle, dropped after this, is destroyed in its own context
+        let _ = self.ctx.bind_to_thread();
     }
 }
 
@@ -306,6 +344,8 @@ impl CudaBackend {
             peers: Mutex::new(HashMap::new()),
             copy: Mutex::new(None),
             q8_kept: Mutex::new(None),
+            cublas: Mutex::new(CublasState::NotTried),
+            cublas_min_tokens: cublas::min_tokens_from_env(),
         })
     }
 
@@ -343,6 +383,88 @@ impl CudaBackend {
         self.stream
             .record_event(flags)
             .map_err(drv("recording an event"))
+    }
+
+    /// Makes this backend's cuBLAS handle if it has none yet: `Ok` when prompts of
+    /// [`CudaBackend::cublas_min_tokens`] tokens or more take cuBLAS, else why they do not
+    /// ([`KernelError::LibraryNotFound`] naming libcublas and where it was looked for, when
+    /// that is the reason).
+    pub fn cublas_ready(&self) -> Result<()> {
+        if self.with_cublas(|_| Ok(()))?.is_some() {
+            return Ok(());
+        }
+        cublas::cublas_library()?;
+        Err(KernelError::Cuda {
+            during: format!("making a cuBLAS handle on {}", self.name()),
+            message: self.cublas_unavailable().unwrap_or_default(),
+        })
+    }
+
+    /// Why this backend runs prompts without cuBLAS, once it has tried to make a handle.
+    pub fn cublas_unavailable(&self) -> Option<String> {
+        match &*self
+            .cublas
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            CublasState::Unavailable(why) => Some(why.clone()),
+            _ => None,
+        }
+    }
+
+    /// Tokens from which prompt products take cuBLAS on this backend.
+    pub fn cublas_min_tokens(&self) -> usize {
+        self.cublas_min_tokens
+    }
+
+    /// Runs `f` with this backend's cuBLAS handle (made on first use, on this backend's
+    /// stream, with a workspace of [`crate::sources::cublas_workspace_bytes`]); `None` when
+    /// there is none (see [`cublas`]), so the caller runs its own kernels instead.
+    pub(crate) fn with_cublas<R>(
+        &self,
+        f: impl FnOnce(&cublas::Handle) -> Result<R>,
+    ) -> Result<Option<R>> {
+        let mut state = self
+            .cublas
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if matches!(*state, CublasState::NotTried) {
+            *state = match self.make_cublas() {
+                Ok(h) => CublasState::Ready(h),
+                Err(e) => CublasState::Unavailable(e.to_string()),
+            };
+        }
+        match &*state {
+            CublasState::Ready(h) => {
+                self.ctx
+                    .bind_to_thread()
+                    .map_err(drv("binding the context for cuBLAS"))?;
+                f(h).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    fn make_cublas(&self) -> Result<cublas::Handle> {
+        if cublas::disabled_by_env() {
+            return Err(KernelError::Cuda {
+                during: "making a cuBLAS handle".into(),
+                message: "turned off by WEIGHTLIFT_CUBLAS=0".into(),
+            });
+        }
+        // the library first: its absence is the common case and allocates nothing
+        cublas::cublas_library()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv("binding the context for cuBLAS"))?;
+        let bytes = crate::sources::cublas_workspace_bytes(self.cc);
+        let workspace = self
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .map_err(|e| self.alloc_error(bytes, e))?;
+        let (ptr, record) = workspace.device_ptr(&self.stream);
+        drop(record);
+        cublas::Handle::new(self.stream.cu_stream().cast(), workspace, ptr)
     }
 
     /// (free, total) device memory in bytes.

@@ -1,7 +1,7 @@
 //! Where the CUDA user-space libraries are found at run time: the one place that searches.
 //!
 //! `libcuda` comes with the NVIDIA driver, which installs it on the system loader's path, so it
-//! is opened by name. NVRTC (and cuBLAS, once the prefill work uses it) comes with a CUDA
+//! is opened by name. NVRTC and cuBLAS come with a CUDA
 //! toolkit or from pip's `nvidia-*` wheels, and often sits where the loader does not look: a
 //! toolkit's `lib64` is neither on `LD_LIBRARY_PATH` nor in the loader cache unless someone
 //! put it there, and a pip wheel's `site-packages/nvidia/*/lib` never is. So
@@ -18,10 +18,8 @@
 //! highest `libNAME.so.N` (pip's wheels carry only versioned names such as `libnvrtc.so.12`).
 //! The file found is opened by its path, so its version need not be one the loader's names
 //! list (cudarc 0.19 asks for `.so.12` and older, never `.so.13`): that is why NVRTC is called
-//! through our own table of its functions (`nvrtc.rs`), not through cudarc's loader. cudarc's
-//! other loaders (cuBLAS) open names only; the dynamic loader answers a name with a library
-//! already loaded under that soname, so opening a found `libcublas.so.12` by its path first
-//! serves them, while a `.so.13` needs a table of its own, as NVRTC has.
+//! through our own tables of their functions (`nvrtc.rs`, `cuda/cublas.rs`), not through
+//! cudarc's loaders, which open names only (`.so.12` and older) and panic on a missing symbol.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -267,6 +265,8 @@ pub struct CudaReport {
     pub driver: Result<(PathBuf, (i32, i32)), String>,
     /// The libnvrtc file found, and its version.
     pub nvrtc: Result<(PathBuf, (i32, i32)), String>,
+    /// The libcublas file found, and its version (prompts run without it, more slowly).
+    pub cublas: Result<(PathBuf, (i32, i32)), String>,
     pub devices: Vec<CudaDeviceReport>,
 }
 

@@ -156,7 +156,8 @@ pub fn report() -> crate::cuda_libs::CudaReport {
     let why = not_compiled("cuda").to_string();
     crate::cuda_libs::CudaReport {
         driver: Err(why.clone()),
-        nvrtc: Err(why),
+        nvrtc: Err(why.clone()),
+        cublas: Err(why),
         devices: Vec::new(),
     }
 }

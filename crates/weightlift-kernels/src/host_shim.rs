@@ -102,6 +102,25 @@ unsafe extern "C" {
     fn wl_host_kv_store(x: *const f32, out: *mut u8, n_groups: usize, qmax: i32);
     fn wl_host_kv_load(src: *const u8, out: *mut f32, n_groups: usize, qmax: i32);
     fn wl_host_att_block_heads(head_dim: i32) -> i32;
+    fn wl_host_fa_rows(head_dim: i32) -> i32;
+    #[allow(clippy::too_many_arguments)]
+    fn wl_host_attention_prefill(
+        k_fmt: i32,
+        v_fmt: i32,
+        q: *const f32,
+        k: *const u8,
+        v: *const u8,
+        out: *mut f32,
+        n_q: usize,
+        start: usize,
+        n_heads: usize,
+        kv_heads: usize,
+        head_dim: i32,
+        scale: f32,
+        f16_operands: i32,
+        window: usize,
+        softcap: f32,
+    ) -> i32;
     #[allow(clippy::too_many_arguments)]
     fn wl_host_attention(
         k_fmt: i32,
@@ -780,6 +799,110 @@ pub fn attention(
     if ok == 0 {
         return Err(bad(format!(
             "{n_heads} heads over {kv_heads} kv heads of {head_dim} in {splits} splits"
+        )));
+    }
+    Ok(())
+}
+
+/// The header's `wl_fa_rows`: the (query, head) rows one `attention_prefill_{format}` block
+/// takes for heads of `head_dim` values.
+pub fn attention_prefill_rows(head_dim: usize) -> usize {
+    let hd = i32::try_from(head_dim).unwrap_or(i32::MAX);
+    // SAFETY: a pure function of an integer.
+    let r = unsafe { wl_host_fa_rows(hd) };
+    usize::try_from(r).unwrap_or(0)
+}
+
+/// What `attention_prefill_{format}` computes, replayed block by block, key tile by key tile
+/// and lane by lane with the kernel's own header functions: `out` (`n_q × n_heads × head_dim`)
+/// for queries `q` over the cache rows `k` and `v` (stored as `k_format` and `v_format`, at
+/// least `start + n_q` rows each), with a sliding `window` (0: none) and `softcap` (0: none).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_prefill(
+    k_format: KvFormat,
+    v_format: KvFormat,
+    shape: AttnShape,
+    (window, softcap): (usize, f32),
+    q: &[f32],
+    k: &[u8],
+    v: &[u8],
+    out: &mut [f32],
+) -> Result<()> {
+    let bad = |reason: String| KernelError::Shape {
+        op: "host prompt attention",
+        reason,
+    };
+    let AttnShape {
+        n_heads,
+        kv_heads,
+        head_dim,
+        n_q,
+        start,
+        scale,
+        f16_operands,
+        ..
+    } = shape;
+    let turned = k_format.quant().is_some() || v_format.quant().is_some();
+    let most = crate::sources::ATTENTION_PREFILL_MAX_HEAD_DIM;
+    if head_dim > most || (turned && head_dim % 32 != 0) {
+        return Err(bad(format!(
+            "head_dim {head_dim}: the kernel takes at most {most}, a multiple of 32 for a \
+             quantised cache"
+        )));
+    }
+    let (kc, vc) = (
+        attention_format_code(k_format)?,
+        attention_format_code(v_format)?,
+    );
+    let qn = n_q * n_heads * head_dim;
+    let kvn = (start + n_q) * kv_heads * head_dim;
+    let lens = [
+        ("host prompt attention query values", qn, q.len()),
+        (
+            "host prompt attention key bytes",
+            k_format.byte_at(kvn),
+            k.len(),
+        ),
+        (
+            "host prompt attention value bytes",
+            v_format.byte_at(kvn),
+            v.len(),
+        ),
+        ("host prompt attention output values", qn, out.len()),
+    ];
+    for (what, expected, got) in lens {
+        if got < expected {
+            return Err(KernelError::LengthMismatch {
+                what,
+                expected,
+                got,
+            });
+        }
+    }
+    // SAFETY: q, k, v and out hold what the shape reads and writes (checked above), and the
+    // shim refuses heads outside its arrays.
+    let ok = unsafe {
+        wl_host_attention_prefill(
+            kc,
+            vc,
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            out.as_mut_ptr(),
+            n_q,
+            start,
+            n_heads,
+            kv_heads,
+            head_dim as i32,
+            scale,
+            i32::from(f16_operands),
+            window,
+            softcap,
+        )
+    };
+    if ok == 0 {
+        return Err(bad(format!(
+            "{n_heads} heads over {kv_heads} kv heads of {head_dim}"
         )));
     }
     Ok(())

@@ -15,7 +15,7 @@
 //! run on the host; none of the kernels, nor the CUDA copies and copy stream, has run on a GPU
 //! yet.
 //!
-//! - [`cuda_libs`]: where libnvrtc (and later cuBLAS) is found at run time: the loader's path, a
+//! - [`cuda_libs`]: where libnvrtc and libcublas are found at run time: the loader's path, a
 //!   CUDA toolkit's folders, or pip's `nvidia/*/lib` in a site folder.
 //!
 //! Tests: `cargo test -p weightlift-kernels` runs everything that needs no GPU; with

@@ -79,6 +79,16 @@ pub const CUDA_EXACT_TYPES: &[QuantType] = &[
     QuantType::F32,
 ];
 
+/// The float weight types CUDA multiplies in [`MatvecMode::Q8`](crate::MatvecMode::Q8), the
+/// fast mode, besides [`CUDA_Q8_TYPES`]: one token and short prompts as in exact mode (their
+/// kernels round nothing), prompts from [`CUBLAS_MIN_TOKENS`] tokens on tensor cores with the
+/// activations rounded to the weights' type (llama.cpp's CUDA backend does the same).
+pub const CUDA_FAST_FLOAT_TYPES: &[QuantType] = &[QuantType::F16, QuantType::BF16];
+
+/// The weight types of CUDA's fast mode ([`CUDA_Q8_TYPES`] and [`CUDA_FAST_FLOAT_TYPES`]) as
+/// the error messages name them.
+pub const CUDA_FAST_NAMES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k, f16, bf16";
+
 /// [`CUDA_EXACT_TYPES`] as the error messages name them.
 pub const CUDA_EXACT_NAMES: &str =
     "q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, f16, bf16, f32";
@@ -189,6 +199,14 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // the splits merged, before the family its name starts with: (part, out, n_q, n_heads,
     // head_dim, n_splits)
     ("attention_reduce_", &[Ptr, Ptr, U64, U64, I32, U64]),
+    // prompts, before the family its name starts with: (q, k, v, out, n_q, start, n_heads,
+    // kv_heads, head_dim, scale, f16_operands, window, softcap)
+    (
+        "attention_prefill_",
+        &[
+            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, F32,
+        ],
+    ),
     // (q, k, v, out or partial results, n_q, start, n_heads, kv_heads, head_dim, scale,
     // f16_operands, n_splits, window, softcap)
     (
@@ -254,6 +272,94 @@ pub fn q8_matvec_warps(rows: usize, cols: usize, sm_count: usize) -> usize {
 /// through scratch memory.
 pub const DQ_PATH_MIN_TOKENS: usize = 8;
 
+/// Tokens from which a prompt's products run on cuBLAS (`cublasGemmEx`) on CUDA, where
+/// libcublas is found: exact mode as f32 GEMMs of dequantised chunks (no TF32), fast mode on
+/// tensor cores with the activations rounded to f16 (bf16 for bf16 weights) and quantised
+/// weights dequantised chunk by chunk to f16. Below it, the backend's own kernels (decode and
+/// short prompts read each weight once; a GEMM's tiles would mostly wait). A first guess, for
+/// the GPU bench to tune: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` overrides it per process.
+pub const CUBLAS_MIN_TOKENS: usize = 32;
+
+/// What a prompt product on cuBLAS runs ([`cublas_route`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CublasRoute {
+    /// The kernel that rounds the f32 activations once before the GEMMs (`convert_f32_f16`,
+    /// `convert_f32_bf16`), or `None`: exact mode reads them as they are.
+    pub convert: Option<&'static str>,
+    /// The kernel that dequantises each chunk of weight rows into scratch
+    /// (`dequantize_{type}_{f32,f16}`), or `None`: the weights are the GEMM's operand as stored.
+    pub dequantize: Option<String>,
+    /// Weight rows per GEMM (all of them when the weights are read as stored).
+    pub chunk: usize,
+    /// The type of both GEMM operands: `f32` (exact mode, no TF32), `f16` or `bf16` (tensor
+    /// cores, f32 accumulation).
+    pub operands: &'static str,
+}
+
+/// The cuBLAS route of a prompt product of `rows × cols` weights of `ty` in fast or exact
+/// mode under `max_dq_size` (the CUDA backend takes it from [`CUBLAS_MIN_TOKENS`] tokens of f32
+/// activations): exact mode reads f32 weights as stored and dequantises the others to f32 in
+/// the chunks of [`dq_chunk_rows`]; fast mode reads f16 and bf16 weights as stored with the
+/// activations rounded to their type, and dequantises the others to f16. `None` when there is
+/// nothing to multiply, the type has no CUDA kernels in that mode, or not one row fits in
+/// `max_dq_size` (the kernels then run without scratch).
+pub fn cublas_route(
+    fast: bool,
+    ty: QuantType,
+    rows: usize,
+    cols: usize,
+    max_dq_size: usize,
+) -> Option<CublasRoute> {
+    if rows == 0 || cols == 0 {
+        return None;
+    }
+    let known = if fast {
+        CUDA_Q8_TYPES.contains(&ty) || CUDA_FAST_FLOAT_TYPES.contains(&ty)
+    } else {
+        CUDA_EXACT_TYPES.contains(&ty)
+    };
+    if !known {
+        return None;
+    }
+    let direct = if fast {
+        CUDA_FAST_FLOAT_TYPES.contains(&ty)
+    } else {
+        ty == QuantType::F32
+    };
+    let operands = match (fast, ty) {
+        (false, _) => "f32",
+        (true, QuantType::BF16) => "bf16",
+        (true, _) => "f16",
+    };
+    let convert = match operands {
+        "f32" => None,
+        "bf16" => Some("convert_f32_bf16"),
+        _ => Some("convert_f32_f16"),
+    };
+    if direct {
+        return Some(CublasRoute {
+            convert,
+            dequantize: None,
+            chunk: rows,
+            operands,
+        });
+    }
+    Some(CublasRoute {
+        convert,
+        dequantize: Some(format!("dequantize_{}_{operands}", ty.name())),
+        chunk: dq_chunk_rows(rows, cols, max_dq_size)?,
+        operands,
+    })
+}
+
+/// The cuBLAS workspace a CUDA backend allocates once and gives its handle
+/// (`cublasSetWorkspace`), so cuBLAS allocates none of its own: 32 MiB on Hopper (sm_90) and
+/// later, 4 MiB before, as the cuBLAS documentation recommends. weightlift-plan's
+/// `cublas_workspace` charges the same (the engine tests that they agree).
+pub fn cublas_workspace_bytes((major, _minor): (i32, i32)) -> usize {
+    if major < 9 { 4 << 20 } else { 32 << 20 }
+}
+
 /// The most values one dequantised chunk holds on the device (64 MiB of f32), whatever
 /// `max_dq_size` allows: larger chunks only save launches.
 pub const DQ_CHUNK_CAP: usize = 16 << 20;
@@ -285,6 +391,26 @@ pub const GEMM_THREADS: usize = 256;
 /// The largest head the attention kernel takes (`WL_ATT_MAX_HD` in
 /// `kernels/wl_attention.cuh`).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+
+/// The widest head the prompt attention kernel `attention_prefill_{format}` takes
+/// (`WL_FA_MAX_HD`); prompts of wider heads take `attention_{format}`.
+pub const ATTENTION_PREFILL_MAX_HEAD_DIM: usize = 128;
+
+/// Queries from which a call of CUDA attention takes the prompt kernel
+/// `attention_prefill_{format}` (K/V tiles in shared memory met by a block of (query, head)
+/// rows) instead of `attention_{format}` (one block per query, keys split across blocks): a few
+/// queries fill the GPU only through the splits. A first guess, for the GPU bench to tune.
+pub const ATTENTION_PREFILL_MIN_QUERIES: usize = 16;
+
+/// Keys per tile of the prompt attention kernel (`WL_FA_KEYS`).
+pub const ATTENTION_PREFILL_KEYS: usize = 32;
+
+/// The (query, query head) rows one prompt attention block takes for heads of `head_dim`
+/// values (`wl_fa_rows`): 32 up to 64 values, 16 up to 128 (the staged queries stay at 2,048
+/// floats of shared memory).
+pub fn attention_prefill_rows(head_dim: usize) -> usize {
+    if head_dim.div_ceil(32) <= 2 { 32 } else { 16 }
+}
 
 /// Warps per attention block (`WL_ATT_WARPS` in `kernels/wl_attention.cuh`).
 pub const ATTENTION_WARPS: usize = 4;
@@ -415,6 +541,58 @@ mod tests {
         for (rows, cols) in [(0, 0), (1, 1), (3, 33), (100_000, 8)] {
             assert!(FLOAT_ROW_THREADS.contains(&float_row_threads(rows, cols, 2, 1, 0)));
         }
+    }
+
+    /// The routes of the prompt products: what is converted, dequantised and multiplied, for
+    /// the types the tests run on a GPU (f16, bf16, q8_0, q4_k) and f32, in both modes.
+    #[test]
+    fn cublas_routes_convert_dequantise_and_chunk_as_documented() {
+        use QuantType::{BF16, F16, F32, Q4_K, Q5_K, Q8_0};
+        let r = |fast, ty, max_dq| cublas_route(fast, ty, 5632, 2048, max_dq);
+        let big = 1 << 30;
+        // exact: f32 as stored, the others dequantised to f32 in chunks of whole GEMM blocks
+        let e = r(false, F32, big).unwrap();
+        assert_eq!(
+            (e.convert, e.dequantize, e.chunk, e.operands),
+            (None, None, 5632, "f32")
+        );
+        for (ty, name) in [(F16, "f16"), (BF16, "bf16"), (Q8_0, "q8_0"), (Q4_K, "q4_k")] {
+            let e = r(false, ty, big).unwrap();
+            assert_eq!(e.convert, None);
+            assert_eq!(e.dequantize, Some(format!("dequantize_{name}_f32")));
+            assert_eq!(e.operands, "f32");
+            // 16 Mi values (DQ_CHUNK_CAP) of 2048 are 8192 rows: all 5632 in one chunk
+            assert_eq!(e.chunk, 5632);
+            let e = r(false, ty, 2048 * 100).unwrap();
+            assert_eq!(e.chunk, 64, "100 rows fit: one GEMM block");
+        }
+        // fast: f16 and bf16 as stored with the activations rounded to their type
+        let f = r(true, F16, big).unwrap();
+        assert_eq!(
+            (f.convert, f.dequantize, f.chunk, f.operands),
+            (Some("convert_f32_f16"), None, 5632, "f16")
+        );
+        let b = r(true, BF16, big).unwrap();
+        assert_eq!(
+            (b.convert, b.dequantize, b.chunk, b.operands),
+            (Some("convert_f32_bf16"), None, 5632, "bf16")
+        );
+        // fast, quantised: dequantised to f16, activations to f16
+        for (ty, name) in [(Q8_0, "q8_0"), (Q4_K, "q4_k")] {
+            let q = r(true, ty, big).unwrap();
+            assert_eq!(q.convert, Some("convert_f32_f16"));
+            assert_eq!(q.dequantize, Some(format!("dequantize_{name}_f16")));
+            assert_eq!(q.operands, "f16");
+        }
+        // no route: a type without fast-mode kernels, f32 in fast mode, a row past
+        // max_dq_size (the kernels need no scratch), nothing to multiply
+        assert_eq!(r(true, Q5_K, big), None);
+        assert_eq!(r(true, F32, big), None);
+        assert_eq!(r(false, Q4_K, 2047), None);
+        assert_eq!(r(true, Q8_0, 2047), None);
+        assert!(r(true, F16, 2047).is_some(), "as stored: no chunk to fit");
+        assert_eq!(cublas_route(false, F16, 0, 2048, big), None);
+        assert_eq!(cublas_route(false, F16, 8, 0, big), None);
     }
 
     #[test]

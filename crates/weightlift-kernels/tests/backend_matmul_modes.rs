@@ -11,7 +11,7 @@ mod common;
 
 use common::{Rng, download_f32, float_weights, group_offset, load, upload};
 use weightlift_kernels::cpu::matvec::{matvec_with, quantize_q8_blocks};
-use weightlift_kernels::sources::DQ_PATH_MIN_TOKENS;
+use weightlift_kernels::sources::{CUBLAS_MIN_TOKENS, DQ_PATH_MIN_TOKENS};
 use weightlift_kernels::*;
 
 /// Activations as uploaded (f32 or f16 bytes) and as the kernels see them (f32).
@@ -257,7 +257,8 @@ weightlift_kernels::test_device!(q8_mode_refuses_other_weight_types);
 
 /// Float weights (f16, bf16, f32) in exact mode on every backend: one token (the bandwidth
 /// matvec), 3 and 6 tokens (a pass of four and a short one), DQ_PATH_MIN_TOKENS + 3 (the
-/// dequantised path), rows of 100 values (a tail past whole 16-byte chunks) and of 256 and 600,
+/// dequantised path), CUBLAS_MIN_TOKENS + 1 (cuBLAS on CUDA, where the operands are aligned;
+/// the dequantised path where they are not), rows of 100 values (a tail past whole 16-byte chunks) and of 256 and 600,
 /// 7 and 37 rows (blocks with rows past the last), the weights and activations read in place
 /// at 16-byte aligned offsets and through views at offsets that are not (the CUDA kernels'
 /// byte-by-byte path): within 1e-5 · Σ|w·x| of an f64 dot of the values as the `half` crate
@@ -270,7 +271,7 @@ fn float_weights_match_f64_at_any_alignment<B: Backend>(b: &B) -> Result<()> {
         let wv = rng.vec(rows * cols, 1.5);
         for ty in [QuantType::F16, QuantType::BF16, QuantType::F32] {
             let (raw, w) = float_weights(ty, &wv);
-            for n_tok in [1usize, 3, 6, DQ_PATH_MIN_TOKENS + 3] {
+            for n_tok in [1usize, 3, 6, DQ_PATH_MIN_TOKENS + 3, CUBLAS_MIN_TOKENS + 1] {
                 let x = rng.vec(n_tok * cols, 1.0);
                 let xb: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
                 // offsets 0 (aligned) and 2 and 4: still aligned to the element, not to 16 bytes

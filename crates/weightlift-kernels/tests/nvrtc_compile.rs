@@ -91,6 +91,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("kv_store_", ["", ""]),
             ("rope_kv_store_", ["", ""]),
             ("kv_load_", ["", ""]),
+            ("attention_prefill_", ["", ""]),
             ("attention_", ["", ""]),
         ] {
             if let Some(rest) = k.strip_prefix(prefix) {
@@ -101,6 +102,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "scan_" => format!("WL_SCAN_BLOCKS({t},"),
                             "kv_store_" | "kv_load_" => format!("WL_KV({t},"),
                             "rope_kv_store_" => format!("WL_ROPE_KV({t},"),
+                            "attention_prefill_" => format!("WL_ATTENTION_PREFILL({t},"),
                             "attention_" => format!("WL_ATTENTION({t},"),
                             "q8_matmul_" | "q8_matvec_" | "swiglu_q8_matvec_" => {
                                 format!("WL_Q8_KERNELS({t},")
@@ -163,6 +165,7 @@ fn expected_kernels() -> Vec<String> {
     }
     for k in [
         "convert_f32_f16",
+        "convert_f32_bf16",
         "convert_bf16_f16",
         "scan_f32",
         "scan_f16",
@@ -196,6 +199,14 @@ fn expected_kernels() -> Vec<String> {
         "attention_q4",
         "attention_q8_q4",
         "attention_reduce_f32",
+        // prompts: flash attention over the cache, by cache dtype
+        "attention_prefill_f32",
+        "attention_prefill_f16",
+        "attention_prefill_bf16",
+        "attention_prefill_e4m3",
+        "attention_prefill_q8",
+        "attention_prefill_q4",
+        "attention_prefill_q8_q4",
         // RoPE fused with the cache store, by cache dtype
         "rope_kv_store_f32",
         "rope_kv_store_f16",

@@ -136,8 +136,8 @@ pub use tp::{
 };
 pub use window::{SWA_PAD, SlidingWindow};
 pub use workspace::{
-    ALIGN, ATTENTION_SPLIT_KEYS, ATTENTION_SPLITS, Dims, Hosts, KV_TILE, LOGIT_ROWS, Region,
-    Workspace,
+    ALIGN, ATTENTION_SPLIT_KEYS, ATTENTION_SPLITS, DQ_CHUNK_VALUES, Dims, Hosts, KV_TILE,
+    LOGIT_ROWS, Region, Workspace, cuda_product_tiles,
 };
 
 use place::{Ctx, Tweak};

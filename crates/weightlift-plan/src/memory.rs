@@ -3,8 +3,9 @@
 use serde::{Deserialize, Serialize};
 use weightlift_format::ModelSpec;
 
+use crate::device::DeviceKind;
 use crate::error::{PlanError, Result};
-use crate::workspace::{Dims, Hosts, Workspace};
+use crate::workspace::{Dims, Hosts, Workspace, cuda_product_tiles};
 
 /// Element type of the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -286,6 +287,7 @@ impl RuntimeSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ScratchModel {
     dims: Dims,
+    max_dq_size: u64,
 }
 
 impl ScratchModel {
@@ -294,12 +296,36 @@ impl ScratchModel {
     pub fn new(spec: &ModelSpec, runtime: &RuntimeSpec, max_seq_len: u64, batch: u64) -> Self {
         ScratchModel {
             dims: Dims::new(spec, runtime, max_seq_len, batch),
+            max_dq_size: runtime.max_dq_size,
         }
     }
 
-    /// Scratch of a device that hosts what `hosts` says.
-    pub fn for_hosts(&self, hosts: Hosts) -> u64 {
-        Workspace::new(&self.dims, hosts).bytes
+    /// Scratch of a `kind` device that hosts what `hosts` says: its workspace (the engine
+    /// allocates this), laid out without the host attention's tiles on a CUDA device
+    /// ([`Workspace::for_kernel_attention`]).
+    pub fn for_device(&self, hosts: Hosts, kind: DeviceKind) -> u64 {
+        if kind == DeviceKind::Cuda {
+            Workspace::for_kernel_attention(&self.dims, hosts).bytes
+        } else {
+            Workspace::new(&self.dims, hosts).bytes
+        }
+    }
+
+    /// The prompt products' own tiles on a `kind` device ([`cuda_product_tiles`] on CUDA, 0
+    /// elsewhere): charged as scratch, allocated by the kernels.
+    pub fn cuda_tiles(&self, hosts: Hosts, kind: DeviceKind) -> u64 {
+        if kind == DeviceKind::Cuda {
+            cuda_product_tiles(&self.dims, self.max_dq_size, hosts)
+        } else {
+            0
+        }
+    }
+
+    /// What computing `hosts` costs a `kind` device beside its weights and cache: the scratch
+    /// and the tiles, for the placement's budgets.
+    pub fn charged(&self, hosts: Hosts, kind: DeviceKind) -> u64 {
+        self.for_device(hosts, kind)
+            .saturating_add(self.cuda_tiles(hosts, kind))
     }
 }
 

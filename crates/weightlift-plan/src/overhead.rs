@@ -229,9 +229,10 @@ pub fn context_default(capability: Option<Capability>) -> u64 {
 }
 
 /// The cuBLAS workspace for `capability`: 32 MiB on Hopper (sm_90) and later, 4 MiB before, as
-/// the cuBLAS documentation of `cublasSetWorkspace` recommends; 32 MiB when unknown. cuBLAS is
-/// not used yet (the prefill work brings it); the plan charges its workspace already, so that
-/// work only has to fill in the size it allocates.
+/// the cuBLAS documentation of `cublasSetWorkspace` recommends; 32 MiB when unknown. The CUDA
+/// backend allocates exactly this at its first prompt product on cuBLAS and gives it to its
+/// handle, so cuBLAS allocates none of its own (weightlift-kernels'
+/// `cublas_workspace_bytes`; the engine tests that the two agree).
 pub fn cublas_workspace(capability: Option<Capability>) -> u64 {
     match capability {
         Some((major, _)) if major < 9 => 4 * MIB,

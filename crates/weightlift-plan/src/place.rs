@@ -65,7 +65,9 @@ pub(crate) fn scratch_saving(
         .zip(&ctx.devs)
         .filter(|(_, d)| d.kind != DeviceKind::Disk)
         .map(|(h, d)| {
-            let saved = before.for_hosts(h).saturating_sub(ctx.scratch.for_hosts(h));
+            let saved = before
+                .charged(h, d.kind)
+                .saturating_sub(ctx.scratch.charged(h, d.kind));
             (d.name.clone(), saved)
         })
         .filter(|&(_, b)| b > 0)

@@ -60,6 +60,12 @@ pub struct DeviceUsage {
     /// Compute scratch; on the cpu, plus the host staging buffers for uploads
     /// ([`HostUsage::staging`]) whenever the inventory has an accelerator.
     pub scratch: u64,
+    /// The part of `scratch` the kernels allocate for themselves rather than the engine's
+    /// workspace buffer: on `cuda:N`, its prompt products' tiles
+    /// ([`crate::workspace::cuda_product_tiles`]); 0 elsewhere. The engine allocates
+    /// `scratch - kernel_scratch`.
+    #[serde(default)]
+    pub kernel_scratch: u64,
     /// The device's fixed overhead, charged when it allocates anything: the sum of
     /// `overhead_parts`.
     pub overhead: u64,

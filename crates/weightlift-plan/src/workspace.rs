@@ -20,6 +20,9 @@
 //! | `pos` (positions, i32) and `freqs` (RoPE inverse frequencies) | `T` and `head_dim/2` | layers |
 //! | `logits` | `R·V` | the head |
 //!
+//! A CUDA device's layout ([`Workspace::for_kernel_attention`]) has no `kt`, `vt`, `scores` or
+//! `stats`: its attention kernels hold their tiles and running softmax on the chip.
+//!
 //! `Tk = min(KV_TILE, max_seq_len, max_attention_size)` keys per tile, and
 //! `Tq = min(T, max(1, max_attention_size / Tk))` queries per tile, so no head ever holds more
 //! than `max_attention_size` attention weights. `R = min(LOGIT_ROWS, T)`: logits for more rows
@@ -30,7 +33,10 @@
 //! ranges, so its partial results fit here.
 //!
 //! Weights are used in their stored type (the CPU kernels dequantise in registers), so no
-//! dequantisation buffer is reserved; `max_dq_size` bounds the kernels' own tiles.
+//! dequantisation buffer is reserved; `max_dq_size` bounds the kernels' own tiles. A CUDA
+//! device's prompt products allocate such tiles of their own (a dequantised chunk, the
+//! activations re-encoded), which the plan charges in the scratch column beside the workspace
+//! ([`cuda_product_tiles`], `DeviceUsage::kernel_scratch`); the engine does not allocate them.
 
 use weightlift_format::ModelSpec;
 
@@ -48,6 +54,45 @@ pub const ATTENTION_SPLITS: u64 = 128;
 /// The fewest keys in one range of a split attention call (weightlift-kernels'
 /// `ATTENTION_MIN_SPLIT_KEYS`): a cache of `n` positions is split at most `ceil(n / this)` ways.
 pub const ATTENTION_SPLIT_KEYS: u64 = 16;
+
+/// The most values one dequantised weight chunk of a CUDA prompt product holds, whatever
+/// `max_dq_size` allows (weightlift-kernels' `DQ_CHUNK_CAP`; the engine tests that they are
+/// equal).
+pub const DQ_CHUNK_VALUES: u64 = 16 << 20;
+
+/// Device memory a CUDA device's prompt products allocate beside the workspace, per product
+/// and freed after it (so the largest one counts), which the plan charges as scratch the
+/// kernels allocate themselves (`DeviceUsage::kernel_scratch`; the engine's buffer holds the
+/// rest of the scratch column): the dequantised chunk of weight rows of the
+/// exact path, `min(max_dq_size, DQ_CHUNK_VALUES, the largest matrix)` f32 values (fast mode's
+/// f16 chunk is half of it), plus the activations as the products re-encode them, `T` tokens of
+/// the widest input at 2 bytes a value (fast mode's f16/bf16 copy for cuBLAS; the Q8 blocks of
+/// the quantised kernels take 1.25). 0 for a device that computes no layers and no head.
+/// The cuBLAS workspace is not here: it is part of the device's overhead (`overhead.rs`).
+pub fn cuda_product_tiles(d: &Dims, max_dq_size: u64, hosts: Hosts) -> u64 {
+    if d.tokens == 0 || !(hosts.layers || hosts.head) {
+        return 0;
+    }
+    let mut widest_out = 0u64;
+    let mut widest_in = 0u64;
+    if hosts.layers {
+        widest_out = widest_out.max(d.q_dim).max(d.kv_dim).max(d.inter);
+        widest_in = widest_in.max(d.hidden).max(d.q_dim).max(d.inter);
+    }
+    if hosts.head {
+        widest_out = widest_out.max(d.vocab);
+        widest_in = widest_in.max(d.hidden);
+    }
+    // the largest matrix: the down projection (hidden × inter) or one of hidden columns
+    let largest = widest_out
+        .max(d.hidden)
+        .saturating_mul(d.hidden)
+        .max(d.hidden.saturating_mul(d.inter));
+    let chunk = max_dq_size.min(DQ_CHUNK_VALUES).min(largest);
+    let round = |b: u64| b.div_ceil(ALIGN).saturating_mul(ALIGN);
+    round(chunk.saturating_mul(4))
+        .saturating_add(round(d.tokens.saturating_mul(widest_in).saturating_mul(2)))
+}
 
 /// What a device computes, which decides the regions it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -153,6 +198,18 @@ pub struct Workspace {
 impl Workspace {
     /// The layout for a device that computes `hosts`. Every value is 4 bytes (f32 or i32).
     pub fn new(d: &Dims, hosts: Hosts) -> Workspace {
+        Workspace::layout(d, hosts, true)
+    }
+
+    /// The layout for a device whose attention is one kernel over the cache (CUDA: the split
+    /// decode kernel and the prompt kernel keep their tiles, scores and running softmax in
+    /// registers and shared memory): [`Workspace::new`] without `kt`, `vt`, `scores` and
+    /// `stats`, which only the host's tiled attention uses.
+    pub fn for_kernel_attention(d: &Dims, hosts: Hosts) -> Workspace {
+        Workspace::layout(d, hosts, false)
+    }
+
+    fn layout(d: &Dims, hosts: Hosts, host_attention: bool) -> Workspace {
         let mut w = Workspace::default();
         if d.tokens == 0 || !hosts.any() {
             return w;
@@ -176,10 +233,12 @@ impl Workspace {
             w.v = take(t.saturating_mul(d.kv_dim));
             w.gate = take(t.saturating_mul(d.inter));
             w.up = take(t.saturating_mul(d.inter));
-            w.kt = take(d.kv_tile.saturating_mul(d.kv_dim));
-            w.vt = take(d.kv_tile.saturating_mul(d.kv_dim));
-            w.scores = take(d.n_heads.saturating_mul(d.q_tile).saturating_mul(d.kv_tile));
-            w.stats = take(2u64.saturating_mul(t).saturating_mul(d.n_heads));
+            if host_attention {
+                w.kt = take(d.kv_tile.saturating_mul(d.kv_dim));
+                w.vt = take(d.kv_tile.saturating_mul(d.kv_dim));
+                w.scores = take(d.n_heads.saturating_mul(d.q_tile).saturating_mul(d.kv_tile));
+                w.stats = take(2u64.saturating_mul(t).saturating_mul(d.n_heads));
+            }
             w.parts = take(
                 d.n_heads
                     .saturating_mul(d.att_splits)
@@ -261,6 +320,113 @@ pub(crate) mod tests {
         );
         assert_eq!(e.bytes, 512 * 576 * 4);
         assert_eq!(Workspace::new(&d, Hosts::default()).bytes, 0);
+    }
+
+    /// A CUDA device's prompt tiles: the largest dequantised chunk (capped by `max_dq_size`
+    /// and [`DQ_CHUNK_VALUES`]) in f32 and the widest input of `T` tokens in 2 bytes, charged
+    /// on top of the workspace on cuda devices only.
+    #[test]
+    fn cuda_devices_are_charged_their_prompt_tiles() {
+        use crate::device::DeviceKind;
+        use crate::memory::ScratchModel;
+        let rt = RuntimeSpec {
+            max_input_len: 512,
+            ..RuntimeSpec::default()
+        };
+        let d = Dims::new(&spec(), &rt, 8192, 1);
+        let layers = Hosts {
+            layers: true,
+            ..Hosts::default()
+        };
+        let all = Hosts {
+            layers: true,
+            head: true,
+            embed: true,
+        };
+        // layers: the 1536 × 576 gate/up/down matrices in one f32 chunk, 512 tokens of the
+        // 1536-wide down projection's input in f16
+        let acts = 512 * 1536 * 2;
+        assert_eq!(
+            cuda_product_tiles(&d, rt.max_dq_size, layers),
+            1536 * 576 * 4 + acts
+        );
+        // the head's 49152 × 576 matrix is chunked at DQ_CHUNK_VALUES
+        assert_eq!(
+            cuda_product_tiles(&d, rt.max_dq_size, all),
+            DQ_CHUNK_VALUES * 4 + acts
+        );
+        // max_dq_size bounds the chunk; nothing for an embedding-only device or no tokens
+        assert_eq!(cuda_product_tiles(&d, 1 << 20, all), (4 << 20) + acts);
+        let embed = Hosts {
+            embed: true,
+            ..Hosts::default()
+        };
+        assert_eq!(cuda_product_tiles(&d, rt.max_dq_size, embed), 0);
+        let none = Dims::new(&spec(), &RuntimeSpec::none(), 8192, 1);
+        assert_eq!(cuda_product_tiles(&none, 1 << 20, all), 0);
+        // the scratch model: cuda devices hold the kernel-attention layout, and are charged
+        // the tiles besides
+        let m = ScratchModel::new(&spec(), &rt, 8192, 1);
+        let ws = Workspace::new(&d, all).bytes;
+        let kernel = Workspace::for_kernel_attention(&d, all).bytes;
+        for kind in [DeviceKind::Virtual, DeviceKind::Cpu] {
+            assert_eq!(m.for_device(all, kind), ws);
+            assert_eq!(m.charged(all, kind), ws);
+            assert_eq!(m.cuda_tiles(all, kind), 0);
+        }
+        assert_eq!(m.for_device(all, DeviceKind::Cuda), kernel);
+        assert_eq!(
+            m.cuda_tiles(all, DeviceKind::Cuda),
+            DQ_CHUNK_VALUES * 4 + acts
+        );
+        assert_eq!(
+            m.charged(all, DeviceKind::Cuda),
+            kernel + DQ_CHUNK_VALUES * 4 + acts
+        );
+    }
+
+    /// A CUDA device's layout drops the host attention's regions (decoded K/V tiles, one
+    /// tile's scores, the softmax stats) and keeps every other region the same size.
+    #[test]
+    fn kernel_attention_layouts_hold_no_host_attention_tiles() {
+        let rt = RuntimeSpec {
+            max_input_len: 512,
+            ..RuntimeSpec::default()
+        };
+        let d = Dims::new(&spec(), &rt, 8192, 1);
+        let all = Hosts {
+            layers: true,
+            head: true,
+            embed: true,
+        };
+        let (w, k) = (
+            Workspace::new(&d, all),
+            Workspace::for_kernel_attention(&d, all),
+        );
+        for r in [k.kt, k.vt, k.scores, k.stats] {
+            assert_eq!(r.len, 0);
+        }
+        for (a, b) in [
+            (w.x, k.x),
+            (w.xn, k.xn),
+            (w.q, k.q),
+            (w.att, k.att),
+            (w.k, k.k),
+            (w.v, k.v),
+            (w.gate, k.gate),
+            (w.up, k.up),
+            (w.parts, k.parts),
+            (w.pos, k.pos),
+            (w.freqs, k.freqs),
+            (w.logits, k.logits),
+        ] {
+            assert_eq!(a.len, b.len);
+        }
+        // SmolLM2 at 512 tokens: 2 × 256 × 192 decoded keys and values, 9 × 512 × 256 scores
+        // and 2 × 512 × 9 stats, 4 bytes each
+        let host = 2 * 256 * 192 + 9 * 512 * 256 + 2 * 512 * 9;
+        assert_eq!(w.bytes - k.bytes, host * 4);
+        assert_eq!(k.logits.offset + k.logits.len * 4, k.bytes);
     }
 
     #[test]

@@ -744,3 +744,54 @@ fn bf16_checkpoint_on_cuda_keeps_bf16() {
         p.tensors().iter().map(|t| t.bytes).sum::<u64>()
     );
 }
+
+/// A cuda device computing the layers and the head is charged the kernel-attention workspace
+/// (no host attention tiles) and its prompt products' own tiles as scratch, the tiles named as
+/// the kernels' share (`kernel_scratch`); its overhead is the three fixed parts. A virtual
+/// device of the same size holds the full workspace and no kernel share.
+#[test]
+fn cuda_devices_hold_kernel_attention_scratch_and_are_charged_prompt_tiles() {
+    let mut req = request(tiny_llama(), "bfloat16", "cuda:0:1GiB,cpu:1GiB");
+    req.cache = Some(CacheSpec::new(512, 1, CacheDType::Fp16));
+    let p = plan(&req).unwrap();
+    assert!(p.layer_devices().iter().all(|d| d == "cuda:0"));
+    assert_eq!(p.head_device(), "cuda:0");
+    let d = Dims::new(&req.spec, &req.runtime, 512, 1);
+    let hosts = |embed| Hosts {
+        layers: true,
+        head: true,
+        embed,
+    };
+    let cuda = p.devices().iter().find(|d| d.name == "cuda:0").unwrap();
+    let tiles = cuda_product_tiles(&d, req.runtime.max_dq_size, hosts(true));
+    assert!(tiles > 0);
+    assert_eq!(cuda.kernel_scratch, tiles);
+    assert!(
+        [true, false]
+            .iter()
+            .any(|&e| cuda.scratch == Workspace::for_kernel_attention(&d, hosts(e)).bytes + tiles),
+        "{}",
+        cuda.scratch
+    );
+    let names: Vec<&str> = cuda
+        .overhead_parts
+        .iter()
+        .map(|o| o.name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [overhead::CONTEXT, overhead::CUBLAS, overhead::GRAPHS]
+    );
+    let mut req = request(tiny_llama(), "bfloat16", "virtual:1x1GiB,cpu:1GiB");
+    req.cache = Some(CacheSpec::new(512, 1, CacheDType::Fp16));
+    let p = plan(&req).unwrap();
+    let v = p.devices().iter().find(|d| d.name == "virtual:0").unwrap();
+    assert!(
+        [true, false]
+            .iter()
+            .any(|&e| v.scratch == Workspace::new(&d, hosts(e)).bytes),
+        "{}",
+        v.scratch
+    );
+    assert_eq!(v.kernel_scratch, 0);
+}

@@ -422,7 +422,12 @@ impl Graph {
             .enumerate()
             .map(|(i, (name, hosts))| -> Result<Site> {
                 let device = (m.resolve)(&name)?;
-                let layout = Workspace::new(&dims, hosts);
+                // CUDA's attention kernels keep their tiles on the chip: no host tiles
+                // (the plan charges the same layout)
+                let layout = match device.kind() {
+                    DeviceKind::Cuda => Workspace::for_kernel_attention(&dims, hosts),
+                    _ => Workspace::new(&dims, hosts),
+                };
                 let scratch = m
                     .scratch
                     .iter()

@@ -32,11 +32,17 @@ impl CudaBackend {
         self.own(w)?;
         self.own(x)?;
         self.own(y)?;
-        let (types, names) = match mode {
-            MatvecMode::Q8 => (CUDA_Q8_TYPES, crate::CUDA_Q8_WEIGHT_TYPES),
-            MatvecMode::Exact => (CUDA_EXACT_TYPES, CUDA_EXACT_NAMES),
+        let supported = match mode {
+            MatvecMode::Q8 => {
+                CUDA_Q8_TYPES.contains(&m.ty) || CUDA_FAST_FLOAT_TYPES.contains(&m.ty)
+            }
+            MatvecMode::Exact => CUDA_EXACT_TYPES.contains(&m.ty),
         };
-        if !types.contains(&m.ty) {
+        let names = match mode {
+            MatvecMode::Q8 => CUDA_FAST_NAMES,
+            MatvecMode::Exact => CUDA_EXACT_NAMES,
+        };
+        if !supported {
             return Err(KernelError::Unsupported {
                 op: match mode {
                     MatvecMode::Q8 => "matmul on cuda (q8 mode)",
@@ -305,6 +311,149 @@ impl CudaBackend {
                 self.q8_activations(m, x, |xq| launch(name, cfg, xq, y))
             }
         }
+    }
+
+    /// Whether a prompt of `n_tok` tokens of `act` activations takes cuBLAS here (making the
+    /// handle if there is none yet).
+    pub(super) fn cublas_takes(&self, n_tok: usize, act: FloatType) -> Result<bool> {
+        if n_tok < self.cublas_min_tokens || act != FloatType::F32 {
+            return Ok(false);
+        }
+        Ok(self.with_cublas(|_| Ok(()))?.is_some())
+    }
+
+    /// A prompt's product on cuBLAS (see [`crate::sources::CUBLAS_MIN_TOKENS`]), or `false`
+    /// with nothing run when this one does not take it: too few tokens, f16 activations, no
+    /// libcublas, a weight row longer than `max_dq_size` allows in one chunk, or an operand it
+    /// reads in place at an address that is not a multiple of its element.
+    ///
+    /// - Exact mode: f32 weights as they are, the others dequantised to f32 `chunk` rows at a
+    ///   time into a scratch of at most `max_dq_size` values ([`dq_chunk_rows`], the chunks of
+    ///   the kernels' own path), each chunk one f32 GEMM with `CUBLAS_COMPUTE_32F_PEDANTIC`:
+    ///   f32 products and sums, no TF32, so the results stay within exact mode's bound (the
+    ///   sum order is cuBLAS's, not one FMA chain).
+    /// - Fast mode ([`MatvecMode::Q8`]): the activations rounded once to f16 (to bf16 for bf16
+    ///   weights) into a scratch of `n_tok × cols` values; f16 and bf16 weights multiplied as
+    ///   they are, quantised ones dequantised to f16 chunk by chunk (half the exact chunk's
+    ///   bytes); tensor cores with f32 accumulation (`CUBLAS_COMPUTE_32F`).
+    ///
+    /// The output is written in place: chunk `r0..r0 + nr` is the GEMM's `nr × n_tok` block at
+    /// `y + r0` with leading dimension `rows`.
+    pub(super) fn matmul_cublas(
+        &self,
+        mode: MatvecMode,
+        m: MatShape,
+        max_dq_size: usize,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<bool> {
+        if m.rows == 0 || m.cols == 0 || !self.cublas_takes(m.n_tok, m.act)? {
+            return Ok(false);
+        }
+        let fast = mode == MatvecMode::Q8;
+        let Some(route) = cublas_route(fast, m.ty, m.rows, m.cols, max_dq_size) else {
+            return Ok(false);
+        };
+        // cuBLAS reads whole elements: a view at an offset that is not a multiple of one (the
+        // kernels' byte-by-byte path takes those) stays on the kernels
+        let aligned = |b: &CudaBuffer, size: usize| {
+            b.slice
+                .device_ptr(&self.stream)
+                .0
+                .is_multiple_of(size as u64)
+        };
+        if !aligned(y, 4)
+            || (route.convert.is_none() && !aligned(x, 4))
+            || (route.dequantize.is_none() && !aligned(w, m.ty.block_bytes()))
+        {
+            return Ok(false);
+        }
+        let ran = self.with_cublas(|h| self.cublas_product(h, &route, m, w, x, y))?;
+        Ok(ran.is_some())
+    }
+
+    /// The launches of [`CudaBackend::matmul_cublas`] on handle `h` along `route` (the buffers
+    /// were checked against `m` by the caller).
+    fn cublas_product(
+        &self,
+        h: &cublas::Handle,
+        route: &CublasRoute,
+        m: MatShape,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        use cudarc::cublas::sys::{cublasComputeType_t as Compute, cudaDataType as Dt};
+        let row_bytes = quant_bytes(m.ty, m.cols)?;
+        let chunk = route.chunk;
+        let (ab, compute, elem) = match route.operands {
+            "f32" => (Dt::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F_PEDANTIC, 4),
+            "bf16" => (Dt::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F, 2),
+            _ => (Dt::CUDA_R_16F, Compute::CUBLAS_COMPUTE_32F, 2),
+        };
+        // the activations: f32 as they are in exact mode, rounded once in fast mode
+        let n_x = mul(m.n_tok, m.cols);
+        let converted = match route.convert {
+            Some(name) => {
+                // SAFETY: the conversion below writes all n_x values before the GEMMs read them.
+                let mut xs = unsafe { self.scratch(mul(n_x, 2)) }?;
+                let mut args = [
+                    KArg::In(&x.slice),
+                    KArg::Out(&mut xs),
+                    KArg::U64(n_x as u64),
+                ];
+                // SAFETY: one thread per value below n_x; x holds n_tok × cols f32 (checked by
+                // the caller) and xs n_x 2-byte values.
+                unsafe { self.launch("convert", name, elementwise(n_x)?, &mut args) }?;
+                Some(xs)
+            }
+            None => None,
+        };
+        let x_ptr = match &converted {
+            Some(xs) => xs.device_ptr(&self.stream).0,
+            None => x.slice.device_ptr(&self.stream).0,
+        };
+        let w_ptr = w.slice.device_ptr(&self.stream).0;
+        let y_ptr = y.slice.device_ptr_mut(&self.stream).0;
+        let gemm = |a: u64, r0: usize, nr: usize| cublas::Gemm {
+            m: nr,
+            n: m.n_tok,
+            k: m.cols,
+            a,
+            lda: m.cols,
+            b: x_ptr,
+            ldb: m.cols,
+            c: y_ptr + (r0 * 4) as u64,
+            ldc: m.rows,
+            ab,
+            compute,
+        };
+        let Some(dq_name) = &route.dequantize else {
+            // SAFETY: A is the rows × cols weights (checked), B the n_tok × cols activations
+            // (checked, or converted above), C the n_tok × rows output (checked); all on this
+            // backend's stream, which the handle is bound to.
+            return unsafe { h.gemm(&gemm(w_ptr, 0, m.rows)) };
+        };
+        // SAFETY: each chunk's dequantize launch writes the values its GEMM reads (chunk rows
+        // or fewer, from the start), earlier on the same stream.
+        let mut wd = unsafe { self.scratch(mul(mul(chunk, m.cols), elem)) }?;
+        let wd_ptr = wd.device_ptr(&self.stream).0;
+        let mut r0 = 0;
+        while r0 < m.rows {
+            let nr = chunk.min(m.rows - r0);
+            let n = nr * m.cols;
+            let view = w.slice.slice(r0 * row_bytes..(r0 + nr) * row_bytes);
+            let mut args = [KArg::InView(view), KArg::Out(&mut wd), KArg::U64(n as u64)];
+            // SAFETY: n values of nr whole weight rows, inside the checked weight bytes, into
+            // the scratch of chunk × cols >= n values.
+            unsafe { self.launch("dequant", dq_name, elementwise(n)?, &mut args) }?;
+            // SAFETY: A is the nr × cols chunk just written, B as above, C the output rows
+            // r0..r0 + nr of every token (ld rows, inside the checked n_tok × rows).
+            unsafe { h.gemm(&gemm(wd_ptr, r0, nr)) }?;
+            r0 += nr;
+        }
+        Ok(())
     }
 
     /// Exact mode for prompts: `chunk` weight rows at a time are dequantised to f32 into a

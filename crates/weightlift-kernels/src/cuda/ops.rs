@@ -62,6 +62,17 @@ fn swiglu_fuses(mode: MatvecMode, gate: QuantType, up: QuantType, cols: usize) -
         }
 }
 
+/// The kernels a product of `ty` weights in `mode` runs when it does not take cuBLAS: float
+/// weights have no Q8 kernels, and fast mode allows their activations to be rounded without
+/// requiring it, so they run the exact kernels.
+fn kernel_mode(mode: MatvecMode, ty: QuantType) -> MatvecMode {
+    if CUDA_FAST_FLOAT_TYPES.contains(&ty) {
+        MatvecMode::Exact
+    } else {
+        mode
+    }
+}
+
 impl CudaBackend {
     /// Every [`Op`] on this device (see [`Backend::run`]).
     pub(super) fn run_op(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
@@ -139,7 +150,10 @@ impl CudaBackend {
                 if n_tok == 0 || rows == 0 {
                     return Ok(());
                 }
-                match mode {
+                if self.matmul_cublas(mode, shape, max_dq_size, w, x, y)? {
+                    return Ok(());
+                }
+                match kernel_mode(mode, ty) {
                     MatvecMode::Q8 => self.matmul_q8(shape, w, x, y)?,
                     MatvecMode::Exact => match dq_chunk_rows(rows, cols, max_dq_size) {
                         Some(chunk) if n_tok >= DQ_PATH_MIN_TOKENS => {
@@ -157,7 +171,9 @@ impl CudaBackend {
                 x,
                 mut products,
                 ..
-            } if products.iter().all(|p| CUDA_Q8_TYPES.contains(&p.ty)) => {
+            } if products.iter().all(|p| CUDA_Q8_TYPES.contains(&p.ty))
+                && !self.cublas_takes(n_tok, act)? =>
+            {
                 // the activations quantised once, for every member
                 let shape = |p: &crate::backend::Product<'_, CudaBuffer>| MatShape {
                     ty: p.ty,
@@ -192,7 +208,7 @@ impl CudaBackend {
                 gate,
                 up,
                 ..
-            } if swiglu_fuses(mode, gate.ty, up.ty, cols) => {
+            } if swiglu_fuses(kernel_mode(mode, gate.ty), gate.ty, up.ty, cols) => {
                 let shape = MatShape {
                     ty: gate.ty,
                     act,
@@ -202,6 +218,7 @@ impl CudaBackend {
                 };
                 crate::backend::swiglu_values(gate.rows, up.rows, 1)?;
                 self.own(up.y)?;
+                let mode = kernel_mode(mode, gate.ty);
                 self.matvec_swiglu(mode, shape, [gate.w, up.w], x, gate.y)?;
             }
             op @ Op::MatmulSwiGlu { .. } => {
@@ -583,6 +600,42 @@ impl CudaBackend {
                 need("attention value bytes", v, v_format.byte_at(sh.kv_values()))?;
                 need("attention output bytes", out, mul(sh.q_values(), 4))?;
                 if n_q == 0 {
+                    return Ok(());
+                }
+                if n_q >= ATTENTION_PREFILL_MIN_QUERIES
+                    && head_dim <= ATTENTION_PREFILL_MAX_HEAD_DIM
+                {
+                    // a prompt: K/V tiles in shared memory, met by blocks of (query, head) rows
+                    let name = name.replacen("attention_", "attention_prefill_", 1);
+                    let rows = mul(n_q, n_heads / kv_heads);
+                    let blocks = mul(kv_heads, rows.div_ceil(attention_prefill_rows(head_dim)));
+                    let cfg = LaunchConfig {
+                        grid_dim: (grid_for(blocks, 1, "attention blocks")?, 1, 1),
+                        block_dim: (ATTENTION_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut args = [
+                        KArg::In(&q.slice),
+                        KArg::In(&k.slice),
+                        KArg::In(&v.slice),
+                        KArg::Out(&mut out.slice),
+                        KArg::U64(n_q as u64),
+                        KArg::U64(start as u64),
+                        KArg::U64(n_heads as u64),
+                        KArg::U64(kv_heads as u64),
+                        KArg::I32(arg_i32("head_dim", head_dim)?),
+                        KArg::F32(scale),
+                        KArg::I32(i32::from(f16_operands)),
+                        KArg::U64(window as u64),
+                        KArg::F32(softcap),
+                    ];
+                    // SAFETY: block (kh, b) reads the query rows of its (query, head) pairs
+                    // (n_q * n_heads * head_dim checked), cache rows below start + n_q of KV
+                    // head kh ((start + n_q) rows checked), and writes the output rows of its
+                    // pairs (checked); head_dim is within the kernel's shared arrays (checked
+                    // against ATTENTION_PREFILL_MAX_HEAD_DIM), and kv_heads divides n_heads
+                    // (AttShape::check).
+                    unsafe { self.launch("attention", &name, cfg, &mut args) }?;
                     return Ok(());
                 }
                 let room = scratch.as_deref().map_or(0, |b| b.slice.len() / 4);

@@ -24,7 +24,7 @@ impl Ctx<'_> {
             .map(|&d| {
                 self.devs[d]
                     .room()
-                    .saturating_sub(self.scratch.for_hosts(full))
+                    .saturating_sub(self.scratch.charged(full, self.devs[d].kind))
             })
             .collect();
         let mut total: u64 = self

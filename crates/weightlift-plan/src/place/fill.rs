@@ -140,7 +140,7 @@ impl Ctx<'_> {
                 }
                 let mut avail = dev
                     .room()
-                    .saturating_sub(self.scratch.for_hosts(projected))
+                    .saturating_sub(self.scratch.charged(projected, dev.kind))
                     .saturating_sub(later_kv);
                 if d == self.host && !self.accel.is_empty() {
                     avail = avail.saturating_sub(self.staging_bound);

@@ -159,7 +159,7 @@ impl Ctx<'_> {
             let mut scratch = match &a.scratch {
                 Some(s) => s.get(i).copied().unwrap_or(0),
                 None if dev.kind == DeviceKind::Disk => 0,
-                None => self.scratch.for_hosts(hosts[i]),
+                None => self.scratch.for_device(hosts[i], dev.kind),
             };
             if i == self.host {
                 host_scratch = scratch;
@@ -172,6 +172,13 @@ impl Ctx<'_> {
             // A device that allocates anything (weights, kv, compute scratch or, on the host,
             // staging buffers) is checked against its budget and pays its fixed overhead.
             let active = weights[i] > 0 || kv[i] > 0 || scratch > 0;
+            // a CUDA device's prompt products allocate their own tiles: scratch that the
+            // engine's buffer does not hold
+            let kernel_scratch = match &a.scratch {
+                None if active => self.scratch.cuda_tiles(hosts[i], dev.kind),
+                _ => 0,
+            };
+            scratch = scratch.saturating_add(kernel_scratch);
             let (overhead, overhead_parts) = if active {
                 (dev.overhead.total(), dev.overhead.parts().to_vec())
             } else {
@@ -218,6 +225,7 @@ impl Ctx<'_> {
                 weights: weights[i],
                 kv: kv[i],
                 scratch,
+                kernel_scratch,
                 overhead,
                 overhead_parts,
                 reserve: dev.reserve,

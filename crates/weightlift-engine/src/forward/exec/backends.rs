@@ -142,8 +142,10 @@ fn carve_bytes<'a>(bytes: &'a mut [u8], ranges: &[(usize, usize)]) -> Result<Vec
 }
 
 impl Exec for CudaBackend {
+    /// The Q8 types, and f16 and bf16: fast mode's prompts round their activations to the
+    /// weights' type on tensor cores (cuBLAS), and their other products are exact.
     fn q8_supports(ty: QuantType) -> bool {
-        sources::CUDA_Q8_TYPES.contains(&ty)
+        sources::CUDA_Q8_TYPES.contains(&ty) || sources::CUDA_FAST_FLOAT_TYPES.contains(&ty)
     }
 
     /// In fast mode every product takes the whole batch: the several-token kernels quantise
