@@ -1,0 +1,198 @@
+//! The forward pass of the mixture-of-experts families, mixtral and qwen3moe (a router scoring
+//! 4 experts per token, each token's 2 best run and summed by their softmax weights renormalised
+//! to 1, the prompt's tokens grouped by expert, GGUF's experts read as row blocks of one 3-D
+//! tensor per projection, quantised ones included), against logits and greedy ids that
+//! transformers computed for tiny random models as f16 safetensors and as GGUF files written by
+//! llama.cpp's converter (`tests/data/tiny-qwen3moe` and `tiny-mixtral`, made by
+//! `tests/gen_qwen3moe.py` and `gen_mixtral.py`; their READMEs give the recipe and the
+//! measurements). The checks of `common/family.rs` that do not go through the backend op
+//! sequence apply as they are; the others are restated here for the host path, and the backend
+//! is held to refusing MoE by name.
+
+mod common;
+
+use common::family::Family;
+use common::{forward_all, greedy, json_ids, load_on, max_abs_diff, open, split_load};
+use weightlift_engine::CacheDType;
+use weightlift_engine::forward::{Compute, Logits};
+use weightlift_format::{Checkpoint, Format, MoeSpec, OpenOptions, Role};
+
+const QWEN3MOE: Family = Family("qwen3moe");
+const MIXTRAL: Family = Family("mixtral");
+const BOTH: [Family; 2] = [QWEN3MOE, MIXTRAL];
+
+/// Each checkpoint's routing and expert tensors, from GGUF metadata and from config.json: 4
+/// experts, 2 used, renormalised; qwen3moe's experts 32 wide (`moe_intermediate_size`,
+/// `expert_feed_forward_length`), mixtral's 16 (`intermediate_size`, `feed_forward_length`).
+#[test]
+fn tiny_moe_specs_and_expert_tensors() {
+    for (f, ffn, arch_gguf, arch_hf) in [
+        (QWEN3MOE, 32, "qwen3moe", "qwen3_moe"),
+        (MIXTRAL, 16, "llama", "mixtral"),
+    ] {
+        for path in f.checkpoints() {
+            let file = path.display();
+            let ck = Checkpoint::open(&path, OpenOptions::default()).unwrap();
+            let gguf = ck.format() == Format::Gguf;
+            let moe = if gguf {
+                MoeSpec::from_gguf(ck.metadata())
+            } else {
+                MoeSpec::from_hf_config(ck.config().unwrap())
+            }
+            .unwrap();
+            let want = MoeSpec {
+                n_experts: 4,
+                n_used: 2,
+                expert_ffn: ffn,
+                norm_topk_prob: true,
+            };
+            assert_eq!(moe, Some(want), "{file}");
+            let spec = ck.spec().unwrap();
+            let arch = if gguf { arch_gguf } else { arch_hf };
+            assert_eq!(spec.architecture, arch, "{file}");
+            let count = |role: Role| ck.tensors().iter().filter(|t| t.role == Some(role)).count();
+            assert_eq!(count(Role::FfnGateInp), 2, "{file}: a router per layer");
+            for role in [Role::FfnGateExps, Role::FfnUpExps, Role::FfnDownExps] {
+                // GGUF stacks a layer's experts in one 3-D tensor; transformers keeps one each
+                let (n, shape) = if gguf { (2, 3) } else { (8, 2) };
+                assert_eq!(count(role), n, "{file} {role:?}");
+                for t in ck.tensors().iter().filter(|t| t.role == Some(role)) {
+                    assert_eq!(t.shape.len(), shape, "{}", t.name);
+                    assert!(t.layer.is_some(), "{}", t.name);
+                    let e = weightlift_format::expert_of(&t.name);
+                    assert_eq!(e.is_some(), !gguf, "{}", t.name);
+                }
+            }
+            assert!(ck.tensors().iter().all(|t| t.role.is_some()), "{file}");
+        }
+    }
+}
+
+#[test]
+fn tiny_moe_safetensors_exact_matches_transformers() {
+    BOTH.into_iter()
+        .for_each(Family::safetensors_exact_matches_transformers);
+}
+
+#[test]
+fn tiny_moe_f16_gguf_exact_matches_transformers() {
+    BOTH.into_iter()
+        .for_each(Family::f16_gguf_exact_matches_transformers);
+}
+
+#[test]
+fn tiny_moe_q8_0_gguf_exact_matches_transformers_on_dequantised_weights() {
+    BOTH.into_iter()
+        .for_each(Family::q8_0_gguf_exact_matches_transformers_on_dequantised_weights);
+}
+
+#[test]
+fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
+    BOTH.into_iter()
+        .for_each(Family::gguf_within_llamacpps_distance_to_transformers);
+}
+
+/// Placement never changes the bits: whole on cpu, and layers over 2 and 3 virtual devices (the
+/// hidden state crossing device boundaries between expert layers), for each checkpoint.
+#[test]
+fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut m, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            m.set_compute(Compute::Exact);
+            let cpu = forward_all(&mut m, &cache, &ids);
+            f.assert_matches(&format!("{file} cpu"), &cpu, Family::reference_of(&path));
+            for (inv, devs) in [
+                ("virtual:2x64MiB,cpu", &["virtual:0", "virtual:1"][..]),
+                (
+                    "virtual:3x64MiB,cpu",
+                    &["virtual:0", "virtual:1", "virtual:2"][..],
+                ),
+            ] {
+                let (mut m, cache) = split_load(&src, inv, devs, CacheDType::F32, 0, false);
+                m.set_compute(Compute::Exact);
+                let out = forward_all(&mut m, &cache, &ids);
+                assert!(
+                    out == cpu,
+                    "{file} over {inv}: max|Δ| {} from cpu",
+                    max_abs_diff(&out, &cpu)
+                );
+            }
+        }
+    }
+}
+
+/// Greedy decoding, one token per forward call from the cache (one token routed at a time),
+/// from the safetensors folder and the F16 GGUF, is transformers' greedy continuation.
+#[test]
+fn tiny_moe_greedy_ids_are_transformers() {
+    for f in BOTH {
+        let want = json_ids(&f.data().join("stats.json"), "greedy_ids");
+        let ids = f.ids();
+        for path in [f.data(), f.gguf("F16")] {
+            let (mut m, cache) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
+            m.set_compute(Compute::Exact);
+            let got = greedy(&mut m, &cache, &ids, want.len());
+            assert_eq!(got, want, "{}", path.display());
+        }
+    }
+}
+
+/// The plan sizes and places the router and every expert with its layer: what each device
+/// holds is what the plan says, and the planned model is transformers' within 1e-3.
+#[test]
+fn tiny_moe_plan_is_what_the_load_holds() {
+    BOTH.into_iter()
+        .for_each(Family::plan_is_what_the_load_holds);
+}
+
+/// The backend op sequence (the path cuda devices take) has no expert ops yet: it refuses the
+/// MoE block by name instead of computing something else.
+#[test]
+fn tiny_moe_backend_refuses_experts_by_name() {
+    for f in BOTH {
+        let (mut m, cache) = load_on(&open(f.gguf("F16")), "cpu", "cpu", 64, CacheDType::F32);
+        m.set_host_backend(true);
+        cache.reset();
+        let mut out = Vec::new();
+        let e = m
+            .forward(&f.ids(), Some(&cache), Logits::All, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mixture-of-experts block of layer 0"), "{e}");
+        assert!(e.contains("backend op sequence"), "{e}");
+        assert!(e.contains("host path"), "{e}");
+    }
+}
+
+/// The routing matters in these fixtures: sending every token to experts 0 and 1 moves
+/// transformers' logits by more than 1 (the generator's measurement), so an engine that routed
+/// wrongly could not pass the checks above.
+#[test]
+fn tiny_moe_routing_moves_the_logits() {
+    for f in BOTH {
+        let s = f.stats();
+        let moved = s["sensitivity"]["every_token_to_experts_0_1"]["max_abs"]
+            .as_f64()
+            .unwrap();
+        assert!(moved > 1.0, "{}: {moved}", f.0);
+        for layer in s["routing"]["experts"].as_array().unwrap() {
+            let mut used = [false; 4];
+            for pair in layer.as_array().unwrap() {
+                for e in pair.as_array().unwrap() {
+                    used[e.as_u64().unwrap() as usize] = true;
+                }
+            }
+            assert!(used.iter().filter(|u| **u).count() >= 3, "{}", f.0);
+        }
+    }
+    // qwen3moe's norm_topk_prob (true, as the model ships) matters as much
+    let s = QWEN3MOE.stats();
+    let unnormed = s["sensitivity"]["norm_topk_prob_false"]["max_abs"]
+        .as_f64()
+        .unwrap();
+    assert!(unnormed > 1.0, "{unnormed}");
+}
