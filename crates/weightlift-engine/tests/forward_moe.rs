@@ -196,3 +196,89 @@ fn tiny_moe_routing_moves_the_logits() {
         .unwrap();
     assert!(unnormed > 1.0, "{unnormed}");
 }
+
+/// llama.cpp's `--n-cpu-moe 1` through the planner's options: layer 0's experts stay in host
+/// RAM (`cpu`) while its attention, norms and router go where the layers strategy puts them (a
+/// virtual device, standing for a GPU), layer 1 whole on its device. The plan says so tensor by
+/// tensor, the load holds what the plan says on each device, and the experts are computed from
+/// where they are held, not copied in: the logits are transformers' and the bits those of the
+/// model loaded whole on cpu.
+#[test]
+fn tiny_moe_n_cpu_moe_keeps_the_first_layers_experts_on_the_host() {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            whole.set_compute(Compute::Exact);
+            let cpu = forward_all(&mut whole, &cache, &ids);
+
+            let inv = Inventory::parse("virtual:2x64MiB,cpu").unwrap();
+            let mut m = Model::new(Arc::clone(&src), inv.clone());
+            let mut req = m.plan_request().unwrap();
+            wp::PlanOptions {
+                n_cpu_moe: Some(1),
+                tensor_split: Some(vec![1.0, 1.0]),
+                cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+                ..wp::PlanOptions::default()
+            }
+            .apply(&mut req)
+            .unwrap();
+            assert_eq!(
+                req.strategy.name(),
+                "layers",
+                "n_cpu_moe implies llama.cpp's layers"
+            );
+            let plan = wp::plan(&req).unwrap();
+            let layers = plan.layer_devices().to_vec();
+            assert!(
+                layers.iter().all(|d| d.starts_with("virtual:")),
+                "{file}: {layers:?}"
+            );
+            let mut on_cpu = 0;
+            for (t, info) in plan.tensors().iter().zip(src.tensors()) {
+                let expert = info.role.is_some_and(Role::is_expert);
+                match info.layer {
+                    Some(0) if expert => {
+                        assert_eq!(t.device, "cpu", "{file}: {}", t.name);
+                        on_cpu += t.bytes;
+                    }
+                    Some(l) => assert_eq!(t.device, layers[l as usize], "{}", t.name),
+                    None => {}
+                }
+            }
+            let cpu_plan = plan.devices().iter().find(|d| d.name == "cpu").unwrap();
+            assert!(cpu_plan.weights >= on_cpu && on_cpu > 0, "{file}");
+            assert!(
+                cpu_plan.holds.iter().any(|h| h == "experts of layers 0"),
+                "{file}: {:?}",
+                cpu_plan.holds
+            );
+            let cache = common::load_planned(&mut m, &plan).unwrap();
+            let mem = m.memory();
+            for d in plan.devices() {
+                let got = mem
+                    .iter()
+                    .find(|(n, _)| *n == d.name)
+                    .map_or(0, |(_, b)| *b);
+                assert_eq!(got, d.weights + d.kv + d.scratch, "{file}: {}", d.name);
+            }
+            m.set_compute(Compute::Exact);
+            let out = forward_all(&mut m, &cache, &ids);
+            f.assert_matches(
+                &format!("{file} n_cpu_moe=1"),
+                &out,
+                Family::reference_of(&path),
+            );
+            assert!(
+                out == cpu,
+                "{file}: max|Δ| {} from cpu",
+                max_abs_diff(&out, &cpu)
+            );
+        }
+    }
+}
