@@ -125,6 +125,8 @@ pub(crate) struct Layer {
 }
 
 /// A layer's feed-forward block.
+// One per layer, built once and read in place: the dense variant's size is never copied around.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub(crate) enum Ffn {
     /// One gated MLP: `down(act(gate x) · up x)`.
