@@ -282,3 +282,84 @@ fn tiny_moe_n_cpu_moe_keeps_the_first_layers_experts_on_the_host() {
         }
     }
 }
+
+/// Several sequences in one forward call route and group their tokens piece by piece: a
+/// sequence's logits in a batch (prompts joining while others decode) are the bits it gets
+/// alone, in exact and in fast mode, on the Q8_0 file (quantised experts) and the safetensors.
+#[test]
+fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
+    use std::sync::Arc;
+    use weightlift_engine::Cache;
+    const STEPS: usize = 4;
+    for f in BOTH {
+        let ids = f.ids();
+        let chat = json_ids(&f.data().join("stats.json"), "chat_prompt_ids");
+        // (prompt, the step it joins)
+        let reqs: Vec<(Vec<u32>, usize)> = vec![
+            (ids.clone(), 0),
+            (ids[..3].to_vec(), 0),
+            (chat.clone(), 1),
+            (ids[4..].to_vec(), 2),
+        ];
+        for path in [f.data(), f.gguf("Q8_0")] {
+            let (mut m, _) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
+            for compute in [Compute::Exact, Compute::Fast] {
+                m.set_compute(compute);
+                let what = format!("{} {compute:?}", path.display());
+                let mut want = Vec::new();
+                for (prompt, _) in &reqs {
+                    let cache = m.sequence_cache(64).unwrap();
+                    let mut out = Vec::new();
+                    let mut rows = Vec::new();
+                    m.forward(prompt, Some(&cache), Logits::Last, &mut out)
+                        .unwrap();
+                    rows.push(out.clone());
+                    for _ in 0..STEPS {
+                        let next = common::argmax(&out) as u32;
+                        m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                            .unwrap();
+                        rows.push(out.clone());
+                    }
+                    want.push(rows);
+                }
+                let caches: Vec<Arc<Cache>> =
+                    reqs.iter().map(|_| m.sequence_cache(64).unwrap()).collect();
+                let mut got: Vec<Vec<Vec<f32>>> = vec![Vec::new(); reqs.len()];
+                let mut step = 0;
+                while got.iter().any(|r| r.len() <= STEPS) {
+                    let active: Vec<usize> = (0..reqs.len())
+                        .filter(|&i| reqs[i].1 <= step && got[i].len() <= STEPS)
+                        .collect();
+                    let next: Vec<Vec<u32>> = active
+                        .iter()
+                        .map(|&i| match got[i].last() {
+                            None => reqs[i].0.clone(),
+                            Some(last) => vec![common::argmax(last) as u32],
+                        })
+                        .collect();
+                    let seqs: Vec<(&Arc<Cache>, &[u32])> = active
+                        .iter()
+                        .zip(&next)
+                        .map(|(&i, ids)| (&caches[i], ids.as_slice()))
+                        .collect();
+                    let mut out = Vec::new();
+                    m.forward_batch(&seqs, &mut out).unwrap();
+                    let vocab = out.len() / active.len();
+                    for (&i, row) in active.iter().zip(out.chunks_exact(vocab)) {
+                        got[i].push(row.to_vec());
+                    }
+                    step += 1;
+                }
+                for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+                    for (t, (a, b)) in g.iter().zip(w).enumerate() {
+                        assert!(
+                            a == b,
+                            "{what}: sequence {s} step {t}: max|Δ| {}",
+                            max_abs_diff(a, b)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
