@@ -363,3 +363,79 @@ fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
         }
     }
 }
+
+/// `fit` with the `n_cpu_moe` target: the fewest layers whose experts stay in host RAM for the
+/// rest to fit on the accelerator. On a virtual device of exactly what the plan with N layers'
+/// experts on the host needs there, the answer is N; a dense model is refused by name.
+#[test]
+fn tiny_moe_fit_finds_the_fewest_layers_with_experts_on_the_host() {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    let src = open(QWEN3MOE.gguf("F16"));
+    let request = |devices: &str, n_cpu_moe: Option<u32>| {
+        let m = Model::new(Arc::clone(&src), Inventory::parse(devices).unwrap());
+        let mut req = m.plan_request().unwrap();
+        wp::PlanOptions {
+            n_cpu_moe,
+            cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+            ..wp::PlanOptions::default()
+        }
+        .for_fit(wp::FitTarget::NCpuMoe, None)
+        .unwrap()
+        .apply(&mut req)
+        .unwrap();
+        req
+    };
+    // what virtual:0 must have with the experts of the first n layers on the host
+    let needs: Vec<u64> = (0..=2)
+        .map(|n| {
+            let req = request("virtual:1x64MiB,cpu", None);
+            let mut with = req.clone();
+            if let wp::Strategy::Layers(o) = &mut with.strategy {
+                o.overrides = wp::PlanOptions::moe_overrides(n);
+            }
+            let plan = wp::plan(&with).unwrap();
+            let d = plan
+                .devices()
+                .iter()
+                .find(|d| d.name == "virtual:0")
+                .unwrap();
+            d.capacity - d.free
+        })
+        .collect();
+    assert!(needs[0] > needs[1] && needs[1] > needs[2], "{needs:?}");
+    for (n, &need) in needs.iter().enumerate() {
+        let req = request(&format!("virtual:1x{need}B,cpu"), None);
+        assert_eq!(
+            wp::fit(&req, wp::FitTarget::NCpuMoe).unwrap(),
+            n as u64,
+            "{needs:?}"
+        );
+    }
+    let e = wp::PlanOptions {
+        n_cpu_moe: Some(1),
+        ..wp::PlanOptions::default()
+    }
+    .for_fit(wp::FitTarget::NCpuMoe, None)
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("n_cpu_moe"), "{e}");
+    let dense = Model::new(
+        open(Family("qwen3").gguf("F16")),
+        Inventory::parse("virtual:1x64MiB,cpu").unwrap(),
+    );
+    let mut req = dense.plan_request().unwrap();
+    wp::PlanOptions::default()
+        .for_fit(wp::FitTarget::NCpuMoe, None)
+        .unwrap()
+        .apply(&mut req)
+        .unwrap();
+    let e = wp::fit(&req, wp::FitTarget::NCpuMoe)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("a mixture-of-experts model") && e.contains("qwen3"),
+        "{e}"
+    );
+}

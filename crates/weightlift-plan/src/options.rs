@@ -442,7 +442,13 @@ impl PlanOptions {
             || self.gpu_split.is_some()
             || self.expect_cache.is_some()
             || self.world.is_some();
-        if target == FitTarget::NGpuLayers && !named {
+        if target == FitTarget::NCpuMoe && self.n_cpu_moe.is_some() {
+            return Err(PlanError::OptionConflict {
+                option: "n_cpu_moe".into(),
+                detail: "fit target n_cpu_moe searches for it; give one of them".into(),
+            });
+        }
+        if matches!(target, FitTarget::NGpuLayers | FitTarget::NCpuMoe) && !named {
             self.strategy = Some("layers".into());
         }
         if let Some(d) = cache_dtype {
