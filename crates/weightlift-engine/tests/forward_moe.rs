@@ -439,3 +439,61 @@ fn tiny_moe_fit_finds_the_fewest_layers_with_experts_on_the_host() {
         "{e}"
     );
 }
+
+/// Offloaded execution (`offload="sequential"` and `"group"`): layer 0 kept on the cpu and run
+/// on the virtual device after its router and experts are copied into an onload slot, each
+/// expert of a stacked GGUF tensor its own rows. The logits are the all-on-cpu bits, for every
+/// checkpoint.
+#[test]
+fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            whole.set_compute(Compute::Exact);
+            let cpu = forward_all(&mut whole, &cache, &ids);
+            for mode in [
+                wp::WeightOffload::Sequential,
+                wp::WeightOffload::Group {
+                    blocks_per_group: 1,
+                    prefetch: true,
+                },
+            ] {
+                let mut m = Model::new(
+                    Arc::clone(&src),
+                    Inventory::parse("virtual:1x64MiB,cpu").unwrap(),
+                );
+                let mut req = m.plan_request().unwrap();
+                req.strategy = wp::Strategy::Layers(wp::LayerOptions {
+                    n_gpu_layers: 1,
+                    ..wp::LayerOptions::default()
+                });
+                req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
+                req.offload = Some(mode);
+                let plan = wp::plan(&req).unwrap();
+                assert!(plan.onload().is_some(), "{file} {mode:?}");
+                let cache = common::load_planned(&mut m, &plan).unwrap();
+                let mem = m.memory();
+                for d in plan.devices() {
+                    let got = mem
+                        .iter()
+                        .find(|(n, _)| *n == d.name)
+                        .map_or(0, |(_, b)| *b);
+                    assert_eq!(got, d.weights + d.kv + d.scratch, "{file}: {}", d.name);
+                }
+                m.set_compute(Compute::Exact);
+                let out = forward_all(&mut m, &cache, &ids);
+                assert!(
+                    out == cpu,
+                    "{file} {mode:?}: max|Δ| {} from cpu",
+                    max_abs_diff(&out, &cpu)
+                );
+            }
+        }
+    }
+}

@@ -576,23 +576,11 @@ impl Graph {
             })
             .collect::<Result<Vec<_>>>()?;
 
+        // An offloaded MoE layer copies its router and every expert into its onload slot (they
+        // are among `Layer::linears`), each expert of a stacked tensor its own rows.
         for (li, l) in layers.iter().enumerate() {
-            if matches!(l.ffn, Ffn::Moe(_)) {
-                if !matches!(sites[l.site].exec, SiteExec::Host) {
-                    return Err(super::exec::moe_off_host(li));
-                }
-                if onload
-                    .as_ref()
-                    .is_some_and(|o| o.groups.iter().flatten().any(|&g| g == li))
-                {
-                    return Err(EngineError::Unsupported {
-                        what: format!("offloading the mixture-of-experts layer {li}"),
-                        detail: "sequential offload copies whole layers in, and routed experts \
-                                 are not laid out in onload slots yet; place MoE layers on host \
-                                 devices instead"
-                            .into(),
-                    });
-                }
+            if matches!(l.ffn, Ffn::Moe(_)) && !matches!(sites[l.site].exec, SiteExec::Host) {
+                return Err(super::exec::moe_off_host(li));
             }
         }
         let mut g = Graph {
