@@ -92,8 +92,9 @@ fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
         .for_each(Family::gguf_within_llamacpps_distance_to_transformers);
 }
 
-/// Placement never changes the bits: whole on cpu, and layers over 2 and 3 virtual devices (the
-/// hidden state crossing device boundaries between expert layers), for each checkpoint.
+/// Placement never changes the bits: whole on cpu, layers over 2 and 3 virtual devices (the
+/// hidden state crossing device boundaries between expert layers), and a layer on disk, for
+/// each checkpoint.
 #[test]
 fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
     for f in BOTH {
@@ -121,6 +122,23 @@ fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
                     max_abs_diff(&out, &cpu)
                 );
             }
+            // layer 0 on disk (computed by the host from the mapped file), layer 1 on a
+            // virtual device
+            let (mut m, cache) = split_load(
+                &src,
+                "virtual:2x64MiB,cpu,disk",
+                &["virtual:0", "virtual:1"],
+                CacheDType::F32,
+                1,
+                false,
+            );
+            m.set_compute(Compute::Exact);
+            let out = forward_all(&mut m, &cache, &ids);
+            assert!(
+                out == cpu,
+                "{file} with a disk layer: max|Δ| {}",
+                max_abs_diff(&out, &cpu)
+            );
         }
     }
 }
@@ -496,4 +514,58 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
             }
         }
     }
+}
+
+/// A config that contradicts the tensors is refused with what it expected and what it got:
+/// more experts used than there are, and an expert count the router's rows disagree with.
+#[test]
+fn tiny_moe_bad_routing_config_is_refused_by_name() {
+    use std::sync::Arc;
+    use weightlift_engine::{Cache, Inventory, LoadOptions, Model, Placement};
+    let run = |edit: &dyn Fn(&mut serde_json::Value)| -> String {
+        let dir = tempfile::tempdir().unwrap();
+        for f in [
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ] {
+            std::fs::copy(QWEN3MOE.data().join(f), dir.path().join(f)).unwrap();
+        }
+        let text = std::fs::read_to_string(QWEN3MOE.data().join("config.json")).unwrap();
+        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+        edit(&mut cfg);
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        let src = open(dir.path());
+        let mut m = Model::new(Arc::clone(&src), Inventory::parse("cpu").unwrap());
+        let config = m.cache_config(64, 1, CacheDType::F32, false).unwrap();
+        let cache = Arc::new(Cache::new(config).unwrap());
+        let placement = Placement::all_on(src.as_ref(), "cpu", m.n_layers());
+        let loaded = m.load(
+            &placement,
+            &LoadOptions::default(),
+            Some(&cache),
+            true,
+            &mut |_| true,
+        );
+        let e = match loaded {
+            Err(e) => e,
+            Ok(()) => {
+                let mut out = Vec::new();
+                m.forward(&QWEN3MOE.ids(), Some(&cache), Logits::All, &mut out)
+                    .unwrap_err()
+            }
+        };
+        e.to_string()
+    };
+    let e = run(&|c| c["num_experts_per_tok"] = 5.into());
+    assert!(
+        e.contains("num_experts_per_tok") && e.contains("1..=4"),
+        "{e}"
+    );
+    // transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+    let e = run(&|c| c["num_local_experts"] = 3.into());
+    assert!(
+        e.contains("model.layers.0.mlp.gate.weight") && e.contains("3 × 32"),
+        "{e}"
+    );
 }
