@@ -260,6 +260,13 @@ fn moe(
     linear_pieces(c, wts, &m.router, pieces, w.xn, &mut scores)?;
     let mut out = vec![0f32; n * h];
     let mut picks = Vec::new();
+    // one set of buffers for every expert's rows: at most a piece's tokens each
+    let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0);
+    let most = pieces.iter().map(|p| p.n).max().unwrap_or(0);
+    let mut xs = vec![0f32; most * h];
+    let (mut g, mut u) = (vec![0f32; most * widest], vec![0f32; most * widest]);
+    let mut y = vec![0f32; most * h];
+    let mut routed: Vec<(usize, f32)> = Vec::with_capacity(most);
     let mut at = 0;
     for p in pieces {
         let rows = at..at + p.n;
@@ -273,30 +280,27 @@ fn moe(
         );
         for (e, [gate, up, down]) in m.experts.iter().enumerate() {
             // the piece's tokens routed to e, and their weights
-            let routed: Vec<(usize, f32)> = picks
-                .iter()
-                .enumerate()
-                .filter(|(_, (pe, _))| *pe == e)
-                .map(|(k, &(_, wt))| (rows.start + k / m.n_used, wt))
-                .collect();
+            routed.clear();
+            routed.extend(
+                picks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (pe, _))| *pe == e)
+                    .map(|(k, &(_, wt))| (rows.start + k / m.n_used, wt)),
+            );
             if routed.is_empty() {
                 continue;
             }
             let (cnt, f) = (routed.len(), gate.rows);
-            let mut xs = Vec::with_capacity(cnt * h);
-            for &(t, _) in &routed {
-                xs.extend_from_slice(&w.xn[t * h..(t + 1) * h]);
+            for (&(t, _), row) in routed.iter().zip(xs.chunks_exact_mut(h)) {
+                row.copy_from_slice(&w.xn[t * h..(t + 1) * h]);
             }
-            let (mut g, mut u, mut y) = (
-                vec![0f32; cnt * f],
-                vec![0f32; cnt * f],
-                vec![0f32; cnt * h],
-            );
-            linear_on(c, wts, gate, &xs, cnt, &mut g)?;
-            linear_on(c, wts, up, &xs, cnt, &mut u)?;
-            activate(c, &mut g, &u)
+            let (g, u, y) = (&mut g[..cnt * f], &mut u[..cnt * f], &mut y[..cnt * h]);
+            linear_on(c, wts, gate, &xs, cnt, g)?;
+            linear_on(c, wts, up, &xs, cnt, u)?;
+            activate(c, g, u)
                 .map_err(|e2| kernel(&format!("layer {li} expert {e} activation"), e2))?;
-            linear_on(c, wts, down, &g, cnt, &mut y)?;
+            linear_on(c, wts, down, g, cnt, y)?;
             for (&(t, wt), yr) in routed.iter().zip(y.chunks_exact(h)) {
                 out[t * h..(t + 1) * h]
                     .iter_mut()
