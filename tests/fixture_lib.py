@@ -181,12 +181,16 @@ def convert(
 
 
 def gguf_state_dict(
-    path: Path, gguf_to_hf: dict[str, str], norm_shift: float = 0.0
+    path: Path,
+    gguf_to_hf: dict[str, str],
+    norm_shift: float = 0.0,
+    fix: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of the GGUF dequantised to f32 by gguf-py, under its transformers name (norm
     weights less `norm_shift`, which gemma's converter adds), and each tensor's GGUF type. A
     tied head is the embedding's tensor under both names. LongRoPE's factor lists, which the
-    converter writes as tensors from the config, are left out."""
+    converter writes as tensors from the config, are left out. `fix` rewrites the result where
+    the converter changed more than names (the experts' stacking, llama's q/k row order)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -206,6 +210,8 @@ def gguf_state_dict(
         types[t.name] = t.tensor_type.name
     if "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    if fix is not None:
+        sd = fix(sd)
     return sd, types
 
 
@@ -256,6 +262,7 @@ def write_ggufs(
     pre: str | None = None,
     args=(),
     llamacpp: bool = True,
+    fix: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, object]:
     """`stem-F16.gguf` and `stem-Q8_0.gguf` converted from `out`, with what each is measured
     against. The F16 file holds the model's tensors bit for bit (its logits in transformers are
@@ -267,7 +274,7 @@ def write_ggufs(
     for ty in GGUF_TYPES:
         dest = out / f"{stem}-{ty}.gguf"
         convert(out, ty.lower(), dest, root, pre, args)
-        sd, types = gguf_state_dict(dest, gguf_to_hf, norm_shift)
+        sd, types = gguf_state_dict(dest, gguf_to_hf, norm_shift, fix)
         entry: dict[str, object] = {
             "bytes": dest.stat().st_size,
             "sha256": sha256(dest),
@@ -275,7 +282,7 @@ def write_ggufs(
             "metadata": metadata(dest),
         }
         if ty == "F16":
-            # The converter writes these rows as they are (no llama-style permutation).
+            # The converter writes these rows as they are (or `fix` undoes what it did).
             assert sorted(sd) == sorted(want), sorted(set(sd) ^ set(want))
             for k, v in want.items():
                 assert torch.equal(sd[k], v), f"the F16 GGUF does not hold {k} bit for bit"
@@ -328,3 +335,59 @@ def versions(root: Path, **extra: str) -> dict[str, object]:
 
 def write_stats(out: Path, report: dict[str, object]) -> None:
     (out / "stats.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+
+
+# Mixture-of-experts fixtures (``gen_qwen3moe.py``, ``gen_mixtral.py``): the converter stacks each
+# layer's experts into one 3-D tensor per projection; transformers 5 holds gate and up fused in
+# one ``gate_up_proj`` of [experts, 2 * ffn, hidden] (and writes them per expert on save).
+MOE_GGUF_TO_HF = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_exps",
+    "ffn_up_exps.weight": "mlp.experts.up_exps",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+
+
+def fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The GGUF's stacked gate and up experts as transformers' fused ``gate_up_proj``."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_exps"):
+            up = sd[k.replace("gate_exps", "up_exps")]
+            out[k.replace("gate_exps", "gate_up_proj")] = torch.cat([v, up], dim=1)
+        elif not k.endswith("mlp.experts.up_exps"):
+            out[k] = v
+    return out
+
+
+def routing(model: torch.nn.Module, ids: list[int]) -> dict[str, object]:
+    """Which experts each layer's router picks at every position of `ids`, and how close the
+    choice is: the smallest gap between the k-th and (k+1)-th router probability (a gap near 0
+    would let rounding pick another expert)."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(_m, _inp, out):
+        router_logits, _scores, indices = out
+        seen.append((router_logits.detach().float(), indices.detach()))
+
+    handles = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers]
+    try:
+        logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    k = model.config.num_experts_per_tok
+    chosen, gaps = [], []
+    for router_logits, indices in seen:
+        probs = torch.sort(torch.softmax(router_logits, -1), -1, descending=True).values
+        gaps.append(float((probs[:, k - 1] - probs[:, k]).min()))
+        chosen.append([sorted(int(e) for e in row) for row in indices])
+    return {"experts": chosen, "kth_gap_min": gaps}
+
+
+def check_routing(r: dict[str, object], n_experts: int) -> None:
+    """Routing that matters: every expert is used, and tokens of one layer pick different sets."""
+    for layer in r["experts"]:
+        used = {e for row in layer for e in row}
+        assert used == set(range(n_experts)), f"experts never routed to: {used}"
+        assert len({tuple(row) for row in layer}) > 2, "every token picks the same experts"

@@ -52,6 +52,10 @@ fn name_for(role: Role, layer: Option<u32>, gguf: bool) -> String {
             Role::AttnKNorm => "self_attn.k_norm",
             Role::AttnQkv => "self_attn.qkv_proj",
             Role::FfnGateUp => "mlp.gate_up_proj",
+            Role::FfnGateInp => "mlp.gate",
+            Role::FfnGateExps => "mlp.experts.<E>.gate_proj",
+            Role::FfnUpExps => "mlp.experts.<E>.up_proj",
+            Role::FfnDownExps => "mlp.experts.<E>.down_proj",
             r => r.name(),
         };
         format!("model.layers.{l}.{base}.weight")
@@ -131,8 +135,20 @@ pub fn validate(source: &dyn Source) -> Result<Vec<String>> {
     } else {
         &PER_LAYER
     };
+    // a mixture-of-experts layer has a router and experts where a dense one has its MLP
+    let moe = [
+        Role::FfnGateInp,
+        Role::FfnGateExps,
+        Role::FfnUpExps,
+        Role::FfnDownExps,
+    ];
     for l in 0..spec.n_layers {
-        for &r in per_layer.iter().chain(qk_norm) {
+        let routed = present.contains(&(Some(l), Role::FfnGateInp));
+        let roles = per_layer
+            .iter()
+            .filter(|r| !routed || !matches!(r, Role::FfnGate | Role::FfnUp | Role::FfnDown));
+        let experts = if routed { &moe[..] } else { &[] };
+        for &r in roles.chain(qk_norm).chain(experts) {
             if !present.contains(&(Some(l), r)) {
                 missing.push(name_for(r, Some(l), gguf));
             }

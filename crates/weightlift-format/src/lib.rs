@@ -25,6 +25,6 @@ pub use dtype::DType;
 pub use error::{FormatError, Result, hint};
 pub use metadata::{LAZY_ARRAY_MIN_LEN, MetaArray, MetaIter, MetaRef, MetaValue, Metadata};
 pub use quantized::{Quantization, QuantizedLinear};
-pub use spec::ModelSpec;
-pub use spec::{is_packed_product_part, is_quantized_part};
+pub use spec::{MAX_EXPERTS, ModelSpec, MoeSpec};
+pub use spec::{expert_of, is_packed_product_part, is_quantized_part};
 pub use tensor::{Role, TensorInfo};

@@ -2,7 +2,7 @@
 //! and the mapping of tensor names (both naming schemes) to (layer, role).
 
 mod names;
-pub use names::{is_packed_product_part, is_quantized_part};
+pub use names::{expert_of, is_packed_product_part, is_quantized_part};
 
 use serde::{Deserialize, Serialize};
 
@@ -507,6 +507,138 @@ impl ModelSpec {
     }
 }
 
+/// Most experts a layer may have (the largest released models have 384): a cap on what a file
+/// can make the loader build.
+pub const MAX_EXPERTS: u64 = 1 << 12;
+
+/// How a mixture-of-experts layer routes its tokens: each token's `n_used` experts of
+/// `n_experts` are those of the highest router scores, and their outputs are summed weighted by
+/// the softmax of all the scores at the chosen experts, renormalised to sum to 1 when
+/// `norm_topk_prob`. (transformers' Mixtral router: softmax, top-k, renormalise, which is a
+/// softmax over the chosen logits; its Qwen3-MoE router: softmax, top-k, renormalise only when
+/// `norm_topk_prob`. llama.cpp's `build_moe_ffn` with softmax gating and `norm_w`.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoeSpec {
+    pub n_experts: u32,
+    pub n_used: u32,
+    /// The width of each expert's feed-forward block.
+    pub expert_ffn: u64,
+    pub norm_topk_prob: bool,
+}
+
+impl MoeSpec {
+    fn checked(key: &str, n_experts: u64, n_used: u64, expert_ffn: u64) -> Result<MoeSpec> {
+        if n_experts > MAX_EXPERTS {
+            return Err(spec_err(
+                key,
+                format!(
+                    "expected at most {MAX_EXPERTS} experts, got {n_experts}; the metadata is corrupted"
+                ),
+            ));
+        }
+        if n_used == 0 || n_used > n_experts {
+            return Err(spec_err(
+                key,
+                format!("expected 1..={n_experts} experts used per token, got {n_used}"),
+            ));
+        }
+        Ok(MoeSpec {
+            n_experts: n_experts as u32,
+            n_used: n_used as u32,
+            expert_ffn: positive(key, expert_ffn)?,
+            norm_topk_prob: true,
+        })
+    }
+
+    /// The routing of a GGUF's layers, as llama.cpp reads it (`{arch}.expert_count`,
+    /// `expert_used_count`, `expert_feed_forward_length`, else `feed_forward_length`); `None`
+    /// for a dense model. llama.cpp renormalises the chosen weights for every architecture but
+    /// qwen2moe, unless `{arch}.expert_weights_norm` says otherwise.
+    pub fn from_gguf(metadata: &Metadata) -> Result<Option<MoeSpec>> {
+        let Some(MetaValue::String(arch)) = metadata.get("general.architecture") else {
+            return Ok(None);
+        };
+        let g = Gguf { md: metadata, arch };
+        let n = match g.uint("expert_count")? {
+            None | Some(0) => return Ok(None),
+            Some(n) => n,
+        };
+        let used = g.req_uint("expert_used_count")?;
+        let ffn = match g.uint("expert_feed_forward_length")? {
+            Some(v) => v,
+            None => g.req_uint("feed_forward_length")?,
+        };
+        let mut m = Self::checked(&g.key("expert_used_count"), n, used, ffn)?;
+        m.norm_topk_prob = match g.get("expert_weights_norm") {
+            Some((_, MetaValue::Bool(b))) => *b,
+            Some((key, v)) => {
+                return Err(spec_err(
+                    key,
+                    format!("expected true or false, got {}", describe_meta(v.view())),
+                ));
+            }
+            None => arch != "qwen2moe",
+        };
+        Ok(Some(m))
+    }
+
+    /// The routing of an HF checkpoint's layers (`num_local_experts` or `num_experts`,
+    /// `num_experts_per_tok`, `moe_intermediate_size` else `intermediate_size`,
+    /// `norm_topk_prob`); `None` for a dense model. Mixtral always renormalises; the Qwen MoE
+    /// configs default `norm_topk_prob` to false, as transformers does.
+    pub fn from_hf_config(config: &serde_json::Value) -> Result<Option<MoeSpec>> {
+        let c = match config.get("text_config") {
+            Some(t @ serde_json::Value::Object(_)) if config.get("num_hidden_layers").is_none() => {
+                t
+            }
+            _ => config,
+        };
+        let uint = |k: &str| -> Result<Option<u64>> {
+            match c.get(k).filter(|v| !v.is_null()) {
+                None => Ok(None),
+                Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+                    spec_err(
+                        k,
+                        format!("expected a non-negative integer, got {}", json_kind(v)),
+                    )
+                }),
+            }
+        };
+        let (key, n) = match (uint("num_local_experts")?, uint("num_experts")?) {
+            (Some(n), _) => ("num_local_experts", n),
+            (None, Some(n)) => ("num_experts", n),
+            (None, None) => return Ok(None),
+        };
+        if n == 0 {
+            return Ok(None);
+        }
+        let used = uint("num_experts_per_tok")?.ok_or_else(|| {
+            spec_err(
+                "num_experts_per_tok",
+                format!("missing from config.json, which has {key} {n}"),
+            )
+        })?;
+        let ffn = match uint("moe_intermediate_size")? {
+            Some(v) => v,
+            None => uint("intermediate_size")?
+                .ok_or_else(|| spec_err("intermediate_size", "missing from config.json"))?,
+        };
+        let mut m = Self::checked("num_experts_per_tok", n, used, ffn)?;
+        let mixtral = c.get("model_type").and_then(|v| v.as_str()) == Some("mixtral");
+        m.norm_topk_prob = match c.get("norm_topk_prob").filter(|v| !v.is_null()) {
+            _ if mixtral => true,
+            None => false,
+            Some(v) => v.as_bool().ok_or_else(|| {
+                spec_err(
+                    "norm_topk_prob",
+                    format!("expected true or false, got {}", json_kind(v)),
+                )
+            })?,
+        };
+        Ok(Some(m))
+    }
+}
+
 fn json_kind(v: &serde_json::Value) -> String {
     match v {
         serde_json::Value::Null => "null".into(),
@@ -523,6 +655,62 @@ fn json_kind(v: &serde_json::Value) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The routing keys as llama.cpp's converter writes them and as transformers' configs
+    /// name them, with their defaults and caps.
+    #[test]
+    fn moe_spec_from_gguf_and_config() {
+        let q = md(&[
+            ("general.architecture", MetaValue::String("qwen3moe".into())),
+            ("qwen3moe.expert_count", MetaValue::U32(128)),
+            ("qwen3moe.expert_used_count", MetaValue::U32(8)),
+            ("qwen3moe.expert_feed_forward_length", MetaValue::U32(768)),
+            ("qwen3moe.feed_forward_length", MetaValue::U32(6144)),
+        ]);
+        let want = MoeSpec {
+            n_experts: 128,
+            n_used: 8,
+            expert_ffn: 768,
+            norm_topk_prob: true,
+        };
+        assert_eq!(MoeSpec::from_gguf(&q).unwrap(), Some(want));
+        let dense = md(&[("general.architecture", MetaValue::String("llama".into()))]);
+        assert_eq!(MoeSpec::from_gguf(&dense).unwrap(), None);
+        let q2 = md(&[
+            ("general.architecture", MetaValue::String("qwen2moe".into())),
+            ("qwen2moe.expert_count", MetaValue::U32(60)),
+            ("qwen2moe.expert_used_count", MetaValue::U32(4)),
+            ("qwen2moe.feed_forward_length", MetaValue::U32(5632)),
+        ]);
+        assert!(!MoeSpec::from_gguf(&q2).unwrap().unwrap().norm_topk_prob);
+        let bad = md(&[
+            ("general.architecture", MetaValue::String("llama".into())),
+            ("llama.expert_count", MetaValue::U32(8)),
+            ("llama.expert_used_count", MetaValue::U32(9)),
+            ("llama.feed_forward_length", MetaValue::U32(14336)),
+        ]);
+        let e = MoeSpec::from_gguf(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("llama.expert_used_count") && e.contains("1..=8"),
+            "{e}"
+        );
+
+        let mixtral = serde_json::json!({"model_type": "mixtral", "num_local_experts": 8,
+            "num_experts_per_tok": 2, "intermediate_size": 14336, "norm_topk_prob": false});
+        let m = MoeSpec::from_hf_config(&mixtral).unwrap().unwrap();
+        assert_eq!((m.n_experts, m.n_used, m.expert_ffn), (8, 2, 14336));
+        assert!(m.norm_topk_prob, "mixtral always renormalises");
+        let qwen = serde_json::json!({"model_type": "qwen3_moe", "num_experts": 128,
+            "num_experts_per_tok": 8, "intermediate_size": 6144, "moe_intermediate_size": 768});
+        let m = MoeSpec::from_hf_config(&qwen).unwrap().unwrap();
+        assert_eq!((m.expert_ffn, m.norm_topk_prob), (768, false));
+        let llama = serde_json::json!({"model_type": "llama", "intermediate_size": 1});
+        assert_eq!(MoeSpec::from_hf_config(&llama).unwrap(), None);
+        let huge = serde_json::json!({"num_experts": 1u64 << 40, "num_experts_per_tok": 2,
+            "intermediate_size": 8});
+        let e = MoeSpec::from_hf_config(&huge).unwrap_err().to_string();
+        assert!(e.contains("at most 4096 experts"), "{e}");
+    }
 
     fn md(pairs: &[(&str, MetaValue)]) -> Metadata {
         pairs

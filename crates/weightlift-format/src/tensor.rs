@@ -32,6 +32,19 @@ pub enum Role {
     FfnGate,
     FfnUp,
     FfnDown,
+    /// The mixture-of-experts router: one row of scores per expert (GGUF `ffn_gate_inp`,
+    /// transformers' `mlp.gate` of qwen3moe and `block_sparse_moe.gate` of mixtral).
+    FfnGateInp,
+    /// The experts' gate projections: every expert's stacked in one 3-D tensor
+    /// `[experts, ffn, hidden]` (GGUF `ffn_gate_exps`), or one expert's `[ffn, hidden]`
+    /// (transformers' `experts.E.gate_proj` / mixtral's `w1`; [`expert_of`](crate::expert_of)
+    /// names which).
+    FfnGateExps,
+    /// The experts' up projections (GGUF `ffn_up_exps`; `experts.E.up_proj`, mixtral's `w3`).
+    FfnUpExps,
+    /// The experts' down projections, `[experts, hidden, ffn]` (GGUF `ffn_down_exps`;
+    /// `experts.E.down_proj`, mixtral's `w2`).
+    FfnDownExps,
     /// The norm of the attention block's output before the residual add (gemma2, gemma3).
     AttnPostNorm,
     /// The norm of the MLP's output before the residual add (gemma2, gemma3).
@@ -66,6 +79,10 @@ impl Role {
             Role::FfnGate => "ffn_gate",
             Role::FfnUp => "ffn_up",
             Role::FfnDown => "ffn_down",
+            Role::FfnGateInp => "ffn_gate_inp",
+            Role::FfnGateExps => "ffn_gate_exps",
+            Role::FfnUpExps => "ffn_up_exps",
+            Role::FfnDownExps => "ffn_down_exps",
             Role::AttnPostNorm => "attn_post_norm",
             Role::FfnPostNorm => "ffn_post_norm",
             Role::OutputNorm => "output_norm",
@@ -73,6 +90,14 @@ impl Role {
             Role::RopeFreqs => "rope_freqs",
             Role::RopeFactors => "rope_factors",
         }
+    }
+
+    /// True for the experts' projections of a mixture-of-experts layer.
+    pub const fn is_expert(self) -> bool {
+        matches!(
+            self,
+            Role::FfnGateExps | Role::FfnUpExps | Role::FfnDownExps
+        )
     }
 
     /// True for roles that live inside a repeating block.

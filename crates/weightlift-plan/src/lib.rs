@@ -141,6 +141,7 @@ pub use workspace::{
 };
 
 use place::{Ctx, Tweak};
+use weightlift_format::Role;
 
 /// Plan a model onto devices. On failure to fit, the error is [`PlanError::OutOfMemory`] with
 /// every short device and the fixes that were checked to work.
@@ -281,6 +282,39 @@ fn fit_inner(req: &PlanRequest, target: FitTarget) -> Result<std::result::Result
                 ..Tweak::default()
             }))
         }
+        FitTarget::NCpuMoe => {
+            if !matches!(req.strategy, Strategy::Layers(_)) {
+                return Err(PlanError::option(
+                    "fit target n_cpu_moe",
+                    "the layers strategy (llama.cpp)",
+                    format!("strategy {}", req.strategy.name()),
+                ));
+            }
+            if !req
+                .tensors
+                .iter()
+                .any(|t| t.role.is_some_and(Role::is_expert))
+            {
+                return Err(PlanError::option(
+                    "fit target n_cpu_moe",
+                    "a mixture-of-experts model (expert tensors such as ffn_up_exps)",
+                    format!("'{}' with no expert tensors", req.spec.architecture),
+                ));
+            }
+            // more layers' experts on the host never needs more accelerator memory; scanned
+            // from the bottom as host RAM can run out first
+            let n = req.spec.n_layers;
+            let at = |k: u32| Tweak {
+                n_cpu_moe: Some(k),
+                ..Tweak::default()
+            };
+            for k in 0..=n {
+                if fits(req, at(k))? {
+                    return Ok(Ok(u64::from(k)));
+                }
+            }
+            Ok(Err(at(n)))
+        }
     }
 }
 
@@ -295,6 +329,9 @@ fn with_tweak(req: &PlanRequest, t: Tweak) -> PlanRequest {
     }
     if let (Some(n), Strategy::Layers(o)) = (t.n_gpu_layers, &mut r.strategy) {
         o.n_gpu_layers = n;
+    }
+    if let (Some(n), Strategy::Layers(o)) = (t.n_cpu_moe, &mut r.strategy) {
+        o.overrides.extend(PlanOptions::moe_overrides(n));
     }
     if let Some(rt) = t.runtime {
         r.runtime = rt;

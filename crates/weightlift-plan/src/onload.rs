@@ -17,7 +17,7 @@ use weightlift_format::{TensorInfo, is_packed_product_part, is_quantized_part};
 use crate::error::{PlanError, Result};
 
 /// Whether the forward pass copies tensor `t` of an offloaded layer into its onload slot: the
-/// layer's matrices (its 2-D float and ggml weights) and, of a packed (GPTQ, EXL2) linear, the
+/// layer's matrices (its 2-D float and ggml weights, and a MoE layer's 3-D stacked experts) and, of a packed (GPTQ, EXL2) linear, the
 /// parts its product reads ([`is_packed_product_part`]). Norms and biases are read once into
 /// host memory, and the packed linears' index tables when the checkpoint opened; none of them
 /// is copied.
@@ -25,7 +25,8 @@ pub fn copied_to_slot(t: &TensorInfo) -> bool {
     if is_quantized_part(&t.name) {
         is_packed_product_part(&t.name)
     } else {
-        t.shape.len() == 2
+        // a MoE layer's stacked experts (GGUF's 3-D `ffn_*_exps`) are matrices too
+        matches!(t.shape.len(), 2 | 3)
     }
 }
 

@@ -171,6 +171,11 @@ pub struct PlanOptions {
     pub device_map: Option<DeviceMapArg>,
     /// llama.cpp `-ot` rules (`regex`, `device`), checked before `device_map`.
     pub overrides: Vec<(String, String)>,
+    /// llama.cpp `--n-cpu-moe N`: the expert tensors of the first N layers stay in host RAM
+    /// (`cpu`) while the rest of each layer goes where the strategy says, and are computed
+    /// there. It is `-ot` rules, one per layer, after `overrides` (as llama.cpp appends them);
+    /// see [`PlanOptions::moe_overrides`].
+    pub n_cpu_moe: Option<u32>,
     /// exllamav2 `gpu_split`, GB per accelerator.
     pub gpu_split: Option<Vec<f64>>,
     pub expect_cache: Option<ExpectCache>,
@@ -191,6 +196,28 @@ pub struct PlanOptions {
 }
 
 impl PlanOptions {
+    /// The `-ot` rules that `n_cpu_moe` stands for: layer `l < N`'s expert projections (GGUF's
+    /// `blk.l.ffn_{up,down,gate}_exps`, llama.cpp's `llm_ffn_exps_block_regex`, and
+    /// transformers' `model.layers.l.mlp.experts.*` / `block_sparse_moe.experts.*`) on `cpu`.
+    pub fn moe_overrides(n_cpu_moe: u32) -> Vec<(String, String)> {
+        (0..n_cpu_moe)
+            .flat_map(|l| {
+                [
+                    format!(r"^blk\.{l}\.ffn_(up|down|gate|gate_up)_exps\."),
+                    format!(r"^model\.layers\.{l}\.(mlp|block_sparse_moe)\.experts\."),
+                ]
+            })
+            .map(|re| (re, "cpu".to_owned()))
+            .collect()
+    }
+
+    /// `overrides` then the rules of `n_cpu_moe`: every `-ot` rule the options give.
+    fn all_overrides(&self) -> Vec<(String, String)> {
+        let mut out = self.overrides.clone();
+        out.extend(Self::moe_overrides(self.n_cpu_moe.unwrap_or(0)));
+        out
+    }
+
     /// exllamav2's TPContext sizing, as `load_tp` and `TPContext` take it: `gpu_split` in GB per
     /// accelerator (`None`: each device's free memory), less the cache expected beside the
     /// weights, `expect_cache_tokens` (0: the model's context length) of `expect_cache_base`
@@ -411,11 +438,17 @@ impl PlanOptions {
     pub fn for_fit(mut self, target: FitTarget, cache_dtype: Option<&str>) -> Result<Self> {
         let named = self.strategy.is_some()
             || self.device_map.is_some()
-            || !self.overrides.is_empty()
+            || !self.all_overrides().is_empty()
             || self.gpu_split.is_some()
             || self.expect_cache.is_some()
             || self.world.is_some();
-        if target == FitTarget::NGpuLayers && !named {
+        if target == FitTarget::NCpuMoe && self.n_cpu_moe.is_some() {
+            return Err(PlanError::OptionConflict {
+                option: "n_cpu_moe".into(),
+                detail: "fit target n_cpu_moe searches for it; give one of them".into(),
+            });
+        }
+        if matches!(target, FitTarget::NGpuLayers | FitTarget::NCpuMoe) && !named {
             self.strategy = Some("layers".into());
         }
         if let Some(d) = cache_dtype {
@@ -470,7 +503,7 @@ impl PlanOptions {
             }
             (None, Some(s)) => s,
             // llama.cpp applies -ot over -ngl's placement, whose default offloads every layer.
-            (None, None) if llama || !self.overrides.is_empty() => Strategy::parse("layers")?,
+            (None, None) if llama || !self.all_overrides().is_empty() => Strategy::parse("layers")?,
             (None, None) if tp => Strategy::parse("tensor_parallel")?,
             (None, None) => return Ok(None),
         };
@@ -505,15 +538,16 @@ impl PlanOptions {
             }
             _ => {}
         }
-        if !self.overrides.is_empty() {
+        let overrides = self.all_overrides();
+        if !overrides.is_empty() {
             match &mut strategy {
                 Strategy::Map(m) => {
                     // explicit rules first, then the device_map's `re:` keys
                     let from_map = std::mem::take(&mut m.overrides);
-                    m.overrides = self.overrides.iter().cloned().chain(from_map).collect();
+                    m.overrides = overrides.into_iter().chain(from_map).collect();
                 }
-                Strategy::Layers(o) => o.overrides = self.overrides.clone(),
-                _ => return Err(misplaced("overrides", "map or layers")),
+                Strategy::Layers(o) => o.overrides = overrides,
+                _ => return Err(misplaced("overrides/n_cpu_moe", "map or layers")),
             }
         }
         match &mut strategy {

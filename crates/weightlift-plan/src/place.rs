@@ -84,6 +84,8 @@ pub(crate) struct Tweak {
     /// Bytes taken off every device's reserve.
     pub reserve_cut: u64,
     pub n_gpu_layers: Option<i64>,
+    /// llama.cpp `n_cpu_moe`, as `-ot` rules after the strategy's own.
+    pub n_cpu_moe: Option<u32>,
     pub runtime: Option<RuntimeSpec>,
 }
 

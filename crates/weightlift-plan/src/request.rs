@@ -291,6 +291,10 @@ pub enum FitTarget {
     BatchSize,
     /// Largest llama.cpp `n_gpu_layers` (0..=n_layer+1); needs the `layers` strategy.
     NGpuLayers,
+    /// Smallest llama.cpp `n_cpu_moe` (0..=n_layer): the fewest layers whose experts stay in
+    /// host RAM, so the most expert weights on the accelerators; needs the `layers` strategy
+    /// and a mixture-of-experts model.
+    NCpuMoe,
 }
 
 impl FitTarget {
@@ -299,9 +303,10 @@ impl FitTarget {
             "max_seq_len" | "ctx" | "context" => Ok(FitTarget::MaxSeqLen),
             "batch_size" | "batch" => Ok(FitTarget::BatchSize),
             "n_gpu_layers" | "ngl" => Ok(FitTarget::NGpuLayers),
+            "n_cpu_moe" | "ncmoe" => Ok(FitTarget::NCpuMoe),
             _ => Err(PlanError::option(
                 "fit target",
-                "max_seq_len, batch_size or n_gpu_layers",
+                "max_seq_len, batch_size, n_gpu_layers or n_cpu_moe",
                 format!("'{s}'"),
             )),
         }

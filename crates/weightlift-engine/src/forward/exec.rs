@@ -637,6 +637,17 @@ impl<'a> Ctx<'a> {
 }
 
 /// The kernels' type of a weight.
+/// The refusal of a mixture-of-experts layer on the backend op sequence.
+pub(crate) fn moe_off_host(li: usize) -> EngineError {
+    EngineError::Unsupported {
+        what: format!("the mixture-of-experts block of layer {li} through the backend op sequence"),
+        detail: "routed experts run on the host path (cpu, disk, virtual:N) for now: the backend \
+                 has no router top-k, expert gather or weighted scatter-add ops yet; place MoE \
+                 layers on host devices and leave the host backend off"
+            .into(),
+    }
+}
+
 pub(crate) fn kernel_type(name: &str, dtype: DType) -> Result<QuantType> {
     QuantType::from_name(dtype.name()).ok_or_else(|| EngineError::Unsupported {
         what: format!("tensor '{name}' of type {dtype}"),
@@ -792,7 +803,10 @@ pub(crate) fn layer<B: Exec>(
         r,
         format!("layer {li} residual and ffn_norm"),
     )?;
-    mlp_normed(b, cx, [&l.gate, &l.up, &l.down], li, n, r)?;
+    let Some(mlp) = l.ffn.dense() else {
+        return Err(moe_off_host(li));
+    };
+    mlp_normed(b, cx, mlp, li, n, r)?;
     if let Some(f) = &l.post_ffn_norm {
         post_norm(b, cx, f, n, r, format!("layer {li} post_ffw_norm"))?;
     }

@@ -17,13 +17,15 @@ mod run;
 
 use std::sync::Arc;
 
-use weightlift_format::{ModelSpec, Role, is_quantized_part};
+use std::collections::HashMap;
+
+use weightlift_format::{Format, ModelSpec, MoeSpec, Role, expert_of, is_quantized_part};
 use weightlift_kernels::{CpuBackend, RopeParams};
 use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
 
 use super::family::Family;
 use super::onload::Onload;
-use super::parts::{Floats, Layer, Linear, Slot, floats, place, shifted};
+use super::parts::{Ffn, Floats, Layer, Linear, Moe, Slot, floats, place, shifted};
 use super::rope::rope_of;
 use super::weights::{PackedLinear, Packing, runnable_quantization};
 use super::{Site, SiteExec};
@@ -47,7 +49,9 @@ pub fn check_runs(architecture: &str) -> Result<()> {
             "GeGLU, (1 + w) RMSNorms, post-attention and post-feed-forward norms, scaled \
              embeddings and sliding-window layers"
         }
-        "mixtral" | "qwen2moe" | "qwen3moe" | "deepseek" => "mixture-of-experts routing",
+        "qwen2moe" | "deepseek" => {
+            "mixture-of-experts routing with shared experts (mixtral and qwen3moe run)"
+        }
         "deepseek2" => "multi-head latent attention (MLA) and mixture-of-experts routing",
         "mamba" | "mamba2" => "state-space (selective scan) layers instead of attention",
         "bert" | "nomic-bert" | "jina-bert-v2" => "a bidirectional encoder with absolute positions",
@@ -68,6 +72,14 @@ pub fn check_runs(architecture: &str) -> Result<()> {
 /// layer split only).
 pub fn check_tensor_parallel(architecture: &str) -> Result<()> {
     check_runs(architecture)?;
+    if matches!(architecture, "mixtral" | "qwen3moe" | "qwen3_moe") {
+        return Err(EngineError::Unsupported {
+            what: format!("tensor parallelism for '{architecture}'"),
+            detail: "routed experts are not split by the tp tables; load with a layer split \
+                     (autosplit, layers, balanced) instead of tensor_parallel"
+                .into(),
+        });
+    }
     if matches!(architecture, "gemma2" | "gemma3" | "gemma3_text") {
         return Err(EngineError::Unsupported {
             what: format!("tensor parallelism for '{architecture}'"),
@@ -78,6 +90,28 @@ pub fn check_tensor_parallel(architecture: &str) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The routing of the checkpoint's expert layers (GGUF metadata or config.json); `None` for a
+/// dense model.
+fn moe_spec_of(m: &Loaded<'_>) -> Result<Option<MoeSpec>> {
+    let Some(ck) = m.source.checkpoint() else {
+        return Ok(None);
+    };
+    let spec = match ck.format() {
+        Format::Gguf => MoeSpec::from_gguf(ck.metadata()),
+        _ => match ck.config() {
+            Some(cfg) => MoeSpec::from_hf_config(cfg),
+            None => Ok(None),
+        },
+    };
+    spec.map_err(|e| EngineError::Validation {
+        path: m.source.path().to_path_buf(),
+        architecture: ck
+            .spec()
+            .map_or_else(|_| String::new(), |s| s.architecture.clone()),
+        problems: format!("expert routing: {e}"),
+    })
 }
 
 /// The graph of a loaded model, with one workspace per computing device.
@@ -259,6 +293,82 @@ impl Graph {
                     .map_or_else(|| "cpu".into(), |s| s.0.clone()),
             }
         };
+        // Mixture of experts: the routing, and each expert's own tensor (transformers' names)
+        // by (layer, role, expert).
+        let moe_spec = moe_spec_of(m)?;
+        let per_expert: HashMap<(u32, Role, u32), usize> = infos
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| Some(((t.layer?, t.role?, expert_of(&t.name)?), i)))
+            .collect();
+        let moe = |router: usize, l: u32| -> Result<Moe> {
+            let at = Some(l);
+            let Some(ms) = moe_spec else {
+                return Err(EngineError::Validation {
+                    path: m.source.path().to_path_buf(),
+                    architecture: spec.architecture.clone(),
+                    problems: format!(
+                        "layer {l} has a router '{}' but the checkpoint names no expert count \
+                         (expert_count, num_experts or num_local_experts)",
+                        infos[router].name
+                    ),
+                });
+            };
+            let n = ms.n_experts as usize;
+            let expert = |role: Role, e: usize| -> Result<Linear> {
+                if let Some(&i) = per_expert.get(&(l, role, e as u32)) {
+                    return linear(i, None, at);
+                }
+                // one 3-D tensor of every expert's matrices: expert e is its rows
+                // e·rows..(e + 1)·rows
+                let i = infos
+                    .iter()
+                    .position(|t| {
+                        t.role == Some(role) && t.layer == at && expert_of(&t.name).is_none()
+                    })
+                    .ok_or_else(|| EngineError::Validation {
+                        path: m.source.path().to_path_buf(),
+                        architecture: spec.architecture.clone(),
+                        problems: format!("layer {l} has no {} tensor of expert {e}", role.name()),
+                    })?;
+                let info = &infos[i];
+                let [experts, rows, cols] = info.shape[..] else {
+                    return Err(invalid(
+                        format!("tensor '{}'", info.name),
+                        "a 3-D tensor [experts, rows, columns]",
+                        format!("shape {:?}", info.shape),
+                    ));
+                };
+                if experts as usize != n {
+                    return Err(invalid(
+                        format!("tensor '{}'", info.name),
+                        format!("{n} experts (the checkpoint's expert count)"),
+                        experts,
+                    ));
+                }
+                let (rows, cols) = (rows as usize, cols as usize);
+                let name = format!("{} expert {e}", info.name);
+                let mut lin = finish(Slot::Tensor(i), &name, (rows, cols), None, None, at)?;
+                lin.rows_of = Some((e * rows, n * rows));
+                Ok(lin)
+            };
+            let experts = (0..n)
+                .map(|e| {
+                    Ok([
+                        expert(Role::FfnGateExps, e)?,
+                        expert(Role::FfnUpExps, e)?,
+                        expert(Role::FfnDownExps, e)?,
+                    ])
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Moe {
+                router: linear(router, None, at)?,
+                experts,
+                n_used: ms.n_used as usize,
+                norm_topk_prob: ms.norm_topk_prob,
+            })
+        };
+
         let embd = need(Role::TokenEmbd, None)?;
         let head_packed = match quantized(Role::Output, None) {
             Some(_) => Some(matrix(Role::Output, None, None)?),
@@ -321,7 +431,22 @@ impl Graph {
                 None
             };
             let kv_heads = spec.n_kv_heads_at(l) as usize;
-            let [q, k, v, gate, up] = if spec.fused_projections() {
+            let router = find(Role::FfnGateInp, at);
+            let (q, k, v, ffn) = if let Some(r) = router {
+                if spec.fused_projections() {
+                    return Err(EngineError::Unsupported {
+                        what: format!("experts in a '{}' layer", spec.architecture),
+                        detail: "routed experts run beside separate q/k/v projections".into(),
+                    });
+                }
+                let [q, k, v] = [
+                    matrix(Role::AttnQ, Some(Role::AttnQBias), at)?,
+                    matrix(Role::AttnK, Some(Role::AttnKBias), at)?,
+                    matrix(Role::AttnV, Some(Role::AttnVBias), at)?,
+                ];
+                let ffn = Ffn::Moe(moe(r, l)?);
+                (q, k, v, ffn)
+            } else if spec.fused_projections() {
                 let (qd, kvd) = (dims_q, kv_heads * spec.head_dim as usize);
                 let inter = spec.intermediate_size as usize;
                 let qkv = stacked(Role::AttnQkv, &[qd, kvd, kvd], at)?;
@@ -330,17 +455,22 @@ impl Graph {
                     <[Linear; 3]>::try_from(qkv),
                     <[Linear; 2]>::try_from(gate_up),
                 ) {
-                    (Ok([q, k, v]), Ok([gate, up])) => [q, k, v, gate, up],
+                    (Ok([q, k, v]), Ok([gate, up])) => {
+                        let down = matrix(Role::FfnDown, None, at)?;
+                        (q, k, v, Ffn::Dense { gate, up, down })
+                    }
                     _ => return Err(invalid("stacked matrices", "3 and 2 row blocks", "others")),
                 }
             } else {
-                [
+                let [q, k, v, gate, up, down] = [
                     matrix(Role::AttnQ, Some(Role::AttnQBias), at)?,
                     matrix(Role::AttnK, Some(Role::AttnKBias), at)?,
                     matrix(Role::AttnV, Some(Role::AttnVBias), at)?,
                     matrix(Role::FfnGate, None, at)?,
                     matrix(Role::FfnUp, None, at)?,
-                ]
+                    matrix(Role::FfnDown, None, at)?,
+                ];
+                (q, k, v, Ffn::Dense { gate, up, down })
             };
             layers.push(Layer {
                 site: s,
@@ -352,9 +482,7 @@ impl Graph {
                 o: matrix(Role::AttnOutput, Some(Role::AttnOutputBias), at)?,
                 qk_norm,
                 ffn_norm: norm(need(Role::FfnNorm, at)?)?,
-                gate,
-                up,
-                down: matrix(Role::FfnDown, None, at)?,
+                ffn,
                 post_attn_norm: optional(Role::AttnPostNorm, at)?,
                 post_ffn_norm: optional(Role::FfnPostNorm, at)?,
                 window: family.windows[l as usize],
@@ -455,6 +583,13 @@ impl Graph {
             })
             .collect::<Result<Vec<_>>>()?;
 
+        // An offloaded MoE layer copies its router and every expert into its onload slot (they
+        // are among `Layer::linears`), each expert of a stacked tensor its own rows.
+        for (li, l) in layers.iter().enumerate() {
+            if matches!(l.ffn, Ffn::Moe(_)) && !matches!(sites[l.site].exec, SiteExec::Host) {
+                return Err(super::exec::moe_off_host(li));
+            }
+        }
         let mut g = Graph {
             sites,
             layers,
@@ -624,9 +759,22 @@ impl Graph {
                     ));
                 }
             }
-            expect(&l.gate, i, h)?;
-            expect(&l.up, i, h)?;
-            expect(&l.down, h, i)?;
+            match &l.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    expect(gate, i, h)?;
+                    expect(up, i, h)?;
+                    expect(down, h, i)?;
+                }
+                Ffn::Moe(m) => {
+                    expect(&m.router, m.experts.len(), h)?;
+                    for [gate, up, down] in &m.experts {
+                        let f = gate.rows;
+                        expect(up, f, h)?;
+                        expect(gate, f, h)?;
+                        expect(down, h, f)?;
+                    }
+                }
+            }
             // the post-norms' output is written to the gate region on the way back
             if (l.post_attn_norm.is_some() || l.post_ffn_norm.is_some()) && i < h {
                 return Err(EngineError::Unsupported {

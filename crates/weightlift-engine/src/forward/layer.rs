@@ -10,7 +10,7 @@ use weightlift_kernels::cpu::matvec::{matmul, matvec};
 
 use super::attention::{self, Shape, Tiles};
 use super::family::{Family, Gate};
-use super::parts::{Layer, Linear, Slot};
+use super::parts::{Ffn, Layer, Linear, Moe, Slot};
 use super::weights::Packing;
 use super::{Compute, Views, host_bytes};
 use crate::cache::Cache;
@@ -186,21 +186,130 @@ pub(super) fn run_layer(
     // MLP
     weightlift_kernels::rms_norm(&w.x[..n * h], &l.ffn_norm.host, c.eps, &mut w.xn[..n * h])
         .map_err(err("ffn_norm"))?;
-    let i = l.gate.rows;
-    linear_pieces(c, wts, &l.gate, pieces, w.xn, w.gate)?;
-    linear_pieces(c, wts, &l.up, pieces, w.xn, w.up)?;
-    match c.gate {
-        Gate::Silu => {
-            swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i]).map_err(err("swiglu"))?;
+    match &l.ffn {
+        Ffn::Dense { gate, up, down } => {
+            let i = gate.rows;
+            linear_pieces(c, wts, gate, pieces, w.xn, w.gate)?;
+            linear_pieces(c, wts, up, pieces, w.xn, w.up)?;
+            activate(c, &mut w.gate[..n * i], &w.up[..n * i]).map_err(err("gated activation"))?;
+            linear_pieces(c, wts, down, pieces, w.gate, w.xn)?;
         }
-        Gate::GeluTanh => {
-            weightlift_kernels::geglu_tanh_in_place(&mut w.gate[..n * i], &w.up[..n * i])
-                .map_err(err("geglu"))?;
-        }
+        Ffn::Moe(m) => moe(c, m, li, wts, pieces, w)?,
     }
-    linear_pieces(c, wts, &l.down, pieces, w.gate, w.xn)?;
     post_norm(c, l.post_ffn_norm.as_ref(), n * h, w).map_err(err("post_ffw_norm"))?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
+    Ok(())
+}
+
+/// `gate = act(gate) · up`, the family's gated activation.
+fn activate(c: &Consts, gate: &mut [f32], up: &[f32]) -> weightlift_kernels::Result<()> {
+    match c.gate {
+        Gate::Silu => swiglu_in_place(gate, up),
+        Gate::GeluTanh => weightlift_kernels::geglu_tanh_in_place(gate, up),
+    }
+}
+
+/// Each token's experts and their weights, from its router scores (`n_experts` per token):
+/// the softmax of all the scores, the `n_used` largest (the lower expert first on a tie), and
+/// with `norm_topk_prob` those divided by their sum (transformers' Mixtral and Qwen3-MoE
+/// routers; llama.cpp's softmax gating). `picks` gets `n_used` `(expert, weight)` per token.
+pub(super) fn route(
+    scores: &[f32],
+    n_experts: usize,
+    n_used: usize,
+    norm_topk_prob: bool,
+    picks: &mut Vec<(usize, f32)>,
+) {
+    picks.clear();
+    let mut probs = vec![0f32; n_experts];
+    let mut order: Vec<usize> = (0..n_experts).collect();
+    for s in scores.chunks_exact(n_experts) {
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for (p, &v) in probs.iter_mut().zip(s) {
+            *p = (v - max).exp();
+            sum += *p;
+        }
+        probs.iter_mut().for_each(|p| *p /= sum);
+        // a stable sort: equal probabilities keep the lower expert first
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let chosen = &order[..n_used];
+        let total: f32 = chosen.iter().map(|&e| probs[e]).sum();
+        let scale = if norm_topk_prob { total } else { 1.0 };
+        picks.extend(chosen.iter().map(|&e| (e, probs[e] / scale)));
+        order.sort_unstable();
+    }
+}
+
+/// The mixture-of-experts block on the normed tokens in `w.xn`, its output written back there.
+/// Piece by piece (each token's bits as when its sequence runs alone): the router's scores,
+/// each token's experts, then per expert one product over the tokens routed to it (their rows
+/// gathered), its outputs added into theirs, scaled by their weights, in expert order.
+fn moe(
+    c: &Consts,
+    m: &Moe,
+    li: usize,
+    wts: &Weights<'_>,
+    pieces: &[Piece<'_>],
+    w: &mut Views<'_>,
+) -> Result<()> {
+    let h = c.hidden;
+    let n_experts = m.experts.len();
+    let n = tokens(pieces);
+    let mut scores = vec![0f32; n * n_experts];
+    linear_pieces(c, wts, &m.router, pieces, w.xn, &mut scores)?;
+    let mut out = vec![0f32; n * h];
+    let mut picks = Vec::new();
+    // one set of buffers for every expert's rows: at most a piece's tokens each
+    let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0);
+    let most = pieces.iter().map(|p| p.n).max().unwrap_or(0);
+    let mut xs = vec![0f32; most * h];
+    let (mut g, mut u) = (vec![0f32; most * widest], vec![0f32; most * widest]);
+    let mut y = vec![0f32; most * h];
+    let mut routed: Vec<(usize, f32)> = Vec::with_capacity(most);
+    let mut at = 0;
+    for p in pieces {
+        let rows = at..at + p.n;
+        at += p.n;
+        route(
+            &scores[rows.start * n_experts..rows.end * n_experts],
+            n_experts,
+            m.n_used,
+            m.norm_topk_prob,
+            &mut picks,
+        );
+        for (e, [gate, up, down]) in m.experts.iter().enumerate() {
+            // the piece's tokens routed to e, and their weights
+            routed.clear();
+            routed.extend(
+                picks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (pe, _))| *pe == e)
+                    .map(|(k, &(_, wt))| (rows.start + k / m.n_used, wt)),
+            );
+            if routed.is_empty() {
+                continue;
+            }
+            let (cnt, f) = (routed.len(), gate.rows);
+            for (&(t, _), row) in routed.iter().zip(xs.chunks_exact_mut(h)) {
+                row.copy_from_slice(&w.xn[t * h..(t + 1) * h]);
+            }
+            let (g, u, y) = (&mut g[..cnt * f], &mut u[..cnt * f], &mut y[..cnt * h]);
+            linear_on(c, wts, gate, &xs, cnt, g)?;
+            linear_on(c, wts, up, &xs, cnt, u)?;
+            activate(c, g, u)
+                .map_err(|e2| kernel(&format!("layer {li} expert {e} activation"), e2))?;
+            linear_on(c, wts, down, g, cnt, y)?;
+            for (&(t, wt), yr) in routed.iter().zip(y.chunks_exact(h)) {
+                out[t * h..(t + 1) * h]
+                    .iter_mut()
+                    .zip(yr)
+                    .for_each(|(o, v)| *o += wt * v);
+            }
+        }
+    }
+    w.xn[..n * h].copy_from_slice(&out);
     Ok(())
 }
 
@@ -407,5 +516,32 @@ fn add_bias(l: &Linear, y: &mut [f32]) {
         for yr in y.chunks_exact_mut(l.rows) {
             yr.iter_mut().zip(&b.host).for_each(|(v, b)| *v += b);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::route;
+
+    /// Scores ln(1), ln(2), ln(3), ln(4): softmax 0.1, 0.2, 0.3, 0.4; the top two are experts 3
+    /// and 2, weighted 0.4 and 0.3, or 4/7 and 3/7 renormalised; equal scores keep the lower
+    /// expert first.
+    #[test]
+    fn route_is_softmax_then_top_k_then_renormalised() {
+        let scores: Vec<f32> = [1f32, 2.0, 3.0, 4.0].iter().map(|v| v.ln()).collect();
+        let mut picks = Vec::new();
+        route(&scores, 4, 2, false, &mut picks);
+        let close = |a: f32, b: f32| (a - b).abs() < 1e-6;
+        assert_eq!((picks[0].0, picks[1].0), (3, 2));
+        assert!(
+            close(picks[0].1, 0.4) && close(picks[1].1, 0.3),
+            "{picks:?}"
+        );
+        route(&scores, 4, 2, true, &mut picks);
+        assert!(close(picks[0].1, 4.0 / 7.0) && close(picks[1].1, 3.0 / 7.0));
+        route(&[0.5; 8], 4, 2, true, &mut picks);
+        let experts: Vec<usize> = picks.iter().map(|p| p.0).collect();
+        assert_eq!(experts, [0, 1, 0, 1]);
+        assert!(picks.iter().all(|p| close(p.1, 0.5)));
     }
 }

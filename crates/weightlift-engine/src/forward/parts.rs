@@ -110,9 +110,7 @@ pub(crate) struct Layer {
     /// projections and before RoPE, when the architecture has them (qwen3, gemma3).
     pub qk_norm: Option<[Floats; 2]>,
     pub ffn_norm: Floats,
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
+    pub ffn: Ffn,
     /// Norms of the attention block's and the MLP's outputs before their residual adds
     /// (gemma2, gemma3).
     pub post_attn_norm: Option<Floats>,
@@ -126,24 +124,69 @@ pub(crate) struct Layer {
     pub group: Option<usize>,
 }
 
+/// A layer's feed-forward block.
+// One per layer, built once and read in place: the dense variant's size is never copied around.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub(crate) enum Ffn {
+    /// One gated MLP: `down(act(gate x) · up x)`.
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// Routed experts (mixtral, qwen3moe).
+    Moe(Moe),
+}
+
+/// A mixture-of-experts block: the router's scores pick each token's `n_used` experts, each a
+/// gated MLP of its own, and their outputs are summed weighted by the routing weights.
+#[derive(Debug)]
+pub(crate) struct Moe {
+    /// `n_experts × hidden`.
+    pub router: Linear,
+    /// Per expert: gate, up, down. An expert of a stacked GGUF tensor is its rows of that
+    /// tensor, read in place (`Linear::rows_of`).
+    pub experts: Vec<[Linear; 3]>,
+    pub n_used: usize,
+    /// Renormalise the chosen experts' softmax weights to sum to 1.
+    pub norm_topk_prob: bool,
+}
+
+impl Ffn {
+    /// The dense MLP's gate, up and down; `None` for a mixture of experts.
+    pub fn dense(&self) -> Option<[&Linear; 3]> {
+        match self {
+            Ffn::Dense { gate, up, down } => Some([gate, up, down]),
+            Ffn::Moe(_) => None,
+        }
+    }
+}
+
 impl Layer {
     /// The matrices, in the order they are laid out in an onload slot.
-    pub fn linears(&self) -> [&Linear; 7] {
-        [
-            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
-        ]
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out = vec![&self.q, &self.k, &self.v, &self.o];
+        match &self.ffn {
+            Ffn::Dense { gate, up, down } => out.extend([gate, up, down]),
+            Ffn::Moe(m) => {
+                out.push(&m.router);
+                out.extend(m.experts.iter().flatten());
+            }
+        }
+        out
     }
 
-    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
-        [
-            &mut self.q,
-            &mut self.k,
-            &mut self.v,
-            &mut self.o,
-            &mut self.gate,
-            &mut self.up,
-            &mut self.down,
-        ]
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut out = vec![&mut self.q, &mut self.k, &mut self.v, &mut self.o];
+        match &mut self.ffn {
+            Ffn::Dense { gate, up, down } => out.extend([gate, up, down]),
+            Ffn::Moe(m) => {
+                out.push(&mut m.router);
+                out.extend(m.experts.iter_mut().flatten());
+            }
+        }
+        out
     }
 }
 

@@ -14,6 +14,9 @@ pub(crate) const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "gemma2",
     "gemma3",
     "gemma3_text",
+    "qwen3moe",
+    "qwen3_moe",
+    "mixtral",
 ];
 
 /// The Gemma 2 and 3 architectures (GGUF names and HF `model_type`s): four norms a layer, and
@@ -31,7 +34,7 @@ pub(crate) fn supports_roles(architecture: &str) -> bool {
 /// Architectures whose attention norms each head's queries and keys (an RMSNorm of `head_dim`
 /// with its own weight, after the projection and before RoPE): transformers' Qwen3Attention
 /// and Gemma3Attention.
-const PER_HEAD_QK_NORM: &[&str] = &["qwen3", "gemma3", "gemma3_text"];
+const PER_HEAD_QK_NORM: &[&str] = &["qwen3", "gemma3", "gemma3_text", "qwen3moe", "qwen3_moe"];
 
 /// Whether `architecture`'s layers norm each query and key head.
 pub(crate) fn per_head_qk_norm(architecture: &str) -> bool {
@@ -171,8 +174,42 @@ fn per_layer_role(tail: &str) -> Option<Role> {
         "post_attention_norm.weight" => Role::AttnPostNorm,
         "post_ffw_norm.weight" | "post_feedforward_layernorm.weight" => Role::FfnPostNorm,
         "pre_feedforward_layernorm.weight" => Role::FfnNorm,
-        _ => return None,
+        "ffn_gate_inp.weight" | "mlp.gate.weight" | "block_sparse_moe.gate.weight" => {
+            Role::FfnGateInp
+        }
+        "ffn_gate_exps.weight" => Role::FfnGateExps,
+        "ffn_up_exps.weight" => Role::FfnUpExps,
+        "ffn_down_exps.weight" => Role::FfnDownExps,
+        _ => return expert_role(tail).map(|(_, r)| r),
     })
+}
+
+/// One expert's projection in transformers' naming: qwen3moe's (and qwen2moe's)
+/// `mlp.experts.E.{gate,up,down}_proj.weight`, mixtral's `block_sparse_moe.experts.E.w1` (gate),
+/// `w3` (up) and `w2` (down).
+fn expert_role(tail: &str) -> Option<(u32, Role)> {
+    let rest = tail
+        .strip_prefix("mlp.experts.")
+        .or_else(|| tail.strip_prefix("block_sparse_moe.experts."))?;
+    let (num, part) = rest.split_once('.')?;
+    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let role = match part {
+        "gate_proj.weight" | "w1.weight" => Role::FfnGateExps,
+        "up_proj.weight" | "w3.weight" => Role::FfnUpExps,
+        "down_proj.weight" | "w2.weight" => Role::FfnDownExps,
+        _ => return None,
+    };
+    Some((num.parse().ok()?, role))
+}
+
+/// The expert a tensor of one expert belongs to (`E` in transformers'
+/// `model.layers.N.mlp.experts.E.gate_proj.weight`); `None` for every other tensor, GGUF's
+/// stacked `ffn_*_exps` included.
+pub fn expert_of(name: &str) -> Option<u32> {
+    let (_, tail) = split_layer(name)?;
+    expert_role(tail).map(|(e, _)| e)
 }
 
 /// (layer, role) of a tensor. The layer is parsed for every architecture; the role only for
@@ -206,6 +243,65 @@ pub(crate) fn classify(name: &str, architecture: &str) -> (Option<u32>, Option<R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// gguf-py's `tensor_mapping.py` maps both transformers' routers and experts to llama.cpp's
+    /// `ffn_gate_inp` and `ffn_{gate,up,down}_exps`.
+    #[test]
+    fn experts_in_both_schemes() {
+        for (name, role, expert) in [
+            ("blk.1.ffn_gate_inp.weight", Role::FfnGateInp, None),
+            ("model.layers.1.mlp.gate.weight", Role::FfnGateInp, None),
+            (
+                "model.layers.1.block_sparse_moe.gate.weight",
+                Role::FfnGateInp,
+                None,
+            ),
+            ("blk.1.ffn_gate_exps.weight", Role::FfnGateExps, None),
+            ("blk.1.ffn_up_exps.weight", Role::FfnUpExps, None),
+            ("blk.1.ffn_down_exps.weight", Role::FfnDownExps, None),
+            (
+                "model.layers.1.mlp.experts.7.gate_proj.weight",
+                Role::FfnGateExps,
+                Some(7),
+            ),
+            (
+                "model.layers.1.mlp.experts.7.up_proj.weight",
+                Role::FfnUpExps,
+                Some(7),
+            ),
+            (
+                "model.layers.1.mlp.experts.12.down_proj.weight",
+                Role::FfnDownExps,
+                Some(12),
+            ),
+            (
+                "model.layers.1.block_sparse_moe.experts.3.w1.weight",
+                Role::FfnGateExps,
+                Some(3),
+            ),
+            (
+                "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+                Role::FfnUpExps,
+                Some(3),
+            ),
+            (
+                "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+                Role::FfnDownExps,
+                Some(3),
+            ),
+        ] {
+            assert_eq!(classify(name, "qwen3moe"), (Some(1), Some(role)), "{name}");
+            assert_eq!(expert_of(name), expert, "{name}");
+        }
+        for name in [
+            "model.layers.1.mlp.experts.x.gate_proj.weight",
+            "model.layers.1.mlp.experts.3.w4.weight",
+            "model.layers.1.mlp.experts..up_proj.weight",
+        ] {
+            assert_eq!(role_of(name), None, "{name}");
+            assert_eq!(expert_of(name), None, "{name}");
+        }
+    }
 
     #[test]
     fn a_multimodal_language_model_has_the_decoder_blocks() {

@@ -319,3 +319,52 @@ fn entry_point_presets_name_their_strategies() {
         }))
     );
 }
+
+#[test]
+fn n_cpu_moe_is_overrides_after_the_explicit_ones() {
+    let opts = PlanOptions {
+        n_cpu_moe: Some(2),
+        overrides: vec![("attn_q".into(), "cpu".into())],
+        ..PlanOptions::default()
+    };
+    let Some(Strategy::Layers(o)) = opts.strategy().unwrap() else {
+        panic!("n_cpu_moe means llama.cpp's layers strategy");
+    };
+    let rules: Vec<&str> = o.overrides.iter().map(|(re, _)| re.as_str()).collect();
+    assert_eq!(rules.len(), 5);
+    assert_eq!(rules[0], "attn_q");
+    assert!(o.overrides.iter().all(|(_, d)| d == "cpu"));
+    let hits = |name: &str| {
+        rules
+            .iter()
+            .filter(|re| regex::Regex::new(re).unwrap().is_match(name))
+            .count()
+    };
+    for name in [
+        "blk.0.ffn_gate_exps.weight",
+        "blk.1.ffn_down_exps.weight",
+        "model.layers.1.mlp.experts.5.up_proj.weight",
+        "model.layers.0.block_sparse_moe.experts.0.w2.weight",
+    ] {
+        assert_eq!(hits(name), 1, "{name}");
+    }
+    for name in [
+        "blk.2.ffn_gate_exps.weight",
+        "blk.10.ffn_up_exps.weight",
+        "blk.0.ffn_gate_inp.weight",
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.12.mlp.experts.0.up_proj.weight",
+    ] {
+        assert_eq!(hits(name), 0, "{name}");
+    }
+    // another strategy than layers or map is named with it: refused, naming both
+    let e = PlanOptions {
+        n_cpu_moe: Some(1),
+        strategy: Some("balanced".into()),
+        ..PlanOptions::default()
+    }
+    .strategy()
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("n_cpu_moe") && e.contains("balanced"), "{e}");
+}

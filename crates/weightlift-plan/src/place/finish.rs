@@ -427,6 +427,25 @@ impl Ctx<'_> {
                 crate::plan::ranges(&to_ranges(sliced))
             ));
         }
+        // llama.cpp's --n-cpu-moe and `-ot exps=cpu`: experts held here while their layer
+        // computes elsewhere (they are computed where they are held, on the routed tokens)
+        let experts: Vec<u32> = (0..self.n_layers() as u32)
+            .filter(|l| a.layer_dev.get(*l as usize) != Some(&i))
+            .filter(|&l| {
+                self.tensors().iter().enumerate().any(|(t, ti)| {
+                    ti.layer == Some(l)
+                        && self.roles[t].is_some_and(Role::is_expert)
+                        && a.splits[t].is_none()
+                        && a.tensor_dev[t] == i
+                })
+            })
+            .collect();
+        if !experts.is_empty() {
+            add(format!(
+                "experts of layers {}",
+                crate::plan::ranges(&to_ranges(experts))
+            ));
+        }
         parts
     }
 

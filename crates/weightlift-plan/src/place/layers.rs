@@ -100,7 +100,11 @@ impl Ctx<'_> {
         self.tie_head(&mut a);
         // `-ot` rules move single tensors after the layers are placed, as llama.cpp applies
         // them over -ngl's buffer types.
-        let overrides = self.overrides(&o.overrides)?;
+        let mut rules = o.overrides.clone();
+        if let Some(n) = self.tweak.n_cpu_moe {
+            rules.extend(crate::PlanOptions::moe_overrides(n));
+        }
+        let overrides = self.overrides(&rules)?;
         for (i, t) in self.tensors().iter().enumerate() {
             if let Some((_, d)) = overrides.iter().find(|(re, _)| re.is_match(&t.name)) {
                 a.tensor_dev[i] = *d;

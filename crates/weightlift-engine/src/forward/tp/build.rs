@@ -176,6 +176,20 @@ impl TpGraph {
     ) -> Result<TpGraph> {
         super::super::graph::check_tensor_parallel(&spec.architecture)?;
         let infos = m.source.tensors();
+        // a MoE llama GGUF (mixtral) is named `llama`: the router tensor tells
+        if let Some(t) = infos
+            .iter()
+            .find(|t| t.role == Some(weightlift_format::Role::FfnGateInp))
+        {
+            return Err(refuse(
+                format!(
+                    "tensor parallelism for a mixture-of-experts model ('{}')",
+                    t.name
+                ),
+                "routed experts are not split by the tp tables; load with a layer split \
+                 (autosplit, layers, balanced) instead of tensor_parallel",
+            ));
+        }
         if let Some(t) = infos.iter().find(|t| is_quantized_part(&t.name)) {
             return Err(refuse(
                 format!(

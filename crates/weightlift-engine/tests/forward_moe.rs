@@ -1,0 +1,571 @@
+//! The forward pass of the mixture-of-experts families, mixtral and qwen3moe (a router scoring
+//! 4 experts per token, each token's 2 best run and summed by their softmax weights renormalised
+//! to 1, the prompt's tokens grouped by expert, GGUF's experts read as row blocks of one 3-D
+//! tensor per projection, quantised ones included), against logits and greedy ids that
+//! transformers computed for tiny random models as f16 safetensors and as GGUF files written by
+//! llama.cpp's converter (`tests/data/tiny-qwen3moe` and `tiny-mixtral`, made by
+//! `tests/gen_qwen3moe.py` and `gen_mixtral.py`; their READMEs give the recipe and the
+//! measurements). The checks of `common/family.rs` that do not go through the backend op
+//! sequence apply as they are; the others are restated here for the host path, and the backend
+//! is held to refusing MoE by name.
+
+mod common;
+
+use common::family::Family;
+use common::{forward_all, greedy, json_ids, load_on, max_abs_diff, open, split_load};
+use weightlift_engine::CacheDType;
+use weightlift_engine::forward::{Compute, Logits};
+use weightlift_format::{Checkpoint, Format, MoeSpec, OpenOptions, Role};
+
+const QWEN3MOE: Family = Family("qwen3moe");
+const MIXTRAL: Family = Family("mixtral");
+const BOTH: [Family; 2] = [QWEN3MOE, MIXTRAL];
+
+/// Each checkpoint's routing and expert tensors, from GGUF metadata and from config.json: 4
+/// experts, 2 used, renormalised; qwen3moe's experts 32 wide (`moe_intermediate_size`,
+/// `expert_feed_forward_length`), mixtral's 16 (`intermediate_size`, `feed_forward_length`).
+#[test]
+fn tiny_moe_specs_and_expert_tensors() {
+    for (f, ffn, arch_gguf, arch_hf) in [
+        (QWEN3MOE, 32, "qwen3moe", "qwen3_moe"),
+        (MIXTRAL, 16, "llama", "mixtral"),
+    ] {
+        for path in f.checkpoints() {
+            let file = path.display();
+            let ck = Checkpoint::open(&path, OpenOptions::default()).unwrap();
+            let gguf = ck.format() == Format::Gguf;
+            let moe = if gguf {
+                MoeSpec::from_gguf(ck.metadata())
+            } else {
+                MoeSpec::from_hf_config(ck.config().unwrap())
+            }
+            .unwrap();
+            let want = MoeSpec {
+                n_experts: 4,
+                n_used: 2,
+                expert_ffn: ffn,
+                norm_topk_prob: true,
+            };
+            assert_eq!(moe, Some(want), "{file}");
+            let spec = ck.spec().unwrap();
+            let arch = if gguf { arch_gguf } else { arch_hf };
+            assert_eq!(spec.architecture, arch, "{file}");
+            let count = |role: Role| ck.tensors().iter().filter(|t| t.role == Some(role)).count();
+            assert_eq!(count(Role::FfnGateInp), 2, "{file}: a router per layer");
+            for role in [Role::FfnGateExps, Role::FfnUpExps, Role::FfnDownExps] {
+                // GGUF stacks a layer's experts in one 3-D tensor; transformers keeps one each
+                let (n, shape) = if gguf { (2, 3) } else { (8, 2) };
+                assert_eq!(count(role), n, "{file} {role:?}");
+                for t in ck.tensors().iter().filter(|t| t.role == Some(role)) {
+                    assert_eq!(t.shape.len(), shape, "{}", t.name);
+                    assert!(t.layer.is_some(), "{}", t.name);
+                    let e = weightlift_format::expert_of(&t.name);
+                    assert_eq!(e.is_some(), !gguf, "{}", t.name);
+                }
+            }
+            assert!(ck.tensors().iter().all(|t| t.role.is_some()), "{file}");
+        }
+    }
+}
+
+#[test]
+fn tiny_moe_safetensors_exact_matches_transformers() {
+    BOTH.into_iter()
+        .for_each(Family::safetensors_exact_matches_transformers);
+}
+
+#[test]
+fn tiny_moe_f16_gguf_exact_matches_transformers() {
+    BOTH.into_iter()
+        .for_each(Family::f16_gguf_exact_matches_transformers);
+}
+
+#[test]
+fn tiny_moe_q8_0_gguf_exact_matches_transformers_on_dequantised_weights() {
+    BOTH.into_iter()
+        .for_each(Family::q8_0_gguf_exact_matches_transformers_on_dequantised_weights);
+}
+
+#[test]
+fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
+    BOTH.into_iter()
+        .for_each(Family::gguf_within_llamacpps_distance_to_transformers);
+}
+
+/// Placement never changes the bits: whole on cpu, layers over 2 and 3 virtual devices (the
+/// hidden state crossing device boundaries between expert layers), and a layer on disk, for
+/// each checkpoint.
+#[test]
+fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut m, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            m.set_compute(Compute::Exact);
+            let cpu = forward_all(&mut m, &cache, &ids);
+            f.assert_matches(&format!("{file} cpu"), &cpu, Family::reference_of(&path));
+            for (inv, devs) in [
+                ("virtual:2x64MiB,cpu", &["virtual:0", "virtual:1"][..]),
+                (
+                    "virtual:3x64MiB,cpu",
+                    &["virtual:0", "virtual:1", "virtual:2"][..],
+                ),
+            ] {
+                let (mut m, cache) = split_load(&src, inv, devs, CacheDType::F32, 0, false);
+                m.set_compute(Compute::Exact);
+                let out = forward_all(&mut m, &cache, &ids);
+                assert!(
+                    out == cpu,
+                    "{file} over {inv}: max|Δ| {} from cpu",
+                    max_abs_diff(&out, &cpu)
+                );
+            }
+            // layer 0 on disk (computed by the host from the mapped file), layer 1 on a
+            // virtual device
+            let (mut m, cache) = split_load(
+                &src,
+                "virtual:2x64MiB,cpu,disk",
+                &["virtual:0", "virtual:1"],
+                CacheDType::F32,
+                1,
+                false,
+            );
+            m.set_compute(Compute::Exact);
+            let out = forward_all(&mut m, &cache, &ids);
+            assert!(
+                out == cpu,
+                "{file} with a disk layer: max|Δ| {}",
+                max_abs_diff(&out, &cpu)
+            );
+        }
+    }
+}
+
+/// Greedy decoding, one token per forward call from the cache (one token routed at a time),
+/// from the safetensors folder and the F16 GGUF, is transformers' greedy continuation.
+#[test]
+fn tiny_moe_greedy_ids_are_transformers() {
+    for f in BOTH {
+        let want = json_ids(&f.data().join("stats.json"), "greedy_ids");
+        let ids = f.ids();
+        for path in [f.data(), f.gguf("F16")] {
+            let (mut m, cache) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
+            m.set_compute(Compute::Exact);
+            let got = greedy(&mut m, &cache, &ids, want.len());
+            assert_eq!(got, want, "{}", path.display());
+        }
+    }
+}
+
+/// The plan sizes and places the router and every expert with its layer: what each device
+/// holds is what the plan says, and the planned model is transformers' within 1e-3.
+#[test]
+fn tiny_moe_plan_is_what_the_load_holds() {
+    BOTH.into_iter()
+        .for_each(Family::plan_is_what_the_load_holds);
+}
+
+/// The backend op sequence (the path cuda devices take) has no expert ops yet: it refuses the
+/// MoE block by name instead of computing something else.
+#[test]
+fn tiny_moe_backend_refuses_experts_by_name() {
+    for f in BOTH {
+        let (mut m, cache) = load_on(&open(f.gguf("F16")), "cpu", "cpu", 64, CacheDType::F32);
+        m.set_host_backend(true);
+        cache.reset();
+        let mut out = Vec::new();
+        let e = m
+            .forward(&f.ids(), Some(&cache), Logits::All, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mixture-of-experts block of layer 0"), "{e}");
+        assert!(e.contains("backend op sequence"), "{e}");
+        assert!(e.contains("host path"), "{e}");
+    }
+}
+
+/// The routing matters in these fixtures: sending every token to experts 0 and 1 moves
+/// transformers' logits by more than 1 (the generator's measurement), so an engine that routed
+/// wrongly could not pass the checks above.
+#[test]
+fn tiny_moe_routing_moves_the_logits() {
+    for f in BOTH {
+        let s = f.stats();
+        let moved = s["sensitivity"]["every_token_to_experts_0_1"]["max_abs"]
+            .as_f64()
+            .unwrap();
+        assert!(moved > 1.0, "{}: {moved}", f.0);
+        for layer in s["routing"]["experts"].as_array().unwrap() {
+            let mut used = [false; 4];
+            for pair in layer.as_array().unwrap() {
+                for e in pair.as_array().unwrap() {
+                    used[e.as_u64().unwrap() as usize] = true;
+                }
+            }
+            assert!(used.iter().filter(|u| **u).count() >= 3, "{}", f.0);
+        }
+    }
+    // qwen3moe's norm_topk_prob (true, as the model ships) matters as much
+    let s = QWEN3MOE.stats();
+    let unnormed = s["sensitivity"]["norm_topk_prob_false"]["max_abs"]
+        .as_f64()
+        .unwrap();
+    assert!(unnormed > 1.0, "{unnormed}");
+}
+
+/// llama.cpp's `--n-cpu-moe 1` through the planner's options: layer 0's experts stay in host
+/// RAM (`cpu`) while its attention, norms and router go where the layers strategy puts them (a
+/// virtual device, standing for a GPU), layer 1 whole on its device. The plan says so tensor by
+/// tensor, the load holds what the plan says on each device, and the experts are computed from
+/// where they are held, not copied in: the logits are transformers' and the bits those of the
+/// model loaded whole on cpu.
+#[test]
+fn tiny_moe_n_cpu_moe_keeps_the_first_layers_experts_on_the_host() {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            whole.set_compute(Compute::Exact);
+            let cpu = forward_all(&mut whole, &cache, &ids);
+
+            let inv = Inventory::parse("virtual:2x64MiB,cpu").unwrap();
+            let mut m = Model::new(Arc::clone(&src), inv.clone());
+            let mut req = m.plan_request().unwrap();
+            wp::PlanOptions {
+                n_cpu_moe: Some(1),
+                tensor_split: Some(vec![1.0, 1.0]),
+                cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+                ..wp::PlanOptions::default()
+            }
+            .apply(&mut req)
+            .unwrap();
+            assert_eq!(
+                req.strategy.name(),
+                "layers",
+                "n_cpu_moe implies llama.cpp's layers"
+            );
+            let plan = wp::plan(&req).unwrap();
+            let layers = plan.layer_devices().to_vec();
+            assert!(
+                layers.iter().all(|d| d.starts_with("virtual:")),
+                "{file}: {layers:?}"
+            );
+            let mut on_cpu = 0;
+            for (t, info) in plan.tensors().iter().zip(src.tensors()) {
+                let expert = info.role.is_some_and(Role::is_expert);
+                match info.layer {
+                    Some(0) if expert => {
+                        assert_eq!(t.device, "cpu", "{file}: {}", t.name);
+                        on_cpu += t.bytes;
+                    }
+                    Some(l) => assert_eq!(t.device, layers[l as usize], "{}", t.name),
+                    None => {}
+                }
+            }
+            let cpu_plan = plan.devices().iter().find(|d| d.name == "cpu").unwrap();
+            assert!(cpu_plan.weights >= on_cpu && on_cpu > 0, "{file}");
+            assert!(
+                cpu_plan.holds.iter().any(|h| h == "experts of layers 0"),
+                "{file}: {:?}",
+                cpu_plan.holds
+            );
+            let cache = common::load_planned(&mut m, &plan).unwrap();
+            let mem = m.memory();
+            for d in plan.devices() {
+                let got = mem
+                    .iter()
+                    .find(|(n, _)| *n == d.name)
+                    .map_or(0, |(_, b)| *b);
+                assert_eq!(got, d.weights + d.kv + d.scratch, "{file}: {}", d.name);
+            }
+            m.set_compute(Compute::Exact);
+            let out = forward_all(&mut m, &cache, &ids);
+            f.assert_matches(
+                &format!("{file} n_cpu_moe=1"),
+                &out,
+                Family::reference_of(&path),
+            );
+            assert!(
+                out == cpu,
+                "{file}: max|Δ| {} from cpu",
+                max_abs_diff(&out, &cpu)
+            );
+        }
+    }
+}
+
+/// Several sequences in one forward call route and group their tokens piece by piece: a
+/// sequence's logits in a batch (prompts joining while others decode) are the bits it gets
+/// alone, in exact and in fast mode, on the Q8_0 file (quantised experts) and the safetensors.
+#[test]
+fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
+    use std::sync::Arc;
+    use weightlift_engine::Cache;
+    const STEPS: usize = 4;
+    for f in BOTH {
+        let ids = f.ids();
+        let chat = json_ids(&f.data().join("stats.json"), "chat_prompt_ids");
+        // (prompt, the step it joins)
+        let reqs: Vec<(Vec<u32>, usize)> = vec![
+            (ids.clone(), 0),
+            (ids[..3].to_vec(), 0),
+            (chat.clone(), 1),
+            (ids[4..].to_vec(), 2),
+        ];
+        for path in [f.data(), f.gguf("Q8_0")] {
+            let (mut m, _) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
+            for compute in [Compute::Exact, Compute::Fast] {
+                m.set_compute(compute);
+                let what = format!("{} {compute:?}", path.display());
+                let mut want = Vec::new();
+                for (prompt, _) in &reqs {
+                    let cache = m.sequence_cache(64).unwrap();
+                    let mut out = Vec::new();
+                    let mut rows = Vec::new();
+                    m.forward(prompt, Some(&cache), Logits::Last, &mut out)
+                        .unwrap();
+                    rows.push(out.clone());
+                    for _ in 0..STEPS {
+                        let next = common::argmax(&out) as u32;
+                        m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                            .unwrap();
+                        rows.push(out.clone());
+                    }
+                    want.push(rows);
+                }
+                let caches: Vec<Arc<Cache>> =
+                    reqs.iter().map(|_| m.sequence_cache(64).unwrap()).collect();
+                let mut got: Vec<Vec<Vec<f32>>> = vec![Vec::new(); reqs.len()];
+                let mut step = 0;
+                while got.iter().any(|r| r.len() <= STEPS) {
+                    let active: Vec<usize> = (0..reqs.len())
+                        .filter(|&i| reqs[i].1 <= step && got[i].len() <= STEPS)
+                        .collect();
+                    let next: Vec<Vec<u32>> = active
+                        .iter()
+                        .map(|&i| match got[i].last() {
+                            None => reqs[i].0.clone(),
+                            Some(last) => vec![common::argmax(last) as u32],
+                        })
+                        .collect();
+                    let seqs: Vec<(&Arc<Cache>, &[u32])> = active
+                        .iter()
+                        .zip(&next)
+                        .map(|(&i, ids)| (&caches[i], ids.as_slice()))
+                        .collect();
+                    let mut out = Vec::new();
+                    m.forward_batch(&seqs, &mut out).unwrap();
+                    let vocab = out.len() / active.len();
+                    for (&i, row) in active.iter().zip(out.chunks_exact(vocab)) {
+                        got[i].push(row.to_vec());
+                    }
+                    step += 1;
+                }
+                for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+                    for (t, (a, b)) in g.iter().zip(w).enumerate() {
+                        assert!(
+                            a == b,
+                            "{what}: sequence {s} step {t}: max|Δ| {}",
+                            max_abs_diff(a, b)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `fit` with the `n_cpu_moe` target: the fewest layers whose experts stay in host RAM for the
+/// rest to fit on the accelerator. On a virtual device of exactly what the plan with N layers'
+/// experts on the host needs there, the answer is N; a dense model is refused by name.
+#[test]
+fn tiny_moe_fit_finds_the_fewest_layers_with_experts_on_the_host() {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    let src = open(QWEN3MOE.gguf("F16"));
+    let request = |devices: &str, n_cpu_moe: Option<u32>| {
+        let m = Model::new(Arc::clone(&src), Inventory::parse(devices).unwrap());
+        let mut req = m.plan_request().unwrap();
+        wp::PlanOptions {
+            n_cpu_moe,
+            cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+            ..wp::PlanOptions::default()
+        }
+        .for_fit(wp::FitTarget::NCpuMoe, None)
+        .unwrap()
+        .apply(&mut req)
+        .unwrap();
+        req
+    };
+    // what virtual:0 must have with the experts of the first n layers on the host
+    let needs: Vec<u64> = (0..=2)
+        .map(|n| {
+            let req = request("virtual:1x64MiB,cpu", None);
+            let mut with = req.clone();
+            if let wp::Strategy::Layers(o) = &mut with.strategy {
+                o.overrides = wp::PlanOptions::moe_overrides(n);
+            }
+            let plan = wp::plan(&with).unwrap();
+            let d = plan
+                .devices()
+                .iter()
+                .find(|d| d.name == "virtual:0")
+                .unwrap();
+            d.capacity - d.free
+        })
+        .collect();
+    assert!(needs[0] > needs[1] && needs[1] > needs[2], "{needs:?}");
+    for (n, &need) in needs.iter().enumerate() {
+        let req = request(&format!("virtual:1x{need}B,cpu"), None);
+        assert_eq!(
+            wp::fit(&req, wp::FitTarget::NCpuMoe).unwrap(),
+            n as u64,
+            "{needs:?}"
+        );
+    }
+    let e = wp::PlanOptions {
+        n_cpu_moe: Some(1),
+        ..wp::PlanOptions::default()
+    }
+    .for_fit(wp::FitTarget::NCpuMoe, None)
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("n_cpu_moe"), "{e}");
+    let dense = Model::new(
+        open(Family("qwen3").gguf("F16")),
+        Inventory::parse("virtual:1x64MiB,cpu").unwrap(),
+    );
+    let mut req = dense.plan_request().unwrap();
+    wp::PlanOptions::default()
+        .for_fit(wp::FitTarget::NCpuMoe, None)
+        .unwrap()
+        .apply(&mut req)
+        .unwrap();
+    let e = wp::fit(&req, wp::FitTarget::NCpuMoe)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("a mixture-of-experts model") && e.contains("qwen3"),
+        "{e}"
+    );
+}
+
+/// Offloaded execution (`offload="sequential"` and `"group"`): layer 0 kept on the cpu and run
+/// on the virtual device after its router and experts are copied into an onload slot, each
+/// expert of a stacked GGUF tensor its own rows. The logits are the all-on-cpu bits, for every
+/// checkpoint.
+#[test]
+fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            whole.set_compute(Compute::Exact);
+            let cpu = forward_all(&mut whole, &cache, &ids);
+            for mode in [
+                wp::WeightOffload::Sequential,
+                wp::WeightOffload::Group {
+                    blocks_per_group: 1,
+                    prefetch: true,
+                },
+            ] {
+                let mut m = Model::new(
+                    Arc::clone(&src),
+                    Inventory::parse("virtual:1x64MiB,cpu").unwrap(),
+                );
+                let mut req = m.plan_request().unwrap();
+                req.strategy = wp::Strategy::Layers(wp::LayerOptions {
+                    n_gpu_layers: 1,
+                    ..wp::LayerOptions::default()
+                });
+                req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
+                req.offload = Some(mode);
+                let plan = wp::plan(&req).unwrap();
+                assert!(plan.onload().is_some(), "{file} {mode:?}");
+                let cache = common::load_planned(&mut m, &plan).unwrap();
+                let mem = m.memory();
+                for d in plan.devices() {
+                    let got = mem
+                        .iter()
+                        .find(|(n, _)| *n == d.name)
+                        .map_or(0, |(_, b)| *b);
+                    assert_eq!(got, d.weights + d.kv + d.scratch, "{file}: {}", d.name);
+                }
+                m.set_compute(Compute::Exact);
+                let out = forward_all(&mut m, &cache, &ids);
+                assert!(
+                    out == cpu,
+                    "{file} {mode:?}: max|Δ| {} from cpu",
+                    max_abs_diff(&out, &cpu)
+                );
+            }
+        }
+    }
+}
+
+/// A config that contradicts the tensors is refused with what it expected and what it got:
+/// more experts used than there are, and an expert count the router's rows disagree with.
+#[test]
+fn tiny_moe_bad_routing_config_is_refused_by_name() {
+    use std::sync::Arc;
+    use weightlift_engine::{Cache, Inventory, LoadOptions, Model, Placement};
+    let run = |edit: &dyn Fn(&mut serde_json::Value)| -> String {
+        let dir = tempfile::tempdir().unwrap();
+        for f in [
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ] {
+            std::fs::copy(QWEN3MOE.data().join(f), dir.path().join(f)).unwrap();
+        }
+        let text = std::fs::read_to_string(QWEN3MOE.data().join("config.json")).unwrap();
+        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+        edit(&mut cfg);
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        let src = open(dir.path());
+        let mut m = Model::new(Arc::clone(&src), Inventory::parse("cpu").unwrap());
+        let config = m.cache_config(64, 1, CacheDType::F32, false).unwrap();
+        let cache = Arc::new(Cache::new(config).unwrap());
+        let placement = Placement::all_on(src.as_ref(), "cpu", m.n_layers());
+        let loaded = m.load(
+            &placement,
+            &LoadOptions::default(),
+            Some(&cache),
+            true,
+            &mut |_| true,
+        );
+        let e = match loaded {
+            Err(e) => e,
+            Ok(()) => {
+                let mut out = Vec::new();
+                m.forward(&QWEN3MOE.ids(), Some(&cache), Logits::All, &mut out)
+                    .unwrap_err()
+            }
+        };
+        e.to_string()
+    };
+    let e = run(&|c| c["num_experts_per_tok"] = 5.into());
+    assert!(
+        e.contains("num_experts_per_tok") && e.contains("1..=4"),
+        "{e}"
+    );
+    // transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+    let e = run(&|c| c["num_local_experts"] = 3.into());
+    assert!(
+        e.contains("model.layers.0.mlp.gate.weight") && e.contains("3 × 32"),
+        "{e}"
+    );
+}
