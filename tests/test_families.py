@@ -167,3 +167,43 @@ def test_an_unapplied_rope_scaling_in_gguf_is_refused_by_name(tmp_path):
     assert wl.plan(path, devices="cpu").architecture == "phi3"
     with pytest.raises(wl.UnsupportedError, match=r"rope scaling type 'yarn'"):
         wl.load_gguf(path, n_ctx=64)
+
+
+def test_n_cpu_moe_keeps_the_first_layers_experts_in_host_ram():
+    # llama.cpp's --n-cpu-moe: layer 0's experts stay on the cpu, everything else of the layers
+    # goes to the accelerator (a virtual device here); the model loaded so gives transformers'
+    # greedy ids; fit finds the fewest such layers for a device too small for every expert.
+    folder = FAMILIES["qwen3moe"][0]
+    path = folder / "tiny-qwen3moe-F16.gguf"
+    plan = wl.plan(path, devices="virtual:64MiB,cpu", n_gpu_layers=99, n_cpu_moe=1)
+    experts = {t.name: t.device for t in plan.tensors if "_exps" in t.name}
+    assert experts and all(d == ("cpu" if ".0." in n else "virtual:0") for n, d in experts.items())
+    others = {t.device for t in plan.tensors if t.layer is not None and "_exps" not in t.name}
+    assert others == {"virtual:0"}
+    assert any("experts of layers 0" in h for d in plan.devices for h in d.holds)
+
+    m = wl.Model(path, devices="virtual:64MiB,cpu", compute="exact")
+    m.load(cache={"max_seq_len": 64}, n_gpu_layers=99, n_cpu_moe=1)
+    assert m.device_of("blk.0.ffn_up_exps.weight") == "cpu"
+    assert m.device_of("blk.1.ffn_up_exps.weight") == "virtual:0"
+    s = stats(folder)
+    out = m.generate(s["ids"], max_new_tokens=len(s["greedy_ids"]), do_sample=False)
+    assert out == s["greedy_text"]
+    m.close()
+
+    # the experts of one layer take a fixed share: a device that holds everything but one
+    # layer's experts needs n_cpu_moe of 1
+    whole = wl.plan(path, devices="virtual:1GiB,cpu", n_gpu_layers=99)
+    gpu = next(d for d in whole.devices if d.name == "virtual:0").used
+    one_layer = sum(t.nbytes for t in plan.tensors if "_exps" in t.name and ".0." in t.name)
+    small = f"virtual:{(gpu - one_layer // 2) // 1024}KiB,cpu"
+    assert wl.fit(path, devices=small, target="n_cpu_moe", n_gpu_layers=99) == 1
+
+    out = subprocess.run(
+        [str(EXE), "plan", str(path), "--devices", "virtual:64MiB,cpu", "--n-cpu-moe", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "experts of layers 0" in out.stdout, out.stdout

@@ -169,7 +169,17 @@ _Overrides = str | Sequence[str] | Mapping[str, str | int]
 _Devices = str | Sequence[str]
 _Compute = Literal["fast", "exact"]
 _Quantize = Literal["int8", "q8_0", "q4_k", "q6_k"]
-_FitTarget = Literal["max_seq_len", "ctx", "context", "batch_size", "batch", "n_gpu_layers", "ngl"]
+_FitTarget = Literal[
+    "max_seq_len",
+    "ctx",
+    "context",
+    "batch_size",
+    "batch",
+    "n_gpu_layers",
+    "ngl",
+    "n_cpu_moe",
+    "ncmoe",
+]
 
 def plan(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
@@ -198,6 +208,7 @@ def plan(
     blocks_per_group: int = 1,
     prefetch: bool = True,
     world: str | None = None,
+    n_cpu_moe: int | None = None,
 ) -> Plan:
     """Plan where every tensor and every layer's KV cache goes, before a byte is read.
 
@@ -231,7 +242,15 @@ def fit(
     *,
     devices: _Devices | None = None,
     target: Literal[
-        "max_seq_len", "ctx", "context", "batch_size", "batch", "n_gpu_layers", "ngl"
+        "max_seq_len",
+        "ctx",
+        "context",
+        "batch_size",
+        "batch",
+        "n_gpu_layers",
+        "ngl",
+        "n_cpu_moe",
+        "ncmoe",
     ] = "max_seq_len",
     strategy: _Strategy | None = None,
     dtype: str = "auto",
@@ -256,6 +275,7 @@ def fit(
     offload: Literal["sequential", "group"] | None = None,
     blocks_per_group: int = 1,
     prefetch: bool = True,
+    n_cpu_moe: int | None = None,
 ) -> int: ...
 def devices() -> list[Device]: ...
 def parse_devices(spec: str | Sequence[str]) -> list[Device]: ...
@@ -656,6 +676,7 @@ class Model:
         offload: Literal["sequential", "group"] | None = None,
         blocks_per_group: int = 1,
         prefetch: bool = True,
+        n_cpu_moe: int | None = None,
     ) -> None: ...
     def load_autosplit(
         self,

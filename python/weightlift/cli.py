@@ -234,6 +234,7 @@ def _placement(args: argparse.Namespace) -> dict[str, Any]:
         "main_gpu": args.main_gpu,
         "overrides": args.override,
         "allow_disk": args.allow_disk,
+        "n_cpu_moe": args.n_cpu_moe,
     }
     if args.tensor_split is not None:
         kw["tensor_split"] = [float(x) for x in args.tensor_split.split(",") if x.strip()]
@@ -771,6 +772,13 @@ def _plan_options(
     p.add_argument("--max-input-len", type=int, help="runtime max_input_len (default 2048)")
     p.add_argument("--low-mem", action="store_true", help="exllamav2 low_mem scratch sizes")
     p.add_argument("--allow-disk", action="store_true", help="let weights stay on disk")
+    p.add_argument(
+        "--n-cpu-moe",
+        type=int,
+        metavar="N",
+        help="keep the experts of the first N layers of a mixture-of-experts model in host RAM "
+        "(llama.cpp's --n-cpu-moe)",
+    )
     if as_json:
         p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -804,13 +812,17 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--svg", help="also draw the plan as an SVG chart into this file")
     pl.set_defaults(func=_cmd_plan)
 
-    ft = sub.add_parser("fit", help="the largest context, batch or n_gpu_layers that fits")
+    ft = sub.add_parser(
+        "fit",
+        help="the largest context, batch or n_gpu_layers that fits, or the fewest n_cpu_moe",
+    )
     _plan_options(ft, world=False)
     ft.add_argument(
         "--target",
         default="max_seq_len",
-        choices=["max_seq_len", "batch_size", "n_gpu_layers"],
-        help="what to maximise (default max_seq_len)",
+        choices=["max_seq_len", "batch_size", "n_gpu_layers", "n_cpu_moe"],
+        help="what to maximise (default max_seq_len), or n_cpu_moe: the fewest layers whose "
+        "experts stay in host RAM for the rest to fit",
     )
     ft.set_defaults(func=_cmd_fit)
 

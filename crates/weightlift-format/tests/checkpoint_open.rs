@@ -158,7 +158,7 @@ fn unsupported_architecture_still_opens() {
         c.warnings(),
         [
             "unsupported architecture 'gpt2' for tensor roles (supported: llama, mistral, qwen2, \
-             qwen3, phi3, gemma2, gemma3, gemma3_text)",
+             qwen3, phi3, gemma2, gemma3, gemma3_text, qwen3moe, qwen3_moe, mixtral)",
             "config.json says tie_word_embeddings is false, but there is no lm_head.weight; the \
              output will reuse the embedding"
         ]

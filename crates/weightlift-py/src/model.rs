@@ -225,7 +225,7 @@ impl Model {
     /// Load by `plan` (a `Plan` or its JSON), or plan now with the placement keywords of
     /// `weightlift.plan` (`strategy`, `reserve`, `max_memory`, `overhead`, `n_gpu_layers`,
     /// `split_mode`, `tensor_split`, `main_gpu`, `device_map`, `overrides`, `gpu_split`,
-    /// `allow_disk`), which mean here what they mean there. `offload="sequential"` or
+    /// `allow_disk`, `n_cpu_moe`), which mean here what they mean there. `offload="sequential"` or
     /// `"group"` runs the layers kept on cpu or disk on the first accelerator, copying their
     /// matrices in first (`blocks_per_group` layers at a time; `prefetch` copies the next group
     /// while one computes), as accelerate's and diffusers' offloading; `None` computes each
@@ -241,7 +241,7 @@ impl Model {
                         overhead = None, n_gpu_layers = None, split_mode = None,
                         tensor_split = None, main_gpu = None, device_map = None, overrides = None,
                         gpu_split = None, allow_disk = None, offload = None, blocks_per_group = 1,
-                        prefetch = true))]
+                        prefetch = true, n_cpu_moe = None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         &self,
@@ -269,6 +269,7 @@ impl Model {
         offload: Option<String>,
         blocks_per_group: u32,
         prefetch: bool,
+        n_cpu_moe: Option<u32>,
     ) -> PyResult<()> {
         let plan = plan
             .filter(|p| !p.is_none())
@@ -301,6 +302,7 @@ impl Model {
             offload,
             blocks_per_group,
             prefetch,
+            n_cpu_moe,
             ..PlanArgs::default()
         }
         .options()?;

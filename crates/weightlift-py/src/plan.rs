@@ -53,6 +53,7 @@ pub(crate) struct PlanArgs {
     pub max_memory: Option<Sizes>,
     pub overhead: Option<Sizes>,
     pub n_gpu_layers: Option<i64>,
+    pub n_cpu_moe: Option<u32>,
     pub split_mode: Option<String>,
     pub tensor_split: Option<Vec<f32>>,
     pub main_gpu: Option<usize>,
@@ -82,6 +83,7 @@ impl PlanArgs {
             max_memory: self.max_memory.map(|s| s.0),
             overhead: self.overhead.map(|s| s.0),
             n_gpu_layers: self.n_gpu_layers,
+            n_cpu_moe: self.n_cpu_moe,
             split_mode: self.split_mode,
             tensor_split: self.tensor_split,
             main_gpu: self.main_gpu,
@@ -120,6 +122,11 @@ impl PlanArgs {
 /// `map`, the llama.cpp options imply `layers`, `gpu_split` implies `tensor_parallel`, and
 /// otherwise it is `autosplit`.
 ///
+/// `n_cpu_moe=N` (llama.cpp's `--n-cpu-moe`) keeps the experts of a mixture-of-experts model's
+/// first N layers in host RAM, computed there on the tokens routed to them, and places the rest
+/// of each layer as the strategy says (`layers`, which it implies): the same as `-ot` overrides
+/// of those layers' expert tensors to `cpu`, added after any `overrides` given.
+///
 /// The two ways to ask for a balanced split give the maps of two libraries:
 /// `device_map="auto" | "balanced" | "balanced_low_0" | "sequential"` gives transformers 5's
 /// `from_pretrained(device_map=...)` (each GPU but the last gets its share of the model plus
@@ -155,7 +162,7 @@ impl PlanArgs {
     tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
     cache_offload = false, quantize = None, offload = None, blocks_per_group = 1, prefetch = true,
-    world = None
+    world = None, n_cpu_moe = None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
@@ -185,6 +192,7 @@ fn plan(
     blocks_per_group: u32,
     prefetch: bool,
     world: Option<String>,
+    n_cpu_moe: Option<u32>,
 ) -> PyResult<Plan> {
     let options = PlanArgs {
         strategy,
@@ -197,6 +205,7 @@ fn plan(
         max_memory,
         overhead,
         n_gpu_layers,
+        n_cpu_moe,
         split_mode,
         tensor_split,
         main_gpu,
@@ -219,7 +228,9 @@ fn plan(
 }
 
 /// The largest `target` that fits: `"max_seq_len"` (multiples of 256 up to the model's context
-/// length), `"batch_size"`, or `"n_gpu_layers"` (strategy `layers`). Same options as `plan()`;
+/// length), `"batch_size"`, or `"n_gpu_layers"` (strategy `layers`); or `"n_cpu_moe"`, the
+/// fewest layers of a mixture-of-experts model whose experts must stay in host RAM for the rest
+/// to fit the accelerators. Same options as `plan()`;
 /// `cache` (or just `cache_dtype`) gives the cache dtype and batch (fp16, batch 1 without one);
 /// `cache_offload=True` offloads that cache to host RAM; `devices` left at None is this
 /// machine's, as for `plan()`. Raises `OutOfMemoryError` when even the smallest value does not
@@ -230,7 +241,8 @@ fn plan(
     cache = None, cache_dtype = None, runtime = None, reserve = None, max_memory = None, n_gpu_layers = None,
     split_mode = None, tensor_split = None, main_gpu = None, device_map = None, allow_disk = false,
     weight_dtype = None, overhead = None, overrides = None, gpu_split = None, use_mmap = true,
-    cache_offload = false, quantize = None, offload = None, blocks_per_group = 1, prefetch = true
+    cache_offload = false, quantize = None, offload = None, blocks_per_group = 1, prefetch = true,
+    n_cpu_moe = None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn fit(
@@ -261,6 +273,7 @@ fn fit(
     offload: Option<String>,
     blocks_per_group: u32,
     prefetch: bool,
+    n_cpu_moe: Option<u32>,
 ) -> PyResult<u64> {
     let target = wp::FitTarget::parse(target).map_err(py_err)?;
     let options = PlanArgs {
@@ -274,6 +287,7 @@ fn fit(
         max_memory,
         overhead,
         n_gpu_layers,
+        n_cpu_moe,
         split_mode,
         tensor_split,
         main_gpu,
