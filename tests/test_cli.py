@@ -31,9 +31,10 @@ def test_devices_lists_driver_nvrtc_gpus_and_host():
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].startswith("driver   ") and lines[1].startswith("nvrtc    "), p.stdout
+    assert lines[2].startswith("cublas   "), p.stdout
     assert any(line.startswith("cpu ") for line in lines), p.stdout
     doc = json.loads(run("devices", "--json").stdout)
-    assert set(doc) == {"driver", "nvrtc", "devices", "plan"}
+    assert set(doc) == {"driver", "nvrtc", "cublas", "devices", "plan"}
     assert [d["name"] for d in doc["plan"]][-1] == "disk"
     if not Path("/proc/driver/nvidia").exists():
         assert lines[0].startswith("driver   none: libcuda.so.1 not found: install the NVIDIA")

@@ -100,6 +100,9 @@ def test_cuda_fails_cleanly(demo_gguf: Path) -> None:
         info = wl.cuda_info()
         assert info["driver"]["error"].startswith("libcuda.so.1 not found"), info
         assert info["devices"] == []
+        # cuBLAS is looked for without a driver: found (torch's pip wheel, a toolkit), or
+        # missing with where it was looked for
+        assert ("path" in info["cublas"]) != ("error" in info["cublas"]), info
     for make in (
         lambda: wl.Model(demo_gguf, devices="cuda:0"),
         lambda: wl.load_gguf(demo_gguf, devices="cuda:0,cuda:1"),

@@ -314,15 +314,17 @@ def _cmd_devices(args: argparse.Namespace) -> int:
         json.dump(info, sys.stdout)
         sys.stdout.write("\n")
         return 0
-    driver, nvrtc = info["driver"], info["nvrtc"]
+    driver = info["driver"]
     if "error" in driver:
         sys.stdout.write(f"driver   none: {driver['error']}\n")
     else:
         sys.stdout.write(f"driver   {driver['path']} (CUDA {driver['cuda_version']})\n")
-    if "error" in nvrtc:
-        sys.stdout.write(f"nvrtc    none: {nvrtc['error']}\n")
-    else:
-        sys.stdout.write(f"nvrtc    {nvrtc['path']} ({nvrtc['version']})\n")
+    for lib in ("nvrtc", "cublas"):
+        found = info[lib]
+        if "error" in found:
+            sys.stdout.write(f"{lib:<8} none: {found['error']}\n")
+        else:
+            sys.stdout.write(f"{lib:<8} {found['path']} ({found['version']})\n")
     gpus = {g["name"]: g for g in info["devices"]}
     if not gpus:
         sys.stdout.write("no cuda devices\n")

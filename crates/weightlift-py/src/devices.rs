@@ -68,7 +68,8 @@ pub fn use_devices(spec: &str) -> PyResult<Vec<(String, Option<u64>)>> {
 }
 
 /// What this machine offers for CUDA, as `weightlift devices` prints it: `driver` (`path`
-/// and `cuda_version`, or `error`), `nvrtc` (`path` and `version`, or `error`) and `devices`,
+/// and `cuda_version`, or `error`), `nvrtc` and `cublas` (`path` and `version`, or `error`;
+/// without cuBLAS, prompts run on weightlift's own kernels) and `devices`,
 /// one dict per GPU (`name`, `model`, `capability` such as `"sm_90"`, `free` and `total`
 /// bytes, and `context`: the bytes one CUDA context takes there, or None when it could not be
 /// measured). Nothing here needs a GPU: what is missing is reported, not raised.
@@ -89,6 +90,7 @@ pub fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let out = PyDict::new(py);
     out.set_item("driver", part(&r.driver, "cuda_version")?)?;
     out.set_item("nvrtc", part(&r.nvrtc, "version")?)?;
+    out.set_item("cublas", part(&r.cublas, "version")?)?;
     let devices = r
         .devices
         .iter()
