@@ -11,6 +11,74 @@
 
 mod common;
 
+/// The architectures every kernel module is compiled for. A compile for a real architecture
+/// runs the front end that a virtual one (compute_80, compute_90) runs and gives the same PTX
+/// (the same entries and parameters), then ptxas on it: compiling for compute_XX as well would
+/// check nothing more.
+#[cfg(feature = "nvrtc-check")]
+const ARCHES: [&str; 3] = ["sm_75", "sm_80", "sm_90"];
+
+/// One strict compile: `(module, arch)` and the result or the error's text.
+#[cfg(feature = "nvrtc-check")]
+type Compile = (
+    (&'static str, &'static str),
+    Result<weightlift_kernels::nvrtc::Compiled, String>,
+);
+
+/// Every module of [`weightlift_kernels::sources::SOURCES`] compiled strictly (warnings are
+/// errors) for each of [`ARCHES`], once for all the tests of this file: `(module, arch)` and the
+/// result or the error's text. The compiles are independent and single-threaded, so they are
+/// spread over the cores.
+#[cfg(feature = "nvrtc-check")]
+fn compiled() -> &'static [Compile] {
+    use std::sync::OnceLock;
+    use weightlift_kernels::{nvrtc, sources};
+    static ALL: OnceLock<Vec<Compile>> = OnceLock::new();
+    ALL.get_or_init(|| {
+        common::require_nvrtc();
+        let jobs: Vec<(&str, &str, &str)> = sources::SOURCES
+            .iter()
+            .flat_map(|&(name, src)| ARCHES.map(|arch| (name, src, arch)))
+            .collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let jobs = &jobs;
+        let mut out: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    s.spawn(move || {
+                        jobs.iter()
+                            .enumerate()
+                            .skip(t)
+                            .step_by(threads)
+                            .map(|(i, &(name, src, arch))| {
+                                let r = nvrtc::compile_strict(name, src, arch)
+                                    .map_err(|e| e.to_string());
+                                (i, ((name, arch), r))
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("a compile thread panicked"))
+                .collect()
+        });
+        out.sort_by_key(|(i, _)| *i);
+        out.into_iter().map(|(_, x)| x).collect()
+    })
+}
+
+/// The compile of `module` for `arch` (one of [`ARCHES`]), failing the test with its error.
+#[cfg(feature = "nvrtc-check")]
+fn compiled_for(module: &str, arch: &str) -> &'static weightlift_kernels::nvrtc::Compiled {
+    let (_, r) = compiled()
+        .iter()
+        .find(|((m, a), _)| *m == module && *a == arch)
+        .unwrap_or_else(|| panic!("{module} was not compiled for {arch}"));
+    r.as_ref().unwrap_or_else(|e| panic!("{e}"))
+}
+
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn every_kernel_compiles_without_warnings_for_sm75_sm80_and_sm90() {
@@ -22,45 +90,20 @@ fn every_kernel_compiles_without_warnings_for_sm75_sm80_and_sm90() {
         sources::SOURCES.len() >= 6,
         "expected the attention, convert, dequant, kv, matvec and ops modules"
     );
-    let jobs: Vec<(&str, &str, &str)> = sources::SOURCES
-        .iter()
-        .flat_map(|&(name, src)| {
-            ["compute_80", "compute_90", "sm_75", "sm_80", "sm_90"].map(|arch| (name, src, arch))
-        })
-        .collect();
-    // Each compile is independent and single-threaded: spread them over the cores.
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let jobs = &jobs;
-    let failures: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                s.spawn(move || {
-                    let mut failures = Vec::new();
-                    for &(name, src, arch) in jobs.iter().skip(t).step_by(threads) {
-                        match nvrtc::compile_strict(name, src, arch) {
-                            Ok(c) => {
-                                if !c.ptx.contains(".entry") {
-                                    failures
-                                        .push(format!("{name} {arch}: no kernel entry in the PTX"));
-                                }
-                                let elf =
-                                    c.cubin.as_ref().is_some_and(|b| b.starts_with(b"\x7fELF"));
-                                if arch.starts_with("sm_") && !elf {
-                                    failures.push(format!("{name} {arch}: no CUBIN"));
-                                }
-                            }
-                            Err(e) => failures.push(e.to_string()),
-                        }
-                    }
-                    failures
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("a compile thread panicked"))
-            .collect()
-    });
+    let mut failures = Vec::new();
+    for ((name, arch), r) in compiled() {
+        match r {
+            Ok(c) => {
+                if !c.ptx.contains(".entry") {
+                    failures.push(format!("{name} {arch}: no kernel entry in the PTX"));
+                }
+                if !c.cubin.as_ref().is_some_and(|b| b.starts_with(b"\x7fELF")) {
+                    failures.push(format!("{name} {arch}: no CUBIN"));
+                }
+            }
+            Err(e) => failures.push(e.clone()),
+        }
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -250,13 +293,13 @@ fn ptx_entries(ptx: &str) -> Vec<(String, Vec<String>)> {
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn every_kernel_takes_exactly_the_arguments_the_backend_launches_it_with() {
-    use weightlift_kernels::{nvrtc, sources};
+    use weightlift_kernels::sources;
     common::require_nvrtc();
     let mut seen_families = std::collections::HashSet::new();
     let mut entries = std::collections::HashSet::new();
     let mut n_kernels = 0;
-    for (module, src) in sources::SOURCES {
-        let c = nvrtc::compile_strict(module, src, "compute_80").unwrap();
+    for (module, _) in sources::SOURCES {
+        let c = compiled_for(module, "sm_80");
         for (name, params) in ptx_entries(&c.ptx) {
             entries.insert(name.clone());
             let Some(want) = sources::signature(&name) else {
@@ -360,12 +403,8 @@ fn nvrtc_compile_check_needs_the_feature() {
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn q8_matmul_kernels_use_dp4a_on_the_device() {
-    use weightlift_kernels::{nvrtc, sources};
     common::require_nvrtc();
-    let src = sources::source("matvec").expect("the matvec module");
-    let ptx = nvrtc::compile_strict("matvec", src, "compute_80")
-        .unwrap()
-        .ptx;
+    let ptx = &compiled_for("matvec", "sm_80").ptx;
     let (mut prompt, mut decode) = (0, 0);
     for body in ptx.split(".entry ").skip(1) {
         let name = body.split('(').next().unwrap_or("");
@@ -399,15 +438,12 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn float_matvec_kernels_load_128_bits_at_a_time() {
-    use weightlift_kernels::{nvrtc, sources};
+    use weightlift_kernels::nvrtc;
     assert!(
         nvrtc::nvrtc_available(),
         "libnvrtc could not be loaded: put the pip nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH (make test does)"
     );
-    let src = sources::source("matvec").expect("the matvec module");
-    let ptx = nvrtc::compile_strict("matvec", src, "compute_90")
-        .unwrap()
-        .ptx;
+    let ptx = &compiled_for("matvec", "sm_90").ptx;
     let mut entries = 0;
     for body in ptx.split(".entry ").skip(1) {
         let name = body.split('(').next().unwrap_or("").trim();
@@ -446,12 +482,12 @@ fn float_matvec_kernels_load_128_bits_at_a_time() {
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn the_module_allowance_covers_every_cubin() {
-    use weightlift_kernels::{nvrtc, sources};
+    use weightlift_kernels::sources;
     common::require_nvrtc();
     let granule = 2u64 << 20;
     let mut needed = 0u64;
-    for (name, src) in sources::SOURCES {
-        let cubin = nvrtc::compile(name, src, "sm_90").unwrap().cubin.unwrap();
+    for (name, _) in sources::SOURCES {
+        let cubin = compiled_for(name, "sm_90").cubin.as_ref().unwrap();
         eprintln!("{name}: {} bytes of sm_90 cubin", cubin.len());
         needed += (cubin.len() as u64).div_ceil(granule) * granule;
     }
