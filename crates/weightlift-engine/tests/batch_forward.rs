@@ -8,13 +8,14 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use common::batch::{alone, assert_same_bits, batched, new_cache};
 use common::family::Family;
-use common::{argmax, load_on, max_abs_diff, smollm2, smollm2_prompt, split_load};
-use weightlift_engine::forward::{Compute, Logits};
+use common::{load_on, smollm2, smollm2_prompt, split_load};
+use weightlift_engine::forward::Compute;
 use weightlift_engine::generate::batch::{Answer, Batch, Event};
 use weightlift_engine::generate::{FinishReason, GenerateOptions, Generation, Timings, step_batch};
 use weightlift_engine::sample::SamplingParams;
-use weightlift_engine::{Cache, CacheDType, EngineError, Model};
+use weightlift_engine::{Cache, CacheDType, EngineError};
 
 /// Greedy decode steps each sequence runs after its prompt.
 const STEPS: usize = 6;
@@ -33,91 +34,13 @@ fn requests() -> Vec<(Vec<u32>, usize)> {
     ]
 }
 
-/// A cache of 64 positions of the model's own cache type (f32 here), allocated beside its layers.
-fn new_cache(m: &Model) -> Arc<Cache> {
-    m.sequence_cache(64).unwrap()
-}
-
-/// Each request alone on a fresh cache: the logits after its prompt and after each greedy step.
-fn alone(m: &mut Model, reqs: &[(Vec<u32>, usize)]) -> Vec<Vec<Vec<f32>>> {
-    reqs.iter()
-        .map(|(prompt, _)| {
-            let cache = new_cache(m);
-            let mut rows = Vec::new();
-            let mut out = Vec::new();
-            m.forward(prompt, Some(&cache), Logits::Last, &mut out)
-                .unwrap();
-            rows.push(out.clone());
-            for _ in 0..STEPS {
-                let next = argmax(&out) as u32;
-                m.forward(&[next], Some(&cache), Logits::Last, &mut out)
-                    .unwrap();
-                rows.push(out.clone());
-            }
-            rows
-        })
-        .collect()
-}
-
-/// The requests as a continuous batch: at each step every active sequence appends its prompt
-/// (the step it joins) or its last greedy token, all in one `forward_batch` call. The same rows
-/// as [`alone`].
-fn batched(m: &mut Model, reqs: &[(Vec<u32>, usize)]) -> Vec<Vec<Vec<f32>>> {
-    let caches: Vec<Arc<Cache>> = reqs.iter().map(|_| new_cache(m)).collect();
-    let mut rows: Vec<Vec<Vec<f32>>> = vec![Vec::new(); reqs.len()];
-    let mut step = 0;
-    while rows.iter().any(|r| r.len() <= STEPS) {
-        let active: Vec<usize> = (0..reqs.len())
-            .filter(|&i| reqs[i].1 <= step && rows[i].len() <= STEPS)
-            .collect();
-        let ids: Vec<Vec<u32>> = active
-            .iter()
-            .map(|&i| match rows[i].last() {
-                None => reqs[i].0.clone(),
-                Some(last) => vec![argmax(last) as u32],
-            })
-            .collect();
-        let seqs: Vec<(&Arc<Cache>, &[u32])> = active
-            .iter()
-            .zip(&ids)
-            .map(|(&i, ids)| (&caches[i], ids.as_slice()))
-            .collect();
-        let mut out = Vec::new();
-        m.forward_batch(&seqs, &mut out).unwrap();
-        let vocab = out.len() / active.len();
-        for (&i, row) in active.iter().zip(out.chunks_exact(vocab)) {
-            rows[i].push(row.to_vec());
-        }
-        step += 1;
-    }
-    for ((prompt, _), cache) in reqs.iter().zip(&caches) {
-        assert_eq!(cache.seq_len() as usize, prompt.len() + STEPS);
-    }
-    rows
-}
-
-fn assert_same_bits(what: &str, got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>]) {
-    for (s, (g, w)) in got.iter().zip(want).enumerate() {
-        assert_eq!(g.len(), w.len(), "{what}: sequence {s}");
-        for (t, (a, b)) in g.iter().zip(w).enumerate() {
-            let same =
-                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(
-                same,
-                "{what}: sequence {s} step {t}: max|Δ| {}",
-                max_abs_diff(a, b)
-            );
-        }
-    }
-}
-
 #[test]
 fn exact_batched_logits_are_the_bits_of_each_sequence_alone() {
     let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
     m.set_compute(Compute::Exact);
     let reqs = requests();
-    let want = alone(&mut m, &reqs);
-    assert_same_bits("cpu", &batched(&mut m, &reqs), &want);
+    let want = alone(&mut m, &reqs, STEPS);
+    assert_same_bits("cpu", &batched(&mut m, &reqs, STEPS), &want);
 }
 
 #[test]
@@ -125,7 +48,7 @@ fn exact_batches_give_the_same_bits_across_virtual_devices_disk_and_offloaded_ca
     let reqs = requests();
     let (mut one, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
     one.set_compute(Compute::Exact);
-    let want = alone(&mut one, &reqs);
+    let want = alone(&mut one, &reqs, STEPS);
     for (inv, devs, disk_below, offload) in [
         (
             "virtual:2x1GiB,cpu",
@@ -155,7 +78,7 @@ fn exact_batches_give_the_same_bits_across_virtual_devices_disk_and_offloaded_ca
     ] {
         let (mut m, _) = split_load(&smollm2(), inv, devs, CacheDType::F32, disk_below, offload);
         m.set_compute(Compute::Exact);
-        assert_same_bits(inv, &batched(&mut m, &reqs), &want);
+        assert_same_bits(inv, &batched(&mut m, &reqs, STEPS), &want);
     }
 }
 
@@ -169,10 +92,10 @@ fn the_backend_op_sequence_batches_with_the_bits_of_each_sequence_alone() {
         let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::F32);
         m.set_compute(compute);
         m.set_host_backend(true);
-        let want = alone(&mut m, &reqs);
+        let want = alone(&mut m, &reqs, STEPS);
         assert_same_bits(
             &format!("host backend, {compute:?}"),
-            &batched(&mut m, &reqs),
+            &batched(&mut m, &reqs, STEPS),
             &want,
         );
         // the same through two devices and with offloaded caches (each sequence's layer rows
@@ -185,7 +108,7 @@ fn the_backend_op_sequence_batches_with_the_bits_of_each_sequence_alone() {
             m.set_host_backend(true);
             assert_same_bits(
                 &format!("host backend over {inv}, {compute:?}, offloaded caches {offload}"),
-                &batched(&mut m, &reqs),
+                &batched(&mut m, &reqs, STEPS),
                 &want,
             );
         }
@@ -218,9 +141,9 @@ fn every_family_batches_with_the_bits_of_each_sequence_alone() {
                 let (mut m, _) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
                 m.set_compute(compute);
                 m.set_host_backend(backend);
-                let want = alone(&mut m, &reqs);
+                let want = alone(&mut m, &reqs, STEPS);
                 let what = format!("{family}, {compute:?}, backend {backend}");
-                assert_same_bits(&what, &batched(&mut m, &reqs), &want);
+                assert_same_bits(&what, &batched(&mut m, &reqs, STEPS), &want);
             }
         }
     }
@@ -234,8 +157,8 @@ fn fast_batched_logits_are_the_bits_of_each_sequence_alone() {
     m.set_compute(Compute::Fast);
     let reqs = requests();
     assert!(reqs.iter().any(|(p, _)| p.len() > 16) && reqs.iter().any(|(p, _)| p.len() <= 16));
-    let want = alone(&mut m, &reqs);
-    assert_same_bits("fast", &batched(&mut m, &reqs), &want);
+    let want = alone(&mut m, &reqs, STEPS);
+    assert_same_bits("fast", &batched(&mut m, &reqs, STEPS), &want);
 }
 
 #[test]

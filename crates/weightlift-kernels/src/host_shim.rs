@@ -706,6 +706,53 @@ fn attention_format_code(format: KvFormat) -> Result<i32> {
     }
 }
 
+/// The checks both attention replays make before calling the shim: heads of at most `max_hd`
+/// values (a multiple of 32 for a quantised cache), formats the header knows, and buffers
+/// holding what the shape reads and writes (`names`: the query, key, value and output buffers
+/// as the errors call them). The header's codes of the two formats.
+fn check_attention(
+    op: &'static str,
+    names: [&'static str; 4],
+    (k_format, v_format): (KvFormat, KvFormat),
+    shape: &AttnShape,
+    max_hd: usize,
+    (q, k, v, out): (&[f32], &[u8], &[u8], &[f32]),
+) -> Result<(i32, i32)> {
+    let (n_q, n_heads, head_dim) = (shape.n_q, shape.n_heads, shape.head_dim);
+    let turned = k_format.quant().is_some() || v_format.quant().is_some();
+    if head_dim > max_hd || (turned && head_dim % 32 != 0) {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!(
+                "head_dim {head_dim}: the kernel takes at most {max_hd}, a multiple of 32 for a \
+                 quantised cache"
+            ),
+        });
+    }
+    let codes = (
+        attention_format_code(k_format)?,
+        attention_format_code(v_format)?,
+    );
+    let qn = n_q * n_heads * head_dim;
+    let kvn = (shape.start + n_q) * shape.kv_heads * head_dim;
+    let lens = [
+        (qn, q.len()),
+        (k_format.byte_at(kvn), k.len()),
+        (v_format.byte_at(kvn), v.len()),
+        (qn, out.len()),
+    ];
+    for (what, (expected, got)) in names.into_iter().zip(lens) {
+        if got < expected {
+            return Err(KernelError::LengthMismatch {
+                what,
+                expected,
+                got,
+            });
+        }
+    }
+    Ok(codes)
+}
+
 /// What `attention_{format}` computes with its keys split `splits` ways, then
 /// `attention_reduce_f32` (when `splits > 1`), replayed block by block, warp by warp and lane by
 /// lane with the kernels' own header functions: `out` (`n_q × n_heads × head_dim`) for queries
@@ -736,41 +783,25 @@ pub fn attention(
         f16_operands,
         ..
     } = shape;
-    let turned = k_format.quant().is_some() || v_format.quant().is_some();
-    if head_dim > crate::sources::ATTENTION_MAX_HEAD_DIM || (turned && head_dim % 32 != 0) {
-        return Err(bad(format!(
-            "head_dim {head_dim}: the kernel takes at most {}, a multiple of 32 for a quantised \
-             cache",
-            crate::sources::ATTENTION_MAX_HEAD_DIM
-        )));
-    }
     if splits == 0 || splits > crate::sources::ATTENTION_MAX_SPLITS {
         return Err(bad(format!(
             "{splits} splits: the kernel takes 1 to {}",
             crate::sources::ATTENTION_MAX_SPLITS
         )));
     }
-    let (kc, vc) = (
-        attention_format_code(k_format)?,
-        attention_format_code(v_format)?,
-    );
-    let qn = n_q * n_heads * head_dim;
-    let kvn = (start + n_q) * kv_heads * head_dim;
-    let lens = [
-        ("host attention query values", qn, q.len()),
-        ("host attention key bytes", k_format.byte_at(kvn), k.len()),
-        ("host attention value bytes", v_format.byte_at(kvn), v.len()),
-        ("host attention output values", qn, out.len()),
-    ];
-    for (what, expected, got) in lens {
-        if got < expected {
-            return Err(KernelError::LengthMismatch {
-                what,
-                expected,
-                got,
-            });
-        }
-    }
+    let (kc, vc) = check_attention(
+        "host attention",
+        [
+            "host attention query values",
+            "host attention key bytes",
+            "host attention value bytes",
+            "host attention output values",
+        ],
+        (k_format, v_format),
+        &shape,
+        crate::sources::ATTENTION_MAX_HEAD_DIM,
+        (q, k, v, out),
+    )?;
     let part_len = crate::sources::attention_scratch_values(n_q, n_heads, head_dim, splits)
         .ok_or_else(|| bad("the partial results overflow".into()))?;
     let mut part = vec![0f32; if splits > 1 { part_len } else { 0 }];
@@ -842,43 +873,19 @@ pub fn attention_prefill(
         f16_operands,
         ..
     } = shape;
-    let turned = k_format.quant().is_some() || v_format.quant().is_some();
-    let most = crate::sources::ATTENTION_PREFILL_MAX_HEAD_DIM;
-    if head_dim > most || (turned && head_dim % 32 != 0) {
-        return Err(bad(format!(
-            "head_dim {head_dim}: the kernel takes at most {most}, a multiple of 32 for a \
-             quantised cache"
-        )));
-    }
-    let (kc, vc) = (
-        attention_format_code(k_format)?,
-        attention_format_code(v_format)?,
-    );
-    let qn = n_q * n_heads * head_dim;
-    let kvn = (start + n_q) * kv_heads * head_dim;
-    let lens = [
-        ("host prompt attention query values", qn, q.len()),
-        (
+    let (kc, vc) = check_attention(
+        "host prompt attention",
+        [
+            "host prompt attention query values",
             "host prompt attention key bytes",
-            k_format.byte_at(kvn),
-            k.len(),
-        ),
-        (
             "host prompt attention value bytes",
-            v_format.byte_at(kvn),
-            v.len(),
-        ),
-        ("host prompt attention output values", qn, out.len()),
-    ];
-    for (what, expected, got) in lens {
-        if got < expected {
-            return Err(KernelError::LengthMismatch {
-                what,
-                expected,
-                got,
-            });
-        }
-    }
+            "host prompt attention output values",
+        ],
+        (k_format, v_format),
+        &shape,
+        crate::sources::ATTENTION_PREFILL_MAX_HEAD_DIM,
+        (q, k, v, out),
+    )?;
     // SAFETY: q, k, v and out hold what the shape reads and writes (checked above), and the
     // shim refuses heads outside its arrays.
     let ok = unsafe {

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod batch;
 pub mod family;
 
 use std::path::{Path, PathBuf};
