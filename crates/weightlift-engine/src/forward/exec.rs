@@ -340,11 +340,7 @@ impl<'a> Ctx<'a> {
 
     /// The row ranges `(first, count)` a batch's product of `mode` runs in: consecutive
     /// sequences together while their tokens fit [`Exec::shared_tokens`], a longer one alone.
-    /// One range of all `n` rows when there is no batch.
     fn runs<B: Exec>(&self, mode: Option<MatvecMode>, n: usize) -> Result<Vec<(usize, usize)>> {
-        if self.pieces.len() < 2 {
-            return Ok(vec![(0, n)]);
-        }
         if self.pieces.iter().sum::<usize>() != n {
             return Err(invalid(
                 "a batch's product",
@@ -363,6 +359,22 @@ impl<'a> Ctx<'a> {
             at += k;
         }
         Ok(runs)
+    }
+
+    /// The runs a product of `l` over `n` rows splits into, or None when one product takes
+    /// them all (no batch, or a batch whose rows the backend shares). The weight is looked at
+    /// only for a batch, so a single sequence's products cost nothing more.
+    fn split_runs<B: Exec>(
+        &self,
+        b: &B,
+        l: &Linear,
+        n: usize,
+    ) -> Result<Option<Vec<(usize, usize)>>> {
+        if self.pieces.len() < 2 {
+            return Ok(None);
+        }
+        let runs = self.runs::<B>(self.mode_of(b, l)?, n)?;
+        Ok((runs.len() > 1).then_some(runs))
     }
 
     /// This context for one run of rows: its products take them all.
@@ -395,12 +407,9 @@ impl<'a> Ctx<'a> {
         let Some(&(first, _)) = outs.first() else {
             return Ok(());
         };
-        let runs = self.runs::<B>(self.mode_of(b, first)?, n)?;
-        if let [(0, all)] = runs[..]
-            && all == n
-        {
+        let Some(runs) = self.split_runs(b, first, n)? else {
             return self.linears_all(b, x, n, outs);
-        }
+        };
         let cols = first.cols;
         for (start, k) in runs {
             let what = || first.name.clone();
@@ -503,7 +512,7 @@ impl<'a> Ctx<'a> {
             return Ok(false);
         }
         // a batch whose products split into runs takes the separate products, which run so
-        if self.runs::<B>(self.mode_of(b, gate)?, n)?.len() > 1 {
+        if self.split_runs(b, gate, n)?.is_some() {
             return Ok(false);
         }
         let ((gw, gp), (uw, up_p)) = (self.weight(b, gate)?, self.weight(b, up)?);
@@ -561,12 +570,9 @@ impl<'a> Ctx<'a> {
         n: usize,
         y: &mut B::Buffer,
     ) -> Result<()> {
-        let runs = self.runs::<B>(self.mode_of(b, l)?, n)?;
-        if let [(0, all)] = runs[..]
-            && all == n
-        {
+        let Some(runs) = self.split_runs(b, l, n)? else {
             return self.linear_all(b, l, x, n, y);
-        }
+        };
         for (start, k) in runs {
             let xv =
                 view(b, x, start * l.cols * 4, k * l.cols * 4).map_err(self.err(l.name.clone()))?;
