@@ -113,7 +113,7 @@ lint: venv ## cargo fmt --check, clippy -D warnings, ruff, mypy stubtest
 	$(VENV)/bin/python -m mypy.stubtest weightlift._native; rc=$$?; $(RESTORE_RELEASE); exit $$rc
 
 fuzz: ## run the GGUF parser fuzz target over 100,000 inputs (not part of CI)
-	WEIGHTLIFT_FUZZ_CASES=100000 cargo test --release -p weightlift-format --test fuzz_gguf -- --ignored --nocapture
+	WEIGHTLIFT_FUZZ_CASES=100000 cargo test --release -p weightlift-format --test suite -- fuzz_gguf:: --ignored --nocapture
 
 bench: venv demo-model reference ## run the benches (release build) and write benches/results/
 	$(CUDA_ENV) cargo bench -p weightlift-benches --features cuda

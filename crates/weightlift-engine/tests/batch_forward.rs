@@ -3,7 +3,7 @@
 //! logits in a batch are the bits it gets alone, in exact and in fast mode, on every placement,
 //! on the host path and through the backend op sequence a GPU runs.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

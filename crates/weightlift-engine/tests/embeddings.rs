@@ -9,7 +9,7 @@
 //! - `embed` pools the rows as llama.cpp does, leaves the model's own cache as it was, frees
 //!   its scratch cache, runs long inputs in prompt chunks, and refuses bad input by name.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

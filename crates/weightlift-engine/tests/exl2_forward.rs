@@ -7,7 +7,7 @@
 //! device holds at its peak; and the paths EXL2 does not run (the backend op sequence, tensor
 //! parallelism) refused by name.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! The forward pass against logits that transformers and llama.cpp computed
 //! (the reference data, with the tolerances it states).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -8,7 +8,7 @@
 //! soft-caps, a tied head. The checks every family fixture is held to are in `common/family.rs`;
 //! here, what is particular to gemma: the mistakes the checks would catch.
 
-mod common;
+use crate::common;
 
 use common::family::Family;
 

@@ -9,7 +9,7 @@
 //! sequence apply as they are; the others are restated here for the host path, and the backend
 //! is held to refusing MoE by name.
 
-mod common;
+use crate::common;
 
 use common::family::Family;
 use common::{forward_all, greedy, json_ids, load_on, max_abs_diff, open, split_load};

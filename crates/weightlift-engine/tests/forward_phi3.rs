@@ -10,7 +10,7 @@
 //! family checks run its long factors and attention factor; here, its short ones), a RoPE
 //! scaling we do not apply and tensor parallelism refused by name.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

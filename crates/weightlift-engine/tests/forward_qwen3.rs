@@ -7,7 +7,7 @@
 //! `common/family.rs`; here, what is particular to qwen3: the spec, the per-head norms, and
 //! tensor parallelism norming each device's heads.
 
-mod common;
+use crate::common;
 
 use common::family::Family;
 use common::{forward_all, max_abs_diff, open, read_npy};

@@ -1,7 +1,7 @@
 //! Generation on the SmolLM2 demo model, checked against llama.cpp's greedy continuation in the
 //! reference data (`smollm2-135m/greedy.json`): its ids and its text.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -5,7 +5,7 @@
 //! (`tests/gen_gptq_logits.py` wrote `tests/data/gptq/*.npy`). EXL2 runs the same way
 //! (`tests/exl2_forward.rs`).
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

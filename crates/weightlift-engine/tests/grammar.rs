@@ -6,7 +6,7 @@
 //! End-of-generation tokens are compared apart (allowed or not); the set is llama.cpp's (the
 //! demo vocabulary's fill-in-the-middle token `<reponame>` included).
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

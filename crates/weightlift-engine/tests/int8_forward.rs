@@ -4,7 +4,7 @@
 //! transformers' float32 logits, a `quantize=int8` plan end to end, and the two paths against
 //! each other bit for bit.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

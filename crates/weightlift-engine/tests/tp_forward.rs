@@ -12,7 +12,7 @@
 //! that difference, and a last-bit difference can cross an f16 rounding boundary (2⁻¹¹
 //! relative), so there the bound is `1e-3 · scale` and greedy ids must still be identical.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

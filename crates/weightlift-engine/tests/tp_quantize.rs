@@ -4,7 +4,7 @@
 //! quantisation of the same weights (`tiny-llama-Q8_0.gguf` in the reference data):
 //! whole rows for q/k/v/gate/up, each row's block range for o_proj/down.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

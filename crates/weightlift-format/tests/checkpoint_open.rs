@@ -1,7 +1,7 @@
 //! `Checkpoint::open` end to end: format detection, roles and their warnings, spec failures
 //! that still open, `check_tensors`, `dequantize` and `raw_bytes`.
 
-mod st_util;
+use crate::st_util;
 
 use st_util::{Scratch, open_err, st_f32, st_raw};
 use weightlift_format::{Checkpoint, DType, FormatError, OpenOptions, Role};

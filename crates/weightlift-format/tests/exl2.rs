@@ -4,8 +4,8 @@
 //! holds the weights exllamav2's arithmetic gives (see `gen_exl2.py`, run with
 //! `.cache/qwen2-venv/bin/python crates/weightlift-format/tests/gen_exl2.py`).
 
-mod quant_util;
-mod st_util;
+use crate::quant_util;
+use crate::st_util;
 
 use quant_util::{
     Raw, assert_has, check_blocks, check_sizes, check_weights, expected, fixture, i32_le,

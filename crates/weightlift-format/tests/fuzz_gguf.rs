@@ -7,7 +7,7 @@
 //! runs `$WEIGHTLIFT_FUZZ_CASES` cases (default 2000); `make fuzz` runs it with 100,000 in
 //! release mode.
 
-mod gguf_util;
+use crate::gguf_util;
 
 use std::collections::HashSet;
 use std::path::Path;

@@ -1,7 +1,7 @@
 //! GGUF parsing: a valid hand-built file, and one hand-built file per structural error, each
 //! asserting that the message names the field and says what was expected.
 
-mod gguf_util;
+use crate::gguf_util;
 
 use std::path::Path;
 

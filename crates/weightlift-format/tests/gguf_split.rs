@@ -2,7 +2,7 @@
 //! `split.no` is 0-based, `split.count` the number of parts, `split.tensors.count` the total
 //! number of tensors, and the metadata lives in the first part).
 
-mod gguf_util;
+use crate::gguf_util;
 
 use std::path::{Path, PathBuf};
 

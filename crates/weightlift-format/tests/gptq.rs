@@ -4,8 +4,8 @@
 //! from the saved file (see `gen_gptq.py`, run with
 //! `.cache/qwen2-venv/bin/python crates/weightlift-format/tests/gen_gptq.py`).
 
-mod quant_util;
-mod st_util;
+use crate::quant_util;
+use crate::st_util;
 
 use quant_util::{
     Raw, assert_has, check_blocks, check_sizes, check_weights, expected, fixture, i32_le,

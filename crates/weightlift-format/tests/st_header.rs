@@ -2,7 +2,7 @@
 //! are truncated, overlong, overlapping, duplicated or not JSON. Valid files come from the
 //! official `safetensors` crate's writer; broken ones are cut or written by hand.
 
-mod st_util;
+use crate::st_util;
 
 use std::path::PathBuf;
 

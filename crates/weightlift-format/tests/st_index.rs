@@ -2,7 +2,7 @@
 //! written by the official `safetensors` crate; the index is tampered with by hand. Every case
 //! must fail with a message that names the offending path or tensor.
 
-mod st_util;
+use crate::st_util;
 
 use std::path::Path;
 

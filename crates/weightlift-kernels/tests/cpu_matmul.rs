@@ -18,7 +18,7 @@
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
 
-mod common;
+use crate::common;
 
 use common::{Rng, group_offset, load, q8_bound, reference};
 use weightlift_kernels::cpu::matvec::{

@@ -16,7 +16,7 @@
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
 
-mod common;
+use crate::common;
 
 use common::Rng;
 use half::f16;

@@ -6,7 +6,7 @@
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
 
-mod common;
+use crate::common;
 
 #[cfg(not(wl_host_shim))]
 #[test]

@@ -5,7 +5,7 @@
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
 
-mod common;
+use crate::common;
 
 use common::{NAMES, load};
 use weightlift_kernels::cpu::{dequantize_f16_with, dequantize_f32_with};

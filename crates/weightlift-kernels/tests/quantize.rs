@@ -3,7 +3,7 @@
 //! seeded and adversarial rows and stored its bytes; every instruction set level, the parallel
 //! and the one-row entry points, and the f16 / bf16 byte sources must write the same bytes.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

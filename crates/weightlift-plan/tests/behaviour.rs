@@ -1,6 +1,6 @@
 //! Device maps, out-of-memory reports, fit, JSON, explain and SVG.
 
-mod common;
+use crate::common;
 
 use common::*;
 use weightlift_format::DType;

@@ -3,7 +3,7 @@
 //! llama.cpp's `n_gpu_layers` rule and its quantiser's type mix (reference GGUFs written by
 //! llama.cpp, read with gguf-py).
 
-mod common;
+use crate::common;
 
 use common::*;
 use weightlift_format::DType;

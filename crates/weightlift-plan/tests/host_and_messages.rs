@@ -2,7 +2,7 @@
 //! does fail: the low_mem and max_input_len fixes state what they save on the plan they give,
 //! and a device with no part of the model says so rather than "-".
 
-mod common;
+use crate::common;
 
 use common::*;
 use weightlift_plan::{

@@ -3,7 +3,7 @@
 //! layers. Every expected number is worked out by hand from the model's config and the cache's
 //! bytes per element, not by asking the planner twice.
 
-mod common;
+use crate::common;
 
 use common::{devices, request, smollm2, tiny_llama, toy};
 use weightlift_plan::{

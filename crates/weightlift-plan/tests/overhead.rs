@@ -2,7 +2,7 @@
 //! context, cuBLAS workspace and graph memory of its compute capability, part by part, in
 //! `explain()`, the JSON, `fit` and out-of-memory messages; `overhead=` replaces them.
 
-mod common;
+use crate::common;
 
 use common::*;
 use weightlift_plan::overhead::{CONTEXT, CUBLAS, GIVEN, GRAPHS};

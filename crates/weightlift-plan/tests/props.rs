@@ -1,6 +1,6 @@
 //! Property tests over random models, inventories and strategies.
 
-mod common;
+use crate::common;
 
 use common::*;
 use proptest::prelude::*;

@@ -6,7 +6,7 @@
 //! caches, so the SWA sizes are checked on an architecture it does not run, with gemma3's
 //! layers and window.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

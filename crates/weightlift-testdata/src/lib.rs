@@ -95,3 +95,39 @@ pub fn vocab_dir() -> PathBuf {
     );
     dir
 }
+
+/// Fails unless every `tests/*.rs` file of the crate at `manifest_dir` runs: as a module of
+/// `tests/suite.rs` (a `mod NAME;` line) or as a `[[test]]` of its own in the crate's
+/// Cargo.toml (`path = "tests/NAME.rs"`). The crates list their test binaries by hand
+/// (`autotests = false`), so a new file that is in neither would silently never run.
+pub fn assert_every_test_file_runs(manifest_dir: &str) {
+    let dir = Path::new(manifest_dir);
+    let read = |p: &Path| {
+        std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    };
+    let manifest = read(&dir.join("Cargo.toml"));
+    let suite = read(&dir.join("tests/suite.rs"));
+    let mut missing = Vec::new();
+    let entries = std::fs::read_dir(dir.join("tests"))
+        .unwrap_or_else(|e| panic!("{}/tests: {e}", dir.display()));
+    for entry in entries {
+        let path = entry.expect("a tests/ entry").path();
+        let (Some(stem), Some("rs")) = (
+            path.file_stem().and_then(|s| s.to_str()),
+            path.extension().and_then(|s| s.to_str()),
+        ) else {
+            continue;
+        };
+        let own_binary = manifest.contains(&format!("path = \"tests/{stem}.rs\""));
+        let module = suite.lines().any(|l| l.trim() == format!("mod {stem};"));
+        if !own_binary && !module {
+            missing.push(format!("tests/{stem}.rs"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "{}: {missing:?} would never run: add `mod NAME;` to tests/suite.rs, or a [[test]] \
+         with `path = \"tests/NAME.rs\"` to Cargo.toml when the file needs a process of its own",
+        dir.display()
+    );
+}

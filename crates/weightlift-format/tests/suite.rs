@@ -1,0 +1,28 @@
+//! Every integration test of this crate that can share a process, as one test binary: the
+//! shared helpers compiled and the binary linked once instead of once per file.
+//! Each file is a module (`cargo test --test suite <file>::` runs one). A file that needs a
+//! process of its own (a GPU suite the GPU bundle runs by name, a process-wide counter or
+//! memory measurement) is a `[[test]]` of its own in Cargo.toml, and
+//! `every_test_file_runs` fails when a file is in neither place.
+
+mod gguf_util;
+mod quant_util;
+mod st_util;
+
+mod checkpoint_open;
+mod dequant_reference;
+mod exl2;
+mod fuzz_gguf;
+mod gguf_parse;
+mod gguf_real;
+mod gguf_split;
+mod gptq;
+mod spec_gguf;
+mod st_header;
+mod st_index;
+mod st_reference;
+
+#[test]
+fn every_test_file_runs() {
+    weightlift_testdata::assert_every_test_file_runs(env!("CARGO_MANIFEST_DIR"));
+}

@@ -1,0 +1,23 @@
+//! Every integration test of this crate that can share a process, as one test binary: the
+//! shared helpers compiled and the binary linked once instead of once per file.
+//! Each file is a module (`cargo test --test suite <file>::` runs one). A file that needs a
+//! process of its own (a GPU suite the GPU bundle runs by name, a process-wide counter or
+//! memory measurement) is a `[[test]]` of its own in Cargo.toml, and
+//! `every_test_file_runs` fails when a file is in neither place.
+
+mod common;
+
+mod behaviour;
+mod device_map_goldens;
+mod golden;
+mod host_and_messages;
+mod offload;
+mod overhead;
+mod props;
+mod real_files;
+mod roles_and_windows;
+
+#[test]
+fn every_test_file_runs() {
+    weightlift_testdata::assert_every_test_file_runs(env!("CARGO_MANIFEST_DIR"));
+}
