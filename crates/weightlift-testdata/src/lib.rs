@@ -102,9 +102,8 @@ pub fn vocab_dir() -> PathBuf {
 /// (`autotests = false`), so a new file that is in neither would silently never run.
 pub fn assert_every_test_file_runs(manifest_dir: &str) {
     let dir = Path::new(manifest_dir);
-    let read = |p: &Path| {
-        std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-    };
+    let read =
+        |p: &Path| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     let manifest = read(&dir.join("Cargo.toml"));
     let suite = read(&dir.join("tests/suite.rs"));
     let mut missing = Vec::new();
