@@ -6,13 +6,17 @@
 //! llama.cpp's converter (`tests/data/tiny-qwen3moe` and `tiny-mixtral`, made by
 //! `tests/gen_qwen3moe.py` and `gen_mixtral.py`; their READMEs give the recipe and the
 //! measurements). The checks of `common/family.rs` that do not go through the backend op
-//! sequence apply as they are; the others are restated here for the host path, and the backend
-//! is held to refusing MoE by name.
+//! sequence apply as they are; the others are restated here for the host path. Through the
+//! backend op sequence (the path cuda devices take, run here on the CPU backend) a MoE layer's
+//! attention and router run on the device and its experts on the host, from host RAM: held to
+//! the host path's bits, and refusing by name experts left in accelerator memory.
 
 mod common;
 
 use common::family::Family;
-use common::{forward_all, greedy, json_ids, load_on, max_abs_diff, open, split_load};
+use common::{
+    forward_all, greedy, json_ids, load_on, max_abs_diff, open, prompt_and_decode, split_load,
+};
 use weightlift_engine::CacheDType;
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_format::{Checkpoint, Format, MoeSpec, OpenOptions, Role};
@@ -99,7 +103,8 @@ fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
 fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
     for f in BOTH {
         // cpu and 2 and 3 virtual devices: the checks every family is held to, on the host
-        // path (the backend op sequence refuses MoE layers)
+        // path (through the backend op sequence experts run from host RAM only, which these
+        // placements do not give; see the backend tests below)
         f.same_bits_across_placements(false);
         let ids = f.ids();
         for path in f.checkpoints() {
@@ -151,22 +156,202 @@ fn tiny_moe_plan_is_what_the_load_holds() {
         .for_each(Family::plan_is_what_the_load_holds);
 }
 
-/// The backend op sequence (the path cuda devices take) has no expert ops yet: it refuses the
-/// MoE block by name instead of computing something else.
+/// `src` planned with llama.cpp's `--n-cpu-moe n` over two virtual devices standing for GPUs
+/// (the layers split evenly, as `tensor_split` 1,1) and the cpu, with a cache of 64 f32
+/// positions, and loaded as planned: the model, its cache and the plan.
+fn n_cpu_moe_model(
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    n: u32,
+) -> (
+    weightlift_engine::Model,
+    std::sync::Arc<weightlift_engine::Cache>,
+    weightlift_plan::Plan,
+) {
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    let mut m = Model::new(
+        std::sync::Arc::clone(src),
+        Inventory::parse("virtual:2x64MiB,cpu").unwrap(),
+    );
+    let mut req = m.plan_request().unwrap();
+    wp::PlanOptions {
+        n_cpu_moe: Some(n),
+        tensor_split: Some(vec![1.0, 1.0]),
+        cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+        ..wp::PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap();
+    let plan = wp::plan(&req).unwrap();
+    let cache = common::load_planned(&mut m, &plan).unwrap();
+    (m, cache, plan)
+}
+
+/// The backend op sequence (the path `cuda:N` takes, here on the CPU backend) runs a MoE
+/// layer's attention, norms and router on the device and its routed experts on the host, from
+/// host RAM: whole on cpu through the backend, and with `n_cpu_moe` covering both layers
+/// (attention and router on two virtual devices standing for GPUs, every expert in host RAM),
+/// the prompt's logits at every position and three decode steps' are the bits of the host path
+/// with the model whole on cpu, in exact and in fast mode, for each checkpoint; greedy decoding
+/// through the backend is transformers' greedy continuation.
 #[test]
-fn tiny_moe_backend_refuses_experts_by_name() {
+fn tiny_moe_backend_with_experts_on_the_host_gives_the_host_path_bits() {
     for f in BOTH {
-        let (mut m, cache) = load_on(&open(f.gguf("F16")), "cpu", "cpu", 64, CacheDType::F32);
-        m.set_host_backend(true);
-        cache.reset();
-        let mut out = Vec::new();
-        let e = m
-            .forward(&f.ids(), Some(&cache), Logits::All, &mut out)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("mixture-of-experts block of layer 0"), "{e}");
-        assert!(e.contains("backend op sequence"), "{e}");
-        assert!(e.contains("host path"), "{e}");
+        let ids = f.ids();
+        let greedy_want = json_ids(&f.data().join("stats.json"), "greedy_ids");
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            let (mut split, split_cache, _) = n_cpu_moe_model(&src, 2);
+            for compute in [Compute::Exact, Compute::Fast] {
+                whole.set_compute(compute);
+                whole.set_host_backend(false);
+                let want = prompt_and_decode(&mut whole, &cache, &ids);
+                whole.set_host_backend(true);
+                let got = prompt_and_decode(&mut whole, &cache, &ids);
+                let d = max_abs_diff(&floats(&got), &floats(&want));
+                eprintln!("{file} {compute:?} whole on cpu through the backend: max|Δ| {d:e}");
+                assert!(got == want, "{file} {compute:?} cpu backend: max|Δ| {d}");
+                split.set_compute(compute);
+                split.set_host_backend(true);
+                let got = prompt_and_decode(&mut split, &split_cache, &ids);
+                let d = max_abs_diff(&floats(&got), &floats(&want));
+                eprintln!("{file} {compute:?} n_cpu_moe=2 through the backend: max|Δ| {d:e}");
+                assert!(got == want, "{file} {compute:?} n_cpu_moe=2: max|Δ| {d}");
+            }
+            if !file.contains("Q8_0") {
+                split.set_compute(Compute::Exact);
+                let got = greedy(&mut split, &split_cache, &ids, greedy_want.len());
+                assert_eq!(got, greedy_want, "{file} greedy through the backend");
+            }
+        }
+    }
+}
+
+fn floats(bits: &[u32]) -> Vec<f32> {
+    bits.iter().map(|b| f32::from_bits(*b)).collect()
+}
+
+/// With its experts on the host, a layer through the backend copies only rows across: each
+/// MoE layer of a decode step sends the token's normed row and its router scores to the host
+/// and takes one row back (3 copies of `2·hidden + n_experts` floats in all), beyond the
+/// hidden state's moves between devices that the host path makes too. No expert byte moves,
+/// every expert tensor is held on the cpu, and each device holds what the plan says before and
+/// after the forward calls.
+#[test]
+fn tiny_moe_backend_copies_rows_not_experts() {
+    use weightlift_engine::Held;
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut m, cache, plan) = n_cpu_moe_model(&src, 2);
+            let expert_bytes: u64 = src
+                .tensors()
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.role.is_some_and(Role::is_expert))
+                .map(|(i, t)| {
+                    match m.held(&t.name).unwrap() {
+                        Held::Whole { device, .. } => assert_eq!(device, "cpu", "{}", t.name),
+                        Held::Split { .. } => panic!("{}: split", t.name),
+                    }
+                    src.bytes(i).len() as u64
+                })
+                .sum();
+            let held_as_planned = |m: &weightlift_engine::Model, when: &str| {
+                let mem = m.memory();
+                for d in plan.devices() {
+                    let got = mem
+                        .iter()
+                        .find(|(n, _)| *n == d.name)
+                        .map_or(0, |(_, b)| *b);
+                    assert_eq!(
+                        got,
+                        d.weights + d.kv + d.scratch,
+                        "{file} {when}: {}",
+                        d.name
+                    );
+                }
+            };
+            held_as_planned(&m, "after the load");
+            m.set_compute(Compute::Exact);
+            let step = |m: &mut weightlift_engine::Model, backend: bool| {
+                m.set_host_backend(backend);
+                cache.reset();
+                let mut out = Vec::new();
+                m.forward(&ids, Some(&cache), Logits::Last, &mut out)
+                    .unwrap();
+                let next = common::argmax(&out) as u32;
+                m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                    .unwrap()
+            };
+            let host = step(&mut m, false);
+            let backend = step(&mut m, true);
+            held_as_planned(&m, "after the forward calls");
+            let spec = src.spec().unwrap();
+            let (h, layers) = (spec.hidden_size, u64::from(spec.n_layers));
+            let experts = 4;
+            assert_eq!(backend.count - host.count, 3 * layers, "{file}");
+            assert_eq!(
+                backend.bytes - host.bytes,
+                layers * (2 * h + experts) * 4,
+                "{file}: {} bytes copied through the backend, {} on the host path, the \
+                 experts hold {expert_bytes}",
+                backend.bytes,
+                host.bytes
+            );
+            assert!(backend.bytes < expert_bytes / 10, "{file}");
+        }
+    }
+}
+
+/// Experts the plan leaves in an accelerator's memory (a virtual device standing for a GPU)
+/// do not run through the backend op sequence, which has no expert ops: the forward call
+/// refuses them by name, saying how to keep them on the host, whether some layers' experts
+/// are on the host (`n_cpu_moe=1`: layer 1's are not) or none are. The host path still runs
+/// such a placement.
+#[test]
+fn tiny_moe_backend_refuses_experts_in_accelerator_memory_by_name() {
+    for f in BOTH {
+        let src = open(f.gguf("F16"));
+        let (mut m, cache, plan) = n_cpu_moe_model(&src, 1);
+        let layer_1 = plan.layer_devices()[1].clone();
+        assert!(layer_1.starts_with("virtual:"), "{layer_1}");
+        let (mut all, all_cache) = split_load(
+            &src,
+            "virtual:2x64MiB,cpu",
+            &["virtual:0", "virtual:1"],
+            CacheDType::F32,
+            0,
+            false,
+        );
+        for (m, cache, layer, device) in [
+            (&mut m, &cache, 1, layer_1.as_str()),
+            (&mut all, &all_cache, 0, "virtual:0"),
+        ] {
+            m.set_host_backend(true);
+            cache.reset();
+            let mut out = Vec::new();
+            let e = m
+                .forward(&f.ids(), Some(cache), Logits::All, &mut out)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!(
+                    "blk.{layer}.ffn_gate_exps.weight expert 0' of layer {layer} held on {device}"
+                )),
+                "{e}"
+            );
+            assert!(e.contains("backend op sequence"), "{e}");
+            assert!(e.contains("n_cpu_moe") && e.contains("exps"), "{e}");
+            m.set_host_backend(false);
+            m.set_compute(Compute::Exact);
+            let out = forward_all(m, cache, &f.ids());
+            f.assert_matches("host path", &out, "hf_logits.npy");
+        }
     }
 }
 
@@ -307,6 +492,39 @@ fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
                 m.set_compute(compute);
                 let what = format!("{} {compute:?}", path.display());
                 let want = common::batch::alone(&mut m, &reqs, STEPS);
+                let got = common::batch::batched(&mut m, &reqs, STEPS);
+                common::batch::assert_same_bits(&what, &got, &want);
+            }
+        }
+    }
+}
+
+/// Through the backend op sequence with every expert on the host (`n_cpu_moe=2`, attention
+/// and routers on two virtual devices), a batch of sequences (prompts joining while others
+/// decode) gives each sequence the bits it gets alone on the host path whole on cpu, in exact
+/// and in fast mode, on the Q8_0 file (quantised experts) and the safetensors: the router's
+/// products and the experts' run piece by piece, as on the host.
+#[test]
+fn tiny_moe_backend_batches_with_the_bits_of_each_sequence_alone() {
+    const STEPS: usize = 4;
+    for f in BOTH {
+        let ids = f.ids();
+        let reqs: Vec<(Vec<u32>, usize)> = vec![
+            (ids.clone(), 0),
+            (ids[..3].to_vec(), 0),
+            (ids[1..ids.len() - 1].to_vec(), 1),
+            (ids[4..].to_vec(), 2),
+        ];
+        for path in [f.data(), f.gguf("Q8_0")] {
+            let src = open(&path);
+            let (mut whole, _) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            let (mut m, _, _) = n_cpu_moe_model(&src, 2);
+            m.set_host_backend(true);
+            for compute in [Compute::Exact, Compute::Fast] {
+                whole.set_compute(compute);
+                m.set_compute(compute);
+                let what = format!("{} {compute:?} through the backend", path.display());
+                let want = common::batch::alone(&mut whole, &reqs, STEPS);
                 let got = common::batch::batched(&mut m, &reqs, STEPS);
                 common::batch::assert_same_bits(&what, &got, &want);
             }

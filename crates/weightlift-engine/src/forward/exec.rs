@@ -33,11 +33,11 @@ use weightlift_kernels::{
 };
 use weightlift_plan::Workspace;
 
-use super::Compute;
-use super::layer::{Consts, Piece, tokens};
+use super::layer::{self, Consts, Piece, Weights, tokens};
 use super::onload::SlotMem;
-use super::parts::{Floats, Layer, Linear, Slot};
+use super::parts::{Ffn, Floats, Layer, Linear, Moe, Slot};
 use super::weights::Packing;
+use super::{Compute, Copies};
 use crate::device::{Buffer, DeviceTensor, Storage};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
@@ -642,18 +642,42 @@ impl<'a> Ctx<'a> {
     }
 }
 
-/// The kernels' type of a weight.
-/// The refusal of a mixture-of-experts layer on the backend op sequence.
-pub(crate) fn moe_off_host(li: usize) -> EngineError {
+/// The refusal of a mixture-of-experts layer computed through the backend op sequence whose
+/// expert `name` is held on `device`, an accelerator (or not whole in host memory).
+pub(crate) fn experts_off_host(li: usize, name: &str, device: &str) -> EngineError {
     EngineError::Unsupported {
-        what: format!("the mixture-of-experts block of layer {li} through the backend op sequence"),
-        detail: "routed experts run on the host path (cpu, disk, virtual:N) for now: the backend \
-                 has no router top-k, expert gather or weighted scatter-add ops yet; place MoE \
-                 layers on host devices and leave the host backend off"
+        what: format!(
+            "expert '{name}' of layer {li} held on {device} and computed through the backend op \
+             sequence"
+        ),
+        detail: "a mixture-of-experts layer on the backend runs its attention and router on the \
+                 device and its routed experts on the host, from host RAM or the mapped file; \
+                 the backend has no expert ops (router top-k, expert gather, weighted \
+                 scatter-add) yet, so experts held in accelerator memory do not run. Keep the \
+                 experts on the host: n_cpu_moe=N (llama.cpp's --n-cpu-moe) for the first N \
+                 layers' experts, or an override such as {\"exps\": \"cpu\"} for GGUF names \
+                 ({\"experts\": \"cpu\"} for transformers' names) for all of them"
             .into(),
     }
 }
 
+/// The host's side of the layers whose routed experts the host computes (see
+/// [`moe_on_host`]): the simulated link between the computing device and host memory (a
+/// virtual device's rate; `None`: no wait), and the count of the copies across it.
+pub(crate) struct HostLink<'a> {
+    pub rate: Option<u64>,
+    pub copies: &'a mut Copies,
+}
+
+impl HostLink<'_> {
+    /// A copy of `bytes` across the link, begun at `since`: paced, then counted.
+    fn crossed(&mut self, bytes: usize, since: std::time::Instant) {
+        crate::device::pace(self.rate, bytes as u64, since);
+        self.copies.note(bytes as u64, since);
+    }
+}
+
+/// The kernels' type of a weight.
 pub(crate) fn kernel_type(name: &str, dtype: DType) -> Result<QuantType> {
     QuantType::from_name(dtype.name()).ok_or_else(|| EngineError::Unsupported {
         what: format!("tensor '{name}' of type {dtype}"),
@@ -768,6 +792,7 @@ pub(crate) fn layer<B: Exec>(
     pieces: &[Piece<'_>],
     r: &mut Regions<'_, B::Buffer>,
     (pending, defer): (bool, bool),
+    link: &mut HostLink<'_>,
 ) -> Result<()> {
     let h = cx.c.hidden;
     let n = tokens(pieces);
@@ -809,10 +834,10 @@ pub(crate) fn layer<B: Exec>(
         r,
         format!("layer {li} residual and ffn_norm"),
     )?;
-    let Some(mlp) = l.ffn.dense() else {
-        return Err(moe_off_host(li));
-    };
-    mlp_normed(b, cx, mlp, li, n, r)?;
+    match &l.ffn {
+        Ffn::Dense { gate, up, down } => mlp_normed(b, cx, [gate, up, down], li, n, r)?,
+        Ffn::Moe(m) => moe_on_host(b, cx, m, li, pieces, r, link)?,
+    }
     if let Some(f) = &l.post_ffn_norm {
         post_norm(b, cx, f, n, r, format!("layer {li} post_ffw_norm"))?;
     }
@@ -820,6 +845,66 @@ pub(crate) fn layer<B: Exec>(
         return Ok(());
     }
     residual(b, cx, li, n * h, r)
+}
+
+/// A mixture-of-experts block on the normed rows of `pieces` in `r.xn`, its output written back
+/// there, with its routed experts computed on the host.
+///
+/// The router multiplies here, on the device: the plan keeps it beside the layer's other
+/// matrices (`n_cpu_moe`'s rules, like llama.cpp's `exps` pattern, move the expert projections
+/// only), it is small, and reading it here means only the rows and their scores cross to the
+/// host, never the router's bytes. Its scores land in the MLP's gate region, which the block
+/// does not otherwise use. The normed rows and the scores are then copied to the host, which
+/// routes each token and runs only its experts with the host path's own code
+/// ([`layer::experts`]), reading them where the model holds them (host RAM or the mapped file;
+/// the graph checked that at build, and an offloaded layer's experts are read there too, not
+/// from its onload slot); the output rows come back. No expert byte travels to the device.
+#[allow(clippy::too_many_arguments)]
+fn moe_on_host<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    m: &Moe,
+    li: usize,
+    pieces: &[Piece<'_>],
+    r: &mut Regions<'_, B::Buffer>,
+    link: &mut HostLink<'_>,
+) -> Result<()> {
+    let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
+    let at = |what: &str| format!("layer {li} {what}");
+    let score_bytes = n * n_experts * 4;
+    if b.len(&r.gate) < score_bytes {
+        return Err(invalid(
+            at("router scores"),
+            format!(
+                "{score_bytes} bytes of the MLP's workspace region ({n} tokens × {n_experts} experts)"
+            ),
+            format!("{} bytes", b.len(&r.gate)),
+        ));
+    }
+    let mut on_device =
+        split(b, &mut r.gate, &[(0, score_bytes)]).map_err(cx.err(at("router scores")))?;
+    cx.linear(b, &m.router, &r.xn, n, &mut on_device[0])?;
+    let mut rows = vec![0f32; n * h];
+    let mut scores = vec![0f32; n * n_experts];
+    let since = std::time::Instant::now();
+    b.copy_to_host(&r.xn, 0, bytemuck::cast_slice_mut(&mut rows))
+        .map_err(cx.err(at("copying the normed rows to the host")))?;
+    link.crossed(rows.len() * 4, since);
+    let since = std::time::Instant::now();
+    b.copy_to_host(&on_device[0], 0, bytemuck::cast_slice_mut(&mut scores))
+        .map_err(cx.err(at("copying the router scores to the host")))?;
+    link.crossed(scores.len() * 4, since);
+    let wts = Weights {
+        held: cx.held,
+        copies: cx.copies,
+        slot: None,
+    };
+    layer::experts(cx.c, m, li, &wts, pieces, &scores, &mut rows)?;
+    let since = std::time::Instant::now();
+    b.copy_from_host(bytemuck::cast_slice(&rows), &mut r.xn, 0)
+        .map_err(cx.err(at("copying the experts' output to the device")))?;
+    link.crossed(rows.len() * 4, since);
+    Ok(())
 }
 
 /// `xn = RMSNorm(x) · norm` over `n` tokens.

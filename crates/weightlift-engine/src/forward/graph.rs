@@ -584,10 +584,30 @@ impl Graph {
             .collect::<Result<Vec<_>>>()?;
 
         // An offloaded MoE layer copies its router and every expert into its onload slot (they
-        // are among `Layer::linears`), each expert of a stacked tensor its own rows.
+        // are among `Layer::linears`), each expert of a stacked tensor its own rows. Through the
+        // backend op sequence a MoE layer's experts are computed on the host, from where the
+        // model holds them: they must be whole in host memory (host RAM or the mapped file), as
+        // `n_cpu_moe` or an `exps` override leaves them; experts in an accelerator's memory
+        // (cuda, or a virtual device standing for one) are refused by name.
         for (li, l) in layers.iter().enumerate() {
-            if matches!(l.ffn, Ffn::Moe(_)) && !matches!(sites[l.site].exec, SiteExec::Host) {
-                return Err(super::exec::moe_off_host(li));
+            let Ffn::Moe(moe) = &l.ffn else { continue };
+            if matches!(sites[l.site].exec, SiteExec::Host) {
+                continue;
+            }
+            for lin in moe.experts.iter().flatten() {
+                let held = match lin.slot {
+                    Slot::Tensor(i) => m.held.get(i),
+                    Slot::Copy(c) => m.copies.get(c).map(|(_, h)| h),
+                };
+                match held {
+                    Some(Held::Whole { tensor, .. })
+                        if tensor.device().kind() == DeviceKind::Cpu
+                            && tensor.host_bytes().is_some() => {}
+                    other => {
+                        let device = other.map_or_else(|| "nowhere".into(), |h| device_of(h));
+                        return Err(super::exec::experts_off_host(li, &lin.name, &device));
+                    }
+                }
             }
         }
         let mut g = Graph {

@@ -153,16 +153,6 @@ pub(crate) struct Moe {
     pub norm_topk_prob: bool,
 }
 
-impl Ffn {
-    /// The dense MLP's gate, up and down; `None` for a mixture of experts.
-    pub fn dense(&self) -> Option<[&Linear; 3]> {
-        match self {
-            Ffn::Dense { gate, up, down } => Some([gate, up, down]),
-            Ffn::Moe(_) => None,
-        }
-    }
-}
-
 impl Layer {
     /// The matrices, in the order they are laid out in an onload slot.
     pub fn linears(&self) -> Vec<&Linear> {
