@@ -611,7 +611,9 @@ fn tiny_moe_fit_finds_the_fewest_layers_with_experts_on_the_host() {
 /// Offloaded execution (`offload="sequential"` and `"group"`): layer 0 kept on the cpu and run
 /// on the virtual device after its router and experts are copied into an onload slot, each
 /// expert of a stacked GGUF tensor its own rows. The logits are the all-on-cpu bits, for every
-/// checkpoint.
+/// checkpoint. With `n_cpu_moe=2` as well (layer 1's experts in host RAM beside the offloaded
+/// layer 0), the same through the backend op sequence, whose host experts read each layer's
+/// experts where they are held.
 #[test]
 fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
     use std::sync::Arc;
@@ -625,13 +627,16 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
             let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
             whole.set_compute(Compute::Exact);
             let cpu = forward_all(&mut whole, &cache, &ids);
-            for mode in [
+            for (mode, backend) in [
                 wp::WeightOffload::Sequential,
                 wp::WeightOffload::Group {
                     blocks_per_group: 1,
                     prefetch: true,
                 },
-            ] {
+            ]
+            .into_iter()
+            .flat_map(|mode| [(mode, false), (mode, true)])
+            {
                 let mut m = Model::new(
                     Arc::clone(&src),
                     Inventory::parse("virtual:1x64MiB,cpu").unwrap(),
@@ -639,6 +644,11 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
                 let mut req = m.plan_request().unwrap();
                 req.strategy = wp::Strategy::Layers(wp::LayerOptions {
                     n_gpu_layers: 1,
+                    overrides: if backend {
+                        wp::PlanOptions::moe_overrides(2)
+                    } else {
+                        Vec::new()
+                    },
                     ..wp::LayerOptions::default()
                 });
                 req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
@@ -655,10 +665,11 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
                     assert_eq!(got, d.weights + d.kv + d.scratch, "{file}: {}", d.name);
                 }
                 m.set_compute(Compute::Exact);
+                m.set_host_backend(backend);
                 let out = forward_all(&mut m, &cache, &ids);
                 assert!(
                     out == cpu,
-                    "{file} {mode:?}: max|Δ| {} from cpu",
+                    "{file} {mode:?} backend {backend}: max|Δ| {} from cpu",
                     max_abs_diff(&out, &cpu)
                 );
             }
