@@ -604,7 +604,7 @@ impl Graph {
                         if tensor.device().kind() == DeviceKind::Cpu
                             && tensor.host_bytes().is_some() => {}
                     other => {
-                        let device = other.map_or_else(|| "nowhere".into(), |h| device_of(h));
+                        let device = other.map_or_else(|| "nowhere".into(), &device_of);
                         return Err(super::exec::experts_off_host(li, &lin.name, &device));
                     }
                 }
