@@ -129,13 +129,17 @@ fn a_decode_step_issues_a_fixed_number_of_operations_per_layer() {
 /// operations up to the MLP norm, then one product, the router's, where a dense layer issues
 /// its fused gate-up-SwiGLU and its down product: the routed experts run on the host with the
 /// host path's kernels, not as backend operations, so no expert weight is read by the device.
+/// With the experts on the device (the layers on a virtual device standing for a GPU), each of
+/// the token's 2 experts adds its fused gate-up-SwiGLU, its down product and the weighted add
+/// of its row (a scale and an add).
 #[test]
-fn a_moe_decode_step_issues_the_router_product_and_no_expert_operation() {
+fn a_moe_decode_step_issues_the_router_product_and_each_routed_experts_operations() {
     let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let data = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
     for (family, qk_norms) in [("mixtral", 0), ("qwen3moe", 2)] {
         let src = open(data.join(format!("tiny-{family}/tiny-{family}-Q8_0.gguf")));
-        let ops = decode_step_ops(&src, &[1, 5, 9, 13]);
+        let prompt = [1, 5, 9, 13];
+        let ops = decode_step_ops(&src, &prompt);
         // per layer: attention norm (the first alone, the second fused with the first's MLP
         // residual), the shared q/k/v product, qwen3's q and k norms, RoPE with the cache
         // stores, attention, the output product, its residual fused with the MLP norm, the
@@ -152,5 +156,32 @@ fn a_moe_decode_step_issues_the_router_product_and_no_expert_operation() {
             ("rope_kv_store", 2),
         ]);
         assert_eq!(ops, want, "{family}: operations of a decode step");
+
+        let (mut m, cache) = common::load_on(
+            &src,
+            "virtual:1x64MiB,cpu",
+            "virtual:0",
+            64,
+            CacheDType::Fp16,
+        );
+        m.set_compute(Compute::Fast);
+        m.set_host_backend(true);
+        let mut out = Vec::new();
+        m.forward(&prompt, Some(&cache), Logits::Last, &mut out)
+            .unwrap();
+        let next = argmax(&out) as u32;
+        let counter = OpCounter::start();
+        step(&mut m, &cache, next, &mut out);
+        let ops = counter.counts();
+        let (layers, used) = (2, 2);
+        let mut want = want;
+        *want.get_mut("matmul").unwrap() += layers * used;
+        *want.get_mut("add_in_place").unwrap() += layers * used;
+        want.insert("matmul_swiglu", layers * used);
+        want.insert("scale_in_place", layers * used);
+        assert_eq!(
+            ops, want,
+            "{family}: operations of a decode step, experts on the device"
+        );
     }
 }

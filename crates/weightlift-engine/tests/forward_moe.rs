@@ -8,8 +8,9 @@
 //! measurements). The checks of `common/family.rs` that do not go through the backend op
 //! sequence apply as they are; the others are restated here for the host path. Through the
 //! backend op sequence (the path cuda devices take, run here on the CPU backend) a MoE layer's
-//! attention and router run on the device and its experts on the host, from host RAM: held to
-//! the host path's bits, and refusing by name experts left in accelerator memory.
+//! attention and router run on the device and its experts on the host (from host RAM) or on
+//! the device (where it holds them): held to the host path's bits, and refusing by name a
+//! layer whose experts are split between the two.
 
 mod common;
 
@@ -102,10 +103,10 @@ fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
 #[test]
 fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
     for f in BOTH {
-        // cpu and 2 and 3 virtual devices: the checks every family is held to, on the host
-        // path (through the backend op sequence experts run from host RAM only, which these
-        // placements do not give; see the backend tests below)
-        f.same_bits_across_placements(false);
+        // cpu and 2 and 3 virtual devices, on the host path and through the backend op
+        // sequence (experts on the device computing their layer): the checks every family is
+        // held to
+        f.same_bits_on_cpu_virtual_devices_and_the_backend();
         let ids = f.ids();
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -133,19 +134,12 @@ fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
 }
 
 /// Greedy decoding, one token per forward call from the cache (one token routed at a time),
-/// from the safetensors folder and the F16 GGUF, is transformers' greedy continuation.
+/// from the safetensors folder and the F16 GGUF, on the host path and through the backend, is
+/// transformers' greedy continuation.
 #[test]
 fn tiny_moe_greedy_ids_are_transformers() {
-    for f in BOTH {
-        let want = json_ids(&f.data().join("stats.json"), "greedy_ids");
-        let ids = f.ids();
-        for path in [f.data(), f.gguf("F16")] {
-            let (mut m, cache) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
-            m.set_compute(Compute::Exact);
-            let got = greedy(&mut m, &cache, &ids, want.len());
-            assert_eq!(got, want, "{}", path.display());
-        }
-    }
+    BOTH.into_iter()
+        .for_each(Family::greedy_ids_are_transformers);
 }
 
 /// The plan sizes and places the router and every expert with its layer: what each device
@@ -308,50 +302,92 @@ fn tiny_moe_backend_copies_rows_not_experts() {
     }
 }
 
-/// Experts the plan leaves in an accelerator's memory (a virtual device standing for a GPU)
-/// do not run through the backend op sequence, which has no expert ops: the forward call
-/// refuses them by name, saying how to keep them on the host, whether some layers' experts
-/// are on the host (`n_cpu_moe=1`: layer 1's are not) or none are. The host path still runs
-/// such a placement.
+/// Experts the plan leaves on the device that computes their layer (a virtual device standing
+/// for a GPU) run there through the backend op sequence, with operations the dense layers use
+/// (the rows routed to an expert gathered by device copies, its gated product, each output row
+/// scaled and added into its token's sum); only the router's scores go to the host, to be
+/// routed. Every expert on the two virtual devices, and layer 0's on the host with layer 1's on
+/// its device (`n_cpu_moe=1`), give the host path's bits with the model whole on cpu: the
+/// prompt at every position and three decode steps, in exact and fast mode, for each
+/// checkpoint.
 #[test]
-fn tiny_moe_backend_refuses_experts_in_accelerator_memory_by_name() {
+fn tiny_moe_backend_with_experts_on_the_device_gives_the_host_path_bits() {
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            let (mut all, all_cache) = split_load(
+                &src,
+                "virtual:2x64MiB,cpu",
+                &["virtual:0", "virtual:1"],
+                CacheDType::F32,
+                0,
+                false,
+            );
+            let (mut mixed, mixed_cache, plan) = n_cpu_moe_model(&src, 1);
+            assert!(plan.layer_devices()[1].starts_with("virtual:"), "{file}");
+            for compute in [Compute::Exact, Compute::Fast] {
+                whole.set_compute(compute);
+                let want = prompt_and_decode(&mut whole, &cache, &ids);
+                for (what, m, c) in [
+                    ("every expert on its device", &mut all, &all_cache),
+                    ("n_cpu_moe=1", &mut mixed, &mixed_cache),
+                ] {
+                    m.set_compute(compute);
+                    m.set_host_backend(true);
+                    let got = prompt_and_decode(m, c, &ids);
+                    let d = max_abs_diff(&floats(&got), &floats(&want));
+                    eprintln!("{file} {compute:?} {what} through the backend: max|Δ| {d:e}");
+                    assert!(got == want, "{file} {compute:?} {what}: max|Δ| {d}");
+                }
+            }
+        }
+    }
+}
+
+/// A layer whose experts are split between the host and its device (an override moving only
+/// layer 0's up projections to the cpu) is refused through the backend op sequence, naming the
+/// expert, where it is held, where the layer computes and how to keep the experts together.
+/// The host path still runs the placement.
+#[test]
+fn tiny_moe_backend_refuses_experts_split_between_host_and_device_by_name() {
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
     for f in BOTH {
         let src = open(f.gguf("F16"));
-        let (mut m, cache, plan) = n_cpu_moe_model(&src, 1);
-        let layer_1 = plan.layer_devices()[1].clone();
-        assert!(layer_1.starts_with("virtual:"), "{layer_1}");
-        let (mut all, all_cache) = split_load(
-            &src,
-            "virtual:2x64MiB,cpu",
-            &["virtual:0", "virtual:1"],
-            CacheDType::F32,
-            0,
-            false,
+        let mut m = Model::new(
+            std::sync::Arc::clone(&src),
+            Inventory::parse("virtual:1x64MiB,cpu").unwrap(),
         );
-        for (m, cache, layer, device) in [
-            (&mut m, &cache, 1, layer_1.as_str()),
-            (&mut all, &all_cache, 0, "virtual:0"),
-        ] {
-            m.set_host_backend(true);
-            cache.reset();
-            let mut out = Vec::new();
-            let e = m
-                .forward(&f.ids(), Some(cache), Logits::All, &mut out)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains(&format!(
-                    "blk.{layer}.ffn_gate_exps.weight expert 0' of layer {layer} held on {device}"
-                )),
-                "{e}"
-            );
-            assert!(e.contains("backend op sequence"), "{e}");
-            assert!(e.contains("n_cpu_moe") && e.contains("exps"), "{e}");
-            m.set_host_backend(false);
-            m.set_compute(Compute::Exact);
-            let out = forward_all(m, cache, &f.ids());
-            f.assert_matches("host path", &out, "hf_logits.npy");
-        }
+        let mut req = m.plan_request().unwrap();
+        req.strategy = wp::Strategy::Layers(wp::LayerOptions {
+            n_gpu_layers: -1,
+            overrides: vec![(r"^blk\.0\.ffn_up_exps\.".into(), "cpu".into())],
+            ..wp::LayerOptions::default()
+        });
+        req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
+        let plan = wp::plan(&req).unwrap();
+        let cache = common::load_planned(&mut m, &plan).unwrap();
+        m.set_host_backend(true);
+        let mut out = Vec::new();
+        let e = m
+            .forward(&f.ids(), Some(&cache), Logits::All, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "expert 'blk.0.ffn_up_exps.weight expert 0' of layer 0 held on cpu while the \
+                 layer computes on virtual:0 through the backend op sequence"
+            ),
+            "{e}"
+        );
+        assert!(e.contains("n_cpu_moe") && e.contains("exps"), "{e}");
+        m.set_host_backend(false);
+        m.set_compute(Compute::Exact);
+        let out = forward_all(&mut m, &cache, &f.ids());
+        f.assert_matches("host path", &out, "hf_logits.npy");
     }
 }
 
@@ -500,10 +536,11 @@ fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
 }
 
 /// Through the backend op sequence with every expert on the host (`n_cpu_moe=2`, attention
-/// and routers on two virtual devices), a batch of sequences (prompts joining while others
-/// decode) gives each sequence the bits it gets alone on the host path whole on cpu, in exact
-/// and in fast mode, on the Q8_0 file (quantised experts) and the safetensors: the router's
-/// products and the experts' run piece by piece, as on the host.
+/// and routers on two virtual devices) and with every expert on the device computing its
+/// layer, a batch of sequences (prompts joining while others decode) gives each sequence the
+/// bits it gets alone on the host path whole on cpu, in exact and in fast mode, on the Q8_0
+/// file (quantised experts) and the safetensors: the router's products and the experts' run
+/// piece by piece, as on the host.
 #[test]
 fn tiny_moe_backend_batches_with_the_bits_of_each_sequence_alone() {
     const STEPS: usize = 4;
@@ -518,15 +555,28 @@ fn tiny_moe_backend_batches_with_the_bits_of_each_sequence_alone() {
         for path in [f.data(), f.gguf("Q8_0")] {
             let src = open(&path);
             let (mut whole, _) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
-            let (mut m, _, _) = n_cpu_moe_model(&src, 2);
-            m.set_host_backend(true);
+            let (mut host, _, _) = n_cpu_moe_model(&src, 2);
+            let (mut device, _) = split_load(
+                &src,
+                "virtual:2x64MiB,cpu",
+                &["virtual:0", "virtual:1"],
+                CacheDType::F32,
+                0,
+                false,
+            );
             for compute in [Compute::Exact, Compute::Fast] {
                 whole.set_compute(compute);
-                m.set_compute(compute);
-                let what = format!("{} {compute:?} through the backend", path.display());
                 let want = common::batch::alone(&mut whole, &reqs, STEPS);
-                let got = common::batch::batched(&mut m, &reqs, STEPS);
-                common::batch::assert_same_bits(&what, &got, &want);
+                for (experts, m) in [("host", &mut host), ("device", &mut device)] {
+                    m.set_host_backend(true);
+                    m.set_compute(compute);
+                    let what = format!(
+                        "{} {compute:?} through the backend, experts on the {experts}",
+                        path.display()
+                    );
+                    let got = common::batch::batched(m, &reqs, STEPS);
+                    common::batch::assert_same_bits(&what, &got, &want);
+                }
             }
         }
     }

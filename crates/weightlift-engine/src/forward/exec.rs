@@ -642,23 +642,63 @@ impl<'a> Ctx<'a> {
     }
 }
 
-/// The refusal of a mixture-of-experts layer computed through the backend op sequence whose
-/// expert `name` is held on `device`, an accelerator (or not whole in host memory).
-pub(crate) fn experts_off_host(li: usize, name: &str, device: &str) -> EngineError {
+/// The refusal of a mixture-of-experts layer computed on `device` through the backend op
+/// sequence whose experts are neither all in host memory nor all on `device`: expert `name` is
+/// held on `held_on`.
+pub(crate) fn experts_split(li: usize, name: &str, held_on: &str, device: &str) -> EngineError {
     EngineError::Unsupported {
         what: format!(
-            "expert '{name}' of layer {li} held on {device} and computed through the backend op \
-             sequence"
+            "expert '{name}' of layer {li} held on {held_on} while the layer computes on {device} \
+             through the backend op sequence"
         ),
-        detail: "a mixture-of-experts layer on the backend runs its attention and router on the \
-                 device and its routed experts on the host, from host RAM or the mapped file; \
-                 the backend has no expert ops (router top-k, expert gather, weighted \
-                 scatter-add) yet, so experts held in accelerator memory do not run. Keep the \
-                 experts on the host: n_cpu_moe=N (llama.cpp's --n-cpu-moe) for the first N \
-                 layers' experts, or an override such as {\"exps\": \"cpu\"} for GGUF names \
-                 ({\"experts\": \"cpu\"} for transformers' names) for all of them"
-            .into(),
+        detail: format!(
+            "a mixture-of-experts layer's experts run all on the host, from host RAM or the \
+             mapped file, or all on the device that computes the layer; keep them together: all \
+             on the host with n_cpu_moe=N (llama.cpp's --n-cpu-moe) for the first N layers, or \
+             an override such as {{\"exps\": \"cpu\"}} for GGUF names ({{\"experts\": \"cpu\"}} \
+             for transformers' names), or all on {device} with the rest of the layer"
+        ),
     }
+}
+
+/// Whether the workspace of `device` (laid out as `w`) holds what [`moe_on_device`] computes
+/// there for `m`, a chunk's tokens at a time: the gathered rows of one expert and its down
+/// product in the query region, its gate and up products in the MLP's regions, the router's
+/// scores in the up region and the block's sums in the attention output's region. Every family
+/// the engine runs has them (queries at least as wide as the hidden state, the dense MLP at
+/// least as wide as an expert and as the expert count); a model without is refused by name.
+pub(crate) fn check_device_experts(
+    device: &crate::device::Device,
+    w: &Workspace,
+    m: &Moe,
+    li: usize,
+) -> Result<()> {
+    let rows = w.x.len / (m.router.cols.max(1) as u64);
+    let h = m.router.cols as u64;
+    let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0) as u64;
+    let n_experts = m.experts.len() as u64;
+    let needs = [
+        ("queries", w.q.len, rows * h),
+        ("attention output", w.att.len, rows * h),
+        ("MLP gate", w.gate.len, rows * widest),
+        ("MLP up", w.up.len, rows * widest.max(n_experts)),
+    ];
+    for (region, has, need) in needs {
+        if has < need {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "the experts of layer {li} computed on {} through the backend op sequence",
+                    device.name()
+                ),
+                detail: format!(
+                    "the workspace's {region} region holds {has} values and the experts need \
+                     {need} ({rows} tokens); keep the experts on the host with n_cpu_moe or an \
+                     exps override"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The host's side of the layers whose routed experts the host computes (see
@@ -836,7 +876,8 @@ pub(crate) fn layer<B: Exec>(
     )?;
     match &l.ffn {
         Ffn::Dense { gate, up, down } => mlp_normed(b, cx, [gate, up, down], li, n, r)?,
-        Ffn::Moe(m) => moe_on_host(b, cx, m, li, pieces, r, link)?,
+        Ffn::Moe(m) if m.experts_on_host => moe_on_host(b, cx, m, li, pieces, r, link)?,
+        Ffn::Moe(m) => moe_on_device(b, cx, m, li, pieces, r, link)?,
     }
     if let Some(f) = &l.post_ffn_norm {
         post_norm(b, cx, f, n, r, format!("layer {li} post_ffw_norm"))?;
@@ -905,6 +946,108 @@ fn moe_on_host<B: Exec>(
         .map_err(cx.err(at("copying the experts' output to the device")))?;
     link.crossed(rows.len() * 4, since);
     Ok(())
+}
+
+/// A mixture-of-experts block on the normed rows of `pieces` in `r.xn`, its output written back
+/// there, with its experts on this device, through operations the dense layers use already.
+///
+/// The router multiplies here and only its scores (`n_experts` floats a token) go to the host,
+/// which routes each token with the host path's own [`layer::route`]; then, piece by piece and
+/// expert by expert in the host path's order ([`layer::experts`]), the rows routed to the
+/// expert are gathered by device copies into the query region, its gated product runs as a
+/// dense MLP's does (gate and up into the MLP's regions, the down product back into the query
+/// region), and each output row, scaled by its token's weight, is added into the token's sum in
+/// the attention output's region (zeroed first), which replaces `r.xn` at the end. On the CPU
+/// backend this gives the host path's bits. One copy to the host (the scores) and one from it
+/// (the zeros) a layer; no new kernel.
+#[allow(clippy::too_many_arguments)]
+fn moe_on_device<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    m: &Moe,
+    li: usize,
+    pieces: &[Piece<'_>],
+    r: &mut Regions<'_, B::Buffer>,
+    link: &mut HostLink<'_>,
+) -> Result<()> {
+    let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
+    let at = |what: &str| format!("layer {li} {what}");
+    let row = h * 4;
+    let mut scores = vec![0f32; n * n_experts];
+    {
+        let mut on_device =
+            split(b, &mut r.up, &[(0, scores.len() * 4)]).map_err(cx.err(at("router scores")))?;
+        cx.linear(b, &m.router, &r.xn, n, &mut on_device[0])?;
+        let since = std::time::Instant::now();
+        b.copy_to_host(&on_device[0], 0, bytemuck::cast_slice_mut(&mut scores))
+            .map_err(cx.err(at("copying the router scores to the host")))?;
+        link.crossed(scores.len() * 4, since);
+    }
+    let since = std::time::Instant::now();
+    b.copy_from_host(&vec![0u8; n * row], &mut r.att, 0)
+        .map_err(cx.err(at("zeroing the experts' sums")))?;
+    link.crossed(n * row, since);
+    // each expert's products take its rows at once, as on the host
+    let one = cx.one_run();
+    let mut picks = Vec::new();
+    let mut routed: Vec<(usize, f32)> = Vec::new();
+    let mut first = 0;
+    for p in pieces {
+        let rows = first..first + p.n;
+        first += p.n;
+        layer::route(
+            &scores[rows.start * n_experts..rows.end * n_experts],
+            n_experts,
+            m.n_used,
+            m.norm_topk_prob,
+            &mut picks,
+        );
+        for (e, [gate, up, down]) in m.experts.iter().enumerate() {
+            routed.clear();
+            routed.extend(
+                picks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (pe, _))| *pe == e)
+                    .map(|(k, &(_, wt))| (rows.start + k / m.n_used, wt)),
+            );
+            if routed.is_empty() {
+                continue;
+            }
+            let cnt = routed.len();
+            let expert = |what: &str| at(&format!("expert {e} {what}"));
+            for (k, &(t, _)) in routed.iter().enumerate() {
+                b.copy(&r.xn, t * row, &mut r.q, k * row, row)
+                    .map_err(cx.err(expert("rows")))?;
+            }
+            {
+                let xs = view(b, &r.q, 0, cnt * row).map_err(cx.err(expert("rows")))?;
+                gated(b, &one, [gate, up], li, &xs, cnt, [&mut r.gate, &mut r.up])?;
+            }
+            one.linear(b, down, &r.gate, cnt, &mut r.q)?;
+            for (k, &(t, wt)) in routed.iter().enumerate() {
+                let mut y = split(b, &mut r.q, &[(k * row, row)]).map_err(cx.err(expert("row")))?;
+                b.run(Op::ScaleInPlace {
+                    n: h,
+                    s: wt,
+                    x: &mut y[0],
+                })
+                .map_err(cx.err(expert("weight")))?;
+                drop(y);
+                let y = view(b, &r.q, k * row, row).map_err(cx.err(expert("row")))?;
+                let mut sum =
+                    split(b, &mut r.att, &[(t * row, row)]).map_err(cx.err(expert("sum")))?;
+                b.run(Op::AddInPlace {
+                    n: h,
+                    x: &mut sum[0],
+                    y: &y,
+                })
+                .map_err(cx.err(expert("sum")))?;
+            }
+        }
+    }
+    b.copy(&r.att, 0, &mut r.xn, 0, n * row)
+        .map_err(cx.err(at("experts' sums")))
 }
 
 /// `xn = RMSNorm(x) · norm` over `n` tokens.
@@ -1254,27 +1397,41 @@ pub(crate) fn mlp_normed<B: Exec>(
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
-    let at = |what: &str| format!("layer {li} {what}");
-    let fused = cx.c.gate == super::family::Gate::Silu
-        && cx.swiglu(b, &r.xn, n, [gate, up], [&mut r.gate, &mut r.up])?;
+    gated(b, cx, [gate, up], li, &r.xn, n, [&mut r.gate, &mut r.up])?;
+    cx.linear(b, down, &r.gate, n, &mut r.xn)
+}
+
+/// `g = act(W_gate x) · (W_up x)` for `n` tokens of `x` (the family's gated activation; `u`
+/// holds the up product): SwiGLU fused with its products where [`Ctx::swiglu`] can, else the
+/// products and the activation apart.
+fn gated<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    [gate, up]: [&Linear; 2],
+    li: usize,
+    x: &B::Buffer,
+    n: usize,
+    [g, u]: [&mut B::Buffer; 2],
+) -> Result<()> {
+    let fused = cx.c.gate == super::family::Gate::Silu && cx.swiglu(b, x, n, [gate, up], [g, u])?;
     if fused {
-        return cx.linear(b, down, &r.gate, n, &mut r.xn);
+        return Ok(());
     }
-    cx.linears(b, &r.xn, n, vec![(gate, &mut r.gate), (up, &mut r.up)])?;
+    cx.linears(b, x, n, vec![(gate, &mut *g), (up, &mut *u)])?;
     let op = match cx.c.gate {
         super::family::Gate::Silu => Op::SwiGluInPlace {
             n: n * gate.rows,
-            gate: &mut *r.gate,
-            up: &*r.up,
+            gate: g,
+            up: u,
         },
         super::family::Gate::GeluTanh => Op::GeGluTanhInPlace {
             n: n * gate.rows,
-            gate: &mut *r.gate,
-            up: &*r.up,
+            gate: g,
+            up: u,
         },
     };
-    b.run(op).map_err(cx.err(at("gated activation")))?;
-    cx.linear(b, down, &r.gate, n, &mut r.xn)
+    b.run(op)
+        .map_err(cx.err(format!("layer {li} gated activation")))
 }
 
 /// `xn = RMSNorm(x) · norm` for rows `first..first + need` of the residual stream, into rows

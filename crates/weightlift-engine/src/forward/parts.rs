@@ -151,6 +151,10 @@ pub(crate) struct Moe {
     pub n_used: usize,
     /// Renormalise the chosen experts' softmax weights to sum to 1.
     pub norm_topk_prob: bool,
+    /// Through the backend op sequence: the experts are in host memory and computed by the
+    /// host (else they are on the computing device and computed there). Decided at build from
+    /// where the model holds them; the host path ignores it.
+    pub experts_on_host: bool,
 }
 
 impl Layer {
