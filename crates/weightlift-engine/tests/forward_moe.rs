@@ -506,6 +506,50 @@ fn tiny_moe_n_cpu_moe_keeps_the_first_layers_experts_on_the_host() {
     }
 }
 
+/// `weightlift plan --n-cpu-moe N` for a GPU (a what-if `cuda:0` of 8 GiB, no GPU needed):
+/// every layer's attention, norms and router on `cuda:0`, the first N layers' experts on the
+/// cpu, and the plan's text says so on each device's line.
+#[test]
+fn tiny_moe_plan_for_a_gpu_shows_the_experts_on_the_host() {
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    for f in BOTH {
+        let src = open(f.gguf("Q8_0"));
+        let m = Model::new(
+            std::sync::Arc::clone(&src),
+            Inventory::parse("cpu").unwrap(),
+        );
+        for (n, named) in [(1, "experts of layers 0"), (2, "experts of layers 0-1")] {
+            let mut req = m.plan_request().unwrap();
+            req.devices = wp::parse_devices("cuda:0:8GiB:sm_90,cpu:16GiB").unwrap();
+            wp::PlanOptions {
+                n_cpu_moe: Some(n),
+                cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+                ..wp::PlanOptions::default()
+            }
+            .apply(&mut req)
+            .unwrap();
+            let plan = wp::plan(&req).unwrap();
+            assert!(plan.layer_devices().iter().all(|d| d == "cuda:0"), "{n}");
+            for (t, info) in plan.tensors().iter().zip(src.tensors()) {
+                let Some(l) = info.layer else { continue };
+                let host = info.role.is_some_and(Role::is_expert) && l < n;
+                let want = if host { "cpu" } else { "cuda:0" };
+                assert_eq!(t.device, want, "n_cpu_moe={n}: {}", t.name);
+            }
+            let text = plan.explain();
+            let line = |dev: &str| {
+                text.lines()
+                    .find(|l| l.starts_with(dev))
+                    .unwrap_or_else(|| panic!("no {dev} line in\n{text}"))
+                    .to_owned()
+            };
+            assert!(line("cuda:0").contains("layers 0-1"), "{text}");
+            assert!(line("cpu").ends_with(named), "{text}");
+        }
+    }
+}
+
 /// Several sequences in one forward call route and group their tokens piece by piece: a
 /// sequence's logits in a batch (prompts joining while others decode) are the bits it gets
 /// alone, in exact and in fast mode, on the Q8_0 file (quantised experts) and the safetensors.
