@@ -705,9 +705,9 @@ fn tiny_moe_fit_finds_the_fewest_layers_with_experts_on_the_host() {
 /// Offloaded execution (`offload="sequential"` and `"group"`): layer 0 kept on the cpu and run
 /// on the virtual device after its router and experts are copied into an onload slot, each
 /// expert of a stacked GGUF tensor its own rows. The logits are the all-on-cpu bits, for every
-/// checkpoint. With `n_cpu_moe=2` as well (layer 1's experts in host RAM beside the offloaded
-/// layer 0), the same through the backend op sequence, whose host experts read each layer's
-/// experts where they are held.
+/// checkpoint, on the host path and through the backend op sequence (which computes the
+/// offloaded layer's experts from the slot on the device), and with `n_cpu_moe=2` as well
+/// through the backend (layer 1's experts in host RAM, computed by the host).
 #[test]
 fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
     use std::sync::Arc;
@@ -721,7 +721,7 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
             let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
             whole.set_compute(Compute::Exact);
             let cpu = forward_all(&mut whole, &cache, &ids);
-            for (mode, backend) in [
+            for (mode, n_cpu_moe, backend) in [
                 wp::WeightOffload::Sequential,
                 wp::WeightOffload::Group {
                     blocks_per_group: 1,
@@ -729,7 +729,7 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
                 },
             ]
             .into_iter()
-            .flat_map(|mode| [(mode, false), (mode, true)])
+            .flat_map(|mode| [(mode, 0, false), (mode, 0, true), (mode, 2, true)])
             {
                 let mut m = Model::new(
                     Arc::clone(&src),
@@ -738,11 +738,7 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
                 let mut req = m.plan_request().unwrap();
                 req.strategy = wp::Strategy::Layers(wp::LayerOptions {
                     n_gpu_layers: 1,
-                    overrides: if backend {
-                        wp::PlanOptions::moe_overrides(2)
-                    } else {
-                        Vec::new()
-                    },
+                    overrides: wp::PlanOptions::moe_overrides(n_cpu_moe),
                     ..wp::LayerOptions::default()
                 });
                 req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
@@ -763,7 +759,7 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
                 let out = forward_all(&mut m, &cache, &ids);
                 assert!(
                     out == cpu,
-                    "{file} {mode:?} backend {backend}: max|Δ| {} from cpu",
+                    "{file} {mode:?} n_cpu_moe={n_cpu_moe} backend {backend}: max|Δ| {} from cpu",
                     max_abs_diff(&out, &cpu)
                 );
             }

@@ -898,8 +898,8 @@ pub(crate) fn layer<B: Exec>(
 /// does not otherwise use. The normed rows and the scores are then copied to the host, which
 /// routes each token and runs only its experts with the host path's own code
 /// ([`layer::experts`]), reading them where the model holds them (host RAM or the mapped file;
-/// the graph checked that at build, and an offloaded layer's experts are read there too, not
-/// from its onload slot); the output rows come back. No expert byte travels to the device.
+/// the graph checked that at build); the output rows come back. No expert byte travels to the
+/// device.
 #[allow(clippy::too_many_arguments)]
 fn moe_on_host<B: Exec>(
     b: &B,
@@ -957,8 +957,9 @@ fn moe_on_host<B: Exec>(
 /// expert are gathered by device copies into the query region, its gated product runs as a
 /// dense MLP's does (gate and up into the MLP's regions, the down product back into the query
 /// region), and each output row, scaled by its token's weight, is added into the token's sum in
-/// the attention output's region (zeroed first), which replaces `r.xn` at the end. On the CPU
-/// backend this gives the host path's bits. One copy to the host (the scores) and one from it
+/// the attention output's region (zeroed first), which replaces `r.xn` at the end. An
+/// offloaded layer's experts are read from its onload slot. On the CPU backend this gives the
+/// host path's bits. One copy to the host (the scores) and one from it
 /// (the zeros) a layer; no new kernel.
 #[allow(clippy::too_many_arguments)]
 fn moe_on_device<B: Exec>(

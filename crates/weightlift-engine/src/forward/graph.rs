@@ -585,15 +585,24 @@ impl Graph {
             .collect::<Result<Vec<_>>>()?;
 
         // An offloaded MoE layer copies its router and every expert into its onload slot (they
-        // are among `Layer::linears`), each expert of a stacked tensor its own rows. Through the
+        // are among `Layer::linears`), each expert of a stacked tensor its own rows, and
+        // computes them there, as weight offload streams every weight. Otherwise, through the
         // backend op sequence a MoE layer's experts are computed where the model holds them:
         // by the host when they are all whole in host memory (host RAM or the mapped file, as
-        // `n_cpu_moe`, an `exps` override or weight offload leave them), else by the computing
-        // device when it holds them all; any other split is refused by name.
+        // `n_cpu_moe` or an `exps` override leave them), else by the computing device when it
+        // holds them all; any other split is refused by name.
+        let onloaded = |li: usize| {
+            m.onload
+                .is_some_and(|p| p.groups.iter().flatten().any(|&l| l as usize == li))
+        };
         for (li, l) in layers.iter_mut().enumerate() {
             let site = &sites[l.site];
             let Ffn::Moe(moe) = &mut l.ffn else { continue };
             if matches!(site.exec, SiteExec::Host) {
+                continue;
+            }
+            if onloaded(li) {
+                super::exec::check_device_experts(&site.device, &site.layout, moe, li)?;
                 continue;
             }
             let whole = |lin: &Linear| match lin.slot {
