@@ -959,8 +959,9 @@ fn moe_on_host<B: Exec>(
 /// region), and each output row, scaled by its token's weight, is added into the token's sum in
 /// the attention output's region (zeroed first), which replaces `r.xn` at the end. An
 /// offloaded layer's experts are read from its onload slot. On the CPU backend this gives the
-/// host path's bits. One copy to the host (the scores) and one from it
-/// (the zeros) a layer; no new kernel.
+/// host path's bits. A layer makes one copy to the host (the scores) and one from it (the
+/// zeros), and no new kernel is needed; the price is an operation or copy per routed row
+/// (gather, scale, add), which a gather and a weighted scatter-add kernel would fold.
 #[allow(clippy::too_many_arguments)]
 fn moe_on_device<B: Exec>(
     b: &B,
