@@ -661,39 +661,56 @@ pub(crate) fn experts_split(li: usize, name: &str, held_on: &str, device: &str) 
     }
 }
 
-/// Whether the workspace of `device` (laid out as `w`) holds what [`moe_on_device`] computes
-/// there for `m`, a chunk's tokens at a time: the gathered rows of one expert and its down
-/// product in the query region, its gate and up products in the MLP's regions, the router's
-/// scores in the up region and the block's sums in the attention output's region. Every family
-/// the engine runs has them (queries at least as wide as the hidden state, the dense MLP at
-/// least as wide as an expert and as the expert count); a model without is refused by name.
-pub(crate) fn check_device_experts(
+/// Whether the workspace of `device` (laid out as `w`) holds what a mixture-of-experts block
+/// computes there for `m`, a chunk's tokens at a time. With the experts on the host
+/// ([`moe_on_host`]): the router's scores in the gate region. On the device
+/// ([`moe_on_device`]): the gathered rows of one expert and its down product in the query
+/// region, its gate and up products in the MLP's regions, the router's scores in the up region
+/// and the block's sums in the attention output's region. Every family the engine runs has
+/// them (queries at least as wide as the hidden state, the dense MLP at least as wide as an
+/// expert and as the expert count); a model without is refused by name, before any token runs.
+pub(crate) fn check_moe_workspace(
     device: &crate::device::Device,
     w: &Workspace,
     m: &Moe,
     li: usize,
 ) -> Result<()> {
-    let rows = w.x.len / (m.router.cols.max(1) as u64);
     let h = m.router.cols as u64;
+    let rows = w.x.len / h.max(1);
     let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0) as u64;
     let n_experts = m.experts.len() as u64;
-    let needs = [
-        ("queries", w.q.len, rows * h),
-        ("attention output", w.att.len, rows * h),
-        ("MLP gate", w.gate.len, rows * widest),
-        ("MLP up", w.up.len, rows * widest.max(n_experts)),
-    ];
-    for (region, has, need) in needs {
+    let needs: &[(&str, u64, u64)] = if m.experts_on_host {
+        &[("MLP gate", w.gate.len, rows * n_experts)]
+    } else {
+        &[
+            ("queries", w.q.len, rows * h),
+            ("attention output", w.att.len, rows * h),
+            ("MLP gate", w.gate.len, rows * widest),
+            ("MLP up", w.up.len, rows * widest.max(n_experts)),
+        ]
+    };
+    let (side, fix) = if m.experts_on_host {
+        (
+            "with its experts on the host",
+            "place the layer on the host",
+        )
+    } else {
+        (
+            "with its experts on the device",
+            "keep the experts on the host with n_cpu_moe or an exps override",
+        )
+    };
+    for &(region, has, need) in needs {
         if has < need {
             return Err(EngineError::Unsupported {
                 what: format!(
-                    "the experts of layer {li} computed on {} through the backend op sequence",
+                    "the mixture-of-experts block of layer {li} computed on {} {side} through \
+                     the backend op sequence",
                     device.name()
                 ),
                 detail: format!(
-                    "the workspace's {region} region holds {has} values and the experts need \
-                     {need} ({rows} tokens); keep the experts on the host with n_cpu_moe or an \
-                     exps override"
+                    "the workspace's {region} region holds {has} values and the block needs \
+                     {need} ({rows} tokens); {fix}"
                 ),
             });
         }
@@ -895,7 +912,7 @@ pub(crate) fn layer<B: Exec>(
 /// matrices (`n_cpu_moe`'s rules, like llama.cpp's `exps` pattern, move the expert projections
 /// only), it is small, and reading it here means only the rows and their scores cross to the
 /// host, never the router's bytes. Its scores land in the MLP's gate region, which the block
-/// does not otherwise use. The normed rows and the scores are then copied to the host, which
+/// does not otherwise use (the graph checked its size at build). The normed rows and the scores are then copied to the host, which
 /// routes each token and runs only its experts with the host path's own code
 /// ([`layer::experts`]), reading them where the model holds them (host RAM or the mapped file;
 /// the graph checked that at build); the output rows come back. No expert byte travels to the
@@ -912,16 +929,8 @@ fn moe_on_host<B: Exec>(
 ) -> Result<()> {
     let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
     let at = |what: &str| format!("layer {li} {what}");
+    // the graph checked the region holds a chunk's scores (check_moe_workspace)
     let score_bytes = n * n_experts * 4;
-    if b.len(&r.gate) < score_bytes {
-        return Err(invalid(
-            at("router scores"),
-            format!(
-                "{score_bytes} bytes of the MLP's workspace region ({n} tokens × {n_experts} experts)"
-            ),
-            format!("{} bytes", b.len(&r.gate)),
-        ));
-    }
     let mut on_device =
         split(b, &mut r.gate, &[(0, score_bytes)]).map_err(cx.err(at("router scores")))?;
     cx.linear(b, &m.router, &r.xn, n, &mut on_device[0])?;
@@ -1527,4 +1536,83 @@ pub(crate) fn hidden<B: Exec>(
     out_norm(b, cx, norm, (first, need), r)?;
     b.copy_to_host(&r.xn, 0, bytemuck::cast_slice_mut(out))
         .map_err(cx.err("copying hidden states to the host"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use weightlift_plan::Region;
+
+    fn linear(rows: usize, cols: usize) -> Linear {
+        Linear {
+            slot: Slot::Tensor(0),
+            name: format!("{rows} × {cols}"),
+            rows,
+            cols,
+            bias: None,
+            onload_at: None,
+            packed: None,
+            part: None,
+            rows_of: None,
+        }
+    }
+
+    /// A block of 4 tokens of hidden size 8 with 16 experts 6 wide, 2 used: the workspace's
+    /// regions must hold what the block computes there. With the experts on the host, the 64
+    /// router scores in the gate region; on the device, the queries and attention output a
+    /// hidden row a token, the MLP regions an expert's rows a token, and the up region the
+    /// scores. A region a value short is refused by name, before any token runs.
+    #[test]
+    fn a_moe_block_needs_its_workspace_regions() {
+        let region = |len: u64| Region { offset: 0, len };
+        let fits = Workspace {
+            x: region(4 * 8),
+            q: region(4 * 8),
+            att: region(4 * 8),
+            gate: region(4 * 16),
+            up: region(4 * 16),
+            ..Workspace::default()
+        };
+        let device = Device::virtual_device(0, 1 << 20);
+        for on_host in [true, false] {
+            let m = Moe {
+                router: linear(16, 8),
+                experts: (0..16)
+                    .map(|_| [linear(6, 8), linear(6, 8), linear(8, 6)])
+                    .collect(),
+                n_used: 2,
+                norm_topk_prob: true,
+                experts_on_host: on_host,
+            };
+            assert!(check_moe_workspace(&device, &fits, &m, 3).is_ok());
+            // the scores: in the gate region with the experts on the host, else in the up one
+            let (short, named) = if on_host {
+                let w = Workspace {
+                    gate: region(4 * 16 - 1),
+                    ..fits
+                };
+                (w, "MLP gate region holds 63 values")
+            } else {
+                let w = Workspace {
+                    up: region(4 * 16 - 1),
+                    ..fits
+                };
+                (w, "MLP up region holds 63 values")
+            };
+            let e = check_moe_workspace(&device, &short, &m, 3)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("layer 3 computed on virtual:0"), "{e}");
+            assert!(e.contains(named) && e.contains("needs 64"), "{e}");
+            let short_q = Workspace {
+                q: region(4 * 8 - 1),
+                ..fits
+            };
+            assert_eq!(
+                check_moe_workspace(&device, &short_q, &m, 3).is_ok(),
+                on_host
+            );
+        }
+    }
 }

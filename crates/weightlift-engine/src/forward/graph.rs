@@ -602,7 +602,7 @@ impl Graph {
                 continue;
             }
             if onloaded(li) {
-                super::exec::check_device_experts(&site.device, &site.layout, moe, li)?;
+                super::exec::check_moe_workspace(&site.device, &site.layout, moe, li)?;
                 continue;
             }
             let whole = |lin: &Linear| match lin.slot {
@@ -620,10 +620,11 @@ impl Graph {
             let all = |f: &dyn Fn(&Linear) -> bool| moe.experts.iter().flatten().all(f);
             if all(&in_host) {
                 moe.experts_on_host = true;
+                super::exec::check_moe_workspace(&site.device, &site.layout, moe, li)?;
                 continue;
             }
             if all(&on_site) {
-                super::exec::check_device_experts(&site.device, &site.layout, moe, li)?;
+                super::exec::check_moe_workspace(&site.device, &site.layout, moe, li)?;
                 continue;
             }
             let odd = moe
