@@ -506,8 +506,8 @@ fn offloaded_weights_are_copied_from_page_locked_memory() {
 /// transformers with its argmax, and greedy decoding (one routed token per step, the row and
 /// scores copied to the host and the experts' row back) is transformers' continuation.
 /// Loaded whole on `cuda:0` instead, the experts run on the GPU (the routed rows gathered,
-/// each expert's gated product, the rows scaled and summed): within 1e-3 of transformers too,
-/// with its greedy continuation.
+/// each expert's gated product, its rows added into their tokens' sums by weight): within 1e-3
+/// of transformers too, with its greedy continuation.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn moe_on_cuda_with_experts_on_the_host_or_the_gpu() {

@@ -130,8 +130,8 @@ fn a_decode_step_issues_a_fixed_number_of_operations_per_layer() {
 /// its fused gate-up-SwiGLU and its down product: the routed experts run on the host with the
 /// host path's kernels, not as backend operations, so no expert weight is read by the device.
 /// With the experts on the device (the layers on a virtual device standing for a GPU), each of
-/// the token's 2 experts adds its fused gate-up-SwiGLU, its down product and the weighted add
-/// of its row (a scale and an add).
+/// the token's 2 experts adds 4: the gather of its row, its fused gate-up-SwiGLU, its down
+/// product and the weighted add of its row into the token's sum.
 #[test]
 fn a_moe_decode_step_issues_the_router_product_and_each_routed_experts_operations() {
     let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -176,9 +176,9 @@ fn a_moe_decode_step_issues_the_router_product_and_each_routed_experts_operation
         let (layers, used) = (2, 2);
         let mut want = want;
         *want.get_mut("matmul").unwrap() += layers * used;
-        *want.get_mut("add_in_place").unwrap() += layers * used;
+        want.insert("gather_rows", layers * used);
         want.insert("matmul_swiglu", layers * used);
-        want.insert("scale_in_place", layers * used);
+        want.insert("scatter_add_rows", layers * used);
         assert_eq!(
             ops, want,
             "{family}: operations of a decode step, experts on the device"

@@ -303,10 +303,10 @@ fn tiny_moe_backend_copies_rows_not_experts() {
 }
 
 /// Experts the plan leaves on the device that computes their layer (a virtual device standing
-/// for a GPU) run there through the backend op sequence, with operations the dense layers use
-/// (the rows routed to an expert gathered by device copies, its gated product, each output row
-/// scaled and added into its token's sum); only the router's scores go to the host, to be
-/// routed. Every expert on the two virtual devices, and layer 0's on the host with layer 1's on
+/// for a GPU) run there through the backend op sequence (the rows routed to an expert
+/// gathered, its gated product as a dense MLP's, its output rows added into their tokens' sums
+/// by weight); only the router's scores go to the host, to be routed, and the routing comes
+/// back. Every expert on the two virtual devices, and layer 0's on the host with layer 1's on
 /// its device (`n_cpu_moe=1`), give the host path's bits with the model whole on cpu: the
 /// prompt at every position and three decode steps, in exact and fast mode, for each
 /// checkpoint.

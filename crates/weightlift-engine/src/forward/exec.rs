@@ -665,10 +665,12 @@ pub(crate) fn experts_split(li: usize, name: &str, held_on: &str, device: &str) 
 /// computes there for `m`, a chunk's tokens at a time. With the experts on the host
 /// ([`moe_on_host`]): the router's scores in the gate region. On the device
 /// ([`moe_on_device`]): the gathered rows of one expert and its down product in the query
-/// region, its gate and up products in the MLP's regions, the router's scores in the up region
-/// and the block's sums in the attention output's region. Every family the engine runs has
-/// them (queries at least as wide as the hidden state, the dense MLP at least as wide as an
-/// expert and as the expert count); a model without is refused by name, before any token runs.
+/// region, its gate and up products in the MLP's regions, the router's scores in the up
+/// region, the routed rows' indices and weights in the key and value regions, and the block's
+/// sums in the attention output's region. Every family the engine runs has them (queries at
+/// least as wide as the hidden state, the dense MLP at least as wide as an expert and as the
+/// expert count, keys and values at least as wide as the experts a token uses); a model
+/// without is refused by name, before any token runs.
 pub(crate) fn check_moe_workspace(
     device: &crate::device::Device,
     w: &Workspace,
@@ -687,6 +689,8 @@ pub(crate) fn check_moe_workspace(
             ("attention output", w.att.len, rows * h),
             ("MLP gate", w.gate.len, rows * widest),
             ("MLP up", w.up.len, rows * widest.max(n_experts)),
+            ("keys", w.k.len, rows * m.n_used as u64),
+            ("values", w.v.len, rows * m.n_used as u64),
         ]
     };
     let (side, fix) = if m.experts_on_host {
@@ -958,19 +962,19 @@ fn moe_on_host<B: Exec>(
 }
 
 /// A mixture-of-experts block on the normed rows of `pieces` in `r.xn`, its output written back
-/// there, with its experts on this device, through operations the dense layers use already.
+/// there, with its experts on this device.
 ///
 /// The router multiplies here and only its scores (`n_experts` floats a token) go to the host,
-/// which routes each token with the host path's own [`layer::route`]; then, piece by piece and
-/// expert by expert in the host path's order ([`layer::experts`]), the rows routed to the
-/// expert are gathered by device copies into the query region, its gated product runs as a
-/// dense MLP's does (gate and up into the MLP's regions, the down product back into the query
-/// region), and each output row, scaled by its token's weight, is added into the token's sum in
-/// the attention output's region (zeroed first), which replaces `r.xn` at the end. An
-/// offloaded layer's experts are read from its onload slot. On the CPU backend this gives the
-/// host path's bits. A layer makes one copy to the host (the scores) and one from it (the
-/// zeros), and no new kernel is needed; the price is an operation or copy per routed row
-/// (gather, scale, add), which a gather and a weighted scatter-add kernel would fold.
+/// which routes each token with the host path's own [`layer::route`] and sends back, in one
+/// copy each, the routed rows' token indices (into the key region) and weights (into the
+/// value region), grouped piece by piece and expert by expert in the host path's order
+/// ([`layer::experts`]). Then for each group the expert's rows are gathered into the query
+/// region ([`Op::GatherRows`]), its gated product runs as a dense MLP's does (gate and up into
+/// the MLP's regions, the down product back into the query region), and its output rows are
+/// added, scaled by their weights, into their tokens' sums in the attention output's region
+/// ([`Op::ScatterAddRows`]; zeroed first), which replaces `r.xn` at the end. An offloaded
+/// layer's experts are read from its onload slot. On the CPU backend this gives the host path's
+/// bits. A routed expert costs 4 operations whatever its tokens.
 #[allow(clippy::too_many_arguments)]
 fn moe_on_device<B: Exec>(
     b: &B,
@@ -983,7 +987,6 @@ fn moe_on_device<B: Exec>(
 ) -> Result<()> {
     let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
     let at = |what: &str| format!("layer {li} {what}");
-    let row = h * 4;
     let mut scores = vec![0f32; n * n_experts];
     {
         let mut on_device =
@@ -994,14 +997,10 @@ fn moe_on_device<B: Exec>(
             .map_err(cx.err(at("copying the router scores to the host")))?;
         link.crossed(scores.len() * 4, since);
     }
-    let since = std::time::Instant::now();
-    b.copy_from_host(&vec![0u8; n * row], &mut r.att, 0)
-        .map_err(cx.err(at("zeroing the experts' sums")))?;
-    link.crossed(n * row, since);
-    // each expert's products take its rows at once, as on the host
-    let one = cx.one_run();
+    // the routed rows, grouped by piece then expert: (expert, first entry, entries)
+    let mut groups: Vec<(usize, usize, usize)> = Vec::new();
+    let (mut index, mut weight) = (Vec::with_capacity(n * m.n_used), Vec::new());
     let mut picks = Vec::new();
-    let mut routed: Vec<(usize, f32)> = Vec::new();
     let mut first = 0;
     for p in pieces {
         let rows = first..first + p.n;
@@ -1013,51 +1012,71 @@ fn moe_on_device<B: Exec>(
             m.norm_topk_prob,
             &mut picks,
         );
-        for (e, [gate, up, down]) in m.experts.iter().enumerate() {
-            routed.clear();
-            routed.extend(
-                picks
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, (pe, _))| *pe == e)
-                    .map(|(k, &(_, wt))| (rows.start + k / m.n_used, wt)),
-            );
-            if routed.is_empty() {
-                continue;
+        for e in 0..n_experts {
+            let start = index.len();
+            for (k, &(pe, wt)) in picks.iter().enumerate() {
+                if pe == e {
+                    index.push((rows.start + k / m.n_used) as u32);
+                    weight.push(wt);
+                }
             }
-            let cnt = routed.len();
-            let expert = |what: &str| at(&format!("expert {e} {what}"));
-            for (k, &(t, _)) in routed.iter().enumerate() {
-                b.copy(&r.xn, t * row, &mut r.q, k * row, row)
-                    .map_err(cx.err(expert("rows")))?;
-            }
-            {
-                let xs = view(b, &r.q, 0, cnt * row).map_err(cx.err(expert("rows")))?;
-                gated(b, &one, [gate, up], li, &xs, cnt, [&mut r.gate, &mut r.up])?;
-            }
-            one.linear(b, down, &r.gate, cnt, &mut r.q)?;
-            for (k, &(t, wt)) in routed.iter().enumerate() {
-                let mut y = split(b, &mut r.q, &[(k * row, row)]).map_err(cx.err(expert("row")))?;
-                b.run(Op::ScaleInPlace {
-                    n: h,
-                    s: wt,
-                    x: &mut y[0],
-                })
-                .map_err(cx.err(expert("weight")))?;
-                drop(y);
-                let y = view(b, &r.q, k * row, row).map_err(cx.err(expert("row")))?;
-                let mut sum =
-                    split(b, &mut r.att, &[(t * row, row)]).map_err(cx.err(expert("sum")))?;
-                b.run(Op::AddInPlace {
-                    n: h,
-                    x: &mut sum[0],
-                    y: &y,
-                })
-                .map_err(cx.err(expert("sum")))?;
+            if index.len() > start {
+                groups.push((e, start, index.len() - start));
             }
         }
     }
-    b.copy(&r.att, 0, &mut r.xn, 0, n * row)
+    let zeros = vec![0u8; n * h * 4];
+    for (bytes, region, what) in [
+        (
+            bytemuck::cast_slice::<u32, u8>(&index),
+            &mut r.k,
+            "routed rows",
+        ),
+        (
+            bytemuck::cast_slice::<f32, u8>(&weight),
+            &mut r.v,
+            "routing weights",
+        ),
+        (&zeros[..], &mut r.att, "experts' sums, zeroed"),
+    ] {
+        let since = std::time::Instant::now();
+        b.copy_from_host(bytes, region, 0)
+            .map_err(cx.err(at(&format!("copying the {what} to the device"))))?;
+        link.crossed(bytes.len(), since);
+    }
+    // each expert's products take its rows at once, as on the host
+    let one = cx.one_run();
+    for (e, start, cnt) in groups {
+        let [gate, up, down] = &m.experts[e];
+        let expert = |what: &str| at(&format!("expert {e} {what}"));
+        let rows = view(b, &r.k, start * 4, cnt * 4).map_err(cx.err(expert("rows")))?;
+        b.run(Op::GatherRows {
+            n_rows: cnt,
+            n_cols: h,
+            src_rows: n,
+            rows: &rows,
+            src: &r.xn,
+            dst: &mut r.q,
+        })
+        .map_err(cx.err(expert("rows")))?;
+        {
+            let xs = view(b, &r.q, 0, cnt * h * 4).map_err(cx.err(expert("rows")))?;
+            gated(b, &one, [gate, up], li, &xs, cnt, [&mut r.gate, &mut r.up])?;
+        }
+        one.linear(b, down, &r.gate, cnt, &mut r.q)?;
+        let weights = view(b, &r.v, start * 4, cnt * 4).map_err(cx.err(expert("weights")))?;
+        b.run(Op::ScatterAddRows {
+            n_rows: cnt,
+            n_cols: h,
+            dst_rows: n,
+            rows: &rows,
+            weights: &weights,
+            src: &r.q,
+            dst: &mut r.att,
+        })
+        .map_err(cx.err(expert("weighted sum")))?;
+    }
+    b.copy(&r.att, 0, &mut r.xn, 0, n * h * 4)
         .map_err(cx.err(at("experts' sums")))
 }
 
@@ -1561,8 +1580,8 @@ mod tests {
     /// A block of 4 tokens of hidden size 8 with 16 experts 6 wide, 2 used: the workspace's
     /// regions must hold what the block computes there. With the experts on the host, the 64
     /// router scores in the gate region; on the device, the queries and attention output a
-    /// hidden row a token, the MLP regions an expert's rows a token, and the up region the
-    /// scores. A region a value short is refused by name, before any token runs.
+    /// hidden row a token, the MLP regions an expert's rows a token, the up region the scores,
+    /// and the keys and values the routed rows' indices and weights. A region a value short is refused by name, before any token runs.
     #[test]
     fn a_moe_block_needs_its_workspace_regions() {
         let region = |len: u64| Region { offset: 0, len };
@@ -1570,6 +1589,8 @@ mod tests {
             x: region(4 * 8),
             q: region(4 * 8),
             att: region(4 * 8),
+            k: region(4 * 2),
+            v: region(4 * 2),
             gate: region(4 * 16),
             up: region(4 * 16),
             ..Workspace::default()
@@ -1605,14 +1626,18 @@ mod tests {
                 .to_string();
             assert!(e.contains("layer 3 computed on virtual:0"), "{e}");
             assert!(e.contains(named) && e.contains("needs 64"), "{e}");
-            let short_q = Workspace {
-                q: region(4 * 8 - 1),
-                ..fits
-            };
-            assert_eq!(
-                check_moe_workspace(&device, &short_q, &m, 3).is_ok(),
-                on_host
-            );
+            for short in [
+                Workspace {
+                    q: region(4 * 8 - 1),
+                    ..fits
+                },
+                Workspace {
+                    v: region(4 * 2 - 1),
+                    ..fits
+                },
+            ] {
+                assert_eq!(check_moe_workspace(&device, &short, &m, 3).is_ok(), on_host);
+            }
         }
     }
 }
