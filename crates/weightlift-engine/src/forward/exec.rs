@@ -974,7 +974,7 @@ fn moe_on_host<B: Exec>(
 /// added, scaled by their weights, into their tokens' sums in the attention output's region
 /// ([`Op::ScatterAddRows`]; zeroed first), which replaces `r.xn` at the end. An offloaded
 /// layer's experts are read from its onload slot. On the CPU backend this gives the host path's
-/// bits. A routed expert costs 4 operations whatever its tokens.
+/// bits. A routed expert costs a gather, its products and a scatter-add, whatever its tokens.
 #[allow(clippy::too_many_arguments)]
 fn moe_on_device<B: Exec>(
     b: &B,
