@@ -1,6 +1,7 @@
 // rms_norm_f32, rope_{norm,neox}_f32, softmax_f32, swiglu_f32, add_f32, and the in-place
 // forms the forward pass uses: rope_inplace_{norm,neox}_f32, add_inplace_f32,
-// swiglu_inplace_f32, geglu_tanh_inplace_f32, scale_inplace_f32, add_bias_f32.
+// swiglu_inplace_f32, geglu_tanh_inplace_f32, scale_inplace_f32, gather_rows_f32,
+// scatter_add_rows_f32, add_bias_f32.
 #include "wl_common.cuh"
 
 // Block-wide sum for blockDim.x a multiple of 32, at most 1024; every thread must call it, and
@@ -237,6 +238,36 @@ extern "C" __global__ void geglu_tanh_inplace_f32(float* gate, const float* up, 
 extern "C" __global__ void scale_inplace_f32(float* x, float s, wl_u64 n) {
     wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = WL_MUL(x[i], s);
+}
+
+// dst[k * n_cols + c] = src[rows[k] * n_cols + c] over n = n_rows * n_cols values: the rows
+// routed to one expert, gathered. An index at or past src_rows (which the router never gives)
+// leaves its row unwritten rather than read out of bounds. One thread a value; the bound is
+// 2 n × 4 bytes moved, a copy's bandwidth.
+extern "C" __global__ void gather_rows_f32(float* dst, const unsigned int* rows, const float* src,
+                                           wl_u64 n, wl_u64 n_cols, wl_u64 src_rows) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    wl_u64 k = i / n_cols;
+    wl_u64 r = rows[k];
+    if (r < src_rows) dst[i] = src[r * n_cols + i % n_cols];
+}
+
+// dst[rows[k] * n_cols + c] += weights[k] * src[k * n_cols + c] over n = n_rows * n_cols
+// values, the product rounded before the sum (the CPU reference's order): an expert's output
+// rows added into their tokens' sums. The rows are distinct, so no two threads write one
+// value; an index at or past dst_rows is skipped. One thread a value; 3 n × 4 bytes moved.
+extern "C" __global__ void scatter_add_rows_f32(float* dst, const unsigned int* rows,
+                                                const float* weights, const float* src, wl_u64 n,
+                                                wl_u64 n_cols, wl_u64 dst_rows) {
+    wl_u64 i = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    wl_u64 k = i / n_cols;
+    wl_u64 r = rows[k];
+    if (r < dst_rows) {
+        wl_u64 at = r * n_cols + i % n_cols;
+        dst[at] = WL_ADD(dst[at], WL_MUL(weights[k], src[i]));
+    }
 }
 
 // x[r * n_cols + c] += bias[c] over n = rows * n_cols values.

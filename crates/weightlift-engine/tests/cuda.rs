@@ -499,3 +499,68 @@ fn offloaded_weights_are_copied_from_page_locked_memory() {
         assert!(refused.is_empty(), "{mode:?}: {refused:?}");
     }
 }
+
+/// llama.cpp's `--n-cpu-moe 2` on `cuda:0` for the tiny mixtral and qwen3moe (F16 GGUF and
+/// safetensors): attention, norms and routers on the GPU, every expert in host RAM and
+/// computed there. Exact compute with an f32 cache: every prompt position within 1e-3 of
+/// transformers with its argmax, and greedy decoding (one routed token per step, the row and
+/// scores copied to the host and the experts' row back) is transformers' continuation.
+/// Loaded whole on `cuda:0` instead, the experts run on the GPU (the routed rows gathered,
+/// each expert's gated product, its rows added into their tokens' sums by weight): within 1e-3
+/// of transformers too, with its greedy continuation.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn moe_on_cuda_with_experts_on_the_host_or_the_gpu() {
+    use common::family::Family;
+    use common::{argmax, forward_all, greedy, json_ids, max_abs_diff, read_npy};
+    use weightlift_engine::forward::Compute;
+    use weightlift_format::Role;
+    use weightlift_plan as wp;
+    let inv = cuda();
+    for f in [Family("mixtral"), Family("qwen3moe")] {
+        let ids = f.ids();
+        let greedy_want = json_ids(&f.data().join("stats.json"), "greedy_ids");
+        let (shape, hf) = read_npy(&f.data().join("hf_logits.npy"));
+        for path in [f.data(), f.gguf("F16")] {
+            let file = path.display().to_string();
+            let src = common::open(&path);
+            let mut m = Model::new(Arc::clone(&src), inv.clone());
+            let mut req = m.plan_request().unwrap();
+            wp::PlanOptions {
+                n_cpu_moe: Some(2),
+                cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+                ..wp::PlanOptions::default()
+            }
+            .apply(&mut req)
+            .unwrap();
+            let plan = wp::plan(&req).unwrap();
+            assert!(plan.layer_devices().iter().all(|d| d == "cuda:0"), "{file}");
+            for (t, info) in plan.tensors().iter().zip(src.tensors()) {
+                if info.role.is_some_and(Role::is_expert) {
+                    assert_eq!(t.device, "cpu", "{file}: {}", t.name);
+                }
+            }
+            let cache = common::load_planned(&mut m, &plan).unwrap();
+            m.set_compute(Compute::Exact);
+            let got = forward_all(&mut m, &cache, &ids);
+            let d = max_abs_diff(&got, &hf);
+            eprintln!("{file} n_cpu_moe=2 on cuda:0: max|Δ| {d:.2e} against transformers");
+            assert!(d <= 1e-3, "{file}: max|Δ| {d}");
+            for (i, (a, b)) in got.chunks(shape[1]).zip(hf.chunks(shape[1])).enumerate() {
+                assert_eq!(argmax(a), argmax(b), "{file} position {i}");
+            }
+            let steps = greedy(&mut m, &cache, &ids, greedy_want.len());
+            assert_eq!(steps, greedy_want, "{file} greedy");
+
+            let (mut whole, wc) =
+                common::load_on(&src, "cuda:0,cpu", "cuda:0", 64, CacheDType::F32);
+            whole.set_compute(Compute::Exact);
+            let on_gpu = forward_all(&mut whole, &wc, &ids);
+            let d = max_abs_diff(&on_gpu, &hf);
+            eprintln!("{file} whole on cuda:0: max|Δ| {d:.2e} against transformers");
+            assert!(d <= 1e-3, "{file} whole on cuda:0: max|Δ| {d}");
+            let steps = greedy(&mut whole, &wc, &ids, greedy_want.len());
+            assert_eq!(steps, greedy_want, "{file} greedy whole on cuda:0");
+        }
+    }
+}

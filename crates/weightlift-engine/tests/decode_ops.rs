@@ -9,7 +9,8 @@
 //! Two llama models with tied heads and different depths (the tiny llama, 2 layers; SmolLM2,
 //! 30 layers) separate the per-layer share from the fixed one: what the deeper model issues
 //! beyond the shallower one, divided by the extra layers, is one layer's operations.
-//! Its own test binary: the counter sees every backend in the process.
+//! Its own test binary: the counter sees every backend in the process, and the tests here take
+//! turns ([`SERIAL`]).
 
 mod common;
 
@@ -19,6 +20,9 @@ use common::{argmax, open, reference, smollm2, smollm2_prompt};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::{CacheDType, Model};
 use weightlift_kernels::OpCounter;
+
+/// Held by each test while it counts: a counter sees the operations of every test running.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Operations of one decode step (one new token, the last row's logits) after `prompt`, with
 /// the layers run through the CPU backend.
@@ -50,6 +54,7 @@ fn step(
 
 #[test]
 fn a_decode_step_issues_a_fixed_number_of_operations_per_layer() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let tiny = open(reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf"));
     let tiny_ops = decode_step_ops(&tiny, &[1, 9038, 2501, 263]);
     let smol_ops = decode_step_ops(&smollm2(), &smollm2_prompt(1));
@@ -117,4 +122,66 @@ fn a_decode_step_issues_a_fixed_number_of_operations_per_layer() {
         fixed, want_fixed,
         "operations around the layers of a decode step"
     );
+}
+
+/// A mixture-of-experts layer through the backend with its experts on the host (the tiny
+/// mixtral and qwen3moe, 2 layers, Q8_0, tied heads, whole on cpu) issues the dense layer's
+/// operations up to the MLP norm, then one product, the router's, where a dense layer issues
+/// its fused gate-up-SwiGLU and its down product: the routed experts run on the host with the
+/// host path's kernels, not as backend operations, so no expert weight is read by the device.
+/// With the experts on the device (the layers on a virtual device standing for a GPU), each of
+/// the token's 2 experts adds 4: the gather of its row, its fused gate-up-SwiGLU, its down
+/// product and the weighted add of its row into the token's sum.
+#[test]
+fn a_moe_decode_step_issues_the_router_product_and_each_routed_experts_operations() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let data = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
+    for (family, qk_norms) in [("mixtral", 0), ("qwen3moe", 2)] {
+        let src = open(data.join(format!("tiny-{family}/tiny-{family}-Q8_0.gguf")));
+        let prompt = [1, 5, 9, 13];
+        let ops = decode_step_ops(&src, &prompt);
+        // per layer: attention norm (the first alone, the second fused with the first's MLP
+        // residual), the shared q/k/v product, qwen3's q and k norms, RoPE with the cache
+        // stores, attention, the output product, its residual fused with the MLP norm, the
+        // router product; around them: the embedding row, the last residual, the output norm
+        // and the head product
+        let want = std::collections::BTreeMap::from([
+            ("add_in_place", 1),
+            ("add_rms_norm", 3),
+            ("attention", 2),
+            ("dequantize", 1),
+            ("matmul", 2 * 2 + 1),
+            ("matmul_shared", 2),
+            ("rms_norm", 1 + 2 * qk_norms + 1),
+            ("rope_kv_store", 2),
+        ]);
+        assert_eq!(ops, want, "{family}: operations of a decode step");
+
+        let (mut m, cache) = common::load_on(
+            &src,
+            "virtual:1x64MiB,cpu",
+            "virtual:0",
+            64,
+            CacheDType::Fp16,
+        );
+        m.set_compute(Compute::Fast);
+        m.set_host_backend(true);
+        let mut out = Vec::new();
+        m.forward(&prompt, Some(&cache), Logits::Last, &mut out)
+            .unwrap();
+        let next = argmax(&out) as u32;
+        let counter = OpCounter::start();
+        step(&mut m, &cache, next, &mut out);
+        let ops = counter.counts();
+        let (layers, used) = (2, 2);
+        let mut want = want;
+        *want.get_mut("matmul").unwrap() += layers * used;
+        want.insert("gather_rows", layers * used);
+        want.insert("matmul_swiglu", layers * used);
+        want.insert("scatter_add_rows", layers * used);
+        assert_eq!(
+            ops, want,
+            "{family}: operations of a decode step, experts on the device"
+        );
+    }
 }

@@ -6,13 +6,18 @@
 //! llama.cpp's converter (`tests/data/tiny-qwen3moe` and `tiny-mixtral`, made by
 //! `tests/gen_qwen3moe.py` and `gen_mixtral.py`; their READMEs give the recipe and the
 //! measurements). The checks of `common/family.rs` that do not go through the backend op
-//! sequence apply as they are; the others are restated here for the host path, and the backend
-//! is held to refusing MoE by name.
+//! sequence apply as they are; the others are restated here for the host path. Through the
+//! backend op sequence (the path cuda devices take, run here on the CPU backend) a MoE layer's
+//! attention and router run on the device and its experts on the host (from host RAM) or on
+//! the device (where it holds them): held to the host path's bits, and refusing by name a
+//! layer whose experts are split between the two.
 
 use crate::common;
 
 use common::family::Family;
-use common::{forward_all, greedy, json_ids, load_on, max_abs_diff, open, split_load};
+use common::{
+    forward_all, greedy, json_ids, load_on, max_abs_diff, open, prompt_and_decode, split_load,
+};
 use weightlift_engine::CacheDType;
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_format::{Checkpoint, Format, MoeSpec, OpenOptions, Role};
@@ -98,9 +103,10 @@ fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
 #[test]
 fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
     for f in BOTH {
-        // cpu and 2 and 3 virtual devices: the checks every family is held to, on the host
-        // path (the backend op sequence refuses MoE layers)
-        f.same_bits_across_placements(false);
+        // cpu and 2 and 3 virtual devices, on the host path and through the backend op
+        // sequence (experts on the device computing their layer): the checks every family is
+        // held to
+        f.same_bits_on_cpu_virtual_devices_and_the_backend();
         let ids = f.ids();
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -128,19 +134,12 @@ fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
 }
 
 /// Greedy decoding, one token per forward call from the cache (one token routed at a time),
-/// from the safetensors folder and the F16 GGUF, is transformers' greedy continuation.
+/// from the safetensors folder and the F16 GGUF, on the host path and through the backend, is
+/// transformers' greedy continuation.
 #[test]
 fn tiny_moe_greedy_ids_are_transformers() {
-    for f in BOTH {
-        let want = json_ids(&f.data().join("stats.json"), "greedy_ids");
-        let ids = f.ids();
-        for path in [f.data(), f.gguf("F16")] {
-            let (mut m, cache) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
-            m.set_compute(Compute::Exact);
-            let got = greedy(&mut m, &cache, &ids, want.len());
-            assert_eq!(got, want, "{}", path.display());
-        }
-    }
+    BOTH.into_iter()
+        .for_each(Family::greedy_ids_are_transformers);
 }
 
 /// The plan sizes and places the router and every expert with its layer: what each device
@@ -151,22 +150,244 @@ fn tiny_moe_plan_is_what_the_load_holds() {
         .for_each(Family::plan_is_what_the_load_holds);
 }
 
-/// The backend op sequence (the path cuda devices take) has no expert ops yet: it refuses the
-/// MoE block by name instead of computing something else.
+/// `src` planned with llama.cpp's `--n-cpu-moe n` over two virtual devices standing for GPUs
+/// (the layers split evenly, as `tensor_split` 1,1) and the cpu, with a cache of 64 f32
+/// positions, and loaded as planned: the model, its cache and the plan.
+fn n_cpu_moe_model(
+    src: &std::sync::Arc<dyn weightlift_engine::Source>,
+    n: u32,
+) -> (
+    weightlift_engine::Model,
+    std::sync::Arc<weightlift_engine::Cache>,
+    weightlift_plan::Plan,
+) {
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    let mut m = Model::new(
+        std::sync::Arc::clone(src),
+        Inventory::parse("virtual:2x64MiB,cpu").unwrap(),
+    );
+    let mut req = m.plan_request().unwrap();
+    wp::PlanOptions {
+        n_cpu_moe: Some(n),
+        tensor_split: Some(vec![1.0, 1.0]),
+        cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+        ..wp::PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap();
+    let plan = wp::plan(&req).unwrap();
+    let cache = common::load_planned(&mut m, &plan).unwrap();
+    (m, cache, plan)
+}
+
+/// The backend op sequence (the path `cuda:N` takes, here on the CPU backend) runs a MoE
+/// layer's attention, norms and router on the device and its routed experts on the host, from
+/// host RAM: whole on cpu through the backend, and with `n_cpu_moe` covering both layers
+/// (attention and router on two virtual devices standing for GPUs, every expert in host RAM),
+/// the prompt's logits at every position and three decode steps' are the bits of the host path
+/// with the model whole on cpu, in exact and in fast mode, for each checkpoint; greedy decoding
+/// through the backend is transformers' greedy continuation.
 #[test]
-fn tiny_moe_backend_refuses_experts_by_name() {
+fn tiny_moe_backend_with_experts_on_the_host_gives_the_host_path_bits() {
     for f in BOTH {
-        let (mut m, cache) = load_on(&open(f.gguf("F16")), "cpu", "cpu", 64, CacheDType::F32);
+        let ids = f.ids();
+        let greedy_want = json_ids(&f.data().join("stats.json"), "greedy_ids");
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            let (mut split, split_cache, _) = n_cpu_moe_model(&src, 2);
+            for compute in [Compute::Exact, Compute::Fast] {
+                whole.set_compute(compute);
+                whole.set_host_backend(false);
+                let want = prompt_and_decode(&mut whole, &cache, &ids);
+                whole.set_host_backend(true);
+                let got = prompt_and_decode(&mut whole, &cache, &ids);
+                let d = max_abs_diff(&floats(&got), &floats(&want));
+                eprintln!("{file} {compute:?} whole on cpu through the backend: max|Δ| {d:e}");
+                assert!(got == want, "{file} {compute:?} cpu backend: max|Δ| {d}");
+                split.set_compute(compute);
+                split.set_host_backend(true);
+                let got = prompt_and_decode(&mut split, &split_cache, &ids);
+                let d = max_abs_diff(&floats(&got), &floats(&want));
+                eprintln!("{file} {compute:?} n_cpu_moe=2 through the backend: max|Δ| {d:e}");
+                assert!(got == want, "{file} {compute:?} n_cpu_moe=2: max|Δ| {d}");
+            }
+            if !file.contains("Q8_0") {
+                split.set_compute(Compute::Exact);
+                let got = greedy(&mut split, &split_cache, &ids, greedy_want.len());
+                assert_eq!(got, greedy_want, "{file} greedy through the backend");
+            }
+        }
+    }
+}
+
+fn floats(bits: &[u32]) -> Vec<f32> {
+    bits.iter().map(|b| f32::from_bits(*b)).collect()
+}
+
+/// With its experts on the host, a layer through the backend copies only rows across: each
+/// MoE layer of a decode step sends the token's normed row and its router scores to the host
+/// and takes one row back (3 copies of `2·hidden + n_experts` floats in all), beyond the
+/// hidden state's moves between devices that the host path makes too. No expert byte moves,
+/// every expert tensor is held on the cpu, and each device holds what the plan says before and
+/// after the forward calls.
+#[test]
+fn tiny_moe_backend_copies_rows_not_experts() {
+    use weightlift_engine::Held;
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut m, cache, plan) = n_cpu_moe_model(&src, 2);
+            let expert_bytes: u64 = src
+                .tensors()
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.role.is_some_and(Role::is_expert))
+                .map(|(i, t)| {
+                    match m.held(&t.name).unwrap() {
+                        Held::Whole { device, .. } => assert_eq!(device, "cpu", "{}", t.name),
+                        Held::Split { .. } => panic!("{}: split", t.name),
+                    }
+                    src.bytes(i).len() as u64
+                })
+                .sum();
+            let held_as_planned = |m: &weightlift_engine::Model, when: &str| {
+                let mem = m.memory();
+                for d in plan.devices() {
+                    let got = mem
+                        .iter()
+                        .find(|(n, _)| *n == d.name)
+                        .map_or(0, |(_, b)| *b);
+                    assert_eq!(
+                        got,
+                        d.weights + d.kv + d.scratch,
+                        "{file} {when}: {}",
+                        d.name
+                    );
+                }
+            };
+            held_as_planned(&m, "after the load");
+            m.set_compute(Compute::Exact);
+            let step = |m: &mut weightlift_engine::Model, backend: bool| {
+                m.set_host_backend(backend);
+                cache.reset();
+                let mut out = Vec::new();
+                m.forward(&ids, Some(&cache), Logits::Last, &mut out)
+                    .unwrap();
+                let next = common::argmax(&out) as u32;
+                m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                    .unwrap()
+            };
+            let host = step(&mut m, false);
+            let backend = step(&mut m, true);
+            held_as_planned(&m, "after the forward calls");
+            let spec = src.spec().unwrap();
+            let (h, layers) = (spec.hidden_size, u64::from(spec.n_layers));
+            let experts = 4;
+            assert_eq!(backend.count - host.count, 3 * layers, "{file}");
+            assert_eq!(
+                backend.bytes - host.bytes,
+                layers * (2 * h + experts) * 4,
+                "{file}: {} bytes copied through the backend, {} on the host path, the \
+                 experts hold {expert_bytes}",
+                backend.bytes,
+                host.bytes
+            );
+            assert!(backend.bytes < expert_bytes / 10, "{file}");
+        }
+    }
+}
+
+/// Experts the plan leaves on the device that computes their layer (a virtual device standing
+/// for a GPU) run there through the backend op sequence (the rows routed to an expert
+/// gathered, its gated product as a dense MLP's, its output rows added into their tokens' sums
+/// by weight); only the router's scores go to the host, to be routed, and the routing comes
+/// back. Every expert on the two virtual devices, and layer 0's on the host with layer 1's on
+/// its device (`n_cpu_moe=1`), give the host path's bits with the model whole on cpu: the
+/// prompt at every position and three decode steps, in exact and fast mode, for each
+/// checkpoint.
+#[test]
+fn tiny_moe_backend_with_experts_on_the_device_gives_the_host_path_bits() {
+    for f in BOTH {
+        let ids = f.ids();
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            let (mut all, all_cache) = split_load(
+                &src,
+                "virtual:2x64MiB,cpu",
+                &["virtual:0", "virtual:1"],
+                CacheDType::F32,
+                0,
+                false,
+            );
+            let (mut mixed, mixed_cache, plan) = n_cpu_moe_model(&src, 1);
+            assert!(plan.layer_devices()[1].starts_with("virtual:"), "{file}");
+            for compute in [Compute::Exact, Compute::Fast] {
+                whole.set_compute(compute);
+                let want = prompt_and_decode(&mut whole, &cache, &ids);
+                for (what, m, c) in [
+                    ("every expert on its device", &mut all, &all_cache),
+                    ("n_cpu_moe=1", &mut mixed, &mixed_cache),
+                ] {
+                    m.set_compute(compute);
+                    m.set_host_backend(true);
+                    let got = prompt_and_decode(m, c, &ids);
+                    let d = max_abs_diff(&floats(&got), &floats(&want));
+                    eprintln!("{file} {compute:?} {what} through the backend: max|Δ| {d:e}");
+                    assert!(got == want, "{file} {compute:?} {what}: max|Δ| {d}");
+                }
+            }
+        }
+    }
+}
+
+/// A layer whose experts are split between the host and its device (an override moving only
+/// layer 0's up projections to the cpu) is refused through the backend op sequence, naming the
+/// expert, where it is held, where the layer computes and how to keep the experts together.
+/// The host path still runs the placement.
+#[test]
+fn tiny_moe_backend_refuses_experts_split_between_host_and_device_by_name() {
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    for f in BOTH {
+        let src = open(f.gguf("F16"));
+        let mut m = Model::new(
+            std::sync::Arc::clone(&src),
+            Inventory::parse("virtual:1x64MiB,cpu").unwrap(),
+        );
+        let mut req = m.plan_request().unwrap();
+        req.strategy = wp::Strategy::Layers(wp::LayerOptions {
+            n_gpu_layers: -1,
+            overrides: vec![(r"^blk\.0\.ffn_up_exps\.".into(), "cpu".into())],
+            ..wp::LayerOptions::default()
+        });
+        req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
+        let plan = wp::plan(&req).unwrap();
+        let cache = common::load_planned(&mut m, &plan).unwrap();
         m.set_host_backend(true);
-        cache.reset();
         let mut out = Vec::new();
         let e = m
             .forward(&f.ids(), Some(&cache), Logits::All, &mut out)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("mixture-of-experts block of layer 0"), "{e}");
-        assert!(e.contains("backend op sequence"), "{e}");
-        assert!(e.contains("host path"), "{e}");
+        assert!(
+            e.contains(
+                "expert 'blk.0.ffn_up_exps.weight expert 0' of layer 0 held on cpu while the \
+                 layer computes on virtual:0 through the backend op sequence"
+            ),
+            "{e}"
+        );
+        assert!(e.contains("n_cpu_moe") && e.contains("exps"), "{e}");
+        m.set_host_backend(false);
+        m.set_compute(Compute::Exact);
+        let out = forward_all(&mut m, &cache, &f.ids());
+        f.assert_matches("host path", &out, "hf_logits.npy");
     }
 }
 
@@ -285,6 +506,50 @@ fn tiny_moe_n_cpu_moe_keeps_the_first_layers_experts_on_the_host() {
     }
 }
 
+/// `weightlift plan --n-cpu-moe N` for a GPU (a what-if `cuda:0` of 8 GiB, no GPU needed):
+/// every layer's attention, norms and router on `cuda:0`, the first N layers' experts on the
+/// cpu, and the plan's text says so on each device's line.
+#[test]
+fn tiny_moe_plan_for_a_gpu_shows_the_experts_on_the_host() {
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    for f in BOTH {
+        let src = open(f.gguf("Q8_0"));
+        let m = Model::new(
+            std::sync::Arc::clone(&src),
+            Inventory::parse("cpu").unwrap(),
+        );
+        for (n, named) in [(1, "experts of layers 0"), (2, "experts of layers 0-1")] {
+            let mut req = m.plan_request().unwrap();
+            req.devices = wp::parse_devices("cuda:0:8GiB:sm_90,cpu:16GiB").unwrap();
+            wp::PlanOptions {
+                n_cpu_moe: Some(n),
+                cache: Some(wp::CacheSpec::new(64, 1, CacheDType::F32)),
+                ..wp::PlanOptions::default()
+            }
+            .apply(&mut req)
+            .unwrap();
+            let plan = wp::plan(&req).unwrap();
+            assert!(plan.layer_devices().iter().all(|d| d == "cuda:0"), "{n}");
+            for (t, info) in plan.tensors().iter().zip(src.tensors()) {
+                let Some(l) = info.layer else { continue };
+                let host = info.role.is_some_and(Role::is_expert) && l < n;
+                let want = if host { "cpu" } else { "cuda:0" };
+                assert_eq!(t.device, want, "n_cpu_moe={n}: {}", t.name);
+            }
+            let text = plan.explain();
+            let line = |dev: &str| {
+                text.lines()
+                    .find(|l| l.starts_with(dev))
+                    .unwrap_or_else(|| panic!("no {dev} line in\n{text}"))
+                    .to_owned()
+            };
+            assert!(line("cuda:0").contains("layers 0-1"), "{text}");
+            assert!(line("cpu").ends_with(named), "{text}");
+        }
+    }
+}
+
 /// Several sequences in one forward call route and group their tokens piece by piece: a
 /// sequence's logits in a batch (prompts joining while others decode) are the bits it gets
 /// alone, in exact and in fast mode, on the Q8_0 file (quantised experts) and the safetensors.
@@ -309,6 +574,53 @@ fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
                 let want = common::batch::alone(&mut m, &reqs, STEPS);
                 let got = common::batch::batched(&mut m, &reqs, STEPS);
                 common::batch::assert_same_bits(&what, &got, &want);
+            }
+        }
+    }
+}
+
+/// Through the backend op sequence with every expert on the host (`n_cpu_moe=2`, attention
+/// and routers on two virtual devices) and with every expert on the device computing its
+/// layer, a batch of sequences (prompts joining while others decode) gives each sequence the
+/// bits it gets alone on the host path whole on cpu, in exact and in fast mode, on the Q8_0
+/// file (quantised experts) and the safetensors: the router's products and the experts' run
+/// piece by piece, as on the host.
+#[test]
+fn tiny_moe_backend_batches_with_the_bits_of_each_sequence_alone() {
+    const STEPS: usize = 4;
+    for f in BOTH {
+        let ids = f.ids();
+        let reqs: Vec<(Vec<u32>, usize)> = vec![
+            (ids.clone(), 0),
+            (ids[..3].to_vec(), 0),
+            (ids[1..ids.len() - 1].to_vec(), 1),
+            (ids[4..].to_vec(), 2),
+        ];
+        for path in [f.data(), f.gguf("Q8_0")] {
+            let src = open(&path);
+            let (mut whole, _) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            let (mut host, _, _) = n_cpu_moe_model(&src, 2);
+            let (mut device, _) = split_load(
+                &src,
+                "virtual:2x64MiB,cpu",
+                &["virtual:0", "virtual:1"],
+                CacheDType::F32,
+                0,
+                false,
+            );
+            for compute in [Compute::Exact, Compute::Fast] {
+                whole.set_compute(compute);
+                let want = common::batch::alone(&mut whole, &reqs, STEPS);
+                for (experts, m) in [("host", &mut host), ("device", &mut device)] {
+                    m.set_host_backend(true);
+                    m.set_compute(compute);
+                    let what = format!(
+                        "{} {compute:?} through the backend, experts on the {experts}",
+                        path.display()
+                    );
+                    let got = common::batch::batched(m, &reqs, STEPS);
+                    common::batch::assert_same_bits(&what, &got, &want);
+                }
             }
         }
     }
@@ -393,7 +705,9 @@ fn tiny_moe_fit_finds_the_fewest_layers_with_experts_on_the_host() {
 /// Offloaded execution (`offload="sequential"` and `"group"`): layer 0 kept on the cpu and run
 /// on the virtual device after its router and experts are copied into an onload slot, each
 /// expert of a stacked GGUF tensor its own rows. The logits are the all-on-cpu bits, for every
-/// checkpoint.
+/// checkpoint, on the host path and through the backend op sequence (which computes the
+/// offloaded layer's experts from the slot on the device), and with `n_cpu_moe=2` as well
+/// through the backend (layer 1's experts in host RAM, computed by the host).
 #[test]
 fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
     use std::sync::Arc;
@@ -407,13 +721,16 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
             let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
             whole.set_compute(Compute::Exact);
             let cpu = forward_all(&mut whole, &cache, &ids);
-            for mode in [
+            for (mode, n_cpu_moe, backend) in [
                 wp::WeightOffload::Sequential,
                 wp::WeightOffload::Group {
                     blocks_per_group: 1,
                     prefetch: true,
                 },
-            ] {
+            ]
+            .into_iter()
+            .flat_map(|mode| [(mode, 0, false), (mode, 0, true), (mode, 2, true)])
+            {
                 let mut m = Model::new(
                     Arc::clone(&src),
                     Inventory::parse("virtual:1x64MiB,cpu").unwrap(),
@@ -421,6 +738,7 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
                 let mut req = m.plan_request().unwrap();
                 req.strategy = wp::Strategy::Layers(wp::LayerOptions {
                     n_gpu_layers: 1,
+                    overrides: wp::PlanOptions::moe_overrides(n_cpu_moe),
                     ..wp::LayerOptions::default()
                 });
                 req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
@@ -437,10 +755,11 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
                     assert_eq!(got, d.weights + d.kv + d.scratch, "{file}: {}", d.name);
                 }
                 m.set_compute(Compute::Exact);
+                m.set_host_backend(backend);
                 let out = forward_all(&mut m, &cache, &ids);
                 assert!(
                     out == cpu,
-                    "{file} {mode:?}: max|Δ| {} from cpu",
+                    "{file} {mode:?} n_cpu_moe={n_cpu_moe} backend {backend}: max|Δ| {} from cpu",
                     max_abs_diff(&out, &cpu)
                 );
             }

@@ -21,7 +21,8 @@
 //! the residual adds ([`Op::AddInPlace`]) and the gated MLP ([`Op::SwiGluInPlace`], or with the
 //! gate and up products in one op, [`Op::MatmulSwiGlu`]; gemma's
 //! [`Op::GeGluTanhInPlace`], with its embedding scale [`Op::ScaleInPlace`] and the attention's
-//! sliding window and soft-cap).
+//! sliding window and soft-cap). A mixture-of-experts block gathers the rows routed to an
+//! expert ([`Op::GatherRows`]) and adds its weighted output rows back ([`Op::ScatterAddRows`]).
 
 use std::collections::BTreeMap;
 
@@ -353,6 +354,44 @@ pub enum Op<'a, B> {
         /// Values, scaled in place.
         x: &'a mut B,
     },
+    /// `dst` row `k` = `src` row `rows[k]` for `n_rows` rows of `n_cols` f32 values (`rows`:
+    /// `n_rows` u32 indices, each below `src_rows`): the tokens routed to one expert, gathered.
+    GatherRows {
+        /// Rows gathered.
+        n_rows: usize,
+        /// Values a row.
+        n_cols: usize,
+        /// Rows `src` holds; an index at or past it is refused (the CPU backend) or skipped
+        /// (CUDA, which cannot read the indices before it runs).
+        src_rows: usize,
+        /// The row of `src` each row of `dst` takes (u32).
+        rows: &'a B,
+        /// Rows, `src_rows × n_cols` values.
+        src: &'a B,
+        /// Gathered rows, `n_rows × n_cols` values.
+        dst: &'a mut B,
+    },
+    /// `dst` row `rows[k]` += `weights[k] · src` row `k` for `n_rows` rows of `n_cols` f32
+    /// values, the product rounded before the sum (as `x *= s` then `x += y` would): an
+    /// expert's output rows added into their tokens' sums. The indices are distinct, each below
+    /// `dst_rows`.
+    ScatterAddRows {
+        /// Rows added.
+        n_rows: usize,
+        /// Values a row.
+        n_cols: usize,
+        /// Rows `dst` holds; an index at or past it is refused (the CPU backend) or skipped
+        /// (CUDA).
+        dst_rows: usize,
+        /// The row of `dst` each row of `src` is added into (u32, distinct).
+        rows: &'a B,
+        /// Each row's factor (f32).
+        weights: &'a B,
+        /// Rows added, `n_rows × n_cols` values.
+        src: &'a B,
+        /// Sums, `dst_rows × n_cols` values.
+        dst: &'a mut B,
+    },
     /// Causal grouped-query attention of `n_q` queries at positions `start..start + n_q` over
     /// the first `start + n_q` rows of a KV cache: query `i` of head `h` meets keys
     /// `0..=start + i` of kv head `h / (n_heads / kv_heads)`, and
@@ -618,6 +657,8 @@ impl<B> Op<'_, B> {
             Op::Attention { .. } => "attention",
             Op::GeGluTanhInPlace { .. } => "geglu_tanh_in_place",
             Op::ScaleInPlace { .. } => "scale_in_place",
+            Op::GatherRows { .. } => "gather_rows",
+            Op::ScatterAddRows { .. } => "scatter_add_rows",
         }
     }
 }

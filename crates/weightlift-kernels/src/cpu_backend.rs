@@ -576,6 +576,57 @@ impl CpuBackend {
                 cpu::ops::scale_in_place(x.typed_mut("scaled values", n)?, s);
                 Ok(())
             }
+            Op::GatherRows {
+                n_rows,
+                n_cols,
+                src_rows,
+                rows,
+                src,
+                dst,
+            } => {
+                self.own(rows)?;
+                self.own(src)?;
+                self.own(dst)?;
+                let rows = rows.typed::<u32>("gathered row indices", n_rows)?;
+                let src =
+                    src.typed::<f32>("gather source values", src_rows.saturating_mul(n_cols))?;
+                let dst = dst.typed_mut::<f32>("gathered values", n_rows.saturating_mul(n_cols))?;
+                for (&r, out) in rows.iter().zip(dst.chunks_exact_mut(n_cols.max(1))) {
+                    let r = row_index("gather_rows", r, src_rows)?;
+                    out.copy_from_slice(&src[r * n_cols..(r + 1) * n_cols]);
+                }
+                Ok(())
+            }
+            Op::ScatterAddRows {
+                n_rows,
+                n_cols,
+                dst_rows,
+                rows,
+                weights,
+                src,
+                dst,
+            } => {
+                self.own(rows)?;
+                self.own(weights)?;
+                self.own(src)?;
+                self.own(dst)?;
+                let rows = rows.typed::<u32>("scattered row indices", n_rows)?;
+                let weights = weights.typed::<f32>("scattered row weights", n_rows)?;
+                let src = src.typed::<f32>("scattered values", n_rows.saturating_mul(n_cols))?;
+                let dst = dst.typed_mut::<f32>("scatter sums", dst_rows.saturating_mul(n_cols))?;
+                for ((&r, &w), y) in rows
+                    .iter()
+                    .zip(weights)
+                    .zip(src.chunks_exact(n_cols.max(1)))
+                {
+                    let r = row_index("scatter_add_rows", r, dst_rows)?;
+                    dst[r * n_cols..(r + 1) * n_cols]
+                        .iter_mut()
+                        .zip(y)
+                        .for_each(|(o, v)| *o += w * v);
+                }
+                Ok(())
+            }
             Op::Attention {
                 k_format,
                 v_format,
@@ -897,4 +948,16 @@ fn cache_values<'b>(
     let mut out = vec![0f32; n];
     cpu::kv_format::kv_decode(format, &buf.as_bytes()[..nb], &mut out)?;
     Ok(std::borrow::Cow::Owned(out))
+}
+
+/// Row index `r` of an op over a buffer of `n` rows, refused when it is past them.
+fn row_index(op: &'static str, r: u32, n: usize) -> Result<usize> {
+    let r = r as usize;
+    if r >= n {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!("row index {r} is past the buffer's {n} rows"),
+        });
+    }
+    Ok(r)
 }

@@ -194,6 +194,11 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("geglu_tanh_inplace_", &[Ptr, Ptr, U64]),
     // (x, s, n): x *= s
     ("scale_inplace_", &[Ptr, F32, U64]),
+    // (dst, rows, src, n values, n_cols, src_rows): dst row k = src row rows[k]
+    ("gather_rows_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
+    // (dst, rows, weights, src, n values, n_cols, dst_rows): dst row rows[k] += weights[k] ·
+    // src row k
+    ("scatter_add_rows_", &[Ptr, Ptr, Ptr, Ptr, U64, U64, U64]),
     // (x, bias, n values, n_cols)
     ("add_bias_", &[Ptr, Ptr, U64, U64]),
     // the splits merged, before the family its name starts with: (part, out, n_q, n_heads,

@@ -2,7 +2,8 @@
 //! (`test_device!`): RoPE in place on a frequency table (alone and fused with the cache
 //! store), the residual add (alone and fused with
 //! the next norm), the bias add, the
-//! gated MLP in place (SwiGLU and gemma's GeGLU), gemma's embedding scale, causal grouped-query
+//! gated MLP in place (SwiGLU and gemma's GeGLU), gemma's embedding scale, a mixture-of-experts
+//! block's row gather and weighted scatter-add, causal grouped-query
 //! attention over an f32 or f16 cache (with gemma's sliding window and soft-cap), and views of
 //! parts of a buffer. References: f64 closed forms and a plain (two-pass) f64 softmax. The CUDA
 //! cases skip, saying why, without a GPU.
@@ -149,6 +150,112 @@ fn in_place_ops_match_closed_forms<B: Backend>(b: &B) -> Result<()> {
     b.synchronize()
 }
 test_device!(in_place_ops_match_closed_forms);
+
+/// A mixture-of-experts block's row moves: rows gathered by index (5 of 9 rows of 37 values,
+/// one taken twice, in any order) are those rows; a weighted scatter-add of 4 rows into
+/// distinct rows of 9 sums adds `w · y` (the product rounded, then the sum: the bits of a
+/// scale then an add) into those rows and leaves the others; an index past the rows is
+/// refused on the CPU backends (the CUDA kernels skip it instead and are not asked).
+fn row_gather_and_scatter_add_move_the_rows_they_name<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x3e7a);
+    let (rows, cols) = (9, 37);
+    let src = rng.vec(rows * cols, 3.0);
+    let srcb = f32s(b, &src)?;
+    let pick: [u32; 5] = [7, 0, 7, 3, 8];
+    let pickb = upload(b, bytemuck::cast_slice(&pick))?;
+    let mut dst = b.alloc(pick.len() * cols * 4)?;
+    b.run(Op::GatherRows {
+        n_rows: pick.len(),
+        n_cols: cols,
+        src_rows: rows,
+        rows: &pickb,
+        src: &srcb,
+        dst: &mut dst,
+    })?;
+    let got = download_f32(b, &dst, pick.len() * cols)?;
+    for (k, &r) in pick.iter().enumerate() {
+        let want = &src[r as usize * cols..][..cols];
+        assert_eq!(
+            &got[k * cols..][..cols],
+            want,
+            "{} gathered row {k}",
+            b.name()
+        );
+    }
+
+    let into: [u32; 4] = [5, 1, 8, 2];
+    let weights = [0.25f32, -1.5, 0.8125, 3.0];
+    let y = rng.vec(into.len() * cols, 2.0);
+    let (intob, wb, yb) = (
+        upload(b, bytemuck::cast_slice(&into))?,
+        f32s(b, &weights)?,
+        f32s(b, &y)?,
+    );
+    let mut sums = f32s(b, &src)?;
+    b.run(Op::ScatterAddRows {
+        n_rows: into.len(),
+        n_cols: cols,
+        dst_rows: rows,
+        rows: &intob,
+        weights: &wb,
+        src: &yb,
+        dst: &mut sums,
+    })?;
+    let got = download_f32(b, &sums, rows * cols)?;
+    let mut want = src.clone();
+    for (k, &r) in into.iter().enumerate() {
+        for c in 0..cols {
+            let scaled = weights[k] * y[k * cols + c];
+            want[r as usize * cols + c] += scaled;
+        }
+    }
+    for i in 0..rows * cols {
+        assert_eq!(
+            got[i].to_bits(),
+            want[i].to_bits(),
+            "{} scatter-add at {i}",
+            b.name()
+        );
+    }
+
+    if !b.name().starts_with("cuda") {
+        let past = upload(b, bytemuck::cast_slice(&[2u32, 9]))?;
+        let e = b
+            .run(Op::GatherRows {
+                n_rows: 2,
+                n_cols: cols,
+                src_rows: rows,
+                rows: &past,
+                src: &srcb,
+                dst: &mut dst,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("gather_rows") && e.contains("row index 9"),
+            "{e}"
+        );
+        let e = b
+            .run(Op::ScatterAddRows {
+                n_rows: 2,
+                n_cols: cols,
+                dst_rows: rows,
+                rows: &past,
+                weights: &wb,
+                src: &yb,
+                dst: &mut sums,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("scatter_add_rows") && e.contains("past the buffer's 9 rows"),
+            "{e}"
+        );
+    }
+    Ok(())
+}
+
+test_device!(row_gather_and_scatter_add_move_the_rows_they_name);
 
 /// The fused residual add and norm: `x` is `x + h` and `h` the RMSNorm of it, bit for bit what
 /// the residual add and then the norm give on the same backend, and within 1e-5 of an f64

@@ -234,6 +234,9 @@ fn expected_kernels() -> Vec<String> {
         "add_inplace_f32",
         "swiglu_inplace_f32",
         "add_bias_f32",
+        // a mixture-of-experts block's rows: gathered for an expert, added back weighted
+        "gather_rows_f32",
+        "scatter_add_rows_f32",
         "attention_f32",
         "attention_f16",
         "attention_bf16",

@@ -33,11 +33,11 @@ use weightlift_kernels::{
 };
 use weightlift_plan::Workspace;
 
-use super::Compute;
-use super::layer::{Consts, Piece, tokens};
+use super::layer::{self, Consts, Piece, Weights, tokens};
 use super::onload::SlotMem;
-use super::parts::{Floats, Layer, Linear, Slot};
+use super::parts::{Ffn, Floats, Layer, Linear, Moe, Slot};
 use super::weights::Packing;
+use super::{Compute, Copies};
 use crate::device::{Buffer, DeviceTensor, Storage};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
@@ -642,18 +642,103 @@ impl<'a> Ctx<'a> {
     }
 }
 
-/// The kernels' type of a weight.
-/// The refusal of a mixture-of-experts layer on the backend op sequence.
-pub(crate) fn moe_off_host(li: usize) -> EngineError {
+/// The refusal of a mixture-of-experts layer computed on `device` through the backend op
+/// sequence whose experts are neither all in host memory nor all on `device`: expert `name` is
+/// held on `held_on`.
+pub(crate) fn experts_split(li: usize, name: &str, held_on: &str, device: &str) -> EngineError {
     EngineError::Unsupported {
-        what: format!("the mixture-of-experts block of layer {li} through the backend op sequence"),
-        detail: "routed experts run on the host path (cpu, disk, virtual:N) for now: the backend \
-                 has no router top-k, expert gather or weighted scatter-add ops yet; place MoE \
-                 layers on host devices and leave the host backend off"
-            .into(),
+        what: format!(
+            "expert '{name}' of layer {li} held on {held_on} while the layer computes on {device} \
+             through the backend op sequence"
+        ),
+        detail: format!(
+            "a mixture-of-experts layer's experts run all on the host, from host RAM or the \
+             mapped file, or all on the device that computes the layer; keep them together: all \
+             on the host with n_cpu_moe=N (llama.cpp's --n-cpu-moe) for the first N layers, or \
+             an override such as {{\"exps\": \"cpu\"}} for GGUF names ({{\"experts\": \"cpu\"}} \
+             for transformers' names), or all on {device} with the rest of the layer"
+        ),
     }
 }
 
+/// Whether the workspace of `device` (laid out as `w`) holds what a mixture-of-experts block
+/// computes there for `m`, a chunk's tokens at a time. With the experts on the host
+/// ([`moe_on_host`]): the router's scores in the gate region. On the device
+/// ([`moe_on_device`]): the gathered rows of one expert and its down product in the query
+/// region, its gate and up products in the MLP's regions, the router's scores in the up
+/// region, the routed rows' indices and weights in the key and value regions, and the block's
+/// sums in the attention output's region. Every family the engine runs has them (queries at
+/// least as wide as the hidden state, the dense MLP at least as wide as an expert and as the
+/// expert count, keys and values at least as wide as the experts a token uses); a model
+/// without is refused by name, before any token runs.
+pub(crate) fn check_moe_workspace(
+    device: &crate::device::Device,
+    w: &Workspace,
+    m: &Moe,
+    li: usize,
+) -> Result<()> {
+    let h = m.router.cols as u64;
+    let rows = w.x.len / h.max(1);
+    let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0) as u64;
+    let n_experts = m.experts.len() as u64;
+    let needs: &[(&str, u64, u64)] = if m.experts_on_host {
+        &[("MLP gate", w.gate.len, rows * n_experts)]
+    } else {
+        &[
+            ("queries", w.q.len, rows * h),
+            ("attention output", w.att.len, rows * h),
+            ("MLP gate", w.gate.len, rows * widest),
+            ("MLP up", w.up.len, rows * widest.max(n_experts)),
+            ("keys", w.k.len, rows * m.n_used as u64),
+            ("values", w.v.len, rows * m.n_used as u64),
+        ]
+    };
+    let (side, fix) = if m.experts_on_host {
+        (
+            "with its experts on the host",
+            "place the layer on the host",
+        )
+    } else {
+        (
+            "with its experts on the device",
+            "keep the experts on the host with n_cpu_moe or an exps override",
+        )
+    };
+    for &(region, has, need) in needs {
+        if has < need {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "the mixture-of-experts block of layer {li} computed on {} {side} through \
+                     the backend op sequence",
+                    device.name()
+                ),
+                detail: format!(
+                    "the workspace's {region} region holds {has} values and the block needs \
+                     {need} ({rows} tokens); {fix}"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The host's side of the layers whose routed experts the host computes (see
+/// [`moe_on_host`]): the simulated link between the computing device and host memory (a
+/// virtual device's rate; `None`: no wait), and the count of the copies across it.
+pub(crate) struct HostLink<'a> {
+    pub rate: Option<u64>,
+    pub copies: &'a mut Copies,
+}
+
+impl HostLink<'_> {
+    /// A copy of `bytes` across the link, begun at `since`: paced, then counted.
+    fn crossed(&mut self, bytes: usize, since: std::time::Instant) {
+        crate::device::pace(self.rate, bytes as u64, since);
+        self.copies.note(bytes as u64, since);
+    }
+}
+
+/// The kernels' type of a weight.
 pub(crate) fn kernel_type(name: &str, dtype: DType) -> Result<QuantType> {
     QuantType::from_name(dtype.name()).ok_or_else(|| EngineError::Unsupported {
         what: format!("tensor '{name}' of type {dtype}"),
@@ -768,6 +853,7 @@ pub(crate) fn layer<B: Exec>(
     pieces: &[Piece<'_>],
     r: &mut Regions<'_, B::Buffer>,
     (pending, defer): (bool, bool),
+    link: &mut HostLink<'_>,
 ) -> Result<()> {
     let h = cx.c.hidden;
     let n = tokens(pieces);
@@ -809,10 +895,11 @@ pub(crate) fn layer<B: Exec>(
         r,
         format!("layer {li} residual and ffn_norm"),
     )?;
-    let Some(mlp) = l.ffn.dense() else {
-        return Err(moe_off_host(li));
-    };
-    mlp_normed(b, cx, mlp, li, n, r)?;
+    match &l.ffn {
+        Ffn::Dense { gate, up, down } => mlp_normed(b, cx, [gate, up, down], li, n, r)?,
+        Ffn::Moe(m) if m.experts_on_host => moe_on_host(b, cx, m, li, pieces, r, link)?,
+        Ffn::Moe(m) => moe_on_device(b, cx, m, li, pieces, r, link)?,
+    }
     if let Some(f) = &l.post_ffn_norm {
         post_norm(b, cx, f, n, r, format!("layer {li} post_ffw_norm"))?;
     }
@@ -820,6 +907,177 @@ pub(crate) fn layer<B: Exec>(
         return Ok(());
     }
     residual(b, cx, li, n * h, r)
+}
+
+/// A mixture-of-experts block on the normed rows of `pieces` in `r.xn`, its output written back
+/// there, with its routed experts computed on the host.
+///
+/// The router multiplies here, on the device: the plan keeps it beside the layer's other
+/// matrices (`n_cpu_moe`'s rules, like llama.cpp's `exps` pattern, move the expert projections
+/// only), it is small, and reading it here means only the rows and their scores cross to the
+/// host, never the router's bytes. Its scores land in the MLP's gate region, which the block
+/// does not otherwise use (the graph checked its size at build). The normed rows and the scores are then copied to the host, which
+/// routes each token and runs only its experts with the host path's own code
+/// ([`layer::experts`]), reading them where the model holds them (host RAM or the mapped file;
+/// the graph checked that at build); the output rows come back. No expert byte travels to the
+/// device.
+#[allow(clippy::too_many_arguments)]
+fn moe_on_host<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    m: &Moe,
+    li: usize,
+    pieces: &[Piece<'_>],
+    r: &mut Regions<'_, B::Buffer>,
+    link: &mut HostLink<'_>,
+) -> Result<()> {
+    let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
+    let at = |what: &str| format!("layer {li} {what}");
+    // the graph checked the region holds a chunk's scores (check_moe_workspace)
+    let score_bytes = n * n_experts * 4;
+    let mut on_device =
+        split(b, &mut r.gate, &[(0, score_bytes)]).map_err(cx.err(at("router scores")))?;
+    cx.linear(b, &m.router, &r.xn, n, &mut on_device[0])?;
+    let mut rows = vec![0f32; n * h];
+    let mut scores = vec![0f32; n * n_experts];
+    let since = std::time::Instant::now();
+    b.copy_to_host(&r.xn, 0, bytemuck::cast_slice_mut(&mut rows))
+        .map_err(cx.err(at("copying the normed rows to the host")))?;
+    link.crossed(rows.len() * 4, since);
+    let since = std::time::Instant::now();
+    b.copy_to_host(&on_device[0], 0, bytemuck::cast_slice_mut(&mut scores))
+        .map_err(cx.err(at("copying the router scores to the host")))?;
+    link.crossed(scores.len() * 4, since);
+    let wts = Weights {
+        held: cx.held,
+        copies: cx.copies,
+        slot: None,
+    };
+    layer::experts(cx.c, m, li, &wts, pieces, &scores, &mut rows)?;
+    let since = std::time::Instant::now();
+    b.copy_from_host(bytemuck::cast_slice(&rows), &mut r.xn, 0)
+        .map_err(cx.err(at("copying the experts' output to the device")))?;
+    link.crossed(rows.len() * 4, since);
+    Ok(())
+}
+
+/// A mixture-of-experts block on the normed rows of `pieces` in `r.xn`, its output written back
+/// there, with its experts on this device.
+///
+/// The router multiplies here and only its scores (`n_experts` floats a token) go to the host,
+/// which routes each token with the host path's own [`layer::route`] and sends back, in one
+/// copy each, the routed rows' token indices (into the key region) and weights (into the
+/// value region), grouped piece by piece and expert by expert in the host path's order
+/// ([`layer::experts`]). Then for each group the expert's rows are gathered into the query
+/// region ([`Op::GatherRows`]), its gated product runs as a dense MLP's does (gate and up into
+/// the MLP's regions, the down product back into the query region), and its output rows are
+/// added, scaled by their weights, into their tokens' sums in the attention output's region
+/// ([`Op::ScatterAddRows`]; zeroed first), which replaces `r.xn` at the end. An offloaded
+/// layer's experts are read from its onload slot. On the CPU backend this gives the host path's
+/// bits. A routed expert costs a gather, its products and a scatter-add, whatever its tokens.
+#[allow(clippy::too_many_arguments)]
+fn moe_on_device<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    m: &Moe,
+    li: usize,
+    pieces: &[Piece<'_>],
+    r: &mut Regions<'_, B::Buffer>,
+    link: &mut HostLink<'_>,
+) -> Result<()> {
+    let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
+    let at = |what: &str| format!("layer {li} {what}");
+    let mut scores = vec![0f32; n * n_experts];
+    {
+        let mut on_device =
+            split(b, &mut r.up, &[(0, scores.len() * 4)]).map_err(cx.err(at("router scores")))?;
+        cx.linear(b, &m.router, &r.xn, n, &mut on_device[0])?;
+        let since = std::time::Instant::now();
+        b.copy_to_host(&on_device[0], 0, bytemuck::cast_slice_mut(&mut scores))
+            .map_err(cx.err(at("copying the router scores to the host")))?;
+        link.crossed(scores.len() * 4, since);
+    }
+    // the routed rows, grouped by piece then expert: (expert, first entry, entries)
+    let mut groups: Vec<(usize, usize, usize)> = Vec::new();
+    let (mut index, mut weight) = (Vec::with_capacity(n * m.n_used), Vec::new());
+    let mut picks = Vec::new();
+    let mut first = 0;
+    for p in pieces {
+        let rows = first..first + p.n;
+        first += p.n;
+        layer::route(
+            &scores[rows.start * n_experts..rows.end * n_experts],
+            n_experts,
+            m.n_used,
+            m.norm_topk_prob,
+            &mut picks,
+        );
+        for e in 0..n_experts {
+            let start = index.len();
+            for (k, &(pe, wt)) in picks.iter().enumerate() {
+                if pe == e {
+                    index.push((rows.start + k / m.n_used) as u32);
+                    weight.push(wt);
+                }
+            }
+            if index.len() > start {
+                groups.push((e, start, index.len() - start));
+            }
+        }
+    }
+    let zeros = vec![0u8; n * h * 4];
+    for (bytes, region, what) in [
+        (
+            bytemuck::cast_slice::<u32, u8>(&index),
+            &mut r.k,
+            "routed rows",
+        ),
+        (
+            bytemuck::cast_slice::<f32, u8>(&weight),
+            &mut r.v,
+            "routing weights",
+        ),
+        (&zeros[..], &mut r.att, "experts' sums, zeroed"),
+    ] {
+        let since = std::time::Instant::now();
+        b.copy_from_host(bytes, region, 0)
+            .map_err(cx.err(at(&format!("copying the {what} to the device"))))?;
+        link.crossed(bytes.len(), since);
+    }
+    // each expert's products take its rows at once, as on the host
+    let one = cx.one_run();
+    for (e, start, cnt) in groups {
+        let [gate, up, down] = &m.experts[e];
+        let expert = |what: &str| at(&format!("expert {e} {what}"));
+        let rows = view(b, &r.k, start * 4, cnt * 4).map_err(cx.err(expert("rows")))?;
+        b.run(Op::GatherRows {
+            n_rows: cnt,
+            n_cols: h,
+            src_rows: n,
+            rows: &rows,
+            src: &r.xn,
+            dst: &mut r.q,
+        })
+        .map_err(cx.err(expert("rows")))?;
+        {
+            let xs = view(b, &r.q, 0, cnt * h * 4).map_err(cx.err(expert("rows")))?;
+            gated(b, &one, [gate, up], li, &xs, cnt, [&mut r.gate, &mut r.up])?;
+        }
+        one.linear(b, down, &r.gate, cnt, &mut r.q)?;
+        let weights = view(b, &r.v, start * 4, cnt * 4).map_err(cx.err(expert("weights")))?;
+        b.run(Op::ScatterAddRows {
+            n_rows: cnt,
+            n_cols: h,
+            dst_rows: n,
+            rows: &rows,
+            weights: &weights,
+            src: &r.q,
+            dst: &mut r.att,
+        })
+        .map_err(cx.err(expert("weighted sum")))?;
+    }
+    b.copy(&r.att, 0, &mut r.xn, 0, n * h * 4)
+        .map_err(cx.err(at("experts' sums")))
 }
 
 /// `xn = RMSNorm(x) · norm` over `n` tokens.
@@ -1169,27 +1427,41 @@ pub(crate) fn mlp_normed<B: Exec>(
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
 ) -> Result<()> {
-    let at = |what: &str| format!("layer {li} {what}");
-    let fused = cx.c.gate == super::family::Gate::Silu
-        && cx.swiglu(b, &r.xn, n, [gate, up], [&mut r.gate, &mut r.up])?;
+    gated(b, cx, [gate, up], li, &r.xn, n, [&mut r.gate, &mut r.up])?;
+    cx.linear(b, down, &r.gate, n, &mut r.xn)
+}
+
+/// `g = act(W_gate x) · (W_up x)` for `n` tokens of `x` (the family's gated activation; `u`
+/// holds the up product): SwiGLU fused with its products where [`Ctx::swiglu`] can, else the
+/// products and the activation apart.
+fn gated<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    [gate, up]: [&Linear; 2],
+    li: usize,
+    x: &B::Buffer,
+    n: usize,
+    [g, u]: [&mut B::Buffer; 2],
+) -> Result<()> {
+    let fused = cx.c.gate == super::family::Gate::Silu && cx.swiglu(b, x, n, [gate, up], [g, u])?;
     if fused {
-        return cx.linear(b, down, &r.gate, n, &mut r.xn);
+        return Ok(());
     }
-    cx.linears(b, &r.xn, n, vec![(gate, &mut r.gate), (up, &mut r.up)])?;
+    cx.linears(b, x, n, vec![(gate, &mut *g), (up, &mut *u)])?;
     let op = match cx.c.gate {
         super::family::Gate::Silu => Op::SwiGluInPlace {
             n: n * gate.rows,
-            gate: &mut *r.gate,
-            up: &*r.up,
+            gate: g,
+            up: u,
         },
         super::family::Gate::GeluTanh => Op::GeGluTanhInPlace {
             n: n * gate.rows,
-            gate: &mut *r.gate,
-            up: &*r.up,
+            gate: g,
+            up: u,
         },
     };
-    b.run(op).map_err(cx.err(at("gated activation")))?;
-    cx.linear(b, down, &r.gate, n, &mut r.xn)
+    b.run(op)
+        .map_err(cx.err(format!("layer {li} gated activation")))
 }
 
 /// `xn = RMSNorm(x) · norm` for rows `first..first + need` of the residual stream, into rows
@@ -1283,4 +1555,89 @@ pub(crate) fn hidden<B: Exec>(
     out_norm(b, cx, norm, (first, need), r)?;
     b.copy_to_host(&r.xn, 0, bytemuck::cast_slice_mut(out))
         .map_err(cx.err("copying hidden states to the host"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use weightlift_plan::Region;
+
+    fn linear(rows: usize, cols: usize) -> Linear {
+        Linear {
+            slot: Slot::Tensor(0),
+            name: format!("{rows} × {cols}"),
+            rows,
+            cols,
+            bias: None,
+            onload_at: None,
+            packed: None,
+            part: None,
+            rows_of: None,
+        }
+    }
+
+    /// A block of 4 tokens of hidden size 8 with 16 experts 6 wide, 2 used: the workspace's
+    /// regions must hold what the block computes there. With the experts on the host, the 64
+    /// router scores in the gate region; on the device, the queries and attention output a
+    /// hidden row a token, the MLP regions an expert's rows a token, the up region the scores,
+    /// and the keys and values the routed rows' indices and weights. A region a value short is refused by name, before any token runs.
+    #[test]
+    fn a_moe_block_needs_its_workspace_regions() {
+        let region = |len: u64| Region { offset: 0, len };
+        let fits = Workspace {
+            x: region(4 * 8),
+            q: region(4 * 8),
+            att: region(4 * 8),
+            k: region(4 * 2),
+            v: region(4 * 2),
+            gate: region(4 * 16),
+            up: region(4 * 16),
+            ..Workspace::default()
+        };
+        let device = Device::virtual_device(0, 1 << 20);
+        for on_host in [true, false] {
+            let m = Moe {
+                router: linear(16, 8),
+                experts: (0..16)
+                    .map(|_| [linear(6, 8), linear(6, 8), linear(8, 6)])
+                    .collect(),
+                n_used: 2,
+                norm_topk_prob: true,
+                experts_on_host: on_host,
+            };
+            assert!(check_moe_workspace(&device, &fits, &m, 3).is_ok());
+            // the scores: in the gate region with the experts on the host, else in the up one
+            let (short, named) = if on_host {
+                let w = Workspace {
+                    gate: region(4 * 16 - 1),
+                    ..fits
+                };
+                (w, "MLP gate region holds 63 values")
+            } else {
+                let w = Workspace {
+                    up: region(4 * 16 - 1),
+                    ..fits
+                };
+                (w, "MLP up region holds 63 values")
+            };
+            let e = check_moe_workspace(&device, &short, &m, 3)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("layer 3 computed on virtual:0"), "{e}");
+            assert!(e.contains(named) && e.contains("needs 64"), "{e}");
+            for short in [
+                Workspace {
+                    q: region(4 * 8 - 1),
+                    ..fits
+                },
+                Workspace {
+                    v: region(4 * 2 - 1),
+                    ..fits
+                },
+            ] {
+                assert_eq!(check_moe_workspace(&device, &short, &m, 3).is_ok(), on_host);
+            }
+        }
+    }
 }

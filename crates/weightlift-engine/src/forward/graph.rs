@@ -366,6 +366,7 @@ impl Graph {
                 experts,
                 n_used: ms.n_used as usize,
                 norm_topk_prob: ms.norm_topk_prob,
+                experts_on_host: false,
             })
         };
 
@@ -584,11 +585,61 @@ impl Graph {
             .collect::<Result<Vec<_>>>()?;
 
         // An offloaded MoE layer copies its router and every expert into its onload slot (they
-        // are among `Layer::linears`), each expert of a stacked tensor its own rows.
-        for (li, l) in layers.iter().enumerate() {
-            if matches!(l.ffn, Ffn::Moe(_)) && !matches!(sites[l.site].exec, SiteExec::Host) {
-                return Err(super::exec::moe_off_host(li));
+        // are among `Layer::linears`), each expert of a stacked tensor its own rows, and
+        // computes them there, as weight offload streams every weight. Otherwise, through the
+        // backend op sequence a MoE layer's experts are computed where the model holds them:
+        // by the host when they are all whole in host memory (host RAM or the mapped file, as
+        // `n_cpu_moe` or an `exps` override leave them), else by the computing device when it
+        // holds them all; any other split is refused by name.
+        let onloaded = |li: usize| {
+            m.onload
+                .is_some_and(|p| p.groups.iter().flatten().any(|&l| l as usize == li))
+        };
+        for (li, l) in layers.iter_mut().enumerate() {
+            let site = &sites[l.site];
+            let Ffn::Moe(moe) = &mut l.ffn else { continue };
+            if matches!(site.exec, SiteExec::Host) {
+                continue;
             }
+            if onloaded(li) {
+                super::exec::check_moe_workspace(&site.device, &site.layout, moe, li)?;
+                continue;
+            }
+            let whole = |lin: &Linear| match lin.slot {
+                Slot::Tensor(i) => m.held.get(i),
+                Slot::Copy(c) => m.copies.get(c).map(|(_, h)| h),
+            };
+            let in_host = |lin: &Linear| {
+                matches!(whole(lin), Some(Held::Whole { tensor, .. })
+                    if tensor.device().kind() == DeviceKind::Cpu && tensor.host_bytes().is_some())
+            };
+            let on_site = |lin: &Linear| {
+                matches!(whole(lin), Some(Held::Whole { tensor, .. })
+                    if tensor.device().name() == site.device.name())
+            };
+            let all = |f: &dyn Fn(&Linear) -> bool| moe.experts.iter().flatten().all(f);
+            if all(&in_host) {
+                moe.experts_on_host = true;
+                super::exec::check_moe_workspace(&site.device, &site.layout, moe, li)?;
+                continue;
+            }
+            if all(&on_site) {
+                super::exec::check_moe_workspace(&site.device, &site.layout, moe, li)?;
+                continue;
+            }
+            let odd = moe
+                .experts
+                .iter()
+                .flatten()
+                .find(|lin| !on_site(lin))
+                .ok_or_else(|| invalid("experts", "one held elsewhere", "none"))?;
+            let held_on = whole(odd).map_or_else(|| "nowhere".into(), &device_of);
+            return Err(super::exec::experts_split(
+                li,
+                &odd.name,
+                &held_on,
+                site.device.name(),
+            ));
         }
         let mut g = Graph {
             sites,

@@ -241,10 +241,8 @@ pub(super) fn route(
     }
 }
 
-/// The mixture-of-experts block on the normed tokens in `w.xn`, its output written back there.
-/// Piece by piece (each token's bits as when its sequence runs alone): the router's scores,
-/// each token's experts, then per expert one product over the tokens routed to it (their rows
-/// gathered), its outputs added into theirs, scaled by their weights, in expert order.
+/// The mixture-of-experts block on the normed tokens in `w.xn`, its output written back there:
+/// the router's scores, then [`experts`].
 fn moe(
     c: &Consts,
     m: &Moe,
@@ -253,11 +251,38 @@ fn moe(
     pieces: &[Piece<'_>],
     w: &mut Views<'_>,
 ) -> Result<()> {
+    let n = tokens(pieces);
+    let mut scores = vec![0f32; n * m.experts.len()];
+    linear_pieces(c, wts, &m.router, pieces, w.xn, &mut scores)?;
+    experts(c, m, li, wts, pieces, &scores, &mut w.xn[..n * c.hidden])
+}
+
+/// The routed experts of a mixture-of-experts block on the normed tokens `xn` (the rows of
+/// `pieces`), given their router scores (`n_experts` a token), the block's output written back
+/// into `xn`. Piece by piece (each token's bits as when its sequence runs alone): each token's
+/// experts ([`route`]), then per expert one product over the tokens routed to it (their rows
+/// gathered), its outputs added into theirs, scaled by their weights, in expert order. Only
+/// the routed experts' weights are read. The host path runs it after its router product; the
+/// backend path on the rows it copied to the host (see `exec::moe_on_host`).
+pub(super) fn experts(
+    c: &Consts,
+    m: &Moe,
+    li: usize,
+    wts: &Weights<'_>,
+    pieces: &[Piece<'_>],
+    scores: &[f32],
+    xn: &mut [f32],
+) -> Result<()> {
     let h = c.hidden;
     let n_experts = m.experts.len();
     let n = tokens(pieces);
-    let mut scores = vec![0f32; n * n_experts];
-    linear_pieces(c, wts, &m.router, pieces, w.xn, &mut scores)?;
+    if scores.len() != n * n_experts || xn.len() != n * h {
+        return Err(invalid(
+            format!("layer {li} expert inputs"),
+            format!("{n} tokens of {n_experts} router scores and {h} values"),
+            format!("{} scores and {} values", scores.len(), xn.len()),
+        ));
+    }
     let mut out = vec![0f32; n * h];
     let mut picks = Vec::new();
     // one set of buffers for every expert's rows: at most a piece's tokens each
@@ -293,7 +318,7 @@ fn moe(
             }
             let (cnt, f) = (routed.len(), gate.rows);
             for (&(t, _), row) in routed.iter().zip(xs.chunks_exact_mut(h)) {
-                row.copy_from_slice(&w.xn[t * h..(t + 1) * h]);
+                row.copy_from_slice(&xn[t * h..(t + 1) * h]);
             }
             let (g, u, y) = (&mut g[..cnt * f], &mut u[..cnt * f], &mut y[..cnt * h]);
             linear_on(c, wts, gate, &xs, cnt, g)?;
@@ -309,7 +334,7 @@ fn moe(
             }
         }
     }
-    w.xn[..n * h].copy_from_slice(&out);
+    xn.copy_from_slice(&out);
     Ok(())
 }
 

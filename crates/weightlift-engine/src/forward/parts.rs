@@ -151,16 +151,10 @@ pub(crate) struct Moe {
     pub n_used: usize,
     /// Renormalise the chosen experts' softmax weights to sum to 1.
     pub norm_topk_prob: bool,
-}
-
-impl Ffn {
-    /// The dense MLP's gate, up and down; `None` for a mixture of experts.
-    pub fn dense(&self) -> Option<[&Linear; 3]> {
-        match self {
-            Ffn::Dense { gate, up, down } => Some([gate, up, down]),
-            Ffn::Moe(_) => None,
-        }
-    }
+    /// Through the backend op sequence: the experts are in host memory and computed by the
+    /// host (else they are on the computing device and computed there). Decided at build from
+    /// where the model holds them; the host path ignores it.
+    pub experts_on_host: bool,
 }
 
 impl Layer {

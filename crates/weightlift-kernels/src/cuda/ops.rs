@@ -549,6 +549,73 @@ impl CudaBackend {
                 // SAFETY: one thread per value below n; x holds n f32 (checked above).
                 unsafe { self.launch("ops", "scale_inplace_f32", elementwise(n)?, &mut args) }?;
             }
+            Op::GatherRows {
+                n_rows,
+                n_cols,
+                src_rows,
+                rows,
+                src,
+                dst,
+            } => {
+                self.own(rows)?;
+                self.own(src)?;
+                self.own(dst)?;
+                let n = mul(n_rows, n_cols);
+                need("gathered row index bytes", rows, mul(n_rows, 4))?;
+                need("gather source bytes", src, mul(mul(src_rows, n_cols), 4))?;
+                need("gathered bytes", dst, mul(n, 4))?;
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::Out(&mut dst.slice),
+                    KArg::In(&rows.slice),
+                    KArg::In(&src.slice),
+                    KArg::U64(n as u64),
+                    KArg::U64(n_cols as u64),
+                    KArg::U64(src_rows as u64),
+                ];
+                // SAFETY: one thread per value below n_rows * n_cols, writing dst[i] (n f32,
+                // checked) and reading rows[i / n_cols] (n_rows u32, checked) and, for an index
+                // below src_rows only, src's row of it (src_rows rows, checked).
+                unsafe { self.launch("ops", "gather_rows_f32", elementwise(n)?, &mut args) }?;
+            }
+            Op::ScatterAddRows {
+                n_rows,
+                n_cols,
+                dst_rows,
+                rows,
+                weights,
+                src,
+                dst,
+            } => {
+                self.own(rows)?;
+                self.own(weights)?;
+                self.own(src)?;
+                self.own(dst)?;
+                let n = mul(n_rows, n_cols);
+                need("scattered row index bytes", rows, mul(n_rows, 4))?;
+                need("scattered row weight bytes", weights, mul(n_rows, 4))?;
+                need("scattered bytes", src, mul(n, 4))?;
+                need("scatter sum bytes", dst, mul(mul(dst_rows, n_cols), 4))?;
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut args = [
+                    KArg::Out(&mut dst.slice),
+                    KArg::In(&rows.slice),
+                    KArg::In(&weights.slice),
+                    KArg::In(&src.slice),
+                    KArg::U64(n as u64),
+                    KArg::U64(n_cols as u64),
+                    KArg::U64(dst_rows as u64),
+                ];
+                // SAFETY: one thread per value below n_rows * n_cols, reading src[i] (n f32),
+                // rows and weights at i / n_cols (n_rows each), all checked above, and writing,
+                // for an index below dst_rows only, that row of dst (dst_rows rows, checked);
+                // distinct indices keep any two threads off one value.
+                unsafe { self.launch("ops", "scatter_add_rows_f32", elementwise(n)?, &mut args) }?;
+            }
             Op::Attention {
                 k_format,
                 v_format,

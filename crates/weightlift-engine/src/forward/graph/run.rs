@@ -238,7 +238,11 @@ impl Graph {
                     on_site!(&mut works[at],
                     v => { run_layer(&c, layer, li, &wts, &pieces, v)?; pending = false; },
                     (b, r) => {
-                        exec::layer(*b, &lcx, layer, li, &pieces, r, (pending, defer))?;
+                        let mut link = exec::HostLink {
+                            rate: devs[at].bandwidth(),
+                            copies: &mut copies_made,
+                        };
+                        exec::layer(*b, &lcx, layer, li, &pieces, r, (pending, defer), &mut link)?;
                         pending = defer;
                     });
                 }
