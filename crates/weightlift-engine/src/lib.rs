@@ -49,6 +49,7 @@ pub mod model;
 pub mod planned;
 pub mod sample;
 pub mod scan;
+pub mod session;
 pub mod source;
 pub mod tp;
 pub mod validate;
