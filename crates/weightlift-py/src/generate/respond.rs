@@ -6,7 +6,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 use weightlift_engine::Generation;
-use weightlift_engine::generate::batch::{Answer, generate_each};
+use weightlift_engine::generate::batch::{Answer, generate_each, seeded};
 use weightlift_engine::generate::openai::Response;
 use weightlift_engine::generate::respond::{Kind, Responder, ResponseOptions};
 
@@ -204,13 +204,7 @@ impl Model {
                  sequences run in slots of their own and return whole texts)"
             )));
         }
-        let each = (0..n as u64)
-            .map(|i| {
-                let mut o = call.options.clone();
-                o.sampling.seed = o.sampling.seed.map(|s| s.wrapping_add(i));
-                o
-            })
-            .collect();
+        let each = seeded(&call.options, n);
         let py = slf.py();
         let model = slf.get();
         let mut inner = model.lock()?;
