@@ -8,7 +8,7 @@ mod specs;
 use pyo3::prelude::*;
 // The real machine is read through the engine's probe (MemAvailable, and the CUDA driver in a
 // build with the `cuda` feature); the planner itself does no I/O.
-use weightlift_engine::HostProbe;
+use weightlift_engine::planned;
 use weightlift_plan as wp;
 
 use crate::errors::{eng, enter, py_err};
@@ -30,13 +30,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The devices of `spec`; without one, this machine's: every CUDA GPU, then `cpu` (the
-/// planner's [`wp::inventory`], which `Model(devices=None)` and `devices()` read too).
+/// The devices of `spec`, or this machine's ([`planned::plan_devices`]).
 fn parse_device_arg(spec: Option<&DevicesSpec>) -> PyResult<Vec<wp::DeviceSpec>> {
-    match spec {
-        Some(spec) => wp::parse_devices_with(&spec.0, &HostProbe).map_err(py_err),
-        None => Ok(wp::inventory(&HostProbe)),
-    }
+    planned::plan_devices(spec.map(|s| s.0.as_str())).map_err(py_err)
 }
 
 /// The planning keywords of `plan()`, `fit()` and `Model.load()`, as converted from Python:
@@ -313,12 +309,7 @@ fn fit(
 /// then `disk`.
 #[pyfunction]
 fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
-    let list = enter(py, || {
-        let mut items = vec!["cpu".to_owned()];
-        items.extend((0..wp::MemoryProbe::cuda_count(&HostProbe)).map(|i| format!("cuda:{i}")));
-        items.push("disk".into());
-        wp::parse_devices_with(&items.join(","), &HostProbe)
-    })?;
+    let list = enter(py, planned::machine_devices)?;
     Ok(list.into_iter().map(Device::from).collect())
 }
 
