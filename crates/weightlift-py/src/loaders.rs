@@ -7,9 +7,10 @@ use weightlift_engine::session::{LoadCache, Settings};
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
-use crate::errors::{Exc, eng, py_err, raise};
+use crate::errors::{Exc, eng, raise};
 use crate::model::Model;
 use crate::options::{DeviceMapValue, DevicesSpec, RuntimeArg, Sizes};
+use crate::plan::offload_arg;
 use crate::progress::Reporter;
 
 /// accelerate style: open `path`, plan with `device_map` (`"auto"` = balanced, `"balanced"`,
@@ -54,8 +55,7 @@ pub fn from_pretrained(
     blocks_per_group: u32,
     prefetch: bool,
 ) -> PyResult<Model> {
-    let offload =
-        wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
+    let offload = offload_arg(offload, blocks_per_group, prefetch)?;
     let model = Model::new(path, devices, dtype, runtime, compute, n_threads, quantize)?;
     let options = wp::PlanOptions {
         offload,
@@ -135,8 +135,7 @@ pub fn load_gguf(
             ));
         }
     };
-    let offload =
-        wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
+    let offload = offload_arg(offload, blocks_per_group, prefetch)?;
     let open = wf::OpenOptions {
         check_tensors: false,
         vocab_only,

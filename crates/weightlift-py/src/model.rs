@@ -19,7 +19,7 @@ use crate::errors::{eng, enter, py_err};
 use crate::options::{
     CacheDTypeArg, CacheRef, CacheShape, DeviceMapValue, DevicesSpec, Overrides, RuntimeArg, Sizes,
 };
-use crate::plan::PlanArgs;
+use crate::plan::offload_arg;
 use crate::progress::Reporter;
 
 /// A model's state behind its lock: the engine session, and the `Model.tp` object handed out
@@ -215,26 +215,23 @@ impl Model {
             .filter(|p| !p.is_none())
             .map(plan_from_obj)
             .transpose()?;
-        let options = PlanArgs {
+        let options = wp::PlanOptions {
             strategy,
-            reserve,
-            max_memory,
-            overhead,
+            reserve: reserve.map(|s| s.0),
+            max_memory: max_memory.map(|s| s.0),
+            overhead: overhead.map(|s| s.0),
             n_gpu_layers,
             split_mode,
             tensor_split,
             main_gpu,
-            device_map,
-            overrides,
+            device_map: device_map.map(|d| d.0),
+            overrides: overrides.map(|o| o.0).unwrap_or_default(),
             gpu_split,
             allow_disk,
-            offload,
-            blocks_per_group,
-            prefetch,
+            offload: offload_arg(offload, blocks_per_group, prefetch)?,
             n_cpu_moe,
-            ..PlanArgs::default()
-        }
-        .options()?;
+            ..wp::PlanOptions::default()
+        };
         let mut opts = LoadOptions {
             use_mmap,
             use_direct_io,
@@ -270,8 +267,7 @@ impl Model {
         prefetch: bool,
     ) -> PyResult<()> {
         let options = wp::PlanOptions {
-            offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
-                .map_err(py_err)?,
+            offload: offload_arg(offload, blocks_per_group, prefetch)?,
             ..wp::PlanOptions::autosplit(reserve_vram.map(|r| r.0))
         };
         let cache = cache.map_or(LoadCache::None, |c| LoadCache::Given(c.0));
