@@ -1,13 +1,14 @@
 //! [`Model::chat`] on the SmolLM2 demo GGUF: the checkpoint's template renders the messages
 //! with a generation prompt, a forced tool call brings its name and grammar, and a built-in chat
-//! format brings its stop string.
+//! format brings its stop string; and what [`Model::response_options`] names and echoes.
 
 use std::sync::Arc;
 
 use serde_json::json;
+use weightlift_engine::generate::respond::Kind;
 use weightlift_engine::generate::tools::chat_tools;
 use weightlift_engine::grammar::Grammar;
-use weightlift_engine::{Inventory, Model, Source};
+use weightlift_engine::{GenerateOptions, Inventory, Model, Source};
 use weightlift_format::{Checkpoint, OpenOptions};
 use weightlift_text::ChatTools;
 
@@ -79,4 +80,33 @@ fn a_forced_tool_answers_by_calling_it_and_a_chat_format_stops_at_its_string() {
     let bad = vec![json!({"content": "no role"})];
     let e = m.chat(bad, ChatTools::default(), None, None).unwrap_err();
     assert!(e.to_string().contains("role"), "{e}");
+}
+
+#[test]
+fn responses_are_named_by_the_model_path_unless_named_and_a_completion_echoes_its_prompt() {
+    let m = demo();
+    let prompt = m.completion_prompt("The sky is").unwrap();
+    let mut generate = GenerateOptions {
+        logprobs: Some(1),
+        ..GenerateOptions::default()
+    };
+    let o = m
+        .response_options(Kind::Completion, None, &prompt, true, false, &mut generate)
+        .unwrap();
+    let path = weightlift_testdata::demo_gguf().display().to_string();
+    assert_eq!(o.model, path);
+    assert_eq!(o.echo.as_deref(), Some("The sky is"));
+    assert_eq!(o.prompt_chars, "The sky is".len());
+    // a whole echoed completion with log-probabilities scores the prompt's tokens too
+    assert!(generate.prompt_logprobs);
+    assert_eq!(o.prompt_ids, prompt);
+
+    let mut generate = GenerateOptions::default();
+    let named = Some("smol".to_owned());
+    let o = m
+        .response_options(Kind::Chat, named, &prompt, true, false, &mut generate)
+        .unwrap();
+    assert_eq!(o.model, "smol");
+    assert_eq!((o.echo, o.prompt_chars), (None, 0));
+    assert!(!generate.prompt_logprobs);
 }

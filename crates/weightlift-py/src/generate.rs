@@ -26,8 +26,8 @@ pub use batch::Batch;
 pub use grammar::LlamaGrammar;
 use grammar::{grammar_arg, response_format_grammar};
 pub use respond::CompletionStream;
-use respond::Shape;
 use weightlift_engine::generate::request::{self, Request, Sampling, TransformersArgs};
+use weightlift_engine::generate::respond::Kind;
 use weightlift_engine::generate::tools::chat_tools;
 
 #[pymethods]
@@ -168,7 +168,7 @@ impl Model {
         if num_return_sequences > 1 {
             return Model::generate_each(slf, call, num_return_sequences as usize, stream);
         }
-        Model::respond(slf, call, Shape::Text, stream, false, None, None)
+        Model::respond(slf, call, None, stream, false, None, None)
     }
 
     /// llama-cpp-python's `Llama.create_completion`: the same arguments and defaults, and an
@@ -274,7 +274,7 @@ impl Model {
         hooks::install(&mut call, logits_processor, stopping_criteria);
         call.append = append;
         call.batch = batch_arg(slf, batch)?;
-        Model::respond(slf, call, Shape::Completion, stream, echo, model, None)
+        Model::respond(slf, call, Some(Kind::Completion), stream, echo, model, None)
     }
 
     /// `create_completion`, as `Llama.__call__`.
@@ -392,7 +392,7 @@ impl Model {
         call.options.stop.extend(chat.stop.map(str::to_owned));
         hooks::install(&mut call, logits_processor, None);
         call.batch = batch_arg(slf, batch)?;
-        Model::respond(slf, call, Shape::Chat, stream, false, model, chat.tool)
+        Model::respond(slf, call, Some(Kind::Chat), stream, false, model, chat.tool)
     }
 
     /// The last generation's timings: `prompt_tokens`, `prompt_ms`, `prompt_per_second`,
@@ -485,13 +485,5 @@ pub fn sample(
             "logits: expected one contiguous float32 row; {e}"
         ))
     })?;
-    if logits.is_empty() {
-        return Err(pyo3::exceptions::PyValueError::new_err(
-            "logits: expected one row of the vocabulary's logits, got an empty array",
-        ));
-    }
-    let mut sampler = eng(weightlift_engine::sample::Sampler::new(eng(
-        knobs.params(None)
-    )?))?;
-    Ok(sampler.sample(logits, &history))
+    eng(knobs.sample_row(logits, &history))
 }

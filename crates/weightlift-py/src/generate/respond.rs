@@ -15,17 +15,6 @@ use super::hooks::HookError;
 use crate::errors::{ToPyErr, eng, enter};
 use crate::model::Model;
 
-/// How a stream presents its pieces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Shape {
-    /// `Model.generate(stream=True)`: text pieces.
-    Text,
-    /// `create_completion`: `text_completion` objects.
-    Completion,
-    /// `create_chat_completion`: `chat.completion` objects.
-    Chat,
-}
-
 /// A response as the dict llama-cpp-python returns: the engine's JSON, parsed by Python's.
 pub(super) fn to_dict(py: Python<'_>, r: &Response) -> PyResult<Py<PyAny>> {
     Ok(py
@@ -106,17 +95,14 @@ impl CompletionStream {
 }
 
 impl Model {
-    fn model_name(&self) -> PyResult<String> {
-        Ok(self.lock()?.model.source().path().display().to_string())
-    }
-
-    /// A whole completion or a stream of chunks, as llama-cpp-python returns them, named
-    /// `name` (the model's path when None). `echo` puts the prompt's text first; `tool` is the
-    /// tool a chat answers by calling.
+    /// A whole response of `kind` or a stream of its chunks, as llama-cpp-python returns them,
+    /// named `name` (the model's path when None); without a kind, the text or a stream of text
+    /// pieces. `echo` puts the prompt's text first; `tool` is the tool a chat answers by
+    /// calling.
     pub(super) fn respond(
         slf: &Bound<'_, Model>,
         mut call: Call,
-        shape: Shape,
+        kind: Option<Kind>,
         stream: bool,
         echo: bool,
         name: Option<String>,
@@ -124,33 +110,16 @@ impl Model {
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let model = slf.get();
-        let name = match (shape, name) {
-            (Shape::Text, _) => String::new(),
-            (_, Some(n)) => n,
-            (_, None) => model.model_name()?,
-        };
-        let options = match shape {
-            Shape::Completion => {
-                let tok = eng(model.lock()?.model.tokenizer())?;
-                let o = ResponseOptions::completion(
-                    &tok,
-                    &call.prompt,
-                    name,
-                    echo,
-                    stream,
-                    &mut call.options,
-                );
-                Some((Kind::Completion, eng(o)?))
+        let options = match kind {
+            Some(kind) => {
+                let inner = model.lock()?;
+                let (prompt, o) = (&call.prompt, &mut call.options);
+                let r = inner
+                    .model
+                    .response_options(kind, name, prompt, echo, stream, o);
+                Some((kind, ResponseOptions { tool, ..eng(r)? }))
             }
-            Shape::Chat => Some((
-                Kind::Chat,
-                ResponseOptions {
-                    model: name,
-                    tool,
-                    ..ResponseOptions::default()
-                },
-            )),
-            Shape::Text => None,
+            None => None,
         };
         let hook_error = call.hook_error.clone();
         let append = call.append.take();
