@@ -15,11 +15,12 @@ use crate::Inventory;
 use crate::cache::Cache;
 use crate::error::{EngineError, Result};
 use crate::forward::Compute;
-use crate::generate::Timings;
+use crate::generate::{Generation, Piece, Timings};
 use crate::loader::{LoadOptions, Progress};
-use crate::model::Model;
+use crate::model::{Dequantized, Model};
 use crate::planned::PlanDefaults;
 use crate::source::Source;
+use crate::tp::{Standalone, TpArgs};
 
 /// How a model computes and what its plans assume, as users name them: `Model(dtype=...,
 /// runtime=..., compute=..., n_threads=..., quantize=...)`.
@@ -158,6 +159,28 @@ impl Session {
                 .plan_and_load(plan, options, &self.defaults, cache, opts, progress)?;
         self.plan = Some(loaded);
         Ok(())
+    }
+
+    /// One step of `job` on this model; its timings become the model's last.
+    pub fn step(&mut self, job: &mut Generation) -> Result<Option<Piece>> {
+        let piece = job.step(&mut self.model);
+        self.timings = Some(job.timings());
+        piece
+    }
+
+    /// A tensor's values as float32 ([`Model::dequantized`]), decoded at most the runtime's
+    /// `max_dq_size` values at a time.
+    pub fn dequantized(&self, name: &str) -> Result<Dequantized> {
+        self.model
+            .dequantized(name, self.defaults.runtime.max_dq_size)
+    }
+
+    /// A tensor-parallel context over this model's accelerators by its last plan (or a plan
+    /// made now) and its runtime, as exllamav2's `TPContext(model, ...)`
+    /// ([`Model::standalone_tp`]).
+    pub fn standalone_tp(&self, args: TpArgs) -> Result<Standalone> {
+        let runtime = self.defaults.runtime;
+        self.model.standalone_tp(self.plan.as_ref(), runtime, args)
     }
 
     /// Free every tensor and cache layer the model holds, and forget its plan.

@@ -1,12 +1,13 @@
 //! A [`Session`] on the SmolLM2 demo GGUF: a cache given as a shape is planned with the layers
-//! (or made beside a given plan), a closed session refuses every use, and `load_llama` places
-//! and sizes as llama-cpp-python's `Llama(...)`.
+//! (or made beside a given plan), a closed session refuses every use, `load_llama` places
+//! and sizes as llama-cpp-python's `Llama(...)`, a generation's steps leave their timings on
+//! the session, and dequantisation runs in chunks of the runtime's `max_dq_size`.
 
 use std::sync::Arc;
 
 use weightlift_engine::llama_cpp::{CacheType, DEFAULT_SEED, LlamaLoad};
 use weightlift_engine::session::{LoadCache, Session, Settings};
-use weightlift_engine::{CacheDType, Inventory, LoadOptions, Source};
+use weightlift_engine::{CacheDType, GenerateOptions, Generation, Inventory, LoadOptions, Source};
 use weightlift_format::{Checkpoint, OpenOptions};
 use weightlift_plan::{CacheSpec, PlanOptions, RuntimeSpec};
 
@@ -179,4 +180,43 @@ fn load_llama_without_an_accelerator_puts_everything_on_the_cpu() {
     let plan = s.plan.unwrap();
     assert!(plan.layer_devices().iter().all(|d| d == "cpu"));
     assert_eq!(plan.head_device(), "cpu");
+}
+
+#[test]
+fn steps_leave_the_generation_timings_and_dequantisation_is_chunked_by_the_runtime() {
+    let (mut s, _) = session(Some("cpu"));
+    s.load(
+        None,
+        PlanOptions::default(),
+        LoadCache::None,
+        &LoadOptions::default(),
+        &mut |_| true,
+    )
+    .unwrap();
+    assert!(s.timings.is_none());
+    let prompt = s.model.completion_prompt("One, two,").unwrap();
+    let mut options = GenerateOptions {
+        max_tokens: Some(3),
+        ..GenerateOptions::default()
+    };
+    options.sampling.temperature = 0.0;
+    let mut job = Generation::start(&mut s.model, &prompt, None, options).unwrap();
+    let mut steps = 0;
+    while s.step(&mut job).unwrap().is_some() {
+        steps += 1;
+        assert_eq!(s.timings, Some(job.timings()));
+    }
+    assert!(steps > 0);
+    let t = s.timings.unwrap();
+    assert_eq!(t.prompt_tokens, prompt.len() as u64);
+
+    // token_embd is 49152 × 576 values: many chunks of SMALL's 65536.
+    let d = s.dequantized("token_embd.weight").unwrap();
+    assert_eq!(d.shape, [49152, 576]);
+    assert_eq!(d.chunks, (49152 * 576usize).div_ceil(1 << 16));
+    let path = weightlift_testdata::demo_gguf();
+    let ckpt = Checkpoint::open(&path, OpenOptions::default()).unwrap();
+    let info = ckpt.tensor("token_embd.weight").unwrap();
+    let whole = weightlift_engine::dequantize::checkpoint_tensor(&ckpt, info).unwrap();
+    assert_eq!(d.values, whole);
 }

@@ -25,7 +25,7 @@ use crate::progress::Reporter;
 /// A model's state behind its lock: the engine session, and the `Model.tp` object handed out
 /// for the current load.
 pub(crate) struct ModelInner {
-    session: Session,
+    pub(crate) session: Session,
     tp_obj: Option<Py<crate::tp::TPContext>>,
 }
 
@@ -434,9 +434,8 @@ impl Model {
     ) -> PyResult<Bound<'py, PyAny>> {
         let inner = self.lock()?;
         if dequantize {
-            let max_dq = inner.defaults.runtime.max_dq_size;
-            let model = &inner.model;
-            let d = enter(py, || model.dequantized(name, max_dq))?;
+            let session = &inner.session;
+            let d = enter(py, || session.dequantized(name))?;
             drop(inner);
             let arr = PyArray1::from_vec(py, d.values);
             return arr.call_method1("reshape", (PyTuple::new(py, d.shape)?,));

@@ -26,19 +26,15 @@ pub(super) fn to_dict(py: Python<'_>, r: &Response) -> PyResult<Py<PyAny>> {
 /// Run `job` to the end with the GIL released, looking for Ctrl-C after every token.
 fn run_to_end(py: Python<'_>, model: &Model, job: &mut Generation) -> PyResult<String> {
     let mut inner = model.lock()?;
-    let engine = &mut inner.model;
-    let out = enter(py, || -> PyResult<String> {
+    let session = &mut inner.session;
+    enter(py, || -> PyResult<String> {
         let mut text = String::new();
-        loop {
-            let piece = job.step(engine).map_err(ToPyErr::to_pyerr)?;
-            let Some(piece) = piece else { break };
+        while let Some(piece) = session.step(job).map_err(ToPyErr::to_pyerr)? {
             text.push_str(&piece.text);
             Python::attach(|py| py.check_signals())?;
         }
         Ok(text)
-    });
-    inner.timings = Some(job.timings());
-    out
+    })
 }
 
 /// A generation being streamed to Python: an iterator of text pieces or of response chunks.
@@ -65,11 +61,8 @@ impl CompletionStream {
             let model = self.model.bind(py).get();
             let piece = {
                 let mut inner = model.lock()?;
-                let engine = &mut inner.model;
-                let job = &mut self.job;
-                let piece = enter(py, || job.step(engine));
-                inner.timings = Some(self.job.timings());
-                piece.map_err(|e| self.hook_error.raise(e))?
+                let (session, job) = (&mut inner.session, &mut self.job);
+                enter(py, || session.step(job)).map_err(|e| self.hook_error.raise(e))?
             };
             let Some(piece) = piece else {
                 return Ok(None);
