@@ -208,18 +208,23 @@ def _cache_spec(args: argparse.Namespace, *, default: bool = False) -> Any:
         or args.cache_offload
     ):
         return None
-    return weightlift.CacheSpec(
-        args.ctx if args.ctx is not None else DEFAULT_CTX,
-        args.batch if args.batch is not None else 1,
-        args.cache or "fp16",
-        offload=args.cache_offload,
-    )
+    # What is not given keeps CacheSpec's own default (batch 1, fp16).
+    kw: dict[str, Any] = {"offload": args.cache_offload}
+    if args.batch is not None:
+        kw["batch_size"] = args.batch
+    if args.cache:
+        kw["dtype"] = args.cache
+    return weightlift.CacheSpec(args.ctx if args.ctx is not None else DEFAULT_CTX, **kw)
 
 
 def _runtime(args: argparse.Namespace) -> Any:
     if args.max_input_len is None and not args.low_mem:
         return None
-    return weightlift.RuntimeSpec(max_input_len=args.max_input_len or 2048, low_mem=args.low_mem)
+    # What is not given keeps RuntimeSpec's own default (exllamav2's).
+    kw: dict[str, Any] = {"low_mem": args.low_mem}
+    if args.max_input_len:
+        kw["max_input_len"] = args.max_input_len
+    return weightlift.RuntimeSpec(**kw)
 
 
 def _placement(args: argparse.Namespace) -> dict[str, Any]:

@@ -97,6 +97,19 @@ pub struct CacheConfig {
 }
 
 impl CacheConfig {
+    /// The shape of `n_tokens` positions of `layer`'s keys, and of its values, as
+    /// [`Cache::write`] takes them and [`Cache::read`] gives them: `(batch_size, n_kv_heads,
+    /// n_tokens, head_dim)`, with no heads for a layer the model does not have.
+    pub fn kv_shape(&self, layer: usize, n_tokens: u64) -> [u64; 4] {
+        let heads = self.n_kv_heads.get(layer).copied().unwrap_or(0);
+        [
+            self.batch_size,
+            u64::from(heads),
+            n_tokens,
+            u64::from(self.head_dim),
+        ]
+    }
+
     fn row(&self, layer: usize) -> u64 {
         u64::from(self.n_kv_heads[layer]) * u64::from(self.head_dim)
     }
@@ -758,6 +771,21 @@ fn kernel(e: weightlift_kernels::KernelError) -> EngineError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_shapes_are_batch_heads_tokens_head_dim() {
+        let cfg = CacheConfig {
+            max_seq_len: 64,
+            batch_size: 2,
+            dtype: CacheDType::Fp16,
+            n_kv_heads: vec![3, 1],
+            head_dim: 8,
+            offload: false,
+        };
+        assert_eq!(cfg.kv_shape(0, 5), [2, 3, 5, 8]);
+        assert_eq!(cfg.kv_shape(1, 0), [2, 1, 0, 8]);
+        assert_eq!(cfg.kv_shape(2, 5), [2, 0, 5, 8]);
+    }
 
     #[test]
     fn sizes_match_the_design_table() {

@@ -129,6 +129,10 @@ pub enum EngineError {
     #[error("{what} is not loaded; call load() first")]
     NotLoaded { what: String },
 
+    /// A model used after it was closed ([`crate::session::Session::close`]).
+    #[error("{what} is closed; open the checkpoint again to use it")]
+    Closed { what: String },
+
     /// A caller's hook (a logits processor, a stopping criterion) failed; the caller holds
     /// its own error.
     #[error("{what} failed: {detail}")]

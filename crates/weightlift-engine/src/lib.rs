@@ -17,6 +17,9 @@
 //! - [`model`]: [`Model`] ties a checkpoint, an [`Inventory`] and a [`Placement`] (a
 //!   `weightlift_plan::Plan` via [`planned`]) together, with the lazy co-located [`Cache`],
 //!   split tensors (llama.cpp row split, tensor parallelism), validation and memory accounting.
+//! - [`session`]: a [`Model`] as a caller keeps it between calls (the plan of its last load,
+//!   its plan and sampling defaults, its last timings, closing), the state behind the Python
+//!   `Model`; [`llama_cpp`] loads one as llama-cpp-python's `Llama(...)` does.
 //! - [`cache`]: KV caches in fp16, fp8 (e4m3), q8, q6 and q4 with the planner's exact sizes and a
 //!   documented error bound per dtype; offloaded caches prefetch the next layer on a thread.
 //! - [`forward`] and [`generate`]: the forward pass where the plan put every layer, and text
@@ -49,6 +52,7 @@ pub mod model;
 pub mod planned;
 pub mod sample;
 pub mod scan;
+pub mod session;
 pub mod source;
 pub mod tp;
 pub mod validate;

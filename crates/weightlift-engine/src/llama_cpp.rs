@@ -1,12 +1,17 @@
-//! llama.cpp's and llama-cpp-python's argument conventions that are not a placement: the KV
-//! cache's `type_k` / `type_v` (names, or ggml type numbers) and the seed that means "random".
+//! llama.cpp's and llama-cpp-python's argument conventions: the KV cache's `type_k` / `type_v`
+//! (names, or ggml type numbers), the seed that means "random", `n_batch`, and a load as
+//! `Llama(...)` does it ([`LlamaLoad`]: a cache of `n_ctx` made first, the layers placed by
+//! `n_gpu_layers` and its kin through [`PlanOptions::llama`]).
+
+use std::sync::Arc;
 
 use weightlift_format::DType;
-
-use weightlift_plan::RuntimeSpec;
+use weightlift_plan::{CacheSpec, PlanOptions, RuntimeSpec, WeightOffload};
 
 use crate::cache::CacheDType;
 use crate::error::{EngineError, Result};
+use crate::loader::{LoadOptions, Progress};
+use crate::session::{LoadCache, Session};
 
 /// llama.cpp's `LLAMA_DEFAULT_SEED`: a seed of 0xFFFFFFFF asks for a random one.
 pub const DEFAULT_SEED: u64 = 0xFFFF_FFFF;
@@ -70,6 +75,90 @@ pub fn cache_dtype(type_k: Option<CacheType>, type_v: Option<CacheType>) -> Resu
                  type_v=q4_0"
             .into(),
     })
+}
+
+/// What `Llama(...)` says about a load, with llama-cpp-python's defaults.
+#[derive(Debug, Clone)]
+pub struct LlamaLoad {
+    /// Layers on the accelerators, the last ones (-1: all); see [`PlanOptions::llama`].
+    pub n_gpu_layers: i64,
+    /// `"none"`, `"layer"` or `"row"`.
+    pub split_mode: String,
+    pub tensor_split: Option<Vec<f32>>,
+    pub main_gpu: usize,
+    /// Positions of the model's cache.
+    pub n_ctx: u64,
+    /// The longest prompt chunk of one forward call ([`runtime`]).
+    pub n_batch: u64,
+    pub type_k: Option<CacheType>,
+    pub type_v: Option<CacheType>,
+    /// `use_mmap`, `use_direct_io`, `use_mlock` (as `mlock`) and `check_tensors`.
+    pub read: LoadOptions,
+    /// accelerate's offloaded execution of the layers left on the cpu, which llama.cpp lacks.
+    pub offload: Option<WeightOffload>,
+}
+
+impl Default for LlamaLoad {
+    fn default() -> Self {
+        LlamaLoad {
+            n_gpu_layers: 0,
+            split_mode: "layer".into(),
+            tensor_split: None,
+            main_gpu: 0,
+            n_ctx: 512,
+            n_batch: 512,
+            type_k: None,
+            type_v: None,
+            read: LoadOptions::default(),
+            offload: None,
+        }
+    }
+}
+
+impl Session {
+    /// llama-cpp-python's settings of a model beside its load: `seed` ([`DEFAULT_SEED`] is a
+    /// random one), `spm_infill` and `chat_format` (a built-in format in place of the
+    /// checkpoint's template; see [`crate::Model::set_chat_format`]).
+    pub fn set_llama(
+        &mut self,
+        seed_arg: Option<u64>,
+        spm_infill: bool,
+        chat_format: Option<&str>,
+    ) -> Result<()> {
+        self.seed = seed(seed_arg);
+        self.spm_infill = spm_infill;
+        self.model.set_chat_format(chat_format)
+    }
+
+    /// Load as `Llama(...)` does: the cache of `n_ctx` positions in the dtype of `type_k` and
+    /// `type_v` is made first and loaded beside the layers, `n_batch` sets the prompt chunk
+    /// unless the model was given its own runtime (`given_runtime`), and the layers go where
+    /// llama.cpp's placement options put them.
+    pub fn load_llama(
+        &mut self,
+        args: LlamaLoad,
+        given_runtime: Option<RuntimeSpec>,
+        progress: &mut dyn FnMut(&Progress<'_>) -> bool,
+    ) -> Result<()> {
+        let dtype = cache_dtype(args.type_k, args.type_v)?;
+        self.defaults.runtime = runtime(args.n_batch, given_runtime);
+        let cache = self
+            .model
+            .cache_for(&CacheSpec::new(args.n_ctx, 1, dtype))?;
+        let has_accelerator = !self.model.inventory().accelerators().is_empty();
+        let options = PlanOptions {
+            offload: args.offload,
+            ..PlanOptions::llama(
+                args.n_gpu_layers,
+                &args.split_mode,
+                args.tensor_split,
+                args.main_gpu,
+                has_accelerator,
+            )
+        };
+        let cache = LoadCache::Given(Arc::new(cache));
+        self.load(None, options, cache, &args.read, progress)
+    }
 }
 
 #[cfg(test)]

@@ -97,6 +97,17 @@ pub struct Progress<'a> {
     pub device: &'a str,
 }
 
+impl Progress<'_> {
+    /// The fraction done, as llama.cpp's `progress_callback` takes it: 1 for a load with
+    /// nothing to read.
+    pub fn fraction(&self) -> f64 {
+        if self.bytes_total == 0 {
+            return 1.0;
+        }
+        self.bytes_done as f64 / self.bytes_total as f64
+    }
+}
+
 /// The result of a load: one tensor per checkpoint tensor, in checkpoint order (`None` where
 /// the target was `None`).
 #[derive(Debug)]
@@ -730,4 +741,22 @@ fn read_direct(file: &File, pos: u64, want: usize, buf: &mut AlignedBuf) -> std:
         }
     }
     Ok(start)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Progress;
+
+    #[test]
+    fn the_fraction_done_is_one_for_a_load_with_nothing_to_read() {
+        let p = |bytes_done, bytes_total| Progress {
+            bytes_done,
+            bytes_total,
+            tensor: "t",
+            device: "cpu",
+        };
+        assert_eq!(p(0, 0).fraction(), 1.0);
+        assert_eq!(p(1, 4).fraction(), 0.25);
+        assert_eq!(p(4, 4).fraction(), 1.0);
+    }
 }

@@ -1,10 +1,12 @@
 //! The bridge to the planner: a model's devices and tensors become a `PlanRequest`, and a
 //! `Plan` becomes the [`Placement`] the loader carries out.
 
-use weightlift_plan::{DeviceKind as PlanKind, DeviceSpec, Plan, PlanRequest, TpKind, TpSplit};
+use weightlift_plan::{
+    DeviceKind as PlanKind, DeviceSpec, MemoryProbe, Plan, PlanError, PlanRequest, TpKind, TpSplit,
+};
 
 use crate::cache::CacheConfig;
-use crate::device::{DeviceKind, Inventory};
+use crate::device::{DeviceKind, HostProbe, Inventory};
 use crate::error::{EngineError, Result, invalid};
 use crate::model::{Model, Placement, SplitSpec, TensorPlace};
 use crate::source::Source;
@@ -42,6 +44,26 @@ pub fn device_specs(inv: &Inventory) -> Vec<DeviceSpec> {
         out.push(DeviceSpec::new("disk", PlanKind::Disk, u64::MAX));
     }
     out
+}
+
+/// This machine's devices as `weightlift devices` lists them: `cpu` at MemAvailable, then
+/// every CUDA GPU the engine can see (at its free memory, with its measured overhead), then
+/// `disk`.
+pub fn machine_devices() -> std::result::Result<Vec<DeviceSpec>, PlanError> {
+    let mut items = vec!["cpu".to_owned()];
+    items.extend((0..HostProbe.cuda_count()).map(|i| format!("cuda:{i}")));
+    items.push("disk".into());
+    weightlift_plan::parse_devices_with(&items.join(","), &HostProbe)
+}
+
+/// The devices a plan is made for: those of `spec` (`"virtual:2x8GiB,cpu"`; a `cuda:N` or
+/// `cpu` without a size is probed on this machine), or without one this machine's, every CUDA
+/// GPU then `cpu` ([`weightlift_plan::inventory`]), as a model made without devices has them.
+pub fn plan_devices(spec: Option<&str>) -> std::result::Result<Vec<DeviceSpec>, PlanError> {
+    match spec {
+        Some(spec) => weightlift_plan::parse_devices_with(spec, &HostProbe),
+        None => Ok(weightlift_plan::inventory(&HostProbe)),
+    }
 }
 
 /// The planner's cache request for an engine cache: its shape, dtype and offload flag. An
@@ -494,5 +516,36 @@ impl PlanSource {
         let mut req = options.into_request(self.model, devices)?;
         req.sliding_window = self.window;
         Ok(req)
+    }
+}
+
+#[cfg(test)]
+mod machine_tests {
+    use super::*;
+
+    #[test]
+    fn the_machine_lists_cpu_first_and_disk_last_and_a_spec_is_taken_as_given() {
+        let all = machine_devices().unwrap();
+        let names: Vec<&str> = all.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names.first(), Some(&"cpu"));
+        assert_eq!(names.last(), Some(&"disk"));
+        assert_eq!(all.len() as u32, HostProbe.cuda_count() + 2);
+        let given = plan_devices(Some("virtual:2x1GiB,cpu:2GiB")).unwrap();
+        let given: Vec<(&str, u64)> = given
+            .iter()
+            .map(|d| (d.name.as_str(), d.capacity))
+            .collect();
+        assert_eq!(
+            given,
+            [
+                ("virtual:0", 1 << 30),
+                ("virtual:1", 1 << 30),
+                ("cpu", 2 << 30)
+            ]
+        );
+        // Without a spec: the accelerators, then the cpu; never disk.
+        let own = plan_devices(None).unwrap();
+        assert_eq!(own.last().map(|d| d.name.as_str()), Some("cpu"));
+        assert_eq!(own.len() as u32, HostProbe.cuda_count() + 1);
     }
 }

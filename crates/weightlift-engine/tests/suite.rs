@@ -9,6 +9,7 @@ mod common;
 
 mod batch_forward;
 mod cache;
+mod chat;
 mod embeddings;
 mod exl2_forward;
 mod forward;
@@ -24,6 +25,7 @@ mod int8_forward;
 mod loader;
 mod model;
 mod planned;
+mod session;
 mod tp_forward;
 mod tp_quantize;
 

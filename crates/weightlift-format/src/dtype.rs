@@ -196,6 +196,21 @@ impl DType {
         }
         ("uint8", dims)
     }
+
+    /// The bytes of a tensor of `shape` held as `bytes` that numpy shows in
+    /// [`DType::numpy_layout`]: all of them, except that an INT8 tensor reads as its quants, so
+    /// the f32 row scales after them are left out.
+    pub fn numpy_bytes<'a>(self, bytes: &'a [u8], shape: &[u64]) -> &'a [u8] {
+        if self != DType::INT8 {
+            return bytes;
+        }
+        let quants = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        quants
+            .and_then(|n| self.bytes_for(n))
+            .and_then(|b| usize::try_from(b).ok())
+            .and_then(|b| bytes.get(..b))
+            .unwrap_or(bytes)
+    }
 }
 
 impl std::fmt::Display for DType {
@@ -235,6 +250,14 @@ mod tests {
             }
         }
         assert_eq!(DType::from_numpy_name("float128"), None);
+    }
+
+    #[test]
+    fn numpy_bytes_leave_out_int8_row_scales() {
+        // two rows of three int8 quants, then a f32 scale per row
+        let held: Vec<u8> = (0..14).collect();
+        assert_eq!(DType::INT8.numpy_bytes(&held, &[2, 3]), &held[..6]);
+        assert_eq!(DType::U8.numpy_bytes(&held, &[14]), &held[..]);
     }
 
     #[test]

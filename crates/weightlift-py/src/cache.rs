@@ -141,17 +141,12 @@ impl Cache {
         let vv = np.call_method1("ascontiguousarray", (v, "float32"))?;
         let shape: Vec<u64> = kk.getattr("shape")?.extract()?;
         let vshape: Vec<u64> = vv.getattr("shape")?.extract()?;
-        let cfg = self.cache.config();
-        let heads = cfg.n_kv_heads.get(layer).copied().unwrap_or(0);
-        if shape.len() != 4
-            || shape != vshape
-            || shape[0] != cfg.batch_size
-            || shape[1] != u64::from(heads)
-            || shape[3] != u64::from(cfg.head_dim)
-        {
+        let n_tokens = shape.get(2).copied().unwrap_or(0);
+        let [batch, heads, _, head_dim] = self.cache.config().kv_shape(layer, n_tokens);
+        if shape != [batch, heads, n_tokens, head_dim] || vshape != shape {
             return Err(PyValueError::new_err(format!(
-                "k and v must both be float32 ({}, {heads}, n_tokens, {}); got {shape:?} and {vshape:?}",
-                cfg.batch_size, cfg.head_dim
+                "k and v must both be float32 ({batch}, {heads}, n_tokens, {head_dim}); got \
+                 {shape:?} and {vshape:?}"
             )));
         }
         let ka: PyReadonlyArrayDyn<'_, f32> = kk.extract()?;
@@ -162,7 +157,7 @@ impl Cache {
         let vs = va
             .as_slice()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        eng(self.cache.write(layer, pos, shape[2], ks, vs))
+        eng(self.cache.write(layer, pos, n_tokens, ks, vs))
     }
 
     /// Read positions `start..end` back as float32 `(k, v)`, each
@@ -175,17 +170,8 @@ impl Cache {
         end: u64,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let (k, v) = eng(self.cache.read(layer, start, end))?;
-        let cfg = self.cache.config();
-        let heads = cfg.n_kv_heads.get(layer).copied().unwrap_or(0);
-        let shape = PyTuple::new(
-            py,
-            [
-                cfg.batch_size,
-                u64::from(heads),
-                end - start,
-                u64::from(cfg.head_dim),
-            ],
-        )?;
+        let shape = self.cache.config().kv_shape(layer, end - start);
+        let shape = PyTuple::new(py, shape)?;
         let k = PyArray1::from_vec(py, k).call_method1("reshape", (&shape,))?;
         let v = PyArray1::from_vec(py, v).call_method1("reshape", (&shape,))?;
         Ok((k, v))

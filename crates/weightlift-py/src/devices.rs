@@ -132,13 +132,7 @@ pub(crate) fn to_numpy<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let np = py.import("numpy")?;
     let (name, dims) = dtype.numpy_layout(shape);
-    // An INT8 tensor reads as its quants; its row scales follow them.
-    let n: u64 = shape.iter().product();
-    let bytes = match dtype.bytes_for(n) {
-        Some(b) if dtype == DType::INT8 => bytes.get(..b as usize).unwrap_or(bytes),
-        _ => bytes,
-    };
-    let buf = PyBytes::new(py, bytes);
+    let buf = PyBytes::new(py, dtype.numpy_bytes(bytes, shape));
     let arr = np.call_method1("frombuffer", (buf, name))?;
     arr.call_method1("reshape", (PyTuple::new(py, dims)?,))?
         .call_method0("copy")

@@ -234,6 +234,7 @@ impl ToPyErr for EngineError {
                 raise(Exc::Weightlift, self.to_string())
             }
             EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
+            EngineError::Closed { .. } => raise(Exc::Closed, self.to_string()),
             EngineError::Text(e) => e.to_pyerr(),
             // A schema keyword the converter does not enforce is a feature not built.
             EngineError::Grammar(weightlift_engine::grammar::GrammarError::SchemaUnsupported {

@@ -26,10 +26,9 @@ pub use batch::Batch;
 pub use grammar::LlamaGrammar;
 use grammar::{grammar_arg, response_format_grammar};
 pub use respond::CompletionStream;
-use respond::Shape;
-use weightlift_engine::generate::openai::chat_message;
 use weightlift_engine::generate::request::{self, Request, Sampling, TransformersArgs};
-use weightlift_engine::generate::tools::{chat_grammar, chat_tools, forced_tool};
+use weightlift_engine::generate::respond::Kind;
+use weightlift_engine::generate::tools::chat_tools;
 
 #[pymethods]
 impl Model {
@@ -169,7 +168,7 @@ impl Model {
         if num_return_sequences > 1 {
             return Model::generate_each(slf, call, num_return_sequences as usize, stream);
         }
-        Model::respond(slf, call, Shape::Text, stream, false, None, None)
+        Model::respond(slf, call, None, stream, false, None, None)
     }
 
     /// llama-cpp-python's `Llama.create_completion`: the same arguments and defaults, and an
@@ -275,7 +274,7 @@ impl Model {
         hooks::install(&mut call, logits_processor, stopping_criteria);
         call.append = append;
         call.batch = batch_arg(slf, batch)?;
-        Model::respond(slf, call, Shape::Completion, stream, echo, model, None)
+        Model::respond(slf, call, Some(Kind::Completion), stream, echo, model, None)
     }
 
     /// `create_completion`, as `Llama.__call__`.
@@ -359,23 +358,15 @@ impl Model {
             json_arg(tools, "tools")?,
             json_arg(tool_choice, "tool_choice")?,
         );
-        let forced = eng(forced_tool(&tools))?;
         eng(request::refuse_tfs_z(tfs_z))?;
-        let grammar = eng(chat_grammar(
-            forced.as_ref(),
-            response_format_grammar(response_format)?,
-            grammar_arg(grammar)?,
-        ))?;
+        let response_format = response_format_grammar(response_format)?;
+        let grammar = grammar_arg(grammar)?;
         let msgs = messages
             .try_iter()?
-            .map(|m| {
-                eng(chat_message(
-                    json_arg(Some(&m?), "messages")?.unwrap_or_default(),
-                ))
-            })
+            .map(|m| Ok(json_arg(Some(&m?), "messages")?.unwrap_or_default()))
             .collect::<PyResult<Vec<_>>>()?;
         let me = slf.get();
-        let prompt = eng(me.lock()?.model.chat_prompt_with(&msgs, &tools))?;
+        let chat = eng(me.lock()?.model.chat(msgs, tools, response_format, grammar))?;
         let req = Request {
             sampling: Sampling {
                 temperature,
@@ -393,18 +384,15 @@ impl Model {
             },
             max_tokens,
             logprobs: eng(request::chat_logprobs(logprobs, top_logprobs))?,
-            grammar,
+            grammar: chat.grammar,
             logit_bias: logit_bias_arg(logit_bias)?,
             ..Request::default()
         };
-        let mut call = Call::new(me, prompt, req, stop, None)?;
-        // a built-in chat format's stop string joins the request's
-        let format_stop = me.lock()?.model.chat_stop();
-        call.options.stop.extend(format_stop.map(str::to_owned));
+        let mut call = Call::new(me, chat.prompt, req, stop, None)?;
+        call.options.stop.extend(chat.stop.map(str::to_owned));
         hooks::install(&mut call, logits_processor, None);
         call.batch = batch_arg(slf, batch)?;
-        let tool = forced.map(|(name, _)| name);
-        Model::respond(slf, call, Shape::Chat, stream, false, model, tool)
+        Model::respond(slf, call, Some(Kind::Chat), stream, false, model, chat.tool)
     }
 
     /// The last generation's timings: `prompt_tokens`, `prompt_ms`, `prompt_per_second`,
@@ -497,13 +485,5 @@ pub fn sample(
             "logits: expected one contiguous float32 row; {e}"
         ))
     })?;
-    if logits.is_empty() {
-        return Err(pyo3::exceptions::PyValueError::new_err(
-            "logits: expected one row of the vocabulary's logits, got an empty array",
-        ));
-    }
-    let mut sampler = eng(weightlift_engine::sample::Sampler::new(eng(
-        knobs.params(None)
-    )?))?;
-    Ok(sampler.sample(logits, &history))
+    eng(knobs.sample_row(logits, &history))
 }

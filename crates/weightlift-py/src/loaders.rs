@@ -2,13 +2,15 @@
 
 use pyo3::prelude::*;
 use weightlift_engine::LoadOptions;
-use weightlift_engine::llama_cpp::{self, CacheType};
+use weightlift_engine::llama_cpp::{CacheType, LlamaLoad};
+use weightlift_engine::session::{LoadCache, Settings};
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
-use crate::errors::{Exc, eng, py_err, raise};
-use crate::model::{Model, load_options};
+use crate::errors::{Exc, eng, raise};
+use crate::model::Model;
 use crate::options::{DeviceMapValue, DevicesSpec, RuntimeArg, Sizes};
+use crate::plan::offload_arg;
 use crate::progress::Reporter;
 
 /// accelerate style: open `path`, plan with `device_map` (`"auto"` = balanced, `"balanced"`,
@@ -53,21 +55,15 @@ pub fn from_pretrained(
     blocks_per_group: u32,
     prefetch: bool,
 ) -> PyResult<Model> {
-    let offload =
-        wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
+    let offload = offload_arg(offload, blocks_per_group, prefetch)?;
     let model = Model::new(path, devices, dtype, runtime, compute, n_threads, quantize)?;
     let options = wp::PlanOptions {
         offload,
         ..wp::PlanOptions::from_pretrained(device_map.map(|d| d.0), max_memory.map(|m| m.0))
     };
-    model.run_load(
-        py,
-        None,
-        options,
-        None,
-        LoadOptions::default(),
-        Reporter::new(callback, progress),
-    )?;
+    model.run_load(py, Reporter::new(callback, progress), |s, p| {
+        s.load(None, options, LoadCache::None, &LoadOptions::default(), p)
+    })?;
     Ok(model)
 }
 
@@ -139,30 +135,43 @@ pub fn load_gguf(
             ));
         }
     };
-    let offload =
-        wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)?;
+    let offload = offload_arg(offload, blocks_per_group, prefetch)?;
     let open = wf::OpenOptions {
         check_tensors: false,
         vocab_only,
     };
-    let given_runtime = runtime.as_ref().map(|r| r.0);
+    let given_runtime = runtime.map(|r| r.0);
     let ckpt = Model::open_source(path, open)?;
-    let model = Model::with_checkpoint(ckpt, devices, "auto", runtime, compute, n_threads, None)?;
-    model.lock()?.seed = llama_cpp::seed(seed);
-    model.lock()?.spm_infill = spm_infill;
-    eng(model.lock()?.model.set_chat_format(chat_format))?;
+    let settings = eng(Settings::parse(
+        "auto",
+        compute,
+        None,
+        given_runtime,
+        n_threads,
+    ))?;
+    let model = Model::with_checkpoint(ckpt, devices, settings)?;
+    eng(model.lock()?.set_llama(seed, spm_infill, chat_format))?;
     if vocab_only {
         // the metadata and tokenizer only: no tensors to load
         return Ok(model);
     }
-    let cache_dtype = eng(llama_cpp::cache_dtype(
-        cache_type(type_k, "type_k")?,
-        cache_type(type_v, "type_v")?,
-    ))?;
-    let cache = {
-        let mut inner = model.lock()?;
-        inner.defaults.runtime = llama_cpp::runtime(n_batch, given_runtime);
-        inner.new_cache(&wp::CacheSpec::new(n_ctx, 1, cache_dtype))?
+    let args = LlamaLoad {
+        n_gpu_layers,
+        split_mode: split_mode.to_owned(),
+        tensor_split,
+        main_gpu,
+        n_ctx,
+        n_batch,
+        type_k: cache_type(type_k, "type_k")?,
+        type_v: cache_type(type_v, "type_v")?,
+        read: LoadOptions {
+            use_mmap,
+            use_direct_io,
+            check_tensors,
+            mlock: use_mlock,
+            ..LoadOptions::default()
+        },
+        offload,
     };
     let mut reporter = Reporter::new(callback, progress);
     if let Some(f) = progress_callback {
@@ -176,20 +185,7 @@ pub fn load_gguf(
         reporter = Reporter::new(Some(f), false);
         reporter.fraction = true;
     }
-    let mut opts = load_options(use_mmap, use_direct_io, check_tensors, None);
-    opts.mlock = use_mlock;
-    let has_accelerator = !model.lock()?.model.inventory().accelerators().is_empty();
-    let options = wp::PlanOptions {
-        offload,
-        ..wp::PlanOptions::llama(
-            n_gpu_layers,
-            split_mode,
-            tensor_split,
-            main_gpu,
-            has_accelerator,
-        )
-    };
-    model.run_load(py, None, options, Some(cache), opts, reporter)?;
+    model.run_load(py, reporter, |s, p| s.load_llama(args, given_runtime, p))?;
     Ok(model)
 }
 

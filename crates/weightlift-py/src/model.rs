@@ -1,6 +1,7 @@
 //! `Model`: a checkpoint, its devices and, once loaded, its tensors and plan.
 
 use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
@@ -8,42 +9,36 @@ use numpy::PyArray1;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use weightlift_engine::cache::Cache as ECache;
-use weightlift_engine::planned::PlanDefaults;
-use weightlift_engine::{self as we, LoadOptions, Model as EModel};
+use weightlift_engine::session::{LoadCache, Session, Settings};
+use weightlift_engine::{self as we, LoadOptions, Progress};
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
 use crate::devices::{inventory_for, to_numpy};
-use crate::errors::{Exc, eng, enter, py_err, raise};
+use crate::errors::{eng, enter, py_err};
 use crate::options::{
-    CacheDTypeArg, CacheRef, DeviceMapValue, DevicesSpec, LoadCache, Overrides, RuntimeArg, Sizes,
+    CacheDTypeArg, CacheRef, CacheShape, DeviceMapValue, DevicesSpec, Overrides, RuntimeArg, Sizes,
 };
-use crate::plan::PlanArgs;
+use crate::plan::offload_arg;
 use crate::progress::Reporter;
 
+/// A model's state behind its lock: the engine session, and the `Model.tp` object handed out
+/// for the current load.
 pub(crate) struct ModelInner {
-    pub(crate) model: EModel,
-    pub(crate) plan: Option<wp::Plan>,
-    /// The dtype, quantise-on-load mode and runtime limits every plan of this model takes.
-    pub(crate) defaults: PlanDefaults,
-    devices_spec: String,
-    /// The sampling seed when a call gives none (`load_gguf(seed=...)`, as `Llama(seed=...)`).
-    pub(crate) seed: Option<u64>,
-    /// The last generation's timings (`Model.timings`).
-    pub(crate) timings: Option<we::Timings>,
-    /// The `Model.tp` object handed out for the current load.
+    pub(crate) session: Session,
     tp_obj: Option<Py<crate::tp::TPContext>>,
-    /// Set by `close()`: every later call raises `ClosedError`.
-    closed: bool,
-    /// Fill-in-the-middle prompts put the suffix first (`load_gguf(spm_infill=True)`).
-    pub(crate) spm_infill: bool,
 }
 
-impl ModelInner {
-    /// A cache of `spec`'s shape for this model, allocated beside each layer as it loads.
-    pub(crate) fn new_cache(&self, spec: &wp::CacheSpec) -> PyResult<Arc<ECache>> {
-        Ok(Arc::new(eng(self.model.cache_for(spec))?))
+impl Deref for ModelInner {
+    type Target = Session;
+    fn deref(&self) -> &Session {
+        &self.session
+    }
+}
+
+impl DerefMut for ModelInner {
+    fn deref_mut(&mut self) -> &mut Session {
+        &mut self.session
     }
 }
 
@@ -59,15 +54,7 @@ impl Model {
     /// The model's state, for any call but `close()`: `ClosedError` once closed.
     pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, ModelInner>> {
         let g = self.lock_even_closed()?;
-        if g.closed {
-            return Err(raise(
-                Exc::Closed,
-                format!(
-                    "Model('{}') is closed; open the checkpoint again to use it",
-                    self.checkpoint.path().display()
-                ),
-            ));
-        }
+        eng(g.check_open())?;
         Ok(g)
     }
 
@@ -99,90 +86,39 @@ impl Model {
     pub(crate) fn with_checkpoint(
         ckpt: Arc<wf::Checkpoint>,
         devices: Option<DevicesSpec>,
-        dtype: &str,
-        runtime: Option<RuntimeArg>,
-        compute: &str,
-        n_threads: Option<usize>,
-        quantize: Option<&str>,
+        settings: Settings,
     ) -> PyResult<Self> {
-        let compute = eng(we::forward::Compute::parse(compute))?;
-        let quantize = quantize
-            .map(wp::Quantize::parse)
-            .transpose()
-            .map_err(py_err)?;
         let devices = devices.map(|d| d.0);
         let inv = inventory_for(devices.as_deref())?;
-        let dtype = wp::DTypeChoice::parse(dtype).map_err(py_err)?;
         let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
-        let devices_spec = devices.unwrap_or_else(|| inv.spec());
-        let mut model = EModel::new(src, inv);
-        model.set_compute(compute);
-        if let Some(n) = n_threads {
-            eng(model.set_threads(n))?;
-        }
+        let session = eng(Session::new(src, inv, devices, settings))?;
         Ok(Model {
             inner: Mutex::new(ModelInner {
-                model,
-                plan: None,
-                defaults: PlanDefaults {
-                    dtype,
-                    quantize,
-                    runtime: runtime.map(|r| r.0).unwrap_or_default(),
-                },
-                devices_spec,
-                seed: None,
-                timings: None,
+                session,
                 tp_obj: None,
-                closed: false,
-                spm_infill: false,
             }),
             checkpoint: ckpt,
         })
     }
 
-    /// Plan (unless a plan is given) with `options` over the model's own request, and load
-    /// ([`EModel::plan_and_load`]), with the GIL released.
-    pub(crate) fn run_load(
+    /// `load` (a [`Session`] load, reporting progress) with the GIL released.
+    pub(crate) fn run_load<F>(
         &self,
         py: Python<'_>,
-        plan: Option<wp::Plan>,
-        options: wp::PlanOptions,
-        cache: Option<Arc<ECache>>,
-        opts: LoadOptions,
         mut reporter: Reporter,
-    ) -> PyResult<()> {
+        load: F,
+    ) -> PyResult<()>
+    where
+        F: FnOnce(&mut Session, &mut dyn FnMut(&Progress<'_>) -> bool) -> we::Result<()> + Send,
+    {
         let mut inner = self.lock()?;
-        let inner_ref = &mut *inner;
-        let (engine, defaults) = (&mut inner_ref.model, &inner_ref.defaults);
+        let session = &mut inner.session;
         // Released by hand rather than through `enter`: the reporter re-attaches during the
         // load to call the user's callback and check for Ctrl-C, and `finish` maps a
         // cancellation (by either) to its exception once everything is freed.
-        let r = py.detach(|| {
-            engine.plan_and_load(plan, options, defaults, cache, &opts, &mut |p| {
-                reporter.report(p)
-            })
-        });
-        inner.plan = Some(reporter.finish(r)?);
-        Ok(())
+        let r = py.detach(|| load(session, &mut |p| reporter.report(p)));
+        reporter.finish(r)
     }
-}
-
-pub(crate) fn load_options(
-    use_mmap: bool,
-    use_direct_io: bool,
-    check_tensors: bool,
-    staging_bytes: Option<u64>,
-) -> LoadOptions {
-    let mut o = LoadOptions {
-        use_mmap,
-        use_direct_io,
-        check_tensors,
-        ..LoadOptions::default()
-    };
-    if let Some(s) = staging_bytes {
-        o.staging_bytes = s as usize;
-    }
-    o
 }
 
 fn plan_from_obj(plan: &Bound<'_, PyAny>) -> PyResult<wp::Plan> {
@@ -219,7 +155,11 @@ impl Model {
         quantize: Option<&str>,
     ) -> PyResult<Self> {
         let ckpt = Model::open_source(source, wf::OpenOptions::default())?;
-        Model::with_checkpoint(ckpt, devices, dtype, runtime, compute, n_threads, quantize)
+        let runtime = runtime.map(|r| r.0);
+        let settings = eng(Settings::parse(
+            dtype, compute, quantize, runtime, n_threads,
+        ))?;
+        Model::with_checkpoint(ckpt, devices, settings)
     }
 
     /// Load by `plan` (a `Plan` or its JSON), or plan now with the placement keywords of
@@ -249,7 +189,7 @@ impl Model {
         plan: Option<&Bound<'_, PyAny>>,
         progress: bool,
         callback: Option<Py<PyAny>>,
-        cache: Option<LoadCache>,
+        cache: Option<CacheShape>,
         use_mmap: bool,
         use_direct_io: bool,
         check_tensors: bool,
@@ -275,47 +215,36 @@ impl Model {
             .filter(|p| !p.is_none())
             .map(plan_from_obj)
             .transpose()?;
-        let mut shape = None;
-        let cache = match cache {
-            None => None,
-            Some(LoadCache::Given(c)) => Some(c),
-            // a shape the load plans and makes (a given plan takes no options: made here)
-            Some(LoadCache::Shape(spec)) if plan.is_none() => {
-                shape = Some(spec);
-                None
-            }
-            Some(LoadCache::Shape(spec)) => Some(self.lock()?.new_cache(&spec)?),
-        };
-        let mut options = PlanArgs {
+        let options = wp::PlanOptions {
             strategy,
-            reserve,
-            max_memory,
-            overhead,
+            reserve: reserve.map(|s| s.0),
+            max_memory: max_memory.map(|s| s.0),
+            overhead: overhead.map(|s| s.0),
             n_gpu_layers,
             split_mode,
             tensor_split,
             main_gpu,
-            device_map,
-            overrides,
+            device_map: device_map.map(|d| d.0),
+            overrides: overrides.map(|o| o.0).unwrap_or_default(),
             gpu_split,
             allow_disk,
-            offload,
-            blocks_per_group,
-            prefetch,
+            offload: offload_arg(offload, blocks_per_group, prefetch)?,
             n_cpu_moe,
-            ..PlanArgs::default()
+            ..wp::PlanOptions::default()
+        };
+        let mut opts = LoadOptions {
+            use_mmap,
+            use_direct_io,
+            check_tensors,
+            ..LoadOptions::default()
+        };
+        if let Some(s) = staging_bytes {
+            opts.staging_bytes = s as usize;
         }
-        .options()?;
-        options.cache = shape;
-        let opts = load_options(use_mmap, use_direct_io, check_tensors, staging_bytes);
-        self.run_load(
-            py,
-            plan,
-            options,
-            cache,
-            opts,
-            Reporter::new(callback, progress),
-        )
+        let cache = cache.map_or(LoadCache::None, |c| c.0);
+        self.run_load(py, Reporter::new(callback, progress), |s, p| {
+            s.load(plan, options, cache, &opts, p)
+        })
     }
 
     /// exllamav2's `load_autosplit`: fill the accelerators in order, each layer's cache beside
@@ -338,18 +267,13 @@ impl Model {
         prefetch: bool,
     ) -> PyResult<()> {
         let options = wp::PlanOptions {
-            offload: wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch)
-                .map_err(py_err)?,
+            offload: offload_arg(offload, blocks_per_group, prefetch)?,
             ..wp::PlanOptions::autosplit(reserve_vram.map(|r| r.0))
         };
-        self.run_load(
-            py,
-            None,
-            options,
-            cache.map(|c| c.0),
-            LoadOptions::default(),
-            Reporter::new(callback, progress),
-        )
+        let cache = cache.map_or(LoadCache::None, |c| LoadCache::Given(c.0));
+        self.run_load(py, Reporter::new(callback, progress), |s, p| {
+            s.load(None, options, cache, &LoadOptions::default(), p)
+        })
     }
 
     /// exllamav2's `load_tp`: weights split over the accelerators by the TPContext tables.
@@ -386,26 +310,19 @@ impl Model {
                 expect_cache_base.map(|d| d.0),
             )
         };
-        self.run_load(
-            py,
-            None,
-            options,
-            None,
-            LoadOptions::default(),
-            Reporter::new(callback, progress),
-        )
+        self.run_load(py, Reporter::new(callback, progress), |s, p| {
+            s.load(None, options, LoadCache::None, &LoadOptions::default(), p)
+        })
     }
 
     /// Free every tensor and cache layer this model holds.
     fn unload(&self, py: Python<'_>) -> PyResult<()> {
         let mut inner = self.lock()?;
-        let inner_ref = &mut *inner;
+        let session = &mut inner.session;
         enter(py, || {
-            inner_ref.model.unload();
+            session.unload();
             Ok::<(), PyErr>(())
-        })?;
-        inner.plan = None;
-        Ok(())
+        })
     }
 
     /// The `TPContext` the forward pass runs through after `load_tp()` (its tables, its
@@ -478,7 +395,7 @@ impl Model {
     /// e.g. `"cuda:0,cpu"`).
     #[getter]
     fn devices(&self) -> PyResult<String> {
-        Ok(self.lock()?.devices_spec.clone())
+        Ok(self.lock()?.devices.clone())
     }
 
     /// Bytes of memory-mapped tensors locked in RAM (`use_mlock`).
@@ -517,9 +434,8 @@ impl Model {
     ) -> PyResult<Bound<'py, PyAny>> {
         let inner = self.lock()?;
         if dequantize {
-            let max_dq = inner.defaults.runtime.max_dq_size;
-            let model = &inner.model;
-            let d = enter(py, || model.dequantized(name, max_dq))?;
+            let session = &inner.session;
+            let d = enter(py, || session.dequantized(name))?;
             drop(inner);
             let arr = PyArray1::from_vec(py, d.values);
             return arr.call_method1("reshape", (PyTuple::new(py, d.shape)?,));
@@ -547,20 +463,19 @@ impl Model {
     /// Free everything the model holds (as `unload()`, the own cache included) and refuse
     /// every later call with `ClosedError`. Closing twice does nothing; `with` closes on exit.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        if self.lock_even_closed()?.closed {
-            return Ok(());
-        }
-        self.unload(py)?;
         let mut inner = self.lock_even_closed()?;
         inner.tp_obj = None;
-        inner.closed = true;
-        Ok(())
+        let session = &mut inner.session;
+        enter(py, || {
+            session.close();
+            Ok::<(), PyErr>(())
+        })
     }
 
     /// True once `close()` has run.
     #[getter]
     fn closed(&self) -> PyResult<bool> {
-        Ok(self.lock_even_closed()?.closed)
+        Ok(self.lock_even_closed()?.is_closed())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -590,11 +505,13 @@ impl Model {
 
     fn __repr__(&self) -> String {
         match self.inner.try_lock() {
-            Ok(i) if i.closed => format!("Model('{}', closed)", self.checkpoint.path().display()),
+            Ok(i) if i.is_closed() => {
+                format!("Model('{}', closed)", self.checkpoint.path().display())
+            }
             Ok(i) => format!(
                 "Model('{}', devices='{}', loaded={})",
                 self.checkpoint.path().display(),
-                i.devices_spec,
+                i.devices,
                 i.model.is_loaded()
             ),
             Err(_) => format!("Model('{}', loading)", self.checkpoint.path().display()),

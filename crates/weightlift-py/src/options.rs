@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use weightlift_engine as we;
 use weightlift_engine::cache::Cache as ECache;
+use weightlift_engine::session::LoadCache;
 use weightlift_plan as wp;
 
 use crate::cache::Cache;
@@ -221,19 +222,17 @@ impl<'a, 'py> FromPyObject<'a, 'py> for CacheRef {
 /// `Model.load(cache=...)`: a `Cache` to load beside the layers, or the shape of one (a
 /// `CacheSpec` or a dict, as [`CacheArg`]) that the model allocates itself, so what is held is
 /// what the plan counted.
-pub enum LoadCache {
-    Given(Arc<ECache>),
-    Shape(wp::CacheSpec),
-}
+pub struct CacheShape(pub LoadCache);
 
-impl<'a, 'py> FromPyObject<'a, 'py> for LoadCache {
+impl<'a, 'py> FromPyObject<'a, 'py> for CacheShape {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if let Ok(c) = obj.cast::<Cache>() {
-            return Ok(LoadCache::Given(Arc::clone(&c.get().cache)));
+            return Ok(CacheShape(LoadCache::Given(Arc::clone(&c.get().cache))));
         }
-        obj.extract::<CacheArg>().map(|c| LoadCache::Shape(c.0))
+        obj.extract::<CacheArg>()
+            .map(|c| CacheShape(LoadCache::Shape(c.0)))
     }
 }
 

@@ -8,7 +8,7 @@ mod specs;
 use pyo3::prelude::*;
 // The real machine is read through the engine's probe (MemAvailable, and the CUDA driver in a
 // build with the `cuda` feature); the planner itself does no I/O.
-use weightlift_engine::HostProbe;
+use weightlift_engine::planned;
 use weightlift_plan as wp;
 
 use crate::errors::{eng, enter, py_err};
@@ -30,79 +30,18 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The devices of `spec`; without one, this machine's: every CUDA GPU, then `cpu` (the
-/// planner's [`wp::inventory`], which `Model(devices=None)` and `devices()` read too).
+/// `offload=` with `blocks_per_group` and `prefetch`, as the planner reads them.
+pub(crate) fn offload_arg(
+    offload: Option<String>,
+    blocks_per_group: u32,
+    prefetch: bool,
+) -> PyResult<Option<wp::WeightOffload>> {
+    wp::WeightOffload::parse(offload.as_deref(), blocks_per_group, prefetch).map_err(py_err)
+}
+
+/// The devices of `spec`, or this machine's ([`planned::plan_devices`]).
 fn parse_device_arg(spec: Option<&DevicesSpec>) -> PyResult<Vec<wp::DeviceSpec>> {
-    match spec {
-        Some(spec) => wp::parse_devices_with(&spec.0, &HostProbe).map_err(py_err),
-        None => Ok(wp::inventory(&HostProbe)),
-    }
-}
-
-/// The planning keywords of `plan()`, `fit()` and `Model.load()`, as converted from Python:
-/// each is `None` (or false) when not given, and each becomes the planner's option of its name.
-#[derive(Default)]
-pub(crate) struct PlanArgs {
-    pub strategy: Option<String>,
-    pub dtype: Option<String>,
-    pub weight_dtype: Option<String>,
-    pub cache: Option<CacheArg>,
-    pub cache_offload: bool,
-    pub runtime: Option<RuntimeArg>,
-    pub reserve: Option<Sizes>,
-    pub max_memory: Option<Sizes>,
-    pub overhead: Option<Sizes>,
-    pub n_gpu_layers: Option<i64>,
-    pub n_cpu_moe: Option<u32>,
-    pub split_mode: Option<String>,
-    pub tensor_split: Option<Vec<f32>>,
-    pub main_gpu: Option<usize>,
-    pub device_map: Option<DeviceMapValue>,
-    pub overrides: Option<Overrides>,
-    pub gpu_split: Option<Vec<f64>>,
-    pub allow_disk: Option<bool>,
-    pub use_mmap: Option<bool>,
-    pub quantize: Option<String>,
-    pub offload: Option<String>,
-    pub blocks_per_group: u32,
-    pub prefetch: bool,
-    pub world: Option<String>,
-}
-
-impl PlanArgs {
-    /// The planner's options for these keywords.
-    pub fn options(self) -> PyResult<wp::PlanOptions> {
-        Ok(wp::PlanOptions {
-            strategy: self.strategy,
-            dtype: self.dtype,
-            weight_dtype: self.weight_dtype,
-            cache: self.cache.map(|c| c.0),
-            cache_offload: self.cache_offload,
-            runtime: self.runtime.map(|r| r.0),
-            reserve: self.reserve.map(|s| s.0),
-            max_memory: self.max_memory.map(|s| s.0),
-            overhead: self.overhead.map(|s| s.0),
-            n_gpu_layers: self.n_gpu_layers,
-            n_cpu_moe: self.n_cpu_moe,
-            split_mode: self.split_mode,
-            tensor_split: self.tensor_split,
-            main_gpu: self.main_gpu,
-            device_map: self.device_map.map(|d| d.0),
-            overrides: self.overrides.map(|o| o.0).unwrap_or_default(),
-            gpu_split: self.gpu_split,
-            allow_disk: self.allow_disk,
-            use_mmap: self.use_mmap,
-            quantize: self.quantize,
-            offload: wp::WeightOffload::parse(
-                self.offload.as_deref(),
-                self.blocks_per_group,
-                self.prefetch,
-            )
-            .map_err(py_err)?,
-            world: self.world,
-            ..wp::PlanOptions::default()
-        })
-    }
+    planned::plan_devices(spec.map(|s| s.0.as_str())).map_err(py_err)
 }
 
 /// Plan where every tensor and every layer's KV cache goes, by arithmetic, before a byte is read.
@@ -194,33 +133,31 @@ fn plan(
     world: Option<String>,
     n_cpu_moe: Option<u32>,
 ) -> PyResult<Plan> {
-    let options = PlanArgs {
+    let options = wp::PlanOptions {
         strategy,
         dtype: Some(dtype.to_owned()),
         weight_dtype,
-        cache,
+        cache: cache.map(|c| c.0),
         cache_offload,
-        runtime,
-        reserve,
-        max_memory,
-        overhead,
+        runtime: runtime.map(|r| r.0),
+        reserve: reserve.map(|s| s.0),
+        max_memory: max_memory.map(|s| s.0),
+        overhead: overhead.map(|s| s.0),
         n_gpu_layers,
         n_cpu_moe,
         split_mode,
         tensor_split,
         main_gpu,
-        device_map,
-        overrides,
+        device_map: device_map.map(|d| d.0),
+        overrides: overrides.map(|o| o.0).unwrap_or_default(),
         gpu_split,
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
         quantize,
-        offload,
-        blocks_per_group,
-        prefetch,
+        offload: offload_arg(offload, blocks_per_group, prefetch)?,
         world,
-    }
-    .options()?;
+        ..wp::PlanOptions::default()
+    };
     let req =
         eng(source::resolve(py, source)?.request(options, parse_device_arg(devices.as_ref())?))?;
     let inner = enter(py, || wp::plan(&req))?;
@@ -276,33 +213,30 @@ fn fit(
     n_cpu_moe: Option<u32>,
 ) -> PyResult<u64> {
     let target = wp::FitTarget::parse(target).map_err(py_err)?;
-    let options = PlanArgs {
+    let options = wp::PlanOptions {
         strategy,
         dtype: Some(dtype.to_owned()),
         weight_dtype,
-        cache,
+        cache: cache.map(|c| c.0),
         cache_offload,
-        runtime,
-        reserve,
-        max_memory,
-        overhead,
+        runtime: runtime.map(|r| r.0),
+        reserve: reserve.map(|s| s.0),
+        max_memory: max_memory.map(|s| s.0),
+        overhead: overhead.map(|s| s.0),
         n_gpu_layers,
         n_cpu_moe,
         split_mode,
         tensor_split,
         main_gpu,
-        device_map,
-        overrides,
+        device_map: device_map.map(|d| d.0),
+        overrides: overrides.map(|o| o.0).unwrap_or_default(),
         gpu_split,
         allow_disk: Some(allow_disk),
         use_mmap: Some(use_mmap),
         quantize,
-        offload,
-        blocks_per_group,
-        prefetch,
-        world: None,
-    }
-    .options()?;
+        offload: offload_arg(offload, blocks_per_group, prefetch)?,
+        ..wp::PlanOptions::default()
+    };
     let options = options.for_fit(target, cache_dtype).map_err(py_err)?;
     let req =
         eng(source::resolve(py, source)?.request(options, parse_device_arg(devices.as_ref())?))?;
@@ -313,12 +247,7 @@ fn fit(
 /// then `disk`.
 #[pyfunction]
 fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
-    let list = enter(py, || {
-        let mut items = vec!["cpu".to_owned()];
-        items.extend((0..wp::MemoryProbe::cuda_count(&HostProbe)).map(|i| format!("cuda:{i}")));
-        items.push("disk".into());
-        wp::parse_devices_with(&items.join(","), &HostProbe)
-    })?;
+    let list = enter(py, planned::machine_devices)?;
     Ok(list.into_iter().map(Device::from).collect())
 }
 

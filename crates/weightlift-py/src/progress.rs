@@ -71,12 +71,7 @@ impl Reporter {
                 return true;
             };
             let r = if self.fraction {
-                let f = if p.bytes_total == 0 {
-                    1.0
-                } else {
-                    p.bytes_done as f64 / p.bytes_total as f64
-                };
-                cb.bind(py).call1((f,))
+                cb.bind(py).call1((p.fraction(),))
             } else {
                 cb.bind(py)
                     .call1((p.bytes_done, p.bytes_total, p.tensor, p.device))

@@ -135,8 +135,8 @@ impl TPContext {
             expect_cache_tokens,
             expect_cache_base: expect_cache_base.map(|d| d.0),
         };
-        let (engine, plan, runtime) = (&inner.model, inner.plan.as_ref(), inner.defaults.runtime);
-        let made = enter(py, || engine.standalone_tp(plan, runtime, args))?;
+        let session = &inner.session;
+        let made = enter(py, || session.standalone_tp(args))?;
         drop(inner);
         Ok(TPContext {
             ctx: Arc::new(Mutex::new(made.ctx)),

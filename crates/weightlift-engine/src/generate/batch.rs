@@ -282,6 +282,19 @@ impl Job {
     }
 }
 
+/// `n` generations of `options` (transformers' `num_return_sequences`): their seeds are
+/// `seed`, `seed + 1`, ..., so each samples its own text and a seeded call repeats; without a
+/// seed each draws its own.
+pub fn seeded(options: &GenerateOptions, n: usize) -> Vec<GenerateOptions> {
+    (0..n as u64)
+        .map(|i| {
+            let mut o = options.clone();
+            o.sampling.seed = o.sampling.seed.map(|s| s.wrapping_add(i));
+            o
+        })
+        .collect()
+}
+
 /// Generate from `prompt` once per entry of `each` (transformers' `num_return_sequences`), all
 /// at once in a [`Batch`] of that many slots, and return their texts in order. The model's own
 /// cache is made (or grown) first for the prompt and the longest generation, as
@@ -317,4 +330,21 @@ pub fn generate_each(
         }
     }
     Ok(texts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequences_take_consecutive_seeds_and_unseeded_ones_stay_unseeded() {
+        let mut o = GenerateOptions::default();
+        o.sampling.seed = Some(u64::MAX);
+        let seeds: Vec<_> = seeded(&o, 3).iter().map(|o| o.sampling.seed).collect();
+        assert_eq!(seeds, [Some(u64::MAX), Some(0), Some(1)]);
+        o.sampling.seed = None;
+        let each = seeded(&o, 2);
+        assert_eq!(each.len(), 2);
+        assert!(each.iter().all(|o| o.sampling.seed.is_none()));
+    }
 }

@@ -72,6 +72,23 @@ impl Sampling {
     }
 }
 
+impl Sampling {
+    /// One token from `logits` (one row of the vocabulary's) through the sampler chain, with
+    /// the penalties over `history`: llama-cpp-python's `Llama.sample` on logits the caller
+    /// holds. `temperature=0` is the argmax, lowest id on ties.
+    pub fn sample_row(&self, logits: &[f32], history: &[u32]) -> Result<u32> {
+        if logits.is_empty() {
+            return Err(invalid(
+                "logits",
+                "one row of the vocabulary's logits",
+                "an empty array",
+            ));
+        }
+        let mut sampler = crate::sample::Sampler::new(self.params(None)?)?;
+        Ok(sampler.sample(logits, history))
+    }
+}
+
 /// What a request asks for beyond the prompt.
 #[derive(Debug, Clone, Default)]
 pub struct Request {
@@ -290,6 +307,25 @@ mod tests {
             num_return_sequences: 1,
             ..TransformersArgs::default()
         }
+    }
+
+    #[test]
+    fn one_row_samples_its_argmax_at_temperature_zero_and_an_empty_row_is_refused() {
+        let greedy = Sampling {
+            temperature: 0.0,
+            ..Sampling::default()
+        };
+        assert_eq!(greedy.sample_row(&[0.5, 2.0, 2.0, -1.0], &[]).unwrap(), 1);
+        let e = greedy.sample_row(&[], &[]).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "logits: expected one row of the vocabulary's logits, got an empty array"
+        );
+        let bad = Sampling {
+            mirostat_mode: 3,
+            ..Sampling::default()
+        };
+        assert!(bad.sample_row(&[1.0], &[]).is_err());
     }
 
     #[test]

@@ -84,6 +84,34 @@ impl ResponseOptions {
     }
 }
 
+impl crate::Model {
+    /// What a response of `kind` to `prompt` says besides the generation: named `name`, or
+    /// without one by the model's path (llama-cpp-python names responses by its
+    /// `model_path`); a completion's echo and offsets as [`ResponseOptions::completion`] sets
+    /// them (and `generate`'s prompt scoring with them).
+    pub fn response_options(
+        &self,
+        kind: Kind,
+        name: Option<String>,
+        prompt: &[u32],
+        echo: bool,
+        stream: bool,
+        generate: &mut super::GenerateOptions,
+    ) -> Result<ResponseOptions> {
+        let model = name.unwrap_or_else(|| self.source().path().display().to_string());
+        match kind {
+            Kind::Completion => {
+                let tok = self.tokenizer()?;
+                ResponseOptions::completion(&tok, prompt, model, echo, stream, generate)
+            }
+            Kind::Chat => Ok(ResponseOptions {
+                model,
+                ..ResponseOptions::default()
+            }),
+        }
+    }
+}
+
 /// Builds the response of one generation: the whole of it, or its stream chunk by chunk.
 #[derive(Debug)]
 pub struct Responder {

@@ -14,8 +14,10 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 use weightlift_text::ChatTools;
 
+use super::openai::chat_message;
 use crate::error::{Result, invalid};
 use crate::grammar::Grammar;
+use crate::model::Model;
 
 /// `tools` and `tool_choice` from a request's four fields, llama-cpp-python's conversion of
 /// the legacy pair included: `functions` become function tools, and `function_call` (`"none"`,
@@ -114,6 +116,47 @@ pub fn chat_grammar(
         (None, Some(json)) => Some(json),
         (None, None) => grammar,
     })
+}
+
+/// A chat request resolved against a model ([`Model::chat`]).
+#[derive(Debug, Clone)]
+pub struct Chat {
+    /// The rendered template's ids.
+    pub prompt: Vec<u32>,
+    /// What the reply is kept inside ([`chat_grammar`]).
+    pub grammar: Option<Arc<Grammar>>,
+    /// The stop string of the model's built-in chat format, which ends the reply beside the
+    /// request's own.
+    pub stop: Option<&'static str>,
+    /// The tool a forced `tool_choice` answers by calling.
+    pub tool: Option<String>,
+}
+
+impl Model {
+    /// A chat of `messages` (OpenAI's message objects) with `tools`, as llama-cpp-python's chat
+    /// handlers make it: the template rendered with the tools and a generation prompt, the
+    /// grammar of a forced tool, else of `response_format`, else `grammar`, and the built-in
+    /// chat format's stop string.
+    pub fn chat(
+        &self,
+        messages: Vec<Value>,
+        tools: ChatTools,
+        response_format: Option<Arc<Grammar>>,
+        grammar: Option<Arc<Grammar>>,
+    ) -> Result<Chat> {
+        let forced = forced_tool(&tools)?;
+        let grammar = chat_grammar(forced.as_ref(), response_format, grammar)?;
+        let messages = messages
+            .into_iter()
+            .map(chat_message)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Chat {
+            prompt: self.chat_prompt_with(&messages, &tools)?,
+            grammar,
+            stop: self.chat_stop(),
+            tool: forced.map(|(name, _)| name),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 use weightlift_engine::Generation;
-use weightlift_engine::generate::batch::{Answer, generate_each};
+use weightlift_engine::generate::batch::{Answer, generate_each, seeded};
 use weightlift_engine::generate::openai::Response;
 use weightlift_engine::generate::respond::{Kind, Responder, ResponseOptions};
 
@@ -14,17 +14,6 @@ use super::args::Call;
 use super::hooks::HookError;
 use crate::errors::{ToPyErr, eng, enter};
 use crate::model::Model;
-
-/// How a stream presents its pieces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Shape {
-    /// `Model.generate(stream=True)`: text pieces.
-    Text,
-    /// `create_completion`: `text_completion` objects.
-    Completion,
-    /// `create_chat_completion`: `chat.completion` objects.
-    Chat,
-}
 
 /// A response as the dict llama-cpp-python returns: the engine's JSON, parsed by Python's.
 pub(super) fn to_dict(py: Python<'_>, r: &Response) -> PyResult<Py<PyAny>> {
@@ -37,19 +26,15 @@ pub(super) fn to_dict(py: Python<'_>, r: &Response) -> PyResult<Py<PyAny>> {
 /// Run `job` to the end with the GIL released, looking for Ctrl-C after every token.
 fn run_to_end(py: Python<'_>, model: &Model, job: &mut Generation) -> PyResult<String> {
     let mut inner = model.lock()?;
-    let engine = &mut inner.model;
-    let out = enter(py, || -> PyResult<String> {
+    let session = &mut inner.session;
+    enter(py, || -> PyResult<String> {
         let mut text = String::new();
-        loop {
-            let piece = job.step(engine).map_err(ToPyErr::to_pyerr)?;
-            let Some(piece) = piece else { break };
+        while let Some(piece) = session.step(job).map_err(ToPyErr::to_pyerr)? {
             text.push_str(&piece.text);
             Python::attach(|py| py.check_signals())?;
         }
         Ok(text)
-    });
-    inner.timings = Some(job.timings());
-    out
+    })
 }
 
 /// A generation being streamed to Python: an iterator of text pieces or of response chunks.
@@ -76,11 +61,8 @@ impl CompletionStream {
             let model = self.model.bind(py).get();
             let piece = {
                 let mut inner = model.lock()?;
-                let engine = &mut inner.model;
-                let job = &mut self.job;
-                let piece = enter(py, || job.step(engine));
-                inner.timings = Some(self.job.timings());
-                piece.map_err(|e| self.hook_error.raise(e))?
+                let (session, job) = (&mut inner.session, &mut self.job);
+                enter(py, || session.step(job)).map_err(|e| self.hook_error.raise(e))?
             };
             let Some(piece) = piece else {
                 return Ok(None);
@@ -106,17 +88,14 @@ impl CompletionStream {
 }
 
 impl Model {
-    fn model_name(&self) -> PyResult<String> {
-        Ok(self.lock()?.model.source().path().display().to_string())
-    }
-
-    /// A whole completion or a stream of chunks, as llama-cpp-python returns them, named
-    /// `name` (the model's path when None). `echo` puts the prompt's text first; `tool` is the
-    /// tool a chat answers by calling.
+    /// A whole response of `kind` or a stream of its chunks, as llama-cpp-python returns them,
+    /// named `name` (the model's path when None); without a kind, the text or a stream of text
+    /// pieces. `echo` puts the prompt's text first; `tool` is the tool a chat answers by
+    /// calling.
     pub(super) fn respond(
         slf: &Bound<'_, Model>,
         mut call: Call,
-        shape: Shape,
+        kind: Option<Kind>,
         stream: bool,
         echo: bool,
         name: Option<String>,
@@ -124,33 +103,16 @@ impl Model {
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let model = slf.get();
-        let name = match (shape, name) {
-            (Shape::Text, _) => String::new(),
-            (_, Some(n)) => n,
-            (_, None) => model.model_name()?,
-        };
-        let options = match shape {
-            Shape::Completion => {
-                let tok = eng(model.lock()?.model.tokenizer())?;
-                let o = ResponseOptions::completion(
-                    &tok,
-                    &call.prompt,
-                    name,
-                    echo,
-                    stream,
-                    &mut call.options,
-                );
-                Some((Kind::Completion, eng(o)?))
+        let options = match kind {
+            Some(kind) => {
+                let inner = model.lock()?;
+                let (prompt, o) = (&call.prompt, &mut call.options);
+                let r = inner
+                    .model
+                    .response_options(kind, name, prompt, echo, stream, o);
+                Some((kind, ResponseOptions { tool, ..eng(r)? }))
             }
-            Shape::Chat => Some((
-                Kind::Chat,
-                ResponseOptions {
-                    model: name,
-                    tool,
-                    ..ResponseOptions::default()
-                },
-            )),
-            Shape::Text => None,
+            None => None,
         };
         let hook_error = call.hook_error.clone();
         let append = call.append.take();
@@ -204,13 +166,7 @@ impl Model {
                  sequences run in slots of their own and return whole texts)"
             )));
         }
-        let each = (0..n as u64)
-            .map(|i| {
-                let mut o = call.options.clone();
-                o.sampling.seed = o.sampling.seed.map(|s| s.wrapping_add(i));
-                o
-            })
-            .collect();
+        let each = seeded(&call.options, n);
         let py = slf.py();
         let model = slf.get();
         let mut inner = model.lock()?;
