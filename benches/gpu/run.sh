@@ -12,7 +12,7 @@
 #                                                  benches/results/gpu/cpu, which git ignores)
 #   benches/gpu/run.sh --list                      the tables below, for the bundle builder
 #
-# Environment: STEPS (the steps to run, default tests,kernels,e2e,prefill_ab,offload,profile; the
+# Environment: STEPS (the steps to run, default tests,kernels,e2e,prefill_ab,offload,moe,profile; the
 # others are
 # skipped by name), SUITES (the test suites to run, e.g. backend_matmul_modes,cuda; default
 # all), WEIGHTS (the weight types of the end-to-end bench and the profile, e.g.
@@ -35,6 +35,8 @@ E2E_BUDGET_S=${E2E_BUDGET_S:-180}
 E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}
 OFFLOAD_BUDGET_S=${OFFLOAD_BUDGET_S:-90}
 OFFLOAD_TIMEOUT_S=${OFFLOAD_TIMEOUT_S:-200}
+MOE_BUDGET_S=${MOE_BUDGET_S:-60}
+MOE_TIMEOUT_S=${MOE_TIMEOUT_S:-180}
 PROFILE_TIMEOUT_S=${PROFILE_TIMEOUT_S:-120}
 PREFILL_AB_BUDGET_S=${PREFILL_AB_BUDGET_S:-60}
 PREFILL_AB_TIMEOUT_S=${PREFILL_AB_TIMEOUT_S:-120}
@@ -118,7 +120,7 @@ fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
-rm -f "$OUT"/{summary,tests,e2e,offload_e2e,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info}.{md,json}
+rm -f "$OUT"/{summary,tests,e2e,offload_e2e,moe_offload,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info}.{md,json}
 rm -f "$OUT"/prefill-no-cublas/e2e.{md,json}
 if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
@@ -132,7 +134,7 @@ exec > >(tee "$OUT/run.log") 2>&1
 TEE=$!
 
 FAILED=()
-STEPS=${STEPS:-tests,kernels,e2e,prefill_ab,offload,profile}
+STEPS=${STEPS:-tests,kernels,e2e,prefill_ab,offload,moe,profile}
 SUITES=${SUITES:-}
 WEIGHTS=${WEIGHTS:-}
 wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; skip "not in STEPS ($STEPS): $2"; return 1; }
@@ -443,6 +445,19 @@ if wants offload "the offload bench"; then
     PYTHONUNBUFFERED=1 timeout "$OFFLOAD_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/offload_e2e.py" "${off[@]}"
     rc=$?
     [ $rc = 0 ] || FAILED+=("offload bench (exit status $rc)")
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 3c. The MoE bench: a Mixtral-shaped model with its experts in host RAM (n_cpu_moe) against
+# weight offload (offload="sequential") and accelerate, the experts not fitting the GPU's share.
+
+step "MoE bench"
+if wants moe "the MoE bench"; then
+    moe=(--out "$OUT" --budget-s "$MOE_BUDGET_S")
+    if [ $CPU = 1 ]; then moe+=(--cpu); else moe+=(--device cuda:0); fi
+    PYTHONUNBUFFERED=1 timeout "$MOE_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/moe_offload.py" "${moe[@]}"
+    rc=$?
+    [ $rc = 0 ] || FAILED+=("MoE bench (exit status $rc)")
 fi
 
 # ---------------------------------------------------------------------------------------------

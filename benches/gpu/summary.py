@@ -55,11 +55,11 @@ def kernels(folder: Path) -> list[str]:
     return out or ["- no kernel bench results"]
 
 
-def offload(folder: Path) -> list[str]:
-    path = folder / "offload_e2e.md"
+def bench_lines(folder: Path, name: str, what: str) -> list[str]:
+    """A bench's own markdown (`name`.md) without its title."""
+    path = folder / f"{name}.md"
     if not path.is_file():
-        return ["- no offload results"]
-    # the bench's own lines, without its title
+        return [f"- no {what} results"]
     return path.read_text().strip().splitlines()[2:]
 
 
@@ -142,7 +142,11 @@ def main() -> None:
         "",
         "## Offload",
         "",
-        *offload(a.out),
+        *bench_lines(a.out, "offload_e2e", "offload"),
+        "",
+        "## MoE: experts in host RAM",
+        "",
+        *bench_lines(a.out, "moe_offload", "MoE"),
         "",
         "## Verdict",
         "",
