@@ -916,11 +916,11 @@ pub(crate) fn layer<B: Exec>(
 /// matrices (`n_cpu_moe`'s rules, like llama.cpp's `exps` pattern, move the expert projections
 /// only), it is small, and reading it here means only the rows and their scores cross to the
 /// host, never the router's bytes. Its scores land in the MLP's gate region, which the block
-/// does not otherwise use (the graph checked its size at build). The normed rows and the scores are then copied to the host, which
-/// routes each token and runs only its experts with the host path's own code
-/// ([`layer::experts`]), reading them where the model holds them (host RAM or the mapped file;
-/// the graph checked that at build); the output rows come back. No expert byte travels to the
-/// device.
+/// does not otherwise use (the graph checked its size at build). The normed rows and the
+/// scores are then copied to the host, which routes each token and runs only its experts with
+/// the host path's own code ([`layer::experts`]), reading them where the model holds them (host
+/// RAM or the mapped file; the graph checked that at build); the output rows come back. No
+/// expert byte travels to the device.
 #[allow(clippy::too_many_arguments)]
 fn moe_on_host<B: Exec>(
     b: &B,
