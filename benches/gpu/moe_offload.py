@@ -27,12 +27,10 @@ Writes moe_offload.md and moe_offload.json in --out, and prints the table.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -41,15 +39,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (the budget, the transformers check and the report helpers are shared)
+import offload_e2e  # noqa: E402  (the rows' measurement is the offload bench's)
+from offload_e2e import DECODE_TOKENS, PROMPT, REPEATS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "tiny-mixtral"
 
-DECODE_TOKENS = 16
-PROMPT = 16
-REPEATS = 3
 GPU_BYTES = "512MiB"
-CPU_BYTES = "64GiB"
 SEED = 0
 
 # Mixtral's layout at a size that is quick to make: 8 experts of which 2 run a token, experts
@@ -120,129 +116,6 @@ def fixture() -> tuple[Path, dict[str, Any]]:
     info = {"path": str(FIXTURE), "made_with": "tests/gen_mixtral.py"}
     info["bytes"] = sum(p.stat().st_size for p in FIXTURE.glob("*.safetensors"))
     return FIXTURE, info
-
-
-def decode_rate(step: Any, first: int) -> float:
-    """Tokens per second of DECODE_TOKENS greedy steps, `step(token) -> next token`."""
-    tok = first
-    t = time.perf_counter()
-    for _ in range(DECODE_TOKENS):
-        tok = step(tok)
-    return DECODE_TOKENS / (time.perf_counter() - t)
-
-
-def bench_ours(
-    label: str,
-    kw: dict[str, Any],
-    path: Path,
-    devices: tuple[str, str],
-    ids: list[int],
-    budget: e2e.Budget,
-) -> dict[str, Any]:
-    """`devices`: the inventory spec and the name of the device that stands for the GPU."""
-    import weightlift as wl
-
-    row: dict[str, Any] = {"engine": "weightlift", "label": label, "options": kw}
-    m = None
-    try:
-        t0 = time.perf_counter()
-        m = wl.Model(path, devices=devices[0], compute="fast")
-        budgeted = (
-            {}
-            if "n_cpu_moe" in kw
-            else {
-                "device_map": "auto",
-                "max_memory": {devices[1]: GPU_BYTES, "cpu": CPU_BYTES},
-            }
-        )
-        m.load(cache={"max_seq_len": PROMPT + DECODE_TOKENS, "dtype": "fp16"}, **budgeted, **kw)
-        row["load_s"] = time.perf_counter() - t0
-        row["layers_on"] = {d: m.layer_devices.count(d) for d in set(m.layer_devices)}
-        plan = m.plan
-        if plan is not None:
-            gpu = next(u for u in plan.devices if u.name == devices[1])
-            row["gpu_planned_bytes"] = gpu.weights + gpu.kv + gpu.scratch + gpu.overhead
-        cache = m.cache
-        loaded = m
-
-        def step(tok: int) -> int:
-            return int(loaded.forward([tok], cache=cache)[0].argmax())
-
-        rates = []
-        for r in range(REPEATS + 1):
-            if r > 1 and not budget.allows(f"{label}: rounds {r}-{REPEATS}"):
-                break
-            cache.reset()
-            first = int(m.forward(ids[:PROMPT], cache=cache)[-1].argmax())
-            rate = decode_rate(step, first)
-            if r > 0:  # the first round warms up (kernels, page cache, pins)
-                rates.append(rate)
-        row["decode_tok_s"] = statistics.median(rates) if rates else None
-        row["samples"] = rates
-        row["copy_bytes_per_token"] = m.transfer_stats()["bytes"]
-    except Exception as e:  # the report names whatever the engine refused, and goes on
-        row["error"] = f"{type(e).__name__}: {e}"
-        e2e.say(f"{label}: {row['error']}")
-    finally:
-        if m is not None:
-            m.close()
-        m = None
-        gc.collect()
-    return row
-
-
-def bench_peer(path: Path, device: str, ids: list[int], budget: e2e.Budget) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    row: dict[str, Any] = {"engine": "accelerate", "label": PEER}
-    row["version"] = transformers.__version__
-    index = e2e.device_index(device)
-    dev = torch.device("cuda", index)
-    model = None
-    try:
-        t0 = time.perf_counter()
-        model = transformers.MixtralForCausalLM.from_pretrained(
-            path,
-            dtype=torch.bfloat16,
-            attn_implementation="sdpa",
-            device_map="auto",
-            max_memory={index: GPU_BYTES, "cpu": CPU_BYTES},
-        ).eval()
-        row["load_s"] = time.perf_counter() - t0
-        placed = getattr(model, "hf_device_map", {})
-        row["modules_on"] = {str(d): list(placed.values()).count(d) for d in set(placed.values())}
-        rates = []
-        with torch.inference_mode():
-            for r in range(REPEATS + 1):
-                if r > 1 and not budget.allows(f"{PEER}: rounds {r}-{REPEATS}"):
-                    break
-                out = model(input_ids=torch.tensor([ids[:PROMPT]], device=dev), use_cache=True)
-                past = out.past_key_values
-
-                def step(tok: int) -> int:
-                    nonlocal past
-                    o = model(
-                        input_ids=torch.tensor([[tok]], device=dev),
-                        past_key_values=past,
-                        use_cache=True,
-                    )
-                    past = o.past_key_values
-                    return int(o.logits[0, -1].argmax())
-
-                rate = decode_rate(step, int(out.logits[0, -1].argmax()))
-                if r > 0:
-                    rates.append(rate)
-        row["decode_tok_s"] = statistics.median(rates) if rates else None
-        row["samples"] = rates
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        e2e.say(f"{PEER}: {row['error']}")
-    finally:
-        model = None
-        gc.collect()
-        torch.cuda.empty_cache()
-    return row
 
 
 def size(n: int) -> str:
@@ -322,12 +195,17 @@ def main() -> int:
     for label, kw in OURS:
         kw = {k: (n_layers if k == "n_cpu_moe" else v) for k, v in kw.items()}
         e2e.say(f"{label} ...")
-        rows.append(bench_ours(label, kw, path, devices, ids, budget))
+        share = None if "n_cpu_moe" in kw else GPU_BYTES
+        rows.append(offload_e2e.bench_ours(label, kw, path, devices, ids, budget, share))
     if a.cpu:
         budget.skipped.append(f"{PEER}: no GPU in the rehearsal")
     else:
         e2e.say(f"{PEER} ...")
-        rows.append(bench_peer(path, device, ids, budget))
+        rows.append(
+            offload_e2e.bench_peer(
+                path, device, ids, budget, GPU_BYTES, "MixtralForCausalLM", label=PEER
+            )
+        )
     res = {
         "machine": f"{platform.machine()}, {device}",
         "device": device,

@@ -71,8 +71,10 @@ def bench_ours(
     devices: tuple[str, str],
     ids: list[int],
     budget: e2e.Budget,
+    gpu_bytes: str | None,
 ) -> dict[str, Any]:
-    """`devices`: the inventory spec and the name of the device that stands for the GPU."""
+    """`devices`: the inventory spec and the name of the device that stands for the GPU, given
+    `gpu_bytes` of it through accelerate's `max_memory` (None: `kw` places the model)."""
     import weightlift as wl
 
     row: dict[str, Any] = {"engine": "weightlift", "label": label, "options": kw}
@@ -80,14 +82,15 @@ def bench_ours(
     try:
         t0 = time.perf_counter()
         m = wl.Model(path, devices=devices[0], compute="fast")
-        m.load(
-            cache={"max_seq_len": PROMPT + DECODE_TOKENS, "dtype": "fp16"},
-            device_map="auto",
-            max_memory={devices[1]: GPU_BYTES, "cpu": CPU_BYTES},
-            **kw,
-        )
+        share = {}
+        if gpu_bytes is not None:
+            share = {"device_map": "auto", "max_memory": {devices[1]: gpu_bytes, "cpu": CPU_BYTES}}
+        m.load(cache={"max_seq_len": PROMPT + DECODE_TOKENS, "dtype": "fp16"}, **share, **kw)
         row["load_s"] = time.perf_counter() - t0
         row["layers_on"] = {d: m.layer_devices.count(d) for d in set(m.layer_devices)}
+        if m.plan is not None:
+            gpu = next(u for u in m.plan.devices if u.name == devices[1])
+            row["gpu_planned_bytes"] = gpu.weights + gpu.kv + gpu.scratch + gpu.overhead
         cache = m.cache
         loaded = m
 
@@ -120,31 +123,45 @@ def bench_ours(
     return row
 
 
-def bench_peer(path: Path, device: str, ids: list[int], budget: e2e.Budget) -> dict[str, Any]:
+def bench_peer(
+    path: Path,
+    device: str,
+    ids: list[int],
+    budget: e2e.Budget,
+    gpu_bytes: str,
+    model_class: str = "LlamaForCausalLM",
+    label: str = PEER,
+) -> dict[str, Any]:
+    """accelerate's offload of the transformers `model_class` at `path`, `gpu_bytes` of the
+    GPU through `max_memory`."""
     import torch
     import transformers
 
-    row: dict[str, Any] = {"engine": "accelerate", "label": PEER}
+    row: dict[str, Any] = {"engine": "accelerate", "label": label}
     row["version"] = transformers.__version__
     index = e2e.device_index(device)
     dev = torch.device("cuda", index)
     model = None
     try:
         t0 = time.perf_counter()
-        model = transformers.LlamaForCausalLM.from_pretrained(
-            path,
-            dtype=torch.bfloat16,
-            attn_implementation="sdpa",
-            device_map="auto",
-            max_memory={index: GPU_BYTES, "cpu": CPU_BYTES},
-        ).eval()
+        model = (
+            getattr(transformers, model_class)
+            .from_pretrained(
+                path,
+                dtype=torch.bfloat16,
+                attn_implementation="sdpa",
+                device_map="auto",
+                max_memory={index: gpu_bytes, "cpu": CPU_BYTES},
+            )
+            .eval()
+        )
         row["load_s"] = time.perf_counter() - t0
         placed = getattr(model, "hf_device_map", {})
         row["modules_on"] = {str(d): list(placed.values()).count(d) for d in set(placed.values())}
         rates = []
         with torch.inference_mode():
             for r in range(REPEATS + 1):
-                if r > 1 and not budget.allows(f"{PEER}: rounds {r}-{REPEATS}"):
+                if r > 1 and not budget.allows(f"{label}: rounds {r}-{REPEATS}"):
                     break
                 out = model(input_ids=torch.tensor([ids[:PROMPT]], device=dev), use_cache=True)
                 past = out.past_key_values
@@ -166,7 +183,7 @@ def bench_peer(path: Path, device: str, ids: list[int], budget: e2e.Budget) -> d
         row["samples"] = rates
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"
-        e2e.say(f"{PEER}: {row['error']}")
+        e2e.say(f"{label}: {row['error']}")
     finally:
         model = None
         gc.collect()
@@ -235,14 +252,14 @@ def main() -> int:
     rows = []
     for label, kw in OURS:
         e2e.say(f"{label} ...")
-        rows.append(bench_ours(label, kw, path, devices, ids, budget))
+        rows.append(bench_ours(label, kw, path, devices, ids, budget, GPU_BYTES))
     if a.cpu:
         budget.skipped.append(f"{PEER}: no GPU in the rehearsal")
     elif (why := e2e.has_transformers()) is not None:
         budget.skipped.append(f"{PEER}: {why}")
     else:
         e2e.say(f"{PEER} ...")
-        rows.append(bench_peer(path, device, ids, budget))
+        rows.append(bench_peer(path, device, ids, budget, GPU_BYTES))
     res = {
         "machine": f"{platform.machine()}, {device}",
         "device": device,
