@@ -909,6 +909,30 @@ pub(crate) fn layer<B: Exec>(
     residual(b, cx, li, n * h, r)
 }
 
+/// The router's scores of `n` normed rows (`n_experts` a row), multiplied on the device into
+/// the front of `region` (a workspace region the block does not otherwise use; the graph
+/// checked its size, see [`check_moe_workspace`]) and copied to the host.
+fn router_scores<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    m: &Moe,
+    li: usize,
+    n: usize,
+    (xn, region): (&B::Buffer, &mut B::Buffer),
+    link: &mut HostLink<'_>,
+) -> Result<Vec<f32>> {
+    let at = |what: &str| format!("layer {li} {what}");
+    let mut scores = vec![0f32; n * m.experts.len()];
+    let mut on_device =
+        split(b, region, &[(0, scores.len() * 4)]).map_err(cx.err(at("router scores")))?;
+    cx.linear(b, &m.router, xn, n, &mut on_device[0])?;
+    let since = std::time::Instant::now();
+    b.copy_to_host(&on_device[0], 0, bytemuck::cast_slice_mut(&mut scores))
+        .map_err(cx.err(at("copying the router scores to the host")))?;
+    link.crossed(scores.len() * 4, since);
+    Ok(scores)
+}
+
 /// A mixture-of-experts block on the normed rows of `pieces` in `r.xn`, its output written back
 /// there, with its routed experts computed on the host.
 ///
@@ -931,23 +955,14 @@ fn moe_on_host<B: Exec>(
     r: &mut Regions<'_, B::Buffer>,
     link: &mut HostLink<'_>,
 ) -> Result<()> {
-    let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
+    let (h, n) = (cx.c.hidden, tokens(pieces));
     let at = |what: &str| format!("layer {li} {what}");
-    // the graph checked the region holds a chunk's scores (check_moe_workspace)
-    let score_bytes = n * n_experts * 4;
-    let mut on_device =
-        split(b, &mut r.gate, &[(0, score_bytes)]).map_err(cx.err(at("router scores")))?;
-    cx.linear(b, &m.router, &r.xn, n, &mut on_device[0])?;
+    let scores = router_scores(b, cx, m, li, n, (&r.xn, &mut r.gate), link)?;
     let mut rows = vec![0f32; n * h];
-    let mut scores = vec![0f32; n * n_experts];
     let since = std::time::Instant::now();
     b.copy_to_host(&r.xn, 0, bytemuck::cast_slice_mut(&mut rows))
         .map_err(cx.err(at("copying the normed rows to the host")))?;
     link.crossed(rows.len() * 4, since);
-    let since = std::time::Instant::now();
-    b.copy_to_host(&on_device[0], 0, bytemuck::cast_slice_mut(&mut scores))
-        .map_err(cx.err(at("copying the router scores to the host")))?;
-    link.crossed(scores.len() * 4, since);
     let wts = Weights {
         held: cx.held,
         copies: cx.copies,
@@ -987,16 +1002,7 @@ fn moe_on_device<B: Exec>(
 ) -> Result<()> {
     let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
     let at = |what: &str| format!("layer {li} {what}");
-    let mut scores = vec![0f32; n * n_experts];
-    {
-        let mut on_device =
-            split(b, &mut r.up, &[(0, scores.len() * 4)]).map_err(cx.err(at("router scores")))?;
-        cx.linear(b, &m.router, &r.xn, n, &mut on_device[0])?;
-        let since = std::time::Instant::now();
-        b.copy_to_host(&on_device[0], 0, bytemuck::cast_slice_mut(&mut scores))
-            .map_err(cx.err(at("copying the router scores to the host")))?;
-        link.crossed(scores.len() * 4, since);
-    }
+    let scores = router_scores(b, cx, m, li, n, (&r.xn, &mut r.up), link)?;
     // the routed rows, grouped by piece then expert: (expert, first entry, entries)
     let mut groups: Vec<(usize, usize, usize)> = Vec::new();
     let (mut index, mut weight) = (Vec::with_capacity(n * m.n_used), Vec::new());
