@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -206,19 +205,7 @@ def main() -> int:
                 path, device, ids, budget, GPU_BYTES, "MixtralForCausalLM", label=PEER
             )
         )
-    res = {
-        "machine": f"{platform.machine()}, {device}",
-        "device": device,
-        "checkpoint": info,
-        "rows": rows,
-        "skipped": budget.skipped,
-    }
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "moe_offload.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
-    md = markdown(res)
-    (a.out / "moe_offload.md").write_text(md)
-    print(md)
-    return 1 if any("error" in r for r in rows) else 0
+    return offload_e2e.report(a.out, "moe_offload", markdown, device, info, rows, budget)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,32 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report(
+    out: Path,
+    name: str,
+    markdown: Callable[[dict[str, Any]], str],
+    device: str,
+    info: dict[str, Any],
+    rows: list[dict[str, Any]],
+    budget: e2e.Budget,
+) -> int:
+    """Writes a bench's `name`.json and `name`.md (its table, by `markdown`) in `out` and prints
+    the table; the exit status is 1 when a row failed."""
+    res = {
+        "machine": f"{platform.machine()}, {device}",
+        "device": device,
+        "checkpoint": info,
+        "rows": rows,
+        "skipped": budget.skipped,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    md = markdown(res)
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    return 1 if any("error" in r for r in rows) else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
@@ -260,19 +287,7 @@ def main() -> int:
     else:
         e2e.say(f"{PEER} ...")
         rows.append(bench_peer(path, device, ids, budget, GPU_BYTES))
-    res = {
-        "machine": f"{platform.machine()}, {device}",
-        "device": device,
-        "checkpoint": info,
-        "rows": rows,
-        "skipped": budget.skipped,
-    }
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "offload_e2e.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
-    md = markdown(res)
-    (a.out / "offload_e2e.md").write_text(md)
-    print(md)
-    return 1 if any("error" in r for r in rows) else 0
+    return report(a.out, "offload_e2e", markdown, device, info, rows, budget)
 
 
 if __name__ == "__main__":

@@ -457,20 +457,7 @@ fn offloaded_weights_are_copied_from_page_locked_memory() {
         req.offload = Some(mode);
         let plan = weightlift_plan::plan(&req).unwrap();
         assert_eq!(plan.onload().expect("an onload plan").device, "cuda:0");
-        let c = plan.cache().unwrap();
-        let cfg = m
-            .cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
-            .unwrap();
-        let cache = Arc::new(Cache::new(cfg).unwrap());
-        let placement = m.placement(&plan).unwrap();
-        m.load(
-            &placement,
-            &LoadOptions::default(),
-            Some(&cache),
-            true,
-            &mut |_| true,
-        )
-        .unwrap();
+        let cache = common::load_planned(&mut m, &plan).unwrap();
         m.set_compute(Compute::Exact);
         for pass in 0..2 {
             cache.reset();

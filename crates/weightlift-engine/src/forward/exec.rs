@@ -1000,37 +1000,20 @@ fn moe_on_device<B: Exec>(
     r: &mut Regions<'_, B::Buffer>,
     link: &mut HostLink<'_>,
 ) -> Result<()> {
-    let (h, n_experts, n) = (cx.c.hidden, m.experts.len(), tokens(pieces));
+    let (h, n) = (cx.c.hidden, tokens(pieces));
     let at = |what: &str| format!("layer {li} {what}");
     let scores = router_scores(b, cx, m, li, n, (&r.xn, &mut r.up), link)?;
     // the routed rows, grouped by piece then expert: (expert, first entry, entries)
     let mut groups: Vec<(usize, usize, usize)> = Vec::new();
     let (mut index, mut weight) = (Vec::with_capacity(n * m.n_used), Vec::new());
-    let mut picks = Vec::new();
-    let mut first = 0;
-    for p in pieces {
-        let rows = first..first + p.n;
-        first += p.n;
-        layer::route(
-            &scores[rows.start * n_experts..rows.end * n_experts],
-            n_experts,
-            m.n_used,
-            m.norm_topk_prob,
-            &mut picks,
-        );
-        for e in 0..n_experts {
-            let start = index.len();
-            for (k, &(pe, wt)) in picks.iter().enumerate() {
-                if pe == e {
-                    index.push((rows.start + k / m.n_used) as u32);
-                    weight.push(wt);
-                }
-            }
-            if index.len() > start {
-                groups.push((e, start, index.len() - start));
-            }
+    layer::for_each_routed(m, pieces, &scores, |e, routed| {
+        groups.push((e, index.len(), routed.len()));
+        for &(t, wt) in routed {
+            index.push(t as u32);
+            weight.push(wt);
         }
-    }
+        Ok(())
+    })?;
     let zeros = vec![0u8; n * h * 4];
     for (bytes, region, what) in [
         (

@@ -284,14 +284,49 @@ pub(super) fn experts(
         ));
     }
     let mut out = vec![0f32; n * h];
-    let mut picks = Vec::new();
     // one set of buffers for every expert's rows: at most a piece's tokens each
     let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0);
     let most = pieces.iter().map(|p| p.n).max().unwrap_or(0);
     let mut xs = vec![0f32; most * h];
     let (mut g, mut u) = (vec![0f32; most * widest], vec![0f32; most * widest]);
     let mut y = vec![0f32; most * h];
-    let mut routed: Vec<(usize, f32)> = Vec::with_capacity(most);
+    for_each_routed(m, pieces, scores, |e, routed| {
+        let [gate, up, down] = &m.experts[e];
+        let (cnt, f) = (routed.len(), gate.rows);
+        for (&(t, _), row) in routed.iter().zip(xs.chunks_exact_mut(h)) {
+            row.copy_from_slice(&xn[t * h..(t + 1) * h]);
+        }
+        let (g, u, y) = (&mut g[..cnt * f], &mut u[..cnt * f], &mut y[..cnt * h]);
+        linear_on(c, wts, gate, &xs, cnt, g)?;
+        linear_on(c, wts, up, &xs, cnt, u)?;
+        activate(c, g, u).map_err(|e2| kernel(&format!("layer {li} expert {e} activation"), e2))?;
+        linear_on(c, wts, down, g, cnt, y)?;
+        for (&(t, wt), yr) in routed.iter().zip(y.chunks_exact(h)) {
+            out[t * h..(t + 1) * h]
+                .iter_mut()
+                .zip(yr)
+                .for_each(|(o, v)| *o += wt * v);
+        }
+        Ok(())
+    })?;
+    xn.copy_from_slice(&out);
+    Ok(())
+}
+
+/// The routing of `pieces` (their router `scores`, `n_experts` a token, in order), in the
+/// order every MoE block computes it, piece by piece and within a piece expert by expert:
+/// `each(e, routed)` for each expert `e` a piece routes tokens to, with `routed` those tokens'
+/// rows in the batch and their routing weights. Keeping one order is what gives a token the
+/// same sums on the host path and the backend.
+pub(super) fn for_each_routed(
+    m: &Moe,
+    pieces: &[Piece<'_>],
+    scores: &[f32],
+    mut each: impl FnMut(usize, &[(usize, f32)]) -> Result<()>,
+) -> Result<()> {
+    let n_experts = m.experts.len();
+    let mut picks = Vec::new();
+    let mut routed: Vec<(usize, f32)> = Vec::new();
     let mut at = 0;
     for p in pieces {
         let rows = at..at + p.n;
@@ -303,8 +338,7 @@ pub(super) fn experts(
             m.norm_topk_prob,
             &mut picks,
         );
-        for (e, [gate, up, down]) in m.experts.iter().enumerate() {
-            // the piece's tokens routed to e, and their weights
+        for e in 0..n_experts {
             routed.clear();
             routed.extend(
                 picks
@@ -313,28 +347,11 @@ pub(super) fn experts(
                     .filter(|(_, (pe, _))| *pe == e)
                     .map(|(k, &(_, wt))| (rows.start + k / m.n_used, wt)),
             );
-            if routed.is_empty() {
-                continue;
-            }
-            let (cnt, f) = (routed.len(), gate.rows);
-            for (&(t, _), row) in routed.iter().zip(xs.chunks_exact_mut(h)) {
-                row.copy_from_slice(&xn[t * h..(t + 1) * h]);
-            }
-            let (g, u, y) = (&mut g[..cnt * f], &mut u[..cnt * f], &mut y[..cnt * h]);
-            linear_on(c, wts, gate, &xs, cnt, g)?;
-            linear_on(c, wts, up, &xs, cnt, u)?;
-            activate(c, g, u)
-                .map_err(|e2| kernel(&format!("layer {li} expert {e} activation"), e2))?;
-            linear_on(c, wts, down, g, cnt, y)?;
-            for (&(t, wt), yr) in routed.iter().zip(y.chunks_exact(h)) {
-                out[t * h..(t + 1) * h]
-                    .iter_mut()
-                    .zip(yr)
-                    .for_each(|(o, v)| *o += wt * v);
+            if !routed.is_empty() {
+                each(e, &routed)?;
             }
         }
     }
-    xn.copy_from_slice(&out);
     Ok(())
 }
 
