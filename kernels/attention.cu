@@ -25,6 +25,13 @@
 // before a call (or survive a failed one) in the scratch, and a captured graph runs the pair as
 // two nodes with no host work between them. It costs one launch of n_q × n_heads small blocks.
 //
+// A decode step replayed from a CUDA graph cannot pass its position at launch: the graph keeps
+// the arguments it was captured with. Such a call passes `pos` (the device positions RoPE
+// reads) and `span` (the cache's rows): the first query's position is read on the device, and the
+// keys are split over the whole span, a count fixed per cache, so the grid never changes. The
+// blocks of splits past the current length exit at once, and the reduce merges only the splits
+// that hold keys (wl_att_live_splits). A call with `pos` null splits the keys it sees, as before.
+//
 // Bytes read per call: the K and V rows 0..start + n_q of every KV head, once per chunk of its
 // group (decode on a 1.1B llama at 2,048 positions, f16 cache: 2,048 × 4 heads × 64 × 2 B × 2 =
 // 2 MiB a layer), the queries, and, split, n_q × n_heads × splits × (head_dim + 2) × 4 B of
@@ -82,9 +89,9 @@ struct WlAttShared {
 // queries and accumulators of every head stay in registers.
 template <int R, int HB, typename K, typename V>
 __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, float* out,
-                                                  wl_u64 n_q, wl_u64 start, wl_u64 n_heads,
-                                                  wl_u64 kv_heads, int head_dim, float scale,
-                                                  int f16_operands, wl_u64 n_splits,
+                                                  wl_u64 n_q, wl_u64 start, wl_u64 keys,
+                                                  wl_u64 n_heads, wl_u64 kv_heads, int head_dim,
+                                                  float scale, int f16_operands, wl_u64 n_splits,
                                                   wl_u64 window, float softcap, WlAttShared sh) {
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -98,9 +105,12 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
     const int ng = group - first < (wl_u64)HB ? (int)(group - first) : HB;
     const wl_u64 hd = (wl_u64)head_dim;
     const wl_u64 kvd = kv_heads * hd;
-    const wl_u64 per = wl_att_split_keys(start + n_q, n_splits);
+    const wl_u64 per = wl_att_split_keys(keys, n_splits);
     const float neg_inf = wl_bits_to_f32(0xff800000u);
     for (wl_u64 i = blockIdx.y; i < n_q; i += gridDim.y) {
+        // a split past this query's keys holds none: the block writes nothing for it, and the
+        // reduce does not read it (the same for every thread of the block)
+        if (s >= wl_att_live_splits(per, start + i + 1, n_splits)) continue;
         float qr[HB][R];
         float acc[HB][R];
         float m[HB];
@@ -212,9 +222,10 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
 
 template <typename K, typename V>
 __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* out, wl_u64 n_q,
-                                             wl_u64 start, wl_u64 n_heads, wl_u64 kv_heads,
+                                             wl_u64 start_arg, wl_u64 n_heads, wl_u64 kv_heads,
                                              int head_dim, float scale, int f16_operands,
-                                             wl_u64 n_splits, wl_u64 window, float softcap) {
+                                             wl_u64 n_splits, wl_u64 window, float softcap,
+                                             const int* pos, wl_u64 span) {
     __shared__ float s_acc[WL_ATT_WARPS * WL_ATT_REGS * 32];
     __shared__ float s_m[WL_ATT_WARPS * WL_ATT_MAX_GROUP];
     __shared__ float s_l[WL_ATT_WARPS * WL_ATT_MAX_GROUP];
@@ -225,35 +236,39 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
     // the host checks these; a launch that breaks them writes nothing rather than out of bounds
     if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS || head_dim > WL_ATT_MAX_HD || kv_heads == 0)
         return;
+    wl_u64 start, keys;
+    if (!wl_att_where(pos, start_arg, n_q, span, &start, &keys)) return;
     // the head counts are wl_att_block_heads(head_dim), which the host's grid uses too
     switch (wl_att_lane_dims(head_dim)) {
         case 2:
-            wl_attention_body<2, WL_ATT_HEADS(2)>(q, k, v, out, n_q, start, n_heads, kv_heads,
-                                                  head_dim, scale, f16_operands, n_splits, window,
-                                                  softcap, sh);
+            wl_attention_body<2, WL_ATT_HEADS(2)>(q, k, v, out, n_q, start, keys, n_heads,
+                                                  kv_heads, head_dim, scale, f16_operands,
+                                                  n_splits, window, softcap, sh);
             break;
         case 4:
-            wl_attention_body<4, WL_ATT_HEADS(4)>(q, k, v, out, n_q, start, n_heads, kv_heads,
-                                                  head_dim, scale, f16_operands, n_splits, window,
-                                                  softcap, sh);
+            wl_attention_body<4, WL_ATT_HEADS(4)>(q, k, v, out, n_q, start, keys, n_heads,
+                                                  kv_heads, head_dim, scale, f16_operands,
+                                                  n_splits, window, softcap, sh);
             break;
         default:
-            wl_attention_body<8, WL_ATT_HEADS(8)>(q, k, v, out, n_q, start, n_heads, kv_heads,
-                                                  head_dim, scale, f16_operands, n_splits, window,
-                                                  softcap, sh);
+            wl_attention_body<8, WL_ATT_HEADS(8)>(q, k, v, out, n_q, start, keys, n_heads,
+                                                  kv_heads, head_dim, scale, f16_operands,
+                                                  n_splits, window, softcap, sh);
             break;
     }
 }
 
 // `out` is the output (n_q × n_heads × head_dim) when n_splits is 1, else the scratch of partial
-// results that attention_reduce_f32 merges into the output.
+// results that attention_reduce_f32 merges into the output. `pos` null: the queries start at
+// `start`; else at pos[0], read on the device, with the keys split over `span` (wl_att_where).
 #define WL_ATTENTION(NAME, KT, KR, VT, VR)                                                         \
     extern "C" __global__ void __launch_bounds__(WL_ATT_THREADS)                                   \
         attention_##NAME(const float* q, const KT* k, const VT* v, float* out, wl_u64 n_q,         \
                          wl_u64 start, wl_u64 n_heads, wl_u64 kv_heads, int head_dim, float scale, \
-                         int f16_operands, wl_u64 n_splits, wl_u64 window, float softcap) {        \
+                         int f16_operands, wl_u64 n_splits, wl_u64 window, float softcap,          \
+                         const int* pos, wl_u64 span) {                                            \
         wl_attention(q, KR{k}, VR{v}, out, n_q, start, n_heads, kv_heads, head_dim, scale,         \
-                     f16_operands, n_splits, window, softcap);                                     \
+                     f16_operands, n_splits, window, softcap, pos, span);                          \
     }
 
 WL_ATTENTION(f32, float, WlKvF32, float, WlKvF32)
@@ -264,36 +279,43 @@ WL_ATTENTION(q8, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<127>)
 WL_ATTENTION(q4, wl_u8, WlKvTurned<7>, wl_u8, WlKvTurned<7>)
 WL_ATTENTION(q8_q4, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<7>)
 
-// The splits of attention_{fmt} merged: block (h, i) merges the n_splits partial states of head
-// h of query i in split order (weights e^(m_s - M), M the largest m_s, empty splits weighing 0)
-// and writes out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M). Reads n_q × n_heads × n_splits
-// × (head_dim + 2) values, writes n_q × n_heads × head_dim.
+// The splits of attention_{fmt} merged: block (h, i) merges the partial states of head h of
+// query i in split order (weights e^(m_s - M), M the largest m_s, splits that met no key
+// weighing 0) and writes out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M). It reads only
+// the splits that hold keys of the query (wl_att_live_splits; the blocks of the others wrote
+// nothing), found from the same position, span and start as attention_{fmt}'s. Reads at most
+// n_q × n_heads × n_splits × (head_dim + 2) values, writes n_q × n_heads × head_dim.
 extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_reduce_f32(
-    const float* part, float* out, wl_u64 n_q, wl_u64 n_heads, int head_dim, wl_u64 n_splits) {
+    const float* part, float* out, wl_u64 n_q, wl_u64 n_heads, int head_dim, wl_u64 n_splits,
+    wl_u64 start_arg, const int* pos, wl_u64 span) {
     __shared__ float s_f[WL_ATT_MAX_SPLITS];
     __shared__ float s_inv;
     if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS) return;
+    wl_u64 start, keys;
+    if (!wl_att_where(pos, start_arg, n_q, span, &start, &keys)) return;
+    const wl_u64 per = wl_att_split_keys(keys, n_splits);
     const wl_u64 h = blockIdx.x;
     const wl_u64 hd = (wl_u64)head_dim;
     for (wl_u64 i = blockIdx.y; i < n_q; i += gridDim.y) {
+        const wl_u64 live = wl_att_live_splits(per, start + i + 1, n_splits);
         const wl_u64 rec0 = wl_att_part_record(i, h, 0, n_heads, n_splits);
         const float* ml = part + wl_att_part_ml(rec0, n_q, n_heads, n_splits, head_dim);
         // every thread finds the same maximum; the weights are then one a thread
-        float mm = wl_att_merge_max(ml, (int)n_splits, 2);
-        for (wl_u64 t = threadIdx.x; t < n_splits; t += blockDim.x) {
+        float mm = wl_att_merge_max(ml, (int)live, 2);
+        for (wl_u64 t = threadIdx.x; t < live; t += blockDim.x) {
             s_f[t] = wl_att_merge_factor(ml[2 * t], mm);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
             float ll = 0.0f;
-            for (wl_u64 t = 0; t < n_splits; t++) ll = fmaf(ml[2 * t + 1], s_f[t], ll);
+            for (wl_u64 t = 0; t < live; t++) ll = fmaf(ml[2 * t + 1], s_f[t], ll);
             s_inv = 1.0f / ll;
         }
         __syncthreads();
         const float* acc = part + wl_att_part_acc(rec0, head_dim);
         for (wl_u64 d = threadIdx.x; d < hd; d += blockDim.x) {
             float a = 0.0f;
-            for (wl_u64 t = 0; t < n_splits; t++) a = fmaf(acc[t * hd + d], s_f[t], a);
+            for (wl_u64 t = 0; t < live; t++) a = fmaf(acc[t * hd + d], s_f[t], a);
             out[(i * n_heads + h) * hd + d] = WL_MUL(a, s_inv);
         }
         // s_f and s_inv are reused by the next query of this block

@@ -43,19 +43,21 @@ WL_KV(q8, 127)
 WL_KV(q4, 7)
 
 // rope_kv_store_{format}(q, k, v, pos, freqs, kc, vc, n_tok, n_heads, kv_heads, head_dim,
-// n_dims, neox, mscale): a decoder layer's RoPE on its queries and keys and its cache store in one
+// n_dims, neox, mscale, cap): a decoder layer's RoPE on its queries and keys and its cache store in one
 // launch, where rope_inplace twice and kv_store (or the copy, or the conversion) twice took
 // four: the queries turned in place, the keys turned on their way into the cache rows kc (left
 // unrotated in k), the values stored into vc, all with the arithmetic of those kernels (so the
 // same bits). One thread per work unit of wl_rope_kv.cuh. `format` names the cache dtype, as
-// the attention kernels do: q8_q4 is q8 keys with q4 values. Bytes per call: q read and
+// the attention kernels do: q8_q4 is q8 keys with q4 values. `cap` 0: kc and vc are the rows
+// being written; else whole cache layers of `cap` rows, each token written at its position
+// (wl_rope_kv_shape). Bytes per call: q read and
 // written, k and v read, the cache rows written; a decode step's few KB make it a launch.
 #define WL_ROPE_KV(NAME, KF, VF)                                                                   \
     extern "C" __global__ void rope_kv_store_##NAME(                                               \
         float* q, const float* k, const float* v, const int* pos, const float* freqs, wl_u8* kc,   \
         wl_u8* vc, wl_u64 n_tok, wl_u64 n_heads, wl_u64 kv_heads, int head_dim, int n_dims,        \
-        int neox, float mscale) {                                                                  \
-        wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox, mscale};           \
+        int neox, float mscale, wl_u64 cap) {                                                      \
+        wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox, mscale, cap};      \
         wl_u64 u = (wl_u64)blockIdx.x * blockDim.x + threadIdx.x;                                  \
         if (u >= wl_rope_kv_units(s, KF, VF)) return;                                              \
         wl_rope_kv_unit(u, KF, VF, q, k, v, pos, freqs, kc, vc, s);                                \

@@ -11,10 +11,14 @@
 //   order, q8_matvec (decode, one token) in an order of its own made for bandwidth.
 // - swiglu_matvec_{f16,bf16,f32}_{f32,f16} and swiglu_q8_matvec_{type}: decode's gate and up
 //   products with SwiGLU in one launch, each row's sums those of the matvec kernels above.
+// - q8_wide_matvec_{q4_k,q6_k} and swiglu_q8_wide_matvec_{q4_k,q6_k}: the same two for Q4_K and
+//   Q6_K with wide lanes (wl_q8w.cuh), picked at run time (WEIGHTLIFT_Q8V=wide) while they are
+//   measured.
 // - gemm_{f32,f16}: the exact mode's dequantised path for prompts, a tiled shared-memory f32
 //   product of rows already dequantised (by dequantize_{type}_f32) into a chunk of scratch.
 #include "wl_matvec.cuh"
 #include "wl_q8.cuh"
+#include "wl_q8w.cuh"
 
 __device__ __forceinline__ float wl_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -389,6 +393,58 @@ WL_Q8_KERNELS(q5_1, 32, 24)
 WL_Q8_KERNELS(q8_0, 32, 34)
 WL_Q8_KERNELS(q4_k, 256, 144)
 WL_Q8_KERNELS(q6_k, 256, 210)
+
+// q8_wide_matvec_{q4_k,q6_k}(w, xq, y, rows, cols) and swiglu_q8_wide_matvec_{q4_k,q6_k}(wg,
+// wu, xq, y, rows, cols): decode's product, and its gate and up with SwiGLU, with the wide lanes
+// of wl_q8w.cuh (a lane takes 64 values of a block a step). Launched as q8_matvec_{type}:
+// blockDim.x = 32 * wpr threads a row (the host picks wpr: sources::q8_wide_matvec_warps),
+// blockDim.y rows a block of WL_Q8V_THREADS; the lanes' chains meet in wl_q8v_row_sum. The wide
+// loads need the weights aligned to WL_Q8W_WALIGN_{type} + 1 bytes and the activation blocks to
+// WL_Q8W_XALIGN_{type} + 1 (Q4_K: 16 and 16, so every 144-byte block is; Q6_K: 2 and 8, its
+// quant words realigned on the device); a view at another offset reads byte by byte, the same
+// words. Bytes per call: the weights once (both matrices for the fused kernel), rows * 4
+// written.
+#define WL_Q8W_WALIGN_q4_k 15
+#define WL_Q8W_XALIGN_q4_k 15
+#define WL_Q8W_WALIGN_q6_k 1
+#define WL_Q8W_XALIGN_q6_k 7
+#define WL_Q8W_AL(NAME, p, MASK) ((((wl_u64)(p)) & WL_Q8W_##MASK##_##NAME) == 0)
+
+#define WL_Q8W_KERNELS(NAME, BS, BB)                                                               \
+    extern "C" __global__ __launch_bounds__(WL_Q8V_THREADS) void q8_wide_matvec_##NAME(            \
+        const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {                     \
+        __shared__ float part[2][WL_Q8V_THREADS / 32];                                             \
+        const int wpr = blockDim.x / 32, lane = threadIdx.x;                                       \
+        wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
+        const int live = r < rows;                                                                 \
+        if (!live) r = rows - 1;                                                                   \
+        const int al = WL_Q8W_AL(NAME, w, WALIGN) && WL_Q8W_AL(NAME, xq, XALIGN);                  \
+        float a, e;                                                                                \
+        wl_q8w_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, wpr, al, &a, &e);        \
+        a = wl_q8v_row_sum<WL_Q8_KIND_##NAME>(a, e, part);                                         \
+        if (live && lane == 0) y[r] = a;                                                           \
+    }                                                                                              \
+    extern "C" __global__ __launch_bounds__(WL_Q8V_THREADS) void swiglu_q8_wide_matvec_##NAME(     \
+        const wl_u8* wg, const wl_u8* wu, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {   \
+        __shared__ float part[2][2][WL_Q8V_THREADS / 32];                                          \
+        const int wpr = blockDim.x / 32, lane = threadIdx.x;                                       \
+        wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
+        const int live = r < rows;                                                                 \
+        if (!live) r = rows - 1;                                                                   \
+        const int al = WL_Q8W_AL(NAME, wg, WALIGN) && WL_Q8W_AL(NAME, wu, WALIGN) &&               \
+                       WL_Q8W_AL(NAME, xq, XALIGN);                                                \
+        const wl_u64 off = r * (cols / (BS)) * (BB);                                               \
+        float ga, ge, ua, ue;                                                                      \
+        wl_q8w_lane_##NAME(wg + off, xq, cols, lane, wpr, al, &ga, &ge);                          \
+        wl_q8w_lane_##NAME(wu + off, xq, cols, lane, wpr, al, &ua, &ue);                          \
+        /* two shared arrays: no thread writes one while another reads it */                      \
+        float g = wl_q8v_row_sum<WL_Q8_KIND_##NAME>(ga, ge, part[0]);                              \
+        float u = wl_q8v_row_sum<WL_Q8_KIND_##NAME>(ua, ue, part[1]);                              \
+        if (live && lane == 0) y[r] = WL_SILU_MUL(g, u);                                           \
+    }
+
+WL_Q8W_KERNELS(q4_k, 256, 144)
+WL_Q8W_KERNELS(q6_k, 256, 210)
 
 // gemm_{f32,f16}(wd, x, y, n_rows, cols, n_tok, row0, rows): the dense product of the
 // dequantised path. wd holds n_rows dequantised weight rows (f32, cols each: rows row0.. of the

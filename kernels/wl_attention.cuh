@@ -42,6 +42,35 @@ WL_HD wl_u64 wl_att_split_keys(wl_u64 n_keys, wl_u64 n_splits) {
     return n_splits == 0 ? n_keys : (n_keys + n_splits - 1) / n_splits;
 }
 
+// Where a call's queries are and how its keys are split. A call given its first position by
+// the host (`pos` null) splits the keys of its last query, `start + n_q`. A call that reads it
+// from device memory (`pos`: the i32 positions RoPE reads, pos[0] the first query's) splits
+// `span` keys, the cache's capacity, so its grid and splits stay the same at every position
+// and a captured graph replays at any: the splits past the current length are empty. Writes the
+// first query's position and the keys the splits cut; 0 when the position read is negative or
+// leaves the queries past `span` (the call then computes nothing).
+WL_HD int wl_att_where(const int* pos, wl_u64 start_arg, wl_u64 n_q, wl_u64 span, wl_u64* start,
+                       wl_u64* keys) {
+    if (pos == 0) {
+        *start = start_arg;
+        *keys = start_arg + n_q;
+        return 1;
+    }
+    const int p = pos[0];
+    if (p < 0 || (wl_u64)p + n_q > span) return 0;
+    *start = (wl_u64)p;
+    *keys = span;
+    return 1;
+}
+
+// The splits of `per` keys holding at least one key of a query that sees `total` keys: the first
+// ceil(total / per), at most n_splits. The blocks of the later, empty, splits exit before they
+// write anything, and the reduce merges only these.
+WL_HD wl_u64 wl_att_live_splits(wl_u64 per, wl_u64 total, wl_u64 n_splits) {
+    const wl_u64 n = per == 0 ? 0 : (total + per - 1) / per;
+    return n < n_splits ? n : n_splits;
+}
+
 // Keys [lo, hi) of split `s` of `per` keys for a query that sees `total` keys (causal: query i
 // at position start + i sees total = start + i + 1). An earlier query's last splits may be
 // empty (lo >= hi).

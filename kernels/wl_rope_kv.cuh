@@ -61,12 +61,27 @@ WL_HD void wl_kvf_put(int f, wl_u8* out, wl_u64 i, float x) {
 }
 
 // The shape of one call: n_tok tokens of n_heads query heads and kv_heads key/value heads of
-// head_dim values, n_dims of them rotated.
+// head_dim values, n_dims of them rotated. `cap` 0: kc and vc are the n_tok cache rows being
+// written (token t at row t); else they are whole cache layers of `cap` rows and token t goes
+// to row pos[t], read on the device, so a captured graph replays at any position.
 typedef struct {
     wl_u64 n_tok, n_heads, kv_heads;
     int head_dim, n_dims, neox;
     float mscale;
+    wl_u64 cap;
 } wl_rope_kv_shape;
+
+// The value index in kc (or vc) of value e of the call's keys (or values): its token's row
+// (see wl_rope_kv_shape), then its place in the row; -1 for a token whose position lies outside
+// the cap rows, which writes nothing (the host cannot check positions it does not read).
+WL_HD long long wl_rope_kv_at(const int* pos, wl_rope_kv_shape s, wl_u64 e) {
+    wl_u64 kvd = s.kv_heads * (wl_u64)s.head_dim;
+    wl_u64 tok = e / kvd;
+    if (s.cap == 0) return (long long)e;
+    int p = pos[tok];
+    if (p < 0 || (wl_u64)p >= s.cap) return -1;
+    return (long long)((wl_u64)p * kvd + e % kvd);
+}
 
 // Work units of one call: query pairs, then key units, then value units.
 WL_HD wl_u64 wl_rope_kv_units(wl_rope_kv_shape s, int kf, int vf) {
@@ -110,21 +125,26 @@ WL_HD void wl_rope_kv_unit(wl_u64 u, int kf, int vf, float* q, const float* k, c
     u -= nq;
     wl_u64 nk = kvn / (wl_u64)wl_kvf_granule(kf);
     if (u < nk) {
+        // a group of 32 stays inside its row (the cache rows are whole groups)
+        long long at = wl_rope_kv_at(pos, s, u * (wl_u64)wl_kvf_granule(kf));
+        if (at < 0) return;
         if (kf >= WL_KVF_Q8) {
             float g[32];
             for (int j = 0; j < 32; ++j) g[j] = wl_rope_key(k, pos, freqs, s, u * 32 + (wl_u64)j);
             int qmax = kf == WL_KVF_Q8 ? 127 : 7;
-            wl_kv_store_group(g, kc + u * (wl_u64)wl_kv_group_bytes(qmax), qmax);
+            wl_kv_store_group(g, kc + (wl_u64)at / 32 * (wl_u64)wl_kv_group_bytes(qmax), qmax);
         } else {
-            wl_kvf_put(kf, kc, u, wl_rope_key(k, pos, freqs, s, u));
+            wl_kvf_put(kf, kc, (wl_u64)at, wl_rope_key(k, pos, freqs, s, u));
         }
         return;
     }
     u -= nk;
+    long long at = wl_rope_kv_at(pos, s, u * (wl_u64)wl_kvf_granule(vf));
+    if (at < 0) return;
     if (vf >= WL_KVF_Q8) {
         int qmax = vf == WL_KVF_Q8 ? 127 : 7;
-        wl_kv_store_group(v + u * 32, vc + u * (wl_u64)wl_kv_group_bytes(qmax), qmax);
+        wl_kv_store_group(v + u * 32, vc + (wl_u64)at / 32 * (wl_u64)wl_kv_group_bytes(qmax), qmax);
     } else {
-        wl_kvf_put(vf, vc, u, v[u]);
+        wl_kvf_put(vf, vc, (wl_u64)at, v[u]);
     }
 }

@@ -4,6 +4,7 @@ errors from open()."""
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,18 @@ def test_views_survive_threads(tiny_llama_gguf):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_cuda_graphs_switch_and_counts_on_a_model_without_a_gpu(tiny_llama_st: Path) -> None:
+    # on by default (the environment may turn it off), settable, and counted: a model on the
+    # CPU never captures a decode step, so the counts stay at zero while it decodes
+    m = wl.Model(tiny_llama_st, devices="cpu")
+    m.load()
+    assert m.cuda_graphs is (os.environ.get("WEIGHTLIFT_CUDA_GRAPHS", "1").strip() != "0")
+    m.cuda_graphs = False
+    assert m.cuda_graphs is False
+    m.cuda_graphs = True
+    out = m.generate([1, 2, 3], max_new_tokens=3)
+    assert len(out) >= 1
+    assert m.cuda_graph_counts() == (0, 0, None)
+    assert "CUDA graph" in (type(m).cuda_graphs.__doc__ or "")

@@ -108,3 +108,20 @@ def test_quantised_and_offloaded_slots_answer_what_each_answers_alone(
     alone = [m.create_completion(p, max_tokens=6, temperature=0) for p in PROMPTS[:2]]
     for id, want in zip(ids, alone, strict=True):
         assert got[id][0][1]["choices"] == want["choices"]
+
+
+@pytest.mark.parametrize("compute", ["exact", "fast"])
+def test_tensor_parallel_slots_batch_and_answer_what_each_answers_alone(
+    demo_gguf: Path, compute: str
+):
+    # three slots of a tensor-parallel load: each a cache split by kv heads over the devices,
+    # stepped in one pass per token
+    m = weightlift.Model(str(demo_gguf), devices="virtual:2x256MiB,cpu", compute=compute)
+    m.load(cache=weightlift.CacheSpec(128, 3, "fp16"), strategy="tensor_parallel")
+    assert m.cache is not None and (m.cache.batch_size, m.cache.max_seq_len) == (1, 128)
+    batch = weightlift.Batch(m, parallel=3)
+    ids = [m.create_completion(p, max_tokens=6, temperature=0, batch=batch) for p in PROMPTS]
+    got = _drain(batch)
+    alone = [m.create_completion(p, max_tokens=6, temperature=0) for p in PROMPTS]
+    for id, want in zip(ids, alone, strict=True):
+        assert got[id][0][1]["choices"] == want["choices"]

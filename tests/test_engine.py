@@ -13,7 +13,7 @@ import gen_fixtures as gen
 import numpy as np
 import pytest
 import safetensors
-import weightlift._native as wl
+import weightlift as wl
 from gguf import GGUFReader
 from weightlift._errors import FormatError, LoadCancelled, OutOfMemoryError, PlanError
 

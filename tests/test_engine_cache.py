@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import weightlift
-import weightlift._native as wl
+import weightlift as wl
 
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors
-import weightlift._native as wl
+import weightlift as wl
 from gguf import GGUFReader
 
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}

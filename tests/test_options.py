@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import weightlift._native as wl
+import weightlift as wl
 from gguf import GGUFReader
 from weightlift._errors import OutOfMemoryError, PlanError
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import weightlift._native as wl
+import weightlift as wl
 from weightlift import PlanError, UnsupportedError, WeightliftError
 
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
@@ -101,3 +101,5 @@ def test_rank_errors_name_the_cause(tiny_llama_st: Path) -> None:
         m.forward([1, 2])
     with pytest.raises(UnsupportedError, match="no NCCL transport"):
         tp.join_nccl()
+    with pytest.raises(ValueError, match=r"join_nccl: expected wait in seconds, finite and >= 0"):
+        tp.join_nccl(wait=float("nan"))

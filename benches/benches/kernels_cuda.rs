@@ -8,6 +8,10 @@
 //! - decode's matrix-vector products, for each shape from 2048×2048 to 4096×14336 and each
 //!   weight type the CUDA matmul runs (`sources::CUDA_EXACT_TYPES` exactly,
 //!   `sources::CUDA_Q8_TYPES` with 8-bit activations): µs per call, GB/s and % of the copy;
+//!   then the wide-lane Q8 kernels (`q8-wide`, `WEIGHTLIFT_Q8V=wide`, on a second backend of the
+//!   same device with the switch set) for `sources::Q8_WIDE_WEIGHT_TYPES` on the same shapes
+//!   and the 32000×2048 head, and the Q8 rows of those types on the head for comparison;
+//!   their gate and up with SwiGLU (`q8-wide`, fused and separate) join the second table;
 //! - the other operations at llama-7B's 4096×4096 (dequantisation, 32-token products, norms,
 //!   RoPE, the KV codecs).
 //!
@@ -32,7 +36,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
-use weightlift_kernels::sources::{CUDA_EXACT_TYPES, CUDA_Q8_TYPES};
+use weightlift_kernels::sources::{
+    CUDA_EXACT_TYPES, CUDA_Q8_TYPES, Q8_WIDE_WEIGHT_TYPES, Q8Decode,
+};
 use weightlift_kernels::{
     Backend, CpuBackend, CudaBackend, FloatType, KernelError, KvFormat, MatvecMode, Op, Product,
     QuantType, Result, RopeParams, RopeStyle, matmul_swiglu_unfused, rope_inv_freqs,
@@ -50,6 +56,9 @@ const MATVEC_SHAPES: [(usize, usize); 6] = [
     (14336, 4096),
     (4096, 14336),
 ];
+
+/// The head of a 1.1B llama (32,000 rows of 2,048 values), for the wide-lane Q8 kernels.
+const HEAD_SHAPE: (usize, usize) = (32000, 2048);
 
 /// Weight types a llama checkpoint may hold; those missing from the CUDA lists are named as
 /// such under the table, so a kernel that is absent reads as absent, not as slow.
@@ -141,7 +150,10 @@ fn main() -> ExitCode {
     };
     let done = match args.device {
         Device::Cuda => match CudaBackend::new(0) {
-            Ok(be) => bench(&be, &args),
+            Ok(be) => match CudaBackend::new(0) {
+                Ok(wide) => bench(&be, &wide.with_q8_decode(Q8Decode::Wide), &args),
+                Err(e) => Err(e),
+            },
             // A root `cargo bench` builds this without the feature, and a GPU-less machine runs
             // it: both are normal, so say which and end cleanly rather than fail the whole run.
             Err(KernelError::NotCompiledWithCuda { .. }) => {
@@ -156,7 +168,8 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
         },
-        Device::Cpu => bench(&CpuBackend::new(), &args),
+        // the CPU has no wide lanes: its rows run its own Q8 mode, so the tables keep their shape
+        Device::Cpu => bench(&CpuBackend::new(), &CpuBackend::new(), &args),
     };
     match done {
         Ok(true) => ExitCode::SUCCESS,
@@ -221,7 +234,7 @@ struct Row {
     name: String,
     shape: String,
     ty: String,
-    mode: &'static str,
+    mode: String,
     bytes: usize,
     /// The median per-call time, or why the case did not run.
     time: std::result::Result<Duration, String>,
@@ -248,23 +261,71 @@ fn outcome(r: Result<Duration>) -> (std::result::Result<Duration, String>, bool)
 
 /// The decode products: every shape × every type the CUDA matmul runs, in each mode.
 fn matvec_rows<B: Backend>(be: &B, args: &Args, ok: &mut bool) -> Result<Vec<Row>> {
-    let mut rows = Vec::new();
-    for &ty in CUDA_EXACT_TYPES.iter().chain(
-        CUDA_Q8_TYPES
+    let types: Vec<QuantType> = CUDA_EXACT_TYPES
+        .iter()
+        .chain(
+            CUDA_Q8_TYPES
+                .iter()
+                .filter(|t| !CUDA_EXACT_TYPES.contains(*t)),
+        )
+        .copied()
+        .collect();
+    let mut rows = matvec_cases(be, args, ok, &types, &MATVEC_SHAPES, "")?;
+    // the head, for the wide rows to compare with
+    rows.extend(matvec_cases(
+        be,
+        args,
+        ok,
+        &types
             .iter()
-            .filter(|t| !CUDA_EXACT_TYPES.contains(*t)),
-    ) {
-        for (r, c) in MATVEC_SHAPES {
+            .copied()
+            .filter(|t| Q8_WIDE_WEIGHT_TYPES.contains(t))
+            .collect::<Vec<_>>(),
+        &[HEAD_SHAPE],
+        "q8",
+    )?);
+    Ok(rows)
+}
+
+/// Decode's wide-lane Q8 products on `wide` (a backend with [`Q8Decode::Wide`]): their types
+/// on every shape and the head.
+fn wide_rows<B: Backend>(wide: &B, args: &Args, ok: &mut bool) -> Result<Vec<Row>> {
+    let mut shapes = MATVEC_SHAPES.to_vec();
+    shapes.push(HEAD_SHAPE);
+    matvec_cases(wide, args, ok, Q8_WIDE_WEIGHT_TYPES, &shapes, "q8-wide")
+}
+
+/// Products of `types` on `shapes`, in each mode the CUDA matmul runs them; with a `label`,
+/// Q8 mode only, named so.
+fn matvec_cases<B: Backend>(
+    be: &B,
+    args: &Args,
+    ok: &mut bool,
+    types: &[QuantType],
+    shapes: &[(usize, usize)],
+    label: &str,
+) -> Result<Vec<Row>> {
+    let label_of = |m: MatvecMode| {
+        if label.is_empty() {
+            mode_name(m)
+        } else {
+            label
+        }
+    };
+    let mut rows = Vec::new();
+    for &ty in types {
+        for &(r, c) in shapes {
             let modes: Vec<MatvecMode> = [MatvecMode::Exact, MatvecMode::Q8]
                 .into_iter()
                 .filter(|m| match m {
                     MatvecMode::Exact => CUDA_EXACT_TYPES.contains(&ty),
                     MatvecMode::Q8 => CUDA_Q8_TYPES.contains(&ty),
                 })
+                .filter(|&m| label.is_empty() || m == MatvecMode::Q8)
                 .collect();
             let names: Vec<String> = modes
                 .iter()
-                .map(|&m| format!("matvec_{ty}_f32_{}_{r}x{c}", mode_name(m)))
+                .map(|&m| format!("matvec_{ty}_f32_{}_{r}x{c}", label_of(m)))
                 .collect();
             if !names.iter().any(|n| n.contains(&args.filter)) {
                 continue;
@@ -306,7 +367,7 @@ fn matvec_rows<B: Backend>(be: &B, args: &Args, ok: &mut bool) -> Result<Vec<Row
                     name,
                     shape: format!("{r}×{c}"),
                     ty: ty.to_string(),
-                    mode: mode_name(mode),
+                    mode: label_of(mode).into(),
                     bytes,
                     time,
                 };
@@ -596,57 +657,7 @@ fn other_cases<B: Backend + 'static>() -> Vec<Build<B>> {
     ] {
         for (r, c) in [(5632usize, 2048usize)] {
             for fused in [true, false] {
-                v.push(Box::new(move |be: &B| {
-                    let (wg, wu) = (random_weights(ty, r * c), random_weights(ty, r * c));
-                    let x = f32_bytes((0..c).map(|i| (i as f32 * 0.01).sin()));
-                    let bytes = wg.len() + wu.len() + x.len() + r * 4;
-                    let bufs = vec![
-                        upload(be, &wg)?,
-                        upload(be, &wu)?,
-                        upload(be, &x)?,
-                        be.alloc(r * 4)?,
-                        be.alloc(r * 4)?,
-                    ];
-                    let how = if fused { "fused" } else { "separate" };
-                    Ok(case(
-                        format!("swiglu_matvec_{ty}_f32_{}_{r}x{c}_{how}", mode_name(mode)),
-                        bytes,
-                        bufs,
-                        3,
-                        move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
-                            let (gy, uy) = o.split_at_mut(1);
-                            let gate = Product {
-                                ty,
-                                rows: r,
-                                w: &i[0],
-                                y: &mut gy[0],
-                            };
-                            let up = Product {
-                                ty,
-                                rows: r,
-                                w: &i[1],
-                                y: &mut uy[0],
-                            };
-                            let (cols, n_tok, max_dq_size, x) = (c, 1, 64 << 20, &i[2]);
-                            let op = Op::MatmulSwiGlu {
-                                mode,
-                                act: FloatType::F32,
-                                cols,
-                                n_tok,
-                                max_dq_size,
-                                x,
-                                gate,
-                                up,
-                            };
-                            if fused {
-                                be.run(op)
-                            } else {
-                                // the ops it replaces, each counted as a run of its own
-                                matmul_swiglu_unfused(op, |op| be.run(op))
-                            }
-                        },
-                    ))
-                }));
+                v.push(swiglu_case(ty, mode, mode_name(mode), r, c, fused));
             }
         }
     }
@@ -697,6 +708,7 @@ fn other_cases<B: Backend + 'static>() -> Vec<Build<B>> {
                         v_format: KvFormat::F16,
                         k_cache: kc,
                         v_cache: vc,
+                        cache_rows: None,
                     };
                     if fused {
                         be.run(op)
@@ -710,9 +722,102 @@ fn other_cases<B: Backend + 'static>() -> Vec<Build<B>> {
     v
 }
 
+/// Decode's gate and up products with SwiGLU, one token of `r × c` weights of `ty` in `mode`
+/// (`label` names the mode in the case's name): one `MatmulSwiGlu` when `fused`, else the ops
+/// it replaces.
+fn swiglu_case<B: Backend + 'static>(
+    ty: QuantType,
+    mode: MatvecMode,
+    label: &'static str,
+    r: usize,
+    c: usize,
+    fused: bool,
+) -> Build<B> {
+    Box::new(move |be: &B| {
+        let (wg, wu) = (random_weights(ty, r * c), random_weights(ty, r * c));
+        let x = f32_bytes((0..c).map(|i| (i as f32 * 0.01).sin()));
+        let bytes = wg.len() + wu.len() + x.len() + r * 4;
+        let bufs = vec![
+            upload(be, &wg)?,
+            upload(be, &wu)?,
+            upload(be, &x)?,
+            be.alloc(r * 4)?,
+            be.alloc(r * 4)?,
+        ];
+        let how = if fused { "fused" } else { "separate" };
+        Ok(case(
+            format!("swiglu_matvec_{ty}_f32_{label}_{r}x{c}_{how}"),
+            bytes,
+            bufs,
+            3,
+            move |be: &B, i: &[B::Buffer], o: &mut [B::Buffer]| {
+                let (gy, uy) = o.split_at_mut(1);
+                let gate = Product {
+                    ty,
+                    rows: r,
+                    w: &i[0],
+                    y: &mut gy[0],
+                };
+                let up = Product {
+                    ty,
+                    rows: r,
+                    w: &i[1],
+                    y: &mut uy[0],
+                };
+                let (cols, n_tok, max_dq_size, x) = (c, 1, 64 << 20, &i[2]);
+                let op = Op::MatmulSwiGlu {
+                    mode,
+                    act: FloatType::F32,
+                    cols,
+                    n_tok,
+                    max_dq_size,
+                    x,
+                    gate,
+                    up,
+                };
+                if fused {
+                    be.run(op)
+                } else {
+                    // the ops it replaces, each counted as a run of its own
+                    matmul_swiglu_unfused(op, |op| be.run(op))
+                }
+            },
+        ))
+    })
+}
+
 fn other_rows<B: Backend + 'static>(be: &B, args: &Args, ok: &mut bool) -> Result<Vec<Row>> {
+    run_cases(be, args, ok, other_cases::<B>())
+}
+
+/// The wide-lane Q8 kernels' rows of the second table, on `wide` (a backend with
+/// [`Q8Decode::Wide`]): gate and up with SwiGLU of their types, fused and separate.
+fn wide_other_rows<B: Backend + 'static>(wide: &B, args: &Args, ok: &mut bool) -> Result<Vec<Row>> {
+    let mut builds = Vec::new();
+    for &ty in Q8_WIDE_WEIGHT_TYPES {
+        for fused in [true, false] {
+            builds.push(swiglu_case(
+                ty,
+                MatvecMode::Q8,
+                "q8-wide",
+                5632,
+                2048,
+                fused,
+            ));
+        }
+    }
+    run_cases(wide, args, ok, builds)
+}
+
+/// Builds, runs and frees `builds` one at a time: a row each.
+fn run_cases<B: Backend + 'static>(
+    be: &B,
+    args: &Args,
+    ok: &mut bool,
+    builds: Vec<Build<B>>,
+) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    for build in other_cases::<B>() {
+    for build in builds {
         let mut c = build(be)?;
         if !c.name.contains(&args.filter) {
             continue;
@@ -724,7 +829,7 @@ fn other_rows<B: Backend + 'static>(be: &B, args: &Args, ok: &mut bool) -> Resul
             name: c.name,
             shape: String::new(),
             ty: String::new(),
-            mode: "",
+            mode: String::new(),
             bytes: c.bytes,
             time,
         };
@@ -747,7 +852,7 @@ fn print_row(r: &Row) {
 }
 
 /// Runs every case; false when one failed (an error other than an unsupported type).
-fn bench<B: Backend + 'static>(be: &B, args: &Args) -> Result<bool> {
+fn bench<B: Backend + 'static>(be: &B, wide: &B, args: &Args) -> Result<bool> {
     let mut ok = true;
     let started = Instant::now();
     // The CPU rehearsal copies less: the copy's speed settles well below 512 MiB there.
@@ -762,8 +867,10 @@ fn bench<B: Backend + 'static>(be: &B, args: &Args) -> Result<bool> {
         be.name(),
         (2 * copy_bytes) >> 20
     );
-    let matvec = matvec_rows(be, args, &mut ok)?;
-    let others = other_rows(be, args, &mut ok)?;
+    let mut matvec = matvec_rows(be, args, &mut ok)?;
+    matvec.extend(wide_rows(wide, args, &mut ok)?);
+    let mut others = other_rows(be, args, &mut ok)?;
+    others.extend(wide_other_rows(wide, args, &mut ok)?);
     let copy_after = copy_gbs(be, args, copy_bytes)?;
     let copy = copy_before.max(copy_after);
     println!(

@@ -20,6 +20,10 @@ with the argmax of the last logits fed back in, the loop timed as a whole):
   prefill        ms for a 512- and a 2,048-token prompt into an empty cache (on CUDA the
                  products on cuBLAS, the attention in attention_prefill_*; run.sh repeats the
                  prefills with WEIGHTLIFT_CUBLAS=0 and --prefill-only for the A/B)
+  (decode on CUDA replays a captured CUDA graph per step unless WEIGHTLIFT_CUDA_GRAPHS=0;
+                 run.sh repeats the decode rows with it and --decode-only for the A/B)
+  (decode's Q4_K and Q6_K products take the wide-lane kernels with WEIGHTLIFT_Q8V=wide;
+                 run.sh repeats the q4_k decode rows with it and --decode-only for the A/B)
   memory         the plan's total for the device, Model.memory() and Model.peak_memory() after
                  the runs, and the GPU memory this process holds (nvidia-smi's used memory less
                  what was used before the bench, so the CUDA context counts), against each other
@@ -275,19 +279,22 @@ def median(xs: list[float]) -> float | None:
 
 # Prefill only (--prefill-only): the A/B run of run.sh without cuBLAS measures no decode.
 PREFILL_ONLY = False
+DECODE_ONLY = False
 
 
 def measure(
     run: Callable[[list[int], int], tuple[float, float]], ids: list[int], budget: Budget, what: str
 ) -> dict[str, Any]:
     """One warm-up, then REPEATS rounds of: decode after SHORT positions, each prefill, and
-    decode after the longest prompt (with PREFILL_ONLY, the prefills alone). `run(prompt, n)`
+    decode after the longest prompt (with PREFILL_ONLY, the prefills alone; with DECODE_ONLY,
+    the decodes alone, the longest prompt run untimed before its decode). `run(prompt, n)`
     resets the cache, runs the prompt, decodes n tokens and returns (prefill seconds, decode
     seconds)."""
     run(ids[: PROMPTS[0]], 2)  # compiles and loads the kernels, touches the cache
     got: dict[str, list[float]] = {} if PREFILL_ONLY else {"decode_short": [], "decode_long": []}
     for n in PROMPTS:
-        got[f"prefill_{n}"] = []
+        if not DECODE_ONLY:
+            got[f"prefill_{n}"] = []
     for r in range(REPEATS):
         if r > 0 and not budget.allows(f"{what}: rounds {r + 1}-{REPEATS}"):
             break
@@ -296,8 +303,11 @@ def measure(
             got["decode_short"].append(DECODE_TOKENS / d)
         for n in PROMPTS:
             long = n == max(PROMPTS) and not PREFILL_ONLY
+            if DECODE_ONLY and not long:
+                continue
             p, d = run(ids[:n], DECODE_TOKENS if long else 0)
-            got[f"prefill_{n}"].append(p * 1e3)
+            if not DECODE_ONLY:
+                got[f"prefill_{n}"].append(p * 1e3)
             if long:
                 got["decode_long"].append(DECODE_TOKENS / d)
     return {"samples": got, "median": {k: median(v) for k, v in got.items()}}
@@ -531,13 +541,19 @@ def main() -> int:
         help="measure the prefills only (run.sh's A/B run with WEIGHTLIFT_CUBLAS=0)",
     )
     ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="measure the decodes only (run.sh's A/B run with WEIGHTLIFT_CUDA_GRAPHS=0)",
+    )
+    ap.add_argument(
         "--only",
         default="",
         help="comma-separated row labels (bf16, f16, q8_0, q4_k, transformers); default all",
     )
     args = ap.parse_args()
-    global PREFILL_ONLY
+    global PREFILL_ONLY, DECODE_ONLY
     PREFILL_ONLY = args.prefill_only
+    DECODE_ONLY = args.decode_only and not PREFILL_ONLY
     only = {s for s in args.only.split(",") if s}
     device = "cpu" if args.cpu else args.device
     shape, shape_name = (
@@ -561,8 +577,15 @@ def main() -> int:
     cublas = os.environ.get("WEIGHTLIFT_CUBLAS", "on (default)")
     min_tokens = os.environ.get("WEIGHTLIFT_CUBLAS_MIN_TOKENS", "default")
     notes.append(f"WEIGHTLIFT_CUBLAS={cublas}, WEIGHTLIFT_CUBLAS_MIN_TOKENS={min_tokens}")
+    graphs = os.environ.get("WEIGHTLIFT_CUDA_GRAPHS", "on (default)")
+    notes.append(f"WEIGHTLIFT_CUDA_GRAPHS={graphs}")
+    # decode's Q8 kernels for Q4_K and Q6_K: the narrow lanes, or the wide ones with =wide
+    q8v = os.environ.get("WEIGHTLIFT_Q8V", "narrow (default)")
+    notes.append(f"WEIGHTLIFT_Q8V={q8v}")
     if PREFILL_ONLY:
         notes.append("prefill only: no decode rows were measured")
+    if DECODE_ONLY:
+        notes.append("decode only: no prefill rows were measured")
     root = Path(
         os.environ.get("WEIGHTLIFT_E2E_DIR", Path(tempfile.gettempdir()) / "weightlift-e2e")
     )

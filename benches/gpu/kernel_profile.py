@@ -6,6 +6,11 @@ On the end-to-end bench's checkpoint (e2e.py makes it in WEIGHTLIFT_E2E_DIR and 
 each weight type: STEPS greedy decode steps after a SHORT-token prompt, and one PREFILL-token
 prompt into an empty cache. Writes profile.md and profile.json in --out.
 
+Decode steps replay a captured CUDA graph (the warm-up's steps captured it) unless
+WEIGHTLIFT_CUDA_GRAPHS=0: CUPTI still sees each kernel of a replayed graph, so the launches
+counted are the kernels a token runs, and the wall time against the kernel time is what the
+graph saves on the host's launches.
+
     python benches/gpu/kernel_profile.py --device cuda:0 --out benches/results/gpu
 """
 
@@ -105,7 +110,8 @@ def profile_one(label: str, kw: dict[str, Any], path: Path, device: str, ids: li
 
 
 def markdown(header: str, results: list[dict[str, Any]]) -> str:
-    out = ["# Kernel profile", "", header, ""]
+    graphs = os.environ.get("WEIGHTLIFT_CUDA_GRAPHS", "on (default)")
+    out = ["# Kernel profile", "", header, "", f"WEIGHTLIFT_CUDA_GRAPHS={graphs}", ""]
     for r in results:
         out.append(f"## {r['label']}")
         out.append("")

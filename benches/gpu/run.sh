@@ -12,21 +12,26 @@
 #                                                  benches/results/gpu/cpu, which git ignores)
 #   benches/gpu/run.sh --list                      the tables below, for the bundle builder
 #
-# Environment: STEPS (the steps to run, default tests,kernels,e2e,prefill_ab,offload,moe,profile; the
-# others are
-# skipped by name), SUITES (the test suites to run, e.g. backend_matmul_modes,cuda; default
+# Environment: STEPS (the steps to run, default
+# tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,offload,moe,profile; the others are skipped by
+# name), SUITES (the test suites to run, e.g. backend_matmul_modes,cuda; default
 # all), WEIGHTS (the weight types of the end-to-end bench and the profile, e.g.
 # bf16,q4_k, and transformers for the peer; default all), PYTHON (default python3, the
 # machine's own; with --cpu, the checkout's .venv
 # where there is one, since the rehearsal needs numpy and safetensors), WEIGHTLIFT_DEMO_GGUF
 # (the demo model, for the two suites that read it; the bundle leaves it out, see GPU_TESTS).
+# WEIGHTLIFT_CUDA_GRAPHS is set to 1 for the end-to-end rows and the profile, which measure
+# decode as it runs by default (each step replayed from a CUDA graph); graphs_ab sets it to 0
+# for its own rows. WEIGHTLIFT_Q8V is unset for every step but q8v_ab, which sets it to wide.
 #
 # Sized for one call of a GPU machine (ten minutes at most; not yet timed whole): the test
 # suites take about a minute together (each under a timeout of SUITE_TIMEOUT_S); the kernel
 # bench samples each of its ~120 cases for 60 ms after a warm-up (well under a minute with the
 # set-up); the end-to-end bench decodes 32 tokens per measurement, quotes medians of 3, and
 # skips what is left by name once E2E_BUDGET_S is spent; the prefill A/B repeats two rows'
-# prefills without cuBLAS within PREFILL_AB_BUDGET_S; the offload and MoE benches stop their
+# prefills without cuBLAS within PREFILL_AB_BUDGET_S, and the graphs A/B two rows' decodes
+# without CUDA graphs within GRAPHS_AB_BUDGET_S, the Q8 A/B the q4_k decode with the wide lanes
+# within Q8V_AB_BUDGET_S; the offload and MoE benches stop their
 # rounds at OFFLOAD_BUDGET_S and MOE_BUDGET_S. STEPS splits the run in two where a call's
 # limit is shorter.
 # Each step runs even when one before it failed; the exit status is 1 when any failed.
@@ -43,6 +48,10 @@ MOE_TIMEOUT_S=${MOE_TIMEOUT_S:-150}
 PROFILE_TIMEOUT_S=${PROFILE_TIMEOUT_S:-120}
 PREFILL_AB_BUDGET_S=${PREFILL_AB_BUDGET_S:-60}
 PREFILL_AB_TIMEOUT_S=${PREFILL_AB_TIMEOUT_S:-120}
+GRAPHS_AB_BUDGET_S=${GRAPHS_AB_BUDGET_S:-60}
+GRAPHS_AB_TIMEOUT_S=${GRAPHS_AB_TIMEOUT_S:-120}
+Q8V_AB_BUDGET_S=${Q8V_AB_BUDGET_S:-30}
+Q8V_AB_TIMEOUT_S=${Q8V_AB_TIMEOUT_S:-90}
 
 # Every test that needs a GPU (`grep -rn '#\[ignore' crates`), by the suite that holds it:
 # how the suite runs on the GPU and in --cpu mode, and what else it needs. Kernel suites run
@@ -124,7 +133,10 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
 rm -f "$OUT"/{summary,tests,e2e,offload_e2e,moe_offload,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info}.{md,json}
-rm -f "$OUT"/prefill-no-cublas/e2e.{md,json}
+rm -f "$OUT"/prefill-no-cublas/e2e.{md,json} "$OUT"/decode-no-graphs/e2e.{md,json}
+rm -f "$OUT"/decode-q8v-wide/e2e.{md,json}
+# The old Q8 decode kernels are the default; only q8v_ab picks the wide ones.
+unset WEIGHTLIFT_Q8V
 if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
     [ $CPU = 1 ] && [ -x "$ROOT/.venv/bin/python" ] && PYTHON=$ROOT/.venv/bin/python
@@ -137,7 +149,7 @@ exec > >(tee "$OUT/run.log") 2>&1
 TEE=$!
 
 FAILED=()
-STEPS=${STEPS:-tests,kernels,e2e,prefill_ab,offload,moe,profile}
+STEPS=${STEPS:-tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,offload,moe,profile}
 SUITES=${SUITES:-}
 WEIGHTS=${WEIGHTS:-}
 wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; skip "not in STEPS ($STEPS): $2"; return 1; }
@@ -417,7 +429,8 @@ step "end-to-end bench"
 if wants e2e "the end-to-end bench"; then
     e2e=(--out "$OUT" --budget-s "$E2E_BUDGET_S" --only "$WEIGHTS")
     if [ $CPU = 1 ]; then e2e+=(--cpu); else e2e+=(--device cuda:0); fi
-    PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
+    WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" \
+        "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
     rc=$?
     [ $rc = 0 ] || FAILED+=("end-to-end bench (exit status $rc)")
 fi
@@ -435,6 +448,35 @@ elif wants prefill_ab "the prefill A/B without cuBLAS"; then
         "$ROOT/benches/gpu/e2e.py" --device cuda:0 --prefill-only --only "${ab_only/transformers/}" \
         --budget-s "$PREFILL_AB_BUDGET_S" --out "$OUT/prefill-no-cublas" ||
         FAILED+=("prefill A/B without cuBLAS (exit status $?)")
+fi
+
+# The A/B of the decode step: the same decodes (after 64 and 2,048 positions) with every kernel
+# launched from the host (WEIGHTLIFT_CUDA_GRAPHS=0), where the end-to-end rows and the profile
+# replay each step from a captured CUDA graph, for bf16 and q4_k, into decode-no-graphs/e2e.md.
+step "decode without CUDA graphs (A/B)"
+if [ $CPU = 1 ]; then
+    skip "no GPU: the decode A/B without CUDA graphs"
+elif wants graphs_ab "the decode A/B without CUDA graphs"; then
+    ab_only=bf16,q4_k
+    [ -n "$WEIGHTS" ] && ab_only=$WEIGHTS
+    WEIGHTLIFT_CUDA_GRAPHS=0 PYTHONUNBUFFERED=1 timeout "$GRAPHS_AB_TIMEOUT_S" "$PYTHON" \
+        "$ROOT/benches/gpu/e2e.py" --device cuda:0 --decode-only --only "${ab_only/transformers/}" \
+        --budget-s "$GRAPHS_AB_BUDGET_S" --out "$OUT/decode-no-graphs" ||
+        FAILED+=("decode A/B without CUDA graphs (exit status $?)")
+fi
+
+# The A/B of decode's Q4_K kernels: the q4_k decodes (after 64 and 2,048 positions, from CUDA
+# graphs as the end-to-end rows) with the wide lanes (WEIGHTLIFT_Q8V=wide:
+# q8_wide_matvec_{q4_k,q6_k} and swiglu_q8_wide_matvec_{q4_k,q6_k}), into
+# decode-q8v-wide/e2e.md; the end-to-end rows are the old lanes.
+step "decode with the wide Q4_K lanes (A/B)"
+if [ $CPU = 1 ]; then
+    skip "no GPU: the decode A/B with the wide Q4_K lanes"
+elif wants q8v_ab "the decode A/B with the wide Q4_K lanes"; then
+    WEIGHTLIFT_Q8V=wide WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$Q8V_AB_TIMEOUT_S" \
+        "$PYTHON" "$ROOT/benches/gpu/e2e.py" --device cuda:0 --decode-only --only q4_k \
+        --budget-s "$Q8V_AB_BUDGET_S" --out "$OUT/decode-q8v-wide" ||
+        FAILED+=("decode A/B with the wide Q4_K lanes (exit status $?)")
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -470,7 +512,8 @@ step "kernel profile"
 if [ $CPU = 1 ]; then
     skip "no GPU: the kernel profile"
 elif wants profile "the kernel profile"; then
-    PYTHONUNBUFFERED=1 timeout "$PROFILE_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/kernel_profile.py" \
+    WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$PROFILE_TIMEOUT_S" "$PYTHON" \
+        "$ROOT/benches/gpu/kernel_profile.py" \
         --device cuda:0 --out "$OUT" --only "$WEIGHTS" || FAILED+=("kernel profile (exit status $?)")
 fi
 

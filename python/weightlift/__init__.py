@@ -7,6 +7,7 @@ re-exported here: checkpoints (``open``), the planner (``plan``, ``fit``), the e
 ``LlamaGrammar``: a llama-cpp-python program runs with ``from weightlift import Llama``.
 """
 
+from weightlift._api import Model, fit, from_pretrained, load_gguf, plan, sample
 from weightlift._errors import (
     ClosedError,
     ContextFullError,
@@ -53,7 +54,6 @@ from weightlift._native import (
     DeviceTensor,
     DeviceUsage,
     LlamaGrammar,
-    Model,
     ModelSpec,
     Placement,
     Plan,
@@ -64,13 +64,8 @@ from weightlift._native import (
     __version__,
     cuda_info,
     devices,
-    fit,
-    from_pretrained,
-    load_gguf,
     open,
     parse_devices,
-    plan,
-    sample,
     tensor,
     use_devices,
 )

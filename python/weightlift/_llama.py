@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from weightlift._api import Model, load_gguf, sample
 from weightlift._errors import UnsupportedError
-from weightlift._native import Model, load_gguf, sample
 from weightlift._native import open as open_checkpoint
 
 # llama.cpp's constants that llama-cpp-python programs pass as numbers.

@@ -6,6 +6,7 @@ from typing import Any, Final, Literal, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, disjoint_base
 
 __all__ = [
     "__version__",
@@ -13,8 +14,6 @@ __all__ = [
     "Checkpoint",
     "TensorInfo",
     "ModelSpec",
-    "plan",
-    "fit",
     "devices",
     "parse_devices",
     "CacheSpec",
@@ -26,9 +25,6 @@ __all__ = [
     "tensor",
     "use_devices",
     "cuda_info",
-    "from_pretrained",
-    "load_gguf",
-    "sample",
     "DeviceTensor",
     "Model",
     "Cache",
@@ -181,101 +177,13 @@ _FitTarget = Literal[
     "ncmoe",
 ]
 
-def plan(
+def _plan(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
-    *,
-    devices: _Devices | None = None,
-    strategy: _Strategy | None = None,
-    dtype: str = "auto",
-    cache: CacheSpec | Cache | Mapping[str, Any] | None = None,
-    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
-    reserve: _Sizes = None,
-    max_memory: _Sizes = None,
-    n_gpu_layers: int | None = None,
-    split_mode: _SplitMode | None = None,
-    tensor_split: Sequence[float] | None = None,
-    main_gpu: int | None = None,
-    device_map: _DeviceMap | None = None,
-    allow_disk: bool = False,
-    weight_dtype: str | None = None,
-    overhead: _Sizes = None,
-    overrides: _Overrides | None = None,
-    gpu_split: Sequence[float] | None = None,
-    use_mmap: bool = True,
-    cache_offload: bool = False,
-    quantize: _Quantize | None = None,
-    offload: Literal["sequential", "group"] | None = None,
-    blocks_per_group: int = 1,
-    prefetch: bool = True,
-    world: str | None = None,
-    n_cpu_moe: int | None = None,
-) -> Plan:
-    """Plan where every tensor and every layer's KV cache goes, before a byte is read.
-
-    A balanced split can be asked for two ways, each giving the maps of one library:
-
-    - ``device_map="auto" | "balanced" | "balanced_low_0" | "sequential"`` gives what
-      transformers 5's ``from_pretrained(device_map=...)`` gives (and what
-      ``weightlift.from_pretrained`` loads): every GPU but the last is capped at its share of
-      the model plus 1.25 x the larger of the largest decoder layer and the largest module
-      (usually the embedding), and with no ``max_memory`` at all the cpu gets 90% of its RAM;
-    - ``strategy="balanced" | "balanced_low_0" | "sequential"`` without a preset gives
-      accelerate's ``infer_auto_device_map(get_balanced_memory(...))``: the share plus 1.25 x
-      the larger of the first decoder layer and the mean module.
-
-    Unlike either library, each device is also charged the KV cache and scratch placed on it,
-    and the cpu the two upload staging buffers (at most 4 MiB each); with no cache,
-    ``runtime=RuntimeSpec(0, 0, 0)`` and the cpu's budget 8 MiB larger, the maps are theirs.
-
-    Architectures the engine does not run (anything but llama, mistral, qwen2, qwen3 and phi3) are
-    planned with a warning; a head with no tensor of its own is tied to the embedding whatever the
-    architecture; sliding-window layers (GGUF ``{arch}.attention.sliding_window``, config.json
-    ``sliding_window`` with transformers' per-layer rules) keep llama.cpp's SWA cache, the
-    window plus one input chunk padded to 256 tokens, for architectures the engine does not
-    run. With ``allow_disk`` (or ``disk`` listed), a cpu too small for its share streams part
-    of it from disk instead of failing: the embedding under ``autosplit``, the embedding and
-    then its last layers under ``layers``.
-    """
-
-def fit(
+    kw: Mapping[str, Any],
+) -> Plan: ...
+def _fit(
     source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
-    *,
-    devices: _Devices | None = None,
-    target: Literal[
-        "max_seq_len",
-        "ctx",
-        "context",
-        "batch_size",
-        "batch",
-        "n_gpu_layers",
-        "ngl",
-        "n_cpu_moe",
-        "ncmoe",
-    ] = "max_seq_len",
-    strategy: _Strategy | None = None,
-    dtype: str = "auto",
-    cache: CacheSpec | Cache | Mapping[str, Any] | None = None,
-    cache_dtype: str | None = None,
-    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
-    reserve: _Sizes = None,
-    max_memory: _Sizes = None,
-    n_gpu_layers: int | None = None,
-    split_mode: _SplitMode | None = None,
-    tensor_split: Sequence[float] | None = None,
-    main_gpu: int | None = None,
-    device_map: _DeviceMap | None = None,
-    allow_disk: bool = False,
-    weight_dtype: str | None = None,
-    overhead: _Sizes = None,
-    overrides: _Overrides | None = None,
-    gpu_split: Sequence[float] | None = None,
-    use_mmap: bool = True,
-    cache_offload: bool = False,
-    quantize: _Quantize | None = None,
-    offload: Literal["sequential", "group"] | None = None,
-    blocks_per_group: int = 1,
-    prefetch: bool = True,
-    n_cpu_moe: int | None = None,
+    kw: Mapping[str, Any],
 ) -> int: ...
 def devices() -> list[Device]: ...
 def parse_devices(spec: str | Sequence[str]) -> list[Device]: ...
@@ -441,22 +349,8 @@ _Size = int | str
 _Callback = Callable[[int, int, str, str], bool | None]
 
 def use_devices(spec: str) -> list[tuple[str, int | None]]: ...
-def sample(
-    logits: npt.NDArray[np.float32],
-    history: Sequence[int] = ...,
-    *,
-    temperature: float = 0.8,
-    top_k: int = 40,
-    top_p: float = 0.95,
-    min_p: float = 0.05,
-    typical_p: float = 1.0,
-    repeat_penalty: float = 1.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    mirostat_mode: int = 0,
-    mirostat_tau: float = 5.0,
-    mirostat_eta: float = 0.1,
-    seed: int | None = None,
+def _sample(
+    logits: npt.NDArray[np.float32], history: Sequence[int], kw: Mapping[str, Any]
 ) -> int: ...
 def cuda_info() -> dict[str, Any]: ...
 def tensor(array: npt.ArrayLike, device: str) -> DeviceTensor: ...
@@ -511,19 +405,25 @@ class CompletionStream:
     @property
     def finish_reason(self) -> str | None: ...
 
-@final
+@disjoint_base
 class Model:
-    def __new__(
-        cls,
-        source: Checkpoint | _Path,
-        *,
-        devices: _Devices | None = None,
-        dtype: str = "auto",
-        runtime: RuntimeSpec | Mapping[str, Any] | None = None,
-        compute: _Compute = "fast",
-        n_threads: int | None = None,
-        quantize: _Quantize | None = None,
-    ) -> Model: ...
+    # The public constructor and the methods with long keyword lists are weightlift.Model's
+    # (weightlift/_api.py), a subclass; these take its keywords as one dict.
+    def __new__(cls, source: Checkpoint | _Path, kw: Mapping[str, Any]) -> Self: ...
+    def _load(self, kw: Mapping[str, Any]) -> None: ...
+    def _load_autosplit(self, kw: Mapping[str, Any]) -> None: ...
+    def _load_tp(self, kw: Mapping[str, Any]) -> None: ...
+    def _load_pretrained(self, kw: Mapping[str, Any]) -> None: ...
+    def _load_llama(self, kw: Mapping[str, Any]) -> None: ...
+    def _generate(
+        self, prompt: str | bytes | Sequence[int], kw: Mapping[str, Any]
+    ) -> str | list[str] | CompletionStream: ...
+    def _create_completion(
+        self, prompt: str | bytes | Sequence[int], kw: Mapping[str, Any]
+    ) -> dict[str, Any] | CompletionStream | int: ...
+    def _create_chat_completion(
+        self, messages: Sequence[Mapping[str, Any]], kw: Mapping[str, Any]
+    ) -> dict[str, Any] | CompletionStream | int: ...
     def forward(
         self, ids: Sequence[int], *, cache: Cache | None = None, logits: str = "last"
     ) -> npt.NDArray[np.float32]: ...
@@ -538,6 +438,11 @@ class Model:
     @compute.setter
     def compute(self, value: str) -> None: ...
     @property
+    def cuda_graphs(self) -> bool: ...
+    @cuda_graphs.setter
+    def cuda_graphs(self, value: bool) -> None: ...
+    def cuda_graph_counts(self) -> tuple[int, int, str | None]: ...
+    @property
     def n_threads(self) -> int: ...
     @property
     def int8_threshold(self) -> float: ...
@@ -551,155 +456,12 @@ class Model:
     def grammar_mask(
         self, grammar: str | LlamaGrammar, logits: npt.NDArray[np.float32]
     ) -> npt.NDArray[np.float32]: ...
-    def generate(
-        self,
-        prompt: str | bytes | Sequence[int],
-        *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        typical_p: float = 1.0,
-        repeat_penalty: float | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        mirostat_mode: int = 0,
-        mirostat_tau: float = 5.0,
-        mirostat_eta: float = 0.1,
-        grammar: str | LlamaGrammar | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream: bool = False,
-        cache: Cache | None = None,
-        add_bos: bool | None = None,
-        do_sample: bool | None = None,
-        max_length: int | None = None,
-        repetition_penalty: float | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
-        num_return_sequences: int = 1,
-    ) -> str | list[str] | CompletionStream: ...
-    def create_completion(
-        self,
-        prompt: str | bytes | Sequence[int],
-        suffix: str | None = None,
-        max_tokens: int | None = 16,
-        temperature: float = 0.8,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        typical_p: float = 1.0,
-        logprobs: int | None = None,
-        echo: bool = False,
-        stop: str | Sequence[str] | None = None,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        repeat_penalty: float = 1.0,
-        top_k: int = 40,
-        stream: bool = False,
-        seed: int | None = None,
-        tfs_z: float = 1.0,
-        mirostat_mode: int = 0,
-        mirostat_tau: float = 5.0,
-        mirostat_eta: float = 0.1,
-        model: str | None = None,
-        stopping_criteria: Any = None,
-        logits_processor: Any = None,
-        grammar: str | LlamaGrammar | None = None,
-        logit_bias: Any = None,
-        batch: Batch | None = None,
-    ) -> dict[str, Any] | CompletionStream | int: ...
-    def __call__(
-        self, prompt: str | bytes | Sequence[int], *args: Any, **kwargs: Any
-    ) -> dict[str, Any] | CompletionStream: ...
-    def create_chat_completion(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        functions: Any = None,
-        function_call: Any = None,
-        tools: Any = None,
-        tool_choice: Any = None,
-        temperature: float = 0.2,
-        top_p: float = 0.95,
-        top_k: int = 40,
-        min_p: float = 0.05,
-        typical_p: float = 1.0,
-        stream: bool = False,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        max_tokens: int | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repeat_penalty: float = 1.0,
-        tfs_z: float = 1.0,
-        mirostat_mode: int = 0,
-        mirostat_tau: float = 5.0,
-        mirostat_eta: float = 0.1,
-        model: str | None = None,
-        logits_processor: Any = None,
-        grammar: str | LlamaGrammar | None = None,
-        logit_bias: Any = None,
-        logprobs: bool | None = None,
-        top_logprobs: int | None = None,
-        batch: Batch | None = None,
-    ) -> dict[str, Any] | CompletionStream | int: ...
     @property
     def timings(self) -> dict[str, float] | None: ...
     def n_ctx(self) -> int: ...
     def n_vocab(self) -> int: ...
     def token_bos(self) -> int: ...
     def token_eos(self) -> int: ...
-    def load(
-        self,
-        plan: Plan | str | None = None,
-        *,
-        progress: bool = False,
-        callback: _Callback | None = None,
-        cache: Cache | CacheSpec | Mapping[str, Any] | None = None,
-        use_mmap: bool = True,
-        use_direct_io: bool = False,
-        check_tensors: bool = False,
-        staging_bytes: int | None = None,
-        strategy: _Strategy | None = None,
-        reserve: _Sizes = None,
-        max_memory: _Sizes = None,
-        overhead: _Sizes = None,
-        n_gpu_layers: int | None = None,
-        split_mode: _SplitMode | None = None,
-        tensor_split: Sequence[float] | None = None,
-        main_gpu: int | None = None,
-        device_map: _DeviceMap | None = None,
-        overrides: _Overrides | None = None,
-        gpu_split: Sequence[float] | None = None,
-        allow_disk: bool | None = None,
-        offload: Literal["sequential", "group"] | None = None,
-        blocks_per_group: int = 1,
-        prefetch: bool = True,
-        n_cpu_moe: int | None = None,
-    ) -> None: ...
-    def load_autosplit(
-        self,
-        cache: Cache | None = None,
-        reserve_vram: _Sizes = None,
-        *,
-        progress: bool = False,
-        callback: _Callback | None = None,
-        offload: Literal["sequential", "group"] | None = None,
-        blocks_per_group: int = 1,
-        prefetch: bool = True,
-    ) -> None: ...
-    def load_tp(
-        self,
-        gpu_split: Sequence[float] | None = None,
-        expect_cache_tokens: int = 0,
-        expect_cache_base: str | None = None,
-        *,
-        progress: bool = False,
-        callback: _Callback | None = None,
-        world: str | None = None,
-        rank: int | None = None,
-    ) -> None: ...
     def unload(self) -> None: ...
     @property
     def loaded(self) -> bool: ...
@@ -848,60 +610,3 @@ class TPContext:
     def get_scratch_slice_tp_bc(
         self, rows: int, dtype: str, broadcast_type: int, dim: int = 1
     ) -> _ScratchSlices: ...
-
-def from_pretrained(
-    path: _Path,
-    *,
-    device_map: _DeviceMap | None = "auto",
-    max_memory: _Sizes = None,
-    dtype: str = "auto",
-    devices: _Devices | None = None,
-    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
-    progress: bool = False,
-    callback: _Callback | None = None,
-    compute: _Compute = "fast",
-    n_threads: int | None = None,
-    quantize: _Quantize | None = None,
-    offload: Literal["sequential", "group"] | None = None,
-    blocks_per_group: int = 1,
-    prefetch: bool = True,
-) -> Model:
-    """Open, plan with ``device_map`` and ``max_memory``, and load, as transformers 5's
-    ``from_pretrained`` does: its presets cap each GPU but the last at its share of the model
-    plus 1.25 x the larger of the largest decoder layer and the largest module (not
-    accelerate's first layer and mean module, which ``plan(strategy="balanced")`` gives), and
-    with no ``max_memory`` the cpu gets 90% of its RAM. Each device's budget also pays for the
-    KV cache and scratch placed there, and the cpu for the upload staging buffers."""
-
-def load_gguf(
-    path: _Path | None = None,
-    *,
-    n_gpu_layers: int = 0,
-    split_mode: _SplitMode = "layer",
-    tensor_split: Sequence[float] | None = None,
-    main_gpu: int = 0,
-    use_mmap: bool = True,
-    use_direct_io: bool = False,
-    use_mlock: bool = False,
-    check_tensors: bool = False,
-    vocab_only: bool = False,
-    progress_callback: Callable[[float], bool | None] | None = None,
-    devices: _Devices | None = None,
-    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
-    n_ctx: int = 512,
-    n_batch: int = 512,
-    type_k: str | int = "f16",
-    type_v: str | int = "f16",
-    n_threads: int | None = None,
-    compute: _Compute = "fast",
-    seed: int | None = None,
-    callback: _Callback | None = None,
-    progress: bool = False,
-    offload: Literal["sequential", "group"] | None = None,
-    blocks_per_group: int = 1,
-    prefetch: bool = True,
-    model_path: _Path | None = None,
-    verbose: bool = True,
-    chat_format: str | None = None,
-    spm_infill: bool = False,
-) -> Model: ...

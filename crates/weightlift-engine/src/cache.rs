@@ -604,6 +604,19 @@ impl Cache {
         f(&mut store.k, &mut store.v)
     }
 
+    /// The device address of every layer's keys and values on a CUDA device, in layer order
+    /// (`None` for a layer held anywhere else): what a captured CUDA graph of a decode step
+    /// writes and reads, so the graph is replayed only while these stay the same.
+    pub(crate) fn cuda_addrs(&self) -> Vec<Option<(u64, u64)>> {
+        self.lock()
+            .iter()
+            .map(|l| {
+                let s = l.as_ref()?;
+                Some((s.k.cuda()?.device_addr(), s.v.cuda()?.device_addr()))
+            })
+            .collect()
+    }
+
     /// Decode rows `start..start + k.len() / row` of sequence 0 of `layer` into `k` and `v`
     /// (token-major f32), from `resident` when given (an offloaded layer lent by
     /// [`Cache::fetch`]), else from the layer's store.

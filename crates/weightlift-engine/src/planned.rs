@@ -159,13 +159,12 @@ impl Model {
         };
         let own = plan.cache().filter(|_| cache.is_none());
         // A plan's cache of several sequences is that many caches of one: the own cache and
-        // the rest beside it (the forward pass runs caches of one sequence).
+        // the rest beside it, or split like it over a tensor-parallel plan's devices (the
+        // forward pass runs caches of one sequence).
         let mut sequences = 1;
         if let Some(spec) = own {
             let mut one = *spec;
-            if plan.tp().is_none() {
-                (sequences, one.batch_size) = (spec.batch_size, 1);
-            }
+            (sequences, one.batch_size) = (spec.batch_size, 1);
             cache = Some(std::sync::Arc::new(self.cache_for(&one)?));
         }
         let placement = match rank {

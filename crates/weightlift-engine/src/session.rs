@@ -13,7 +13,7 @@ use weightlift_plan::{CacheSpec, DTypeChoice, Plan, PlanOptions, Quantize, Runti
 
 use crate::Inventory;
 use crate::cache::Cache;
-use crate::error::{EngineError, Result};
+use crate::error::{EngineError, Result, invalid};
 use crate::forward::Compute;
 use crate::generate::{Generation, Piece, Timings};
 use crate::loader::{LoadOptions, Progress};
@@ -84,6 +84,13 @@ pub struct Session {
     /// The last generation's timings.
     pub timings: Option<Timings>,
     closed: bool,
+}
+
+/// A prompt as callers give it: text, or token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
 }
 
 impl Session {
@@ -159,6 +166,38 @@ impl Session {
                 .plan_and_load(plan, options, &self.defaults, cache, opts, progress)?;
         self.plan = Some(loaded);
         Ok(())
+    }
+
+    /// The ids of a generation's `prompt`: ids as given, text tokenized with `add_bos` (None
+    /// follows the tokenizer) and special tokens parsed.
+    pub fn prompt_ids(&self, prompt: Prompt, add_bos: Option<bool>) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Ids(ids) => Ok(ids),
+            Prompt::Text(text) => self.model.prompt_ids(&text, add_bos),
+        }
+    }
+
+    /// The ids of a completion's (`create_completion`'s) `prompt`, and the text to put after
+    /// the generated text. With a `suffix`, the prompt is text and the completion fills the
+    /// middle ([`Model::suffixed_prompt`], the suffix first for a load that asked for
+    /// `spm_infill`).
+    pub fn completion_ids(
+        &self,
+        prompt: Prompt,
+        suffix: Option<&str>,
+    ) -> Result<(Vec<u32>, Option<String>)> {
+        match (prompt, suffix) {
+            (Prompt::Ids(ids), None) => Ok((ids, None)),
+            (Prompt::Text(text), None) => Ok((self.model.completion_prompt(&text)?, None)),
+            (Prompt::Text(text), Some(sfx)) => {
+                self.model.suffixed_prompt(&text, sfx, self.spm_infill)
+            }
+            (Prompt::Ids(_), Some(_)) => Err(invalid(
+                "suffix",
+                "a text prompt (str or bytes) to fill in the middle of",
+                "a prompt of token ids",
+            )),
+        }
     }
 
     /// One step of `job` on this model; its timings become the model's last.

@@ -362,6 +362,20 @@ impl TpContext {
         self.rank
     }
 
+    /// Join the multi-process run the launcher describes, over NCCL ([`Nccl::join_from_env`]),
+    /// waiting up to `wait` seconds for the unique id: `(rank, world_size)`. A build without
+    /// the `nccl` feature says how to get one.
+    pub fn join_nccl(&mut self, wait: f64) -> Result<(usize, usize)> {
+        if !(wait.is_finite() && wait >= 0.0) {
+            return Err(invalid(
+                "join_nccl",
+                "wait in seconds, finite and >= 0",
+                wait,
+            ));
+        }
+        join_nccl(self, std::time::Duration::from_secs_f64(wait))
+    }
+
     /// Whether a thread-group member of rank `rank` may join this context: the rank must be
     /// this context's.
     pub fn check_member(&self, rank: usize) -> Result<()> {
@@ -765,6 +779,21 @@ impl TpContext {
             .map(|&(d, _, _)| self.slice(d, rows, end * dim, dtype))
             .collect()
     }
+}
+
+#[cfg(feature = "nccl")]
+fn join_nccl(ctx: &mut TpContext, wait: std::time::Duration) -> Result<(usize, usize)> {
+    Nccl::join_from_env(ctx, wait).map(|w| (w.rank, w.world_size))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn join_nccl(_ctx: &mut TpContext, _wait: std::time::Duration) -> Result<(usize, usize)> {
+    Err(EngineError::Unsupported {
+        what: "join_nccl".into(),
+        detail: "this build of weightlift has no NCCL transport; build the extension with the \
+                 `nccl` feature (maturin develop --features nccl) on a machine with CUDA"
+            .into(),
+    })
 }
 
 /// f32 values to the bytes of `dtype` (F32, F16, BF16).

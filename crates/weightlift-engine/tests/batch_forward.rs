@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use common::batch::{alone, assert_same_bits, batched, new_cache};
 use common::family::Family;
-use common::{load_on, smollm2, smollm2_prompt, split_load};
-use weightlift_engine::forward::Compute;
+use common::{load_on, load_tp_planned, smollm2, smollm2_prompt, split_load};
+use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::generate::batch::{Answer, Batch, Event};
 use weightlift_engine::generate::{FinishReason, GenerateOptions, Generation, Timings, step_batch};
 use weightlift_engine::sample::SamplingParams;
@@ -159,6 +159,150 @@ fn fast_batched_logits_are_the_bits_of_each_sequence_alone() {
     assert!(reqs.iter().any(|(p, _)| p.len() > 16) && reqs.iter().any(|(p, _)| p.len() <= 16));
     let want = alone(&mut m, &reqs, STEPS);
     assert_same_bits("fast", &batched(&mut m, &reqs, STEPS), &want);
+}
+
+#[test]
+fn tensor_parallel_batches_with_the_bits_of_each_sequence_alone() {
+    // Each device's products shared over the sequences (fast mode's block products of up to
+    // 16 tokens), attention per sequence on its own cache parts, one head product for every
+    // sequence's last row; 2 and 3 virtual devices, both modes. A chunk of 16 tokens also
+    // sends the longer prompts through alone, beside batches of the rest.
+    let reqs = requests();
+    for (devices, chunk) in [
+        ("virtual:2x256MiB,cpu", 64),
+        ("virtual:3x256MiB,cpu", 64),
+        ("virtual:2x256MiB,cpu", 16),
+    ] {
+        let runtime = weightlift_plan::RuntimeSpec {
+            max_input_len: chunk,
+            max_attention_size: 256,
+            max_dq_size: 1 << 16,
+            low_mem: false,
+        };
+        let (mut m, _, _) = load_tp_planned(&smollm2(), devices, runtime, CacheDType::F32);
+        for compute in [Compute::Exact, Compute::Fast] {
+            m.set_compute(compute);
+            let want = alone(&mut m, &reqs, STEPS);
+            let what = format!("tp over {devices}, chunk {chunk}, {compute:?}");
+            assert_same_bits(&what, &batched(&mut m, &reqs, STEPS), &want);
+        }
+    }
+}
+
+#[test]
+fn a_tensor_parallel_decode_step_of_several_sequences_is_one_pass() {
+    // One pass makes the collectives' copies of one sequence's step, whatever the sequences.
+    let runtime = weightlift_plan::RuntimeSpec {
+        max_input_len: 64,
+        max_attention_size: 256,
+        max_dq_size: 1 << 16,
+        low_mem: false,
+    };
+    let (mut m, _, _) =
+        load_tp_planned(&smollm2(), "virtual:2x256MiB,cpu", runtime, CacheDType::F32);
+    m.set_compute(Compute::Fast);
+    let prompt = smollm2_prompt(1);
+    let caches: Vec<Arc<Cache>> = (0..4).map(|_| new_cache(&m)).collect();
+    let mut out = Vec::new();
+    for c in &caches {
+        m.forward(&prompt, Some(c), Logits::Last, &mut out).unwrap();
+    }
+    let mut alone = Vec::new();
+    m.forward(&[42], Some(&caches[0]), Logits::Last, &mut alone)
+        .unwrap();
+    let one = m.transfer_stats();
+    let seqs: Vec<(&Arc<Cache>, &[u32])> = caches[1..].iter().map(|c| (c, &[42u32][..])).collect();
+    m.forward_batch(&seqs, &mut out).unwrap();
+    let three = m.transfer_stats();
+    assert!(one.count > 0);
+    assert_eq!(three.count, one.count, "one pass's copies");
+    // each had the first one's history: each row is the bits it got alone
+    assert_eq!(out.len(), 3 * alone.len());
+    let bits = |r: &[f32]| r.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    for row in out.chunks_exact(alone.len()) {
+        assert!(bits(row) == bits(&alone));
+    }
+}
+
+#[test]
+fn the_tensor_parallel_backend_pass_batches_with_the_bits_of_each_sequence_alone() {
+    // The op sequence `cuda:N` devices run, on virtual devices through the CPU backend: three
+    // sequences (prompts of different lengths joining between decode steps), each sequence's
+    // logits the bits it gets alone, in both modes and by both routes of the collectives, over
+    // 2 devices and over 3 (uneven shares).
+    let reqs: Vec<(Vec<u32>, usize)> = requests().into_iter().take(3).collect();
+    for devices in ["virtual:2x256MiB,cpu", "virtual:3x256MiB,cpu"] {
+        let (mut m, _, _) = load_tp_planned(&smollm2(), devices, tp_runtime(), CacheDType::F32);
+        m.set_host_backend(true);
+        for compute in [Compute::Exact, Compute::Fast] {
+            m.set_compute(compute);
+            for peer in [true, false] {
+                let tp = m.tp_context_shared().unwrap();
+                tp.lock().unwrap().set_peer_copies(peer);
+                let want = alone(&mut m, &reqs, STEPS);
+                let what = format!("tp backends over {devices}, {compute:?}, peer copies {peer}");
+                assert_same_bits(&what, &batched(&mut m, &reqs, STEPS), &want);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_tensor_parallel_backend_pass_copies_no_more_per_sequence_than_the_host_path() {
+    // A decode step of three sequences against one of one: the backends' pass adds no copies
+    // per sequence where the host path adds none (fast mode: none; exact mode's head takes
+    // the sequences' rows one product each on both paths).
+    let (mut m, _, _) = load_tp_planned(
+        &smollm2(),
+        "virtual:2x256MiB,cpu",
+        tp_runtime(),
+        CacheDType::F32,
+    );
+    let prompt = smollm2_prompt(1);
+    for compute in [Compute::Exact, Compute::Fast] {
+        m.set_compute(compute);
+        let mut growth = Vec::new();
+        for backend in [false, true] {
+            m.set_host_backend(backend);
+            let caches: Vec<Arc<Cache>> = (0..4).map(|_| new_cache(&m)).collect();
+            let mut out = Vec::new();
+            for c in &caches {
+                m.forward(&prompt, Some(c), Logits::Last, &mut out).unwrap();
+            }
+            let mut alone = Vec::new();
+            m.forward(&[42], Some(&caches[0]), Logits::Last, &mut alone)
+                .unwrap();
+            let one = m.transfer_stats().count;
+            let seqs: Vec<(&Arc<Cache>, &[u32])> =
+                caches[1..].iter().map(|c| (c, &[42u32][..])).collect();
+            m.forward_batch(&seqs, &mut out).unwrap();
+            let three = m.transfer_stats().count;
+            assert!(one > 0, "{compute:?}, backend {backend}: no copies counted");
+            let bits = |r: &[f32]| r.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(out.len(), 3 * alone.len());
+            for row in out.chunks_exact(alone.len()) {
+                assert!(bits(row) == bits(&alone), "{compute:?}, backend {backend}");
+            }
+            eprintln!("{compute:?}, backend {backend}: {one} copies alone, {three} for three");
+            growth.push(three as i64 - one as i64);
+        }
+        assert_eq!(
+            growth[1], growth[0],
+            "{compute:?}: copies added by two more sequences"
+        );
+        if compute == Compute::Fast {
+            assert_eq!(growth[1], 0, "fast mode: one pass's copies");
+        }
+    }
+}
+
+fn tp_runtime() -> weightlift_plan::RuntimeSpec {
+    weightlift_plan::RuntimeSpec {
+        max_input_len: 64,
+        max_attention_size: 256,
+        max_dq_size: 1 << 16,
+        low_mem: false,
+    }
 }
 
 #[test]

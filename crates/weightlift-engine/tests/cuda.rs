@@ -551,3 +551,180 @@ fn moe_on_cuda_with_experts_on_the_host_or_the_gpu() {
         }
     }
 }
+
+/// Decode steps on `cuda:0` replayed from a captured CUDA graph are the steps launched kernel by
+/// kernel, bit for bit: greedy decode of 8 tokens after the reference prompt, with graphs on and
+/// off, gives the same logits at every step, for bf16 weights and Q4_K_M blocks, an fp16 cache
+/// and a q8 one, in fast and exact mode; and so do 8 steps of a batch of two sequences (after
+/// their prompts, which launch as before). With graphs on, the first step ran as a warm-up, the
+/// second was captured, and every step from the second on replayed the graph (one capture,
+/// seven replays), and the batch, another key, did the same with its own graph; with graphs
+/// off nothing was captured.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn decode_steps_replayed_from_a_cuda_graph_are_the_launched_steps() {
+    use common::{argmax, json_ids, max_abs_diff, reference};
+    use weightlift_engine::forward::{Compute, Logits};
+    const STEPS: usize = 8;
+    cuda();
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    for path in ["safetensors", "gguf/tiny-llama-Q4_K_M.gguf"] {
+        let src = common::open(reference().join("tiny-llama").join(path));
+        for dtype in [CacheDType::Fp16, CacheDType::Q8] {
+            for compute in [Compute::Fast, Compute::Exact] {
+                let what = format!("{path}, {} cache, {compute:?}", dtype.name());
+                let run = |graphs: bool| {
+                    let (mut m, cache) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 64, dtype);
+                    m.set_compute(compute);
+                    m.set_cuda_graphs(graphs);
+                    assert_eq!(m.cuda_graphs(), graphs);
+                    let mut out = Vec::new();
+                    m.forward(&ids, Some(&cache), Logits::Last, &mut out)
+                        .unwrap();
+                    let mut rows = Vec::new();
+                    for _ in 0..STEPS {
+                        let next = argmax(&out) as u32;
+                        m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                            .unwrap();
+                        rows.push(out.clone());
+                    }
+                    let counts = m.cuda_graph_counts();
+                    // two sequences: their prompts in one call, then a token of each a call
+                    let (a, b) = (m.sequence_cache(64).unwrap(), m.sequence_cache(64).unwrap());
+                    m.forward_batch(&[(&a, &ids[..]), (&b, &ids[..ids.len() / 2])], &mut out)
+                        .unwrap();
+                    for _ in 0..STEPS {
+                        let vocab = out.len() / 2;
+                        let next: Vec<u32> =
+                            out.chunks_exact(vocab).map(|r| argmax(r) as u32).collect();
+                        m.forward_batch(&[(&a, &next[..1]), (&b, &next[1..])], &mut out)
+                            .unwrap();
+                        rows.push(out.clone());
+                    }
+                    (rows, counts, m.cuda_graph_counts())
+                };
+                let (off, off_counts, off_batch) = run(false);
+                let (on, on_counts, on_batch) = run(true);
+                assert_eq!(off_counts, (0, 0, None), "{what}: graphs off");
+                assert_eq!(off_batch, (0, 0, None), "{what}: graphs off, a batch");
+                assert_eq!(
+                    (on_batch.0, on_batch.1),
+                    (2, 2 * (STEPS as u64 - 1)),
+                    "{what}: (captures, replays) after the batch"
+                );
+                eprintln!("{what}: graphs on {on_counts:?}");
+                assert_eq!(on_counts.2, None, "{what}: the driver refused the capture");
+                assert_eq!(
+                    (on_counts.0, on_counts.1),
+                    (1, STEPS as u64 - 1),
+                    "{what}: (captures, replays)"
+                );
+                for (step, (g, l)) in on.iter().zip(&off).enumerate() {
+                    assert!(
+                        g == l,
+                        "{what}, step {step}: max|Δ| {} between graphs on and off",
+                        max_abs_diff(g, l)
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A generation that crosses an attention span (the keys rounded up to a power of two, at least
+/// 256): twelve steps from position 250 of a 512-row cache replay the graph of span 256 up to
+/// 256 keys, then warm up and capture the graph of span 512 (two captures, ten replays), and
+/// every step's logits are the launched steps'.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn a_generation_crossing_an_attention_span_captures_the_next() {
+    use common::{argmax, json_ids, max_abs_diff, reference};
+    use weightlift_engine::forward::{Compute, Logits};
+    cuda();
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let prompt: Vec<u32> = ids.iter().copied().cycle().take(250).collect();
+    let src = common::open(reference().join("tiny-llama/gguf/tiny-llama-Q4_K_M.gguf"));
+    let run = |graphs: bool| {
+        let (mut m, cache) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 512, CacheDType::Fp16);
+        m.set_compute(Compute::Fast);
+        m.set_cuda_graphs(graphs);
+        let mut out = Vec::new();
+        m.forward(&prompt, Some(&cache), Logits::Last, &mut out)
+            .unwrap();
+        let mut rows = Vec::new();
+        for _ in 0..12 {
+            let next = argmax(&out) as u32;
+            m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                .unwrap();
+            rows.push(out.clone());
+        }
+        (rows, m.cuda_graph_counts())
+    };
+    let (off, _) = run(false);
+    let (on, counts) = run(true);
+    assert_eq!(counts, (2, 10, None), "(captures, replays, refused)");
+    for (i, (g, l)) in on.iter().zip(&off).enumerate() {
+        assert!(
+            g == l,
+            "step {i}: max|Δ| {} between graphs on and off",
+            max_abs_diff(g, l)
+        );
+    }
+}
+
+/// The q8 cache, a step replayed from a graph after the cache was reset and refilled, and after
+/// another cache of another size took its place: a reset keeps the graph (the positions come from
+/// the device), a new cache captures a new one (its layers are other memory), going back to the
+/// first replays its kept graph at once, and the logits stay those of the launched steps.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn a_cuda_graph_follows_its_cache() {
+    use common::{argmax, json_ids, reference};
+    use weightlift_engine::forward::{Compute, Logits};
+    cuda();
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let src = common::open(reference().join("tiny-llama/gguf/tiny-llama-Q4_K_M.gguf"));
+    let decode = |m: &mut Model, cache: &Arc<Cache>, steps: usize| {
+        let mut out = Vec::new();
+        m.forward(&ids, Some(cache), Logits::Last, &mut out)
+            .unwrap();
+        let mut rows = Vec::new();
+        for _ in 0..steps {
+            let next = argmax(&out) as u32;
+            m.forward(&[next], Some(cache), Logits::Last, &mut out)
+                .unwrap();
+            rows.push(out.clone());
+        }
+        rows
+    };
+    let (mut off, oc) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 64, CacheDType::Q8);
+    off.set_compute(Compute::Fast);
+    off.set_cuda_graphs(false);
+    let want = decode(&mut off, &oc, 4);
+    let (mut m, cache) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 64, CacheDType::Q8);
+    m.set_compute(Compute::Fast);
+    m.set_cuda_graphs(true);
+    assert_eq!(decode(&mut m, &cache, 4), want, "first pass");
+    assert_eq!(m.cuda_graph_counts(), (1, 3, None));
+    cache.reset();
+    assert_eq!(decode(&mut m, &cache, 4), want, "after a reset");
+    assert_eq!(
+        m.cuda_graph_counts(),
+        (1, 7, None),
+        "a reset keeps the graph"
+    );
+    let other = m.sequence_cache(128).unwrap();
+    let got = decode(&mut m, &other, 4);
+    // another size splits attention's keys otherwise: the same argmax, close logits
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(argmax(g), argmax(w));
+    }
+    assert_eq!(
+        m.cuda_graph_counts(),
+        (2, 10, None),
+        "a new cache: a warm-up step, a capture and two more replays"
+    );
+    cache.reset();
+    assert_eq!(decode(&mut m, &cache, 4), want, "back on the first cache");
+    assert_eq!(m.cuda_graph_counts(), (2, 14, None), "its graph was kept");
+}

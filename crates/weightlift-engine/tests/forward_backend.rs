@@ -350,3 +350,42 @@ fn cuda_layers_match_the_host_path() {
         );
     }
 }
+
+/// Decode steps whose attention reads its position from the positions buffer split the keys of
+/// a span that grows at powers of two (256, then 512): twelve steps from position 250 of a
+/// 512-row cache cross from the first span to the second and keep the host path's bits (the CPU
+/// backend refuses a position past the span it is given, so a span left behind fails here).
+#[test]
+fn decode_steps_across_an_attention_span_are_the_host_path() {
+    let src = open(reference().join("tiny-llama/safetensors"));
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let prompt: Vec<u32> = ids.iter().copied().cycle().take(250).collect();
+    let (mut m, cache) = common::load_on(&src, "cpu", "cpu", 512, CacheDType::Fp16);
+    m.set_compute(Compute::Fast);
+    let mut run = |host_backend: bool| {
+        m.set_host_backend(host_backend);
+        cache.reset();
+        let mut out = Vec::new();
+        m.forward(&prompt, Some(&cache), Logits::Last, &mut out)
+            .unwrap();
+        let mut steps = Vec::new();
+        for _ in 0..12 {
+            let next = argmax(&out) as u32;
+            m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                .unwrap();
+            steps.push(out.clone());
+        }
+        assert_eq!(cache.seq_len(), 262);
+        steps
+    };
+    let host = run(false);
+    let backend = run(true);
+    for (i, (a, b)) in backend.iter().zip(&host).enumerate() {
+        assert!(
+            a == b,
+            "step {i} (position {}): max|Δ| {}",
+            250 + i,
+            max_abs_diff(a, b)
+        );
+    }
+}

@@ -322,3 +322,55 @@ fn a_planned_cache_of_several_sequences_is_held_as_that_many_slots() {
     model.unload();
     assert!(inv.all().iter().all(|d| d.used() == 0));
 }
+
+/// The same under tensor parallelism (a server's `--parallel 3` on a tensor-parallel plan):
+/// three caches of one sequence, each split by kv heads over the devices, holding what the
+/// plan says; a batch of three runs in them.
+#[test]
+fn a_tensor_parallel_cache_of_several_sequences_is_held_as_that_many_split_slots() {
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(demo(), OpenOptions::default()).unwrap());
+    let inv = Inventory::parse("virtual:2x256MiB,cpu").unwrap();
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let options = weightlift_plan::PlanOptions {
+        strategy: Some("tensor_parallel".into()),
+        cache: Some(CacheSpec::new(128, 3, CacheDType::Fp16)),
+        ..Default::default()
+    };
+    let plan = model
+        .plan_and_load(
+            None,
+            options,
+            &Default::default(),
+            None,
+            &LoadOptions::default(),
+            &mut |_| true,
+        )
+        .unwrap();
+    assert!(plan.tp().is_some());
+    let own = model.own_cache().unwrap();
+    let more = model.planned_sequences();
+    assert_eq!((own.config().batch_size, more.len()), (1, 2));
+    for c in std::iter::once(&own).chain(&more) {
+        assert_eq!(c.config().max_seq_len, 128);
+        assert_eq!(c.tp_parts().len(), 2, "split over both devices");
+    }
+    assert_holds_the_plan(&model, &plan);
+    let mut batch = weightlift_engine::generate::batch::Batch::new(&model, 3).unwrap();
+    for prompt in [&[1u32, 2, 3][..], &[4, 5], &[6]] {
+        let options = weightlift_engine::generate::GenerateOptions {
+            max_tokens: Some(2),
+            ..Default::default()
+        };
+        batch
+            .start(
+                &model,
+                prompt,
+                options,
+                weightlift_engine::generate::batch::Answer::Text,
+            )
+            .unwrap();
+    }
+    while batch.running() > 0 {
+        batch.step(&mut model).unwrap();
+    }
+}

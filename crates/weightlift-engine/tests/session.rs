@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use weightlift_engine::llama_cpp::{CacheType, DEFAULT_SEED, LlamaLoad};
-use weightlift_engine::session::{LoadCache, Session, Settings};
+use weightlift_engine::session::{LoadCache, Prompt, Session, Settings};
 use weightlift_engine::{CacheDType, GenerateOptions, Generation, Inventory, LoadOptions, Source};
 use weightlift_format::{Checkpoint, OpenOptions};
 use weightlift_plan::{CacheSpec, PlanOptions, RuntimeSpec};
@@ -219,4 +219,28 @@ fn steps_leave_the_generation_timings_and_dequantisation_is_chunked_by_the_runti
     let info = ckpt.tensor("token_embd.weight").unwrap();
     let whole = weightlift_engine::dequantize::checkpoint_tensor(&ckpt, info).unwrap();
     assert_eq!(d.values, whole);
+}
+
+#[test]
+fn a_completion_prompt_is_ids_as_given_text_tokenized_or_text_before_a_suffix() {
+    let (s, _) = session(None);
+    let ids = vec![504, 3575];
+    let given = s.completion_ids(Prompt::Ids(ids.clone()), None).unwrap();
+    assert_eq!(given, (ids.clone(), None));
+    assert_eq!(s.prompt_ids(Prompt::Ids(ids.clone()), None).unwrap(), ids);
+    let text = s
+        .completion_ids(Prompt::Text("def add(".into()), None)
+        .unwrap();
+    assert_eq!(text, (s.model.completion_prompt("def add(").unwrap(), None));
+    // The demo vocabulary has no fill-in-the-middle tokens: as llama-cpp-python, the prompt is
+    // completed and the suffix is put after the generated text.
+    let suffixed = s
+        .completion_ids(Prompt::Text("def add(".into()), Some("\n"))
+        .unwrap();
+    assert_eq!(suffixed, (text.0, Some("\n".to_owned())));
+    let e = s
+        .completion_ids(Prompt::Ids(ids), Some("x"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("suffix: expected a text prompt"), "{e}");
 }

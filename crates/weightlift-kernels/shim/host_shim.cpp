@@ -10,6 +10,7 @@
 #include "wl_rope_kv.cuh"
 #include "wl_matvec.cuh"
 #include "wl_q8.cuh"
+#include "wl_q8w.cuh"
 
 typedef float (*wl_dq_fn)(const wl_u8*, int);
 
@@ -246,13 +247,13 @@ extern "C" void wl_host_silu_mul(const float* gate, const float* up, float* out,
     for (size_t i = 0; i < n; ++i) out[i] = WL_SILU_MUL(gate[i], up[i]);
 }
 
-// What rope_kv_store_{format} computes (kf, vf: the WL_KVF_ codes of the keys and values): its
-// threads' work units one after another.
+// What rope_kv_store_{format} computes (kf, vf: the WL_KVF_ codes of the keys and values; cap
+// as the kernel's): its threads' work units one after another.
 extern "C" void wl_host_rope_kv_store(int kf, int vf, float* q, const float* k, const float* v,
                                       const int* pos, const float* freqs, wl_u8* kc, wl_u8* vc,
                                       size_t n_tok, size_t n_heads, size_t kv_heads, int head_dim,
-                                      int n_dims, int neox, float mscale) {
-    wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox, mscale};
+                                      int n_dims, int neox, float mscale, size_t cap) {
+    wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox, mscale, cap};
     wl_u64 units = wl_rope_kv_units(s, kf, vf);
     for (wl_u64 u = 0; u < units; ++u) wl_rope_kv_unit(u, kf, vf, q, k, v, pos, freqs, kc, vc, s);
 }
@@ -356,6 +357,39 @@ extern "C" int wl_host_q8_matvec(int ty, int al, int wpr, const wl_u8* w, const 
     return 1;
 }
 
+// What q8_wide_matvec_{type} computes for one token with `wpr` warps a row (wl_q8w.cuh's
+// order): every row's 32 * wpr lane chains of wl_q8w_lane_* (`al` 1 for the wide loads, 0
+// byte by byte; the same words), each warp's butterfly over its chains, the warps' sums in warp
+// order, the same for the extra chains, then their sum when the type has them. Returns 0 for a
+// weight type without a wide kernel (all but Q4_K and Q6_K).
+extern "C" int wl_host_q8_wide_matvec(int ty, int al, int wpr, const wl_u8* w, const wl_u8* xq,
+                                      float* y, size_t rows, size_t cols) {
+    wl_q8v_lane_fn fv;
+    int kind;
+    size_t bb;
+    switch (ty) {
+        case WL_Q4_K: fv = wl_q8w_lane_q4_k; kind = WL_Q8_KIND_q4_k; bb = 144; break;
+        case WL_Q6_K: fv = wl_q8w_lane_q6_k; kind = WL_Q8_KIND_q6_k; bb = 210; break;
+        default: return 0;
+    }
+    size_t row_bytes = cols / 256 * bb;
+    for (size_t r = 0; r < rows; ++r) {
+        float a = 0.0f, e = 0.0f;
+        for (int k = 0; k < wpr; ++k) {
+            float acc[32], extra[32];
+            for (int l = 0; l < 32; ++l) {
+                fv(w + r * row_bytes, xq, cols, 32 * k + l, wpr, al, &acc[l], &extra[l]);
+            }
+            wl_host_butterfly(acc);
+            wl_host_butterfly(extra);
+            a = k == 0 ? acc[0] : WL_ADD(a, acc[0]);
+            e = k == 0 ? extra[0] : WL_ADD(e, extra[0]);
+        }
+        y[r] = kind != 0 ? WL_ADD(a, e) : a;
+    }
+    return 1;
+}
+
 // What gemm_{f32,f16} computes, replayed block by block and phase by phase with the kernel's
 // header functions: every thread of a block stages its share of a K tile before any thread
 // computes (the kernel's __syncthreads), then every thread computes. `grid_y` token tiles run
@@ -427,15 +461,18 @@ static void wl_att_row(int fmt, const void* base, wl_u64 first, int head_dim, fl
 // dims lane + 32 r, met in the xor butterfly), the warps are merged as the block merges them,
 // and the result is the output (one split) or the split's partial results in `part` (laid out
 // by wl_att_part_*), which are then merged as the reduce kernel merges them. Formats as
-// wl_att_row. Returns 0 when the shape is outside the kernel's (the Rust wrapper checks it).
+// wl_att_row; `pos` and `span` as the kernel's (wl_att_where). Returns 0 when the shape is
+// outside the kernel's (the Rust wrapper checks it) or the position outside the span.
 extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const void* k, const void* v,
-                                 float* out, float* part, size_t n_q, size_t start, size_t n_heads,
+                                 float* out, float* part, size_t n_q, size_t start_arg, size_t n_heads,
                                  size_t kv_heads, int head_dim, float scale, int f16_operands,
-                                 size_t n_splits) {
+                                 size_t n_splits, const int* pos, size_t span) {
     if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS || head_dim <= 0 || head_dim > WL_ATT_MAX_HD ||
         kv_heads == 0 || n_heads % kv_heads != 0) {
         return 0;
     }
+    wl_u64 start = 0, keys = 0;
+    if (!wl_att_where(pos, start_arg, n_q, span, &start, &keys)) return 0;
     const float neg_inf = wl_bits_to_f32(0xff800000u);
     const int R = wl_att_lane_dims(head_dim);
     const int hb = wl_att_block_heads(head_dim);
@@ -443,7 +480,7 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
     const wl_u64 group = n_heads / kv_heads;
     const wl_u64 chunks = (group + (wl_u64)hb - 1) / (wl_u64)hb;
     const wl_u64 kvd = kv_heads * hd;
-    const wl_u64 per = wl_att_split_keys(start + n_q, n_splits);
+    const wl_u64 per = wl_att_split_keys(keys, n_splits);
     float* dst = n_splits == 1 ? out : part;
     // one block's registers, per warp (kept off the static area: tests run in parallel)
     float qr[WL_ATT_MAX_GROUP][WL_ATT_MAX_HD];
@@ -462,7 +499,9 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
                         qr[g][e] = f16_operands ? wl_att_round(x) : x;
                     }
                 }
-                for (wl_u64 s = 0; s < n_splits; s++) {
+                // the blocks of the splits past this query's keys write nothing
+                const wl_u64 live = wl_att_live_splits(per, start + i + 1, n_splits);
+                for (wl_u64 s = 0; s < live; s++) {
                     wl_u64 lo, hi;
                     wl_att_split_range(per, s, start + i + 1, &lo, &hi);
                     for (int w = 0; w < WL_ATT_WARPS; w++) {
@@ -526,18 +565,19 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
     if (n_splits == 1) return 1;
     float f[WL_ATT_MAX_SPLITS];
     for (wl_u64 i = 0; i < n_q; i++) {
+        const wl_u64 live = wl_att_live_splits(per, start + i + 1, n_splits);
         for (wl_u64 h = 0; h < n_heads; h++) {
             const wl_u64 rec0 = wl_att_part_record(i, h, 0, n_heads, n_splits);
             const float* ml = part + wl_att_part_ml(rec0, n_q, n_heads, n_splits, head_dim);
-            float mm = wl_att_merge_max(ml, (int)n_splits, 2);
-            for (wl_u64 s = 0; s < n_splits; s++) f[s] = wl_att_merge_factor(ml[2 * s], mm);
+            float mm = wl_att_merge_max(ml, (int)live, 2);
+            for (wl_u64 s = 0; s < live; s++) f[s] = wl_att_merge_factor(ml[2 * s], mm);
             float ll = 0.0f;
-            for (wl_u64 s = 0; s < n_splits; s++) ll = fmaf(ml[2 * s + 1], f[s], ll);
+            for (wl_u64 s = 0; s < live; s++) ll = fmaf(ml[2 * s + 1], f[s], ll);
             float inv = 1.0f / ll;
             const float* a0 = part + wl_att_part_acc(rec0, head_dim);
             for (wl_u64 d = 0; d < hd; d++) {
                 float a = 0.0f;
-                for (wl_u64 s = 0; s < n_splits; s++) a = fmaf(a0[s * hd + d], f[s], a);
+                for (wl_u64 s = 0; s < live; s++) a = fmaf(a0[s * hd + d], f[s], a);
                 out[(i * n_heads + h) * hd + d] = WL_MUL(a, inv);
             }
         }

@@ -278,6 +278,12 @@ pub enum Op<'a, B> {
     /// backend runs exactly those; CUDA runs them in one launch for every cache dtype, with the
     /// same arithmetic. `k` is room for the rotated keys: what it holds afterwards is
     /// unspecified (CUDA rotates them on their way into the cache and leaves `k` as it was).
+    ///
+    /// With `cache_rows`, `k_cache` and `v_cache` are whole cache layers of that many rows and
+    /// token `t` is written at row `positions[t]`, which the device reads: a captured CUDA graph
+    /// then writes each step's row without a host-computed offset. A position outside the rows
+    /// is refused by the CPU backend and writes nothing on CUDA (which does not read it on the
+    /// host). The bytes written are those of the rows form at those rows.
     RopeKvStore {
         /// Style, head size and rotated dims (the angles are in `inv_freqs`).
         params: RopeParams,
@@ -301,10 +307,14 @@ pub enum Op<'a, B> {
         k_format: KvFormat,
         /// Storage of the cached values.
         v_format: KvFormat,
-        /// The key rows being written (`k_format.byte_at(n_tok × kv_heads × head_dim)` bytes).
+        /// The key rows being written (`k_format.byte_at(n_tok × kv_heads × head_dim)` bytes),
+        /// or the whole layer's keys with `cache_rows`.
         k_cache: &'a mut B,
-        /// The value rows being written.
+        /// The value rows being written, or the whole layer's values with `cache_rows`.
         v_cache: &'a mut B,
+        /// `None`: the caches are the rows being written. `Some(rows)`: they hold `rows` rows
+        /// and each token goes to the row of its position.
+        cache_rows: Option<usize>,
     },
     /// `x += y` over `n` f32 values (the residual add).
     AddInPlace {
@@ -441,7 +451,26 @@ pub enum Op<'a, B> {
         /// `n_heads × ATTENTION_MAX_SPLITS × (head_dim + 2)` f32 for it): the splits are cut
         /// to what it holds, and `None` runs the call unsplit. The CPU backend needs none.
         scratch: Option<&'a mut B>,
+        /// The first query's position read from device memory instead of `start` (which is
+        /// then not read), for a call a CUDA graph replays at every step (see [`StartAt`]).
+        start_at: Option<StartAt<'a, B>>,
     },
+}
+
+/// Where an [`Op::Attention`] reads its first query's position: a replayed graph keeps the
+/// arguments it was captured with, so a decode step's position must come from device memory.
+/// CUDA then splits the keys over `span` (a count that does not follow the position, so the
+/// grid is the same at every step; the splits past the current length exit at once), and
+/// refuses nothing it cannot see: a position whose queries pass `span` computes nothing there.
+/// The CPU backend reads the position from its buffer, refuses one past `span`, and gives the
+/// bits of the call with that `start`.
+#[derive(Debug)]
+pub struct StartAt<'a, B> {
+    /// i32 positions (those RoPE reads): the first is the first query's.
+    pub positions: &'a B,
+    /// The keys split (`k` and `v` hold at least that many rows): the queries stay below it.
+    /// A decode step takes [`crate::sources::attention_decode_span`].
+    pub span: usize,
 }
 
 /// One member of [`Op::MatmulShared`]: `rows × cols` weights of type `ty` and their output.
@@ -565,10 +594,24 @@ pub fn rope_kv_store_unfused<B>(
         v_format,
         k_cache,
         v_cache,
+        cache_rows,
     } = op
     else {
         return run(op);
     };
+    if let Some(rows) = cache_rows {
+        // the rows form's views: only the backend knows where a position read from its own
+        // memory lands
+        return Err(KernelError::Unsupported {
+            op: "rope_kv_store at the positions' rows",
+            ty: format!(
+                "keys stored as {} with values stored as {} ({rows} cache rows)",
+                k_format.name(),
+                v_format.name()
+            ),
+            supported: "the formats a cache dtype makes, on each backend's own path",
+        });
+    }
     let n = kv_values(n_tok, kv_heads, params.head_dim)?;
     run(Op::RopeInPlace {
         params,

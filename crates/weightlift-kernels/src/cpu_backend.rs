@@ -645,6 +645,7 @@ impl CpuBackend {
                 v,
                 out,
                 scratch,
+                start_at,
             } => {
                 for b in [q, k, v] {
                     self.own(b)?;
@@ -654,6 +655,18 @@ impl CpuBackend {
                 if let Some(b) = scratch {
                     self.own(b)?;
                 }
+                let start = match &start_at {
+                    None => start,
+                    Some(at) => {
+                        self.own(at.positions)?;
+                        let start = read_start(at, n_q)?;
+                        // the cache holds the span, as CUDA checks
+                        let rows = crate::backend::kv_values(at.span, kv_heads, head_dim)?;
+                        check_range("attention key bytes", k.len, 0, k_format.byte_at(rows))?;
+                        check_range("attention value bytes", v.len, 0, v_format.byte_at(rows))?;
+                        start
+                    }
+                };
                 let s = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, tile)?;
                 let qn = s.q_values();
                 let kvn = s.kv_values();
@@ -683,6 +696,85 @@ impl CpuBackend {
             // the reference: the products, then SwiGLU over the gate's output
             op @ Op::MatmulSwiGlu { .. } => {
                 crate::backend::matmul_swiglu_unfused(op, |op| self.run_op(op))
+            }
+            // RoPE as the rows form, then each token's rows encoded at its position
+            Op::RopeKvStore {
+                params,
+                n_tok,
+                n_heads,
+                kv_heads,
+                q,
+                k,
+                v,
+                positions,
+                inv_freqs,
+                k_format,
+                v_format,
+                k_cache,
+                v_cache,
+                cache_rows: Some(rows),
+            } => {
+                for b in [&*k_cache, &*v_cache, positions] {
+                    self.own(b)?;
+                }
+                let kvd = crate::backend::kv_values(1, kv_heads, params.head_dim)?;
+                let kvn = crate::backend::kv_values(n_tok, kv_heads, params.head_dim)?;
+                let cached = crate::backend::kv_values(rows, kv_heads, params.head_dim)?;
+                for f in [k_format, v_format] {
+                    // every row starts at a whole group
+                    f.check_values("rope_kv_store", kvd, cached)?;
+                }
+                check_range(
+                    "kv cache key bytes",
+                    k_cache.len,
+                    0,
+                    k_format.byte_at(cached),
+                )?;
+                check_range(
+                    "kv cache value bytes",
+                    v_cache.len,
+                    0,
+                    v_format.byte_at(cached),
+                )?;
+                let at: Vec<usize> = positions
+                    .typed::<i32>("rope positions", n_tok)?
+                    .iter()
+                    .enumerate()
+                    .map(|(t, &p)| {
+                        usize::try_from(p)
+                            .ok()
+                            .filter(|&r| r < rows)
+                            .ok_or_else(|| KernelError::Shape {
+                                op: "rope_kv_store",
+                                reason: format!(
+                                    "token {t} is at position {p}, outside the cache's {rows} \
+                                     rows"
+                                ),
+                            })
+                    })
+                    .collect::<Result<_>>()?;
+                for (x, n_heads) in [(&mut *q, n_heads), (&mut *k, kv_heads)] {
+                    self.run_op(Op::RopeInPlace {
+                        params,
+                        n_tok,
+                        n_heads,
+                        x,
+                        positions,
+                        inv_freqs,
+                    })?;
+                }
+                for (src, dst, f, what) in [
+                    (&*k, k_cache, k_format, "rope_kv_store key values"),
+                    (v, v_cache, v_format, "rope_kv_store value values"),
+                ] {
+                    let src = src.typed::<f32>(what, kvn)?;
+                    let dst = dst.as_bytes_mut();
+                    for (row, x) in at.iter().zip(src.chunks_exact(kvd.max(1))) {
+                        let (b0, b1) = (f.byte_at(row * kvd), f.byte_at((row + 1) * kvd));
+                        cpu::kv_format::kv_encode(f, x, &mut dst[b0..b1])?;
+                    }
+                }
+                Ok(())
             }
             // the reference: RoPE on the queries and keys, then the two cache stores
             op @ Op::RopeKvStore { .. } => {
@@ -948,6 +1040,22 @@ fn cache_values<'b>(
     let mut out = vec![0f32; n];
     cpu::kv_format::kv_decode(format, &buf.as_bytes()[..nb], &mut out)?;
     Ok(std::borrow::Cow::Owned(out))
+}
+
+/// The first query's position of an [`Op::Attention`] that reads it from `at`, refused when it is
+/// negative or its `n_q` queries pass the span.
+fn read_start(at: &crate::backend::StartAt<'_, CpuBuffer>, n_q: usize) -> Result<usize> {
+    let p = at.positions.typed::<i32>("attention position", 1)?[0];
+    usize::try_from(p)
+        .ok()
+        .filter(|&s| s.checked_add(n_q).is_some_and(|end| end <= at.span))
+        .ok_or_else(|| KernelError::Shape {
+            op: "attention",
+            reason: format!(
+                "{n_q} queries from position {p} pass the span of {} cache rows",
+                at.span
+            ),
+        })
 }
 
 /// Row index `r` of an op over a buffer of `n` rows, refused when it is past them.

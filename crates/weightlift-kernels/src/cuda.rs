@@ -19,7 +19,10 @@
 //!   [`crate::sources::SIGNATURES`]; a test checks that table against the PTX of every kernel.
 //!
 //! - Matmul: [`MatvecMode::Q8`] quantises the activations on the device (`q8_quantize_*`, the
-//!   CPU's `Q8Block` bytes) and runs `q8_matmul_{type}` (dp4a, the CPU scalar Q8 order).
+//!   CPU's `Q8Block` bytes) and runs `q8_matmul_{type}` (dp4a, the CPU scalar Q8 order), or
+//!   for one token `q8_matvec_{type}` (an order of its own, for bandwidth); with
+//!   `WEIGHTLIFT_Q8V=wide` ([`Q8Decode`]) one token of Q4_K or Q6_K takes
+//!   `q8_wide_matvec_{type}` instead (wide lanes: 64 values a step in far fewer loads).
 //!   Float weights (f16, bf16, f32) have bandwidth kernels: 16-byte loads, a row over
 //!   [`float_row_threads`] threads chosen from the shape and the SM count.
 //!   [`MatvecMode::Exact`] uses the in-register kernels below
@@ -58,7 +61,7 @@
 //!   offset (a chunked prompt continuing a cache) as `attention_{format}`. No scratch.
 //! - The launch plumbing is in `launch`, the matrix products in `matmul`, and the operation
 //!   dispatch in `ops`. `graph` records a sequence of operations as a CUDA graph and replays it
-//!   ([`CudaBackend::capture`], [`CudaBackend::replay`]; nothing captures by default).
+//!   ([`CudaBackend::capture`], [`CudaBackend::replay`]; the engine replays decode steps).
 //! - Views ([`Backend::view`], [`Backend::split`]) are slices made from a device pointer inside
 //!   the parent allocation (`upgrade_device_ptr`) and leaked, not freed, when dropped. Kernels
 //!   run on the backend's one stream, so a view needs no events of its parent's; a copy on a
@@ -92,8 +95,8 @@ use crate::sources::{
     CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FAST_FLOAT_TYPES, CUDA_FAST_NAMES, CUDA_FLOAT_TYPES,
     CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS,
     GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS,
-    attention_grid, attention_prefill_rows, cublas_route, dq_chunk_rows, float_row_threads,
-    q8_matvec_warps, signature,
+    Q8Decode, attention_grid, attention_prefill_rows, cublas_route, dq_chunk_rows,
+    float_row_threads, q8_matvec_warps, q8_wide_matvec_warps, signature,
 };
 use crate::types::{FloatType, QuantType};
 
@@ -220,6 +223,16 @@ pub struct CudaBuffer {
     view: bool,
 }
 
+impl CudaBuffer {
+    /// The device address of the buffer's first byte. A captured graph keeps the addresses it
+    /// was recorded with, so a caller compares them to know whether its buffers are still the
+    /// ones a graph reads and writes.
+    pub fn device_addr(&self) -> u64 {
+        let (ptr, _record) = self.slice.device_ptr(self.slice.stream());
+        ptr
+    }
+}
+
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
         // SAFETY: `slice` is taken once, here, and not used again.
@@ -260,6 +273,9 @@ pub struct CudaBackend {
     /// Tokens from which prompts take cuBLAS ([`crate::sources::CUBLAS_MIN_TOKENS`], or
     /// `WEIGHTLIFT_CUBLAS_MIN_TOKENS`).
     cublas_min_tokens: usize,
+    /// Decode's Q8-mode kernels ([`Q8Decode`]: `WEIGHTLIFT_Q8V`, or
+    /// [`CudaBackend::with_q8_decode`]).
+    q8_decode: Q8Decode,
 }
 
 /// Whether a backend has a cuBLAS handle.
@@ -346,7 +362,20 @@ impl CudaBackend {
             q8_kept: Mutex::new(None),
             cublas: Mutex::new(CublasState::NotTried),
             cublas_min_tokens: cublas::min_tokens_from_env(),
+            q8_decode: Q8Decode::from_env(),
         })
+    }
+
+    /// This backend with decode's Q8-mode products on the kernels `q8` picks, whatever
+    /// `WEIGHTLIFT_Q8V` says (a test runs both families side by side in one process).
+    pub fn with_q8_decode(mut self, q8: Q8Decode) -> Self {
+        self.q8_decode = q8;
+        self
+    }
+
+    /// Which kernels decode's Q8-mode products run on this backend.
+    pub fn q8_decode(&self) -> Q8Decode {
+        self.q8_decode
     }
 
     /// The number of CUDA devices, or [`KernelError::CudaUnavailable`].

@@ -23,6 +23,13 @@ pub struct CudaBuffer {
     _never: std::convert::Infallible,
 }
 
+impl CudaBuffer {
+    /// Never called: a stand-in buffer cannot be constructed.
+    pub fn device_addr(&self) -> u64 {
+        match self._never {}
+    }
+}
+
 /// Stand-in for a CUDA device's copy stream; cannot be constructed.
 #[derive(Debug, Clone)]
 pub struct CopyStream {
@@ -116,7 +123,7 @@ impl CudaBackend {
     ///
     /// As the CUDA backend's `replay`.
     #[allow(unsafe_code)]
-    pub unsafe fn replay(&self, _step: &CudaStepGraph) -> Result<()> {
+    pub unsafe fn replay(&self, _step: &mut CudaStepGraph) -> Result<()> {
         match self._never {}
     }
 
@@ -147,6 +154,16 @@ impl CudaBackend {
 
     /// Never called: a stand-in backend cannot be constructed.
     pub fn context_bytes(&self) -> Result<u64> {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn with_q8_decode(self, _q8: crate::sources::Q8Decode) -> Self {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn q8_decode(&self) -> crate::sources::Q8Decode {
         match self._never {}
     }
 }

@@ -62,10 +62,22 @@ unsafe extern "C" {
         n_dims: i32,
         neox: i32,
         mscale: f32,
+        cap: usize,
     );
     fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
     #[allow(clippy::too_many_arguments)]
     fn wl_host_q8_matvec(
+        ty: i32,
+        al: i32,
+        wpr: i32,
+        w: *const u8,
+        xq: *const u8,
+        y: *mut f32,
+        rows: usize,
+        cols: usize,
+    ) -> i32;
+    #[allow(clippy::too_many_arguments)]
+    fn wl_host_q8_wide_matvec(
         ty: i32,
         al: i32,
         wpr: i32,
@@ -138,6 +150,8 @@ unsafe extern "C" {
         scale: f32,
         f16_operands: i32,
         n_splits: usize,
+        pos: *const i32,
+        span: usize,
     ) -> i32;
 }
 
@@ -348,6 +362,8 @@ fn kvf_code(format: KvFormat) -> i32 {
 /// header's own functions: `q` (`positions.len() × n_heads × head_dim`) rotated in place, and
 /// `k` rotated and `v` as it is (each `positions.len() × kv_heads × head_dim`) encoded into the
 /// cache rows `k_cache` (as `k_format`) and `v_cache` (as `v_format`); `k` is left as it was.
+/// `cap` 0: the caches are the rows being written; else they hold `cap` rows and each token is
+/// written at the row of its position (one past them: skipped), as the kernel's `cap`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_kv_store(
     params: &crate::cpu::ops::RopeParams,
@@ -360,18 +376,26 @@ pub fn rope_kv_store(
     inv_freqs: &[f32],
     k_cache: &mut [u8],
     v_cache: &mut [u8],
+    cap: usize,
 ) -> Result<()> {
     params.check()?;
     let (n_tok, hd) = (positions.len(), params.head_dim);
     let kvn = n_tok * kv_heads * hd;
     k_format.check_values("host rope_kv_store", 0, kvn)?;
     v_format.check_values("host rope_kv_store", 0, kvn)?;
+    let rows = if cap == 0 { n_tok } else { cap };
+    let cached = rows * kv_heads * hd;
+    if cap > 0 {
+        // a row starts at a whole group
+        k_format.check_values("host rope_kv_store", kv_heads * hd, cached)?;
+        v_format.check_values("host rope_kv_store", kv_heads * hd, cached)?;
+    }
     let shape_ok = q.len() == n_tok * n_heads * hd
         && k.len() == kvn
         && v.len() == kvn
         && inv_freqs.len() == params.n_dims / 2
-        && k_cache.len() == k_format.byte_at(kvn)
-        && v_cache.len() == v_format.byte_at(kvn)
+        && k_cache.len() == k_format.byte_at(cached)
+        && v_cache.len() == v_format.byte_at(cached)
         && i32::try_from(hd).is_ok();
     if !shape_ok {
         return Err(KernelError::Shape {
@@ -407,6 +431,7 @@ pub fn rope_kv_store(
             params.n_dims as i32,
             i32::from(params.style == crate::cpu::ops::RopeStyle::Neox),
             params.attn_factor,
+            cap,
         )
     }
     Ok(())
@@ -585,6 +610,55 @@ pub fn q8_matvec(
     y: &mut [f32],
     cols: usize,
 ) -> Result<()> {
+    let kernel = (
+        "host q8 matvec",
+        crate::CUDA_Q8_WEIGHT_TYPES,
+        wl_host_q8_matvec as Q8MatvecShim,
+    );
+    decode_matvec(kernel, ty, (word_loads, wpr), (w, xq, y), cols)
+}
+
+/// What decode's wide-lane kernel `q8_wide_matvec_{type}` (Q4_K and Q6_K) computes for one
+/// token's `cols / 32` activation blocks `xq` with `wpr` warps a row (1, 2, 4 or 8): each lane's
+/// chains over its 64-value units in `kernels/wl_q8w.cuh`'s order, each warp's butterfly and the
+/// warps' sums. `word_loads` picks the kernel's 128-bit loads or its byte-by-byte path (the
+/// same words either way).
+pub fn q8_wide_matvec(
+    ty: QuantType,
+    word_loads: bool,
+    wpr: usize,
+    w: &[u8],
+    xq: &[u8],
+    y: &mut [f32],
+    cols: usize,
+) -> Result<()> {
+    let kernel = (
+        "host q8 wide matvec",
+        "q4_k, q6_k",
+        wl_host_q8_wide_matvec as Q8MatvecShim,
+    );
+    if !crate::sources::Q8_WIDE_WEIGHT_TYPES.contains(&ty) {
+        return Err(KernelError::Unsupported {
+            op: kernel.0,
+            ty: ty.to_string(),
+            supported: kernel.1,
+        });
+    }
+    decode_matvec(kernel, ty, (word_loads, wpr), (w, xq, y), cols)
+}
+
+/// The shim's entry points of the decode kernels' two orders (the same arguments).
+type Q8MatvecShim =
+    unsafe extern "C" fn(i32, i32, i32, *const u8, *const u8, *mut f32, usize, usize) -> i32;
+
+/// A decode kernel's shim, `(op name, types it takes, entry point)`, on checked shapes.
+fn decode_matvec(
+    (op, supported, shim): (&'static str, &'static str, Q8MatvecShim),
+    ty: QuantType,
+    (word_loads, wpr): (bool, usize),
+    (w, xq, y): (&[u8], &[u8], &mut [f32]),
+    cols: usize,
+) -> Result<()> {
     let bs = ty.block_size();
     let row_bytes = cols / bs * ty.block_bytes();
     let rows = y.len();
@@ -595,7 +669,7 @@ pub fn q8_matvec(
         && [1, 2, 4, 8].contains(&wpr);
     if !shape_ok {
         return Err(KernelError::Shape {
-            op: "host q8 matvec",
+            op,
             reason: format!(
                 "{rows} x {cols} {ty} weights in {} bytes, {} activation block bytes, {wpr} \
                  warps a row",
@@ -607,7 +681,7 @@ pub fn q8_matvec(
     // SAFETY: w holds rows whole rows, xq cols / 32 blocks and y rows floats (checked above):
     // all the shim touches.
     let ok = unsafe {
-        wl_host_q8_matvec(
+        shim(
             ty.ggml_id() as i32,
             i32::from(word_loads),
             wpr as i32,
@@ -620,9 +694,9 @@ pub fn q8_matvec(
     };
     if ok == 0 {
         return Err(KernelError::Unsupported {
-            op: "host q8 matvec",
+            op,
             ty: ty.to_string(),
-            supported: crate::CUDA_Q8_WEIGHT_TYPES,
+            supported,
         });
     }
     Ok(())
@@ -757,13 +831,15 @@ fn check_attention(
 /// `attention_reduce_f32` (when `splits > 1`), replayed block by block, warp by warp and lane by
 /// lane with the kernels' own header functions: `out` (`n_q × n_heads × head_dim`) for queries
 /// `q` over the cache rows `k` and `v` (stored as `k_format` and `v_format`, at least
-/// `start + n_q` rows each).
+/// `start + n_q` rows each). `span` 0: the keys the queries see are split, as for a call given
+/// its position; else the kernel reads `start` from device memory and splits `span` keys (the
+/// cache's rows: `start + n_q` at most).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     k_format: KvFormat,
     v_format: KvFormat,
     shape: AttnShape,
-    splits: usize,
+    (splits, span): (usize, usize),
     q: &[f32],
     k: &[u8],
     v: &[u8],
@@ -805,6 +881,12 @@ pub fn attention(
     let part_len = crate::sources::attention_scratch_values(n_q, n_heads, head_dim, splits)
         .ok_or_else(|| bad("the partial results overflow".into()))?;
     let mut part = vec![0f32; if splits > 1 { part_len } else { 0 }];
+    let pos = [i32::try_from(start).map_err(|_| bad(format!("position {start} past i32")))?];
+    if span > 0 && start + n_q > span {
+        return Err(bad(format!(
+            "{n_q} queries from {start} past a span of {span} keys"
+        )));
+    }
     // SAFETY: q, k, v and out hold what the shape reads and writes (checked above), part the
     // split's partial results (wl_att_part_*), and the shim refuses splits and heads outside
     // its arrays.
@@ -825,6 +907,12 @@ pub fn attention(
             scale,
             i32::from(f16_operands),
             splits,
+            if span > 0 {
+                pos.as_ptr()
+            } else {
+                std::ptr::null()
+            },
+            span,
         )
     };
     if ok == 0 {

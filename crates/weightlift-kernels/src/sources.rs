@@ -167,6 +167,10 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("q8_matmul_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
     // (w, xq, y, rows, cols): one token
     ("q8_matvec_", &[Ptr, Ptr, Ptr, U64, U64]),
+    // decode's wide lanes (wl_q8w.cuh): (w, xq, y, rows, cols), and gate and up with SwiGLU
+    // (w_gate, w_up, xq, y, rows, cols), before the swiglu_ family
+    ("q8_wide_matvec_", &[Ptr, Ptr, Ptr, U64, U64]),
+    ("swiglu_q8_wide_matvec_", &[Ptr, Ptr, Ptr, Ptr, U64, U64]),
     // gate and up with SwiGLU, one token, before the swiglu_ family: (w_gate, w_up, x or xq,
     // y, rows, cols)
     ("swiglu_matvec_", &[Ptr, Ptr, Ptr, Ptr, U64, U64]),
@@ -181,11 +185,12 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // n_pairs, n_heads, head_dim, n_dims, mscale)
     ("rope_inplace_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32, F32]),
     // (q, k, v, positions, inv_freqs, k_cache, v_cache, n_tok, n_heads, kv_heads, head_dim,
-    // n_dims, neox, mscale): RoPE and the cache store in one launch
+    // n_dims, neox, mscale, cap): RoPE and the cache store in one launch (cap: the caches' rows
+    // when each token goes to the row of its position, 0 when they are the rows written)
     (
         "rope_kv_store_",
         &[
-            Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, I32, I32, I32, F32,
+            Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, I32, I32, I32, F32, U64,
         ],
     ),
     // (x, y, n): x += y, x = silu(x) * y
@@ -202,8 +207,11 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // (x, bias, n values, n_cols)
     ("add_bias_", &[Ptr, Ptr, U64, U64]),
     // the splits merged, before the family its name starts with: (part, out, n_q, n_heads,
-    // head_dim, n_splits)
-    ("attention_reduce_", &[Ptr, Ptr, U64, U64, I32, U64]),
+    // head_dim, n_splits, start, positions or null, span)
+    (
+        "attention_reduce_",
+        &[Ptr, Ptr, U64, U64, I32, U64, U64, Ptr, U64],
+    ),
     // prompts, before the family its name starts with: (q, k, v, out, n_q, start, n_heads,
     // kv_heads, head_dim, scale, f16_operands, window, softcap)
     (
@@ -213,11 +221,12 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
         ],
     ),
     // (q, k, v, out or partial results, n_q, start, n_heads, kv_heads, head_dim, scale,
-    // f16_operands, n_splits, window, softcap)
+    // f16_operands, n_splits, window, softcap, positions or null, span): with positions, the
+    // first query's position is read on the device and the keys split over span
     (
         "attention_",
         &[
-            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, U64, F32,
+            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, U64, F32, Ptr, U64,
         ],
     ),
     // (x, positions, out, n_pairs, n_heads, head_dim, n_dims, freq_base, freq_scale)
@@ -266,6 +275,58 @@ pub fn q8_matvec_warps(rows: usize, cols: usize, sm_count: usize) -> usize {
         .next_power_of_two();
     // a row of g groups keeps 32 * wpr lanes busy for two groups each when wpr <= g / 8
     let most = 1usize << (cols / 32 / 8).max(1).ilog2();
+    want.min(most).min(8)
+}
+
+/// The weight types of decode's wide-lane Q8 kernels (`q8_wide_matvec_{type}` and
+/// `swiglu_q8_wide_matvec_{type}`, `kernels/wl_q8w.cuh`).
+pub const Q8_WIDE_WEIGHT_TYPES: &[QuantType] = &[QuantType::Q4_K, QuantType::Q6_K];
+
+/// Which kernels decode's Q8-mode products (one token) run on CUDA, for the weight types of
+/// [`Q8_WIDE_WEIGHT_TYPES`]; the other types always take the narrow ones. The wide lanes are
+/// new and unmeasured, so the narrow ones stay the default until a GPU run says otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Q8Decode {
+    /// `q8_matvec_{type}`: a lane takes one 4-byte word of a 32-value group a step.
+    #[default]
+    Narrow,
+    /// `q8_wide_matvec_{type}`: a lane takes 64 values of a block a step, in far fewer loads.
+    Wide,
+}
+
+impl Q8Decode {
+    /// The environment variable a CUDA backend reads when it is made.
+    pub const ENV: &'static str = "WEIGHTLIFT_Q8V";
+
+    /// The choice for a value of [`Q8Decode::ENV`]: `wide` picks the wide lanes; unset, empty,
+    /// `narrow` or anything else keeps the default (as `WEIGHTLIFT_CUBLAS_MIN_TOKENS` ignores
+    /// what it cannot read).
+    pub fn from_env_value(value: Option<&str>) -> Self {
+        match value.map(|v| v.trim().to_ascii_lowercase()) {
+            Some(v) if v == "wide" => Q8Decode::Wide,
+            _ => Q8Decode::Narrow,
+        }
+    }
+
+    /// The choice [`Q8Decode::ENV`] makes in this process.
+    pub fn from_env() -> Self {
+        Self::from_env_value(std::env::var(Self::ENV).ok().as_deref())
+    }
+
+    /// Whether a one-token product of `ty` takes the wide kernels under this choice.
+    pub fn wide_for(self, ty: QuantType) -> bool {
+        self == Q8Decode::Wide && Q8_WIDE_WEIGHT_TYPES.contains(&ty)
+    }
+}
+
+/// Warps per weight row of decode's wide-lane Q8 kernel (1, 2, 4 or 8): as
+/// [`q8_matvec_warps`], about 64 warps per SM wanted, but no more than leave every lane one
+/// 64-value unit of the row (a 2,048-value row is 32 units: one warp).
+pub fn q8_wide_matvec_warps(rows: usize, cols: usize, sm_count: usize) -> usize {
+    let want = (sm_count.max(1) * 64)
+        .div_ceil(rows.max(1))
+        .next_power_of_two();
+    let most = 1usize << (cols / 64 / 32).max(1).ilog2();
     want.min(most).min(8)
 }
 
@@ -440,6 +501,25 @@ pub const ATTENTION_MAX_SPLITS: usize = 128;
 /// plan bounds the splits of a cache of `n` positions by `ceil(n / ATTENTION_MIN_SPLIT_KEYS)`
 /// (weightlift-plan's `ATTENTION_SPLIT_KEYS`).
 pub const ATTENTION_MIN_SPLIT_KEYS: usize = 16;
+
+/// The fewest keys a decode step's attention splits when it reads its position on the device
+/// (see [`attention_decode_span`]).
+pub const ATTENTION_MIN_SPAN: usize = 256;
+
+/// The keys a one-query attention call splits when it reads its position from device memory
+/// (`StartAt::span`), for a query that sees `keys` keys of a cache of `capacity` rows: `keys`
+/// rounded up to a power of two, at least [`ATTENTION_MIN_SPAN`], at most `capacity`. The grid
+/// follows the span, not the position, so a captured CUDA graph replays at every position of
+/// one span. Spans that follow the keys (rather than the cache's capacity) keep the splits as
+/// many as the keys need: a 32k-row cache split over its capacity would give a query at 2,048
+/// positions a tenth of the blocks. A generation crosses a few spans (256, 512, 1,024, ...),
+/// each captured once.
+pub fn attention_decode_span(keys: usize, capacity: usize) -> usize {
+    keys.max(ATTENTION_MIN_SPAN)
+        .checked_next_power_of_two()
+        .unwrap_or(usize::MAX)
+        .min(capacity)
+}
 
 /// Attention blocks per SM the splits aim for: two blocks of four warps give each SM eight
 /// warps to hide the latency of the cache reads with.
@@ -668,6 +748,34 @@ mod tests {
     }
 
     #[test]
+    fn q8_wide_decode_rows_keep_a_unit_a_lane() {
+        // a 1.1B llama on 132 SMs: rows of 2,048 values are 32 units, one warp; the FFN's
+        // down rows (5,632 values, 88 units) two; 4096 x 14336 (224 units) four
+        assert_eq!(q8_wide_matvec_warps(256, 2048, 132), 1);
+        assert_eq!(q8_wide_matvec_warps(2048, 2048, 132), 1);
+        assert_eq!(q8_wide_matvec_warps(5632, 2048, 132), 1);
+        assert_eq!(q8_wide_matvec_warps(2048, 5632, 132), 2);
+        assert_eq!(q8_wide_matvec_warps(4096, 14336, 132), 4);
+        assert_eq!(q8_wide_matvec_warps(14336, 4096, 132), 1);
+        assert_eq!(q8_wide_matvec_warps(32000, 2048, 132), 1);
+        // short rows: one warp, some lanes idle; nothing to fill
+        assert_eq!(q8_wide_matvec_warps(8, 256, 132), 1);
+        assert_eq!(q8_wide_matvec_warps(0, 65536, 0), 8);
+    }
+
+    #[test]
+    fn q8_decode_reads_its_switch() {
+        assert_eq!(Q8Decode::from_env_value(None), Q8Decode::Narrow);
+        assert_eq!(Q8Decode::from_env_value(Some("")), Q8Decode::Narrow);
+        assert_eq!(Q8Decode::from_env_value(Some("narrow")), Q8Decode::Narrow);
+        assert_eq!(Q8Decode::from_env_value(Some("Wide ")), Q8Decode::Wide);
+        assert!(Q8Decode::Wide.wide_for(QuantType::Q4_K));
+        assert!(Q8Decode::Wide.wide_for(QuantType::Q6_K));
+        assert!(!Q8Decode::Wide.wide_for(QuantType::Q4_0));
+        assert!(!Q8Decode::Narrow.wide_for(QuantType::Q4_K));
+    }
+
+    #[test]
     fn q8_decode_rows_take_warps_to_fill_the_device() {
         // a 1.1B llama on 132 SMs (about 8,448 warps wanted): k/v (256 rows) and q/o (2,048
         // rows) of 2,048 values take eight warps a row, the FFN's 5,632 rows two, the head's
@@ -708,6 +816,19 @@ mod tests {
             attention_splits(usize::MAX, 1, usize::MAX),
             ATTENTION_MAX_SPLITS
         );
+    }
+
+    #[test]
+    fn decode_spans_follow_the_keys_in_powers_of_two_within_the_cache() {
+        assert_eq!(attention_decode_span(1, 4096), ATTENTION_MIN_SPAN);
+        assert_eq!(attention_decode_span(256, 4096), 256);
+        assert_eq!(attention_decode_span(257, 4096), 512);
+        assert_eq!(attention_decode_span(2048, 32768), 2048);
+        assert_eq!(attention_decode_span(2049, 32768), 4096);
+        // never past the cache, which holds every key
+        assert_eq!(attention_decode_span(3000, 3000), 3000);
+        assert_eq!(attention_decode_span(100, 128), 128);
+        assert_eq!(attention_decode_span(usize::MAX, 64), 64);
     }
 
     #[test]

@@ -404,6 +404,7 @@ fn rope_kv_store_is_the_rope_then_the_stores<B: Backend>(b: &B) -> Result<()> {
                         v_format: vf,
                         k_cache: &mut kp[0],
                         v_cache: &mut vp[0],
+                        cache_rows: None,
                     })?;
                 }
                 // the four ops
@@ -610,6 +611,7 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
             v: &kb,
             out: &mut out,
             scratch: None,
+            start_at: None,
         })
         .unwrap_err()
         .to_string()
@@ -686,6 +688,7 @@ fn attention_case<B: Backend>(
                     v: &vb,
                     out: &mut out,
                     scratch: scratch.as_mut(),
+                    start_at: None,
                 })?;
                 let got = download_f32(b, &out, q.len())?;
                 let tol = match (f16_operands, rows > 64) {
@@ -818,6 +821,7 @@ fn gemma_ops_match_their_definitions<B: Backend>(b: &B) -> Result<()> {
                         v: &vb,
                         out: &mut out,
                         scratch: scratch.as_mut(),
+                        start_at: None,
                     })?;
                     let got = download_f32(b, &out, q.len())?;
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -984,11 +988,259 @@ fn cpu_borrowed_memory_is_computed_on_in_place() -> Result<()> {
     Ok(())
 }
 
-/// On cuda:0, a captured graph of decode's fused ops (RoPE with the f16 cache store, the
-/// gate and up products with SwiGLU over f16 weights) replays them: after new queries, keys
+/// The device-position forms of decode's ops (what a captured CUDA graph replays): RoPE with
+/// the cache store given whole cache layers of 40 rows writes each token at the row of its
+/// position (5 and 31 here) the bytes the rows form writes there, and nothing else; attention
+/// reading its position from the positions buffer, with the keys split over the 300-row span,
+/// gives the call with that `start` (the same bits on the CPU, within the reference's bound on
+/// CUDA, whose splits differ), with its scratch as the plan sizes it. A position outside the
+/// rows (or whose queries pass the span) is refused by the CPU backend and writes nothing on
+/// CUDA, which does not read it on the host.
+fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0xd3c0);
+    let (n_heads, kv_heads, hd, cap) = (4usize, 2usize, 64usize, 40usize);
+    let kvd = kv_heads * hd;
+    let params = RopeParams {
+        style: RopeStyle::Neox,
+        head_dim: hd,
+        n_dims: hd,
+        freq_base: 10000.0,
+        freq_scale: 1.0,
+        attn_factor: 1.0,
+    };
+    let fb = f32s(b, &rope_inv_freqs(&params, None)?)?;
+    let bytes = |buf: &B::Buffer, off: usize, n: usize| -> Result<Vec<u8>> {
+        let mut out = vec![0u8; n];
+        b.copy_to_host(buf, off, &mut out)?;
+        Ok(out)
+    };
+    let formats = [
+        (KvFormat::F32, KvFormat::F32),
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::BF16, KvFormat::BF16),
+        (KvFormat::E4M3, KvFormat::E4M3),
+        (KvFormat::Q8, KvFormat::Q8),
+        (KvFormat::Q4, KvFormat::Q4),
+        (KvFormat::Q8, KvFormat::Q4),
+    ];
+    let pos = [5i32, 31];
+    let pb = upload(b, bytemuck::cast_slice(&pos))?;
+    for (kf, vf) in formats {
+        let what = format!("{} {kf:?}/{vf:?}", b.name());
+        let (q, k, v) = (
+            rng.vec(2 * n_heads * hd, 2.0),
+            rng.vec(2 * kvd, 2.0),
+            rng.vec(2 * kvd, 2.0),
+        );
+        let vb = f32s(b, &v)?;
+        let (mut qb, mut kb) = (f32s(b, &q)?, f32s(b, &k)?);
+        let mut kc = b.alloc(kf.byte_at(cap * kvd))?;
+        let mut vc = b.alloc(vf.byte_at(cap * kvd))?;
+        b.run(Op::RopeKvStore {
+            params,
+            n_tok: 2,
+            n_heads,
+            kv_heads,
+            q: &mut qb,
+            k: &mut kb,
+            v: &vb,
+            positions: &pb,
+            inv_freqs: &fb,
+            k_format: kf,
+            v_format: vf,
+            k_cache: &mut kc,
+            v_cache: &mut vc,
+            cache_rows: Some(cap),
+        })?;
+        // the rows form, a token at a time, into rows of their own
+        let mut want_q = Vec::new();
+        for t in 0..2 {
+            let one = |x: &[f32], per: usize| f32s(b, &x[t * per..(t + 1) * per]);
+            let (mut q1, mut k1, v1) = (one(&q, n_heads * hd)?, one(&k, kvd)?, one(&v, kvd)?);
+            let p1 = upload(b, bytemuck::cast_slice(&pos[t..t + 1]))?;
+            let (mut kr, mut vr) = (b.alloc(kf.byte_at(kvd))?, b.alloc(vf.byte_at(kvd))?);
+            b.run(Op::RopeKvStore {
+                params,
+                n_tok: 1,
+                n_heads,
+                kv_heads,
+                q: &mut q1,
+                k: &mut k1,
+                v: &v1,
+                positions: &p1,
+                inv_freqs: &fb,
+                k_format: kf,
+                v_format: vf,
+                k_cache: &mut kr,
+                v_cache: &mut vr,
+                cache_rows: None,
+            })?;
+            want_q.extend(download_f32(b, &q1, n_heads * hd)?);
+            let row = pos[t] as usize;
+            assert_eq!(
+                bytes(&kc, kf.byte_at(row * kvd), kf.byte_at(kvd))?,
+                bytes(&kr, 0, kf.byte_at(kvd))?,
+                "{what}: key row {row}"
+            );
+            assert_eq!(
+                bytes(&vc, vf.byte_at(row * kvd), vf.byte_at(kvd))?,
+                bytes(&vr, 0, vf.byte_at(kvd))?,
+                "{what}: value row {row}"
+            );
+        }
+        let got_q = download_f32(b, &qb, q.len())?;
+        let same = got_q
+            .iter()
+            .zip(&want_q)
+            .all(|(g, w)| g.to_bits() == w.to_bits());
+        assert!(same, "{what}: queries");
+        // every other row is untouched
+        for row in (0..cap).filter(|r| !pos.contains(&(*r as i32))) {
+            let k_row = bytes(&kc, kf.byte_at(row * kvd), kf.byte_at(kvd))?;
+            assert!(k_row.iter().all(|&x| x == 0), "{what}: key row {row}");
+            let v_row = bytes(&vc, vf.byte_at(row * kvd), vf.byte_at(kvd))?;
+            assert!(v_row.iter().all(|&x| x == 0), "{what}: value row {row}");
+        }
+    }
+    // a position at the cache's rows: refused, or nothing written
+    let (mut qb, mut kb, vb) = (
+        f32s(b, &[0.5; 4 * 64])?,
+        f32s(b, &[0.5; 2 * 64])?,
+        f32s(b, &[0.5; 2 * 64])?,
+    );
+    let past = upload(b, bytemuck::cast_slice(&[cap as i32]))?;
+    let mut kc = b.alloc(cap * kvd * 4)?;
+    let mut vc = b.alloc(cap * kvd * 4)?;
+    let r = b.run(Op::RopeKvStore {
+        params,
+        n_tok: 1,
+        n_heads,
+        kv_heads,
+        q: &mut qb,
+        k: &mut kb,
+        v: &vb,
+        positions: &past,
+        inv_freqs: &fb,
+        k_format: KvFormat::F32,
+        v_format: KvFormat::F32,
+        k_cache: &mut kc,
+        v_cache: &mut vc,
+        cache_rows: Some(cap),
+    });
+    match r {
+        Err(e) => assert!(
+            e.to_string()
+                .contains("token 0 is at position 40, outside the cache's 40 rows"),
+            "{e}"
+        ),
+        Ok(()) => {
+            let k_all = bytes(&kc, 0, cap * kvd * 4)?;
+            assert!(k_all.iter().all(|&x| x == 0), "{}: a row written", b.name());
+        }
+    }
+
+    // attention after 0, 37 and 298 positions of a 300-row span
+    let span = 300;
+    let kx = rng.vec(span * kvd, 2.0);
+    let vx = rng.vec(span * kvd, 1.0);
+    let scratch_values = n_heads * sources::ATTENTION_MAX_SPLITS * (hd + 2);
+    for (kf, vf) in [(KvFormat::F16, KvFormat::F16), (KvFormat::Q8, KvFormat::Q4)] {
+        let (kbytes, _) = cache_rows(&kx, kf);
+        let (vbytes, _) = cache_rows(&vx, vf);
+        let (kb, vb) = (upload(b, &kbytes)?, upload(b, &vbytes)?);
+        for start in [0usize, 37, 298] {
+            let what = format!("{} {kf:?}/{vf:?} at {start}", b.name());
+            let q = rng.vec(n_heads * hd, 2.0);
+            let qb = f32s(b, &q)?;
+            let pos = upload(b, bytemuck::cast_slice(&[start as i32]))?;
+            let run = |at: Option<&B::Buffer>| -> Result<Vec<f32>> {
+                let mut out = b.alloc(q.len() * 4)?;
+                let mut scratch = b.alloc(scratch_values * 4)?;
+                b.run(Op::Attention {
+                    window: 0,
+                    softcap: 0.0,
+                    k_format: kf,
+                    v_format: vf,
+                    n_heads,
+                    kv_heads,
+                    head_dim: hd,
+                    n_q: 1,
+                    // not read when the position is
+                    start: if at.is_some() { 7 } else { start },
+                    scale: 0.125,
+                    tile: 32,
+                    f16_operands: false,
+                    q: &qb,
+                    k: &kb,
+                    v: &vb,
+                    out: &mut out,
+                    scratch: Some(&mut scratch),
+                    start_at: at.map(|positions| StartAt { positions, span }),
+                })?;
+                download_f32(b, &out, q.len())
+            };
+            let (given, read) = (run(None)?, run(Some(&pos))?);
+            for (i, (g, w)) in read.iter().zip(&given).enumerate() {
+                if !b.name().starts_with("cuda") {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{what}: value {i}");
+                } else {
+                    assert!((g - w).abs() <= 1e-5, "{what}: value {i}: {g} against {w}");
+                }
+            }
+        }
+        // one query from position 300 passes the span: refused, or nothing written
+        let past = upload(b, bytemuck::cast_slice(&[span as i32]))?;
+        let qb = f32s(b, &[0.5; 4 * 64])?;
+        let mut out = b.alloc(4 * 64 * 4)?;
+        let r = b.run(Op::Attention {
+            window: 0,
+            softcap: 0.0,
+            k_format: kf,
+            v_format: vf,
+            n_heads,
+            kv_heads,
+            head_dim: hd,
+            n_q: 1,
+            start: 0,
+            scale: 0.125,
+            tile: 32,
+            f16_operands: false,
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            out: &mut out,
+            scratch: None,
+            start_at: Some(StartAt {
+                positions: &past,
+                span,
+            }),
+        });
+        match r {
+            Err(e) => assert!(
+                e.to_string()
+                    .contains("1 queries from position 300 pass the span of 300 cache rows"),
+                "{e}"
+            ),
+            Ok(()) => {
+                let o = download_f32(b, &out, 4 * 64)?;
+                assert!(
+                    o.iter().all(|&x| x == 0.0),
+                    "{}: an output written",
+                    b.name()
+                );
+            }
+        }
+    }
+    b.synchronize()
+}
+test_device!(decode_ops_read_the_position_from_device_memory);
+
+/// On cuda:0, a captured graph of decode's fused ops (RoPE with the f16 cache store at the
+/// position's row of a 1,024-row cache, attention reading its position from the same buffer,
+/// the gate and up products with SwiGLU over f16 weights) replays them: after new queries, keys
 /// and a new position are uploaded (outside the graph, as a decode step would), each replay
-/// gives bit for bit what running the two ops again gives, and a different position turns
-/// the queries differently.
+/// gives bit for bit what running the ops again gives (the caches and the attention output
+/// too), and a different position turns the queries differently.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 // The replay touches buffers the graph recorded; the test keeps them alive (see below).
@@ -1014,6 +1266,7 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
     let wg = upload(&b, &f16_bytes(&rng.vec(rows * cols, 0.5)))?;
     let wu = upload(&b, &f16_bytes(&rng.vec(rows * cols, 0.5)))?;
     let kvn = kv_heads * hd;
+    let cap = 1024;
     // one set of buffers for the graph, one for the ops run directly
     struct Set<T> {
         q: T,
@@ -1022,6 +1275,8 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
         pos: T,
         kc: T,
         vc: T,
+        att: T,
+        part: T,
         x: T,
         gy: T,
         uy: T,
@@ -1032,8 +1287,10 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
             k: b.alloc(kvn * 4)?,
             v: b.alloc(kvn * 4)?,
             pos: b.alloc(4)?,
-            kc: b.alloc(kvn * 2)?,
-            vc: b.alloc(kvn * 2)?,
+            kc: b.alloc(cap * kvn * 2)?,
+            vc: b.alloc(cap * kvn * 2)?,
+            att: b.alloc(n_heads * hd * 4)?,
+            part: b.alloc(n_heads * sources::ATTENTION_MAX_SPLITS * (hd + 2) * 4)?,
             x: b.alloc(cols * 4)?,
             gy: b.alloc(rows * 4)?,
             uy: b.alloc(rows * 4)?,
@@ -1054,6 +1311,30 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
             v_format: KvFormat::F16,
             k_cache: &mut s.kc,
             v_cache: &mut s.vc,
+            cache_rows: Some(cap),
+        })?;
+        b.run(Op::Attention {
+            k_format: KvFormat::F16,
+            v_format: KvFormat::F16,
+            n_heads,
+            kv_heads,
+            head_dim: hd,
+            n_q: 1,
+            start: 0,
+            scale: 0.125,
+            window: 0,
+            softcap: 0.0,
+            tile: 32,
+            f16_operands: false,
+            q: &s.q,
+            k: &s.kc,
+            v: &s.vc,
+            out: &mut s.att,
+            scratch: Some(&mut s.part),
+            start_at: Some(StartAt {
+                positions: &s.pos,
+                span: cap,
+            }),
         })?;
         b.run(Op::MatmulSwiGlu {
             mode: MatvecMode::Exact,
@@ -1077,10 +1358,11 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
         })
     };
     let (mut g, mut d) = (set(&b)?, set(&b)?);
-    // once directly, so every module is loaded before the capture
-    run(&b, &mut d)?;
+    // once directly on a third set, so every module is loaded before the capture and the two
+    // compared hold the same rows
+    run(&b, &mut set(&b)?)?;
     b.synchronize()?;
-    let graph = b.capture(|b| run(b, &mut g))?;
+    let mut graph = b.capture(|b| run(b, &mut g))?;
     for p in [3i32, 900] {
         let (q, k, v, x) = (
             rng.vec(n_heads * hd, 1.0),
@@ -1097,7 +1379,7 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
         }
         // SAFETY: every buffer the graph recorded (`g`, the weights, the angles) lives until
         // the end of this test, and nothing else uses them while the replay runs (one stream).
-        unsafe { b.replay(&graph) }?;
+        unsafe { b.replay(&mut graph) }?;
         run(&b, &mut d)?;
         let bytes = |buf: &CudaBuffer, n: usize| -> Result<Vec<u8>> {
             let mut out = vec![0u8; n];
@@ -1106,8 +1388,9 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
         };
         for (what, gb, db, n) in [
             ("queries", &g.q, &d.q, n_heads * hd * 4),
-            ("key cache", &g.kc, &d.kc, kvn * 2),
-            ("value cache", &g.vc, &d.vc, kvn * 2),
+            ("key cache", &g.kc, &d.kc, cap * kvn * 2),
+            ("value cache", &g.vc, &d.vc, cap * kvn * 2),
+            ("attention", &g.att, &d.att, n_heads * hd * 4),
             ("gated product", &g.gy, &d.gy, rows * 4),
         ] {
             assert_eq!(bytes(gb, n)?, bytes(db, n)?, "position {p}: {what}");

@@ -28,7 +28,9 @@ fn activations(x: &[f32], act: FloatType) -> (Vec<u8>, Vec<f32>) {
     }
 }
 
-/// The host twin of decode's Q8 kernel for one token's activations (`bytes`, as uploaded).
+/// The host twin of decode's Q8 kernel for one token's activations (`bytes`, as uploaded): the
+/// wide lanes' where `WEIGHTLIFT_Q8V=wide` picks them for `ty` (as it does for the CUDA backend
+/// `test_device!` makes), else the narrow lanes'.
 #[cfg(wl_host_shim)]
 fn decode_twin(
     ty: QuantType,
@@ -54,6 +56,12 @@ fn decode_twin(
     };
     host_shim::q8_quantize(x, &mut xq).expect("host q8 quantise");
     let mut y = vec![0f32; rows];
+    // a CUDA backend made with WEIGHTLIFT_Q8V=wide runs the wide lanes for their types
+    if weightlift_kernels::sources::Q8Decode::from_env().wide_for(ty) {
+        let wpr = weightlift_kernels::sources::q8_wide_matvec_warps(rows, cols, 1024);
+        host_shim::q8_wide_matvec(ty, true, wpr, w, &xq, &mut y, cols).expect("host wide matvec");
+        return y;
+    }
     // the device's choice for so few rows: any SM count asks for the most warps a row allows
     let wpr = weightlift_kernels::sources::q8_matvec_warps(rows, cols, 1024);
     assert!(
@@ -153,6 +161,184 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
     Ok(())
 }
 weightlift_kernels::test_device!(q8_mode_matches_an_f64_dot_of_q8_activations);
+
+/// Decode's Q4_K and Q6_K products with the wide lanes (`q8_wide_matvec_{type}` and
+/// `swiglu_q8_wide_matvec_{type}`, picked by `WEIGHTLIFT_Q8V=wide`; the CUDA case sets it on
+/// its backend with `with_q8_decode`, so nothing else in the process changes): one token, 64
+/// rows of 1,024, 5,632 and 14,336 values (one, two and four warps a row on any device of 8
+/// SMs or more), f32 and f16 activations, the weights at offset 0 and at views 1 and 2 bytes in
+/// (the kernels' byte-by-byte path; Q6_K keeps its realigned words at 2). Every product lies within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64
+/// dot with the Q8-dequantised activations; on CUDA it is bit for bit the wide kernel's host
+/// twin, and the fused gate/up kernel bit for bit the product kernel twice then
+/// `SwiGluInPlace`. On the CPU (no wide kernels) the same bounds hold for its own Q8 mode.
+// Views of an uploaded buffer are unsafe (their lifetime is the caller's to keep).
+#[allow(unsafe_code)]
+fn q8_wide_decode_matches_its_twin_and_f64<B: Backend>(b: &B, wide: bool) -> Result<()> {
+    let mut rng = Rng(0x0a8d0c);
+    let rows = 64;
+    for (name, cols) in ["q4_k", "q6_k"]
+        .into_iter()
+        .flat_map(|n| [1024usize, 5632, 14336].map(|c| (n, c)))
+    {
+        let f = load(name);
+        let (graw, gwant) = common::tiled_rows(&f, rows, cols);
+        // the up matrix: the same blocks a row later
+        let (mut uraw, mut uwant) = common::tiled_rows(&f, rows + 1, cols);
+        let row_bytes = graw.len() / rows;
+        uraw.drain(..row_bytes);
+        uwant.drain(..cols);
+        for act in [FloatType::F32, FloatType::F16] {
+            let (bytes, xs) = activations(&rng.vec(cols, 2.0), act);
+            let q = quantize_q8_blocks(&xs);
+            let x = upload(b, &bytes)?;
+            for w_off in [0usize, 1, 2] {
+                let pad = |raw: &[u8]| {
+                    let mut v = vec![0u8; w_off];
+                    v.extend_from_slice(raw);
+                    v
+                };
+                let (gbuf, ubuf) = (upload(b, &pad(&graw))?, upload(b, &pad(&uraw))?);
+                // SAFETY: the views are dropped at the end of this iteration, before the
+                // buffers; nothing writes to either meanwhile.
+                let wg = unsafe { b.view(&gbuf, w_off, graw.len()) }?;
+                // SAFETY: as above.
+                let wu = unsafe { b.view(&ubuf, w_off, uraw.len()) }?;
+                let mut ys = Vec::new();
+                for w in [&wg, &wu] {
+                    let mut y = b.alloc(rows * 4)?;
+                    b.run(Op::Matmul {
+                        ty: f.ty,
+                        mode: MatvecMode::Q8,
+                        act,
+                        rows,
+                        cols,
+                        n_tok: 1,
+                        max_dq_size: 1 << 20,
+                        w,
+                        x: &x,
+                        y: &mut y,
+                    })?;
+                    ys.push(download_f32(b, &y, rows)?);
+                }
+                let what = format!(
+                    "{} q4_k {rows}x{cols} {act:?} weights at +{w_off}",
+                    b.name()
+                );
+                for (m, (raw, want)) in [(&graw, &gwant), (&uraw, &uwant)].into_iter().enumerate() {
+                    #[cfg(wl_host_shim)]
+                    let twin = if wide {
+                        use weightlift_kernels::host_shim;
+                        let mut xq =
+                            vec![0u8; cols / 32 * weightlift_kernels::sources::Q8_BLOCK_BYTES];
+                        // the values the device quantises (f16 activations widened)
+                        host_shim::q8_quantize(host_shim::Act::F32(&xs), &mut xq)?;
+                        // 64 rows: a device of 8 SMs or more takes the most warps a row allows
+                        let wpr = weightlift_kernels::sources::q8_wide_matvec_warps(rows, cols, 8);
+                        let mut t = vec![0f32; rows];
+                        host_shim::q8_wide_matvec(f.ty, true, wpr, raw, &xq, &mut t, cols)?;
+                        Some(t)
+                    } else {
+                        None
+                    };
+                    for r in 0..rows {
+                        let g = ys[m][r];
+                        let (mut s, mut mag) = (0f64, 0f64);
+                        for c in 0..cols {
+                            let xv = f64::from(q[c / 32].d) * f64::from(q[c / 32].qs[c % 32]);
+                            let wv = f64::from(want[r * cols + c]);
+                            let off = common::group_offset(f.ty, &raw[r * row_bytes..], c / 32);
+                            s += wv * xv;
+                            mag += (wv.abs() + 2.0 * off.abs()) * xv.abs();
+                        }
+                        assert!(
+                            (f64::from(g) - s).abs() <= 1e-5 * mag + 1e-30,
+                            "{what} matrix {m} row {r}: {g} vs f64 {s}"
+                        );
+                        #[cfg(wl_host_shim)]
+                        if let Some(t) = &twin {
+                            assert_eq!(
+                                g.to_bits(),
+                                t[r].to_bits(),
+                                "{what} matrix {m} row {r}: {g:e} vs the wide kernel's host twin {:e}",
+                                t[r]
+                            );
+                        }
+                    }
+                }
+                // gate and up with SwiGLU in one op: the two products' bits, then SwiGLU's
+                let (mut gy, mut uy) = (b.alloc(rows * 4)?, b.alloc(rows * 4)?);
+                b.run(Op::MatmulSwiGlu {
+                    mode: MatvecMode::Q8,
+                    act,
+                    cols,
+                    n_tok: 1,
+                    max_dq_size: 1 << 20,
+                    x: &x,
+                    gate: Product {
+                        ty: f.ty,
+                        rows,
+                        w: &wg,
+                        y: &mut gy,
+                    },
+                    up: Product {
+                        ty: f.ty,
+                        rows,
+                        w: &wu,
+                        y: &mut uy,
+                    },
+                })?;
+                let fused = download_f32(b, &gy, rows)?;
+                let mut sep = b.alloc(rows * 4)?;
+                let mut up = b.alloc(rows * 4)?;
+                b.copy_from_host(bytemuck_f32(&ys[0]).as_slice(), &mut sep, 0)?;
+                b.copy_from_host(bytemuck_f32(&ys[1]).as_slice(), &mut up, 0)?;
+                b.run(Op::SwiGluInPlace {
+                    n: rows,
+                    gate: &mut sep,
+                    up: &up,
+                })?;
+                let want = download_f32(b, &sep, rows)?;
+                for r in 0..rows {
+                    assert_eq!(
+                        fused[r].to_bits(),
+                        want[r].to_bits(),
+                        "{what} row {r}: fused {} vs the products then SwiGLU {}",
+                        fused[r],
+                        want[r]
+                    );
+                }
+            }
+        }
+    }
+    // `wide` picks the twin, which needs the host shim
+    let _ = wide;
+    Ok(())
+}
+
+/// Little-endian bytes of `v`.
+fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The wide-lane test on the CPU backend (its own Q8 mode) and on `cuda:0` with the wide lanes
+/// switched on for that backend alone.
+mod q8_wide_decode_matches_its_twin_and_f64 {
+    #[test]
+    fn cpu() -> weightlift_kernels::Result<()> {
+        super::q8_wide_decode_matches_its_twin_and_f64(
+            &weightlift_kernels::CpuBackend::new(),
+            false,
+        )
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+    fn cuda() -> weightlift_kernels::Result<()> {
+        let b = weightlift_kernels::CudaBackend::new(0)?
+            .with_q8_decode(weightlift_kernels::sources::Q8Decode::Wide);
+        super::q8_wide_decode_matches_its_twin_and_f64(&b, true)
+    }
+}
 
 /// Exact mode for a prompt (DQ_PATH_MIN_TOKENS + 3 tokens) with `max_dq_size` of 5 rows (the
 /// dequantised path in chunks), of 40 rows, and below one row (no scratch fits: CUDA takes

@@ -324,6 +324,7 @@ fn attention_on<B: Backend>(b: &B, c: &AttCase) -> Result<Vec<f32>> {
         v: &vb,
         out: &mut out,
         scratch: None,
+        start_at: None,
     })?;
     download_f32(b, &out, c.q.len())
 }

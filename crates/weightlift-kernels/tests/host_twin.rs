@@ -16,7 +16,7 @@ fn host_twin_needs_a_cpp_compiler() {
 
 #[cfg(wl_host_shim)]
 mod twin {
-    use super::common::{NAMES, Rng, float_weights, load};
+    use super::common::{NAMES, Rng, float_weights, load, tiled_rows};
     use weightlift_kernels::{KvFormat, KvType, QuantType, e4m3, host_shim, kv_decode, kv_encode};
 
     fn same(a: f32, b: f32) -> bool {
@@ -842,6 +842,89 @@ mod twin {
         assert!(err.to_string().contains("q2_k"), "{err}");
     }
 
+    /// Decode's wide-lane Q4_K and Q6_K kernels (`q8_wide_matvec_{type}`: a lane takes 64
+    /// values a step, `kernels/wl_q8w.cuh`'s order) replayed on the host, on rows of 1,024 values (half the
+    /// lanes of a warp idle), 4,096 (two units a lane at one warp a row) and 5,632 (a lane's
+    /// second unrolled pass runs past the row's end), at 1, 2 and 4 warps a row: its 128-bit
+    /// loads and its byte-by-byte path give the same bits, and every row lies within 1e-5 of an
+    /// f64 dot of gguf-py's dequantised weights with the Q8-dequantised activations, relative
+    /// to Σ(|w| + 2|m|)·|x| (the narrow decode kernel's bound), as do the CPU's scalar Q8 mode
+    /// and the narrow kernel's twin on the same rows. Other weight types are a typed error.
+    #[test]
+    fn header_q8_wide_matvec_reads_words_and_matches_f64_and_the_cpu() {
+        use weightlift_kernels::cpu::matvec::matvec_with;
+        use weightlift_kernels::{Isa, MatvecMode};
+        let mut rng = Rng(0x0a8d0b);
+        for (name, cols) in ["q4_k", "q6_k"]
+            .into_iter()
+            .flat_map(|n| [1024usize, 4096, 5632].map(|c| (n, c)))
+        {
+            let f = load(name);
+            let rows = 5;
+            let (raw, want) = tiled_rows(&f, rows, cols);
+            let row_bytes = raw.len() / rows;
+            let x = rng.vec(cols, 2.0);
+            let mut xq = vec![0u8; cols / 32 * 40];
+            host_shim::q8_quantize(host_shim::Act::F32(&x), &mut xq).unwrap();
+            let blocks = q8_blocks(&xq);
+            let mut cpu = vec![0f32; rows];
+            matvec_with(
+                Isa::Scalar,
+                MatvecMode::Q8,
+                f.ty,
+                &raw,
+                rows,
+                cols,
+                &x,
+                &mut cpu,
+            )
+            .unwrap();
+            let mut narrow = vec![0f32; rows];
+            host_shim::q8_matvec(f.ty, true, 1, &raw, &xq, &mut narrow, cols).unwrap();
+            for wpr in [1, 2, 4] {
+                let mut y = vec![0f32; rows];
+                let mut y_bytes = vec![0f32; rows];
+                host_shim::q8_wide_matvec(f.ty, true, wpr, &raw, &xq, &mut y, cols).unwrap();
+                host_shim::q8_wide_matvec(f.ty, false, wpr, &raw, &xq, &mut y_bytes, cols).unwrap();
+                for r in 0..rows {
+                    let what = format!("{name} {rows}x{cols} {wpr} warps row {r}");
+                    assert!(
+                        same(y[r], y_bytes[r]),
+                        "{what}: words {} bytes {}",
+                        y[r],
+                        y_bytes[r]
+                    );
+                    let (mut s, mut mag) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let (d, qs) = &blocks[c / 32];
+                        let xv = f64::from(*d) * f64::from(qs[c % 32]);
+                        let w = f64::from(want[r * cols + c]);
+                        let m = group_min(f.ty, &raw[r * row_bytes..], c / 32);
+                        s += w * xv;
+                        mag += (w.abs() + 2.0 * m.abs()) * xv.abs();
+                    }
+                    for (who, v) in [("wide", y[r]), ("cpu", cpu[r]), ("narrow", narrow[r])] {
+                        assert!(
+                            (f64::from(v) - s).abs() <= 1e-5 * mag + 1e-30,
+                            "{what}: {who} {v} vs f64 {s} (magnitude {mag})"
+                        );
+                    }
+                    assert!(
+                        (f64::from(y[r]) - f64::from(cpu[r])).abs() <= 1e-5 * mag + 1e-30,
+                        "{what}: wide {} vs cpu scalar q8 {} (magnitude {mag})",
+                        y[r],
+                        cpu[r]
+                    );
+                }
+            }
+        }
+        let q5 = vec![0u8; QuantType::Q5_K.block_bytes()];
+        let err =
+            host_shim::q8_wide_matvec(QuantType::Q5_K, true, 1, &q5, &[0u8; 320], &mut [0.0], 256)
+                .unwrap_err();
+        assert!(err.to_string().contains("q5_k"), "{err}");
+    }
+
     /// SwiGLU's product as the fused gate/up kernels and `swiglu_inplace_f32` make it
     /// (`WL_SILU_MUL`): bit for bit the CPU's scalar `swiglu` (the same expression over the
     /// same libm `expf`), and within 4e-7 relative (or 1e-36, below which e^-g overflows f32
@@ -972,6 +1055,7 @@ mod twin {
                         &freqs,
                         &mut tkc,
                         &mut tvc,
+                        0,
                     )
                     .unwrap();
                     // the CPU backend's four ops
@@ -996,11 +1080,57 @@ mod twin {
                         v_format: vf,
                         k_cache: &mut kc,
                         v_cache: &mut vc,
+                        cache_rows: None,
                     })
                     .unwrap();
                     assert_eq!(download(&qb, q.len() * 4), bytes_of(&tq), "{what}: queries");
                     assert_eq!(download(&kc, tkc.len()), tkc, "{what}: key cache bytes");
                     assert_eq!(download(&vc, tvc.len()), tvc, "{what}: value cache bytes");
+                    // each token at the row of its position in caches of 1,001 rows
+                    let cached = 1001 * kv_heads * head_dim;
+                    let (mut tq, mut tkc, mut tvc) = (
+                        q.clone(),
+                        vec![0u8; kf.byte_at(cached)],
+                        vec![0u8; vf.byte_at(cached)],
+                    );
+                    host_shim::rope_kv_store(
+                        &params,
+                        (n_heads, kv_heads),
+                        (kf, vf),
+                        &mut tq,
+                        &k,
+                        &v,
+                        &pos,
+                        &freqs,
+                        &mut tkc,
+                        &mut tvc,
+                        1001,
+                    )
+                    .unwrap();
+                    let mut qb = upload(&bytes_of(&q));
+                    let mut kb = upload(&bytes_of(&k));
+                    let mut kc = b.alloc(kf.byte_at(cached)).unwrap();
+                    let mut vc = b.alloc(vf.byte_at(cached)).unwrap();
+                    b.run(Op::RopeKvStore {
+                        params,
+                        n_tok,
+                        n_heads,
+                        kv_heads,
+                        q: &mut qb,
+                        k: &mut kb,
+                        v: &vb,
+                        positions: &pb,
+                        inv_freqs: &fb,
+                        k_format: kf,
+                        v_format: vf,
+                        k_cache: &mut kc,
+                        v_cache: &mut vc,
+                        cache_rows: Some(1001),
+                    })
+                    .unwrap();
+                    assert_eq!(download(&qb, q.len() * 4), bytes_of(&tq), "{what}: queries");
+                    assert_eq!(download(&kc, tkc.len()), tkc, "{what}: key cache at rows");
+                    assert_eq!(download(&vc, tvc.len()), tvc, "{what}: value cache at rows");
                 }
             }
         }
@@ -1024,6 +1154,7 @@ mod twin {
             &[0.0; 4],
             &mut [0u8; 0],
             &mut [0u8; 0],
+            0,
         )
         .unwrap_err();
         assert!(err.to_string().contains("whole groups of 32"), "{err}");
@@ -1037,7 +1168,8 @@ mod twin {
     /// crate reads them), with the Q8-dequantised activations in Q8 mode: `1.1·|u|·εg +
     /// |silu(g)|·εu` plus 4e-7 relative, ε the matvec bound (1e-5 of Σ|w·x|, or of
     /// Σ(|w| + 2|m|)·|x| in Q8 mode) and 1.1 the most |silu'| reaches; and so does the CPU
-    /// backend's `MatmulSwiGlu`, the reference the engine runs on the host.
+    /// backend's `MatmulSwiGlu`, the reference the engine runs on the host. For Q4_K, the wide
+    /// lanes' fused kernel (`swiglu_q8_wide_matvec_q4_k`, sums of `q8_wide_matvec_q4_k`) too.
     #[test]
     fn header_fused_swiglu_matvec_meets_f64_as_the_cpu_op_does() {
         use weightlift_kernels::sources::{float_row_threads, q8_matvec_warps};
@@ -1197,6 +1329,20 @@ mod twin {
             ];
             let cpu = cpu_op(f.ty, MatvecMode::Q8, halves, &x, rows).unwrap();
             check(&format!("cpu {what}"), &cpu, &sums[0], &sums[1]);
+            // the wide lanes (`swiglu_q8_wide_matvec_{type}`): each row's sums the wide
+            // product's own, at its warps a row
+            if weightlift_kernels::sources::Q8_WIDE_WEIGHT_TYPES.contains(&f.ty) {
+                let wpr = weightlift_kernels::sources::q8_wide_matvec_warps(rows, cols, 132);
+                let mut wide = Vec::new();
+                for half in halves {
+                    let mut y = vec![0f32; rows];
+                    host_shim::q8_wide_matvec(f.ty, true, wpr, half, &xq, &mut y, cols).unwrap();
+                    wide.push(y);
+                }
+                let mut fused = vec![0f32; rows];
+                host_shim::silu_mul(&wide[0], &wide[1], &mut fused).unwrap();
+                check(&format!("wide {what}"), &fused, &sums[0], &sums[1]);
+            }
         }
     }
 
@@ -1360,6 +1506,7 @@ mod twin {
             v: &vb,
             out: &mut out,
             scratch: None,
+            start_at: None,
         })
         .unwrap();
         let mut bytes = vec![0u8; q.len() * 4];
@@ -1430,29 +1577,42 @@ mod twin {
                             )
                             .unwrap();
                             let want = cpu_attention((kf, vf), shape, &q, &k, &v);
-                            let mut got = vec![f32::NAN; q.len()];
-                            host_shim::attention(kf, vf, shape, splits, &q, &k, &v, &mut got)
+                            // the position given at launch, then read from the device with the
+                            // splits cut over a cache of 45 more rows (the later splits empty)
+                            for span in [0, rows + 45] {
+                                let mut got = vec![f32::NAN; q.len()];
+                                host_shim::attention(
+                                    kf,
+                                    vf,
+                                    shape,
+                                    (splits, span),
+                                    &q,
+                                    &k,
+                                    &v,
+                                    &mut got,
+                                )
                                 .unwrap();
-                            let tol = match (f16_operands, rows > 64) {
-                                (true, _) => 2e-3,
-                                (false, false) => 2e-6,
-                                (false, true) => 1e-5,
-                            };
-                            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                                assert!(
-                                    (g - w).abs() <= tol,
-                                    "{kf:?}/{vf:?} {nh}/{kvh} heads of {hd}, n_q {n_q} start \
-                                     {start} in {splits} splits, f16 ops {f16_operands}: value \
-                                     {i}: twin {g}, cpu {w}"
-                                );
+                                let tol = match (f16_operands, rows > 64) {
+                                    (true, _) => 2e-3,
+                                    (false, false) => 2e-6,
+                                    (false, true) => 1e-5,
+                                };
+                                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                                    assert!(
+                                        (g - w).abs() <= tol,
+                                        "{kf:?}/{vf:?} {nh}/{kvh} heads of {hd}, n_q {n_q} \
+                                         start {start} in {splits} splits over {span} keys, \
+                                         f16 ops {f16_operands}: value {i}: twin {g}, cpu {w}"
+                                    );
+                                }
+                                checked += 1;
                             }
-                            checked += 1;
                         }
                     }
                 }
             }
         }
-        assert_eq!(checked, 4 * 9 * 2 * (3 + 7 + 7));
+        assert_eq!(checked, 2 * 4 * 9 * 2 * (3 + 7 + 7));
     }
 
     /// The twin refuses what the kernel does not take, naming it.
@@ -1466,7 +1626,7 @@ mod twin {
                 KvFormat::F32,
                 KvFormat::F32,
                 shape,
-                splits,
+                (splits, 0),
                 &q,
                 &kv,
                 &kv,
@@ -1484,5 +1644,21 @@ mod twin {
         let wide = AttnShape::new(2, 1, 320, 1, 0, 0.125, false).unwrap();
         let e = run(1, wide, &mut out);
         assert!(e.contains("head_dim 320"), "{e}");
+        // a position read from the device must leave its queries inside the span
+        let late = AttnShape::new(2, 1, 64, 1, 4, 0.125, false).unwrap();
+        let kv = vec![0u8; 5 * 64 * 4];
+        let e = host_shim::attention(
+            KvFormat::F32,
+            KvFormat::F32,
+            late,
+            (1, 4),
+            &q,
+            &kv,
+            &kv,
+            &mut out,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("1 queries from 4 past a span of 4 keys"), "{e}");
     }
 }

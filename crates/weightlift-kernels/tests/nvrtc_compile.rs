@@ -1,6 +1,6 @@
-//! Every kernel source compiles with NVRTC to PTX for compute_80/compute_90 and to CUBIN for
-//! sm_75 (T4-class, the oldest ISA we expect), sm_80 and sm_90 (the backend compiles for the
-//! device's own `sm_XY` at run time), with no error and no warning; every kernel's PTX
+//! Every kernel source compiles with NVRTC to PTX and CUBIN for sm_75 (T4-class, the oldest ISA
+//! we expect) and sm_90 (the backend compiles for the device's own `sm_XY` at run time), with no
+//! error and no warning; every kernel's PTX
 //! parameters equal the argument list the CUDA backend launches it with; and no block decoder
 //! loads a multi-byte field through a cast pointer (a misaligned load faults on the GPU, and
 //! the host twin cannot see it). Needs libnvrtc (pip nvidia-cuda-nvrtc-cu12 in the repository's
@@ -14,9 +14,11 @@ mod common;
 /// The architectures every kernel module is compiled for. A compile for a real architecture
 /// runs the front end that a virtual one (compute_80, compute_90) runs and gives the same PTX
 /// (the same entries and parameters), then ptxas on it: compiling for compute_XX as well would
-/// check nothing more.
+/// check nothing more. The kernels have no code for particular architectures (nothing tests
+/// `__CUDA_ARCH__` beyond its presence), so the oldest and the newest bound the ones between:
+/// a third (sm_80) would add a third to this suite's time and no code path of its own.
 #[cfg(feature = "nvrtc-check")]
-const ARCHES: [&str; 3] = ["sm_75", "sm_80", "sm_90"];
+const ARCHES: [&str; 2] = ["sm_75", "sm_90"];
 
 /// One strict compile: `(module, arch)` and the result or the error's text.
 #[cfg(feature = "nvrtc-check")]
@@ -81,7 +83,7 @@ fn compiled_for(module: &str, arch: &str) -> &'static weightlift_kernels::nvrtc:
 
 #[cfg(feature = "nvrtc-check")]
 #[test]
-fn every_kernel_compiles_without_warnings_for_sm75_sm80_and_sm90() {
+fn every_kernel_compiles_without_warnings_for_sm75_and_sm90() {
     use weightlift_kernels::{nvrtc, sources};
     common::require_nvrtc();
     let (major, minor) = nvrtc::nvrtc_version().unwrap();
@@ -129,6 +131,8 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("q8_matmul_", ["", ""]),
             ("q8_matvec_", ["", ""]),
             ("swiglu_q8_matvec_", ["", ""]),
+            ("q8_wide_matvec_", ["", ""]),
+            ("swiglu_q8_wide_matvec_", ["", ""]),
             ("swiglu_matvec_", ["_f32", "_f16"]),
             ("gemm_", ["", ""]),
             ("kv_store_", ["", ""]),
@@ -149,6 +153,9 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "attention_" => format!("WL_ATTENTION({t},"),
                             "q8_matmul_" | "q8_matvec_" | "swiglu_q8_matvec_" => {
                                 format!("WL_Q8_KERNELS({t},")
+                            }
+                            "q8_wide_matvec_" | "swiglu_q8_wide_matvec_" => {
+                                format!("WL_Q8W_KERNELS({t},")
                             }
                             "swiglu_matvec_" => format!("WL_FV_GLU_KERNELS({t},"),
                             "gemm_" => format!("WL_GEMM({t},"),
@@ -195,6 +202,12 @@ fn expected_kernels() -> Vec<String> {
         expected.push(format!("q8_matmul_{t}"));
         expected.push(format!("q8_matvec_{t}"));
         expected.push(format!("swiglu_q8_matvec_{t}"));
+    }
+    // decode's wide lanes (WEIGHTLIFT_Q8V=wide)
+    for t in weightlift_kernels::sources::Q8_WIDE_WEIGHT_TYPES {
+        let t = t.name();
+        expected.push(format!("q8_wide_matvec_{t}"));
+        expected.push(format!("swiglu_q8_wide_matvec_{t}"));
     }
     // decode's gate and up products with SwiGLU, float weights
     for t in ["f16", "bf16", "f32"] {
@@ -302,7 +315,7 @@ fn every_kernel_takes_exactly_the_arguments_the_backend_launches_it_with() {
     let mut entries = std::collections::HashSet::new();
     let mut n_kernels = 0;
     for (module, _) in sources::SOURCES {
-        let c = compiled_for(module, "sm_80");
+        let c = compiled_for(module, "sm_90");
         for (name, params) in ptx_entries(&c.ptx) {
             entries.insert(name.clone());
             let Some(want) = sources::signature(&name) else {
@@ -402,15 +415,36 @@ fn nvrtc_compile_check_needs_the_feature() {
 /// twin for the host): check the PTX really uses the instruction, so the `__CUDA_ARCH__` guard
 /// did not silently select the fallback; and decode's kernels (`q8_matvec_`, and
 /// `swiglu_q8_matvec_` with its gate and up) read weights and
-/// activations with 16- and 32-bit loads, not byte by byte only.
+/// activations with 16- and 32-bit loads, not byte by byte only, and the wide-lane ones
+/// (`q8_wide_matvec_`, `swiglu_q8_wide_matvec_`) with 128-bit loads (Q4_K) or realigned
+/// words and 64-bit loads (Q6_K).
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn q8_matmul_kernels_use_dp4a_on_the_device() {
     common::require_nvrtc();
-    let ptx = &compiled_for("matvec", "sm_80").ptx;
-    let (mut prompt, mut decode) = (0, 0);
+    let ptx = &compiled_for("matvec", "sm_75").ptx;
+    let (mut prompt, mut decode, mut wide) = (0, 0, 0);
     for body in ptx.split(".entry ").skip(1) {
         let name = body.split('(').next().unwrap_or("");
+        if body.starts_with("q8_wide_matvec_") || body.starts_with("swiglu_q8_wide_matvec_") {
+            wide += 1;
+            // Q4_K's blocks and activation pairs are 16-byte aligned; Q6_K's 210-byte blocks
+            // are realigned from 32-bit words by a byte permute, its activations 8 bytes a load
+            let ops: &[&str] = if name.ends_with("q6_k") {
+                &[
+                    "dp4a.s32.s32",
+                    "ld.global.nc.v2.u32",
+                    "ld.global.nc.u32",
+                    "prmt.b32",
+                ]
+            } else {
+                &["dp4a.s32.s32", "ld.global.nc.v4.u32"]
+            };
+            for op in ops {
+                assert!(body.contains(op), "{name}: no {op} in its PTX");
+            }
+            continue;
+        }
         if !body.starts_with("q8_mat") && !body.starts_with("swiglu_q8_matvec_") {
             continue;
         }
@@ -428,9 +462,13 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
         }
     }
     assert_eq!(
-        (prompt, decode),
-        (7, 14),
-        "q8_matmul and q8_matvec (with swiglu_q8_matvec) kernels in the matvec PTX"
+        (prompt, decode, wide),
+        (
+            7,
+            14,
+            2 * weightlift_kernels::sources::Q8_WIDE_WEIGHT_TYPES.len()
+        ),
+        "q8_matmul, q8_matvec (with swiglu_q8_matvec) and wide-lane kernels in the matvec PTX"
     );
 }
 

@@ -74,6 +74,11 @@ pub struct DeviceSpec {
     pub overhead: Overhead,
 }
 
+/// A capacity, `None` for an unbounded device (`u64::MAX`).
+pub(crate) fn bounded(capacity: u64) -> Option<u64> {
+    (capacity != u64::MAX).then_some(capacity)
+}
+
 impl DeviceSpec {
     /// A device of `kind`; a `cuda` one carries the default overhead of a GPU of unknown
     /// capability ([`DeviceSpec::cuda`] names its own).
@@ -88,6 +93,11 @@ impl DeviceSpec {
                 _ => Overhead::default(),
             },
         }
+    }
+
+    /// Bytes the device has, or `None` when it is unbounded (`disk`, a `cpu` of unknown size).
+    pub fn bounded_capacity(&self) -> Option<u64> {
+        bounded(self.capacity)
     }
 
     /// A CUDA device with its overhead, measured or defaulted.

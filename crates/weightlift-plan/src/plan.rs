@@ -89,6 +89,21 @@ pub struct DeviceUsage {
 }
 
 impl DeviceUsage {
+    /// Bytes the device has, or `None` when it is unbounded (`disk`, a `cpu` of unknown size).
+    pub fn bounded_capacity(&self) -> Option<u64> {
+        crate::device::bounded(self.capacity)
+    }
+
+    /// Bytes left free, or `None` on an unbounded device.
+    pub fn bounded_free(&self) -> Option<u64> {
+        self.bounded_capacity().map(|_| self.free)
+    }
+
+    /// Layers placed here.
+    pub fn n_layers(&self) -> u32 {
+        self.layers.iter().map(|(a, b)| b - a + 1).sum()
+    }
+
     /// weights + kv + scratch + overhead + reserve.
     pub fn used(&self) -> u64 {
         self.weights
@@ -236,6 +251,19 @@ impl Plan {
     }
     pub fn tp_split(&self, kind: TpKind) -> Option<&[(usize, u64, u64)]> {
         self.tp.as_ref().map(|t| t.table(kind))
+    }
+
+    /// [`Plan::tp_split`], refusing a plan that is not tensor-parallel with what to ask for.
+    pub fn require_tp_split(&self, kind: TpKind) -> Result<&[(usize, u64, u64)]> {
+        self.tp_split(kind)
+            .ok_or_else(|| PlanError::OptionConflict {
+                option: "tp_split".into(),
+                detail: format!(
+                    "the plan has no tensor-parallel split (strategy {}); plan with \
+                 strategy=\"tensor_parallel\"",
+                    self.strategy()
+                ),
+            })
     }
 
     /// Pretty-printed JSON.

@@ -96,6 +96,10 @@ fn tensor_parallel_plan_uses_the_tables() {
     let p = plan(&req).unwrap();
     assert_eq!(p.tp_split(TpKind::Kv).unwrap(), [(0, 0, 5), (1, 5, 8)]);
     assert_eq!(p.tp_split(TpKind::Q).unwrap(), [(0, 0, 20), (1, 20, 32)]);
+    assert_eq!(
+        p.require_tp_split(TpKind::Q).unwrap(),
+        p.tp_split(TpKind::Q).unwrap()
+    );
     // attn_q rows follow Q × head_dim.
     let q = p
         .tensors()
@@ -233,6 +237,24 @@ fn llama_cpp_n_gpu_layers_semantics() {
     assert_eq!(p.device_of("output.weight").as_deref(), Some("cuda:0"));
     let p = layers_plan(0, SplitMode::Layer, vec![], "cuda:0:8GiB,cpu");
     assert!(p.layer_devices().iter().all(|d| d == "cpu"));
+}
+
+#[test]
+fn a_device_reports_its_layers_and_an_unbounded_one_no_capacity() {
+    let p = layers_plan(10, SplitMode::Layer, vec![], "cuda:0:8GiB,cpu:64GiB,disk");
+    let usage = |name: &str| p.devices().iter().find(|d| d.name == name).unwrap();
+    let gpu = usage("cuda:0");
+    assert_eq!(
+        (gpu.n_layers(), gpu.bounded_capacity()),
+        (10, Some(8 << 30))
+    );
+    assert_eq!(gpu.bounded_free(), Some(gpu.free));
+    assert_eq!(usage("cpu").n_layers(), 20);
+    let disk = usage("disk");
+    assert_eq!((disk.bounded_capacity(), disk.bounded_free()), (None, None));
+    // Not tensor-parallel: the split tables are refused with what to plan instead.
+    let e = p.require_tp_split(TpKind::Kv).unwrap_err().to_string();
+    assert!(e.contains("plan with strategy=\"tensor_parallel\""), "{e}");
 }
 
 #[test]

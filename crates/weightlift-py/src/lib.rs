@@ -1,5 +1,7 @@
 //! The PyO3 module `weightlift._native`: argument conversion, error mapping, GIL release and
-//! progress callbacks. No logic of its own.
+//! progress callbacks. No logic of its own. The entry points with long keyword lists (`plan`,
+//! `fit`, the loaders, generation) are declared, defaulted and documented once, in Python
+//! (`weightlift/_api.py`), and hand their keywords here as one dict ([`options::Kw`]).
 
 use pyo3::prelude::*;
 
@@ -35,9 +37,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devices::tensor, m)?)?;
     m.add_function(wrap_pyfunction!(devices::use_devices, m)?)?;
     m.add_function(wrap_pyfunction!(devices::cuda_info, m)?)?;
-    m.add_function(wrap_pyfunction!(loaders::from_pretrained, m)?)?;
-    m.add_function(wrap_pyfunction!(loaders::load_gguf, m)?)?;
-    m.add_function(wrap_pyfunction!(generate::sample, m)?)?;
+    // Private (set, not added to `__all__`): `weightlift.sample` is its Python wrapper.
+    m.setattr("_sample", wrap_pyfunction!(generate::_sample, m)?)?;
     m.add_class::<devices::DeviceTensor>()?;
     m.add_class::<model::Model>()?;
     m.add_class::<cache::Cache>()?;

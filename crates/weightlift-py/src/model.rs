@@ -17,9 +17,9 @@ use weightlift_plan as wp;
 use crate::devices::{inventory_for, to_numpy};
 use crate::errors::{eng, enter, py_err};
 use crate::options::{
-    CacheDTypeArg, CacheRef, CacheShape, DeviceMapValue, DevicesSpec, Overrides, RuntimeArg, Sizes,
+    CacheDTypeArg, CacheRef, CacheShape, DevicesSpec, Kw, RuntimeArg, Sizes, offload_arg,
+    plan_options,
 };
-use crate::plan::offload_arg;
 use crate::progress::Reporter;
 
 /// A model's state behind its lock: the engine session, and the `Model.tp` object handed out
@@ -44,7 +44,7 @@ impl DerefMut for ModelInner {
 
 /// A model: a checkpoint and the devices it may use. Nothing is loaded until `load()`,
 /// `load_autosplit()` or `load_tp()`.
-#[pyclass(module = "weightlift._native", frozen)]
+#[pyclass(module = "weightlift._native", frozen, subclass)]
 pub struct Model {
     pub(crate) inner: Mutex<ModelInner>,
     pub(crate) checkpoint: Arc<wf::Checkpoint>,
@@ -82,25 +82,6 @@ impl Model {
         enter(source.py(), || wf::Checkpoint::open(&path, open)).map(Arc::new)
     }
 
-    /// A model of `ckpt` on `devices` (None: the real machine), nothing loaded yet.
-    pub(crate) fn with_checkpoint(
-        ckpt: Arc<wf::Checkpoint>,
-        devices: Option<DevicesSpec>,
-        settings: Settings,
-    ) -> PyResult<Self> {
-        let devices = devices.map(|d| d.0);
-        let inv = inventory_for(devices.as_deref())?;
-        let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
-        let session = eng(Session::new(src, inv, devices, settings))?;
-        Ok(Model {
-            inner: Mutex::new(ModelInner {
-                session,
-                tp_obj: None,
-            }),
-            checkpoint: ckpt,
-        })
-    }
-
     /// `load` (a [`Session`] load, reporting progress) with the GIL released.
     pub(crate) fn run_load<F>(
         &self,
@@ -132,190 +113,89 @@ fn plan_from_obj(plan: &Bound<'_, PyAny>) -> PyResult<wp::Plan> {
 
 #[pymethods]
 impl Model {
-    /// `source`: a `Checkpoint` or a path. `devices`: the accelerator inventory as a spec
-    /// (`"virtual:2x64MiB,cpu"`, `"cuda:0,cuda:1"`); unlisted, `cpu` holds only the input
-    /// embedding (see `weightlift.plan`). `None` is the real
-    /// machine: `cpu` plus every CUDA device found (in a build with the `cuda` feature). `dtype`: `"auto"`
-    /// keeps stored dtypes, `"float16"` converts F32/BF16 weights. `runtime`: a `RuntimeSpec`
-    /// or dict (`max_input_len`, `max_attention_size`, `max_dq_size`, `low_mem`). `compute`:
-    /// `"fast"` (8-bit activations with quantised weights, as llama.cpp) or `"exact"` (f32 on
-    /// dequantised weights). `n_threads`: the forward pass's threads (default: physical cores).
-    /// `quantize`: `"int8"` (LLM.int8, as transformers' `load_in_8bit`), `"q8_0"`, `"q4_k"` or
-    /// `"q6_k"` quantises a float checkpoint's linears while it loads; every plan of this model
-    /// sizes them in that type (see `weightlift.plan`).
+    /// `weightlift.Model(source, **kw)` (the signature and docstring are in
+    /// `weightlift/_api.py`); `vocab_only` opens the metadata and tokenizer only.
     #[new]
-    #[pyo3(signature = (source, *, devices = None, dtype = "auto", runtime = None, compute = "fast", n_threads = None, quantize = None))]
-    pub(crate) fn new(
-        source: &Bound<'_, PyAny>,
-        devices: Option<DevicesSpec>,
-        dtype: &str,
-        runtime: Option<RuntimeArg>,
-        compute: &str,
-        n_threads: Option<usize>,
-        quantize: Option<&str>,
-    ) -> PyResult<Self> {
-        let ckpt = Model::open_source(source, wf::OpenOptions::default())?;
-        let runtime = runtime.map(|r| r.0);
+    pub(crate) fn new(source: &Bound<'_, PyAny>, kw: Kw<'_>) -> PyResult<Self> {
+        let open = wf::OpenOptions {
+            check_tensors: false,
+            vocab_only: kw.opt("vocab_only")?.unwrap_or_default(),
+        };
+        let ckpt = Model::open_source(source, open)?;
+        let runtime = kw.opt::<RuntimeArg>("runtime")?.map(|r| r.0);
         let settings = eng(Settings::parse(
-            dtype, compute, quantize, runtime, n_threads,
+            &kw.get::<String>("dtype")?,
+            &kw.get::<String>("compute")?,
+            kw.opt::<String>("quantize")?.as_deref(),
+            runtime,
+            kw.opt("n_threads")?,
         ))?;
-        Model::with_checkpoint(ckpt, devices, settings)
+        let devices = kw.opt::<DevicesSpec>("devices")?.map(|d| d.0);
+        let inv = inventory_for(devices.as_deref())?;
+        let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
+        let session = eng(Session::new(src, inv, devices, settings))?;
+        Ok(Model {
+            inner: Mutex::new(ModelInner {
+                session,
+                tp_obj: None,
+            }),
+            checkpoint: ckpt,
+        })
     }
 
-    /// Load by `plan` (a `Plan` or its JSON), or plan now with the placement keywords of
-    /// `weightlift.plan` (`strategy`, `reserve`, `max_memory`, `overhead`, `n_gpu_layers`,
-    /// `split_mode`, `tensor_split`, `main_gpu`, `device_map`, `overrides`, `gpu_split`,
-    /// `allow_disk`, `n_cpu_moe`), which mean here what they mean there. `offload="sequential"` or
-    /// `"group"` runs the layers kept on cpu or disk on the first accelerator, copying their
-    /// matrices in first (`blocks_per_group` layers at a time; `prefetch` copies the next group
-    /// while one computes), as accelerate's and diffusers' offloading; `None` computes each
-    /// layer where it is placed. `cache` is a `Cache` (allocated
-    /// lazily, layer by layer beside each layer) or a `CacheSpec` or dict (the model allocates
-    /// that cache itself).
-    ///
-    /// `callback(bytes_done, bytes_total, tensor, device)` returning False cancels: everything
-    /// is freed and `LoadCancelled` is raised. Ctrl-C raises KeyboardInterrupt the same way.
-    #[pyo3(signature = (plan = None, *, progress = false, callback = None, cache = None,
-                        use_mmap = true, use_direct_io = false, check_tensors = false,
-                        staging_bytes = None, strategy = None, reserve = None, max_memory = None,
-                        overhead = None, n_gpu_layers = None, split_mode = None,
-                        tensor_split = None, main_gpu = None, device_map = None, overrides = None,
-                        gpu_split = None, allow_disk = None, offload = None, blocks_per_group = 1,
-                        prefetch = true, n_cpu_moe = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn load(
-        &self,
-        py: Python<'_>,
-        plan: Option<&Bound<'_, PyAny>>,
-        progress: bool,
-        callback: Option<Py<PyAny>>,
-        cache: Option<CacheShape>,
-        use_mmap: bool,
-        use_direct_io: bool,
-        check_tensors: bool,
-        staging_bytes: Option<u64>,
-        strategy: Option<String>,
-        reserve: Option<Sizes>,
-        max_memory: Option<Sizes>,
-        overhead: Option<Sizes>,
-        n_gpu_layers: Option<i64>,
-        split_mode: Option<String>,
-        tensor_split: Option<Vec<f32>>,
-        main_gpu: Option<usize>,
-        device_map: Option<DeviceMapValue>,
-        overrides: Option<Overrides>,
-        gpu_split: Option<Vec<f64>>,
-        allow_disk: Option<bool>,
-        offload: Option<String>,
-        blocks_per_group: u32,
-        prefetch: bool,
-        n_cpu_moe: Option<u32>,
-    ) -> PyResult<()> {
-        let plan = plan
-            .filter(|p| !p.is_none())
-            .map(plan_from_obj)
-            .transpose()?;
-        let options = wp::PlanOptions {
-            strategy,
-            reserve: reserve.map(|s| s.0),
-            max_memory: max_memory.map(|s| s.0),
-            overhead: overhead.map(|s| s.0),
-            n_gpu_layers,
-            split_mode,
-            tensor_split,
-            main_gpu,
-            device_map: device_map.map(|d| d.0),
-            overrides: overrides.map(|o| o.0).unwrap_or_default(),
-            gpu_split,
-            allow_disk,
-            offload: offload_arg(offload, blocks_per_group, prefetch)?,
-            n_cpu_moe,
-            ..wp::PlanOptions::default()
-        };
+    /// `Model.load`; see `weightlift/_api.py`.
+    fn _load(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
+        let plan = kw.any("plan")?.map(|p| plan_from_obj(&p)).transpose()?;
+        let options = plan_options(&kw, true)?;
         let mut opts = LoadOptions {
-            use_mmap,
-            use_direct_io,
-            check_tensors,
+            use_mmap: kw.get("use_mmap")?,
+            use_direct_io: kw.get("use_direct_io")?,
+            check_tensors: kw.get("check_tensors")?,
             ..LoadOptions::default()
         };
-        if let Some(s) = staging_bytes {
+        if let Some(s) = kw.opt::<u64>("staging_bytes")? {
             opts.staging_bytes = s as usize;
         }
-        let cache = cache.map_or(LoadCache::None, |c| c.0);
-        self.run_load(py, Reporter::new(callback, progress), |s, p| {
+        let cache = kw
+            .opt::<CacheShape>("cache")?
+            .map_or(LoadCache::None, |c| c.0);
+        self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
             s.load(plan, options, cache, &opts, p)
         })
     }
 
-    /// exllamav2's `load_autosplit`: fill the accelerators in order, each layer's cache beside
-    /// it, keeping `reserve_vram` free (one size for every accelerator, a list in accelerator
-    /// order, or a dict by device; bytes or strings such as `"256MiB"`).
-    /// `offload` (with `blocks_per_group`, `prefetch`) runs the layers that spill to the cpu on
-    /// the first accelerator, as in `load()`.
-    #[pyo3(signature = (cache = None, reserve_vram = None, *, progress = false, callback = None,
-                        offload = None, blocks_per_group = 1, prefetch = true))]
-    #[allow(clippy::too_many_arguments)]
-    fn load_autosplit(
-        &self,
-        py: Python<'_>,
-        cache: Option<CacheRef>,
-        reserve_vram: Option<Sizes>,
-        progress: bool,
-        callback: Option<Py<PyAny>>,
-        offload: Option<String>,
-        blocks_per_group: u32,
-        prefetch: bool,
-    ) -> PyResult<()> {
+    /// `Model.load_autosplit`; see `weightlift/_api.py`.
+    fn _load_autosplit(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
+        let reserve = kw.opt::<Sizes>("reserve_vram")?.map(|r| r.0);
         let options = wp::PlanOptions {
-            offload: offload_arg(offload, blocks_per_group, prefetch)?,
-            ..wp::PlanOptions::autosplit(reserve_vram.map(|r| r.0))
+            offload: offload_arg(&kw)?,
+            ..wp::PlanOptions::autosplit(reserve)
         };
-        let cache = cache.map_or(LoadCache::None, |c| LoadCache::Given(c.0));
-        self.run_load(py, Reporter::new(callback, progress), |s, p| {
+        let cache = kw
+            .opt::<CacheRef>("cache")?
+            .map_or(LoadCache::None, |c| LoadCache::Given(c.0));
+        self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
             s.load(None, options, cache, &LoadOptions::default(), p)
         })
     }
 
-    /// exllamav2's `load_tp`: weights split over the accelerators by the TPContext tables.
-    /// `gpu_split` in GB per device (None: each device's free memory); the expected cache
-    /// (`expect_cache_tokens`, 0 = the model's context length; `expect_cache_base` a cache dtype)
-    /// is subtracted when splitting, and the model holds that cache, each device its kv heads.
-    /// `forward` and `generate` then run tensor-parallel on cpu and virtual devices, through
-    /// `Model.tp`.
-    ///
-    /// Across processes (one per GPU, as torchrun starts them), `world` names the run's ranks
-    /// (`"node0:4,node1:4"`) and `rank` this process's: the model's one accelerator stands for
-    /// every rank in the plan, and only this rank's share is loaded on it. Its forward pass
-    /// then meets the other ranks through the transport `Model.tp` is given
-    /// (`TPContext.join_nccl()`, or a `TPContext.thread_group` member).
-    #[pyo3(signature = (gpu_split = None, expect_cache_tokens = 0, expect_cache_base = None, *, progress = false, callback = None, world = None, rank = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn load_tp(
-        &self,
-        py: Python<'_>,
-        gpu_split: Option<Vec<f64>>,
-        expect_cache_tokens: u64,
-        expect_cache_base: Option<CacheDTypeArg>,
-        progress: bool,
-        callback: Option<Py<PyAny>>,
-        world: Option<String>,
-        rank: Option<usize>,
-    ) -> PyResult<()> {
+    /// `Model.load_tp`; see `weightlift/_api.py`.
+    fn _load_tp(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
+        let base = kw.opt::<CacheDTypeArg>("expect_cache_base")?.map(|d| d.0);
         let options = wp::PlanOptions {
-            world,
-            rank,
+            world: kw.opt("world")?,
+            rank: kw.opt("rank")?,
             ..wp::PlanOptions::tensor_parallel(
-                gpu_split,
-                expect_cache_tokens,
-                expect_cache_base.map(|d| d.0),
+                kw.opt("gpu_split")?,
+                kw.get("expect_cache_tokens")?,
+                base,
             )
         };
-        self.run_load(py, Reporter::new(callback, progress), |s, p| {
+        self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
             s.load(None, options, LoadCache::None, &LoadOptions::default(), p)
         })
     }
 
-    /// Free every tensor and cache layer this model holds.
     fn unload(&self, py: Python<'_>) -> PyResult<()> {
         let mut inner = self.lock()?;
         let session = &mut inner.session;
@@ -325,8 +205,6 @@ impl Model {
         })
     }
 
-    /// The `TPContext` the forward pass runs through after `load_tp()` (its tables, its
-    /// collectives and its staging buffers), the same object on every access; None otherwise.
     #[getter]
     fn tp(slf: &Bound<'_, Self>) -> PyResult<Option<Py<crate::tp::TPContext>>> {
         let py = slf.py();
@@ -352,36 +230,28 @@ impl Model {
         Ok(self.lock()?.model.is_loaded())
     }
 
-    /// The plan of the last load, or None.
     #[getter]
     fn plan(&self) -> PyResult<Option<crate::plan::Plan>> {
         let plan = self.lock()?.plan.clone();
         Ok(plan.map(|inner| crate::plan::Plan { inner }))
     }
 
-    /// The last plan as JSON (None before a load).
     fn plan_json(&self) -> PyResult<Option<String>> {
         Ok(self.lock()?.plan.as_ref().map(wp::Plan::to_json))
     }
 
-    /// Bytes held per device: weights (mmap views count on `cpu`), cache layers, scratch.
     fn memory(&self) -> PyResult<HashMap<String, u64>> {
         Ok(self.lock()?.model.memory().into_iter().collect())
     }
 
-    /// Bytes allocated right now per device (arena accounting; mmap views are not allocations).
     fn device_usage(&self) -> PyResult<HashMap<String, u64>> {
         Ok(self.lock()?.model.device_usage().into_iter().collect())
     }
 
-    /// The most bytes allocated at once per device since the last load began (the same
-    /// accounting as `device_usage`): weights, cache, scratch and what forward passes held.
     fn peak_memory(&self) -> PyResult<HashMap<String, u64>> {
         Ok(self.lock()?.model.peak_memory().into_iter().collect())
     }
 
-    /// Copies between devices during the last forward call: `copies` (count), `bytes` and
-    /// `seconds` (wall time spent copying).
     fn transfer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.lock()?.model.transfer_stats();
         let d = PyDict::new(py);
@@ -391,40 +261,30 @@ impl Model {
         Ok(d)
     }
 
-    /// The device spec this model was made with (with `devices=None`, the detected machine's,
-    /// e.g. `"cuda:0,cpu"`).
     #[getter]
     fn devices(&self) -> PyResult<String> {
         Ok(self.lock()?.devices.clone())
     }
 
-    /// Bytes of memory-mapped tensors locked in RAM (`use_mlock`).
     #[getter]
     fn locked_bytes(&self) -> PyResult<u64> {
         Ok(self.lock()?.model.locked_bytes())
     }
 
-    /// Warnings from the last load (O_DIRECT fallback, unvalidated architecture, ...).
     #[getter]
     fn warnings(&self) -> PyResult<Vec<String>> {
         Ok(self.lock()?.model.warnings().to_vec())
     }
 
-    /// The device of a tensor; a split tensor gives its devices joined by commas.
     fn device_of(&self, name: &str) -> PyResult<String> {
         eng(self.lock()?.model.device_of(name))
     }
 
-    /// The device of each layer.
     #[getter]
     fn layer_devices(&self) -> PyResult<Vec<String>> {
         Ok(eng(self.lock()?.model.layer_devices())?.to_vec())
     }
 
-    /// A numpy copy of a tensor from wherever it lives (split tensors are reassembled, CUDA
-    /// memory is copied back). Raw quantised blocks come back as uint8 rows; `dequantize=True`
-    /// gives float32, decoded at most `runtime.max_dq_size` values at a time so transient
-    /// buffers stay within that chunk limit.
     #[pyo3(signature = (name, dequantize = false))]
     fn tensor<'py>(
         &self,
@@ -445,9 +305,6 @@ impl Model {
         to_numpy(py, &bytes, dtype, &shape)
     }
 
-    /// A loaded tensor as it is held: its checkpoint entry with the held `dtype` (`"Q8_0"`,
-    /// `"INT8"`, ... after a quantising load; `"F16"` after `dtype="float16"`) and the held
-    /// `nbytes` (an INT8 tensor's include its f32 row scales).
     fn tensor_info(&self, name: &str) -> PyResult<crate::format::TensorInfo> {
         let inner = self.lock()?;
         let (dtype, nbytes) = eng(inner.model.held_type(name))?;
@@ -460,8 +317,6 @@ impl Model {
         ))
     }
 
-    /// Free everything the model holds (as `unload()`, the own cache included) and refuse
-    /// every later call with `ClosedError`. Closing twice does nothing; `with` closes on exit.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let mut inner = self.lock_even_closed()?;
         inner.tp_obj = None;
@@ -472,7 +327,6 @@ impl Model {
         })
     }
 
-    /// True once `close()` has run.
     #[getter]
     fn closed(&self) -> PyResult<bool> {
         Ok(self.lock_even_closed()?.is_closed())
@@ -488,8 +342,6 @@ impl Model {
         Ok(false)
     }
 
-    /// The cache generation and `forward(cache=None)` use: the one the model was loaded with,
-    /// or the one it made for a prompt; None before either.
     #[getter]
     fn cache(&self) -> PyResult<Option<crate::cache::Cache>> {
         let inner = self.lock()?;

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use pyo3::conversion::FromPyObjectOwned;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
@@ -17,6 +18,96 @@ use weightlift_plan as wp;
 use crate::cache::Cache;
 use crate::errors::py_err;
 use crate::plan::{CacheSpec, RuntimeSpec};
+
+/// The keyword arguments of a call, as the Python wrapper that declares them (signature,
+/// defaults and docstring, in `weightlift/_api.py`) hands them on: its `locals()`.
+pub struct Kw<'py>(Bound<'py, PyDict>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Kw<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Kw(obj.cast::<PyDict>()?.to_owned()))
+    }
+}
+
+impl<'py> Kw<'py> {
+    /// Argument `key`, converted as PyO3 converts a declared one (a note names the argument).
+    pub fn get<T: FromPyObjectOwned<'py>>(&self, key: &str) -> PyResult<T> {
+        let value = self
+            .0
+            .get_item(key)?
+            .ok_or_else(|| PyTypeError::new_err(format!("missing required argument '{key}'")))?;
+        value.extract::<T>().map_err(|e| {
+            let e: PyErr = e.into();
+            let _ = e
+                .value(self.0.py())
+                .call_method1("add_note", (format!("while processing '{key}'"),));
+            e
+        })
+    }
+
+    /// Argument `key`, None when absent or None.
+    pub fn opt<T: FromPyObjectOwned<'py>>(&self, key: &str) -> PyResult<Option<T>> {
+        match self.0.get_item(key)? {
+            Some(_) => self.get(key),
+            None => Ok(None),
+        }
+    }
+
+    /// Argument `key` as a Python object, None when absent or None.
+    pub fn any(&self, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(self.0.get_item(key)?.filter(|v| !v.is_none()))
+    }
+}
+
+/// The placement keywords `plan()`, `fit()` and `Model.load()` share, as the planner's options.
+/// `load` leaves out the keys that mean something else there (`cache`, `use_mmap`).
+pub fn plan_options(kw: &Kw<'_>, load: bool) -> PyResult<wp::PlanOptions> {
+    let cache = if load {
+        None
+    } else {
+        kw.opt::<CacheArg>("cache")?
+    };
+    let use_mmap = if load { None } else { kw.opt("use_mmap")? };
+    Ok(wp::PlanOptions {
+        strategy: kw.opt("strategy")?,
+        dtype: kw.opt("dtype")?,
+        weight_dtype: kw.opt("weight_dtype")?,
+        cache: cache.map(|c| c.0),
+        cache_offload: kw.opt("cache_offload")?.unwrap_or_default(),
+        runtime: kw.opt::<RuntimeArg>("runtime")?.map(|r| r.0),
+        reserve: kw.opt::<Sizes>("reserve")?.map(|s| s.0),
+        max_memory: kw.opt::<Sizes>("max_memory")?.map(|s| s.0),
+        overhead: kw.opt::<Sizes>("overhead")?.map(|s| s.0),
+        n_gpu_layers: kw.opt("n_gpu_layers")?,
+        n_cpu_moe: kw.opt("n_cpu_moe")?,
+        split_mode: kw.opt("split_mode")?,
+        tensor_split: kw.opt("tensor_split")?,
+        main_gpu: kw.opt("main_gpu")?,
+        device_map: kw.opt::<DeviceMapValue>("device_map")?.map(|d| d.0),
+        overrides: kw
+            .opt::<Overrides>("overrides")?
+            .map(|o| o.0)
+            .unwrap_or_default(),
+        gpu_split: kw.opt("gpu_split")?,
+        allow_disk: kw.opt("allow_disk")?,
+        use_mmap,
+        quantize: kw.opt("quantize")?,
+        offload: offload_arg(kw)?,
+        world: kw.opt("world")?,
+        ..wp::PlanOptions::default()
+    })
+}
+
+/// `offload=` with `blocks_per_group` and `prefetch`, as the planner reads them.
+pub fn offload_arg(kw: &Kw<'_>) -> PyResult<Option<wp::WeightOffload>> {
+    let Some(mode) = kw.opt::<String>("offload")? else {
+        return Ok(None);
+    };
+    let (blocks, prefetch) = (kw.get("blocks_per_group")?, kw.get("prefetch")?);
+    wp::WeightOffload::parse(Some(&mode), blocks, prefetch).map_err(py_err)
+}
 
 fn type_error(expected: &str, obj: &Bound<'_, PyAny>) -> PyErr {
     let got = obj
@@ -170,8 +261,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for DevicesSpec {
     }
 }
 
-/// A KV cache shape: a `Cache`, a `CacheSpec` or a dict with `max_seq_len` and optionally
-/// `batch_size` (1), `dtype` ("fp16") and `offload` (False).
+/// A KV cache shape: a `Cache`, a `CacheSpec` or a dict of `CacheSpec`'s keywords.
 pub struct CacheArg(pub wp::CacheSpec);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for CacheArg {
@@ -188,20 +278,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for CacheArg {
         let Ok(d) = obj.cast::<PyDict>() else {
             return Err(type_error("a Cache, a CacheSpec or a dict", &obj));
         };
-        let max_seq_len: u64 = d
-            .get_item("max_seq_len")?
-            .ok_or_else(|| PyTypeError::new_err("cache: the dict needs 'max_seq_len'"))?
-            .extract()?;
-        let batch: Option<u64> = d.get_item("batch_size")?.map(|v| v.extract()).transpose()?;
-        let dtype: Option<String> = d.get_item("dtype")?.map(|v| v.extract()).transpose()?;
-        let offload: Option<bool> = d.get_item("offload")?.map(|v| v.extract()).transpose()?;
-        let (batch, dtype, offload) = (
-            batch.unwrap_or(1),
-            dtype.unwrap_or_else(|| "fp16".into()),
-            offload.unwrap_or(false),
-        );
-        let spec = CacheSpec::new(max_seq_len, batch, &dtype, offload)?;
-        Ok(CacheArg(spec.inner))
+        // The dict holds CacheSpec's keywords, with the class's defaults.
+        let spec = obj.py().get_type::<CacheSpec>().call((), Some(d))?;
+        Ok(CacheArg(spec.cast::<CacheSpec>()?.get().inner))
     }
 }
 

@@ -5,6 +5,7 @@ use pyo3::types::{PyBool, PyDict};
 use weightlift_engine::{EngineError, Progress};
 
 use crate::errors::ToPyErr;
+use crate::options::Kw;
 
 // ---------------------------------------------------------------------------------------------
 // Progress and cancellation
@@ -33,9 +34,9 @@ impl Reporter {
         }
     }
 
-    /// True when a user callback receives the progress.
-    pub(crate) fn has_callback(&self) -> bool {
-        self.callback.is_some()
+    /// The reporter of a load call's `callback` and `progress` keywords.
+    pub(crate) fn from_kw(kw: &Kw<'_>) -> PyResult<Self> {
+        Ok(Reporter::new(kw.opt("callback")?, kw.get("progress")?))
     }
 
     pub(crate) fn report(&mut self, p: &Progress<'_>) -> bool {

@@ -12,10 +12,6 @@ use crate::model::Model;
 
 #[pymethods]
 impl Model {
-    /// Run token `ids` through the model and return float32 logits of shape `[n, vocab]`:
-    /// `n` is 1 for `logits="last"` and `len(ids)` for `"all"`. With `cache=None` each call
-    /// starts at position 0 on the model's own cache (made, fp16, when the model was loaded
-    /// without one); with a `Cache` the ids are appended at its `seq_len`. The GIL is released while it runs.
     #[pyo3(signature = (ids, *, cache = None, logits = "last"))]
     fn forward<'py>(
         &self,
@@ -34,24 +30,13 @@ impl Model {
                 .forward(&ids, cache.as_ref(), mode, &mut out)
                 .map(|_| out)
         })?;
-        let vocab = out.len()
-            / match mode {
-                Logits::Last => 1,
-                Logits::All => ids.len().max(1),
-            };
-        let rows = out.len() / vocab.max(1);
+        let rows = mode.n_rows(ids.len());
+        let vocab = out.len().checked_div(rows).unwrap_or(0);
         let arr = Array2::from_shape_vec((rows, vocab), out)
             .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
         Ok(PyArray2::from_owned_array(py, arr))
     }
 
-    /// Run several sequences in one call, each `(cache, ids)` appending its ids to its own
-    /// `Cache` at its `seq_len` (a new prompt and single decode tokens mix freely: continuous
-    /// batching), and return float32 logits of shape `[len(seqs), vocab]`, the last position of
-    /// each, the bits each sequence gets alone (in `"fast"` the decode tokens share each
-    /// product, every token keeping its own bits). A bad sequence
-    /// (too long for its cache, a cache given twice) fails the call before any cache moves. The
-    /// GIL is released while it runs.
     fn forward_batch<'py>(
         &self,
         py: Python<'py>,
@@ -78,7 +63,6 @@ impl Model {
         Ok(PyArray2::from_owned_array(py, arr))
     }
 
-    /// `"fast"` or `"exact"`.
     #[getter]
     fn compute(&self) -> PyResult<&'static str> {
         Ok(self.lock()?.model.compute().name())
@@ -91,15 +75,26 @@ impl Model {
         Ok(())
     }
 
-    /// Threads of the forward pass.
+    #[getter]
+    fn cuda_graphs(&self) -> PyResult<bool> {
+        Ok(self.lock()?.model.cuda_graphs())
+    }
+
+    #[setter]
+    fn set_cuda_graphs(&self, on: bool) -> PyResult<()> {
+        self.lock()?.model.set_cuda_graphs(on);
+        Ok(())
+    }
+
+    fn cuda_graph_counts(&self) -> PyResult<(u64, u64, Option<String>)> {
+        Ok(self.lock()?.model.cuda_graph_counts())
+    }
+
     #[getter]
     fn n_threads(&self) -> PyResult<usize> {
         Ok(self.lock()?.model.n_threads())
     }
 
-    /// LLM.int8's outlier threshold for `quantize="int8"` weights (transformers'
-    /// `llm_int8_threshold`, default 6.0): activation columns with a value at least this large
-    /// multiply the dequantised weights in f32, the rest go through int8.
     #[getter]
     fn int8_threshold(&self) -> PyResult<f32> {
         Ok(self.lock()?.model.int8_threshold())
@@ -113,11 +108,6 @@ impl Model {
 
 #[pymethods]
 impl Model {
-    /// The hidden states after the output norm of token `ids` (the head's input), pooled:
-    /// `pooling` is llama.cpp's number (-1: the model's `pooling_type`, else none; 0 none, 1
-    /// mean, 2 cls, 3 last) or its name. No pooling gives one vector per token, the others one
-    /// vector; `normalize` scales each to unit length. Runs on a cache of its own, so the
-    /// model's cache and the prefix it holds are untouched. The GIL is released while it runs.
     #[pyo3(signature = (ids, *, pooling = None, normalize = false))]
     fn embed<'py>(
         &self,

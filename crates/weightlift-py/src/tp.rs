@@ -231,12 +231,13 @@ impl TPContext {
     /// then run over NCCL. Returns `(rank, world_size)`. Needs a build with the `nccl` feature.
     #[pyo3(signature = (wait = 300.0))]
     fn join_nccl(&self, py: Python<'_>, wait: f64) -> PyResult<(usize, usize)> {
-        if !(wait.is_finite() && wait >= 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "join_nccl: expected wait in seconds, finite and >= 0, got {wait}"
-            )));
-        }
-        join_nccl(py, &self.ctx, std::time::Duration::from_secs_f64(wait))
+        let ctx = &self.ctx;
+        enter(py, || {
+            let mut ctx = ctx
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            ctx.join_nccl(wait)
+        })
     }
 
     fn get_split(&self, broadcast_type: usize) -> PyResult<Vec<(usize, u64, u64)>> {
@@ -424,31 +425,4 @@ fn slice_tuples<S: IntoIterator<Item = weightlift_engine::tp::ScratchSlice>>(
         .into_iter()
         .map(|x| (x.device, x.offset, x.rows, x.cols))
         .collect()
-}
-
-#[cfg(feature = "nccl")]
-fn join_nccl(
-    py: Python<'_>,
-    ctx: &Arc<Mutex<TpContext>>,
-    wait: std::time::Duration,
-) -> PyResult<(usize, usize)> {
-    enter(py, || {
-        let mut ctx = ctx
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        we::tp::Nccl::join_from_env(&mut ctx, wait).map(|w| (w.rank, w.world_size))
-    })
-}
-
-#[cfg(not(feature = "nccl"))]
-fn join_nccl(
-    _py: Python<'_>,
-    _ctx: &Arc<Mutex<TpContext>>,
-    _wait: std::time::Duration,
-) -> PyResult<(usize, usize)> {
-    Err(raise(
-        Exc::Unsupported,
-        "join_nccl: this build of weightlift has no NCCL transport; build the extension with \
-         the `nccl` feature (maturin develop --features nccl) on a machine with CUDA",
-    ))
 }

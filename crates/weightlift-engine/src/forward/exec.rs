@@ -1316,6 +1316,14 @@ struct PieceRows<'r, T> {
 
 /// RoPE on one sequence's queries and keys with its new rows stored in its cache (one op),
 /// then its attention over that cache.
+///
+/// A decode step (one token) on a cache held in place takes the ops' device-position forms: the
+/// row written and attention's position come from the positions buffer, the cache is passed
+/// whole, and CUDA splits the keys over a span of the cache's rows that changes only at powers of
+/// two (`attention_decode_span`). Nothing of the step's position is then a launch argument, so
+/// a captured CUDA graph replays it (see `graph::run`), and graphs on or off run the same
+/// kernels. Prompts, and offloaded caches (whose device slot holds the
+/// layer only while it is lent), pass the rows and the position from the host.
 fn attend_piece<B: Exec>(
     b: &B,
     cx: &Ctx<'_>,
@@ -1339,31 +1347,43 @@ fn attend_piece<B: Exec>(
         att,
         parts,
     } = rows;
+    let on_device = n == 1 && !cache.is_offloaded();
+    let capacity = cache.config().max_seq_len as usize;
+    // the keys attention splits: one span for many positions (a captured step's key holds it)
+    let span = weightlift_kernels::sources::attention_decode_span(pos + n, capacity);
     let attend = |kb: &mut Buffer, vb: &mut Buffer| -> Result<()> {
         let mut kc = b.whole_mut(kb)?;
         let mut vc = b.whole_mut(vb)?;
-        // RoPE on q and k and the new cache rows in one op
-        let mut k_rows = cache_rows(b, k_format, &mut kc, pos * kvd, n * kvd)
-            .map_err(cx.err(at("cache keys")))?;
-        let mut v_rows = cache_rows(b, v_format, &mut vc, pos * kvd, n * kvd)
-            .map_err(cx.err(at("cache values")))?;
-        b.run(Op::RopeKvStore {
-            params: c.rope,
-            n_tok: n,
-            n_heads: nh,
-            kv_heads: a.kv_heads,
-            q: &mut *q,
-            k: &mut *k,
-            v,
-            positions,
-            inv_freqs: freqs,
-            k_format,
-            v_format,
-            k_cache: &mut k_rows,
-            v_cache: &mut v_rows,
-        })
-        .map_err(cx.err(at("rope and cache store")))?;
-        drop((k_rows, v_rows));
+        // RoPE on q and k and the new cache rows in one op: into the whole layers at the
+        // position's row read on the device, or into views of the rows at `pos`
+        let mut store = |k_cache: &mut B::Buffer, v_cache: &mut B::Buffer, cache_rows| {
+            b.run(Op::RopeKvStore {
+                params: c.rope,
+                n_tok: n,
+                n_heads: nh,
+                kv_heads: a.kv_heads,
+                q: &mut *q,
+                k: &mut *k,
+                v,
+                positions,
+                inv_freqs: freqs,
+                k_format,
+                v_format,
+                k_cache,
+                v_cache,
+                cache_rows,
+            })
+            .map_err(cx.err(at("rope and cache store")))
+        };
+        if on_device {
+            store(&mut kc, &mut vc, Some(capacity))?;
+        } else {
+            let mut k_rows = cache_rows(b, k_format, &mut kc, pos * kvd, n * kvd)
+                .map_err(cx.err(at("cache keys")))?;
+            let mut v_rows = cache_rows(b, v_format, &mut vc, pos * kvd, n * kvd)
+                .map_err(cx.err(at("cache values")))?;
+            store(&mut k_rows, &mut v_rows, None)?;
+        }
         b.run(Op::Attention {
             k_format,
             v_format,
@@ -1382,6 +1402,7 @@ fn attend_piece<B: Exec>(
             v: &vc,
             out: &mut *att,
             scratch: Some(&mut *parts),
+            start_at: on_device.then_some(weightlift_kernels::StartAt { positions, span }),
         })
         .map_err(cx.err(at("attention")))
     };
@@ -1499,6 +1520,29 @@ pub(crate) fn head<B: Exec>(
         let dst = bytemuck::cast_slice_mut(&mut out[r0 * vocab..(r0 + nr) * vocab]);
         b.copy_to_host(&r.logits, 0, dst)
             .map_err(cx.err("copying logits to the host"))?;
+    }
+    Ok(())
+}
+
+/// The output norm and head of rows `0..rows` of the residual stream into the workspace's
+/// logits, `per` rows a product, each product's rows where they belong (the logits region
+/// holds them all): what [`head`] runs for a decode step's rows, without the copies to the host
+/// (so a CUDA graph can record it; the caller copies the `rows × vocab` values once).
+pub(crate) fn head_products<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    (norm, head): (&Floats, &Linear),
+    (rows, per): (usize, usize),
+    r: &mut Regions<'_, B::Buffer>,
+) -> Result<()> {
+    let (h, vocab) = (cx.c.hidden, head.rows);
+    out_norm(b, cx, norm, (0, rows), r)?;
+    for r0 in (0..rows).step_by(per.max(1)) {
+        let nr = per.max(1).min(rows - r0);
+        let xin = view(b, &r.xn, r0 * h * 4, nr * h * 4).map_err(cx.err(&head.name))?;
+        let range = [(r0 * vocab * 4, nr * vocab * 4)];
+        let mut y = split(b, &mut r.logits, &range).map_err(cx.err(&head.name))?;
+        cx.linear(b, head, &xin, nr, &mut y[0])?;
     }
     Ok(())
 }

@@ -14,6 +14,9 @@
 //! side takes.
 
 mod run;
+mod step;
+
+pub(crate) use step::enabled_by_env as cuda_graphs_by_env;
 
 use std::sync::Arc;
 
@@ -131,6 +134,8 @@ pub(crate) struct Graph {
     max_dq: usize,
     onload: Option<Onload>,
     family: Family,
+    /// The decode step captured as a CUDA graph (see `step`).
+    steps: step::StepGraphs,
 }
 
 /// What the model's state lends the graph to build it.
@@ -656,6 +661,7 @@ impl Graph {
             max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
             onload,
             family,
+            steps: step::StepGraphs::default(),
         };
         g.check_shapes(spec)?;
         g.check_packings(m.held, m.copies)?;
@@ -666,6 +672,13 @@ impl Graph {
             o.pin_warning = o.pin(&device, &g.layers, m.held, m.copies)?;
         }
         Ok(g)
+    }
+
+    /// Decode steps captured as a CUDA graph, and replayed, since the graph was built; and why
+    /// the driver refused the last capture, if it did.
+    pub(crate) fn cuda_graph_counts(&self) -> (u64, u64, Option<String>) {
+        let s = &self.steps;
+        (s.captures, s.replays, s.refused().map(str::to_owned))
     }
 
     /// What building the graph found worth telling the user (host memory the driver would not

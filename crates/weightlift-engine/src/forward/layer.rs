@@ -382,28 +382,35 @@ pub(super) fn linear_pieces(
     x: &[f32],
     y: &mut [f32],
 ) -> Result<()> {
-    use weightlift_kernels::cpu::matvec::Q8_BATCH_MAX_TOKENS as SHARED;
     if let [p] = pieces {
         return linear_on(c, wts, l, x, p.n, y);
     }
     let q8 = shares_rows(c, wts, l)?;
-    // consecutive runs of rows, each one product
-    let mut runs: Vec<(usize, usize)> = Vec::with_capacity(pieces.len());
-    let mut at = 0;
-    for p in pieces {
-        match runs.last_mut() {
-            Some((_, n)) if q8 && *n + p.n <= SHARED => {
-                *n += p.n;
-            }
-            _ => runs.push((at, p.n)),
-        }
-        at += p.n;
-    }
-    for (start, n) in runs {
+    let lens: Vec<usize> = pieces.iter().map(|p| p.n).collect();
+    for (start, n) in product_runs(&lens, q8) {
         let (xs, ys) = (&x[start * l.cols..], &mut y[start * l.rows..]);
         linear_on(c, wts, l, xs, n, ys)?;
     }
     Ok(())
+}
+
+/// The products a linear of a batch takes over pieces of `lens` tokens (consecutive rows), as
+/// `(first row, rows)`: where the product `shares` rows (a fast-mode block product, which gives
+/// each token its own matrix-vector bits up to
+/// [`Q8_BATCH_MAX_TOKENS`](weightlift_kernels::cpu::matvec::Q8_BATCH_MAX_TOKENS) tokens),
+/// consecutive pieces of that many tokens or fewer in all share one; else one product a piece.
+pub(super) fn product_runs(lens: &[usize], shares: bool) -> Vec<(usize, usize)> {
+    use weightlift_kernels::cpu::matvec::Q8_BATCH_MAX_TOKENS as SHARED;
+    let mut runs: Vec<(usize, usize)> = Vec::with_capacity(lens.len());
+    let mut at = 0;
+    for &len in lens {
+        match runs.last_mut() {
+            Some((_, n)) if shares && *n + len <= SHARED => *n += len,
+            _ => runs.push((at, len)),
+        }
+        at += len;
+    }
+    runs
 }
 
 /// `xn = RMSNorm(xn) · norm` over `len` values, through the gate region, when the block has a

@@ -120,6 +120,14 @@ impl Logits {
         }
     }
 
+    /// Rows of logits a forward call of `n` ids writes.
+    pub fn n_rows(self, n: usize) -> usize {
+        match self {
+            Logits::Last => 1,
+            Logits::All => n,
+        }
+    }
+
     /// For the `n` rows of a chunk starting at token `done` (of `total`): the first whose
     /// logits are asked for, and the rows of `out` (`vocab` values each) they fill; `None` when
     /// the chunk has none (every chunk but the last, for `Last`).
@@ -377,6 +385,8 @@ pub struct Runner {
     host_backend: bool,
     int8_threshold: f32,
     last_copies: Copies,
+    /// Whether decode steps on one CUDA device replay a captured graph.
+    cuda_graphs: bool,
 }
 
 impl Default for Runner {
@@ -388,6 +398,7 @@ impl Default for Runner {
             host_backend: false,
             int8_threshold: INT8_DEFAULT_THRESHOLD,
             last_copies: Copies::default(),
+            cuda_graphs: graph::cuda_graphs_by_env(),
         }
     }
 }
@@ -494,6 +505,29 @@ impl crate::Model {
         }
     }
 
+    /// Whether a decode step (one token of one sequence) that runs whole on one CUDA device is
+    /// captured once as a CUDA graph and replayed (one launch instead of a few hundred). On by
+    /// default; `WEIGHTLIFT_CUDA_GRAPHS=0` in the environment turns it off for the process.
+    pub fn cuda_graphs(&self) -> bool {
+        self.runner.cuda_graphs
+    }
+
+    /// Turn CUDA graph replay of decode steps on or off from the next forward call. Both run
+    /// the same kernels on the same memory, so the logits are the same bits either way.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.runner.cuda_graphs = on;
+    }
+
+    /// Decode steps captured as CUDA graphs and replayed since the forward graph was built
+    /// (loading, or switching the host backend, builds it anew), and why the driver refused
+    /// the last capture, if it did: `(captures, replays, refused)`.
+    pub fn cuda_graph_counts(&self) -> (u64, u64, Option<String>) {
+        self.state
+            .as_ref()
+            .and_then(|s| s.graph.as_ref())
+            .map_or((0, 0, None), Graph::cuda_graph_counts)
+    }
+
     /// Run `ids` through the model. With `cache` the tokens are appended at its `seq_len`;
     /// without, the model's own cache (attached at load) is reset and used from position 0.
     /// `out` receives `rows × vocab` logits (row-major): the last position, or every one.
@@ -531,8 +565,11 @@ impl crate::Model {
     /// sequence keeps its own products (see `layer::linear_pieces`); an offloaded cache's layer
     /// rows are fetched as its sequence attends. The backend op sequence (`cuda:N`, or host
     /// devices through the CPU backend) batches too, its products shared as each backend
-    /// allows (`exec::Exec::shared_tokens`). Under tensor parallelism, and for sequences whose
-    /// tokens overflow a chunk, the sequences run one at a time, with the same results.
+    /// allows (`exec::Exec::shared_tokens`). Tensor parallelism batches the same way, on the
+    /// host path and through the backends, each device's products shared over the sequences and
+    /// attention per sequence on its own cache parts (`tp::TpGraph::forward_batch`); the ranks
+    /// of a multi-process group run the sequences one at a time, as do sequences whose tokens
+    /// overflow a chunk, with the same results.
     pub fn forward_batch(
         &mut self,
         seqs: &[(&Arc<Cache>, &[u32])],
@@ -599,6 +636,7 @@ impl crate::Model {
         let compute = self.runner.compute;
         let int8_threshold = self.runner.int8_threshold;
         let host_backend = self.runner.host_backend;
+        let cuda_graphs = self.runner.cuda_graphs;
         let pool = self.runner.pool.clone();
         let state = self.state.as_mut().ok_or_else(|| EngineError::NotLoaded {
             what: "the model".into(),
@@ -607,22 +645,16 @@ impl crate::Model {
             check_cache(cache, &spec)?;
         }
         if let Some(tp) = state.tp.clone() {
-            let mut made = Copies::default();
-            let mut rows = Vec::new();
-            out.clear();
-            for (cache, ids) in seqs {
-                made.add(tp::run(
-                    state,
-                    &tp,
-                    (source.as_ref(), &inventory),
-                    &spec,
-                    cache,
-                    (ids, output, &mut rows),
-                    (compute, int8_threshold, host_backend),
-                    pool.clone(),
-                )?);
-                out.extend_from_slice(&rows);
-            }
+            let made = tp::run(
+                state,
+                &tp,
+                (source.as_ref(), &inventory),
+                &spec,
+                seqs,
+                (output, out),
+                (compute, int8_threshold, host_backend),
+                pool,
+            )?;
             self.runner.last_copies = made;
             return Ok(made);
         }
@@ -677,7 +709,7 @@ impl crate::Model {
             out.clear();
             for round in &rounds {
                 let at = &seqs[round.clone()];
-                let c = (compute, int8_threshold);
+                let c = (compute, int8_threshold, cuda_graphs);
                 made.add(graph.forward(held, copies, scratch, at, output, c, &mut rows)?);
                 out.extend_from_slice(&rows);
             }

@@ -31,17 +31,18 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use weightlift_format::{ModelSpec, Role, TensorInfo, is_quantized_part};
-use weightlift_kernels::cpu::matvec::{matmul, matvec};
+use weightlift_kernels::MatvecMode;
+use weightlift_kernels::cpu::matvec::{Q8_BATCH_MAX_TOKENS, matmul, matvec};
 use weightlift_kernels::{QuantType, RopeParams};
 use weightlift_plan::{Dims, RuntimeSpec, TpShare, TpWorkspace};
 
 use super::attention::{self, Shape, Tiles};
 use super::graph::Loaded;
-use super::layer::{head_norm_in_place, kernel, swiglu_in_place};
+use super::layer::{head_norm_in_place, kernel, product_runs, swiglu_in_place};
 use super::rope::rope_of;
 use super::weights::Packing;
-use super::{Compute, Copies, Output, Views, carve, check_tokens};
-use crate::cache::Cache;
+use super::{Compute, Copies, Logits, Output, Views, carve, check_tokens};
+use crate::cache::{Cache, TpPart};
 use crate::device::DeviceKind;
 use crate::error::{EngineError, Result, invalid};
 use crate::model::Held;
@@ -216,72 +217,102 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// This device's heads of one attention layer on `n` tokens at `pos`: the partial sum of
-    /// `o_proj` lands in `w.xn`.
-    fn attention(
-        &self,
-        a: &Attn,
-        li: usize,
-        cache: &Cache,
-        pos: usize,
-        n: usize,
-        w: &mut Views<'_>,
-    ) -> Result<()> {
+    /// `y = W x (+ bias)` for the tokens of `segs` (consecutive rows), each token's row the
+    /// bits it gets when its sequence runs alone: the segments share products as the host
+    /// path's batch does (`layer::product_runs`), fast-mode block products up to 16 tokens.
+    fn products(&self, m: &Mat, x: &[f32], segs: &[Seg<'_>], y: &mut [f32]) -> Result<()> {
+        if let [s] = segs {
+            return self.product(m, x, s.n, y);
+        }
+        let lens: Vec<usize> = segs.iter().map(|s| s.n).collect();
+        let shares = self.compute.mode(m.ty) == MatvecMode::Q8;
+        for (first, n) in product_runs(&lens, shares) {
+            self.product(m, &x[first * m.cols..], n, &mut y[first * m.rows..])?;
+        }
+        Ok(())
+    }
+
+    /// This device's heads of one attention layer on the tokens of `segs`, each segment's at
+    /// its positions on its own cache part: the partial sum of `o_proj` lands in `w.xn`.
+    fn attention(&self, a: &Attn, li: usize, segs: &[Seg<'_>], w: &mut Views<'_>) -> Result<()> {
         let (h, hd) = (self.hidden, self.head_dim);
         let (qd, kvd) = (a.q_heads * hd, a.kv_heads * hd);
+        let n = segs.iter().map(|s| s.n).sum::<usize>();
         let err = |what: &'static str| move |e| kernel(&format!("layer {li} {what}"), e);
         weightlift_kernels::rms_norm(&w.x[..n * h], &a.norm, self.eps, &mut w.xn[..n * h])
             .map_err(err("attn_norm"))?;
-        self.product(&a.q, w.xn, n, w.q)?;
-        self.product(&a.k, w.xn, n, w.k)?;
-        self.product(&a.v, w.xn, n, w.v)?;
+        self.products(&a.q, w.xn, segs, w.q)?;
+        self.products(&a.k, w.xn, segs, w.k)?;
+        self.products(&a.v, w.xn, segs, w.v)?;
         if let Some([qn, kn]) = &a.qk_norm {
             head_norm_in_place(&mut w.q[..n * qd], qn, self.eps).map_err(err("q_norm"))?;
             head_norm_in_place(&mut w.k[..n * kvd], kn, self.eps).map_err(err("k_norm"))?;
         }
-        for (t, p) in w.pos[..n].iter_mut().enumerate() {
-            *p = (pos + t) as i32;
+        let mut slots = w.pos[..n].iter_mut();
+        for s in segs {
+            for (t, p) in slots.by_ref().take(s.n).enumerate() {
+                *p = (s.pos + t) as i32;
+            }
         }
         let freqs = &w.freqs[..self.rope.n_dims / 2];
         weightlift_kernels::rope_in_place(&mut w.q[..n * qd], &w.pos[..n], self.rope, freqs)
             .map_err(err("rope"))?;
         weightlift_kernels::rope_in_place(&mut w.k[..n * kvd], &w.pos[..n], self.rope, freqs)
             .map_err(err("rope"))?;
-        cache.write_rows(li, pos as u64, &w.k[..n * kvd], &w.v[..n * kvd])?;
-        let shape = Shape {
-            n_heads: a.q_heads,
-            kv_heads: a.kv_heads,
-            head_dim: hd,
-            kv_tile: self.kv_tile,
-            q_tile: self.q_tile,
-            f16_operands: self.compute.f16_operands(cache.config().dtype),
-            scale: 1.0 / (hd as f32).sqrt(),
-            window: 0,
-            softcap: 0.0,
-        };
-        let tiles = Tiles {
-            kt: w.kt,
-            vt: w.vt,
-            scores: w.scores,
-            stats: w.stats,
-            acc: w.att,
-        };
-        attention::attend(shape, cache, li, None, pos, &mut w.q[..n * qd], tiles)?;
-        self.product(&a.o, w.q, n, w.xn)
+        let mut at = 0;
+        for s in segs {
+            let rows = at..at + s.n;
+            at += s.n;
+            let cache = &s.parts[a.cache_part].cache;
+            let kv = rows.start * kvd..rows.end * kvd;
+            cache.write_rows(li, s.pos as u64, &w.k[kv.clone()], &w.v[kv])?;
+            let shape = Shape {
+                n_heads: a.q_heads,
+                kv_heads: a.kv_heads,
+                head_dim: hd,
+                kv_tile: self.kv_tile,
+                q_tile: self.q_tile,
+                f16_operands: self.compute.f16_operands(cache.config().dtype),
+                scale: 1.0 / (hd as f32).sqrt(),
+                window: 0,
+                softcap: 0.0,
+            };
+            let tiles = Tiles {
+                kt: &mut *w.kt,
+                vt: &mut *w.vt,
+                scores: &mut *w.scores,
+                stats: &mut *w.stats,
+                acc: &mut *w.att,
+            };
+            let q = &mut w.q[rows.start * qd..rows.end * qd];
+            attention::attend(shape, cache, li, None, s.pos, q, tiles)?;
+        }
+        self.products(&a.o, w.q, segs, w.xn)
     }
 
-    /// This device's columns of one MLP: the partial sum of `down` lands in `w.xn`.
-    fn mlp(&self, m: &Mlp, li: usize, n: usize, w: &mut Views<'_>) -> Result<()> {
+    /// This device's columns of one MLP on the tokens of `segs`: the partial sum of `down`
+    /// lands in `w.xn`.
+    fn mlp(&self, m: &Mlp, li: usize, segs: &[Seg<'_>], w: &mut Views<'_>) -> Result<()> {
         let h = self.hidden;
+        let n = segs.iter().map(|s| s.n).sum::<usize>();
         weightlift_kernels::rms_norm(&w.x[..n * h], &m.norm, self.eps, &mut w.xn[..n * h])
             .map_err(|e| kernel(&format!("layer {li} ffn_norm"), e))?;
         let i = m.gate.rows;
-        self.product(&m.gate, w.xn, n, w.gate)?;
-        self.product(&m.up, w.xn, n, w.up)?;
+        self.products(&m.gate, w.xn, segs, w.gate)?;
+        self.products(&m.up, w.xn, segs, w.up)?;
         swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i])
             .map_err(|e| kernel(&format!("layer {li} swiglu"), e))?;
-        self.product(&m.down, w.gate, n, w.xn)
+        self.products(&m.down, w.gate, segs, w.xn)
     }
+}
+
+/// One sequence's tokens in a forward chunk: the parts of its cache (by the KV table's
+/// devices), the position of its first token, and how many tokens it has. A chunk's segments
+/// take consecutive rows of every workspace, in order.
+struct Seg<'a> {
+    parts: &'a [TpPart],
+    pos: usize,
+    n: usize,
 }
 
 /// Each device of `table` that has a share of a layer (`per_device`, by device index), with
@@ -483,36 +514,12 @@ impl TpGraph {
                     .collect();
                 coll.scatter(b, n, h, &s.rs, &mut dsts)?;
             }
-            for (li, layer) in self.layers.iter().enumerate() {
-                gather_residual(&mut coll, flip(), &mut ws, &s.rs, &s.kv, (0, n, h))?;
-                // Each device's heads at once: its weights, workspace and cache part are its
-                // own, and the kernels give the same bits whichever thread runs them.
-                shares(&layer.attn, &mut ws, &s.kv)?
-                    .into_par_iter()
-                    .try_for_each(|(a, w)| {
-                        run.attention(a, li, &parts[a.cache_part].cache, pos, n, &mut w.v)
-                    })?;
-                reduce_partials(
-                    &mut coll,
-                    &mut ws,
-                    &s.kv,
-                    &s.rs,
-                    (n, h),
-                    layer.o_bias.as_deref(),
-                )?;
-                gather_residual(&mut coll, flip(), &mut ws, &s.rs, &s.id, (0, n, h))?;
-                shares(&layer.mlp, &mut ws, &s.id)?
-                    .into_par_iter()
-                    .try_for_each(|(m, w)| run.mlp(m, li, n, &mut w.v))?;
-                reduce_partials(
-                    &mut coll,
-                    &mut ws,
-                    &s.id,
-                    &s.rs,
-                    (n, h),
-                    layer.down_bias.as_deref(),
-                )?;
-            }
+            let segs = [Seg {
+                parts: &parts,
+                pos,
+                n,
+            }];
+            self.layers_on(&run, &mut coll, &mut flip, &mut ws, &segs)?;
             cache.appended(pos as u64, part)?;
             let Some((first, rows_out)) = output.chunk_rows((done, n, ids.len()), width, out)
             else {
@@ -522,6 +529,7 @@ impl TpGraph {
             let rows = (first, rows_out.len() / width);
             match output {
                 Output::Logits(_) => {
+                    let rows = (rows.0, rows.1, self.dims.logit_rows.max(1) as usize);
                     self.head(&run, &mut coll, &mut flip, &mut ws, rows, rows_out)?;
                 }
                 Output::Hidden => {
@@ -530,6 +538,180 @@ impl TpGraph {
             }
             done += n;
         }
+        Ok(coll.copies)
+    }
+
+    /// Every layer on the tokens of `segs` (rows `0..n` of the residual, `n` their tokens).
+    fn layers_on(
+        &self,
+        run: &Run<'_>,
+        coll: &mut Collectives<'_>,
+        flip: &mut dyn FnMut() -> usize,
+        ws: &mut [Option<Work<'_>>],
+        segs: &[Seg<'_>],
+    ) -> Result<()> {
+        let (s, h) = (&self.splits, run.hidden);
+        let n = segs.iter().map(|s| s.n).sum::<usize>();
+        for (li, layer) in self.layers.iter().enumerate() {
+            gather_residual(coll, flip(), ws, &s.rs, &s.kv, (0, n, h))?;
+            // Each device's heads at once: its weights, workspace and cache parts are its own,
+            // and the kernels give the same bits whichever thread runs them.
+            shares(&layer.attn, ws, &s.kv)?
+                .into_par_iter()
+                .try_for_each(|(a, w)| run.attention(a, li, segs, &mut w.v))?;
+            reduce_partials(coll, ws, &s.kv, &s.rs, (n, h), layer.o_bias.as_deref())?;
+            gather_residual(coll, flip(), ws, &s.rs, &s.id, (0, n, h))?;
+            shares(&layer.mlp, ws, &s.id)?
+                .into_par_iter()
+                .try_for_each(|(m, w)| run.mlp(m, li, segs, &mut w.v))?;
+            reduce_partials(coll, ws, &s.id, &s.rs, (n, h), layer.down_bias.as_deref())?;
+        }
+        Ok(())
+    }
+
+    /// Whether [`TpGraph::forward_batch`] runs these sequences together: a pass over every
+    /// device, on the host path or the backends' (a rank of a multi-process group runs them one
+    /// at a time), logits of the last positions, and their tokens within one chunk.
+    pub fn batches(&self, ctx: &TpContext, seqs: &[(&Arc<Cache>, &[u32])], output: Output) -> bool {
+        let tokens = seqs.iter().map(|(_, ids)| ids.len()).sum::<usize>();
+        ctx.rank().is_none()
+            && output == Output::Logits(Logits::Last)
+            && seqs.len() > 1
+            && tokens <= self.dims.tokens as usize
+    }
+
+    /// Several sequences through the model tensor-parallel in one pass (on the host path here,
+    /// on the devices' backends in `exec/batch.rs`): one product per linear for the tokens of
+    /// every sequence on each device (shared as [`Run::products`] keeps each token's bits, or
+    /// as `Exec::shared_tokens` does), attention per sequence on its own cache parts, and one
+    /// head product for every sequence's last row where they share it. `out` gets each
+    /// sequence's logits of its last position, in order: the bits each gets alone. The caller
+    /// checks [`TpGraph::batches`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_batch(
+        &self,
+        held: &[Held],
+        copies: &[(usize, Held)],
+        ctx: &mut TpContext,
+        seqs: &[(&Arc<Cache>, &[u32])],
+        (compute, int8_threshold): (Compute, f32),
+        out: &mut Vec<f32>,
+    ) -> Result<Copies> {
+        let mut parts = Vec::with_capacity(seqs.len());
+        let mut starts = Vec::with_capacity(seqs.len());
+        for (cache, ids) in seqs {
+            starts.push(check_tokens(ids, self.dims.vocab, cache)? as usize);
+            let p = cache.tp_parts();
+            self.check_cache(ctx, &p)?;
+            parts.push(p);
+        }
+        if ctx.splits() != &self.splits {
+            return Err(invalid(
+                "tp context tables",
+                "the tables the model was loaded with",
+                "other tables (the TPContext was changed after the load)",
+            ));
+        }
+        if let Some(bg) = &self.backend {
+            let batch: Vec<exec::BatchSeq<'_>> = seqs
+                .iter()
+                .zip(&parts)
+                .zip(&starts)
+                .map(|((&(cache, ids), parts), &pos)| (cache, ids, &parts[..], pos))
+                .collect();
+            out.clear();
+            out.resize(seqs.len() * self.dims.vocab as usize, 0.0);
+            let on = (held, copies);
+            return self.forward_backends_batch(
+                bg,
+                on,
+                ctx,
+                &batch,
+                (compute, int8_threshold),
+                out,
+            );
+        }
+        let segs: Vec<Seg<'_>> = parts
+            .iter()
+            .zip(&starts)
+            .zip(seqs)
+            .map(|((parts, &pos), (_, ids))| Seg {
+                parts,
+                pos,
+                n: ids.len(),
+            })
+            .collect();
+        let n = segs.iter().map(|s| s.n).sum::<usize>();
+        let vocab = self.dims.vocab as usize;
+        out.clear();
+        out.resize(seqs.len() * vocab, 0.0);
+        let (mut coll, scratch) = ctx.lend()?;
+        let mut ws: Vec<Option<Work<'_>>> = Vec::with_capacity(scratch.len());
+        for (d, bytes) in scratch.into_iter().enumerate() {
+            let layout = self.layouts.get(d).copied().unwrap_or_default();
+            ws.push(match bytes {
+                Some(b) if layout.bytes > 0 => Some(carve_tp(b, &layout)?),
+                _ => None,
+            });
+        }
+        for w in ws.iter_mut().flatten() {
+            let len = self.inv_freqs.len().min(w.v.freqs.len());
+            w.v.freqs[..len].copy_from_slice(&self.inv_freqs[..len]);
+        }
+        let run = self.run(held, copies, compute);
+        let (s, h) = (&self.splits, run.hidden);
+        let mut buffer = 0usize;
+        let mut flip = || {
+            buffer ^= 1;
+            buffer
+        };
+        let b = flip();
+        let ids: Vec<u32> = seqs
+            .iter()
+            .flat_map(|(_, ids)| ids.iter().copied())
+            .collect();
+        self.embed_rows(&run, &ids, coll.staging(b, n, h)?)?;
+        {
+            let mut dsts: Vec<&mut [f32]> = pick(&mut ws, &s.rs)?
+                .into_iter()
+                .map(|w| &mut w.residual[..])
+                .collect();
+            coll.scatter(b, n, h, &s.rs, &mut dsts)?;
+        }
+        self.layers_on(&run, &mut coll, &mut flip, &mut ws, &segs)?;
+        for ((cache, ids), seg) in seqs.iter().zip(&segs) {
+            cache.appended(seg.pos as u64, ids)?;
+        }
+        // Each sequence's last row moved to the residual's first rows (ascending, so no row is
+        // overwritten before it moves), for one head call over them.
+        let lasts: Vec<usize> = segs
+            .iter()
+            .scan(0, |end, seg| {
+                *end += seg.n;
+                Some(*end - 1)
+            })
+            .collect();
+        for (&(_, a, e), w) in s.rs.iter().zip(pick(&mut ws, &s.rs)?) {
+            let width = (e - a) as usize;
+            for (j, &r) in lasts.iter().enumerate() {
+                w.residual
+                    .copy_within(r * width..(r + 1) * width, j * width);
+            }
+        }
+        // Alone, each sequence's last row is one matrix-vector product; fast-mode block
+        // products of up to 16 rows give each row those bits, other products one row each.
+        let shared = self
+            .heads
+            .iter()
+            .flatten()
+            .all(|hd| compute.mode(hd.mat.ty) == MatvecMode::Q8);
+        let per = if shared {
+            (self.dims.logit_rows.max(1) as usize).min(Q8_BATCH_MAX_TOKENS)
+        } else {
+            1
+        };
+        let rows = (0, seqs.len(), per);
+        self.head(&run, &mut coll, &mut flip, &mut ws, rows, out)?;
         Ok(coll.copies)
     }
 
@@ -555,14 +737,15 @@ impl TpGraph {
         }
     }
 
-    /// Logits of residual rows `first..first + need` into `rows_out` (`need × vocab`).
+    /// Logits of residual rows `first..first + need` into `rows_out` (`need × vocab`), `per`
+    /// rows a product.
     fn head(
         &self,
         run: &Run<'_>,
         coll: &mut Collectives<'_>,
         flip: &mut dyn FnMut() -> usize,
         ws: &mut [Option<Work<'_>>],
-        (first, need): (usize, usize),
+        (first, need, per): (usize, usize, usize),
         rows_out: &mut [f32],
     ) -> Result<()> {
         let (h, vocab) = (run.hidden, self.dims.vocab as usize);
@@ -581,8 +764,7 @@ impl TpGraph {
             )
             .map_err(|e| kernel("output_norm", e))?;
         }
-        let per = self.dims.logit_rows.max(1) as usize;
-        for r0 in (0..need).step_by(per) {
+        for r0 in (0..need).step_by(per.max(1)) {
             let nr = per.min(need - r0);
             let mut blocks: Vec<&[f32]> = Vec::with_capacity(s.vc.len());
             for (&(d, _, _), w) in s.vc.iter().zip(pick(ws, &s.vc)?) {

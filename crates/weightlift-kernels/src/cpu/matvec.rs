@@ -547,11 +547,20 @@ struct TokenPass<'a> {
     qs: Vec<[i8; 32]>,
     bias: Vec<[i32; 8]>,
     scales: Vec<TokenScales>,
+    /// The same tokens as the row-pair kernel takes them, where [`takes_row_pairs`] says so.
+    #[cfg(target_arch = "x86_64")]
+    pairs: Option<super::x86_matvec512::PairTokens>,
 }
 
 impl<'a> TokenPass<'a> {
-    /// The pass of tokens `xs` (their lane offsets `bias[t]`, or none), laid out for `isa`.
-    fn new(isa: Isa, xs: &'a [&'a [Q8Block]], bias: &[&[[i32; 8]]]) -> Self {
+    /// The pass of tokens `xs` (their lane offsets `bias[t]`, or none), laid out for `isa`,
+    /// and for the row-pair kernel on weights of `ty` too when `paired`.
+    fn new(
+        isa: Isa,
+        xs: &'a [&'a [Q8Block]],
+        bias: &[&[[i32; 8]]],
+        (ty, paired): (QuantType, bool),
+    ) -> Self {
         let (n, nb) = (xs.len(), xs.first().map_or(0, |x| x.len()));
         if !isa.has_avx2() {
             return TokenPass {
@@ -559,25 +568,33 @@ impl<'a> TokenPass<'a> {
                 qs: Vec::new(),
                 bias: Vec::new(),
                 scales: Vec::new(),
+                #[cfg(target_arch = "x86_64")]
+                pairs: None,
             };
         }
-        let qs = (0..nb * n).map(|k| xs[k % n][k / n].qs).collect();
-        let bias = if bias.iter().all(|b| b.len() == nb) && nb > 0 {
+        let qs: Vec<[i8; 32]> = (0..nb * n).map(|k| xs[k % n][k / n].qs).collect();
+        let bias: Vec<[i32; 8]> = if bias.iter().all(|b| b.len() == nb) && nb > 0 {
             (0..nb * n).map(|k| bias[k % n][k / n]).collect()
         } else {
             Vec::new()
         };
-        let scales = (0..nb)
+        let scales: Vec<TokenScales> = (0..nb)
             .map(|i| TokenScales {
                 d: std::array::from_fn(|t| xs.get(t).map_or(0.0, |x| x[i].d)),
                 s: std::array::from_fn(|t| xs.get(t).map_or(0.0, |x| x[i].sum as f32)),
             })
             .collect();
+        #[cfg(target_arch = "x86_64")]
+        let pairs = paired.then(|| super::x86_matvec512::PairTokens::new(ty, n, &qs, &scales));
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (ty, paired);
         TokenPass {
             xs,
             qs,
             bias,
             scales,
+            #[cfg(target_arch = "x86_64")]
+            pairs,
         }
     }
 }
@@ -641,7 +658,11 @@ fn row_pair_tokens_q8(ty: QuantType, rows: [&[u8]; 2], pass: &TokenPass, out: [&
     #[cfg(target_arch = "x86_64")]
     {
         use super::x86_matvec512::row_pair_tokens_q8_512 as k;
-        let (qs, bias, scales) = (&pass.qs[..], &pass.bias[..], &pass.scales[..]);
+        let scales = &pass.scales[..];
+        let x = pass
+            .pairs
+            .as_ref()
+            .expect("row_pair_tokens_q8: a pass laid out for row pairs");
         let [o0, o1] = out;
         macro_rules! by_tokens {
             ($($t:literal)*) => {
@@ -650,8 +671,8 @@ fn row_pair_tokens_q8(ty: QuantType, rows: [&[u8]; 2], pass: &TokenPass, out: [&
                         // SAFETY: takes_row_pairs saw AVX512-VNNI detected at run time (with
                         // AVX-512F/BW/VL: Isa::vnni returns it only at Isa::Avx512) and a type
                         // the kernel takes; both rows hold whole blocks for the pass's tokens,
-                        // laid out by TokenPass::new with vnni_offset's lane offsets.
-                        let [a, b] = unsafe { k::<$t>(ty, rows, qs, bias, scales) };
+                        // laid out for ty by TokenPass::new (PairTokens::new).
+                        let [a, b] = unsafe { k::<$t>(ty, rows, x, scales) };
                         o0.copy_from_slice(&a);
                         o1.copy_from_slice(&b);
                     })*
@@ -707,12 +728,12 @@ fn q8_matmul_batch(
         } else {
             act.bias.chunks_exact(per_tok).collect()
         };
+        let paired = takes_row_pairs(vnni, ty);
         let passes: Vec<TokenPass> = xs
             .chunks(pass)
             .zip(bias.chunks(pass))
-            .map(|(xp, bp)| TokenPass::new(isa, xp, bp))
+            .map(|(xp, bp)| TokenPass::new(isa, xp, bp, (ty, paired)))
             .collect();
-        let paired = takes_row_pairs(vnni, ty);
         let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
         yt.par_chunks_mut(ROWS_PER_TASK * n_tok)
             .enumerate()

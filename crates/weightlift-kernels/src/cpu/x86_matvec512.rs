@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::matvec::{Q8Block, TokenScales};
-use super::x86::imp::{rd_f16_int, rd_u32};
+use super::x86::imp::rd_u32;
 use super::x86_matvec::prefetch_ahead;
 use crate::types::QuantType;
 
@@ -213,25 +213,123 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
     out
 }
 
-/// The batched form of [`rows_dot_q8_512`]: the VNNI Q8-mode dots of two rows (one in each
-/// half of a 512-bit vector) with `T` tokens, each row's block decoded once for all of them.
-/// The tokens' blocks come interleaved as `x86_matvec_batch` takes them (`xq[i · T + t]`, and
-/// `bias` alike for the types with a quant offset), `scales[i]` their scales and quant sums.
-/// Every lane runs the operations of the single-token kernels in their order (`d · d_x`
-/// rounded per block, one FMA per block and lane, the offset term summed apart in block order),
-/// so each token's two results have the bits of [`rows_dot_q8_512`] for that token alone.
-/// Returns `[row 0's T results, row 1's]`.
+/// The tokens of a pass laid out for [`row_pair_tokens_q8_512`], whose vectors hold the two
+/// rows' lanes interleaved (lane `2k + r` row `r`'s lane `k`): each token's quants with every
+/// 4-quant group twice, and each block's token scales and quant sums twice, so a token's
+/// operands are one whole load and one 64-bit broadcast of its two `d · d_x`, with no shuffle
+/// per token. For the types with signed weight quants (Q4_0, Q5_0, Q8_0) the token's quants
+/// are stored plus 128 (unsigned, for `vpdpbusd`'s unsigned operand) and the weight side takes
+/// the offset off, once per block for every token: no lane offsets per token.
+pub(crate) struct PairTokens {
+    /// `qs[i · T + t]`: token `t`'s block `i`, quants `4k..4k + 4` at bytes `8k` and `8k + 4`.
+    qs: Vec<[i8; 64]>,
+    /// `d[i]`, lanes `2t` and `2t + 1`: token `t`'s scale of block `i` (0 past the last token).
+    d: Vec<Lanes32>,
+    /// `s[i]`: token `t`'s quant sum of block `i` alike, as f32 (exact).
+    s: Vec<Lanes32>,
+    /// Whether the quants are stored plus 128 (the types with signed weight quants).
+    unsigned: bool,
+}
+
+/// 32 f32, aligned for whole-vector loads and the 64-bit broadcasts of a token's pair.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Lanes32([f32; 32]);
+
+impl PairTokens {
+    /// The layout for weights of `ty` of `n` tokens' blocks interleaved by block
+    /// (`xq[i · n + t]`), `scales[i]` each block's token scales and quant sums.
+    pub(crate) fn new(
+        ty: QuantType,
+        n: usize,
+        xq: &[[i8; 32]],
+        scales: &[TokenScales],
+    ) -> PairTokens {
+        let unsigned = !matches!(ty, QuantType::Q4_1 | QuantType::Q5_1);
+        // each byte's sign bit flipped: q + 128 as an unsigned byte
+        let flip = if unsigned { 0x8080_8080u32 } else { 0 };
+        let twice = |v: &[i8; 32]| -> [i8; 64] {
+            let v: [u32; 8] = bytemuck::cast(*v);
+            bytemuck::cast(v.map(|g| {
+                let g = u64::from(g ^ flip);
+                g | (g << 32)
+            }))
+        };
+        let pairs = |v: &[f32; 16]| Lanes32(std::array::from_fn(|l| v[l / 2]));
+        debug_assert!(scales.is_empty() || xq.len() == n * scales.len());
+        PairTokens {
+            qs: xq.iter().map(twice).collect(),
+            d: scales.iter().map(|s| pairs(&s.d)).collect(),
+            s: scales.iter().map(|s| pairs(&s.s)).collect(),
+            unsigned,
+        }
+    }
+}
+
+/// `finish_lanes`'s sum of each row's 8 lanes, `((s0 + s2) + (s1 + s3))` with
+/// `s_k = l_k + l_(k+4)`, for the two rows of an interleaved vector (lane `2k + r` row `r`'s
+/// lane `k`), before the offset term is added.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn finish_interleaved(acc: __m512) -> [f32; 2] {
+    // lanes 8..16 onto 0..8: s_k of both rows, row r's at 2k + r
+    let s = _mm512_add_ps(acc, _mm512_shuffle_f32x4::<0b01_00_11_10>(acc, acc));
+    // lanes 4..8 onto 0..4: s_0 + s_2 at r, s_1 + s_3 at 2 + r
+    let t = _mm512_add_ps(s, _mm512_shuffle_f32x4::<0b10_11_00_01>(s, s));
+    // (s_0 + s_2) + (s_1 + s_3) at r
+    let u = _mm512_add_ps(t, _mm512_permute_ps::<0b01_00_11_10>(t));
+    let u = _mm512_castps512_ps128(u);
+    [_mm_cvtss_f32(u), _mm_cvtss_f32(_mm_movehdup_ps(u))]
+}
+
+/// `v`, through a barrier the optimiser cannot see past: each block's `d · d_x` of every
+/// token are stored with one or two vector multiplies and read back one token at a time as a
+/// broadcast load, where LLVM would otherwise forward the stored vectors through a shuffle
+/// per token, on the ports the products need.
+#[inline(always)]
+fn opaque(v: &mut Lanes32) -> &mut Lanes32 {
+    std::hint::black_box(v)
+}
+
+/// The f16 at `a` in the even lanes and at `b` in the odd lanes, as f32.
+///
+/// # Safety
+/// AVX-512F and F16C; both point to 2 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2,f16c,avx512f")]
+unsafe fn scales_interleaved(a: *const u8, b: *const u8) -> __m512 {
+    // SAFETY: as the contract.
+    let (ha, hb) = unsafe {
+        (
+            a.cast::<u16>().read_unaligned(),
+            b.cast::<u16>().read_unaligned(),
+        )
+    };
+    _mm512_cvtph_ps(_mm256_set1_epi32(
+        (u32::from(ha) | (u32::from(hb) << 16)) as i32,
+    ))
+}
+
+/// The batched form of [`rows_dot_q8_512`]: the VNNI Q8-mode dots of two rows with `T`
+/// tokens, each row's block decoded once for all of them. The two rows' lanes are interleaved
+/// in one 512-bit vector (lane `2k + r` row `r`'s lane `k`), so one 64-bit broadcast of a
+/// token's two `d · d_x` (stored for every token by one multiply per 8 tokens and block)
+/// scales both rows' lanes, and a token costs a dot, a conversion and an FMA per block. The
+/// tokens come as [`PairTokens`] lays them out for `ty`, `scales` one entry per block. Every
+/// lane runs the operations of the single-token kernels in their order (the same integer lane
+/// sums, `d · d_x` rounded per block, one FMA per block and lane, the offset term
+/// `(m · d_x) · Σq_x` summed apart in block order), so each token's two results have the bits
+/// of [`rows_dot_q8_512`] for that token alone. Returns `[row 0's T results, row 1's]`.
 ///
 /// # Safety
 /// AVX2, FMA, F16C, AVX-512F/BW/VL and AVX512-VNNI; `ty` is one [`takes`]; both rows hold
-/// `scales.len()` whole blocks; `xq` holds `T` blocks per scale entry, and `bias` as many lane
-/// offsets for Q4_0, Q5_0 and Q8_0; at most 16 tokens.
+/// `scales.len()` whole blocks; `x` was laid out for `ty` from `T` tokens' blocks per scale
+/// entry; at most 16 tokens.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn row_pair_tokens_q8_512<const T: usize>(
     ty: QuantType,
     rows: [&[u8]; 2],
-    xq: &[[i8; 32]],
-    bias: &[[i32; 8]],
+    x: &PairTokens,
     scales: &[TokenScales],
 ) -> [[f32; T]; 2] {
     let (nb, bb) = (scales.len(), ty.block_bytes());
@@ -240,91 +338,128 @@ pub(crate) unsafe fn row_pair_tokens_q8_512<const T: usize>(
         takes(ty)
             && T <= 16
             && rows.iter().all(|r| r.len() == nb * bb)
-            && xq.len() == nb * T
-            && (offset || bias.len() == nb * T),
+            && x.qs.len() == nb * T
+            && x.d.len() == nb
+            && x.s.len() == nb
+            && x.unsigned != offset,
         "row_pair_tokens_q8_512: shapes"
     );
+    // the halves of 16 tokens that hold tokens, 8 tokens of both rows in each
+    let halves = T.div_ceil(8);
     let mut acc = [_mm512_setzero_ps(); T];
-    // the offset terms of Q4_1 and Q5_1, each row's in token lanes
+    // the offset terms of Q4_1 and Q5_1: token 8h + j of row r in lane 2j + r of half h
     let mut ext = [_mm512_setzero_ps(); 2];
+    // per block, each token's two `d · d_x` at 2t and 2t + 1
+    let mut dd = Lanes32([0.0; 32]);
+    // [row 0's 8 lanes | row 1's] to lane 2k + r
+    let inter = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    // block i of row r (whole blocks, checked above)
+    let at = |r: usize, i: usize| -> *const u8 {
+        // SAFETY: i < nb, and the row holds nb blocks of bb bytes.
+        unsafe { rows[r].as_ptr().add(i * bb) }
+    };
     // 16 added to the quants whose fifth bit is set: bit j of a block's `qh` is value j's
-    let fifth = |a: &[u8], b: &[u8], off: usize| -> __mmask64 {
-        u64::from(rd_u32(a, off)) | (u64::from(rd_u32(b, off)) << 32)
+    let fifth = |a: *const u8, b: *const u8, off: usize| -> __mmask64 {
+        // SAFETY: `off + 4` bytes of each block are readable.
+        let (ha, hb) = unsafe {
+            (
+                a.add(off).cast::<u32>().read_unaligned(),
+                b.add(off).cast::<u32>().read_unaligned(),
+            )
+        };
+        u64::from(ha) | (u64::from(hb) << 32)
     };
     let k16 = _mm512_set1_epi8(16);
-    for i in 0..nb {
-        let (a, b) = (
-            &rows[0][i * bb..(i + 1) * bb],
-            &rows[1][i * bb..(i + 1) * bb],
-        );
-        prefetch_ahead(a);
-        prefetch_ahead(b);
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        // SAFETY: whole blocks of `ty` (checked above), so each quant field is readable.
-        let q = unsafe {
-            match ty {
-                QuantType::Q4_0 => nibbles_pair(pa.add(2), pb.add(2)),
-                QuantType::Q5_0 => {
-                    let q = nibbles_pair(pa.add(6), pb.add(6));
-                    _mm512_mask_add_epi8(q, fifth(a, b, 2), q, k16)
+    // Every block: `$quants` the pair's quants from its blocks `$a` and `$b` (unsigned for the
+    // offset types, signed for the others), interleaved; each token's two `d · d_x`; the
+    // offset term or the weight side of the quant offset; then per token one dot, one
+    // conversion and one FMA.
+    macro_rules! blocks {
+        ($offset:literal, |$a:ident, $b:ident| $quants:expr) => {
+            for i in 0..nb {
+                let ($a, $b) = (at(0, i), at(1, i));
+                // SAFETY: both are whole blocks; a prefetch never faults.
+                unsafe {
+                    prefetch_ahead(std::slice::from_raw_parts($a, 1));
+                    prefetch_ahead(std::slice::from_raw_parts($b, 1));
                 }
-                QuantType::Q8_0 => _mm512_xor_si512(
-                    pair(
-                        _mm256_loadu_si256(pa.add(2).cast()),
-                        _mm256_loadu_si256(pb.add(2).cast()),
-                    ),
-                    _mm512_set1_epi8(-128),
-                ),
-                QuantType::Q4_1 => nibbles_pair(pa.add(4), pb.add(4)),
-                _ => {
-                    let q = nibbles_pair(pa.add(8), pb.add(8));
-                    _mm512_mask_add_epi8(q, fifth(a, b, 4), q, k16)
+                // SAFETY: whole blocks of `ty`, so each field is readable.
+                let q = _mm512_permutexvar_epi32(inter, unsafe { $quants });
+                // SAFETY: d is the first field of every block.
+                let sp = unsafe { scales_interleaved($a, $b) };
+                let (xd, xs) = (&x.d[i].0, &x.s[i].0);
+                for h in 0..halves {
+                    // SAFETY: each holds 32 f32, 64-byte aligned.
+                    unsafe {
+                        let d = _mm512_load_ps(xd.as_ptr().add(16 * h));
+                        _mm512_store_ps(dd.0.as_mut_ptr().add(16 * h), _mm512_mul_ps(sp, d));
+                        if $offset {
+                            // m follows d in Q4_1 and Q5_1
+                            let m = scales_interleaved($a.add(2), $b.add(2));
+                            let s = _mm512_load_ps(xs.as_ptr().add(16 * h));
+                            let e = &mut ext[h];
+                            *e = _mm512_add_ps(*e, _mm512_mul_ps(_mm512_mul_ps(m, d), s));
+                        }
+                    }
+                }
+                let dd = opaque(&mut dd);
+                // the signed quants' side of the tokens' +128: −128 · Σq per lane
+                let base = if $offset {
+                    _mm512_setzero_si512()
+                } else {
+                    let sum =
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), q);
+                    _mm512_sub_epi32(_mm512_setzero_si512(), sum)
+                };
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: i · T + t < nb · T (checked above), 64 bytes of quants each;
+                    // dd's pair at 2t is 8-byte aligned (dd is 64-byte aligned).
+                    let (xv, d) = unsafe {
+                        let xv = _mm512_loadu_si512(x.qs.get_unchecked(i * T + t).as_ptr().cast());
+                        let d = dd.0.as_ptr().add(2 * t).cast::<f64>().read();
+                        (xv, _mm512_castpd_ps(_mm512_set1_pd(d)))
+                    };
+                    let l = if $offset {
+                        _mm512_dpbusd_epi32(base, q, xv)
+                    } else {
+                        _mm512_dpbusd_epi32(base, xv, q)
+                    };
+                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(l), *acc);
                 }
             }
         };
-        // SAFETY: d is the first field of every block.
-        let sp = unsafe { scales_pair(pa, pb) };
-        let ts = &scales[i];
-        if offset {
-            // SAFETY: TokenScales holds 16 lanes of each.
-            let (xd, xs) = unsafe {
-                (
-                    _mm512_loadu_ps(ts.d.as_ptr()),
-                    _mm512_loadu_ps(ts.s.as_ptr()),
-                )
-            };
-            for (e, blk) in ext.iter_mut().zip([a, b]) {
-                let m = _mm512_set1_ps(rd_f16_int(blk, 2));
-                *e = _mm512_add_ps(*e, _mm512_mul_ps(_mm512_mul_ps(m, xd), xs));
-            }
-        }
-        for (t, acc) in acc.iter_mut().enumerate() {
-            let k = i * T + t;
-            // SAFETY: k < nb · T (checked above); each row of quants and offsets is 32 bytes.
-            let (xv, bv) = unsafe {
-                let xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(xq[k].as_ptr().cast()));
-                let bv = if offset {
-                    _mm512_setzero_si512()
-                } else {
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(bias[k].as_ptr().cast()))
-                };
-                (xv, bv)
-            };
-            let l = _mm512_dpbusd_epi32(bv, q, xv);
-            let dd = _mm512_mul_ps(sp, _mm512_set1_ps(ts.d[t]));
-            *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(l), *acc);
-        }
     }
-    let mut extra = [[0f32; 16]; 2];
-    for (x, e) in extra.iter_mut().zip(ext) {
-        // SAFETY: each holds 16 f32.
-        unsafe { _mm512_storeu_ps(x.as_mut_ptr(), e) };
+    let k8 = _mm512_set1_epi8(8);
+    match ty {
+        QuantType::Q4_0 => blocks!(false, |a, b| _mm512_sub_epi8(
+            nibbles_pair(a.add(2), b.add(2)),
+            k8
+        )),
+        QuantType::Q5_0 => blocks!(false, |a, b| {
+            let q = nibbles_pair(a.add(6), b.add(6));
+            _mm512_sub_epi8(_mm512_mask_add_epi8(q, fifth(a, b, 2), q, k16), k16)
+        }),
+        QuantType::Q8_0 => blocks!(false, |a, b| pair(
+            _mm256_loadu_si256(a.add(2).cast()),
+            _mm256_loadu_si256(b.add(2).cast())
+        )),
+        QuantType::Q4_1 => blocks!(true, |a, b| nibbles_pair(a.add(4), b.add(4))),
+        QuantType::Q5_1 => blocks!(true, |a, b| {
+            let q = nibbles_pair(a.add(8), b.add(8));
+            _mm512_mask_add_epi8(q, fifth(a, b, 4), q, k16)
+        }),
+        _ => {}
+    }
+    let mut extra = [0f32; 32];
+    for (h, e) in ext.iter().enumerate().take(halves) {
+        // SAFETY: extra holds 32 f32.
+        unsafe { _mm512_storeu_ps(extra.as_mut_ptr().add(16 * h), *e) };
     }
     let mut out = [[0f32; T]; 2];
     for (t, a) in acc.into_iter().enumerate() {
-        let [lo, hi] = finish_pair(a);
-        out[0][t] = lo + extra[0][t];
-        out[1][t] = hi + extra[1][t];
+        let [lo, hi] = finish_interleaved(a);
+        out[0][t] = lo + extra[2 * t];
+        out[1][t] = hi + extra[2 * t + 1];
     }
     out
 }

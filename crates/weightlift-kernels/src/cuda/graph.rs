@@ -2,12 +2,12 @@
 //! and replayed as one graph launch, so a decode step costs one launch on the host instead of a
 //! few hundred.
 //!
-//! Off by default: nothing in the engine captures yet. A replay repeats every launch with the
-//! arguments it was recorded with (the same buffers, counts and grids); only what the kernels
-//! read from device memory may change between replays. Positions already come from device
-//! memory (RoPE reads them from a buffer); what a decode step still passes from the host, and
-//! so what the engine must move to device memory before it can replay a step, is named in the
-//! README's GPU notes.
+//! A replay repeats every launch with the arguments it was recorded with (the same buffers,
+//! counts and grids); only what the kernels read from device memory may change between replays.
+//! A decode step's position is such a value: RoPE, the cache store at the position's row and
+//! attention read it from the positions buffer in their device-position forms
+//! ([`Op::RopeKvStore`]'s `cache_rows`, [`Op::Attention`]'s `start_at`). The engine captures a
+//! decode step on one device with them and replays it (`forward/graph/step.rs` there).
 
 // cudarc's capture API is safe, but the buffers a graph will touch when replayed are the
 // caller's to keep alive: the replay is unsafe.
@@ -15,9 +15,9 @@
 
 use super::*;
 
-/// Launches recorded by [`CudaBackend::capture`], replayed by [`CudaBackend::replay`]. Not
-/// `Send`: a graph may only be used from one thread at a time (the driver does not
-/// synchronise access to it).
+/// Launches recorded by [`CudaBackend::capture`], replayed by [`CudaBackend::replay`], which
+/// takes it by `&mut`: the driver does not synchronise calls on one graph, so only its owner
+/// may launch it, one call at a time.
 pub struct CudaStepGraph {
     graph: cudarc::driver::CudaGraph,
     ordinal: usize,
@@ -30,6 +30,14 @@ impl std::fmt::Debug for CudaStepGraph {
             .finish()
     }
 }
+
+// SAFETY: the driver's graph handles may be used from any thread, one call at a time; a launch
+// binds the graph's context to the calling thread first. Every driver call on the graph needs
+// `&mut CudaStepGraph` (a replay) or ownership (its drop), so the borrow rules serialise them,
+// and a shared reference can reach no driver call at all.
+unsafe impl Send for CudaStepGraph {}
+// SAFETY: as above: `&CudaStepGraph` gives only its device ordinal and its `Debug` form.
+unsafe impl Sync for CudaStepGraph {}
 
 impl CudaBackend {
     /// Runs `record` with this backend's stream capturing: its operations are recorded into a
@@ -72,7 +80,7 @@ impl CudaBackend {
     /// Every buffer the recorded operations read or wrote must still be alive (not freed or
     /// reallocated since the capture), and nothing else may use them until the replay is done
     /// (ordered on this stream, as any launch).
-    pub unsafe fn replay(&self, step: &CudaStepGraph) -> Result<()> {
+    pub unsafe fn replay(&self, step: &mut CudaStepGraph) -> Result<()> {
         if step.ordinal != self.ordinal {
             return Err(KernelError::WrongDevice {
                 buffer_device: format!("cuda:{} (a captured graph)", step.ordinal),

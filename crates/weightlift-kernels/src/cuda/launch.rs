@@ -15,6 +15,8 @@ pub(super) enum KArg<'a> {
     InView(CudaView<'a, u8>),
     /// A buffer the kernel writes.
     Out(&'a mut CudaSlice<u8>),
+    /// A null pointer, for a pointer parameter the kernel checks before reading.
+    Null,
     U64(u64),
     I32(i32),
     F32(f32),
@@ -23,7 +25,7 @@ pub(super) enum KArg<'a> {
 impl KArg<'_> {
     pub(super) fn param(&self) -> Param {
         match self {
-            KArg::In(_) | KArg::InView(_) | KArg::Out(_) => Param::Ptr,
+            KArg::In(_) | KArg::InView(_) | KArg::Out(_) | KArg::Null => Param::Ptr,
             KArg::U64(_) => Param::U64,
             KArg::I32(_) => Param::I32,
             KArg::F32(_) => Param::F32,
@@ -66,6 +68,8 @@ impl CudaBackend {
                 KArg::In(s) => b.arg(*s),
                 KArg::InView(v) => b.arg(&*v),
                 KArg::Out(s) => b.arg(&mut **s),
+                // a device pointer is 64 bits wide, as the u64 parameters are
+                KArg::Null => b.arg(&NULL_PTR),
                 KArg::U64(v) => b.arg(&*v),
                 KArg::I32(v) => b.arg(&*v),
                 KArg::F32(v) => b.arg(&*v),
@@ -146,6 +150,9 @@ impl CudaBackend {
         unsafe { self.launch("kv", &name, elementwise(threads)?, &mut args) }
     }
 }
+
+/// The value of [`KArg::Null`].
+static NULL_PTR: u64 = 0;
 
 /// CUDA's limit on `gridDim.x` (2^31 − 1).
 pub(super) const MAX_GRID_X: usize = i32::MAX as usize;

@@ -130,7 +130,8 @@ impl CudaBackend {
     }
 
     /// Q8 mode: `q8_quantize_{act}` turns every token's activations into 40-byte blocks
-    /// ([`CudaBackend::q8_activations`]), then `q8_matvec_{type}` (one token) or
+    /// ([`CudaBackend::q8_activations`]), then `q8_matvec_{type}` (one token; or
+    /// `q8_wide_matvec_{type}` where the backend's [`Q8Decode`] picks the wide lanes) or
     /// `q8_matmul_{type}` meets each weight group with them in integers.
     pub(super) fn matmul_q8(
         &self,
@@ -204,15 +205,8 @@ impl CudaBackend {
         y: &mut CudaBuffer,
     ) -> Result<()> {
         if m.n_tok == 1 {
-            // decode: `wpr` warps a row, Q8_MATVEC_THREADS / (32 wpr) rows a block
-            let wpr = q8_matvec_warps(m.rows, m.cols, self.sm_count);
-            let per_block = Q8_MATVEC_THREADS / (32 * wpr);
-            let cfg = LaunchConfig {
-                grid_dim: (grid_for(m.rows, per_block, "rows")?, 1, 1),
-                block_dim: ((32 * wpr) as u32, per_block as u32, 1),
-                shared_mem_bytes: 0,
-            };
-            let name = format!("q8_matvec_{}", m.ty.name());
+            let (cfg, family) = self.q8_decode_launch(m)?;
+            let name = format!("{family}{}", m.ty.name());
             let mut args = [
                 KArg::In(&w.slice),
                 KArg::In(xq),
@@ -249,12 +243,37 @@ impl CudaBackend {
         unsafe { self.launch("matvec", &name, cfg, &mut args) }
     }
 
+    /// The launch of decode's Q8 product of `m` (one token), and its kernel family:
+    /// `q8_matvec_` with [`q8_matvec_warps`] warps a row, or, where this backend's
+    /// [`Q8Decode`] picks the wide lanes for the type, `q8_wide_matvec_` with
+    /// [`q8_wide_matvec_warps`]; `Q8_MATVEC_THREADS / (32 wpr)` rows a block either way. The
+    /// fused gate/up kernels take the same launch (`swiglu_` + the family), so each row's sums
+    /// are the family's own.
+    fn q8_decode_launch(&self, m: MatShape) -> Result<(LaunchConfig, &'static str)> {
+        let (wpr, family) = if self.q8_decode.wide_for(m.ty) {
+            (
+                q8_wide_matvec_warps(m.rows, m.cols, self.sm_count),
+                "q8_wide_matvec_",
+            )
+        } else {
+            (q8_matvec_warps(m.rows, m.cols, self.sm_count), "q8_matvec_")
+        };
+        let per_block = Q8_MATVEC_THREADS / (32 * wpr);
+        let cfg = LaunchConfig {
+            grid_dim: (grid_for(m.rows, per_block, "rows")?, 1, 1),
+            block_dim: ((32 * wpr) as u32, per_block as u32, 1),
+            shared_mem_bytes: 0,
+        };
+        Ok((cfg, family))
+    }
+
     /// [`Op::MatmulSwiGlu`] of one token in one launch (after the activations' quantisation
     /// in Q8 mode): `swiglu_matvec_{type}_{act}` with the threads a row of
-    /// `matvec_{type}_{act}`, or `swiglu_q8_matvec_{type}` with the warps a row of
-    /// `q8_matvec_{type}`, so each row's gate and up sums are those kernels' sums and `y` gets
-    /// the bits of the two products and `swiglu_inplace_f32`. `m` is the shape of either
-    /// matrix (one type, one row count: the caller checked).
+    /// `matvec_{type}_{act}`, or `swiglu_q8_matvec_{type}` (`swiglu_q8_wide_matvec_{type}`)
+    /// with the warps a row of `q8_matvec_{type}` (`q8_wide_matvec_{type}`: see
+    /// [`CudaBackend::q8_decode_launch`]), so each row's gate and up sums are those kernels'
+    /// sums and `y` gets the bits of the two products and `swiglu_inplace_f32`. `m` is the
+    /// shape of either matrix (one type, one row count: the caller checked).
     pub(super) fn matvec_swiglu(
         &self,
         mode: MatvecMode,
@@ -300,14 +319,8 @@ impl CudaBackend {
                 launch(name, cfg, &x.slice, y)
             }
             MatvecMode::Q8 => {
-                let wpr = q8_matvec_warps(m.rows, m.cols, self.sm_count);
-                let per_block = Q8_MATVEC_THREADS / (32 * wpr);
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_for(m.rows, per_block, "rows")?, 1, 1),
-                    block_dim: ((32 * wpr) as u32, per_block as u32, 1),
-                    shared_mem_bytes: 0,
-                };
-                let name = format!("swiglu_q8_matvec_{}", m.ty.name());
+                let (cfg, family) = self.q8_decode_launch(m)?;
+                let name = format!("swiglu_{family}{}", m.ty.name());
                 self.q8_activations(m, x, |xq| launch(name, cfg, xq, y))
             }
         }

@@ -459,6 +459,7 @@ impl CudaBackend {
                 v_format,
                 k_cache,
                 v_cache,
+                cache_rows,
             } if rope_kv_kernel(k_format, v_format).is_some() => {
                 for b in [&*q, &*k, v, positions, inv_freqs, &*k_cache, &*v_cache] {
                     self.own(b)?;
@@ -468,6 +469,25 @@ impl CudaBackend {
                 let kvn = crate::backend::kv_values(n_tok, kv_heads, hd)?;
                 k_format.check_values("kv store", 0, kvn)?;
                 v_format.check_values("kv store", 0, kvn)?;
+                // the values the caches hold: the rows written, or the layer's rows (the
+                // kernel's `cap`, 0 for the first)
+                let (cached, cap) = match cache_rows {
+                    None => (kvn, 0),
+                    Some(0) => {
+                        return Err(KernelError::Shape {
+                            op: "rope_kv_store",
+                            reason: "a cache of 0 rows holds no position".into(),
+                        });
+                    }
+                    Some(rows) => {
+                        let kvd = crate::backend::kv_values(1, kv_heads, hd)?;
+                        let cached = crate::backend::kv_values(rows, kv_heads, hd)?;
+                        // each row starts at a whole group (the kernel's groups stay in a row)
+                        k_format.check_values("kv store", kvd, cached)?;
+                        v_format.check_values("kv store", kvd, cached)?;
+                        (cached, rows as u64)
+                    }
+                };
                 need("rope values bytes", q, mul(mul(mul(n_tok, n_heads), hd), 4))?;
                 need("rope_kv_store key bytes", k, mul(kvn, 4))?;
                 need("rope_kv_store value bytes", v, mul(kvn, 4))?;
@@ -477,8 +497,8 @@ impl CudaBackend {
                     inv_freqs,
                     mul(params.n_dims / 2, 4),
                 )?;
-                need("kv cache key bytes", k_cache, k_format.byte_at(kvn))?;
-                need("kv cache value bytes", v_cache, v_format.byte_at(kvn))?;
+                need("kv cache key bytes", k_cache, k_format.byte_at(cached))?;
+                need("kv cache value bytes", v_cache, v_format.byte_at(cached))?;
                 let units = mul(mul(n_tok, n_heads), params.n_dims / 2)
                     .saturating_add(kvn / k_format.granule())
                     .saturating_add(kvn / v_format.granule());
@@ -501,11 +521,14 @@ impl CudaBackend {
                     KArg::I32(arg_i32("n_dims", params.n_dims)?),
                     KArg::I32(i32::from(params.style == RopeStyle::Neox)),
                     KArg::F32(params.attn_factor),
+                    KArg::U64(cap),
                 ];
                 // SAFETY: one thread per work unit below `units` (the kernel's own count of the
                 // same shape): a query pair inside its head (n_tok * n_heads * head_dim checked),
-                // a key or value (or group of 32) below kvn (checked for k, v and both caches'
-                // bytes), each token's position and each pair's angle (checked).
+                // a key or value (or group of 32) below kvn of k and v (checked), written at the
+                // same index of the caches (cap 0, their bytes checked for kvn) or at its row
+                // below cap (positions outside it skipped; cap rows checked), each token's
+                // position and each pair's angle (checked).
                 unsafe { self.launch("kv", name, elementwise(units)?, &mut args) }?;
             }
             op @ Op::RopeKvStore { .. } => {
@@ -634,6 +657,7 @@ impl CudaBackend {
                 v,
                 out,
                 scratch,
+                start_at,
             } => {
                 for b in [q, k, v] {
                     self.own(b)?;
@@ -643,6 +667,27 @@ impl CudaBackend {
                     self.own(b)?;
                 }
                 let name = attention_kernel(k_format, v_format)?;
+                // with the position read on the device, the shape checked is that of the last
+                // position the span allows: the cache must hold all its rows
+                let start = match &start_at {
+                    None => start,
+                    Some(at) => {
+                        self.own(at.positions)?;
+                        need("attention position bytes", at.positions, 4)?;
+                        if n_q >= ATTENTION_PREFILL_MIN_QUERIES || n_q > at.span {
+                            return Err(KernelError::Shape {
+                                op: "attention on cuda",
+                                reason: format!(
+                                    "{n_q} queries with the position read on the device over \
+                                     {} cache rows: only decode's few queries (below {}) read \
+                                     it there, inside the span",
+                                    at.span, ATTENTION_PREFILL_MIN_QUERIES
+                                ),
+                            });
+                        }
+                        at.span - n_q
+                    }
+                };
                 let sh = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, 1)?;
                 if head_dim > ATTENTION_MAX_HEAD_DIM {
                     return Err(KernelError::Shape {
@@ -732,19 +777,21 @@ impl CudaBackend {
                     splits: grid.splits as u64,
                     window: window as u64,
                     softcap,
+                    span: start_at.as_ref().map_or(0, |at| at.span as u64),
                 };
+                let pos = start_at.as_ref().map(|at| &*at.positions.slice);
                 let Some(part) = split else {
                     // SAFETY: block (x, i) reads query rows i of the heads of one chunk of KV
                     // head x (n_q * n_heads * head_dim checked) and cache rows below
                     // start + i + 1 of that KV head ((start + n_q) rows checked), and writes
                     // those heads' output rows i (n_q * n_heads * head_dim checked); head_dim
                     // is within the kernel's shared arrays (checked).
-                    return unsafe { self.attention_pass(&name, cfg, [q, k, v], out, &fixed) };
+                    return unsafe { self.attention_pass(&name, cfg, [q, k, v], out, pos, &fixed) };
                 };
                 // SAFETY: as above, with block (x, i) reading split x % splits of the keys and
                 // writing its heads' partial results (attention_grid cut the splits to what the
                 // scratch holds) instead of the output.
-                unsafe { self.attention_pass(&name, cfg, [q, k, v], part, &fixed) }?;
+                unsafe { self.attention_pass(&name, cfg, [q, k, v], part, pos, &fixed) }?;
                 let reduce = LaunchConfig {
                     grid_dim: (grid_for(n_heads, 1, "heads")?, rows, 1),
                     block_dim: (ATTENTION_THREADS, 1, 1),
@@ -757,11 +804,15 @@ impl CudaBackend {
                     KArg::U64(fixed.n_heads),
                     KArg::I32(fixed.head_dim),
                     KArg::U64(fixed.splits),
+                    KArg::U64(fixed.start),
+                    pos.map_or(KArg::Null, KArg::In),
+                    KArg::U64(fixed.span),
                 ];
-                // SAFETY: block (h, i) reads the splits' partial results of head h, query i,
-                // which the pass above wrote inside the scratch, and writes output row i of
-                // head h (n_q * n_heads * head_dim checked); splits <= ATTENTION_MAX_SPLITS,
-                // the kernel's shared weights (attention_grid).
+                // SAFETY: block (h, i) reads the partial results of the splits holding keys of
+                // query i (those the pass above wrote, found by the same position rule) of head
+                // h inside the scratch, and writes output row i of head h (n_q * n_heads *
+                // head_dim checked); splits <= ATTENTION_MAX_SPLITS, the kernel's shared
+                // weights (attention_grid).
                 unsafe { self.launch("attention", "attention_reduce_f32", reduce, &mut args) }?;
             }
         }
@@ -781,6 +832,9 @@ struct AttentionArgs {
     splits: u64,
     window: u64,
     softcap: f32,
+    /// The cache rows the keys are split over when the position is read on the device (0: it
+    /// is `start`).
+    span: u64,
 }
 
 impl CudaBackend {
@@ -796,6 +850,7 @@ impl CudaBackend {
         cfg: LaunchConfig,
         [q, k, v]: [&CudaBuffer; 3],
         dst: &mut CudaBuffer,
+        pos: Option<&CudaSlice<u8>>,
         a: &AttentionArgs,
     ) -> Result<()> {
         let mut args = [
@@ -813,8 +868,11 @@ impl CudaBackend {
             KArg::U64(a.splits),
             KArg::U64(a.window),
             KArg::F32(a.softcap),
+            pos.map_or(KArg::Null, KArg::In),
+            KArg::U64(a.span),
         ];
-        // SAFETY: the caller's contract.
+        // SAFETY: the caller's contract (the position, when read on the device, only within
+        // the span of rows the caller checked).
         unsafe { self.launch("attention", name, cfg, &mut args) }
     }
 }

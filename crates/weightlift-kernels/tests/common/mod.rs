@@ -120,6 +120,21 @@ pub fn q8_bound(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tok: usize) ->
     b
 }
 
+/// `rows` rows of `cols` values made of fixture `f`'s blocks in turn (block k of row r is
+/// fixture block (r · blocks a row + k) mod the fixture's blocks), with gguf-py's dequantised
+/// values laid out the same way: long rows from a short fixture.
+pub fn tiled_rows(f: &Fixture, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let (bs, bb) = (f.ty.block_size(), f.ty.block_bytes());
+    let n_blocks = f.raw.len() / bb;
+    let (mut raw, mut want) = (Vec::new(), Vec::new());
+    for i in 0..rows * (cols / bs) {
+        let k = i % n_blocks;
+        raw.extend_from_slice(&f.raw[k * bb..(k + 1) * bb]);
+        want.extend_from_slice(&f.want[k * bs..(k + 1) * bs]);
+    }
+    (raw, want)
+}
+
 /// The offset `m` of 32-value group `g` of a weight row (`w = d·q + m`), read from the block
 /// bytes as ggml-common.h lays them out: Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`; 0 for the
 /// symmetric types.

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyString};
 use weightlift_engine::GenerateOptions;
 use weightlift_engine::generate::request::{self, BiasKey, Request};
+use weightlift_engine::session::Prompt;
 
 use crate::errors::{Exc, eng, raise};
 use crate::model::Model;
@@ -31,31 +32,25 @@ pub(super) fn text_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
     )))
 }
 
-/// A prompt: text (tokenized by the model, `completion` choosing `create_completion`'s rules) or
-/// token ids.
-pub(super) fn prompt_ids(
-    model: &weightlift_engine::Model,
-    prompt: &Bound<'_, PyAny>,
-    add_bos: Option<bool>,
-    completion: bool,
-) -> PyResult<Vec<u32>> {
-    if prompt.cast::<PyString>().is_ok() || prompt.cast::<PyBytes>().is_ok() {
-        let text = text_of(prompt, "prompt")?;
-        return eng(if completion {
-            model.completion_prompt(&text)
-        } else {
-            model.prompt_ids(&text, add_bos)
-        });
+/// A prompt: text (str, or UTF-8 bytes) or token ids.
+pub(super) struct PromptArg(pub(super) Prompt);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for PromptArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.cast::<PyString>().is_ok() || obj.cast::<PyBytes>().is_ok() {
+            return Ok(PromptArg(Prompt::Text(text_of(&obj, "prompt")?)));
+        }
+        obj.extract::<Vec<u32>>()
+            .map(|ids| PromptArg(Prompt::Ids(ids)))
+            .map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "prompt: expected str, bytes or a list of token ids, got {}",
+                    type_name(&obj)
+                ))
+            })
     }
-    prompt.extract::<Vec<u32>>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "prompt: expected str, bytes or a list of token ids, got {}",
-            prompt
-                .get_type()
-                .name()
-                .map_or_else(|_| "?".into(), |n| n.to_string())
-        ))
-    })
 }
 
 /// Stop strings: None, one string, or a list of strings.
@@ -89,10 +84,6 @@ pub(super) fn logprobs_count(
         ))
     })?;
     eng(request::alternatives(n, what)).map(Some)
-}
-
-pub(super) fn is_given(obj: Option<&Bound<'_, PyAny>>) -> bool {
-    obj.is_some_and(|o| !o.is_none())
 }
 
 /// `logit_bias`: a dict of token id to bias, its keys as the engine's [`BiasKey`]s.

@@ -119,10 +119,6 @@ pub(super) fn response_format_grammar(
 
 #[pymethods]
 impl Model {
-    /// `logits` (one float32 row of the vocabulary) with every token that cannot begin text of
-    /// `grammar` (GBNF text or a `LlamaGrammar`) set to −inf, as llama.cpp's grammar sampler
-    /// masks a row from the grammar's start: what `Llama.sample(grammar=...)` samples from. A
-    /// grammar no token may begin raises `GrammarError`.
     fn grammar_mask<'py>(
         &self,
         py: Python<'py>,

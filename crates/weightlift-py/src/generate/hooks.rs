@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use weightlift_engine::EngineError;
 use weightlift_engine::generate::{Hook, LogitsFn, StopFn};
 
-use super::args::{Call, is_given};
+use super::args::Call;
+use crate::options::Kw;
 
 /// The Python exception a hook raised, if one did.
 #[derive(Clone, Default)]
@@ -48,12 +49,8 @@ fn ids_array<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyArray1<i32>> {
 
 /// Install `logits_processor` and `stopping_criteria` (callables, or lists of them as
 /// llama-cpp-python's `LogitsProcessorList` and `StoppingCriteriaList` are) on `call`.
-pub(super) fn install(
-    call: &mut Call,
-    logits_processor: Option<&Bound<'_, PyAny>>,
-    stopping_criteria: Option<&Bound<'_, PyAny>>,
-) {
-    if let Some(f) = logits_processor.filter(|f| is_given(Some(f))) {
+pub(super) fn install(call: &mut Call, kw: &Kw<'_>) -> PyResult<()> {
+    if let Some(f) = kw.any("logits_processor")? {
         let f = f.clone().unbind();
         let slot = call.hook_error.clone();
         let hook: Arc<LogitsFn> = Arc::new(move |ids: &[u32], logits: &mut [f32]| {
@@ -79,7 +76,7 @@ pub(super) fn install(
         });
         call.options.logits_hook = Some(Hook(hook));
     }
-    if let Some(f) = stopping_criteria.filter(|f| is_given(Some(f))) {
+    if let Some(f) = kw.any("stopping_criteria")? {
         let f = f.clone().unbind();
         let slot = call.hook_error.clone();
         let hook: Arc<StopFn> = Arc::new(move |ids: &[u32], logits: &[f32]| {
@@ -91,4 +88,5 @@ pub(super) fn install(
         });
         call.options.stop_hook = Some(Hook(hook));
     }
+    Ok(())
 }

@@ -7,12 +7,7 @@ use pyo3::prelude::*;
 use weightlift_plan as wp;
 
 use super::{CacheSpec, RuntimeSpec};
-use crate::errors::{Exc, io_error, py_err, raise};
-
-/// A capacity as Python sees it: None for an unbounded device (the planner's `u64::MAX`).
-fn bounded(v: u64) -> Option<u64> {
-    (v != u64::MAX).then_some(v)
-}
+use crate::errors::{io_error, py_err};
 
 /// Overhead parts as Python tuples.
 fn parts(p: &[wp::OverheadPart]) -> Vec<(String, u64, String)> {
@@ -50,7 +45,7 @@ impl From<wp::DeviceSpec> for Device {
     fn from(d: wp::DeviceSpec) -> Self {
         Device {
             kind: d.kind.name(),
-            capacity: bounded(d.capacity),
+            capacity: d.bounded_capacity(),
             reserve: d.reserve,
             overhead: d.overhead.total(),
             overhead_parts: parts(d.overhead.parts()),
@@ -101,14 +96,14 @@ impl From<&wp::DeviceUsage> for DeviceUsage {
         DeviceUsage {
             name: d.name.clone(),
             kind: d.kind.name(),
-            capacity: bounded(d.capacity),
+            capacity: d.bounded_capacity(),
             weights: d.weights,
             kv: d.kv,
             scratch: d.scratch,
             overhead: d.overhead,
             overhead_parts: parts(&d.overhead_parts),
             reserve: d.reserve,
-            free: bounded(d.capacity).map(|_| d.free),
+            free: d.bounded_free(),
             used: d.used(),
             layers: d.layers.clone(),
             holds: d.holds.clone(),
@@ -266,15 +261,10 @@ impl Plan {
     /// tensor-parallel.
     fn tp_split(&self, kind: &str) -> PyResult<Vec<(usize, u64, u64)>> {
         let k = wp::TpKind::parse(kind).map_err(py_err)?;
-        self.inner.tp_split(k).map(<[_]>::to_vec).ok_or_else(|| {
-            raise(
-                Exc::Plan,
-                format!(
-                    "tp_split: the plan has no tensor-parallel split (strategy {}); plan with strategy=\"tensor_parallel\"",
-                    self.inner.strategy()
-                ),
-            )
-        })
+        self.inner
+            .require_tp_split(k)
+            .map(<[_]>::to_vec)
+            .map_err(py_err)
     }
     /// The plan as JSON; `Plan.from_json` reads it back to an equal plan.
     fn to_json(&self) -> String {
@@ -305,13 +295,7 @@ impl Plan {
             .inner
             .devices()
             .iter()
-            .map(|d| {
-                format!(
-                    "{}: {} layers",
-                    d.name,
-                    d.layers.iter().map(|(a, b)| b - a + 1).sum::<u32>()
-                )
-            })
+            .map(|d| format!("{}: {} layers", d.name, d.n_layers()))
             .collect();
         format!(
             "<Plan {} {} ({} layers): {}>",

@@ -6,18 +6,21 @@
 use std::sync::Arc;
 
 use super::Graph;
-use weightlift_kernels::Backend;
+use super::step::{CacheKey, StepKey};
+use weightlift_kernels::{Backend, CudaBackend};
 
 use crate::cache::Cache;
 use crate::device::{Buffer, Device};
 use crate::error::Result;
 use crate::error::invalid;
+use crate::forward::SiteExec;
 use crate::forward::boundary::move_rows;
 use crate::forward::embed::embed_rows;
 use crate::forward::exec::{self, Ctx, kernel_on};
 use crate::forward::layer::{Consts, Piece, Weights, run_layer, shares_rows, tokens};
 use crate::forward::logits::{head_rows, hidden_rows};
 use crate::forward::onload::{Copier, SlotMem, onload_group, prefetch_first, settle};
+use crate::forward::parts::Ffn;
 use crate::forward::work::{Work, on_site, site_works};
 use crate::forward::{Compute, Copies, Logits, Output, check_tokens};
 use crate::model::Held;
@@ -67,6 +70,29 @@ impl Graph {
         }
     }
 
+    /// Whether a call of `seqs` for `output` may replay a decode step captured as a CUDA graph
+    /// (see `step`): one token of each sequence (a batch's no more than the head's logit rows,
+    /// so every row's logits stay on the device until the one copy), each on a cache held in
+    /// place, with the embedding, every layer (dense, none onloaded) and the head on one CUDA
+    /// device. Anything else takes the host's launches: onloaded weights and mixture-of-experts
+    /// routing go through the host in mid-step, and a prompt is not a decode step.
+    fn step_eligible(&self, seqs: &[Seq<'_>], output: Output) -> bool {
+        let at = self.embed_site;
+        !seqs.is_empty()
+            && seqs.len() <= self.dims.logit_rows as usize
+            && seqs
+                .iter()
+                .all(|(cache, ids)| ids.len() == 1 && !cache.is_offloaded())
+            && matches!(output, Output::Logits(_))
+            && matches!(self.sites.get(at).map(|s| &s.exec), Some(SiteExec::Cuda))
+            && self.head_site == at
+            && self.onload.is_none()
+            && self
+                .layers
+                .iter()
+                .all(|l| l.site == at && l.group.is_none() && matches!(l.ffn, Ffn::Dense { .. }))
+    }
+
     /// The tokens of one chunk: a call's prompt runs in chunks of this many.
     pub fn chunk_tokens(&self) -> usize {
         self.dims.tokens as usize
@@ -75,7 +101,8 @@ impl Graph {
     /// Run each sequence's ids through the model, appending to its cache at its `seq_len`, and
     /// write the `output` asked for into `out` (`rows × width`, row-major). Several sequences
     /// run as one chunk (see [`Graph::batches`]) and write the logits of their last positions,
-    /// a row each, in order. Returns the copies made.
+    /// a row each, in order. Returns the copies made. With `cuda_graphs`, a decode step that
+    /// runs whole on one CUDA device is replayed from a captured graph (see `step`).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
@@ -84,9 +111,10 @@ impl Graph {
         scratch: &mut [Buffer],
         seqs: &[Seq<'_>],
         output: Output,
-        (compute, int8_threshold): (Compute, f32),
+        (compute, int8_threshold, cuda_graphs): (Compute, f32, bool),
         out: &mut Vec<f32>,
     ) -> Result<Copies> {
+        let graphable = cuda_graphs && self.step_eligible(seqs, output);
         let width = output.width(&self.dims);
         let chunk = self.dims.tokens as usize;
         let plan = self.chunks(seqs, output, chunk)?;
@@ -189,6 +217,91 @@ impl Graph {
                 });
                 for (i, w) in works.iter_mut().enumerate() {
                     on_site!(w, _v => (), (b, r) => exec::positions_of(*b, devs[i].name(), &spans, r)?);
+                }
+                let es = self.embed_site;
+                // every sequence's cache layers on the device, or no graph
+                let caches: Option<Vec<CacheKey>> = if graphable {
+                    pieces
+                        .iter()
+                        .map(|p| {
+                            let layers = p.cache.cuda_addrs().into_iter().collect::<Option<_>>()?;
+                            let config = p.cache.config();
+                            Some(CacheKey {
+                                layers,
+                                // as `exec::attend_piece` takes it
+                                span: weightlift_kernels::sources::attention_decode_span(
+                                    p.pos + p.n,
+                                    config.max_seq_len as usize,
+                                ),
+                                dtype: config.dtype,
+                            })
+                        })
+                        .collect()
+                } else {
+                    None
+                };
+                if let (Some(caches), Work::Cuda(b, r)) = (caches, &mut works[es]) {
+                    // the layers and the head on one CUDA device, between the uploads above
+                    // and the logits' copy below: replayed from a captured graph
+                    let b: &CudaBackend = b;
+                    // the head's rows a product, as the launched path below takes them
+                    let logit_rows = self.dims.logit_rows as usize;
+                    let per = if pieces.len() > 1 {
+                        exec::head_shared_rows(b, &cx(es), &self.head)?.min(logit_rows)
+                    } else {
+                        logit_rows
+                    };
+                    let key = StepKey {
+                        caches,
+                        compute,
+                        int8_threshold: int8_threshold.to_bits(),
+                        workspace: (r.x.device_addr(), r.logits.device_addr()),
+                        held: [
+                            (held.as_ptr() as usize, held.len()),
+                            (copies.as_ptr() as usize, copies.len()),
+                        ],
+                    };
+                    let (layers, norm, head) = (&self.layers, &self.out_norm, &self.head);
+                    let ccx = cx(es);
+                    self.steps.run(b, key, |b| {
+                        let mut none = Copies::default();
+                        let mut pending = false;
+                        for (li, layer) in layers.iter().enumerate() {
+                            let lcx = Ctx {
+                                pieces: &counts,
+                                ..ccx
+                            };
+                            let defer = li + 1 < layers.len();
+                            let mut link = exec::HostLink {
+                                rate: None,
+                                copies: &mut none,
+                            };
+                            exec::layer(
+                                b,
+                                &lcx,
+                                layer,
+                                li,
+                                &pieces,
+                                r,
+                                (pending, defer),
+                                &mut link,
+                            )?;
+                            pending = defer;
+                        }
+                        // a batch's last rows are its rows (one token each): nothing to move
+                        exec::head_products(b, &ccx, (norm, head), (n, per), r)
+                    })?;
+                    let dst = bytemuck::cast_slice_mut(&mut out[..n * width]);
+                    b.copy_to_host(&r.logits, 0, dst)
+                        .map_err(|e| kernel_on(devs[es].name(), "copying logits to the host", e))?;
+                    for &(s, pos, ids) in part {
+                        seqs[s].0.appended(pos as u64, ids)?;
+                    }
+                    if final_softcap > 0.0 {
+                        weightlift_kernels::softcap_in_place(out, final_softcap);
+                    }
+                    done += n;
+                    continue;
                 }
                 let mut at = self.embed_site;
                 // whether the last layer left its MLP output in the workspace, not yet added

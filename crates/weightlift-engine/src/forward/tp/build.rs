@@ -435,16 +435,18 @@ impl TpGraph {
     }
 }
 
-/// [`crate::Model::forward`] of a model loaded tensor-parallel: the graph is built on first
-/// use, then run under the context's lock on the model's thread pool.
+/// [`crate::Model::forward`] and [`crate::Model::forward_batch`] of a model loaded
+/// tensor-parallel: the graph is built on first use, then run under the context's lock on the
+/// model's thread pool. Consecutive sequences run together while [`TpGraph::batches`] says so,
+/// else one at a time; `out` gets each one's rows in order.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     state: &mut crate::model::State,
     tp: &std::sync::Mutex<TpContext>,
     (source, inventory): (&dyn crate::source::Source, &crate::device::Inventory),
     spec: &ModelSpec,
-    cache: &Arc<Cache>,
-    (ids, output, out): (&[u32], Output, &mut Vec<f32>),
+    seqs: &[(&Arc<Cache>, &[u32])],
+    (output, out): (Output, &mut Vec<f32>),
     (compute, int8_threshold, host_backend): (Compute, f32, bool),
     pool: Option<Arc<rayon::ThreadPool>>,
 ) -> Result<Copies> {
@@ -479,17 +481,28 @@ pub(crate) fn run(
         what: "the tensor-parallel graph".into(),
     })?;
     let ctx = &mut *ctx;
-    let mut go = || {
-        graph.forward(
-            held,
-            copies,
-            ctx,
-            cache,
-            ids,
-            output,
-            (compute, int8_threshold),
-            out,
-        )
+    let modes = (compute, int8_threshold);
+    let mut go = || -> Result<Copies> {
+        let mut made = Copies::default();
+        let mut rows = Vec::new();
+        out.clear();
+        let mut at = 0;
+        while at < seqs.len() {
+            // the longest run of sequences from `at` that goes together (at least one)
+            let end = (at + 2..=seqs.len())
+                .rev()
+                .find(|&e| graph.batches(ctx, &seqs[at..e], output))
+                .unwrap_or(at + 1);
+            made.add(if end - at > 1 {
+                graph.forward_batch(held, copies, ctx, &seqs[at..end], modes, &mut rows)?
+            } else {
+                let (cache, ids) = seqs[at];
+                graph.forward(held, copies, ctx, cache, ids, output, modes, &mut rows)?
+            });
+            out.extend_from_slice(&rows);
+            at = end;
+        }
+        Ok(made)
     };
     match pool {
         Some(p) => p.install(go),

@@ -28,11 +28,13 @@ use super::super::layer::Consts;
 use super::super::parts::{Floats, Linear, Slot, place};
 use super::*;
 
+mod batch;
 mod collect;
 mod parts;
 mod rank;
 
 use crate::device::{Buffer, Device, pace_link};
+pub(super) use batch::BatchSeq;
 use collect::Pass;
 pub(super) use parts::{BackendGraph, Backends};
 
@@ -280,39 +282,17 @@ impl TpGraph {
                     exec::positions(pass.bs[d], devices[d].name(), pos, n, &mut w.r)?;
                 }
             }
+            let attend = [(&parts[..], pos, n)];
             for (li, l) in bg.layers.iter().enumerate() {
-                pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.kv), (0, n, h))?;
-                for &(d, _, _) in &s.kv {
-                    let Some(a) = l.attn.get(d).and_then(Option::as_ref) else {
-                        continue;
-                    };
-                    let w = work(&mut ws, d)?;
-                    a.run((pass.bs[d], &cx(d)), &parts, (li, pos, n), &mut w.r)?;
-                }
-                pass.reduce(&mut coll, &mut ws, (&s.kv, &s.rs), (n, h), &l.o_bias, held)?;
-                pass.gather(&mut coll, flip(), &mut ws, (&s.rs, &s.id), (0, n, h))?;
-                for &(d, _, _) in &s.id {
-                    let Some(m) = l.mlp.get(d).and_then(Option::as_ref) else {
-                        continue;
-                    };
-                    let w = work(&mut ws, d)?;
-                    exec::mlp(
-                        pass.bs[d],
-                        &cx(d),
-                        &m.norm,
-                        [&m.gate, &m.up, &m.down],
-                        li,
-                        n,
-                        &mut w.r,
-                    )?;
-                }
-                pass.reduce(
+                let layer = (s, l, li);
+                pass.layer(
                     &mut coll,
+                    &mut flip,
                     &mut ws,
-                    (&s.id, &s.rs),
-                    (n, h),
-                    &l.down_bias,
-                    held,
+                    layer,
+                    &cx,
+                    &attend,
+                    (n, h, held),
                 )?;
             }
             cache.appended(pos as u64, part)?;

@@ -23,6 +23,42 @@ impl<B: Exec> Pass<'_, B> {
         move |e| kernel_on(&device, &what, e)
     }
 
+    /// Decoder layer `li` over `n` residual rows on every device: the rows gathered to the
+    /// attention devices, attention (each of `seqs`, `(cache parts, first position, tokens)`,
+    /// on its own rows and cache part), the partial outputs reduced into the residual, then
+    /// the same for the MLP. `flip` gives each gather its staging buffer.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer<'c>(
+        &self,
+        coll: &mut Collectives<'_>,
+        flip: &mut impl FnMut() -> usize,
+        ws: &mut [Option<DeviceWork<'_, B::Buffer>>],
+        (s, l, li): (&Splits, &parts::LayerParts, usize),
+        cx: &impl Fn(usize) -> Ctx<'c>,
+        seqs: &[(&[crate::cache::TpPart], usize, usize)],
+        (n, h, held): (usize, usize, &[Held]),
+    ) -> Result<()> {
+        self.gather(coll, flip(), ws, (&s.rs, &s.kv), (0, n, h))?;
+        for &(d, _, _) in &s.kv {
+            let Some(a) = l.attn.get(d).and_then(Option::as_ref) else {
+                continue;
+            };
+            let w = work(ws, d)?;
+            a.run_seqs((self.bs[d], &cx(d)), li, seqs, &mut w.r)?;
+        }
+        self.reduce(coll, ws, (&s.kv, &s.rs), (n, h), &l.o_bias, held)?;
+        self.gather(coll, flip(), ws, (&s.rs, &s.id), (0, n, h))?;
+        for &(d, _, _) in &s.id {
+            let Some(m) = l.mlp.get(d).and_then(Option::as_ref) else {
+                continue;
+            };
+            let w = work(ws, d)?;
+            let mats = [&m.gate, &m.up, &m.down];
+            exec::mlp(self.bs[d], &cx(d), &m.norm, mats, li, n, &mut w.r)?;
+        }
+        self.reduce(coll, ws, (&s.id, &s.rs), (n, h), &l.down_bias, held)
+    }
+
     /// Rows of `width` bytes from device `s` to device `d` (peer route), counted and paced as
     /// one transfer.
     #[allow(clippy::too_many_arguments)]

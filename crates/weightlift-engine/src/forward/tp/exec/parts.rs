@@ -30,9 +30,22 @@ impl AttnParts {
     /// its part of the cache (`parts`): the partial sum of `o_proj` lands in `r.xn`.
     pub(super) fn run<B: Exec>(
         &self,
-        (b, cx): (&B, &Ctx<'_>),
+        on: (&B, &Ctx<'_>),
         parts: &[crate::cache::TpPart],
         (li, pos, n): (usize, usize, usize),
+        r: &mut Regions<'_, B::Buffer>,
+    ) -> Result<()> {
+        self.run_seqs(on, li, &[(parts, pos, n)], r)
+    }
+
+    /// [`AttnParts::run`] on a batch's sequences, `(cache parts, first position, tokens)` each
+    /// in row order: the products over all their rows (as `cx.pieces` allows), RoPE, the cache
+    /// stores and attention per sequence on its own part of its cache.
+    pub(super) fn run_seqs<B: Exec>(
+        &self,
+        (b, cx): (&B, &Ctx<'_>),
+        li: usize,
+        seqs: &[(&[crate::cache::TpPart], usize, usize)],
         r: &mut Regions<'_, B::Buffer>,
     ) -> Result<()> {
         let share = AttnShare {
@@ -47,19 +60,22 @@ impl AttnParts {
             rope: None,
             window: 0,
         };
-        let part = parts.get(self.cache_part).ok_or_else(|| {
-            invalid(
-                format!("tp cache part {}", self.cache_part),
-                "a part of the cache holding this device's kv heads",
-                format!("{} parts", parts.len()),
-            )
-        })?;
-        let piece = crate::forward::layer::Piece {
-            cache: &part.cache,
-            pos,
-            n,
-        };
-        exec::attention(b, cx, &share, li, &[piece], r)
+        let mut pieces = Vec::with_capacity(seqs.len());
+        for &(parts, pos, n) in seqs {
+            let part = parts.get(self.cache_part).ok_or_else(|| {
+                invalid(
+                    format!("tp cache part {}", self.cache_part),
+                    "a part of the cache holding this device's kv heads",
+                    format!("{} parts", parts.len()),
+                )
+            })?;
+            pieces.push(crate::forward::layer::Piece {
+                cache: &part.cache,
+                pos,
+                n,
+            });
+        }
+        exec::attention(b, cx, &share, li, &pieces, r)
     }
 }
 

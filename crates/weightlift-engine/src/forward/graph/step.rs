@@ -1,0 +1,164 @@
+//! A decode step on one CUDA device replayed as a CUDA graph.
+//!
+//! On a GPU a small model's decode step is a few hundred short kernels, and the host's launches
+//! take longer than the kernels: the GPU waits. A graph records the step's launches once and
+//! replays them with one launch. A replay repeats every launch with the arguments it was
+//! recorded with, so the step may take from the host only what lands in device memory before
+//! the replay: the new token's embedding row and the positions. Everything else a step reads
+//! is at the same address with the same shape every time: the weights, the workspace, the cache
+//! layers, and the position-dependent parts (the cache row written, attention's length and
+//! grid) come from the positions buffer (the ops' device-position forms, see
+//! `exec::attend_piece`). The logits are copied to the host after the replay: the step's one
+//! synchronisation.
+//!
+//! A step is captured only where all of it runs on one CUDA device with nothing from the host
+//! in between (`Graph::step_eligible`): one token of each sequence (one, or a batch of no more
+//! than the head's logit rows), the embedding, every layer and the head on that device, no
+//! onloaded weights, no mixture-of-experts layer (their routing goes through the host), caches
+//! held in place on that device. A batch is keyed by its caches in order, so a batch of other
+//! sequences (or another count) captures its own graph; the last [`KEPT`] graphs are kept, so
+//! a server's batches that come and go replay theirs when they come back.
+//! Tensor parallelism runs its own pass, without graphs. Everything else launches as before.
+//!
+//! The first eligible step of a [`StepKey`] runs its launches as usual (a warm-up: modules
+//! loaded, decode's kept buffers made), the second is captured and replayed, and later ones
+//! replay while the key holds. Another key (another cache or size, a new workspace, another
+//! compute mode) warms up and captures its own; a graph whose key is not seen again is dropped
+//! once [`KEPT`] newer ones exist. A graph is only ever replayed for a key equal to its own,
+//! whose memory is then the memory it was captured on (an address freed and made again with
+//! the same size holds the same kind of rows), so a stale graph is never launched on freed
+//! memory. Unloading the model or switching the host backend drops the whole forward graph,
+//! these with it. `WEIGHTLIFT_CUDA_GRAPHS=0` (or
+//! [`crate::Model::set_cuda_graphs`]) turns it off.
+
+// A replay launches on buffers the graph recorded, which the caller must keep alive: the
+// kernels' replay is unsafe, and the key below is what keeps it sound.
+#![allow(unsafe_code)]
+
+use weightlift_kernels::{Backend, CudaBackend, CudaStepGraph};
+
+use crate::error::{EngineError, Result};
+use crate::forward::Compute;
+
+/// Captured steps kept per forward graph (and keys remembered as warmed up).
+pub(crate) const KEPT: usize = 4;
+
+/// Whether CUDA graphs are on by default: unless `WEIGHTLIFT_CUDA_GRAPHS` is `0`.
+pub(crate) fn enabled_by_env() -> bool {
+    std::env::var("WEIGHTLIFT_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")
+}
+
+/// What a captured step depends on besides the weights (which live as long as the forward graph
+/// that holds the capture): equal keys mean the same launches on the same memory.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StepKey {
+    /// Each sequence's cache, in the batch's order (one for a single sequence).
+    pub caches: Vec<CacheKey>,
+    pub compute: Compute,
+    /// The LLM.int8 outlier threshold's bits (a launch argument of its products).
+    pub int8_threshold: u32,
+    /// The workspace's residual stream and logits addresses.
+    pub workspace: (u64, u64),
+    /// The held tensors' table and their copies' (address and length of each): a reload
+    /// makes others.
+    pub held: [(usize, usize); 2],
+}
+
+/// One sequence's cache as a captured step sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct CacheKey {
+    /// Each layer's key and value addresses.
+    pub layers: Vec<(u64, u64)>,
+    /// The keys attention splits at this step's position (its grid follows them; see
+    /// `weightlift_kernels::sources::attention_decode_span`), and the cache's storage.
+    pub span: usize,
+    pub dtype: weightlift_plan::CacheDType,
+}
+
+/// The captured steps of one forward graph, and how often steps were captured and replayed.
+#[derive(Debug, Default)]
+pub(crate) struct StepGraphs {
+    /// The keys whose step ran once with plain launches: the next step of one is captured.
+    warm: Vec<StepKey>,
+    /// The captured steps, the last used last.
+    graphs: Vec<(StepKey, CudaStepGraph)>,
+    /// A key whose capture failed, and why: its steps keep to plain launches.
+    refused: Option<(StepKey, String)>,
+    pub captures: u64,
+    pub replays: u64,
+}
+
+impl StepGraphs {
+    /// Runs `step` (a decode step's launches between the uploads and the logits' copy) on `b`
+    /// for `key`: replayed from the graph of `key`, captured then replayed when `key` has
+    /// warmed up, else launched as usual.
+    pub(crate) fn run(
+        &mut self,
+        b: &CudaBackend,
+        key: StepKey,
+        mut step: impl FnMut(&CudaBackend) -> Result<()>,
+    ) -> Result<()> {
+        if self.refused.as_ref().is_some_and(|(k, _)| *k == key) {
+            return step(b);
+        }
+        if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key) {
+            let g = self.graphs.remove(i);
+            self.graphs.push(g);
+        } else {
+            let Some(w) = self.warm.iter().position(|k| *k == key) else {
+                step(b)?;
+                if self.warm.len() == KEPT {
+                    self.warm.remove(0);
+                }
+                self.warm.push(key);
+                return Ok(());
+            };
+            self.warm.remove(w);
+            // the step's engine error, kept whole while the capture reports a kernel error
+            let mut failed: Option<EngineError> = None;
+            let captured = b.capture(|b| {
+                step(b).map_err(|e| {
+                    let message = e.to_string();
+                    failed = Some(e);
+                    weightlift_kernels::KernelError::Cuda {
+                        during: "recording a decode step".into(),
+                        message,
+                    }
+                })
+            });
+            match captured {
+                Ok(g) => {
+                    self.captures += 1;
+                    if self.graphs.len() == KEPT {
+                        self.graphs.remove(0);
+                    }
+                    self.graphs.push((key, g));
+                }
+                // an error of the step itself is the step's: it would fail launched too
+                Err(_) if failed.is_some() => return Err(failed.expect("checked")),
+                Err(e) => {
+                    // the driver refused to record: this key keeps to plain launches
+                    self.refused = Some((key, e.to_string()));
+                    return step(b);
+                }
+            }
+        }
+        let Some((_, g)) = self.graphs.last_mut() else {
+            return step(b);
+        };
+        // SAFETY: the graph's key equals `key`: the cache layers, the workspace and the held
+        // tensors' table are the buffers it was captured with, and the weights and the forward
+        // graph's own copies live as long as this `StepGraphs` (a field of that graph). Every
+        // launch of the step is ordered on this backend's one stream, as the replay is.
+        unsafe { b.replay(g) }.map_err(|e| {
+            crate::forward::exec::kernel_on(&b.name(), "replaying a decode step", e)
+        })?;
+        self.replays += 1;
+        Ok(())
+    }
+
+    /// Why the last capture was refused by the driver, if one was.
+    pub(crate) fn refused(&self) -> Option<&str> {
+        self.refused.as_ref().map(|(_, why)| why.as_str())
+    }
+}

@@ -1,0 +1,809 @@
+"""The entry points with long keyword lists, declared here: ``Model`` (its constructor, loads and
+generation), ``plan``, ``fit``, ``from_pretrained``, ``load_gguf`` and ``sample``.
+
+Each signature, with its defaults, and each docstring is written once, here; the body hands its
+keywords, as one dict, to the native function that converts them for the engine. What a keyword
+means, and every rule behind it, is the core's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from weightlift import _native
+from weightlift._errors import PlanError
+
+if TYPE_CHECKING:
+    from weightlift._native import (
+        Batch,
+        Cache,
+        CacheSpec,
+        Checkpoint,
+        CompletionStream,
+        LlamaGrammar,
+        ModelSpec,
+        Plan,
+        RuntimeSpec,
+        _Callback,
+        _Compute,
+        _DeviceMap,
+        _Devices,
+        _FitTarget,
+        _Overrides,
+        _Path,
+        _Quantize,
+        _Sizes,
+        _SplitMode,
+        _Strategy,
+    )
+
+_Offload = Literal["sequential", "group"]
+
+
+def _documented(native: Any, doc: str, *, settable: bool = False) -> Any:
+    """``native``, a method or property of the native ``Model``, with ``doc`` as its docstring
+    (the signature stays the native one)."""
+    if isinstance(native, types.GetSetDescriptorType):
+        return property(native.__get__, native.__set__ if settable else None, doc=doc)
+
+    @functools.wraps(native)
+    def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+        return native(self, *args, **kwargs)
+
+    method.__doc__ = doc
+    return method
+
+
+class Model(_native.Model):
+    """A model: a checkpoint and the devices it may use. Nothing is loaded until ``load()``,
+    ``load_autosplit()`` or ``load_tp()``.
+
+    ``source``: a ``Checkpoint`` or a path. ``devices``: the accelerator inventory as a spec
+    (``"virtual:2x64MiB,cpu"``, ``"cuda:0,cuda:1"``); unlisted, ``cpu`` holds only the input
+    embedding (see ``weightlift.plan``). ``None`` is the real machine: ``cpu`` plus every CUDA
+    device found (in a build with the ``cuda`` feature). ``dtype``: ``"auto"`` keeps stored dtypes,
+    ``"float16"`` converts F32/BF16 weights. ``runtime``: a ``RuntimeSpec`` or dict
+    (``max_input_len``, ``max_attention_size``, ``max_dq_size``, ``low_mem``). ``compute``:
+    ``"fast"`` (8-bit activations with quantised weights, as llama.cpp) or ``"exact"`` (f32 on
+    dequantised weights). ``n_threads``: the forward pass's threads (default: physical cores).
+    ``quantize``: ``"int8"`` (LLM.int8, as transformers' ``load_in_8bit``), ``"q8_0"``, ``"q4_k"``
+    or ``"q6_k"`` quantises a float checkpoint's linears while it loads; every plan of this model
+    sizes them in that type (see ``weightlift.plan``).
+    """
+
+    def __new__(
+        cls,
+        source: Checkpoint | _Path,
+        *,
+        devices: _Devices | None = None,
+        dtype: str = "auto",
+        runtime: RuntimeSpec | Mapping[str, Any] | None = None,
+        compute: _Compute = "fast",
+        n_threads: int | None = None,
+        quantize: _Quantize | None = None,
+    ) -> Model:
+        return super().__new__(cls, source, locals())
+
+    def load(
+        self,
+        /,
+        plan: Plan | str | None = None,
+        *,
+        progress: bool = False,
+        callback: _Callback | None = None,
+        cache: Cache | CacheSpec | Mapping[str, Any] | None = None,
+        use_mmap: bool = True,
+        use_direct_io: bool = False,
+        check_tensors: bool = False,
+        staging_bytes: int | None = None,
+        strategy: _Strategy | None = None,
+        reserve: _Sizes = None,
+        max_memory: _Sizes = None,
+        overhead: _Sizes = None,
+        n_gpu_layers: int | None = None,
+        split_mode: _SplitMode | None = None,
+        tensor_split: Sequence[float] | None = None,
+        main_gpu: int | None = None,
+        device_map: _DeviceMap | None = None,
+        overrides: _Overrides | None = None,
+        gpu_split: Sequence[float] | None = None,
+        allow_disk: bool | None = None,
+        offload: _Offload | None = None,
+        blocks_per_group: int = 1,
+        prefetch: bool = True,
+        n_cpu_moe: int | None = None,
+    ) -> None:
+        """Load by ``plan`` (a ``Plan`` or its JSON), or plan now with the placement keywords of
+        ``weightlift.plan`` (``strategy``, ``reserve``, ``max_memory``, ``overhead``,
+        ``n_gpu_layers``, ``split_mode``, ``tensor_split``, ``main_gpu``, ``device_map``,
+        ``overrides``, ``gpu_split``, ``allow_disk``, ``n_cpu_moe``), which mean here what they mean
+        there. ``offload="sequential"`` or ``"group"`` runs the layers kept on cpu or disk on the
+        first accelerator, copying their matrices in first (``blocks_per_group`` layers at a time;
+        ``prefetch`` copies the next group while one computes), as accelerate's and diffusers'
+        offloading; ``None`` computes each layer where it is placed. ``cache`` is a ``Cache``
+        (allocated lazily, layer by layer beside each layer) or a ``CacheSpec`` or dict (the model
+        allocates that cache itself).
+
+        ``callback(bytes_done, bytes_total, tensor, device)`` returning False cancels: everything is
+        freed and ``LoadCancelled`` is raised. Ctrl-C raises KeyboardInterrupt the same way.
+        """
+        self._load(locals())
+
+    def load_autosplit(
+        self,
+        /,
+        cache: Cache | None = None,
+        reserve_vram: _Sizes = None,
+        *,
+        progress: bool = False,
+        callback: _Callback | None = None,
+        offload: _Offload | None = None,
+        blocks_per_group: int = 1,
+        prefetch: bool = True,
+    ) -> None:
+        """exllamav2's ``load_autosplit``: fill the accelerators in order, each layer's cache beside
+        it, keeping ``reserve_vram`` free (one size for every accelerator, a list in accelerator
+        order, or a dict by device; bytes or strings such as ``"256MiB"``). ``offload`` (with
+        ``blocks_per_group``, ``prefetch``) runs the layers that spill to the cpu on the first
+        accelerator, as in ``load()``.
+        """
+        self._load_autosplit(locals())
+
+    def load_tp(
+        self,
+        /,
+        gpu_split: Sequence[float] | None = None,
+        expect_cache_tokens: int = 0,
+        expect_cache_base: str | None = None,
+        *,
+        progress: bool = False,
+        callback: _Callback | None = None,
+        world: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        """exllamav2's ``load_tp``: weights split over the accelerators by the TPContext tables.
+        ``gpu_split`` in GB per device (None: each device's free memory); the expected cache
+        (``expect_cache_tokens``, 0 = the model's context length; ``expect_cache_base`` a cache
+        dtype) is subtracted when splitting, and the model holds that cache, each device its kv
+        heads. ``forward`` and ``generate`` then run tensor-parallel on cpu and virtual devices,
+        through ``Model.tp``.
+
+        Across processes (one per GPU, as torchrun starts them), ``world`` names the run's ranks
+        (``"node0:4,node1:4"``) and ``rank`` this process's: the model's one accelerator stands for
+        every rank in the plan, and only this rank's share is loaded on it. Its forward pass then
+        meets the other ranks through the transport ``Model.tp`` is given
+        (``TPContext.join_nccl()``, or a ``TPContext.thread_group`` member).
+        """
+        self._load_tp(locals())
+
+    def generate(
+        self,
+        /,
+        prompt: str | bytes | Sequence[int],
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        typical_p: float = 1.0,
+        repeat_penalty: float | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        grammar: str | LlamaGrammar | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = False,
+        cache: Cache | None = None,
+        add_bos: bool | None = None,
+        do_sample: bool | None = None,
+        max_length: int | None = None,
+        repetition_penalty: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        num_return_sequences: int = 1,
+    ) -> str | list[str] | CompletionStream:
+        """Generate text after ``prompt`` (a string or token ids): the text, or with ``stream=True``
+        an iterator of text pieces. ``temperature=0`` is greedy over the whole vocabulary.
+        ``mirostat_mode=1`` or ``2`` samples with Mirostat (target surprise ``mirostat_tau`` bits,
+        learning rate ``mirostat_eta``) in place of top-k, typical, top-p, min-p and the
+        temperature, as llama-cpp-python does. ``grammar`` (GBNF text or a ``LlamaGrammar``) keeps
+        the text inside a grammar. Without a ``cache`` the model's own cache is used and the prefix
+        it already holds is reused (a model loaded without one makes an fp16 cache for the prompt
+        and ``max_new_tokens``, as transformers' generate does); with one the prompt is appended to
+        it.
+
+        transformers' words work too: ``do_sample=False`` is greedy and ``do_sample=True`` samples
+        with transformers' defaults for what is not given (temperature 1, top-k 50, top-p 1, no
+        min-p); ``max_length`` counts the prompt (``max_new_tokens`` wins when both are given; with
+        neither, 32 new tokens; ``max_new_tokens <= 0`` runs until the cache is full);
+        ``repetition_penalty`` is ``repeat_penalty`` (over the last 64 tokens, as llama.cpp);
+        ``eos_token_id`` (an id or a list) replaces the tokenizer's end-of-generation tokens;
+        ``pad_token_id`` is accepted and unused (one sequence needs no padding);
+        ``num_return_sequences=N`` above 1 samples N texts from the prompt at once (a ``Batch`` of N
+        slots) and returns their list; their seeds are ``seed``, ``seed + 1``, ... (random without
+        one); greedy decoding, ``stream`` and ``cache`` are refused with it.
+        """
+        return self._generate(prompt, locals())
+
+    def create_completion(
+        self,
+        /,
+        prompt: str | bytes | Sequence[int],
+        suffix: str | None = None,
+        max_tokens: int | None = 16,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        logprobs: int | None = None,
+        echo: bool = False,
+        stop: str | Sequence[str] | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        top_k: int = 40,
+        stream: bool = False,
+        seed: int | None = None,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        model: str | None = None,
+        stopping_criteria: Any = None,
+        logits_processor: Any = None,
+        grammar: str | LlamaGrammar | None = None,
+        logit_bias: Any = None,
+        batch: Batch | None = None,
+    ) -> dict[str, Any] | CompletionStream | int:
+        """llama-cpp-python's ``Llama.create_completion``: the same arguments and defaults, and an
+        OpenAI-style ``text_completion`` dict (``["choices"][0]["text"]``, ``["usage"]``), or with
+        ``stream=True`` an iterator of chunks. ``logprobs=N`` adds ``["choices"][0]["logprobs"]``:
+        ``tokens``, ``text_offset``, ``token_logprobs`` (the log-softmax of the raw logits, before
+        any sampling transform) and ``top_logprobs`` (the N most likely tokens keyed by their text,
+        plus the chosen one), per generated token, after the prompt's tokens with ``echo=True`` (the
+        first one null); each streamed chunk carries its token's. ``logprobs=0`` lists only the
+        chosen token, None or False none. ``mirostat_mode=1`` or ``2`` samples with Mirostat in
+        place of top-k, typical, top-p, min-p and the temperature; ``grammar`` (GBNF text or a
+        ``LlamaGrammar``) keeps the text inside a grammar. Arguments it has that this build does not
+        implement (``tfs_z`` other than 1) raise ``UnsupportedError`` when given. ``suffix`` asks
+        for the text between ``prompt`` and it: a fill-in-the-middle prompt on a model whose
+        vocabulary has FIM tokens (``spm_infill`` at load puts the suffix first), else the
+        completion of ``prompt`` with ``suffix`` put after it, as llama-cpp-python does.
+        ``logits_processor`` (``(input_ids, scores) -> scores``, after the bias) and
+        ``stopping_criteria`` (``(input_ids, logits) -> bool``) are called with the GIL on every
+        token, as llama-cpp-python calls them; they cannot call this model. ``logit_bias``
+        (``{token_id: bias}``) is added to those tokens' logits before sampling; log-probabilities
+        stay the model's own. With ``batch`` (a ``Batch`` of this model) the completion starts in
+        one of the batch's slots and its id is returned; ``Batch.step()`` runs it with the others
+        and hands over its chunks, or with ``stream=False`` the dict.
+        """
+        return self._create_completion(prompt, locals())
+
+    def __call__(
+        self, /, prompt: str | bytes | Sequence[int], *args: Any, **kwargs: Any
+    ) -> dict[str, Any] | CompletionStream | int:
+        """``create_completion``, as ``Llama.__call__``."""
+        return self.create_completion(prompt, *args, **kwargs)
+
+    def create_chat_completion(
+        self,
+        /,
+        messages: Sequence[Mapping[str, Any]],
+        functions: Any = None,
+        function_call: Any = None,
+        tools: Any = None,
+        tool_choice: Any = None,
+        temperature: float = 0.2,
+        top_p: float = 0.95,
+        top_k: int = 40,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        stream: bool = False,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        max_tokens: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        tfs_z: float = 1.0,
+        mirostat_mode: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
+        model: str | None = None,
+        logits_processor: Any = None,
+        grammar: str | LlamaGrammar | None = None,
+        logit_bias: Any = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        batch: Batch | None = None,
+    ) -> dict[str, Any] | CompletionStream | int:
+        """llama-cpp-python's ``Llama.create_chat_completion``: ``messages`` (dicts with ``role``
+        and ``content``) rendered with the model's chat template and a generation prompt; returns a
+        ``chat.completion`` dict (``["choices"][0]["message"]["content"]``), or with ``stream=True``
+        an iterator of ``chat.completion.chunk`` dicts (a role delta, content deltas, then an empty
+        delta with the finish reason). ``logprobs=True`` with ``top_logprobs=N`` adds
+        ``["choices"][0]["logprobs"]["content"]``: per generated token its ``token`` text,
+        ``logprob`` and ``top_logprobs`` (``{token, logprob, bytes}`` for the N most likely and the
+        chosen one), ``bytes`` None, as llama-cpp-python (which, like this, returns None for
+        ``logprobs=True`` without ``top_logprobs``). ``response_format={"type": "json_object"}``
+        keeps the reply inside llama-cpp-python's JSON grammar (in place of ``grammar``), and with a
+        ``"schema"`` (or OpenAI's ``{"type": "json_schema", "json_schema": {"schema": ...}}``)
+        inside the schema's grammar (``LlamaGrammar.from_json_schema``); mirostat and ``grammar``
+        and ``logit_bias`` are as in ``create_completion``. ``tools`` and ``tool_choice`` (or the
+        legacy ``functions`` and ``function_call``) go to the chat template; a ``tool_choice``
+        naming one tool returns a tool call (``message.tool_calls``, ``finish_reason``
+        ``"tool_calls"``) whose arguments are kept inside the tool's ``parameters`` schema.
+        ``tfs_z`` other than 1 raises ``UnsupportedError``; ``batch`` is as in
+        ``create_completion``.
+        """
+        return self._create_chat_completion(messages, locals())
+
+    # The native methods and properties, documented here.
+    unload = _documented(
+        _native.Model.unload, """Free every tensor and cache layer this model holds."""
+    )
+    tp = _documented(
+        _native.Model.tp,
+        """The ``TPContext`` the forward pass runs through after ``load_tp()`` (its tables, its
+        collectives and its staging buffers), the same object on every access; None otherwise.
+        """,
+    )
+    plan = _documented(_native.Model.plan, """The plan of the last load, or None.""")
+    plan_json = _documented(
+        _native.Model.plan_json, """The last plan as JSON (None before a load)."""
+    )
+    memory = _documented(
+        _native.Model.memory,
+        """Bytes held per device: weights (mmap views count on ``cpu``), cache layers, scratch.""",
+    )
+    device_usage = _documented(
+        _native.Model.device_usage,
+        """Bytes allocated right now per device (arena accounting; mmap views are not allocations).
+        """,
+    )
+    peak_memory = _documented(
+        _native.Model.peak_memory,
+        """The most bytes allocated at once per device since the last load began (the same
+        accounting as ``device_usage``): weights, cache, scratch and what forward passes held.
+        """,
+    )
+    transfer_stats = _documented(
+        _native.Model.transfer_stats,
+        """Copies between devices during the last forward call: ``copies`` (count), ``bytes`` and
+        ``seconds`` (wall time spent copying).
+        """,
+    )
+    devices = _documented(
+        _native.Model.devices,
+        """The device spec this model was made with (with ``devices=None``, the detected machine's,
+        e.g. ``"cuda:0,cpu"``).
+        """,
+    )
+    locked_bytes = _documented(
+        _native.Model.locked_bytes,
+        """Bytes of memory-mapped tensors locked in RAM (``use_mlock``).""",
+    )
+    warnings = _documented(
+        _native.Model.warnings,
+        """Warnings from the last load (O_DIRECT fallback, unvalidated architecture, ...).""",
+    )
+    device_of = _documented(
+        _native.Model.device_of,
+        """The device of a tensor; a split tensor gives its devices joined by commas.""",
+    )
+    layer_devices = _documented(_native.Model.layer_devices, """The device of each layer.""")
+    tensor = _documented(
+        _native.Model.tensor,
+        """A numpy copy of a tensor from wherever it lives (split tensors are reassembled, CUDA
+        memory is copied back). Raw quantised blocks come back as uint8 rows; ``dequantize=True``
+        gives float32, decoded at most ``runtime.max_dq_size`` values at a time so transient buffers
+        stay within that chunk limit.
+        """,
+    )
+    tensor_info = _documented(
+        _native.Model.tensor_info,
+        """A loaded tensor as it is held: its checkpoint entry with the held ``dtype`` (``"Q8_0"``,
+        ``"INT8"``, ... after a quantising load; ``"F16"`` after ``dtype="float16"``) and the held
+        ``nbytes`` (an INT8 tensor's include its f32 row scales).
+        """,
+    )
+    close = _documented(
+        _native.Model.close,
+        """Free everything the model holds (as ``unload()``, the own cache included) and refuse
+        every later call with ``ClosedError``. Closing twice does nothing; ``with`` closes on exit.
+        """,
+    )
+    closed = _documented(_native.Model.closed, """True once ``close()`` has run.""")
+    cache = _documented(
+        _native.Model.cache,
+        """The cache generation and ``forward(cache=None)`` use: the one the model was loaded with,
+        or the one it made for a prompt; None before either.
+        """,
+    )
+    forward = _documented(
+        _native.Model.forward,
+        """Run token ``ids`` through the model and return float32 logits of shape ``[n, vocab]``:
+        ``n`` is 1 for ``logits="last"`` and ``len(ids)`` for ``"all"``. With ``cache=None`` each
+        call starts at position 0 on the model's own cache (made, fp16, when the model was loaded
+        without one); with a ``Cache`` the ids are appended at its ``seq_len``. The GIL is released
+        while it runs.
+        """,
+    )
+    forward_batch = _documented(
+        _native.Model.forward_batch,
+        """Run several sequences in one call, each ``(cache, ids)`` appending its ids to its own
+        ``Cache`` at its ``seq_len`` (a new prompt and single decode tokens mix freely: continuous
+        batching), and return float32 logits of shape ``[len(seqs), vocab]``, the last position of
+        each, the bits each sequence gets alone (in ``"fast"`` the decode tokens share each product,
+        every token keeping its own bits). A bad sequence (too long for its cache, a cache given
+        twice) fails the call before any cache moves. The GIL is released while it runs.
+        """,
+    )
+    compute = _documented(
+        _native.Model.compute,
+        """``"fast"`` or ``"exact"``.""",
+        settable=True,
+    )
+    cuda_graphs = _documented(
+        _native.Model.cuda_graphs,
+        """Whether a decode step that runs whole on one CUDA device is replayed from a captured
+        CUDA graph (default on; ``WEIGHTLIFT_CUDA_GRAPHS=0`` starts it off). Both ways run the same
+        kernels, so the logits are the same bits.
+        """,
+        settable=True,
+    )
+    cuda_graph_counts = _documented(
+        _native.Model.cuda_graph_counts,
+        """``(captures, replays, refused)``: decode steps captured as CUDA graphs and replayed
+        since the model was loaded, and why the driver refused the last capture (``None`` if it
+        did not).
+        """,
+    )
+    n_threads = _documented(_native.Model.n_threads, """Threads of the forward pass.""")
+    int8_threshold = _documented(
+        _native.Model.int8_threshold,
+        """LLM.int8's outlier threshold for ``quantize="int8"`` weights (transformers'
+        ``llm_int8_threshold``, default 6.0): activation columns with a value at least this large
+        multiply the dequantised weights in f32, the rest go through int8.
+        """,
+        settable=True,
+    )
+    embed = _documented(
+        _native.Model.embed,
+        """The hidden states after the output norm of token ``ids`` (the head's input), pooled:
+        ``pooling`` is llama.cpp's number (-1: the model's ``pooling_type``, else none; 0 none, 1
+        mean, 2 cls, 3 last) or its name. No pooling gives one vector per token, the others one
+        vector; ``normalize`` scales each to unit length. Runs on a cache of its own, so the model's
+        cache and the prefix it holds are untouched. The GIL is released while it runs.
+        """,
+    )
+    tokenize = _documented(
+        _native.Model.tokenize,
+        """Token ids of ``text`` (str, or UTF-8 bytes as llama-cpp-python takes). ``add_bos=None``
+        follows the tokenizer (``tokenizer.ggml.add_bos_token`` / the tokenizer config); True or
+        False forces it. Special tokens such as ``<|im_start|>`` are parsed only with
+        ``special=True``. Needs no load.
+        """,
+    )
+    detokenize = _documented(
+        _native.Model.detokenize,
+        """The text of token ``ids``. Special tokens are left out unless ``special=True``.""",
+    )
+    detokenize_bytes = _documented(
+        _native.Model.detokenize_bytes,
+        """The bytes of token ``ids`` (llama-cpp-python's ``Llama.detokenize``): ``detokenize``
+        before the UTF-8 check, so a cut through a character stays cut.
+        """,
+    )
+    timings = _documented(
+        _native.Model.timings,
+        """The last generation's timings: ``prompt_tokens``, ``prompt_ms``, ``prompt_per_second``,
+        ``reused_tokens`` (prompt tokens the cache already held), ``eval_tokens``, ``eval_ms``,
+        ``eval_per_second`` and ``sample_ms``; None before any.
+        """,
+    )
+    n_ctx = _documented(
+        _native.Model.n_ctx, """Positions in the model's own cache (``Llama.n_ctx()``)."""
+    )
+    n_vocab = _documented(
+        _native.Model.n_vocab, """Rows of the token embedding (``Llama.n_vocab()``)."""
+    )
+    token_bos = _documented(
+        _native.Model.token_bos, """The BOS id, or -1 (``Llama.token_bos()``)."""
+    )
+    token_eos = _documented(
+        _native.Model.token_eos, """The EOS id, or -1 (``Llama.token_eos()``)."""
+    )
+    grammar_mask = _documented(
+        _native.Model.grammar_mask,
+        """``logits`` (one float32 row of the vocabulary) with every token that cannot begin text of
+        ``grammar`` (GBNF text or a ``LlamaGrammar``) set to −inf, as llama.cpp's grammar sampler
+        masks a row from the grammar's start: what ``Llama.sample(grammar=...)`` samples from. A
+        grammar no token may begin raises ``GrammarError``.
+        """,
+    )
+
+
+def plan(
+    source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
+    *,
+    devices: _Devices | None = None,
+    strategy: _Strategy | None = None,
+    dtype: str = "auto",
+    cache: CacheSpec | Cache | Mapping[str, Any] | None = None,
+    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
+    reserve: _Sizes = None,
+    max_memory: _Sizes = None,
+    n_gpu_layers: int | None = None,
+    split_mode: _SplitMode | None = None,
+    tensor_split: Sequence[float] | None = None,
+    main_gpu: int | None = None,
+    device_map: _DeviceMap | None = None,
+    allow_disk: bool = False,
+    weight_dtype: str | None = None,
+    overhead: _Sizes = None,
+    overrides: _Overrides | None = None,
+    gpu_split: Sequence[float] | None = None,
+    use_mmap: bool = True,
+    cache_offload: bool = False,
+    quantize: _Quantize | None = None,
+    offload: _Offload | None = None,
+    blocks_per_group: int = 1,
+    prefetch: bool = True,
+    world: str | None = None,
+    n_cpu_moe: int | None = None,
+) -> Plan:
+    """Plan where every tensor and every layer's KV cache goes, by arithmetic, before a byte is
+    read.
+
+    ``source`` is a Checkpoint, a path (checkpoint, HF config.json, or a folder holding only a
+    config.json), an HF config dict, or a ModelSpec. Config-only sources need ``weight_dtype``
+    (``"bfloat16"``, ``"float16"``, ``"q8_0"``, ``"q4_k_m"``, ...) unless the config names its
+    ``torch_dtype``. ``devices`` is a spec string (``"virtual:2x8GiB,cpu,disk"``) or a list of them;
+    None (the default) is this machine's devices, every CUDA GPU then ``cpu``, as
+    ``Model(devices=None)`` takes them.
+
+    ``strategy`` is ``autosplit`` (exllamav2), ``sequential``, ``balanced``, ``balanced_low_0``
+    (accelerate), ``layers`` (llama.cpp: ``n_gpu_layers``, ``split_mode``, ``tensor_split``,
+    ``main_gpu``), ``tensor_parallel`` (exllamav2 TPContext: ``gpu_split`` in GB) or ``map``
+    (``device_map`` prefixes and llama.cpp ``-ot`` style ``overrides``). Left at None, a
+    ``device_map`` preset names its strategy (``"auto"`` = ``balanced``), a ``device_map`` dict or
+    ``overrides`` imply ``map``, the llama.cpp options imply ``layers``, ``gpu_split`` implies
+    ``tensor_parallel``, and otherwise it is ``autosplit``.
+
+    ``n_cpu_moe=N`` (llama.cpp's ``--n-cpu-moe``) keeps the experts of a mixture-of-experts model's
+    first N layers in host RAM, computed there on the tokens routed to them, and places the rest of
+    each layer as the strategy says (``layers``, which it implies): the same as ``-ot`` overrides of
+    those layers' expert tensors to ``cpu``, added after any ``overrides`` given.
+
+    The two ways to ask for a balanced split give the maps of two libraries: ``device_map="auto" |
+    "balanced" | "balanced_low_0" | "sequential"`` gives transformers 5's
+    ``from_pretrained(device_map=...)`` (each GPU but the last gets its share of the model plus 1.25
+    × the larger of the largest decoder layer and the largest module, usually the embedding; with no
+    ``max_memory`` at all, 90% of the cpu), as ``from_pretrained`` does; ``strategy="balanced"`` (or
+    ``"balanced_low_0"``, ``"sequential"``) without a preset gives accelerate's
+    ``infer_auto_device_map(get_balanced_memory(...))`` (the share plus 1.25 × the larger of the
+    first decoder layer and the mean module).
+
+    ``reserve``, ``max_memory`` and ``overhead`` take one size for every accelerator, a list in
+    accelerator order, or a dict keyed by device name or accelerator index; sizes are ints or
+    strings such as ``"512MiB"``. ``cache`` is a ``CacheSpec``, a ``Cache`` or a dict; ``runtime`` a
+    ``RuntimeSpec`` or a dict. ``cache_offload=True`` offloads ``cache`` to host RAM (as
+    ``CacheSpec(..., offload=True)``): the cpu's kv column holds the whole cache and each device
+    that computes layers two prefetch slots of its largest layer. ``quantize`` (``"int8"``,
+    ``"q8_0"``, ``"q4_k"``, ``"q6_k"``) sizes a float checkpoint's linears as a quantising load will
+    hold them: the blocks' linears in that type (a ggml type falls back as llama.cpp does when a row
+    is not whole blocks: Q4_K to Q5_0, Q6_K to Q8_0), the embedding and head kept in full precision
+    under int8 (as transformers) and promoted to Q6_K (q4_k, q6_k) or Q8_0 (q8_0) otherwise, norms
+    and biases as they are. ``offload="sequential"`` or ``"group"`` (``blocks_per_group``,
+    ``prefetch``) plans accelerate's and diffusers' offloaded execution: the layers kept on cpu or
+    disk computed on the first accelerator, their onload slots charged to its scratch (see
+    ``Model.load``). ``world`` (``"host:gpus[,host:gpus...]"``, torchrun's rank order) plans a
+    multi-process tensor-parallel run: rank ``r`` stands for the ``r``-th accelerator of
+    ``devices``, and ``explain()`` lists each rank's host and device. Raises ``OutOfMemoryError``
+    (with ``.shortfalls`` and ``.fixes``) when it does not fit, ``CudaUnavailable`` for a ``cuda:N``
+    without a size where CUDA cannot be used (as ``Model()`` does; ``cuda:N:24GiB`` plans without
+    the GPU), and ``PlanError`` for an invalid request.
+
+    Unlike either library, each device is also charged the KV cache and scratch placed on it,
+    and the cpu the two upload staging buffers (at most 4 MiB each); with no cache,
+    ``runtime=RuntimeSpec(0, 0, 0)`` and the cpu's budget 8 MiB larger, the maps are theirs.
+
+    Architectures the engine does not run (anything but llama, mistral, qwen2, qwen3 and phi3)
+    are planned with a warning; a head with no tensor of its own is tied to the embedding
+    whatever the architecture; sliding-window layers (GGUF ``{arch}.attention.sliding_window``,
+    config.json ``sliding_window`` with transformers' per-layer rules) keep llama.cpp's SWA
+    cache, the window plus one input chunk padded to 256 tokens, for architectures the engine
+    does not run. With ``allow_disk`` (or ``disk`` listed), a cpu too small for its share streams
+    part of it from disk instead of failing: the embedding under ``autosplit``, the embedding and
+    then its last layers under ``layers``.
+    """
+    return _native._plan(source, locals())
+
+
+def fit(
+    source: Checkpoint | str | os.PathLike[str] | Mapping[str, Any] | ModelSpec,
+    *,
+    devices: _Devices | None = None,
+    target: _FitTarget = "max_seq_len",
+    strategy: _Strategy | None = None,
+    dtype: str = "auto",
+    cache: CacheSpec | Cache | Mapping[str, Any] | None = None,
+    cache_dtype: str | None = None,
+    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
+    reserve: _Sizes = None,
+    max_memory: _Sizes = None,
+    n_gpu_layers: int | None = None,
+    split_mode: _SplitMode | None = None,
+    tensor_split: Sequence[float] | None = None,
+    main_gpu: int | None = None,
+    device_map: _DeviceMap | None = None,
+    allow_disk: bool = False,
+    weight_dtype: str | None = None,
+    overhead: _Sizes = None,
+    overrides: _Overrides | None = None,
+    gpu_split: Sequence[float] | None = None,
+    use_mmap: bool = True,
+    cache_offload: bool = False,
+    quantize: _Quantize | None = None,
+    offload: _Offload | None = None,
+    blocks_per_group: int = 1,
+    prefetch: bool = True,
+    n_cpu_moe: int | None = None,
+) -> int:
+    """The largest ``target`` that fits: ``"max_seq_len"`` (multiples of 256 up to the model's
+    context length), ``"batch_size"``, or ``"n_gpu_layers"`` (strategy ``layers``); or
+    ``"n_cpu_moe"``, the fewest layers of a mixture-of-experts model whose experts must stay in host
+    RAM for the rest to fit the accelerators. Same options as ``plan()``; ``cache`` (or just
+    ``cache_dtype``) gives the cache dtype and batch (fp16, batch 1 without one);
+    ``cache_offload=True`` offloads that cache to host RAM; ``devices`` left at None is this
+    machine's, as for ``plan()``. Raises ``OutOfMemoryError`` when even the smallest value does not
+    fit.
+    """
+    return _native._fit(source, locals())
+
+
+def from_pretrained(
+    path: _Path,
+    *,
+    device_map: _DeviceMap | None = "auto",
+    max_memory: _Sizes = None,
+    dtype: str = "auto",
+    devices: _Devices | None = None,
+    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
+    progress: bool = False,
+    callback: _Callback | None = None,
+    compute: _Compute = "fast",
+    n_threads: int | None = None,
+    quantize: _Quantize | None = None,
+    offload: _Offload | None = None,
+    blocks_per_group: int = 1,
+    prefetch: bool = True,
+) -> Model:
+    """accelerate style: open ``path``, plan with ``device_map`` (``"auto"`` = balanced,
+    ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``, a device name, or a dict of module/layer
+    prefix -> device, with ``"re:PATTERN"`` keys as llama.cpp ``-ot`` overrides) and ``max_memory``
+    (one size, a list in accelerator order, or a dict by device name or index), and load. Returns
+    the loaded Model. The presets place as transformers 5's ``from_pretrained`` does: ``balanced``
+    caps each GPU but the last at its share of the model plus 1.25 × the larger of the largest
+    decoder layer and the largest module (usually the embedding), not accelerate's first layer and
+    mean module (``weightlift.plan(strategy="balanced")``); with no ``max_memory``, 90% of the cpu.
+    Unlike transformers, each device's budget also pays for the KV cache and scratch the engine
+    allocates there, and the cpu for the upload staging buffers. ``quantize="int8"`` is
+    transformers' ``BitsAndBytesConfig(load_in_8bit=True)`` (also ``"q8_0"``, ``"q4_k"``,
+    ``"q6_k"``; see ``Model``). ``offload="sequential"`` (or ``"group"`` with ``blocks_per_group``
+    and ``prefetch``) computes the layers the map leaves on cpu or disk on the first accelerator, as
+    accelerate's dispatch hooks do (see ``Model.load``); None computes each where it is.
+    """
+    kw = locals()
+    model = Model(
+        path,
+        devices=devices,
+        dtype=dtype,
+        runtime=runtime,
+        compute=compute,
+        n_threads=n_threads,
+        quantize=quantize,
+    )
+    model._load_pretrained(kw)
+    return model
+
+
+def load_gguf(
+    path: Checkpoint | _Path | None = None,
+    *,
+    n_gpu_layers: int = 0,
+    split_mode: _SplitMode = "layer",
+    tensor_split: Sequence[float] | None = None,
+    main_gpu: int = 0,
+    use_mmap: bool = True,
+    use_direct_io: bool = False,
+    use_mlock: bool = False,
+    check_tensors: bool = False,
+    vocab_only: bool = False,
+    progress_callback: Any = None,
+    devices: _Devices | None = None,
+    runtime: RuntimeSpec | Mapping[str, Any] | None = None,
+    n_ctx: int = 512,
+    n_batch: int = 512,
+    type_k: str | int | None = "f16",
+    type_v: str | int | None = "f16",
+    n_threads: int | None = None,
+    compute: _Compute = "fast",
+    seed: int | None = None,
+    callback: _Callback | None = None,
+    progress: bool = False,
+    offload: _Offload | None = None,
+    blocks_per_group: int = 1,
+    prefetch: bool = True,
+    model_path: Checkpoint | _Path | None = None,
+    verbose: bool = True,
+    chat_format: str | None = None,
+    spm_infill: bool = False,
+) -> Model:
+    """llama.cpp style: ``n_gpu_layers`` (-1 all; the last N layers go to the accelerators, the
+    output too when N > n_layer), ``split_mode`` (``none``, ``layer``, ``row``), ``tensor_split``,
+    ``main_gpu``; ``use_mmap``, ``use_direct_io``, ``check_tensors``.
+    ``progress_callback(fraction)`` is called with the fraction loaded, as in llama.cpp, and
+    returning False cancels (``LoadCancelled``). ``vocab_only`` opens the metadata and tokenizer
+    only and loads no tensors. ``use_mlock`` locks the memory-mapped tensors in RAM (a locked-memory
+    limit that refuses is reported in ``Model.warnings``). As llama-cpp-python's ``Llama``, the file
+    may be given as ``model_path=``, and ``verbose`` is accepted (nothing is printed);
+    ``chat_format`` names one of llama-cpp-python's built-in chat formats (``"chatml"``,
+    ``"llama-2"``, ``"llama-3"``, ``"mistral-instruct"``, ``"gemma"``, ``"zephyr"``, ...) used in
+    place of the model's own chat template, whose stop string then ends chat replies; None keeps the
+    model's template. ``spm_infill`` puts the suffix first in fill-in-the-middle prompts
+    (``suffix=``).
+    """
+    kw = locals()
+    if path is not None and model_path is not None:
+        raise TypeError("load_gguf: got both path and model_path; pass the GGUF once")
+    source = path if path is not None else model_path
+    if source is None:
+        raise TypeError("load_gguf: missing the GGUF to load (path, or model_path=)")
+    if callback is not None and progress_callback is not None:
+        raise PlanError(
+            "load_gguf: got both callback and progress_callback; pass one (callback takes "
+            "(bytes_done, bytes_total, tensor, device), progress_callback a fraction)"
+        )
+    # llama.cpp keeps the stored dtypes and quantises nothing on load.
+    opened = dict(kw, dtype="auto", quantize=None)
+    model = _native.Model.__new__(Model, source, opened)
+    model._load_llama(kw)
+    return model
+
+
+def sample(
+    logits: npt.NDArray[np.float32],
+    history: Sequence[int] = (),
+    *,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    top_p: float = 0.95,
+    min_p: float = 0.05,
+    typical_p: float = 1.0,
+    repeat_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    mirostat_mode: int = 0,
+    mirostat_tau: float = 5.0,
+    mirostat_eta: float = 0.1,
+    seed: int | None = None,
+) -> int:
+    """One token from ``logits`` (one row, float32) through the engine's sampler chain, with the
+    penalties over ``history``: llama-cpp-python's ``Llama.sample`` on logits the caller holds.
+    ``temperature=0`` is the argmax, lowest id on ties.
+    """
+    return _native._sample(logits, list(history), locals())
