@@ -1,11 +1,11 @@
-//! Python bindings for weightlift-format: `open()`, `Checkpoint`, `TensorInfo` and `ModelSpec`.
+//! Python bindings for weightlift-format: `open()` and `Checkpoint`, and (in `info`) the
+//! read-only records the bindings hand out.
 
 // `raw()` hands numpy a pointer into the memory map (`PyArray::borrow_from_array`), which is
 // unsafe by signature; the SAFETY note there says why it is sound.
 #![allow(unsafe_code)]
 
 mod info;
-mod values;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -19,14 +19,12 @@ use weightlift_engine::dequantize::{checkpoint_tensor, checkpoint_tensor_into};
 use weightlift_format as wf;
 
 use crate::errors::{Exc, enter, py_err, raise};
+pub(crate) use info::record;
 pub use info::{ModelSpec, TensorInfo};
-use values::meta_to_py;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(open, m)?)?;
     m.add_class::<Checkpoint>()?;
-    m.add_class::<TensorInfo>()?;
-    m.add_class::<ModelSpec>()?;
     Ok(())
 }
 
@@ -131,20 +129,18 @@ impl Checkpoint {
     /// GGUF key/value metadata, or safetensors `__metadata__`, as Python values in file order.
     /// Arrays (nested ones too) become lists.
     #[getter]
-    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let ckpt = self.shared()?;
-        let dict = PyDict::new(py);
-        for (key, value) in ckpt.metadata() {
-            dict.set_item(key, meta_to_py(py, value)?)?;
-        }
-        Ok(dict)
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(pythonize::pythonize(py, self.shared()?.metadata())?)
     }
 
     /// The architecture, or None when it could not be read (see `spec_error`).
     #[getter]
-    fn spec(&self) -> PyResult<Option<ModelSpec>> {
+    fn spec<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let ckpt = self.shared()?;
-        Ok(ckpt.spec().ok().map(ModelSpec::from))
+        ckpt.spec()
+            .ok()
+            .map(|s| record(py, "ModelSpec", s))
+            .transpose()
     }
 
     /// Why `spec` is None, or None when it is present.
