@@ -33,16 +33,12 @@ pub(crate) fn inventory_for(devices: Option<&str>) -> PyResult<Inventory> {
 }
 
 fn resolve_device(name: &str) -> PyResult<Arc<Device>> {
-    let mut reg = registry();
-    let inv = match reg.clone() {
+    // Its own statement, so the lock is released before `inventory_for` takes it.
+    let registered = registry().clone();
+    let inv = match registered {
         Some(inv) => inv,
-        None => {
-            let inv = eng(Inventory::detect())?;
-            *reg = Some(inv.clone());
-            inv
-        }
+        None => inventory_for(None)?,
     };
-    drop(reg);
     inv.get(name).map_err(|_| {
         let known: Vec<String> = inv.all().iter().map(|d| d.name().to_owned()).collect();
         raise(
