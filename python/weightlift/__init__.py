@@ -50,15 +50,10 @@ from weightlift._native import (
     CacheSpec,
     Checkpoint,
     CompletionStream,
-    Device,
     DeviceTensor,
-    DeviceUsage,
     LlamaGrammar,
-    ModelSpec,
-    Placement,
     Plan,
     RuntimeSpec,
-    TensorInfo,
     TPContext,
     TPGroupMember,
     __version__,
@@ -69,6 +64,7 @@ from weightlift._native import (
     tensor,
     use_devices,
 )
+from weightlift._types import Device, DeviceUsage, ModelSpec, Placement, TensorInfo
 
 __all__ = [
     "LLAMA_DEFAULT_SEED",

@@ -24,6 +24,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use serde::ser::{Serialize, SerializeMap, Serializer};
+
 /// Site folders registered by the host program, searched after the toolkit folders.
 static SITE_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
@@ -284,6 +286,52 @@ pub struct CudaDeviceReport {
     pub context: Result<u64, String>,
 }
 
+/// As `weightlift devices --json` prints it: `driver` (`path` and `cuda_version`, or `error`),
+/// `nvrtc` and `cublas` (`path` and `version`, or `error`) and `devices`, one map per GPU.
+impl Serialize for CudaReport {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(4))?;
+        map.serialize_entry("driver", &Found(&self.driver, "cuda_version"))?;
+        map.serialize_entry("nvrtc", &Found(&self.nvrtc, "version"))?;
+        map.serialize_entry("cublas", &Found(&self.cublas, "version"))?;
+        map.serialize_entry("devices", &self.devices)?;
+        map.end()
+    }
+}
+
+/// A library as found (`path`, and its version under the key given) or missing (`error`).
+struct Found<'a>(&'a Result<(PathBuf, (i32, i32)), String>, &'static str);
+
+impl Serialize for Found<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(None)?;
+        match self.0 {
+            Ok((path, (major, minor))) => {
+                map.serialize_entry("path", &path.display().to_string())?;
+                map.serialize_entry(self.1, &format!("{major}.{minor}"))?;
+            }
+            Err(e) => map.serialize_entry("error", e)?,
+        }
+        map.end()
+    }
+}
+
+/// `name` (`"cuda:0"`), `model` (the driver's name), `capability` (`"sm_90"`), `free` and
+/// `total` bytes, and `context`: the bytes of one context, or none when it was not measured.
+impl Serialize for CudaDeviceReport {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (major, minor) = self.capability;
+        let mut map = s.serialize_map(Some(6))?;
+        map.serialize_entry("name", &format!("cuda:{}", self.ordinal))?;
+        map.serialize_entry("model", &self.name)?;
+        map.serialize_entry("capability", &format!("sm_{major}{minor}"))?;
+        map.serialize_entry("free", &self.free)?;
+        map.serialize_entry("total", &self.total)?;
+        map.serialize_entry("context", &self.context.as_ref().ok())?;
+        map.end()
+    }
+}
+
 /// Registers the repository's `.venv` site folders (where `make venv` puts pip's NVRTC), so the
 /// crate's own tests find it without `LD_LIBRARY_PATH`.
 #[cfg(all(test, feature = "nvrtc-check"))]
@@ -295,6 +343,31 @@ pub(crate) fn use_repo_venv() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_report_serialises_as_weightlift_devices_prints_it() {
+        let report = CudaReport {
+            driver: Ok(("/usr/lib/libcuda.so.1".into(), (12, 8))),
+            nvrtc: Ok(("/venv/nvidia/cuda_nvrtc/lib/libnvrtc.so.12".into(), (12, 9))),
+            cublas: Err("libcublas not found".into()),
+            devices: vec![CudaDeviceReport {
+                ordinal: 1,
+                name: "NVIDIA H200".into(),
+                capability: (9, 0),
+                free: 100,
+                total: 200,
+                context: Err("not measured".into()),
+            }],
+        };
+        let expected = serde_json::json!({
+            "driver": {"path": "/usr/lib/libcuda.so.1", "cuda_version": "12.8"},
+            "nvrtc": {"path": "/venv/nvidia/cuda_nvrtc/lib/libnvrtc.so.12", "version": "12.9"},
+            "cublas": {"error": "libcublas not found"},
+            "devices": [{"name": "cuda:1", "model": "NVIDIA H200", "capability": "sm_90",
+                         "free": 100, "total": 200, "context": null}],
+        });
+        assert_eq!(serde_json::to_value(&report).unwrap(), expected);
+    }
 
     fn touch(dir: &Path, name: &str) {
         std::fs::create_dir_all(dir).unwrap();

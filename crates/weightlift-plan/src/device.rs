@@ -100,6 +100,28 @@ impl DeviceSpec {
         bounded(self.capacity)
     }
 
+    /// The device as the Python bindings show it: `capacity` is `None` when unbounded, and the
+    /// overhead is its total and its parts as `(name, bytes, source)` rows.
+    pub fn view(&self) -> impl Serialize + '_ {
+        #[derive(Serialize)]
+        struct View<'a> {
+            name: &'a str,
+            kind: DeviceKind,
+            capacity: Option<u64>,
+            reserve: u64,
+            overhead: u64,
+            overhead_parts: Vec<(&'a str, u64, &'a str)>,
+        }
+        View {
+            name: &self.name,
+            kind: self.kind,
+            capacity: self.bounded_capacity(),
+            reserve: self.reserve,
+            overhead: self.overhead.total(),
+            overhead_parts: crate::overhead::rows(self.overhead.parts()),
+        }
+    }
+
     /// A CUDA device with its overhead, measured or defaulted.
     pub fn cuda(name: impl Into<String>, capacity: u64, overhead: CudaOverhead) -> Self {
         DeviceSpec {
@@ -512,6 +534,23 @@ mod tests {
             assert_eq!(json, format!("\"{}\"", d.kind.name()));
         }
         assert_eq!(DeviceKind::Cuda.name(), "cuda");
+    }
+
+    #[test]
+    fn the_view_shows_an_unbounded_capacity_as_none_and_the_overhead_as_rows() {
+        let [gpu, disk] = parse_devices("cuda:0:1GiB:sm_90,disk")
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let view = serde_json::to_value(gpu.view()).unwrap();
+        assert_eq!(view["capacity"], 1u64 << 30);
+        assert_eq!(view["overhead"], gpu.overhead.total());
+        let parts = gpu.overhead.parts();
+        assert_eq!(view["overhead_parts"][0][0], parts[0].name.as_str());
+        assert_eq!(view["overhead_parts"][0][1], parts[0].bytes);
+        let view = serde_json::to_value(disk.view()).unwrap();
+        assert!(view["capacity"].is_null(), "{view}");
+        assert_eq!(view["overhead_parts"], serde_json::json!([]));
     }
 
     #[test]

@@ -23,6 +23,26 @@ impl Shortfall {
     pub fn missing(&self) -> u64 {
         self.needed.saturating_sub(self.available)
     }
+
+    /// The shortfall as the Python bindings show it: its fields, with
+    /// [`missing`](Shortfall::missing) before `what`.
+    pub fn view(&self) -> impl Serialize + '_ {
+        #[derive(Serialize)]
+        struct View<'a> {
+            device: &'a str,
+            needed: u64,
+            available: u64,
+            missing: u64,
+            what: &'a str,
+        }
+        View {
+            device: &self.device,
+            needed: self.needed,
+            available: self.available,
+            missing: self.missing(),
+            what: &self.what,
+        }
+    }
 }
 
 /// A plan that does not fit: every short device, and the cheapest fixes, each checked by

@@ -88,6 +88,18 @@ pub(crate) fn describe(parts: &[OverheadPart]) -> String {
         .join(" + ")
 }
 
+/// Parts as `(name, bytes, source)` rows: how the views of a device ([`DeviceSpec::view`],
+/// [`DeviceUsage::view`]) list them.
+///
+/// [`DeviceSpec::view`]: crate::DeviceSpec::view
+/// [`DeviceUsage::view`]: crate::DeviceUsage::view
+pub(crate) fn rows(parts: &[OverheadPart]) -> Vec<(&str, u64, &str)> {
+    parts
+        .iter()
+        .map(|p| (p.name.as_str(), p.bytes, p.source.as_str()))
+        .collect()
+}
+
 /// What a CUDA device holds beyond the plan's allocations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CudaOverhead {

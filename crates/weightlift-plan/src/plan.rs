@@ -112,6 +112,76 @@ impl DeviceUsage {
             .saturating_add(self.overhead)
             .saturating_add(self.reserve)
     }
+
+    /// The row as the Python bindings show it: `capacity` and `free` are `None` on an unbounded
+    /// device, `used` is [`DeviceUsage::used`], and the overhead parts are `(name, bytes,
+    /// source)` rows.
+    pub fn view(&self) -> impl Serialize + '_ {
+        #[derive(Serialize)]
+        struct View<'a> {
+            name: &'a str,
+            kind: DeviceKind,
+            capacity: Option<u64>,
+            weights: u64,
+            kv: u64,
+            scratch: u64,
+            kernel_scratch: u64,
+            overhead: u64,
+            overhead_parts: Vec<(&'a str, u64, &'a str)>,
+            reserve: u64,
+            free: Option<u64>,
+            used: u64,
+            layers: &'a [(u32, u32)],
+            holds: &'a [String],
+            implicit: bool,
+        }
+        View {
+            name: &self.name,
+            kind: self.kind,
+            capacity: self.bounded_capacity(),
+            weights: self.weights,
+            kv: self.kv,
+            scratch: self.scratch,
+            kernel_scratch: self.kernel_scratch,
+            overhead: self.overhead,
+            overhead_parts: crate::overhead::rows(&self.overhead_parts),
+            reserve: self.reserve,
+            free: self.bounded_free(),
+            used: self.used(),
+            layers: &self.layers,
+            holds: &self.holds,
+            implicit: self.implicit,
+        }
+    }
+}
+
+impl TensorPlacement {
+    /// The row as the Python bindings show it: `bytes` named `nbytes`, and a split as its
+    /// `(device, start, end, bytes)` shards.
+    pub fn view(&self) -> impl Serialize + '_ {
+        #[derive(Serialize)]
+        struct View<'a> {
+            name: &'a str,
+            device: &'a str,
+            dtype: DType,
+            nbytes: u64,
+            layer: Option<u32>,
+            shards: Option<Vec<(&'a str, u64, u64, u64)>>,
+        }
+        View {
+            name: &self.name,
+            device: &self.device,
+            dtype: self.dtype,
+            nbytes: self.bytes,
+            layer: self.layer,
+            shards: self.split.as_ref().map(|s| {
+                s.shards
+                    .iter()
+                    .map(|sh| (sh.device.as_str(), sh.start, sh.end, sh.bytes))
+                    .collect()
+            }),
+        }
+    }
 }
 
 /// Host RAM during loading. mmap-backed CPU tensors cost page cache, which the kernel can

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyTuple};
 use weightlift_engine::{self as we, Device, Inventory};
 use weightlift_format::DType;
 
@@ -33,16 +33,12 @@ pub(crate) fn inventory_for(devices: Option<&str>) -> PyResult<Inventory> {
 }
 
 fn resolve_device(name: &str) -> PyResult<Arc<Device>> {
-    let mut reg = registry();
-    let inv = match reg.clone() {
+    // Its own statement, so the lock is released before `inventory_for` takes it.
+    let registered = registry().clone();
+    let inv = match registered {
         Some(inv) => inv,
-        None => {
-            let inv = eng(Inventory::detect())?;
-            *reg = Some(inv.clone());
-            inv
-        }
+        None => inventory_for(None)?,
     };
-    drop(reg);
     inv.get(name).map_err(|_| {
         let known: Vec<String> = inv.all().iter().map(|d| d.name().to_owned()).collect();
         raise(
@@ -74,42 +70,11 @@ pub fn use_devices(spec: &str) -> PyResult<Vec<(String, Option<u64>)>> {
 /// bytes, and `context`: the bytes one CUDA context takes there, or None when it could not be
 /// measured). Nothing here needs a GPU: what is missing is reported, not raised.
 #[pyfunction]
-pub fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let r = py.detach(weightlift_kernels::cuda::report);
-    let part = |found: &Result<(std::path::PathBuf, (i32, i32)), String>, version: &str| {
-        let d = PyDict::new(py);
-        match found {
-            Ok((path, (major, minor))) => {
-                d.set_item("path", path.display().to_string())?;
-                d.set_item(version, format!("{major}.{minor}"))?;
-            }
-            Err(e) => d.set_item("error", e)?,
-        }
-        Ok::<_, PyErr>(d)
-    };
-    let out = PyDict::new(py);
-    out.set_item("driver", part(&r.driver, "cuda_version")?)?;
-    out.set_item("nvrtc", part(&r.nvrtc, "version")?)?;
-    out.set_item("cublas", part(&r.cublas, "version")?)?;
-    let devices = r
-        .devices
-        .iter()
-        .map(|g| {
-            let d = PyDict::new(py);
-            d.set_item("name", format!("cuda:{}", g.ordinal))?;
-            d.set_item("model", &g.name)?;
-            d.set_item(
-                "capability",
-                format!("sm_{}{}", g.capability.0, g.capability.1),
-            )?;
-            d.set_item("free", g.free)?;
-            d.set_item("total", g.total)?;
-            d.set_item("context", g.context.as_ref().ok())?;
-            Ok(d)
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    out.set_item("devices", devices)?;
-    Ok(out)
+pub fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    Ok(pythonize::pythonize(
+        py,
+        &py.detach(weightlift_kernels::cuda::report),
+    )?)
 }
 
 fn dtype_of_numpy(name: &str) -> PyResult<DType> {

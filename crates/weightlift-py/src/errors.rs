@@ -150,17 +150,8 @@ impl ToPyErr for weightlift_plan::PlanError {
                     let build = || -> PyResult<PyErr> {
                         let err = raise(Exc::OutOfMemory, message.clone());
                         let value = err.value(py);
-                        let shortfalls = pyo3::types::PyList::empty(py);
-                        for s in &oom.shortfalls {
-                            let d = pyo3::types::PyDict::new(py);
-                            d.set_item("device", &s.device)?;
-                            d.set_item("needed", s.needed)?;
-                            d.set_item("available", s.available)?;
-                            d.set_item("missing", s.missing())?;
-                            d.set_item("what", &s.what)?;
-                            shortfalls.append(d)?;
-                        }
-                        value.setattr("shortfalls", shortfalls)?;
+                        let shortfalls: Vec<_> = oom.shortfalls.iter().map(|s| s.view()).collect();
+                        value.setattr("shortfalls", pythonize::pythonize(py, &shortfalls)?)?;
                         value.setattr("fixes", oom.fixes.clone())?;
                         Ok(err)
                     };

@@ -1,11 +1,11 @@
-//! Python bindings for weightlift-format: `open()`, `Checkpoint`, `TensorInfo` and `ModelSpec`.
+//! Python bindings for weightlift-format: `open()` and `Checkpoint`, and (in `info`) the
+//! read-only records the bindings hand out.
 
 // `raw()` hands numpy a pointer into the memory map (`PyArray::borrow_from_array`), which is
 // unsafe by signature; the SAFETY note there says why it is sound.
 #![allow(unsafe_code)]
 
 mod info;
-mod values;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -15,18 +15,16 @@ use numpy::{PyArray, PyArray1, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
-use weightlift_engine::dequantize::{checkpoint_tensor, checkpoint_tensor_into};
+use weightlift_engine::dequantize::checkpoint_tensor_into;
 use weightlift_format as wf;
 
 use crate::errors::{Exc, enter, py_err, raise};
+pub(crate) use info::record;
 pub use info::{ModelSpec, TensorInfo};
-use values::meta_to_py;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(open, m)?)?;
     m.add_class::<Checkpoint>()?;
-    m.add_class::<TensorInfo>()?;
-    m.add_class::<ModelSpec>()?;
     Ok(())
 }
 
@@ -131,20 +129,18 @@ impl Checkpoint {
     /// GGUF key/value metadata, or safetensors `__metadata__`, as Python values in file order.
     /// Arrays (nested ones too) become lists.
     #[getter]
-    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let ckpt = self.shared()?;
-        let dict = PyDict::new(py);
-        for (key, value) in ckpt.metadata() {
-            dict.set_item(key, meta_to_py(py, value)?)?;
-        }
-        Ok(dict)
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(pythonize::pythonize(py, self.shared()?.metadata())?)
     }
 
     /// The architecture, or None when it could not be read (see `spec_error`).
     #[getter]
-    fn spec(&self) -> PyResult<Option<ModelSpec>> {
+    fn spec<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let ckpt = self.shared()?;
-        Ok(ckpt.spec().ok().map(ModelSpec::from))
+        ckpt.spec()
+            .ok()
+            .map(|s| record(py, "ModelSpec", s))
+            .transpose()
     }
 
     /// Why `spec` is None, or None when it is present.
@@ -251,70 +247,62 @@ impl Checkpoint {
     ) -> PyResult<Bound<'py, PyArray<f32, IxDyn>>> {
         let ckpt = self.shared()?;
         let shape = ckpt.tensor(name).map_err(py_err)?.shape.clone();
-        if let Some(out) = out.filter(|o| !o.is_none()) {
-            let out = out.cast_into::<PyArrayDyn<f32>>().map_err(|e| {
-                let got = e.into_inner();
-                let what = got
-                    .getattr("dtype")
-                    .map(|d| format!("a numpy array of {d}"))
-                    .unwrap_or_else(|_| {
-                        got.get_type()
-                            .name()
-                            .map_or_else(|_| "?".to_owned(), |n| n.to_string())
-                    });
-                PyTypeError::new_err(format!(
-                    "dequantize('{name}', out=...): expected a float32 numpy array of shape \
-                     {shape:?}, got {what}; allocate it with np.empty(shape, np.float32)"
-                ))
-            })?;
-            let got: Vec<u64> = out.shape().iter().map(|&d| d as u64).collect();
-            if got != shape {
-                return Err(PyValueError::new_err(format!(
-                    "dequantize('{name}', out=...): expected an array of shape {shape:?}, got {got:?}"
-                )));
-            }
-            if !out.is_c_contiguous() {
-                return Err(PyValueError::new_err(format!(
-                    "dequantize('{name}', out=...): the array must be C-contiguous"
-                )));
-            }
-            {
-                let mut rw = out.try_readwrite().map_err(|e| {
-                    PyValueError::new_err(format!("dequantize('{name}', out=...): {e}"))
-                })?;
-                let slice = rw.as_slice_mut().map_err(|_| {
-                    PyValueError::new_err(format!(
-                        "dequantize('{name}', out=...): the array must be C-contiguous"
+        let unfit =
+            |what: String| PyValueError::new_err(format!("dequantize('{name}', out=...): {what}"));
+        let out = match out.filter(|o| !o.is_none()) {
+            Some(out) => {
+                let out = out.cast_into::<PyArrayDyn<f32>>().map_err(|e| {
+                    let got = e.into_inner();
+                    let what = got
+                        .getattr("dtype")
+                        .map(|d| format!("a numpy array of {d}"))
+                        .unwrap_or_else(|_| {
+                            got.get_type()
+                                .name()
+                                .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+                        });
+                    PyTypeError::new_err(format!(
+                        "dequantize('{name}', out=...): expected a float32 numpy array of shape \
+                         {shape:?}, got {what}; allocate it with np.empty(shape, np.float32)"
                     ))
                 })?;
-                enter(py, || {
-                    let info = ckpt.tensor(name)?;
-                    checkpoint_tensor_into(&ckpt, info, slice)
-                })?;
+                let got: Vec<u64> = out.shape().iter().map(|&d| d as u64).collect();
+                if got != shape {
+                    return Err(unfit(format!(
+                        "expected an array of shape {shape:?}, got {got:?}"
+                    )));
+                }
+                // `as_slice_mut` below takes a Fortran-ordered array too.
+                if !out.is_c_contiguous() {
+                    return Err(unfit("the array must be C-contiguous".into()));
+                }
+                out
             }
-            return Ok(out);
-        }
-        let values = enter(py, || {
-            let info = ckpt.tensor(name)?;
-            checkpoint_tensor(&ckpt, info)
-        })?;
-        let dims = shape
-            .iter()
-            .map(|&d| usize::try_from(d))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| {
-                raise(
-                    Exc::Format,
-                    format!("tensor '{name}' shape {shape:?} does not fit in memory"),
-                )
+            // Without `out`, a new array that the dequantiser fills as it would a given one.
+            None => {
+                let dims: Vec<usize> = shape
+                    .iter()
+                    .map(|&d| usize::try_from(d))
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| {
+                        raise(
+                            Exc::Format,
+                            format!("tensor '{name}' shape {shape:?} does not fit in memory"),
+                        )
+                    })?;
+                PyArrayDyn::zeros(py, dims, false)
+            }
+        };
+        {
+            let mut rw = out.try_readwrite().map_err(|e| unfit(e.to_string()))?;
+            let slice = rw
+                .as_slice_mut()
+                .map_err(|_| unfit("the array must be C-contiguous".into()))?;
+            enter(py, || {
+                checkpoint_tensor_into(&ckpt, ckpt.tensor(name)?, slice)
             })?;
-        let array = numpy::ndarray::Array::from_shape_vec(IxDyn(&dims), values).map_err(|e| {
-            raise(
-                Exc::Format,
-                format!("tensor '{name}': dequantised {e}; expected shape {shape:?}"),
-            )
-        })?;
-        Ok(PyArray::from_owned_array(py, array))
+        }
+        Ok(out)
     }
 
     /// Drop this object's hold on the files. Later reads raise `ClosedError`; views from `raw()`

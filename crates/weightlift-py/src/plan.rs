@@ -13,7 +13,7 @@ use weightlift_plan as wp;
 
 use crate::errors::{eng, enter, py_err};
 use crate::options::{DevicesSpec, Kw, plan_options};
-pub use result::{Device, DeviceUsage, Placement, Plan};
+pub use result::{Device, Plan};
 pub use specs::{CacheSpec, RuntimeSpec};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -24,9 +24,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_devices, m)?)?;
     m.add_class::<CacheSpec>()?;
     m.add_class::<RuntimeSpec>()?;
-    m.add_class::<Device>()?;
-    m.add_class::<DeviceUsage>()?;
-    m.add_class::<Placement>()?;
     m.add_class::<Plan>()?;
     Ok(())
 }

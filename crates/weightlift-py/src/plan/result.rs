@@ -1,5 +1,5 @@
-//! What the planner answers: `Device` (one device of an inventory), and a `Plan` with its
-//! `DeviceUsage` and `Placement` rows.
+//! What the planner answers: `Device` (one device of an inventory), and a `Plan`, whose
+//! `DeviceUsage` and `Placement` rows are records too.
 
 use std::path::PathBuf;
 
@@ -8,165 +8,24 @@ use weightlift_plan as wp;
 
 use super::{CacheSpec, RuntimeSpec};
 use crate::errors::{io_error, py_err};
+use crate::format::record;
 
-/// Overhead parts as Python tuples.
-fn parts(p: &[wp::OverheadPart]) -> Vec<(String, u64, String)> {
-    p.iter()
-        .map(|x| (x.name.clone(), x.bytes, x.source.clone()))
-        .collect()
-}
-
-/// One device of an inventory. `capacity` is None for an unbounded device (`disk`, or `cpu`
-/// when its memory is unknown).
-#[pyclass(module = "weightlift._native", frozen, eq)]
-#[derive(Clone, PartialEq)]
-pub struct Device {
-    /// Normalised name: `"cpu"`, `"cuda:0"`, `"virtual:1"`, `"disk"`.
-    #[pyo3(get)]
-    name: String,
-    /// `"cpu"`, `"cuda"`, `"virtual"` or `"disk"`.
-    #[pyo3(get)]
-    kind: &'static str,
-    /// Bytes, or None when unbounded.
-    #[pyo3(get)]
-    capacity: Option<u64>,
-    #[pyo3(get)]
-    reserve: u64,
-    /// Bytes of fixed overhead: for `cuda:N` its context and modules, cuBLAS workspace and
-    /// graph memory (see `overhead_parts`).
-    #[pyo3(get)]
-    overhead: u64,
-    /// The overhead part by part: `[(name, bytes, where the figure comes from)]`.
-    #[pyo3(get)]
-    overhead_parts: Vec<(String, u64, String)>,
-}
+/// One device of an inventory, handed to Python as a `weightlift.Device` record.
+pub struct Device(wp::DeviceSpec);
 
 impl From<wp::DeviceSpec> for Device {
     fn from(d: wp::DeviceSpec) -> Self {
-        Device {
-            kind: d.kind.name(),
-            capacity: d.bounded_capacity(),
-            reserve: d.reserve,
-            overhead: d.overhead.total(),
-            overhead_parts: parts(d.overhead.parts()),
-            name: d.name,
-        }
+        Device(d)
     }
 }
 
-#[pymethods]
-impl Device {
-    fn __repr__(&self) -> String {
-        let capacity = self.capacity.map_or("None".into(), |c| c.to_string());
-        format!("Device('{}', capacity={capacity})", self.name)
-    }
-}
+impl<'py> IntoPyObject<'py> for Device {
+    type Target = PyAny;
+    type Output = Bound<'py, PyAny>;
+    type Error = PyErr;
 
-/// A device's share of a plan, in bytes. `capacity` and `free` are None for unbounded devices.
-#[pyclass(module = "weightlift._native", frozen, get_all)]
-#[derive(Clone)]
-pub struct DeviceUsage {
-    name: String,
-    kind: &'static str,
-    capacity: Option<u64>,
-    /// Bytes of the weights placed here, after any dtype conversion.
-    weights: u64,
-    /// Bytes of the KV cache of the layers placed here.
-    kv: u64,
-    scratch: u64,
-    /// Bytes of fixed overhead charged here (0 on a device that holds nothing).
-    overhead: u64,
-    /// The overhead charged here, part by part: `[(name, bytes, where the figure comes from)]`,
-    /// e.g. `("cuda context and modules", 569376768, "measured on this sm_90")`.
-    overhead_parts: Vec<(String, u64, String)>,
-    reserve: u64,
-    free: Option<u64>,
-    /// weights + kv + scratch + overhead + reserve.
-    used: u64,
-    /// Inclusive layer ranges placed here, e.g. `[(0, 11)]`.
-    layers: Vec<(u32, u32)>,
-    /// Other things held here (`"token_embd"`, `"output"`, ...).
-    holds: Vec<String>,
-    /// True when the planner added the device (not in the given list).
-    implicit: bool,
-}
-
-impl From<&wp::DeviceUsage> for DeviceUsage {
-    fn from(d: &wp::DeviceUsage) -> Self {
-        DeviceUsage {
-            name: d.name.clone(),
-            kind: d.kind.name(),
-            capacity: d.bounded_capacity(),
-            weights: d.weights,
-            kv: d.kv,
-            scratch: d.scratch,
-            overhead: d.overhead,
-            overhead_parts: parts(&d.overhead_parts),
-            reserve: d.reserve,
-            free: d.bounded_free(),
-            used: d.used(),
-            layers: d.layers.clone(),
-            holds: d.holds.clone(),
-            implicit: d.implicit,
-        }
-    }
-}
-
-#[pymethods]
-impl DeviceUsage {
-    fn __repr__(&self) -> String {
-        format!(
-            "DeviceUsage('{}', weights={}, kv={}, scratch={}, overhead={}, reserve={}, free={})",
-            self.name,
-            self.weights,
-            self.kv,
-            self.scratch,
-            self.overhead,
-            self.reserve,
-            self.free.map_or("None".into(), |f| f.to_string())
-        )
-    }
-}
-
-/// Where one tensor goes. `shards` lists `(device, start, end, bytes)` row ranges when the
-/// tensor is split across devices (llama.cpp row split, tensor parallel), else None.
-#[pyclass(module = "weightlift._native", frozen, get_all)]
-#[derive(Clone)]
-pub struct Placement {
-    name: String,
-    device: String,
-    /// The dtype after any conversion.
-    dtype: &'static str,
-    nbytes: u64,
-    layer: Option<u32>,
-    shards: Option<Vec<(String, u64, u64, u64)>>,
-}
-
-impl From<&wp::TensorPlacement> for Placement {
-    fn from(t: &wp::TensorPlacement) -> Self {
-        Placement {
-            name: t.name.clone(),
-            device: t.device.clone(),
-            dtype: t.dtype.name(),
-            nbytes: t.bytes,
-            layer: t.layer,
-            shards: t.split.as_ref().map(|s| {
-                s.shards
-                    .iter()
-                    .map(|sh| (sh.device.clone(), sh.start, sh.end, sh.bytes))
-                    .collect()
-            }),
-        }
-    }
-}
-
-#[pymethods]
-impl Placement {
-    fn __repr__(&self) -> String {
-        format!(
-            "Placement('{}' -> {}, {} bytes {})",
-            self.name, self.device, self.nbytes, self.dtype
-        )
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Self::Output> {
+        record(py, "Device", &self.0.view())
     }
 }
 
@@ -238,13 +97,21 @@ impl Plan {
     }
     /// Every tensor's placement, in checkpoint order.
     #[getter]
-    fn tensors(&self) -> Vec<Placement> {
-        self.inner.tensors().iter().map(Placement::from).collect()
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        self.inner
+            .tensors()
+            .iter()
+            .map(|t| record(py, "Placement", &t.view()))
+            .collect()
     }
     /// Per-device breakdown: weights, kv, scratch, overhead, reserve and free, in bytes.
     #[getter]
-    fn devices(&self) -> Vec<DeviceUsage> {
-        self.inner.devices().iter().map(DeviceUsage::from).collect()
+    fn devices<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        self.inner
+            .devices()
+            .iter()
+            .map(|d| record(py, "DeviceUsage", &d.view()))
+            .collect()
     }
     /// Host RAM at its peak during loading, in bytes: `staging`, `owned_weights`,
     /// `mapped_weights` (page cache), `disk_weights`, `kv`, `scratch`, `peak_anon`, `peak_total`.

@@ -17,8 +17,8 @@ pub(super) fn resolve(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<Pla
         let ckpt = ckpt.get().shared()?;
         return eng(PlanSource::checkpoint(&ckpt));
     }
-    if let Ok(spec) = source.cast::<ModelSpec>() {
-        return Ok(PlanSource::spec(spec.get().inner.clone()));
+    if let Some(spec) = ModelSpec::of(source)? {
+        return Ok(PlanSource::spec(spec.inner));
     }
     if let Ok(dict) = source.cast::<PyDict>() {
         let text: String = py

@@ -52,7 +52,7 @@ impl CacheSpec {
         self.inner.offload
     }
     /// Bytes of the whole cache for a model.
-    fn nbytes(&self, spec: PyRef<'_, ModelSpec>) -> u64 {
+    fn nbytes(&self, spec: ModelSpec) -> u64 {
         self.inner.total_bytes(&spec.inner)
     }
     fn __repr__(&self) -> String {
