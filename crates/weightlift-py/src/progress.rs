@@ -15,7 +15,7 @@ use crate::options::Kw;
 pub(crate) struct Reporter {
     callback: Option<Py<PyAny>>,
     /// llama.cpp style: the callback takes one float (the fraction done).
-    pub(crate) fraction: bool,
+    fraction: bool,
     bar: Option<Py<PyAny>>,
     want_bar: bool,
     last: u64,
@@ -31,6 +31,14 @@ impl Reporter {
             want_bar: progress,
             last: 0,
             error: None,
+        }
+    }
+
+    /// llama.cpp's style: `callback` takes one float, the fraction done.
+    pub(crate) fn fraction(callback: Py<PyAny>) -> Self {
+        Reporter {
+            fraction: true,
+            ..Reporter::new(Some(callback), false)
         }
     }
 
