@@ -100,16 +100,9 @@ impl Model {
     }
 }
 
-/// The engine cache a `Cache` shares.
+/// The engine cache a `Cache` shares (a `TypeError` for any other object).
 fn cache_of(obj: &Bound<'_, PyAny>) -> PyResult<Arc<we::cache::Cache>> {
-    let cache = obj.cast::<Cache>().map_err(|_| {
-        let got = obj
-            .get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_default();
-        PyTypeError::new_err(format!("cache: expected a weightlift.Cache, got {got}"))
-    })?;
+    let cache = (obj.cast::<Cache>()).map_err(|e| PyTypeError::new_err(format!("cache: {e}")))?;
     Ok(Arc::clone(&cache.get().cache))
 }
 
@@ -129,10 +122,10 @@ impl Model {
     #[new]
     pub(crate) fn new(source: &Bound<'_, PyAny>, kw: Kw<'_>) -> PyResult<Self> {
         let kw = kw.data()?;
-        let vocab_only = kw.get("vocab_only").map_err(py_err)?;
+        let vocab_only = kw.get("vocab_only").map_err(py_err)?.unwrap_or_default();
         let open = wf::OpenOptions {
             check_tensors: false,
-            vocab_only: vocab_only.unwrap_or_default(),
+            vocab_only,
         };
         let ckpt = Model::open_source(source, open)?;
         let settings = eng(Settings::from_keywords(&kw))?;
@@ -168,10 +161,8 @@ impl Model {
 
     /// `Model.load_autosplit`; see `weightlift/_api.py`.
     fn _load_autosplit(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
-        let cache = match kw.any("cache")? {
-            Some(c) => LoadCache::Given(cache_of(&c)?),
-            None => LoadCache::None,
-        };
+        let cache = kw.any("cache")?.map(|c| cache_of(&c)).transpose()?;
+        let cache = cache.map_or(LoadCache::None, LoadCache::Given);
         let options = kw.data()?.autosplit_options().map_err(py_err)?;
         self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
             s.load(None, options, cache, &LoadOptions::default(), p)
