@@ -8,10 +8,11 @@ means, and every rule behind it, is the core's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -59,6 +60,29 @@ def _documented(native: Any, doc: str, *, settable: bool = False) -> Any:
 
     method.__doc__ = doc
     return method
+
+
+@contextlib.contextmanager
+def _progress(kw: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A load's keywords ``kw``, with ``progress=True`` drawn as the command line's loading bar
+    in front of ``callback`` (the bar is left on screen once the load has finished)."""
+    if not kw.get("progress"):
+        yield kw
+        return
+    from weightlift.cli import _ProgressBar
+
+    bar, callback = _ProgressBar(True), kw.get("callback")
+
+    def report(bytes_done: int, bytes_total: int, tensor: str, device: str) -> Any:
+        bar(bytes_done, bytes_total, tensor, device)
+        return callback is None or callback(bytes_done, bytes_total, tensor, device)
+
+    finished = False
+    try:
+        yield dict(kw, callback=report)
+        finished = True
+    finally:
+        bar.close(finished)
 
 
 class Model(_native.Model):
@@ -134,7 +158,8 @@ class Model(_native.Model):
         ``callback(bytes_done, bytes_total, tensor, device)`` returning False cancels: everything is
         freed and ``LoadCancelled`` is raised. Ctrl-C raises KeyboardInterrupt the same way.
         """
-        self._load(locals())
+        with _progress(locals()) as kw:
+            self._load(kw)
 
     def load_autosplit(
         self,
@@ -154,7 +179,8 @@ class Model(_native.Model):
         ``blocks_per_group``, ``prefetch``) runs the layers that spill to the cpu on the first
         accelerator, as in ``load()``.
         """
-        self._load_autosplit(locals())
+        with _progress(locals()) as kw:
+            self._load_autosplit(kw)
 
     def load_tp(
         self,
@@ -181,7 +207,8 @@ class Model(_native.Model):
         meets the other ranks through the transport ``Model.tp`` is given
         (``TPContext.join_nccl()``, or a ``TPContext.thread_group`` member).
         """
-        self._load_tp(locals())
+        with _progress(locals()) as kw:
+            self._load_tp(kw)
 
     def generate(
         self,
@@ -717,7 +744,8 @@ def from_pretrained(
         n_threads=n_threads,
         quantize=quantize,
     )
-    model._load_pretrained(kw)
+    with _progress(kw) as kw:
+        model._load_pretrained(kw)
     return model
 
 
@@ -781,7 +809,8 @@ def load_gguf(
     # llama.cpp keeps the stored dtypes and quantises nothing on load.
     opened = dict(kw, dtype="auto", quantize=None)
     model = _native.Model.__new__(Model, source, opened)
-    model._load_llama(kw)
+    with _progress(kw) as kw:
+        model._load_llama(kw)
     return model
 
 

@@ -45,6 +45,7 @@ pub mod embeddings;
 pub mod forward;
 pub mod generate;
 pub mod grammar;
+pub mod keywords;
 pub mod llama_cpp;
 pub mod loader;
 pub mod mlock;

@@ -108,6 +108,31 @@ pub enum PlanError {
         got: String,
     },
 
+    /// A keyword's value of the wrong kind (Python raises `TypeError` for it), in the words of
+    /// the keyword grammar ([`crate::keywords`]).
+    #[error("{keyword}: expected {expected}, got {got}")]
+    KeywordType {
+        keyword: String,
+        expected: String,
+        got: String,
+    },
+
+    /// A field that a map keyword (`cache`, `runtime`) does not have (a `TypeError` in Python,
+    /// as an unknown keyword argument is).
+    #[error("{keyword}: unknown field '{field}'; expected {known}")]
+    UnknownField {
+        keyword: String,
+        field: String,
+        known: String,
+    },
+
+    /// A keyword's value refused for a reason that does not name the keyword itself.
+    #[error("{keyword}: {source}")]
+    Keyword {
+        keyword: String,
+        source: Box<PlanError>,
+    },
+
     /// Options that each make sense alone but not together, or one that needs another.
     #[error("{option}: {detail}")]
     OptionConflict { option: String, detail: String },

@@ -97,6 +97,7 @@
 
 mod device;
 mod error;
+pub mod keywords;
 mod memory;
 pub mod onload;
 mod options;
@@ -118,6 +119,7 @@ pub use device::{
     resolve_device,
 };
 pub use error::{OutOfMemory, PlanError, Result, Shortfall};
+pub use keywords::{DevicesArg, FromKeyword, Keywords};
 pub use memory::{CacheDType, CacheSpec, OFFLOAD_SLOTS, RuntimeSpec};
 pub use onload::{OnloadPlan, WeightOffload};
 pub use options::{DeviceMapArg, ExpectCache, ModelSource, PerDevice, PlanOptions};

@@ -2,7 +2,8 @@
 //!
 //! Every entry point (`plan`, `fit`, `Model.load`, `load_autosplit`, `load_tp`,
 //! `from_pretrained`, `load_gguf`, `TPContext` and the CLI) fills a [`PlanOptions`] with what
-//! the user passed and nothing more, then calls [`PlanOptions::into_request`] (a fresh request)
+//! the user passed and nothing more (read from the keywords users write by
+//! [`crate::keywords`]), then calls [`PlanOptions::into_request`] (a fresh request)
 //! or [`PlanOptions::apply`] (a model's own request). So the same arguments mean the same thing
 //! everywhere:
 //!

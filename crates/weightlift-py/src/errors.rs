@@ -13,7 +13,7 @@ use weightlift_format::hf_config;
 
 use pyo3::exceptions::{
     PyFileExistsError, PyFileNotFoundError, PyInterruptedError, PyIsADirectoryError,
-    PyNotADirectoryError, PyOSError, PyPermissionError, PyTimeoutError,
+    PyNotADirectoryError, PyOSError, PyPermissionError, PyTimeoutError, PyTypeError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -159,6 +159,9 @@ impl ToPyErr for weightlift_plan::PlanError {
                 })
             }
             E::CudaUnavailable { .. } => raise(Exc::CudaUnavailable, self.to_string()),
+            E::KeywordType { .. } | E::UnknownField { .. } => {
+                PyTypeError::new_err(self.to_string())
+            }
             other => raise(Exc::Plan, other.to_string()),
         }
     }

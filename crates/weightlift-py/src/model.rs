@@ -14,12 +14,10 @@ use weightlift_engine::{self as we, LoadOptions, Progress};
 use weightlift_format as wf;
 use weightlift_plan as wp;
 
+use crate::cache::Cache;
 use crate::devices::{inventory_for, to_numpy};
 use crate::errors::{eng, enter, py_err};
-use crate::options::{
-    CacheDTypeArg, CacheRef, CacheShape, DevicesSpec, Kw, RuntimeArg, Sizes, offload_arg,
-    plan_options,
-};
+use crate::options::Kw;
 use crate::progress::Reporter;
 
 /// A model's state behind its lock: the engine session, and the `Model.tp` object handed out
@@ -102,6 +100,12 @@ impl Model {
     }
 }
 
+/// The engine cache a `Cache` shares (a `TypeError` for any other object).
+fn cache_of(obj: &Bound<'_, PyAny>) -> PyResult<Arc<we::cache::Cache>> {
+    let cache = (obj.cast::<Cache>()).map_err(|e| PyTypeError::new_err(format!("cache: {e}")))?;
+    Ok(Arc::clone(&cache.get().cache))
+}
+
 fn plan_from_obj(plan: &Bound<'_, PyAny>) -> PyResult<wp::Plan> {
     let json: String = if let Ok(s) = plan.extract::<String>() {
         s
@@ -117,20 +121,15 @@ impl Model {
     /// `weightlift/_api.py`); `vocab_only` opens the metadata and tokenizer only.
     #[new]
     pub(crate) fn new(source: &Bound<'_, PyAny>, kw: Kw<'_>) -> PyResult<Self> {
+        let kw = kw.data()?;
+        let vocab_only = kw.get("vocab_only").map_err(py_err)?.unwrap_or_default();
         let open = wf::OpenOptions {
             check_tensors: false,
-            vocab_only: kw.opt("vocab_only")?.unwrap_or_default(),
+            vocab_only,
         };
         let ckpt = Model::open_source(source, open)?;
-        let runtime = kw.opt::<RuntimeArg>("runtime")?.map(|r| r.0);
-        let settings = eng(Settings::parse(
-            &kw.get::<String>("dtype")?,
-            &kw.get::<String>("compute")?,
-            kw.opt::<String>("quantize")?.as_deref(),
-            runtime,
-            kw.opt("n_threads")?,
-        ))?;
-        let devices = kw.opt::<DevicesSpec>("devices")?.map(|d| d.0);
+        let settings = eng(Settings::from_keywords(&kw))?;
+        let devices = kw.devices().map_err(py_err)?;
         let inv = inventory_for(devices.as_deref())?;
         let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
         let session = eng(Session::new(src, inv, devices, settings))?;
@@ -143,37 +142,28 @@ impl Model {
         })
     }
 
-    /// `Model.load`; see `weightlift/_api.py`.
+    /// `Model.load`; see `weightlift/_api.py`. `cache` is a `Cache` to load beside the layers,
+    /// or the shape of one that the load makes itself, so that what is held is what the plan
+    /// counted.
     fn _load(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
         let plan = kw.any("plan")?.map(|p| plan_from_obj(&p)).transpose()?;
-        let options = plan_options(&kw, true)?;
-        let mut opts = LoadOptions {
-            use_mmap: kw.get("use_mmap")?,
-            use_direct_io: kw.get("use_direct_io")?,
-            check_tensors: kw.get("check_tensors")?,
-            ..LoadOptions::default()
+        let data = kw.data()?;
+        let cache = match kw.any("cache")? {
+            Some(c) if c.is_instance_of::<Cache>() => LoadCache::Given(cache_of(&c)?),
+            _ => (data.get("cache").map_err(py_err)?).map_or(LoadCache::None, LoadCache::Shape),
         };
-        if let Some(s) = kw.opt::<u64>("staging_bytes")? {
-            opts.staging_bytes = s as usize;
-        }
-        let cache = kw
-            .opt::<CacheShape>("cache")?
-            .map_or(LoadCache::None, |c| c.0);
+        let options = data.load_plan_options().map_err(py_err)?;
+        let read = eng(LoadOptions::from_keywords(&data))?;
         self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
-            s.load(plan, options, cache, &opts, p)
+            s.load(plan, options, cache, &read, p)
         })
     }
 
     /// `Model.load_autosplit`; see `weightlift/_api.py`.
     fn _load_autosplit(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
-        let reserve = kw.opt::<Sizes>("reserve_vram")?.map(|r| r.0);
-        let options = wp::PlanOptions {
-            offload: offload_arg(&kw)?,
-            ..wp::PlanOptions::autosplit(reserve)
-        };
-        let cache = kw
-            .opt::<CacheRef>("cache")?
-            .map_or(LoadCache::None, |c| LoadCache::Given(c.0));
+        let cache = kw.any("cache")?.map(|c| cache_of(&c)).transpose()?;
+        let cache = cache.map_or(LoadCache::None, LoadCache::Given);
+        let options = kw.data()?.autosplit_options().map_err(py_err)?;
         self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
             s.load(None, options, cache, &LoadOptions::default(), p)
         })
@@ -181,16 +171,7 @@ impl Model {
 
     /// `Model.load_tp`; see `weightlift/_api.py`.
     fn _load_tp(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
-        let base = kw.opt::<CacheDTypeArg>("expect_cache_base")?.map(|d| d.0);
-        let options = wp::PlanOptions {
-            world: kw.opt("world")?,
-            rank: kw.opt("rank")?,
-            ..wp::PlanOptions::tensor_parallel(
-                kw.opt("gpu_split")?,
-                kw.get("expect_cache_tokens")?,
-                base,
-            )
-        };
+        let options = kw.data()?.tensor_parallel_options().map_err(py_err)?;
         self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
             s.load(None, options, LoadCache::None, &LoadOptions::default(), p)
         })

@@ -12,7 +12,7 @@ use weightlift_engine::planned;
 use weightlift_plan as wp;
 
 use crate::errors::{eng, enter, py_err};
-use crate::options::{DevicesSpec, Kw, plan_options};
+use crate::options::{Kw, keyword};
 pub use result::{Device, Plan};
 pub use specs::{CacheSpec, RuntimeSpec};
 
@@ -28,26 +28,24 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The devices of `spec`, or this machine's ([`planned::plan_devices`]).
-fn parse_device_arg(spec: Option<&DevicesSpec>) -> PyResult<Vec<wp::DeviceSpec>> {
-    planned::plan_devices(spec.map(|s| s.0.as_str())).map_err(py_err)
-}
-
-/// The request for `source` on the devices `kw` names, with `options`.
+/// The request for `source` on the devices `kw` names (this machine's when none), with
+/// `options`.
 fn request(
     py: Python<'_>,
     source: &Bound<'_, PyAny>,
-    kw: &Kw<'_>,
+    kw: &wp::Keywords,
     options: wp::PlanOptions,
 ) -> PyResult<wp::PlanRequest> {
-    let devices = parse_device_arg(kw.opt::<DevicesSpec>("devices")?.as_ref())?;
+    let spec = kw.devices().map_err(py_err)?;
+    let devices = planned::plan_devices(spec.as_deref()).map_err(py_err)?;
     eng(source::resolve(py, source)?.request(options, devices))
 }
 
 /// `weightlift.plan`, whose signature and docstring are in `weightlift/_api.py`.
 #[pyfunction]
 fn _plan(py: Python<'_>, source: &Bound<'_, PyAny>, kw: Kw<'_>) -> PyResult<Plan> {
-    let req = request(py, source, &kw, plan_options(&kw, false)?)?;
+    let kw = kw.data()?;
+    let req = request(py, source, &kw, kw.plan_options().map_err(py_err)?)?;
     let inner = enter(py, || wp::plan(&req))?;
     Ok(Plan { inner })
 }
@@ -55,11 +53,8 @@ fn _plan(py: Python<'_>, source: &Bound<'_, PyAny>, kw: Kw<'_>) -> PyResult<Plan
 /// `weightlift.fit`, whose signature and docstring are in `weightlift/_api.py`.
 #[pyfunction]
 fn _fit(py: Python<'_>, source: &Bound<'_, PyAny>, kw: Kw<'_>) -> PyResult<u64> {
-    let target = wp::FitTarget::parse(&kw.get::<String>("target")?).map_err(py_err)?;
-    let cache_dtype = kw.opt::<String>("cache_dtype")?;
-    let options = plan_options(&kw, false)?
-        .for_fit(target, cache_dtype.as_deref())
-        .map_err(py_err)?;
+    let kw = kw.data()?;
+    let (target, options) = kw.fit_options().map_err(py_err)?;
     let req = request(py, source, &kw, options)?;
     enter(py, || wp::fit(&req, target))
 }
@@ -76,9 +71,10 @@ fn devices(py: Python<'_>) -> PyResult<Vec<Device>> {
 /// `"virtual:24GiB,virtual:12GiB,cpu:64GiB,disk"`) into normalised devices. `cpu` without a
 /// size is the machine's MemAvailable.
 #[pyfunction]
-fn parse_devices(spec: DevicesSpec) -> PyResult<Vec<Device>> {
-    Ok(parse_device_arg(Some(&spec))?
-        .into_iter()
-        .map(Device::from)
-        .collect())
+fn parse_devices(spec: &Bound<'_, PyAny>) -> PyResult<Vec<Device>> {
+    let spec = keyword::<wp::DevicesArg>("spec", spec)?
+        .unwrap_or_default()
+        .0;
+    let devices = planned::plan_devices(Some(&spec)).map_err(py_err)?;
+    Ok(devices.into_iter().map(Device::from).collect())
 }

@@ -10,6 +10,14 @@ use crate::cache::Cache;
 use crate::errors::{eng, enter};
 use crate::model::Model;
 
+/// `out` as `rows` rows of logits.
+fn logit_rows(py: Python<'_>, out: Vec<f32>, rows: usize) -> PyResult<Bound<'_, PyArray2<f32>>> {
+    let vocab = out.len().checked_div(rows).unwrap_or(0);
+    let arr = Array2::from_shape_vec((rows, vocab), out)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    Ok(PyArray2::from_owned_array(py, arr))
+}
+
 #[pymethods]
 impl Model {
     #[pyo3(signature = (ids, *, cache = None, logits = "last"))]
@@ -30,11 +38,7 @@ impl Model {
                 .forward(&ids, cache.as_ref(), mode, &mut out)
                 .map(|_| out)
         })?;
-        let rows = mode.n_rows(ids.len());
-        let vocab = out.len().checked_div(rows).unwrap_or(0);
-        let arr = Array2::from_shape_vec((rows, vocab), out)
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
-        Ok(PyArray2::from_owned_array(py, arr))
+        logit_rows(py, out, mode.n_rows(ids.len()))
     }
 
     fn forward_batch<'py>(
@@ -57,10 +61,7 @@ impl Model {
             let mut out = Vec::new();
             model.forward_batch(&batch, &mut out).map(|_| out)
         })?;
-        let rows = batch.len();
-        let arr = Array2::from_shape_vec((rows, out.len() / rows.max(1)), out)
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
-        Ok(PyArray2::from_owned_array(py, arr))
+        logit_rows(py, out, batch.len())
     }
 
     #[getter]

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use pythonize::Depythonizer;
 use weightlift_engine::planned::PlanSource;
+use weightlift_plan::keywords::json_value;
 
 use crate::errors::{Exc, eng, enter, raise};
 use crate::format::{Checkpoint, ModelSpec};
@@ -20,12 +22,8 @@ pub(super) fn resolve(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<Pla
     if let Some(spec) = ModelSpec::of(source)? {
         return Ok(PlanSource::spec(spec.inner));
     }
-    if let Ok(dict) = source.cast::<PyDict>() {
-        let text: String = py
-            .import("json")?
-            .call_method1("dumps", (dict,))?
-            .extract()?;
-        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+    if source.is_instance_of::<PyDict>() {
+        let value = json_value(&mut Depythonizer::from_object(source)).map_err(|e| {
             raise(
                 Exc::Plan,
                 format!("config dict: not JSON-serialisable: {e}"),
