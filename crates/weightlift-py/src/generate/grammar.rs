@@ -1,16 +1,16 @@
-//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar) and the `grammar=`
-//! and `response_format=` arguments, converted to the engine's types. Parsing, and
-//! converting JSON schemas, is the engine's; this only converts.
+//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar) and
+//! `Model.grammar_mask`. Parsing, and converting JSON schemas, is the engine's; this only
+//! converts.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyModule, PyString};
 use weightlift_engine::EngineError;
+use weightlift_engine::generate::keywords::Gbnf;
 use weightlift_engine::grammar::{Constraint, Grammar};
 
+use super::args::read;
 use crate::errors::{ToPyErr, eng, io_error};
 use crate::model::Model;
 
@@ -81,42 +81,6 @@ impl LlamaGrammar {
     }
 }
 
-/// `grammar=`: None, GBNF text, or a `LlamaGrammar`.
-pub(super) fn grammar_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<Grammar>>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    if let Ok(g) = obj.cast::<LlamaGrammar>() {
-        return Ok(Some(Arc::clone(&g.get().grammar)));
-    }
-    if let Ok(s) = obj.cast::<PyString>() {
-        return parsed(s.to_str()?).map(Some);
-    }
-    Err(PyTypeError::new_err(format!(
-        "grammar: expected GBNF text (str) or a LlamaGrammar, got {}",
-        obj.get_type().name()?
-    )))
-}
-
-/// `response_format=`: None, or a dict whose `type` (and `schema`, or `json_schema`) pick the
-/// grammar ([`Grammar::for_response_format`]). Python's `json.dumps` writes the dict for the
-/// engine, so a schema's properties keep their order.
-pub(super) fn response_format_grammar(
-    obj: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Option<Arc<Grammar>>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    let d = obj.cast::<PyDict>().map_err(|_| {
-        PyTypeError::new_err("response_format: expected a dict such as {\"type\": \"json_object\"}")
-    })?;
-    let text: String = PyModule::import(d.py(), "json")?
-        .call_method1("dumps", (d,))
-        .map_err(|e| PyTypeError::new_err(format!("response_format: {}", e.value(d.py()))))?
-        .extract()?;
-    eng(Grammar::for_response_format(&text))
-}
-
 #[pymethods]
 impl Model {
     fn grammar_mask<'py>(
@@ -125,9 +89,10 @@ impl Model {
         grammar: &Bound<'_, PyAny>,
         logits: numpy::PyReadonlyArray1<'_, f32>,
     ) -> PyResult<Bound<'py, numpy::PyArray1<f32>>> {
-        let grammar = grammar_arg(Some(grammar))?.ok_or_else(|| {
-            PyTypeError::new_err("grammar: expected GBNF text or a LlamaGrammar, got None")
-        })?;
+        let grammar = match grammar.cast::<LlamaGrammar>() {
+            Ok(g) => Arc::clone(&g.get().grammar),
+            Err(_) => parsed(&read::<Gbnf>(grammar, "grammar")?.0)?,
+        };
         let mut row = logits.as_slice()?.to_vec();
         let tok = eng(self.lock()?.model.tokenizer())?;
         let mut constraint = Constraint::new(grammar, &tok, row.len())
