@@ -45,8 +45,6 @@ from weightlift._native import (
     BROADCAST_Q,
     BROADCAST_RS,
     BROADCAST_VC,
-    Batch,
-    Cache,
     CacheSpec,
     Checkpoint,
     CompletionStream,
@@ -59,7 +57,6 @@ from weightlift._native import (
     Plan,
     RuntimeSpec,
     TensorInfo,
-    TPContext,
     TPGroupMember,
     __version__,
     cuda_info,
@@ -69,6 +66,7 @@ from weightlift._native import (
     tensor,
     use_devices,
 )
+from weightlift._objects import Batch, Cache, TPContext
 
 __all__ = [
     "LLAMA_DEFAULT_SEED",

@@ -382,7 +382,7 @@ class LlamaGrammar:
     @property
     def text(self) -> str: ...
 
-@final
+@disjoint_base
 class Batch:
     """Generations stepped together on one model, each in a slot that keeps its prefix."""
 
@@ -491,11 +491,13 @@ class Model:
     @property
     def cache(self) -> Cache | None: ...
 
-@final
+@disjoint_base
 class Cache:
+    # `weightlift.Cache` (weightlift/_objects.py) is declared over this class; given a Cache as
+    # `model`, the new object is another handle of it.
     def __new__(
         cls,
-        model: Model,
+        model: Model | Cache,
         *,
         max_seq_len: int | None = None,
         batch_size: int = 1,
@@ -503,14 +505,7 @@ class Cache:
         lazy: bool = True,
         offload: bool = False,
     ) -> Cache: ...
-    @property
-    def max_seq_len(self) -> int: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def offload(self) -> bool: ...
+    def _config(self) -> tuple[int, int, str, bool]: ...
     @property
     def allocated(self) -> bool: ...
     @property
@@ -524,7 +519,9 @@ class Cache:
     def memory(self) -> dict[str, int]: ...
     def expected_memory(self) -> dict[str, int]: ...
     def device_of(self, layer: int) -> str: ...
-    def write(self, layer: int, pos: int, k: npt.ArrayLike, v: npt.ArrayLike) -> None: ...
+    def _write(
+        self, layer: int, pos: int, k: npt.NDArray[np.float32], v: npt.NDArray[np.float32]
+    ) -> None: ...
     def read(
         self, layer: int, start: int, end: int
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
@@ -540,25 +537,17 @@ class TPGroupMember:
     @property
     def rank(self) -> int: ...
 
-@final
+@disjoint_base
 class TPContext:
+    # `weightlift.TPContext` (weightlift/_objects.py) is declared over this class; given a
+    # TPContext as `model`, the new object is another handle of it.
     def __new__(
         cls,
-        model: Model,
+        model: Model | TPContext,
         gpu_split: Sequence[float] | None = None,
         expect_cache_tokens: int = 0,
         expect_cache_base: str | None = None,
     ) -> TPContext: ...
-    @property
-    def kv_split(self) -> _Split: ...
-    @property
-    def id_split(self) -> _Split: ...
-    @property
-    def vc_split(self) -> _Split: ...
-    @property
-    def rs_split(self) -> _Split: ...
-    @property
-    def q_split(self) -> _Split: ...
     @property
     def peer_copies(self) -> bool: ...
     @peer_copies.setter
@@ -602,9 +591,6 @@ class TPContext:
     def get_sin_cos(self) -> tuple[list[DeviceTensor], list[DeviceTensor]]: ...
     def begin_scratch_alloc_tp(self) -> None: ...
     def reserve_scratch(self, scratch: Sequence[int]) -> None: ...
-    def get_scratch_slice_tp(
-        self, rows: int, dtype: str, broadcast_type: int, dim: int = 1
-    ) -> _ScratchSlices: ...
-    def get_scratch_slice_tp_bc(
-        self, rows: int, dtype: str, broadcast_type: int, dim: int = 1
+    def _scratch_slices(
+        self, rows: int, dtype: str, broadcast_type: int, dim: int, full: bool
     ) -> _ScratchSlices: ...

@@ -73,10 +73,10 @@ impl Model {
         let req = args.with_grammar(eng(k.generate(ids.len()))?);
         let cache = args.live::<Cache>("cache", "a Cache")?;
         let cache = cache.map(|c| Arc::clone(&c.get().cache));
-        let n = eng(k.sequences())?;
+        let n = eng(k.sequences(cache.is_some()))?;
         let call = Call::new(model, ids, req, cache)?;
         if n > 1 {
-            return Model::generate_each(slf, call, n, k.stream);
+            return Model::generate_each(slf, call, n);
         }
         Model::respond(slf, call, None, k.stream, false, None, None)
     }

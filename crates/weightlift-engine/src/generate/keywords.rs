@@ -190,7 +190,7 @@ impl Keywords {
         // as transformers: greedy decoding would return the same sequence every time
         refuse(
             "num_return_sequences above 1 with greedy decoding",
-            self.sequences()? > 1 && temperature == 0.0,
+            self.sequences(false)? > 1 && temperature == 0.0,
             "every sequence would be the same; pass do_sample=True (or a temperature above 0)",
         )?;
         let sampling = Sampling {
@@ -228,13 +228,22 @@ impl Keywords {
         }
     }
 
-    /// transformers' `num_return_sequences` (1 when not given), at least 1.
-    pub fn sequences(&self) -> Result<usize, EngineError> {
+    /// transformers' `num_return_sequences` (1 when not given), at least 1. Above 1 the
+    /// sequences run in slots of their own and return whole texts: not streamed, nor appended
+    /// to a `cache` the caller gives.
+    pub fn sequences(&self, cache: bool) -> Result<usize, EngineError> {
         let n = self.num_return_sequences.unwrap_or(1);
-        usize::try_from(n)
-            .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| invalid("num_return_sequences", "at least 1", n))
+        let count = usize::try_from(n).ok().filter(|&n| n >= 1);
+        let count = count.ok_or_else(|| invalid("num_return_sequences", "at least 1", n))?;
+        if count > 1 && (self.stream || cache) {
+            return Err(invalid(
+                format!("num_return_sequences={n}"),
+                "neither stream=True nor cache= with it (the sequences run in slots of their \
+                 own and return whole texts)",
+                if self.stream { "stream=True" } else { "cache=" },
+            ));
+        }
+        Ok(count)
     }
 
     /// `tfs_z` other than 1 is refused: llama.cpp removed tail-free sampling.
@@ -783,12 +792,12 @@ mod tests {
             e.contains("num_return_sequences: expected at least 1"),
             "{e}"
         );
-        assert_eq!(
-            read(json!({"num_return_sequences": 3}))
-                .sequences()
-                .unwrap(),
-            3
-        );
+        let three = read(json!({"num_return_sequences": 3}));
+        assert_eq!(three.sequences(false).unwrap(), 3);
+        let e = three.sequences(true).unwrap_err().to_string();
+        assert!(e.starts_with("num_return_sequences=3: expected neither stream=True nor cache="));
+        let e = read(json!({"num_return_sequences": 3, "stream": true})).sequences(false);
+        assert!(e.unwrap_err().to_string().ends_with("got stream=True"));
     }
 
     #[test]

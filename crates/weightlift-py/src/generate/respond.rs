@@ -158,14 +158,7 @@ impl Model {
         slf: &Bound<'_, Model>,
         call: Call,
         n: usize,
-        stream: bool,
     ) -> PyResult<Py<PyAny>> {
-        if stream || call.cache.is_some() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "num_return_sequences={n}: expected neither stream=True nor cache= with it (the \
-                 sequences run in slots of their own and return whole texts)"
-            )));
-        }
         let each = seeded(&call.options, n);
         let py = slf.py();
         let model = slf.get();
