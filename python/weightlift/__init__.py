@@ -51,7 +51,6 @@ from weightlift._native import (
     Device,
     DeviceTensor,
     DeviceUsage,
-    LlamaGrammar,
     ModelSpec,
     Placement,
     Plan,
@@ -66,7 +65,7 @@ from weightlift._native import (
     tensor,
     use_devices,
 )
-from weightlift._objects import Batch, Cache, TPContext
+from weightlift._objects import Batch, Cache, LlamaGrammar, TPContext
 
 __all__ = [
     "LLAMA_DEFAULT_SEED",

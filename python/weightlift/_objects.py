@@ -1,4 +1,4 @@
-"""The live objects ``Cache``, ``TPContext`` and ``Batch``, declared here over their native
+"""``Cache``, ``TPContext``, ``Batch`` and ``LlamaGrammar``, declared here over their native
 classes.
 
 Each docstring is written once, here; what a property computes from one native call, and the
@@ -7,6 +7,7 @@ conversion numpy does anyway (``Cache.write``'s float32), is Python. Every rule 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -275,3 +276,40 @@ class Batch(_native.Batch):
         running.
         """,
     )
+
+
+class LlamaGrammar(_native.LlamaGrammar):
+    """A parsed GBNF grammar (llama.cpp's grammar format, root rule ``root``), as llama-cpp-python's
+    ``LlamaGrammar``: pass it as ``grammar=`` to keep generated text inside it. A grammar that does
+    not parse raises ``GrammarError`` (a ValueError) naming the line, the column and what was
+    expected.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def from_string(cls, grammar: str, verbose: bool = True) -> LlamaGrammar:
+        """Parse GBNF ``grammar``. ``verbose`` is llama-cpp-python's and changes nothing: errors
+        raise."""
+        return cls(_grammar=grammar)
+
+    @classmethod
+    def from_json_schema(cls, json_schema: str, verbose: bool = True) -> LlamaGrammar:
+        """The grammar of the JSON texts that JSON Schema ``json_schema`` (JSON text) accepts, as
+        llama-cpp-python's ``from_json_schema`` (llama.cpp's converter) lays them out: required
+        properties first in schema order, at most one space between tokens. A keyword it cannot
+        enforce (``pattern``, most ``format`` values, bounds on ``number``, ...) raises
+        ``UnsupportedError`` naming the keyword and where it is in the schema, where
+        llama-cpp-python ignores it; text that is not a schema raises ``GrammarError``.
+        ``verbose`` changes nothing.
+        """
+        return cls(_grammar=_native.LlamaGrammar._schema_gbnf(json_schema))
+
+    @classmethod
+    def from_file(cls, file: str | os.PathLike[str], verbose: bool = True) -> LlamaGrammar:
+        """Read and parse the GBNF file ``file`` (a path). An unreadable file raises the matching
+        ``OSError``."""
+        with open(file, encoding="utf-8") as f:
+            return cls(_grammar=f.read())
+
+    text = _documented(_native.LlamaGrammar.text, """The GBNF text.""")

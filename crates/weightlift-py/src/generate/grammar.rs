@@ -1,24 +1,19 @@
-//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar) and
-//! `Model.grammar_mask`. Parsing, and converting JSON schemas, is the engine's; this only
-//! converts.
+//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar), declared over this
+//! class in `weightlift/_objects.py`, and `Model.grammar_mask`. Parsing, and converting JSON
+//! schemas, is the engine's; this only converts.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
 use weightlift_engine::EngineError;
 use weightlift_engine::generate::keywords::Gbnf;
-use weightlift_engine::grammar::{Constraint, Grammar};
+use weightlift_engine::grammar::{Constraint, Grammar, json_schema_to_gbnf};
 
 use super::args::read;
-use crate::errors::{ToPyErr, eng, io_error};
+use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
 
-/// A parsed GBNF grammar (llama.cpp's grammar format, root rule `root`), as llama-cpp-python's
-/// `LlamaGrammar`: pass it as `grammar=` to keep generated text inside it. A grammar that does
-/// not parse raises `GrammarError` (a ValueError) naming the line, the column and what was
-/// expected.
-#[pyclass(module = "weightlift._native", frozen)]
+#[pyclass(module = "weightlift._native", frozen, subclass)]
 pub struct LlamaGrammar {
     pub(crate) grammar: Arc<Grammar>,
 }
@@ -31,46 +26,21 @@ fn parsed(text: &str) -> PyResult<Arc<Grammar>> {
 
 #[pymethods]
 impl LlamaGrammar {
-    /// Parse GBNF `grammar`. `verbose` is llama-cpp-python's and changes nothing: errors raise.
-    #[staticmethod]
-    #[pyo3(signature = (grammar, verbose = true))]
-    fn from_string(grammar: &str, verbose: bool) -> PyResult<LlamaGrammar> {
-        let _ = verbose;
+    /// llama-cpp-python's constructor: GBNF text `_grammar`, parsed.
+    #[new]
+    #[pyo3(signature = (*, _grammar))]
+    fn new(_grammar: &str) -> PyResult<Self> {
         Ok(LlamaGrammar {
-            grammar: parsed(grammar)?,
+            grammar: parsed(_grammar)?,
         })
     }
 
-    /// The grammar of the JSON texts that JSON Schema `json_schema` (JSON text) accepts, as
-    /// llama-cpp-python's `from_json_schema` (llama.cpp's converter) lays them out: required
-    /// properties first in schema order, at most one space between tokens. A keyword it cannot
-    /// enforce (`pattern`, most `format`s, bounds on `number`, ...) raises `UnsupportedError`
-    /// naming the keyword and where it is in the schema, where llama-cpp-python ignores it;
-    /// text that is not a schema raises `PlanError`. `verbose` changes nothing.
+    /// The GBNF text of the JSON texts JSON Schema `json_schema` (JSON text) accepts.
     #[staticmethod]
-    #[pyo3(signature = (json_schema, verbose = true))]
-    fn from_json_schema(json_schema: &str, verbose: bool) -> PyResult<LlamaGrammar> {
-        let _ = verbose;
-        let grammar =
-            Grammar::from_json_schema(json_schema).map_err(|e| EngineError::from(e).to_pyerr())?;
-        Ok(LlamaGrammar {
-            grammar: Arc::new(grammar),
-        })
+    fn _schema_gbnf(json_schema: &str) -> PyResult<String> {
+        json_schema_to_gbnf(json_schema).map_err(|e| EngineError::from(e).to_pyerr())
     }
 
-    /// Read and parse the GBNF file `file` (a path). An unreadable file raises the matching
-    /// `OSError`.
-    #[staticmethod]
-    #[pyo3(signature = (file, verbose = true))]
-    fn from_file(file: PathBuf, verbose: bool) -> PyResult<LlamaGrammar> {
-        let _ = verbose;
-        let text = std::fs::read_to_string(&file).map_err(|e| io_error(&file, &e))?;
-        Ok(LlamaGrammar {
-            grammar: parsed(&text)?,
-        })
-    }
-
-    /// The GBNF text.
     #[getter]
     fn text(&self) -> &str {
         self.grammar.source()
