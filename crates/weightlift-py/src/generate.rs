@@ -13,6 +13,7 @@ mod grammar;
 mod hooks;
 mod respond;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -51,17 +52,10 @@ impl Model {
     }
 
     #[pyo3(signature = (ids, special = false))]
-    fn detokenize_bytes<'py>(
-        &self,
-        py: Python<'py>,
-        ids: Vec<u32>,
-        special: bool,
-    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    fn detokenize_bytes(&self, ids: Vec<u32>, special: bool) -> PyResult<Cow<'static, [u8]>> {
         let tok = eng(self.lock()?.model.tokenizer())?;
-        let bytes = tok
-            .decode_bytes(&ids, !special)
-            .map_err(ToPyErr::to_pyerr)?;
-        Ok(pyo3::types::PyBytes::new(py, &bytes))
+        let bytes = tok.decode_bytes(&ids, !special);
+        Ok(Cow::Owned(bytes.map_err(ToPyErr::to_pyerr)?))
     }
 
     /// `Model.generate`; see `weightlift/_api.py`.

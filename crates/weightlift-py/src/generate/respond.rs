@@ -110,17 +110,24 @@ impl Model {
                 let r = inner
                     .model
                     .response_options(kind, name, prompt, echo, stream, o);
-                Some((kind, ResponseOptions { tool, ..eng(r)? }))
+                let append = call.append.take();
+                Some((
+                    kind,
+                    ResponseOptions {
+                        tool,
+                        append,
+                        ..eng(r)?
+                    },
+                ))
             }
             None => None,
         };
         let hook_error = call.hook_error.clone();
-        let append = call.append.take();
         if let Some(batch) = call.batch.take() {
             let answer = match options {
                 None => Answer::Text,
-                Some((kind, o)) if stream => Answer::Stream(kind, ResponseOptions { append, ..o }),
-                Some((kind, o)) => Answer::Whole(kind, ResponseOptions { append, ..o }),
+                Some((kind, o)) if stream => Answer::Stream(kind, o),
+                Some((kind, o)) => Answer::Whole(kind, o),
             };
             let id = batch.get().start(model, call, answer)?;
             return Ok(id.into_pyobject(py)?.into_any().unbind());
@@ -134,8 +141,7 @@ impl Model {
                 call.options,
             ))?
         };
-        let responder =
-            options.map(|(kind, o)| Responder::new(kind, &job, ResponseOptions { append, ..o }));
+        let responder = options.map(|(kind, o)| Responder::new(kind, &job, o));
         if stream {
             let s = CompletionStream {
                 model: slf.clone().unbind(),
