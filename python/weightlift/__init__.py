@@ -45,16 +45,12 @@ from weightlift._native import (
     BROADCAST_Q,
     BROADCAST_RS,
     BROADCAST_VC,
-    Batch,
-    Cache,
     CacheSpec,
     Checkpoint,
     CompletionStream,
     DeviceTensor,
-    LlamaGrammar,
     Plan,
     RuntimeSpec,
-    TPContext,
     TPGroupMember,
     __version__,
     cuda_info,
@@ -64,6 +60,7 @@ from weightlift._native import (
     tensor,
     use_devices,
 )
+from weightlift._objects import Batch, Cache, LlamaGrammar, TPContext
 from weightlift._types import Device, DeviceUsage, ModelSpec, Placement, TensorInfo
 
 __all__ = [

@@ -261,7 +261,7 @@ class Model(_native.Model):
         slots) and returns their list; their seeds are ``seed``, ``seed + 1``, ... (random without
         one); greedy decoding, ``stream`` and ``cache`` are refused with it.
         """
-        return self._generate(prompt, locals())
+        return self._generate(locals())
 
     def create_completion(
         self,
@@ -315,7 +315,7 @@ class Model(_native.Model):
         one of the batch's slots and its id is returned; ``Batch.step()`` runs it with the others
         and hands over its chunks, or with ``stream=False`` the dict.
         """
-        return self._create_completion(prompt, locals())
+        return self._create_completion(locals())
 
     def __call__(
         self, /, prompt: str | bytes | Sequence[int], *args: Any, **kwargs: Any
@@ -375,7 +375,7 @@ class Model(_native.Model):
         ``tfs_z`` other than 1 raises ``UnsupportedError``; ``batch`` is as in
         ``create_completion``.
         """
-        return self._create_chat_completion(messages, locals())
+        return self._create_chat_completion(locals())
 
     # The native methods and properties, documented here.
     unload = _documented(

@@ -110,6 +110,21 @@ impl CacheConfig {
         ]
     }
 
+    /// The positions `k` and `v` of shapes `k_shape` and `v_shape` hold for [`Cache::write`]
+    /// into `layer`: both must be [`CacheConfig::kv_shape`] of some count of positions.
+    pub fn positions_of(&self, layer: usize, k_shape: &[u64], v_shape: &[u64]) -> Result<u64> {
+        let n_tokens = k_shape.get(2).copied().unwrap_or(0);
+        let [batch, heads, _, head_dim] = self.kv_shape(layer, n_tokens);
+        if k_shape != [batch, heads, n_tokens, head_dim] || v_shape != k_shape {
+            return Err(invalid(
+                "k and v",
+                format!("float32 arrays both ({batch}, {heads}, n_tokens, {head_dim})"),
+                format!("{k_shape:?} and {v_shape:?}"),
+            ));
+        }
+        Ok(n_tokens)
+    }
+
     fn row(&self, layer: usize) -> u64 {
         u64::from(self.n_kv_heads[layer]) * u64::from(self.head_dim)
     }
@@ -798,6 +813,17 @@ mod tests {
         assert_eq!(cfg.kv_shape(0, 5), [2, 3, 5, 8]);
         assert_eq!(cfg.kv_shape(1, 0), [2, 1, 0, 8]);
         assert_eq!(cfg.kv_shape(2, 5), [2, 0, 5, 8]);
+        assert_eq!(
+            cfg.positions_of(0, &[2, 3, 5, 8], &[2, 3, 5, 8]).unwrap(),
+            5
+        );
+        for (k, v) in [([2, 3, 5, 8], [2, 3, 4, 8]), ([1, 3, 5, 8], [1, 3, 5, 8])] {
+            let e = cfg.positions_of(0, &k, &v).unwrap_err().to_string();
+            assert!(
+                e.starts_with("k and v: expected float32 arrays both (2, 3, n_tokens, 8), got"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

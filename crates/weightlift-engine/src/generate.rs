@@ -30,6 +30,7 @@
 //! cache keeps the tokens written before it, so model and cache stay usable.
 
 pub mod batch;
+pub mod keywords;
 pub mod logprobs;
 pub mod openai;
 pub mod request;

@@ -201,7 +201,7 @@ impl Model {
             return Ok(Some(obj.clone_ref(py)));
         }
         let cpu = Arc::clone(inner.model.inventory().cpu());
-        let obj = Py::new(py, crate::tp::TPContext::from_shared(shared, cpu))?;
+        let obj = crate::tp::TPContext::from_shared(py, shared, cpu)?;
         inner.tp_obj = Some(obj.clone_ref(py));
         Ok(Some(obj))
     }
@@ -324,16 +324,17 @@ impl Model {
     }
 
     #[getter]
-    fn cache(&self) -> PyResult<Option<crate::cache::Cache>> {
+    fn cache(&self, py: Python<'_>) -> PyResult<Option<Py<crate::cache::Cache>>> {
         let inner = self.lock()?;
         if !inner.model.is_loaded() {
             return Ok(None);
         }
-        Ok(inner
+        inner
             .model
             .own_cache()
             .ok()
-            .map(|cache| crate::cache::Cache { cache }))
+            .map(|cache| crate::cache::Cache::object(py, cache))
+            .transpose()
     }
 
     fn __repr__(&self) -> String {

@@ -1,125 +1,111 @@
-//! Python values as generation inputs: prompts, stop strings, chat messages and sampler
-//! settings, with the llama-cpp-python arguments this build refuses by name.
+//! A call's keyword dict as the engine's [`Keywords`], beside the live Python objects it also
+//! holds (a `LlamaGrammar`, a `Cache`, a `Batch`, hooks), gathered into a [`Call`] before the
+//! GIL is released.
 
 use std::sync::Arc;
 
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
+use pythonize::Depythonizer;
+use serde::de::DeserializeOwned;
 use weightlift_engine::GenerateOptions;
-use weightlift_engine::generate::request::{self, BiasKey, Request};
-use weightlift_engine::session::Prompt;
+use weightlift_engine::generate::keywords::Keywords;
+use weightlift_engine::generate::request::Request;
+use weightlift_engine::grammar::Grammar;
 
-use crate::errors::{Exc, eng, raise};
+use super::grammar::LlamaGrammar;
+use crate::errors::eng;
 use crate::model::Model;
 
-/// `str` or `bytes` (llama-cpp-python passes UTF-8 bytes) as a string.
-pub(super) fn text_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
-    if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(s.to_str()?.to_owned());
-    }
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        return String::from_utf8(b.as_bytes().to_vec()).map_err(|e| {
-            raise(
-                Exc::Plan,
-                format!("{what}: expected UTF-8 text, got bytes that are not UTF-8 ({e})"),
-            )
-        });
-    }
-    Err(PyTypeError::new_err(format!(
-        "{what}: expected str or bytes, got {}",
-        obj.get_type().name()?
-    )))
-}
-
-/// A prompt: text (str, or UTF-8 bytes) or token ids.
-pub(super) struct PromptArg(pub(super) Prompt);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for PromptArg {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.cast::<PyString>().is_ok() || obj.cast::<PyBytes>().is_ok() {
-            return Ok(PromptArg(Prompt::Text(text_of(&obj, "prompt")?)));
-        }
-        obj.extract::<Vec<u32>>()
-            .map(|ids| PromptArg(Prompt::Ids(ids)))
-            .map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "prompt: expected str, bytes or a list of token ids, got {}",
-                    type_name(&obj)
-                ))
-            })
-    }
-}
-
-/// Stop strings: None, one string, or a list of strings.
-pub(super) fn stops(stop: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
-    match stop {
-        None => Ok(Vec::new()),
-        Some(s) if s.is_none() => Ok(Vec::new()),
-        Some(s) if s.cast::<PyString>().is_ok() => Ok(vec![text_of(s, "stop")?]),
-        Some(s) => s
-            .extract::<Vec<String>>()
-            .map_err(|_| PyTypeError::new_err("stop: expected a string or a list of strings")),
-    }
-}
-
-/// `logprobs` (a completion's): how many alternatives to list per token. None and False list
-/// nothing; a negative count is refused.
-pub(super) fn logprobs_count(
-    obj: Option<&Bound<'_, PyAny>>,
-    what: &str,
-) -> PyResult<Option<usize>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    if obj.cast::<PyBool>().is_ok_and(|b| !b.is_true()) {
-        return Ok(None);
-    }
-    let n: i64 = obj.extract().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{what}: expected an int or None, got {}",
-            type_name(obj)
-        ))
-    })?;
-    eng(request::alternatives(n, what)).map(Some)
-}
-
-/// `logit_bias`: a dict of token id to bias, its keys as the engine's [`BiasKey`]s.
-pub(super) fn logit_bias_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<(u32, f32)>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(Vec::new());
-    };
-    let d = obj.cast::<PyDict>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "logit_bias: expected a dict of token id to bias, got {}",
-            type_name(obj)
-        ))
-    })?;
-    let mut entries = Vec::with_capacity(d.len());
-    for (k, v) in d.iter() {
-        let key = match (k.extract::<i64>(), k.cast::<PyString>()) {
-            (Ok(n), _) => BiasKey::Id(n),
-            (_, Ok(s)) => BiasKey::Text(s.to_str()?.to_owned()),
-            _ => BiasKey::Other(k.repr().map_or_else(|_| "?".into(), |r| r.to_string())),
+/// `obj` read by the engine's grammar, `what` naming it. A value of the wrong kind raises
+/// TypeError naming where it sits (`logit_bias.7`), as a wrong argument type does; an error
+/// Python raised while reading one (an int too large) keeps its class.
+pub(super) fn read<T: DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    serde_path_to_error::deserialize(&mut Depythonizer::from_object(obj)).map_err(|e| {
+        let py = obj.py();
+        let at = match e.path().to_string() {
+            p if p == "." => what.to_owned(),
+            p if what.is_empty() => p,
+            p => format!("{what}.{p}"),
         };
-        let bias: f32 = v.extract().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "logit_bias[{}]: expected a number, got {}",
-                k.str().map_or_else(|_| "?".into(), |r| r.to_string()),
-                type_name(&v)
-            ))
-        })?;
-        entries.push((key, bias));
-    }
-    eng(request::logit_bias(entries))
+        let err = PyErr::from(e.into_inner());
+        // serde's own messages come back as a bare Exception.
+        let class = match err.get_type(py) {
+            c if c.is(py.get_type::<PyException>()) => py.get_type::<PyTypeError>(),
+            c => c,
+        };
+        PyErr::from_type(class, format!("{at}: {}", err.value(py)))
+    })
 }
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map_or_else(|_| "?".into(), |n| n.to_string())
+/// The keywords of a call (the `locals()` of its declaration in `weightlift/_api.py`).
+pub(super) struct Args<'py> {
+    pub(super) kw: Keywords,
+    dict: Bound<'py, PyDict>,
+    /// A `LlamaGrammar` given as `grammar` (taken out before the engine reads the rest).
+    parsed: Option<Arc<Grammar>>,
+}
+
+impl<'py> Args<'py> {
+    pub(super) fn read(dict: Bound<'py, PyDict>) -> PyResult<Self> {
+        let parsed = dict.get_item("grammar")?.and_then(|g| {
+            let g = g.cast::<LlamaGrammar>().ok()?;
+            Some(Arc::clone(&g.get().grammar))
+        });
+        let rest = dict.copy()?;
+        if parsed.is_some() {
+            rest.del_item("grammar")?;
+        }
+        // Token ids that are no serde data (a numpy array, numpy ints) go on as a list.
+        if let Some(p) = rest.get_item("prompt")?
+            && !p.is_instance_of::<PyString>()
+            && !p.is_instance_of::<PyBytes>()
+            && let Ok(ids) = p.extract::<Vec<u32>>()
+        {
+            rest.set_item("prompt", ids)?;
+        }
+        let kw = read(&rest, "")?;
+        Ok(Args { kw, dict, parsed })
+    }
+
+    /// `grammar`: a `LlamaGrammar`'s, or the GBNF text's.
+    pub(super) fn grammar(&self) -> PyResult<Option<Arc<Grammar>>> {
+        match &self.parsed {
+            Some(g) => Ok(Some(Arc::clone(g))),
+            None => eng(self.kw.grammar()),
+        }
+    }
+
+    /// `request` with a `LlamaGrammar` given as `grammar`.
+    pub(super) fn with_grammar(&self, mut request: Request) -> Request {
+        if let Some(g) = &self.parsed {
+            request.grammar = Some(Arc::clone(g));
+        }
+        request
+    }
+
+    /// The Python object under `key`, None when absent or None.
+    pub(super) fn any(&self, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(self.dict.get_item(key)?.filter(|v| !v.is_none()))
+    }
+
+    /// The `T` under `key` (`class` naming it in the error), None when absent or None.
+    pub(super) fn live<T: pyo3::PyClass>(
+        &self,
+        key: &str,
+        class: &str,
+    ) -> PyResult<Option<Bound<'py, T>>> {
+        self.any(key)?
+            .map(|v| {
+                v.cast_into::<T>().map_err(|e| {
+                    let got = e.into_inner().get_type().name().map(|n| n.to_string());
+                    let got = got.unwrap_or_else(|_| "?".into());
+                    PyTypeError::new_err(format!("{key}: expected {class}, got {got}"))
+                })
+            })
+            .transpose()
+    }
 }
 
 /// Everything a generation call needs, gathered before the GIL is released.
@@ -139,11 +125,9 @@ impl Call {
     pub(super) fn new(
         model: &Model,
         prompt: Vec<u32>,
-        mut request: Request,
-        stop: Option<&Bound<'_, PyAny>>,
+        request: Request,
         cache: Option<Arc<weightlift_engine::Cache>>,
     ) -> PyResult<Call> {
-        request.stop = stops(stop)?;
         Ok(Call {
             prompt,
             options: eng(request.options(model.default_seed()?))?,
@@ -153,43 +137,4 @@ impl Call {
             batch: None,
         })
     }
-}
-
-/// Token ids given as one int or a list of ints (transformers' `eos_token_id`).
-pub(super) fn token_ids_arg(
-    obj: Option<&Bound<'_, PyAny>>,
-    what: &str,
-) -> PyResult<Option<Vec<u32>>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    if let Ok(id) = obj.extract::<u32>() {
-        return Ok(Some(vec![id]));
-    }
-    obj.extract::<Vec<u32>>().map(Some).map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{what}: expected a token id (an int >= 0) or a list of them, got {}",
-            type_name(obj)
-        ))
-    })
-}
-
-/// A Python value as JSON (through Python's `json`, so it takes what `json.dumps` takes);
-/// None and absent are `None`.
-pub(super) fn json_arg(
-    obj: Option<&Bound<'_, PyAny>>,
-    what: &str,
-) -> PyResult<Option<serde_json::Value>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    let text: String = obj
-        .py()
-        .import("json")?
-        .call_method1("dumps", (obj,))
-        .map_err(|e| PyTypeError::new_err(format!("{what}: expected JSON-like data; {e}")))?
-        .extract()?;
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| PyTypeError::new_err(format!("{what}: expected JSON-like data; {e}")))
 }

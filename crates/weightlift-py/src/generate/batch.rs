@@ -1,7 +1,8 @@
 //! `Batch`: generations stepped together on one model (the engine's continuous batching). A
 //! completion call given `batch=` starts in one of its slots and returns an id; `step()` runs
-//! one token of every generation and returns what each said. Conversion only: slots, steps and
-//! response shapes are the engine's `generate::batch`.
+//! one token of every generation and returns what each said. `weightlift.Batch` is declared
+//! over this class in `weightlift/_objects.py`. Conversion only: slots, steps and response
+//! shapes are the engine's `generate::batch`.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -23,17 +24,7 @@ struct State {
     hooks: HashMap<u64, HookError>,
 }
 
-/// Up to `parallel` generations of `model` at once, each in a slot: the model's own cache and
-/// `parallel - 1` more of its length. A slot keeps its tokens after a generation, and a new
-/// one goes to the free slot holding the longest prefix of its prompt, so a repeated system
-/// prompt runs once per slot. `create_completion(..., batch=b)` and
-/// `create_chat_completion(..., batch=b)` start a generation and return its id; `step()` runs
-/// one token of each generation (their forward calls as one) and returns `(id, kind, value,
-/// timings)` tuples: `"chunk"` (a streamed chunk), `"text"`, `"whole"` (the whole response of a
-/// call with `stream=False`; it has ended), `"end"` (a stream has ended; the value is its
-/// `usage` dict) or `"error"` (the exception it ended with). `timings` is the finished generation's `Model.timings`, else None.
-/// A generation's tokens are those it gets alone.
-#[pyclass(module = "weightlift._native", frozen)]
+#[pyclass(module = "weightlift._native", frozen, subclass)]
 pub struct Batch {
     model: Py<Model>,
     state: Mutex<State>,
@@ -80,26 +71,21 @@ impl Batch {
         })
     }
 
-    /// Slots in all.
     #[getter]
     fn parallel(&self) -> usize {
         self.state().batch.parallel()
     }
 
-    /// Generations running.
     #[getter]
     fn running(&self) -> usize {
         self.state().batch.running()
     }
 
-    /// Positions of each slot.
     #[getter]
     fn n_ctx(&self) -> u64 {
         self.state().batch.n_ctx()
     }
 
-    /// One token of every running generation; see the class. Raises when the shared forward
-    /// call fails (a device out of memory): every running generation has then ended.
     #[allow(clippy::type_complexity)]
     fn step(
         &self,
@@ -140,8 +126,6 @@ impl Batch {
         Ok(out)
     }
 
-    /// End generation `id` now (its client went away), freeing its slot; False when it is not
-    /// running.
     fn cancel(&self, id: u64) -> bool {
         let mut state = self.state();
         state.hooks.remove(&id);

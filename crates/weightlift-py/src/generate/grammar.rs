@@ -1,24 +1,19 @@
-//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar) and the `grammar=`
-//! and `response_format=` arguments, converted to the engine's types. Parsing, and
-//! converting JSON schemas, is the engine's; this only converts.
+//! `LlamaGrammar` (llama-cpp-python's class of that name: a GBNF grammar), declared over this
+//! class in `weightlift/_objects.py`, and `Model.grammar_mask`. Parsing, and converting JSON
+//! schemas, is the engine's; this only converts.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyModule, PyString};
 use weightlift_engine::EngineError;
-use weightlift_engine::grammar::{Constraint, Grammar};
+use weightlift_engine::generate::keywords::Gbnf;
+use weightlift_engine::grammar::{Constraint, Grammar, json_schema_to_gbnf};
 
-use crate::errors::{ToPyErr, eng, io_error};
+use super::args::read;
+use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
 
-/// A parsed GBNF grammar (llama.cpp's grammar format, root rule `root`), as llama-cpp-python's
-/// `LlamaGrammar`: pass it as `grammar=` to keep generated text inside it. A grammar that does
-/// not parse raises `GrammarError` (a ValueError) naming the line, the column and what was
-/// expected.
-#[pyclass(module = "weightlift._native", frozen)]
+#[pyclass(module = "weightlift._native", frozen, subclass)]
 pub struct LlamaGrammar {
     pub(crate) grammar: Arc<Grammar>,
 }
@@ -31,46 +26,21 @@ fn parsed(text: &str) -> PyResult<Arc<Grammar>> {
 
 #[pymethods]
 impl LlamaGrammar {
-    /// Parse GBNF `grammar`. `verbose` is llama-cpp-python's and changes nothing: errors raise.
-    #[staticmethod]
-    #[pyo3(signature = (grammar, verbose = true))]
-    fn from_string(grammar: &str, verbose: bool) -> PyResult<LlamaGrammar> {
-        let _ = verbose;
+    /// llama-cpp-python's constructor: GBNF text `_grammar`, parsed.
+    #[new]
+    #[pyo3(signature = (*, _grammar))]
+    fn new(_grammar: &str) -> PyResult<Self> {
         Ok(LlamaGrammar {
-            grammar: parsed(grammar)?,
+            grammar: parsed(_grammar)?,
         })
     }
 
-    /// The grammar of the JSON texts that JSON Schema `json_schema` (JSON text) accepts, as
-    /// llama-cpp-python's `from_json_schema` (llama.cpp's converter) lays them out: required
-    /// properties first in schema order, at most one space between tokens. A keyword it cannot
-    /// enforce (`pattern`, most `format`s, bounds on `number`, ...) raises `UnsupportedError`
-    /// naming the keyword and where it is in the schema, where llama-cpp-python ignores it;
-    /// text that is not a schema raises `PlanError`. `verbose` changes nothing.
+    /// The GBNF text of the JSON texts JSON Schema `json_schema` (JSON text) accepts.
     #[staticmethod]
-    #[pyo3(signature = (json_schema, verbose = true))]
-    fn from_json_schema(json_schema: &str, verbose: bool) -> PyResult<LlamaGrammar> {
-        let _ = verbose;
-        let grammar =
-            Grammar::from_json_schema(json_schema).map_err(|e| EngineError::from(e).to_pyerr())?;
-        Ok(LlamaGrammar {
-            grammar: Arc::new(grammar),
-        })
+    fn _schema_gbnf(json_schema: &str) -> PyResult<String> {
+        json_schema_to_gbnf(json_schema).map_err(|e| EngineError::from(e).to_pyerr())
     }
 
-    /// Read and parse the GBNF file `file` (a path). An unreadable file raises the matching
-    /// `OSError`.
-    #[staticmethod]
-    #[pyo3(signature = (file, verbose = true))]
-    fn from_file(file: PathBuf, verbose: bool) -> PyResult<LlamaGrammar> {
-        let _ = verbose;
-        let text = std::fs::read_to_string(&file).map_err(|e| io_error(&file, &e))?;
-        Ok(LlamaGrammar {
-            grammar: parsed(&text)?,
-        })
-    }
-
-    /// The GBNF text.
     #[getter]
     fn text(&self) -> &str {
         self.grammar.source()
@@ -81,42 +51,6 @@ impl LlamaGrammar {
     }
 }
 
-/// `grammar=`: None, GBNF text, or a `LlamaGrammar`.
-pub(super) fn grammar_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<Grammar>>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    if let Ok(g) = obj.cast::<LlamaGrammar>() {
-        return Ok(Some(Arc::clone(&g.get().grammar)));
-    }
-    if let Ok(s) = obj.cast::<PyString>() {
-        return parsed(s.to_str()?).map(Some);
-    }
-    Err(PyTypeError::new_err(format!(
-        "grammar: expected GBNF text (str) or a LlamaGrammar, got {}",
-        obj.get_type().name()?
-    )))
-}
-
-/// `response_format=`: None, or a dict whose `type` (and `schema`, or `json_schema`) pick the
-/// grammar ([`Grammar::for_response_format`]). Python's `json.dumps` writes the dict for the
-/// engine, so a schema's properties keep their order.
-pub(super) fn response_format_grammar(
-    obj: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Option<Arc<Grammar>>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    let d = obj.cast::<PyDict>().map_err(|_| {
-        PyTypeError::new_err("response_format: expected a dict such as {\"type\": \"json_object\"}")
-    })?;
-    let text: String = PyModule::import(d.py(), "json")?
-        .call_method1("dumps", (d,))
-        .map_err(|e| PyTypeError::new_err(format!("response_format: {}", e.value(d.py()))))?
-        .extract()?;
-    eng(Grammar::for_response_format(&text))
-}
-
 #[pymethods]
 impl Model {
     fn grammar_mask<'py>(
@@ -125,9 +59,10 @@ impl Model {
         grammar: &Bound<'_, PyAny>,
         logits: numpy::PyReadonlyArray1<'_, f32>,
     ) -> PyResult<Bound<'py, numpy::PyArray1<f32>>> {
-        let grammar = grammar_arg(Some(grammar))?.ok_or_else(|| {
-            PyTypeError::new_err("grammar: expected GBNF text or a LlamaGrammar, got None")
-        })?;
+        let grammar = match grammar.cast::<LlamaGrammar>() {
+            Ok(g) => Arc::clone(&g.get().grammar),
+            Err(_) => parsed(&read::<Gbnf>(grammar, "grammar")?.0)?,
+        };
         let mut row = logits.as_slice()?.to_vec();
         let tok = eng(self.lock()?.model.tokenizer())?;
         let mut constraint = Constraint::new(grammar, &tok, row.len())

@@ -10,8 +10,7 @@ use pyo3::prelude::*;
 use weightlift_engine::EngineError;
 use weightlift_engine::generate::{Hook, LogitsFn, StopFn};
 
-use super::args::Call;
-use crate::options::Kw;
+use super::args::{Args, Call};
 
 /// The Python exception a hook raised, if one did.
 #[derive(Clone, Default)]
@@ -49,8 +48,8 @@ fn ids_array<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyArray1<i32>> {
 
 /// Install `logits_processor` and `stopping_criteria` (callables, or lists of them as
 /// llama-cpp-python's `LogitsProcessorList` and `StoppingCriteriaList` are) on `call`.
-pub(super) fn install(call: &mut Call, kw: &Kw<'_>) -> PyResult<()> {
-    if let Some(f) = kw.any("logits_processor")? {
+pub(super) fn install(call: &mut Call, args: &Args<'_>) -> PyResult<()> {
+    if let Some(f) = args.any("logits_processor")? {
         let f = f.clone().unbind();
         let slot = call.hook_error.clone();
         let hook: Arc<LogitsFn> = Arc::new(move |ids: &[u32], logits: &mut [f32]| {
@@ -76,7 +75,7 @@ pub(super) fn install(call: &mut Call, kw: &Kw<'_>) -> PyResult<()> {
         });
         call.options.logits_hook = Some(Hook(hook));
     }
-    if let Some(f) = kw.any("stopping_criteria")? {
+    if let Some(f) = args.any("stopping_criteria")? {
         let f = f.clone().unbind();
         let slot = call.hook_error.clone();
         let hook: Arc<StopFn> = Arc::new(move |ids: &[u32], logits: &[f32]| {

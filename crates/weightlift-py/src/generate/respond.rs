@@ -110,17 +110,24 @@ impl Model {
                 let r = inner
                     .model
                     .response_options(kind, name, prompt, echo, stream, o);
-                Some((kind, ResponseOptions { tool, ..eng(r)? }))
+                let append = call.append.take();
+                Some((
+                    kind,
+                    ResponseOptions {
+                        tool,
+                        append,
+                        ..eng(r)?
+                    },
+                ))
             }
             None => None,
         };
         let hook_error = call.hook_error.clone();
-        let append = call.append.take();
         if let Some(batch) = call.batch.take() {
             let answer = match options {
                 None => Answer::Text,
-                Some((kind, o)) if stream => Answer::Stream(kind, ResponseOptions { append, ..o }),
-                Some((kind, o)) => Answer::Whole(kind, ResponseOptions { append, ..o }),
+                Some((kind, o)) if stream => Answer::Stream(kind, o),
+                Some((kind, o)) => Answer::Whole(kind, o),
             };
             let id = batch.get().start(model, call, answer)?;
             return Ok(id.into_pyobject(py)?.into_any().unbind());
@@ -134,8 +141,7 @@ impl Model {
                 call.options,
             ))?
         };
-        let responder =
-            options.map(|(kind, o)| Responder::new(kind, &job, ResponseOptions { append, ..o }));
+        let responder = options.map(|(kind, o)| Responder::new(kind, &job, o));
         if stream {
             let s = CompletionStream {
                 model: slf.clone().unbind(),
@@ -158,14 +164,7 @@ impl Model {
         slf: &Bound<'_, Model>,
         call: Call,
         n: usize,
-        stream: bool,
     ) -> PyResult<Py<PyAny>> {
-        if stream || call.cache.is_some() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "num_return_sequences={n}: expected neither stream=True nor cache= with it (the \
-                 sequences run in slots of their own and return whole texts)"
-            )));
-        }
         let each = seeded(&call.options, n);
         let py = slf.py();
         let model = slf.get();
