@@ -48,23 +48,29 @@ from weightlift._native import (
     Batch,
     Cache,
     CacheSpec,
-    Checkpoint,
     CompletionStream,
     DeviceTensor,
     LlamaGrammar,
-    Plan,
     RuntimeSpec,
     TPContext,
     TPGroupMember,
     __version__,
     cuda_info,
     devices,
-    open,
     parse_devices,
     tensor,
     use_devices,
 )
-from weightlift._types import Device, DeviceUsage, ModelSpec, Placement, TensorInfo
+from weightlift._types import (
+    Checkpoint,
+    Device,
+    DeviceUsage,
+    ModelSpec,
+    Placement,
+    Plan,
+    TensorInfo,
+    open,
+)
 
 __all__ = [
     "LLAMA_DEFAULT_SEED",
