@@ -95,3 +95,50 @@ def test_placement_rows_of_a_row_split(tiny_llama_gguf: Path) -> None:
     assert sum(s[3] for s in t.shards) == t.nbytes
     assert repr(t) == f"Placement('{t.name}' -> {t.device}, {t.nbytes} bytes {t.dtype})"
     assert pickle.loads(pickle.dumps(t)) == t
+
+
+def test_checkpoint_is_declared_in_python_over_the_native_class(tiny_llama_gguf: Path) -> None:
+    ckpt = wl.open(tiny_llama_gguf)
+    assert type(ckpt) is wl.Checkpoint and isinstance(ckpt, wl._native.Checkpoint)
+    assert wl.Checkpoint.__doc__ and wl.Checkpoint.files.__doc__ and wl.open.__doc__
+    # The planner and the engine take it as the native class.
+    spec = ckpt.spec
+    assert spec is not None
+    assert wl.plan(ckpt, devices="cpu", runtime=SMALL_RT).n_layers == spec.n_layers
+    m = wl.Model(ckpt, devices="cpu", runtime=SMALL_RT)
+    m.load()
+    assert m.tensor_info("output.weight") == ckpt["output.weight"]
+    m.close()
+    names = list(ckpt)
+    assert len(ckpt) == len(names) == len(ckpt.tensors) and names[0] in ckpt
+    ckpt.files.append("x")
+    assert ckpt.files == [str(tiny_llama_gguf)]
+    ckpt.close()
+    for read in (len, list, lambda c: c.files, lambda c: "output.weight" in c):
+        with pytest.raises(wl.ClosedError, match="is closed"):
+            read(ckpt)
+    assert repr(ckpt) == f"<Checkpoint gguf '{tiny_llama_gguf}' (closed)>"
+    with pytest.raises(AttributeError):
+        ckpt.extra = 1  # type: ignore[attr-defined]
+
+
+def test_plan_is_declared_in_python_over_the_native_class(tiny_llama_gguf: Path) -> None:
+    p = wl.plan(
+        tiny_llama_gguf, devices="cpu", cache=wl.CacheSpec(64, dtype="q8"), runtime=SMALL_RT
+    )
+    again = wl.Plan.from_json(p.to_json())
+    assert type(p) is type(again) is wl.Plan and isinstance(p, wl._native.Plan)
+    assert p == again and p != wl.plan(tiny_llama_gguf, devices="cpu", runtime=SMALL_RT)
+    with pytest.raises(TypeError):
+        hash(p)
+    assert p.cache == wl.CacheSpec(64, dtype="q8") and p.runtime == SMALL_RT
+    # Every read hands out its own copy of what the plan holds.
+    p.layer_devices.append("x")
+    p.host["kv"] = -1
+    p.warnings.append("x")
+    assert p.layer_devices == again.layer_devices and p.host == again.host
+    assert p.warnings == again.warnings and p.tensors == again.tensors
+    m = wl.Model(tiny_llama_gguf, devices="cpu", runtime=SMALL_RT)
+    m.load(p)
+    assert type(m.plan) is wl.Plan and m.plan == p
+    m.close()

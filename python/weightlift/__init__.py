@@ -46,22 +46,28 @@ from weightlift._native import (
     BROADCAST_RS,
     BROADCAST_VC,
     CacheSpec,
-    Checkpoint,
     CompletionStream,
     DeviceTensor,
-    Plan,
     RuntimeSpec,
     TPGroupMember,
     __version__,
     cuda_info,
     devices,
-    open,
     parse_devices,
     tensor,
     use_devices,
 )
 from weightlift._objects import Batch, Cache, LlamaGrammar, TPContext
-from weightlift._types import Device, DeviceUsage, ModelSpec, Placement, TensorInfo
+from weightlift._types import (
+    Checkpoint,
+    Device,
+    DeviceUsage,
+    ModelSpec,
+    Placement,
+    Plan,
+    TensorInfo,
+    open,
+)
 
 __all__ = [
     "LLAMA_DEFAULT_SEED",

@@ -26,11 +26,9 @@ if TYPE_CHECKING:
         Batch,
         Cache,
         CacheSpec,
-        Checkpoint,
         CompletionStream,
         LlamaGrammar,
         ModelSpec,
-        Plan,
         RuntimeSpec,
         _Callback,
         _Compute,
@@ -44,6 +42,7 @@ if TYPE_CHECKING:
         _SplitMode,
         _Strategy,
     )
+    from weightlift._types import Checkpoint, Plan
 
 _Offload = Literal["sequential", "group"]
 

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from weightlift._api import Model, load_gguf, sample
 from weightlift._errors import UnsupportedError
-from weightlift._native import open as open_checkpoint
+from weightlift._types import open as open_checkpoint
 
 # llama.cpp's constants that llama-cpp-python programs pass as numbers.
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF

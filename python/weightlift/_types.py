@@ -1,18 +1,27 @@
-"""The read-only records the native module hands out: a checkpoint's ``TensorInfo`` rows and
-``ModelSpec``, the ``Device`` rows of an inventory, and a plan's ``DeviceUsage`` and
-``Placement`` rows.
+"""The classes the native module hands out, declared here.
 
-Each is a frozen dataclass. The native module builds it from a serde view of the core value
-(``pythonize``), so what a field holds is decided in the core; here it is declared, documented
-and given its ``repr``.
+The read-only records: a checkpoint's ``TensorInfo`` rows and ``ModelSpec``, the ``Device`` rows
+of an inventory, and a plan's ``DeviceUsage`` and ``Placement`` rows. Each is a frozen
+dataclass. The native module builds it from a serde view of the core value (``pythonize``), so
+what a field holds is decided in the core; here it is declared, documented and given its
+``repr``.
+
+``Checkpoint`` (with ``open``) and ``Plan`` subclass native classes that hold the core value and
+what needs Rust (the memory map and its views; the rules a plan answers from). Their properties
+read one pythonized view of it, and their dunders are written here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from weightlift import _native
+from weightlift._errors import ClosedError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,3 +186,209 @@ class Placement:
 
     def __repr__(self) -> str:
         return f"Placement({self.name!r} -> {self.device}, {self.nbytes} bytes {self.dtype})"
+
+
+def open(
+    path: str | os.PathLike[str], *, check_tensors: bool = False, vocab_only: bool = False
+) -> Checkpoint:
+    """Open a GGUF file (or the first of a split set), a safetensors file, a folder of safetensors
+    shards, or a ``model.safetensors.index.json``. Nothing is copied: tensors stay in the memory
+    map. Every structural check runs before this returns.
+
+    ``check_tensors`` also scans every float tensor, and the scales of quantised blocks, for NaN
+    and Inf. ``vocab_only`` reads the metadata and tokenizer only (no tensor table).
+
+    Raises ``FormatError`` for a corrupt or unsupported file and an ``OSError`` subclass when the
+    operating system refuses it.
+    """
+    return Checkpoint(path, check_tensors=check_tensors, vocab_only=vocab_only)
+
+
+class Checkpoint(_native.Checkpoint):
+    """An opened checkpoint. Tensor data stays in the memory map; ``raw()`` views share it.
+
+    Usable as a context manager. ``close()`` drops this object's hold on the files; views already
+    handed out by ``raw()`` keep the map alive until the last of them is gone.
+    """
+
+    __slots__ = ()
+
+    @property
+    def files(self) -> list[str]:
+        """The files that make up the checkpoint, in order."""
+        return self._view()["files"]
+
+    @property
+    def spec(self) -> ModelSpec | None:
+        """The architecture, or None when it could not be read (see ``spec_error``)."""
+        spec = self._view()["spec"]
+        return None if spec is None else ModelSpec(**spec)
+
+    @property
+    def spec_error(self) -> str | None:
+        """Why ``spec`` is None, or None when it is present."""
+        return self._view()["spec_error"]
+
+    @property
+    def warnings(self) -> list[str]:
+        """Things that did not stop the checkpoint from opening: an architecture whose tensor
+        roles are unknown, tensors that match no role, a tie the config contradicts."""
+        return self._view()["warnings"]
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        """The tensor table, in the order the checkpoint lists it (empty when opened
+        ``vocab_only``)."""
+        return self._tensors()
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        """A summary of the tokenizer: ``model``, ``pre``, ``n_tokens``, ``n_merges``,
+        ``bos_token_id``, ``eos_token_id`` and ``has_tokenizer_json``."""
+        return self._view()["tokenizer"]
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The HF ``config.json`` beside safetensors weights, as a dict; None for GGUF."""
+        return self._view()["config"]
+
+    @property
+    def n_params(self) -> int:
+        """Total number of parameters (elements over all tensors)."""
+        return self._view()["n_params"]
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of tensor data."""
+        return self._view()["nbytes"]
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *_args: object) -> Literal[False]:
+        self.close()
+        return False
+
+    def __len__(self) -> int:
+        return self._view()["n_tensors"]
+
+    def __contains__(self, key: str, /) -> bool:
+        return self._tensor(key) is not None
+
+    def __getitem__(self, key: str, /) -> TensorInfo:
+        """The ``TensorInfo`` of a tensor by name; KeyError when absent."""
+        info = self._tensor(key)
+        if info is None:
+            raise KeyError(key)
+        return info
+
+    def __iter__(self) -> Iterator[str]:
+        """Iterate over tensor names."""
+        return iter(self._names())
+
+    def __repr__(self) -> str:
+        try:
+            view = self._view()
+        except ClosedError:
+            return f"<Checkpoint {self.format} '{self.path}' (closed)>"
+        return (
+            f"<Checkpoint {self.format} '{self.path}': {view['n_tensors']} tensors, "
+            f"{view['nbytes']} bytes>"
+        )
+
+
+class Plan(_native.Plan):
+    """An immutable, deterministic placement plan. Round-trips through JSON."""
+
+    __slots__ = ("_read",)
+    _read: dict[str, Any]
+
+    @property
+    def _fields(self) -> dict[str, Any]:
+        # A plan never changes: its view is read once, and each property builds new lists, dicts
+        # and records from it.
+        try:
+            return self._read
+        except AttributeError:
+            self._read = self._view()
+            return self._read
+
+    @property
+    def strategy(self) -> str:
+        """The strategy that made the plan."""
+        return self._fields["strategy"]
+
+    @property
+    def architecture(self) -> str:
+        """The model's architecture (``ModelSpec.architecture``)."""
+        return self._fields["architecture"]
+
+    @property
+    def n_layers(self) -> int:
+        """Number of repeating blocks."""
+        return self._fields["n_layers"]
+
+    @property
+    def quantize(self) -> str | None:
+        """The quantise-on-load mode the sizes assume (``"int8"``, ``"q8_0"``, ...), or None."""
+        return self._fields["quantize"]
+
+    @property
+    def cache(self) -> _native.CacheSpec | None:
+        """The KV cache the plan sizes, or None."""
+        cache = self._fields["cache"]
+        return None if cache is None else _native.CacheSpec(**cache)
+
+    @property
+    def runtime(self) -> _native.RuntimeSpec:
+        """The runtime limits that sized each device's scratch."""
+        return _native.RuntimeSpec(**self._fields["runtime"])
+
+    @property
+    def layer_devices(self) -> list[str]:
+        """The device of every repeating layer, in layer order."""
+        return list(self._fields["layer_devices"])
+
+    @property
+    def embed_device(self) -> str:
+        """The device of the token embedding."""
+        return self._fields["embed_device"]
+
+    @property
+    def head_device(self) -> str:
+        """The device of the output head."""
+        return self._fields["head_device"]
+
+    @property
+    def tied_output_copy(self) -> str | None:
+        """The device holding a separate copy of a tied output head (exllamav2 loads the tied
+        embedding again as the head), or None."""
+        return self._fields["tied_output_copy"]
+
+    @property
+    def tensors(self) -> list[Placement]:
+        """Every tensor's placement, in checkpoint order."""
+        return [Placement(**t) for t in self._fields["tensors"]]
+
+    @property
+    def devices(self) -> list[DeviceUsage]:
+        """Per-device breakdown: weights, kv, scratch, overhead, reserve and free, in bytes."""
+        return [DeviceUsage(**d) for d in self._fields["devices"]]
+
+    @property
+    def host(self) -> dict[str, int]:
+        """Host RAM at its peak during loading, in bytes: ``staging``, ``owned_weights``,
+        ``mapped_weights`` (page cache), ``disk_weights``, ``kv``, ``scratch``, ``peak_anon``,
+        ``peak_total``."""
+        return dict(self._fields["host"])
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the planner noted without refusing the plan."""
+        return list(self._fields["warnings"])
+
+    def __repr__(self) -> str:
+        devices = ", ".join(
+            f"{d.name}: {sum(b - a + 1 for a, b in d.layers)} layers" for d in self.devices
+        )
+        return f"<Plan {self.strategy} {self.architecture} ({self.n_layers} layers): {devices}>"

@@ -430,6 +430,36 @@ impl Checkpoint {
     pub fn n_params(&self) -> u64 {
         self.tensors.iter().map(TensorInfo::n_elements).sum()
     }
+
+    /// The checkpoint as the Python bindings show it, less its metadata (whose arrays decode as
+    /// they are read) and its tensor rows (built one at a time, on request): the files as
+    /// paths, the architecture or why it could not be read, the warnings, the tokenizer summary,
+    /// the HF config, and the counts of parameters, bytes and tensors.
+    pub fn view(&self) -> impl Serialize + '_ {
+        #[derive(Serialize)]
+        struct View<'a> {
+            files: Vec<String>,
+            spec: Option<&'a ModelSpec>,
+            spec_error: Option<&'a str>,
+            warnings: &'a [String],
+            tokenizer: &'a TokenizerInfo,
+            config: Option<&'a serde_json::Value>,
+            n_params: u64,
+            nbytes: u64,
+            n_tensors: usize,
+        }
+        View {
+            files: self.files().map(|p| p.display().to_string()).collect(),
+            spec: self.spec().ok(),
+            spec_error: self.spec().err(),
+            warnings: &self.warnings,
+            tokenizer: &self.tokenizer,
+            config: self.config(),
+            n_params: self.n_params(),
+            nbytes: self.total_bytes(),
+            n_tensors: self.tensors.len(),
+        }
+    }
 }
 
 /// Work out the format: a folder is safetensors; a file starting with the GGUF magic (either

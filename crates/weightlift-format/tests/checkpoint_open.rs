@@ -201,6 +201,37 @@ fn broken_config_keeps_inspect_working() {
 }
 
 #[test]
+fn the_view_holds_what_the_bindings_show() {
+    let s = Scratch::new("view");
+    tiny_model(&s, &[]);
+    s.write("config.json", llama_config("llama"));
+    let c = Checkpoint::open(s.path(), OpenOptions::default()).unwrap();
+    let v = serde_json::to_value(c.view()).unwrap();
+    let file = c.files().next().unwrap().display().to_string();
+    assert_eq!(v["files"], serde_json::json!([file]));
+    assert_eq!(v["spec"]["n_layers"], 1);
+    assert!(v["spec_error"].is_null(), "{v}");
+    assert_eq!(v["config"]["model_type"], "llama");
+    assert_eq!(v["tokenizer"]["has_tokenizer_json"], false);
+    assert_eq!(v["warnings"], serde_json::json!(c.warnings()));
+    assert_eq!(
+        (v["n_params"].as_u64(), v["nbytes"].as_u64()),
+        (Some(16), Some(64))
+    );
+    assert_eq!(v["n_tensors"], 4);
+    assert!(
+        v.get("metadata").is_none() && v.get("tensors").is_none(),
+        "{v}"
+    );
+
+    s.write("config.json", r#"{"model_type": "llama"}"#);
+    let c = Checkpoint::open(s.path(), OpenOptions::default()).unwrap();
+    let v = serde_json::to_value(c.view()).unwrap();
+    assert!(v["spec"].is_null(), "{v}");
+    assert_eq!(v["spec_error"], c.spec().unwrap_err());
+}
+
+#[test]
 fn check_tensors_reports_first_bad_tensor_in_file_order() {
     let s = Scratch::new("scan");
     let mut bad = vec![1.0f32; 10];

@@ -336,6 +336,45 @@ impl Plan {
             })
     }
 
+    /// The plan as the Python bindings show it: what the accessors return, by their names, with
+    /// the tensor and device rows as their views. Unlike [`Plan::to_json`], it is not read
+    /// back.
+    pub fn view(&self) -> impl Serialize + '_ {
+        #[derive(Serialize)]
+        struct View<'a, T, D> {
+            strategy: &'a str,
+            architecture: &'a str,
+            n_layers: u32,
+            quantize: Option<crate::quantize::Quantize>,
+            cache: Option<&'a CacheSpec>,
+            runtime: &'a RuntimeSpec,
+            layer_devices: &'a [String],
+            embed_device: &'a str,
+            head_device: &'a str,
+            tied_output_copy: Option<&'a str>,
+            tensors: Vec<T>,
+            devices: Vec<D>,
+            host: &'a HostUsage,
+            warnings: &'a [String],
+        }
+        View {
+            strategy: &self.strategy,
+            architecture: &self.architecture,
+            n_layers: self.n_layers,
+            quantize: self.quantize,
+            cache: self.cache.as_ref(),
+            runtime: &self.runtime,
+            layer_devices: &self.layers,
+            embed_device: &self.embed_device,
+            head_device: &self.head_device,
+            tied_output_copy: self.tied_output_copy(),
+            tensors: self.tensors.iter().map(TensorPlacement::view).collect(),
+            devices: self.devices.iter().map(DeviceUsage::view).collect(),
+            host: &self.host,
+            warnings: &self.warnings,
+        }
+    }
+
     /// Pretty-printed JSON.
     pub fn to_json(&self) -> String {
         // A Plan holds only strings, integers, floats and enums: serialisation cannot fail.

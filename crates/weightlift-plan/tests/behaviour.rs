@@ -795,3 +795,39 @@ fn cuda_devices_hold_kernel_attention_scratch_and_are_charged_prompt_tiles() {
     );
     assert_eq!(v.kernel_scratch, 0);
 }
+
+#[test]
+fn the_view_names_what_the_accessors_return() {
+    let mut req = request(tiny_llama(), "float32", "virtual:1x1GiB,cpu:1GiB");
+    req.cache = Some(CacheSpec::new(512, 2, CacheDType::Q8).with_offload(true));
+    req.quantize = Some(Quantize::Q4K);
+    let p = plan(&req).unwrap();
+    let v = serde_json::to_value(p.view()).unwrap();
+    assert_eq!(v["strategy"], p.strategy());
+    assert_eq!(
+        (v["architecture"].as_str(), v["n_layers"].as_u64()),
+        (Some("llama"), Some(2))
+    );
+    assert_eq!(v["quantize"], "q4_k");
+    let cache =
+        serde_json::json!({"max_seq_len": 512, "batch_size": 2, "dtype": "q8", "offload": true});
+    assert_eq!(v["cache"], cache);
+    assert_eq!(v["runtime"]["max_input_len"], p.runtime().max_input_len);
+    assert_eq!(v["layer_devices"], serde_json::json!(p.layer_devices()));
+    assert_eq!(v["embed_device"], p.embed_device());
+    assert_eq!(v["head_device"], p.head_device());
+    assert_eq!(
+        v["tied_output_copy"],
+        serde_json::json!(p.tied_output_copy())
+    );
+    assert_eq!(
+        v["tensors"][0],
+        serde_json::to_value(p.tensors()[0].view()).unwrap()
+    );
+    assert_eq!(
+        v["devices"][1],
+        serde_json::to_value(p.devices()[1].view()).unwrap()
+    );
+    assert_eq!(v["host"], serde_json::to_value(p.host()).unwrap());
+    assert_eq!(v["warnings"], serde_json::json!(p.warnings()));
+}

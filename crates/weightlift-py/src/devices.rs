@@ -77,15 +77,6 @@ pub fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     )?)
 }
 
-fn dtype_of_numpy(name: &str) -> PyResult<DType> {
-    DType::from_numpy_name(name).ok_or_else(|| {
-        PyTypeError::new_err(format!(
-            "numpy dtype {name} has no weightlift dtype; expected one of float32, float16, \
-             float64, int8..int64, uint8..uint64, bool or complex64"
-        ))
-    })
-}
-
 /// Bytes as a numpy array, laid out as `Checkpoint.raw` lays out the same tensor
 /// (`DType::numpy_layout`): plain types get their dtype and `shape`; BF16, the small floats and
 /// quantised blocks come back as `uint8` rows.
@@ -174,15 +165,11 @@ impl DeviceTensor {
     }
 
     fn __repr__(&self) -> String {
-        match self.lock().as_ref() {
-            Some(t) => format!(
-                "DeviceTensor(device='{}', shape={:?}, dtype={})",
-                t.device().name(),
-                t.shape(),
-                t.dtype()
-            ),
-            None => "DeviceTensor(freed)".into(),
-        }
+        let Some(t) = &*self.lock() else {
+            return "DeviceTensor(freed)".into();
+        };
+        let (device, shape, dtype) = (t.device().name(), t.shape(), t.dtype());
+        format!("DeviceTensor(device='{device}', shape={shape:?}, dtype={dtype})")
     }
 }
 
@@ -194,7 +181,12 @@ pub fn tensor(py: Python<'_>, array: &Bound<'_, PyAny>, device: &str) -> PyResul
     let np = py.import("numpy")?;
     let arr = np.call_method1("ascontiguousarray", (array,))?;
     let name: String = arr.getattr("dtype")?.getattr("name")?.extract()?;
-    let dtype = dtype_of_numpy(&name)?;
+    let dtype = DType::from_numpy_name(&name).ok_or_else(|| {
+        PyTypeError::new_err(format!(
+            "numpy dtype {name} has no weightlift dtype; expected one of float32, float16, \
+             float64, int8..int64, uint8..uint64, bool or complex64"
+        ))
+    })?;
     let shape: Vec<u64> = arr.getattr("shape")?.extract()?;
     let bytes: Vec<u8> = arr.call_method0("tobytes")?.extract()?;
     let dev = resolve_device(device)?;

@@ -9,12 +9,10 @@
 use std::path::Path;
 
 use weightlift_engine::EngineError;
+use weightlift_engine::grammar::GrammarError;
 use weightlift_format::hf_config;
 
-use pyo3::exceptions::{
-    PyFileExistsError, PyFileNotFoundError, PyInterruptedError, PyIsADirectoryError,
-    PyNotADirectoryError, PyOSError, PyPermissionError, PyTimeoutError, PyTypeError,
-};
+use pyo3::exceptions::{PyBaseException, PyOSError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -98,18 +96,9 @@ pub fn io_error_in(path: &Path, tensor: Option<&str>, err: &std::io::Error) -> P
         let strerror = format!("{strerror}{context}");
         return PyOSError::new_err((errno, strerror, filename));
     }
+    // Without an errno, pyo3 picks the subclass from the error's kind, as Python would.
     let message = format!("{filename}: {err}{context}");
-    use std::io::ErrorKind as K;
-    match err.kind() {
-        K::NotFound => PyFileNotFoundError::new_err(message),
-        K::PermissionDenied => PyPermissionError::new_err(message),
-        K::AlreadyExists => PyFileExistsError::new_err(message),
-        K::IsADirectory => PyIsADirectoryError::new_err(message),
-        K::NotADirectory => PyNotADirectoryError::new_err(message),
-        K::Interrupted => PyInterruptedError::new_err(message),
-        K::TimedOut => PyTimeoutError::new_err(message),
-        _ => PyOSError::new_err(message),
-    }
+    std::io::Error::new(err.kind(), message).into()
 }
 
 /// Conversion of a core crate's error into its Python exception.
@@ -144,20 +133,15 @@ impl ToPyErr for weightlift_plan::PlanError {
     fn to_pyerr(self) -> PyErr {
         use weightlift_plan::PlanError as E;
         match self {
-            E::OutOfMemory(oom) => {
-                let message = oom.to_string();
-                Python::attach(|py| {
-                    let build = || -> PyResult<PyErr> {
-                        let err = raise(Exc::OutOfMemory, message.clone());
-                        let value = err.value(py);
-                        let shortfalls: Vec<_> = oom.shortfalls.iter().map(|s| s.view()).collect();
-                        value.setattr("shortfalls", pythonize::pythonize(py, &shortfalls)?)?;
-                        value.setattr("fixes", oom.fixes.clone())?;
-                        Ok(err)
-                    };
-                    build().unwrap_or_else(|e| e)
-                })
-            }
+            E::OutOfMemory(oom) => Python::attach(|py| {
+                let err = raise(Exc::OutOfMemory, oom.to_string());
+                let shortfalls: Vec<_> = oom.shortfalls.iter().map(|s| s.view()).collect();
+                let attach = |value: &Bound<'_, PyBaseException>| -> PyResult<()> {
+                    value.setattr("shortfalls", pythonize::pythonize(py, &shortfalls)?)?;
+                    value.setattr("fixes", &oom.fixes)
+                };
+                attach(err.value(py)).map_or_else(|e| e, |()| err)
+            }),
             E::CudaUnavailable { .. } => raise(Exc::CudaUnavailable, self.to_string()),
             E::KeywordType { .. } | E::UnknownField { .. } => {
                 PyTypeError::new_err(self.to_string())
@@ -205,37 +189,31 @@ where
 
 impl ToPyErr for EngineError {
     fn to_pyerr(self) -> PyErr {
-        match self {
-            EngineError::OutOfMemory { .. } => raise(Exc::OutOfMemory, self.to_string()),
-            EngineError::Device { .. } => raise(Exc::Device, self.to_string()),
-            EngineError::CudaUnavailable { .. } => raise(Exc::CudaUnavailable, self.to_string()),
-            EngineError::Cancelled { .. } => raise(Exc::LoadCancelled, self.to_string()),
-            EngineError::Io {
+        use EngineError as E;
+        let exc = match self {
+            E::Io {
                 path,
                 tensor,
                 source,
-            } => io_error_in(&path, Some(&tensor), &source),
-            EngineError::Format(e) => e.to_pyerr(),
-            EngineError::Plan(e) => e.to_pyerr(),
-            EngineError::Validation { .. } | EngineError::NonFinite { .. } => {
-                raise(Exc::Format, self.to_string())
-            }
-            EngineError::Invalid { .. }
-            | EngineError::MaxLength { .. }
-            | EngineError::Aliased { .. } => raise(Exc::Plan, self.to_string()),
-            EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
-            EngineError::NotLoaded { .. } | EngineError::Hook { .. } => {
-                raise(Exc::Weightlift, self.to_string())
-            }
-            EngineError::ContextFull { .. } => raise(Exc::ContextFull, self.to_string()),
-            EngineError::Closed { .. } => raise(Exc::Closed, self.to_string()),
-            EngineError::Text(e) => e.to_pyerr(),
+            } => return io_error_in(&path, Some(&tensor), &source),
+            E::Format(e) => return e.to_pyerr(),
+            E::Plan(e) => return e.to_pyerr(),
+            E::Text(e) => return e.to_pyerr(),
+            E::OutOfMemory { .. } => Exc::OutOfMemory,
+            E::Device { .. } => Exc::Device,
+            E::CudaUnavailable { .. } => Exc::CudaUnavailable,
+            E::Cancelled { .. } => Exc::LoadCancelled,
+            E::Validation { .. } | E::NonFinite { .. } => Exc::Format,
+            E::Invalid { .. } | E::MaxLength { .. } | E::Aliased { .. } => Exc::Plan,
+            E::Unsupported { .. } => Exc::Unsupported,
+            E::NotLoaded { .. } | E::Hook { .. } => Exc::Weightlift,
+            E::ContextFull { .. } => Exc::ContextFull,
+            E::Closed { .. } => Exc::Closed,
             // A schema keyword the converter does not enforce is a feature not built.
-            EngineError::Grammar(weightlift_engine::grammar::GrammarError::SchemaUnsupported {
-                ..
-            }) => raise(Exc::Unsupported, self.to_string()),
-            EngineError::Grammar(_) => raise(Exc::Grammar, self.to_string()),
-        }
+            E::Grammar(GrammarError::SchemaUnsupported { .. }) => Exc::Unsupported,
+            E::Grammar(_) => Exc::Grammar,
+        };
+        raise(exc, self.to_string())
     }
 }
 

@@ -24,7 +24,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_devices, m)?)?;
     m.add_class::<CacheSpec>()?;
     m.add_class::<RuntimeSpec>()?;
-    m.add_class::<Plan>()?;
+    m.add_class::<result::NativePlan>()?;
     Ok(())
 }
 

@@ -15,7 +15,7 @@ use crate::errors::{Exc, raise};
 static TYPES_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 
 /// The class `name` of `weightlift._types`.
-fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
     TYPES_MODULE
         .get_or_try_init(py, || py.import("weightlift._types").map(Bound::unbind))?
         .bind(py)
@@ -33,17 +33,7 @@ pub(crate) fn record<'py>(
 }
 
 /// One tensor of a checkpoint as `TensorInfo` shows it: the core's row, with its file as a path.
-#[derive(Serialize)]
-pub struct TensorInfo {
-    name: String,
-    dtype: wf::DType,
-    shape: Vec<u64>,
-    nbytes: u64,
-    file: String,
-    offset: u64,
-    layer: Option<u32>,
-    role: Option<wf::Role>,
-}
+pub struct TensorInfo(wf::TensorInfo, String);
 
 impl TensorInfo {
     /// `t` as a loaded model holds it: in `dtype`, taking `nbytes`.
@@ -53,20 +43,13 @@ impl TensorInfo {
         dtype: wf::DType,
         nbytes: u64,
     ) -> Self {
-        TensorInfo {
-            name: t.name.clone(),
+        let file = ckpt.files().nth(t.file).map(|p| p.display().to_string());
+        let row = wf::TensorInfo {
             dtype,
-            shape: t.shape.clone(),
             nbytes,
-            file: ckpt
-                .files()
-                .nth(t.file)
-                .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-            offset: t.offset,
-            layer: t.layer,
-            role: t.role,
-        }
+            ..t.clone()
+        };
+        TensorInfo(row, file.unwrap_or_default())
     }
 
     pub(super) fn new(ckpt: &wf::Checkpoint, t: &wf::TensorInfo) -> Self {
@@ -80,7 +63,9 @@ impl<'py> IntoPyObject<'py> for TensorInfo {
     type Error = PyErr;
 
     fn into_pyobject(self, py: Python<'py>) -> PyResult<Self::Output> {
-        record(py, "TensorInfo", &self)
+        let fields = pythonize::pythonize(py, &self.0)?.cast_into::<PyDict>()?;
+        fields.set_item("file", self.1)?;
+        class(py, "TensorInfo")?.call((), Some(&fields))
     }
 }
 
