@@ -227,6 +227,7 @@ impl ToPyErr for EngineError {
                 raise(Exc::Format, self.to_string())
             }
             EngineError::Invalid { .. }
+            | EngineError::OutsideWindow { .. }
             | EngineError::MaxLength { .. }
             | EngineError::Aliased { .. } => raise(Exc::Plan, self.to_string()),
             EngineError::Unsupported { .. } => raise(Exc::Unsupported, self.to_string()),
