@@ -660,7 +660,7 @@ def test_gemma3_plans_with_sliding_window_and_tied_head(tmp_path):
                 runtime=wl.RuntimeSpec(max_input_len=case["n_ubatch"]),
             )
             cells = sum(case[c]["cells"] * case[c]["layers"] for c in ("base", "swa"))
-            assert cells < case["n_ctx"] * n_layers, case
+            assert cells <= case["n_ctx"] * n_layers, case
             assert sum(d.kv for d in p.devices) == cells * kv_row, case
             assert p.tied_output_copy == "virtual:0"
             gpu = next(d for d in p.devices if d.name == "virtual:0")

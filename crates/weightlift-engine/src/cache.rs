@@ -698,6 +698,10 @@ impl Cache {
         self.seq_len.store(0, Ordering::Release);
         self.written.store(0, Ordering::Release);
         self.lock_ids().clear();
+        // a split cache's parts hold the rows (and their rings' positions)
+        for p in self.lock_tp().iter() {
+            p.cache.reset();
+        }
     }
 
     /// Record that positions `start..start + ids.len()` now hold `ids` (the forward pass calls
@@ -714,8 +718,11 @@ impl Cache {
     /// A forward pass has written `ids` at positions `start..`: record them, and hold
     /// `start + ids.len()` tokens.
     pub(crate) fn appended(&self, start: u64, ids: &[u32]) -> Result<()> {
+        let end = start + ids.len() as u64;
+        // a split cache's rows went to its parts: the parent keeps what its rings hold
+        self.written.fetch_max(end, Ordering::AcqRel);
         self.note_ids(start, ids);
-        self.set_seq_len(start + ids.len() as u64)
+        self.set_seq_len(end)
     }
 
     /// How many leading ids of `prompt` the cache already holds at positions `0..`, when its
@@ -976,15 +983,11 @@ fn row_runs(rows: u64, pos: u64, n: u64) -> impl Iterator<Item = (usize, usize, 
         .map(|(r, t, c)| (r as usize, t as usize, c as usize))
 }
 
-/// [`row_runs`] of sequence 0 as `(first token, tokens, [K bytes, V bytes])`, rows of `row`
-/// values stored as `formats`.
-fn byte_runs(
-    rows: u64,
-    pos: u64,
-    n: u64,
-    row: usize,
-    formats: [KvFormat; 2],
-) -> Vec<(usize, usize, [(usize, usize); 2])> {
+/// One run of [`byte_runs`]: its first token, its tokens, and its byte ranges in K and in V.
+type ByteRun = (usize, usize, [(usize, usize); 2]);
+
+/// [`row_runs`] of sequence 0 as byte ranges, rows of `row` values stored as `formats`.
+fn byte_runs(rows: u64, pos: u64, n: u64, row: usize, formats: [KvFormat; 2]) -> Vec<ByteRun> {
     row_runs(rows, pos, n)
         .map(|(r0, t0, count)| {
             let (a, b) = (r0 * row, (r0 + count) * row);

@@ -391,3 +391,102 @@ fn a_forward_call_runs_in_chunks_the_rings_hold() {
         max_abs_diff(&got, &want)
     );
 }
+
+/// A qwen2 whose config turns its window on (`use_sliding_window`, a window of 8 on layer 1 of
+/// 2): the engine runs that window (past it, the logits leave those of the same weights
+/// without one) and keeps the layer as a ring of 256 rows, whose bits are a full cache's on the
+/// host path and through the backend op sequence; tensor-parallel over two virtual devices (on
+/// the host path and through the backends), each device's ring of its kv heads gives the layer
+/// split's prompt logits (within 1e-5 of the largest).
+#[test]
+fn a_qwen2_window_runs_as_a_ring_on_a_layer_split_and_under_tensor_parallelism() {
+    let qwen2 = Family("qwen2");
+    let data = qwen2.data();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("config.json")).unwrap()).unwrap();
+    config["use_sliding_window"] = true.into();
+    config["sliding_window"] = 8.into();
+    config["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(
+        data.join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let prompt: Vec<u32> = qwen2.ids().into_iter().cycle().take(PROMPT).collect();
+    let (mut m, ring, _) = planned(dir.path(), "cpu", CacheDType::F32, false);
+    let c = ring.config();
+    assert_eq!((c.rows(0), c.rows(1), c.window(1)), (MAX_SEQ_LEN, 256, 8));
+    let full = full_beside(&mut m, &ring);
+    let mut windowed = Vec::new();
+    for backend in [false, true] {
+        m.set_host_backend(backend);
+        let (want, _) = run(&mut m, &full, &prompt);
+        let (got, _) = run(&mut m, &ring, &prompt);
+        assert!(
+            same_bits(&got, &want),
+            "backend {backend}: max|Δ| {}",
+            max_abs_diff(&got, &want)
+        );
+        windowed = got;
+    }
+    // the window is run: without it the same weights give other logits past it
+    let (mut plain, plain_cache, _) = planned(&data, "cpu", CacheDType::F32, false);
+    assert!(!plain_cache.config().is_ring(1));
+    plain.set_host_backend(true);
+    let (unwindowed, _) = run(&mut plain, &plain_cache, &prompt);
+    let vocab = windowed.len() / (PROMPT + STEPS);
+    let past = 16 * vocab..PROMPT * vocab;
+    assert!(max_abs_diff(&windowed[past.clone()], &unwindowed[past]) > 1e-2);
+    // tensor parallelism over two virtual devices: its cache split by kv heads, ring and all
+    let mut tp = Model::new(
+        open(dir.path()),
+        Inventory::parse("virtual:2x64MiB,cpu").unwrap(),
+    );
+    let options = wp::PlanOptions {
+        strategy: Some("tensor_parallel".into()),
+        expect_cache: Some(wp::ExpectCache {
+            tokens: MAX_SEQ_LEN,
+            dtype: CacheDType::F32,
+        }),
+        runtime: Some(runtime()),
+        ..Default::default()
+    };
+    tp.plan_and_load(
+        None,
+        options,
+        &Default::default(),
+        None,
+        &LoadOptions::default(),
+        &mut |_| true,
+    )
+    .unwrap();
+    tp.set_compute(Compute::Exact);
+    let cache = tp.own_cache().unwrap();
+    let parts = cache.tp_parts();
+    assert_eq!(parts.len(), 2);
+    assert!(parts.iter().all(|p| p.cache.config().rows(1) == 256));
+    let want = &windowed[..PROMPT * vocab];
+    let top = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+    for backend in [false, true] {
+        tp.set_host_backend(backend);
+        cache.reset();
+        let mut got = Vec::new();
+        tp.forward(&prompt, Some(&cache), Logits::All, &mut got)
+            .unwrap();
+        let d = max_abs_diff(&got, want);
+        assert!(
+            d <= 1e-5 * top,
+            "tensor parallel (backend {backend}) against the layer split: max|Δ| {d} of {top}"
+        );
+        assert_eq!(parts[0].cache.held_from(1), PROMPT as u64 - 256);
+    }
+    // the split cache keeps its sequence: a rewind past the window is refused there too
+    assert_eq!(cache.held_from(1), PROMPT as u64 - 256);
+    let e = cache.truncate(100).unwrap_err().to_string();
+    assert!(
+        e.contains("layer 1 attends to a sliding window of 8"),
+        "{e}"
+    );
+}

@@ -343,6 +343,40 @@ mod tests {
     }
 
     #[test]
+    fn a_record_of_version_1_holds_every_layer_from_position_0() {
+        let s = sample();
+        let mut v1 = Vec::new();
+        v1.extend_from_slice(MAGIC);
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        for n in [s.seq_len, s.ids.len() as u64, s.rows.len() as u64] {
+            v1.extend_from_slice(&n.to_le_bytes());
+        }
+        s.ids
+            .iter()
+            .for_each(|i| v1.extend_from_slice(&i.to_le_bytes()));
+        s.rows
+            .iter()
+            .for_each(|r| v1.extend_from_slice(&r.to_le_bytes()));
+        for (k, v) in &s.layers {
+            k.iter()
+                .chain(v)
+                .for_each(|x| v1.extend_from_slice(&x.to_le_bytes()));
+        }
+        assert_eq!(CacheState::from_bytes(&v1).unwrap(), s);
+        // a layer that starts past the tokens held is refused
+        let mut late = s.clone();
+        late.starts = vec![3];
+        late.layers = vec![(Vec::new(), Vec::new())];
+        let e = CacheState::from_bytes(&late.to_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("a layer starting at 3; the record is corrupt"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn truncated_or_foreign_bytes_are_errors_naming_the_cause() {
         let b = sample().to_bytes();
         for cut in [0, 7, 20, b.len() - 1] {
