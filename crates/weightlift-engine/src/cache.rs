@@ -255,6 +255,9 @@ pub struct Cache {
     /// Rows of each sequence written since the last reset (the largest written position + 1):
     /// filling an offloaded layer's slot copies these, not the whole `max_seq_len`.
     written: AtomicU64,
+    /// Per layer: the first position a loaded state held ([`Cache::load_state`]; 0 after a
+    /// reset): the rows before it were never written since.
+    floors: Vec<AtomicU64>,
     /// Offload: the copies between host RAM and the device slots since the cache was made
     /// (count, bytes, nanoseconds).
     copied: [AtomicU64; 3],
@@ -308,6 +311,7 @@ impl Cache {
             prefetch: Prefetcher::default(),
             seq_len: AtomicU64::new(0),
             written: AtomicU64::new(0),
+            floors: (0..n).map(|_| AtomicU64::new(0)).collect(),
             copied: Default::default(),
             ids: Mutex::new(Vec::new()),
             tp: Mutex::new(Vec::new()),
@@ -479,11 +483,24 @@ impl Cache {
     }
 
     /// The first position `layer` still holds: a ring's rows hold the last `rows` positions
-    /// written since the last reset; a layer of every position holds them all.
+    /// written since the last reset; a layer of every position holds them all, from where a
+    /// loaded state started it.
     pub fn held_from(&self, layer: usize) -> u64 {
+        let floor = self
+            .floors
+            .get(layer)
+            .map_or(0, |f| f.load(Ordering::Acquire));
         self.written
             .load(Ordering::Acquire)
             .saturating_sub(self.config.rows(layer))
+            .max(floor)
+    }
+
+    /// A loaded state holds `layer` from position `first` on.
+    pub(super) fn set_floor(&self, layer: usize, first: u64) {
+        if let Some(f) = self.floors.get(layer) {
+            f.store(first, Ordering::Release);
+        }
     }
 
     /// The error for position `needed` of `layer`, which its ring no longer holds, by `what`
@@ -555,13 +572,13 @@ impl Cache {
         Ok(())
     }
 
-    /// Refuses to go back to `n` tokens where a ring no longer holds the window the next token
-    /// attends to (0 is always allowed: nothing before it is read).
+    /// Refuses to go back to `n` tokens where a layer no longer holds the window the next
+    /// token attends to (0 is always allowed: nothing before it is read).
     fn check_rewind(&self, n: u64, what: &str) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        for l in (0..self.n_layers()).filter(|&l| self.config.is_ring(l)) {
+        for l in 0..self.n_layers() {
             let (w, from) = (self.config.window(l), self.held_from(l));
             let needed = first_seen(w, n);
             if needed < from {
@@ -697,6 +714,9 @@ impl Cache {
     pub fn reset(&self) {
         self.seq_len.store(0, Ordering::Release);
         self.written.store(0, Ordering::Release);
+        self.floors
+            .iter()
+            .for_each(|f| f.store(0, Ordering::Release));
         self.lock_ids().clear();
         // a split cache's parts hold the rows (and their rings' positions)
         for p in self.lock_tp().iter() {

@@ -16,7 +16,7 @@ use crate::common;
 
 use common::family::Family;
 use common::{argmax, max_abs_diff, open};
-use weightlift_engine::cache::{Cache, CacheConfig, CacheState};
+use weightlift_engine::cache::{Cache, CacheConfig, CacheState, Ring};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::{CacheDType, EngineError, Inventory, LoadOptions, Model};
 use weightlift_plan as wp;
@@ -328,6 +328,26 @@ fn what_a_ring_no_longer_holds_is_refused_and_what_it_holds_comes_back() {
         "after load_state: max|Δ| {}",
         max_abs_diff(&a, &b)
     );
+    // a larger ring (chunks of 300: 512 rows) takes the state too, and holds its layers from
+    // where the state starts: a rewind before that is refused
+    let wider = Arc::new(
+        Cache::new(CacheConfig {
+            ring: ring
+                .config()
+                .ring
+                .clone()
+                .map(|r| Ring { ubatch: 300, ..r }),
+            ..ring.config().clone()
+        })
+        .unwrap(),
+    );
+    assert_eq!(wider.config().rows(0), 512);
+    m.attach_cache(&wider).unwrap();
+    wider.load_state(&back).unwrap();
+    assert_eq!(wider.held_from(0), back.starts[0]);
+    let e = wider.truncate(back.starts[0] + 5).unwrap_err().to_string();
+    assert!(e.contains("cache truncate to"), "{e}");
+    wider.truncate(back.starts[0] + 7).unwrap();
     // a cache of every position needs every position of a sliding layer's state from 0
     let e = full.load_state(&back).unwrap_err().to_string();
     assert!(

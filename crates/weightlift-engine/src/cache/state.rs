@@ -124,6 +124,7 @@ impl Cache {
         self.reset();
         for (l, (k, v)) in state.layers.iter().enumerate() {
             let start = state.starts[l];
+            self.set_floor(l, start);
             // a ring takes its last rows' positions (those before are never read)
             let from = start.max(state.seq_len.saturating_sub(self.config.rows(l)));
             if from < state.seq_len {
