@@ -92,7 +92,8 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
                                                   wl_u64 n_q, wl_u64 start, wl_u64 keys,
                                                   wl_u64 n_heads, wl_u64 kv_heads, int head_dim,
                                                   float scale, int f16_operands, wl_u64 n_splits,
-                                                  wl_u64 window, float softcap, WlAttShared sh) {
+                                                  wl_u64 window, float softcap, wl_u64 rows,
+                                                  WlAttShared sh) {
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const wl_u64 group = n_heads / kv_heads;
@@ -135,7 +136,7 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
         const wl_u64 first = window != 0 && start + i + 1 > window ? start + i + 1 - window : 0;
         if (lo < first) lo = first;
         for (wl_u64 j = lo + (wl_u64)warp; j < hi; j += WL_ATT_WARPS) {
-            const wl_u64 row = j * kvd + kh * hd;
+            const wl_u64 row = wl_kv_cache_row(j, rows) * kvd + kh * hd;
             // d < head_dim is the same for all lanes of a warp whenever the reader shuffles
             // (the turned formats need head_dim a multiple of 32)
             float kr[R];
@@ -225,7 +226,7 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
                                              wl_u64 start_arg, wl_u64 n_heads, wl_u64 kv_heads,
                                              int head_dim, float scale, int f16_operands,
                                              wl_u64 n_splits, wl_u64 window, float softcap,
-                                             const int* pos, wl_u64 span) {
+                                             const int* pos, wl_u64 span, wl_u64 rows) {
     __shared__ float s_acc[WL_ATT_WARPS * WL_ATT_REGS * 32];
     __shared__ float s_m[WL_ATT_WARPS * WL_ATT_MAX_GROUP];
     __shared__ float s_l[WL_ATT_WARPS * WL_ATT_MAX_GROUP];
@@ -234,7 +235,8 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
     __shared__ float s_ll[WL_ATT_MAX_GROUP];
     WlAttShared sh = {s_acc, s_m, s_l, s_f, s_mm, s_ll};
     // the host checks these; a launch that breaks them writes nothing rather than out of bounds
-    if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS || head_dim > WL_ATT_MAX_HD || kv_heads == 0)
+    if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS || head_dim > WL_ATT_MAX_HD || kv_heads == 0 ||
+        rows == 0)
         return;
     wl_u64 start, keys;
     if (!wl_att_where(pos, start_arg, n_q, span, &start, &keys)) return;
@@ -243,17 +245,17 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
         case 2:
             wl_attention_body<2, WL_ATT_HEADS(2)>(q, k, v, out, n_q, start, keys, n_heads,
                                                   kv_heads, head_dim, scale, f16_operands,
-                                                  n_splits, window, softcap, sh);
+                                                  n_splits, window, softcap, rows, sh);
             break;
         case 4:
             wl_attention_body<4, WL_ATT_HEADS(4)>(q, k, v, out, n_q, start, keys, n_heads,
                                                   kv_heads, head_dim, scale, f16_operands,
-                                                  n_splits, window, softcap, sh);
+                                                  n_splits, window, softcap, rows, sh);
             break;
         default:
             wl_attention_body<8, WL_ATT_HEADS(8)>(q, k, v, out, n_q, start, keys, n_heads,
                                                   kv_heads, head_dim, scale, f16_operands,
-                                                  n_splits, window, softcap, sh);
+                                                  n_splits, window, softcap, rows, sh);
             break;
     }
 }
@@ -261,14 +263,17 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
 // `out` is the output (n_q × n_heads × head_dim) when n_splits is 1, else the scratch of partial
 // results that attention_reduce_f32 merges into the output. `pos` null: the queries start at
 // `start`; else at pos[0], read on the device, with the keys split over `span` (wl_att_where).
+// `rows`: the rows k and v hold; the key at position j is read from row j % rows
+// (wl_kv_cache_row: a sliding-window layer's ring), and the host checks that the ring still
+// holds every key the window lets a query see.
 #define WL_ATTENTION(NAME, KT, KR, VT, VR)                                                         \
     extern "C" __global__ void __launch_bounds__(WL_ATT_THREADS)                                   \
         attention_##NAME(const float* q, const KT* k, const VT* v, float* out, wl_u64 n_q,         \
                          wl_u64 start, wl_u64 n_heads, wl_u64 kv_heads, int head_dim, float scale, \
                          int f16_operands, wl_u64 n_splits, wl_u64 window, float softcap,          \
-                         const int* pos, wl_u64 span) {                                            \
+                         const int* pos, wl_u64 span, wl_u64 rows) {                               \
         wl_attention(q, KR{k}, VR{v}, out, n_q, start, n_heads, kv_heads, head_dim, scale,         \
-                     f16_operands, n_splits, window, softcap, pos, span);                          \
+                     f16_operands, n_splits, window, softcap, pos, span, rows);                    \
     }
 
 WL_ATTENTION(f32, float, WlKvF32, float, WlKvF32)
@@ -332,7 +337,9 @@ extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_reduce_f3
 // lane j scores key j of the tile (one fmaf chain over the dims), the row's tile maximum and
 // probability sum are warp butterflies, and each lane updates the accumulators of its dims
 // lane + 32 r with the 32 probabilities in key order. Each warp takes a quarter of the rows.
-// No score matrix and no partial results reach global memory.
+// No score matrix and no partial results reach global memory. The argument `rows` counts the
+// cache layer's rows: the key at position j is in its row j % rows (wl_kv_cache_row), as
+// attention_{fmt} reads it.
 //
 // Bytes read per call: each block reads the K/V rows of its keys once for all its rows, so the
 // cache is read ceil(n_q × group / rows) / n_q × (causal half) times per KV head, against once
@@ -344,7 +351,7 @@ template <int R, typename K, typename V>
 __device__ __forceinline__ void wl_attention_prefill_body(
     const float* q, K k, V v, float* out, wl_u64 n_q, wl_u64 start, wl_u64 n_heads,
     wl_u64 kv_heads, int head_dim, float scale, int f16_operands, wl_u64 window, float softcap,
-    float* s_q, float* s_k, float* s_v) {
+    wl_u64 rows, float* s_q, float* s_k, float* s_v) {
     constexpr int ROWS = WL_FA_ROWS(R);
     constexpr int RW = ROWS / WL_ATT_WARPS;
     constexpr int QS = R * 32;      // staged query stride
@@ -394,7 +401,7 @@ __device__ __forceinline__ void wl_attention_prefill_body(
             // j < key_end is the same for the whole warp, and so is d < head_dim whenever a
             // reader shuffles (the turned formats need head_dim a multiple of 32)
             const bool in = j < key_end;
-            const wl_u64 row = j * kvd + kh * hd;
+            const wl_u64 row = wl_kv_cache_row(j, rows) * kvd + kh * hd;
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int d = lane + 32 * r;
@@ -458,19 +465,20 @@ __device__ __forceinline__ void wl_attention_prefill(const float* q, K k, V v, f
                                                      wl_u64 n_q, wl_u64 start, wl_u64 n_heads,
                                                      wl_u64 kv_heads, int head_dim, float scale,
                                                      int f16_operands, wl_u64 window,
-                                                     float softcap) {
+                                                     float softcap, wl_u64 rows) {
     __shared__ float s_q[WL_FA_Q_FLOATS];
     __shared__ float s_k[WL_FA_K_FLOATS];
     __shared__ float s_v[WL_FA_V_FLOATS];
     // the host checks these; a launch that breaks them writes nothing rather than out of bounds
-    if (head_dim <= 0 || head_dim > WL_FA_MAX_HD || kv_heads == 0 || n_heads % kv_heads != 0)
+    if (head_dim <= 0 || head_dim > WL_FA_MAX_HD || kv_heads == 0 || n_heads % kv_heads != 0 ||
+        rows == 0)
         return;
     if (wl_att_lane_dims(head_dim) == 2) {
         wl_attention_prefill_body<2>(q, k, v, out, n_q, start, n_heads, kv_heads, head_dim, scale,
-                                     f16_operands, window, softcap, s_q, s_k, s_v);
+                                     f16_operands, window, softcap, rows, s_q, s_k, s_v);
     } else {
         wl_attention_prefill_body<4>(q, k, v, out, n_q, start, n_heads, kv_heads, head_dim, scale,
-                                     f16_operands, window, softcap, s_q, s_k, s_v);
+                                     f16_operands, window, softcap, rows, s_q, s_k, s_v);
     }
 }
 
@@ -478,9 +486,10 @@ __device__ __forceinline__ void wl_attention_prefill(const float* q, K k, V v, f
     extern "C" __global__ void __launch_bounds__(WL_ATT_THREADS)                                   \
         attention_prefill_##NAME(const float* q, const KT* k, const VT* v, float* out, wl_u64 n_q, \
                                  wl_u64 start, wl_u64 n_heads, wl_u64 kv_heads, int head_dim,      \
-                                 float scale, int f16_operands, wl_u64 window, float softcap) {    \
+                                 float scale, int f16_operands, wl_u64 window, float softcap,      \
+                                 wl_u64 rows) {                                                    \
         wl_attention_prefill(q, KR{k}, VR{v}, out, n_q, start, n_heads, kv_heads, head_dim, scale, \
-                             f16_operands, window, softcap);                                       \
+                             f16_operands, window, softcap, rows);                                 \
     }
 
 WL_ATTENTION_PREFILL(f32, float, WlKvF32, float, WlKvF32)

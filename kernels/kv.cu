@@ -49,8 +49,8 @@ WL_KV(q4, 7)
 // unrotated in k), the values stored into vc, all with the arithmetic of those kernels (so the
 // same bits). One thread per work unit of wl_rope_kv.cuh. `format` names the cache dtype, as
 // the attention kernels do: q8_q4 is q8 keys with q4 values. `cap` 0: kc and vc are the rows
-// being written; else whole cache layers of `cap` rows, each token written at its position
-// (wl_rope_kv_shape). Bytes per call: q read and
+// being written; else whole cache layers of `cap` rows, each token written at the row of its
+// position (wl_rope_kv_shape: a sliding-window layer's ring). Bytes per call: q read and
 // written, k and v read, the cache rows written; a decode step's few KB make it a launch.
 #define WL_ROPE_KV(NAME, KF, VF)                                                                   \
     extern "C" __global__ void rope_kv_store_##NAME(                                               \

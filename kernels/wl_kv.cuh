@@ -135,6 +135,13 @@ WL_HD void wl_kv_load_group(const wl_u8* g, float* out, int qmax) {
 WL_HD wl_u16 wl_kv_store_bf16(float x) { return wl_f32_to_bf16(x); }
 WL_HD float wl_kv_load_bf16(wl_u16 h) { return wl_bf16_to_f32(h); }
 
+// The row of a cache layer of `rows` rows that holds position `j`: a sliding-window layer's
+// cache is a ring of its window and one chunk of input (weightlift-plan's SlidingWindow::cells),
+// position j in row j % rows; a layer of every position has rows past its last position, so j
+// itself (the test skips the division there). The attention kernels read and rope_kv_store
+// writes by it.
+WL_HD wl_u64 wl_kv_cache_row(wl_u64 j, wl_u64 rows) { return j < rows ? j : j % rows; }
+
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 // The attention kernels' reader of a bf16 cache half (beside attention.cu's readers: `at(i,
 // lane)` is value i, whichever lane asks).

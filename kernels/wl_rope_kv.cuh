@@ -63,7 +63,9 @@ WL_HD void wl_kvf_put(int f, wl_u8* out, wl_u64 i, float x) {
 // The shape of one call: n_tok tokens of n_heads query heads and kv_heads key/value heads of
 // head_dim values, n_dims of them rotated. `cap` 0: kc and vc are the n_tok cache rows being
 // written (token t at row t); else they are whole cache layers of `cap` rows and token t goes
-// to row pos[t], read on the device, so a captured graph replays at any position.
+// to row pos[t] % cap (wl_kv_cache_row: a sliding-window layer's ring; a layer of every
+// position has cap past its positions), pos read on the device, so a captured graph replays at
+// any position.
 typedef struct {
     wl_u64 n_tok, n_heads, kv_heads;
     int head_dim, n_dims, neox;
@@ -72,15 +74,15 @@ typedef struct {
 } wl_rope_kv_shape;
 
 // The value index in kc (or vc) of value e of the call's keys (or values): its token's row
-// (see wl_rope_kv_shape), then its place in the row; -1 for a token whose position lies outside
-// the cap rows, which writes nothing (the host cannot check positions it does not read).
+// (see wl_rope_kv_shape), then its place in the row; -1 for a token at a negative position,
+// which writes nothing (the host cannot check positions it does not read).
 WL_HD long long wl_rope_kv_at(const int* pos, wl_rope_kv_shape s, wl_u64 e) {
     wl_u64 kvd = s.kv_heads * (wl_u64)s.head_dim;
     wl_u64 tok = e / kvd;
     if (s.cap == 0) return (long long)e;
     int p = pos[tok];
-    if (p < 0 || (wl_u64)p >= s.cap) return -1;
-    return (long long)((wl_u64)p * kvd + e % kvd);
+    if (p < 0) return -1;
+    return (long long)(wl_kv_cache_row((wl_u64)p, s.cap) * kvd + e % kvd);
 }
 
 // Work units of one call: query pairs, then key units, then value units.

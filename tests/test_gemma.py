@@ -101,3 +101,41 @@ def test_run_chat_through_the_cli() -> None:
     )
     assert p.returncode == 0, p.stderr
     assert "prompt eval time" in p.stderr, p.stderr
+
+
+def test_sliding_layers_keep_rings_of_the_cells_the_plan_counts() -> None:
+    """``Llama(n_ctx=1024, n_batch=32)`` on the tiny gemma3 (window 8): each of its five sliding
+    layers keeps a ring of llama.cpp's SWA cells (8 + 32, padded to 256), which the plan counts
+    and the cache holds, and a prompt of 600 tokens wraps them. A rewind past the window is
+    refused by name; one within it is kept; ``generate(reset=True)`` with a prefix whose window
+    is gone runs its tokens again from position 0."""
+    llm = wl.Llama(
+        str(DATA / "tiny-gemma3" / "tiny-gemma3-F16.gguf"),
+        n_ctx=1024,
+        n_batch=32,
+        type_k="f32",
+        type_v="f32",
+        n_threads=2,
+        verbose=False,
+    )
+    m = llm.model
+    cache = m.cache
+    kv = sum(d.kv for d in m.plan.devices)
+    # K and V of one f32 kv head of 16: 5 rings of 256 rows and a full layer of 1024
+    assert kv == (5 * 256 + 1024) * 16 * 4 * 2
+    assert sum(cache.memory().values()) == kv
+    ids = (stats("gemma3")["ids"] * 40)[:600]
+    llm.eval(ids)
+    assert llm.n_tokens == 600
+    with pytest.raises(
+        wl.PlanError,
+        match="cache truncate to 100 tokens: layer 0 attends to a sliding window of 8 tokens "
+        "and its cache keeps 256 positions, those from 344 on",
+    ):
+        cache.truncate(100)
+    assert llm.n_tokens == 600
+    cache.truncate(590)
+    assert llm.n_tokens == 590
+    tokens = [*ids[:50], 5, 6, 7]
+    next(llm.generate(tokens, top_k=1, reset=True))
+    assert list(llm.input_ids) == tokens

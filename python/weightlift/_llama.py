@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from weightlift._api import Model, load_gguf, sample
-from weightlift._errors import UnsupportedError
+from weightlift._errors import PlanError, UnsupportedError
 from weightlift._types import open as open_checkpoint
 
 # llama.cpp's constants that llama-cpp-python programs pass as numbers.
@@ -551,7 +551,7 @@ class Llama:
             # At least one token runs, so there are logits to sample.
             common = _common_prefix(self.input_ids.tolist(), tokens)
             common = min(common, len(tokens) - 1) if tokens else 0
-            self._rewind(common)
+            common = self._rewind(common)
             tokens = tokens[common:]
         while True:
             self.eval(tokens)
@@ -578,11 +578,20 @@ class Llama:
             more = yield token
             tokens = [token, *(more or [])]
 
-    def _rewind(self, n: int) -> None:
-        """Keep the first ``n`` tokens held and drop the rest."""
+    def _rewind(self, n: int) -> int:
+        """Keep the first ``n`` tokens held and drop the rest; the tokens kept. A sliding-window
+        layer's cache keeps only its last rows: where they no longer hold the window the next
+        token attends to, nothing is kept and the tokens run again from position 0."""
         cache = self._model.cache
-        if cache is not None:
-            cache.truncate(min(n, cache.seq_len))
+        if cache is None:
+            return n
+        n = min(n, cache.seq_len)
+        try:
+            cache.truncate(n)
+        except PlanError:
+            cache.reset()
+            return 0
+        return n
 
     # --- state -------------------------------------------------------------------------------
 

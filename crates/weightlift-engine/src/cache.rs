@@ -28,6 +28,20 @@
 //! `tests/forward.rs`). The per-value bounds above follow: the turned group's largest value is
 //! at most `‖g‖`, and turning back mixes the 32 roundings.
 //!
+//! A sliding-window layer (gemma2 and gemma3's local layers, mistral's and qwen2's windowed
+//! ones: the plan crate's [`SlidingWindow`]) keeps a ring of [`CacheConfig::rows`] rows: the
+//! window and one forward chunk of `ubatch` tokens, padded to 256, as llama.cpp's SWA cache
+//! (`SlidingWindow::cells`, the function the plan sizes the cache with, so the plan's kv column
+//! is what the cache holds). Position `p` lives in row `p % rows`; a full-attention layer has
+//! `max_seq_len` rows, where that is `p` itself. A chunk's keys are written before its queries
+//! attend, and the ring's room past the window is what keeps them from overwriting a key one of
+//! those queries still reads, so the forward pass cuts prompts into chunks of at most
+//! [`CacheConfig::max_chunk`] tokens and a call whose keys would not fit is refused
+//! ([`EngineError::OutsideWindow`]) before anything is written. What a ring no longer holds is
+//! refused by name too: reading positions before its window, rewinding ([`Cache::truncate`],
+//! prefix reuse through [`Cache::common_prefix`]) to a length whose window is gone; a saved
+//! state holds each layer's rows from where its ring starts.
+//!
 //! A lazy cache is allocated layer by layer during the load, on each layer's device. An offloaded
 //! cache keeps every layer in host RAM and, as transformers' `OffloadedCache` does, copies a
 //! layer to its device when it is used while the next layer is prefetched on a second thread
@@ -49,6 +63,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use weightlift_kernels::KvFormat;
+use weightlift_plan::SlidingWindow;
 
 use crate::device::{Buffer, Device};
 use crate::error::{EngineError, Result, invalid};
@@ -94,9 +109,56 @@ pub struct CacheConfig {
     pub n_kv_heads: Vec<u32>,
     pub head_dim: u32,
     pub offload: bool,
+    /// The sliding-window layers kept as rings (see the module documentation); `None` keeps
+    /// every position of every layer.
+    pub ring: Option<Ring>,
+}
+
+/// How a cache keeps its sliding-window layers: each a ring of
+/// [`SlidingWindow::cells`]`(layer, max_seq_len, ubatch)` rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ring {
+    /// The model's sliding-window layers and the tokens they attend to.
+    pub window: SlidingWindow,
+    /// Tokens of one sequence in a forward chunk (llama.cpp's micro-batch): the room past the
+    /// window a chunk's keys take ([`weightlift_plan::swa_ubatch`] of the runtime the cache is
+    /// made for).
+    pub ubatch: u64,
 }
 
 impl CacheConfig {
+    /// Rows per sequence of `layer`: a sliding-window layer's ring, else `max_seq_len`.
+    pub fn rows(&self, layer: usize) -> u64 {
+        self.ring.as_ref().map_or(self.max_seq_len, |r| {
+            r.window.cells(layer, self.max_seq_len, r.ubatch)
+        })
+    }
+
+    /// The window `layer` attends to (0: every position), as the ring keeps it.
+    pub fn window(&self, layer: usize) -> u64 {
+        match &self.ring {
+            Some(r) if r.window.is_sliding(layer) => r.window.window,
+            _ => 0,
+        }
+    }
+
+    /// Whether `layer` is kept as a ring that positions wrap around: fewer rows than
+    /// `max_seq_len`.
+    pub fn is_ring(&self, layer: usize) -> bool {
+        self.rows(layer) < self.max_seq_len
+    }
+
+    /// The most tokens of one sequence a forward chunk may hold: with a window of `w` and `r`
+    /// rows, a chunk of `n` tokens reads the keys of `n + w - 1` positions once its own are
+    /// written, which the ring holds while `n <= r + 1 - w`. `max_seq_len` without a ring.
+    pub fn max_chunk(&self) -> u64 {
+        (0..self.n_kv_heads.len())
+            .filter(|&l| self.is_ring(l))
+            .map(|l| (self.rows(l) + 1).saturating_sub(self.window(l)).max(1))
+            .min()
+            .unwrap_or(self.max_seq_len)
+    }
+
     /// The shape of `n_tokens` positions of `layer`'s keys, and of its values, as
     /// [`Cache::write`] takes them and [`Cache::read`] gives them: `(batch_size, n_kv_heads,
     /// n_tokens, head_dim)`, with no heads for a layer the model does not have.
@@ -131,7 +193,7 @@ impl CacheConfig {
 
     /// Values of K (or of V) in one layer.
     pub fn values(&self, layer: usize) -> u64 {
-        self.row(layer) * self.max_seq_len * self.batch_size
+        self.row(layer) * self.rows(layer) * self.batch_size
     }
 
     /// Bytes of K and V of one layer.
@@ -208,6 +270,9 @@ pub struct Cache {
     /// Rows of each sequence written since the last reset (the largest written position + 1):
     /// filling an offloaded layer's slot copies these, not the whole `max_seq_len`.
     written: AtomicU64,
+    /// Per layer: the first position a loaded state held ([`Cache::load_state`]; 0 after a
+    /// reset): the rows before it were never written since.
+    floors: Vec<AtomicU64>,
     /// Offload: the copies between host RAM and the device slots since the cache was made
     /// (count, bytes, nanoseconds).
     copied: [AtomicU64; 3],
@@ -243,6 +308,15 @@ impl Cache {
             }
         }
         let n = config.n_kv_heads.len();
+        if let Some(r) = &config.ring
+            && r.window.layers.len() != n
+        {
+            return Err(invalid(
+                "cache ring",
+                format!("a window flag for each of the {n} layers"),
+                format!("{} flags", r.window.layers.len()),
+            ));
+        }
         Ok(Cache {
             config,
             layers: Mutex::new((0..n).map(|_| None).collect()),
@@ -252,6 +326,7 @@ impl Cache {
             prefetch: Prefetcher::default(),
             seq_len: AtomicU64::new(0),
             written: AtomicU64::new(0),
+            floors: (0..n).map(|_| AtomicU64::new(0)).collect(),
             copied: Default::default(),
             ids: Mutex::new(Vec::new()),
             tp: Mutex::new(Vec::new()),
@@ -395,6 +470,8 @@ impl Cache {
         out
     }
 
+    /// Positions `start..start + n_tokens` of `layer` within `max_seq_len`, and no more at once
+    /// than the layer's rows (a ring's rows hold that many positions).
     fn check_span(&self, layer: usize, start: u64, n_tokens: u64) -> Result<()> {
         self.check_layer(layer)?;
         let end = start.checked_add(n_tokens);
@@ -404,6 +481,132 @@ impl Cache {
                 format!("within max_seq_len {}", self.config.max_seq_len),
                 format!("{start}..{}", start.saturating_add(n_tokens)),
             ));
+        }
+        let rows = self.config.rows(layer);
+        if n_tokens > rows {
+            return Err(invalid(
+                format!("cache positions of layer {layer}"),
+                format!(
+                    "at most {rows} at once (the layer keeps its sliding window of {} tokens and \
+                     one chunk)",
+                    self.config.window(layer)
+                ),
+                format!("{start}..{}", start.saturating_add(n_tokens)),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The first position `layer` still holds: a ring's rows hold the last `rows` positions
+    /// written since the last reset; a layer of every position holds them all, from where a
+    /// loaded state started it.
+    pub fn held_from(&self, layer: usize) -> u64 {
+        let floor = self
+            .floors
+            .get(layer)
+            .map_or(0, |f| f.load(Ordering::Acquire));
+        self.written
+            .load(Ordering::Acquire)
+            .saturating_sub(self.config.rows(layer))
+            .max(floor)
+    }
+
+    /// A loaded state holds `layer` from position `first` on.
+    pub(super) fn set_floor(&self, layer: usize, first: u64) {
+        if let Some(f) = self.floors.get(layer) {
+            f.store(first, Ordering::Release);
+        }
+    }
+
+    /// The error for position `needed` of `layer`, which its ring no longer holds, by `what`
+    /// (the call refused) with a `fix`.
+    fn outside(&self, what: String, layer: usize, needed: u64, fix: String) -> EngineError {
+        EngineError::OutsideWindow {
+            what,
+            layer,
+            window: self.config.window(layer),
+            rows: self.config.rows(layer),
+            held_from: self.held_from(layer),
+            needed,
+            fix,
+        }
+    }
+
+    /// Refuses a forward chunk of `n` tokens at `start` on `layer`, attending to a sliding
+    /// `window` (0: every position), whose queries read a key the layer's ring no longer holds
+    /// once the chunk's own keys are written: checked before anything is written, so a refused
+    /// call leaves the cache as it was.
+    pub(crate) fn check_attend(
+        &self,
+        layer: usize,
+        window: usize,
+        start: u64,
+        n: u64,
+    ) -> Result<()> {
+        self.check_span(layer, start, n)?;
+        if !self.config.is_ring(layer) {
+            return Ok(());
+        }
+        let own = self.config.window(layer);
+        if window as u64 != own {
+            return Err(invalid(
+                format!("cache layer {layer}"),
+                format!(
+                    "a cache made for this model (its layer attends to {})",
+                    match window {
+                        0 => "every position".to_owned(),
+                        w => format!("a window of {w} tokens"),
+                    }
+                ),
+                format!("a ring for a window of {own} tokens; it was made for another model"),
+            ));
+        }
+        let rows = self.config.rows(layer);
+        let low = self
+            .written
+            .load(Ordering::Acquire)
+            .max(start + n)
+            .saturating_sub(rows);
+        let needed = first_seen(own, start);
+        if needed < low {
+            return Err(EngineError::OutsideWindow {
+                what: format!("a forward chunk of {n} tokens at position {start}"),
+                layer,
+                window: own,
+                rows,
+                held_from: low,
+                needed,
+                fix: format!(
+                    "run at most {} tokens of a sequence a call (the cache's rings were sized \
+                     for chunks of {})",
+                    self.config.max_chunk(),
+                    self.config.ring.as_ref().map_or(0, |r| r.ubatch)
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses to go back to `n` tokens where a layer no longer holds the window the next
+    /// token attends to (0 is always allowed: nothing before it is read).
+    fn check_rewind(&self, n: u64, what: &str) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        for l in 0..self.n_layers() {
+            let (w, from) = (self.config.window(l), self.held_from(l));
+            let needed = first_seen(w, n);
+            if needed < from {
+                return Err(self.outside(
+                    format!("{what} to {n} tokens"),
+                    l,
+                    needed,
+                    format!(
+                        "keep at least {} tokens, or reset the cache and run the prompt again",
+                        from + w.saturating_sub(1)
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -437,31 +640,38 @@ impl Cache {
         let store = held_mut(&mut layers, layer)?;
         let row_len = heads * hd;
         let n = n_tokens as usize;
+        let rows = c.rows(layer);
         let mut row = vec![0f32; row_len];
-        // One batch's positions pos..pos + n are contiguous rows: encode them into that byte
-        // range (in place on host memory, through a host buffer for CUDA memory).
+        // One batch's positions pos..pos + n are one run of contiguous rows, or two where they
+        // wrap past a ring's end: encode each into its byte range (in place on host memory,
+        // through a host buffer for CUDA memory).
         let mut tmp: Vec<u8> = Vec::new();
         for b in 0..c.batch_size as usize {
-            let first = (b * c.max_seq_len as usize + pos as usize) * row_len;
-            for (src, format, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
-                let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row_len));
-                let mut encode = |span: &mut [u8]| -> Result<()> {
-                    for t in 0..n {
-                        for h in 0..heads {
-                            let from = ((b * heads + h) * n + t) * hd;
-                            row[h * hd..(h + 1) * hd].copy_from_slice(&src[from..from + hd]);
+            for (r0, t0, count) in row_runs(rows, pos, n_tokens) {
+                let first = (b * rows as usize + r0) * row_len;
+                for (src, format, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
+                    let (b0, b1) = (
+                        format.byte_at(first),
+                        format.byte_at(first + count * row_len),
+                    );
+                    let mut encode = |span: &mut [u8]| -> Result<()> {
+                        for t in 0..count {
+                            for h in 0..heads {
+                                let from = ((b * heads + h) * n + t0 + t) * hd;
+                                row[h * hd..(h + 1) * hd].copy_from_slice(&src[from..from + hd]);
+                            }
+                            encode_row(format, t * row_len, &row, span)?;
                         }
-                        encode_row(format, t * row_len, &row, span)?;
-                    }
-                    Ok(())
-                };
-                match buf.host_mut() {
-                    Some(h) => encode(&mut h[b0..b1])?,
-                    None => {
-                        tmp.clear();
-                        tmp.resize(b1 - b0, 0);
-                        encode(&mut tmp)?;
-                        buf.write(b0, &tmp)?;
+                        Ok(())
+                    };
+                    match buf.host_mut() {
+                        Some(h) => encode(&mut h[b0..b1])?,
+                        None => {
+                            tmp.clear();
+                            tmp.resize(b1 - b0, 0);
+                            encode(&mut tmp)?;
+                            buf.write(b0, &tmp)?;
+                        }
                     }
                 }
             }
@@ -474,7 +684,8 @@ impl Cache {
         self.seq_len.load(Ordering::Acquire)
     }
 
-    /// Set the number of tokens held (after a forward pass wrote them, or to rewind).
+    /// Set the number of tokens held (after a forward pass wrote them, or to rewind: only
+    /// to a length whose window every ring still holds, see [`Cache::truncate`]).
     pub fn set_seq_len(&self, n: u64) -> Result<()> {
         if n > self.config.max_seq_len {
             return Err(invalid(
@@ -482,6 +693,9 @@ impl Cache {
                 format!("at most max_seq_len {}", self.config.max_seq_len),
                 n,
             ));
+        }
+        if n < self.seq_len() {
+            self.check_rewind(n, "rewinding the cache")?;
         }
         self.seq_len.store(n, Ordering::Release);
         let mut ids = self.lock_ids();
@@ -494,7 +708,10 @@ impl Cache {
         Ok(())
     }
 
-    /// Keep the first `n` tokens, at most those held, and forget the rest.
+    /// Keep the first `n` tokens, at most those held, and forget the rest. A sliding-window
+    /// layer's ring keeps only its last rows, so `n` must leave the window the next token
+    /// attends to in it (or be 0): a shorter length is refused, naming the layer and the
+    /// shortest length allowed.
     pub fn truncate(&self, n: u64) -> Result<()> {
         let held = self.seq_len();
         if n > held {
@@ -504,6 +721,7 @@ impl Cache {
                 n,
             ));
         }
+        self.check_rewind(n, "cache truncate")?;
         self.set_seq_len(n)
     }
 
@@ -511,7 +729,14 @@ impl Cache {
     pub fn reset(&self) {
         self.seq_len.store(0, Ordering::Release);
         self.written.store(0, Ordering::Release);
+        self.floors
+            .iter()
+            .for_each(|f| f.store(0, Ordering::Release));
         self.lock_ids().clear();
+        // a split cache's parts hold the rows (and their rings' positions)
+        for p in self.lock_tp().iter() {
+            p.cache.reset();
+        }
     }
 
     /// Record that positions `start..start + ids.len()` now hold `ids` (the forward pass calls
@@ -528,18 +753,28 @@ impl Cache {
     /// A forward pass has written `ids` at positions `start..`: record them, and hold
     /// `start + ids.len()` tokens.
     pub(crate) fn appended(&self, start: u64, ids: &[u32]) -> Result<()> {
+        let end = start + ids.len() as u64;
+        // a split cache's rows went to its parts: the parent keeps what its rings hold
+        self.written.fetch_max(end, Ordering::AcqRel);
         self.note_ids(start, ids);
-        self.set_seq_len(start + ids.len() as u64)
+        self.set_seq_len(end)
     }
 
     /// How many leading ids of `prompt` the cache already holds at positions `0..`, when its
-    /// positions all have known ids; 0 otherwise.
+    /// positions all have known ids, and it can go back to that many (every ring still holds
+    /// the window the next token attends to, see [`Cache::truncate`]); 0 otherwise.
     pub fn common_prefix(&self, prompt: &[u32]) -> u64 {
-        let ids = self.lock_ids();
-        if ids.len() as u64 != self.seq_len() {
+        let n = {
+            let ids = self.lock_ids();
+            if ids.len() as u64 != self.seq_len() {
+                return 0;
+            }
+            ids.iter().zip(prompt).take_while(|(a, b)| a == b).count() as u64
+        };
+        if self.check_rewind(n, "reusing a prefix").is_err() {
             return 0;
         }
-        ids.iter().zip(prompt).take_while(|(a, b)| a == b).count() as u64
+        n
     }
 
     /// `(values per row, rows)` of `k` and `v` slices for `layer`: whole rows, as many of each.
@@ -571,39 +806,44 @@ impl Cache {
         let (hk, hv) = formats(self.config.dtype);
         let mut layers = self.lock();
         let store = held_mut(&mut layers, layer)?;
-        let first = pos as usize * row;
-        for (src, format, buf) in [(k, hk, &mut store.k), (v, hv, &mut store.v)] {
-            let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row));
-            let Some(h) = buf.host_mut() else {
-                return Err(EngineError::Unsupported {
-                    what: format!("writing cache rows on {}", store.device.name()),
-                    detail: "the host forward pass writes host memory only".into(),
-                });
-            };
-            let span = &mut h[b0..b1];
-            for (t, r) in src.chunks_exact(row).enumerate() {
-                encode_row(format, t * row, r, span)?;
+        let spans = byte_runs(self.config.rows(layer), pos, n as u64, row, [hk, hv]);
+        for (t0, count, [ks, vs]) in &spans {
+            for (src, format, buf, (b0, b1)) in
+                [(k, hk, &mut store.k, *ks), (v, hv, &mut store.v, *vs)]
+            {
+                let Some(h) = buf.host_mut() else {
+                    return Err(EngineError::Unsupported {
+                        what: format!("writing cache rows on {}", store.device.name()),
+                        detail: "the host forward pass writes host memory only".into(),
+                    });
+                };
+                let span = &mut h[b0..b1];
+                let rows = &src[t0 * row..(t0 + count) * row];
+                for (t, r) in rows.chunks_exact(row).enumerate() {
+                    encode_row(format, t * row, r, span)?;
+                }
             }
         }
         if let (true, Some(was)) = (self.config.offload, was) {
-            let spans = [hk, hv].map(|f| (f.byte_at(first), f.byte_at(first + n * row)));
-            self.refresh_slots(layer, store, was, spans)?;
+            let spans: Vec<[(usize, usize); 2]> = spans.iter().map(|s| s.2).collect();
+            self.refresh_slots(layer, store, was, &spans)?;
         }
         Ok(())
     }
 
     /// Lends the K and V storage of `layer` (on the layer's device) to `f`, which writes rows
-    /// of sequence 0 in the cache's own layout and reads them back in place: the forward pass
-    /// through the kernels' backends (cuda layers) does both on the device. The layer's write
-    /// version is bumped first, as [`Cache::write_rows`] does. An offloaded cache keeps its
-    /// layers in host RAM and lends device copies through [`Cache::fetch`] instead, so it is
-    /// refused here.
+    /// `pos..pos + n` of sequence 0 in the cache's own layout (position `p` in row
+    /// `p % rows`) and reads them back in place: the forward pass through the kernels' backends
+    /// (cuda layers) does both on the device. The layer's write version is bumped first, as
+    /// [`Cache::write_rows`] does. An offloaded cache keeps its layers in host RAM and lends
+    /// device copies through [`Cache::fetch`] instead, so it is refused here.
     pub(crate) fn with_layer<R>(
         &self,
         layer: usize,
+        (pos, n): (u64, u64),
         f: impl FnOnce(&mut Buffer, &mut Buffer) -> Result<R>,
     ) -> Result<R> {
-        self.check_layer(layer)?;
+        self.check_span(layer, pos, n)?;
         if self.config.offload {
             return Err(EngineError::Unsupported {
                 what: format!("lending offloaded cache layer {layer} in place"),
@@ -611,6 +851,7 @@ impl Cache {
             });
         }
         self.join_prefetch();
+        self.written.fetch_max(pos + n, Ordering::AcqRel);
         if let Some(ver) = self.versions.get(layer) {
             ver.fetch_add(1, Ordering::AcqRel);
         }
@@ -646,19 +887,22 @@ impl Cache {
         let (row, n) = self.whole_rows(layer, k.len(), v.len())?;
         self.check_span(layer, start, n as u64)?;
         let (hk, hv) = formats(self.config.dtype);
-        let first = start as usize * row;
+        let spans = byte_runs(self.config.rows(layer), start, n as u64, row, [hk, hv]);
         let mut go = |kb: &Buffer, vb: &Buffer| -> Result<()> {
-            for (dst, format, buf) in [(&mut *k, hk, kb), (&mut *v, hv, vb)] {
-                let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row));
-                let Some(h) = buf.host() else {
-                    return Err(EngineError::Unsupported {
-                        what: format!("reading cache rows on {}", buf.device().name()),
-                        detail: "the host forward pass reads host memory only".into(),
-                    });
-                };
-                let span = &h[b0..b1];
-                for (t, r) in dst.chunks_exact_mut(row).enumerate() {
-                    decode_row(format, t * row, span, r)?;
+            for (t0, count, [ks, vs]) in &spans {
+                for (dst, format, buf, (b0, b1)) in [(&mut *k, hk, kb, *ks), (&mut *v, hv, vb, *vs)]
+                {
+                    let Some(h) = buf.host() else {
+                        return Err(EngineError::Unsupported {
+                            what: format!("reading cache rows on {}", buf.device().name()),
+                            detail: "the host forward pass reads host memory only".into(),
+                        });
+                    };
+                    let span = &h[b0..b1];
+                    let rows = &mut dst[t0 * row..(t0 + count) * row];
+                    for (t, r) in rows.chunks_exact_mut(row).enumerate() {
+                        decode_row(format, t * row, span, r)?;
+                    }
                 }
             }
             Ok(())
@@ -679,9 +923,20 @@ impl Cache {
     }
 
     /// Read positions `start..end` back as f32 `(batch, n_kv_heads, end - start, head_dim)`.
+    /// A sliding-window layer's ring holds its last rows only: positions before
+    /// [`Cache::held_from`] are refused, naming the window.
     pub fn read(&self, layer: usize, start: u64, end: u64) -> Result<(Vec<f32>, Vec<f32>)> {
         let n_tokens = read_len(start, end)?;
         self.check_span(layer, start, n_tokens)?;
+        let from = self.held_from(layer);
+        if n_tokens > 0 && start < from {
+            return Err(self.outside(
+                format!("reading cache positions {start}..{end}"),
+                layer,
+                start,
+                format!("read from position {from} on"),
+            ));
+        }
         if let Some(kv) = self.read_tp(layer, start, end)? {
             return Ok(kv);
         }
@@ -698,10 +953,9 @@ impl Drop for Cache {
     }
 }
 
-/// Decode positions `start..start + n_tokens` of both halves; each batch's span is read as one
-/// contiguous byte range (a view of host memory, or copied back from CUDA memory).
-/// Decode positions `start..start + n_tokens` of both halves; each batch's span is read as one
-/// contiguous byte range (a view of host memory, or copied back from CUDA memory).
+/// Decode positions `start..start + n_tokens` of both halves; each batch's run of rows (two
+/// where the positions wrap past a ring's end) is read as one contiguous byte range (a view of
+/// host memory, or copied back from CUDA memory).
 fn decode_span(
     c: &CacheConfig,
     layer: usize,
@@ -714,6 +968,7 @@ fn decode_span(
     let hd = c.head_dim as usize;
     let n = n_tokens as usize;
     let row_len = heads * hd;
+    let rows = c.rows(layer);
     let (hk, hv) = formats(c.dtype);
     let total = c.batch_size as usize * heads * n * hd;
     let mut k = vec![0f32; total];
@@ -721,28 +976,68 @@ fn decode_span(
     let mut row = vec![0f32; row_len];
     let mut tmp: Vec<u8> = Vec::new();
     for b in 0..c.batch_size as usize {
-        let first = (b * c.max_seq_len as usize + start as usize) * row_len;
-        for (format, src, dst) in [(hk, kb, &mut k), (hv, vb, &mut v)] {
-            let (b0, b1) = (format.byte_at(first), format.byte_at(first + n * row_len));
-            let span: &[u8] = match src.host() {
-                Some(h) => &h[b0..b1],
-                None => {
-                    tmp.clear();
-                    tmp.resize(b1 - b0, 0);
-                    src.read(b0, &mut tmp)?;
-                    &tmp
-                }
-            };
-            for t in 0..n {
-                decode_row(format, t * row_len, span, &mut row)?;
-                for h in 0..heads {
-                    let to = ((b * heads + h) * n + t) * hd;
-                    dst[to..to + hd].copy_from_slice(&row[h * hd..(h + 1) * hd]);
+        for (r0, t0, count) in row_runs(rows, start, n_tokens) {
+            let first = (b * rows as usize + r0) * row_len;
+            for (format, src, dst) in [(hk, kb, &mut k), (hv, vb, &mut v)] {
+                let (b0, b1) = (
+                    format.byte_at(first),
+                    format.byte_at(first + count * row_len),
+                );
+                let span: &[u8] = match src.host() {
+                    Some(h) => &h[b0..b1],
+                    None => {
+                        tmp.clear();
+                        tmp.resize(b1 - b0, 0);
+                        src.read(b0, &mut tmp)?;
+                        &tmp
+                    }
+                };
+                for t in 0..count {
+                    decode_row(format, t * row_len, span, &mut row)?;
+                    for h in 0..heads {
+                        let to = ((b * heads + h) * n + t0 + t) * hd;
+                        dst[to..to + hd].copy_from_slice(&row[h * hd..(h + 1) * hd]);
+                    }
                 }
             }
         }
     }
     Ok((k, v))
+}
+
+/// The runs of rows that hold positions `pos..pos + n` of one sequence of a layer of `rows`
+/// rows (position `p` in row `p % rows`), as `(first row, first of the n tokens, tokens)`: one
+/// run, or two where the positions wrap past a ring's last row. `n` is at most `rows`
+/// ([`Cache::check_span`]).
+fn row_runs(rows: u64, pos: u64, n: u64) -> impl Iterator<Item = (usize, usize, usize)> {
+    let r0 = pos % rows.max(1);
+    let first = n.min(rows - r0);
+    [(r0, 0, first), (0, first, n - first)]
+        .into_iter()
+        .filter(|r| r.2 > 0)
+        .map(|(r, t, c)| (r as usize, t as usize, c as usize))
+}
+
+/// One run of [`byte_runs`]: its first token, its tokens, and its byte ranges in K and in V.
+type ByteRun = (usize, usize, [(usize, usize); 2]);
+
+/// [`row_runs`] of sequence 0 as byte ranges, rows of `row` values stored as `formats`.
+fn byte_runs(rows: u64, pos: u64, n: u64, row: usize, formats: [KvFormat; 2]) -> Vec<ByteRun> {
+    row_runs(rows, pos, n)
+        .map(|(r0, t0, count)| {
+            let (a, b) = (r0 * row, (r0 + count) * row);
+            (t0, count, formats.map(|f| (f.byte_at(a), f.byte_at(b))))
+        })
+        .collect()
+}
+
+/// The first position a query at position `p` sees through a sliding `window` (0: every
+/// position, from 0).
+fn first_seen(window: u64, p: u64) -> u64 {
+    match window {
+        0 => 0,
+        w => (p + 1).saturating_sub(w),
+    }
 }
 
 /// `layer`'s store, or the error for a layer not allocated yet.
@@ -809,6 +1104,7 @@ mod tests {
             n_kv_heads: vec![3, 1],
             head_dim: 8,
             offload: false,
+            ring: None,
         };
         assert_eq!(cfg.kv_shape(0, 5), [2, 3, 5, 8]);
         assert_eq!(cfg.kv_shape(1, 0), [2, 1, 0, 8]);

@@ -116,6 +116,23 @@ pub enum EngineError {
         max_seq_len: u64,
     },
 
+    /// Positions a sliding-window layer's ring no longer holds: a read, a rewind or a saved
+    /// state that needs them, or a forward chunk whose keys would overwrite keys its own queries
+    /// read.
+    #[error(
+        "{what}: layer {layer} attends to a sliding window of {window} tokens and its cache keeps \
+         {rows} positions, those from {held_from} on, but position {needed} is needed; {fix}"
+    )]
+    OutsideWindow {
+        what: String,
+        layer: usize,
+        window: u64,
+        rows: u64,
+        held_from: u64,
+        needed: u64,
+        fix: String,
+    },
+
     /// The tokenizer or chat template could not be built or run.
     #[error(transparent)]
     Text(#[from] weightlift_text::TextError),

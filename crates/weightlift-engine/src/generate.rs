@@ -354,7 +354,8 @@ impl Generation {
             // Reused positions have no logits to score.
             0
         } else if reuse {
-            cache.common_prefix(prompt).min(prompt.len() as u64 - 1)
+            // at least the last token runs, for its logits
+            cache.common_prefix(&prompt[..prompt.len() - 1])
         } else {
             cache.seq_len()
         };

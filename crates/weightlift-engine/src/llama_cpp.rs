@@ -142,6 +142,7 @@ impl Session {
     ) -> Result<()> {
         let dtype = cache_dtype(args.type_k, args.type_v)?;
         self.defaults.runtime = runtime(args.n_batch, given_runtime);
+        self.model.set_runtime(self.defaults.runtime);
         let cache = self
             .model
             .cache_for(&CacheSpec::new(args.n_ctx, 1, dtype))?;

@@ -75,6 +75,8 @@ pub struct Model {
     chat: std::sync::OnceLock<Option<Arc<weightlift_text::ChatTemplate>>>,
     /// A built-in chat format used in place of the checkpoint's template.
     chat_format: Option<&'static weightlift_text::ChatFormat>,
+    /// The runtime a cache made before a load is sized for ([`Model::runtime`]).
+    runtime: weightlift_plan::RuntimeSpec,
 }
 
 impl std::fmt::Debug for Model {
@@ -97,6 +99,7 @@ impl Model {
             tokenizer: std::sync::OnceLock::new(),
             chat: std::sync::OnceLock::new(),
             chat_format: None,
+            runtime: weightlift_plan::RuntimeSpec::default(),
         }
     }
 

@@ -109,11 +109,13 @@ impl Model {
                 detail: "its architecture could not be read from the metadata or config.json"
                     .into(),
             })?;
-        Ok(PlanRequest::new(
+        let mut req = PlanRequest::new(
             spec,
             self.source().tensors().to_vec(),
             device_specs(self.inventory()),
-        ))
+        );
+        req.sliding_window = self.sliding_window()?;
+        Ok(req)
     }
 
     /// Load by `plan`, or plan now with `options` over this model's own request (its
@@ -160,12 +162,19 @@ impl Model {
         let own = plan.cache().filter(|_| cache.is_none());
         // A plan's cache of several sequences is that many caches of one: the own cache and
         // the rest beside it, or split like it over a tensor-parallel plan's devices (the
-        // forward pass runs caches of one sequence).
+        // forward pass runs caches of one sequence). Its rings are those the plan counted: for
+        // the plan's runtime.
         let mut sequences = 1;
         if let Some(spec) = own {
             let mut one = *spec;
             (sequences, one.batch_size) = (spec.batch_size, 1);
-            cache = Some(std::sync::Arc::new(self.cache_for(&one)?));
+            let config = self.cache_config_for(
+                (one.max_seq_len, one.batch_size),
+                one.dtype,
+                one.offload,
+                plan.runtime(),
+            )?;
+            cache = Some(std::sync::Arc::new(crate::Cache::new(config)?));
         }
         let placement = match rank {
             Some(r) => self.own_rank_placement(&plan, r)?,
@@ -431,6 +440,29 @@ pub fn rank_placement(
     Ok(p)
 }
 
+/// The sliding-window layers of `ckpt` (of architecture `spec`): its GGUF metadata with
+/// llama.cpp's per-architecture patterns, or its config.json by transformers' rules
+/// ([`weightlift_plan::SlidingWindow`]); `None` when it has none. The one reading of them: plans
+/// size caches by it, the forward pass masks attention with it and the cache keeps those
+/// layers as rings of the cells the plan counts.
+pub fn sliding_window_of(
+    ckpt: &weightlift_format::Checkpoint,
+    spec: &weightlift_format::ModelSpec,
+) -> Result<Option<weightlift_plan::SlidingWindow>> {
+    use weightlift_format::{Format, FormatError};
+    let window = match (ckpt.format(), ckpt.config()) {
+        (Format::Gguf, _) => weightlift_plan::SlidingWindow::from_gguf(ckpt.metadata(), spec),
+        (Format::Safetensors, Some(config)) => {
+            weightlift_plan::SlidingWindow::from_hf_config(config, spec)
+        }
+        (Format::Safetensors, None) => Ok(None),
+    };
+    Ok(window.map_err(|e| FormatError::Spec {
+        key: "sliding window".into(),
+        detail: format!("{}: {e}", ckpt.path().display()),
+    })?)
+}
+
 /// What `plan()` and `fit()` plan for, with the model's sliding-window layers: a checkpoint,
 /// an HF config (a dict, a config.json, or a folder holding only one) or a bare spec. Planning
 /// reads no tensor data; opening a path reads the headers.
@@ -475,7 +507,7 @@ impl PlanSource {
     /// An opened checkpoint's tensor table, which needs its architecture; one opened
     /// `vocab_only` has no table to plan.
     pub fn checkpoint(ckpt: &weightlift_format::Checkpoint) -> Result<PlanSource> {
-        use weightlift_format::{Format, FormatError};
+        use weightlift_format::FormatError;
         let path = ckpt.path().to_path_buf();
         if ckpt.vocab_only() {
             return Err(invalid(
@@ -489,17 +521,7 @@ impl PlanSource {
             what: "planning without the architecture".into(),
             detail: e.to_owned(),
         })?;
-        let window = match (ckpt.format(), ckpt.config()) {
-            (Format::Gguf, _) => weightlift_plan::SlidingWindow::from_gguf(ckpt.metadata(), spec),
-            (Format::Safetensors, Some(config)) => {
-                weightlift_plan::SlidingWindow::from_hf_config(config, spec)
-            }
-            (Format::Safetensors, None) => Ok(None),
-        }
-        .map_err(|e| FormatError::Spec {
-            key: "sliding window".into(),
-            detail: format!("{}: {e}", path.display()),
-        })?;
+        let window = sliding_window_of(ckpt, spec)?;
         Ok(PlanSource {
             model: weightlift_plan::ModelSource::Tensors(spec.clone(), ckpt.tensors().to_vec()),
             window,

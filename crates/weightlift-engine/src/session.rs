@@ -105,6 +105,7 @@ impl Session {
         let devices = devices.unwrap_or_else(|| inventory.spec());
         let mut model = Model::new(source, inventory);
         model.set_compute(settings.compute);
+        model.set_runtime(settings.runtime);
         if let Some(n) = settings.n_threads {
             model.set_threads(n)?;
         }

@@ -13,6 +13,7 @@ fn config(dtype: CacheDType, offload: bool) -> CacheConfig {
         n_kv_heads: vec![3, 2],
         head_dim: 64,
         offload,
+        ring: None,
     }
 }
 

@@ -190,6 +190,7 @@ fn q8_cache_round_trip_bound_holds_on_a_virtual_device() {
         n_kv_heads: vec![2, 2],
         head_dim: 64,
         offload: false,
+        ring: None,
     };
     let cache = Cache::new(cfg).unwrap();
     for l in 0..2 {
@@ -274,6 +275,7 @@ fn offloaded_cache_prefetches_into_cuda() {
         n_kv_heads: vec![2, 2],
         head_dim: 64,
         offload: true,
+        ring: None,
     };
     let cache = Arc::new(Cache::new(cfg.clone()).unwrap());
     cache.allocate_layer(0, gpu, inv.cpu()).unwrap();
@@ -727,4 +729,97 @@ fn a_cuda_graph_follows_its_cache() {
     cache.reset();
     assert_eq!(decode(&mut m, &cache, 4), want, "back on the first cache");
     assert_eq!(m.cuda_graph_counts(), (2, 14, None), "its graph was kept");
+}
+
+/// A sliding-window layer's ring on `cuda:0` (the tiny gemma3's window of 8 with a cache of
+/// 1,024 positions in chunks of 32: each sliding layer keeps 256 rows): a prompt of 600 tokens
+/// (the prompt kernel storing past the ring's end at its positions' rows) and 250 decode steps
+/// (replayed from CUDA graphs, the row and the keys' rows found on the device) give the bits of
+/// the same model over a cache of every position, in fast mode over an fp16 cache and in exact
+/// mode over an f32 one; and, exact, the prompt's logits within 1e-3 of the host path's.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn sliding_rings_on_cuda_give_the_full_caches_bits() {
+    use common::{argmax, max_abs_diff};
+    use weightlift_engine::CacheConfig;
+    use weightlift_engine::forward::{Compute, Logits};
+    cuda();
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tiny-gemma3");
+    let ids: Vec<u32> = common::json_ids(&path.join("stats.json"), "ids")
+        .into_iter()
+        .cycle()
+        .take(600)
+        .collect();
+    let runtime = weightlift_plan::RuntimeSpec {
+        max_input_len: 32,
+        max_attention_size: 32 * 256,
+        max_dq_size: 1 << 16,
+        low_mem: false,
+    };
+    let load = |devices: &str, dtype: CacheDType| {
+        let mut m = Model::new(common::open(&path), Inventory::parse(devices).unwrap());
+        let options = weightlift_plan::PlanOptions {
+            cache: Some(weightlift_plan::CacheSpec::new(1024, 1, dtype)),
+            runtime: Some(runtime),
+            ..Default::default()
+        };
+        m.plan_and_load(
+            None,
+            options,
+            &Default::default(),
+            None,
+            &LoadOptions::default(),
+            &mut |_| true,
+        )
+        .unwrap();
+        let ring = m.own_cache().unwrap();
+        assert_eq!(ring.config().rows(0), 256);
+        let full = Arc::new(
+            Cache::new(CacheConfig {
+                ring: None,
+                ..ring.config().clone()
+            })
+            .unwrap(),
+        );
+        m.attach_cache(&full).unwrap();
+        (m, ring, full)
+    };
+    let run = |m: &mut Model, cache: &Arc<Cache>| {
+        cache.reset();
+        let mut all = Vec::new();
+        m.forward(&ids, Some(cache), Logits::All, &mut all).unwrap();
+        let mut out = all[all.len() - all.len() / ids.len()..].to_vec();
+        for _ in 0..250 {
+            let next = argmax(&out) as u32;
+            m.forward(&[next], Some(cache), Logits::Last, &mut out)
+                .unwrap();
+            all.extend_from_slice(&out);
+        }
+        all
+    };
+    for (dtype, compute) in [
+        (CacheDType::Fp16, Compute::Fast),
+        (CacheDType::F32, Compute::Exact),
+    ] {
+        let (mut m, ring, full) = load("cuda:0,cpu", dtype);
+        m.set_compute(compute);
+        let want = run(&mut m, &full);
+        let got = run(&mut m, &ring);
+        assert!(
+            got == want,
+            "{compute:?}: ring and full differ on cuda, max|Δ| {}",
+            max_abs_diff(&got, &want)
+        );
+        assert_eq!(ring.held_from(0), 850 - 256);
+        if compute == Compute::Exact {
+            // the prompt's logits against the host path's over its rings
+            let (mut host, host_ring, _) = load("cpu", dtype);
+            host.set_compute(compute);
+            let on_host = run(&mut host, &host_ring);
+            let n = ids.len() * (got.len() / (ids.len() + 250));
+            let d = max_abs_diff(&got[..n], &on_host[..n]);
+            assert!(d <= 1e-3, "cuda against the host path, max|Δ| {d}");
+        }
+    }
 }

@@ -26,6 +26,7 @@ mod loader;
 mod model;
 mod planned;
 mod session;
+mod sliding_window;
 mod tp_forward;
 mod tp_quantize;
 

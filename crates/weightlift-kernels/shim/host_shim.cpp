@@ -461,14 +461,17 @@ static void wl_att_row(int fmt, const void* base, wl_u64 first, int head_dim, fl
 // dims lane + 32 r, met in the xor butterfly), the warps are merged as the block merges them,
 // and the result is the output (one split) or the split's partial results in `part` (laid out
 // by wl_att_part_*), which are then merged as the reduce kernel merges them. Formats as
-// wl_att_row; `pos` and `span` as the kernel's (wl_att_where). Returns 0 when the shape is
-// outside the kernel's (the Rust wrapper checks it) or the position outside the span.
+// wl_att_row; `pos` and `span` as the kernel's (wl_att_where); `window`, `softcap` and `rows`
+// (the cache's rows, position j in row wl_kv_cache_row(j, rows)) as the kernel's. Returns 0 when
+// the shape is outside the kernel's (the Rust wrapper checks it) or the position outside the
+// span.
 extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const void* k, const void* v,
                                  float* out, float* part, size_t n_q, size_t start_arg, size_t n_heads,
                                  size_t kv_heads, int head_dim, float scale, int f16_operands,
-                                 size_t n_splits, const int* pos, size_t span) {
+                                 size_t n_splits, const int* pos, size_t span, size_t window,
+                                 float softcap, size_t rows) {
     if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS || head_dim <= 0 || head_dim > WL_ATT_MAX_HD ||
-        kv_heads == 0 || n_heads % kv_heads != 0) {
+        kv_heads == 0 || n_heads % kv_heads != 0 || rows == 0) {
         return 0;
     }
     wl_u64 start = 0, keys = 0;
@@ -504,6 +507,8 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
                 for (wl_u64 s = 0; s < live; s++) {
                     wl_u64 lo, hi;
                     wl_att_split_range(per, s, start + i + 1, &lo, &hi);
+                    const wl_u64 first = window != 0 && start + i + 1 > window ? start + i + 1 - window : 0;
+                    if (lo < first) lo = first;
                     for (int w = 0; w < WL_ATT_WARPS; w++) {
                         for (int g = 0; g < ng; g++) {
                             m[w * WL_ATT_MAX_GROUP + g] = neg_inf;
@@ -511,7 +516,7 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
                             for (int e = 0; e < R * 32; e++) acc[w][g][e] = 0.0f;
                         }
                         for (wl_u64 j = lo + (wl_u64)w; j < hi; j += WL_ATT_WARPS) {
-                            const wl_u64 row = j * kvd + kh * hd;
+                            const wl_u64 row = wl_kv_cache_row(j, rows) * kvd + kh * hd;
                             for (int e = 0; e < WL_ATT_MAX_HD; e++) kr[e] = vr[e] = 0.0f;
                             wl_att_row(k_fmt, k, row, head_dim, kr);
                             wl_att_row(v_fmt, v, row, head_dim, vr);
@@ -525,7 +530,9 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
                                     for (int ln = 0; ln < 32; ln++) t[ln] = next[ln];
                                 }
                                 float keep, p;
-                                wl_att_step(WL_MUL(t[0], scale), f16_operands, &m[w * WL_ATT_MAX_GROUP + g],
+                                float sc = WL_MUL(t[0], scale);
+                                if (softcap > 0.0f) sc = WL_MUL(softcap, tanhf(sc / softcap));
+                                wl_att_step(sc, f16_operands, &m[w * WL_ATT_MAX_GROUP + g],
                                             &l[w * WL_ATT_MAX_GROUP + g], &keep, &p);
                                 for (int e = 0; e < R * 32; e++) {
                                     acc[w][g][e] = wl_att_accumulate(acc[w][g][e], keep, p, vr[e]);
@@ -593,13 +600,15 @@ extern "C" int wl_host_fa_rows(int head_dim) { return wl_fa_rows(head_dim); }
 // key tiles of WL_FA_KEYS from the window start of its first query to the causal end of its
 // last, each row scoring key 32 t + lane with one fmaf chain over the dims, the tile's maximum
 // and probability sum met in the xor butterfly, and the accumulators updated in key order.
-// Formats as wl_att_row. Returns 0 when the shape is outside the kernel's.
+// Formats as wl_att_row, the cache's rows as the decode replay's. Returns 0 when the shape is
+// outside the kernel's.
 extern "C" int wl_host_attention_prefill(int k_fmt, int v_fmt, const float* q, const void* k,
                                          const void* v, float* out, size_t n_q, size_t start,
                                          size_t n_heads, size_t kv_heads, int head_dim,
                                          float scale, int f16_operands, size_t window,
-                                         float softcap) {
-    if (head_dim <= 0 || head_dim > WL_FA_MAX_HD || kv_heads == 0 || n_heads % kv_heads != 0) {
+                                         float softcap, size_t cache_rows) {
+    if (head_dim <= 0 || head_dim > WL_FA_MAX_HD || kv_heads == 0 || n_heads % kv_heads != 0 ||
+        cache_rows == 0) {
         return 0;
     }
     const float neg_inf = wl_bits_to_f32(0xff800000u);
@@ -632,8 +641,9 @@ extern "C" int wl_host_attention_prefill(int k_fmt, int v_fmt, const float* q, c
                     const wl_u64 j = t0 + (wl_u64)jj;
                     for (int d = 0; d < WL_FA_MAX_HD; d++) ks[jj][d] = vs[jj][d] = 0.0f;
                     if (j < key_end) {
-                        wl_att_row(k_fmt, k, j * kvd + kh * hd, head_dim, ks[jj]);
-                        wl_att_row(v_fmt, v, j * kvd + kh * hd, head_dim, vs[jj]);
+                        const wl_u64 row = wl_kv_cache_row(j, cache_rows) * kvd + kh * hd;
+                        wl_att_row(k_fmt, k, row, head_dim, ks[jj]);
+                        wl_att_row(v_fmt, v, row, head_dim, vs[jj]);
                     }
                 }
                 for (wl_u64 r = r0; r < r_end; r++) {

@@ -280,10 +280,11 @@ pub enum Op<'a, B> {
     /// unspecified (CUDA rotates them on their way into the cache and leaves `k` as it was).
     ///
     /// With `cache_rows`, `k_cache` and `v_cache` are whole cache layers of that many rows and
-    /// token `t` is written at row `positions[t]`, which the device reads: a captured CUDA graph
-    /// then writes each step's row without a host-computed offset. A position outside the rows
-    /// is refused by the CPU backend and writes nothing on CUDA (which does not read it on the
-    /// host). The bytes written are those of the rows form at those rows.
+    /// token `t` is written at row `positions[t] % cache_rows` (a sliding-window layer's ring, as
+    /// [`Op::Attention`] reads it), which the device reads: a captured CUDA graph then writes
+    /// each step's row without a host-computed offset. A negative position is refused by the CPU
+    /// backend and writes nothing on CUDA (which does not read it on the host). The bytes
+    /// written are those of the rows form at those rows.
     RopeKvStore {
         /// Style, head size and rotated dims (the angles are in `inv_freqs`).
         params: RopeParams,
@@ -313,7 +314,7 @@ pub enum Op<'a, B> {
         /// The value rows being written, or the whole layer's values with `cache_rows`.
         v_cache: &'a mut B,
         /// `None`: the caches are the rows being written. `Some(rows)`: they hold `rows` rows
-        /// and each token goes to the row of its position.
+        /// and each token goes to row `position % rows`.
         cache_rows: Option<usize>,
     },
     /// `x += y` over `n` f32 values (the residual add).
@@ -403,11 +404,12 @@ pub enum Op<'a, B> {
         dst: &'a mut B,
     },
     /// Causal grouped-query attention of `n_q` queries at positions `start..start + n_q` over
-    /// the first `start + n_q` rows of a KV cache: query `i` of head `h` meets keys
+    /// the keys of positions `0..start + n_q` of a KV cache: query `i` of head `h` meets keys
     /// `0..=start + i` of kv head `h / (n_heads / kv_heads)`, and
     /// `out = softmax(scale · q·kᵀ) · v`, with a running (online) softmax so no score matrix
     /// is held. Cache rows are `kv_heads × head_dim` values, token-major, stored as `k_format`
-    /// and `v_format` (decoded as they are read: no decoded copy of the cache is made on a GPU).
+    /// and `v_format` (decoded as they are read: no decoded copy of the cache is made on a GPU);
+    /// the key at position `p` is in row `p % cache_rows`.
     Attention {
         /// Storage of the cached keys.
         k_format: KvFormat,
@@ -431,6 +433,13 @@ pub enum Op<'a, B> {
         /// Attention logit soft-capping (0: none): each scaled score `w` becomes
         /// `softcap · tanh(w / softcap)`.
         softcap: f32,
+        /// Rows `k` and `v` hold: the key at position `p` is read from row `p % cache_rows`, a
+        /// sliding-window layer's ring of its window and one chunk (weightlift-plan's
+        /// `SlidingWindow::cells`). A cache of every position has at least `start + n_q` rows, so
+        /// `p` is its row. A call whose queries see more positions than the ring holds
+        /// (`start + n_q` less the first query's window start, above `cache_rows`) is refused: its
+        /// own keys would overwrite keys it reads.
+        cache_rows: usize,
         /// Keys folded into the running softmax at a time by the CPU backend (the engine's
         /// attention tile, so that this operation gives the host forward pass's bits); the
         /// CUDA kernel keeps its own order.
@@ -440,9 +449,9 @@ pub enum Op<'a, B> {
         f16_operands: bool,
         /// Queries, `n_q × n_heads × head_dim` f32 (rotated).
         q: &'a B,
-        /// Cached keys, at least `start + n_q` rows.
+        /// Cached keys, `cache_rows` rows (or at least `start + n_q` when there are more).
         k: &'a B,
-        /// Cached values, at least `start + n_q` rows.
+        /// Cached values, as many rows.
         v: &'a B,
         /// Output, `n_q × n_heads × head_dim` f32.
         out: &'a mut B,

@@ -638,6 +638,7 @@ impl CpuBackend {
                 scale,
                 window,
                 softcap,
+                cache_rows,
                 tile,
                 f16_operands,
                 q,
@@ -660,8 +661,10 @@ impl CpuBackend {
                     Some(at) => {
                         self.own(at.positions)?;
                         let start = read_start(at, n_q)?;
-                        // the cache holds the span, as CUDA checks
-                        let rows = crate::backend::kv_values(at.span, kv_heads, head_dim)?;
+                        // the cache holds the span's rows (the ring's, when fewer), as CUDA
+                        // checks
+                        let rows =
+                            crate::backend::kv_values(at.span.min(cache_rows), kv_heads, head_dim)?;
                         check_range("attention key bytes", k.len, 0, k_format.byte_at(rows))?;
                         check_range("attention value bytes", v.len, 0, v_format.byte_at(rows))?;
                         start
@@ -669,9 +672,6 @@ impl CpuBackend {
                 };
                 let s = AttShape::check(n_heads, kv_heads, head_dim, n_q, start, tile)?;
                 let qn = s.q_values();
-                let kvn = s.kv_values();
-                let kf = cache_values(k_format, k, kvn, "attention key")?;
-                let vf = cache_values(v_format, v, kvn, "attention value")?;
                 // the host forward pass's kernel over the same tiles: the same bits
                 let shape = cpu::attention::AttnShape::new(
                     s.n_heads,
@@ -683,9 +683,17 @@ impl CpuBackend {
                     f16_operands,
                 )?
                 .masked(window, softcap);
-                cpu::attention::attention(
+                shape.check_rows(cache_rows)?;
+                // the keys from the first tile any query sees, each from its ring row
+                let base = shape.first_tile(s.tile);
+                let span = (base, s.start + s.n_q);
+                let kf = ring_values(k_format, k, span, (cache_rows, shape.kv_dim()), "key")?;
+                let vf = ring_values(v_format, v, span, (cache_rows, shape.kv_dim()), "value")?;
+                cpu::attention::attention_from(
+                    crate::cpu::Isa::detect(),
                     shape,
                     s.tile,
+                    base,
                     q.typed("attention query values", qn)?,
                     &kf,
                     &vf,
@@ -697,7 +705,7 @@ impl CpuBackend {
             op @ Op::MatmulSwiGlu { .. } => {
                 crate::backend::matmul_swiglu_unfused(op, |op| self.run_op(op))
             }
-            // RoPE as the rows form, then each token's rows encoded at its position
+            // RoPE as the rows form, then each token's rows encoded at its position's row
             Op::RopeKvStore {
                 params,
                 n_tok,
@@ -736,6 +744,7 @@ impl CpuBackend {
                     0,
                     v_format.byte_at(cached),
                 )?;
+                // each token at its position's row of the ring (its position, below the rows)
                 let at: Vec<usize> = positions
                     .typed::<i32>("rope positions", n_tok)?
                     .iter()
@@ -743,12 +752,13 @@ impl CpuBackend {
                     .map(|(t, &p)| {
                         usize::try_from(p)
                             .ok()
-                            .filter(|&r| r < rows)
+                            .filter(|_| rows > 0)
+                            .map(|p| p % rows)
                             .ok_or_else(|| KernelError::Shape {
                                 op: "rope_kv_store",
                                 reason: format!(
-                                    "token {t} is at position {p}, outside the cache's {rows} \
-                                     rows"
+                                    "token {t} is at position {p}, which no row of the cache's \
+                                     {rows} rows holds"
                                 ),
                             })
                     })
@@ -1014,31 +1024,44 @@ impl AttShape {
     pub(crate) fn q_values(&self) -> usize {
         self.n_q * self.n_heads * self.head_dim
     }
-
-    /// Values of the cache rows read (keys, or values).
-    pub(crate) fn kv_values(&self) -> usize {
-        (self.start + self.n_q) * self.kv_heads * self.head_dim
-    }
 }
 
-/// The first `n` values of cache rows stored as `format`, as f32: borrowed when they are f32,
-/// else decoded (the CPU backend is the reference the CUDA kernels are checked against; they
-/// decode as they read).
-fn cache_values<'b>(
+/// The cache rows of positions `from..to` (of `kvd` values each) stored as `format` in a cache
+/// of `rows` rows, the key at position `p` in row `p % rows`, as f32 in position order: the
+/// contiguous rows when no position wraps (borrowed when they are f32), else gathered row by
+/// row (`what`: "key" or "value", for the errors).
+fn ring_values<'b>(
     format: cpu::kv_format::KvFormat,
     buf: &'b CpuBuffer,
-    n: usize,
+    (from, to): (usize, usize),
+    (rows, kvd): (usize, usize),
     what: &'static str,
 ) -> Result<std::borrow::Cow<'b, [f32]>> {
-    use cpu::kv_format::KvFormat;
-    if format == KvFormat::F32 {
-        return Ok(std::borrow::Cow::Borrowed(buf.typed::<f32>(what, n)?));
+    let (label, bytes) = match what {
+        "key" => ("attention key values", "attention key bytes"),
+        _ => ("attention value values", "attention value bytes"),
+    };
+    // every row starts at a whole group
+    format.check_values("attention", kvd, from.saturating_mul(kvd))?;
+    let held = to.min(rows).saturating_mul(kvd);
+    check_range(bytes, buf.len, 0, format.byte_at(held))?;
+    let src = &buf.as_bytes()[..format.byte_at(held)];
+    if to <= rows {
+        let (v0, v1) = (from * kvd, to * kvd);
+        if format == cpu::kv_format::KvFormat::F32 {
+            let all: &[f32] = buf.typed(label, v1)?;
+            return Ok(std::borrow::Cow::Borrowed(&all[v0..]));
+        }
+        let mut out = vec![0f32; v1 - v0];
+        cpu::kv_format::kv_decode(format, &src[format.byte_at(v0)..], &mut out)?;
+        return Ok(std::borrow::Cow::Owned(out));
     }
-    format.check_values("attention", 0, n)?;
-    let nb = format.byte_at(n);
-    check_range(what, buf.len, 0, nb)?;
-    let mut out = vec![0f32; n];
-    cpu::kv_format::kv_decode(format, &buf.as_bytes()[..nb], &mut out)?;
+    let mut out = vec![0f32; (to - from) * kvd];
+    for (p, dst) in (from..to).zip(out.chunks_exact_mut(kvd.max(1))) {
+        let r = p % rows;
+        let (b0, b1) = (format.byte_at(r * kvd), format.byte_at((r + 1) * kvd));
+        cpu::kv_format::kv_decode(format, &src[b0..b1], dst)?;
+    }
     Ok(std::borrow::Cow::Owned(out))
 }
 

@@ -132,6 +132,7 @@ unsafe extern "C" {
         f16_operands: i32,
         window: usize,
         softcap: f32,
+        cache_rows: usize,
     ) -> i32;
     #[allow(clippy::too_many_arguments)]
     fn wl_host_attention(
@@ -152,6 +153,9 @@ unsafe extern "C" {
         n_splits: usize,
         pos: *const i32,
         span: usize,
+        window: usize,
+        softcap: f32,
+        rows: usize,
     ) -> i32;
 }
 
@@ -363,7 +367,7 @@ fn kvf_code(format: KvFormat) -> i32 {
 /// `k` rotated and `v` as it is (each `positions.len() × kv_heads × head_dim`) encoded into the
 /// cache rows `k_cache` (as `k_format`) and `v_cache` (as `v_format`); `k` is left as it was.
 /// `cap` 0: the caches are the rows being written; else they hold `cap` rows and each token is
-/// written at the row of its position (one past them: skipped), as the kernel's `cap`.
+/// written at row `position % cap` (a negative position: skipped), as the kernel's `cap`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_kv_store(
     params: &crate::cpu::ops::RopeParams,
@@ -781,18 +785,25 @@ fn attention_format_code(format: KvFormat) -> Result<i32> {
 }
 
 /// The checks both attention replays make before calling the shim: heads of at most `max_hd`
-/// values (a multiple of 32 for a quantised cache), formats the header knows, and buffers
-/// holding what the shape reads and writes (`names`: the query, key, value and output buffers
-/// as the errors call them). The header's codes of the two formats.
+/// values (a multiple of 32 for a quantised cache), formats the header knows, at least one
+/// cache row, and buffers holding what the shape reads and writes (`names`: the query, key,
+/// value and output buffers as the errors call them; the cache's `rows`, or its first
+/// `start + n_q` when it has more). The header's codes of the two formats.
 fn check_attention(
     op: &'static str,
     names: [&'static str; 4],
     (k_format, v_format): (KvFormat, KvFormat),
-    shape: &AttnShape,
+    (shape, rows): (&AttnShape, usize),
     max_hd: usize,
     (q, k, v, out): (&[f32], &[u8], &[u8], &[f32]),
 ) -> Result<(i32, i32)> {
     let (n_q, n_heads, head_dim) = (shape.n_q, shape.n_heads, shape.head_dim);
+    if rows == 0 {
+        return Err(KernelError::Shape {
+            op,
+            reason: "a cache of no rows".into(),
+        });
+    }
     let turned = k_format.quant().is_some() || v_format.quant().is_some();
     if head_dim > max_hd || (turned && head_dim % 32 != 0) {
         return Err(KernelError::Shape {
@@ -808,7 +819,7 @@ fn check_attention(
         attention_format_code(v_format)?,
     );
     let qn = n_q * n_heads * head_dim;
-    let kvn = (shape.start + n_q) * shape.kv_heads * head_dim;
+    let kvn = (shape.start + n_q).min(rows) * shape.kv_heads * head_dim;
     let lens = [
         (qn, q.len()),
         (k_format.byte_at(kvn), k.len()),
@@ -831,15 +842,16 @@ fn check_attention(
 /// `attention_reduce_f32` (when `splits > 1`), replayed block by block, warp by warp and lane by
 /// lane with the kernels' own header functions: `out` (`n_q × n_heads × head_dim`) for queries
 /// `q` over the cache rows `k` and `v` (stored as `k_format` and `v_format`, at least
-/// `start + n_q` rows each). `span` 0: the keys the queries see are split, as for a call given
-/// its position; else the kernel reads `start` from device memory and splits `span` keys (the
-/// cache's rows: `start + n_q` at most).
+/// `start + n_q` rows each, or `rows` rows holding the key at position `j` in row `j % rows`).
+/// `span` 0: the keys the queries see are split, as for a call given its position; else the
+/// kernel reads `start` from device memory and splits `span` keys (`start + n_q` at most). The
+/// shape's window and soft-cap apply as the kernel applies them.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     k_format: KvFormat,
     v_format: KvFormat,
     shape: AttnShape,
-    (splits, span): (usize, usize),
+    (splits, span, rows): (usize, usize, usize),
     q: &[f32],
     k: &[u8],
     v: &[u8],
@@ -857,7 +869,8 @@ pub fn attention(
         start,
         scale,
         f16_operands,
-        ..
+        window,
+        softcap,
     } = shape;
     if splits == 0 || splits > crate::sources::ATTENTION_MAX_SPLITS {
         return Err(bad(format!(
@@ -874,7 +887,7 @@ pub fn attention(
             "host attention output values",
         ],
         (k_format, v_format),
-        &shape,
+        (&shape, rows),
         crate::sources::ATTENTION_MAX_HEAD_DIM,
         (q, k, v, out),
     )?;
@@ -913,6 +926,9 @@ pub fn attention(
                 std::ptr::null()
             },
             span,
+            window,
+            softcap,
+            rows,
         )
     };
     if ok == 0 {
@@ -935,13 +951,14 @@ pub fn attention_prefill_rows(head_dim: usize) -> usize {
 /// What `attention_prefill_{format}` computes, replayed block by block, key tile by key tile
 /// and lane by lane with the kernel's own header functions: `out` (`n_q × n_heads × head_dim`)
 /// for queries `q` over the cache rows `k` and `v` (stored as `k_format` and `v_format`, at
-/// least `start + n_q` rows each), with a sliding `window` (0: none) and `softcap` (0: none).
+/// least `start + n_q` rows each, or `rows` rows as [`attention`] reads them), with a sliding
+/// `window` (0: none) and `softcap` (0: none).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_prefill(
     k_format: KvFormat,
     v_format: KvFormat,
     shape: AttnShape,
-    (window, softcap): (usize, f32),
+    (window, softcap, rows): (usize, f32, usize),
     q: &[f32],
     k: &[u8],
     v: &[u8],
@@ -970,7 +987,7 @@ pub fn attention_prefill(
             "host prompt attention output values",
         ],
         (k_format, v_format),
-        &shape,
+        (&shape, rows),
         crate::sources::ATTENTION_PREFILL_MAX_HEAD_DIM,
         (q, k, v, out),
     )?;
@@ -993,6 +1010,7 @@ pub fn attention_prefill(
             i32::from(f16_operands),
             window,
             softcap,
+            rows,
         )
     };
     if ok == 0 {

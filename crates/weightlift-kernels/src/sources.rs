@@ -186,7 +186,7 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("rope_inplace_", &[Ptr, Ptr, Ptr, U64, U64, I32, I32, F32]),
     // (q, k, v, positions, inv_freqs, k_cache, v_cache, n_tok, n_heads, kv_heads, head_dim,
     // n_dims, neox, mscale, cap): RoPE and the cache store in one launch (cap: the caches' rows
-    // when each token goes to the row of its position, 0 when they are the rows written)
+    // when each token goes to row position % cap, 0 when they are the rows written)
     (
         "rope_kv_store_",
         &[
@@ -213,20 +213,21 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
         &[Ptr, Ptr, U64, U64, I32, U64, U64, Ptr, U64],
     ),
     // prompts, before the family its name starts with: (q, k, v, out, n_q, start, n_heads,
-    // kv_heads, head_dim, scale, f16_operands, window, softcap)
+    // kv_heads, head_dim, scale, f16_operands, window, softcap, cache rows)
     (
         "attention_prefill_",
         &[
-            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, F32,
+            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, F32, U64,
         ],
     ),
     // (q, k, v, out or partial results, n_q, start, n_heads, kv_heads, head_dim, scale,
-    // f16_operands, n_splits, window, softcap, positions or null, span): with positions, the
-    // first query's position is read on the device and the keys split over span
+    // f16_operands, n_splits, window, softcap, positions or null, span, cache rows): with
+    // positions, the first query's position is read on the device and the keys split over span;
+    // the key at position p is in cache row p % cache rows
     (
         "attention_",
         &[
-            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, U64, F32, Ptr, U64,
+            Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, I32, F32, I32, U64, U64, F32, Ptr, U64, U64,
         ],
     ),
     // (x, positions, out, n_pairs, n_heads, head_dim, n_dims, freq_base, freq_scale)

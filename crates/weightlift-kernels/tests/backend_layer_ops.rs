@@ -596,6 +596,7 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
         b.run(Op::Attention {
             window: 0,
             softcap: 0.0,
+            cache_rows: 64,
             k_format: KvFormat::F32,
             v_format: KvFormat::F32,
             n_heads,
@@ -673,6 +674,7 @@ fn attention_case<B: Backend>(
                 b.run(Op::Attention {
                     window: 0,
                     softcap: 0.0,
+                    cache_rows: rows,
                     k_format,
                     v_format,
                     n_heads: nh,
@@ -814,6 +816,7 @@ fn gemma_ops_match_their_definitions<B: Backend>(b: &B) -> Result<()> {
                         scale: scale as f32,
                         window,
                         softcap: cap,
+                        cache_rows: rows,
                         tile,
                         f16_operands: false,
                         q: &qb,
@@ -839,6 +842,138 @@ fn gemma_ops_match_their_definitions<B: Backend>(b: &B) -> Result<()> {
     b.synchronize()
 }
 test_device!(gemma_ops_match_their_definitions);
+
+/// A sliding-window layer's cache as a ring (`cache_rows`: the key at position `p` in row
+/// `p % cache_rows`) gives attention the bits of the same cache holding every position: decode
+/// steps (given their position, and reading it from device memory over a span), calls of 5
+/// queries, and prompts of 24 (CUDA's prompt kernel), with their keys wrapping past the ring's
+/// end, for f16 and the q8/q4 caches, split across blocks where the scratch allows; RoPE with
+/// the cache store writes a token past the ring's end at its row. A call whose own keys would
+/// overwrite keys it reads is refused by name.
+fn attention_over_a_ring_is_attention_over_every_position<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x5a1d);
+    let (nh, kvh, hd) = (4usize, 2usize, 64usize);
+    let kvd = kvh * hd;
+    let scratch_values = nh * sources::ATTENTION_MAX_SPLITS * (hd + 2);
+    // (window, ring rows, queries, first position): each ring holds the window and the queries
+    for (window, ring, n_q, start) in [
+        (8, 16, 1, 57),
+        (8, 16, 5, 60),
+        (8, 40, 24, 90),
+        (32, 64, 1, 301),
+        (32, 64, 24, 250),
+    ] {
+        let keys = start + n_q;
+        let q = rng.vec(n_q * nh * hd, 2.0);
+        let kx = rng.vec(keys * kvd, 2.0);
+        let vx = rng.vec(keys * kvd, 1.0);
+        let qb = f32s(b, &q)?;
+        for (kf, vf) in [(KvFormat::F16, KvFormat::F16), (KvFormat::Q8, KvFormat::Q4)] {
+            let what = format!(
+                "{} {kf:?}/{vf:?} window {window} ring {ring} {n_q} at {start}",
+                b.name()
+            );
+            let (kfull, _) = cache_rows(&kx, kf);
+            let (vfull, _) = cache_rows(&vx, vf);
+            // the ring as a cache leaves it: row r holds the last position p with p % ring == r
+            let ring_of = |full: &[u8], f: KvFormat| {
+                let row = f.byte_at(kvd);
+                let mut out = vec![0u8; ring * row];
+                for p in keys.saturating_sub(ring)..keys {
+                    let r = p % ring;
+                    out[r * row..(r + 1) * row].copy_from_slice(&full[p * row..(p + 1) * row]);
+                }
+                out
+            };
+            let (kring, vring) = (ring_of(&kfull, kf), ring_of(&vfull, vf));
+            let run =
+                |k: &[u8], v: &[u8], rows: usize, at: Option<&B::Buffer>| -> Result<Vec<f32>> {
+                    let (kb, vb) = (upload(b, k)?, upload(b, v)?);
+                    let mut out = b.alloc(q.len() * 4)?;
+                    let mut scratch = b.alloc(scratch_values * 4)?;
+                    b.run(Op::Attention {
+                        k_format: kf,
+                        v_format: vf,
+                        n_heads: nh,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        n_q,
+                        start,
+                        scale: 0.125,
+                        window,
+                        softcap: 0.0,
+                        cache_rows: rows,
+                        tile: 16,
+                        f16_operands: false,
+                        q: &qb,
+                        k: &kb,
+                        v: &vb,
+                        out: &mut out,
+                        scratch: Some(&mut scratch),
+                        start_at: at.map(|positions| StartAt {
+                            positions,
+                            span: sources::attention_decode_span(keys, 1 << 20),
+                        }),
+                    })?;
+                    download_f32(b, &out, q.len())
+                };
+            let pos = upload(b, bytemuck::cast_slice(&[start as i32]))?;
+            let forms: &[Option<&B::Buffer>] = if n_q == 1 {
+                &[None, Some(&pos)]
+            } else {
+                &[None]
+            };
+            for &at in forms {
+                let full = run(&kfull, &vfull, keys, at)?;
+                let got = run(&kring, &vring, ring, at)?;
+                let same = got
+                    .iter()
+                    .zip(&full)
+                    .all(|(g, w)| g.to_bits() == w.to_bits());
+                assert!(
+                    same,
+                    "{what} (position on the device: {}): ring and full differ",
+                    at.is_some()
+                );
+                assert!(full.iter().all(|x| x.is_finite()), "{what}");
+            }
+        }
+    }
+    // the queries of a call see more positions than the ring holds: refused by name
+    let kb = f32s(b, &vec![0.5; 16 * kvd])?;
+    let qb = f32s(b, &vec![0.5; 10 * nh * hd])?;
+    let mut out = b.alloc(10 * nh * hd * 4)?;
+    let e = b
+        .run(Op::Attention {
+            k_format: KvFormat::F32,
+            v_format: KvFormat::F32,
+            n_heads: nh,
+            kv_heads: kvh,
+            head_dim: hd,
+            n_q: 10,
+            start: 100,
+            scale: 0.125,
+            window: 8,
+            softcap: 0.0,
+            cache_rows: 16,
+            tile: 16,
+            f16_operands: false,
+            q: &qb,
+            k: &kb,
+            v: &kb,
+            out: &mut out,
+            scratch: None,
+            start_at: None,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("see the keys of 17 positions (window 8), more than the cache's 16 rows hold"),
+        "{e}"
+    );
+    b.synchronize()
+}
+test_device!(attention_over_a_ring_is_attention_over_every_position);
 
 /// Views read and write their part of a buffer in place; overlapping or out-of-range parts are
 /// errors.
@@ -990,12 +1125,13 @@ fn cpu_borrowed_memory_is_computed_on_in_place() -> Result<()> {
 
 /// The device-position forms of decode's ops (what a captured CUDA graph replays): RoPE with
 /// the cache store given whole cache layers of 40 rows writes each token at the row of its
-/// position (5 and 31 here) the bytes the rows form writes there, and nothing else; attention
-/// reading its position from the positions buffer, with the keys split over the 300-row span,
-/// gives the call with that `start` (the same bits on the CPU, within the reference's bound on
-/// CUDA, whose splits differ), with its scratch as the plan sizes it. A position outside the
-/// rows (or whose queries pass the span) is refused by the CPU backend and writes nothing on
-/// CUDA, which does not read it on the host.
+/// position, `position % 40` (5 and 111 here: rows 5 and 31, a sliding-window layer's ring),
+/// the bytes the rows form writes there, and nothing else; attention reading its position from
+/// the positions buffer, with the keys split over the 300-row span, gives the call with that
+/// `start` (the same bits on the CPU, within the reference's bound on CUDA, whose splits
+/// differ), with its scratch as the plan sizes it. A negative position (or one whose queries
+/// pass the span) is refused by the CPU backend and writes nothing on CUDA, which does not read
+/// it on the host.
 fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(0xd3c0);
     let (n_heads, kv_heads, hd, cap) = (4usize, 2usize, 64usize, 40usize);
@@ -1023,7 +1159,7 @@ fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<
         (KvFormat::Q4, KvFormat::Q4),
         (KvFormat::Q8, KvFormat::Q4),
     ];
-    let pos = [5i32, 31];
+    let pos = [5i32, 111];
     let pb = upload(b, bytemuck::cast_slice(&pos))?;
     for (kf, vf) in formats {
         let what = format!("{} {kf:?}/{vf:?}", b.name());
@@ -1076,7 +1212,7 @@ fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<
                 cache_rows: None,
             })?;
             want_q.extend(download_f32(b, &q1, n_heads * hd)?);
-            let row = pos[t] as usize;
+            let row = pos[t] as usize % cap;
             assert_eq!(
                 bytes(&kc, kf.byte_at(row * kvd), kf.byte_at(kvd))?,
                 bytes(&kr, 0, kf.byte_at(kvd))?,
@@ -1095,20 +1231,20 @@ fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<
             .all(|(g, w)| g.to_bits() == w.to_bits());
         assert!(same, "{what}: queries");
         // every other row is untouched
-        for row in (0..cap).filter(|r| !pos.contains(&(*r as i32))) {
+        for row in (0..cap).filter(|r| pos.iter().all(|&p| p as usize % cap != *r)) {
             let k_row = bytes(&kc, kf.byte_at(row * kvd), kf.byte_at(kvd))?;
             assert!(k_row.iter().all(|&x| x == 0), "{what}: key row {row}");
             let v_row = bytes(&vc, vf.byte_at(row * kvd), vf.byte_at(kvd))?;
             assert!(v_row.iter().all(|&x| x == 0), "{what}: value row {row}");
         }
     }
-    // a position at the cache's rows: refused, or nothing written
+    // a negative position: refused, or nothing written
     let (mut qb, mut kb, vb) = (
         f32s(b, &[0.5; 4 * 64])?,
         f32s(b, &[0.5; 2 * 64])?,
         f32s(b, &[0.5; 2 * 64])?,
     );
-    let past = upload(b, bytemuck::cast_slice(&[cap as i32]))?;
+    let past = upload(b, bytemuck::cast_slice(&[-1i32]))?;
     let mut kc = b.alloc(cap * kvd * 4)?;
     let mut vc = b.alloc(cap * kvd * 4)?;
     let r = b.run(Op::RopeKvStore {
@@ -1130,7 +1266,7 @@ fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<
     match r {
         Err(e) => assert!(
             e.to_string()
-                .contains("token 0 is at position 40, outside the cache's 40 rows"),
+                .contains("token 0 is at position -1, which no row of the cache's 40 rows holds"),
             "{e}"
         ),
         Ok(()) => {
@@ -1159,6 +1295,7 @@ fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<
                 b.run(Op::Attention {
                     window: 0,
                     softcap: 0.0,
+                    cache_rows: span,
                     k_format: kf,
                     v_format: vf,
                     n_heads,
@@ -1195,6 +1332,7 @@ fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<
         let r = b.run(Op::Attention {
             window: 0,
             softcap: 0.0,
+            cache_rows: span,
             k_format: kf,
             v_format: vf,
             n_heads,
@@ -1324,6 +1462,7 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
             scale: 0.125,
             window: 0,
             softcap: 0.0,
+            cache_rows: cap,
             tile: 32,
             f16_operands: false,
             q: &s.q,

@@ -1470,11 +1470,12 @@ mod twin {
         }
     }
 
-    /// The CPU backend's attention over the cache rows as stored.
+    /// The CPU backend's attention over the cache rows as stored (`rows` of them, the key at
+    /// position `p` in row `p % rows`), with the shape's window and soft-cap.
     #[allow(clippy::too_many_arguments)]
     fn cpu_attention(
         (k_format, v_format): (KvFormat, KvFormat),
-        shape: weightlift_kernels::cpu::attention::AttnShape,
+        (shape, rows): (weightlift_kernels::cpu::attention::AttnShape, usize),
         q: &[f32],
         k: &[u8],
         v: &[u8],
@@ -1489,8 +1490,9 @@ mod twin {
         let (qb, kb, vb) = (up(bytemuck::cast_slice(q)), up(k), up(v));
         let mut out = b.alloc(q.len() * 4).unwrap();
         b.run(Op::Attention {
-            window: 0,
-            softcap: 0.0,
+            window: shape.window,
+            softcap: shape.softcap,
+            cache_rows: rows,
             k_format,
             v_format,
             n_heads: shape.n_heads,
@@ -1576,7 +1578,7 @@ mod twin {
                                 f16_operands,
                             )
                             .unwrap();
-                            let want = cpu_attention((kf, vf), shape, &q, &k, &v);
+                            let want = cpu_attention((kf, vf), (shape, rows), &q, &k, &v);
                             // the position given at launch, then read from the device with the
                             // splits cut over a cache of 45 more rows (the later splits empty)
                             for span in [0, rows + 45] {
@@ -1585,7 +1587,7 @@ mod twin {
                                     kf,
                                     vf,
                                     shape,
-                                    (splits, span),
+                                    (splits, span, rows),
                                     &q,
                                     &k,
                                     &v,
@@ -1626,7 +1628,7 @@ mod twin {
                 KvFormat::F32,
                 KvFormat::F32,
                 shape,
-                (splits, 0),
+                (splits, 0, 1),
                 &q,
                 &kv,
                 &kv,
@@ -1651,7 +1653,7 @@ mod twin {
             KvFormat::F32,
             KvFormat::F32,
             late,
-            (1, 4),
+            (1, 4, 5),
             &q,
             &kv,
             &kv,
@@ -1660,5 +1662,110 @@ mod twin {
         .unwrap_err()
         .to_string();
         assert!(e.contains("1 queries from 4 past a span of 4 keys"), "{e}");
+    }
+
+    /// A sliding-window layer's ring (`rows` rows, the key at position `p` in row `p % rows`)
+    /// gives the kernels' replays, decode (split over blocks, with its position given and read
+    /// from the device) and prompt, the bits they give over a cache holding every position, and
+    /// the CPU backend's attention the same; the replays read the window and soft-cap as the
+    /// kernels do (within the bounds of `split_attention_matches_the_cpu_backend` of the CPU
+    /// backend's attention).
+    #[test]
+    fn attention_over_a_ring_replays_attention_over_every_position() {
+        use weightlift_kernels::cpu::attention::AttnShape;
+        let mut rng = Rng(0x21a6);
+        let (nh, kvh, hd) = (4, 2, 64);
+        let kvd = kvh * hd;
+        // (window, ring rows, queries, first position, splits)
+        for (window, ring, n_q, start, splits) in [
+            (8, 16, 1, 57, 1),
+            (8, 16, 1, 57, 5),
+            (8, 16, 5, 60, 3),
+            (8, 40, 24, 90, 1),
+            (32, 64, 24, 250, 1),
+        ] {
+            let keys = start + n_q;
+            let q = rng.vec(n_q * nh * hd, 2.0);
+            let kx = rng.vec(keys * kvd, 2.0);
+            let vx = rng.vec(keys * kvd, 1.0);
+            for (kf, vf) in [(KvFormat::F16, KvFormat::F16), (KvFormat::Q8, KvFormat::Q4)] {
+                let enc = |x: &[f32], f: KvFormat| {
+                    let mut out = vec![0u8; f.byte_at(x.len())];
+                    kv_encode(f, x, &mut out).unwrap();
+                    out
+                };
+                let (kfull, vfull) = (enc(&kx, kf), enc(&vx, vf));
+                let ring_of = |full: &[u8], f: KvFormat| {
+                    let row = f.byte_at(kvd);
+                    let mut out = vec![0u8; ring * row];
+                    for p in keys - ring..keys {
+                        let r = p % ring;
+                        out[r * row..(r + 1) * row].copy_from_slice(&full[p * row..(p + 1) * row]);
+                    }
+                    out
+                };
+                let (kring, vring) = (ring_of(&kfull, kf), ring_of(&vfull, vf));
+                for cap in [0.0f32, 3.0] {
+                    let shape = AttnShape::new(nh, kvh, hd, n_q, start, 0.125, false)
+                        .unwrap()
+                        .masked(window, cap);
+                    let what =
+                        format!("{kf:?}/{vf:?} window {window} ring {ring} {n_q} at {start}");
+                    let want = cpu_attention((kf, vf), (shape, keys), &q, &kfull, &vfull);
+                    let got = cpu_attention((kf, vf), (shape, ring), &q, &kring, &vring);
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(g, w)| g.to_bits() == w.to_bits()),
+                        "{what}: cpu backend"
+                    );
+                    let twin = |k: &[u8], v: &[u8], rows: usize, span: usize| {
+                        let mut out = vec![f32::NAN; q.len()];
+                        if n_q >= weightlift_kernels::sources::ATTENTION_PREFILL_MIN_QUERIES {
+                            host_shim::attention_prefill(
+                                kf,
+                                vf,
+                                shape,
+                                (window, cap, rows),
+                                &q,
+                                k,
+                                v,
+                                &mut out,
+                            )
+                            .unwrap();
+                        } else {
+                            host_shim::attention(
+                                kf,
+                                vf,
+                                shape,
+                                (splits, span, rows),
+                                &q,
+                                k,
+                                v,
+                                &mut out,
+                            )
+                            .unwrap();
+                        }
+                        out
+                    };
+                    for span in [0, keys.next_power_of_two()] {
+                        let full = twin(&kfull, &vfull, keys, span);
+                        let got = twin(&kring, &vring, ring, span);
+                        assert!(
+                            got.iter()
+                                .zip(&full)
+                                .all(|(g, w)| g.to_bits() == w.to_bits()),
+                            "{what}, span {span}: twin"
+                        );
+                        for (i, (g, w)) in full.iter().zip(&want).enumerate() {
+                            assert!(
+                                (g - w).abs() <= 1e-5,
+                                "{what}: value {i}: twin {g}, cpu {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -71,9 +71,11 @@
 //! - **architectures without a role table** (anything but llama, mistral, qwen2, qwen3,
 //!   phi3, gemma2, gemma3): planned with a warning that the engine cannot run them; the embedding and the
 //!   head are recognised by name, and a head with no tensor of its own is tied to the
-//!   embedding. Their sliding-window layers ([`SlidingWindow`]) keep llama.cpp's SWA cache,
-//!   `pad256(window + chunk)` cells; the engine keeps every position in the caches of the
-//!   architectures it runs, so theirs keep full caches.
+//!   embedding.
+//! - **sliding-window layers** ([`SlidingWindow`], of any architecture) keep llama.cpp's SWA
+//!   cache, `pad256(window + chunk)` cells ([`SlidingWindow::cells`], the chunk being
+//!   [`swa_ubatch`]); the engine allocates those cells and keeps such a layer's cache as a ring
+//!   over them.
 //!
 //! - **offloaded cache** ([`CacheSpec::offload`], transformers' `OffloadedCache`): every
 //!   layer's K and V live in host RAM and are charged to `cpu` (its kv column holds the whole
@@ -136,7 +138,7 @@ pub use tp::{
     MAX_TP_RANKS, SplitTable, TpInputs, TpKind, TpRank, TpShare, TpSplit, TpWorkspace, TpWorld,
     define_split, integer_split, to_table, tp_staging_bytes,
 };
-pub use window::{SWA_PAD, SlidingWindow};
+pub use window::{SWA_PAD, SlidingWindow, ubatch as swa_ubatch};
 pub use workspace::{
     ALIGN, ATTENTION_SPLIT_KEYS, ATTENTION_SPLITS, DQ_CHUNK_VALUES, Dims, Hosts, KV_TILE,
     LOGIT_ROWS, Region, Workspace, cuda_product_tiles,

@@ -9,7 +9,9 @@
 //!
 //! A sliding-window layer's cache is sized as llama.cpp sizes its SWA cache
 //! (`llama_kv_cache_iswa`): the window plus one micro-batch, padded to 256 cells, never more than
-//! the full cache. Full-attention layers keep every token.
+//! the full cache. Full-attention layers keep every token. The engine allocates exactly these
+//! cells and keeps a sliding layer's cache as a ring over them: the micro-batch is the room a
+//! chunk's new keys take without overwriting a key one of its own queries still needs.
 
 use serde::{Deserialize, Serialize};
 use weightlift_format::{MetaRef, MetaValue, Metadata, ModelSpec};
@@ -209,17 +211,17 @@ impl SlidingWindow {
     }
 }
 
-/// The window a plan sizes caches by: the request's, for an architecture the engine does not
-/// run. The engine keeps every position in the caches of the architectures it runs (gemma's
-/// sliding layers mask the window in attention over a full cache), so their plans keep every
-/// layer's cache full.
+/// The window a plan sizes caches by: the request's, whatever the architecture. The engine keeps
+/// a sliding-window layer's cache as a ring of [`SlidingWindow::cells`] rows (position `p` in row
+/// `p % cells`), so its caches hold exactly what the plan counts.
 pub(crate) fn planned_window(req: &PlanRequest) -> Option<&SlidingWindow> {
-    let w = req.sliding_window.as_ref()?;
-    (w.any() && !ModelSpec::supports_roles(&req.spec.architecture)).then_some(w)
+    req.sliding_window.as_ref().filter(|w| w.any())
 }
 
-/// Tokens per sequence of one forward chunk: the SWA cache's micro-batch.
-pub(crate) fn ubatch(runtime: &RuntimeSpec, max_seq_len: u64) -> u64 {
+/// Tokens per sequence of one forward chunk with a cache of `max_seq_len` tokens: the SWA
+/// cache's micro-batch, `ubatch` of [`SlidingWindow::cells`] (the engine's forward pass cuts
+/// prompts into chunks of at most this many tokens of one sequence).
+pub fn ubatch(runtime: &RuntimeSpec, max_seq_len: u64) -> u64 {
     runtime.effective().0.min(max_seq_len)
 }
 

@@ -2,9 +2,9 @@
 //! table, the plan warns that the engine cannot run them, and sliding-window layers keep only
 //! llama.cpp's SWA cache. The expected cells and layers come from llama.cpp's own log of a
 //! gemma3 (tests/data/swa_reference.json, written by tests/gen_swa_reference.py) and the
-//! per-layer rules from transformers' config classes; the engine now runs gemma3, with full
-//! caches, so the SWA sizes are checked on an architecture it does not run, with gemma3's
-//! layers and window.
+//! per-layer rules from transformers' config classes. The SWA sizes are checked on an
+//! architecture the engine does not run, with gemma3's layers and window, and on those it runs
+//! (whose sliding layers it keeps as rings of those cells).
 
 use crate::common;
 
@@ -147,27 +147,36 @@ fn sliding_window_kv_is_llama_cpps_swa_cache() {
 }
 
 #[test]
-fn engine_architectures_keep_full_caches() {
-    // The engine keeps every position in the caches of the architectures it runs (gemma masks
-    // the window in attention): a window in the checkpoint does not shrink their cache, and the
-    // plan says so.
-    for arch in ["mistral", "gemma3", "gemma2"] {
-        let mut req = gemma3_request(4096, 512);
-        req.spec.architecture = arch.into();
-        let p = plan(&req).unwrap();
-        let kv: u64 = p.devices().iter().map(|d| d.kv).sum();
-        assert_eq!(kv, 8 * 4096 * 2 * 32 * 2, "{arch}");
+fn engine_architectures_cut_sliding_caches_as_llama_cpp() {
+    // The engine keeps a sliding layer's cache as a ring of the SWA cache's cells, so the
+    // architectures it runs are planned as llama.cpp sizes them, as the others are.
+    let r = reference();
+    let row = 2 * 32 * 2;
+    for arch in ["mistral", "qwen2", "gemma3", "gemma2"] {
+        for case in r["cases"].as_array().unwrap() {
+            let (n_ctx, n_ubatch) = (
+                case["n_ctx"].as_u64().unwrap(),
+                case["n_ubatch"].as_u64().unwrap(),
+            );
+            let cells = |c: &Value| c["cells"].as_u64().unwrap() * c["layers"].as_u64().unwrap();
+            let mut req = gemma3_request(n_ctx, n_ubatch);
+            req.spec.architecture = arch.into();
+            let p = plan(&req).unwrap();
+            let kv: u64 = p.devices().iter().map(|d| d.kv).sum();
+            assert_eq!(
+                kv,
+                (cells(&case["base"]) + cells(&case["swa"])) * row,
+                "{arch} {n_ctx} {n_ubatch}"
+            );
+            assert!(
+                p.warnings()
+                    .iter()
+                    .all(|w| !w.contains("keeps every position")),
+                "{:?}",
+                p.warnings()
+            );
+        }
     }
-    let mut req = gemma3_request(4096, 512);
-    req.spec.architecture = "mistral".into();
-    let p = plan(&req).unwrap();
-    assert!(
-        p.warnings()
-            .iter()
-            .any(|w| w.contains("the engine keeps every position in their cache")),
-        "{:?}",
-        p.warnings()
-    );
 }
 
 #[test]

@@ -204,7 +204,10 @@ impl ToPyErr for EngineError {
             E::CudaUnavailable { .. } => Exc::CudaUnavailable,
             E::Cancelled { .. } => Exc::LoadCancelled,
             E::Validation { .. } | E::NonFinite { .. } => Exc::Format,
-            E::Invalid { .. } | E::MaxLength { .. } | E::Aliased { .. } => Exc::Plan,
+            E::Invalid { .. }
+            | E::OutsideWindow { .. }
+            | E::MaxLength { .. }
+            | E::Aliased { .. } => Exc::Plan,
             E::Unsupported { .. } => Exc::Unsupported,
             E::NotLoaded { .. } | E::Hook { .. } => Exc::Weightlift,
             E::ContextFull { .. } => Exc::ContextFull,

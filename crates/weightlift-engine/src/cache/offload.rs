@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
-use super::{Cache, LayerStore, SLOTS, decode_span, formats, held, held_mut, read_len};
+use super::{Cache, LayerStore, SLOTS, byte_runs, decode_span, formats, held, held_mut, read_len};
 use crate::device::{Buffer, Device, pace_link};
 use crate::error::{EngineError, Result};
 use crate::forward::Copies;
@@ -133,15 +133,16 @@ impl Cache {
     }
 
     /// Offload: a free slot that held `layer` as it was before a write (version `was`) gets the
-    /// written bytes (`spans` of K and V) too and stays current. Each forward pass writes a
-    /// layer's new rows just before it fetches the layer, so without this the prefetched copy
-    /// would always be stale and the whole layer copied again.
+    /// written bytes (`spans` of K and V: one pair per run of rows, two where the positions
+    /// wrap past a ring's end) too and stays current. Each forward pass writes a layer's new
+    /// rows just before it fetches the layer, so without this the prefetched copy would always
+    /// be stale and the whole layer copied again.
     pub(super) fn refresh_slots(
         &self,
         layer: usize,
         store: &LayerStore,
         was: u64,
-        spans: [(usize, usize); 2],
+        spans: &[[(usize, usize); 2]],
     ) -> Result<()> {
         let mut pools = self.lock_pools();
         let Some(p) = pools
@@ -153,15 +154,16 @@ impl Cache {
         let now = self.version(layer);
         for slot in p.free.iter_mut().filter(|s| s.holds == Some((layer, was))) {
             slot.holds = None;
-            for (src, dst, (b0, b1)) in [
-                (&store.k, &mut slot.k, spans[0]),
-                (&store.v, &mut slot.v, spans[1]),
-            ] {
-                let host = src.host().ok_or_else(|| not_in_host_ram(&store.device))?;
-                // a few rows: not paced (a sleep that short costs more than the copy would)
-                let since = std::time::Instant::now();
-                dst.write(b0, &host[b0..b1])?;
-                self.tally((b1 - b0) as u64, since);
+            for [ks, vs] in spans {
+                for (src, dst, (b0, b1)) in
+                    [(&store.k, &mut slot.k, *ks), (&store.v, &mut slot.v, *vs)]
+                {
+                    let host = src.host().ok_or_else(|| not_in_host_ram(&store.device))?;
+                    // a few rows: not paced (a sleep that short costs more than the copy would)
+                    let since = std::time::Instant::now();
+                    dst.write(b0, &host[b0..b1])?;
+                    self.tally((b1 - b0) as u64, since);
+                }
             }
             slot.holds = Some((layer, now));
         }
@@ -188,27 +190,27 @@ impl Cache {
             ver.fetch_add(1, Ordering::AcqRel);
         }
         let row = self.config.n_kv_heads[layer] as usize * self.config.head_dim as usize;
-        let (first, n) = (pos as usize * row, n as usize);
-        let spans = {
-            let (hk, hv) = formats(self.config.dtype);
-            [hk, hv].map(|f| (f.byte_at(first), f.byte_at(first + n * row)))
-        };
+        let (hk, hv) = formats(self.config.dtype);
+        let spans: Vec<[(usize, usize); 2]> =
+            byte_runs(self.config.rows(layer), pos, n, row, [hk, hv])
+                .into_iter()
+                .map(|s| s.2)
+                .collect();
         let mut layers = self.lock();
         let store = held_mut(&mut layers, layer)?;
-        for (src, dst, (b0, b1)) in [
-            (&r.k, &mut store.k, spans[0]),
-            (&r.v, &mut store.v, spans[1]),
-        ] {
-            let home = dst
-                .host_mut()
-                .ok_or_else(|| not_in_host_ram(&store.device))?;
-            // the new rows only: not paced, as in `refresh_slots`
-            let since = std::time::Instant::now();
-            src.read(b0, &mut home[b0..b1])?;
-            self.tally((b1 - b0) as u64, since);
+        for [ks, vs] in &spans {
+            for (src, dst, (b0, b1)) in [(&r.k, &mut store.k, *ks), (&r.v, &mut store.v, *vs)] {
+                let home = dst
+                    .host_mut()
+                    .ok_or_else(|| not_in_host_ram(&store.device))?;
+                // the new rows only: not paced, as in `refresh_slots`
+                let since = std::time::Instant::now();
+                src.read(b0, &mut home[b0..b1])?;
+                self.tally((b1 - b0) as u64, since);
+            }
         }
         r.version = self.version(layer);
-        self.refresh_slots(layer, store, was, spans)?;
+        self.refresh_slots(layer, store, was, &spans)?;
         Ok(out)
     }
 
@@ -342,14 +344,16 @@ impl Cache {
 
     /// Copy `layer`'s K and V from host RAM into `slot`: for each sequence only the rows
     /// written so far (a decode step at position p of a long context copies p rows, not
-    /// `max_seq_len`); the rest of the slot is never read.
+    /// `max_seq_len`; a ring that positions wrapped around, all its rows); the rest of the slot
+    /// is never read.
     fn fill(&self, layer: usize, s: &LayerStore, slot: &mut Slot) -> Result<()> {
         let c = &self.config;
+        let rows = c.rows(layer) as usize;
         let used = self
             .written
             .load(Ordering::Acquire)
             .max(self.seq_len())
-            .min(c.max_seq_len) as usize;
+            .min(rows as u64) as usize;
         let row = c.n_kv_heads[layer] as usize * c.head_dim as usize;
         let (fk, fv) = formats(c.dtype);
         let since = std::time::Instant::now();
@@ -357,7 +361,7 @@ impl Cache {
         for (format, src, dst) in [(fk, &s.k, &mut slot.k), (fv, &s.v, &mut slot.v)] {
             let host = src.host().ok_or_else(|| not_in_host_ram(&s.device))?;
             for b in 0..c.batch_size as usize {
-                let first = b * c.max_seq_len as usize * row;
+                let first = b * rows * row;
                 let (b0, b1) = (format.byte_at(first), format.byte_at(first + used * row));
                 dst.write(b0, &host[b0..b1])?;
                 bytes += (b1 - b0) as u64;

@@ -1,20 +1,25 @@
 //! A cache's sequence saved and restored: llama-cpp-python's `save_state` / `load_state`.
 //!
-//! The state holds the token ids and every layer's K and V rows of positions `0..seq_len` as
-//! f32, read through [`Cache::read`] and written back through [`Cache::write`], so it works on
-//! every device and layout the cache has (host, CUDA, offloaded, split by heads) and can be
-//! restored into any cache of the same model shape, whatever its dtype. A quantised cache's rows
-//! come back as the values it decodes to; encoding those again gives the same groups.
+//! The state holds the token ids and every layer's K and V rows of the positions it holds up to
+//! `seq_len` as f32: all of them, or for a sliding-window layer kept as a ring those from where
+//! its ring starts ([`Cache::held_from`]; its window is all the next token reads). They are read
+//! through [`Cache::read`] and written back through [`Cache::write`], so a state works on every
+//! device and layout the cache has (host, CUDA, offloaded, split by heads) and can be restored
+//! into any cache of the same model shape, whatever its dtype, that can attend from it: a layer
+//! whose state starts past the window its next token needs there is refused by name. A
+//! quantised cache's rows come back as the values it decodes to; encoding those again gives the
+//! same groups.
 //!
-//! [`CacheState::to_bytes`] is a flat little-endian record (magic, version, shape, ids, rows),
-//! and [`CacheState::from_bytes`] checks every length against the bytes it has before it
-//! allocates, so a truncated or foreign blob is an error, never a huge allocation.
+//! [`CacheState::to_bytes`] is a flat little-endian record (magic, version, shape, ids, rows,
+//! each layer's first position), and [`CacheState::from_bytes`] checks every length against the
+//! bytes it has before it allocates, so a truncated or foreign blob is an error, never a huge
+//! allocation. Records of version 1 (before rings) hold every layer from position 0.
 
 use super::Cache;
 use crate::error::{EngineError, Result, invalid};
 
 const MAGIC: &[u8; 8] = b"WLKVSTAT";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 /// The tokens and K/V rows a cache held when [`Cache::save_state`] ran.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,7 +30,9 @@ pub struct CacheState {
     pub ids: Vec<u32>,
     /// Values per position of each layer (`n_kv_heads × head_dim`).
     pub rows: Vec<u64>,
-    /// Per layer, K then V in `(1, n_kv_heads, seq_len, head_dim)` order.
+    /// Per layer, the first position it holds (0, or where a ring's rows start).
+    pub starts: Vec<u64>,
+    /// Per layer, K then V in `(1, n_kv_heads, seq_len - start, head_dim)` order.
     pub layers: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
@@ -35,18 +42,22 @@ impl Cache {
         self.check_one_sequence("save_state")?;
         let seq_len = self.seq_len();
         let ids = self.ids();
+        let starts: Vec<u64> = (0..self.n_layers())
+            .map(|l| self.held_from(l).min(seq_len))
+            .collect();
         let mut layers = Vec::with_capacity(self.n_layers());
-        for l in 0..self.n_layers() {
-            layers.push(if seq_len == 0 {
+        for (l, &start) in starts.iter().enumerate() {
+            layers.push(if start == seq_len {
                 (Vec::new(), Vec::new())
             } else {
-                self.read(l, 0, seq_len)?
+                self.read(l, start, seq_len)?
             });
         }
         Ok(CacheState {
             seq_len,
             ids,
             rows: (0..self.n_layers()).map(|l| self.config.row(l)).collect(),
+            starts,
             layers,
         })
     }
@@ -69,6 +80,16 @@ impl Cache {
                 ),
             ));
         }
+        if state.starts.len() != rows.len() || state.layers.len() != rows.len() {
+            return Err(invalid(
+                "cache state",
+                format!(
+                    "a first position and rows for each of its {} layers",
+                    rows.len()
+                ),
+                format!("{} and {}", state.starts.len(), state.layers.len()),
+            ));
+        }
         if state.seq_len > self.config.max_seq_len {
             return Err(EngineError::ContextFull {
                 tokens: state.seq_len,
@@ -76,10 +97,43 @@ impl Cache {
                 max_seq_len: self.config.max_seq_len,
             });
         }
+        // every layer holds what its next token attends to
+        for (l, &start) in state.starts.iter().enumerate() {
+            let needed = if state.seq_len == 0 {
+                0
+            } else {
+                super::first_seen(self.config.window(l), state.seq_len)
+            };
+            if start > needed {
+                return Err(EngineError::OutsideWindow {
+                    what: format!(
+                        "loading a state of {} tokens whose layer {l} starts at position {start}",
+                        state.seq_len
+                    ),
+                    layer: l,
+                    window: self.config.window(l),
+                    rows: self.config.rows(l),
+                    held_from: start,
+                    needed,
+                    fix: "load it into a cache of the same model and runtime (its sliding \
+                          windows and chunk size) as the one that saved it"
+                        .into(),
+                });
+            }
+        }
         self.reset();
         for (l, (k, v)) in state.layers.iter().enumerate() {
-            if state.seq_len > 0 {
-                self.write(l, 0, state.seq_len, k, v)?;
+            let start = state.starts[l];
+            self.set_floor(l, start);
+            // a ring takes its last rows' positions (those before are never read)
+            let from = start.max(state.seq_len.saturating_sub(self.config.rows(l)));
+            if from < state.seq_len {
+                let heads = self.config.n_kv_heads[l] as usize;
+                let (k, v) = (
+                    tokens_from(k, heads, state.seq_len - start, from - start),
+                    tokens_from(v, heads, state.seq_len - start, from - start),
+                );
+                self.write(l, from, state.seq_len - from, &k, &v)?;
             }
         }
         if state.ids.len() as u64 == state.seq_len {
@@ -127,6 +181,9 @@ impl CacheState {
         self.rows
             .iter()
             .for_each(|r| out.extend_from_slice(&r.to_le_bytes()));
+        self.starts
+            .iter()
+            .for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
         for (k, v) in &self.layers {
             k.iter()
                 .chain(v)
@@ -147,8 +204,12 @@ impl CacheState {
             ));
         }
         let version = u32::from_le_bytes(r.array()?);
-        if version != VERSION {
-            return Err(invalid("cache state version", VERSION.to_string(), version));
+        if !(1..=VERSION).contains(&version) {
+            return Err(invalid(
+                "cache state version",
+                format!("1 to {VERSION}"),
+                version,
+            ));
         }
         let seq_len = r.u64()?;
         let n_ids = r.count(4)?;
@@ -157,9 +218,22 @@ impl CacheState {
             .map(|_| r.array().map(u32::from_le_bytes))
             .collect::<Result<Vec<_>>>()?;
         let rows = (0..n_layers).map(|_| r.u64()).collect::<Result<Vec<_>>>()?;
+        let starts = if version >= 2 {
+            let starts = (0..n_layers).map(|_| r.u64()).collect::<Result<Vec<_>>>()?;
+            if let Some(s) = starts.iter().find(|&&s| s > seq_len) {
+                return Err(invalid(
+                    "cache state",
+                    format!("layers starting at most at its {seq_len} tokens"),
+                    format!("a layer starting at {s}; the record is corrupt"),
+                ));
+            }
+            starts
+        } else {
+            vec![0; n_layers]
+        };
         let mut layers = Vec::with_capacity(n_layers);
-        for &row in &rows {
-            let n = usize::try_from(row.saturating_mul(seq_len)).unwrap_or(usize::MAX);
+        for (&row, &start) in rows.iter().zip(&starts) {
+            let n = usize::try_from(row.saturating_mul(seq_len - start)).unwrap_or(usize::MAX);
             let k = r.floats(n)?;
             let v = r.floats(n)?;
             layers.push((k, v));
@@ -175,9 +249,25 @@ impl CacheState {
             seq_len,
             ids,
             rows,
+            starts,
             layers,
         })
     }
+}
+
+/// The tokens from `skip` on of values in `(heads, tokens, head_dim)` order (one sequence),
+/// each head's rows cut alike.
+fn tokens_from(x: &[f32], heads: usize, tokens: u64, skip: u64) -> Vec<f32> {
+    let (tokens, skip) = (tokens as usize, skip as usize);
+    if skip == 0 || heads == 0 || tokens == 0 {
+        return x.to_vec();
+    }
+    let per_head = x.len() / heads;
+    let hd = per_head / tokens;
+    x.chunks_exact(per_head)
+        .flat_map(|h| &h[skip * hd..])
+        .copied()
+        .collect()
 }
 
 struct Reader<'a> {
@@ -242,6 +332,7 @@ mod tests {
             seq_len: 2,
             ids: vec![7, 9],
             rows: vec![4],
+            starts: vec![0],
             layers: vec![((0..8).map(|x| x as f32).collect(), vec![0.5; 8])],
         }
     }
@@ -250,6 +341,40 @@ mod tests {
     fn a_state_round_trips_through_bytes() {
         let s = sample();
         assert_eq!(CacheState::from_bytes(&s.to_bytes()).unwrap(), s);
+    }
+
+    #[test]
+    fn a_record_of_version_1_holds_every_layer_from_position_0() {
+        let s = sample();
+        let mut v1 = Vec::new();
+        v1.extend_from_slice(MAGIC);
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        for n in [s.seq_len, s.ids.len() as u64, s.rows.len() as u64] {
+            v1.extend_from_slice(&n.to_le_bytes());
+        }
+        s.ids
+            .iter()
+            .for_each(|i| v1.extend_from_slice(&i.to_le_bytes()));
+        s.rows
+            .iter()
+            .for_each(|r| v1.extend_from_slice(&r.to_le_bytes()));
+        for (k, v) in &s.layers {
+            k.iter()
+                .chain(v)
+                .for_each(|x| v1.extend_from_slice(&x.to_le_bytes()));
+        }
+        assert_eq!(CacheState::from_bytes(&v1).unwrap(), s);
+        // a layer that starts past the tokens held is refused
+        let mut late = s.clone();
+        late.starts = vec![3];
+        late.layers = vec![(Vec::new(), Vec::new())];
+        let e = CacheState::from_bytes(&late.to_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("a layer starting at 3; the record is corrupt"),
+            "{e}"
+        );
     }
 
     #[test]

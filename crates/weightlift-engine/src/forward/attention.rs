@@ -46,8 +46,9 @@ pub(crate) struct Tiles<'a> {
 }
 
 /// Attention of the `n` queries in `qo` (token-major, `n × n_heads × head_dim`, already
-/// rotated) at positions `start..start + n` over cache rows `0..start + n` of `layer` (this
-/// chunk's keys and values already written). The result replaces the queries in `qo`.
+/// rotated) at positions `start..start + n` over the keys of positions `0..start + n` of
+/// `layer` (this chunk's keys and values already written; the cache decodes each position from
+/// its row, a sliding-window layer's ring included). The result replaces the queries in `qo`.
 pub(crate) fn attend(
     s: Shape,
     cache: &Cache,
@@ -71,12 +72,9 @@ pub(crate) fn attend(
     let mut att = Attention::new(shape, s.kv_tile, t.stats, t.acc).map_err(kernel)?;
     let total = start + n;
     // a sliding layer's first query sees no key before `start + 1 - window`: the tiles wholly
-    // before it add nothing to any query, so they are neither decoded nor folded
-    let first = match s.window {
-        0 => 0,
-        w => (start + 1).saturating_sub(w) / s.kv_tile.max(1) * s.kv_tile.max(1),
-    };
-    let mut k0 = first;
+    // before it add nothing to any query, so they are neither decoded nor folded (a ring holds
+    // none of them)
+    let mut k0 = shape.first_tile(s.kv_tile);
     while k0 < total {
         let tk = s.kv_tile.min(total - k0);
         let (kt, vt) = (&mut t.kt[..tk * kvd], &mut t.vt[..tk * kvd]);

@@ -1323,7 +1323,9 @@ struct PieceRows<'r, T> {
 /// two (`attention_decode_span`). Nothing of the step's position is then a launch argument, so
 /// a captured CUDA graph replays it (see `graph::run`), and graphs on or off run the same
 /// kernels. Prompts, and offloaded caches (whose device slot holds the
-/// layer only while it is lent), pass the rows and the position from the host.
+/// layer only while it is lent), pass the rows and the position from the host; a prompt whose
+/// rows wrap past a sliding-window layer's ring takes the whole-layer store (each token at its
+/// position's row). Attention reads the key at position `p` from row `p % rows` of the layer.
 fn attend_piece<B: Exec>(
     b: &B,
     cx: &Ctx<'_>,
@@ -1349,6 +1351,11 @@ fn attend_piece<B: Exec>(
     } = rows;
     let on_device = n == 1 && !cache.is_offloaded();
     let capacity = cache.config().max_seq_len as usize;
+    // the layer's rows: a sliding-window layer's ring keeps position p in row p % rows
+    let ring = cache.config().rows(li) as usize;
+    cache.check_attend(li, a.window, pos as u64, n as u64)?;
+    // a chunk whose rows wrap past the ring's end is stored at its positions' rows
+    let wraps = pos % ring + n > ring;
     // the keys attention splits: one span for many positions (a captured step's key holds it)
     let span = weightlift_kernels::sources::attention_decode_span(pos + n, capacity);
     let attend = |kb: &mut Buffer, vb: &mut Buffer| -> Result<()> {
@@ -1375,12 +1382,13 @@ fn attend_piece<B: Exec>(
             })
             .map_err(cx.err(at("rope and cache store")))
         };
-        if on_device {
-            store(&mut kc, &mut vc, Some(capacity))?;
+        if on_device || wraps {
+            store(&mut kc, &mut vc, Some(ring))?;
         } else {
-            let mut k_rows = cache_rows(b, k_format, &mut kc, pos * kvd, n * kvd)
+            let row = pos % ring;
+            let mut k_rows = cache_rows(b, k_format, &mut kc, row * kvd, n * kvd)
                 .map_err(cx.err(at("cache keys")))?;
-            let mut v_rows = cache_rows(b, v_format, &mut vc, pos * kvd, n * kvd)
+            let mut v_rows = cache_rows(b, v_format, &mut vc, row * kvd, n * kvd)
                 .map_err(cx.err(at("cache values")))?;
             store(&mut k_rows, &mut v_rows, None)?;
         }
@@ -1395,6 +1403,7 @@ fn attend_piece<B: Exec>(
             scale: c.attn_scale,
             window: a.window,
             softcap: c.attn_softcap,
+            cache_rows: ring,
             tile: c.kv_tile,
             f16_operands: c.compute.f16_operands(cache.config().dtype),
             q: &*q,
@@ -1409,7 +1418,7 @@ fn attend_piece<B: Exec>(
     if cache.is_offloaded() {
         cache.with_fetched(li, pos as u64, n as u64, attend)
     } else {
-        cache.with_layer(li, attend)
+        cache.with_layer(li, (pos as u64, n as u64), attend)
     }
 }
 

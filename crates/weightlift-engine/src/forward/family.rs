@@ -14,12 +14,12 @@
 //!   gemma3) and `head_dim^-½` otherwise;
 //! - soft-capping `cap · tanh(x / cap)` of the attention scores (gemma2, default 50 in
 //!   llama.cpp) and of the logits (gemma2 default 30; gemma3 only when configured);
-//! - sliding-window layers from the plan crate's [`SlidingWindow`] rules;
+//! - sliding-window layers from the plan crate's [`weightlift_plan::SlidingWindow`] rules (for every family:
+//!   mistral's and qwen2's windows too);
 //! - gemma3's RoPE: the global layers' base (and linear scaling) and the sliding layers' own
 //!   base (`rope_parameters.sliding_attention`, `rope.freq_base_swa`, default 10 000).
 
 use weightlift_format::{DType, Format, MetaValue, ModelSpec, Role};
-use weightlift_plan::SlidingWindow;
 
 use super::graph::Loaded;
 use crate::error::{EngineError, Result};
@@ -69,6 +69,20 @@ impl Family {
     /// The variants of `spec`'s checkpoint.
     pub fn of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<Family> {
         let n = spec.n_layers as usize;
+        let ck = m.source.checkpoint();
+        // every architecture's sliding-window layers (gemma's local layers, mistral's and
+        // qwen2's windowed ones), read as the plan and the cache read them
+        let window = match ck {
+            Some(c) => crate::planned::sliding_window_of(c, spec)
+                .map_err(|e| spec_error(m, spec, format!("sliding window: {e}")))?,
+            None => None,
+        };
+        let windows = (0..n)
+            .map(|l| match &window {
+                Some(w) if w.is_sliding(l) => w.window as usize,
+                _ => 0,
+            })
+            .collect::<Vec<_>>();
         let plain = Family {
             gate: Gate::Silu,
             embed_scale: None,
@@ -76,37 +90,20 @@ impl Family {
             attn_softcap: 0.0,
             final_softcap: 0.0,
             norm_offset: 0.0,
-            windows: vec![0; n],
+            windows,
             ropes: vec![None; n],
         };
         let arch = spec.architecture.as_str();
         if !is_gemma(arch) {
             return Ok(plain);
         }
-        let ck = m.source.checkpoint();
         let gguf = ck.map(|c| c.format()) == Some(Format::Gguf);
         let gemma2 = arch == "gemma2";
-        let window = match (ck, gguf) {
-            (Some(c), true) => SlidingWindow::from_gguf(c.metadata(), spec),
-            (Some(c), false) => match c.config() {
-                Some(cfg) => SlidingWindow::from_hf_config(cfg, spec),
-                None => Ok(None),
-            },
-            (None, _) => Ok(None),
-        }
-        .map_err(|e| spec_error(m, spec, format!("sliding window: {e}")))?;
-        let windows = (0..n)
-            .map(|l| match &window {
-                Some(w) if w.is_sliding(l) => w.window as usize,
-                _ => 0,
-            })
-            .collect::<Vec<_>>();
         let hidden = spec.hidden_size as f32;
         let heads = spec.n_heads as f32;
         let is_27b = spec.n_layers == if gemma2 { 46 } else { 62 };
         let mut f = Family {
             gate: Gate::GeluTanh,
-            windows,
             ..plain
         };
         let embed_dtype = m

@@ -145,6 +145,8 @@ pub(super) fn run_layer(
         let (rows, cache) = (at..at + p.n, p.cache);
         at += p.n;
         let kv = rows.start * kvd..rows.end * kvd;
+        // a ring must still hold what the chunk's queries read once its keys are in
+        cache.check_attend(li, l.window, p.pos as u64, p.n as u64)?;
         cache.write_rows(li, p.pos as u64, &w.k[kv.clone()], &w.v[kv])?;
         let resident = if cache.is_offloaded() {
             Some(cache.fetch(li)?)

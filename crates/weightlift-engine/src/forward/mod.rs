@@ -737,21 +737,31 @@ impl crate::Model {
     }
 }
 
+/// The tokens of one sequence a forward chunk of `chunk` tokens takes on `cache`: at most what
+/// its sliding-window rings hold room for past their windows ([`crate::CacheConfig::max_chunk`]).
+pub(crate) fn chunk_for(chunk: u64, cache: &Cache) -> usize {
+    chunk.min(cache.config().max_chunk()).max(1) as usize
+}
+
 /// The calls a batch of sequences takes, as ranges of `seqs`: consecutive sequences together
-/// while their tokens fit one chunk, else one a call.
+/// while their tokens fit one chunk (each within its cache's, [`chunk_for`]), else one a call.
 fn rounds(graph: &Graph, seqs: &[(&Arc<Cache>, &[u32])]) -> Vec<std::ops::Range<usize>> {
     let chunk = graph.chunk_tokens();
     let mut rounds: Vec<std::ops::Range<usize>> = Vec::new();
     let mut tokens = 0;
-    for (i, (_, ids)) in seqs.iter().enumerate() {
+    // whether the last round may take more: not when its sequence runs in chunks of its own
+    let mut open = false;
+    for (i, (cache, ids)) in seqs.iter().enumerate() {
+        let fits = ids.len() <= chunk_for(chunk as u64, cache);
         match rounds.last_mut() {
-            Some(r) if tokens + ids.len() <= chunk => {
+            Some(r) if open && fits && tokens + ids.len() <= chunk => {
                 r.end = i + 1;
                 tokens += ids.len();
             }
             _ => {
                 rounds.push(i..i + 1);
                 tokens = ids.len();
+                open = fits;
             }
         }
     }

@@ -41,7 +41,7 @@ use super::graph::Loaded;
 use super::layer::{head_norm_in_place, kernel, product_runs, swiglu_in_place};
 use super::rope::rope_of;
 use super::weights::Packing;
-use super::{Compute, Copies, Logits, Output, Views, carve, check_tokens};
+use super::{Compute, Copies, Logits, Output, Views, carve, check_tokens, chunk_for};
 use crate::cache::{Cache, TpPart};
 use crate::device::DeviceKind;
 use crate::error::{EngineError, Result, invalid};
@@ -82,6 +82,8 @@ struct Attn {
     kv_heads: usize,
     /// Index of this device's part of the cache.
     cache_part: usize,
+    /// The layer's sliding window (0: full attention).
+    window: usize,
 }
 
 #[derive(Debug)]
@@ -265,6 +267,7 @@ impl Run<'_> {
             at += s.n;
             let cache = &s.parts[a.cache_part].cache;
             let kv = rows.start * kvd..rows.end * kvd;
+            cache.check_attend(li, a.window, s.pos as u64, s.n as u64)?;
             cache.write_rows(li, s.pos as u64, &w.k[kv.clone()], &w.v[kv])?;
             let shape = Shape {
                 n_heads: a.q_heads,
@@ -274,7 +277,7 @@ impl Run<'_> {
                 q_tile: self.q_tile,
                 f16_operands: self.compute.f16_operands(cache.config().dtype),
                 scale: 1.0 / (hd as f32).sqrt(),
-                window: 0,
+                window: a.window,
                 softcap: 0.0,
             };
             let tiles = Tiles {
@@ -493,7 +496,7 @@ impl TpGraph {
         let run = self.run(held, copies, compute);
         let h = run.hidden;
         let s = &self.splits;
-        let chunk = self.dims.tokens as usize;
+        let chunk = chunk_for(self.dims.tokens, cache);
         let mut done = 0usize;
         let mut buffer = 0usize;
         let mut flip = || {
@@ -578,6 +581,9 @@ impl TpGraph {
             && output == Output::Logits(Logits::Last)
             && seqs.len() > 1
             && tokens <= self.dims.tokens as usize
+            && seqs
+                .iter()
+                .all(|(c, ids)| ids.len() <= chunk_for(self.dims.tokens, c))
     }
 
     /// Several sequences through the model tensor-parallel in one pass (on the host path here,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::Model;
-use crate::cache::{Cache, CacheConfig, CacheDType};
+use crate::cache::{Cache, CacheConfig, CacheDType, Ring};
 use crate::device::Device;
 use crate::error::{EngineError, Result, invalid};
 
@@ -60,7 +60,8 @@ impl Model {
             })
     }
 
-    /// The cache shape of this model's architecture.
+    /// The cache shape of this model's architecture, its sliding-window layers kept as rings
+    /// sized for the forward chunks of [`Model::runtime`].
     pub fn cache_config(
         &self,
         max_seq_len: u64,
@@ -68,10 +69,29 @@ impl Model {
         dtype: CacheDType,
         offload: bool,
     ) -> Result<CacheConfig> {
+        self.cache_config_for((max_seq_len, batch_size), dtype, offload, &self.runtime())
+    }
+
+    /// [`Model::cache_config`] for the forward chunks of `runtime`: what a plan of that runtime
+    /// counts for the cache.
+    pub fn cache_config_for(
+        &self,
+        (max_seq_len, batch_size): (u64, u64),
+        dtype: CacheDType,
+        offload: bool,
+        runtime: &weightlift_plan::RuntimeSpec,
+    ) -> Result<CacheConfig> {
         let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
             what: "a cache for this checkpoint".into(),
             detail: "its architecture (n_kv_heads, head_dim) could not be read".into(),
         })?;
+        let ring = self
+            .sliding_window()?
+            .filter(weightlift_plan::SlidingWindow::any)
+            .map(|window| Ring {
+                window,
+                ubatch: weightlift_plan::swa_ubatch(runtime, max_seq_len),
+            });
         Ok(CacheConfig {
             max_seq_len,
             batch_size,
@@ -79,7 +99,33 @@ impl Model {
             n_kv_heads: (0..spec.n_layers).map(|l| spec.n_kv_heads_at(l)).collect(),
             head_dim: spec.head_dim,
             offload,
+            ring,
         })
+    }
+
+    /// The model's sliding-window layers ([`crate::planned::sliding_window_of`]); `None` for a
+    /// source that is not a checkpoint, or one without them.
+    pub fn sliding_window(&self) -> Result<Option<weightlift_plan::SlidingWindow>> {
+        match (self.source.checkpoint(), self.source.spec()) {
+            (Some(ckpt), Some(spec)) => crate::planned::sliding_window_of(ckpt, spec),
+            _ => Ok(None),
+        }
+    }
+
+    /// The runtime limits the caches this model makes are sized for (their rings hold one
+    /// forward chunk of its `max_input_len` past the window): the loaded plan's, else the one
+    /// set with [`Model::set_runtime`] (the default runtime until then).
+    pub fn runtime(&self) -> weightlift_plan::RuntimeSpec {
+        self.state
+            .as_ref()
+            .and_then(|s| s.forward.as_ref())
+            .map_or(self.runtime, |f| f.runtime)
+    }
+
+    /// The runtime the plans of this model take and its caches are sized for before a load
+    /// (a [`crate::session::Session`] sets its defaults' here).
+    pub fn set_runtime(&mut self, runtime: weightlift_plan::RuntimeSpec) {
+        self.runtime = runtime;
     }
 
     /// A cache of the planner's `spec` (a plan's cache, or one a caller asked for) in this

@@ -164,6 +164,48 @@ impl AttnShape {
         }
     }
 
+    /// The first key position any query of the call sees: where the first query's window
+    /// starts, 0 without a window.
+    pub fn first_key(&self) -> usize {
+        match self.window {
+            0 => 0,
+            w => (self.start + 1).saturating_sub(w),
+        }
+    }
+
+    /// The first key of the first tile (of `tile` keys, counted from key 0) that holds a key
+    /// any query sees: the tiles wholly before it add nothing to any query, so no path decodes
+    /// or folds them, and every path folds the same tiles from here.
+    pub fn first_tile(&self, tile: usize) -> usize {
+        self.first_key() / tile.max(1) * tile.max(1)
+    }
+
+    /// Checks that a cache of `rows` rows, the key at position `p` in row `p % rows` (a
+    /// sliding-window layer's ring), still holds every key the call's queries see once the
+    /// call's own keys are written: the `start + n_q - first_key` positions from the first
+    /// query's window start up to the last query. A cache of every position has at least
+    /// `start + n_q` rows.
+    pub fn check_rows(&self, rows: usize) -> Result<()> {
+        let seen = (self.start + self.n_q) - self.first_key();
+        if seen > rows {
+            return Err(KernelError::Shape {
+                op: "attention",
+                reason: format!(
+                    "{} queries from position {} see the keys of {seen} positions (window {}), \
+                     more than the cache's {rows} rows hold: the call's own keys would \
+                     overwrite keys its queries read",
+                    self.n_q,
+                    self.start,
+                    match self.window {
+                        0 => "none".to_owned(),
+                        w => w.to_string(),
+                    }
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Whether a window or a soft-cap applies.
     fn is_masked(&self) -> bool {
         self.window > 0 || self.softcap > 0.0
@@ -506,15 +548,44 @@ pub fn attention_with(
     v: &[f32],
     out: &mut [f32],
 ) -> Result<()> {
+    attention_from(isa, shape, tile, 0, q, k, v, out)
+}
+
+/// [`attention_with`] over keys from position `base` on: `k` and `v` hold (at least) the rows of
+/// positions `base..start + n_q`, and `base` is at most [`AttnShape::first_tile`] and a multiple
+/// of `tile`, so the tiles folded are those [`attention_with`] folds (a sliding-window layer's
+/// ring holds no key before its window: its rows are gathered from there).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_from(
+    isa: Isa,
+    shape: AttnShape,
+    tile: usize,
+    base: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
     let (kvd, keys) = (shape.kv_dim(), shape.start + shape.n_q);
+    let first = shape.first_tile(tile);
+    if base > first || !base.is_multiple_of(tile.max(1)) {
+        return Err(KernelError::Shape {
+            op: "attention",
+            reason: format!(
+                "keys from position {base}: a multiple of the tile {tile} at most the first \
+                 tile seen, {first}"
+            ),
+        });
+    }
+    let want = (keys - base) * kvd;
     for (what, got) in [
         ("attention key values", k.len()),
         ("attention value values", v.len()),
     ] {
-        if got < keys * kvd {
+        if got < want {
             return Err(KernelError::LengthMismatch {
                 what,
-                expected: keys * kvd,
+                expected: want,
                 got,
             });
         }
@@ -524,12 +595,9 @@ pub fn attention_with(
     let mut scores = vec![0f32; shape.scores_len(shape.n_q, tile)];
     let mut att = Attention::new(shape, tile, &mut stats, &mut acc)?;
     // with a window, the tiles wholly before the first query's window add nothing: skipped
-    let mut k0 = match shape.window {
-        0 => 0,
-        w => (shape.start + 1).saturating_sub(w) / tile.max(1) * tile.max(1),
-    };
+    let mut k0 = first;
     while k0 < keys {
-        let rows = k0 * kvd..(k0 + tile.min(keys - k0)) * kvd;
+        let rows = (k0 - base) * kvd..(k0 - base + tile.min(keys - k0)) * kvd;
         let (kt, vt) = (&k[rows.clone()], &v[rows]);
         att.fold_with(isa, q, 0..shape.n_q, k0, kt, vt, &mut scores)?;
         k0 += tile;

@@ -526,9 +526,9 @@ impl CudaBackend {
                 // SAFETY: one thread per work unit below `units` (the kernel's own count of the
                 // same shape): a query pair inside its head (n_tok * n_heads * head_dim checked),
                 // a key or value (or group of 32) below kvn of k and v (checked), written at the
-                // same index of the caches (cap 0, their bytes checked for kvn) or at its row
-                // below cap (positions outside it skipped; cap rows checked), each token's
-                // position and each pair's angle (checked).
+                // same index of the caches (cap 0, their bytes checked for kvn) or at its
+                // position's row p % cap (negative positions skipped; cap rows checked), each
+                // token's position and each pair's angle (checked).
                 unsafe { self.launch("kv", name, elementwise(units)?, &mut args) }?;
             }
             op @ Op::RopeKvStore { .. } => {
@@ -650,6 +650,7 @@ impl CudaBackend {
                 scale,
                 window,
                 softcap,
+                cache_rows,
                 tile: _,
                 f16_operands,
                 q,
@@ -708,8 +709,23 @@ impl CudaBackend {
                         ),
                     });
                 }
-                need("attention key bytes", k, k_format.byte_at(sh.kv_values()))?;
-                need("attention value bytes", v, v_format.byte_at(sh.kv_values()))?;
+                // the keys the queries see all in the ring (position p in row p % cache_rows),
+                // and the rows read in the buffers
+                crate::cpu::attention::AttnShape::new(
+                    n_heads,
+                    kv_heads,
+                    head_dim,
+                    n_q,
+                    start,
+                    scale,
+                    f16_operands,
+                )?
+                .masked(window, softcap)
+                .check_rows(cache_rows)?;
+                let held = mul(mul(sh.start + n_q, kv_heads), head_dim)
+                    .min(mul(mul(cache_rows, kv_heads), head_dim));
+                need("attention key bytes", k, k_format.byte_at(held))?;
+                need("attention value bytes", v, v_format.byte_at(held))?;
                 need("attention output bytes", out, mul(sh.q_values(), 4))?;
                 if n_q == 0 {
                     return Ok(());
@@ -740,10 +756,12 @@ impl CudaBackend {
                         KArg::I32(i32::from(f16_operands)),
                         KArg::U64(window as u64),
                         KArg::F32(softcap),
+                        KArg::U64(cache_rows as u64),
                     ];
                     // SAFETY: block (kh, b) reads the query rows of its (query, head) pairs
-                    // (n_q * n_heads * head_dim checked), cache rows below start + n_q of KV
-                    // head kh ((start + n_q) rows checked), and writes the output rows of its
+                    // (n_q * n_heads * head_dim checked), cache rows below
+                    // min(start + n_q, cache_rows) of KV head kh (those rows checked; positions
+                    // past the rows read row p % cache_rows), and writes the output rows of its
                     // pairs (checked); head_dim is within the kernel's shared arrays (checked
                     // against ATTENTION_PREFILL_MAX_HEAD_DIM), and kv_heads divides n_heads
                     // (AttShape::check).
@@ -778,12 +796,14 @@ impl CudaBackend {
                     window: window as u64,
                     softcap,
                     span: start_at.as_ref().map_or(0, |at| at.span as u64),
+                    rows: cache_rows as u64,
                 };
                 let pos = start_at.as_ref().map(|at| &*at.positions.slice);
                 let Some(part) = split else {
                     // SAFETY: block (x, i) reads query rows i of the heads of one chunk of KV
                     // head x (n_q * n_heads * head_dim checked) and cache rows below
-                    // start + i + 1 of that KV head ((start + n_q) rows checked), and writes
+                    // min(start + i + 1, cache_rows) of that KV head (those rows checked;
+                    // positions past the rows read row p % cache_rows), and writes
                     // those heads' output rows i (n_q * n_heads * head_dim checked); head_dim
                     // is within the kernel's shared arrays (checked).
                     return unsafe { self.attention_pass(&name, cfg, [q, k, v], out, pos, &fixed) };
@@ -835,6 +855,8 @@ struct AttentionArgs {
     /// The cache rows the keys are split over when the position is read on the device (0: it
     /// is `start`).
     span: u64,
+    /// The rows the cache layer holds: the key at position `p` is in row `p % rows`.
+    rows: u64,
 }
 
 impl CudaBackend {
@@ -870,6 +892,7 @@ impl CudaBackend {
             KArg::F32(a.softcap),
             pos.map_or(KArg::Null, KArg::In),
             KArg::U64(a.span),
+            KArg::U64(a.rows),
         ];
         // SAFETY: the caller's contract (the position, when read on the device, only within
         // the span of rows the caller checked).

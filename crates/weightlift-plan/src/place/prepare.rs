@@ -319,12 +319,6 @@ impl<'a> Ctx<'a> {
                     "layers {layers} attend to a sliding window of {} tokens",
                     w.window
                 )),
-                (None, Some(c)) if c.max_seq_len > w.window => Some(format!(
-                    "the checkpoint gives layers {layers} a sliding window of {} tokens, but \
-                     the engine keeps every position in their cache, so their kv holds all {} \
-                     tokens",
-                    w.window, c.max_seq_len
-                )),
                 (None, _) => None,
             };
             warnings.extend(note);

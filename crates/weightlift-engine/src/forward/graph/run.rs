@@ -42,8 +42,9 @@ impl Graph {
         }
         match seqs {
             [] => Err(invalid("a forward batch", "at least one sequence", "none")),
-            [(_, ids)] => Ok(ids
-                .chunks(chunk)
+            // no more of a sequence than its rings hold room for
+            [(cache, ids)] => Ok(ids
+                .chunks(crate::forward::chunk_for(chunk as u64, cache))
                 .scan(starts[0], |pos, part| {
                     let at = *pos;
                     *pos += part.len();
@@ -52,7 +53,10 @@ impl Graph {
                 .collect()),
             _ => {
                 let n: usize = seqs.iter().map(|(_, ids)| ids.len()).sum();
-                if output != Output::Logits(Logits::Last) || n > chunk {
+                let fits = seqs
+                    .iter()
+                    .all(|(c, ids)| ids.len() <= crate::forward::chunk_for(chunk as u64, c));
+                if output != Output::Logits(Logits::Last) || n > chunk || !fits {
                     return Err(invalid(
                         "a forward batch of several sequences",
                         format!("the last logits of each, for {chunk} tokens in all at most"),

@@ -265,6 +265,8 @@ impl TpGraph {
         };
         let (h, hd) = (spec.hidden_size as usize, spec.head_dim as usize);
         let name = |d: usize| ctx.device(d).map(|x| x.name().to_owned());
+        // the sliding-window layers (mistral's, qwen2's), as the layer split runs them
+        let windows = super::super::family::Family::of(m, spec)?.windows;
         let mut layers = Vec::with_capacity(spec.n_layers as usize);
         for l in 0..spec.n_layers {
             let at = Some(l);
@@ -325,6 +327,7 @@ impl TpGraph {
                     q_heads: qh,
                     kv_heads: kh,
                     cache_part,
+                    window: windows.get(l as usize).copied().unwrap_or(0),
                 });
             }
             for &(d, a, b) in splits.id.iter().filter(|e| ours(e.0)) {

@@ -270,7 +270,7 @@ impl TpGraph {
             buffer
         };
         let mut done = 0usize;
-        for part in ids.chunks(self.dims.tokens as usize) {
+        for part in ids.chunks(crate::forward::chunk_for(self.dims.tokens, cache)) {
             let n = part.len();
             let pos = start + done;
             let b = flip();

@@ -23,6 +23,8 @@ pub(super) struct AttnParts {
     pub(super) q_heads: usize,
     pub(super) kv_heads: usize,
     pub(super) cache_part: usize,
+    /// The layer's sliding window (0: full attention).
+    pub(super) window: usize,
 }
 
 impl AttnParts {
@@ -58,7 +60,7 @@ impl AttnParts {
             n_heads: self.q_heads,
             kv_heads: self.kv_heads,
             rope: None,
-            window: 0,
+            window: self.window,
         };
         let mut pieces = Vec::with_capacity(seqs.len());
         for &(parts, pos, n) in seqs {
@@ -180,6 +182,7 @@ impl BackendGraph {
                         q_heads: a.q_heads,
                         kv_heads: a.kv_heads,
                         cache_part: a.cache_part,
+                        window: a.window,
                     }),
                     None => None,
                 });
