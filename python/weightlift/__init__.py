@@ -47,13 +47,11 @@ from weightlift._native import (
     BROADCAST_VC,
     Batch,
     Cache,
-    CacheSpec,
     Checkpoint,
     CompletionStream,
     DeviceTensor,
     LlamaGrammar,
     Plan,
-    RuntimeSpec,
     TPContext,
     TPGroupMember,
     __version__,
@@ -64,6 +62,7 @@ from weightlift._native import (
     tensor,
     use_devices,
 )
+from weightlift._specs import CacheSpec, RuntimeSpec
 from weightlift._types import Device, DeviceUsage, ModelSpec, Placement, TensorInfo
 
 __all__ = [
