@@ -45,10 +45,8 @@ from weightlift._native import (
     BROADCAST_Q,
     BROADCAST_RS,
     BROADCAST_VC,
-    CacheSpec,
     CompletionStream,
     DeviceTensor,
-    RuntimeSpec,
     TPGroupMember,
     __version__,
     cuda_info,
@@ -58,6 +56,7 @@ from weightlift._native import (
     use_devices,
 )
 from weightlift._objects import Batch, Cache, LlamaGrammar, TPContext
+from weightlift._specs import CacheSpec, RuntimeSpec
 from weightlift._types import (
     Checkpoint,
     Device,

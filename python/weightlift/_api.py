@@ -25,11 +25,8 @@ if TYPE_CHECKING:
     from weightlift._native import (
         Batch,
         Cache,
-        CacheSpec,
         CompletionStream,
         LlamaGrammar,
-        ModelSpec,
-        RuntimeSpec,
         _Callback,
         _Compute,
         _DeviceMap,
@@ -42,16 +39,17 @@ if TYPE_CHECKING:
         _SplitMode,
         _Strategy,
     )
-    from weightlift._types import Checkpoint, Plan
+    from weightlift._specs import CacheSpec, RuntimeSpec
+    from weightlift._types import Checkpoint, ModelSpec, Plan
 
 _Offload = Literal["sequential", "group"]
 
 
-def _documented(native: Any, doc: str, *, settable: bool = False) -> Any:
+def _documented(native: Any, doc: str) -> Any:
     """``native``, a method or property of the native ``Model``, with ``doc`` as its docstring
     (the signature stays the native one)."""
     if isinstance(native, types.GetSetDescriptorType):
-        return property(native.__get__, native.__set__ if settable else None, doc=doc)
+        return property(native.__get__, doc=doc)
 
     @functools.wraps(native)
     def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
@@ -59,6 +57,16 @@ def _documented(native: Any, doc: str, *, settable: bool = False) -> Any:
 
     method.__doc__ = doc
     return method
+
+
+def _opened(source: Checkpoint | _Path, vocab_only: bool = False) -> Checkpoint:
+    """``source``, a path opened (``vocab_only``: its metadata and tokenizer only)."""
+    if isinstance(source, _native.Checkpoint):
+        return source
+    if not isinstance(source, (str, bytes, os.PathLike)):
+        got = type(source).__name__
+        raise TypeError(f"source must be a weightlift.Checkpoint or a path, got {got}")
+    return _native.open(source, vocab_only=vocab_only)
 
 
 @contextlib.contextmanager
@@ -112,7 +120,7 @@ class Model(_native.Model):
         n_threads: int | None = None,
         quantize: _Quantize | None = None,
     ) -> Model:
-        return super().__new__(cls, source, locals())
+        return super().__new__(cls, _opened(source), locals())
 
     def load(
         self,
@@ -157,8 +165,10 @@ class Model(_native.Model):
         ``callback(bytes_done, bytes_total, tensor, device)`` returning False cancels: everything is
         freed and ``LoadCancelled`` is raised. Ctrl-C raises KeyboardInterrupt the same way.
         """
+        if plan is not None and not isinstance(plan, str):
+            plan = plan.to_json()
         with _progress(locals()) as kw:
-            self._load(kw)
+            self._load("load", kw)
 
     def load_autosplit(
         self,
@@ -179,7 +189,7 @@ class Model(_native.Model):
         accelerator, as in ``load()``.
         """
         with _progress(locals()) as kw:
-            self._load_autosplit(kw)
+            self._load("autosplit", kw)
 
     def load_tp(
         self,
@@ -207,7 +217,7 @@ class Model(_native.Model):
         (``TPContext.join_nccl()``, or a ``TPContext.thread_group`` member).
         """
         with _progress(locals()) as kw:
-            self._load_tp(kw)
+            self._load("tp", kw)
 
     def generate(
         self,
@@ -387,44 +397,58 @@ class Model(_native.Model):
         """,
     )
     plan = _documented(_native.Model.plan, """The plan of the last load, or None.""")
-    plan_json = _documented(
-        _native.Model.plan_json, """The last plan as JSON (None before a load)."""
-    )
-    memory = _documented(
-        _native.Model.memory,
-        """Bytes held per device: weights (mmap views count on ``cpu``), cache layers, scratch.""",
-    )
-    device_usage = _documented(
-        _native.Model.device_usage,
-        """Bytes allocated right now per device (arena accounting; mmap views are not allocations).
-        """,
-    )
-    peak_memory = _documented(
-        _native.Model.peak_memory,
+
+    def plan_json(self) -> str | None:
+        """The last plan as JSON (None before a load)."""
+        plan = self.plan
+        return None if plan is None else plan.to_json()
+
+    # The model's state, each read from one native view of its session (`_state()`), which
+    # refuses a closed model (ClosedError) and a busy one (RuntimeError) as every call does.
+    @property
+    def loaded(self) -> bool:
+        """True while the model holds a load: after one succeeds, until ``unload()`` or
+        ``close()``."""
+        return self._state()["loaded"]
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held per device: weights (mmap views count on ``cpu``), cache layers, scratch."""
+        return self._state()["memory"]
+
+    def device_usage(self) -> dict[str, int]:
+        """Bytes allocated right now per device (arena accounting; mmap views are not
+        allocations)."""
+        return self._state()["device_usage"]
+
+    def peak_memory(self) -> dict[str, int]:
         """The most bytes allocated at once per device since the last load began (the same
         accounting as ``device_usage``): weights, cache, scratch and what forward passes held.
-        """,
-    )
-    transfer_stats = _documented(
-        _native.Model.transfer_stats,
+        """
+        return self._state()["peak_memory"]
+
+    def transfer_stats(self) -> dict[str, float]:
         """Copies between devices during the last forward call: ``copies`` (count), ``bytes`` and
         ``seconds`` (wall time spent copying).
-        """,
-    )
-    devices = _documented(
-        _native.Model.devices,
+        """
+        return self._state()["transfer_stats"]
+
+    @property
+    def devices(self) -> str:
         """The device spec this model was made with (with ``devices=None``, the detected machine's,
         e.g. ``"cuda:0,cpu"``).
-        """,
-    )
-    locked_bytes = _documented(
-        _native.Model.locked_bytes,
-        """Bytes of memory-mapped tensors locked in RAM (``use_mlock``).""",
-    )
-    warnings = _documented(
-        _native.Model.warnings,
-        """Warnings from the last load (O_DIRECT fallback, unvalidated architecture, ...).""",
-    )
+        """
+        return self._state()["devices"]
+
+    @property
+    def locked_bytes(self) -> int:
+        """Bytes of memory-mapped tensors locked in RAM (``use_mlock``)."""
+        return self._state()["locked_bytes"]
+
+    @property
+    def warnings(self) -> list[str]:
+        """Warnings from the last load (O_DIRECT fallback, unvalidated architecture, ...)."""
+        return self._state()["warnings"]
+
     device_of = _documented(
         _native.Model.device_of,
         """The device of a tensor; a split tensor gives its devices joined by commas.""",
@@ -452,6 +476,14 @@ class Model(_native.Model):
         """,
     )
     closed = _documented(_native.Model.closed, """True once ``close()`` has run.""")
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *_args: object) -> bool:
+        self.close()
+        return False
+
     cache = _documented(
         _native.Model.cache,
         """The cache generation and ``forward(cache=None)`` use: the one the model was loaded with,
@@ -477,44 +509,60 @@ class Model(_native.Model):
         twice) fails the call before any cache moves. The GIL is released while it runs.
         """,
     )
-    compute = _documented(
-        _native.Model.compute,
-        """``"fast"`` or ``"exact"``.""",
-        settable=True,
-    )
-    cuda_graphs = _documented(
-        _native.Model.cuda_graphs,
+
+    @property
+    def compute(self) -> str:
+        """``"fast"`` or ``"exact"``."""
+        return self._state()["compute"]
+
+    @compute.setter
+    def compute(self, value: _Compute) -> None:
+        self._set("compute", value)
+
+    @property
+    def cuda_graphs(self) -> bool:
         """Whether a decode step that runs whole on one CUDA device is replayed from a captured
         CUDA graph (default on; ``WEIGHTLIFT_CUDA_GRAPHS=0`` starts it off). Both ways run the same
         kernels, so the logits are the same bits.
-        """,
-        settable=True,
-    )
-    cuda_graph_counts = _documented(
-        _native.Model.cuda_graph_counts,
+        """
+        return self._state()["cuda_graphs"]
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, on: bool) -> None:
+        self._set("cuda_graphs", on)
+
+    def cuda_graph_counts(self) -> tuple[int, int, str | None]:
         """``(captures, replays, refused)``: decode steps captured as CUDA graphs and replayed
         since the model was loaded, and why the driver refused the last capture (``None`` if it
         did not).
-        """,
-    )
+        """
+        return self._state()["cuda_graph_counts"]
+
     n_threads = _documented(_native.Model.n_threads, """Threads of the forward pass.""")
-    int8_threshold = _documented(
-        _native.Model.int8_threshold,
+
+    @property
+    def int8_threshold(self) -> float:
         """LLM.int8's outlier threshold for ``quantize="int8"`` weights (transformers'
         ``llm_int8_threshold``, default 6.0): activation columns with a value at least this large
         multiply the dequantised weights in f32, the rest go through int8.
-        """,
-        settable=True,
-    )
-    embed = _documented(
-        _native.Model.embed,
+        """
+        return self._state()["int8_threshold"]
+
+    @int8_threshold.setter
+    def int8_threshold(self, value: float) -> None:
+        self._set("int8_threshold", value)
+
+    def embed(
+        self, ids: Sequence[int], *, pooling: int | str | None = None, normalize: bool = False
+    ) -> list[float] | list[list[float]]:
         """The hidden states after the output norm of token ``ids`` (the head's input), pooled:
         ``pooling`` is llama.cpp's number (-1: the model's ``pooling_type``, else none; 0 none, 1
         mean, 2 cls, 3 last) or its name. No pooling gives one vector per token, the others one
         vector; ``normalize`` scales each to unit length. Runs on a cache of its own, so the model's
         cache and the prefix it holds are untouched. The GIL is released while it runs.
-        """,
-    )
+        """
+        return self._embed(ids, {"pooling": pooling, "normalize": normalize})
+
     tokenize = _documented(
         _native.Model.tokenize,
         """Token ids of ``text`` (str, or UTF-8 bytes as llama-cpp-python takes). ``add_bos=None``
@@ -744,7 +792,7 @@ def from_pretrained(
         quantize=quantize,
     )
     with _progress(kw) as kw:
-        model._load_pretrained(kw)
+        model._load("pretrained", kw)
     return model
 
 
@@ -807,9 +855,9 @@ def load_gguf(
         )
     # llama.cpp keeps the stored dtypes and quantises nothing on load.
     opened = dict(kw, dtype="auto", quantize=None)
-    model = _native.Model.__new__(Model, source, opened)
+    model = _native.Model.__new__(Model, _opened(source, vocab_only), opened)
     with _progress(kw) as kw:
-        model._load_llama(kw)
+        model._load("llama", kw)
     return model
 
 

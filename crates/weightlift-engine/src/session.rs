@@ -7,8 +7,10 @@
 //! the rules of opening, loading (with a cache given, or only its shape) and closing a model
 //! are the same for both.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use serde::Serialize;
 use weightlift_plan::{CacheSpec, DTypeChoice, Plan, PlanOptions, Quantize, RuntimeSpec};
 
 use crate::Inventory;
@@ -86,6 +88,18 @@ pub struct Session {
     closed: bool,
 }
 
+/// A setting of how a model runs that a caller may change between calls (the Python `Model`'s
+/// settable properties).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Setting {
+    /// `"fast"` or `"exact"` ([`Compute::parse`]).
+    Compute(String),
+    /// CUDA graph replay of decode steps ([`Model::set_cuda_graphs`]).
+    CudaGraphs(bool),
+    /// LLM.int8's outlier threshold ([`Model::set_int8_threshold`]).
+    Int8Threshold(f32),
+}
+
 /// A prompt as callers give it: text, or token ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt {
@@ -139,6 +153,64 @@ impl Session {
     /// Whether [`Session::close`] has run.
     pub fn is_closed(&self) -> bool {
         self.closed
+    }
+
+    /// The session as the Python `Model`'s properties show it, read at once: the devices it was
+    /// made with, whether it is loaded, what it holds per device ([`Model::memory`]), allocates
+    /// now ([`Model::device_usage`]) and allocated at most ([`Model::peak_memory`]), the copies
+    /// of the last forward call, the last load's warnings, and how it computes. Each is cheap to
+    /// read (the threads, [`Model::n_threads`], may read the CPU topology, so they are not here).
+    pub fn view(&self) -> impl Serialize + '_ {
+        #[derive(Serialize)]
+        struct Copies {
+            copies: u64,
+            bytes: u64,
+            seconds: f64,
+        }
+        #[derive(Serialize)]
+        struct View<'a> {
+            devices: &'a str,
+            loaded: bool,
+            memory: BTreeMap<String, u64>,
+            device_usage: BTreeMap<String, u64>,
+            peak_memory: BTreeMap<String, u64>,
+            transfer_stats: Copies,
+            locked_bytes: u64,
+            warnings: &'a [String],
+            compute: &'static str,
+            int8_threshold: f32,
+            cuda_graphs: bool,
+            cuda_graph_counts: (u64, u64, Option<String>),
+        }
+        let (m, copies) = (&self.model, self.model.transfer_stats());
+        View {
+            devices: &self.devices,
+            loaded: m.is_loaded(),
+            memory: m.memory().into_iter().collect(),
+            device_usage: m.device_usage().into_iter().collect(),
+            peak_memory: m.peak_memory().into_iter().collect(),
+            transfer_stats: Copies {
+                copies: copies.count,
+                bytes: copies.bytes,
+                seconds: copies.seconds(),
+            },
+            locked_bytes: m.locked_bytes(),
+            warnings: m.warnings(),
+            compute: m.compute().name(),
+            int8_threshold: m.int8_threshold(),
+            cuda_graphs: m.cuda_graphs(),
+            cuda_graph_counts: m.cuda_graph_counts(),
+        }
+    }
+
+    /// Change how the model runs from its next forward call.
+    pub fn set(&mut self, setting: Setting) -> Result<()> {
+        match setting {
+            Setting::Compute(name) => self.model.set_compute(Compute::parse(&name)?),
+            Setting::CudaGraphs(on) => self.model.set_cuda_graphs(on),
+            Setting::Int8Threshold(t) => self.model.set_int8_threshold(t)?,
+        }
+        Ok(())
     }
 
     /// Load by `plan`, or plan now with `options` over the model's own request and its

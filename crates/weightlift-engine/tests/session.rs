@@ -1,15 +1,19 @@
 //! A [`Session`] on the SmolLM2 demo GGUF: a cache given as a shape is planned with the layers
 //! (or made beside a given plan), a closed session refuses every use, `load_llama` places
 //! and sizes as llama-cpp-python's `Llama(...)`, a generation's steps leave their timings on
-//! the session, and dequantisation runs in chunks of the runtime's `max_dq_size`.
+//! the session, and dequantisation runs in chunks of the runtime's `max_dq_size`. Each load
+//! call reads its own keywords, and the session's view and settings are what the Python
+//! `Model`'s properties show and change.
 
 use std::sync::Arc;
 
+use serde_json::json;
+use weightlift_engine::keywords::LoadCall;
 use weightlift_engine::llama_cpp::{CacheType, DEFAULT_SEED, LlamaLoad};
-use weightlift_engine::session::{LoadCache, Prompt, Session, Settings};
+use weightlift_engine::session::{LoadCache, Prompt, Session, Setting, Settings};
 use weightlift_engine::{CacheDType, GenerateOptions, Generation, Inventory, LoadOptions, Source};
 use weightlift_format::{Checkpoint, OpenOptions};
-use weightlift_plan::{CacheSpec, PlanOptions, RuntimeSpec};
+use weightlift_plan::{CacheSpec, Keywords, PlanOptions, RuntimeSpec};
 
 /// Small forward passes keep the scratch small (the default runtime plans 2048-token prompts).
 const SMALL: RuntimeSpec = RuntimeSpec {
@@ -243,4 +247,86 @@ fn a_completion_prompt_is_ids_as_given_text_tokenized_or_text_before_a_suffix() 
         .unwrap_err()
         .to_string();
     assert!(e.starts_with("suffix: expected a text prompt"), "{e}");
+}
+
+fn kw(v: serde_json::Value) -> Keywords {
+    Keywords::from_json(v).unwrap()
+}
+
+#[test]
+fn each_load_call_reads_its_own_keywords() {
+    let (mut s, _) = session(Some("virtual:2x96MiB,cpu"));
+    let cache = json!({"max_seq_len": 64, "dtype": "q8"});
+    let load = kw(json!({"cache": cache, "strategy": "layers", "n_gpu_layers": 2}));
+    s.load_keywords(LoadCall::Load, &load, None, &mut |_| true)
+        .unwrap();
+    let plan = s.plan.clone().unwrap();
+    assert_eq!(plan.strategy(), "layers");
+    assert_eq!(plan.cache(), Some(&CacheSpec::new(64, 1, CacheDType::Q8)));
+
+    // A plan's JSON loads that plan; the shape's cache is made beside it.
+    s.unload();
+    let again = kw(json!({"plan": plan.to_json(), "cache": {"max_seq_len": 32}}));
+    s.load_keywords(LoadCall::Load, &again, None, &mut |_| true)
+        .unwrap();
+    assert_eq!(s.plan.as_ref(), Some(&plan));
+    assert_eq!(s.model.own_cache().unwrap().config().max_seq_len, 32);
+
+    // load_autosplit takes only a Cache the caller made, never a shape.
+    s.unload();
+    let e = s
+        .load_keywords(
+            LoadCall::Autosplit,
+            &kw(json!({"cache": cache})),
+            None,
+            &mut |_| true,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "cache: expected a Cache made for this model, got dict"
+    );
+    assert!(!s.model.is_loaded());
+
+    // load_gguf's vocab_only takes the llama settings and loads nothing.
+    let llama = kw(json!({"vocab_only": true, "seed": 7}));
+    s.load_keywords(LoadCall::Llama, &llama, None, &mut |_| true)
+        .unwrap();
+    assert_eq!(s.seed, Some(7));
+    assert!(!s.model.is_loaded());
+    assert!(LoadCall::parse("autosplit").is_ok() && LoadCall::parse("fast").is_err());
+}
+
+#[test]
+fn the_view_shows_the_session_and_settings_change_how_it_runs() {
+    let (mut s, _) = session(Some("cpu"));
+    let view = serde_json::to_value(s.view()).unwrap();
+    assert_eq!(view["devices"], "cpu");
+    assert_eq!(view["loaded"], false);
+    assert_eq!(view["memory"], json!({"cpu": 0}));
+    assert_eq!(
+        view["transfer_stats"],
+        json!({"copies": 0, "bytes": 0, "seconds": 0.0})
+    );
+    assert_eq!(view["cuda_graph_counts"], json!([0, 0, null]));
+    assert_eq!(view["compute"], "fast");
+
+    s.set(Setting::Compute("exact".into())).unwrap();
+    s.set(Setting::CudaGraphs(false)).unwrap();
+    s.set(Setting::Int8Threshold(0.0)).unwrap();
+    let view = serde_json::to_value(s.view()).unwrap();
+    assert_eq!(view["compute"], "exact");
+    assert_eq!(
+        (view["cuda_graphs"].clone(), view["int8_threshold"].clone()),
+        (json!(false), json!(0.0))
+    );
+    let e = s.set(Setting::Compute("fastest".into())).unwrap_err();
+    assert!(e.to_string().starts_with("compute: expected"), "{e}");
+    assert!(s.set(Setting::Int8Threshold(f32::NAN)).is_err());
+
+    s.load_keywords(LoadCall::Load, &kw(json!({})), None, &mut |_| true)
+        .unwrap();
+    let view = serde_json::to_value(s.view()).unwrap();
+    assert_eq!(view["loaded"], true);
+    assert!(view["memory"]["cpu"].as_u64().unwrap() > 0);
 }

@@ -17,7 +17,8 @@
 //! - `cache` ([`CacheSpec`]): a map of its fields, `max_seq_len` required, `batch_size` 1,
 //!   `dtype` fp16 and `offload` false when not given;
 //! - `runtime` ([`RuntimeSpec`]): a map of its fields, the rest at their defaults;
-//! - `offload` (`"sequential"` or `"group"`) with `blocks_per_group` (1) and `prefetch` (true).
+//! - `offload` (`"sequential"` or `"group"`) with `blocks_per_group` (1) and `prefetch` (true);
+//! - `plan` ([`Plan`]): a plan's JSON.
 //!
 //! A keyword absent or null is not given. A value of the wrong kind is a
 //! [`PlanError::KeywordType`] or [`PlanError::UnknownField`] (Python raises `TypeError` for
@@ -33,6 +34,7 @@ use crate::error::{PlanError, Result};
 use crate::memory::{CacheDType, CacheSpec, RuntimeSpec};
 use crate::onload::WeightOffload;
 use crate::options::{DeviceMapArg, PerDevice, PlanOptions};
+use crate::plan::Plan;
 use crate::request::{DeviceMap, FitTarget};
 use crate::size::parse_size;
 
@@ -546,6 +548,16 @@ deserialize_by_grammar!(PerDevice => "sizes", DeviceMapArg => "device_map", Devi
 impl FromKeyword for Keywords {
     fn from_keyword(v: &Value, _key: &str) -> Result<Self> {
         Keywords::from_json(v.clone())
+    }
+}
+
+impl FromKeyword for Plan {
+    /// A plan's JSON ([`Plan::to_json`]).
+    fn from_keyword(v: &Value, key: &str) -> Result<Self> {
+        let json = v
+            .as_str()
+            .ok_or_else(|| type_error(key, "a Plan or its JSON", v))?;
+        Plan::from_json(json)
     }
 }
 

@@ -276,6 +276,9 @@ fn json_round_trip_explain_and_svg() {
     let back = Plan::from_json(&j).unwrap();
     assert_eq!(back, p);
     assert_eq!(back.to_json(), j);
+    // The `plan` keyword (`Model.load(plan)`) is the same JSON.
+    let kw = Keywords::from_json(serde_json::json!({ "plan": j })).unwrap();
+    assert_eq!(kw.get::<Plan>("plan").unwrap(), Some(p.clone()));
     assert!(
         Plan::from_json("{")
             .unwrap_err()

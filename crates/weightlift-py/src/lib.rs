@@ -10,11 +10,9 @@ mod devices;
 mod errors;
 mod format;
 mod generate;
-mod loaders;
 mod model;
 mod options;
 mod plan;
-mod progress;
 mod run;
 mod tp;
 
@@ -25,13 +23,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // not search: hand the kernels' library search this Python's folders. Nothing is opened
     // here; the search runs at the first kernel compile.
     let path = m.py().import("sys")?.getattr("path")?;
-    weightlift_kernels::cuda_libs::add_site_dirs(
-        path.try_iter()?
-            .flatten()
-            .filter_map(|p| p.extract::<String>().ok())
-            .filter(|p| !p.is_empty())
-            .map(std::path::PathBuf::from),
-    );
+    let dirs = path
+        .try_iter()?
+        .filter_map(|p| p.ok()?.extract::<String>().ok());
+    let dirs = dirs.filter(|p| !p.is_empty()).map(std::path::PathBuf::from);
+    weightlift_kernels::cuda_libs::add_site_dirs(dirs);
     format::register(m)?;
     plan::register(m)?;
     m.add_function(wrap_pyfunction!(devices::tensor, m)?)?;

@@ -1,30 +1,32 @@
-//! `Model`: a checkpoint, its devices and, once loaded, its tensors and plan.
+//! `Model`: the engine's [`Session`] behind a lock. `weightlift/_api.py` declares and documents
+//! the class; its loads and properties reach the session through the few calls here. A load's
+//! progress goes to the user's callback, which may cancel it, as Ctrl-C does. (`progress=True`'s
+//! bar is the command line's, put in front of the callback by `weightlift/_api.py`.)
 
-use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use numpy::PyArray1;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::exceptions::{PyAttributeError, PyRuntimeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
-use weightlift_engine::session::{LoadCache, Session, Settings};
-use weightlift_engine::{self as we, LoadOptions, Progress};
+use pyo3::types::PyBool;
+use weightlift_engine::keywords::LoadCall;
+use weightlift_engine::session::{Session, Setting, Settings};
+use weightlift_engine::{EngineError, Progress};
 use weightlift_format as wf;
-use weightlift_plan as wp;
 
 use crate::cache::Cache;
 use crate::devices::{inventory_for, to_numpy};
 use crate::errors::{eng, enter, py_err};
+use crate::format::{Checkpoint, TensorInfo};
 use crate::options::Kw;
-use crate::progress::Reporter;
+use crate::tp::TPContext;
 
 /// A model's state behind its lock: the engine session, and the `Model.tp` object handed out
 /// for the current load.
 pub(crate) struct ModelInner {
     pub(crate) session: Session,
-    tp_obj: Option<Py<crate::tp::TPContext>>,
+    tp_obj: Option<Py<TPContext>>,
 }
 
 impl Deref for ModelInner {
@@ -66,115 +68,65 @@ impl Model {
             )),
         }
     }
-
-    pub(crate) fn open_source(
-        source: &Bound<'_, PyAny>,
-        open: wf::OpenOptions,
-    ) -> PyResult<Arc<wf::Checkpoint>> {
-        if let Ok(c) = source.cast::<crate::format::Checkpoint>() {
-            return c.get().shared();
-        }
-        let path: PathBuf = source.extract().map_err(|_| {
-            PyTypeError::new_err("source must be a weightlift.Checkpoint or a path")
-        })?;
-        enter(source.py(), || wf::Checkpoint::open(&path, open)).map(Arc::new)
-    }
-
-    /// `load` (a [`Session`] load, reporting progress) with the GIL released.
-    pub(crate) fn run_load<F>(
-        &self,
-        py: Python<'_>,
-        mut reporter: Reporter,
-        load: F,
-    ) -> PyResult<()>
-    where
-        F: FnOnce(&mut Session, &mut dyn FnMut(&Progress<'_>) -> bool) -> we::Result<()> + Send,
-    {
-        let mut inner = self.lock()?;
-        let session = &mut inner.session;
-        // Released by hand rather than through `enter`: the reporter re-attaches during the
-        // load to call the user's callback and check for Ctrl-C, and `finish` maps a
-        // cancellation (by either) to its exception once everything is freed.
-        let r = py.detach(|| load(session, &mut |p| reporter.report(p)));
-        reporter.finish(r)
-    }
-}
-
-/// The engine cache a `Cache` shares (a `TypeError` for any other object).
-fn cache_of(obj: &Bound<'_, PyAny>) -> PyResult<Arc<we::cache::Cache>> {
-    let cache = (obj.cast::<Cache>()).map_err(|e| PyTypeError::new_err(format!("cache: {e}")))?;
-    Ok(Arc::clone(&cache.get().cache))
-}
-
-fn plan_from_obj(plan: &Bound<'_, PyAny>) -> PyResult<wp::Plan> {
-    let json: String = if let Ok(s) = plan.extract::<String>() {
-        s
-    } else {
-        plan.call_method0("to_json")?.extract()?
-    };
-    wp::Plan::from_json(&json).map_err(py_err)
 }
 
 #[pymethods]
 impl Model {
-    /// `weightlift.Model(source, **kw)` (the signature and docstring are in
-    /// `weightlift/_api.py`); `vocab_only` opens the metadata and tokenizer only.
+    /// `weightlift.Model(checkpoint, **kw)`, whose signature and docstring are in
+    /// `weightlift/_api.py` (which opens a path).
     #[new]
-    pub(crate) fn new(source: &Bound<'_, PyAny>, kw: Kw<'_>) -> PyResult<Self> {
-        let kw = kw.data()?;
-        let vocab_only = kw.get("vocab_only").map_err(py_err)?.unwrap_or_default();
-        let open = wf::OpenOptions {
-            check_tensors: false,
-            vocab_only,
-        };
-        let ckpt = Model::open_source(source, open)?;
+    fn new(checkpoint: &Bound<'_, Checkpoint>, kw: Kw<'_>) -> PyResult<Self> {
+        let (checkpoint, kw) = (checkpoint.get().shared()?, kw.data()?);
         let settings = eng(Settings::from_keywords(&kw))?;
         let devices = kw.devices().map_err(py_err)?;
-        let inv = inventory_for(devices.as_deref())?;
-        let src: Arc<dyn we::Source> = Arc::clone(&ckpt) as Arc<dyn we::Source>;
-        let session = eng(Session::new(src, inv, devices, settings))?;
-        Ok(Model {
-            inner: Mutex::new(ModelInner {
-                session,
-                tp_obj: None,
-            }),
-            checkpoint: ckpt,
-        })
+        let inventory = inventory_for(devices.as_deref())?;
+        let source = Arc::clone(&checkpoint) as _;
+        let session = eng(Session::new(source, inventory, devices, settings))?;
+        let inner = Mutex::new(ModelInner {
+            session,
+            tp_obj: None,
+        });
+        Ok(Model { inner, checkpoint })
     }
 
-    /// `Model.load`; see `weightlift/_api.py`. `cache` is a `Cache` to load beside the layers,
-    /// or the shape of one that the load makes itself, so that what is held is what the plan
-    /// counted.
-    fn _load(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
-        let plan = kw.any("plan")?.map(|p| plan_from_obj(&p)).transpose()?;
-        let data = kw.data()?;
-        let cache = match kw.any("cache")? {
-            Some(c) if c.is_instance_of::<Cache>() => LoadCache::Given(cache_of(&c)?),
-            _ => (data.get("cache").map_err(py_err)?).map_or(LoadCache::None, LoadCache::Shape),
+    /// The load `call` ([`LoadCall`]: `Model.load`, `load_autosplit`, `load_tp`, and the loads
+    /// of `from_pretrained` and `load_gguf`, declared in `weightlift/_api.py`) with its keywords
+    /// `kw`, which the core reads; a `Cache` and the callbacks are taken here. The GIL is
+    /// released while it runs, and taken again only to check for Ctrl-C and to call the
+    /// callback; a cancellation by either raises their exception once everything is freed.
+    fn _load(&self, py: Python<'_>, call: &str, kw: Kw<'_>) -> PyResult<()> {
+        let call = eng(LoadCall::parse(call))?;
+        let cache = kw.any("cache")?;
+        let cache = cache.and_then(|c| Some(Arc::clone(&c.cast::<Cache>().ok()?.get().cache)));
+        // llama.cpp's `progress_callback` takes one float, the fraction done.
+        let (is_fraction, callback) = match kw.any("progress_callback")? {
+            Some(f) => (true, Some(f.unbind())),
+            None => (false, kw.opt("callback")?),
         };
-        let options = data.load_plan_options().map_err(py_err)?;
-        let read = eng(LoadOptions::from_keywords(&data))?;
-        self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
-            s.load(plan, options, cache, &read, p)
-        })
-    }
-
-    /// `Model.load_autosplit`; see `weightlift/_api.py`.
-    fn _load_autosplit(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
-        let cache = kw.any("cache")?.map(|c| cache_of(&c)).transpose()?;
-        let cache = cache.map_or(LoadCache::None, LoadCache::Given);
-        let options = kw.data()?.autosplit_options().map_err(py_err)?;
-        self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
-            s.load(None, options, cache, &LoadOptions::default(), p)
-        })
-    }
-
-    /// `Model.load_tp`; see `weightlift/_api.py`.
-    fn _load_tp(&self, py: Python<'_>, kw: Kw<'_>) -> PyResult<()> {
-        let options = kw.data()?.tensor_parallel_options().map_err(py_err)?;
-        self.run_load(py, Reporter::from_kw(&kw)?, |s, p| {
-            s.load(None, options, LoadCache::None, &LoadOptions::default(), p)
-        })
+        let (data, mut error) = (kw.data()?, None);
+        let mut report = |p: &Progress<'_>| {
+            Python::attach(|py| {
+                let go_on = py.check_signals().and_then(|()| {
+                    let Some(f) = &callback else { return Ok(true) };
+                    let v = match is_fraction {
+                        true => f.call1(py, (p.fraction(),)),
+                        false => f.call1(py, (p.bytes_done, p.bytes_total, p.tensor, p.device)),
+                    }?;
+                    Ok(!v.is(&*PyBool::new(py, false)))
+                });
+                go_on.unwrap_or_else(|e| {
+                    error = Some(e);
+                    false
+                })
+            })
+        };
+        let mut inner = self.lock()?;
+        let session = &mut inner.session;
+        let r = py.detach(|| session.load_keywords(call, &data, cache, &mut report));
+        match (r, error) {
+            (Err(EngineError::Cancelled { .. }), Some(e)) => Err(e),
+            (r, _) => eng(r),
+        }
     }
 
     fn unload(&self, py: Python<'_>) -> PyResult<()> {
@@ -186,18 +138,31 @@ impl Model {
         })
     }
 
+    /// The session as the properties of `weightlift/_api.py` read it ([`Session::view`]).
+    fn _state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(pythonize::pythonize(py, &self.lock()?.view())?)
+    }
+
+    /// Change the setting `name` (a [`Setting`]) to `value`: the setters of `weightlift/_api.py`.
+    fn _set(&self, name: &str, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let setting = match name {
+            "compute" => Setting::Compute(value.extract()?),
+            "cuda_graphs" => Setting::CudaGraphs(value.extract()?),
+            "int8_threshold" => Setting::Int8Threshold(value.extract()?),
+            _ => return Err(PyAttributeError::new_err(name.to_owned())),
+        };
+        eng(self.lock()?.set(setting))
+    }
+
+    /// The same object for as long as the load it was made for lasts.
     #[getter]
-    fn tp(slf: &Bound<'_, Self>) -> PyResult<Option<Py<crate::tp::TPContext>>> {
-        let py = slf.py();
-        let m = slf.get();
-        let mut inner = m.lock()?;
+    fn tp(&self, py: Python<'_>) -> PyResult<Option<Py<TPContext>>> {
+        let mut inner = self.lock()?;
         let Some(shared) = inner.model.tp_context_shared() else {
             inner.tp_obj = None;
             return Ok(None);
         };
-        if let Some(obj) = &inner.tp_obj
-            && obj.get().shares(&shared)
-        {
+        if let Some(obj) = inner.tp_obj.as_ref().filter(|o| o.get().shares(&shared)) {
             return Ok(Some(obj.clone_ref(py)));
         }
         let cpu = Arc::clone(inner.model.inventory().cpu());
@@ -207,54 +172,9 @@ impl Model {
     }
 
     #[getter]
-    fn loaded(&self) -> PyResult<bool> {
-        Ok(self.lock()?.model.is_loaded())
-    }
-
-    #[getter]
     fn plan(&self) -> PyResult<Option<crate::plan::Plan>> {
         let plan = self.lock()?.plan.clone();
         Ok(plan.map(|inner| crate::plan::Plan { inner }))
-    }
-
-    fn plan_json(&self) -> PyResult<Option<String>> {
-        Ok(self.lock()?.plan.as_ref().map(wp::Plan::to_json))
-    }
-
-    fn memory(&self) -> PyResult<HashMap<String, u64>> {
-        Ok(self.lock()?.model.memory().into_iter().collect())
-    }
-
-    fn device_usage(&self) -> PyResult<HashMap<String, u64>> {
-        Ok(self.lock()?.model.device_usage().into_iter().collect())
-    }
-
-    fn peak_memory(&self) -> PyResult<HashMap<String, u64>> {
-        Ok(self.lock()?.model.peak_memory().into_iter().collect())
-    }
-
-    fn transfer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.lock()?.model.transfer_stats();
-        let d = PyDict::new(py);
-        d.set_item("copies", c.count)?;
-        d.set_item("bytes", c.bytes)?;
-        d.set_item("seconds", c.seconds())?;
-        Ok(d)
-    }
-
-    #[getter]
-    fn devices(&self) -> PyResult<String> {
-        Ok(self.lock()?.devices.clone())
-    }
-
-    #[getter]
-    fn locked_bytes(&self) -> PyResult<u64> {
-        Ok(self.lock()?.model.locked_bytes())
-    }
-
-    #[getter]
-    fn warnings(&self) -> PyResult<Vec<String>> {
-        Ok(self.lock()?.model.warnings().to_vec())
     }
 
     fn device_of(&self, name: &str) -> PyResult<String> {
@@ -278,24 +198,18 @@ impl Model {
             let session = &inner.session;
             let d = enter(py, || session.dequantized(name))?;
             drop(inner);
-            let arr = PyArray1::from_vec(py, d.values);
-            return arr.call_method1("reshape", (PyTuple::new(py, d.shape)?,));
+            return PyArray1::from_vec(py, d.values).call_method1("reshape", (d.shape,));
         }
         let (bytes, dtype, shape) = eng(inner.model.tensor_bytes(name))?;
         drop(inner);
         to_numpy(py, &bytes, dtype, &shape)
     }
 
-    fn tensor_info(&self, name: &str) -> PyResult<crate::format::TensorInfo> {
+    fn tensor_info(&self, name: &str) -> PyResult<TensorInfo> {
         let inner = self.lock()?;
         let (dtype, nbytes) = eng(inner.model.held_type(name))?;
         let info = eng(inner.model.tensor_info(name))?;
-        Ok(crate::format::TensorInfo::held(
-            &self.checkpoint,
-            info,
-            dtype,
-            nbytes,
-        ))
+        Ok(TensorInfo::held(&self.checkpoint, info, dtype, nbytes))
     }
 
     fn close(&self, py: Python<'_>) -> PyResult<()> {
@@ -313,42 +227,24 @@ impl Model {
         Ok(self.lock_even_closed()?.is_closed())
     }
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
-        self.close(py)?;
-        Ok(false)
-    }
-
     #[getter]
     fn cache(&self, py: Python<'_>) -> PyResult<Option<Py<crate::cache::Cache>>> {
-        let inner = self.lock()?;
-        if !inner.model.is_loaded() {
-            return Ok(None);
-        }
-        inner
-            .model
-            .own_cache()
-            .ok()
-            .map(|cache| crate::cache::Cache::object(py, cache))
+        let cache = self.lock()?.model.own_cache().ok();
+        cache
+            .map(|c| crate::cache::Cache::object(py, c))
             .transpose()
     }
 
     fn __repr__(&self) -> String {
+        let path = self.checkpoint.path().display();
         match self.inner.try_lock() {
-            Ok(i) if i.is_closed() => {
-                format!("Model('{}', closed)", self.checkpoint.path().display())
-            }
+            Ok(i) if i.is_closed() => format!("Model('{path}', closed)"),
             Ok(i) => format!(
-                "Model('{}', devices='{}', loaded={})",
-                self.checkpoint.path().display(),
+                "Model('{path}', devices='{}', loaded={})",
                 i.devices,
                 i.model.is_loaded()
             ),
-            Err(_) => format!("Model('{}', loading)", self.checkpoint.path().display()),
+            Err(_) => format!("Model('{path}', loading)"),
         }
     }
 }

@@ -4,39 +4,32 @@
 
 use pyo3::conversion::FromPyObjectOwned;
 use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyType};
 use pythonize::Depythonizer;
 use weightlift_engine::planned::cache_spec;
 use weightlift_plan as wp;
 
 use crate::cache::Cache;
 use crate::errors::py_err;
-use crate::plan::{CacheSpec, RuntimeSpec};
 
 /// The keyword arguments of a call, as one dict.
+#[derive(FromPyObject)]
+#[pyo3(transparent)]
 pub struct Kw<'py>(Bound<'py, PyDict>);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Kw<'py> {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        Ok(Kw(obj.cast::<PyDict>()?.to_owned()))
-    }
-}
 
 impl<'py> Kw<'py> {
     /// Argument `key`, converted as PyO3 converts a declared one (a note names the argument).
     pub fn get<T: FromPyObjectOwned<'py>>(&self, key: &str) -> PyResult<T> {
-        let value = self
-            .0
-            .get_item(key)?
-            .ok_or_else(|| PyTypeError::new_err(format!("missing required argument '{key}'")))?;
+        let Some(value) = self.0.get_item(key)? else {
+            return Err(PyTypeError::new_err(format!(
+                "missing required argument '{key}'"
+            )));
+        };
         value.extract::<T>().map_err(|e| {
-            let e: PyErr = e.into();
-            let _ = e
-                .value(self.0.py())
-                .call_method1("add_note", (format!("while processing '{key}'"),));
+            let (e, note): (PyErr, _) = (e.into(), format!("while processing '{key}'"));
+            let _ = e.value(self.0.py()).call_method1("add_note", (note,));
             e
         })
     }
@@ -64,16 +57,16 @@ impl<'py> Kw<'py> {
     }
 }
 
-/// Keyword `key` set to `v` as the core reads it: a plain value as it is, a `CacheSpec`,
-/// `RuntimeSpec` or `Cache` as its fields (the data it stands for), and any other object by its
-/// type's name, for the caller to take with [`Kw::any`] or the grammar to refuse.
+/// Keyword `key` set to `v` as the core reads it: a plain value as it is, a dataclass (a
+/// `CacheSpec`, a `RuntimeSpec`) as its fields and a `Cache` as its shape (the data they stand
+/// for), and any other object by its type's name, for the caller to take with [`Kw::any`] or the
+/// grammar to refuse.
 fn add(kw: &mut wp::Keywords, key: String, v: &Bound<'_, PyAny>) -> PyResult<()> {
-    let data = if let Ok(c) = v.cast::<CacheSpec>() {
-        serde_json::to_value(c.get().inner).ok()
-    } else if let Ok(r) = v.cast::<RuntimeSpec>() {
-        serde_json::to_value(r.get().inner).ok()
-    } else if let Ok(c) = v.cast::<Cache>() {
+    let data = if let Ok(c) = v.cast::<Cache>() {
         serde_json::to_value(cache_spec(c.get().cache.config())).ok()
+    } else if v.hasattr(intern!(v.py(), "__dataclass_fields__"))? && !v.is_instance_of::<PyType>() {
+        let fields = v.py().import("dataclasses")?.call_method1("asdict", (v,))?;
+        wp::keywords::json_value(&mut Depythonizer::from_object(&fields)).ok()
     } else {
         wp::keywords::json_value(&mut Depythonizer::from_object(v)).ok()
     };
@@ -99,8 +92,6 @@ impl<'a, 'py> FromPyObject<'a, 'py> for CacheDTypeArg {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         let name: String = obj.extract()?;
-        wp::CacheDType::parse(&name)
-            .map(CacheDTypeArg)
-            .map_err(py_err)
+        Ok(CacheDTypeArg(wp::CacheDType::parse(&name).map_err(py_err)?))
     }
 }

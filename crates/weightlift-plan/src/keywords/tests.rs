@@ -350,3 +350,12 @@ fn plan_options_deserialise_from_any_serde_data() {
     assert_eq!(sizes, PerDevice::List(vec![1024, 2]));
     assert!(Keywords::from_json(json!([1])).is_err());
 }
+
+#[test]
+fn a_plan_is_its_json() {
+    let e = kw(json!({"plan": 3})).get::<Plan>("plan").unwrap_err();
+    assert!(is_type_error(&e), "{e}");
+    assert_eq!(e.to_string(), "plan: expected a Plan or its JSON, got int");
+    let e = kw(json!({"plan": "{"})).get::<Plan>("plan").unwrap_err();
+    assert!(e.to_string().starts_with("plan json is invalid"), "{e}");
+}
