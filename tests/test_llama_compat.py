@@ -245,6 +245,7 @@ def test_constructor_keywords_map_or_are_refused_by_name(demo_gguf: Path) -> Non
 
 def test_model_is_a_context_manager_and_close_frees_it(demo_gguf: Path) -> None:
     with wl.load_gguf(demo_gguf, n_ctx=64) as m:
+        assert repr(m).endswith("loaded=True)")
         assert m.generate("Hi", max_new_tokens=2)
         assert sum(m.memory().values()) > 0
     assert m.closed

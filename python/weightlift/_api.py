@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from weightlift import _native
+from weightlift import _native, _types
 from weightlift._errors import PlanError
 
 if TYPE_CHECKING:
@@ -45,11 +45,11 @@ if TYPE_CHECKING:
 _Offload = Literal["sequential", "group"]
 
 
-def _documented(native: Any, doc: str) -> Any:
-    """``native``, a method or property of the native ``Model``, with ``doc`` as its docstring
-    (the signature stays the native one)."""
+def _documented(native: Any, doc: str, *, settable: bool = False) -> Any:
+    """``native``, a method or property of a native class, with ``doc`` as its docstring (the
+    signature stays the native one)."""
     if isinstance(native, types.GetSetDescriptorType):
-        return property(native.__get__, doc=doc)
+        return property(native.__get__, native.__set__ if settable else None, doc=doc)
 
     @functools.wraps(native)
     def method(self: Any, /, *args: Any, **kwargs: Any) -> Any:
@@ -66,7 +66,7 @@ def _opened(source: Checkpoint | _Path, vocab_only: bool = False) -> Checkpoint:
     if not isinstance(source, (str, bytes, os.PathLike)):
         got = type(source).__name__
         raise TypeError(f"source must be a weightlift.Checkpoint or a path, got {got}")
-    return _native.open(source, vocab_only=vocab_only)
+    return _types.open(source, vocab_only=vocab_only)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from weightlift import _native
 from weightlift._errors import ClosedError
+from weightlift._specs import CacheSpec, RuntimeSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -334,15 +335,15 @@ class Plan(_native.Plan):
         return self._fields["quantize"]
 
     @property
-    def cache(self) -> _native.CacheSpec | None:
+    def cache(self) -> CacheSpec | None:
         """The KV cache the plan sizes, or None."""
         cache = self._fields["cache"]
-        return None if cache is None else _native.CacheSpec(**cache)
+        return None if cache is None else CacheSpec(**cache)
 
     @property
-    def runtime(self) -> _native.RuntimeSpec:
+    def runtime(self) -> RuntimeSpec:
         """The runtime limits that sized each device's scratch."""
-        return _native.RuntimeSpec(**self._fields["runtime"])
+        return RuntimeSpec(**self._fields["runtime"])
 
     @property
     def layer_devices(self) -> list[str]:

@@ -239,10 +239,11 @@ impl Model {
         let path = self.checkpoint.path().display();
         match self.inner.try_lock() {
             Ok(i) if i.is_closed() => format!("Model('{path}', closed)"),
+            // Python's spelling of the flag, as the repr of a Python object shows it.
             Ok(i) => format!(
                 "Model('{path}', devices='{}', loaded={})",
                 i.devices,
-                i.model.is_loaded()
+                if i.model.is_loaded() { "True" } else { "False" }
             ),
             Err(_) => format!("Model('{path}', loading)"),
         }
