@@ -73,7 +73,13 @@ class Cache(_native.Cache):
     reset = _documented(_native.Cache.reset, """Forget every token (the memory stays allocated).""")
     truncate = _documented(
         _native.Cache.truncate,
-        """Keep the first ``n`` tokens (at most ``seq_len``) and forget the rest.""",
+        """Keep the first ``n`` tokens (at most ``seq_len``) and forget the rest.
+
+        A sliding-window layer keeps only its last cells (a ring), so ``n`` must leave that
+        layer's window still held: rewinding further raises ``PlanError`` naming the layer, its
+        window and the first position it holds; ``reset()`` and running the prompt again is
+        the fix.
+        """,
     )
     tokens = _documented(
         _native.Cache.tokens,
