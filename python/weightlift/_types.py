@@ -270,9 +270,6 @@ class Checkpoint(_native.Checkpoint):
         self.close()
         return False
 
-    def __len__(self) -> int:
-        return self._view()["n_tensors"]
-
     def __contains__(self, key: str, /) -> bool:
         return self._tensor(key) is not None
 

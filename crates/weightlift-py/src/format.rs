@@ -95,6 +95,11 @@ impl Checkpoint {
         Ok(pythonize::pythonize(py, self.shared()?.metadata())?)
     }
 
+    /// The number of tensors, without building the rest of the view.
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.shared()?.tensors().len())
+    }
+
     /// The tensor names, in the order the checkpoint lists them.
     fn _names(&self) -> PyResult<Vec<String>> {
         let ckpt = self.shared()?;

@@ -166,6 +166,30 @@ fn carve_tp<'a>(bytes: &'a mut [u8], w: &TpWorkspace) -> Result<Work<'a>> {
     })
 }
 
+impl TpGraph {
+    /// Every device's host workspace in `scratch`, laid out as the plan sized it, with the RoPE
+    /// frequencies copied in; None for a device whose layout holds nothing.
+    fn host_works<'a>(
+        &self,
+        scratch: crate::tp::ScratchViews<'a>,
+    ) -> Result<Vec<Option<Work<'a>>>> {
+        let mut ws = Vec::with_capacity(scratch.len());
+        for (d, bytes) in scratch.into_iter().enumerate() {
+            let layout = self.layouts.get(d).copied().unwrap_or_default();
+            ws.push(match bytes {
+                Some(b) if layout.bytes > 0 => {
+                    let w = carve_tp(b, &layout)?;
+                    let len = self.inv_freqs.len().min(w.v.freqs.len());
+                    w.v.freqs[..len].copy_from_slice(&self.inv_freqs[..len]);
+                    Some(w)
+                }
+                _ => None,
+            });
+        }
+        Ok(ws)
+    }
+}
+
 /// Constants of one forward call.
 struct Run<'a> {
     held: &'a [Held],
@@ -481,18 +505,7 @@ impl TpGraph {
             );
         }
         let (mut coll, scratch) = ctx.lend()?;
-        let mut ws: Vec<Option<Work<'_>>> = Vec::with_capacity(scratch.len());
-        for (d, bytes) in scratch.into_iter().enumerate() {
-            let layout = self.layouts.get(d).copied().unwrap_or_default();
-            ws.push(match bytes {
-                Some(b) if layout.bytes > 0 => Some(carve_tp(b, &layout)?),
-                _ => None,
-            });
-        }
-        for w in ws.iter_mut().flatten() {
-            let len = self.inv_freqs.len().min(w.v.freqs.len());
-            w.v.freqs[..len].copy_from_slice(&self.inv_freqs[..len]);
-        }
+        let mut ws = self.host_works(scratch)?;
         let run = self.run(held, copies, compute);
         let h = run.hidden;
         let s = &self.splits;
@@ -652,18 +665,7 @@ impl TpGraph {
         out.clear();
         out.resize(seqs.len() * vocab, 0.0);
         let (mut coll, scratch) = ctx.lend()?;
-        let mut ws: Vec<Option<Work<'_>>> = Vec::with_capacity(scratch.len());
-        for (d, bytes) in scratch.into_iter().enumerate() {
-            let layout = self.layouts.get(d).copied().unwrap_or_default();
-            ws.push(match bytes {
-                Some(b) if layout.bytes > 0 => Some(carve_tp(b, &layout)?),
-                _ => None,
-            });
-        }
-        for w in ws.iter_mut().flatten() {
-            let len = self.inv_freqs.len().min(w.v.freqs.len());
-            w.v.freqs[..len].copy_from_slice(&self.inv_freqs[..len]);
-        }
+        let mut ws = self.host_works(scratch)?;
         let run = self.run(held, copies, compute);
         let (s, h) = (&self.splits, run.hidden);
         let mut buffer = 0usize;

@@ -123,6 +123,25 @@ impl TpGraph {
         Ok(w)
     }
 
+    /// Every device's workspace in `buffers` ([`TpGraph::device_work`]), None for a device whose
+    /// layout holds nothing.
+    fn device_works<'w, B: Exec>(
+        &self,
+        pass: &Pass<'_, B>,
+        buffers: Vec<Option<&'w mut Buffer>>,
+    ) -> Result<Vec<Option<DeviceWork<'w, B::Buffer>>>> {
+        buffers
+            .into_iter()
+            .enumerate()
+            .map(|(d, buf)| match buf {
+                Some(b) if self.layouts.get(d).is_some_and(|l| l.bytes > 0) => {
+                    self.device_work(pass, d, b).map(Some)
+                }
+                _ => Ok(None),
+            })
+            .collect()
+    }
+
     /// `xn = RMSNorm(x) · norm` over rows `0..need` of device `d`'s gathered hidden state: the
     /// head's input, for logits and hidden states alike.
     fn out_norm<B: Exec>(
@@ -231,28 +250,11 @@ impl TpGraph {
         out: &mut [f32],
     ) -> Result<Copies> {
         let s = &self.splits;
-        let peer = allow_peer
-            && bs.iter().enumerate().all(|(i, a)| {
-                bs.iter()
-                    .enumerate()
-                    .all(|(j, b)| i == j || a.peer_access(b))
-            });
         let parts = cache.tp_parts();
         let (mut coll, buffers) = ctx.lend_buffers()?;
-        let pass = Pass {
-            bs,
-            devices,
-            cpu: Arc::clone(coll.staging_device()),
-            peer,
-        };
-        let mut ws: Vec<Option<DeviceWork<'_, B::Buffer>>> = Vec::with_capacity(buffers.len());
-        for (d, buf) in buffers.into_iter().enumerate() {
-            let has = self.layouts.get(d).is_some_and(|l| l.bytes > 0);
-            ws.push(match buf {
-                Some(b) if has => Some(self.device_work(&pass, d, b)?),
-                _ => None,
-            });
-        }
+        let cpu = Arc::clone(coll.staging_device());
+        let pass = Pass::new(bs, devices, cpu, allow_peer);
+        let mut ws = self.device_works(&pass, buffers)?;
         let c = self.consts(compute, int8_threshold);
         let cx = |d: usize| Ctx {
             c: &c,

@@ -62,27 +62,10 @@ impl TpGraph {
         out: &mut [f32],
     ) -> Result<Copies> {
         let s = &self.splits;
-        let peer = allow_peer
-            && bs.iter().enumerate().all(|(i, a)| {
-                bs.iter()
-                    .enumerate()
-                    .all(|(j, b)| i == j || a.peer_access(b))
-            });
         let (mut coll, buffers) = ctx.lend_buffers()?;
-        let pass = Pass {
-            bs,
-            devices,
-            cpu: Arc::clone(coll.staging_device()),
-            peer,
-        };
-        let mut ws: Vec<Option<DeviceWork<'_, B::Buffer>>> = Vec::with_capacity(buffers.len());
-        for (d, buf) in buffers.into_iter().enumerate() {
-            let has = self.layouts.get(d).is_some_and(|l| l.bytes > 0);
-            ws.push(match buf {
-                Some(b) if has => Some(self.device_work(&pass, d, b)?),
-                _ => None,
-            });
-        }
+        let cpu = Arc::clone(coll.staging_device());
+        let pass = Pass::new(bs, devices, cpu, allow_peer);
+        let mut ws = self.device_works(&pass, buffers)?;
         let c = self.consts(compute, int8_threshold);
         let counts: Vec<usize> = seqs.iter().map(|q| q.1.len()).collect();
         let cx = |d: usize| Ctx {

@@ -12,7 +12,29 @@ pub(super) struct Pass<'a, B> {
     pub(super) peer: bool,
 }
 
-impl<B: Exec> Pass<'_, B> {
+impl<'a, B: Exec> Pass<'a, B> {
+    /// A pass over the backends `bs` of `devices`, staging through `cpu`; device-to-device
+    /// copies when `allow_peer` and every pair of backends can reach each other.
+    pub(super) fn new(
+        bs: Vec<&'a B>,
+        devices: &'a [Arc<Device>],
+        cpu: Arc<Device>,
+        allow_peer: bool,
+    ) -> Self {
+        let peer = allow_peer
+            && bs.iter().enumerate().all(|(i, a)| {
+                bs.iter()
+                    .enumerate()
+                    .all(|(j, b)| i == j || a.peer_access(b))
+            });
+        Pass {
+            bs,
+            devices,
+            cpu,
+            peer,
+        }
+    }
+
     pub(super) fn err(
         &self,
         d: usize,
