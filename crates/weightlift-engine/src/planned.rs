@@ -76,7 +76,7 @@ pub fn cache_spec(cfg: &CacheConfig) -> weightlift_plan::CacheSpec {
         .with_offload(cfg.offload)
 }
 
-/// The five TP tables of a plan.
+/// The TP tables of a plan.
 pub fn splits(tp: &TpSplit) -> Splits {
     Splits {
         kv: tp.table(TpKind::Kv).to_vec(),
@@ -84,6 +84,7 @@ pub fn splits(tp: &TpSplit) -> Splits {
         vc: tp.table(TpKind::Vc).to_vec(),
         rs: tp.table(TpKind::Rs).to_vec(),
         q: tp.table(TpKind::Q).to_vec(),
+        ex: tp.table(TpKind::Ex).to_vec(),
     }
 }
 

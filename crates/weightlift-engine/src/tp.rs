@@ -48,7 +48,8 @@ pub const BROADCAST_Q: usize = 4;
 /// One split table: `(device_index, start, end)`, covering `0..total` in device order.
 pub type SplitTable = Vec<(usize, u64, u64)>;
 
-/// The five tables, indexed by the `BROADCAST_*` constants.
+/// The five tables, indexed by the `BROADCAST_*` constants, and a mixture-of-experts model's
+/// expert table.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Splits {
     pub kv: SplitTable,
@@ -56,6 +57,9 @@ pub struct Splits {
     pub vc: SplitTable,
     pub rs: SplitTable,
     pub q: SplitTable,
+    /// Whole routed experts per device (expert parallelism, see
+    /// [`weightlift_plan::TpSplit::ex`]); empty for a dense model, whose MLPs follow `id`.
+    pub ex: SplitTable,
 }
 
 impl Splits {
@@ -416,9 +420,11 @@ impl TpContext {
         Ok(self.splits.get(t)?.iter().map(|&(d, _, _)| d).collect())
     }
 
-    /// Every device named by the KV, ID or VC tables, sorted (exllamav2's `all_devices`).
+    /// Every device named by the KV, ID (or expert) or VC tables, sorted (exllamav2's
+    /// `all_devices`).
     pub fn all_devices(&self) -> Vec<usize> {
-        let mut d: Vec<usize> = [&self.splits.kv, &self.splits.id, &self.splits.vc]
+        let s = &self.splits;
+        let mut d: Vec<usize> = [&s.kv, &s.id, &s.ex, &s.vc]
             .into_iter()
             .flatten()
             .map(|&(d, _, _)| d)

@@ -213,6 +213,7 @@ fn tp_parts_reassemble_to_the_checkpoint() {
         id: vec![(0, 0, 384), (1, 384, 768)],
         rs: vec![(0, 0, 128), (1, 128, 256)],
         vc: vec![(0, 0, 16000), (1, 16000, 32000)],
+        ex: vec![],
     };
     for sub in ["safetensors-sharded", "gguf/tiny-llama-Q8_0.gguf"] {
         let src = open(sub);
@@ -255,6 +256,7 @@ fn dequantize_is_chunked_by_max_dq_size() {
         id: vec![(0, 0, 384), (1, 384, 768)],
         rs: vec![(0, 0, 128), (1, 128, 256)],
         vc: vec![(0, 0, 16000), (1, 16000, 32000)],
+        ex: vec![],
     };
     let src = open("gguf/tiny-llama-Q8_0.gguf");
     let inv = Inventory::parse("virtual:2x16MiB").unwrap();

@@ -483,6 +483,12 @@ impl Plan {
                 fmt(&tp.rs),
                 fmt(&tp.vc)
             ));
+            if !tp.ex.is_empty() {
+                s.push_str(&format!(
+                    "tensor parallel experts (whole experts per device, router on each): ex [{}]\n",
+                    fmt(&tp.ex)
+                ));
+            }
             if let Some(ranks) = &tp.ranks {
                 s.push_str(&format!("ranks ({}, one process per gpu):\n", ranks.len()));
                 for r in ranks {

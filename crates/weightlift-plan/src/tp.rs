@@ -20,6 +20,9 @@ pub enum TpKind {
     Rs,
     /// Query heads: the KV split times the number of KV groups.
     Q,
+    /// Routed experts of a mixture-of-experts model, whole experts in units of 1 (expert
+    /// parallelism; empty for a dense model).
+    Ex,
 }
 
 impl TpKind {
@@ -30,9 +33,10 @@ impl TpKind {
             "vc" => Ok(TpKind::Vc),
             "rs" => Ok(TpKind::Rs),
             "q" => Ok(TpKind::Q),
+            "ex" => Ok(TpKind::Ex),
             _ => Err(PlanError::option(
                 "tp_split kind",
-                "kv, id, vc, rs or q",
+                "kv, id, vc, rs, q or ex",
                 format!("'{s}'"),
             )),
         }
@@ -43,7 +47,7 @@ impl TpKind {
 /// order, covering `0..total` exactly once. Device indices count the plan's accelerators.
 pub type SplitTable = Vec<(usize, u64, u64)>;
 
-/// The five tables of a TPContext.
+/// The five tables of a TPContext, and for a mixture-of-experts model the expert table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TpSplit {
     pub kv: SplitTable,
@@ -51,6 +55,14 @@ pub struct TpSplit {
     pub vc: SplitTable,
     pub rs: SplitTable,
     pub q: SplitTable,
+    /// Expert parallelism: each device computes whole routed experts, a contiguous range of
+    /// expert indices (GGUF's stacked `ffn_*_exps` cut along their first axis, transformers'
+    /// per-expert tensors whole on their expert's device), with the router replicated; the
+    /// experts' weighted outputs are partial sums reduced into the residual as the dense MLP's
+    /// are. Empty for a dense model; a mixture-of-experts model has no ID table, its MLPs
+    /// being its experts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ex: SplitTable,
     /// Where each rank runs, when the request gave a multi-process [`TpWorld`]: rank `r` is
     /// the tables' device `r`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -130,6 +142,7 @@ impl TpSplit {
             TpKind::Vc => &self.vc,
             TpKind::Rs => &self.rs,
             TpKind::Q => &self.q,
+            TpKind::Ex => &self.ex,
         }
     }
 }
@@ -219,6 +232,9 @@ pub struct TpInputs {
     pub cache_bytes: u64,
     /// `weight_footprint()` of each attention module, in bytes.
     pub attn_footprints: Vec<u64>,
+    /// Routed experts per layer (0: a dense model). A mixture-of-experts model's MLPs are
+    /// split by the expert table in place of the ID table.
+    pub n_experts: u64,
 }
 
 /// exllamav2's `TPContext.define_split`:
@@ -229,6 +245,10 @@ pub struct TpInputs {
 /// 3. Intermediate: 128 × `integer_split(inter / 128, budgets, 2)`; residual:
 ///    32 × `integer_split(hidden / 32, budgets, 8)`; vocab:
 ///    32 × `integer_split(ceil(vocab / 32), budgets, 16)`.
+///
+/// A mixture-of-experts model (`n_experts > 0`, which exllamav2's TP does not run) has no ID
+/// table: its experts are split whole, `integer_split(n_experts, budgets, 0)` with the budgets
+/// of step 3, each device's share a contiguous range of experts.
 pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
     if inp.n_kv_heads == 0 || !inp.n_heads.is_multiple_of(inp.n_kv_heads) {
         return Err(PlanError::option(
@@ -237,7 +257,8 @@ pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
             format!("{} heads, {} kv heads", inp.n_heads, inp.n_kv_heads),
         ));
     }
-    if !inp.intermediate_size.is_multiple_of(128) {
+    let moe = inp.n_experts > 0;
+    if !moe && !inp.intermediate_size.is_multiple_of(128) {
         return Err(PlanError::option(
             "tensor_parallel",
             "an intermediate size divisible by 128 (exllamav2 requires it)",
@@ -260,15 +281,24 @@ pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
             *g = g.saturating_sub(u64::try_from(sub).unwrap_or(u64::MAX));
         }
     }
-    let id = integer_split(inp.intermediate_size / 128, &gs, 2)?;
+    let (id, ex) = if moe {
+        (
+            Vec::new(),
+            to_table(&integer_split(inp.n_experts, &gs, 0)?, 1),
+        )
+    } else {
+        let id = integer_split(inp.intermediate_size / 128, &gs, 2)?;
+        (to_table(&id, 128), Vec::new())
+    };
     let rs = integer_split(inp.hidden_size / 32, &gs, 8)?;
     let vc = integer_split(inp.vocab_size.div_ceil(32), &gs, 16)?;
     Ok(TpSplit {
         kv: to_table(&kv, 1),
-        id: to_table(&id, 128),
+        id,
         vc: to_table(&vc, 32),
         rs: to_table(&rs, 32),
         q: to_table(&q, 1),
+        ex,
         ranks: None,
     })
 }
@@ -283,6 +313,8 @@ pub struct TpShare {
     /// Vocabulary rows, cut at the real vocabulary (the table is padded to 32).
     pub vocab: u64,
     pub residual: u64,
+    /// Routed experts (whole ones).
+    pub experts: u64,
 }
 
 impl TpSplit {
@@ -301,6 +333,7 @@ impl TpSplit {
             inter: width(&self.id, u64::MAX),
             vocab: width(&self.vc, vocab_size),
             residual: width(&self.rs, u64::MAX),
+            experts: width(&self.ex, u64::MAX),
         }
     }
 }
@@ -310,7 +343,11 @@ impl TpSplit {
 /// all-gathered hidden state in `x`, partial sums in `xn`), then its slice of the residual
 /// stream, a receive buffer for the partial sums other devices send it and the sum of those
 /// partials (added to the residual once, as one device adds its whole product), `T·rs` values
-/// each.
+/// each. A device with experts computes a whole expert's rows where the dense MLP computes its
+/// columns: its regions are as wide as the single-device workspace's (the queries and the
+/// attention output for the gathered rows and their weighted sums, the MLP's for an expert's
+/// gate and up products and the router's scores, the keys and values for the routed rows'
+/// indices and weights), which the engine checks against the experts before a token runs.
 /// The planner charges these bytes as the device's scratch and the engine carves its buffers
 /// by the same layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -326,16 +363,18 @@ pub struct TpWorkspace {
 impl TpWorkspace {
     /// The layout for a device with `share`, under the model-wide dimensions `d`.
     pub fn new(d: &Dims, share: TpShare) -> TpWorkspace {
+        let experts = share.experts > 0;
+        let wide = |own: u64, whole: u64| if experts { own.max(whole) } else { own };
         let local = Dims {
-            q_dim: share.q_heads.saturating_mul(d.head_dim),
-            kv_dim: share.kv_heads.saturating_mul(d.head_dim),
-            inter: share.inter,
+            q_dim: wide(share.q_heads.saturating_mul(d.head_dim), d.q_dim),
+            kv_dim: wide(share.kv_heads.saturating_mul(d.head_dim), d.kv_dim),
+            inter: wide(share.inter, d.inter),
             vocab: share.vocab,
             n_heads: share.q_heads,
             ..*d
         };
         let hosts = Hosts {
-            layers: share.kv_heads > 0 || share.inter > 0 || share.residual > 0,
+            layers: share.kv_heads > 0 || share.inter > 0 || share.residual > 0 || experts,
             head: share.vocab > 0,
             embed: false,
         };

@@ -45,6 +45,7 @@ fn tp_inputs(budgets: Vec<u64>, cache: u64) -> TpInputs {
         vocab_size: 128256,
         cache_bytes: cache,
         attn_footprints: vec![],
+        n_experts: 0,
     }
 }
 

@@ -384,6 +384,7 @@ proptest! {
             vocab_size: vocab,
             cache_bytes: cache,
             attn_footprints: vec![1 << 24; 4],
+            n_experts: 0,
         };
         match define_split(&inp) {
             Ok(s) => {

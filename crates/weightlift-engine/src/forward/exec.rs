@@ -680,7 +680,7 @@ pub(crate) fn check_moe_workspace(
     let h = m.router.cols as u64;
     let rows = w.x.len / h.max(1);
     let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0) as u64;
-    let n_experts = m.experts.len() as u64;
+    let n_experts = m.n_experts() as u64;
     let needs: &[(&str, u64, u64)] = if m.experts_on_host {
         &[("MLP gate", w.gate.len, rows * n_experts)]
     } else {
@@ -897,8 +897,10 @@ pub(crate) fn layer<B: Exec>(
     )?;
     match &l.ffn {
         Ffn::Dense { gate, up, down } => mlp_normed(b, cx, [gate, up, down], li, n, r)?,
-        Ffn::Moe(m) if m.experts_on_host => moe_on_host(b, cx, m, li, pieces, r, link)?,
-        Ffn::Moe(m) => moe_on_device(b, cx, m, li, pieces, r, link)?,
+        Ffn::Moe(m) => {
+            let lens: Vec<usize> = pieces.iter().map(|p| p.n).collect();
+            moe_normed(b, cx, m, li, &lens, r, link)?;
+        }
     }
     if let Some(f) = &l.post_ffn_norm {
         post_norm(b, cx, f, n, r, format!("layer {li} post_ffw_norm"))?;
@@ -907,6 +909,43 @@ pub(crate) fn layer<B: Exec>(
         return Ok(());
     }
     residual(b, cx, li, n * h, r)
+}
+
+/// A device's share of a mixture-of-experts block under tensor parallelism on the rows of
+/// `r.x` (pieces of `lens` tokens): the MLP norm, then the block as a layer split runs it,
+/// with only the experts `m` holds, so that `r.xn` gets this device's partial sum.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn experts_share<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    norm_w: &Floats,
+    m: &Moe,
+    li: usize,
+    lens: &[usize],
+    r: &mut Regions<'_, B::Buffer>,
+    link: &mut HostLink<'_>,
+) -> Result<()> {
+    let n = lens.iter().sum::<usize>();
+    norm(b, cx, norm_w, n, r, format!("layer {li} ffn_norm"))?;
+    moe_normed(b, cx, m, li, lens, r, link)
+}
+
+/// A mixture-of-experts block on the normed rows in `r.xn`: its experts on the host or on the
+/// device, where the graph found them.
+fn moe_normed<B: Exec>(
+    b: &B,
+    cx: &Ctx<'_>,
+    m: &Moe,
+    li: usize,
+    lens: &[usize],
+    r: &mut Regions<'_, B::Buffer>,
+    link: &mut HostLink<'_>,
+) -> Result<()> {
+    if m.experts_on_host {
+        moe_on_host(b, cx, m, li, lens, r, link)
+    } else {
+        moe_on_device(b, cx, m, li, lens, r, link)
+    }
 }
 
 /// The router's scores of `n` normed rows (`n_experts` a row), multiplied on the device into
@@ -922,7 +961,7 @@ fn router_scores<B: Exec>(
     link: &mut HostLink<'_>,
 ) -> Result<Vec<f32>> {
     let at = |what: &str| format!("layer {li} {what}");
-    let mut scores = vec![0f32; n * m.experts.len()];
+    let mut scores = vec![0f32; n * m.n_experts()];
     let mut on_device =
         split(b, region, &[(0, scores.len() * 4)]).map_err(cx.err(at("router scores")))?;
     cx.linear(b, &m.router, xn, n, &mut on_device[0])?;
@@ -933,8 +972,8 @@ fn router_scores<B: Exec>(
     Ok(scores)
 }
 
-/// A mixture-of-experts block on the normed rows of `pieces` in `r.xn`, its output written back
-/// there, with its routed experts computed on the host.
+/// A mixture-of-experts block on the normed rows (pieces of `lens` tokens) in `r.xn`, its
+/// output written back there, with its routed experts computed on the host.
 ///
 /// The router multiplies here, on the device: the plan keeps it beside the layer's other
 /// matrices (`n_cpu_moe`'s rules, like llama.cpp's `exps` pattern, move the expert projections
@@ -951,11 +990,11 @@ fn moe_on_host<B: Exec>(
     cx: &Ctx<'_>,
     m: &Moe,
     li: usize,
-    pieces: &[Piece<'_>],
+    lens: &[usize],
     r: &mut Regions<'_, B::Buffer>,
     link: &mut HostLink<'_>,
 ) -> Result<()> {
-    let (h, n) = (cx.c.hidden, tokens(pieces));
+    let (h, n) = (cx.c.hidden, lens.iter().sum::<usize>());
     let at = |what: &str| format!("layer {li} {what}");
     let scores = router_scores(b, cx, m, li, n, (&r.xn, &mut r.gate), link)?;
     let mut rows = vec![0f32; n * h];
@@ -968,7 +1007,7 @@ fn moe_on_host<B: Exec>(
         copies: cx.copies,
         slot: None,
     };
-    layer::experts(cx.c, m, li, &wts, pieces, &scores, &mut rows)?;
+    layer::experts(cx.c, m, li, &wts, lens, &scores, &mut rows)?;
     let since = std::time::Instant::now();
     b.copy_from_host(bytemuck::cast_slice(&rows), &mut r.xn, 0)
         .map_err(cx.err(at("copying the experts' output to the device")))?;
@@ -976,8 +1015,8 @@ fn moe_on_host<B: Exec>(
     Ok(())
 }
 
-/// A mixture-of-experts block on the normed rows of `pieces` in `r.xn`, its output written back
-/// there, with its experts on this device.
+/// A mixture-of-experts block on the normed rows (pieces of `lens` tokens) in `r.xn`, its
+/// output written back there, with its experts on this device.
 ///
 /// The router multiplies here and only its scores (`n_experts` floats a token) go to the host,
 /// which routes each token with the host path's own [`layer::route`] and sends back, in one
@@ -996,17 +1035,17 @@ fn moe_on_device<B: Exec>(
     cx: &Ctx<'_>,
     m: &Moe,
     li: usize,
-    pieces: &[Piece<'_>],
+    lens: &[usize],
     r: &mut Regions<'_, B::Buffer>,
     link: &mut HostLink<'_>,
 ) -> Result<()> {
-    let (h, n) = (cx.c.hidden, tokens(pieces));
+    let (h, n) = (cx.c.hidden, lens.iter().sum::<usize>());
     let at = |what: &str| format!("layer {li} {what}");
     let scores = router_scores(b, cx, m, li, n, (&r.xn, &mut r.up), link)?;
     // the routed rows, grouped by piece then expert: (expert, first entry, entries)
     let mut groups: Vec<(usize, usize, usize)> = Vec::new();
     let (mut index, mut weight) = (Vec::with_capacity(n * m.n_used), Vec::new());
-    layer::for_each_routed(m, pieces, &scores, |e, routed| {
+    layer::for_each_routed(m, lens, &scores, |e, routed| {
         groups.push((e, index.len(), routed.len()));
         for &(t, wt) in routed {
             index.push(t as u32);
@@ -1036,7 +1075,7 @@ fn moe_on_device<B: Exec>(
     // each expert's products take its rows at once, as on the host
     let one = cx.one_run();
     for (e, start, cnt) in groups {
-        let [gate, up, down] = &m.experts[e];
+        let [gate, up, down] = layer::held_expert(m, li, e)?;
         let expert = |what: &str| at(&format!("expert {e} {what}"));
         let rows = view(b, &r.k, start * 4, cnt * 4).map_err(cx.err(expert("rows")))?;
         b.run(Op::GatherRows {
@@ -1644,6 +1683,7 @@ mod tests {
                 experts: (0..16)
                     .map(|_| [linear(6, 8), linear(6, 8), linear(8, 6)])
                     .collect(),
+                first: 0,
                 n_used: 2,
                 norm_topk_prob: true,
                 experts_on_host: on_host,

@@ -72,17 +72,9 @@ pub fn check_runs(architecture: &str) -> Result<()> {
 
 /// `Ok` when the tensor-parallel pass runs `architecture` (it runs the forward pass's
 /// architectures but gemma's, whose post-norms, GeGLU, sliding windows and soft-caps run on a
-/// layer split only).
+/// layer split only; mixtral's and qwen3moe's experts are split whole by the expert table).
 pub fn check_tensor_parallel(architecture: &str) -> Result<()> {
     check_runs(architecture)?;
-    if matches!(architecture, "mixtral" | "qwen3moe" | "qwen3_moe") {
-        return Err(EngineError::Unsupported {
-            what: format!("tensor parallelism for '{architecture}'"),
-            detail: "routed experts are not split by the tp tables; load with a layer split \
-                     (autosplit, layers, balanced) instead of tensor_parallel"
-                .into(),
-        });
-    }
     if matches!(architecture, "gemma2" | "gemma3" | "gemma3_text") {
         return Err(EngineError::Unsupported {
             what: format!("tensor parallelism for '{architecture}'"),
@@ -97,7 +89,7 @@ pub fn check_tensor_parallel(architecture: &str) -> Result<()> {
 
 /// The routing of the checkpoint's expert layers (GGUF metadata or config.json); `None` for a
 /// dense model.
-fn moe_spec_of(m: &Loaded<'_>) -> Result<Option<MoeSpec>> {
+pub(super) fn moe_spec_of(m: &Loaded<'_>) -> Result<Option<MoeSpec>> {
     let Some(ck) = m.source.checkpoint() else {
         return Ok(None);
     };
@@ -369,6 +361,7 @@ impl Graph {
             Ok(Moe {
                 router: linear(router, None, at)?,
                 experts,
+                first: 0,
                 n_used: ms.n_used as usize,
                 norm_topk_prob: ms.norm_topk_prob,
                 experts_on_host: false,

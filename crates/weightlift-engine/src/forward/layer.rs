@@ -254,30 +254,33 @@ fn moe(
     w: &mut Views<'_>,
 ) -> Result<()> {
     let n = tokens(pieces);
-    let mut scores = vec![0f32; n * m.experts.len()];
+    let mut scores = vec![0f32; n * m.n_experts()];
     linear_pieces(c, wts, &m.router, pieces, w.xn, &mut scores)?;
-    experts(c, m, li, wts, pieces, &scores, &mut w.xn[..n * c.hidden])
+    let lens: Vec<usize> = pieces.iter().map(|p| p.n).collect();
+    experts(c, m, li, wts, &lens, &scores, &mut w.xn[..n * c.hidden])
 }
 
-/// The routed experts of a mixture-of-experts block on the normed tokens `xn` (the rows of
-/// `pieces`), given their router scores (`n_experts` a token), the block's output written back
-/// into `xn`. Piece by piece (each token's bits as when its sequence runs alone): each token's
-/// experts ([`route`]), then per expert one product over the tokens routed to it (their rows
-/// gathered), its outputs added into theirs, scaled by their weights, in expert order. Only
-/// the routed experts' weights are read. The host path runs it after its router product; the
-/// backend path on the rows it copied to the host (see `exec::moe_on_host`).
+/// The routed experts of a mixture-of-experts block on the normed tokens `xn` (pieces of
+/// `lens` tokens, one a sequence, in row order), given their router scores (`n_experts` a
+/// token), the block's output written back into `xn`. Piece by piece (each token's bits as
+/// when its sequence runs alone): each token's experts ([`route`]), then per expert one
+/// product over the tokens routed to it (their rows gathered), its outputs added into theirs,
+/// scaled by their weights, in expert order. Only the routed experts' weights are read, and
+/// only the experts `m` holds run: under tensor parallelism `xn` gets this device's partial
+/// sum. The host path runs it after its router product; the backend path on the rows it
+/// copied to the host (see `exec::moe_on_host`).
 pub(super) fn experts(
     c: &Consts,
     m: &Moe,
     li: usize,
     wts: &Weights<'_>,
-    pieces: &[Piece<'_>],
+    lens: &[usize],
     scores: &[f32],
     xn: &mut [f32],
 ) -> Result<()> {
     let h = c.hidden;
-    let n_experts = m.experts.len();
-    let n = tokens(pieces);
+    let n_experts = m.n_experts();
+    let n = lens.iter().sum::<usize>();
     if scores.len() != n * n_experts || xn.len() != n * h {
         return Err(invalid(
             format!("layer {li} expert inputs"),
@@ -288,12 +291,12 @@ pub(super) fn experts(
     let mut out = vec![0f32; n * h];
     // one set of buffers for every expert's rows: at most a piece's tokens each
     let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0);
-    let most = pieces.iter().map(|p| p.n).max().unwrap_or(0);
+    let most = lens.iter().copied().max().unwrap_or(0);
     let mut xs = vec![0f32; most * h];
     let (mut g, mut u) = (vec![0f32; most * widest], vec![0f32; most * widest]);
     let mut y = vec![0f32; most * h];
-    for_each_routed(m, pieces, scores, |e, routed| {
-        let [gate, up, down] = &m.experts[e];
+    for_each_routed(m, lens, scores, |e, routed| {
+        let [gate, up, down] = held_expert(m, li, e)?;
         let (cnt, f) = (routed.len(), gate.rows);
         for (&(t, _), row) in routed.iter().zip(xs.chunks_exact_mut(h)) {
             row.copy_from_slice(&xn[t * h..(t + 1) * h]);
@@ -315,24 +318,40 @@ pub(super) fn experts(
     Ok(())
 }
 
-/// The routing of `pieces` (their router `scores`, `n_experts` a token, in order), in the
-/// order every MoE block computes it, piece by piece and within a piece expert by expert:
-/// `each(e, routed)` for each expert `e` a piece routes tokens to, with `routed` those tokens'
-/// rows in the batch and their routing weights. Keeping one order is what gives a token the
-/// same sums on the host path and the backend.
+/// Expert `e`'s matrices in `m`, which routed a token to it.
+pub(super) fn held_expert(m: &Moe, li: usize, e: usize) -> Result<&[Linear; 3]> {
+    m.expert(e).ok_or_else(|| {
+        invalid(
+            format!("layer {li} expert {e}"),
+            format!(
+                "one of experts {}..{} held here",
+                m.first,
+                m.first + m.experts.len()
+            ),
+            "a token routed to another",
+        )
+    })
+}
+
+/// The routing of pieces of `lens` tokens (their router `scores`, `n_experts` a token, in
+/// order), in the order every MoE block computes it, piece by piece and within a piece expert
+/// by expert: `each(e, routed)` for each expert `e` of `m`'s a piece routes tokens to, with
+/// `routed` those tokens' rows in the batch and their routing weights. Keeping one order is
+/// what gives a token the same sums on the host path and the backend; under tensor
+/// parallelism each device meets only its own experts, in that order.
 pub(super) fn for_each_routed(
     m: &Moe,
-    pieces: &[Piece<'_>],
+    lens: &[usize],
     scores: &[f32],
     mut each: impl FnMut(usize, &[(usize, f32)]) -> Result<()>,
 ) -> Result<()> {
-    let n_experts = m.experts.len();
+    let n_experts = m.n_experts();
     let mut picks = Vec::new();
     let mut routed: Vec<(usize, f32)> = Vec::new();
     let mut at = 0;
-    for p in pieces {
-        let rows = at..at + p.n;
-        at += p.n;
+    for &len in lens {
+        let rows = at..at + len;
+        at += len;
         route(
             &scores[rows.start * n_experts..rows.end * n_experts],
             n_experts,
@@ -340,7 +359,7 @@ pub(super) fn for_each_routed(
             m.norm_topk_prob,
             &mut picks,
         );
-        for e in 0..n_experts {
+        for e in m.first..(m.first + m.experts.len()).min(n_experts) {
             routed.clear();
             routed.extend(
                 picks
@@ -511,7 +530,28 @@ pub(crate) fn weight_of<'a>(
         Slot::Tensor(i) => &held[i],
         Slot::Copy(c) => &copies[c].1,
     };
-    let (bytes, dtype) = host_bytes(h, &l.name)?;
+    let (bytes, dtype) = match (h, l.part) {
+        // a device's part of a split tensor (tensor parallelism), in host memory
+        (Held::Split { parts, .. }, Some(p)) => {
+            let t = parts.get(p).ok_or_else(|| {
+                invalid(
+                    format!("parts of '{}'", l.name),
+                    format!("a part {p}"),
+                    parts.len(),
+                )
+            })?;
+            let bytes = t.host_bytes().ok_or_else(|| EngineError::Device {
+                device: t.device().name().to_owned(),
+                detail: format!(
+                    "part {p} of '{}' is not in host memory, and the host forward pass reads \
+                     it there",
+                    l.name
+                ),
+            })?;
+            (bytes, t.dtype())
+        }
+        _ => host_bytes(h, &l.name)?,
+    };
     let packing = Packing::of(&l.name, dtype)?;
     // its rows of the held tensor; an onload slot holds just those, from `onload_at`
     let (from, len) = l.byte_range(bytes.len());

@@ -145,9 +145,12 @@ pub(crate) enum Ffn {
 pub(crate) struct Moe {
     /// `n_experts × hidden`.
     pub router: Linear,
-    /// Per expert: gate, up, down. An expert of a stacked GGUF tensor is its rows of that
-    /// tensor, read in place (`Linear::rows_of`).
+    /// Per expert from `first`: gate, up, down. An expert of a stacked GGUF tensor is its rows
+    /// of that tensor, read in place (`Linear::rows_of`). A layer split holds every expert; a
+    /// device under tensor parallelism its range of the expert table, and computes only those.
     pub experts: Vec<[Linear; 3]>,
+    /// The index of the first expert of `experts`.
+    pub first: usize,
     pub n_used: usize,
     /// Renormalise the chosen experts' softmax weights to sum to 1.
     pub norm_topk_prob: bool,
@@ -155,6 +158,18 @@ pub(crate) struct Moe {
     /// host (else they are on the computing device and computed there). Decided at build from
     /// where the model holds them; the host path ignores it.
     pub experts_on_host: bool,
+}
+
+impl Moe {
+    /// The experts a token chooses among: the router's rows.
+    pub fn n_experts(&self) -> usize {
+        self.router.rows
+    }
+
+    /// Expert `e`'s matrices, where this block holds it.
+    pub fn expert(&self, e: usize) -> Option<&[Linear; 3]> {
+        self.experts.get(e.checked_sub(self.first)?)
+    }
 }
 
 impl Layer {

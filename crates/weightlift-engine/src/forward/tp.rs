@@ -15,6 +15,14 @@
 //! - The partial sums are reduced into the residual: each RS device receives its columns of
 //!   every other device's partial (one copy per pair) and adds them; an `o_proj`/`down` bias
 //!   is added once, by the owner of each column.
+//! - A mixture-of-experts block (mixtral, qwen3moe) is split by experts instead (expert
+//!   parallelism, the expert table): every device of that table normalises the gathered rows
+//!   and scores them with its replica of the router, so each routes every token alike, then
+//!   runs only the routed experts it holds, whole, with the layer split's own code
+//!   ([`super::layer::experts`], or the backends' op sequence), their weighted outputs its
+//!   partial sum, reduced as the dense MLP's. A device may thus get more of a chunk's tokens
+//!   than another; every part it holds is a contiguous slice (GGUF's stacked experts cut along
+//!   their first axis).
 //! - The head: the needed rows are all-gathered to the VC devices, each computes its vocab
 //!   rows, and the logits are gathered into the caller's array. Hidden states instead of logits
 //!   ([`Output::Hidden`]): the rows are gathered to the first VC device only, which applies its
@@ -38,7 +46,8 @@ use weightlift_plan::{Dims, RuntimeSpec, TpShare, TpWorkspace};
 
 use super::attention::{self, Shape, Tiles};
 use super::graph::Loaded;
-use super::layer::{head_norm_in_place, kernel, product_runs, swiglu_in_place};
+use super::layer::{Consts, Weights, head_norm_in_place, kernel, product_runs, swiglu_in_place};
+use super::parts::{Floats, Linear, Moe, Slot};
 use super::rope::rope_of;
 use super::weights::Packing;
 use super::{Compute, Copies, Logits, Output, Views, carve, check_tokens, chunk_for};
@@ -94,12 +103,24 @@ struct Mlp {
     down: Mat,
 }
 
-/// One layer: per device (by table index) its attention and MLP shares, and the biases of
-/// `o_proj` and `down` (whole, added once by the residual's owners).
+/// A device's share of a mixture-of-experts block: replicas of the MLP norm (on a GPU, a copy
+/// made there) and of the router, and its range of the expert table, whole experts as the
+/// layer split's [`Moe`] reads them (its parts of the split expert tensors).
+#[derive(Debug)]
+struct Experts {
+    norm: Floats,
+    moe: Moe,
+}
+
+/// One layer: per device (by table index) its attention and MLP (or experts) shares, and the
+/// biases of `o_proj` and `down` (whole, added once by the residual's owners).
 #[derive(Debug)]
 struct Layer {
     attn: Vec<Option<Attn>>,
     mlp: Vec<Option<Mlp>>,
+    /// A mixture-of-experts layer's shares, by the expert table (shared with the backends'
+    /// graph); all `None` in a dense layer.
+    experts: Vec<Option<Arc<Experts>>>,
     o_bias: Option<Vec<f32>>,
     down_bias: Option<Vec<f32>>,
 }
@@ -190,6 +211,19 @@ impl TpGraph {
     }
 }
 
+impl Layer {
+    /// A mixture-of-experts layer: its MLP is its experts.
+    fn is_moe(&self) -> bool {
+        self.experts.iter().any(Option::is_some)
+    }
+
+    /// The table its MLP follows: the expert table for a mixture-of-experts layer, else the
+    /// intermediate one.
+    fn mlp_table<'s>(&self, s: &'s Splits) -> &'s SplitTable {
+        if self.is_moe() { &s.ex } else { &s.id }
+    }
+}
+
 /// Constants of one forward call.
 struct Run<'a> {
     held: &'a [Held],
@@ -202,6 +236,8 @@ struct Run<'a> {
     rope: &'a RopeParams,
     kv_tile: usize,
     q_tile: usize,
+    /// The layer split's constants, for the experts its code runs.
+    consts: Consts,
 }
 
 impl Run<'_> {
@@ -330,6 +366,34 @@ impl Run<'_> {
         swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i])
             .map_err(|e| kernel(&format!("layer {li} swiglu"), e))?;
         self.products(&m.down, w.gate, segs, w.xn)
+    }
+}
+
+impl Run<'_> {
+    /// This device's experts of one mixture-of-experts block on the tokens of `segs`: the
+    /// norm, the router's scores of every token (each segment's products as the layer split
+    /// shares them), then the routed experts it holds ([`super::layer::experts`]), their
+    /// weighted sum (this device's partial) landing in `w.xn`.
+    fn experts(&self, x: &Experts, li: usize, segs: &[Seg<'_>], w: &mut Views<'_>) -> Result<()> {
+        let h = self.hidden;
+        let lens: Vec<usize> = segs.iter().map(|s| s.n).collect();
+        let n = lens.iter().sum::<usize>();
+        weightlift_kernels::rms_norm(&w.x[..n * h], &x.norm.host, self.eps, &mut w.xn[..n * h])
+            .map_err(|e| kernel(&format!("layer {li} ffn_norm"), e))?;
+        let wts = Weights {
+            held: self.held,
+            copies: self.copies,
+            slot: None,
+        };
+        let (c, router) = (&self.consts, &x.moe.router);
+        let mut scores = vec![0f32; n * router.rows];
+        let shares = super::layer::shares_rows(c, &wts, router)?;
+        for (first, rows) in product_runs(&lens, shares) {
+            let xs = &w.xn[first * h..];
+            let ys = &mut scores[first * router.rows..];
+            super::layer::linear_on(c, &wts, router, xs, rows, ys)?;
+        }
+        super::layer::experts(c, &x.moe, li, &wts, &lens, &scores, &mut w.xn[..n * h])
     }
 }
 
@@ -576,11 +640,18 @@ impl TpGraph {
                 .into_par_iter()
                 .try_for_each(|(a, w)| run.attention(a, li, segs, &mut w.v))?;
             reduce_partials(coll, ws, &s.kv, &s.rs, (n, h), layer.o_bias.as_deref())?;
-            gather_residual(coll, flip(), ws, &s.rs, &s.id, (0, n, h))?;
-            shares(&layer.mlp, ws, &s.id)?
-                .into_par_iter()
-                .try_for_each(|(m, w)| run.mlp(m, li, segs, &mut w.v))?;
-            reduce_partials(coll, ws, &s.id, &s.rs, (n, h), layer.down_bias.as_deref())?;
+            let table = layer.mlp_table(s);
+            gather_residual(coll, flip(), ws, &s.rs, table, (0, n, h))?;
+            if layer.is_moe() {
+                shares(&layer.experts, ws, table)?
+                    .into_par_iter()
+                    .try_for_each(|(x, w)| run.experts(x, li, segs, &mut w.v))?;
+            } else {
+                shares(&layer.mlp, ws, table)?
+                    .into_par_iter()
+                    .try_for_each(|(m, w)| run.mlp(m, li, segs, &mut w.v))?;
+            }
+            reduce_partials(coll, ws, table, &s.rs, (n, h), layer.down_bias.as_deref())?;
         }
         Ok(())
     }
@@ -742,6 +813,8 @@ impl TpGraph {
             rope: &self.rope,
             kv_tile: self.dims.kv_tile as usize,
             q_tile: self.dims.q_tile as usize,
+            // LLM.int8 weights are refused under tensor parallelism: no outlier threshold
+            consts: self.consts(compute, 0.0),
         }
     }
 

@@ -275,11 +275,25 @@ impl Model {
     /// Cut tensor `i` into `spec`'s shards, each held as `dtype`: its stored type, or a ggml
     /// block type each shard is quantised to from the stored rows.
     fn load_split(&self, i: usize, spec: &SplitSpec, dtype: DType) -> Result<Held> {
-        let info = &self.source.tensors()[i];
+        let stored = &self.source.tensors()[i];
         let bytes = self.source.bytes(i);
+        // A stacked `[experts, rows, columns]` tensor cut along its experts (expert
+        // parallelism) is cut as the `[experts · rows, columns]` matrix it is in memory.
+        let (flat, per) = match *stored.shape.as_slice() {
+            [e, r, c] if spec.axis == 0 => (
+                Some(TensorInfo {
+                    shape: vec![e.saturating_mul(r), c],
+                    ..stored.clone()
+                }),
+                r,
+            ),
+            _ => (None, 1),
+        };
+        let info = flat.as_ref().unwrap_or(stored);
         let mut parts = Vec::with_capacity(spec.shards.len());
         for (dev, a, b) in &spec.shards {
             let device = self.resolve(dev)?;
+            let (a, b) = (&a.saturating_mul(per), &b.saturating_mul(per));
             let (shape, data) = match (spec.replicated, dtype == info.dtype) {
                 (true, true) => (info.shape.clone(), bytes.to_vec()),
                 (false, true) => slice_tensor(info, bytes, spec.axis, *a, *b)?,
@@ -290,6 +304,10 @@ impl Model {
                 (false, false) => {
                     crate::convert::quantize_shard(info, bytes, spec.axis, *a, *b, dtype)?
                 }
+            };
+            let shape = match (flat.is_some(), shape.as_slice()) {
+                (true, &[rows, c]) => vec![rows / per.max(1), per, c],
+                _ => shape,
             };
             parts.push(DeviceTensor::from_host(&device, shape, dtype, &data)?);
         }

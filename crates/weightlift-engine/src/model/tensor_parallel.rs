@@ -17,8 +17,11 @@ pub enum Cut {
     Rows { table: usize, unit: u64 },
     /// Columns `a·unit .. b·unit` of table `t` on each device.
     Cols { table: usize, unit: u64 },
-    /// A full copy on every device of the KV table.
+    /// A full copy on every device of the KV, ID, expert and VC tables.
     Replicate,
+    /// A routed expert's weights, by the expert table: GGUF's stacked `[experts, rows,
+    /// columns]` cut along the experts, transformers' tensor of one expert whole on its device.
+    Experts,
 }
 
 impl Model {
@@ -116,8 +119,9 @@ impl Model {
     }
 
     /// The placement of exllamav2's `load_tp` for `splits`: Q/K/V rows and the output
-    /// projection's columns by the Q/KV tables, the MLP by the ID table, the embedding and head
-    /// by the VC table; norms are replicated on every device of the KV table. Table device
+    /// projection's columns by the Q/KV tables, the MLP by the ID table (routed experts whole
+    /// by the expert table), the embedding and head by the VC table; norms and routers are
+    /// replicated on every device of the tables. Table device
     /// indices name the inventory's accelerators.
     pub fn tp_placement(&self, splits: &Splits) -> Result<Placement> {
         let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
@@ -132,14 +136,42 @@ impl Model {
                 .map(|x| x.name().to_owned())
                 .ok_or_else(|| invalid("tp device index", format!("below {}", accel.len()), d))
         };
+        // a replica on every device that computes with it (the plan's rule)
+        let mut everywhere: SplitTable = [&splits.kv, &splits.id, &splits.ex, &splits.vc]
+            .into_iter()
+            .flatten()
+            .map(|&(d, _, _)| (d, 0, 1))
+            .collect();
+        everywhere.sort_unstable();
+        everywhere.dedup();
         let mut tensors = Vec::new();
         for info in self.source.tensors() {
             let cut = tp_cut(info, hd);
-            let (table, axis, unit, replicated): (&SplitTable, u8, u64, bool) = match cut {
-                Cut::Rows { table, unit } => (splits.get(table)?, 0, unit, false),
-                Cut::Cols { table, unit } => (splits.get(table)?, 1, unit, false),
-                Cut::Replicate => (&splits.kv, 0, 1, true),
-            };
+            let one: SplitTable;
+            let (table, axis, unit, replicated): (&SplitTable, u8, u64, bool) =
+                match cut {
+                    Cut::Rows { table, unit } => (splits.get(table)?, 0, unit, false),
+                    Cut::Cols { table, unit } => (splits.get(table)?, 1, unit, false),
+                    Cut::Replicate => (&everywhere, 0, 1, true),
+                    Cut::Experts => match weightlift_format::expert_of(&info.name) {
+                        Some(e) => {
+                            let e = u64::from(e);
+                            let d = splits.ex.iter().find(|x| x.1 <= e && e < x.2).ok_or_else(
+                                || {
+                                    invalid(
+                                        format!("expert {e} of '{}'", info.name),
+                                        "an expert of the tp expert table",
+                                        format!("{:?}", splits.ex),
+                                    )
+                                },
+                            )?;
+                            let rows = info.shape.first().copied().unwrap_or(0);
+                            one = vec![(d.0, 0, rows)];
+                            (&one, 0, 1, false)
+                        }
+                        None => (&splits.ex, 0, 1, false),
+                    },
+                };
             let axis = if info.shape.len() == 1 { 0 } else { axis };
             let len = if axis == 0 {
                 info.shape.first().copied().unwrap_or(0)
@@ -207,6 +239,7 @@ pub fn tp_cut(info: &TensorInfo, head_dim: u64) -> Cut {
             table: BROADCAST_ID,
             unit: 1,
         },
+        Some(Role::FfnGateExps | Role::FfnUpExps | Role::FfnDownExps) => Cut::Experts,
         Some(Role::TokenEmbd | Role::Output) => Cut::Rows {
             table: BROADCAST_VC,
             unit: 1,

@@ -1,8 +1,10 @@
 //! exllamav2's tensor parallelism: the split tables of `tp::define_split` turned into
 //! shards of every attention and MLP matrix and of the head, norms replicated on every TP
-//! device, the embedding on the CPU, and each layer's KV cache split by kv heads.
+//! device, the embedding on the CPU, and each layer's KV cache split by kv heads. A
+//! mixture-of-experts model's experts are split whole by the expert table (expert
+//! parallelism), its routers replicated.
 
-use weightlift_format::{DType, Role, TensorInfo};
+use weightlift_format::{DType, Role, TensorInfo, expert_of};
 
 use super::{Assign, Ctx, ShardIdx};
 use crate::error::{PlanError, Result};
@@ -82,6 +84,7 @@ impl Ctx<'_> {
                     .map_or(0, |c| total_cache_bytes(self.req, &c, &self.runtime))
             },
             attn_footprints: footprints,
+            n_experts: self.n_experts(),
         };
         let mut tp = define_split(&inputs)?;
         let hd = u64::from(spec.head_dim);
@@ -98,11 +101,13 @@ impl Ctx<'_> {
         let kv = scale(&tp.kv, hd);
         let id = scale(&tp.id, 1);
         let vc = scale(&tp.vc, 1);
+        let ex = scale(&tp.ex, 1);
         let mut all: Vec<usize> = q
             .iter()
             .chain(&kv)
             .chain(&id)
             .chain(&vc)
+            .chain(&ex)
             .map(|x| x.0)
             .collect();
         all.sort_unstable();
@@ -118,6 +123,34 @@ impl Ctx<'_> {
                 Some(Role::FfnGate | Role::FfnUp) => (&id, 0),
                 Some(Role::FfnDown) => (&id, 1),
                 Some(Role::Output) => (&vc, 0),
+                Some(Role::FfnGateExps | Role::FfnUpExps | Role::FfnDownExps) => {
+                    match expert_of(&t.name) {
+                        // transformers' own tensor of expert `e`: whole on its device
+                        Some(e) => {
+                            let e = u64::from(e);
+                            let Some(&(d, _, _)) = ex.iter().find(|x| x.1 <= e && e < x.2) else {
+                                return Err(PlanError::Tensor {
+                                    tensor: t.name.clone(),
+                                    detail: format!(
+                                        "expert {e} is beyond the expert table's {} experts",
+                                        tp.ex.last().map_or(0, |x| x.2)
+                                    ),
+                                });
+                            };
+                            let rows = t.shape.first().copied().unwrap_or(0);
+                            a.tensor_dev[i] = d;
+                            a.splits[i] = Some((0, false, vec![(d, 0, rows, b)]));
+                            continue;
+                        }
+                        // GGUF's stacked `[experts, rows, columns]`: cut along the experts
+                        None => {
+                            let dim = t.shape.first().copied().unwrap_or(0);
+                            a.tensor_dev[i] = ex.first().map_or(first, |x| x.0);
+                            a.splits[i] = Some((0, false, shard_bytes(&ex, dim, b)));
+                            continue;
+                        }
+                    }
+                }
                 Some(Role::TokenEmbd | Role::RopeFreqs | Role::RopeFactors)
                     if t.layer.is_none() =>
                 {
@@ -186,6 +219,29 @@ impl Ctx<'_> {
 }
 
 impl Ctx<'_> {
+    /// The routed experts per layer of a mixture-of-experts checkpoint (0: dense), from its
+    /// expert tensors: the first axis of GGUF's stacked `ffn_*_exps`, or one past the highest
+    /// expert index of transformers' per-expert tensors.
+    fn n_experts(&self) -> u64 {
+        let exps = |r: Option<Role>| {
+            matches!(
+                r,
+                Some(Role::FfnGateExps | Role::FfnUpExps | Role::FfnDownExps)
+            )
+        };
+        self.tensors()
+            .iter()
+            .zip(&self.roles)
+            .filter(|(_, r)| exps(**r))
+            .map(|(t, _)| match expert_of(&t.name) {
+                Some(e) => u64::from(e) + 1,
+                None if t.shape.len() == 3 => t.shape[0],
+                None => 0,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The world's ranks, each standing for the accelerator of the same index (its capacity
     /// is that rank's budget).
     fn ranks(&self, world: &TpWorld) -> Result<Vec<TpRank>> {

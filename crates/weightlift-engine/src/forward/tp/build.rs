@@ -3,6 +3,8 @@
 //! before any compute.
 
 use super::*;
+use std::collections::HashMap;
+use weightlift_format::{MoeSpec, expert_of};
 use weightlift_kernels::CpuBackend;
 
 /// What the tensor-parallel pass cannot run, refused by name.
@@ -69,6 +71,8 @@ struct Ctx<'a> {
     infos: &'a [TensorInfo],
     held: &'a [Held],
     copies: &'a [(usize, Held)],
+    /// transformers' own tensor of each expert, by (layer, role, expert)
+    per_expert: HashMap<(u32, Role, u32), usize>,
 }
 
 impl Ctx<'_> {
@@ -159,6 +163,111 @@ impl Ctx<'_> {
     }
 }
 
+impl Ctx<'_> {
+    /// Device `dev`'s share of layer `l`'s mixture-of-experts block: its replicas of the MLP
+    /// norm and of the router (`router`), and experts `first..end` of the expert table, each
+    /// its own tensor (transformers' names, whole on this device) or its rows of this device's
+    /// part of a stacked GGUF tensor (the part holding exactly those experts).
+    fn experts(
+        &self,
+        (l, router): (u32, usize),
+        ms: &MoeSpec,
+        dev: &Arc<crate::device::Device>,
+        (first, end): (u64, u64),
+        h: usize,
+    ) -> Result<Experts> {
+        let at = Some(l);
+        let name = dev.name();
+        let (n, f) = (ms.n_experts as usize, ms.expert_ffn as usize);
+        let norm = self.need(Role::FfnNorm, at)?;
+        let norm = exec::floats_on(
+            &self.replica(norm, name)?,
+            norm,
+            &format!("layer {l} ffn_norm"),
+            dev,
+        )?;
+        let router = exec::linear_of(&self.mat(router, None, name, (n, h), 0, None)?, dev)?;
+        let count = (end - first) as usize;
+        let mut experts = Vec::with_capacity(count);
+        for e in first as usize..end as usize {
+            let mut three = Vec::with_capacity(3);
+            for (role, (rows, cols)) in [
+                (Role::FfnGateExps, (f, h)),
+                (Role::FfnUpExps, (f, h)),
+                (Role::FfnDownExps, (h, f)),
+            ] {
+                if let Some(&i) = self.per_expert.get(&(l, role, e as u32)) {
+                    let m = self.mat(i, None, name, (rows, cols), 0, None)?;
+                    three.push(exec::linear_of(&m, dev)?);
+                    continue;
+                }
+                let i = self
+                    .infos
+                    .iter()
+                    .position(|t| {
+                        t.role == Some(role) && t.layer == at && expert_of(&t.name).is_none()
+                    })
+                    .ok_or_else(|| {
+                        invalid(
+                            format!("{} of expert {e} in layer {l}", role.name()),
+                            "a tensor in the checkpoint",
+                            "none",
+                        )
+                    })?;
+                let tname = &self.infos[i].name;
+                let p = part_on(&self.held[i], name, tname)?;
+                let Held::Split { parts, spec } = &self.held[i] else {
+                    return Err(invalid(format!("tensor '{tname}'"), "split", "whole"));
+                };
+                let t = &parts[p];
+                let want = [count as u64, rows as u64, cols as u64];
+                let shard = spec.shards.get(p).map(|s| s.1);
+                if t.shape() != want || shard != Some(first) {
+                    return Err(invalid(
+                        format!("part of '{tname}' on {name}"),
+                        format!("experts {first}..{end} ({want:?}), as the expert table splits it"),
+                        format!("shape {:?} from {shard:?}", t.shape()),
+                    ));
+                }
+                if let Packing::Int8 = Packing::of(tname, t.dtype())? {
+                    return Err(refuse(
+                        format!("a tensor-parallel forward pass over LLM.int8 weight '{tname}'"),
+                        "int8 experts are not split by the tp tables; load without \
+                         quantize=\"int8\" or with a layer split",
+                    ));
+                }
+                let k = e - first as usize;
+                three.push(Linear {
+                    slot: Slot::Tensor(i),
+                    name: format!("{tname} expert {e}"),
+                    rows,
+                    cols,
+                    bias: None,
+                    onload_at: None,
+                    packed: None,
+                    part: Some(p),
+                    rows_of: Some((k * rows, count * rows)),
+                });
+            }
+            let Ok(three) = <[Linear; 3]>::try_from(three) else {
+                return Err(invalid("expert matrices", "gate, up and down", "others"));
+            };
+            experts.push(three);
+        }
+        Ok(Experts {
+            norm,
+            moe: Moe {
+                router,
+                experts,
+                first: first as usize,
+                n_used: ms.n_used as usize,
+                norm_topk_prob: ms.norm_topk_prob,
+                experts_on_host: false,
+            },
+        })
+    }
+}
+
 /// The start of device `d`'s range in `table` (0 when absent).
 fn start_of(table: &SplitTable, d: usize) -> Option<(u64, u64)> {
     table.iter().find(|e| e.0 == d).map(|&(_, a, b)| (a, b))
@@ -176,20 +285,7 @@ impl TpGraph {
     ) -> Result<TpGraph> {
         super::super::graph::check_tensor_parallel(&spec.architecture)?;
         let infos = m.source.tensors();
-        // a MoE llama GGUF (mixtral) is named `llama`: the router tensor tells
-        if let Some(t) = infos
-            .iter()
-            .find(|t| t.role == Some(weightlift_format::Role::FfnGateInp))
-        {
-            return Err(refuse(
-                format!(
-                    "tensor parallelism for a mixture-of-experts model ('{}')",
-                    t.name
-                ),
-                "routed experts are not split by the tp tables; load with a layer split \
-                 (autosplit, layers, balanced) instead of tensor_parallel",
-            ));
-        }
+        let moe_spec = super::super::graph::moe_spec_of(m)?;
         if let Some(t) = infos.iter().find(|t| is_quantized_part(&t.name)) {
             return Err(refuse(
                 format!(
@@ -251,6 +347,7 @@ impl TpGraph {
             vc: splits.vc.clone(),
             rs: splits.rs.clone(),
             q: splits.q.clone(),
+            ex: splits.ex.clone(),
             ranks: None,
         };
         let nd = ctx.devices().len();
@@ -262,6 +359,11 @@ impl TpGraph {
             infos,
             held: m.held,
             copies: m.copies,
+            per_expert: infos
+                .iter()
+                .enumerate()
+                .filter_map(|(i, t)| Some(((t.layer?, t.role?, expert_of(&t.name)?), i)))
+                .collect(),
         };
         let (h, hd) = (spec.hidden_size as usize, spec.head_dim as usize);
         let name = |d: usize| ctx.device(d).map(|x| x.name().to_owned());
@@ -330,6 +432,40 @@ impl TpGraph {
                     window: windows.get(l as usize).copied().unwrap_or(0),
                 });
             }
+            let mut experts: Vec<Option<Arc<Experts>>> = (0..nd).map(|_| None).collect();
+            // a MoE llama GGUF (mixtral) is named `llama`: the router tensor tells
+            let router = c.find(Role::FfnGateInp, at);
+            match (router, moe_spec, splits.ex.is_empty()) {
+                (Some(r), Some(ms), false) => {
+                    for &(d, a, b) in splits.ex.iter().filter(|e| ours(e.0)) {
+                        let dev = ctx.device(d)?;
+                        let x = c.experts((l, r), &ms, dev, (a, b), h)?;
+                        experts[d] = Some(Arc::new(x));
+                    }
+                }
+                (None, _, true) => {}
+                (Some(r), _, _) => {
+                    return Err(refuse(
+                        format!(
+                            "tensor parallelism for mixture-of-experts layer {l} ('{}')",
+                            infos[r].name
+                        ),
+                        "the model was loaded without an expert table (its expert count \
+                         unread, or tables made for a dense model); plan it again with \
+                         tensor_parallel, or load with a layer split (autosplit, layers, \
+                         balanced)",
+                    ));
+                }
+                (None, _, false) => {
+                    return Err(refuse(
+                        format!(
+                            "tensor parallelism for dense layer {l} of a mixture-of-experts model"
+                        ),
+                        "the tp tables split a mixture-of-experts model's MLPs by experts only; \
+                         load with a layer split (autosplit, layers, balanced)",
+                    ));
+                }
+            }
             for &(d, a, b) in splits.id.iter().filter(|e| ours(e.0)) {
                 let dev = name(d)?;
                 let w = (b - a) as usize;
@@ -353,6 +489,7 @@ impl TpGraph {
             layers.push(Layer {
                 attn,
                 mlp,
+                experts,
                 o_bias: whole(Role::AttnOutputBias)?,
                 down_bias: None,
             });

@@ -36,7 +36,7 @@ mod rank;
 use crate::device::{Buffer, Device, pace_link};
 pub(super) use batch::BatchSeq;
 use collect::Pass;
-pub(super) use parts::{BackendGraph, Backends};
+pub(super) use parts::{BackendGraph, Backends, floats_on, linear_of};
 
 /// One device's workspace as buffers of its backend: the single-device regions, then the
 /// residual slice it owns and the reduction's receive and sum buffers.
@@ -166,7 +166,7 @@ impl TpGraph {
     }
 
     /// The constants of the backend op sequence for one forward call.
-    fn consts(&self, compute: Compute, int8_threshold: f32) -> Consts {
+    pub(super) fn consts(&self, compute: Compute, int8_threshold: f32) -> Consts {
         Consts::new(
             &self.dims,
             (self.eps, self.rope, self.max_dq),

@@ -69,16 +69,36 @@ impl<'a, B: Exec> Pass<'a, B> {
             a.run_seqs((self.bs[d], &cx(d)), li, seqs, &mut w.r)?;
         }
         self.reduce(coll, ws, (&s.kv, &s.rs), (n, h), &l.o_bias, held)?;
-        self.gather(coll, flip(), ws, (&s.rs, &s.id), (0, n, h))?;
-        for &(d, _, _) in &s.id {
+        let table = l.mlp_table(s);
+        self.gather(coll, flip(), ws, (&s.rs, table), (0, n, h))?;
+        let lens: Vec<usize> = seqs.iter().map(|q| q.2).collect();
+        for &(d, _, _) in table {
+            let w = work(ws, d)?;
+            if let Some(x) = l.experts.get(d).and_then(Option::as_ref) {
+                let mut link = exec::HostLink {
+                    rate: self.devices[d].bandwidth(),
+                    copies: &mut coll.copies,
+                };
+                let on = (&x.norm, &x.moe);
+                exec::experts_share(
+                    self.bs[d],
+                    &cx(d),
+                    on.0,
+                    on.1,
+                    li,
+                    &lens,
+                    &mut w.r,
+                    &mut link,
+                )?;
+                continue;
+            }
             let Some(m) = l.mlp.get(d).and_then(Option::as_ref) else {
                 continue;
             };
-            let w = work(ws, d)?;
             let mats = [&m.gate, &m.up, &m.down];
             exec::mlp(self.bs[d], &cx(d), &m.norm, mats, li, n, &mut w.r)?;
         }
-        self.reduce(coll, ws, (&s.id, &s.rs), (n, h), &l.down_bias, held)
+        self.reduce(coll, ws, (table, &s.rs), (n, h), &l.down_bias, held)
     }
 
     /// Rows of `width` bytes from device `s` to device `d` (peer route), counted and paced as

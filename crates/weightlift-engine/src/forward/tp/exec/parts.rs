@@ -95,8 +95,23 @@ pub(super) struct MlpParts {
 pub(super) struct LayerParts {
     pub(super) attn: Vec<Option<AttnParts>>,
     pub(super) mlp: Vec<Option<MlpParts>>,
+    /// A mixture-of-experts layer's shares, the host graph's own (their norms placed on a GPU
+    /// at build).
+    pub(super) experts: Vec<Option<Arc<Experts>>>,
     pub(super) o_bias: Vec<Option<Floats>>,
     pub(super) down_bias: Vec<Option<Floats>>,
+}
+
+impl LayerParts {
+    /// The table its MLP follows: the expert table for a mixture-of-experts layer, else the
+    /// intermediate one (as the host graph's layer says).
+    pub(super) fn mlp_table<'s>(&self, s: &'s Splits) -> &'s SplitTable {
+        if self.experts.iter().any(Option::is_some) {
+            &s.ex
+        } else {
+            &s.id
+        }
+    }
 }
 
 /// The tensor-parallel graph as the backends read it: the host graph's shares, with their
@@ -109,7 +124,12 @@ pub(crate) struct BackendGraph {
 }
 
 /// f32 parameters `values` of tensor `index` for `device`: copied there on a GPU.
-fn floats_on(values: &[f32], index: usize, name: &str, device: &Arc<Device>) -> Result<Floats> {
+pub(in crate::forward::tp) fn floats_on(
+    values: &[f32],
+    index: usize,
+    name: &str,
+    device: &Arc<Device>,
+) -> Result<Floats> {
     let mut f = Floats {
         host: values.to_vec(),
         index,
@@ -125,7 +145,7 @@ fn floats_on(values: &[f32], index: usize, name: &str, device: &Arc<Device>) -> 
 }
 
 /// A device's slice of a matrix as the backend path's [`Linear`].
-fn linear_of(m: &Mat, device: &Arc<Device>) -> Result<Linear> {
+pub(in crate::forward::tp) fn linear_of(m: &Mat, device: &Arc<Device>) -> Result<Linear> {
     let bias = match &m.bias {
         Some(b) => Some(floats_on(b, m.index, &m.name, device)?),
         None => None,
@@ -213,9 +233,16 @@ impl BackendGraph {
                 }
                 Ok(out)
             };
+            // a device's experts run in its workspace's regions (see `check_moe_workspace`)
+            for (d, x) in l.experts.iter().enumerate() {
+                if let (Some(x), Some(w)) = (x, g.layouts.get(d)) {
+                    exec::check_moe_workspace(dev(d)?, &w.base, &x.moe, li)?;
+                }
+            }
             layers.push(LayerParts {
                 attn,
                 mlp,
+                experts: l.experts.clone(),
                 o_bias: columns(&l.o_bias, "attn_output bias")?,
                 down_bias: columns(&l.down_bias, "ffn_down bias")?,
             });

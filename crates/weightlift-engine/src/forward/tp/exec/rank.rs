@@ -297,14 +297,29 @@ impl TpGraph {
                 }
                 let o_bias = l.o_bias.get(rank).and_then(Option::as_ref);
                 rp.reduce(&mut coll, flip(), &mut w, (n, h), attn.is_some(), o_bias)?;
-                rp.gather(&mut coll, flip(), &mut w, (0, n, h), in_table(&s.id))?;
+                rp.gather(
+                    &mut coll,
+                    flip(),
+                    &mut w,
+                    (0, n, h),
+                    in_table(l.mlp_table(s)),
+                )?;
                 let mlp = l.mlp.get(rank).and_then(Option::as_ref);
-                if let Some(m) = mlp {
+                let experts = l.experts.get(rank).and_then(Option::as_ref);
+                if let Some(x) = experts {
+                    let mut link = exec::HostLink {
+                        rate: devices[rank].bandwidth(),
+                        copies: &mut coll.copies,
+                    };
+                    let lens = [n];
+                    exec::experts_share(b, &cx, &x.norm, &x.moe, li, &lens, &mut w.r, &mut link)?;
+                } else if let Some(m) = mlp {
                     let mats = [&m.gate, &m.up, &m.down];
                     exec::mlp(b, &cx, &m.norm, mats, li, n, &mut w.r)?;
                 }
+                let computed = mlp.is_some() || experts.is_some();
                 let down_bias = l.down_bias.get(rank).and_then(Option::as_ref);
-                rp.reduce(&mut coll, flip(), &mut w, (n, h), mlp.is_some(), down_bias)?;
+                rp.reduce(&mut coll, flip(), &mut w, (n, h), computed, down_bias)?;
             }
             cache.appended(pos as u64, part)?;
             let width = output.width(&self.dims);
