@@ -162,6 +162,21 @@ fn qwen2_ranks_equal_the_single_process_pass() {
     check(&common::qwen2(), 2, "48MiB", &ids, CacheDType::Fp16);
 }
 
+/// Mixtral's and qwen3moe's ranks each hold and run their experts of the expert table (the
+/// routers replicated), from safetensors over 2 ranks and F16 GGUF over 3.
+#[test]
+fn moe_ranks_equal_the_single_process_pass() {
+    for family in ["mixtral", "qwen3moe"] {
+        let data = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/data")
+            .join(format!("tiny-{family}"));
+        let ids = common::json_ids(&data.join("stats.json"), "ids");
+        check(&data, 2, "48MiB", &ids, CacheDType::F32);
+        let gguf = data.join(format!("tiny-{family}-F16.gguf"));
+        check(&gguf, 3, "48MiB", &ids, CacheDType::Fp16);
+    }
+}
+
 #[test]
 fn demo_model_ranks_equal_the_single_process_pass() {
     let path = weightlift_testdata::demo_gguf();
