@@ -548,6 +548,18 @@ impl PlanOptions {
                     m.overrides = overrides.into_iter().chain(from_map).collect();
                 }
                 Strategy::Layers(o) => o.overrides = overrides,
+                // Tensor parallelism places every expert by the expert table, each computed on
+                // the device that holds it; host-held experts belong to a layer split.
+                Strategy::TensorParallel(_) => {
+                    return Err(PlanError::option(
+                        "overrides/n_cpu_moe",
+                        "no -ot rules with strategy='tensor_parallel', which splits a \
+                         mixture-of-experts model's experts whole over the accelerators (the \
+                         expert table); to keep experts in host RAM use strategy='layers' \
+                         (llama.cpp's n_cpu_moe) or 'map', or drop n_cpu_moe and overrides",
+                        "strategy='tensor_parallel'",
+                    ));
+                }
                 _ => return Err(misplaced("overrides/n_cpu_moe", "map or layers")),
             }
         }

@@ -367,4 +367,26 @@ fn n_cpu_moe_is_overrides_after_the_explicit_ones() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("n_cpu_moe") && e.contains("balanced"), "{e}");
+    // tensor parallelism places every expert by its expert table: named, with the fix
+    for opts in [
+        PlanOptions {
+            n_cpu_moe: Some(1),
+            strategy: Some("tensor_parallel".into()),
+            ..PlanOptions::default()
+        },
+        PlanOptions {
+            overrides: vec![("exps".into(), "cpu".into())],
+            strategy: Some("tensor_parallel".into()),
+            ..PlanOptions::default()
+        },
+    ] {
+        let e = opts.strategy().unwrap_err().to_string();
+        assert!(
+            e.contains("overrides/n_cpu_moe")
+                && e.contains("got strategy='tensor_parallel'")
+                && e.contains("expert table")
+                && e.contains("use strategy='layers'"),
+            "{e}"
+        );
+    }
 }
