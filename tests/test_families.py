@@ -207,3 +207,31 @@ def test_n_cpu_moe_keeps_the_first_layers_experts_in_host_ram():
     )
     assert out.returncode == 0, out.stderr
     assert "experts of layers 0" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe"])
+def test_tensor_parallel_splits_the_experts_whole(family):
+    # expert parallelism: load_tp over two virtual devices gives each two of the four experts
+    # (the plan's expert table, which explain shows), routers replicated; the logits are
+    # transformers' at every position, the greedy text transformers' too. Experts kept in host
+    # RAM beside tensor_parallel are refused by name, with the strategies that keep them there.
+    folder, _ = FAMILIES[family]
+    s = stats(folder)
+    path = folder / f"tiny-{family}-F16.gguf"
+    plan = wl.plan(path, devices="virtual:2x64MiB", strategy="tensor_parallel")
+    assert plan.tp_split("ex") == [(0, 0, 2), (1, 2, 4)]
+    assert plan.tp_split("id") == []
+    assert "ex [0:0..2 1:2..4]" in plan.explain()
+    shards = {t.name: [x[:3] for x in t.shards or []] for t in plan.tensors}
+    assert shards["blk.0.ffn_up_exps.weight"] == [("virtual:0", 0, 2), ("virtual:1", 2, 4)]
+    m = wl.Model(path, devices="virtual:2x64MiB", compute="exact")
+    m.load_tp(expect_cache_tokens=64, expect_cache_base="f32")
+    got = m.forward(s["ids"], logits="all")
+    want = np.load(folder / "hf_logits.npy")
+    assert float(np.abs(got - want).max()) <= 1e-3
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
+    out = m.generate(s["ids"], max_new_tokens=len(s["greedy_ids"]), do_sample=False)
+    assert out == s["greedy_text"]
+    m.close()
+    with pytest.raises(wl.PlanError, match=r"overrides/n_cpu_moe.*expert table.*strategy='layers'"):
+        wl.plan(path, devices="virtual:2x64MiB", strategy="tensor_parallel", n_cpu_moe=1)
