@@ -245,6 +245,59 @@ fn tp_parts_reassemble_to_the_checkpoint() {
     }
 }
 
+/// A mixture-of-experts model's expert tensors split by an expert table (GGUF's stacked
+/// `[experts, rows, columns]` cut along their experts, quantised or not; transformers' per-expert
+/// tensors whole on their expert's device) and its routers replicated read back as the
+/// checkpoint's bytes, each device holding only its experts.
+#[test]
+fn tp_expert_parts_reassemble_to_the_checkpoint() {
+    // both kv heads on device 0: a cut between the two heads of 8 would fall inside Q8_0's
+    // 32-value blocks of attn_output
+    let splits = Splits {
+        kv: vec![(0, 0, 2)],
+        q: vec![(0, 0, 4)],
+        rs: vec![(0, 0, 32)],
+        vc: vec![(0, 0, 320)],
+        ex: vec![(0, 0, 3), (1, 3, 4)],
+        ..Splits::default()
+    };
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
+    for path in [
+        data.join("tiny-mixtral"),
+        data.join("tiny-qwen3moe/tiny-qwen3moe-F16.gguf"),
+        data.join("tiny-mixtral/tiny-mixtral-Q8_0.gguf"),
+    ] {
+        let src: Arc<dyn Source> =
+            Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
+        let inv = Inventory::parse("virtual:2x16MiB").unwrap();
+        let mut model = Model::new(Arc::clone(&src), inv.clone());
+        let placement = model.tp_placement(&splits).unwrap();
+        model
+            .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
+                true
+            })
+            .unwrap();
+        for (i, t) in src.tensors().iter().enumerate() {
+            let what = format!("{}: {}", path.display(), t.name);
+            assert!(
+                model.tensor_bytes(&t.name).unwrap().0 == src.bytes(i),
+                "{what}"
+            );
+            let on = model.device_of(&t.name).unwrap();
+            match (weightlift_format::expert_of(&t.name), t.shape.len()) {
+                (Some(e), _) => {
+                    let want = if e < 3 { "virtual:0" } else { "virtual:1" };
+                    assert_eq!(on, want, "{what}");
+                }
+                (None, 3) => assert_eq!(on, "virtual:0,virtual:1", "{what}"),
+                _ => {}
+            }
+        }
+        model.unload();
+        assert!(inv.all().iter().all(|d| d.used() == 0));
+    }
+}
+
 /// `dequantized` works through chunks of at most `max_dq_size` values: host-resident tensors are
 /// decoded in place (no transient buffer), split tensors through one buffer of at most one
 /// chunk's bytes; either way the values equal a whole-tensor dequantisation of the file's bytes.

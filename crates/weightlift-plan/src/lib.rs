@@ -45,6 +45,8 @@
 //!   loaded as a copy of `token_embd` on the output device, as llama.cpp's `TENSOR_DUPLICATED`
 //!   does.
 //! - **tensor_parallel** (exllamav2 `TPContext.define_split`): the five split tables exactly;
+//!   a mixture-of-experts model, which exllamav2 does not split, gets an expert table in place
+//!   of the ID table (whole experts per device, by the same budgets; see [`TpSplit::ex`]);
 //!   each device's scratch is the full single-device workspace, although it computes only its
 //!   slice of the heads and of the MLP, which over-estimates.
 //!

@@ -121,8 +121,8 @@ impl Model {
     /// The placement of exllamav2's `load_tp` for `splits`: Q/K/V rows and the output
     /// projection's columns by the Q/KV tables, the MLP by the ID table (routed experts whole
     /// by the expert table), the embedding and head by the VC table; norms and routers are
-    /// replicated on every device of the tables. Table device
-    /// indices name the inventory's accelerators.
+    /// replicated on every device of the tables. Table device indices name the inventory's
+    /// accelerators.
     pub fn tp_placement(&self, splits: &Splits) -> Result<Placement> {
         let spec = self.source.spec().ok_or_else(|| EngineError::Unsupported {
             what: "tensor-parallel loading".into(),

@@ -71,8 +71,9 @@ impl NativePlan {
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_owned()))
     }
     /// A tensor-parallel split table as `(device index, start, end)` rows, for `kind` in
-    /// `"kv"`, `"id"`, `"vc"`, `"rs"`, `"q"`. Raises `PlanError` for a plan that is not
-    /// tensor-parallel.
+    /// `"kv"`, `"id"`, `"vc"`, `"rs"`, `"q"`, or `"ex"` (a mixture-of-experts model's whole
+    /// experts per device; empty for a dense model, as `"id"` is for a MoE one). Raises
+    /// `PlanError` for a plan that is not tensor-parallel.
     fn tp_split(&self, kind: &str) -> PyResult<Vec<(usize, u64, u64)>> {
         let k = wp::TpKind::parse(kind).map_err(py_err)?;
         self.0
