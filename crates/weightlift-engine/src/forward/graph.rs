@@ -872,7 +872,10 @@ mod tests {
             assert!(e.contains("layer split"), "{e}");
         }
         assert!(check_tensor_parallel("qwen2").is_ok());
+        // mixture-of-experts layers run by the expert table
+        assert!(check_tensor_parallel("mixtral").is_ok());
+        assert!(check_tensor_parallel("qwen3_moe").is_ok());
         // an architecture the engine does not run is refused as at load
-        assert!(check_tensor_parallel("mixtral").is_err());
+        assert!(check_tensor_parallel("mamba").is_err());
     }
 }
