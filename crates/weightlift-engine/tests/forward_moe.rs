@@ -828,6 +828,9 @@ const TP_RT: weightlift_plan::RuntimeSpec = weightlift_plan::RuntimeSpec {
     low_mem: false,
 };
 
+/// A plan's expert table: `(device, first expert, end)`.
+type ExpertTable = Vec<(usize, u64, u64)>;
+
 /// The device of expert `e` in the plan's expert table.
 fn device_of_expert(ex: &[(usize, u64, u64)], e: u64) -> usize {
     ex.iter().find(|x| x.1 <= e && e < x.2).unwrap().0
@@ -936,7 +939,7 @@ fn tiny_moe_tensor_parallel_matches_the_layer_split_and_transformers() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
             let src = open(&path);
             let split = f.exact_logits(&path, false);
-            let mut runs: Vec<(usize, Option<Vec<f64>>, Vec<(usize, u64, u64)>)> = vec![
+            let mut runs: Vec<(usize, Option<Vec<f64>>, ExpertTable)> = vec![
                 (2, None, vec![(0, 0, 2), (1, 2, 4)]),
                 (3, None, vec![(0, 0, 2), (1, 2, 3), (2, 3, 4)]),
             ];
