@@ -292,3 +292,35 @@ fn ranks_on_cuda_give_the_host_pass_logits() {
         |l: &[f32]| -> Vec<usize> { l.chunks_exact(vocab).map(common::argmax).collect() };
     assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "greedy ids");
 }
+
+/// Mixtral's and qwen3moe's two ranks as threads on `cuda:0` through the CUDA backend, each
+/// running its experts of the expert table on the device: the single-process host pass's
+/// logits within the tensor-parallel bound, and the same greedy ids.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
+fn moe_ranks_on_cuda_give_the_host_pass_logits() {
+    for family in ["mixtral", "qwen3moe"] {
+        let data = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/data")
+            .join(format!("tiny-{family}"));
+        let ids = common::json_ids(&data.join("stats.json"), "ids");
+        let src = open(data.join(format!("tiny-{family}-F16.gguf")));
+        let (mut whole, whole_cache, plan) =
+            single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
+        let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
+            .map(|r| load_rank(&src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
+            .collect();
+        let (want, _) = tp_run(&mut whole, &whole_cache, &ids);
+        let got = run_ranks(&mut ranks, &ids);
+        let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
+        for (r, (logits, _)) in got.iter().enumerate() {
+            let d = common::max_abs_diff(logits, &want) / scale;
+            eprintln!("{family} cuda rank {r}: max|Δ|/scale {d:e}");
+            assert!(d <= 1e-3, "{family} rank {r}: {d}");
+        }
+        let vocab = whole.vocab_size().unwrap() as usize;
+        let argmaxes =
+            |l: &[f32]| -> Vec<usize> { l.chunks_exact(vocab).map(common::argmax).collect() };
+        assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "{family}: greedy ids");
+    }
+}
