@@ -987,3 +987,36 @@ fn tiny_moe_tensor_parallel_matches_the_layer_split_and_transformers() {
         }
     }
 }
+
+/// Tensor-parallel batches of sequences (prompts joining while others decode) over 2 and 3
+/// virtual devices, on the host path and through the backend op sequence, in exact and in
+/// fast mode: each sequence's logits are the bits it gets alone under the same split, the
+/// devices' routers and experts taking the sequences' rows piece by piece as a layer split
+/// does.
+#[test]
+fn tiny_moe_tensor_parallel_batches_with_the_bits_of_each_sequence_alone() {
+    const STEPS: usize = 4;
+    for f in BOTH {
+        let ids = f.ids();
+        let reqs: Vec<(Vec<u32>, usize)> = vec![
+            (ids.clone(), 0),
+            (ids[..3].to_vec(), 0),
+            (ids[1..ids.len() - 1].to_vec(), 1),
+            (ids[4..].to_vec(), 2),
+        ];
+        let src = open(f.gguf("F16"));
+        for n in [2, 3] {
+            let (mut m, _, _) = tp_load(&src, &format!("virtual:{n}x64MiB"), None).unwrap();
+            for backend in [false, true] {
+                m.set_host_backend(backend);
+                for compute in [Compute::Exact, Compute::Fast] {
+                    m.set_compute(compute);
+                    let want = common::batch::alone(&mut m, &reqs, STEPS);
+                    let what = format!("{} over {n}, backend {backend}, {compute:?}", f.0);
+                    let got = common::batch::batched(&mut m, &reqs, STEPS);
+                    common::batch::assert_same_bits(&what, &got, &want);
+                }
+            }
+        }
+    }
+}
