@@ -467,3 +467,28 @@ fn ranks_on_cuda_give_the_host_pass_logits() {
         |l: &[f32]| -> Vec<usize> { l.chunks_exact(vocab).map(common::argmax).collect() };
     assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "greedy ids");
 }
+
+/// Two ranks as threads on `cuda:0`, through the CUDA backend, running the same continuous
+/// batch: each sequence's logits are the bits it gets alone on the same ranks, in both modes.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
+fn ranks_on_cuda_batch_with_the_bits_of_each_sequence_alone() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
+    let reqs = rank_requests(&ids);
+    let src = open(&path);
+    let (_, _, plan) = single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
+    let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
+        .map(|r| load_rank(&src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
+        .collect();
+    for compute in [Compute::Exact, Compute::Fast] {
+        ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
+        let got = on_ranks(&mut ranks, |_, m, _| {
+            (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
+        });
+        for (r, ((one, many), _)) in got.iter().enumerate() {
+            let what = format!("cuda rank {r}, {}", compute.name());
+            assert_same_bits(&what, many, one);
+        }
+    }
+}
