@@ -72,6 +72,42 @@ def test_ranks_give_the_single_process_logits_and_text(tiny_llama_st: Path, n: i
     assert ranks[0].tp is not None and ranks[0].tp.transport == "threads"
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("compute", ["exact", "fast"])
+def test_ranks_batch_and_answer_what_each_answers_alone(
+    tiny_llama_st: Path, n: int, compute: str
+) -> None:
+    """``Batch`` on ranks that all make the same calls: its steps run each as one batch over the
+    ranks (a step's prompts and decode tokens together), and every completion answers what it
+    answers alone and in the single-process batch (the logits' bits are checked in Rust, in
+    tp_rank.rs). Fresh models per mode: a slot's kept prefix was computed in its model's mode."""
+    path = gguf(tiny_llama_st)
+    whole = wl.Model(path, devices=f"virtual:{n}x{SIZE},cpu", runtime=RT)
+    whole.load_tp(expect_cache_tokens=64, expect_cache_base="f32")
+    ranks = load_ranks(path, n, expect_cache_tokens=64, expect_cache_base="f32")
+    for m in [whole, *ranks]:
+        m.compute = compute
+    texts = ["Once upon a time", "The cat", "1, 2, 3,"]
+    kw: dict[str, Any] = {"max_tokens": 6, "temperature": 0}
+
+    def batched(m: wl.Model) -> list[Any]:
+        batch = wl.Batch(m, parallel=3)
+        jobs = [m.create_completion(t, batch=batch, **kw) for t in texts]
+        got: dict[int, list[Any]] = {}
+        while batch.running:
+            for job, _, value, _ in batch.step():
+                got.setdefault(job, []).append(value)
+        return [got[job][0]["choices"] for job in jobs]
+
+    def alone(m: wl.Model) -> list[Any]:
+        return [m.create_completion(t, **kw)["choices"] for t in texts]
+
+    want = alone(whole)
+    assert batched(whole) == want
+    assert on_threads(ranks, batched) == [want] * n
+    assert on_threads(ranks, alone) == [want] * n
+
+
 def test_rank_errors_name_the_cause(tiny_llama_st: Path) -> None:
     path = gguf(tiny_llama_st)
     m = wl.Model(path, devices=f"virtual:{SIZE},cpu", runtime=RT)

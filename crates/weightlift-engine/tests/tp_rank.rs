@@ -4,6 +4,8 @@
 //! operations (here a `ThreadGroup`; NCCL across processes). Against the single-process pass,
 //! which is itself checked against `cpu` and transformers in `tp_forward.rs`:
 //! - every rank returns the same logits bit for bit, prompt chunks and decode steps alike;
+//! - a batch of sequences on the ranks gives each the bits it gets alone, and those of the
+//!   single-process batch, in one step's collectives;
 //! - each rank's cache holds exactly its kv heads' rows of the single-process cache;
 //! - each rank's device holds exactly the plan's column for its rank, after the load and at
 //!   the forward pass's peak, and nothing else is allocated on an accelerator.
@@ -12,10 +14,12 @@ mod common;
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
+use common::batch::{alone, assert_same_bits, batched};
 use common::{TpRan, open, tp_run};
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::tp::{HostStaged, ThreadGroup};
+use weightlift_engine::tp::{Collective, HostStaged, RankSlice, ThreadGroup};
 use weightlift_engine::{Cache, CacheDType, Inventory, Model, Source};
 use weightlift_plan as wp;
 
@@ -50,29 +54,106 @@ fn load_rank(
     (m, cache)
 }
 
-/// Run every rank at once, one thread each, joined by a thread group.
-fn run_ranks(ranks: &mut [(Model, Arc<Cache>)], ids: &[u32]) -> Vec<TpRan> {
+/// A thread-group member that counts the rank-level collectives its rank makes.
+#[derive(Debug)]
+struct Counted {
+    member: ThreadGroup,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Counted {
+    fn count(&self) {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Collective for Counted {
+    fn name(&self) -> &'static str {
+        self.member.name()
+    }
+
+    fn synchronize(&self) -> weightlift_engine::Result<()> {
+        self.member.synchronize()
+    }
+
+    fn joins_other_ranks(&self) -> bool {
+        self.member.joins_other_ranks()
+    }
+
+    fn all_reduce_sum(&self, parts: &mut [RankSlice<'_>]) -> weightlift_engine::Result<()> {
+        self.count();
+        self.member.all_reduce_sum(parts)
+    }
+
+    fn broadcast_from(
+        &self,
+        root: usize,
+        parts: &mut [RankSlice<'_>],
+    ) -> weightlift_engine::Result<()> {
+        self.count();
+        self.member.broadcast_from(root, parts)
+    }
+
+    fn all_gather(
+        &self,
+        counts: &[usize],
+        parts: &mut [RankSlice<'_>],
+    ) -> weightlift_engine::Result<()> {
+        self.count();
+        self.member.all_gather(counts, parts)
+    }
+
+    fn reduce_scatter_sum(
+        &self,
+        counts: &[usize],
+        parts: &mut [RankSlice<'_>],
+    ) -> weightlift_engine::Result<()> {
+        self.count();
+        self.member.reduce_scatter_sum(counts, parts)
+    }
+}
+
+/// Run `job` on every rank at once (given the rank, its model and its cache), one thread each,
+/// joined by a thread group: each rank's answer, and the rank-level collectives it made.
+fn on_ranks<T: Send>(
+    ranks: &mut [(Model, Arc<Cache>)],
+    job: impl Fn(usize, &mut Model, &Arc<Cache>) -> T + Sync,
+) -> Vec<(T, usize)> {
     let members = ThreadGroup::new(ranks.len()).unwrap();
+    let job = &job;
     std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .iter_mut()
             .zip(members)
-            .map(|((m, cache), member)| {
+            .enumerate()
+            .map(|(r, ((m, cache), member))| {
+                let calls = Arc::new(AtomicUsize::new(0));
                 let tp = m.tp_context_shared().unwrap();
-                tp.lock().unwrap().set_collective(Box::new(member));
+                let counted = Counted {
+                    member,
+                    calls: Arc::clone(&calls),
+                };
+                tp.lock().unwrap().set_collective(Box::new(counted));
                 s.spawn(move || {
                     // A rank that fails leaves the group, so the others fail rather than wait.
-                    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        tp_run(m, cache, ids)
-                    }));
+                    let got =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(r, m, cache)));
                     let mut ctx = tp.lock().unwrap_or_else(|e| e.into_inner());
                     ctx.set_collective(Box::new(HostStaged));
-                    got.unwrap()
+                    (got.unwrap(), calls.load(Ordering::SeqCst))
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// [`tp_run`] on every rank at once.
+fn run_ranks(ranks: &mut [(Model, Arc<Cache>)], ids: &[u32]) -> Vec<TpRan> {
+    on_ranks(ranks, |_, m, cache| tp_run(m, cache, ids))
+        .into_iter()
+        .map(|(got, _)| got)
+        .collect()
 }
 
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
@@ -187,6 +268,161 @@ fn demo_model_ranks_equal_the_single_process_pass() {
         &common::smollm2_prompt(1),
         CacheDType::Fp16,
     );
+}
+
+/// Greedy decode steps each sequence of [`rank_requests`] runs after its prompt.
+const STEPS: usize = 4;
+
+/// Prompts of several lengths from the tiny model's reference ids, and the step each joins at:
+/// batches of prompts and decode steps, and a whole prompt that joins when its tokens and the
+/// others' overflow a chunk (it runs alone beside a batch of the rest).
+fn rank_requests(ids: &[u32]) -> Vec<(Vec<u32>, usize)> {
+    vec![
+        (ids[..12].to_vec(), 0),
+        (ids[3..7].to_vec(), 0),
+        (ids.to_vec(), 1),
+        (ids[..9].to_vec(), 2),
+    ]
+}
+
+/// The ranks of a 2- and a 3-rank group (one without kv heads), each running the same
+/// continuous batch: every sequence's logits are the bits it gets alone on the same ranks,
+/// and the single-process batch's, in both compute modes.
+#[test]
+fn ranks_batch_with_the_bits_of_each_sequence_alone() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
+    let reqs = rank_requests(&ids);
+    let src = open(&path);
+    for (n, dtype) in [(2, CacheDType::F32), (3, CacheDType::Q8)] {
+        let devices = format!("virtual:{n}x48MiB,cpu");
+        let (mut whole, _, plan) = single_process(&src, &devices, dtype);
+        let mut ranks: Vec<(Model, Arc<Cache>)> = (0..n)
+            .map(|r| load_rank(&src, "virtual:48MiB,cpu", &plan, r, Some("virtual:0")))
+            .collect();
+        for compute in [Compute::Exact, Compute::Fast] {
+            whole.set_compute(compute);
+            ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
+            let what = format!("{n} ranks, {} cache, {}", dtype.name(), compute.name());
+            let want = batched(&mut whole, &reqs, STEPS);
+            assert_same_bits(
+                &format!("{what}: single process"),
+                &alone(&mut whole, &reqs, STEPS),
+                &want,
+            );
+            let got = on_ranks(&mut ranks, |_, m, _| {
+                (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
+            });
+            for (r, ((one, many), _)) in got.iter().enumerate() {
+                assert_same_bits(&format!("{what}: rank {r} alone"), one, &want);
+                assert_same_bits(&format!("{what}: rank {r} batched"), many, &want);
+            }
+        }
+    }
+}
+
+/// Mixtral's and qwen3moe's ranks of a 2- and a 3-rank group, each running the same
+/// continuous batch: every sequence's logits are the bits it gets alone, and the
+/// single-process batch's, each rank's experts routing the batch sequence by sequence, in both
+/// compute modes.
+#[test]
+fn moe_ranks_batch_with_the_bits_of_each_sequence_alone() {
+    for family in ["mixtral", "qwen3moe"] {
+        let data = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/data")
+            .join(format!("tiny-{family}"));
+        let ids = common::json_ids(&data.join("stats.json"), "ids");
+        let reqs: Vec<(Vec<u32>, usize)> = vec![
+            (ids.clone(), 0),
+            (ids[..3].to_vec(), 0),
+            (ids[1..ids.len() - 1].to_vec(), 1),
+            (ids[4..].to_vec(), 2),
+        ];
+        let src = open(data.join(format!("tiny-{family}-F16.gguf")));
+        for n in [2, 3] {
+            let devices = format!("virtual:{n}x48MiB,cpu");
+            let (mut whole, _, plan) = single_process(&src, &devices, CacheDType::F32);
+            let mut ranks: Vec<(Model, Arc<Cache>)> = (0..n)
+                .map(|r| load_rank(&src, "virtual:48MiB,cpu", &plan, r, Some("virtual:0")))
+                .collect();
+            for compute in [Compute::Exact, Compute::Fast] {
+                whole.set_compute(compute);
+                ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
+                let what = format!("{family}, {n} ranks, {}", compute.name());
+                let want = batched(&mut whole, &reqs, STEPS);
+                assert_same_bits(
+                    &format!("{what}: single process"),
+                    &alone(&mut whole, &reqs, STEPS),
+                    &want,
+                );
+                let got = on_ranks(&mut ranks, |_, m, _| {
+                    (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
+                });
+                for (r, ((one, many), _)) in got.iter().enumerate() {
+                    assert_same_bits(&format!("{what}: rank {r} alone"), one, &want);
+                    assert_same_bits(&format!("{what}: rank {r} batched"), many, &want);
+                }
+            }
+        }
+    }
+}
+
+/// A decode step of three sequences on the ranks makes the collectives of one sequence's step
+/// (two all-gathers and two reduce-scatters a layer, the head's all-gather of the residual and
+/// of the logits), where the sequences one at a time make three times as many.
+#[test]
+fn a_rank_batch_step_makes_one_step_of_collectives() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
+    let src = open(&path);
+    let (_, _, plan) = single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
+    let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
+        .map(|r| load_rank(&src, "virtual:48MiB,cpu", &plan, r, Some("virtual:0")))
+        .collect();
+    let layers = ranks[0].0.n_layers() as usize;
+    let caches: Vec<Vec<Arc<Cache>>> = ranks
+        .iter()
+        .map(|(m, _)| (0..3).map(|_| m.sequence_cache(64).unwrap()).collect())
+        .collect();
+    for compute in [Compute::Exact, Compute::Fast] {
+        ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
+        on_ranks(&mut ranks, |r, m, _| {
+            for (c, at) in caches[r].iter().zip([0, 2, 5]) {
+                c.reset();
+                m.forward(&ids[at..at + 6], Some(c), Logits::Last, &mut Vec::new())
+                    .unwrap();
+            }
+        });
+        let step = [42u32, 7, 11];
+        let one_by_one = on_ranks(&mut ranks, |r, m, _| {
+            let mut rows = Vec::new();
+            for (c, id) in caches[r].iter().zip(&step) {
+                let mut out = Vec::new();
+                m.forward(&[*id], Some(c), Logits::Last, &mut out).unwrap();
+                rows.extend(out);
+            }
+            caches[r].iter().for_each(|c| c.truncate(6).unwrap());
+            rows
+        });
+        let together = on_ranks(&mut ranks, |r, m, _| {
+            let seqs: Vec<(&Arc<Cache>, &[u32])> = caches[r]
+                .iter()
+                .zip(&step)
+                .map(|(c, id)| (c, std::slice::from_ref(id)))
+                .collect();
+            let mut out = Vec::new();
+            m.forward_batch(&seqs, &mut out).unwrap();
+            out
+        });
+        let one_step = 4 * layers + 2;
+        for (r, ((a, calls_a), (b, calls_b))) in one_by_one.iter().zip(&together).enumerate() {
+            let what = format!("{}, rank {r}", compute.name());
+            eprintln!("{what}: {calls_a} collectives one at a time, {calls_b} batched");
+            assert!(same_bits(b, a), "{what}: the batch's logits");
+            assert_eq!(*calls_a, 3 * one_step, "{what}: one at a time");
+            assert_eq!(*calls_b, one_step, "{what}: batched");
+        }
+    }
 }
 
 /// Without a rank given a device, each loads on the accelerator that stood for it in the plan,
@@ -322,5 +558,30 @@ fn moe_ranks_on_cuda_give_the_host_pass_logits() {
         let argmaxes =
             |l: &[f32]| -> Vec<usize> { l.chunks_exact(vocab).map(common::argmax).collect() };
         assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "{family}: greedy ids");
+    }
+}
+
+/// Two ranks as threads on `cuda:0`, through the CUDA backend, running the same continuous
+/// batch: each sequence's logits are the bits it gets alone on the same ranks, in both modes.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
+fn ranks_on_cuda_batch_with_the_bits_of_each_sequence_alone() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
+    let reqs = rank_requests(&ids);
+    let src = open(&path);
+    let (_, _, plan) = single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
+    let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
+        .map(|r| load_rank(&src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
+        .collect();
+    for compute in [Compute::Exact, Compute::Fast] {
+        ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
+        let got = on_ranks(&mut ranks, |_, m, _| {
+            (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
+        });
+        for (r, ((one, many), _)) in got.iter().enumerate() {
+            let what = format!("cuda rank {r}, {}", compute.name());
+            assert_same_bits(&what, many, one);
+        }
     }
 }

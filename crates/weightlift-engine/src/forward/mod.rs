@@ -567,9 +567,10 @@ impl crate::Model {
     /// devices through the CPU backend) batches too, its products shared as each backend
     /// allows (`exec::Exec::shared_tokens`). Tensor parallelism batches the same way, on the
     /// host path and through the backends, each device's products shared over the sequences and
-    /// attention per sequence on its own cache parts (`tp::TpGraph::forward_batch`); the ranks
-    /// of a multi-process group run the sequences one at a time, as do sequences whose tokens
-    /// overflow a chunk, with the same results.
+    /// attention per sequence on its own cache parts (`tp::TpGraph::forward_batch`), and so do
+    /// the ranks of a multi-process group when every rank is given the same sequences in the
+    /// same order (one step of collectives for the batch); sequences whose tokens overflow a
+    /// chunk run one at a time, with the same results.
     pub fn forward_batch(
         &mut self,
         seqs: &[(&Arc<Cache>, &[u32])],

@@ -656,13 +656,13 @@ impl TpGraph {
         Ok(())
     }
 
-    /// Whether [`TpGraph::forward_batch`] runs these sequences together: a pass over every
-    /// device, on the host path or the backends' (a rank of a multi-process group runs them one
-    /// at a time), logits of the last positions, and their tokens within one chunk.
-    pub fn batches(&self, ctx: &TpContext, seqs: &[(&Arc<Cache>, &[u32])], output: Output) -> bool {
+    /// Whether [`TpGraph::forward_batch`] runs these sequences together: logits of the last
+    /// positions, and their tokens within one chunk. On a rank of a multi-process group this is
+    /// decided from what every rank given the same sequences has alike (their token counts, the
+    /// plan's chunk, the caches' sizes), so the ranks batch together or not at all.
+    pub fn batches(&self, seqs: &[(&Arc<Cache>, &[u32])], output: Output) -> bool {
         let tokens = seqs.iter().map(|(_, ids)| ids.len()).sum::<usize>();
-        ctx.rank().is_none()
-            && output == Output::Logits(Logits::Last)
+        output == Output::Logits(Logits::Last)
             && seqs.len() > 1
             && tokens <= self.dims.tokens as usize
             && seqs
@@ -671,7 +671,8 @@ impl TpGraph {
     }
 
     /// Several sequences through the model tensor-parallel in one pass (on the host path here,
-    /// on the devices' backends in `exec/batch.rs`): one product per linear for the tokens of
+    /// on the devices' backends in `exec/batch.rs`, on a rank's own device in `exec/rank.rs`,
+    /// every rank running the same batch): one product per linear for the tokens of
     /// every sequence on each device (shared as [`Run::products`] keeps each token's bits, or
     /// as `Exec::shared_tokens` does), attention per sequence on its own cache parts, and one
     /// head product for every sequence's last row where they share it. `out` gets each

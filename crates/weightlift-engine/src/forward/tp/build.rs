@@ -631,7 +631,7 @@ pub(crate) fn run(
             // the longest run of sequences from `at` that goes together (at least one)
             let end = (at + 2..=seqs.len())
                 .rev()
-                .find(|&e| graph.batches(ctx, &seqs[at..e], output))
+                .find(|&e| graph.batches(&seqs[at..e], output))
                 .unwrap_or(at + 1);
             made.add(if end - at > 1 {
                 graph.forward_batch(held, copies, ctx, &seqs[at..end], modes, &mut rows)?

@@ -187,22 +187,12 @@ impl TpGraph {
         (compute, int8_threshold): (Compute, f32),
         out: &mut [f32],
     ) -> Result<Copies> {
-        let devices: Vec<Arc<Device>> = ctx.devices().to_vec();
-        if let Some(rank) = ctx.rank() {
-            let device = &devices[rank];
-            let args = (ids, start, output);
+        if ctx.rank().is_some() {
+            let job = rank::RankJob::One(cache, ids, start, output);
             let modes = (compute, int8_threshold);
-            let on = (rank, &devices[..]);
-            return match &bg.backends {
-                Backends::Cpu(v) => {
-                    self.run_rank(bg, &v[rank], on, held, copies, ctx, cache, args, modes, out)
-                }
-                Backends::Cuda => {
-                    let b = device.backend()?;
-                    self.run_rank(bg, b, on, held, copies, ctx, cache, args, modes, out)
-                }
-            };
+            return self.forward_rank(bg, (held, copies), ctx, job, modes, out);
         }
+        let devices: Vec<Arc<Device>> = ctx.devices().to_vec();
         let allow_peer = ctx.peer_copies();
         // one call per backend type (the pass is generic over it)
         macro_rules! run_on {

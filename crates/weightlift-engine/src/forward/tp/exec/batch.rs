@@ -4,7 +4,8 @@
 //! sequences), RoPE, the cache stores and attention per sequence on its own cache part, and the
 //! head over the sequences' last rows. The collectives move all the rows at once, so a step's
 //! copies are one sequence's, but for one logits download per head product where the rows go
-//! one product each (exact mode), as on the host path.
+//! one product each (exact mode), as on the host path. A rank of a multi-process group runs
+//! the same batch on its own share, through its rank-level collectives (`rank.rs`).
 
 use super::*;
 
@@ -12,9 +13,9 @@ use super::*;
 pub(in crate::forward::tp) type BatchSeq<'a> = (&'a Arc<Cache>, &'a [u32], &'a [TpPart], usize);
 
 impl TpGraph {
-    /// [`TpGraph::forward_batch`] on the devices' backends (not a rank of a multi-process
-    /// group: [`TpGraph::batches`] says no there). `out` holds each sequence's logits of its
-    /// last position, in order.
+    /// [`TpGraph::forward_batch`] on the devices' backends (a rank of a multi-process group on
+    /// its own device's, meeting the others in its collectives). `out` holds each sequence's
+    /// logits of its last position, in order.
     pub(in crate::forward::tp) fn forward_backends_batch(
         &self,
         bg: &BackendGraph,
@@ -25,11 +26,8 @@ impl TpGraph {
         out: &mut [f32],
     ) -> Result<Copies> {
         if ctx.rank().is_some() {
-            return Err(invalid(
-                "a tensor-parallel batch",
-                "a pass over every device",
-                "a rank of a multi-process group, which runs its sequences one at a time",
-            ));
+            let job = super::rank::RankJob::Batch(seqs);
+            return self.forward_rank(bg, (held, copies), ctx, job, modes, out);
         }
         let devices: Vec<Arc<Device>> = ctx.devices().to_vec();
         let allow_peer = ctx.peer_copies();

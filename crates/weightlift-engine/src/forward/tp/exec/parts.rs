@@ -28,21 +28,10 @@ pub(super) struct AttnParts {
 }
 
 impl AttnParts {
-    /// This share's attention block for layer `li` on `n` tokens at `pos`, its rows written to
-    /// its part of the cache (`parts`): the partial sum of `o_proj` lands in `r.xn`.
-    pub(super) fn run<B: Exec>(
-        &self,
-        on: (&B, &Ctx<'_>),
-        parts: &[crate::cache::TpPart],
-        (li, pos, n): (usize, usize, usize),
-        r: &mut Regions<'_, B::Buffer>,
-    ) -> Result<()> {
-        self.run_seqs(on, li, &[(parts, pos, n)], r)
-    }
-
-    /// [`AttnParts::run`] on a batch's sequences, `(cache parts, first position, tokens)` each
-    /// in row order: the products over all their rows (as `cx.pieces` allows), RoPE, the cache
-    /// stores and attention per sequence on its own part of its cache.
+    /// This share's attention block for layer `li` on the tokens of `seqs` (one sequence, or a
+    /// batch's), `(cache parts, first position, tokens)` each in row order: the products over
+    /// all their rows (as `cx.pieces` allows), RoPE, the cache stores and attention per sequence
+    /// on its own part of its cache. The partial sum of `o_proj` lands in `r.xn`.
     pub(super) fn run_seqs<B: Exec>(
         &self,
         (b, cx): (&B, &Ctx<'_>),

@@ -15,6 +15,12 @@
 //! - The logits' vocabulary rows are all-gathered, so every rank returns every logit. Hidden
 //!   states instead of logits: the rows are all-gathered to every rank, each norms them with
 //!   its replica of the output norm, and every rank returns the same rows.
+//! - A batch ([`RankJob::Batch`], every rank given the same sequences in the same order) is one
+//!   step: the collectives move every sequence's rows at once, attention runs per sequence on
+//!   its own cache part, and each sequence's last row is gathered for the head, so a step of
+//!   several sequences makes the collectives of one. Each rank multiplies its head rows as its
+//!   backend keeps each row's bits; the logits' gathers follow the plan's rows, alike on every
+//!   rank.
 //!
 //! The collectives run on host f32 values: the pass copies the device's slices out and back
 //! around each one (NCCL stages them on its own device).
@@ -108,6 +114,23 @@ impl<B: Exec> RankPass<'_, '_, B> {
             .upload(copies, &self.host, self.rank, &mut w.r.x, 0)
     }
 
+    /// A batch's last rows (`counts` tokens a sequence, in order) of this rank's residual
+    /// columns moved to row `i` for sequence `i`, through `sum`: the rows the head gathers.
+    fn last_rows(&self, w: &mut DeviceWork<'_, B::Buffer>, counts: &[usize]) -> Result<()> {
+        let (b, row) = (self.pass.bs[self.rank], self.rs.0[self.rank] * 4);
+        if row == 0 {
+            return Ok(());
+        }
+        let mut end = 0;
+        for (i, &k) in counts.iter().enumerate() {
+            end += k;
+            b.copy(&w.residual, (end - 1) * row, &mut w.sum, i * row, row)
+                .map_err(self.pass.err(self.rank, "a batch's last rows"))?;
+        }
+        b.copy(&w.sum, 0, &mut w.residual, 0, counts.len() * row)
+            .map_err(self.pass.err(self.rank, "a batch's last rows"))
+    }
+
     /// The ranks' partial sums (this rank's in `xn` when `computed`, else zeros) reduced into
     /// the residual owners' columns, then this rank's columns of `bias` added.
     fn reduce(
@@ -173,19 +196,55 @@ impl<B: Exec> RankPass<'_, '_, B> {
     }
 }
 
+/// What a rank's pass runs. Every rank must be given the same: the steps, their token counts and
+/// the collectives they make follow from it.
+pub(in crate::forward::tp) enum RankJob<'s> {
+    /// One sequence's tokens from `start` (cache, tokens, start, output): a step a prompt
+    /// chunk, each writing the `output` rows it holds.
+    One(&'s Arc<Cache>, &'s [u32], usize, Output),
+    /// A batch's sequences in one step, each writing the logits of its last position.
+    Batch(&'s [BatchSeq<'s>]),
+}
+
 impl TpGraph {
-    /// [`TpGraph::forward`] for the one rank of a rank-local load, on its backend `b`.
+    /// [`TpGraph::forward`] or [`TpGraph::forward_batch`] for the one rank of a rank-local
+    /// load, on its device's backend.
+    pub(in crate::forward::tp) fn forward_rank(
+        &self,
+        bg: &BackendGraph,
+        (held, copies): (&[Held], &[(usize, Held)]),
+        ctx: &mut TpContext,
+        job: RankJob<'_>,
+        modes: (Compute, f32),
+        out: &mut [f32],
+    ) -> Result<Copies> {
+        let devices: Vec<Arc<Device>> = ctx.devices().to_vec();
+        let rank = ctx
+            .rank()
+            .ok_or_else(|| invalid("a rank's pass", "a rank-local load", "every device"))?;
+        let on = (rank, &devices[..]);
+        match &bg.backends {
+            Backends::Cpu(v) => {
+                self.run_rank(bg, &v[rank], on, (held, copies), ctx, job, modes, out)
+            }
+            Backends::Cuda => {
+                let b = devices[rank].backend()?;
+                self.run_rank(bg, b, on, (held, copies), ctx, job, modes, out)
+            }
+        }
+    }
+
+    /// [`TpGraph::forward_rank`] on the rank's backend `b`: one sequence in prompt chunks, or a
+    /// batch in one step whose collectives move every sequence's rows at once.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn run_rank<B: Exec>(
+    fn run_rank<B: Exec>(
         &self,
         bg: &BackendGraph,
         b: &B,
         (rank, devices): (usize, &[Arc<Device>]),
-        held: &[Held],
-        copies: &[(usize, Held)],
+        (held, copies): (&[Held], &[(usize, Held)]),
         ctx: &mut TpContext,
-        cache: &Arc<Cache>,
-        (ids, start, output): (&[u32], usize, Output),
+        job: RankJob<'_>,
         (compute, int8_threshold): (Compute, f32),
         out: &mut [f32],
     ) -> Result<Copies> {
@@ -201,6 +260,10 @@ impl TpGraph {
                     .into(),
             });
         }
+        let output = match job {
+            RankJob::One(.., output) => output,
+            RankJob::Batch(_) => Output::Logits(Logits::Last),
+        };
         // Decided from the shared tables, alike on every rank.
         let vocab = self.dims.vocab;
         if output == Output::Hidden
@@ -217,7 +280,20 @@ impl TpGraph {
                     .into(),
             });
         }
-        let parts = cache.tp_parts();
+        let one_parts: Vec<TpPart>;
+        // The steps: a sequence's prompt chunks, one segment each, or a batch's one step.
+        let steps: Vec<Vec<BatchSeq<'_>>> = match job {
+            RankJob::One(cache, ids, start, _) => {
+                one_parts = cache.tp_parts();
+                let chunk = crate::forward::chunk_for(self.dims.tokens, cache);
+                ids.chunks(chunk)
+                    .enumerate()
+                    .map(|(i, part)| vec![(cache, part, &one_parts[..], start + i * chunk)])
+                    .collect()
+            }
+            RankJob::Batch(seqs) => vec![seqs.to_vec()],
+        };
+        let batch = matches!(job, RankJob::Batch(_));
         let (mut coll, mut buffers) = ctx.lend_buffers()?;
         let transport = coll.transport();
         if !transport.joins_other_ranks() {
@@ -244,14 +320,6 @@ impl TpGraph {
             .ok_or_else(|| invalid(format!("tp rank {rank}"), "a workspace", "none"))?;
         let mut w = self.device_work(&pass, rank, buf)?;
         let c = self.consts(compute, int8_threshold);
-        let cx = Ctx {
-            c: &c,
-            held,
-            copies,
-            device: devices[rank].name(),
-            slot: None,
-            pieces: &[],
-        };
         let run = self.run(held, copies, compute);
         let h = c.hidden;
         let rs_start = (0..world)
@@ -272,13 +340,24 @@ impl TpGraph {
             buffer ^= 1;
             buffer
         };
+        let logit_rows = self.dims.logit_rows.max(1) as usize;
+        let total: usize = steps.iter().flatten().map(|q| q.1.len()).sum();
         let mut done = 0usize;
-        for part in ids.chunks(crate::forward::chunk_for(self.dims.tokens, cache)) {
-            let n = part.len();
-            let pos = start + done;
+        for step in &steps {
+            let counts: Vec<usize> = step.iter().map(|q| q.1.len()).collect();
+            let n: usize = counts.iter().sum();
+            let cx = Ctx {
+                c: &c,
+                held,
+                copies,
+                device: devices[rank].name(),
+                slot: None,
+                pieces: &counts,
+            };
             {
+                let ids: Vec<u32> = step.iter().flat_map(|q| q.1.iter().copied()).collect();
                 let (staged, copies) = coll.staging_and_copies(flip(), n, h)?;
-                self.embed_rows(&run, part, staged)?;
+                self.embed_rows(&run, &ids, staged)?;
                 let width = rp.rs.0[rank];
                 if width > 0 {
                     let a = rp.rs.1[rank];
@@ -288,12 +367,15 @@ impl TpGraph {
                     pass.upload(copies, &block, rank, &mut w.residual, 0)?;
                 }
             }
-            exec::positions(b, devices[rank].name(), pos, n, &mut w.r)?;
+            let at: Vec<(usize, usize)> = step.iter().map(|q| (q.3, q.1.len())).collect();
+            exec::positions_of(b, devices[rank].name(), &at, &mut w.r)?;
+            let attend: Vec<(&[TpPart], usize, usize)> =
+                step.iter().map(|q| (q.2, q.3, q.1.len())).collect();
             for (li, l) in bg.layers.iter().enumerate() {
                 rp.gather(&mut coll, flip(), &mut w, (0, n, h), in_table(&s.kv))?;
                 let attn = l.attn.get(rank).and_then(Option::as_ref);
                 if let Some(a) = attn {
-                    a.run((b, &cx), &parts, (li, pos, n), &mut w.r)?;
+                    a.run_seqs((b, &cx), li, &attend, &mut w.r)?;
                 }
                 let o_bias = l.o_bias.get(rank).and_then(Option::as_ref);
                 rp.reduce(&mut coll, flip(), &mut w, (n, h), attn.is_some(), o_bias)?;
@@ -311,8 +393,8 @@ impl TpGraph {
                         rate: devices[rank].bandwidth(),
                         copies: &mut coll.copies,
                     };
-                    let lens = [n];
-                    exec::experts_share(b, &cx, &x.norm, &x.moe, li, &lens, &mut w.r, &mut link)?;
+                    // each sequence of a batch routed piece by piece, as alone
+                    exec::experts_share(b, &cx, &x.norm, &x.moe, li, &counts, &mut w.r, &mut link)?;
                 } else if let Some(m) = mlp {
                     let mats = [&m.gate, &m.up, &m.down];
                     exec::mlp(b, &cx, &m.norm, mats, li, n, &mut w.r)?;
@@ -321,17 +403,33 @@ impl TpGraph {
                 let down_bias = l.down_bias.get(rank).and_then(Option::as_ref);
                 rp.reduce(&mut coll, flip(), &mut w, (n, h), computed, down_bias)?;
             }
-            cache.appended(pos as u64, part)?;
+            for &(cache, ids, _, pos) in step {
+                cache.appended(pos as u64, ids)?;
+            }
+            let at = (bg, &cx);
+            if batch {
+                // Alone, each last row is one product of one row: this rank's products take
+                // several only where its backend gives each its own bits. The gathers follow
+                // the plan's rows, alike on every rank whatever its products.
+                rp.last_rows(&mut w, &counts)?;
+                let one = Ctx { pieces: &[], ..cx };
+                let per = match bg.heads.get(rank).and_then(Option::as_ref) {
+                    Some((_, mat)) => exec::head_shared_rows(b, &one, mat)?.min(logit_rows),
+                    None => 1,
+                };
+                let rows = (0, counts.len(), per);
+                self.rank_head(at, &mut rp, &mut coll, &mut flip, &mut w, rows, out)?;
+                continue;
+            }
             let width = output.width(&self.dims);
-            let Some((first, rows_out)) = output.chunk_rows((done, n, ids.len()), width, out)
-            else {
+            let Some((first, rows_out)) = output.chunk_rows((done, n, total), width, out) else {
                 done += n;
                 continue;
             };
             let rows = (first, rows_out.len() / width);
-            let at = (bg, &cx);
             match output {
                 Output::Logits(_) => {
+                    let rows = (rows.0, rows.1, logit_rows);
                     self.rank_head(at, &mut rp, &mut coll, &mut flip, &mut w, rows, rows_out)?;
                 }
                 Output::Hidden => {
@@ -344,7 +442,8 @@ impl TpGraph {
     }
 
     /// Logits of residual rows `first..first + need` on every rank: each computes its
-    /// vocabulary rows, and they are all-gathered into `rows_out` (`need × vocab`).
+    /// vocabulary rows, `per` rows a product, and they are all-gathered into `rows_out`
+    /// (`need × vocab`), the plan's logit rows a gather (alike on every rank, whatever `per`).
     #[allow(clippy::too_many_arguments)]
     fn rank_head<B: Exec>(
         &self,
@@ -353,7 +452,7 @@ impl TpGraph {
         coll: &mut Collectives<'_>,
         flip: &mut dyn FnMut() -> usize,
         w: &mut DeviceWork<'_, B::Buffer>,
-        (first, need): (usize, usize),
+        (first, need, per): (usize, usize, usize),
         rows_out: &mut [f32],
     ) -> Result<()> {
         let (h, vocab) = (self.dims.hidden as usize, self.dims.vocab as usize);
@@ -368,20 +467,28 @@ impl TpGraph {
         let starts: Vec<usize> = (0..world)
             .map(|r| start_of(&self.splits.vc, r, vocab as u64).unwrap_or(0))
             .collect();
-        let per = self.dims.logit_rows.max(1) as usize;
-        for r0 in (0..need).step_by(per) {
-            let nr = per.min(need - r0);
+        // the head's products take their rows whole, whatever sequences they came from
+        let one = Ctx { pieces: &[], ..*cx };
+        let gathered = self.dims.logit_rows.max(1) as usize;
+        let per = per.clamp(1, gathered);
+        for r0 in (0..need).step_by(gathered) {
+            let nr = gathered.min(need - r0);
             let counts: Vec<usize> = rows.iter().map(|x| x * nr).collect();
             let (own, mine) = (counts[..rank].iter().sum::<usize>(), counts[rank]);
             let buffer = flip();
             let since = {
                 let (values, copies) = coll.staging_and_copies(buffer, nr, vocab)?;
                 if let Some((_, mat)) = head {
-                    let xin = view(b, &w.r.xn, r0 * h * 4, nr * h * 4)
-                        .map_err(rp.pass.err(rank, &mat.name))?;
-                    cx.linear(b, mat, &xin, nr, &mut w.r.logits)?;
-                    let dst = &mut values[own..own + mine];
-                    rp.pass.download(copies, rank, &w.r.logits, 0, dst)?;
+                    let width = rows[rank];
+                    for p0 in (0..nr).step_by(per) {
+                        let np = per.min(nr - p0);
+                        let xin = view(b, &w.r.xn, (r0 + p0) * h * 4, np * h * 4)
+                            .map_err(rp.pass.err(rank, &mat.name))?;
+                        one.linear(b, mat, &xin, np, &mut w.r.logits)?;
+                        let at = own + p0 * width;
+                        let dst = &mut values[at..at + np * width];
+                        rp.pass.download(copies, rank, &w.r.logits, 0, dst)?;
+                    }
                 }
                 let since = std::time::Instant::now();
                 rp.transport.all_gather(&counts, &mut rp.slice(values))?;
