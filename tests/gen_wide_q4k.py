@@ -280,6 +280,9 @@ def build(family: str, r: Recipe, root: Path) -> dict[str, object]:
             "llamacpp_F16_vs_hf": entries["F16"]["llamacpp_vs_hf_logits"],
         },
     }
+    if getattr(model.config, "num_experts_per_tok", None):
+        # which experts each layer picks, and how near a tie the k-th pick is
+        report["routing"] = fl.routing(model, ids)
     report["files"] = fl.files(out)
     report["versions"] = fl.versions(root, sentencepiece=spm.__version__)
     fl.write_stats(out, report)
