@@ -246,13 +246,9 @@ def build(family: str, r: Recipe, root: Path) -> dict[str, object]:
         fl.quantize(f16, q, QUANT)
         entries[QUANT] = fl.measure_gguf(out, q, QUANT, model, ids, ref, **kw)
     types = entries[QUANT]["types"]
-    # every matrix in a K-quant block type, Q4_K among them (the 1-D norms stay F32; the
-    # router, which llama.cpp never quantises, stays F16)
-    matrices = {
-        k: v
-        for k, v in types.items()
-        if v not in ("F32",) and not k.endswith("ffn_gate_inp.weight")
-    }
+    # every matrix in a K-quant block type, Q4_K among them (the norms, LongRoPE's lists and
+    # the MoE routers, which llama.cpp never quantises, stay F32)
+    matrices = {k: v for k, v in types.items() if v != "F32"}
     assert set(matrices.values()) <= K_TYPES, matrices
     assert "Q4_K" in matrices.values(), matrices
     ref64 = fl.logits_f64(load, ids)
