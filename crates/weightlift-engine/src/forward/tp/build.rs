@@ -69,6 +69,8 @@ struct Ctx<'a> {
     infos: &'a [TensorInfo],
     held: &'a [Held],
     copies: &'a [(usize, Held)],
+    /// Added to every norm weight as it is read ([`super::super::family::Family::norm_offset`]).
+    norm_offset: f32,
 }
 
 impl Ctx<'_> {
@@ -92,6 +94,16 @@ impl Ctx<'_> {
     fn replica(&self, i: usize, device: &str) -> Result<Vec<f32>> {
         let name = &self.infos[i].name;
         part_f32(&self.held[i], part_on(&self.held[i], device, name)?, name)
+    }
+
+    /// A replicated norm's weights on `device`, as the layer split reads them (`1 + w` where
+    /// the checkpoint stores `w`).
+    fn norm(&self, i: usize, device: &str) -> Result<Vec<f32>> {
+        let mut w = self.replica(i, device)?;
+        if self.norm_offset != 0.0 {
+            w.iter_mut().for_each(|v| *v += self.norm_offset);
+        }
+        Ok(w)
     }
 
     /// Device `device`'s part of matrix `i` (or of copy `copy`), expected `rows × cols` and
@@ -175,6 +187,7 @@ impl TpGraph {
         host_backend: bool,
     ) -> Result<TpGraph> {
         super::super::graph::check_tensor_parallel(&spec.architecture)?;
+        let family = super::super::family::Family::of(m, spec)?;
         let infos = m.source.tensors();
         // a MoE llama GGUF (mixtral) is named `llama`: the router tensor tells
         if let Some(t) = infos
@@ -262,11 +275,14 @@ impl TpGraph {
             infos,
             held: m.held,
             copies: m.copies,
+            norm_offset: family.norm_offset,
         };
         let (h, hd) = (spec.hidden_size as usize, spec.head_dim as usize);
         let name = |d: usize| ctx.device(d).map(|x| x.name().to_owned());
-        // the sliding-window layers (mistral's, qwen2's), as the layer split runs them
-        let windows = super::super::family::Family::of(m, spec)?.windows;
+        // the sliding-window layers and their RoPE bases, as the layer split runs them
+        let windows = &family.windows;
+        let (rope, inv_freqs) = rope_of(m, spec, max_seq_len)?;
+        let rope_tables = family.rope_tables(&rope)?;
         let mut layers = Vec::with_capacity(spec.n_layers as usize);
         for l in 0..spec.n_layers {
             let at = Some(l);
@@ -283,7 +299,7 @@ impl TpGraph {
                 let (qh, kh) = ((qb - qa) as usize, (kb - ka) as usize);
                 let (hdu, q0, k0) = (hd as u64, qa * hd as u64, ka * hd as u64);
                 attn[d] = Some(Attn {
-                    norm: c.replica(c.need(Role::AttnNorm, at)?, &dev)?,
+                    norm: c.norm(c.need(Role::AttnNorm, at)?, &dev)?,
                     q: c.mat(
                         c.need(Role::AttnQ, at)?,
                         None,
@@ -318,8 +334,8 @@ impl TpGraph {
                     )?,
                     qk_norm: if spec.per_head_qk_norm() {
                         Some([
-                            c.replica(c.need(Role::AttnQNorm, at)?, &dev)?,
-                            c.replica(c.need(Role::AttnKNorm, at)?, &dev)?,
+                            c.norm(c.need(Role::AttnQNorm, at)?, &dev)?,
+                            c.norm(c.need(Role::AttnKNorm, at)?, &dev)?,
                         ])
                     } else {
                         None
@@ -328,33 +344,34 @@ impl TpGraph {
                     kv_heads: kh,
                     cache_part,
                     window: windows.get(l as usize).copied().unwrap_or(0),
+                    rope: rope_tables.get(l as usize).cloned().flatten(),
                 });
             }
             for &(d, a, b) in splits.id.iter().filter(|e| ours(e.0)) {
                 let dev = name(d)?;
                 let w = (b - a) as usize;
                 mlp[d] = Some(Mlp {
-                    norm: c.replica(c.need(Role::FfnNorm, at)?, &dev)?,
+                    norm: c.norm(c.need(Role::FfnNorm, at)?, &dev)?,
                     gate: c.mat(c.need(Role::FfnGate, at)?, None, &dev, (w, h), a, None)?,
                     up: c.mat(c.need(Role::FfnUp, at)?, None, &dev, (w, h), a, None)?,
                     down: c.mat(c.need(Role::FfnDown, at)?, None, &dev, (h, w), a, None)?,
                 });
             }
-            // A bias after a partial sum is replicated; the residual's owners add it once.
+            // A bias after a partial sum is replicated; the residual's owners add it once. A
+            // post-norm is replicated too; each owner norms whole rows with it.
+            let first = name(rank.unwrap_or(splits.rs.first().map_or(0, |x| x.0)))?;
             let whole = |role: Role| -> Result<Option<Vec<f32>>> {
-                match c.find(role, at) {
-                    Some(i) => {
-                        let first = splits.rs.first().map_or(0, |x| x.0);
-                        Ok(Some(c.replica(i, &name(rank.unwrap_or(first))?)?))
-                    }
-                    None => Ok(None),
-                }
+                c.find(role, at).map(|i| c.replica(i, &first)).transpose()
+            };
+            let post = |role: Role| -> Result<Option<Vec<f32>>> {
+                c.find(role, at).map(|i| c.norm(i, &first)).transpose()
             };
             layers.push(Layer {
                 attn,
                 mlp,
                 o_bias: whole(Role::AttnOutputBias)?,
                 down_bias: None,
+                post_norms: [post(Role::AttnPostNorm)?, post(Role::FfnPostNorm)?],
             });
         }
         let embed = c.need(Role::TokenEmbd, None)?;
@@ -402,11 +419,10 @@ impl TpGraph {
             let dev = name(d)?;
             let rows = (b.min(vocab) - a) as usize;
             heads_of[d] = Some(Head {
-                norm: c.replica(out_norm, &dev)?,
+                norm: c.norm(out_norm, &dev)?,
                 mat: c.mat(head_i, head_copy, &dev, (rows, h), a, None)?,
             });
         }
-        let (rope, inv_freqs) = rope_of(m, spec, max_seq_len)?;
         let mut graph = TpGraph {
             splits,
             layers,
@@ -419,6 +435,7 @@ impl TpGraph {
             rope,
             inv_freqs,
             max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
+            family,
             backend: None,
         };
         let devices = ctx.devices();
@@ -504,6 +521,11 @@ pub(crate) fn run(
             });
             out.extend_from_slice(&rows);
             at = end;
+        }
+        // the final soft-cap on the gathered vocabulary rows, as the layer split caps its logits
+        let cap = graph.family.final_softcap;
+        if cap > 0.0 && matches!(output, Output::Logits(_)) {
+            weightlift_kernels::softcap_in_place(out, cap);
         }
         Ok(made)
     };
