@@ -15,6 +15,9 @@
 //! - The partial sums are reduced into the residual: each RS device receives its columns of
 //!   every other device's partial (one copy per pair) and adds them; an `o_proj`/`down` bias
 //!   is added once, by the owner of each column.
+//! - Where a block's output is normed before it joins the residual (gemma's post-norms), its
+//!   partial sums are reduced apart from the residual, gathered as whole rows to the residual's
+//!   owners, normed there, and each owner adds its columns of the normed rows.
 //! - The head: the needed rows are all-gathered to the VC devices, each computes its vocab
 //!   rows, and the logits are gathered into the caller's array. Hidden states instead of logits
 //!   ([`Output::Hidden`]): the rows are gathered to the first VC device only, which applies its

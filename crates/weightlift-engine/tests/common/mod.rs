@@ -501,9 +501,10 @@ pub fn qwen2() -> PathBuf {
         .to_path_buf()
 }
 
-/// A copy of the GGUF file `path` (separate `ffn_gate`/`ffn_up`, F32, F16 or Q8_0 matrices) in
-/// `dir`, with its MLP widened to 768 as [`widened_mlp`] widens a safetensors model: zero rows
-/// appended to `ffn_gate` and `ffn_up`, zero columns to each row of `ffn_down` (whole blocks,
+/// A copy of the GGUF file `path` (F32, F16 or Q8_0 matrices) in `dir`, with its MLP widened
+/// to 768 as [`widened_mlp`] widens a safetensors model: zero rows appended to `ffn_gate` and
+/// `ffn_up` (to each half of an `ffn_up` holding gate and up, phi3's), zero columns to each row
+/// of `ffn_down` (whole blocks,
 /// since 768 and the tiny models' sizes are multiples of 32), and `feed_forward_length` set to
 /// 768. The header is patched in place (every value keeps its size); the data is laid out
 /// again at the file's alignment. Returns the copy's path.
@@ -549,11 +550,13 @@ pub fn widened_gguf(path: &Path, dir: &Path) -> PathBuf {
     let n_tensors = read_u64(&mut at);
     let n_kv = read_u64(&mut at);
     let mut alignment = 32u64;
+    let mut inter = 0u64;
     for _ in 0..n_kv {
         let key = read_str(&mut at);
         let ty = read_u32(&mut at);
         if key.ends_with(".feed_forward_length") {
             assert_eq!(ty, 4, "{key}: a u32");
+            inter = u64::from(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()));
             head[at..at + 4].copy_from_slice(&(WIDE as u32).to_le_bytes());
         }
         if key == "general.alignment" {
@@ -595,7 +598,16 @@ pub fn widened_gguf(path: &Path, dir: &Path) -> PathBuf {
             assert!(row > 0, "{name}: type {ty}");
             t.truncate((row * rows) as usize);
         }
-        let new_dims = if name.ends_with("ffn_gate.weight") || name.ends_with("ffn_up.weight") {
+        let new_dims = if name.ends_with("ffn_up.weight") && rows == 2 * inter {
+            let (gate, up) = t.split_at((row * inter) as usize);
+            let mut both = Vec::new();
+            for half in [gate, up] {
+                both.extend_from_slice(half);
+                both.resize(both.len() + (row * (WIDE - inter)) as usize, 0);
+            }
+            t = both;
+            Some([cols, 2 * WIDE])
+        } else if name.ends_with("ffn_gate.weight") || name.ends_with("ffn_up.weight") {
             t.resize((row * WIDE) as usize, 0);
             Some([cols, WIDE])
         } else if name.ends_with("ffn_down.weight") {

@@ -123,7 +123,18 @@ impl Ctx<'_> {
             Some(c) => &self.copies[c].1,
             None => &self.held[i],
         };
-        let p = part_on(held, device, &name)?;
+        // A stacked matrix has several parts on a device: the one whose rows start at `start`.
+        let p = match held {
+            Held::Split { parts, spec } => parts
+                .iter()
+                .zip(&spec.shards)
+                .position(|(t, s)| t.device().name() == device && s.1 == start),
+            Held::Whole { .. } => None,
+        };
+        let p = match p {
+            Some(p) => p,
+            None => part_on(held, device, &name)?,
+        };
         let Held::Split { parts, spec } = held else {
             return Err(invalid(format!("tensor '{name}'"), "split", "whole"));
         };
@@ -239,16 +250,6 @@ impl TpGraph {
                 "the kv table splits one head count for every layer",
             ));
         }
-        if spec.fused_projections() {
-            return Err(refuse(
-                format!(
-                    "a tensor-parallel forward pass over '{}' (stacked qkv and gate_up matrices)",
-                    spec.architecture
-                ),
-                "the tensor-parallel tables split separate q, k, v, gate and up matrices; load \
-                 with a layer split (autosplit, layers, balanced), which runs it on every device",
-            ));
-        }
         let splits = ctx.splits().clone();
         let dims = Dims::new(spec, runtime, max_seq_len, batch);
         if dims.tokens == 0 {
@@ -278,6 +279,34 @@ impl TpGraph {
             norm_offset: family.norm_offset,
         };
         let (h, hd) = (spec.hidden_size as usize, spec.head_dim as usize);
+        // Stacked matrices (phi3's qkv and gate|up): each device's parts of them start at its
+        // rows of each block.
+        let fused = spec.fused_projections();
+        let (q_rows, kv_rows) = (spec.n_heads as u64 * hd as u64, heads as u64 * hd as u64);
+        let inter = spec.intermediate_size;
+        let attn_mats = |at: Option<u32>| -> Result<[(usize, u64); 3]> {
+            Ok(if fused {
+                let i = c.need(Role::AttnQkv, at)?;
+                [(i, 0), (i, q_rows), (i, q_rows + kv_rows)]
+            } else {
+                [
+                    (c.need(Role::AttnQ, at)?, 0),
+                    (c.need(Role::AttnK, at)?, 0),
+                    (c.need(Role::AttnV, at)?, 0),
+                ]
+            })
+        };
+        let mlp_mats = |at: Option<u32>| -> Result<[(usize, u64); 2]> {
+            Ok(if fused {
+                let i = c.need(Role::FfnGateUp, at)?;
+                [(i, 0), (i, inter)]
+            } else {
+                [
+                    (c.need(Role::FfnGate, at)?, 0),
+                    (c.need(Role::FfnUp, at)?, 0),
+                ]
+            })
+        };
         let name = |d: usize| ctx.device(d).map(|x| x.name().to_owned());
         // the sliding-window layers and their RoPE bases, as the layer split runs them
         let windows = &family.windows;
@@ -298,30 +327,31 @@ impl TpGraph {
                 let (qa, qb) = start_of(&splits.q, d).unwrap_or((0, 0));
                 let (qh, kh) = ((qb - qa) as usize, (kb - ka) as usize);
                 let (hdu, q0, k0) = (hd as u64, qa * hd as u64, ka * hd as u64);
+                let [(qi, qs), (ki, ks), (vi, vs)] = attn_mats(at)?;
                 attn[d] = Some(Attn {
                     norm: c.norm(c.need(Role::AttnNorm, at)?, &dev)?,
                     q: c.mat(
-                        c.need(Role::AttnQ, at)?,
+                        qi,
                         None,
                         &dev,
                         (qh * hd, h),
-                        q0,
+                        qs + q0,
                         c.find(Role::AttnQBias, at),
                     )?,
                     k: c.mat(
-                        c.need(Role::AttnK, at)?,
+                        ki,
                         None,
                         &dev,
                         (kh * hd, h),
-                        k0,
+                        ks + k0,
                         c.find(Role::AttnKBias, at),
                     )?,
                     v: c.mat(
-                        c.need(Role::AttnV, at)?,
+                        vi,
                         None,
                         &dev,
                         (kh * hd, h),
-                        k0,
+                        vs + k0,
                         c.find(Role::AttnVBias, at),
                     )?,
                     o: c.mat(
@@ -350,10 +380,11 @@ impl TpGraph {
             for &(d, a, b) in splits.id.iter().filter(|e| ours(e.0)) {
                 let dev = name(d)?;
                 let w = (b - a) as usize;
+                let [(gi, gs), (ui, us)] = mlp_mats(at)?;
                 mlp[d] = Some(Mlp {
                     norm: c.norm(c.need(Role::FfnNorm, at)?, &dev)?,
-                    gate: c.mat(c.need(Role::FfnGate, at)?, None, &dev, (w, h), a, None)?,
-                    up: c.mat(c.need(Role::FfnUp, at)?, None, &dev, (w, h), a, None)?,
+                    gate: c.mat(gi, None, &dev, (w, h), gs + a, None)?,
+                    up: c.mat(ui, None, &dev, (w, h), us + a, None)?,
                     down: c.mat(c.need(Role::FfnDown, at)?, None, &dev, (h, w), a, None)?,
                 });
             }
