@@ -403,7 +403,7 @@ fn gather_residual(
 }
 
 /// All-gather rows `first..first + n` of the residual owners' columns (over the RS table) into
-/// `x` of every device of `tb`: their residual, or (`sums`) the sums [`reduce_partials`] kept
+/// `x` of every device of `tb`: their residual, or (`sums`) the sums [`reduce_sums`] kept
 /// apart.
 fn gather_columns(
     coll: &mut Collectives<'_>,
