@@ -243,6 +243,20 @@ fn qwen2_ranks_equal_the_single_process_pass() {
     check(&common::qwen2(), 2, "48MiB", &ids, CacheDType::Fp16);
 }
 
+/// Gemma's post-norms on the reduced rows, its soft-caps and sliding layers, and phi3's
+/// stacked matrices (each rank's parts of them several row ranges), rank by rank (the MLP
+/// widened so the tables can split it; see `Family::widened`): the safetensors folder and the
+/// Q8_0 GGUF, each rank holding the plan's bytes.
+#[test]
+fn gemma_and_phi3_ranks_equal_the_single_process_pass() {
+    for f in ["gemma2", "gemma3", "phi3"] {
+        let f = common::family::Family(f);
+        let (_dirs, [folder, _, q8]) = f.widened();
+        check(&folder, 2, "48MiB", &f.ids(), CacheDType::F32);
+        check(&q8, 3, "48MiB", &f.ids(), CacheDType::Fp16);
+    }
+}
+
 #[test]
 fn demo_model_ranks_equal_the_single_process_pass() {
     let path = weightlift_testdata::demo_gguf();
