@@ -265,42 +265,92 @@ def write_ggufs(
     fix: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, object]:
     """`stem-F16.gguf` and `stem-Q8_0.gguf` converted from `out`, with what each is measured
-    against. The F16 file holds the model's tensors bit for bit (its logits in transformers are
-    `ref` exactly); the Q8_0 file's weights, dequantised by gguf-py, give transformers'
-    `hf_dequant_logits_Q8_0.npy`; llama.cpp's logits for each file go to
-    `llamacpp_logits_{type}.npy` when `llamacpp`."""
+    against (see `measure_gguf`)."""
     entries: dict[str, object] = {}
-    want = model.state_dict()
     for ty in GGUF_TYPES:
         dest = out / f"{stem}-{ty}.gguf"
         convert(out, ty.lower(), dest, root, pre, args)
-        sd, types = gguf_state_dict(dest, gguf_to_hf, norm_shift, fix)
-        entry: dict[str, object] = {
-            "bytes": dest.stat().st_size,
-            "sha256": sha256(dest),
-            "types": dict(sorted(types.items())),
-            "metadata": metadata(dest),
-        }
-        if ty == "F16":
-            # The converter writes these rows as they are (or `fix` undoes what it did).
-            assert sorted(sd) == sorted(want), sorted(set(sd) ^ set(want))
-            for k, v in want.items():
-                assert torch.equal(sd[k], v), f"the F16 GGUF does not hold {k} bit for bit"
-            entry["tensors_equal_safetensors"] = True
-        got = logits(load(sd), ids)
-        if ty == "F16":
-            assert np.array_equal(got, ref)
-        else:
-            np.save(out / f"hf_dequant_logits_{ty}.npy", got)
-            entry["hf_dequant_top1_minus_top2_min"] = min(margins(got))
-        entry["hf_dequant_vs_hf_logits"] = stats(ref, got)
-        if llamacpp:
-            lc = llamacpp_logits(dest, ids)
-            np.save(out / f"llamacpp_logits_{ty}.npy", lc)
-            entry["llamacpp_vs_hf_logits"] = stats(ref, lc)
-            entry["llamacpp_vs_hf_dequant_logits"] = stats(got, lc)
-        entries[ty] = entry
+        entries[ty] = measure_gguf(
+            out,
+            dest,
+            ty,
+            model,
+            ids,
+            ref,
+            load=load,
+            gguf_to_hf=gguf_to_hf,
+            metadata=metadata,
+            norm_shift=norm_shift,
+            llamacpp=llamacpp,
+            fix=fix,
+        )
     return entries
+
+
+def measure_gguf(
+    out: Path,
+    dest: Path,
+    ty: str,
+    model: torch.nn.Module,
+    ids: list[int],
+    ref: np.ndarray,
+    *,
+    load: Callable[[dict | None], torch.nn.Module],
+    gguf_to_hf: dict[str, str],
+    metadata: Callable[[Path], dict[str, object]],
+    norm_shift: float = 0.0,
+    llamacpp: bool = True,
+    fix: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> dict[str, object]:
+    """The GGUF `dest` (of type `ty`) measured, its logits written to `out`. An F16 file holds
+    the model's tensors bit for bit (its logits in transformers are `ref` exactly); a quantised
+    file's weights, dequantised by gguf-py, give transformers' `hf_dequant_logits_{ty}.npy`;
+    llama.cpp's logits for the file go to `llamacpp_logits_{ty}.npy` when `llamacpp`."""
+    want = model.state_dict()
+    sd, types = gguf_state_dict(dest, gguf_to_hf, norm_shift, fix)
+    entry: dict[str, object] = {
+        "bytes": dest.stat().st_size,
+        "sha256": sha256(dest),
+        "types": dict(sorted(types.items())),
+        "metadata": metadata(dest),
+    }
+    if ty == "F16":
+        # The converter writes these rows as they are (or `fix` undoes what it did).
+        assert sorted(sd) == sorted(want), sorted(set(sd) ^ set(want))
+        for k, v in want.items():
+            assert torch.equal(sd[k], v), f"the F16 GGUF does not hold {k} bit for bit"
+        entry["tensors_equal_safetensors"] = True
+    got = logits(load(sd), ids)
+    if ty == "F16":
+        assert np.array_equal(got, ref)
+    else:
+        np.save(out / f"hf_dequant_logits_{ty}.npy", got)
+        entry["hf_dequant_top1_minus_top2_min"] = min(margins(got))
+    entry["hf_dequant_vs_hf_logits"] = stats(ref, got)
+    if llamacpp:
+        lc = llamacpp_logits(dest, ids)
+        np.save(out / f"llamacpp_logits_{ty}.npy", lc)
+        entry["llamacpp_vs_hf_logits"] = stats(ref, lc)
+        entry["llamacpp_vs_hf_dequant_logits"] = stats(got, lc)
+    return entry
+
+
+# llama.cpp's quantiser's file types, by the name its `llama-quantize` tool gives them.
+FTYPES = {"Q4_K_M": 15}
+
+
+def quantize(src: Path, dest: Path, ftype: str) -> None:
+    """`src` (an F16 GGUF) quantised by llama.cpp (`llama_model_quantize`, no importance
+    matrix) to `ftype`, whose mix of block types is llama.cpp's own choice per tensor."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[ftype]
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dest).encode(), ctypes.byref(params))
+    assert rc == 0, f"llama_model_quantize {src} -> {ftype}: {rc}"
 
 
 def files(out: Path) -> dict[str, dict[str, object]]:

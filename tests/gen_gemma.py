@@ -232,10 +232,12 @@ def mark_specials(folder: Path, sp: spm.SentencePieceProcessor) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def make_model(family: str):
+def make_model(family: str, seed: int | None = None, overrides: dict | None = None):
+    """Seeded random weights, every norm weight drawn in [-0.5, 0.5], all rounded to f16.
+    `seed` and config `overrides` make a sibling (``gen_wide_q4k.py``'s wide models)."""
     f = FAMILIES[family]
-    torch.manual_seed(SEEDS[family])
-    cfg = f["config"](**f["kw"])
+    torch.manual_seed(SEEDS[family] if seed is None else seed)
+    cfg = f["config"](**{**f["kw"], **(overrides or {})})
     cfg._attn_implementation = "eager"
     model = f["cls"](cfg).eval()
     fl.perturb_norms(model, -0.5, 0.5)

@@ -101,10 +101,11 @@ def config(kw: dict) -> MixtralConfig:
     return cfg
 
 
-def make_model() -> MixtralForCausalLM:
-    """Seeded random weights, every norm weight drawn in [0.5, 1.5], all rounded to f16."""
-    torch.manual_seed(SEED)
-    model = MixtralForCausalLM(config(CONFIG)).eval()
+def make_model(seed: int = SEED, overrides: dict | None = None) -> MixtralForCausalLM:
+    """Seeded random weights, every norm weight drawn in [0.5, 1.5], all rounded to f16.
+    `seed` and config `overrides` make a sibling (``gen_wide_q4k.py``'s wide models)."""
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config({**CONFIG, **(overrides or {})})).eval()
     fl.perturb_norms(model, 0.5, 1.5)
     fl.round_to_f16(model)
     return model

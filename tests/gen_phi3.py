@@ -133,10 +133,11 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_model() -> Phi3ForCausalLM:
-    """Seeded random weights, every norm weight drawn in [0.5, 1.5], all rounded to f16."""
-    torch.manual_seed(SEED)
-    cfg = Phi3Config(**CONFIG)
+def make_model(seed: int = SEED, overrides: dict | None = None) -> Phi3ForCausalLM:
+    """Seeded random weights, every norm weight drawn in [0.5, 1.5], all rounded to f16.
+    `seed` and config `overrides` make a sibling (``gen_wide_q4k.py``'s wide models)."""
+    torch.manual_seed(seed)
+    cfg = Phi3Config(**{**CONFIG, **(overrides or {})})
     cfg._attn_implementation = "sdpa"
     model = Phi3ForCausalLM(cfg).eval()
     fl.perturb_norms(model, 0.5, 1.5)

@@ -105,12 +105,13 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_model() -> Qwen2ForCausalLM:
+def make_model(seed: int = SEED, overrides: dict | None = None) -> Qwen2ForCausalLM:
     """Seeded random weights. Norm weights and q/k/v biases are drawn again from the same
     stream, because the default init leaves norms at 1 and biases at 0, which would hide a
-    missing norm weight or bias."""
-    torch.manual_seed(SEED)
-    cfg = Qwen2Config(**CONFIG)
+    missing norm weight or bias. `seed` and config `overrides` make a sibling
+    (``gen_wide_q4k.py``'s wide models)."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**{**CONFIG, **(overrides or {})})
     cfg._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():

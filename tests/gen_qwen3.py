@@ -123,11 +123,12 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_model() -> Qwen3ForCausalLM:
+def make_model(seed: int = SEED, overrides: dict | None = None) -> Qwen3ForCausalLM:
     """Seeded random weights, every norm weight (the per-head q_norm and k_norm included) drawn
-    in [0.5, 1.5], all rounded to f16."""
-    torch.manual_seed(SEED)
-    cfg = Qwen3Config(**CONFIG)
+    in [0.5, 1.5], all rounded to f16. `seed` and config `overrides` make a sibling
+    (``gen_wide_q4k.py``'s wide models)."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**{**CONFIG, **(overrides or {})})
     cfg._attn_implementation = "sdpa"
     model = Qwen3ForCausalLM(cfg).eval()
     fl.perturb_norms(model, 0.5, 1.5)

@@ -85,15 +85,16 @@ def config(kw: dict) -> Qwen3MoeConfig:
     return cfg
 
 
-def make_model() -> Qwen3MoeForCausalLM:
+def make_model(seed: int = SEED, overrides: dict | None = None) -> Qwen3MoeForCausalLM:
     """Seeded random weights (the router's too: transformers starts it at 0), every norm weight
-    drawn in [0.5, 1.5], all rounded to f16."""
-    torch.manual_seed(SEED)
-    cfg = config(CONFIG)
+    drawn in [0.5, 1.5], all rounded to f16. `seed` and config `overrides` make a sibling
+    (``gen_wide_q4k.py``'s wide models)."""
+    torch.manual_seed(seed)
+    cfg = config({**CONFIG, **(overrides or {})})
     model = Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, CONFIG["initializer_range"])
+            layer.mlp.gate.weight.normal_(0.0, cfg.initializer_range)
     fl.perturb_norms(model, 0.5, 1.5)
     fl.round_to_f16(model)
     return model

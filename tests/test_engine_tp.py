@@ -176,24 +176,32 @@ def test_load_tp_demo_model_three_devices(demo_gguf: Path) -> None:
 TINY_LLAMA_IDS = [1, 415, 2936, 9060, 285, 1142, 28705, 28770, 28734]
 
 
-def widened_qwen2(src: Path, dst: Path) -> Path:
-    """The tiny Qwen2 with its MLP widened from 192 to 768 by zero rows of gate/up and zero
-    columns of down (exllamav2's split wants 128-wide units); the added units contribute exact
-    zeros, so transformers' logits of the original still hold."""
+def widened_mlp(src: Path, dst: Path) -> Path:
+    """A tiny safetensors model with its MLP widened to 768 by zero rows of gate/up (each half
+    of phi3's stacked gate_up on its own) and zero columns of down (exllamav2's split wants
+    128-wide units); the added units contribute exact zeros, so transformers' logits of the
+    original still hold."""
     import json
 
     from safetensors.numpy import load_file, save_file
 
     dst.mkdir(exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
+    inter = cfg["intermediate_size"]
     cfg["intermediate_size"] = 768
     (dst / "config.json").write_text(json.dumps(cfg))
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (dst / f).write_bytes((src / f).read_bytes())
+
+    def rows(t: np.ndarray) -> np.ndarray:
+        return np.concatenate([t, np.zeros((768 - t.shape[0], t.shape[1]), t.dtype)], axis=0)
+
     out = {}
     for name, t in load_file(src / "model.safetensors").items():
-        if name.endswith(("gate_proj.weight", "up_proj.weight")):
-            t = np.concatenate([t, np.zeros((768 - t.shape[0], t.shape[1]), t.dtype)], axis=0)
+        if name.endswith("gate_up_proj.weight"):
+            t = np.concatenate([rows(t[:inter]), rows(t[inter:])], axis=0)
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            t = rows(t)
         elif name.endswith("down_proj.weight"):
             t = np.concatenate([t, np.zeros((t.shape[0], 768 - t.shape[1]), t.dtype)], axis=1)
         out[name] = np.ascontiguousarray(t)
@@ -211,7 +219,7 @@ def cases(tiny_llama_st: Path, tmp: Path) -> list[tuple[str, Path, list[int]]]:
     llama_ids = json.loads((tiny_llama_st.parent / "ids.json").read_text())["ids"]
     return [
         ("llama-gguf", tiny_llama_st.parent / "gguf" / "tiny-llama-Q8_0.gguf", llama_ids),
-        ("qwen2-safetensors", widened_qwen2(QWEN2, tmp / "qwen2"), qwen_ids),
+        ("qwen2-safetensors", widened_mlp(QWEN2, tmp / "qwen2"), qwen_ids),
     ]
 
 
@@ -242,7 +250,7 @@ def test_tp_qwen2_matches_transformers(tmp_path: Path) -> None:
 
     ids = json.loads((QWEN2 / "stats.json").read_text())["ids"]
     m = wl.Model(
-        widened_qwen2(QWEN2, tmp_path / "q"),
+        widened_mlp(QWEN2, tmp_path / "q"),
         devices="virtual:2x48MiB,cpu",
         runtime=RT,
         compute="exact",
@@ -252,6 +260,24 @@ def test_tp_qwen2_matches_transformers(tmp_path: Path) -> None:
     want = np.load(QWEN2 / "hf_logits.npy")
     assert float(np.abs(got - want).max()) <= 1e-3
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3"])
+def test_tp_gemma_and_phi3_match_transformers(tmp_path: Path, family: str) -> None:
+    """Gemma's post-norms, soft-caps and sliding layers, and phi3's stacked qkv and gate_up
+    matrices (each device its rows of every block), through load_tp over 2 and 3 devices."""
+    import json
+
+    data = Path(__file__).parent / "data" / f"tiny-{family}"
+    ids = json.loads((data / "stats.json").read_text())["ids"]
+    path = widened_mlp(data, tmp_path / family)
+    want = np.load(data / "hf_logits.npy")
+    for n_dev in (2, 3):
+        m = wl.Model(path, devices=f"virtual:{n_dev}x48MiB,cpu", runtime=RT, compute="exact")
+        m.load_tp(expect_cache_tokens=64, expect_cache_base="f32")
+        got = m.forward(ids, logits="all")
+        assert float(np.abs(got - want).max()) <= 1e-3, f"{family} on {n_dev}"
+        assert np.array_equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_model_tp_is_the_context_the_forward_uses(tiny_llama_st: Path) -> None:

@@ -209,6 +209,43 @@ def test_n_cpu_moe_keeps_the_first_layers_experts_in_host_ram():
     assert "experts of layers 0" in out.stdout, out.stdout
 
 
+# The Q4_K_M copies: wide siblings of the family fixtures (rows of 256, as Q4_K and Q6_K blocks
+# need), quantised by llama.cpp (``tests/data/wide-q4k/<family>``, made by
+# ``tests/gen_wide_q4k.py``). The Rust suite ``forward_wide_q4k`` holds every check; here, the
+# same files through the Python API.
+WIDE_Q4K = DATA / "wide-q4k"
+WIDE_FAMILIES = ["qwen3", "gemma3", "phi3", "mixtral", "qwen3moe", "gemma2", "qwen2"]
+
+
+@pytest.mark.parametrize("family", WIDE_FAMILIES)
+def test_q4_k_m_copy_is_transformers_on_its_weights_and_within_llamacpps_distance(family):
+    folder = WIDE_Q4K / family
+    s = stats(folder)
+    m = wl.load_gguf(
+        folder / f"wide-{family}-Q4_K_M.gguf",
+        n_ctx=64,
+        type_k="f32",
+        type_v="f32",
+        compute="exact",
+    )
+    assert m.plan.architecture == s["architecture"]
+    got = m.forward(s["ids"], logits="all").astype(np.float64)
+    dequant = np.load(folder / "hf_dequant_logits_Q4_K_M.npy")
+    hf = np.load(folder / "hf_logits.npy")
+    lc = np.load(folder / "llamacpp_logits_Q4_K_M.npy")
+    # transformers on the weights gguf-py dequantised from the file, within 1e-3
+    assert np.abs(got - dequant).max() <= 1e-3
+    # no farther from transformers on the f16 weights than llama.cpp is (the Rust suite's
+    # slack of 1.1: the two round differently on top of the same 4-bit weights)
+    bound = np.abs(lc.astype(np.float64) - hf).max()
+    assert bound == pytest.approx(s["summary"]["llamacpp_vs_hf"]["max_abs"])
+    assert np.abs(got - hf).max() <= 1.1 * bound
+    # the prompt's next token through generate is the dequantised reference's argmax
+    assert np.sort(dequant[-1])[-1] - np.sort(dequant[-1])[-2] > 2e-3
+    out = m.generate(s["ids"], max_new_tokens=1, do_sample=False)
+    assert out == m.detokenize([int(dequant[-1].argmax())])
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3moe"])
 def test_tensor_parallel_splits_the_experts_whole(family):
     # expert parallelism: load_tp over two virtual devices gives each two of the four experts

@@ -53,6 +53,15 @@ fn same_bits_on_cpu_virtual_devices_and_the_backend() {
     }
 }
 
+/// Tensor-parallel (the post-norms on the reduced rows, the soft-capped head on the gathered
+/// vocabulary rows), on the host path and through the backend op sequence.
+#[test]
+fn tensor_parallel_matches_the_layer_split_and_transformers() {
+    for f in FAMILIES {
+        f.tensor_parallel_matches_the_layer_split();
+    }
+}
+
 /// Against llama.cpp on the same GGUF files (its logits recorded by the generator through
 /// llama-cpp-python; its GELU goes through an f16 table): the rule of every family.
 #[test]

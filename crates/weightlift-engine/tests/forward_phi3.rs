@@ -8,14 +8,14 @@
 //! what is particular to phi3: the stacked matrices in the spec, layers offloaded and copied in
 //! block by block, LongRoPE (the fixture is scaled as Phi-3.5-mini and Phi-4-mini are: the
 //! family checks run its long factors and attention factor; here, its short ones), a RoPE
-//! scaling we do not apply and tensor parallelism refused by name.
+//! scaling we do not apply and tensor parallelism over the stacked matrices.
 
 use crate::common;
 
 use std::sync::Arc;
 
 use common::family::Family;
-use common::{forward_all, load_on, load_planned, max_abs_diff, open};
+use common::{forward_all, load_on, max_abs_diff, open};
 use weightlift_engine::forward::Compute;
 use weightlift_engine::{CacheDType, EngineError, Inventory, Model};
 use weightlift_plan as wp;
@@ -212,55 +212,11 @@ fn tiny_phi3_offloaded_layers_are_the_same_bits() {
     }
 }
 
-/// The tensor-parallel tables split separate q, k, v, gate and up matrices: phi3's stacked ones
-/// are refused by name, with the way out, before any compute (the MLP widened with zeros so
-/// that the planner's tables can be made at all).
+/// Tensor-parallel, the stacked matrices cut block by block (each device holds its heads' q, k
+/// and v rows of `qkv_proj`/`attn_qkv` and its share of the gate and up rows of `gate_up_proj`/
+/// `ffn_up`), with LongRoPE's long factors, on the host path and through the backend op
+/// sequence: the layer split's logits and transformers'.
 #[test]
-fn tiny_phi3_tensor_parallel_is_refused_by_name() {
-    let wide = common::widened_mlp(&PHI3.data());
-    let src = open(wide.path());
-    let mut m = Model::new(
-        Arc::clone(&src),
-        Inventory::parse("virtual:2x64MiB").unwrap(),
-    );
-    // the widened copy is transformers' model still, on a layer split
-    let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
-    whole.set_compute(Compute::Exact);
-    PHI3.assert_matches(
-        "widened",
-        &forward_all(&mut whole, &cache, &PHI3.ids()),
-        "hf_logits.npy",
-    );
-    let mut req = m.plan_request().unwrap();
-    wp::PlanOptions {
-        strategy: Some("tensor_parallel".into()),
-        expect_cache: Some(wp::ExpectCache {
-            tokens: 64,
-            dtype: CacheDType::F32,
-        }),
-        ..wp::PlanOptions::default()
-    }
-    .apply(&mut req)
-    .unwrap();
-    req.runtime.max_input_len = 16;
-    let plan = wp::plan(&req).unwrap();
-    let err = match load_planned(&mut m, &plan) {
-        Err(e) => e,
-        Ok(cache) => {
-            let mut out = Vec::new();
-            m.forward(
-                &PHI3.ids(),
-                Some(&cache),
-                weightlift_engine::forward::Logits::All,
-                &mut out,
-            )
-            .expect_err("the tensor-parallel pass ran phi3")
-        }
-    };
-    let text = err.to_string();
-    assert!(matches!(err, EngineError::Unsupported { .. }), "{text}");
-    assert!(
-        text.contains("'phi3'") && text.contains("stacked qkv") && text.contains("layer split"),
-        "{text}"
-    );
+fn tensor_parallel_matches_the_layer_split_and_transformers() {
+    PHI3.tensor_parallel_matches_the_layer_split();
 }

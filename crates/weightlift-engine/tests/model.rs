@@ -245,6 +245,61 @@ fn tp_parts_reassemble_to_the_checkpoint() {
     }
 }
 
+/// phi3's stacked `qkv_proj` and `gate_up_proj` (GGUF: `attn_qkv`, `ffn_up` holding gate and
+/// up) are cut block by block: each device holds its heads' q, k and v rows and its share of the
+/// gate and up rows, and the parts laid end to end are the checkpoint's tensor.
+#[test]
+fn tp_parts_of_stacked_matrices_reassemble_to_the_checkpoint() {
+    let splits = Splits {
+        kv: vec![(0, 0, 1), (1, 1, 2)],
+        q: vec![(0, 0, 2), (1, 2, 4)],
+        id: vec![(0, 0, 16), (1, 16, 32)],
+        rs: vec![(0, 0, 32), (1, 32, 64)],
+        vc: vec![(0, 0, 160), (1, 160, 320)],
+        ex: vec![],
+    };
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tiny-phi3");
+    for path in [data.clone(), data.join("tiny-phi3-F16.gguf")] {
+        let src: Arc<dyn Source> =
+            Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
+        let inv = Inventory::parse("virtual:2x16MiB").unwrap();
+        let mut model = Model::new(Arc::clone(&src), inv.clone());
+        let placement = model.tp_placement(&splits).unwrap();
+        model
+            .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
+                true
+            })
+            .unwrap();
+        for (i, t) in src.tensors().iter().enumerate() {
+            assert!(
+                model.tensor_bytes(&t.name).unwrap().0 == src.bytes(i),
+                "{} {}",
+                path.display(),
+                t.name
+            );
+        }
+        // q rows of heads 0-1, k and v rows of kv head 0, and the same for device 1: halves
+        let qkv = src
+            .tensors()
+            .iter()
+            .position(|t| t.role == Some(weightlift_format::Role::AttnQkv))
+            .unwrap();
+        let s = placement.tensors[qkv].split.as_ref().unwrap();
+        let rows: Vec<(&str, u64, u64)> = s.shards.iter().map(|x| (&x.0[..], x.1, x.2)).collect();
+        assert_eq!(
+            rows,
+            [
+                ("virtual:0", 0, 32),
+                ("virtual:1", 32, 64),
+                ("virtual:0", 64, 80),
+                ("virtual:1", 80, 96),
+                ("virtual:0", 96, 112),
+                ("virtual:1", 112, 128),
+            ]
+        );
+    }
+}
+
 /// A mixture-of-experts model's expert tensors split by an expert table (GGUF's stacked
 /// `[experts, rows, columns]` cut along their experts, quantised or not; transformers' per-expert
 /// tensors whole on their expert's device) and its routers replicated read back as the

@@ -412,6 +412,91 @@ fn a_forward_call_runs_in_chunks_the_rings_hold() {
     );
 }
 
+/// `path` loaded tensor-parallel over two virtual devices with a cache of [`MAX_SEQ_LEN`]
+/// positions, split by kv heads (the layers `sliding` as rings of 256 rows in every part): the
+/// logits of every position of `prompt`, in exact mode on the host path and through the
+/// backends, are `want` within 1e-5 of its largest. The cache and its parts.
+fn tp_rings_match(
+    path: &Path,
+    prompt: &[u32],
+    want: &[f32],
+    sliding: &[usize],
+) -> (Arc<Cache>, Vec<weightlift_engine::cache::TpPart>) {
+    let mut tp = Model::new(open(path), Inventory::parse("virtual:2x64MiB,cpu").unwrap());
+    let options = wp::PlanOptions {
+        strategy: Some("tensor_parallel".into()),
+        expect_cache: Some(wp::ExpectCache {
+            tokens: MAX_SEQ_LEN,
+            dtype: CacheDType::F32,
+        }),
+        runtime: Some(runtime()),
+        ..Default::default()
+    };
+    tp.plan_and_load(
+        None,
+        options,
+        &Default::default(),
+        None,
+        &LoadOptions::default(),
+        &mut |_| true,
+    )
+    .unwrap();
+    tp.set_compute(Compute::Exact);
+    let cache = tp.own_cache().unwrap();
+    let parts = cache.tp_parts();
+    assert!(!parts.is_empty());
+    for &l in sliding {
+        assert!(parts.iter().all(|p| p.cache.config().rows(l) == 256));
+    }
+    let top = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+    for backend in [false, true] {
+        tp.set_host_backend(backend);
+        cache.reset();
+        let mut got = Vec::new();
+        tp.forward(prompt, Some(&cache), Logits::All, &mut got)
+            .unwrap();
+        let d = max_abs_diff(&got, want);
+        eprintln!(
+            "{}: tensor parallel (backend {backend}): max|Δ| {d:e} of {top}",
+            path.display()
+        );
+        assert!(
+            d <= 1e-5 * top,
+            "tensor parallel (backend {backend}) against the layer split: max|Δ| {d} of {top}"
+        );
+    }
+    (cache, parts)
+}
+
+/// Gemma's sliding layers under tensor parallelism over two virtual devices (the MLP widened so
+/// the tables can split it; see `Family::widened`): each device's rings of its kv heads, with
+/// each layer's RoPE base, give the layer split's logits at every position of the long prompt
+/// (within 1e-5 of the largest), on the host path and through the backends.
+#[test]
+fn gemma_rings_run_under_tensor_parallelism() {
+    for f in FAMILIES {
+        let (mut m, ring, _) = planned(&f.data(), "cpu", CacheDType::F32, false);
+        let prompt = long_prompt(f);
+        let want = cache_reset_and_run(&mut m, &ring, &prompt);
+        let (_dirs, wide) = f.widened();
+        let sliding: Vec<usize> = (0..m.n_layers() as usize)
+            .filter(|&l| ring.config().is_ring(l))
+            .collect();
+        assert!(!sliding.is_empty());
+        let (cache, _) = tp_rings_match(&wide[0], &prompt, &want, &sliding);
+        assert_eq!(cache.held_from(sliding[0]), PROMPT as u64 - 256);
+    }
+}
+
+/// Every position's logits of `prompt` from a reset `cache`.
+fn cache_reset_and_run(m: &mut Model, cache: &Arc<Cache>, prompt: &[u32]) -> Vec<f32> {
+    cache.reset();
+    let mut all = Vec::new();
+    m.forward(prompt, Some(cache), Logits::All, &mut all)
+        .unwrap();
+    all
+}
+
 /// A qwen2 whose config turns its window on (`use_sliding_window`, a window of 8 on layer 1 of
 /// 2): the engine runs that window (past it, the logits leave those of the same weights
 /// without one) and keeps the layer as a ring of 256 rows, whose bits are a full cache's on the
@@ -460,48 +545,8 @@ fn a_qwen2_window_runs_as_a_ring_on_a_layer_split_and_under_tensor_parallelism()
     let past = 16 * vocab..PROMPT * vocab;
     assert!(max_abs_diff(&windowed[past.clone()], &unwindowed[past]) > 1e-2);
     // tensor parallelism over two virtual devices: its cache split by kv heads, ring and all
-    let mut tp = Model::new(
-        open(dir.path()),
-        Inventory::parse("virtual:2x64MiB,cpu").unwrap(),
-    );
-    let options = wp::PlanOptions {
-        strategy: Some("tensor_parallel".into()),
-        expect_cache: Some(wp::ExpectCache {
-            tokens: MAX_SEQ_LEN,
-            dtype: CacheDType::F32,
-        }),
-        runtime: Some(runtime()),
-        ..Default::default()
-    };
-    tp.plan_and_load(
-        None,
-        options,
-        &Default::default(),
-        None,
-        &LoadOptions::default(),
-        &mut |_| true,
-    )
-    .unwrap();
-    tp.set_compute(Compute::Exact);
-    let cache = tp.own_cache().unwrap();
-    let parts = cache.tp_parts();
-    assert_eq!(parts.len(), 2);
-    assert!(parts.iter().all(|p| p.cache.config().rows(1) == 256));
-    let want = &windowed[..PROMPT * vocab];
-    let top = want.iter().fold(0f32, |a, x| a.max(x.abs()));
-    for backend in [false, true] {
-        tp.set_host_backend(backend);
-        cache.reset();
-        let mut got = Vec::new();
-        tp.forward(&prompt, Some(&cache), Logits::All, &mut got)
-            .unwrap();
-        let d = max_abs_diff(&got, want);
-        assert!(
-            d <= 1e-5 * top,
-            "tensor parallel (backend {backend}) against the layer split: max|Δ| {d} of {top}"
-        );
-        assert_eq!(parts[0].cache.held_from(1), PROMPT as u64 - 256);
-    }
+    let (cache, parts) = tp_rings_match(dir.path(), &prompt, &windowed[..PROMPT * vocab], &[1]);
+    assert_eq!(parts[0].cache.held_from(1), PROMPT as u64 - 256);
     // the split cache keeps its sequence: a rewind past the window is refused there too
     assert_eq!(cache.held_from(1), PROMPT as u64 - 256);
     let e = cache.truncate(100).unwrap_err().to_string();

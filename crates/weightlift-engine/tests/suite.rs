@@ -18,6 +18,7 @@ mod forward_moe;
 mod forward_phi3;
 mod forward_qwen2;
 mod forward_qwen3;
+mod forward_wide_q4k;
 mod generate;
 mod gptq_forward;
 mod grammar;

@@ -243,6 +243,20 @@ fn qwen2_ranks_equal_the_single_process_pass() {
     check(&common::qwen2(), 2, "48MiB", &ids, CacheDType::Fp16);
 }
 
+/// Gemma's post-norms on the reduced rows, its soft-caps and sliding layers, and phi3's
+/// stacked matrices (each rank's parts of them several row ranges), rank by rank (the MLP
+/// widened so the tables can split it; see `Family::widened`): the safetensors folder and the
+/// Q8_0 GGUF, each rank holding the plan's bytes.
+#[test]
+fn gemma_and_phi3_ranks_equal_the_single_process_pass() {
+    for f in ["gemma2", "gemma3", "phi3"] {
+        let f = common::family::Family(f);
+        let (_dirs, [folder, _, q8]) = f.widened();
+        check(&folder, 2, "48MiB", &f.ids(), CacheDType::F32);
+        check(&q8, 3, "48MiB", &f.ids(), CacheDType::Fp16);
+    }
+}
+
 /// Mixtral's and qwen3moe's ranks each hold and run their experts of the expert table (the
 /// routers replicated), from safetensors over 2 ranks and F16 GGUF over 3.
 #[test]
@@ -529,6 +543,31 @@ fn ranks_on_cuda_give_the_host_pass_logits() {
     assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "greedy ids");
 }
 
+/// Two ranks as threads on `cuda:0`, through the CUDA backend, running the same continuous
+/// batch: each sequence's logits are the bits it gets alone on the same ranks, in both modes.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
+fn ranks_on_cuda_batch_with_the_bits_of_each_sequence_alone() {
+    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
+    let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
+    let reqs = rank_requests(&ids);
+    let src = open(&path);
+    let (_, _, plan) = single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
+    let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
+        .map(|r| load_rank(&src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
+        .collect();
+    for compute in [Compute::Exact, Compute::Fast] {
+        ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
+        let got = on_ranks(&mut ranks, |_, m, _| {
+            (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
+        });
+        for (r, ((one, many), _)) in got.iter().enumerate() {
+            let what = format!("cuda rank {r}, {}", compute.name());
+            assert_same_bits(&what, many, one);
+        }
+    }
+}
+
 /// Mixtral's and qwen3moe's two ranks as threads on `cuda:0` through the CUDA backend, each
 /// running its experts of the expert table on the device: the single-process host pass's
 /// logits within the tensor-parallel bound, and the same greedy ids.
@@ -558,30 +597,5 @@ fn moe_ranks_on_cuda_give_the_host_pass_logits() {
         let argmaxes =
             |l: &[f32]| -> Vec<usize> { l.chunks_exact(vocab).map(common::argmax).collect() };
         assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "{family}: greedy ids");
-    }
-}
-
-/// Two ranks as threads on `cuda:0`, through the CUDA backend, running the same continuous
-/// batch: each sequence's logits are the bits it gets alone on the same ranks, in both modes.
-#[test]
-#[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
-fn ranks_on_cuda_batch_with_the_bits_of_each_sequence_alone() {
-    let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
-    let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
-    let reqs = rank_requests(&ids);
-    let src = open(&path);
-    let (_, _, plan) = single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
-    let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
-        .map(|r| load_rank(&src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
-        .collect();
-    for compute in [Compute::Exact, Compute::Fast] {
-        ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
-        let got = on_ranks(&mut ranks, |_, m, _| {
-            (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
-        });
-        for (r, ((one, many), _)) in got.iter().enumerate() {
-            let what = format!("cuda rank {r}, {}", compute.name());
-            assert_same_bits(&what, many, one);
-        }
     }
 }

@@ -20,6 +20,7 @@
 //!   base (`rope_parameters.sliding_attention`, `rope.freq_base_swa`, default 10 000).
 
 use weightlift_format::{DType, Format, MetaValue, ModelSpec, Role};
+use weightlift_kernels::RopeParams;
 
 use super::graph::Loaded;
 use crate::error::{EngineError, Result};
@@ -66,6 +67,26 @@ fn spec_error(m: &Loaded<'_>, spec: &ModelSpec, detail: String) -> EngineError {
 }
 
 impl Family {
+    /// Per layer: the RoPE angles of its own base and scale (on top of the model's `rope`),
+    /// where it has one.
+    pub fn rope_tables(&self, rope: &RopeParams) -> Result<Vec<Option<Vec<f32>>>> {
+        self.ropes
+            .iter()
+            .map(|r| {
+                r.map(|(freq_base, freq_scale)| {
+                    let p = RopeParams {
+                        freq_base,
+                        freq_scale,
+                        ..*rope
+                    };
+                    weightlift_kernels::rope_inv_freqs(&p, None)
+                        .map_err(|e| super::layer::kernel("rope frequencies", e))
+                })
+                .transpose()
+            })
+            .collect()
+    }
+
     /// The variants of `spec`'s checkpoint.
     pub fn of(m: &Loaded<'_>, spec: &ModelSpec) -> Result<Family> {
         let n = spec.n_layers as usize;

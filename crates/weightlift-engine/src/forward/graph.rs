@@ -71,20 +71,10 @@ pub fn check_runs(architecture: &str) -> Result<()> {
 }
 
 /// `Ok` when the tensor-parallel pass runs `architecture` (it runs the forward pass's
-/// architectures but gemma's, whose post-norms, GeGLU, sliding windows and soft-caps run on a
-/// layer split only; mixtral's and qwen3moe's experts are split whole by the expert table).
+/// architectures, gemma's with its post-norms on the reduced rows, and mixtral's and qwen3moe's
+/// experts split whole by the expert table).
 pub fn check_tensor_parallel(architecture: &str) -> Result<()> {
-    check_runs(architecture)?;
-    if matches!(architecture, "gemma2" | "gemma3" | "gemma3_text") {
-        return Err(EngineError::Unsupported {
-            what: format!("tensor parallelism for '{architecture}'"),
-            detail: "gemma's post-norms, GeGLU, sliding windows and soft-caps run on a layer \
-                     split only; load with a layer split (autosplit, layers, balanced) instead \
-                     of tensor_parallel"
-                .into(),
-        });
-    }
-    Ok(())
+    check_runs(architecture)
 }
 
 /// The routing of the checkpoint's expert layers (GGUF metadata or config.json); `None` for a
@@ -246,6 +236,7 @@ impl Graph {
             find(role, layer).map(norm).transpose()
         };
         let (rope, inv_freqs) = rope_of(m, spec, seq_batch.0)?;
+        let mut rope_tables = family.rope_tables(&rope)?;
         // The row blocks of a stacked matrix (phi3's qkv and gate_up), `parts` rows each in
         // order, each multiplied as a matrix of its own from its rows of the held tensor.
         let stacked = |role: Role, parts: &[usize], layer: Option<u32>| -> Result<Vec<Linear>> {
@@ -485,19 +476,9 @@ impl Graph {
                 post_attn_norm: optional(Role::AttnPostNorm, at)?,
                 post_ffn_norm: optional(Role::FfnPostNorm, at)?,
                 window: family.windows[l as usize],
-                rope: match family.ropes[l as usize] {
-                    Some((base, scale)) => {
-                        let p = RopeParams {
-                            freq_base: base,
-                            freq_scale: scale,
-                            ..rope
-                        };
-                        let table = weightlift_kernels::rope_inv_freqs(&p, None)
-                            .map_err(|e| super::layer::kernel("rope frequencies", e))?;
-                        Some(Floats::computed(format!("layer {l} rope angles"), table))
-                    }
-                    None => None,
-                },
+                rope: rope_tables[l as usize]
+                    .take()
+                    .map(|t| Floats::computed(format!("layer {l} rope angles"), t)),
                 group: None,
             });
         }
@@ -861,15 +842,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tensor_parallel_refuses_gemma_by_name() {
+    fn tensor_parallel_runs_gemma() {
         for arch in ["gemma2", "gemma3", "gemma3_text"] {
-            assert!(check_runs(arch).is_ok(), "{arch}");
-            let e = check_tensor_parallel(arch).unwrap_err().to_string();
-            assert!(
-                e.contains(&format!("tensor parallelism for '{arch}'")),
-                "{e}"
-            );
-            assert!(e.contains("layer split"), "{e}");
+            assert!(check_tensor_parallel(arch).is_ok(), "{arch}");
         }
         assert!(check_tensor_parallel("qwen2").is_ok());
         // mixture-of-experts layers run by the expert table

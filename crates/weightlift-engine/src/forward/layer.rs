@@ -193,7 +193,8 @@ pub(super) fn run_layer(
             let i = gate.rows;
             linear_pieces(c, wts, gate, pieces, w.xn, w.gate)?;
             linear_pieces(c, wts, up, pieces, w.xn, w.up)?;
-            activate(c, &mut w.gate[..n * i], &w.up[..n * i]).map_err(err("gated activation"))?;
+            activate(c.gate, &mut w.gate[..n * i], &w.up[..n * i])
+                .map_err(err("gated activation"))?;
             linear_pieces(c, wts, down, pieces, w.gate, w.xn)?;
         }
         Ffn::Moe(m) => moe(c, m, li, wts, pieces, w)?,
@@ -204,8 +205,8 @@ pub(super) fn run_layer(
 }
 
 /// `gate = act(gate) · up`, the family's gated activation.
-fn activate(c: &Consts, gate: &mut [f32], up: &[f32]) -> weightlift_kernels::Result<()> {
-    match c.gate {
+pub(super) fn activate(act: Gate, gate: &mut [f32], up: &[f32]) -> weightlift_kernels::Result<()> {
+    match act {
         Gate::Silu => swiglu_in_place(gate, up),
         Gate::GeluTanh => weightlift_kernels::geglu_tanh_in_place(gate, up),
     }
@@ -304,7 +305,8 @@ pub(super) fn experts(
         let (g, u, y) = (&mut g[..cnt * f], &mut u[..cnt * f], &mut y[..cnt * h]);
         linear_on(c, wts, gate, &xs, cnt, g)?;
         linear_on(c, wts, up, &xs, cnt, u)?;
-        activate(c, g, u).map_err(|e2| kernel(&format!("layer {li} expert {e} activation"), e2))?;
+        activate(c.gate, g, u)
+            .map_err(|e2| kernel(&format!("layer {li} expert {e} activation"), e2))?;
         linear_on(c, wts, down, g, cnt, y)?;
         for (&(t, wt), yr) in routed.iter().zip(y.chunks_exact(h)) {
             out[t * h..(t + 1) * h]

@@ -23,6 +23,9 @@
 //!   partial sum, reduced as the dense MLP's. A device may thus get more of a chunk's tokens
 //!   than another; every part it holds is a contiguous slice (GGUF's stacked experts cut along
 //!   their first axis).
+//! - Where a block's output is normed before it joins the residual (gemma's post-norms), its
+//!   partial sums are reduced apart from the residual, gathered as whole rows to the residual's
+//!   owners, normed there, and each owner adds its columns of the normed rows.
 //! - The head: the needed rows are all-gathered to the VC devices, each computes its vocab
 //!   rows, and the logits are gathered into the caller's array. Hidden states instead of logits
 //!   ([`Output::Hidden`]): the rows are gathered to the first VC device only, which applies its
@@ -45,8 +48,9 @@ use weightlift_kernels::{QuantType, RopeParams};
 use weightlift_plan::{Dims, RuntimeSpec, TpShare, TpWorkspace};
 
 use super::attention::{self, Shape, Tiles};
+use super::family::Family;
 use super::graph::Loaded;
-use super::layer::{Consts, Weights, head_norm_in_place, kernel, product_runs, swiglu_in_place};
+use super::layer::{Consts, Weights, activate, head_norm_in_place, kernel, product_runs};
 use super::parts::{Floats, Linear, Moe, Slot};
 use super::rope::rope_of;
 use super::weights::Packing;
@@ -93,6 +97,8 @@ struct Attn {
     cache_part: usize,
     /// The layer's sliding window (0: full attention).
     window: usize,
+    /// The layer's own RoPE angles (gemma3's local and global bases), else the model's.
+    rope: Option<Vec<f32>>,
 }
 
 #[derive(Debug)]
@@ -112,8 +118,10 @@ struct Experts {
     moe: Moe,
 }
 
-/// One layer: per device (by table index) its attention and MLP (or experts) shares, and the
-/// biases of `o_proj` and `down` (whole, added once by the residual's owners).
+/// One layer: per device (by table index) its attention and MLP (or experts) shares, the
+/// biases of `o_proj` and `down` (whole, added once by the residual's owners), and the norms of
+/// the attention and MLP outputs where the family has them (gemma's post-norms, whole: each
+/// residual owner norms whole rows of the reduced output).
 #[derive(Debug)]
 struct Layer {
     attn: Vec<Option<Attn>>,
@@ -123,6 +131,7 @@ struct Layer {
     experts: Vec<Option<Arc<Experts>>>,
     o_bias: Option<Vec<f32>>,
     down_bias: Option<Vec<f32>>,
+    post_norms: [Option<Vec<f32>>; 2],
 }
 
 #[derive(Debug)]
@@ -147,6 +156,9 @@ pub(crate) struct TpGraph {
     rope: RopeParams,
     inv_freqs: Vec<f32>,
     max_dq: usize,
+    /// The family's variants (gemma's scales, soft-caps, activation), as the layer split
+    /// reads them.
+    family: Family,
     /// The devices' backends and what they read, where the pass runs through them (`cuda:N`
     /// devices, or host devices with the host backend on); `None`: the host path.
     backend: Option<exec::BackendGraph>,
@@ -238,6 +250,7 @@ struct Run<'a> {
     q_tile: usize,
     /// The layer split's constants, for the experts its code runs.
     consts: Consts,
+    family: &'a Family,
 }
 
 impl Run<'_> {
@@ -316,7 +329,7 @@ impl Run<'_> {
                 *p = (s.pos + t) as i32;
             }
         }
-        let freqs = &w.freqs[..self.rope.n_dims / 2];
+        let freqs = &a.rope.as_deref().unwrap_or(w.freqs)[..self.rope.n_dims / 2];
         weightlift_kernels::rope_in_place(&mut w.q[..n * qd], &w.pos[..n], self.rope, freqs)
             .map_err(err("rope"))?;
         weightlift_kernels::rope_in_place(&mut w.k[..n * kvd], &w.pos[..n], self.rope, freqs)
@@ -336,9 +349,9 @@ impl Run<'_> {
                 kv_tile: self.kv_tile,
                 q_tile: self.q_tile,
                 f16_operands: self.compute.f16_operands(cache.config().dtype),
-                scale: 1.0 / (hd as f32).sqrt(),
+                scale: self.family.attn_scale,
                 window: a.window,
-                softcap: 0.0,
+                softcap: self.family.attn_softcap,
             };
             let tiles = Tiles {
                 kt: &mut *w.kt,
@@ -363,8 +376,8 @@ impl Run<'_> {
         let i = m.gate.rows;
         self.products(&m.gate, w.xn, segs, w.gate)?;
         self.products(&m.up, w.xn, segs, w.up)?;
-        swiglu_in_place(&mut w.gate[..n * i], &w.up[..n * i])
-            .map_err(|e| kernel(&format!("layer {li} swiglu"), e))?;
+        activate(self.family.gate, &mut w.gate[..n * i], &w.up[..n * i])
+            .map_err(|e| kernel(&format!("layer {li} gated activation"), e))?;
         self.products(&m.down, w.gate, segs, w.xn)
     }
 }
@@ -448,19 +461,37 @@ fn gather_residual(
     ws: &mut [Option<Work<'_>>],
     rs: &SplitTable,
     tb: &SplitTable,
+    rows: (usize, usize, usize),
+) -> Result<()> {
+    gather_columns(coll, buffer, ws, (rs, tb), rows, false)
+}
+
+/// All-gather rows `first..first + n` of the residual owners' columns (over the RS table) into
+/// `x` of every device of `tb`: their residual, or (`sums`) the sums [`reduce_sums`] kept
+/// apart.
+fn gather_columns(
+    coll: &mut Collectives<'_>,
+    buffer: usize,
+    ws: &mut [Option<Work<'_>>],
+    (rs, tb): (&SplitTable, &SplitTable),
     (first, n, h): (usize, usize, usize),
+    sums: bool,
 ) -> Result<()> {
     let mut srcs: Vec<Option<&[f32]>> = vec![None; ws.len()];
     let mut dsts: Vec<Option<&mut [f32]>> = (0..ws.len()).map(|_| None).collect();
     let widths: Vec<usize> = rs.iter().map(|&(_, a, b)| (b - a) as usize).collect();
     for (d, w) in ws.iter_mut().enumerate() {
-        if let Some(Work { v, residual, .. }) = w {
+        if let Some(Work {
+            v, residual, sum, ..
+        }) = w
+        {
             let width = rs
                 .iter()
                 .zip(&widths)
                 .find(|(e, _)| e.0 == d)
                 .map_or(0, |x| *x.1);
-            srcs[d] = residual.get(first * width..(first + n) * width);
+            let from = if sums { &**sum } else { &**residual };
+            srcs[d] = from.get(first * width..(first + n) * width);
             dsts[d] = Some(&mut v.x[..]);
         }
     }
@@ -486,6 +517,20 @@ fn reduce_partials(
     (n, h): (usize, usize),
     bias: Option<&[f32]>,
 ) -> Result<()> {
+    reduce_sums(coll, ws, (from, rs), (n, h), bias, false)
+}
+
+/// [`reduce_partials`], or kept `apart`: each owner's columns of the sum (and of the bias) stay
+/// in its `sum`, for [`post_normed`] to norm before they join the residual, and its `x` (free
+/// until the next gather) takes the collective's addition instead of the residual.
+fn reduce_sums(
+    coll: &mut Collectives<'_>,
+    ws: &mut [Option<Work<'_>>],
+    (from, rs): (&SplitTable, &SplitTable),
+    (n, h): (usize, usize),
+    bias: Option<&[f32]>,
+    apart: bool,
+) -> Result<()> {
     let mut srcs: Vec<Option<&[f32]>> = vec![None; ws.len()];
     type Owned<'r> = (&'r mut [f32], &'r mut [f32], &'r mut [f32]);
     let mut owned: Vec<Option<Owned<'_>>> = (0..ws.len()).map(|_| None).collect();
@@ -498,7 +543,12 @@ fn reduce_partials(
         }) = w
         {
             srcs[d] = Some(&v.xn[..n * h]);
-            owned[d] = Some((&mut residual[..], &mut recv[..], &mut sum[..]));
+            let into = if apart {
+                &mut v.x[..]
+            } else {
+                &mut residual[..]
+            };
+            owned[d] = Some((into, &mut recv[..], &mut sum[..]));
         }
     }
     let missing = |d: usize| invalid(format!("tp device {d}"), "a workspace", "none");
@@ -517,11 +567,44 @@ fn reduce_partials(
     }
     coll.reduce_scatter(n, h, &srcs, rs, &mut residual, &mut recv, &mut sums)?;
     if let Some(b) = bias {
-        for (res, &(_, a, e)) in residual.iter_mut().zip(rs) {
+        let to = if apart { &mut sums } else { &mut residual };
+        for (res, &(_, a, e)) in to.iter_mut().zip(rs) {
             let cols = &b[a as usize..e as usize];
             for row in res[..n * cols.len()].chunks_exact_mut(cols.len()) {
                 row.iter_mut().zip(cols).for_each(|(x, b)| *x += b);
             }
+        }
+    }
+    Ok(())
+}
+
+/// The partial sums in `xn` of the devices of `from` into the residual through a norm of the
+/// whole block output (gemma's post-attention and post-feed-forward norms), which needs whole
+/// rows: the sum is reduced and kept apart ([`reduce_sums`]), all-gathered as whole rows into
+/// every residual owner's `x`, normed there with `norm` into `xn`, and each owner adds its
+/// columns of the normed rows to its residual.
+fn post_normed(
+    coll: &mut Collectives<'_>,
+    buffer: usize,
+    ws: &mut [Option<Work<'_>>],
+    (from, rs): (&SplitTable, &SplitTable),
+    (n, h): (usize, usize),
+    bias: Option<&[f32]>,
+    (norm, eps): (&[f32], f32),
+) -> Result<()> {
+    reduce_sums(coll, ws, (from, rs), (n, h), bias, true)?;
+    gather_columns(coll, buffer, ws, (rs, rs), (0, n, h), true)?;
+    for (&(_, a, e), w) in rs.iter().zip(pick(ws, rs)?) {
+        let (a, width) = (a as usize, (e - a) as usize);
+        weightlift_kernels::rms_norm(&w.v.x[..n * h], norm, eps, &mut w.v.xn[..n * h])
+            .map_err(|e| kernel("post-norm", e))?;
+        for (res, normed) in w.residual[..n * width]
+            .chunks_exact_mut(width.max(1))
+            .zip(w.v.xn.chunks_exact(h))
+        {
+            res.iter_mut()
+                .zip(&normed[a..a + width])
+                .for_each(|(x, y)| *x += y);
         }
     }
     Ok(())
@@ -639,7 +722,14 @@ impl TpGraph {
             shares(&layer.attn, ws, &s.kv)?
                 .into_par_iter()
                 .try_for_each(|(a, w)| run.attention(a, li, segs, &mut w.v))?;
-            reduce_partials(coll, ws, &s.kv, &s.rs, (n, h), layer.o_bias.as_deref())?;
+            let bias = layer.o_bias.as_deref();
+            match &layer.post_norms[0] {
+                Some(norm) => {
+                    let norm = (&norm[..], run.eps);
+                    post_normed(coll, flip(), ws, (&s.kv, &s.rs), (n, h), bias, norm)?;
+                }
+                None => reduce_partials(coll, ws, &s.kv, &s.rs, (n, h), bias)?,
+            }
             let table = layer.mlp_table(s);
             gather_residual(coll, flip(), ws, &s.rs, table, (0, n, h))?;
             if layer.is_moe() {
@@ -651,7 +741,14 @@ impl TpGraph {
                     .into_par_iter()
                     .try_for_each(|(m, w)| run.mlp(m, li, segs, &mut w.v))?;
             }
-            reduce_partials(coll, ws, table, &s.rs, (n, h), layer.down_bias.as_deref())?;
+            let bias = layer.down_bias.as_deref();
+            match &layer.post_norms[1] {
+                Some(norm) => {
+                    let norm = (&norm[..], run.eps);
+                    post_normed(coll, flip(), ws, (table, &s.rs), (n, h), bias, norm)?;
+                }
+                None => reduce_partials(coll, ws, table, &s.rs, (n, h), bias)?,
+            }
         }
         Ok(())
     }
@@ -816,6 +913,7 @@ impl TpGraph {
             q_tile: self.dims.q_tile as usize,
             // LLM.int8 weights are refused under tensor parallelism: no outlier threshold
             consts: self.consts(compute, 0.0),
+            family: &self.family,
         }
     }
 
@@ -935,6 +1033,10 @@ impl TpGraph {
                 &mut dst[t * h..(t + 1) * h],
             )
             .map_err(|e| kernel(name, e))?;
+        }
+        // gemma's √hidden, as the layer split scales the rows
+        if let Some(s) = self.family.embed_scale {
+            weightlift_kernels::scale_in_place(&mut dst[..ids.len() * h], s);
         }
         Ok(())
     }

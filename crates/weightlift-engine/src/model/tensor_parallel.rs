@@ -8,7 +8,9 @@ use weightlift_format::{Role, TensorInfo};
 use super::{ForwardPlan, Model, Placement, RankPlace, SplitSpec, TensorPlace};
 use crate::device::Device;
 use crate::error::{EngineError, Result, invalid};
-use crate::tp::{HostStaged, SplitTable, Splits, TpContext};
+use crate::tp::{
+    BROADCAST_ID, BROADCAST_KV, BROADCAST_Q, HostStaged, SplitTable, Splits, TpContext,
+};
 
 /// How a TP-loaded tensor is cut (exllamav2's `load_tp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,7 +147,43 @@ impl Model {
         everywhere.sort_unstable();
         everywhere.dedup();
         let mut tensors = Vec::new();
+        let (nh, nkv) = (u64::from(spec.n_heads), u64::from(spec.n_kv_heads_at(0)));
+        let inter = spec.intermediate_size;
         for info in self.source.tensors() {
+            // A stacked matrix (phi3's qkv, gate|up): each block's rows cut by its own table,
+            // a device's part one shard per block, in row order.
+            let blocks: &[(usize, u64, u64)] = match info.role {
+                Some(Role::AttnQkv) => &[
+                    (BROADCAST_Q, nh, hd),
+                    (BROADCAST_KV, nkv, hd),
+                    (BROADCAST_KV, nkv, hd),
+                ],
+                Some(Role::FfnGateUp) => &[(BROADCAST_ID, inter, 1), (BROADCAST_ID, inter, 1)],
+                _ => &[],
+            };
+            if !blocks.is_empty() {
+                let mut shards = Vec::new();
+                let mut first_row = 0u64;
+                for &(t, len, unit) in blocks {
+                    for &(d, a, b) in splits.get(t)? {
+                        let (s, e) = ((a * unit).min(len * unit), (b * unit).min(len * unit));
+                        shards.push((name(d)?, first_row + s, first_row + e));
+                    }
+                    first_row += len * unit;
+                }
+                tensors.push(TensorPlace {
+                    device: shards
+                        .first()
+                        .map_or_else(|| "cpu".to_owned(), |s| s.0.clone()),
+                    dtype: info.dtype,
+                    split: Some(SplitSpec {
+                        axis: 0,
+                        replicated: false,
+                        shards,
+                    }),
+                });
+                continue;
+            }
             let cut = tp_cut(info, hd);
             let one: SplitTable;
             let (table, axis, unit, replicated): (&SplitTable, u8, u64, bool) =

@@ -14,8 +14,8 @@ use weightlift_engine::{CacheDType, Inventory, Model};
 use weightlift_plan as wp;
 
 use super::{
-    argmax, forward_all, greedy, json_ids, load_on, load_planned, max_abs_diff, open, read_npy,
-    split_load,
+    argmax, forward_all, greedy, json_ids, load_on, load_planned, load_tp_planned, max_abs_diff,
+    open, read_npy, split_load,
 };
 
 /// One fixture, named by its family (`"qwen3"` reads `tests/data/tiny-qwen3`).
@@ -223,6 +223,54 @@ impl Family {
                 m.set_host_backend(backend);
                 let got = greedy(&mut m, &cache, &ids, want.len());
                 assert_eq!(got, want, "{} backend {backend}", path.display());
+            }
+        }
+    }
+
+    /// The three checkpoints with their MLP widened to 768 by zeros ([`super::widened_mlp`],
+    /// [`super::widened_gguf`]), which the tensor-parallel tables can split (whole units of 128
+    /// intermediate rows) and which give the originals' logits; the folders holding them.
+    pub fn widened(self) -> ([tempfile::TempDir; 2], [PathBuf; 3]) {
+        let st = super::widened_mlp(&self.data());
+        let ggufs = tempfile::tempdir().unwrap();
+        let [f16, q8] = ["F16", "Q8_0"].map(|ty| super::widened_gguf(&self.gguf(ty), ggufs.path()));
+        let folder = st.path().to_path_buf();
+        ([st, ggufs], [folder, f16, q8])
+    }
+
+    /// Tensor-parallel over 2 and 3 virtual devices (and cpu), on the host path and through
+    /// the CPU backend's op sequence, in exact mode: every checkpoint's logits at every position
+    /// (its MLP widened, [`Family::widened`]) within 1e-5 (of the largest) of the original's on
+    /// a layer split on cpu, and within 1e-3 of the reference. Prompt chunks of 8 tokens.
+    pub fn tensor_parallel_matches_the_layer_split(self) {
+        let f = self.0;
+        let ids = self.ids();
+        let runtime = wp::RuntimeSpec {
+            max_input_len: 8,
+            max_attention_size: 8 * 64,
+            max_dq_size: 1 << 16,
+            low_mem: false,
+        };
+        let (_dirs, wide) = self.widened();
+        for (path, wide) in self.checkpoints().iter().zip(&wide) {
+            let want = self.exact_logits(path, false);
+            let top = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+            for devices in ["virtual:2x64MiB,cpu", "virtual:3x64MiB,cpu"] {
+                let (mut m, cache, _) =
+                    load_tp_planned(&open(wide), devices, runtime, CacheDType::F32);
+                m.set_compute(Compute::Exact);
+                for backend in [false, true] {
+                    m.set_host_backend(backend);
+                    let got = forward_all(&mut m, &cache, &ids);
+                    let what = format!(
+                        "{} tensor-parallel over {devices} (backend {backend})",
+                        path.file_name().unwrap().to_string_lossy()
+                    );
+                    let d = max_abs_diff(&got, &want);
+                    eprintln!("{f} {what}: max|Δ| {d:e} of {top} against the layer split");
+                    assert!(d <= 1e-5 * top, "{f} {what}: max|Δ| {d} of {top}");
+                    self.assert_matches(&what, &got, Self::reference_of(path));
+                }
             }
         }
     }

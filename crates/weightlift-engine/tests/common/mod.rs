@@ -501,6 +501,146 @@ pub fn qwen2() -> PathBuf {
         .to_path_buf()
 }
 
+/// A copy of the GGUF file `path` (F32, F16 or Q8_0 matrices) in `dir`, with its MLP widened
+/// to 768 as [`widened_mlp`] widens a safetensors model: zero rows appended to `ffn_gate` and
+/// `ffn_up` (to each half of an `ffn_up` holding gate and up, phi3's), zero columns to each row
+/// of `ffn_down` (whole blocks,
+/// since 768 and the tiny models' sizes are multiples of 32), and `feed_forward_length` set to
+/// 768. The header is patched in place (every value keeps its size); the data is laid out
+/// again at the file's alignment. Returns the copy's path.
+pub fn widened_gguf(path: &Path, dir: &Path) -> PathBuf {
+    const WIDE: u64 = 768;
+    let bytes = std::fs::read(path).unwrap();
+    let mut head = bytes.clone();
+    let mut at = 8usize;
+    let read_u32 = |at: &mut usize| {
+        let v = u32::from_le_bytes(bytes[*at..*at + 4].try_into().unwrap());
+        *at += 4;
+        v
+    };
+    let read_u64 = |at: &mut usize| {
+        let v = u64::from_le_bytes(bytes[*at..*at + 8].try_into().unwrap());
+        *at += 8;
+        v
+    };
+    let read_str = |at: &mut usize| {
+        let n = read_u64(at) as usize;
+        let s = String::from_utf8(bytes[*at..*at + n].to_vec()).unwrap();
+        *at += n;
+        s
+    };
+    // the sizes of gguf's scalar value types, by type id (8: string, 9: array)
+    let scalar = |ty: u32| [1usize, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8][ty as usize];
+    fn skip(ty: u32, at: &mut usize, b: &[u8], scalar: &dyn Fn(u32) -> usize) {
+        let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+        match ty {
+            8 => *at += 8 + u64_at(*at) as usize,
+            9 => {
+                let inner = u32_at(*at);
+                let n = u64_at(*at + 4);
+                *at += 12;
+                for _ in 0..n {
+                    skip(inner, at, b, scalar);
+                }
+            }
+            _ => *at += scalar(ty),
+        }
+    }
+    let n_tensors = read_u64(&mut at);
+    let n_kv = read_u64(&mut at);
+    let mut alignment = 32u64;
+    let mut inter = 0u64;
+    for _ in 0..n_kv {
+        let key = read_str(&mut at);
+        let ty = read_u32(&mut at);
+        if key.ends_with(".feed_forward_length") {
+            assert_eq!(ty, 4, "{key}: a u32");
+            inter = u64::from(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()));
+            head[at..at + 4].copy_from_slice(&(WIDE as u32).to_le_bytes());
+        }
+        if key == "general.alignment" {
+            alignment = u64::from(read_u32(&mut at));
+            continue;
+        }
+        skip(ty, &mut at, &bytes, &scalar);
+    }
+    // (name, where its dims are, its dims, its type, where its offset is, its offset)
+    let mut infos = Vec::new();
+    for _ in 0..n_tensors {
+        let name = read_str(&mut at);
+        let n_dims = read_u32(&mut at) as usize;
+        let dims_at = at;
+        let dims: Vec<u64> = (0..n_dims).map(|_| read_u64(&mut at)).collect();
+        let ty = read_u32(&mut at);
+        let offset_at = at;
+        let offset = read_u64(&mut at);
+        infos.push((name, dims_at, dims, ty, offset_at, offset));
+    }
+    let data_start = (at as u64).next_multiple_of(alignment) as usize;
+    let mut ends: Vec<u64> = infos.iter().map(|i| i.5).collect();
+    ends.sort_unstable();
+    ends.push((bytes.len() - data_start) as u64);
+    let mut data = Vec::new();
+    for (name, dims_at, dims, ty, offset_at, offset) in &infos {
+        // the span up to the next tensor: its bytes and its padding
+        let end = ends[ends.iter().position(|e| e == offset).unwrap() + 1];
+        let mut t = bytes[data_start + *offset as usize..data_start + end as usize].to_vec();
+        let (cols, rows) = (dims[0], dims.get(1).copied().unwrap_or(1));
+        let row = match ty {
+            0 => 4 * cols,
+            1 => 2 * cols,
+            8 => cols / 32 * 34,
+            _ => 0,
+        };
+        let ffn = ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"];
+        if ffn.iter().any(|f| name.ends_with(f)) {
+            assert!(row > 0, "{name}: type {ty}");
+            t.truncate((row * rows) as usize);
+        }
+        let new_dims = if name.ends_with("ffn_up.weight") && rows == 2 * inter {
+            let (gate, up) = t.split_at((row * inter) as usize);
+            let mut both = Vec::new();
+            for half in [gate, up] {
+                both.extend_from_slice(half);
+                both.resize(both.len() + (row * (WIDE - inter)) as usize, 0);
+            }
+            t = both;
+            Some([cols, 2 * WIDE])
+        } else if name.ends_with("ffn_gate.weight") || name.ends_with("ffn_up.weight") {
+            t.resize((row * WIDE) as usize, 0);
+            Some([cols, WIDE])
+        } else if name.ends_with("ffn_down.weight") {
+            let wide_row = row * WIDE / cols;
+            t = t
+                .chunks(row as usize)
+                .flat_map(|r| {
+                    let mut r = r.to_vec();
+                    r.resize(wide_row as usize, 0);
+                    r
+                })
+                .collect();
+            Some([WIDE, rows])
+        } else {
+            None
+        };
+        if let Some(d) = new_dims {
+            for (k, v) in d.iter().enumerate() {
+                head[dims_at + 8 * k..dims_at + 8 * k + 8].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        let new_offset = data.len() as u64;
+        head[*offset_at..*offset_at + 8].copy_from_slice(&new_offset.to_le_bytes());
+        data.extend_from_slice(&t);
+        data.resize((data.len() as u64).next_multiple_of(alignment) as usize, 0);
+    }
+    head.truncate(data_start);
+    head.extend_from_slice(&data);
+    let out = dir.join(path.file_name().unwrap());
+    std::fs::write(&out, head).unwrap();
+    out
+}
+
 /// A copy of the tiny safetensors model in `data` with its MLP widened to 768 by zero rows and
 /// columns (each half of a stacked gate_up on its own), as [`qwen2`] describes: a model the
 /// tensor-parallel tables can split, with the original's logits.

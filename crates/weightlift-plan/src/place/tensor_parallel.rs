@@ -53,6 +53,7 @@ impl Ctx<'_> {
                 Some(
                     Role::AttnNorm
                         | Role::AttnQ
+                        | Role::AttnQkv
                         | Role::AttnK
                         | Role::AttnV
                         | Role::AttnOutput
@@ -114,8 +115,33 @@ impl Ctx<'_> {
         all.dedup();
         let first = all.first().copied().unwrap_or(self.accel[0]);
         let mut a = self.empty_assign();
+        let (q_rows, kv_rows) = (u64::from(spec.n_heads) * hd, u64::from(nkv) * hd);
+        let inter = spec.intermediate_size;
         for (i, t) in self.tensors().iter().enumerate() {
             let b = self.bytes[i];
+            // A stacked matrix (phi3's qkv, gate|up) is cut block by block, each block's rows
+            // by its own table: a device's part of it is several row ranges, one shard each,
+            // in row order (so the shards laid end to end are the tensor).
+            let blocks: &[Block<'_>] = match self.roles[i] {
+                Some(Role::AttnQkv) => &[(&q, q_rows), (&kv, kv_rows), (&kv, kv_rows)],
+                Some(Role::FfnGateUp) => &[(&id, inter), (&id, inter)],
+                _ => &[],
+            };
+            let total: u64 = blocks.iter().map(|x| x.1).sum();
+            if !blocks.is_empty() && t.shape.len() == 2 && t.shape.first() == Some(&total) {
+                let mut shards = Vec::new();
+                let mut first_row = 0u64;
+                for &(table, rows) in blocks {
+                    let block = (u128::from(b) * u128::from(rows) / u128::from(total)) as u64;
+                    for (d, s, e, bytes) in shard_bytes(table, rows, block) {
+                        shards.push((d, first_row + s, first_row + e, bytes));
+                    }
+                    first_row += rows;
+                }
+                a.tensor_dev[i] = shards.first().map_or(first, |x| x.0);
+                a.splits[i] = Some((0, false, shards));
+                continue;
+            }
             let (table, axis): (&[(usize, u64, u64)], u8) = match self.roles[i] {
                 Some(Role::AttnQ | Role::AttnQBias) => (&q, 0),
                 Some(Role::AttnK | Role::AttnV | Role::AttnKBias | Role::AttnVBias) => (&kv, 0),
@@ -316,6 +342,9 @@ fn whole_blocks(t: &TensorInfo, dtype: DType, shards: &[ShardIdx], dim: u64) -> 
     }
 }
 
+/// A block of a stacked matrix: the table that cuts its rows, and how many rows it has.
+type Block<'t> = (&'t [(usize, u64, u64)], u64);
+
 /// Shard `bytes` of a tensor whose split dimension has `dim` entries by `table`
 /// (`(device, start, end)` in that dimension, possibly padded past `dim`). The last shard takes
 /// any rounding remainder so the shards sum to `bytes`.
@@ -431,6 +460,53 @@ mod tests {
         req.strategy = Strategy::TensorParallel(TpOptions::default());
         req.quantize = Some(quantize);
         req
+    }
+
+    /// phi3's stacked matrices: `attn_qkv` cut block by block (each device its q heads' rows,
+    /// then its kv heads' k rows, then their v rows) and `ffn_up` holding gate and up likewise,
+    /// one shard per block in row order; each shard's bytes are its rows', and every device's
+    /// weights in the plan are the sum of its shards.
+    #[test]
+    fn stacked_matrices_are_cut_block_by_block() {
+        let mut req = tiny_llama(crate::Quantize::Q8_0);
+        req.spec.architecture = "phi3".into();
+        req.tensors =
+            synthesize_tensors(&req.spec, WeightType::parse("bfloat16").unwrap()).unwrap();
+        req.quantize = None;
+        let p = plan(&req).unwrap();
+        let shards = |name: &str| -> Vec<(String, u64, u64, u64)> {
+            let t = p.tensors.iter().find(|t| t.name == name).unwrap();
+            let split = t.split.as_ref().unwrap();
+            assert!(!split.replicated && split.axis == 0, "{name}");
+            let got: Vec<_> = split
+                .shards
+                .iter()
+                .map(|s| (s.device.clone(), s.start, s.end, s.bytes))
+                .collect();
+            assert_eq!(got.iter().map(|s| s.3).sum::<u64>(), t.bytes, "{name}");
+            got
+        };
+        let v = |d: &str| d.to_owned();
+        // bf16 rows of 256 columns: 512 bytes each
+        let row = 512;
+        assert_eq!(
+            shards("blk.0.attn_qkv.weight"),
+            vec![
+                (v("virtual:0"), 0, 128, 128 * row),
+                (v("virtual:1"), 128, 256, 128 * row),
+                (v("virtual:0"), 256, 320, 64 * row),
+                (v("virtual:1"), 320, 384, 64 * row),
+                (v("virtual:0"), 384, 448, 64 * row),
+                (v("virtual:1"), 448, 512, 64 * row),
+            ]
+        );
+        let up = shards("blk.0.ffn_up.weight");
+        let cuts: Vec<(u64, u64)> = up.iter().map(|s| (s.1, s.2)).collect();
+        let id = &p.tp().unwrap().id;
+        let half: Vec<(u64, u64)> = id.iter().map(|e| (e.1, e.2)).collect();
+        let mut want = half.clone();
+        want.extend(half.iter().map(|&(a, b)| (768 + a, 768 + b)));
+        assert_eq!(cuts, want);
     }
 
     #[test]

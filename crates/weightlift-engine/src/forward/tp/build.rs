@@ -73,6 +73,8 @@ struct Ctx<'a> {
     copies: &'a [(usize, Held)],
     /// transformers' own tensor of each expert, by (layer, role, expert)
     per_expert: HashMap<(u32, Role, u32), usize>,
+    /// Added to every norm weight as it is read ([`super::super::family::Family::norm_offset`]).
+    norm_offset: f32,
 }
 
 impl Ctx<'_> {
@@ -98,6 +100,16 @@ impl Ctx<'_> {
         part_f32(&self.held[i], part_on(&self.held[i], device, name)?, name)
     }
 
+    /// A replicated norm's weights on `device`, as the layer split reads them (`1 + w` where
+    /// the checkpoint stores `w`).
+    fn norm(&self, i: usize, device: &str) -> Result<Vec<f32>> {
+        let mut w = self.replica(i, device)?;
+        if self.norm_offset != 0.0 {
+            w.iter_mut().for_each(|v| *v += self.norm_offset);
+        }
+        Ok(w)
+    }
+
     /// Device `device`'s part of matrix `i` (or of copy `copy`), expected `rows × cols` and
     /// starting at `start` of its split axis, with its bias rows.
     #[allow(clippy::too_many_arguments)]
@@ -115,7 +127,18 @@ impl Ctx<'_> {
             Some(c) => &self.copies[c].1,
             None => &self.held[i],
         };
-        let p = part_on(held, device, &name)?;
+        // A stacked matrix has several parts on a device: the one whose rows start at `start`.
+        let p = match held {
+            Held::Split { parts, spec } => parts
+                .iter()
+                .zip(&spec.shards)
+                .position(|(t, s)| t.device().name() == device && s.1 == start),
+            Held::Whole { .. } => None,
+        };
+        let p = match p {
+            Some(p) => p,
+            None => part_on(held, device, &name)?,
+        };
         let Held::Split { parts, spec } = held else {
             return Err(invalid(format!("tensor '{name}'"), "split", "whole"));
         };
@@ -284,6 +307,7 @@ impl TpGraph {
         host_backend: bool,
     ) -> Result<TpGraph> {
         super::super::graph::check_tensor_parallel(&spec.architecture)?;
+        let family = super::super::family::Family::of(m, spec)?;
         let infos = m.source.tensors();
         let moe_spec = super::super::graph::moe_spec_of(m)?;
         if let Some(t) = infos.iter().find(|t| is_quantized_part(&t.name)) {
@@ -322,16 +346,6 @@ impl TpGraph {
                 "the kv table splits one head count for every layer",
             ));
         }
-        if spec.fused_projections() {
-            return Err(refuse(
-                format!(
-                    "a tensor-parallel forward pass over '{}' (stacked qkv and gate_up matrices)",
-                    spec.architecture
-                ),
-                "the tensor-parallel tables split separate q, k, v, gate and up matrices; load \
-                 with a layer split (autosplit, layers, balanced), which runs it on every device",
-            ));
-        }
         let splits = ctx.splits().clone();
         let dims = Dims::new(spec, runtime, max_seq_len, batch);
         if dims.tokens == 0 {
@@ -364,11 +378,42 @@ impl TpGraph {
                 .enumerate()
                 .filter_map(|(i, t)| Some(((t.layer?, t.role?, expert_of(&t.name)?), i)))
                 .collect(),
+            norm_offset: family.norm_offset,
         };
         let (h, hd) = (spec.hidden_size as usize, spec.head_dim as usize);
+        // Stacked matrices (phi3's qkv and gate|up): each device's parts of them start at its
+        // rows of each block.
+        let fused = spec.fused_projections();
+        let (q_rows, kv_rows) = (spec.n_heads as u64 * hd as u64, heads as u64 * hd as u64);
+        let inter = spec.intermediate_size;
+        let attn_mats = |at: Option<u32>| -> Result<[(usize, u64); 3]> {
+            Ok(if fused {
+                let i = c.need(Role::AttnQkv, at)?;
+                [(i, 0), (i, q_rows), (i, q_rows + kv_rows)]
+            } else {
+                [
+                    (c.need(Role::AttnQ, at)?, 0),
+                    (c.need(Role::AttnK, at)?, 0),
+                    (c.need(Role::AttnV, at)?, 0),
+                ]
+            })
+        };
+        let mlp_mats = |at: Option<u32>| -> Result<[(usize, u64); 2]> {
+            Ok(if fused {
+                let i = c.need(Role::FfnGateUp, at)?;
+                [(i, 0), (i, inter)]
+            } else {
+                [
+                    (c.need(Role::FfnGate, at)?, 0),
+                    (c.need(Role::FfnUp, at)?, 0),
+                ]
+            })
+        };
         let name = |d: usize| ctx.device(d).map(|x| x.name().to_owned());
-        // the sliding-window layers (mistral's, qwen2's), as the layer split runs them
-        let windows = super::super::family::Family::of(m, spec)?.windows;
+        // the sliding-window layers and their RoPE bases, as the layer split runs them
+        let windows = &family.windows;
+        let (rope, inv_freqs) = rope_of(m, spec, max_seq_len)?;
+        let rope_tables = family.rope_tables(&rope)?;
         let mut layers = Vec::with_capacity(spec.n_layers as usize);
         for l in 0..spec.n_layers {
             let at = Some(l);
@@ -384,30 +429,31 @@ impl TpGraph {
                 let (qa, qb) = start_of(&splits.q, d).unwrap_or((0, 0));
                 let (qh, kh) = ((qb - qa) as usize, (kb - ka) as usize);
                 let (hdu, q0, k0) = (hd as u64, qa * hd as u64, ka * hd as u64);
+                let [(qi, qs), (ki, ks), (vi, vs)] = attn_mats(at)?;
                 attn[d] = Some(Attn {
-                    norm: c.replica(c.need(Role::AttnNorm, at)?, &dev)?,
+                    norm: c.norm(c.need(Role::AttnNorm, at)?, &dev)?,
                     q: c.mat(
-                        c.need(Role::AttnQ, at)?,
+                        qi,
                         None,
                         &dev,
                         (qh * hd, h),
-                        q0,
+                        qs + q0,
                         c.find(Role::AttnQBias, at),
                     )?,
                     k: c.mat(
-                        c.need(Role::AttnK, at)?,
+                        ki,
                         None,
                         &dev,
                         (kh * hd, h),
-                        k0,
+                        ks + k0,
                         c.find(Role::AttnKBias, at),
                     )?,
                     v: c.mat(
-                        c.need(Role::AttnV, at)?,
+                        vi,
                         None,
                         &dev,
                         (kh * hd, h),
-                        k0,
+                        vs + k0,
                         c.find(Role::AttnVBias, at),
                     )?,
                     o: c.mat(
@@ -420,8 +466,8 @@ impl TpGraph {
                     )?,
                     qk_norm: if spec.per_head_qk_norm() {
                         Some([
-                            c.replica(c.need(Role::AttnQNorm, at)?, &dev)?,
-                            c.replica(c.need(Role::AttnKNorm, at)?, &dev)?,
+                            c.norm(c.need(Role::AttnQNorm, at)?, &dev)?,
+                            c.norm(c.need(Role::AttnKNorm, at)?, &dev)?,
                         ])
                     } else {
                         None
@@ -430,6 +476,7 @@ impl TpGraph {
                     kv_heads: kh,
                     cache_part,
                     window: windows.get(l as usize).copied().unwrap_or(0),
+                    rope: rope_tables.get(l as usize).cloned().flatten(),
                 });
             }
             let mut experts: Vec<Option<Arc<Experts>>> = (0..nd).map(|_| None).collect();
@@ -469,22 +516,22 @@ impl TpGraph {
             for &(d, a, b) in splits.id.iter().filter(|e| ours(e.0)) {
                 let dev = name(d)?;
                 let w = (b - a) as usize;
+                let [(gi, gs), (ui, us)] = mlp_mats(at)?;
                 mlp[d] = Some(Mlp {
-                    norm: c.replica(c.need(Role::FfnNorm, at)?, &dev)?,
-                    gate: c.mat(c.need(Role::FfnGate, at)?, None, &dev, (w, h), a, None)?,
-                    up: c.mat(c.need(Role::FfnUp, at)?, None, &dev, (w, h), a, None)?,
+                    norm: c.norm(c.need(Role::FfnNorm, at)?, &dev)?,
+                    gate: c.mat(gi, None, &dev, (w, h), gs + a, None)?,
+                    up: c.mat(ui, None, &dev, (w, h), us + a, None)?,
                     down: c.mat(c.need(Role::FfnDown, at)?, None, &dev, (h, w), a, None)?,
                 });
             }
-            // A bias after a partial sum is replicated; the residual's owners add it once.
+            // A bias after a partial sum is replicated; the residual's owners add it once. A
+            // post-norm is replicated too; each owner norms whole rows with it.
+            let first = name(rank.unwrap_or(splits.rs.first().map_or(0, |x| x.0)))?;
             let whole = |role: Role| -> Result<Option<Vec<f32>>> {
-                match c.find(role, at) {
-                    Some(i) => {
-                        let first = splits.rs.first().map_or(0, |x| x.0);
-                        Ok(Some(c.replica(i, &name(rank.unwrap_or(first))?)?))
-                    }
-                    None => Ok(None),
-                }
+                c.find(role, at).map(|i| c.replica(i, &first)).transpose()
+            };
+            let post = |role: Role| -> Result<Option<Vec<f32>>> {
+                c.find(role, at).map(|i| c.norm(i, &first)).transpose()
             };
             layers.push(Layer {
                 attn,
@@ -492,6 +539,7 @@ impl TpGraph {
                 experts,
                 o_bias: whole(Role::AttnOutputBias)?,
                 down_bias: None,
+                post_norms: [post(Role::AttnPostNorm)?, post(Role::FfnPostNorm)?],
             });
         }
         let embed = c.need(Role::TokenEmbd, None)?;
@@ -539,11 +587,10 @@ impl TpGraph {
             let dev = name(d)?;
             let rows = (b.min(vocab) - a) as usize;
             heads_of[d] = Some(Head {
-                norm: c.replica(out_norm, &dev)?,
+                norm: c.norm(out_norm, &dev)?,
                 mat: c.mat(head_i, head_copy, &dev, (rows, h), a, None)?,
             });
         }
-        let (rope, inv_freqs) = rope_of(m, spec, max_seq_len)?;
         let mut graph = TpGraph {
             splits,
             layers,
@@ -556,6 +603,7 @@ impl TpGraph {
             rope,
             inv_freqs,
             max_dq: usize::try_from(runtime.max_dq_size.max(1)).unwrap_or(usize::MAX),
+            family,
             backend: None,
         };
         let devices = ctx.devices();
@@ -641,6 +689,11 @@ pub(crate) fn run(
             });
             out.extend_from_slice(&rows);
             at = end;
+        }
+        // the final soft-cap on the gathered vocabulary rows, as the layer split caps its logits
+        let cap = graph.family.final_softcap;
+        if cap > 0.0 && matches!(output, Output::Logits(_)) {
+            weightlift_kernels::softcap_in_place(out, cap);
         }
         Ok(made)
     };

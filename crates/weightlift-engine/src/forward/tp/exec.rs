@@ -172,6 +172,7 @@ impl TpGraph {
             (self.eps, self.rope, self.max_dq),
             (compute, int8_threshold),
         )
+        .with_family(&self.family)
     }
 
     /// [`TpGraph::forward`] on the devices' backends.

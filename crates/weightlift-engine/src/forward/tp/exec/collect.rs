@@ -68,7 +68,8 @@ impl<'a, B: Exec> Pass<'a, B> {
             let w = work(ws, d)?;
             a.run_seqs((self.bs[d], &cx(d)), li, seqs, &mut w.r)?;
         }
-        self.reduce(coll, ws, (&s.kv, &s.rs), (n, h), &l.o_bias, held)?;
+        let attn_out = (&l.o_bias[..], &l.post_norms[0][..]);
+        self.reduce_block(coll, flip, ws, (&s.kv, &s.rs), (n, h), attn_out, cx, held)?;
         let table = l.mlp_table(s);
         self.gather(coll, flip(), ws, (&s.rs, table), (0, n, h))?;
         let lens: Vec<usize> = seqs.iter().map(|q| q.2).collect();
@@ -98,7 +99,85 @@ impl<'a, B: Exec> Pass<'a, B> {
             let mats = [&m.gate, &m.up, &m.down];
             exec::mlp(self.bs[d], &cx(d), &m.norm, mats, li, n, &mut w.r)?;
         }
-        self.reduce(coll, ws, (table, &s.rs), (n, h), &l.down_bias, held)
+        let mlp_out = (&l.down_bias[..], &l.post_norms[1][..]);
+        self.reduce_block(coll, flip, ws, (table, &s.rs), (n, h), mlp_out, cx, held)
+    }
+
+    /// A block's partial sums into the residual: [`Pass::reduce`], or where the block's output
+    /// is normed first (gemma's post-norms, `norms` by device), which needs whole rows: the
+    /// sum kept apart in each owner's `sum`, all-gathered as whole rows into every owner's
+    /// `x`, normed there into `xn`, and each owner's columns of it added to its residual.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_block<'c>(
+        &self,
+        coll: &mut Collectives<'_>,
+        flip: &mut impl FnMut() -> usize,
+        ws: &mut [Option<DeviceWork<'_, B::Buffer>>],
+        (from, rs): (&SplitTable, &SplitTable),
+        (n, h): (usize, usize),
+        (bias, norms): (&[Option<Floats>], &[Option<Floats>]),
+        cx: &impl Fn(usize) -> Ctx<'c>,
+        held: &[Held],
+    ) -> Result<()> {
+        if norms.iter().all(Option::is_none) {
+            return self.reduce(coll, ws, (from, rs), (n, h), bias, held);
+        }
+        self.reduce_sums(coll, ws, (from, rs), (n, h), bias, held, true)?;
+        self.gather_columns(coll, flip(), ws, (rs, rs), (0, n, h), true)?;
+        for &(d, a, e) in rs {
+            let norm = norms.get(d).and_then(Option::as_ref).ok_or_else(|| {
+                invalid(
+                    format!("tp device {d}"),
+                    "a replica of the post-norm",
+                    "none",
+                )
+            })?;
+            let cols = (a as usize, (e - a) as usize);
+            self.add_normed(d, work(ws, d)?, (n, h, cols), (norm, cx(d).c.eps), held)?;
+        }
+        Ok(())
+    }
+
+    /// Device `d`'s columns `a..a + w` of `RMSNorm(x) · norm` over rows `0..n` of its whole
+    /// rows in `x` (normed into `xn`), added to its residual.
+    pub(super) fn add_normed(
+        &self,
+        d: usize,
+        dw: &mut DeviceWork<'_, B::Buffer>,
+        (n, h, (a, w)): (usize, usize, (usize, usize)),
+        (norm, eps): (&Floats, f32),
+        held: &[Held],
+    ) -> Result<()> {
+        let b = self.bs[d];
+        let DeviceWork {
+            r, residual, recv, ..
+        } = dw;
+        let xs = view(b, &r.x, 0, n * h * 4).map_err(self.err(d, &norm.name))?;
+        b.run(Op::RmsNorm {
+            n_rows: n,
+            n_cols: h,
+            eps,
+            x: &xs,
+            weight: &*b.floats(norm, held)?,
+            out: &mut r.xn,
+        })
+        .map_err(self.err(d, &norm.name))?;
+        let cols = Rows {
+            offset: a * 4,
+            pitch: h * 4,
+        };
+        let packed = Rows {
+            offset: 0,
+            pitch: w * 4,
+        };
+        b.copy_2d(&r.xn, cols, recv, packed, w * 4, n)
+            .map_err(self.err(d, "tp post-norm columns"))?;
+        b.run(Op::AddInPlace {
+            n: n * w,
+            x: residual,
+            y: recv,
+        })
+        .map_err(self.err(d, "tp residual"))
     }
 
     /// Rows of `width` bytes from device `s` to device `d` (peer route), counted and paced as
@@ -201,8 +280,22 @@ impl<'a, B: Exec> Pass<'a, B> {
         coll: &mut Collectives<'_>,
         buffer: usize,
         ws: &mut [Option<DeviceWork<'_, B::Buffer>>],
+        tables: (&SplitTable, &SplitTable),
+        rows: (usize, usize, usize),
+    ) -> Result<()> {
+        self.gather_columns(coll, buffer, ws, tables, rows, false)
+    }
+
+    /// [`Pass::gather`] of the owners' residual columns, or (`sums`) of the sums
+    /// [`Pass::reduce_sums`] kept apart.
+    fn gather_columns(
+        &self,
+        coll: &mut Collectives<'_>,
+        buffer: usize,
+        ws: &mut [Option<DeviceWork<'_, B::Buffer>>],
         (rs, tb): (&SplitTable, &SplitTable),
         (first, n, h): (usize, usize, usize),
+        sums: bool,
     ) -> Result<()> {
         if self.peer {
             for &(d, _, _) in tb {
@@ -220,20 +313,18 @@ impl<'a, B: Exec> Pass<'a, B> {
                         pitch: h * 4,
                     };
                     if s == d {
-                        let DeviceWork { r, residual, .. } = work(ws, d)?;
+                        let DeviceWork {
+                            r, residual, sum, ..
+                        } = work(ws, d)?;
+                        let src = if sums { sum } else { residual };
                         self.bs[d]
-                            .copy_2d(residual, from, &mut r.x, to, w * 4, n)
+                            .copy_2d(src, from, &mut r.x, to, w * 4, n)
                             .map_err(self.err(d, "tp residual gather"))?;
                     } else {
                         let (src, dst) = pair(ws, s, d)?;
                         let dst = &mut dst.r.x;
-                        self.peer_rows(
-                            &mut coll.copies,
-                            (s, &src.residual, from),
-                            (d, dst, to),
-                            w * 4,
-                            n,
-                        )?;
+                        let src = if sums { &src.sum } else { &src.residual };
+                        self.peer_rows(&mut coll.copies, (s, src, from), (d, dst, to), w * 4, n)?;
                     }
                 }
             }
@@ -244,7 +335,8 @@ impl<'a, B: Exec> Pass<'a, B> {
             let w = (b - a) as usize;
             block.clear();
             block.resize(n * w, 0.0);
-            let src = &work(ws, s)?.residual;
+            let owner = work(ws, s)?;
+            let src = if sums { &owner.sum } else { &owner.residual };
             self.download(&mut coll.copies, s, src, first * w * 4, &mut block)?;
             let staged = coll.staging(buffer, n, h)?;
             for r in 0..n {
@@ -267,10 +359,26 @@ impl<'a, B: Exec> Pass<'a, B> {
         &self,
         coll: &mut Collectives<'_>,
         ws: &mut [Option<DeviceWork<'_, B::Buffer>>],
+        tables: (&SplitTable, &SplitTable),
+        rows: (usize, usize),
+        bias: &[Option<Floats>],
+        held: &[Held],
+    ) -> Result<()> {
+        self.reduce_sums(coll, ws, tables, rows, bias, held, false)
+    }
+
+    /// [`Pass::reduce`], or kept `apart`: each owner's sum (and its columns of `bias`) stays in
+    /// its `sum` instead of joining its residual.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_sums(
+        &self,
+        coll: &mut Collectives<'_>,
+        ws: &mut [Option<DeviceWork<'_, B::Buffer>>],
         (from, rs): (&SplitTable, &SplitTable),
         (n, h): (usize, usize),
         bias: &[Option<Floats>],
         held: &[Held],
+        apart: bool,
     ) -> Result<()> {
         // host route: each source's partial, read once
         let mut partials: Vec<Option<Vec<f32>>> = vec![None; ws.len()];
@@ -332,19 +440,20 @@ impl<'a, B: Exec> Pass<'a, B> {
             }
             let b = self.bs[d];
             let DeviceWork { residual, sum, .. } = work(ws, d)?;
-            if !from.is_empty() {
+            if !from.is_empty() && !apart {
                 b.run(Op::AddInPlace {
                     n: n * w,
-                    x: residual,
-                    y: sum,
+                    x: &mut *residual,
+                    y: &*sum,
                 })
                 .map_err(self.err(d, "tp residual"))?;
             }
+            let to = if apart { sum } else { residual };
             if let Some(f) = bias.get(d).and_then(Option::as_ref) {
                 b.run(Op::AddBias {
                     n_rows: n,
                     n_cols: w,
-                    x: residual,
+                    x: to,
                     bias: &*b.floats(f, held)?,
                 })
                 .map_err(self.err(d, "tp bias"))?;

@@ -25,6 +25,8 @@ pub(super) struct AttnParts {
     pub(super) cache_part: usize,
     /// The layer's sliding window (0: full attention).
     pub(super) window: usize,
+    /// The layer's own RoPE angles, else the workspace's table.
+    pub(super) rope: Option<Floats>,
 }
 
 impl AttnParts {
@@ -48,7 +50,7 @@ impl AttnParts {
             qk_norm: self.qk_norm.as_ref(),
             n_heads: self.q_heads,
             kv_heads: self.kv_heads,
-            rope: None,
+            rope: self.rope.as_ref(),
             window: self.window,
         };
         let mut pieces = Vec::with_capacity(seqs.len());
@@ -78,8 +80,8 @@ pub(super) struct MlpParts {
     pub(super) down: Linear,
 }
 
-/// A layer's shares per device (by table index), and the columns of the `o_proj`/`down` biases
-/// each residual owner adds.
+/// A layer's shares per device (by table index), the columns of the `o_proj`/`down` biases
+/// each residual owner adds, and each owner's replicas of the attention and MLP post-norms.
 #[derive(Debug)]
 pub(super) struct LayerParts {
     pub(super) attn: Vec<Option<AttnParts>>,
@@ -89,6 +91,7 @@ pub(super) struct LayerParts {
     pub(super) experts: Vec<Option<Arc<Experts>>>,
     pub(super) o_bias: Vec<Option<Floats>>,
     pub(super) down_bias: Vec<Option<Floats>>,
+    pub(super) post_norms: [Vec<Option<Floats>>; 2],
 }
 
 impl LayerParts {
@@ -192,6 +195,15 @@ impl BackendGraph {
                         kv_heads: a.kv_heads,
                         cache_part: a.cache_part,
                         window: a.window,
+                        rope: match &a.rope {
+                            Some(t) => Some(floats_on(
+                                t,
+                                usize::MAX,
+                                &format!("layer {li} rope angles"),
+                                on,
+                            )?),
+                            None => None,
+                        },
                     }),
                     None => None,
                 });
@@ -228,12 +240,31 @@ impl BackendGraph {
                     exec::check_moe_workspace(dev(d)?, &w.base, &x.moe, li)?;
                 }
             }
+            let replicas = |norm: &Option<Vec<f32>>, what: &str| -> Result<Vec<Option<Floats>>> {
+                let mut out: Vec<Option<Floats>> = (0..devices.len()).map(|_| None).collect();
+                if let Some(w) = norm {
+                    for &(d, _, _) in &g.splits.rs {
+                        out[d] = Some(floats_on(
+                            w,
+                            usize::MAX,
+                            &format!("layer {li} {what}"),
+                            dev(d)?,
+                        )?);
+                    }
+                }
+                Ok(out)
+            };
+            let [attn_post, ffn_post] = &l.post_norms;
             layers.push(LayerParts {
                 attn,
                 mlp,
                 experts: l.experts.clone(),
                 o_bias: columns(&l.o_bias, "attn_output bias")?,
                 down_bias: columns(&l.down_bias, "ffn_down bias")?,
+                post_norms: [
+                    replicas(attn_post, "post_attention_norm")?,
+                    replicas(ffn_post, "post_ffw_norm")?,
+                ],
             });
         }
         let mut heads = Vec::with_capacity(devices.len());

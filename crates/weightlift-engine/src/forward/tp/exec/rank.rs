@@ -75,8 +75,22 @@ impl<B: Exec> RankPass<'_, '_, B> {
         coll: &mut Collectives<'_>,
         buffer: usize,
         w: &mut DeviceWork<'_, B::Buffer>,
+        rows: (usize, usize, usize),
+        into_x: bool,
+    ) -> Result<()> {
+        self.gather_columns(coll, buffer, w, rows, into_x, false)
+    }
+
+    /// [`RankPass::gather`] of the ranks' residual columns, or (`sums`) of the sums
+    /// [`RankPass::reduce_sums`] kept apart.
+    fn gather_columns(
+        &mut self,
+        coll: &mut Collectives<'_>,
+        buffer: usize,
+        w: &mut DeviceWork<'_, B::Buffer>,
         (first, n, h): (usize, usize, usize),
         into_x: bool,
+        sums: bool,
     ) -> Result<()> {
         let counts: Vec<usize> = self.rs.0.iter().map(|c| c * n).collect();
         let own: usize = counts[..self.rank].iter().sum();
@@ -86,8 +100,8 @@ impl<B: Exec> RankPass<'_, '_, B> {
             if mine > 0 {
                 let at = first * self.rs.0[self.rank] * 4;
                 let dst = &mut values[own..own + mine];
-                self.pass
-                    .download(copies, self.rank, &w.residual, at, dst)?;
+                let src = if sums { &w.sum } else { &w.residual };
+                self.pass.download(copies, self.rank, src, at, dst)?;
             }
             let since = std::time::Instant::now();
             self.transport
@@ -138,9 +152,55 @@ impl<B: Exec> RankPass<'_, '_, B> {
         coll: &mut Collectives<'_>,
         buffer: usize,
         w: &mut DeviceWork<'_, B::Buffer>,
-        (n, h): (usize, usize),
+        rows: (usize, usize),
         computed: bool,
         bias: Option<&Floats>,
+    ) -> Result<()> {
+        self.reduce_sums(coll, buffer, w, rows, (computed, bias), false)
+    }
+
+    /// A block's partial sums into the residual through a norm of its whole output (gemma's
+    /// post-norms): reduced and kept apart ([`RankPass::reduce_sums`]), all-gathered as whole
+    /// rows, normed, and this rank's columns added to its residual (`Pass::add_normed`).
+    #[allow(clippy::too_many_arguments)]
+    fn post_normed(
+        &mut self,
+        coll: &mut Collectives<'_>,
+        flip: &mut dyn FnMut() -> usize,
+        w: &mut DeviceWork<'_, B::Buffer>,
+        (n, h): (usize, usize),
+        (computed, bias): (bool, Option<&Floats>),
+        norm: Option<&Floats>,
+        eps: f32,
+    ) -> Result<()> {
+        self.reduce_sums(coll, flip(), w, (n, h), (computed, bias), true)?;
+        let (rank, mine) = (self.rank, self.rs.0[self.rank]);
+        self.gather_columns(coll, flip(), w, (0, n, h), mine > 0, true)?;
+        if mine == 0 {
+            return Ok(());
+        }
+        let norm = norm.ok_or_else(|| {
+            invalid(
+                format!("tp rank {rank}"),
+                "a replica of the post-norm",
+                "none",
+            )
+        })?;
+        let cols = (self.rs.1[rank], mine);
+        self.pass
+            .add_normed(rank, w, (n, h, cols), (norm, eps), self.held)
+    }
+
+    /// [`RankPass::reduce`], or kept `apart`: this rank's block of the sum (and its columns of
+    /// `bias`) stays in its `sum` instead of joining its residual.
+    fn reduce_sums(
+        &mut self,
+        coll: &mut Collectives<'_>,
+        buffer: usize,
+        w: &mut DeviceWork<'_, B::Buffer>,
+        (n, h): (usize, usize),
+        (computed, bias): (bool, Option<&Floats>),
+        apart: bool,
     ) -> Result<()> {
         let counts: Vec<usize> = self.rs.0.iter().map(|c| c * n).collect();
         let own: usize = counts[..self.rank].iter().sum();
@@ -177,17 +237,20 @@ impl<B: Exec> RankPass<'_, '_, B> {
         let (b, rank) = (self.pass.bs[self.rank], self.rank);
         self.pass
             .upload(copies, &staged[own..own + mine], rank, &mut w.sum, 0)?;
-        b.run(Op::AddInPlace {
-            n: mine,
-            x: &mut w.residual,
-            y: &w.sum,
-        })
-        .map_err(self.pass.err(rank, "tp residual"))?;
+        if !apart {
+            b.run(Op::AddInPlace {
+                n: mine,
+                x: &mut w.residual,
+                y: &w.sum,
+            })
+            .map_err(self.pass.err(rank, "tp residual"))?;
+        }
+        let to = if apart { &mut w.sum } else { &mut w.residual };
         if let Some(f) = bias {
             b.run(Op::AddBias {
                 n_rows: n,
                 n_cols: self.rs.0[rank],
-                x: &mut w.residual,
+                x: to,
                 bias: &*b.floats(f, self.held)?,
             })
             .map_err(self.pass.err(rank, "tp bias"))?;
@@ -378,7 +441,13 @@ impl TpGraph {
                     a.run_seqs((b, &cx), li, &attend, &mut w.r)?;
                 }
                 let o_bias = l.o_bias.get(rank).and_then(Option::as_ref);
-                rp.reduce(&mut coll, flip(), &mut w, (n, h), attn.is_some(), o_bias)?;
+                let post = l.post_norms[0].get(rank).and_then(Option::as_ref);
+                if self.layers[li].post_norms[0].is_some() {
+                    let done = (attn.is_some(), o_bias);
+                    rp.post_normed(&mut coll, &mut flip, &mut w, (n, h), done, post, c.eps)?;
+                } else {
+                    rp.reduce(&mut coll, flip(), &mut w, (n, h), attn.is_some(), o_bias)?;
+                }
                 rp.gather(
                     &mut coll,
                     flip(),
@@ -401,7 +470,13 @@ impl TpGraph {
                 }
                 let computed = mlp.is_some() || experts.is_some();
                 let down_bias = l.down_bias.get(rank).and_then(Option::as_ref);
-                rp.reduce(&mut coll, flip(), &mut w, (n, h), computed, down_bias)?;
+                let post = l.post_norms[1].get(rank).and_then(Option::as_ref);
+                if self.layers[li].post_norms[1].is_some() {
+                    let done = (computed, down_bias);
+                    rp.post_normed(&mut coll, &mut flip, &mut w, (n, h), done, post, c.eps)?;
+                } else {
+                    rp.reduce(&mut coll, flip(), &mut w, (n, h), computed, down_bias)?;
+                }
             }
             for &(cache, ids, _, pos) in step {
                 cache.appended(pos as u64, ids)?;
