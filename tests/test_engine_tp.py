@@ -347,3 +347,17 @@ def test_tp_refuses_what_it_cannot_run(tiny_llama_st: Path) -> None:
         m.forward([1, 2], cache=cache)
     assert "a cache that is not split" in str(e.value)
     assert cache.seq_len == 0, "refused before any compute"
+
+
+def test_a_cache_made_for_a_tp_model_is_split_and_batches(tiny_llama_st: Path) -> None:
+    path = tiny_llama_st.parent / "gguf" / "tiny-llama-Q8_0.gguf"
+    m = wl.Model(path, devices="virtual:2x48MiB,cpu", runtime=RT)
+    m.load_tp(gpu_split=[0.04, 0.04], expect_cache_tokens=64)
+    seqs = [TINY_LLAMA_IDS, [1, 5, 9, 12, 40, 41], [3]]
+    caches = [wl.Cache(m, max_seq_len=64) for _ in seqs]
+    got = m.forward_batch(list(zip(caches, seqs, strict=True)))
+    assert [c.seq_len for c in caches] == [len(s) for s in seqs]
+    for row, cache, ids in zip(got, caches, seqs, strict=True):
+        cache.reset()
+        alone = m.forward(ids, cache=cache, logits="last")
+        assert np.array_equal(row.view(np.uint32), alone[-1].view(np.uint32))

@@ -603,3 +603,34 @@ def test_a_chat_formats_stop_string_ends_the_reply(demo_gguf: Path) -> None:
         reply = llm.create_chat_completion(case["messages"], max_tokens=48, temperature=0.0)
         assert reply["choices"][0]["message"]["content"] == text.split("\n")[0]
         assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_prefix_computed_in_another_compute_mode_runs_again(demo_gguf: Path) -> None:
+    llm = wl.Llama(str(demo_gguf), n_ctx=128, verbose=False)
+    # Longer than the 16 tokens whose fast-mode products keep every token's own bits.
+    ids = llm.tokenize(
+        b"In the beginning of the twentieth century, many scientists across Europe were studying "
+        b"the structure of the atom and the nature of light, and one of them wrote"
+    )
+    assert len(ids) > 16
+    args = {"max_tokens": 6, "temperature": 0.0, "logprobs": 3}
+    cold = {}
+    for mode in ("fast", "exact"):
+        llm.reset()
+        llm.model.compute = mode
+        next(llm.generate(ids, temp=0.0))
+        scores = llm.scores[-1].copy()
+        llm.reset()
+        cold[mode] = (scores, llm.create_completion(ids, **args)["choices"][0])
+    for before, now in (("fast", "exact"), ("exact", "fast")):
+        llm.reset()
+        llm.model.compute = before
+        next(llm.generate(ids, temp=0.0))
+        llm.model.compute = now
+        # generate(reset=True) keeps the longest prefix held only if its rows are this mode's
+        next(llm.generate(ids, temp=0.0))
+        np.testing.assert_array_equal(llm.scores[-1], cold[now][0])
+        llm.model.compute = before
+        llm.create_completion(ids, **args)
+        llm.model.compute = now
+        assert llm.create_completion(ids, **args)["choices"][0] == cold[now][1]

@@ -139,3 +139,21 @@ def test_rank_errors_name_the_cause(tiny_llama_st: Path) -> None:
         tp.join_nccl()
     with pytest.raises(ValueError, match=r"join_nccl: expected wait in seconds, finite and >= 0"):
         tp.join_nccl(wait=float("nan"))
+
+
+def test_a_cache_made_for_a_rank_is_its_share_and_batches(tiny_llama_st: Path) -> None:
+    path = gguf(tiny_llama_st)
+    whole = wl.Model(path, devices=f"virtual:2x{SIZE},cpu", runtime=RT)
+    whole.load_tp(expect_cache_tokens=64, expect_cache_base="f32")
+    ranks = load_ranks(path, 2, expect_cache_tokens=64, expect_cache_base="f32")
+    seqs = [[1, 450, 4996, 17354, 1701], [1, 432, 17204], [975]]
+    want = [whole.forward(ids, logits="last")[-1] for ids in seqs]
+
+    def batched(m: wl.Model) -> Any:
+        # the planned cache's dtype, so that the rows are the ones the whole model computes
+        caches = [wl.Cache(m, max_seq_len=64, dtype="fp32") for _ in seqs]
+        return m.forward_batch(list(zip(caches, seqs, strict=True)))
+
+    for r, got in enumerate(on_threads(ranks, batched)):
+        for row, w in zip(got, want, strict=True):
+            assert np.array_equal(row.view(np.uint32), w.view(np.uint32)), f"rank {r}"

@@ -585,6 +585,10 @@ class Llama:
         cache = self._model.cache
         if cache is None:
             return n
+        if not cache._held_under(self._model):
+            # rows of another compute mode: what the current one computes differs
+            cache.reset()
+            return 0
         n = min(n, cache.seq_len)
         try:
             cache.truncate(n)

@@ -67,6 +67,7 @@ use weightlift_plan::SlidingWindow;
 
 use crate::device::{Buffer, Device};
 use crate::error::{EngineError, Result, invalid};
+use crate::forward::KvSettings;
 
 mod offload;
 mod prefetch;
@@ -279,6 +280,9 @@ pub struct Cache {
     /// The ids at positions `0..seq_len`, while every one came through [`Cache::note_ids`]: a new
     /// prompt then reuses the longest common prefix, as llama-cpp-python's `generate` does.
     ids: Mutex<Vec<u32>>,
+    /// The forward settings the rows at `0..seq_len` were computed under; `None` when no
+    /// forward call wrote them (a new, reset or loaded cache, whose rows are taken as they are).
+    computed_under: Mutex<Option<KvSettings>>,
     /// Tensor parallelism: the layers split by kv heads, one part per device
     /// ([`Cache::allocate_tp`]); the parent keeps the sequence and these hold the rows.
     tp: Mutex<Vec<TpPart>>,
@@ -329,6 +333,7 @@ impl Cache {
             floors: (0..n).map(|_| AtomicU64::new(0)).collect(),
             copied: Default::default(),
             ids: Mutex::new(Vec::new()),
+            computed_under: Mutex::new(None),
             tp: Mutex::new(Vec::new()),
             tp_rank: std::sync::atomic::AtomicBool::new(false),
         })
@@ -344,6 +349,12 @@ impl Cache {
 
     fn lock(&self) -> MutexGuard<'_, Vec<Option<LayerStore>>> {
         self.layers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn lock_under(&self) -> MutexGuard<'_, Option<KvSettings>> {
+        self.computed_under
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -733,6 +744,7 @@ impl Cache {
             .iter()
             .for_each(|f| f.store(0, Ordering::Release));
         self.lock_ids().clear();
+        *self.lock_under() = None;
         // a split cache's parts hold the rows (and their rings' positions)
         for p in self.lock_tp().iter() {
             p.cache.reset();
@@ -758,6 +770,33 @@ impl Cache {
         self.written.fetch_max(end, Ordering::AcqRel);
         self.note_ids(start, ids);
         self.set_seq_len(end)
+    }
+
+    /// A forward call is about to append rows computed under `under`. Rows held from other
+    /// settings make a mix no single setting computes: the ids are forgotten, so no prefix of
+    /// it is reused until the next reset.
+    pub fn computing_under(&self, under: KvSettings) {
+        let mut held = self.lock_under();
+        if self.seq_len() > 0 && held.is_some_and(|h| h != under) {
+            self.lock_ids().clear();
+        }
+        *held = Some(under);
+    }
+
+    /// [`Cache::common_prefix`] for a forward pass under `under`: 0 when the rows held were
+    /// computed under other settings (another compute mode or int8 threshold), whose KV the
+    /// current settings would not compute (see [`Cache::held_under`]).
+    pub fn common_prefix_under(&self, prompt: &[u32], under: KvSettings) -> u64 {
+        if !self.held_under(under) {
+            return 0;
+        }
+        self.common_prefix(prompt)
+    }
+
+    /// Whether the rows held may be reused by a forward pass under `under`: they were computed
+    /// under it, or their settings are unknown (a loaded state).
+    pub fn held_under(&self, under: KvSettings) -> bool {
+        self.lock_under().is_none_or(|h| h == under)
     }
 
     /// How many leading ids of `prompt` the cache already holds at positions `0..`, when its

@@ -355,7 +355,7 @@ impl Generation {
             0
         } else if reuse {
             // at least the last token runs, for its logits
-            cache.common_prefix(&prompt[..prompt.len() - 1])
+            cache.common_prefix_under(&prompt[..prompt.len() - 1], model.kv_settings())
         } else {
             cache.seq_len()
         };

@@ -6,6 +6,7 @@ use crate::common;
 use std::sync::Arc;
 
 use common::{json_ids, load_on, load_planned, open, reference};
+use weightlift_engine::forward::Compute;
 use weightlift_engine::sample::SamplingParams;
 use weightlift_engine::{
     Cache, CacheDType, EngineError, FinishReason, GenerateOptions, Generation, Inventory, Model,
@@ -87,6 +88,61 @@ fn a_stop_string_cuts_the_text_before_it() {
     assert_eq!(finish, Some(FinishReason::Stop));
     // llama.cpp's third token is the first "\n\n" half; generation stopped at the fourth.
     assert_eq!(job.tokens().len(), 4);
+}
+
+/// A greedy run of `prompt` with `logprobs=3`: the tokens, their log-probabilities and how many
+/// prompt tokens came from the cache.
+fn scored(m: &mut Model, prompt: &[u32]) -> (Vec<u32>, Vec<u64>, u64) {
+    let opts = GenerateOptions {
+        logprobs: Some(3),
+        ..greedy(8)
+    };
+    let mut job = Generation::new(m, prompt, None, opts).unwrap();
+    run(m, &mut job);
+    let bits = job
+        .token_logprobs()
+        .iter()
+        .map(|t| t.logprob.to_bits())
+        .collect();
+    (job.tokens().to_vec(), bits, job.timings().reused_tokens)
+}
+
+#[test]
+fn a_prefix_computed_in_another_compute_mode_is_not_reused() {
+    let (mut m, _) = demo("cpu", 128);
+    // Longer than the 16 tokens whose fast-mode products keep every token's own bits, so the
+    // two modes' rows differ.
+    let prompt = m
+        .tokenizer()
+        .unwrap()
+        .encode(
+            "In the beginning of the twentieth century, many scientists across Europe were \
+             studying the structure of the atom and the nature of light, and one of them wrote",
+            None,
+            false,
+        )
+        .unwrap();
+    assert!(prompt.len() > 16);
+    for (before, now) in [
+        (Compute::Fast, Compute::Exact),
+        (Compute::Exact, Compute::Fast),
+    ] {
+        m.own_cache().unwrap().reset();
+        m.set_compute(now);
+        let cold = scored(&mut m, &prompt);
+        assert_eq!(cold.2, 0);
+
+        m.own_cache().unwrap().reset();
+        m.set_compute(before);
+        scored(&mut m, &prompt);
+        m.set_compute(now);
+        // The cache holds the prompt's rows of the other mode: they run again, as a cold cache.
+        let switched = scored(&mut m, &prompt);
+        assert_eq!(switched, cold, "{before:?} rows reused under {now:?}");
+        // Once rows of the current mode are held, they are reused.
+        let warm = scored(&mut m, &prompt);
+        assert_eq!(warm.2, prompt.len() as u64 - 1);
+    }
 }
 
 #[test]

@@ -88,6 +88,13 @@ impl Cache {
         eng(self.cache.truncate(n))
     }
 
+    /// Whether the rows held were computed under `model`'s current settings (its compute mode
+    /// and int8 threshold), so that a prefix of them may be reused.
+    fn _held_under(&self, model: &Bound<'_, Model>) -> PyResult<bool> {
+        let under = model.get().lock()?.model.kv_settings();
+        Ok(self.cache.held_under(under))
+    }
+
     #[getter]
     fn tokens(&self) -> Vec<u32> {
         self.cache.ids()

@@ -70,6 +70,18 @@ pub enum Compute {
     Exact,
 }
 
+/// The settings of the forward pass that change the KV rows it writes: a cache records them
+/// ([`Cache::computing_under`]), and a prefix is reused only under the same
+/// ([`Cache::common_prefix_under`]), so a reused prefix holds what the current settings compute.
+/// (The cache's dtype is fixed when it is made; the host backend and CUDA graphs give the same
+/// bits, so they are not among them.)
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvSettings {
+    pub compute: Compute,
+    /// LLM.int8's outlier threshold, which moves the rows of int8 products.
+    pub int8_threshold: f32,
+}
+
 impl Compute {
     pub fn parse(s: &str) -> Result<Compute> {
         match s.trim().to_ascii_lowercase().as_str() {
@@ -462,6 +474,14 @@ impl crate::Model {
         self.runner.compute = compute;
     }
 
+    /// The settings the next forward call computes KV rows under.
+    pub fn kv_settings(&self) -> KvSettings {
+        KvSettings {
+            compute: self.runner.compute,
+            int8_threshold: self.runner.int8_threshold,
+        }
+    }
+
     /// The outlier threshold of LLM.int8 ([`DType::INT8`]) products: input columns where some
     /// token has `|x| ≥ threshold` are multiplied in f32 (transformers' `llm_int8_threshold`,
     /// default [`INT8_DEFAULT_THRESHOLD`], 6.0).
@@ -644,6 +664,13 @@ impl crate::Model {
         })?;
         for (cache, _) in seqs {
             check_cache(cache, &spec)?;
+        }
+        let under = KvSettings {
+            compute,
+            int8_threshold,
+        };
+        for (cache, _) in seqs {
+            cache.computing_under(under);
         }
         if let Some(tp) = state.tp.clone() {
             let made = tp::run(

@@ -14,6 +14,7 @@ use super::respond::{Kind, Responder, ResponseOptions};
 use super::{GenerateOptions, Generation, Piece, Timings, step_batch};
 use crate::cache::Cache;
 use crate::error::{EngineError, Result, invalid};
+use crate::forward::KvSettings;
 use crate::generate::openai::{Response, Usage};
 use crate::model::Model;
 
@@ -126,7 +127,7 @@ impl Batch {
         options: GenerateOptions,
         answer: Answer,
     ) -> Result<u64> {
-        let slot = self.free_slot(prompt).ok_or_else(|| {
+        let slot = self.free_slot(prompt, model.kv_settings()).ok_or_else(|| {
             invalid(
                 "a batch slot",
                 format!("a free one of the {}", self.slots.len()),
@@ -155,12 +156,12 @@ impl Batch {
     }
 
     /// The free slot whose cache holds the longest prefix of `prompt`; on a tie the one
-    /// unused longest.
-    fn free_slot(&self, prompt: &[u32]) -> Option<usize> {
+    /// unused longest. Only rows computed `under` the current settings count as held.
+    fn free_slot(&self, prompt: &[u32], under: KvSettings) -> Option<usize> {
         (0..self.slots.len())
             .filter(|&i| self.jobs.iter().all(|j| j.slot != i))
             .max_by_key(|&i| {
-                let held = self.slots[i].common_prefix(prompt);
+                let held = self.slots[i].common_prefix_under(prompt, under);
                 (held, std::cmp::Reverse(self.taken[i]))
             })
     }

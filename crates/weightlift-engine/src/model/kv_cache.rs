@@ -183,10 +183,10 @@ impl Model {
         Ok(cache)
     }
 
-    /// Allocate `cache` beside the loaded layers (each layer on its device) and count it in
-    /// [`Model::memory`]; the model frees it on unload.
+    /// Allocate `cache` as a load allocates its own ([`Model::sequence_cache`]'s rule) and count
+    /// it in [`Model::memory`]; the model frees it on unload.
     pub fn attach_cache(&mut self, cache: &Arc<Cache>) -> Result<()> {
-        if let Err(e) = self.allocate_beside_layers(cache) {
+        if let Err(e) = self.allocate_as_loaded(cache) {
             cache.free();
             return Err(e);
         }
@@ -199,6 +199,23 @@ impl Model {
             s.cache_made = false;
         }
         Ok(())
+    }
+
+    /// `cache` allocated as the loaded model runs it: beside each layer, or split by kv heads
+    /// over the tensor-parallel devices (a rank-local load: its rank's heads), since the
+    /// tensor-parallel pass takes only a split cache.
+    fn allocate_as_loaded(&self, cache: &Cache) -> Result<()> {
+        let forward = self.state()?.forward.as_ref();
+        let tp = forward.and_then(|f| f.tp.as_ref());
+        match (tp, forward.and_then(|f| f.rank.as_ref())) {
+            (Some(t), None) => self
+                .tp_cache_parts(t)
+                .and_then(|parts| cache.allocate_tp(&parts)),
+            (Some(t), Some(r)) => self
+                .tp_cache_share(t, r)
+                .and_then(|share| cache.allocate_tp_rank(share)),
+            (None, _) => self.allocate_beside_layers(cache),
+        }
     }
 
     /// Every layer of `cache` allocated on its layer's device (on the cpu when offloaded).
@@ -242,18 +259,7 @@ impl Model {
             (c.config().dtype, c.config().offload)
         });
         let cache = Arc::new(Cache::new(self.cache_config(tokens, 1, dtype, offload)?)?);
-        let forward = state.forward.as_ref();
-        let tp = forward.and_then(|f| f.tp.as_ref());
-        let made = match (tp, forward.and_then(|f| f.rank.as_ref())) {
-            (Some(t), None) => self
-                .tp_cache_parts(t)
-                .and_then(|parts| cache.allocate_tp(&parts)),
-            (Some(t), Some(r)) => self
-                .tp_cache_share(t, r)
-                .and_then(|share| cache.allocate_tp_rank(share)),
-            (None, _) => self.allocate_beside_layers(&cache),
-        };
-        if let Err(e) = made {
+        if let Err(e) = self.allocate_as_loaded(&cache) {
             cache.free();
             return Err(e);
         }
