@@ -308,24 +308,45 @@ fn ranks_batch_with_the_bits_of_each_sequence_alone() {
     let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
     let reqs = rank_requests(&ids);
     let src = open(&path);
-    for (n, dtype) in [(2, CacheDType::F32), (3, CacheDType::Q8)] {
+    check_rank_batches(
+        &src,
+        "tiny llama",
+        &reqs,
+        &[(2, CacheDType::F32), (3, CacheDType::Q8)],
+    );
+}
+
+/// The ranks of each `(n, cache dtype)` group, each running the continuous batch `reqs`:
+/// every sequence's logits are the bits it gets alone on the same ranks, and the
+/// single-process batch's, in both compute modes.
+fn check_rank_batches(
+    src: &Arc<dyn Source>,
+    label: &str,
+    reqs: &[(Vec<u32>, usize)],
+    groups: &[(usize, CacheDType)],
+) {
+    for &(n, dtype) in groups {
         let devices = format!("virtual:{n}x48MiB,cpu");
-        let (mut whole, _, plan) = single_process(&src, &devices, dtype);
+        let (mut whole, _, plan) = single_process(src, &devices, dtype);
         let mut ranks: Vec<(Model, Arc<Cache>)> = (0..n)
-            .map(|r| load_rank(&src, "virtual:48MiB,cpu", &plan, r, Some("virtual:0")))
+            .map(|r| load_rank(src, "virtual:48MiB,cpu", &plan, r, Some("virtual:0")))
             .collect();
         for compute in [Compute::Exact, Compute::Fast] {
             whole.set_compute(compute);
             ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
-            let what = format!("{n} ranks, {} cache, {}", dtype.name(), compute.name());
-            let want = batched(&mut whole, &reqs, STEPS);
+            let what = format!(
+                "{label}, {n} ranks, {} cache, {}",
+                dtype.name(),
+                compute.name()
+            );
+            let want = batched(&mut whole, reqs, STEPS);
             assert_same_bits(
                 &format!("{what}: single process"),
-                &alone(&mut whole, &reqs, STEPS),
+                &alone(&mut whole, reqs, STEPS),
                 &want,
             );
             let got = on_ranks(&mut ranks, |_, m, _| {
-                (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
+                (alone(m, reqs, STEPS), batched(m, reqs, STEPS))
             });
             for (r, ((one, many), _)) in got.iter().enumerate() {
                 assert_same_bits(&format!("{what}: rank {r} alone"), one, &want);
@@ -353,31 +374,12 @@ fn moe_ranks_batch_with_the_bits_of_each_sequence_alone() {
             (ids[4..].to_vec(), 2),
         ];
         let src = open(data.join(format!("tiny-{family}-F16.gguf")));
-        for n in [2, 3] {
-            let devices = format!("virtual:{n}x48MiB,cpu");
-            let (mut whole, _, plan) = single_process(&src, &devices, CacheDType::F32);
-            let mut ranks: Vec<(Model, Arc<Cache>)> = (0..n)
-                .map(|r| load_rank(&src, "virtual:48MiB,cpu", &plan, r, Some("virtual:0")))
-                .collect();
-            for compute in [Compute::Exact, Compute::Fast] {
-                whole.set_compute(compute);
-                ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
-                let what = format!("{family}, {n} ranks, {}", compute.name());
-                let want = batched(&mut whole, &reqs, STEPS);
-                assert_same_bits(
-                    &format!("{what}: single process"),
-                    &alone(&mut whole, &reqs, STEPS),
-                    &want,
-                );
-                let got = on_ranks(&mut ranks, |_, m, _| {
-                    (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
-                });
-                for (r, ((one, many), _)) in got.iter().enumerate() {
-                    assert_same_bits(&format!("{what}: rank {r} alone"), one, &want);
-                    assert_same_bits(&format!("{what}: rank {r} batched"), many, &want);
-                }
-            }
-        }
+        check_rank_batches(
+            &src,
+            family,
+            &reqs,
+            &[(2, CacheDType::F32), (3, CacheDType::F32)],
+        );
     }
 }
 
