@@ -116,6 +116,10 @@ impl Model {
             device_specs(self.inventory()),
         );
         req.sliding_window = self.sliding_window()?;
+        req.moe = match self.source().checkpoint() {
+            Some(ckpt) => moe_of(ckpt)?,
+            None => None,
+        };
         Ok(req)
     }
 
@@ -464,6 +468,20 @@ pub fn sliding_window_of(
     })?)
 }
 
+/// How the layers of `ckpt` route to experts: its GGUF metadata or its config.json
+/// ([`weightlift_format::MoeSpec`]); `None` for a dense model. The one reading of them: plans
+/// size the workspace by it and the forward pass routes by it.
+pub fn moe_of(
+    ckpt: &weightlift_format::Checkpoint,
+) -> weightlift_format::Result<Option<weightlift_format::MoeSpec>> {
+    use weightlift_format::{Format, MoeSpec};
+    match (ckpt.format(), ckpt.config()) {
+        (Format::Gguf, _) => MoeSpec::from_gguf(ckpt.metadata()),
+        (Format::Safetensors, Some(config)) => MoeSpec::from_hf_config(config),
+        (Format::Safetensors, None) => Ok(None),
+    }
+}
+
 /// What `plan()` and `fit()` plan for, with the model's sliding-window layers: a checkpoint,
 /// an HF config (a dict, a config.json, or a folder holding only one) or a bare spec. Planning
 /// reads no tensor data; opening a path reads the headers.
@@ -471,6 +489,7 @@ pub fn sliding_window_of(
 pub struct PlanSource {
     model: weightlift_plan::ModelSource,
     window: Option<weightlift_plan::SlidingWindow>,
+    moe: Option<weightlift_format::MoeSpec>,
 }
 
 impl PlanSource {
@@ -479,6 +498,7 @@ impl PlanSource {
         PlanSource {
             model: weightlift_plan::ModelSource::Config(spec, None),
             window: None,
+            moe: None,
         }
     }
 
@@ -487,10 +507,12 @@ impl PlanSource {
     pub fn hf_config(config: &serde_json::Value) -> Result<PlanSource> {
         let spec = weightlift_format::ModelSpec::from_hf_config(config)?;
         let window = weightlift_plan::SlidingWindow::from_hf_config(config, &spec)?;
+        let moe = weightlift_format::MoeSpec::from_hf_config(config)?;
         let dtype = weightlift_format::hf_config::stored_dtype(config).map(str::to_owned);
         Ok(PlanSource {
             model: weightlift_plan::ModelSource::Config(spec, dtype),
             window,
+            moe,
         })
     }
 
@@ -526,6 +548,7 @@ impl PlanSource {
         Ok(PlanSource {
             model: weightlift_plan::ModelSource::Tensors(spec.clone(), ckpt.tensors().to_vec()),
             window,
+            moe: moe_of(ckpt)?,
         })
     }
 
@@ -537,6 +560,7 @@ impl PlanSource {
     ) -> Result<PlanRequest> {
         let mut req = options.into_request(self.model, devices)?;
         req.sliding_window = self.window;
+        req.moe = self.moe;
         Ok(req)
     }
 }

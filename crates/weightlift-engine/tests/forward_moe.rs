@@ -774,18 +774,7 @@ fn tiny_moe_bad_routing_config_is_refused_by_name() {
     use std::sync::Arc;
     use weightlift_engine::{Cache, Inventory, LoadOptions, Model, Placement};
     let run = |edit: &dyn Fn(&mut serde_json::Value)| -> String {
-        let dir = tempfile::tempdir().unwrap();
-        for f in [
-            "model.safetensors",
-            "tokenizer.json",
-            "tokenizer_config.json",
-        ] {
-            std::fs::copy(QWEN3MOE.data().join(f), dir.path().join(f)).unwrap();
-        }
-        let text = std::fs::read_to_string(QWEN3MOE.data().join("config.json")).unwrap();
-        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
-        edit(&mut cfg);
-        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        let dir = qwen3moe_edited(edit);
         let src = open(dir.path());
         let mut m = Model::new(Arc::clone(&src), Inventory::parse("cpu").unwrap());
         let config = m.cache_config(64, 1, CacheDType::F32, false).unwrap();
@@ -1016,6 +1005,102 @@ fn tiny_moe_tensor_parallel_batches_with_the_bits_of_each_sequence_alone() {
                     let got = common::batch::batched(&mut m, &reqs, STEPS);
                     common::batch::assert_same_bits(&what, &got, &want);
                 }
+            }
+        }
+    }
+}
+
+/// A copy of the tiny qwen3moe safetensors folder (weights and tokenizer) with its config.json
+/// changed by `edit`.
+fn qwen3moe_edited(edit: &dyn Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(QWEN3MOE.data().join(f), dir.path().join(f)).unwrap();
+    }
+    let text = std::fs::read_to_string(QWEN3MOE.data().join("config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+/// A copy of the tiny qwen3moe F16 GGUF with its dense width (`qwen3moe.feed_forward_length`,
+/// a u32) set to `dense`, in the directory `dir`.
+fn qwen3moe_gguf_with_dense_width(dir: &std::path::Path, dense: u32) -> std::path::PathBuf {
+    let mut bytes = std::fs::read(QWEN3MOE.gguf("F16")).unwrap();
+    // the key as GGUF writes it: its u64 length, its bytes, then the value's type (4: u32)
+    let key = b"qwen3moe.feed_forward_length";
+    let mut pattern = (key.len() as u64).to_le_bytes().to_vec();
+    pattern.extend_from_slice(key);
+    pattern.extend_from_slice(&4u32.to_le_bytes());
+    let at = bytes
+        .windows(pattern.len())
+        .position(|w| w == pattern.as_slice())
+        .expect("the F16 GGUF has a u32 qwen3moe.feed_forward_length")
+        + pattern.len();
+    bytes[at..at + 4].copy_from_slice(&dense.to_le_bytes());
+    let path = dir.join(format!("tiny-qwen3moe-F16-dense{dense}.gguf"));
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+/// A model whose every layer is MoE never runs its dense width (`intermediate_size`, GGUF's
+/// `feed_forward_length`), and converted files may carry one below the experts' width or 0:
+/// the tiny qwen3moe with a dense width of 16 or 0 under its experts' 32 (in config.json and
+/// in the F16 GGUF's metadata; it has no dense MLP weights) runs, planned with `n_cpu_moe` 0,
+/// 1 and 2 over two virtual devices standing for GPUs, through the backend op sequence
+/// (experts on their device, on the host, and both), and on the host path, giving the bits of
+/// the unchanged file on cpu; each device holds what the plan says, its workspace sized for
+/// the experts and the router's scores.
+#[test]
+fn tiny_moe_dense_width_below_the_experts_runs_as_planned() {
+    let f = QWEN3MOE;
+    let ids = f.ids();
+    let ggufs = tempfile::tempdir().unwrap();
+    for dense in [16u32, 0] {
+        let folder = qwen3moe_edited(&|c| c["intermediate_size"] = dense.into());
+        for (original, narrowed) in [
+            (f.data(), folder.path().to_path_buf()),
+            (
+                f.gguf("F16"),
+                qwen3moe_gguf_with_dense_width(ggufs.path(), dense),
+            ),
+        ] {
+            let file = original.file_name().unwrap().to_string_lossy().into_owned();
+            let what = format!("{file} with dense width {dense}");
+            let (mut whole, cache) = load_on(&open(&original), "cpu", "cpu", 64, CacheDType::F32);
+            whole.set_compute(Compute::Exact);
+            let want = prompt_and_decode(&mut whole, &cache, &ids);
+            let src = open(&narrowed);
+            assert_eq!(src.spec().unwrap().intermediate_size, u64::from(dense));
+            let (mut m, c) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            m.set_compute(Compute::Exact);
+            for backend in [false, true] {
+                m.set_host_backend(backend);
+                let got = prompt_and_decode(&mut m, &c, &ids);
+                let d = max_abs_diff(&floats(&got), &floats(&want));
+                assert!(got == want, "{what} on cpu, backend {backend}: max|Δ| {d}");
+            }
+            for n in [0, 1, 2] {
+                let (mut m, c, plan) = n_cpu_moe_model(&src, n);
+                let held = m.memory();
+                for d in plan.devices() {
+                    let got = held
+                        .iter()
+                        .find(|(x, _)| *x == d.name)
+                        .map_or(0, |(_, b)| *b);
+                    let planned = d.weights + d.kv + d.scratch;
+                    assert_eq!(got, planned, "{what} n_cpu_moe={n}: {}", d.name);
+                }
+                m.set_compute(Compute::Exact);
+                m.set_host_backend(true);
+                let got = prompt_and_decode(&mut m, &c, &ids);
+                let d = max_abs_diff(&floats(&got), &floats(&want));
+                assert!(got == want, "{what} n_cpu_moe={n}: max|Δ| {d}");
             }
         }
     }

@@ -1,7 +1,7 @@
 //! The exact memory model of the KV cache and of per-device scratch, in integers.
 
 use serde::{Deserialize, Serialize};
-use weightlift_format::ModelSpec;
+use weightlift_format::{ModelSpec, MoeSpec};
 
 use crate::device::DeviceKind;
 use crate::error::{PlanError, Result};
@@ -291,11 +291,18 @@ pub(crate) struct ScratchModel {
 }
 
 impl ScratchModel {
-    /// The workspace dimensions of `spec` with a cache of `max_seq_len × batch`. A runtime with
-    /// `max_input_len == 0` ([`RuntimeSpec::none`]) has no scratch at all.
-    pub fn new(spec: &ModelSpec, runtime: &RuntimeSpec, max_seq_len: u64, batch: u64) -> Self {
+    /// The workspace dimensions of `spec`, routing to experts by `moe`, with a cache of
+    /// `max_seq_len × batch`. A runtime with `max_input_len == 0` ([`RuntimeSpec::none`]) has
+    /// no scratch at all.
+    pub fn new(
+        spec: &ModelSpec,
+        moe: Option<&MoeSpec>,
+        runtime: &RuntimeSpec,
+        max_seq_len: u64,
+        batch: u64,
+    ) -> Self {
         ScratchModel {
-            dims: Dims::new(spec, runtime, max_seq_len, batch),
+            dims: Dims::new(spec, runtime, max_seq_len, batch).with_experts(moe),
             max_dq_size: runtime.max_dq_size,
         }
     }

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use weightlift_format::{ModelSpec, TensorInfo};
+use weightlift_format::{ModelSpec, MoeSpec, TensorInfo};
 
 use crate::device::DeviceSpec;
 use crate::error::{PlanError, Result};
@@ -244,6 +244,11 @@ pub struct PlanRequest {
     /// of those it runs, and their plans keep every cache full.
     #[serde(default)]
     pub sliding_window: Option<SlidingWindow>,
+    /// How the model's layers route to experts ([`MoeSpec::from_gguf`],
+    /// [`MoeSpec::from_hf_config`]); `None` for a dense model. The workspace's MLP regions are
+    /// sized for the widest MLP the model runs ([`crate::Dims::with_experts`]).
+    #[serde(default)]
+    pub moe: Option<MoeSpec>,
     /// Quantise the float linears on load ([`crate::quantize`]); `None` keeps the stored
     /// types (and `dtype`'s conversion).
     #[serde(default)]
@@ -274,6 +279,7 @@ impl PlanRequest {
             staging_bytes: 4 << 20,
             budget_rule: BudgetRule::Accelerate,
             sliding_window: None,
+            moe: None,
             quantize: None,
             world: None,
         }

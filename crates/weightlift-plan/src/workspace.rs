@@ -3,8 +3,9 @@
 //! scratch) use, so the plan's scratch column is exactly what a forward pass holds.
 //!
 //! With `T = min(max_input_len, max_seq_len) × batch` tokens per chunk, `h` the hidden size,
-//! `qd = n_heads × head_dim`, `kvd = max(n_kv_heads) × head_dim`, `i` the MLP width and `V` the
-//! vocabulary, all in f32 unless noted, each region rounded up to [`ALIGN`] bytes:
+//! `qd = n_heads × head_dim`, `kvd = max(n_kv_heads) × head_dim`, `i` the widest MLP the model
+//! runs ([`Dims::with_experts`]) and `V` the vocabulary, all in f32 unless noted, each region
+//! rounded up to [`ALIGN`] bytes:
 //!
 //! | region | values | held by a device that computes |
 //! |---|---|---|
@@ -38,7 +39,7 @@
 //! activations re-encoded), which the plan charges in the scratch column beside the workspace
 //! ([`cuda_product_tiles`], `DeviceUsage::kernel_scratch`); the engine does not allocate them.
 
-use weightlift_format::ModelSpec;
+use weightlift_format::{ModelSpec, MoeSpec};
 
 use crate::memory::RuntimeSpec;
 
@@ -120,6 +121,7 @@ pub struct Dims {
     pub hidden: u64,
     pub q_dim: u64,
     pub kv_dim: u64,
+    /// Values per token of the MLP's gate and up regions ([`Dims::with_experts`]).
     pub inter: u64,
     pub vocab: u64,
     pub n_heads: u64,
@@ -162,6 +164,19 @@ impl Dims {
             logit_rows: LOGIT_ROWS.min(tokens),
             att_splits: seq.div_ceil(ATTENTION_SPLIT_KEYS).min(ATTENTION_SPLITS),
         }
+    }
+
+    /// The dimensions of a model whose layers route to experts by `moe` (`None`: a dense
+    /// model, unchanged): the MLP regions hold the widest MLP it runs. Every token of a chunk
+    /// may route to one expert, so an expert's gate and up products take `T × expert_ffn`
+    /// values, and the router's scores, `n_experts` per token, are held in an MLP region too.
+    /// The dense width stays a floor: a converted file may give one below the experts' or
+    /// none at all (0), and a model with dense layers beside its expert ones runs both.
+    pub fn with_experts(mut self, moe: Option<&MoeSpec>) -> Dims {
+        if let Some(m) = moe {
+            self.inter = self.inter.max(m.expert_ffn).max(u64::from(m.n_experts));
+        }
+        self
     }
 }
 
@@ -279,6 +294,46 @@ pub(crate) mod tests {
         }
     }
 
+    /// The MLP regions hold the widest MLP the model runs: the dense width, an expert's width
+    /// for every token of the chunk, or the router's scores (one per expert and token),
+    /// whichever is widest; a dense width under the experts' or 0 never shrinks them.
+    #[test]
+    fn mlp_regions_hold_the_experts_and_the_router_scores() {
+        let rt = RuntimeSpec {
+            max_input_len: 64,
+            ..RuntimeSpec::default()
+        };
+        let moe = |n_experts, expert_ffn| MoeSpec {
+            n_experts,
+            n_used: 2,
+            expert_ffn,
+            norm_topk_prob: true,
+        };
+        let mlp = |dense: u64, m: Option<MoeSpec>| {
+            let s = ModelSpec {
+                intermediate_size: dense,
+                ..spec()
+            };
+            let d = Dims::new(&s, &rt, 8192, 1).with_experts(m.as_ref());
+            let w = Workspace::new(
+                &d,
+                Hosts {
+                    layers: true,
+                    ..Hosts::default()
+                },
+            );
+            (d.inter, w.gate.len, w.up.len)
+        };
+        assert_eq!(mlp(1536, None), (1536, 64 * 1536, 64 * 1536));
+        // a dense width over the experts' (qwen3moe's 6144 against 768) stays
+        assert_eq!(mlp(1536, Some(moe(128, 768))).0, 1536);
+        for dense in [64, 0] {
+            assert_eq!(mlp(dense, Some(moe(4, 256))), (256, 64 * 256, 64 * 256));
+            assert_eq!(mlp(dense, Some(moe(512, 256))), (512, 64 * 512, 64 * 512));
+        }
+        assert_eq!(mlp(0, None).0, 0);
+    }
+
     #[test]
     fn regions_follow_the_table() {
         let rt = RuntimeSpec {
@@ -366,7 +421,7 @@ pub(crate) mod tests {
         assert_eq!(cuda_product_tiles(&none, 1 << 20, all), 0);
         // the scratch model: cuda devices hold the kernel-attention layout, and are charged
         // the tiles besides
-        let m = ScratchModel::new(&spec(), &rt, 8192, 1);
+        let m = ScratchModel::new(&spec(), None, &rt, 8192, 1);
         let ws = Workspace::new(&d, all).bytes;
         let kernel = Workspace::for_kernel_attention(&d, all).bytes;
         for kind in [DeviceKind::Virtual, DeviceKind::Cpu] {

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use std::collections::HashMap;
 
-use weightlift_format::{Format, ModelSpec, MoeSpec, Role, expert_of, is_quantized_part};
+use weightlift_format::{ModelSpec, MoeSpec, Role, expert_of, is_quantized_part};
 use weightlift_kernels::{CpuBackend, RopeParams};
 use weightlift_plan::{Dims, Hosts, RuntimeSpec, Workspace};
 
@@ -83,14 +83,7 @@ pub(super) fn moe_spec_of(m: &Loaded<'_>) -> Result<Option<MoeSpec>> {
     let Some(ck) = m.source.checkpoint() else {
         return Ok(None);
     };
-    let spec = match ck.format() {
-        Format::Gguf => MoeSpec::from_gguf(ck.metadata()),
-        _ => match ck.config() {
-            Some(cfg) => MoeSpec::from_hf_config(cfg),
-            None => Ok(None),
-        },
-    };
-    spec.map_err(|e| EngineError::Validation {
+    crate::planned::moe_of(ck).map_err(|e| EngineError::Validation {
         path: m.source.path().to_path_buf(),
         architecture: ck
             .spec()
@@ -487,7 +480,9 @@ impl Graph {
         let mut embed = linear(embd, None, None)?;
         embed.slot = Slot::Tensor(embd);
 
-        let dims = Dims::new(spec, runtime, seq_batch.0, seq_batch.1);
+        // the plan sizes the MLP regions for the experts the same way
+        let dims =
+            Dims::new(spec, runtime, seq_batch.0, seq_batch.1).with_experts(moe_spec.as_ref());
         if dims.tokens == 0 {
             return Err(invalid(
                 "runtime max_input_len",
@@ -775,7 +770,9 @@ impl Graph {
             }
             Ok(())
         };
-        let i = self.dims.inter as usize;
+        // the dense layers' width; the MLP regions (`dims.inter`) are at least as wide
+        let i = spec.intermediate_size as usize;
+        let region = self.dims.inter as usize;
         for l in &self.layers {
             if l.kv_heads == 0 || !nh.is_multiple_of(l.kv_heads) {
                 return Err(invalid(
@@ -814,10 +811,10 @@ impl Graph {
                 }
             }
             // the post-norms' output is written to the gate region on the way back
-            if (l.post_attn_norm.is_some() || l.post_ffn_norm.is_some()) && i < h {
+            if (l.post_attn_norm.is_some() || l.post_ffn_norm.is_some()) && region < h {
                 return Err(EngineError::Unsupported {
                     what: format!(
-                        "post-norms with an intermediate size {i} below the hidden size {h}"
+                        "post-norms with an intermediate size {region} below the hidden size {h}"
                     ),
                     detail: "the forward pass norms the block outputs through the MLP's workspace"
                         .into(),
