@@ -1102,6 +1102,23 @@ fn tiny_moe_dense_width_below_the_experts_runs_as_planned() {
                 let d = max_abs_diff(&floats(&got), &floats(&want));
                 assert!(got == want, "{what} n_cpu_moe={n}: max|Δ| {d}");
             }
+            // tensor-parallel, each device computing whole experts: within the pass's 1e-5
+            let (mut m, c, plan) = tp_load(&src, "virtual:2x64MiB", None).unwrap();
+            let held = m.memory();
+            for d in plan.devices() {
+                let got = held
+                    .iter()
+                    .find(|(x, _)| *x == d.name)
+                    .map_or(0, |(_, b)| *b);
+                assert_eq!(got, d.weights + d.kv + d.scratch, "{what} tp: {}", d.name);
+            }
+            m.set_compute(Compute::Exact);
+            for backend in [false, true] {
+                m.set_host_backend(backend);
+                let got = prompt_and_decode(&mut m, &c, &ids);
+                let d = max_abs_diff(&floats(&got), &floats(&want));
+                assert!(d <= 1e-5, "{what} tp, backend {backend}: max|Δ| {d}");
+            }
         }
     }
 }

@@ -303,7 +303,7 @@ impl Ctx<'_> {
             .map_or((self.runtime.max_input_len.max(1), 1), |c| {
                 (c.max_seq_len, c.batch_size)
             });
-        let dims = Dims::new(spec, &self.runtime, seq, batch);
+        let dims = Dims::new(spec, &self.runtime, seq, batch).with_experts(self.req.moe.as_ref());
         let mut out = vec![0u64; self.devs.len()];
         if dims.tokens == 0 {
             return out;

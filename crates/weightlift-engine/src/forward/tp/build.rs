@@ -347,7 +347,8 @@ impl TpGraph {
             ));
         }
         let splits = ctx.splits().clone();
-        let dims = Dims::new(spec, runtime, max_seq_len, batch);
+        // the plan sizes an expert device's MLP regions for its experts the same way
+        let dims = Dims::new(spec, runtime, max_seq_len, batch).with_experts(moe_spec.as_ref());
         if dims.tokens == 0 {
             return Err(invalid(
                 "runtime max_input_len",
