@@ -5,7 +5,9 @@
 // cache: K q8, V q4) and decoded as they are read, so no decoded copy of the cache exists.
 //
 // Grid: x = n_splits × kv_heads × chunks, y = queries (striding past 65535). Block (s, g, i)
-// takes split s of the keys of query i (at position start + i, seeing keys 0..=start + i) for
+// takes split s of the keys of query i (at position start + i, seeing keys 0..=start + i, or
+// its sliding window's last `window` of them; the splits cut the keys from the first query's
+// window start, so a sliding-window layer's blocks all meet keys of its window) for
 // the query heads of KV head g, all of them (GQA), or wl_att_block_heads(head_dim) of them per
 // chunk when the group is wider: every K/V row it reads meets all its heads, so the cache is
 // read once per block, not once per query head. Warp w takes keys lo + w, lo + w + 4, ... of the
@@ -27,8 +29,10 @@
 //
 // A decode step replayed from a CUDA graph cannot pass its position at launch: the graph keeps
 // the arguments it was captured with. Such a call passes `pos` (the device positions RoPE
-// reads) and `span` (the cache's rows): the first query's position is read on the device, and the
-// keys are split over the whole span, a count fixed per cache, so the grid never changes. The
+// reads) and `span` (the keys split, from the first query's window start): the first query's
+// position is read on the device, and the keys are split over the whole span, a count fixed
+// for many positions (the engine's span of the step, and for a sliding-window layer at most
+// its window: attention_window_span in weightlift-kernels), so the grid never changes. The
 // blocks of splits past the current length exit at once, and the reduce merges only the splits
 // that hold keys (wl_att_live_splits). A call with `pos` null splits the keys it sees, as before.
 //
@@ -89,7 +93,7 @@ struct WlAttShared {
 // queries and accumulators of every head stay in registers.
 template <int R, int HB, typename K, typename V>
 __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, float* out,
-                                                  wl_u64 n_q, wl_u64 start, wl_u64 keys,
+                                                  wl_u64 n_q, wl_u64 start, wl_u64 base, wl_u64 keys,
                                                   wl_u64 n_heads, wl_u64 kv_heads, int head_dim,
                                                   float scale, int f16_operands, wl_u64 n_splits,
                                                   wl_u64 window, float softcap, wl_u64 rows,
@@ -111,7 +115,7 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
     for (wl_u64 i = blockIdx.y; i < n_q; i += gridDim.y) {
         // a split past this query's keys holds none: the block writes nothing for it, and the
         // reduce does not read it (the same for every thread of the block)
-        if (s >= wl_att_live_splits(per, start + i + 1, n_splits)) continue;
+        if (s >= wl_att_live_splits(per, base, start + i + 1, n_splits)) continue;
         float qr[HB][R];
         float acc[HB][R];
         float m[HB];
@@ -130,11 +134,7 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
             l[g] = 0.0f;
         }
         wl_u64 lo, hi;
-        wl_att_split_range(per, s, start + i + 1, &lo, &hi);
-        // a sliding window: the keys at positions above start + i - window only (the splits
-        // stay those of the causal range, some of them empty)
-        const wl_u64 first = window != 0 && start + i + 1 > window ? start + i + 1 - window : 0;
-        if (lo < first) lo = first;
+        wl_att_split_range(per, s, base, start, i, window, &lo, &hi);
         for (wl_u64 j = lo + (wl_u64)warp; j < hi; j += WL_ATT_WARPS) {
             const wl_u64 row = wl_kv_cache_row(j, rows) * kvd + kh * hd;
             // d < head_dim is the same for all lanes of a warp whenever the reader shuffles
@@ -238,22 +238,22 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
     if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS || head_dim > WL_ATT_MAX_HD || kv_heads == 0 ||
         rows == 0)
         return;
-    wl_u64 start, keys;
-    if (!wl_att_where(pos, start_arg, n_q, span, &start, &keys)) return;
+    wl_u64 start, base, keys;
+    if (!wl_att_where(pos, start_arg, n_q, window, span, &start, &base, &keys)) return;
     // the head counts are wl_att_block_heads(head_dim), which the host's grid uses too
     switch (wl_att_lane_dims(head_dim)) {
         case 2:
-            wl_attention_body<2, WL_ATT_HEADS(2)>(q, k, v, out, n_q, start, keys, n_heads,
+            wl_attention_body<2, WL_ATT_HEADS(2)>(q, k, v, out, n_q, start, base, keys, n_heads,
                                                   kv_heads, head_dim, scale, f16_operands,
                                                   n_splits, window, softcap, rows, sh);
             break;
         case 4:
-            wl_attention_body<4, WL_ATT_HEADS(4)>(q, k, v, out, n_q, start, keys, n_heads,
+            wl_attention_body<4, WL_ATT_HEADS(4)>(q, k, v, out, n_q, start, base, keys, n_heads,
                                                   kv_heads, head_dim, scale, f16_operands,
                                                   n_splits, window, softcap, rows, sh);
             break;
         default:
-            wl_attention_body<8, WL_ATT_HEADS(8)>(q, k, v, out, n_q, start, keys, n_heads,
+            wl_attention_body<8, WL_ATT_HEADS(8)>(q, k, v, out, n_q, start, base, keys, n_heads,
                                                   kv_heads, head_dim, scale, f16_operands,
                                                   n_splits, window, softcap, rows, sh);
             break;
@@ -262,7 +262,8 @@ __device__ __forceinline__ void wl_attention(const float* q, K k, V v, float* ou
 
 // `out` is the output (n_q × n_heads × head_dim) when n_splits is 1, else the scratch of partial
 // results that attention_reduce_f32 merges into the output. `pos` null: the queries start at
-// `start`; else at pos[0], read on the device, with the keys split over `span` (wl_att_where).
+// `start`; else at pos[0], read on the device, with `span` keys split from the first query's
+// window start (wl_att_where).
 // `rows`: the rows k and v hold; the key at position j is read from row j % rows
 // (wl_kv_cache_row: a sliding-window layer's ring), and the host checks that the ring still
 // holds every key the window lets a query see.
@@ -288,21 +289,21 @@ WL_ATTENTION(q8_q4, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<7>)
 // query i in split order (weights e^(m_s - M), M the largest m_s, splits that met no key
 // weighing 0) and writes out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M). It reads only
 // the splits that hold keys of the query (wl_att_live_splits; the blocks of the others wrote
-// nothing), found from the same position, span and start as attention_{fmt}'s. Reads at most
+// nothing), found from the same position, span, start and window as attention_{fmt}'s. Reads at most
 // n_q × n_heads × n_splits × (head_dim + 2) values, writes n_q × n_heads × head_dim.
 extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_reduce_f32(
     const float* part, float* out, wl_u64 n_q, wl_u64 n_heads, int head_dim, wl_u64 n_splits,
-    wl_u64 start_arg, const int* pos, wl_u64 span) {
+    wl_u64 start_arg, const int* pos, wl_u64 span, wl_u64 window) {
     __shared__ float s_f[WL_ATT_MAX_SPLITS];
     __shared__ float s_inv;
     if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS) return;
-    wl_u64 start, keys;
-    if (!wl_att_where(pos, start_arg, n_q, span, &start, &keys)) return;
+    wl_u64 start, base, keys;
+    if (!wl_att_where(pos, start_arg, n_q, window, span, &start, &base, &keys)) return;
     const wl_u64 per = wl_att_split_keys(keys, n_splits);
     const wl_u64 h = blockIdx.x;
     const wl_u64 hd = (wl_u64)head_dim;
     for (wl_u64 i = blockIdx.y; i < n_q; i += gridDim.y) {
-        const wl_u64 live = wl_att_live_splits(per, start + i + 1, n_splits);
+        const wl_u64 live = wl_att_live_splits(per, base, start + i + 1, n_splits);
         const wl_u64 rec0 = wl_att_part_record(i, h, 0, n_heads, n_splits);
         const float* ml = part + wl_att_part_ml(rec0, n_q, n_heads, n_splits, head_dim);
         // every thread finds the same maximum; the weights are then one a thread

@@ -42,43 +42,62 @@ WL_HD wl_u64 wl_att_split_keys(wl_u64 n_keys, wl_u64 n_splits) {
     return n_splits == 0 ? n_keys : (n_keys + n_splits - 1) / n_splits;
 }
 
-// Where a call's queries are and how its keys are split. A call given its first position by
-// the host (`pos` null) splits the keys of its last query, `start + n_q`. A call that reads it
-// from device memory (`pos`: the i32 positions RoPE reads, pos[0] the first query's) splits
-// `span` keys, the cache's capacity, so its grid and splits stay the same at every position
-// and a captured graph replays at any: the splits past the current length are empty. Writes the
-// first query's position and the keys the splits cut; 0 when the position read is negative or
-// leaves the queries past `span` (the call then computes nothing).
-WL_HD int wl_att_where(const int* pos, wl_u64 start_arg, wl_u64 n_q, wl_u64 span, wl_u64* start,
-                       wl_u64* keys) {
+// The first key query i (at position start + i) meets: past a sliding window of `window` keys,
+// else 0.
+WL_HD wl_u64 wl_fa_first_key(wl_u64 start, wl_u64 i, wl_u64 window) {
+    return window != 0 && start + i + 1 > window ? start + i + 1 - window : 0;
+}
+
+// Where a call's queries are and which keys its splits cut: `keys` keys from position `base`,
+// the first query's window start (0 without a window), so a sliding-window layer's splits cover
+// its window's keys rather than every position before it (each later query's window starts
+// later still, and its keys end later: the splits reach them). A call given its first position
+// by the host (`pos` null) splits the keys from `base` to its last query, `start + n_q`. A call
+// that reads it from device memory (`pos`: the i32 positions RoPE reads, pos[0] the first
+// query's) splits `span` keys from `base`, so its grid and splits stay the same at every
+// position and a captured graph replays at any: the splits past the current length are empty.
+// Writes the first query's position, the first key split and the keys split; 0 when the
+// position read is negative or its queries see more than `span` keys from `base` (the call then
+// computes nothing).
+WL_HD int wl_att_where(const int* pos, wl_u64 start_arg, wl_u64 n_q, wl_u64 window, wl_u64 span,
+                       wl_u64* start, wl_u64* base, wl_u64* keys) {
     if (pos == 0) {
         *start = start_arg;
-        *keys = start_arg + n_q;
+        *base = wl_fa_first_key(start_arg, 0, window);
+        *keys = start_arg + n_q - *base;
         return 1;
     }
     const int p = pos[0];
-    if (p < 0 || (wl_u64)p + n_q > span) return 0;
+    if (p < 0) return 0;
+    const wl_u64 first = wl_fa_first_key((wl_u64)p, 0, window);
+    if ((wl_u64)p + n_q - first > span) return 0;
     *start = (wl_u64)p;
+    *base = first;
     *keys = span;
     return 1;
 }
 
-// The splits of `per` keys holding at least one key of a query that sees `total` keys: the first
-// ceil(total / per), at most n_splits. The blocks of the later, empty, splits exit before they
-// write anything, and the reduce merges only these.
-WL_HD wl_u64 wl_att_live_splits(wl_u64 per, wl_u64 total, wl_u64 n_splits) {
+// The splits of `per` keys from `base` holding at least one key of a query whose keys end
+// before position `end`: the first ceil((end - base) / per), at most n_splits. The blocks of the
+// later, empty, splits exit before they write anything, and the reduce merges only these.
+WL_HD wl_u64 wl_att_live_splits(wl_u64 per, wl_u64 base, wl_u64 end, wl_u64 n_splits) {
+    const wl_u64 total = end > base ? end - base : 0;
     const wl_u64 n = per == 0 ? 0 : (total + per - 1) / per;
     return n < n_splits ? n : n_splits;
 }
 
-// Keys [lo, hi) of split `s` of `per` keys for a query that sees `total` keys (causal: query i
-// at position start + i sees total = start + i + 1). An earlier query's last splits may be
-// empty (lo >= hi).
-WL_HD void wl_att_split_range(wl_u64 per, wl_u64 s, wl_u64 total, wl_u64* lo, wl_u64* hi) {
-    wl_u64 a = s * per;
-    wl_u64 b = a + per;
-    *lo = a;
-    *hi = b < total ? b : total;
+// Keys [lo, hi) that split `s` of `per` keys from `base` folds for query i (at position
+// start + i: causal, it sees keys up to start + i, and with a window only the last `window` of
+// them). An earlier query's last splits may be empty (lo >= hi), and so may a later query's
+// first ones, whose keys come before its own window.
+WL_HD void wl_att_split_range(wl_u64 per, wl_u64 s, wl_u64 base, wl_u64 start, wl_u64 i,
+                              wl_u64 window, wl_u64* lo, wl_u64* hi) {
+    const wl_u64 end = start + i + 1;
+    const wl_u64 first = wl_fa_first_key(start, i, window);
+    const wl_u64 a = base + s * per;
+    const wl_u64 b = a + per;
+    *lo = a < first ? first : a;
+    *hi = b < end ? b : end;
 }
 
 // x rounded to f16 and back (the f16_operands rule: llama.cpp's CPU products convert the f32
@@ -167,12 +186,6 @@ WL_HD wl_u64 wl_att_part_ml(wl_u64 rec, wl_u64 n_q, wl_u64 n_heads, wl_u64 n_spl
 
 // Rows a block takes for heads of `head_dim` (the host sizes the grid with the same rule).
 WL_HD int wl_fa_rows(int head_dim) { return WL_FA_ROWS(wl_att_lane_dims(head_dim)); }
-
-// The first key query i (at position start + i) meets: past a sliding window of `window` keys,
-// else 0.
-WL_HD wl_u64 wl_fa_first_key(wl_u64 start, wl_u64 i, wl_u64 window) {
-    return window != 0 && start + i + 1 > window ? start + i + 1 - window : 0;
-}
 
 // A key's weight before the softmax from its dot product `t`: scaled, then soft-capped
 // (gemma2: softcap * tanh(w / softcap)) when softcap > 0, as attention_{fmt} does.

@@ -474,8 +474,8 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
         kv_heads == 0 || n_heads % kv_heads != 0 || rows == 0) {
         return 0;
     }
-    wl_u64 start = 0, keys = 0;
-    if (!wl_att_where(pos, start_arg, n_q, span, &start, &keys)) return 0;
+    wl_u64 start = 0, base = 0, keys = 0;
+    if (!wl_att_where(pos, start_arg, n_q, window, span, &start, &base, &keys)) return 0;
     const float neg_inf = wl_bits_to_f32(0xff800000u);
     const int R = wl_att_lane_dims(head_dim);
     const int hb = wl_att_block_heads(head_dim);
@@ -503,12 +503,10 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
                     }
                 }
                 // the blocks of the splits past this query's keys write nothing
-                const wl_u64 live = wl_att_live_splits(per, start + i + 1, n_splits);
+                const wl_u64 live = wl_att_live_splits(per, base, start + i + 1, n_splits);
                 for (wl_u64 s = 0; s < live; s++) {
                     wl_u64 lo, hi;
-                    wl_att_split_range(per, s, start + i + 1, &lo, &hi);
-                    const wl_u64 first = window != 0 && start + i + 1 > window ? start + i + 1 - window : 0;
-                    if (lo < first) lo = first;
+                    wl_att_split_range(per, s, base, start, i, window, &lo, &hi);
                     for (int w = 0; w < WL_ATT_WARPS; w++) {
                         for (int g = 0; g < ng; g++) {
                             m[w * WL_ATT_MAX_GROUP + g] = neg_inf;
@@ -572,7 +570,7 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
     if (n_splits == 1) return 1;
     float f[WL_ATT_MAX_SPLITS];
     for (wl_u64 i = 0; i < n_q; i++) {
-        const wl_u64 live = wl_att_live_splits(per, start + i + 1, n_splits);
+        const wl_u64 live = wl_att_live_splits(per, base, start + i + 1, n_splits);
         for (wl_u64 h = 0; h < n_heads; h++) {
             const wl_u64 rec0 = wl_att_part_record(i, h, 0, n_heads, n_splits);
             const float* ml = part + wl_att_part_ml(rec0, n_q, n_heads, n_splits, head_dim);
@@ -590,6 +588,26 @@ extern "C" int wl_host_attention(int k_fmt, int v_fmt, const float* q, const voi
         }
     }
     return 1;
+}
+
+// The keys each split of attention_{fmt} folds for query i of a call, found as the kernel finds
+// them (wl_att_where, wl_att_live_splits, wl_att_split_range): [lo, hi) of live split s in
+// ranges[2 s] and ranges[2 s + 1] (2 × n_splits values). Returns the live splits, or -1 when the
+// kernel computes nothing (a position outside the span) or the call is outside its shapes.
+extern "C" long long wl_host_att_splits(const int* pos, size_t start_arg, size_t n_q, size_t window,
+                                        size_t span, size_t n_splits, size_t i, size_t* ranges) {
+    if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS || i >= n_q) return -1;
+    wl_u64 start = 0, base = 0, keys = 0;
+    if (!wl_att_where(pos, start_arg, n_q, window, span, &start, &base, &keys)) return -1;
+    const wl_u64 per = wl_att_split_keys(keys, n_splits);
+    const wl_u64 live = wl_att_live_splits(per, base, start + i + 1, n_splits);
+    for (wl_u64 s = 0; s < live; s++) {
+        wl_u64 lo, hi;
+        wl_att_split_range(per, s, base, start, i, window, &lo, &hi);
+        ranges[2 * s] = lo;
+        ranges[2 * s + 1] = hi;
+    }
+    return (long long)live;
 }
 
 // wl_fa_rows, for the test that the host's launch grid agrees with it.

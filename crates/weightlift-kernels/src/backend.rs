@@ -468,17 +468,20 @@ pub enum Op<'a, B> {
 
 /// Where an [`Op::Attention`] reads its first query's position: a replayed graph keeps the
 /// arguments it was captured with, so a decode step's position must come from device memory.
-/// CUDA then splits the keys over `span` (a count that does not follow the position, so the
-/// grid is the same at every step; the splits past the current length exit at once), and
-/// refuses nothing it cannot see: a position whose queries pass `span` computes nothing there.
+/// CUDA then splits `span` keys from the first query's window start (a count that does not
+/// follow the position, so the grid is the same at every step; the splits past the current
+/// length exit at once), and refuses nothing it cannot see: a position whose queries see more
+/// than `span` keys from there computes nothing.
 /// The CPU backend reads the position from its buffer, refuses one past `span`, and gives the
 /// bits of the call with that `start`.
 #[derive(Debug)]
 pub struct StartAt<'a, B> {
     /// i32 positions (those RoPE reads): the first is the first query's.
     pub positions: &'a B,
-    /// The keys split (`k` and `v` hold at least that many rows): the queries stay below it.
-    /// A decode step takes [`crate::sources::attention_decode_span`].
+    /// The keys split, from the first query's window start (key 0 without a window): the
+    /// queries see no more. `k` and `v` hold at least that many rows, or all `cache_rows` with
+    /// a window. A decode step takes [`crate::sources::attention_decode_span`], cut to a
+    /// sliding window's keys by [`crate::sources::attention_window_span`].
     pub span: usize,
 }
 

@@ -660,11 +660,13 @@ impl CpuBackend {
                     None => start,
                     Some(at) => {
                         self.own(at.positions)?;
-                        let start = read_start(at, n_q)?;
+                        let start = read_start(at, n_q, window)?;
                         // the cache holds the span's rows (the ring's, when fewer), as CUDA
-                        // checks
+                        // checks; with a window the span counts keys from the window's start,
+                        // so any position may come, and the cache holds all its rows
+                        let last = if window > 0 { cache_rows } else { at.span };
                         let rows =
-                            crate::backend::kv_values(at.span.min(cache_rows), kv_heads, head_dim)?;
+                            crate::backend::kv_values(last.min(cache_rows), kv_heads, head_dim)?;
                         check_range("attention key bytes", k.len, 0, k_format.byte_at(rows))?;
                         check_range("attention value bytes", v.len, 0, v_format.byte_at(rows))?;
                         start
@@ -1066,12 +1068,20 @@ fn ring_values<'b>(
 }
 
 /// The first query's position of an [`Op::Attention`] that reads it from `at`, refused when it is
-/// negative or its `n_q` queries pass the span.
-fn read_start(at: &crate::backend::StartAt<'_, CpuBuffer>, n_q: usize) -> Result<usize> {
+/// negative or its `n_q` queries pass the span: see more than `span` keys from the first
+/// query's window start (of `window` keys, 0: none), as CUDA's kernel refuses them.
+fn read_start(
+    at: &crate::backend::StartAt<'_, CpuBuffer>,
+    n_q: usize,
+    window: usize,
+) -> Result<usize> {
     let p = at.positions.typed::<i32>("attention position", 1)?[0];
     usize::try_from(p)
         .ok()
-        .filter(|&s| s.checked_add(n_q).is_some_and(|end| end <= at.span))
+        .filter(|&s| {
+            s.checked_add(n_q)
+                .is_some_and(|end| end - cpu::attention::window_start(s, window) <= at.span)
+        })
         .ok_or_else(|| KernelError::Shape {
             op: "attention",
             reason: format!(

@@ -157,6 +157,16 @@ unsafe extern "C" {
         softcap: f32,
         rows: usize,
     ) -> i32;
+    fn wl_host_att_splits(
+        pos: *const i32,
+        start: usize,
+        n_q: usize,
+        window: usize,
+        span: usize,
+        n_splits: usize,
+        i: usize,
+        ranges: *mut usize,
+    ) -> i64;
 }
 
 /// Dequantises with the host build of `wl_dequant.cuh`.
@@ -844,8 +854,9 @@ fn check_attention(
 /// `q` over the cache rows `k` and `v` (stored as `k_format` and `v_format`, at least
 /// `start + n_q` rows each, or `rows` rows holding the key at position `j` in row `j % rows`).
 /// `span` 0: the keys the queries see are split, as for a call given its position; else the
-/// kernel reads `start` from device memory and splits `span` keys (`start + n_q` at most). The
-/// shape's window and soft-cap apply as the kernel applies them.
+/// kernel reads `start` from device memory and splits `span` keys. Either way the splits start
+/// at the first query's window start (`AttnShape::first_key`), and the queries see at most
+/// `span` keys from there. The shape's window and soft-cap apply as the kernel applies them.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     k_format: KvFormat,
@@ -895,9 +906,11 @@ pub fn attention(
         .ok_or_else(|| bad("the partial results overflow".into()))?;
     let mut part = vec![0f32; if splits > 1 { part_len } else { 0 }];
     let pos = [i32::try_from(start).map_err(|_| bad(format!("position {start} past i32")))?];
-    if span > 0 && start + n_q > span {
+    // the keys split start at the first query's window start
+    let first = shape.first_key();
+    if span > 0 && start + n_q - first > span {
         return Err(bad(format!(
-            "{n_q} queries from {start} past a span of {span} keys"
+            "{n_q} queries from {start} past a span of {span} keys from key {first}"
         )));
     }
     // SAFETY: q, k, v and out hold what the shape reads and writes (checked above), part the
@@ -937,6 +950,49 @@ pub fn attention(
         )));
     }
     Ok(())
+}
+
+/// The keys each block of `attention_{format}` split `splits` ways folds for query `i` of a call
+/// of `n_q` queries from position `start` with a sliding window of `window` keys (0: none):
+/// `[lo, hi)` for each split holding keys of the query, in split order, as the kernel's own
+/// header finds them. `span` 0: the position given at launch; else read from device memory,
+/// with `span` keys split. `None` where the kernel computes nothing: a position whose queries
+/// see more than `span` keys from the first query's window start, or a call outside its shapes.
+pub fn attention_splits(
+    (start, n_q, window): (usize, usize, usize),
+    (splits, span): (usize, usize),
+    i: usize,
+) -> Option<Vec<std::ops::Range<usize>>> {
+    if splits == 0 || splits > crate::sources::ATTENTION_MAX_SPLITS {
+        return None;
+    }
+    let pos = [i32::try_from(start).ok()?];
+    let mut ranges = vec![0usize; 2 * splits];
+    // SAFETY: `ranges` holds two values for each of the `splits` splits (at most the header's
+    // WL_ATT_MAX_SPLITS, checked), all the shim writes; `pos` one position.
+    let live = unsafe {
+        wl_host_att_splits(
+            if span > 0 {
+                pos.as_ptr()
+            } else {
+                std::ptr::null()
+            },
+            start,
+            n_q,
+            window,
+            span,
+            splits,
+            i,
+            ranges.as_mut_ptr(),
+        )
+    };
+    let live = usize::try_from(live).ok()?;
+    Some(
+        ranges[..2 * live]
+            .chunks_exact(2)
+            .map(|r| r[0]..r[1])
+            .collect(),
+    )
 }
 
 /// The header's `wl_fa_rows`: the (query, head) rows one `attention_prefill_{format}` block

@@ -207,10 +207,10 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     // (x, bias, n values, n_cols)
     ("add_bias_", &[Ptr, Ptr, U64, U64]),
     // the splits merged, before the family its name starts with: (part, out, n_q, n_heads,
-    // head_dim, n_splits, start, positions or null, span)
+    // head_dim, n_splits, start, positions or null, span, window)
     (
         "attention_reduce_",
-        &[Ptr, Ptr, U64, U64, I32, U64, U64, Ptr, U64],
+        &[Ptr, Ptr, U64, U64, I32, U64, U64, Ptr, U64, U64],
     ),
     // prompts, before the family its name starts with: (q, k, v, out, n_q, start, n_heads,
     // kv_heads, head_dim, scale, f16_operands, window, softcap, cache rows)
@@ -222,8 +222,8 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ),
     // (q, k, v, out or partial results, n_q, start, n_heads, kv_heads, head_dim, scale,
     // f16_operands, n_splits, window, softcap, positions or null, span, cache rows): with
-    // positions, the first query's position is read on the device and the keys split over span;
-    // the key at position p is in cache row p % cache rows
+    // positions, the first query's position is read on the device and span keys split from its
+    // window's start; the key at position p is in cache row p % cache rows
     (
         "attention_",
         &[
@@ -522,6 +522,21 @@ pub fn attention_decode_span(keys: usize, capacity: usize) -> usize {
         .min(capacity)
 }
 
+/// The keys a one-query attention call of a layer with a sliding window of `window` keys (0:
+/// none) splits, given the step's [`attention_decode_span`] `span` for `n_q` queries: its
+/// splits start at the first query's window start, so its queries see at most
+/// `window + n_q - 1` keys from there, and a span of more would give most of its blocks no key
+/// (a 128k-token gemma3 step split over 128k keys where each sliding layer sees 1,024). The
+/// span is then `span` while the window is not yet full, and `window + n_q - 1` once it is: a
+/// function of `span`, so every position of a step's span keeps one grid and a captured graph
+/// replays at each. It never passes a ring's rows, which hold the window's keys.
+pub fn attention_window_span(span: usize, window: usize, n_q: usize) -> usize {
+    match window {
+        0 => span,
+        w => span.min(w.saturating_add(n_q.saturating_sub(1))),
+    }
+}
+
 /// Attention blocks per SM the splits aim for: two blocks of four warps give each SM eight
 /// warps to hide the latency of the cache reads with.
 pub const ATTENTION_BLOCKS_PER_SM: usize = 2;
@@ -574,7 +589,9 @@ pub struct AttentionGrid {
 }
 
 /// The grid of an attention call of `[n_heads, kv_heads, head_dim, n_q, start]` (a checked
-/// shape: `kv_heads` divides `n_heads`) on a GPU of `sm_count` SMs: the split that fills it
+/// shape: `kv_heads` divides `n_heads`), splitting `start + n_q` keys (a call with a sliding
+/// window splits those from its first query's window start, and counts `start` from there), on
+/// a GPU of `sm_count` SMs: the split that fills it
 /// ([`attention_splits`]), cut to what `scratch_values` f32 of scratch hold for the call's
 /// partial results ([`attention_scratch_values`]; no room for two splits: no split).
 pub fn attention_grid(
@@ -830,6 +847,22 @@ mod tests {
         assert_eq!(attention_decode_span(3000, 3000), 3000);
         assert_eq!(attention_decode_span(100, 128), 128);
         assert_eq!(attention_decode_span(usize::MAX, 64), 64);
+    }
+
+    #[test]
+    fn a_sliding_layers_span_is_its_window_once_full() {
+        // no window: the step's span
+        assert_eq!(attention_window_span(4096, 0, 1), 4096);
+        // gemma3's 1,024-key window: the step's span until it passes the window, then the
+        // window at every longer span
+        assert_eq!(attention_window_span(256, 1024, 1), 256);
+        assert_eq!(attention_window_span(1024, 1024, 1), 1024);
+        for span in [2048, 4096, 1 << 17] {
+            assert_eq!(attention_window_span(span, 1024, 1), 1024);
+        }
+        // three queries see up to two keys more from the first one's window start
+        assert_eq!(attention_window_span(4096, 1024, 3), 1026);
+        assert_eq!(attention_window_span(usize::MAX, usize::MAX, 2), usize::MAX);
     }
 
     #[test]

@@ -1768,4 +1768,204 @@ mod twin {
             }
         }
     }
+
+    /// The positions a decode test visits with a window of `window` keys: before the window
+    /// fills, the last before and the first after it does, far past it, and either side of each
+    /// power of two from 256 (where the step's span changes).
+    fn decode_positions(window: usize, far: usize) -> Vec<usize> {
+        let mut ps = vec![
+            0,
+            1,
+            2,
+            window / 2,
+            window.saturating_sub(2),
+            window - 1,
+            window,
+        ];
+        ps.extend([window + 1, 2 * window + 3, far - 1, far]);
+        for b in [256, 512, 1024, 2048, 4096] {
+            ps.extend([b - 1, b]);
+        }
+        ps.sort_unstable();
+        ps.dedup();
+        ps
+    }
+
+    /// A sliding-window layer's decode splits cover exactly its window's keys: with the span
+    /// the engine gives it (`attention_window_span` of the step's `attention_decode_span`),
+    /// the splits of every query hold positions `max(0, p + 1 - window) ..= p` once each, in
+    /// order, none of them empty; once the window is full every split holds keys (a split
+    /// count that divides the window), where a span over every position left most of them
+    /// empty. Positions before, at and far past the window, either side of each span change,
+    /// the position given at launch and read from the device, one query and three.
+    #[test]
+    fn a_sliding_layers_decode_splits_cover_its_window_once() {
+        use weightlift_kernels::sources::{attention_decode_span, attention_window_span};
+        let capacity = 1 << 17;
+        for window in [64, 1024, 4096] {
+            for p in decode_positions(window, 100_000) {
+                for n_q in [1, 3] {
+                    let full = attention_decode_span(p + n_q, capacity);
+                    let span = attention_window_span(full, window, n_q);
+                    assert!(
+                        span <= window + n_q - 1 && span <= full,
+                        "{window} at {p}: {span}"
+                    );
+                    for splits in [1, 8, 16, 64] {
+                        for at in [0, span] {
+                            let what = format!(
+                                "window {window}, {n_q} queries at {p}, {splits} splits over \
+                                 {at} keys"
+                            );
+                            for i in 0..n_q {
+                                let got =
+                                    host_shim::attention_splits((p, n_q, window), (splits, at), i)
+                                        .unwrap_or_else(|| panic!("{what}: refused"));
+                                let first = (p + i + 1).saturating_sub(window);
+                                let mut next = first;
+                                // a later query's window starts after the first's: the splits
+                                // wholly before it are empty for it
+                                let empty = got.iter().take_while(|r| r.start >= r.end).count();
+                                assert!(empty <= i, "{what}, query {i}: {got:?}");
+                                for r in &got[empty..] {
+                                    assert!(
+                                        r.start == next && r.start < r.end,
+                                        "{what}, query {i}: {got:?} from {first}"
+                                    );
+                                    next = r.end;
+                                }
+                                assert_eq!(next, p + i + 1, "{what}, query {i}: {got:?}");
+                                if n_q == 1 && at > 0 && p + 1 >= window {
+                                    assert_eq!(got.len(), splits, "{what}: {got:?}");
+                                }
+                            }
+                            // the step's span over every position leaves the window's keys to
+                            // the last of its splits
+                            if n_q == 1
+                                && splits > 1
+                                && at > 0
+                                && p + 1 >= window
+                                && full >= 4 * window
+                            {
+                                let per = full.div_ceil(splits);
+                                let old = (p + 1).div_ceil(per) - (p + 1 - window) / per;
+                                assert!(old < splits, "{what}: {old} live before");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // a position read from the device whose window's keys pass the span computes nothing
+        assert!(host_shim::attention_splits((5000, 1, 1024), (8, 1023), 0).is_none());
+        assert!(host_shim::attention_splits((5000, 1, 1024), (8, 1024), 0).is_some());
+        assert!(host_shim::attention_splits((300, 1, 0), (8, 256), 0).is_none());
+    }
+
+    /// Every position of one step's span gives a sliding-window layer the same span and so the
+    /// same launch grid, and the kernel takes each of them: a graph captured at one position
+    /// replays at all the others. Past the window the grid no longer follows the step's span.
+    #[test]
+    fn a_sliding_layers_decode_grid_is_one_per_span() {
+        use weightlift_kernels::sources::{
+            attention_decode_span, attention_grid, attention_scratch_values, attention_window_span,
+        };
+        let capacity = 1 << 17;
+        // a gemma3 sliding layer's heads (8 over 4 kv heads of 256) on a 132-SM GPU
+        let (nh, kvh, hd, sms) = (8, 4, 256, 132);
+        let room = attention_scratch_values(1, nh, hd, 128).unwrap();
+        for window in [64, 1024, 4096] {
+            let mut seen: Vec<(usize, usize, weightlift_kernels::sources::AttentionGrid)> =
+                Vec::new();
+            for p in (0..20_000).chain([65_535, 65_536, 100_000, capacity - 1]) {
+                let full = attention_decode_span(p + 1, capacity);
+                let span = attention_window_span(full, window, 1);
+                let grid = attention_grid([nh, kvh, hd, 1, span - 1], sms, room);
+                match seen.iter().find(|s| s.0 == full) {
+                    Some(&(_, s, g)) => assert!(
+                        s == span && g == grid,
+                        "window {window} at {p}: span {span} grid {grid:?}, {s} {g:?} before"
+                    ),
+                    None => seen.push((full, span, grid)),
+                }
+                assert!(
+                    host_shim::attention_splits((p, 1, window), (grid.splits, span), 0).is_some(),
+                    "window {window} at {p}: refused over {span} keys"
+                );
+            }
+            // past the window, one grid for every step's span
+            let past: Vec<_> = seen.iter().filter(|s| s.0 >= window).collect();
+            assert!(past.len() > 3, "{window}: {past:?}");
+            assert!(
+                past.iter().all(|s| s.1 == window && s.2 == past[0].2),
+                "{window}: {past:?}"
+            );
+        }
+    }
+
+    /// A sliding-window layer's decode over the span `attention_window_span` gives it (the
+    /// splits cut from its window's start), replayed on the host with the position read from
+    /// the device: over a ring the bits it gives over a cache of every position, and the CPU
+    /// backend's attention within the bounds of `split_attention_matches_the_cpu_backend`, at
+    /// positions before, at and past the window.
+    #[test]
+    fn a_sliding_layers_decode_over_its_window_span_is_its_attention() {
+        use weightlift_kernels::cpu::attention::AttnShape;
+        use weightlift_kernels::sources::{attention_decode_span, attention_window_span};
+        let mut rng = Rng(0x5a11);
+        let (nh, kvh, hd) = (4, 2, 64);
+        let kvd = kvh * hd;
+        let (window, ring) = (40, 48);
+        for p in [0, 5, 38, 39, 40, 41, 255, 256, 700] {
+            let keys = p + 1;
+            let q = rng.vec(nh * hd, 2.0);
+            let kx = rng.vec(keys * kvd, 2.0);
+            let vx = rng.vec(keys * kvd, 1.0);
+            let (kf, vf) = (KvFormat::Q8, KvFormat::Q4);
+            let enc = |x: &[f32], f: KvFormat| {
+                let mut out = vec![0u8; f.byte_at(x.len())];
+                kv_encode(f, x, &mut out).unwrap();
+                out
+            };
+            let (kfull, vfull) = (enc(&kx, kf), enc(&vx, vf));
+            let ring_of = |full: &[u8], f: KvFormat| {
+                let row = f.byte_at(kvd);
+                let mut out = vec![0u8; ring * row];
+                for j in keys.saturating_sub(ring)..keys {
+                    let r = j % ring;
+                    out[r * row..(r + 1) * row].copy_from_slice(&full[j * row..(j + 1) * row]);
+                }
+                out
+            };
+            let (kring, vring) = (ring_of(&kfull, kf), ring_of(&vfull, vf));
+            let shape = AttnShape::new(nh, kvh, hd, 1, p, 0.125, false)
+                .unwrap()
+                .masked(window, 0.0);
+            let want = cpu_attention((kf, vf), (shape, keys), &q, &kfull, &vfull);
+            let span = attention_window_span(attention_decode_span(keys, 1 << 17), window, 1);
+            for splits in [1, 4, 7] {
+                let twin = |k: &[u8], v: &[u8], rows: usize| {
+                    let mut out = vec![f32::NAN; q.len()];
+                    host_shim::attention(kf, vf, shape, (splits, span, rows), &q, k, v, &mut out)
+                        .unwrap();
+                    out
+                };
+                let full = twin(&kfull, &vfull, keys);
+                let got = twin(&kring, &vring, ring);
+                let what = format!("window {window} at {p}, {splits} splits over {span} keys");
+                assert!(
+                    got.iter()
+                        .zip(&full)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{what}: ring and full differ"
+                );
+                for (i, (g, w)) in full.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5,
+                        "{what}: value {i}: twin {g}, cpu {w}"
+                    );
+                }
+            }
+        }
+    }
 }

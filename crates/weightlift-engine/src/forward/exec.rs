@@ -1360,7 +1360,9 @@ struct PieceRows<'r, T> {
 /// A decode step (one token) on a cache held in place takes the ops' device-position forms: the
 /// row written and attention's position come from the positions buffer, the cache is passed
 /// whole, and CUDA splits the keys over a span of the cache's rows that changes only at powers of
-/// two (`attention_decode_span`). Nothing of the step's position is then a launch argument, so
+/// two (`attention_decode_span`), and for a sliding-window layer over its window's keys once the
+/// window is full (`attention_window_span`, a function of the step's span and the window, so
+/// still one per span). Nothing of the step's position is then a launch argument, so
 /// a captured CUDA graph replays it (see `graph::run`), and graphs on or off run the same
 /// kernels. Prompts, and offloaded caches (whose device slot holds the
 /// layer only while it is lent), pass the rows and the position from the host; a prompt whose
@@ -1396,8 +1398,13 @@ fn attend_piece<B: Exec>(
     cache.check_attend(li, a.window, pos as u64, n as u64)?;
     // a chunk whose rows wrap past the ring's end is stored at its positions' rows
     let wraps = pos % ring + n > ring;
-    // the keys attention splits: one span for many positions (a captured step's key holds it)
-    let span = weightlift_kernels::sources::attention_decode_span(pos + n, capacity);
+    // the keys attention splits: one span for many positions (a captured step's key holds it),
+    // a sliding layer's only its window's (its splits start at the window's first key)
+    let span = weightlift_kernels::sources::attention_window_span(
+        weightlift_kernels::sources::attention_decode_span(pos + n, capacity),
+        a.window,
+        n,
+    );
     let attend = |kb: &mut Buffer, vb: &mut Buffer| -> Result<()> {
         let mut kc = b.whole_mut(kb)?;
         let mut vc = b.whole_mut(vb)?;

@@ -78,6 +78,15 @@ const TASK_ROWS: usize = 48;
 /// of rows costs less than handing work to another thread).
 const MIN_PARALLEL_WORK: usize = 1 << 18;
 
+/// The first key position a query at `position` sees under a sliding window of `window` keys
+/// (0: none, and every key from 0), as the kernels' `wl_fa_first_key`.
+pub fn window_start(position: usize, window: usize) -> usize {
+    match window {
+        0 => 0,
+        w => (position + 1).saturating_sub(w),
+    }
+}
+
 /// The sizes of one attention call: `n_q` queries at positions `start..start + n_q`, of
 /// `n_heads` heads of `head_dim` values, over the keys at positions `0..start + n_q` of
 /// `kv_heads` heads (query head `h` reads kv head `h / (n_heads / kv_heads)`).
@@ -167,10 +176,7 @@ impl AttnShape {
     /// The first key position any query of the call sees: where the first query's window
     /// starts, 0 without a window.
     pub fn first_key(&self) -> usize {
-        match self.window {
-            0 => 0,
-            w => (self.start + 1).saturating_sub(w),
-        }
+        window_start(self.start, self.window)
     }
 
     /// The first key of the first tile (of `tile` keys, counted from key 0) that holds a key

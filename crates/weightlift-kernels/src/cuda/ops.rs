@@ -669,7 +669,9 @@ impl CudaBackend {
                 }
                 let name = attention_kernel(k_format, v_format)?;
                 // with the position read on the device, the shape checked is that of the last
-                // position the span allows: the cache must hold all its rows
+                // position the span allows without a window: the cache must hold all its rows
+                // (with a window the span counts keys from the window's start, any position
+                // may come, and the cache must hold all its ring's rows)
                 let start = match &start_at {
                     None => start,
                     Some(at) => {
@@ -711,7 +713,7 @@ impl CudaBackend {
                 }
                 // the keys the queries see all in the ring (position p in row p % cache_rows),
                 // and the rows read in the buffers
-                crate::cpu::attention::AttnShape::new(
+                let shape = crate::cpu::attention::AttnShape::new(
                     n_heads,
                     kv_heads,
                     head_dim,
@@ -720,10 +722,13 @@ impl CudaBackend {
                     scale,
                     f16_operands,
                 )?
-                .masked(window, softcap)
-                .check_rows(cache_rows)?;
-                let held = mul(mul(sh.start + n_q, kv_heads), head_dim)
-                    .min(mul(mul(cache_rows, kv_heads), head_dim));
+                .masked(window, softcap);
+                shape.check_rows(cache_rows)?;
+                let last = match &start_at {
+                    Some(_) if window > 0 => cache_rows,
+                    _ => sh.start + n_q,
+                };
+                let held = mul(mul(last.min(cache_rows), kv_heads), head_dim);
                 need("attention key bytes", k, k_format.byte_at(held))?;
                 need("attention value bytes", v, v_format.byte_at(held))?;
                 need("attention output bytes", out, mul(sh.q_values(), 4))?;
@@ -769,8 +774,13 @@ impl CudaBackend {
                     return Ok(());
                 }
                 let room = scratch.as_deref().map_or(0, |b| b.slice.len() / 4);
+                // the keys split, from the first query's window start (wl_att_where): the span,
+                // or those the queries see
+                let keys = start_at
+                    .as_ref()
+                    .map_or(start + n_q - shape.first_key(), |at| at.span);
                 let grid = attention_grid(
-                    [n_heads, kv_heads, head_dim, n_q, start],
+                    [n_heads, kv_heads, head_dim, n_q, keys - n_q],
                     self.sm_count,
                     room,
                 );
@@ -827,6 +837,7 @@ impl CudaBackend {
                     KArg::U64(fixed.start),
                     pos.map_or(KArg::Null, KArg::In),
                     KArg::U64(fixed.span),
+                    KArg::U64(fixed.window),
                 ];
                 // SAFETY: block (h, i) reads the partial results of the splits holding keys of
                 // query i (those the pass above wrote, found by the same position rule) of head
@@ -852,8 +863,8 @@ struct AttentionArgs {
     splits: u64,
     window: u64,
     softcap: f32,
-    /// The cache rows the keys are split over when the position is read on the device (0: it
-    /// is `start`).
+    /// The keys split (from the first query's window start) when the position is read on the
+    /// device (0: it is `start`).
     span: u64,
     /// The rows the cache layer holds: the key at position `p` is in row `p % rows`.
     rows: u64,

@@ -70,7 +70,8 @@ pub(crate) struct CacheKey {
     /// Each layer's key and value addresses.
     pub layers: Vec<(u64, u64)>,
     /// The keys attention splits at this step's position (its grid follows them; see
-    /// `weightlift_kernels::sources::attention_decode_span`), and the cache's storage.
+    /// `weightlift_kernels::sources::attention_decode_span`; a sliding-window layer's are a
+    /// function of these and its window, `attention_window_span`), and the cache's storage.
     pub span: usize,
     pub dtype: weightlift_plan::CacheDType,
 }
