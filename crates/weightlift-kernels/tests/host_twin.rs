@@ -1808,7 +1808,7 @@ mod twin {
                     let full = attention_decode_span(p + n_q, capacity);
                     let span = attention_window_span(full, window, n_q);
                     assert!(
-                        span <= window + n_q - 1 && span <= full,
+                        span < window + n_q && span <= full,
                         "{window} at {p}: {span}"
                     );
                     for splits in [1, 8, 16, 64] {
