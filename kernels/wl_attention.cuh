@@ -37,7 +37,7 @@ WL_HD int wl_att_lane_dims(int head_dim) {
 // KV group wider than that is taken by several blocks, each reading the group's K/V rows.
 WL_HD int wl_att_block_heads(int head_dim) { return WL_ATT_HEADS(wl_att_lane_dims(head_dim)); }
 
-// Keys per split when `n_keys` keys (those of the last query) are split `n_splits` ways.
+// Keys per split when `n_keys` keys (wl_att_where's) are split `n_splits` ways.
 WL_HD wl_u64 wl_att_split_keys(wl_u64 n_keys, wl_u64 n_splits) {
     return n_splits == 0 ? n_keys : (n_keys + n_splits - 1) / n_splits;
 }
