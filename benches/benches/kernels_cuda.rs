@@ -13,7 +13,14 @@
 //!   and the 32000×2048 head, and the Q8 rows of those types on the head for comparison;
 //!   their gate and up with SwiGLU (`q8-wide`, fused and separate) join the second table;
 //! - the other operations at llama-7B's 4096×4096 (dequantisation, 32-token products, norms,
-//!   RoPE, the KV codecs).
+//!   RoPE, the KV codecs);
+//! - the prompt-product route table: TinyLlama's three shapes at 2 to 512 tokens for bf16, f16,
+//!   q8_0 and q4_k in exact and fast mode, µs per call through the backend's own kernels and
+//!   through cuBLAS (two more backends of the device, one with cuBLAS from one token and one
+//!   with it never, `CudaBackend::with_cublas_min_tokens`), and per type and mode the count
+//!   from which cuBLAS wins for good (`sources::cublas_crossover`), printed as the lines of
+//!   `sources::CUBLAS_MIN_TOKENS_BY_TYPE` that would set it. On the CPU device the cuBLAS
+//!   column says not applicable, and fewer counts are timed.
 //!
 //! A sample queues `k` calls and ends with one device synchronise, `k` chosen so that a sample
 //! lasts about [`SAMPLE`]; the figure is the median of the samples' per-call times. Calls queued
@@ -37,7 +44,8 @@ use std::time::{Duration, Instant};
 
 use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
 use weightlift_kernels::sources::{
-    CUDA_EXACT_TYPES, CUDA_Q8_TYPES, Q8_WIDE_WEIGHT_TYPES, Q8Decode,
+    CUBLAS_MIN_TOKENS, CUDA_EXACT_TYPES, CUDA_Q8_TYPES, CublasMinTokens, Q8_WIDE_WEIGHT_TYPES,
+    Q8Decode, cublas_crossover, cublas_route,
 };
 use weightlift_kernels::{
     Backend, CpuBackend, CudaBackend, FloatType, KernelError, KvFormat, MatvecMode, Op, Product,
@@ -75,6 +83,22 @@ const CHECKPOINT_TYPES: [QuantType; 10] = [
     QuantType::Q6_K,
 ];
 
+/// The route table's shapes: TinyLlama-1.1B's attention, FFN up and FFN down.
+const ROUTE_SHAPES: [(usize, usize); 3] = [(2048, 2048), (5632, 2048), (2048, 5632)];
+/// The route table's weight types.
+const ROUTE_TYPES: [QuantType; 4] = [
+    QuantType::BF16,
+    QuantType::F16,
+    QuantType::Q8_0,
+    QuantType::Q4_K,
+];
+/// The route table's token counts.
+const ROUTE_TOKENS: [usize; 10] = [2, 4, 8, 16, 24, 32, 48, 64, 128, 512];
+/// The CPU rehearsal's: its products take most of a second at 512 tokens.
+const ROUTE_TOKENS_CPU: [usize; 4] = [2, 8, 32, 64];
+/// `max_dq_size` of every product: enough for a whole matrix's chunk.
+const MAX_DQ_SIZE: usize = 64 << 20;
+
 /// Bytes of weight copies a product rotates over (H100: 50 MB of L2, H200: 60 MB).
 const ROTATE_BYTES: usize = 256 << 20;
 /// At most this many copies, for the smallest matrices.
@@ -91,6 +115,7 @@ enum Device {
     Cpu,
 }
 
+#[derive(Clone)]
 struct Args {
     device: Device,
     out: PathBuf,
@@ -150,10 +175,7 @@ fn main() -> ExitCode {
     };
     let done = match args.device {
         Device::Cuda => match CudaBackend::new(0) {
-            Ok(be) => match CudaBackend::new(0) {
-                Ok(wide) => bench(&be, &wide.with_q8_decode(Q8Decode::Wide), &args),
-                Err(e) => Err(e),
-            },
+            Ok(be) => cuda_bench(&be, &args),
             // A root `cargo bench` builds this without the feature, and a GPU-less machine runs
             // it: both are normal, so say which and end cleanly rather than fail the whole run.
             Err(KernelError::NotCompiledWithCuda { .. }) => {
@@ -168,8 +190,16 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
         },
-        // the CPU has no wide lanes: its rows run its own Q8 mode, so the tables keep their shape
-        Device::Cpu => bench(&CpuBackend::new(), &CpuBackend::new(), &args),
+        // the CPU has no wide lanes: its rows run its own Q8 mode, so the tables keep their
+        // shape; nor cuBLAS: the route table has its kernels' column only
+        Device::Cpu => {
+            let cpu = CpuBackend::new();
+            let routes = Routes {
+                kernels: &cpu,
+                cublas: Err("not applicable: the CPU backend has no cuBLAS route".into()),
+            };
+            bench(&cpu, &cpu, &routes, &args)
+        }
     };
     match done {
         Ok(true) => ExitCode::SUCCESS,
@@ -179,6 +209,22 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The bench on `be` (`cuda:0` as it is made by default) and three more backends of the same
+/// device: decode's wide Q8 lanes, and the prompt products forced onto each route.
+fn cuda_bench(be: &CudaBackend, args: &Args) -> Result<bool> {
+    let wide = CudaBackend::new(0)?.with_q8_decode(Q8Decode::Wide);
+    let kernels = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
+    let cublas = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(1));
+    let routes = Routes {
+        kernels: &kernels,
+        cublas: match cublas.cublas_ready() {
+            Ok(()) => Ok(&cublas),
+            Err(e) => Err(format!("no cuBLAS on this device: {e}")),
+        },
+    };
+    bench(be, &wide, &routes, args)
 }
 
 /// Median time of one call of `call(i)` (`i` counts the calls, so a case can rotate its
@@ -839,6 +885,337 @@ fn run_cases<B: Backend + 'static>(
     Ok(rows)
 }
 
+/// The two routes of a prompt product on one device: a backend whose products never take cuBLAS,
+/// and one whose products take it from one token, or why there is none.
+struct Routes<'a, B> {
+    kernels: &'a B,
+    cublas: std::result::Result<&'a B, String>,
+}
+
+/// One line of the route table: a product of `ty` in `mode` at each count of `tokens`, through
+/// each route (a time, or why the case did not run).
+struct RouteRow {
+    ty: QuantType,
+    mode: MatvecMode,
+    shape: (usize, usize),
+    tokens: Vec<usize>,
+    kernels: Vec<std::result::Result<Duration, String>>,
+    cublas: Vec<std::result::Result<Duration, String>>,
+}
+
+/// The route table's counts on this device.
+fn route_tokens(args: &Args) -> &'static [usize] {
+    match args.device {
+        Device::Cuda => &ROUTE_TOKENS,
+        Device::Cpu => &ROUTE_TOKENS_CPU,
+    }
+}
+
+/// Prompt products of every route type and shape, in each mode, through both routes. Each case
+/// is sampled as in quick mode (20 ms): the table has 480 of them on a GPU.
+fn route_rows<B: Backend>(
+    routes: &Routes<'_, B>,
+    args: &Args,
+    ok: &mut bool,
+) -> Result<Vec<RouteRow>> {
+    let quick = Args {
+        quick: true,
+        ..args.clone()
+    };
+    let tokens = route_tokens(args);
+    let mut rows = Vec::new();
+    for ty in ROUTE_TYPES {
+        for mode in [MatvecMode::Exact, MatvecMode::Q8] {
+            for (r, c) in ROUTE_SHAPES {
+                if !route_name(ty, mode, (r, c)).contains(&args.filter) {
+                    continue;
+                }
+                let kernels = route_times(routes.kernels, &quick, ok, ty, mode, (r, c), tokens)?;
+                let fast = mode == MatvecMode::Q8;
+                let cublas = match (&routes.cublas, cublas_route(fast, ty, r, c, MAX_DQ_SIZE)) {
+                    (Ok(be), Some(_)) => route_times(*be, &quick, ok, ty, mode, (r, c), tokens)?,
+                    (Ok(_), None) => vec![Err("no cuBLAS route".into()); tokens.len()],
+                    (Err(why), _) => vec![Err(why.clone()); tokens.len()],
+                };
+                let row = RouteRow {
+                    ty,
+                    mode,
+                    shape: (r, c),
+                    tokens: tokens.to_vec(),
+                    kernels,
+                    cublas,
+                };
+                print_route_row(&row);
+                rows.push(row);
+            }
+        }
+    }
+    Ok(rows)
+}
+
+fn route_name(ty: QuantType, mode: MatvecMode, (r, c): (usize, usize)) -> String {
+    format!("route_{ty}_f32_{}_{r}x{c}", mode_name(mode))
+}
+
+/// One product's times at each of `tokens` on `be`, its weights rotating over copies as the
+/// decode rows' do.
+fn route_times<B: Backend>(
+    be: &B,
+    args: &Args,
+    ok: &mut bool,
+    ty: QuantType,
+    mode: MatvecMode,
+    (r, c): (usize, usize),
+    tokens: &[usize],
+) -> Result<Vec<std::result::Result<Duration, String>>> {
+    let most = tokens.iter().copied().max().unwrap_or(1);
+    let host = random_weights(ty, r * c);
+    let first = upload(be, &host)?;
+    drop(host);
+    let copies = ROTATE_BYTES.div_ceil(be.len(&first)).clamp(1, MAX_COPIES);
+    let mut w = vec![first];
+    for _ in 1..copies {
+        let mut b = be.alloc(be.len(&w[0]))?;
+        be.copy(&w[0], 0, &mut b, 0, be.len(&w[0]))?;
+        w.push(b);
+    }
+    let x = upload(
+        be,
+        &f32_bytes((0..c * most).map(|i| (i as f32 * 0.01).sin())),
+    )?;
+    let mut y = be.alloc(r * most * 4)?;
+    let mut times = Vec::new();
+    for &n_tok in tokens {
+        let t = per_call(be, args, |i| {
+            be.run(Op::Matmul {
+                ty,
+                mode,
+                act: FloatType::F32,
+                rows: r,
+                cols: c,
+                n_tok,
+                max_dq_size: MAX_DQ_SIZE,
+                w: &w[i % w.len()],
+                x: &x,
+                y: &mut y,
+            })
+        });
+        let (time, fine) = outcome(t);
+        *ok &= fine;
+        times.push(time);
+    }
+    Ok(times)
+}
+
+/// A route's cell: µs per call, or a short word for why there is none.
+fn route_cell(t: &std::result::Result<Duration, String>) -> String {
+    match t {
+        Ok(t) => format!("{:.1}", t.as_secs_f64() * 1e6),
+        Err(why) if why.starts_with("not applicable") => "n/a".into(),
+        Err(why) if why.starts_with("unsupported") => "unsupported".into(),
+        Err(_) => "—".into(),
+    }
+}
+
+fn print_route_row(r: &RouteRow) {
+    let cells = |v: &[std::result::Result<Duration, String>]| {
+        v.iter().map(route_cell).collect::<Vec<_>>().join(" ")
+    };
+    println!(
+        "{:<44} kernels µs: {}; cuBLAS µs: {}",
+        route_name(r.ty, r.mode, r.shape),
+        cells(&r.kernels),
+        cells(&r.cublas)
+    );
+}
+
+/// The crossover of one type and mode: where cuBLAS wins for good on the sum of the three
+/// shapes' times (a layer's products, roughly), by [`cublas_crossover`]. `Err` when cuBLAS did
+/// not run for it (why), `Ok(None)` when it ran and never won for good.
+struct Crossover {
+    ty: QuantType,
+    mode: MatvecMode,
+    min_tokens: std::result::Result<Option<usize>, String>,
+}
+
+fn crossovers(rows: &[RouteRow]) -> Vec<Crossover> {
+    let mut out = Vec::new();
+    for ty in ROUTE_TYPES {
+        for mode in [MatvecMode::Exact, MatvecMode::Q8] {
+            let of: Vec<&RouteRow> = rows
+                .iter()
+                .filter(|r| r.ty == ty && r.mode == mode)
+                .collect();
+            let Some(first) = of.first() else {
+                continue;
+            };
+            let sum = |pick: fn(&RouteRow) -> &[std::result::Result<Duration, String>],
+                       i: usize| {
+                of.iter()
+                    .map(|r| pick(r)[i].as_ref().ok().map(Duration::as_secs_f64))
+                    .sum::<Option<f64>>()
+            };
+            let times: Vec<(usize, Option<f64>, Option<f64>)> = first
+                .tokens
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| (n, sum(|r| &r.kernels, i), sum(|r| &r.cublas, i)))
+                .collect();
+            let ran = times.iter().any(|t| t.2.is_some());
+            let min_tokens = if ran {
+                Ok(cublas_crossover(&times))
+            } else {
+                Err(first
+                    .cublas
+                    .iter()
+                    .find_map(|t| t.as_ref().err().cloned())
+                    .unwrap_or_default())
+            };
+            out.push(Crossover {
+                ty,
+                mode,
+                min_tokens,
+            });
+        }
+    }
+    out
+}
+
+/// The route table's markdown: the times, the crossovers, and the lines that would set them.
+fn route_markdown(rows: &[RouteRow], cross: &[Crossover]) -> String {
+    let mut md = String::new();
+    let Some(first) = rows.first() else {
+        return md;
+    };
+    md.push_str(
+        "\n## Prompt products: the backend's kernels or cuBLAS (TinyLlama's shapes)\n\n\
+         µs per call of one product of f32 activations at each token count, through the \
+         backend's own kernels (`kernels`) and through cuBLAS (`cuBLAS`), each forced on a \
+         backend of its own; the weights rotate as in the first table. `exact` is exact mode \
+         (cuBLAS: f32 GEMMs of dequantised chunks, no TF32), `q8` fast mode (cuBLAS: tensor \
+         cores, f16 or bf16 operands, f32 accumulation). Each case is sampled for 20 ms; the \
+         CPU rehearsal times fewer counts.\n\n",
+    );
+    let _ = write!(md, "| weights | mode | rows × cols | route |");
+    for n in &first.tokens {
+        let _ = write!(md, " {n} |");
+    }
+    md.push_str("\n|---|---|---|---|");
+    md.push_str(&"---:|".repeat(first.tokens.len()));
+    md.push('\n');
+    for r in rows {
+        for (route, times) in [("kernels", &r.kernels), ("cuBLAS", &r.cublas)] {
+            let _ = write!(
+                md,
+                "| {} | {} | {}×{} | {route} |",
+                r.ty,
+                mode_name(r.mode),
+                r.shape.0,
+                r.shape.1
+            );
+            for t in times {
+                let _ = write!(md, " {} |", route_cell(t));
+            }
+            md.push('\n');
+        }
+    }
+    let notes: Vec<String> = rows
+        .iter()
+        .flat_map(|r| r.kernels.iter().chain(&r.cublas))
+        .filter_map(|t| t.as_ref().err().cloned())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    if !notes.is_empty() {
+        md.push('\n');
+    }
+    for n in notes {
+        let _ = writeln!(md, "- {n}");
+    }
+    let _ = writeln!(
+        md,
+        "\n### Where cuBLAS wins\n\n\
+         Per type and mode, the smallest token count from which cuBLAS is faster on the sum of \
+         the three shapes at that count and every larger one measured. Today every type takes \
+         cuBLAS from `CUBLAS_MIN_TOKENS` = {CUBLAS_MIN_TOKENS} tokens.\n\n\
+         | weights | mode | cuBLAS wins from | suggested count |\n|---|---|---:|---:|"
+    );
+    let mut lines = Vec::new();
+    for x in cross {
+        let mode = mode_name(x.mode);
+        let (wins, suggested) = match &x.min_tokens {
+            Ok(Some(n)) => (format!("{n} tokens"), n.to_string()),
+            Ok(None) => ("never for good".to_string(), "usize::MAX".to_string()),
+            Err(why) if why.starts_with("not applicable") => ("n/a".into(), "n/a".into()),
+            Err(why) => (format!("did not run: {why}"), "n/a".into()),
+        };
+        let _ = writeln!(md, "| {} | {mode} | {wins} | {suggested} |", x.ty);
+        if x.min_tokens.is_ok() {
+            let variant = match x.mode {
+                MatvecMode::Exact => "Exact",
+                MatvecMode::Q8 => "Q8",
+            };
+            lines.push(format!(
+                "    (QuantType::{:?}, MatvecMode::{variant}, {suggested}),",
+                x.ty
+            ));
+        }
+    }
+    if lines.is_empty() {
+        md.push_str("\nNo crossover measured (cuBLAS did not run here).\n");
+    } else {
+        let _ = writeln!(
+            md,
+            "\nAs the entries of `sources::CUBLAS_MIN_TOKENS_BY_TYPE`:\n\n```rust\n{}\n```",
+            lines.join("\n")
+        );
+    }
+    md
+}
+
+/// The route table and crossovers as JSON members (`cublas_min_tokens_now`, the common count
+/// of this build; `routes`; `cublas_crossovers`).
+fn route_json(rows: &[RouteRow], cross: &[Crossover]) -> String {
+    let secs = |t: &std::result::Result<Duration, String>| {
+        t.as_ref()
+            .map_or("null".to_string(), |t| format!("{:.6e}", t.as_secs_f64()))
+    };
+    let mut routes = Vec::new();
+    for r in rows {
+        for (i, n) in r.tokens.iter().enumerate() {
+            routes.push(format!(
+                "    {{\"type\": \"{}\", \"mode\": \"{}\", \"shape\": \"{}x{}\", \"tokens\": {n}, \"kernels_seconds\": {}, \"cublas_seconds\": {}}}",
+                r.ty,
+                mode_name(r.mode),
+                r.shape.0,
+                r.shape.1,
+                secs(&r.kernels[i]),
+                secs(&r.cublas[i])
+            ));
+        }
+    }
+    let cross: Vec<String> = cross
+        .iter()
+        .map(|x| {
+            let n = match &x.min_tokens {
+                Ok(Some(n)) => n.to_string(),
+                _ => "null".into(),
+            };
+            format!(
+                "    {{\"type\": \"{}\", \"mode\": \"{}\", \"cublas_ran\": {}, \"min_tokens\": {n}}}",
+                x.ty,
+                mode_name(x.mode),
+                x.min_tokens.is_ok()
+            )
+        })
+        .collect();
+    format!(
+        ",\n  \"cublas_min_tokens_now\": {CUBLAS_MIN_TOKENS},\n  \"routes\": [\n{}\n  ],\n  \"cublas_crossovers\": [\n{}\n  ]",
+        routes.join(",\n"),
+        cross.join(",\n")
+    )
+}
+
 fn print_row(r: &Row) {
     match (&r.time, r.gbs()) {
         (Ok(t), Some(gbs)) => println!(
@@ -852,7 +1229,12 @@ fn print_row(r: &Row) {
 }
 
 /// Runs every case; false when one failed (an error other than an unsupported type).
-fn bench<B: Backend + 'static>(be: &B, wide: &B, args: &Args) -> Result<bool> {
+fn bench<B: Backend + 'static>(
+    be: &B,
+    wide: &B,
+    routes: &Routes<'_, B>,
+    args: &Args,
+) -> Result<bool> {
     let mut ok = true;
     let started = Instant::now();
     // The CPU rehearsal copies less: the copy's speed settles well below 512 MiB there.
@@ -871,6 +1253,8 @@ fn bench<B: Backend + 'static>(be: &B, wide: &B, args: &Args) -> Result<bool> {
     matvec.extend(wide_rows(wide, args, &mut ok)?);
     let mut others = other_rows(be, args, &mut ok)?;
     others.extend(wide_other_rows(wide, args, &mut ok)?);
+    let route = route_rows(routes, args, &mut ok)?;
+    let cross = crossovers(&route);
     let copy_after = copy_gbs(be, args, copy_bytes)?;
     let copy = copy_before.max(copy_after);
     println!(
@@ -881,19 +1265,24 @@ fn bench<B: Backend + 'static>(be: &B, wide: &B, args: &Args) -> Result<bool> {
     if !args.filter.is_empty() {
         return Ok(ok);
     }
-    let md = markdown(
+    let mut md = markdown(
         be,
         args,
         (copy_before, copy_after, copy_bytes),
         &matvec,
         &others,
     );
+    md.push_str(&route_markdown(&route, &cross));
     println!("\n{md}");
     let stem = match args.device {
         Device::Cuda => "kernels_cuda",
         Device::Cpu => "kernels_cuda_on_cpu",
     };
-    let json = json_rows(copy, matvec.iter().chain(&others));
+    let json = json_rows(
+        copy,
+        matvec.iter().chain(&others),
+        &route_json(&route, &cross),
+    );
     let written = std::fs::create_dir_all(&args.out)
         .and_then(|()| std::fs::write(args.out.join(format!("{stem}.md")), md))
         .and_then(|()| std::fs::write(args.out.join(format!("{stem}.json")), json));
@@ -996,7 +1385,9 @@ fn markdown<B: Backend>(
     md
 }
 
-fn json_rows<'a>(copy: f64, rows: impl Iterator<Item = &'a Row>) -> String {
+/// The JSON of the results: the copy baseline, the rows, then `more` (members, each after a
+/// comma).
+fn json_rows<'a>(copy: f64, rows: impl Iterator<Item = &'a Row>, more: &str) -> String {
     let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
     let rows: Vec<String> = rows
         .map(|r| {
@@ -1021,7 +1412,7 @@ fn json_rows<'a>(copy: f64, rows: impl Iterator<Item = &'a Row>) -> String {
         })
         .collect();
     format!(
-        "{{\n  \"copy_gb_per_s\": {copy:.3},\n  \"rows\": [\n{}\n  ]\n}}\n",
+        "{{\n  \"copy_gb_per_s\": {copy:.3},\n  \"rows\": [\n{}\n  ]{more}\n}}\n",
         rows.join(",\n")
     )
 }

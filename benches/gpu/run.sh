@@ -27,7 +27,8 @@
 # Sized for one call of a GPU machine (ten minutes at most; not yet timed whole): the test
 # suites take about a minute together (each under a timeout of SUITE_TIMEOUT_S); the kernel
 # bench samples each of its ~120 cases for 60 ms after a warm-up (well under a minute with the
-# set-up); the end-to-end bench decodes 32 tokens per measurement, quotes medians of 3, and
+# set-up), then the 480 cases of its prompt-product route table for 20 ms each (about 20 s
+# more); the end-to-end bench decodes 32 tokens per measurement, quotes medians of 3, and
 # skips what is left by name once E2E_BUDGET_S is spent; the prefill A/B repeats two rows'
 # prefills without cuBLAS within PREFILL_AB_BUDGET_S, and the graphs A/B two rows' decodes
 # without CUDA graphs within GRAPHS_AB_BUDGET_S, the Q8 A/B the q4_k decode with the wide lanes

@@ -52,7 +52,22 @@ def kernels(folder: Path) -> list[str]:
             )
         for key in dict.fromkeys(unsupported):
             out.append(f"  - {key}: did not run (see the table)")
+        out.extend(crossovers(res))
     return out or ["- no kernel bench results"]
+
+
+def crossovers(res: dict[str, Any]) -> list[str]:
+    """The route table's crossovers: per type and mode, the prompt length from which cuBLAS
+    wins for good (a suggested CUBLAS_MIN_TOKENS), where cuBLAS ran."""
+    ran = [x for x in res.get("cublas_crossovers", []) if x["cublas_ran"]]
+    if not ran:
+        return []
+    now = res.get("cublas_min_tokens_now", "?")
+    out = [f"  - prompt products: cuBLAS wins for good from (tokens; now {now} for every type):"]
+    for x in ran:
+        n = x["min_tokens"]
+        out.append(f"    - {x['type']} {x['mode']}: {n if n is not None else 'never'}")
+    return out
 
 
 def bench_lines(folder: Path, name: str, what: str) -> list[str]:

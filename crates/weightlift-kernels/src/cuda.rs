@@ -270,9 +270,10 @@ pub struct CudaBackend {
     /// The cuBLAS handle of the prompt products, made at the first one
     /// ([`CudaBackend::with_cublas`]), or why there is none.
     cublas: Mutex<CublasState>,
-    /// Tokens from which prompts take cuBLAS ([`crate::sources::CUBLAS_MIN_TOKENS`], or
-    /// `WEIGHTLIFT_CUBLAS_MIN_TOKENS`).
-    cublas_min_tokens: usize,
+    /// Tokens from which prompts take cuBLAS, per weight type and mode
+    /// ([`crate::sources::CublasMinTokens`]: the default, `WEIGHTLIFT_CUBLAS_MIN_TOKENS`, or
+    /// [`CudaBackend::with_cublas_min_tokens`]).
+    cublas_min_tokens: crate::sources::CublasMinTokens,
     /// Decode's Q8-mode kernels ([`Q8Decode`]: `WEIGHTLIFT_Q8V`, or
     /// [`CudaBackend::with_q8_decode`]).
     q8_decode: Q8Decode,
@@ -373,6 +374,15 @@ impl CudaBackend {
         self
     }
 
+    /// This backend with prompt products taking cuBLAS from the counts `min_tokens` gives,
+    /// whatever `WEIGHTLIFT_CUBLAS_MIN_TOKENS` says (the bench forces each route on one device
+    /// with two backends: [`CublasMinTokens::uniform`](crate::sources::CublasMinTokens::uniform)
+    /// of 1 and of `usize::MAX`).
+    pub fn with_cublas_min_tokens(mut self, min_tokens: crate::sources::CublasMinTokens) -> Self {
+        self.cublas_min_tokens = min_tokens;
+        self
+    }
+
     /// Which kernels decode's Q8-mode products run on this backend.
     pub fn q8_decode(&self) -> Q8Decode {
         self.q8_decode
@@ -441,9 +451,15 @@ impl CudaBackend {
         }
     }
 
-    /// Tokens from which prompt products take cuBLAS on this backend.
+    /// Tokens from which prompt products take cuBLAS on this backend, for the weight types and
+    /// modes without a count of their own ([`CudaBackend::cublas_min_tokens_for`]).
     pub fn cublas_min_tokens(&self) -> usize {
-        self.cublas_min_tokens
+        self.cublas_min_tokens.every()
+    }
+
+    /// Tokens from which prompt products of `ty` in `mode` take cuBLAS on this backend.
+    pub fn cublas_min_tokens_for(&self, ty: crate::QuantType, mode: crate::MatvecMode) -> usize {
+        self.cublas_min_tokens.of(ty, mode)
     }
 
     /// Runs `f` with this backend's cuBLAS handle (made on first use, on this backend's

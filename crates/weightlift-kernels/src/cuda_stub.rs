@@ -166,6 +166,21 @@ impl CudaBackend {
     pub fn q8_decode(&self) -> crate::sources::Q8Decode {
         match self._never {}
     }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn with_cublas_min_tokens(self, _min_tokens: crate::sources::CublasMinTokens) -> Self {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn cublas_ready(&self) -> Result<()> {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn cublas_min_tokens_for(&self, _ty: QuantType, _mode: crate::MatvecMode) -> usize {
+        match self._never {}
+    }
 }
 
 /// What this build offers for CUDA: nothing, and it says why.

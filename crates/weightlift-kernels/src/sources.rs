@@ -46,6 +46,7 @@ impl Param {
 
 use Param::{F32, I32, Ptr, U64};
 
+use crate::MatvecMode;
 use crate::types::QuantType;
 
 /// The weight types the CUDA matmul multiplies with 8-bit activations
@@ -344,8 +345,83 @@ pub const DQ_PATH_MIN_TOKENS: usize = 8;
 /// tensor cores with the activations rounded to f16 (bf16 for bf16 weights) and quantised
 /// weights dequantised chunk by chunk to f16. Below it, the backend's own kernels (decode and
 /// short prompts read each weight once; a GEMM's tiles would mostly wait). A first guess, for
-/// the GPU bench to tune: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` overrides it per process.
+/// the GPU bench to tune: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` overrides it per process, and
+/// [`CUBLAS_MIN_TOKENS_BY_TYPE`] per weight type and mode.
 pub const CUBLAS_MIN_TOKENS: usize = 32;
+
+/// Weight types and modes whose prompt products take cuBLAS from a token count other than
+/// [`CUBLAS_MIN_TOKENS`]: (type, mode, tokens). Empty until a GPU run measures the crossovers
+/// (the CUDA kernel bench's route table prints these lines); `usize::MAX` keeps a type on the
+/// backend's own kernels.
+pub const CUBLAS_MIN_TOKENS_BY_TYPE: &[(QuantType, MatvecMode, usize)] = &[];
+
+/// Tokens from which a CUDA backend's prompt products take cuBLAS: one count for every weight
+/// type and mode, and counts of their own for some. The default is [`CUBLAS_MIN_TOKENS`] with
+/// [`CUBLAS_MIN_TOKENS_BY_TYPE`]; the bench makes backends that force one route or the other
+/// with [`CublasMinTokens::uniform`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CublasMinTokens {
+    every: usize,
+    by_type: Vec<(QuantType, MatvecMode, usize)>,
+}
+
+impl Default for CublasMinTokens {
+    fn default() -> Self {
+        Self {
+            every: CUBLAS_MIN_TOKENS,
+            by_type: CUBLAS_MIN_TOKENS_BY_TYPE.to_vec(),
+        }
+    }
+}
+
+impl CublasMinTokens {
+    /// `n` tokens for every type and mode: 1 sends every prompt product cuBLAS takes there,
+    /// `usize::MAX` none.
+    pub fn uniform(n: usize) -> Self {
+        Self {
+            every: n,
+            by_type: Vec::new(),
+        }
+    }
+
+    /// These counts with `n` tokens for products of `ty` in `mode` (replacing its count).
+    pub fn with(mut self, ty: QuantType, mode: MatvecMode, n: usize) -> Self {
+        self.by_type.retain(|&(t, m, _)| (t, m) != (ty, mode));
+        self.by_type.push((ty, mode, n));
+        self
+    }
+
+    /// The count for the types and modes without one of their own.
+    pub fn every(&self) -> usize {
+        self.every
+    }
+
+    /// Tokens from which a product of `ty` in `mode` takes cuBLAS.
+    pub fn of(&self, ty: QuantType, mode: MatvecMode) -> usize {
+        self.by_type
+            .iter()
+            .find(|&&(t, m, _)| (t, m) == (ty, mode))
+            .map_or(self.every, |&(_, _, n)| n)
+    }
+}
+
+/// The smallest token count from which cuBLAS wins at every larger count measured: the
+/// crossover a [`CublasMinTokens`] count should be, from `times` of one weight type and mode as
+/// (tokens, seconds through the backend's own kernels, seconds through cuBLAS), in any order.
+/// cuBLAS wins at a count when both times are there and its own is the smaller. `None` when it
+/// does not win at the largest count measured (it never wins, or wins only in the middle: the
+/// kernels then stay, as a count above every one measured would keep them).
+pub fn cublas_crossover(times: &[(usize, Option<f64>, Option<f64>)]) -> Option<usize> {
+    let mut sorted = times.to_vec();
+    sorted.sort_by_key(|&(n, _, _)| n);
+    let wins = |&(_, kernels, cublas): &(usize, Option<f64>, Option<f64>)| matches!((kernels, cublas), (Some(k), Some(c)) if c < k);
+    sorted
+        .iter()
+        .rev()
+        .take_while(|t| wins(t))
+        .last()
+        .map(|&(n, _, _)| n)
+}
 
 /// What a prompt product on cuBLAS runs ([`cublas_route`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -618,6 +694,76 @@ pub fn attention_grid(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The crossover is where cuBLAS starts to win for good: never, always, won then lost,
+    /// lost then won, and counts where one route did not run.
+    #[test]
+    fn cublas_crossover_is_the_start_of_the_last_run_of_wins() {
+        let t = |v: &[(usize, f64, f64)]| -> Vec<(usize, Option<f64>, Option<f64>)> {
+            v.iter().map(|&(n, k, c)| (n, Some(k), Some(c))).collect()
+        };
+        // never: the kernels are faster at every count
+        assert_eq!(
+            cublas_crossover(&t(&[(2, 1.0, 2.0), (32, 3.0, 4.0), (512, 9.0, 10.0)])),
+            None
+        );
+        // always: from the smallest count measured
+        assert_eq!(
+            cublas_crossover(&t(&[(2, 2.0, 1.0), (32, 4.0, 3.0), (512, 10.0, 9.0)])),
+            Some(2)
+        );
+        // wins in the middle, then loses at the largest count: stay on the kernels
+        assert_eq!(
+            cublas_crossover(&t(&[(2, 1.0, 2.0), (32, 4.0, 3.0), (512, 9.0, 10.0)])),
+            None
+        );
+        // wins early, loses, then wins from 64 on; the input in any order
+        assert_eq!(
+            cublas_crossover(&t(&[
+                (512, 10.0, 5.0),
+                (4, 2.0, 1.0),
+                (16, 2.0, 3.0),
+                (64, 4.0, 3.0),
+                (128, 6.0, 4.0),
+            ])),
+            Some(64)
+        );
+        // a tie is not a win
+        assert_eq!(
+            cublas_crossover(&t(&[(16, 2.0, 2.0), (32, 4.0, 3.0)])),
+            Some(32)
+        );
+        // a count where cuBLAS did not run (or the kernels did not) is not a win
+        assert_eq!(
+            cublas_crossover(&[(16, Some(2.0), Some(1.0)), (32, Some(4.0), None)]),
+            None
+        );
+        assert_eq!(
+            cublas_crossover(&[(16, None, Some(1.0)), (32, Some(4.0), Some(3.0))]),
+            Some(32)
+        );
+        assert_eq!(cublas_crossover(&[]), None);
+    }
+
+    /// A type's own count replaces the common one for that type and mode only, and a second
+    /// count for the same pair replaces the first.
+    #[test]
+    fn cublas_min_tokens_by_type_and_mode() {
+        let d = CublasMinTokens::default();
+        assert_eq!(d.every(), CUBLAS_MIN_TOKENS);
+        let t = CublasMinTokens::uniform(32)
+            .with(QuantType::Q4_K, MatvecMode::Q8, 64)
+            .with(QuantType::Q4_K, MatvecMode::Q8, 48)
+            .with(QuantType::BF16, MatvecMode::Exact, usize::MAX);
+        assert_eq!(t.of(QuantType::Q4_K, MatvecMode::Q8), 48);
+        assert_eq!(t.of(QuantType::Q4_K, MatvecMode::Exact), 32);
+        assert_eq!(t.of(QuantType::BF16, MatvecMode::Exact), usize::MAX);
+        assert_eq!(t.of(QuantType::Q8_0, MatvecMode::Q8), 32);
+        assert_eq!(
+            CublasMinTokens::uniform(1).of(QuantType::F16, MatvecMode::Q8),
+            1
+        );
+    }
 
     /// The shapes the float kernels are written for (a 1.1B llama's and an 8B's projections and
     /// heads on a 132-SM H200), tiny rows, and token passes that fill the grid on their own.

@@ -219,6 +219,68 @@ fn cublas_is_ready_on_this_gpu() -> Result<()> {
     Ok(())
 }
 
+/// The kernel bench's route table forces each route with a backend of its own: with cuBLAS
+/// never, a fast-mode f16 prompt of 4 tokens is the exact kernels' result bit for bit (f16
+/// weights take the exact kernels below the threshold); with cuBLAS from one token it is not
+/// (cuBLAS rounds the activations to f16) and stays within the fast bound; and a count of its
+/// own for f16 in fast mode sends those products back to the kernels.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn cublas_min_tokens_force_each_route() -> Result<()> {
+    use weightlift_kernels::sources::CublasMinTokens;
+    let never = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
+    let always = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(1));
+    let f16_own = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(1).with(
+        QuantType::F16,
+        MatvecMode::Q8,
+        usize::MAX,
+    ));
+    always.cublas_ready()?;
+    assert_eq!(
+        f16_own.cublas_min_tokens_for(QuantType::F16, MatvecMode::Q8),
+        usize::MAX
+    );
+    assert_eq!(
+        f16_own.cublas_min_tokens_for(QuantType::F16, MatvecMode::Exact),
+        1
+    );
+    let mut rng = Rng(0x9e1f_0003);
+    let (rows, cols, n_tok) = (37, 256, 4);
+    let (raw, wv) = float_weights(QuantType::F16, &rng.vec(rows * cols, 1.5));
+    let x = rng.vec(n_tok * cols, 1.0);
+    let shape = (rows, cols, n_tok);
+    let on = |b: &CudaBackend, mode: MatvecMode| -> Result<Vec<f32>> {
+        let w = upload(b, &raw)?;
+        run(b, QuantType::F16, mode, shape, 1 << 20, &w, &x)
+    };
+    let exact = on(&never, MatvecMode::Exact)?;
+    assert_eq!(
+        on(&never, MatvecMode::Q8)?,
+        exact,
+        "cuBLAS never: the kernels"
+    );
+    assert_eq!(
+        on(&f16_own, MatvecMode::Q8)?,
+        exact,
+        "f16's own count: the kernels"
+    );
+    let tensor_cores = on(&always, MatvecMode::Q8)?;
+    assert_ne!(
+        tensor_cores, exact,
+        "cuBLAS from one token: not the kernels"
+    );
+    check(
+        "cuBLAS from one token",
+        &tensor_cores,
+        &wv,
+        &x,
+        shape,
+        |_, _, m| (2f64.powi(-11) + 1e-5) * m,
+    );
+    Ok(())
+}
+
 /// The cache formats every attention kernel reads, as (keys, values).
 const KV_FORMATS: [(KvFormat, KvFormat); 7] = [
     (KvFormat::F32, KvFormat::F32),

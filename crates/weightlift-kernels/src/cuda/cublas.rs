@@ -15,7 +15,7 @@
 //! was looked for (`weightlift devices` reports it). A missing speed-up is not a reason to
 //! refuse a model that runs without it. `WEIGHTLIFT_CUBLAS=0` turns it off on purpose (the
 //! bench's A/B), and `WEIGHTLIFT_CUBLAS_MIN_TOKENS` moves the threshold
-//! ([`crate::sources::CUBLAS_MIN_TOKENS`]).
+//! ([`crate::sources::CUBLAS_MIN_TOKENS`], per type [`crate::sources::CublasMinTokens`]).
 // cuBLAS is a C API reached through function pointers; each call says what keeps it sound.
 #![allow(unsafe_code)]
 
@@ -30,6 +30,7 @@ use cudarc::cublas::sys::{
 
 use crate::cuda_libs::{self, Located};
 use crate::error::{KernelError, Result};
+use crate::sources::CublasMinTokens;
 
 /// What to install when libcublas is missing.
 const CUBLAS_FIX: &str = "install a CUDA toolkit (libcublas in $CUDA_HOME/lib64 or \
@@ -149,13 +150,14 @@ pub(crate) fn disabled_by_env() -> bool {
     std::env::var("WEIGHTLIFT_CUBLAS").is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false"))
 }
 
-/// The token count from which prompts take cuBLAS: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` when it is
-/// a number, else [`crate::sources::CUBLAS_MIN_TOKENS`].
-pub(crate) fn min_tokens_from_env() -> usize {
+/// The token counts from which prompts take cuBLAS: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` for every
+/// type when it is a number (the A/B runs move them all), else the default
+/// ([`crate::sources::CUBLAS_MIN_TOKENS`] and the counts of its own a type has).
+pub(crate) fn min_tokens_from_env() -> CublasMinTokens {
     std::env::var("WEIGHTLIFT_CUBLAS_MIN_TOKENS")
         .ok()
         .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(crate::sources::CUBLAS_MIN_TOKENS)
+        .map_or_else(CublasMinTokens::default, CublasMinTokens::uniform)
 }
 
 /// One cuBLAS handle bound to a backend's stream, with the workspace the plan charges

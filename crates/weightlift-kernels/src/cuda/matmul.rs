@@ -326,13 +326,36 @@ impl CudaBackend {
         }
     }
 
-    /// Whether a prompt of `n_tok` tokens of `act` activations takes cuBLAS here (making the
-    /// handle if there is none yet).
-    pub(super) fn cublas_takes(&self, n_tok: usize, act: FloatType) -> Result<bool> {
-        if n_tok < self.cublas_min_tokens || act != FloatType::F32 {
+    /// Whether a prompt product of `ty` in `mode`, `n_tok` tokens of `act` activations, takes
+    /// cuBLAS here (making the handle if there is none yet).
+    pub(super) fn cublas_takes(
+        &self,
+        ty: QuantType,
+        mode: MatvecMode,
+        n_tok: usize,
+        act: FloatType,
+    ) -> Result<bool> {
+        if n_tok < self.cublas_min_tokens.of(ty, mode) || act != FloatType::F32 {
             return Ok(false);
         }
         Ok(self.with_cublas(|_| Ok(()))?.is_some())
+    }
+
+    /// Whether any of the products of `types` in `mode` takes cuBLAS (see
+    /// [`CudaBackend::cublas_takes`]).
+    pub(super) fn cublas_takes_any(
+        &self,
+        types: impl IntoIterator<Item = QuantType>,
+        mode: MatvecMode,
+        n_tok: usize,
+        act: FloatType,
+    ) -> Result<bool> {
+        for ty in types {
+            if self.cublas_takes(ty, mode, n_tok, act)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// A prompt's product on cuBLAS (see [`crate::sources::CUBLAS_MIN_TOKENS`]), or `false`
@@ -361,7 +384,7 @@ impl CudaBackend {
         x: &CudaBuffer,
         y: &mut CudaBuffer,
     ) -> Result<bool> {
-        if m.rows == 0 || m.cols == 0 || !self.cublas_takes(m.n_tok, m.act)? {
+        if m.rows == 0 || m.cols == 0 || !self.cublas_takes(m.ty, mode, m.n_tok, m.act)? {
             return Ok(false);
         }
         let fast = mode == MatvecMode::Q8;

@@ -172,7 +172,12 @@ impl CudaBackend {
                 mut products,
                 ..
             } if products.iter().all(|p| CUDA_Q8_TYPES.contains(&p.ty))
-                && !self.cublas_takes(n_tok, act)? =>
+                && !self.cublas_takes_any(
+                    products.iter().map(|p| p.ty),
+                    MatvecMode::Q8,
+                    n_tok,
+                    act,
+                )? =>
             {
                 // the activations quantised once, for every member
                 let shape = |p: &crate::backend::Product<'_, CudaBuffer>| MatShape {
