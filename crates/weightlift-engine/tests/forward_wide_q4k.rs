@@ -5,7 +5,7 @@
 //! mode the engine on each file is transformers on the weights gguf-py dequantised from it
 //! within 1e-3, no farther from transformers' logits of the f16 weights than llama.cpp is (with
 //! a stated slack), near llama.cpp's own logits for the file, and the same bits whole on cpu,
-//! over 2 virtual devices and through the backend op sequence.
+//! over 2 and 3 virtual devices and through the backend op sequence.
 
 use std::path::PathBuf;
 
@@ -229,7 +229,7 @@ fn wide_q4k_exact_within_llamacpps_distance_to_transformers() {
 }
 
 /// Placement never changes the bits: whole on cpu, through the backend op sequence (on the CPU
-/// backend), and the layers over 2 virtual devices on both paths.
+/// backend), and the layers over 2 and 3 virtual devices on both paths.
 #[test]
 fn wide_q4k_same_bits_on_cpu_virtual_devices_and_the_backend() {
     for f in FAMILIES {
@@ -242,24 +242,27 @@ fn wide_q4k_same_bits_on_cpu_virtual_devices_and_the_backend() {
             max_abs_diff(&through, &cpu)
         );
         let src = open(f.gguf());
-        let (mut m, cache) = split_load(
-            &src,
-            "virtual:2x64MiB,cpu",
-            &["virtual:0", "virtual:1"],
-            CacheDType::F32,
-            0,
-            false,
-        );
-        m.set_compute(Compute::Exact);
-        for backend in [false, true] {
-            m.set_host_backend(backend);
-            let out = forward_all(&mut m, &cache, &f.ids());
-            assert!(
-                out == cpu,
-                "{} over 2 virtual devices, backend {backend}: max|Δ| {} from cpu",
-                f.0,
-                max_abs_diff(&out, &cpu)
-            );
+        let groups: [(&str, &[&str]); 2] = [
+            ("virtual:2x64MiB,cpu", &["virtual:0", "virtual:1"]),
+            (
+                "virtual:3x64MiB,cpu",
+                &["virtual:0", "virtual:1", "virtual:2"],
+            ),
+        ];
+        for (inv, devs) in groups {
+            let (mut m, cache) = split_load(&src, inv, devs, CacheDType::F32, 0, false);
+            m.set_compute(Compute::Exact);
+            for backend in [false, true] {
+                m.set_host_backend(backend);
+                let out = forward_all(&mut m, &cache, &f.ids());
+                assert!(
+                    out == cpu,
+                    "{} over {} virtual devices, backend {backend}: max|Δ| {} from cpu",
+                    f.0,
+                    devs.len(),
+                    max_abs_diff(&out, &cpu)
+                );
+            }
         }
     }
 }
