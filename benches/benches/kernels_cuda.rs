@@ -376,16 +376,7 @@ fn matvec_cases<B: Backend>(
             if !names.iter().any(|n| n.contains(&args.filter)) {
                 continue;
             }
-            let host = random_weights(ty, r * c);
-            let first = upload(be, &host)?;
-            drop(host);
-            let copies = ROTATE_BYTES.div_ceil(be.len(&first)).clamp(1, MAX_COPIES);
-            let mut w = vec![first];
-            for _ in 1..copies {
-                let mut b = be.alloc(be.len(&w[0]))?;
-                be.copy(&w[0], 0, &mut b, 0, be.len(&w[0]))?;
-                w.push(b);
-            }
+            let w = rotating_weights(be, ty, r * c)?;
             let x = upload(be, &f32_bytes((0..c).map(|i| (i as f32 * 0.01).sin())))?;
             let mut y = be.alloc(r * 4)?;
             let bytes = be.len(&w[0]) + c * 4 + r * 4;
@@ -957,6 +948,22 @@ fn route_name(ty: QuantType, mode: MatvecMode, (r, c): (usize, usize)) -> String
     format!("route_{ty}_f32_{}_{r}x{c}", mode_name(mode))
 }
 
+/// `n` random weights of `ty` on `be`, in as many copies as hold [`ROTATE_BYTES`] together
+/// (at most [`MAX_COPIES`]), so calls that rotate over them read device memory, not the cache.
+fn rotating_weights<B: Backend>(be: &B, ty: QuantType, n: usize) -> Result<Vec<B::Buffer>> {
+    let host = random_weights(ty, n);
+    let first = upload(be, &host)?;
+    drop(host);
+    let copies = ROTATE_BYTES.div_ceil(be.len(&first)).clamp(1, MAX_COPIES);
+    let mut w = vec![first];
+    for _ in 1..copies {
+        let mut b = be.alloc(be.len(&w[0]))?;
+        be.copy(&w[0], 0, &mut b, 0, be.len(&w[0]))?;
+        w.push(b);
+    }
+    Ok(w)
+}
+
 /// One product's times at each of `tokens` on `be`, its weights rotating over copies as the
 /// decode rows' do.
 fn route_times<B: Backend>(
@@ -969,16 +976,7 @@ fn route_times<B: Backend>(
     tokens: &[usize],
 ) -> Result<Vec<std::result::Result<Duration, String>>> {
     let most = tokens.iter().copied().max().unwrap_or(1);
-    let host = random_weights(ty, r * c);
-    let first = upload(be, &host)?;
-    drop(host);
-    let copies = ROTATE_BYTES.div_ceil(be.len(&first)).clamp(1, MAX_COPIES);
-    let mut w = vec![first];
-    for _ in 1..copies {
-        let mut b = be.alloc(be.len(&w[0]))?;
-        be.copy(&w[0], 0, &mut b, 0, be.len(&w[0]))?;
-        w.push(b);
-    }
+    let w = rotating_weights(be, ty, r * c)?;
     let x = upload(
         be,
         &f32_bytes((0..c * most).map(|i| (i as f32 * 0.01).sin())),

@@ -590,12 +590,7 @@ fn tiny_moe_backend_batches_with_the_bits_of_each_sequence_alone() {
     const STEPS: usize = 4;
     for f in BOTH {
         let ids = f.ids();
-        let reqs: Vec<(Vec<u32>, usize)> = vec![
-            (ids.clone(), 0),
-            (ids[..3].to_vec(), 0),
-            (ids[1..ids.len() - 1].to_vec(), 1),
-            (ids[4..].to_vec(), 2),
-        ];
+        let reqs = common::batch::joining_requests(&ids);
         for path in [f.data(), f.gguf("Q8_0")] {
             let src = open(&path);
             let (mut whole, _) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
@@ -987,12 +982,7 @@ fn tiny_moe_tensor_parallel_batches_with_the_bits_of_each_sequence_alone() {
     const STEPS: usize = 4;
     for f in BOTH {
         let ids = f.ids();
-        let reqs: Vec<(Vec<u32>, usize)> = vec![
-            (ids.clone(), 0),
-            (ids[..3].to_vec(), 0),
-            (ids[1..ids.len() - 1].to_vec(), 1),
-            (ids[4..].to_vec(), 2),
-        ];
+        let reqs = common::batch::joining_requests(&ids);
         let src = open(f.gguf("F16"));
         for n in [2, 3] {
             let (mut m, _, _) = tp_load(&src, &format!("virtual:{n}x64MiB"), None).unwrap();

@@ -203,6 +203,31 @@ fn missing_tensors_are_listed_by_name() {
     );
 }
 
+/// `src` loaded over two virtual devices by the tensor-parallel placement of `splits`, every
+/// tensor read back as the checkpoint's bytes (`what` names the checkpoint in a failure).
+fn load_tp_parts(
+    src: &Arc<dyn Source>,
+    splits: &Splits,
+    what: &str,
+) -> (Model, Inventory, Placement) {
+    let inv = Inventory::parse("virtual:2x16MiB").unwrap();
+    let mut model = Model::new(Arc::clone(src), inv.clone());
+    let placement = model.tp_placement(splits).unwrap();
+    model
+        .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
+            true
+        })
+        .unwrap();
+    for (i, t) in src.tensors().iter().enumerate() {
+        assert!(
+            model.tensor_bytes(&t.name).unwrap().0 == src.bytes(i),
+            "{what} {}",
+            t.name
+        );
+    }
+    (model, inv, placement)
+}
+
 #[test]
 fn tp_parts_reassemble_to_the_checkpoint() {
     // exllamav2-style tables for 2 devices: 2 KV heads, 4 Q heads, 768 intermediate, 256 hidden,
@@ -217,21 +242,7 @@ fn tp_parts_reassemble_to_the_checkpoint() {
     };
     for sub in ["safetensors-sharded", "gguf/tiny-llama-Q8_0.gguf"] {
         let src = open(sub);
-        let inv = Inventory::parse("virtual:2x16MiB").unwrap();
-        let mut model = Model::new(Arc::clone(&src), inv.clone());
-        let placement = model.tp_placement(&splits).unwrap();
-        model
-            .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
-                true
-            })
-            .unwrap();
-        for (i, t) in src.tensors().iter().enumerate() {
-            assert!(
-                model.tensor_bytes(&t.name).unwrap().0 == src.bytes(i),
-                "{sub} {}",
-                t.name
-            );
-        }
+        let (mut model, inv, _) = load_tp_parts(&src, &splits, sub);
         let q = src
             .tensors()
             .iter()
@@ -262,22 +273,7 @@ fn tp_parts_of_stacked_matrices_reassemble_to_the_checkpoint() {
     for path in [data.clone(), data.join("tiny-phi3-F16.gguf")] {
         let src: Arc<dyn Source> =
             Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
-        let inv = Inventory::parse("virtual:2x16MiB").unwrap();
-        let mut model = Model::new(Arc::clone(&src), inv.clone());
-        let placement = model.tp_placement(&splits).unwrap();
-        model
-            .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
-                true
-            })
-            .unwrap();
-        for (i, t) in src.tensors().iter().enumerate() {
-            assert!(
-                model.tensor_bytes(&t.name).unwrap().0 == src.bytes(i),
-                "{} {}",
-                path.display(),
-                t.name
-            );
-        }
+        let (_, _, placement) = load_tp_parts(&src, &splits, &path.display().to_string());
         // q rows of heads 0-1, k and v rows of kv head 0, and the same for device 1: halves
         let qkv = src
             .tensors()
@@ -324,20 +320,9 @@ fn tp_expert_parts_reassemble_to_the_checkpoint() {
     ] {
         let src: Arc<dyn Source> =
             Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
-        let inv = Inventory::parse("virtual:2x16MiB").unwrap();
-        let mut model = Model::new(Arc::clone(&src), inv.clone());
-        let placement = model.tp_placement(&splits).unwrap();
-        model
-            .load(&placement, &LoadOptions::default(), None, true, &mut |_| {
-                true
-            })
-            .unwrap();
-        for (i, t) in src.tensors().iter().enumerate() {
+        let (mut model, inv, _) = load_tp_parts(&src, &splits, &path.display().to_string());
+        for t in src.tensors() {
             let what = format!("{}: {}", path.display(), t.name);
-            assert!(
-                model.tensor_bytes(&t.name).unwrap().0 == src.bytes(i),
-                "{what}"
-            );
             let on = model.device_of(&t.name).unwrap();
             match (weightlift_format::expert_of(&t.name), t.shape.len()) {
                 (Some(e), _) => {

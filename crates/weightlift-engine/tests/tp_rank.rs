@@ -262,13 +262,9 @@ fn gemma_and_phi3_ranks_equal_the_single_process_pass() {
 #[test]
 fn moe_ranks_equal_the_single_process_pass() {
     for family in ["mixtral", "qwen3moe"] {
-        let data = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/data")
-            .join(format!("tiny-{family}"));
-        let ids = common::json_ids(&data.join("stats.json"), "ids");
-        check(&data, 2, "48MiB", &ids, CacheDType::F32);
-        let gguf = data.join(format!("tiny-{family}-F16.gguf"));
-        check(&gguf, 3, "48MiB", &ids, CacheDType::Fp16);
+        let f = common::family::Family(family);
+        check(&f.data(), 2, "48MiB", &f.ids(), CacheDType::F32);
+        check(&f.gguf("F16"), 3, "48MiB", &f.ids(), CacheDType::Fp16);
     }
 }
 
@@ -363,17 +359,10 @@ fn check_rank_batches(
 #[test]
 fn moe_ranks_batch_with_the_bits_of_each_sequence_alone() {
     for family in ["mixtral", "qwen3moe"] {
-        let data = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/data")
-            .join(format!("tiny-{family}"));
-        let ids = common::json_ids(&data.join("stats.json"), "ids");
-        let reqs: Vec<(Vec<u32>, usize)> = vec![
-            (ids.clone(), 0),
-            (ids[..3].to_vec(), 0),
-            (ids[1..ids.len() - 1].to_vec(), 1),
-            (ids[4..].to_vec(), 2),
-        ];
-        let src = open(data.join(format!("tiny-{family}-F16.gguf")));
+        let f = common::family::Family(family);
+        let ids = f.ids();
+        let reqs = common::batch::joining_requests(&ids);
+        let src = open(f.gguf("F16"));
         check_rank_batches(
             &src,
             family,
@@ -525,24 +514,29 @@ fn rank_errors_are_clear() {
 fn ranks_on_cuda_give_the_host_pass_logits() {
     let path = common::reference().join("tiny-llama/gguf/tiny-llama-Q8_0.gguf");
     let ids = common::json_ids(&common::reference().join("tiny-llama/ids.json"), "ids");
-    let src = open(&path);
+    check_cuda_ranks(&open(&path), &ids, "tiny llama");
+}
+
+/// Two ranks of `src` as threads on `cuda:0`: the single-process host pass's logits within
+/// the tensor-parallel bound, and the same greedy ids.
+fn check_cuda_ranks(src: &Arc<dyn Source>, ids: &[u32], label: &str) {
     let (mut whole, whole_cache, plan) =
-        single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
+        single_process(src, "virtual:2x48MiB,cpu", CacheDType::F32);
     let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
-        .map(|r| load_rank(&src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
+        .map(|r| load_rank(src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
         .collect();
-    let (want, _) = tp_run(&mut whole, &whole_cache, &ids);
-    let got = run_ranks(&mut ranks, &ids);
+    let (want, _) = tp_run(&mut whole, &whole_cache, ids);
+    let got = run_ranks(&mut ranks, ids);
     let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
     for (r, (logits, _)) in got.iter().enumerate() {
         let d = common::max_abs_diff(logits, &want) / scale;
-        eprintln!("cuda rank {r}: max|Δ|/scale {d:e}");
-        assert!(d <= 1e-3, "rank {r}: {d}");
+        eprintln!("{label} cuda rank {r}: max|Δ|/scale {d:e}");
+        assert!(d <= 1e-3, "{label} rank {r}: {d}");
     }
     let vocab = whole.vocab_size().unwrap() as usize;
     let argmaxes =
         |l: &[f32]| -> Vec<usize> { l.chunks_exact(vocab).map(common::argmax).collect() };
-    assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "greedy ids");
+    assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "{label}: greedy ids");
 }
 
 /// Two ranks as threads on `cuda:0`, through the CUDA backend, running the same continuous
@@ -577,27 +571,7 @@ fn ranks_on_cuda_batch_with_the_bits_of_each_sequence_alone() {
 #[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
 fn moe_ranks_on_cuda_give_the_host_pass_logits() {
     for family in ["mixtral", "qwen3moe"] {
-        let data = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/data")
-            .join(format!("tiny-{family}"));
-        let ids = common::json_ids(&data.join("stats.json"), "ids");
-        let src = open(data.join(format!("tiny-{family}-F16.gguf")));
-        let (mut whole, whole_cache, plan) =
-            single_process(&src, "virtual:2x48MiB,cpu", CacheDType::F32);
-        let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
-            .map(|r| load_rank(&src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
-            .collect();
-        let (want, _) = tp_run(&mut whole, &whole_cache, &ids);
-        let got = run_ranks(&mut ranks, &ids);
-        let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
-        for (r, (logits, _)) in got.iter().enumerate() {
-            let d = common::max_abs_diff(logits, &want) / scale;
-            eprintln!("{family} cuda rank {r}: max|Δ|/scale {d:e}");
-            assert!(d <= 1e-3, "{family} rank {r}: {d}");
-        }
-        let vocab = whole.vocab_size().unwrap() as usize;
-        let argmaxes =
-            |l: &[f32]| -> Vec<usize> { l.chunks_exact(vocab).map(common::argmax).collect() };
-        assert_eq!(argmaxes(&got[0].0), argmaxes(&want), "{family}: greedy ids");
+        let f = common::family::Family(family);
+        check_cuda_ranks(&open(f.gguf("F16")), &f.ids(), family);
     }
 }

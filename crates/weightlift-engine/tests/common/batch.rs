@@ -11,6 +11,18 @@ pub fn new_cache(m: &Model) -> Arc<Cache> {
     m.sequence_cache(64).unwrap()
 }
 
+/// Requests over a fixture's prompt ids, each with the step it joins at: the whole prompt and
+/// a short one from the start, a middle slice joining at step 1 and a tail at step 2, so
+/// prompts join while others decode.
+pub fn joining_requests(ids: &[u32]) -> Vec<(Vec<u32>, usize)> {
+    vec![
+        (ids.to_vec(), 0),
+        (ids[..3].to_vec(), 0),
+        (ids[1..ids.len() - 1].to_vec(), 1),
+        (ids[4..].to_vec(), 2),
+    ]
+}
+
 /// Each request alone on a fresh cache: the logits after its prompt and after each greedy step.
 pub fn alone(m: &mut Model, reqs: &[(Vec<u32>, usize)], steps: usize) -> Vec<Vec<Vec<f32>>> {
     reqs.iter()
