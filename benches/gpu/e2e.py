@@ -14,7 +14,13 @@ benches/decode.py times it (a loaded model, a Cache of its own, `forward` one to
 with the argmax of the last logits fed back in, the loop timed as a whole):
 
   load           open, plan and load (bf16 as stored, f16 converted on load, q8_0 and q4_k
-                 quantised on load), from the page cache
+                 quantised on load), from the page cache; also in parts: open and plan
+                 (`Model(...)`), the cache's allocation and the weights' load (`load`), with
+                 the weights' rate in checkpoint GB/s
+  copy baselines measured in the same run, before the rows: reading the page-cached
+                 checkpoint into page-locked memory, and a page-locked and a pageable
+                 host-to-device copy (torch's `copy_`, which is `cuMemcpyHtoDAsync`), so the
+                 load rate reads against what the machine can move
   decode @64     tok/s over DECODE_TOKENS tokens after a 64-token prompt
   decode @2048   tok/s over DECODE_TOKENS tokens after a 2,048-token prompt
   prefill        ms for a 512- and a 2,048-token prompt into an empty cache (on CUDA the
@@ -341,9 +347,13 @@ def bench_ours(
     try:
         t0 = time.perf_counter()
         m = wl.Model(path, devices=device, compute="fast", **kw)
+        t1 = time.perf_counter()
         cache = wl.Cache(m, max_seq_len=MAX_SEQ, dtype="fp16")
+        t2 = time.perf_counter()
         m.load(cache=cache)
-        row["load_s"] = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        row["load_s"] = t3 - t0
+        row["load_parts_s"] = {"open_plan": t1 - t0, "cache": t2 - t1, "weights": t3 - t2}
 
         loaded, c = m, cache
         row |= measure(
@@ -429,9 +439,12 @@ def bench_peer(
             model = transformers.LlamaForCausalLM.from_pretrained(
                 path, torch_dtype=torch.bfloat16, attn_implementation="sdpa"
             )
+        t1 = time.perf_counter()
         model = model.to(dev).eval()
         sync()
-        row["load_s"] = time.perf_counter() - t0
+        t2 = time.perf_counter()
+        row["load_s"] = t2 - t0
+        row["load_parts_s"] = {"from_pretrained": t1 - t0, "to_device": t2 - t1}
 
         loaded = model
         row |= measure(lambda p, n: peer_forward(loaded, dev, p, n), ids, budget, PEER)
@@ -455,6 +468,87 @@ def bench_peer(
 
 def device_index(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+# Bytes of each host-to-device copy the baselines time: large enough that the link, not the
+# call, sets the rate.
+COPY_BYTES = 256 << 20
+
+
+def copy_baselines(path: Path, device: str, notes: list[str]) -> dict[str, float]:
+    """GB/s of what a load does at the most: the page-cached checkpoint read into
+    page-locked memory, and page-locked and pageable host-to-device copies (medians of
+    REPEATS + 2). Without torch, or on the cpu, only the read is timed (into plain memory), and
+    the note says which were skipped."""
+    files = sorted(path.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    out: dict[str, float] = {}
+    torch = None
+    if device.startswith("cuda"):
+        try:
+            import torch as torch_mod
+
+            if torch_mod.cuda.is_available():
+                torch = torch_mod
+        except ImportError:
+            pass
+        if torch is None:
+            notes.append("copy baselines: torch with CUDA does not import; only the read ran")
+    if torch is not None:
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        buf = host.numpy()
+        where = "page-locked"
+    else:
+        buf = np.empty(size, dtype=np.uint8)
+        where = "plain"
+    buf[:: 1 << 12] = 0  # fault the pages in before timing
+
+    def read_all() -> None:
+        at = 0
+        for f in files:
+            with f.open("rb", buffering=0) as fh:
+                n = fh.readinto(memoryview(buf)[at : at + f.stat().st_size])
+                at += n or 0
+
+    read_all()  # into the page cache
+    times = []
+    for _ in range(REPEATS + 2):
+        t = time.perf_counter()
+        read_all()
+        times.append(time.perf_counter() - t)
+    out[f"read_into_{where.replace('-', '_')}_gbs"] = size / statistics.median(times) / 1e9
+    if torch is None:
+        return out
+    dev = torch.device("cuda", device_index(device))
+    n = min(COPY_BYTES, size)
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    pinned = host[:n]
+    pageable = torch.empty(n, dtype=torch.uint8)
+    pageable.fill_(1)
+    for name, src in (("htod_pinned_gbs", pinned), ("htod_pageable_gbs", pageable)):
+        times = []
+        for _ in range(REPEATS + 2):
+            torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t)
+        out[name] = n / statistics.median(times[1:]) / 1e9
+    return out
+
+
+def copy_baselines_apart(path: Path, device: str, notes: list[str]) -> dict[str, float]:
+    """`copy_baselines` in a process of its own, so torch's CUDA context is never in this
+    process (weightlift measures its own context when it plans, and its rows come first)."""
+    cmd = [sys.executable, __file__, "--copy-baselines", str(path), "--device", device]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+        notes.append(f"copy baselines failed: {type(e).__name__}: {str(e)[-300:]}")
+        return {}
+    notes += got.get("notes", [])
+    return got.get("gbs", {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +601,25 @@ def markdown(res: dict[str, Any]) -> str:
     for n in PROMPTS:
         line(f"prefill {n} ms", med(f"prefill_{n}"))
     line("load s", lambda r: fmt(r.get("load_s"), 2))
+
+    def part(*names: str) -> Callable[[dict[str, Any]], str]:
+        def get(r: dict[str, Any]) -> str:
+            parts = r.get("load_parts_s", {})
+            return next((fmt(parts[n], 3) for n in names if n in parts), "—")
+
+        return get
+
+    line("↳ open and plan s (transformers: from_pretrained)", part("open_plan", "from_pretrained"))
+    line("↳ cache s", part("cache"))
+    line("↳ weights s (transformers: .to(device))", part("weights", "to_device"))
+    size = res["checkpoint"]["bytes"]
+
+    def weights_rate(r: dict[str, Any]) -> str:
+        parts = r.get("load_parts_s", {})
+        t = parts.get("weights", parts.get("to_device"))
+        return "—" if not t else fmt(size / t / 1e9, 2)
+
+    line("↳ checkpoint GB/s of that", weights_rate)
     dev = res["device"]
     line(f"plan for {dev}, GiB", lambda r: gib(r.get("plan", {}).get(dev, {}).get("used")))
     line("memory(), GiB", lambda r: gib(r.get("memory", {}).get(dev)))
@@ -519,6 +632,16 @@ def markdown(res: dict[str, Any]) -> str:
         "used is nvidia-smi's used memory after the rounds less before the bench, so it holds "
         "the CUDA context (which weightlift's first row creates and later rows share).",
     ]
+    base = res.get("copy_baselines", {})
+    if base:
+        names = {
+            "read_into_page_locked_gbs": "the page-cached checkpoint read into page-locked memory",
+            "read_into_plain_gbs": "the page-cached checkpoint read into plain memory",
+            "htod_pinned_gbs": f"host to device from page-locked memory ({COPY_BYTES >> 20} MiB)",
+            "htod_pageable_gbs": f"host to device from pageable memory ({COPY_BYTES >> 20} MiB)",
+        }
+        out += ["", "Copy baselines of the same run (GB/s, medians):", ""]
+        out += [f"- {names.get(k, k)}: {v:,.2f}" for k, v in base.items()]
     notes = [f"{r['label']}: {r['error']}" for r in rows if "error" in r]
     notes += [f"skipped: {s}" for s in res["skipped"]]
     notes += res["notes"]
@@ -550,7 +673,13 @@ def main() -> int:
         default="",
         help="comma-separated row labels (bf16, f16, q8_0, q4_k, transformers); default all",
     )
+    ap.add_argument("--copy-baselines", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.copy_baselines is not None:  # the child of copy_baselines_apart
+        said: list[str] = []
+        gbs = copy_baselines(args.copy_baselines, args.device, said)
+        print(json.dumps({"gbs": gbs, "notes": said}))
+        return 0
     global PREFILL_ONLY, DECODE_ONLY
     PREFILL_ONLY = args.prefill_only
     DECODE_ONLY = args.decode_only and not PREFILL_ONLY
@@ -595,6 +724,7 @@ def main() -> int:
     import weightlift as wl
 
     ids = np.random.default_rng(SEED).integers(3, shape["vocab_size"], size=max(PROMPTS)).tolist()
+    baselines = {} if PREFILL_ONLY or DECODE_ONLY else copy_baselines_apart(path, device, notes)
     gpu_before = gpu_used_bytes(device_index(device)) if device.startswith("cuda") else None
     rows = []
     for label, kw in OURS:
@@ -627,6 +757,7 @@ def main() -> int:
         "decode_tokens": DECODE_TOKENS,
         "repeats": REPEATS,
         "rows": rows,
+        "copy_baselines": baselines,
         "skipped": budget.skipped,
         "notes": notes,
     }

@@ -95,11 +95,22 @@ def e2e(folder: Path) -> list[str]:
             v = m.get(k)
             return "—" if v is None else f"{v:,.1f}"
 
+        parts = r.get("load_parts_s", {})
+        weights = parts.get("weights", parts.get("to_device"))
+        rate = (
+            f" (weights {weights:.3f} s, {res['checkpoint']['bytes'] / weights / 1e9:.1f} GB/s)"
+            if weights
+            else ""
+        )
         out.append(
             f"  - {name}: decode {f('decode_short')} tok/s @64, {f('decode_long')} @2048; "
             f"prefill {f('prefill_512')} / {f('prefill_2048')} ms (512 / 2048); "
-            f"load {r.get('load_s', 0):.2f} s"
+            f"load {r.get('load_s', 0):.2f} s{rate}"
         )
+    base = res.get("copy_baselines", {})
+    if base:
+        rates = ", ".join(f"{k} {v:.1f}" for k, v in base.items())
+        out.append(f"  - copy baselines, GB/s: {rates}")
     out += [f"  - skipped: {s}" for s in res.get("skipped", [])]
     return out
 
