@@ -67,17 +67,15 @@ def test_tables_cover_each_dimension(tp: wl.TPContext) -> None:
     assert covers(tp.rs_split, 256) and all((b - a) % 32 == 0 for _, a, b in tp.rs_split)
     assert covers(tp.vc_split, 32000)
     assert [2 * (b - a) for _, a, b in tp.kv_split] == [b - a for _, a, b in tp.q_split]
-    for t, name in enumerate(["kv", "id", "vc", "rs", "q"]):
+    assert tp.ex_split == []  # a dense model: its MLPs follow the id table
+    for t, name in enumerate(["kv", "id", "vc", "rs", "q", "ex"]):
         assert tp.get_split(t) == getattr(tp, f"{name}_split")
         assert tp.get_devs(t) == [d for d, _, _ in tp.get_split(t)]
     assert tp.all_devices() == sorted({d for t in (0, 1, 2) for d, _, _ in tp.get_split(t)})
-    assert (wl.BROADCAST_KV, wl.BROADCAST_ID, wl.BROADCAST_VC, wl.BROADCAST_RS, wl.BROADCAST_Q) == (
-        0,
-        1,
-        2,
-        3,
-        4,
-    )
+    kinds = (wl.BROADCAST_KV, wl.BROADCAST_ID, wl.BROADCAST_VC, wl.BROADCAST_RS, wl.BROADCAST_Q)
+    assert (*kinds, wl.BROADCAST_EX) == (0, 1, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match=r"0 \(KV\) to 5 \(EX\)"):
+        tp.get_split(6)
 
 
 def test_broadcast_gather_allgather_add_residual_equal_numpy(tp: wl.TPContext) -> None:

@@ -263,6 +263,10 @@ def test_tensor_parallel_splits_the_experts_whole(family):
     assert shards["blk.0.ffn_up_exps.weight"] == [("virtual:0", 0, 2), ("virtual:1", 2, 4)]
     m = wl.Model(path, devices="virtual:2x64MiB", compute="exact")
     m.load_tp(expect_cache_tokens=64, expect_cache_base="f32")
+    # the context the forward pass runs through shows the same expert table
+    assert m.tp.ex_split == plan.tp_split("ex")
+    assert m.tp.get_split(wl.BROADCAST_EX) == m.tp.ex_split
+    assert m.tp.all_devices() == [0, 1]
     got = m.forward(s["ids"], logits="all")
     want = np.load(folder / "hf_logits.npy")
     assert float(np.abs(got - want).max()) <= 1e-3

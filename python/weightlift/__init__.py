@@ -40,6 +40,7 @@ from weightlift._llama import (
     StoppingCriteriaList,
 )
 from weightlift._native import (
+    BROADCAST_EX,
     BROADCAST_ID,
     BROADCAST_KV,
     BROADCAST_Q,
@@ -78,6 +79,7 @@ __all__ = [
     "LLAMA_SPLIT_MODE_LAYER",
     "LLAMA_SPLIT_MODE_NONE",
     "LLAMA_SPLIT_MODE_ROW",
+    "BROADCAST_EX",
     "BROADCAST_ID",
     "BROADCAST_KV",
     "BROADCAST_Q",

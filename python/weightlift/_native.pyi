@@ -37,6 +37,7 @@ __all__ = [
     "BROADCAST_VC",
     "BROADCAST_RS",
     "BROADCAST_Q",
+    "BROADCAST_EX",
 ]
 
 __version__: str
@@ -142,6 +143,7 @@ BROADCAST_ID: Final = 1
 BROADCAST_VC: Final = 2
 BROADCAST_RS: Final = 3
 BROADCAST_Q: Final = 4
+BROADCAST_EX: Final = 5
 
 _Path = str | os.PathLike[str]
 _Size = int | str

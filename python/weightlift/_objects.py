@@ -165,6 +165,12 @@ class TPContext(_native.TPContext):
         """``get_split(BROADCAST_Q)``."""
         return self.get_split(_native.BROADCAST_Q)
 
+    @property
+    def ex_split(self) -> _Split:
+        """``get_split(BROADCAST_EX)``: whole routed experts per device (expert parallelism,
+        ``Plan.tp_split("ex")``); empty for a dense model."""
+        return self.get_split(_native.BROADCAST_EX)
+
     @staticmethod
     def thread_group(world_size: int) -> list[TPGroupMember]:
         """One member per rank of a group whose ranks run as threads of this process (each rank a

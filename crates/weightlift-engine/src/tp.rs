@@ -44,12 +44,15 @@ pub const BROADCAST_ID: usize = 1;
 pub const BROADCAST_VC: usize = 2;
 pub const BROADCAST_RS: usize = 3;
 pub const BROADCAST_Q: usize = 4;
+/// The expert table of a mixture-of-experts model (no exllamav2 counterpart: it has no expert
+/// parallelism); empty for a dense model.
+pub const BROADCAST_EX: usize = 5;
 
 /// One split table: `(device_index, start, end)`, covering `0..total` in device order.
 pub type SplitTable = Vec<(usize, u64, u64)>;
 
-/// The five tables, indexed by the `BROADCAST_*` constants, and a mixture-of-experts model's
-/// expert table.
+/// The five tables of exllamav2 and a mixture-of-experts model's expert table, indexed by the
+/// `BROADCAST_*` constants.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Splits {
     pub kv: SplitTable,
@@ -70,7 +73,8 @@ impl Splits {
             BROADCAST_VC => &self.vc,
             BROADCAST_RS => &self.rs,
             BROADCAST_Q => &self.q,
-            _ => return Err(invalid("broadcast type", "0 (KV) to 4 (Q)", t)),
+            BROADCAST_EX => &self.ex,
+            _ => return Err(invalid("broadcast type", "0 (KV) to 5 (EX)", t)),
         })
     }
 }
@@ -298,7 +302,7 @@ impl TpContext {
         rope: Rope,
         collective: Box<dyn Collective>,
     ) -> Result<TpContext> {
-        for t in 0..5 {
+        for t in 0..=BROADCAST_EX {
             for &(d, a, b) in splits.get(t)? {
                 if d >= devices.len() || a > b {
                     return Err(invalid(

@@ -23,6 +23,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BROADCAST_VC", we::tp::BROADCAST_VC)?;
     m.add("BROADCAST_RS", we::tp::BROADCAST_RS)?;
     m.add("BROADCAST_Q", we::tp::BROADCAST_Q)?;
+    m.add("BROADCAST_EX", we::tp::BROADCAST_EX)?;
     Ok(())
 }
 
