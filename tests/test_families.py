@@ -169,6 +169,24 @@ def test_an_unapplied_rope_scaling_in_gguf_is_refused_by_name(tmp_path):
         wl.load_gguf(path, n_ctx=64)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe"])
+def test_a_config_alone_plans_the_experts_as_the_gguf_holds_them(family):
+    # planning before downloading: the config.json of a mixture-of-experts model gives the
+    # tensor table llama.cpp's converter writes (the router and the stacked experts, not a dense
+    # MLP), so n_cpu_moe, the placement and every device's bytes are those of the real file
+    folder, _ = FAMILIES[family]
+    gguf = folder / f"tiny-{family}-F16.gguf"
+    kw = {"devices": "virtual:64MiB,cpu", "n_gpu_layers": 99, "n_cpu_moe": 1}
+    want = wl.plan(gguf, **kw)
+    got = wl.plan(folder / "config.json", weight_dtype="f16", **kw)
+    table = lambda p: {(t.name, t.device, t.nbytes) for t in p.tensors}  # noqa: E731
+    assert table(got) == table(want)
+    assert [(d.name, d.weights, d.scratch) for d in got.devices] == [
+        (d.name, d.weights, d.scratch) for d in want.devices
+    ]
+    assert any("experts of layers 0" in h for d in got.devices for h in d.holds)
+
+
 def test_n_cpu_moe_keeps_the_first_layers_experts_in_host_ram():
     # llama.cpp's --n-cpu-moe: layer 0's experts stay on the cpu, everything else of the layers
     # goes to the accelerator (a virtual device here); the model loaded so gives transformers'

@@ -496,7 +496,7 @@ impl PlanSource {
     /// A spec alone: its tensors are synthesised at the weight type the options name.
     pub fn spec(spec: weightlift_format::ModelSpec) -> PlanSource {
         PlanSource {
-            model: weightlift_plan::ModelSource::Config(spec, None),
+            model: weightlift_plan::ModelSource::Config(spec, None, None),
             window: None,
             moe: None,
         }
@@ -510,7 +510,7 @@ impl PlanSource {
         let moe = weightlift_format::MoeSpec::from_hf_config(config)?;
         let dtype = weightlift_format::hf_config::stored_dtype(config).map(str::to_owned);
         Ok(PlanSource {
-            model: weightlift_plan::ModelSource::Config(spec, dtype),
+            model: weightlift_plan::ModelSource::Config(spec, dtype, moe.clone()),
             window,
             moe,
         })

@@ -478,6 +478,13 @@ impl ModelSpec {
         names::per_head_qk_norm(&self.architecture)
     }
 
+    /// Whether every layer norms the attention's output and the MLP's output before each
+    /// residual add (Gemma 2 and 3): the layers then hold `post_attention_norm` and
+    /// `post_ffw_norm` beside the two pre-norms.
+    pub fn post_norms(&self) -> bool {
+        names::is_gemma(&self.architecture)
+    }
+
     /// Whether the layers hold q, k and v as one `qkv` matrix and gate and up as one `gate_up`
     /// matrix (phi3: Phi-3 and Phi-4), stacked by rows in that order.
     pub fn fused_projections(&self) -> bool {

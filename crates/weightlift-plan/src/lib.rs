@@ -135,7 +135,9 @@ pub use request::{
     BudgetRule, DeviceMap, FitTarget, LayerOptions, PlanRequest, SplitMode, Strategy, TpOptions,
 };
 pub use size::{fmt_bytes, parse_size};
-pub use synth::{DTypeChoice, QuantPreset, WeightType, converted, gguf_type, synthesize_tensors};
+pub use synth::{
+    DTypeChoice, QuantPreset, WeightType, converted, gguf_type, gguf_type_of, synthesize_tensors,
+};
 pub use tp::{
     MAX_TP_RANKS, SplitTable, TpInputs, TpKind, TpRank, TpShare, TpSplit, TpWorkspace, TpWorld,
     define_split, integer_split, to_table, tp_staging_bytes,

@@ -28,7 +28,7 @@
 
 use std::collections::BTreeMap;
 
-use weightlift_format::{ModelSpec, TensorInfo};
+use weightlift_format::{ModelSpec, MoeSpec, TensorInfo};
 
 use crate::FIT_CACHE;
 use crate::device::{DeviceSpec, resolve_device};
@@ -135,8 +135,10 @@ impl DeviceMapArg {
 pub enum ModelSource {
     /// A checkpoint's spec and its tensor table.
     Tensors(ModelSpec, Vec<TensorInfo>),
-    /// A spec from an HF config or a ModelSpec, with the config's `torch_dtype` if it has one.
-    Config(ModelSpec, Option<String>),
+    /// A spec from an HF config or a ModelSpec, with the config's `torch_dtype` if it has one
+    /// and its routing to experts if it has experts: the synthesised table holds them, and the
+    /// request carries the routing.
+    Config(ModelSpec, Option<String>, Option<MoeSpec>),
 }
 
 /// The cache exllamav2's TPContext subtracts before splitting: `tokens` (0: the model's
@@ -292,7 +294,7 @@ impl PlanOptions {
         source: ModelSource,
         devices: Vec<DeviceSpec>,
     ) -> Result<PlanRequest> {
-        let (spec, tensors) = match source {
+        let (spec, tensors, moe) = match source {
             ModelSource::Tensors(spec, tensors) => {
                 if self.weight_dtype.is_some() {
                     return Err(PlanError::option(
@@ -302,9 +304,9 @@ impl PlanOptions {
                         format!("weight_dtype='{}'", self.weight_dtype.unwrap_or_default()),
                     ));
                 }
-                (spec, tensors)
+                (spec, tensors, None)
             }
-            ModelSource::Config(spec, torch_dtype) => {
+            ModelSource::Config(spec, torch_dtype, moe) => {
                 let Some(name) = self.weight_dtype.clone().or(torch_dtype) else {
                     return Err(PlanError::option(
                         "weight_dtype",
@@ -313,11 +315,12 @@ impl PlanOptions {
                         "none",
                     ));
                 };
-                let tensors = synthesize_tensors(&spec, WeightType::parse(&name)?)?;
-                (spec, tensors)
+                let tensors = synthesize_tensors(&spec, WeightType::parse(&name)?, moe.as_ref())?;
+                (spec, tensors, moe)
             }
         };
         let mut req = PlanRequest::new(spec, tensors, devices);
+        req.moe = moe;
         self.apply(&mut req)?;
         Ok(req)
     }

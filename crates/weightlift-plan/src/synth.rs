@@ -4,7 +4,7 @@
 //! Tensor names follow GGUF (`blk.N.attn_q.weight`); shapes are row-major (`[out, in]`).
 
 use serde::{Deserialize, Serialize};
-use weightlift_format::{DType, ModelSpec, Role, TensorInfo};
+use weightlift_format::{DType, ModelSpec, MoeSpec, Role, TensorInfo};
 
 use crate::error::{PlanError, Result};
 
@@ -146,9 +146,18 @@ fn use_more_bits(i: u64, n: u64) -> bool {
 ///   no exceptions here;
 /// - everything else gets the preset's base type.
 ///
+/// `attn_v` stands for every value-bearing matrix here (phi3's fused `attn_qkv` too, as
+/// llama.cpp counts it), and `ffn_down` for the experts' stacked `ffn_down_exps` as well:
+///
+/// - `_M` presets also give Q6_K to `attn_v` in the layers where `use_more_bits` holds, and
+///   q4_k_s gives Q5_K to `attn_v` in the first four layers;
+/// - a model of exactly 8 experts (Mixtral) gets `attn_v` and `attn_k` in Q8_0, and its
+///   `attn_output` in Q5_K under q4_k_s and q4_k_m;
+/// - the router (`ffn_gate_inp`) is never quantised: it stays F32, as the converter writes it.
+///
 /// Then llama.cpp's fallback for rows that are not a whole number of blocks: Q4_K -> Q5_0,
 /// Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 when even 32 does not divide the row.
-/// Architecture-specific exceptions (MoE experts, Falcon, 70B-GQA `attn_v` Q5_K bumps) are not
+/// Other architecture-specific exceptions (Falcon, 70B-GQA `attn_v` Q5_K bumps) are not
 /// modelled.
 pub fn gguf_type(
     preset: QuantPreset,
@@ -158,6 +167,22 @@ pub fn gguf_type(
     tied: bool,
     row: u64,
 ) -> DType {
+    gguf_type_of(preset, role, layer, n_layers, tied, row, 0)
+}
+
+/// [`gguf_type`] for a model of `n_experts` routed experts (0 for a dense model).
+pub fn gguf_type_of(
+    preset: QuantPreset,
+    role: Role,
+    layer: Option<u32>,
+    n_layers: u32,
+    tied: bool,
+    row: u64,
+    n_experts: u32,
+) -> DType {
+    if role == Role::FfnGateInp {
+        return DType::F32;
+    }
     if !preset.is_quantized() {
         return preset.base();
     }
@@ -165,6 +190,7 @@ pub fn gguf_type(
     let is_output = role == Role::Output || (tied && role == Role::TokenEmbd);
     let i = u64::from(layer.unwrap_or(0));
     let n = u64::from(n_layers);
+    let eight_experts = n_experts == 8;
     let mut t = if is_output {
         if base == DType::Q8_0 {
             base
@@ -173,12 +199,22 @@ pub fn gguf_type(
         }
     } else {
         match (preset, role) {
-            (QuantPreset::Q4KM | QuantPreset::Q5KM, Role::AttnV | Role::FfnDown)
+            (_, Role::AttnV | Role::AttnQkv | Role::AttnK) if eight_experts => DType::Q8_0,
+            (QuantPreset::Q4KM | QuantPreset::Q5KM, Role::AttnV | Role::AttnQkv)
                 if use_more_bits(i, n) =>
             {
                 DType::Q6_K
             }
-            (QuantPreset::Q4KS, Role::FfnDown) if i < n / 8 => DType::Q5_K,
+            (QuantPreset::Q4KS, Role::AttnV | Role::AttnQkv) if i < 4 => DType::Q5_K,
+            (QuantPreset::Q4KM | QuantPreset::Q5KM, Role::FfnDown | Role::FfnDownExps)
+                if use_more_bits(i, n) =>
+            {
+                DType::Q6_K
+            }
+            (QuantPreset::Q4KS, Role::FfnDown | Role::FfnDownExps) if i < n / 8 => DType::Q5_K,
+            (QuantPreset::Q4KS | QuantPreset::Q4KM, Role::AttnOutput) if eight_experts => {
+                DType::Q5_K
+            }
             _ => base,
         }
     };
@@ -226,9 +262,20 @@ fn check_spec(spec: &ModelSpec) -> Result<()> {
 /// when the architecture norms its heads, as qwen3 does), `ffn_norm`, `ffn_gate/up/down`, then
 /// `output_norm` and
 /// `output` unless the embeddings are tied; phi3's layers hold `attn_qkv` and a `ffn_up` of both
-/// gate and up in place of the separate projections. `file` and `offset` are 0: nothing is read.
-pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<TensorInfo>> {
+/// gate and up in place of the separate projections, and Gemma's a `post_attention_norm` and a
+/// `post_ffw_norm`. A model routed to experts (`moe`) holds in every layer, in place of the
+/// dense MLP, the router `ffn_gate_inp` (`[n_experts, hidden]`, F32 in GGUF) and the experts
+/// stacked as llama.cpp's converter writes them: `ffn_gate_exps` and `ffn_up_exps`
+/// (`[n_experts, expert_ffn, hidden]`) and `ffn_down_exps` (`[n_experts, hidden, expert_ffn]`).
+/// LongRoPE's two small factor tables (phi3's 128k variants) are not synthesised. `file` and
+/// `offset` are 0: nothing is read.
+pub fn synthesize_tensors(
+    spec: &ModelSpec,
+    weights: WeightType,
+    moe: Option<&MoeSpec>,
+) -> Result<Vec<TensorInfo>> {
     check_spec(spec)?;
+    let n_experts = moe.map_or(0, |m| m.n_experts);
     let h = spec.hidden_size;
     let q_dim = u64::from(spec.n_heads) * u64::from(spec.head_dim);
     let i_dim = spec.intermediate_size;
@@ -241,13 +288,14 @@ pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<T
                 let _ = p;
                 DType::F32
             }
-            WeightType::Gguf(p) => gguf_type(
+            WeightType::Gguf(p) => gguf_type_of(
                 p,
                 role,
                 layer,
                 spec.n_layers,
                 tied,
                 *shape.last().unwrap_or(&1),
+                n_experts,
             ),
         };
         let n: u64 = shape
@@ -311,14 +359,43 @@ pub fn synthesize_tensors(spec: &ModelSpec, weights: WeightType) -> Result<Vec<T
             ly,
             vec![h, q_dim],
         )?;
-        push(p("ffn_norm.weight"), Role::FfnNorm, ly, vec![h])?;
-        if spec.fused_projections() {
-            push(p("ffn_up.weight"), Role::FfnGateUp, ly, vec![2 * i_dim, h])?;
-        } else {
-            push(p("ffn_gate.weight"), Role::FfnGate, ly, vec![i_dim, h])?;
-            push(p("ffn_up.weight"), Role::FfnUp, ly, vec![i_dim, h])?;
+        if spec.post_norms() {
+            push(
+                p("post_attention_norm.weight"),
+                Role::AttnPostNorm,
+                ly,
+                vec![h],
+            )?;
         }
-        push(p("ffn_down.weight"), Role::FfnDown, ly, vec![h, i_dim])?;
+        push(p("ffn_norm.weight"), Role::FfnNorm, ly, vec![h])?;
+        if let Some(m) = moe {
+            let (e, f) = (u64::from(m.n_experts), m.expert_ffn);
+            push(p("ffn_gate_inp.weight"), Role::FfnGateInp, ly, vec![e, h])?;
+            push(
+                p("ffn_gate_exps.weight"),
+                Role::FfnGateExps,
+                ly,
+                vec![e, f, h],
+            )?;
+            push(p("ffn_up_exps.weight"), Role::FfnUpExps, ly, vec![e, f, h])?;
+            push(
+                p("ffn_down_exps.weight"),
+                Role::FfnDownExps,
+                ly,
+                vec![e, h, f],
+            )?;
+        } else {
+            if spec.fused_projections() {
+                push(p("ffn_up.weight"), Role::FfnGateUp, ly, vec![2 * i_dim, h])?;
+            } else {
+                push(p("ffn_gate.weight"), Role::FfnGate, ly, vec![i_dim, h])?;
+                push(p("ffn_up.weight"), Role::FfnUp, ly, vec![i_dim, h])?;
+            }
+            push(p("ffn_down.weight"), Role::FfnDown, ly, vec![h, i_dim])?;
+        }
+        if spec.post_norms() {
+            push(p("post_ffw_norm.weight"), Role::FfnPostNorm, ly, vec![h])?;
+        }
     }
     push("output_norm.weight".into(), Role::OutputNorm, None, vec![h])?;
     if !tied {
@@ -402,6 +479,37 @@ mod tests {
             more,
             [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
         );
+    }
+
+    /// llama.cpp's rules that hang on the expert count and on the value-bearing matrices:
+    /// Mixtral's 8 experts raise attn_v and attn_k to Q8_0 and attn_output to Q5_K (q4_k_s and
+    /// q4_k_m); stacked experts' ffn_down follows ffn_down's layer rule; the router stays F32;
+    /// q4_k_s gives attn_v Q5_K in the first four layers.
+    #[test]
+    fn expert_and_value_rules_follow_llama_cpp() {
+        let t =
+            |p, role, layer, experts| gguf_type_of(p, role, Some(layer), 32, false, 4096, experts);
+        use QuantPreset::{Q4KM, Q4KS, Q5KM, Q8_0};
+        assert_eq!(t(Q4KM, Role::AttnV, 5, 8), DType::Q8_0);
+        assert_eq!(t(Q4KM, Role::AttnK, 5, 8), DType::Q8_0);
+        assert_eq!(t(Q4KM, Role::AttnOutput, 5, 8), DType::Q5_K);
+        assert_eq!(t(Q4KS, Role::AttnOutput, 5, 8), DType::Q5_K);
+        assert_eq!(t(Q5KM, Role::AttnOutput, 5, 8), DType::Q5_K);
+        assert_eq!(t(Q4KM, Role::AttnQ, 5, 8), DType::Q4_K);
+        // 128 experts (Qwen3-30B-A3B) bump nothing
+        assert_eq!(t(Q4KM, Role::AttnK, 5, 128), DType::Q4_K);
+        assert_eq!(t(Q4KM, Role::AttnOutput, 5, 128), DType::Q4_K);
+        // use_more_bits(0, 32) holds, use_more_bits(5, 32) does not
+        assert_eq!(t(Q4KM, Role::FfnDownExps, 0, 128), DType::Q6_K);
+        assert_eq!(t(Q4KM, Role::FfnDownExps, 5, 128), DType::Q4_K);
+        assert_eq!(t(Q4KM, Role::FfnGateExps, 0, 128), DType::Q4_K);
+        for p in [Q4KM, Q8_0, QuantPreset::F16] {
+            assert_eq!(t(p, Role::FfnGateInp, 0, 8), DType::F32);
+        }
+        assert_eq!(t(Q4KS, Role::AttnV, 3, 0), DType::Q5_K);
+        assert_eq!(t(Q4KS, Role::AttnV, 4, 0), DType::Q4_K);
+        assert_eq!(t(Q4KS, Role::AttnQkv, 0, 0), DType::Q5_K);
+        assert_eq!(t(Q4KM, Role::AttnQkv, 0, 0), DType::Q6_K);
     }
 
     #[test]

@@ -438,7 +438,7 @@ fn disk_spill_when_allowed() {
 #[test]
 fn plan_options_map_the_python_keywords() {
     let spec = smollm2();
-    let tensors = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap()).unwrap();
+    let tensors = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap(), None).unwrap();
     let devs = devices("virtual:2x72MiB,cpu:1GiB");
     // No strategy + n_gpu_layers -> llama.cpp layers.
     let req = PlanOptions {
@@ -543,13 +543,13 @@ fn hostile_sizes_do_not_panic() {
         false,
     );
     spec.context_length = u64::MAX;
-    let e = synthesize_tensors(&spec, WeightType::parse("f16").unwrap())
+    let e = synthesize_tensors(&spec, WeightType::parse("f16").unwrap(), None)
         .unwrap_err()
         .to_string();
     assert!(e.contains("overflows"), "{e}");
     // A tensor table claiming absurd sizes plans to an out-of-memory error, not a panic.
     let small = llama(2, 64, 128, 2, 2, 32, 100, false);
-    let mut tensors = synthesize_tensors(&small, WeightType::parse("f16").unwrap()).unwrap();
+    let mut tensors = synthesize_tensors(&small, WeightType::parse("f16").unwrap(), None).unwrap();
     for t in &mut tensors {
         t.nbytes = u64::MAX;
     }

@@ -95,7 +95,7 @@ fn plan_for(config: &Value, budget: &Value, options: PlanOptions) -> Plan {
         ..options
     };
     let mut req = options
-        .into_request(ModelSource::Config(spec, dtype), devices)
+        .into_request(ModelSource::Config(spec, dtype, None), devices)
         .unwrap();
     // Neither library has upload staging buffers in host RAM.
     req.staging_bytes = 0;
@@ -205,7 +205,7 @@ fn presets_without_max_memory_budget_90_percent_of_the_cpu() {
     let cpu = |options: PlanOptions| {
         let req = options
             .into_request(
-                ModelSource::Config(spec.clone(), Some("bfloat16".into())),
+                ModelSource::Config(spec.clone(), Some("bfloat16".into()), None),
                 parse_devices("virtual:1GiB,cpu:100MiB").unwrap(),
             )
             .unwrap();

@@ -366,7 +366,7 @@ fn llama_cpp_row_split_names_every_slice() {
 // (the reference pack's tiny-llama GGUFs, tensor types and byte sizes read with gguf-py 0.19.0).
 
 fn synth_bytes(spec: &weightlift_format::ModelSpec, w: &str) -> Vec<(String, DType, u64)> {
-    synthesize_tensors(spec, WeightType::parse(w).unwrap())
+    synthesize_tensors(spec, WeightType::parse(w).unwrap(), None)
         .unwrap()
         .into_iter()
         .map(|t| (t.name, t.dtype, t.nbytes))

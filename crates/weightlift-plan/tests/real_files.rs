@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use weightlift_format::{Checkpoint, OpenOptions};
+use weightlift_format::{Checkpoint, MoeSpec, OpenOptions};
 use weightlift_plan::*;
 
 fn open(path: &Path) -> Option<Checkpoint> {
@@ -136,7 +136,7 @@ fn smollm2_gguf_under_several_inventories() {
     );
     // The synthesized table of the same config plans to the same bytes.
     let spec = ckpt.spec().unwrap().clone();
-    let synth = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap()).unwrap();
+    let synth = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap(), None).unwrap();
     let mut a = PlanRequest::new(
         spec.clone(),
         synth,
@@ -242,4 +242,63 @@ fn tiny_llama_all_on_disk_charges_the_small_cpu() {
     }
     let disk = p.devices().iter().find(|d| d.name == "disk").unwrap();
     assert_eq!((disk.kv, disk.scratch), (0, 0));
+}
+
+/// The tensor table a config-only plan synthesises is the one llama.cpp writes: for every
+/// family fixture, made by llama.cpp's converter (F16) and its quantiser (Q8_0, and the wide
+/// copies' Q4_K_M), the synthesised table from the file's own spec and routing has every
+/// tensor by name with the file's type, shape and bytes. LongRoPE's factor tables (phi3) are
+/// the one thing a spec does not say, and the only tensors allowed to be missing.
+#[test]
+fn synthesised_tables_are_llama_cpp_files() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
+    let families = [
+        "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3moe",
+    ];
+    let mut files = Vec::new();
+    for f in families {
+        for (name, preset) in [("F16", QuantPreset::F16), ("Q8_0", QuantPreset::Q8_0)] {
+            files.push((root.join(format!("tiny-{f}/tiny-{f}-{name}.gguf")), preset));
+        }
+        files.push((
+            root.join(format!("wide-q4k/{f}/wide-{f}-Q4_K_M.gguf")),
+            QuantPreset::Q4KM,
+        ));
+    }
+    for (path, preset) in files {
+        let ckpt = open(&path).unwrap();
+        let spec = ckpt.spec().expect("spec");
+        let moe = MoeSpec::from_gguf(ckpt.metadata()).expect("routing");
+        let synth = synthesize_tensors(spec, WeightType::Gguf(preset), moe.as_ref())
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let want: std::collections::HashMap<&str, _> = ckpt
+            .tensors()
+            .iter()
+            .map(|t| (t.name.as_str(), t))
+            .collect();
+        for t in &synth {
+            let w = want
+                .get(t.name.as_str())
+                .unwrap_or_else(|| panic!("{}: {} is not in the file", path.display(), t.name));
+            assert_eq!(
+                (t.dtype, &t.shape, t.nbytes, t.role),
+                (w.dtype, &w.shape, w.nbytes, w.role),
+                "{}: {}",
+                path.display(),
+                t.name
+            );
+        }
+        let missing: Vec<&str> = ckpt
+            .tensors()
+            .iter()
+            .filter(|w| !synth.iter().any(|t| t.name == w.name))
+            .map(|w| w.name.as_str())
+            .collect();
+        let long_rope = ["rope_factors_long.weight", "rope_factors_short.weight"];
+        assert!(
+            missing.iter().all(|n| long_rope.contains(n)),
+            "{}: not synthesised: {missing:?}",
+            path.display()
+        );
+    }
 }

@@ -33,7 +33,7 @@ fn reference() -> Value {
 /// A table as the format crate gives it for an architecture it has no roles for: layers
 /// parsed, no role anywhere.
 fn without_roles(spec: &ModelSpec, arch: &str) -> (ModelSpec, Vec<TensorInfo>) {
-    let mut tensors = synthesize_tensors(spec, WeightType::parse("f16").unwrap()).unwrap();
+    let mut tensors = synthesize_tensors(spec, WeightType::parse("f16").unwrap(), None).unwrap();
     for t in &mut tensors {
         t.role = None;
     }
@@ -111,7 +111,7 @@ fn gemma3_request(n_ctx: u64, n_ubatch: u64) -> PlanRequest {
     let n_layers = m["n_layers"].as_u64().unwrap() as u32;
     let mut spec = llama(n_layers, 64, 128, 2, 1, 32, 64, true);
     spec.architecture = "cohere2".into();
-    let tensors = synthesize_tensors(&spec, WeightType::parse("f16").unwrap()).unwrap();
+    let tensors = synthesize_tensors(&spec, WeightType::parse("f16").unwrap(), None).unwrap();
     let mut req = PlanRequest::new(spec, tensors, devices("cpu:1GiB"));
     req.sliding_window = Some(SlidingWindow::periodic(
         m["sliding_window"].as_u64().unwrap(),

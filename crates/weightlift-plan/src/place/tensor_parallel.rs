@@ -380,7 +380,7 @@ mod tests {
 
     fn tp_request(devices: &str, world: Option<&str>) -> PlanRequest {
         let spec = smollm2();
-        let tensors = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap()).unwrap();
+        let tensors = synthesize_tensors(&spec, WeightType::parse("q4_1").unwrap(), None).unwrap();
         let mut req = PlanRequest::new(spec, tensors, parse_devices(devices).unwrap());
         req.strategy = Strategy::TensorParallel(TpOptions::default());
         req.world = world.map(|w| TpWorld::parse(w).unwrap());
@@ -455,7 +455,8 @@ mod tests {
             tie_word_embeddings: false,
             attention_bias: false,
         };
-        let tensors = synthesize_tensors(&spec, WeightType::parse("bfloat16").unwrap()).unwrap();
+        let tensors =
+            synthesize_tensors(&spec, WeightType::parse("bfloat16").unwrap(), None).unwrap();
         let mut req = PlanRequest::new(spec, tensors, parse_devices("virtual:2x1GiB").unwrap());
         req.strategy = Strategy::TensorParallel(TpOptions::default());
         req.quantize = Some(quantize);
@@ -471,7 +472,7 @@ mod tests {
         let mut req = tiny_llama(crate::Quantize::Q8_0);
         req.spec.architecture = "phi3".into();
         req.tensors =
-            synthesize_tensors(&req.spec, WeightType::parse("bfloat16").unwrap()).unwrap();
+            synthesize_tensors(&req.spec, WeightType::parse("bfloat16").unwrap(), None).unwrap();
         req.quantize = None;
         let p = plan(&req).unwrap();
         let shards = |name: &str| -> Vec<(String, u64, u64, u64)> {

@@ -48,7 +48,7 @@ pub fn tiny_llama() -> ModelSpec {
 }
 
 pub fn request(spec: ModelSpec, w: &str, devices: &str) -> PlanRequest {
-    let tensors = synthesize_tensors(&spec, WeightType::parse(w).unwrap()).unwrap();
+    let tensors = synthesize_tensors(&spec, WeightType::parse(w).unwrap(), None).unwrap();
     PlanRequest::new(spec, tensors, parse_devices(devices).unwrap())
 }
 
