@@ -36,8 +36,8 @@ fn spec_405b() -> ModelSpec {
 
 fn request(strategy: Strategy) -> PlanRequest {
     let spec = spec_405b();
-    let tensors =
-        synthesize_tensors(&spec, WeightType::parse("q4_k_m").expect("preset")).expect("synth");
+    let tensors = synthesize_tensors(&spec, WeightType::parse("q4_k_m").expect("preset"), None)
+        .expect("synth");
     let devices = parse_devices("virtual:8x80GiB,cpu:512GiB").expect("devices");
     let mut req = PlanRequest::new(spec, tensors, devices);
     req.strategy = strategy;
@@ -57,6 +57,7 @@ fn benches(c: &mut Criterion) {
             black_box(synthesize_tensors(
                 &req.spec,
                 WeightType::parse("q4_k_m").expect("preset"),
+                None,
             ))
         })
     });
