@@ -3,23 +3,28 @@
 //! - `cpu` tensors whose dtype already matches stay zero-copy views of the mmap
 //!   (`use_mmap = true`), or are `pread` straight into owned memory (`use_mmap = false`). Both
 //!   run inline on the calling thread: no thread hop, no staging.
-//! - Everything else (device-placed tensors, dtype conversions, O_DIRECT reads) goes through two
-//!   bounded staging buffers: a reader thread fills one while the other is converted and copied
-//!   to the device. The reader thread is started only when some tensor is staged. Anonymous
-//!   host memory for the load itself is therefore bounded by
-//!   `2 × staging_bytes`, whatever the model size.
-//! - Virtual devices are staged like CUDA ones (staging is promised on every device
-//!   placement, and virtual devices exist to exercise the accelerator paths), so a host
-//!   destination is made cheap to fill instead: its pages are faulted in over the cores
-//!   (`MADV_POPULATE_WRITE`) when the tensor's first chunk arrives, while the reader waits with
-//!   both buffers full, and the chunks are then plain copies into resident memory. First-touch
-//!   faults, not the copies, were most of the time of a virtual-device load.
+//! - Tensors bound for a virtual or CUDA device in their stored dtype are filled window by
+//!   window ([`crate::device::Buffer::fill`]) by the calling thread, each window read by up to
+//!   four parallel `pread`s: straight into the virtual device's arena, or into a CUDA backend's
+//!   pinned staging buffer whose DMA then overlaps the next window's read. The bytes are copied
+//!   on the host once (the read), where staging copied them twice (the read, then into pinned
+//!   memory), and the reads of a window run on several cores. Virtual devices take the same
+//!   path as CUDA ones: they exist to exercise the accelerator paths.
+//! - Everything else bound for a device (dtype conversions, quantising, O_DIRECT reads) goes
+//!   through two bounded staging buffers: a reader thread fills one while the other is
+//!   converted and copied to the device. The reader thread is started only when some tensor is
+//!   staged. Anonymous host memory for the load itself is therefore bounded by
+//!   `2 × staging_bytes`, whatever the model size. A staged host destination (a virtual device)
+//!   is made cheap to fill: its pages are faulted in over the cores (`MADV_POPULATE_WRITE`) when
+//!   the tensor's first chunk arrives, while the reader waits with both buffers full, and the
+//!   chunks are then plain copies into resident memory. First-touch faults, not the copies,
+//!   were most of the time of a virtual-device load.
 //! - O_DIRECT (`use_direct_io`, which takes precedence over `use_mmap` as in llama.cpp) reads
 //!   aligned blocks into the (page-aligned) staging buffers. A
 //!   filesystem that refuses O_DIRECT (EINVAL, as tmpfs does) falls back to buffered reads, and
 //!   the load records a warning saying so.
-//! - Progress is reported after every chunk; a callback that returns false cancels the load
-//!   within one chunk, and everything allocated so far is dropped (freed) before returning.
+//! - Progress is reported after every chunk or window; a callback that returns false cancels
+//!   the load within one, and everything allocated so far is dropped (freed) before returning.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -166,6 +171,10 @@ enum Msg {
 enum Path_ {
     View,
     Pread,
+    /// Stored bytes bound for a virtual or CUDA device: read by the calling thread straight
+    /// into the destination window by window ([`crate::device::Buffer::fill`]: the arena
+    /// itself, or a CUDA backend's pinned staging buffer whose DMA overlaps the next read).
+    Fill,
     Staged,
 }
 
@@ -214,9 +223,10 @@ pub fn load(
             continue;
         }
         // As in llama.cpp, use_direct_io takes precedence over use_mmap.
-        paths.push(match (on_cpu && same, opts.use_mmap, opts.use_direct_io) {
-            (true, true, false) => Path_::View,
-            (true, false, false) => Path_::Pread,
+        paths.push(match (on_cpu, same, opts.use_mmap, opts.use_direct_io) {
+            (true, true, true, false) => Path_::View,
+            (true, true, false, false) => Path_::Pread,
+            (false, true, _, false) => Path_::Fill,
             _ => Path_::Staged,
         });
     }
@@ -343,6 +353,28 @@ pub fn load(
                         done += info.nbytes;
                         finish(index, Storage::Owned(buf), &mut out)?;
                         report(done, progress)?;
+                    }
+                    Path_::Fill => {
+                        let file = tensor_file(info, &target.device, &files, &mut buffered)?;
+                        let mut buf = target.device.alloc_for_read(info.nbytes)?;
+                        if info.nbytes >= POPULATE_BYTES {
+                            // an arena's pages faulted in over the cores first, as for the
+                            // staged path below (nothing on CUDA)
+                            buf.populate(threads);
+                        }
+                        let len = usize::try_from(info.nbytes).unwrap_or(usize::MAX);
+                        let start = done;
+                        // progress after every window, so a cancel lands within one
+                        buf.fill(0, len, &mut |at, window| {
+                            read_parallel(file, info.offset + at as u64, window)
+                                .map_err(|e| io_error(info, &files, e))?;
+                            report(start + (at + window.len()) as u64, progress)
+                        })?;
+                        done += info.nbytes;
+                        finish(index, Storage::Owned(buf), &mut out)?;
+                        if info.nbytes == 0 {
+                            report(done, progress)?;
+                        }
                     }
                     // The reader sends no chunk for an empty tensor.
                     Path_::Staged if info.nbytes == 0 => {
@@ -543,7 +575,7 @@ impl Reader<'_> {
             };
             match self.paths[index] {
                 // Done inline by the caller (skipped above).
-                Path_::View | Path_::Pread => {}
+                Path_::View | Path_::Pread | Path_::Fill => {}
                 Path_::Staged => {
                     let mut at = 0u64;
                     while at < info.nbytes {
@@ -624,15 +656,13 @@ impl Reader<'_> {
     }
 }
 
-/// Read a tensor stored in its target dtype straight into fresh host memory on `device`, with
-/// as few `pread` calls as the kernel allows (it caps one call just under 2 GiB); a large tensor
-/// is split over up to [`MAX_PREAD_THREADS`] cores, each with its own large `pread`.
-fn pread_owned(
+/// The open file that holds `info` (buffered reads), opened once per load.
+fn tensor_file<'f>(
     info: &TensorInfo,
     device: &Arc<Device>,
     files: &[PathBuf],
-    cache: &mut [Option<File>],
-) -> Result<crate::device::Buffer> {
+    cache: &'f mut [Option<File>],
+) -> Result<&'f File> {
     let path = files.get(info.file).ok_or_else(|| EngineError::Device {
         device: device.name().to_owned(),
         detail: format!(
@@ -642,51 +672,70 @@ fn pread_owned(
             files.len()
         ),
     })?;
-    let io = |source| EngineError::Io {
-        path: path.clone(),
+    open_cached(cache, info.file, path, false).map_err(|e| io_error(info, files, e))
+}
+
+/// A read of `info`'s file that failed, naming the file and the tensor.
+fn io_error(info: &TensorInfo, files: &[PathBuf], source: std::io::Error) -> EngineError {
+    EngineError::Io {
+        path: files.get(info.file).cloned().unwrap_or_default(),
         tensor: info.name.clone(),
         source,
-    };
+    }
+}
+
+/// Read a tensor stored in its target dtype straight into fresh host memory on `device`
+/// ([`read_parallel`]).
+fn pread_owned(
+    info: &TensorInfo,
+    device: &Arc<Device>,
+    files: &[PathBuf],
+    cache: &mut [Option<File>],
+) -> Result<crate::device::Buffer> {
     let mut buf = device.alloc_for_read(info.nbytes)?;
-    let file = open_cached(cache, info.file, path, false).map_err(io)?;
+    let file = tensor_file(info, device, files, cache)?;
     let dst = buf.host_mut().ok_or_else(|| EngineError::Device {
         device: device.name().to_owned(),
         detail: format!("tensor '{}': pread needs host memory", info.name),
     })?;
+    read_parallel(file, info.offset, dst).map_err(|e| io_error(info, files, e))?;
+    Ok(buf)
+}
+
+/// Fill `dst` from byte `pos` of `file` with as few `pread` calls as the kernel allows (it caps
+/// one call just under 2 GiB); from [`PARALLEL_PREAD`] bytes the read is split over up to
+/// [`MAX_PREAD_THREADS`] cores, each with its own large `pread`: copying out of the page cache
+/// and faulting in fresh pages are both CPU-bound, and one core does not reach the memory's
+/// bandwidth.
+fn read_parallel(file: &File, pos: u64, dst: &mut [u8]) -> std::io::Result<()> {
     let parts = if dst.len() >= PARALLEL_PREAD {
         std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_PREAD_THREADS))
     } else {
         1
     };
-    if parts > 1 {
-        // Faulting in fresh pages is CPU-bound: split a large read over the cores.
-        let part = dst.len().div_ceil(parts).next_multiple_of(ALIGN);
-        let results: Vec<std::io::Result<()>> = std::thread::scope(|s| {
-            let mut chunks = dst.chunks_mut(part).enumerate();
-            let first = chunks.next();
-            let handles: Vec<_> = chunks
-                .map(|(k, c)| {
-                    let pos = info.offset + (k * part) as u64;
-                    s.spawn(move || file.read_exact_at(c, pos))
-                })
-                .collect();
-            let mut results =
-                vec![first.map_or(Ok(()), |(_, c)| file.read_exact_at(c, info.offset))];
-            for h in handles {
-                results.push(
-                    h.join()
-                        .unwrap_or_else(|_| Err(std::io::Error::other("a pread thread panicked"))),
-                );
-            }
-            results
-        });
-        for r in results {
-            r.map_err(io)?;
-        }
-    } else {
-        file.read_exact_at(dst, info.offset).map_err(io)?;
+    if parts <= 1 {
+        return file.read_exact_at(dst, pos);
     }
-    Ok(buf)
+    let part = dst.len().div_ceil(parts).next_multiple_of(ALIGN);
+    let results: Vec<std::io::Result<()>> = std::thread::scope(|s| {
+        let mut chunks = dst.chunks_mut(part).enumerate();
+        let first = chunks.next();
+        let handles: Vec<_> = chunks
+            .map(|(k, c)| {
+                let at = pos + (k * part) as u64;
+                s.spawn(move || file.read_exact_at(c, at))
+            })
+            .collect();
+        let mut results = vec![first.map_or(Ok(()), |(_, c)| file.read_exact_at(c, pos))];
+        for h in handles {
+            results.push(
+                h.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("a pread thread panicked"))),
+            );
+        }
+        results
+    });
+    results.into_iter().collect()
 }
 
 /// Tensors of at least this many bytes are read by several threads at once.

@@ -510,7 +510,7 @@ impl PlanSource {
         let moe = weightlift_format::MoeSpec::from_hf_config(config)?;
         let dtype = weightlift_format::hf_config::stored_dtype(config).map(str::to_owned);
         Ok(PlanSource {
-            model: weightlift_plan::ModelSource::Config(spec, dtype, moe.clone()),
+            model: weightlift_plan::ModelSource::Config(spec, dtype, moe),
             window,
             moe,
         })

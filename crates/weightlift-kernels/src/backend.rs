@@ -773,6 +773,11 @@ pub struct Rows {
     pub pitch: usize,
 }
 
+/// What fills a window of a CUDA upload ([`crate::cuda::CudaBackend::upload_filled`]):
+/// `fill(at, window)` writes bytes `at..at + window.len()` of the range, or fails with the
+/// caller's own error.
+pub type Fill<'a, E> = dyn FnMut(usize, &mut [u8]) -> std::result::Result<(), E> + 'a;
+
 /// A compute device: memory plus the operations of this crate.
 pub trait Backend: Send + Sync {
     /// A region of device memory.

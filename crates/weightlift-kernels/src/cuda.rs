@@ -109,7 +109,7 @@ mod launch;
 mod matmul;
 mod ops;
 
-use copies::{Staging, upload_staged};
+use copies::{Staging, upload_filled, upload_staged};
 pub use copy_stream::CopyStream;
 pub use graph::CudaStepGraph;
 pub use host_pins::HostPins;
@@ -525,6 +525,33 @@ impl CudaBackend {
     /// The device's name as the driver gives it (`"NVIDIA H200"`).
     pub fn device_name(&self) -> Result<String> {
         self.ctx.name().map_err(drv("reading the device name"))
+    }
+
+    /// Fills `len` bytes of `dst` from byte `offset` window by window: `fill(at, window)` writes
+    /// bytes `at..at + window.len()` of the range straight into a pinned staging buffer, and
+    /// each window's DMA overlaps the next window's fill. The host copies the bytes once (a
+    /// loader reads the file into the window), where [`Backend::copy_from_host`] copies the
+    /// caller's bytes into staging first. Returns once the last window is queued: the outer
+    /// error is the driver's, the inner one `fill`'s, which ends the fill there.
+    pub fn upload_filled<E>(
+        &self,
+        dst: &mut CudaBuffer,
+        offset: usize,
+        len: usize,
+        fill: &mut crate::backend::Fill<'_, E>,
+    ) -> Result<std::result::Result<(), E>> {
+        self.own(dst)?;
+        check_range("fill destination bytes", dst.slice.len(), offset, len)?;
+        upload_filled(
+            &self.ctx,
+            &self.stream,
+            &self.staging,
+            &self.name(),
+            dst,
+            offset,
+            len,
+            fill,
+        )
     }
 
     /// The bytes one CUDA context takes on this device. `cuMemGetInfo` answers only inside a

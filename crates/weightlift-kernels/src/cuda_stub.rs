@@ -158,6 +158,17 @@ impl CudaBackend {
     }
 
     /// Never called: a stand-in backend cannot be constructed.
+    pub fn upload_filled<E>(
+        &self,
+        _dst: &mut CudaBuffer,
+        _offset: usize,
+        _len: usize,
+        _fill: &mut crate::backend::Fill<'_, E>,
+    ) -> Result<std::result::Result<(), E>> {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
     pub fn with_q8_decode(self, _q8: crate::sources::Q8Decode) -> Self {
         match self._never {}
     }

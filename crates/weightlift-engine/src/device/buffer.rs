@@ -60,6 +60,10 @@ impl Device {
     }
 }
 
+/// The window [`Buffer::fill`] hands over at a time on host memory: the size of a CUDA
+/// backend's pinned staging buffer, so a load fills in the same pieces on either.
+const HOST_FILL_WINDOW: usize = 16 << 20;
+
 /// The memory behind a [`Buffer`].
 enum Mem {
     /// `cpu` and `virtual` devices: host memory.
@@ -181,6 +185,36 @@ impl Buffer {
                 dev.backend()?
                     .copy_from_host(src, m, offset)
                     .map_err(|e| dev.kernel_err("copying to the device", e))
+            }
+        }
+    }
+
+    /// Fill `len` bytes from `offset` window by window, `fill(at, window)` writing bytes
+    /// `at..at + window.len()` of the range: in place on host memory, and on CUDA straight into
+    /// the backend's pinned staging buffers, each window's copy to the device queued on its
+    /// stream while the next window is filled (so a file read into the window is the one host
+    /// copy). Returns once the last copy is queued, as [`Buffer::write`] does; an error of
+    /// `fill` ends the fill and is returned as it is.
+    pub fn fill(
+        &mut self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(usize, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.range("fill", offset, len)?;
+        match &mut self.mem {
+            Mem::Host(b) => {
+                let range = &mut b.as_mut_slice()[offset..offset + len];
+                for (k, window) in range.chunks_mut(HOST_FILL_WINDOW).enumerate() {
+                    fill(k * HOST_FILL_WINDOW, window)?;
+                }
+                Ok(())
+            }
+            Mem::Cuda(m) => {
+                let dev = &self.device;
+                dev.backend()?
+                    .upload_filled(m, offset, len, fill)
+                    .map_err(|e| dev.kernel_err("copying to the device", e))?
             }
         }
     }

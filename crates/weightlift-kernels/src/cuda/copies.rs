@@ -106,6 +106,59 @@ pub(super) fn upload_staged(
     Ok(())
 }
 
+/// Fills `len` bytes of `dst` from byte `offset` on `stream`: `fill(at, window)` writes bytes
+/// `at..at + window.len()` of the range straight into a pinned staging buffer, whose DMA is then
+/// queued, so each window's copy to the device overlaps the next window's fill and the bytes
+/// are copied on the host once (where [`upload_staged`] copies the caller's bytes in first).
+/// Returns once the last window is queued; the outer error is the driver's, the inner one
+/// `fill`'s (which ends the fill there).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn upload_filled<E>(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    staging: &Mutex<Option<Staging>>,
+    device: &str,
+    dst: &mut CudaBuffer,
+    offset: usize,
+    len: usize,
+    fill: &mut crate::backend::Fill<'_, E>,
+) -> Result<std::result::Result<(), E>> {
+    let mut guard = staging.lock().map_err(|_| KernelError::Cuda {
+        during: format!("staging a copy to {device}"),
+        message: "staging lock poisoned".into(),
+    })?;
+    if guard.is_none() {
+        *guard = Some(Staging::new(ctx, stream)?);
+    }
+    let st = guard.as_mut().ok_or_else(|| KernelError::Cuda {
+        during: format!("staging a copy to {device}"),
+        message: "no staging buffers".into(),
+    })?;
+    for (k, at) in (0..len).step_by(STAGING_BYTES).enumerate() {
+        let n = STAGING_BYTES.min(len - at);
+        let i = k % 2;
+        // wait until the DMA that last read this staging buffer has finished
+        st.done[i]
+            .synchronize()
+            .map_err(drv("waiting for a staging buffer"))?;
+        let pinned = st.bufs[i]
+            .as_mut_slice()
+            .map_err(drv("mapping pinned memory"))?;
+        if let Err(e) = fill(at, &mut pinned[..n]) {
+            return Ok(Err(e));
+        }
+        let to = offset + at;
+        let mut view = dst.slice.slice_mut(to..to + n);
+        stream
+            .memcpy_htod(&pinned[..n], &mut view)
+            .map_err(drv(format!("copying {n} bytes to {device}")))?;
+        st.done[i]
+            .record(stream)
+            .map_err(drv("recording an event"))?;
+    }
+    Ok(Ok(()))
+}
+
 /// The pitch the driver is given: one row may have any pitch (nothing follows it), but the
 /// driver wants every pitch at least the row width.
 fn driver_pitch(side: Rows, width: usize, rows: usize) -> usize {
