@@ -384,3 +384,49 @@ fn cuda_copies_match_the_cpu() -> Result<()> {
     );
     Ok(())
 }
+
+/// On cuda:0: `upload_filled` writes what its windows were filled with, at an offset, over
+/// three staging windows and a short last one; each window is handed over once, in order; an
+/// error of the fill stops it at that window and comes back as the fill's own; a range past
+/// the buffer is refused before any window is filled.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn cuda_upload_filled_writes_its_windows() -> Result<()> {
+    let g0 = CudaBackend::new(0)?;
+    let bytes = (40 << 20) + 12345;
+    let want = pattern(bytes, 3);
+    let mut dst = g0.alloc(bytes + 64)?;
+    let mut windows = Vec::new();
+    let filled = g0.upload_filled(&mut dst, 64, bytes, &mut |at, w: &mut [u8]| {
+        windows.push((at, w.len()));
+        w.copy_from_slice(&want[at..at + w.len()]);
+        Ok::<(), String>(())
+    })?;
+    assert_eq!(filled, Ok(()));
+    assert_eq!(windows.first(), Some(&(0, 16 << 20)));
+    assert_eq!(windows.iter().map(|w| w.1).sum::<usize>(), bytes);
+    assert!(windows.windows(2).all(|p| p[0].0 + p[0].1 == p[1].0));
+    let mut host = vec![0u8; bytes];
+    g0.copy_to_host(&dst, 64, &mut host)?;
+    assert!(
+        host == want,
+        "the device holds what the windows were filled with"
+    );
+
+    let mut calls = 0;
+    let stopped = g0.upload_filled(&mut dst, 0, bytes, &mut |_, _: &mut [u8]| {
+        calls += 1;
+        if calls == 2 {
+            Err("read failed")
+        } else {
+            Ok(())
+        }
+    })?;
+    assert_eq!((stopped, calls), (Err("read failed"), 2));
+
+    let err = g0
+        .upload_filled(&mut dst, 65, bytes, &mut |_, _: &mut [u8]| Ok::<(), ()>(()))
+        .unwrap_err();
+    assert!(err.to_string().contains("fill destination bytes"), "{err}");
+    Ok(())
+}
