@@ -690,8 +690,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"serve: --batch {args.batch} and --parallel {args.parallel} disagree: the cache holds "
             "one sequence per slot; give --parallel alone"
         )
-    # the plan counts a cache of --ctx positions per slot, and the load makes them
-    args.batch = args.parallel
+    # the plan counts a cache of --ctx positions per slot and one more for the embeddings,
+    # and the load makes them: an embedding then runs in memory the plan holds
+    args.batch = args.parallel + 1
     if args.queue < 0:
         raise weightlift.PlanError(f"serve: --queue: expected 0 or more, got {args.queue}")
     server.require()
