@@ -97,7 +97,13 @@ def serving(model: Path, tmp: Path, *args: str) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with serving(
-        demo_gguf, tmp_path_factory.mktemp("serve"), "--ctx", "1024", "--model-alias", "demo"
+        demo_gguf,
+        tmp_path_factory.mktemp("serve"),
+        "--ctx",
+        "1024",
+        "--model-alias",
+        "demo",
+        "--embedding",
     ) as s:
         yield s
 
@@ -474,6 +480,10 @@ def test_load_every_request_completes_as_it_does_alone(demo_gguf: Path, tmp_path
         for (p, n, stream), text in zip(requests, got, strict=True):
             assert text == alone[(p, n)], (LOAD_PROMPTS[p], stream, n)
         assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
+        # started without --embedding: no embeddings, and the reason, as llama.cpp answers
+        r = s.post("/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 501, r.text
+        assert "start it with --embedding" in r.json()["error"]["message"]
 
 
 def _rss_kib(pid: int) -> int:
@@ -489,7 +499,15 @@ def test_faults_leave_the_server_serving_at_its_memory(demo_gguf: Path, tmp_path
     answering, frees the slots at once, and its memory stays where the first round left it."""
     body = {"prompt": "Count:", "max_tokens": 400, "logit_bias": NO_EOS, "stream": True}
     with serving(
-        demo_gguf, tmp_path, "--ctx", "512", "--model-alias", "demo", "--parallel", "4"
+        demo_gguf,
+        tmp_path,
+        "--ctx",
+        "512",
+        "--model-alias",
+        "demo",
+        "--parallel",
+        "4",
+        "--embedding",
     ) as s:
         rss = []
         for _ in range(3):

@@ -76,8 +76,11 @@ class _SlotStream(StreamingResponse):
 class Server:
     """One model behind the slots; the routes' shared state."""
 
-    def __init__(self, model: weightlift.Model, alias: str, parallel: int, queue: int) -> None:
+    def __init__(
+        self, model: weightlift.Model, alias: str, parallel: int, queue: int, embedding: bool
+    ) -> None:
         self.alias = alias
+        self.embedding = embedding
         self.slots = Slots(parallel, queue)
         self.scheduler = Scheduler(model, parallel)
         self.created = int(time.time())
@@ -117,6 +120,15 @@ class Server:
     async def embed(self, body: EmbeddingRequest) -> dict[str, Any]:
         """OpenAI's embedding response: each input a call of its own on the engine thread, so
         running generations wait for one input's forward pass at a time, not a whole list's."""
+        if not self.embedding:
+            # llama.cpp's answer, and its switch's name in llama-cpp-python's server
+            raise APIError(
+                501,
+                "this server does not serve embeddings; start it with --embedding (which plans "
+                "one more cache of --ctx positions for them)",
+                type="not_supported_error",
+                code="embeddings_off",
+            )
         self._check_model(body.model)
         try:
             inputs = body.inputs()
@@ -250,9 +262,11 @@ class Server:
                 return
 
 
-def create_app(model: weightlift.Model, *, alias: str, parallel: int, queue: int) -> FastAPI:
-    """The FastAPI app serving ``model`` as ``alias``."""
-    server = Server(model, alias, parallel, queue)
+def create_app(
+    model: weightlift.Model, *, alias: str, parallel: int, queue: int, embedding: bool
+) -> FastAPI:
+    """The FastAPI app serving ``model`` as ``alias`` (embeddings too when ``embedding``)."""
+    server = Server(model, alias, parallel, queue, embedding)
     app = FastAPI(title="weightlift", version=weightlift.__version__)
     app.state.server = server
     install(app)
