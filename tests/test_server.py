@@ -97,7 +97,13 @@ def serving(model: Path, tmp: Path, *args: str) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with serving(
-        demo_gguf, tmp_path_factory.mktemp("serve"), "--ctx", "1024", "--model-alias", "demo"
+        demo_gguf,
+        tmp_path_factory.mktemp("serve"),
+        "--ctx",
+        "1024",
+        "--model-alias",
+        "demo",
+        "--embedding",
     ) as s:
         yield s
 
@@ -186,6 +192,24 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "valid number",
     ),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n:"),
+    ("/v1/embeddings", {"input": []}, 400, "input", "at least one input"),
+    ("/v1/embeddings", {"input": [1, 99999]}, 400, "input", "vocabulary size 49152, got 99999"),
+    ("/v1/embeddings", {"input": ["a", 1]}, 400, "input", "a list of strings"),
+    ("/v1/embeddings", {"input": "hi", "model": "gpt-4"}, 404, "model", "'gpt-4'"),
+    ("/v1/embeddings", {"input": "hi " * 1500}, 400, "input", "do not fit the cache"),
+    ("/v1/embeddings", {"input": ["a", "hi " * 1500]}, 400, "input", "input[1]: 1501 tokens"),
+    ("/v1/embeddings", {"input": "hi", "dimensions": 8}, 400, "dimensions", "576 dimensions"),
+    (
+        "/v1/embeddings",
+        {"input": "hi", "encoding_format": "hex"},
+        400,
+        "encoding_format",
+        "'base64'",
+    ),
+    ("/extras/tokenize", {"input": 5}, 400, "input", "valid string"),
+    ("/extras/tokenize/count", {"input": "hi", "model": "gpt-4"}, 404, "model", "'gpt-4'"),
+    ("/extras/detokenize", {"tokens": [99999]}, 400, "tokens", "vocabulary size 49152"),
+    ("/extras/detokenize", {"tokens": [-1]}, 400, "tokens.0", "greater than or equal to 0"),
 ]
 
 
@@ -204,6 +228,85 @@ def _check_bad(server: Server, path: str, body: Any, status: int, param: str | N
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert words in err["message"], err
+
+
+@pytest.fixture(scope="module")
+def llama(demo_gguf: Path) -> Iterator[Any]:
+    """llama-cpp-python's API in this process, on the model and compute the server runs."""
+    import weightlift
+
+    with weightlift.Llama(str(demo_gguf), embedding=True, n_ctx=1024, verbose=False) as llm:
+        llm.model.compute = "exact"
+        yield llm
+
+
+EMBED_INPUTS = ["The capital of France is", "<|im_start|>user\nSay hi", "One, two, three,"]
+
+
+def test_embeddings_are_llama_create_embedding(server: Server, llama: Any):
+    """The openai client's embeddings, float and base64 (its default), of a string and of a
+    list: the numbers of ``Llama.create_embedding`` (no pooling in this model: a vector per
+    token, which base64 sends row after row)."""
+    import numpy as np
+
+    client = server.client()
+    want = llama.create_embedding(EMBED_INPUTS, model="demo")
+    got = client.embeddings.create(model="demo", input=EMBED_INPUTS, encoding_format="float")
+    assert (got.object, got.model, got.usage.model_dump()) == ("list", "demo", want["usage"])
+    assert [(d.object, d.index, d.embedding) for d in got.data] == [
+        (w["object"], w["index"], w["embedding"]) for w in want["data"]
+    ]
+    assert got.usage.prompt_tokens == got.usage.total_tokens > len(EMBED_INPUTS)
+    one = client.embeddings.create(model="demo", input=EMBED_INPUTS[0])  # base64
+    flat = np.asarray(want["data"][0]["embedding"], dtype=np.float32).ravel().tolist()
+    assert [d.index for d in one.data] == [0] and one.data[0].embedding == flat
+    # token ids: the ids a string runs on give its embedding
+    ids = llama.tokenize(EMBED_INPUTS[1].encode())
+    by_ids = client.embeddings.create(model="demo", input=[ids, ids[:2]], encoding_format="float")
+    assert by_ids.data[0].embedding == want["data"][1]["embedding"]
+    assert by_ids.usage.prompt_tokens == len(ids) + 2
+
+
+def test_tokenizer_extras_round_trip(server: Server, llama: Any):
+    text = "<|im_start|>user\nHow many tokens in this query? Ünïcode ✓"
+    ids = server.post("/extras/tokenize", json={"input": text}).json()["tokens"]
+    assert ids == llama.tokenize(text.encode(), special=True)
+    assert ids[0] == 1  # <|im_start|> parsed, as llama-cpp-python's server parses it
+    assert server.post("/extras/tokenize/count", json={"input": text}).json() == {"count": len(ids)}
+    r = server.post("/extras/detokenize", json={"tokens": ids, "model": "demo"})
+    assert r.json() == {"text": llama.detokenize(ids).decode()}
+    assert r.json()["text"] == text.replace("<|im_start|>", "")  # special tokens left out
+
+
+def test_a_model_by_id(server: Server):
+    client = server.client()
+    assert client.models.retrieve("demo") == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    err = e.value.body
+    assert isinstance(err, dict)
+    assert (err["code"], err["param"]) == ("model_not_found", "model") and "'gpt-4'" in err[
+        "message"
+    ]
+
+
+def test_embeddings_between_streams_leave_their_replies_alone(server: Server):
+    client = server.client()
+    streams = [case for case in CASES if case[1]][:3]
+    alone = [_reply(client, *case, 12) for case in streams]
+    first = client.embeddings.create(model="demo", input=EMBED_INPUTS).data
+    with ThreadPoolExecutor(6) as pool:
+        replies = [pool.submit(_reply, client, *case, 12) for case in streams]
+        deadline = time.monotonic() + REQUEST_TIMEOUT
+        while server.health()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        embeds = [
+            pool.submit(client.embeddings.create, model="demo", input=EMBED_INPUTS)
+            for _ in range(3)
+        ]
+        assert [f.result().data for f in embeds] == [first] * 3
+        assert [f.result() for f in replies] == alone
+    assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
 
 
 def test_concurrent_requests_match_each_run_alone(server: Server):
@@ -377,6 +480,10 @@ def test_load_every_request_completes_as_it_does_alone(demo_gguf: Path, tmp_path
         for (p, n, stream), text in zip(requests, got, strict=True):
             assert text == alone[(p, n)], (LOAD_PROMPTS[p], stream, n)
         assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
+        # started without --embedding: no embeddings, and the reason, as llama.cpp answers
+        r = s.post("/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 501, r.text
+        assert "start it with --embedding" in r.json()["error"]["message"]
 
 
 def _rss_kib(pid: int) -> int:
@@ -392,7 +499,15 @@ def test_faults_leave_the_server_serving_at_its_memory(demo_gguf: Path, tmp_path
     answering, frees the slots at once, and its memory stays where the first round left it."""
     body = {"prompt": "Count:", "max_tokens": 400, "logit_bias": NO_EOS, "stream": True}
     with serving(
-        demo_gguf, tmp_path, "--ctx", "512", "--model-alias", "demo", "--parallel", "4"
+        demo_gguf,
+        tmp_path,
+        "--ctx",
+        "512",
+        "--model-alias",
+        "demo",
+        "--parallel",
+        "4",
+        "--embedding",
     ) as s:
         rss = []
         for _ in range(3):
@@ -413,6 +528,9 @@ def test_faults_leave_the_server_serving_at_its_memory(demo_gguf: Path, tmp_path
                 assert all(n >= 2 for n in pool.map(lambda _: cut(), range(4)))
             for bad in BAD_REQUESTS:
                 _check_bad(s, *bad)
+            # an embedding of most of the context runs in the cache the plan counts for it
+            long = s.post("/v1/embeddings", json={"input": [6004] * 400})
+            assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 400
             deadline = time.monotonic() + 5
             while s.health()["running"] and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -228,6 +228,26 @@ class StoppingCriteriaList(list):  # type: ignore[type-arg]
         return any(criterion(input_ids, logits) for criterion in self)
 
 
+def embedding_ids(model: Model, text: str) -> list[int]:
+    """The token ids an embedding of ``text`` runs on: llama-cpp-python's
+    ``tokenize(text.encode("utf-8"))``, BOS as the vocabulary asks and special tokens as text."""
+    return model.tokenize(text, add_bos=None, special=False)
+
+
+def embedding_response(vectors: Sequence[Any], n_tokens: int, model: str) -> dict[str, Any]:
+    """OpenAI's embedding response, as llama-cpp-python's ``create_embedding`` builds it: one
+    entry per input in order (a vector, or one per token without pooling), and ``n_tokens``
+    (the inputs' tokens together) as both counts of ``usage``."""
+    return {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "embedding": e, "index": i} for i, e in enumerate(vectors)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+    }
+
+
 class Llama:
     """llama-cpp-python's ``Llama``: load ``model_path`` (a GGUF, or any checkpoint weightlift
     opens) and run completions, chats, embeddings and the low-level ``eval``/``sample`` loop."""
@@ -640,7 +660,7 @@ class Llama:
         data: list[Any] = []
         total = 0
         for text in inputs:
-            ids = self.tokenize(text.encode("utf-8"))
+            ids = embedding_ids(self._model, text)
             if truncate:
                 ids = ids[: self.n_batch]
             elif len(ids) > self.n_batch:
@@ -657,14 +677,7 @@ class Llama:
         embeds, total = self.embed(input, return_count=True)
         if isinstance(input, str):
             embeds = [embeds]
-        return {
-            "object": "list",
-            "data": [
-                {"object": "embedding", "embedding": e, "index": i} for i, e in enumerate(embeds)
-            ],
-            "model": model if model is not None else self.model_path,
-            "usage": {"prompt_tokens": total, "total_tokens": total},
-        }
+        return embedding_response(embeds, total, model if model is not None else self.model_path)
 
     # --- lifetime ----------------------------------------------------------------------------
 

@@ -690,8 +690,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"serve: --batch {args.batch} and --parallel {args.parallel} disagree: the cache holds "
             "one sequence per slot; give --parallel alone"
         )
-    # the plan counts a cache of --ctx positions per slot, and the load makes them
-    args.batch = args.parallel
+    # the plan counts a cache of --ctx positions per slot, and with --embedding one more for
+    # the embeddings, and the load makes them: an embedding then runs in memory the plan holds
+    args.batch = args.parallel + (1 if args.embedding else 0)
     if args.queue < 0:
         raise weightlift.PlanError(f"serve: --queue: expected 0 or more, got {args.queue}")
     server.require()
@@ -710,7 +711,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"{args.parallel} generation(s) at once, {args.queue} may wait)\n"
         )
         sys.stderr.flush()
-        server.serve(model, sock, alias=alias, parallel=args.parallel, queue=args.queue)
+        server.serve(
+            model,
+            sock,
+            alias=alias,
+            parallel=args.parallel,
+            queue=args.queue,
+            embedding=args.embedding,
+        )
     return 0
 
 
@@ -885,7 +893,9 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="load a model, then serve it over HTTP with OpenAI's API",
         description="Load a model, then serve it with OpenAI's API: POST /v1/completions and "
-        "/v1/chat/completions (stream: true as server-sent events), GET /v1/models and /health. "
+        "/v1/chat/completions (stream: true as server-sent events), POST /v1/embeddings (with "
+        "--embedding), GET /v1/models and /health, and llama-cpp-python's /extras/tokenize, "
+        "/extras/tokenize/count and /extras/detokenize. "
         "--parallel generations run at once, batched into one forward call a token, each in a "
         "slot that keeps its cache (a repeated prompt prefix runs once per slot); the other "
         "requests wait in a queue, first come first served, and get 503 beyond it. SIGINT or "
@@ -908,6 +918,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_QUEUE,
         help=f"requests that may wait for the model ({DEFAULT_QUEUE}); more get 503",
+    )
+    sv.add_argument(
+        "--embedding",
+        action="store_true",
+        help="serve POST /v1/embeddings too (llama-cpp-python's --embedding, llama.cpp's "
+        "--embeddings): the plan counts one more cache of --ctx positions for them",
     )
     sv.add_argument("--model-alias", help="the model's name in the API (default: the file name)")
     sv.set_defaults(func=_cmd_serve)

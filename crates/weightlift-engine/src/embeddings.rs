@@ -12,11 +12,16 @@
 //!   `None` (llama.cpp's loader default).
 //! - Normalising divides each vector by its L2 norm, leaving a zero vector as it is
 //!   (llama-cpp-python's `normalize_embedding`).
-//! - [`Model::embed`] runs on a scratch cache of its own, so the model's cache (its rows, its
-//!   `seq_len` and the token history generation reuses a prefix of) is untouched.
+//! - [`Model::embed`] runs on a cache of its own, so the model's cache (its rows, its `seq_len`
+//!   and the token history generation reuses a prefix of) is untouched: a sequence the plan
+//!   counted that no batch holds (`weightlift serve` plans one for its embeddings), else a
+//!   scratch cache made for the call.
+
+use std::sync::Arc;
 
 use weightlift_format::{Format, MetaValue, Metadata};
 
+use crate::Cache;
 use crate::error::{EngineError, Result, invalid};
 use crate::forward::{Output, check_ids};
 use crate::model::Model;
@@ -240,16 +245,37 @@ impl Model {
         Ok(self.source().spec().map_or(0, |s| s.context_length))
     }
 
+    /// The cache an embedding of `tokens` positions runs on, and whether it is a scratch
+    /// cache to free after: a sequence the plan counted beside the own cache
+    /// ([`Model::planned_sequences`]) that only the model holds (no batch took it) and that
+    /// is long enough, emptied, so the embedding holds no memory beyond the plan's; else a
+    /// new [`Model::sequence_cache`] of `tokens` positions.
+    fn embedding_cache(&self, tokens: u64) -> Result<(Arc<Cache>, bool)> {
+        let state = self.state.as_ref().ok_or_else(|| EngineError::NotLoaded {
+            what: "the model".into(),
+        })?;
+        // One strong handle is the model's own: a batch holds a clone of each slot it took.
+        let idle = (state.sequences.iter())
+            .find(|c| Arc::strong_count(c) == 1 && c.config().max_seq_len >= tokens);
+        if let Some(c) = idle {
+            c.reset();
+            return Ok((Arc::clone(c), false));
+        }
+        Ok((self.sequence_cache(tokens)?, true))
+    }
+
     /// The embeddings of token `ids` (one input): [`Model::forward_hidden`]'s rows pooled by
     /// `pooling`, each vector divided by its L2 norm when `normalize`. `Pooling::None` gives
     /// one vector per token, the others one vector; each is `hidden_size` floats.
     ///
-    /// The ids run in prompt chunks on a scratch cache of `ids.len()` positions, made for this
-    /// call in the own cache's dtype and placement and freed after it. A scratch cache rather
-    /// than saving and restoring the model's own: the own cache's rows, `seq_len` and token
-    /// history stay exactly as they were (a quantised cache could not be restored bit for bit
-    /// from its rows), and nothing of the whole context is copied; the cost is a second cache
-    /// of the input's length while the call runs (an out-of-memory error names the device).
+    /// The ids run in prompt chunks on a cache other than the model's own: a planned sequence
+    /// nothing else holds, left empty after, else a scratch cache of `ids.len()` positions
+    /// made for this call in the own cache's dtype and placement and freed after it. Another
+    /// cache rather than saving and restoring the model's own: the own cache's rows, `seq_len`
+    /// and token history stay exactly as they were (a quantised cache could not be restored
+    /// bit for bit from its rows), and nothing of the whole context is copied; the cost of a
+    /// scratch cache is a second cache of the input's length while the call runs (an
+    /// out-of-memory error names the device).
     ///
     /// An empty input, or one longer than [`Model::context_len`], is an error before anything
     /// runs.
@@ -287,10 +313,15 @@ impl Model {
                 ),
             });
         }
-        let cache = self.sequence_cache(tokens)?;
+        let (cache, scratch) = self.embedding_cache(tokens)?;
         let mut rows = Vec::new();
         let ran = self.run_forward(ids, Some(&cache), Output::Hidden, &mut rows);
-        cache.free();
+        if scratch {
+            cache.free();
+        } else {
+            // a batch that takes this sequence later starts from an empty slot
+            cache.reset();
+        }
         ran?;
         let mut vectors = pooling.pool(&rows, rows.len() / ids.len());
         if normalize {

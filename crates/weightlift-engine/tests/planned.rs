@@ -323,6 +323,58 @@ fn a_planned_cache_of_several_sequences_is_held_as_that_many_slots() {
     assert!(inv.all().iter().all(|d| d.used() == 0));
 }
 
+/// An embedding runs in a planned sequence that no batch took (`weightlift serve` plans one
+/// beyond its slots): nothing is allocated, the peak stays where it was, and the sequence is
+/// left empty. With every sequence in a batch it runs on a scratch cache, with the same bits.
+#[test]
+fn an_embedding_runs_in_a_planned_sequence_no_batch_took() {
+    use weightlift_engine::Pooling;
+    use weightlift_engine::generate::batch::{Answer, Batch};
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(demo(), OpenOptions::default()).unwrap());
+    let inv = Inventory::parse("virtual:2x96MiB,cpu").unwrap();
+    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let options = weightlift_plan::PlanOptions {
+        cache: Some(CacheSpec::new(256, 3, CacheDType::Fp16)),
+        ..Default::default()
+    };
+    (model.plan_and_load(
+        None,
+        options,
+        &Default::default(),
+        None,
+        &LoadOptions::default(),
+        &mut |_| true,
+    ))
+    .unwrap();
+    let ids: Vec<u32> = (1..40).collect();
+    // two slots of three: the third sequence is the embeddings'
+    let mut batch = Batch::new(&model, 2).unwrap();
+    let options = weightlift_engine::generate::GenerateOptions {
+        max_tokens: Some(2),
+        ..Default::default()
+    };
+    batch
+        .start(&model, &[1, 2, 3], options, Answer::Text)
+        .unwrap();
+    while batch.running() > 0 {
+        batch.step(&mut model).unwrap();
+    }
+    let (usage, peak) = (model.device_usage(), model.peak_memory());
+    let planned = model.embed(&ids, Pooling::None, false).unwrap();
+    assert_eq!(model.device_usage(), usage);
+    assert_eq!(model.peak_memory(), peak, "no scratch cache");
+    // the batch's second slot is the first planned sequence; the second is left empty
+    assert_eq!(model.planned_sequences()[1].seq_len(), 0);
+    drop(batch);
+    let all = Batch::new(&model, 3).unwrap();
+    let scratch = model.embed(&ids, Pooling::None, false).unwrap();
+    assert_eq!(model.device_usage(), usage, "the scratch cache is freed");
+    assert!(model.peak_memory() > peak, "a scratch cache");
+    let bits = |v: &[Vec<f32>]| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&planned), bits(&scratch));
+    drop(all);
+}
+
 /// The same under tensor parallelism (a server's `--parallel 3` on a tensor-parallel plan):
 /// three caches of one sequence, each split by kv heads over the devices, holding what the
 /// plan says; a batch of three runs in them.

@@ -1,9 +1,12 @@
 """``weightlift serve``: an OpenAI-compatible HTTP server over one loaded ``Model``.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` as
-Server-Sent Events), ``GET /v1/models`` and ``GET /health``. Request fields are
-llama-cpp-python's server's (``llama_cpp/server/types.py``); every response carries ``usage`` and
-llama.cpp's server's ``timings``.
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` as Server-
+Sent Events), ``POST /v1/embeddings`` (when asked for), ``GET /v1/models``, ``GET
+/v1/models/{id}``, llama-cpp-python's tokenizer extras ``POST /extras/tokenize``,
+``/extras/tokenize/count`` and ``/extras/detokenize``, and ``GET /health``. Request fields are
+llama-cpp-python's server's (``llama_cpp/server/types.py``), with OpenAI's embedding request
+(token ids, ``base64``); every completion carries ``usage`` and llama.cpp's server's
+``timings``.
 
 The HTTP stack is FastAPI on uvicorn: the one llama-cpp-python's and vLLM's servers use, well
 kept, with request validation by pydantic and SSE through ``StreamingResponse``. Generations run
@@ -13,7 +16,10 @@ on an engine thread while the event loop keeps serving: the engine releases the 
 batching: one forward call a token for all of them, new requests joining between steps), each
 in a slot, a KV cache of the model's context length that keeps its tokens, so a prompt sharing
 a prefix with the slot's last one runs only the rest. The other requests wait in a bounded
-first-come-first-served queue (``queue``), beyond which they get 503.
+first-come-first-served queue (``queue``), beyond which they get 503. Embeddings and the
+tokenizer take no slot: they run on the engine thread between steps, an embedding in the one
+more cache of the context's length that ``weightlift serve --embedding`` plans beside the
+slots.
 FastAPI and uvicorn are the ``server`` extra: ``pip install weightlift[server]``.
 """
 
@@ -42,12 +48,22 @@ def require() -> None:
         )
 
 
-def create_app(model: weightlift.Model, *, alias: str, parallel: int = 1, queue: int = 16) -> Any:
-    """The FastAPI app serving ``model`` under the name ``alias``."""
+def create_app(
+    model: weightlift.Model,
+    *,
+    alias: str,
+    parallel: int = 1,
+    queue: int = 16,
+    embedding: bool = False,
+) -> Any:
+    """The FastAPI app serving ``model`` under the name ``alias``; ``embedding`` serves
+    ``/v1/embeddings`` too (load the model with one planned sequence beyond ``parallel`` for
+    them, as ``weightlift serve --embedding`` does, or each embedding makes a cache of its own
+    for its call)."""
     require()
     from weightlift.server.app import create_app as create
 
-    return create(model, alias=alias, parallel=parallel, queue=queue)
+    return create(model, alias=alias, parallel=parallel, queue=queue, embedding=embedding)
 
 
 def serve(
@@ -57,6 +73,7 @@ def serve(
     alias: str,
     parallel: int = 1,
     queue: int = 16,
+    embedding: bool = False,
     log_level: str = "info",
 ) -> None:
     """Serve ``model`` on the bound socket ``sock`` until SIGINT or SIGTERM, then return once
@@ -64,7 +81,7 @@ def serve(
     require()
     import uvicorn
 
-    app = create_app(model, alias=alias, parallel=parallel, queue=queue)
+    app = create_app(model, alias=alias, parallel=parallel, queue=queue, embedding=embedding)
     config = uvicorn.Config(
         app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS
     )

@@ -1,20 +1,31 @@
-"""The routes: completions and chat completions (plain or SSE), the model list and health."""
+"""The routes: completions and chat completions (plain or SSE), embeddings, the tokenizer's
+extras, the model list and health."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import weightlift
+from weightlift._llama import embedding_ids, embedding_response
 from weightlift.server.errors import SERVER, APIError, from_engine, install
 from weightlift.server.scheduler import Job, Scheduler
-from weightlift.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from weightlift.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    _Sampling,
+)
 from weightlift.server.slots import QueueFull, Slots
 
 # Seconds between looks at whether the client of a non-streamed request is still there.
@@ -40,6 +51,12 @@ def timings(t: dict[str, float] | None) -> dict[str, float] | None:
     }
 
 
+def _base64(vector: list[float] | list[list[float]]) -> str:
+    """``vector`` as little-endian float32 bytes in base64, what the ``openai`` client decodes
+    by default; one vector per token (a model without pooling) goes row after row."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
 class _SlotStream(StreamingResponse):
     """An SSE response that ends its generation and gives its slot back once sent, cut off,
     or never started."""
@@ -59,8 +76,11 @@ class _SlotStream(StreamingResponse):
 class Server:
     """One model behind the slots; the routes' shared state."""
 
-    def __init__(self, model: weightlift.Model, alias: str, parallel: int, queue: int) -> None:
+    def __init__(
+        self, model: weightlift.Model, alias: str, parallel: int, queue: int, embedding: bool
+    ) -> None:
         self.alias = alias
+        self.embedding = embedding
         self.slots = Slots(parallel, queue)
         self.scheduler = Scheduler(model, parallel)
         self.created = int(time.time())
@@ -77,6 +97,80 @@ class Server:
                 param="model",
                 code="model_not_found",
             )
+
+    def model_entry(self, name: str) -> dict[str, Any]:
+        """The entry of ``/v1/models`` for ``name``: 404 ``model_not_found`` unless served."""
+        self._check_model(name)
+        return {"id": self.alias, "object": "model", "created": self.created, "owned_by": "me"}
+
+    async def call(
+        self, fn: Callable[[weightlift.Model], Any], fields: Collection[str], field: str
+    ) -> Any:
+        """``fn(model)`` on the engine thread (see ``Scheduler.call``). A refusal is a 4xx
+        naming ``field``, the one field of the request that reaches the model; a too-long input
+        is the 400 of a too-long prompt."""
+        try:
+            return await self.scheduler.call(fn)
+        except Exception as e:
+            err = from_engine(e, fields, {"prompt": field})
+            if err.param is None and err.status < 500:
+                err.param = field
+            raise err from e
+
+    async def embed(self, body: EmbeddingRequest) -> dict[str, Any]:
+        """OpenAI's embedding response: each input a call of its own on the engine thread, so
+        running generations wait for one input's forward pass at a time, not a whole list's."""
+        if not self.embedding:
+            # llama.cpp's answer, and its switch's name in llama-cpp-python's server
+            raise APIError(
+                501,
+                "this server does not serve embeddings; start it with --embedding (which plans "
+                "one more cache of --ctx positions for them)",
+                type="not_supported_error",
+                code="embeddings_off",
+            )
+        self._check_model(body.model)
+        try:
+            inputs = body.inputs()
+        except ValueError as e:
+            raise APIError(400, str(e), param="input", code="invalid_value") from None
+        fields = set(type(body).model_fields)
+
+        def one(given: str | list[int]) -> Callable[[weightlift.Model], tuple[Any, int]]:
+            def run(model: weightlift.Model) -> tuple[Any, int]:
+                ids = embedding_ids(model, given) if isinstance(given, str) else given
+                # the pooling the model asks for (llama-cpp-python's server leaves it to the
+                # model too), not normalised: llama-cpp-python's create_embedding
+                return model.embed(ids), len(ids)
+
+            return run
+
+        calls = [self.call(one(given), fields, "input") for given in inputs]
+        vectors: list[Any] = []
+        total = 0
+        for i, outcome in enumerate(await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                if isinstance(outcome, APIError) and len(inputs) > 1:
+                    outcome.message = f"input[{i}]: {outcome.message}"
+                raise outcome
+            vector, n = outcome
+            vectors.append(vector)
+            total += n
+        first = vectors[0]
+        width = len(first[0]) if isinstance(first[0], list) else len(first)  # per token: rows
+        if body.dimensions is not None and body.dimensions != width:
+            raise APIError(
+                400,
+                f"dimensions: this model's embeddings have {width} dimensions and are not "
+                f"shortened, got {body.dimensions}; leave dimensions out",
+                param="dimensions",
+                code="invalid_value",
+            )
+        response = embedding_response(vectors, total, self.alias)
+        if body.encoding_format == "base64":
+            for entry in response["data"]:
+                entry["embedding"] = _base64(entry["embedding"])
+        return response
 
     async def generate(
         self, request: Request, body: _Sampling, method: str, roles: dict[str, str]
@@ -168,9 +262,11 @@ class Server:
                 return
 
 
-def create_app(model: weightlift.Model, *, alias: str, parallel: int, queue: int) -> FastAPI:
-    """The FastAPI app serving ``model`` as ``alias``."""
-    server = Server(model, alias, parallel, queue)
+def create_app(
+    model: weightlift.Model, *, alias: str, parallel: int, queue: int, embedding: bool
+) -> FastAPI:
+    """The FastAPI app serving ``model`` as ``alias`` (embeddings too when ``embedding``)."""
+    server = Server(model, alias, parallel, queue, embedding)
     app = FastAPI(title="weightlift", version=weightlift.__version__)
     app.state.server = server
     install(app)
@@ -182,8 +278,39 @@ def create_app(model: weightlift.Model, *, alias: str, parallel: int, queue: int
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        entry = {"id": alias, "object": "model", "created": server.created, "owned_by": "me"}
-        return {"object": "list", "data": [entry]}
+        return {"object": "list", "data": [server.model_entry(alias)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_by_id(name: str) -> dict[str, Any]:
+        return server.model_entry(name)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        return await server.embed(body)
+
+    # The tokenizer's extras, as llama-cpp-python's server has them: tokenize with BOS as the
+    # vocabulary asks and special tokens parsed, detokenize without special tokens. The
+    # tokenizer itself is safe to share between threads, but it is reached through the model's
+    # lock, which a batch step holds while it runs, so these go to the engine thread too.
+    @app.post("/extras/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        server._check_model(body.model)
+        fields = set(TokenizeRequest.model_fields)
+        ids = await server.call(
+            lambda m: m.tokenize(body.input, add_bos=None, special=True), fields, "input"
+        )
+        return {"tokens": ids}
+
+    @app.post("/extras/tokenize/count")
+    async def count(body: TokenizeRequest) -> dict[str, Any]:
+        return {"count": len((await tokenize(body))["tokens"])}
+
+    @app.post("/extras/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        server._check_model(body.model)
+        fields = set(DetokenizeRequest.model_fields)
+        text = await server.call(lambda m: m.detokenize(body.tokens), fields, "tokens")
+        return {"text": text}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -3,6 +3,11 @@ steps (continuous batching) and leaving when they end or their client goes.
 
 Only this thread calls the model, so the event loop never waits on it: a request hands its call
 over and reads its events from an ``asyncio.Queue`` that this thread fills.
+
+Besides generations it runs calls: one-off work on the model (an embedding, a tokenizer lookup)
+that takes no slot. They run between steps, in arrival order, one before each step while
+generations run (all at once when none do): a call waits for no slot, and the generations
+running are held back by at most one call a step, however many calls arrive.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +46,38 @@ class Job:
         return await self.events.get()
 
 
+@dataclass
+class Call:
+    """One-off work on the model: ``fn(model)``, run on the engine thread between steps; its
+    result or exception settles ``future`` on the request's event loop."""
+
+    fn: Callable[[weightlift.Model], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+    def settle(self, value: Any, error: BaseException | None) -> None:
+        """Hand the outcome to the request (from the engine thread); nothing when it left."""
+
+        def set() -> None:
+            if self.future.done():  # cancelled: its client went away
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)
+
+        self.loop.call_soon_threadsafe(set)
+
+
 class Scheduler:
     """``parallel`` generations of ``model`` stepped together on one thread."""
 
     def __init__(self, model: weightlift.Model, parallel: int) -> None:
         self.model = model
         self.batch = weightlift.Batch(model, parallel)
-        self._inbox: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, Job | Call]] = queue.SimpleQueue()
         self._jobs: dict[int, Job] = {}
+        self._calls: deque[Call] = deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weightlift-batch", daemon=True)
         self._thread.start()
@@ -57,6 +88,14 @@ class Scheduler:
         job = Job(method, kwargs, asyncio.get_running_loop())
         self._inbox.put(("start", job))
         return job
+
+    def call(self, fn: Callable[[weightlift.Model], Any]) -> asyncio.Future[Any]:
+        """Run ``fn(model)`` on the engine thread between steps (see the module); the future
+        gives what it returns or raises."""
+        loop = asyncio.get_running_loop()
+        call = Call(fn, loop, loop.create_future())
+        self._inbox.put(("call", call))
+        return call.future
 
     def cancel(self, job: Job) -> None:
         """End ``job`` at once (its client left); its slot is free before the next start."""
@@ -71,7 +110,9 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._take(block=not self._jobs)
+                self._take(block=not self._jobs and not self._calls)
+                if self._calls:
+                    self._call(self._calls.popleft())
                 if self._jobs:
                     self._step()
             except Exception as e:  # a fault of the loop itself: answer everyone, go on
@@ -89,7 +130,9 @@ class Scheduler:
         except queue.Empty:
             return
         while True:
-            if what == "cancel" and job.id is not None:
+            if isinstance(job, Call):
+                self._calls.append(job)
+            elif what == "cancel" and job.id is not None:
                 self.batch.cancel(job.id)
                 self._jobs.pop(job.id, None)
             elif what == "start" and not job.cancelled:
@@ -98,6 +141,16 @@ class Scheduler:
                 what, job = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _call(self, call: Call) -> None:
+        if call.future.done():  # its client went away before it ran
+            return
+        try:
+            value = call.fn(self.model)
+        except Exception as e:  # the request's own error, answered as a generation's
+            call.settle(None, e)
+            return
+        call.settle(value, None)
 
     def _start(self, job: Job) -> None:
         try:
@@ -125,4 +178,4 @@ class Scheduler:
                 del self._jobs[id]
 
 
-__all__ = ["Job", "Scheduler"]
+__all__ = ["Call", "Job", "Scheduler"]

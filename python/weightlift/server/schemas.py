@@ -7,7 +7,8 @@ behaviour is not implemented refuse any value but their neutral one, by name.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -114,3 +115,66 @@ class ChatCompletionRequest(_Sampling):
             "response_format": self.response_format,
             **self.sampling(),
         }
+
+
+# The largest token id a request may hold: the ids are u32 in the engine.
+MAX_ID = 2**32 - 1
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``: OpenAI's request (llama-cpp-python's server takes strings only).
+
+    ``input`` is checked by ``inputs()`` rather than by a pydantic union, so that a wrong type
+    gets one message naming ``input`` and the four forms it may take.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+    dimensions: int | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a string or a list of token ids; ValueError naming ``input``."""
+        given = self.input
+        if isinstance(given, str):
+            return [given]
+        if isinstance(given, list) and given and all(_is_id(t) for t in given):
+            return [given]
+        if isinstance(given, list) and given:
+            one_kind = all(isinstance(x, str) for x in given) or all(
+                isinstance(x, list) and x and all(_is_id(t) for t in x) for x in given
+            )
+            if one_kind:
+                return list(given)
+        if isinstance(given, list) and not given:
+            raise ValueError("input: expected at least one input, got an empty list")
+        raise ValueError(
+            "input: expected a string, a list of strings, a list of token ids (integers from 0 "
+            f"to {MAX_ID}) or a list of such lists, got {json.dumps(given)[:80]}"
+        )
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_ID
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /extras/tokenize`` and ``/extras/tokenize/count`` (llama-cpp-python's
+    ``TokenizeInputRequest``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /extras/detokenize`` (llama-cpp-python's ``DetokenizeInputRequest``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_ID)]]
