@@ -200,17 +200,11 @@ pub fn gguf_type_of(
     } else {
         match (preset, role) {
             (_, Role::AttnV | Role::AttnQkv | Role::AttnK) if eight_experts => DType::Q8_0,
-            (QuantPreset::Q4KM | QuantPreset::Q5KM, Role::AttnV | Role::AttnQkv)
-                if use_more_bits(i, n) =>
-            {
-                DType::Q6_K
-            }
+            (
+                QuantPreset::Q4KM | QuantPreset::Q5KM,
+                Role::AttnV | Role::AttnQkv | Role::FfnDown | Role::FfnDownExps,
+            ) if use_more_bits(i, n) => DType::Q6_K,
             (QuantPreset::Q4KS, Role::AttnV | Role::AttnQkv) if i < 4 => DType::Q5_K,
-            (QuantPreset::Q4KM | QuantPreset::Q5KM, Role::FfnDown | Role::FfnDownExps)
-                if use_more_bits(i, n) =>
-            {
-                DType::Q6_K
-            }
             (QuantPreset::Q4KS, Role::FfnDown | Role::FfnDownExps) if i < n / 8 => DType::Q5_K,
             (QuantPreset::Q4KS | QuantPreset::Q4KM, Role::AttnOutput) if eight_experts => {
                 DType::Q5_K

@@ -62,8 +62,9 @@ impl Staging {
 }
 
 /// Copies `src` into `dst` from byte `offset` on `stream`, through the pinned buffers in
-/// `staging` (made on first use). Returns once the last piece is queued. The caller has checked
-/// that `dst` belongs to this device and that the bytes fit.
+/// `staging` (made on first use): [`upload_filled`] with windows copied from `src`. Returns once
+/// the last piece is queued. The caller has checked that `dst` belongs to this device and that
+/// the bytes fit.
 pub(super) fn upload_staged(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
@@ -73,37 +74,23 @@ pub(super) fn upload_staged(
     dst: &mut CudaBuffer,
     offset: usize,
 ) -> Result<()> {
-    let mut guard = staging.lock().map_err(|_| KernelError::Cuda {
-        during: format!("staging a copy to {device}"),
-        message: "staging lock poisoned".into(),
-    })?;
-    if guard.is_none() {
-        *guard = Some(Staging::new(ctx, stream)?);
+    let mut copy = |at: usize, window: &mut [u8]| {
+        window.copy_from_slice(&src[at..at + window.len()]);
+        Ok::<(), std::convert::Infallible>(())
+    };
+    match upload_filled(
+        ctx,
+        stream,
+        staging,
+        device,
+        dst,
+        offset,
+        src.len(),
+        &mut copy,
+    )? {
+        Ok(()) => Ok(()),
+        Err(never) => match never {},
     }
-    let st = guard.as_mut().ok_or_else(|| KernelError::Cuda {
-        during: format!("staging a copy to {device}"),
-        message: "no staging buffers".into(),
-    })?;
-    for (k, chunk) in src.chunks(STAGING_BYTES).enumerate() {
-        let i = k % 2;
-        // wait until the DMA that last read this staging buffer has finished
-        st.done[i]
-            .synchronize()
-            .map_err(drv("waiting for a staging buffer"))?;
-        let pinned = st.bufs[i]
-            .as_mut_slice()
-            .map_err(drv("mapping pinned memory"))?;
-        pinned[..chunk.len()].copy_from_slice(chunk);
-        let at = offset + k * STAGING_BYTES;
-        let mut view = dst.slice.slice_mut(at..at + chunk.len());
-        stream
-            .memcpy_htod(&pinned[..chunk.len()], &mut view)
-            .map_err(drv(format!("copying {} bytes to {device}", chunk.len())))?;
-        st.done[i]
-            .record(stream)
-            .map_err(drv("recording an event"))?;
-    }
-    Ok(())
 }
 
 /// Fills `len` bytes of `dst` from byte `offset` on `stream`: `fill(at, window)` writes bytes
