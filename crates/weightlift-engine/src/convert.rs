@@ -64,30 +64,13 @@ pub fn quantize_chunk(
     scratch: &mut Vec<u8>,
     put: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    check(info, to)?;
-    let row_in = source_row_bytes(info) as usize;
-    let cols = info.shape.last().copied().unwrap_or(0) as usize;
-    let ragged = |what: String| {
-        crate::error::invalid(
-            format!("quantising tensor '{}'", info.name),
-            format!("whole rows of {row_in} bytes"),
-            what,
-        )
-    };
-    if !data.len().is_multiple_of(row_in) || !at.is_multiple_of(row_in as u64) {
-        return Err(ragged(format!("bytes {at}..{}", at + data.len() as u64)));
-    }
-    let first = (at / row_in as u64) as usize;
-    let rows = data.len() / row_in;
-    let src_ty = match info.dtype {
-        DType::F32 => weightlift_kernels::FloatType::F32,
-        DType::F16 => weightlift_kernels::FloatType::F16,
-        _ => weightlift_kernels::FloatType::BF16,
-    };
-    let kernel = |e: weightlift_kernels::KernelError| EngineError::Unsupported {
-        what: format!("quantising tensor '{}' to {to}", info.name),
-        detail: e.to_string(),
-    };
+    let ChunkRows {
+        first,
+        rows,
+        cols,
+        src_ty,
+    } = chunk_rows(info, to, at, data.len())?;
+    let kernel = quantize_error(info, to);
     if to == DType::INT8 {
         let all_rows = (info.n_elements() as usize) / cols.max(1);
         let mut scales = vec![0f32; rows];
@@ -99,14 +82,152 @@ pub fn quantize_chunk(
         put(first * cols, scratch)?;
         return put(all_rows * cols + first * 4, bytemuck::cast_slice(&scales));
     }
-    let Some(qt) = kernel_type(to) else {
-        return Err(ragged(format!("a type the quantisers cannot write: {to}")));
-    };
-    let row_out = weightlift_kernels::quantized_row_bytes(qt, cols).map_err(kernel)?;
+    let (qt, row_out) = block_rows(info, to, cols)?;
     scratch.clear();
     scratch.resize(rows * row_out, 0);
-    weightlift_kernels::quantize_rows_from(qt, src_ty, data, cols, scratch).map_err(kernel)?;
+    // a non-finite value is named by its index in the tensor, as the device path names it
+    weightlift_kernels::quantize_rows_from_at(qt, src_ty, data, cols, scratch, first * cols)
+        .map_err(kernel)?;
     put(first * row_out, scratch)
+}
+
+/// Whole source rows of a quantising chunk (see [`quantize_chunk`]).
+struct ChunkRows {
+    /// The chunk's first row in the tensor.
+    first: usize,
+    rows: usize,
+    /// Values a row.
+    cols: usize,
+    src_ty: weightlift_kernels::FloatType,
+}
+
+/// The rows of source bytes `at..at + len` of `info` quantised to `to`, or an error when the
+/// conversion is not allowed or the chunk is not whole rows.
+fn chunk_rows(info: &TensorInfo, to: DType, at: u64, len: usize) -> Result<ChunkRows> {
+    check(info, to)?;
+    let row_in = source_row_bytes(info) as usize;
+    if !len.is_multiple_of(row_in) || !at.is_multiple_of(row_in as u64) {
+        return Err(crate::error::invalid(
+            format!("quantising tensor '{}'", info.name),
+            format!("whole rows of {row_in} bytes"),
+            format!("bytes {at}..{}", at + len as u64),
+        ));
+    }
+    let src_ty = match info.dtype {
+        DType::F32 => weightlift_kernels::FloatType::F32,
+        DType::F16 => weightlift_kernels::FloatType::F16,
+        _ => weightlift_kernels::FloatType::BF16,
+    };
+    Ok(ChunkRows {
+        first: usize::try_from(at / row_in as u64).unwrap_or(usize::MAX),
+        rows: len / row_in,
+        cols: info.shape.last().copied().unwrap_or(0) as usize,
+        src_ty,
+    })
+}
+
+/// The ggml block type `to` names and the bytes of one quantised row of `cols` values.
+fn block_rows(
+    info: &TensorInfo,
+    to: DType,
+    cols: usize,
+) -> Result<(weightlift_kernels::QuantType, usize)> {
+    let Some(qt) = kernel_type(to) else {
+        return Err(crate::error::invalid(
+            format!("quantising tensor '{}'", info.name),
+            "a ggml block type",
+            format!("a type the quantisers cannot write: {to}"),
+        ));
+    };
+    let row_out =
+        weightlift_kernels::quantized_row_bytes(qt, cols).map_err(quantize_error(info, to))?;
+    Ok((qt, row_out))
+}
+
+/// How a quantiser's error reads for `info`: the tensor and the type named, the kernels' reason
+/// (a non-finite value and its index, a shape) as the detail.
+pub fn quantize_error(
+    info: &TensorInfo,
+    to: DType,
+) -> impl Fn(weightlift_kernels::KernelError) -> EngineError + '_ {
+    move |e| EngineError::Unsupported {
+        what: format!("quantising tensor '{}' to {to}", info.name),
+        detail: e.to_string(),
+    }
+}
+
+/// The environment variable that chooses where quantising loads onto CUDA devices quantise,
+/// to measure one path against the other: `host` keeps every type on the host, `device` sends
+/// every ggml block type to the device; unset or anything else is the default below.
+pub const QUANTIZE_ON_ENV: &str = "WEIGHTLIFT_QUANTIZE_ON";
+
+/// Whether a quantising load of `info` to `to` quantises on its CUDA destination
+/// ([`quantize_chunk_on`]). By default the K-quants do: the host runs llama.cpp's reference
+/// search at under 1 GB/s of input on two threads (the quantise-on-load bench), so a large
+/// checkpoint waits on it. Q8_0 and the legacy types stay on the host, which quantises them at
+/// memory speed (17 GB/s for Q8_0 on two threads) and then uploads half the bytes or less of
+/// the float rows the device path would. INT8 (its row scales and outlier columns are the
+/// host's) never does. [`QUANTIZE_ON_ENV`] overrides the default.
+pub fn quantizes_on_device(info: &TensorInfo, to: DType) -> bool {
+    if !quantizing(info, to) || to == DType::INT8 {
+        return false;
+    }
+    let choice = std::env::var(QUANTIZE_ON_ENV).unwrap_or_default();
+    match choice.trim().to_ascii_lowercase().as_str() {
+        "host" => false,
+        "device" => true,
+        _ => matches!(to, DType::Q4_K | DType::Q6_K),
+    }
+}
+
+/// [`quantize_chunk`] on a device: the chunk's float rows (whole rows, source bytes
+/// `at..at + data.len()` of `info`) are quantised by `backend` straight into their blocks of
+/// `dst` (the whole held tensor), queued on its stream where it has one. A non-finite value is
+/// merged into `found` (8 bytes of `backend`, zeroed before the tensor's first chunk) for
+/// [`check_quantized`] to report once the tensor is done; the rows' geometry is
+/// [`quantize_chunk`]'s.
+pub fn quantize_chunk_on<B: weightlift_kernels::Backend>(
+    info: &TensorInfo,
+    to: DType,
+    at: u64,
+    data: &[u8],
+    backend: &B,
+    dst: &mut B::Buffer,
+    found: &mut B::Buffer,
+) -> Result<()> {
+    let ChunkRows {
+        first,
+        cols,
+        src_ty,
+        ..
+    } = chunk_rows(info, to, at, data.len())?;
+    let (qt, row_out) = block_rows(info, to, cols)?;
+    let first_value = first.saturating_mul(cols);
+    backend
+        .quantize_rows(
+            qt,
+            src_ty,
+            data,
+            cols,
+            dst,
+            first * row_out,
+            first_value,
+            found,
+        )
+        .map_err(quantize_error(info, to))
+}
+
+/// The error a device quantisation of `info` left in `found` ([`quantize_chunk_on`]): the one
+/// [`quantize_chunk`] gives for the tensor's first non-finite value. Waits for the device.
+pub fn check_quantized<B: weightlift_kernels::Backend>(
+    info: &TensorInfo,
+    to: DType,
+    backend: &B,
+    found: &B::Buffer,
+) -> Result<()> {
+    backend
+        .check_quantized(found)
+        .map_err(quantize_error(info, to))
 }
 
 /// Source bytes read per quantising step of a shard: a few rows at a time, so a shard needs no
@@ -423,6 +544,86 @@ mod tests {
                 .fold(0f32, f32::max);
             assert!(err < 0.1, "{to}: {err}");
         }
+    }
+
+    /// [`in_chunks`] through a backend's `quantize_rows` ([`quantize_chunk_on`], the CUDA
+    /// loader's path, here on the CPU backend): the bytes, and the report check's result.
+    fn on_backend(
+        info: &TensorInfo,
+        to: DType,
+        src: &[u8],
+        rows_per_chunk: usize,
+    ) -> (Vec<u8>, Result<()>) {
+        use weightlift_kernels::{Backend, CpuBackend};
+        let b = CpuBackend::new();
+        let mut dst = b
+            .alloc(to.bytes_for_shape(&info.shape).unwrap() as usize)
+            .unwrap();
+        let mut found = b.alloc(8).unwrap();
+        let step = rows_per_chunk * source_row_bytes(info) as usize;
+        for (k, chunk) in src.chunks(step).enumerate() {
+            quantize_chunk_on(info, to, (k * step) as u64, chunk, &b, &mut dst, &mut found)
+                .unwrap();
+        }
+        let checked = check_quantized(info, to, &b, &found);
+        (dst.as_bytes().to_vec(), checked)
+    }
+
+    #[test]
+    fn a_backend_quantises_chunks_into_the_host_quantisers_bytes_and_errors() {
+        let (rows, cols) = (7usize, 512usize);
+        let mut values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 29) % 113) as f32 / 37.0 - 1.4)
+            .collect();
+        for dtype in [DType::F32, DType::BF16] {
+            let t = info(dtype, &[rows as u64, cols as u64]);
+            let src: Vec<u8> = match dtype {
+                DType::F32 => bytemuck::cast_slice(&values).to_vec(),
+                _ => values
+                    .iter()
+                    .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+                    .collect(),
+            };
+            for to in [DType::Q8_0, DType::Q4_K, DType::Q6_K, DType::Q5_1] {
+                let host = in_chunks(&t, to, &src, rows);
+                for per in [rows, 3, 1] {
+                    let (dev, checked) = on_backend(&t, to, &src, per);
+                    checked.unwrap();
+                    assert!(dev == host, "{to} from {dtype} in chunks of {per} rows");
+                }
+            }
+        }
+        // a NaN in the third chunk and an inf in the fifth: both paths name the NaN by its
+        // index in the tensor
+        values[2 * cols + 300] = f32::NAN;
+        values[4 * cols + 7] = f32::INFINITY;
+        let t = info(DType::F32, &[rows as u64, cols as u64]);
+        let src: &[u8] = bytemuck::cast_slice(&values);
+        let (_, checked) = on_backend(&t, DType::Q4_K, src, 1);
+        let got = checked.unwrap_err().to_string();
+        let mut want = String::new();
+        let step = source_row_bytes(&t) as usize;
+        for (k, chunk) in src.chunks(step).enumerate() {
+            let r = quantize_chunk(
+                &t,
+                DType::Q4_K,
+                (k * step) as u64,
+                chunk,
+                &mut Vec::new(),
+                &mut |_, _| Ok(()),
+            );
+            if let Err(e) = r {
+                want = e.to_string();
+                break;
+            }
+        }
+        assert_eq!(got, want);
+        let at = 2 * cols + 300;
+        assert!(
+            got.contains("quantising tensor 'w' to Q4_K")
+                && got.contains(&format!("the non-finite source value NaN at index {at}")),
+            "{got}"
+        );
     }
 
     #[test]

@@ -19,6 +19,13 @@
 //!   the tensor's first chunk arrives, while the reader waits with both buffers full, and the
 //!   chunks are then plain copies into resident memory. First-touch faults, not the copies,
 //!   were most of the time of a virtual-device load.
+//! - A quantising load (`quantize=` on a float checkpoint) reads whole source rows per chunk.
+//!   Bound for a CUDA buffer, a chunk goes up as float rows and the device quantises it into
+//!   the tensor's blocks on its stream (the backend's `quantize_rows`, the host quantiser's
+//!   bytes), so the quantisation overlaps the reader as the copies do; a NaN or inf leaves a
+//!   report word on the device, read back once the load's copies are done, and fails the load
+//!   with the host quantiser's error. Host and virtual destinations, INT8, and the
+//!   types the host quantises fast (see `convert::quantizes_on_device`) quantise on the host.
 //! - O_DIRECT (`use_direct_io`, which takes precedence over `use_mmap` as in llama.cpp) reads
 //!   aligned blocks into the (page-aligned) staging buffers. A
 //!   filesystem that refuses O_DIRECT (EINVAL, as tmpfs does) falls back to buffered reads, and
@@ -35,6 +42,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
 use weightlift_format::{DType, Role, TensorInfo};
+use weightlift_kernels::{Backend, CudaBuffer};
 
 use crate::device::{Device, DeviceKind, DeviceTensor, Storage};
 use crate::error::{EngineError, Result};
@@ -267,6 +275,8 @@ pub fn load(
     // thread and its two staging buffers exist only when some tensor is staged, and it then
     // handles only those tensors, in the same order as the loop below.
     let any_staged = order.iter().any(|&i| paths[i] == Path_::Staged);
+    // The report words of the tensors quantised on a CUDA device, checked after the load.
+    let mut reports: Vec<(usize, CudaBuffer)> = Vec::new();
     let result = std::thread::scope(|s| -> Result<()> {
         let (tx, rx) = mpsc::sync_channel::<Msg>(2);
         let (free_tx, free_rx) = mpsc::channel::<AlignedBuf>();
@@ -291,6 +301,8 @@ pub fn load(
             std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_PREAD_THREADS));
         let mut done = 0u64;
         let mut current: Option<(usize, crate::device::Buffer)> = None;
+        // The non-finite report word of the tensor being quantised on a CUDA device.
+        let mut found: Option<CudaBuffer> = None;
         // Host bytes of a converted chunk bound for device memory (at most one staging size).
         let mut converted: Vec<u8> = Vec::new();
         let mut buffered: Vec<Option<File>> = (0..files.len()).map(|_| None).collect();
@@ -427,16 +439,21 @@ pub fn load(
                                 // and 16 MiB staging, 1.2 s populated with 4 MiB.
                                 dst.populate(threads);
                             }
+                            found = report_word(info, target, &dst)?;
                             current = Some((index, dst));
                         }
                         if let Some((_, dst)) = current.as_mut() {
                             let data = buf.as_slice().get(start..start + len).unwrap_or(&[]);
-                            put_chunk(info, target.dtype, at, data, dst, &mut converted)?;
+                            let f = found.as_mut();
+                            put_chunk(info, target.dtype, at, data, dst, &mut converted, f)?;
                         }
                         let _ = free_tx.send(buf);
                         done += len as u64;
                         let last = at + len as u64 >= info.nbytes;
                         if last && let Some((_, dst)) = current.take() {
+                            if let Some(f) = found.take() {
+                                reports.push((index, f));
+                            }
                             finish(index, Storage::Owned(dst), &mut out)?;
                         }
                         report(done, progress)?;
@@ -466,6 +483,13 @@ pub fn load(
             synced.push(&t.device);
         }
     }
+    // Tensors quantised on a device are checked now, in load order, for the non-finite values
+    // the host quantiser would have refused (one read-back each, after the queued work).
+    for (index, word) in &reports {
+        if let Some(t) = &targets[*index] {
+            convert::check_quantized(&infos[*index], t.dtype, t.device.backend()?, word)?;
+        }
+    }
 
     for &i in &order {
         if out[i].is_none() {
@@ -487,10 +511,34 @@ pub fn load(
     })
 }
 
+/// The report word a quantising load onto a CUDA device keeps for `info` while its chunks are
+/// quantised there (see [`convert::quantize_chunk_on`]): 8 zeroed bytes of the device, `None`
+/// where the host quantises (host destinations, INT8).
+fn report_word(
+    info: &TensorInfo,
+    target: &TensorTarget,
+    dst: &crate::device::Buffer,
+) -> Result<Option<CudaBuffer>> {
+    if !convert::quantizes_on_device(info, target.dtype) || dst.cuda().is_none() {
+        return Ok(None);
+    }
+    let device = &target.device;
+    device
+        .backend()?
+        .alloc(8)
+        .map(Some)
+        .map_err(|e| EngineError::Device {
+            device: device.name().to_owned(),
+            detail: format!("allocating the quantisation report of '{}': {e}", info.name),
+        })
+}
+
 /// Put one staged chunk (source bytes `at..` of the tensor) into the destination buffer,
 /// converting on the way. Host buffers are written in place; a CUDA buffer gets the bytes
 /// through its backend's pinned double buffer, queued on its stream, so the DMA overlaps the
-/// reader thread filling the next staging buffer.
+/// reader thread filling the next staging buffer. A chunk quantised for a CUDA buffer (`found`,
+/// its tensor's report word, given) goes up as float rows and is quantised there, on the same
+/// stream; host and virtual destinations are quantised on the host.
 fn put_chunk(
     info: &TensorInfo,
     to: DType,
@@ -498,8 +546,16 @@ fn put_chunk(
     data: &[u8],
     dst: &mut crate::device::Buffer,
     converted: &mut Vec<u8>,
+    found: Option<&mut CudaBuffer>,
 ) -> Result<()> {
     if convert::quantizing(info, to) {
+        if let Some(found) = found {
+            let device = Arc::clone(dst.device());
+            if let Some(out) = dst.cuda_mut() {
+                let backend = device.backend()?;
+                return convert::quantize_chunk_on(info, to, at, data, backend, out, found);
+            }
+        }
         return convert::quantize_chunk(info, to, at, data, converted, &mut |at, bytes| {
             dst.write(at, bytes)
         });

@@ -263,6 +263,65 @@ fn load_onto_cuda_copies_back_the_checkpoint_and_unload_frees() {
     assert!(!cache.is_allocated());
 }
 
+/// Quantise-on-load onto cuda:0 quantises the K-quants on the device (the rows go up as bf16
+/// and `quantize_{type}_bf16` writes the blocks) and Q8_0 on the host: every tensor read back
+/// equals the same load onto the cpu, which quantises on the host, for q4_k, q6_k and q8_0, with
+/// chunks of a few rows so each tensor is quantised in several launches at their offsets. (The
+/// `backends` suite's `quantize_rows_match_the_cpu_quantiser` checks every type on the device.)
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn quantising_onto_cuda_writes_the_host_quantisers_bytes() {
+    let inv = cuda();
+    let src = open("safetensors");
+    for to in [DType::Q4_K, DType::Q6_K, DType::Q8_0] {
+        let held = |t: &weightlift_format::TensorInfo| {
+            let float = matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16);
+            let whole = t.shape.len() == 2 && t.shape[1].is_multiple_of(to.block_size());
+            if float && whole { to } else { t.dtype }
+        };
+        let placement = |layers: &str| Placement {
+            tensors: src
+                .tensors()
+                .iter()
+                .map(|t| TensorPlace {
+                    device: if t.layer.is_some() { layers } else { "cpu" }.into(),
+                    dtype: held(t),
+                    split: None,
+                })
+                .collect(),
+            layers: vec![layers.into(); 2],
+            copies: Vec::new(),
+            scratch: Vec::new(),
+            forward: None,
+            onload: None,
+        };
+        let opts = LoadOptions {
+            staging_bytes: 64 << 10,
+            ..LoadOptions::default()
+        };
+        let mut on_gpu = Model::new(Arc::clone(&src), inv.clone());
+        on_gpu
+            .load(&placement("cuda:0"), &opts, None, true, &mut |_| true)
+            .unwrap();
+        let mut on_cpu = Model::new(Arc::clone(&src), inv.clone());
+        on_cpu
+            .load(&placement("cpu"), &opts, None, true, &mut |_| true)
+            .unwrap();
+        let mut quantised = 0;
+        for t in src.tensors() {
+            let (gpu, dtype, _) = on_gpu.tensor_bytes(&t.name).unwrap();
+            let (cpu, _, _) = on_cpu.tensor_bytes(&t.name).unwrap();
+            assert_eq!(dtype, held(t), "{}", t.name);
+            assert!(gpu == cpu, "{} as {to}: the device's bytes differ", t.name);
+            quantised += usize::from(t.layer.is_some() && dtype == to);
+        }
+        assert!(
+            quantised >= 14,
+            "only {quantised} layer tensors quantised to {to}"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn offloaded_cache_prefetches_into_cuda() {

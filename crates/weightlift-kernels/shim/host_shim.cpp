@@ -11,6 +11,7 @@
 #include "wl_matvec.cuh"
 #include "wl_q8.cuh"
 #include "wl_q8w.cuh"
+#include "wl_quantize.cuh"
 
 typedef float (*wl_dq_fn)(const wl_u8*, int);
 
@@ -256,6 +257,22 @@ extern "C" void wl_host_rope_kv_store(int kf, int vf, float* q, const float* k, 
     wl_rope_kv_shape s = {n_tok, n_heads, kv_heads, head_dim, n_dims, neox, mscale, cap};
     wl_u64 units = wl_rope_kv_units(s, kf, vf);
     for (wl_u64 u = 0; u < units; ++u) wl_rope_kv_unit(u, kf, vf, q, k, v, pos, freqs, kc, vc, s);
+}
+
+// What quantize_{type}_{src} computes for `n_blocks` blocks of ggml type `ty` from source
+// float type `src_ty` (WL_F32, WL_F16, WL_BF16): the blocks in `dst`, and the merged
+// non-finite report (wl_qz_report, 0 when none) that the kernels leave by atomicMax. Returns
+// ~0 for a type the quantisers do not write (no report is all ones).
+extern "C" unsigned long long wl_host_quantize(int ty, int src_ty, const wl_u8* src, wl_u8* dst,
+                                               size_t n_blocks, unsigned long long first) {
+    int bs, bb;
+    if (!wl_qz_layout(ty, &bs, &bb)) return ~0ull;
+    wl_u64 found = 0;
+    for (size_t b = 0; b < n_blocks; ++b) {
+        wl_u64 r = wl_quantize_block(ty, src_ty, src, dst, b, first);
+        if (r > found) found = r;
+    }
+    return found;
 }
 
 // What q8_quantize_{f32,f16} computes: `n_blocks` blocks of 32 activations (f32 values, or f16

@@ -873,6 +873,37 @@ pub trait Backend: Send + Sync {
         bytes: usize,
     ) -> Result<Option<usize>>;
 
+    /// Quantise-on-load into this device's memory: whole rows of `src` (host bytes,
+    /// little-endian `src_ty` values, `n_per_row` a row) into `ty` blocks in `dst` from byte
+    /// `offset`, the bytes [`crate::quantize_rows_from`] writes. A NaN or inf in `src` is not an
+    /// error here: its report ([`crate::cpu::quantize::non_finite_report`], the index counted
+    /// from `first`, the position of `src`'s first value in the tensor) is merged into `found`,
+    /// an 8-byte buffer of this backend allocated (zeroed) before the tensor's first chunk, which
+    /// [`Backend::check_quantized`] reads once the tensor is done. CUDA uploads `src` and queues
+    /// the kernel on the backend's stream: `src` may be reused when this returns. Shapes and
+    /// types are checked as the CPU quantiser checks them.
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_rows(
+        &self,
+        ty: QuantType,
+        src_ty: FloatType,
+        src: &[u8],
+        n_per_row: usize,
+        dst: &mut Self::Buffer,
+        offset: usize,
+        first: usize,
+        found: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// The error the CPU quantiser gives for the first non-finite value that
+    /// [`Backend::quantize_rows`] calls merged into `found` (`Ok` when there was none). Blocks
+    /// until the queued work is done.
+    fn check_quantized(&self, found: &Self::Buffer) -> Result<()> {
+        let mut word = [0u8; 8];
+        self.copy_to_host(found, 0, &mut word)?;
+        crate::cpu::quantize::check_non_finite_report(u64::from_le_bytes(word))
+    }
+
     /// Waits for all queued work.
     fn synchronize(&self) -> Result<()>;
 

@@ -927,6 +927,33 @@ impl Backend for CpuBackend {
         cpu::convert::scan_non_finite(ty, &buf.as_bytes()[..bytes])
     }
 
+    fn quantize_rows(
+        &self,
+        ty: QuantType,
+        src_ty: FloatType,
+        src: &[u8],
+        n_per_row: usize,
+        dst: &mut CpuBuffer,
+        offset: usize,
+        first: usize,
+        found: &mut CpuBuffer,
+    ) -> Result<()> {
+        self.own(dst)?;
+        self.own(found)?;
+        check_range("quantize report bytes", found.len, 0, 8)?;
+        let rows = src.len() / src_ty.size() / n_per_row.max(1);
+        let row_bytes = cpu::quantize::quantized_row_bytes(ty, n_per_row)?;
+        let out_bytes = rows.saturating_mul(row_bytes);
+        check_range("quantize destination bytes", dst.len, offset, out_bytes)?;
+        let out = &mut dst.as_bytes_mut()[offset..offset + out_bytes];
+        let report =
+            cpu::quantize::quantize_rows_from_reported(ty, src_ty, src, n_per_row, out, first)?;
+        let word = &mut found.as_bytes_mut()[..8];
+        let merged = u64::from_le_bytes(word.try_into().unwrap_or([0; 8])).max(report);
+        word.copy_from_slice(&merged.to_le_bytes());
+        Ok(())
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }

@@ -59,6 +59,10 @@
 //!   block) and folding them into each row's online softmax, so the cache is read once per
 //!   block of rows rather than once per query; window, soft-cap, f16 operands and a start
 //!   offset (a chunked prompt continuing a cache) as `attention_{format}`. No scratch.
+//! - Quantise-on-load (`quantize`, [`Backend::quantize_rows`]): a chunk of float rows goes up
+//!   through the staging buffers into a scratch of its size, and `quantize_{type}_{src}` writes
+//!   the CPU quantiser's blocks into the tensor at the chunk's offset, one thread a block; a
+//!   NaN or inf leaves its index in a report word the loader reads after the tensor.
 //! - The launch plumbing is in `launch`, the matrix products in `matmul`, and the operation
 //!   dispatch in `ops`. `graph` records a sequence of operations as a CUDA graph and replays it
 //!   ([`CudaBackend::capture`], [`CudaBackend::replay`]; the engine replays decode steps).
@@ -79,8 +83,8 @@ use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr,
-    DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
 use crate::backend::{Backend, Op, Rows, check_range, check_ranges, quant_bytes};
@@ -108,6 +112,7 @@ mod host_pins;
 mod launch;
 mod matmul;
 mod ops;
+mod quantize;
 
 use copies::{Staging, upload_filled, upload_staged};
 pub use copy_stream::CopyStream;
@@ -928,6 +933,20 @@ impl Backend for CudaBackend {
         })?;
         let first = u64::from_le_bytes(word);
         Ok((first != u64::MAX).then_some(first as usize))
+    }
+
+    fn quantize_rows(
+        &self,
+        ty: QuantType,
+        src_ty: FloatType,
+        src: &[u8],
+        n_per_row: usize,
+        dst: &mut CudaBuffer,
+        offset: usize,
+        first: usize,
+        found: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.quantize_rows_on_device(ty, src_ty, src, n_per_row, dst, offset, first, found)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -269,6 +269,20 @@ impl Backend for CudaBackend {
     ) -> Result<Option<usize>> {
         match self._never {}
     }
+    fn quantize_rows(
+        &self,
+        _ty: QuantType,
+        _src_ty: crate::types::FloatType,
+        _src: &[u8],
+        _n_per_row: usize,
+        _dst: &mut CudaBuffer,
+        _offset: usize,
+        _first: usize,
+        _found: &mut CudaBuffer,
+    ) -> Result<()> {
+        Err(not_compiled("quantize_rows"))
+    }
+
     fn synchronize(&self) -> Result<()> {
         match self._never {}
     }

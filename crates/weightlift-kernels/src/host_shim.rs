@@ -3,8 +3,8 @@
 //! matvec kernels' per-lane dot products and warp butterfly (and the float-weight kernels'
 //! chunked chains and reduction), SwiGLU's product, RoPE fused with the cache store, f16
 //! rounding and the KV-cache codecs, the Q8-activation
-//! mode and dequantised-path GEMM of the matmul kernels, and the split attention with its
-//! reduce.
+//! mode and dequantised-path GEMM of the matmul kernels, the split attention with its
+//! reduce, and quantise-on-load's block quantisers with their non-finite report.
 //! Present when `build.rs` found a C++ compiler.
 // Calling the C++ shim is FFI; each wrapper checks the buffer sizes the shim relies on.
 #![allow(unsafe_code)]
@@ -13,7 +13,7 @@ use crate::cpu::attention::AttnShape;
 use crate::cpu::kv::KvType;
 use crate::cpu::kv_format::KvFormat;
 use crate::error::{KernelError, Result};
-use crate::types::QuantType;
+use crate::types::{FloatType, QuantType};
 
 unsafe extern "C" {
     fn wl_host_dequant(ty: i32, src: *const u8, dst: *mut f32, nblocks: usize) -> i32;
@@ -65,6 +65,14 @@ unsafe extern "C" {
         cap: usize,
     );
     fn wl_host_q8_quantize(act_f16: i32, x: *const u8, out: *mut u8, n_blocks: usize);
+    fn wl_host_quantize(
+        ty: i32,
+        src_ty: i32,
+        src: *const u8,
+        dst: *mut u8,
+        n_blocks: usize,
+        first: u64,
+    ) -> u64;
     #[allow(clippy::too_many_arguments)]
     fn wl_host_q8_matvec(
         ty: i32,
@@ -538,6 +546,54 @@ impl Act<'_> {
             Act::F16(v) => (v.len(), 1, v.as_ptr().cast::<u8>()),
         }
     }
+}
+
+/// What the `quantize_{type}_{src}` kernels compute (`kernels/wl_quantize.cuh`'s
+/// `wl_quantize_block` over every block): `src` (little-endian `src_ty` values, whole blocks of
+/// `ty`) into `dst` (as many blocks of `ty`). Returns the merged non-finite report the kernels
+/// leave in their `found` word (0 when every value is finite; see
+/// [`crate::cpu::quantize::non_finite_report`]), indices counted from `first`.
+pub fn quantize(
+    ty: QuantType,
+    src_ty: FloatType,
+    src: &[u8],
+    dst: &mut [u8],
+    first: usize,
+) -> Result<u64> {
+    let unit = src_ty.size() * ty.block_size();
+    let n_blocks = src.len() / unit;
+    if !src.len().is_multiple_of(unit) || dst.len() != n_blocks * ty.block_bytes() {
+        return Err(KernelError::LengthMismatch {
+            what: "host quantize destination bytes",
+            expected: n_blocks * ty.block_bytes(),
+            got: dst.len(),
+        });
+    }
+    let src_code = match src_ty {
+        FloatType::F32 => 0,
+        FloatType::F16 => 1,
+        FloatType::BF16 => 30,
+    };
+    // SAFETY: src holds n_blocks whole blocks of source values and dst n_blocks blocks of ty,
+    // which is all the shim touches.
+    let word = unsafe {
+        wl_host_quantize(
+            ty.ggml_id() as i32,
+            src_code,
+            src.as_ptr(),
+            dst.as_mut_ptr(),
+            n_blocks,
+            first as u64,
+        )
+    };
+    if word == u64::MAX {
+        return Err(KernelError::Unsupported {
+            op: "host quantize",
+            ty: ty.to_string(),
+            supported: crate::cpu::quantize::QUANTIZE_NAMES,
+        });
+    }
+    Ok(word)
 }
 
 /// What the `q8_quantize_{act}` kernels compute: whole blocks of 32 activations into

@@ -54,7 +54,7 @@ pub use cpu::ops::{
 };
 pub use cpu::quantize::{
     QUANTIZE_TYPES, can_quantize, quantize_row, quantize_rows, quantize_rows_from,
-    quantized_row_bytes,
+    quantize_rows_from_at, quantized_row_bytes,
 };
 pub use cpu::{dequantize_f16, dequantize_f32};
 pub use cpu_backend::{CpuBackend, CpuBuffer};

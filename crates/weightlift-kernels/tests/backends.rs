@@ -420,3 +420,94 @@ fn cuda_without_the_feature_or_driver_is_a_typed_error() {
         }
     }
 }
+
+/// Quantise-on-load into device memory (`quantize_rows`, the loader's CUDA path): every type
+/// from f32, f16 and bf16 rows, in two chunks written at their offsets into one tensor, equals
+/// the CPU's `quantize_rows_from` byte for byte; a NaN in the second chunk and an inf in a
+/// later block give the CPU's error for the NaN at its index in the tensor.
+fn quantize_rows_match_the_cpu_quantiser<B: Backend>(b: &B) -> Result<()> {
+    let (rows, n) = (6usize, 512usize);
+    let mut rng = Rng(0x0a_d1ce);
+    let mut x = rng.vec(rows * n, 1.0);
+    for (r, row) in x.chunks_exact_mut(n).enumerate() {
+        let scale = [1.0f32, 0.01, 30.0][r % 3];
+        for v in row {
+            *v *= scale;
+        }
+    }
+    let bytes = |ft: FloatType, x: &[f32]| -> Vec<u8> {
+        match ft {
+            FloatType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            FloatType::F16 => x
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
+                .collect(),
+            FloatType::BF16 => x
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+                .collect(),
+        }
+    };
+    for ft in [FloatType::F32, FloatType::F16, FloatType::BF16] {
+        let src = bytes(ft, &x);
+        let split = 4 * n * ft.size();
+        for ty in QUANTIZE_TYPES {
+            let row_bytes = quantized_row_bytes(ty, n)?;
+            let mut want = vec![0u8; rows * row_bytes];
+            quantize_rows_from(ty, ft, &src, n, &mut want)?;
+            let mut dst = b.alloc(want.len())?;
+            let mut found = b.alloc(8)?;
+            b.quantize_rows(ty, ft, &src[..split], n, &mut dst, 0, 0, &mut found)?;
+            let at = 4 * row_bytes;
+            b.quantize_rows(ty, ft, &src[split..], n, &mut dst, at, 4 * n, &mut found)?;
+            b.check_quantized(&found)?;
+            let mut got = vec![0u8; want.len()];
+            b.copy_to_host(&dst, 0, &mut got)?;
+            assert!(got == want, "{} {ty} from {}", b.name(), ft.name());
+        }
+    }
+    x[4 * n + 77] = f32::NAN;
+    x[5 * n + 3] = f32::INFINITY;
+    for ft in [FloatType::F32, FloatType::BF16] {
+        let src = bytes(ft, &x);
+        let split = 4 * n * ft.size();
+        let ty = QuantType::Q4_K;
+        let mut dst = b.alloc(rows * quantized_row_bytes(ty, n)?)?;
+        let mut found = b.alloc(8)?;
+        b.quantize_rows(ty, ft, &src[..split], n, &mut dst, 0, 0, &mut found)?;
+        let at = 4 * quantized_row_bytes(ty, n)?;
+        b.quantize_rows(ty, ft, &src[split..], n, &mut dst, at, 4 * n, &mut found)?;
+        let got = b.check_quantized(&found).unwrap_err().to_string();
+        let mut whole = vec![0u8; rows * quantized_row_bytes(ty, n)?];
+        let want = quantize_rows_from(ty, ft, &src, n, &mut whole)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(got, want, "{} from {}", b.name(), ft.name());
+        assert!(
+            got.contains(&format!("value NaN at index {}", 4 * n + 77)),
+            "{got}"
+        );
+    }
+    // a type the quantisers do not write is refused before anything is queued
+    let mut dst = b.alloc(1024)?;
+    let mut found = b.alloc(8)?;
+    let e = b
+        .quantize_rows(
+            QuantType::Q5_K,
+            FloatType::F32,
+            &[0u8; 1024],
+            256,
+            &mut dst,
+            0,
+            0,
+            &mut found,
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("quantize does not support q5_k"),
+        "{e}"
+    );
+    Ok(())
+}
+
+test_device!(quantize_rows_match_the_cpu_quantiser);

@@ -125,6 +125,9 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
     fn macro_generated(all: &str, k: &str) -> bool {
         for (prefix, suffixes) in [
             ("dequantize_", ["_f32", "_f16"]),
+            // three source types, over two entries of two suffixes
+            ("quantize_", ["_bf16", "_f32"]),
+            ("quantize_", ["_f16", "_f16"]),
             ("matvec_", ["_f32", "_f16"]),
             ("matmul_", ["_f32", "_f16"]),
             ("scan_", ["", ""]),
@@ -146,6 +149,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                     if let Some(t) = rest.strip_suffix(s) {
                         let m = match prefix {
                             "dequantize_" => format!("WL_DEQUANT({t},"),
+                            "quantize_" => format!("WL_QUANTIZE_FROM({t},"),
                             "scan_" => format!("WL_SCAN_BLOCKS({t},"),
                             "kv_store_" | "kv_load_" => format!("WL_KV({t},"),
                             "rope_kv_store_" => format!("WL_ROPE_KV({t},"),
@@ -213,6 +217,12 @@ fn expected_kernels() -> Vec<String> {
     for t in ["f16", "bf16", "f32"] {
         for a in ["f32", "f16"] {
             expected.push(format!("swiglu_matvec_{t}_{a}"));
+        }
+    }
+    // quantise-on-load, from each float source type
+    for t in weightlift_kernels::QUANTIZE_TYPES {
+        for src in ["f32", "f16", "bf16"] {
+            expected.push(format!("quantize_{}_{src}", t.name()));
         }
     }
     for a in ["f32", "f16"] {

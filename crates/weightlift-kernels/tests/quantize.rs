@@ -14,7 +14,7 @@ use weightlift_kernels::cpu::quantize::{
 };
 use weightlift_kernels::{FloatType, QuantType, thread_pool};
 
-fn data(name: &str) -> Vec<u8> {
+pub(crate) fn data(name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data")
         .join(name);
@@ -26,12 +26,12 @@ fn data(name: &str) -> Vec<u8> {
     })
 }
 
-fn u32_at(b: &[u8], o: usize) -> usize {
+pub(crate) fn u32_at(b: &[u8], o: usize) -> usize {
     u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]) as usize
 }
 
 /// (rows, n_per_row, source bytes) of `quant_in_<src>.bin`.
-fn input(src: &str) -> (usize, usize, Vec<u8>) {
+pub(crate) fn input(src: &str) -> (usize, usize, Vec<u8>) {
     let b = data(&format!("quant_in_{src}.bin"));
     assert_eq!(&b[..4], b"WLQI");
     let (rows, n) = (u32_at(&b, 8), u32_at(&b, 12));
@@ -45,7 +45,7 @@ fn input(src: &str) -> (usize, usize, Vec<u8>) {
 }
 
 /// ggml's bytes for `ty` from source `src`.
-fn expected(ty: QuantType, src: &str, rows: usize, n: usize) -> Vec<u8> {
+pub(crate) fn expected(ty: QuantType, src: &str, rows: usize, n: usize) -> Vec<u8> {
     let b = data(&format!("quant_{}_{src}.bin", ty.name()));
     assert_eq!(&b[..4], b"WLQO");
     assert_eq!(u32_at(&b, 4) as u32, ty.ggml_id());
@@ -56,14 +56,14 @@ fn expected(ty: QuantType, src: &str, rows: usize, n: usize) -> Vec<u8> {
     b[20..].to_vec()
 }
 
-fn f32s(b: &[u8]) -> Vec<f32> {
+pub(crate) fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
 
 /// The first differing block, for a readable failure.
-fn first_diff(ty: QuantType, got: &[u8], want: &[u8]) -> String {
+pub(crate) fn first_diff(ty: QuantType, got: &[u8], want: &[u8]) -> String {
     let bb = ty.block_bytes();
     let b = got
         .chunks(bb)
@@ -94,7 +94,7 @@ fn every_type_matches_ggml_quantize_chunk_byte_for_byte_on_every_isa() {
 
 /// The rows `gen_quant_vectors.py`'s `xorshift_rows` builds: 256 values per block from
 /// xorshift64*, cubed in every third block, scaled by 1, 0.02, 1e-3, 30 in turn.
-fn xorshift_rows(seed: u64, n_blocks: usize) -> Vec<f32> {
+pub(crate) fn xorshift_rows(seed: u64, n_blocks: usize) -> Vec<f32> {
     let mut rng = common::Rng(seed);
     let mut x = rng.vec(n_blocks * 256, 1.0);
     for (b, blk) in x.chunks_exact_mut(256).enumerate() {
@@ -109,7 +109,7 @@ fn xorshift_rows(seed: u64, n_blocks: usize) -> Vec<f32> {
     x
 }
 
-fn fnv1a64(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
     })

@@ -14,6 +14,7 @@ mod dequant_isa;
 mod host_twin;
 mod known_answers;
 mod quantize;
+mod quantize_twin;
 
 #[test]
 fn every_test_file_runs() {

@@ -62,8 +62,9 @@ pub struct DeviceUsage {
     pub scratch: u64,
     /// The part of `scratch` the kernels allocate for themselves rather than the engine's
     /// workspace buffer: on `cuda:N`, its prompt products' tiles
-    /// ([`crate::workspace::cuda_product_tiles`]); 0 elsewhere. The engine allocates
-    /// `scratch - kernel_scratch`.
+    /// ([`crate::workspace::cuda_product_tiles`]) or, when larger, the scratch a quantising
+    /// load takes there (one staging size of float rows, quantised on the device; loads and
+    /// prompts never overlap); 0 elsewhere. The engine allocates `scratch - kernel_scratch`.
     #[serde(default)]
     pub kernel_scratch: u64,
     /// The device's fixed overhead, charged when it allocates anything: the sum of

@@ -799,6 +799,54 @@ fn cuda_devices_hold_kernel_attention_scratch_and_are_charged_prompt_tiles() {
     assert_eq!(v.kernel_scratch, 0);
 }
 
+/// A quantising load onto a cuda device quantises each chunk there, from a scratch copy of the
+/// chunk's float rows (at most one staging size): that scratch is charged as the kernels'
+/// share, with the prompt tiles (never both at once: the larger of the two), and not on a
+/// virtual device, whose loads quantise on the host.
+#[test]
+fn a_quantising_load_onto_cuda_is_charged_its_chunk_scratch() {
+    let mut req = request(tiny_llama(), "float32", "cuda:0:1GiB,cpu:1GiB");
+    // small prompt tiles (short prompts, small dequantised chunks), so a chunk can be larger
+    req.cache = Some(CacheSpec::new(32, 1, CacheDType::Fp16));
+    req.runtime.max_input_len = 32;
+    req.runtime.max_dq_size = 4096;
+    let plain = plan(&req).unwrap();
+    let tiles = plain.devices()[0].kernel_scratch;
+    req.quantize = Some(Quantize::Q8_0);
+    // a staging size past every tensor: the largest quantised tensor on cuda:0 is the chunk
+    req.staging_bytes = 1 << 40;
+    let p = plan(&req).unwrap();
+    let largest = p
+        .tensors()
+        .iter()
+        .zip(&req.tensors)
+        .filter(|(t, src)| {
+            t.device == "cuda:0" && t.dtype == DType::Q8_0 && src.dtype == DType::F32
+        })
+        .map(|(_, src)| src.nbytes)
+        .max()
+        .unwrap();
+    assert!(
+        largest > tiles,
+        "{largest} <= {tiles}: the test needs a chunk past the tiles"
+    );
+    let cuda = &p.devices()[0];
+    assert_eq!(cuda.name, "cuda:0");
+    assert_eq!(cuda.kernel_scratch, largest);
+    assert_eq!(
+        cuda.scratch - cuda.kernel_scratch,
+        plain.devices()[0].scratch - tiles
+    );
+    // the staging size bounds the chunk
+    req.staging_bytes = 64 << 10;
+    let p = plan(&req).unwrap();
+    assert_eq!(p.devices()[0].kernel_scratch, tiles.max(64 << 10));
+    let mut req = request(tiny_llama(), "float32", "virtual:1x1GiB,cpu:1GiB");
+    req.quantize = Some(Quantize::Q8_0);
+    req.staging_bytes = 1 << 40;
+    assert_eq!(plan(&req).unwrap().devices()[0].kernel_scratch, 0);
+}
+
 #[test]
 fn the_view_names_what_the_accessors_return() {
     let mut req = request(tiny_llama(), "float32", "virtual:1x1GiB,cpu:1GiB");

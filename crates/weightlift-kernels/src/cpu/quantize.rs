@@ -13,9 +13,8 @@
 //! the same order (the K-quants' sub-block fits run side by side, one per vector lane), so every
 //! [`Isa`] level writes the same bytes.
 //!
-//! Inputs must be finite: NaN or ±inf is refused with the index of the first bad value in the
-//! run where it was found (llama.cpp's output for such blocks depends on undefined float to
-//! integer conversions).
+//! Inputs must be finite: NaN or ±inf is refused with the index of the first bad value
+//! (llama.cpp's output for such blocks depends on undefined float to integer conversions).
 
 use rayon::prelude::*;
 
@@ -37,7 +36,7 @@ pub const QUANTIZE_TYPES: [QuantType; 7] = [
 ];
 
 /// [`QUANTIZE_TYPES`] as the error messages name them.
-const QUANTIZE_NAMES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k";
+pub const QUANTIZE_NAMES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k";
 
 /// Whether [`quantize_rows`] can write `ty`.
 pub fn can_quantize(ty: QuantType) -> bool {
@@ -202,6 +201,85 @@ pub fn quantize_rows_from_with(
     quantize_par(isa, ty, Source::Bytes(src_ty, src), n_blocks, dst)
 }
 
+/// [`quantize_rows_from`] for rows that start at value `first` of a larger tensor: a
+/// non-finite value's index in the error counts from the tensor's start, as a device
+/// quantising the same rows reports it ([`check_non_finite_report`]).
+pub fn quantize_rows_from_at(
+    ty: QuantType,
+    src_ty: FloatType,
+    src: &[u8],
+    n_per_row: usize,
+    dst: &mut [u8],
+    first: usize,
+) -> Result<()> {
+    check_non_finite_report(quantize_rows_from_reported(
+        ty, src_ty, src, n_per_row, dst, first,
+    )?)
+}
+
+/// [`quantize_rows_from`], with a non-finite source value given back as its report word
+/// ([`non_finite_report`], index counted from `first`) instead of an error: what a backend's
+/// `quantize_rows` records for a load to check after the tensor. Shape errors are errors.
+pub(crate) fn quantize_rows_from_reported(
+    ty: QuantType,
+    src_ty: FloatType,
+    src: &[u8],
+    n_per_row: usize,
+    dst: &mut [u8],
+    first: usize,
+) -> Result<u64> {
+    let es = src_ty.size();
+    if !src.len().is_multiple_of(es) {
+        return Err(KernelError::RaggedBlocks {
+            what: "quantize source",
+            ty: float_as_quant(src_ty),
+            got: src.len(),
+            block_bytes: es,
+        });
+    }
+    let n_blocks = check(ty, src.len() / es, n_per_row, dst.len())?;
+    let src = Source::Bytes(src_ty, src);
+    Ok(
+        match quantize_par_found(Isa::detect(), ty, src, n_blocks, dst) {
+            Ok(()) => 0,
+            Err((i, v)) => non_finite_report(first.saturating_add(i), v),
+        },
+    )
+}
+
+/// The word that reports a non-finite source value of a quantisation whose blocks run in any
+/// order (the CUDA kernels' `wl_qz_report` in `kernels/wl_quantize.cuh`): the complement of
+/// `index << 2 | kind`, kind 0 for NaN, 1 for +inf and 2 for -inf, so the largest of several
+/// reports names the smallest index and 0 means none.
+pub fn non_finite_report(index: usize, value: f32) -> u64 {
+    let kind = if value.is_nan() {
+        0
+    } else if value.is_sign_negative() {
+        2
+    } else {
+        1
+    };
+    !(((index as u64) << 2) | kind)
+}
+
+/// The error a report word ([`non_finite_report`]) stands for: the one the CPU quantiser gives
+/// for that value at that index; `Ok` for 0.
+pub fn check_non_finite_report(word: u64) -> Result<()> {
+    if word == 0 {
+        return Ok(());
+    }
+    let key = !word;
+    let value = match key & 3 {
+        0 => f32::NAN,
+        1 => f32::INFINITY,
+        _ => f32::NEG_INFINITY,
+    };
+    Err(non_finite(
+        usize::try_from(key >> 2).unwrap_or(usize::MAX),
+        value,
+    ))
+}
+
 fn float_as_quant(ft: FloatType) -> QuantType {
     match ft {
         FloatType::F32 => QuantType::F32,
@@ -218,20 +296,37 @@ fn quantize_par(
     n_blocks: usize,
     dst: &mut [u8],
 ) -> Result<()> {
+    quantize_par_found(isa, ty, src, n_blocks, dst).map_err(|(i, v)| non_finite(i, v))
+}
+
+/// [`quantize_par`], with a non-finite value given back as `(index, value)`.
+fn quantize_par_found(
+    isa: Isa,
+    ty: QuantType,
+    src: Source<'_>,
+    n_blocks: usize,
+    dst: &mut [u8],
+) -> Result<(), (usize, f32)> {
     let (bs, bb) = (ty.block_size(), ty.block_bytes());
     // the K-quants cost about 50x more per value than Q8_0: smaller runs keep threads busy
     let per = if bs == 256 { 16 } else { CHUNK_ELEMS / bs };
     if n_blocks <= per {
-        return quantize_run(isa, ty, src, dst).map_err(|(i, v)| non_finite(i, v));
+        return quantize_run(isa, ty, src, dst);
     }
-    dst.par_chunks_mut(per * bb)
+    // every run goes to its end (a bad block stops only its own run), so the error names the
+    // tensor's first non-finite value whichever thread meets it first, as a device reports it
+    let first_bad = dst
+        .par_chunks_mut(per * bb)
         .enumerate()
-        .try_for_each(|(k, out)| {
+        .filter_map(|(k, out)| {
             let first = k * per * bs;
             let n = out.len() / bb * bs;
             quantize_run(isa, ty, src.slice(first, n), out)
-                .map_err(|(i, v)| non_finite(first + i, v))
+                .err()
+                .map(|(i, v)| (first + i, v))
         })
+        .min_by_key(|&(i, _)| i);
+    first_bad.map_or(Ok(()), Err)
 }
 
 /// Quantises a run of whole blocks on this thread; `Err((index, value))` names the first

@@ -15,6 +15,8 @@ pub(super) enum KArg<'a> {
     InView(CudaView<'a, u8>),
     /// A buffer the kernel writes.
     Out(&'a mut CudaSlice<u8>),
+    /// Part of a buffer the kernel writes (a tensor's blocks from a chunk's offset).
+    OutView(CudaViewMut<'a, u8>),
     /// A null pointer, for a pointer parameter the kernel checks before reading.
     Null,
     U64(u64),
@@ -25,7 +27,9 @@ pub(super) enum KArg<'a> {
 impl KArg<'_> {
     pub(super) fn param(&self) -> Param {
         match self {
-            KArg::In(_) | KArg::InView(_) | KArg::Out(_) | KArg::Null => Param::Ptr,
+            KArg::In(_) | KArg::InView(_) | KArg::Out(_) | KArg::OutView(_) | KArg::Null => {
+                Param::Ptr
+            }
             KArg::U64(_) => Param::U64,
             KArg::I32(_) => Param::I32,
             KArg::F32(_) => Param::F32,
@@ -68,6 +72,7 @@ impl CudaBackend {
                 KArg::In(s) => b.arg(*s),
                 KArg::InView(v) => b.arg(&*v),
                 KArg::Out(s) => b.arg(&mut **s),
+                KArg::OutView(v) => b.arg(v),
                 // a device pointer is 64 bits wide, as the u64 parameters are
                 KArg::Null => b.arg(&NULL_PTR),
                 KArg::U64(v) => b.arg(&*v),

@@ -3,7 +3,7 @@
 //! budget, and the result is a [`Plan`] with its host usage and warnings, or an out-of-memory
 //! report naming every short device.
 
-use weightlift_format::Role;
+use weightlift_format::{DType, Role};
 
 use super::{Assign, Ctx, Slots};
 use crate::device::DeviceKind;
@@ -23,6 +23,31 @@ impl Ctx<'_> {
         } else {
             (self.dtypes[i], self.bytes[i])
         }
+    }
+
+    /// Device memory a quantising load takes on CUDA device `d` besides the tensors: the
+    /// loader uploads each chunk of float rows (at most one staging size) to a scratch of its
+    /// own size and quantises it there into the tensor, one chunk at a time. 0 on other kinds
+    /// (their loads quantise on the host) and where no float tensor is quantised into a ggml
+    /// block type on `d`.
+    fn quantize_scratch(&self, a: &Assign, d: usize) -> u64 {
+        if self.devs[d].kind != DeviceKind::Cuda {
+            return 0;
+        }
+        self.req
+            .tensors
+            .iter()
+            .enumerate()
+            .filter(|&(i, t)| {
+                let held = self.held_type(i, d).0;
+                a.tensor_dev[i] == d
+                    && matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16)
+                    && held != DType::INT8
+                    && held.block_size() > 1
+            })
+            .map(|(_, t)| t.nbytes.min(self.req.staging_bytes))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Per-device usage, budget check, and the Plan.
@@ -174,10 +199,13 @@ impl Ctx<'_> {
             let active = weights[i] > 0 || kv[i] > 0 || scratch > 0;
             // a CUDA device's prompt products allocate their own tiles: scratch that the
             // engine's buffer does not hold
-            let kernel_scratch = match &a.scratch {
+            let tiles = match &a.scratch {
                 None if active => self.scratch.cuda_tiles(hosts[i], dev.kind),
                 _ => 0,
             };
+            // and a quantising load there quantises each chunk on the device from a scratch
+            // copy of its source rows, never during a forward pass: the larger of the two
+            let kernel_scratch = tiles.max(self.quantize_scratch(a, i));
             scratch = scratch.saturating_add(kernel_scratch);
             let (overhead, overhead_parts) = if active {
                 (dev.overhead.total(), dev.overhead.parts().to_vec())
