@@ -952,8 +952,9 @@ mod mma_twin {
 /// On a GPU of compute capability 8.0 or later: the tensor-core prompt kernel against the f32
 /// prompt kernel (`WEIGHTLIFT_FA_MMA=0`'s) and the CPU backend for every case of
 /// [`mma_cases`], within the f16 operands' bound; its output is not the f32 kernel's bits (so
-/// it ran), and a backend left to the environment runs what [`PrefillAttention::from_env`]
-/// picks.
+/// it ran), the same calls in exact mode (which the tensor-core kernel never takes) give both
+/// backends the f32 kernel's bits, and a backend left to the environment runs what
+/// [`PrefillAttention::from_env`] picks.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
@@ -979,6 +980,29 @@ fn prompt_attention_on_tensor_cores_matches_the_f32_kernel_and_the_cpu() -> Resu
         worst_cpu = worst_cpu.max(max_diff(&got, &want));
         worst_f32 = worst_f32.max(max_diff(&got, &f32k));
         differ += usize::from(got != f32k);
+        let exact = AttCase {
+            formats: c.formats,
+            shape: cpu::attention::AttnShape::new(
+                c.shape.n_heads,
+                c.shape.kv_heads,
+                c.shape.head_dim,
+                c.shape.n_q,
+                c.shape.start,
+                c.shape.scale,
+                false,
+            )?,
+            window: c.window,
+            softcap: c.softcap,
+            rows: c.rows,
+            q: c.q.clone(),
+            k: c.k.clone(),
+            v: c.v.clone(),
+        };
+        let (a, b) = (attention_on(&mma, &exact)?, attention_on(&off, &exact)?);
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "exact mode: the switch changed the f32 kernel's bits"
+        );
         let by_env = attention_on(&env, c)?;
         let picked = match env.prefill_attention() {
             PrefillAttention::Mma => &got,
