@@ -5,6 +5,7 @@
 #include <stddef.h>
 
 #include "wl_attention.cuh"
+#include "wl_fa_mma.cuh"
 #include "wl_dequant.cuh"
 #include "wl_kv.cuh"
 #include "wl_rope_kv.cuh"
@@ -721,3 +722,60 @@ extern "C" int wl_host_attention_prefill(int k_fmt, int v_fmt, const float* q, c
     }
     return 1;
 }
+
+// ---- attention_prefill_mma_f16's lane arithmetic (wl_fa_mma.cuh), for the twin's software
+// warp: the fragment maps, the staged words, the fragment loads and a lane's softmax steps. ----
+
+extern "C" void wl_host_mma_a(int lane, int reg, int hf, int* row, int* col) {
+    *row = wl_mma_a_row(lane, reg);
+    *col = wl_mma_a_col(lane, reg, hf);
+}
+extern "C" void wl_host_mma_b(int lane, int reg, int hf, int* k, int* n) {
+    *k = wl_mma_b_k(lane, reg, hf);
+    *n = wl_mma_b_n(lane);
+}
+extern "C" void wl_host_mma_c(int lane, int reg, int* row, int* col) {
+    *row = wl_mma_c_row(lane, reg);
+    *col = wl_mma_c_col(lane, reg);
+}
+// The words of the kernel's three shared arrays, and its rows a block.
+extern "C" void wl_host_fam_shape(int* q_words, int* k_words, int* v_words, int* rows) {
+    *q_words = WL_FAM_Q_WORDS;
+    *k_words = WL_FAM_K_WORDS;
+    *v_words = WL_FAM_V_WORDS;
+    *rows = WL_FAM_ROWS;
+}
+extern "C" wl_u32 wl_host_fam_pack(float lo, float hi) { return wl_fam_pack(lo, hi); }
+extern "C" int wl_host_fam_q_word(int row, int d, int head_dim) {
+    return wl_fam_q_word(row, d, head_dim);
+}
+extern "C" int wl_host_fam_k_word(int key, int d, int head_dim) {
+    return wl_fam_k_word(key, d, head_dim);
+}
+extern "C" int wl_host_fam_v_word(int d, int key) { return wl_fam_v_word(d, key); }
+extern "C" void wl_host_fam_q_frag(const wl_u32* sq, int row0, int head_dim, int lane, int ks,
+                                   wl_u32* a) {
+    wl_fam_q_frag(sq, row0, head_dim, lane, ks, a);
+}
+extern "C" void wl_host_fam_k_frag(const wl_u32* sk, int head_dim, int lane, int nb, int ks,
+                                   wl_u32* b) {
+    wl_fam_k_frag(sk, head_dim, lane, nb, ks, b);
+}
+extern "C" void wl_host_fam_v_frag(const wl_u32* svt, int lane, int db, int kk, wl_u32* b) {
+    wl_fam_v_frag(svt, lane, db, kk, b);
+}
+extern "C" void wl_host_fam_p_frag(const float* p, int kk, wl_u32* a) { wl_fam_p_frag(p, kk, a); }
+extern "C" void wl_host_fam_weigh(float* s, int lane, wl_u64 t0, const wl_u64* qi, wl_u64 start,
+                                  wl_u64 window, wl_u64 key_end, float scale, float softcap,
+                                  float* mx) {
+    wl_fam_weigh(s, lane, t0, qi, start, window, key_end, scale, softcap, mx);
+}
+extern "C" void wl_host_fam_probs(float* s, const float* m, const float* mt, float* m_new,
+                                  float* keep, float* ps) {
+    wl_fam_probs(s, m, mt, m_new, keep, ps);
+}
+extern "C" void wl_host_fam_fold(float* m, float* l, const float* m_new, const float* keep,
+                                 const float* psum) {
+    wl_fam_fold(m, l, m_new, keep, psum);
+}
+extern "C" void wl_host_fam_rescale(float* o, const float* keep) { wl_fam_rescale(o, keep); }

@@ -58,7 +58,11 @@
 //!   tiles of 32 keys and values in shared memory (decoded from the cache format once per
 //!   block) and folding them into each row's online softmax, so the cache is read once per
 //!   block of rows rather than once per query; window, soft-cap, f16 operands and a start
-//!   offset (a chunked prompt continuing a cache) as `attention_{format}`. No scratch.
+//!   offset (a chunked prompt continuing a cache) as `attention_{format}`. No scratch. f16
+//!   caches in fast mode with heads of 64 or 128 take `attention_prefill_mma_f16` on compute
+//!   capability 8.0 and later ([`PrefillAttention`], `WEIGHTLIFT_FA_MMA=0` to keep them off):
+//!   the same tiling on tensor cores, `mma.sync` m16n8k16 products of f16 operands with f32
+//!   sums, 64 rows a block.
 //! - Quantise-on-load (`quantize`, [`Backend::quantize_rows`]): a chunk of float rows goes up
 //!   through the staging buffers into a scratch of its size, and `quantize_{type}_{src}` writes
 //!   the CPU quantiser's blocks into the tensor at the chunk's offset, one thread a block; a
@@ -95,12 +99,13 @@ use crate::cpu::ops::RopeStyle;
 use crate::cpu_backend::AttShape;
 use crate::error::{KernelError, Result};
 use crate::sources::{
-    ATTENTION_PREFILL_MAX_HEAD_DIM, ATTENTION_PREFILL_MIN_QUERIES, ATTENTION_WARPS,
-    CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FAST_FLOAT_TYPES, CUDA_FAST_NAMES, CUDA_FLOAT_TYPES,
-    CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS, FLOAT_TOKENS_PER_PASS,
-    GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS,
-    Q8Decode, attention_grid, attention_prefill_rows, cublas_route, dq_chunk_rows,
-    float_row_threads, q8_matvec_warps, q8_wide_matvec_warps, signature,
+    ATTENTION_PREFILL_MAX_HEAD_DIM, ATTENTION_PREFILL_MIN_QUERIES, ATTENTION_PREFILL_MMA_ROWS,
+    ATTENTION_WARPS, CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FAST_FLOAT_TYPES, CUDA_FAST_NAMES,
+    CUDA_FLOAT_TYPES, CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS,
+    FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param,
+    PrefillAttention, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS, Q8Decode, attention_grid,
+    attention_prefill_rows, cublas_route, dq_chunk_rows, float_row_threads, q8_matvec_warps,
+    q8_wide_matvec_warps, signature,
 };
 use crate::types::{FloatType, QuantType};
 
@@ -282,6 +287,9 @@ pub struct CudaBackend {
     /// Decode's Q8-mode kernels ([`Q8Decode`]: `WEIGHTLIFT_Q8V`, or
     /// [`CudaBackend::with_q8_decode`]).
     q8_decode: Q8Decode,
+    /// Whether prompts' attention takes tensor cores where it can ([`PrefillAttention`]:
+    /// `WEIGHTLIFT_FA_MMA`, or [`CudaBackend::with_prefill_attention`]).
+    prefill_attention: PrefillAttention,
 }
 
 /// Whether a backend has a cuBLAS handle.
@@ -369,6 +377,7 @@ impl CudaBackend {
             cublas: Mutex::new(CublasState::NotTried),
             cublas_min_tokens: cublas::min_tokens_from_env(),
             q8_decode: Q8Decode::from_env(),
+            prefill_attention: PrefillAttention::from_env(),
         })
     }
 
@@ -386,6 +395,18 @@ impl CudaBackend {
     pub fn with_cublas_min_tokens(mut self, min_tokens: crate::sources::CublasMinTokens) -> Self {
         self.cublas_min_tokens = min_tokens;
         self
+    }
+
+    /// This backend with prompts' attention on the kernels `choice` picks, whatever
+    /// `WEIGHTLIFT_FA_MMA` says (a test runs the tensor-core and f32 kernels side by side).
+    pub fn with_prefill_attention(mut self, choice: PrefillAttention) -> Self {
+        self.prefill_attention = choice;
+        self
+    }
+
+    /// Whether prompts' attention takes tensor cores where it can on this backend.
+    pub fn prefill_attention(&self) -> PrefillAttention {
+        self.prefill_attention
     }
 
     /// Which kernels decode's Q8-mode products run on this backend.

@@ -179,6 +179,16 @@ impl CudaBackend {
     }
 
     /// Never called: a stand-in backend cannot be constructed.
+    pub fn with_prefill_attention(self, _choice: crate::sources::PrefillAttention) -> Self {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn prefill_attention(&self) -> crate::sources::PrefillAttention {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
     pub fn with_cublas_min_tokens(self, _min_tokens: crate::sources::CublasMinTokens) -> Self {
         match self._never {}
     }

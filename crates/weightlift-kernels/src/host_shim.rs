@@ -4,7 +4,8 @@
 //! chunked chains and reduction), SwiGLU's product, RoPE fused with the cache store, f16
 //! rounding and the KV-cache codecs, the Q8-activation
 //! mode and dequantised-path GEMM of the matmul kernels, the split attention with its
-//! reduce, and quantise-on-load's block quantisers with their non-finite report.
+//! reduce, the prompt attention, the tensor-core prompt kernel's lane arithmetic ([`fa_mma`]),
+//! and quantise-on-load's block quantisers with their non-finite report.
 //! Present when `build.rs` found a C++ compiler.
 // Calling the C++ shim is FFI; each wrapper checks the buffer sizes the shim relies on.
 #![allow(unsafe_code)]
@@ -1131,4 +1132,328 @@ pub fn attention_prefill(
         )));
     }
     Ok(())
+}
+
+/// The lane arithmetic of `attention_prefill_mma_f16` (`kernels/wl_fa_mma.cuh`), one function
+/// of the header each, for a test that replays the kernel's warps on the host: the m16n8k16
+/// fragment maps (which matrix element each lane's register halves hold), where the block's
+/// staged queries, keys and transposed values sit in shared memory, the fragment loads, and a
+/// lane's share of a tile's softmax step. The wrappers check the indices the header trusts.
+pub mod fa_mma {
+    use crate::error::{KernelError, Result};
+
+    unsafe extern "C" {
+        fn wl_host_mma_a(lane: i32, reg: i32, hf: i32, row: *mut i32, col: *mut i32);
+        fn wl_host_mma_b(lane: i32, reg: i32, hf: i32, k: *mut i32, n: *mut i32);
+        fn wl_host_mma_c(lane: i32, reg: i32, row: *mut i32, col: *mut i32);
+        fn wl_host_fam_shape(q: *mut i32, k: *mut i32, v: *mut i32, rows: *mut i32);
+        fn wl_host_fam_pack(lo: f32, hi: f32) -> u32;
+        fn wl_host_fam_q_word(row: i32, d: i32, head_dim: i32) -> i32;
+        fn wl_host_fam_k_word(key: i32, d: i32, head_dim: i32) -> i32;
+        fn wl_host_fam_v_word(d: i32, key: i32) -> i32;
+        fn wl_host_fam_q_frag(sq: *const u32, row0: i32, hd: i32, lane: i32, ks: i32, a: *mut u32);
+        fn wl_host_fam_k_frag(sk: *const u32, hd: i32, lane: i32, nb: i32, ks: i32, b: *mut u32);
+        fn wl_host_fam_v_frag(svt: *const u32, lane: i32, db: i32, kk: i32, b: *mut u32);
+        fn wl_host_fam_p_frag(p: *const f32, kk: i32, a: *mut u32);
+        #[allow(clippy::too_many_arguments)]
+        fn wl_host_fam_weigh(
+            s: *mut f32,
+            lane: i32,
+            t0: u64,
+            qi: *const u64,
+            start: u64,
+            window: u64,
+            key_end: u64,
+            scale: f32,
+            softcap: f32,
+            mx: *mut f32,
+        );
+        fn wl_host_fam_probs(
+            s: *mut f32,
+            m: *const f32,
+            mt: *const f32,
+            m_new: *mut f32,
+            keep: *mut f32,
+            ps: *mut f32,
+        );
+        fn wl_host_fam_fold(
+            m: *mut f32,
+            l: *mut f32,
+            m_new: *const f32,
+            keep: *const f32,
+            psum: *const f32,
+        );
+        fn wl_host_fam_rescale(o: *mut f32, keep: *const f32);
+    }
+
+    /// The kernel's shared arrays and rows a block: words of staged queries, keys and
+    /// transposed values, and the (query, head) rows one block takes.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Shape {
+        pub q_words: usize,
+        pub k_words: usize,
+        pub v_words: usize,
+        pub rows: usize,
+    }
+
+    /// The header's sizes (`WL_FAM_*`).
+    pub fn shape() -> Shape {
+        let (mut q, mut k, mut v, mut rows) = (0, 0, 0, 0);
+        // SAFETY: writes four integers through valid pointers.
+        unsafe { wl_host_fam_shape(&mut q, &mut k, &mut v, &mut rows) };
+        let u = |x: i32| usize::try_from(x).unwrap_or(0);
+        Shape {
+            q_words: u(q),
+            k_words: u(k),
+            v_words: u(v),
+            rows: u(rows),
+        }
+    }
+
+    fn bad(reason: String) -> KernelError {
+        KernelError::Shape {
+            op: "host mma attention lane",
+            reason,
+        }
+    }
+
+    /// Fails unless `x < n` (an index the header trusts).
+    fn below(what: &str, x: usize, n: usize) -> Result<i32> {
+        if x < n {
+            Ok(x as i32)
+        } else {
+            Err(bad(format!("{what} {x}: the kernel's are below {n}")))
+        }
+    }
+
+    /// Fails unless the head is one the kernel takes (64 or 128 values).
+    fn head(head_dim: usize) -> Result<i32> {
+        match head_dim {
+            64 | 128 => Ok(head_dim as i32),
+            _ => Err(bad(format!(
+                "head_dim {head_dim}: the kernel takes 64 or 128"
+            ))),
+        }
+    }
+
+    /// Fails unless `words` holds `want` words.
+    fn room(what: &str, words: usize, want: usize) -> Result<()> {
+        if words >= want {
+            Ok(())
+        } else {
+            Err(bad(format!(
+                "{what}: {words} words, the kernel stages {want}"
+            )))
+        }
+    }
+
+    /// A: (row, column) of half `hf` of register `reg` of `lane`.
+    pub fn a_elem(lane: usize, reg: usize, hf: usize) -> Result<(usize, usize)> {
+        let (l, r, h) = (
+            below("lane", lane, 32)?,
+            below("register", reg, 4)?,
+            below("half", hf, 2)?,
+        );
+        let (mut row, mut col) = (0, 0);
+        // SAFETY: writes two integers through valid pointers.
+        unsafe { wl_host_mma_a(l, r, h, &mut row, &mut col) };
+        Ok((row as usize, col as usize))
+    }
+
+    /// B: (k, n) of half `hf` of register `reg` of `lane`.
+    pub fn b_elem(lane: usize, reg: usize, hf: usize) -> Result<(usize, usize)> {
+        let (l, r, h) = (
+            below("lane", lane, 32)?,
+            below("register", reg, 2)?,
+            below("half", hf, 2)?,
+        );
+        let (mut k, mut n) = (0, 0);
+        // SAFETY: writes two integers through valid pointers.
+        unsafe { wl_host_mma_b(l, r, h, &mut k, &mut n) };
+        Ok((k as usize, n as usize))
+    }
+
+    /// C and D: (row, column) of register `reg` of `lane`.
+    pub fn c_elem(lane: usize, reg: usize) -> Result<(usize, usize)> {
+        let (l, r) = (below("lane", lane, 32)?, below("register", reg, 4)?);
+        let (mut row, mut col) = (0, 0);
+        // SAFETY: writes two integers through valid pointers.
+        unsafe { wl_host_mma_c(l, r, &mut row, &mut col) };
+        Ok((row as usize, col as usize))
+    }
+
+    /// Two values as one f16-pair register (round to nearest even), `lo` the lower element.
+    pub fn pack(lo: f32, hi: f32) -> u32 {
+        // SAFETY: a pure function of two floats.
+        unsafe { wl_host_fam_pack(lo, hi) }
+    }
+
+    /// The word of staged query row `row` holding dims `d` and `d + 1` (`d` even).
+    pub fn q_word(row: usize, d: usize, head_dim: usize) -> Result<usize> {
+        let hd = head(head_dim)?;
+        let (r, d) = (below("row", row, shape().rows)?, below("dim", d, head_dim)?);
+        // SAFETY: a pure function of integers.
+        Ok(unsafe { wl_host_fam_q_word(r, d, hd) } as usize)
+    }
+
+    /// The word of key `key` of the tile holding dims `d` and `d + 1` (`d` even).
+    pub fn k_word(key: usize, d: usize, head_dim: usize) -> Result<usize> {
+        let hd = head(head_dim)?;
+        let (k, d) = (below("key", key, 32)?, below("dim", d, head_dim)?);
+        // SAFETY: a pure function of integers.
+        Ok(unsafe { wl_host_fam_k_word(k, d, hd) } as usize)
+    }
+
+    /// The word of dim `d` holding keys `key` and `key + 1` (`key` even) of the tile's values.
+    pub fn v_word(d: usize, key: usize) -> Result<usize> {
+        let (d, k) = (below("dim", d, 128)?, below("key", key, 32)?);
+        // SAFETY: a pure function of integers.
+        Ok(unsafe { wl_host_fam_v_word(d, k) } as usize)
+    }
+
+    /// `lane`'s A fragment of k-step `ks` of the 16 query rows from staged row `row0`.
+    pub fn q_frag(
+        sq: &[u32],
+        row0: usize,
+        head_dim: usize,
+        lane: usize,
+        ks: usize,
+    ) -> Result<[u32; 4]> {
+        let hd = head(head_dim)?;
+        room("staged queries", sq.len(), shape().q_words)?;
+        let r0 = below("first row", row0, shape().rows - 15)?;
+        let (l, k) = (
+            below("lane", lane, 32)?,
+            below("k-step", ks, head_dim / 16)?,
+        );
+        let mut a = [0u32; 4];
+        // SAFETY: sq holds every word the kernel stages and the indices are in its ranges.
+        unsafe { wl_host_fam_q_frag(sq.as_ptr(), r0, hd, l, k, a.as_mut_ptr()) };
+        Ok(a)
+    }
+
+    /// `lane`'s B fragment of S's n-block `nb` and k-step `ks`.
+    pub fn k_frag(
+        sk: &[u32],
+        head_dim: usize,
+        lane: usize,
+        nb: usize,
+        ks: usize,
+    ) -> Result<[u32; 2]> {
+        let hd = head(head_dim)?;
+        room("staged keys", sk.len(), shape().k_words)?;
+        let (l, n, k) = (
+            below("lane", lane, 32)?,
+            below("n-block", nb, 4)?,
+            below("k-step", ks, head_dim / 16)?,
+        );
+        let mut b = [0u32; 2];
+        // SAFETY: sk holds every word the kernel stages and the indices are in its ranges.
+        unsafe { wl_host_fam_k_frag(sk.as_ptr(), hd, l, n, k, b.as_mut_ptr()) };
+        Ok(b)
+    }
+
+    /// `lane`'s B fragment of O's n-block `db` and k-step `kk` (`head_dim` bounds `db`).
+    pub fn v_frag(
+        svt: &[u32],
+        head_dim: usize,
+        lane: usize,
+        db: usize,
+        kk: usize,
+    ) -> Result<[u32; 2]> {
+        head(head_dim)?;
+        room("staged values", svt.len(), shape().v_words)?;
+        let (l, d, k) = (
+            below("lane", lane, 32)?,
+            below("n-block", db, head_dim / 8)?,
+            below("k-step", kk, 2)?,
+        );
+        let mut b = [0u32; 2];
+        // SAFETY: svt holds every word the kernel stages and the indices are in its ranges.
+        unsafe { wl_host_fam_v_frag(svt.as_ptr(), l, d, k, b.as_mut_ptr()) };
+        Ok(b)
+    }
+
+    /// P's A fragment of k-step `kk` from the probabilities in S's accumulator layout.
+    pub fn p_frag(p: &[f32; 16], kk: usize) -> Result<[u32; 4]> {
+        let k = below("k-step", kk, 2)?;
+        let mut a = [0u32; 4];
+        // SAFETY: p has the 16 values the header reads, a the 4 it writes.
+        unsafe { wl_host_fam_p_frag(p.as_ptr(), k, a.as_mut_ptr()) };
+        Ok(a)
+    }
+
+    /// The scores of `lane` (keys from `t0`) weighed and masked in place; returns each half's
+    /// largest weight among the lane's 8. `qi`: the query of each half's row; `masks`:
+    /// (start, window, key_end, scale, softcap).
+    pub fn weigh(
+        s: &mut [f32; 16],
+        lane: usize,
+        t0: u64,
+        qi: [u64; 2],
+        (start, window, key_end, scale, softcap): (u64, u64, u64, f32, f32),
+    ) -> Result<[f32; 2]> {
+        let l = below("lane", lane, 32)?;
+        let mut mx = [0f32; 2];
+        // SAFETY: s has 16 values, qi 2, mx room for 2.
+        unsafe {
+            wl_host_fam_weigh(
+                s.as_mut_ptr(),
+                l,
+                t0,
+                qi.as_ptr(),
+                start,
+                window,
+                key_end,
+                scale,
+                softcap,
+                mx.as_mut_ptr(),
+            )
+        };
+        Ok(mx)
+    }
+
+    /// The weights turned into probabilities in place against the rows' maxima `m` and the
+    /// tile's `mt`; returns (m_new, keep, the lane's probability sums).
+    pub fn probs(s: &mut [f32; 16], m: [f32; 2], mt: [f32; 2]) -> ([f32; 2], [f32; 2], [f32; 2]) {
+        let (mut m_new, mut keep, mut ps) = ([0f32; 2], [0f32; 2], [0f32; 2]);
+        // SAFETY: s has 16 values, the others 2 each.
+        unsafe {
+            wl_host_fam_probs(
+                s.as_mut_ptr(),
+                m.as_ptr(),
+                mt.as_ptr(),
+                m_new.as_mut_ptr(),
+                keep.as_mut_ptr(),
+                ps.as_mut_ptr(),
+            )
+        };
+        (m_new, keep, ps)
+    }
+
+    /// The rows' maximum `m` and sum `l` after the tile.
+    pub fn fold(
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+        m_new: [f32; 2],
+        keep: [f32; 2],
+        psum: [f32; 2],
+    ) {
+        // SAFETY: every array has the 2 values the header reads or writes.
+        unsafe {
+            wl_host_fam_fold(
+                m.as_mut_ptr(),
+                l.as_mut_ptr(),
+                m_new.as_ptr(),
+                keep.as_ptr(),
+                psum.as_ptr(),
+            )
+        };
+    }
+
+    /// One 8-dim block of O's accumulators scaled by their rows' `keep`.
+    pub fn rescale(o: &mut [f32; 4], keep: [f32; 2]) {
+        // SAFETY: o has 4 values, keep 2.
+        unsafe { wl_host_fam_rescale(o.as_mut_ptr(), keep.as_ptr()) };
+    }
 }

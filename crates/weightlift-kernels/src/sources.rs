@@ -218,7 +218,8 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
         &[Ptr, Ptr, U64, U64, I32, U64, U64, Ptr, U64, U64],
     ),
     // prompts, before the family its name starts with: (q, k, v, out, n_q, start, n_heads,
-    // kv_heads, head_dim, scale, f16_operands, window, softcap, cache rows)
+    // kv_heads, head_dim, scale, f16_operands, window, softcap, cache rows); the tensor-core
+    // attention_prefill_mma_f16 too
     (
         "attention_prefill_",
         &[
@@ -552,6 +553,61 @@ pub const ATTENTION_PREFILL_MIN_QUERIES: usize = 16;
 /// Keys per tile of the prompt attention kernel (`WL_FA_KEYS`).
 pub const ATTENTION_PREFILL_KEYS: usize = 32;
 
+/// The (query, query head) rows one block of the tensor-core prompt kernel
+/// `attention_prefill_mma_f16` takes (`WL_FAM_ROWS` in `kernels/wl_fa_mma.cuh`): four warps of
+/// 16, one m16n8k16 A fragment each.
+pub const ATTENTION_PREFILL_MMA_ROWS: usize = 64;
+
+/// Which kernel a CUDA backend's prompt attention runs where the tensor-core one can:
+/// `attention_prefill_mma_f16` (`mma.sync` m16n8k16, f16 operands and f32 sums) takes f16 caches
+/// in fast mode with heads of 64 or 128 values on compute capability 8.0 and later
+/// ([`PrefillAttention::takes_mma`]); every other prompt keeps `attention_prefill_{format}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillAttention {
+    /// The tensor-core kernel wherever it applies.
+    #[default]
+    Mma,
+    /// `attention_prefill_{format}` always: f32 products on the CUDA cores.
+    F32,
+}
+
+impl PrefillAttention {
+    /// The environment variable a CUDA backend reads when it is made.
+    pub const ENV: &'static str = "WEIGHTLIFT_FA_MMA";
+
+    /// The choice for a value of [`PrefillAttention::ENV`]: `0` keeps prompts off tensor cores;
+    /// unset or anything else keeps the default.
+    pub fn from_env_value(value: Option<&str>) -> Self {
+        match value.map(str::trim) {
+            Some("0") => PrefillAttention::F32,
+            _ => PrefillAttention::Mma,
+        }
+    }
+
+    /// The choice [`PrefillAttention::ENV`] makes in this process.
+    pub fn from_env() -> Self {
+        Self::from_env_value(std::env::var(Self::ENV).ok().as_deref())
+    }
+
+    /// Whether a prompt's attention takes `attention_prefill_mma_f16` under this choice: keys
+    /// and values cached as f16, f16 operands (fast mode; exact mode keeps f32 products), a
+    /// head of 64 or 128 values, and a device of compute capability `cc` 8.0 or later.
+    pub fn takes_mma(
+        self,
+        (k, v): (crate::KvFormat, crate::KvFormat),
+        f16_operands: bool,
+        head_dim: usize,
+        cc: (i32, i32),
+    ) -> bool {
+        self == PrefillAttention::Mma
+            && k == crate::KvFormat::F16
+            && v == crate::KvFormat::F16
+            && f16_operands
+            && matches!(head_dim, 64 | 128)
+            && cc >= (8, 0)
+    }
+}
+
 /// The (query, query head) rows one prompt attention block takes for heads of `head_dim`
 /// values (`wl_fa_rows`): 32 up to 64 values, 16 up to 128 (the staged queries stay at 2,048
 /// floats of shared memory).
@@ -698,6 +754,37 @@ pub fn attention_grid(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tensor-core prompt kernel takes f16 caches in fast mode with heads of 64 or 128 on
+    /// 8.0 and later, unless switched off; `WEIGHTLIFT_FA_MMA=0` switches it off.
+    #[test]
+    fn prompt_attention_takes_tensor_cores_only_where_the_kernel_applies() {
+        use crate::KvFormat::{BF16, F16, F32 as KvF32, Q8};
+        let on = PrefillAttention::Mma;
+        assert!(on.takes_mma((F16, F16), true, 64, (8, 0)));
+        assert!(on.takes_mma((F16, F16), true, 128, (9, 0)));
+        assert!(!on.takes_mma((F16, F16), false, 128, (9, 0)), "exact mode");
+        for hd in [32, 40, 80, 96, 256] {
+            assert!(!on.takes_mma((F16, F16), true, hd, (9, 0)), "head_dim {hd}");
+        }
+        for kv in [
+            (F16, BF16),
+            (BF16, BF16),
+            (KvF32, KvF32),
+            (Q8, Q8),
+            (F16, Q8),
+        ] {
+            assert!(!on.takes_mma(kv, true, 128, (9, 0)), "{kv:?}");
+        }
+        assert!(!on.takes_mma((F16, F16), true, 128, (7, 5)), "sm_75");
+        assert!(!PrefillAttention::F32.takes_mma((F16, F16), true, 128, (9, 0)));
+        let env = PrefillAttention::from_env_value;
+        assert_eq!(env(Some("0")), PrefillAttention::F32);
+        assert_eq!(env(Some(" 0\n")), PrefillAttention::F32);
+        for v in [None, Some(""), Some("1"), Some("on")] {
+            assert_eq!(env(v), PrefillAttention::Mma, "{v:?}");
+        }
+    }
 
     /// The crossover is where cuBLAS starts to win for good: never, always, won then lost,
     /// lost then won, and counts where one route did not run.

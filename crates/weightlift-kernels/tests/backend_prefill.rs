@@ -298,6 +298,9 @@ struct AttCase {
     shape: cpu::attention::AttnShape,
     window: usize,
     softcap: f32,
+    /// The cache's rows: the key at position p is in row p % rows (a sliding window's ring
+    /// when fewer than the positions).
+    rows: usize,
     q: Vec<f32>,
     k: Vec<u8>,
     v: Vec<u8>,
@@ -347,6 +350,7 @@ fn attention_cases(rng: &mut Rng) -> Vec<AttCase> {
                             shape,
                             window,
                             softcap,
+                            rows,
                             q: q.clone(),
                             k: k.clone(),
                             v: v.clone(),
@@ -379,7 +383,7 @@ fn attention_on<B: Backend>(b: &B, c: &AttCase) -> Result<Vec<f32>> {
         scale: s.scale,
         window: c.window,
         softcap: c.softcap,
-        cache_rows: s.start + s.n_q,
+        cache_rows: c.rows,
         tile: 256,
         f16_operands: s.f16_operands,
         q: &qb,
@@ -436,7 +440,7 @@ fn prompt_attention_twin_matches_the_cpu_backend() {
             c.formats.0,
             c.formats.1,
             c.shape,
-            (c.window, c.softcap, c.shape.start + c.shape.n_q),
+            (c.window, c.softcap, c.rows),
             &c.q,
             &c.k,
             &c.v,
@@ -504,3 +508,546 @@ fn prompt_attention_matches_the_cpu_backend<B: Backend>(b: &B) -> Result<()> {
     Ok(())
 }
 weightlift_kernels::test_device!(prompt_attention_matches_the_cpu_backend);
+
+/// The cases of the tensor-core prompt kernel (`attention_prefill_mma_f16`: f16 caches in fast
+/// mode, heads of 64 and 128 values): GQA groups 8, 3 and 1; prompts of 37 queries from
+/// position 0 and of 70 continuing a cache of 45 rows (row counts no multiple of 16 or 64);
+/// no mask, a window of 20 keys, gemma's soft-cap, and a window of 24 over a ring of
+/// `window + n_q - 1` rows (fewer than the 115 positions of the chunked prompt).
+fn mma_cases(rng: &mut Rng) -> Vec<AttCase> {
+    let f16 = KvFormat::F16;
+    let mut out = Vec::new();
+    for (nh, kvh) in [(8usize, 1usize), (6, 2), (4, 4)] {
+        for hd in [64usize, 128] {
+            for (n_q, start) in [(37usize, 0usize), (70, 45)] {
+                let keys = start + n_q;
+                let kvd = kvh * hd;
+                let q = rng.vec(n_q * nh * hd, 2.0);
+                let enc = |x: &[f32]| {
+                    let mut b = vec![0u8; f16.byte_at(x.len())];
+                    kv_encode(f16, x, &mut b).unwrap();
+                    b
+                };
+                let (k, v) = (
+                    enc(&rng.vec(keys * kvd, 2.0)),
+                    enc(&rng.vec(keys * kvd, 1.0)),
+                );
+                for (window, softcap, ring) in [
+                    (0, 0.0, false),
+                    (20, 0.0, false),
+                    (0, 30.0, false),
+                    (24, 0.0, true),
+                ] {
+                    let rows = if ring { window + n_q - 1 } else { keys };
+                    // position p in row p % rows: the last `rows` positions survive
+                    let ring_of = |full: &[u8]| {
+                        let row = f16.byte_at(kvd);
+                        let mut b = vec![0u8; rows * row];
+                        for p in keys.saturating_sub(rows)..keys {
+                            let r = p % rows;
+                            b[r * row..(r + 1) * row]
+                                .copy_from_slice(&full[p * row..(p + 1) * row]);
+                        }
+                        b
+                    };
+                    let shape = cpu::attention::AttnShape::new(
+                        nh,
+                        kvh,
+                        hd,
+                        n_q,
+                        start,
+                        1.0 / (hd as f32).sqrt(),
+                        true,
+                    )
+                    .unwrap();
+                    out.push(AttCase {
+                        formats: (f16, f16),
+                        shape,
+                        window,
+                        softcap,
+                        rows,
+                        q: q.clone(),
+                        k: ring_of(&k),
+                        v: ring_of(&v),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The largest |got - want| of two outputs.
+fn max_diff(got: &[f32], want: &[f32]) -> f32 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0.0, f32::max)
+}
+
+#[cfg(wl_host_shim)]
+mod mma_twin {
+    use super::*;
+    use weightlift_kernels::host_shim::fa_mma as fm;
+
+    /// One register file a lane, for the 32 lanes of a warp.
+    type Regs<T, const N: usize> = [[T; N]; 32];
+
+    /// The fragment maps read once from the header: A (lane, register, half) -> (row, col),
+    /// B -> (k, n), C -> (row, col).
+    struct Maps {
+        a: Regs<[(usize, usize); 2], 4>,
+        b: Regs<[(usize, usize); 2], 2>,
+        c: Regs<(usize, usize), 4>,
+    }
+
+    impl Maps {
+        fn new() -> Maps {
+            let mut m = Maps {
+                a: [[[(0, 0); 2]; 4]; 32],
+                b: [[[(0, 0); 2]; 2]; 32],
+                c: [[(0, 0); 4]; 32],
+            };
+            for lane in 0..32 {
+                for reg in 0..4 {
+                    for hf in 0..2 {
+                        m.a[lane][reg][hf] = fm::a_elem(lane, reg, hf).unwrap();
+                        if reg < 2 {
+                            m.b[lane][reg][hf] = fm::b_elem(lane, reg, hf).unwrap();
+                        }
+                    }
+                    m.c[lane][reg] = fm::c_elem(lane, reg).unwrap();
+                }
+            }
+            m
+        }
+
+        /// One m16n8k16 product of the warp, D = A B + C in place: A, B and C built from the
+        /// 32 lanes' registers through the maps, each D element the f32 sum of C and the exact
+        /// f16 products in k order, written back through the C map.
+        fn mma(&self, d: &mut Regs<f32, 4>, a: &Regs<u32, 4>, b: &Regs<u32, 2>) {
+            let half = |w: u32, hf: usize| half::f16::from_bits((w >> (16 * hf)) as u16).to_f32();
+            let (mut am, mut bm, mut cm) = ([[0f32; 16]; 16], [[0f32; 8]; 16], [[0f32; 8]; 16]);
+            for lane in 0..32 {
+                for reg in 0..4 {
+                    for hf in 0..2 {
+                        let (r, c) = self.a[lane][reg][hf];
+                        am[r][c] = half(a[lane][reg], hf);
+                        if reg < 2 {
+                            let (k, n) = self.b[lane][reg][hf];
+                            bm[k][n] = half(b[lane][reg], hf);
+                        }
+                    }
+                    let (r, c) = self.c[lane][reg];
+                    cm[r][c] = d[lane][reg];
+                }
+            }
+            for lane in 0..32 {
+                for reg in 0..4 {
+                    let (r, c) = self.c[lane][reg];
+                    d[lane][reg] = (0..16).fold(cm[r][c], |s, k| s + am[r][k] * bm[k][c]);
+                }
+            }
+        }
+    }
+
+    /// The largest and the sum of each row half over the 4 lanes of its quad, as the kernel's
+    /// two xor shuffles leave them in every lane: max, and (a0 + a1) + (a2 + a3).
+    fn quad_max(x: &Regs<f32, 2>) -> Regs<f32, 2> {
+        std::array::from_fn(|lane| {
+            let q = lane & !3;
+            std::array::from_fn(|hf| {
+                (q..q + 4)
+                    .map(|l| x[l][hf])
+                    .fold(f32::NEG_INFINITY, f32::max)
+            })
+        })
+    }
+    fn quad_sum(x: &Regs<f32, 2>) -> Regs<f32, 2> {
+        std::array::from_fn(|lane| {
+            let q = lane & !3;
+            std::array::from_fn(|hf| (x[q][hf] + x[q + 1][hf]) + (x[q + 2][hf] + x[q + 3][hf]))
+        })
+    }
+
+    /// One warp's registers: the query fragments of each k-step, S, O of each 8-dim block,
+    /// and the two rows' running maximum and sum, per lane.
+    struct Warp {
+        qa: Vec<Regs<u32, 4>>,
+        qi: Regs<u64, 2>,
+        o: Vec<Regs<f32, 4>>,
+        m: Regs<f32, 2>,
+        l: Regs<f32, 2>,
+    }
+
+    /// What `attention_prefill_mma_f16` computes for case `c`, its blocks replayed on the host
+    /// step for step: the staging through the header's word maps, each warp's products through
+    /// [`Maps::mma`], its lanes' softmax steps through the header, the shuffles as quad
+    /// reductions.
+    pub(super) fn replay(c: &AttCase) -> Vec<f32> {
+        let maps = Maps::new();
+        let s = c.shape;
+        let (hd, group) = (s.head_dim, s.n_heads / s.kv_heads);
+        let sh = fm::shape();
+        assert_eq!(
+            sh.rows,
+            weightlift_kernels::sources::ATTENTION_PREFILL_MMA_ROWS
+        );
+        let n_rows = s.n_q * group;
+        let kvd = s.kv_heads * hd;
+        let bits = |b: &[u8], i: usize| u32::from(u16::from_le_bytes([b[2 * i], b[2 * i + 1]]));
+        let first_key = |i: usize| match c.window {
+            w if w != 0 && s.start + i + 1 > w => s.start + i + 1 - w,
+            _ => 0,
+        };
+        let mut out = vec![f32::NAN; c.q.len()];
+        for kh in 0..s.kv_heads {
+            for r0 in (0..n_rows).step_by(sh.rows) {
+                let r_end = (r0 + sh.rows).min(n_rows);
+                let q_at = |r: usize| ((r / group) * s.n_heads + kh * group + r % group) * hd;
+                let mut sq = vec![0u32; sh.q_words];
+                for row in 0..sh.rows {
+                    for d in (0..hd).step_by(2) {
+                        let r = r0 + row;
+                        let (x0, x1) = if r < r_end {
+                            (c.q[q_at(r) + d], c.q[q_at(r) + d + 1])
+                        } else {
+                            (0.0, 0.0)
+                        };
+                        sq[fm::q_word(row, d, hd).unwrap()] = fm::pack(x0, x1);
+                    }
+                }
+                let mut warps: Vec<Warp> = (0..sh.rows / 16)
+                    .map(|w| Warp {
+                        qa: (0..hd / 16)
+                            .map(|ks| {
+                                std::array::from_fn(|lane| {
+                                    fm::q_frag(&sq, 16 * w, hd, lane, ks).unwrap()
+                                })
+                            })
+                            .collect(),
+                        qi: std::array::from_fn(|lane| {
+                            std::array::from_fn(|hf| {
+                                ((r0 + 16 * w + maps.c[lane][2 * hf].0) / group) as u64
+                            })
+                        }),
+                        o: vec![[[0.0; 4]; 32]; hd / 8],
+                        m: [[f32::NEG_INFINITY; 2]; 32],
+                        l: [[0.0; 2]; 32],
+                    })
+                    .collect();
+                let key_end = s.start + (r_end - 1) / group + 1;
+                let mut t0 = first_key(r0 / group) / 32 * 32;
+                while t0 < key_end {
+                    let mut sk = vec![0u32; sh.k_words];
+                    let mut svt = vec![0u32; sh.v_words];
+                    let at = |j: usize, d: usize| (j % c.rows) * kvd + kh * hd + d;
+                    for jj in 0..32 {
+                        let j = t0 + jj;
+                        for d in 0..hd {
+                            let (kw, vw) = if j < key_end {
+                                (bits(&c.k, at(j, d)), bits(&c.v, at(j, d)))
+                            } else {
+                                (0, 0)
+                            };
+                            sk[fm::k_word(jj, d & !1, hd).unwrap()] |= kw << (16 * (d & 1));
+                            svt[fm::v_word(d, jj & !1).unwrap()] |= vw << (16 * (jj & 1));
+                        }
+                    }
+                    for (w, warp) in warps.iter_mut().enumerate() {
+                        let wr0 = r0 + 16 * w;
+                        if wr0 >= r_end {
+                            continue;
+                        }
+                        let wr_last = (wr0 + 15).min(r_end - 1);
+                        // keys from the first row's window start to the last row's causal end
+                        let warp_end = s.start + wr_last / group + 1;
+                        if t0 >= warp_end || t0 + 32 <= first_key(wr0 / group) {
+                            continue;
+                        }
+                        let mut sc: Regs<f32, 16> = [[0.0; 16]; 32];
+                        for nb in 0..4 {
+                            let mut d: Regs<f32, 4> = std::array::from_fn(|l| {
+                                sc[l][4 * nb..4 * nb + 4].try_into().unwrap()
+                            });
+                            for ks in 0..hd / 16 {
+                                let b = std::array::from_fn(|l| {
+                                    fm::k_frag(&sk, hd, l, nb, ks).unwrap()
+                                });
+                                maps.mma(&mut d, &warp.qa[ks], &b);
+                            }
+                            for l in 0..32 {
+                                sc[l][4 * nb..4 * nb + 4].copy_from_slice(&d[l]);
+                            }
+                        }
+                        let masks = (
+                            s.start as u64,
+                            c.window as u64,
+                            key_end as u64,
+                            s.scale,
+                            c.softcap,
+                        );
+                        let mt: Regs<f32, 2> = std::array::from_fn(|l| {
+                            fm::weigh(&mut sc[l], l, t0 as u64, warp.qi[l], masks).unwrap()
+                        });
+                        let mt = quad_max(&mt);
+                        let mut m_new = [[0f32; 2]; 32];
+                        let mut keep = [[0f32; 2]; 32];
+                        let mut ps = [[0f32; 2]; 32];
+                        for l in 0..32 {
+                            (m_new[l], keep[l], ps[l]) = fm::probs(&mut sc[l], warp.m[l], mt[l]);
+                        }
+                        let ps = quad_sum(&ps);
+                        for l in 0..32 {
+                            fm::fold(&mut warp.m[l], &mut warp.l[l], m_new[l], keep[l], ps[l]);
+                            for o in warp.o.iter_mut() {
+                                fm::rescale(&mut o[l], keep[l]);
+                            }
+                        }
+                        for kk in 0..2 {
+                            let pa = std::array::from_fn(|l| fm::p_frag(&sc[l], kk).unwrap());
+                            for (db, o) in warp.o.iter_mut().enumerate() {
+                                let b = std::array::from_fn(|l| {
+                                    fm::v_frag(&svt, hd, l, db, kk).unwrap()
+                                });
+                                maps.mma(o, &pa, &b);
+                            }
+                        }
+                    }
+                    t0 += 32;
+                }
+                for (w, warp) in warps.iter().enumerate() {
+                    for l in 0..32 {
+                        for hf in 0..2 {
+                            let r = r0 + 16 * w + maps.c[l][2 * hf].0;
+                            if r >= r_end {
+                                continue;
+                            }
+                            let inv = 1.0 / warp.l[l][hf];
+                            for (db, o) in warp.o.iter().enumerate() {
+                                for reg in [2 * hf, 2 * hf + 1] {
+                                    out[q_at(r) + 8 * db + maps.c[l][reg].1] = o[l][reg] * inv;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Every element of A (16 × 16), B (16 × 8) and C (16 × 8) is held by exactly one (lane,
+    /// register, half), and P's A fragment of k-step kk takes each element from the register
+    /// of the same lane that holds it in S's n-blocks 2 kk and 2 kk + 1.
+    #[test]
+    fn mma_fragment_maps_hold_each_element_once() {
+        let maps = Maps::new();
+        let (mut a, mut b, mut c) = ([[0; 16]; 16], [[0; 8]; 16], [[0; 8]; 16]);
+        for lane in 0..32 {
+            for reg in 0..4 {
+                for hf in 0..2 {
+                    let (r, col) = maps.a[lane][reg][hf];
+                    a[r][col] += 1;
+                    if reg < 2 {
+                        let (k, n) = maps.b[lane][reg][hf];
+                        b[k][n] += 1;
+                    }
+                }
+                let (r, col) = maps.c[lane][reg];
+                c[r][col] += 1;
+            }
+        }
+        assert!(a.iter().flatten().all(|&n| n == 1), "A: {a:?}");
+        assert!(b.iter().flatten().all(|&n| n == 1), "B: {b:?}");
+        assert!(c.iter().flatten().all(|&n| n == 1), "C: {c:?}");
+        for lane in 0..32 {
+            // distinct values exact in f16: n-block nb, register reg
+            let p: [f32; 16] = std::array::from_fn(|x| (x + 1) as f32);
+            for kk in 0..2 {
+                let pa = fm::p_frag(&p, kk).unwrap();
+                for reg in 0..4 {
+                    for hf in 0..2 {
+                        let (r, col) = maps.a[lane][reg][hf];
+                        let got = half::f16::from_bits((pa[reg] >> (16 * hf)) as u16).to_f32();
+                        let nb = 2 * kk + col / 8;
+                        let held = (0..4)
+                            .find(|&cr| maps.c[lane][cr] == (r, col % 8))
+                            .expect("the lane holds the element in S");
+                        assert_eq!(got, p[4 * nb + held], "lane {lane} kk {kk} reg {reg}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The maps are the PTX ISA's fragment layouts of `mma.m16n8k16` with f16 A/B and f32
+    /// C/D, written out here from its figures (lane l, g = l / 4, t = l % 4): a consistent
+    /// permutation of them would still pass the replay, whose loads and products share them.
+    #[test]
+    fn mma_fragment_maps_are_the_ptx_layouts() {
+        let maps = Maps::new();
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            let a = [
+                [(g, 2 * t), (g, 2 * t + 1)],
+                [(g + 8, 2 * t), (g + 8, 2 * t + 1)],
+                [(g, 2 * t + 8), (g, 2 * t + 9)],
+                [(g + 8, 2 * t + 8), (g + 8, 2 * t + 9)],
+            ];
+            let b = [
+                [(2 * t, g), (2 * t + 1, g)],
+                [(2 * t + 8, g), (2 * t + 9, g)],
+            ];
+            let c = [
+                (g, 2 * t),
+                (g, 2 * t + 1),
+                (g + 8, 2 * t),
+                (g + 8, 2 * t + 1),
+            ];
+            assert_eq!(maps.a[lane], a, "A, lane {lane}");
+            assert_eq!(maps.b[lane], b, "B, lane {lane}");
+            assert_eq!(maps.c[lane], c, "C, lane {lane}");
+        }
+    }
+
+    /// The kernel's blocks replayed on the host ([`replay`]) against the CPU backend's fast-mode
+    /// attention over the same f16 cache, for every case of [`mma_cases`], within the f16
+    /// operands' bound of [`attention_close`]; and against the f32 prompt kernel's twin.
+    #[test]
+    fn prompt_attention_mma_twin_matches_the_cpu_backend() {
+        use weightlift_kernels::host_shim;
+        let cpu = CpuBackend::new();
+        let cases = mma_cases(&mut Rng(0xfa03));
+        let (mut worst_cpu, mut worst_f32) = (0f32, 0f32);
+        for c in &cases {
+            let want = attention_on(&cpu, c).unwrap();
+            let got = replay(c);
+            attention_close("mma twin", c, &got, &want);
+            let mut f32_twin = vec![f32::NAN; c.q.len()];
+            host_shim::attention_prefill(
+                c.formats.0,
+                c.formats.1,
+                c.shape,
+                (c.window, c.softcap, c.rows),
+                &c.q,
+                &c.k,
+                &c.v,
+                &mut f32_twin,
+            )
+            .unwrap();
+            worst_cpu = worst_cpu.max(max_diff(&got, &want));
+            worst_f32 = worst_f32.max(max_diff(&got, &f32_twin));
+        }
+        eprintln!(
+            "mma twin, {} cases: max |twin - cpu| {worst_cpu:e}, max |twin - f32 kernel's twin| \
+             {worst_f32:e}",
+            cases.len()
+        );
+        // 3 groups × 2 heads × 2 prompts × 4 masks
+        assert_eq!(cases.len(), 48);
+    }
+}
+
+/// On a GPU of compute capability 8.0 or later: the tensor-core prompt kernel against the f32
+/// prompt kernel (`WEIGHTLIFT_FA_MMA=0`'s) and the CPU backend for every case of
+/// [`mma_cases`], within the f16 operands' bound; its output is not the f32 kernel's bits (so
+/// it ran), the same calls in exact mode (which the tensor-core kernel never takes) give both
+/// backends the f32 kernel's bits, and a backend left to the environment runs what
+/// [`PrefillAttention::from_env`] picks.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn prompt_attention_on_tensor_cores_matches_the_f32_kernel_and_the_cpu() -> Result<()> {
+    use weightlift_kernels::sources::PrefillAttention;
+    let mma = CudaBackend::new(0)?.with_prefill_attention(PrefillAttention::Mma);
+    let off = CudaBackend::new(0)?.with_prefill_attention(PrefillAttention::F32);
+    let env = CudaBackend::new(0)?;
+    assert!(
+        mma.compute_capability() >= (8, 0),
+        "the tensor-core kernel needs 8.0; this GPU is {:?}",
+        mma.compute_capability()
+    );
+    assert_eq!(env.prefill_attention(), PrefillAttention::from_env());
+    let cpu = CpuBackend::new();
+    let (mut worst_cpu, mut worst_f32, mut differ) = (0f32, 0f32, 0);
+    for c in &mma_cases(&mut Rng(0xfa04)) {
+        let want = attention_on(&cpu, c)?;
+        let got = attention_on(&mma, c)?;
+        let f32k = attention_on(&off, c)?;
+        attention_close("cuda mma", c, &got, &want);
+        attention_close("cuda f32 prompt kernel", c, &f32k, &want);
+        worst_cpu = worst_cpu.max(max_diff(&got, &want));
+        worst_f32 = worst_f32.max(max_diff(&got, &f32k));
+        differ += usize::from(got != f32k);
+        let exact = AttCase {
+            formats: c.formats,
+            shape: cpu::attention::AttnShape::new(
+                c.shape.n_heads,
+                c.shape.kv_heads,
+                c.shape.head_dim,
+                c.shape.n_q,
+                c.shape.start,
+                c.shape.scale,
+                false,
+            )?,
+            window: c.window,
+            softcap: c.softcap,
+            rows: c.rows,
+            q: c.q.clone(),
+            k: c.k.clone(),
+            v: c.v.clone(),
+        };
+        let (a, b) = (attention_on(&mma, &exact)?, attention_on(&off, &exact)?);
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "exact mode: the switch changed the f32 kernel's bits"
+        );
+        let by_env = attention_on(&env, c)?;
+        let picked = match env.prefill_attention() {
+            PrefillAttention::Mma => &got,
+            PrefillAttention::F32 => &f32k,
+        };
+        assert!(
+            by_env
+                .iter()
+                .zip(picked)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "the environment's backend ran another kernel"
+        );
+    }
+    eprintln!("cuda mma: max |mma - cpu| {worst_cpu:e}, max |mma - f32 kernel| {worst_f32:e}");
+    assert!(
+        differ > 0,
+        "the tensor-core backend gave the f32 kernel's bits in every case"
+    );
+    Ok(())
+}
+
+/// The tensor-core kernel's output against its host replay, case by case: an mma may add its
+/// products in another order (or width) than the replay's f32 chain, and a score a last bit
+/// off may round a probability to the next f16 (2⁻¹¹ relative), so within 1e-3 rather than bit
+/// for bit; a wrong fragment layout is off by the values themselves.
+#[cfg(all(feature = "cuda", wl_host_shim))]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn prompt_attention_on_tensor_cores_matches_its_twin() -> Result<()> {
+    use weightlift_kernels::sources::PrefillAttention;
+    let mma = CudaBackend::new(0)?.with_prefill_attention(PrefillAttention::Mma);
+    let mut worst = 0f32;
+    for c in &mma_cases(&mut Rng(0xfa05)) {
+        let got = attention_on(&mma, c)?;
+        let twin = mma_twin::replay(c);
+        let d = max_diff(&got, &twin);
+        assert!(
+            d <= 1e-3,
+            "{:?} window {} softcap {}: {d}",
+            c.shape,
+            c.window,
+            c.softcap
+        );
+        worst = worst.max(d);
+    }
+    eprintln!("cuda mma against its twin: max difference {worst:e}");
+    Ok(())
+}

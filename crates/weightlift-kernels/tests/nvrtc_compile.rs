@@ -14,9 +14,11 @@ mod common;
 /// The architectures every kernel module is compiled for. A compile for a real architecture
 /// runs the front end that a virtual one (compute_80, compute_90) runs and gives the same PTX
 /// (the same entries and parameters), then ptxas on it: compiling for compute_XX as well would
-/// check nothing more. The kernels have no code for particular architectures (nothing tests
+/// check nothing more. The other kernels have no code for particular architectures (nothing tests
 /// `__CUDA_ARCH__` beyond its presence), so the oldest and the newest bound the ones between:
-/// a third (sm_80) would add a third to this suite's time and no code path of its own.
+/// a third (sm_80) would add a third to this suite's time and no code path of its own. The one
+/// kernel with code for particular architectures, `attention_prefill_mma_f16` (tensor-core
+/// `mma.sync` from 8.0, an empty body before), has both of its paths compiled here.
 #[cfg(feature = "nvrtc-check")]
 const ARCHES: [&str; 2] = ["sm_75", "sm_90"];
 
@@ -276,6 +278,8 @@ fn expected_kernels() -> Vec<String> {
         "attention_prefill_q8",
         "attention_prefill_q4",
         "attention_prefill_q8_q4",
+        // f16 caches in fast mode on tensor cores (compute capability 8.0 and later)
+        "attention_prefill_mma_f16",
         // RoPE fused with the cache store, by cache dtype
         "rope_kv_store_f32",
         "rope_kv_store_f16",
@@ -545,5 +549,33 @@ fn the_module_allowance_covers_every_cubin() {
     assert!(
         needed <= sources::MODULE_BYTES,
         "the modules need {needed} bytes; raise sources::MODULE_BYTES"
+    );
+}
+
+/// The prompt attention kernel for tensor cores multiplies with `mma.sync` in its sm_90 PTX,
+/// so the `__CUDA_ARCH__ >= 800` guard did not leave it empty there, and has no such
+/// instruction (nor any product) in its sm_75 PTX, where the host never launches it.
+#[cfg(feature = "nvrtc-check")]
+#[test]
+fn prompt_attention_mma_kernel_uses_tensor_cores_from_sm80() {
+    common::require_nvrtc();
+    let body = |arch: &str| -> String {
+        let ptx = &compiled_for("attention", arch).ptx;
+        let at = ptx
+            .find(".entry attention_prefill_mma_f16")
+            .unwrap_or_else(|| panic!("no attention_prefill_mma_f16 in the {arch} PTX"));
+        let rest = &ptx[at + 1..];
+        rest[..rest.find(".entry ").unwrap_or(rest.len())].to_string()
+    };
+    let mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32";
+    let sm90 = body("sm_90");
+    // S = Q K^T and O += P V: at least one product each in the unrolled tile
+    assert!(
+        sm90.matches(mma).count() >= 2,
+        "attention_prefill_mma_f16: no {mma} in its sm_90 PTX"
+    );
+    assert!(
+        !body("sm_75").contains("mma.sync"),
+        "attention_prefill_mma_f16: an mma.sync in its sm_75 PTX"
     );
 }

@@ -743,10 +743,27 @@ impl CudaBackend {
                 if n_q >= ATTENTION_PREFILL_MIN_QUERIES
                     && head_dim <= ATTENTION_PREFILL_MAX_HEAD_DIM
                 {
-                    // a prompt: K/V tiles in shared memory, met by blocks of (query, head) rows
-                    let name = name.replacen("attention_", "attention_prefill_", 1);
+                    // a prompt: K/V tiles in shared memory, met by blocks of (query, head)
+                    // rows; f16 caches in fast mode on tensor cores where the device has them
+                    let mma = self.prefill_attention.takes_mma(
+                        (k_format, v_format),
+                        f16_operands,
+                        head_dim,
+                        self.cc,
+                    );
+                    let (name, block_rows) = if mma {
+                        (
+                            "attention_prefill_mma_f16".to_string(),
+                            ATTENTION_PREFILL_MMA_ROWS,
+                        )
+                    } else {
+                        (
+                            name.replacen("attention_", "attention_prefill_", 1),
+                            attention_prefill_rows(head_dim),
+                        )
+                    };
                     let rows = mul(n_q, n_heads / kv_heads);
-                    let blocks = mul(kv_heads, rows.div_ceil(attention_prefill_rows(head_dim)));
+                    let blocks = mul(kv_heads, rows.div_ceil(block_rows));
                     let cfg = LaunchConfig {
                         grid_dim: (grid_for(blocks, 1, "attention blocks")?, 1, 1),
                         block_dim: (ATTENTION_THREADS, 1, 1),
@@ -773,8 +790,8 @@ impl CudaBackend {
                     // min(start + n_q, cache_rows) of KV head kh (those rows checked; positions
                     // past the rows read row p % cache_rows), and writes the output rows of its
                     // pairs (checked); head_dim is within the kernel's shared arrays (checked
-                    // against ATTENTION_PREFILL_MAX_HEAD_DIM), and kv_heads divides n_heads
-                    // (AttShape::check).
+                    // against ATTENTION_PREFILL_MAX_HEAD_DIM; the mma kernel's are 64 or 128 by
+                    // takes_mma), and kv_heads divides n_heads (AttShape::check).
                     unsafe { self.launch("attention", &name, cfg, &mut args) }?;
                     return Ok(());
                 }
