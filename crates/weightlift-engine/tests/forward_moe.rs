@@ -196,7 +196,7 @@ fn tiny_moe_workspace_is_sized_by_the_experts() {
             req.runtime = runtime;
             assert!(!wp::has_dense_layers(spec.n_layers, &req.tensors), "{file}");
             let plan = wp::plan(&req).unwrap();
-            let dims = wp::Dims::new(&spec, &runtime, 64, 1);
+            let dims = wp::Dims::new(spec, &runtime, 64, 1);
             let everything = wp::Hosts {
                 layers: true,
                 head: true,
