@@ -3,9 +3,10 @@
 //! scratch) use, so the plan's scratch column is exactly what a forward pass holds.
 //!
 //! With `T = min(max_input_len, max_seq_len) × batch` tokens per chunk, `h` the hidden size,
-//! `qd = n_heads × head_dim`, `kvd = max(n_kv_heads) × head_dim`, `i` the widest MLP the model
-//! runs ([`Dims::with_experts`]) and `V` the vocabulary, all in f32 unless noted, each region
-//! rounded up to [`ALIGN`] bytes:
+//! `qd = n_heads × head_dim`, `kvd = max(n_kv_heads) × head_dim` (for a model with experts, at
+//! least `h` and the experts a token uses), `i` the widest MLP the model runs
+//! ([`Dims::with_experts`]) and `V` the vocabulary, all in f32 unless noted, each region rounded
+//! up to [`ALIGN`] bytes:
 //!
 //! | region | values | held by a device that computes |
 //! |---|---|---|
@@ -38,6 +39,8 @@
 //! device's prompt products allocate such tiles of their own (a dequantised chunk, the
 //! activations re-encoded), which the plan charges in the scratch column beside the workspace
 //! ([`cuda_product_tiles`], `DeviceUsage::kernel_scratch`); the engine does not allocate them.
+
+use std::collections::BTreeSet;
 
 use weightlift_format::{ModelSpec, MoeSpec, Role, TensorInfo};
 
@@ -195,15 +198,13 @@ impl Dims {
 /// builds a layer's MLP. The plan and the engine both size the MLP regions by this
 /// ([`Dims::with_experts`]).
 pub fn has_dense_layers(n_layers: u32, tensors: &[TensorInfo]) -> bool {
-    let mut routed = vec![false; n_layers as usize];
-    for t in tensors {
-        if t.role == Some(Role::FfnGateInp)
-            && let Some(r) = t.layer.and_then(|l| routed.get_mut(l as usize))
-        {
-            *r = true;
-        }
-    }
-    routed.contains(&false)
+    let routed: BTreeSet<u32> = tensors
+        .iter()
+        .filter(|t| t.role == Some(Role::FfnGateInp))
+        .filter_map(|t| t.layer)
+        .collect();
+    // stops at the first layer without a router: never more steps than the table has routers
+    (0..n_layers).any(|l| !routed.contains(&l))
 }
 
 /// A named region: byte offset and length in values.
