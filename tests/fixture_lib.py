@@ -263,11 +263,12 @@ def write_ggufs(
     args=(),
     llamacpp: bool = True,
     fix: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    types: list[str] = GGUF_TYPES,
 ) -> dict[str, object]:
-    """`stem-F16.gguf` and `stem-Q8_0.gguf` converted from `out`, with what each is measured
-    against (see `measure_gguf`)."""
+    """`stem-F16.gguf` and `stem-Q8_0.gguf` (or those of `types`) converted from `out`, with what
+    each is measured against (see `measure_gguf`)."""
     entries: dict[str, object] = {}
-    for ty in GGUF_TYPES:
+    for ty in types:
         dest = out / f"{stem}-{ty}.gguf"
         convert(out, ty.lower(), dest, root, pre, args)
         entries[ty] = measure_gguf(

@@ -1,5 +1,7 @@
 """Regenerate ``tests/data/tiny-qwen3moe/``: a tiny random Qwen3-MoE made by transformers,
 converted to GGUF by llama.cpp's own converter, and the logits transformers computes for it.
+With ``--narrow``, ``tests/data/tiny-qwen3moe-narrow/``: the same recipe with experts half as
+wide as the hidden size, as every released Qwen3-MoE has them.
 
 Nothing here is weightlift code: the weights come from ``Qwen3MoeForCausalLM`` (rounded to f16,
 see ``tests/fixture_lib.py``), the GGUF files from the ``convert_hf_to_gguf.py`` and gguf-py
@@ -10,6 +12,7 @@ It runs in a venv with torch 2.13.0, transformers 5.23.0, safetensors 0.8.0, tok
 numpy 2.4.6 and llama-cpp-python 0.3.36::
 
     python tests/gen_qwen3moe.py
+    python tests/gen_qwen3moe.py --narrow
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 
 import fixture_lib as fl  # before torch: it sets the thread counts
 import gen_qwen3
@@ -24,7 +28,6 @@ import numpy as np
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-OUT = fl.DATA / "tiny-qwen3moe"
 # Seeds 0-39 were screened: every expert used in every layer, tokens picking different pairs,
 # llama.cpp's Q8_0 rounding of the weights routing every token as the f16 weights do, no special
 # token in a greedy answer, and margins well above the tests' 1e-3. Of the five left, 2 is the
@@ -76,6 +79,33 @@ GGUF_TO_HF = {
 }
 
 
+# Experts (32) narrower than the hidden size (64), and a dense width no wider than them, so that
+# nothing sized by either width can hold a hidden-wide row unnoticed. Seeds 0-19 were screened
+# as above, without the Q8_0 conditions (no Q8_0 file: the widths are what it is for); 3 is the
+# first whose smallest top-1/top-2 margins are all above 0.05 (0.103 prompt, 0.121 greedy,
+# 0.067 chat) and whose smallest gap between the second and third router probability is above
+# 0.004 (0.015, 0.005).
+NARROW = dict(hidden_size=64, intermediate_size=32)
+SEED_NARROW = int(os.environ.get("QWEN3MOE_SEED", "3"))
+
+
+@dataclass
+class Variant:
+    """One fixture folder of this recipe: its name (the GGUF files' stem too), seed, config
+    overrides and GGUF types."""
+
+    name: str
+    seed: int
+    overrides: dict = field(default_factory=dict)
+    types: list[str] = field(default_factory=lambda: list(fl.GGUF_TYPES))
+
+
+VARIANTS = {
+    "": Variant("tiny-qwen3moe", SEED),
+    "--narrow": Variant("tiny-qwen3moe-narrow", SEED_NARROW, NARROW, ["F16"]),
+}
+
+
 def config(kw: dict) -> Qwen3MoeConfig:
     """The config with sdpa attention and transformers' plain per-expert loop (the eager experts
     forward, quoted in the README; the grouped matmul it prefers refuses f64)."""
@@ -110,18 +140,20 @@ def variant(model: Qwen3MoeForCausalLM, edit=None, cfg=None) -> Qwen3MoeForCausa
     return other
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    v = VARIANTS[argv[0] if argv else ""]
+    out = fl.DATA / v.name
     root = fl.start()
-    fl.clean(OUT)
+    fl.clean(out)
     tok = gen_qwen3.make_tokenizer()
-    model = make_model()
-    fl.save_f16(model, OUT)
-    tok.save_pretrained(OUT)
+    model = make_model(v.seed, v.overrides)
+    fl.save_f16(model, out)
+    tok.save_pretrained(out)
 
     ids = tok.encode(gen_qwen3.PROMPT, add_special_tokens=False)[:N_IDS]
     assert len(ids) == N_IDS, ids
     ref = fl.logits(model, ids)
-    np.save(OUT / "hf_logits.npy", ref)
+    np.save(out / "hf_logits.npy", ref)
     route = fl.routing(model, ids)
     fl.check_routing(route, N_EXPERTS)
     greedy_ids, greedy_gaps = fl.greedy(model, ids, GREEDY_STEPS)
@@ -131,7 +163,7 @@ def main() -> int:
 
     # How far an engine would be that did not renormalise the chosen experts' weights, or that
     # sent every token to the first two experts.
-    cfg = config({**CONFIG, "norm_topk_prob": False})
+    cfg = config({**CONFIG, **v.overrides, "norm_topk_prob": False})
     unnormed = fl.logits(variant(model, cfg=cfg), ids)
 
     def first_two(sd):
@@ -147,7 +179,7 @@ def main() -> int:
 
     ref64 = fl.logits_f64(load, ids)
     report: dict[str, object] = {
-        "seed": SEED,
+        "seed": v.seed,
         "ids": ids,
         "ids_text": tok.decode(ids),
         "prompt": gen_qwen3.PROMPT,
@@ -172,8 +204,8 @@ def main() -> int:
         },
     }
     report["gguf"] = fl.write_ggufs(
-        OUT,
-        "tiny-qwen3moe",
+        out,
+        v.name,
         model,
         ids,
         ref,
@@ -183,23 +215,32 @@ def main() -> int:
         metadata=lambda p: fl.gguf_metadata(p, "qwen3moe", gen_qwen3.METADATA),
         pre="qwen2",
         fix=fl.fuse_experts,
+        types=v.types,
     )
-    report["files"] = fl.files(OUT)
+    report["files"] = fl.files(out)
     report["versions"] = fl.versions(root)
-    fl.write_stats(OUT, report)
+    fl.write_stats(out, report)
+    gguf = report["gguf"]
+    quantised = (
+        {
+            "q8_min_margin": gguf["Q8_0"]["hf_dequant_top1_minus_top2_min"],
+            "q8": gguf["Q8_0"]["hf_dequant_vs_hf_logits"],
+            "lc_q8": gguf["Q8_0"]["llamacpp_vs_hf_logits"],
+        }
+        if "Q8_0" in gguf
+        else {}
+    )
     print(
         json.dumps(
             {
-                "seed": SEED,
+                "seed": v.seed,
                 "min_margin": min(report["top1_minus_top2"]),
                 "min_greedy_margin": min(greedy_gaps),
                 "min_chat_margin": min(chat_gaps),
                 "router_gap": route["kth_gap_min"],
                 "chat": [chat_text, chat_greedy, report["chat_greedy_text"]],
-                "q8_min_margin": report["gguf"]["Q8_0"]["hf_dequant_top1_minus_top2_min"],
-                "q8": report["gguf"]["Q8_0"]["hf_dequant_vs_hf_logits"],
-                "lc_q8": report["gguf"]["Q8_0"]["llamacpp_vs_hf_logits"],
-                "lc_f16": report["gguf"]["F16"]["llamacpp_vs_hf_logits"],
+                **quantised,
+                "lc_f16": gguf["F16"]["llamacpp_vs_hf_logits"],
                 "sensitivity": report["sensitivity"],
                 "bytes": sum(f["bytes"] for f in report["files"].values()),
             },
@@ -210,4 +251,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

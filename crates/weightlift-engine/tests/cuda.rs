@@ -548,7 +548,8 @@ fn offloaded_weights_are_copied_from_page_locked_memory() {
     }
 }
 
-/// llama.cpp's `--n-cpu-moe 2` on `cuda:0` for the tiny mixtral and qwen3moe (F16 GGUF and
+/// llama.cpp's `--n-cpu-moe 2` on `cuda:0` for the tiny mixtral and qwen3moe, and the narrow
+/// qwen3moe whose experts and queries are narrower than its hidden size (F16 GGUF and
 /// safetensors): attention, norms and routers on the GPU, every expert in host RAM and
 /// computed there. Exact compute with an f32 cache: every prompt position within 1e-3 of
 /// transformers with its argmax, and greedy decoding (one routed token per step, the row and
@@ -565,7 +566,11 @@ fn moe_on_cuda_with_experts_on_the_host_or_the_gpu() {
     use weightlift_format::Role;
     use weightlift_plan as wp;
     let inv = cuda();
-    for f in [Family("mixtral"), Family("qwen3moe")] {
+    for f in [
+        Family("mixtral"),
+        Family("qwen3moe"),
+        Family("qwen3moe-narrow"),
+    ] {
         let ids = f.ids();
         let greedy_want = json_ids(&f.data().join("stats.json"), "greedy_ids");
         let (shape, hf) = read_npy(&f.data().join("hf_logits.npy"));

@@ -4,8 +4,9 @@
 //! tensor per projection, quantised ones included), against logits and greedy ids that
 //! transformers computed for tiny random models as f16 safetensors and as GGUF files written by
 //! llama.cpp's converter (`tests/data/tiny-qwen3moe` and `tiny-mixtral`, made by
-//! `tests/gen_qwen3moe.py` and `gen_mixtral.py`; their READMEs give the recipe and the
-//! measurements). The checks of `common/family.rs` that do not go through the backend op
+//! `tests/gen_qwen3moe.py` and `gen_mixtral.py`, and `tiny-qwen3moe-narrow`, whose experts are
+//! narrower than its hidden size, by `gen_qwen3moe.py --narrow`; their READMEs give the recipe
+//! and the measurements). The checks of `common/family.rs` that do not go through the backend op
 //! sequence apply as they are; the others are restated here for the host path. Through the
 //! backend op sequence (the path cuda devices take, run here on the CPU backend) a MoE layer's
 //! attention and router run on the device and its experts on the host (from host RAM) or on
@@ -24,7 +25,13 @@ use weightlift_format::{Checkpoint, Format, MoeSpec, OpenOptions, Role};
 
 const QWEN3MOE: Family = Family("qwen3moe");
 const MIXTRAL: Family = Family("mixtral");
+/// Experts 32 wide under a hidden size of 64, as every released Qwen3-MoE has them narrower
+/// than its hidden size, and a dense width of 32 (`tests/data/tiny-qwen3moe-narrow`, F16 only):
+/// a hidden-wide row put in a region sized by the MLP's width would overrun it.
+const NARROW: Family = Family("qwen3moe-narrow");
+/// The fixtures with a Q8_0 file.
 const BOTH: [Family; 2] = [QWEN3MOE, MIXTRAL];
+const ALL: [Family; 3] = [QWEN3MOE, MIXTRAL, NARROW];
 
 /// Each checkpoint's routing and expert tensors, from GGUF metadata and from config.json: 4
 /// experts, 2 used, renormalised; qwen3moe's experts 32 wide (`moe_intermediate_size`,
@@ -34,6 +41,7 @@ fn tiny_moe_specs_and_expert_tensors() {
     for (f, ffn, arch_gguf, arch_hf) in [
         (QWEN3MOE, 32, "qwen3moe", "qwen3_moe"),
         (MIXTRAL, 16, "llama", "mixtral"),
+        (NARROW, 32, "qwen3moe", "qwen3_moe"),
     ] {
         for path in f.checkpoints() {
             let file = path.display();
@@ -75,13 +83,13 @@ fn tiny_moe_specs_and_expert_tensors() {
 
 #[test]
 fn tiny_moe_safetensors_exact_matches_transformers() {
-    BOTH.into_iter()
+    ALL.into_iter()
         .for_each(Family::safetensors_exact_matches_transformers);
 }
 
 #[test]
 fn tiny_moe_f16_gguf_exact_matches_transformers() {
-    BOTH.into_iter()
+    ALL.into_iter()
         .for_each(Family::f16_gguf_exact_matches_transformers);
 }
 
@@ -93,7 +101,7 @@ fn tiny_moe_q8_0_gguf_exact_matches_transformers_on_dequantised_weights() {
 
 #[test]
 fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
-    BOTH.into_iter()
+    ALL.into_iter()
         .for_each(Family::gguf_within_llamacpps_distance_to_transformers);
 }
 
@@ -102,7 +110,7 @@ fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
 /// each checkpoint.
 #[test]
 fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
-    for f in BOTH {
+    for f in ALL {
         // cpu and 2 and 3 virtual devices, on the host path and through the backend op
         // sequence (experts on the device computing their layer): the checks every family is
         // held to
@@ -138,7 +146,7 @@ fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
 /// transformers' greedy continuation.
 #[test]
 fn tiny_moe_greedy_ids_are_transformers() {
-    BOTH.into_iter()
+    ALL.into_iter()
         .for_each(Family::greedy_ids_are_transformers);
 }
 
@@ -146,8 +154,88 @@ fn tiny_moe_greedy_ids_are_transformers() {
 /// holds is what the plan says, and the planned model is transformers' within 1e-3.
 #[test]
 fn tiny_moe_plan_is_what_the_load_holds() {
-    BOTH.into_iter()
+    ALL.into_iter()
         .for_each(Family::plan_is_what_the_load_holds);
+}
+
+/// A model whose every layer routes runs no dense MLP, so its workspace's MLP regions are
+/// sized by the experts (and the router's scores) alone: tiny-qwen3moe's dense width 64
+/// (`intermediate_size`, `feed_forward_length`) does not count beside its experts' 32, and
+/// the narrow fixture's are 32 wide under its hidden size 64 (its query and attention output
+/// regions, 4 heads of 8, widen to the hidden size: the experts' rows pass through them).
+/// Planned whole on one virtual device, for each checkpoint, the device's scratch is that
+/// workspace, the load holds what the plan says, and the logits are transformers'.
+#[test]
+fn tiny_moe_workspace_is_sized_by_the_experts() {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    for (f, dense, hidden) in [(QWEN3MOE, 64, 32), (NARROW, 32, 64)] {
+        let ids = f.ids();
+        let runtime = wp::RuntimeSpec {
+            max_input_len: ids.len() as u64,
+            max_attention_size: ids.len() as u64 * 64,
+            max_dq_size: 1 << 16,
+            low_mem: false,
+        };
+        for path in f.checkpoints() {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let src = open(&path);
+            let spec = src.spec().unwrap();
+            assert_eq!(
+                (spec.intermediate_size, spec.hidden_size),
+                (dense, hidden),
+                "{file}"
+            );
+            let mut m = Model::new(
+                Arc::clone(&src),
+                Inventory::parse("virtual:1x64MiB").unwrap(),
+            );
+            let mut req = m.plan_request().unwrap();
+            req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
+            req.runtime = runtime;
+            assert!(!wp::has_dense_layers(spec.n_layers, &req.tensors), "{file}");
+            let plan = wp::plan(&req).unwrap();
+            let dims = wp::Dims::new(spec, &runtime, 64, 1);
+            let everything = wp::Hosts {
+                layers: true,
+                head: true,
+                embed: true,
+            };
+            let q_dim = dims.q_dim.max(hidden);
+            let experts = wp::Workspace::new(
+                &wp::Dims {
+                    inter: 32,
+                    q_dim,
+                    ..dims
+                },
+                everything,
+            );
+            let device = &plan.devices()[0];
+            assert_eq!(device.scratch, experts.bytes, "{file}: {}", device.name);
+            if dense > 32 {
+                let with_dense = wp::Workspace::new(
+                    &wp::Dims {
+                        inter: dense,
+                        q_dim,
+                        ..dims
+                    },
+                    everything,
+                );
+                assert!(experts.bytes < with_dense.bytes, "{file}");
+            }
+            let cache = common::load_planned(&mut m, &plan).unwrap();
+            let got = m
+                .memory()
+                .iter()
+                .find(|(n, _)| *n == device.name)
+                .map_or(0, |(_, b)| *b);
+            assert_eq!(got, device.weights + device.kv + device.scratch, "{file}");
+            m.set_compute(Compute::Exact);
+            let out = forward_all(&mut m, &cache, &ids);
+            f.assert_matches(&file, &out, Family::reference_of(&path));
+        }
+    }
 }
 
 /// `src` planned with llama.cpp's `--n-cpu-moe n` over two virtual devices standing for GPUs
@@ -190,7 +278,7 @@ fn n_cpu_moe_model(
 /// through the backend is transformers' greedy continuation.
 #[test]
 fn tiny_moe_backend_with_experts_on_the_host_gives_the_host_path_bits() {
-    for f in BOTH {
+    for f in ALL {
         let ids = f.ids();
         let greedy_want = json_ids(&f.data().join("stats.json"), "greedy_ids");
         for path in f.checkpoints() {
@@ -236,7 +324,7 @@ fn floats(bits: &[u32]) -> Vec<f32> {
 #[test]
 fn tiny_moe_backend_copies_rows_not_experts() {
     use weightlift_engine::Held;
-    for f in BOTH {
+    for f in ALL {
         let ids = f.ids();
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -312,7 +400,7 @@ fn tiny_moe_backend_copies_rows_not_experts() {
 /// checkpoint.
 #[test]
 fn tiny_moe_backend_with_experts_on_the_device_gives_the_host_path_bits() {
-    for f in BOTH {
+    for f in ALL {
         let ids = f.ids();
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -396,7 +484,7 @@ fn tiny_moe_backend_refuses_experts_split_between_host_and_device_by_name() {
 /// wrongly could not pass the checks above.
 #[test]
 fn tiny_moe_routing_moves_the_logits() {
-    for f in BOTH {
+    for f in ALL {
         let s = f.stats();
         let moved = s["sensitivity"]["every_token_to_experts_0_1"]["max_abs"]
             .as_f64()
@@ -431,7 +519,7 @@ fn tiny_moe_n_cpu_moe_keeps_the_first_layers_experts_on_the_host() {
     use std::sync::Arc;
     use weightlift_engine::{Inventory, Model};
     use weightlift_plan as wp;
-    for f in BOTH {
+    for f in ALL {
         let ids = f.ids();
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -708,7 +796,7 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
     use std::sync::Arc;
     use weightlift_engine::{Inventory, Model};
     use weightlift_plan as wp;
-    for f in BOTH {
+    for f in ALL {
         let ids = f.ids();
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -917,7 +1005,7 @@ fn check_expert_split(
 /// both kv heads on the first device (`gpu_split`) still split their experts 3 + 1.
 #[test]
 fn tiny_moe_tensor_parallel_matches_the_layer_split_and_transformers() {
-    for f in BOTH {
+    for f in ALL {
         let ids = f.ids();
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -980,7 +1068,7 @@ fn tiny_moe_tensor_parallel_matches_the_layer_split_and_transformers() {
 #[test]
 fn tiny_moe_tensor_parallel_batches_with_the_bits_of_each_sequence_alone() {
     const STEPS: usize = 4;
-    for f in BOTH {
+    for f in ALL {
         let ids = f.ids();
         let reqs = common::batch::joining_requests(&ids);
         let src = open(f.gguf("F16"));

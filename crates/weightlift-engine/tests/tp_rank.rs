@@ -257,11 +257,12 @@ fn gemma_and_phi3_ranks_equal_the_single_process_pass() {
     }
 }
 
-/// Mixtral's and qwen3moe's ranks each hold and run their experts of the expert table (the
-/// routers replicated), from safetensors over 2 ranks and F16 GGUF over 3.
+/// Mixtral's and qwen3moe's ranks (and the narrow qwen3moe's, experts narrower than its hidden
+/// size) each hold and run their experts of the expert table (the routers replicated), from
+/// safetensors over 2 ranks and F16 GGUF over 3.
 #[test]
 fn moe_ranks_equal_the_single_process_pass() {
-    for family in ["mixtral", "qwen3moe"] {
+    for family in ["mixtral", "qwen3moe", "qwen3moe-narrow"] {
         let f = common::family::Family(family);
         check(&f.data(), 2, "48MiB", &f.ids(), CacheDType::F32);
         check(&f.gguf("F16"), 3, "48MiB", &f.ids(), CacheDType::Fp16);
@@ -352,13 +353,13 @@ fn check_rank_batches(
     }
 }
 
-/// Mixtral's and qwen3moe's ranks of a 2- and a 3-rank group, each running the same
+/// Mixtral's and both qwen3moe fixtures' ranks of a 2- and a 3-rank group, each running the same
 /// continuous batch: every sequence's logits are the bits it gets alone, and the
 /// single-process batch's, each rank's experts routing the batch sequence by sequence, in both
 /// compute modes.
 #[test]
 fn moe_ranks_batch_with_the_bits_of_each_sequence_alone() {
-    for family in ["mixtral", "qwen3moe"] {
+    for family in ["mixtral", "qwen3moe", "qwen3moe-narrow"] {
         let f = common::family::Family(family);
         let ids = f.ids();
         let reqs = common::batch::joining_requests(&ids);
@@ -564,13 +565,13 @@ fn ranks_on_cuda_batch_with_the_bits_of_each_sequence_alone() {
     }
 }
 
-/// Mixtral's and qwen3moe's two ranks as threads on `cuda:0` through the CUDA backend, each
+/// Mixtral's and both qwen3moe fixtures' two ranks as threads on `cuda:0` through the CUDA backend, each
 /// running its experts of the expert table on the device: the single-process host pass's
 /// logits within the tensor-parallel bound, and the same greedy ids.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
 fn moe_ranks_on_cuda_give_the_host_pass_logits() {
-    for family in ["mixtral", "qwen3moe"] {
+    for family in ["mixtral", "qwen3moe", "qwen3moe-narrow"] {
         let f = common::family::Family(family);
         check_cuda_ranks(&open(f.gguf("F16")), &f.ids(), family);
     }

@@ -145,7 +145,7 @@ pub use tp::{
 pub use window::{SWA_PAD, SlidingWindow, ubatch as swa_ubatch};
 pub use workspace::{
     ALIGN, ATTENTION_SPLIT_KEYS, ATTENTION_SPLITS, DQ_CHUNK_VALUES, Dims, Hosts, KV_TILE,
-    LOGIT_ROWS, Region, Workspace, cuda_product_tiles,
+    LOGIT_ROWS, Region, Workspace, cuda_product_tiles, has_dense_layers,
 };
 
 use place::{Ctx, Tweak};

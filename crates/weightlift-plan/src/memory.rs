@@ -1,11 +1,11 @@
 //! The exact memory model of the KV cache and of per-device scratch, in integers.
 
 use serde::{Deserialize, Serialize};
-use weightlift_format::{ModelSpec, MoeSpec};
+use weightlift_format::{ModelSpec, MoeSpec, TensorInfo};
 
 use crate::device::DeviceKind;
 use crate::error::{PlanError, Result};
-use crate::workspace::{Dims, Hosts, Workspace, cuda_product_tiles};
+use crate::workspace::{Dims, Hosts, Workspace, cuda_product_tiles, has_dense_layers};
 
 /// Element type of the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -291,18 +291,20 @@ pub(crate) struct ScratchModel {
 }
 
 impl ScratchModel {
-    /// The workspace dimensions of `spec`, routing to experts by `moe`, with a cache of
-    /// `max_seq_len × batch`. A runtime with `max_input_len == 0` ([`RuntimeSpec::none`]) has
-    /// no scratch at all.
+    /// The workspace dimensions of `spec` with the tensor table `tensors`, routing to experts
+    /// by `moe`, with a cache of `max_seq_len × batch`. A runtime with `max_input_len == 0`
+    /// ([`RuntimeSpec::none`]) has no scratch at all.
     pub fn new(
         spec: &ModelSpec,
+        tensors: &[TensorInfo],
         moe: Option<&MoeSpec>,
         runtime: &RuntimeSpec,
         max_seq_len: u64,
         batch: u64,
     ) -> Self {
+        let dense = has_dense_layers(spec.n_layers, tensors);
         ScratchModel {
-            dims: Dims::new(spec, runtime, max_seq_len, batch).with_experts(moe),
+            dims: Dims::new(spec, runtime, max_seq_len, batch).with_experts(moe, dense),
             max_dq_size: runtime.max_dq_size,
         }
     }

@@ -59,7 +59,7 @@ pub(crate) fn scratch_saving(
     let (seq, batch) = ctx.cache.map_or((from.max_input_len.max(1), 1), |c| {
         (c.max_seq_len, c.batch_size)
     });
-    let before = ScratchModel::new(&req.spec, req.moe.as_ref(), &from, seq, batch);
+    let before = ScratchModel::new(&req.spec, &req.tensors, req.moe.as_ref(), &from, seq, batch);
     ctx.computed_hosts(&a)
         .into_iter()
         .zip(&ctx.devs)

@@ -3,9 +3,10 @@
 //! scratch) use, so the plan's scratch column is exactly what a forward pass holds.
 //!
 //! With `T = min(max_input_len, max_seq_len) × batch` tokens per chunk, `h` the hidden size,
-//! `qd = n_heads × head_dim`, `kvd = max(n_kv_heads) × head_dim`, `i` the widest MLP the model
-//! runs ([`Dims::with_experts`]) and `V` the vocabulary, all in f32 unless noted, each region
-//! rounded up to [`ALIGN`] bytes:
+//! `qd = n_heads × head_dim`, `kvd = max(n_kv_heads) × head_dim` (for a model with experts, at
+//! least `h` and the experts a token uses), `i` the widest MLP the model runs
+//! ([`Dims::with_experts`]) and `V` the vocabulary, all in f32 unless noted, each region rounded
+//! up to [`ALIGN`] bytes:
 //!
 //! | region | values | held by a device that computes |
 //! |---|---|---|
@@ -39,7 +40,9 @@
 //! activations re-encoded), which the plan charges in the scratch column beside the workspace
 //! ([`cuda_product_tiles`], `DeviceUsage::kernel_scratch`); the engine does not allocate them.
 
-use weightlift_format::{ModelSpec, MoeSpec};
+use std::collections::BTreeSet;
+
+use weightlift_format::{ModelSpec, MoeSpec, Role, TensorInfo};
 
 use crate::memory::RuntimeSpec;
 
@@ -170,14 +173,38 @@ impl Dims {
     /// model, unchanged): the MLP regions hold the widest MLP it runs. Every token of a chunk
     /// may route to one expert, so an expert's gate and up products take `T × expert_ffn`
     /// values, and the router's scores, `n_experts` per token, are held in an MLP region too.
-    /// The dense width stays a floor: a converted file may give one below the experts' or
-    /// none at all (0), and a model with dense layers beside its expert ones runs both.
-    pub fn with_experts(mut self, moe: Option<&MoeSpec>) -> Dims {
+    /// The dense width counts only when `dense_layers` ([`has_dense_layers`]): a model with
+    /// dense layers beside its expert ones runs both, and one whose every layer routes runs
+    /// none (Qwen3-30B-A3B's `intermediate_size` 6144 beside experts 768 wide).
+    ///
+    /// A device computing its experts holds hidden-wide rows in the attention's regions
+    /// between attention calls (an expert's gathered input rows in `q`, the block's sums in
+    /// `att`) and each token's chosen experts and weights in `k` and `v`: those regions are
+    /// at least `T × hidden` and `T × n_used` values, for a model whose queries are narrower
+    /// than its hidden state too.
+    pub fn with_experts(mut self, moe: Option<&MoeSpec>, dense_layers: bool) -> Dims {
         if let Some(m) = moe {
-            self.inter = self.inter.max(m.expert_ffn).max(u64::from(m.n_experts));
+            let dense = if dense_layers { self.inter } else { 0 };
+            self.inter = dense.max(m.expert_ffn).max(u64::from(m.n_experts));
+            self.q_dim = self.q_dim.max(self.hidden);
+            self.kv_dim = self.kv_dim.max(u64::from(m.n_used));
         }
         self
     }
+}
+
+/// Whether a model of `n_layers` layers with the tensor table `tensors` has a layer with a
+/// dense MLP: one without a router (`ffn_gate_inp`, transformers' `mlp.gate`), as the engine
+/// builds a layer's MLP. The plan and the engine both size the MLP regions by this
+/// ([`Dims::with_experts`]).
+pub fn has_dense_layers(n_layers: u32, tensors: &[TensorInfo]) -> bool {
+    let routed: BTreeSet<u32> = tensors
+        .iter()
+        .filter(|t| t.role == Some(Role::FfnGateInp))
+        .filter_map(|t| t.layer)
+        .collect();
+    // stops at the first layer without a router: never more steps than the table has routers
+    (0..n_layers).any(|l| !routed.contains(&l))
 }
 
 /// A named region: byte offset and length in values.
@@ -294,9 +321,10 @@ pub(crate) mod tests {
         }
     }
 
-    /// The MLP regions hold the widest MLP the model runs: the dense width, an expert's width
-    /// for every token of the chunk, or the router's scores (one per expert and token),
-    /// whichever is widest; a dense width under the experts' or 0 never shrinks them.
+    /// The MLP regions hold the widest MLP the model runs: an expert's width for every token of
+    /// the chunk, or the router's scores (one per expert and token), whichever is widest, and
+    /// the dense width too when a layer runs a dense MLP; a dense width under the experts' or 0
+    /// never shrinks them.
     #[test]
     fn mlp_regions_hold_the_experts_and_the_router_scores() {
         let rt = RuntimeSpec {
@@ -309,12 +337,12 @@ pub(crate) mod tests {
             expert_ffn,
             norm_topk_prob: true,
         };
-        let mlp = |dense: u64, m: Option<MoeSpec>| {
+        let mlp = |dense: u64, m: Option<MoeSpec>, dense_layers: bool| {
             let s = ModelSpec {
                 intermediate_size: dense,
                 ..spec()
             };
-            let d = Dims::new(&s, &rt, 8192, 1).with_experts(m.as_ref());
+            let d = Dims::new(&s, &rt, 8192, 1).with_experts(m.as_ref(), dense_layers);
             let w = Workspace::new(
                 &d,
                 Hosts {
@@ -324,14 +352,100 @@ pub(crate) mod tests {
             );
             (d.inter, w.gate.len, w.up.len)
         };
-        assert_eq!(mlp(1536, None), (1536, 64 * 1536, 64 * 1536));
-        // a dense width over the experts' (qwen3moe's 6144 against 768) stays
-        assert_eq!(mlp(1536, Some(moe(128, 768))).0, 1536);
-        for dense in [64, 0] {
-            assert_eq!(mlp(dense, Some(moe(4, 256))), (256, 64 * 256, 64 * 256));
-            assert_eq!(mlp(dense, Some(moe(512, 256))), (512, 64 * 512, 64 * 512));
+        for dense_layers in [true, false] {
+            // a dense model is unchanged
+            assert_eq!(mlp(1536, None, dense_layers), (1536, 64 * 1536, 64 * 1536));
+            assert_eq!(mlp(0, None, dense_layers).0, 0);
+            for dense in [64, 0] {
+                assert_eq!(
+                    mlp(dense, Some(moe(4, 256)), dense_layers),
+                    (256, 64 * 256, 64 * 256)
+                );
+                assert_eq!(
+                    mlp(dense, Some(moe(512, 256)), dense_layers),
+                    (512, 64 * 512, 64 * 512)
+                );
+            }
         }
-        assert_eq!(mlp(0, None).0, 0);
+        // Qwen3-30B-A3B: every layer routes, so its dense width 6144 runs nowhere and only the
+        // experts' 768 count; beside a dense layer, the dense width stays
+        assert_eq!(
+            mlp(6144, Some(moe(128, 768)), false),
+            (768, 64 * 768, 64 * 768)
+        );
+        assert_eq!(mlp(6144, Some(moe(128, 768)), true).0, 6144);
+    }
+
+    /// A device computing its experts keeps hidden-wide rows in the query and attention output
+    /// regions and each token's chosen experts in the key and value regions: with queries
+    /// narrower than the hidden state (4 heads of 8 under 64) and one kv head of 8 under 10
+    /// experts a token, those regions widen for a model with experts, and stay as they are for
+    /// a dense one.
+    #[test]
+    fn attention_regions_hold_the_expert_blocks_rows() {
+        let rt = RuntimeSpec {
+            max_input_len: 16,
+            ..RuntimeSpec::default()
+        };
+        let s = ModelSpec {
+            hidden_size: 64,
+            n_heads: 4,
+            n_kv_heads: vec![1; 30],
+            head_dim: 8,
+            ..spec()
+        };
+        let moe = MoeSpec {
+            n_experts: 16,
+            n_used: 10,
+            expert_ffn: 32,
+            norm_topk_prob: true,
+        };
+        let d = Dims::new(&s, &rt, 8192, 1);
+        assert_eq!((d.q_dim, d.kv_dim), (32, 8));
+        assert_eq!(d.with_experts(None, true), d);
+        let e = d.with_experts(Some(&moe), false);
+        assert_eq!((e.q_dim, e.kv_dim, e.inter), (64, 10, 32));
+        let w = Workspace::new(
+            &e,
+            Hosts {
+                layers: true,
+                ..Hosts::default()
+            },
+        );
+        assert_eq!(
+            (w.q.len, w.att.len, w.k.len, w.v.len),
+            (16 * 64, 16 * 64, 16 * 10, 16 * 10)
+        );
+    }
+
+    /// A layer runs a dense MLP when it has no router, whatever else it holds.
+    #[test]
+    fn dense_layers_are_the_ones_without_a_router() {
+        let t = |name: &str, layer: Option<u32>, role: Role| TensorInfo {
+            name: name.into(),
+            dtype: weightlift_format::DType::F32,
+            shape: vec![4, 8],
+            nbytes: 128,
+            file: 0,
+            offset: 0,
+            layer,
+            role: Some(role),
+        };
+        let router = |l: u32| {
+            t(
+                &format!("blk.{l}.ffn_gate_inp.weight"),
+                Some(l),
+                Role::FfnGateInp,
+            )
+        };
+        let dense = t("blk.1.ffn_gate.weight", Some(1), Role::FfnGate);
+        let embed = t("token_embd.weight", None, Role::TokenEmbd);
+        assert!(!has_dense_layers(2, &[embed.clone(), router(0), router(1)]));
+        assert!(has_dense_layers(2, &[embed.clone(), router(0), dense]));
+        assert!(has_dense_layers(2, &[router(1)]));
+        // a router of a layer past the last decides nothing
+        assert!(has_dense_layers(1, &[router(1)]));
+        assert!(!has_dense_layers(0, &[embed]));
     }
 
     #[test]
@@ -421,7 +535,7 @@ pub(crate) mod tests {
         assert_eq!(cuda_product_tiles(&none, 1 << 20, all), 0);
         // the scratch model: cuda devices hold the kernel-attention layout, and are charged
         // the tiles besides
-        let m = ScratchModel::new(&spec(), None, &rt, 8192, 1);
+        let m = ScratchModel::new(&spec(), &[], None, &rt, 8192, 1);
         let ws = Workspace::new(&d, all).bytes;
         let kernel = Workspace::for_kernel_attention(&d, all).bytes;
         for kind in [DeviceKind::Virtual, DeviceKind::Cpu] {

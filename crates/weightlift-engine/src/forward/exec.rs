@@ -667,10 +667,10 @@ pub(crate) fn experts_split(li: usize, name: &str, held_on: &str, device: &str) 
 /// ([`moe_on_device`]): the gathered rows of one expert and its down product in the query
 /// region, its gate and up products in the MLP's regions, the router's scores in the up
 /// region, the routed rows' indices and weights in the key and value regions, and the block's
-/// sums in the attention output's region. The MLP regions are sized for an expert and the
-/// expert count ([`weightlift_plan::Dims::with_experts`]), and every family the engine runs
-/// has the rest (queries at least as wide as the hidden state, keys and values at least as
-/// wide as the experts a token uses); a model without is refused by name, before any token
+/// sums in the attention output's region. [`weightlift_plan::Dims::with_experts`] sizes them
+/// all for this (the MLP regions for an expert and the expert count, the query and attention
+/// output regions at least hidden-wide, the key and value regions at least as wide as the
+/// experts a token uses); a workspace laid out otherwise is refused by name, before any token
 /// runs.
 pub(crate) fn check_moe_workspace(
     device: &crate::device::Device,

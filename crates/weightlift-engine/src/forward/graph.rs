@@ -481,8 +481,9 @@ impl Graph {
         embed.slot = Slot::Tensor(embd);
 
         // the plan sizes the MLP regions for the experts the same way
-        let dims =
-            Dims::new(spec, runtime, seq_batch.0, seq_batch.1).with_experts(moe_spec.as_ref());
+        let dense = weightlift_plan::has_dense_layers(spec.n_layers, infos);
+        let dims = Dims::new(spec, runtime, seq_batch.0, seq_batch.1)
+            .with_experts(moe_spec.as_ref(), dense);
         if dims.tokens == 0 {
             return Err(invalid(
                 "runtime max_input_len",

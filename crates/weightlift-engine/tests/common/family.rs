@@ -1,6 +1,7 @@
 //! The checks every tiny family fixture (`tests/data/tiny-<family>`, made by
 //! `tests/gen_<family>.py` from transformers and llama.cpp's converter) is held to: each
-//! checkpoint (the f16 safetensors folder, the F16 GGUF and the Q8_0 GGUF) in exact mode within
+//! checkpoint (the f16 safetensors folder, the F16 GGUF and, where the generator wrote one, the
+//! Q8_0 GGUF) in exact mode within
 //! 1e-3 of transformers at every position with the same argmax; the GGUF files within
 //! llama.cpp's own distance to transformers; the same bits on cpu, over 2 and 3 virtual devices
 //! and through the backend op sequence; transformers' greedy ids; a plan that is what the load
@@ -45,9 +46,23 @@ impl Family {
         self.data().join(format!("tiny-{}-{ty}.gguf", self.0))
     }
 
-    /// The three checkpoints: the safetensors folder, the F16 GGUF, the Q8_0 GGUF.
-    pub fn checkpoints(self) -> [PathBuf; 3] {
-        [self.data(), self.gguf("F16"), self.gguf("Q8_0")]
+    /// The GGUF types the generator wrote (`stats.json` → `gguf`): F16, and Q8_0 but where a
+    /// fixture's README says why not.
+    pub fn gguf_types(self) -> Vec<String> {
+        let stats = self.stats();
+        let types = stats["gguf"]
+            .as_object()
+            .expect("stats.json has a gguf entry");
+        assert!(types.contains_key("F16"), "{}: no F16 GGUF", self.0);
+        types.keys().cloned().collect()
+    }
+
+    /// The checkpoints: the safetensors folder, then the F16 GGUF and the Q8_0 GGUF
+    /// ([`Family::gguf_types`]).
+    pub fn checkpoints(self) -> Vec<PathBuf> {
+        let mut out = vec![self.data()];
+        out.extend(self.gguf_types().iter().map(|ty| self.gguf(ty)));
+        out
     }
 
     /// The reference a checkpoint is held to: transformers' logits, or for Q8_0 transformers'
@@ -119,7 +134,8 @@ impl Family {
         let ids = self.ids();
         let (shape, hf) = read_npy(&self.data().join("hf_logits.npy"));
         let (n, vocab) = (shape[0], shape[1]);
-        for ty in ["F16", "Q8_0"] {
+        for ty in self.gguf_types() {
+            let ty = ty.as_str();
             let (_, lc) = read_npy(&self.data().join(format!("llamacpp_logits_{ty}.npy")));
             let bound = max_abs_diff(&lc, &hf);
             let (mut m, cache) = load_on(&open(self.gguf(ty)), "cpu", "cpu", 64, CacheDType::F32);

@@ -341,7 +341,7 @@ impl<'a> Ctx<'a> {
         let (seq, batch) = cache.map_or((runtime.max_input_len.max(1), 1), |c| {
             (c.max_seq_len, c.batch_size)
         });
-        let scratch = ScratchModel::new(spec, req.moe.as_ref(), &runtime, seq, batch);
+        let scratch = ScratchModel::new(spec, &req.tensors, req.moe.as_ref(), &runtime, seq, batch);
         // A chunk holds stored bytes (before any conversion), at most one staging size.
         let largest = req
             .tensors

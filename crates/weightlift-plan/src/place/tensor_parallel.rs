@@ -11,7 +11,7 @@ use crate::error::{PlanError, Result};
 use crate::request::TpOptions;
 use crate::tp::{TpInputs, TpRank, TpWorkspace, TpWorld, define_split, tp_staging_bytes};
 use crate::window::{layer_cache, total_cache_bytes};
-use crate::workspace::Dims;
+use crate::workspace::{Dims, has_dense_layers};
 
 impl Ctx<'_> {
     /// exllamav2 TPContext: split tables from `define_split`, tensors sharded by them.
@@ -303,7 +303,9 @@ impl Ctx<'_> {
             .map_or((self.runtime.max_input_len.max(1), 1), |c| {
                 (c.max_seq_len, c.batch_size)
             });
-        let dims = Dims::new(spec, &self.runtime, seq, batch).with_experts(self.req.moe.as_ref());
+        let dense = has_dense_layers(spec.n_layers, &self.req.tensors);
+        let dims =
+            Dims::new(spec, &self.runtime, seq, batch).with_experts(self.req.moe.as_ref(), dense);
         let mut out = vec![0u64; self.devs.len()];
         if dims.tokens == 0 {
             return out;

@@ -348,7 +348,9 @@ impl TpGraph {
         }
         let splits = ctx.splits().clone();
         // the plan sizes an expert device's MLP regions for its experts the same way
-        let dims = Dims::new(spec, runtime, max_seq_len, batch).with_experts(moe_spec.as_ref());
+        let dense = weightlift_plan::has_dense_layers(spec.n_layers, infos);
+        let dims =
+            Dims::new(spec, runtime, max_seq_len, batch).with_experts(moe_spec.as_ref(), dense);
         if dims.tokens == 0 {
             return Err(invalid(
                 "runtime max_input_len",
