@@ -188,16 +188,7 @@ pub fn quantize_rows_from_with(
     n_per_row: usize,
     dst: &mut [u8],
 ) -> Result<()> {
-    let es = src_ty.size();
-    if !src.len().is_multiple_of(es) {
-        return Err(KernelError::RaggedBlocks {
-            what: "quantize source",
-            ty: float_as_quant(src_ty),
-            got: src.len(),
-            block_bytes: es,
-        });
-    }
-    let n_blocks = check(ty, src.len() / es, n_per_row, dst.len())?;
+    let n_blocks = check(ty, source_values(src_ty, src)?, n_per_row, dst.len())?;
     quantize_par(isa, ty, Source::Bytes(src_ty, src), n_blocks, dst)
 }
 
@@ -228,16 +219,7 @@ pub(crate) fn quantize_rows_from_reported(
     dst: &mut [u8],
     first: usize,
 ) -> Result<u64> {
-    let es = src_ty.size();
-    if !src.len().is_multiple_of(es) {
-        return Err(KernelError::RaggedBlocks {
-            what: "quantize source",
-            ty: float_as_quant(src_ty),
-            got: src.len(),
-            block_bytes: es,
-        });
-    }
-    let n_blocks = check(ty, src.len() / es, n_per_row, dst.len())?;
+    let n_blocks = check(ty, source_values(src_ty, src)?, n_per_row, dst.len())?;
     let src = Source::Bytes(src_ty, src);
     Ok(
         match quantize_par_found(Isa::detect(), ty, src, n_blocks, dst) {
@@ -278,6 +260,20 @@ pub fn check_non_finite_report(word: u64) -> Result<()> {
         usize::try_from(key >> 2).unwrap_or(usize::MAX),
         value,
     ))
+}
+
+/// The values of `src_ty` in `src`, or an error when its bytes are not whole values.
+pub(crate) fn source_values(src_ty: FloatType, src: &[u8]) -> Result<usize> {
+    let es = src_ty.size();
+    if !src.len().is_multiple_of(es) {
+        return Err(KernelError::RaggedBlocks {
+            what: "quantize source",
+            ty: float_as_quant(src_ty),
+            got: src.len(),
+            block_bytes: es,
+        });
+    }
+    Ok(src.len() / es)
 }
 
 fn float_as_quant(ft: FloatType) -> QuantType {

@@ -25,20 +25,7 @@ impl CudaBackend {
         self.own(dst)?;
         self.own(found)?;
         need("quantize report bytes", found, 8)?;
-        let es = src_ty.size();
-        if !src.len().is_multiple_of(es) {
-            return Err(KernelError::RaggedBlocks {
-                what: "quantize source",
-                ty: match src_ty {
-                    FloatType::F32 => QuantType::F32,
-                    FloatType::F16 => QuantType::F16,
-                    FloatType::BF16 => QuantType::BF16,
-                },
-                got: src.len(),
-                block_bytes: es,
-            });
-        }
-        let n_values = src.len() / es;
+        let n_values = crate::cpu::quantize::source_values(src_ty, src)?;
         let row_bytes = crate::cpu::quantize::quantized_row_bytes(ty, n_per_row)?;
         if !n_values.is_multiple_of(n_per_row) {
             return Err(KernelError::Shape {
