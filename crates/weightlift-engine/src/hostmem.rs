@@ -10,12 +10,17 @@ use std::ptr::NonNull;
 /// Alignment of every buffer: a page, so any buffer may be an O_DIRECT target.
 pub const ALIGN: usize = 4096;
 
-/// Buffers of at least this size are their own anonymous mapping, 2 MiB aligned and (unless the
-/// caller fills them with `pread`, see [`AlignedBuf::zeroed_with`]) advised as huge-page
-/// candidates. Fresh mappings are zero without a zeroing pass (the allocator's
-/// `alloc_zeroed` would write every byte for an over-aligned layout), untouched pages cost no
-/// resident memory, and with 2 MiB pages first-touch faults stop dominating the fill from the
-/// page cache (Linux's default THP mode, `madvise`, only backs advised ranges).
+/// Buffers of at least this size are their own anonymous mapping. Fresh mappings are zero
+/// without a zeroing pass (the allocator's `alloc_zeroed` writes every byte for an over-aligned
+/// layout) and untouched pages cost no resident memory: a KV cache of a few hundred KiB a layer
+/// is allocated in microseconds and takes memory as its rows are written, as a large one does.
+/// Below it, the heap's reuse of small blocks is worth the zeroing.
+const MAPPED: usize = 64 << 10;
+
+/// Buffers of at least this size are also 2 MiB aligned and (unless the caller fills them with
+/// `pread`, see [`AlignedBuf::zeroed_with`]) advised as huge-page candidates: with 2 MiB pages
+/// first-touch faults stop dominating the fill from the page cache (Linux's default THP mode,
+/// `madvise`, only backs advised ranges).
 const HUGE: usize = 4 << 20;
 const HUGE_ALIGN: usize = 2 << 20;
 
@@ -57,8 +62,8 @@ impl AlignedBuf {
         if len == 0 {
             return Some(Self::empty());
         }
-        if len >= HUGE {
-            return Self::mapped(len, huge);
+        if len >= MAPPED {
+            return Self::mapped(len, len >= HUGE, huge);
         }
         let layout = Layout::from_size_align(len, ALIGN).ok()?;
         // SAFETY: the layout has a non-zero size (checked above) and a valid power-of-two
@@ -71,9 +76,18 @@ impl AlignedBuf {
         })
     }
 
-    fn mapped(len: usize, huge: bool) -> Option<Self> {
-        let size = len.checked_next_multiple_of(HUGE_ALIGN)?;
-        let total = size.checked_add(HUGE_ALIGN)?;
+    /// A fresh anonymous mapping of `len` bytes: page-aligned, or when `large` 2 MiB aligned
+    /// and, when `advise` too, advised as a huge-page candidate.
+    fn mapped(len: usize, large: bool, advise: bool) -> Option<Self> {
+        let align = if large { HUGE_ALIGN } else { ALIGN };
+        let size = len.checked_next_multiple_of(align)?;
+        // a page-aligned mapping needs no slack to trim; a 2 MiB aligned one is cut from a
+        // mapping one alignment larger
+        let total = if large {
+            size.checked_add(HUGE_ALIGN)?
+        } else {
+            size
+        };
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
         let base = unsafe {
             libc::mmap(
@@ -89,7 +103,7 @@ impl AlignedBuf {
             return None;
         }
         let b = base as usize;
-        let aligned = b.next_multiple_of(HUGE_ALIGN);
+        let aligned = b.next_multiple_of(align);
         let (head, tail) = (aligned - b, total - (aligned - b) - size);
         // SAFETY: trimming the unaligned head and the tail of the mapping made above; the kept
         // range [aligned, aligned + size) is untouched. Advice failures (THP disabled) are
@@ -101,7 +115,7 @@ impl AlignedBuf {
             if tail > 0 {
                 libc::munmap((aligned + size) as *mut libc::c_void, tail);
             }
-            if huge {
+            if large && advise {
                 libc::madvise(aligned as *mut libc::c_void, size, libc::MADV_HUGEPAGE);
             }
         }
@@ -120,7 +134,7 @@ impl AlignedBuf {
     /// a copy into it afterwards runs at memcpy speed instead of taking one page fault per
     /// 4 KiB. Uses `MADV_POPULATE_WRITE` (Linux 5.14+), or rewrites one byte per page with its
     /// own value where the kernel lacks it; the contents never change.
-    /// Heap buffers (under 4 MiB) were already written by `alloc_zeroed`; nothing to do.
+    /// Heap buffers (under 64 KiB) were already written by `alloc_zeroed`; nothing to do.
     ///
     /// Why: first-touch faults of fresh anonymous memory are the largest cost of filling a
     /// `virtual` arena from staging. For 2 GiB on the 2-core bench VM: ~0.75 s of page faults
@@ -261,6 +275,25 @@ mod tests {
         assert!(b.as_slice().iter().step_by(4096).all(|&x| x == 0));
         b.as_mut_slice()[n - 1] = 9;
         assert_eq!(b.as_slice()[n - 1], 9);
+    }
+
+    /// A buffer of a few hundred KiB (a small model's KV cache layer) is a mapping too: zero,
+    /// page-aligned, and not resident until written, so allocating it writes nothing.
+    #[test]
+    fn mid_sized_buffers_are_lazy_mappings() {
+        let n = (192 << 10) + 5;
+        let mut b = AlignedBuf::zeroed(n).unwrap();
+        assert!(b.mapped >= n && b.mapped < n + ALIGN, "{}", b.mapped);
+        assert_eq!(b.as_slice().as_ptr() as usize % ALIGN, 0);
+        assert_eq!(resident_pages(&b), 0, "nothing written, nothing resident");
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        b.as_mut_slice()[n - 1] = 9;
+        assert_eq!(b.as_slice()[n - 1], 9);
+        assert_eq!(
+            AlignedBuf::zeroed(MAPPED - 1).unwrap().mapped,
+            0,
+            "below it: the heap"
+        );
     }
 
     /// How many of the pages of `b` are resident (mincore).
