@@ -10,11 +10,15 @@ use std::ptr::NonNull;
 /// Alignment of every buffer: a page, so any buffer may be an O_DIRECT target.
 pub const ALIGN: usize = 4096;
 
-/// Buffers of at least this size are their own anonymous mapping. Fresh mappings are zero
-/// without a zeroing pass (the allocator's `alloc_zeroed` writes every byte for an over-aligned
-/// layout) and untouched pages cost no resident memory: a KV cache of a few hundred KiB a layer
-/// is allocated in microseconds and takes memory as its rows are written, as a large one does.
-/// Below it, the heap's reuse of small blocks is worth the zeroing.
+/// Buffers of at least this size that are not filled by `pread` at once (see
+/// [`AlignedBuf::zeroed_with`]) are their own anonymous mapping. Fresh mappings are zero without
+/// a zeroing pass (the allocator's `alloc_zeroed` writes every byte for an over-aligned layout)
+/// and untouched pages cost no resident memory: a KV cache of a few hundred KiB a layer is
+/// allocated in microseconds and takes memory as its rows are written, as a large one does.
+/// Buffers a load fills at once stay on the heap below [`HUGE`]: they are written whole anyway,
+/// and the heap hands a reload the pages an unload freed, already faulted in, where a fresh
+/// mapping faults every page again (a reload of the demo model onto two virtual devices took
+/// 42 ms from mappings against 25 ms from the heap).
 const MAPPED: usize = 64 << 10;
 
 /// Buffers of at least this size are also 2 MiB aligned and (unless the caller fills them with
@@ -55,14 +59,15 @@ impl AlignedBuf {
     }
 
     /// As [`AlignedBuf::zeroed`]; `huge` says whether a large buffer (its own mapping) is advised
-    /// as a huge-page candidate. Leave it off for a buffer filled by `pread`: a huge-page fault
-    /// inside the kernel's copy may stall on compaction (THP `defrag=madvise` compacts
-    /// synchronously for advised ranges), which made such loads erratic.
+    /// as a huge-page candidate, and whether a mid-sized one is a lazy mapping ([`MAPPED`]).
+    /// Leave it off for a buffer filled by `pread`: a huge-page fault inside the kernel's copy
+    /// may stall on compaction (THP `defrag=madvise` compacts synchronously for advised
+    /// ranges), which made such loads erratic.
     pub fn zeroed_with(len: usize, huge: bool) -> Option<Self> {
         if len == 0 {
             return Some(Self::empty());
         }
-        if len >= MAPPED {
+        if len >= HUGE || (huge && len >= MAPPED) {
             return Self::mapped(len, len >= HUGE, huge);
         }
         let layout = Layout::from_size_align(len, ALIGN).ok()?;
@@ -134,7 +139,7 @@ impl AlignedBuf {
     /// a copy into it afterwards runs at memcpy speed instead of taking one page fault per
     /// 4 KiB. Uses `MADV_POPULATE_WRITE` (Linux 5.14+), or rewrites one byte per page with its
     /// own value where the kernel lacks it; the contents never change.
-    /// Heap buffers (under 64 KiB) were already written by `alloc_zeroed`; nothing to do.
+    /// Heap buffers were already written by `alloc_zeroed`; nothing to do.
     ///
     /// Why: first-touch faults of fresh anonymous memory are the largest cost of filling a
     /// `virtual` arena from staging. For 2 GiB on the 2-core bench VM: ~0.75 s of page faults
