@@ -1,7 +1,7 @@
 //! The CUDA backend (feature `cuda`): cudarc with dynamic loading, kernels from `kernels/*.cu`.
 //!
-//! - `libcuda` is probed with `is_culib_present()` before any context exists (cudarc panics
-//!   without it); absence is [`KernelError::CudaUnavailable`].
+//! - `libcuda` is probed with `is_culib_present()`, once per process, before any context exists
+//!   (cudarc panics without it); absence is [`KernelError::CudaUnavailable`].
 //! - Modules load lazily per device on first use (our `CUDA_MODULE_LOADING=LAZY`): nvcc's PTX
 //!   (compute_80) when the build had nvcc and the device can run it, otherwise NVRTC compiles
 //!   the embedded source to a CUBIN for the device's own `sm_XY` (no driver JIT, so a pip NVRTC
@@ -141,10 +141,19 @@ fn drv<E: std::fmt::Debug>(during: impl Into<String>) -> impl FnOnce(E) -> Kerne
 const NO_DRIVER: &str = "install the NVIDIA driver (libcuda.so.1 comes with the driver, not \
                          with a CUDA toolkit or pip's nvidia packages)";
 
+/// Whether libcuda opens, asked once per process: each probe tries to open every candidate
+/// name, a search of the library path that took most of a millisecond per call on a machine
+/// without a driver, and every model and plan on the detected devices asks; a driver does not
+/// come or go while a process runs.
+fn culib_present() -> bool {
+    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    // SAFETY: only tries to dlopen libcuda by its candidate names.
+    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+}
+
 /// Why CUDA cannot be used on this machine, or `None` when a driver and a device exist.
 fn unavailable() -> Option<KernelError> {
-    // SAFETY: only tries to dlopen libcuda by its candidate names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !culib_present() {
         return Some(KernelError::LibraryNotFound {
             library: "libcuda.so.1".into(),
             fix: NO_DRIVER.into(),
@@ -416,8 +425,7 @@ impl CudaBackend {
 
     /// The number of CUDA devices, or [`KernelError::CudaUnavailable`].
     pub fn device_count() -> Result<usize> {
-        // SAFETY: only tries to dlopen libcuda.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        if !culib_present() {
             return Err(KernelError::LibraryNotFound {
                 library: "libcuda.so.1".into(),
                 fix: NO_DRIVER.into(),
