@@ -156,8 +156,8 @@ pub fn quantize_error(
     }
 }
 
-/// The environment variable that chooses where quantising loads onto CUDA devices quantise,
-/// to measure one path against the other: `host` keeps every type on the host, `device` sends
+/// The environment variable (read once per process) that chooses where quantising loads onto
+/// CUDA devices quantise, to measure one path against the other: `host` keeps every type on the host, `device` sends
 /// every ggml block type to the device; unset or anything else is the default below.
 pub const QUANTIZE_ON_ENV: &str = "WEIGHTLIFT_QUANTIZE_ON";
 
@@ -172,8 +172,13 @@ pub fn quantizes_on_device(info: &TensorInfo, to: DType) -> bool {
     if !quantizing(info, to) || to == DType::INT8 {
         return false;
     }
-    let choice = std::env::var(QUANTIZE_ON_ENV).unwrap_or_default();
-    match choice.trim().to_ascii_lowercase().as_str() {
+    // read once, as the other switches are: it is asked for every tensor of a load
+    static CHOICE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let choice = CHOICE.get_or_init(|| {
+        let v = std::env::var(QUANTIZE_ON_ENV).unwrap_or_default();
+        v.trim().to_ascii_lowercase()
+    });
+    match choice.as_str() {
         "host" => false,
         "device" => true,
         _ => matches!(to, DType::Q4_K | DType::Q6_K),

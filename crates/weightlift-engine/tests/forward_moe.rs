@@ -344,19 +344,7 @@ fn tiny_moe_backend_copies_rows_not_experts() {
                 })
                 .sum();
             let held_as_planned = |m: &weightlift_engine::Model, when: &str| {
-                let mem = m.memory();
-                for d in plan.devices() {
-                    let got = mem
-                        .iter()
-                        .find(|(n, _)| *n == d.name)
-                        .map_or(0, |(_, b)| *b);
-                    assert_eq!(
-                        got,
-                        d.weights + d.kv + d.scratch,
-                        "{file} {when}: {}",
-                        d.name
-                    );
-                }
+                common::assert_holds_the_plan_exactly(m, &plan, &format!("{file} {when}"));
             };
             held_as_planned(&m, "after the load");
             m.set_compute(Compute::Exact);
@@ -570,14 +558,7 @@ fn tiny_moe_n_cpu_moe_keeps_the_first_layers_experts_on_the_host() {
                 cpu_plan.holds
             );
             let cache = common::load_planned(&mut m, &plan).unwrap();
-            let mem = m.memory();
-            for d in plan.devices() {
-                let got = mem
-                    .iter()
-                    .find(|(n, _)| *n == d.name)
-                    .map_or(0, |(_, b)| *b);
-                assert_eq!(got, d.weights + d.kv + d.scratch, "{file}: {}", d.name);
-            }
+            common::assert_holds_the_plan_exactly(&m, &plan, &file);
             m.set_compute(Compute::Exact);
             let out = forward_all(&mut m, &cache, &ids);
             f.assert_matches(
@@ -829,14 +810,7 @@ fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
                 let plan = wp::plan(&req).unwrap();
                 assert!(plan.onload().is_some(), "{file} {mode:?}");
                 let cache = common::load_planned(&mut m, &plan).unwrap();
-                let mem = m.memory();
-                for d in plan.devices() {
-                    let got = mem
-                        .iter()
-                        .find(|(n, _)| *n == d.name)
-                        .map_or(0, |(_, b)| *b);
-                    assert_eq!(got, d.weights + d.kv + d.scratch, "{file}: {}", d.name);
-                }
+                common::assert_holds_the_plan_exactly(&m, &plan, &file);
                 m.set_compute(Compute::Exact);
                 m.set_host_backend(backend);
                 let out = forward_all(&mut m, &cache, &ids);
@@ -1165,15 +1139,7 @@ fn tiny_moe_dense_width_below_the_experts_runs_as_planned() {
             }
             for n in [0, 1, 2] {
                 let (mut m, c, plan) = n_cpu_moe_model(&src, n);
-                let held = m.memory();
-                for d in plan.devices() {
-                    let got = held
-                        .iter()
-                        .find(|(x, _)| *x == d.name)
-                        .map_or(0, |(_, b)| *b);
-                    let planned = d.weights + d.kv + d.scratch;
-                    assert_eq!(got, planned, "{what} n_cpu_moe={n}: {}", d.name);
-                }
+                common::assert_holds_the_plan_exactly(&m, &plan, &format!("{what} n_cpu_moe={n}"));
                 m.set_compute(Compute::Exact);
                 m.set_host_backend(true);
                 let got = prompt_and_decode(&mut m, &c, &ids);
@@ -1182,14 +1148,7 @@ fn tiny_moe_dense_width_below_the_experts_runs_as_planned() {
             }
             // tensor-parallel, each device computing whole experts: within the pass's 1e-5
             let (mut m, c, plan) = tp_load(&src, "virtual:2x64MiB", None).unwrap();
-            let held = m.memory();
-            for d in plan.devices() {
-                let got = held
-                    .iter()
-                    .find(|(x, _)| *x == d.name)
-                    .map_or(0, |(_, b)| *b);
-                assert_eq!(got, d.weights + d.kv + d.scratch, "{what} tp: {}", d.name);
-            }
+            common::assert_holds_the_plan_exactly(&m, &plan, &format!("{what} tp"));
             m.set_compute(Compute::Exact);
             for backend in [false, true] {
                 m.set_host_backend(backend);

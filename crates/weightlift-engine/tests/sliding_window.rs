@@ -192,19 +192,7 @@ fn offloaded_rings_over_virtual_devices_hold_the_plan_and_give_the_same_bits() {
 /// Every device holds what the plan says, and the cache's kv is the plan's kv column: the rings'
 /// cells on the sliding layers, every position on the full ones.
 fn assert_holds_the_plan(m: &Model, plan: &wp::Plan) {
-    let mem = m.memory();
-    for d in plan.devices() {
-        let got = mem
-            .iter()
-            .find(|(n, _)| *n == d.name)
-            .map_or(0, |(_, b)| *b);
-        assert_eq!(
-            got,
-            d.weights + d.kv + d.scratch,
-            "{}: plan vs held",
-            d.name
-        );
-    }
+    common::assert_holds_the_plan_exactly(m, plan, "plan vs held");
     let cache = m.own_cache().unwrap();
     let kv: u64 = plan.devices().iter().map(|d| d.kv).sum();
     let held: u64 = cache.memory().iter().map(|(_, b)| b).sum();

@@ -435,21 +435,8 @@ fn quantize_rows_match_the_cpu_quantiser<B: Backend>(b: &B) -> Result<()> {
             *v *= scale;
         }
     }
-    let bytes = |ft: FloatType, x: &[f32]| -> Vec<u8> {
-        match ft {
-            FloatType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            FloatType::F16 => x
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
-                .collect(),
-            FloatType::BF16 => x
-                .iter()
-                .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
-                .collect(),
-        }
-    };
     for ft in [FloatType::F32, FloatType::F16, FloatType::BF16] {
-        let src = bytes(ft, &x);
+        let src = common::float_bytes(ft, &x);
         let split = 4 * n * ft.size();
         for ty in QUANTIZE_TYPES {
             let row_bytes = quantized_row_bytes(ty, n)?;
@@ -469,7 +456,7 @@ fn quantize_rows_match_the_cpu_quantiser<B: Backend>(b: &B) -> Result<()> {
     x[4 * n + 77] = f32::NAN;
     x[5 * n + 3] = f32::INFINITY;
     for ft in [FloatType::F32, FloatType::BF16] {
-        let src = bytes(ft, &x);
+        let src = common::float_bytes(ft, &x);
         let split = 4 * n * ft.size();
         let ty = QuantType::Q4_K;
         let mut dst = b.alloc(rows * quantized_row_bytes(ty, n)?)?;

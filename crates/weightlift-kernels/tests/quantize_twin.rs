@@ -12,26 +12,12 @@ use crate::common::Rng;
 #[cfg(wl_host_shim)]
 mod twin {
     use super::Rng;
+    use crate::common::float_bytes;
     use crate::quantize::{data, expected, first_diff, fnv1a64, input, u32_at, xorshift_rows};
     use weightlift_kernels::cpu::quantize::{QUANTIZE_TYPES, check_non_finite_report};
     use weightlift_kernels::{FloatType, QuantType, host_shim, quantize_rows_from};
 
     const SOURCES: [FloatType; 3] = [FloatType::F32, FloatType::F16, FloatType::BF16];
-
-    /// `x` as little-endian bytes of `ft` (f16 and bf16 round to nearest even).
-    fn bytes_of(ft: FloatType, x: &[f32]) -> Vec<u8> {
-        match ft {
-            FloatType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            FloatType::F16 => x
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
-                .collect(),
-            FloatType::BF16 => x
-                .iter()
-                .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
-                .collect(),
-        }
-    }
 
     /// The header's bytes for `src` (rows of `n` values of `ft`) as `ty`, checked equal to
     /// `quantize_rows_from`'s; returns the bytes and the number of blocks compared.
@@ -131,7 +117,7 @@ mod twin {
         }
         let mut compared = 0;
         for ft in SOURCES {
-            let src = bytes_of(ft, &x);
+            let src = float_bytes(ft, &x);
             for ty in QUANTIZE_TYPES {
                 compared += same_as_cpu(ty, ft, &src, n, "random rows").1;
             }
@@ -260,7 +246,7 @@ mod twin {
         let mut compared = 0;
         for (name, x) in &rows {
             for ft in SOURCES {
-                let src = bytes_of(ft, x);
+                let src = float_bytes(ft, x);
                 // a value f16 cannot hold widens to inf: that row is the non-finite test's
                 let widened_finite = src.chunks_exact(ft.size()).all(|c| match ft {
                     FloatType::F32 => f32::from_le_bytes(c.try_into().unwrap()).is_finite(),
@@ -295,14 +281,14 @@ mod twin {
                     x[(at + 600) % 1024] = f32::INFINITY;
                     let at_first = at.min((at + 600) % 1024);
                     let want_value = x[at_first];
-                    let src = bytes_of(ft, &x);
+                    let src = float_bytes(ft, &x);
                     let mut dev = vec![0u8; 1024 / ty.block_size() * ty.block_bytes()];
                     let word = host_shim::quantize(ty, ft, &src, &mut dev, first).unwrap();
                     let got = check_non_finite_report(word).unwrap_err().to_string();
                     // the CPU's message for the same value at the tensor index
                     let mut shifted = vec![0.25f32; first];
                     shifted.extend_from_slice(&x);
-                    let whole = bytes_of(ft, &shifted);
+                    let whole = float_bytes(ft, &shifted);
                     let mut cpu_whole =
                         vec![0u8; shifted.len() / ty.block_size() * ty.block_bytes()];
                     let want = quantize_rows_from(ty, ft, &whole, 1024, &mut cpu_whole)

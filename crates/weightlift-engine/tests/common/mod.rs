@@ -843,3 +843,20 @@ pub fn check_packed_offload(
     );
     (m, cache)
 }
+
+/// Every device of `plan` holds exactly what the plan charges it (weights, KV and scratch), as
+/// `m.memory()` reports it; `what` names the case in the failure.
+pub fn assert_holds_the_plan_exactly(
+    m: &weightlift_engine::Model,
+    plan: &weightlift_plan::Plan,
+    what: &str,
+) {
+    let held = m.memory();
+    for d in plan.devices() {
+        let got = held
+            .iter()
+            .find(|(n, _)| *n == d.name)
+            .map_or(0, |(_, b)| *b);
+        assert_eq!(got, d.weights + d.kv + d.scratch, "{what}: {}", d.name);
+    }
+}

@@ -54,15 +54,7 @@ impl CudaBackend {
             ordinal: self.ordinal,
             view: false,
         };
-        upload_staged(
-            &self.ctx,
-            &self.stream,
-            &self.staging,
-            &self.name(),
-            src,
-            &mut scratch,
-            0,
-        )?;
+        self.copy_from_host(src, &mut scratch, 0)?;
         let name = format!("quantize_{}_{}", ty.name(), src_ty.name());
         let cfg = LaunchConfig {
             grid_dim: (

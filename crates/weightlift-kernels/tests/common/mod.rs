@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use weightlift_kernels::QuantType;
+use weightlift_kernels::{FloatType, QuantType};
 
 /// Finds libnvrtc as the package does, also searching the repository's `.venv` (where `make
 /// venv` installs pip's NVRTC), so these tests need no `LD_LIBRARY_PATH`; fails saying why when
@@ -213,4 +213,20 @@ pub fn download_f32<B: weightlift_kernels::Backend>(
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect())
+}
+
+/// `x` as little-endian bytes of `ft` (f16 and bf16 round to nearest even): a checkpoint's float
+/// rows as the quantisers read them.
+pub fn float_bytes(ft: FloatType, x: &[f32]) -> Vec<u8> {
+    match ft {
+        FloatType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        FloatType::F16 => x
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+        FloatType::BF16 => x
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+    }
 }
