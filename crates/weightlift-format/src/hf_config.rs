@@ -144,43 +144,46 @@ mod tests {
 
     #[test]
     fn hub_ids_get_a_download_hint_or_their_cached_snapshot() {
-        let hub = folder("hub", &[]);
-        let e = hub_id_hint(Path::new("org/tiny-model"), Some(&hub)).unwrap();
+        let hub_dir = folder(&[]);
+        let hub = hub_dir.path();
+        let e = hub_id_hint(Path::new("org/tiny-model"), Some(hub)).unwrap();
         assert!(
             e.contains("huggingface-cli download org/tiny-model --local-dir tiny-model"),
             "{e}"
         );
         let snap = hub.join("models--org--tiny-model/snapshots/abc123");
         std::fs::create_dir_all(&snap).unwrap();
-        let e = hub_id_hint(Path::new("org/tiny-model"), Some(&hub)).unwrap();
+        let e = hub_id_hint(Path::new("org/tiny-model"), Some(hub)).unwrap();
         assert!(
             e.contains("the hub's cache holds it") && e.contains(&*snap.to_string_lossy()),
             "{e}"
         );
         for not_an_id in ["org/model.gguf", "a/b/c", "model", "./x", "/abs/path"] {
             assert_eq!(
-                hub_id_hint(Path::new(not_an_id), Some(&hub)),
+                hub_id_hint(Path::new(not_an_id), Some(hub)),
                 None,
                 "{not_an_id}"
             );
         }
     }
 
-    /// A fresh folder under the system temp dir holding `files`.
-    fn folder(name: &str, files: &[&str]) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("wl-hf-config-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+    /// A fresh temporary folder holding `files`, removed when the guard drops.
+    fn folder(files: &[&str]) -> tempfile::TempDir {
+        let dir = tempfile::Builder::new()
+            .prefix("wl-hf-config-")
+            .tempdir()
+            .unwrap();
         for f in files {
-            std::fs::write(dir.join(f), "{}").unwrap();
+            std::fs::write(dir.path().join(f), "{}").unwrap();
         }
         dir
     }
 
     #[test]
     fn config_only_paths() {
-        let only = folder("only", &["config.json", "tokenizer.json"]);
-        assert_eq!(config_only(&only), Some(only.join("config.json")));
+        let only_dir = folder(&["config.json", "tokenizer.json"]);
+        let only = only_dir.path();
+        assert_eq!(config_only(only), Some(only.join("config.json")));
         assert_eq!(
             config_only(&only.join("tokenizer.json")),
             Some(only.join("tokenizer.json"))
@@ -190,18 +193,19 @@ mod tests {
             "m.gguf",
             "model.safetensors.index.json",
         ] {
-            let dir = folder(weights, &["config.json", weights]);
-            assert_eq!(config_only(&dir), None, "{weights}");
+            let dir = folder(&["config.json", weights]);
+            let dir = dir.path();
+            assert_eq!(config_only(dir), None, "{weights}");
             assert_eq!(config_only(&dir.join(weights)), None, "{weights}");
         }
-        assert_eq!(config_only(&folder("empty", &[])), None);
+        assert_eq!(config_only(folder(&[]).path()), None);
         assert_eq!(config_only(&only.join("missing.json")), None);
     }
 
     #[test]
     fn reads_objects_only() {
-        let dir = folder("read", &[]);
-        let path = dir.join("config.json");
+        let dir = folder(&[]);
+        let path = dir.path().join("config.json");
         std::fs::write(&path, r#"{"torch_dtype": "bfloat16"}"#).unwrap();
         assert_eq!(stored_dtype(&read(&path).unwrap()), Some("bfloat16"));
         std::fs::write(&path, "[1]").unwrap();
