@@ -80,6 +80,23 @@ def test_a_seed_reproduces_a_sampled_completion(model: wl.Model) -> None:
     assert c == d
 
 
+def test_seed_minus_one_draws_a_random_seed(model: wl.Model) -> None:
+    # llama.cpp's and llama-cpp-python's "-1 for random": not the model's seed (7), so draws
+    # flat enough to differ do differ
+    flat = {"max_tokens": 12, "temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    seeded = model("Once upon a time", seed=7, **flat)["choices"][0]["text"]
+    drawn = {model("Once upon a time", seed=-1, **flat)["choices"][0]["text"] for _ in range(4)}
+    assert drawn != {seeded}
+    for bad in (-2, 2**64):
+        with pytest.raises(
+            wl.PlanError, match=r"seed: expected an int from 0 to .*-1 for a random"
+        ):
+            model("Once upon a time", max_tokens=1, seed=bad)
+    with pytest.raises(wl.PlanError, match="or -1 for a random seed, got -3"):
+        wl.load_gguf(os.environ["WEIGHTLIFT_DEMO_GGUF"], vocab_only=True, seed=-3)
+    assert wl.load_gguf(os.environ["WEIGHTLIFT_DEMO_GGUF"], vocab_only=True, seed=-1)
+
+
 def test_chat_prompts_are_llamacpp_prompts(model: wl.Model) -> None:
     for case in CHAT["cases"]:
         r = model.create_chat_completion(case["messages"], max_tokens=1, temperature=0)

@@ -203,8 +203,10 @@ def test_logit_bias_bans_and_forces_tokens(llm: wl.Llama) -> None:
     assert banned["choices"][0]["text"] != " Paris"
     forced = llm(prompt, max_tokens=1, temperature=0.0, logit_bias={198: 100.0})
     assert forced["choices"][0]["text"] == "\n"
-    with pytest.raises(ValueError, match="logit_bias token id"):
+    with pytest.raises(ValueError, match="logit_bias: expected token ids below the vocabulary"):
         llm(prompt, max_tokens=1, logit_bias={10**6: 1.0})
+    with pytest.raises(ValueError, match=r"logit_bias\[198\]: expected a finite number"):
+        llm(prompt, max_tokens=1, logit_bias={198: float("nan")})
     with pytest.raises(wl.WeightliftError, match="logit_bias"):
         llm(prompt, max_tokens=1, logit_bias={"Paris": 1.0})
     chat = llm.create_chat_completion(

@@ -148,6 +148,12 @@ def test_completion_usage_and_timings(server: Server):
     assert timings and timings["predicted_per_second"] > 0 and timings["prompt_ms"] > 0
 
 
+def test_seed_minus_one_is_a_random_seed(server: Server):
+    # llama.cpp's "-1 for random" (OpenAI's client passes it through as it is)
+    out = server.client().completions.create(model="demo", prompt="hi", max_tokens=2, seed=-1)
+    assert out.usage is not None and out.usage.completion_tokens > 0
+
+
 def test_chat_stream_joins_to_the_plain_reply(server: Server):
     client = server.client()
     messages = [{"role": "user", "content": "Say hi"}]
@@ -192,6 +198,23 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "valid number",
     ),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n:"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"99999": 1.0}},
+        400,
+        "logit_bias",
+        "vocabulary size 49152, got 99999",
+    ),
+    ("/v1/completions", {"prompt": "hi", "seed": -2}, 400, "seed", "greater than or equal to -1"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed", "less than or equal to"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "messages.0.role",
+        "'user'",
+    ),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "required"),
     ("/v1/embeddings", {"input": []}, 400, "input", "at least one input"),
     ("/v1/embeddings", {"input": [1, 99999]}, 400, "input", "vocabulary size 49152, got 99999"),
     ("/v1/embeddings", {"input": ["a", 1]}, 400, "input", "a list of strings"),

@@ -877,7 +877,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     rn.add_argument("--grammar", help="GBNF grammar the output must follow")
     rn.add_argument("--grammar-file", help="file with a GBNF grammar the output must follow")
-    rn.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    rn.add_argument("--seed", type=int, help="sampling seed (default and -1: random)")
     rn.add_argument("--stop", action="append", help="stop string (repeatable)")
     _engine_flags(rn)
     rn.add_argument(

@@ -830,14 +830,14 @@ fn check_bias(bias: &[(u32, f32)], vocab: u64) -> Result<()> {
     for &(t, b) in bias {
         if u64::from(t) >= vocab {
             return Err(invalid(
-                "logit_bias token id",
-                format!("an id below the vocabulary size {vocab}"),
+                "logit_bias",
+                format!("token ids below the vocabulary size {vocab}"),
                 t,
             ));
         }
         if b.is_nan() || b == f32::INFINITY {
             return Err(invalid(
-                format!("logit_bias for token {t}"),
+                format!("logit_bias[{t}]"),
                 "a finite number, or -inf to ban the token",
                 b,
             ));

@@ -14,7 +14,7 @@ use weightlift_plan::{FromKeyword, Keywords, Plan, PlanError, PlanOptions, PlanR
 use crate::cache::Cache;
 use crate::embeddings::{POOLING_UNSPECIFIED, Pooling};
 use crate::error::{Result, invalid};
-use crate::llama_cpp::{CacheType, LlamaLoad};
+use crate::llama_cpp::{CacheType, LlamaLoad, Seed};
 use crate::loader::{LoadOptions, Progress};
 use crate::model::Model;
 use crate::planned::{PlanSource, plan_devices};
@@ -133,7 +133,7 @@ impl Session {
     pub fn set_llama_keywords(&mut self, kw: &Keywords) -> Result<()> {
         let chat_format = kw.get::<String>("chat_format")?;
         let spm_infill = kw.get("spm_infill")?.unwrap_or_default();
-        self.set_llama(kw.get("seed")?, spm_infill, chat_format.as_deref())
+        self.set_llama(kw.get::<Seed>("seed")?, spm_infill, chat_format.as_deref())
     }
 
     /// Load as `call` does with its keywords `kw`, and `cache`, a cache the caller made

@@ -5,8 +5,10 @@
 
 use std::sync::Arc;
 
+use serde_json::Value;
 use weightlift_format::DType;
-use weightlift_plan::{CacheSpec, PlanOptions, RuntimeSpec, WeightOffload};
+use weightlift_plan::keywords::{FromKeyword, type_error};
+use weightlift_plan::{CacheSpec, PlanError, PlanOptions, RuntimeSpec, WeightOffload};
 
 use crate::cache::CacheDType;
 use crate::error::{EngineError, Result};
@@ -16,9 +18,56 @@ use crate::session::{LoadCache, Session};
 /// llama.cpp's `LLAMA_DEFAULT_SEED`: a seed of 0xFFFFFFFF asks for a random one.
 pub const DEFAULT_SEED: u64 = 0xFFFF_FFFF;
 
-/// A seed as llama-cpp-python's `Llama(seed=...)` takes it: [`DEFAULT_SEED`] is no seed.
-pub fn seed(seed: Option<u64>) -> Option<u64> {
-    seed.filter(|&s| s != DEFAULT_SEED)
+/// A seed as a caller gives it: an int from 0 to 2^64 - 1, or -1 for a random one (llama.cpp's
+/// `--seed -1`; llama-cpp-python documents "-1 for random" and hands -1 on to llama.cpp as
+/// [`DEFAULT_SEED`]). Read alike as a load keyword and as a generation keyword.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seed {
+    Random,
+    Fixed(u64),
+}
+
+/// What a seed may be, in the words of its errors.
+const SEED_RANGE: &str = "an int from 0 to 18446744073709551615, or -1 for a random seed";
+
+impl Seed {
+    /// The seed of an int, None when it is out of range.
+    fn of(n: i128) -> Option<Seed> {
+        match n {
+            -1 => Some(Seed::Random),
+            _ => u64::try_from(n).ok().map(Seed::Fixed),
+        }
+    }
+
+    /// The seed of an int given as `key`, refused by name when out of range.
+    pub fn read(n: i128, key: &str) -> Result<Seed> {
+        Seed::of(n).ok_or_else(|| crate::error::invalid(key, SEED_RANGE, n))
+    }
+
+    /// The sampler's seed: None draws one at random.
+    pub fn value(self) -> Option<u64> {
+        match self {
+            Seed::Random => None,
+            Seed::Fixed(s) => Some(s),
+        }
+    }
+}
+
+impl FromKeyword for Seed {
+    fn from_keyword(v: &Value, key: &str) -> weightlift_plan::Result<Self> {
+        let Value::Number(n) = v else {
+            return Err(type_error(key, SEED_RANGE, v));
+        };
+        let int = n.as_i64().map(i128::from).or(n.as_u64().map(i128::from));
+        int.and_then(Seed::of)
+            .ok_or_else(|| PlanError::option(key, SEED_RANGE, n))
+    }
+}
+
+/// A seed as llama-cpp-python's `Llama(seed=...)` takes it: [`DEFAULT_SEED`] and -1 ask for a
+/// random one, as no seed does.
+pub fn seed(seed: Option<Seed>) -> Option<u64> {
+    seed.and_then(Seed::value).filter(|&s| s != DEFAULT_SEED)
 }
 
 /// The runtime limits of a `Llama(n_batch=...)` model: llama.cpp's `n_batch` is the longest
@@ -121,7 +170,7 @@ impl Session {
     /// checkpoint's template; see [`crate::Model::set_chat_format`]).
     pub fn set_llama(
         &mut self,
-        seed_arg: Option<u64>,
+        seed_arg: Option<Seed>,
         spm_infill: bool,
         chat_format: Option<&str>,
     ) -> Result<()> {
@@ -167,10 +216,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_default_seed_is_random() {
-        assert_eq!(seed(Some(DEFAULT_SEED)), None);
-        assert_eq!(seed(Some(5)), Some(5));
+    fn the_default_seed_and_minus_one_are_random() {
+        assert_eq!(seed(Some(Seed::Fixed(DEFAULT_SEED))), None);
+        assert_eq!(seed(Some(Seed::Random)), None);
+        assert_eq!(seed(Some(Seed::Fixed(5))), Some(5));
         assert_eq!(seed(None), None);
+    }
+
+    #[test]
+    fn a_seed_is_an_unsigned_64_bit_int_or_minus_one() {
+        let key = |v: Value| Seed::from_keyword(&v, "seed").map_err(|e| e.to_string());
+        for (v, want) in [(-1, Seed::Random), (0, Seed::Fixed(0))] {
+            assert_eq!(key(v.into()), Ok(want));
+            assert_eq!(Seed::read(v.into(), "seed").unwrap(), want);
+        }
+        assert_eq!(key(u64::MAX.into()), Ok(Seed::Fixed(u64::MAX)));
+        for bad in [-2, i64::MIN] {
+            let e = key(bad.into()).unwrap_err();
+            assert!(
+                e.contains("seed") && e.contains("or -1 for a random seed"),
+                "{e}"
+            );
+            assert!(e.contains(&bad.to_string()), "{e}");
+        }
+        for bad in [
+            serde_json::json!(1.5),
+            serde_json::json!("7"),
+            serde_json::json!(true),
+        ] {
+            assert!(key(bad).unwrap_err().contains("or -1 for a random seed"));
+        }
+        let big = i128::from(u64::MAX) + 1;
+        let e = Seed::read(big, "seed").unwrap_err().to_string();
+        assert!(e.contains("seed") && e.contains(&big.to_string()), "{e}");
+        assert!(Seed::read(-2, "seed").is_err());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use serde_json::json;
 use weightlift_engine::keywords::LoadCall;
-use weightlift_engine::llama_cpp::{CacheType, DEFAULT_SEED, LlamaLoad};
+use weightlift_engine::llama_cpp::{CacheType, DEFAULT_SEED, LlamaLoad, Seed};
 use weightlift_engine::session::{LoadCache, Prompt, Session, Setting, Settings};
 use weightlift_engine::{CacheDType, GenerateOptions, Generation, Inventory, LoadOptions, Source};
 use weightlift_format::{Checkpoint, OpenOptions};
@@ -127,9 +127,17 @@ fn without_a_device_spec_the_session_names_the_inventory() {
 #[test]
 fn load_llama_makes_the_n_ctx_cache_of_type_k_and_type_v_and_places_by_n_gpu_layers() {
     let (mut s, _) = session(Some("virtual:2x96MiB,cpu"));
-    s.set_llama(Some(DEFAULT_SEED), true, None).unwrap();
+    s.set_llama(Some(Seed::Fixed(DEFAULT_SEED)), true, None)
+        .unwrap();
     assert_eq!((s.seed, s.spm_infill), (None, true));
-    s.set_llama(Some(7), false, Some("chatml")).unwrap();
+    s.set_llama(Some(Seed::Fixed(7)), false, Some("chatml"))
+        .unwrap();
+    assert_eq!(s.seed, Some(7));
+    s.set_llama(Some(Seed::Random), false, Some("chatml"))
+        .unwrap();
+    assert_eq!(s.seed, None);
+    s.set_llama(Some(Seed::Fixed(7)), false, Some("chatml"))
+        .unwrap();
     assert_eq!(s.seed, Some(7));
     assert!(s.model.chat_stop().is_some());
     assert!(s.set_llama(None, false, Some("no-such-format")).is_err());

@@ -177,7 +177,8 @@ pub enum PlanError {
 }
 
 impl PlanError {
-    pub(crate) fn option(option: &str, expected: &str, got: impl std::fmt::Display) -> Self {
+    /// An option given a value it does not take: `expected` says what it takes.
+    pub fn option(option: &str, expected: &str, got: impl std::fmt::Display) -> Self {
         PlanError::Option {
             option: option.to_string(),
             expected: expected.to_string(),

@@ -186,5 +186,5 @@ pub fn _sample(
         ))
     })?;
     let kw: Keywords = read(&kw, "")?;
-    eng(kw.sampling().sample_row(logits, &history))
+    eng(kw.sampling().and_then(|s| s.sample_row(logits, &history)))
 }

@@ -68,6 +68,8 @@ ENGINE_ERRORS: tuple[tuple[type[BaseException], int, str, str, str | None], ...]
     # The argument checks of create_completion / create_chat_completion (PlanError included).
     (ValueError, 400, INVALID, "invalid_value", None),
     (TypeError, 400, INVALID, "invalid_value", None),
+    # An int too large for the engine's argument (Python's own error for it).
+    (OverflowError, 400, INVALID, "invalid_value", None),
     (weightlift.WeightliftError, 500, SERVER, "engine_error", None),
     (Exception, 500, SERVER, "internal_error", None),
 )

@@ -25,7 +25,8 @@ class _Sampling(BaseModel):
     top_k: int = Field(40, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
-    seed: int | None = None
+    # -1 asks for a random seed, as in llama.cpp
+    seed: int | None = Field(None, ge=-1, le=2**64 - 1)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     repeat_penalty: float = Field(1.1, ge=0.0)
@@ -89,10 +90,19 @@ class CompletionRequest(_Sampling):
         }
 
 
+class ChatMessage(BaseModel):
+    """One of a chat's messages: OpenAI's roles are checked here, the rest goes to the chat
+    template as the client sent it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -104,7 +114,7 @@ class ChatCompletionRequest(_Sampling):
 
     def kwargs(self) -> dict[str, Any]:
         return {
-            "messages": self.messages,
+            "messages": [m.model_dump() for m in self.messages],
             "functions": self.functions,
             "function_call": self.function_call,
             "tools": self.tools,

@@ -20,6 +20,7 @@ use super::request::{Request, Sampling};
 use super::tools::chat_tools;
 use crate::error::{EngineError, invalid};
 use crate::grammar::Grammar;
+use crate::llama_cpp::Seed;
 use crate::session::Prompt;
 
 /// Every keyword of a generation call, each `None` when not given (or given as None). Keys it
@@ -46,7 +47,8 @@ pub struct Keywords {
     pub repeat_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
-    pub seed: Option<u64>,
+    /// An int from 0 to 2^64 - 1, or -1 for a random seed ([`Seed`]).
+    pub seed: Option<i128>,
     pub mirostat_mode: Option<i64>,
     pub mirostat_tau: Option<f32>,
     pub mirostat_eta: Option<f32>,
@@ -93,9 +95,9 @@ pub const DEFAULT_NEW_TOKENS: i64 = 32;
 impl Keywords {
     /// The sampler settings: each keyword given over llama-cpp-python's `create_completion`
     /// defaults.
-    pub fn sampling(&self) -> Sampling {
+    pub fn sampling(&self) -> Result<Sampling, EngineError> {
         let d = Sampling::default();
-        Sampling {
+        Ok(Sampling {
             temperature: self.temperature.unwrap_or(d.temperature),
             top_k: self.top_k.unwrap_or(d.top_k),
             top_p: self.top_p.unwrap_or(d.top_p),
@@ -104,11 +106,11 @@ impl Keywords {
             repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
             presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
-            seed: self.seed,
+            seed: self.seed.map(|s| Seed::read(s, "seed")).transpose()?,
             mirostat_mode: self.mirostat_mode.unwrap_or(d.mirostat_mode),
             mirostat_tau: self.mirostat_tau.unwrap_or(d.mirostat_tau),
             mirostat_eta: self.mirostat_eta.unwrap_or(d.mirostat_eta),
-        }
+        })
     }
 
     /// `create_completion`'s request (its grammar from GBNF text).
@@ -150,7 +152,7 @@ impl Keywords {
     /// What the completion calls share: sampler, budget, stop strings and logit bias.
     fn request(&self) -> Result<Request, EngineError> {
         Ok(Request {
-            sampling: self.sampling(),
+            sampling: self.sampling()?,
             max_tokens: self.max_tokens,
             stop: self.stop.clone().unwrap_or_default().0,
             logit_bias: self.logit_bias()?,
@@ -199,7 +201,7 @@ impl Keywords {
             top_p: self.top_p.unwrap_or(top_p),
             min_p: self.min_p.unwrap_or(min_p),
             repeat_penalty,
-            ..self.sampling()
+            ..self.sampling()?
         };
         Ok(Request {
             sampling,
@@ -717,10 +719,26 @@ mod tests {
 
     #[test]
     fn sampling_takes_each_keyword_given_over_the_defaults() {
-        let s = read(json!({"temperature": 0.1, "top_k": 5, "seed": 9, "top_p": null})).sampling();
-        assert_eq!((s.temperature, s.top_k, s.seed), (0.1, 5, Some(9)));
+        let s = read(json!({"temperature": 0.1, "top_k": 5, "seed": 9, "top_p": null}));
+        let s = s.sampling().unwrap();
+        assert_eq!(
+            (s.temperature, s.top_k, s.seed),
+            (0.1, 5, Some(Seed::Fixed(9)))
+        );
+        assert_eq!(
+            read(json!({"seed": -1})).sampling().unwrap().seed,
+            Some(Seed::Random)
+        );
+        let e = read(json!({"seed": -2}))
+            .sampling()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("seed") && e.contains("-1 for a random seed"),
+            "{e}"
+        );
         assert_eq!(s.top_p, Sampling::default().top_p);
-        assert_eq!(Keywords::default().sampling(), Sampling::default());
+        assert_eq!(Keywords::default().sampling().unwrap(), Sampling::default());
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::error::{Result, invalid};
 use crate::generate::GenerateOptions;
 use crate::grammar::Grammar;
+use crate::llama_cpp::Seed;
 use crate::sample::{Mirostat, SamplingParams};
 
 /// The sampler's knobs under llama-cpp-python's names, Mirostat as its three arguments.
@@ -21,7 +22,8 @@ pub struct Sampling {
     pub repeat_penalty: f32,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
-    pub seed: Option<u64>,
+    /// None: the model's seed (`default_seed` of [`Sampling::params`]).
+    pub seed: Option<Seed>,
     pub mirostat_mode: i64,
     pub mirostat_tau: f32,
     pub mirostat_eta: f32,
@@ -49,7 +51,8 @@ impl Default for Sampling {
 
 impl Sampling {
     /// The sampler's parameters; `default_seed` when the request names none (the model's
-    /// `seed=` at load, as `Llama(seed=...)`). A bad Mirostat mode or rate is refused by name.
+    /// `seed=` at load, as `Llama(seed=...)`), a random one when it asks for one (-1).
+    /// A bad Mirostat mode or rate is refused by name.
     pub fn params(&self, default_seed: Option<u64>) -> Result<SamplingParams> {
         Ok(SamplingParams {
             temperature: self.temperature,
@@ -60,7 +63,7 @@ impl Sampling {
             repeat_penalty: self.repeat_penalty,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
-            seed: self.seed.or(default_seed),
+            seed: self.seed.map_or(default_seed, Seed::value),
             mirostat: Mirostat::from_mode(
                 self.mirostat_mode,
                 self.mirostat_tau,
@@ -167,6 +170,14 @@ mod tests {
         assert_eq!(o.max_tokens, None);
         assert_eq!(o.sampling.seed, Some(7));
         assert!(o.stop_at_eog);
+        // a request's own seed wins over the model's, and -1 asks for a random one
+        let seeded = |seed| Sampling {
+            seed: Some(seed),
+            ..Sampling::default()
+        };
+        let params = seeded(Seed::Fixed(3)).params(Some(7)).unwrap();
+        assert_eq!(params.seed, Some(3));
+        assert_eq!(seeded(Seed::Random).params(Some(7)).unwrap().seed, None);
         let bad = Request {
             sampling: Sampling {
                 mirostat_mode: 3,
