@@ -4,6 +4,7 @@ way everywhere."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -195,3 +196,13 @@ def test_dequantize_into_a_wrong_array_names_what_it_wants(tiny_llama_gguf: Path
         assert "float64" in str(info.value) and "np.float32" in str(info.value)
         out = np.empty(shape, np.float32)
         assert ckpt.dequantize("blk.0.ffn_down.weight", out=out) is out
+
+
+def test_n_threads_is_at_most_the_cpus_the_process_may_use(tiny_llama_gguf: Path) -> None:
+    # Threads beyond the CPUs only wait for each other: ten thousand of them made one token
+    # take minutes. The pool keeps at most as many threads as the CPUs the process may run on.
+    cpus = len(os.sched_getaffinity(0))
+    m = wl.load_gguf(tiny_llama_gguf, n_threads=10_000)
+    assert 1 <= m.n_threads <= cpus
+    assert m.create_completion([1, 2, 3], max_tokens=2)["usage"]["completion_tokens"] >= 1
+    assert wl.load_gguf(tiny_llama_gguf, n_threads=1).n_threads == 1

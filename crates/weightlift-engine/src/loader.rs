@@ -297,8 +297,7 @@ pub fn load(
             drop(free_rx);
         }
 
-        let threads =
-            std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_PREAD_THREADS));
+        let threads = crate::forward::logical_cpus().min(MAX_PREAD_THREADS);
         let mut done = 0u64;
         let mut current: Option<(usize, crate::device::Buffer)> = None;
         // The non-finite report word of the tensor being quantised on a CUDA device.
@@ -765,7 +764,7 @@ fn pread_owned(
 /// bandwidth.
 fn read_parallel(file: &File, pos: u64, dst: &mut [u8]) -> std::io::Result<()> {
     let parts = if dst.len() >= PARALLEL_PREAD {
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_PREAD_THREADS))
+        crate::forward::logical_cpus().min(MAX_PREAD_THREADS)
     } else {
         1
     };

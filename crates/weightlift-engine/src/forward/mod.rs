@@ -415,27 +415,38 @@ impl Default for Runner {
     }
 }
 
+/// Logical CPUs this process may run on (its affinity mask and cgroup quota), read once per
+/// process: the standard library reads the cgroup files on every call, a measurable part of a
+/// millisecond-long load.
+pub fn logical_cpus() -> usize {
+    static LOGICAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LOGICAL.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// Physical cores this process may run on (the `n_threads` default, as llama.cpp's), from the
-/// CPU topology in sysfs; the logical count where that cannot be read.
+/// CPU topology in sysfs; the logical count where that cannot be read. Read once per process.
 pub fn physical_cores() -> usize {
-    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let read = |p: String| std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned());
-    let mut cores = std::collections::BTreeSet::new();
-    for cpu in 0..logical.max(1) * 4 {
-        let base = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
-        let (Some(pkg), Some(core)) = (
-            read(format!("{base}/physical_package_id")),
-            read(format!("{base}/core_id")),
-        ) else {
-            continue;
-        };
-        cores.insert((pkg, core));
-    }
-    if cores.is_empty() {
-        logical
-    } else {
-        cores.len().min(logical)
-    }
+    static PHYSICAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PHYSICAL.get_or_init(|| {
+        let logical = logical_cpus();
+        let read = |p: String| std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned());
+        let mut cores = std::collections::BTreeSet::new();
+        for cpu in 0..logical.max(1) * 4 {
+            let base = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
+            let (Some(pkg), Some(core)) = (
+                read(format!("{base}/physical_package_id")),
+                read(format!("{base}/core_id")),
+            ) else {
+                continue;
+            };
+            cores.insert((pkg, core));
+        }
+        if cores.is_empty() {
+            logical
+        } else {
+            cores.len().min(logical)
+        }
+    })
 }
 
 impl crate::Model {
@@ -448,12 +459,14 @@ impl crate::Model {
         }
     }
 
-    /// Run the forward pass on `threads` threads (0: physical cores). The pool is made once.
+    /// Run the forward pass on `threads` threads (0: physical cores), at most the logical CPUs
+    /// the process may run on: threads beyond those only wait for each other, and thousands of
+    /// them turned a token into minutes. The pool is made once.
     pub fn set_threads(&mut self, threads: usize) -> Result<()> {
         let n = if threads == 0 {
             physical_cores()
         } else {
-            threads
+            threads.min(logical_cpus())
         };
         if self.runner.pool.is_none() || self.runner.threads != n {
             let pool = weightlift_kernels::thread_pool(n).map_err(|e| EngineError::Device {
