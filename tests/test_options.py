@@ -206,3 +206,8 @@ def test_n_threads_is_at_most_the_cpus_the_process_may_use(tiny_llama_gguf: Path
     assert 1 <= m.n_threads <= cpus
     assert m.create_completion([1, 2, 3], max_tokens=2)["usage"]["completion_tokens"] >= 1
     assert wl.load_gguf(tiny_llama_gguf, n_threads=1).n_threads == 1
+
+
+def test_n_batch_of_zero_is_refused_at_load(tiny_llama_gguf: Path) -> None:
+    with pytest.raises(PlanError, match=r"n_batch: expected at least 1 .*got 0"):
+        wl.load_gguf(tiny_llama_gguf, n_batch=0)

@@ -190,6 +190,14 @@ impl Session {
         progress: &mut dyn FnMut(&Progress<'_>) -> bool,
     ) -> Result<()> {
         let dtype = cache_dtype(args.type_k, args.type_v)?;
+        if args.n_batch == 0 && given_runtime.is_none() {
+            // refused here rather than by the first prompt, which would find no chunk to run
+            return Err(crate::error::invalid(
+                "n_batch",
+                "at least 1 (the longest prompt chunk of one forward call; 512 by default)",
+                0,
+            ));
+        }
         self.defaults.runtime = runtime(args.n_batch, given_runtime);
         self.model.set_runtime(self.defaults.runtime);
         let cache = self
