@@ -695,6 +695,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     args.batch = args.parallel + (1 if args.embedding else 0)
     if args.queue < 0:
         raise weightlift.PlanError(f"serve: --queue: expected 0 or more, got {args.queue}")
+    if not 0 <= args.port <= 65535:
+        raise weightlift.PlanError(
+            f"serve: --port: expected 0 (any free port) to 65535, got {args.port}"
+        )
     server.require()
     # Bind before the load, so a port in use fails at once.
     sock = socket.create_server((args.host, args.port))
