@@ -1539,3 +1539,31 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
     }
     Ok(())
 }
+
+/// On cuda:0, a capture that fails still ends. A wait inside the recording is refused and
+/// invalidates the capture; a buffer dropped after it is freed in stream order, which the
+/// invalidated capture refuses too, inside the drop, where cudarc keeps the error for the next
+/// call that binds the context (`end_capture`'s own). The capture returns an error, and the
+/// stream is out of capture: allocations, copies and launches run on it as before.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn a_failed_capture_leaves_the_stream_running() -> Result<()> {
+    let b = CudaBackend::new(0)?;
+    let early = b.alloc(256)?;
+    b.synchronize()?;
+    let capture = b.capture(|b| {
+        assert!(b.synchronize().is_err(), "a wait on a capturing stream");
+        drop(early);
+        Ok(())
+    });
+    assert!(capture.is_err(), "an invalidated capture made a graph");
+    let x = f32s(&b, &[1.0, 2.0, 3.0, 4.0])?;
+    let mut y = f32s(&b, &[0.5; 4])?;
+    b.run(Op::AddInPlace {
+        n: 4,
+        x: &mut y,
+        y: &x,
+    })?;
+    assert_eq!(download_f32(&b, &y, 4)?, [1.5, 2.5, 3.5, 4.5]);
+    Ok(())
+}

@@ -56,12 +56,22 @@ impl CudaBackend {
             .begin_capture(mode)
             .map_err(drv(format!("starting a graph capture on {}", self.name())))?;
         let recorded = record(self);
-        // the capture ends whatever happened, so the stream runs work again
+        // cudarc keeps the error of a driver call made in a drop (a stream-ordered free of a
+        // buffer dropped inside `record`, refused once the capture is invalidated) and returns
+        // it from the next call that binds the context: `end_capture` would return it before
+        // ending the capture, leaving the stream capturing and every later launch and copy on
+        // it failing. It is taken here, so the capture ends whatever happened and the stream
+        // runs work again.
+        let dropped = self
+            .ctx
+            .check_err()
+            .map_err(drv(format!("recording a graph on {}", self.name())));
         let ended = self
             .stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
             .map_err(drv(format!("ending a graph capture on {}", self.name())));
         recorded?;
+        dropped?;
         let graph = ended?.ok_or_else(|| KernelError::Cuda {
             during: format!("ending a graph capture on {}", self.name()),
             message: "the capture recorded nothing".into(),
