@@ -342,12 +342,13 @@ fn device_quantisers_keep_the_contexts_stack_reserve() {
         .flat_map(|i| (i as f32 * 0.01 - 1.0).to_le_bytes())
         .collect();
     let free_after = |ty: QuantType| {
-        let mut dst = b.alloc(512).unwrap();
-        let mut found = b.alloc(8).unwrap();
-        b.quantize_rows(ty, FloatType::F32, &row, 256, &mut dst, 0, 0, &mut found)
-            .unwrap();
-        b.synchronize().unwrap();
-        drop((dst, found));
+        {
+            let mut dst = b.alloc(512).unwrap();
+            let mut found = b.alloc(8).unwrap();
+            b.quantize_rows(ty, FloatType::F32, &row, 256, &mut dst, 0, 0, &mut found)
+                .unwrap();
+        }
+        // the buffers and the quantiser's scratch freed
         b.synchronize().unwrap();
         b.mem_info().unwrap().0
     };

@@ -1553,7 +1553,8 @@ fn a_failed_capture_leaves_the_stream_running() -> Result<()> {
     b.synchronize()?;
     let capture = b.capture(|b| {
         assert!(b.synchronize().is_err(), "a wait on a capturing stream");
-        drop(early);
+        // freed on the invalidated capture
+        let _freed = early;
         Ok(())
     });
     assert!(capture.is_err(), "an invalidated capture made a graph");
