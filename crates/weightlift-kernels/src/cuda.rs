@@ -523,6 +523,11 @@ impl CudaBackend {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if matches!(*state, CublasState::NotTried) {
+            // the handle's workspace is made outside a graph's recording only (see
+            // `capturing`): the products recorded take the backend's kernels
+            if self.capturing()? {
+                return Ok(None);
+            }
             *state = match self.make_cublas() {
                 Ok(h) => CublasState::Ready(h),
                 Err(e) => CublasState::Unavailable(e.to_string()),
@@ -765,6 +770,19 @@ impl CudaBackend {
     unsafe fn scratch(&self, bytes: usize) -> Result<CudaSlice<u8>> {
         // SAFETY: the caller writes before it reads (this function's contract).
         unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(|e| self.alloc_error(bytes, e))
+    }
+
+    /// Whether this backend's stream is recording a graph ([`CudaBackend::capture`]). What is
+    /// allocated there is the graph's own memory, valid only while the graph runs: a buffer
+    /// the backend keeps past the operation (decode's Q8 activations, the cuBLAS workspace) is
+    /// never made then.
+    fn capturing(&self) -> Result<bool> {
+        use cudarc::driver::sys::CUstreamCaptureStatus;
+        let status = self.stream.capture_status().map_err(drv(format!(
+            "asking whether {} records a graph",
+            self.name()
+        )))?;
+        Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     /// A view of `len` bytes at device address `ptr`.
