@@ -44,8 +44,10 @@ impl CudaBackend {
     /// graph, not run. Nothing in `record` may wait for the device (no
     /// [`Backend::synchronize`], no copy to the host): the driver refuses, and the capture
     /// fails with its error. Run the same operations once before capturing them, so every
-    /// module is loaded and every kept buffer (decode's Q8 activations) exists; a scratch
-    /// buffer allocated inside the capture becomes part of the graph. The capture is relaxed:
+    /// module is loaded and every kept buffer (decode's Q8 activations, the cuBLAS handle)
+    /// exists: none is made while recording (operations recorded before take a scratch, or the
+    /// kernels, instead), and a graph so recorded differs from them. A scratch buffer allocated
+    /// inside the capture becomes part of the graph. The capture is relaxed:
     /// other threads may use the driver meanwhile, but not this backend's stream.
     pub fn capture(
         &self,
