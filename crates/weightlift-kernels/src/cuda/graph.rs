@@ -45,8 +45,9 @@ impl CudaBackend {
     /// [`Backend::synchronize`], no copy to the host): the driver refuses, and the capture
     /// fails with its error. Run the same operations once before capturing them, so every
     /// module is loaded and every kept buffer (decode's Q8 activations, the cuBLAS handle)
-    /// exists: none is made while recording (operations recorded before take a scratch, or the
-    /// kernels, instead), and a graph so recorded differs from them. A scratch buffer allocated
+    /// exists. None is made while recording: a product recorded before them quantises into a
+    /// scratch of the graph's, and a prompt product takes the kernels where cuBLAS would run
+    /// (other bits than the launched product's). A scratch buffer allocated
     /// inside the capture becomes part of the graph. The capture is relaxed:
     /// other threads may use the driver meanwhile, but not this backend's stream.
     pub fn capture(
