@@ -406,3 +406,51 @@ fn large_tensors_staged_onto_a_virtual_device_are_bit_exact() {
         assert_eq!(dev.used(), 0);
     }
 }
+
+/// A file cut short after it was opened fails the load of a tensor read window by window into
+/// a device (the path CUDA's pinned staging takes; here a virtual device's arena) with the
+/// typed read error naming the file and the tensor, in the second of its 16 MiB windows, and
+/// the windows already filled are released with it: the device holds nothing after.
+#[test]
+fn a_file_cut_short_mid_fill_fails_by_name_and_frees_the_device() {
+    use safetensors::tensor::{Dtype, TensorView};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let big: Vec<u8> = (0..(20usize << 20) + 2 * 7)
+        .map(|i| (i * 11 % 249) as u8)
+        .collect();
+    let mut views = std::collections::HashMap::new();
+    views.insert(
+        "model.layers.0.mlp.up_proj.weight".to_owned(),
+        TensorView::new(Dtype::F16, vec![big.len() / 2], &big).unwrap(),
+    );
+    safetensors::serialize_to_file(&views, None, &path).unwrap();
+    let src: Arc<dyn Source> = Arc::new(Checkpoint::open(&path, OpenOptions::default()).unwrap());
+    let full = std::fs::metadata(&path).unwrap().len();
+    // the tensor's last 2 MiB and a little more are gone: inside its second window
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(full - (2 << 20) - 3)
+        .unwrap();
+    let inv = Inventory::parse("virtual:1x64MiB").unwrap();
+    let dev = Arc::clone(&inv.accelerators()[0]);
+    let t = targets(&src, |_| Arc::clone(&dev));
+    let err = load(
+        &src,
+        &t,
+        &LoadOptions::default(),
+        &mut |_| true,
+        &mut |_| Ok(()),
+    )
+    .unwrap_err();
+    let msg = err.to_string();
+    let EngineError::Io { tensor, source, .. } = &err else {
+        panic!("not a read error: {msg}");
+    };
+    assert_eq!(tensor, "model.layers.0.mlp.up_proj.weight", "{msg}");
+    assert_eq!(source.kind(), std::io::ErrorKind::UnexpectedEof, "{msg}");
+    assert!(msg.contains("model.safetensors"), "{msg}");
+    assert_eq!(dev.used(), 0);
+}

@@ -129,6 +129,21 @@ pub use ops::ATTENTION_MAX_HEAD_DIM;
 /// Bytes per pinned staging buffer (two per backend).
 pub const STAGING_BYTES: usize = 16 << 20;
 
+/// Runs `wait` (a wait for work queued on `ctx`) from a drop that then frees memory the work may
+/// still read; whether it waited. cudarc keeps the error of a driver call made in an earlier drop
+/// and returns it from the next call that binds the context, before that call's own work: the
+/// wait would return at once, and the memory would be freed under the copy or kernel still
+/// reading it. The kept error is taken first and put back after, for the next call to return.
+fn wait_in_drop(
+    ctx: &CudaContext,
+    wait: impl FnOnce() -> std::result::Result<(), cudarc::driver::DriverError>,
+) -> bool {
+    let kept = ctx.check_err();
+    let waited = wait();
+    ctx.record_err(kept);
+    waited.is_ok()
+}
+
 fn drv<E: std::fmt::Debug>(during: impl Into<String>) -> impl FnOnce(E) -> KernelError {
     let during = during.into();
     move |e| KernelError::Cuda {
@@ -331,7 +346,7 @@ impl Drop for CudaBackend {
     /// before they are unloaded and freed (buffers keep their own stream alive).
     fn drop(&mut self) {
         // Nothing to report to from a drop; the context keeps a sticky error anyway.
-        let _ = self.stream.synchronize();
+        wait_in_drop(&self.ctx, || self.stream.synchronize());
         // the cuBLAS handle, dropped after this, is destroyed in its own context
         let _ = self.ctx.bind_to_thread();
     }
@@ -508,6 +523,11 @@ impl CudaBackend {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if matches!(*state, CublasState::NotTried) {
+            // the handle's workspace is made outside a graph's recording only (see
+            // `capturing`): the products recorded take the backend's kernels
+            if self.capturing()? {
+                return Ok(None);
+            }
             *state = match self.make_cublas() {
                 Ok(h) => CublasState::Ready(h),
                 Err(e) => CublasState::Unavailable(e.to_string()),
@@ -750,6 +770,19 @@ impl CudaBackend {
     unsafe fn scratch(&self, bytes: usize) -> Result<CudaSlice<u8>> {
         // SAFETY: the caller writes before it reads (this function's contract).
         unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(|e| self.alloc_error(bytes, e))
+    }
+
+    /// Whether this backend's stream is recording a graph ([`CudaBackend::capture`]). What is
+    /// allocated there is the graph's own memory, valid only while the graph runs: a buffer
+    /// the backend keeps past the operation (decode's Q8 activations, the cuBLAS workspace) is
+    /// never made then.
+    fn capturing(&self) -> Result<bool> {
+        use cudarc::driver::sys::CUstreamCaptureStatus;
+        let status = self.stream.capture_status().map_err(drv(format!(
+            "asking whether {} records a graph",
+            self.name()
+        )))?;
+        Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     /// A view of `len` bytes at device address `ptr`.

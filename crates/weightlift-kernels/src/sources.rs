@@ -273,6 +273,10 @@ pub const Q8_BLOCK_BYTES: usize = 40;
 /// `kernels/matvec.cu`): `256 / (32 wpr)` rows of [`q8_matvec_warps`] warps each.
 pub const Q8_MATVEC_THREADS: usize = 256;
 
+/// Threads per block of the quantise-on-load kernels `quantize_{type}_{src}` (`WL_QZ_THREADS`
+/// in `kernels/quantize.cu`, their launch bounds), one block of ggml values each.
+pub const QUANTIZE_THREADS: usize = 128;
+
 /// Warps per weight row of decode's Q8 kernel (1, 2, 4 or 8): enough that the launch has about
 /// 64 warps per SM in flight (a decode product is too short for a second wave to hide the
 /// first's memory latency), and no more than leave every lane two groups of the row.

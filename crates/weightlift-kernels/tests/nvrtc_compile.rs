@@ -1,7 +1,8 @@
 //! Every kernel source compiles with NVRTC to PTX and CUBIN for sm_75 (T4-class, the oldest ISA
 //! we expect) and sm_90 (the backend compiles for the device's own `sm_XY` at run time), with no
 //! error and no warning; every kernel's PTX
-//! parameters equal the argument list the CUDA backend launches it with; and no block decoder
+//! parameters equal the argument list the CUDA backend launches it with, and its launch bounds
+//! hold the blocks the backend launches it with; and no block decoder
 //! loads a multi-byte field through a cast pointer (a misaligned load faults on the GPU, and
 //! the host twin cannot see it). Needs libnvrtc (pip nvidia-cuda-nvrtc-cu12 in the repository's
 //! `.venv`, a CUDA toolkit, or on `LD_LIBRARY_PATH`); without it they fail, saying so.
@@ -578,4 +579,87 @@ fn prompt_attention_mma_kernel_uses_tensor_cores_from_sm80() {
         !body("sm_75").contains("mma.sync"),
         "attention_prefill_mma_f16: an mma.sync in its sm_75 PTX"
     );
+}
+
+/// The threads a block the CUDA backend launches kernel `name` with: the configs of
+/// `cuda/matmul.rs`, `cuda/ops.rs`, `cuda/quantize.rs` and `cuda/launch.rs` (whose elementwise,
+/// per-row and one-block launches, the int8, exact quantised and several-token Q8 products all
+/// take 256).
+#[cfg(feature = "nvrtc-check")]
+fn launch_threads(name: &str) -> usize {
+    use weightlift_kernels::sources::{
+        ATTENTION_WARPS, FLOAT_BLOCK_THREADS, GEMM_THREADS, Q8_MATVEC_THREADS, QUANTIZE_THREADS,
+    };
+    let starts = |prefixes: &[&str]| prefixes.iter().any(|p| name.starts_with(p));
+    let float = ["f16", "bf16", "f32"].iter().any(|t| {
+        ["matvec_", "matmul_", "swiglu_matvec_"]
+            .iter()
+            .any(|k| name.starts_with(&format!("{k}{t}_")))
+    });
+    if starts(&["attention_"]) {
+        ATTENTION_WARPS * 32
+    } else if starts(&["quantize_"]) {
+        QUANTIZE_THREADS
+    } else if starts(&[
+        "q8_matvec_",
+        "q8_wide_matvec_",
+        "swiglu_q8_matvec_",
+        "swiglu_q8_wide_matvec_",
+    ]) {
+        Q8_MATVEC_THREADS
+    } else if starts(&["gemm_"]) {
+        GEMM_THREADS
+    } else if float {
+        FLOAT_BLOCK_THREADS
+    } else {
+        256
+    }
+}
+
+/// Every launch fits its kernel: a block of more threads than the kernel's `__launch_bounds__`
+/// (PTX `.maxntid`) fails on the device with "too many resources requested for launch", since
+/// ptxas gave each thread the registers of the bound; a kernel without bounds may take 255
+/// registers a thread, so its blocks stay at 256 threads (255 × 256 of the 65,536 registers an
+/// SM holds).
+#[cfg(feature = "nvrtc-check")]
+#[test]
+fn every_launch_fits_its_kernels_launch_bounds() {
+    use weightlift_kernels::sources;
+    common::require_nvrtc();
+    let mut bounded = 0;
+    for (module, _) in sources::SOURCES {
+        for arch in ARCHES {
+            let ptx = &compiled_for(module, arch).ptx;
+            for body in ptx.split(".entry ").skip(1) {
+                let name = body.split('(').next().unwrap_or("").trim();
+                let threads = launch_threads(name);
+                // the directives sit between the parameter list and the body's `{`
+                let head = body.split('{').next().unwrap_or("");
+                let bound = head.split(".maxntid").nth(1).map(|dims| {
+                    dims.split(['\n', '.'])
+                        .next()
+                        .unwrap_or("")
+                        .split(',')
+                        .map(|d| d.trim().parse::<usize>().expect("a .maxntid dimension"))
+                        .product::<usize>()
+                });
+                match bound {
+                    Some(most) => {
+                        bounded += 1;
+                        assert!(
+                            threads <= most,
+                            "{name} ({arch}): launched with {threads} threads a block, its \
+                             launch bounds allow {most}"
+                        );
+                    }
+                    None => assert!(
+                        threads <= 256,
+                        "{name} ({arch}): {threads} threads a block without launch bounds"
+                    ),
+                }
+            }
+        }
+    }
+    // the attention, float and Q8 decode products and quantisers: 73 a compile now
+    assert!(bounded >= 140, "only {bounded} kernels with launch bounds");
 }

@@ -18,7 +18,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, PinnedHostSlice,
 };
 
-use super::{CudaBackend, CudaBuffer, STAGING_BYTES, drv};
+use super::{CudaBackend, CudaBuffer, STAGING_BYTES, drv, wait_in_drop};
 use crate::backend::{Backend, Rows, check_range, check_rows, copy_peer_by_rows};
 use crate::error::{KernelError, Result};
 
@@ -36,7 +36,7 @@ impl Drop for Staging {
     fn drop(&mut self) {
         for e in &self.done {
             // Nothing to report to from a drop; the context keeps a sticky error anyway.
-            let _ = e.synchronize();
+            wait_in_drop(e.context(), || e.synchronize());
         }
     }
 }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::copies::{Staging, upload_staged};
-use super::{CudaBackend, CudaBuffer, HostPins, drv};
+use super::{CudaBackend, CudaBuffer, HostPins, drv, wait_in_drop};
 use crate::backend::{Backend, check_range};
 use crate::error::{KernelError, Result};
 
@@ -39,7 +39,7 @@ impl Drop for Inner {
     /// before the buffers are freed.
     fn drop(&mut self) {
         // Nothing to report to from a drop; the context keeps a sticky error anyway.
-        let _ = self.stream.synchronize();
+        wait_in_drop(&self.ctx, || self.stream.synchronize());
     }
 }
 

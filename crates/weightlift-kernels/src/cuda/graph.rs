@@ -44,8 +44,11 @@ impl CudaBackend {
     /// graph, not run. Nothing in `record` may wait for the device (no
     /// [`Backend::synchronize`], no copy to the host): the driver refuses, and the capture
     /// fails with its error. Run the same operations once before capturing them, so every
-    /// module is loaded and every kept buffer (decode's Q8 activations) exists; a scratch
-    /// buffer allocated inside the capture becomes part of the graph. The capture is relaxed:
+    /// module is loaded and every kept buffer (decode's Q8 activations, the cuBLAS handle)
+    /// exists. None is made while recording: a product recorded before them quantises into a
+    /// scratch of the graph's, and a prompt product takes the kernels where cuBLAS would run
+    /// (other bits than the launched product's). A scratch buffer allocated
+    /// inside the capture becomes part of the graph. The capture is relaxed:
     /// other threads may use the driver meanwhile, but not this backend's stream.
     pub fn capture(
         &self,
@@ -56,12 +59,22 @@ impl CudaBackend {
             .begin_capture(mode)
             .map_err(drv(format!("starting a graph capture on {}", self.name())))?;
         let recorded = record(self);
-        // the capture ends whatever happened, so the stream runs work again
+        // cudarc keeps the error of a driver call made in a drop (a stream-ordered free of a
+        // buffer dropped inside `record`, refused once the capture is invalidated) and returns
+        // it from the next call that binds the context: `end_capture` would return it before
+        // ending the capture, leaving the stream capturing and every later launch and copy on
+        // it failing. It is taken here, so the capture ends whatever happened and the stream
+        // runs work again.
+        let dropped = self
+            .ctx
+            .check_err()
+            .map_err(drv(format!("recording a graph on {}", self.name())));
         let ended = self
             .stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
             .map_err(drv(format!("ending a graph capture on {}", self.name())));
         recorded?;
+        dropped?;
         let graph = ended?.ok_or_else(|| KernelError::Cuda {
             during: format!("ending a graph capture on {}", self.name()),
             message: "the capture recorded nothing".into(),

@@ -89,8 +89,11 @@ impl HostPins {
 impl Drop for HostPins {
     fn drop(&mut self) {
         // Nothing to report to from a drop: a failed wait or unregistration leaves the pages
-        // locked until the process ends, which is harmless.
-        let _ = self.ctx.synchronize();
+        // locked until the process ends, which is harmless, where unregistering them after a
+        // failed wait could unlock pages a queued copy still reads.
+        if !super::wait_in_drop(&self.ctx, || self.ctx.synchronize()) {
+            return;
+        }
         if self.ctx.bind_to_thread().is_err() {
             return;
         }

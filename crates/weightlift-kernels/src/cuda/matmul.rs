@@ -175,17 +175,19 @@ impl CudaBackend {
             // were checked) and writes its 40 bytes of xq (which holds at least n_blocks).
             unsafe { self.launch("matvec", &name, elementwise(mul(n_blocks, 32))?, &mut args) }
         };
-        if bytes > Q8_KEPT_BYTES {
+        let mut kept = self
+            .q8_kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // the kept buffer is made outside a graph's recording only (see `capturing`)
+        if bytes > Q8_KEPT_BYTES || (kept.is_none() && self.capturing()?) {
+            drop(kept);
             // SAFETY: q8_quantize writes all n_blocks blocks before the products (later on
             // the same stream) read them.
             let mut xq = unsafe { self.scratch(bytes) }?;
             quantise(&mut xq)?;
             return then(&xq);
         }
-        let mut kept = self
-            .q8_kept
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if kept.is_none() {
             // SAFETY: as above: every use quantises into it before a product reads it.
             *kept = Some(unsafe { self.scratch(Q8_KEPT_BYTES) }?);

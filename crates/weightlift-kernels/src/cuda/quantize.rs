@@ -4,9 +4,7 @@
 //! destination, all queued on the compute stream.
 
 use super::*;
-
-/// Threads per block of the `quantize_` kernels (`WL_QZ_THREADS`, their launch bounds).
-const QUANTIZE_THREADS: usize = 128;
+use crate::sources::QUANTIZE_THREADS;
 
 impl CudaBackend {
     /// [`Backend::quantize_rows`] on this device.

@@ -115,7 +115,8 @@ impl StepGraphs {
                 return Ok(());
             };
             self.warm.remove(w);
-            // the step's engine error, kept whole while the capture reports a kernel error
+            // the step's error while it was recorded: the refusal's reason, if the launched
+            // step runs
             let mut failed: Option<EngineError> = None;
             let captured = b.capture(|b| {
                 step(b).map_err(|e| {
@@ -135,12 +136,16 @@ impl StepGraphs {
                     }
                     self.graphs.push((key, g));
                 }
-                // an error of the step itself is the step's: it would fail launched too
-                Err(_) if failed.is_some() => return Err(failed.expect("checked")),
                 Err(e) => {
-                    // the driver refused to record: this key keeps to plain launches
-                    self.refused = Some((key, e.to_string()));
-                    return step(b);
+                    // Nothing of the step ran while it was recorded, so it is launched as
+                    // usual. The step's error is not always its own: a call the driver refuses
+                    // inside a capture (and not outside) fails the step too. An error the step
+                    // makes launched is its own, and is returned; when the launched step runs,
+                    // the capture was refused, and this key keeps to plain launches.
+                    step(b)?;
+                    let why = failed.map_or_else(|| e.to_string(), |f| f.to_string());
+                    self.refused = Some((key, why));
+                    return Ok(());
                 }
             }
         }
