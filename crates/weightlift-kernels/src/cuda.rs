@@ -314,6 +314,9 @@ pub struct CudaBackend {
     /// Whether prompts' attention takes tensor cores where it can ([`PrefillAttention`]:
     /// `WEIGHTLIFT_FA_MMA`, or [`CudaBackend::with_prefill_attention`]).
     prefill_attention: PrefillAttention,
+    /// The context's per-thread stack limit before the first quantise-on-load launch, restored
+    /// once the quantisers are done ([`CudaBackend::check_quantized_on_device`]).
+    stack_before_quantize: std::sync::OnceLock<Option<usize>>,
 }
 
 /// Whether a backend has a cuBLAS handle.
@@ -402,6 +405,7 @@ impl CudaBackend {
             cublas_min_tokens: cublas::min_tokens_from_env(),
             q8_decode: Q8Decode::from_env(),
             prefill_attention: PrefillAttention::from_env(),
+            stack_before_quantize: std::sync::OnceLock::new(),
         })
     }
 
@@ -1009,6 +1013,10 @@ impl Backend for CudaBackend {
         found: &mut CudaBuffer,
     ) -> Result<()> {
         self.quantize_rows_on_device(ty, src_ty, src, n_per_row, dst, offset, first, found)
+    }
+
+    fn check_quantized(&self, found: &CudaBuffer) -> Result<()> {
+        self.check_quantized_on_device(found)
     }
 
     fn synchronize(&self) -> Result<()> {

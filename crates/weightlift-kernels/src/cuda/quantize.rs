@@ -45,6 +45,8 @@ impl CudaBackend {
             return Ok(());
         }
         let n_blocks = n_values / ty.block_size();
+        self.stack_before_quantize
+            .get_or_init(|| self.stack_limit().ok());
         // SAFETY: every byte the kernel reads is written by the upload queued before it.
         let slice = unsafe { self.scratch(src.len()) }?;
         let mut scratch = CudaBuffer {
@@ -77,5 +79,50 @@ impl CudaBackend {
         // is 256-byte aligned, so the kernel's 64-bit atomicMax on it is aligned.
         unsafe { self.launch("quantize", &name, cfg, &mut args) }
         // the scratch is freed in stream order, after the kernel
+    }
+
+    /// [`Backend::check_quantized`] on this device: the report, then the context's per-thread
+    /// stack limit back to what it was before the quantisers ran. The K-quant quantisers' frame
+    /// (a block's values and the search's scratch, about 1.3 KiB a thread in the sm_90 build) is
+    /// past the 1 KiB a context reserves a thread; the driver grows the reserve for every
+    /// thread the device can hold at their first launch (about 86 MB on an H200) and keeps it,
+    /// memory no plan charges. Setting the limit back gives it up (the driver waits for the
+    /// queued work, which the report's read has already done).
+    pub(super) fn check_quantized_on_device(&self, found: &CudaBuffer) -> Result<()> {
+        let mut word = [0u8; 8];
+        self.copy_to_host(found, 0, &mut word)?;
+        if let Some(Some(before)) = self.stack_before_quantize.get()
+            && self.stack_limit()? > *before
+        {
+            self.set_stack_limit(*before)?;
+        }
+        crate::cpu::quantize::check_non_finite_report(u64::from_le_bytes(word))
+    }
+
+    /// The context's per-thread stack limit in bytes (`cuCtxGetLimit`).
+    pub fn stack_limit(&self) -> Result<usize> {
+        use cudarc::driver::sys;
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv("binding the context to read its stack limit"))?;
+        let mut bytes = 0usize;
+        // SAFETY: the context is current on this thread, and the driver writes one usize.
+        unsafe { sys::cuCtxGetLimit(&mut bytes, sys::CUlimit::CU_LIMIT_STACK_SIZE) }
+            .result()
+            .map_err(drv("reading the context's stack limit"))?;
+        Ok(bytes)
+    }
+
+    /// Sets the context's per-thread stack limit (`cuCtxSetLimit`).
+    fn set_stack_limit(&self, bytes: usize) -> Result<()> {
+        use cudarc::driver::sys;
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv("binding the context to set its stack limit"))?;
+        // SAFETY: the context is current on this thread; the driver waits for queued work
+        // before it resizes the reserve.
+        unsafe { sys::cuCtxSetLimit(sys::CUlimit::CU_LIMIT_STACK_SIZE, bytes) }
+            .result()
+            .map_err(drv("restoring the context's stack limit"))
     }
 }
