@@ -404,14 +404,22 @@ pub fn synthesize_tensors(
     Ok(out)
 }
 
+/// The architectures whose LongRoPE factor lists llama.cpp's converter writes as tensors
+/// (its phi3 and minicpm models); the others' configs keep them to themselves.
+const LONGROPE_ARCHITECTURES: [&str; 2] = ["phi3", "minicpm"];
+
 /// The two global tensors llama.cpp's converter writes, before every other, for a config that
 /// scales RoPE by LongRoPE ([`weightlift_format::hf_config::has_longrope_factors`]: Phi-3's
 /// 128k models, Phi-3.5-mini, Phi-4-mini): `rope_factors_long.weight` then
 /// `rope_factors_short.weight`, each F32 whatever the weight type, one factor per rotated pair
-/// (`rope_dim / 2`). The engine reads them once, on the host, to turn its RoPE angles, so they
-/// are placed with the token embedding. `file` and `offset` are 0: nothing is read.
+/// (`rope_dim / 2`); none for an architecture the converter writes none for. The engine reads
+/// them once, on the host, to turn its RoPE angles, so they are placed with the token
+/// embedding. `file` and `offset` are 0: nothing is read.
 pub fn longrope_tensors(spec: &ModelSpec) -> Result<Vec<TensorInfo>> {
     check_spec(spec)?;
+    if !LONGROPE_ARCHITECTURES.contains(&spec.architecture.as_str()) {
+        return Ok(Vec::new());
+    }
     let pairs = u64::from(spec.rope_dim / 2);
     let factors = |name: &str| TensorInfo {
         name: name.to_owned(),
@@ -628,6 +636,14 @@ mod tests {
             (Role::FfnDownExps, vec![4, 32, 32]),
         ];
         assert_eq!(ffn(1), routed);
+        assert!(
+            longrope_tensors(&spec).unwrap().is_empty(),
+            "qwen3_moe has none"
+        );
+        let spec = ModelSpec {
+            architecture: "phi3".into(),
+            ..spec
+        };
         let f = longrope_tensors(&spec).unwrap();
         let got: Vec<_> = f
             .iter()
