@@ -414,14 +414,17 @@ def fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def routing(model: torch.nn.Module, ids: list[int]) -> dict[str, object]:
     """Which experts each layer's router picks at every position of `ids`, and how close the
     choice is: the smallest gap between the k-th and (k+1)-th router probability (a gap near 0
-    would let rounding pick another expert)."""
+    would let rounding pick another expert). Only the layers with a router count (a Qwen3-MoE
+    may give some layers a dense MLP); ``layers`` lists them when some layer has none."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def hook(_m, _inp, out):
         router_logits, _scores, indices = out
         seen.append((router_logits.detach().float(), indices.detach()))
 
-    handles = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers]
+    layers = model.model.layers
+    routed = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate")]
+    handles = [layers[i].mlp.gate.register_forward_hook(hook) for i in routed]
     try:
         logits(model, ids)
     finally:
@@ -433,7 +436,10 @@ def routing(model: torch.nn.Module, ids: list[int]) -> dict[str, object]:
         probs = torch.sort(torch.softmax(router_logits, -1), -1, descending=True).values
         gaps.append(float((probs[:, k - 1] - probs[:, k]).min()))
         chosen.append([sorted(int(e) for e in row) for row in indices])
-    return {"experts": chosen, "kth_gap_min": gaps}
+    out: dict[str, object] = {"experts": chosen, "kth_gap_min": gaps}
+    if len(routed) < len(layers):
+        out["layers"] = routed
+    return out
 
 
 def check_routing(r: dict[str, object], n_experts: int) -> None:

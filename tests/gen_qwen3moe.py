@@ -1,7 +1,10 @@
 """Regenerate ``tests/data/tiny-qwen3moe/``: a tiny random Qwen3-MoE made by transformers,
 converted to GGUF by llama.cpp's own converter, and the logits transformers computes for it.
 With ``--narrow``, ``tests/data/tiny-qwen3moe-narrow/``: the same recipe with experts half as
-wide as the hidden size, as every released Qwen3-MoE has them.
+wide as the hidden size, as every released Qwen3-MoE has them. With ``--mixed``,
+``tests/data/tiny-qwen3moe-mixed/``: six layers of which only some route to experts
+(``decoder_sparse_step`` 2 and ``mlp_only_layers`` [3]), the others running a dense MLP; no GGUF,
+as llama.cpp's converter refuses such a checkpoint (its refusal is recorded in ``stats.json``).
 
 Nothing here is weightlift code: the weights come from ``Qwen3MoeForCausalLM`` (rounded to f16,
 see ``tests/fixture_lib.py``), the GGUF files from the ``convert_hf_to_gguf.py`` and gguf-py
@@ -13,12 +16,14 @@ numpy 2.4.6 and llama-cpp-python 0.3.36::
 
     python tests/gen_qwen3moe.py
     python tests/gen_qwen3moe.py --narrow
+    python tests/gen_qwen3moe.py --mixed
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 
@@ -89,6 +94,25 @@ NARROW = dict(hidden_size=64, intermediate_size=32)
 SEED_NARROW = int(os.environ.get("QWEN3MOE_SEED", "3"))
 
 
+# transformers' rule (Qwen3MoeDecoderLayer): layer i routes to experts when (i + 1) is a
+# multiple of decoder_sparse_step and i is not in mlp_only_layers; every other layer runs a dense
+# MLP of intermediate_size. Step 2 makes layers 1, 3 and 5 sparse, and mlp_only_layers takes 3
+# back, so each rule decides a layer: 0, 2 and 4 are dense by the step, 3 by the list. The dense
+# width (64) is twice the experts' (32), so a workspace sized by the experts alone is too small.
+# Seeds 0-39 were screened as the narrow ones were; six layers leave smaller margins, and 27 is
+# the first whose smallest top-1/top-2 margins are all above 0.02 (0.072 prompt, 0.027 greedy,
+# 0.023 chat) and whose smallest gap between the second and third router probability is above
+# 0.004 (0.006 in layer 1, 0.023 in layer 5).
+MIXED = dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+SEED_MIXED = int(os.environ.get("QWEN3MOE_SEED", "27"))
+
+
+def is_sparse(cfg: dict, layer: int) -> bool:
+    """transformers' choice of a layer's MLP (see MIXED)."""
+    step = cfg["decoder_sparse_step"]
+    return layer not in cfg["mlp_only_layers"] and (layer + 1) % step == 0
+
+
 @dataclass
 class Variant:
     """One fixture folder of this recipe: its name (the GGUF files' stem too), seed, config
@@ -103,6 +127,7 @@ class Variant:
 VARIANTS = {
     "": Variant("tiny-qwen3moe", SEED),
     "--narrow": Variant("tiny-qwen3moe-narrow", SEED_NARROW, NARROW, ["F16"]),
+    "--mixed": Variant("tiny-qwen3moe-mixed", SEED_MIXED, MIXED, []),
 }
 
 
@@ -124,7 +149,8 @@ def make_model(seed: int = SEED, overrides: dict | None = None) -> Qwen3MoeForCa
     model = Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, cfg.initializer_range)
+            if hasattr(layer.mlp, "gate"):  # a dense layer (see MIXED) has no router
+                layer.mlp.gate.weight.normal_(0.0, cfg.initializer_range)
     fl.perturb_norms(model, 0.5, 1.5)
     fl.round_to_f16(model)
     return model
@@ -173,6 +199,18 @@ def main(argv: list[str]) -> int:
                 sd[k][:2] = 1.0
 
     fixed = fl.logits(variant(model, first_two), ids)
+    sensitivity = {
+        "norm_topk_prob_false": fl.stats(ref, unnormed),
+        "every_token_to_experts_0_1": fl.stats(ref, fixed),
+    }
+    if "layers" in route:
+        # How far an engine would be that skipped the dense layers' MLP.
+        def no_dense(sd):
+            for k in sd:
+                if k.endswith("mlp.down_proj.weight"):
+                    sd[k].zero_()
+
+        sensitivity["dense_mlp_skipped"] = fl.stats(ref, fl.logits(variant(model, no_dense), ids))
 
     def load(sd):
         return variant(model, None if sd is None else lambda s: s.update(sd))
@@ -198,29 +236,16 @@ def main(argv: list[str]) -> int:
         "logit_std": float(ref.std()),
         "top1_minus_top2": fl.margins(ref),
         "noise_floor": {"float32_vs_float64": fl.stats(ref, ref64)},
-        "sensitivity": {
-            "norm_topk_prob_false": fl.stats(ref, unnormed),
-            "every_token_to_experts_0_1": fl.stats(ref, fixed),
-        },
+        "sensitivity": sensitivity,
     }
-    report["gguf"] = fl.write_ggufs(
-        out,
-        v.name,
-        model,
-        ids,
-        ref,
-        root,
-        load=load,
-        gguf_to_hf=GGUF_TO_HF,
-        metadata=lambda p: fl.gguf_metadata(p, "qwen3moe", gen_qwen3.METADATA),
-        pre="qwen2",
-        fix=fl.fuse_experts,
-        types=v.types,
-    )
+    if v.types:
+        report["gguf"] = write_ggufs(out, v, model, ids, ref, root, load)
+    else:
+        report["gguf_refused"] = refused_by_converter(out, root)
     report["files"] = fl.files(out)
     report["versions"] = fl.versions(root)
     fl.write_stats(out, report)
-    gguf = report["gguf"]
+    gguf = report.get("gguf", {})
     quantised = (
         {
             "q8_min_margin": gguf["Q8_0"]["hf_dequant_top1_minus_top2_min"],
@@ -240,7 +265,7 @@ def main(argv: list[str]) -> int:
                 "router_gap": route["kth_gap_min"],
                 "chat": [chat_text, chat_greedy, report["chat_greedy_text"]],
                 **quantised,
-                "lc_f16": gguf["F16"]["llamacpp_vs_hf_logits"],
+                "lc_f16": gguf["F16"]["llamacpp_vs_hf_logits"] if gguf else None,
                 "sensitivity": report["sensitivity"],
                 "bytes": sum(f["bytes"] for f in report["files"].values()),
             },
@@ -248,6 +273,38 @@ def main(argv: list[str]) -> int:
         )
     )
     return 0
+
+
+def write_ggufs(out, v: Variant, model, ids, ref, root, load) -> dict[str, object]:
+    """The variant's GGUF files, converted by llama.cpp and measured (``fl.write_ggufs``)."""
+    return fl.write_ggufs(
+        out,
+        v.name,
+        model,
+        ids,
+        ref,
+        root,
+        load=load,
+        gguf_to_hf=GGUF_TO_HF,
+        metadata=lambda p: fl.gguf_metadata(p, "qwen3moe", gen_qwen3.METADATA),
+        pre="qwen2",
+        fix=fl.fuse_experts,
+        types=v.types,
+    )
+
+
+def refused_by_converter(out, root) -> str:
+    """The last line llama.cpp's converter prints when it refuses the checkpoint in `out` (its
+    qwen3moe tensor list has no dense ``ffn_gate``/``ffn_up``/``ffn_down``); an error if it
+    converts after all, since the fixture would then need its GGUF."""
+    dest = out / "refused.gguf"
+    try:
+        fl.convert(out, "f16", dest, root, "qwen2")
+    except subprocess.CalledProcessError as e:
+        return e.stderr.decode().strip().splitlines()[-1]
+    finally:
+        dest.unlink(missing_ok=True)
+    raise AssertionError("llama.cpp's converter took a checkpoint with dense layers")
 
 
 if __name__ == "__main__":

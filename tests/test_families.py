@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,9 @@ FAMILIES = {
     "mixtral": (DATA / "tiny-mixtral", "<|im_end|>"),
     # experts narrower than the hidden size, as every released Qwen3-MoE has them (F16 only)
     "qwen3moe-narrow": (DATA / "tiny-qwen3moe-narrow", "<|im_end|>"),
+    # layers 1 and 5 of 6 route to experts, the others run a dense MLP (decoder_sparse_step 2,
+    # mlp_only_layers [3]); safetensors only: llama.cpp's converter refuses it
+    "qwen3moe-mixed": (DATA / "tiny-qwen3moe-mixed", "<|im_end|>"),
 }
 # family: the architecture its safetensors folder (config.json's model_type) and its GGUF files
 # (general.architecture) name, where that is not the family's name: llama.cpp's converter
@@ -40,6 +44,7 @@ ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "qwen3moe"),
     "mixtral": ("mixtral", "llama"),
     "qwen3moe-narrow": ("qwen3_moe", "qwen3moe"),
+    "qwen3moe-mixed": ("qwen3_moe", "qwen3moe"),
 }
 MOE_FAMILIES = ["mixtral", "qwen3moe", "qwen3moe-narrow"]
 
@@ -54,8 +59,15 @@ def stats(folder: Path) -> dict[str, Any]:
 
 
 def gguf_types(family: str) -> list[str]:
-    """The GGUF files the family's generator wrote: F16, then Q8_0 where there is one."""
-    return list(stats(FAMILIES[family][0])["gguf"])
+    """The GGUF files the family's generator wrote: F16, then Q8_0 where there is one; none
+    where llama.cpp's converter refused the checkpoint (``gguf_refused``)."""
+    return list(stats(FAMILIES[family][0]).get("gguf", {}))
+
+
+def checkpoints(family: str) -> list[Path]:
+    """The family's safetensors folder, then each of its GGUF files."""
+    folder = FAMILIES[family][0]
+    return [folder, *(folder / f"tiny-{family}-{ty}.gguf" for ty in gguf_types(family))]
 
 
 def models() -> list[tuple[str, str, Any]]:
@@ -124,8 +136,10 @@ def test_run_chat_answers_as_transformers(family):
     folder, _ = FAMILIES[family]
     s = stats(folder)
     cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
+    # the F16 GGUF, or the safetensors folder of a family without one
+    path = checkpoints(family)[1 if gguf_types(family) else 0]
     args = [
-        "run", str(folder / f"tiny-{family}-F16.gguf"), "--chat",
+        "run", str(path), "--chat",
         "-p", s["chat_messages"][0]["content"], "-n", str(len(s["chat_greedy_ids"])),
         "--temp", "0", "--ctx", "64", "--compute", "exact", "--threads", "2",
     ]  # fmt: skip
@@ -143,8 +157,7 @@ def test_run_chat_answers_as_transformers(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inspect_and_plan_without_loading(family):
-    folder, _ = FAMILIES[family]
-    for path in (folder, folder / f"tiny-{family}-{gguf_types(family)[-1]}.gguf"):
+    for path in (checkpoints(family)[0], checkpoints(family)[-1]):
         spec = wl.open(path).spec
         arch = architecture(family, path.suffix == ".gguf")
         assert spec.architecture == arch, path
@@ -306,3 +319,97 @@ def test_tensor_parallel_splits_the_experts_whole(family):
     m.close()
     with pytest.raises(wl.PlanError, match=r"overrides/n_cpu_moe.*expert table.*strategy='layers'"):
         wl.plan(path, devices="virtual:2x64MiB", strategy="tensor_parallel", n_cpu_moe=1)
+
+
+def test_a_longrope_config_alone_plans_the_factor_tables_as_the_gguf_holds_them():
+    # planning before downloading a Phi-3.5-mini: its config.json scales RoPE by LongRoPE, so
+    # the table llama.cpp's converter writes holds rope_factors_long and rope_factors_short
+    # (f32, one factor per rotated pair) first, and a plan from the config alone holds them
+    # too, with the file's bytes, on the host beside the token embedding
+    gguf_file = PHI3 / "tiny-phi3-F16.gguf"
+    kw = {"devices": "virtual:64MiB,cpu", "n_gpu_layers": 99}
+    want = wl.plan(gguf_file, **kw)
+    got = wl.plan(PHI3 / "config.json", weight_dtype="f16", **kw)
+    table = lambda p: [(t.name, t.device, t.dtype, t.nbytes) for t in p.tensors]  # noqa: E731
+    assert sorted(table(got)) == sorted(table(want))
+    assert table(got)[:2] == [
+        ("rope_factors_long.weight", "cpu", "F32", 16),
+        ("rope_factors_short.weight", "cpu", "F32", 16),
+    ]
+    assert [(d.name, d.weights, d.scratch) for d in got.devices] == [
+        (d.name, d.weights, d.scratch) for d in want.devices
+    ]
+
+
+MIXED = DATA / "tiny-qwen3moe-mixed"
+
+
+def test_a_mixed_moe_config_alone_plans_each_layers_mlp():
+    # transformers' rule: layer i routes when (i + 1) % decoder_sparse_step == 0 and i is not
+    # in mlp_only_layers (here 2 and [3]: layers 1 and 5), the others hold a dense MLP of
+    # intermediate_size; the config alone plans the layers as the checkpoint holds them
+    plan = wl.plan(MIXED / "config.json", weight_dtype="f16", devices="cpu")
+    ffn = {(t.layer, t.name.split(".")[2]) for t in plan.tensors if ".ffn_" in t.name}
+    for layer in range(6):
+        want = (
+            {"ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+            if layer in (1, 5)
+            else {"ffn_norm", "ffn_gate", "ffn_up", "ffn_down"}
+        )
+        assert {n for lay, n in ffn if lay == layer} == want, layer
+    # the dense MLP at the checkpoint's width and bytes (f16: 64 x 32 x 2)
+    held = {t.name: t.nbytes for t in wl.plan(MIXED, devices="cpu").tensors}
+    got = {t.name: t.nbytes for t in plan.tensors}
+    for gguf_name, hf_name in [
+        ("ffn_gate", "gate_proj"),
+        ("ffn_up", "up_proj"),
+        ("ffn_down", "down_proj"),
+    ]:
+        for layer in (0, 2, 3, 4):
+            want = held[f"model.layers.{layer}.mlp.{hf_name}.weight"]
+            assert got[f"blk.{layer}.{gguf_name}.weight"] == want == 4096
+
+
+@pytest.mark.parametrize(
+    ("n", "held"), [(1, []), (2, ["experts of layers 1"]), (6, ["experts of layers 1, 5"])]
+)
+def test_n_cpu_moe_counts_layers_as_llama_cpp_with_dense_layers(n, held):
+    # llama.cpp's --n-cpu-moe N keeps the experts of layers 0..N-1 in host RAM; a dense layer
+    # has none, so N=1 keeps nothing here (layer 0 is dense) and N=2 layer 1's experts
+    m = wl.Model(MIXED, devices="virtual:2x64MiB,cpu", compute="exact")
+    m.load(cache={"max_seq_len": 64}, n_gpu_layers=99, n_cpu_moe=n)
+    assert [h for d in m.plan.devices for h in d.holds if h.startswith("experts")] == held
+    s = stats(MIXED)
+    out = m.generate(s["ids"], max_new_tokens=len(s["greedy_ids"]), do_sample=False)
+    assert out == s["greedy_text"]
+
+
+def test_a_gguf_layer_without_its_router_is_refused_by_name(tmp_path):
+    # llama.cpp's qwen3moe loader wants a router in every layer (its converter refuses a
+    # checkpoint with dense layers); a file missing one is named tensor by tensor before loading
+    src = gguf.GGUFReader(DATA / "tiny-qwen3moe" / "tiny-qwen3moe-F16.gguf")
+    experts = [f"blk.0.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    for drop, said in [
+        (["blk.0.ffn_gate_inp.weight"], "missing tensors: blk.0.ffn_gate_inp.weight;"),
+        (
+            ["blk.0.ffn_gate_inp.weight", *experts],
+            "missing tensors: blk.0.ffn_gate_inp.weight with its experts, or a dense MLP "
+            "(blk.0.ffn_gate.weight)",
+        ),
+    ]:
+        path = tmp_path / f"drop{len(drop)}.gguf"
+        w = gguf.GGUFWriter(path, arch="qwen3moe")
+        for name, field in src.fields.items():
+            if name.startswith("GGUF.") or name == "general.architecture":
+                continue
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+        for t in src.tensors:
+            if t.name not in drop:
+                w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(wl.FormatError, match=re.escape(said)):
+            wl.load_gguf(path, n_ctx=64)

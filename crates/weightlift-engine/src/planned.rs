@@ -496,7 +496,7 @@ impl PlanSource {
     /// A spec alone: its tensors are synthesised at the weight type the options name.
     pub fn spec(spec: weightlift_format::ModelSpec) -> PlanSource {
         PlanSource {
-            model: weightlift_plan::ModelSource::Config(spec, None, None),
+            model: weightlift_plan::ModelSource::Config(spec, None, None, false),
             window: None,
             moe: None,
         }
@@ -509,8 +509,9 @@ impl PlanSource {
         let window = weightlift_plan::SlidingWindow::from_hf_config(config, &spec)?;
         let moe = weightlift_format::MoeSpec::from_hf_config(config)?;
         let dtype = weightlift_format::hf_config::stored_dtype(config).map(str::to_owned);
+        let longrope = weightlift_format::hf_config::has_longrope_factors(config);
         Ok(PlanSource {
-            model: weightlift_plan::ModelSource::Config(spec, dtype, moe),
+            model: weightlift_plan::ModelSource::Config(spec, dtype, moe.clone(), longrope),
             window,
             moe,
         })

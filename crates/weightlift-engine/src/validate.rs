@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 
-use weightlift_format::{ModelSpec, Role};
+use weightlift_format::{ModelSpec, MoeSpec, Role};
 
 use crate::error::{EngineError, Result};
 use crate::source::Source;
@@ -142,15 +142,54 @@ pub fn validate(source: &dyn Source) -> Result<Vec<String>> {
         Role::FfnUpExps,
         Role::FfnDownExps,
     ];
+    let dense_mlp = [Role::FfnGate, Role::FfnUp, Role::FfnDown, Role::FfnGateUp];
+    let has = |l: u32, r: &Role| present.contains(&(Some(l), *r));
+    // Each layer's MLP is what its tensors hold: a layer with a router or an expert routes,
+    // the others run a dense MLP (a Qwen MoE may mix them; llama.cpp's qwen3moe loader wants
+    // a router in every layer). In a model with experts a layer holding neither is named as
+    // missing both.
+    let moe_model = (0..spec.n_layers).any(|l| moe.iter().any(|r| has(l, r)));
     for l in 0..spec.n_layers {
-        let routed = present.contains(&(Some(l), Role::FfnGateInp));
-        let roles = per_layer
-            .iter()
-            .filter(|r| !routed || !matches!(r, Role::FfnGate | Role::FfnUp | Role::FfnDown));
+        let routed = moe.iter().any(|r| has(l, r));
+        let no_mlp = moe_model && !routed && !dense_mlp.iter().any(|r| has(l, r));
+        if no_mlp {
+            missing.push(format!(
+                "{} with its experts, or a dense MLP ({})",
+                name_for(Role::FfnGateInp, Some(l), gguf),
+                name_for(Role::FfnGate, Some(l), gguf)
+            ));
+        }
+        let roles = per_layer.iter().filter(|r| {
+            let mlp = matches!(r, Role::FfnGate | Role::FfnUp | Role::FfnDown);
+            !(mlp && (routed || no_mlp))
+        });
         let experts = if routed { &moe[..] } else { &[] };
         for &r in roles.chain(qk_norm).chain(experts) {
-            if !present.contains(&(Some(l), r)) {
+            if !has(l, &r) {
                 missing.push(name_for(r, Some(l), gguf));
+            }
+        }
+    }
+    // The config (its `decoder_sparse_step` and `mlp_only_layers`) must say of each layer
+    // what its tensors hold, as transformers would load them: a plan from the config alone
+    // would otherwise differ from the checkpoint's
+    let mut disagree = Vec::new();
+    let config_moe = source
+        .checkpoint()
+        .and_then(|c| c.config())
+        .map(MoeSpec::from_hf_config);
+    if let Some(Ok(Some(m))) = config_moe.filter(|_| moe_model) {
+        for l in 0..spec.n_layers {
+            let routed = moe.iter().any(|r| has(l, r));
+            if routed != m.routes(l) {
+                let (holds, says) = if routed {
+                    ("a router", "dense")
+                } else {
+                    ("a dense MLP", "routed")
+                };
+                disagree.push(format!(
+                    "layer {l} holds {holds}, config.json makes it {says}"
+                ));
             }
         }
     }
@@ -184,6 +223,12 @@ pub fn validate(source: &dyn Source) -> Result<Vec<String>> {
     }
     if !shapes.is_empty() {
         problems.push(format!("shape mismatches: {}", shapes.join("; ")));
+    }
+    if !disagree.is_empty() {
+        problems.push(format!(
+            "layers against decoder_sparse_step and mlp_only_layers: {}",
+            disagree.join("; ")
+        ));
     }
     if problems.is_empty() {
         return Ok(Vec::new());

@@ -58,6 +58,7 @@ fn tiny_moe_specs_and_expert_tensors() {
                 n_used: 2,
                 expert_ffn: ffn,
                 norm_topk_prob: true,
+                dense_layers: Vec::new(),
             };
             assert_eq!(moe, Some(want), "{file}");
             let spec = ck.spec().unwrap();
@@ -619,13 +620,23 @@ fn tiny_moe_plan_for_a_gpu_shows_the_experts_on_the_host() {
     }
 }
 
+/// The safetensors folder, and the Q8_0 file where the fixture has one (quantised experts).
+fn safetensors_and_q8_0(f: Family) -> Vec<std::path::PathBuf> {
+    let q8 = f
+        .checkpoints()
+        .into_iter()
+        .filter(|p| p.to_string_lossy().contains("Q8_0"));
+    std::iter::once(f.data()).chain(q8).collect()
+}
+
 /// Several sequences in one forward call route and group their tokens piece by piece: a
 /// sequence's logits in a batch (prompts joining while others decode) are the bits it gets
-/// alone, in exact and in fast mode, on the Q8_0 file (quantised experts) and the safetensors.
+/// alone, in exact and in fast mode, on the Q8_0 file (quantised experts) and the safetensors,
+/// and on the mixed model's dense and routed layers.
 #[test]
 fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
     const STEPS: usize = 4;
-    for f in BOTH {
+    for f in BOTH.into_iter().chain([MIXED]) {
         let ids = f.ids();
         let chat = json_ids(&f.data().join("stats.json"), "chat_prompt_ids");
         // (prompt, the step it joins)
@@ -635,7 +646,7 @@ fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
             (chat.clone(), 1),
             (ids[4..].to_vec(), 2),
         ];
-        for path in [f.data(), f.gguf("Q8_0")] {
+        for path in safetensors_and_q8_0(f) {
             let (mut m, _) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
             for compute in [Compute::Exact, Compute::Fast] {
                 m.set_compute(compute);
@@ -649,18 +660,18 @@ fn tiny_moe_batched_logits_are_the_bits_of_each_sequence_alone() {
 }
 
 /// Through the backend op sequence with every expert on the host (`n_cpu_moe=2`, attention
-/// and routers on two virtual devices) and with every expert on the device computing its
-/// layer, a batch of sequences (prompts joining while others decode) gives each sequence the
-/// bits it gets alone on the host path whole on cpu, in exact and in fast mode, on the Q8_0
-/// file (quantised experts) and the safetensors: the router's products and the experts' run
-/// piece by piece, as on the host.
+/// and routers on two virtual devices; on the mixed model layer 1's experts, layer 5's on its
+/// device) and with every expert on the device computing its layer, a batch of sequences
+/// (prompts joining while others decode) gives each sequence the bits it gets alone on the
+/// host path whole on cpu, in exact and in fast mode, on the Q8_0 file (quantised experts) and
+/// the safetensors: the router's products and the experts' run piece by piece, as on the host.
 #[test]
 fn tiny_moe_backend_batches_with_the_bits_of_each_sequence_alone() {
     const STEPS: usize = 4;
-    for f in BOTH {
+    for f in BOTH.into_iter().chain([MIXED]) {
         let ids = f.ids();
         let reqs = common::batch::joining_requests(&ids);
-        for path in [f.data(), f.gguf("Q8_0")] {
+        for path in safetensors_and_q8_0(f) {
             let src = open(&path);
             let (mut whole, _) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
             let (mut host, _, _) = n_cpu_moe_model(&src, 2);
@@ -771,13 +782,14 @@ fn tiny_moe_fit_finds_the_fewest_layers_with_experts_on_the_host() {
 /// expert of a stacked GGUF tensor its own rows. The logits are the all-on-cpu bits, for every
 /// checkpoint, on the host path and through the backend op sequence (which computes the
 /// offloaded layer's experts from the slot on the device), and with `n_cpu_moe=2` as well
-/// through the backend (layer 1's experts in host RAM, computed by the host).
+/// through the backend (layer 1's experts in host RAM, computed by the host). The mixed model
+/// offloads five layers, dense and routed, around its last on the device.
 #[test]
 fn tiny_moe_offloaded_layers_give_the_all_on_cpu_bits() {
     use std::sync::Arc;
     use weightlift_engine::{Inventory, Model};
     use weightlift_plan as wp;
-    for f in ALL {
+    for f in ALL.into_iter().chain([MIXED]) {
         let ids = f.ids();
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
@@ -1156,6 +1168,338 @@ fn tiny_moe_dense_width_below_the_experts_runs_as_planned() {
                 let d = max_abs_diff(&floats(&got), &floats(&want));
                 assert!(d <= 1e-5, "{what} tp, backend {backend}: max|Δ| {d}");
             }
+        }
+    }
+}
+
+// A Qwen3-MoE whose config gives some layers a dense MLP.
+
+/// Six layers, `decoder_sparse_step` 2 and `mlp_only_layers` [3]: by transformers' rule layers
+/// 1 and 5 route to the 4 experts (32 wide) and 0, 2, 3 and 4 run a dense MLP of
+/// `intermediate_size` 64 (`tests/data/tiny-qwen3moe-mixed`, `gen_qwen3moe.py --mixed`).
+/// Safetensors only: llama.cpp's converter refuses the checkpoint (its qwen3moe tensor list has
+/// no dense MLP), as its `stats.json` records.
+const MIXED: Family = Family("qwen3moe-mixed");
+/// The layers of [`MIXED`] with a dense MLP.
+const MIXED_DENSE: [u32; 4] = [0, 2, 3, 4];
+
+/// The checkpoint and its config agree with transformers' rule, and a plan made from the
+/// config alone (`PlanSource::hf_config`) holds, layer by layer, what the checkpoint holds: a
+/// router and experts in layers 1 and 5, a dense MLP of `intermediate_size` elsewhere, each
+/// with its shapes, beside every layer's attention and norms.
+#[test]
+fn mixed_moe_layers_follow_the_config() {
+    use std::collections::BTreeSet;
+    use weightlift_plan as wp;
+    let ck = Checkpoint::open(MIXED.data(), OpenOptions::default()).unwrap();
+    assert!(
+        MIXED.stats()["gguf_refused"]
+            .as_str()
+            .unwrap()
+            .contains("Can not map tensor")
+    );
+    let moe = MoeSpec::from_hf_config(ck.config().unwrap())
+        .unwrap()
+        .unwrap();
+    assert_eq!(moe.dense_layers, MIXED_DENSE);
+    let spec = ck.spec().unwrap();
+    assert_eq!(
+        (spec.n_layers, spec.intermediate_size, moe.expert_ffn),
+        (6, 64, 32)
+    );
+    let layers_with = |tensors: &[weightlift_format::TensorInfo], role: Role| -> BTreeSet<u32> {
+        tensors
+            .iter()
+            .filter(|t| t.role == Some(role))
+            .filter_map(|t| t.layer)
+            .collect()
+    };
+    let dense: BTreeSet<u32> = MIXED_DENSE.into_iter().collect();
+    let routed: BTreeSet<u32> = [1, 5].into_iter().collect();
+    for role in [Role::FfnGate, Role::FfnUp, Role::FfnDown] {
+        assert_eq!(layers_with(ck.tensors(), role), dense, "{role:?}");
+    }
+    for role in [Role::FfnGateInp, Role::FfnGateExps, Role::FfnDownExps] {
+        assert_eq!(layers_with(ck.tensors(), role), routed, "{role:?}");
+    }
+    assert!(wp::has_dense_layers(spec.n_layers, ck.tensors()));
+
+    // the config alone: the same (layer, role) pairs, the dense MLP's shapes the file's
+    let req = weightlift_engine::planned::PlanSource::hf_config(ck.config().unwrap())
+        .unwrap()
+        .request(
+            wp::PlanOptions::default(),
+            wp::parse_devices("cpu").unwrap(),
+        )
+        .unwrap();
+    let roles = |tensors: &[weightlift_format::TensorInfo]| -> BTreeSet<(Option<u32>, Role)> {
+        tensors.iter().map(|t| (t.layer, t.role.unwrap())).collect()
+    };
+    assert_eq!(roles(&req.tensors), roles(ck.tensors()));
+    assert_eq!(req.moe.as_ref(), Some(&moe));
+    for t in req.tensors.iter().filter(|t| t.layer == Some(2)) {
+        let want = match t.role.unwrap() {
+            Role::FfnGate | Role::FfnUp => vec![64, 32],
+            Role::FfnDown => vec![32, 64],
+            _ => continue,
+        };
+        assert_eq!(t.shape, want, "{}", t.name);
+    }
+}
+
+/// A config that says of a layer other than its tensors hold (here `mlp_only_layers` emptied,
+/// so by `decoder_sparse_step` layer 3 would route, while it holds a dense MLP) is refused
+/// before loading, naming the layer, what it holds and what the config makes it; the
+/// checkpoint as shipped validates.
+#[test]
+fn mixed_moe_config_disagreeing_with_the_tensors_is_refused_by_name() {
+    use weightlift_engine::validate::validate;
+    assert!(validate(open(MIXED.data()).as_ref()).is_ok());
+    let dir = tempfile::tempdir().unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(MIXED.data().join(f), dir.path().join(f)).unwrap();
+    }
+    let text = std::fs::read_to_string(MIXED.data().join("config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    cfg["mlp_only_layers"] = serde_json::json!([]);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let e = validate(open(dir.path()).as_ref()).unwrap_err().to_string();
+    assert!(
+        e.contains(
+            "layers against decoder_sparse_step and mlp_only_layers: layer 3 holds a dense \
+             MLP, config.json makes it routed"
+        ),
+        "{e}"
+    );
+}
+
+/// Each layer runs its MLP as the checkpoint has it: in exact mode the logits at every
+/// position are transformers' within 1e-3 with its argmax (on cpu, over 2 and 3 virtual
+/// devices and through the backend op sequence, with the same bits everywhere), greedy decoding
+/// is transformers' continuation, and a plan over virtual devices is what the load holds. A
+/// layer on disk gives the cpu bits too. Skipping the dense layers' MLP would move the
+/// logits by more than 1 (the generator's measurement).
+#[test]
+fn mixed_moe_runs_each_layers_mlp_as_the_checkpoint_has_it() {
+    let s = MIXED.stats();
+    let skipped = s["sensitivity"]["dense_mlp_skipped"]["max_abs"]
+        .as_f64()
+        .unwrap();
+    assert!(skipped > 1.0, "{skipped}");
+    MIXED.safetensors_exact_matches_transformers();
+    MIXED.same_bits_on_cpu_virtual_devices_and_the_backend();
+    MIXED.greedy_ids_are_transformers();
+    MIXED.plan_is_what_the_load_holds();
+    let ids = MIXED.ids();
+    let src = open(MIXED.data());
+    let cpu = MIXED.exact_logits(&MIXED.data(), false);
+    // layers 0 (dense) and 1 (experts) on disk, the rest over two virtual devices
+    let (mut m, cache) = split_load(
+        &src,
+        "virtual:2x64MiB,cpu,disk",
+        &["virtual:0", "virtual:1"],
+        CacheDType::F32,
+        2,
+        false,
+    );
+    m.set_compute(Compute::Exact);
+    let out = forward_all(&mut m, &cache, &ids);
+    assert!(
+        out == cpu,
+        "disk layers: max|Δ| {}",
+        max_abs_diff(&out, &cpu)
+    );
+}
+
+/// The workspace holds the widest MLP the model runs: its dense layers' 64 beside the experts'
+/// 32, so a device holding the whole model has the workspace of a 64-wide MLP (the query
+/// regions hidden-wide for the experts' rows), the load holds the plan, and the logits are
+/// transformers'.
+#[test]
+fn mixed_moe_workspace_holds_the_dense_mlp() {
+    use std::sync::Arc;
+    use weightlift_engine::{Inventory, Model};
+    use weightlift_plan as wp;
+    let ids = MIXED.ids();
+    let runtime = wp::RuntimeSpec {
+        max_input_len: ids.len() as u64,
+        max_attention_size: ids.len() as u64 * 64,
+        max_dq_size: 1 << 16,
+        low_mem: false,
+    };
+    let src = open(MIXED.data());
+    let spec = src.spec().unwrap();
+    let mut m = Model::new(
+        Arc::clone(&src),
+        Inventory::parse("virtual:1x64MiB").unwrap(),
+    );
+    let mut req = m.plan_request().unwrap();
+    req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
+    req.runtime = runtime;
+    let plan = wp::plan(&req).unwrap();
+    let dims = wp::Dims::new(spec, &runtime, 64, 1);
+    let everything = wp::Hosts {
+        layers: true,
+        head: true,
+        embed: true,
+    };
+    let q_dim = dims.q_dim.max(spec.hidden_size);
+    let ws = |inter: u64| {
+        wp::Workspace::new(
+            &wp::Dims {
+                inter,
+                q_dim,
+                ..dims
+            },
+            everything,
+        )
+    };
+    assert!(ws(32).bytes < ws(64).bytes);
+    let device = &plan.devices()[0];
+    assert_eq!(device.scratch, ws(64).bytes, "{}", device.name);
+    let cache = common::load_planned(&mut m, &plan).unwrap();
+    common::assert_holds_the_plan_exactly(&m, &plan, "mixed whole on one device");
+    m.set_compute(Compute::Exact);
+    let out = forward_all(&mut m, &cache, &ids);
+    MIXED.assert_matches("whole on one device", &out, "hf_logits.npy");
+}
+
+/// `n_cpu_moe=N` is llama.cpp's `--n-cpu-moe N`: the expert tensors of layers `0..N` stay in
+/// host RAM, and a dense layer among them has none, its MLP going with its layer. So N = 1
+/// keeps nothing on the host (layer 0 is dense), N = 2 to 5 layer 1's experts, N = 6 both
+/// expert layers'; the plan says so tensor by tensor and in `holds`, the load holds the plan,
+/// and on the host path and through the backend op sequence (layer 1's experts on the host,
+/// layer 5's on its device for N = 2) the prompt and three decode steps are the bits of the
+/// model whole on cpu.
+#[test]
+fn mixed_moe_n_cpu_moe_counts_layers_as_llama_cpp() {
+    let ids = MIXED.ids();
+    let src = open(MIXED.data());
+    let (mut whole, cache) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+    whole.set_compute(Compute::Exact);
+    let want = prompt_and_decode(&mut whole, &cache, &ids);
+    for (n, held) in [
+        (1, None),
+        (2, Some("experts of layers 1")),
+        (6, Some("experts of layers 1, 5")),
+    ] {
+        let (mut m, c, plan) = n_cpu_moe_model(&src, n);
+        let what = format!("n_cpu_moe={n}");
+        let layers = plan.layer_devices().to_vec();
+        assert!(
+            layers.iter().all(|d| d.starts_with("virtual:")),
+            "{what}: {layers:?}"
+        );
+        for (t, info) in plan.tensors().iter().zip(src.tensors()) {
+            let Some(l) = info.layer else { continue };
+            let host = info.role.is_some_and(Role::is_expert) && l < n;
+            let want = if host {
+                "cpu"
+            } else {
+                layers[l as usize].as_str()
+            };
+            assert_eq!(t.device, want, "{what}: {}", t.name);
+        }
+        let cpu = plan.devices().iter().find(|d| d.name == "cpu").unwrap();
+        let holds: Vec<&String> = cpu
+            .holds
+            .iter()
+            .filter(|h| h.starts_with("experts"))
+            .collect();
+        assert_eq!(
+            holds.first().map(|h| h.as_str()),
+            held,
+            "{what}: {:?}",
+            cpu.holds
+        );
+        common::assert_holds_the_plan_exactly(&m, &plan, &what);
+        m.set_compute(Compute::Exact);
+        for backend in [false, true] {
+            m.set_host_backend(backend);
+            let got = prompt_and_decode(&mut m, &c, &ids);
+            let d = max_abs_diff(&floats(&got), &floats(&want));
+            assert!(got == want, "{what}, backend {backend}: max|Δ| {d}");
+        }
+    }
+}
+
+/// Tensor parallelism splits each layer's MLP as it is: the dense layers' by the intermediate
+/// table (exllamav2's ID table, whole units of 128), the expert layers' by the expert table,
+/// both in one plan. The checkpoint's dense width 64 cannot be cut in units of 128, which the
+/// plan refuses by name; widened with zeros to 768 (the logits unchanged), over 2 and 3 virtual
+/// devices the plan has both tables, the dense MLP tensors split by the first and the experts
+/// by the second ([`check_expert_split`]), the load holds the plan, and in exact mode on the
+/// host path and through the backend op sequence every position is the layer split's within
+/// 1e-5 and transformers' within 1e-3.
+#[test]
+fn mixed_moe_tensor_parallel_splits_dense_layers_by_columns_and_experts_whole() {
+    let ids = MIXED.ids();
+    let src = open(MIXED.data());
+    let m = weightlift_engine::Model::new(
+        std::sync::Arc::clone(&src),
+        weightlift_engine::Inventory::parse("virtual:2x64MiB").unwrap(),
+    );
+    let mut req = m.plan_request().unwrap();
+    weightlift_plan::PlanOptions {
+        strategy: Some("tensor_parallel".into()),
+        ..weightlift_plan::PlanOptions::default()
+    }
+    .apply(&mut req)
+    .unwrap();
+    let e = weightlift_plan::plan(&req).unwrap_err().to_string();
+    assert!(
+        e.contains("divisible by 128 for the dense layers' MLP") && e.contains("64"),
+        "{e}"
+    );
+    let split = MIXED.exact_logits(&MIXED.data(), false);
+    let wide = common::widened_mlp(&MIXED.data());
+    let src = open(wide.path());
+    for (n, ex) in [
+        (2, vec![(0, 0, 2), (1, 2, 4)]),
+        (3, vec![(0, 0, 2), (1, 2, 3), (2, 3, 4)]),
+    ] {
+        let what = format!("tensor parallel over {n}");
+        let (mut m, cache, plan) = tp_load(&src, &format!("virtual:{n}x64MiB"), None).unwrap();
+        let tp = plan.tp().unwrap();
+        assert_eq!(tp.ex, ex, "{what}");
+        assert_eq!(tp.id.last().map(|x| x.2), Some(768), "{what}: {:?}", tp.id);
+        assert_eq!(tp.id.len(), n, "{what}: {:?}", tp.id);
+        check_expert_split(MIXED, &what, src.as_ref(), &plan);
+        for (t, info) in plan.tensors().iter().zip(src.tensors()) {
+            let axis = match info.role {
+                Some(Role::FfnGate | Role::FfnUp) => 0,
+                Some(Role::FfnDown) => 1,
+                _ => continue,
+            };
+            let got: Vec<(String, u64, u64)> = t
+                .split
+                .as_ref()
+                .unwrap()
+                .shards
+                .iter()
+                .map(|s| (s.device.clone(), s.start, s.end))
+                .collect();
+            let want: Vec<(String, u64, u64)> = tp
+                .id
+                .iter()
+                .map(|&(d, a, b)| (format!("virtual:{d}"), a, b))
+                .collect();
+            assert_eq!(got, want, "{what}: {} (axis {axis})", t.name);
+        }
+        common::assert_holds_the_plan_exactly(&m, &plan, &what);
+        m.set_compute(Compute::Exact);
+        for backend in [false, true] {
+            m.set_host_backend(backend);
+            let got = forward_all(&mut m, &cache, &ids);
+            let d = max_abs_diff(&got, &split);
+            let what = format!("{what}, backend {backend}");
+            eprintln!("{what}: max|Δ| {d:e} against the layer split");
+            assert!(d <= 1e-5, "{what}: max|Δ| {d} against the layer split");
+            MIXED.assert_matches(&what, &got, "hf_logits.npy");
         }
     }
 }

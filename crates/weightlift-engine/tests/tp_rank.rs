@@ -269,6 +269,29 @@ fn moe_ranks_equal_the_single_process_pass() {
     }
 }
 
+/// The mixed qwen3moe (layers 1 and 5 routed, the others dense; its dense MLP widened with
+/// zeros to 768 so the ID table can split it): each rank holds its columns of the dense MLPs
+/// and its experts of the routed layers, over 2 and 3 ranks, from safetensors.
+#[test]
+fn mixed_moe_ranks_equal_the_single_process_pass() {
+    let f = common::family::Family("qwen3moe-mixed");
+    let wide = common::widened_mlp(&f.data());
+    check(
+        &wide.path().to_path_buf(),
+        2,
+        "48MiB",
+        &f.ids(),
+        CacheDType::F32,
+    );
+    check(
+        &wide.path().to_path_buf(),
+        3,
+        "48MiB",
+        &f.ids(),
+        CacheDType::Fp16,
+    );
+}
+
 #[test]
 fn demo_model_ranks_equal_the_single_process_pass() {
     let path = weightlift_testdata::demo_gguf();

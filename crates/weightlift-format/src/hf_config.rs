@@ -45,6 +45,35 @@ pub fn stored_dtype(config: &serde_json::Value) -> Option<&str> {
         .find_map(|k| config.get(k).and_then(serde_json::Value::as_str))
 }
 
+/// A config's RoPE scaling: `rope_scaling` as transformers 4 writes it, else
+/// `rope_parameters` as transformers 5 does.
+pub fn rope_scaling(config: &serde_json::Value) -> Option<&serde_json::Value> {
+    config
+        .get("rope_scaling")
+        .filter(|v| !v.is_null())
+        .or_else(|| config.get("rope_parameters"))
+}
+
+/// The type of a config's RoPE scaling (`rope_type`, or `type` as older configs write it).
+pub fn rope_scaling_kind(config: &serde_json::Value) -> Option<&str> {
+    let r = rope_scaling(config)?;
+    r.get("rope_type")
+        .or_else(|| r.get("type"))
+        .and_then(serde_json::Value::as_str)
+}
+
+/// Whether a config scales RoPE by LongRoPE with its own factor lists (type `longrope`, or
+/// `su` as the first Phi-3 128k configs wrote it, and a non-empty `long_factor`): llama.cpp's
+/// converter then writes the lists as two tensors, `rope_factors_long` and
+/// `rope_factors_short`.
+pub fn has_longrope_factors(config: &serde_json::Value) -> bool {
+    let long = rope_scaling(config)
+        .and_then(|r| r.get("long_factor"))
+        .and_then(serde_json::Value::as_array)
+        .is_some_and(|a| !a.is_empty());
+    long && matches!(rope_scaling_kind(config), Some("longrope" | "su"))
+}
+
 /// The `config.json` in a safetensors checkpoint's folder, if there is one.
 pub(crate) fn beside(folder: &Path) -> Result<Option<serde_json::Value>> {
     let path = folder.join("config.json");

@@ -524,13 +524,21 @@ pub const MAX_EXPERTS: u64 = 1 << 12;
 /// `norm_topk_prob`. (transformers' Mixtral router: softmax, top-k, renormalise, which is a
 /// softmax over the chosen logits; its Qwen3-MoE router: softmax, top-k, renormalise only when
 /// `norm_topk_prob`. llama.cpp's `build_moe_ffn` with softmax gating and `norm_w`.)
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// `dense_layers` are the layers that run a plain MLP of `intermediate_size` instead, as a
+/// Qwen2-MoE or Qwen3-MoE config may make some (see [`MoeSpec::from_hf_config`]); every other
+/// layer routes. Empty for every released Qwen3-MoE and Mixtral, and for GGUF, whose metadata
+/// has no such key (a GGUF's layers are what its tensors say).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MoeSpec {
     pub n_experts: u32,
     pub n_used: u32,
     /// The width of each expert's feed-forward block.
     pub expert_ffn: u64,
     pub norm_topk_prob: bool,
+    /// Layers with a dense MLP, ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<u32>,
 }
 
 impl MoeSpec {
@@ -554,7 +562,13 @@ impl MoeSpec {
             n_used: n_used as u32,
             expert_ffn: positive(key, expert_ffn)?,
             norm_topk_prob: true,
+            dense_layers: Vec::new(),
         })
+    }
+
+    /// Whether layer `layer` routes its tokens to experts (it is not one of `dense_layers`).
+    pub fn routes(&self, layer: u32) -> bool {
+        self.dense_layers.binary_search(&layer).is_err()
     }
 
     /// The routing of a GGUF's layers, as llama.cpp reads it (`{arch}.expert_count`,
@@ -593,6 +607,12 @@ impl MoeSpec {
     /// `num_experts_per_tok`, `moe_intermediate_size` else `intermediate_size`,
     /// `norm_topk_prob`); `None` for a dense model. Mixtral always renormalises; the Qwen MoE
     /// configs default `norm_topk_prob` to false, as transformers does.
+    ///
+    /// The Qwen MoE configs may give some layers a dense MLP: transformers' Qwen2-MoE and
+    /// Qwen3-MoE decoder layers route when `(i + 1) % decoder_sparse_step == 0` and `i` is not
+    /// in `mlp_only_layers` (defaults 1 and none: every layer routes), and those rules make
+    /// `dense_layers`. Mixtral's layers all route, whatever its config says. A config whose
+    /// every layer is dense is a dense model (`None`).
     pub fn from_hf_config(config: &serde_json::Value) -> Result<Option<MoeSpec>> {
         let c = match config.get("text_config") {
             Some(t @ serde_json::Value::Object(_)) if config.get("num_hidden_layers").is_none() => {
@@ -632,6 +652,13 @@ impl MoeSpec {
         };
         let mut m = Self::checked("num_experts_per_tok", n, used, ffn)?;
         let mixtral = c.get("model_type").and_then(|v| v.as_str()) == Some("mixtral");
+        if !mixtral {
+            m.dense_layers = dense_layers(c)?;
+            let n_layers = uint("num_hidden_layers")?.unwrap_or(0);
+            if n_layers > 0 && m.dense_layers.len() as u64 >= n_layers {
+                return Ok(None);
+            }
+        }
         m.norm_topk_prob = match c.get("norm_topk_prob").filter(|v| !v.is_null()) {
             _ if mixtral => true,
             None => false,
@@ -644,6 +671,55 @@ impl MoeSpec {
         };
         Ok(Some(m))
     }
+}
+
+/// The layers of a Qwen MoE config that run a dense MLP (see [`MoeSpec::from_hf_config`]):
+/// those `i < num_hidden_layers` where `(i + 1) % decoder_sparse_step != 0` or `i` is in
+/// `mlp_only_layers`, ascending.
+fn dense_layers(c: &serde_json::Value) -> Result<Vec<u32>> {
+    let get = |k: &str| c.get(k).filter(|v| !v.is_null());
+    let step = match get("decoder_sparse_step") {
+        None => 1,
+        Some(v) => match v.as_u64() {
+            Some(s) if s > 0 => s,
+            _ => {
+                return Err(spec_err(
+                    "decoder_sparse_step",
+                    format!("expected a positive integer, got {}", json_kind(v)),
+                ));
+            }
+        },
+    };
+    let only: std::collections::BTreeSet<u64> = match get("mlp_only_layers") {
+        None => Default::default(),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_u64().ok_or_else(|| {
+                    spec_err(
+                        "mlp_only_layers",
+                        format!("expected layer indices, got {}", json_kind(v)),
+                    )
+                })
+            })
+            .collect::<Result<_>>()?,
+        Some(v) => {
+            return Err(spec_err(
+                "mlp_only_layers",
+                format!("expected a list of layer indices, got {}", json_kind(v)),
+            ));
+        }
+    };
+    if step == 1 && only.is_empty() {
+        return Ok(Vec::new());
+    }
+    let n_layers = match get("num_hidden_layers").and_then(serde_json::Value::as_u64) {
+        Some(n) => check_layers("num_hidden_layers", n)?,
+        None => return Err(spec_err("num_hidden_layers", "missing from config.json")),
+    };
+    Ok((0..n_layers)
+        .filter(|&i| !(u64::from(i) + 1).is_multiple_of(step) || only.contains(&u64::from(i)))
+        .collect())
 }
 
 fn json_kind(v: &serde_json::Value) -> String {
@@ -679,6 +755,7 @@ mod tests {
             n_used: 8,
             expert_ffn: 768,
             norm_topk_prob: true,
+            dense_layers: Vec::new(),
         };
         assert_eq!(MoeSpec::from_gguf(&q).unwrap(), Some(want));
         let dense = md(&[("general.architecture", MetaValue::String("llama".into()))]);
@@ -711,6 +788,51 @@ mod tests {
             "num_experts_per_tok": 8, "intermediate_size": 6144, "moe_intermediate_size": 768});
         let m = MoeSpec::from_hf_config(&qwen).unwrap().unwrap();
         assert_eq!((m.expert_ffn, m.norm_topk_prob), (768, false));
+        assert!(
+            m.dense_layers.is_empty() && m.routes(0),
+            "every layer routes by default"
+        );
+        // transformers' rule: sparse when (i + 1) % decoder_sparse_step == 0 and i is not in
+        // mlp_only_layers
+        let mixed = serde_json::json!({"model_type": "qwen3_moe", "num_experts": 4,
+            "num_experts_per_tok": 2, "intermediate_size": 64, "moe_intermediate_size": 32,
+            "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3, 9]});
+        let m = MoeSpec::from_hf_config(&mixed).unwrap().unwrap();
+        assert_eq!(m.dense_layers, [0, 2, 3, 4]);
+        assert_eq!(
+            (0..6).map(|l| m.routes(l)).collect::<Vec<_>>(),
+            [false, true, false, false, false, true]
+        );
+        let mut all_dense = mixed.clone();
+        all_dense["mlp_only_layers"] = json!([1, 3, 5]);
+        assert_eq!(MoeSpec::from_hf_config(&all_dense).unwrap(), None);
+        let mut mixtral_keys = mixtral.clone();
+        mixtral_keys["decoder_sparse_step"] = json!(2);
+        mixtral_keys["num_hidden_layers"] = json!(4);
+        let m = MoeSpec::from_hf_config(&mixtral_keys).unwrap().unwrap();
+        assert!(m.dense_layers.is_empty(), "mixtral's layers all route");
+        for (key, bad, said) in [
+            (
+                "decoder_sparse_step",
+                json!(0),
+                "expected a positive integer, got the number 0",
+            ),
+            (
+                "mlp_only_layers",
+                json!(3),
+                "expected a list of layer indices, got the number 3",
+            ),
+            (
+                "mlp_only_layers",
+                json!(["a"]),
+                "expected layer indices, got the string \"a\"",
+            ),
+        ] {
+            let mut c = mixed.clone();
+            c[key] = bad;
+            let e = MoeSpec::from_hf_config(&c).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(said), "{e}");
+        }
         let llama = serde_json::json!({"model_type": "llama", "intermediate_size": 1});
         assert_eq!(MoeSpec::from_hf_config(&llama).unwrap(), None);
         let huge = serde_json::json!({"num_experts": 1u64 << 40, "num_experts_per_tok": 2,

@@ -136,7 +136,8 @@ pub use request::{
 };
 pub use size::{fmt_bytes, parse_size};
 pub use synth::{
-    DTypeChoice, QuantPreset, WeightType, converted, gguf_type, gguf_type_of, synthesize_tensors,
+    DTypeChoice, QuantPreset, WeightType, converted, gguf_type, gguf_type_of, longrope_tensors,
+    synthesize_tensors,
 };
 pub use tp::{
     MAX_TP_RANKS, SplitTable, TpInputs, TpKind, TpRank, TpShare, TpSplit, TpWorkspace, TpWorld,

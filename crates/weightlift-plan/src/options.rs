@@ -37,7 +37,7 @@ use crate::memory::{CacheDType, CacheSpec, RuntimeSpec};
 use crate::request::{
     BudgetRule, DeviceMap, FitTarget, PlanRequest, SplitMode, Strategy, TpOptions,
 };
-use crate::synth::{DTypeChoice, WeightType, synthesize_tensors};
+use crate::synth::{DTypeChoice, WeightType, longrope_tensors, synthesize_tensors};
 
 /// Sizes per device, as users pass them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,10 +135,12 @@ impl DeviceMapArg {
 pub enum ModelSource {
     /// A checkpoint's spec and its tensor table.
     Tensors(ModelSpec, Vec<TensorInfo>),
-    /// A spec from an HF config or a ModelSpec, with the config's `torch_dtype` if it has one
-    /// and its routing to experts if it has experts: the synthesised table holds them, and the
-    /// request carries the routing.
-    Config(ModelSpec, Option<String>, Option<MoeSpec>),
+    /// A spec from an HF config or a ModelSpec, with the config's `torch_dtype` if it has one,
+    /// its routing to experts if it has experts, and whether it scales RoPE by LongRoPE
+    /// ([`weightlift_format::hf_config::has_longrope_factors`]): the synthesised table holds
+    /// the experts and the factor lists ([`crate::longrope_tensors`]), and the request carries
+    /// the routing.
+    Config(ModelSpec, Option<String>, Option<MoeSpec>, bool),
 }
 
 /// The cache exllamav2's TPContext subtracts before splitting: `tokens` (0: the model's
@@ -306,7 +308,7 @@ impl PlanOptions {
                 }
                 (spec, tensors, None)
             }
-            ModelSource::Config(spec, torch_dtype, moe) => {
+            ModelSource::Config(spec, torch_dtype, moe, longrope) => {
                 let Some(name) = self.weight_dtype.clone().or(torch_dtype) else {
                     return Err(PlanError::option(
                         "weight_dtype",
@@ -315,7 +317,14 @@ impl PlanOptions {
                         "none",
                     ));
                 };
-                let tensors = synthesize_tensors(&spec, WeightType::parse(&name)?, moe.as_ref())?;
+                let weights = synthesize_tensors(&spec, WeightType::parse(&name)?, moe.as_ref())?;
+                // the converter writes the factor lists first
+                let mut tensors = if longrope {
+                    longrope_tensors(&spec)?
+                } else {
+                    Vec::new()
+                };
+                tensors.extend(weights);
                 (spec, tensors, moe)
             }
         };

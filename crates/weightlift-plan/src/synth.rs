@@ -257,12 +257,13 @@ fn check_spec(spec: &ModelSpec) -> Result<()> {
 /// `output_norm` and
 /// `output` unless the embeddings are tied; phi3's layers hold `attn_qkv` and a `ffn_up` of both
 /// gate and up in place of the separate projections, and Gemma's a `post_attention_norm` and a
-/// `post_ffw_norm`. A model routed to experts (`moe`) holds in every layer, in place of the
-/// dense MLP, the router `ffn_gate_inp` (`[n_experts, hidden]`, F32 in GGUF) and the experts
-/// stacked as llama.cpp's converter writes them: `ffn_gate_exps` and `ffn_up_exps`
-/// (`[n_experts, expert_ffn, hidden]`) and `ffn_down_exps` (`[n_experts, hidden, expert_ffn]`).
-/// LongRoPE's two small factor tables (phi3's 128k variants) are not synthesised. `file` and
-/// `offset` are 0: nothing is read.
+/// `post_ffw_norm`. A model routed to experts (`moe`) holds in every layer it routes
+/// ([`MoeSpec::routes`]), in place of the dense MLP, the router `ffn_gate_inp`
+/// (`[n_experts, hidden]`, F32 in GGUF) and the experts stacked as llama.cpp's converter
+/// writes them: `ffn_gate_exps` and `ffn_up_exps` (`[n_experts, expert_ffn, hidden]`) and
+/// `ffn_down_exps` (`[n_experts, hidden, expert_ffn]`); its dense layers (`dense_layers`) hold
+/// the dense MLP of `intermediate_size`. LongRoPE's two small factor tables (phi3's 128k
+/// variants) are [`longrope_tensors`]. `file` and `offset` are 0: nothing is read.
 pub fn synthesize_tensors(
     spec: &ModelSpec,
     weights: WeightType,
@@ -362,7 +363,7 @@ pub fn synthesize_tensors(
             )?;
         }
         push(p("ffn_norm.weight"), Role::FfnNorm, ly, vec![h])?;
-        if let Some(m) = moe {
+        if let Some(m) = moe.filter(|m| m.routes(l)) {
             let (e, f) = (u64::from(m.n_experts), m.expert_ffn);
             push(p("ffn_gate_inp.weight"), Role::FfnGateInp, ly, vec![e, h])?;
             push(
@@ -401,6 +402,39 @@ pub fn synthesize_tensors(
         )?;
     }
     Ok(out)
+}
+
+/// The architectures whose LongRoPE factor lists llama.cpp's converter writes as tensors
+/// (its phi3 and minicpm models); the others' configs keep them to themselves.
+const LONGROPE_ARCHITECTURES: [&str; 2] = ["phi3", "minicpm"];
+
+/// The two global tensors llama.cpp's converter writes, before every other, for a config that
+/// scales RoPE by LongRoPE ([`weightlift_format::hf_config::has_longrope_factors`]: Phi-3's
+/// 128k models, Phi-3.5-mini, Phi-4-mini): `rope_factors_long.weight` then
+/// `rope_factors_short.weight`, each F32 whatever the weight type, one factor per rotated pair
+/// (`rope_dim / 2`); none for an architecture the converter writes none for. The engine reads
+/// them once, on the host, to turn its RoPE angles, so they are placed with the token
+/// embedding. `file` and `offset` are 0: nothing is read.
+pub fn longrope_tensors(spec: &ModelSpec) -> Result<Vec<TensorInfo>> {
+    check_spec(spec)?;
+    if !LONGROPE_ARCHITECTURES.contains(&spec.architecture.as_str()) {
+        return Ok(Vec::new());
+    }
+    let pairs = u64::from(spec.rope_dim / 2);
+    let factors = |name: &str| TensorInfo {
+        name: name.to_owned(),
+        dtype: DType::F32,
+        shape: vec![pairs],
+        nbytes: pairs * 4,
+        file: 0,
+        offset: 0,
+        layer: None,
+        role: Some(Role::RopeFactors),
+    };
+    Ok(vec![
+        factors("rope_factors_long.weight"),
+        factors("rope_factors_short.weight"),
+    ])
 }
 
 /// `dtype=` of `plan()`: a conversion applied to float weights on load.
@@ -548,6 +582,89 @@ mod tests {
         assert_eq!(
             gguf_type(QuantPreset::Q8_0, Role::Output, None, 32, false, 4096),
             DType::Q8_0
+        );
+    }
+
+    /// A config's dense layers (`MoeSpec::dense_layers`) hold the dense MLP of
+    /// `intermediate_size`, the others the router and stacked experts; LongRoPE's factor lists
+    /// are F32 whatever the weight type, one per rotated pair.
+    #[test]
+    fn dense_layers_and_longrope_factors_are_synthesised() {
+        let spec = ModelSpec {
+            architecture: "qwen3_moe".into(),
+            n_layers: 3,
+            hidden_size: 32,
+            intermediate_size: 64,
+            n_heads: 4,
+            n_kv_heads: vec![2; 3],
+            head_dim: 8,
+            vocab_size: 320,
+            context_length: 512,
+            rope_theta: 1e6,
+            rope_dim: 6,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            attention_bias: false,
+        };
+        let moe = MoeSpec {
+            n_experts: 4,
+            n_used: 2,
+            expert_ffn: 32,
+            norm_topk_prob: true,
+            dense_layers: vec![0, 2],
+        };
+        let t = synthesize_tensors(&spec, WeightType::parse("f16").unwrap(), Some(&moe)).unwrap();
+        let ffn = |l: u32| -> Vec<(Role, Vec<u64>)> {
+            t.iter()
+                .filter(|t| t.layer == Some(l) && t.name.contains(".ffn_"))
+                .map(|t| (t.role.unwrap(), t.shape.clone()))
+                .collect()
+        };
+        let dense = vec![
+            (Role::FfnNorm, vec![32]),
+            (Role::FfnGate, vec![64, 32]),
+            (Role::FfnUp, vec![64, 32]),
+            (Role::FfnDown, vec![32, 64]),
+        ];
+        assert_eq!(ffn(0), dense);
+        assert_eq!(ffn(2), dense);
+        let routed = vec![
+            (Role::FfnNorm, vec![32]),
+            (Role::FfnGateInp, vec![4, 32]),
+            (Role::FfnGateExps, vec![4, 32, 32]),
+            (Role::FfnUpExps, vec![4, 32, 32]),
+            (Role::FfnDownExps, vec![4, 32, 32]),
+        ];
+        assert_eq!(ffn(1), routed);
+        assert!(
+            longrope_tensors(&spec).unwrap().is_empty(),
+            "qwen3_moe has none"
+        );
+        let spec = ModelSpec {
+            architecture: "phi3".into(),
+            ..spec
+        };
+        let f = longrope_tensors(&spec).unwrap();
+        let got: Vec<_> = f
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    t.dtype,
+                    t.shape.clone(),
+                    t.nbytes,
+                    t.layer,
+                    t.role,
+                )
+            })
+            .collect();
+        let want = |name| (name, DType::F32, vec![3], 12, None, Some(Role::RopeFactors));
+        assert_eq!(
+            got,
+            [
+                want("rope_factors_long.weight"),
+                want("rope_factors_short.weight")
+            ]
         );
     }
 

@@ -235,6 +235,10 @@ pub struct TpInputs {
     /// Routed experts per layer (0: a dense model). A mixture-of-experts model's MLPs are
     /// split by the expert table in place of the ID table.
     pub n_experts: u64,
+    /// Whether a mixture-of-experts model also has layers with a dense MLP (a Qwen MoE's
+    /// `mlp_only_layers` or `decoder_sparse_step`): those MLPs are split by an ID table, as a
+    /// dense model's are, beside the expert table.
+    pub dense_layers: bool,
 }
 
 /// exllamav2's `TPContext.define_split`:
@@ -246,9 +250,10 @@ pub struct TpInputs {
 ///    32 × `integer_split(hidden / 32, budgets, 8)`; vocab:
 ///    32 × `integer_split(ceil(vocab / 32), budgets, 16)`.
 ///
-/// A mixture-of-experts model (`n_experts > 0`, which exllamav2's TP does not run) has no ID
-/// table: its experts are split whole, `integer_split(n_experts, budgets, 0)` with the budgets
-/// of step 3, each device's share a contiguous range of experts.
+/// A mixture-of-experts model (`n_experts > 0`, which exllamav2's TP does not run) has its
+/// experts split whole, `integer_split(n_experts, budgets, 0)` with the budgets of step 3, each
+/// device's share a contiguous range of experts; it has an ID table only for its dense layers
+/// (`dense_layers`), made as a dense model's.
 pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
     if inp.n_kv_heads == 0 || !inp.n_heads.is_multiple_of(inp.n_kv_heads) {
         return Err(PlanError::option(
@@ -258,10 +263,17 @@ pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
         ));
     }
     let moe = inp.n_experts > 0;
-    if !moe && !inp.intermediate_size.is_multiple_of(128) {
+    let dense = !moe || inp.dense_layers;
+    if dense && !inp.intermediate_size.is_multiple_of(128) {
+        let expected = if moe {
+            "an intermediate size divisible by 128 for the dense layers' MLP beside the experts \
+             (exllamav2 requires it of a dense MLP)"
+        } else {
+            "an intermediate size divisible by 128 (exllamav2 requires it)"
+        };
         return Err(PlanError::option(
             "tensor_parallel",
-            "an intermediate size divisible by 128 (exllamav2 requires it)",
+            expected,
             inp.intermediate_size,
         ));
     }
@@ -281,14 +293,15 @@ pub fn define_split(inp: &TpInputs) -> Result<TpSplit> {
             *g = g.saturating_sub(u64::try_from(sub).unwrap_or(u64::MAX));
         }
     }
-    let (id, ex) = if moe {
-        (
-            Vec::new(),
-            to_table(&integer_split(inp.n_experts, &gs, 0)?, 1),
-        )
+    let ex = if moe {
+        to_table(&integer_split(inp.n_experts, &gs, 0)?, 1)
     } else {
-        let id = integer_split(inp.intermediate_size / 128, &gs, 2)?;
-        (to_table(&id, 128), Vec::new())
+        Vec::new()
+    };
+    let id = if dense {
+        to_table(&integer_split(inp.intermediate_size / 128, &gs, 2)?, 128)
+    } else {
+        Vec::new()
     };
     let rs = integer_split(inp.hidden_size / 32, &gs, 8)?;
     let vc = integer_split(inp.vocab_size.div_ceil(32), &gs, 16)?;

@@ -336,6 +336,7 @@ pub(crate) mod tests {
             n_used: 2,
             expert_ffn,
             norm_topk_prob: true,
+            dense_layers: Vec::new(),
         };
         let mlp = |dense: u64, m: Option<MoeSpec>, dense_layers: bool| {
             let s = ModelSpec {
@@ -399,6 +400,7 @@ pub(crate) mod tests {
             n_used: 10,
             expert_ffn: 32,
             norm_topk_prob: true,
+            dense_layers: Vec::new(),
         };
         let d = Dims::new(&s, &rt, 8192, 1);
         assert_eq!((d.q_dim, d.kv_dim), (32, 8));

@@ -95,7 +95,7 @@ fn plan_for(config: &Value, budget: &Value, options: PlanOptions) -> Plan {
         ..options
     };
     let mut req = options
-        .into_request(ModelSource::Config(spec, dtype, None), devices)
+        .into_request(ModelSource::Config(spec, dtype, None, false), devices)
         .unwrap();
     // Neither library has upload staging buffers in host RAM.
     req.staging_bytes = 0;
@@ -205,7 +205,7 @@ fn presets_without_max_memory_budget_90_percent_of_the_cpu() {
     let cpu = |options: PlanOptions| {
         let req = options
             .into_request(
-                ModelSource::Config(spec.clone(), Some("bfloat16".into()), None),
+                ModelSource::Config(spec.clone(), Some("bfloat16".into()), None, false),
                 parse_devices("virtual:1GiB,cpu:100MiB").unwrap(),
             )
             .unwrap();

@@ -46,6 +46,7 @@ fn tp_inputs(budgets: Vec<u64>, cache: u64) -> TpInputs {
         cache_bytes: cache,
         attn_footprints: vec![],
         n_experts: 0,
+        dense_layers: false,
     }
 }
 
@@ -84,6 +85,35 @@ fn define_split_example() {
             .unwrap_err()
             .to_string()
             .contains("divisible by 128")
+    );
+}
+
+/// A mixture-of-experts model's MLPs follow the expert table alone; one with dense layers
+/// beside its expert ones (a Qwen MoE's `mlp_only_layers`) has the intermediate table too, made
+/// as a dense model's, and needs its dense width in whole units of 128 as a dense model does.
+#[test]
+fn define_split_of_a_moe_model_with_dense_layers_has_both_tables() {
+    let dense = define_split(&tp_inputs(vec![1000, 1000], 0)).unwrap();
+    let mut moe = tp_inputs(vec![1000, 1000], 0);
+    moe.n_experts = 8;
+    let s = define_split(&moe).unwrap();
+    assert_eq!(s.ex, [(0, 0, 4), (1, 4, 8)]);
+    assert!(s.id.is_empty());
+    moe.dense_layers = true;
+    let s = define_split(&moe).unwrap();
+    assert_eq!(s.ex, [(0, 0, 4), (1, 4, 8)]);
+    assert_eq!(s.id, dense.id);
+    assert_eq!((s.kv, s.rs, s.vc), (dense.kv, dense.rs, dense.vc));
+    moe.intermediate_size = 64;
+    let e = define_split(&moe).unwrap_err().to_string();
+    assert!(
+        e.contains("divisible by 128 for the dense layers' MLP") && e.contains("got 64"),
+        "{e}"
+    );
+    moe.dense_layers = false;
+    assert!(
+        define_split(&moe).is_ok(),
+        "an unused dense width is not split"
     );
 }
 

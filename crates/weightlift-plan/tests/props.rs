@@ -385,6 +385,7 @@ proptest! {
             cache_bytes: cache,
             attn_footprints: vec![1 << 24; 4],
             n_experts: 0,
+            dense_layers: false,
         };
         match define_split(&inp) {
             Ok(s) => {

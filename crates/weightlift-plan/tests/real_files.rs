@@ -246,9 +246,10 @@ fn tiny_llama_all_on_disk_charges_the_small_cpu() {
 
 /// The tensor table a config-only plan synthesises is the one llama.cpp writes: for every
 /// family fixture, made by llama.cpp's converter (F16) and its quantiser (Q8_0, and the wide
-/// copies' Q4_K_M), the synthesised table from the file's own spec and routing has every
-/// tensor by name with the file's type, shape and bytes. LongRoPE's factor tables (phi3) are
-/// the one thing a spec does not say, and the only tensors allowed to be missing.
+/// copies' Q4_K_M), the synthesised table from the file's own spec and routing, with
+/// LongRoPE's two factor tables where the family's config.json scales RoPE by LongRoPE (phi3),
+/// is the file's: every tensor by name with the file's type, shape and bytes, none missing,
+/// and the factor tables first, where the converter writes them (F16, Q8_0).
 #[test]
 fn synthesised_tables_are_llama_cpp_files() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
@@ -265,12 +266,26 @@ fn synthesised_tables_are_llama_cpp_files() {
             QuantPreset::Q4KM,
         ));
     }
+    let mut longrope_files = 0;
     for (path, preset) in files {
         let ckpt = open(&path).unwrap();
         let spec = ckpt.spec().expect("spec");
         let moe = MoeSpec::from_gguf(ckpt.metadata()).expect("routing");
-        let synth = synthesize_tensors(spec, WeightType::Gguf(preset), moe.as_ref())
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        // the tiny model's config (the wide copies follow the same recipe)
+        let family = path.file_name().unwrap().to_string_lossy();
+        let family = family.split('-').nth(1).unwrap();
+        let config =
+            weightlift_format::hf_config::read(&root.join(format!("tiny-{family}/config.json")))
+                .unwrap();
+        let mut synth = Vec::new();
+        if weightlift_format::hf_config::has_longrope_factors(&config) {
+            synth = longrope_tensors(spec).unwrap();
+            longrope_files += 1;
+        }
+        synth.extend(
+            synthesize_tensors(spec, WeightType::Gguf(preset), moe.as_ref())
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+        );
         let want: std::collections::HashMap<&str, _> = ckpt
             .tensors()
             .iter()
@@ -294,11 +309,24 @@ fn synthesised_tables_are_llama_cpp_files() {
             .filter(|w| !synth.iter().any(|t| t.name == w.name))
             .map(|w| w.name.as_str())
             .collect();
-        let long_rope = ["rope_factors_long.weight", "rope_factors_short.weight"];
         assert!(
-            missing.iter().all(|n| long_rope.contains(n)),
+            missing.is_empty(),
             "{}: not synthesised: {missing:?}",
             path.display()
         );
+        // llama.cpp's quantiser (the Q4_K_M copies) writes the table in its own order
+        if synth[0].name.starts_with("rope_factors_") && preset != QuantPreset::Q4KM {
+            let names = |t: &[weightlift_format::TensorInfo]| -> Vec<String> {
+                t.iter().take(2).map(|t| t.name.clone()).collect()
+            };
+            assert_eq!(
+                names(&synth),
+                names(ckpt.tensors()),
+                "{}: the first tensors",
+                path.display()
+            );
+        }
     }
+    // tiny-phi3's F16 and Q8_0 files and its wide Q4_K_M copy
+    assert_eq!(longrope_files, 3);
 }

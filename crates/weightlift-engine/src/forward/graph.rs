@@ -284,7 +284,7 @@ impl Graph {
             .collect();
         let moe = |router: usize, l: u32| -> Result<Moe> {
             let at = Some(l);
-            let Some(ms) = moe_spec else {
+            let Some(ms) = &moe_spec else {
                 return Err(EngineError::Validation {
                     path: m.source.path().to_path_buf(),
                     architecture: spec.architecture.clone(),

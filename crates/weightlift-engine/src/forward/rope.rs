@@ -12,7 +12,7 @@
 //! transformers picks it per forward call from the longest position in the call, which gives
 //! the same angles whenever the prompt and the context fall on the same side of that length.
 
-use weightlift_format::{Format, MetaValue, ModelSpec, Role};
+use weightlift_format::{Format, MetaValue, ModelSpec, Role, hf_config};
 use weightlift_kernels::{RopeParams, RopeStyle};
 
 use super::graph::Loaded;
@@ -34,7 +34,9 @@ const APPLIED: [&str; 5] = ["default", "linear", "llama3", "longrope", "su"];
 /// Checked before loading, as [`super::check_runs`] is.
 pub fn check_rope(source: &dyn Source) -> Result<()> {
     let ck = source.checkpoint();
-    let from_config = ck.and_then(|c| c.config()).and_then(scaling_kind);
+    let from_config = ck
+        .and_then(|c| c.config())
+        .and_then(hf_config::rope_scaling_kind);
     let from_gguf = ck.and_then(|c| {
         let arch = source.spec()?.architecture.clone();
         match c.metadata().get(&format!("{arch}.rope.scaling.type")) {
@@ -169,25 +171,13 @@ fn spec_error(detail: &str) -> EngineError {
     }
 }
 
-/// `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) of a config.
-fn scaling_of(cfg: &serde_json::Value) -> Option<&serde_json::Value> {
-    cfg.get("rope_scaling")
-        .filter(|v| !v.is_null())
-        .or_else(|| cfg.get("rope_parameters"))
-}
-
-/// The type of a config's RoPE scaling (`rope_type`, or `type` as older configs write it).
-fn scaling_kind(cfg: &serde_json::Value) -> Option<&str> {
-    let r = scaling_of(cfg)?;
-    r.get("rope_type")
-        .or_else(|| r.get("type"))
-        .and_then(|v| v.as_str())
-}
-
 /// The RoPE scaling of a config that the forward pass applies (None: plain RoPE, or a kind
 /// [`check_rope`] refuses); a LongRoPE config missing a list or its lengths is an error.
 fn rope_scaling(cfg: &serde_json::Value) -> Result<Option<Scaling>> {
-    let (Some(r), Some(kind)) = (scaling_of(cfg), scaling_kind(cfg)) else {
+    let (Some(r), Some(kind)) = (
+        hf_config::rope_scaling(cfg),
+        hf_config::rope_scaling_kind(cfg),
+    ) else {
         return Ok(None);
     };
     let num = |k: &str| {

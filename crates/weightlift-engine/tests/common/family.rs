@@ -47,9 +47,13 @@ impl Family {
     }
 
     /// The GGUF types the generator wrote (`stats.json` → `gguf`): F16, and Q8_0 but where a
-    /// fixture's README says why not.
+    /// fixture's README says why not; none where llama.cpp's converter refused the checkpoint
+    /// (`stats.json` → `gguf_refused`, its message).
     pub fn gguf_types(self) -> Vec<String> {
         let stats = self.stats();
+        if stats["gguf_refused"].is_string() {
+            return Vec::new();
+        }
         let types = stats["gguf"]
             .as_object()
             .expect("stats.json has a gguf entry");
@@ -57,8 +61,8 @@ impl Family {
         types.keys().cloned().collect()
     }
 
-    /// The checkpoints: the safetensors folder, then the F16 GGUF and the Q8_0 GGUF
-    /// ([`Family::gguf_types`]).
+    /// The checkpoints: the safetensors folder, then the F16 GGUF and the Q8_0 GGUF where the
+    /// generator wrote them ([`Family::gguf_types`]).
     pub fn checkpoints(self) -> Vec<PathBuf> {
         let mut out = vec![self.data()];
         out.extend(self.gguf_types().iter().map(|ty| self.gguf(ty)));
@@ -227,12 +231,14 @@ impl Family {
     }
 
     /// Greedy decoding, one token per forward call from the cache, from the safetensors folder
-    /// and the F16 GGUF, on the host path and through the backend, is transformers' greedy
-    /// continuation (`greedy_ids`; the generator records each step's margin).
+    /// and the F16 GGUF (where there is one), on the host path and through the backend, is
+    /// transformers' greedy continuation (`greedy_ids`; the generator records each step's
+    /// margin).
     pub fn greedy_ids_are_transformers(self) {
         let want = json_ids(&self.data().join("stats.json"), "greedy_ids");
         let ids = self.ids();
-        for path in [self.data(), self.gguf("F16")] {
+        let same_weights = self.checkpoints().into_iter();
+        for path in same_weights.filter(|p| !p.to_string_lossy().contains("Q8_0")) {
             let (mut m, cache) = load_on(&open(&path), "cpu", "cpu", 64, CacheDType::F32);
             m.set_compute(Compute::Exact);
             for backend in [false, true] {

@@ -684,6 +684,9 @@ pub fn widened_mlp(data: &Path) -> tempfile::TempDir {
                     d.resize(d.len() + (WIDE - inter) * shape[1] * e, 0);
                 }
                 (vec![2 * WIDE, shape[1]], d)
+            } else if n.contains(".experts.") {
+                // a mixture-of-experts layer's experts keep their own width
+                (shape, data.to_vec())
             } else if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
                 let mut d = data.to_vec();
                 d.resize(WIDE * shape[1] * e, 0);

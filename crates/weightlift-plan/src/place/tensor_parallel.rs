@@ -86,6 +86,7 @@ impl Ctx<'_> {
             },
             attn_footprints: footprints,
             n_experts: self.n_experts(),
+            dense_layers: has_dense_layers(spec.n_layers, &self.req.tensors),
         };
         let mut tp = define_split(&inputs)?;
         let hd = u64::from(spec.head_dim);

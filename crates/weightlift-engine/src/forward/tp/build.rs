@@ -485,11 +485,11 @@ impl TpGraph {
             let mut experts: Vec<Option<Arc<Experts>>> = (0..nd).map(|_| None).collect();
             // a MoE llama GGUF (mixtral) is named `llama`: the router tensor tells
             let router = c.find(Role::FfnGateInp, at);
-            match (router, moe_spec, splits.ex.is_empty()) {
+            match (router, moe_spec.as_ref(), splits.ex.is_empty()) {
                 (Some(r), Some(ms), false) => {
                     for &(d, a, b) in splits.ex.iter().filter(|e| ours(e.0)) {
                         let dev = ctx.device(d)?;
-                        let x = c.experts((l, r), &ms, dev, (a, b), h)?;
+                        let x = c.experts((l, r), ms, dev, (a, b), h)?;
                         experts[d] = Some(Arc::new(x));
                     }
                 }
@@ -506,17 +506,28 @@ impl TpGraph {
                          balanced)",
                     ));
                 }
+                // a dense layer beside expert ones (a Qwen MoE's `mlp_only_layers` or
+                // `decoder_sparse_step`): its MLP follows the intermediate table, as a dense
+                // model's does
+                (None, _, false) if !splits.id.is_empty() => {}
                 (None, _, false) => {
                     return Err(refuse(
                         format!(
                             "tensor parallelism for dense layer {l} of a mixture-of-experts model"
                         ),
-                        "the tp tables split a mixture-of-experts model's MLPs by experts only; \
-                         load with a layer split (autosplit, layers, balanced)",
+                        "the tp tables were made without an intermediate table for its dense \
+                         MLP (tables made for a model whose every layer routes); plan it again \
+                         with tensor_parallel, or load with a layer split (autosplit, layers, \
+                         balanced)",
                     ));
                 }
             }
-            for &(d, a, b) in splits.id.iter().filter(|e| ours(e.0)) {
+            let dense_ids = if router.is_none() {
+                &splits.id[..]
+            } else {
+                &[]
+            };
+            for &(d, a, b) in dense_ids.iter().filter(|e| ours(e.0)) {
                 let dev = name(d)?;
                 let w = (b - a) as usize;
                 let [(gi, gs), (ui, us)] = mlp_mats(at)?;
