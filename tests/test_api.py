@@ -284,3 +284,37 @@ def test_cuda_graphs_switch_and_counts_on_a_model_without_a_gpu(tiny_llama_st: P
     assert len(out) >= 1
     assert m.cuda_graph_counts() == (0, 0, None)
     assert "CUDA graph" in (type(m).cuda_graphs.__doc__ or "")
+
+
+def test_from_pretrained_takes_transformers_words(tiny_llama_st: Path) -> None:
+    """torch_dtype, load_in_8bit and quantization_config mean what they mean to transformers;
+    what weightlift does not do is refused by name, and the loader-only words change nothing."""
+    half = wl.from_pretrained(tiny_llama_st, torch_dtype="float16")
+    linear = next(t.name for t in half.plan.tensors if t.name.endswith("mlp.up_proj.weight"))
+    assert half.tensor_info(linear).dtype == "F16"
+    with pytest.raises(TypeError, match="both dtype and torch_dtype"):
+        wl.from_pretrained(tiny_llama_st, torch_dtype="float16", dtype="float32")
+    eight = wl.from_pretrained(tiny_llama_st, load_in_8bit=True)
+    assert eight.tensor_info(linear).dtype == "INT8" and eight.int8_threshold == 6.0
+    config = {"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": 4.0}
+    configured = wl.from_pretrained(tiny_llama_st, quantization_config=config)
+    assert configured.tensor_info(linear).dtype == "INT8" and configured.int8_threshold == 4.0
+    refused = [
+        ({"load_in_4bit": True}, "4-bit NF4/FP4 is not built; quantize='q4_k'"),
+        ({"quantization_config": {"load_in_4bit": True}}, "4-bit NF4/FP4"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
+        ({"revision": "main"}, "reads local files only"),
+    ]
+    for kwargs, words in refused:
+        with pytest.raises(wl.UnsupportedError, match=words):
+            wl.from_pretrained(tiny_llama_st, **kwargs)
+    with pytest.raises(wl.PlanError, match="load_in_8bit asks for quantize='int8'"):
+        wl.from_pretrained(tiny_llama_st, load_in_8bit=True, quantize="q4_k")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'frobnicate'"):
+        wl.from_pretrained(tiny_llama_st, frobnicate=1)
+    loader_only = {"low_cpu_mem_usage": True, "trust_remote_code": True}
+    plain = wl.from_pretrained(tiny_llama_st, attn_implementation="sdpa", **loader_only)
+    assert (
+        plain.tensor_info(linear).dtype
+        == wl.from_pretrained(tiny_llama_st).tensor_info(linear).dtype
+    )

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from weightlift import _native, _types
-from weightlift._errors import PlanError
+from weightlift._errors import PlanError, UnsupportedError
 
 if TYPE_CHECKING:
     from weightlift._native import (
@@ -755,7 +755,7 @@ def from_pretrained(
     *,
     device_map: _DeviceMap | None = "auto",
     max_memory: _Sizes = None,
-    dtype: str = "auto",
+    dtype: Any = "auto",
     devices: _Devices | None = None,
     runtime: RuntimeSpec | Mapping[str, Any] | None = None,
     progress: bool = False,
@@ -766,6 +766,11 @@ def from_pretrained(
     offload: _Offload | None = None,
     blocks_per_group: int = 1,
     prefetch: bool = True,
+    torch_dtype: Any = None,
+    load_in_8bit: bool = False,
+    load_in_4bit: bool = False,
+    quantization_config: Any = None,
+    **kwargs: Any,
 ) -> Model:
     """accelerate style: open ``path``, plan with ``device_map`` (``"auto"`` = balanced,
     ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``, a device name, or a dict of module/layer
@@ -781,8 +786,20 @@ def from_pretrained(
     ``"q6_k"``; see ``Model``). ``offload="sequential"`` (or ``"group"`` with ``blocks_per_group``
     and ``prefetch``) computes the layers the map leaves on cpu or disk on the first accelerator, as
     accelerate's dispatch hooks do (see ``Model.load``); None computes each where it is.
+
+    transformers' words work too: ``torch_dtype`` is ``dtype`` (either may be a ``torch.dtype``
+    such as ``torch.float16``); ``load_in_8bit=True`` and ``quantization_config`` (a
+    ``BitsAndBytesConfig`` or its dict, with ``load_in_8bit`` and ``llm_int8_threshold``) are
+    ``quantize="int8"`` and ``Model.int8_threshold``; 4-bit bitsandbytes raises
+    ``UnsupportedError``. ``low_cpu_mem_usage``, ``trust_remote_code``, ``attn_implementation``,
+    ``use_safetensors``, ``local_files_only``, ``offload_folder`` and ``offload_state_dict``
+    are accepted and change nothing; the Hub's ``revision``, ``cache_dir``, ``token`` and
+    ``subfolder`` are refused, as weightlift reads local files only.
     """
-    kw = locals()
+    dtype, quantize, int8_threshold = _transformers_words(
+        dtype, torch_dtype, quantize, load_in_8bit, load_in_4bit, quantization_config, kwargs
+    )
+    kw = {k: v for k, v in locals().items() if k in _PRETRAINED_KEYWORDS}
     model = Model(
         path,
         devices=devices,
@@ -792,9 +809,118 @@ def from_pretrained(
         n_threads=n_threads,
         quantize=quantize,
     )
+    if int8_threshold is not None:
+        model.int8_threshold = int8_threshold
     with _progress(kw) as kw:
         model._load("pretrained", kw)
     return model
+
+
+# from_pretrained's own keywords, as its load reads them (the transformers words are read here).
+_PRETRAINED_KEYWORDS = (
+    "path",
+    "device_map",
+    "max_memory",
+    "dtype",
+    "devices",
+    "runtime",
+    "progress",
+    "callback",
+    "compute",
+    "n_threads",
+    "quantize",
+    "offload",
+    "blocks_per_group",
+    "prefetch",
+)
+
+# transformers' from_pretrained keywords that change nothing here.
+_PRETRAINED_NO_EFFECT = (
+    "low_cpu_mem_usage",
+    "trust_remote_code",
+    "attn_implementation",
+    "use_safetensors",
+    "local_files_only",
+    "offload_folder",
+    "offload_state_dict",
+)
+
+# transformers' Hub keywords: weightlift reads local files only.
+_PRETRAINED_HUB = ("revision", "cache_dir", "token", "subfolder")
+
+
+def _dtype_name(value: Any) -> Any:
+    """A dtype as a name: ``torch.float16`` (a ``torch.dtype``, known by its text) as
+    ``"float16"``; a string or anything else as it is, for the core's grammar to read."""
+    text = str(value)
+    if not isinstance(value, str) and text.startswith("torch."):
+        return text.removeprefix("torch.")
+    return value
+
+
+def _transformers_words(
+    dtype: Any,
+    torch_dtype: Any,
+    quantize: Any,
+    load_in_8bit: bool,
+    load_in_4bit: bool,
+    quantization_config: Any,
+    rest: dict[str, Any],
+) -> tuple[Any, Any, float | None]:
+    """from_pretrained's transformers keywords as weightlift's: (dtype, quantize, the LLM.int8
+    outlier threshold or None)."""
+    for name, value in rest.items():
+        if name in _PRETRAINED_NO_EFFECT:
+            continue
+        if name in _PRETRAINED_HUB:
+            if value is None:
+                continue
+            raise UnsupportedError(
+                f"from_pretrained({name}=...) is not supported: weightlift reads local files "
+                "only; download the model first (huggingface-cli download ORG/NAME --local-dir "
+                "DIR) and pass DIR"
+            )
+        raise TypeError(f"from_pretrained() got an unexpected keyword argument '{name}'")
+    if torch_dtype is not None:
+        if dtype != "auto":
+            raise TypeError(
+                "from_pretrained: got both dtype and torch_dtype (transformers' former name "
+                "for it); pass one"
+            )
+        dtype = torch_dtype
+    config = quantization_config
+    if config is not None and not isinstance(config, Mapping):
+        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    config = dict(config or {})
+    method = config.get("quant_method", "bitsandbytes")
+    if str(getattr(method, "value", method)) != "bitsandbytes":
+        raise UnsupportedError(
+            f"from_pretrained(quantization_config=...) with quant_method {method!r} is not "
+            "supported: only bitsandbytes' 8-bit (load_in_8bit) quantises on load; a GPTQ or "
+            "AWQ checkpoint is read from its own files without a quantization_config"
+        )
+    if load_in_4bit or config.get("load_in_4bit"):
+        raise UnsupportedError(
+            "from_pretrained(load_in_4bit=True) is not supported: bitsandbytes' 4-bit NF4/FP4 "
+            "is not built; quantize='q4_k' quantises to llama.cpp's 4-bit K-quant on load, or "
+            "load_in_8bit=True to LLM.int8"
+        )
+    eight_bit = load_in_8bit or bool(config.get("load_in_8bit"))
+    if eight_bit:
+        if quantize not in (None, "int8"):
+            raise PlanError(
+                f"from_pretrained: load_in_8bit asks for quantize='int8', got quantize="
+                f"{quantize!r} too; pass one"
+            )
+        quantize = "int8"
+    for key, neutral in (("llm_int8_skip_modules", None), ("llm_int8_has_fp16_weight", False)):
+        if config.get(key, neutral) != neutral:
+            raise UnsupportedError(
+                f"from_pretrained(quantization_config={{{key!r}: ...}}) is not supported: "
+                "LLM.int8 quantises every linear but the head, with int8 weights"
+            )
+    threshold = config.get("llm_int8_threshold") if eight_bit else None
+    return _dtype_name(dtype), quantize, None if threshold is None else float(threshold)
 
 
 def load_gguf(
