@@ -544,6 +544,8 @@ def test_run_bad_request_exit_2(demo_gguf, args, expected):
     p = run("run", demo_gguf, *args)
     assert p.returncode == 2, p.stderr
     assert expected in p.stderr and "Traceback" not in p.stderr
+    # nothing is echoed before the request is refused
+    assert p.stdout == ""
 
 
 def test_load_one_rank_of_a_world(demo_gguf):

@@ -618,8 +618,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not args.chat:
         if args.prompt is None:
             raise weightlift.PlanError("run: expected a prompt (-p PROMPT), or --chat")
+        # the call checks its arguments before the prompt is echoed
+        chunks = model.create_completion(args.prompt, stream=True, **sampling)
         sys.stdout.write(args.prompt)
-        _stream(model.create_completion(args.prompt, stream=True, **sampling), "text")
+        _stream(chunks, "text")
         _print_timings(seconds, model.timings)
         return 0
     messages: list[dict[str, str]] = []
