@@ -494,11 +494,27 @@ pub fn qwen2_data() -> PathBuf {
 /// up and zero columns of down: exllamav2's split wants the intermediate size in units of 128 (at least two
 /// per device), and the added units contribute exact zeros (`silu(0)·0`), so transformers'
 /// logits of the original still hold.
+///
+/// A static is never dropped, so the copy would outlive the test process: it is made in cargo's
+/// temporary folder for integration tests, named by the process, and each process first removes
+/// the copies of processes that have ended.
 pub fn qwen2() -> PathBuf {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| widened_mlp(&qwen2_data()))
-        .path()
-        .to_path_buf()
+    DIR.get_or_init(|| {
+        let parent = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let prefix = "qwen2-wide-";
+        for entry in std::fs::read_dir(parent).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let pid = name.strip_prefix(prefix).and_then(|r| r.split('.').next());
+            if pid.is_some_and(|p| !Path::new("/proc").join(p).exists()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let prefix = format!("{prefix}{}.", std::process::id());
+        widened_mlp_in(&qwen2_data(), parent, &prefix)
+    })
+    .path()
+    .to_path_buf()
 }
 
 /// A copy of the GGUF file `path` (F32, F16 or Q8_0 matrices) in `dir`, with its MLP widened
@@ -645,10 +661,18 @@ pub fn widened_gguf(path: &Path, dir: &Path) -> PathBuf {
 /// columns (each half of a stacked gate_up on its own), as [`qwen2`] describes: a model the
 /// tensor-parallel tables can split, with the original's logits.
 pub fn widened_mlp(data: &Path) -> tempfile::TempDir {
+    widened_mlp_in(data, &std::env::temp_dir(), ".tmp")
+}
+
+/// [`widened_mlp`] in a new folder under `parent` whose name starts with `prefix`.
+pub fn widened_mlp_in(data: &Path, parent: &Path, prefix: &str) -> tempfile::TempDir {
     use safetensors::SafeTensors;
     use safetensors::tensor::TensorView;
     const WIDE: usize = 768;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(parent)
+        .unwrap();
     let cfg = std::fs::read_to_string(data.join("config.json")).unwrap();
     let mut cfg: serde_json::Value = serde_json::from_str(&cfg).unwrap();
     let inter = cfg["intermediate_size"].as_u64().unwrap() as usize;
