@@ -515,6 +515,11 @@ impl CudaBackend {
         self.cublas_min_tokens.of(ty, mode)
     }
 
+    /// The fewest tokens from which any product takes cuBLAS on this backend.
+    pub fn cublas_min_tokens_least(&self) -> usize {
+        self.cublas_min_tokens.least()
+    }
+
     /// Runs `f` with this backend's cuBLAS handle (made on first use, on this backend's
     /// stream, with a workspace of [`crate::sources::cublas_workspace_bytes`]); `None` when
     /// there is none (see [`cublas`]), so the caller runs its own kernels instead.

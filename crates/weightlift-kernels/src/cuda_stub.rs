@@ -202,6 +202,11 @@ impl CudaBackend {
     pub fn cublas_min_tokens_for(&self, _ty: QuantType, _mode: crate::MatvecMode) -> usize {
         match self._never {}
     }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn cublas_min_tokens_least(&self) -> usize {
+        match self._never {}
+    }
 }
 
 /// What this build offers for CUDA: nothing, and it says why.

@@ -405,6 +405,14 @@ impl CublasMinTokens {
         self.every
     }
 
+    /// The fewest tokens from which some product of some type and mode takes cuBLAS.
+    pub fn least(&self) -> usize {
+        self.by_type
+            .iter()
+            .map(|&(_, _, n)| n)
+            .fold(self.every, usize::min)
+    }
+
     /// Tokens from which a product of `ty` in `mode` takes cuBLAS.
     pub fn of(&self, ty: QuantType, mode: MatvecMode) -> usize {
         self.by_type
@@ -858,6 +866,10 @@ mod tests {
             CublasMinTokens::uniform(1).of(QuantType::F16, MatvecMode::Q8),
             1
         );
+        assert_eq!(t.least(), 32);
+        assert_eq!(t.with(QuantType::F16, MatvecMode::Q8, 2).least(), 2);
+        assert_eq!(CublasMinTokens::uniform(usize::MAX).least(), usize::MAX);
+        assert!(d.least() <= d.every());
     }
 
     /// The shapes the float kernels are written for (a 1.1B llama's and an 8B's projections and

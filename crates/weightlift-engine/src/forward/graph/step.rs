@@ -15,7 +15,8 @@
 //! in between (`Graph::step_eligible`): one token of each sequence (one, or a batch of no more
 //! than the head's logit rows), the embedding, every layer and the head on that device, no
 //! onloaded weights, no mixture-of-experts layer (their routing goes through the host), caches
-//! held in place on that device. A batch is keyed by its caches in order, so a batch of other
+//! held in place on that device, and fewer sequences than the fewest tokens a product takes
+//! cuBLAS from. A batch is keyed by its caches in order, so a batch of other
 //! sequences (or another count) captures its own graph; the last [`KEPT`] graphs are kept, so
 //! a server's batches that come and go replay theirs when they come back.
 //! Tensor parallelism runs its own pass, without graphs. Everything else launches as before.
@@ -100,6 +101,13 @@ impl StepGraphs {
         mut step: impl FnMut(&CudaBackend) -> Result<()>,
     ) -> Result<()> {
         if self.refused.as_ref().is_some_and(|(k, _)| *k == key) {
+            return step(b);
+        }
+        // A batch of as many sequences as a product's cuBLAS threshold runs its products on
+        // cuBLAS, which dequantises weights into scratch: recorded, that scratch would be the
+        // graph's memory for as long as the graph is kept, which no plan charges. Such a step
+        // launches as usual (its launches are few beside its work).
+        if key.caches.len() >= b.cublas_min_tokens_least() {
             return step(b);
         }
         if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key) {
