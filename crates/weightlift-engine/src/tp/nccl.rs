@@ -199,7 +199,10 @@ impl Nccl {
     /// Pair each part with its communicator (`parts` sorted to the communicators' order) and
     /// upload its values. Every local rank must take part: NCCL waits for all of them, so a
     /// missing one would hang the others.
-    /// `len`, where given, is the number of values every buffer must hold.
+    /// `len`, where given, is the number of values every buffer must hold; the collectives of
+    /// one count on every rank (all-reduce, broadcast) give the first buffer's, since local
+    /// ranks of other counts would run one collective with different sizes, which NCCL does
+    /// not check: a hang, or reads past the shorter buffers.
     fn stage<'c>(
         what: &str,
         comms: &'c [RankComm],
@@ -300,7 +303,8 @@ impl Collective for Nccl {
 
     fn all_reduce_sum(&self, parts: &mut [RankSlice<'_>]) -> Result<()> {
         let comms = self.lock()?;
-        let mut staged = Nccl::stage("all-reduce", &comms, parts, None)?;
+        let len = parts.first().map(|p| p.values.len());
+        let mut staged = Nccl::stage("all-reduce", &comms, parts, len)?;
         Nccl::grouped(&mut staged, |comm, buf| {
             comm.all_reduce_in_place(buf, &ReduceOp::Sum).map(drop)
         })?;
@@ -316,7 +320,8 @@ impl Collective for Nccl {
             ));
         }
         let comms = self.lock()?;
-        let mut staged = Nccl::stage("broadcast", &comms, parts, None)?;
+        let len = parts.first().map(|p| p.values.len());
+        let mut staged = Nccl::stage("broadcast", &comms, parts, len)?;
         Nccl::grouped(&mut staged, |comm, buf| {
             comm.broadcast_in_place(buf, root as i32).map(drop)
         })?;

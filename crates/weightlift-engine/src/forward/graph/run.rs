@@ -227,19 +227,7 @@ impl Graph {
                 let caches: Option<Vec<CacheKey>> = if graphable {
                     pieces
                         .iter()
-                        .map(|p| {
-                            let layers = p.cache.cuda_addrs().into_iter().collect::<Option<_>>()?;
-                            let config = p.cache.config();
-                            Some(CacheKey {
-                                layers,
-                                // as `exec::attend_piece` takes it
-                                span: weightlift_kernels::sources::attention_decode_span(
-                                    p.pos + p.n,
-                                    config.max_seq_len as usize,
-                                ),
-                                dtype: config.dtype,
-                            })
-                        })
+                        .map(|p| CacheKey::of(p.cache, p.pos, p.n))
                         .collect()
                 } else {
                     None

@@ -26,11 +26,11 @@
 //! replay while the key holds. Another key (another cache or size, a new workspace, another
 //! compute mode) warms up and captures its own; a graph whose key is not seen again is dropped
 //! once [`KEPT`] newer ones exist. A graph is only ever replayed for a key equal to its own,
-//! whose memory is then the memory it was captured on (an address freed and made again with
-//! the same size holds the same kind of rows), so a stale graph is never launched on freed
-//! memory. Unloading the model or switching the host backend drops the whole forward graph,
-//! these with it. `WEIGHTLIFT_CUDA_GRAPHS=0` (or
-//! [`crate::Model::set_cuda_graphs`]) turns it off.
+//! whose memory is then the memory it was captured on (the key holds each cache layer's rows
+//! besides its addresses: a cache made at a freed one's addresses with other rings is another
+//! key), so a stale graph is never launched on freed memory. Unloading the model or switching
+//! the host backend drops the whole forward graph, these with it. `WEIGHTLIFT_CUDA_GRAPHS=0`
+//! (or [`crate::Model::set_cuda_graphs`]) turns it off.
 
 // A replay launches on buffers the graph recorded, which the caller must keep alive: the
 // kernels' replay is unsafe, and the key below is what keeps it sound.
@@ -38,6 +38,7 @@
 
 use weightlift_kernels::{Backend, CudaBackend, CudaStepGraph};
 
+use crate::cache::{Cache, CacheConfig};
 use crate::error::{EngineError, Result};
 use crate::forward::Compute;
 
@@ -70,11 +71,41 @@ pub(crate) struct StepKey {
 pub(crate) struct CacheKey {
     /// Each layer's key and value addresses.
     pub layers: Vec<(u64, u64)>,
+    /// Each layer's rows. A ring's are a launch argument of its store and its attention
+    /// (position p in row p % rows), and its buffers are no larger: a cache with smaller rings
+    /// made at a freed cache's addresses (another `ubatch`, at the same `max_seq_len` and so
+    /// the same span) would have the freed cache's graph write past them.
+    pub rows: Vec<u64>,
     /// The keys attention splits at this step's position (its grid follows them; see
     /// `weightlift_kernels::sources::attention_decode_span`; a sliding-window layer's are a
     /// function of these and its window, `attention_window_span`), and the cache's storage.
     pub span: usize,
     pub dtype: weightlift_plan::CacheDType,
+}
+
+impl CacheKey {
+    /// The key of `cache` for a step of `n` tokens from position `pos`, when every layer of it
+    /// is on a CUDA device.
+    pub(crate) fn of(cache: &Cache, pos: usize, n: usize) -> Option<CacheKey> {
+        let layers = cache.cuda_addrs().into_iter().collect::<Option<_>>()?;
+        Some(CacheKey::at(layers, cache.config(), pos, n))
+    }
+
+    /// The key of a cache shaped as `config` whose layers are at `layers`.
+    fn at(layers: Vec<(u64, u64)>, config: &CacheConfig, pos: usize, n: usize) -> CacheKey {
+        CacheKey {
+            layers,
+            rows: (0..config.n_kv_heads.len())
+                .map(|l| config.rows(l))
+                .collect(),
+            // as `exec::attend_piece` takes it
+            span: weightlift_kernels::sources::attention_decode_span(
+                pos + n,
+                config.max_seq_len as usize,
+            ),
+            dtype: config.dtype,
+        }
+    }
 }
 
 /// The captured steps of one forward graph, and how often steps were captured and replayed.
@@ -174,5 +205,49 @@ impl StepGraphs {
     /// Why the last capture was refused by the driver, if one was.
     pub(crate) fn refused(&self) -> Option<&str> {
         self.refused.as_ref().map(|(_, why)| why.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Ring;
+    use weightlift_plan::{CacheDType, SlidingWindow};
+
+    fn config(ring: Option<u64>) -> CacheConfig {
+        CacheConfig {
+            max_seq_len: 8192,
+            batch_size: 1,
+            dtype: CacheDType::Fp16,
+            n_kv_heads: vec![4, 4],
+            head_dim: 64,
+            offload: false,
+            ring: ring.map(|ubatch| Ring {
+                window: SlidingWindow {
+                    window: 1024,
+                    layers: vec![true, false],
+                },
+                ubatch,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_cache_with_other_rings_at_the_same_addresses_is_another_key() {
+        // Caches of one max_seq_len whose layers were made at the same addresses: the same
+        // span at every position, so only their rows tell a graph recorded on one (each ring
+        // store and attention a launch with its rows) from the other, whose rings are smaller.
+        let layers = vec![(0x7000_0000, 0x7100_0000), (0x7200_0000, 0x7300_0000)];
+        let (wide, narrow, full) = (config(Some(512)), config(Some(256)), config(None));
+        assert!(narrow.rows(0) < wide.rows(0) && wide.rows(0) < full.rows(0));
+        for pos in [0, 1100, 1400, 5000] {
+            let key = |c: &CacheConfig| CacheKey::at(layers.clone(), c, pos, 1);
+            let (w, n, f) = (key(&wide), key(&narrow), key(&full));
+            assert_eq!((w.span, n.span), (f.span, f.span), "position {pos}");
+            assert_eq!(w, key(&wide));
+            assert_ne!(w, n, "position {pos}");
+            assert_ne!(w, f, "position {pos}");
+            assert_eq!(w.rows, [wide.rows(0), 8192]);
+        }
     }
 }
