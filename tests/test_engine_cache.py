@@ -261,6 +261,12 @@ def test_length_and_batch_are_keyword_only(model: wl.Model, demo_gguf: Path) -> 
     cache = wl.Cache(model)
     assert cache.max_seq_len == wl.open(demo_gguf).spec.context_length == 8192
     assert cache.batch_size == 1
+    # exllamav2's own default, -1, is the trained context too; other sizes below 1 are refused
+    assert wl.Cache(model, max_seq_len=-1).max_seq_len == 8192
+    with pytest.raises(wl.PlanError, match=r"max_seq_len: expected an int of at least 1, or -1"):
+        wl.Cache(model, max_seq_len=-2)
+    with pytest.raises(wl.PlanError, match=r"batch_size: expected an int of at least 1, got -1"):
+        wl.Cache(model, max_seq_len=16, batch_size=-1)
 
 
 def test_forward_batch_gives_each_sequence_its_own_bits_in_exact_mode(demo_gguf: Path) -> None:

@@ -27,7 +27,7 @@ _ScratchSlices = list[tuple[int, int, int, int]]
 class Cache(_native.Cache):
     """A KV cache for a model. ``max_seq_len`` and ``batch_size`` are keyword-only (exllamav2 takes
     ``batch_size`` first, so a positional ``Cache(model, 1, 8192)`` would mean opposite things);
-    ``max_seq_len=None`` is the model's trained context length, as exllamav2's ``-1``. ``dtype``:
+    ``max_seq_len=None`` (or exllamav2's ``-1``) is the model's trained context length. ``dtype``:
     fp16, bf16, fp8 (e4m3), q8, q6 (8-bit K, 4-bit V), q4 or f32, the quantised ones with one f16
     scale per 32 values. A lazy cache is allocated during the load, layer by layer on each layer's
     device; on a loaded model it is allocated at once. ``offload`` keeps it in host RAM and

@@ -46,8 +46,8 @@ impl Cache {
     #[pyo3(signature = (model, *, max_seq_len = None, batch_size = 1, dtype = "fp16", lazy = true, offload = false))]
     fn new(
         model: &Bound<'_, PyAny>,
-        max_seq_len: Option<u64>,
-        batch_size: u64,
+        max_seq_len: Option<i64>,
+        batch_size: i64,
         dtype: &str,
         lazy: bool,
         offload: bool,
@@ -57,6 +57,10 @@ impl Cache {
             return Ok(Cache { cache });
         }
         let d = CacheDType::parse(dtype).map_err(py_err)?;
+        let (max_seq_len, batch_size) = eng(weightlift_engine::Model::cache_shape_args(
+            max_seq_len,
+            batch_size,
+        ))?;
         let mut inner = model.cast::<Model>()?.get().lock()?;
         let cache = eng(inner
             .model

@@ -140,6 +140,32 @@ impl Model {
         )?)
     }
 
+    /// exllamav2's `Cache(model, max_seq_len, batch_size)` arguments as [`Model::new_cache`]
+    /// takes them: a `max_seq_len` of -1 (exllamav2's default) or `None` is the model's trained
+    /// context length; any other negative, or a `batch_size` below 1, is refused by name.
+    pub fn cache_shape_args(
+        max_seq_len: Option<i64>,
+        batch_size: i64,
+    ) -> Result<(Option<u64>, u64)> {
+        let max_seq_len = match max_seq_len {
+            None | Some(-1) => None,
+            Some(n) => Some(u64::try_from(n).map_err(|_| {
+                crate::error::invalid(
+                    "max_seq_len",
+                    "an int of at least 1, or -1 (or None) for the model's trained context length",
+                    n,
+                )
+            })?),
+        };
+        let batch_size = u64::try_from(batch_size)
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                crate::error::invalid("batch_size", "an int of at least 1", batch_size)
+            })?;
+        Ok((max_seq_len, batch_size))
+    }
+
     /// A cache a caller asks for, exllamav2's `Cache(model, max_seq_len, batch_size, lazy)`:
     /// `max_seq_len` `None` is the model's trained context length (exllamav2's `-1`). On a
     /// loaded model it is allocated beside the layers at once; on one not loaded yet it is
