@@ -243,6 +243,9 @@ def test_constructor_keywords_map_or_are_refused_by_name(demo_gguf: Path) -> Non
         assert m.model.cache.dtype == "q8"
     with pytest.raises(wl.ClosedError):
         m("hi", max_tokens=1)
+    # load_gguf takes llama.cpp's n_ctx=0 alike
+    with wl.load_gguf(demo_gguf, n_ctx=0) as g:
+        assert g.n_ctx() == 8192
 
 
 def test_model_is_a_context_manager_and_close_frees_it(demo_gguf: Path) -> None:

@@ -967,7 +967,7 @@ def load_gguf(
     ``"llama-2"``, ``"llama-3"``, ``"mistral-instruct"``, ``"gemma"``, ``"zephyr"``, ...) used in
     place of the model's own chat template, whose stop string then ends chat replies; None keeps the
     model's template. ``spm_infill`` puts the suffix first in fill-in-the-middle prompts
-    (``suffix=``).
+    (``suffix=``). ``n_ctx=0`` is the context the model was trained with, as in llama.cpp.
     """
     kw = locals()
     if path is not None and model_path is not None:

@@ -301,13 +301,10 @@ class Llama:
         self.cache: LlamaRAMCache | LlamaDiskCache | None = None
         # The logits of the last `eval` (every position with logits_all, else the last one).
         self._scores: npt.NDArray[np.single] = np.zeros((0, 0), dtype=np.single)
-        # One open: the spec for n_embd and n_ctx=0, and the source the model loads from.
+        # One open: the spec for n_embd, and the source the model loads from.
         with open_checkpoint(self.model_path, vocab_only=vocab_only) as ckpt:
             spec = ckpt.spec
             self._n_embd = spec.hidden_size if spec is not None else 0
-            if n_ctx == 0:
-                # llama.cpp's 0: the context the model was trained with.
-                n_ctx = spec.context_length if spec is not None else 512
             self._model: Model = load_gguf(
                 ckpt,
                 verbose=verbose,
@@ -329,9 +326,9 @@ class Llama:
             )
         if verbose:
             where = ", ".join(self._model.layer_devices[:1]) if not vocab_only else "-"
+            ctx = 0 if vocab_only else self._model.n_ctx()
             print(
-                f"weightlift: loaded {self.model_path} (n_ctx={n_ctx if not vocab_only else 0}, "
-                f"first layer on {where})",
+                f"weightlift: loaded {self.model_path} (n_ctx={ctx}, first layer on {where})",
                 file=sys.stderr,
             )
 

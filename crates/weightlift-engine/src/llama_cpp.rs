@@ -200,9 +200,13 @@ impl Session {
         }
         self.defaults.runtime = runtime(args.n_batch, given_runtime);
         self.model.set_runtime(self.defaults.runtime);
-        let cache = self
-            .model
-            .cache_for(&CacheSpec::new(args.n_ctx, 1, dtype))?;
+        // llama.cpp's n_ctx 0: the context the model was trained with (512 where the
+        // architecture could not be read)
+        let n_ctx = match args.n_ctx {
+            0 => self.model.source().spec().map_or(512, |s| s.context_length),
+            n => n,
+        };
+        let cache = self.model.cache_for(&CacheSpec::new(n_ctx, 1, dtype))?;
         let has_accelerator = !self.model.inventory().accelerators().is_empty();
         let options = PlanOptions {
             offload: args.offload,
