@@ -206,6 +206,12 @@ def test_n_threads_is_at_most_the_cpus_the_process_may_use(tiny_llama_gguf: Path
     assert 1 <= m.n_threads <= cpus
     assert m.create_completion([1, 2, 3], max_tokens=2)["usage"]["completion_tokens"] >= 1
     assert wl.load_gguf(tiny_llama_gguf, n_threads=1).n_threads == 1
+    # llama.cpp's -1 (its default) is the physical cores, as 0 and None are
+    default = wl.load_gguf(tiny_llama_gguf).n_threads
+    assert wl.load_gguf(tiny_llama_gguf, n_threads=-1).n_threads == default
+    assert wl.load_gguf(tiny_llama_gguf, n_threads=0).n_threads == default
+    with pytest.raises(wl.PlanError, match=r"n_threads: expected an int of at least 1, .*got -2"):
+        wl.load_gguf(tiny_llama_gguf, n_threads=-2)
 
 
 def test_n_batch_of_zero_is_refused_at_load(tiny_llama_gguf: Path) -> None:

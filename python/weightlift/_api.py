@@ -103,8 +103,8 @@ class Model(_native.Model):
     ``"float16"`` converts F32/BF16 weights. ``runtime``: a ``RuntimeSpec`` or dict
     (``max_input_len``, ``max_attention_size``, ``max_dq_size``, ``low_mem``). ``compute``:
     ``"fast"`` (8-bit activations with quantised weights, as llama.cpp) or ``"exact"`` (f32 on
-    dequantised weights). ``n_threads``: the forward pass's threads (default: physical cores; at
-    most the CPUs the process may run on).
+    dequantised weights). ``n_threads``: the forward pass's threads (default, 0 or llama.cpp's -1:
+    physical cores; at most the CPUs the process may run on).
     ``quantize``: ``"int8"`` (LLM.int8, as transformers' ``load_in_8bit``), ``"q8_0"``, ``"q4_k"``
     or ``"q6_k"`` quantises a float checkpoint's linears while it loads; every plan of this model
     sizes them in that type (see ``weightlift.plan``).

@@ -57,12 +57,24 @@ impl Settings {
         let name = |key: &str, default: &str| -> std::result::Result<String, PlanError> {
             Ok(kw.get(key)?.unwrap_or_else(|| default.to_owned()))
         };
+        // llama.cpp takes a count of 0 or less as its default; 0 and -1 are the physical cores
+        let n_threads = match kw.get::<i64>("n_threads")? {
+            Some(-1) => Some(0),
+            Some(n) => Some(usize::try_from(n).map_err(|_| {
+                crate::error::invalid(
+                    "n_threads",
+                    "an int of at least 1, or 0 or -1 for the physical cores",
+                    n,
+                )
+            })?),
+            None => None,
+        };
         Settings::parse(
             &name("dtype", "auto")?,
             &name("compute", "fast")?,
             kw.get::<String>("quantize")?.as_deref(),
             kw.get("runtime")?,
-            kw.get("n_threads")?,
+            n_threads,
         )
     }
 }
