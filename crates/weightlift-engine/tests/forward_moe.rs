@@ -116,30 +116,35 @@ fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
         // sequence (experts on the device computing their layer): the checks every family is
         // held to
         f.same_bits_on_cpu_virtual_devices_and_the_backend();
-        let ids = f.ids();
         for path in f.checkpoints() {
-            let file = path.file_name().unwrap().to_string_lossy().into_owned();
-            let src = open(&path);
-            let cpu = f.exact_logits(&path, false);
             // layer 0 on disk (computed by the host from the mapped file), layer 1 on a
             // virtual device
-            let (mut m, cache) = split_load(
-                &src,
-                "virtual:2x64MiB,cpu,disk",
-                &["virtual:0", "virtual:1"],
-                CacheDType::F32,
-                1,
-                false,
-            );
-            m.set_compute(Compute::Exact);
-            let out = forward_all(&mut m, &cache, &ids);
-            assert!(
-                out == cpu,
-                "{file} with a disk layer: max|Δ| {}",
-                max_abs_diff(&out, &cpu)
-            );
+            disk_layers_give_the_cpu_bits(f, &path, 1);
         }
     }
+}
+
+/// `path` of `f` with its first `n_disk` layers on disk and the rest over two virtual devices
+/// gives the bits of the whole model on cpu, in exact mode.
+fn disk_layers_give_the_cpu_bits(f: Family, path: &std::path::Path, n_disk: u32) {
+    let file = path.file_name().unwrap().to_string_lossy().into_owned();
+    let src = open(path);
+    let cpu = f.exact_logits(path, false);
+    let (mut m, cache) = split_load(
+        &src,
+        "virtual:2x64MiB,cpu,disk",
+        &["virtual:0", "virtual:1"],
+        CacheDType::F32,
+        n_disk,
+        false,
+    );
+    m.set_compute(Compute::Exact);
+    let out = forward_all(&mut m, &cache, &f.ids());
+    assert!(
+        out == cpu,
+        "{file} with {n_disk} disk layer(s): max|Δ| {}",
+        max_abs_diff(&out, &cpu)
+    );
 }
 
 /// Greedy decoding, one token per forward call from the cache (one token routed at a time),
@@ -168,17 +173,7 @@ fn tiny_moe_plan_is_what_the_load_holds() {
 /// workspace, the load holds what the plan says, and the logits are transformers'.
 #[test]
 fn tiny_moe_workspace_is_sized_by_the_experts() {
-    use std::sync::Arc;
-    use weightlift_engine::{Inventory, Model};
-    use weightlift_plan as wp;
     for (f, dense, hidden) in [(QWEN3MOE, 64, 32), (NARROW, 32, 64)] {
-        let ids = f.ids();
-        let runtime = wp::RuntimeSpec {
-            max_input_len: ids.len() as u64,
-            max_attention_size: ids.len() as u64 * 64,
-            max_dq_size: 1 << 16,
-            low_mem: false,
-        };
         for path in f.checkpoints() {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
             let src = open(&path);
@@ -188,44 +183,19 @@ fn tiny_moe_workspace_is_sized_by_the_experts() {
                 (dense, hidden),
                 "{file}"
             );
-            let mut m = Model::new(
-                Arc::clone(&src),
-                Inventory::parse("virtual:1x64MiB").unwrap(),
+            let whole = WholeOnOneDevice::plan(f, &src);
+            assert!(
+                !weightlift_plan::has_dense_layers(spec.n_layers, &whole.tensors),
+                "{file}"
             );
-            let mut req = m.plan_request().unwrap();
-            req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
-            req.runtime = runtime;
-            assert!(!wp::has_dense_layers(spec.n_layers, &req.tensors), "{file}");
-            let plan = wp::plan(&req).unwrap();
-            let dims = wp::Dims::new(spec, &runtime, 64, 1);
-            let everything = wp::Hosts {
-                layers: true,
-                head: true,
-                embed: true,
-            };
-            let q_dim = dims.q_dim.max(hidden);
-            let experts = wp::Workspace::new(
-                &wp::Dims {
-                    inter: 32,
-                    q_dim,
-                    ..dims
-                },
-                everything,
-            );
+            let plan = whole.plan.clone();
             let device = &plan.devices()[0];
-            assert_eq!(device.scratch, experts.bytes, "{file}: {}", device.name);
+            let experts = whole.workspace(32);
+            assert_eq!(device.scratch, experts, "{file}: {}", device.name);
             if dense > 32 {
-                let with_dense = wp::Workspace::new(
-                    &wp::Dims {
-                        inter: dense,
-                        q_dim,
-                        ..dims
-                    },
-                    everything,
-                );
-                assert!(experts.bytes < with_dense.bytes, "{file}");
+                assert!(experts < whole.workspace(dense), "{file}");
             }
-            let cache = common::load_planned(&mut m, &plan).unwrap();
+            let (mut m, cache) = whole.load();
             let got = m
                 .memory()
                 .iter()
@@ -233,9 +203,75 @@ fn tiny_moe_workspace_is_sized_by_the_experts() {
                 .map_or(0, |(_, b)| *b);
             assert_eq!(got, device.weights + device.kv + device.scratch, "{file}");
             m.set_compute(Compute::Exact);
-            let out = forward_all(&mut m, &cache, &ids);
+            let out = forward_all(&mut m, &cache, &f.ids());
             f.assert_matches(&file, &out, Family::reference_of(&path));
         }
+    }
+}
+
+/// A checkpoint of `f` planned whole on one virtual device, with a cache of 64 f32 positions
+/// and a runtime of `f`'s prompt, before it is loaded.
+struct WholeOnOneDevice {
+    model: weightlift_engine::Model,
+    plan: weightlift_plan::Plan,
+    tensors: Vec<weightlift_format::TensorInfo>,
+    /// The dims the planner sizes the device's workspace from, the query regions at least
+    /// hidden-wide (the experts' rows pass through them).
+    dims: weightlift_plan::Dims,
+}
+
+impl WholeOnOneDevice {
+    fn plan(f: Family, src: &std::sync::Arc<dyn weightlift_engine::Source>) -> Self {
+        use weightlift_plan as wp;
+        let n = f.ids().len() as u64;
+        let runtime = wp::RuntimeSpec {
+            max_input_len: n,
+            max_attention_size: n * 64,
+            max_dq_size: 1 << 16,
+            low_mem: false,
+        };
+        let model = weightlift_engine::Model::new(
+            std::sync::Arc::clone(src),
+            weightlift_engine::Inventory::parse("virtual:1x64MiB").unwrap(),
+        );
+        let mut req = model.plan_request().unwrap();
+        req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
+        req.runtime = runtime;
+        let plan = wp::plan(&req).unwrap();
+        let spec = src.spec().unwrap();
+        let dims = wp::Dims::new(spec, &runtime, 64, 1);
+        let dims = wp::Dims {
+            q_dim: dims.q_dim.max(spec.hidden_size),
+            ..dims
+        };
+        WholeOnOneDevice {
+            model,
+            plan,
+            tensors: req.tensors,
+            dims,
+        }
+    }
+
+    /// The bytes of a device workspace holding everything for MLPs `inter` wide.
+    fn workspace(&self, inter: u64) -> u64 {
+        let everything = weightlift_plan::Hosts {
+            layers: true,
+            head: true,
+            embed: true,
+        };
+        weightlift_plan::Workspace::new(&weightlift_plan::Dims { inter, ..self.dims }, everything)
+            .bytes
+    }
+
+    /// The model loaded as planned, and its cache.
+    fn load(
+        mut self,
+    ) -> (
+        weightlift_engine::Model,
+        std::sync::Arc<weightlift_engine::Cache>,
+    ) {
+        let cache = common::load_planned(&mut self.model, &self.plan).unwrap();
+        (self.model, cache)
     }
 }
 
@@ -1294,25 +1330,8 @@ fn mixed_moe_runs_each_layers_mlp_as_the_checkpoint_has_it() {
     MIXED.same_bits_on_cpu_virtual_devices_and_the_backend();
     MIXED.greedy_ids_are_transformers();
     MIXED.plan_is_what_the_load_holds();
-    let ids = MIXED.ids();
-    let src = open(MIXED.data());
-    let cpu = MIXED.exact_logits(&MIXED.data(), false);
     // layers 0 (dense) and 1 (experts) on disk, the rest over two virtual devices
-    let (mut m, cache) = split_load(
-        &src,
-        "virtual:2x64MiB,cpu,disk",
-        &["virtual:0", "virtual:1"],
-        CacheDType::F32,
-        2,
-        false,
-    );
-    m.set_compute(Compute::Exact);
-    let out = forward_all(&mut m, &cache, &ids);
-    assert!(
-        out == cpu,
-        "disk layers: max|Δ| {}",
-        max_abs_diff(&out, &cpu)
-    );
+    disk_layers_give_the_cpu_bits(MIXED, &MIXED.data(), 2);
 }
 
 /// The workspace holds the widest MLP the model runs: its dense layers' 64 beside the experts'
@@ -1321,50 +1340,16 @@ fn mixed_moe_runs_each_layers_mlp_as_the_checkpoint_has_it() {
 /// transformers'.
 #[test]
 fn mixed_moe_workspace_holds_the_dense_mlp() {
-    use std::sync::Arc;
-    use weightlift_engine::{Inventory, Model};
-    use weightlift_plan as wp;
-    let ids = MIXED.ids();
-    let runtime = wp::RuntimeSpec {
-        max_input_len: ids.len() as u64,
-        max_attention_size: ids.len() as u64 * 64,
-        max_dq_size: 1 << 16,
-        low_mem: false,
-    };
     let src = open(MIXED.data());
-    let spec = src.spec().unwrap();
-    let mut m = Model::new(
-        Arc::clone(&src),
-        Inventory::parse("virtual:1x64MiB").unwrap(),
-    );
-    let mut req = m.plan_request().unwrap();
-    req.cache = Some(wp::CacheSpec::new(64, 1, CacheDType::F32));
-    req.runtime = runtime;
-    let plan = wp::plan(&req).unwrap();
-    let dims = wp::Dims::new(spec, &runtime, 64, 1);
-    let everything = wp::Hosts {
-        layers: true,
-        head: true,
-        embed: true,
-    };
-    let q_dim = dims.q_dim.max(spec.hidden_size);
-    let ws = |inter: u64| {
-        wp::Workspace::new(
-            &wp::Dims {
-                inter,
-                q_dim,
-                ..dims
-            },
-            everything,
-        )
-    };
-    assert!(ws(32).bytes < ws(64).bytes);
+    let whole = WholeOnOneDevice::plan(MIXED, &src);
+    assert!(whole.workspace(32) < whole.workspace(64));
+    let plan = whole.plan.clone();
     let device = &plan.devices()[0];
-    assert_eq!(device.scratch, ws(64).bytes, "{}", device.name);
-    let cache = common::load_planned(&mut m, &plan).unwrap();
+    assert_eq!(device.scratch, whole.workspace(64), "{}", device.name);
+    let (mut m, cache) = whole.load();
     common::assert_holds_the_plan_exactly(&m, &plan, "mixed whole on one device");
     m.set_compute(Compute::Exact);
-    let out = forward_all(&mut m, &cache, &ids);
+    let out = forward_all(&mut m, &cache, &MIXED.ids());
     MIXED.assert_matches("whole on one device", &out, "hf_logits.npy");
 }
 
