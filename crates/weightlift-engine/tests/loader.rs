@@ -46,6 +46,18 @@ fn targets(
         .collect()
 }
 
+/// Every tensor of `src` loaded onto `dev` with the default options, no progress and no layer
+/// hook.
+fn load_onto(
+    src: &Arc<dyn Source>,
+    dev: &Arc<Device>,
+) -> weightlift_engine::Result<weightlift_engine::Loaded> {
+    let t = targets(src, |_| Arc::clone(dev));
+    load(src, &t, &LoadOptions::default(), &mut |_| true, &mut |_| {
+        Ok(())
+    })
+}
+
 fn check_bit_exact(src: &Arc<dyn Source>, loaded: &weightlift_engine::Loaded, sub: &str) {
     let want = truth(sub);
     assert_eq!(want.len(), src.tensors().len());
@@ -158,15 +170,7 @@ fn oom_leaves_nothing_allocated() {
     let src = open("safetensors");
     let inv = Inventory::parse("virtual:2x4MiB").unwrap();
     let dev = Arc::clone(&inv.accelerators()[1]);
-    let t = targets(&src, |_| Arc::clone(&dev));
-    let err = load(
-        &src,
-        &t,
-        &LoadOptions::default(),
-        &mut |_| true,
-        &mut |_| Ok(()),
-    )
-    .unwrap_err();
+    let err = load_onto(&src, &dev).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, EngineError::OutOfMemory { .. }), "{msg}");
     assert!(msg.contains("out of memory on virtual:1"), "{msg}");
@@ -436,15 +440,7 @@ fn a_file_cut_short_mid_fill_fails_by_name_and_frees_the_device() {
         .unwrap();
     let inv = Inventory::parse("virtual:1x64MiB").unwrap();
     let dev = Arc::clone(&inv.accelerators()[0]);
-    let t = targets(&src, |_| Arc::clone(&dev));
-    let err = load(
-        &src,
-        &t,
-        &LoadOptions::default(),
-        &mut |_| true,
-        &mut |_| Ok(()),
-    )
-    .unwrap_err();
+    let err = load_onto(&src, &dev).unwrap_err();
     let msg = err.to_string();
     let EngineError::Io { tensor, source, .. } = &err else {
         panic!("not a read error: {msg}");
