@@ -79,8 +79,8 @@ WL_HD void wl_put_f16(wl_u8* p, wl_u16 h) {
     p[1] = (wl_u8)(h >> 8);
 }
 
-// The signed value of largest magnitude (the first such) of n values, with ggml's `amax < ax`
-// scan of the legacy types (Q6_K's fit keeps its own `ax > amax`, as ggml writes it).
+// The signed value of largest magnitude (the first such) of n values, as ggml's scans find it
+// (its legacy types write `amax < ax`, Q6_K's `ax > amax`: the same test).
 WL_HD float wl_signed_absmax(const float* x, int n, float* amax_out) {
     float amax = 0.0f, max = 0.0f;
     for (int i = 0; i < n; ++i) {
@@ -332,14 +332,8 @@ WL_QZ_FN void wl_qz_q4_k(const float* x, wl_u8* dst) {
 // signed 6-bit fit of 16 values trying 19 scales; writes q + 32 to l and returns the scale.
 WL_HD float wl_make_qx_q6k(const float* x, wl_u8* l) {
     const int nmax = 32;
-    float amax = 0.0f, max = 0.0f;
-    for (int i = 0; i < 16; ++i) {
-        float ax = wl_qz_fabs(x[i]);
-        if (ax > amax) {
-            amax = ax;
-            max = x[i];
-        }
-    }
+    float amax;
+    const float max = wl_signed_absmax(x, 16, &amax);
     if (amax < WL_GROUP_MAX_EPS) {
         for (int i = 0; i < 16; ++i) l[i] = 0;
         return 0.0f;
@@ -384,14 +378,8 @@ WL_QZ_FN void wl_qz_q6_k(const float* x, wl_u8* dst) {
     wl_u8 l[256];
     float scales[16];
     for (int ib = 0; ib < 16; ++ib) scales[ib] = wl_make_qx_q6k(x + 16 * ib, l + 16 * ib);
-    float max_scale = 0.0f, max_abs_scale = 0.0f;
-    for (int ib = 0; ib < 16; ++ib) {
-        float a = wl_qz_fabs(scales[ib]);
-        if (a > max_abs_scale) {
-            max_abs_scale = a;
-            max_scale = scales[ib];
-        }
-    }
+    float max_abs_scale;
+    const float max_scale = wl_signed_absmax(scales, 16, &max_abs_scale);
     if (max_abs_scale < WL_GROUP_MAX_EPS) {
         for (int k = 0; k < 210; ++k) dst[k] = 0;
         return;
