@@ -796,10 +796,12 @@ def from_pretrained(
     are accepted and change nothing; the Hub's ``revision``, ``cache_dir``, ``token`` and
     ``subfolder`` are refused, as weightlift reads local files only.
     """
+    # the load reads from_pretrained's own keywords; the transformers words are read here
+    kw = {k: v for k, v in locals().items() if k not in _TRANSFORMERS_WORDS}
     dtype, quantize, int8_threshold = _transformers_words(
         dtype, torch_dtype, quantize, load_in_8bit, load_in_4bit, quantization_config, kwargs
     )
-    kw = {k: v for k, v in locals().items() if k in _PRETRAINED_KEYWORDS}
+    kw.update(dtype=dtype, quantize=quantize)
     model = Model(
         path,
         devices=devices,
@@ -816,22 +818,13 @@ def from_pretrained(
     return model
 
 
-# from_pretrained's own keywords, as its load reads them (the transformers words are read here).
-_PRETRAINED_KEYWORDS = (
-    "path",
-    "device_map",
-    "max_memory",
-    "dtype",
-    "devices",
-    "runtime",
-    "progress",
-    "callback",
-    "compute",
-    "n_threads",
-    "quantize",
-    "offload",
-    "blocks_per_group",
-    "prefetch",
+# from_pretrained's transformers keywords, which _transformers_words reads.
+_TRANSFORMERS_WORDS = (
+    "torch_dtype",
+    "load_in_8bit",
+    "load_in_4bit",
+    "quantization_config",
+    "kwargs",
 )
 
 # transformers' from_pretrained keywords that change nothing here.
