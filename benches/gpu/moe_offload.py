@@ -17,9 +17,13 @@ rest in host RAM, batch 1, greedy, bf16 weights as stored:
 Each row: decode tok/s over DECODE_TOKENS tokens after a PROMPT-token prompt (median of
 REPEATS, after one untimed warm-up) and, for weightlift, the bytes its last decode step copied.
 The issue's target is the first row faster than the second. `--cpu` rehearses on a `virtual:`
-device with the repository's tiny Mixtral fixture, without the peer.
+device with the repository's tiny Mixtral fixture, without the peer. `--link RATE` measures the
+same model and rows on a machine without a GPU: a `virtual:` device whose link to the host is
+throttled to RATE (`virtual:4GiB@16GB/s`) stands for the GPU, so each streamed byte costs what
+it would over that link; the device's compute is the host's, and there is no peer.
 
     python benches/gpu/moe_offload.py --device cuda:0 --out benches/results/gpu
+    python benches/gpu/moe_offload.py --link 16GB/s --out benches/results
 
 Writes moe_offload.md and moe_offload.json in --out, and prints the table.
 """
@@ -166,9 +170,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--cpu", action="store_true", help="the rehearsal: a virtual device")
+    ap.add_argument(
+        "--link", metavar="RATE", help="no GPU: a virtual device with its link throttled to RATE"
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=120.0)
     a = ap.parse_args()
+    if a.cpu and a.link:
+        ap.error("--cpu rehearses on the tiny fixture; --link measures the bench's model")
     global GPU_BYTES
     budget = e2e.Budget(a.budget_s)
     device = a.device
@@ -181,6 +190,14 @@ def main() -> int:
         GPU_BYTES = f"{info['bytes'] * 3 // 2 // 2**10}KiB"
         device = "virtual:0"
         devices = (f"virtual:{info['bytes'] * 4 // 2**10}KiB,cpu", device)
+    elif a.link and (why := e2e.has_transformers()) is not None:
+        print(f"moe_offload: the checkpoint needs transformers: {why}", file=sys.stderr)
+        return 2
+    elif a.link:
+        default_root = Path(tempfile.gettempdir()) / "weightlift-e2e"
+        path, info = checkpoint(Path(os.environ.get("WEIGHTLIFT_E2E_DIR", default_root)))
+        device = "virtual:0"
+        devices = (f"virtual:4GiB@{a.link},cpu", device)
     elif (why := e2e.has_transformers()) is not None:
         print(f"moe_offload: the checkpoint needs transformers: {why}", file=sys.stderr)
         return 2
@@ -196,8 +213,8 @@ def main() -> int:
         e2e.say(f"{label} ...")
         share = None if "n_cpu_moe" in kw else GPU_BYTES
         rows.append(offload_e2e.bench_ours(label, kw, path, devices, ids, budget, share))
-    if a.cpu:
-        budget.skipped.append(f"{PEER}: no GPU in the rehearsal")
+    if a.cpu or a.link:
+        budget.skipped.append(f"{PEER}: no GPU on this machine")
     else:
         e2e.say(f"{PEER} ...")
         rows.append(
@@ -205,6 +222,8 @@ def main() -> int:
                 path, device, ids, budget, GPU_BYTES, "MixtralForCausalLM", label=PEER
             )
         )
+    if a.link:
+        device = f"{device} ({devices[0].split(',')[0]}, standing for the GPU)"
     return offload_e2e.report(a.out, "moe_offload", markdown, device, info, rows, budget)
 
 
