@@ -189,6 +189,16 @@ def test_bad_input_raises_typed_errors_and_loses_nothing(demo: Path) -> None:
         wl.load_gguf(demo, compute="fastest")
     with pytest.raises(wl.UnsupportedError, match="type_k=q8_0, type_v=f16"):
         wl.load_gguf(demo, type_k="q8_0", type_v="f16")
+    # an id no u32 holds is named with its place, not a bare OverflowError; the note names the
+    # argument
+    for call in (m.forward, m.detokenize, m.embed):
+        with pytest.raises(
+            TypeError, match=r"item 1: expected token ids \(ints >= 0\), got -1"
+        ) as e:
+            call([1, -1])
+        assert e.value.__notes__ == ["while processing 'ids'"]
+    with pytest.raises(TypeError, match="item 0: expected token ids .* got 1099511627776"):
+        m.forward_batch([(m.cache, [2**40])])
     assert m.forward(PROMPT_1).shape == (1, 49152)
 
 

@@ -25,6 +25,7 @@ use weightlift_engine::session::Prompt;
 use crate::cache::Cache;
 use crate::errors::{ToPyErr, eng};
 use crate::model::Model;
+use crate::options::TokenIds;
 use args::{Args, Call, read};
 pub use batch::Batch;
 pub use grammar::LlamaGrammar;
@@ -46,15 +47,15 @@ impl Model {
     }
 
     #[pyo3(signature = (ids, special = false))]
-    fn detokenize(&self, ids: Vec<u32>, special: bool) -> PyResult<String> {
+    fn detokenize(&self, ids: TokenIds, special: bool) -> PyResult<String> {
         let tok = eng(self.lock()?.model.tokenizer())?;
-        tok.decode(&ids, !special).map_err(ToPyErr::to_pyerr)
+        tok.decode(&ids.0, !special).map_err(ToPyErr::to_pyerr)
     }
 
     #[pyo3(signature = (ids, special = false))]
-    fn detokenize_bytes(&self, ids: Vec<u32>, special: bool) -> PyResult<Cow<'static, [u8]>> {
+    fn detokenize_bytes(&self, ids: TokenIds, special: bool) -> PyResult<Cow<'static, [u8]>> {
         let tok = eng(self.lock()?.model.tokenizer())?;
-        let bytes = tok.decode_bytes(&ids, !special);
+        let bytes = tok.decode_bytes(&ids.0, !special);
         Ok(Cow::Owned(bytes.map_err(ToPyErr::to_pyerr)?))
     }
 

@@ -95,3 +95,31 @@ impl<'a, 'py> FromPyObject<'a, 'py> for CacheDTypeArg {
         Ok(CacheDTypeArg(wp::CacheDType::parse(&name).map_err(py_err)?))
     }
 }
+
+/// Token ids given as an argument (`forward`, `detokenize`, `embed`): any sequence of ints,
+/// numpy's included. An id that is no u32 is a TypeError naming its place, worded as the
+/// generation keywords' `prompt` (PyO3 adds the argument's name); PyO3's own conversion would
+/// raise a bare OverflowError that names neither.
+pub struct TokenIds(pub Vec<u32>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for TokenIds {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(ids) = obj.extract::<Vec<u32>>() {
+            return Ok(TokenIds(ids));
+        }
+        // Only the error is left to find: the item that is not an id, or PyO3's word on a
+        // value that is no sequence.
+        let items: Vec<Bound<'py, PyAny>> = obj.extract()?;
+        let (at, bad) = items
+            .iter()
+            .enumerate()
+            .find(|(_, v)| v.extract::<u32>().is_err())
+            .ok_or_else(|| PyTypeError::new_err("expected token ids (ints >= 0)"))?;
+        Err(PyTypeError::new_err(format!(
+            "item {at}: expected token ids (ints >= 0), got {}",
+            bad.repr()?
+        )))
+    }
+}

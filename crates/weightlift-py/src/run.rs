@@ -9,7 +9,7 @@ use weightlift_engine::forward::Logits;
 use crate::cache::Cache;
 use crate::errors::{eng, enter};
 use crate::model::Model;
-use crate::options::Kw;
+use crate::options::{Kw, TokenIds};
 
 /// `out` as `rows` rows of logits.
 fn logit_rows(py: Python<'_>, out: Vec<f32>, rows: usize) -> PyResult<Bound<'_, PyArray2<f32>>> {
@@ -23,10 +23,11 @@ impl Model {
     fn forward<'py>(
         &self,
         py: Python<'py>,
-        ids: Vec<u32>,
+        ids: TokenIds,
         cache: Option<&Bound<'py, Cache>>,
         logits: &str,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let ids = ids.0;
         let mode = eng(Logits::parse(logits))?;
         let cache = cache.map(|c| &c.get().cache);
         let (mut inner, mut out) = (self.lock()?, Vec::new());
@@ -38,10 +39,10 @@ impl Model {
     fn forward_batch<'py>(
         &self,
         py: Python<'py>,
-        seqs: Vec<(Bound<'py, Cache>, Vec<u32>)>,
+        seqs: Vec<(Bound<'py, Cache>, TokenIds)>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let batch: Vec<_> = (seqs.iter())
-            .map(|(c, ids)| (&c.get().cache, ids.as_slice()))
+            .map(|(c, ids)| (&c.get().cache, ids.0.as_slice()))
             .collect();
         let (mut inner, mut out) = (self.lock()?, Vec::new());
         let model = &mut inner.model;
@@ -59,9 +60,10 @@ impl Model {
     fn _embed<'py>(
         &self,
         py: Python<'py>,
-        ids: Vec<u32>,
+        ids: TokenIds,
         kw: Kw<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let ids = ids.0;
         let (kw, mut inner) = (kw.data()?, self.lock()?);
         let model = &mut inner.model;
         let (pooling, mut vectors) = enter(py, || model.embed_keywords(&ids, &kw))?;
