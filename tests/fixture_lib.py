@@ -28,6 +28,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
+import fetch_vocab  # the sdist's pinned sha256
 import numpy as np
 import safetensors
 import tokenizers
@@ -56,6 +57,9 @@ def unpack_llamacpp() -> Path:
     ``.cache/fixture-llamacpp/``; gguf-py goes first on ``sys.path``, as the converter puts it."""
     root = REPO / ".cache" / "fixture-llamacpp" / VENDOR
     if not (root / "convert_hf_to_gguf.py").exists():
+        digest = hashlib.sha256(SDIST.read_bytes()).hexdigest()
+        if digest != fetch_vocab.SHA256:
+            raise SystemExit(f"{SDIST}: expected sha256 {fetch_vocab.SHA256}, got {digest}")
         with tarfile.open(SDIST) as tf:
             members = [
                 m
