@@ -413,3 +413,78 @@ def test_a_gguf_layer_without_its_router_is_refused_by_name(tmp_path):
         w.close()
         with pytest.raises(wl.FormatError, match=re.escape(said)):
             wl.load_gguf(path, n_ctx=64)
+
+
+def write_unrun_gguf(path: Path, arch: gguf.MODEL_ARCH, hparams: dict[str, Any]) -> None:
+    """A two-layer GGUF of `arch` with every tensor gguf-py names for it (zeros of a small
+    shape: planning reads names and sizes only) and `hparams` through gguf-py's writer."""
+    w = gguf.GGUFWriter(path, arch=gguf.MODEL_ARCH_NAMES[arch])
+    w.add_context_length(4096)
+    w.add_embedding_length(16)
+    w.add_block_count(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_token_list([f"t{i}" for i in range(32)])
+    for key, value in hparams.items():
+        getattr(w, f"add_{key}")(value)
+    for tensor in gguf.MODEL_TENSORS[arch]:
+        name = gguf.TENSOR_NAMES[tensor]
+        for bid in range(2) if "{bid}" in name else [None]:
+            w.add_tensor(f"{name.format(bid=bid)}.weight", np.zeros((4, 16), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+UNRUN = {
+    # llama.cpp's mamba: state-space layers, no attention (no head counts in its metadata)
+    "mamba": (
+        gguf.MODEL_ARCH.MAMBA,
+        {"ssm_conv_kernel": 4, "ssm_inner_size": 32, "ssm_state_size": 8, "ssm_time_step_rank": 2},
+        "state-space",
+    ),
+    # DeepSeek-V2/V3: multi-head latent attention and routed experts
+    "deepseek2": (
+        gguf.MODEL_ARCH.DEEPSEEK2,
+        {
+            "head_count": 2,
+            "head_count_kv": 2,
+            "feed_forward_length": 32,
+            "kv_lora_rank": 8,
+            "key_length": 12,
+            "value_length": 8,
+            "rope_dimension_count": 4,
+            "expert_count": 4,
+            "expert_used_count": 2,
+        },
+        "multi-head latent attention",
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", UNRUN)
+def test_an_architecture_we_do_not_run_is_refused_by_name_and_still_plans(tmp_path, arch):
+    kind, hparams, needs = UNRUN[arch]
+    path = tmp_path / f"{arch}.gguf"
+    write_unrun_gguf(path, kind, hparams)
+    ckpt = wl.open(path)
+    assert ckpt.spec.architecture == arch
+    plan = wl.plan(path, devices="virtual:2x1MiB,cpu")
+    assert plan.architecture == arch
+    assert {t.name for t in plan.tensors} == {t.name for t in ckpt.tensors}
+    assert sum(d.weights for d in plan.devices) == sum(t.nbytes for t in ckpt.tensors)
+    assert any(f"'{arch}'" in w for w in plan.warnings), plan.warnings
+    if arch == "mamba":  # no attention, so no KV cache to place
+        assert sum(d.kv for d in plan.devices) == 0
+    said = rf"running the '{arch}' architecture is not supported: .* '{arch}' needs {needs}"
+    for load in (
+        lambda: wl.load_gguf(path, n_ctx=64),
+        lambda: wl.Model(path).load(),
+        lambda: wl.from_pretrained(path),
+    ):
+        with pytest.raises(wl.UnsupportedError, match=said):
+            load()
+    for cmd in (["inspect", str(path)], ["plan", str(path), "--devices", "virtual:2x1MiB,cpu"]):
+        p = subprocess.run([EXE, *cmd], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert arch in p.stdout

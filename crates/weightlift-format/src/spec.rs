@@ -37,6 +37,12 @@ pub struct ModelSpec {
     pub attention_bias: bool,
 }
 
+/// llama.cpp's architectures whose layers hold a recurrent state instead of attention (and
+/// whose GGUF metadata has no head counts or feed-forward width). Their spec has no heads, so a
+/// plan of one places the weights and no KV cache; the engine refuses to run them by name.
+pub const RECURRENT_ARCHITECTURES: &[&str] =
+    &["mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"];
+
 fn spec_err(key: impl Into<String>, detail: impl Into<String>) -> FormatError {
     FormatError::Spec {
         key: key.into(),
@@ -166,6 +172,43 @@ impl Gguf<'_> {
         }
     }
 
+    /// The feed-forward width, query heads, KV heads per layer and head size of an attention
+    /// architecture, each required (the head size defaults to `hidden / heads`).
+    fn attention_shape(&self, n_layers: u32, hidden: u64) -> Result<(u64, u32, Vec<u32>, u32)> {
+        let (g, arch) = (self, self.arch);
+        let (ff, _) = g.uint_or_array("feed_forward_length")?.ok_or_else(|| {
+            spec_err(
+                g.key("feed_forward_length"),
+                format!(
+                    "missing from the gguf metadata; the file is not a complete '{arch}' checkpoint"
+                ),
+            )
+        })?;
+        let heads_key = g.key("attention.head_count");
+        let (heads, _) = g.uint_or_array("attention.head_count")?.ok_or_else(|| {
+            spec_err(
+                heads_key.as_str(),
+                format!(
+                    "missing from the gguf metadata; the file is not a complete '{arch}' checkpoint"
+                ),
+            )
+        })?;
+        let n_heads = to_u32(&heads_key, positive(&heads_key, heads)?)?;
+
+        let kv_key = g.key("attention.head_count_kv");
+        let n_kv_heads = match g.uint_or_array("attention.head_count_kv")? {
+            Some((scalar, per_layer)) => kv_table(&kv_key, per_layer, scalar, n_layers)?,
+            None => kv_table(&kv_key, None, heads, n_layers)?,
+        };
+
+        let hd_key = g.key("attention.key_length");
+        let head_dim = match g.uint("attention.key_length")? {
+            Some(v) => to_u32(&hd_key, positive(&hd_key, v)?)?,
+            None => default_head_dim(&hd_key, hidden, n_heads)?,
+        };
+        Ok((ff, n_heads, n_kv_heads, head_dim))
+    }
+
     /// A scalar, or a per-layer array (returned as its entries).
     fn uint_or_array(&self, suffix: &str) -> Result<Option<(u64, Option<Vec<u64>>)>> {
         let Some((key, v)) = self.get(suffix) else {
@@ -235,35 +278,14 @@ impl ModelSpec {
 
         let n_layers = check_layers(&g.key("block_count"), g.req_uint("block_count")?)?;
         let hidden = positive(&g.key("embedding_length"), g.req_uint("embedding_length")?)?;
-        let (ff, _) = g.uint_or_array("feed_forward_length")?.ok_or_else(|| {
-            spec_err(
-                g.key("feed_forward_length"),
-                format!(
-                    "missing from the gguf metadata; the file is not a complete '{arch}' checkpoint"
-                ),
-            )
-        })?;
-        let heads_key = g.key("attention.head_count");
-        let (heads, _) = g.uint_or_array("attention.head_count")?.ok_or_else(|| {
-            spec_err(
-                heads_key.as_str(),
-                format!(
-                    "missing from the gguf metadata; the file is not a complete '{arch}' checkpoint"
-                ),
-            )
-        })?;
-        let n_heads = to_u32(&heads_key, positive(&heads_key, heads)?)?;
-
-        let kv_key = g.key("attention.head_count_kv");
-        let n_kv_heads = match g.uint_or_array("attention.head_count_kv")? {
-            Some((scalar, per_layer)) => kv_table(&kv_key, per_layer, scalar, n_layers)?,
-            None => kv_table(&kv_key, None, heads, n_layers)?,
-        };
-
-        let hd_key = g.key("attention.key_length");
-        let head_dim = match g.uint("attention.key_length")? {
-            Some(v) => to_u32(&hd_key, positive(&hd_key, v)?)?,
-            None => default_head_dim(&hd_key, hidden, n_heads)?,
+        let (ff, n_heads, n_kv_heads, head_dim) = if RECURRENT_ARCHITECTURES.contains(&arch) {
+            // no attention and no separate feed-forward width to read
+            let ff = g
+                .uint_or_array("feed_forward_length")?
+                .map_or(0, |(ff, _)| ff);
+            (ff, 0, vec![0; n_layers as usize], 0)
+        } else {
+            g.attention_shape(n_layers, hidden)?
         };
 
         let vocab_key = g.key("vocab_size");

@@ -48,10 +48,8 @@ pub fn check_runs(architecture: &str) -> Result<()> {
         return Ok(());
     }
     let needs = match architecture {
-        "gemma" | "gemma2" | "gemma3" | "gemma3_text" | "gemma3n" => {
-            "GeGLU, (1 + w) RMSNorms, post-attention and post-feed-forward norms, scaled \
-             embeddings and sliding-window layers"
-        }
+        "gemma" => "Gemma 1's layer list (gemma2 and gemma3 run)",
+        "gemma3n" => "Gemma 3n's per-layer embeddings and its AltUp and LAuReL blocks",
         "qwen2moe" | "deepseek" => {
             "mixture-of-experts routing with shared experts (mixtral and qwen3moe run)"
         }

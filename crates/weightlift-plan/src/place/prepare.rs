@@ -44,13 +44,16 @@ fn global_role(t: &TensorInfo) -> Option<Role> {
 impl<'a> Ctx<'a> {
     pub fn new(req: &'a PlanRequest, tweak: Tweak) -> Result<Self> {
         let spec = &req.spec;
+        // A recurrent architecture (mamba, rwkv) has no heads: its plan places the weights and
+        // no KV cache.
+        let attends = spec.n_kv_heads.iter().any(|&h| h > 0);
         if spec.n_layers == 0
             || spec.n_kv_heads.len() != spec.n_layers as usize
-            || spec.head_dim == 0
+            || (attends && spec.head_dim == 0)
         {
             return Err(PlanError::Spec {
                 detail: format!(
-                    "need n_layers > 0, head_dim > 0 and one n_kv_heads entry per layer; got {} layers, head_dim {}, {} kv-head entries",
+                    "need n_layers > 0, head_dim > 0 where layers have KV heads, and one n_kv_heads entry per layer; got {} layers, head_dim {}, {} kv-head entries",
                     spec.n_layers,
                     spec.head_dim,
                     spec.n_kv_heads.len()
