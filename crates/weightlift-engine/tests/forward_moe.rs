@@ -107,44 +107,14 @@ fn tiny_moe_gguf_within_llamacpps_distance_to_transformers() {
 }
 
 /// Placement never changes the bits: whole on cpu, layers over 2 and 3 virtual devices (the
-/// hidden state crossing device boundaries between expert layers), and a layer on disk, for
-/// each checkpoint.
+/// hidden state crossing device boundaries between expert layers), a layer on disk, and the
+/// backend op sequence with the experts on the device computing their layer: the checks every
+/// family is held to.
 #[test]
 fn tiny_moe_same_bits_on_cpu_and_virtual_devices() {
     for f in ALL {
-        // cpu and 2 and 3 virtual devices, on the host path and through the backend op
-        // sequence (experts on the device computing their layer): the checks every family is
-        // held to
         f.same_bits_on_cpu_virtual_devices_and_the_backend();
-        for path in f.checkpoints() {
-            // layer 0 on disk (computed by the host from the mapped file), layer 1 on a
-            // virtual device
-            disk_layers_give_the_cpu_bits(f, &path, 1);
-        }
     }
-}
-
-/// `path` of `f` with its first `n_disk` layers on disk and the rest over two virtual devices
-/// gives the bits of the whole model on cpu, in exact mode.
-fn disk_layers_give_the_cpu_bits(f: Family, path: &std::path::Path, n_disk: u32) {
-    let file = path.file_name().unwrap().to_string_lossy().into_owned();
-    let src = open(path);
-    let cpu = f.exact_logits(path, false);
-    let (mut m, cache) = split_load(
-        &src,
-        "virtual:2x64MiB,cpu,disk",
-        &["virtual:0", "virtual:1"],
-        CacheDType::F32,
-        n_disk,
-        false,
-    );
-    m.set_compute(Compute::Exact);
-    let out = forward_all(&mut m, &cache, &f.ids());
-    assert!(
-        out == cpu,
-        "{file} with {n_disk} disk layer(s): max|Δ| {}",
-        max_abs_diff(&out, &cpu)
-    );
 }
 
 /// Greedy decoding, one token per forward call from the cache (one token routed at a time),
@@ -1331,7 +1301,8 @@ fn mixed_moe_runs_each_layers_mlp_as_the_checkpoint_has_it() {
     MIXED.greedy_ids_are_transformers();
     MIXED.plan_is_what_the_load_holds();
     // layers 0 (dense) and 1 (experts) on disk, the rest over two virtual devices
-    disk_layers_give_the_cpu_bits(MIXED, &MIXED.data(), 2);
+    let path = MIXED.data();
+    MIXED.disk_layers_give_these_bits(&path, 2, &MIXED.exact_logits(&path, false));
 }
 
 /// The workspace holds the widest MLP the model runs: its dense layers' 64 beside the experts'

@@ -180,8 +180,9 @@ impl Family {
     }
 
     /// Placement never changes the bits: whole on cpu, layers over 2 and 3 virtual devices (the
-    /// hidden state crossing device boundaries), and the backend op sequence a GPU runs (on the
-    /// CPU backend), for each checkpoint; and every run is transformers' within 1e-3.
+    /// hidden state crossing device boundaries), its first layer on disk (computed by the host
+    /// from the mapped file), and the backend op sequence a GPU runs (on the CPU backend), for
+    /// each checkpoint; and every run is transformers' within 1e-3.
     pub fn same_bits_on_cpu_virtual_devices_and_the_backend(self) {
         self.same_bits_across_placements(true);
     }
@@ -227,7 +228,30 @@ impl Family {
                     assert!(out == cpu, "{file} over {inv} through the backend");
                 }
             }
+            self.disk_layers_give_these_bits(&path, 1, &cpu);
         }
+    }
+
+    /// `path` with its first `n_disk` layers on disk and the rest over two virtual devices
+    /// gives `cpu`, the bits of the whole model on cpu, in exact mode.
+    pub fn disk_layers_give_these_bits(self, path: &Path, n_disk: u32, cpu: &[f32]) {
+        let file = path.file_name().unwrap().to_string_lossy().into_owned();
+        let src = open(path);
+        let (mut m, cache) = split_load(
+            &src,
+            "virtual:2x64MiB,cpu,disk",
+            &["virtual:0", "virtual:1"],
+            CacheDType::F32,
+            n_disk,
+            false,
+        );
+        m.set_compute(Compute::Exact);
+        let out = forward_all(&mut m, &cache, &self.ids());
+        assert!(
+            out == cpu,
+            "{file} with {n_disk} disk layer(s): max|Δ| {}",
+            max_abs_diff(&out, cpu)
+        );
     }
 
     /// Greedy decoding, one token per forward call from the cache, from the safetensors folder
