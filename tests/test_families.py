@@ -252,6 +252,37 @@ def test_n_cpu_moe_keeps_the_first_layers_experts_in_host_ram():
     assert "experts of layers 0" in out.stdout, out.stdout
 
 
+def test_an_exps_override_keeps_every_expert_in_host_ram():
+    # llama.cpp's `-ot exps=CPU`: the same placement as n_cpu_moe over every layer, and the
+    # model loaded so gives transformers' greedy text. On a safetensors folder, whose names are
+    # transformers', the rule matches nothing: the plan says so, and `experts` does the job.
+    folder = FAMILIES["qwen3moe"][0]
+    path = folder / "tiny-qwen3moe-F16.gguf"
+    kw = {"devices": "virtual:64MiB,cpu", "n_gpu_layers": 99}
+    plan = wl.plan(path, overrides={"exps": "cpu"}, **kw)
+    every = wl.plan(path, n_cpu_moe=99, **kw)
+    assert [(t.name, t.device) for t in plan.tensors] == [(t.name, t.device) for t in every.tensors]
+    assert {t.device for t in plan.tensors if "_exps" in t.name} == {"cpu"}
+    assert any("experts of layers 0-1" in h for d in plan.devices for h in d.holds)
+    assert not [w for w in plan.warnings if "matches no tensor" in w]
+
+    m = wl.Model(path, devices="virtual:64MiB,cpu", compute="exact")
+    m.load(cache={"max_seq_len": 64}, n_gpu_layers=99, overrides={"exps": "cpu"})
+    assert m.device_of("blk.1.ffn_up_exps.weight") == "cpu"
+    assert m.device_of("blk.1.attn_q.weight") == "virtual:0"
+    s = stats(folder)
+    out = m.generate(s["ids"], max_new_tokens=len(s["greedy_ids"]), do_sample=False)
+    assert out == s["greedy_text"]
+    m.close()
+
+    unmatched = wl.plan(folder, overrides={"exps": "cpu"}, **kw)
+    assert {t.device for t in unmatched.tensors if ".experts." in t.name} == {"virtual:0"}
+    said = [w for w in unmatched.warnings if "the override 'exps=cpu' matches no tensor" in w]
+    assert said and "model.layers." in said[0], unmatched.warnings
+    held = wl.plan(folder, overrides={"experts": "cpu"}, **kw)
+    assert {t.device for t in held.tensors if ".experts." in t.name} == {"cpu"}
+
+
 # The Q4_K_M copies: wide siblings of the family fixtures (rows of 256, as Q4_K and Q6_K blocks
 # need), quantised by llama.cpp (``tests/data/wide-q4k/<family>``, made by
 # ``tests/gen_wide_q4k.py``). The Rust suite ``forward_wide_q4k`` holds every check; here, the

@@ -10,6 +10,7 @@ use crate::device::DeviceKind;
 use crate::error::{OutOfMemory, PlanError, Result, Shortfall};
 use crate::onload::{OnloadPlan, copied_to_slot};
 use crate::plan::{DeviceUsage, HostUsage, Plan, Shard, TensorPlacement, TensorSplit, to_ranges};
+use crate::request::Strategy;
 use crate::size::fmt_bytes;
 
 impl Ctx<'_> {
@@ -316,6 +317,7 @@ impl Ctx<'_> {
                 fmt_bytes(self.offload_total)
             ));
         }
+        warnings.extend(self.unmatched_overrides());
         if let Some(&(d, _)) = a.tied_copy.first() {
             warnings.push(format!(
                 "output is tied to token_embd: {} holds a second copy of it for the head",
@@ -523,5 +525,32 @@ impl Ctx<'_> {
             (false, true) => "nothing placed yet".to_string(),
             (false, false) => format!("no model weights, but {}", parts.join(" + ")),
         }
+    }
+}
+
+impl Ctx<'_> {
+    /// A warning for each `-ot` rule the caller gave that matches no tensor: llama.cpp's
+    /// `exps=CPU` habit on a safetensors folder, whose names are transformers', would otherwise
+    /// change nothing without a word.
+    fn unmatched_overrides(&self) -> Vec<String> {
+        let rules = match &self.req.strategy {
+            Strategy::Layers(o) => &o.overrides,
+            Strategy::Map(m) => &m.overrides,
+            _ => return Vec::new(),
+        };
+        let names = || self.tensors().iter().map(|t| t.name.as_str());
+        let like = names().nth(self.tensors().len() / 2).unwrap_or_default();
+        self.overrides(rules)
+            .unwrap_or_default()
+            .iter()
+            .zip(rules)
+            .filter(|((re, _), _)| !names().any(|n| re.is_match(n)))
+            .map(|(_, (pattern, dev))| {
+                format!(
+                    "the override '{pattern}={dev}' matches no tensor of this checkpoint, whose \
+                     names read like '{like}'"
+                )
+            })
+            .collect()
     }
 }
