@@ -1,8 +1,8 @@
 """Gemma 2 and Gemma 3 (text) through the Python surface: the tiny models of
 ``tests/gen_gemma.py`` (``tests/data/tiny-gemma{2,3}``) tokenized from GGUF metadata and from
 ``tokenizer.json`` as sentencepiece and transformers tokenize, chatted with through gemma's chat
-template, and generating transformers' greedy ids, from both formats; ``weightlift run --chat``
-once."""
+template, and generating transformers' greedy ids, from both formats, through the API and
+``weightlift run --chat``."""
 
 from __future__ import annotations
 
@@ -89,11 +89,18 @@ def test_end_of_turn_ends_a_generation(model) -> None:
     assert r["choices"][0]["message"]["content"] == ""
 
 
-def test_run_chat_through_the_cli() -> None:
-    path = DATA / "tiny-gemma2" / "tiny-gemma2-F16.gguf"
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt", ["gguf", "st"])
+def test_run_chat_answers_transformers_greedy_reply(family: str, fmt: str) -> None:
+    folder = DATA / f"tiny-{family}"
+    path = folder / f"tiny-{family}-F16.gguf" if fmt == "gguf" else folder
+    chat = stats(family)["chat"]
+    [message] = chat["messages"]
+    n = len(chat["greedy_ids"])
     p = subprocess.run(
-        [sys.executable, "-m", "weightlift.cli", "run", str(path), "--chat", "-n", "4"]
-        + ["--temp", "0", "--ctx", "64", "--threads", "2", "-p", "Tell me about the cat."],
+        [sys.executable, "-m", "weightlift.cli", "run", str(path), "--chat", "-n", str(n)]
+        + ["--temp", "0", "--ctx", "64", "--compute", "exact", "--threads", "2"]
+        + ["-p", message["content"]],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -101,6 +108,11 @@ def test_run_chat_through_the_cli() -> None:
     )
     assert p.returncode == 0, p.stderr
     assert "prompt eval time" in p.stderr, p.stderr
+    # the reply's text as gemma's vocabulary spells transformers' greedy ids (the tokenizer
+    # tests above hold it to sentencepiece and transformers)
+    with wl.Model(folder) as m:
+        reply = m.detokenize(chat["greedy_ids"])
+    assert p.stdout == reply + "\n", (p.stdout, reply)
 
 
 def test_sliding_layers_keep_rings_of_the_cells_the_plan_counts() -> None:
