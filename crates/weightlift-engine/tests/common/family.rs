@@ -380,6 +380,23 @@ impl Family {
                     &out,
                     Self::reference_of(&path),
                 );
+                // the forward pass allocated nothing the plan does not count on the devices
+                // that stand for GPUs (the cpu's weights are views of the mapped file, which
+                // its device does not count)
+                for d in plan
+                    .devices()
+                    .iter()
+                    .filter(|d| d.name.starts_with("virtual"))
+                {
+                    let dev = inv.get(&d.name).unwrap();
+                    let want = d.weights + d.kv + d.scratch;
+                    assert_eq!(
+                        dev.peak(),
+                        want,
+                        "{file} {devices}: {} plan vs peak",
+                        d.name
+                    );
+                }
                 m.unload();
                 assert!(inv.all().iter().all(|d| d.used() == 0));
             }
