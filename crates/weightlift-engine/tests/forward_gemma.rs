@@ -53,6 +53,15 @@ fn same_bits_on_cpu_virtual_devices_and_the_backend() {
     }
 }
 
+/// The plan of each checkpoint, GGUF and safetensors, over 2 and 3 virtual devices is what
+/// the load holds and the forward pass's peak, the sliding layers' rings included.
+#[test]
+fn plan_is_what_the_load_holds() {
+    for f in FAMILIES {
+        f.plan_is_what_the_load_holds();
+    }
+}
+
 /// Tensor-parallel (the post-norms on the reduced rows, the soft-capped head on the gathered
 /// vocabulary rows), on the host path and through the backend op sequence.
 #[test]
