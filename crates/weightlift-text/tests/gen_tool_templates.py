@@ -1,5 +1,6 @@
 """Write crates/weightlift-text/tests/data/tool_templates.json: chat templates of tool-using
-models rendered with tools, tool calls and tool results, as llama-cpp-python 0.3.36 renders
+models rendered with tools, tool calls and tool results, and those of the families the engine
+runs rendered with turns, a system message and reasoning, as llama-cpp-python 0.3.36 renders
 them.
 
 The templates are the ones llama.cpp ships in models/templates/, read from the llama-cpp-python
@@ -28,11 +29,23 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 PREFIX = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/"
+TOOL_CASES = ["tool call", "tool result", "no tools"]
+PLAIN_CASES = ["no tools", "turns"]
+# name: (bos, eos, the cases it renders). Qwen3's and the plain templates are the families the
+# engine runs (Qwen3 and its MoE, Phi-3.5/Phi-4-style, Gemma 2 and 3, and Mixtral's [INST]
+# form, which Mistral Nemo's template shares); Qwen3's also drops earlier turns' reasoning.
 TEMPLATES = {
-    "Qwen-Qwen2.5-7B-Instruct.jinja": ("<|endoftext|>", "<|im_end|>"),
-    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": ("<|begin_of_text|>", "<|eot_id|>"),
-    "meta-llama-Llama-3.2-3B-Instruct.jinja": ("<|begin_of_text|>", "<|eot_id|>"),
-    "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("<s>", "</s>"),
+    "Qwen-Qwen2.5-7B-Instruct.jinja": ("<|endoftext|>", "<|im_end|>", TOOL_CASES),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": (
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        TOOL_CASES,
+    ),
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": ("<|begin_of_text|>", "<|eot_id|>", TOOL_CASES),
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("<s>", "</s>", [*TOOL_CASES, "turns"]),
+    "Qwen-Qwen3-0.6B.jinja": ("<|endoftext|>", "<|im_end|>", [*TOOL_CASES, "turns", "reasoning"]),
+    "microsoft-Phi-3.5-mini-instruct.jinja": ("<s>", "<|endoftext|>", [*PLAIN_CASES, "system"]),
+    "google-gemma-2-2b-it.jinja": ("<bos>", "<eos>", PLAIN_CASES),
 }
 
 TOOLS = [
@@ -59,13 +72,13 @@ CALL = {
     "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
 }
 
-CASES = [
-    {
+CASES = {
+    "tool call": {
         "messages": [{"role": "user", "content": "What's the weather in Paris?"}],
         "tools": TOOLS,
         "tool_choice": "auto",
     },
-    {
+    "tool result": {
         "messages": [
             {"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What's the weather in Paris?"},
@@ -80,12 +93,38 @@ CASES = [
         "tools": TOOLS,
         "tool_choice": None,
     },
-    {
+    "no tools": {
         "messages": [{"role": "user", "content": "Hello"}],
         "tools": None,
         "tool_choice": None,
     },
-]
+    "turns": {
+        "messages": [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another, with an accent: é?"},
+        ],
+        "tools": None,
+        "tool_choice": None,
+    },
+    "system": {
+        "messages": [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        "tools": None,
+        "tool_choice": None,
+    },
+    "reasoning": {
+        "messages": [
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4."},
+            {"role": "user", "content": "And 3 + 3?"},
+        ],
+        "tools": None,
+        "tool_choice": None,
+    },
+}
 
 
 class IgnoreGenerationTags(jinja2.ext.Extension):
@@ -130,14 +169,16 @@ def render(template: str, bos: str, eos: str, case: dict) -> str:
 def main(sdist: str, out: str) -> None:
     entries = []
     with tarfile.open(sdist) as tar:
-        for name, (bos, eos) in TEMPLATES.items():
+        for name, (bos, eos, cases) in TEMPLATES.items():
             member = tar.extractfile(PREFIX + name)
             assert member is not None, name
             template = member.read().decode()
-            for case in CASES:
+            for case_name in cases:
+                case = CASES[case_name]
                 entries.append(
                     {
                         "template_name": name,
+                        "case": case_name,
                         "template": template,
                         "bos_token": bos,
                         "eos_token": eos,
