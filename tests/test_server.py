@@ -389,7 +389,8 @@ def test_full_queue_answers_503(demo_gguf: Path, tmp_path: Path):
         assert [m["id"] for m in models] == [demo_gguf.name]
 
 
-def test_sigterm_finishes_the_stream_then_exits_0(demo_gguf: Path, tmp_path: Path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_stream_then_exits_0(demo_gguf: Path, tmp_path: Path, sig):
     with serving(demo_gguf, tmp_path, "--ctx", "512") as s:
         body = {"prompt": "Count:", "max_tokens": 40, "logit_bias": NO_EOS, "stream": True}
         events: list[str] = []
@@ -405,13 +406,49 @@ def test_sigterm_finishes_the_stream_then_exits_0(demo_gguf: Path, tmp_path: Pat
         reader = threading.Thread(target=read)
         reader.start()
         assert started.wait(REQUEST_TIMEOUT)
-        s.proc.send_signal(signal.SIGTERM)
+        s.proc.send_signal(sig)
         assert s.proc.wait(timeout=30) == 0, s.log.read_text()
         reader.join(timeout=10)
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert "Finished server process" in s.log.read_text()
+        assert "Traceback" not in s.log.read_text()
+
+
+def test_a_stop_signal_cancels_what_outlasts_the_graceful_timeout(demo_gguf: Path, tmp_path: Path):
+    # a stream of 400 tokens cannot finish in half a second: SIGINT cancels it then, the client's
+    # stream ends without its [DONE], and the server exits 0 without a traceback
+    args = ("--ctx", "512", "--timeout-graceful-shutdown", "0.5")
+    with serving(demo_gguf, tmp_path, *args) as s:
+        body = {"prompt": "Count:", "max_tokens": 400, "logit_bias": NO_EOS, "stream": True}
+        events: list[str] = []
+        errors: list[Exception] = []
+        started = threading.Event()
+
+        def read() -> None:
+            try:
+                with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data:"):
+                            events.append(line)
+                            started.set()
+            except httpx.HTTPError as e:
+                errors.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(REQUEST_TIMEOUT)
+        stopped = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=30) == 0, s.log.read_text()
+        assert time.monotonic() - stopped < 15, "the graceful timeout was not kept"
+        reader.join(timeout=10)
+        assert not reader.is_alive()
+        assert events and events[-1] != "data: [DONE]", events[-3:]
+        assert len(events) < 400
+        log = s.log.read_text()
+        assert "Finished server process" in log and "Traceback" not in log, log
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import weightlift
+from weightlift.server import GRACEFUL_SECONDS
 
 EXIT_ERROR = 2
 
@@ -701,6 +702,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise weightlift.PlanError(
             f"serve: --port: expected 0 (any free port) to 65535, got {args.port}"
         )
+    if not args.timeout_graceful_shutdown >= 0:
+        raise weightlift.PlanError(
+            "serve: --timeout-graceful-shutdown: expected 0 or more seconds, got "
+            f"{args.timeout_graceful_shutdown}"
+        )
     server.require()
     # Bind before the load, so a port in use fails at once.
     sock = socket.create_server((args.host, args.port))
@@ -724,6 +730,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             parallel=args.parallel,
             queue=args.queue,
             embedding=args.embedding,
+            graceful_seconds=args.timeout_graceful_shutdown,
         )
     return 0
 
@@ -905,7 +912,8 @@ def _parser() -> argparse.ArgumentParser:
         "--parallel generations run at once, batched into one forward call a token, each in a "
         "slot that keeps its cache (a repeated prompt prefix runs once per slot); the other "
         "requests wait in a queue, first come first served, and get 503 beyond it. SIGINT or "
-        "SIGTERM lets the running requests finish (for up to 10 s), then exits 0. "
+        "SIGTERM lets the running requests finish (for up to --timeout-graceful-shutdown "
+        "seconds; those still running then are cancelled), then exits 0. "
         "Needs `pip install weightlift[server]`.",
     )
     _load_flags(sv, serve=True)
@@ -932,6 +940,14 @@ def _parser() -> argparse.ArgumentParser:
         "--embeddings): the plan counts one more cache of --ctx positions for them",
     )
     sv.add_argument("--model-alias", help="the model's name in the API (default: the file name)")
+    sv.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=GRACEFUL_SECONDS,
+        metavar="SECONDS",
+        help="after SIGINT or SIGTERM, how long running requests may finish before they are "
+        f"cancelled ({GRACEFUL_SECONDS:g}; uvicorn's option of that name)",
+    )
     sv.set_defaults(func=_cmd_serve)
     return p
 

@@ -75,15 +75,17 @@ def serve(
     queue: int = 16,
     embedding: bool = False,
     log_level: str = "info",
+    graceful_seconds: float = GRACEFUL_SECONDS,
 ) -> None:
     """Serve ``model`` on the bound socket ``sock`` until SIGINT or SIGTERM, then return once
-    uvicorn's graceful shutdown is over (in-flight requests finished or cancelled)."""
+    uvicorn's graceful shutdown is over: in-flight requests finished, or cancelled once
+    ``graceful_seconds`` have passed."""
     require()
     import uvicorn
 
     app = create_app(model, alias=alias, parallel=parallel, queue=queue, embedding=embedding)
     config = uvicorn.Config(
-        app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS
+        app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=graceful_seconds
     )
     # uvicorn raises the signal it caught again after its shutdown, for the handler it found;
     # this one takes it, so a stop by signal is a clean exit (status 0), not a death by SIGTERM.

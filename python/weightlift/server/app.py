@@ -68,6 +68,10 @@ class _SlotStream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what outlasts its graceful shutdown: the stream is cut there, which
+            # is the shutdown's doing, not an error of the application for uvicorn to log
+            return
         finally:
             # Sync on purpose: this also runs in a cancelled task.
             self._release()

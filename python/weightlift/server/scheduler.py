@@ -26,6 +26,15 @@ import weightlift
 IDLE_POLL = 0.1
 
 
+def _send(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:
+    """Run ``fn(*args)`` on ``loop`` (from the engine thread); False when the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # asyncio's "Event loop is closed"
+        return False
+    return True
+
+
 @dataclass
 class Job:
     """One request's generation: its call, and the events the engine thread sends back."""
@@ -38,8 +47,11 @@ class Job:
     cancelled: bool = False
 
     def post(self, kind: str, value: Any = None, timings: Any = None) -> None:
-        """Send an event to the request (from the engine thread)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, timings))
+        """Send an event to the request (from the engine thread). When the request's event
+        loop has closed (the server stopped past its graceful timeout), nobody listens: the job
+        is marked cancelled instead, for the engine thread to end it."""
+        if not _send(self.loop, self.events.put_nowait, (kind, value, timings)):
+            self.cancelled = True
 
     async def next(self) -> tuple[str, Any, Any]:
         """The next event: ``started``, ``chunk``, ``whole``, ``end`` or ``error``."""
@@ -66,7 +78,7 @@ class Call:
             else:
                 self.future.set_result(value)
 
-        self.loop.call_soon_threadsafe(set)
+        _send(self.loop, set)
 
 
 class Scheduler:
@@ -175,6 +187,9 @@ class Scheduler:
                 continue
             job.post(kind, value, timings)
             if kind in ("whole", "end", "error"):
+                del self._jobs[id]
+            elif job.cancelled:  # its client went away (or its loop closed)
+                self.batch.cancel(id)
                 del self._jobs[id]
 
 
