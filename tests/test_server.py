@@ -290,6 +290,96 @@ def test_embeddings_are_llama_create_embedding(server: Server, llama: Any):
     assert by_ids.usage.prompt_tokens == len(ids) + 2
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+# Request fields as llama-cpp-python's server takes them, each sent through the openai client
+# (extra_body for the llama.cpp ones) and given to Llama's own call: (endpoint, fields). Each
+# names its temperature and repeat penalty: the server's defaults are llama-cpp-python's
+# server's (repeat_penalty 1.1), Llama's are its own (1.0).
+GREEDY = {"temperature": 0, "repeat_penalty": 1.0}
+FIELDS: list[tuple[str, dict[str, Any]]] = [
+    ("text", {"prompt": "One, two, three,", "max_tokens": 24, "stop": [" six"], **GREEDY}),
+    ("text", {"prompt": "The capital of France is", "max_tokens": 4, "logprobs": 2, **GREEDY}),
+    (
+        "text",
+        {
+            "prompt": "Is water wet? Answer:",
+            "max_tokens": 4,
+            "grammar": 'root ::= " yes" | " no"',
+            **GREEDY,
+        },
+    ),
+    (
+        "text",
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": 12,
+            "temperature": 0.8,
+            "top_k": 40,
+            "top_p": 0.9,
+            "min_p": 0.05,
+            "repeat_penalty": 1.1,
+            "seed": 42,
+        },
+    ),
+    (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Name a colour."}],
+            "max_tokens": 4,
+            "logprobs": True,
+            "top_logprobs": 2,
+            **GREEDY,
+        },
+    ),
+    (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+            "max_tokens": 48,
+            "response_format": {"type": "json_object", "schema": SCHEMA},
+            **GREEDY,
+        },
+    ),
+]
+# The fields OpenAI's client does not take as keywords.
+EXTRA = {"top_k", "min_p", "repeat_penalty", "grammar"}
+
+
+@pytest.mark.parametrize(("kind", "fields"), FIELDS, ids=[str(i) for i in range(len(FIELDS))])
+def test_request_fields_answer_as_llama_answers(server: Server, llama: Any, kind, fields):
+    client = server.client()
+    kw = {k: v for k, v in fields.items() if k not in EXTRA}
+    extra = {k: v for k, v in fields.items() if k in EXTRA}
+    if kind == "chat":
+        got = client.chat.completions.create(model="demo", extra_body=extra, **kw).model_dump()
+        want = llama.create_chat_completion(**fields)
+        message = got["choices"][0]["message"]
+        assert message["content"] == want["choices"][0]["message"]["content"]
+    else:
+        got = client.completions.create(model="demo", extra_body=extra, **kw).model_dump()
+        want = llama.create_completion(**fields)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+    usage = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: got["usage"][k] for k in usage} == {k: want["usage"][k] for k in usage}
+    if "logprobs" in fields:  # OpenAI's shapes, the numbers Llama gives
+        mine, theirs = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+        keys = ["content"] if kind == "chat" else ["tokens", "token_logprobs", "top_logprobs"]
+        assert {k: mine[k] for k in keys} == {k: theirs[k] for k in keys}
+    if "stop" in fields:
+        assert got["choices"][0]["finish_reason"] == "stop"
+        assert not got["choices"][0]["text"].endswith(" six")
+    if "grammar" in fields:
+        assert got["choices"][0]["text"] in (" yes", " no")
+    if "response_format" in fields:
+        person = json.loads(got["choices"][0]["message"]["content"])
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+
+
 def test_tokenizer_extras_round_trip(server: Server, llama: Any):
     text = "<|im_start|>user\nHow many tokens in this query? Ünïcode ✓"
     ids = server.post("/extras/tokenize", json={"input": text}).json()["tokens"]
