@@ -645,7 +645,8 @@ def _rss_kib(pid: int) -> int:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc for the RSS")
 def test_faults_leave_the_server_serving_at_its_memory(demo_gguf: Path, tmp_path: Path):
     """Clients killed mid-stream and every kind of bad request, in rounds: the server keeps
-    answering, frees the slots at once, and its memory stays where the first round left it."""
+    answering, frees the slots at once, every device holds what the plan counts (`/memory`),
+    and the process's memory stays where the first round left it."""
     body = {"prompt": "Count:", "max_tokens": 400, "logit_bias": NO_EOS, "stream": True}
     with serving(
         demo_gguf,
@@ -686,5 +687,8 @@ def test_faults_leave_the_server_serving_at_its_memory(demo_gguf: Path, tmp_path
             assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
             out = s.client().completions.create(model="demo", prompt="Hi", max_tokens=4)
             assert out.usage is not None and out.usage.completion_tokens >= 1
+            # every device holds what the plan counts, and never held more
+            devices = httpx.get(s.url + "/memory", timeout=REQUEST_TIMEOUT).json()["devices"]
+            assert devices and all(d["held"] == d["planned"] >= d["peak"] for d in devices)
             rss.append(_rss_kib(s.proc.pid))
         assert rss[-1] - rss[0] < 16 * 1024, rss

@@ -57,6 +57,22 @@ def _base64(vector: list[float] | list[list[float]]) -> str:
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
+def _memory(model: weightlift.Model) -> list[dict[str, Any]]:
+    """Per device of the plan: the bytes it counts (weights, KV cache, scratch), those held now
+    and the most allocated at once since the load (mmap views are held, not allocated)."""
+    plan = model.plan
+    held, peak = model.memory(), model.peak_memory()
+    return [
+        {
+            "name": d.name,
+            "planned": d.weights + d.kv + d.scratch,
+            "held": held.get(d.name, 0),
+            "peak": peak.get(d.name, 0),
+        }
+        for d in (plan.devices if plan is not None else [])
+    ]
+
+
 class _SlotStream(StreamingResponse):
     """An SSE response that ends its generation and gives its slot back once sent, cut off,
     or never started."""
@@ -279,6 +295,10 @@ def create_app(
     async def health() -> dict[str, Any]:
         slots = server.slots
         return {"status": "ok", "running": slots.running, "waiting": slots.waiting}
+
+    @app.get("/memory")
+    async def memory() -> dict[str, Any]:
+        return {"devices": await server.scheduler.call(_memory)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
