@@ -848,6 +848,7 @@ impl Backend for CudaBackend {
     fn copy_from_host(&self, src: &[u8], dst: &mut CudaBuffer, offset: usize) -> Result<()> {
         self.own(dst)?;
         check_range("copy destination bytes", dst.slice.len(), offset, src.len())?;
+        crate::backend::record_upload(src.len());
         upload_staged(
             &self.ctx,
             &self.stream,
