@@ -555,6 +555,7 @@ impl Graph {
                     own,
                     scratch,
                     exec,
+                    rope_table: false,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
