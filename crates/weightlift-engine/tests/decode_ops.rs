@@ -6,6 +6,9 @@
 //! adds an operation to the layer fails this test, and a fusion that removes one updates the
 //! expected table on purpose.
 //!
+//! The same counter counts the host bytes a step copies to the device: a decode step's own
+//! position, nothing else (the RoPE table stays in the workspace from the graph's first call).
+//!
 //! Two llama models with tied heads and different depths (the tiny llama, 2 layers; SmolLM2,
 //! 30 layers) separate the per-layer share from the fixed one: what the deeper model issues
 //! beyond the shallower one, divided by the extra layers, is one layer's operations.
@@ -19,7 +22,7 @@ use std::collections::BTreeMap;
 use common::{argmax, open, reference, smollm2, smollm2_prompt};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::{CacheDType, Model};
-use weightlift_kernels::OpCounter;
+use weightlift_kernels::{OpCounter, Uploads};
 
 /// Held by each test while it counts: a counter sees the operations of every test running.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -121,6 +124,101 @@ fn a_decode_step_issues_a_fixed_number_of_operations_per_layer() {
     assert_eq!(
         fixed, want_fixed,
         "operations around the layers of a decode step"
+    );
+}
+
+/// A decode step copies one upload of host bytes to the device: its position (one i32). The
+/// RoPE table is written once, by the graph's first call (the prompt, with its positions), and
+/// stays in the workspace; a new graph (here: the host path and back) writes it again. On a GPU
+/// each upload is a copy the host queues through pinned staging, and a second one in the same
+/// step had the host wait for the first's copy.
+#[test]
+fn a_decode_step_uploads_its_position_only() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let prompt = smollm2_prompt(1);
+    let (mut m, cache) = common::load_on(&smollm2(), "cpu", "cpu", 64, CacheDType::Fp16);
+    m.set_compute(Compute::Fast);
+    m.set_host_backend(true);
+    // SmolLM2's heads are 64 values wide: 32 f32 frequencies
+    let table = 32 * 4;
+    let counter = OpCounter::start();
+    let mut out = Vec::new();
+    m.forward(&prompt, Some(&cache), Logits::Last, &mut out)
+        .unwrap();
+    let prompt_bytes = prompt.len() * 4;
+    assert_eq!(
+        counter.uploads(),
+        Uploads {
+            calls: 2,
+            bytes: table + prompt_bytes,
+            waits: 0
+        },
+        "the first call: the RoPE table and the prompt's positions"
+    );
+    let since = |before: Uploads| {
+        let now = counter.uploads();
+        (now.calls - before.calls, now.bytes - before.bytes)
+    };
+    for k in 0..3 {
+        let before = counter.uploads();
+        step(&mut m, &cache, argmax(&out) as u32, &mut out);
+        assert_eq!(since(before), (1, 4), "decode step {k}: its position only");
+    }
+    m.set_host_backend(false);
+    m.set_host_backend(true);
+    let before = counter.uploads();
+    step(&mut m, &cache, argmax(&out) as u32, &mut out);
+    assert_eq!(
+        since(before),
+        (2, table + 4),
+        "a new graph's first step: the table again, and the position"
+    );
+    let before = counter.uploads();
+    step(&mut m, &cache, argmax(&out) as u32, &mut out);
+    assert_eq!(since(before), (1, 4), "its next step: the position only");
+}
+
+/// On `cuda:0` the same holds through a captured step's warm-up, capture and replays (the
+/// table's upload is the first call's, outside every recorded step), and the host never waits
+/// for an earlier upload's copy before staging the next: a step's position goes through the
+/// staging buffer the last upload did not use, whose copy the last step's logits waited for.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn a_cuda_decode_step_uploads_its_position_without_waiting() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let prompt = smollm2_prompt(1);
+    let (mut m, cache) = common::load_on(&smollm2(), "cuda:0,cpu", "cuda:0", 64, CacheDType::Fp16);
+    m.set_compute(Compute::Fast);
+    m.set_cuda_graphs(true);
+    let counter = OpCounter::start();
+    let mut out = Vec::new();
+    m.forward(&prompt, Some(&cache), Logits::Last, &mut out)
+        .unwrap();
+    let first = counter.uploads();
+    assert_eq!(
+        (first.calls, first.bytes),
+        (2, 32 * 4 + prompt.len() * 4),
+        "the first call: the RoPE table and the prompt's positions"
+    );
+    for k in 0..5 {
+        let before = counter.uploads();
+        step(&mut m, &cache, argmax(&out) as u32, &mut out);
+        let now = counter.uploads();
+        assert_eq!(
+            (
+                now.calls - before.calls,
+                now.bytes - before.bytes,
+                now.waits - before.waits
+            ),
+            (1, 4, 0),
+            "decode step {k}: (uploads, bytes, host waits)"
+        );
+    }
+    let (captures, replays, refused) = m.cuda_graph_counts();
+    assert_eq!(
+        (captures, replays, refused),
+        (1, 4, None),
+        "(captures, replays, refused)"
     );
 }
 

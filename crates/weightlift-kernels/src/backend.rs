@@ -721,27 +721,62 @@ impl<B> Op<'_, B> {
 /// Whether an [`OpCounter`] is alive; checked first, so counting costs one relaxed load when
 /// off.
 static COUNTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-static COUNTS: std::sync::Mutex<BTreeMap<&'static str, usize>> =
-    std::sync::Mutex::new(BTreeMap::new());
+static COUNTS: std::sync::Mutex<Counts> = std::sync::Mutex::new(Counts {
+    ops: BTreeMap::new(),
+    uploads: Uploads {
+        calls: 0,
+        bytes: 0,
+        waits: 0,
+    },
+});
+
+/// What an [`OpCounter`] has seen.
+struct Counts {
+    ops: BTreeMap<&'static str, usize>,
+    uploads: Uploads,
+}
+
+/// The copies of host bytes to a backend's memory ([`Backend::copy_from_host`]) an
+/// [`OpCounter`] saw, and how often one made the host wait for an earlier copy first.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Uploads {
+    /// Calls of [`Backend::copy_from_host`].
+    pub calls: usize,
+    /// Bytes they copied.
+    pub bytes: usize,
+    /// Times the host waited for an earlier copy before it could stage the next (CUDA: a
+    /// pinned staging buffer whose last copy was still in flight; the CPU backend never
+    /// waits).
+    pub waits: usize,
+}
 
 /// Counts the operations every backend runs in this process while it is alive, by
-/// [`Op::name`]. Each operation is at least one kernel launch on a GPU, so a test on the CPU
-/// backend (which runs the same sequence the CUDA backend would) pins how many a decode step
-/// issues, and a change that adds launches shows without a GPU. Meant for a test binary of
-/// its own: counters of concurrent tests would see each other's operations.
+/// [`Op::name`], and the host bytes copied to backends ([`OpCounter::uploads`]). Each operation
+/// is at least one kernel launch on a GPU, and each upload a copy the host queues, so a test
+/// on the CPU backend (which runs the same sequence the CUDA backend would) pins how many a
+/// decode step issues, and a change that adds launches or uploads shows without a GPU. Meant
+/// for a test binary of its own: counters of concurrent tests would see each other's
+/// operations.
 pub struct OpCounter(());
 
 impl OpCounter {
     /// Starts counting from zero.
     pub fn start() -> OpCounter {
-        COUNTS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        let mut c = COUNTS.lock().unwrap_or_else(|e| e.into_inner());
+        c.ops.clear();
+        c.uploads = Uploads::default();
         COUNTING.store(true, std::sync::atomic::Ordering::SeqCst);
         OpCounter(())
     }
 
     /// The operations run since [`OpCounter::start`], by name.
     pub fn counts(&self) -> BTreeMap<&'static str, usize> {
-        COUNTS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        COUNTS.lock().unwrap_or_else(|e| e.into_inner()).ops.clone()
+    }
+
+    /// The uploads since [`OpCounter::start`].
+    pub fn uploads(&self) -> Uploads {
+        COUNTS.lock().unwrap_or_else(|e| e.into_inner()).uploads
     }
 }
 
@@ -757,8 +792,30 @@ pub(crate) fn record<B>(op: &Op<'_, B>) {
         *COUNTS
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .ops
             .entry(op.name())
             .or_default() += 1;
+    }
+}
+
+/// Called by every backend's [`Backend::copy_from_host`] with the bytes it copies.
+pub(crate) fn record_upload(bytes: usize) {
+    if COUNTING.load(std::sync::atomic::Ordering::Relaxed) {
+        let mut c = COUNTS.lock().unwrap_or_else(|e| e.into_inner());
+        c.uploads.calls += 1;
+        c.uploads.bytes += bytes;
+    }
+}
+
+/// Called where the host waits for an earlier upload before it can stage the next.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn record_upload_wait() {
+    if COUNTING.load(std::sync::atomic::Ordering::Relaxed) {
+        COUNTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .uploads
+            .waits += 1;
     }
 }
 

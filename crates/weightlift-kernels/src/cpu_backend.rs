@@ -838,6 +838,7 @@ impl Backend for CpuBackend {
     fn copy_from_host(&self, src: &[u8], dst: &mut CpuBuffer, offset: usize) -> Result<()> {
         self.own(dst)?;
         check_range("copy destination bytes", dst.len, offset, src.len())?;
+        crate::backend::record_upload(src.len());
         dst.as_bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
     }

@@ -522,7 +522,10 @@ impl CudaBackend {
 
     /// Runs `f` with this backend's cuBLAS handle (made on first use, on this backend's
     /// stream, with a workspace of [`crate::sources::cublas_workspace_bytes`]); `None` when
-    /// there is none (see [`cublas`]), so the caller runs its own kernels instead.
+    /// there is none (see [`cublas`]), so the caller runs its own kernels instead. The handle's
+    /// lock is held while `f` runs: give it the cuBLAS calls only, not the launches and
+    /// allocations around them, which need no handle (the workspace's uses are ordered by the
+    /// one stream every call on the handle is queued on, not by the lock).
     pub(crate) fn with_cublas<R>(
         &self,
         f: impl FnOnce(&cublas::Handle) -> Result<R>,
@@ -848,6 +851,7 @@ impl Backend for CudaBackend {
     fn copy_from_host(&self, src: &[u8], dst: &mut CudaBuffer, offset: usize) -> Result<()> {
         self.own(dst)?;
         check_range("copy destination bytes", dst.slice.len(), offset, src.len())?;
+        crate::backend::record_upload(src.len());
         upload_staged(
             &self.ctx,
             &self.stream,

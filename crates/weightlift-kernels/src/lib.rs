@@ -36,7 +36,7 @@ pub mod error;
 pub mod types;
 
 pub use backend::{
-    Backend, Op, OpCounter, Product, Rows, StartAt, matmul_each, matmul_swiglu_unfused,
+    Backend, Op, OpCounter, Product, Rows, StartAt, Uploads, matmul_each, matmul_swiglu_unfused,
     rope_kv_store_unfused,
 };
 pub use cpu::Isa;

@@ -201,6 +201,89 @@ fn fast_prompt_products_match_f64<B: Backend>(b: &B) -> Result<()> {
 }
 weightlift_kernels::test_device!(fast_prompt_products_match_f64);
 
+/// A shared prompt product ([`Op::MatmulShared`]: a layer's q, k and v, or its gate and up)
+/// gives each member the bits of its own [`Op::Matmul`], in both modes, on both sides of the
+/// cuBLAS threshold and with the weights dequantised in one chunk or in chunks of five rows.
+/// The members have f16, bf16, q8_0 and q4_k weights of different row counts: on CUDA's fast
+/// cuBLAS route the activations are rounded once to f16 for three of them and once to bf16 for
+/// the bf16 one, where each product alone rounds them again. Fast mode takes the float members
+/// only where it has a fast mode for them (CUDA).
+fn shared_prompt_products_are_each_members_own<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x9e1f_0004);
+    let on_cuda = b.name().starts_with("cuda");
+    let cols = 256;
+    let mut members: Vec<(QuantType, usize, B::Buffer)> = Vec::new();
+    for (ty, rows) in [
+        (QuantType::F16, 37),
+        (QuantType::Q8_0, 19),
+        (QuantType::BF16, 11),
+        (QuantType::Q4_K, 23),
+    ] {
+        let v = rng.vec(rows * cols, 0.2);
+        let raw = match ty {
+            QuantType::F16 | QuantType::BF16 => float_weights(ty, &v).0,
+            _ => {
+                let mut raw = vec![0u8; rows * quantized_row_bytes(ty, cols)?];
+                quantize_rows(ty, &v, cols, &mut raw)?;
+                raw
+            }
+        };
+        members.push((ty, rows, upload(b, &raw)?));
+    }
+    for mode in [MatvecMode::Exact, MatvecMode::Q8] {
+        let these: Vec<&(QuantType, usize, B::Buffer)> = members
+            .iter()
+            .filter(|(ty, ..)| {
+                mode == MatvecMode::Exact
+                    || on_cuda
+                    || !matches!(ty, QuantType::F16 | QuantType::BF16)
+            })
+            .collect();
+        for n_tok in token_counts() {
+            let x = rng.vec(n_tok * cols, 1.0);
+            let xb = upload(b, bytemuck::cast_slice(&x))?;
+            for max_dq_size in [cols * 5, 1 << 20] {
+                let mut ys = these
+                    .iter()
+                    .map(|(_, rows, _)| b.alloc(rows * n_tok * 4))
+                    .collect::<Result<Vec<_>>>()?;
+                let products = these
+                    .iter()
+                    .zip(ys.iter_mut())
+                    .map(|((ty, rows, w), y)| Product {
+                        ty: *ty,
+                        rows: *rows,
+                        w,
+                        y,
+                    })
+                    .collect();
+                b.run(Op::MatmulShared {
+                    mode,
+                    act: FloatType::F32,
+                    cols,
+                    n_tok,
+                    max_dq_size,
+                    x: &xb,
+                    products,
+                })?;
+                for ((ty, rows, w), y) in these.iter().zip(&ys) {
+                    let shape = (*rows, cols, n_tok);
+                    let alone = run(b, *ty, mode, shape, max_dq_size, w, &x)?;
+                    let shared = download_f32(b, y, rows * n_tok)?;
+                    let what = format!(
+                        "{} {mode:?} {ty} {n_tok} tokens, max_dq_size {max_dq_size}",
+                        b.name()
+                    );
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&shared), bits(&alone), "{what}: shared vs alone");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+weightlift_kernels::test_device!(shared_prompt_products_are_each_members_own);
+
 /// On a GPU machine, libcublas is found and a handle made, so the cases above ran the cuBLAS
 /// routes past the threshold; a machine without it fails here, naming the library.
 #[cfg(feature = "cuda")]

@@ -553,6 +553,7 @@ impl Graph {
                     own,
                     scratch,
                     exec,
+                    rope_table: false,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

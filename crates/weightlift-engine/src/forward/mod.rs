@@ -239,6 +239,10 @@ pub(crate) struct Site {
     pub scratch: Option<usize>,
     /// How the device computes.
     pub exec: SiteExec,
+    /// Whether the workspace holds the model's RoPE frequencies: written by the first forward
+    /// call, and kept, since nothing else writes that region and the workspace is this graph's
+    /// for as long as the graph lives (a reload or another host backend builds a new graph).
+    pub rope_table: bool,
 }
 
 /// How a device computes its parts of the model.

@@ -59,6 +59,7 @@ pub(super) fn site_works<'a>(
             own,
             scratch,
             exec,
+            ..
         } = s;
         let buf = match (own, *scratch) {
             (Some(b), _) => b,

@@ -3,7 +3,10 @@
 //! ([`Backend::copy_peer`]).
 //!
 //! - Staging: two pinned buffers per stream, so the host fills one while the DMA engine drains
-//!   the other; an event per buffer says when its last copy was done.
+//!   the other; an event per buffer says when its last copy was done. The buffers take turns
+//!   across calls, not only within one: a small upload right after another (a decode step's
+//!   positions after its last one) stages into the buffer the other did not use, whose copy
+//!   finished long before, so the host does not wait for the DMA it just queued.
 //! - Rows: one `cuMemcpy2DAsync` on the backend's stream, device to device.
 //! - Peers: the copy runs on the destination's stream, after an event of the source's stream,
 //!   and the source's stream waits for an event recorded after it, so neither side rewrites
@@ -22,11 +25,12 @@ use super::{CudaBackend, CudaBuffer, STAGING_BYTES, drv, wait_in_drop};
 use crate::backend::{Backend, Rows, check_range, check_rows, copy_peer_by_rows};
 use crate::error::{KernelError, Result};
 
-/// Two pinned host buffers through which host bytes reach a device, and the events that say
-/// when the copy out of each was done.
+/// Two pinned host buffers through which host bytes reach a device, the events that say
+/// when the copy out of each was done, and the one the next window goes to.
 pub(super) struct Staging {
     bufs: [PinnedHostSlice<u8>; 2],
     done: [CudaEvent; 2],
+    next: usize,
 }
 
 impl Drop for Staging {
@@ -57,6 +61,7 @@ impl Staging {
         Ok(Staging {
             bufs: [a, b],
             done: [e0, e1],
+            next: 0,
         })
     }
 }
@@ -121,13 +126,24 @@ pub(super) fn upload_filled<E>(
         during: format!("staging a copy to {device}"),
         message: "no staging buffers".into(),
     })?;
-    for (k, at) in (0..len).step_by(STAGING_BYTES).enumerate() {
+    // the event query below names no context: this device's must be current
+    ctx.bind_to_thread()
+        .map_err(drv("binding the context for a staged copy"))?;
+    for at in (0..len).step_by(STAGING_BYTES) {
         let n = STAGING_BYTES.min(len - at);
-        let i = k % 2;
-        // wait until the DMA that last read this staging buffer has finished
-        st.done[i]
-            .synchronize()
-            .map_err(drv("waiting for a staging buffer"))?;
+        let i = st.next;
+        st.next = 1 - i;
+        // wait until the DMA that last read this staging buffer has finished (counted when it
+        // has not yet: a wait the alternation did not avoid)
+        if !st.done[i]
+            .try_is_complete()
+            .map_err(drv("querying a staging buffer"))?
+        {
+            crate::backend::record_upload_wait();
+            st.done[i]
+                .synchronize()
+                .map_err(drv("waiting for a staging buffer"))?;
+        }
         let pinned = st.bufs[i]
             .as_mut_slice()
             .map_err(drv("mapping pinned memory"))?;

@@ -386,12 +386,85 @@ impl CudaBackend {
         x: &CudaBuffer,
         y: &mut CudaBuffer,
     ) -> Result<bool> {
-        if m.rows == 0 || m.cols == 0 || !self.cublas_takes(m.ty, mode, m.n_tok, m.act)? {
+        let Some(route) = self.cublas_route_for(mode, m, max_dq_size, w, x, y)? else {
             return Ok(false);
+        };
+        let rounded = route
+            .convert
+            .map(|name| self.rounded_activations(name, m, x))
+            .transpose()?;
+        self.cublas_product(&route, m, w, (x, rounded.as_ref()), y)?;
+        Ok(true)
+    }
+
+    /// [`Op::MatmulShared`](crate::Op::MatmulShared) off the Q8 kernels' shared path: each
+    /// member as its own [`Op::Matmul`](crate::Op::Matmul) would run, except that the
+    /// activations are rounded once per operand type (f16 or bf16) for every member that takes
+    /// cuBLAS with it, where each such product would round them again: the same kernel on the
+    /// same values, so the same bits. `run` runs a member that does not take cuBLAS (the
+    /// backend's own dispatch of its `Op::Matmul`).
+    pub(super) fn matmul_shared_cublas(
+        &self,
+        (mode, act, cols, n_tok, max_dq_size): (MatvecMode, FloatType, usize, usize, usize),
+        x: &CudaBuffer,
+        products: Vec<crate::backend::Product<'_, CudaBuffer>>,
+        mut run: impl FnMut(crate::backend::Product<'_, CudaBuffer>) -> Result<()>,
+    ) -> Result<()> {
+        // the activations rounded for cuBLAS, by the kernel that rounded them
+        let mut rounded: Vec<(&'static str, CudaSlice<u8>)> = Vec::new();
+        for p in products {
+            let m = MatShape {
+                ty: p.ty,
+                act,
+                rows: p.rows,
+                cols,
+                n_tok,
+            };
+            self.check_matmul(mode, m, p.w, x, p.y)?;
+            let route = if n_tok == 0 {
+                None
+            } else {
+                self.cublas_route_for(mode, m, max_dq_size, p.w, x, p.y)?
+            };
+            let Some(route) = route else {
+                run(p)?;
+                continue;
+            };
+            let xs = match route.convert {
+                Some(name) => {
+                    let i = match rounded.iter().position(|(k, _)| *k == name) {
+                        Some(i) => i,
+                        None => {
+                            rounded.push((name, self.rounded_activations(name, m, x)?));
+                            rounded.len() - 1
+                        }
+                    };
+                    Some(&rounded[i].1)
+                }
+                None => None,
+            };
+            self.cublas_product(&route, m, p.w, (x, xs), p.y)?;
+        }
+        Ok(())
+    }
+
+    /// The cuBLAS route a prompt product of `m` in `mode` takes here (see
+    /// [`CudaBackend::matmul_cublas`]), or `None`.
+    fn cublas_route_for(
+        &self,
+        mode: MatvecMode,
+        m: MatShape,
+        max_dq_size: usize,
+        w: &CudaBuffer,
+        x: &CudaBuffer,
+        y: &CudaBuffer,
+    ) -> Result<Option<CublasRoute>> {
+        if m.rows == 0 || m.cols == 0 || !self.cublas_takes(m.ty, mode, m.n_tok, m.act)? {
+            return Ok(None);
         }
         let fast = mode == MatvecMode::Q8;
         let Some(route) = cublas_route(fast, m.ty, m.rows, m.cols, max_dq_size) else {
-            return Ok(false);
+            return Ok(None);
         };
         // cuBLAS reads whole elements: a view at an offset that is not a multiple of one (the
         // kernels' byte-by-byte path takes those) stays on the kernels
@@ -405,21 +478,45 @@ impl CudaBackend {
             || (route.convert.is_none() && !aligned(x, 4))
             || (route.dequantize.is_none() && !aligned(w, m.ty.block_bytes()))
         {
-            return Ok(false);
+            return Ok(None);
         }
-        let ran = self.with_cublas(|h| self.cublas_product(h, &route, m, w, x, y))?;
-        Ok(ran.is_some())
+        Ok(Some(route))
     }
 
-    /// The launches of [`CudaBackend::matmul_cublas`] on handle `h` along `route` (the buffers
-    /// were checked against `m` by the caller).
+    /// The activations of `m` (`n_tok × cols` f32 in `x`) rounded once by the kernel `name`
+    /// (a cuBLAS route's `convert`) into a scratch of 2-byte values, for fast mode's GEMMs.
+    fn rounded_activations(
+        &self,
+        name: &'static str,
+        m: MatShape,
+        x: &CudaBuffer,
+    ) -> Result<CudaSlice<u8>> {
+        let n_x = mul(m.n_tok, m.cols);
+        // SAFETY: the conversion below writes all n_x values before the GEMMs read them.
+        let mut xs = unsafe { self.scratch(mul(n_x, 2)) }?;
+        let mut args = [
+            KArg::In(&x.slice),
+            KArg::Out(&mut xs),
+            KArg::U64(n_x as u64),
+        ];
+        // SAFETY: one thread per value below n_x; x holds n_tok × cols f32 (checked by the
+        // caller) and xs n_x 2-byte values.
+        unsafe { self.launch("convert", name, elementwise(n_x)?, &mut args) }?;
+        Ok(xs)
+    }
+
+    /// The launches of [`CudaBackend::matmul_cublas`] along `route` (the buffers were checked
+    /// against `m` by the caller): the GEMMs' B operand is `converted` (the activations
+    /// rounded by `route.convert`, see [`CudaBackend::rounded_activations`]) or else `x` as it
+    /// is. Only the GEMMs hold the cuBLAS handle's lock: the dequantise launches and the
+    /// scratch need no handle, and every use of the handle's workspace is ordered on this
+    /// backend's one stream, which the handle is bound to.
     fn cublas_product(
         &self,
-        h: &cublas::Handle,
         route: &CublasRoute,
         m: MatShape,
         w: &CudaBuffer,
-        x: &CudaBuffer,
+        (x, converted): (&CudaBuffer, Option<&CudaSlice<u8>>),
         y: &mut CudaBuffer,
     ) -> Result<()> {
         use cudarc::cublas::sys::{cublasComputeType_t as Compute, cudaDataType as Dt};
@@ -430,25 +527,7 @@ impl CudaBackend {
             "bf16" => (Dt::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F, 2),
             _ => (Dt::CUDA_R_16F, Compute::CUBLAS_COMPUTE_32F, 2),
         };
-        // the activations: f32 as they are in exact mode, rounded once in fast mode
-        let n_x = mul(m.n_tok, m.cols);
-        let converted = match route.convert {
-            Some(name) => {
-                // SAFETY: the conversion below writes all n_x values before the GEMMs read them.
-                let mut xs = unsafe { self.scratch(mul(n_x, 2)) }?;
-                let mut args = [
-                    KArg::In(&x.slice),
-                    KArg::Out(&mut xs),
-                    KArg::U64(n_x as u64),
-                ];
-                // SAFETY: one thread per value below n_x; x holds n_tok × cols f32 (checked by
-                // the caller) and xs n_x 2-byte values.
-                unsafe { self.launch("convert", name, elementwise(n_x)?, &mut args) }?;
-                Some(xs)
-            }
-            None => None,
-        };
-        let x_ptr = match &converted {
+        let x_ptr = match converted {
             Some(xs) => xs.device_ptr(&self.stream).0,
             None => x.slice.device_ptr(&self.stream).0,
         };
@@ -467,11 +546,22 @@ impl CudaBackend {
             ab,
             compute,
         };
+        // one GEMM on the handle, under its lock
+        let run = |g: cublas::Gemm| -> Result<()> {
+            let ran = self.with_cublas(|h| {
+                // SAFETY: `g` names the matrices the comment at each call gives, on this
+                // backend's stream, which the handle is bound to.
+                unsafe { h.gemm(&g) }
+            })?;
+            ran.ok_or_else(|| KernelError::Cuda {
+                during: format!("a cuBLAS product on {}", self.name()),
+                message: "the cuBLAS handle this product was routed to is gone".into(),
+            })
+        };
         let Some(dq_name) = &route.dequantize else {
-            // SAFETY: A is the rows × cols weights (checked), B the n_tok × cols activations
-            // (checked, or converted above), C the n_tok × rows output (checked); all on this
-            // backend's stream, which the handle is bound to.
-            return unsafe { h.gemm(&gemm(w_ptr, 0, m.rows)) };
+            // A is the rows × cols weights (checked), B the n_tok × cols activations (checked,
+            // or converted), C the n_tok × rows output (checked).
+            return run(gemm(w_ptr, 0, m.rows));
         };
         // SAFETY: each chunk's dequantize launch writes the values its GEMM reads (chunk rows
         // or fewer, from the start), earlier on the same stream.
@@ -486,9 +576,9 @@ impl CudaBackend {
             // SAFETY: n values of nr whole weight rows, inside the checked weight bytes, into
             // the scratch of chunk × cols >= n values.
             unsafe { self.launch("dequant", dq_name, elementwise(n)?, &mut args) }?;
-            // SAFETY: A is the nr × cols chunk just written, B as above, C the output rows
-            // r0..r0 + nr of every token (ld rows, inside the checked n_tok × rows).
-            unsafe { h.gemm(&gemm(wd_ptr, r0, nr)) }?;
+            // A is the nr × cols chunk just written, B as above, C the output rows r0..r0 + nr
+            // of every token (ld rows, inside the checked n_tok × rows).
+            run(gemm(wd_ptr, r0, nr))?;
             r0 += nr;
         }
         Ok(())

@@ -203,7 +203,33 @@ impl CudaBackend {
                     Ok(())
                 })?;
             }
-            op @ Op::MatmulShared { .. } => crate::backend::matmul_each(op, |op| self.run_op(op))?,
+            Op::MatmulShared {
+                mode,
+                act,
+                cols,
+                n_tok,
+                max_dq_size,
+                x,
+                products,
+            } => {
+                // each member as its own product, the activations rounded once for those that
+                // take cuBLAS
+                let shape = (mode, act, cols, n_tok, max_dq_size);
+                self.matmul_shared_cublas(shape, x, products, |p| {
+                    self.run_op(Op::Matmul {
+                        ty: p.ty,
+                        mode,
+                        act,
+                        rows: p.rows,
+                        cols,
+                        n_tok,
+                        max_dq_size,
+                        w: p.w,
+                        x,
+                        y: p.y,
+                    })
+                })?;
+            }
             Op::MatmulSwiGlu {
                 mode,
                 act,

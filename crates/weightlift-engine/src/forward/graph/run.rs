@@ -136,6 +136,10 @@ impl Graph {
             .onload
             .as_ref()
             .map(|o| (o.site, o.slot_bytes, o.slots()));
+        // the workspaces still without the RoPE table: only a graph's first call writes it, so
+        // a decode step's uploads are its own positions (and a captured step's replay reads
+        // the table the first call left)
+        let rope_fresh: Vec<bool> = self.sites.iter().map(|s| !s.rope_table).collect();
         let (mut works, mut slot_mem) = site_works(&mut self.sites, scratch, onload_site)?;
         if let Some(pins) = self.onload.as_ref().and_then(|o| o.pins.as_ref()) {
             for m in slot_mem.iter_mut().flatten() {
@@ -160,7 +164,7 @@ impl Graph {
             pieces: &[],
         };
         let freqs: &[u8] = bytemuck::cast_slice(&self.inv_freqs);
-        for (i, w) in works.iter_mut().enumerate() {
+        for (i, w) in works.iter_mut().enumerate().filter(|(i, _)| rope_fresh[*i]) {
             on_site!(w, v => {
                 let len = self.inv_freqs.len().min(v.freqs.len());
                 let f = &mut v.freqs[..len];
@@ -444,6 +448,13 @@ impl Graph {
             }
             Ok(())
         })?;
+        // the workspaces are lent no more: their tables are marked written (a call that fails
+        // before here writes its table again next time, which is harmless)
+        drop(slot_mem);
+        drop(works);
+        for (s, fresh) in self.sites.iter_mut().zip(rope_fresh) {
+            s.rope_table |= fresh;
+        }
         // the offloaded caches' copies of this call (none is in flight after its last layer)
         let now = offload_copies();
         copies_made.add(Copies {

@@ -5,7 +5,8 @@
 //! replays them with one launch. A replay repeats every launch with the arguments it was
 //! recorded with, so the step may take from the host only what lands in device memory before
 //! the replay: the new token's embedding row and the positions. Everything else a step reads
-//! is at the same address with the same shape every time: the weights, the workspace, the cache
+//! is at the same address with the same shape every time: the weights, the workspace (its RoPE
+//! table written by the forward graph's first call and kept, so no step uploads it), the cache
 //! layers, and the position-dependent parts (the cache row written, attention's length and
 //! grid) come from the positions buffer (the ops' device-position forms, see
 //! `exec::attend_piece`). The logits are copied to the host after the replay: the step's one
