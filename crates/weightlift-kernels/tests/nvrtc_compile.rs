@@ -17,9 +17,10 @@ mod common;
 /// (the same entries and parameters), then ptxas on it: compiling for compute_XX as well would
 /// check nothing more. The other kernels have no code for particular architectures (nothing tests
 /// `__CUDA_ARCH__` beyond its presence), so the oldest and the newest bound the ones between:
-/// a third (sm_80) would add a third to this suite's time and no code path of its own. The one
-/// kernel with code for particular architectures, `attention_prefill_mma_f16` (tensor-core
-/// `mma.sync` from 8.0, an empty body before), has both of its paths compiled here.
+/// a third (sm_80) would add a third to this suite's time and no code path of its own. The
+/// kernels with code for particular architectures, `attention_prefill_mma_f16` and
+/// `q8_mma_{type}` (tensor-core `mma.sync` from 8.0, an empty body before), have both of their
+/// paths compiled here.
 #[cfg(feature = "nvrtc-check")]
 const ARCHES: [&str; 2] = ["sm_75", "sm_90"];
 
