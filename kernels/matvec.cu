@@ -9,6 +9,8 @@
 // - q8_quantize_{f32,f16}, q8_matmul_{type} and q8_matvec_{type}: the Q8-activation mode
 //   (wl_q8.cuh), integer dot products per 32-value group with dp4a; q8_matmul in the CPU's
 //   order, q8_matvec (decode, one token) in an order of its own made for bandwidth.
+// - q8_mma_{type}: the Q8 mode's prompt product on int8 tensor cores (wl_mmq.cuh), the
+//   groups' integer dots as m16n8k32 products, from compute capability 8.0.
 // - swiglu_matvec_{f16,bf16,f32}_{f32,f16} and swiglu_q8_matvec_{type}: decode's gate and up
 //   products with SwiGLU in one launch, each row's sums those of the matvec kernels above.
 // - q8_wide_matvec_{q4_k,q6_k} and swiglu_q8_wide_matvec_{q4_k,q6_k}: the same two for Q4_K and
@@ -19,6 +21,7 @@
 #include "wl_matvec.cuh"
 #include "wl_q8.cuh"
 #include "wl_q8w.cuh"
+#include "wl_mmq.cuh"
 
 __device__ __forceinline__ float wl_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -445,6 +448,113 @@ WL_Q8_KERNELS(q6_k, 256, 210)
 
 WL_Q8W_KERNELS(q4_k, 256, 144)
 WL_Q8W_KERNELS(q6_k, 256, 210)
+
+// q8_mma_{type}(w, xq, y, rows, cols, n_tok): q8_matmul_{type}'s product, y[t * rows + r] =
+// the Q8-mode dot of weight row r with token t's cols / 32 quantised blocks, on int8 tensor
+// cores (compute capability 8.0 and later; below that, and on any architecture the module is
+// compiled for before 8.0, the body is empty and the host never launches it). Each group's
+// integer dot is one m16n8k32 s8 product of a warp (wl_mmq.cuh); the float epilogue adds the
+// groups in order per (token, row): the CPU's prompt tiles' order (its bits past 16 tokens),
+// not q8_matmul_'s 8-lane one (within the Q8 mode's bound of it). Grid: x = ceil(rows / 64) blocks of 64 rows,
+// y (at most 65535) strides over tiles of 64 tokens; blocks of WL_MMQ_THREADS (four warps, 16
+// rows each against all 64 tokens: eight n-blocks). Per pass of WL_MMQ_GROUPS groups the block
+// stages the rows' weights unpacked to s8 words (wl_q8w_{type}, one word a thread) with their
+// scales and mins, and the tokens' activation blocks, then each warp runs, per group, eight
+// products (sixteen for Q6_K's two halves) and their epilogues from shared memory.
+//
+// Budget: shared memory 2 x 64 x 36 words of staged quants and up to 5 x 256 floats of scales
+// (NVRTC's sm_90 build: 22 KiB a block, 24 for the types with a min term); registers: 32
+// float chains a thread (8 n-blocks x 4 C registers), 64 with the min term's, and the
+// fragments: 79 to 100 registers, 128 with the min term, no stack (the same build), so four
+// blocks an SM. Bytes read per call: the weights once per 64-token
+// tile, the activation blocks once per 64-row tile (L2 holds both for a layer's shapes). The
+// bound it should reach: 2 x rows x cols x n_tok int8 operations on tensor cores (a 2,048 x
+// 5,632 product of 512 tokens is 11.8 G: a few microseconds at the H200's int8 rate); the
+// staging, one wl_q8w_{type} a word, is what it will wait on. Unmeasured: off by default
+// (sources::MMQ_MIN_TOKENS_BY_TYPE).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// D = A B, one m16n8k32 product of s8 operands with s32 accumulators from zero.
+__device__ __forceinline__ void wl_mma_16832_s8(int d[4], const wl_u32 a[4], const wl_u32 b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %10, %10, %10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+}
+
+#define WL_Q8_MMA_BODY(NAME)                                                                       \
+    __shared__ wl_u32 s_w[WL_MMQ_W_WORDS];                                                         \
+    __shared__ wl_u32 s_x[WL_MMQ_X_WORDS];                                                         \
+    __shared__ float s_dw[2 * WL_MMQ_W_GROUPS];                                                    \
+    __shared__ float s_mw[WL_MMQ_W_GROUPS];                                                        \
+    __shared__ float s_xd[WL_MMQ_X_GROUPS];                                                        \
+    __shared__ int s_xs[WL_MMQ_X_GROUPS];                                                          \
+    const int tid = (int)threadIdx.x, lane = tid % 32;                                             \
+    const int row0 = (tid / 32) * WL_MMQ_WARP_ROWS;                                                \
+    const wl_u64 r0 = (wl_u64)blockIdx.x * WL_MMQ_ROWS;                                            \
+    const wl_u64 n_groups = cols / 32;                                                             \
+    const int wal = ((wl_u64)w & 3) == 0, xal = ((wl_u64)xq & 3) == 0;                             \
+    /* a warp whose rows all lie past the end stages its share and multiplies nothing */          \
+    const bool live = r0 + (wl_u64)row0 < rows;                                                    \
+    for (wl_u64 t0 = (wl_u64)blockIdx.y * WL_MMQ_TOKS; t0 < n_tok;                                 \
+         t0 += (wl_u64)gridDim.y * WL_MMQ_TOKS) {                                                  \
+        float acc[8][4], ext[8][4];                                                                \
+        _Pragma("unroll") for (int nb = 0; nb < 8; nb++) {                                         \
+            _Pragma("unroll") for (int reg = 0; reg < 4; reg++) acc[nb][reg] = ext[nb][reg] = 0.0f; \
+        }                                                                                          \
+        for (wl_u64 g0 = 0; g0 < n_groups; g0 += WL_MMQ_GROUPS) {                                  \
+            /* the previous pass's readers are done before it is overwritten */                   \
+            __syncthreads();                                                                       \
+            for (int e = tid; e < WL_MMQ_ROWS * WL_MMQ_GROUPS * 8; e += WL_MMQ_THREADS) {          \
+                wl_mmq_stage_w_##NAME(w, rows, cols, r0, g0, wal, e, s_w, s_dw, s_mw);             \
+            }                                                                                      \
+            for (int e = tid; e < WL_MMQ_TOKS * WL_MMQ_GROUPS * 10; e += WL_MMQ_THREADS) {         \
+                wl_mmq_stage_x(xq, n_tok, n_groups, t0, g0, xal, e, s_x, s_xd, s_xs);              \
+            }                                                                                      \
+            __syncthreads();                                                                       \
+            if (!live) continue;                                                                   \
+            const int kn = n_groups - g0 < WL_MMQ_GROUPS ? (int)(n_groups - g0) : WL_MMQ_GROUPS;   \
+            for (int kk = 0; kk < kn; kk++) {                                                      \
+                _Pragma("unroll") for (int h = 0; h < WL_MMQ_HALVES_##NAME; h++) {                 \
+                    wl_u32 a[4];                                                                   \
+                    wl_mmq_a_frag(s_w, row0, kk, lane, WL_MMQ_HALVES_##NAME, h, a);                \
+                    _Pragma("unroll") for (int nb = 0; nb < 8; nb++) {                             \
+                        wl_u32 b[2];                                                               \
+                        int c[4];                                                                  \
+                        wl_mmq_b_frag(s_x, 8 * nb, kk, lane, b);                                   \
+                        wl_mma_16832_s8(c, a, b);                                                  \
+                        wl_mmq_epilogue(c, lane, row0, 8 * nb, kk, h, WL_Q8_KIND_##NAME, s_dw,     \
+                                        s_mw, s_xd, s_xs, acc[nb], ext[nb]);                       \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        if (!live) continue;                                                                       \
+        _Pragma("unroll") for (int nb = 0; nb < 8; nb++) {                                         \
+            _Pragma("unroll") for (int reg = 0; reg < 4; reg++) {                                  \
+                const wl_u64 r = r0 + (wl_u64)(row0 + wl_mmq_c_row(lane, reg));                   \
+                const wl_u64 t = t0 + (wl_u64)(8 * nb + wl_mmq_c_col(lane, reg));                  \
+                if (r < rows && t < n_tok) y[t * rows + r] = WL_ADD(acc[nb][reg], ext[nb][reg]);  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+#else
+#define WL_Q8_MMA_BODY(NAME)
+#endif
+
+#define WL_Q8_MMA(NAME)                                                                            \
+    extern "C" __global__ __launch_bounds__(WL_MMQ_THREADS) void q8_mma_##NAME(                    \
+        const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols, wl_u64 n_tok) {       \
+        WL_Q8_MMA_BODY(NAME)                                                                       \
+    }
+
+WL_Q8_MMA(q4_0)
+WL_Q8_MMA(q4_1)
+WL_Q8_MMA(q5_0)
+WL_Q8_MMA(q5_1)
+WL_Q8_MMA(q8_0)
+WL_Q8_MMA(q4_k)
+WL_Q8_MMA(q6_k)
 
 // gemm_{f32,f16}(wd, x, y, n_rows, cols, n_tok, row0, rows): the dense product of the
 // dequantised path. wd holds n_rows dequantised weight rows (f32, cols each: rows row0.. of the

@@ -16,11 +16,14 @@
 //!   RoPE, the KV codecs);
 //! - the prompt-product route table: TinyLlama's three shapes at 2 to 512 tokens for bf16, f16,
 //!   q8_0 and q4_k in exact and fast mode, µs per call through the backend's own kernels and
-//!   through cuBLAS (two more backends of the device, one with cuBLAS from one token and one
-//!   with it never, `CudaBackend::with_cublas_min_tokens`), and per type and mode the count
-//!   from which cuBLAS wins for good (`sources::cublas_crossover`), printed as the lines of
-//!   `sources::CUBLAS_MIN_TOKENS_BY_TYPE` that would set it. On the CPU device the cuBLAS
-//!   column says not applicable, and fewer counts are timed.
+//!   through cuBLAS, and in fast mode for the quantised types through the int8 tensor-core
+//!   kernels `q8_mma_{type}` (three more backends of the device, one with cuBLAS from one
+//!   token, one with the int8 kernels from one token and one with neither,
+//!   `CudaBackend::with_cublas_min_tokens`), and per type and mode the counts from which the
+//!   int8 kernels and cuBLAS win for good (`sources::prompt_crossovers`), printed as the lines
+//!   of `sources::MMQ_MIN_TOKENS_BY_TYPE` and `sources::CUBLAS_MIN_TOKENS_BY_TYPE` that would
+//!   set them. On the CPU device the cuBLAS and int8 columns say not applicable, and fewer
+//!   counts are timed.
 //!
 //! A sample queues `k` calls and ends with one device synchronise, `k` chosen so that a sample
 //! lasts about [`SAMPLE`]; the figure is the median of the samples' per-call times. Calls queued
@@ -44,8 +47,8 @@ use std::time::{Duration, Instant};
 
 use weightlift_benches::{COLS, DEQUANT_TYPES, PRODUCT_TYPES, ROWS, random_weights};
 use weightlift_kernels::sources::{
-    CUBLAS_MIN_TOKENS, CUDA_EXACT_TYPES, CUDA_Q8_TYPES, CublasMinTokens, Q8_WIDE_WEIGHT_TYPES,
-    Q8Decode, cublas_crossover, cublas_route,
+    CUBLAS_MIN_TOKENS, CUDA_EXACT_TYPES, CUDA_Q8_TYPES, CublasMinTokens, MMQ_TYPES,
+    Q8_WIDE_WEIGHT_TYPES, Q8Decode, RouteTimes, cublas_route, prompt_crossovers,
 };
 use weightlift_kernels::{
     Backend, CpuBackend, CudaBackend, FloatType, KernelError, KvFormat, MatvecMode, Op, Product,
@@ -191,11 +194,12 @@ fn main() -> ExitCode {
             }
         },
         // the CPU has no wide lanes: its rows run its own Q8 mode, so the tables keep their
-        // shape; nor cuBLAS: the route table has its kernels' column only
+        // shape; nor cuBLAS or int8 tensor cores: the route table has its kernels' column only
         Device::Cpu => {
             let cpu = CpuBackend::new();
             let routes = Routes {
                 kernels: &cpu,
+                mma: Err("not applicable: the CPU backend has no int8 tensor-core route".into()),
                 cublas: Err("not applicable: the CPU backend has no cuBLAS route".into()),
             };
             bench(&cpu, &cpu, &routes, &args)
@@ -217,8 +221,14 @@ fn cuda_bench(be: &CudaBackend, args: &Args) -> Result<bool> {
     let wide = CudaBackend::new(0)?.with_q8_decode(Q8Decode::Wide);
     let kernels = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
     let cublas = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(1));
+    let mma = CudaBackend::new(0)?
+        .with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX).with_mma_every(1));
     let routes = Routes {
         kernels: &kernels,
+        mma: match mma.compute_capability() {
+            cc if cc >= (8, 0) => Ok(&mma),
+            cc => Err(format!("no int8 tensor cores: compute capability {cc:?}")),
+        },
         cublas: match cublas.cublas_ready() {
             Ok(()) => Ok(&cublas),
             Err(e) => Err(format!("no cuBLAS on this device: {e}")),
@@ -876,10 +886,13 @@ fn run_cases<B: Backend + 'static>(
     Ok(rows)
 }
 
-/// The two routes of a prompt product on one device: a backend whose products never take cuBLAS,
-/// and one whose products take it from one token, or why there is none.
+/// The three routes of a prompt product on one device: a backend whose products take neither
+/// cuBLAS nor the int8 tensor-core kernels, one whose fast-mode products of the Q8 types take
+/// the int8 kernels from one token, and one whose products take cuBLAS from one token, or why
+/// there is none.
 struct Routes<'a, B> {
     kernels: &'a B,
+    mma: std::result::Result<&'a B, String>,
     cublas: std::result::Result<&'a B, String>,
 }
 
@@ -891,6 +904,7 @@ struct RouteRow {
     shape: (usize, usize),
     tokens: Vec<usize>,
     kernels: Vec<std::result::Result<Duration, String>>,
+    mma: Vec<std::result::Result<Duration, String>>,
     cublas: Vec<std::result::Result<Duration, String>>,
 }
 
@@ -902,8 +916,8 @@ fn route_tokens(args: &Args) -> &'static [usize] {
     }
 }
 
-/// Prompt products of every route type and shape, in each mode, through both routes. Each case
-/// is sampled as in quick mode (20 ms): the table has 480 of them on a GPU.
+/// Prompt products of every route type and shape, in each mode, through each route. Each case
+/// is sampled as in quick mode (20 ms): the table has 540 of them on a GPU.
 fn route_rows<B: Backend>(
     routes: &Routes<'_, B>,
     args: &Args,
@@ -923,6 +937,13 @@ fn route_rows<B: Backend>(
                 }
                 let kernels = route_times(routes.kernels, &quick, ok, ty, mode, (r, c), tokens)?;
                 let fast = mode == MatvecMode::Q8;
+                let mma = match &routes.mma {
+                    Ok(be) if fast && MMQ_TYPES.contains(&ty) => {
+                        route_times(*be, &quick, ok, ty, mode, (r, c), tokens)?
+                    }
+                    Ok(_) => vec![Err("no int8 tensor-core route".into()); tokens.len()],
+                    Err(why) => vec![Err(why.clone()); tokens.len()],
+                };
                 let cublas = match (&routes.cublas, cublas_route(fast, ty, r, c, MAX_DQ_SIZE)) {
                     (Ok(be), Some(_)) => route_times(*be, &quick, ok, ty, mode, (r, c), tokens)?,
                     (Ok(_), None) => vec![Err("no cuBLAS route".into()); tokens.len()],
@@ -934,6 +955,7 @@ fn route_rows<B: Backend>(
                     shape: (r, c),
                     tokens: tokens.to_vec(),
                     kernels,
+                    mma,
                     cublas,
                 };
                 print_route_row(&row);
@@ -1020,20 +1042,24 @@ fn print_route_row(r: &RouteRow) {
         v.iter().map(route_cell).collect::<Vec<_>>().join(" ")
     };
     println!(
-        "{:<44} kernels µs: {}; cuBLAS µs: {}",
+        "{:<44} kernels µs: {}; int8 mma µs: {}; cuBLAS µs: {}",
         route_name(r.ty, r.mode, r.shape),
         cells(&r.kernels),
+        cells(&r.mma),
         cells(&r.cublas)
     );
 }
 
-/// The crossover of one type and mode: where cuBLAS wins for good on the sum of the three
-/// shapes' times (a layer's products, roughly), by [`cublas_crossover`]. `Err` when cuBLAS did
-/// not run for it (why), `Ok(None)` when it ran and never won for good.
+/// The crossovers of one type and mode on the sum of the three shapes' times (a layer's
+/// products, roughly), by [`prompt_crossovers`]: where cuBLAS wins for good against the faster
+/// of the other two, and where the int8 tensor-core kernels win for good against the backend's
+/// kernels below that. Each `Err` when that route did not run for it (why), `Ok(None)` when it
+/// ran and never won for good.
 struct Crossover {
     ty: QuantType,
     mode: MatvecMode,
     min_tokens: std::result::Result<Option<usize>, String>,
+    mma_tokens: std::result::Result<Option<usize>, String>,
 }
 
 fn crossovers(rows: &[RouteRow]) -> Vec<Crossover> {
@@ -1053,26 +1079,38 @@ fn crossovers(rows: &[RouteRow]) -> Vec<Crossover> {
                     .map(|r| pick(r)[i].as_ref().ok().map(Duration::as_secs_f64))
                     .sum::<Option<f64>>()
             };
-            let times: Vec<(usize, Option<f64>, Option<f64>)> = first
+            let times: Vec<RouteTimes> = first
                 .tokens
                 .iter()
                 .enumerate()
-                .map(|(i, &n)| (n, sum(|r| &r.kernels, i), sum(|r| &r.cublas, i)))
+                .map(|(i, &n)| {
+                    (
+                        n,
+                        sum(|r| &r.kernels, i),
+                        sum(|r| &r.mma, i),
+                        sum(|r| &r.cublas, i),
+                    )
+                })
                 .collect();
-            let ran = times.iter().any(|t| t.2.is_some());
-            let min_tokens = if ran {
-                Ok(cublas_crossover(&times))
-            } else {
-                Err(first
-                    .cublas
-                    .iter()
+            let (mma, cublas) = prompt_crossovers(&times);
+            let why = |v: &[std::result::Result<Duration, String>]| {
+                v.iter()
                     .find_map(|t| t.as_ref().err().cloned())
-                    .unwrap_or_default())
+                    .unwrap_or_default()
+            };
+            let min_tokens = match times.iter().any(|t| t.3.is_some()) {
+                true => Ok(cublas),
+                false => Err(why(&first.cublas)),
+            };
+            let mma_tokens = match times.iter().any(|t| t.2.is_some()) {
+                true => Ok(mma),
+                false => Err(why(&first.mma)),
             };
             out.push(Crossover {
                 ty,
                 mode,
                 min_tokens,
+                mma_tokens,
             });
         }
     }
@@ -1086,10 +1124,12 @@ fn route_markdown(rows: &[RouteRow], cross: &[Crossover]) -> String {
         return md;
     };
     md.push_str(
-        "\n## Prompt products: the backend's kernels or cuBLAS (TinyLlama's shapes)\n\n\
+        "\n## Prompt products: the backend's kernels, int8 tensor cores or cuBLAS (TinyLlama's \
+         shapes)\n\n\
          µs per call of one product of f32 activations at each token count, through the \
-         backend's own kernels (`kernels`) and through cuBLAS (`cuBLAS`), each forced on a \
-         backend of its own; the weights rotate as in the first table. `exact` is exact mode \
+         backend's own kernels (`kernels`), through the int8 tensor-core kernels `q8_mma_{type}` \
+         (`int8 mma`: fast mode, quantised weights, compute capability 8.0 and later) and \
+         through cuBLAS (`cuBLAS`), each forced on a backend of its own; the weights rotate as in the first table. `exact` is exact mode \
          (cuBLAS: f32 GEMMs of dequantised chunks, no TF32), `q8` fast mode (cuBLAS: tensor \
          cores, f16 or bf16 operands, f32 accumulation). Each case is sampled for 20 ms; the \
          CPU rehearsal times fewer counts.\n\n",
@@ -1102,7 +1142,11 @@ fn route_markdown(rows: &[RouteRow], cross: &[Crossover]) -> String {
     md.push_str(&"---:|".repeat(first.tokens.len()));
     md.push('\n');
     for r in rows {
-        for (route, times) in [("kernels", &r.kernels), ("cuBLAS", &r.cublas)] {
+        for (route, times) in [
+            ("kernels", &r.kernels),
+            ("int8 mma", &r.mma),
+            ("cuBLAS", &r.cublas),
+        ] {
             let _ = write!(
                 md,
                 "| {} | {} | {}×{} | {route} |",
@@ -1119,7 +1163,7 @@ fn route_markdown(rows: &[RouteRow], cross: &[Crossover]) -> String {
     }
     let notes: Vec<String> = rows
         .iter()
-        .flat_map(|r| r.kernels.iter().chain(&r.cublas))
+        .flat_map(|r| r.kernels.iter().chain(&r.mma).chain(&r.cublas))
         .filter_map(|t| t.as_ref().err().cloned())
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
@@ -1132,47 +1176,70 @@ fn route_markdown(rows: &[RouteRow], cross: &[Crossover]) -> String {
     }
     let _ = writeln!(
         md,
-        "\n### Where cuBLAS wins\n\n\
-         Per type and mode, the smallest token count from which cuBLAS is faster on the sum of \
-         the three shapes at that count and every larger one measured. Today every type takes \
-         cuBLAS from `CUBLAS_MIN_TOKENS` = {CUBLAS_MIN_TOKENS} tokens.\n\n\
-         | weights | mode | cuBLAS wins from | suggested count |\n|---|---|---:|---:|"
+        "\n### Where the int8 kernels and cuBLAS win\n\n\
+         Per type and mode, the smallest token count from which cuBLAS is faster than the faster \
+         of the other two routes on the sum of the three shapes at that count and every larger \
+         one measured, and the smallest from which the int8 tensor-core kernels are faster than \
+         the backend's kernels in the same way below that (`sources::prompt_crossovers`). Today \
+         every type takes cuBLAS from `CUBLAS_MIN_TOKENS` = {CUBLAS_MIN_TOKENS} tokens, and \
+         none the int8 kernels (`MMQ_MIN_TOKENS_BY_TYPE` is empty).\n\n\
+         | weights | mode | int8 mma wins from | suggested int8 count | cuBLAS wins from | \
+         suggested cuBLAS count |\n|---|---|---:|---:|---:|---:|"
     );
-    let mut lines = Vec::new();
+    let cells = |c: &std::result::Result<Option<usize>, String>| match c {
+        Ok(Some(n)) => (format!("{n} tokens"), n.to_string()),
+        Ok(None) => ("never for good".to_string(), "usize::MAX".to_string()),
+        Err(why) if why.starts_with("not applicable") => ("n/a".into(), "n/a".into()),
+        Err(why) if why.starts_with("no int8") => ("—".into(), "n/a".into()),
+        Err(why) => (format!("did not run: {why}"), "n/a".into()),
+    };
+    let (mut cublas_lines, mut mma_lines) = (Vec::new(), Vec::new());
     for x in cross {
         let mode = mode_name(x.mode);
-        let (wins, suggested) = match &x.min_tokens {
-            Ok(Some(n)) => (format!("{n} tokens"), n.to_string()),
-            Ok(None) => ("never for good".to_string(), "usize::MAX".to_string()),
-            Err(why) if why.starts_with("not applicable") => ("n/a".into(), "n/a".into()),
-            Err(why) => (format!("did not run: {why}"), "n/a".into()),
+        let (mma_wins, mma_suggested) = cells(&x.mma_tokens);
+        let (wins, suggested) = cells(&x.min_tokens);
+        let _ = writeln!(
+            md,
+            "| {} | {mode} | {mma_wins} | {mma_suggested} | {wins} | {suggested} |",
+            x.ty
+        );
+        let variant = match x.mode {
+            MatvecMode::Exact => "Exact",
+            MatvecMode::Q8 => "Q8",
         };
-        let _ = writeln!(md, "| {} | {mode} | {wins} | {suggested} |", x.ty);
+        let line = |n: &str| format!("    (QuantType::{:?}, MatvecMode::{variant}, {n}),", x.ty);
         if x.min_tokens.is_ok() {
-            let variant = match x.mode {
-                MatvecMode::Exact => "Exact",
-                MatvecMode::Q8 => "Q8",
-            };
-            lines.push(format!(
-                "    (QuantType::{:?}, MatvecMode::{variant}, {suggested}),",
-                x.ty
-            ));
+            cublas_lines.push(line(&suggested));
+        }
+        // an int8 count only where the kernels win (the table's default is none)
+        if let Ok(Some(_)) = x.mma_tokens {
+            mma_lines.push(line(&mma_suggested));
         }
     }
-    if lines.is_empty() {
-        md.push_str("\nNo crossover measured (cuBLAS did not run here).\n");
+    if cublas_lines.is_empty() {
+        md.push_str("\nNo cuBLAS crossover measured (cuBLAS did not run here).\n");
     } else {
         let _ = writeln!(
             md,
             "\nAs the entries of `sources::CUBLAS_MIN_TOKENS_BY_TYPE`:\n\n```rust\n{}\n```",
-            lines.join("\n")
+            cublas_lines.join("\n")
+        );
+    }
+    if mma_lines.is_empty() {
+        md.push_str("\nThe int8 tensor-core kernels won for good nowhere here (or did not run).\n");
+    } else {
+        let _ = writeln!(
+            md,
+            "\nAs the entries of `sources::MMQ_MIN_TOKENS_BY_TYPE`:\n\n```rust\n{}\n```",
+            mma_lines.join("\n")
         );
     }
     md
 }
 
 /// The route table and crossovers as JSON members (`cublas_min_tokens_now`, the common count
-/// of this build; `routes`; `cublas_crossovers`).
+/// of this build; `routes`; `cublas_crossovers`, with the int8 tensor-core kernels' count
+/// beside cuBLAS's).
 fn route_json(rows: &[RouteRow], cross: &[Crossover]) -> String {
     let secs = |t: &std::result::Result<Duration, String>| {
         t.as_ref()
@@ -1182,12 +1249,13 @@ fn route_json(rows: &[RouteRow], cross: &[Crossover]) -> String {
     for r in rows {
         for (i, n) in r.tokens.iter().enumerate() {
             routes.push(format!(
-                "    {{\"type\": \"{}\", \"mode\": \"{}\", \"shape\": \"{}x{}\", \"tokens\": {n}, \"kernels_seconds\": {}, \"cublas_seconds\": {}}}",
+                "    {{\"type\": \"{}\", \"mode\": \"{}\", \"shape\": \"{}x{}\", \"tokens\": {n}, \"kernels_seconds\": {}, \"mma_seconds\": {}, \"cublas_seconds\": {}}}",
                 r.ty,
                 mode_name(r.mode),
                 r.shape.0,
                 r.shape.1,
                 secs(&r.kernels[i]),
+                secs(&r.mma[i]),
                 secs(&r.cublas[i])
             ));
         }
@@ -1195,15 +1263,18 @@ fn route_json(rows: &[RouteRow], cross: &[Crossover]) -> String {
     let cross: Vec<String> = cross
         .iter()
         .map(|x| {
-            let n = match &x.min_tokens {
+            let count = |c: &std::result::Result<Option<usize>, String>| match c {
                 Ok(Some(n)) => n.to_string(),
                 _ => "null".into(),
             };
             format!(
-                "    {{\"type\": \"{}\", \"mode\": \"{}\", \"cublas_ran\": {}, \"min_tokens\": {n}}}",
+                "    {{\"type\": \"{}\", \"mode\": \"{}\", \"cublas_ran\": {}, \"min_tokens\": {}, \"mma_ran\": {}, \"mma_min_tokens\": {}}}",
                 x.ty,
                 mode_name(x.mode),
-                x.min_tokens.is_ok()
+                x.min_tokens.is_ok(),
+                count(&x.min_tokens),
+                x.mma_tokens.is_ok(),
+                count(&x.mma_tokens)
             )
         })
         .collect();

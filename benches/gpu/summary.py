@@ -58,15 +58,25 @@ def kernels(folder: Path) -> list[str]:
 
 def crossovers(res: dict[str, Any]) -> list[str]:
     """The route table's crossovers: per type and mode, the prompt length from which cuBLAS
-    wins for good (a suggested CUBLAS_MIN_TOKENS), where cuBLAS ran."""
-    ran = [x for x in res.get("cublas_crossovers", []) if x["cublas_ran"]]
-    if not ran:
-        return []
-    now = res.get("cublas_min_tokens_now", "?")
-    out = [f"  - prompt products: cuBLAS wins for good from (tokens; now {now} for every type):"]
-    for x in ran:
-        n = x["min_tokens"]
-        out.append(f"    - {x['type']} {x['mode']}: {n if n is not None else 'never'}")
+    wins for good (a suggested CUBLAS_MIN_TOKENS), where cuBLAS ran; and from which the int8
+    tensor-core kernels do below it (a suggested MMQ_MIN_TOKENS_BY_TYPE entry), where they ran."""
+    every = res.get("cublas_crossovers", [])
+    out = []
+    ran = [x for x in every if x["cublas_ran"]]
+    if ran:
+        now = res.get("cublas_min_tokens_now", "?")
+        out.append(
+            f"  - prompt products: cuBLAS wins for good from (tokens; now {now} for every type):"
+        )
+        for x in ran:
+            n = x["min_tokens"]
+            out.append(f"    - {x['type']} {x['mode']}: {n if n is not None else 'never'}")
+    mma = [x for x in every if x.get("mma_ran")]
+    if mma:
+        out.append("  - prompt products: int8 tensor cores win for good from (tokens; now never):")
+        for x in mma:
+            n = x["mma_min_tokens"]
+            out.append(f"    - {x['type']} {x['mode']}: {n if n is not None else 'never'}")
     return out
 
 

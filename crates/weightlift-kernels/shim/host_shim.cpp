@@ -12,6 +12,7 @@
 #include "wl_matvec.cuh"
 #include "wl_q8.cuh"
 #include "wl_q8w.cuh"
+#include "wl_mmq.cuh"
 #include "wl_quantize.cuh"
 
 typedef float (*wl_dq_fn)(const wl_u8*, int);
@@ -779,3 +780,83 @@ extern "C" void wl_host_fam_fold(float* m, float* l, const float* m_new, const f
     wl_fam_fold(m, l, m_new, keep, psum);
 }
 extern "C" void wl_host_fam_rescale(float* o, const float* keep) { wl_fam_rescale(o, keep); }
+
+// ---- q8_mma_{type}'s lane arithmetic (wl_mmq.cuh), for the twin's software warp: the
+// m16n8k32 s8 fragment maps, the staged words, the fragment loads and a lane's epilogue. ----
+
+extern "C" void wl_host_mmq_a(int lane, int reg, int byte, int* row, int* col) {
+    *row = wl_mmq_a_row(lane, reg);
+    *col = wl_mmq_a_col(lane, reg, byte);
+}
+extern "C" void wl_host_mmq_b(int lane, int reg, int byte, int* k, int* n) {
+    *k = wl_mmq_b_k(lane, reg, byte);
+    *n = wl_mmq_b_n(lane);
+}
+extern "C" void wl_host_mmq_c(int lane, int reg, int* row, int* col) {
+    *row = wl_mmq_c_row(lane, reg);
+    *col = wl_mmq_c_col(lane, reg);
+}
+// The kernel's block shape and shared arrays: rows, tokens and groups a pass, threads, words of
+// staged weights and activations, entries of a per-group array of rows and of tokens.
+extern "C" void wl_host_mmq_shape(int* v) {
+    v[0] = WL_MMQ_ROWS;
+    v[1] = WL_MMQ_WARP_ROWS;
+    v[2] = WL_MMQ_TOKS;
+    v[3] = WL_MMQ_GROUPS;
+    v[4] = WL_MMQ_THREADS;
+    v[5] = WL_MMQ_W_WORDS;
+    v[6] = WL_MMQ_X_WORDS;
+    v[7] = WL_MMQ_W_GROUPS;
+    v[8] = WL_MMQ_X_GROUPS;
+}
+
+typedef void (*wl_mmq_stage_fn)(const wl_u8*, wl_u64, wl_u64, wl_u64, wl_u64, int, int, wl_u32*,
+                                float*, float*);
+#define WL_MMQ_CASE(NAME, ID)                 \
+    case ID:                                  \
+        *f = wl_mmq_stage_w_##NAME;           \
+        *kind = WL_Q8_KIND_##NAME;            \
+        *halves = WL_MMQ_HALVES_##NAME;       \
+        return 1;
+static int wl_mmq_fns(int ty, wl_mmq_stage_fn* f, int* kind, int* halves) {
+    switch (ty) {
+        WL_MMQ_CASE(q4_0, WL_Q4_0)
+        WL_MMQ_CASE(q4_1, WL_Q4_1)
+        WL_MMQ_CASE(q5_0, WL_Q5_0)
+        WL_MMQ_CASE(q5_1, WL_Q5_1)
+        WL_MMQ_CASE(q8_0, WL_Q8_0)
+        WL_MMQ_CASE(q4_k, WL_Q4_K)
+        WL_MMQ_CASE(q6_k, WL_Q6_K)
+        default: return 0;
+    }
+}
+// The type's min-term kind and products a group; 0 for a type without a q8_mma_ kernel.
+extern "C" int wl_host_mmq_kind(int ty, int* kind, int* halves) {
+    wl_mmq_stage_fn f;
+    return wl_mmq_fns(ty, &f, kind, halves);
+}
+// Element e of a weight pass of type `ty` (byte by byte: al = 0); 0 for an unknown type.
+extern "C" int wl_host_mmq_stage_w(int ty, const wl_u8* w, wl_u64 rows, wl_u64 cols, wl_u64 r0,
+                                   wl_u64 g0, int e, wl_u32* sw, float* sdw, float* smw) {
+    wl_mmq_stage_fn f;
+    int kind, halves;
+    if (!wl_mmq_fns(ty, &f, &kind, &halves)) return 0;
+    f(w, rows, cols, r0, g0, 0, e, sw, sdw, smw);
+    return 1;
+}
+extern "C" void wl_host_mmq_stage_x(const wl_u8* xq, wl_u64 n_tok, wl_u64 n_groups, wl_u64 t0,
+                                    wl_u64 g0, int e, wl_u32* sx, float* sxd, int* sxs) {
+    wl_mmq_stage_x(xq, n_tok, n_groups, t0, g0, 0, e, sx, sxd, sxs);
+}
+extern "C" void wl_host_mmq_a_frag(const wl_u32* sw, int row0, int kk, int lane, int halves,
+                                   int h, wl_u32* a) {
+    wl_mmq_a_frag(sw, row0, kk, lane, halves, h, a);
+}
+extern "C" void wl_host_mmq_b_frag(const wl_u32* sx, int tok0, int kk, int lane, wl_u32* b) {
+    wl_mmq_b_frag(sx, tok0, kk, lane, b);
+}
+extern "C" void wl_host_mmq_epilogue(const int* c, int lane, int row0, int tok0, int kk, int h,
+                                     int kind, const float* sdw, const float* smw,
+                                     const float* sxd, const int* sxs, float* acc, float* ext) {
+    wl_mmq_epilogue(c, lane, row0, tok0, kk, h, kind, sdw, smw, sxd, sxs, acc, ext);
+}

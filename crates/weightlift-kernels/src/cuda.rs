@@ -36,6 +36,12 @@
 //!   ([`MatvecMode::Q8`], which f16 and bf16 weights also take on CUDA) on tensor cores with
 //!   the activations rounded to f16 (bf16 for bf16 weights) and quantised weights dequantised
 //!   to f16 chunk by chunk. Without libcublas those prompts take the kernels above.
+//! - A third prompt route, off by default until a GPU run measures it: fast-mode products of
+//!   the Q8 types on int8 tensor cores (`q8_mma_{type}`, m16n8k32 on the same quantised
+//!   activations, compute capability 8.0 and later) from a count per type
+//!   ([`crate::sources::MMQ_MIN_TOKENS_BY_TYPE`], `WEIGHTLIFT_MMQ_MIN_TOKENS`, or
+//!   [`CudaBackend::with_cublas_min_tokens`]); between it and cuBLAS the larger count reached
+//!   wins ([`crate::sources::CublasMinTokens::route`]).
 //!
 //! - LLM.int8 ([`Op::Int8Matmul`], `kernels/int8.cu`): the outlier columns are listed on the
 //!   device, the tokens quantised with them zeroed, and the int8 weights met with them by dp4a,
@@ -102,10 +108,10 @@ use crate::sources::{
     ATTENTION_PREFILL_MAX_HEAD_DIM, ATTENTION_PREFILL_MIN_QUERIES, ATTENTION_PREFILL_MMA_ROWS,
     ATTENTION_WARPS, CUDA_EXACT_NAMES, CUDA_EXACT_TYPES, CUDA_FAST_FLOAT_TYPES, CUDA_FAST_NAMES,
     CUDA_FLOAT_TYPES, CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS,
-    FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, Param,
-    PrefillAttention, Q8_BLOCK_BYTES, Q8_MATVEC_THREADS, Q8Decode, attention_grid,
-    attention_prefill_rows, cublas_route, dq_chunk_rows, float_row_threads, q8_matvec_warps,
-    q8_wide_matvec_warps, signature,
+    FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, MMQ_BLOCK_ROWS,
+    MMQ_BLOCK_TOKENS, MMQ_THREADS, Param, PrefillAttention, PromptRoute, Q8_BLOCK_BYTES,
+    Q8_MATVEC_THREADS, Q8Decode, attention_grid, attention_prefill_rows, cublas_route,
+    dq_chunk_rows, float_row_threads, q8_matvec_warps, q8_wide_matvec_warps, signature,
 };
 use crate::types::{FloatType, QuantType};
 
@@ -518,6 +524,13 @@ impl CudaBackend {
     /// The fewest tokens from which any product takes cuBLAS on this backend.
     pub fn cublas_min_tokens_least(&self) -> usize {
         self.cublas_min_tokens.least()
+    }
+
+    /// The route a prompt product of `n_tok` tokens of `ty` in `mode` takes on this backend
+    /// when cuBLAS is there (without it, [`PromptRoute::Cublas`] falls back to the int8
+    /// tensor-core kernels where their count is reached, else to the backend's own kernels).
+    pub fn prompt_route(&self, ty: QuantType, mode: MatvecMode, n_tok: usize) -> PromptRoute {
+        self.cublas_min_tokens.route(ty, mode, n_tok, self.cc)
     }
 
     /// Runs `f` with this backend's cuBLAS handle (made on first use, on this backend's

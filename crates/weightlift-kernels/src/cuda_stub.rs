@@ -207,6 +207,16 @@ impl CudaBackend {
     pub fn cublas_min_tokens_least(&self) -> usize {
         match self._never {}
     }
+
+    /// Never called: a stand-in backend cannot be constructed.
+    pub fn prompt_route(
+        &self,
+        _ty: QuantType,
+        _mode: crate::MatvecMode,
+        _n_tok: usize,
+    ) -> crate::sources::PromptRoute {
+        match self._never {}
+    }
 }
 
 /// What this build offers for CUDA: nothing, and it says why.

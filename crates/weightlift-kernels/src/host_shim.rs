@@ -4,7 +4,8 @@
 //! chunked chains and reduction), SwiGLU's product, RoPE fused with the cache store, f16
 //! rounding and the KV-cache codecs, the Q8-activation
 //! mode and dequantised-path GEMM of the matmul kernels, the split attention with its
-//! reduce, the prompt attention, the tensor-core prompt kernel's lane arithmetic ([`fa_mma`]),
+//! reduce, the prompt attention, the tensor-core prompt kernel's lane arithmetic ([`fa_mma`]), the int8
+//! tensor-core Q8 prompt product's ([`mmq`]),
 //! and quantise-on-load's block quantisers with their non-finite report.
 //! Present when `build.rs` found a C++ compiler.
 // Calling the C++ shim is FFI; each wrapper checks the buffer sizes the shim relies on.
@@ -1455,5 +1456,392 @@ pub mod fa_mma {
     pub fn rescale(o: &mut [f32; 4], keep: [f32; 2]) {
         // SAFETY: o has 4 values, keep 2.
         unsafe { wl_host_fam_rescale(o.as_mut_ptr(), keep.as_ptr()) };
+    }
+}
+
+/// The lane arithmetic of `q8_mma_{type}` (`kernels/wl_mmq.cuh`), one function of the header
+/// each, for a test that replays the kernel's warps on the host: the m16n8k32 s8 fragment maps
+/// (which matrix element each byte of a lane's registers holds), the staging of a pass of
+/// weight and activation groups, the fragment loads from there, and a lane's epilogue of one
+/// product. The wrappers check the indices and sizes the header trusts.
+pub mod mmq {
+    use crate::error::{KernelError, Result};
+    use crate::sources::Q8_BLOCK_BYTES;
+    use crate::types::QuantType;
+
+    unsafe extern "C" {
+        fn wl_host_mmq_a(lane: i32, reg: i32, byte: i32, row: *mut i32, col: *mut i32);
+        fn wl_host_mmq_b(lane: i32, reg: i32, byte: i32, k: *mut i32, n: *mut i32);
+        fn wl_host_mmq_c(lane: i32, reg: i32, row: *mut i32, col: *mut i32);
+        fn wl_host_mmq_shape(v: *mut i32);
+        fn wl_host_mmq_kind(ty: i32, kind: *mut i32, halves: *mut i32) -> i32;
+        #[allow(clippy::too_many_arguments)]
+        fn wl_host_mmq_stage_w(
+            ty: i32,
+            w: *const u8,
+            rows: u64,
+            cols: u64,
+            r0: u64,
+            g0: u64,
+            e: i32,
+            sw: *mut u32,
+            sdw: *mut f32,
+            smw: *mut f32,
+        ) -> i32;
+        #[allow(clippy::too_many_arguments)]
+        fn wl_host_mmq_stage_x(
+            xq: *const u8,
+            n_tok: u64,
+            n_groups: u64,
+            t0: u64,
+            g0: u64,
+            e: i32,
+            sx: *mut u32,
+            sxd: *mut f32,
+            sxs: *mut i32,
+        );
+        fn wl_host_mmq_a_frag(
+            sw: *const u32,
+            row0: i32,
+            kk: i32,
+            lane: i32,
+            halves: i32,
+            h: i32,
+            a: *mut u32,
+        );
+        fn wl_host_mmq_b_frag(sx: *const u32, tok0: i32, kk: i32, lane: i32, b: *mut u32);
+        #[allow(clippy::too_many_arguments)]
+        fn wl_host_mmq_epilogue(
+            c: *const i32,
+            lane: i32,
+            row0: i32,
+            tok0: i32,
+            kk: i32,
+            h: i32,
+            kind: i32,
+            sdw: *const f32,
+            smw: *const f32,
+            sxd: *const f32,
+            sxs: *const i32,
+            acc: *mut f32,
+            ext: *mut f32,
+        );
+    }
+
+    /// The kernel's block: weight rows, rows a warp, tokens and 32-value groups a pass, threads;
+    /// and its shared arrays' sizes (words of staged weights and activations, entries of the
+    /// per-group arrays of rows and of tokens).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Shape {
+        pub rows: usize,
+        pub warp_rows: usize,
+        pub tokens: usize,
+        pub groups: usize,
+        pub threads: usize,
+        pub w_words: usize,
+        pub x_words: usize,
+        pub w_groups: usize,
+        pub x_groups: usize,
+    }
+
+    /// The header's sizes (`WL_MMQ_*`).
+    pub fn shape() -> Shape {
+        let mut v = [0i32; 9];
+        // SAFETY: writes nine integers into `v`.
+        unsafe { wl_host_mmq_shape(v.as_mut_ptr()) };
+        let u = |x: i32| usize::try_from(x).unwrap_or(0);
+        Shape {
+            rows: u(v[0]),
+            warp_rows: u(v[1]),
+            tokens: u(v[2]),
+            groups: u(v[3]),
+            threads: u(v[4]),
+            w_words: u(v[5]),
+            x_words: u(v[6]),
+            w_groups: u(v[7]),
+            x_groups: u(v[8]),
+        }
+    }
+
+    /// A block's shared memory: staged weight words with each group's two half scales and
+    /// min factor, staged activation words with each block's scale and sum.
+    #[derive(Debug, Clone)]
+    pub struct Staged {
+        pub w: Vec<u32>,
+        pub dw: Vec<f32>,
+        pub mw: Vec<f32>,
+        pub x: Vec<u32>,
+        pub xd: Vec<f32>,
+        pub xs: Vec<i32>,
+    }
+
+    impl Default for Staged {
+        fn default() -> Self {
+            let s = shape();
+            Staged {
+                w: vec![0; s.w_words],
+                dw: vec![0.0; 2 * s.w_groups],
+                mw: vec![0.0; s.w_groups],
+                x: vec![0; s.x_words],
+                xd: vec![0.0; s.x_groups],
+                xs: vec![0; s.x_groups],
+            }
+        }
+    }
+
+    impl Staged {
+        /// Fails unless every array has the header's size.
+        fn check(&self) -> Result<()> {
+            let s = shape();
+            let ok = self.w.len() == s.w_words
+                && self.dw.len() == 2 * s.w_groups
+                && self.mw.len() == s.w_groups
+                && self.x.len() == s.x_words
+                && self.xd.len() == s.x_groups
+                && self.xs.len() == s.x_groups;
+            if ok {
+                Ok(())
+            } else {
+                Err(bad("staged arrays of other sizes than the kernel's".into()))
+            }
+        }
+    }
+
+    fn bad(reason: String) -> KernelError {
+        KernelError::Shape {
+            op: "host q8 mma lane",
+            reason,
+        }
+    }
+
+    /// Fails unless `x < n` (an index the header trusts).
+    fn below(what: &str, x: usize, n: usize) -> Result<i32> {
+        if x < n {
+            Ok(x as i32)
+        } else {
+            Err(bad(format!("{what} {x}: the kernel's are below {n}")))
+        }
+    }
+
+    /// A: (row, column) of byte `byte` of register `reg` of `lane`.
+    pub fn a_elem(lane: usize, reg: usize, byte: usize) -> Result<(usize, usize)> {
+        let (l, r, b) = (
+            below("lane", lane, 32)?,
+            below("register", reg, 4)?,
+            below("byte", byte, 4)?,
+        );
+        let (mut row, mut col) = (0, 0);
+        // SAFETY: writes two integers through valid pointers.
+        unsafe { wl_host_mmq_a(l, r, b, &mut row, &mut col) };
+        Ok((row as usize, col as usize))
+    }
+
+    /// B: (k, n) of byte `byte` of register `reg` of `lane`.
+    pub fn b_elem(lane: usize, reg: usize, byte: usize) -> Result<(usize, usize)> {
+        let (l, r, b) = (
+            below("lane", lane, 32)?,
+            below("register", reg, 2)?,
+            below("byte", byte, 4)?,
+        );
+        let (mut k, mut n) = (0, 0);
+        // SAFETY: writes two integers through valid pointers.
+        unsafe { wl_host_mmq_b(l, r, b, &mut k, &mut n) };
+        Ok((k as usize, n as usize))
+    }
+
+    /// C and D: (row, column) of register `reg` of `lane`.
+    pub fn c_elem(lane: usize, reg: usize) -> Result<(usize, usize)> {
+        let (l, r) = (below("lane", lane, 32)?, below("register", reg, 4)?);
+        let (mut row, mut col) = (0, 0);
+        // SAFETY: writes two integers through valid pointers.
+        unsafe { wl_host_mmq_c(l, r, &mut row, &mut col) };
+        Ok((row as usize, col as usize))
+    }
+
+    /// The min term's kind of `ty` (`WL_Q8_KIND_{type}`: 1 added, -1 subtracted, 0 none) and
+    /// its products a group (2 for Q6_K's halves, else 1); fails for a type without kernels.
+    pub fn kind(ty: QuantType) -> Result<(i32, usize)> {
+        let (mut kind, mut halves) = (0, 0);
+        // SAFETY: writes two integers through valid pointers.
+        let ok = unsafe { wl_host_mmq_kind(ty.ggml_id() as i32, &mut kind, &mut halves) };
+        if ok == 0 {
+            return Err(KernelError::Unsupported {
+                op: "host q8 mma",
+                ty: ty.to_string(),
+                supported: crate::CUDA_Q8_WEIGHT_TYPES,
+            });
+        }
+        Ok((kind, halves as usize))
+    }
+
+    /// Element `e` of the weight pass of groups `g0..` for the block of rows `r0..` of the
+    /// `rows × cols` weights `w` of `ty`, into `s`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn stage_w(
+        ty: QuantType,
+        w: &[u8],
+        (rows, cols): (usize, usize),
+        r0: usize,
+        g0: usize,
+        e: usize,
+        s: &mut Staged,
+    ) -> Result<()> {
+        s.check()?;
+        kind(ty)?;
+        let sh = shape();
+        let e = below("element", e, sh.rows * sh.groups * 8)?;
+        let bs = ty.block_size();
+        let fits = cols.is_multiple_of(bs)
+            && rows.checked_mul(cols / bs * ty.block_bytes()) == Some(w.len());
+        if !fits {
+            return Err(bad(format!(
+                "{rows} x {cols} {ty} weights in {} bytes",
+                w.len()
+            )));
+        }
+        // SAFETY: w holds rows whole rows of cols values (checked), the shim reads inside them
+        // (rows and groups past the end stage zeros); the staged arrays have the header's sizes
+        // and `e` is one of the pass's elements.
+        unsafe {
+            wl_host_mmq_stage_w(
+                ty.ggml_id() as i32,
+                w.as_ptr(),
+                rows as u64,
+                cols as u64,
+                r0 as u64,
+                g0 as u64,
+                e,
+                s.w.as_mut_ptr(),
+                s.dw.as_mut_ptr(),
+                s.mw.as_mut_ptr(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Element `e` of the activation pass of groups `g0..` for the tokens `t0..` of `xq`
+    /// (`n_tok × n_groups` blocks from [`super::q8_quantize`]), into `s`.
+    pub fn stage_x(
+        xq: &[u8],
+        (n_tok, n_groups): (usize, usize),
+        t0: usize,
+        g0: usize,
+        e: usize,
+        s: &mut Staged,
+    ) -> Result<()> {
+        s.check()?;
+        let sh = shape();
+        let e = below("element", e, sh.tokens * sh.groups * 10)?;
+        if n_tok
+            .checked_mul(n_groups)
+            .and_then(|n| n.checked_mul(Q8_BLOCK_BYTES))
+            != Some(xq.len())
+        {
+            return Err(bad(format!(
+                "{n_tok} tokens of {n_groups} blocks in {} bytes",
+                xq.len()
+            )));
+        }
+        // SAFETY: xq holds n_tok * n_groups blocks (checked); the staged arrays have the
+        // header's sizes and `e` is one of the pass's elements.
+        unsafe {
+            wl_host_mmq_stage_x(
+                xq.as_ptr(),
+                n_tok as u64,
+                n_groups as u64,
+                t0 as u64,
+                g0 as u64,
+                e,
+                s.x.as_mut_ptr(),
+                s.xd.as_mut_ptr(),
+                s.xs.as_mut_ptr(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Fails unless a warp's rows from `row0` or an n-block's tokens from `tok0` lie in the
+    /// block, and `kk` is a group of the pass.
+    fn tile(what: &str, first: usize, n: usize, of: usize, kk: usize) -> Result<(i32, i32)> {
+        if !first.is_multiple_of(n) || first + n > of {
+            return Err(bad(format!(
+                "{what} {first}: not a tile of {n} of the block's {of}"
+            )));
+        }
+        Ok((first as i32, below("group", kk, shape().groups)?))
+    }
+
+    /// `lane`'s A fragment of group `kk` for the warp's rows from `row0`: with `halves` 2,
+    /// half `h`'s registers only.
+    pub fn a_frag(
+        s: &Staged,
+        row0: usize,
+        kk: usize,
+        lane: usize,
+        (halves, h): (usize, usize),
+    ) -> Result<[u32; 4]> {
+        s.check()?;
+        let sh = shape();
+        let (row0, kk) = tile("row", row0, sh.warp_rows, sh.rows, kk)?;
+        let (l, hv) = (below("lane", lane, 32)?, below("halves", halves, 3)?);
+        let h = below("half", h, halves)?;
+        if hv == 0 {
+            return Err(bad("no halves".into()));
+        }
+        let mut a = [0u32; 4];
+        // SAFETY: the fragment's words lie in the staged weights (the indices were checked).
+        unsafe { wl_host_mmq_a_frag(s.w.as_ptr(), row0, kk, l, hv, h, a.as_mut_ptr()) };
+        Ok(a)
+    }
+
+    /// `lane`'s B fragment of group `kk` for the n-block's tokens from `tok0`.
+    pub fn b_frag(s: &Staged, tok0: usize, kk: usize, lane: usize) -> Result<[u32; 2]> {
+        s.check()?;
+        let (tok0, kk) = tile("token", tok0, 8, shape().tokens, kk)?;
+        let l = below("lane", lane, 32)?;
+        let mut b = [0u32; 2];
+        // SAFETY: the fragment's words lie in the staged activations (the indices were checked).
+        unsafe { wl_host_mmq_b_frag(s.x.as_ptr(), tok0, kk, l, b.as_mut_ptr()) };
+        Ok(b)
+    }
+
+    /// `lane`'s epilogue of product `c` (group `kk`, half `h`, the warp's rows from `row0`, the
+    /// n-block's tokens from `tok0`) into its chains `acc` and `ext`; `kind` from [`kind`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn epilogue(
+        c: &[i32; 4],
+        lane: usize,
+        (row0, tok0): (usize, usize),
+        (kk, h): (usize, usize),
+        kind: i32,
+        s: &Staged,
+        acc: &mut [f32; 4],
+        ext: &mut [f32; 4],
+    ) -> Result<()> {
+        s.check()?;
+        let sh = shape();
+        let (row0, kk) = tile("row", row0, sh.warp_rows, sh.rows, kk)?;
+        let (tok0, _) = tile("token", tok0, 8, sh.tokens, 0)?;
+        let (l, h) = (below("lane", lane, 32)?, below("half", h, 2)?);
+        // SAFETY: the lane's rows and tokens lie in the staged per-group arrays (the indices
+        // were checked); c, acc and ext hold four values each.
+        unsafe {
+            wl_host_mmq_epilogue(
+                c.as_ptr(),
+                l,
+                row0,
+                tok0,
+                kk,
+                h,
+                kind.signum(),
+                s.dw.as_ptr(),
+                s.mw.as_ptr(),
+                s.xd.as_ptr(),
+                s.xs.as_ptr(),
+                acc.as_mut_ptr(),
+                ext.as_mut_ptr(),
+            )
+        };
+        Ok(())
     }
 }

@@ -170,6 +170,8 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("quantize_", &[Ptr, Ptr, U64, U64, Ptr]),
     // (w, xq, y, rows, cols, n_tok)
     ("q8_matmul_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
+    // the same on int8 tensor cores (wl_mmq.cuh): (w, xq, y, rows, cols, n_tok)
+    ("q8_mma_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
     // (w, xq, y, rows, cols): one token
     ("q8_matvec_", &[Ptr, Ptr, Ptr, U64, U64]),
     // decode's wide lanes (wl_q8w.cuh): (w, xq, y, rows, cols), and gate and up with SwiGLU
@@ -364,14 +366,53 @@ pub const CUBLAS_MIN_TOKENS: usize = 32;
 /// backend's own kernels.
 pub const CUBLAS_MIN_TOKENS_BY_TYPE: &[(QuantType, MatvecMode, usize)] = &[];
 
-/// Tokens from which a CUDA backend's prompt products take cuBLAS: one count for every weight
-/// type and mode, and counts of their own for some. The default is [`CUBLAS_MIN_TOKENS`] with
-/// [`CUBLAS_MIN_TOKENS_BY_TYPE`]; the bench makes backends that force one route or the other
-/// with [`CublasMinTokens::uniform`].
+/// The weight types of the Q8 mode's prompt product on int8 tensor cores (`q8_mma_{type}`,
+/// `kernels/wl_mmq.cuh`): every type of [`CUDA_Q8_TYPES`].
+pub const MMQ_TYPES: &[QuantType] = CUDA_Q8_TYPES;
+
+/// Weight rows one block of `q8_mma_{type}` takes (`WL_MMQ_ROWS`): four warps of 16, one
+/// m16n8k32 A fragment each.
+pub const MMQ_BLOCK_ROWS: usize = 64;
+/// Tokens one block of `q8_mma_{type}` takes a pass (`WL_MMQ_TOKS`): eight n-blocks of 8.
+pub const MMQ_BLOCK_TOKENS: usize = 64;
+/// Threads a block of `q8_mma_{type}` (`WL_MMQ_THREADS`).
+pub const MMQ_THREADS: usize = 128;
+
+/// Weight types whose fast-mode prompt products take the int8 tensor-core kernels
+/// `q8_mma_{type}` from a token count, as (type, mode, tokens): the third prompt route, beside
+/// the dp4a kernels `q8_matmul_{type}` and cuBLAS. Empty until a GPU run measures it (the CUDA
+/// kernel bench's route table prints the crossovers), so no product takes it by default;
+/// `WEIGHTLIFT_MMQ_MIN_TOKENS` sets one count for every type of [`MMQ_TYPES`] per process. Only
+/// [`MatvecMode::Q8`] entries count (the kernels multiply the Q8 mode's quantised activations),
+/// and only on compute capability 8.0 and later. The kernels add each group's scaled integer
+/// dot in group order, the CPU's Q8 prompt tiles' order: the CPU's bits past its batch of
+/// [`Q8_BATCH_MAX_TOKENS`](crate::cpu::matvec::Q8_BATCH_MAX_TOKENS) tokens, and within the Q8
+/// mode's bound of `q8_matmul_{type}` (whose lanes keep the CPU matvec's order).
+pub const MMQ_MIN_TOKENS_BY_TYPE: &[(QuantType, MatvecMode, usize)] = &[];
+
+/// Which route a prompt product takes on CUDA ([`CublasMinTokens::route`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptRoute {
+    /// The backend's own CUDA-core kernels (`q8_matmul_{type}`, the exact kernels or the
+    /// dequantised path).
+    Kernels,
+    /// The int8 tensor-core kernels `q8_mma_{type}`.
+    Mma,
+    /// cuBLAS (see [`cublas_route`]).
+    Cublas,
+}
+
+/// Tokens from which a CUDA backend's prompt products leave its own kernels: for cuBLAS, one
+/// count for every weight type and mode and counts of their own for some; for the int8
+/// tensor-core kernels, counts per type and mode only (none by default). The default is
+/// [`CUBLAS_MIN_TOKENS`] with [`CUBLAS_MIN_TOKENS_BY_TYPE`] and [`MMQ_MIN_TOKENS_BY_TYPE`]; the
+/// bench makes backends that force one route or another with [`CublasMinTokens::uniform`] and
+/// [`CublasMinTokens::with_mma_every`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CublasMinTokens {
     every: usize,
     by_type: Vec<(QuantType, MatvecMode, usize)>,
+    mma: Vec<(QuantType, MatvecMode, usize)>,
 }
 
 impl Default for CublasMinTokens {
@@ -379,17 +420,97 @@ impl Default for CublasMinTokens {
         Self {
             every: CUBLAS_MIN_TOKENS,
             by_type: CUBLAS_MIN_TOKENS_BY_TYPE.to_vec(),
+            mma: MMQ_MIN_TOKENS_BY_TYPE.to_vec(),
         }
     }
 }
 
 impl CublasMinTokens {
+    /// The environment variable that sets the int8 tensor-core kernels' count for every type of
+    /// [`MMQ_TYPES`] ([`CublasMinTokens::with_mma_env_value`]).
+    pub const MMA_ENV: &'static str = "WEIGHTLIFT_MMQ_MIN_TOKENS";
+
     /// `n` tokens for every type and mode: 1 sends every prompt product cuBLAS takes there,
-    /// `usize::MAX` none.
+    /// `usize::MAX` none. No product takes the int8 tensor-core kernels.
     pub fn uniform(n: usize) -> Self {
         Self {
             every: n,
             by_type: Vec::new(),
+            mma: Vec::new(),
+        }
+    }
+
+    /// These counts with `n` tokens for cuBLAS for every type and mode (the counts of their own
+    /// dropped), the int8 tensor-core kernels' counts kept.
+    pub fn with_cublas_every(mut self, n: usize) -> Self {
+        self.every = n;
+        self.by_type.clear();
+        self
+    }
+
+    /// These counts with fast-mode products of `ty` taking the int8 tensor-core kernels from
+    /// `n` tokens (replacing its count; a type without such kernels never takes them).
+    pub fn with_mma(mut self, ty: QuantType, n: usize) -> Self {
+        self.mma.retain(|&(t, _, _)| t != ty);
+        self.mma.push((ty, MatvecMode::Q8, n));
+        self
+    }
+
+    /// These counts with every type of [`MMQ_TYPES`] taking the int8 tensor-core kernels from
+    /// `n` tokens (`usize::MAX`: never).
+    pub fn with_mma_every(self, n: usize) -> Self {
+        MMQ_TYPES.iter().fold(self, |c, &ty| c.with_mma(ty, n))
+    }
+
+    /// These counts under a value of [`CublasMinTokens::MMA_ENV`]: a number is every type's
+    /// count for the int8 tensor-core kernels; unset or anything else keeps these (as
+    /// `WEIGHTLIFT_CUBLAS_MIN_TOKENS` ignores what it cannot read).
+    pub fn with_mma_env_value(self, value: Option<&str>) -> Self {
+        match value.and_then(|v| v.trim().parse().ok()) {
+            Some(n) => self.with_mma_every(n),
+            None => self,
+        }
+    }
+
+    /// Tokens from which a product of `ty` in `mode` takes the int8 tensor-core kernels where
+    /// the device has them (`usize::MAX`: never).
+    pub fn mma_of(&self, ty: QuantType, mode: MatvecMode) -> usize {
+        if mode != MatvecMode::Q8 || !MMQ_TYPES.contains(&ty) {
+            return usize::MAX;
+        }
+        self.mma
+            .iter()
+            .find(|&&(t, m, _)| (t, m) == (ty, mode))
+            .map_or(usize::MAX, |&(_, _, n)| n)
+    }
+
+    /// Whether a product of `n_tok` tokens of `ty` in `mode` takes the int8 tensor-core
+    /// kernels on a device of compute capability `cc` when it does not take cuBLAS: its count
+    /// is reached, and the device has `mma.sync` on s8 operands (8.0 and later).
+    pub fn mma_takes(&self, ty: QuantType, mode: MatvecMode, n_tok: usize, cc: (i32, i32)) -> bool {
+        cc >= (8, 0) && n_tok >= self.mma_of(ty, mode)
+    }
+
+    /// The route of a product of `n_tok` tokens of `ty` in `mode` on a device of compute
+    /// capability `cc`: of the routes whose count `n_tok` reaches, the one with the largest
+    /// count (a route measured to win from more tokens takes over from those winning from
+    /// fewer), the int8 tensor-core kernels on a tie with cuBLAS; the backend's own kernels when
+    /// none is reached. cuBLAS may still decline at run time (no libcublas, f16 activations),
+    /// and the product then takes [`CublasMinTokens::mma_takes`]'s choice.
+    pub fn route(
+        &self,
+        ty: QuantType,
+        mode: MatvecMode,
+        n_tok: usize,
+        cc: (i32, i32),
+    ) -> PromptRoute {
+        let cublas = self.of(ty, mode);
+        let mma = self.mma_takes(ty, mode, n_tok, cc);
+        match (n_tok >= cublas, mma) {
+            (true, true) if cublas > self.mma_of(ty, mode) => PromptRoute::Cublas,
+            (_, true) => PromptRoute::Mma,
+            (true, false) => PromptRoute::Cublas,
+            (false, false) => PromptRoute::Kernels,
         }
     }
 
@@ -438,6 +559,39 @@ pub fn cublas_crossover(times: &[(usize, Option<f64>, Option<f64>)]) -> Option<u
         .take_while(|t| wins(t))
         .last()
         .map(|&(n, _, _)| n)
+}
+
+/// One token count's times of a prompt product through each route: (tokens, seconds through the
+/// backend's own kernels, through the int8 tensor-core kernels, through cuBLAS), `None` where
+/// that route did not run.
+pub type RouteTimes = (usize, Option<f64>, Option<f64>, Option<f64>);
+
+/// The counts one weight type and mode should have in a [`CublasMinTokens`], from `times` (any
+/// order of counts): (the int8 kernels' count, cuBLAS's count), `None` for a
+/// route that should stay off. cuBLAS's is [`cublas_crossover`] against the faster of the other
+/// two at each count; the int8 kernels' is [`cublas_crossover`] of them against the backend's
+/// kernels over the counts below cuBLAS's (all of them when cuBLAS never wins for good). Under
+/// [`CublasMinTokens::route`] (the larger count reached wins) every count measured then takes
+/// its fastest route when each route's wins are one run.
+pub fn prompt_crossovers(times: &[RouteTimes]) -> (Option<usize>, Option<usize>) {
+    let best = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let cublas = cublas_crossover(
+        &times
+            .iter()
+            .map(|&(n, k, m, c)| (n, best(k, m), c))
+            .collect::<Vec<_>>(),
+    );
+    let mma = cublas_crossover(
+        &times
+            .iter()
+            .filter(|&&(n, ..)| cublas.is_none_or(|c| n < c))
+            .map(|&(n, k, m, _)| (n, k, m))
+            .collect::<Vec<_>>(),
+    );
+    (mma, cublas)
 }
 
 /// What a prompt product on cuBLAS runs ([`cublas_route`]).
@@ -870,6 +1024,86 @@ mod tests {
         assert_eq!(t.with(QuantType::F16, MatvecMode::Q8, 2).least(), 2);
         assert_eq!(CublasMinTokens::uniform(usize::MAX).least(), usize::MAX);
         assert!(d.least() <= d.every());
+    }
+
+    /// The int8 kernels' count is where they beat the backend's kernels for good below
+    /// cuBLAS's; cuBLAS's is where it beats the faster of the two for good.
+    #[test]
+    fn prompt_crossovers_give_each_count_its_fastest_route() {
+        let t = |v: &[(usize, f64, Option<f64>, Option<f64>)]| -> Vec<_> {
+            v.iter().map(|&(n, k, m, c)| (n, Some(k), m, c)).collect()
+        };
+        // kernels, then int8, then cuBLAS
+        let three = t(&[
+            (2, 1.0, Some(2.0), Some(3.0)),
+            (16, 4.0, Some(3.0), Some(5.0)),
+            (64, 9.0, Some(6.0), Some(7.0)),
+            (512, 40.0, Some(30.0), Some(20.0)),
+        ]);
+        assert_eq!(prompt_crossovers(&three), (Some(16), Some(512)));
+        // cuBLAS beats the kernels from 64 but the int8 kernels only at 512
+        let late = t(&[
+            (2, 1.0, Some(2.0), Some(3.0)),
+            (64, 9.0, Some(6.0), Some(8.0)),
+            (512, 40.0, Some(30.0), Some(20.0)),
+        ]);
+        assert_eq!(prompt_crossovers(&late), (Some(64), Some(512)));
+        // the int8 kernels never win; no int8 times at all
+        let never = t(&[(2, 1.0, Some(2.0), None), (64, 9.0, Some(10.0), None)]);
+        assert_eq!(prompt_crossovers(&never), (None, None));
+        let none = t(&[(2, 1.0, None, Some(3.0)), (64, 9.0, None, Some(5.0))]);
+        assert_eq!(prompt_crossovers(&none), (None, Some(64)));
+        // cuBLAS wins everywhere: nothing is left below it for the int8 kernels
+        let all = t(&[
+            (2, 3.0, Some(2.0), Some(1.0)),
+            (64, 9.0, Some(6.0), Some(5.0)),
+        ]);
+        assert_eq!(prompt_crossovers(&all), (None, Some(2)));
+    }
+
+    /// The int8 tensor-core route is off by default, counts only in fast mode for the types
+    /// with `q8_mma_` kernels on 8.0 and later, and between it and cuBLAS the larger count
+    /// reached wins (it on a tie); the environment's number sets every type's count.
+    #[test]
+    fn mma_route_by_type_mode_count_and_device() {
+        use PromptRoute::{Cublas, Kernels, Mma};
+        let (q4k, q8) = (QuantType::Q4_K, MatvecMode::Q8);
+        let sm90 = (9, 0);
+        let d = CublasMinTokens::default();
+        assert_eq!(d.mma_of(q4k, q8), usize::MAX);
+        assert_eq!(d.route(q4k, q8, 4, sm90), Kernels);
+        assert_eq!(d.route(q4k, q8, 512, sm90), Cublas);
+        let t = CublasMinTokens::uniform(256).with_mma(q4k, 16);
+        assert_eq!(t.route(q4k, q8, 8, sm90), Kernels);
+        assert_eq!(t.route(q4k, q8, 16, sm90), Mma);
+        assert_eq!(t.route(q4k, q8, 255, sm90), Mma);
+        assert_eq!(t.route(q4k, q8, 256, sm90), Cublas);
+        assert_eq!(t.route(q4k, q8, 16, (7, 5)), Kernels, "sm_75");
+        assert_eq!(t.route(q4k, q8, 256, (8, 6)), Cublas);
+        assert!(!t.mma_takes(q4k, q8, 16, (7, 5)));
+        assert_eq!(t.route(q4k, MatvecMode::Exact, 16, sm90), Kernels, "exact");
+        assert_eq!(t.route(QuantType::Q8_0, q8, 16, sm90), Kernels, "no count");
+        // a larger count than cuBLAS's takes over from it; a tie goes to the kernels
+        let late = CublasMinTokens::uniform(32).with_mma(q4k, 128);
+        assert_eq!(late.route(q4k, q8, 64, sm90), Cublas);
+        assert_eq!(late.route(q4k, q8, 128, sm90), Mma);
+        let tie = CublasMinTokens::uniform(32).with_mma(q4k, 32);
+        assert_eq!(tie.route(q4k, q8, 32, sm90), Mma);
+        // types without q8_mma_ kernels never take it
+        let f16 = CublasMinTokens::uniform(usize::MAX).with_mma(QuantType::F16, 1);
+        assert_eq!(f16.route(QuantType::F16, q8, 64, sm90), Kernels);
+        let every = CublasMinTokens::uniform(usize::MAX).with_mma_env_value(Some(" 8 "));
+        for &ty in MMQ_TYPES {
+            assert_eq!(every.mma_of(ty, q8), 8, "{ty}");
+            assert_eq!(every.mma_of(ty, MatvecMode::Exact), usize::MAX, "{ty}");
+        }
+        assert_eq!(d.clone().with_mma_env_value(Some("many")), d);
+        assert_eq!(d.clone().with_mma_env_value(None), d);
+        let moved = CublasMinTokens::uniform(64)
+            .with_mma(q4k, 8)
+            .with_cublas_every(16);
+        assert_eq!(moved.of(q4k, q8), 16);
+        assert_eq!(moved.mma_of(q4k, q8), 8);
     }
 
     /// The shapes the float kernels are written for (a 1.1B llama's and an 8B's projections and

@@ -14,6 +14,11 @@
 //!
 //! On CUDA, `cublas_is_ready_on_this_gpu` checks that the GPU machine found libcublas, so the
 //! cases above ran the cuBLAS routes and not the fallback.
+//!
+//! The Q8 mode's third prompt route, the int8 tensor-core kernels `q8_mma_{type}`, is replayed
+//! on the host (`mmq_twin`) for every Q8 type against the CPU backend: its bits past the CPU's
+//! batch of 16 tokens (the same order of additions), within the order bound below, and exact
+//! wherever the sums are; its GPU case compares the device with the replay bit for bit.
 
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
@@ -1132,5 +1137,528 @@ fn prompt_attention_on_tensor_cores_matches_its_twin() -> Result<()> {
         worst = worst.max(d);
     }
     eprintln!("cuda mma against its twin: max difference {worst:e}");
+    Ok(())
+}
+
+/// Shapes of the int8 tensor-core cases as (rows, tokens): neither a whole number of the
+/// kernel's 64-row or 64-token tiles, one with a second token tile and a warp of rows wholly
+/// past the end; the first two past the CPU's batch of [`cpu::matvec::Q8_BATCH_MAX_TOKENS`]
+/// (its integer tiles, whose order the kernel shares), the last within it (the matvec order).
+const MMQ_SHAPES: [(usize, usize); 3] = [(70, 37), (45, 70), (37, 12)];
+
+/// Columns of the int8 tensor-core cases of `ty`: 9 groups for the 32-value blocks (the last
+/// pass of 4 groups short), 8 for the k-quants (one block of 256).
+fn mmq_cols(ty: QuantType) -> usize {
+    if ty.block_size() == 32 { 288 } else { 256 }
+}
+
+/// Weights of `ty` whose every scale and min is a small power-of-two multiple: random quant
+/// bytes with each f16 factor replaced (d, and Q4_1's, Q5_1's and Q4_K's min factor). With
+/// integer activations of block scale 1 every product and partial sum of the Q8 mode is then a
+/// multiple of 2⁻³ below 2²¹, exact in f32 in any order.
+fn mmq_integer_weights(rng: &mut Rng, ty: QuantType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut raw = rng.bytes(rows * cols / ty.block_size() * ty.block_bytes());
+    let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
+    for blk in raw.chunks_exact_mut(ty.block_bytes()) {
+        let fields: &[(usize, f32)] = match ty {
+            QuantType::Q4_1 | QuantType::Q5_1 => &[(0, 0.5), (2, -2.0)],
+            QuantType::Q4_K => &[(0, 0.25), (2, 0.5)],
+            QuantType::Q6_K => &[(208, 0.125)],
+            _ => &[(0, 1.0)],
+        };
+        for &(at, v) in fields {
+            blk[at..at + 2].copy_from_slice(&f16(v));
+        }
+    }
+    raw
+}
+
+/// Integer activations whose every 32-value block has its largest magnitude 127 (so its
+/// scale is exactly 1 and its quants the values) and the rest in -3..=3.
+fn mmq_integer_activations(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let v = (rng.next_u64() % 7) as f32 - 3.0;
+            match i % 32 {
+                0 if rng.next_u64().is_multiple_of(2) => 127.0,
+                0 => -127.0,
+                _ => v,
+            }
+        })
+        .collect()
+}
+
+/// The Q8 mode's prompt product on int8 tensor cores (`q8_mma_{type}`) replayed on the host:
+/// its blocks staged through the header's word maps, each warp's m16n8k32 products through
+/// [`Maps::mma`], its lanes' epilogues through the header.
+#[cfg(wl_host_shim)]
+mod mmq_twin {
+    use super::*;
+    use weightlift_kernels::host_shim::{self, mmq};
+
+    /// One register file a lane, for the 32 lanes of a warp.
+    type Regs<T, const N: usize> = [[T; N]; 32];
+
+    /// The fragment maps read once from the header: A (lane, register, byte) -> (row, col),
+    /// B -> (k, n), C -> (row, col).
+    pub(super) struct Maps {
+        a: Regs<[(usize, usize); 4], 4>,
+        b: Regs<[(usize, usize); 4], 2>,
+        c: Regs<(usize, usize), 4>,
+    }
+
+    impl Maps {
+        pub(super) fn new() -> Maps {
+            let mut m = Maps {
+                a: [[[(0, 0); 4]; 4]; 32],
+                b: [[[(0, 0); 4]; 2]; 32],
+                c: [[(0, 0); 4]; 32],
+            };
+            for lane in 0..32 {
+                for reg in 0..4 {
+                    for byte in 0..4 {
+                        m.a[lane][reg][byte] = mmq::a_elem(lane, reg, byte).unwrap();
+                        if reg < 2 {
+                            m.b[lane][reg][byte] = mmq::b_elem(lane, reg, byte).unwrap();
+                        }
+                    }
+                    m.c[lane][reg] = mmq::c_elem(lane, reg).unwrap();
+                }
+            }
+            m
+        }
+
+        /// One m16n8k32 s8 product of the warp from zero, D = A B: A and B built from the 32
+        /// lanes' registers through the maps (each byte a signed 8-bit value), each D element
+        /// the exact i32 dot of its row and column, written back through the C map.
+        fn mma(&self, a: &Regs<u32, 4>, b: &Regs<u32, 2>) -> Regs<i32, 4> {
+            let byte = |w: u32, i: usize| i32::from((w >> (8 * i)) as u8 as i8);
+            let (mut am, mut bm) = ([[0i32; 32]; 16], [[0i32; 8]; 32]);
+            for lane in 0..32 {
+                for reg in 0..4 {
+                    for i in 0..4 {
+                        let (r, c) = self.a[lane][reg][i];
+                        am[r][c] = byte(a[lane][reg], i);
+                        if reg < 2 {
+                            let (k, n) = self.b[lane][reg][i];
+                            bm[k][n] = byte(b[lane][reg], i);
+                        }
+                    }
+                }
+            }
+            std::array::from_fn(|lane| {
+                std::array::from_fn(|reg| {
+                    let (r, c) = self.c[lane][reg];
+                    (0..32).map(|k| am[r][k] * bm[k][c]).sum()
+                })
+            })
+        }
+    }
+
+    /// What `q8_mma_{type}` computes for the `rows × cols` weights `w` of `ty` and the
+    /// activation blocks `xq` of `n_tok` tokens (from `q8_quantize`): `y[t * rows + r]`, its
+    /// blocks replayed step for step.
+    pub(super) fn replay(
+        ty: QuantType,
+        w: &[u8],
+        xq: &[u8],
+        (rows, cols, n_tok): (usize, usize, usize),
+    ) -> Vec<f32> {
+        let maps = Maps::new();
+        let sh = mmq::shape();
+        let (kind, halves) = mmq::kind(ty).unwrap();
+        let n_groups = cols / 32;
+        let warps = sh.rows / sh.warp_rows;
+        let mut y = vec![f32::NAN; rows * n_tok];
+        let mut s = mmq::Staged::default();
+        for r0 in (0..rows).step_by(sh.rows) {
+            for t0 in (0..n_tok).step_by(sh.tokens) {
+                let mut acc = vec![[[[0f32; 4]; 32]; 8]; warps];
+                let mut ext = acc.clone();
+                for g0 in (0..n_groups).step_by(sh.groups) {
+                    for e in 0..sh.rows * sh.groups * 8 {
+                        mmq::stage_w(ty, w, (rows, cols), r0, g0, e, &mut s).unwrap();
+                    }
+                    for e in 0..sh.tokens * sh.groups * 10 {
+                        mmq::stage_x(xq, (n_tok, n_groups), t0, g0, e, &mut s).unwrap();
+                    }
+                    for wp in 0..warps {
+                        let row0 = wp * sh.warp_rows;
+                        if r0 + row0 >= rows {
+                            continue;
+                        }
+                        for kk in 0..sh.groups.min(n_groups - g0) {
+                            for h in 0..halves {
+                                let a = std::array::from_fn(|lane| {
+                                    mmq::a_frag(&s, row0, kk, lane, (halves, h)).unwrap()
+                                });
+                                for nb in 0..8 {
+                                    let b = std::array::from_fn(|lane| {
+                                        mmq::b_frag(&s, 8 * nb, kk, lane).unwrap()
+                                    });
+                                    let d = maps.mma(&a, &b);
+                                    for lane in 0..32 {
+                                        mmq::epilogue(
+                                            &d[lane],
+                                            lane,
+                                            (row0, 8 * nb),
+                                            (kk, h),
+                                            kind,
+                                            &s,
+                                            &mut acc[wp][nb][lane],
+                                            &mut ext[wp][nb][lane],
+                                        )
+                                        .unwrap();
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                for wp in 0..warps {
+                    for nb in 0..8 {
+                        for lane in 0..32 {
+                            for reg in 0..4 {
+                                let (rr, tc) = maps.c[lane][reg];
+                                let (r, t) = (r0 + wp * sh.warp_rows + rr, t0 + 8 * nb + tc);
+                                if r < rows && t < n_tok {
+                                    y[t * rows + r] =
+                                        acc[wp][nb][lane][reg] + ext[wp][nb][lane][reg];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    /// `x`'s activation blocks as the device's `q8_quantize_f32` writes them.
+    pub(super) fn quantised(x: &[f32]) -> Vec<u8> {
+        let mut xq = vec![0u8; x.len() / 32 * 40];
+        host_shim::q8_quantize(host_shim::Act::F32(x), &mut xq).unwrap();
+        xq
+    }
+
+    /// Per output, Σ (|w| + 2|m|)·|x| over its row and token: `w` the weights as the CPU
+    /// dequantises them, `m` each group's min/offset, `x` the Q8-dequantised activations
+    /// (d·q). It bounds every partial sum of either order.
+    pub(super) fn magnitudes(
+        ty: QuantType,
+        raw: &[u8],
+        xq: &[u8],
+        (rows, cols, n_tok): (usize, usize, usize),
+    ) -> Vec<f64> {
+        let mut w = vec![0f32; rows * cols];
+        dequantize_f32(ty, raw, &mut w).unwrap();
+        let row_bytes = raw.len() / rows;
+        let x: Vec<f64> = xq
+            .chunks_exact(40)
+            .flat_map(|b| {
+                let d = f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                b[8..40].iter().map(move |q| d * f64::from(*q as i8))
+            })
+            .collect();
+        let mut mag = vec![0f64; rows * n_tok];
+        for t in 0..n_tok {
+            for r in 0..rows {
+                let row = &raw[r * row_bytes..(r + 1) * row_bytes];
+                mag[t * rows + r] = (0..cols)
+                    .map(|c| {
+                        let m = common::group_offset(ty, row, c / 32).abs();
+                        (f64::from(w[r * cols + c]).abs() + 2.0 * m) * x[t * cols + c].abs()
+                    })
+                    .sum();
+            }
+        }
+        mag
+    }
+
+    /// The largest difference between the tensor-core route and the CPU's Q8 order, relative
+    /// to [`magnitudes`]: both add the same rounded terms (dw·xd)·isum, the route in one FMA
+    /// chain of g·h terms (g groups, h products a group), the CPU in 8 chains of g and a tree
+    /// of 3 additions; the min terms' chain is the same in both, and each adds it once. So
+    /// |route − cpu| ≤ (g·h + g + 3 + 2)·2⁻²⁴ of the magnitude, to first order (×1.01 for the
+    /// rest).
+    pub(super) fn order_bound(ty: QuantType, cols: usize) -> f64 {
+        let g = (cols / 32) as f64;
+        let h = mmq::kind(ty).unwrap().1 as f64;
+        (g * h + g + 5.0) * 2f64.powi(-24) * 1.01
+    }
+
+    /// Every element of A (16 × 32), B (32 × 8) and C (16 × 8) is held by exactly one (lane,
+    /// register, byte).
+    #[test]
+    fn mmq_fragment_maps_hold_each_element_once() {
+        let maps = Maps::new();
+        let (mut a, mut b, mut c) = ([[0; 32]; 16], [[0; 8]; 32], [[0; 8]; 16]);
+        for lane in 0..32 {
+            for reg in 0..4 {
+                for byte in 0..4 {
+                    let (r, col) = maps.a[lane][reg][byte];
+                    a[r][col] += 1;
+                    if reg < 2 {
+                        let (k, n) = maps.b[lane][reg][byte];
+                        b[k][n] += 1;
+                    }
+                }
+                let (r, col) = maps.c[lane][reg];
+                c[r][col] += 1;
+            }
+        }
+        assert!(a.iter().flatten().all(|&n| n == 1), "A: {a:?}");
+        assert!(b.iter().flatten().all(|&n| n == 1), "B: {b:?}");
+        assert!(c.iter().flatten().all(|&n| n == 1), "C: {c:?}");
+    }
+
+    /// The maps are the PTX ISA's fragment layouts of `mma.m16n8k32` with s8 A/B and s32 C/D,
+    /// written out here from its figures (lane l, g = l / 4, t = l % 4): a consistent
+    /// permutation of them would still pass the replay, whose loads and products share them.
+    #[test]
+    fn mmq_fragment_maps_are_the_ptx_layouts() {
+        let maps = Maps::new();
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            let a: [[(usize, usize); 4]; 4] = std::array::from_fn(|reg| {
+                std::array::from_fn(|i| match reg {
+                    0 => (g, 4 * t + i),
+                    1 => (g + 8, 4 * t + i),
+                    2 => (g, 16 + 4 * t + i),
+                    _ => (g + 8, 16 + 4 * t + i),
+                })
+            });
+            let b: [[(usize, usize); 4]; 2] =
+                std::array::from_fn(|reg| std::array::from_fn(|i| (16 * reg + 4 * t + i, g)));
+            let c = [
+                (g, 2 * t),
+                (g, 2 * t + 1),
+                (g + 8, 2 * t),
+                (g + 8, 2 * t + 1),
+            ];
+            assert_eq!(maps.a[lane], a, "A, lane {lane}");
+            assert_eq!(maps.b[lane], b, "B, lane {lane}");
+            assert_eq!(maps.c[lane], c, "C, lane {lane}");
+        }
+        let sh = mmq::shape();
+        assert_eq!(sh.rows, weightlift_kernels::sources::MMQ_BLOCK_ROWS);
+        assert_eq!(sh.tokens, weightlift_kernels::sources::MMQ_BLOCK_TOKENS);
+        assert_eq!(sh.threads, weightlift_kernels::sources::MMQ_THREADS);
+        assert_eq!(
+            sh.threads / 32 * sh.warp_rows,
+            sh.rows,
+            "a warp per 16 rows"
+        );
+    }
+
+    /// Where every product and sum is exact in f32 ([`mmq_integer_weights`] and
+    /// [`mmq_integer_activations`]), the replayed kernel equals the CPU backend's Q8 mode bit
+    /// for bit for every type: its integer dots, scales, min terms and stores are the CPU's,
+    /// whatever the order of the additions.
+    #[test]
+    fn q8_mma_twin_equals_the_cpu_backend_where_the_sums_are_exact() {
+        let cpu = CpuBackend::new();
+        let mut rng = Rng(0x88a_0001);
+        for &ty in weightlift_kernels::sources::MMQ_TYPES {
+            let cols = mmq_cols(ty);
+            for (rows, n_tok) in MMQ_SHAPES {
+                let shape = (rows, cols, n_tok);
+                let raw = mmq_integer_weights(&mut rng, ty, rows, cols);
+                let x = mmq_integer_activations(&mut rng, n_tok * cols);
+                let xq = quantised(&x);
+                let got = replay(ty, &raw, &xq, shape);
+                let w = upload(&cpu, &raw).unwrap();
+                let want = run(&cpu, ty, MatvecMode::Q8, shape, 1 << 20, &w, &x).unwrap();
+                for (i, (g, c)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        g.to_bits() == c.to_bits(),
+                        "{ty} {rows} x {cols}, {n_tok} tokens: token {} row {}: twin {g:e}, \
+                         cpu {c:e}",
+                        i / rows,
+                        i % rows
+                    );
+                }
+            }
+        }
+    }
+
+    /// Model-like weights (our quantiser's, as the fast-mode tests use) and activations, for
+    /// every type: the replayed kernel is the CPU backend's Q8 mode bit for bit past its batch
+    /// of [`cpu::matvec::Q8_BATCH_MAX_TOKENS`] tokens (its integer tiles scale each group's
+    /// whole integer dot once, in group order, as the kernel does), within [`order_bound`] of it
+    /// below (the matvec's order), and within the Q8 mode's documented 1e-5 of the magnitude
+    /// of an f64 dot of the same dequantised operands.
+    #[test]
+    fn q8_mma_twin_matches_the_cpu_backend() {
+        let cpu = CpuBackend::new();
+        let mut rng = Rng(0x88a_0002);
+        let (mut worst, mut differ, mut n) = (0f64, 0usize, 0usize);
+        for &ty in weightlift_kernels::sources::MMQ_TYPES {
+            let cols = mmq_cols(ty);
+            for (rows, n_tok) in MMQ_SHAPES {
+                let shape = (rows, cols, n_tok);
+                let mut raw = vec![0u8; rows * quantized_row_bytes(ty, cols).unwrap()];
+                quantize_rows(ty, &rng.vec(rows * cols, 0.2), cols, &mut raw).unwrap();
+                let x = rng.vec(n_tok * cols, 1.0);
+                let xq = quantised(&x);
+                let got = replay(ty, &raw, &xq, shape);
+                let w = upload(&cpu, &raw).unwrap();
+                let want = run(&cpu, ty, MatvecMode::Q8, shape, 1 << 20, &w, &x).unwrap();
+                let mag = magnitudes(ty, &raw, &xq, shape);
+                let mut wd = vec![0f32; rows * cols];
+                dequantize_f32(ty, &raw, &mut wd).unwrap();
+                let bound = order_bound(ty, cols);
+                for t in 0..n_tok {
+                    for r in 0..rows {
+                        let i = t * rows + r;
+                        let (g, c, m) = (f64::from(got[i]), f64::from(want[i]), mag[i]);
+                        assert!(
+                            n_tok <= cpu::matvec::Q8_BATCH_MAX_TOKENS
+                                || got[i].to_bits() == want[i].to_bits(),
+                            "{ty} {rows} x {cols}, {n_tok} tokens: token {t} row {r}: twin {g}, \
+                             cpu tiles {c}"
+                        );
+                        assert!(
+                            (g - c).abs() <= bound * m + 1e-30,
+                            "{ty} {rows} x {cols}, {n_tok} tokens: token {t} row {r}: twin {g}, \
+                             cpu {c} (bound {:e})",
+                            bound * m
+                        );
+                        let xs = &xq[t * cols / 32 * 40..(t + 1) * cols / 32 * 40];
+                        let f64_dot: f64 = (0..cols)
+                            .map(|k| {
+                                let b = &xs[k / 32 * 40..];
+                                let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                                f64::from(wd[r * cols + k])
+                                    * f64::from(d)
+                                    * f64::from(b[8 + k % 32] as i8)
+                            })
+                            .sum();
+                        assert!(
+                            (g - f64_dot).abs() <= 1e-5 * m + 1e-30,
+                            "{ty}: token {t} row {r}: twin {g}, f64 {f64_dot} (magnitude {m})"
+                        );
+                        if m > 0.0 {
+                            worst = worst.max((g - c).abs() / m);
+                        }
+                        differ += usize::from(got[i].to_bits() != want[i].to_bits());
+                        n += 1;
+                    }
+                }
+            }
+        }
+        eprintln!(
+            "q8 mma twin: {differ} of {n} outputs differ from the cpu's bits, max |twin - cpu| \
+             / magnitude {worst:e}"
+        );
+    }
+}
+
+/// On a GPU of compute capability 8.0 or later, with the int8 tensor-core route forced from
+/// one token: every type's prompt product is its host replay bit for bit (the integer dots are
+/// exact and the epilogue's FMA chain and stores are the same operations), the CPU backend's
+/// Q8 mode bit for bit past its batch of 16 tokens (its integer tiles' order) and within the
+/// order bound below it, within that bound of the dp4a kernels (the same backend with the
+/// route off), and not their bits everywhere (so it ran).
+#[cfg(all(feature = "cuda", wl_host_shim))]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn q8_mma_on_tensor_cores_matches_its_twin_and_the_cpu() -> Result<()> {
+    use weightlift_kernels::sources::{CublasMinTokens, MMQ_TYPES, PromptRoute};
+    let mma = CudaBackend::new(0)?
+        .with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX).with_mma_every(1));
+    let dp4a = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
+    assert!(
+        mma.compute_capability() >= (8, 0),
+        "the int8 tensor-core kernels need 8.0; this GPU is {:?}",
+        mma.compute_capability()
+    );
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(0x88a_0003);
+    let (mut differ, mut worst) = (0usize, 0f64);
+    for &ty in MMQ_TYPES {
+        let cols = mmq_cols(ty);
+        for (rows, n_tok) in MMQ_SHAPES {
+            assert_eq!(
+                mma.prompt_route(ty, MatvecMode::Q8, n_tok),
+                PromptRoute::Mma
+            );
+            assert_eq!(
+                dp4a.prompt_route(ty, MatvecMode::Q8, n_tok),
+                PromptRoute::Kernels
+            );
+            let shape = (rows, cols, n_tok);
+            let mut raw = vec![0u8; rows * quantized_row_bytes(ty, cols)?];
+            quantize_rows(ty, &rng.vec(rows * cols, 0.2), cols, &mut raw)?;
+            let x = rng.vec(n_tok * cols, 1.0);
+            let xq = mmq_twin::quantised(&x);
+            let got = run(
+                &mma,
+                ty,
+                MatvecMode::Q8,
+                shape,
+                1 << 20,
+                &upload(&mma, &raw)?,
+                &x,
+            )?;
+            let old = run(
+                &dp4a,
+                ty,
+                MatvecMode::Q8,
+                shape,
+                1 << 20,
+                &upload(&dp4a, &raw)?,
+                &x,
+            )?;
+            let want = run(
+                &cpu,
+                ty,
+                MatvecMode::Q8,
+                shape,
+                1 << 20,
+                &upload(&cpu, &raw)?,
+                &x,
+            )?;
+            let twin = mmq_twin::replay(ty, &raw, &xq, shape);
+            let mag = mmq_twin::magnitudes(ty, &raw, &xq, shape);
+            let bound = mmq_twin::order_bound(ty, cols);
+            for i in 0..rows * n_tok {
+                let (t, r) = (i / rows, i % rows);
+                assert_eq!(
+                    got[i].to_bits(),
+                    twin[i].to_bits(),
+                    "{ty}: token {t} row {r}: device {:e}, twin {:e}",
+                    got[i],
+                    twin[i]
+                );
+                assert!(
+                    n_tok <= cpu::matvec::Q8_BATCH_MAX_TOKENS
+                        || got[i].to_bits() == want[i].to_bits(),
+                    "{ty}: token {t} row {r}: device {:e}, cpu tiles {:e}",
+                    got[i],
+                    want[i]
+                );
+                for (what, other) in [("cpu", want[i]), ("q8_matmul", old[i])] {
+                    let d = (f64::from(got[i]) - f64::from(other)).abs();
+                    assert!(
+                        d <= bound * mag[i] + 1e-30,
+                        "{ty}: token {t} row {r}: device {}, {what} {other}",
+                        got[i]
+                    );
+                }
+                if mag[i] > 0.0 {
+                    worst = worst.max((f64::from(got[i]) - f64::from(want[i])).abs() / mag[i]);
+                }
+                differ += usize::from(got[i].to_bits() != old[i].to_bits());
+            }
+        }
+    }
+    eprintln!(
+        "cuda q8 mma: {differ} outputs off q8_matmul's bits; max |mma - cpu| / magnitude {worst:e}"
+    );
+    assert!(
+        differ > 0,
+        "the tensor-core route gave q8_matmul's bits everywhere"
+    );
     Ok(())
 }

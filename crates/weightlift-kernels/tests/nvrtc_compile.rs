@@ -17,9 +17,10 @@ mod common;
 /// (the same entries and parameters), then ptxas on it: compiling for compute_XX as well would
 /// check nothing more. The other kernels have no code for particular architectures (nothing tests
 /// `__CUDA_ARCH__` beyond its presence), so the oldest and the newest bound the ones between:
-/// a third (sm_80) would add a third to this suite's time and no code path of its own. The one
-/// kernel with code for particular architectures, `attention_prefill_mma_f16` (tensor-core
-/// `mma.sync` from 8.0, an empty body before), has both of its paths compiled here.
+/// a third (sm_80) would add a third to this suite's time and no code path of its own. The
+/// kernels with code for particular architectures, `attention_prefill_mma_f16` and
+/// `q8_mma_{type}` (tensor-core `mma.sync` from 8.0, an empty body before), have both of their
+/// paths compiled here.
 #[cfg(feature = "nvrtc-check")]
 const ARCHES: [&str; 2] = ["sm_75", "sm_90"];
 
@@ -136,6 +137,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("scan_", ["", ""]),
             ("q8_matmul_", ["", ""]),
             ("q8_matvec_", ["", ""]),
+            ("q8_mma_", ["", ""]),
             ("swiglu_q8_matvec_", ["", ""]),
             ("q8_wide_matvec_", ["", ""]),
             ("swiglu_q8_wide_matvec_", ["", ""]),
@@ -161,6 +163,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "q8_matmul_" | "q8_matvec_" | "swiglu_q8_matvec_" => {
                                 format!("WL_Q8_KERNELS({t},")
                             }
+                            "q8_mma_" => format!("WL_Q8_MMA({t})"),
                             "q8_wide_matvec_" | "swiglu_q8_wide_matvec_" => {
                                 format!("WL_Q8W_KERNELS({t},")
                             }
@@ -209,6 +212,10 @@ fn expected_kernels() -> Vec<String> {
         expected.push(format!("q8_matmul_{t}"));
         expected.push(format!("q8_matvec_{t}"));
         expected.push(format!("swiglu_q8_matvec_{t}"));
+    }
+    // the Q8 mode's prompt product on int8 tensor cores (compute capability 8.0 and later)
+    for t in weightlift_kernels::sources::MMQ_TYPES {
+        expected.push(format!("q8_mma_{}", t.name()));
     }
     // decode's wide lanes (WEIGHTLIFT_Q8V=wide)
     for t in weightlift_kernels::sources::Q8_WIDE_WEIGHT_TYPES {
@@ -581,6 +588,43 @@ fn prompt_attention_mma_kernel_uses_tensor_cores_from_sm80() {
     );
 }
 
+/// The Q8 mode's int8 tensor-core prompt kernels multiply with `mma.sync` m16n8k32 on s8
+/// operands in their sm_90 PTX (so the `__CUDA_ARCH__ >= 800` guard did not leave them empty
+/// there), Q6_K with two products a group, and have no such instruction in their sm_75 PTX,
+/// where the host never launches them.
+#[cfg(feature = "nvrtc-check")]
+#[test]
+fn q8_mma_kernels_use_int8_tensor_cores_from_sm80() {
+    common::require_nvrtc();
+    let body = |arch: &str, name: &str| -> String {
+        let ptx = &compiled_for("matvec", arch).ptx;
+        let at = ptx
+            .find(&format!(".entry {name}("))
+            .unwrap_or_else(|| panic!("no {name} in the {arch} PTX"));
+        let rest = &ptx[at + 1..];
+        rest[..rest.find(".entry ").unwrap_or(rest.len())].to_string()
+    };
+    let mma = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32";
+    for ty in weightlift_kernels::sources::MMQ_TYPES {
+        let name = format!("q8_mma_{}", ty.name());
+        // eight n-blocks a group, unrolled: eight products (sixteen for Q6_K's halves)
+        let want = if *ty == weightlift_kernels::QuantType::Q6_K {
+            16
+        } else {
+            8
+        };
+        let n = body("sm_90", &name).matches(mma).count();
+        assert!(
+            n >= want,
+            "{name}: {n} of {mma} in its sm_90 PTX, want {want}"
+        );
+        assert!(
+            !body("sm_75", &name).contains("mma.sync"),
+            "{name}: an mma.sync in its sm_75 PTX"
+        );
+    }
+}
+
 /// The threads a block the CUDA backend launches kernel `name` with: the configs of
 /// `cuda/matmul.rs`, `cuda/ops.rs`, `cuda/quantize.rs` and `cuda/launch.rs` (whose elementwise,
 /// per-row and one-block launches, the int8, exact quantised and several-token Q8 products all
@@ -588,7 +632,8 @@ fn prompt_attention_mma_kernel_uses_tensor_cores_from_sm80() {
 #[cfg(feature = "nvrtc-check")]
 fn launch_threads(name: &str) -> usize {
     use weightlift_kernels::sources::{
-        ATTENTION_WARPS, FLOAT_BLOCK_THREADS, GEMM_THREADS, Q8_MATVEC_THREADS, QUANTIZE_THREADS,
+        ATTENTION_WARPS, FLOAT_BLOCK_THREADS, GEMM_THREADS, MMQ_THREADS, Q8_MATVEC_THREADS,
+        QUANTIZE_THREADS,
     };
     let starts = |prefixes: &[&str]| prefixes.iter().any(|p| name.starts_with(p));
     let float = ["f16", "bf16", "f32"].iter().any(|t| {
@@ -609,6 +654,8 @@ fn launch_threads(name: &str) -> usize {
         Q8_MATVEC_THREADS
     } else if starts(&["gemm_"]) {
         GEMM_THREADS
+    } else if starts(&["q8_mma_"]) {
+        MMQ_THREADS
     } else if float {
         FLOAT_BLOCK_THREADS
     } else {

@@ -152,12 +152,17 @@ pub(crate) fn disabled_by_env() -> bool {
 
 /// The token counts from which prompts take cuBLAS: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` for every
 /// type when it is a number (the A/B runs move them all), else the default
-/// ([`crate::sources::CUBLAS_MIN_TOKENS`] and the counts of its own a type has).
+/// ([`crate::sources::CUBLAS_MIN_TOKENS`] and the counts of its own a type has); and from which
+/// they take the int8 tensor-core kernels: `WEIGHTLIFT_MMQ_MIN_TOKENS` for every type of
+/// [`crate::sources::MMQ_TYPES`] when it is a number, else the default (none).
 pub(crate) fn min_tokens_from_env() -> CublasMinTokens {
     std::env::var("WEIGHTLIFT_CUBLAS_MIN_TOKENS")
         .ok()
         .and_then(|v| v.trim().parse().ok())
-        .map_or_else(CublasMinTokens::default, CublasMinTokens::uniform)
+        .map_or_else(CublasMinTokens::default, |n| {
+            CublasMinTokens::default().with_cublas_every(n)
+        })
+        .with_mma_env_value(std::env::var(CublasMinTokens::MMA_ENV).ok().as_deref())
 }
 
 /// One cuBLAS handle bound to a backend's stream, with the workspace the plan charges

@@ -132,7 +132,8 @@ impl CudaBackend {
     /// Q8 mode: `q8_quantize_{act}` turns every token's activations into 40-byte blocks
     /// ([`CudaBackend::q8_activations`]), then `q8_matvec_{type}` (one token; or
     /// `q8_wide_matvec_{type}` where the backend's [`Q8Decode`] picks the wide lanes) or
-    /// `q8_matmul_{type}` meets each weight group with them in integers.
+    /// `q8_matmul_{type}` meets each weight group with them in integers (`q8_mma_{type}` on
+    /// int8 tensor cores where [`CublasMinTokens::mma_takes`](crate::sources::CublasMinTokens::mma_takes)).
     pub(super) fn matmul_q8(
         &self,
         m: MatShape,
@@ -221,6 +222,12 @@ impl CudaBackend {
             // below rows (checked).
             return unsafe { self.launch("matvec", &name, cfg, &mut args) };
         }
+        if self
+            .cublas_min_tokens
+            .mma_takes(m.ty, MatvecMode::Q8, m.n_tok, self.cc)
+        {
+            return self.q8_mma(m, w, xq, y);
+        }
         // 8 threads per row, 32 rows per block of 256; 4 tokens per thread pass on grid.y
         let cfg = LaunchConfig {
             grid_dim: (
@@ -242,6 +249,41 @@ impl CudaBackend {
         ];
         // SAFETY: each row group reads one weight row (rows were checked) and each token's
         // cols / 32 blocks of xq, and writes y[t * rows + r] below n_tok * rows (checked).
+        unsafe { self.launch("matvec", &name, cfg, &mut args) }
+    }
+
+    /// A prompt's Q8 product on int8 tensor cores (`q8_mma_{type}`, compute capability 8.0
+    /// and later): blocks of [`MMQ_THREADS`] threads, each [`MMQ_BLOCK_ROWS`] weight rows
+    /// against tiles of [`MMQ_BLOCK_TOKENS`] tokens (grid.y, which CUDA caps at 65535; the
+    /// kernel strides over the rest).
+    fn q8_mma(
+        &self,
+        m: MatShape,
+        w: &CudaBuffer,
+        xq: &CudaSlice<u8>,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_for(m.rows, MMQ_BLOCK_ROWS, "rows")?,
+                m.n_tok.div_ceil(MMQ_BLOCK_TOKENS).min(MAX_GRID_YZ) as u32,
+                1,
+            ),
+            block_dim: (MMQ_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = format!("q8_mma_{}", m.ty.name());
+        let mut args = [
+            KArg::In(&w.slice),
+            KArg::In(xq),
+            KArg::Out(&mut y.slice),
+            KArg::U64(m.rows as u64),
+            KArg::U64(m.cols as u64),
+            KArg::U64(m.n_tok as u64),
+        ];
+        // SAFETY: a block stages weight rows below rows (checked; rows past the end stage
+        // zeros) and activation blocks of tokens below n_tok (cols / 32 each, quantised before
+        // on this stream), and writes y[t * rows + r] for r below rows and t below n_tok.
         unsafe { self.launch("matvec", &name, cfg, &mut args) }
     }
 
@@ -337,7 +379,8 @@ impl CudaBackend {
         n_tok: usize,
         act: FloatType,
     ) -> Result<bool> {
-        if n_tok < self.cublas_min_tokens.of(ty, mode) || act != FloatType::F32 {
+        let route = self.cublas_min_tokens.route(ty, mode, n_tok, self.cc);
+        if route != PromptRoute::Cublas || act != FloatType::F32 {
             return Ok(false);
         }
         Ok(self.with_cublas(|_| Ok(()))?.is_some())
