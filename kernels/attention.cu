@@ -348,7 +348,7 @@ extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_reduce_f3
 // per query in attention_{fmt}: for a 1.1B llama at 512 tokens (group 8, 32 rows a block) a
 // quarter of the query-by-query reads. The bound it should reach is compute, not memory: about
 // 4 × n_q² / 2 × n_heads × head_dim flops in f32 (1.1 GFLOP a layer at 512 tokens, tens of µs
-// on an H200's CUDA cores); attention_prefill_mma_f16 below takes f16 caches in fast mode on
+// on an H200's CUDA cores); attention_prefill_mma_{fmt} below is the same in fast mode on
 // tensor cores.
 template <int R, typename K, typename V>
 __device__ __forceinline__ void wl_attention_prefill_body(
@@ -503,28 +503,35 @@ WL_ATTENTION_PREFILL(q8, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<127>)
 WL_ATTENTION_PREFILL(q4, wl_u8, WlKvTurned<7>, wl_u8, WlKvTurned<7>)
 WL_ATTENTION_PREFILL(q8_q4, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<7>)
 
-// attention_prefill_mma_f16: attention_prefill_f16 with f16 operands (fast mode) on tensor
+// attention_prefill_mma_{fmt}: attention_prefill_{fmt} with f16 operands (fast mode) on tensor
 // cores, for heads of 64 or 128 values on compute capability 8.0 and later (below that, and on
 // any architecture the module is compiled for before 8.0, the body is empty and the host never
-// launches it). Grid: x = kv_heads × ceil(n_q × group / 64); block (kh, b) takes rows
-// b × 64 .. of KV head kh (the same (query, head) rows as attention_prefill_{fmt}), warp w rows
-// 16 w .. of those: one A fragment of m16n8k16 products (wl_fa_mma.cuh). The block stages its
-// queries as f16 pairs once (rounded as wl_att_round rounds them), then for each tile of
-// WL_FA_KEYS keys the keys as pairs along the dims and the values transposed, as pairs along
-// the keys, so every fragment register is one 32-bit shared load. Per tile a warp computes
-// S = Q K^T (4 n-blocks of 8 keys × head_dim / 16 k-steps, the query fragments held in
-// registers for the whole call), weighs and masks its scores, finds each row's maximum and
-// probability sum over the 4 lanes that hold the row (two xor shuffles), rescales O and adds
-// P V (the probabilities, f16 as attention_prefill_f16 rounds them, already lie in A's layout:
-// no shared-memory round trip). Tiles wholly past the causal end of a warp's last row, or
-// before the window of its first, are staged but not computed by it.
+// launches it), one body for every cache format. Grid: x = kv_heads × ceil(n_q × group / 64);
+// block (kh, b) takes rows b × 64 .. of KV head kh (the same (query, head) rows as
+// attention_prefill_{fmt}), warp w rows 16 w .. of those: one A fragment of m16n8k16 products
+// (wl_fa_mma.cuh). The block stages its queries as f16 pairs once (rounded as wl_att_round
+// rounds them), then for each tile of WL_FA_KEYS keys the keys as pairs along the dims and the
+// values transposed, as pairs along the keys, so every fragment register is one 32-bit shared
+// load. The tile is read through attention_prefill_{fmt}'s readers, a warp a pair of keys (lane
+// l dims l + 32 r, so the turned formats' warps decode whole groups), and each value rounded to
+// f16 as it is packed, as an f16 cache stores them: exact for f16, e4m3 and bf16 within f16's
+// normal range, a rounding of 2⁻¹¹ relative for f32 and the turned groups' decoded values (a
+// value below 6.1e-5 keeps f16's subnormal steps of 6e-8; one past 65,504 becomes infinite).
+// Exact mode never takes this kernel. Per tile a warp computes S = Q K^T (4 n-blocks of 8 keys
+// × head_dim / 16 k-steps, the query fragments held in registers for the whole call), weighs
+// and masks its scores, finds each row's maximum and probability sum over the 4 lanes that hold
+// the row (two xor shuffles), rescales O and adds P V (the probabilities, f16 as
+// attention_prefill_{fmt} rounds them, already lie in A's layout: no shared-memory round
+// trip). Tiles wholly past the causal end of a warp's last row, or before the window of its
+// first, are staged but not computed by it.
 //
-// Bytes read per call: as attention_prefill_{fmt} with 64 rows a block (a quarter of its
-// block count at head_dim 128), f16 K/V rows. The bound it should reach: 4 × n_q² / 2 ×
-// n_heads × head_dim flops on tensor cores: 17 GFLOP a layer of a 1.1B llama at 2,048 tokens
-// is about 30 µs at half the H200's dense f16 rate, where the f32 kernel's CUDA cores take
-// milliseconds. NVRTC's sm_90 build holds 246 registers a thread (no stack) and 36.5 KiB of
-// shared memory a block: two blocks an SM.
+// Bytes read per call: as attention_prefill_{fmt} with 64 rows a block (a quarter of its block
+// count at head_dim 128), the K/V rows in their cache format. The bound it should reach: 4 ×
+// n_q² / 2 × n_heads × head_dim flops on tensor cores: 17 GFLOP a layer of a 1.1B llama at
+// 2,048 tokens is about 30 µs at half the H200's dense f16 rate, where the f32 kernel's CUDA
+// cores take milliseconds. NVRTC's sm_90 build holds 171 registers a thread for the float
+// formats, 173 and 174 for q8 and q8_q4, 203 for q4 (no stack, no spills), and 35.5 KiB of
+// shared memory a block: two blocks an SM for each.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // D += A B, one m16n8k16 product with f32 accumulators.
 __device__ __forceinline__ void wl_mma_16816(float d[4], const wl_u32 a[4], const wl_u32 b[2]) {
@@ -535,9 +542,9 @@ __device__ __forceinline__ void wl_mma_16816(float d[4], const wl_u32 a[4], cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-template <int HD>
+template <int HD, typename K, typename V>
 __device__ __forceinline__ void wl_attention_prefill_mma(
-    const float* q, const wl_u16* k, const wl_u16* v, float* out, wl_u64 n_q, wl_u64 start,
+    const float* q, K k, V v, float* out, wl_u64 n_q, wl_u64 start,
     wl_u64 n_heads, wl_u64 kv_heads, float scale, wl_u64 window, float softcap, wl_u64 rows,
     wl_u32* sq, wl_u32* sk, wl_u32* svt) {
     constexpr int KSTEPS = HD / 16;  // k-steps of S = Q K^T
@@ -596,31 +603,33 @@ __device__ __forceinline__ void wl_attention_prefill_mma(
     for (wl_u64 t0 = key_lo / WL_FA_KEYS * WL_FA_KEYS; t0 < key_end; t0 += WL_FA_KEYS) {
         // the previous tile's readers are done before it is overwritten
         __syncthreads();
-        for (int e = (int)threadIdx.x; e < WL_FA_KEYS * PAIRS; e += (int)blockDim.x) {
-            const int jj = e / PAIRS;
-            const int d = 2 * (e % PAIRS);
-            const wl_u64 j = t0 + (wl_u64)jj;
-            wl_u32 w = 0;
-            if (j < key_end) {
-                const wl_u64 row = wl_kv_cache_row(j, rows) * kvd + kh * hd + (wl_u64)d;
-                w = (wl_u32)k[row] | ((wl_u32)k[row + 1] << 16);
-            }
-            sk[wl_fam_k_word(jj, d, HD)] = w;
-        }
-        // consecutive threads take consecutive dims of a key pair (coalesced reads)
-        for (int e = (int)threadIdx.x; e < WL_FA_KEYS / 2 * HD; e += (int)blockDim.x) {
-            const int d = e % HD;
-            const int jj = 2 * (e / HD);
-            wl_u32 w = 0;
+        // a warp a pair of keys jp, jp + 1, read through the readers of attention_prefill_{fmt}
+        // (lane l holds dims l + 32 r of both; whether a key is below key_end is the same for
+        // the whole warp, as the turned readers' shuffles need): a lane's two values of dim d
+        // are one word of the transposed values as they stand, and each key's dims are paired
+        // with the neighbour lane's by one shuffle
+        for (int jp = 2 * warp; jp < WL_FA_KEYS; jp += 2 * WL_ATT_WARPS) {
+            const wl_u64 j = t0 + (wl_u64)jp;
+            const bool in0 = j < key_end;
+            const bool in1 = j + 1 < key_end;
+            const wl_u64 row0 = wl_kv_cache_row(j, rows) * kvd + kh * hd;
+            const wl_u64 row1 = wl_kv_cache_row(j + 1, rows) * kvd + kh * hd;
 #pragma unroll
-            for (int x = 0; x < 2; x++) {
-                const wl_u64 j = t0 + (wl_u64)(jj + x);
-                if (j < key_end) {
-                    const wl_u64 row = wl_kv_cache_row(j, rows) * kvd + kh * hd + (wl_u64)d;
-                    w |= (wl_u32)v[row] << (16 * x);
+            for (int r = 0; r < HD / 32; r++) {
+                const int d = lane + 32 * r;
+                const float k0 = in0 ? k.at(row0 + (wl_u64)d, lane) : 0.0f;
+                const float k1 = in1 ? k.at(row1 + (wl_u64)d, lane) : 0.0f;
+                const float v0 = in0 ? v.at(row0 + (wl_u64)d, lane) : 0.0f;
+                const float v1 = in1 ? v.at(row1 + (wl_u64)d, lane) : 0.0f;
+                svt[wl_fam_v_word(d, jp)] = wl_fam_pack(v0, v1);
+                // an even lane pairs key jp's dims d, d + 1; an odd lane key jp + 1's d - 1, d
+                const float other = __shfl_xor_sync(0xffffffffu, (lane & 1) ? k0 : k1, 1);
+                if (lane & 1) {
+                    sk[wl_fam_k_word(jp + 1, d - 1, HD)] = wl_fam_pack(other, k1);
+                } else {
+                    sk[wl_fam_k_word(jp, d, HD)] = wl_fam_pack(k0, other);
                 }
             }
-            svt[wl_fam_v_word(d, jj)] = w;
         }
         __syncthreads();
         if (!live || t0 >= warp_end || t0 + WL_FA_KEYS <= warp_lo) continue;
@@ -685,10 +694,11 @@ __device__ __forceinline__ void wl_attention_prefill_mma(
 
 // The arguments are attention_prefill_{fmt}'s; f16_operands must be set (the kernel rounds as
 // fast mode does) and head_dim 64 or 128, or it writes nothing.
-extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_prefill_mma_f16(
-    const float* q, const wl_u16* k, const wl_u16* v, float* out, wl_u64 n_q, wl_u64 start,
-    wl_u64 n_heads, wl_u64 kv_heads, int head_dim, float scale, int f16_operands, wl_u64 window,
-    float softcap, wl_u64 rows) {
+template <typename K, typename V>
+__device__ __forceinline__ void wl_attention_prefill_mma_entry(
+    const float* q, K k, V v, float* out, wl_u64 n_q, wl_u64 start, wl_u64 n_heads,
+    wl_u64 kv_heads, int head_dim, float scale, int f16_operands, wl_u64 window, float softcap,
+    wl_u64 rows) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     __shared__ wl_u32 s_q[WL_FAM_Q_WORDS];
     __shared__ wl_u32 s_k[WL_FAM_K_WORDS];
@@ -704,3 +714,20 @@ extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_prefill_m
     }
 #endif
 }
+
+#define WL_ATTENTION_PREFILL_MMA(NAME, KT, KR, VT, VR)                                             \
+    extern "C" __global__ void __launch_bounds__(WL_ATT_THREADS) attention_prefill_mma_##NAME(     \
+        const float* q, const KT* k, const VT* v, float* out, wl_u64 n_q, wl_u64 start,            \
+        wl_u64 n_heads, wl_u64 kv_heads, int head_dim, float scale, int f16_operands,              \
+        wl_u64 window, float softcap, wl_u64 rows) {                                               \
+        wl_attention_prefill_mma_entry(q, KR{k}, VR{v}, out, n_q, start, n_heads, kv_heads,        \
+                                       head_dim, scale, f16_operands, window, softcap, rows);      \
+    }
+
+WL_ATTENTION_PREFILL_MMA(f32, float, WlKvF32, float, WlKvF32)
+WL_ATTENTION_PREFILL_MMA(f16, wl_u16, WlKvF16, wl_u16, WlKvF16)
+WL_ATTENTION_PREFILL_MMA(bf16, wl_u16, WlKvBf16, wl_u16, WlKvBf16)
+WL_ATTENTION_PREFILL_MMA(e4m3, wl_u8, WlKvE4M3, wl_u8, WlKvE4M3)
+WL_ATTENTION_PREFILL_MMA(q8, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<127>)
+WL_ATTENTION_PREFILL_MMA(q4, wl_u8, WlKvTurned<7>, wl_u8, WlKvTurned<7>)
+WL_ATTENTION_PREFILL_MMA(q8_q4, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<7>)

@@ -1,4 +1,4 @@
-// The lane arithmetic of attention_prefill_mma_f16 (attention.cu), shared with the host twin:
+// The lane arithmetic of attention_prefill_mma_{fmt} (attention.cu), shared with the host twin:
 // which matrix element each lane's registers hold in an m16n8k16 tensor-core product, where
 // the block's staged queries, keys and values sit in shared memory, how a lane's fragments are
 // read from there, and each lane's share of a tile's online-softmax step. The kernel runs these

@@ -724,7 +724,7 @@ extern "C" int wl_host_attention_prefill(int k_fmt, int v_fmt, const float* q, c
     return 1;
 }
 
-// ---- attention_prefill_mma_f16's lane arithmetic (wl_fa_mma.cuh), for the twin's software
+// ---- attention_prefill_mma_{fmt}'s lane arithmetic (wl_fa_mma.cuh), for the twin's software
 // warp: the fragment maps, the staged words, the fragment loads and a lane's softmax steps. ----
 
 extern "C" void wl_host_mma_a(int lane, int reg, int hf, int* row, int* col) {

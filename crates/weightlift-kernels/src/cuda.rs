@@ -64,11 +64,12 @@
 //!   tiles of 32 keys and values in shared memory (decoded from the cache format once per
 //!   block) and folding them into each row's online softmax, so the cache is read once per
 //!   block of rows rather than once per query; window, soft-cap, f16 operands and a start
-//!   offset (a chunked prompt continuing a cache) as `attention_{format}`. No scratch. f16
-//!   caches in fast mode with heads of 64 or 128 take `attention_prefill_mma_f16` on compute
-//!   capability 8.0 and later ([`PrefillAttention`], `WEIGHTLIFT_FA_MMA=0` to keep them off):
-//!   the same tiling on tensor cores, `mma.sync` m16n8k16 products of f16 operands with f32
-//!   sums, 64 rows a block.
+//!   offset (a chunked prompt continuing a cache) as `attention_{format}`. No scratch. In fast
+//!   mode, heads of 64 or 128 take `attention_prefill_mma_{format}` on compute capability 8.0
+//!   and later, for every cache format ([`PrefillAttention`], `WEIGHTLIFT_FA_MMA=0` to keep
+//!   them off): the same tiling on tensor cores, `mma.sync` m16n8k16 products of f16 operands
+//!   with f32 sums, 64 rows a block, the K/V tiles read through the same readers and rounded
+//!   to f16 as they are staged.
 //! - Quantise-on-load (`quantize`, [`Backend::quantize_rows`]): a chunk of float rows goes up
 //!   through the staging buffers into a scratch of its size, and `quantize_{type}_{src}` writes
 //!   the CPU quantiser's blocks into the tensor at the chunk's offset, one thread a block; a

@@ -1135,11 +1135,12 @@ pub fn attention_prefill(
     Ok(())
 }
 
-/// The lane arithmetic of `attention_prefill_mma_f16` (`kernels/wl_fa_mma.cuh`), one function
-/// of the header each, for a test that replays the kernel's warps on the host: the m16n8k16
-/// fragment maps (which matrix element each lane's register halves hold), where the block's
-/// staged queries, keys and transposed values sit in shared memory, the fragment loads, and a
-/// lane's share of a tile's softmax step. The wrappers check the indices the header trusts.
+/// The lane arithmetic of `attention_prefill_mma_{format}` (`kernels/wl_fa_mma.cuh`), one
+/// function of the header each, for a test that replays the kernel's warps on the host: the
+/// m16n8k16 fragment maps (which matrix element each lane's register halves hold), where the
+/// block's staged queries, keys and transposed values sit in shared memory, the fragment loads,
+/// and a lane's share of a tile's softmax step. The wrappers check the indices the header
+/// trusts.
 pub mod fa_mma {
     use crate::error::{KernelError, Result};
 

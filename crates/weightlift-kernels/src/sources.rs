@@ -221,7 +221,7 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ),
     // prompts, before the family its name starts with: (q, k, v, out, n_q, start, n_heads,
     // kv_heads, head_dim, scale, f16_operands, window, softcap, cache rows); the tensor-core
-    // attention_prefill_mma_f16 too
+    // attention_prefill_mma_{format} too
     (
         "attention_prefill_",
         &[
@@ -720,14 +720,15 @@ pub const ATTENTION_PREFILL_MIN_QUERIES: usize = 16;
 pub const ATTENTION_PREFILL_KEYS: usize = 32;
 
 /// The (query, query head) rows one block of the tensor-core prompt kernel
-/// `attention_prefill_mma_f16` takes (`WL_FAM_ROWS` in `kernels/wl_fa_mma.cuh`): four warps of
+/// `attention_prefill_mma_{format}` takes (`WL_FAM_ROWS` in `kernels/wl_fa_mma.cuh`): four warps of
 /// 16, one m16n8k16 A fragment each.
 pub const ATTENTION_PREFILL_MMA_ROWS: usize = 64;
 
 /// Which kernel a CUDA backend's prompt attention runs where the tensor-core one can:
-/// `attention_prefill_mma_f16` (`mma.sync` m16n8k16, f16 operands and f32 sums) takes f16 caches
-/// in fast mode with heads of 64 or 128 values on compute capability 8.0 and later
-/// ([`PrefillAttention::takes_mma`]); every other prompt keeps `attention_prefill_{format}`.
+/// `attention_prefill_mma_{format}` (`mma.sync` m16n8k16, f16 operands and f32 sums) takes
+/// every cache format in fast mode with heads of 64 or 128 values on compute capability 8.0 and
+/// later ([`PrefillAttention::takes_mma`]); every other prompt keeps
+/// `attention_prefill_{format}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillAttention {
     /// The tensor-core kernel wherever it applies.
@@ -755,19 +756,17 @@ impl PrefillAttention {
         Self::from_env_value(std::env::var(Self::ENV).ok().as_deref())
     }
 
-    /// Whether a prompt's attention takes `attention_prefill_mma_f16` under this choice: keys
-    /// and values cached as f16, f16 operands (fast mode; exact mode keeps f32 products), a
-    /// head of 64 or 128 values, and a device of compute capability `cc` 8.0 or later.
-    pub fn takes_mma(
-        self,
-        (k, v): (crate::KvFormat, crate::KvFormat),
-        f16_operands: bool,
-        head_dim: usize,
-        cc: (i32, i32),
-    ) -> bool {
+    /// Whether a prompt's attention takes `attention_prefill_mma_{format}` under this choice:
+    /// f16 operands (fast mode; exact mode keeps f32 products), a head of 64 or 128 values, and
+    /// a device of compute capability `cc` 8.0 or later, whatever the cache format (every pair
+    /// of formats with a prompt kernel has a tensor-core one). The kernel rounds the keys and
+    /// values it reads to f16, as an f16 cache stores them: exact for f16, e4m3 and bf16 within
+    /// f16's normal range, a rounding of 2⁻¹¹ relative for f32 and the turned q8/q4 caches'
+    /// decoded values (their host twin stays within fast mode's bound, at a third of it at
+    /// most); a value below 6.1e-5 keeps f16's subnormal steps of 6e-8, and one past 65,504
+    /// would become infinite.
+    pub fn takes_mma(self, f16_operands: bool, head_dim: usize, cc: (i32, i32)) -> bool {
         self == PrefillAttention::Mma
-            && k == crate::KvFormat::F16
-            && v == crate::KvFormat::F16
             && f16_operands
             && matches!(head_dim, 64 | 128)
             && cc >= (8, 0)
@@ -921,29 +920,19 @@ pub fn attention_grid(
 mod tests {
     use super::*;
 
-    /// The tensor-core prompt kernel takes f16 caches in fast mode with heads of 64 or 128 on
-    /// 8.0 and later, unless switched off; `WEIGHTLIFT_FA_MMA=0` switches it off.
+    /// The tensor-core prompt kernel takes every cache format in fast mode with heads of 64 or
+    /// 128 on 8.0 and later, unless switched off; `WEIGHTLIFT_FA_MMA=0` switches it off.
     #[test]
     fn prompt_attention_takes_tensor_cores_only_where_the_kernel_applies() {
-        use crate::KvFormat::{BF16, F16, F32 as KvF32, Q8};
         let on = PrefillAttention::Mma;
-        assert!(on.takes_mma((F16, F16), true, 64, (8, 0)));
-        assert!(on.takes_mma((F16, F16), true, 128, (9, 0)));
-        assert!(!on.takes_mma((F16, F16), false, 128, (9, 0)), "exact mode");
+        assert!(on.takes_mma(true, 64, (8, 0)));
+        assert!(on.takes_mma(true, 128, (9, 0)));
+        assert!(!on.takes_mma(false, 128, (9, 0)), "exact mode");
         for hd in [32, 40, 80, 96, 256] {
-            assert!(!on.takes_mma((F16, F16), true, hd, (9, 0)), "head_dim {hd}");
+            assert!(!on.takes_mma(true, hd, (9, 0)), "head_dim {hd}");
         }
-        for kv in [
-            (F16, BF16),
-            (BF16, BF16),
-            (KvF32, KvF32),
-            (Q8, Q8),
-            (F16, Q8),
-        ] {
-            assert!(!on.takes_mma(kv, true, 128, (9, 0)), "{kv:?}");
-        }
-        assert!(!on.takes_mma((F16, F16), true, 128, (7, 5)), "sm_75");
-        assert!(!PrefillAttention::F32.takes_mma((F16, F16), true, 128, (9, 0)));
+        assert!(!on.takes_mma(true, 128, (7, 5)), "sm_75");
+        assert!(!PrefillAttention::F32.takes_mma(true, 128, (9, 0)));
         let env = PrefillAttention::from_env_value;
         assert_eq!(env(Some("0")), PrefillAttention::F32);
         assert_eq!(env(Some(" 0\n")), PrefillAttention::F32);

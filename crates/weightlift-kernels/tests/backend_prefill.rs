@@ -597,13 +597,13 @@ fn prompt_attention_matches_the_cpu_backend<B: Backend>(b: &B) -> Result<()> {
 }
 weightlift_kernels::test_device!(prompt_attention_matches_the_cpu_backend);
 
-/// The cases of the tensor-core prompt kernel (`attention_prefill_mma_f16`: f16 caches in fast
-/// mode, heads of 64 and 128 values): GQA groups 8, 3 and 1; prompts of 37 queries from
-/// position 0 and of 70 continuing a cache of 45 rows (row counts no multiple of 16 or 64);
-/// no mask, a window of 20 keys, gemma's soft-cap, and a window of 24 over a ring of
-/// `window + n_q - 1` rows (fewer than the 115 positions of the chunked prompt).
+/// The cases of the tensor-core prompt kernel (`attention_prefill_mma_{format}`: fast mode,
+/// heads of 64 and 128 values), for each cache format of [`KV_FORMATS`]: GQA groups 8, 3 and
+/// 1; prompts of 37 queries from position 0 and of 70 continuing a cache of 45 rows (row
+/// counts no multiple of 16 or 64); no mask, a window of 20 keys, gemma's soft-cap, and a
+/// window of 24 over a ring of `window + n_q - 1` rows (fewer than the 115 positions of the
+/// chunked prompt).
 fn mma_cases(rng: &mut Rng) -> Vec<AttCase> {
-    let f16 = KvFormat::F16;
     let mut out = Vec::new();
     for (nh, kvh) in [(8usize, 1usize), (6, 2), (4, 4)] {
         for hd in [64usize, 128] {
@@ -611,53 +611,53 @@ fn mma_cases(rng: &mut Rng) -> Vec<AttCase> {
                 let keys = start + n_q;
                 let kvd = kvh * hd;
                 let q = rng.vec(n_q * nh * hd, 2.0);
-                let enc = |x: &[f32]| {
-                    let mut b = vec![0u8; f16.byte_at(x.len())];
-                    kv_encode(f16, x, &mut b).unwrap();
-                    b
-                };
-                let (k, v) = (
-                    enc(&rng.vec(keys * kvd, 2.0)),
-                    enc(&rng.vec(keys * kvd, 1.0)),
-                );
-                for (window, softcap, ring) in [
-                    (0, 0.0, false),
-                    (20, 0.0, false),
-                    (0, 30.0, false),
-                    (24, 0.0, true),
-                ] {
-                    let rows = if ring { window + n_q - 1 } else { keys };
-                    // position p in row p % rows: the last `rows` positions survive
-                    let ring_of = |full: &[u8]| {
-                        let row = f16.byte_at(kvd);
-                        let mut b = vec![0u8; rows * row];
-                        for p in keys.saturating_sub(rows)..keys {
-                            let r = p % rows;
-                            b[r * row..(r + 1) * row]
-                                .copy_from_slice(&full[p * row..(p + 1) * row]);
-                        }
+                let (kx, vx) = (rng.vec(keys * kvd, 2.0), rng.vec(keys * kvd, 1.0));
+                for (kf, vf) in KV_FORMATS {
+                    let enc = |f: KvFormat, x: &[f32]| {
+                        let mut b = vec![0u8; f.byte_at(x.len())];
+                        kv_encode(f, x, &mut b).unwrap();
                         b
                     };
-                    let shape = cpu::attention::AttnShape::new(
-                        nh,
-                        kvh,
-                        hd,
-                        n_q,
-                        start,
-                        1.0 / (hd as f32).sqrt(),
-                        true,
-                    )
-                    .unwrap();
-                    out.push(AttCase {
-                        formats: (f16, f16),
-                        shape,
-                        window,
-                        softcap,
-                        rows,
-                        q: q.clone(),
-                        k: ring_of(&k),
-                        v: ring_of(&v),
-                    });
+                    let (k, v) = (enc(kf, &kx), enc(vf, &vx));
+                    for (window, softcap, ring) in [
+                        (0, 0.0, false),
+                        (20, 0.0, false),
+                        (0, 30.0, false),
+                        (24, 0.0, true),
+                    ] {
+                        let rows = if ring { window + n_q - 1 } else { keys };
+                        // position p in row p % rows: the last `rows` positions survive
+                        let ring_of = |f: KvFormat, full: &[u8]| {
+                            let row = f.byte_at(kvd);
+                            let mut b = vec![0u8; rows * row];
+                            for p in keys.saturating_sub(rows)..keys {
+                                let r = p % rows;
+                                b[r * row..(r + 1) * row]
+                                    .copy_from_slice(&full[p * row..(p + 1) * row]);
+                            }
+                            b
+                        };
+                        let shape = cpu::attention::AttnShape::new(
+                            nh,
+                            kvh,
+                            hd,
+                            n_q,
+                            start,
+                            1.0 / (hd as f32).sqrt(),
+                            true,
+                        )
+                        .unwrap();
+                        out.push(AttCase {
+                            formats: (kf, vf),
+                            shape,
+                            window,
+                            softcap,
+                            rows,
+                            q: q.clone(),
+                            k: ring_of(kf, &k),
+                            v: ring_of(vf, &v),
+                        });
+                    }
                 }
             }
         }
@@ -768,8 +768,32 @@ mod mma_twin {
         l: Regs<f32, 2>,
     }
 
-    /// What `attention_prefill_mma_f16` computes for case `c`, its blocks replayed on the host
-    /// step for step: the staging through the header's word maps, each warp's products through
+    /// `n` values of a cache half stored as `f` from value `first`, as the kernels' readers
+    /// decode them: f32 as stored, f16 widened exactly, the others through the shim's
+    /// `kv_load` (the device codec: e4m3 and bf16 widened, the turned groups' butterflies and
+    /// norm).
+    fn decode_row(f: KvFormat, b: &[u8], first: usize, n: usize) -> Vec<f32> {
+        let bytes = &b[f.byte_at(first)..f.byte_at(first + n)];
+        match f {
+            KvFormat::F32 => bytes
+                .chunks_exact(4)
+                .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]))
+                .collect(),
+            KvFormat::F16 => bytes
+                .chunks_exact(2)
+                .map(|x| half::f16::from_le_bytes([x[0], x[1]]).to_f32())
+                .collect(),
+            _ => {
+                let mut out = vec![0.0; n];
+                weightlift_kernels::host_shim::kv_load(f, bytes, &mut out).unwrap();
+                out
+            }
+        }
+    }
+
+    /// What `attention_prefill_mma_{format}` computes for case `c`, its blocks replayed on the
+    /// host step for step: the staging (the readers' values packed into f16 pairs) through the
+    /// header's word maps, each warp's products through
     /// [`Maps::mma`], its lanes' softmax steps through the header, the shuffles as quad
     /// reductions.
     pub(super) fn replay(c: &AttCase) -> Vec<f32> {
@@ -783,7 +807,6 @@ mod mma_twin {
         );
         let n_rows = s.n_q * group;
         let kvd = s.kv_heads * hd;
-        let bits = |b: &[u8], i: usize| u32::from(u16::from_le_bytes([b[2 * i], b[2 * i + 1]]));
         let first_key = |i: usize| match c.window {
             w if w != 0 && s.start + i + 1 > w => s.start + i + 1 - w,
             _ => 0,
@@ -829,17 +852,25 @@ mod mma_twin {
                 while t0 < key_end {
                     let mut sk = vec![0u32; sh.k_words];
                     let mut svt = vec![0u32; sh.v_words];
-                    let at = |j: usize, d: usize| (j % c.rows) * kvd + kh * hd + d;
+                    // the tile's keys and values as the kernel's readers decode them (zero
+                    // past key_end), then packed into f16 pairs as the kernel packs them
+                    let tile = |f: KvFormat, b: &[u8]| -> Vec<Vec<f32>> {
+                        (t0..t0 + 32)
+                            .map(|j| match j < key_end {
+                                true => decode_row(f, b, (j % c.rows) * kvd + kh * hd, hd),
+                                false => vec![0.0; hd],
+                            })
+                            .collect()
+                    };
+                    let (kt, vt) = (tile(c.formats.0, &c.k), tile(c.formats.1, &c.v));
                     for jj in 0..32 {
-                        let j = t0 + jj;
+                        for d in (0..hd).step_by(2) {
+                            sk[fm::k_word(jj, d, hd).unwrap()] = fm::pack(kt[jj][d], kt[jj][d + 1]);
+                        }
+                    }
+                    for jj in (0..32).step_by(2) {
                         for d in 0..hd {
-                            let (kw, vw) = if j < key_end {
-                                (bits(&c.k, at(j, d)), bits(&c.v, at(j, d)))
-                            } else {
-                                (0, 0)
-                            };
-                            sk[fm::k_word(jj, d & !1, hd).unwrap()] |= kw << (16 * (d & 1));
-                            svt[fm::v_word(d, jj & !1).unwrap()] |= vw << (16 * (jj & 1));
+                            svt[fm::v_word(d, jj).unwrap()] = fm::pack(vt[jj][d], vt[jj + 1][d]);
                         }
                     }
                     for (w, warp) in warps.iter_mut().enumerate() {
@@ -1000,18 +1031,21 @@ mod mma_twin {
     }
 
     /// The kernel's blocks replayed on the host ([`replay`]) against the CPU backend's fast-mode
-    /// attention over the same f16 cache, for every case of [`mma_cases`], within the f16
-    /// operands' bound of [`attention_close`]; and against the f32 prompt kernel's twin.
+    /// attention over the same cache, for every case of [`mma_cases`] (every cache format),
+    /// within the f16 operands' bound of [`attention_close`]; and against the
+    /// f32 prompt kernel's twin. Prints the largest differences of each format.
     #[test]
     fn prompt_attention_mma_twin_matches_the_cpu_backend() {
         use weightlift_kernels::host_shim;
         let cpu = CpuBackend::new();
         let cases = mma_cases(&mut Rng(0xfa03));
-        let (mut worst_cpu, mut worst_f32) = (0f32, 0f32);
+        let formats = KV_FORMATS;
+        // per format: the largest |twin - cpu| and |twin - f32 kernel's twin|
+        let mut worst = vec![(0f32, 0f32); formats.len()];
+        let mut outputs = Vec::with_capacity(cases.len());
         for c in &cases {
             let want = attention_on(&cpu, c).unwrap();
             let got = replay(c);
-            attention_close("mma twin", c, &got, &want);
             let mut f32_twin = vec![f32::NAN; c.q.len()];
             host_shim::attention_prefill(
                 c.formats.0,
@@ -1024,22 +1058,29 @@ mod mma_twin {
                 &mut f32_twin,
             )
             .unwrap();
-            worst_cpu = worst_cpu.max(max_diff(&got, &want));
-            worst_f32 = worst_f32.max(max_diff(&got, &f32_twin));
+            let at = formats.iter().position(|&f| f == c.formats).unwrap();
+            worst[at].0 = worst[at].0.max(max_diff(&got, &want));
+            worst[at].1 = worst[at].1.max(max_diff(&got, &f32_twin));
+            outputs.push((got, want));
         }
-        eprintln!(
-            "mma twin, {} cases: max |twin - cpu| {worst_cpu:e}, max |twin - f32 kernel's twin| \
-             {worst_f32:e}",
-            cases.len()
-        );
-        // 3 groups × 2 heads × 2 prompts × 4 masks
-        assert_eq!(cases.len(), 48);
+        for (f, (cpu, f32k)) in formats.iter().zip(&worst) {
+            eprintln!(
+                "mma twin {:?}/{:?}: max |twin - cpu| {cpu:e}, max |twin - f32 kernel's twin| \
+                 {f32k:e}",
+                f.0, f.1
+            );
+        }
+        for (c, (got, want)) in cases.iter().zip(&outputs) {
+            attention_close("mma twin", c, got, want);
+        }
+        // formats × 3 groups × 2 heads × 2 prompts × 4 masks
+        assert_eq!(cases.len(), formats.len() * 48);
     }
 }
 
 /// On a GPU of compute capability 8.0 or later: the tensor-core prompt kernel against the f32
 /// prompt kernel (`WEIGHTLIFT_FA_MMA=0`'s) and the CPU backend for every case of
-/// [`mma_cases`], within the f16 operands' bound; its output is not the f32 kernel's bits (so
+/// [`mma_cases`] (every cache format), within the f16 operands' bound; its output is not the f32 kernel's bits (so
 /// it ran), the same calls in exact mode (which the tensor-core kernel never takes) give both
 /// backends the f32 kernel's bits, and a backend left to the environment runs what
 /// [`PrefillAttention::from_env`] picks.
@@ -1112,7 +1153,8 @@ fn prompt_attention_on_tensor_cores_matches_the_f32_kernel_and_the_cpu() -> Resu
     Ok(())
 }
 
-/// The tensor-core kernel's output against its host replay, case by case: an mma may add its
+/// The tensor-core kernel's output against its host replay, case by case (every cache
+/// format; the replay stages the tiles through the shim's decoders): an mma may add its
 /// products in another order (or width) than the replay's f32 chain, and a score a last bit
 /// off may round a probability to the next f16 (2⁻¹¹ relative), so within 1e-3 rather than bit
 /// for bit; a wrong fragment layout is off by the values themselves.
@@ -1129,7 +1171,8 @@ fn prompt_attention_on_tensor_cores_matches_its_twin() -> Result<()> {
         let d = max_diff(&got, &twin);
         assert!(
             d <= 1e-3,
-            "{:?} window {} softcap {}: {d}",
+            "{:?} {:?} window {} softcap {}: {d}",
+            c.formats,
             c.shape,
             c.window,
             c.softcap

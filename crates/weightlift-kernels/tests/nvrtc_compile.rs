@@ -18,7 +18,7 @@ mod common;
 /// check nothing more. The other kernels have no code for particular architectures (nothing tests
 /// `__CUDA_ARCH__` beyond its presence), so the oldest and the newest bound the ones between:
 /// a third (sm_80) would add a third to this suite's time and no code path of its own. The
-/// kernels with code for particular architectures, `attention_prefill_mma_f16` and
+/// kernels with code for particular architectures, `attention_prefill_mma_{format}` and
 /// `q8_mma_{type}` (tensor-core `mma.sync` from 8.0, an empty body before), have both of their
 /// paths compiled here.
 #[cfg(feature = "nvrtc-check")]
@@ -146,6 +146,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("kv_store_", ["", ""]),
             ("rope_kv_store_", ["", ""]),
             ("kv_load_", ["", ""]),
+            ("attention_prefill_mma_", ["", ""]),
             ("attention_prefill_", ["", ""]),
             ("attention_", ["", ""]),
         ] {
@@ -158,6 +159,7 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "scan_" => format!("WL_SCAN_BLOCKS({t},"),
                             "kv_store_" | "kv_load_" => format!("WL_KV({t},"),
                             "rope_kv_store_" => format!("WL_ROPE_KV({t},"),
+                            "attention_prefill_mma_" => format!("WL_ATTENTION_PREFILL_MMA({t},"),
                             "attention_prefill_" => format!("WL_ATTENTION_PREFILL({t},"),
                             "attention_" => format!("WL_ATTENTION({t},"),
                             "q8_matmul_" | "q8_matvec_" | "swiglu_q8_matvec_" => {
@@ -286,8 +288,14 @@ fn expected_kernels() -> Vec<String> {
         "attention_prefill_q8",
         "attention_prefill_q4",
         "attention_prefill_q8_q4",
-        // f16 caches in fast mode on tensor cores (compute capability 8.0 and later)
+        // the same in fast mode on tensor cores (compute capability 8.0 and later)
+        "attention_prefill_mma_f32",
         "attention_prefill_mma_f16",
+        "attention_prefill_mma_bf16",
+        "attention_prefill_mma_e4m3",
+        "attention_prefill_mma_q8",
+        "attention_prefill_mma_q4",
+        "attention_prefill_mma_q8_q4",
         // RoPE fused with the cache store, by cache dtype
         "rope_kv_store_f32",
         "rope_kv_store_f16",
@@ -560,32 +568,35 @@ fn the_module_allowance_covers_every_cubin() {
     );
 }
 
-/// The prompt attention kernel for tensor cores multiplies with `mma.sync` in its sm_90 PTX,
-/// so the `__CUDA_ARCH__ >= 800` guard did not leave it empty there, and has no such
-/// instruction (nor any product) in its sm_75 PTX, where the host never launches it.
+/// The prompt attention kernel for tensor cores of every cache format multiplies with
+/// `mma.sync` in its sm_90 PTX, so the `__CUDA_ARCH__ >= 800` guard did not leave it empty
+/// there, and has no such instruction (nor any product) in its sm_75 PTX, where the host never
+/// launches it.
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn prompt_attention_mma_kernel_uses_tensor_cores_from_sm80() {
     common::require_nvrtc();
-    let body = |arch: &str| -> String {
+    let body = |name: &str, arch: &str| -> String {
         let ptx = &compiled_for("attention", arch).ptx;
         let at = ptx
-            .find(".entry attention_prefill_mma_f16")
-            .unwrap_or_else(|| panic!("no attention_prefill_mma_f16 in the {arch} PTX"));
+            .find(&format!(".entry {name}("))
+            .unwrap_or_else(|| panic!("no {name} in the {arch} PTX"));
         let rest = &ptx[at + 1..];
         rest[..rest.find(".entry ").unwrap_or(rest.len())].to_string()
     };
     let mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32";
-    let sm90 = body("sm_90");
-    // S = Q K^T and O += P V: at least one product each in the unrolled tile
-    assert!(
-        sm90.matches(mma).count() >= 2,
-        "attention_prefill_mma_f16: no {mma} in its sm_90 PTX"
-    );
-    assert!(
-        !body("sm_75").contains("mma.sync"),
-        "attention_prefill_mma_f16: an mma.sync in its sm_75 PTX"
-    );
+    for t in ["f32", "f16", "bf16", "e4m3", "q8", "q4", "q8_q4"] {
+        let name = format!("attention_prefill_mma_{t}");
+        // S = Q K^T and O += P V: at least one product each in the unrolled tile
+        assert!(
+            body(&name, "sm_90").matches(mma).count() >= 2,
+            "{name}: no {mma} in its sm_90 PTX"
+        );
+        assert!(
+            !body(&name, "sm_75").contains("mma.sync"),
+            "{name}: an mma.sync in its sm_75 PTX"
+        );
+    }
 }
 
 /// The Q8 mode's int8 tensor-core prompt kernels multiply with `mma.sync` m16n8k32 on s8

@@ -770,16 +770,13 @@ impl CudaBackend {
                     && head_dim <= ATTENTION_PREFILL_MAX_HEAD_DIM
                 {
                     // a prompt: K/V tiles in shared memory, met by blocks of (query, head)
-                    // rows; f16 caches in fast mode on tensor cores where the device has them
-                    let mma = self.prefill_attention.takes_mma(
-                        (k_format, v_format),
-                        f16_operands,
-                        head_dim,
-                        self.cc,
-                    );
+                    // rows; in fast mode on tensor cores where the device has them
+                    let mma = self
+                        .prefill_attention
+                        .takes_mma(f16_operands, head_dim, self.cc);
                     let (name, block_rows) = if mma {
                         (
-                            "attention_prefill_mma_f16".to_string(),
+                            name.replacen("attention_", "attention_prefill_mma_", 1),
                             ATTENTION_PREFILL_MMA_ROWS,
                         )
                     } else {
