@@ -515,7 +515,8 @@ fn a_batch_runs_generations_in_slots_that_keep_their_prefix() {
 
 /// A system prompt another slot holds is copied into a new generation's slot, which runs only
 /// the rest of its prompt, with the bits it gets alone: in caches of f32, fp16, q8 and q4 (whose
-/// groups are copied as they are stored), over virtual devices and offloaded.
+/// groups are copied as they are stored), over virtual devices and offloaded, and split by kv
+/// heads under tensor parallelism (part to part).
 #[test]
 fn a_system_prompt_is_prefilled_once_across_slots() {
     let (long, short) = (smollm2_prompt(2), smollm2_prompt(1));
@@ -555,4 +556,13 @@ fn a_system_prompt_is_prefilled_once_across_slots() {
             [q1, q2],
         );
     }
+    let devices = "virtual:2x256MiB,cpu";
+    let (mut m, _, _) = load_tp_planned(&smollm2(), devices, tp_runtime(), CacheDType::F32);
+    m.set_compute(Compute::Exact);
+    assert_a_system_prompt_is_prefilled_once(
+        &format!("tensor parallel over {devices}"),
+        &mut m,
+        system,
+        [q1, q2],
+    );
 }

@@ -423,7 +423,7 @@ fn filled(
 /// A prefix copied between caches of one dtype holds the donor's rows bit for bit (their
 /// stored bytes, from a virtual device to the cpu); between dtypes it is the donor's values
 /// encoded again. What cannot be copied (past the ids the donor knows, from another model's
-/// cache, into a cache split by heads) is refused by name, leaving the cache as it was; a copy
+/// cache, into a cache split by heads from one that is not) is refused by name, leaving the cache as it was; a copy
 /// that fails part way leaves it empty.
 #[test]
 fn a_prefix_copied_between_caches_holds_the_donors_rows() {
@@ -498,7 +498,7 @@ fn a_prefix_copied_between_caches_holds_the_donors_rows() {
         .unwrap();
     let e = split.copy_prefix_from(&donor, 4).unwrap_err().to_string();
     assert!(
-        e.contains("copy_prefix_from on a cache split by heads"),
+        e.contains("copy_prefix_from between caches split by heads differently"),
         "{e}"
     );
     assert_eq!((copy.seq_len(), copy.ids()), (3, ids[..3].to_vec()));

@@ -20,6 +20,7 @@
 //! bytes it has before it allocates, so a truncated or foreign blob is an error, never a huge
 //! allocation. Records of version 1 (before rings) hold every layer from position 0.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use weightlift_kernels::KvFormat;
@@ -160,23 +161,37 @@ impl Cache {
     /// on any device; otherwise they are decoded and encoded again ([`Cache::read`],
     /// [`Cache::write`]). The donor may be running a sequence past `n`: its rows below `n` stay
     /// what they are, and a ring that has since overwritten the window position `n` needs is
-    /// refused by name, as a rewind of it would be. A cache split by heads is refused. A refused
-    /// copy leaves this cache as it was; one that fails part way (a device error) leaves it
-    /// empty.
+    /// refused by name, as a rewind of it would be. Caches split by heads alike copy part to
+    /// part; any other split (a rank's share of a multi-process run included, whose ranks must
+    /// all decide alike) is refused. A refused copy leaves this cache as it was; one that fails
+    /// part way (a device error) leaves it empty.
     pub fn copy_prefix_from(&self, donor: &Cache, n: u64) -> Result<()> {
         self.check_one_sequence("copy_prefix_from")?;
         donor.check_one_sequence("copy_prefix_from")?;
         if std::ptr::eq(self, donor) {
             return self.truncate(n);
         }
-        for c in [self, donor] {
-            if c.tp_devices().is_some() || c.tp_rank.load(Ordering::Acquire) {
+        // a cache split by heads keeps the sequence and its parts the rows: part to part
+        let parts: Vec<(Arc<Cache>, Arc<Cache>)> = {
+            let (mine, theirs) = (self.tp_parts(), donor.tp_parts());
+            let rank = |c: &Cache| c.tp_rank.load(Ordering::Acquire);
+            let alike = mine.len() == theirs.len()
+                && mine.iter().zip(&theirs).all(|(a, b)| a.heads == b.heads);
+            if rank(self) || rank(donor) || !alike {
                 return Err(EngineError::Unsupported {
-                    what: "copy_prefix_from on a cache split by heads".into(),
-                    detail: "the parts hold the rows; run the prompt in this cache instead".into(),
+                    what: "copy_prefix_from between caches split by heads differently (or by \
+                           the ranks of a multi-process run)"
+                        .into(),
+                    detail: "copy between caches of one model and split; or run the prompt in \
+                             this cache instead"
+                        .into(),
                 });
             }
-        }
+            mine.into_iter()
+                .zip(theirs)
+                .map(|(a, b)| (a.cache, b.cache))
+                .collect()
+        };
         let rows: Vec<u64> = (0..self.n_layers()).map(|l| self.config.row(l)).collect();
         let donor_rows: Vec<u64> = (0..donor.n_layers()).map(|l| donor.config.row(l)).collect();
         if rows != donor_rows {
@@ -229,10 +244,17 @@ impl Cache {
         self.reset();
         let copied = starts.iter().enumerate().try_for_each(|(l, &start)| {
             self.set_floor(l, start);
-            if start < n {
-                self.copy_rows(donor, l, start, n)?;
+            if start == n {
+                return Ok(());
             }
-            Ok(())
+            if parts.is_empty() {
+                return self.copy_rows(donor, l, start, n);
+            }
+            self.written.fetch_max(n, Ordering::AcqRel);
+            parts.iter().try_for_each(|(mine, theirs)| {
+                mine.set_floor(l, start);
+                mine.copy_rows(theirs, l, start, n)
+            })
         });
         if copied.is_err() {
             // rows written part way would hold the rings' positions past an empty sequence

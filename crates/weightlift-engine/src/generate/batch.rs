@@ -179,9 +179,9 @@ impl Batch {
     /// batch steps on this thread, and a running generation's rows below its length stay as
     /// they are), when it is longer than what `slot` holds. As [`Generation::in_slot`] reuses,
     /// the prefix leaves at least the prompt's last token to run, and a prompt that is scored
-    /// reuses nothing. A copy that cannot be made is no error of the request: refused (a cache
-    /// split by heads) it leaves the slot as it was, failed part way it leaves it empty, and the
-    /// prompt runs as it would without the copy.
+    /// reuses nothing. A copy that cannot be made is no error of the request: refused (caches
+    /// split by heads unlike each other) it leaves the slot as it was, failed part way it
+    /// leaves it empty, and the prompt runs as it would without the copy.
     fn share_prefix(
         &self,
         slot: usize,
