@@ -479,6 +479,32 @@ def test_full_queue_answers_503(demo_gguf: Path, tmp_path: Path):
         assert [m["id"] for m in models] == [demo_gguf.name]
 
 
+def test_a_system_prompt_is_prefilled_once_across_slots(demo_gguf: Path, tmp_path: Path):
+    # A request whose system prompt a running generation's slot holds gets it copied into its
+    # own slot: llama.cpp's server's timings count those tokens as cache_n, the rest as prompt_n.
+    system = "You are a careful assistant who answers in one short sentence. " * 6 + "\n"
+    with serving(demo_gguf, tmp_path, "--ctx", "512", "--parallel", "2") as s:
+        held = s.post("/extras/tokenize/count", json={"input": system}).json()["count"]
+        assert held > 60
+        long = {"prompt": system + "Count:", "max_tokens": 300, "logit_bias": NO_EOS}
+        with httpx.stream(
+            "POST", s.url + "/v1/completions", json={**long, "stream": True}, timeout=10
+        ) as r:
+            lines = r.iter_lines()
+            got = [
+                line for line, _ in zip(lines, range(4), strict=False) if line.startswith("data:")
+            ]
+            assert len(got) >= 2  # its prompt has run and it is generating
+            assert s.health()["running"] == 1
+            out = s.client().completions.create(
+                model=demo_gguf.name, prompt=system + "Name a fruit:", max_tokens=4, temperature=0
+            )
+        assert out.usage is not None and out.choices[0].text
+        timings = (out.model_extra or {})["timings"]
+        assert held - 1 <= timings["cache_n"] < out.usage.prompt_tokens
+        assert timings["prompt_n"] == out.usage.prompt_tokens - timings["cache_n"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_finishes_the_stream_then_exits_0(demo_gguf: Path, tmp_path: Path, sig):
     with serving(demo_gguf, tmp_path, "--ctx", "512") as s:

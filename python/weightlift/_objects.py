@@ -261,8 +261,9 @@ class TPContext(_native.TPContext):
 class Batch(_native.Batch):
     """Up to ``parallel`` generations of ``model`` at once, each in a slot: the model's own cache
     and ``parallel - 1`` more of its length. A slot keeps its tokens after a generation, and a new
-    one goes to the free slot holding the longest prefix of its prompt, so a repeated system prompt
-    runs once per slot. ``create_completion(..., batch=b)`` and
+    one goes to the free slot holding the longest prefix of its prompt; a longer prefix that another
+    slot holds (a running generation's too) is copied into it, so a repeated system prompt runs
+    once. ``create_completion(..., batch=b)`` and
     ``create_chat_completion(..., batch=b)`` start a generation and return its id; ``step()`` runs
     one token of each generation (their forward calls as one) and returns ``(id, kind, value,
     timings)`` tuples: ``"chunk"`` (a streamed chunk), ``"text"``, ``"whole"`` (the whole response

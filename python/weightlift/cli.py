@@ -910,11 +910,11 @@ def _parser() -> argparse.ArgumentParser:
         "--embedding), GET /v1/models and /health, and llama-cpp-python's /extras/tokenize, "
         "/extras/tokenize/count and /extras/detokenize. "
         "--parallel generations run at once, batched into one forward call a token, each in a "
-        "slot that keeps its cache (a repeated prompt prefix runs once per slot); the other "
-        "requests wait in a queue, first come first served, and get 503 beyond it. SIGINT or "
-        "SIGTERM lets the running requests finish (for up to --timeout-graceful-shutdown "
-        "seconds; those still running then are cancelled), then exits 0. "
-        "Needs `pip install weightlift[server]`.",
+        "slot that keeps its cache (a prompt prefix another slot holds is copied, not run "
+        "again); the other requests wait in a queue, first come first served, and get 503 "
+        "beyond it. SIGINT or SIGTERM lets the running requests finish (for up to "
+        "--timeout-graceful-shutdown seconds; those still running then are cancelled), then "
+        "exits 0. Needs `pip install weightlift[server]`.",
     )
     _load_flags(sv, serve=True)
     _engine_flags(sv)

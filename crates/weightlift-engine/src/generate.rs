@@ -88,6 +88,14 @@ pub struct GenerateOptions {
     pub stop_hook: Option<Hook<StopFn>>,
 }
 
+impl GenerateOptions {
+    /// Whether the prompt is scored (`logprobs` with `prompt_logprobs`): it then runs whole,
+    /// since reused positions have no logits to score.
+    pub fn scores_prompt(&self) -> bool {
+        self.logprobs.is_some() && self.prompt_logprobs
+    }
+}
+
 /// A logits processor: the ids so far (prompt and generated) and the logits to change.
 pub type LogitsFn = dyn Fn(&[u32], &mut [f32]) -> Result<()> + Send + Sync;
 /// A stopping criterion: the ids so far and the logits the next token was sampled from.
@@ -349,7 +357,7 @@ impl Generation {
             crate::forward::check_ids(ids, vocab)?;
         }
         let max_seq_len = cache.config().max_seq_len;
-        let score_prompt = options.logprobs.is_some() && options.prompt_logprobs;
+        let score_prompt = options.scores_prompt();
         let held = if reuse && score_prompt {
             // Reused positions have no logits to score.
             0

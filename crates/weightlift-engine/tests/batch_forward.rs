@@ -8,7 +8,9 @@ use crate::common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use common::batch::{alone, assert_same_bits, batched, new_cache};
+use common::batch::{
+    alone, assert_a_system_prompt_is_prefilled_once, assert_same_bits, batched, new_cache,
+};
 use common::family::Family;
 use common::{load_on, load_tp_planned, smollm2, smollm2_prompt, split_load};
 use weightlift_engine::forward::{Compute, Logits};
@@ -509,4 +511,58 @@ fn a_batch_runs_generations_in_slots_that_keep_their_prefix() {
         (held, 1)
     );
     assert!(!ended.contains_key(&gone));
+}
+
+/// A system prompt another slot holds is copied into a new generation's slot, which runs only
+/// the rest of its prompt, with the bits it gets alone: in caches of f32, fp16, q8 and q4 (whose
+/// groups are copied as they are stored), over virtual devices and offloaded, and split by kv
+/// heads under tensor parallelism (part to part).
+#[test]
+fn a_system_prompt_is_prefilled_once_across_slots() {
+    let (long, short) = (smollm2_prompt(2), smollm2_prompt(1));
+    let (system, q1, q2) = (&long[..30], &long[30..36], &short[1..]);
+    for dtype in [
+        CacheDType::F32,
+        CacheDType::Fp16,
+        CacheDType::Q8,
+        CacheDType::Q4,
+    ] {
+        let (mut m, _) = load_on(&smollm2(), "cpu", "cpu", 64, dtype);
+        m.set_compute(Compute::Exact);
+        let counts = assert_a_system_prompt_is_prefilled_once(
+            &format!("{dtype:?} cache"),
+            &mut m,
+            system,
+            [q1, q2],
+        );
+        // joining while A runs, B computes its 4 own tokens where it computed 34
+        assert_eq!(counts[..2], [(34, 0), (4, 30)]);
+    }
+    for offload in [false, true] {
+        let devs = ["virtual:0", "virtual:1"];
+        let (mut m, _) = split_load(
+            &smollm2(),
+            "virtual:2x1GiB,cpu",
+            &devs,
+            CacheDType::Q8,
+            0,
+            offload,
+        );
+        m.set_compute(Compute::Exact);
+        assert_a_system_prompt_is_prefilled_once(
+            &format!("virtual devices, offloaded {offload}"),
+            &mut m,
+            system,
+            [q1, q2],
+        );
+    }
+    let devices = "virtual:2x256MiB,cpu";
+    let (mut m, _, _) = load_tp_planned(&smollm2(), devices, tp_runtime(), CacheDType::F32);
+    m.set_compute(Compute::Exact);
+    assert_a_system_prompt_is_prefilled_once(
+        &format!("tensor parallel over {devices}"),
+        &mut m,
+        system,
+        [q1, q2],
+    );
 }

@@ -393,3 +393,126 @@ fn truncate_keeps_at_most_what_is_held() {
     let e = cache.truncate(4).unwrap_err().to_string();
     assert!(e.contains("at most the 3 tokens held"), "{e}");
 }
+
+/// A cache of one sequence of 64 positions over two layers, its rows written directly (no
+/// model) with `ids` noted at their positions.
+fn filled(
+    dtype: CacheDType,
+    ids: &[u32],
+    dev: &Arc<weightlift_engine::Device>,
+    cpu: &Arc<weightlift_engine::Device>,
+) -> Cache {
+    let cache = Cache::new(CacheConfig {
+        batch_size: 1,
+        ..config(dtype, false)
+    })
+    .unwrap();
+    let n = ids.len() as u64;
+    for l in 0..2 {
+        cache.allocate_layer(l, dev, cpu).unwrap();
+        let heads = [3, 2][l];
+        let x = values(heads * ids.len() * 64, 7 + l as u64);
+        let y = values(heads * ids.len() * 64, 19 + l as u64);
+        cache.write(l, 0, n, &x, &y).unwrap();
+    }
+    cache.note_ids(0, ids);
+    cache.set_seq_len(n).unwrap();
+    cache
+}
+
+/// A prefix copied between caches of one dtype holds the donor's rows bit for bit (their
+/// stored bytes, from a virtual device to the cpu); between dtypes it is the donor's values
+/// encoded again. What cannot be copied (past the ids the donor knows, from another model's
+/// cache, into a cache split by heads from one that is not) is refused by name, leaving the cache as it was; a copy
+/// that fails part way leaves it empty.
+#[test]
+fn a_prefix_copied_between_caches_holds_the_donors_rows() {
+    let inv = Inventory::parse("virtual:1x64MiB,cpu").unwrap();
+    let (dev, cpu) = (&inv.accelerators()[0], inv.cpu());
+    let ids: Vec<u32> = (100..140).collect();
+    for dtype in ALL {
+        let donor = filled(dtype, &ids, dev, cpu);
+        let copy = Cache::new(donor.config().clone()).unwrap();
+        for l in 0..2 {
+            copy.allocate_layer(l, cpu, cpu).unwrap();
+        }
+        copy.copy_prefix_from(&donor, 30).unwrap();
+        assert_eq!((copy.seq_len(), copy.ids()), (30, ids[..30].to_vec()));
+        assert_eq!(copy.common_prefix(&ids), 30);
+        for l in 0..2 {
+            assert_eq!(
+                copy.read(l, 0, 30).unwrap(),
+                donor.read(l, 0, 30).unwrap(),
+                "{dtype:?}"
+            );
+        }
+        // through f32 and back: the values decoded, encoded again; f32 and the floating
+        // types give them back bit for bit, a quantised type within its bound of them (its
+        // Walsh-Hadamard turn rounds, which can move a group's scale)
+        let wide = filled(CacheDType::F32, &ids[..1], cpu, cpu);
+        wide.copy_prefix_from(&donor, 30).unwrap();
+        let back = filled(dtype, &ids[..1], cpu, cpu);
+        back.copy_prefix_from(&wide, 30).unwrap();
+        for l in 0..2 {
+            let (got, want) = (back.read(l, 0, 30).unwrap(), donor.read(l, 0, 30).unwrap());
+            for (is_v, (a, b)) in [(false, (&got.0, &want.0)), (true, (&got.1, &want.1))] {
+                if matches!(dtype, CacheDType::Q8 | CacheDType::Q6 | CacheDType::Q4) {
+                    for (ga, gb) in a.chunks(32).zip(b.chunks(32)) {
+                        for (x, y) in ga.iter().zip(gb) {
+                            let bound = dtype.error_bound(is_v, *y, gb);
+                            assert!((x - y).abs() <= bound, "{dtype:?}: {y} -> {x}, {bound}");
+                        }
+                    }
+                } else {
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{dtype:?} layer {l}"
+                    );
+                }
+            }
+        }
+    }
+    let donor = filled(CacheDType::Q4, &ids, dev, cpu);
+    let copy = filled(CacheDType::Q4, &ids[..3], cpu, cpu);
+    let e = copy.copy_prefix_from(&donor, 41).unwrap_err().to_string();
+    assert!(
+        e.contains("at most the 40 tokens whose ids the donor knows"),
+        "{e}"
+    );
+    let other = Cache::new(CacheConfig {
+        batch_size: 1,
+        n_kv_heads: vec![3],
+        ..config(CacheDType::Q4, false)
+    })
+    .unwrap();
+    let e = other.copy_prefix_from(&donor, 4).unwrap_err().to_string();
+    assert!(e.contains("2 layers; it is another model's"), "{e}");
+    let split = Cache::new(CacheConfig {
+        batch_size: 1,
+        n_kv_heads: vec![2, 2],
+        ..config(CacheDType::Q4, false)
+    })
+    .unwrap();
+    split
+        .allocate_tp(&[(Arc::clone(dev), 0, 1), (Arc::clone(cpu), 1, 2)])
+        .unwrap();
+    let e = split.copy_prefix_from(&donor, 4).unwrap_err().to_string();
+    assert!(
+        e.contains("copy_prefix_from between caches split by heads differently"),
+        "{e}"
+    );
+    assert_eq!((copy.seq_len(), copy.ids()), (3, ids[..3].to_vec()));
+    // a copy that fails part way (the donor's layer 1 is not allocated) leaves the cache empty
+    let half = Cache::new(donor.config().clone()).unwrap();
+    half.allocate_layer(0, cpu, cpu).unwrap();
+    let (k, v) = donor.read(0, 0, 10).unwrap();
+    half.write(0, 0, 10, &k, &v).unwrap();
+    half.note_ids(0, &ids[..10]);
+    half.set_seq_len(10).unwrap();
+    let e = copy.copy_prefix_from(&half, 8).unwrap_err().to_string();
+    assert!(e.contains("cache layer 1"), "{e}");
+    assert_eq!(
+        (copy.seq_len(), copy.ids(), copy.held_from(0)),
+        (0, vec![], 0)
+    );
+}

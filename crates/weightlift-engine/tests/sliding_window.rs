@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use crate::common;
 
+use common::batch::assert_a_system_prompt_is_prefilled_once;
 use common::family::Family;
 use common::{argmax, max_abs_diff, open};
 use weightlift_engine::cache::{Cache, CacheConfig, CacheState, Ring};
@@ -541,5 +542,57 @@ fn a_qwen2_window_runs_as_a_ring_on_a_layer_split_and_under_tensor_parallelism()
     assert!(
         e.contains("layer 1 attends to a sliding window of 8"),
         "{e}"
+    );
+}
+
+/// A system prompt shorter than the window and one longer than the rings (300 tokens: the
+/// donor's rings have wrapped) is copied from a running slot's rings into a new generation's,
+/// which runs only the rest with the bits it gets alone. A copy needs the window its next token
+/// reads: from a ring that has run past it, it is refused by name and the donor is left as it
+/// was; within it, the copy continues as a cache of every position does.
+#[test]
+fn a_system_prompt_is_copied_between_slots_from_rings_that_hold_its_window() {
+    for f in FAMILIES {
+        let (mut m, _, _) = planned(&f.data(), "cpu", CacheDType::F32, false);
+        let long = long_prompt(f);
+        let (q1, q2) = (&long[1..4], &long[5..8]);
+        for n in [5, 300] {
+            assert_a_system_prompt_is_prefilled_once(
+                &format!("{}, a system prompt of {n}", f.0),
+                &mut m,
+                &long[..n],
+                [q1, q2],
+            );
+        }
+    }
+    let f = Family("gemma3");
+    let prompt = long_prompt(f);
+    let (mut m, ring, _) = planned(&f.data(), "cpu", CacheDType::F32, false);
+    let full = full_beside(&mut m, &ring);
+    let (_, ids) = run(&mut m, &ring, &prompt);
+    run(&mut m, &full, &prompt);
+    let held = (PROMPT + STEPS) as u64;
+    let other = m.sequence_cache(MAX_SEQ_LEN).unwrap();
+    let e = other.copy_prefix_from(&ring, 300).unwrap_err().to_string();
+    assert!(
+        e.contains("copying a prefix to 300 tokens: layer 0 attends to a sliding window of 8")
+            && e.contains("those from 594 on, but position 293 is needed"),
+        "{e}"
+    );
+    assert_eq!((ring.seq_len(), ring.held_from(0)), (held, held - 256));
+    other.copy_prefix_from(&ring, 700).unwrap();
+    assert_eq!((other.seq_len(), other.held_from(0)), (700, held - 256));
+    full.truncate(700).unwrap();
+    let mut seq = prompt.clone();
+    seq.extend(&ids);
+    assert_eq!(other.common_prefix(&seq), 700);
+    let tail = &seq[700..740];
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    m.forward(tail, Some(&other), Logits::All, &mut a).unwrap();
+    m.forward(tail, Some(&full), Logits::All, &mut b).unwrap();
+    assert!(
+        same_bits(&a, &b),
+        "after a copy: max|Δ| {}",
+        max_abs_diff(&a, &b)
     );
 }

@@ -7,15 +7,25 @@
 //! device and layout the cache has (host, CUDA, offloaded, split by heads) and can be restored
 //! into any cache of the same model shape, whatever its dtype, that can attend from it: a layer
 //! whose state starts past the window its next token needs there is refused by name. A
-//! quantised cache's rows come back as the values it decodes to; encoding those again gives the
-//! same groups.
+//! quantised cache's rows come back as the values it decodes to; encoding those again stays
+//! within the dtype's bound of them but need not give the same groups (turning a group by the
+//! Walsh-Hadamard transform and back rounds).
+//!
+//! [`Cache::copy_prefix_from`] moves a prefix from one cache to another (a batch's slots):
+//! between caches of one dtype it copies the stored bytes as they are, so the rows are the
+//! donor's bit for bit; otherwise it decodes and encodes them as a state does.
 //!
 //! [`CacheState::to_bytes`] is a flat little-endian record (magic, version, shape, ids, rows,
 //! each layer's first position), and [`CacheState::from_bytes`] checks every length against the
 //! bytes it has before it allocates, so a truncated or foreign blob is an error, never a huge
 //! allocation. Records of version 1 (before rings) hold every layer from position 0.
 
-use super::Cache;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use weightlift_kernels::KvFormat;
+
+use super::{Cache, formats, held, held_mut};
 use crate::error::{EngineError, Result, invalid};
 
 const MAGIC: &[u8; 8] = b"WLKVSTAT";
@@ -140,6 +150,179 @@ impl Cache {
             self.note_ids(0, &state.ids);
         }
         self.set_seq_len(state.seq_len)
+    }
+
+    /// Replace what this cache holds with the first `n` tokens `donor` holds, as if it had run
+    /// them: their ids, the settings they were computed under and every layer's rows from where
+    /// the donor's layer holds them (a ring's rows: the window the next token reads and what
+    /// else it still holds). A prompt that starts with those ids then reuses them here.
+    ///
+    /// Where both caches store rows alike (the same dtype) their bytes are copied as they are,
+    /// on any device; otherwise they are decoded and encoded again ([`Cache::read`],
+    /// [`Cache::write`]). The donor may be running a sequence past `n`: its rows below `n` stay
+    /// what they are, and a ring that has since overwritten the window position `n` needs is
+    /// refused by name, as a rewind of it would be. Caches split by heads alike copy part to
+    /// part; any other split (a rank's share of a multi-process run included, whose ranks must
+    /// all decide alike) is refused. A refused copy leaves this cache as it was; one that fails
+    /// part way (a device error) leaves it empty.
+    pub fn copy_prefix_from(&self, donor: &Cache, n: u64) -> Result<()> {
+        self.check_one_sequence("copy_prefix_from")?;
+        donor.check_one_sequence("copy_prefix_from")?;
+        if std::ptr::eq(self, donor) {
+            return self.truncate(n);
+        }
+        // a cache split by heads keeps the sequence and its parts the rows: part to part
+        let parts: Vec<(Arc<Cache>, Arc<Cache>)> = {
+            let (mine, theirs) = (self.tp_parts(), donor.tp_parts());
+            let rank = |c: &Cache| c.tp_rank.load(Ordering::Acquire);
+            let alike = mine.len() == theirs.len()
+                && mine.iter().zip(&theirs).all(|(a, b)| a.heads == b.heads);
+            if rank(self) || rank(donor) || !alike {
+                return Err(EngineError::Unsupported {
+                    what: "copy_prefix_from between caches split by heads differently (or by \
+                           the ranks of a multi-process run)"
+                        .into(),
+                    detail: "copy between caches of one model and split; or run the prompt in \
+                             this cache instead"
+                        .into(),
+                });
+            }
+            mine.into_iter()
+                .zip(theirs)
+                .map(|(a, b)| (a.cache, b.cache))
+                .collect()
+        };
+        let rows: Vec<u64> = (0..self.n_layers()).map(|l| self.config.row(l)).collect();
+        let donor_rows: Vec<u64> = (0..donor.n_layers()).map(|l| donor.config.row(l)).collect();
+        if rows != donor_rows {
+            return Err(invalid(
+                "prefix donor",
+                format!("a cache of this model ({} layers)", rows.len()),
+                format!("{} layers; it is another model's", donor_rows.len()),
+            ));
+        }
+        let ids = donor.ids();
+        if n > donor.seq_len() || (ids.len() as u64) < n {
+            return Err(invalid(
+                "prefix to copy",
+                format!("at most the {} tokens whose ids the donor knows", ids.len()),
+                n,
+            ));
+        }
+        if n > self.config.max_seq_len {
+            return Err(EngineError::ContextFull {
+                tokens: n,
+                held: 0,
+                max_seq_len: self.config.max_seq_len,
+            });
+        }
+        donor.check_rewind(n, "copying a prefix")?;
+        // the donor's rows of layer l from here on (what a saved state of its first n would
+        // start at), at most the last rows this cache's ring keeps
+        let starts: Vec<u64> = (0..self.n_layers())
+            .map(|l| {
+                donor
+                    .held_from(l)
+                    .max(n.saturating_sub(self.config.rows(l)))
+                    .min(n)
+            })
+            .collect();
+        for (l, &start) in starts.iter().enumerate() {
+            let needed = super::first_seen(self.config.window(l), n);
+            if n > 0 && start > needed {
+                return Err(self.outside(
+                    format!("copying a prefix of {n} tokens whose layer {l} starts at {start}"),
+                    l,
+                    needed,
+                    "copy into a cache of the same model and runtime as the donor".into(),
+                ));
+            }
+        }
+        let under = *donor.lock_under();
+        self.join_prefetch();
+        donor.join_prefetch();
+        self.reset();
+        let copied = starts.iter().enumerate().try_for_each(|(l, &start)| {
+            self.set_floor(l, start);
+            if start == n {
+                return Ok(());
+            }
+            if parts.is_empty() {
+                return self.copy_rows(donor, l, start, n);
+            }
+            self.written.fetch_max(n, Ordering::AcqRel);
+            parts.iter().try_for_each(|(mine, theirs)| {
+                mine.set_floor(l, start);
+                mine.copy_rows(theirs, l, start, n)
+            })
+        });
+        if copied.is_err() {
+            // rows written part way would hold the rings' positions past an empty sequence
+            self.reset();
+            return copied;
+        }
+        self.note_ids(0, &ids[..n as usize]);
+        self.set_seq_len(n)?;
+        *self.lock_under() = under;
+        Ok(())
+    }
+
+    /// Positions `start..end` of `layer` from `donor`'s rows into this cache's: their bytes
+    /// where both store them alike, else decoded and encoded again.
+    fn copy_rows(&self, donor: &Cache, layer: usize, start: u64, end: u64) -> Result<()> {
+        if donor.config.dtype != self.config.dtype {
+            let (k, v) = donor.read(layer, start, end)?;
+            return self.write(layer, start, end - start, &k, &v);
+        }
+        self.check_span(layer, start, end - start)?;
+        donor.check_span(layer, start, end - start)?;
+        let row = self.config.row(layer) as usize;
+        let (hk, hv) = formats(self.config.dtype);
+        // runs of positions that wrap past neither cache's last row: (donor row, row, count)
+        let (from_rows, to_rows) = (donor.config.rows(layer), self.config.rows(layer));
+        let mut runs = Vec::new();
+        let mut p = start;
+        while p < end {
+            let (a, b) = (p % from_rows, p % to_rows);
+            let count = (end - p).min(from_rows - a).min(to_rows - b);
+            runs.push((a as usize, b as usize, count as usize));
+            p += count;
+        }
+        let span = |f: KvFormat, r: usize, count: usize| {
+            (f.byte_at(r * row), f.byte_at((r + count) * row))
+        };
+        let mut bytes = Vec::with_capacity(runs.len());
+        {
+            let layers = donor.lock();
+            let store = held(&layers, layer)?;
+            for &(a, _, count) in &runs {
+                let (mut k, mut v) = (Vec::new(), Vec::new());
+                for (out, f, buf) in [(&mut k, hk, &store.k), (&mut v, hv, &store.v)] {
+                    let (b0, b1) = span(f, a, count);
+                    out.resize(b1 - b0, 0);
+                    buf.read(b0, out)?;
+                }
+                bytes.push([k, v]);
+            }
+        }
+        self.written.fetch_max(end, Ordering::AcqRel);
+        let was = self
+            .versions
+            .get(layer)
+            .map(|v| v.fetch_add(1, Ordering::AcqRel));
+        let mut layers = self.lock();
+        let store = held_mut(&mut layers, layer)?;
+        let mut spans = Vec::with_capacity(runs.len());
+        for (&(_, b, count), [k, v]) in runs.iter().zip(&bytes) {
+            let (ks, vs) = (span(hk, b, count), span(hv, b, count));
+            store.k.write(ks.0, k)?;
+            store.v.write(vs.0, v)?;
+            spans.push([ks, vs]);
+        }
+        if let (true, Some(was)) = (self.config.offload, was) {
+            self.refresh_slots(layer, store, was, &spans)?;
+        }
+        Ok(())
     }
 
     /// The ids at positions `0..seq_len`, or none when some position's id is unknown (rows

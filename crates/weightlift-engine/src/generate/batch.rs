@@ -1,6 +1,12 @@
 //! Several generations on one model at once (continuous batching), each in a slot: a cache of
 //! its own, kept between requests so that a prompt sharing a prefix with the slot's last one
-//! runs only the rest (the same system prompt is prefilled once per slot).
+//! runs only the rest. A prompt whose prefix another slot holds (a free one, or one whose
+//! generation is running) gets that slot's rows of it copied into its own
+//! ([`Cache::copy_prefix_from`]) and runs only the rest too, so the same system prompt is
+//! prefilled once per batch. Copied rows are the rows prefilling would write: the donor
+//! computed them from the same ids at the same positions under the same settings, and only
+//! rows computed under the model's current [`KvSettings`] are shared. Either way the reused
+//! tokens are the generation's `reused_tokens` (llama.cpp's server's `cache_n`).
 //!
 //! A [`Batch`] takes new generations between steps and drops finished ones; every
 //! [`Batch::step`] is one [`step_batch`] over the running generations, so a sequence's tokens
@@ -117,9 +123,10 @@ impl Batch {
         self.slots[0].config().max_seq_len
     }
 
-    /// Start a generation of `prompt` in the free slot holding the longest prefix of it; it
-    /// runs from the next [`Batch::step`]. Returns its id. Fails, starting nothing, when every
-    /// slot is busy or the prompt does not fit a slot.
+    /// Start a generation of `prompt` in the free slot holding the longest prefix of it, after
+    /// copying in a longer prefix another slot holds ([`Batch::share_prefix`]); it runs from the
+    /// next [`Batch::step`]. Returns its id. Fails, starting nothing, when every slot is busy or
+    /// the prompt does not fit a slot.
     pub fn start(
         &mut self,
         model: &Model,
@@ -127,13 +134,15 @@ impl Batch {
         options: GenerateOptions,
         answer: Answer,
     ) -> Result<u64> {
-        let slot = self.free_slot(prompt, model.kv_settings()).ok_or_else(|| {
+        let under = model.kv_settings();
+        let slot = self.free_slot(prompt, under).ok_or_else(|| {
             invalid(
                 "a batch slot",
                 format!("a free one of the {}", self.slots.len()),
                 "every slot busy; wait for a generation to end".to_owned(),
             )
         })?;
+        self.share_prefix(slot, prompt, &options, under);
         let generation = Generation::in_slot(model, prompt, &self.slots[slot], options)?;
         let (responder, stream) = match answer {
             Answer::Text => (None, true),
@@ -164,6 +173,38 @@ impl Batch {
                 let held = self.slots[i].common_prefix_under(prompt, under);
                 (held, std::cmp::Reverse(self.taken[i]))
             })
+    }
+
+    /// Copy into `slot` the longest prefix of `prompt` another slot holds, free or running (the
+    /// batch steps on this thread, and a running generation's rows below its length stay as
+    /// they are), when it is longer than what `slot` holds. As [`Generation::in_slot`] reuses,
+    /// the prefix leaves at least the prompt's last token to run, and a prompt that is scored
+    /// reuses nothing. A copy that cannot be made is no error of the request: refused (caches
+    /// split by heads unlike each other) it leaves the slot as it was, failed part way it
+    /// leaves it empty, and the prompt runs as it would without the copy.
+    fn share_prefix(
+        &self,
+        slot: usize,
+        prompt: &[u32],
+        options: &GenerateOptions,
+        under: KvSettings,
+    ) {
+        let cache = &self.slots[slot];
+        let Some((_, head)) = prompt.split_last() else {
+            return;
+        };
+        if options.scores_prompt() || prompt.len() as u64 > cache.config().max_seq_len {
+            return;
+        }
+        let own = cache.common_prefix_under(head, under);
+        let donor = (0..self.slots.len())
+            .filter(|&i| i != slot)
+            .map(|i| (self.slots[i].common_prefix_under(head, under), i))
+            .max();
+        if let Some((n, i)) = donor.filter(|&(n, _)| n > own) {
+            // the request runs either way (see above); only its prefill is longer
+            let _ = cache.copy_prefix_from(&self.slots[i], n);
+        }
     }
 
     /// End generation `id` now (its client left); its slot is free for the next start. False
