@@ -70,6 +70,17 @@ MODES = {
 }
 
 
+def prefetch_hid(sync_ms: float, sync_copy_ms: float, prefetch_ms: float) -> float:
+    """The share of the copy time prefetch hid behind compute, from a synchronous run (its time
+    and the time its copies took) and the same run with prefetch, all per token:
+    `1 - (prefetch - compute) / copy`, where compute is the synchronous time less its copies.
+    NaN where nothing was copied. `benches/gpu/offload_e2e.py` reports it on a GPU."""
+    if sync_copy_ms <= 0:
+        return float("nan")
+    compute = sync_ms - sync_copy_ms
+    return 1 - (prefetch_ms - compute) / sync_copy_ms
+
+
 def load(rate: str, kw: dict) -> wl.Model:
     return wl.load_gguf(
         DEMO,
@@ -134,11 +145,8 @@ def main() -> None:
                 for name, ss in samples.items()
             }
             sync, pre = med["group (no prefetch)"], med["group (prefetch)"]
-            compute = sync["ms_per_token"] - sync["copy_ms_per_token"]
-            hidden = (
-                1 - (pre["ms_per_token"] - compute) / sync["copy_ms_per_token"]
-                if sync["copy_ms_per_token"] > 0
-                else float("nan")
+            hidden = prefetch_hid(
+                sync["ms_per_token"], sync["copy_ms_per_token"], pre["ms_per_token"]
             )
             copy_group = sync["copy_ms_per_token"] * per / GROUPS
             compute_group = med["none"]["ms_per_token"] * per * KEPT_SHARE / GROUPS

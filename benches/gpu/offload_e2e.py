@@ -10,6 +10,8 @@ both:
   weightlift, offload=None          the layers that do not fit compute on the cpu, where they
                                     are (llama.cpp's way: nothing is copied but the hidden state)
   weightlift, sequential            each kept layer's matrices copied to the GPU, then run
+  weightlift, group of 2, no prefetch
+                                    2 layers at a time, each group copied, then run
   weightlift, group of 2, prefetch  2 layers at a time, the next group copied while one computes
   accelerate                        its hooks move each offloaded layer's weights to the GPU
 
@@ -17,6 +19,9 @@ Each row: decode tok/s over DECODE_TOKENS tokens after a PROMPT-token prompt (me
 REPEATS, after one untimed warm-up), and for weightlift the bytes its last decode step copied
 and the rate of those copies (`Model.transfer_stats()`); the GPU copies come from page-locked
 memory where the driver allowed it (`Model.warnings` says what it refused, reported here).
+From the two group rows, the share of the copy time prefetch hides, by the formula
+benches/offload.py uses on virtual devices (`prefetch_hid`): 1 - (prefetch time - compute) /
+copy time a token, compute being the time without prefetch less its copies.
 `--cpu` rehearses on a `virtual:` device with the small model, without the peer.
 
     python benches/gpu/offload_e2e.py --device cuda:0 --out benches/results/gpu
@@ -40,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import e2e  # noqa: E402  (the checkpoint, the budget and the transformers check are shared)
+from offload import prefetch_hid  # noqa: E402  (the virtual-device bench's formula)
 
 DECODE_TOKENS = 16
 PROMPT = 16
@@ -48,10 +55,13 @@ REPEATS = 3
 GPU_BYTES = "1GiB"
 CPU_BYTES = "64GiB"
 
+NO_PREFETCH = "weightlift, group of 2, no prefetch"
+PREFETCH = "weightlift, group of 2, prefetch"
 OURS: list[tuple[str, dict[str, Any]]] = [
     ("weightlift, offload=None", {}),
     ("weightlift, sequential", {"offload": "sequential"}),
-    ("weightlift, group of 2, prefetch", {"offload": "group", "blocks_per_group": 2}),
+    (NO_PREFETCH, {"offload": "group", "blocks_per_group": 2, "prefetch": False}),
+    (PREFETCH, {"offload": "group", "blocks_per_group": 2}),
 ]
 PEER = "accelerate (transformers bf16, device_map=auto)"
 
@@ -112,6 +122,7 @@ def bench_ours(
         t = m.transfer_stats()
         row["copy_bytes_per_token"] = t["bytes"]
         row["copy_gb_s"] = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] else None
+        row["copy_s_per_token"] = t["seconds"]
         row["warnings"] = [w for w in m.warnings if "page-locked" in w]
     except Exception as e:  # the report names whatever the engine refused, and goes on
         row["error"] = f"{type(e).__name__}: {e}"
@@ -221,12 +232,49 @@ def markdown(res: dict[str, Any]) -> str:
             if r["engine"] == "weightlift" and r.get("decode_tok_s"):
                 ratio = r["decode_tok_s"] / peer["decode_tok_s"]
                 lines.append(f"- {r['label']}: **{ratio:.2f}x** accelerate")
+    if (hid := res.get("prefetch_hid")) is not None:
+        lines.append("")
+        if hid["share"] is None:
+            lines.append(
+                f"- prefetch hides nothing here: the group of 2 copies "
+                f"{hid['copied_bytes'] / 2**10:.0f} KiB a token without prefetch (the "
+                "hidden-state rows; its groups stay resident)"
+            )
+        else:
+            lines.append(
+                f"- prefetch hides **{hid['share'] * 100:.0f} %** of the copy time (group of "
+                f"2: {hid['copied_bytes'] / 2**20:.0f} MiB in {hid['copy_ms']:.2f} ms of "
+                f"copies a token, {hid['sync_ms']:.2f} ms a token without prefetch, "
+                f"{hid['prefetch_ms']:.2f} ms with)"
+            )
     for r in res["rows"]:
         for w in r.get("warnings", []):
             lines.append(f"- {r['label']}: {w}")
     for s in res["skipped"]:
         lines.append(f"- skipped: {s}")
     return "\n".join(lines) + "\n"
+
+
+def hidden_share(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The share of the copy time prefetch hides, from the group rows without and with
+    prefetch (None unless both measured a rate). Its `share` is None where the row without
+    prefetch copied less than a MiB a token: the hidden-state rows alone, its groups resident
+    (as in the rehearsal's small model), so there is no copy time to hide."""
+    by = {r["label"]: r for r in rows}
+    sync, pre = by.get(NO_PREFETCH, {}), by.get(PREFETCH, {})
+    if not (sync.get("decode_tok_s") and pre.get("decode_tok_s")):
+        return None
+    sync_ms, pre_ms = 1e3 / sync["decode_tok_s"], 1e3 / pre["decode_tok_s"]
+    copy_ms = (sync.get("copy_s_per_token") or 0.0) * 1e3
+    copied = sync.get("copy_bytes_per_token") or 0
+    share = prefetch_hid(sync_ms, copy_ms, pre_ms) if copied >= 2**20 else None
+    return {
+        "share": share,
+        "copied_bytes": copied,
+        "copy_ms": copy_ms,
+        "sync_ms": sync_ms,
+        "prefetch_ms": pre_ms,
+    }
 
 
 def report(
@@ -237,15 +285,18 @@ def report(
     info: dict[str, Any],
     rows: list[dict[str, Any]],
     budget: e2e.Budget,
+    **figures: Any,
 ) -> int:
     """Writes a bench's `name`.json and `name`.md (its table, by `markdown`) in `out` and prints
-    the table; the exit status is 1 when a row failed."""
+    the table; `figures` go into both beside the rows. The exit status is 1 when a row
+    failed."""
     res = {
         "machine": f"{platform.machine()}, {device}",
         "device": device,
         "checkpoint": info,
         "rows": rows,
         "skipped": budget.skipped,
+        **figures,
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
@@ -287,7 +338,8 @@ def main() -> int:
     else:
         e2e.say(f"{PEER} ...")
         rows.append(bench_peer(path, device, ids, budget, GPU_BYTES))
-    return report(a.out, "offload_e2e", markdown, device, info, rows, budget)
+    hid = hidden_share(rows)
+    return report(a.out, "offload_e2e", markdown, device, info, rows, budget, prefetch_hid=hid)
 
 
 if __name__ == "__main__":

@@ -1,46 +1,64 @@
 #!/usr/bin/env bash
-# The GPU check in one call: every test that needs a GPU, the CUDA kernel bench and the
-# end-to-end bench, on a machine with one NVIDIA GPU and its own Python (torch and transformers,
-# no internet), from the folder `make gpu-bundle` builds beside this checkout (release test
-# binaries, the wheel; the reference files the tests read are laid out here).
+# The GPU check in one call of at most five minutes: every test that needs a GPU, the CUDA
+# kernel bench and the end-to-end bench, on a machine with one NVIDIA GPU and its own Python
+# (torch and transformers, no internet), from the folder `make gpu-bundle` builds beside this
+# checkout (release test binaries, the wheel; the reference files the tests read are laid out
+# here). The A/Bs, the offload and MoE benches and the kernel profile run when STEPS names them.
 #
 #   benches/gpu/run.sh [--out DIR] [--bundle DIR]   on the GPU machine; results in DIR
 #                                                  (default benches/results/gpu)
-#   benches/gpu/run.sh --cpu [--out DIR]           the same steps on a machine without a GPU:
+#   benches/gpu/run.sh --cpu [--out DIR]           every step on a machine without a GPU:
 #                                                  the CUDA steps skipped by name, the benches
 #                                                  on cpu with a smaller model (default out
 #                                                  benches/results/gpu/cpu, which git ignores)
 #   benches/gpu/run.sh --list                      the tables below, for the bundle builder
 #
-# Environment: STEPS (the steps to run, default
-# tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,offload,moe,profile; the others are skipped by
-# name), SUITES (the test suites to run, e.g. backend_matmul_modes,cuda; default
-# all), WEIGHTS (the weight types of the end-to-end bench and the profile, e.g.
-# bf16,q4_k, and transformers for the peer; default all), PYTHON (default python3, the
-# machine's own; with --cpu, the checkout's .venv
-# where there is one, since the rehearsal needs numpy and safetensors), WEIGHTLIFT_DEMO_GGUF
-# (the demo model, for the two suites that read it; the bundle leaves it out, see GPU_TESTS).
+# Environment: STEPS (the steps to run, the others skipped by name; default tests,kernels,e2e on
+# a GPU, every step with --cpu; all of them: tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,
+# offload,moe,profile), RUN_BUDGET_S (the whole run's seconds, 290 by default, 1800 with --cpu:
+# a step that cannot start in what is left is skipped by name), SUITES (the test suites to run,
+# e.g. backend_matmul_modes,cuda; default all), WEIGHTS (the weight types of the end-to-end
+# bench and the profile, e.g. bf16,q4_k, and transformers for the peer; default all), PYTHON
+# (default python3, the machine's own; with --cpu, the checkout's .venv where there is one,
+# since the rehearsal needs numpy and safetensors).
 # WEIGHTLIFT_CUDA_GRAPHS is set to 1 for the end-to-end rows and the profile, which measure
 # decode as it runs by default (each step replayed from a CUDA graph); graphs_ab sets it to 0
 # for its own rows. WEIGHTLIFT_Q8V is unset for every step but q8v_ab, which sets it to wide.
 #
-# Sized for one call of a GPU machine (ten minutes at most; not yet timed whole): the test
-# suites take about a minute together (each under a timeout of SUITE_TIMEOUT_S); the kernel
-# bench samples each of its ~120 cases for 60 ms after a warm-up (well under a minute with the
-# set-up), then the 480 cases of its prompt-product route table for 20 ms each (about 20 s
-# more); the end-to-end bench decodes 32 tokens per measurement, quotes medians of 3, and
-# skips what is left by name once E2E_BUDGET_S is spent; the prefill A/B repeats two rows'
-# prefills without cuBLAS within PREFILL_AB_BUDGET_S, and the graphs A/B two rows' decodes
-# without CUDA graphs within GRAPHS_AB_BUDGET_S, the Q8 A/B the q4_k decode with the wide lanes
-# within Q8V_AB_BUDGET_S; the offload and MoE benches stop their
-# rounds at OFFLOAD_BUDGET_S and MOE_BUDGET_S. STEPS splits the run in two where a call's
-# limit is shorter.
+# The default run fits one five-minute call on an H200, by budgets sized from the last full run
+# there (benches/results/gpu/: tests.md's seconds a suite, e2e.json's checkpoint and rows):
+#   set-up    ~15 s  unpack, the wheel, the CUDA probes, the reference files (--cpu: ~10 s)
+#   tests     ~90 s  45 s for the nine suites of that run (nvrtc_compile 24, cuda 16, the others
+#                    1 s each), plus backend_prefill, forward_backend, offload_exec and the
+#                    cuda suite's newer tests; each suite under SUITE_TIMEOUT_S
+#   kernels   ~60 s  ~120 cases sampled for 60 ms after a warm-up, then the 480 cases of the
+#                    prompt-product route table for 20 ms each (not timed alone yet); under
+#                    BENCH_TIMEOUT_S
+#   e2e      ~100 s  the bf16 checkpoint made with transformers (52 s on a fresh machine), then
+#                    four rows of 4-9 s (load, a warm-up and 3 rounds of 32 decode tokens and
+#                    two prefills) and transformers' (~15 s); rows that do not start within
+#                    E2E_BUDGET_S (100) are skipped by name, and a row started last runs 20 s
+#                    more at most (E2E_TAIL_S)
+#   summary    ~2 s
+# 15 + 90 + 60 + 100 + 20 = 285 s, within RUN_BUDGET_S = 290: past it nothing new starts
+# (what is left is skipped by name, and the summary says so), each step's timeout is cut to
+# what is left, and the end-to-end budget to what is left less E2E_TAIL_S, so a call never
+# overruns.
+# The steps the default leaves out run in calls of their own, named in STEPS, each call under
+# RUN_BUDGET_S too and into a folder of its own (a run first clears every step's results in
+# --out): STEPS=prefill_ab,graphs_ab,q8v_ab (two rows' prefills without cuBLAS within
+# PREFILL_AB_BUDGET_S, two rows' decodes without CUDA graphs within GRAPHS_AB_BUDGET_S, the q4_k
+# decode with the wide lanes within Q8V_AB_BUDGET_S; with the set-up and the checkpoint made
+# again on a fresh machine, 15 + 52 + 60 + 60 + 30 s), then STEPS=offload,moe,profile (the
+# offload and MoE benches stop their rounds at OFFLOAD_BUDGET_S and MOE_BUDGET_S, the profile
+# runs under PROFILE_TIMEOUT_S).
 # Each step runs even when one before it failed; the exit status is 1 when any failed.
 set -uo pipefail
 
 SUITE_TIMEOUT_S=${SUITE_TIMEOUT_S:-150}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-150}
-E2E_BUDGET_S=${E2E_BUDGET_S:-180}
+E2E_BUDGET_S=${E2E_BUDGET_S:-100}
+E2E_TAIL_S=${E2E_TAIL_S:-20}
 E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}
 OFFLOAD_BUDGET_S=${OFFLOAD_BUDGET_S:-90}
 OFFLOAD_TIMEOUT_S=${OFFLOAD_TIMEOUT_S:-200}
@@ -57,10 +75,9 @@ Q8V_AB_TIMEOUT_S=${Q8V_AB_TIMEOUT_S:-90}
 # Every test that needs a GPU (`grep -rn '#\[ignore' crates`), by the suite that holds it:
 # how the suite runs on the GPU and in --cpu mode, and what else it needs. Kernel suites run
 # whole on the GPU (the CPU cases beside the CUDA ones cost little); engine suites run their
-# ignored tests only (the others run in CI, and some read the demo model). `needs`: `reference`
-# = the files in REFERENCE_FILES; `demo` = WEIGHTLIFT_DEMO_GGUF, 94 MiB, too large for the
-# bundle's 64 MiB, so these are skipped by name unless the machine has the file; `2gpu` = two
-# GPUs.
+# ignored tests only (the others run in CI, and some read the demo model, which is too large
+# for the bundle's 64 MiB: the ignored ones read the reference files instead). `needs`:
+# `reference` = the files in REFERENCE_FILES; `2gpu` = two GPUs.
 #  crate               suite                 on the GPU       --cpu  needs
 GPU_TESTS='
 weightlift-kernels    nvrtc_compile         all              all    -
@@ -73,8 +90,8 @@ weightlift-kernels    backend_prefill       include-ignored  all    -
 weightlift-kernels    int8                  include-ignored  all    -
 weightlift-engine     cuda                  ignored          all    reference
 weightlift-engine     tp_rank               ignored          skip   reference
-weightlift-engine     offload_exec          ignored          skip   demo
-weightlift-engine     forward_backend       ignored          skip   demo
+weightlift-engine     offload_exec          ignored          skip   reference
+weightlift-engine     forward_backend       ignored          skip   reference
 weightlift-engine     tp_backend            ignored          skip   2gpu
 '
 # The bench binaries the bundle carries (benches/benches/*.rs).
@@ -133,7 +150,7 @@ fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
-rm -f "$OUT"/{summary,tests,e2e,offload_e2e,moe_offload,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info}.{md,json}
+rm -f "$OUT"/{summary,tests,e2e,offload_e2e,moe_offload,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info,cuda_info_steps}.{md,json}
 rm -f "$OUT"/prefill-no-cublas/e2e.{md,json} "$OUT"/decode-no-graphs/e2e.{md,json}
 rm -f "$OUT"/decode-q8v-wide/e2e.{md,json}
 # The old Q8 decode kernels are the default; only q8v_ab picks the wide ones.
@@ -142,18 +159,51 @@ if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
     [ $CPU = 1 ] && [ -x "$ROOT/.venv/bin/python" ] && PYTHON=$ROOT/.venv/bin/python
 fi
+ALL_STEPS=tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,offload,moe,profile
 if [ $CPU = 1 ]; then
-    # Two shared cores do in minutes what the GPU does in seconds.
+    # Two shared cores do in minutes what the GPU does in seconds; the rehearsal runs every
+    # step, the CUDA ones skipped by name.
     SUITE_TIMEOUT_S=600 BENCH_TIMEOUT_S=600 E2E_BUDGET_S=360 E2E_TIMEOUT_S=600
+    RUN_BUDGET_S=${RUN_BUDGET_S:-1800}
+    STEPS=${STEPS:-$ALL_STEPS}
+else
+    RUN_BUDGET_S=${RUN_BUDGET_S:-290}
+    STEPS=${STEPS:-tests,kernels,e2e}
 fi
 exec > >(tee "$OUT/run.log") 2>&1
 TEE=$!
 
 FAILED=()
-STEPS=${STEPS:-tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,offload,moe,profile}
 SUITES=${SUITES:-}
 WEIGHTS=${WEIGHTS:-}
-wants() { case ",$STEPS," in *",$1,"*) return 0 ;; esac; skip "not in STEPS ($STEPS): $2"; return 1; }
+# The run's budget, counted from the script's start (bash's SECONDS): what is left of it, whether
+# something needing at least $2 s of it may start (else it is skipped by name), and a timeout
+# $1 cut to what is left.
+left() { echo $((RUN_BUDGET_S - SECONDS)); }
+in_budget() {
+    local l
+    l=$(left)
+    [ "$l" -ge "$2" ] && return 0
+    skip "the run's budget (RUN_BUDGET_S=$RUN_BUDGET_S) is spent, $l s left of the $2 s it needs: $1"
+    return 1
+}
+capped() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }
+# A bench's own budget $1 cut to what is left of the run's less E2E_TAIL_S (the row or round a
+# bench starts last runs on past its budget), at least 1 s.
+bench_budget() {
+    local b
+    b=$(($(left) - E2E_TAIL_S))
+    b=$(($1 < b ? $1 : b))
+    echo $((b > 1 ? b : 1))
+}
+# A step starts when STEPS names it ($1) and at least STEP_MIN_S of the run's budget is left.
+STEP_MIN_S=30
+SUITE_MIN_S=10
+wants() {
+    case ",$STEPS," in *",$1,"*) in_budget "$2" "$STEP_MIN_S"; return ;; esac
+    skip "not in STEPS ($STEPS): $2"
+    return 1
+}
 step() { printf '\n== %s\n' "$*"; }
 skip() { echo "skipped: $*"; SKIPPED+=("$*"); }
 SKIPPED=()
@@ -250,12 +300,36 @@ else
     echo "run.sh: pip could not install the wheel into $WORK/site"
     FAILED+=("wheel install")
 fi
-# What the package finds by itself, before the loader path above helps it: its own search for
-# the driver and NVRTC (the toolkit's folders and the pip packages), recorded in cuda_info.json.
-# The steps below keep the loader path, so a search that misses costs this line, not the run.
-env -u LD_LIBRARY_PATH "$PYTHON" -c 'import json, weightlift; print(json.dumps(weightlift.cuda_info(), default=str))' \
-    >"$OUT/cuda_info.json" 2>&1 || true
+# What the package finds: `weightlift.cuda_info()` (its own search for the driver, NVRTC and
+# libcublas, each a path and version or why not), and where the loader then mapped libcublasLt
+# from (libcublas's own dependency, which the package does not look for: found beside it or on
+# the loader path). Once without the loader path above (cuda_info.json: what a machine finds by
+# itself; the steps keep the loader path, so a search that misses costs this line, not the run)
+# and once with it (cuda_info_steps.json: what the steps below run with, where a missing
+# libcublas means prompts on the slower kernels without cuBLAS).
+CUDA_PROBE=$(
+    cat <<'EOF'
+import json
+import os
+
+import weightlift
+
+info = weightlift.cuda_info()
+maps = []
+try:
+    with open("/proc/self/maps") as f:
+        maps = [line.split(maxsplit=5)[-1].strip() for line in f if len(line.split()) == 6]
+except OSError:
+    pass
+lt = next((p for p in maps if os.path.basename(p).startswith("libcublasLt.so")), None)
+info["cublasLt"] = {"path": lt} if lt else {"error": "not loaded with libcublas"}
+print(json.dumps(info, default=str))
+EOF
+)
+env -u LD_LIBRARY_PATH "$PYTHON" -c "$CUDA_PROBE" >"$OUT/cuda_info.json" 2>&1 || true
+"$PYTHON" -c "$CUDA_PROBE" >"$OUT/cuda_info_steps.json" 2>&1 || true
 echo "the package's own CUDA search, without LD_LIBRARY_PATH: $(cat "$OUT/cuda_info.json")"
+echo "with the steps' LD_LIBRARY_PATH: $(cat "$OUT/cuda_info_steps.json")"
 
 # ---------------------------------------------------------------------------------------------
 # Test data. The binaries read it through CARGO_MANIFEST_DIR paths compiled in on the build
@@ -266,8 +340,6 @@ echo "the package's own CUDA search, without LD_LIBRARY_PATH: $(cat "$OUT/cuda_i
 # (the tests also find them through WEIGHTLIFT_REFERENCE).
 
 export WEIGHTLIFT_REFERENCE=$WORK/reference
-demo=${WEIGHTLIFT_DEMO_GGUF:-$ROOT/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
-if [ -f "$demo" ]; then export WEIGHTLIFT_DEMO_GGUF=$demo; else unset WEIGHTLIFT_DEMO_GGUF; fi
 
 # Makes folder $1 where it is absent, and remembers the first folder made on the way for
 # removal at exit (nothing that was there before is ever removed).
@@ -324,7 +396,9 @@ RUN_TESTS=1
 wants tests "the GPU tests" || RUN_TESTS=0
 declare -A FAILS=()
 run_suite() {
-    local crate=$1 suite=$2 mode=$3 args=() log="$WORK/logs/$suite.log" t0 rc summary
+    local crate=$1 suite=$2 mode=$3 args=() log="$WORK/logs/$suite.log" t0 rc summary limit
+    in_budget "$crate $suite" "$SUITE_MIN_S" || return 0
+    limit=$(capped "$SUITE_TIMEOUT_S")
     case $mode in
     ignored) args=(--ignored) ;;
     include-ignored) args=(--include-ignored) ;;
@@ -336,11 +410,11 @@ run_suite() {
     echo "-- $crate $suite ${args[*]}"
     t0=$(date +%s)
     (cd "$BUNDLE_BUILD_ROOT/crates/$crate" &&
-        timeout "$SUITE_TIMEOUT_S" "$WORK/bin/$suite" "${args[@]}") >"$log" 2>&1
+        timeout "$limit" "$WORK/bin/$suite" "${args[@]}") >"$log" 2>&1
     rc=$?
     cat "$log"
     summary=$(grep '^test result:' "$log" | tail -1 | sed 's/^test result: //; s/; finished in.*//')
-    [ $rc = 124 ] && summary="timed out after $SUITE_TIMEOUT_S s"
+    [ $rc = 124 ] && summary="timed out after $limit s"
     [ -n "$summary" ] || summary="exit status $rc"
     if [ $rc != 0 ]; then
         FAILED+=("$crate $suite")
@@ -366,10 +440,6 @@ while read -r crate suite gpu_mode cpu_mode needs; do
         continue
     fi
     case $needs in
-    demo) if [ -z "${WEIGHTLIFT_DEMO_GGUF:-}" ]; then
-        skip "no demo model (set WEIGHTLIFT_DEMO_GGUF; 94 MiB, more than the bundle may carry): $name"
-        continue
-    fi ;;
     2gpu) if [ "$n_gpus" -lt 2 ]; then
         skip "needs two GPUs, this machine has $n_gpus: $name"
         continue
@@ -410,9 +480,10 @@ if ! wants kernels "the kernel bench"; then
     :
 elif [ $CPU = 1 ]; then
     skip "no GPU: kernels_cuda on cuda:0 (its cases run on the cpu backend instead, quick)"
-    WEIGHTLIFT_BENCH_QUICK=1 timeout "$BENCH_TIMEOUT_S" "$WORK/bin/kernels_cuda" --device cpu --out "$OUT"
+    WEIGHTLIFT_BENCH_QUICK=1 timeout "$(capped "$BENCH_TIMEOUT_S")" "$WORK/bin/kernels_cuda" \
+        --device cpu --out "$OUT"
 else
-    timeout "$BENCH_TIMEOUT_S" "$WORK/bin/kernels_cuda" --device cuda --out "$OUT"
+    timeout "$(capped "$BENCH_TIMEOUT_S")" "$WORK/bin/kernels_cuda" --device cuda --out "$OUT"
 fi
 rc=$?
 [ $rc = 0 ] || FAILED+=("kernel bench (exit status $rc)")
@@ -428,9 +499,9 @@ done
 
 step "end-to-end bench"
 if wants e2e "the end-to-end bench"; then
-    e2e=(--out "$OUT" --budget-s "$E2E_BUDGET_S" --only "$WEIGHTS")
+    e2e=(--out "$OUT" --budget-s "$(bench_budget "$E2E_BUDGET_S")" --only "$WEIGHTS")
     if [ $CPU = 1 ]; then e2e+=(--cpu); else e2e+=(--device cuda:0); fi
-    WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$E2E_TIMEOUT_S" "$PYTHON" \
+    WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$(capped "$E2E_TIMEOUT_S")" "$PYTHON" \
         "$ROOT/benches/gpu/e2e.py" "${e2e[@]}"
     rc=$?
     [ $rc = 0 ] || FAILED+=("end-to-end bench (exit status $rc)")
@@ -445,9 +516,9 @@ if [ $CPU = 1 ]; then
 elif wants prefill_ab "the prefill A/B without cuBLAS"; then
     ab_only=bf16,q4_k
     [ -n "$WEIGHTS" ] && ab_only=$WEIGHTS
-    WEIGHTLIFT_CUBLAS=0 PYTHONUNBUFFERED=1 timeout "$PREFILL_AB_TIMEOUT_S" "$PYTHON" \
+    WEIGHTLIFT_CUBLAS=0 PYTHONUNBUFFERED=1 timeout "$(capped "$PREFILL_AB_TIMEOUT_S")" "$PYTHON" \
         "$ROOT/benches/gpu/e2e.py" --device cuda:0 --prefill-only --only "${ab_only/transformers/}" \
-        --budget-s "$PREFILL_AB_BUDGET_S" --out "$OUT/prefill-no-cublas" ||
+        --budget-s "$(bench_budget "$PREFILL_AB_BUDGET_S")" --out "$OUT/prefill-no-cublas" ||
         FAILED+=("prefill A/B without cuBLAS (exit status $?)")
 fi
 
@@ -460,9 +531,9 @@ if [ $CPU = 1 ]; then
 elif wants graphs_ab "the decode A/B without CUDA graphs"; then
     ab_only=bf16,q4_k
     [ -n "$WEIGHTS" ] && ab_only=$WEIGHTS
-    WEIGHTLIFT_CUDA_GRAPHS=0 PYTHONUNBUFFERED=1 timeout "$GRAPHS_AB_TIMEOUT_S" "$PYTHON" \
+    WEIGHTLIFT_CUDA_GRAPHS=0 PYTHONUNBUFFERED=1 timeout "$(capped "$GRAPHS_AB_TIMEOUT_S")" "$PYTHON" \
         "$ROOT/benches/gpu/e2e.py" --device cuda:0 --decode-only --only "${ab_only/transformers/}" \
-        --budget-s "$GRAPHS_AB_BUDGET_S" --out "$OUT/decode-no-graphs" ||
+        --budget-s "$(bench_budget "$GRAPHS_AB_BUDGET_S")" --out "$OUT/decode-no-graphs" ||
         FAILED+=("decode A/B without CUDA graphs (exit status $?)")
 fi
 
@@ -474,9 +545,9 @@ step "decode with the wide Q4_K lanes (A/B)"
 if [ $CPU = 1 ]; then
     skip "no GPU: the decode A/B with the wide Q4_K lanes"
 elif wants q8v_ab "the decode A/B with the wide Q4_K lanes"; then
-    WEIGHTLIFT_Q8V=wide WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$Q8V_AB_TIMEOUT_S" \
+    WEIGHTLIFT_Q8V=wide WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$(capped "$Q8V_AB_TIMEOUT_S")" \
         "$PYTHON" "$ROOT/benches/gpu/e2e.py" --device cuda:0 --decode-only --only q4_k \
-        --budget-s "$Q8V_AB_BUDGET_S" --out "$OUT/decode-q8v-wide" ||
+        --budget-s "$(bench_budget "$Q8V_AB_BUDGET_S")" --out "$OUT/decode-q8v-wide" ||
         FAILED+=("decode A/B with the wide Q4_K lanes (exit status $?)")
 fi
 
@@ -486,9 +557,9 @@ fi
 
 step "offload bench"
 if wants offload "the offload bench"; then
-    off=(--out "$OUT" --budget-s "$OFFLOAD_BUDGET_S")
+    off=(--out "$OUT" --budget-s "$(bench_budget "$OFFLOAD_BUDGET_S")")
     if [ $CPU = 1 ]; then off+=(--cpu); else off+=(--device cuda:0); fi
-    PYTHONUNBUFFERED=1 timeout "$OFFLOAD_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/offload_e2e.py" "${off[@]}"
+    PYTHONUNBUFFERED=1 timeout "$(capped "$OFFLOAD_TIMEOUT_S")" "$PYTHON" "$ROOT/benches/gpu/offload_e2e.py" "${off[@]}"
     rc=$?
     [ $rc = 0 ] || FAILED+=("offload bench (exit status $rc)")
 fi
@@ -499,9 +570,9 @@ fi
 
 step "MoE bench"
 if wants moe "the MoE bench"; then
-    moe=(--out "$OUT" --budget-s "$MOE_BUDGET_S")
+    moe=(--out "$OUT" --budget-s "$(bench_budget "$MOE_BUDGET_S")")
     if [ $CPU = 1 ]; then moe+=(--cpu); else moe+=(--device cuda:0); fi
-    PYTHONUNBUFFERED=1 timeout "$MOE_TIMEOUT_S" "$PYTHON" "$ROOT/benches/gpu/moe_offload.py" "${moe[@]}"
+    PYTHONUNBUFFERED=1 timeout "$(capped "$MOE_TIMEOUT_S")" "$PYTHON" "$ROOT/benches/gpu/moe_offload.py" "${moe[@]}"
     rc=$?
     [ $rc = 0 ] || FAILED+=("MoE bench (exit status $rc)")
 fi
@@ -513,7 +584,7 @@ step "kernel profile"
 if [ $CPU = 1 ]; then
     skip "no GPU: the kernel profile"
 elif wants profile "the kernel profile"; then
-    WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$PROFILE_TIMEOUT_S" "$PYTHON" \
+    WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$(capped "$PROFILE_TIMEOUT_S")" "$PYTHON" \
         "$ROOT/benches/gpu/kernel_profile.py" \
         --device cuda:0 --out "$OUT" --only "$WEIGHTS" || FAILED+=("kernel profile (exit status $?)")
 fi

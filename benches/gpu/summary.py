@@ -125,10 +125,10 @@ def e2e(folder: Path) -> list[str]:
     return out
 
 
-def cuda_libs(folder: Path) -> list[str]:
-    """What the package's own search found (run.sh's cuda_info.json, read without
-    LD_LIBRARY_PATH): the driver and NVRTC, each a path and version or the error."""
-    path = folder / "cuda_info.json"
+def cuda_libs(path: Path) -> list[str]:
+    """What one of run.sh's CUDA probes found (`cuda_info()` and the libcublasLt the loader
+    mapped): the driver, NVRTC, libcublas and libcublasLt, each a path (and version) or why
+    not. Without libcublas, prompts take the slower kernels without cuBLAS."""
     if not path.is_file():
         return ["- not probed"]
     try:
@@ -136,12 +136,19 @@ def cuda_libs(folder: Path) -> list[str]:
     except ValueError:
         return [f"- the probe failed: {path.read_text().strip()[-300:]}"]
     out = []
-    for lib in ("driver", "nvrtc"):
-        got = info.get(lib) or {}
+    for lib, key in (
+        ("driver", "cuda_version"),
+        ("nvrtc", "version"),
+        ("cublas", "version"),
+        ("cublasLt", None),
+    ):
+        got = info.get(lib) or {"error": "not in the probe's report"}
         if "error" in got:
             out.append(f"- {lib}: not found: {got['error']}")
+        elif key is None:
+            out.append(f"- {lib}: {got.get('path', '?')}")
         else:
-            out.append(f"- {lib}: {got.get('path', '?')} (version {got.get('version', '?')})")
+            out.append(f"- {lib}: {got.get('path', '?')} (version {got.get(key, '?')})")
     return out
 
 
@@ -161,7 +168,11 @@ def main() -> None:
         "",
         "## CUDA libraries the package found by itself (no LD_LIBRARY_PATH)",
         "",
-        *cuda_libs(a.out),
+        *cuda_libs(a.out / "cuda_info.json"),
+        "",
+        "## CUDA libraries the steps ran with (run.sh's LD_LIBRARY_PATH)",
+        "",
+        *cuda_libs(a.out / "cuda_info_steps.json"),
         "",
         "## Tests",
         "",
@@ -175,6 +186,10 @@ def main() -> None:
         "## End to end",
         "",
         *e2e(a.out),
+        "",
+        "## Prefill without cuBLAS (WEIGHTLIFT_CUBLAS=0, the A/B of the rows above)",
+        "",
+        *e2e(a.out / "prefill-no-cublas"),
         "",
         "## Decode without CUDA graphs (WEIGHTLIFT_CUDA_GRAPHS=0, the A/B of the rows above)",
         "",

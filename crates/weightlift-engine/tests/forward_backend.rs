@@ -1,9 +1,10 @@
 //! The forward pass through the kernels' `Backend` trait: the op sequence `cuda:N` layers run,
 //! checked here on the CPU backend (`Model::set_host_backend`) against logits transformers
 //! computed (the reference data, with the tolerances it states; the tiny Qwen2 of
-//! `tests/data`) and against the host path, which it must equal bit for bit. The last test runs
-//! SmolLM2's layers on `cuda:0`; it needs a GPU and is `#[ignore]`d (`cargo test --features
-//! cuda -- --ignored` on a machine with one).
+//! `tests/data`) and against the host path, which it must equal bit for bit. One test runs the
+//! tiny llama's layers on `cuda:0` (the reference pack's GGUF, which the GPU bundle lays out,
+//! where the demo model is too large to travel); it needs a GPU and is `#[ignore]`d (`cargo test
+//! --features cuda -- --ignored` on a machine with one).
 
 mod common;
 
@@ -287,21 +288,24 @@ fn backend_path_runs_an_offloaded_cache_as_the_host_path() {
     }
 }
 
-/// SmolLM2's layers on `cuda:0` (embedding and head on cpu), exact compute with an f32 cache
-/// and fast compute with an fp16 cache, against the host path on cpu: the same greedy ids and
-/// logits within 0.05 (exact) or the same argmax wherever the host margin is above 0.25
+/// The tiny llama's layers (Q4_K_M, the reference GGUF) on `cuda:0`, embedding and head on
+/// cpu, exact compute with an f32 cache and fast compute with an fp16 cache, against the host
+/// path on cpu: the prompt's logits and those of 16 decode steps along the host path's greedy
+/// ids within 0.05 (exact) or with the same argmax wherever the host margin is above 0.25
 /// (fast). Then exact compute over each quantised cache (q8, q6, q4, fp8) and bf16, which the
-/// GPU stores and reads in place: logits within 0.05 of the host path over the same cache dtype
-/// (the cache's bytes are the codec's on both, only the sums' order differs), and its greedy
-/// ids.
+/// GPU stores and reads in place: the same 0.05 against the host path over the same cache dtype
+/// (the cache's bytes are the codec's on both, only the sums' order differs). Its decode steps
+/// are fed the host path's ids rather than compared as greedy ids: the tiny model's random
+/// weights leave near ties (a margin of 0.01 in transformers' logits of this prompt) that a
+/// sum's order may break either way.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn cuda_layers_match_the_host_path() {
     if let Some(reason) = weightlift_kernels::CudaBackend::unavailable_reason() {
         panic!("this test needs cuda:0: {reason}");
     }
-    let src = smollm2();
-    let prompt = smollm2_prompt(2);
+    let src = open(reference().join("tiny-llama/gguf/tiny-llama-Q4_K_M.gguf"));
+    let prompt = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
     for (compute, dtype) in [
         (Compute::Exact, CacheDType::F32),
         (Compute::Fast, CacheDType::Fp16),
@@ -313,12 +317,12 @@ fn cuda_layers_match_the_host_path() {
     ] {
         let (mut cpu, cc) = common::load_on(&src, "cpu", "cpu", 64, dtype);
         cpu.set_compute(compute);
-        let want = forward_all(&mut cpu, &cc, &prompt);
         let want_ids = greedy(&mut cpu, &cc, &prompt, 16);
+        let want = prompt_then_steps(&mut cpu, &cc, &prompt, &want_ids);
         let (mut gpu, gc) = split_load(&src, "cuda:0,cpu", &["cuda:0"], dtype, 0, false);
         gpu.set_compute(compute);
-        let got = forward_all(&mut gpu, &gc, &prompt);
-        let vocab = got.len() / prompt.len();
+        let got = prompt_then_steps(&mut gpu, &gc, &prompt, &want_ids);
+        let vocab = got.len() / (prompt.len() + want_ids.len());
         match compute {
             Compute::Exact => {
                 let d = max_abs_diff(&got, &want);
@@ -341,14 +345,20 @@ fn cuda_layers_match_the_host_path() {
             .forward(&[42], Some(&gc), Logits::Last, &mut out)
             .unwrap();
         assert_eq!(copies.count, 2, "cpu embedding → cuda:0 → cpu head");
-        let ids = greedy(&mut gpu, &gc, &prompt, 16);
-        assert_eq!(
-            ids,
-            want_ids,
-            "{compute:?}, {} cache: greedy ids",
-            dtype.name()
-        );
     }
+}
+
+/// The logits of every position of `prompt` from an empty cache, then of one decode step per
+/// id of `steps` fed in turn.
+fn prompt_then_steps(m: &mut Model, cache: &Arc<Cache>, prompt: &[u32], steps: &[u32]) -> Vec<f32> {
+    let mut all = forward_all(m, cache, prompt);
+    let mut out = Vec::new();
+    for &id in steps {
+        m.forward(&[id], Some(cache), Logits::Last, &mut out)
+            .unwrap();
+        all.extend_from_slice(&out);
+    }
+    all
 }
 
 /// Decode steps whose attention reads its position from the positions buffer split the keys of

@@ -3,15 +3,17 @@
 //! are copied into onload slots. The logits must equal the all-on-cpu run bit for bit in every
 //! mode; the virtual device's peak must be the plan's figure; each forward call must move the
 //! kept layers' matrices (or nothing, once both groups of a two-group plan are resident). The
-//! time prefetch hides is measured by `benches/offload.py`, not here.
+//! time prefetch hides is measured by `benches/offload.py` (and on a GPU by the bundle's
+//! offload step), not here. The offload onto `cuda:0` runs a deepened tiny llama from the
+//! reference pack instead, which the GPU bundle lays out where the demo model cannot travel.
 
 mod common;
 
 use std::sync::Arc;
 
-use common::{smollm2, smollm2_prompt};
+use common::{json_ids, reference, smollm2, smollm2_prompt};
 use weightlift_engine::forward::{Compute, Logits};
-use weightlift_engine::{Cache, CacheDType, Inventory, LoadOptions, Model};
+use weightlift_engine::{Cache, CacheDType, Inventory, LoadOptions, Model, Source};
 use weightlift_plan::{CacheSpec, LayerOptions, Plan, Strategy, WeightOffload};
 
 struct Run {
@@ -22,9 +24,18 @@ struct Run {
 }
 
 fn load(devices: &str, n_gpu_layers: i64, offload: Option<WeightOffload>) -> Run {
-    let src = smollm2();
+    load_from(&smollm2(), devices, n_gpu_layers, offload)
+}
+
+/// [`load`] of `src`.
+fn load_from(
+    src: &Arc<dyn Source>,
+    devices: &str,
+    n_gpu_layers: i64,
+    offload: Option<WeightOffload>,
+) -> Run {
     let inv = Inventory::parse(devices).unwrap();
-    let mut model = Model::new(Arc::clone(&src), inv.clone());
+    let mut model = Model::new(Arc::clone(src), inv.clone());
     let mut req = model.plan_request().unwrap();
     req.strategy = Strategy::Layers(LayerOptions {
         n_gpu_layers,
@@ -242,25 +253,36 @@ fn offloaded_layers_run_through_the_backend_as_the_host_path() {
     }
 }
 
-/// Offload onto `cuda:0`: the 20 kept layers' matrices copied into slots of the GPU's scratch
-/// through its copy stream and read there by the CUDA kernels, in group mode (two slots, the
-/// next group copied while one computes) and sequential mode (one slot). Exact compute: logits
-/// within 0.05 of the all-on-cpu run and the same argmax at every position, on a first pass and
-/// on a second one, which starts with group 0 copied at the end of the first (the copy stream's
-/// events, not a host wait, keep each read after its copy and each refill after its reads).
-/// Needs a GPU.
+/// Offload onto `cuda:0`: the tiny llama deepened to 6 layers (the reference pack's bf16
+/// safetensors, its two layers repeated: [`common::deepened`]) with its last 2 layers on the
+/// GPU and the first 4 kept on the cpu, whose matrices are copied into slots of the GPU's
+/// scratch through its copy stream and read there by the CUDA kernels, in group mode (a layer a
+/// group: two slots, the next group copied while one computes, four groups so each slot is
+/// refilled) and sequential mode (one slot). Exact compute: logits within 0.05 of the all-on-cpu
+/// run and the same argmax at every position, on a first pass and on a second one, which starts
+/// with group 0 copied at the end of the first (the copy stream's events, not a host wait, keep
+/// each read after its copy and each refill after its reads). Needs a GPU.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn offload_onto_cuda_matches_the_cpu() {
     if let Some(reason) = weightlift_kernels::CudaBackend::unavailable_reason() {
         panic!("this test needs cuda:0: {reason}");
     }
-    let prompt = smollm2_prompt(1);
-    let mut cpu = load("cpu", 0, None);
+    let deep = common::deepened(&reference().join("tiny-llama/safetensors"), 6);
+    let src = common::open(deep.path());
+    let prompt = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let mut cpu = load_from(&src, "cpu", 0, None);
     let want = logits(&mut cpu, Compute::Exact, &prompt);
-    for mode in [GROUP4, WeightOffload::Sequential] {
-        let mut gpu = load("cuda:0,cpu", 10, Some(mode));
-        assert_eq!(gpu.plan.onload().expect("an onload plan").device, "cuda:0");
+    let group1 = WeightOffload::Group {
+        blocks_per_group: 1,
+        prefetch: true,
+    };
+    for mode in [group1, WeightOffload::Sequential] {
+        let mut gpu = load_from(&src, "cuda:0,cpu", 2, Some(mode));
+        let o = gpu.plan.onload().expect("an onload plan").clone();
+        assert_eq!(o.device, "cuda:0");
+        let kept: Vec<u32> = o.groups.iter().flatten().copied().collect();
+        assert_eq!(kept, [0, 1, 2, 3], "{mode:?}");
         for pass in 0..2 {
             let got = logits(&mut gpu, Compute::Exact, &prompt);
             let worst = got
@@ -278,6 +300,7 @@ fn offload_onto_cuda_matches_the_cpu() {
                 assert_eq!(argmax(a), argmax(b), "{mode:?} pass {pass}: position {i}");
             }
         }
-        assert!(gpu.model.transfer_stats().bytes >= 5 * gpu.plan.onload().unwrap().slot_bytes);
+        let groups = o.groups.len() as u64;
+        assert!(gpu.model.transfer_stats().bytes >= groups * o.slot_bytes);
     }
 }

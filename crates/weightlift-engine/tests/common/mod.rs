@@ -736,6 +736,51 @@ pub fn widened_mlp_in(data: &Path, parent: &Path, prefix: &str) -> tempfile::Tem
     dir
 }
 
+/// A copy of the tiny safetensors llama in `data` with `n_layers` layers, layer `l` a copy of
+/// the original's layer `l % n` (of its `n`): a model deep enough for several onload groups,
+/// made from the reference pack, so that it travels where the demo model is too large to.
+/// No reference holds its logits; tests compare its runs with each other.
+pub fn deepened(data: &Path, n_layers: usize) -> tempfile::TempDir {
+    use safetensors::SafeTensors;
+    use safetensors::tensor::TensorView;
+    let dir = tempfile::Builder::new().prefix(".tmp").tempdir().unwrap();
+    let cfg = std::fs::read_to_string(data.join("config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    let n = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
+    assert!(n <= n_layers, "{}: {n} layers already", data.display());
+    cfg["num_hidden_layers"] = n_layers.into();
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        if data.join(f).is_file() {
+            std::fs::copy(data.join(f), dir.path().join(f)).unwrap();
+        }
+    }
+    let bytes = std::fs::read(data.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
+    for (name, v) in st.tensors() {
+        let view = || TensorView::new(v.dtype(), v.shape().to_vec(), v.data()).unwrap();
+        let layer = name.strip_prefix("model.layers.").and_then(|rest| {
+            let (l, tail) = rest.split_once('.')?;
+            Some((l.parse::<usize>().ok()?, tail))
+        });
+        match layer {
+            Some((l, tail)) => {
+                for copy in (l..n_layers).step_by(n) {
+                    views.push((format!("model.layers.{copy}.{tail}"), view()));
+                }
+            }
+            None => views.push((name.clone(), view())),
+        }
+    }
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    dir
+}
+
 /// A tensor-parallel run's logits, and per part of the cache every layer's K and V rows.
 pub type TpRan = (Vec<f32>, Vec<Vec<Vec<f32>>>);
 
