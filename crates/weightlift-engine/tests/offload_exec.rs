@@ -296,8 +296,20 @@ fn offload_onto_cuda_matches_the_cpu() {
             );
             let vocab = got.len() / (prompt.len() + 1);
             let argmax = |r: &[f32]| (0..r.len()).max_by(|&i, &j| r[i].total_cmp(&r[j])).unwrap();
+            // the same top token wherever the cpu's top two are further apart than the bound
+            // above can move them (the random tiny model has near ties)
+            let margin = |r: &[f32]| {
+                let top = argmax(r);
+                let second = (0..r.len())
+                    .filter(|&i| i != top)
+                    .map(|i| r[i])
+                    .fold(f32::MIN, f32::max);
+                r[top] - second
+            };
             for (i, (a, b)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-                assert_eq!(argmax(a), argmax(b), "{mode:?} pass {pass}: position {i}");
+                if margin(b) > 2.0 * 0.05 {
+                    assert_eq!(argmax(a), argmax(b), "{mode:?} pass {pass}: position {i}");
+                }
             }
         }
         let groups = o.groups.len() as u64;
