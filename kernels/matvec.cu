@@ -532,8 +532,8 @@ __device__ __forceinline__ void wl_mma_16832_s8(int d[4], const wl_u32 a[4], con
         if (!live) continue;                                                                       \
         _Pragma("unroll") for (int nb = 0; nb < 8; nb++) {                                         \
             _Pragma("unroll") for (int reg = 0; reg < 4; reg++) {                                  \
-                const wl_u64 r = r0 + (wl_u64)(row0 + wl_mmq_c_row(lane, reg));                   \
-                const wl_u64 t = t0 + (wl_u64)(8 * nb + wl_mmq_c_col(lane, reg));                  \
+                const wl_u64 r = r0 + (wl_u64)(row0 + wl_mma_c_row(lane, reg));                   \
+                const wl_u64 t = t0 + (wl_u64)(8 * nb + wl_mma_c_col(lane, reg));                  \
                 if (r < rows && t < n_tok) y[t * rows + r] = WL_ADD(acc[nb][reg], ext[nb][reg]);  \
             }                                                                                      \
         }                                                                                          \

@@ -139,3 +139,8 @@ WL_HD float wl_rd_f16(const wl_u8* p) { return wl_f16_to_f32(wl_rd_u16(p)); }
 
 // Whether an f16 bit pattern is NaN or +-inf (all five exponent bits set).
 WL_HD int wl_f16_bits_non_finite(wl_u16 h) { return (h & 0x7c00u) == 0x7c00u; }
+
+// The accumulator (C and D) of an m16n8 mma.sync, whatever its k (f16 k16, s8 k32): the row
+// and column that register `reg` (0-3) of lane `lane` holds, as the PTX ISA lays them out.
+WL_HD int wl_mma_c_row(int lane, int reg) { return lane / 4 + 8 * (reg >> 1); }
+WL_HD int wl_mma_c_col(int lane, int reg) { return 2 * (lane % 4) + (reg & 1); }

@@ -39,9 +39,7 @@ WL_HD int wl_mma_a_col(int lane, int reg, int hf) { return 2 * (lane % 4) + 8 * 
 // B: element (k, n) of half `hf` of register `reg`.
 WL_HD int wl_mma_b_k(int lane, int reg, int hf) { return 2 * (lane % 4) + 8 * reg + hf; }
 WL_HD int wl_mma_b_n(int lane) { return lane / 4; }
-// C and D: the row and column of register `reg`.
-WL_HD int wl_mma_c_row(int lane, int reg) { return lane / 4 + 8 * (reg >> 1); }
-WL_HD int wl_mma_c_col(int lane, int reg) { return 2 * (lane % 4) + (reg & 1); }
+// C and D: wl_mma_c_row and wl_mma_c_col (wl_common.cuh), the layout every m16n8 shape shares.
 
 // x as f16 bits, rounded to nearest even (wl_att_round's rounding: the same instruction on the
 // device).

@@ -70,9 +70,7 @@ WL_HD int wl_mmq_a_col(int lane, int reg, int byte) {
 // B: element (k, n) of byte `byte` of register `reg`.
 WL_HD int wl_mmq_b_k(int lane, int reg, int byte) { return 4 * (lane % 4) + 16 * reg + byte; }
 WL_HD int wl_mmq_b_n(int lane) { return lane / 4; }
-// C and D: the row and column of register `reg`.
-WL_HD int wl_mmq_c_row(int lane, int reg) { return lane / 4 + 8 * (reg >> 1); }
-WL_HD int wl_mmq_c_col(int lane, int reg) { return 2 * (lane % 4) + (reg & 1); }
+// C and D: wl_mma_c_row and wl_mma_c_col (wl_common.cuh), the layout every m16n8 shape shares.
 
 // ---- Shared memory ----
 
@@ -166,8 +164,8 @@ WL_HD void wl_mmq_epilogue(const int c[4], int lane, int row0, int tok0, int kk,
                            const float* sdw, const float* smw, const float* sxd, const int* sxs,
                            float acc[4], float ext[4]) {
     for (int reg = 0; reg < 4; reg++) {
-        const int sw = wl_mmq_slot(row0 + wl_mmq_c_row(lane, reg), kk);
-        const int sx = wl_mmq_slot(tok0 + wl_mmq_c_col(lane, reg), kk);
+        const int sw = wl_mmq_slot(row0 + wl_mma_c_row(lane, reg), kk);
+        const int sx = wl_mmq_slot(tok0 + wl_mma_c_col(lane, reg), kk);
         const float xd = sxd[sx];
         acc[reg] = WL_FMA(WL_MUL(sdw[2 * sw + h], xd), (float)c[reg], acc[reg]);
         if (kind != 0 && h == 0) {

@@ -793,8 +793,8 @@ extern "C" void wl_host_mmq_b(int lane, int reg, int byte, int* k, int* n) {
     *n = wl_mmq_b_n(lane);
 }
 extern "C" void wl_host_mmq_c(int lane, int reg, int* row, int* col) {
-    *row = wl_mmq_c_row(lane, reg);
-    *col = wl_mmq_c_col(lane, reg);
+    *row = wl_mma_c_row(lane, reg);
+    *col = wl_mma_c_col(lane, reg);
 }
 // The kernel's block shape and shared arrays: rows, tokens and groups a pass, threads, words of
 // staged weights and activations, entries of a per-group array of rows and of tokens.

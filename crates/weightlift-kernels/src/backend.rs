@@ -498,6 +498,29 @@ pub struct Product<'a, B> {
     pub y: &'a mut B,
 }
 
+impl<'a, B> Product<'a, B> {
+    /// This member of an [`Op::MatmulShared`] of `x`, whose shared fields are `(mode, act,
+    /// cols, n_tok, max_dq_size)`, as its own [`Op::Matmul`].
+    pub fn alone(
+        self,
+        (mode, act, cols, n_tok, max_dq_size): (MatvecMode, FloatType, usize, usize, usize),
+        x: &'a B,
+    ) -> Op<'a, B> {
+        Op::Matmul {
+            ty: self.ty,
+            mode,
+            act,
+            rows: self.rows,
+            cols,
+            n_tok,
+            max_dq_size,
+            w: self.w,
+            x,
+            y: self.y,
+        }
+    }
+}
+
 /// [`Op::MatmulShared`] as one [`Op::Matmul`] per member, each given to `run` (a backend's
 /// own dispatch, which does not count them again), for a backend with nothing to share. Any
 /// other op goes to `run` as it is.
@@ -518,18 +541,7 @@ pub fn matmul_each<'a, B>(
         return run(op);
     };
     for p in products {
-        run(Op::Matmul {
-            ty: p.ty,
-            mode,
-            act,
-            rows: p.rows,
-            cols,
-            n_tok,
-            max_dq_size,
-            w: p.w,
-            x,
-            y: p.y,
-        })?;
+        run(p.alone((mode, act, cols, n_tok, max_dq_size), x))?;
     }
     Ok(())
 }

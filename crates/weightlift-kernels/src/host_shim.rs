@@ -1135,6 +1135,23 @@ pub fn attention_prefill(
     Ok(())
 }
 
+/// The error of a lane wrapper of `op` (the `fa_mma` and `mmq` replays).
+fn lane_error(op: &'static str, reason: String) -> crate::error::KernelError {
+    crate::error::KernelError::Shape { op, reason }
+}
+
+/// Fails unless `x < n`: an index the header trusts, checked by a wrapper of `op`.
+fn below(op: &'static str, what: &str, x: usize, n: usize) -> crate::error::Result<i32> {
+    if x < n {
+        Ok(x as i32)
+    } else {
+        Err(lane_error(
+            op,
+            format!("{what} {x}: the kernel's are below {n}"),
+        ))
+    }
+}
+
 /// The lane arithmetic of `attention_prefill_mma_{format}` (`kernels/wl_fa_mma.cuh`), one
 /// function of the header each, for a test that replays the kernel's warps on the host: the
 /// m16n8k16 fragment maps (which matrix element each lane's register halves hold), where the
@@ -1213,19 +1230,13 @@ pub mod fa_mma {
     }
 
     fn bad(reason: String) -> KernelError {
-        KernelError::Shape {
-            op: "host mma attention lane",
-            reason,
-        }
+        super::lane_error(OP, reason)
     }
 
-    /// Fails unless `x < n` (an index the header trusts).
+    const OP: &str = "host mma attention lane";
+
     fn below(what: &str, x: usize, n: usize) -> Result<i32> {
-        if x < n {
-            Ok(x as i32)
-        } else {
-            Err(bad(format!("{what} {x}: the kernel's are below {n}")))
-        }
+        super::below(OP, what, x, n)
     }
 
     /// Fails unless the head is one the kernel takes (64 or 128 values).
@@ -1609,19 +1620,13 @@ pub mod mmq {
     }
 
     fn bad(reason: String) -> KernelError {
-        KernelError::Shape {
-            op: "host q8 mma lane",
-            reason,
-        }
+        super::lane_error(OP, reason)
     }
 
-    /// Fails unless `x < n` (an index the header trusts).
+    const OP: &str = "host q8 mma lane";
+
     fn below(what: &str, x: usize, n: usize) -> Result<i32> {
-        if x < n {
-            Ok(x as i32)
-        } else {
-            Err(bad(format!("{what} {x}: the kernel's are below {n}")))
-        }
+        super::below(OP, what, x, n)
     }
 
     /// A: (row, column) of byte `byte` of register `reg` of `lane`.

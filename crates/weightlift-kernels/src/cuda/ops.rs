@@ -215,20 +215,7 @@ impl CudaBackend {
                 // each member as its own product, the activations rounded once for those that
                 // take cuBLAS
                 let shape = (mode, act, cols, n_tok, max_dq_size);
-                self.matmul_shared_cublas(shape, x, products, |p| {
-                    self.run_op(Op::Matmul {
-                        ty: p.ty,
-                        mode,
-                        act,
-                        rows: p.rows,
-                        cols,
-                        n_tok,
-                        max_dq_size,
-                        w: p.w,
-                        x,
-                        y: p.y,
-                    })
-                })?;
+                self.matmul_shared_cublas(shape, x, products, |p| self.run_op(p.alone(shape, x)))?;
             }
             Op::MatmulSwiGlu {
                 mode,
