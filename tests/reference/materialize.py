@@ -10,6 +10,10 @@ GPU run lays out the few files its tests read this way).
 llama.cpp, transformers and the `safetensors` package wrote. Files already present with the
 right hash are left alone.
 
+Large files are unpacked from xz; some were packed as byte planes (all first bytes of the
+payload's words, then all second bytes, ...) after a header kept as is, and some of those as
+the XOR of their payload with another file's, which is laid out and checked first.
+
 Two kinds of file are rebuilt rather than unpacked:
 - the sharded safetensors copy is written again by the `safetensors` package from the single
   file's tensors, in the index's shards;
@@ -134,6 +138,8 @@ class Builder:
             return (HERE / rel).read_bytes()
         if how == "xz":
             return lzma.decompress((HERE / entry["from"]).read_bytes())
+        if how in ("xz-planes", "xz-xor-planes"):
+            return self.planes(rel, entry)
         if how == "same":
             return self.get(entry["from"])
         if how == "shard":
@@ -141,6 +147,25 @@ class Builder:
         if how == "gguf":
             return self.gguf(entry)
         raise ReferenceError(f"{rel}: unknown way '{how}' in manifest.json")
+
+    def planes(self, rel: str, entry: dict) -> bytes:
+        """A file packed as its header, then its payload's words as byte planes (XORed with the
+        payload of `entry["xor"]` first, for `xz-xor-planes`)."""
+        data = lzma.decompress((HERE / entry["from"]).read_bytes())
+        start, word = entry["header_bytes"], entry["word"]
+        if (len(data) - start) % word:
+            raise ReferenceError(f"{rel}: {len(data) - start} payload bytes are not whole words")
+        payload = np.frombuffer(data, dtype=np.uint8, offset=start).reshape(word, -1).T
+        if entry["how"] == "xz-planes":
+            return data[:start] + payload.tobytes()
+        other = self.get(entry["xor"])
+        if len(other) != len(data):
+            raise ReferenceError(
+                f"{rel}: unpacks to {len(data)} bytes, but {entry['xor']}, whose payload is "
+                f"XORed into it, has {len(other)}; manifest.json and the packed files disagree"
+            )
+        mixed = np.frombuffer(other, dtype=np.uint8, offset=start).reshape(-1, word)
+        return data[:start] + np.bitwise_xor(payload, mixed).tobytes()
 
     def shard(self, names: list[str]) -> bytes:
         from safetensors import TensorSpec, serialize

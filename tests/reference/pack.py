@@ -8,7 +8,12 @@ and how `materialize.py` gives every file back (each checked against the sha256 
 original, recorded in `manifest.json`):
 
 - small JSON files are copied as they are;
-- large files are xz-compressed (`.xz`), byte for byte;
+- large files are xz-compressed, each in the smallest of three ways: byte for byte (`.xz`);
+  with the words after the header (float32 logits, bf16 weights) split into byte planes, all
+  first bytes, then all second bytes, ... (`.planes.xz`: the plane of sign and exponent
+  bytes compresses well, where whole words hardly do); or, for a file of logits close to another
+  file's, the bitwise XOR of their payloads in byte planes (`.xor-planes.xz`: equal sign,
+  exponent and leading mantissa bits XOR to zero bytes);
 - a GGUF keeps only its header (metadata and tensor table, xz-compressed): its tensor bytes
   are quantised again from the safetensors weights and must hash to llama.cpp's file;
 - the sharded safetensors copy is not kept: it is written again from the single file by the
@@ -22,6 +27,7 @@ original, recorded in `manifest.json`):
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import lzma
 import shutil
@@ -49,15 +55,17 @@ COPY = [
     "smollm2-135m/prompts.json",
     "smollm2-135m/stats.json",
 ]
-COMPRESS = [
-    "tiny-llama/safetensors/model.safetensors",
-    "tiny-llama/safetensors/tokenizer.json",
-    "tiny-llama/hf_logits.npy",
-    "tiny-llama/hf_dequant_logits_Q8_0.npy",
-    "tiny-llama/hf_dequant_logits_Q6_K.npy",
-    "tiny-llama/hf_dequant_logits_Q4_K_M.npy",
-    "smollm2-135m/hf_logits_1.npy",
-]
+# file -> the size of its words, for byte planes, and the file whose payload its own is XORed
+# with before the planes are split (None: that way is not tried).
+COMPRESS: dict[str, tuple[int | None, str | None]] = {
+    "tiny-llama/safetensors/model.safetensors": (2, None),
+    "tiny-llama/safetensors/tokenizer.json": (None, None),
+    "tiny-llama/hf_logits.npy": (4, None),
+    "tiny-llama/hf_dequant_logits_Q8_0.npy": (4, "tiny-llama/hf_logits.npy"),
+    "tiny-llama/hf_dequant_logits_Q6_K.npy": (4, "tiny-llama/hf_logits.npy"),
+    "tiny-llama/hf_dequant_logits_Q4_K_M.npy": (4, "tiny-llama/hf_logits.npy"),
+    "smollm2-135m/hf_logits_1.npy": (4, None),
+}
 GGUFS = ["Q8_0", "Q6_K", "Q4_K_M"]
 SHARDED = "tiny-llama/safetensors-sharded"
 LLAMACPP_TOP = {
@@ -81,6 +89,51 @@ def write(rel: str, data: bytes) -> None:
 
 def xz(data: bytes) -> bytes:
     return lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
+
+
+def header_bytes(rel: str, data: bytes) -> int:
+    """Where the words start: after an `.npy` file's header, or a safetensors file's."""
+    if rel.endswith(".npy"):
+        stream = io.BytesIO(data)
+        fmt = np.lib.format
+        if fmt.read_magic(stream) == (1, 0):
+            fmt.read_array_header_1_0(stream)
+        else:
+            fmt.read_array_header_2_0(stream)
+        return stream.tell()
+    if rel.endswith(".safetensors"):
+        return 8 + int.from_bytes(data[:8], "little")
+    raise ValueError(f"{rel}: no known header to keep before byte planes")
+
+
+def byte_planes(payload: bytes, word: int) -> bytes:
+    """The `word`-byte words' first bytes, then their second bytes, and so on."""
+    return np.frombuffer(payload, dtype=np.uint8).reshape(-1, word).T.tobytes()
+
+
+def compressed(
+    rel: str, data: bytes, word: int | None, xor: str | None, src: Path
+) -> tuple[dict, bytes]:
+    """The smallest of the ways to xz `rel` that apply: (the manifest entry, the `.xz` bytes)."""
+    ways = [({"how": "xz", "from": rel + ".xz"}, xz(data))]
+    if word is not None:
+        start = header_bytes(rel, data)
+        assert (len(data) - start) % word == 0, f"{rel}: payload is not whole {word}-byte words"
+        planes = {"header_bytes": start, "word": word}
+        payload = data[start:]
+        entry = {"how": "xz-planes", "from": rel + ".planes.xz", **planes}
+        ways.append((entry, xz(data[:start] + byte_planes(payload, word))))
+        if xor is not None:
+            other = (src / xor).read_bytes()
+            assert header_bytes(xor, other) == start and len(other) == len(data), (
+                f"{rel}: {xor} does not lay out its payload as {rel} does"
+            )
+            mixed = np.bitwise_xor(
+                np.frombuffer(payload, dtype=np.uint8), np.frombuffer(other[start:], np.uint8)
+            ).tobytes()
+            entry = {"how": "xz-xor-planes", "from": rel + ".xor-planes.xz", **planes, "xor": xor}
+            ways.append((entry, xz(data[:start] + byte_planes(mixed, word))))
+    return min(ways, key=lambda way: len(way[1]))
 
 
 def top_k(logits: np.ndarray) -> dict:
@@ -122,10 +175,11 @@ def main(src: Path) -> None:
         data = (src / rel).read_bytes()
         write(rel, data)
         manifest["files"][rel] = {"sha256": sha256(data), "how": "copy"}
-    for rel in COMPRESS:
+    for rel, (word, xor) in COMPRESS.items():
         data = (src / rel).read_bytes()
-        write(rel + ".xz", xz(data))
-        manifest["files"][rel] = {"sha256": sha256(data), "how": "xz", "from": rel + ".xz"}
+        entry, packed = compressed(rel, data, word, xor, src)
+        write(entry["from"], packed)
+        manifest["files"][rel] = {"sha256": sha256(data), **entry}
     for ty in GGUFS:
         rel = f"tiny-llama/gguf/tiny-llama-{ty}.gguf"
         data = (src / rel).read_bytes()
@@ -158,12 +212,12 @@ def main(src: Path) -> None:
         manifest["files"][out] = {"sha256": sha256((HERE / out).read_bytes()), "how": "copy"}
     rows = np.load(src / "smollm2-135m/hf_logits_2.npy")[SMOL_PROMPT2_ROWS]
     rel = "smollm2-135m/hf_logits_2_rows.npy"
-    tmp = HERE / "rows.tmp.npy"
-    np.save(tmp, np.ascontiguousarray(rows, dtype="<f4"))
-    data = tmp.read_bytes()
-    tmp.unlink()
-    write(rel + ".xz", xz(data))
-    manifest["files"][rel] = {"sha256": sha256(data), "how": "xz", "from": rel + ".xz"}
+    stream = io.BytesIO()
+    np.save(stream, np.ascontiguousarray(rows, dtype="<f4"))
+    data = stream.getvalue()
+    entry, packed = compressed(rel, data, 4, None, src)
+    write(entry["from"], packed)
+    manifest["files"][rel] = {"sha256": sha256(data), **entry}
     positions = {"positions": SMOL_PROMPT2_ROWS, "of": "hf_logits_2.npy", "n_positions": 41}
     write("smollm2-135m/hf_logits_2_rows.json", (json.dumps(positions) + "\n").encode())
     manifest["files"]["smollm2-135m/hf_logits_2_rows.json"] = {
