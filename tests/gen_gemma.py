@@ -4,11 +4,11 @@ and the logits transformers computes for them.
 
 Nothing here is weightlift code: the vocabulary is trained by the sentencepiece library, the
 weights come from ``Gemma3ForCausalLM`` / ``Gemma2ForCausalLM`` (rounded to f16, see
-``tests/fixture_lib.py``), the GGUF files from the
-``convert_hf_to_gguf.py`` and gguf-py vendored in the llama-cpp-python 0.3.36 sdist
-(``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), and the reference logits and greedy
-continuations from transformers (eager attention: gemma2's attention soft-capping is eager-only),
-and llama.cpp's logits for the GGUF files from llama-cpp-python 0.3.36.
+``tests/fixture_lib.py``), the F16 GGUF from the ``convert_hf_to_gguf.py`` and gguf-py vendored in
+the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the Q8_0 GGUF
+from it by llama.cpp's quantiser, and the reference logits and greedy continuations from
+transformers (eager attention: gemma2's attention soft-capping is eager-only), and llama.cpp's
+logits for the GGUF files from llama-cpp-python 0.3.36.
 
 Run it in the venv of ``tests/gen_qwen2.py`` (with sentencepiece 0.2.3)::
 
