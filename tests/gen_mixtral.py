@@ -83,13 +83,17 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def fix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fix(
+    sd: dict[str, torch.Tensor], n_head: int = N_HEADS, n_kv_head: int = N_KV_HEADS
+) -> dict[str, torch.Tensor]:
+    """The GGUF's tensors as transformers holds them: experts fused, q/k rows unpermuted (of a
+    model with `n_head` query heads and `n_kv_head` KV heads)."""
     sd = fl.fuse_experts(sd)
     for k in sd:
         if k.endswith("q_proj.weight"):
-            sd[k] = unpermute(sd[k], N_HEADS)
+            sd[k] = unpermute(sd[k], n_head)
         elif k.endswith("k_proj.weight"):
-            sd[k] = unpermute(sd[k], N_KV_HEADS)
+            sd[k] = unpermute(sd[k], n_kv_head)
     return sd
 
 
