@@ -39,7 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
 SDIST = REPO / ".cache" / "wheels" / "llama_cpp_python-0.3.36.tar.gz"
 VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-# The GGUF copies of every family: the f16 weights as they are, and llama.cpp's 8-bit blocks.
+# The GGUF copies of every family: the f16 weights as they are (llama.cpp's converter), and
+# llama.cpp's 8-bit blocks (its quantiser, from the F16 file).
 GGUF_TYPES = ["F16", "Q8_0"]
 # Perturbed norm weights sit on this grid, so that they, and the 1 + w gemma's converter
 # stores, are exact in f16.
@@ -269,12 +270,18 @@ def write_ggufs(
     fix: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     types: list[str] = GGUF_TYPES,
 ) -> dict[str, object]:
-    """`stem-F16.gguf` and `stem-Q8_0.gguf` (or those of `types`) converted from `out`, with what
-    each is measured against (see `measure_gguf`)."""
+    """`stem-F16.gguf` (or those of `types`, F16 first) with what each is measured against (see
+    `measure_gguf`): F16 converted from `out` by llama.cpp's converter, every other type
+    quantised from that file by llama.cpp's quantiser (`quantize`), as llama.cpp's users make
+    them."""
     entries: dict[str, object] = {}
+    assert not types or types[0] == "F16", types
     for ty in types:
         dest = out / f"{stem}-{ty}.gguf"
-        convert(out, ty.lower(), dest, root, pre, args)
+        if ty == "F16":
+            convert(out, "f16", dest, root, pre, args)
+        else:
+            quantize(out / f"{stem}-F16.gguf", dest, ty)
         entries[ty] = measure_gguf(
             out,
             dest,
@@ -340,13 +347,16 @@ def measure_gguf(
     return entry
 
 
-# llama.cpp's quantiser's file types, by the name its `llama-quantize` tool gives them.
-FTYPES = {"Q4_K_M": 15}
+# llama.cpp's quantiser's file types (`llama_ftype`), by the name its `llama-quantize` tool
+# gives them.
+FTYPES = {"Q8_0": 7, "Q4_K_M": 15}
 
 
 def quantize(src: Path, dest: Path, ftype: str) -> None:
-    """`src` (an F16 GGUF) quantised by llama.cpp (`llama_model_quantize`, no importance
-    matrix) to `ftype`, whose mix of block types is llama.cpp's own choice per tensor."""
+    """`src` (an F16 GGUF) quantised by llama.cpp (`llama_model_quantize`, 2 threads, no
+    importance matrix) to `ftype`, whose mix of block types is llama.cpp's own choice per tensor
+    (it leaves 1-D tensors and the MoE routers as they are, and falls back to another type for
+    rows not a multiple of the block wide)."""
     import ctypes
 
     import llama_cpp

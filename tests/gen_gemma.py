@@ -4,11 +4,11 @@ and the logits transformers computes for them.
 
 Nothing here is weightlift code: the vocabulary is trained by the sentencepiece library, the
 weights come from ``Gemma3ForCausalLM`` / ``Gemma2ForCausalLM`` (rounded to f16, see
-``tests/fixture_lib.py``), the GGUF files from the
-``convert_hf_to_gguf.py`` and gguf-py vendored in the llama-cpp-python 0.3.36 sdist
-(``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), and the reference logits and greedy
-continuations from transformers (eager attention: gemma2's attention soft-capping is eager-only),
-and llama.cpp's logits for the GGUF files from llama-cpp-python 0.3.36.
+``tests/fixture_lib.py``), the F16 GGUF from the ``convert_hf_to_gguf.py`` and gguf-py vendored in
+the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the Q8_0 GGUF
+from it by llama.cpp's quantiser, and the reference logits and greedy continuations from
+transformers (eager attention: gemma2's attention soft-capping is eager-only), and llama.cpp's
+logits for the GGUF files from llama-cpp-python 0.3.36.
 
 Run it in the venv of ``tests/gen_qwen2.py`` (with sentencepiece 0.2.3)::
 
@@ -27,7 +27,9 @@ What each fixture exercises:
 - both: every norm weight drawn in [-0.5, 0.5] (the model multiplies by 1 + w, so a norm applied
   as w alone shows; on a grid of 2^-8, so that the 1 + w the converter stores is exact in f16),
   four norms per layer, GeGLU with the tanh GELU, embeddings scaled by
-  √hidden, a tied head.
+  √hidden, a tied head; ``query_pre_attn_scalar`` = head_dim = 16, and a second reference,
+  ``hf_logits_query_scalar_32.npy``, with the config's scalar set to hidden / heads = 32 (the
+  GGUF has no such key: llama.cpp takes head_dim, or hidden / heads for the 27B models).
 
 The vocabulary is a SentencePiece BPE with byte fallback trained on a toy corpus, with Gemma's
 special-token layout (<pad> 0, <eos> 1, <bos> 2, <unk> 3, <mask> 4, <start_of_turn> 5,
@@ -372,9 +374,14 @@ def build(family: str, root: Path, sp_model: bytes) -> dict[str, object]:
         sens["no_final_softcap"] = fl.stats(
             ref, fl.logits(variant(model, final_logit_softcapping=None), ids)
         )
-        sens["scale_by_hidden_over_heads_not_query_pre_attn_scalar"] = fl.stats(
-            ref, fl.logits(variant(model, query_pre_attn_scalar=32), ids)
-        )
+    # query_pre_attn_scalar is head_dim here, the scale every other family takes: a second
+    # reference with hidden / heads instead (llama.cpp's choice for the 27B models), which a
+    # config's scalar read wrongly, or not at all, would miss.
+    scalar = kw["hidden_size"] // kw["num_attention_heads"]
+    assert scalar != kw["query_pre_attn_scalar"] == kw["head_dim"], scalar
+    scaled = fl.logits(variant(model, query_pre_attn_scalar=scalar), ids)
+    np.save(out / f"hf_logits_query_scalar_{scalar}.npy", scaled)
+    sens["scale_by_hidden_over_heads_not_query_pre_attn_scalar"] = fl.stats(ref, scaled)
 
     def load(sd):
         # the converter's + 1 is taken off the norms by fl.gguf_state_dict
@@ -403,6 +410,7 @@ def build(family: str, root: Path, sp_model: bytes) -> dict[str, object]:
         "top1_minus_top2": fl.margins(ref),
         "noise_floor": {"float32_vs_float64": fl.stats(ref, ref64)},
         "sensitivity": sens,
+        "query_scalar": {"value": scalar, "top1_minus_top2": fl.margins(scaled)},
     }
     chat_ids = tok.apply_chat_template(
         report["chat"]["messages"], tokenize=True, add_generation_prompt=True, return_dict=False

@@ -1,10 +1,11 @@
 """Regenerate ``tests/data/tiny-mixtral/``: a tiny random Mixtral made by transformers, converted
 to GGUF by llama.cpp's own converter, and the logits transformers computes for it.
 
-Nothing here is weightlift code: the weights come from ``MixtralForCausalLM`` (rounded to f16,
-see ``tests/fixture_lib.py``), the GGUF files from the ``convert_hf_to_gguf.py`` and gguf-py
-vendored in the llama-cpp-python 0.3.36 sdist, the reference logits, greedy ids and the routing
-from transformers, and llama.cpp's logits for the GGUF files from llama-cpp-python 0.3.36.
+Nothing here is weightlift code: the weights come from ``MixtralForCausalLM`` (rounded to f16, see
+``tests/fixture_lib.py``), the F16 GGUF from the ``convert_hf_to_gguf.py`` and gguf-py vendored in
+the llama-cpp-python 0.3.36 sdist, the Q8_0 GGUF from it by llama.cpp's quantiser, the reference
+logits, greedy ids and the routing from transformers, and llama.cpp's logits for the GGUF files
+from llama-cpp-python 0.3.36.
 
 It runs in a venv with torch 2.13.0, transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3,
 numpy 2.4.6 and llama-cpp-python 0.3.36::
@@ -41,7 +42,7 @@ CONFIG = dict(
     vocab_size=gen_qwen3.VOCAB,
     hidden_size=32,
     # Mixtral's experts are intermediate_size wide. 16 is below llama.cpp's Q8_0 block of 32, so
-    # the Q8_0 file keeps ffn_down_exps in F16 (the converter's fallback): one file holds
+    # the Q8_0 file keeps ffn_down_exps in F16 (llama.cpp's quantiser's fallback): one file holds
     # quantised and float experts.
     intermediate_size=16,
     num_local_experts=N_EXPERTS,
@@ -82,13 +83,17 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def fix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fix(
+    sd: dict[str, torch.Tensor], n_head: int = N_HEADS, n_kv_head: int = N_KV_HEADS
+) -> dict[str, torch.Tensor]:
+    """The GGUF's tensors as transformers holds them: experts fused, q/k rows unpermuted (of a
+    model with `n_head` query heads and `n_kv_head` KV heads)."""
     sd = fl.fuse_experts(sd)
     for k in sd:
         if k.endswith("q_proj.weight"):
-            sd[k] = unpermute(sd[k], N_HEADS)
+            sd[k] = unpermute(sd[k], n_head)
         elif k.endswith("k_proj.weight"):
-            sd[k] = unpermute(sd[k], N_KV_HEADS)
+            sd[k] = unpermute(sd[k], n_kv_head)
     return sd
 
 

@@ -9,10 +9,10 @@ follows the longest position of a call, and in llama.cpp, whose choice follows t
 64), and the first ORIGINAL ids alone with the short ones (``hf_logits_short.npy``).
 
 Nothing here is weightlift code: the weights come from ``Phi3ForCausalLM`` (rounded to f16, see
-``tests/fixture_lib.py``), the GGUF files from the ``convert_hf_to_gguf.py`` and gguf-py vendored
-in the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the
-reference logits and greedy ids from transformers, and llama.cpp's logits for the GGUF files
-from llama-cpp-python 0.3.36.
+``tests/fixture_lib.py``), the F16 GGUF from the ``convert_hf_to_gguf.py`` and gguf-py vendored in
+the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the Q8_0 GGUF
+from it by llama.cpp's quantiser, the reference logits and greedy ids from transformers, and
+llama.cpp's logits for the GGUF files from llama-cpp-python 0.3.36.
 
 It runs in the venv of ``tests/gen_qwen2.py``::
 

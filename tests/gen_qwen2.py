@@ -2,9 +2,9 @@
 GGUF by llama.cpp's own converter, and the logits transformers computes for it.
 
 Nothing here is weightlift code: the weights come from ``Qwen2ForCausalLM`` (rounded to f16, see
-``tests/fixture_lib.py``), the GGUF files from the ``convert_hf_to_gguf.py`` and gguf-py vendored
-in the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), and the
-reference logits from transformers.
+``tests/fixture_lib.py``), the F16 GGUF from the ``convert_hf_to_gguf.py`` and gguf-py vendored in
+the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the Q8_0 GGUF
+from it by llama.cpp's quantiser, and the reference logits from transformers.
 
 It runs in a venv of its own (a few GB: PyPI's torch wheel brings the CUDA libraries, which stay
 unused)::

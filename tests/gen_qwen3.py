@@ -2,10 +2,10 @@
 converted to GGUF by llama.cpp's own converter, and the logits transformers computes for it.
 
 Nothing here is weightlift code: the weights come from ``Qwen3ForCausalLM`` (rounded to f16, see
-``tests/fixture_lib.py``), the GGUF files from the ``convert_hf_to_gguf.py`` and gguf-py vendored
-in the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the
-reference logits and greedy ids from transformers, and llama.cpp's logits for the GGUF files
-from llama-cpp-python 0.3.36.
+``tests/fixture_lib.py``), the F16 GGUF from the ``convert_hf_to_gguf.py`` and gguf-py vendored in
+the llama-cpp-python 0.3.36 sdist (``.cache/wheels/llama_cpp_python-0.3.36.tar.gz``), the Q8_0 GGUF
+from it by llama.cpp's quantiser, the reference logits and greedy ids from transformers, and
+llama.cpp's logits for the GGUF files from llama-cpp-python 0.3.36.
 
 It runs in a venv with torch 2.13.0, transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3,
 numpy 2.4.6 and llama-cpp-python 0.3.36::

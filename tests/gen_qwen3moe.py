@@ -6,10 +6,11 @@ wide as the hidden size, as every released Qwen3-MoE has them. With ``--mixed``,
 (``decoder_sparse_step`` 2 and ``mlp_only_layers`` [3]), the others running a dense MLP; no GGUF,
 as llama.cpp's converter refuses such a checkpoint (its refusal is recorded in ``stats.json``).
 
-Nothing here is weightlift code: the weights come from ``Qwen3MoeForCausalLM`` (rounded to f16,
-see ``tests/fixture_lib.py``), the GGUF files from the ``convert_hf_to_gguf.py`` and gguf-py
-vendored in the llama-cpp-python 0.3.36 sdist, the reference logits, greedy ids and the routing
-from transformers, and llama.cpp's logits for the GGUF files from llama-cpp-python 0.3.36.
+Nothing here is weightlift code: the weights come from ``Qwen3MoeForCausalLM`` (rounded to f16, see
+``tests/fixture_lib.py``), the F16 GGUF from the ``convert_hf_to_gguf.py`` and gguf-py vendored in
+the llama-cpp-python 0.3.36 sdist, the Q8_0 GGUF from it by llama.cpp's quantiser, the reference
+logits, greedy ids and the routing from transformers, and llama.cpp's logits for the GGUF files
+from llama-cpp-python 0.3.36.
 
 It runs in a venv with torch 2.13.0, transformers 5.23.0, safetensors 0.8.0, tokenizers 0.23.3,
 numpy 2.4.6 and llama-cpp-python 0.3.36::

@@ -4,13 +4,15 @@ transformers and llama.cpp compute for it.
 
 The tiny fixtures (``tests/data/tiny-<family>``) are 32-128 values wide, and Q4_K and Q6_K blocks
 are 256 wide: llama.cpp's quantiser falls back to Q5_0 and Q8_0 for every matrix of them. Here
-every matrix's input width is a multiple of 256 (hidden 256, heads of 64), each model made by
-its family's own generator (``make_model`` with this module's config overrides: the same recipe,
-norm perturbation, f16 rounding and tokenizer), converted to an F16 GGUF by the vendored
-converter and quantised by ``llama_model_quantize`` (``MOSTLY_Q4_K_M``: Q4_K, with Q6_K where
-llama.cpp spends more bits). Only the Q4_K_M file and the logits are kept; the f16 weights are
-made again by this script (two runs give byte-identical files; ``stats.json`` holds the sha256
-of every file, the F16 GGUF's too).
+every matrix's input width is 256 (hidden 256, 4 query heads of 64, an MLP or experts 256 wide),
+and nothing else is wider than the check needs (1 KV head, 1 layer; 2 for the gemmas, a sliding
+and a global one; 3 experts for the MoE families), each model made by its family's own
+generator (``make_model`` with this module's config overrides: the same recipe, norm
+perturbation, f16 rounding and tokenizer), converted to an F16 GGUF by the vendored converter
+and quantised by ``llama_model_quantize`` (``MOSTLY_Q4_K_M``: Q4_K, with Q6_K where llama.cpp
+spends more bits). Only the Q4_K_M file and the logits the tests read are kept; the f16 weights
+are made again by this script (two runs give byte-identical files; ``stats.json`` holds the
+sha256 of every file, the F16 GGUF's too).
 
 Nothing here is weightlift code. It runs in the venv of ``tests/gen_qwen3.py``::
 
@@ -44,16 +46,21 @@ QUANT = "Q4_K_M"
 # The block types a Q4_K_M file may hold for a matrix whose rows are multiples of 256 wide:
 # anything else is a fallback, and the file would not test what it is for.
 K_TYPES = {"Q4_K", "Q6_K"}
-# Every family's width: hidden 256, 4 heads of 64 (so the attention output's rows are 256
-# wide), 2 KV heads. The init's spread is halved from the tiny fixtures' 0.2, as the fan-in is
-# 4 times theirs: activations and logits keep the same scale.
+# Every family's shape: hidden 256 and 4 heads of 64 (the attention output's rows are 256 wide),
+# an MLP 256 wide (the down projection's rows), so that every matrix is Q4_K or Q6_K; otherwise
+# as small as the files can be: 1 KV head, 1 layer. The init's spread is halved from the tiny
+# fixtures' 0.2, as the fan-in is 4 times theirs: activations and logits keep the same scale.
 WIDE = dict(
     hidden_size=256,
     num_attention_heads=4,
-    num_key_value_heads=2,
+    num_key_value_heads=1,
     head_dim=64,
+    intermediate_size=256,
+    num_hidden_layers=1,
     initializer_range=0.1,
 )
+# The MoE siblings route 2 of 3 experts (the tiny fixtures' 2 of 4).
+N_EXPERTS = 3
 
 
 @dataclass
@@ -73,6 +80,8 @@ class Recipe:
     fix: Callable | None = None
     # the model from the config overrides, when the family's make_model takes more than them
     make: Callable[[dict], torch.nn.Module] | None = None
+    # write the config's layer_types into the GGUF as llama.cpp's sliding-window pattern
+    swa_pattern: bool = False
 
 
 def qwen_tokenizer(n_ids: int) -> Callable[[Path], list[int]]:
@@ -134,29 +143,38 @@ def recipes() -> dict[str, Recipe]:
         "qwen3": Recipe(
             "gen_qwen3",
             "qwen3",
-            dict(WIDE, intermediate_size=512),
+            WIDE,
             qwen_tokenizer(gen_qwen3.N_IDS),
             gen_qwen3.GGUF_TO_HF,
             lambda p: fl.gguf_metadata(p, "qwen3", gen_qwen3.METADATA),
             pre="qwen2",
         ),
-        # 6 layers, as tiny-gemma3: llama.cpp's pattern of 5 sliding layers and a global one
+        # a sliding layer and a global one, named in the config: transformers' default (and
+        # llama.cpp's, without a pattern in the GGUF) is 5 sliding layers and a global one
         "gemma3": Recipe(
             "gen_gemma",
             "gemma3",
-            dict(WIDE, intermediate_size=256, num_key_value_heads=1, query_pre_attn_scalar=64),
+            dict(
+                WIDE,
+                num_hidden_layers=2,
+                layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=64,
+            ),
             gemma_tokenizer,
             gen_gemma.GGUF_TO_HF,
             lambda p: gen_gemma.gguf_metadata(p, "gemma3"),
             norm_shift=1.0,
             make=lambda o: gen_gemma.make_model("gemma3", overrides=o),
+            swa_pattern=True,
         ),
+        # 2 layers: one layer's fused q/k/v and down projection are Q6_K (where llama.cpp spends
+        # more bits), and the other's Q4_K, so that Q4_K holds most matrices
         "phi3": Recipe(
             "gen_phi3",
             "phi3",
             {
                 **{k: v for k, v in WIDE.items() if k != "head_dim"},
-                "intermediate_size": 256,
+                "num_hidden_layers": 2,
                 "rope_parameters": phi3_rope(),
             },
             phi3_tokenizer,
@@ -168,29 +186,32 @@ def recipes() -> dict[str, Recipe]:
         "mixtral": Recipe(
             "gen_mixtral",
             "llama",
-            dict(WIDE, intermediate_size=256),
+            dict(WIDE, num_local_experts=N_EXPERTS),
             qwen_tokenizer(gen_mixtral.N_IDS),
             gen_mixtral.GGUF_TO_HF,
             lambda p: fl.gguf_metadata(p, "llama", gen_qwen3.METADATA),
             pre="qwen2",
-            fix=gen_mixtral.fix,
+            fix=lambda sd: gen_mixtral.fix(
+                sd, WIDE["num_attention_heads"], WIDE["num_key_value_heads"]
+            ),
         ),
         "qwen3moe": Recipe(
             "gen_qwen3moe",
             "qwen3moe",
             # the unused dense width wider than an expert, as Qwen3-30B-A3B's (6144 over 768):
             # the engine sizes its device workspace for the wider of the two
-            dict(WIDE, moe_intermediate_size=256, intermediate_size=512),
+            dict(WIDE, moe_intermediate_size=256, intermediate_size=512, num_experts=N_EXPERTS),
             qwen_tokenizer(gen_qwen3moe.N_IDS),
             gen_qwen3moe.GGUF_TO_HF,
             lambda p: fl.gguf_metadata(p, "qwen3moe", gen_qwen3.METADATA),
             pre="qwen2",
             fix=fl.fuse_experts,
         ),
+        # 2 layers, as tiny-gemma2: a sliding one and a global one (llama.cpp's pattern of 2)
         "gemma2": Recipe(
             "gen_gemma",
             "gemma2",
-            dict(WIDE, intermediate_size=256, num_key_value_heads=1, query_pre_attn_scalar=64),
+            dict(WIDE, num_hidden_layers=2, query_pre_attn_scalar=64),
             gemma_tokenizer,
             gen_gemma.GGUF_TO_HF,
             lambda p: gen_gemma.gguf_metadata(p, "gemma2"),
@@ -200,7 +221,7 @@ def recipes() -> dict[str, Recipe]:
         "qwen2": Recipe(
             "gen_qwen2",
             "qwen2",
-            {**{k: v for k, v in WIDE.items() if k != "head_dim"}, "intermediate_size": 512},
+            {k: v for k, v in WIDE.items() if k != "head_dim"},
             qwen2_tokenizer,
             gen_qwen2.GGUF_TO_HF,
             lambda p: fl.gguf_metadata(p, "qwen2", gen_qwen2.METADATA),
@@ -241,7 +262,10 @@ def build(family: str, r: Recipe, root: Path) -> dict[str, object]:
         )
         f16 = src / f"wide-{family}-F16.gguf"
         fl.convert(src, "f16", f16, root, r.pre, r.args)
-        entries = {"F16": fl.measure_gguf(out, f16, "F16", model, ids, ref, **kw)}
+        if r.swa_pattern:
+            write_swa_pattern(f16, r.arch, model.config.layer_types)
+        # measured (llama.cpp's logits of it too), not kept: no test reads them
+        entries = {"F16": fl.measure_gguf(Path(tmp), f16, "F16", model, ids, ref, **kw)}
         q = out / f"wide-{family}-{QUANT}.gguf"
         fl.quantize(f16, q, QUANT)
         entries[QUANT] = fl.measure_gguf(out, q, QUANT, model, ids, ref, **kw)
@@ -276,6 +300,12 @@ def build(family: str, r: Recipe, root: Path) -> dict[str, object]:
             "llamacpp_F16_vs_hf": entries["F16"]["llamacpp_vs_hf_logits"],
         },
     }
+    if r.swa_pattern:
+        # how far the logits are with every layer sliding, as llama.cpp would run the file
+        # without the pattern (llama.cpp's F16 distance to transformers shows it follows it)
+        every = ["sliding_attention"] * len(model.config.layer_types)
+        sliding = fl.logits(__import__(r.module).variant(model, layer_types=every), ids)
+        report["every_layer_sliding_vs_hf"] = fl.stats(ref, sliding)
     if getattr(model.config, "num_experts_per_tok", None):
         # which experts each layer picks, and how near a tie the k-th pick is
         report["routing"] = fl.routing(model, ids)
@@ -283,6 +313,27 @@ def build(family: str, r: Recipe, root: Path) -> dict[str, object]:
     report["versions"] = fl.versions(root, sentencepiece=spm.__version__)
     fl.write_stats(out, report)
     return report
+
+
+def write_swa_pattern(path: Path, arch: str, layer_types: list[str]) -> None:
+    """`{arch}.attention.sliding_window_pattern` added to the GGUF at `path`: a flag per layer,
+    true where the config's `layer_types` slide. llama.cpp reads it when a file has it, and
+    otherwise takes its own period (6 for gemma3), which a model of fewer layers does not
+    follow; the converter writes none for gemma3. Added by gguf-py's own metadata copier (the
+    code of its ``gguf_new_metadata`` script), every tensor as it is."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    key = gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch)
+    flags = [t == "sliding_attention" for t in layer_types]
+    reader = gguf.GGUFReader(path)
+    assert reader.get_field(key) is None, f"{path}: {key} is there already"
+    tmp = path.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
+    copy_with_new_metadata(
+        reader, writer, {key: MetadataDetails(gguf.GGUFValueType.ARRAY, flags)}, []
+    )
+    tmp.replace(path)
 
 
 def seed_of(r: Recipe) -> int:

@@ -11,6 +11,7 @@
 use crate::common;
 
 use common::family::Family;
+use common::{max_abs_diff, read_npy};
 
 const FAMILIES: [Family; 2] = [Family("gemma3"), Family("gemma2")];
 
@@ -80,6 +81,39 @@ fn gguf_files_are_within_llama_cpps_distance_to_transformers() {
     }
 }
 
+/// The attention scale is `query_pre_attn_scalar^-½` from config.json. The fixtures' scalar is
+/// head_dim, the scale every other family takes, so the safetensors folder with the config's
+/// scalar set to hidden / heads is held to transformers' logits for that config
+/// (`hf_logits_query_scalar_<n>.npy`), which are far from `hf_logits.npy`, as the engine's are.
+#[test]
+fn query_pre_attn_scalar_is_read_from_the_config() {
+    for f in FAMILIES {
+        let config = f.config();
+        let get = |key: &str| config[key].as_u64().unwrap();
+        let scalar = get("hidden_size") / get("num_attention_heads");
+        assert_eq!(get("query_pre_attn_scalar"), get("head_dim"), "{}", f.0);
+        assert_ne!(scalar, get("head_dim"), "{}", f.0);
+        let npy = format!("hf_logits_query_scalar_{scalar}.npy");
+        let (_, want) = read_npy(&f.data().join(&npy));
+        let (_, head_dim) = read_npy(&f.data().join("hf_logits.npy"));
+        let gap = max_abs_diff(&want, &head_dim);
+        assert!(
+            gap > 0.1,
+            "{}: the scalar moves the logits by {gap} only",
+            f.0
+        );
+        let dir = f.with_config_set("query_pre_attn_scalar", scalar.into());
+        let out = f.exact_logits(dir.path(), false);
+        f.assert_matches(
+            &format!("safetensors, query_pre_attn_scalar {scalar}"),
+            &out,
+            &npy,
+        );
+        let moved = max_abs_diff(&out, &head_dim);
+        assert!(moved > 0.1, "{}: {moved} from hf_logits.npy", f.0);
+    }
+}
+
 /// The checks above would catch each gemma mistake: transformers' own logits with the mistake
 /// made (recorded by the generator) are far outside the 1e-3 tolerance.
 #[test]
@@ -99,10 +133,9 @@ fn the_checks_would_catch_each_mistake() {
     far("gemma3", "q_k_norm_weights_ignored");
     far("gemma2", "no_attention_softcap");
     far("gemma2", "no_final_softcap");
-    far(
-        "gemma2",
-        "scale_by_hidden_over_heads_not_query_pre_attn_scalar",
-    );
+    for Family(f) in FAMILIES {
+        far(f, "scale_by_hidden_over_heads_not_query_pre_attn_scalar");
+    }
     // the prompt is longer than the window, so the sliding layers' mask matters
     for f in FAMILIES {
         let s = f.stats();

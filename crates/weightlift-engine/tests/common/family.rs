@@ -403,6 +403,31 @@ impl Family {
         }
     }
 
+    /// The safetensors folder's `config.json`.
+    pub fn config(self) -> serde_json::Value {
+        let text = std::fs::read_to_string(self.data().join("config.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// A copy of the safetensors folder (its weights and config) with the config's `key` set to
+    /// `value`.
+    pub fn with_config_set(self, key: &str, value: serde_json::Value) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            self.data().join("model.safetensors"),
+            dir.path().join("model.safetensors"),
+        )
+        .unwrap();
+        let mut config = self.config();
+        config[key] = value;
+        std::fs::write(
+            dir.path().join("config.json"),
+            serde_json::to_string_pretty(&config).unwrap(),
+        )
+        .unwrap();
+        dir
+    }
+
     /// A copy of the safetensors folder (its config) with every tensor whose name `pick`
     /// accepts set to `value` throughout, in the tensor's own dtype; how many were set.
     pub fn with_tensors_set(
