@@ -927,21 +927,28 @@ impl Cache {
         self.check_span(layer, start, n as u64)?;
         let (hk, hv) = formats(self.config.dtype);
         let spans = byte_runs(self.config.rows(layer), start, n as u64, row, [hk, hv]);
+        // A run of rows is one contiguous span of whole rows in each format (every format
+        // encodes a row on its own), so it decodes in one call; keys and values decode side by
+        // side once a run is big enough to pay for the second thread.
+        let decode = |dst: &mut [f32], format: KvFormat, buf: &Buffer, (b0, b1): (usize, usize)| {
+            let Some(h) = buf.host() else {
+                return Err(EngineError::Unsupported {
+                    what: format!("reading cache rows on {}", buf.device().name()),
+                    detail: "the host forward pass reads host memory only".into(),
+                });
+            };
+            weightlift_kernels::kv_decode(format, &h[b0..b1], dst).map_err(kernel)
+        };
         let mut go = |kb: &Buffer, vb: &Buffer| -> Result<()> {
-            for (t0, count, [ks, vs]) in &spans {
-                for (dst, format, buf, (b0, b1)) in [(&mut *k, hk, kb, *ks), (&mut *v, hv, vb, *vs)]
-                {
-                    let Some(h) = buf.host() else {
-                        return Err(EngineError::Unsupported {
-                            what: format!("reading cache rows on {}", buf.device().name()),
-                            detail: "the host forward pass reads host memory only".into(),
-                        });
-                    };
-                    let span = &h[b0..b1];
-                    let rows = &mut dst[t0 * row..(t0 + count) * row];
-                    for (t, r) in rows.chunks_exact_mut(row).enumerate() {
-                        decode_row(format, t * row, span, r)?;
-                    }
+            for &(t0, count, [ks, vs]) in &spans {
+                let values = t0 * row..(t0 + count) * row;
+                let (kd, vd) = (&mut k[values.clone()], &mut v[values]);
+                if kd.len() >= PARALLEL_DECODE_VALUES {
+                    let (a, b) = rayon::join(|| decode(kd, hk, kb, ks), || decode(vd, hv, vb, vs));
+                    a.and(b)?;
+                } else {
+                    decode(kd, hk, kb, ks)?;
+                    decode(vd, hv, vb, vs)?;
                 }
             }
             Ok(())
@@ -1118,6 +1125,10 @@ fn encode_row(format: KvFormat, slot: usize, row: &[f32], buf: &mut [u8]) -> Res
 }
 
 /// Decode the values at `slot..slot + row.len()` of `buf` into `row`.
+/// Key values from which [`Cache::decode_rows`] decodes keys and values on two threads (below
+/// it the second thread costs more than it saves).
+const PARALLEL_DECODE_VALUES: usize = 8 * 1024;
+
 fn decode_row(format: KvFormat, slot: usize, buf: &[u8], row: &mut [f32]) -> Result<()> {
     let span = &buf[format.byte_at(slot)..format.byte_at(slot + row.len())];
     weightlift_kernels::kv_decode(format, span, row).map_err(kernel)

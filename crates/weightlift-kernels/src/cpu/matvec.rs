@@ -720,7 +720,7 @@ fn q8_matmul_batch(
     // balanced passes: 12 tokens at 8 per pass go as 6 + 6
     let passes = n_tok.div_ceil(batch_pass(isa, vnni));
     let pass = n_tok.div_ceil(passes);
-    let mut yt = vec![0f32; rows * n_tok];
+    let out = super::SharedOut::new(y);
     with_q8_activations(isa, x, vnni_offset(vnni, ty), |act| {
         let xs: Vec<&[Q8Block]> = act.q.chunks_exact(per_tok).collect();
         let bias: Vec<&[[i32; 8]]> = if act.bias.is_empty() {
@@ -735,10 +735,18 @@ fn q8_matmul_batch(
             .map(|(xp, bp)| TokenPass::new(isa, xp, bp, (ty, paired)))
             .collect();
         let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
-        yt.par_chunks_mut(ROWS_PER_TASK * n_tok)
-            .enumerate()
-            .for_each(|(i, yc)| {
-                let (first, n) = (i * ROWS_PER_TASK, yc.len() / n_tok);
+        // Each task's rows go into y token by token from a buffer of its own (y is
+        // token-major, so a task's rows are a run of every token's row, and no transpose
+        // of the whole output is needed afterwards).
+        (0..rows.div_ceil(ROWS_PER_TASK))
+            .into_par_iter()
+            .for_each(|i| {
+                let (first, n) = (
+                    i * ROWS_PER_TASK,
+                    ROWS_PER_TASK.min(rows - i * ROWS_PER_TASK),
+                );
+                let mut by_row = [0f32; ROWS_PER_TASK * Q8_BATCH_MAX_TOKENS];
+                let yc = &mut by_row[..n * n_tok];
                 let mut k = 0;
                 while k < n {
                     let r = first + k;
@@ -757,9 +765,16 @@ fn q8_matmul_batch(
                         k += 1;
                     }
                 }
+                let mut run = [0f32; ROWS_PER_TASK];
+                for t in 0..n_tok {
+                    for (v, by) in run.iter_mut().zip(yc.chunks_exact(n_tok)) {
+                        *v = by[t];
+                    }
+                    // SAFETY: this task alone writes rows first..first + n of every token.
+                    unsafe { out.write(t * rows + first, &run[..n]) };
+                }
             });
     });
-    transpose_into(&yt, rows, n_tok, y);
 }
 
 /// The 256 signed 6-bit quants (minus 32) of a Q6_K block, in element order.
@@ -1170,11 +1185,21 @@ fn q8_matmul_scalar(
     transpose_into(&yt, rows, n_tok, y);
 }
 
-/// Writes `yt` (row-major by weight row) into `y` (row-major by token).
+/// Writes `yt` (row-major by weight row) into `y` (row-major by token), a block of rows at a
+/// time: the block's values stay in L1 while each token's run of it is written in order (a
+/// plain strided loop costs a cache miss a value on the head's 49k rows).
 fn transpose_into(yt: &[f32], rows: usize, n_tok: usize, y: &mut [f32]) {
-    for (r, yr) in yt.chunks_exact(n_tok).enumerate().take(rows) {
-        for (t, v) in yr.iter().enumerate() {
-            y[t * rows + r] = *v;
+    const BLOCK: usize = 64;
+    for (b, block) in yt[..rows * n_tok].chunks(BLOCK * n_tok).enumerate() {
+        let r0 = b * BLOCK;
+        let nr = block.len() / n_tok;
+        for (t, run) in y.chunks_exact_mut(rows).enumerate().take(n_tok) {
+            for (dst, src) in run[r0..r0 + nr]
+                .iter_mut()
+                .zip(block[t..].iter().step_by(n_tok))
+            {
+                *dst = *src;
+            }
         }
     }
 }

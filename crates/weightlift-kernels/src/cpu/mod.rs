@@ -47,6 +47,43 @@ use rayon::prelude::*;
 use crate::error::{KernelError, Result};
 use crate::types::QuantType;
 
+/// An output written by many tasks at once, each writing only its own elements (a product's
+/// tasks own row ranges, and its output is token-major, so no task's elements are one slice).
+pub(crate) struct SharedOut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _out: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: tasks write disjoint elements (the contract of `write`), and the borrow of the
+// output lasts as long as this value.
+unsafe impl Sync for SharedOut<'_> {}
+
+impl<'a> SharedOut<'a> {
+    pub(crate) fn new(out: &'a mut [f32]) -> Self {
+        Self {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+            _out: std::marker::PhantomData,
+        }
+    }
+
+    /// Writes `src` at element `at`.
+    ///
+    /// # Safety
+    /// No other thread reads or writes `at..at + src.len()` meanwhile.
+    pub(crate) unsafe fn write(&self, at: usize, src: &[f32]) {
+        assert!(
+            at + src.len() <= self.len,
+            "shared output: {at} + {} of {}",
+            src.len(),
+            self.len
+        );
+        // SAFETY: inside the output (asserted); exclusive by this function's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len()) };
+    }
+}
+
 /// `Ok` when an operand holds the `expected` number of values, else the typed mismatch.
 pub(crate) fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     if expected != got {

@@ -765,29 +765,6 @@ fn tiles(wide: bool, vnni: bool, fl: u8) -> &'static [(usize, Tile)] {
 
 // ------------------------------------------------------------------- driver
 
-/// The output matrix, written by many tasks at once: each writes only its own panel's rows
-/// of its own tokens.
-struct Out {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: tasks write disjoint elements (distinct panel rows or distinct tokens), and the
-// matmul call holds the `&mut [f32]` it points into until every task is done.
-unsafe impl Sync for Out {}
-
-impl Out {
-    /// Writes `src` at element `at`.
-    ///
-    /// # Safety
-    /// No other thread reads or writes `at..at + src.len()` meanwhile.
-    unsafe fn write(&self, at: usize, src: &[f32]) {
-        assert!(at + src.len() <= self.len, "q8_matmul: output");
-        // SAFETY: inside the output (asserted); exclusive by this function's contract.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len()) };
-    }
-}
-
 /// `y = W x` in Q8 mode with the tile kernels: `w` is `rows × cols` of `ty` (a Q8-mode type,
 /// shapes checked by the caller), `x` is `n_tok × cols` and `y` is `n_tok × rows`. Uses the
 /// 512-bit kernels at [`Isa::Avx512`] and the 256-bit ones at [`Isa::Avx2`], with VNNI when
@@ -842,10 +819,7 @@ pub(crate) unsafe fn q8_matmul(
     let chunks = n_blocks.div_ceil(per_chunk);
     let pg = panel_group_bytes(fl);
     let kernels = tiles(wide, use_vnni, fl);
-    let out = Out {
-        ptr: y.as_mut_ptr(),
-        len: y.len(),
-    };
+    let out = super::SharedOut::new(y);
     (0..panels * chunks)
         .into_par_iter()
         .for_each_init(Vec::<Line>::new, |buf, task| {

@@ -266,22 +266,6 @@ impl PairTokens {
     }
 }
 
-/// `finish_lanes`'s sum of each row's 8 lanes, `((s0 + s2) + (s1 + s3))` with
-/// `s_k = l_k + l_(k+4)`, for the two rows of an interleaved vector (lane `2k + r` row `r`'s
-/// lane `k`), before the offset term is added.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn finish_interleaved(acc: __m512) -> [f32; 2] {
-    // lanes 8..16 onto 0..8: s_k of both rows, row r's at 2k + r
-    let s = _mm512_add_ps(acc, _mm512_shuffle_f32x4::<0b01_00_11_10>(acc, acc));
-    // lanes 4..8 onto 0..4: s_0 + s_2 at r, s_1 + s_3 at 2 + r
-    let t = _mm512_add_ps(s, _mm512_shuffle_f32x4::<0b10_11_00_01>(s, s));
-    // (s_0 + s_2) + (s_1 + s_3) at r
-    let u = _mm512_add_ps(t, _mm512_permute_ps::<0b01_00_11_10>(t));
-    let u = _mm512_castps512_ps128(u);
-    [_mm_cvtss_f32(u), _mm_cvtss_f32(_mm_movehdup_ps(u))]
-}
-
 /// `v`, through a barrier the optimiser cannot see past: each block's `d · d_x` of every
 /// token are stored with one or two vector multiplies and read back one token at a time as a
 /// broadcast load, where LLVM would otherwise forward the stored vectors through a shuffle
@@ -450,16 +434,54 @@ pub(crate) unsafe fn row_pair_tokens_q8_512<const T: usize>(
         }),
         _ => {}
     }
-    let mut extra = [0f32; 32];
-    for (h, e) in ext.iter().enumerate().take(halves) {
-        // SAFETY: extra holds 32 f32.
-        unsafe { _mm512_storeu_ps(extra.as_mut_ptr().add(16 * h), *e) };
-    }
     let mut out = [[0f32; T]; 2];
-    for (t, a) in acc.into_iter().enumerate() {
-        let [lo, hi] = finish_interleaved(a);
-        out[0][t] = lo + extra[2 * t];
-        out[1][t] = hi + extra[2 * t + 1];
+    for (h, e) in ext.iter().enumerate().take(halves) {
+        let sums = finish_interleaved(std::array::from_fn(|j| {
+            acc.get(8 * h + j).copied().unwrap_or(_mm512_setzero_ps())
+        }));
+        let mut lanes = Lanes32([0.0; 32]);
+        // SAFETY: lanes holds 32 f32, 64-byte aligned.
+        unsafe { _mm512_store_ps(lanes.0.as_mut_ptr(), _mm512_add_ps(sums, *e)) };
+        for j in 0..8.min(T - 8 * h) {
+            out[0][8 * h + j] = lanes.0[2 * j];
+            out[1][8 * h + j] = lanes.0[2 * j + 1];
+        }
     }
     out
+}
+
+/// `finish_lanes`'s sum of each row's 8 lanes, `((s0 + s2) + (s1 + s3))` with
+/// `s_k = l_k + l_(k+4)`, for eight interleaved vectors (lane `2k + r` row `r`'s lane `k`) at
+/// once: token `j`'s row `r` in lane `2j + r` of the result, before the offset term is added.
+/// Each shuffle and add serves two or four tokens (about a third of the operations of eight
+/// reductions one by one), and the same lanes meet in the same tree, so the bits are those of
+/// one token's reduction (IEEE addition is commutative: which operand holds a lane does not
+/// matter).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+fn finish_interleaved(acc: [__m512; 8]) -> __m512 {
+    // lanes 8..16 onto 0..8, two tokens a vector: token a's in lanes 0..8, b's in 8..16
+    let halves = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        )
+    };
+    // lanes 4..8 onto 0..4, four tokens a vector, token i in lanes 4i..4i + 4
+    let quarters = |ab: __m512, cd: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(ab, cd),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(ab, cd),
+        )
+    };
+    let first = quarters(halves(acc[0], acc[1]), halves(acc[2], acc[3]));
+    let second = quarters(halves(acc[4], acc[5]), halves(acc[6], acc[7]));
+    // lanes 2, 3 onto 0, 1 of each token: token i's rows in lanes 4i, 4i + 1, token i + 4's
+    // in 4i + 2, 4i + 3
+    let sums = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b01_00_01_00>(first, second),
+        _mm512_shuffle_ps::<0b11_10_11_10>(first, second),
+    );
+    let order = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    _mm512_permutexvar_ps(order, sums)
 }
