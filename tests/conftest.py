@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import gen_fixtures as gen
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +57,18 @@ def reference_file(rel: str) -> Path:
     if not path.exists():
         pytest.fail(f"reference file {path} is missing; run `make reference`", pytrace=False)
     return path
+
+
+def kept_rows(name: str) -> tuple[list[int], np.ndarray]:
+    """Logits the reference pack keeps at some positions only, whole vocabulary rows:
+    `<name>_rows.npy` holds the rows at the positions `<name>_rows.json` lists (`name` under
+    the pack, e.g. `tiny-llama/hf_dequant_logits_Q8_0`). `(positions, rows)`: compare the rows
+    with the logits at those positions."""
+    listed = json.loads(reference_file(f"{name}_rows.json").read_text())
+    rows = np.load(reference_file(f"{name}_rows.npy"))
+    positions = [int(p) for p in listed["positions"]]
+    assert rows.shape[0] == len(positions), f"{name}_rows: {rows.shape} rows, {positions}"
+    return positions, rows
 
 
 class ReferenceJson(Mapping[str, Any]):

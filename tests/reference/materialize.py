@@ -12,7 +12,8 @@ right hash are left alone.
 
 Large files are unpacked from xz; some were packed as byte planes (all first bytes of the
 payload's words, then all second bytes, ...) after a header kept as is, and some of those as
-the XOR of their payload with another file's, which is laid out and checked first.
+the XOR of their payload with another file's (or with some of its rows, for a file that keeps
+only those rows of logits), which is laid out and checked first.
 
 Two kinds of file are rebuilt rather than unpacked:
 - the sharded safetensors copy is written again by the `safetensors` package from the single
@@ -90,6 +91,14 @@ def read_safetensors(data: bytes) -> dict[str, tuple[str, list[int], bytes]]:
     return {name: (t["dtype"], t["shape"], bytes(t["data"])) for name, t in deserialize(data)}
 
 
+def xor_prefix(data: bytes, other: bytes) -> bytes:
+    """`data` XOR `other` over the bytes both have, then the rest of `data` as it is (its own
+    inverse: packing and unpacking are the same call)."""
+    n = min(len(data), len(other))
+    mixed = np.bitwise_xor(np.frombuffer(data, np.uint8, n), np.frombuffer(other, np.uint8, n))
+    return mixed.tobytes() + data[n:]
+
+
 def bf16_to_f32(raw: bytes) -> np.ndarray:
     return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view("<f4")
 
@@ -149,8 +158,9 @@ class Builder:
         raise ReferenceError(f"{rel}: unknown way '{how}' in manifest.json")
 
     def planes(self, rel: str, entry: dict) -> bytes:
-        """A file packed as its header, then its payload's words as byte planes (XORed with the
-        payload of `entry["xor"]` first, for `xz-xor-planes`)."""
+        """A file packed as its header, then its payload's words as byte planes. For
+        `xz-xor-planes` the payload was first XORed with that of `entry["xor"]` (whose header is
+        as long), or with its rows `entry["xor_rows"]`, one for each row of `rel`."""
         data = lzma.decompress((HERE / entry["from"]).read_bytes())
         start, word = entry["header_bytes"], entry["word"]
         if (len(data) - start) % word:
@@ -159,13 +169,30 @@ class Builder:
         if entry["how"] == "xz-planes":
             return data[:start] + payload.tobytes()
         other = self.get(entry["xor"])
-        if len(other) != len(data):
+        theirs = np.frombuffer(other, dtype=np.uint8, offset=start)
+        rows = entry.get("xor_rows")
+        if rows is not None:
+            width = payload.size // len(rows) if rows else 0
+            if not width or width * len(rows) != payload.size or theirs.size % width:
+                raise ReferenceError(
+                    f"{rel}: {len(rows)} rows in {payload.size} payload bytes do not divide "
+                    f"the {theirs.size} of {entry['xor']} into rows; manifest.json and the "
+                    "packed files disagree"
+                )
+            n_rows = theirs.size // width
+            if not all(0 <= r < n_rows for r in rows):
+                raise ReferenceError(
+                    f"{rel}: xor_rows {rows} are not all rows of {entry['xor']}, which has "
+                    f"{n_rows}; manifest.json and the packed files disagree"
+                )
+            theirs = theirs.reshape(n_rows, width)[rows].reshape(-1)
+        if theirs.size != payload.size:
             raise ReferenceError(
-                f"{rel}: unpacks to {len(data)} bytes, but {entry['xor']}, whose payload is "
-                f"XORed into it, has {len(other)}; manifest.json and the packed files disagree"
+                f"{rel}: unpacks to {payload.size} payload bytes, but {entry['xor']}, whose "
+                f"payload is XORed into it, has {theirs.size}; manifest.json and the packed "
+                "files disagree"
             )
-        mixed = np.frombuffer(other, dtype=np.uint8, offset=start).reshape(-1, word)
-        return data[:start] + np.bitwise_xor(payload, mixed).tobytes()
+        return data[:start] + np.bitwise_xor(payload, theirs.reshape(-1, word)).tobytes()
 
     def shard(self, names: list[str]) -> bytes:
         from safetensors import TensorSpec, serialize
@@ -204,14 +231,28 @@ class Builder:
             self._quantised[qtype] = m
         return self._quantised[qtype]
 
+    def gguf_header(self, entry: dict) -> bytes:
+        """The header of a `gguf` entry's file: kept as it is, or as the XOR with the header of
+        the GGUF `entry["xor"]` (read from what this folder keeps; that file is not built)."""
+        header = lzma.decompress((HERE / entry["from"]).read_bytes())
+        if "xor" in entry:
+            other = self.files.get(entry["xor"], {})
+            if other.get("how") != "gguf" or "xor" in other:
+                raise ReferenceError(
+                    f"{entry['from']}: XORed with {entry['xor']}, which manifest.json does not "
+                    "list as a GGUF kept with its own header"
+                )
+            header = xor_prefix(header, self.gguf_header(other))
+        if len(header) != entry["header_bytes"]:
+            raise ReferenceError(f"{entry['from']}: {len(header)} bytes, expected header_bytes")
+        return header
+
     def gguf(self, entry: dict) -> bytes:
         # quantise-on-load opens the safetensors folder: its config and weights must be there
         self.ensure("tiny-llama/safetensors/config.json")
         self.ensure(SAFETENSORS)
         out = bytearray(entry["size"])
-        header = lzma.decompress((HERE / entry["from"]).read_bytes())
-        if len(header) != entry["header_bytes"]:
-            raise ReferenceError(f"{entry['from']}: {len(header)} bytes, expected header_bytes")
+        header = self.gguf_header(entry)
         out[: len(header)] = header
         for t in entry["tensors"]:
             name, ty = hf_name(t["name"]), t["type"]

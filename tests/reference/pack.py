@@ -20,8 +20,12 @@ original, recorded in `manifest.json`):
   `safetensors` package, in the same shards, and must hash to the original shards;
 - llama.cpp's logits are kept as each position's top 8 (ids and exact values): the tests
   read only llama.cpp's argmax, its top-1/top-2 margin and the rank of our top-1 in its top 3;
-- SmolLM2's prompt-2 logits (41 positions × 49,152) are kept at 11 positions, whole rows, so
-  the f32 comparisons still cover every vocabulary entry of those positions.
+- some transformers logits are kept at chosen positions, whole rows (`<name>_rows.npy`, the
+  positions listed in `<name>_rows.json`), so the f32 comparisons still cover every vocabulary
+  entry of those positions: SmolLM2's prompt 2 (11 of 41) and the tiny model's logits on each
+  GGUF's dequantised weights (6 of 16, XORed with the same rows of `hf_logits.npy`);
+- a GGUF header close to another GGUF's is kept as the XOR with it (the headers differ only
+  in the tensor types and offsets).
 """
 
 from __future__ import annotations
@@ -36,12 +40,15 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from materialize import xor_prefix
 
 HERE = Path(__file__).resolve().parent
 TOP_K = 8
 # Prompt 2 of SmolLM2: the first and last positions, every fifth, and 21-22 (where llama.cpp
 # and transformers disagree, and our near-tie).
 SMOL_PROMPT2_ROWS = [0, 1, 5, 10, 15, 20, 21, 22, 30, 35, 40]
+# Rows kept of the tiny model's logits on each GGUF's dequantised weights (`dequant_rows`).
+DEQUANT_ROWS = 6
 
 COPY = [
     "tiny-llama/ids.json",
@@ -61,11 +68,9 @@ COMPRESS: dict[str, tuple[int | None, str | None]] = {
     "tiny-llama/safetensors/model.safetensors": (2, None),
     "tiny-llama/safetensors/tokenizer.json": (None, None),
     "tiny-llama/hf_logits.npy": (4, None),
-    "tiny-llama/hf_dequant_logits_Q8_0.npy": (4, "tiny-llama/hf_logits.npy"),
-    "tiny-llama/hf_dequant_logits_Q6_K.npy": (4, "tiny-llama/hf_logits.npy"),
-    "tiny-llama/hf_dequant_logits_Q4_K_M.npy": (4, "tiny-llama/hf_logits.npy"),
     "smollm2-135m/hf_logits_1.npy": (4, None),
 }
+# The first is kept whole; the others' headers as the XOR with its header.
 GGUFS = ["Q8_0", "Q6_K", "Q4_K_M"]
 SHARDED = "tiny-llama/safetensors-sharded"
 LLAMACPP_TOP = {
@@ -112,9 +117,16 @@ def byte_planes(payload: bytes, word: int) -> bytes:
 
 
 def compressed(
-    rel: str, data: bytes, word: int | None, xor: str | None, src: Path
+    rel: str,
+    data: bytes,
+    word: int | None,
+    xor: str | None,
+    src: Path,
+    xor_rows: list[int] | None = None,
 ) -> tuple[dict, bytes]:
-    """The smallest of the ways to xz `rel` that apply: (the manifest entry, the `.xz` bytes)."""
+    """The smallest of the ways to xz `rel` that apply: (the manifest entry, the `.xz` bytes).
+    With `xor_rows`, `rel` holds those rows of a file laid out as `xor`, and its payload is
+    XORed with the same rows of `xor`."""
     ways = [({"how": "xz", "from": rel + ".xz"}, xz(data))]
     if word is not None:
         start = header_bytes(rel, data)
@@ -125,13 +137,15 @@ def compressed(
         ways.append((entry, xz(data[:start] + byte_planes(payload, word))))
         if xor is not None:
             other = (src / xor).read_bytes()
-            assert header_bytes(xor, other) == start and len(other) == len(data), (
+            theirs = np.frombuffer(other, dtype=np.uint8, offset=start)
+            entry = {"how": "xz-xor-planes", "from": rel + ".xor-planes.xz", **planes, "xor": xor}
+            if xor_rows is not None:
+                theirs = theirs.reshape(-1, len(payload) // len(xor_rows))[xor_rows].reshape(-1)
+                entry["xor_rows"] = xor_rows
+            assert header_bytes(xor, other) == start and theirs.size == len(payload), (
                 f"{rel}: {xor} does not lay out its payload as {rel} does"
             )
-            mixed = np.bitwise_xor(
-                np.frombuffer(payload, dtype=np.uint8), np.frombuffer(other[start:], np.uint8)
-            ).tobytes()
-            entry = {"how": "xz-xor-planes", "from": rel + ".xor-planes.xz", **planes, "xor": xor}
+            mixed = np.bitwise_xor(np.frombuffer(payload, dtype=np.uint8), theirs).tobytes()
             ways.append((entry, xz(data[:start] + byte_planes(mixed, word))))
     return min(ways, key=lambda way: len(way[1]))
 
@@ -169,6 +183,49 @@ def gguf_header(path: Path) -> tuple[bytes, dict]:
     return data[: reader.data_offset], info
 
 
+def dequant_rows(src: Path, ty: str) -> list[int]:
+    """The positions kept of `hf_dequant_logits_<ty>.npy`: the first two and the last, then
+    where `stats.json` records argmaxes that differ for that GGUF (llama.cpp's, the dequantised
+    weights', the bf16 weights'), then the rest; in each group the smallest top-1/top-2 margin
+    of the file's own logits first, where an error would soonest flip the argmax the tests
+    check against it."""
+    logits = np.load(src / f"tiny-llama/hf_dequant_logits_{ty}.npy")
+    stats = json.loads((src / "tiny-llama/stats.json").read_text())["gguf"][ty]
+    compared = ("llamacpp_vs_hf_logits", "llamacpp_vs_hf_dequant", "hf_dequant_vs_hf_logits")
+    differ = {int(p) for c in compared for p in stats[c]["argmax_mismatch_positions"]}
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    last = len(logits) - 1
+    rest = sorted(
+        set(range(len(logits))) - {0, 1, last},
+        key=lambda p: (p not in differ, float(margin[p]), p),
+    )
+    return sorted([0, 1, last, *rest[: DEQUANT_ROWS - 3]])
+
+
+def keep_rows(
+    src: Path, manifest: dict, rel: str, positions: list[int], xor: str | None = None
+) -> None:
+    """Keep the logits of `rel` at `positions`, whole rows: `<name>_rows.npy` (packed the
+    smallest way, its payload XORed with the same rows of `xor` where given), and the
+    positions in `<name>_rows.json`."""
+    logits = np.load(src / rel)
+    stem = rel.removesuffix(".npy")
+    stream = io.BytesIO()
+    np.save(stream, np.ascontiguousarray(logits[positions], dtype="<f4"))
+    data = stream.getvalue()
+    rows = stem + "_rows.npy"
+    entry, packed = compressed(rows, data, 4, xor, src, positions if xor else None)
+    write(entry["from"], packed)
+    manifest["files"][rows] = {"sha256": sha256(data), **entry}
+    listed = {"positions": positions, "of": Path(rel).name, "n_positions": len(logits)}
+    write(stem + "_rows.json", (json.dumps(listed) + "\n").encode())
+    manifest["files"][stem + "_rows.json"] = {
+        "sha256": sha256((HERE / (stem + "_rows.json")).read_bytes()),
+        "how": "copy",
+    }
+
+
 def main(src: Path) -> None:
     manifest: dict = {"files": {}}
     for rel in COPY:
@@ -181,16 +238,23 @@ def main(src: Path) -> None:
         write(entry["from"], packed)
         manifest["files"][rel] = {"sha256": sha256(data), **entry}
     for ty in GGUFS:
+        rel = f"tiny-llama/hf_dequant_logits_{ty}.npy"
+        keep_rows(src, manifest, rel, dequant_rows(src, ty), xor="tiny-llama/hf_logits.npy")
+    first: tuple[str, bytes] | None = None
+    for ty in GGUFS:
         rel = f"tiny-llama/gguf/tiny-llama-{ty}.gguf"
         data = (src / rel).read_bytes()
         header, info = gguf_header(src / rel)
-        write(rel + ".header.xz", xz(header))
-        manifest["files"][rel] = {
-            "sha256": sha256(data),
-            "how": "gguf",
-            "from": rel + ".header.xz",
-            **info,
-        }
+        entry: dict = {"sha256": sha256(data), "how": "gguf"}
+        if first is None:
+            first = (rel, header)
+            entry["from"] = rel + ".header.xz"
+            write(entry["from"], xz(header))
+        else:
+            entry["from"] = rel + ".header.xor.xz"
+            entry["xor"] = first[0]
+            write(entry["from"], xz(xor_prefix(header, first[1])))
+        manifest["files"][rel] = {**entry, **info}
     index = json.loads((src / SHARDED / "model.safetensors.index.json").read_text())
     for name in sorted((src / SHARDED).iterdir()):
         rel = f"{SHARDED}/{name.name}"
@@ -210,20 +274,7 @@ def main(src: Path) -> None:
         logits = np.load(src / rel)
         write(out, (json.dumps(top_k(logits)) + "\n").encode())
         manifest["files"][out] = {"sha256": sha256((HERE / out).read_bytes()), "how": "copy"}
-    rows = np.load(src / "smollm2-135m/hf_logits_2.npy")[SMOL_PROMPT2_ROWS]
-    rel = "smollm2-135m/hf_logits_2_rows.npy"
-    stream = io.BytesIO()
-    np.save(stream, np.ascontiguousarray(rows, dtype="<f4"))
-    data = stream.getvalue()
-    entry, packed = compressed(rel, data, 4, None, src)
-    write(entry["from"], packed)
-    manifest["files"][rel] = {"sha256": sha256(data), **entry}
-    positions = {"positions": SMOL_PROMPT2_ROWS, "of": "hf_logits_2.npy", "n_positions": 41}
-    write("smollm2-135m/hf_logits_2_rows.json", (json.dumps(positions) + "\n").encode())
-    manifest["files"]["smollm2-135m/hf_logits_2_rows.json"] = {
-        "sha256": sha256((HERE / "smollm2-135m/hf_logits_2_rows.json").read_bytes()),
-        "how": "copy",
-    }
+    keep_rows(src, manifest, "smollm2-135m/hf_logits_2.npy", SMOL_PROMPT2_ROWS)
     write("manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
 
 

@@ -106,26 +106,28 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// transformers' f32 logits for SmolLM2's reference prompt `k`, as whole vocabulary rows at
 /// the positions the reference keeps: `(positions, vocab, rows)`. Prompt 1 keeps all 5;
-/// prompt 2 keeps 11 of its 41 (`hf_logits_2_rows.json` lists them).
+/// prompt 2 keeps 11 of its 41 ([`kept_rows`]).
 pub fn smollm2_hf_logits(k: u32) -> (Vec<usize>, usize, Vec<f32>) {
-    let dir = reference().join("smollm2-135m");
-    let (positions, file) = match k {
-        2 => {
-            let listed = json_ids(&dir.join("hf_logits_2_rows.json"), "positions");
-            (
-                listed.into_iter().map(|p| p as usize).collect(),
-                "hf_logits_2_rows.npy",
-            )
-        }
-        _ => (Vec::new(), "hf_logits_1.npy"),
-    };
-    let (shape, rows) = read_npy(&dir.join(file));
-    let positions = if positions.is_empty() {
-        (0..shape[0]).collect()
-    } else {
-        positions
-    };
-    assert_eq!(positions.len(), shape[0], "{file}: rows against positions");
+    if k == 2 {
+        return kept_rows("smollm2-135m/hf_logits_2");
+    }
+    let (shape, rows) = read_npy(&reference().join("smollm2-135m/hf_logits_1.npy"));
+    ((0..shape[0]).collect(), shape[1], rows)
+}
+
+/// Logits the reference keeps at some positions only, whole vocabulary rows:
+/// `<name>_rows.npy`, holding the rows at the positions `<name>_rows.json` lists (`name` under
+/// the reference folder, e.g. `tiny-llama/hf_dequant_logits_Q8_0`). `(positions, vocab, rows)`;
+/// compare them with [`rows_at`] of the logits at every position.
+pub fn kept_rows(name: &str) -> (Vec<usize>, usize, Vec<f32>) {
+    let listed = json_ids(&reference().join(format!("{name}_rows.json")), "positions");
+    let positions: Vec<usize> = listed.into_iter().map(|p| p as usize).collect();
+    let (shape, rows) = read_npy(&reference().join(format!("{name}_rows.npy")));
+    assert_eq!(
+        positions.len(),
+        shape[0],
+        "{name}_rows: rows against positions"
+    );
     (positions, shape[1], rows)
 }
 
