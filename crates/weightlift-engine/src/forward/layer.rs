@@ -140,48 +140,7 @@ pub(super) fn run_layer(
         .map_err(err("rope"))?;
     weightlift_kernels::rope_in_place(&mut w.k[..n * kvd], &w.pos[..n], &c.rope, freqs)
         .map_err(err("rope"))?;
-    let mut at = 0;
-    for p in pieces {
-        let (rows, cache) = (at..at + p.n, p.cache);
-        at += p.n;
-        let kv = rows.start * kvd..rows.end * kvd;
-        // a ring must still hold what the chunk's queries read once its keys are in
-        cache.check_attend(li, l.window, p.pos as u64, p.n as u64)?;
-        cache.write_rows(li, p.pos as u64, &w.k[kv.clone()], &w.v[kv])?;
-        let resident = if cache.is_offloaded() {
-            Some(cache.fetch(li)?)
-        } else {
-            None
-        };
-        let shape = Shape {
-            n_heads: nh,
-            kv_heads: l.kv_heads,
-            head_dim: hd,
-            kv_tile: c.kv_tile,
-            q_tile: c.q_tile,
-            f16_operands: c.compute.f16_operands(cache.config().dtype),
-            scale: c.attn_scale,
-            window: l.window,
-            softcap: c.attn_softcap,
-        };
-        let tiles = Tiles {
-            kt: &mut *w.kt,
-            vt: &mut *w.vt,
-            scores: &mut *w.scores,
-            stats: &mut *w.stats,
-            acc: &mut *w.att,
-        };
-        // The rotated queries are read from `q`; the attention output replaces them there.
-        attention::attend(
-            shape,
-            cache,
-            li,
-            resident.as_ref(),
-            p.pos,
-            &mut w.q[rows.start * qd..rows.end * qd],
-            tiles,
-        )?;
-    }
+    pieces_attention(c, l, li, pieces, w)?;
     linear_pieces(c, wts, &l.o, pieces, w.q, w.xn)?;
     post_norm(c, l.post_attn_norm.as_ref(), n * h, w).map_err(err("post_attention_norm"))?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
@@ -202,6 +161,138 @@ pub(super) fn run_layer(
     post_norm(c, l.post_ffn_norm.as_ref(), n * h, w).map_err(err("post_ffw_norm"))?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
     Ok(())
+}
+
+/// Each piece's attention over its own cache, its output in place of its rotated queries in
+/// `w.q`: the new keys and values stored first, then the attention, piece by piece. A batch
+/// of pieces whose keys all fit half a key tile (decode steps of short sequences: each a
+/// single tile, and a fold too small to split across threads) runs as two halves side by
+/// side, each with half the tile scratch; one tile either way, so every piece gets the bits
+/// it gets alone.
+fn pieces_attention(
+    c: &Consts,
+    l: &Layer,
+    li: usize,
+    pieces: &[Piece<'_>],
+    w: &mut Views<'_>,
+) -> Result<()> {
+    let (qd, kvd) = (c.n_heads * c.head_dim, l.kv_heads * c.head_dim);
+    let mut at = 0;
+    for p in pieces {
+        let kv = at * kvd..(at + p.n) * kvd;
+        at += p.n;
+        // a ring must still hold what the chunk's queries read once its keys are in
+        p.cache
+            .check_attend(li, l.window, p.pos as u64, p.n as u64)?;
+        p.cache
+            .write_rows(li, p.pos as u64, &w.k[kv.clone()], &w.v[kv])?;
+    }
+    // each piece's queries (replaced by its output), accumulators and running softmax
+    let (mut q, mut acc, mut stats) = (&mut *w.q, &mut *w.att, &mut *w.stats);
+    let mut own = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        let (pq, rq) = std::mem::take(&mut q).split_at_mut(p.n * qd);
+        let (pa, ra) = std::mem::take(&mut acc).split_at_mut(p.n * qd);
+        let (ps, rs) = std::mem::take(&mut stats).split_at_mut(2 * p.n * c.n_heads);
+        (q, acc, stats) = (rq, ra, rs);
+        own.push((*p, pq, pa, ps));
+    }
+    let half = c.kv_tile / 2;
+    let side_by_side = pieces.len() > 1
+        && rayon::current_num_threads() > 1
+        && half > 0
+        && pieces.iter().all(|p| {
+            p.pos + p.n <= half
+                && p.n * c.n_heads * half <= w.scores.len() / 2
+                && !p.cache.is_offloaded()
+        });
+    if !side_by_side {
+        let mut tiles = Tiles {
+            kt: &mut *w.kt,
+            vt: &mut *w.vt,
+            scores: &mut *w.scores,
+            stats: &mut [],
+            acc: &mut [],
+        };
+        for (p, pq, pa, ps) in own {
+            (tiles.stats, tiles.acc) = (ps, pa);
+            piece_attention(c, l, li, p, pq, &mut tiles, c.kv_tile)?;
+        }
+        return Ok(());
+    }
+    // the two halves of the pieces, by keys
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let (mut ka, mut kb) = (0, 0);
+    for piece in own {
+        let keys = piece.0.pos + piece.0.n;
+        if ka <= kb {
+            ka += keys;
+            a.push(piece);
+        } else {
+            kb += keys;
+            b.push(piece);
+        }
+    }
+    let (kt_a, kt_b) = w.kt.split_at_mut(half * kvd);
+    let (vt_a, vt_b) = w.vt.split_at_mut(half * kvd);
+    let (sc_a, sc_b) = w.scores.split_at_mut(w.scores.len() / 2);
+    let run = |side: Vec<(Piece<'_>, &mut [f32], &mut [f32], &mut [f32])>,
+               kt: &mut [f32],
+               vt: &mut [f32],
+               scores: &mut [f32]|
+     -> Result<()> {
+        let mut tiles = Tiles {
+            kt,
+            vt,
+            scores,
+            stats: &mut [],
+            acc: &mut [],
+        };
+        for (p, pq, pa, ps) in side {
+            (tiles.stats, tiles.acc) = (ps, pa);
+            piece_attention(c, l, li, p, pq, &mut tiles, half)?;
+        }
+        Ok(())
+    };
+    let (ra, rb) = rayon::join(|| run(a, kt_a, vt_a, sc_a), || run(b, kt_b, vt_b, sc_b));
+    ra.and(rb)
+}
+
+/// One piece's attention, its stored keys read `kv_tile` rows at a time into `tiles`.
+fn piece_attention(
+    c: &Consts,
+    l: &Layer,
+    li: usize,
+    p: Piece<'_>,
+    q: &mut [f32],
+    tiles: &mut Tiles<'_>,
+    kv_tile: usize,
+) -> Result<()> {
+    let resident = if p.cache.is_offloaded() {
+        Some(p.cache.fetch(li)?)
+    } else {
+        None
+    };
+    let shape = Shape {
+        n_heads: c.n_heads,
+        kv_heads: l.kv_heads,
+        head_dim: c.head_dim,
+        kv_tile,
+        q_tile: c.q_tile,
+        f16_operands: c.compute.f16_operands(p.cache.config().dtype),
+        scale: c.attn_scale,
+        window: l.window,
+        softcap: c.attn_softcap,
+    };
+    let tiles = Tiles {
+        kt: &mut *tiles.kt,
+        vt: &mut *tiles.vt,
+        scores: &mut *tiles.scores,
+        stats: &mut *tiles.stats,
+        acc: &mut *tiles.acc,
+    };
+    // The rotated queries are read from `q`; the attention output replaces them there.
+    attention::attend(shape, &p.cache, li, resident.as_ref(), p.pos, q, tiles)
 }
 
 /// `gate = act(gate) · up`, the family's gated activation.
