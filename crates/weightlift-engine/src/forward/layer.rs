@@ -177,25 +177,29 @@ fn pieces_attention(
     w: &mut Views<'_>,
 ) -> Result<()> {
     let (qd, kvd) = (c.n_heads * c.head_dim, l.kv_heads * c.head_dim);
-    let mut at = 0;
+    // a ring must still hold what the chunk's queries read once its keys are in
     for p in pieces {
-        let kv = at * kvd..(at + p.n) * kvd;
-        at += p.n;
-        // a ring must still hold what the chunk's queries read once its keys are in
         p.cache
             .check_attend(li, l.window, p.pos as u64, p.n as u64)?;
-        p.cache
-            .write_rows(li, p.pos as u64, &w.k[kv.clone()], &w.v[kv])?;
     }
-    // each piece's queries (replaced by its output), accumulators and running softmax
+    // each piece's new keys and values, its queries (replaced by its output), accumulators
+    // and running softmax
+    let (mut k, mut v) = (&w.k[..], &w.v[..]);
     let (mut q, mut acc, mut stats) = (&mut *w.q, &mut *w.att, &mut *w.stats);
     let mut own = Vec::with_capacity(pieces.len());
     for p in pieces {
+        let ((pk, rk), (pv, rv)) = (k.split_at(p.n * kvd), v.split_at(p.n * kvd));
         let (pq, rq) = std::mem::take(&mut q).split_at_mut(p.n * qd);
         let (pa, ra) = std::mem::take(&mut acc).split_at_mut(p.n * qd);
         let (ps, rs) = std::mem::take(&mut stats).split_at_mut(2 * p.n * c.n_heads);
-        (q, acc, stats) = (rq, ra, rs);
-        own.push((*p, pq, pa, ps));
+        (k, v, q, acc, stats) = (rk, rv, rq, ra, rs);
+        own.push(PieceRows {
+            piece: *p,
+            kv: [pk, pv],
+            q: pq,
+            acc: pa,
+            stats: ps,
+        });
     }
     let half = c.kv_tile / 2;
     let side_by_side = pieces.len() > 1
@@ -207,16 +211,9 @@ fn pieces_attention(
                 && !p.cache.is_offloaded()
         });
     if !side_by_side {
-        let mut tiles = Tiles {
-            kt: &mut *w.kt,
-            vt: &mut *w.vt,
-            scores: &mut *w.scores,
-            stats: &mut [],
-            acc: &mut [],
-        };
-        for (p, pq, pa, ps) in own {
-            (tiles.stats, tiles.acc) = (ps, pa);
-            piece_attention(c, l, li, p, pq, &mut tiles, c.kv_tile)?;
+        for rows in own {
+            let scratch = [&mut *w.kt, &mut *w.vt, &mut *w.scores];
+            piece_attention(c, l, li, rows, scratch, c.kv_tile)?;
         }
         return Ok(());
     }
@@ -224,7 +221,7 @@ fn pieces_attention(
     let (mut a, mut b) = (Vec::new(), Vec::new());
     let (mut ka, mut kb) = (0, 0);
     for piece in own {
-        let keys = piece.0.pos + piece.0.n;
+        let keys = piece.piece.pos + piece.piece.n;
         if ka <= kb {
             ka += keys;
             a.push(piece);
@@ -236,38 +233,40 @@ fn pieces_attention(
     let (kt_a, kt_b) = w.kt.split_at_mut(half * kvd);
     let (vt_a, vt_b) = w.vt.split_at_mut(half * kvd);
     let (sc_a, sc_b) = w.scores.split_at_mut(w.scores.len() / 2);
-    let run = |side: Vec<(Piece<'_>, &mut [f32], &mut [f32], &mut [f32])>,
-               kt: &mut [f32],
-               vt: &mut [f32],
-               scores: &mut [f32]|
-     -> Result<()> {
-        let mut tiles = Tiles {
-            kt,
-            vt,
-            scores,
-            stats: &mut [],
-            acc: &mut [],
-        };
-        for (p, pq, pa, ps) in side {
-            (tiles.stats, tiles.acc) = (ps, pa);
-            piece_attention(c, l, li, p, pq, &mut tiles, half)?;
+    let run = |side: Vec<PieceRows<'_, '_>>, [kt, vt, scores]: [&mut [f32]; 3]| -> Result<()> {
+        for rows in side {
+            piece_attention(c, l, li, rows, [&mut *kt, &mut *vt, &mut *scores], half)?;
         }
         Ok(())
     };
-    let (ra, rb) = rayon::join(|| run(a, kt_a, vt_a, sc_a), || run(b, kt_b, vt_b, sc_b));
+    let (ra, rb) = rayon::join(|| run(a, [kt_a, vt_a, sc_a]), || run(b, [kt_b, vt_b, sc_b]));
     ra.and(rb)
 }
 
-/// One piece's attention, its stored keys read `kv_tile` rows at a time into `tiles`.
+/// One piece's rows of the workspace in [`pieces_attention`].
+struct PieceRows<'p, 'w> {
+    piece: Piece<'p>,
+    /// Its new keys and values, to store.
+    kv: [&'w [f32]; 2],
+    /// Its rotated queries, replaced by its attention output.
+    q: &'w mut [f32],
+    acc: &'w mut [f32],
+    stats: &'w mut [f32],
+}
+
+/// One piece's attention: its new keys and values stored, then its stored keys read
+/// `kv_tile` rows at a time into the tile scratch `[kt, vt, scores]`.
 fn piece_attention(
     c: &Consts,
     l: &Layer,
     li: usize,
-    p: Piece<'_>,
-    q: &mut [f32],
-    tiles: &mut Tiles<'_>,
+    rows: PieceRows<'_, '_>,
+    [kt, vt, scores]: [&mut [f32]; 3],
     kv_tile: usize,
 ) -> Result<()> {
+    let p = rows.piece;
+    let [k, v] = rows.kv;
+    p.cache.write_rows(li, p.pos as u64, k, v)?;
     let resident = if p.cache.is_offloaded() {
         Some(p.cache.fetch(li)?)
     } else {
@@ -285,14 +284,14 @@ fn piece_attention(
         softcap: c.attn_softcap,
     };
     let tiles = Tiles {
-        kt: &mut *tiles.kt,
-        vt: &mut *tiles.vt,
-        scores: &mut *tiles.scores,
-        stats: &mut *tiles.stats,
-        acc: &mut *tiles.acc,
+        kt,
+        vt,
+        scores,
+        stats: rows.stats,
+        acc: rows.acc,
     };
     // The rotated queries are read from `q`; the attention output replaces them there.
-    attention::attend(shape, &p.cache, li, resident.as_ref(), p.pos, q, tiles)
+    attention::attend(shape, p.cache, li, resident.as_ref(), p.pos, rows.q, tiles)
 }
 
 /// `gate = act(gate) · up`, the family's gated activation.
