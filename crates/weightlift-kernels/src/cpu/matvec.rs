@@ -542,8 +542,8 @@ fn rows_dot_q8<const R: usize>(
 /// quantised activations (`xs[t]`, the scalar path's view), and for the SIMD kernels the same
 /// blocks interleaved by block (`qs[i · n + t]`, the quants of token `t`'s block `i`), their
 /// VNNI lane offsets alike (for [`vnni_offset`]; empty without) and their [`TokenScales`].
-struct TokenPass<'a> {
-    xs: &'a [&'a [Q8Block]],
+struct TokenPass {
+    xs: Vec<Vec<Q8Block>>,
     qs: Vec<[i8; 32]>,
     bias: Vec<[i32; 8]>,
     scales: Vec<TokenScales>,
@@ -552,19 +552,19 @@ struct TokenPass<'a> {
     pairs: Option<super::x86_matvec512::PairTokens>,
 }
 
-impl<'a> TokenPass<'a> {
+impl TokenPass {
     /// The pass of tokens `xs` (their lane offsets `bias[t]`, or none), laid out for `isa`,
     /// and for the row-pair kernel on weights of `ty` too when `paired`.
     fn new(
         isa: Isa,
-        xs: &'a [&'a [Q8Block]],
+        xs: &[&[Q8Block]],
         bias: &[&[[i32; 8]]],
         (ty, paired): (QuantType, bool),
     ) -> Self {
         let (n, nb) = (xs.len(), xs.first().map_or(0, |x| x.len()));
         if !isa.has_avx2() {
             return TokenPass {
-                xs,
+                xs: xs.iter().map(|x| x.to_vec()).collect(),
                 qs: Vec::new(),
                 bias: Vec::new(),
                 scales: Vec::new(),
@@ -589,7 +589,7 @@ impl<'a> TokenPass<'a> {
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (ty, paired);
         TokenPass {
-            xs,
+            xs: Vec::new(),
             qs,
             bias,
             scales,
@@ -638,7 +638,8 @@ fn row_tokens_q8(
         return;
     }
     let _ = (isa, vnni);
-    row_tokens_q8_scalar(ty, row, pass.xs, out);
+    let xs: Vec<&[Q8Block]> = pass.xs.iter().map(Vec::as_slice).collect();
+    row_tokens_q8_scalar(ty, row, &xs, out);
 }
 
 /// Whether [`q8_matmul_batch`] takes the rows of `ty` in pairs ([`row_pair_tokens_q8`]): the
@@ -718,22 +719,18 @@ fn q8_matmul_batch(
     let row_bytes = w.len() / rows;
     let per_tok = cols / 32;
     // balanced passes: 12 tokens at 8 per pass go as 6 + 6
-    let passes = n_tok.div_ceil(batch_pass(isa, vnni));
-    let pass = n_tok.div_ceil(passes);
+    let n_passes = n_tok.div_ceil(batch_pass(isa, vnni));
+    let pass = n_tok.div_ceil(n_passes);
     let out = super::SharedOut::new(y);
-    with_q8_activations(isa, x, vnni_offset(vnni, ty), |act| {
-        let xs: Vec<&[Q8Block]> = act.q.chunks_exact(per_tok).collect();
-        let bias: Vec<&[[i32; 8]]> = if act.bias.is_empty() {
-            vec![&[][..]; n_tok]
-        } else {
-            act.bias.chunks_exact(per_tok).collect()
-        };
-        let paired = takes_row_pairs(vnni, ty);
-        let passes: Vec<TokenPass> = xs
-            .chunks(pass)
-            .zip(bias.chunks(pass))
-            .map(|(xp, bp)| TokenPass::new(isa, xp, bp, (ty, paired)))
-            .collect();
+    let paired = takes_row_pairs(vnni, ty);
+    let key = PassKey {
+        isa,
+        vnni,
+        ty,
+        paired,
+        pass,
+    };
+    with_token_passes(key, x, per_tok, |passes| {
         let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
         // Each task's rows go into y token by token from a buffer of its own (y is
         // token-major, so a task's rows are a run of every token's row, and no transpose
@@ -753,13 +750,13 @@ fn q8_matmul_batch(
                     if paired && k + 1 < n {
                         let (y0, y1) = yc[k * n_tok..(k + 2) * n_tok].split_at_mut(n_tok);
                         let outs = y0.chunks_mut(pass).zip(y1.chunks_mut(pass));
-                        for ((o0, o1), p) in outs.zip(&passes) {
+                        for ((o0, o1), p) in outs.zip(passes) {
                             row_pair_tokens_q8(ty, [row(r), row(r + 1)], p, [o0, o1]);
                         }
                         k += 2;
                     } else {
                         let yr = &mut yc[k * n_tok..(k + 1) * n_tok];
-                        for (o, p) in yr.chunks_mut(pass).zip(&passes) {
+                        for (o, p) in yr.chunks_mut(pass).zip(passes) {
                             row_tokens_q8(isa, vnni, ty, row(r), p, o);
                         }
                         k += 1;
@@ -775,6 +772,73 @@ fn q8_matmul_batch(
                 }
             });
     });
+}
+
+/// What a batched product's token passes depend on besides its input.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct PassKey {
+    isa: Isa,
+    vnni: Option<Vnni>,
+    ty: QuantType,
+    paired: bool,
+    /// Tokens per pass.
+    pass: usize,
+}
+
+/// The token passes of the input `x` (`per_tok` blocks a token) for a product of `key`, to
+/// `f`. A layer's query, key and value products take one input, and so do its gate and up: the
+/// passes of the last input are kept on this thread with a copy of it, and a product whose
+/// input has the same bits (and the same key) takes them again instead of quantising and
+/// laying out its tokens once more (serial work a batched step otherwise repeats five times
+/// of seven).
+fn with_token_passes<T>(
+    key: PassKey,
+    x: &[f32],
+    per_tok: usize,
+    f: impl FnOnce(&[TokenPass]) -> T,
+) -> T {
+    struct Kept {
+        key: PassKey,
+        x: Vec<f32>,
+        passes: Vec<TokenPass>,
+    }
+    thread_local! {
+        static KEPT: std::cell::RefCell<Option<Kept>> = const { std::cell::RefCell::new(None) };
+    }
+    let build = || -> Vec<TokenPass> {
+        with_q8_activations(key.isa, x, vnni_offset(key.vnni, key.ty), |act| {
+            let xs: Vec<&[Q8Block]> = act.q.chunks_exact(per_tok).collect();
+            let bias: Vec<&[[i32; 8]]> = if act.bias.is_empty() {
+                vec![&[][..]; xs.len()]
+            } else {
+                act.bias.chunks_exact(per_tok).collect()
+            };
+            xs.chunks(key.pass)
+                .zip(bias.chunks(key.pass))
+                .map(|(xp, bp)| TokenPass::new(key.isa, xp, bp, (key.ty, key.paired)))
+                .collect()
+        })
+    };
+    let same = |k: &Kept| {
+        k.key == key
+            && k.x.len() == x.len()
+            && k.x.iter().zip(x).all(|(a, b)| a.to_bits() == b.to_bits())
+    };
+    KEPT.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut kept) => {
+            if !kept.as_ref().is_some_and(same) {
+                *kept = Some(Kept {
+                    key,
+                    x: x.to_vec(),
+                    passes: build(),
+                });
+            }
+            let passes = &kept.as_ref().expect("kept just now").passes;
+            f(passes)
+        }
+        // a product started from inside another on this thread: its own passes
+        Err(_) => f(&build()),
+    })
 }
 
 /// The 256 signed 6-bit quants (minus 32) of a Q6_K block, in element order.
