@@ -1127,7 +1127,7 @@ fn encode_row(format: KvFormat, slot: usize, row: &[f32], buf: &mut [u8]) -> Res
 /// Decode the values at `slot..slot + row.len()` of `buf` into `row`.
 /// Key values from which [`Cache::decode_rows`] decodes keys and values on two threads (below
 /// it the second thread costs more than it saves).
-const PARALLEL_DECODE_VALUES: usize = 8 * 1024;
+const PARALLEL_DECODE_VALUES: usize = 16 * 1024;
 
 fn decode_row(format: KvFormat, slot: usize, buf: &[u8], row: &mut [f32]) -> Result<()> {
     let span = &buf[format.byte_at(slot)..format.byte_at(slot + row.len())];

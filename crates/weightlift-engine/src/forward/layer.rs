@@ -546,6 +546,11 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
+/// Stack-sized pieces a task of [`head_norm_in_place`] and [`swiglu_in_place`] takes at
+/// least: a decode step's few rows run on the calling thread, where handing them to another
+/// thread would cost more than the work.
+const PIECES_PER_TASK: usize = 16;
+
 /// Each `weight.len()`-long head vector of `x` RMS-normed by `weight`, in place, through the
 /// kernel in stack-sized pieces of whole heads (the backend path norms into a second buffer
 /// with the same kernel, so both give the same bits).
@@ -563,13 +568,15 @@ pub(super) fn head_norm_in_place(
         x.copy_from_slice(&tmp);
         return Ok(());
     }
-    x.par_chunks_mut(PIECE / hd * hd).try_for_each(|heads| {
-        let mut tmp = [0f32; PIECE];
-        let t = &mut tmp[..heads.len()];
-        weightlift_kernels::rms_norm(heads, weight, eps, t)?;
-        heads.copy_from_slice(t);
-        Ok(())
-    })
+    x.par_chunks_mut(PIECE / hd * hd)
+        .with_min_len(PIECES_PER_TASK)
+        .try_for_each(|heads| {
+            let mut tmp = [0f32; PIECE];
+            let t = &mut tmp[..heads.len()];
+            weightlift_kernels::rms_norm(heads, weight, eps, t)?;
+            heads.copy_from_slice(t);
+            Ok(())
+        })
 }
 
 /// `gate = silu(gate) * up`, through the kernel in stack-sized pieces.
@@ -578,6 +585,7 @@ pub(super) fn swiglu_in_place(gate: &mut [f32], up: &[f32]) -> weightlift_kernel
     const PIECE: usize = 1024;
     gate.par_chunks_mut(PIECE)
         .zip(up.par_chunks(PIECE))
+        .with_min_len(PIECES_PER_TASK)
         .try_for_each(|(g, u)| {
             let mut tmp = [0f32; PIECE];
             let t = &mut tmp[..g.len()];

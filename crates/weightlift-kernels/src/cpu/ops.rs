@@ -171,8 +171,11 @@ pub fn rope_in_place(
         });
     }
     let tok_len = heads / n_tok * hd;
+    // a task takes whole tokens, enough of them to be worth handing to another thread (a
+    // decode step's few tokens run on the calling thread)
     x.par_chunks_mut(tok_len)
         .zip(positions.par_iter())
+        .with_min_len(rows_per_task(tok_len))
         .for_each(|(xt, pos)| {
             let mut cs = [(0f32, 0f32); 256];
             let mut cs_vec = Vec::new();
