@@ -543,6 +543,8 @@ fn rows_dot_q8<const R: usize>(
 /// blocks interleaved by block (`qs[i · n + t]`, the quants of token `t`'s block `i`), their
 /// VNNI lane offsets alike (for [`vnni_offset`]; empty without) and their [`TokenScales`].
 struct TokenPass {
+    /// How many tokens the pass holds.
+    tokens: usize,
     xs: Vec<Vec<Q8Block>>,
     qs: Vec<[i8; 32]>,
     bias: Vec<[i32; 8]>,
@@ -564,6 +566,7 @@ impl TokenPass {
         let (n, nb) = (xs.len(), xs.first().map_or(0, |x| x.len()));
         if !isa.has_avx2() {
             return TokenPass {
+                tokens: n,
                 xs: xs.iter().map(|x| x.to_vec()).collect(),
                 qs: Vec::new(),
                 bias: Vec::new(),
@@ -589,6 +592,7 @@ impl TokenPass {
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (ty, paired);
         TokenPass {
+            tokens: n,
             xs: Vec::new(),
             qs,
             bias,
@@ -654,8 +658,16 @@ fn takes_row_pairs(vnni: Option<Vnni>, ty: QuantType) -> bool {
 }
 
 /// [`row_tokens_q8`] of two rows at once, where [`takes_row_pairs`] says so: each token's
-/// results have the same bits.
-fn row_pair_tokens_q8(ty: QuantType, rows: [&[u8]; 2], pass: &TokenPass, out: [&mut [f32]; 2]) {
+/// results have the same bits. They go into `tile`, token-major with `stride` values a token:
+/// the pass's token `t` (token `t0 + t` of the product) at `(t0 + t) · stride + slot` for the
+/// first row and `+ 1` for the second.
+fn row_pair_tokens_q8(
+    ty: QuantType,
+    rows: [&[u8]; 2],
+    pass: &TokenPass,
+    tile: &mut [f32],
+    (stride, t0, slot): (usize, usize, usize),
+) {
     #[cfg(target_arch = "x86_64")]
     {
         use super::x86_matvec512::row_pair_tokens_q8_512 as k;
@@ -664,18 +676,19 @@ fn row_pair_tokens_q8(ty: QuantType, rows: [&[u8]; 2], pass: &TokenPass, out: [&
             .pairs
             .as_ref()
             .expect("row_pair_tokens_q8: a pass laid out for row pairs");
-        let [o0, o1] = out;
         macro_rules! by_tokens {
             ($($t:literal)*) => {
-                match o0.len() {
+                match pass.tokens {
                     $($t => {
                         // SAFETY: takes_row_pairs saw AVX512-VNNI detected at run time (with
                         // AVX-512F/BW/VL: Isa::vnni returns it only at Isa::Avx512) and a type
                         // the kernel takes; both rows hold whole blocks for the pass's tokens,
                         // laid out for ty by TokenPass::new (PairTokens::new).
                         let [a, b] = unsafe { k::<$t>(ty, rows, x, scales) };
-                        o0.copy_from_slice(&a);
-                        o1.copy_from_slice(&b);
+                        let at = tile[t0 * stride + slot..].chunks_mut(stride);
+                        for ((o, a), b) in at.zip(a).zip(b) {
+                            o[..2].copy_from_slice(&[a, b]);
+                        }
                     })*
                     _ => unreachable!("row_pair_tokens_q8: at most {BATCH_PASS_MAX} tokens"),
                 }
@@ -685,7 +698,7 @@ fn row_pair_tokens_q8(ty: QuantType, rows: [&[u8]; 2], pass: &TokenPass, out: [&
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (rows, pass, out);
+        let _ = (rows, pass, tile, stride, t0, slot);
         unreachable!("row_pair_tokens_q8 {ty}: only x86-64 takes rows in pairs");
     }
 }
@@ -742,31 +755,29 @@ fn q8_matmul_batch(
                     i * ROWS_PER_TASK,
                     ROWS_PER_TASK.min(rows - i * ROWS_PER_TASK),
                 );
-                let mut by_row = [0f32; ROWS_PER_TASK * Q8_BATCH_MAX_TOKENS];
-                let yc = &mut by_row[..n * n_tok];
+                // the task's results token-major, ROWS_PER_TASK values a token
+                let mut by_token = [0f32; ROWS_PER_TASK * Q8_BATCH_MAX_TOKENS];
                 let mut k = 0;
                 while k < n {
                     let r = first + k;
                     if paired && k + 1 < n {
-                        let (y0, y1) = yc[k * n_tok..(k + 2) * n_tok].split_at_mut(n_tok);
-                        let outs = y0.chunks_mut(pass).zip(y1.chunks_mut(pass));
-                        for ((o0, o1), p) in outs.zip(passes) {
-                            row_pair_tokens_q8(ty, [row(r), row(r + 1)], p, [o0, o1]);
+                        for (j, p) in passes.iter().enumerate() {
+                            let at = (ROWS_PER_TASK, j * pass, k);
+                            row_pair_tokens_q8(ty, [row(r), row(r + 1)], p, &mut by_token, at);
                         }
                         k += 2;
                     } else {
-                        let yr = &mut yc[k * n_tok..(k + 1) * n_tok];
-                        for (o, p) in yr.chunks_mut(pass).zip(passes) {
+                        let mut one = [0f32; Q8_BATCH_MAX_TOKENS];
+                        for (o, p) in one[..n_tok].chunks_mut(pass).zip(passes) {
                             row_tokens_q8(isa, vnni, ty, row(r), p, o);
+                        }
+                        for (t, v) in one[..n_tok].iter().enumerate() {
+                            by_token[t * ROWS_PER_TASK + k] = *v;
                         }
                         k += 1;
                     }
                 }
-                let mut run = [0f32; ROWS_PER_TASK];
-                for t in 0..n_tok {
-                    for (v, by) in run.iter_mut().zip(yc.chunks_exact(n_tok)) {
-                        *v = by[t];
-                    }
+                for (t, run) in by_token.chunks_exact(ROWS_PER_TASK).take(n_tok).enumerate() {
                     // SAFETY: this task alone writes rows first..first + n of every token.
                     unsafe { out.write(t * rows + first, &run[..n]) };
                 }
