@@ -742,8 +742,9 @@ fn q8_matmul_batch(
         ty,
         paired,
         pass,
+        per_tok,
     };
-    with_token_passes(key, x, per_tok, |passes| {
+    with_token_passes(key, x, |passes| {
         let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
         // Each task's rows go into y token by token from a buffer of its own (y is
         // token-major, so a task's rows are a run of every token's row, and no transpose
@@ -794,20 +795,16 @@ struct PassKey {
     paired: bool,
     /// Tokens per pass.
     pass: usize,
+    /// Blocks of 32 values a token (inputs of one length can be tokens of other widths).
+    per_tok: usize,
 }
 
-/// The token passes of the input `x` (`per_tok` blocks a token) for a product of `key`, to
-/// `f`. A layer's query, key and value products take one input, and so do its gate and up: the
+/// The token passes of the input `x` for a product of `key`, to `f`. A layer's query, key and value products take one input, and so do its gate and up: the
 /// passes of the last input are kept on this thread with a copy of it, and a product whose
 /// input has the same bits (and the same key) takes them again instead of quantising and
 /// laying out its tokens once more (serial work a batched step otherwise repeats five times
 /// of seven).
-fn with_token_passes<T>(
-    key: PassKey,
-    x: &[f32],
-    per_tok: usize,
-    f: impl FnOnce(&[TokenPass]) -> T,
-) -> T {
+fn with_token_passes<T>(key: PassKey, x: &[f32], f: impl FnOnce(&[TokenPass]) -> T) -> T {
     struct Kept {
         key: PassKey,
         x: Vec<f32>,
@@ -818,11 +815,11 @@ fn with_token_passes<T>(
     }
     let build = || -> Vec<TokenPass> {
         with_q8_activations(key.isa, x, vnni_offset(key.vnni, key.ty), |act| {
-            let xs: Vec<&[Q8Block]> = act.q.chunks_exact(per_tok).collect();
+            let xs: Vec<&[Q8Block]> = act.q.chunks_exact(key.per_tok).collect();
             let bias: Vec<&[[i32; 8]]> = if act.bias.is_empty() {
                 vec![&[][..]; xs.len()]
             } else {
-                act.bias.chunks_exact(per_tok).collect()
+                act.bias.chunks_exact(key.per_tok).collect()
             };
             xs.chunks(key.pass)
                 .zip(bias.chunks(key.pass))

@@ -256,3 +256,53 @@ fn q8_matmul_of_few_tokens_gives_each_token_its_matvec_bits() {
         }
     }
 }
+
+/// A batched product takes the token passes kept from the product before only for the same
+/// input: the same values read as tokens of another width (12 tokens of 64 values, then 6 of
+/// 128, in passes of 6 tokens where a pass holds at most 8) are laid out again.
+#[test]
+fn kept_token_passes_are_not_taken_for_another_width() {
+    let ty = QuantType::Q8_0;
+    let x = activations(768, 7);
+    for isa in Isa::all_supported() {
+        for (n_tok, cols) in [(12, 64), (6, 128), (12, 64)] {
+            let rows = 5;
+            let w = weights(ty, rows, cols, cols as u64);
+            let mut want = vec![0f32; n_tok * rows];
+            for (xt, yt) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
+                matvec_with_vnni(
+                    Isa::Scalar,
+                    false,
+                    MatvecMode::Q8,
+                    ty,
+                    &w,
+                    rows,
+                    cols,
+                    xt,
+                    yt,
+                )
+                .unwrap();
+            }
+            let mut y = vec![f32::NAN; n_tok * rows];
+            matmul_with_vnni(
+                isa,
+                false,
+                MatvecMode::Q8,
+                ty,
+                &w,
+                rows,
+                cols,
+                &x,
+                n_tok,
+                &mut y,
+                usize::MAX,
+            )
+            .unwrap();
+            let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{isa:?} {n_tok} tokens of {cols}: {y:?} against {want:?}"
+            );
+        }
+    }
+}
