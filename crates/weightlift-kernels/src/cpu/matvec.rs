@@ -417,7 +417,7 @@ pub(crate) struct TokenScales {
 /// then every token takes the single-token operations in their order: per block the 8 lane
 /// sums of [`lanes`], `fma(d · d_x, lane, acc)` (`(d · sc) · d_x` for the K-quants), the
 /// offset term apart, [`finish_lanes`] at the end.
-fn row_tokens_q8_scalar(ty: QuantType, row: &[u8], xs: &[&[Q8Block]], out: &mut [f32]) {
+fn row_tokens_q8_scalar<X: AsRef<[Q8Block]>>(ty: QuantType, row: &[u8], xs: &[X], out: &mut [f32]) {
     let n = xs.len();
     assert!(
         n <= BATCH_PASS_MAX && out.len() == n,
@@ -445,7 +445,7 @@ fn row_tokens_q8_scalar(ty: QuantType, row: &[u8], xs: &[&[Q8Block]], out: &mut 
                 };
                 let m = matches!(ty, QuantType::Q4_1 | QuantType::Q5_1).then(|| rd_f16(blk, 2));
                 for ((a, e), x) in acc.iter_mut().zip(extra.iter_mut()).zip(xs) {
-                    let xb = &x[i];
+                    let xb = &x.as_ref()[i];
                     fma_lanes([d * xb.d; 8], lanes(&w, &xb.qs), a);
                     if let Some(m) = m {
                         *e += (m * xb.d) * xb.sum as f32;
@@ -466,7 +466,7 @@ fn row_tokens_q8_scalar(ty: QuantType, row: &[u8], xs: &[&[Q8Block]], out: &mut 
                     // the first products of `d · sc · d_x` and `dmin · m · d_x`
                     let (ds, dm) = (d * sc as f32, dmin * m as f32);
                     for ((a, e), x) in acc.iter_mut().zip(extra.iter_mut()).zip(xs) {
-                        let xb = &x[8 * i + sb];
+                        let xb = &x.as_ref()[8 * i + sb];
                         fma_lanes([ds * xb.d; 8], lanes(&w, &xb.qs), a);
                         *e -= (dm * xb.d) * xb.sum as f32;
                     }
@@ -484,7 +484,7 @@ fn row_tokens_q8_scalar(ty: QuantType, row: &[u8], xs: &[&[Q8Block]], out: &mut 
                     let s0 = d * f32::from(blk[192 + 2 * g] as i8);
                     let s1 = d * f32::from(blk[193 + 2 * g] as i8);
                     for (a, x) in acc.iter_mut().zip(xs) {
-                        let xb = &x[8 * i + g];
+                        let xb = &x.as_ref()[8 * i + g];
                         let (s0, s1) = (s0 * xb.d, s1 * xb.d);
                         fma_lanes([s0, s0, s0, s0, s1, s1, s1, s1], lanes(&w, &xb.qs), a);
                     }
@@ -642,8 +642,7 @@ fn row_tokens_q8(
         return;
     }
     let _ = (isa, vnni);
-    let xs: Vec<&[Q8Block]> = pass.xs.iter().map(Vec::as_slice).collect();
-    row_tokens_q8_scalar(ty, row, &xs, out);
+    row_tokens_q8_scalar(ty, row, &pass.xs, out);
 }
 
 /// Whether [`q8_matmul_batch`] takes the rows of `ty` in pairs ([`row_pair_tokens_q8`]): the

@@ -192,6 +192,58 @@ fn f32_matvec_reads_aligned_rows_in_place_with_the_copying_bits() {
     }
 }
 
+/// The scalar Q8-mode matvec of each token of `x` (`cols` values a token) alone, token-major.
+fn per_token_matvec(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
+    let mut want = vec![0f32; x.len() / cols * rows];
+    for (xt, yt) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
+        matvec_with_vnni(
+            Isa::Scalar,
+            false,
+            MatvecMode::Q8,
+            ty,
+            w,
+            rows,
+            cols,
+            xt,
+            yt,
+        )
+        .unwrap();
+    }
+    want
+}
+
+/// The Q8-mode matmul of the `n_tok` tokens of `x` at `isa` (VNNI form allowed or not).
+fn q8_matmul(
+    (isa, vnni): (Isa, bool),
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+) -> Vec<f32> {
+    let mut y = vec![f32::NAN; n_tok * rows];
+    matmul_with_vnni(
+        isa,
+        vnni,
+        MatvecMode::Q8,
+        ty,
+        w,
+        rows,
+        cols,
+        x,
+        n_tok,
+        &mut y,
+        usize::MAX,
+    )
+    .unwrap();
+    y
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits())
+}
+
 /// A Q8-mode matmul of 2 to 16 tokens decodes each weight block once for all of them, and
 /// every token's output has the bits of the scalar matvec of that token alone, on every
 /// instruction set, VNNI choice, odd row count and token count.
@@ -210,43 +262,14 @@ fn q8_matmul_of_few_tokens_gives_each_token_its_matvec_bits() {
         for (rows, cols) in [(1, 256), (3, 512), (17, 256), (37, 768)] {
             let w = weights(ty, rows, cols, (k * 1000 + rows) as u64);
             let x = activations(16 * cols, (k + rows) as u64);
-            let mut want = vec![0f32; 16 * rows];
-            for (xt, yt) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
-                matvec_with_vnni(
-                    Isa::Scalar,
-                    false,
-                    MatvecMode::Q8,
-                    ty,
-                    &w,
-                    rows,
-                    cols,
-                    xt,
-                    yt,
-                )
-                .unwrap();
-            }
+            let want = per_token_matvec(ty, &w, rows, cols, &x);
             for n_tok in 1..=16 {
                 for isa in Isa::all_supported() {
                     for vnni in [false, true] {
-                        let mut y = vec![f32::NAN; n_tok * rows];
-                        matmul_with_vnni(
-                            isa,
-                            vnni,
-                            MatvecMode::Q8,
-                            ty,
-                            &w,
-                            rows,
-                            cols,
-                            &x[..n_tok * cols],
-                            n_tok,
-                            &mut y,
-                            usize::MAX,
-                        )
-                        .unwrap();
-                        let good = &want[..n_tok * rows];
-                        let same = y.iter().zip(good).all(|(a, b)| a.to_bits() == b.to_bits());
+                        let (x, good) = (&x[..n_tok * cols], &want[..n_tok * rows]);
+                        let y = q8_matmul((isa, vnni), ty, &w, rows, cols, x, n_tok);
                         assert!(
-                            same,
+                            same_bits(&y, good),
                             "{ty} {rows}x{cols} {n_tok} tokens {isa:?} vnni {vnni}: \
                              {y:?} against {good:?}"
                         );
@@ -268,39 +291,10 @@ fn kept_token_passes_are_not_taken_for_another_width() {
         for (n_tok, cols) in [(12, 64), (6, 128), (12, 64)] {
             let rows = 5;
             let w = weights(ty, rows, cols, cols as u64);
-            let mut want = vec![0f32; n_tok * rows];
-            for (xt, yt) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
-                matvec_with_vnni(
-                    Isa::Scalar,
-                    false,
-                    MatvecMode::Q8,
-                    ty,
-                    &w,
-                    rows,
-                    cols,
-                    xt,
-                    yt,
-                )
-                .unwrap();
-            }
-            let mut y = vec![f32::NAN; n_tok * rows];
-            matmul_with_vnni(
-                isa,
-                false,
-                MatvecMode::Q8,
-                ty,
-                &w,
-                rows,
-                cols,
-                &x,
-                n_tok,
-                &mut y,
-                usize::MAX,
-            )
-            .unwrap();
-            let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            let want = per_token_matvec(ty, &w, rows, cols, &x);
+            let y = q8_matmul((isa, false), ty, &w, rows, cols, &x, n_tok);
             assert!(
-                same,
+                same_bits(&y, &want),
                 "{isa:?} {n_tok} tokens of {cols}: {y:?} against {want:?}"
             );
         }

@@ -238,7 +238,26 @@ impl CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let name = format!("q8_matmul_{}", m.ty.name());
+        // SAFETY: each row group reads one weight row (rows were checked) and each token's
+        // cols / 32 blocks of xq, and writes y[t * rows + r] below n_tok * rows (checked).
+        unsafe { self.launch_q8_prompt("q8_matmul_", cfg, m, w, xq, y) }
+    }
+
+    /// Launches the prompt product kernel `{family}{type}` of `m` with `cfg`: weights `w`,
+    /// quantised activations `xq`, output `y` (`n_tok × rows`).
+    ///
+    /// # Safety
+    /// The kernel reads and writes only inside the shapes of `m` at the launch `cfg` gives it.
+    unsafe fn launch_q8_prompt(
+        &self,
+        family: &str,
+        cfg: LaunchConfig,
+        m: MatShape,
+        w: &CudaBuffer,
+        xq: &CudaSlice<u8>,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let name = format!("{family}{}", m.ty.name());
         let mut args = [
             KArg::In(&w.slice),
             KArg::In(xq),
@@ -247,8 +266,7 @@ impl CudaBackend {
             KArg::U64(m.cols as u64),
             KArg::U64(m.n_tok as u64),
         ];
-        // SAFETY: each row group reads one weight row (rows were checked) and each token's
-        // cols / 32 blocks of xq, and writes y[t * rows + r] below n_tok * rows (checked).
+        // SAFETY: the caller's contract.
         unsafe { self.launch("matvec", &name, cfg, &mut args) }
     }
 
@@ -272,19 +290,10 @@ impl CudaBackend {
             block_dim: (MMQ_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let name = format!("q8_mma_{}", m.ty.name());
-        let mut args = [
-            KArg::In(&w.slice),
-            KArg::In(xq),
-            KArg::Out(&mut y.slice),
-            KArg::U64(m.rows as u64),
-            KArg::U64(m.cols as u64),
-            KArg::U64(m.n_tok as u64),
-        ];
         // SAFETY: a block stages weight rows below rows (checked; rows past the end stage
         // zeros) and activation blocks of tokens below n_tok (cols / 32 each, quantised before
         // on this stream), and writes y[t * rows + r] for r below rows and t below n_tok.
-        unsafe { self.launch("matvec", &name, cfg, &mut args) }
+        unsafe { self.launch_q8_prompt("q8_mma_", cfg, m, w, xq, y) }
     }
 
     /// The launch of decode's Q8 product of `m` (one token), and its kernel family:
