@@ -431,6 +431,46 @@ def test_concurrent_requests_match_each_run_alone(server: Server):
     assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
 
 
+def test_a_freed_slot_goes_to_the_oldest_waiting_request_before_the_next_step(demo_gguf: Path):
+    # The engine thread keeps the line: no step runs with a slot idle while a request waits,
+    # and requests that waited together join the batch in one step, in the order they came.
+    import asyncio
+
+    import weightlift
+    from weightlift.server.scheduler import Scheduler
+
+    steps: list[tuple[list[int], int]] = []  # (the jobs stepped, how many waited)
+
+    class Watched(Scheduler):
+        def _step(self) -> None:
+            steps.append((sorted(self._jobs), len(self._waiting)))
+            super()._step()
+
+    model = weightlift.Model(str(demo_gguf), devices="cpu", compute="exact", n_threads=2)
+    model.load(cache=weightlift.CacheSpec(128, 2, "fp16"))
+    sched = Watched(model, 2)
+    prompts = ["One, two,", "The capital of France is", "Once upon a time", "Dear diary,"]
+
+    async def run() -> None:
+        # the engine thread busy with a call while all four arrive, so they arrive together
+        busy = sched.call(lambda _: time.sleep(0.3))
+        kw = {"max_tokens": 6, "temperature": 0, "logit_bias": {0: -100, 2: -100}}
+        jobs = [sched.submit("create_completion", {"prompt": p, **kw}) for p in prompts]
+        await busy
+        for job in jobs:
+            kind, value, _ = await job.next()
+            assert kind == "started", value
+            while (await job.next())[0] != "whole":
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        sched.close()
+    half = len(steps) // 2
+    assert steps == [([0, 1], 2)] * half + [([2, 3], 0)] * half, steps
+
+
 def test_disconnect_mid_stream_frees_the_model(server: Server):
     body = {"prompt": "Count:", "max_tokens": 800, "logit_bias": NO_EOS, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=10) as r:

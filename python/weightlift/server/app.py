@@ -204,7 +204,7 @@ class Server:
             raise APIError(400, str(e), param=str(e).split(":")[0]) from None
         fields = set(type(body).model_fields)
         try:
-            await self.slots.acquire()
+            self.slots.admit()
         except QueueFull:
             raise APIError(
                 503,
@@ -223,10 +223,12 @@ class Server:
             self.slots.release()
 
         try:
-            if await request.is_disconnected():
-                return Response(status_code=499)  # it left while queued: nobody to answer
             job = self.scheduler.submit(method, {**kwargs, "model": self.alias})
-            kind, value, _ = await job.next()
+            # it waits in line for a slot first
+            event = await self._unless_gone(request, job)
+            if event is None:
+                return Response(status_code=499)  # it left while queued: nobody to answer
+            kind, value, _ = event
             if kind == "error":  # refused before anything ran: a 4xx naming the field
                 raise from_engine(value, fields, roles) from value
             if not body.stream:

@@ -1,6 +1,12 @@
 """The engine thread: one ``weightlift.Batch`` stepped in a loop, with requests joining between
 steps (continuous batching) and leaving when they end or their client goes.
 
+The line of requests waiting for a slot is kept here too, in arrival order: a generation that
+ends in a step hands its slot to the oldest waiting request before the next step, with no trip
+through the event loop. So the requests of a busy server join together, and a step never runs
+with a slot idle while a request waits (a slot handed over through the event loop stayed idle
+for a step or two, and the requests after it joined a step apart, each join a prefill step).
+
 Only this thread calls the model, so the event loop never waits on it: a request hands its call
 over and reads its events from an ``asyncio.Queue`` that this thread fills.
 
@@ -89,14 +95,17 @@ class Scheduler:
         self.batch = weightlift.Batch(model, parallel)
         self._inbox: queue.SimpleQueue[tuple[str, Job | Call]] = queue.SimpleQueue()
         self._jobs: dict[int, Job] = {}
+        # submitted, waiting for a slot (a cancelled one is dropped when its turn comes)
+        self._waiting: deque[Job] = deque()
         self._calls: deque[Call] = deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weightlift-batch", daemon=True)
         self._thread.start()
 
     def submit(self, method: str, kwargs: dict[str, Any]) -> Job:
-        """Start ``model.<method>(**kwargs)`` in the batch; its first event says whether it
-        started (``started``) or was refused (``error``, the exception)."""
+        """Start ``model.<method>(**kwargs)`` in the batch once a slot is free (requests wait
+        in line, in the order submitted); its first event says whether it started (``started``)
+        or was refused (``error``, the exception)."""
         job = Job(method, kwargs, asyncio.get_running_loop())
         self._inbox.put(("start", job))
         return job
@@ -110,7 +119,8 @@ class Scheduler:
         return call.future
 
     def cancel(self, job: Job) -> None:
-        """End ``job`` at once (its client left); its slot is free before the next start."""
+        """End ``job`` at once (its client left): its slot is free before the next start, and
+        a job still waiting for a slot never starts."""
         job.cancelled = True
         self._inbox.put(("cancel", job))
 
@@ -122,7 +132,8 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._take(block=not self._jobs and not self._calls)
+                self._take(block=not self._jobs and not self._calls and not self._waiting)
+                self._admit()
                 if self._calls:
                     self._call(self._calls.popleft())
                 if self._jobs:
@@ -148,7 +159,7 @@ class Scheduler:
                 self.batch.cancel(job.id)
                 self._jobs.pop(job.id, None)
             elif what == "start" and not job.cancelled:
-                self._start(job)
+                self._waiting.append(job)
             try:
                 what, job = self._inbox.get_nowait()
             except queue.Empty:
@@ -163,6 +174,13 @@ class Scheduler:
             call.settle(None, e)
             return
         call.settle(value, None)
+
+    def _admit(self) -> None:
+        """Start waiting jobs, oldest first, while the batch has free slots."""
+        while self._waiting and len(self._jobs) < self.batch.parallel:
+            job = self._waiting.popleft()
+            if not job.cancelled:
+                self._start(job)
 
     def _start(self, job: Job) -> None:
         try:

@@ -1,9 +1,6 @@
-"""The generation slots of the model and the bounded first-come-first-served queue before them."""
+"""The count of generation requests let in: ``parallel`` running and up to ``queue`` waiting."""
 
 from __future__ import annotations
-
-import asyncio
-from collections import deque
 
 
 class QueueFull(Exception):
@@ -11,45 +8,33 @@ class QueueFull(Exception):
 
 
 class Slots:
-    """``parallel`` generations at once; up to ``queue`` more requests wait, in arrival order.
+    """``parallel`` generations at once; up to ``queue`` more requests wait. Past both, a
+    request is turned away (QueueFull).
 
-    A released slot passes straight to the oldest waiter, so a request arriving later cannot
-    overtake the queue. Only the event loop's thread calls these methods.
+    The line itself is the engine thread's (``Scheduler``), in arrival order, so a slot that
+    frees passes to the oldest waiting request there; this counts the requests let in until
+    their responses end. Only the event loop's thread calls these methods.
     """
 
     def __init__(self, parallel: int, queue: int) -> None:
         self.parallel = parallel
         self.queue = queue
-        self.running = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._admitted = 0
+
+    @property
+    def running(self) -> int:
+        return min(self._admitted, self.parallel)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self._admitted - self.running
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting in line for one; QueueFull when the line is full."""
-        if self.running < self.parallel and not self._waiters:
-            self.running += 1
-            return
-        if len(self._waiters) >= self.queue:
+    def admit(self) -> None:
+        """Let a request in, to run or wait; QueueFull when the line is full."""
+        if self._admitted >= self.parallel + self.queue:
             raise QueueFull
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
-            elif fut.done() and not fut.cancelled():
-                self.release()  # the slot was handed over as the waiter went away
-            raise
+        self._admitted += 1
 
     def release(self) -> None:
-        """Give the slot to the oldest waiter, or free it."""
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot changes hands: running stays the same
-                return
-        self.running -= 1
+        """The request let in has ended."""
+        self._admitted -= 1
