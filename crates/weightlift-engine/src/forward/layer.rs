@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use weightlift_kernels::MatvecMode;
 use weightlift_kernels::RopeParams;
-use weightlift_kernels::cpu::matvec::{matmul, matvec};
+use weightlift_kernels::cpu::matvec::{SharedInput, matmul, matmul_shared, matvec};
+use weightlift_kernels::types::QuantType;
 
 use super::attention::{self, Shape, Tiles};
 use super::family::{Family, Gate};
@@ -119,9 +120,7 @@ pub(super) fn run_layer(
     // attention
     weightlift_kernels::rms_norm(&w.x[..n * h], &l.attn_norm.host, c.eps, &mut w.xn[..n * h])
         .map_err(err("attn_norm"))?;
-    linear_pieces(c, wts, &l.q, pieces, w.xn, w.q)?;
-    linear_pieces(c, wts, &l.k, pieces, w.xn, w.k)?;
-    linear_pieces(c, wts, &l.v, pieces, w.xn, w.v)?;
+    linear_pieces_shared(c, wts, [&l.q, &l.k, &l.v], pieces, w.xn, [w.q, w.k, w.v])?;
     if let Some([qn, kn]) = &l.qk_norm {
         head_norm_in_place(&mut w.q[..n * qd], &qn.host, c.eps).map_err(err("q_norm"))?;
         head_norm_in_place(&mut w.k[..n * kvd], &kn.host, c.eps).map_err(err("k_norm"))?;
@@ -150,8 +149,7 @@ pub(super) fn run_layer(
     match &l.ffn {
         Ffn::Dense { gate, up, down } => {
             let i = gate.rows;
-            linear_pieces(c, wts, gate, pieces, w.xn, w.gate)?;
-            linear_pieces(c, wts, up, pieces, w.xn, w.up)?;
+            linear_pieces_shared(c, wts, [gate, up], pieces, w.xn, [w.gate, w.up])?;
             activate(c.gate, &mut w.gate[..n * i], &w.up[..n * i])
                 .map_err(err("gated activation"))?;
             linear_pieces(c, wts, down, pieces, w.gate, w.xn)?;
@@ -471,11 +469,76 @@ pub(super) fn for_each_routed(
 /// Whether a product of `l` with several tokens gives each token the bits of its own
 /// matrix-vector product, up to `Q8_BATCH_MAX_TOKENS` tokens: the fast mode's block products.
 pub(super) fn shares_rows(c: &Consts, wts: &Weights<'_>, l: &Linear) -> Result<bool> {
-    Ok(l.packed.is_none()
-        && matches!(
-            weight_of(wts.held, wts.copies, l, wts.slot)?.1,
-            Packing::Blocks(ty) if c.compute.mode(ty) == MatvecMode::Q8
-        ))
+    Ok(q8_type(c, wts, l)?.is_some())
+}
+
+/// The block type of `l` where its product is a fast-mode block product (see
+/// [`linear_pieces`]).
+fn q8_type(c: &Consts, wts: &Weights<'_>, l: &Linear) -> Result<Option<QuantType>> {
+    if l.packed.is_some() {
+        return Ok(None);
+    }
+    Ok(match weight_of(wts.held, wts.copies, l, wts.slot)?.1 {
+        Packing::Blocks(ty) if c.compute.mode(ty) == MatvecMode::Q8 => Some(ty),
+        _ => None,
+    })
+}
+
+/// [`linear_pieces`] of linears that multiply the same input `x` (a layer's query, key and
+/// value; its gate and up), into `ys`. Where all are fast-mode block products of one type,
+/// each product run multiplies them together ([`matmul_shared`]: the tokens quantised once, one
+/// parallel loop over all their rows); else they run one after the other. Every row has the
+/// bits [`linear_pieces`] gives it.
+pub(super) fn linear_pieces_shared<const N: usize>(
+    c: &Consts,
+    wts: &Weights<'_>,
+    ls: [&Linear; N],
+    pieces: &[Piece<'_>],
+    x: &[f32],
+    mut ys: [&mut [f32]; N],
+) -> Result<()> {
+    let cols = ls[0].cols;
+    let mut types = Vec::with_capacity(N);
+    for l in ls {
+        types.push(q8_type(c, wts, l)?);
+    }
+    let shared = match types[..] {
+        [Some(ty), ..] if types.iter().all(|t| *t == Some(ty)) => Some(ty),
+        _ => None,
+    };
+    let Some(ty) = shared.filter(|_| ls.iter().all(|l| l.cols == cols)) else {
+        for (l, y) in ls.into_iter().zip(ys) {
+            linear_pieces(c, wts, l, pieces, x, y)?;
+        }
+        return Ok(());
+    };
+    let mut ws = Vec::with_capacity(N);
+    for l in ls {
+        ws.push(weight_of(wts.held, wts.copies, l, wts.slot)?.0);
+    }
+    let lens: Vec<usize> = pieces.iter().map(|p| p.n).collect();
+    for (start, n) in product_runs(&lens, true) {
+        let mut parts: Vec<SharedInput<'_>> = ls
+            .iter()
+            .zip(&ws)
+            .zip(ys.iter_mut())
+            .map(|((l, w), y)| SharedInput {
+                w,
+                rows: l.rows,
+                y: &mut y[start * l.rows..(start + n) * l.rows],
+            })
+            .collect();
+        let xs = &x[start * cols..(start + n) * cols];
+        matmul_shared(c.compute.mode(ty), ty, &mut parts, cols, xs, n, c.max_dq).map_err(|e| {
+            let names: Vec<&str> = ls.iter().map(|l| l.name.as_str()).collect();
+            kernel(&names.join(", "), e)
+        })?;
+    }
+    let n = tokens(pieces);
+    for (l, y) in ls.into_iter().zip(ys) {
+        add_bias(l, &mut y[..n * l.rows]);
+    }
+    Ok(())
 }
 
 /// `y = W x` for the tokens of `pieces`, each token's row the bits it gets when its sequence

@@ -715,25 +715,19 @@ fn batch_pass(isa: Isa, vnni: Option<Vnni>) -> usize {
 /// The Q8-mode matmul of a few tokens ([`Q8_BATCH_MAX_TOKENS`] at most): the tokens are
 /// quantised once, each weight row is decoded once per pass of up to [`batch_pass`] tokens
 /// and met with every token of the pass in registers ([`row_tokens_q8`]), so each token's
-/// result has the bits of [`matvec`] of that token alone.
-#[allow(clippy::too_many_arguments)]
+/// result has the bits of [`matvec`] of that token alone. Every matrix of `parts` (all of `ty`,
+/// `cols` columns) multiplies the same tokens, their row tasks in one parallel loop.
 fn q8_matmul_batch(
-    isa: Isa,
-    vnni: Option<Vnni>,
-    ty: QuantType,
-    w: &[u8],
-    rows: usize,
+    (isa, vnni, ty): (Isa, Option<Vnni>, QuantType),
+    parts: &mut [SharedInput<'_>],
     cols: usize,
     x: &[f32],
     n_tok: usize,
-    y: &mut [f32],
 ) {
-    let row_bytes = w.len() / rows;
     let per_tok = cols / 32;
     // balanced passes: 12 tokens at 8 per pass go as 6 + 6
     let n_passes = n_tok.div_ceil(batch_pass(isa, vnni));
     let pass = n_tok.div_ceil(n_passes);
-    let out = super::SharedOut::new(y);
     let paired = takes_row_pairs(vnni, ty);
     let key = PassKey {
         isa,
@@ -743,45 +737,59 @@ fn q8_matmul_batch(
         pass,
         per_tok,
     };
+    // each matrix's rows, bytes a row and output; its first task in the loop over all
+    let mut first_task = Vec::with_capacity(parts.len() + 1);
+    let mut tasks = 0;
+    let outs: Vec<(&[u8], usize, usize, super::SharedOut<'_>)> = parts
+        .iter_mut()
+        .map(|p| {
+            first_task.push(tasks);
+            tasks += p.rows.div_ceil(ROWS_PER_TASK);
+            (p.w, p.rows, p.w.len() / p.rows, super::SharedOut::new(p.y))
+        })
+        .collect();
+    first_task.push(tasks);
     with_token_passes(key, x, |passes| {
-        let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
-        // Each task's rows go into y token by token from a buffer of its own (y is
-        // token-major, so a task's rows are a run of every token's row, and no transpose
+        // Each task's rows go into its matrix's y token by token from a buffer of its own (y
+        // is token-major, so a task's rows are a run of every token's row, and no transpose
         // of the whole output is needed afterwards).
-        (0..rows.div_ceil(ROWS_PER_TASK))
-            .into_par_iter()
-            .for_each(|i| {
-                let (first, n) = (
-                    i * ROWS_PER_TASK,
-                    ROWS_PER_TASK.min(rows - i * ROWS_PER_TASK),
-                );
-                // the task's results token-major, ROWS_PER_TASK values a token
-                let mut by_token = [0f32; ROWS_PER_TASK * Q8_BATCH_MAX_TOKENS];
-                let mut k = 0;
-                while k < n {
-                    let r = first + k;
-                    if paired && k + 1 < n {
-                        for (j, p) in passes.iter().enumerate() {
-                            let at = (ROWS_PER_TASK, j * pass, k);
-                            row_pair_tokens_q8(ty, [row(r), row(r + 1)], p, &mut by_token, at);
-                        }
-                        k += 2;
-                    } else {
-                        let mut one = [0f32; Q8_BATCH_MAX_TOKENS];
-                        for (o, p) in one[..n_tok].chunks_mut(pass).zip(passes) {
-                            row_tokens_q8(isa, vnni, ty, row(r), p, o);
-                        }
-                        for (t, v) in one[..n_tok].iter().enumerate() {
-                            by_token[t * ROWS_PER_TASK + k] = *v;
-                        }
-                        k += 1;
+        (0..tasks).into_par_iter().for_each(|g| {
+            let m = first_task.partition_point(|&f| f <= g) - 1;
+            let (w, rows, row_bytes, out) = &outs[m];
+            let (rows, row_bytes) = (*rows, *row_bytes);
+            let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
+            let i = g - first_task[m];
+            let (first, n) = (
+                i * ROWS_PER_TASK,
+                ROWS_PER_TASK.min(rows - i * ROWS_PER_TASK),
+            );
+            // the task's results token-major, ROWS_PER_TASK values a token
+            let mut by_token = [0f32; ROWS_PER_TASK * Q8_BATCH_MAX_TOKENS];
+            let mut k = 0;
+            while k < n {
+                let r = first + k;
+                if paired && k + 1 < n {
+                    for (j, p) in passes.iter().enumerate() {
+                        let at = (ROWS_PER_TASK, j * pass, k);
+                        row_pair_tokens_q8(ty, [row(r), row(r + 1)], p, &mut by_token, at);
                     }
+                    k += 2;
+                } else {
+                    let mut one = [0f32; Q8_BATCH_MAX_TOKENS];
+                    for (o, p) in one[..n_tok].chunks_mut(pass).zip(passes) {
+                        row_tokens_q8(isa, vnni, ty, row(r), p, o);
+                    }
+                    for (t, v) in one[..n_tok].iter().enumerate() {
+                        by_token[t * ROWS_PER_TASK + k] = *v;
+                    }
+                    k += 1;
                 }
-                for (t, run) in by_token.chunks_exact(ROWS_PER_TASK).take(n_tok).enumerate() {
-                    // SAFETY: this task alone writes rows first..first + n of every token.
-                    unsafe { out.write(t * rows + first, &run[..n]) };
-                }
-            });
+            }
+            for (t, run) in by_token.chunks_exact(ROWS_PER_TASK).take(n_tok).enumerate() {
+                // SAFETY: this task alone writes rows first..first + n of every token.
+                unsafe { out.write(t * rows + first, &run[..n]) };
+            }
+        });
     });
 }
 
@@ -1031,6 +1039,87 @@ pub fn matmul(
     )
 }
 
+/// One matrix of [`matmul_shared`]: `rows` rows of weights and its output (`n_tok × rows`,
+/// token-major).
+pub struct SharedInput<'a> {
+    pub w: &'a [u8],
+    pub rows: usize,
+    pub y: &'a mut [f32],
+}
+
+/// [`matmul`] of several matrices of one type that multiply the same `n_tok` tokens `x` (a
+/// layer's query, key and value; its gate and up), each result with the bits [`matmul`] gives
+/// it. A fast-mode product of 2 to [`Q8_BATCH_MAX_TOKENS`] tokens quantises the tokens once
+/// and runs all the matrices' row tasks in one parallel loop: a decode step's key and value
+/// products are a few microseconds of work each, and on their own each pays a fork and a join
+/// across the threads.
+pub fn matmul_shared(
+    mode: MatvecMode,
+    ty: QuantType,
+    parts: &mut [SharedInput<'_>],
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    max_dq_size: usize,
+) -> Result<()> {
+    matmul_shared_with_vnni(
+        Isa::detect(),
+        true,
+        mode,
+        ty,
+        parts,
+        cols,
+        x,
+        n_tok,
+        max_dq_size,
+    )
+}
+
+/// [`matmul_shared`] with a forced instruction set, the VNNI forms allowed or not.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_shared_with_vnni(
+    isa: Isa,
+    vnni: bool,
+    mode: MatvecMode,
+    ty: QuantType,
+    parts: &mut [SharedInput<'_>],
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    max_dq_size: usize,
+) -> Result<()> {
+    for p in parts.iter() {
+        check_shapes(ty, p.w, p.rows, cols, x.len(), n_tok, p.y.len())?;
+    }
+    let together = mode == MatvecMode::Q8
+        && (2..=Q8_BATCH_MAX_TOKENS).contains(&n_tok)
+        && cols > 0
+        && parts.iter().all(|p| p.rows > 0);
+    if !together {
+        for p in parts {
+            let (w, rows) = (p.w, p.rows);
+            matmul_with_vnni(
+                isa,
+                vnni,
+                mode,
+                ty,
+                w,
+                rows,
+                cols,
+                x,
+                n_tok,
+                p.y,
+                max_dq_size,
+            )?;
+        }
+        return Ok(());
+    }
+    check_q8_type(ty)?;
+    let vnni = isa.vnni().filter(|_| vnni);
+    q8_matmul_batch((isa, vnni, ty), parts, cols, x, n_tok);
+    Ok(())
+}
+
 /// [`matmul`] with a forced instruction set.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_with(
@@ -1075,16 +1164,13 @@ pub fn matmul_with_vnni(
             return matvec_with_vnni(isa, vnni, mode, ty, w, rows, cols, x, y);
         }
         if n_tok <= Q8_BATCH_MAX_TOKENS {
+            let vnni = isa.vnni().filter(|_| vnni);
             q8_matmul_batch(
-                isa,
-                isa.vnni().filter(|_| vnni),
-                ty,
-                w,
-                rows,
+                (isa, vnni, ty),
+                &mut [SharedInput { w, rows, y }],
                 cols,
                 x,
                 n_tok,
-                y,
             );
             return Ok(());
         }

@@ -300,3 +300,85 @@ fn kept_token_passes_are_not_taken_for_another_width() {
         }
     }
 }
+
+/// Matrices that multiply the same tokens together ([`matmul_shared`]: one parallel loop over
+/// all their rows, the tokens quantised once) give each matrix the bits of its own product, for
+/// one token (matvecs), the shared few-token products and the tiles past them, in both modes,
+/// on every instruction set and VNNI choice, with row counts that split tasks and row pairs.
+#[test]
+fn matrices_sharing_their_tokens_get_the_bits_of_their_own_products() {
+    let shapes = [33usize, 16, 5];
+    let cols = 256;
+    for (k, ty) in [QuantType::Q4_1, QuantType::Q8_0, QuantType::Q4_K]
+        .into_iter()
+        .enumerate()
+    {
+        let ws: Vec<Vec<u8>> = shapes
+            .iter()
+            .map(|&rows| weights(ty, rows, cols, (100 * k + rows) as u64))
+            .collect();
+        let x = activations(20 * cols, k as u64);
+        for n_tok in [1, 2, 7, 16, 20] {
+            let x = &x[..n_tok * cols];
+            for mode in [MatvecMode::Q8, MatvecMode::Exact] {
+                for isa in Isa::all_supported() {
+                    for vnni in [false, true] {
+                        let mut ys: Vec<Vec<f32>> =
+                            shapes.iter().map(|&r| vec![f32::NAN; n_tok * r]).collect();
+                        let mut parts: Vec<SharedInput<'_>> = ws
+                            .iter()
+                            .zip(&shapes)
+                            .zip(&mut ys)
+                            .map(|((w, &rows), y)| SharedInput { w, rows, y })
+                            .collect();
+                        matmul_shared_with_vnni(
+                            isa, vnni, mode, ty, &mut parts, cols, x, n_tok, 4096,
+                        )
+                        .unwrap();
+                        for ((w, &rows), y) in ws.iter().zip(&shapes).zip(&ys) {
+                            let mut want = vec![f32::NAN; n_tok * rows];
+                            matmul_with_vnni(
+                                isa, vnni, mode, ty, w, rows, cols, x, n_tok, &mut want, 4096,
+                            )
+                            .unwrap();
+                            assert!(
+                                same_bits(y, &want),
+                                "{ty} {mode:?} {rows} rows {n_tok} tokens {isa:?} vnni {vnni}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A matrix of the wrong size among those sharing tokens is refused by name before any runs.
+#[test]
+fn a_shared_product_checks_every_matrix() {
+    let (ty, cols) = (QuantType::Q8_0, 64);
+    let (a, b) = (weights(ty, 4, cols, 1), weights(ty, 3, cols, 2));
+    let x = activations(2 * cols, 3);
+    let (mut ya, mut yb) = (vec![0f32; 8], vec![0f32; 8]);
+    let mut parts = [
+        SharedInput {
+            w: &a,
+            rows: 4,
+            y: &mut ya,
+        },
+        SharedInput {
+            w: &b,
+            rows: 4,
+            y: &mut yb,
+        },
+    ];
+    let err = matmul_shared(MatvecMode::Q8, ty, &mut parts, cols, &x, 2, 4096).unwrap_err();
+    assert!(
+        matches!(err, crate::KernelError::LengthMismatch { .. }),
+        "{err}"
+    );
+    assert!(
+        ya.iter().all(|v| *v == 0.0),
+        "the first matrix ran before the check"
+    );
+}
