@@ -156,14 +156,15 @@ FAMILIES = {
 }
 
 
-def train_vocab() -> bytes:
-    """A SentencePiece BPE with byte fallback and Gemma's special ids, trained on CORPUS."""
+def train_vocab(sentences: list[str] | None = None, size: int = VOCAB) -> bytes:
+    """A SentencePiece BPE of `size` pieces with byte fallback and Gemma's special ids, trained
+    on `sentences` (CORPUS, four times, by default)."""
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS * 4),
+        sentence_iterator=iter(CORPUS * 4 if sentences is None else sentences),
         model_writer=model,
         model_type="bpe",
-        vocab_size=VOCAB,
+        vocab_size=size,
         pad_id=0,
         eos_id=1,
         bos_id=2,
@@ -184,10 +185,13 @@ def train_vocab() -> bytes:
     return model.getvalue()
 
 
-def make_tokenizer(sp: spm.SentencePieceProcessor) -> GemmaTokenizer:
+def make_tokenizer(
+    sp: spm.SentencePieceProcessor, checks: list[str] | None = None
+) -> GemmaTokenizer:
     """transformers' GemmaTokenizer over the sentencepiece model's pieces, with the merges that
     rebuild each piece from two pieces (ordered by the merged piece's rank, as transformers'
-    sentencepiece extractor orders them)."""
+    sentencepiece extractor orders them); it must encode `checks` (TOKENIZE and CORPUS by
+    default) as the sentencepiece model does."""
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     merges = []
     for piece, pid in vocab.items():
@@ -205,7 +209,7 @@ def make_tokenizer(sp: spm.SentencePieceProcessor) -> GemmaTokenizer:
         add_bos_token=True,
     )
     tok.chat_template = CHAT_TEMPLATE
-    for s in TOKENIZE + CORPUS:
+    for s in TOKENIZE + CORPUS if checks is None else checks:
         got, want = tok.encode(s, add_special_tokens=False), sp.encode(s)
         assert got == want, (s, got, want)
     assert tok.encode("hi") == [sp.bos_id()] + sp.encode("hi"), tok.encode("hi")

@@ -151,3 +151,42 @@ def test_sliding_layers_keep_rings_of_the_cells_the_plan_counts() -> None:
     tokens = [*ids[:50], 5, 6, 7]
     next(llm.generate(tokens, top_k=1, reset=True))
     assert list(llm.input_ids) == tokens
+
+
+# ``tests/gen_vocab_gemma.py``: the same recipe's vocabulary at 3072 pieces, trained on llama.cpp's
+# documentation, with no model; llama.cpp's own tokenizer test texts and more.
+VOCAB = DATA / "vocab-gemma"
+
+
+def vocab_reference() -> dict:
+    return json.loads((VOCAB / "reference.json").read_text())
+
+
+def test_a_vocabulary_of_thousands_tokenizes_from_gguf_as_llama_cpp() -> None:
+    ref = vocab_reference()
+    m = wl.Llama(str(VOCAB / "vocab-gemma.gguf"), vocab_only=True, verbose=False)
+    assert m.n_vocab() == ref["vocab_size"] == 3072
+    cases = zip(
+        ref["texts"],
+        ref["llamacpp"],
+        ref["llamacpp_special"],
+        ref["llamacpp_detokenized"],
+        strict=True,
+    )
+    for text, plain, special, back in cases:
+        data = text.encode()
+        assert m.tokenize(data, add_bos=False, special=False) == plain, text
+        assert m.tokenize(data, add_bos=False, special=True) == special, text
+        assert list(m.detokenize(plain)) == back, text
+
+
+def test_a_vocabulary_of_thousands_tokenizes_from_tokenizer_json_as_transformers() -> None:
+    # a tokenizer's folder, with no weights, opens for its vocabulary as AutoTokenizer opens it
+    ref = vocab_reference()
+    m = wl.Llama(str(VOCAB), vocab_only=True, verbose=False)
+    assert m.n_vocab() == ref["vocab_size"]
+    for text, ids, pieces in zip(
+        ref["texts"], ref["transformers"], ref["sentencepiece"], strict=True
+    ):
+        assert m.tokenize(text.encode(), add_bos=False, special=True) == ids == pieces, text
+    assert m.tokenize(b"hi")[0] == m.token_bos() == 2 and m.token_eos() == 1

@@ -102,7 +102,8 @@ impl Checkpoint {
             Format::Safetensors => crate::safetensors::read(path, opts.vocab_only)?,
         };
         let mut ckpt = Checkpoint::assemble(format, path, parsed, opts.vocab_only)?;
-        if format == Format::Safetensors {
+        // (a tokenizer's folder opened for its vocabulary holds no weights to check)
+        if format == Format::Safetensors && !ckpt.files.is_empty() {
             ckpt.read_quantization()?;
         }
         if opts.check_tensors {

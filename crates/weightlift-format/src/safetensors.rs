@@ -32,8 +32,24 @@ const SINGLE_NAME: &str = "model.safetensors";
 const INDEX_NAME: &str = "model.safetensors.index.json";
 
 /// Read a safetensors checkpoint: a `.safetensors` file, a model folder, or a shard index.
+/// With `vocab_only`, a folder of tokenizer files and a config without weights (a tokenizer's
+/// own repository, as transformers' `AutoTokenizer` opens one) opens too, holding no file.
 pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
-    let (folder, layout) = resolve(path)?;
+    let (folder, layout) = match resolve(path) {
+        Ok(found) => found,
+        Err(_) if vocab_only && holds_tokenizer(path) => {
+            let config = crate::hf_config::beside(path)?;
+            let tokenizer = tokenizer_info(path, config.as_ref())?;
+            return Ok(Parsed {
+                files: Vec::new(),
+                metadata: Metadata::new(),
+                tensors: Vec::new(),
+                config,
+                tokenizer,
+            });
+        }
+        Err(e) => return Err(e),
+    };
     let (files, metadata, tensors) = match layout {
         Layout::Single(file) => {
             let mapped = MappedFile::open(&file)?;
@@ -52,6 +68,11 @@ pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
         config,
         tokenizer,
     })
+}
+
+/// Whether `path` is a folder with transformers' tokenizer files in it.
+fn holds_tokenizer(path: &Path) -> bool {
+    path.is_dir() && ["tokenizer.json", "tokenizer.model"].iter().any(|f| path.join(f).is_file())
 }
 
 enum Layout {

@@ -277,6 +277,20 @@ fn oversized_or_broken_config_is_refused() {
 fn folder_resolution() {
     let s = Scratch::new("folder");
     assert_has(&open_err(s.path()), &["no safetensors weights"]);
+    // a tokenizer's folder opens for its vocabulary only, holding no file
+    s.write("tokenizer.json", br#"{"model": {"type": "BPE", "vocab": {}, "merges": []}}"#);
+    assert_has(&open_err(s.path()), &["no safetensors weights"]);
+    let vocab = OpenOptions {
+        vocab_only: true,
+        ..Default::default()
+    };
+    let c = Checkpoint::open(s.path(), vocab).unwrap();
+    assert!(c.tensors().is_empty() && c.vocab_only());
+    std::fs::remove_file(s.path().join("tokenizer.json")).unwrap();
+    assert_has(
+        &Checkpoint::open(s.path(), vocab).unwrap_err().to_string(),
+        &["no safetensors weights"],
+    );
     let one = st_f32(&[("x", vec![1], vec![1.0])], None);
     s.write("weights.safetensors", &one);
     let c = Checkpoint::open(s.path(), OpenOptions::default()).unwrap();
