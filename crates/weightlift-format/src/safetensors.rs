@@ -72,7 +72,10 @@ pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
 
 /// Whether `path` is a folder with transformers' tokenizer files in it.
 fn holds_tokenizer(path: &Path) -> bool {
-    path.is_dir() && ["tokenizer.json", "tokenizer.model"].iter().any(|f| path.join(f).is_file())
+    path.is_dir()
+        && ["tokenizer.json", "tokenizer.model"]
+            .iter()
+            .any(|f| path.join(f).is_file())
 }
 
 enum Layout {

@@ -278,7 +278,10 @@ fn folder_resolution() {
     let s = Scratch::new("folder");
     assert_has(&open_err(s.path()), &["no safetensors weights"]);
     // a tokenizer's folder opens for its vocabulary only, holding no file
-    s.write("tokenizer.json", br#"{"model": {"type": "BPE", "vocab": {}, "merges": []}}"#);
+    s.write(
+        "tokenizer.json",
+        br#"{"model": {"type": "BPE", "vocab": {}, "merges": []}}"#,
+    );
     assert_has(&open_err(s.path()), &["no safetensors weights"]);
     let vocab = OpenOptions {
         vocab_only: true,

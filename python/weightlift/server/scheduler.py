@@ -195,8 +195,8 @@ class Scheduler:
         try:
             events = self.batch.step()
         except Exception as e:  # the shared forward call failed: every generation has ended
-            for job in self._jobs.values():
-                job.post("error", e)
+            for ended in self._jobs.values():
+                ended.post("error", e)
             self._jobs.clear()
             return
         for id, kind, value, timings in events:
