@@ -967,22 +967,32 @@ pub fn matvec_with_vnni(
                     .with_min_len(TASKS_PER_JOB)
                     .enumerate()
                     .for_each(|(i, ys)| {
-                        let r0 = i * ROWS_PER_TASK;
-                        let whole = ys.len() / ROWS_PER_DOT * ROWS_PER_DOT;
-                        let (quads, rest) = ys.split_at_mut(whole);
-                        for (k, yq) in quads.chunks_exact_mut(ROWS_PER_DOT).enumerate() {
-                            let rows: [&[u8]; ROWS_PER_DOT] =
-                                std::array::from_fn(|j| row(r0 + ROWS_PER_DOT * k + j));
-                            yq.copy_from_slice(&rows_dot_q8(isa, vnni, ty, rows, act));
-                        }
-                        for (k, yv) in rest.iter_mut().enumerate() {
-                            *yv = rows_dot_q8(isa, vnni, ty, [row(r0 + whole + k)], act)[0];
-                        }
+                        q8_matvec_task((isa, vnni, ty), row, act, i * ROWS_PER_TASK, ys);
                     });
             });
         }
     }
     Ok(())
+}
+
+/// One task of the Q8-mode matvec: rows `r0..r0 + ys.len()` (`row(r)` their bytes) into `ys`,
+/// [`ROWS_PER_DOT`] rows at a time.
+fn q8_matvec_task<'w>(
+    (isa, vnni, ty): (Isa, Option<Vnni>, QuantType),
+    row: impl Fn(usize) -> &'w [u8],
+    act: &Q8Activations,
+    r0: usize,
+    ys: &mut [f32],
+) {
+    let whole = ys.len() / ROWS_PER_DOT * ROWS_PER_DOT;
+    let (quads, rest) = ys.split_at_mut(whole);
+    for (k, yq) in quads.chunks_exact_mut(ROWS_PER_DOT).enumerate() {
+        let rows: [&[u8]; ROWS_PER_DOT] = std::array::from_fn(|j| row(r0 + ROWS_PER_DOT * k + j));
+        yq.copy_from_slice(&rows_dot_q8(isa, vnni, ty, rows, act));
+    }
+    for (k, yv) in rest.iter_mut().enumerate() {
+        *yv = rows_dot_q8(isa, vnni, ty, [row(r0 + whole + k)], act)[0];
+    }
 }
 
 /// [`matvec`] with f16 activations (bit patterns); they are widened to f32 first.
@@ -1049,10 +1059,10 @@ pub struct SharedInput<'a> {
 
 /// [`matmul`] of several matrices of one type that multiply the same `n_tok` tokens `x` (a
 /// layer's query, key and value; its gate and up), each result with the bits [`matmul`] gives
-/// it. A fast-mode product of 2 to [`Q8_BATCH_MAX_TOKENS`] tokens quantises the tokens once
-/// and runs all the matrices' row tasks in one parallel loop: a decode step's key and value
-/// products are a few microseconds of work each, and on their own each pays a fork and a join
-/// across the threads.
+/// it. A fast-mode product of 1 to [`Q8_BATCH_MAX_TOKENS`] tokens quantises the tokens once
+/// and runs all the matrices' row tasks in one parallel loop (the matvec's tasks for one token,
+/// the batched product's for more): a decode step's key and value products are a few
+/// microseconds of work each, and on their own each pays a fork and a join across the threads.
 pub fn matmul_shared(
     mode: MatvecMode,
     ty: QuantType,
@@ -1092,7 +1102,7 @@ pub fn matmul_shared_with_vnni(
         check_shapes(ty, p.w, p.rows, cols, x.len(), n_tok, p.y.len())?;
     }
     let together = mode == MatvecMode::Q8
-        && (2..=Q8_BATCH_MAX_TOKENS).contains(&n_tok)
+        && (1..=Q8_BATCH_MAX_TOKENS).contains(&n_tok)
         && cols > 0
         && parts.iter().all(|p| p.rows > 0);
     if !together {
@@ -1116,7 +1126,29 @@ pub fn matmul_shared_with_vnni(
     }
     check_q8_type(ty)?;
     let vnni = isa.vnni().filter(|_| vnni);
-    q8_matmul_batch((isa, vnni, ty), parts, cols, x, n_tok);
+    if n_tok > 1 {
+        q8_matmul_batch((isa, vnni, ty), parts, cols, x, n_tok);
+        return Ok(());
+    }
+    // one token: the matvec's tasks of every matrix in one loop
+    let tasks: Vec<(&[u8], usize, usize, &mut [f32])> = parts
+        .iter_mut()
+        .flat_map(|p| {
+            let (w, row_bytes) = (p.w, p.w.len() / p.rows);
+            p.y.chunks_mut(ROWS_PER_TASK)
+                .enumerate()
+                .map(move |(i, ys)| (w, row_bytes, i * ROWS_PER_TASK, ys))
+        })
+        .collect();
+    with_q8_activations(isa, x, vnni_offset(vnni, ty), |act| {
+        tasks
+            .into_par_iter()
+            .with_min_len(TASKS_PER_JOB)
+            .for_each(|(w, row_bytes, r0, ys)| {
+                let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
+                q8_matvec_task((isa, vnni, ty), row, act, r0, ys);
+            });
+    });
     Ok(())
 }
 
