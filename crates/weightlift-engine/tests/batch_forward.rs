@@ -152,6 +152,49 @@ fn every_family_batches_with_the_bits_of_each_sequence_alone() {
 }
 
 #[test]
+fn q4_k_m_batches_with_the_bits_of_each_sequence_alone() {
+    // llama.cpp's Q4_K_M keeps some value matrices in Q6_K: there a layer's query and key
+    // products run together and its value product on its own, each row with its bits alone.
+    for family in ["qwen3", "gemma3"] {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/data/wide-q4k")
+            .join(family);
+        let src = common::open(dir.join(format!("wide-{family}-Q4_K_M.gguf")));
+        let dtype = |name: &str| {
+            src.tensors()
+                .iter()
+                .find(|t| t.name == name)
+                .map(|t| t.dtype)
+        };
+        let mut mixed = (0..).map_while(|i| {
+            let q = dtype(&format!("blk.{i}.attn_q.weight"))?;
+            Some(q != dtype(&format!("blk.{i}.attn_v.weight"))?)
+        });
+        assert!(
+            mixed.any(|b| b),
+            "{family}: no layer of the fixture mixes types in its q/k/v any more"
+        );
+        let stats: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("stats.json")).unwrap())
+                .unwrap();
+        let ids: Vec<u32> = stats["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let reqs = family_requests(&ids);
+        for compute in [Compute::Exact, Compute::Fast] {
+            let (mut m, _) = load_on(&src, "cpu", "cpu", 64, CacheDType::F32);
+            m.set_compute(compute);
+            let want = alone(&mut m, &reqs, STEPS);
+            let what = format!("{family} Q4_K_M, {compute:?}");
+            assert_same_bits(&what, &batched(&mut m, &reqs, STEPS), &want);
+        }
+    }
+}
+
+#[test]
 fn fast_batched_logits_are_the_bits_of_each_sequence_alone() {
     // Sequences of at most 16 tokens share block products that give each token its own
     // matrix-vector bits; a longer prompt runs its products alone, as it does alone.

@@ -485,9 +485,10 @@ fn q8_type(c: &Consts, wts: &Weights<'_>, l: &Linear) -> Result<Option<QuantType
 }
 
 /// [`linear_pieces`] of linears that multiply the same input `x` (a layer's query, key and
-/// value; its gate and up), into `ys`. Where all are fast-mode block products of one type,
-/// each product run multiplies them together ([`matmul_shared`]: the tokens quantised once, one
-/// parallel loop over all their rows); else they run one after the other. Every row has the
+/// value; its gate and up), into `ys`. The fast-mode block products among them run grouped by
+/// block type, each product run of a group's linears together ([`matmul_shared`]: the tokens
+/// quantised once, one parallel loop over all their rows; Q4_K_M keeps some values in Q6_K, so
+/// its query and key still pair up); the others run one after the other. Every row has the
 /// bits [`linear_pieces`] gives it.
 pub(super) fn linear_pieces_shared<const N: usize>(
     c: &Consts,
@@ -495,24 +496,50 @@ pub(super) fn linear_pieces_shared<const N: usize>(
     ls: [&Linear; N],
     pieces: &[Piece<'_>],
     x: &[f32],
-    mut ys: [&mut [f32]; N],
+    ys: [&mut [f32]; N],
 ) -> Result<()> {
-    let cols = ls[0].cols;
     let mut types = Vec::with_capacity(N);
     for l in ls {
-        types.push(q8_type(c, wts, l)?);
+        types.push(q8_type(c, wts, l)?.filter(|_| l.cols == ls[0].cols));
     }
-    let shared = match types[..] {
-        [Some(ty), ..] if types.iter().all(|t| *t == Some(ty)) => Some(ty),
-        _ => None,
+    let mut ys = ys.map(Some);
+    let mut take = |i: usize| {
+        ys[i]
+            .take()
+            .expect("linear_pieces_shared: each output once")
     };
-    let Some(ty) = shared.filter(|_| ls.iter().all(|l| l.cols == cols)) else {
-        for (l, y) in ls.into_iter().zip(ys) {
-            linear_pieces(c, wts, l, pieces, x, y)?;
+    for (i, l) in ls.iter().enumerate() {
+        if types[i].is_none() {
+            linear_pieces(c, wts, l, pieces, x, take(i))?;
         }
-        return Ok(());
-    };
-    let mut ws = Vec::with_capacity(N);
+    }
+    for (i, ty) in types.iter().enumerate() {
+        // each group at its first linear
+        let Some(ty) = *ty else { continue };
+        if types[..i].contains(&Some(ty)) {
+            continue;
+        }
+        let group: Vec<usize> = (i..N).filter(|&j| types[j] == Some(ty)).collect();
+        let group_ls: Vec<&Linear> = group.iter().map(|&j| ls[j]).collect();
+        let mut outs: Vec<&mut [f32]> = group.iter().map(|&j| take(j)).collect();
+        shared_products(c, wts, ty, &group_ls, pieces, x, &mut outs)?;
+    }
+    Ok(())
+}
+
+/// The products of `ls`, fast-mode block products of `ty` on the same input, run by run of
+/// pieces together (see [`linear_pieces_shared`]), biases added.
+fn shared_products(
+    c: &Consts,
+    wts: &Weights<'_>,
+    ty: QuantType,
+    ls: &[&Linear],
+    pieces: &[Piece<'_>],
+    x: &[f32],
+    ys: &mut [&mut [f32]],
+) -> Result<()> {
+    let cols = ls[0].cols;
+    let mut ws = Vec::with_capacity(ls.len());
     for l in ls {
         ws.push(weight_of(wts.held, wts.copies, l, wts.slot)?.0);
     }
@@ -535,7 +562,7 @@ pub(super) fn linear_pieces_shared<const N: usize>(
         })?;
     }
     let n = tokens(pieces);
-    for (l, y) in ls.into_iter().zip(ys) {
+    for (l, y) in ls.iter().zip(ys) {
         add_bias(l, &mut y[..n * l.rows]);
     }
     Ok(())
