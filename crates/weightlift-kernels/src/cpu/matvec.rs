@@ -682,12 +682,9 @@ fn row_pair_tokens_q8(
                         // SAFETY: takes_row_pairs saw AVX512-VNNI detected at run time (with
                         // AVX-512F/BW/VL: Isa::vnni returns it only at Isa::Avx512) and a type
                         // the kernel takes; both rows hold whole blocks for the pass's tokens,
-                        // laid out for ty by TokenPass::new (PairTokens::new).
-                        let [a, b] = unsafe { k::<$t>(ty, rows, x, scales) };
-                        let at = tile[t0 * stride + slot..].chunks_mut(stride);
-                        for ((o, a), b) in at.zip(a).zip(b) {
-                            o[..2].copy_from_slice(&[a, b]);
-                        }
+                        // laid out for ty by TokenPass::new (PairTokens::new); the kernel
+                        // checks that the tile holds every token's pair.
+                        unsafe { k::<$t>(ty, rows, x, scales, tile, (stride, t0, slot)) };
                     })*
                     _ => unreachable!("row_pair_tokens_q8: at most {BATCH_PASS_MAX} tokens"),
                 }

@@ -303,7 +303,9 @@ unsafe fn scales_interleaved(a: *const u8, b: *const u8) -> __m512 {
 /// lane runs the operations of the single-token kernels in their order (the same integer lane
 /// sums, `d · d_x` rounded per block, one FMA per block and lane, the offset term
 /// `(m · d_x) · Σq_x` summed apart in block order), so each token's two results have the bits
-/// of [`rows_dot_q8_512`] for that token alone. Returns `[row 0's T results, row 1's]`.
+/// of [`rows_dot_q8_512`] for that token alone. Token `t`'s two results (row 0's, row 1's) go
+/// to `tile` at `(t0 + t) · stride + slot` and the next value: each token's pair is stored
+/// straight from the vector lanes that hold it.
 ///
 /// # Safety
 /// AVX2, FMA, F16C, AVX-512F/BW/VL and AVX512-VNNI; `ty` is one [`takes`]; both rows hold
@@ -315,7 +317,9 @@ pub(crate) unsafe fn row_pair_tokens_q8_512<const T: usize>(
     rows: [&[u8]; 2],
     x: &PairTokens,
     scales: &[TokenScales],
-) -> [[f32; T]; 2] {
+    tile: &mut [f32],
+    (stride, t0, slot): (usize, usize, usize),
+) {
     let (nb, bb) = (scales.len(), ty.block_bytes());
     let offset = matches!(ty, QuantType::Q4_1 | QuantType::Q5_1);
     assert!(
@@ -325,7 +329,8 @@ pub(crate) unsafe fn row_pair_tokens_q8_512<const T: usize>(
             && x.qs.len() == nb * T
             && x.d.len() == nb
             && x.s.len() == nb
-            && x.unsigned != offset,
+            && x.unsigned != offset
+            && (t0 + T - 1) * stride + slot + 2 <= tile.len(),
         "row_pair_tokens_q8_512: shapes"
     );
     // the halves of 16 tokens that hold tokens, 8 tokens of both rows in each
@@ -434,20 +439,33 @@ pub(crate) unsafe fn row_pair_tokens_q8_512<const T: usize>(
         }),
         _ => {}
     }
-    let mut out = [[0f32; T]; 2];
+    let at = tile.as_mut_ptr();
     for (h, e) in ext.iter().enumerate().take(halves) {
         let sums = finish_interleaved(std::array::from_fn(|j| {
             acc.get(8 * h + j).copied().unwrap_or(_mm512_setzero_ps())
         }));
-        let mut lanes = Lanes32([0.0; 32]);
-        // SAFETY: lanes holds 32 f32, 64-byte aligned.
-        unsafe { _mm512_store_ps(lanes.0.as_mut_ptr(), _mm512_add_ps(sums, *e)) };
+        // token 8h + j's pair in lanes 2j and 2j + 1: one 64-bit store each
+        let v = _mm512_add_ps(sums, *e);
+        let quarters = [
+            _mm_castps_pd(_mm512_castps512_ps128(v)),
+            _mm_castps_pd(_mm512_extractf32x4_ps::<1>(v)),
+            _mm_castps_pd(_mm512_extractf32x4_ps::<2>(v)),
+            _mm_castps_pd(_mm512_extractf32x4_ps::<3>(v)),
+        ];
         for j in 0..8.min(T - 8 * h) {
-            out[0][8 * h + j] = lanes.0[2 * j];
-            out[1][8 * h + j] = lanes.0[2 * j + 1];
+            let q = quarters[j / 2];
+            // SAFETY: token 8h + j < T, and the pair of token T - 1 ends inside the tile
+            // (checked above).
+            unsafe {
+                let to = at.add((t0 + 8 * h + j) * stride + slot).cast::<f64>();
+                if j % 2 == 0 {
+                    _mm_storel_pd(to, q);
+                } else {
+                    _mm_storeh_pd(to, q);
+                }
+            }
         }
     }
-    out
 }
 
 /// `finish_lanes`'s sum of each row's 8 lanes, `((s0 + s2) + (s1 + s3))` with
