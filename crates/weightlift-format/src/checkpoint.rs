@@ -102,8 +102,7 @@ impl Checkpoint {
             Format::Safetensors => crate::safetensors::read(path, opts.vocab_only)?,
         };
         let mut ckpt = Checkpoint::assemble(format, path, parsed, opts.vocab_only)?;
-        // (a tokenizer's folder opened for its vocabulary holds no weights to check)
-        if format == Format::Safetensors && !ckpt.files.is_empty() {
+        if format == Format::Safetensors {
             ckpt.read_quantization()?;
         }
         if opts.check_tensors {
@@ -273,7 +272,7 @@ impl Checkpoint {
     /// Read the quantisation settings beside a safetensors checkpoint and check its quantised
     /// linears (see the `quantized` module).
     fn read_quantization(&mut self) -> Result<()> {
-        let folder = crate::safetensors::model_folder(&self.path)?;
+        let folder = crate::safetensors::model_folder(&self.path);
         let beside = crate::hf_config::quantize_config_beside(&folder)?;
         let config_path = folder.join("config.json");
         let detected = crate::quantized::detect(

@@ -35,29 +35,21 @@ const INDEX_NAME: &str = "model.safetensors.index.json";
 /// With `vocab_only`, a folder of tokenizer files and a config without weights (a tokenizer's
 /// own repository, as transformers' `AutoTokenizer` opens one) opens too, holding no file.
 pub(crate) fn read(path: &Path, vocab_only: bool) -> Result<Parsed> {
-    let (folder, layout) = match resolve(path) {
-        Ok(found) => found,
-        Err(_) if vocab_only && holds_tokenizer(path) => {
-            let config = crate::hf_config::beside(path)?;
-            let tokenizer = tokenizer_info(path, config.as_ref())?;
-            return Ok(Parsed {
-                files: Vec::new(),
-                metadata: Metadata::new(),
-                tensors: Vec::new(),
-                config,
-                tokenizer,
-            });
-        }
-        Err(e) => return Err(e),
-    };
-    let (files, metadata, tensors) = match layout {
-        Layout::Single(file) => {
+    let (folder, files, metadata, tensors) = match resolve(path) {
+        Ok((folder, Layout::Single(file))) => {
             let mapped = MappedFile::open(&file)?;
             let shard = read_shard(&mapped, 0)?;
             let metadata = shard_metadata(std::iter::once(&shard.metadata));
-            (vec![mapped], metadata, shard.tensors)
+            (folder, vec![mapped], metadata, shard.tensors)
         }
-        Layout::Index(index) => read_index(&index, &folder)?,
+        Ok((folder, Layout::Index(index))) => {
+            let (files, metadata, tensors) = read_index(&index, &folder)?;
+            (folder, files, metadata, tensors)
+        }
+        Err(_) if vocab_only && holds_tokenizer(path) => {
+            (path.to_path_buf(), Vec::new(), Metadata::new(), Vec::new())
+        }
+        Err(e) => return Err(e),
     };
     let config = crate::hf_config::beside(&folder)?;
     let tokenizer = tokenizer_info(&folder, config.as_ref())?;
@@ -161,10 +153,7 @@ fn resolve(path: &Path) -> Result<(PathBuf, Layout)> {
             }
         };
     }
-    let folder = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
+    let folder = model_folder(path);
     if path.extension().is_some_and(|e| e == "json") {
         Ok((folder, Layout::Index(path.to_path_buf())))
     } else {
@@ -931,9 +920,16 @@ pub(crate) fn super_kind(v: &serde_json::Value) -> &'static str {
 // ---------------------------------------------------------------------------------------------
 // tokenizer.json
 
-/// The folder that holds a safetensors checkpoint's config files.
-pub(crate) fn model_folder(path: &Path) -> Result<PathBuf> {
-    resolve(path).map(|(folder, _)| folder)
+/// The folder that holds a safetensors checkpoint's config files: the path itself when it is
+/// a folder, else the folder of the file (a single file or the shard index).
+pub(crate) fn model_folder(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        return path.to_path_buf();
+    }
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }
 
 fn tokenizer_info(folder: &Path, config: Option<&serde_json::Value>) -> Result<TokenizerInfo> {

@@ -469,17 +469,21 @@ pub(super) fn for_each_routed(
 /// Whether a product of `l` with several tokens gives each token the bits of its own
 /// matrix-vector product, up to `Q8_BATCH_MAX_TOKENS` tokens: the fast mode's block products.
 pub(super) fn shares_rows(c: &Consts, wts: &Weights<'_>, l: &Linear) -> Result<bool> {
-    Ok(q8_type(c, wts, l)?.is_some())
+    Ok(q8_weights(c, wts, l)?.is_some())
 }
 
-/// The block type of `l` where its product is a fast-mode block product (see
+/// The block type and bytes of `l` where its product is a fast-mode block product (see
 /// [`linear_pieces`]).
-fn q8_type(c: &Consts, wts: &Weights<'_>, l: &Linear) -> Result<Option<QuantType>> {
+fn q8_weights<'a>(
+    c: &Consts,
+    wts: &Weights<'a>,
+    l: &Linear,
+) -> Result<Option<(QuantType, &'a [u8])>> {
     if l.packed.is_some() {
         return Ok(None);
     }
-    Ok(match weight_of(wts.held, wts.copies, l, wts.slot)?.1 {
-        Packing::Blocks(ty) if c.compute.mode(ty) == MatvecMode::Q8 => Some(ty),
+    Ok(match weight_of(wts.held, wts.copies, l, wts.slot)? {
+        (w, Packing::Blocks(ty)) if c.compute.mode(ty) == MatvecMode::Q8 => Some((ty, w)),
         _ => None,
     })
 }
@@ -498,71 +502,62 @@ pub(super) fn linear_pieces_shared<const N: usize>(
     x: &[f32],
     ys: [&mut [f32]; N],
 ) -> Result<()> {
-    let mut types = Vec::with_capacity(N);
-    for l in ls {
-        types.push(q8_type(c, wts, l)?.filter(|_| l.cols == ls[0].cols));
+    let mut weights = [None; N];
+    for (w, l) in weights.iter_mut().zip(ls) {
+        *w = q8_weights(c, wts, l)?.filter(|_| l.cols == ls[0].cols);
     }
     let mut ys = ys.map(Some);
-    let mut take = |i: usize| {
-        ys[i]
-            .take()
-            .expect("linear_pieces_shared: each output once")
-    };
-    for (i, l) in ls.iter().enumerate() {
-        if types[i].is_none() {
-            linear_pieces(c, wts, l, pieces, x, take(i))?;
+    for (i, y) in ys.iter_mut().enumerate() {
+        if weights[i].is_none() {
+            let y = y.take().expect("linear_pieces_shared: each output once");
+            linear_pieces(c, wts, ls[i], pieces, x, y)?;
         }
     }
-    for (i, ty) in types.iter().enumerate() {
-        // each group at its first linear
-        let Some(ty) = *ty else { continue };
-        if types[..i].contains(&Some(ty)) {
-            continue;
+    // each type's linears together, from the first linear of the type on
+    for i in 0..N {
+        let Some((ty, _)) = weights[i] else { continue };
+        let mut parts: Vec<(&Linear, &[u8], &mut [f32])> = (i..N)
+            .filter_map(|j| match weights[j] {
+                Some((t, w)) if t == ty => Some((ls[j], w, ys[j].take()?)),
+                _ => None,
+            })
+            .collect();
+        if !parts.is_empty() {
+            shared_products(c, ty, &mut parts, pieces, x)?;
         }
-        let group: Vec<usize> = (i..N).filter(|&j| types[j] == Some(ty)).collect();
-        let group_ls: Vec<&Linear> = group.iter().map(|&j| ls[j]).collect();
-        let mut outs: Vec<&mut [f32]> = group.iter().map(|&j| take(j)).collect();
-        shared_products(c, wts, ty, &group_ls, pieces, x, &mut outs)?;
     }
     Ok(())
 }
 
-/// The products of `ls`, fast-mode block products of `ty` on the same input, run by run of
-/// pieces together (see [`linear_pieces_shared`]), biases added.
+/// The products of `parts` (each a linear, its weights and its output), fast-mode block
+/// products of `ty` on the same input, run by run of pieces together (see
+/// [`linear_pieces_shared`]), biases added.
 fn shared_products(
     c: &Consts,
-    wts: &Weights<'_>,
     ty: QuantType,
-    ls: &[&Linear],
+    parts: &mut [(&Linear, &[u8], &mut [f32])],
     pieces: &[Piece<'_>],
     x: &[f32],
-    ys: &mut [&mut [f32]],
 ) -> Result<()> {
-    let cols = ls[0].cols;
-    let mut ws = Vec::with_capacity(ls.len());
-    for l in ls {
-        ws.push(weight_of(wts.held, wts.copies, l, wts.slot)?.0);
-    }
+    let cols = parts[0].0.cols;
     let lens: Vec<usize> = pieces.iter().map(|p| p.n).collect();
     for (start, n) in product_runs(&lens, true) {
-        let mut parts: Vec<SharedInput<'_>> = ls
-            .iter()
-            .zip(&ws)
-            .zip(ys.iter_mut())
-            .map(|((l, w), y)| SharedInput {
+        let mut run: Vec<SharedInput<'_>> = parts
+            .iter_mut()
+            .map(|(l, w, y)| SharedInput {
                 w,
                 rows: l.rows,
                 y: &mut y[start * l.rows..(start + n) * l.rows],
             })
             .collect();
         let xs = &x[start * cols..(start + n) * cols];
-        matmul_shared(c.compute.mode(ty), ty, &mut parts, cols, xs, n, c.max_dq).map_err(|e| {
-            let names: Vec<&str> = ls.iter().map(|l| l.name.as_str()).collect();
+        matmul_shared(c.compute.mode(ty), ty, &mut run, cols, xs, n, c.max_dq).map_err(|e| {
+            let names: Vec<&str> = parts.iter().map(|(l, ..)| l.name.as_str()).collect();
             kernel(&names.join(", "), e)
         })?;
     }
     let n = tokens(pieces);
-    for (l, y) in ls.iter().zip(ys) {
+    for (l, _, y) in parts.iter_mut() {
         add_bias(l, &mut y[..n * l.rows]);
     }
     Ok(())
