@@ -50,7 +50,7 @@ pub use cpu::kv_format::{KvFormat, e4m3, hadamard, kv_decode, kv_encode};
 pub use cpu::matvec::{MatvecMode, matmul, matmul_f16, matvec, matvec_f16};
 pub use cpu::ops::{
     RopeParams, RopeStyle, add, geglu_tanh_in_place, gelu_tanh, rms_norm, rope, rope_in_place,
-    rope_inv_freqs, scale_in_place, softcap_in_place, softmax, swiglu,
+    rope_inv_freqs, rope_qk_in_place, scale_in_place, softcap_in_place, softmax, swiglu,
 };
 pub use cpu::quantize::{
     QUANTIZE_TYPES, can_quantize, quantize_row, quantize_rows, quantize_rows_from,

@@ -745,3 +745,42 @@ fn kv_quantisers_meet_the_documented_error_bound() {
         "invalid shape for kv quantize: 33 values are not whole groups of 32"
     );
 }
+
+#[test]
+fn rope_of_queries_and_keys_together_turns_each_as_alone() {
+    // a prompt's worth of tokens (several tasks), 4 query and 2 key heads, partial rotation
+    let mut rng = Rng(17);
+    for style in [RopeStyle::Normal, RopeStyle::Neox] {
+        let params = RopeParams {
+            style,
+            head_dim: 16,
+            n_dims: 12,
+            freq_base: 10000.0,
+            freq_scale: 0.5,
+            attn_factor: 1.1,
+        };
+        let freqs = rope_inv_freqs(&params, None).unwrap();
+        let positions: Vec<i32> = (0..300).map(|t| 7 + 3 * t).collect();
+        let n = positions.len();
+        let (q, k) = (rng.vec(n * 4 * 16, 2.0), rng.vec(n * 2 * 16, 2.0));
+        let (mut q_alone, mut k_alone) = (q.clone(), k.clone());
+        rope_in_place(&mut q_alone, &positions, &params, &freqs).unwrap();
+        rope_in_place(&mut k_alone, &positions, &params, &freqs).unwrap();
+        let (mut q_both, mut k_both) = (q.clone(), k.clone());
+        rope_qk_in_place(&mut q_both, &mut k_both, &positions, &params, &freqs).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&q_both), bits(&q_alone), "{style:?} queries");
+        assert_eq!(bits(&k_both), bits(&k_alone), "{style:?} keys");
+        assert_ne!(bits(&q_both), bits(&q), "{style:?}: turned");
+        // keys that are not whole heads of every position are refused, naming the split
+        let err = rope_qk_in_place(
+            &mut q_both,
+            &mut k_both[..16 * 3],
+            &positions,
+            &params,
+            &freqs,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("3 heads of 16 values"), "{err}");
+    }
+}

@@ -330,9 +330,8 @@ impl Run<'_> {
             }
         }
         let freqs = &a.rope.as_deref().unwrap_or(w.freqs)[..self.rope.n_dims / 2];
-        weightlift_kernels::rope_in_place(&mut w.q[..n * qd], &w.pos[..n], self.rope, freqs)
-            .map_err(err("rope"))?;
-        weightlift_kernels::rope_in_place(&mut w.k[..n * kvd], &w.pos[..n], self.rope, freqs)
+        let (q, k) = (&mut w.q[..n * qd], &mut w.k[..n * kvd]);
+        weightlift_kernels::rope_qk_in_place(q, k, &w.pos[..n], self.rope, freqs)
             .map_err(err("rope"))?;
         let mut at = 0;
         for s in segs {

@@ -142,26 +142,37 @@ impl Q8Activations {
     }
 
     fn quantize(&mut self, isa: Isa, x: &[f32], off: i32) {
-        #[cfg(target_arch = "x86_64")]
-        if isa.has_avx2() {
-            // SAFETY: AVX2, FMA and F16C detected at run time; q holds x.len() / 32 blocks
-            // and bias as many or none.
-            return unsafe {
-                super::x86_matvec::quantize_q8_avx2(x, off, &mut self.q, &mut self.bias)
-            };
-        }
-        let _ = isa;
-        for (b, c) in self.q.iter_mut().zip(x.chunks_exact(32)) {
-            *b = q8_block(c);
-        }
-        for (l, b) in self.bias.iter_mut().zip(&self.q) {
-            *l = std::array::from_fn(|j| {
-                -off * b.qs[4 * j..4 * j + 4]
-                    .iter()
-                    .map(|v| i32::from(*v))
-                    .sum::<i32>()
-            });
-        }
+        quantize_q8_into(isa, x, off, &mut self.q, &mut self.bias);
+    }
+}
+
+/// `x` quantised into the blocks `q` as [`quantize_q8_blocks`] (bit for bit: the SIMD
+/// quantiser is tested against it), and when `off` is not 0 the lane offsets `bias` (one per
+/// block; empty otherwise), `−off · Σ x` over each lane's 4 values.
+pub(super) fn quantize_q8_into(
+    isa: Isa,
+    x: &[f32],
+    off: i32,
+    q: &mut [Q8Block],
+    bias: &mut [[i32; 8]],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() {
+        // SAFETY: AVX2, FMA and F16C detected at run time; q holds x.len() / 32 blocks and
+        // bias as many or none (the kernel checks both).
+        return unsafe { super::x86_matvec::quantize_q8_avx2(x, off, q, bias) };
+    }
+    let _ = isa;
+    for (b, c) in q.iter_mut().zip(x.chunks_exact(32)) {
+        *b = q8_block(c);
+    }
+    for (l, b) in bias.iter_mut().zip(q.iter()) {
+        *l = std::array::from_fn(|j| {
+            -off * b.qs[4 * j..4 * j + 4]
+                .iter()
+                .map(|v| i32::from(*v))
+                .sum::<i32>()
+        });
     }
 }
 
@@ -398,7 +409,7 @@ fn row_dot_q8_scalar(ty: QuantType, row: &[u8], xq: &[Q8Block]) -> f32 {
 }
 
 /// Most tokens one call of the batched Q8-mode row kernels takes.
-const BATCH_PASS_MAX: usize = 16;
+pub(super) const BATCH_PASS_MAX: usize = 16;
 
 /// One activation block's scale and quant sum for each token of a pass (token `t` in lane
 /// `t`), laid out once per product so the SIMD row kernels take every token's `d · d_x` and
@@ -538,71 +549,6 @@ fn rows_dot_q8<const R: usize>(
     rows.map(|row| row_dot_q8_scalar(ty, row, xq))
 }
 
-/// One pass of the batched Q8-mode row kernels: up to [`BATCH_PASS_MAX`] tokens'
-/// quantised activations (`xs[t]`, the scalar path's view), and for the SIMD kernels the same
-/// blocks interleaved by block (`qs[i · n + t]`, the quants of token `t`'s block `i`), their
-/// VNNI lane offsets alike (for [`vnni_offset`]; empty without) and their [`TokenScales`].
-struct TokenPass {
-    /// How many tokens the pass holds.
-    tokens: usize,
-    xs: Vec<Vec<Q8Block>>,
-    qs: Vec<[i8; 32]>,
-    bias: Vec<[i32; 8]>,
-    scales: Vec<TokenScales>,
-    /// The same tokens as the row-pair kernel takes them, where [`takes_row_pairs`] says so.
-    #[cfg(target_arch = "x86_64")]
-    pairs: Option<super::x86_matvec512::PairTokens>,
-}
-
-impl TokenPass {
-    /// The pass of tokens `xs` (their lane offsets `bias[t]`, or none), laid out for `isa`,
-    /// and for the row-pair kernel on weights of `ty` too when `paired`.
-    fn new(
-        isa: Isa,
-        xs: &[&[Q8Block]],
-        bias: &[&[[i32; 8]]],
-        (ty, paired): (QuantType, bool),
-    ) -> Self {
-        let (n, nb) = (xs.len(), xs.first().map_or(0, |x| x.len()));
-        if !isa.has_avx2() {
-            return TokenPass {
-                tokens: n,
-                xs: xs.iter().map(|x| x.to_vec()).collect(),
-                qs: Vec::new(),
-                bias: Vec::new(),
-                scales: Vec::new(),
-                #[cfg(target_arch = "x86_64")]
-                pairs: None,
-            };
-        }
-        let qs: Vec<[i8; 32]> = (0..nb * n).map(|k| xs[k % n][k / n].qs).collect();
-        let bias: Vec<[i32; 8]> = if bias.iter().all(|b| b.len() == nb) && nb > 0 {
-            (0..nb * n).map(|k| bias[k % n][k / n]).collect()
-        } else {
-            Vec::new()
-        };
-        let scales: Vec<TokenScales> = (0..nb)
-            .map(|i| TokenScales {
-                d: std::array::from_fn(|t| xs.get(t).map_or(0.0, |x| x[i].d)),
-                s: std::array::from_fn(|t| xs.get(t).map_or(0.0, |x| x[i].sum as f32)),
-            })
-            .collect();
-        #[cfg(target_arch = "x86_64")]
-        let pairs = paired.then(|| super::x86_matvec512::PairTokens::new(ty, n, &qs, &scales));
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (ty, paired);
-        TokenPass {
-            tokens: n,
-            xs: Vec::new(),
-            qs,
-            bias,
-            scales,
-            #[cfg(target_arch = "x86_64")]
-            pairs,
-        }
-    }
-}
-
 /// Q8-mode dots of one weight row with the tokens of `pass` into `out`, each token's with the
 /// bits [`rows_dot_q8`] gives it alone.
 fn row_tokens_q8(
@@ -610,7 +556,7 @@ fn row_tokens_q8(
     vnni: Option<Vnni>,
     ty: QuantType,
     row: &[u8],
-    pass: &TokenPass,
+    pass: &super::token_pass::TokenPass,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
@@ -624,7 +570,7 @@ fn row_tokens_q8(
                         // SAFETY: the caller's Isa and Vnni were detected at run time (Vnni
                         // names the extension, with AVX-512F/BW/VL for the EVEX form, which
                         // Isa::vnni returns only at Isa::Avx512); the row holds whole blocks for
-                        // the pass's tokens, laid out by TokenPass::new, with the lane offsets
+                        // the pass's tokens, laid out by token_passes, with the lane offsets
                         // of vnni_offset(vnni, ty).
                         out.copy_from_slice(&unsafe { k::$f::<$t>(ty, row, qs, bias, scales) });
                     })*
@@ -663,7 +609,7 @@ fn takes_row_pairs(vnni: Option<Vnni>, ty: QuantType) -> bool {
 fn row_pair_tokens_q8(
     ty: QuantType,
     rows: [&[u8]; 2],
-    pass: &TokenPass,
+    pass: &super::token_pass::TokenPass,
     tile: &mut [f32],
     (stride, t0, slot): (usize, usize, usize),
 ) {
@@ -682,7 +628,7 @@ fn row_pair_tokens_q8(
                         // SAFETY: takes_row_pairs saw AVX512-VNNI detected at run time (with
                         // AVX-512F/BW/VL: Isa::vnni returns it only at Isa::Avx512) and a type
                         // the kernel takes; both rows hold whole blocks for the pass's tokens,
-                        // laid out for ty by TokenPass::new (PairTokens::new); the kernel
+                        // laid out for ty by token_passes; the kernel
                         // checks that the tile holds every token's pair.
                         unsafe { k::<$t>(ty, rows, x, scales, tile, (stride, t0, slot)) };
                     })*
@@ -726,13 +672,13 @@ fn q8_matmul_batch(
     let n_passes = n_tok.div_ceil(batch_pass(isa, vnni));
     let pass = n_tok.div_ceil(n_passes);
     let paired = takes_row_pairs(vnni, ty);
-    let key = PassKey {
+    let key = super::token_pass::PassKey {
         isa,
-        vnni,
         ty,
         paired,
         pass,
         per_tok,
+        offset: vnni_offset(vnni, ty),
     };
     // each matrix's rows, bytes a row and output; its first task in the loop over all
     let mut first_task = Vec::with_capacity(parts.len() + 1);
@@ -746,111 +692,47 @@ fn q8_matmul_batch(
         })
         .collect();
     first_task.push(tasks);
-    with_token_passes(key, x, |passes| {
-        // Each task's rows go into its matrix's y token by token from a buffer of its own (y
-        // is token-major, so a task's rows are a run of every token's row, and no transpose
-        // of the whole output is needed afterwards).
-        (0..tasks).into_par_iter().for_each(|g| {
-            let m = first_task.partition_point(|&f| f <= g) - 1;
-            let (w, rows, row_bytes, out) = &outs[m];
-            let (rows, row_bytes) = (*rows, *row_bytes);
-            let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
-            let i = g - first_task[m];
-            let (first, n) = (
-                i * ROWS_PER_TASK,
-                ROWS_PER_TASK.min(rows - i * ROWS_PER_TASK),
-            );
-            // the task's results token-major, ROWS_PER_TASK values a token
-            let mut by_token = [0f32; ROWS_PER_TASK * Q8_BATCH_MAX_TOKENS];
-            let mut k = 0;
-            while k < n {
-                let r = first + k;
-                if paired && k + 1 < n {
-                    for (j, p) in passes.iter().enumerate() {
-                        let at = (ROWS_PER_TASK, j * pass, k);
-                        row_pair_tokens_q8(ty, [row(r), row(r + 1)], p, &mut by_token, at);
-                    }
-                    k += 2;
-                } else {
-                    let mut one = [0f32; Q8_BATCH_MAX_TOKENS];
-                    for (o, p) in one[..n_tok].chunks_mut(pass).zip(passes) {
-                        row_tokens_q8(isa, vnni, ty, row(r), p, o);
-                    }
-                    for (t, v) in one[..n_tok].iter().enumerate() {
-                        by_token[t * ROWS_PER_TASK + k] = *v;
-                    }
-                    k += 1;
+    let passes = super::token_pass::token_passes(key, x);
+    // Each task's rows go into its matrix's y token by token from a buffer of its own (y
+    // is token-major, so a task's rows are a run of every token's row, and no transpose
+    // of the whole output is needed afterwards).
+    (0..tasks).into_par_iter().for_each(|g| {
+        let m = first_task.partition_point(|&f| f <= g) - 1;
+        let (w, rows, row_bytes, out) = &outs[m];
+        let (rows, row_bytes) = (*rows, *row_bytes);
+        let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
+        let i = g - first_task[m];
+        let (first, n) = (
+            i * ROWS_PER_TASK,
+            ROWS_PER_TASK.min(rows - i * ROWS_PER_TASK),
+        );
+        // the task's results token-major, ROWS_PER_TASK values a token
+        let mut by_token = [0f32; ROWS_PER_TASK * Q8_BATCH_MAX_TOKENS];
+        let mut k = 0;
+        while k < n {
+            let r = first + k;
+            if paired && k + 1 < n {
+                for (j, p) in passes.iter().enumerate() {
+                    let at = (ROWS_PER_TASK, j * pass, k);
+                    row_pair_tokens_q8(ty, [row(r), row(r + 1)], p, &mut by_token, at);
                 }
-            }
-            for (t, run) in by_token.chunks_exact(ROWS_PER_TASK).take(n_tok).enumerate() {
-                // SAFETY: this task alone writes rows first..first + n of every token.
-                unsafe { out.write(t * rows + first, &run[..n]) };
-            }
-        });
-    });
-}
-
-/// What a batched product's token passes depend on besides its input.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct PassKey {
-    isa: Isa,
-    vnni: Option<Vnni>,
-    ty: QuantType,
-    paired: bool,
-    /// Tokens per pass.
-    pass: usize,
-    /// Blocks of 32 values a token (inputs of one length can be tokens of other widths).
-    per_tok: usize,
-}
-
-/// The token passes of the input `x` for a product of `key`, to `f`. A layer's query, key and value products take one input, and so do its gate and up: the
-/// passes of the last input are kept on this thread with a copy of it, and a product whose
-/// input has the same bits (and the same key) takes them again instead of quantising and
-/// laying out its tokens once more (serial work a batched step otherwise repeats five times
-/// of seven).
-fn with_token_passes<T>(key: PassKey, x: &[f32], f: impl FnOnce(&[TokenPass]) -> T) -> T {
-    struct Kept {
-        key: PassKey,
-        x: Vec<f32>,
-        passes: Vec<TokenPass>,
-    }
-    thread_local! {
-        static KEPT: std::cell::RefCell<Option<Kept>> = const { std::cell::RefCell::new(None) };
-    }
-    let build = || -> Vec<TokenPass> {
-        with_q8_activations(key.isa, x, vnni_offset(key.vnni, key.ty), |act| {
-            let xs: Vec<&[Q8Block]> = act.q.chunks_exact(key.per_tok).collect();
-            let bias: Vec<&[[i32; 8]]> = if act.bias.is_empty() {
-                vec![&[][..]; xs.len()]
+                k += 2;
             } else {
-                act.bias.chunks_exact(key.per_tok).collect()
-            };
-            xs.chunks(key.pass)
-                .zip(bias.chunks(key.pass))
-                .map(|(xp, bp)| TokenPass::new(key.isa, xp, bp, (key.ty, key.paired)))
-                .collect()
-        })
-    };
-    let same = |k: &Kept| {
-        k.key == key
-            && k.x.len() == x.len()
-            && k.x.iter().zip(x).all(|(a, b)| a.to_bits() == b.to_bits())
-    };
-    KEPT.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut kept) => {
-            if !kept.as_ref().is_some_and(same) {
-                *kept = Some(Kept {
-                    key,
-                    x: x.to_vec(),
-                    passes: build(),
-                });
+                let mut one = [0f32; Q8_BATCH_MAX_TOKENS];
+                for (o, p) in one[..n_tok].chunks_mut(pass).zip(&passes) {
+                    row_tokens_q8(isa, vnni, ty, row(r), p, o);
+                }
+                for (t, v) in one[..n_tok].iter().enumerate() {
+                    by_token[t * ROWS_PER_TASK + k] = *v;
+                }
+                k += 1;
             }
-            let passes = &kept.as_ref().expect("kept just now").passes;
-            f(passes)
         }
-        // a product started from inside another on this thread: its own passes
-        Err(_) => f(&build()),
-    })
+        for (t, run) in by_token.chunks_exact(ROWS_PER_TASK).take(n_tok).enumerate() {
+            // SAFETY: this task alone writes rows first..first + n of every token.
+            unsafe { out.write(t * rows + first, &run[..n]) };
+        }
+    });
 }
 
 /// The 256 signed 6-bit quants (minus 32) of a Q6_K block, in element order.

@@ -280,11 +280,10 @@ fn q8_matmul_of_few_tokens_gives_each_token_its_matvec_bits() {
     }
 }
 
-/// A batched product takes the token passes kept from the product before only for the same
-/// input: the same values read as tokens of another width (12 tokens of 64 values, then 6 of
-/// 128, in passes of 6 tokens where a pass holds at most 8) are laid out again.
+/// The same values read as tokens of another width (12 tokens of 64 values, then 6 of 128, in
+/// passes of 6 tokens where a pass holds at most 8) are laid out for that width.
 #[test]
-fn kept_token_passes_are_not_taken_for_another_width() {
+fn the_same_values_as_tokens_of_another_width_are_laid_out_again() {
     let ty = QuantType::Q8_0;
     let x = activations(768, 7);
     for isa in Isa::all_supported() {
@@ -297,6 +296,42 @@ fn kept_token_passes_are_not_taken_for_another_width() {
                 same_bits(&y, &want),
                 "{isa:?} {n_tok} tokens of {cols}: {y:?} against {want:?}"
             );
+        }
+    }
+}
+
+/// Wide tokens' passes are built in runs of blocks on the pool's threads (a run per thread,
+/// at most 64 blocks): on one thread and on three, with and without VNNI lane offsets (Q4_0
+/// against Q4_1 under VNNI), row pairs or not, the K-quants' 256-value blocks, and one or two
+/// passes, every token keeps its matvec bits.
+#[test]
+fn token_passes_built_in_runs_give_each_token_its_matvec_bits() {
+    let (rows, cols) = (5, 19 * 256);
+    for threads in [1, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a pool");
+        for (k, ty) in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q6_K]
+            .into_iter()
+            .enumerate()
+        {
+            let w = weights(ty, rows, cols, 40 + k as u64);
+            let x = activations(16 * cols, 50 + k as u64);
+            let want = per_token_matvec(ty, &w, rows, cols, &x);
+            for n_tok in [2, 5, 16] {
+                for isa in Isa::all_supported() {
+                    for vnni in [false, true] {
+                        let (x, good) = (&x[..n_tok * cols], &want[..n_tok * rows]);
+                        let y =
+                            pool.install(|| q8_matmul((isa, vnni), ty, &w, rows, cols, x, n_tok));
+                        assert!(
+                            same_bits(&y, good),
+                            "{threads} threads {ty} {n_tok} tokens {isa:?} vnni {vnni}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

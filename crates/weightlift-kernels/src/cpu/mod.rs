@@ -22,6 +22,7 @@ pub mod matvec;
 pub mod ops;
 pub mod quantize;
 pub(crate) mod quantize_blocks;
+mod token_pass;
 pub(crate) mod x86;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_dequant;

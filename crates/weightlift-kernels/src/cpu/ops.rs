@@ -156,12 +156,46 @@ pub fn rope_in_place(
     p: &RopeParams,
     inv_freqs: &[f32],
 ) -> Result<()> {
+    let tok_len = rope_token_len(x.len(), positions.len(), p, inv_freqs)?;
+    // a task takes whole tokens, enough of them to be worth handing to another thread (a
+    // decode step's few tokens run on the calling thread)
+    x.par_chunks_mut(tok_len)
+        .zip(positions.par_iter())
+        .with_min_len(rows_per_task(tok_len))
+        .for_each(|(xt, pos)| with_turns(*pos, p, inv_freqs, |cs| turn_heads(xt, cs, p)));
+    Ok(())
+}
+
+/// [`rope_in_place`] of a layer's queries `q` and keys `k` at the same `positions`, each
+/// token's angles worked out once for both (the same bits as two calls).
+pub fn rope_qk_in_place(
+    q: &mut [f32],
+    k: &mut [f32],
+    positions: &[i32],
+    p: &RopeParams,
+    inv_freqs: &[f32],
+) -> Result<()> {
+    let q_len = rope_token_len(q.len(), positions.len(), p, inv_freqs)?;
+    let k_len = rope_token_len(k.len(), positions.len(), p, inv_freqs)?;
+    q.par_chunks_mut(q_len)
+        .zip(k.par_chunks_mut(k_len))
+        .zip(positions.par_iter())
+        .with_min_len(rows_per_task(q_len + k_len))
+        .for_each(|((qt, kt), pos)| {
+            with_turns(*pos, p, inv_freqs, |cs| {
+                turn_heads(qt, cs, p);
+                turn_heads(kt, cs, p);
+            })
+        });
+    Ok(())
+}
+
+/// The values a token of `len` values over `n_tok` positions holds, checked.
+fn rope_token_len(len: usize, n_tok: usize, p: &RopeParams, inv_freqs: &[f32]) -> Result<usize> {
     p.check()?;
     let hd = p.head_dim;
-    let half = p.n_dims / 2;
-    check_len("rope frequencies", half, inv_freqs.len())?;
-    let heads = rows_of("rope", x.len(), hd)?;
-    let n_tok = positions.len();
+    check_len("rope frequencies", p.n_dims / 2, inv_freqs.len())?;
+    let heads = rows_of("rope", len, hd)?;
     if n_tok == 0 || heads % n_tok != 0 {
         return Err(KernelError::Shape {
             op: "rope",
@@ -170,38 +204,53 @@ pub fn rope_in_place(
             ),
         });
     }
-    let tok_len = heads / n_tok * hd;
-    // a task takes whole tokens, enough of them to be worth handing to another thread (a
-    // decode step's few tokens run on the calling thread)
-    x.par_chunks_mut(tok_len)
-        .zip(positions.par_iter())
-        .with_min_len(rows_per_task(tok_len))
-        .for_each(|(xt, pos)| {
-            let mut cs = [(0f32, 0f32); 256];
-            let mut cs_vec = Vec::new();
-            let cs: &mut [(f32, f32)] = if half <= cs.len() {
-                &mut cs[..half]
-            } else {
-                cs_vec.resize(half, (0.0, 0.0));
-                &mut cs_vec
-            };
-            for (c, f) in cs.iter_mut().zip(inv_freqs) {
-                let th = *pos as f32 * f;
-                *c = (th.cos() * p.attn_factor, th.sin() * p.attn_factor);
-            }
-            for xh in xt.chunks_exact_mut(hd) {
-                for (i, (c, s)) in cs.iter().enumerate() {
-                    let (ia, ib) = match p.style {
-                        RopeStyle::Normal => (2 * i, 2 * i + 1),
-                        RopeStyle::Neox => (i, i + half),
+    Ok(heads / n_tok * hd)
+}
+
+/// `f` of each pair's `(cos θ, sin θ) · attn_factor` at position `pos`.
+fn with_turns(pos: i32, p: &RopeParams, inv_freqs: &[f32], f: impl FnOnce(&[(f32, f32)])) {
+    let half = p.n_dims / 2;
+    let mut cs = [(0f32, 0f32); 256];
+    let mut cs_vec = Vec::new();
+    let cs: &mut [(f32, f32)] = if half <= cs.len() {
+        &mut cs[..half]
+    } else {
+        cs_vec.resize(half, (0.0, 0.0));
+        &mut cs_vec
+    };
+    for (c, f) in cs.iter_mut().zip(inv_freqs) {
+        let th = pos as f32 * f;
+        *c = (th.cos() * p.attn_factor, th.sin() * p.attn_factor);
+    }
+    f(cs)
+}
+
+/// Each head of one token's `xt` turned by the pairs' `cs`.
+fn turn_heads(xt: &mut [f32], cs: &[(f32, f32)], p: &RopeParams) {
+    let turn = |a: &mut f32, b: &mut f32, (c, s): (f32, f32)| {
+        let (x, y) = (*a, *b);
+        *a = x * c - y * s;
+        *b = x * s + y * c;
+    };
+    for xh in xt.chunks_exact_mut(p.head_dim) {
+        let rotated = &mut xh[..p.n_dims];
+        match p.style {
+            RopeStyle::Normal => {
+                for (pair, &cs) in rotated.chunks_exact_mut(2).zip(cs) {
+                    let [a, b] = pair else {
+                        unreachable!("pairs of two")
                     };
-                    let (a, b) = (xh[ia], xh[ib]);
-                    xh[ia] = a * c - b * s;
-                    xh[ib] = a * s + b * c;
+                    turn(a, b, cs);
                 }
             }
-        });
-    Ok(())
+            RopeStyle::Neox => {
+                let (lo, hi) = rotated.split_at_mut(p.n_dims / 2);
+                for ((a, b), &cs) in lo.iter_mut().zip(hi).zip(cs) {
+                    turn(a, b, cs);
+                }
+            }
+        }
+    }
 }
 
 /// Softmax of each row of `n_cols` values (max-subtracted, as ggml's `soft_max`; the sum of

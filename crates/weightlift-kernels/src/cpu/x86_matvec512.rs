@@ -237,32 +237,64 @@ pub(crate) struct PairTokens {
 struct Lanes32([f32; 32]);
 
 impl PairTokens {
-    /// The layout for weights of `ty` of `n` tokens' blocks interleaved by block
-    /// (`xq[i · n + t]`), `scales[i]` each block's token scales and quant sums.
-    pub(crate) fn new(
-        ty: QuantType,
-        n: usize,
-        xq: &[[i8; 32]],
-        scales: &[TokenScales],
-    ) -> PairTokens {
-        let unsigned = !matches!(ty, QuantType::Q4_1 | QuantType::Q5_1);
-        // each byte's sign bit flipped: q + 128 as an unsigned byte
-        let flip = if unsigned { 0x8080_8080u32 } else { 0 };
-        let twice = |v: &[i8; 32]| -> [i8; 64] {
-            let v: [u32; 8] = bytemuck::cast(*v);
-            bytemuck::cast(v.map(|g| {
-                let g = u64::from(g ^ flip);
-                g | (g << 32)
-            }))
-        };
-        let pairs = |v: &[f32; 16]| Lanes32(std::array::from_fn(|l| v[l / 2]));
-        debug_assert!(scales.is_empty() || xq.len() == n * scales.len());
+    /// Room for `n` tokens of `blocks` blocks each, for weights of `ty`: every value 0 until
+    /// [`PairBlocks::set`] lays a token's block out.
+    pub(crate) fn zeroed(ty: QuantType, n: usize, blocks: usize) -> PairTokens {
         PairTokens {
-            qs: xq.iter().map(twice).collect(),
-            d: scales.iter().map(|s| pairs(&s.d)).collect(),
-            s: scales.iter().map(|s| pairs(&s.s)).collect(),
-            unsigned,
+            qs: vec![[0; 64]; blocks * n],
+            d: vec![Lanes32([0.0; 32]); blocks],
+            s: vec![Lanes32([0.0; 32]); blocks],
+            unsigned: !matches!(ty, QuantType::Q4_1 | QuantType::Q5_1),
         }
+    }
+
+    /// Every block, as a view that splits into runs of blocks to fill apart.
+    pub(crate) fn blocks(&mut self) -> PairBlocks<'_> {
+        PairBlocks {
+            qs: &mut self.qs,
+            d: &mut self.d,
+            s: &mut self.s,
+            unsigned: self.unsigned,
+        }
+    }
+}
+
+/// A run of blocks of a [`PairTokens`], to lay out.
+pub(crate) struct PairBlocks<'a> {
+    qs: &'a mut [[i8; 64]],
+    d: &'a mut [Lanes32],
+    s: &'a mut [Lanes32],
+    unsigned: bool,
+}
+
+impl<'a> PairBlocks<'a> {
+    /// The first `count` blocks of the run (each of `n` tokens), taken off its front.
+    pub(crate) fn split_front(&mut self, count: usize, n: usize) -> PairBlocks<'a> {
+        let (qs, qs_rest) = std::mem::take(&mut self.qs).split_at_mut(count * n);
+        let (d, d_rest) = std::mem::take(&mut self.d).split_at_mut(count);
+        let (s, s_rest) = std::mem::take(&mut self.s).split_at_mut(count);
+        (self.qs, self.d, self.s) = (qs_rest, d_rest, s_rest);
+        PairBlocks {
+            qs,
+            d,
+            s,
+            unsigned: self.unsigned,
+        }
+    }
+
+    /// Token `t` (of `n`) of the run's block `i` is `b`: its quants with every 4-quant group
+    /// twice (plus 128 where the weights' quants are signed), its scale and quant sum in lanes
+    /// `2t` and `2t + 1`.
+    pub(crate) fn set(&mut self, i: usize, n: usize, t: usize, b: &Q8Block) {
+        // each byte's sign bit flipped: q + 128 as an unsigned byte
+        let flip = if self.unsigned { 0x8080_8080u32 } else { 0 };
+        let groups: [u32; 8] = bytemuck::cast(b.qs);
+        self.qs[i * n + t] = bytemuck::cast(groups.map(|g| {
+            let g = u64::from(g ^ flip);
+            g | (g << 32)
+        }));
+        self.d[i].0[2 * t..2 * t + 2].fill(b.d);
+        self.s[i].0[2 * t..2 * t + 2].fill(b.sum as f32);
     }
 }
 
