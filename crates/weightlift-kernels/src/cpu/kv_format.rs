@@ -105,13 +105,19 @@ pub fn kv_encode(format: KvFormat, values: &[f32], out: &mut [u8]) -> Result<()>
                 d.copy_from_slice(&x.to_le_bytes());
             }
         }
-        KvFormat::F16 => {
-            let mut words = vec![0u16; values.len()];
-            super::convert::f32_to_f16_slice(values, &mut words)?;
-            for (d, w) in out.chunks_exact_mut(2).zip(&words) {
-                d.copy_from_slice(&w.to_le_bytes());
+        KvFormat::F16 => match bytemuck::try_cast_slice_mut::<u8, u16>(out) {
+            // as BF16 below: straight into an aligned row, else through a buffer
+            Ok(words) if cfg!(target_endian = "little") => {
+                super::convert::f32_to_f16_slice(values, words)?
             }
-        }
+            _ => {
+                let mut words = vec![0u16; values.len()];
+                super::convert::f32_to_f16_slice(values, &mut words)?;
+                for (d, w) in out.chunks_exact_mut(2).zip(&words) {
+                    d.copy_from_slice(&w.to_le_bytes());
+                }
+            }
+        },
         KvFormat::BF16 => match bytemuck::try_cast_slice_mut::<u8, u16>(out) {
             // the cache rows are 2-byte aligned in every cache this crate allocates; the
             // fallback keeps an odd view correct
@@ -322,28 +328,41 @@ mod tests {
         }
     }
 
-    /// bf16 rows are the `half` crate's bf16 bytes (round to nearest even), whether the cache
-    /// bytes are 2-byte aligned or not, and decode to exactly those values.
+    /// f16 and bf16 rows are the `half` crate's bytes (round to nearest even), whether the
+    /// cache bytes are 2-byte aligned or not, and decode to exactly those values.
     #[test]
-    fn bf16_rows_are_the_half_crate_bytes_at_any_alignment() {
+    fn f16_and_bf16_rows_are_the_half_crate_bytes_at_any_alignment() {
         let x: Vec<f32> = (0..203)
             .map(|i| ((i * 7919) % 997) as f32 * 1.37e-3 - 0.6)
-            .chain([1e-40, -3e38, 3.4e38, f32::INFINITY, f32::NAN])
+            .chain([1e-40, 6e-8, -3e38, 70000.0, 3.4e38, f32::INFINITY, f32::NAN])
             .collect();
-        let want: Vec<u8> = x
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect();
-        let mut buf = vec![0u8; want.len() + 1];
-        for off in [0, 1] {
-            let out = &mut buf[off..off + want.len()];
-            kv_encode(KvFormat::BF16, &x, out).unwrap();
-            assert!(out == &want[..], "offset {off}");
-            let mut back = vec![0f32; x.len()];
-            kv_decode(KvFormat::BF16, out, &mut back).unwrap();
-            for (b, w) in back.iter().zip(want.chunks_exact(2)) {
-                let w = half::bf16::from_le_bytes([w[0], w[1]]).to_f32();
-                assert!(b.to_bits() == w.to_bits() || (b.is_nan() && w.is_nan()));
+        // each format, the half crate's encoding and decoding of one value
+        type ByHalf = (KvFormat, fn(f32) -> [u8; 2], fn([u8; 2]) -> f32);
+        let by_half: [ByHalf; 2] = [
+            (
+                KvFormat::F16,
+                |v| half::f16::from_f32(v).to_le_bytes(),
+                |b| half::f16::from_le_bytes(b).to_f32(),
+            ),
+            (
+                KvFormat::BF16,
+                |v| half::bf16::from_f32(v).to_le_bytes(),
+                |b| half::bf16::from_le_bytes(b).to_f32(),
+            ),
+        ];
+        for (format, encode, decode) in by_half {
+            let want: Vec<u8> = x.iter().flat_map(|v| encode(*v)).collect();
+            let mut buf = vec![0u8; want.len() + 1];
+            for off in [0, 1] {
+                let out = &mut buf[off..off + want.len()];
+                kv_encode(format, &x, out).unwrap();
+                assert!(out == &want[..], "{} offset {off}", format.name());
+                let mut back = vec![0f32; x.len()];
+                kv_decode(format, out, &mut back).unwrap();
+                for (b, w) in back.iter().zip(want.chunks_exact(2)) {
+                    let w = decode([w[0], w[1]]);
+                    assert!(b.to_bits() == w.to_bits() || (b.is_nan() && w.is_nan()));
+                }
             }
         }
     }
