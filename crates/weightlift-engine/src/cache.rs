@@ -963,6 +963,44 @@ impl Cache {
         }
     }
 
+    /// `f` of the f16 bits of positions `start..start + n` of `layer`, keys then values
+    /// (token-major, as [`Cache::decode_rows`] lays them out), read in place while the cache's
+    /// lock is held; `None`, without calling `f`, where they are not one run of f16 rows in
+    /// host memory: another dtype, an offloaded cache, a ring that wraps between them.
+    pub fn with_f16_rows<R>(
+        &self,
+        layer: usize,
+        start: u64,
+        n: usize,
+        f: impl FnOnce(&[u16], &[u16]) -> Result<R>,
+    ) -> Result<Option<R>> {
+        if self.config.dtype != CacheDType::Fp16 || self.config.offload {
+            return Ok(None);
+        }
+        self.check_span(layer, start, n as u64)?;
+        let row = self.config.row(layer) as usize;
+        let spans = byte_runs(
+            self.config.rows(layer),
+            start,
+            n as u64,
+            row,
+            [KvFormat::F16; 2],
+        );
+        let [(_, count, [ks, vs])] = spans[..] else {
+            return Ok(None);
+        };
+        let layers = self.lock();
+        let store = held(&layers, layer)?;
+        fn words(buf: &Buffer, (b0, b1): (usize, usize)) -> Option<&[u16]> {
+            buf.host()
+                .and_then(|h| bytemuck::try_cast_slice::<u8, u16>(&h[b0..b1]).ok())
+        }
+        match (count == n, words(&store.k, ks), words(&store.v, vs)) {
+            (true, Some(k), Some(v)) if cfg!(target_endian = "little") => f(k, v).map(Some),
+            _ => Ok(None),
+        }
+    }
+
     /// Whether the cache is offloaded to host RAM (layers are lent by [`Cache::fetch`]).
     pub fn is_offloaded(&self) -> bool {
         self.config.offload

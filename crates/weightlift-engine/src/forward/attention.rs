@@ -74,9 +74,31 @@ pub(crate) fn attend(
     // a sliding layer's first query sees no key before `start + 1 - window`: the tiles wholly
     // before it add nothing to any query, so they are neither decoded nor folded (a ring holds
     // none of them)
+    // the step form reads an f16 cache's rows in place where it can (the same bits as
+    // decoding them: every value of a decode step's keys is read once, by one query row or
+    // three, where decoding wrote and read each again)
+    let in_place = !shape.tiled() && resident.is_none();
     let mut k0 = shape.first_tile(s.kv_tile);
     while k0 < total {
         let tk = s.kv_tile.min(total - k0);
+        if in_place {
+            let folded = cache.with_f16_rows(layer, k0 as u64, tk, |k, v| {
+                let mut q0 = 0;
+                while q0 < n {
+                    let queries = q0..n.min(q0 + s.q_tile.max(1));
+                    if start + queries.end > k0 {
+                        att.fold_f16_with(isa, qo, queries.clone(), k0, k, v, t.scores)
+                            .map_err(kernel)?;
+                    }
+                    q0 = queries.end;
+                }
+                Ok(())
+            })?;
+            if folded.is_some() {
+                k0 += tk;
+                continue;
+            }
+        }
         let (kt, vt) = (&mut t.kt[..tk * kvd], &mut t.vt[..tk * kvd]);
         cache.decode_rows(layer, resident, k0 as u64, kt, vt)?;
         let mut q0 = 0;

@@ -278,11 +278,14 @@ pub struct Attention<'a> {
 }
 
 /// What every task of one fold reads: the queries, one tile of key and value rows (`keys`
-/// rows of `kv_dim`, the first at position `k0`) and the sizes.
+/// rows of `kv_dim`, the first at position `k0`; f32 in `k` and `v`, or f16 in `k16` and
+/// `v16` for the step form, the other pair empty) and the sizes.
 pub(crate) struct Fold<'a> {
     pub q: &'a [f32],
     pub k: &'a [f32],
     pub v: &'a [f32],
+    pub k16: &'a [u16],
+    pub v16: &'a [u16],
     pub head_dim: usize,
     pub n_heads: usize,
     pub group: usize,
@@ -339,13 +342,28 @@ impl Fold<'_> {
     pub fn v_row(&self, kh: usize, j: usize) -> &[f32] {
         &self.v[j * self.kv_dim + kh * self.head_dim..][..self.head_dim]
     }
+
+    /// Key `j` of an f16 tile, kv head `kh`.
+    pub fn k16_row(&self, kh: usize, j: usize) -> &[u16] {
+        &self.k16[j * self.kv_dim + kh * self.head_dim..][..self.head_dim]
+    }
 }
 
-/// The rows of one kv head that one task folds: tokens from `t0`, `group` rows per token,
-/// their state and their weights scratch (`chunk` values per row).
+/// One tile's key and value rows, as a fold takes them.
+#[derive(Clone, Copy)]
+enum TileRows<'a> {
+    F32(&'a [f32], &'a [f32]),
+    /// An f16 cache's own rows (the step form only).
+    F16(&'a [u16], &'a [u16]),
+}
+
+/// The rows of one kv head that one task folds: tokens from `t0`, `group` rows per token (the
+/// first row `g0` of its token's group: 0 except in the step form, whose tasks take single
+/// rows), their state and their weights scratch (`chunk` values per row).
 pub(crate) struct Task<'a> {
     pub kh: usize,
     pub t0: usize,
+    pub g0: usize,
     pub m: &'a mut [f32],
     pub l: &'a mut [f32],
     pub o: &'a mut [f32],
@@ -421,19 +439,62 @@ impl<'a> Attention<'a> {
         v: &[f32],
         scores: &mut [f32],
     ) -> Result<()> {
+        self.fold_rows(isa, q, queries, k0, TileRows::F32(k, v), scores)
+    }
+
+    /// [`Attention::fold_with`] of a tile of an f16 cache's own rows (`k` and `v` the f16 bits),
+    /// read in place: the bits of decoding the tile to f32 first. The step form only (calls of
+    /// fewer than [`TILED_MIN_QUERIES`] queries); the tiled form's keys are decoded once for
+    /// many queries.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fold_f16_with(
+        &mut self,
+        isa: Isa,
+        q: &[f32],
+        queries: Range<usize>,
+        k0: usize,
+        k: &[u16],
+        v: &[u16],
+        scores: &mut [f32],
+    ) -> Result<()> {
+        if self.shape.tiled() {
+            return Err(KernelError::Shape {
+                op: "attention",
+                reason: format!(
+                    "f16 rows fold in the step form, below {TILED_MIN_QUERIES} queries; this \
+                     call has {}",
+                    self.shape.n_q
+                ),
+            });
+        }
+        self.fold_rows(isa, q, queries, k0, TileRows::F16(k, v), scores)
+    }
+
+    fn fold_rows(
+        &mut self,
+        isa: Isa,
+        q: &[f32],
+        queries: Range<usize>,
+        k0: usize,
+        rows: TileRows<'_>,
+        scores: &mut [f32],
+    ) -> Result<()> {
         let s = self.shape;
         let (hd, group, kvd, chunk) = (s.head_dim, s.group(), s.kv_dim(), self.chunk);
         check_len("attention query values", s.q_values(), q.len())?;
-        check_len("attention value values", k.len(), v.len())?;
-        let keys = k.len() / kvd;
+        let (k_len, v_len) = match rows {
+            TileRows::F32(k, v) => (k.len(), v.len()),
+            TileRows::F16(k, v) => (k.len(), v.len()),
+        };
+        check_len("attention value values", k_len, v_len)?;
+        let keys = k_len / kvd;
         let bad = |reason: String| KernelError::Shape {
             op: "attention",
             reason,
         };
-        if keys * kvd != k.len() || k0 + keys > s.start + s.n_q {
+        if keys * kvd != k_len || k0 + keys > s.start + s.n_q {
             return Err(bad(format!(
-                "{} key values are not whole rows of {kvd} at positions {k0}.. below {}",
-                k.len(),
+                "{k_len} key values are not whole rows of {kvd} at positions {k0}.. below {}",
                 s.start + s.n_q
             )));
         }
@@ -452,10 +513,16 @@ impl<'a> Attention<'a> {
         if nq == 0 || keys == 0 {
             return Ok(());
         }
+        let (k, v, k16, v16): (&[f32], &[f32], &[u16], &[u16]) = match rows {
+            TileRows::F32(k, v) => (k, v, &[], &[]),
+            TileRows::F16(k, v) => (&[], &[], k, v),
+        };
         let f = Fold {
             q,
             k,
             v,
+            k16,
+            v16,
             head_dim: hd,
             n_heads: s.n_heads,
             group,
@@ -469,7 +536,15 @@ impl<'a> Attention<'a> {
             window: s.window,
             softcap: s.softcap,
         };
-        let tb = (TASK_ROWS / group).max(1);
+        let tiled = s.tiled();
+        // the tiled form's tasks take whole tokens' groups (each step's keys are transposed
+        // once for all of them); the step form's take one row each, so a decode step's few
+        // rows spread over the threads (its keys are read row by row either way)
+        let task_rows = if tiled {
+            (TASK_ROWS / group).max(1) * group
+        } else {
+            1
+        };
         let n = s.n_q;
         let mut tasks = Vec::new();
         let per_head = self
@@ -481,21 +556,28 @@ impl<'a> Attention<'a> {
         for (kh, (((m, l), o), p)) in per_head.enumerate() {
             let (a, b) = (queries.start * group, queries.end * group);
             let blocks = m[a..b]
-                .chunks_mut(tb * group)
-                .zip(l[a..b].chunks_mut(tb * group))
-                .zip(o[a * hd..b * hd].chunks_mut(tb * group * hd))
-                .zip(p.chunks_mut(tb * group * chunk));
+                .chunks_mut(task_rows)
+                .zip(l[a..b].chunks_mut(task_rows))
+                .zip(o[a * hd..b * hd].chunks_mut(task_rows * hd))
+                .zip(p.chunks_mut(task_rows * chunk));
             for (i, (((m, l), o), p)) in blocks.enumerate() {
-                let t0 = queries.start + i * tb;
-                let last = t0 + m.len() / group - 1;
+                let (t0, g0) = (queries.start + i * task_rows / group, i * task_rows % group);
+                let last = queries.start + (i * task_rows + m.len() - 1) / group;
                 // no token of the block sees this tile's first key
                 if s.start + last < k0 {
                     continue;
                 }
-                tasks.push(Task { kh, t0, m, l, o, p });
+                tasks.push(Task {
+                    kh,
+                    t0,
+                    g0,
+                    m,
+                    l,
+                    o,
+                    p,
+                });
             }
         }
-        let tiled = s.tiled();
         let masked = s.is_masked();
         if nq * s.n_heads * keys * hd < MIN_PARALLEL_WORK {
             tasks

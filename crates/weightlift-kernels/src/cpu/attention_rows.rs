@@ -19,7 +19,11 @@ pub(crate) fn round_f16(x: f32) -> f32 {
         return f32::INFINITY.copysign(x);
     }
     if a < 1.0 / 16384.0 {
-        let q = (a * 16_777_216.0).round_ties_even() * (1.0 / 16_777_216.0);
+        // a · 2²⁴ < 2¹⁰ rounded to an integer, ties to even, by the add and subtract of 2²³
+        // (exact in the default rounding: round_ties_even itself is a libm call here, on
+        // every small weight of a long context's softmax)
+        const SHIFT: f32 = 8_388_608.0;
+        let q = ((a * 16_777_216.0 + SHIFT) - SHIFT) * (1.0 / 16_777_216.0);
         return q.copysign(x);
     }
     // drop 13 of f32's 23 mantissa bits, ties to even (a carry moves into the exponent)
@@ -28,24 +32,31 @@ pub(crate) fn round_f16(x: f32) -> f32 {
 }
 
 /// The step form: the attention module documentation's operations, one row at a time, one
-/// step per tile.
+/// step per tile. The tile's rows are f32, or an f16 cache's rows read in place (each value
+/// widened as the cache's decoding widens it, in the same sums: the bits of the decoded tile).
 pub(crate) fn fold_task_step(isa: Isa, f: &Fold<'_>, task: Task<'_>) {
     let hd = f.head_dim;
+    let in_place = !f.k16.is_empty();
     let mut q = vec![0f32; hd];
     for r in 0..task.m.len() {
-        let t = task.t0 + r / f.group;
+        let (t, h) = (task.t0 + (task.g0 + r) / f.group, (task.g0 + r) % f.group);
         let (first, seen) = (f.first(t), f.seen(t));
         if seen <= first {
             continue;
         }
-        for (d, x) in q.iter_mut().zip(f.q_row(task.kh, t, r % f.group)) {
+        for (d, x) in q.iter_mut().zip(f.q_row(task.kh, t, h)) {
             *d = if f.f16 { round_f16(*x) } else { *x };
         }
         let (m, l) = (&mut task.m[r], &mut task.l[r]);
         let o = &mut task.o[r * hd..(r + 1) * hd];
         let w = &mut task.p[r * f.chunk + first..r * f.chunk + seen];
         for (j, wj) in w.iter_mut().enumerate() {
-            *wj = f.cap(dot_f32(isa, &q, f.k_row(task.kh, first + j)) * f.scale);
+            let s = if in_place {
+                dot_f16(isa, &q, f.k16_row(task.kh, first + j))
+            } else {
+                dot_f32(isa, &q, f.k_row(task.kh, first + j))
+            };
+            *wj = f.cap(s * f.scale);
         }
         let m_new = m.max(w.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)));
         let keep = (*m - m_new).exp();
@@ -61,26 +72,93 @@ pub(crate) fn fold_task_step(isa: Isa, f: &Fold<'_>, task: Task<'_>) {
             sum += p;
             *wj = p;
         }
-        let v = &f.v[first * f.kv_dim + task.kh * hd..];
-        #[cfg(target_arch = "x86_64")]
-        if isa.has_avx2() {
-            // SAFETY: AVX2 (and AVX-512F where has_avx512) detected at run time; `v` holds the
-            // tile's `seen` value rows of kv_dim from kv head kh on.
-            unsafe {
-                if isa.has_avx512() {
-                    super::x86_ops::imp::add_weighted_rows_avx512(o, w, v, f.kv_dim);
-                } else {
-                    super::x86_ops::imp::add_weighted_rows_avx2(o, w, v, f.kv_dim);
-                }
-            }
-            *l = *l * keep + sum;
-            *m = m_new;
-            continue;
+        let at = first * f.kv_dim + task.kh * hd;
+        if in_place {
+            add_weighted_rows_f16(isa, o, w, &f.v16[at..], f.kv_dim);
+        } else {
+            add_weighted_rows_isa(isa, o, w, &f.v[at..], f.kv_dim);
         }
-        add_weighted_rows(o, w, v, f.kv_dim);
         *l = *l * keep + sum;
         *m = m_new;
     }
+}
+
+/// [`add_weighted_rows`] at the instruction set's width (the same bits at every width).
+#[inline]
+fn add_weighted_rows_isa(isa: Isa, o: &mut [f32], p: &[f32], v: &[f32], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() {
+        // SAFETY: AVX2 (and AVX-512F where has_avx512) detected at run time; `v` holds the
+        // rows of `p` at `stride`, each as long as `o`.
+        unsafe {
+            if isa.has_avx512() {
+                super::x86_ops::imp::add_weighted_rows_avx512(o, p, v, stride);
+            } else {
+                super::x86_ops::imp::add_weighted_rows_avx2(o, p, v, stride);
+            }
+        }
+        return;
+    }
+    let _ = isa;
+    add_weighted_rows(o, p, v, stride);
+}
+
+/// [`add_weighted_rows`] over f16 value rows, each value widened as the cache's f16 decoding
+/// at this instruction set widens it.
+#[inline]
+fn add_weighted_rows_f16(isa: Isa, o: &mut [f32], p: &[f32], v: &[u16], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() {
+        // SAFETY: AVX2 with F16C (and AVX-512F where has_avx512) detected at run time; `v`
+        // holds the rows of `p` at `stride`, each as long as `o`.
+        unsafe {
+            if isa.has_avx512() {
+                super::x86_ops::imp::add_weighted_rows_f16_avx512(o, p, v, stride);
+            } else {
+                super::x86_ops::imp::add_weighted_rows_f16_avx2(o, p, v, stride);
+            }
+        }
+        return;
+    }
+    let _ = isa;
+    for (j, pj) in p.iter().enumerate() {
+        for (x, h) in o.iter_mut().zip(&v[j * stride..]) {
+            *x += pj * super::half::f16_to_f32(*h);
+        }
+    }
+}
+
+/// [`dot_f32`] of `a` with the f16 values `b`, each widened as the cache's f16 decoding at
+/// this instruction set widens it, in `dot_f32`'s order: the bits of the dot with the decoded
+/// row.
+#[inline]
+fn dot_f16(isa: Isa, a: &[f32], b: &[u16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa.has_avx512() {
+            // SAFETY: AVX-512F with F16C detected at run time.
+            return unsafe { super::x86_ops::imp::dot_f16_avx512(a, b) };
+        }
+        if isa.has_avx2() {
+            // SAFETY: AVX2, FMA and F16C detected at run time.
+            return unsafe { super::x86_ops::imp::dot_f16_avx2(a, b) };
+        }
+    }
+    let _ = isa;
+    // dot_f32's scalar level: eight partial sums, then the tail
+    let mut s = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (pa, pb) in (&mut ca).zip(&mut cb) {
+        for k in 0..8 {
+            s[k] += pa[k] * super::half::f16_to_f32(pb[k]);
+        }
+    }
+    let mut t: f32 = s.iter().sum();
+    for (x, h) in ca.remainder().iter().zip(cb.remainder()) {
+        t += x * super::half::f16_to_f32(*h);
+    }
+    t
 }
 
 /// `o += p_j · v_j` for each weight `p_j` in order, the row `v_j` at `j · stride` of `v`, each

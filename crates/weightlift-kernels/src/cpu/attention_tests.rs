@@ -335,3 +335,75 @@ fn windows_and_soft_caps_follow_their_definition() {
         }
     }
 }
+
+/// The step form folds an f16 cache's rows in place with the bits of folding them decoded to
+/// f32: every head shape, every instruction set, decode steps and short prompts over several
+/// tiles, with and without a window (each row its own task, on the calling thread or across
+/// threads); the tiled form refuses f16 rows.
+#[test]
+fn f16_rows_in_place_give_the_bits_of_the_decoded_rows() {
+    use crate::cpu::half::{f16_to_f32, f32_to_f16};
+    for (i, heads) in HEADS.into_iter().enumerate() {
+        for (n_q, start, window) in [(1, 700, 0), (5, 40, 0), (3, 300, 64)] {
+            let c = case(heads, n_q, start, true, 90 + i as u64);
+            let shape = c.shape.masked(window, 0.0);
+            let k16: Vec<u16> = c.k.iter().map(|x| f32_to_f16(*x)).collect();
+            let v16: Vec<u16> = c.v.iter().map(|x| f32_to_f16(*x)).collect();
+            let k: Vec<f32> = k16.iter().map(|h| f16_to_f32(*h)).collect();
+            let v: Vec<f32> = v16.iter().map(|h| f16_to_f32(*h)).collect();
+            let (tile, kvd) = (128, shape.kv_dim());
+            for isa in Isa::all_supported() {
+                let fold = |f16_rows: bool| {
+                    let (mut stats, mut acc) =
+                        (vec![0f32; shape.stats_len()], vec![0f32; shape.acc_len()]);
+                    let mut scores = vec![0f32; shape.scores_len(n_q, tile)];
+                    let mut att = Attention::new(shape, tile, &mut stats, &mut acc).unwrap();
+                    let mut k0 = shape.first_tile(tile);
+                    while k0 < start + n_q {
+                        let rows = k0 * kvd..(start + n_q).min(k0 + tile) * kvd;
+                        if f16_rows {
+                            let (kt, vt) = (&k16[rows.clone()], &v16[rows]);
+                            att.fold_f16_with(isa, &c.q, 0..n_q, k0, kt, vt, &mut scores)
+                                .unwrap();
+                        } else {
+                            let (kt, vt) = (&k[rows.clone()], &v[rows]);
+                            att.fold_with(isa, &c.q, 0..n_q, k0, kt, vt, &mut scores)
+                                .unwrap();
+                        }
+                        k0 += tile;
+                    }
+                    let mut out = vec![0f32; shape.q_values()];
+                    att.finish(&mut out).unwrap();
+                    out
+                };
+                let (in_place, decoded) = (fold(true), fold(false));
+                assert_eq!(
+                    bits(&in_place),
+                    bits(&decoded),
+                    "{heads:?} {n_q} queries from {start}, window {window}, {isa:?}"
+                );
+                assert!(in_place.iter().all(|x| x.is_finite()));
+            }
+        }
+    }
+    let c = case((4, 2, 32), TILED_MIN_QUERIES, 0, true, 5);
+    let (mut stats, mut acc) = (
+        vec![0f32; c.shape.stats_len()],
+        vec![0f32; c.shape.acc_len()],
+    );
+    let mut att = Attention::new(c.shape, 64, &mut stats, &mut acc).unwrap();
+    let rows = vec![0u16; TILED_MIN_QUERIES * c.shape.kv_dim()];
+    let mut scores = vec![0f32; c.shape.scores_len(TILED_MIN_QUERIES, 64)];
+    let err = att
+        .fold_f16_with(
+            Isa::detect(),
+            &c.q,
+            0..TILED_MIN_QUERIES,
+            0,
+            &rows,
+            &rows,
+            &mut scores,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("step form"), "{err}");
+}

@@ -328,3 +328,160 @@ pub(crate) unsafe fn add_weighted_rows_avx512(o: &mut [f32], p: &[f32], v: &[f32
 pub(crate) unsafe fn add_weighted_rows_avx2(o: &mut [f32], p: &[f32], v: &[f32], stride: usize) {
     add_weighted_rows(o, p, v, stride);
 }
+
+/// `dot_f32_avx512` (in `x86`) of `a` with the f16 values `b`, each widened as the cache's
+/// f16 decoding widens it (F16C; the tail as its tail): the same sums in the same order, so
+/// the bits of the dot with the decoded row.
+///
+/// # Safety
+/// AVX-512F and F16C.
+#[target_feature(enable = "avx2,f16c,avx512f")]
+pub(crate) unsafe fn dot_f16_avx512(a: &[f32], b: &[u16]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut i = 0;
+    while i + 32 <= n {
+        // SAFETY: i + 32 <= n values of both.
+        unsafe {
+            for (k, acc_k) in acc.iter_mut().enumerate() {
+                let w = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(i + 16 * k).cast()));
+                *acc_k = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16 * k)), w, *acc_k);
+            }
+        }
+        i += 32;
+    }
+    let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+    for j in i..n {
+        s += a[j] * crate::cpu::half::f16_to_f32(b[j]);
+    }
+    s
+}
+
+/// `dot_f32_avx2` (in `x86`) of `a` with the f16 values `b`, as [`dot_f16_avx512`].
+///
+/// # Safety
+/// AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f16_avx2(a: &[f32], b: &[u16]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    // SAFETY (both loads): callers read at most n values of each from `at`.
+    let load = |at: usize| unsafe {
+        (
+            _mm256_loadu_ps(pa.add(at)),
+            _mm256_cvtph_ps(_mm_loadu_si128(pb.add(at).cast())),
+        )
+    };
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (k, acc_k) in acc.iter_mut().enumerate() {
+            let (x, w) = load(i + 8 * k);
+            *acc_k = _mm256_fmadd_ps(x, w, *acc_k);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        let (x, w) = load(i);
+        acc[0] = _mm256_fmadd_ps(x, w, acc[0]);
+        i += 8;
+    }
+    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut s = crate::cpu::x86::imp::hsum(v);
+    for j in i..n {
+        s += a[j] * crate::cpu::half::f16_to_f32(b[j]);
+    }
+    s
+}
+
+/// The step form's values pass (`attention::add_weighted_rows`) over an f16 cache's value
+/// rows, each value widened as the cache's f16 decoding widens it: `o[d] += p_j · v_j[d]`,
+/// product then sum, `j` in order for each `d`. The outputs stay in registers while every row
+/// adds to them: 64 at a time, then 16, then one by one.
+///
+/// # Safety
+/// AVX-512F and F16C; `v` holds `p.len()` rows of `o.len()` values at stride `stride`.
+#[target_feature(enable = "avx2,f16c,avx512f")]
+pub(crate) unsafe fn add_weighted_rows_f16_avx512(
+    o: &mut [f32],
+    p: &[f32],
+    v: &[u16],
+    stride: usize,
+) {
+    const L: usize = 16;
+    // SAFETY (each call): `at + 16` is within the row of its `j`, as the callers' bounds show.
+    let widen =
+        |at: usize| unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at).cast())) };
+    let n = o.len();
+    let mut d = 0;
+    while d + 4 * L <= n {
+        // SAFETY: d + 64 <= o.len(), and each row holds o.len() values.
+        unsafe {
+            let mut acc: [__m512; 4] =
+                std::array::from_fn(|b| _mm512_loadu_ps(o.as_ptr().add(d + L * b)));
+            for (j, pj) in p.iter().enumerate() {
+                let pv = _mm512_set1_ps(*pj);
+                for (b, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(pv, widen(j * stride + d + L * b)));
+                }
+            }
+            for (b, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(o.as_mut_ptr().add(d + L * b), *a);
+            }
+        }
+        d += 4 * L;
+    }
+    while d + L <= n {
+        // SAFETY: d + 16 <= o.len(), and each row holds o.len() values.
+        unsafe {
+            let mut acc = _mm512_loadu_ps(o.as_ptr().add(d));
+            for (j, pj) in p.iter().enumerate() {
+                acc = _mm512_add_ps(
+                    acc,
+                    _mm512_mul_ps(_mm512_set1_ps(*pj), widen(j * stride + d)),
+                );
+            }
+            _mm512_storeu_ps(o.as_mut_ptr().add(d), acc);
+        }
+        d += L;
+    }
+    weighted_f16_tail(o, p, v, stride, d);
+}
+
+/// [`add_weighted_rows_f16_avx512`] in 8-lane vectors.
+///
+/// # Safety
+/// AVX2 and F16C; as [`add_weighted_rows_f16_avx512`].
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) unsafe fn add_weighted_rows_f16_avx2(
+    o: &mut [f32],
+    p: &[f32],
+    v: &[u16],
+    stride: usize,
+) {
+    let n = o.len();
+    let mut d = 0;
+    while d + 8 <= n {
+        // SAFETY: d + 8 <= o.len(), and each row holds o.len() values.
+        unsafe {
+            let mut acc = _mm256_loadu_ps(o.as_ptr().add(d));
+            for (j, pj) in p.iter().enumerate() {
+                let w = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(j * stride + d).cast()));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(*pj), w));
+            }
+            _mm256_storeu_ps(o.as_mut_ptr().add(d), acc);
+        }
+        d += 8;
+    }
+    weighted_f16_tail(o, p, v, stride, d);
+}
+
+/// Elements `d..` of the f16 values pass, one at a time (as the decoding's tail widens them).
+fn weighted_f16_tail(o: &mut [f32], p: &[f32], v: &[u16], stride: usize, d: usize) {
+    for (e, x) in o.iter_mut().enumerate().skip(d) {
+        for (j, pj) in p.iter().enumerate() {
+            *x += pj * crate::cpu::half::f16_to_f32(v[j * stride + e]);
+        }
+    }
+}
