@@ -7,6 +7,9 @@ Rows, for the SmolLM2-135M demo model (Q4_1) and a Q4_K_M quantisation of it, at
 
   1. decode tok/s     after a short prompt, DECODE_TOKENS greedy single-token forward calls
                       (argmax of the last logits row fed back in), the loop timed as a whole
+  1b. decode tok/s after DEEP_TOKENS
+                      the same decode loop after a DEEP_TOKENS-id prompt (the long prompt's ids
+                      repeated), where attention over the cached keys weighs on every step
   2. prompt tok/s     one forward over a PROMPT_TOKENS-id prompt into an empty cache (ours with
                       n_batch=512, so it is one chunk; llama.cpp with n_batch=512 too)
   3. decode GB/s      weight bytes streamed per decoded token (the GGUF's tensor bytes; a tied
@@ -85,6 +88,9 @@ N_CTX = 1024
 N_BATCH = 512
 DECODE_TOKENS = 64
 PROMPT_TOKENS = 512
+# the decode row after a long prompt: DEEP_TOKENS cached positions, then DECODE_TOKENS more
+# (within N_CTX), so each step's attention reads some 900 keys a layer
+DEEP_TOKENS = 900
 AGREE_TOKENS = 16
 QUIET_WAIT_S = float(os.environ.get("WEIGHTLIFT_BENCH_QUIET_WAIT", "30"))
 DRAM_BYTES = 512 << 20
@@ -434,13 +440,18 @@ def bench_model(
     ids: dict = {}
     groups: list[dict] = []
     nbytes = bytes_per_token(path)
+    deep = (long_ids * (DEEP_TOKENS // len(long_ids) + 1))[:DEEP_TOKENS]
     for t in THREADS:
         key = f"{label}@{t}"
         peer.call("load", key=key, path=str(path), threads=t, n_ctx=N_CTX, n_batch=N_BATCH)
         ours = Ours(path, t)
         split_model = Ours(path, t, devices=SPLIT_DEVICES) if split else None
         cases: dict[str, Callable[[], dict]] = {
-            "ours_decode": lambda o=ours: o.decode(prompt, DECODE_TOKENS)
+            "ours_decode": lambda o=ours: o.decode(prompt, DECODE_TOKENS),
+            "ours_decode_deep": lambda o=ours, d=deep: o.decode(d, DECODE_TOKENS),
+            "llama_decode_deep": lambda k=key, d=deep: peer.call(
+                "decode", key=k, prompt=d, n=DECODE_TOKENS
+            ),
         }
         if split_model is not None:  # next to ours on cpu, so both see the same machine
             cases["ours_split_decode"] = lambda o=split_model: o.decode(prompt, DECODE_TOKENS)
@@ -477,6 +488,16 @@ def bench_model(
                 "ratio_paired": dec_paired,
                 "ours_range_s": spread(res["ours_decode"]),
                 "llama_range_s": spread(res["llama_decode"]),
+            },
+            {
+                **common,
+                "metric": f"decode tok/s after {DEEP_TOKENS}",
+                "ours": DECODE_TOKENS / med["ours_decode_deep"],
+                "llama_cpp": DECODE_TOKENS / med["llama_decode_deep"],
+                "ratio": med["llama_decode_deep"] / med["ours_decode_deep"],
+                "ratio_paired": paired(res["ours_decode_deep"], res["llama_decode_deep"]),
+                "ours_range_s": spread(res["ours_decode_deep"]),
+                "llama_range_s": spread(res["llama_decode_deep"]),
             },
             {
                 **common,
@@ -662,8 +683,10 @@ def markdown(res: dict) -> str:
         "`Llama.eval`, greedy over the context's last logits row, in a worker process.",
         f"- Same token ids on both sides (tokenised by llama.cpp). Decode: "
         f"{res['prompt_tokens']}-token prompt, then {DECODE_TOKENS} greedy single-token forward "
-        f"calls, timed as one loop. Prompt: {PROMPT_TOKENS} ids in one forward into an empty "
-        f"cache. Medians of {res['repeat']} interleaved rounds after a warm-up round, peers taking "
+        f"calls, timed as one loop; 'after {DEEP_TOKENS}': the same loop after a "
+        f"{DEEP_TOKENS}-id prompt (the long prompt's ids repeated), not timed. Prompt: "
+        f"{PROMPT_TOKENS} ids in one forward into an empty cache. Medians of {res['repeat']} "
+        "interleaved rounds after a warm-up round, peers taking "
         "turns within each round, the order reversed every other round; each round starts once "
         "the rest of the machine uses under 0.25 core (waiting "
         f"{res['quiet_wait_s']:.0f} s at most: {capped} of {len(waits)} rounds started busy).",
