@@ -71,28 +71,31 @@ pub(crate) fn attend(
     let isa = isa();
     let mut att = Attention::new(shape, s.kv_tile, t.stats, t.acc).map_err(kernel)?;
     let total = start + n;
+    // the query tiles that see some of the keys from `k0` (queries before a tile's first key
+    // see none of it)
+    let q_tile = s.q_tile.max(1);
+    let seeing = |k0: usize| {
+        (0..n)
+            .step_by(q_tile)
+            .map(move |q0| q0..n.min(q0 + q_tile))
+            .filter(move |queries| start + queries.end > k0)
+    };
+    // the step form reads an f16 cache's rows in place where it can (the same bits as
+    // decoding them: each key and value is read where it is used, where decoding wrote each
+    // to a tile and read it back)
+    let in_place = !shape.tiled() && resident.is_none();
     // a sliding layer's first query sees no key before `start + 1 - window`: the tiles wholly
     // before it add nothing to any query, so they are neither decoded nor folded (a ring holds
     // none of them)
-    // the step form reads an f16 cache's rows in place where it can (the same bits as
-    // decoding them: every value of a decode step's keys is read once, by one query row or
-    // three, where decoding wrote and read each again)
-    let in_place = !shape.tiled() && resident.is_none();
     let mut k0 = shape.first_tile(s.kv_tile);
     while k0 < total {
         let tk = s.kv_tile.min(total - k0);
         if in_place {
             let folded = cache.with_f16_rows(layer, k0 as u64, tk, |k, v| {
-                let mut q0 = 0;
-                while q0 < n {
-                    let queries = q0..n.min(q0 + s.q_tile.max(1));
-                    if start + queries.end > k0 {
-                        att.fold_f16_with(isa, qo, queries.clone(), k0, k, v, t.scores)
-                            .map_err(kernel)?;
-                    }
-                    q0 = queries.end;
-                }
-                Ok(())
+                seeing(k0).try_for_each(|queries| {
+                    att.fold_f16_with(isa, qo, queries, k0, k, v, t.scores)
+                        .map_err(kernel)
+                })
             })?;
             if folded.is_some() {
                 k0 += tk;
@@ -101,15 +104,9 @@ pub(crate) fn attend(
         }
         let (kt, vt) = (&mut t.kt[..tk * kvd], &mut t.vt[..tk * kvd]);
         cache.decode_rows(layer, resident, k0 as u64, kt, vt)?;
-        let mut q0 = 0;
-        while q0 < n {
-            let queries = q0..n.min(q0 + s.q_tile.max(1));
-            // queries before this tile's first key see none of it
-            if start + queries.end > k0 {
-                att.fold_with(isa, qo, queries.clone(), k0, kt, vt, t.scores)
-                    .map_err(kernel)?;
-            }
-            q0 = queries.end;
+        for queries in seeing(k0) {
+            att.fold_with(isa, qo, queries, k0, kt, vt, t.scores)
+                .map_err(kernel)?;
         }
         k0 += tk;
     }
