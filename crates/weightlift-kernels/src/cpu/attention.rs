@@ -78,6 +78,13 @@ const TASK_ROWS: usize = 48;
 /// of rows costs less than handing work to another thread).
 const MIN_PARALLEL_WORK: usize = 1 << 18;
 
+/// How many multiply-adds one value of the step form counts as, for [`MIN_PARALLEL_WORK`]:
+/// each key of each row is a dot, a scalar `exp` and a weighted add (about 20 ns a key and row
+/// at 64 values a head, measured on the demo model), so a decode step's fold over a 256-key
+/// tile is some 45 µs of work, which ran on the calling thread alone when counted as
+/// multiply-adds.
+const STEP_COST: usize = 4;
+
 /// The first key position a query at `position` sees under a sliding window of `window` keys
 /// (0: none, and every key from 0), as the kernels' `wl_fa_first_key`.
 pub fn window_start(position: usize, window: usize) -> usize {
@@ -579,7 +586,8 @@ impl<'a> Attention<'a> {
             }
         }
         let masked = s.is_masked();
-        if nq * s.n_heads * keys * hd < MIN_PARALLEL_WORK {
+        let cost = if tiled { 1 } else { STEP_COST };
+        if nq * s.n_heads * keys * hd * cost < MIN_PARALLEL_WORK {
             tasks
                 .into_iter()
                 .for_each(|t| fold_task(isa, tiled, masked, &f, t));
