@@ -358,6 +358,70 @@ pub(crate) unsafe fn dot_f16_avx512(a: &[f32], b: &[u16]) -> f32 {
     s
 }
 
+/// [`dot_f16_avx512`] of `a` with 16 rows of f16 values (row `k` at `rows[k · stride..]`),
+/// into `out[k]`, each with the bits of its own dot: the 16 sums share their reductions, whose
+/// shuffles pair the lanes as `_mm512_reduce_add_ps` does (the halves of 16 lanes, then of 8,
+/// then of 4, then the last two), so every sum is the same tree of the same values. `a.len()`
+/// is a multiple of 32 (no scalar tail).
+///
+/// # Safety
+/// AVX-512F and F16C; `rows` holds `15 · stride + a.len()` values.
+#[target_feature(enable = "avx2,f16c,avx512f")]
+pub(crate) unsafe fn dot16_f16_avx512(a: &[f32], rows: &[u16], stride: usize, out: &mut [f32; 16]) {
+    let n = a.len();
+    debug_assert!(n.is_multiple_of(32) && rows.len() >= 15 * stride + n);
+    let (pa, pb) = (a.as_ptr(), rows.as_ptr());
+    // each row's two accumulators, added: the vector dot_f16_avx512 reduces
+    let sums: [__m512; 16] = std::array::from_fn(|k| {
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 32 <= n values of `a` and of row k.
+            unsafe {
+                for (h, acc_h) in acc.iter_mut().enumerate() {
+                    let at = k * stride + i + 16 * h;
+                    let w = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(at).cast()));
+                    *acc_h = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16 * h)), w, *acc_h);
+                }
+            }
+            i += 32;
+        }
+        _mm512_add_ps(acc[0], acc[1])
+    });
+    // lane i + lane i + 8 of each row: rows 2m and 2m + 1 in one vector, 8 lanes each
+    let s1: [__m512; 8] = std::array::from_fn(|m| {
+        let (x, y) = (sums[2 * m], sums[2 * m + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+        )
+    });
+    // then i + i + 4: rows 4n..4n + 4, one in each 128-bit quarter
+    let s2: [__m512; 4] = std::array::from_fn(|m| {
+        let (x, y) = (s1[2 * m], s1[2 * m + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+        )
+    });
+    // then 0 + 2 and 1 + 3 within each quarter: two rows a quarter
+    let s3: [__m512; 2] = std::array::from_fn(|m| {
+        let (x, y) = (s2[2 * m], s2[2 * m + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
+            _mm512_shuffle_ps::<0b11_10_11_10>(x, y),
+        )
+    });
+    // and the last two: lane 4q + r holds row 4r + q
+    let last = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b10_00_10_00>(s3[0], s3[1]),
+        _mm512_shuffle_ps::<0b11_01_11_01>(s3[0], s3[1]),
+    );
+    let rows_in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    // SAFETY: out holds 16 values.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(rows_in_order, last)) };
+}
+
 /// `dot_f32_avx2` (in `x86`) of `a` with the f16 values `b`, as [`dot_f16_avx512`].
 ///
 /// # Safety
