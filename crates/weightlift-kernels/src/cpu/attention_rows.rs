@@ -138,11 +138,7 @@ fn add_weighted_rows_f16(isa: Isa, o: &mut [f32], p: &[f32], v: &[u16], stride: 
         return;
     }
     let _ = isa;
-    for (j, pj) in p.iter().enumerate() {
-        for (x, h) in o.iter_mut().zip(&v[j * stride..]) {
-            *x += pj * super::half::f16_to_f32(*h);
-        }
-    }
+    add_weighted_rows_of(o, p, v, stride, super::half::f16_to_f32);
 }
 
 /// [`dot_f32`] of `a` with the f16 values `b`, each widened as the cache's f16 decoding at
@@ -162,20 +158,7 @@ fn dot_f16(isa: Isa, a: &[f32], b: &[u16]) -> f32 {
         }
     }
     let _ = isa;
-    // dot_f32's scalar level: eight partial sums, then the tail
-    let mut s = [0f32; 8];
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (pa, pb) in (&mut ca).zip(&mut cb) {
-        for k in 0..8 {
-            s[k] += pa[k] * super::half::f16_to_f32(pb[k]);
-        }
-    }
-    let mut t: f32 = s.iter().sum();
-    for (x, h) in ca.remainder().iter().zip(cb.remainder()) {
-        t += x * super::half::f16_to_f32(*h);
-    }
-    t
+    super::matvec::dot_scalar_of(a, b, super::half::f16_to_f32)
 }
 
 /// `o += p_j · v_j` for each weight `p_j` in order, the row `v_j` at `j · stride` of `v`, each
@@ -183,9 +166,22 @@ fn dot_f16(isa: Isa, a: &[f32], b: &[u16]) -> f32 {
 /// `x86_ops::attention` are this loop compiled for wider vectors, lane for lane the same).
 #[inline(always)]
 pub(crate) fn add_weighted_rows(o: &mut [f32], p: &[f32], v: &[f32], stride: usize) {
+    add_weighted_rows_of(o, p, v, stride, |x| x);
+}
+
+/// [`add_weighted_rows`] with each value of `v` read as f32 by `value` (the identity, or an f16
+/// cache row's widening).
+#[inline(always)]
+fn add_weighted_rows_of<T: Copy>(
+    o: &mut [f32],
+    p: &[f32],
+    v: &[T],
+    stride: usize,
+    value: impl Fn(T) -> f32,
+) {
     for (j, pj) in p.iter().enumerate() {
         for (x, vv) in o.iter_mut().zip(&v[j * stride..]) {
-            *x += pj * vv;
+            *x += pj * value(*vv);
         }
     }
 }

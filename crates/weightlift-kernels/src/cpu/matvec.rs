@@ -138,10 +138,6 @@ impl Q8Activations {
         self.q.resize(n, zero);
         self.bias.clear();
         self.bias.resize(if off != 0 { n } else { 0 }, [0; 8]);
-        self.quantize(isa, x, off);
-    }
-
-    fn quantize(&mut self, isa: Isa, x: &[f32], off: i32) {
         quantize_q8_into(isa, x, off, &mut self.q, &mut self.bias);
     }
 }
@@ -338,17 +334,23 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 /// [`dot_f32`]'s scalar level: eight partial sums, as a vector unit would, so long rows lose
 /// less to rounding.
 fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
+    dot_scalar_of(a, b, |x| x)
+}
+
+/// [`dot_f32`]'s scalar level of `a` with `b`, each value of `b` read as f32 by `value` (the
+/// identity, or an f16 cache row's widening).
+pub(super) fn dot_scalar_of<T: Copy>(a: &[f32], b: &[T], value: impl Fn(T) -> f32) -> f32 {
     let mut s = [0f32; 8];
     let mut ca = a.chunks_exact(8);
     let mut cb = b.chunks_exact(8);
     for (pa, pb) in (&mut ca).zip(&mut cb) {
         for k in 0..8 {
-            s[k] += pa[k] * pb[k];
+            s[k] += pa[k] * value(pb[k]);
         }
     }
     let mut t: f32 = s.iter().sum();
     for (p, q) in ca.remainder().iter().zip(cb.remainder()) {
-        t += p * q;
+        t += p * value(*q);
     }
     t
 }
