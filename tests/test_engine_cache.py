@@ -288,3 +288,38 @@ def test_forward_batch_gives_each_sequence_its_own_bits_in_exact_mode(demo_gguf:
     with pytest.raises(weightlift.ContextFullError):
         m.forward_batch([(b, [1]), (c, [1] * 70)])
     assert (b.seq_len, c.seq_len) == (3, 3)
+
+
+@pytest.mark.parametrize(
+    ("devices", "dtype", "strategy"),
+    [
+        ("cpu", "q4", None),
+        ("cpu", "q8", None),
+        ("virtual:2x96MiB,cpu", "q6", "layers"),
+        ("virtual:2x256MiB,cpu", "q4", "tensor_parallel"),
+    ],
+)
+def test_a_restored_state_gives_the_next_token_the_bits_it_had(
+    demo_gguf: Path, devices: str, dtype: str, strategy: str | None
+) -> None:
+    # llama-cpp-python's prompt caches restore a state and carry on: the next logits must be
+    # those the cache gave before, on a quantised cache (whose groups a decode and encode
+    # again would move) and on one split by heads too
+    m = wl.Model(demo_gguf, devices=devices, compute="exact")
+    m.load(cache=wl.CacheSpec(128, 1, dtype), **({"strategy": strategy} if strategy else {}))
+    cache = m.cache
+    assert cache is not None and cache.dtype == dtype
+    m.forward(list(range(100, 130)), cache=cache)
+    state = cache.save_state()
+    want = m.forward([7, 8], cache=cache, logits="all")
+    m.forward(list(range(200, 240)), cache=cache)
+    cache.load_state(state)
+    assert cache.seq_len == 30
+    got = m.forward([7, 8], cache=cache, logits="all")
+    assert got.tobytes() == want.tobytes()
+    # into an f32 cache of the same model: the values the saved rows decode to
+    wide = wl.Cache(m, max_seq_len=128, dtype="f32", lazy=False)
+    wide.load_state(state)
+    for layer in (0, 29):
+        for a, b in zip(wide.read(layer, 0, 30), cache.read(layer, 0, 30), strict=True):
+            assert a.tobytes() == b.tobytes()

@@ -89,8 +89,10 @@ class Cache(_native.Cache):
     )
     save_state = _documented(
         _native.Cache.save_state,
-        """The tokens held and their keys and values, as bytes ``load_state()`` takes back (into
-        this cache or another of the same model, of any dtype).
+        """The tokens held and their keys and values as the cache stores them, as bytes
+        ``load_state()`` takes back: into a cache of the same model and dtype bit for bit (a
+        quantised cache's groups included, on any device or split), into one of another dtype
+        as the values they decode to.
         """,
     )
     load_state = _documented(

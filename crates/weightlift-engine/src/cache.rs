@@ -72,6 +72,7 @@ use crate::forward::KvSettings;
 mod offload;
 mod prefetch;
 mod state;
+mod stored_rows;
 mod tp_parts;
 use offload::Pool;
 pub use offload::Resident;
@@ -526,6 +527,10 @@ impl Cache {
     pub(super) fn set_floor(&self, layer: usize, first: u64) {
         if let Some(f) = self.floors.get(layer) {
             f.store(first, Ordering::Release);
+        }
+        // a split cache's parts hold the rows, and read them from their own floors
+        for p in self.lock_tp().iter() {
+            p.cache.set_floor(layer, first);
         }
     }
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use weightlift_engine::cache::{Cache, CacheConfig, CacheDType};
+use weightlift_engine::cache::{Cache, CacheConfig, CacheDType, CacheState};
 use weightlift_engine::{EngineError, Inventory};
 
 fn config(dtype: CacheDType, offload: bool) -> CacheConfig {
@@ -423,8 +423,8 @@ fn filled(
 /// A prefix copied between caches of one dtype holds the donor's rows bit for bit (their
 /// stored bytes, from a virtual device to the cpu); between dtypes it is the donor's values
 /// encoded again. What cannot be copied (past the ids the donor knows, from another model's
-/// cache, into a cache split by heads from one that is not) is refused by name, leaving the cache as it was; a copy
-/// that fails part way leaves it empty.
+/// cache) is refused by name, leaving the cache as it was; a copy that fails part way leaves
+/// it empty.
 #[test]
 fn a_prefix_copied_between_caches_holds_the_donors_rows() {
     let inv = Inventory::parse("virtual:1x64MiB,cpu").unwrap();
@@ -487,20 +487,6 @@ fn a_prefix_copied_between_caches_holds_the_donors_rows() {
     .unwrap();
     let e = other.copy_prefix_from(&donor, 4).unwrap_err().to_string();
     assert!(e.contains("2 layers; it is another model's"), "{e}");
-    let split = Cache::new(CacheConfig {
-        batch_size: 1,
-        n_kv_heads: vec![2, 2],
-        ..config(CacheDType::Q4, false)
-    })
-    .unwrap();
-    split
-        .allocate_tp(&[(Arc::clone(dev), 0, 1), (Arc::clone(cpu), 1, 2)])
-        .unwrap();
-    let e = split.copy_prefix_from(&donor, 4).unwrap_err().to_string();
-    assert!(
-        e.contains("copy_prefix_from between caches split by heads differently"),
-        "{e}"
-    );
     assert_eq!((copy.seq_len(), copy.ids()), (3, ids[..3].to_vec()));
     // a copy that fails part way (the donor's layer 1 is not allocated) leaves the cache empty
     let half = Cache::new(donor.config().clone()).unwrap();
@@ -515,4 +501,117 @@ fn a_prefix_copied_between_caches_holds_the_donors_rows() {
         (copy.seq_len(), copy.ids(), copy.held_from(0)),
         (0, vec![], 0)
     );
+}
+
+/// Two layers of 2 kv heads × 64, one sequence: a shape a cache split by heads takes.
+fn two_heads(dtype: CacheDType) -> CacheConfig {
+    CacheConfig {
+        batch_size: 1,
+        n_kv_heads: vec![2, 2],
+        ..config(dtype, false)
+    }
+}
+
+fn same_rows(a: &Cache, b: &Cache, n: u64) -> bool {
+    (0..2).all(|l| {
+        let (x, y) = (a.read(l, 0, n).unwrap(), b.read(l, 0, n).unwrap());
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        bits(&x.0) == bits(&y.0) && bits(&x.1) == bits(&y.1)
+    })
+}
+
+/// A saved state, like a copied prefix, carries the rows as the cache stores them: restored
+/// into a cache of its dtype they are the saving cache's bytes (a quantised cache's groups
+/// included), whether either cache is split by heads over devices or not; restored into f32
+/// they are the values the rows decode to. A record of version 2 (f32 rows head by head) still
+/// loads.
+#[test]
+fn a_state_keeps_the_stored_bytes_across_devices_and_splits() {
+    let inv = Inventory::parse("virtual:2x64MiB,cpu").unwrap();
+    let (devs, cpu) = (inv.accelerators(), inv.cpu());
+    let ids: Vec<u32> = (100..130).collect();
+    let plain = |dtype, dev: &Arc<weightlift_engine::Device>| {
+        let c = Cache::new(two_heads(dtype)).unwrap();
+        for l in 0..2 {
+            c.allocate_layer(l, dev, cpu).unwrap();
+        }
+        c
+    };
+    let split = |dtype| {
+        let c = Cache::new(two_heads(dtype)).unwrap();
+        c.allocate_tp(&[(Arc::clone(&devs[0]), 0, 1), (Arc::clone(&devs[1]), 1, 2)])
+            .unwrap();
+        c
+    };
+    for dtype in ALL {
+        let donor = plain(dtype, &devs[0]);
+        for l in 0..2 {
+            let (x, y) = (values(2 * 30 * 64, 3 + l), values(2 * 30 * 64, 11 + l));
+            donor.write(l as usize, 0, 30, &x, &y).unwrap();
+        }
+        donor.note_ids(0, &ids);
+        donor.set_seq_len(30).unwrap();
+        let state = CacheState::from_bytes(&donor.save_state().unwrap().to_bytes()).unwrap();
+        assert_eq!((state.dtype, state.heads_first), (dtype, false));
+        for (what, into) in [("plain", plain(dtype, cpu)), ("split", split(dtype))] {
+            into.load_state(&state).unwrap();
+            // (compared whole: a failure would print every byte)
+            assert!(into.save_state().unwrap() == state, "{dtype:?} into {what}");
+            assert!(same_rows(&into, &donor, 30), "{dtype:?} into {what}");
+            assert_eq!(into.ids(), ids);
+        }
+        // a split cache's state loads into a plain cache; prefixes copy either way
+        let parted = split(dtype);
+        parted.load_state(&state).unwrap();
+        let back = plain(dtype, cpu);
+        back.load_state(&parted.save_state().unwrap()).unwrap();
+        assert!(back.save_state().unwrap() == state, "{dtype:?}");
+        let copied = plain(dtype, &devs[1]);
+        copied.copy_prefix_from(&parted, 20).unwrap();
+        assert!(same_rows(&copied, &donor, 20), "{dtype:?}");
+        let copied = split(dtype);
+        copied.copy_prefix_from(&donor, 20).unwrap();
+        assert!(same_rows(&copied, &donor, 20), "{dtype:?}");
+        // into f32: the values the rows decode to
+        let wide = plain(CacheDType::F32, cpu);
+        wide.load_state(&state).unwrap();
+        assert!(same_rows(&wide, &donor, 30), "{dtype:?} into f32");
+    }
+    // version 2: f32 rows head by head, every layer from position 0
+    let donor = filled(CacheDType::Q4, &ids, cpu, cpu);
+    let mut v2 = Vec::new();
+    v2.extend_from_slice(b"WLKVSTAT");
+    v2.extend_from_slice(&2u32.to_le_bytes());
+    for n in [30u64, 30, 2] {
+        v2.extend_from_slice(&n.to_le_bytes());
+    }
+    ids.iter()
+        .for_each(|i| v2.extend_from_slice(&i.to_le_bytes()));
+    for n in [3u64 * 64, 2 * 64, 0, 0] {
+        v2.extend_from_slice(&n.to_le_bytes());
+    }
+    for l in 0..2 {
+        let (k, v) = donor.read(l, 0, 30).unwrap();
+        k.iter()
+            .chain(&v)
+            .for_each(|x| v2.extend_from_slice(&x.to_le_bytes()));
+    }
+    let old = CacheState::from_bytes(&v2).unwrap();
+    assert!(old.heads_first);
+    let wide = Cache::new(CacheConfig {
+        batch_size: 1,
+        ..config(CacheDType::F32, false)
+    })
+    .unwrap();
+    for l in 0..2 {
+        wide.allocate_layer(l, cpu, cpu).unwrap();
+    }
+    wide.load_state(&old).unwrap();
+    assert!(same_rows(&wide, &donor, 30));
+    // a state whose rows are short for its shape is refused, and the cache keeps its tokens
+    let mut short = old;
+    short.layers[1].1.pop();
+    let e = wide.load_state(&short).unwrap_err().to_string();
+    assert!(e.contains("cache state rows of layer 1"), "{e}");
+    assert_eq!(wide.seq_len(), 30);
 }

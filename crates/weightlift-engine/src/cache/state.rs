@@ -1,35 +1,45 @@
 //! A cache's sequence saved and restored: llama-cpp-python's `save_state` / `load_state`.
 //!
 //! The state holds the token ids and every layer's K and V rows of the positions it holds up to
-//! `seq_len` as f32: all of them, or for a sliding-window layer kept as a ring those from where
-//! its ring starts ([`Cache::held_from`]; its window is all the next token reads). They are read
-//! through [`Cache::read`] and written back through [`Cache::write`], so a state works on every
-//! device and layout the cache has (host, CUDA, offloaded, split by heads) and can be restored
-//! into any cache of the same model shape, whatever its dtype, that can attend from it: a layer
-//! whose state starts past the window its next token needs there is refused by name. A
-//! quantised cache's rows come back as the values it decodes to; encoding those again stays
-//! within the dtype's bound of them but need not give the same groups (turning a group by the
-//! Walsh-Hadamard transform and back rounds).
+//! `seq_len`, as the saving cache stores them ([`Cache::stored_rows`]): all of them, or for a
+//! sliding-window layer kept as a ring those from where its ring starts ([`Cache::held_from`];
+//! its window is all the next token reads). Restored into a cache of the same dtype, the bytes
+//! are written back as they are, so a quantised cache's groups come back bit for bit and the
+//! next token's logits are those the saving cache gives. A cache of another dtype takes the
+//! values they decode to, encoded again. Either way a state works on every device and layout a
+//! cache has (host, CUDA, offloaded, split by heads, split or not alike) and can be restored
+//! into any cache of the same model shape that can attend from it: a layer whose state starts
+//! past the window its next token needs there is refused by name.
 //!
-//! [`Cache::copy_prefix_from`] moves a prefix from one cache to another (a batch's slots):
-//! between caches of one dtype it copies the stored bytes as they are, so the rows are the
-//! donor's bit for bit; otherwise it decodes and encodes them as a state does.
+//! [`Cache::copy_prefix_from`] moves a prefix from one cache to another (a batch's slots) the
+//! same way: the stored bytes between caches of one dtype, so the rows are the donor's bit for
+//! bit; otherwise decoded and encoded again.
 //!
-//! [`CacheState::to_bytes`] is a flat little-endian record (magic, version, shape, ids, rows,
-//! each layer's first position), and [`CacheState::from_bytes`] checks every length against the
-//! bytes it has before it allocates, so a truncated or foreign blob is an error, never a huge
-//! allocation. Records of version 1 (before rings) hold every layer from position 0.
-
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+//! [`CacheState::to_bytes`] is a flat little-endian record (magic, version, shape, ids, each
+//! layer's first position, the dtype, rows), and [`CacheState::from_bytes`] checks every length
+//! against the bytes it has before it allocates, so a truncated or foreign blob is an error,
+//! never a huge allocation. Records of versions 1 and 2 (before stored rows) hold f32 rows
+//! head by head, and those of version 1 (before rings) every layer from position 0.
 
 use weightlift_kernels::KvFormat;
 
-use super::{Cache, formats, held, held_mut};
+use super::stored_rows::recode;
+use super::{Cache, CacheDType, formats};
 use crate::error::{EngineError, Result, invalid};
 
 const MAGIC: &[u8; 8] = b"WLKVSTAT";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
+
+/// The dtypes a record names, by their index: fixed, so records stay readable.
+const DTYPES: [CacheDType; 7] = [
+    CacheDType::F32,
+    CacheDType::Fp16,
+    CacheDType::Bf16,
+    CacheDType::Fp8,
+    CacheDType::Q8,
+    CacheDType::Q6,
+    CacheDType::Q4,
+];
 
 /// The tokens and K/V rows a cache held when [`Cache::save_state`] ran.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,14 +52,21 @@ pub struct CacheState {
     pub rows: Vec<u64>,
     /// Per layer, the first position it holds (0, or where a ring's rows start).
     pub starts: Vec<u64>,
-    /// Per layer, K then V in `(1, n_kv_heads, seq_len - start, head_dim)` order.
-    pub layers: Vec<(Vec<f32>, Vec<f32>)>,
+    /// How `layers` are stored: the saving cache's dtype.
+    pub dtype: CacheDType,
+    /// Per layer, K then V bytes of positions `start..seq_len` as `dtype` stores them,
+    /// token-major whole rows ([`Cache::stored_rows`]).
+    pub layers: Vec<(Vec<u8>, Vec<u8>)>,
+    /// A record of version 1 or 2: `layers` are f32 in `(n_kv_heads, tokens, head_dim)` order,
+    /// turned token-major on load (the record does not say how a row splits into heads).
+    pub heads_first: bool,
 }
 
 impl Cache {
     /// The tokens this cache holds, with their keys and values.
     pub fn save_state(&self) -> Result<CacheState> {
         self.check_one_sequence("save_state")?;
+        self.check_whole_split("save_state")?;
         let seq_len = self.seq_len();
         let ids = self.ids();
         let starts: Vec<u64> = (0..self.n_layers())
@@ -57,18 +74,17 @@ impl Cache {
             .collect();
         let mut layers = Vec::with_capacity(self.n_layers());
         for (l, &start) in starts.iter().enumerate() {
-            layers.push(if start == seq_len {
-                (Vec::new(), Vec::new())
-            } else {
-                self.read(l, start, seq_len)?
-            });
+            let [k, v] = self.stored_rows(l, start, seq_len)?;
+            layers.push((k, v));
         }
         Ok(CacheState {
             seq_len,
             ids,
             rows: (0..self.n_layers()).map(|l| self.config.row(l)).collect(),
             starts,
+            dtype: self.config.dtype,
             layers,
+            heads_first: false,
         })
     }
 
@@ -131,25 +147,67 @@ impl Cache {
                 });
             }
         }
-        self.reset();
+        let saved = state.halves();
         for (l, (k, v)) in state.layers.iter().enumerate() {
+            let values = (rows[l] * (state.seq_len - state.starts[l])) as usize;
+            let want = saved.map(|f| f.byte_at(values));
+            if [k.len(), v.len()] != want {
+                return Err(invalid(
+                    format!("cache state rows of layer {l}"),
+                    format!("{} and {} bytes (K and V)", want[0], want[1]),
+                    format!("{} and {}", k.len(), v.len()),
+                ));
+            }
+        }
+        self.check_whole_split("load_state")?;
+        self.reset();
+        let mine = self.halves();
+        let restored = state.layers.iter().enumerate().try_for_each(|(l, (k, v))| {
             let start = state.starts[l];
             self.set_floor(l, start);
             // a ring takes its last rows' positions (those before are never read)
             let from = start.max(state.seq_len.saturating_sub(self.config.rows(l)));
-            if from < state.seq_len {
-                let heads = self.config.n_kv_heads[l] as usize;
-                let (k, v) = (
-                    tokens_from(k, heads, state.seq_len - start, from - start),
-                    tokens_from(v, heads, state.seq_len - start, from - start),
-                );
-                self.write(l, from, state.seq_len - from, &k, &v)?;
+            if from == state.seq_len {
+                return Ok(());
             }
+            let (row, n) = (rows[l] as usize, (state.seq_len - from) as usize);
+            let skip = (from - start) as usize * row;
+            let mut bytes = [Vec::new(), Vec::new()];
+            for (h, half) in [k, v].into_iter().enumerate() {
+                let kept = match state.heads_first {
+                    true => self.heads_first_to_rows(l, half, state.seq_len - start)
+                        [saved[h].byte_at(skip)..]
+                        .to_vec(),
+                    false => half[saved[h].byte_at(skip)..].to_vec(),
+                };
+                bytes[h] = recode(saved[h], mine[h], kept, n * row)?;
+            }
+            self.put_stored_rows(l, from, n as u64, &bytes)
+        });
+        if restored.is_err() {
+            // rows written part way would hold the rings' positions past an empty sequence
+            self.reset();
+            return restored;
         }
         if state.ids.len() as u64 == state.seq_len {
             self.note_ids(0, &state.ids);
         }
         self.set_seq_len(state.seq_len)
+    }
+
+    /// A version-1/2 record's f32 rows of `layer` (`(heads, tokens, head_dim)`, of the length
+    /// [`Cache::load_state`] checked), as f32 bytes token-major.
+    fn heads_first_to_rows(&self, layer: usize, bytes: &[u8], tokens: u64) -> Vec<u8> {
+        let heads = self.config.n_kv_heads[layer] as usize;
+        let w = self.config.head_dim as usize * 4;
+        let mut out = vec![0u8; bytes.len()];
+        for (h, head) in bytes.chunks_exact((tokens as usize * w).max(1)).enumerate() {
+            for (t, r) in head.chunks_exact(w.max(1)).enumerate() {
+                let at = (t * heads + h) * w;
+                out[at..at + w].copy_from_slice(r);
+            }
+        }
+        out
     }
 
     /// Replace what this cache holds with the first `n` tokens `donor` holds, as if it had run
@@ -158,40 +216,20 @@ impl Cache {
     /// else it still holds). A prompt that starts with those ids then reuses them here.
     ///
     /// Where both caches store rows alike (the same dtype) their bytes are copied as they are,
-    /// on any device; otherwise they are decoded and encoded again ([`Cache::read`],
-    /// [`Cache::write`]). The donor may be running a sequence past `n`: its rows below `n` stay
+    /// on any device and whatever either's split by heads; otherwise they are decoded and
+    /// encoded again. The donor may be running a sequence past `n`: its rows below `n` stay
     /// what they are, and a ring that has since overwritten the window position `n` needs is
-    /// refused by name, as a rewind of it would be. Caches split by heads alike copy part to
-    /// part; any other split (a rank's share of a multi-process run included, whose ranks must
-    /// all decide alike) is refused. A refused copy leaves this cache as it was; one that fails
-    /// part way (a device error) leaves it empty.
+    /// refused by name, as a rewind of it would be. A rank's share of a multi-process run
+    /// (whose ranks must all decide alike) is refused. A refused copy leaves this cache as it
+    /// was; one that fails part way (a device error) leaves it empty.
     pub fn copy_prefix_from(&self, donor: &Cache, n: u64) -> Result<()> {
         self.check_one_sequence("copy_prefix_from")?;
         donor.check_one_sequence("copy_prefix_from")?;
         if std::ptr::eq(self, donor) {
             return self.truncate(n);
         }
-        // a cache split by heads keeps the sequence and its parts the rows: part to part
-        let parts: Vec<(Arc<Cache>, Arc<Cache>)> = {
-            let (mine, theirs) = (self.tp_parts(), donor.tp_parts());
-            let rank = |c: &Cache| c.tp_rank.load(Ordering::Acquire);
-            let alike = mine.len() == theirs.len()
-                && mine.iter().zip(&theirs).all(|(a, b)| a.heads == b.heads);
-            if rank(self) || rank(donor) || !alike {
-                return Err(EngineError::Unsupported {
-                    what: "copy_prefix_from between caches split by heads differently (or by \
-                           the ranks of a multi-process run)"
-                        .into(),
-                    detail: "copy between caches of one model and split; or run the prompt in \
-                             this cache instead"
-                        .into(),
-                });
-            }
-            mine.into_iter()
-                .zip(theirs)
-                .map(|(a, b)| (a.cache, b.cache))
-                .collect()
-        };
+        self.check_whole_split("copy_prefix_from")?;
+        donor.check_whole_split("copy_prefix_from")?;
         let rows: Vec<u64> = (0..self.n_layers()).map(|l| self.config.row(l)).collect();
         let donor_rows: Vec<u64> = (0..donor.n_layers()).map(|l| donor.config.row(l)).collect();
         if rows != donor_rows {
@@ -247,14 +285,7 @@ impl Cache {
             if start == n {
                 return Ok(());
             }
-            if parts.is_empty() {
-                return self.copy_rows(donor, l, start, n);
-            }
-            self.written.fetch_max(n, Ordering::AcqRel);
-            parts.iter().try_for_each(|(mine, theirs)| {
-                mine.set_floor(l, start);
-                mine.copy_rows(theirs, l, start, n)
-            })
+            self.copy_rows(donor, l, start, n)
         });
         if copied.is_err() {
             // rows written part way would hold the rings' positions past an empty sequence
@@ -270,59 +301,14 @@ impl Cache {
     /// Positions `start..end` of `layer` from `donor`'s rows into this cache's: their bytes
     /// where both store them alike, else decoded and encoded again.
     fn copy_rows(&self, donor: &Cache, layer: usize, start: u64, end: u64) -> Result<()> {
-        if donor.config.dtype != self.config.dtype {
-            let (k, v) = donor.read(layer, start, end)?;
-            return self.write(layer, start, end - start, &k, &v);
-        }
-        self.check_span(layer, start, end - start)?;
-        donor.check_span(layer, start, end - start)?;
-        let row = self.config.row(layer) as usize;
-        let (hk, hv) = formats(self.config.dtype);
-        // runs of positions that wrap past neither cache's last row: (donor row, row, count)
-        let (from_rows, to_rows) = (donor.config.rows(layer), self.config.rows(layer));
-        let mut runs = Vec::new();
-        let mut p = start;
-        while p < end {
-            let (a, b) = (p % from_rows, p % to_rows);
-            let count = (end - p).min(from_rows - a).min(to_rows - b);
-            runs.push((a as usize, b as usize, count as usize));
-            p += count;
-        }
-        let span = |f: KvFormat, r: usize, count: usize| {
-            (f.byte_at(r * row), f.byte_at((r + count) * row))
-        };
-        let mut bytes = Vec::with_capacity(runs.len());
-        {
-            let layers = donor.lock();
-            let store = held(&layers, layer)?;
-            for &(a, _, count) in &runs {
-                let (mut k, mut v) = (Vec::new(), Vec::new());
-                for (out, f, buf) in [(&mut k, hk, &store.k), (&mut v, hv, &store.v)] {
-                    let (b0, b1) = span(f, a, count);
-                    out.resize(b1 - b0, 0);
-                    buf.read(b0, out)?;
-                }
-                bytes.push([k, v]);
-            }
-        }
-        self.written.fetch_max(end, Ordering::AcqRel);
-        let was = self
-            .versions
-            .get(layer)
-            .map(|v| v.fetch_add(1, Ordering::AcqRel));
-        let mut layers = self.lock();
-        let store = held_mut(&mut layers, layer)?;
-        let mut spans = Vec::with_capacity(runs.len());
-        for (&(_, b, count), [k, v]) in runs.iter().zip(&bytes) {
-            let (ks, vs) = (span(hk, b, count), span(hv, b, count));
-            store.k.write(ks.0, k)?;
-            store.v.write(vs.0, v)?;
-            spans.push([ks, vs]);
-        }
-        if let (true, Some(was)) = (self.config.offload, was) {
-            self.refresh_slots(layer, store, was, &spans)?;
-        }
-        Ok(())
+        let [k, v] = donor.stored_rows(layer, start, end)?;
+        let values = (end - start) as usize * self.config.row(layer) as usize;
+        let (from, to) = (donor.halves(), self.halves());
+        let bytes = [
+            recode(from[0], to[0], k, values)?,
+            recode(from[1], to[1], v, values)?,
+        ];
+        self.put_stored_rows(layer, start, end - start, &bytes)
     }
 
     /// The ids at positions `0..seq_len`, or none when some position's id is unknown (rows
@@ -350,11 +336,11 @@ impl Cache {
 impl CacheState {
     /// The state as one flat record, for pickling or a file.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let floats: usize = self.layers.iter().map(|(k, v)| k.len() + v.len()).sum();
-        let mut out =
-            Vec::with_capacity(32 + 4 * self.ids.len() + 8 * self.rows.len() + 4 * floats);
+        let rows: usize = self.layers.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let mut out = Vec::with_capacity(36 + 4 * self.ids.len() + 16 * self.rows.len() + rows);
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        let version = if self.heads_first { 2 } else { VERSION };
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&self.seq_len.to_le_bytes());
         out.extend_from_slice(&(self.ids.len() as u64).to_le_bytes());
         out.extend_from_slice(&(self.rows.len() as u64).to_le_bytes());
@@ -367,10 +353,14 @@ impl CacheState {
         self.starts
             .iter()
             .for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
+        // a record read from an older version keeps its layout, and is written as one
+        if !self.heads_first {
+            let code = DTYPES.iter().position(|&d| d == self.dtype).unwrap_or(0) as u32;
+            out.extend_from_slice(&code.to_le_bytes());
+        }
         for (k, v) in &self.layers {
-            k.iter()
-                .chain(v)
-                .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+            out.extend_from_slice(k);
+            out.extend_from_slice(v);
         }
         out
     }
@@ -414,11 +404,46 @@ impl CacheState {
         } else {
             vec![0; n_layers]
         };
+        let dtype = match version {
+            3.. => {
+                let code = u32::from_le_bytes(r.array()?);
+                *DTYPES.get(code as usize).ok_or_else(|| {
+                    invalid(
+                        "cache state dtype",
+                        format!("a code below {}", DTYPES.len()),
+                        format!("{code}; the record is corrupt"),
+                    )
+                })?
+            }
+            _ => CacheDType::F32,
+        };
+        let halves = {
+            let (k, v) = formats(dtype);
+            [k, v]
+        };
         let mut layers = Vec::with_capacity(n_layers);
         for (&row, &start) in rows.iter().zip(&starts) {
-            let n = usize::try_from(row.saturating_mul(seq_len - start)).unwrap_or(usize::MAX);
-            let k = r.floats(n)?;
-            let v = r.floats(n)?;
+            // every format takes more than half a byte a value: a count the record cannot
+            // hold is refused before its bytes are computed
+            let values = usize::try_from(row.saturating_mul(seq_len - start))
+                .ok()
+                .filter(|&v| v <= bytes.len().saturating_mul(2))
+                .filter(|v| halves.iter().all(|f| v.is_multiple_of(f.granule())))
+                .ok_or_else(|| {
+                    invalid(
+                        "cache state",
+                        format!(
+                            "rows of whole groups that its {} bytes can hold",
+                            bytes.len()
+                        ),
+                        format!(
+                            "{row} values × {} tokens; the record is corrupt",
+                            seq_len - start
+                        ),
+                    )
+                })?;
+            let k = r.take(halves[0].byte_at(values))?.to_vec();
+            let v = r.take(halves[1].byte_at(values))?.to_vec();
             layers.push((k, v));
         }
         if r.at != bytes.len() {
@@ -433,24 +458,17 @@ impl CacheState {
             ids,
             rows,
             starts,
+            dtype,
             layers,
+            heads_first: version < 3,
         })
     }
-}
 
-/// The tokens from `skip` on of values in `(heads, tokens, head_dim)` order (one sequence),
-/// each head's rows cut alike.
-fn tokens_from(x: &[f32], heads: usize, tokens: u64, skip: u64) -> Vec<f32> {
-    let (tokens, skip) = (tokens as usize, skip as usize);
-    if skip == 0 || heads == 0 || tokens == 0 {
-        return x.to_vec();
+    /// How `layers` are stored, K then V.
+    fn halves(&self) -> [KvFormat; 2] {
+        let (k, v) = formats(self.dtype);
+        [k, v]
     }
-    let per_head = x.len() / heads;
-    let hd = per_head / tokens;
-    x.chunks_exact(per_head)
-        .flat_map(|h| &h[skip * hd..])
-        .copied()
-        .collect()
 }
 
 struct Reader<'a> {
@@ -497,18 +515,15 @@ impl Reader<'_> {
                 )
             })
     }
-
-    fn floats(&mut self, n: usize) -> Result<Vec<f32>> {
-        let b = self.take(n.saturating_mul(4))?;
-        Ok(b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn f32_bytes(x: impl IntoIterator<Item = f32>) -> Vec<u8> {
+        x.into_iter().flat_map(f32::to_le_bytes).collect()
+    }
 
     fn sample() -> CacheState {
         CacheState {
@@ -516,7 +531,9 @@ mod tests {
             ids: vec![7, 9],
             rows: vec![4],
             starts: vec![0],
-            layers: vec![((0..8).map(|x| x as f32).collect(), vec![0.5; 8])],
+            dtype: CacheDType::F32,
+            layers: vec![(f32_bytes((0..8).map(|x| x as f32)), f32_bytes([0.5; 8]))],
+            heads_first: false,
         }
     }
 
@@ -524,6 +541,20 @@ mod tests {
     fn a_state_round_trips_through_bytes() {
         let s = sample();
         assert_eq!(CacheState::from_bytes(&s.to_bytes()).unwrap(), s);
+        // a quantised cache's rows: a group of 32 values in 34 bytes (K and V of q8), or K in
+        // 34 and V in 18 (q6)
+        for (dtype, v_bytes) in [(CacheDType::Q8, 34), (CacheDType::Q6, 18)] {
+            let q = CacheState {
+                seq_len: 1,
+                rows: vec![32],
+                starts: vec![0],
+                ids: vec![3],
+                dtype,
+                layers: vec![(vec![1; 34], vec![2; v_bytes])],
+                heads_first: false,
+            };
+            assert_eq!(CacheState::from_bytes(&q.to_bytes()).unwrap(), q);
+        }
     }
 
     #[test]
@@ -542,11 +573,19 @@ mod tests {
             .iter()
             .for_each(|r| v1.extend_from_slice(&r.to_le_bytes()));
         for (k, v) in &s.layers {
-            k.iter()
-                .chain(v)
-                .for_each(|x| v1.extend_from_slice(&x.to_le_bytes()));
+            v1.extend_from_slice(k);
+            v1.extend_from_slice(v);
         }
-        assert_eq!(CacheState::from_bytes(&v1).unwrap(), s);
+        // its f32 rows are head by head, as versions 1 and 2 wrote them; written again, it is a
+        // record of version 2
+        let old = CacheState {
+            heads_first: true,
+            ..s.clone()
+        };
+        assert_eq!(CacheState::from_bytes(&v1).unwrap(), old);
+        let again = old.to_bytes();
+        assert_eq!(u32::from_le_bytes(again[8..12].try_into().unwrap()), 2);
+        assert_eq!(CacheState::from_bytes(&again).unwrap(), old);
         // a layer that starts past the tokens held is refused
         let mut late = s.clone();
         late.starts = vec![3];
@@ -576,6 +615,22 @@ mod tests {
         huge[20..28].copy_from_slice(&u64::MAX.to_le_bytes());
         let e = CacheState::from_bytes(&huge).unwrap_err().to_string();
         assert!(e.contains("truncated or corrupt"), "{e}");
+        // so are rows longer than the record (a huge row width) and a dtype nobody wrote
+        let rows_at = 36 + 4 * 2;
+        let mut wide = b.clone();
+        wide[rows_at..rows_at + 8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+        let e = CacheState::from_bytes(&wide).unwrap_err().to_string();
+        assert!(e.contains("the record is corrupt"), "{e}");
+        let code_at = rows_at + 16;
+        let mut foreign = b.clone();
+        foreign[code_at..code_at + 4].copy_from_slice(&9u32.to_le_bytes());
+        let e = CacheState::from_bytes(&foreign).unwrap_err().to_string();
+        assert!(e.contains("cache state dtype") && e.contains("9"), "{e}");
+        // a quantised record's rows must be whole groups of 32
+        let mut partial = b.clone();
+        partial[code_at..code_at + 4].copy_from_slice(&4u32.to_le_bytes());
+        let e = CacheState::from_bytes(&partial).unwrap_err().to_string();
+        assert!(e.contains("rows of whole groups"), "{e}");
         let mut extra = b;
         extra.push(0);
         assert!(
