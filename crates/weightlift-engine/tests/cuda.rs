@@ -533,6 +533,52 @@ fn a_batch_on_cuda_gives_each_sequence_what_it_gets_alone() {
     }
 }
 
+/// A state saved from a q4 cache on `device` comes back bit for bit: after `load_state` the
+/// next tokens' logits are those before it, and a cache on the cpu takes the same stored bytes.
+fn a_q4_state_comes_back_bit_for_bit_on(devices: &str, device: &str) {
+    use common::{json_ids, reference};
+    use weightlift_engine::forward::Logits;
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let src = common::open(reference().join("tiny-llama/safetensors"));
+    let (mut m, cache) = common::load_on(&src, devices, device, 64, CacheDType::Q4);
+    let mut out = Vec::new();
+    m.forward(&ids, Some(&cache), Logits::Last, &mut out)
+        .unwrap();
+    let state = cache.save_state().unwrap();
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    m.forward(&[5, 6], Some(&cache), Logits::All, &mut want)
+        .unwrap();
+    m.forward(&ids[..4], Some(&cache), Logits::Last, &mut out)
+        .unwrap();
+    cache.load_state(&state).unwrap();
+    m.forward(&[5, 6], Some(&cache), Logits::All, &mut got)
+        .unwrap();
+    assert!(
+        got == want,
+        "{device}: max|Δ| {}",
+        common::max_abs_diff(&got, &want)
+    );
+    let inv = Inventory::parse("cpu").unwrap();
+    let host = Cache::new(cache.config().clone()).unwrap();
+    for l in 0..host.n_layers() {
+        host.allocate_layer(l, inv.cpu(), inv.cpu()).unwrap();
+    }
+    host.load_state(&state).unwrap();
+    assert!(host.save_state().unwrap() == state, "{device}");
+}
+
+#[test]
+fn a_q4_state_comes_back_bit_for_bit_on_a_virtual_device() {
+    a_q4_state_comes_back_bit_for_bit_on("virtual:1x64MiB,cpu", "virtual:0");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn a_q4_state_comes_back_bit_for_bit_on_cuda() {
+    cuda();
+    a_q4_state_comes_back_bit_for_bit_on("cuda:0,cpu", "cuda:0");
+}
+
 /// Weight offload onto `cuda:0` (both layers of the tiny llama kept on the cpu, copied into
 /// slots of the GPU's scratch for every pass, sequential and grouped with prefetch): the
 /// offloaded matrices are page-locked, so each copy goes straight from where the model holds
