@@ -170,6 +170,39 @@ def test_chat_stream_joins_to_the_plain_reply(server: Server):
     assert chunks[-1].usage == plain.usage  # the closing chunk counts the tokens too
 
 
+def test_openais_max_completion_tokens_and_include_usage(server: Server):
+    # the names OpenAI's client documents today: max_completion_tokens for chat (max_tokens is
+    # deprecated there) and a last chunk that carries the usage
+    client = server.client()
+    kw: dict[str, Any] = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "temperature": 0,
+    }
+    capped = client.chat.completions.create(**kw, max_completion_tokens=3)
+    assert capped.usage is not None and capped.usage.completion_tokens == 3
+    assert capped.choices[0].finish_reason == "length"
+    both = client.chat.completions.create(**kw, max_tokens=8, max_completion_tokens=2)
+    assert both.usage is not None and both.usage.completion_tokens == 2
+    usage = {"include_usage": True}
+    chunks = list(
+        client.chat.completions.create(
+            **kw, max_completion_tokens=3, stream=True, stream_options=usage
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage == capped.usage
+    assert chunks[-2].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == capped.choices[0].message.content
+    text_kw: dict[str, Any] = {"model": "demo", "prompt": "One, two,", "max_tokens": 3}
+    chunks = list(client.completions.create(**text_kw, stream=True, stream_options=usage))
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 3
+    # without it the chunk with the finish reason is the last
+    chunks = list(client.completions.create(**text_kw, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_models_and_health(server: Server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["demo"]
@@ -190,6 +223,20 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "grammar": "root ::= ("}, 400, "grammar", "line 1"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+        400,
+        "max_completion_tokens",
+        "greater than or equal to 0",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "often"}},
+        400,
+        "stream_options.include_usage",
+        "valid boolean",
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},

@@ -241,7 +241,8 @@ class Server:
                 value["timings"] = timings(t)
                 return JSONResponse(value)
             handed_over = True
-            return _SlotStream(self._events(job, fields, roles), release)
+            usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
+            return _SlotStream(self._events(job, fields, roles, usage_chunk), release)
         finally:
             if not handed_over:
                 release()
@@ -259,11 +260,13 @@ class Server:
                 return None
 
     async def _events(
-        self, job: Job, fields: set[str], roles: dict[str, str]
+        self, job: Job, fields: set[str], roles: dict[str, str], usage_chunk: bool
     ) -> AsyncIterator[str]:
         """``data: {chunk}`` per chunk, ``data: [DONE]`` at the end; the chunk with the finish
-        reason carries ``usage`` and ``timings``. A client that goes away cancels this body,
-        and the release ends the generation at once."""
+        reason carries ``usage`` and ``timings`` (as llama.cpp's server sends them), and with
+        ``usage_chunk`` (OpenAI's ``include_usage``) one more chunk follows it, with no choices
+        and the usage. A client that goes away cancels this body, and the release ends the
+        generation at once."""
         closing: dict[str, Any] | None = None  # the chunk with the finish reason
         while True:
             kind, value, t = await job.next()
@@ -277,6 +280,9 @@ class Server:
                     closing["usage"] = value
                     closing["timings"] = timings(t)
                     yield f"data: {json.dumps(closing)}\n\n"
+                    if usage_chunk:
+                        head = {k: closing[k] for k in ("id", "object", "created", "model")}
+                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': value})}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             else:  # after the headers: an error event ends it

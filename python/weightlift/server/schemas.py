@@ -1,8 +1,10 @@
 """The request bodies, with the field names and defaults of llama-cpp-python's server (its
 ``llama_cpp/server/types.py``), so a client written for that server sends the same JSON here.
 
-Fields outside this list (``user``, ``stream_options``, ...) are ignored, as there. Fields whose
-behaviour is not implemented refuse any value but their neutral one, by name.
+Fields outside this list (``user``, ``service_tier``, ...) are ignored, as there. Fields whose
+behaviour is not implemented refuse any value but their neutral one, by name. Two of OpenAI's
+newer fields are taken as its API defines them: ``max_completion_tokens`` (chat's name for
+``max_tokens`` since the latter was deprecated there) and ``stream_options.include_usage``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,15 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk, before ``[DONE]``,
+    whose ``choices`` are empty and whose ``usage`` counts the request's tokens."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
 
 
 class _Sampling(BaseModel):
@@ -25,6 +36,7 @@ class _Sampling(BaseModel):
     top_k: int = Field(40, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     # -1 asks for a random seed, as in llama.cpp
     seed: int | None = Field(None, ge=-1, le=2**64 - 1)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
@@ -108,6 +120,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_tokens: int | None = Field(None, ge=0)
+    # OpenAI's name for max_tokens in chat; it wins where a client sends both
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
     response_format: dict[str, Any] | None = None
@@ -119,7 +133,9 @@ class ChatCompletionRequest(_Sampling):
             "function_call": self.function_call,
             "tools": self.tools,
             "tool_choice": self.tool_choice,
-            "max_tokens": self.max_tokens,
+            "max_tokens": (
+                self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+            ),
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
             "response_format": self.response_format,
