@@ -54,7 +54,9 @@ class Server:
 
 
 @contextmanager
-def serving(model: Path, tmp: Path, *args: str) -> Iterator[Server]:
+def serving(
+    model: Path, tmp: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[Server]:
     cmd = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightlift.cli"]
     log = tmp / f"serve-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
@@ -62,6 +64,7 @@ def serving(model: Path, tmp: Path, *args: str) -> Iterator[Server]:
             [*cmd, "serve", str(model), "--port", "0", "-t", "2", "--compute", "exact", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
     try:
         deadline = time.monotonic() + START_TIMEOUT
@@ -566,6 +569,46 @@ def test_full_queue_answers_503(demo_gguf: Path, tmp_path: Path):
         assert [m["id"] for m in models] == [demo_gguf.name]
 
 
+def test_an_api_key_guards_every_endpoint_but_health(demo_gguf: Path, tmp_path: Path):
+    # the key from the environment, as a deployment passes it (not on the command line)
+    key = {"WEIGHTLIFT_API_KEY": "sesame"}
+    with serving(demo_gguf, tmp_path, "--ctx", "256", env=key) as s:
+        assert s.health()["status"] == "ok"  # open, for probes
+        body = {"prompt": "hi", "max_tokens": 2}
+        for headers, words in [
+            ({}, "missing API key"),
+            ({"Authorization": "Bearer open"}, "invalid API key"),
+            ({"X-Api-Key": "open"}, "invalid API key"),
+        ]:
+            r = s.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            err = r.json()["error"]
+            assert err["code"] == "invalid_api_key" and words in err["message"], err
+        r = httpx.get(s.url + "/v1/models", timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 401
+        with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+            s.client().models.list()
+        keyed = openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0)
+        out = keyed.completions.create(model=demo_gguf.name, **body)
+        assert out.usage is not None and out.usage.completion_tokens == 2
+        r = s.post("/extras/tokenize", json={"input": "hi"}, headers={"X-Api-Key": "sesame"})
+        assert r.status_code == 200 and r.json()["tokens"]
+        # a browser's preflight carries no key; CORS answers it, and a 401 carries CORS too
+        origin = {"Origin": "http://localhost:3000"}
+        pre = httpx.options(
+            s.url + "/v1/chat/completions",
+            headers={
+                **origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+            timeout=REQUEST_TIMEOUT,
+        )
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+        r = s.post("/v1/completions", json=body, headers=origin)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+
+
 def test_a_system_prompt_is_prefilled_once_across_slots(demo_gguf: Path, tmp_path: Path):
     # A request whose system prompt a running generation's slot holds gets it copied into its
     # own slot: llama.cpp's server's timings count those tokens as cache_n, the rest as prompt_n.
@@ -660,6 +703,7 @@ def test_a_stop_signal_cancels_what_outlasts_the_graceful_timeout(demo_gguf: Pat
         (["--parallel", "0"], "--parallel: expected 1 or more, got 0"),
         (["--parallel", "4", "--batch", "2"], "--batch 2 and --parallel 4 disagree"),
         (["--port", "99999"], "--port: expected 0 (any free port) to 65535, got 99999"),
+        (["--api-key", " "], "--api-key: expected a key, got an empty one"),
     ],
 )
 def test_bad_serve_options_are_refused_by_name(demo_gguf: Path, args: list[str], words: str):

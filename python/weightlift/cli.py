@@ -679,6 +679,7 @@ def _user_turns(first: str | None, *, more: bool) -> Iterator[str]:
 
 DEFAULT_BATCH = 512  # run's max_input_len when not given: llama-cpp-python's n_batch
 DEFAULT_QUEUE = 16  # serve's waiting requests
+API_KEY_ENV = "WEIGHTLIFT_API_KEY"  # serve's key, where --api-key is not given
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -707,6 +708,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "serve: --timeout-graceful-shutdown: expected 0 or more seconds, got "
             f"{args.timeout_graceful_shutdown}"
         )
+    if args.api_key is not None and not args.api_key.strip():
+        raise weightlift.PlanError(
+            "serve: --api-key: expected a key, got an empty one (leave it out to serve without)"
+        )
+    # an empty variable is an unset one, as shells and container files often leave it
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     server.require()
     # Bind before the load, so a port in use fails at once.
     sock = socket.create_server((args.host, args.port))
@@ -731,6 +738,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             queue=args.queue,
             embedding=args.embedding,
             graceful_seconds=args.timeout_graceful_shutdown,
+            api_key=api_key,
         )
     return 0
 
@@ -940,6 +948,12 @@ def _parser() -> argparse.ArgumentParser:
         "--embeddings): the plan counts one more cache of --ctx positions for them",
     )
     sv.add_argument("--model-alias", help="the model's name in the API (default: the file name)")
+    sv.add_argument(
+        "--api-key",
+        help="require this key (Authorization: Bearer KEY, as OpenAI's client sends it) on "
+        f"every endpoint but /health; default ${API_KEY_ENV}, which keeps it out of the "
+        "process list",
+    )
     sv.add_argument(
         "--timeout-graceful-shutdown",
         type=float,

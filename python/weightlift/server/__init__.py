@@ -16,7 +16,8 @@ on an engine thread while the event loop keeps serving: the engine releases the 
 batching: one forward call a token for all of them, new requests joining between steps), each
 in a slot, a KV cache of the model's context length that keeps its tokens, so a prompt sharing
 a prefix with the slot's last one runs only the rest. The other requests wait in a bounded
-first-come-first-served queue (``queue``), beyond which they get 503. Embeddings and the
+first-come-first-served queue (``queue``), beyond which they get 503. With an API key, every
+endpoint but ``/health`` answers 401 without it; CORS allows every origin. Embeddings and the
 tokenizer take no slot: they run on the engine thread between steps, an embedding in the one
 more cache of the context's length that ``weightlift serve --embedding`` plans beside the
 slots.
@@ -55,15 +56,18 @@ def create_app(
     parallel: int = 1,
     queue: int = 16,
     embedding: bool = False,
+    api_key: str | None = None,
 ) -> Any:
     """The FastAPI app serving ``model`` under the name ``alias``; ``embedding`` serves
     ``/v1/embeddings`` too (load the model with one planned sequence beyond ``parallel`` for
     them, as ``weightlift serve --embedding`` does, or each embedding makes a cache of its own
-    for its call)."""
+    for its call); with ``api_key`` every endpoint but ``/health`` asks for it."""
     require()
     from weightlift.server.app import create_app as create
 
-    return create(model, alias=alias, parallel=parallel, queue=queue, embedding=embedding)
+    return create(
+        model, alias=alias, parallel=parallel, queue=queue, embedding=embedding, api_key=api_key
+    )
 
 
 def serve(
@@ -76,6 +80,7 @@ def serve(
     embedding: bool = False,
     log_level: str = "info",
     graceful_seconds: float = GRACEFUL_SECONDS,
+    api_key: str | None = None,
 ) -> None:
     """Serve ``model`` on the bound socket ``sock`` until SIGINT or SIGTERM, then return once
     uvicorn's graceful shutdown is over: in-flight requests finished, or cancelled once
@@ -83,7 +88,9 @@ def serve(
     require()
     import uvicorn
 
-    app = create_app(model, alias=alias, parallel=parallel, queue=queue, embedding=embedding)
+    app = create_app(
+        model, alias=alias, parallel=parallel, queue=queue, embedding=embedding, api_key=api_key
+    )
     config = uvicorn.Config(
         app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=graceful_seconds
     )

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import weightlift
@@ -290,14 +292,58 @@ class Server:
                 return
 
 
+# What a client may reach without the API key: the liveness check (as llama.cpp's server
+# leaves it open, for load balancers and container probes).
+OPEN_PATHS = frozenset({"/health"})
+
+
+def _require_key(app: FastAPI, key: str) -> None:
+    """Answer 401 to a request without ``key`` as ``Authorization: Bearer <key>`` (what
+    OpenAI's client sends) or ``X-Api-Key`` (llama.cpp's server takes both). A CORS preflight
+    carries no key and is answered by the CORS layer around this one."""
+
+    @app.middleware("http")
+    async def check_key(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if request.url.path in OPEN_PATHS or request.method == "OPTIONS":
+            return await call_next(request)
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+        if not given:
+            message = "missing API key: send it as the header Authorization: Bearer <key>"
+        elif not secrets.compare_digest(given.encode(), key.encode()):
+            message = "invalid API key: the key sent is not the one this server was started with"
+        else:
+            return await call_next(request)
+        headers = {"WWW-Authenticate": "Bearer"}
+        return APIError(401, message, code="invalid_api_key", headers=headers).response()
+
+
 def create_app(
-    model: weightlift.Model, *, alias: str, parallel: int, queue: int, embedding: bool
+    model: weightlift.Model,
+    *,
+    alias: str,
+    parallel: int,
+    queue: int,
+    embedding: bool,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``model`` as ``alias`` (embeddings too when ``embedding``)."""
+    """The FastAPI app serving ``model`` as ``alias`` (embeddings too when ``embedding``); with
+    ``api_key``, every endpoint but ``/health`` asks for it. Any web page may call it (CORS
+    allows every origin, as llama-cpp-python's and llama.cpp's servers do): the key, not the
+    origin, is what guards it."""
     server = Server(model, alias, parallel, queue, embedding)
     app = FastAPI(title="weightlift", version=weightlift.__version__)
     app.state.server = server
     install(app)
+    if api_key is not None:
+        _require_key(app, api_key)
+    # added last, so it wraps the key check: preflights and 401s carry its headers
+    app.add_middleware(
+        CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"]
+    )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -134,7 +134,9 @@ class ChatCompletionRequest(_Sampling):
             "tools": self.tools,
             "tool_choice": self.tool_choice,
             "max_tokens": (
-                self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+                self.max_completion_tokens
+                if self.max_completion_tokens is not None
+                else self.max_tokens
             ),
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
