@@ -16,7 +16,7 @@
 //! bit; otherwise decoded and encoded again.
 //!
 //! [`CacheState::to_bytes`] is a flat little-endian record (magic, version, shape, ids, each
-//! layer's first position, the dtype, rows), and [`CacheState::from_bytes`] checks every length
+//! layer's first position, the dtype's name, rows), and [`CacheState::from_bytes`] checks every length
 //! against the bytes it has before it allocates, so a truncated or foreign blob is an error,
 //! never a huge allocation. Records of versions 1 and 2 (before stored rows) hold f32 rows
 //! head by head, and those of version 1 (before rings) every layer from position 0.
@@ -29,17 +29,6 @@ use crate::error::{EngineError, Result, invalid};
 
 const MAGIC: &[u8; 8] = b"WLKVSTAT";
 const VERSION: u32 = 3;
-
-/// The dtypes a record names, by their index: fixed, so records stay readable.
-const DTYPES: [CacheDType; 7] = [
-    CacheDType::F32,
-    CacheDType::Fp16,
-    CacheDType::Bf16,
-    CacheDType::Fp8,
-    CacheDType::Q8,
-    CacheDType::Q6,
-    CacheDType::Q4,
-];
 
 /// The tokens and K/V rows a cache held when [`Cache::save_state`] ran.
 #[derive(Debug, Clone, PartialEq)]
@@ -355,8 +344,10 @@ impl CacheState {
             .for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
         // a record read from an older version keeps its layout, and is written as one
         if !self.heads_first {
-            let code = DTYPES.iter().position(|&d| d == self.dtype).unwrap_or(0) as u32;
-            out.extend_from_slice(&code.to_le_bytes());
+            // by its name in the one dtype grammar (`CacheDType::parse` reads it back)
+            let name = self.dtype.name().as_bytes();
+            out.push(name.len() as u8);
+            out.extend_from_slice(name);
         }
         for (k, v) in &self.layers {
             out.extend_from_slice(k);
@@ -406,12 +397,13 @@ impl CacheState {
         };
         let dtype = match version {
             3.. => {
-                let code = u32::from_le_bytes(r.array()?);
-                *DTYPES.get(code as usize).ok_or_else(|| {
+                let [len] = r.array()?;
+                let name = String::from_utf8_lossy(r.take(len.into())?).into_owned();
+                CacheDType::parse(&name).map_err(|_| {
                     invalid(
                         "cache state dtype",
-                        format!("a code below {}", DTYPES.len()),
-                        format!("{code}; the record is corrupt"),
+                        "a cache dtype's name",
+                        format!("{name:?}; the record is corrupt"),
                     )
                 })?
             }
@@ -621,15 +613,23 @@ mod tests {
         wide[rows_at..rows_at + 8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
         let e = CacheState::from_bytes(&wide).unwrap_err().to_string();
         assert!(e.contains("the record is corrupt"), "{e}");
-        let code_at = rows_at + 16;
+        let name_at = rows_at + 16;
+        assert_eq!(&b[name_at..name_at + 4], b"\x03f32");
         let mut foreign = b.clone();
-        foreign[code_at..code_at + 4].copy_from_slice(&9u32.to_le_bytes());
+        foreign[name_at + 1..name_at + 4].copy_from_slice(b"q9x");
         let e = CacheState::from_bytes(&foreign).unwrap_err().to_string();
-        assert!(e.contains("cache state dtype") && e.contains("9"), "{e}");
+        assert!(
+            e.contains("cache state dtype") && e.contains("\"q9x\""),
+            "{e}"
+        );
         // a quantised record's rows must be whole groups of 32
-        let mut partial = b.clone();
-        partial[code_at..code_at + 4].copy_from_slice(&4u32.to_le_bytes());
-        let e = CacheState::from_bytes(&partial).unwrap_err().to_string();
+        let partial = CacheState {
+            dtype: CacheDType::Q8,
+            ..sample()
+        };
+        let e = CacheState::from_bytes(&partial.to_bytes())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("rows of whole groups"), "{e}");
         let mut extra = b;
         extra.push(0);
