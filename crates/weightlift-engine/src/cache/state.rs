@@ -16,9 +16,9 @@
 //! bit; otherwise decoded and encoded again.
 //!
 //! [`CacheState::to_bytes`] is a flat little-endian record (magic, version, shape, ids, each
-//! layer's first position, the dtype's name, rows), and [`CacheState::from_bytes`] checks every length
-//! against the bytes it has before it allocates, so a truncated or foreign blob is an error,
-//! never a huge allocation. Records of versions 1 and 2 (before stored rows) hold f32 rows
+//! layer's first position, the dtype's name, rows), and [`CacheState::from_bytes`] checks every
+//! length against the bytes it has before it allocates, so a truncated or foreign blob is an
+//! error, never a huge allocation. Records of versions 1 and 2 (before stored rows) hold f32 rows
 //! head by head, and those of version 1 (before rings) every layer from position 0.
 
 use weightlift_kernels::KvFormat;
