@@ -247,7 +247,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "temperature",
         "valid number",
     ),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n:"),
+    ("/v1/completions", {"prompt": "hi", "n": 99}, 400, "n", "runs at once, --parallel), got 99"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
     (
         "/v1/completions",
         {"prompt": "hi", "logit_bias": {"99999": 1.0}},
@@ -567,6 +568,53 @@ def test_full_queue_answers_503(demo_gguf: Path, tmp_path: Path):
         # Without --model-alias the model is named by its file.
         models = httpx.get(s.url + "/v1/models", timeout=REQUEST_TIMEOUT).json()["data"]
         assert [m["id"] for m in models] == [demo_gguf.name]
+
+
+def test_n_choices_run_in_slots_of_their_own(demo_gguf: Path, tmp_path: Path):
+    # OpenAI's n: each choice a generation of its own, stepped together; a seeded request's
+    # choice i is the single request with seed + i
+    with serving(demo_gguf, tmp_path, "--ctx", "256", "--parallel", "3") as s:
+        client = s.client()
+        model = demo_gguf.name
+        greedy = {"model": model, "prompt": "One, two,", "max_tokens": 6, "temperature": 0}
+        one = client.completions.create(**greedy)
+        three = client.completions.create(**greedy, n=3)
+        assert [c.index for c in three.choices] == [0, 1, 2]
+        assert {c.text for c in three.choices} == {one.choices[0].text}
+        assert one.usage is not None and three.usage is not None
+        assert three.usage.prompt_tokens == one.usage.prompt_tokens
+        assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+        sampled = {**greedy, "temperature": 1.0, "max_tokens": 12, "logit_bias": NO_EOS}
+        two = client.completions.create(**sampled, n=2, seed=7)
+        alone = [client.completions.create(**sampled, seed=seed).choices[0].text for seed in (7, 8)]
+        assert [c.text for c in two.choices] == alone and alone[0] != alone[1]
+        # streamed: each choice's chunks under its index and one id, the usage at the end
+        chat = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say hi"}],
+            "max_tokens": 5,
+            "temperature": 0,
+        }
+        plain = client.chat.completions.create(**chat, n=2)
+        chunks = list(
+            client.chat.completions.create(
+                **chat, n=2, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        assert len({c.id for c in chunks}) == 1
+        texts = [
+            "".join(
+                c.choices[0].delta.content or ""
+                for c in chunks
+                if c.choices and c.choices[0].index == i
+            )
+            for i in (0, 1)
+        ]
+        assert texts == [c.message.content for c in plain.choices]
+        finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert sorted(finished) == [0, 1]
+        assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+        assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
 
 
 def test_an_api_key_guards_every_endpoint_but_health(demo_gguf: Path, tmp_path: Path):

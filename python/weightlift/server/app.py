@@ -197,17 +197,30 @@ class Server:
     async def generate(
         self, request: Request, body: _Sampling, method: str, roles: dict[str, str]
     ) -> Response:
-        """Run ``model.<method>(**body.kwargs())`` in a slot of the batch; JSON, or SSE when
-        streaming."""
+        """Run ``model.<method>(**body.kwargs())`` in a slot of the batch, ``n`` times for ``n``
+        choices (each in its own slot, stepped together); JSON, or SSE when streaming."""
         self._check_model(body.model)
         try:
             kwargs = body.kwargs()  # type: ignore[attr-defined]
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(":")[0]) from None
         fields = set(type(body).model_fields)
+        n = body.n
+        if n > self.slots.parallel:
+            raise APIError(
+                400,
+                f"n: at most {self.slots.parallel} (the generations this server runs at once, "
+                f"--parallel), got {n}",
+                param="n",
+            )
+        admitted = 0
         try:
-            self.slots.admit()
+            while admitted < n:
+                self.slots.admit()
+                admitted += 1
         except QueueFull:
+            for _ in range(admitted):
+                self.slots.release()
             raise APIError(
                 503,
                 f"the server is busy: {self.slots.running} generation(s) running and "
@@ -216,35 +229,41 @@ class Server:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             ) from None
-        job: Job | None = None
+        jobs: list[Job] = []
         handed_over = False
 
         def release() -> None:
-            if job is not None:
+            for job in jobs:
                 self.scheduler.cancel(job)  # no-op for one that has ended
-            self.slots.release()
+            for _ in range(n):
+                self.slots.release()
 
         try:
-            job = self.scheduler.submit(method, {**kwargs, "model": self.alias})
-            # it waits in line for a slot first
-            event = await self._unless_gone(request, job)
-            if event is None:
-                return Response(status_code=499)  # it left while queued: nobody to answer
-            kind, value, _ = event
-            if kind == "error":  # refused before anything ran: a 4xx naming the field
-                raise from_engine(value, fields, roles) from value
-            if not body.stream:
+            for i in range(n):
+                choice = {**kwargs, "model": self.alias, **_choice_seed(kwargs.get("seed"), i)}
+                jobs.append(self.scheduler.submit(method, choice))
+            # each waits in line for a slot first
+            for job in jobs:
                 event = await self._unless_gone(request, job)
                 if event is None:
-                    return Response(status_code=499)  # it left: the release ends the generation
-                kind, value, t = event
-                if kind == "error":
+                    return Response(status_code=499)  # it left while queued: nobody to answer
+                kind, value, _ = event
+                if kind == "error":  # refused before anything ran: a 4xx naming the field
                     raise from_engine(value, fields, roles) from value
-                value["timings"] = timings(t)
-                return JSONResponse(value)
+            if not body.stream:
+                whole = []
+                for job in jobs:
+                    event = await self._unless_gone(request, job)
+                    if event is None:
+                        return Response(status_code=499)  # it left: the release ends the rest
+                    kind, value, t = event
+                    if kind == "error":
+                        raise from_engine(value, fields, roles) from value
+                    whole.append((value, t))
+                return JSONResponse(_merged(whole))
             handed_over = True
             usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
-            return _SlotStream(self._events(job, fields, roles, usage_chunk), release)
+            return _SlotStream(self._events(jobs, fields, roles, usage_chunk), release)
         finally:
             if not handed_over:
                 release()
@@ -262,34 +281,93 @@ class Server:
                 return None
 
     async def _events(
-        self, job: Job, fields: set[str], roles: dict[str, str], usage_chunk: bool
+        self, jobs: list[Job], fields: set[str], roles: dict[str, str], usage_chunk: bool
     ) -> AsyncIterator[str]:
-        """``data: {chunk}`` per chunk, ``data: [DONE]`` at the end; the chunk with the finish
-        reason carries ``usage`` and ``timings`` (as llama.cpp's server sends them), and with
-        ``usage_chunk`` (OpenAI's ``include_usage``) one more chunk follows it, with no choices
-        and the usage. A client that goes away cancels this body, and the release ends the
-        generation at once."""
-        closing: dict[str, Any] | None = None  # the chunk with the finish reason
-        while True:
-            kind, value, t = await job.next()
-            if kind == "chunk":
-                if value["choices"] and value["choices"][0].get("finish_reason") is not None:
-                    closing = value  # sent with usage and timings, which come with the end
-                else:
-                    yield f"data: {json.dumps(value)}\n\n"
-            elif kind == "end":
-                if closing is not None:
-                    closing["usage"] = value
-                    closing["timings"] = timings(t)
-                    yield f"data: {json.dumps(closing)}\n\n"
-                    if usage_chunk:
-                        head = {k: closing[k] for k in ("id", "object", "created", "model")}
-                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': value})}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-            else:  # after the headers: an error event ends it
-                yield f"data: {json.dumps(from_engine(value, fields, roles).body())}\n\n"
-                return
+        """``data: {chunk}`` per chunk, ``data: [DONE]`` at the end. Each choice's chunks carry
+        its index and the first choice's id; the chunk with the last finish reason carries
+        ``usage`` (of every choice) and ``timings`` (as llama.cpp's server sends them), and
+        with ``usage_chunk`` (OpenAI's ``include_usage``) one more chunk follows it, with no
+        choices and the usage. A client that goes away cancels this body, and the release ends
+        the generations at once."""
+        pending = {i: asyncio.ensure_future(job.next()) for i, job in enumerate(jobs)}
+        closing: dict[int, dict[str, Any]] = {}  # each choice's chunk with its finish reason
+        usage: dict[int, dict[str, int]] = {}
+        rid: str | None = None
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
+                for i in sorted(i for i, f in pending.items() if f in done):
+                    kind, value, t = pending.pop(i).result()
+                    if kind == "chunk":
+                        pending[i] = asyncio.ensure_future(jobs[i].next())
+                        rid = rid or value["id"]
+                        value["id"] = rid
+                        for c in value["choices"]:
+                            c["index"] = i
+                        if (
+                            value["choices"]
+                            and value["choices"][0].get("finish_reason") is not None
+                        ):
+                            closing[i] = value  # sent when it ends, the last with the usage
+                        else:
+                            yield _sse(value)
+                    elif kind == "end":
+                        usage[i] = value
+                        last = closing.pop(i, None)
+                        if pending and last is not None:
+                            yield _sse(last)
+                        elif last is not None:
+                            total = _total_usage(list(usage.values()))
+                            last["usage"] = total
+                            last["timings"] = timings(t)
+                            yield _sse(last)
+                            if usage_chunk:
+                                head = {k: last[k] for k in ("id", "object", "created", "model")}
+                                yield _sse({**head, "choices": [], "usage": total})
+                    else:  # after the headers: an error event ends it
+                        yield _sse(from_engine(value, fields, roles).body())
+                        return
+            yield "data: [DONE]\n\n"
+        finally:
+            for f in pending.values():
+                f.cancel()
+
+
+def _sse(event: dict[str, Any]) -> str:
+    """One server-sent event of JSON."""
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def _choice_seed(seed: int | None, i: int) -> dict[str, int]:
+    """The seed of choice ``i`` of ``n``: the request's seed plus ``i`` (so a seeded request
+    with ``n`` choices repeats, and its choices differ); a random one stays random."""
+    if i == 0 or seed is None or seed < 0:
+        return {}
+    return {"seed": (seed + i) % 2**64}
+
+
+def _total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
+    """The usage of a request's choices: its prompt once, every choice's completion."""
+    prompt = usages[0]["prompt_tokens"]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {
+        **usages[0],
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _merged(whole: list[tuple[dict[str, Any], Any]]) -> dict[str, Any]:
+    """One response of a request's choices (the whole result of each, with its timings): the
+    first's, with every choice at its index and their usage; the last choice's timings."""
+    first = whole[0][0]
+    choices = []
+    for i, (value, _) in enumerate(whole):
+        for c in value["choices"]:
+            c["index"] = i
+            choices.append(c)
+    usage = _total_usage([value["usage"] for value, _ in whole])
+    return {**first, "choices": choices, "usage": usage, "timings": timings(whole[-1][1])}
 
 
 # What a client may reach without the API key: the liveness check (as llama.cpp's server

@@ -2,9 +2,10 @@
 ``llama_cpp/server/types.py``), so a client written for that server sends the same JSON here.
 
 Fields outside this list (``user``, ``service_tier``, ...) are ignored, as there. Fields whose
-behaviour is not implemented refuse any value but their neutral one, by name. Two of OpenAI's
-newer fields are taken as its API defines them: ``max_completion_tokens`` (chat's name for
-``max_tokens`` since the latter was deprecated there) and ``stream_options.include_usage``.
+behaviour is not implemented refuse any value but their neutral one, by name. Some of OpenAI's
+fields that llama-cpp-python's server ignores are taken as OpenAI's API defines them: ``n``
+(choices, each in a slot of its own), ``max_completion_tokens`` (chat's name for ``max_tokens``
+since the latter was deprecated there) and ``stream_options.include_usage``.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class _Sampling(BaseModel):
     mirostat_tau: float = Field(5.0, ge=0.0, le=10.0)
     mirostat_eta: float = Field(0.1, ge=0.001, le=1.0)
     grammar: str | None = None
-    # One choice per request, and no minimum length (llama-cpp-python ignores n; say so here).
-    n: int = Field(1, ge=1, le=1)
+    # choices, each generated in a slot of its own (at most --parallel); no minimum length
+    n: int = Field(1, ge=1)
     min_tokens: int = Field(0, ge=0, le=0)
 
     def sampling(self) -> dict[str, Any]:
