@@ -615,6 +615,20 @@ def test_n_choices_run_in_slots_of_their_own(demo_gguf: Path, tmp_path: Path):
         assert sorted(finished) == [0, 1]
         assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
         assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
+        # a client that leaves mid-stream frees every choice's slot
+        body = {"model": model, "prompt": "Count:", "max_tokens": 300, "n": 2, "stream": True}
+        with httpx.stream(
+            "POST", s.url + "/v1/completions", json={**body, "logit_bias": NO_EOS}, timeout=10
+        ) as r:
+            lines = r.iter_lines()
+            assert (
+                sum(line.startswith("data:") for line, _ in zip(lines, range(8), strict=False)) >= 2
+            )
+            assert s.health()["running"] == 2
+        deadline = time.monotonic() + 5
+        while s.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
 
 
 def test_an_api_key_guards_every_endpoint_but_health(demo_gguf: Path, tmp_path: Path):
