@@ -7,6 +7,7 @@ phi3 fixture is scaled by LongRoPE, as Phi-3.5-mini and Phi-4-mini are."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -170,28 +171,97 @@ def test_qwen3_head_dim_is_read_not_derived():
     assert wl.open(QWEN3).spec.head_dim == 32  # hidden 64 / 4 heads would be 16
 
 
-def test_an_unapplied_rope_scaling_in_gguf_is_refused_by_name(tmp_path):
-    # The LongRoPE fixture with llama.cpp's YaRN key beside it: a scaling the forward pass
-    # does not apply, refused before loading, by name; inspect and plan still read it.
+def _phi3_gguf_with(path: Path, keys: dict[str, Any]) -> Path:
+    """The phi3 fixture's F16 GGUF with more metadata keys, written by gguf-py."""
     src = gguf.GGUFReader(PHI3 / "tiny-phi3-F16.gguf")
-    path = tmp_path / "yarn.gguf"
     w = gguf.GGUFWriter(path, arch="phi3")
     for name, field in src.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
-    w.add_string("phi3.rope.scaling.type", "yarn")
+    for name, value in keys.items():
+        if isinstance(value, str):
+            w.add_string(name, value)
+        else:
+            w.add_float32(name, value)
     for t in src.tensors:
         w.add_tensor(t.name, np.array(t.data, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("keys", "words"),
+    [
+        # a scaling type the forward pass does not apply
+        ({"phi3.rope.scaling.type": "dynamic"}, "rope scaling type 'dynamic'"),
+        # YaRN as DeepSeek's GGUFs write it, with a log multiplier
+        (
+            {
+                "phi3.rope.scaling.type": "yarn",
+                "phi3.rope.scaling.factor": 4.0,
+                "phi3.rope.scaling.original_context_length": 16.0,
+                "phi3.rope.scaling.yarn_log_multiplier": 0.1,
+            },
+            "YaRN with phi3.rope.scaling.yarn_log_multiplier",
+        ),
+        # YaRN without its factor
+        ({"phi3.rope.scaling.type": "yarn"}, "without a positive phi3.rope.scaling.factor"),
+    ],
+)
+def test_an_unapplied_rope_scaling_in_gguf_is_refused_by_name(tmp_path, keys, words):
+    # refused before loading, by name, where it would turn every key at the wrong angles;
+    # inspect and plan still read the file
+    path = _phi3_gguf_with(tmp_path / "scaled.gguf", keys)
     assert wl.open(path).spec.architecture == "phi3"
     assert wl.plan(path, devices="cpu").architecture == "phi3"
-    with pytest.raises(wl.UnsupportedError, match=r"rope scaling type 'yarn'"):
+    with pytest.raises(wl.UnsupportedError, match=re.escape(words)):
         wl.load_gguf(path, n_ctx=64)
+
+
+ROPE_SCALING = json.loads((QWEN3 / "rope_scaling.json").read_text())
+
+
+def _exact_logits(path: Path, ids: list[int]) -> np.ndarray:
+    m = wl.Model(str(path), devices="cpu", compute="exact")
+    m.load(cache=wl.CacheSpec(64, 1, "f32"))
+    return m.forward(ids, logits="all").astype(np.float64)
+
+
+@pytest.mark.parametrize("variant", ["yarn", "linear"])
+def test_rope_scaled_by_config_or_gguf_metadata_is_transformers(tmp_path, variant):
+    # tiny-qwen3's weights with config.json's rope_parameters set to YaRN (Qwen2.5's and
+    # Qwen3's long-context recipe) or linear scaling, and the F16 GGUF llama.cpp's converter
+    # writes for that folder (its header kept, its tensors tiny-qwen3-F16.gguf's): each within
+    # 1e-3 of transformers, the same argmax, and no farther from llama.cpp than llama.cpp is
+    # from transformers (its f16 KV cache) plus that
+    v = ROPE_SCALING["variants"][variant]
+    ids = stats(QWEN3)["ids"]
+    hf = np.load(QWEN3 / f"hf_logits_{variant}.npy").astype(np.float64)
+    plain = np.load(QWEN3 / "hf_logits.npy").astype(np.float64)
+    assert np.abs(hf - plain).max() > 1.0  # the scaling moves the logits far past 1e-3
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((QWEN3 / name).read_bytes())
+    config = json.loads((QWEN3 / "config.json").read_text())
+    config["rope_parameters"] = v["rope_parameters"]
+    (folder / "config.json").write_text(json.dumps(config))
+    path = tmp_path / f"tiny-qwen3-{variant}-F16.gguf"
+    data = (QWEN3 / v["gguf_data_from"]).read_bytes()
+    base_offset = gguf.GGUFReader(QWEN3 / v["gguf_data_from"]).data_offset
+    path.write_bytes((QWEN3 / v["gguf_header"]).read_bytes() + data[base_offset:])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == v["gguf_sha256"]
+    cpp = np.load(QWEN3 / f"llamacpp_logits_{variant}.npy").astype(np.float64)
+    for what, source in [("config", folder), ("gguf", path)]:
+        got = _exact_logits(source, ids)
+        assert np.abs(got - hf).max() <= 1e-3, what
+        assert (got.argmax(axis=1) == hf.argmax(axis=1)).all(), what
+        assert np.abs(got - cpp).max() <= np.abs(cpp - hf).max() + 1e-3, what
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -131,16 +131,16 @@ fn tiny_phi3_longrope_takes_the_short_factors_within_the_pretraining_length() {
     }
 }
 
-/// A RoPE scaling the forward pass does not apply (YaRN here) is refused by name before a
-/// byte is loaded, where it would turn every key at the wrong angles.
+/// A RoPE scaling the forward pass does not apply (transformers' dynamic NTK here) is refused
+/// by name before a byte is loaded, where it would turn every key at the wrong angles.
 #[test]
 fn tiny_phi3_an_unapplied_rope_scaling_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = std::fs::read_to_string(PHI3.data().join("config.json")).unwrap();
     let mut cfg: serde_json::Value = serde_json::from_str(&cfg).unwrap();
     cfg["rope_parameters"] = serde_json::json!({
-        "rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-        "factor": 4.0, "original_max_position_embeddings": 16,
+        "rope_type": "dynamic", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "factor": 4.0,
     });
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
     std::fs::copy(
@@ -163,7 +163,7 @@ fn tiny_phi3_an_unapplied_rope_scaling_is_refused_by_name() {
     let text = err.to_string();
     assert!(matches!(err, EngineError::Unsupported { .. }), "{text}");
     assert!(
-        text.contains("'yarn'") && text.contains("longrope"),
+        text.contains("'dynamic'") && text.contains("yarn, longrope"),
         "{text}"
     );
     assert!(m.memory().iter().all(|(_, b)| *b == 0), "{text}");

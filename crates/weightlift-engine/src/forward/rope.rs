@@ -1,6 +1,13 @@
 //! Rotary position embedding parameters read from the checkpoint: the pairing style, the
 //! rotated dimensions, and the per-pair inverse frequencies with any scaling applied: linear,
-//! Llama 3's, or LongRoPE's (Phi-3's 128k models, Phi-3.5-mini, Phi-4-mini).
+//! Llama 3's, YaRN's (Qwen2.5's and Qwen3's long-context configs) or LongRoPE's (Phi-3's 128k
+//! models, Phi-3.5-mini, Phi-4-mini), from a Hugging Face config or GGUF metadata.
+//!
+//! YaRN keeps the fast-turning pairs as they are, slows the slow ones by `factor`, and blends
+//! the pairs between (those that turn between `beta_slow` and `beta_fast` times over the
+//! pretraining length `original`); the cosine and sine are scaled by an attention factor,
+//! `0.1 · ln factor + 1` unless the config gives one (or `mscale` and `mscale_all_dim`), as
+//! transformers' `_compute_yarn_parameters` and llama.cpp's `rope_yarn` compute them.
 //!
 //! LongRoPE divides each pair's frequency by a factor from one of two lists, `short_factor`
 //! for contexts up to the pretraining length (`original_max_position_embeddings`) and
@@ -26,7 +33,15 @@ const LONGROPE_TENSORS: [&str; 2] = ["rope_factors_long.weight", "rope_factors_s
 
 /// The RoPE scaling types of a config the forward pass applies (`su` is LongRoPE as the first
 /// Phi-3 128k configs wrote it).
-const APPLIED: [&str; 5] = ["default", "linear", "llama3", "longrope", "su"];
+const APPLIED: [&str; 6] = ["default", "linear", "llama3", "yarn", "longrope", "su"];
+
+/// GGUF's YaRN variants beyond the plain one (llama.cpp's key, and the value that leaves
+/// YaRN plain): an extrapolation mix, an extra attention factor, a log multiplier (DeepSeek's).
+const YARN_PLAIN: [(&str, f64); 3] = [
+    ("rope.scaling.yarn_ext_factor", 1.0),
+    ("rope.scaling.yarn_attn_factor", 1.0),
+    ("rope.scaling.yarn_log_multiplier", 0.0),
+];
 
 /// `Ok` unless the checkpoint scales RoPE in a way the forward pass does not run (YaRN,
 /// dynamic NTK, ...: a `rope_scaling` type outside [`APPLIED`], or such a
@@ -45,6 +60,15 @@ pub fn check_rope(source: &dyn Source) -> Result<()> {
         }
     });
     let kind = from_config.map(str::to_owned).or(from_gguf);
+    if let (Some(k @ ("linear" | "yarn")), Some(c)) = (kind.as_deref(), ck)
+        && c.format() == Format::Gguf
+    {
+        let arch = source
+            .spec()
+            .map(|s| s.architecture.clone())
+            .unwrap_or_default();
+        check_gguf_scaling(c.metadata(), &arch, k)?;
+    }
     match kind {
         Some(k) if !APPLIED.contains(&k.as_str()) && k != "none" => Err(EngineError::Unsupported {
             what: format!("rope scaling type '{k}'"),
@@ -56,6 +80,34 @@ pub fn check_rope(source: &dyn Source) -> Result<()> {
         }),
         _ => Ok(()),
     }
+}
+
+/// Refuses GGUF linear or YaRN scaling (`kind`) that [`gguf_scaling`] would not apply as the
+/// file asks: a factor or YaRN's pretraining length missing, or a YaRN variant beyond the plain
+/// one ([`YARN_PLAIN`]).
+fn check_gguf_scaling(md: &weightlift_format::Metadata, arch: &str, kind: &str) -> Result<()> {
+    let num = |key: &str| md.get(&format!("{arch}.{key}")).and_then(MetaValue::as_f64);
+    let mut needed = vec!["rope.scaling.factor"];
+    if kind == "yarn" {
+        needed.push("rope.scaling.original_context_length");
+    }
+    if let Some(key) = needed.iter().find(|k| num(k).is_none_or(|v| v <= 0.0)) {
+        return Err(spec_error(&format!(
+            "{kind} RoPE scaling without a positive {arch}.{key} in the GGUF metadata"
+        )));
+    }
+    for (key, plain) in YARN_PLAIN.iter().filter(|_| kind == "yarn") {
+        if let Some(v) = num(key).filter(|v| v != plain) {
+            return Err(EngineError::Unsupported {
+                what: format!("YaRN with {arch}.{key} = {v}"),
+                detail: format!(
+                    "the forward pass runs plain YaRN ({key} {plain}); a model scaled otherwise \
+                     would run at the wrong angles"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// RoPE pairing and per-pair angles: adjacent pairs for GGUF llama/mistral (whose q/k rows
@@ -113,11 +165,23 @@ pub(super) fn rope_of(
         };
         Some(f32_vector(&m.held[i], &infos[i])?)
     } else {
-        let cfg = m.source.checkpoint().and_then(|c| c.config());
-        match cfg.map(rope_scaling).transpose()?.flatten() {
+        let ck = m.source.checkpoint();
+        let scaling = match (gguf, ck) {
+            (true, Some(c)) => gguf_scaling(c.metadata(), &spec.architecture),
+            _ => ck
+                .and_then(|c| c.config())
+                .map(rope_scaling)
+                .transpose()?
+                .flatten(),
+        };
+        match scaling {
             Some(Scaling::Linear(f)) => {
                 p.freq_scale = 1.0 / f;
                 None
+            }
+            Some(Scaling::Yarn(y)) => {
+                p.attn_factor = y.attn_factor;
+                Some(y.divisors(p.freq_base, p.n_dims))
             }
             Some(Scaling::Llama3 {
                 factor,
@@ -148,6 +212,7 @@ pub(super) fn rope_of(
 
 enum Scaling {
     Linear(f32),
+    Yarn(Yarn),
     Llama3 {
         factor: f32,
         low: f32,
@@ -162,6 +227,117 @@ enum Scaling {
         original: f64,
         attn_factor: f32,
     },
+}
+
+/// YaRN's parameters, as the module documentation describes them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Yarn {
+    pub factor: f64,
+    pub original: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// Whether the band's ends are rounded out to whole pairs (transformers' `truncate`,
+    /// always so in llama.cpp).
+    pub truncate: bool,
+    pub attn_factor: f32,
+}
+
+impl Yarn {
+    /// Per pair of `n_dims` rotated values at base `base`: what its angle is divided by.
+    pub fn divisors(&self, base: f32, n_dims: usize) -> Vec<f32> {
+        let (dim, base) = (n_dims as f64, f64::from(base));
+        // the pair that turns `turns` times over the pretraining length
+        let pair = |turns: f64| {
+            dim * (self.original / (turns * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+        };
+        let (mut low, mut high) = (pair(self.beta_fast), pair(self.beta_slow));
+        if self.truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+        let width = if low == high { 0.001 } else { high - low };
+        (0..n_dims / 2)
+            .map(|i| {
+                // 1 where the pair keeps its angle, 0 where it is slowed by the factor
+                let keep = 1.0 - ((i as f64 - low) / width).clamp(0.0, 1.0);
+                (1.0 / (keep + (1.0 - keep) / self.factor)) as f32
+            })
+            .collect()
+    }
+}
+
+/// `0.1 · mscale · ln factor + 1` (1 without a stretch): YaRN's attention factor.
+fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
+}
+
+/// A config's YaRN (`rope_scaling` or `rope_parameters` `r`), as transformers'
+/// `_compute_yarn_parameters` reads it: the pretraining length at the config's top level, in
+/// `r`, or the config's `max_position_embeddings`; the factor in `r` or the ratio of the two
+/// lengths; `attention_factor`, else from `mscale` and `mscale_all_dim`, else from the factor.
+fn yarn(cfg: &serde_json::Value, r: &serde_json::Value) -> Result<Scaling> {
+    let number = |v: &serde_json::Value, k: &str| v.get(k).and_then(serde_json::Value::as_f64);
+    let original = number(cfg, "original_max_position_embeddings")
+        .or_else(|| number(r, "original_max_position_embeddings"))
+        .or_else(|| number(cfg, "max_position_embeddings"))
+        .ok_or_else(|| spec_error("YaRN without original_max_position_embeddings"))?;
+    let factor = match number(r, "factor") {
+        Some(f) => f,
+        None => {
+            number(cfg, "max_position_embeddings")
+                .ok_or_else(|| spec_error("YaRN without a factor or max_position_embeddings"))?
+                / original
+        }
+    };
+    let nonzero = |k: &str| number(r, k).filter(|&v| v != 0.0);
+    let attn_factor = match (
+        number(r, "attention_factor"),
+        nonzero("mscale"),
+        nonzero("mscale_all_dim"),
+    ) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(all)) => yarn_mscale(factor, m) / yarn_mscale(factor, all),
+        _ => yarn_mscale(factor, 1.0),
+    };
+    Ok(Scaling::Yarn(Yarn {
+        factor,
+        original,
+        beta_fast: nonzero("beta_fast").unwrap_or(32.0),
+        beta_slow: nonzero("beta_slow").unwrap_or(1.0),
+        truncate: r
+            .get("truncate")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(true),
+        attn_factor: attn_factor as f32,
+    }))
+}
+
+/// The RoPE scaling of GGUF metadata that the forward pass applies by angle (linear and
+/// YaRN; Llama 3's and LongRoPE's come as tensors): llama.cpp's keys, its defaults where one
+/// is absent. [`check_rope`] refused YaRN's other variants.
+fn gguf_scaling(md: &weightlift_format::Metadata, arch: &str) -> Option<Scaling> {
+    let num = |key: &str| md.get(&format!("{arch}.{key}")).and_then(MetaValue::as_f64);
+    let kind = match md.get(&format!("{arch}.rope.scaling.type")) {
+        Some(MetaValue::String(t)) => t.as_str(),
+        _ => return None,
+    };
+    let factor = num("rope.scaling.factor").filter(|&f| f > 0.0)?;
+    match kind {
+        "linear" => Some(Scaling::Linear(factor as f32)),
+        "yarn" => Some(Scaling::Yarn(Yarn {
+            factor,
+            original: num("rope.scaling.original_context_length")?,
+            beta_fast: num("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+            beta_slow: num("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+            truncate: true,
+            attn_factor: yarn_mscale(factor, 1.0) as f32,
+        })),
+        _ => None,
+    }
 }
 
 fn spec_error(detail: &str) -> EngineError {
@@ -195,6 +371,7 @@ fn rope_scaling(cfg: &serde_json::Value) -> Result<Option<Scaling>> {
                 original: num("original_max_position_embeddings")?,
             })
         })(),
+        "yarn" => Some(yarn(cfg, r)?),
         "longrope" | "su" => Some(longrope(cfg, r)?),
         _ => None,
     })
@@ -268,4 +445,58 @@ fn llama3_factors(p: &RopeParams, factor: f32, low: f32, high: f32, original: f3
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// YaRN's angles are transformers' (`_compute_yarn_parameters`, recorded by
+    /// `tests/gen_rope_scaling.py` for configs that set each of its knobs: betas,
+    /// `attention_factor`, `mscale` with `mscale_all_dim`, `truncate`): every pair's inverse
+    /// frequency within 2e-6 of it relatively, and the attention factor.
+    #[test]
+    fn yarn_angles_are_transformers() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/data/tiny-qwen3/rope_scaling.json"
+        );
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let cases = doc["yarn_inv_freq"].as_array().unwrap();
+        assert_eq!(cases.len(), 6);
+        for case in cases {
+            let r = &case["rope_parameters"];
+            let cfg = serde_json::json!({
+                "max_position_embeddings": case["max_position_embeddings"],
+                "rope_parameters": r,
+            });
+            let Some(Scaling::Yarn(y)) = rope_scaling(&cfg).unwrap() else {
+                panic!("not read as YaRN: {r}");
+            };
+            let hd = case["head_dim"].as_u64().unwrap() as usize;
+            let p = RopeParams {
+                style: RopeStyle::Neox,
+                head_dim: hd,
+                n_dims: hd,
+                freq_base: r["rope_theta"].as_f64().unwrap() as f32,
+                freq_scale: 1.0,
+                attn_factor: 1.0,
+            };
+            let divisors = y.divisors(p.freq_base, hd);
+            let inv = weightlift_kernels::rope_inv_freqs(&p, Some(&divisors)).unwrap();
+            let want = case["inv_freq"].as_array().unwrap();
+            assert_eq!(inv.len(), want.len(), "{r}");
+            for (i, (got, want)) in inv.iter().zip(want).enumerate() {
+                let want = want.as_f64().unwrap();
+                let err = (f64::from(*got) - want).abs() / want;
+                assert!(err <= 2e-6, "{r}: pair {i}: {got} against {want}");
+            }
+            let attn = case["attention_factor"].as_f64().unwrap();
+            assert!(
+                (f64::from(y.attn_factor) - attn).abs() <= 1e-6,
+                "{r}: {attn}"
+            );
+        }
+    }
 }
