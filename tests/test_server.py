@@ -247,7 +247,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "temperature",
         "valid number",
     ),
-    ("/v1/completions", {"prompt": "hi", "n": 99}, 400, "n", "runs at once, --parallel), got 99"),
+    ("/v1/completions", {"prompt": "hi", "n": 99}, 400, "n", "got 1 prompt(s) × n 99"),
+    ("/v1/completions", {"prompt": ["hi"] * 40}, 400, "prompt", "got 40 prompt(s) × n 1"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
     (
         "/v1/completions",
@@ -615,6 +616,34 @@ def test_n_choices_run_in_slots_of_their_own(demo_gguf: Path, tmp_path: Path):
         assert sorted(finished) == [0, 1]
         assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
         assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
+        # more choices than slots: the rest wait in line and run as slots free
+        five = client.completions.create(**greedy, n=5)
+        assert [c.text for c in five.choices] == [one.choices[0].text] * 5
+        # OpenAI's batch of prompts (what LangChain's completions model sends): prompt p's
+        # choices at p · n + i, each prompt counted once in the usage
+        prompts = ["One, two,", "The capital of France is"]
+        singles = [
+            client.completions.create(**{**greedy, "prompt": p, "max_tokens": 4}) for p in prompts
+        ]
+        batch = client.completions.create(**{**greedy, "prompt": prompts, "max_tokens": 4}, n=2)
+        assert [c.text for c in batch.choices] == [
+            o.choices[0].text for o in singles for _ in range(2)
+        ]
+        assert batch.usage is not None and all(o.usage is not None for o in singles)
+        assert batch.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in singles)  # type: ignore[union-attr]
+        ids = [s.post("/extras/tokenize", json={"input": p}).json()["tokens"] for p in prompts]
+        by_ids = client.completions.create(**{**greedy, "prompt": ids, "max_tokens": 4})
+        assert [c.text for c in by_ids.choices] == [o.choices[0].text for o in singles]
+        streamed = list(
+            client.completions.create(
+                **{**greedy, "prompt": prompts, "max_tokens": 4}, n=2, stream=True
+            )
+        )
+        texts = [
+            "".join(c.choices[0].text for c in streamed if c.choices[0].index == i)
+            for i in range(4)
+        ]
+        assert texts == [c.text for c in batch.choices]
         # a client that leaves mid-stream frees every choice's slot
         body = {"model": model, "prompt": "Count:", "max_tokens": 300, "n": 2, "stream": True}
         with httpx.stream(

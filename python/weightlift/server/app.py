@@ -197,25 +197,32 @@ class Server:
     async def generate(
         self, request: Request, body: _Sampling, method: str, roles: dict[str, str]
     ) -> Response:
-        """Run ``model.<method>(**body.kwargs())`` in a slot of the batch, ``n`` times for ``n``
-        choices (each in its own slot, stepped together); JSON, or SSE when streaming."""
+        """Run ``model.<method>(**body.kwargs())`` in a slot of the batch: ``n`` times for ``n``
+        choices, for each prompt of a batch of prompts (choice ``p · n + i`` is prompt ``p``'s
+        ``i``-th), each generation in a slot of its own, those beyond the free slots waiting in
+        line; JSON, or SSE when streaming."""
         self._check_model(body.model)
         try:
             kwargs = body.kwargs()  # type: ignore[attr-defined]
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(":")[0]) from None
         fields = set(type(body).model_fields)
+        prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
         n = body.n
-        if n > self.slots.parallel:
+        total = len(prompts) * n
+        most = self.slots.parallel + self.slots.queue
+        if total > most:
+            what = "n" if len(prompts) == 1 else "prompt"
             raise APIError(
                 400,
-                f"n: at most {self.slots.parallel} (the generations this server runs at once, "
-                f"--parallel), got {n}",
-                param="n",
+                f"{what}: at most {most} generations a request (--parallel "
+                f"{self.slots.parallel} at once, --queue {self.slots.queue} waiting), got "
+                f"{len(prompts)} prompt(s) × n {n}",
+                param=what,
             )
         admitted = 0
         try:
-            while admitted < n:
+            while admitted < total:
                 self.slots.admit()
                 admitted += 1
         except QueueFull:
@@ -235,15 +242,19 @@ class Server:
         def release() -> None:
             for job in jobs:
                 self.scheduler.cancel(job)  # no-op for one that has ended
-            for _ in range(n):
+            for _ in range(total):
                 self.slots.release()
 
         try:
-            for i in range(n):
-                choice = {**kwargs, "model": self.alias, **_choice_seed(kwargs.get("seed"), i)}
-                jobs.append(self.scheduler.submit(method, choice))
-            # each waits in line for a slot first
-            for job in jobs:
+            for prompt in prompts:
+                own = {} if prompt is None else {"prompt": prompt}
+                for i in range(n):
+                    seed = _choice_seed(kwargs.get("seed"), i)
+                    choice = {**kwargs, **own, "model": self.alias, **seed}
+                    jobs.append(self.scheduler.submit(method, choice))
+            # each waits in line for a slot first; a stream starts once its first choice has
+            # (the others' refusals, as for any error after the headers, are error events)
+            for job in jobs[:1] if body.stream else jobs:
                 event = await self._unless_gone(request, job)
                 if event is None:
                     return Response(status_code=499)  # it left while queued: nobody to answer
@@ -260,10 +271,10 @@ class Server:
                     if kind == "error":
                         raise from_engine(value, fields, roles) from value
                     whole.append((value, t))
-                return JSONResponse(_merged(whole))
+                return JSONResponse(_merged(whole, n))
             handed_over = True
             usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
-            return _SlotStream(self._events(jobs, fields, roles, usage_chunk), release)
+            return _SlotStream(self._events(jobs, n, fields, roles, usage_chunk), release)
         finally:
             if not handed_over:
                 release()
@@ -281,14 +292,14 @@ class Server:
                 return None
 
     async def _events(
-        self, jobs: list[Job], fields: set[str], roles: dict[str, str], usage_chunk: bool
+        self, jobs: list[Job], n: int, fields: set[str], roles: dict[str, str], usage_chunk: bool
     ) -> AsyncIterator[str]:
         """``data: {chunk}`` per chunk, ``data: [DONE]`` at the end. Each choice's chunks carry
         its index and the first choice's id; the chunk with the last finish reason carries
-        ``usage`` (of every choice) and ``timings`` (as llama.cpp's server sends them), and
-        with ``usage_chunk`` (OpenAI's ``include_usage``) one more chunk follows it, with no
-        choices and the usage. A client that goes away cancels this body, and the release ends
-        the generations at once."""
+        ``usage`` (of every choice, ``n`` a prompt) and ``timings`` (as llama.cpp's server
+        sends them), and with ``usage_chunk`` (OpenAI's ``include_usage``) one more chunk
+        follows it, with no choices and the usage. A client that goes away cancels this body,
+        and the release ends the generations at once."""
         pending = {i: asyncio.ensure_future(job.next()) for i, job in enumerate(jobs)}
         closing: dict[int, dict[str, Any]] = {}  # each choice's chunk with its finish reason
         usage: dict[int, dict[str, int]] = {}
@@ -298,7 +309,9 @@ class Server:
                 done, _ = await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
                 for i in sorted(i for i, f in pending.items() if f in done):
                     kind, value, t = pending.pop(i).result()
-                    if kind == "chunk":
+                    if kind == "started":  # a choice that waited for a slot
+                        pending[i] = asyncio.ensure_future(jobs[i].next())
+                    elif kind == "chunk":
                         pending[i] = asyncio.ensure_future(jobs[i].next())
                         rid = rid or value["id"]
                         value["id"] = rid
@@ -317,7 +330,7 @@ class Server:
                         if pending and last is not None:
                             yield _sse(last)
                         elif last is not None:
-                            total = _total_usage(list(usage.values()))
+                            total = _total_usage(usage, n)
                             last["usage"] = total
                             last["timings"] = timings(t)
                             yield _sse(last)
@@ -346,27 +359,30 @@ def _choice_seed(seed: int | None, i: int) -> dict[str, int]:
     return {"seed": (seed + i) % 2**64}
 
 
-def _total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
-    """The usage of a request's choices: its prompt once, every choice's completion."""
-    prompt = usages[0]["prompt_tokens"]
-    completion = sum(u["completion_tokens"] for u in usages)
+def _total_usage(usages: dict[int, dict[str, int]], n: int) -> dict[str, int]:
+    """The usage of a request's choices, by index (``n`` a prompt): each prompt once, every
+    choice's completion."""
+    prompt = sum(u["prompt_tokens"] for i, u in usages.items() if i % n == 0)
+    completion = sum(u["completion_tokens"] for u in usages.values())
     return {
-        **usages[0],
+        **usages[min(usages)],
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
 
 
-def _merged(whole: list[tuple[dict[str, Any], Any]]) -> dict[str, Any]:
-    """One response of a request's choices (the whole result of each, with its timings): the
-    first's, with every choice at its index and their usage; the last choice's timings."""
+def _merged(whole: list[tuple[dict[str, Any], Any]], n: int) -> dict[str, Any]:
+    """One response of a request's choices (the whole result of each, with its timings, ``n``
+    a prompt): the first's, with every choice at its index and their usage; the last choice's
+    timings."""
     first = whole[0][0]
     choices = []
     for i, (value, _) in enumerate(whole):
         for c in value["choices"]:
             c["index"] = i
             choices.append(c)
-    usage = _total_usage([value["usage"] for value, _ in whole])
+    usage = _total_usage({i: value["usage"] for i, (value, _) in enumerate(whole)}, n)
     return {**first, "choices": choices, "usage": usage, "timings": timings(whole[-1][1])}
 
 

@@ -4,7 +4,7 @@
 Fields outside this list (``user``, ``service_tier``, ...) are ignored, as there. Fields whose
 behaviour is not implemented refuse any value but their neutral one, by name. Some of OpenAI's
 fields that llama-cpp-python's server ignores are taken as OpenAI's API defines them: ``n``
-(choices, each in a slot of its own), ``max_completion_tokens`` (chat's name for ``max_tokens``
+(choices, each in a slot of its own), a list of prompts, ``max_completion_tokens`` (chat's name for ``max_tokens``
 since the latter was deprecated there) and ``stream_options.include_usage``.
 """
 
@@ -78,23 +78,25 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
-    # A string, or token ids (OpenAI's form); a list of strings holds at most one prompt.
-    prompt: str | list[int] | list[str] = ""
+    # A string or token ids, or a list of either: OpenAI's batch of prompts, each answered by
+    # its own choices
+    prompt: str | list[int] | list[str] | list[list[int]] = ""
     suffix: str | None = None
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     best_of: int | None = Field(1, ge=1, le=1)
 
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: its one, or each of its list (none is one empty prompt)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return list(p)  # type: ignore[arg-type]
+        return [p or ""]  # type: ignore[list-item]
+
     def kwargs(self) -> dict[str, Any]:
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) > 1:
-                # The checks of pydantic come first; this one is raised by the caller.
-                raise ValueError("prompt: one prompt per request, got a list of several")
-            prompt = prompt[0]
         return {
-            "prompt": prompt or "",
+            "prompt": self.prompts()[0],
             "suffix": self.suffix,
             "max_tokens": self.max_tokens,
             "echo": self.echo,
