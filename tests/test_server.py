@@ -249,6 +249,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ),
     ("/v1/completions", {"prompt": "hi", "n": 99}, 400, "n", "got 1 prompt(s) × n 99"),
     ("/v1/completions", {"prompt": ["hi"] * 40}, 400, "prompt", "got 40 prompt(s) × n 1"),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt", "below the vocabulary size 49152"),
+    ("/v1/completions", {"prompt": [[5], []]}, 400, "prompt", "expected at least one token"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
     (
         "/v1/completions",

@@ -75,6 +75,8 @@ ENGINE_ERRORS: tuple[tuple[type[BaseException], int, str, str, str | None], ...]
 )
 
 _LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[[^\]]*\])*:")
+# The engine's refusals of token ids: the ids of the request's prompt.
+_TOKEN_IDS = re.compile(r"^token ids?\b")
 
 
 def from_engine(e: Exception, fields: Collection[str], roles: dict[str, str]) -> APIError:
@@ -83,6 +85,8 @@ def from_engine(e: Exception, fields: Collection[str], roles: dict[str, str]) ->
     message = " ".join(str(e).split()) or type(e).__name__
     _, status, kind, code, role = next(row for row in ENGINE_ERRORS if isinstance(e, row[0]))
     m = _LEADING_FIELD.match(message)
+    if _TOKEN_IDS.match(message):
+        role = "prompt"
     param = m.group(1) if m and m.group(1) in fields else roles.get(role or "")
     return APIError(status, message, type=kind, param=param, code=code)
 
