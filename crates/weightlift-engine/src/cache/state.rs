@@ -23,8 +23,8 @@
 
 use weightlift_kernels::KvFormat;
 
-use super::stored_rows::recode;
-use super::{Cache, CacheDType, formats};
+use super::stored_rows::{halves_of, recode};
+use super::{Cache, CacheDType};
 use crate::error::{EngineError, Result, invalid};
 
 const MAGIC: &[u8; 8] = b"WLKVSTAT";
@@ -150,7 +150,6 @@ impl Cache {
         }
         self.check_whole_split("load_state")?;
         self.reset();
-        let mine = self.halves();
         let restored = state.layers.iter().enumerate().try_for_each(|(l, (k, v))| {
             let start = state.starts[l];
             self.set_floor(l, start);
@@ -161,16 +160,12 @@ impl Cache {
             }
             let (row, n) = (rows[l] as usize, (state.seq_len - from) as usize);
             let skip = (from - start) as usize * row;
-            let mut bytes = [Vec::new(), Vec::new()];
-            for (h, half) in [k, v].into_iter().enumerate() {
-                let kept = match state.heads_first {
-                    true => self.heads_first_to_rows(l, half, state.seq_len - start)
-                        [saved[h].byte_at(skip)..]
-                        .to_vec(),
-                    false => half[saved[h].byte_at(skip)..].to_vec(),
-                };
-                bytes[h] = recode(saved[h], mine[h], kept, n * row)?;
-            }
+            let kept = [(k, saved[0]), (v, saved[1])].map(|(half, f)| match state.heads_first {
+                true => self.heads_first_to_rows(l, half, state.seq_len - start)[f.byte_at(skip)..]
+                    .to_vec(),
+                false => half[f.byte_at(skip)..].to_vec(),
+            });
+            let bytes = recode(state.dtype, self.config.dtype, kept, n * row)?;
             self.put_stored_rows(l, from, n as u64, &bytes)
         });
         if restored.is_err() {
@@ -290,13 +285,9 @@ impl Cache {
     /// Positions `start..end` of `layer` from `donor`'s rows into this cache's: their bytes
     /// where both store them alike, else decoded and encoded again.
     fn copy_rows(&self, donor: &Cache, layer: usize, start: u64, end: u64) -> Result<()> {
-        let [k, v] = donor.stored_rows(layer, start, end)?;
+        let rows = donor.stored_rows(layer, start, end)?;
         let values = (end - start) as usize * self.config.row(layer) as usize;
-        let (from, to) = (donor.halves(), self.halves());
-        let bytes = [
-            recode(from[0], to[0], k, values)?,
-            recode(from[1], to[1], v, values)?,
-        ];
+        let bytes = recode(donor.config.dtype, self.config.dtype, rows, values)?;
         self.put_stored_rows(layer, start, end - start, &bytes)
     }
 
@@ -409,10 +400,7 @@ impl CacheState {
             }
             _ => CacheDType::F32,
         };
-        let halves = {
-            let (k, v) = formats(dtype);
-            [k, v]
-        };
+        let halves = halves_of(dtype);
         let mut layers = Vec::with_capacity(n_layers);
         for (&row, &start) in rows.iter().zip(&starts) {
             // every format takes more than half a byte a value: a count the record cannot
@@ -458,8 +446,7 @@ impl CacheState {
 
     /// How `layers` are stored, K then V.
     fn halves(&self) -> [KvFormat; 2] {
-        let (k, v) = formats(self.dtype);
-        [k, v]
+        halves_of(self.dtype)
     }
 }
 

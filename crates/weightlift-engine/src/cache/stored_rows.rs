@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 
 use weightlift_kernels::KvFormat;
 
-use super::{Cache, byte_runs, formats, held, held_mut, kernel};
+use super::{Cache, CacheDType, byte_runs, formats, held, held_mut, kernel};
 use crate::error::{EngineError, Result, invalid};
 
 /// K then V.
@@ -124,8 +124,7 @@ impl Cache {
 
     /// How this cache stores keys and values.
     pub(super) fn halves(&self) -> [KvFormat; 2] {
-        let (k, v) = formats(self.config.dtype);
-        [k, v]
+        halves_of(self.config.dtype)
     }
 
     /// Where heads `a..b` of `layer` lie in one stored row of format `f`: first byte, bytes.
@@ -150,20 +149,33 @@ impl Cache {
     }
 }
 
-/// `bytes` of `values` values stored as `from`, stored as `to` instead: the same bytes where
-/// the formats agree, else decoded and encoded again (within `to`'s bound of the values).
+/// How a cache of `dtype` stores keys and values.
+pub(super) fn halves_of(dtype: CacheDType) -> [KvFormat; 2] {
+    let (k, v) = formats(dtype);
+    [k, v]
+}
+
+/// Rows of `values` values a half stored as a cache of `from` stores them, stored as one of
+/// `to` does instead: the same bytes where the formats agree, else decoded and encoded again
+/// (within `to`'s bound of the values).
 pub(super) fn recode(
-    from: KvFormat,
-    to: KvFormat,
-    bytes: Vec<u8>,
+    from: CacheDType,
+    to: CacheDType,
+    bytes: RowBytes,
     values: usize,
-) -> Result<Vec<u8>> {
-    if from == to {
-        return Ok(bytes);
+) -> Result<RowBytes> {
+    let (from, to) = (halves_of(from), halves_of(to));
+    let mut out = [Vec::new(), Vec::new()];
+    for (h, bytes) in bytes.into_iter().enumerate() {
+        out[h] = if from[h] == to[h] {
+            bytes
+        } else {
+            let mut x = vec![0f32; values];
+            weightlift_kernels::kv_decode(from[h], &bytes, &mut x).map_err(kernel)?;
+            let mut again = vec![0u8; to[h].byte_at(values)];
+            weightlift_kernels::kv_encode(to[h], &x, &mut again).map_err(kernel)?;
+            again
+        };
     }
-    let mut x = vec![0f32; values];
-    weightlift_kernels::kv_decode(from, &bytes, &mut x).map_err(kernel)?;
-    let mut out = vec![0u8; to.byte_at(values)];
-    weightlift_kernels::kv_encode(to, &x, &mut out).map_err(kernel)?;
     Ok(out)
 }

@@ -168,41 +168,47 @@ pub(crate) mod imp {
     /// f32 dot product.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `a.len() == b.len()`.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU must support AVX2, FMA and F16C (what `Isa`'s AVX2 level checks); `a.len() ==
+    /// b.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: dot_by_avx2 loads 8 values at `at` only while at + 8 <= n.
+        let load = |at: usize| unsafe { _mm256_loadu_ps(b.as_ptr().add(at)) };
+        dot_by_avx2(a, n, load, |j| b[j])
+    }
+
+    /// The sums of [`dot_f32_avx2`] over `a` and a row of `n` values whose 8 values at `at`
+    /// `load(at)` reads and whose value `j` `value(j)` reads (an f32 row, or an f16 cache row
+    /// widened in place): four accumulators 8 values apart, then one, then one by one. F16C
+    /// too, so that a loader that widens f16 inlines here.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn dot_by_avx2(
+        a: &[f32],
+        n: usize,
+        load: impl Fn(usize) -> __m256,
+        value: impl Fn(usize) -> f32,
+    ) -> f32 {
+        let n = n.min(a.len());
+        // SAFETY (each call): callers read at most n <= a.len() values from `at`.
+        let x = |at: usize| unsafe { _mm256_loadu_ps(a.as_ptr().add(at)) };
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
             for (k, acc_k) in acc.iter_mut().enumerate() {
-                // SAFETY: i + 32 <= n.
-                unsafe {
-                    *acc_k = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(pa.add(i + 8 * k)),
-                        _mm256_loadu_ps(pb.add(i + 8 * k)),
-                        *acc_k,
-                    );
-                }
+                *acc_k = _mm256_fmadd_ps(x(i + 8 * k), load(i + 8 * k), *acc_k);
             }
             i += 32;
         }
         while i + 8 <= n {
-            // SAFETY: i + 8 <= n.
-            unsafe {
-                acc[0] = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(i)),
-                    _mm256_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
-            }
+            acc[0] = _mm256_fmadd_ps(x(i), load(i), acc[0]);
             i += 8;
         }
         let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let mut s = hsum(v);
-        for j in i..n {
-            s += a[j] * b[j];
+        for (j, aj) in a.iter().enumerate().take(n).skip(i) {
+            s += aj * value(j);
         }
         s
     }
@@ -428,32 +434,41 @@ pub(crate) mod imp {
     /// f32 dot product with 512-bit FMAs.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F; `a.len() == b.len()`.
-    #[target_feature(enable = "avx512f")]
+    /// The CPU must support AVX-512F, AVX2 and F16C (what `Isa`'s AVX-512 level checks);
+    /// `a.len() == b.len()`.
+    #[target_feature(enable = "avx2,f16c,avx512f")]
     pub unsafe fn dot_f32_avx512(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: dot_by_avx512 loads 16 values at `at` only while at + 16 <= n.
+        let load = |at: usize| unsafe { _mm512_loadu_ps(b.as_ptr().add(at)) };
+        dot_by_avx512(a, n, load, |j| b[j])
+    }
+
+    /// The sums of [`dot_f32_avx512`] over `a` and a row of `n` values read by `load` (16 at
+    /// `at`) and `value` (value `j`), as [`dot_by_avx2`]: two accumulators 16 values apart,
+    /// reduced by `_mm512_reduce_add_ps`, then one by one.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,avx512f")]
+    pub fn dot_by_avx512(
+        a: &[f32],
+        n: usize,
+        load: impl Fn(usize) -> __m512,
+        value: impl Fn(usize) -> f32,
+    ) -> f32 {
+        let n = n.min(a.len());
         let mut acc = [_mm512_setzero_ps(); 2];
         let mut i = 0;
         while i + 32 <= n {
-            // SAFETY: i + 32 <= n.
-            unsafe {
-                acc[0] = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(pa.add(i)),
-                    _mm512_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
-                acc[1] = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(pa.add(i + 16)),
-                    _mm512_loadu_ps(pb.add(i + 16)),
-                    acc[1],
-                );
+            for (k, acc_k) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 32 <= n <= a.len().
+                let x = unsafe { _mm512_loadu_ps(a.as_ptr().add(i + 16 * k)) };
+                *acc_k = _mm512_fmadd_ps(x, load(i + 16 * k), *acc_k);
             }
             i += 32;
         }
         let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-        for j in i..n {
-            s += a[j] * b[j];
+        for (j, aj) in a.iter().enumerate().take(n).skip(i) {
+            s += aj * value(j);
         }
         s
     }

@@ -14,6 +14,7 @@ use super::math::{exp8, exp16, hmax8, mask8, mask16};
 use crate::cpu::attention::{FOLD_KEYS, Fold, KT_VALUES, MAX_SIMD_HEAD_DIM, Task};
 use crate::cpu::attention_rows::add_weighted_rows;
 use crate::cpu::exp::exp_twin;
+use crate::cpu::x86::imp::{dot_by_avx2, dot_by_avx512};
 
 /// Query rows that meet a step's keys together.
 pub(super) const BLOCK: usize = 4;
@@ -330,32 +331,18 @@ pub(crate) unsafe fn add_weighted_rows_avx2(o: &mut [f32], p: &[f32], v: &[f32],
 }
 
 /// `dot_f32_avx512` (in `x86`) of `a` with the f16 values `b`, each widened as the cache's
-/// f16 decoding widens it (F16C; the tail as its tail): the same sums in the same order, so
-/// the bits of the dot with the decoded row.
+/// f16 decoding widens it (F16C; the tail as its tail): its loop (`dot_by_avx512`), so the
+/// bits of the dot with the decoded row.
 ///
 /// # Safety
 /// AVX-512F and F16C.
 #[target_feature(enable = "avx2,f16c,avx512f")]
 pub(crate) unsafe fn dot_f16_avx512(a: &[f32], b: &[u16]) -> f32 {
     let n = a.len().min(b.len());
-    let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); 2];
-    let mut i = 0;
-    while i + 32 <= n {
-        // SAFETY: i + 32 <= n values of both.
-        unsafe {
-            for (k, acc_k) in acc.iter_mut().enumerate() {
-                let w = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(i + 16 * k).cast()));
-                *acc_k = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16 * k)), w, *acc_k);
-            }
-        }
-        i += 32;
-    }
-    let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-    for j in i..n {
-        s += a[j] * crate::cpu::half::f16_to_f32(b[j]);
-    }
-    s
+    // SAFETY: dot_by_avx512 loads 16 values at `at` only while at + 16 <= n.
+    let load =
+        |at: usize| unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(b.as_ptr().add(at).cast())) };
+    dot_by_avx512(a, n, load, |j| crate::cpu::half::f16_to_f32(b[j]))
 }
 
 /// [`dot_f16_avx512`] of `a` with 16 rows of f16 values (row `k` at `rows[k · stride..]`),
@@ -422,41 +409,17 @@ pub(crate) unsafe fn dot16_f16_avx512(a: &[f32], rows: &[u16], stride: usize, ou
     unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(rows_in_order, last)) };
 }
 
-/// `dot_f32_avx2` (in `x86`) of `a` with the f16 values `b`, as [`dot_f16_avx512`].
+/// `dot_f32_avx2` (in `x86`) of `a` with the f16 values `b`, through its loop
+/// (`dot_by_avx2`) as [`dot_f16_avx512`] goes through the 512-bit one.
 ///
 /// # Safety
 /// AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_f16_avx2(a: &[f32], b: &[u16]) -> f32 {
     let n = a.len().min(b.len());
-    let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    // SAFETY (both loads): callers read at most n values of each from `at`.
-    let load = |at: usize| unsafe {
-        (
-            _mm256_loadu_ps(pa.add(at)),
-            _mm256_cvtph_ps(_mm_loadu_si128(pb.add(at).cast())),
-        )
-    };
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
-    while i + 32 <= n {
-        for (k, acc_k) in acc.iter_mut().enumerate() {
-            let (x, w) = load(i + 8 * k);
-            *acc_k = _mm256_fmadd_ps(x, w, *acc_k);
-        }
-        i += 32;
-    }
-    while i + 8 <= n {
-        let (x, w) = load(i);
-        acc[0] = _mm256_fmadd_ps(x, w, acc[0]);
-        i += 8;
-    }
-    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    let mut s = crate::cpu::x86::imp::hsum(v);
-    for j in i..n {
-        s += a[j] * crate::cpu::half::f16_to_f32(b[j]);
-    }
-    s
+    // SAFETY: dot_by_avx2 loads 8 values at `at` only while at + 8 <= n.
+    let load = |at: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(at).cast())) };
+    dot_by_avx2(a, n, load, |j| crate::cpu::half::f16_to_f32(b[j]))
 }
 
 /// The step form's values pass (`attention::add_weighted_rows`) over an f16 cache's value
