@@ -212,6 +212,13 @@ def test_models_and_health(server: Server):
     assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
 
 
+# A response format whose schema has a keyword the grammar converter refuses (a forced tool's
+# such schema falls back to any JSON object, as in llama-cpp-python), and a tool whose schema
+# is not one.
+_PATTERN = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}
+_SCHEMA_PATTERN = {"type": "json_schema", "json_schema": {"name": "code", "schema": _PATTERN}}
+_TOOL_BAD = {"type": "function", "function": {"name": "look_up", "parameters": {"type": "text"}}}
+
 # Bad requests: (path, body, status, the field the error names, words of its message).
 BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", b'{"prompt": "hi",', 400, None, "malformed JSON"),
@@ -258,6 +265,37 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         400,
         "logit_bias",
         "vocabulary size 49152, got 99999",
+    ),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature", "finite"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}', 400, "top_p", "finite"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**40}, 400, "top_k", "less than or equal"),
+    # the sampler's own checks name the field too
+    ("/v1/completions", {"prompt": "hi", "repeat_penalty": 0}, 400, "repeat_penalty", "> 0"),
+    ("/v1/completions", {"prompt": "hi", "repeat_penalty": 1e300}, 400, "repeat_penalty", "inf"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": {"a": 1}}]},
+        400,
+        "messages",
+        "a string or a list of parts",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": _SCHEMA_PATTERN},
+        400,
+        "response_format",
+        "keyword 'pattern'",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [_TOOL_BAD],
+            "tool_choice": {"type": "function", "function": {"name": "look_up"}},
+        },
+        400,
+        "tools",
+        "expected a type name",
     ),
     ("/v1/completions", {"prompt": "hi", "seed": -2}, 400, "seed", "greater than or equal to -1"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed", "less than or equal to"),

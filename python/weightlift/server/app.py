@@ -491,8 +491,20 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        grammar = "response_format" if body.response_format and not body.grammar else "grammar"
-        roles = {"prompt": "messages", "grammar": grammar}
+        roles = {"prompt": "messages", "grammar": _grammar_field(body)}
         return await server.generate(request, body, "create_chat_completion", roles)
 
     return app
+
+
+def _grammar_field(body: ChatCompletionRequest) -> str:
+    """The field a chat's grammar comes from, which its errors name: ``grammar`` when given,
+    else ``response_format``'s schema, else the parameters schema of the tool (or legacy
+    function) that ``tool_choice`` (``function_call``) names."""
+    if body.grammar:
+        return "grammar"
+    if body.response_format:
+        return "response_format"
+    if isinstance(body.tool_choice, dict):
+        return "tools"
+    return "functions" if isinstance(body.function_call, dict) else "grammar"

@@ -74,9 +74,16 @@ ENGINE_ERRORS: tuple[tuple[type[BaseException], int, str, str, str | None], ...]
     (Exception, 500, SERVER, "internal_error", None),
 )
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[[^\]]*\])*:")
-# The engine's refusals of token ids: the ids of the request's prompt.
-_TOKEN_IDS = re.compile(r"^token ids?\b")
+# A message that starts with a field's name, or a path in it (`top_p:`, `logit_bias[5]:`,
+# `response_format.json_schema.schema.minimum:`), after the sampler's word `sampling`.
+_LEADING_FIELD = re.compile(r"^(?:sampling )?([a-z_]+)(?:\[[^\]]*\]|\.[\w$]+)*:")
+# Messages that name no field but are about one the request used: its token ids and its
+# messages' contents are the prompt's, a JSON schema's keywords the grammar's.
+_ROLE_OF_MESSAGE = (
+    (re.compile(r"^token ids?\b"), "prompt"),
+    (re.compile(r"^message\b"), "prompt"),
+    (re.compile(r"^json schema\b"), "grammar"),
+)
 
 
 def from_engine(e: Exception, fields: Collection[str], roles: dict[str, str]) -> APIError:
@@ -84,9 +91,8 @@ def from_engine(e: Exception, fields: Collection[str], roles: dict[str, str]) ->
     (a message that starts with one names it), ``roles`` map "prompt"/"grammar" to fields."""
     message = " ".join(str(e).split()) or type(e).__name__
     _, status, kind, code, role = next(row for row in ENGINE_ERRORS if isinstance(e, row[0]))
+    role = next((r for pattern, r in _ROLE_OF_MESSAGE if pattern.match(message)), role)
     m = _LEADING_FIELD.match(message)
-    if _TOKEN_IDS.match(message):
-        role = "prompt"
     param = m.group(1) if m and m.group(1) in fields else roles.get(role or "")
     return APIError(status, message, type=kind, param=param, code=code)
 

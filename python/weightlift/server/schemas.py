@@ -27,29 +27,31 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """The fields both endpoints share."""
+    """The fields both endpoints share. The sampling numbers must be finite: pydantic would
+    otherwise take NaN or infinity and judge it against the bounds, which says the wrong thing."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: float = Field(0.8, ge=0.0)
-    top_p: float = Field(0.95, ge=0.0, le=1.0)
-    min_p: float = Field(0.05, ge=0.0, le=1.0)
-    top_k: int = Field(40, ge=0)
+    temperature: float = Field(0.8, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(0.95, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_p: float = Field(0.05, ge=0.0, le=1.0, allow_inf_nan=False)
+    # the engine's top_k is an i32
+    top_k: int = Field(40, ge=0, le=2**31 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # -1 asks for a random seed, as in llama.cpp
     seed: int | None = Field(None, ge=-1, le=2**64 - 1)
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    repeat_penalty: float = Field(1.1, ge=0.0)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.1, ge=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     # "tokens" (keys as token text) is llama-cpp-python's own; token ids only here.
     logit_bias_type: Literal["input_ids"] | None = None
     mirostat_mode: int = Field(0, ge=0, le=2)
-    mirostat_tau: float = Field(5.0, ge=0.0, le=10.0)
-    mirostat_eta: float = Field(0.1, ge=0.001, le=1.0)
+    mirostat_tau: float = Field(5.0, ge=0.0, le=10.0, allow_inf_nan=False)
+    mirostat_eta: float = Field(0.1, ge=0.001, le=1.0, allow_inf_nan=False)
     grammar: str | None = None
     # choices, each generated in a slot of its own (at most --parallel); no minimum length
     n: int = Field(1, ge=1)
