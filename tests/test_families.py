@@ -65,6 +65,13 @@ def gguf_types(family: str) -> list[str]:
     return list(stats(FAMILIES[family][0]).get("gguf", {}))
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``weightlift ARGS``, which must exit 0."""
+    p = subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
 def checkpoints(family: str) -> list[Path]:
     """The family's safetensors folder, then each of its GGUF files."""
     folder = FAMILIES[family][0]
@@ -171,6 +178,70 @@ def test_qwen3_head_dim_is_read_not_derived():
     assert wl.open(QWEN3).spec.head_dim == 32  # hidden 64 / 4 heads would be 16
 
 
+def _gguf_and_folder(folder: Path) -> list[Path]:
+    return [folder, *sorted(folder.glob("*-F16.gguf"))]
+
+
+def test_inspect_shows_the_experts_the_window_and_the_rope_scaling(tmp_path):
+    # what the layers do beyond the spec, read as plans and the forward pass read it, against
+    # the fixtures' config.json (written by transformers), what transformers' models routed
+    # (stats.json) and the GGUF metadata llama.cpp's converter wrote, from both formats
+    for family in ["mixtral", "qwen3moe", "qwen3moe-narrow", "qwen3moe-mixed"]:
+        folder = FAMILIES[family][0]
+        c = json.loads((folder / "config.json").read_text())
+        routed = stats(folder).get("routing", {}).get("layers", range(c["num_hidden_layers"]))
+        want = {
+            "n_experts": c.get("num_local_experts") or c["num_experts"],
+            "n_used": c["num_experts_per_tok"],
+            "expert_ffn": c.get("moe_intermediate_size") or c["intermediate_size"],
+            # Mixtral renormalises whatever its config says
+            "norm_topk_prob": c.get("norm_topk_prob", True),
+            "dense_layers": sorted(set(range(c["num_hidden_layers"])) - set(routed)),
+        }
+        for path in _gguf_and_folder(folder):
+            ck = wl.open(path)
+            assert (ck.experts, ck.sliding_window, ck.rope_scaling) == (want, None, None), path
+    for name in ["tiny-gemma2", "tiny-gemma3"]:
+        c = json.loads((DATA / name / "config.json").read_text())
+        sliding = [i for i, t in enumerate(c["layer_types"]) if t == "sliding_attention"]
+        want = {"window": c["sliding_window"], "layers": sliding}
+        # Gemma 3 scales its global layers' RoPE only
+        rp = c.get("rope_parameters", {}).get("full_attention", {})
+        scaled = rp.get("rope_type") == "linear"
+        assert scaled == (name == "tiny-gemma3")
+        for path in _gguf_and_folder(DATA / name):
+            ck = wl.open(path)
+            assert (ck.experts, ck.sliding_window) == (None, want), path
+            from_ = "metadata" if path.suffix == ".gguf" else "config.json"
+            rope = {"kind": "linear", "factor": rp.get("factor"), "original_context": None}
+            rope |= {"from": from_, "layers": "full_attention"}
+            assert ck.rope_scaling == (rope if scaled else None), path
+    c = json.loads((PHI3 / "config.json").read_text())
+    original = c["rope_parameters"]["original_max_position_embeddings"]
+    stretch = c["max_position_embeddings"] / original
+    for path, source in [(PHI3, "config.json"), (PHI3 / "tiny-phi3-F16.gguf", "tensors")]:
+        want = {"kind": "longrope", "factor": stretch, "original_context": original}
+        assert wl.open(path).rope_scaling == {**want, "from": source, "layers": "all"}, path
+    for variant, v in ROPE_SCALING["variants"].items():
+        r = v["rope_parameters"]
+        original = r.get("original_max_position_embeddings")
+        want = {"kind": r["rope_type"], "factor": r["factor"], "original_context": original}
+        want["layers"] = "all"
+        folder, path = _scaled_qwen3(tmp_path / variant, variant)
+        assert wl.open(folder).rope_scaling == {**want, "from": "config.json"}
+        assert wl.open(path).rope_scaling == {**want, "from": "metadata"}
+    assert wl.open(QWEN3).experts is None and wl.open(QWEN3).rope_scaling is None
+    # and the command's lines
+    out = run_cli("inspect", str(DATA / "tiny-gemma3" / "tiny-gemma3-F16.gguf")).stdout
+    assert "attention     a window of 8 tokens on layers 0-4 (5 of 6)" in out
+    assert "rope scaling  linear ×8 on the full-attention layers (metadata)" in out
+    out = run_cli("inspect", str(FAMILIES["qwen3moe-mixed"][0])).stdout
+    assert "experts       4 a layer, 2 a token, ffn 32, chosen weights renormalised, " in out
+    assert "dense layers 0, 2-4" in out
+    out = run_cli("inspect", str(PHI3 / "tiny-phi3-F16.gguf")).stdout
+    assert "rope scaling  longrope ×8 from 8 positions (tensors)" in out
+
+
 def _phi3_gguf_with(path: Path, keys: dict[str, Any]) -> Path:
     """The phi3 fixture's F16 GGUF with more metadata keys, written by gguf-py."""
     src = gguf.GGUFReader(PHI3 / "tiny-phi3-F16.gguf")
@@ -219,8 +290,12 @@ def test_an_unapplied_rope_scaling_in_gguf_is_refused_by_name(tmp_path, keys, wo
     path = _phi3_gguf_with(tmp_path / "scaled.gguf", keys)
     assert wl.open(path).spec.architecture == "phi3"
     assert wl.plan(path, devices="cpu").architecture == "phi3"
-    with pytest.raises(wl.UnsupportedError, match=re.escape(words)):
-        wl.load_gguf(path, n_ctx=64)
+    lines = run_cli("inspect", str(path)).stdout.splitlines()
+    warning = next(ln for ln in lines if ln.startswith("warning"))
+    assert warning.startswith("warning       rope scaling: ") and words in warning
+    for refused in (lambda: wl.open(path).rope_scaling, lambda: wl.load_gguf(path, n_ctx=64)):
+        with pytest.raises(wl.UnsupportedError, match=re.escape(words)):
+            refused()
 
 
 ROPE_SCALING = json.loads((QWEN3 / "rope_scaling.json").read_text())
@@ -232,20 +307,13 @@ def _exact_logits(path: Path, ids: list[int]) -> np.ndarray:
     return m.forward(ids, logits="all").astype(np.float64)
 
 
-@pytest.mark.parametrize("variant", ["yarn", "linear"])
-def test_rope_scaled_by_config_or_gguf_metadata_is_transformers(tmp_path, variant):
-    # tiny-qwen3's weights with config.json's rope_parameters set to YaRN (Qwen2.5's and
-    # Qwen3's long-context recipe) or linear scaling, and the F16 GGUF llama.cpp's converter
-    # writes for that folder (its header kept, its tensors tiny-qwen3-F16.gguf's): each within
-    # 1e-3 of transformers, the same argmax, and no farther from llama.cpp than llama.cpp is
-    # from transformers (its f16 KV cache) plus that
+def _scaled_qwen3(tmp_path: Path, variant: str) -> tuple[Path, Path]:
+    """tiny-qwen3 with RoPE scaling ``variant``: its folder with config.json's
+    ``rope_parameters`` set so, and the F16 GGUF llama.cpp's converter writes for that folder
+    (its header kept, its tensors tiny-qwen3-F16.gguf's, the whole checked by its sha256)."""
     v = ROPE_SCALING["variants"][variant]
-    ids = stats(QWEN3)["ids"]
-    hf = np.load(QWEN3 / f"hf_logits_{variant}.npy").astype(np.float64)
-    plain = np.load(QWEN3 / "hf_logits.npy").astype(np.float64)
-    assert np.abs(hf - plain).max() > 1.0  # the scaling moves the logits far past 1e-3
     folder = tmp_path / "hf"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((QWEN3 / name).read_bytes())
     config = json.loads((QWEN3 / "config.json").read_text())
@@ -256,6 +324,21 @@ def test_rope_scaled_by_config_or_gguf_metadata_is_transformers(tmp_path, varian
     base_offset = gguf.GGUFReader(QWEN3 / v["gguf_data_from"]).data_offset
     path.write_bytes((QWEN3 / v["gguf_header"]).read_bytes() + data[base_offset:])
     assert hashlib.sha256(path.read_bytes()).hexdigest() == v["gguf_sha256"]
+    return folder, path
+
+
+@pytest.mark.parametrize("variant", ["yarn", "linear"])
+def test_rope_scaled_by_config_or_gguf_metadata_is_transformers(tmp_path, variant):
+    # tiny-qwen3's weights with config.json's rope_parameters set to YaRN (Qwen2.5's and
+    # Qwen3's long-context recipe) or linear scaling, and the F16 GGUF llama.cpp's converter
+    # writes for that folder (its header kept, its tensors tiny-qwen3-F16.gguf's): each within
+    # 1e-3 of transformers, the same argmax, and no farther from llama.cpp than llama.cpp is
+    # from transformers (its f16 KV cache) plus that
+    ids = stats(QWEN3)["ids"]
+    hf = np.load(QWEN3 / f"hf_logits_{variant}.npy").astype(np.float64)
+    plain = np.load(QWEN3 / "hf_logits.npy").astype(np.float64)
+    assert np.abs(hf - plain).max() > 1.0  # the scaling moves the logits far past 1e-3
+    folder, path = _scaled_qwen3(tmp_path, variant)
     cpp = np.load(QWEN3 / f"llamacpp_logits_{variant}.npy").astype(np.float64)
     for what, source in [("config", folder), ("gguf", path)]:
         got = _exact_logits(source, ids)

@@ -249,6 +249,30 @@ class Checkpoint(_native.Checkpoint):
         return self._view()["tokenizer"]
 
     @property
+    def experts(self) -> dict[str, Any] | None:
+        """How a mixture-of-experts model routes: ``n_experts`` a layer, ``n_used`` a token,
+        ``expert_ffn`` (each expert's width), ``norm_topk_prob`` (whether the chosen weights are
+        renormalised) and ``dense_layers`` where some layers are dense; None for a dense model.
+        Raises ``FormatError`` where the metadata or config.json is corrupted."""
+        return self._experts()
+
+    @property
+    def sliding_window(self) -> dict[str, Any] | None:
+        """The sliding-window attention: ``window`` (tokens) and ``layers`` (the indexes of the
+        layers that attend to it; the others attend to everything); None without one."""
+        return self._sliding_window()
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """The RoPE scaling the forward pass applies: ``kind`` (``linear``, ``llama3``,
+        ``yarn`` or ``longrope``), ``factor`` (the context's stretch) and ``original_context``
+        where the checkpoint gives them, ``from`` (``config.json``, ``metadata`` or
+        ``tensors``) and ``layers`` (``all``, or ``full_attention``: Gemma 3 scales its global
+        layers only); None for plain RoPE. Raises ``UnsupportedError`` for a scaling the
+        forward pass does not apply, as loading would."""
+        return self._rope_scaling()
+
+    @property
     def config(self) -> dict[str, Any] | None:
         """The HF ``config.json`` beside safetensors weights, as a dict; None for GGUF."""
         return self._view()["config"]

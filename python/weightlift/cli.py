@@ -68,8 +68,15 @@ def _summary(ckpt: weightlift.Checkpoint, with_tensors: bool) -> dict[str, Any]:
         "layer_bytes": [layers[i] for i in sorted(layers)],
         "non_layer_bytes": outside,
         "tokenizer": ckpt.tokenizer,
-        "warnings": ckpt.warnings,
+        "warnings": list(ckpt.warnings),
     }
+    # What the layers do beyond the spec; a corrupted key is a warning here (loading refuses it)
+    for key in ("experts", "sliding_window", "rope_scaling"):
+        try:
+            out[key] = getattr(ckpt, key)
+        except weightlift.WeightliftError as e:
+            out[key] = None
+            out["warnings"].append(f"{key.replace('_', ' ')}: {e}")
     if with_tensors:
         out["tensors"] = [
             {
@@ -98,6 +105,50 @@ def _layer_runs(sizes: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _ranges(items: list[int]) -> str:
+    """Ascending integers as runs, e.g. ``0-4, 6-10``."""
+    runs: list[list[int]] = []
+    for i in items:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _layer_lines(s: dict[str, Any]) -> list[str]:
+    """``inspect``'s lines for the experts, the sliding window and the RoPE scaling."""
+    lines = []
+    moe = s.get("experts")
+    if moe:
+        dense = moe.get("dense_layers") or []
+        lines.append(
+            f"experts       {moe['n_experts']} a layer, {moe['n_used']} a token, "
+            f"ffn {moe['expert_ffn']}, chosen weights "
+            f"{'renormalised' if moe['norm_topk_prob'] else 'as scored'}"
+            + (f", dense layers {_ranges(dense)}" if dense else "")
+        )
+    window = s.get("sliding_window")
+    if window:
+        n_layers = s["spec"]["n_layers"] if s.get("spec") else len(window["layers"])
+        lines.append(
+            f"attention     a window of {window['window']} tokens on layers "
+            f"{_ranges(window['layers'])} ({len(window['layers'])} of {n_layers}), "
+            "the others over everything"
+        )
+    rope = s.get("rope_scaling")
+    if rope:
+        parts = [rope["kind"]]
+        if rope["factor"] is not None:
+            parts.append(f"×{rope['factor']:g}")
+        if rope["original_context"] is not None:
+            parts.append(f"from {rope['original_context']:g} positions")
+        if rope["layers"] == "full_attention":
+            parts.append("on the full-attention layers")
+        lines.append(f"rope scaling  {' '.join(parts)} ({rope['from']})")
+    return lines
+
+
 def _print_inspect(s: dict[str, Any], with_tensors: bool) -> None:
     w = sys.stdout.write
     w(f"path          {s['path']}\n")
@@ -116,6 +167,8 @@ def _print_inspect(s: dict[str, Any], with_tensors: bool) -> None:
         )
     else:
         w(f"architecture  unknown ({s['spec_error']})\n")
+    for line in _layer_lines(s):
+        w(line + "\n")
     w(f"parameters    {_count(s['n_params'])} ({s['n_params']:,})\n")
     w(f"bytes         {_human(s['nbytes'])} ({s['nbytes']:,}) in {s['n_tensors']} tensors\n")
     check = s.get("check")

@@ -88,6 +88,48 @@ impl Checkpoint {
         Ok(pythonize::pythonize(py, &self.shared()?.view())?)
     }
 
+    /// How the layers route to experts (`n_experts`, `n_used`, `expert_ffn`, `norm_topk_prob`,
+    /// `dense_layers`), or None for a dense model: the reading plans and the forward pass use.
+    fn _experts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let moe = weightlift_engine::planned::moe_of(&*self.shared()?).map_err(py_err)?;
+        let shown = moe.map(|m| {
+            serde_json::json!({
+                "n_experts": m.n_experts,
+                "n_used": m.n_used,
+                "expert_ffn": m.expert_ffn,
+                "norm_topk_prob": m.norm_topk_prob,
+                "dense_layers": m.dense_layers,
+            })
+        });
+        Ok(pythonize::pythonize(py, &shown)?)
+    }
+
+    /// The sliding-window layers (`window`, and `layers`: the indexes of the layers that attend
+    /// to it), or None: the reading plans, the cache and the forward pass use.
+    fn _sliding_window<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let ckpt = self.shared()?;
+        let Ok(spec) = ckpt.spec() else {
+            return Ok(py.None().into_bound(py));
+        };
+        let window = weightlift_engine::planned::sliding_window_of(&ckpt, spec).map_err(py_err)?;
+        let shown = window.map(|w| {
+            let layers: Vec<usize> = (0..w.layers.len()).filter(|&l| w.is_sliding(l)).collect();
+            serde_json::json!({"window": w.window, "layers": layers})
+        });
+        Ok(pythonize::pythonize(py, &shown)?)
+    }
+
+    /// The RoPE scaling the forward pass applies (`kind`, `factor`, `original_context`,
+    /// `from`), or None for plain RoPE.
+    fn _rope_scaling<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let ckpt = self.shared()?;
+        let Ok(spec) = ckpt.spec() else {
+            return Ok(py.None().into_bound(py));
+        };
+        let scaling = weightlift_engine::forward::rope_scaling_of(ckpt.as_ref(), spec);
+        Ok(pythonize::pythonize(py, &scaling.map_err(py_err)?)?)
+    }
+
     /// GGUF key/value metadata, or safetensors `__metadata__`, as Python values in file order.
     /// Arrays (nested ones too) become lists.
     #[getter]

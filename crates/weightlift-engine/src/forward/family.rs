@@ -153,21 +153,6 @@ impl Family {
                 num("attn_logit_softcapping").unwrap_or(if gemma2 { 50.0 } else { 0.0 });
             f.final_softcap =
                 num("final_logit_softcapping").unwrap_or(if gemma2 { 30.0 } else { 0.0 });
-            if !gemma2 {
-                let global = spec.rope_theta as f32;
-                let scale = match md.and_then(|md| md.get(&format!("{arch}.rope.scaling.type"))) {
-                    Some(MetaValue::String(t)) if t == "linear" => {
-                        1.0 / num("rope.scaling.factor").unwrap_or(1.0)
-                    }
-                    _ => 1.0,
-                };
-                let local = num("rope.freq_base_swa").unwrap_or(10_000.0);
-                f.ropes = f
-                    .windows
-                    .iter()
-                    .map(|&w| Some(if w > 0 { (local, 1.0) } else { (global, scale) }))
-                    .collect();
-            }
         } else {
             let cfg = ck.and_then(|c| c.config());
             let text = cfg.map(|c| match c.get("text_config") {
@@ -189,41 +174,71 @@ impl Family {
             f.attn_softcap = num("attn_logit_softcapping").unwrap_or(0.0);
             f.final_softcap = num("final_logit_softcapping").unwrap_or(0.0);
             f.norm_offset = 1.0;
-            if !gemma2 {
-                let rp = text.and_then(|c| c.get("rope_parameters"));
-                let kind = |t: &str| -> Result<(f32, f32)> {
-                    let p = rp.and_then(|r| r.get(t));
-                    let base = p
-                        .and_then(|p| p.get("rope_theta"))
-                        .and_then(serde_json::Value::as_f64)
-                        .map(|v| v as f32)
-                        .unwrap_or(if t == "sliding_attention" { 1e4 } else { 1e6 });
-                    let ty = p
-                        .and_then(|p| p.get("rope_type"))
-                        .and_then(|v| v.as_str())
-                        .unwrap_or("default");
-                    let factor = p
-                        .and_then(|p| p.get("factor"))
-                        .and_then(serde_json::Value::as_f64)
-                        .unwrap_or(1.0) as f32;
-                    match ty {
-                        "default" => Ok((base, 1.0)),
-                        "linear" => Ok((base, 1.0 / factor)),
-                        other => Err(EngineError::Unsupported {
-                            what: format!("rope_type '{other}' on gemma3's {t} layers"),
-                            detail: "the forward pass runs default and linear RoPE for gemma3"
-                                .into(),
-                        }),
-                    }
-                };
-                let (local, global) = (kind("sliding_attention")?, kind("full_attention")?);
-                f.ropes = f
-                    .windows
-                    .iter()
-                    .map(|&w| Some(if w > 0 { local } else { global }))
-                    .collect();
-            }
+        }
+        if let Some([local, global]) = gemma3_ropes(ck, spec)? {
+            f.ropes = f
+                .windows
+                .iter()
+                .map(|&w| Some(if w > 0 { local } else { global }))
+                .collect();
         }
         Ok(f)
     }
+}
+
+/// Gemma 3's RoPE `(base, scale)` of its sliding layers and of its global ones (`None` for
+/// another architecture): from GGUF, `rope.freq_base_swa` (default 10 000) and the model's base
+/// with its linear scaling; from config.json, `rope_parameters.sliding_attention` and
+/// `.full_attention` (default and linear RoPE; defaults 10 000 and 1 000 000).
+pub(crate) fn gemma3_ropes(
+    ck: Option<&weightlift_format::Checkpoint>,
+    spec: &ModelSpec,
+) -> Result<Option<[(f32, f32); 2]>> {
+    let arch = spec.architecture.as_str();
+    if !matches!(arch, "gemma3" | "gemma3_text") {
+        return Ok(None);
+    }
+    if let Some(c) = ck.filter(|c| c.format() == Format::Gguf) {
+        let md = c.metadata();
+        let num = |key: &str| md.get(&format!("{arch}.{key}")).and_then(MetaValue::as_f64);
+        let scale = match md.get(&format!("{arch}.rope.scaling.type")) {
+            Some(MetaValue::String(t)) if t == "linear" => {
+                1.0 / num("rope.scaling.factor").unwrap_or(1.0) as f32
+            }
+            _ => 1.0,
+        };
+        let local = num("rope.freq_base_swa").unwrap_or(10_000.0) as f32;
+        return Ok(Some([(local, 1.0), (spec.rope_theta as f32, scale)]));
+    }
+    let cfg = ck.and_then(|c| c.config());
+    let text = cfg.map(|c| match c.get("text_config") {
+        Some(t @ serde_json::Value::Object(_)) if c.get("num_hidden_layers").is_none() => t,
+        _ => c,
+    });
+    let rp = text.and_then(|c| c.get("rope_parameters"));
+    let kind = |t: &str| -> Result<(f32, f32)> {
+        let p = rp.and_then(|r| r.get(t));
+        let base = p
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(serde_json::Value::as_f64)
+            .map(|v| v as f32)
+            .unwrap_or(if t == "sliding_attention" { 1e4 } else { 1e6 });
+        let ty = p
+            .and_then(|p| p.get("rope_type"))
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let factor = p
+            .and_then(|p| p.get("factor"))
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or(1.0) as f32;
+        match ty {
+            "default" => Ok((base, 1.0)),
+            "linear" => Ok((base, 1.0 / factor)),
+            other => Err(EngineError::Unsupported {
+                what: format!("rope_type '{other}' on gemma3's {t} layers"),
+                detail: "the forward pass runs default and linear RoPE for gemma3".into(),
+            }),
+        }
+    };
+    Ok(Some([kind("sliding_attention")?, kind("full_attention")?]))
 }

@@ -56,7 +56,7 @@ use crate::model::Held;
 
 pub(crate) use graph::Graph;
 pub use graph::check_runs;
-pub use rope::check_rope;
+pub use rope::{RopeScaling, check_rope, rope_scaling_of};
 pub(crate) use tp::TpGraph;
 
 /// How the matrix products treat activations.

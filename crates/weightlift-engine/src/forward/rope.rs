@@ -140,74 +140,185 @@ pub(super) fn rope_of(
         attn_factor: 1.0,
     };
     let infos = m.source.tensors();
+    let factors = match scaling_found(m.source, spec)? {
+        Some(Found::FreqsTensor(i)) => Some(f32_vector(&m.held[i], &infos[i])?),
+        Some(Found::LongRopeTensors {
+            long,
+            short,
+            original,
+            attn_factor,
+        }) => {
+            p.attn_factor = attn_factor;
+            let i = if context as f64 > original {
+                long
+            } else {
+                short
+            };
+            Some(f32_vector(&m.held[i], &infos[i])?)
+        }
+        Some(Found::Scaling(Scaling::Linear(f))) => {
+            p.freq_scale = 1.0 / f;
+            None
+        }
+        Some(Found::Scaling(Scaling::Yarn(y))) => {
+            p.attn_factor = y.attn_factor;
+            Some(y.divisors(p.freq_base, p.n_dims))
+        }
+        Some(Found::Scaling(Scaling::Llama3 {
+            factor,
+            low,
+            high,
+            original,
+        })) => Some(llama3_factors(&p, factor, low, high, original)),
+        Some(Found::Scaling(Scaling::LongRope {
+            short,
+            long,
+            original,
+            attn_factor,
+            ..
+        })) => {
+            p.attn_factor = attn_factor;
+            Some(if context as f64 > original {
+                long
+            } else {
+                short
+            })
+        }
+        None => None,
+    };
+    let inv = weightlift_kernels::rope_inv_freqs(&p, factors.as_deref())
+        .map_err(|e| kernel("rope frequencies", e))?;
+    Ok((p, inv))
+}
+
+/// Where a checkpoint's RoPE scaling is read from: llama.cpp's tensors, or the scaling of
+/// its GGUF metadata or config.json.
+enum Found {
+    /// Llama 3's per-pair factors as llama.cpp's converter stores them (`rope_freqs.weight`):
+    /// the tensor's index.
+    FreqsTensor(usize),
+    /// LongRoPE's two lists as llama.cpp's converter stores them (the tensors' indexes), with
+    /// the metadata's pretraining length and attention factor.
+    LongRopeTensors {
+        long: usize,
+        short: usize,
+        original: f64,
+        attn_factor: f32,
+    },
+    Scaling(Scaling),
+}
+
+/// The one reading of a checkpoint's RoPE scaling, for the forward pass ([`rope_of`]) and for
+/// what `inspect` shows ([`rope_scaling_of`]); `None` for plain RoPE.
+fn scaling_found(source: &dyn Source, spec: &ModelSpec) -> Result<Option<Found>> {
+    let infos = source.tensors();
     let tensor = |name: &str| infos.iter().position(|t| t.name == name);
-    let factors = if let Some(i) = infos.iter().position(|t| t.role == Some(Role::RopeFreqs)) {
-        Some(f32_vector(&m.held[i], &infos[i])?)
-    } else if let (Some(long), Some(short)) =
-        (tensor(LONGROPE_TENSORS[0]), tensor(LONGROPE_TENSORS[1]))
-    {
+    if let Some(i) = infos.iter().position(|t| t.role == Some(Role::RopeFreqs)) {
+        return Ok(Some(Found::FreqsTensor(i)));
+    }
+    let ck = source.checkpoint();
+    let md = ck.map(|c| c.metadata());
+    let num = |key: &str| {
+        md.and_then(|md| md.get(&format!("{}.{key}", spec.architecture)))
+            .and_then(MetaValue::as_f64)
+    };
+    if let (Some(long), Some(short)) = (tensor(LONGROPE_TENSORS[0]), tensor(LONGROPE_TENSORS[1])) {
         // llama.cpp's LongRoPE: the lists as tensors, the rest as metadata
-        let md = m.source.checkpoint().map(|c| c.metadata());
-        let num = |key: &str| {
-            md.and_then(|md| md.get(&format!("{}.{key}", spec.architecture)))
-                .and_then(MetaValue::as_f64)
-        };
         let original = num("rope.scaling.original_context_length").ok_or_else(|| {
             spec_error(
                 "LongRoPE factors without rope.scaling.original_context_length in the metadata",
             )
         })?;
-        p.attn_factor = num("rope.scaling.attn_factor").unwrap_or(1.0) as f32;
-        let i = if context as f64 > original {
-            long
-        } else {
-            short
-        };
-        Some(f32_vector(&m.held[i], &infos[i])?)
-    } else {
-        let ck = m.source.checkpoint();
-        let scaling = match (gguf, ck) {
-            (true, Some(c)) => gguf_scaling(c.metadata(), &spec.architecture),
-            _ => ck
-                .and_then(|c| c.config())
-                .map(rope_scaling)
-                .transpose()?
-                .flatten(),
-        };
-        match scaling {
-            Some(Scaling::Linear(f)) => {
-                p.freq_scale = 1.0 / f;
-                None
-            }
-            Some(Scaling::Yarn(y)) => {
-                p.attn_factor = y.attn_factor;
-                Some(y.divisors(p.freq_base, p.n_dims))
-            }
-            Some(Scaling::Llama3 {
-                factor,
-                low,
-                high,
-                original,
-            }) => Some(llama3_factors(&p, factor, low, high, original)),
-            Some(Scaling::LongRope {
-                short,
-                long,
-                original,
-                attn_factor,
-            }) => {
-                p.attn_factor = attn_factor;
-                Some(if context as f64 > original {
-                    long
-                } else {
-                    short
-                })
-            }
-            None => None,
-        }
+        return Ok(Some(Found::LongRopeTensors {
+            long,
+            short,
+            original,
+            attn_factor: num("rope.scaling.attn_factor").unwrap_or(1.0) as f32,
+        }));
+    }
+    let scaling = match ck {
+        Some(c) if c.format() == Format::Gguf => gguf_scaling(c.metadata(), &spec.architecture),
+        _ => ck
+            .and_then(|c| c.config())
+            .map(rope_scaling)
+            .transpose()?
+            .flatten(),
     };
-    let inv = weightlift_kernels::rope_inv_freqs(&p, factors.as_deref())
-        .map_err(|e| kernel("rope frequencies", e))?;
-    Ok((p, inv))
+    Ok(scaling.map(Found::Scaling))
+}
+
+/// A checkpoint's RoPE scaling, as `weightlift inspect` shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RopeScaling {
+    /// `linear`, `llama3`, `yarn` or `longrope`.
+    pub kind: &'static str,
+    /// How many times the pretraining context it stretches to, where the checkpoint says.
+    pub factor: Option<f64>,
+    /// The pretraining context the scaling starts from, where the checkpoint says.
+    pub original_context: Option<f64>,
+    /// Where it is read: `config.json`, `metadata` or `tensors` (llama.cpp's converter stores
+    /// Llama 3's and LongRoPE's factors as tensors).
+    pub from: &'static str,
+    /// The layers it scales: `all`, or `full_attention` (Gemma 3 scales its global layers only;
+    /// its sliding ones keep their own base unscaled).
+    pub layers: &'static str,
+}
+
+/// The RoPE scaling the forward pass applies to `source`'s model (`spec`), described;
+/// `None` for plain RoPE. The error loading would fail with for a scaling it does not apply
+/// ([`check_rope`]).
+pub fn rope_scaling_of(source: &dyn Source, spec: &ModelSpec) -> Result<Option<RopeScaling>> {
+    check_rope(source)?;
+    let from_config = source.checkpoint().map(|c| c.format()) != Some(Format::Gguf);
+    let settings = if from_config {
+        "config.json"
+    } else {
+        "metadata"
+    };
+    if let Some([_, (_, scale)]) = super::family::gemma3_ropes(source.checkpoint(), spec)? {
+        return Ok((scale != 1.0).then(|| RopeScaling {
+            kind: "linear",
+            factor: Some(f64::from(1.0 / scale)),
+            original_context: None,
+            from: settings,
+            layers: "full_attention",
+        }));
+    }
+    Ok(scaling_found(source, spec)?.map(|found| match found {
+        Found::FreqsTensor(_) => RopeScaling {
+            kind: "llama3",
+            factor: None,
+            original_context: None,
+            from: "tensors",
+            layers: "all",
+        },
+        Found::LongRopeTensors { original, .. } => RopeScaling {
+            kind: "longrope",
+            factor: Some(spec.context_length as f64 / original),
+            original_context: Some(original),
+            from: "tensors",
+            layers: "all",
+        },
+        Found::Scaling(s) => {
+            let (kind, factor, original) = match s {
+                Scaling::Linear(f) => ("linear", f64::from(f), None),
+                Scaling::Yarn(y) => ("yarn", y.factor, Some(y.original)),
+                Scaling::Llama3 {
+                    factor, original, ..
+                } => ("llama3", f64::from(factor), Some(f64::from(original))),
+                Scaling::LongRope {
+                    stretch, original, ..
+                } => ("longrope", stretch, Some(original)),
+            };
+            RopeScaling {
+                kind,
+                factor: Some(factor),
+                original_context: original,
+                from: settings,
+                layers: "all",
+            }
+        }
+    }))
 }
 
 enum Scaling {
@@ -219,12 +330,13 @@ enum Scaling {
         high: f32,
         original: f32,
     },
-    /// The two per-pair lists, the pretraining length that chooses between them, and the
-    /// cosine and sine's factor.
+    /// The two per-pair lists, the pretraining length that chooses between them, the stretch
+    /// of the context, and the cosine and sine's factor.
     LongRope {
         short: Vec<f32>,
         long: Vec<f32>,
         original: f64,
+        stretch: f64,
         attn_factor: f32,
     },
 }
@@ -421,6 +533,7 @@ fn longrope(cfg: &serde_json::Value, r: &serde_json::Value) -> Result<Scaling> {
         short: list("short_factor")?,
         long: list("long_factor")?,
         original,
+        stretch,
         attn_factor: attn_factor as f32,
     })
 }
