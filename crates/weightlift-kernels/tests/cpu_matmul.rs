@@ -219,6 +219,57 @@ fn random_blocks(rng: &mut Rng, ty: QuantType, rows: usize, cols: usize, scale: 
     raw
 }
 
+/// The K-quants' matvec on random blocks with random scales (`d` and `dmin` of Q4_K between
+/// 2⁻⁸ and 1) against activations around +2, so that Q4_K's offset term (`dmin · m · d_x · Σq`
+/// per sub-block) is as large as the quants' term and its rounding reaches the result: every
+/// instruction set, VNNI allowed or not, gives the scalar path's bits in every row.
+#[test]
+fn k_quant_matvecs_give_the_scalar_bits_where_the_offsets_weigh() {
+    let mut rng = Rng(223);
+    let (rows, cols) = (512, 1024);
+    for ty in [QuantType::Q4_K, QuantType::Q6_K] {
+        let mut raw = rng.bytes(rows * cols / 256 * ty.block_bytes());
+        for blk in raw.chunks_exact_mut(ty.block_bytes()) {
+            for &o in scale_offsets(ty) {
+                // f16 exponents 7 to 14 (2⁻⁸ to 2⁻¹), any mantissa, positive
+                let bits = (((7 + rng.next_u64() % 8) << 10) | (rng.next_u64() % 1024)) as u16;
+                blk[o..o + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        for v in 0..4 {
+            let x: Vec<f32> = rng.vec(cols, 1.0).iter().map(|e| 2.0 + e).collect();
+            let mut by_isa: Vec<(Isa, bool, Vec<u32>)> = Vec::new();
+            for isa in Isa::all_supported() {
+                for vnni in [false, true] {
+                    let mut y = vec![0f32; rows];
+                    weightlift_kernels::cpu::matvec::matvec_with_vnni(
+                        isa,
+                        vnni,
+                        MatvecMode::Q8,
+                        ty,
+                        &raw,
+                        rows,
+                        cols,
+                        &x,
+                        &mut y,
+                    )
+                    .unwrap();
+                    by_isa.push((isa, vnni, y.iter().map(|v| v.to_bits()).collect()));
+                }
+            }
+            let (scalar, others) = by_isa.split_first().unwrap();
+            assert_eq!(scalar.0, Isa::Scalar);
+            for (isa, vnni, bits) in others {
+                let differ = bits.iter().zip(&scalar.2).filter(|(a, b)| a != b).count();
+                assert_eq!(
+                    differ, 0,
+                    "{ty} vector {v} {isa:?} vnni {vnni}: rows differ"
+                );
+            }
+        }
+    }
+}
+
 /// Several panels of 16 rows and a ragged last one, token counts around the tiles' 12 (and
 /// 3) tokens (the tiles take more than 16 tokens: 20, 23 and 25 end in 8, 11 and 1), random
 /// blocks: the same bits everywhere, and within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with

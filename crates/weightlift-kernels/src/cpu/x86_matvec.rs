@@ -9,7 +9,6 @@
 
 use std::arch::x86_64::*;
 
-use super::dequant_scalar::scale_min_k4;
 use super::matvec::{Q8Block, finish_lanes};
 use super::x86::imp::{
     load32, mul_sum_i8, nibbles32, q6k_group, quants5_i, quants5_u, quants5_u_avx512, rd_f16,
@@ -108,6 +107,22 @@ pub(crate) unsafe fn quantize_q8_avx2(
     }
 }
 
+/// A Q4_K block's eight 6-bit scales and eight mins (its 12 scale bytes, as
+/// [`scale_min_k4`](super::dequant_scalar::scale_min_k4) reads them one sub-block at a time) as f32 lanes, sub-block `j` in lane `j`.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn scales_mins_k4(q: &[u8]) -> (__m256, __m256) {
+    let w = |k: usize| u32::from_le_bytes([q[4 * k], q[4 * k + 1], q[4 * k + 2], q[4 * k + 3]]);
+    let (w0, w1, w2) = (w(0), w(1), w(2));
+    let (low6, low4, top2) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
+    // sub-blocks 0-3: the low six bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: the nibbles
+    // of bytes 8-11 below the top two bits of bytes 0-3 (scales) and 4-7 (mins)
+    let sc = u64::from(w0 & low6) | u64::from((w2 & low4) | (((w0 >> 6) & top2) << 4)) << 32;
+    let m = u64::from(w1 & low6) | u64::from(((w2 >> 4) & low4) | (((w1 >> 6) & top2) << 4)) << 32;
+    let lanes = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+    (lanes(sc), lanes(m))
+}
+
 /// Each row's 8 lanes and offset sum, finished as the scalar path does.
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -187,13 +202,30 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
         QuantType::Q4_1 => offset_blocks!(|blk| nibbles32(blk[4..20].as_ptr(), 0)),
         QuantType::Q5_1 => offset_blocks!(|blk| quants5_u(rd_u32(blk, 4), blk[8..24].as_ptr())),
         QuantType::Q4_K => {
+            // Each sub-block's `(d · sc) · d_x` and `((dmin · m) · d_x) · Σq_x` come from one
+            // 8-lane product per block, a lane a sub-block (the scalar path's operations, in
+            // its order, lane by lane); the first is spread over the accumulator's lanes by a
+            // permute, the second subtracted from the row's offset sum sub-block by sub-block.
+            let lane: [__m256i; 8] = std::array::from_fn(|s| _mm256_set1_epi32(s as i32));
             for (i, xbs) in xq.chunks_exact(8).enumerate() {
                 let xv: [__m256i; 8] = std::array::from_fn(|s| load32(xbs[s].qs.as_ptr().cast()));
+                let xd = _mm256_setr_ps(
+                    xbs[0].d, xbs[1].d, xbs[2].d, xbs[3].d, xbs[4].d, xbs[5].d, xbs[6].d, xbs[7].d,
+                );
+                let xs = _mm256_cvtepi32_ps(_mm256_setr_epi32(
+                    xbs[0].sum, xbs[1].sum, xbs[2].sum, xbs[3].sum, xbs[4].sum, xbs[5].sum,
+                    xbs[6].sum, xbs[7].sum,
+                ));
                 for ((a, e), row) in acc.iter_mut().zip(&mut extra).zip(rows) {
                     let blk = unsafe { block(row, i, bb) };
                     prefetch_block(blk);
                     let (d, dmin) = rd_f16_pair(blk, 0);
-                    let scales = &blk[4..16];
+                    let (sc, m) = scales_mins_k4(&blk[4..16]);
+                    let dsx = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), sc), xd);
+                    let dmx = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), m), xd);
+                    let mut mins = [0f32; 8];
+                    // SAFETY: mins holds 8 f32.
+                    unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), _mm256_mul_ps(dmx, xs)) };
                     for c in 0..4 {
                         let v = load32(blk[16 + 32 * c..].as_ptr());
                         let halves = [
@@ -202,15 +234,10 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                         ];
                         for (h, q) in halves.into_iter().enumerate() {
                             let sb = 2 * c + h;
-                            let xb = &xbs[sb];
-                            let (sc, m) = scale_min_k4(sb, scales);
                             let l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[sb]), ones);
-                            *a = _mm256_fmadd_ps(
-                                _mm256_set1_ps(d * sc as f32 * xb.d),
-                                _mm256_cvtepi32_ps(l),
-                                *a,
-                            );
-                            *e -= (dmin * m as f32 * xb.d) * xb.sum as f32;
+                            let dd = _mm256_permutevar8x32_ps(dsx, lane[sb]);
+                            *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                            *e -= mins[sb];
                         }
                     }
                 }

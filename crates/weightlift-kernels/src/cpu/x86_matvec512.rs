@@ -1,5 +1,5 @@
 //! The Q8-mode matvec's AVX-512 row dots for the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0): rows in pairs, one row's 8 lanes in each half of a 512-bit vector, so each
+//! Q8_0) and the K-quants Q4_K and Q6_K: rows in pairs, one row's 8 lanes in each half of a 512-bit vector, so each
 //! operation on the quants, the scales and the accumulators serves two rows (the 256-bit
 //! forms of `x86_matvec` spent about seven vector operations per block and row, which bound a
 //! decode step on Zen-class cores before memory did). Lanes never mix: every lane runs the
@@ -10,16 +10,21 @@
 use std::arch::x86_64::*;
 
 use super::matvec::{Q8Block, TokenScales};
-use super::x86::imp::rd_u32;
-use super::x86_matvec::prefetch_ahead;
+use super::x86::imp::{rd_f16_pair, rd_u32};
+use super::x86_matvec::{prefetch_ahead, scales_mins_k4};
 use crate::types::QuantType;
 
-/// Whether [`rows_dot_q8_512`] takes `ty`.
+/// Whether [`row_pair_tokens_q8_512`] takes `ty`.
 pub(crate) fn takes(ty: QuantType) -> bool {
     matches!(
         ty,
         QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q8_0
     )
+}
+
+/// Whether [`rows_dot_q8_512`] takes `ty`: those of [`takes`], Q4_K and Q6_K.
+pub(crate) fn matvec_takes(ty: QuantType) -> bool {
+    takes(ty) || matches!(ty, QuantType::Q4_K | QuantType::Q6_K)
 }
 
 /// `a` in the low half and `b` in the high half.
@@ -63,6 +68,34 @@ unsafe fn scales_pair(a: *const u8, b: *const u8) -> __m512 {
         )
     };
     _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(hb), _mm_set1_epi16(ha)))
+}
+
+/// `lo` in the low half and `hi` in the high half.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn pair_ps(lo: __m256, hi: __m256) -> __m512 {
+    let v = _mm512_castpd256_pd512(_mm256_castps_pd(lo));
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(v, _mm256_castps_pd(hi)))
+}
+
+/// Group `g` (0-3) of a Q6_K half-block's unsigned 6-bit quants (`q + 32`) in each half, from
+/// the pair's low-bit bytes `ql` and high-bit bytes `qh` (the 256-bit `q6k_group`, per half).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn q6k_group_pair(ql: __m512i, qh: __m512i, g: usize) -> __m512i {
+    let (m4, m2) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(3));
+    let lo = if g < 2 {
+        _mm512_and_si512(ql, m4)
+    } else {
+        _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4)
+    };
+    let hi = match g {
+        0 => _mm512_and_si512(qh, m2),
+        1 => _mm512_and_si512(_mm512_srli_epi16::<2>(qh), m2),
+        2 => _mm512_and_si512(_mm512_srli_epi16::<4>(qh), m2),
+        _ => _mm512_and_si512(_mm512_srli_epi16::<6>(qh), m2),
+    };
+    _mm512_or_si512(lo, _mm512_slli_epi16::<4>(hi))
 }
 
 /// `finish_lanes`'s sum of each half's 8 lanes, `((s0 + s2) + (s1 + s3))` with
@@ -202,6 +235,163 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
             let q = nibbles_pair(a.add(8), b.add(8));
             _mm512_mask_add_epi8(q, fifth(a, b, 4), q, k16)
         }),
+        // A pair's eight sub-block scales `(d · sc) · d_x` come from one product per block (the
+        // first row's sub-blocks in the low 8 lanes, the second's in the high 8), each spread
+        // over its half by a permute; the offsets `((dmin · m) · d_x) · Σq_x` are subtracted
+        // from each row's sum sub-block by sub-block: the scalar path's operations in its order.
+        QuantType::Q4_K => {
+            let m4 = _mm512_set1_epi8(0x0f);
+            let lane: [__m512i; 8] = std::array::from_fn(|s| {
+                let (lo, hi) = (_mm256_set1_epi32(s as i32), _mm256_set1_epi32(8 + s as i32));
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            });
+            for (i, xbs) in xq.chunks_exact(8).enumerate() {
+                // SAFETY: a block's quants hold 32 bytes.
+                let xv: [__m512i; 8] = std::array::from_fn(|s| unsafe {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(xbs[s].qs.as_ptr().cast()))
+                });
+                let d8 = std::array::from_fn::<f32, 8, _>(|s| xbs[s].d);
+                let s8 = std::array::from_fn::<i32, 8, _>(|s| xbs[s].sum);
+                // SAFETY: both hold 8 lanes.
+                let (xd, xs) = unsafe {
+                    let d = _mm256_loadu_ps(d8.as_ptr());
+                    let s = _mm256_cvtepi32_ps(_mm256_loadu_si256(s8.as_ptr().cast()));
+                    (pair_ps(d, d), pair_ps(s, s))
+                };
+                let pairs = acc.iter_mut().enumerate().take(R / 2);
+                for (p, a) in pairs {
+                    let (ra, rb) = (2 * p, 2 * p + 1);
+                    // SAFETY: both are whole 144-byte blocks; a prefetch never faults.
+                    let (ba, bb) = unsafe {
+                        (
+                            std::slice::from_raw_parts(at(ra, i), 144),
+                            std::slice::from_raw_parts(at(rb, i), 144),
+                        )
+                    };
+                    for off in [0, 64, 128] {
+                        prefetch_ahead(&ba[off..]);
+                        prefetch_ahead(&bb[off..]);
+                    }
+                    let ((da, mina), (db, minb)) = (rd_f16_pair(ba, 0), rd_f16_pair(bb, 0));
+                    let ((sca, ma), (scb, mb)) =
+                        (scales_mins_k4(&ba[4..16]), scales_mins_k4(&bb[4..16]));
+                    let d = pair_ps(_mm256_set1_ps(da), _mm256_set1_ps(db));
+                    let dmin = pair_ps(_mm256_set1_ps(mina), _mm256_set1_ps(minb));
+                    let dsx = _mm512_mul_ps(_mm512_mul_ps(d, pair_ps(sca, scb)), xd);
+                    let dmx = _mm512_mul_ps(_mm512_mul_ps(dmin, pair_ps(ma, mb)), xd);
+                    let mut mins = [0f32; 16];
+                    // SAFETY: mins holds 16 f32.
+                    unsafe { _mm512_storeu_ps(mins.as_mut_ptr(), _mm512_mul_ps(dmx, xs)) };
+                    for c in 0..4 {
+                        // SAFETY: 32 quant bytes at 16 + 32c of both blocks.
+                        let v = unsafe {
+                            pair(
+                                _mm256_loadu_si256(ba[16 + 32 * c..].as_ptr().cast()),
+                                _mm256_loadu_si256(bb[16 + 32 * c..].as_ptr().cast()),
+                            )
+                        };
+                        let halves = [
+                            _mm512_and_si512(v, m4),
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
+                        ];
+                        for (h, q) in halves.into_iter().enumerate() {
+                            let sb = 2 * c + h;
+                            let l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[sb]);
+                            let dd = _mm512_permutexvar_ps(lane[sb], dsx);
+                            *a = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(l), *a);
+                            extra[ra] -= mins[sb];
+                            extra[rb] -= mins[8 + sb];
+                        }
+                    }
+                }
+            }
+        }
+        // A row's sixteen `(d · sc) · d_x` (two a 32-value group, one per 16 values) from one
+        // product per block; each group's pair of them goes to lanes 0-3 and 4-7 of the row's
+        // half by one two-source permute. The quants are unsigned (`q + 32`) and the lane
+        // offsets take `32 · Σx` off, as the 256-bit VNNI form does.
+        QuantType::Q6_K => {
+            let idx: [__m512i; 8] = std::array::from_fn(|g| {
+                let (s0, s1) = (2 * g as i32, 2 * g as i32 + 1);
+                _mm512_setr_epi32(
+                    s0,
+                    s0,
+                    s0,
+                    s0,
+                    s1,
+                    s1,
+                    s1,
+                    s1,
+                    16 + s0,
+                    16 + s0,
+                    16 + s0,
+                    16 + s0,
+                    16 + s1,
+                    16 + s1,
+                    16 + s1,
+                    16 + s1,
+                )
+            });
+            let blocks = xq.chunks_exact(8).zip(bias.chunks_exact(8));
+            for (i, (xbs, bs)) in blocks.enumerate() {
+                // SAFETY: a block's quants and a lane-offset row hold 32 bytes each.
+                let (xv, bv): ([__m512i; 8], [__m512i; 8]) = unsafe {
+                    (
+                        std::array::from_fn(|g| {
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256(xbs[g].qs.as_ptr().cast()))
+                        }),
+                        std::array::from_fn(|g| {
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256(bs[g].as_ptr().cast()))
+                        }),
+                    )
+                };
+                // each group's d_x twice: lanes 2g and 2g + 1
+                let xd2 = std::array::from_fn::<f32, 16, _>(|k| xbs[k / 2].d);
+                // SAFETY: xd2 holds 16 f32.
+                let xd = unsafe { _mm512_loadu_ps(xd2.as_ptr()) };
+                for (p, a) in acc.iter_mut().enumerate().take(R / 2) {
+                    // SAFETY: both are whole 210-byte blocks; a prefetch never faults.
+                    let (ba, bb) = unsafe {
+                        (
+                            std::slice::from_raw_parts(at(2 * p, i), 210),
+                            std::slice::from_raw_parts(at(2 * p + 1, i), 210),
+                        )
+                    };
+                    for off in [0, 64, 128, 192] {
+                        prefetch_ahead(&ba[off..]);
+                        prefetch_ahead(&bb[off..]);
+                    }
+                    let dsx = |blk: &[u8]| {
+                        // SAFETY: the 16 scale bytes at 192.
+                        let sc = unsafe { _mm_loadu_si128(blk[192..].as_ptr().cast()) };
+                        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc));
+                        let d = _mm512_set1_ps(f32::from(half::f16::from_le_bytes([
+                            blk[208], blk[209],
+                        ])));
+                        _mm512_mul_ps(_mm512_mul_ps(d, sc), xd)
+                    };
+                    let (sa, sb) = (dsx(ba), dsx(bb));
+                    for h in 0..2 {
+                        // SAFETY: 32 bytes at each offset of both blocks.
+                        let load = |off: usize| unsafe {
+                            pair(
+                                _mm256_loadu_si256(ba[off..].as_ptr().cast()),
+                                _mm256_loadu_si256(bb[off..].as_ptr().cast()),
+                            )
+                        };
+                        let qh = load(128 + 32 * h);
+                        let ql = [load(64 * h), load(64 * h + 32)];
+                        for g in 0..4 {
+                            let gi = 4 * h + g;
+                            let q = q6k_group_pair(ql[g % 2], qh, g);
+                            let l = _mm512_dpbusd_epi32(bv[gi], q, xv[gi]);
+                            let dd = _mm512_permutex2var_ps(sa, idx[gi], sb);
+                            *a = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(l), *a);
+                        }
+                    }
+                }
+            }
+        }
         _ => {}
     }
     let mut out = [0f32; R];
