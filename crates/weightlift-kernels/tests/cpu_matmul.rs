@@ -270,6 +270,44 @@ fn k_quant_matvecs_give_the_scalar_bits_where_the_offsets_weigh() {
     }
 }
 
+/// The grouped product (a mixture-of-experts layer's down products, each matrix on tokens of
+/// its own) gives each matrix the bits of its own product, in both modes and on every
+/// instruction set, for one token each (one parallel loop) and for several (one after the
+/// other).
+#[test]
+fn grouped_products_give_each_matrix_the_bits_of_its_own() {
+    use weightlift_kernels::cpu::matvec::{GroupedInput, matmul_grouped_with};
+    let mut rng = Rng(227);
+    let (rows, cols) = (40, 512);
+    for ty in [QuantType::Q4_K, QuantType::Q6_K, QuantType::Q8_0] {
+        let mats: Vec<Vec<u8>> = (0..3)
+            .map(|_| random_blocks(&mut rng, ty, rows, cols, 0x2c00))
+            .collect();
+        for n_tok in [1, 3] {
+            let xs: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(cols * n_tok, 2.0)).collect();
+            for isa in Isa::all_supported() {
+                for mode in [MatvecMode::Q8, MatvecMode::Exact] {
+                    let mut ys = vec![vec![0f32; rows * n_tok]; 3];
+                    let mut parts: Vec<GroupedInput<'_>> = mats
+                        .iter()
+                        .zip(&xs)
+                        .zip(&mut ys)
+                        .map(|((w, x), y)| GroupedInput { w, rows, x, y })
+                        .collect();
+                    matmul_grouped_with(isa, mode, ty, &mut parts, cols, n_tok, 1 << 16).unwrap();
+                    for ((w, x), y) in mats.iter().zip(&xs).zip(&ys) {
+                        let mut want = vec![0f32; rows * n_tok];
+                        matmul_with(isa, mode, ty, w, rows, cols, x, n_tok, &mut want, 1 << 16)
+                            .unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(y), bits(&want), "{ty} {isa:?} {mode:?} n_tok {n_tok}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Several panels of 16 rows and a ragged last one, token counts around the tiles' 12 (and
 /// 3) tokens (the tiles take more than 16 tokens: 20, 23 and 25 end in 8, 11 and 1), random
 /// blocks: the same bits everywhere, and within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with

@@ -33,7 +33,7 @@ use weightlift_kernels::{
 };
 use weightlift_plan::Workspace;
 
-use super::layer::{self, Consts, Piece, Weights, tokens};
+use super::layer::{Consts, Piece, Weights, tokens};
 use super::onload::SlotMem;
 use super::parts::{Ffn, Floats, Layer, Linear, Moe, Slot};
 use super::weights::Packing;
@@ -982,7 +982,7 @@ fn router_scores<B: Exec>(
 /// host, never the router's bytes. Its scores land in the MLP's gate region, which the block
 /// does not otherwise use (the graph checked its size at build). The normed rows and the
 /// scores are then copied to the host, which routes each token and runs only its experts with
-/// the host path's own code ([`layer::experts`]), reading them where the model holds them (host
+/// the host path's own code ([`experts::experts`](super::experts::experts)), reading them where the model holds them (host
 /// RAM or the mapped file; the graph checked that at build); the output rows come back. No
 /// expert byte travels to the device.
 #[allow(clippy::too_many_arguments)]
@@ -1008,7 +1008,7 @@ fn moe_on_host<B: Exec>(
         copies: cx.copies,
         slot: None,
     };
-    layer::experts(cx.c, m, li, &wts, lens, &scores, &mut rows)?;
+    super::experts::experts(cx.c, m, li, &wts, lens, &scores, &mut rows)?;
     let since = std::time::Instant::now();
     b.copy_from_host(bytemuck::cast_slice(&rows), &mut r.xn, 0)
         .map_err(cx.err(at("copying the experts' output to the device")))?;
@@ -1020,10 +1020,10 @@ fn moe_on_host<B: Exec>(
 /// output written back there, with its experts on this device.
 ///
 /// The router multiplies here and only its scores (`n_experts` floats a token) go to the host,
-/// which routes each token with the host path's own [`layer::route`] and sends back, in one
+/// which routes each token with the host path's own [`experts::route`](super::experts::route) and sends back, in one
 /// copy each, the routed rows' token indices (into the key region) and weights (into the
 /// value region), grouped piece by piece and expert by expert in the host path's order
-/// ([`layer::experts`]). Then for each group the expert's rows are gathered into the query
+/// ([`experts::experts`](super::experts::experts)). Then for each group the expert's rows are gathered into the query
 /// region ([`Op::GatherRows`]), its gated product runs as a dense MLP's does (gate and up into
 /// the MLP's regions, the down product back into the query region), and its output rows are
 /// added, scaled by their weights, into their tokens' sums in the attention output's region
@@ -1046,7 +1046,7 @@ fn moe_on_device<B: Exec>(
     // the routed rows, grouped by piece then expert: (expert, first entry, entries)
     let mut groups: Vec<(usize, usize, usize)> = Vec::new();
     let (mut index, mut weight) = (Vec::with_capacity(n * m.n_used), Vec::new());
-    layer::for_each_routed(m, lens, &scores, |e, routed| {
+    super::experts::for_each_routed(m, lens, &scores, |e, routed| {
         groups.push((e, index.len(), routed.len()));
         for &(t, wt) in routed {
             index.push(t as u32);
@@ -1076,7 +1076,7 @@ fn moe_on_device<B: Exec>(
     // each expert's products take its rows at once, as on the host
     let one = cx.one_run();
     for (e, start, cnt) in groups {
-        let [gate, up, down] = layer::held_expert(m, li, e)?;
+        let [gate, up, down] = super::experts::held_expert(m, li, e)?;
         let expert = |what: &str| at(&format!("expert {e} {what}"));
         let rows = view(b, &r.k, start * 4, cnt * 4).map_err(cx.err(expert("rows")))?;
         b.run(Op::GatherRows {

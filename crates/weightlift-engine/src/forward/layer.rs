@@ -11,7 +11,7 @@ use weightlift_kernels::types::QuantType;
 
 use super::attention::{self, Shape, Tiles};
 use super::family::{Family, Gate};
-use super::parts::{Ffn, Layer, Linear, Moe, Slot};
+use super::parts::{Ffn, Layer, Linear, Slot};
 use super::weights::Packing;
 use super::{Compute, Views, host_bytes};
 use crate::cache::Cache;
@@ -152,7 +152,7 @@ pub(super) fn run_layer(
                 .map_err(err("gated activation"))?;
             linear_pieces(c, wts, down, pieces, w.gate, w.xn)?;
         }
-        Ffn::Moe(m) => moe(c, m, li, wts, pieces, w)?,
+        Ffn::Moe(m) => super::experts::moe(c, m, li, wts, pieces, w)?,
     }
     post_norm(c, l.post_ffn_norm.as_ref(), n * h, w).map_err(err("post_ffw_norm"))?;
     add_in_place(&mut w.x[..n * h], &w.xn[..n * h]);
@@ -298,172 +298,6 @@ pub(super) fn activate(act: Gate, gate: &mut [f32], up: &[f32]) -> weightlift_ke
     }
 }
 
-/// Each token's experts and their weights, from its router scores (`n_experts` per token):
-/// the softmax of all the scores, the `n_used` largest (the lower expert first on a tie), and
-/// with `norm_topk_prob` those divided by their sum (transformers' Mixtral and Qwen3-MoE
-/// routers; llama.cpp's softmax gating). `picks` gets `n_used` `(expert, weight)` per token.
-pub(super) fn route(
-    scores: &[f32],
-    n_experts: usize,
-    n_used: usize,
-    norm_topk_prob: bool,
-    picks: &mut Vec<(usize, f32)>,
-) {
-    picks.clear();
-    let mut probs = vec![0f32; n_experts];
-    let mut order: Vec<usize> = (0..n_experts).collect();
-    for s in scores.chunks_exact(n_experts) {
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for (p, &v) in probs.iter_mut().zip(s) {
-            *p = (v - max).exp();
-            sum += *p;
-        }
-        probs.iter_mut().for_each(|p| *p /= sum);
-        // a stable sort: equal probabilities keep the lower expert first
-        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-        let chosen = &order[..n_used];
-        let total: f32 = chosen.iter().map(|&e| probs[e]).sum();
-        let scale = if norm_topk_prob { total } else { 1.0 };
-        picks.extend(chosen.iter().map(|&e| (e, probs[e] / scale)));
-        order.sort_unstable();
-    }
-}
-
-/// The mixture-of-experts block on the normed tokens in `w.xn`, its output written back there:
-/// the router's scores, then [`experts`].
-fn moe(
-    c: &Consts,
-    m: &Moe,
-    li: usize,
-    wts: &Weights<'_>,
-    pieces: &[Piece<'_>],
-    w: &mut Views<'_>,
-) -> Result<()> {
-    let n = tokens(pieces);
-    let mut scores = vec![0f32; n * m.n_experts()];
-    linear_pieces(c, wts, &m.router, pieces, w.xn, &mut scores)?;
-    let lens: Vec<usize> = pieces.iter().map(|p| p.n).collect();
-    experts(c, m, li, wts, &lens, &scores, &mut w.xn[..n * c.hidden])
-}
-
-/// The routed experts of a mixture-of-experts block on the normed tokens `xn` (pieces of
-/// `lens` tokens, one a sequence, in row order), given their router scores (`n_experts` a
-/// token), the block's output written back into `xn`. Piece by piece (each token's bits as
-/// when its sequence runs alone): each token's experts ([`route`]), then per expert one
-/// product over the tokens routed to it (their rows gathered), its outputs added into theirs,
-/// scaled by their weights, in expert order. Only the routed experts' weights are read, and
-/// only the experts `m` holds run: under tensor parallelism `xn` gets this device's partial
-/// sum. The host path runs it after its router product; the backend path on the rows it
-/// copied to the host (see `exec::moe_on_host`).
-pub(super) fn experts(
-    c: &Consts,
-    m: &Moe,
-    li: usize,
-    wts: &Weights<'_>,
-    lens: &[usize],
-    scores: &[f32],
-    xn: &mut [f32],
-) -> Result<()> {
-    let h = c.hidden;
-    let n_experts = m.n_experts();
-    let n = lens.iter().sum::<usize>();
-    if scores.len() != n * n_experts || xn.len() != n * h {
-        return Err(invalid(
-            format!("layer {li} expert inputs"),
-            format!("{n} tokens of {n_experts} router scores and {h} values"),
-            format!("{} scores and {} values", scores.len(), xn.len()),
-        ));
-    }
-    let mut out = vec![0f32; n * h];
-    // one set of buffers for every expert's rows: at most a piece's tokens each
-    let widest = m.experts.iter().map(|[g, _, _]| g.rows).max().unwrap_or(0);
-    let most = lens.iter().copied().max().unwrap_or(0);
-    let mut xs = vec![0f32; most * h];
-    let (mut g, mut u) = (vec![0f32; most * widest], vec![0f32; most * widest]);
-    let mut y = vec![0f32; most * h];
-    for_each_routed(m, lens, scores, |e, routed| {
-        let [gate, up, down] = held_expert(m, li, e)?;
-        let (cnt, f) = (routed.len(), gate.rows);
-        for (&(t, _), row) in routed.iter().zip(xs.chunks_exact_mut(h)) {
-            row.copy_from_slice(&xn[t * h..(t + 1) * h]);
-        }
-        let (g, u, y) = (&mut g[..cnt * f], &mut u[..cnt * f], &mut y[..cnt * h]);
-        linear_on(c, wts, gate, &xs, cnt, g)?;
-        linear_on(c, wts, up, &xs, cnt, u)?;
-        activate(c.gate, g, u)
-            .map_err(|e2| kernel(&format!("layer {li} expert {e} activation"), e2))?;
-        linear_on(c, wts, down, g, cnt, y)?;
-        for (&(t, wt), yr) in routed.iter().zip(y.chunks_exact(h)) {
-            out[t * h..(t + 1) * h]
-                .iter_mut()
-                .zip(yr)
-                .for_each(|(o, v)| *o += wt * v);
-        }
-        Ok(())
-    })?;
-    xn.copy_from_slice(&out);
-    Ok(())
-}
-
-/// Expert `e`'s matrices in `m`, which routed a token to it.
-pub(super) fn held_expert(m: &Moe, li: usize, e: usize) -> Result<&[Linear; 3]> {
-    m.expert(e).ok_or_else(|| {
-        invalid(
-            format!("layer {li} expert {e}"),
-            format!(
-                "one of experts {}..{} held here",
-                m.first,
-                m.first + m.experts.len()
-            ),
-            "a token routed to another",
-        )
-    })
-}
-
-/// The routing of pieces of `lens` tokens (their router `scores`, `n_experts` a token, in
-/// order), in the order every MoE block computes it, piece by piece and within a piece expert
-/// by expert: `each(e, routed)` for each expert `e` of `m`'s a piece routes tokens to, with
-/// `routed` those tokens' rows in the batch and their routing weights. Keeping one order is
-/// what gives a token the same sums on the host path and the backend; under tensor
-/// parallelism each device meets only its own experts, in that order.
-pub(super) fn for_each_routed(
-    m: &Moe,
-    lens: &[usize],
-    scores: &[f32],
-    mut each: impl FnMut(usize, &[(usize, f32)]) -> Result<()>,
-) -> Result<()> {
-    let n_experts = m.n_experts();
-    let mut picks = Vec::new();
-    let mut routed: Vec<(usize, f32)> = Vec::new();
-    let mut at = 0;
-    for &len in lens {
-        let rows = at..at + len;
-        at += len;
-        route(
-            &scores[rows.start * n_experts..rows.end * n_experts],
-            n_experts,
-            m.n_used,
-            m.norm_topk_prob,
-            &mut picks,
-        );
-        for e in m.first..(m.first + m.experts.len()).min(n_experts) {
-            routed.clear();
-            routed.extend(
-                picks
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, (pe, _))| *pe == e)
-                    .map(|(k, &(_, wt))| (rows.start + k / m.n_used, wt)),
-            );
-            if !routed.is_empty() {
-                each(e, &routed)?;
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Whether a product of `l` with several tokens gives each token the bits of its own
 /// matrix-vector product, up to `Q8_BATCH_MAX_TOKENS` tokens: the fast mode's block products.
 pub(super) fn shares_rows(c: &Consts, wts: &Weights<'_>, l: &Linear) -> Result<bool> {
@@ -472,7 +306,7 @@ pub(super) fn shares_rows(c: &Consts, wts: &Weights<'_>, l: &Linear) -> Result<b
 
 /// The block type and bytes of `l` where its product is a fast-mode block product (see
 /// [`linear_pieces`]).
-fn q8_weights<'a>(
+pub(super) fn q8_weights<'a>(
     c: &Consts,
     wts: &Weights<'a>,
     l: &Linear,
@@ -789,37 +623,10 @@ fn product(
 }
 
 /// `y += bias`, per token.
-fn add_bias(l: &Linear, y: &mut [f32]) {
+pub(super) fn add_bias(l: &Linear, y: &mut [f32]) {
     if let Some(b) = &l.bias {
         for yr in y.chunks_exact_mut(l.rows) {
             yr.iter_mut().zip(&b.host).for_each(|(v, b)| *v += b);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::route;
-
-    /// Scores ln(1), ln(2), ln(3), ln(4): softmax 0.1, 0.2, 0.3, 0.4; the top two are experts 3
-    /// and 2, weighted 0.4 and 0.3, or 4/7 and 3/7 renormalised; equal scores keep the lower
-    /// expert first.
-    #[test]
-    fn route_is_softmax_then_top_k_then_renormalised() {
-        let scores: Vec<f32> = [1f32, 2.0, 3.0, 4.0].iter().map(|v| v.ln()).collect();
-        let mut picks = Vec::new();
-        route(&scores, 4, 2, false, &mut picks);
-        let close = |a: f32, b: f32| (a - b).abs() < 1e-6;
-        assert_eq!((picks[0].0, picks[1].0), (3, 2));
-        assert!(
-            close(picks[0].1, 0.4) && close(picks[1].1, 0.3),
-            "{picks:?}"
-        );
-        route(&scores, 4, 2, true, &mut picks);
-        assert!(close(picks[0].1, 4.0 / 7.0) && close(picks[1].1, 3.0 / 7.0));
-        route(&[0.5; 8], 4, 2, true, &mut picks);
-        let experts: Vec<usize> = picks.iter().map(|p| p.0).collect();
-        assert_eq!(experts, [0, 1, 0, 1]);
-        assert!(picks.iter().all(|p| close(p.1, 0.5)));
     }
 }

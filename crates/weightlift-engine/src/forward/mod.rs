@@ -32,6 +32,7 @@ mod attention;
 mod boundary;
 mod embed;
 mod exec;
+mod experts;
 mod family;
 mod graph;
 mod layer;

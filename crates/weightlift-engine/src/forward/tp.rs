@@ -19,7 +19,7 @@
 //!   parallelism, the expert table): every device of that table normalises the gathered rows
 //!   and scores them with its replica of the router, so each routes every token alike, then
 //!   runs only the routed experts it holds, whole, with the layer split's own code
-//!   ([`super::layer::experts`], or the backends' op sequence), their weighted outputs its
+//!   ([`super::experts::experts`], or the backends' op sequence), their weighted outputs its
 //!   partial sum, reduced as the dense MLP's. A device may thus get more of a chunk's tokens
 //!   than another; every part it holds is a contiguous slice (GGUF's stacked experts cut along
 //!   their first axis).
@@ -384,7 +384,7 @@ impl Run<'_> {
 impl Run<'_> {
     /// This device's experts of one mixture-of-experts block on the tokens of `segs`: the
     /// norm, the router's scores of every token (each segment's products as the layer split
-    /// shares them), then the routed experts it holds ([`super::layer::experts`]), their
+    /// shares them), then the routed experts it holds ([`super::experts::experts`]), their
     /// weighted sum (this device's partial) landing in `w.xn`.
     fn experts(&self, x: &Experts, li: usize, segs: &[Seg<'_>], w: &mut Views<'_>) -> Result<()> {
         let h = self.hidden;
@@ -405,7 +405,7 @@ impl Run<'_> {
             let ys = &mut scores[first * router.rows..];
             super::layer::linear_on(c, &wts, router, xs, rows, ys)?;
         }
-        super::layer::experts(c, &x.moe, li, &wts, &lens, &scores, &mut w.xn[..n * h])
+        super::experts::experts(c, &x.moe, li, &wts, &lens, &scores, &mut w.xn[..n * h])
     }
 }
 

@@ -1038,6 +1038,99 @@ pub fn matmul_shared_with_vnni(
     Ok(())
 }
 
+/// One matrix of [`matmul_grouped`]: `rows` rows of weights, its own tokens (`n_tok × cols`)
+/// and its output (`n_tok × rows`, token-major).
+pub struct GroupedInput<'a> {
+    pub w: &'a [u8],
+    pub rows: usize,
+    pub x: &'a [f32],
+    pub y: &'a mut [f32],
+}
+
+/// [`matmul`] of several matrices of one type, each on tokens of its own: the down products
+/// of the experts a token was routed to, each on its own gated rows. A fast-mode product of
+/// one token each quantises each matrix's token and runs every matrix's row tasks in one
+/// parallel loop (a decode step's experts are a few microseconds of work each, and on their
+/// own each pays a fork and a join across the threads); other products run one after the
+/// other. Each result has the bits [`matmul`] gives it.
+pub fn matmul_grouped(
+    mode: MatvecMode,
+    ty: QuantType,
+    parts: &mut [GroupedInput<'_>],
+    cols: usize,
+    n_tok: usize,
+    max_dq_size: usize,
+) -> Result<()> {
+    matmul_grouped_with(Isa::detect(), mode, ty, parts, cols, n_tok, max_dq_size)
+}
+
+/// A task of [`matmul_grouped_with`]'s one-token loop.
+type GroupedTask<'w, 'a> = (&'w [u8], usize, usize, &'w mut [f32], &'a Q8Activations);
+
+/// [`matmul_grouped`] with a forced instruction set.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_grouped_with(
+    isa: Isa,
+    mode: MatvecMode,
+    ty: QuantType,
+    parts: &mut [GroupedInput<'_>],
+    cols: usize,
+    n_tok: usize,
+    max_dq_size: usize,
+) -> Result<()> {
+    for p in parts.iter() {
+        check_shapes(ty, p.w, p.rows, cols, p.x.len(), n_tok, p.y.len())?;
+    }
+    let together =
+        mode == MatvecMode::Q8 && n_tok == 1 && cols > 0 && parts.iter().all(|p| p.rows > 0);
+    if !together {
+        for p in parts {
+            matmul_with(
+                isa,
+                mode,
+                ty,
+                p.w,
+                p.rows,
+                cols,
+                p.x,
+                n_tok,
+                p.y,
+                max_dq_size,
+            )?;
+        }
+        return Ok(());
+    }
+    check_q8_type(ty)?;
+    let vnni = isa.vnni();
+    let acts: Vec<Q8Activations> = parts
+        .iter()
+        .map(|p| {
+            let mut act = Q8Activations::default();
+            act.fill(isa, p.x, vnni_offset(vnni, ty));
+            act
+        })
+        .collect();
+    // (weights, row bytes, first row, outputs, the matrix's quantised token)
+    let tasks: Vec<GroupedTask<'_, '_>> = parts
+        .iter_mut()
+        .zip(&acts)
+        .flat_map(|(p, act)| {
+            let (w, row_bytes) = (p.w, p.w.len() / p.rows);
+            p.y.chunks_mut(ROWS_PER_TASK)
+                .enumerate()
+                .map(move |(i, ys)| (w, row_bytes, i * ROWS_PER_TASK, ys, act))
+        })
+        .collect();
+    tasks
+        .into_par_iter()
+        .with_min_len(TASKS_PER_JOB)
+        .for_each(|(w, row_bytes, r0, ys, act)| {
+            let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
+            q8_matvec_task((isa, vnni, ty), row, act, r0, ys);
+        });
+    Ok(())
+}
+
 /// [`matmul`] with a forced instruction set.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_with(
