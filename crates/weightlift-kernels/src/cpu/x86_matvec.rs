@@ -123,6 +123,43 @@ pub(crate) fn scales_mins_k4(q: &[u8]) -> (__m256, __m256) {
     (lanes(sc), lanes(m))
 }
 
+/// A Q6_K block's sixteen `(d · sc) · d_x` (two a 32-value group, one per 16 values; `xd`
+/// holds each group's `d_x` twice, lanes `2g` and `2g + 1` of the 16), groups 0-3 in the first
+/// vector and 4-7 in the second: the scalar path's two products, lane by lane.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) fn q6k_scales(blk: &[u8], xd: [__m256; 2]) -> [__m256; 2] {
+    let d = _mm256_set1_ps(rd_f16(blk, 208));
+    // SAFETY: the 16 scale bytes at 192.
+    let sc = unsafe { _mm_loadu_si128(blk[192..208].as_ptr().cast()) };
+    let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+    let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc)));
+    [
+        _mm256_mul_ps(_mm256_mul_ps(d, lo), xd[0]),
+        _mm256_mul_ps(_mm256_mul_ps(d, hi), xd[1]),
+    ]
+}
+
+/// Each group's `d_x` twice (lanes `2g` and `2g + 1`), for [`q6k_scales`].
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn q6k_token_scales(xbs: &[Q8Block]) -> [__m256; 2] {
+    let two = |g: usize| {
+        let (a, b, c, e) = (xbs[g].d, xbs[g + 1].d, xbs[g + 2].d, xbs[g + 3].d);
+        _mm256_setr_ps(a, a, b, b, c, c, e, e)
+    };
+    [two(0), two(4)]
+}
+
+/// The lanes that take group `g`'s pair of scales from [`q6k_scales`]'s vector (lanes 0-3 the
+/// first 16 values' scale, 4-7 the second's).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn q6k_lanes(g: usize) -> __m256i {
+    let (a, b) = (2 * (g % 4) as i32, 2 * (g % 4) as i32 + 1);
+    _mm256_setr_epi32(a, a, a, a, b, b, b, b)
+}
+
 /// Each row's 8 lanes and offset sum, finished as the scalar path does.
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -245,22 +282,21 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
         }
         QuantType::Q6_K => {
             let k32 = _mm256_set1_epi8(32);
+            let lanes: [__m256i; 4] = std::array::from_fn(|g| q6k_lanes(g));
             for (i, xbs) in xq.chunks_exact(8).enumerate() {
+                let xd = q6k_token_scales(xbs);
                 for (a, row) in acc.iter_mut().zip(rows) {
                     let blk = unsafe { block(row, i, bb) };
                     prefetch_block(blk);
-                    let d = rd_f16(blk, 208);
+                    let dsx = q6k_scales(blk, xd);
                     for h in 0..2 {
                         let qh = load32(blk[128 + 32 * h..].as_ptr());
                         for g in 0..4 {
                             let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
                             let q = _mm256_sub_epi8(q6k_group(ql, qh, g), k32);
-                            let gi = 4 * h + g;
-                            let xb = &xbs[gi];
+                            let xb = &xbs[4 * h + g];
                             let l = mul_sum_i8(q, load32(xb.qs.as_ptr().cast()));
-                            let s0 = d * f32::from(blk[192 + 2 * gi] as i8) * xb.d;
-                            let s1 = d * f32::from(blk[193 + 2 * gi] as i8) * xb.d;
-                            let dd = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                            let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
                             *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
                         }
                     }
@@ -361,14 +397,16 @@ macro_rules! rows_dot_q8_vnni {
                     $q5(rd_u32(blk, 4), blk[8..24].as_ptr())
                 }),
                 QuantType::Q6_K => {
+                    let lanes: [__m256i; 4] = std::array::from_fn(|g| q6k_lanes(g));
                     let blocks = xq.chunks_exact(8).zip(bias.chunks_exact(8));
                     for (i, (xbs, bs)) in blocks.enumerate() {
+                        let xd = q6k_token_scales(xbs);
                         for (a, row) in acc.iter_mut().zip(rows) {
                             // SAFETY: the contract gives each row a block per 8 activation
                             // blocks.
                             let blk = unsafe { block(row, i, bb) };
                             prefetch_block(blk);
-                            let d = rd_f16(blk, 208);
+                            let dsx = q6k_scales(blk, xd);
                             for h in 0..2 {
                                 let qh = load32(blk[128 + 32 * h..].as_ptr());
                                 for g in 0..4 {
@@ -380,9 +418,7 @@ macro_rules! rows_dot_q8_vnni {
                                     // SAFETY: bs[gi] holds 8 i32.
                                     let bv = unsafe { _mm256_loadu_si256(bs[gi].as_ptr().cast()) };
                                     let l = $dp(bv, q, load32(xb.qs.as_ptr().cast()));
-                                    let s0 = d * f32::from(blk[192 + 2 * gi] as i8) * xb.d;
-                                    let s1 = d * f32::from(blk[193 + 2 * gi] as i8) * xb.d;
-                                    let dd = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                                    let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
                                     *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
                                 }
                             }
