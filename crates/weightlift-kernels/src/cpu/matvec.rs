@@ -1017,26 +1017,39 @@ pub fn matmul_shared_with_vnni(
         return Ok(());
     }
     // one token: the matvec's tasks of every matrix in one loop
-    let tasks: Vec<(&[u8], usize, usize, &mut [f32])> = parts
-        .iter_mut()
-        .flat_map(|p| {
-            let (w, row_bytes) = (p.w, p.w.len() / p.rows);
-            p.y.chunks_mut(ROWS_PER_TASK)
-                .enumerate()
-                .map(move |(i, ys)| (w, row_bytes, i * ROWS_PER_TASK, ys))
-        })
-        .collect();
     with_q8_activations(isa, x, vnni_offset(vnni, ty), |act| {
-        tasks
-            .into_par_iter()
-            .with_min_len(TASKS_PER_JOB)
-            .for_each(|(w, row_bytes, r0, ys)| {
-                let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
-                q8_matvec_task((isa, vnni, ty), row, act, r0, ys);
-            });
+        let mats = parts.iter_mut().map(|p| (p.w, p.rows, &mut *p.y, act));
+        q8_matvecs_together((isa, vnni, ty), mats);
     });
     Ok(())
 }
+
+/// The one-token Q8-mode products of several matrices (each its weights, rows, output and
+/// quantised token), their row tasks in one parallel loop.
+fn q8_matvecs_together<'a>(
+    cfg: (Isa, Option<Vnni>, QuantType),
+    mats: impl Iterator<Item = (&'a [u8], usize, &'a mut [f32], &'a Q8Activations)>,
+) {
+    let tasks: Vec<MatvecTask<'a>> = mats
+        .flat_map(|(w, rows, y, act)| {
+            let row_bytes = w.len() / rows;
+            y.chunks_mut(ROWS_PER_TASK)
+                .enumerate()
+                .map(move |(i, ys)| (w, row_bytes, i * ROWS_PER_TASK, ys, act))
+        })
+        .collect();
+    tasks
+        .into_par_iter()
+        .with_min_len(TASKS_PER_JOB)
+        .for_each(|(w, row_bytes, r0, ys, act)| {
+            let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
+            q8_matvec_task(cfg, row, act, r0, ys);
+        });
+}
+
+/// A task of [`q8_matvecs_together`]: weights, row bytes, first row, outputs, the quantised
+/// token.
+type MatvecTask<'a> = (&'a [u8], usize, usize, &'a mut [f32], &'a Q8Activations);
 
 /// One matrix of [`matmul_grouped`]: `rows` rows of weights, its own tokens (`n_tok × cols`)
 /// and its output (`n_tok × rows`, token-major).
@@ -1063,9 +1076,6 @@ pub fn matmul_grouped(
 ) -> Result<()> {
     matmul_grouped_with(Isa::detect(), mode, ty, parts, cols, n_tok, max_dq_size)
 }
-
-/// A task of [`matmul_grouped_with`]'s one-token loop.
-type GroupedTask<'w, 'a> = (&'w [u8], usize, usize, &'w mut [f32], &'a Q8Activations);
 
 /// [`matmul_grouped`] with a forced instruction set.
 #[allow(clippy::too_many_arguments)]
@@ -1110,24 +1120,11 @@ pub fn matmul_grouped_with(
             act
         })
         .collect();
-    // (weights, row bytes, first row, outputs, the matrix's quantised token)
-    let tasks: Vec<GroupedTask<'_, '_>> = parts
+    let mats = parts
         .iter_mut()
         .zip(&acts)
-        .flat_map(|(p, act)| {
-            let (w, row_bytes) = (p.w, p.w.len() / p.rows);
-            p.y.chunks_mut(ROWS_PER_TASK)
-                .enumerate()
-                .map(move |(i, ys)| (w, row_bytes, i * ROWS_PER_TASK, ys, act))
-        })
-        .collect();
-    tasks
-        .into_par_iter()
-        .with_min_len(TASKS_PER_JOB)
-        .for_each(|(w, row_bytes, r0, ys, act)| {
-            let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
-            q8_matvec_task((isa, vnni, ty), row, act, r0, ys);
-        });
+        .map(|(p, act)| (p.w, p.rows, &mut *p.y, act));
+    q8_matvecs_together((isa, vnni, ty), mats);
     Ok(())
 }
 
