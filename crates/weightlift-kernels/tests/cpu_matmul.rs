@@ -43,13 +43,14 @@ fn cut(name: &str, cols: usize, rows: usize) -> (weightlift_kernels::QuantType, 
 const TOKEN_COUNTS: [usize; 14] = [1, 2, 3, 4, 5, 8, 9, 10, 12, 13, 14, 16, 17, 33];
 
 /// The Q8-mode weight types.
-const Q8_TYPES: [QuantType; 7] = [
+const Q8_TYPES: [QuantType; 8] = [
     QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q5_0,
     QuantType::Q5_1,
     QuantType::Q8_0,
     QuantType::Q4_K,
+    QuantType::Q5_K,
     QuantType::Q6_K,
 ];
 
@@ -150,6 +151,7 @@ fn q8_matmul_has_the_same_bits_on_every_isa_and_matches_the_reference() {
         ("q5_1", 96, 15),
         ("q8_0", 160, 9),
         ("q4_k", 256, 11),
+        ("q5_k", 256, 11),
         ("q6_k", 512, 6),
     ] {
         let (ty, raw, want) = cut(name, cols, rows);
@@ -202,7 +204,7 @@ fn q8_matmul_has_the_same_bits_on_every_isa_and_matches_the_reference() {
 /// Byte offsets of a block's f16 scales (ggml-common.h).
 fn scale_offsets(ty: QuantType) -> &'static [usize] {
     match ty {
-        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K => &[0, 2],
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
         QuantType::Q6_K => &[208],
         _ => &[0],
     }
@@ -227,7 +229,7 @@ fn random_blocks(rng: &mut Rng, ty: QuantType, rows: usize, cols: usize, scale: 
 fn k_quant_matvecs_give_the_scalar_bits_where_the_offsets_weigh() {
     let mut rng = Rng(223);
     let (rows, cols) = (512, 1024);
-    for ty in [QuantType::Q4_K, QuantType::Q6_K] {
+    for ty in [QuantType::Q4_K, QuantType::Q5_K, QuantType::Q6_K] {
         let mut raw = rng.bytes(rows * cols / 256 * ty.block_bytes());
         for blk in raw.chunks_exact_mut(ty.block_bytes()) {
             for &o in scale_offsets(ty) {
@@ -279,7 +281,12 @@ fn grouped_products_give_each_matrix_the_bits_of_its_own() {
     use weightlift_kernels::cpu::matvec::{GroupedInput, matmul_grouped_with};
     let mut rng = Rng(227);
     let (rows, cols) = (40, 512);
-    for ty in [QuantType::Q4_K, QuantType::Q6_K, QuantType::Q8_0] {
+    for ty in [
+        QuantType::Q4_K,
+        QuantType::Q5_K,
+        QuantType::Q6_K,
+        QuantType::Q8_0,
+    ] {
         let mats: Vec<Vec<u8>> = (0..3)
             .map(|_| random_blocks(&mut rng, ty, rows, cols, 0x2c00))
             .collect();
@@ -454,6 +461,7 @@ fn exact_matmul_matches_f64_reference_for_ragged_tiles() {
         ("q4_0", 192, 7),
         ("q8_0", 96, 15),
         ("q4_k", 256, 11),
+        ("q5_k", 256, 11),
         ("q6_k", 512, 6),
         ("q5_k", 256, 9),
         ("f16", 100, 10),

@@ -17,7 +17,9 @@ use weightlift_kernels::cpu::matvec::{
 use weightlift_kernels::*;
 
 /// The weight types of [`MatvecMode::Q8`] (`Q8_WEIGHT_TYPES`).
-const MATVEC_TYPES: [&str; 7] = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"];
+const MATVEC_TYPES: [&str; 8] = [
+    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
+];
 
 #[test]
 fn matvec_matches_f64_reference_on_gguf_py_weights_in_both_modes_and_isas() {
@@ -398,13 +400,13 @@ fn matvec_shape_errors_are_typed() {
         err.to_string(),
         "matvec weight bytes: expected 576, got 864"
     );
-    let q5 = load("q5_k");
-    let rows = q5.want.len() / 512;
+    let q3 = load("q3_k");
+    let rows = q3.want.len() / 512;
     let mut y = vec![0f32; rows];
     let err = matvec(
         MatvecMode::Q8,
-        q5.ty,
-        &q5.raw,
+        q3.ty,
+        &q3.raw,
         rows,
         512,
         &[0.0; 512],
@@ -413,7 +415,8 @@ fn matvec_shape_errors_are_typed() {
     .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "matvec (q8 mode) does not support q5_k; supported: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k"
+        "matvec (q8 mode) does not support q3_k; supported: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, \
+         q5_k, q6_k"
     );
 }
 

@@ -13,8 +13,8 @@
 //!   f16 as in `block_q8_0`), then each block's integer dot product is exact and scaled by
 //!   `d_w · d_x` in f32. It moves less data and uses integer SIMD, but adds the activation
 //!   rounding error (≤ `d_x/2` per value, about 0.4 % of the block's largest activation).
-//!   Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K. The types with an offset
-//!   (Q4_1's and Q5_1's `m`, Q4_K's mins) add `m · d_x · Σq_x` per 32 values, from the
+//!   Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. The types with an offset
+//!   (Q4_1's and Q5_1's `m`, Q4_K's and Q5_K's mins) add `m · d_x · Σq_x` per 32 values, from the
 //!   activation block's quant sum ([`Q8Block::sum`]; llama.cpp's `block_q8_1` carries
 //!   `d · Σq` for this). Unlike llama.cpp, K-quants also use 32-value activation blocks
 //!   (llama.cpp uses 256-value `block_q8_K` with an f32 scale), so results differ from
@@ -62,7 +62,7 @@ pub enum MatvecMode {
 }
 
 /// The weight types [`MatvecMode::Q8`] supports.
-pub const Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k";
+pub const Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k";
 
 /// 32 activations quantised to int8: `x ≈ d * qs`.
 #[derive(Debug, Clone, Copy)]
@@ -253,6 +253,7 @@ pub fn q8_supports(ty: QuantType) -> bool {
             | QuantType::Q5_1
             | QuantType::Q8_0
             | QuantType::Q4_K
+            | QuantType::Q5_K
             | QuantType::Q6_K
     )
 }
@@ -466,16 +467,14 @@ fn row_tokens_q8_scalar<X: AsRef<[Q8Block]>>(ty: QuantType, row: &[u8], xs: &[X]
                 }
             }
         }
-        QuantType::Q4_K => {
+        QuantType::Q4_K | QuantType::Q5_K => {
             for (i, blk) in row.chunks_exact(bb).enumerate() {
                 let d = rd_f16(blk, 0);
                 let dmin = rd_f16(blk, 2);
                 let scales = &blk[4..16];
                 for sb in 0..8 {
                     let (sc, m) = scale_min_k4(sb, scales);
-                    let (c, shift) = (sb / 2, 4 * (sb % 2));
-                    let w: [i32; 32] =
-                        std::array::from_fn(|l| i32::from((blk[16 + 32 * c + l] >> shift) & 0x0f));
+                    let w = k_quants(ty, blk, sb);
                     // the first products of `d · sc · d_x` and `dmin · m · d_x`
                     let (ds, dm) = (d * sc as f32, dmin * m as f32);
                     for ((a, e), x) in acc.iter_mut().zip(extra.iter_mut()).zip(xs) {
@@ -535,9 +534,9 @@ fn rows_dot_q8<const R: usize>(
             {
                 return unsafe { super::x86_matvec512::rows_dot_q8_512::<R>(ty, rows, xq, bias) };
             }
-            // Q4_K's 256-bit forms: its quants are unsigned already, so VNNI saves one
-            // instruction in ten there, and measured slower than the AVX2 form
-            _ if ty == QuantType::Q4_K => {}
+            // Q4_K's and Q5_K's 256-bit forms: their quants are unsigned already, so VNNI saves
+            // one instruction in ten there, and measured slower than the AVX2 form (Q4_K)
+            _ if matches!(ty, QuantType::Q4_K | QuantType::Q5_K) => {}
             Some(Vnni::AvxVnni) => {
                 return unsafe { k::rows_dot_q8_avxvnni::<R>(ty, rows, xq, bias) };
             }
@@ -1237,6 +1236,20 @@ pub fn matmul_with_vnni(
     Ok(())
 }
 
+/// The 32 unsigned quants of sub-block `sb` of a Q4_K block (its nibbles at 16) or a Q5_K
+/// block (its nibbles at 48, with bit `sb` of each `qh` byte at 16 as the fifth bit).
+fn k_quants(ty: QuantType, blk: &[u8], sb: usize) -> [i32; 32] {
+    let (c, shift) = (sb / 2, 4 * (sb % 2));
+    if ty == QuantType::Q5_K {
+        std::array::from_fn(|l| {
+            let lo = (blk[48 + 32 * c + l] >> shift) & 0x0f;
+            i32::from(lo | (((blk[16 + l] >> sb) & 1) << 4))
+        })
+    } else {
+        std::array::from_fn(|l| i32::from((blk[16 + 32 * c + l] >> shift) & 0x0f))
+    }
+}
+
 /// One 32-value weight group decoded for the scalar Q8-mode matmul: the signed quants, the
 /// scale of values 0–15 and 16–31 (they differ only for Q6_K) and the coefficient of the
 /// token's quant sum (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`, else 0).
@@ -1274,14 +1287,15 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
                 rd_f16(blk, 0),
                 0.0,
             )),
-            QuantType::Q4_K => {
+            QuantType::Q4_K | QuantType::Q5_K => {
                 let (d, dmin) = (rd_f16(blk, 0), rd_f16(blk, 2));
                 for sb in 0..8 {
                     let (sc, m) = scale_min_k4(sb, &blk[4..16]);
-                    let (c, shift) = (sb / 2, 4 * (sb % 2));
-                    let w =
-                        std::array::from_fn(|l| i32::from((blk[16 + 32 * c + l] >> shift) & 0x0f));
-                    out.push(one(w, d * sc as f32, -(dmin * m as f32)));
+                    out.push(one(
+                        k_quants(ty, blk, sb),
+                        d * sc as f32,
+                        -(dmin * m as f32),
+                    ));
                 }
             }
             QuantType::Q6_K => {
@@ -1319,7 +1333,10 @@ fn q8_matmul_scalar(
     let xq = quantize_q8_blocks(x);
     let per_tok = cols / 32;
     let row_bytes = w.len() / rows;
-    let with_coef = matches!(ty, QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K);
+    let with_coef = matches!(
+        ty,
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K
+    );
     // values per scale: Q6_K's 16, else the group's 32
     let span = if ty == QuantType::Q6_K { 16 } else { 32 };
     let mut yt = vec![0f32; rows * n_tok];

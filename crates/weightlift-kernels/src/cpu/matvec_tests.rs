@@ -19,7 +19,7 @@ fn weights(ty: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let bb = ty.block_bytes();
     let mut w = bytes(seed, rows * cols / ty.block_size() * bb);
     let scales: &[usize] = match ty {
-        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K => &[0, 2],
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
         QuantType::Q6_K => &[208],
         _ => &[0],
     };
@@ -60,6 +60,7 @@ fn q8_matvec_rows_at_a_time_give_the_scalar_bits() {
         QuantType::Q5_1,
         QuantType::Q8_0,
         QuantType::Q4_K,
+        QuantType::Q5_K,
         QuantType::Q6_K,
     ];
     for (k, ty) in types.into_iter().enumerate() {
@@ -256,6 +257,7 @@ fn q8_matmul_of_few_tokens_gives_each_token_its_matvec_bits() {
         QuantType::Q5_1,
         QuantType::Q8_0,
         QuantType::Q4_K,
+        QuantType::Q5_K,
         QuantType::Q6_K,
     ];
     for (k, ty) in types.into_iter().enumerate() {

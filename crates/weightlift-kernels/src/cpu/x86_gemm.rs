@@ -38,6 +38,7 @@ use rayon::prelude::*;
 
 use super::dequant_scalar::scale_min_k4;
 use super::x86::imp::{load32, nibbles32, q6k_group, quants5_u, rd_f16, rd_u32};
+use super::x86_matvec::with_fifth_bits;
 use super::{Isa, Vnni};
 use crate::types::QuantType;
 
@@ -52,7 +53,7 @@ const SIGNED: u8 = 8;
 
 /// Q4_0, Q5_0 and (with VNNI) Q8_0.
 const FL_BIAS: u8 = BIAS;
-/// Q4_1, Q5_1 and Q4_K.
+/// Q4_1, Q5_1, Q4_K and Q5_K.
 const FL_MIN: u8 = MIN;
 /// Q6_K.
 const FL_Q6K: u8 = BIAS | SUB16;
@@ -287,15 +288,22 @@ fn decode_group(ty: QuantType, fl: u8, row: &[u8], g: usize) -> (__m256i, f32, f
             let d = rd_f16(blk, 0);
             (q, d, d, 0.0)
         }
-        QuantType::Q4_K => {
+        QuantType::Q4_K | QuantType::Q5_K => {
             let (d, dmin) = (rd_f16(blk, 0), rd_f16(blk, 2));
             let (sc, m) = scale_min_k4(sub, &blk[4..16]);
-            let c = sub / 2;
-            let v = load32(blk[16 + 32 * c..48 + 32 * c].as_ptr());
+            // Q5_K: the nibbles after the 32 fifth-bit bytes
+            let k5 = ty == QuantType::Q5_K;
+            let at = if k5 { 48 } else { 16 } + 32 * (sub / 2);
+            let v = load32(blk[at..at + 32].as_ptr());
             let q = if sub % 2 == 1 {
                 _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4)
             } else {
                 _mm256_and_si256(v, m4)
+            };
+            let q = if k5 {
+                with_fifth_bits(q, load32(blk[16..48].as_ptr()), sub)
+            } else {
+                q
             };
             let s = d * sc as f32;
             (q, s, s, -(dmin * m as f32))

@@ -107,6 +107,18 @@ pub(crate) unsafe fn quantize_q8_avx2(
     }
 }
 
+/// Q5_K's quants of sub-block `sb`: the nibbles `q` with bit `sb` of each of the block's 32
+/// `qh` bytes as their fifth bit (at most 31, so `pmaddubsw` stays exact).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn with_fifth_bits(q: __m256i, qh: __m256i, sb: usize) -> __m256i {
+    let bit = _mm256_and_si256(
+        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sb as i32)),
+        _mm256_set1_epi8(1),
+    );
+    _mm256_or_si256(q, _mm256_slli_epi16::<4>(bit))
+}
+
 /// A Q4_K block's eight 6-bit scales and eight mins (its 12 scale bytes, as
 /// [`scale_min_k4`](super::dequant_scalar::scale_min_k4) reads them one sub-block at a time) as f32 lanes, sub-block `j` in lane `j`.
 #[inline]
@@ -238,7 +250,12 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
         QuantType::Q8_0 => blocks!(|blk, xv| mul_sum_i8(load32(blk[2..34].as_ptr()), xv)),
         QuantType::Q4_1 => offset_blocks!(|blk| nibbles32(blk[4..20].as_ptr(), 0)),
         QuantType::Q5_1 => offset_blocks!(|blk| quants5_u(rd_u32(blk, 4), blk[8..24].as_ptr())),
-        QuantType::Q4_K => {
+        QuantType::Q4_K | QuantType::Q5_K => {
+            // Q5_K is Q4_K with its quants' fifth bits apart (`qh`) and the nibbles after them.
+            let (k5, qs_at) = (
+                ty == QuantType::Q5_K,
+                if ty == QuantType::Q5_K { 48 } else { 16 },
+            );
             // Each sub-block's `(d · sc) · d_x` and `((dmin · m) · d_x) · Σq_x` come from one
             // 8-lane product per block, a lane a sub-block (the scalar path's operations, in
             // its order, lane by lane); the first is spread over the accumulator's lanes by a
@@ -263,14 +280,20 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                     let mut mins = [0f32; 8];
                     // SAFETY: mins holds 8 f32.
                     unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), _mm256_mul_ps(dmx, xs)) };
+                    let qh = if k5 {
+                        load32(blk[16..].as_ptr())
+                    } else {
+                        _mm256_setzero_si256()
+                    };
                     for c in 0..4 {
-                        let v = load32(blk[16 + 32 * c..].as_ptr());
+                        let v = load32(blk[qs_at + 32 * c..].as_ptr());
                         let halves = [
                             _mm256_and_si256(v, m4),
                             _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
                         ];
                         for (h, q) in halves.into_iter().enumerate() {
                             let sb = 2 * c + h;
+                            let q = if k5 { with_fifth_bits(q, qh, sb) } else { q };
                             let l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[sb]), ones);
                             let dd = _mm256_permutevar8x32_ps(dsx, lane[sb]);
                             *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);

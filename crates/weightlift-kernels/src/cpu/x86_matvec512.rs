@@ -1,5 +1,5 @@
 //! The Q8-mode matvec's AVX-512 row dots for the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0) and the K-quants Q4_K and Q6_K: rows in pairs, one row's 8 lanes in each half of a 512-bit vector, so each
+//! Q8_0) and the K-quants Q4_K, Q5_K and Q6_K: rows in pairs, one row's 8 lanes in each half of a 512-bit vector, so each
 //! operation on the quants, the scales and the accumulators serves two rows (the 256-bit
 //! forms of `x86_matvec` spent about seven vector operations per block and row, which bound a
 //! decode step on Zen-class cores before memory did). Lanes never mix: every lane runs the
@@ -22,9 +22,10 @@ pub(crate) fn takes(ty: QuantType) -> bool {
     )
 }
 
-/// Whether [`rows_dot_q8_512`] takes `ty`: those of [`takes`], Q4_K and Q6_K.
+/// Whether [`rows_dot_q8_512`] takes `ty`: those of [`takes`] and the K-quants Q4_K, Q5_K and
+/// Q6_K.
 pub(crate) fn matvec_takes(ty: QuantType) -> bool {
-    takes(ty) || matches!(ty, QuantType::Q4_K | QuantType::Q6_K)
+    takes(ty) || matches!(ty, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
 }
 
 /// `a` in the low half and `b` in the high half.
@@ -239,7 +240,13 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
         // first row's sub-blocks in the low 8 lanes, the second's in the high 8), each spread
         // over its half by a permute; the offsets `((dmin · m) · d_x) · Σq_x` are subtracted
         // from each row's sum sub-block by sub-block: the scalar path's operations in its order.
-        QuantType::Q4_K => {
+        QuantType::Q4_K | QuantType::Q5_K => {
+            // Q5_K is Q4_K with its quants' fifth bits apart (`qh`) and the nibbles after them
+            let (k5, qs_at) = (
+                ty == QuantType::Q5_K,
+                if ty == QuantType::Q5_K { 48 } else { 16 },
+            );
+            let block_len = bb;
             let m4 = _mm512_set1_epi8(0x0f);
             let lane: [__m512i; 8] = std::array::from_fn(|s| {
                 let (lo, hi) = (_mm256_set1_epi32(s as i32), _mm256_set1_epi32(8 + s as i32));
@@ -261,14 +268,14 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
                 let pairs = acc.iter_mut().enumerate().take(R / 2);
                 for (p, a) in pairs {
                     let (ra, rb) = (2 * p, 2 * p + 1);
-                    // SAFETY: both are whole 144-byte blocks; a prefetch never faults.
+                    // SAFETY: both are whole blocks (144 or 176 bytes); a prefetch never faults.
                     let (ba, bb) = unsafe {
                         (
-                            std::slice::from_raw_parts(at(ra, i), 144),
-                            std::slice::from_raw_parts(at(rb, i), 144),
+                            std::slice::from_raw_parts(at(ra, i), block_len),
+                            std::slice::from_raw_parts(at(rb, i), block_len),
                         )
                     };
-                    for off in [0, 64, 128] {
+                    for off in (0..block_len).step_by(64) {
                         prefetch_ahead(&ba[off..]);
                         prefetch_ahead(&bb[off..]);
                     }
@@ -282,20 +289,31 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
                     let mut mins = [0f32; 16];
                     // SAFETY: mins holds 16 f32.
                     unsafe { _mm512_storeu_ps(mins.as_mut_ptr(), _mm512_mul_ps(dmx, xs)) };
+                    // SAFETY: 32 bytes at each offset of both blocks.
+                    let load = |off: usize| unsafe {
+                        pair(
+                            _mm256_loadu_si256(ba[off..].as_ptr().cast()),
+                            _mm256_loadu_si256(bb[off..].as_ptr().cast()),
+                        )
+                    };
+                    let qh = if k5 { load(16) } else { _mm512_setzero_si512() };
                     for c in 0..4 {
-                        // SAFETY: 32 quant bytes at 16 + 32c of both blocks.
-                        let v = unsafe {
-                            pair(
-                                _mm256_loadu_si256(ba[16 + 32 * c..].as_ptr().cast()),
-                                _mm256_loadu_si256(bb[16 + 32 * c..].as_ptr().cast()),
-                            )
-                        };
+                        let v = load(qs_at + 32 * c);
                         let halves = [
                             _mm512_and_si512(v, m4),
                             _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
                         ];
                         for (h, q) in halves.into_iter().enumerate() {
                             let sb = 2 * c + h;
+                            let q = if k5 {
+                                // bit `sb` of each `qh` byte, as the quant's fifth bit
+                                let sh = _mm_cvtsi32_si128(sb as i32);
+                                let bit =
+                                    _mm512_and_si512(_mm512_srl_epi16(qh, sh), _mm512_set1_epi8(1));
+                                _mm512_or_si512(q, _mm512_slli_epi16::<4>(bit))
+                            } else {
+                                q
+                            };
                             let l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[sb]);
                             let dd = _mm512_permutexvar_ps(lane[sb], dsx);
                             *a = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(l), *a);

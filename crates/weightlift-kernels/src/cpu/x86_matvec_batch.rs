@@ -19,7 +19,7 @@ use super::x86::imp::{
     load32, mul_sum_i8, nibbles32, q6k_group, quants5_i, quants5_u, quants5_u_avx512, rd_f16,
     rd_f16_pair, rd_u32, splat_f16,
 };
-use super::x86_matvec::{block, dm_f16, finish};
+use super::x86_matvec::{block, dm_f16, finish, with_fifth_bits};
 use crate::types::QuantType;
 
 /// `v`, through a barrier the optimiser cannot see past: the kernels store each block's
@@ -131,7 +131,10 @@ macro_rules! row_tokens_q8 {
                     && scales.len() == nb
                     && xq.len() == nb * T
                     && ($signed
-                        || matches!(ty, QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K)
+                        || matches!(
+                            ty,
+                            QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K
+                        )
                         || bias.len() == nb * T),
                 "row_tokens_q8: shapes"
             );
@@ -235,21 +238,30 @@ macro_rules! row_tokens_q8 {
                 }),
                 QuantType::Q4_1 => offset!(|blk| nibbles32(blk[4..20].as_ptr(), 0)),
                 QuantType::Q5_1 => offset!(|blk| $q5u(rd_u32(blk, 4), blk[8..24].as_ptr())),
-                QuantType::Q4_K => {
+                QuantType::Q4_K | QuantType::Q5_K => {
                     let m4 = _mm256_set1_epi8(0x0f);
+                    // Q5_K: the nibbles after the 32 fifth-bit bytes
+                    let k5 = ty == QuantType::Q5_K;
+                    let qs_at = if k5 { 48 } else { 16 };
                     for i in 0..nb / 8 {
                         // SAFETY: the row holds nb / 8 blocks of 256 values.
                         let blk = unsafe { block(row, i, bb) };
                         let (d, dmin) = rd_f16_pair(blk, 0);
                         let scales = &blk[4..16];
+                        let qh = if k5 {
+                            load32(blk[16..48].as_ptr())
+                        } else {
+                            _mm256_setzero_si256()
+                        };
                         for c in 0..4 {
-                            let v = load32(blk[16 + 32 * c..48 + 32 * c].as_ptr());
+                            let v = load32(blk[qs_at + 32 * c..qs_at + 32 + 32 * c].as_ptr());
                             let nib = [
                                 _mm256_and_si256(v, m4),
                                 _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
                             ];
                             for (h, q) in nib.into_iter().enumerate() {
                                 let sb = 2 * c + h;
+                                let q = if k5 { with_fifth_bits(q, qh, sb) } else { q };
                                 let (sc, m) = scale_min_k4(sb, scales);
                                 // the first products of `d · sc · d_x` and `dmin · m · d_x`
                                 let (ds, dm) = (d * sc as f32, dmin * m as f32);
