@@ -1,6 +1,7 @@
-"""K-quant decode bench: weightlift's CPU forward pass against llama-cpp-python on Q4_K_M
-files whose rows are whole 256-value blocks (so the matrices are Q4_K and Q6_K, as in the
-Q4_K_M files people download), the same token ids and the same thread count. Two models:
+"""K-quant decode bench: weightlift's CPU forward pass against llama-cpp-python on Q4_K_M and
+Q5_K_M files whose rows are whole 256-value blocks (so the matrices are Q4_K, Q5_K and Q6_K, as
+in the files people download), the same token ids and the same thread count. Two models (the
+dense one in both file types, the MoE in Q4_K_M):
 
   dense   a Qwen3-shaped model (8 layers, hidden 2048, feed-forward 5632): every matrix is
           read each step
@@ -10,8 +11,8 @@ Q4_K_M files people download), the same token ids and the same thread count. Two
 
 Each is made once, in .cache/bench/kquant/: random f16 weights (seeded numpy) written by gguf-py
 in llama.cpp's qwen3 / qwen3moe layout, with the metadata and tokenizer of the repository's tiny
-Qwen3 / Qwen3-MoE fixture and the shape keys changed, then quantised to Q4_K_M by llama.cpp's
-quantiser (in the llama venv).
+Qwen3 / Qwen3-MoE fixture and the shape keys changed, then quantised by llama.cpp's quantiser
+(in the llama venv).
 
 Rows, per model at 1 and 2 threads, medians of interleaved rounds (decode.py's method: the
 peers take turns within every round, the order flips each round, and a round waits for a
@@ -49,7 +50,9 @@ import decode as d  # noqa: E402  (the peer, our side and the interleaved rounds
 
 DATA = d.ROOT / "tests" / "data"
 OUT_DIR = d.BENCH_DIR / "kquant"
-FTYPE = "Q4_K_M"
+# (model, llama.cpp file type) benched, in order: Q4_K_M is mostly Q4_K and Q6_K, Q5_K_M mostly
+# Q5_K and Q6_K
+FILES = [("dense", "Q4_K_M"), ("dense", "Q5_K_M"), ("moe", "Q4_K_M")]
 SEED = 0
 # name: (architecture, the fixture whose metadata and tokenizer it takes, its shape keys)
 MODELS = {
@@ -156,20 +159,19 @@ def make_f16(name: str, path: Path) -> None:
     writer.close()
 
 
-def model(peer: d.LlamaPeer, name: str) -> Path:
-    """Model `name` in Q4_K_M, made once."""
+def model(peer: d.LlamaPeer, name: str, ftype: str) -> Path:
+    """Model `name` in llama.cpp's file type `ftype`, made once."""
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     f16 = OUT_DIR / f"{name}-F16.gguf"
-    quant = OUT_DIR / f"{name}-{FTYPE}.gguf"
+    quant = OUT_DIR / f"{name}-{ftype}.gguf"
     if not quant.exists():
         if not f16.exists():
             make_f16(name, f16)
         tmp = quant.with_suffix(".tmp")
-        rc = peer.call("quantize", src=str(f16), dst=str(tmp), ftype=FTYPE, threads=2)["rc"]
+        rc = peer.call("quantize", src=str(f16), dst=str(tmp), ftype=ftype, threads=2)["rc"]
         if rc != 0:
             raise SystemExit(f"llama.cpp's quantiser failed on {f16} (rc {rc})")
         tmp.rename(quant)
-        f16.unlink()  # only the quantised file is benched
     return quant
 
 
@@ -182,7 +184,7 @@ def bytes_per_token(name: str, path: Path) -> int:
         return int(sum(t.nbytes * (share if "_exps" in t.name else 1.0) for t in ck.tensors))
 
 
-def bench(peer: d.LlamaPeer, name: str, path: Path) -> tuple[list[dict], list[dict]]:
+def bench(peer: d.LlamaPeer, name: str, ftype: str, path: Path) -> tuple[list[dict], list[dict]]:
     rows: list[dict] = []
     groups: list[dict] = []
     vocab = d.wl.open(path).spec.vocab_size
@@ -192,7 +194,7 @@ def bench(peer: d.LlamaPeer, name: str, path: Path) -> tuple[list[dict], list[di
     prompt = long_ids[:12]
     nbytes = bytes_per_token(name, path)
     for t in THREADS:
-        key = f"{name}@{t}"
+        key = f"{name} {ftype}@{t}"
         peer.call("load", key=key, path=str(path), threads=t, n_ctx=d.N_CTX, n_batch=d.N_BATCH)
         ours = d.Ours(path, t)
         cases = {
@@ -207,7 +209,7 @@ def bench(peer: d.LlamaPeer, name: str, path: Path) -> tuple[list[dict], list[di
         waits: list[float] = []
         load0 = os.getloadavg()[0]
         res = d.interleaved(cases, d.REPEAT, waits)
-        groups.append(d.group_record(name, t, load0, waits, res))
+        groups.append(d.group_record(f"{name} {ftype}", t, load0, waits, res))
         med = {k: d.median_s(v) for k, v in res.items()}
         for metric, a, b, n in [
             ("decode tok/s", "ours_decode", "llama_decode", DECODE_TOKENS),
@@ -216,6 +218,7 @@ def bench(peer: d.LlamaPeer, name: str, path: Path) -> tuple[list[dict], list[di
             rows.append(
                 {
                     "model": name,
+                    "ftype": ftype,
                     "threads": t,
                     "metric": metric,
                     "ours": n / med[a],
@@ -233,6 +236,7 @@ def bench(peer: d.LlamaPeer, name: str, path: Path) -> tuple[list[dict], list[di
         rows.append(
             {
                 "model": name,
+                "ftype": ftype,
                 "threads": t,
                 "metric": "decode GB/s",
                 "ours": DECODE_TOKENS / med["ours_decode"] * nbytes / d.GB,
@@ -245,7 +249,7 @@ def bench(peer: d.LlamaPeer, name: str, path: Path) -> tuple[list[dict], list[di
     return rows, groups
 
 
-def describe(name: str, path: Path) -> dict:
+def describe(name: str, ftype: str, path: Path) -> dict:
     arch, _, shape = MODELS[name]
     with d.wl.open(path) as ck:
         types: dict[str, int] = {}
@@ -253,6 +257,7 @@ def describe(name: str, path: Path) -> dict:
             types[t.dtype] = types.get(t.dtype, 0) + 1
         return {
             "name": name,
+            "ftype": ftype,
             "architecture": arch,
             "shape": shape,
             "parameters": ck.n_params,
@@ -275,23 +280,24 @@ def markdown(res: dict) -> str:
         agree = [
             f"{r['greedy_ids_agree']} at {r['threads']} thread(s)"
             for r in res["rows"]
-            if r["model"] == m["name"] and "greedy_ids_agree" in r
+            if (r["model"], r["ftype"]) == (m["name"], m["ftype"]) and "greedy_ids_agree" in r
         ]
         lines += [
-            f"**{m['name']}**: a random {m['architecture']} model, {shape} "
-            f"({m['parameters'] / 1e6:.0f} M parameters, {m['nbytes'] / 2**20:.0f} MiB in "
-            f"{FTYPE}: {m['types']}); {m['bytes_per_token'] / 2**20:.1f} MiB of weights read "
+            f"**{m['name']} {m['ftype']}**: a random {m['architecture']} model, {shape} "
+            f"({m['parameters'] / 1e6:.0f} M parameters, {m['nbytes'] / 2**20:.0f} MiB: "
+            f"{m['types']}); {m['bytes_per_token'] / 2**20:.1f} MiB of weights read "
             f"a decode step. The greedy ids agree for the first {', '.join(agree)}.",
             "",
         ]
     lines += [
-        "| model | threads | metric | weightlift | llama.cpp | ratio (medians) | ratio (paired) |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| model | file | threads | metric | weightlift | llama.cpp | ratio (medians) "
+        "| ratio (paired) |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratios = f"{r['ratio']:.2f}x | {r['ratio_paired']:.2f}x" if "ratio" in r else " | "
         lines.append(
-            f"| {r['model']} | {r['threads']} | {r['metric']} | {r['ours']:.1f} "
+            f"| {r['model']} | {r['ftype']} | {r['threads']} | {r['metric']} | {r['ours']:.1f} "
             f"| {r['llama_cpp']:.1f} | {ratios} |"
         )
     return "\n".join(lines) + "\n"
@@ -313,12 +319,14 @@ def main() -> None:
     models: list[dict] = []
     try:
         llama = peer.call("info")
-        for name in MODELS:
-            path = model(peer, name)
-            r, g = bench(peer, name, path)
+        for name, ftype in FILES:
+            path = model(peer, name, ftype)
+            r, g = bench(peer, name, ftype, path)
             rows += r
             groups += g
-            models.append(describe(name, path))
+            models.append(describe(name, ftype, path))
+        for name in MODELS:  # only the quantised files are kept
+            (OUT_DIR / f"{name}-F16.gguf").unlink(missing_ok=True)
     finally:
         peer.close()
     res = {

@@ -242,20 +242,9 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
             }
         };
     }
-    match ty {
-        QuantType::Q4_0 => blocks!(|blk, xv| mul_sum_i8(nibbles32(blk[2..18].as_ptr(), 8), xv)),
-        QuantType::Q5_0 => {
-            blocks!(|blk, xv| mul_sum_i8(quants5_i(rd_u32(blk, 2), blk[6..22].as_ptr()), xv))
-        }
-        QuantType::Q8_0 => blocks!(|blk, xv| mul_sum_i8(load32(blk[2..34].as_ptr()), xv)),
-        QuantType::Q4_1 => offset_blocks!(|blk| nibbles32(blk[4..20].as_ptr(), 0)),
-        QuantType::Q5_1 => offset_blocks!(|blk| quants5_u(rd_u32(blk, 4), blk[8..24].as_ptr())),
-        QuantType::Q4_K | QuantType::Q5_K => {
-            // Q5_K is Q4_K with its quants' fifth bits apart (`qh`) and the nibbles after them.
-            let (k5, qs_at) = (
-                ty == QuantType::Q5_K,
-                if ty == QuantType::Q5_K { 48 } else { 16 },
-            );
+    // Q4_K's and Q5_K's loop ($k5: Q5_K, its nibbles at $qs_at)
+    macro_rules! k_min_blocks {
+        ($k5:literal, $qs_at:literal) => {{
             // Each sub-block's `(d · sc) · d_x` and `((dmin · m) · d_x) · Σq_x` come from one
             // 8-lane product per block, a lane a sub-block (the scalar path's operations, in
             // its order, lane by lane); the first is spread over the accumulator's lanes by a
@@ -280,20 +269,20 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                     let mut mins = [0f32; 8];
                     // SAFETY: mins holds 8 f32.
                     unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), _mm256_mul_ps(dmx, xs)) };
-                    let qh = if k5 {
+                    let qh = if $k5 {
                         load32(blk[16..].as_ptr())
                     } else {
                         _mm256_setzero_si256()
                     };
                     for c in 0..4 {
-                        let v = load32(blk[qs_at + 32 * c..].as_ptr());
+                        let v = load32(blk[$qs_at + 32 * c..].as_ptr());
                         let halves = [
                             _mm256_and_si256(v, m4),
                             _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
                         ];
                         for (h, q) in halves.into_iter().enumerate() {
                             let sb = 2 * c + h;
-                            let q = if k5 { with_fifth_bits(q, qh, sb) } else { q };
+                            let q = if $k5 { with_fifth_bits(q, qh, sb) } else { q };
                             let l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[sb]), ones);
                             let dd = _mm256_permutevar8x32_ps(dsx, lane[sb]);
                             *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
@@ -302,7 +291,20 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                     }
                 }
             }
+        }};
+    }
+    match ty {
+        QuantType::Q4_0 => blocks!(|blk, xv| mul_sum_i8(nibbles32(blk[2..18].as_ptr(), 8), xv)),
+        QuantType::Q5_0 => {
+            blocks!(|blk, xv| mul_sum_i8(quants5_i(rd_u32(blk, 2), blk[6..22].as_ptr()), xv))
         }
+        QuantType::Q8_0 => blocks!(|blk, xv| mul_sum_i8(load32(blk[2..34].as_ptr()), xv)),
+        QuantType::Q4_1 => offset_blocks!(|blk| nibbles32(blk[4..20].as_ptr(), 0)),
+        QuantType::Q5_1 => offset_blocks!(|blk| quants5_u(rd_u32(blk, 4), blk[8..24].as_ptr())),
+        // Q5_K is Q4_K with its quants' fifth bits apart (`qh`) and the nibbles after them; one
+        // loop for each, so that neither pays the other's branch
+        QuantType::Q4_K => k_min_blocks!(false, 16),
+        QuantType::Q5_K => k_min_blocks!(true, 48),
         QuantType::Q6_K => {
             let k32 = _mm256_set1_epi8(32);
             let lanes: [__m256i; 4] = std::array::from_fn(|g| q6k_lanes(g));

@@ -216,36 +216,9 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
         u64::from(ha) | (u64::from(hb) << 32)
     };
     let k16 = _mm512_set1_epi8(16);
-    match ty {
-        QuantType::Q4_0 => blocks!(|a, b| nibbles_pair(a.add(2), b.add(2))),
-        // q + 16 as unsigned bytes; the lane offsets take 16 · Σx off
-        QuantType::Q5_0 => blocks!(|a, b| {
-            let q = nibbles_pair(a.add(6), b.add(6));
-            _mm512_mask_add_epi8(q, fifth(a, b, 2), q, k16)
-        }),
-        // q + 128 as unsigned bytes
-        QuantType::Q8_0 => blocks!(|a, b| _mm512_xor_si512(
-            pair(
-                _mm256_loadu_si256(a.add(2).cast()),
-                _mm256_loadu_si256(b.add(2).cast())
-            ),
-            _mm512_set1_epi8(-128)
-        )),
-        QuantType::Q4_1 => offset_blocks!(|a, b| nibbles_pair(a.add(4), b.add(4))),
-        QuantType::Q5_1 => offset_blocks!(|a, b| {
-            let q = nibbles_pair(a.add(8), b.add(8));
-            _mm512_mask_add_epi8(q, fifth(a, b, 4), q, k16)
-        }),
-        // A pair's eight sub-block scales `(d · sc) · d_x` come from one product per block (the
-        // first row's sub-blocks in the low 8 lanes, the second's in the high 8), each spread
-        // over its half by a permute; the offsets `((dmin · m) · d_x) · Σq_x` are subtracted
-        // from each row's sum sub-block by sub-block: the scalar path's operations in its order.
-        QuantType::Q4_K | QuantType::Q5_K => {
-            // Q5_K is Q4_K with its quants' fifth bits apart (`qh`) and the nibbles after them
-            let (k5, qs_at) = (
-                ty == QuantType::Q5_K,
-                if ty == QuantType::Q5_K { 48 } else { 16 },
-            );
+    // Q4_K's and Q5_K's loop ($k5: Q5_K, its nibbles at $qs_at)
+    macro_rules! k_min_blocks {
+        ($k5:literal, $qs_at:literal) => {{
             let block_len = bb;
             let m4 = _mm512_set1_epi8(0x0f);
             let lane: [__m512i; 8] = std::array::from_fn(|s| {
@@ -296,16 +269,20 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
                             _mm256_loadu_si256(bb[off..].as_ptr().cast()),
                         )
                     };
-                    let qh = if k5 { load(16) } else { _mm512_setzero_si512() };
+                    let qh = if $k5 {
+                        load(16)
+                    } else {
+                        _mm512_setzero_si512()
+                    };
                     for c in 0..4 {
-                        let v = load(qs_at + 32 * c);
+                        let v = load($qs_at + 32 * c);
                         let halves = [
                             _mm512_and_si512(v, m4),
                             _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
                         ];
                         for (h, q) in halves.into_iter().enumerate() {
                             let sb = 2 * c + h;
-                            let q = if k5 {
+                            let q = if $k5 {
                                 // bit `sb` of each `qh` byte, as the quant's fifth bit
                                 let sh = _mm_cvtsi32_si128(sb as i32);
                                 let bit =
@@ -323,7 +300,36 @@ pub(crate) unsafe fn rows_dot_q8_512<const R: usize>(
                     }
                 }
             }
-        }
+        }};
+    }
+    match ty {
+        QuantType::Q4_0 => blocks!(|a, b| nibbles_pair(a.add(2), b.add(2))),
+        // q + 16 as unsigned bytes; the lane offsets take 16 · Σx off
+        QuantType::Q5_0 => blocks!(|a, b| {
+            let q = nibbles_pair(a.add(6), b.add(6));
+            _mm512_mask_add_epi8(q, fifth(a, b, 2), q, k16)
+        }),
+        // q + 128 as unsigned bytes
+        QuantType::Q8_0 => blocks!(|a, b| _mm512_xor_si512(
+            pair(
+                _mm256_loadu_si256(a.add(2).cast()),
+                _mm256_loadu_si256(b.add(2).cast())
+            ),
+            _mm512_set1_epi8(-128)
+        )),
+        QuantType::Q4_1 => offset_blocks!(|a, b| nibbles_pair(a.add(4), b.add(4))),
+        QuantType::Q5_1 => offset_blocks!(|a, b| {
+            let q = nibbles_pair(a.add(8), b.add(8));
+            _mm512_mask_add_epi8(q, fifth(a, b, 4), q, k16)
+        }),
+        // A pair's eight sub-block scales `(d · sc) · d_x` come from one product per block (the
+        // first row's sub-blocks in the low 8 lanes, the second's in the high 8), each spread
+        // over its half by a permute; the offsets `((dmin · m) · d_x) · Σq_x` are subtracted
+        // from each row's sum sub-block by sub-block: the scalar path's operations in its order.
+        // Q5_K is Q4_K with its quants' fifth bits apart (`qh`) and the nibbles after them; one
+        // loop for each, so that neither pays the other's branch
+        QuantType::Q4_K => k_min_blocks!(false, 16),
+        QuantType::Q5_K => k_min_blocks!(true, 48),
         // A row's sixteen `(d · sc) · d_x` (two a 32-value group, one per 16 values) from one
         // product per block; each group's pair of them goes to lanes 0-3 and 4-7 of the row's
         // half by one two-source permute. The quants are unsigned (`q + 32`) and the lane
