@@ -47,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode as d  # noqa: E402  (the peer, our side and the interleaved rounds are decode.py's)
+from quantize import copy_gguf_metadata  # noqa: E402
 
 DATA = d.ROOT / "tests" / "data"
 OUT_DIR = d.BENCH_DIR / "kquant"
@@ -99,22 +100,7 @@ def make_f16(name: str, path: Path) -> None:
     arch, fixture, shape = MODELS[name]
     reader = gguf.GGUFReader(fixture)
     writer = gguf.GGUFWriter(path, arch)
-    shape_keys = {f"{arch}.{k}" for k in shape}
-    for field in reader.fields.values():
-        key = field.name
-        if key.startswith("GGUF.") or key == "general.architecture" or key in shape_keys:
-            continue
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            if field.types[-1] == gguf.GGUFValueType.STRING:
-                value = [str(bytes(field.parts[i]), "utf-8") for i in field.data]
-            else:
-                value = [field.parts[i].tolist()[0] for i in field.data]
-            writer.add_array(key, value)
-        elif kind == gguf.GGUFValueType.STRING:
-            writer.add_string(key, str(bytes(field.parts[-1]), "utf-8"))
-        else:
-            writer.add_key_value(key, field.parts[-1].tolist()[0], kind)
+    copy_gguf_metadata(reader, writer, frozenset(f"{arch}.{k}" for k in shape))
     for key, value in shape.items():
         writer.add_uint32(f"{arch}.{key}", value)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)

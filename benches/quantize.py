@@ -94,6 +94,28 @@ def write_synthetic(directory: Path, n_layers: int = 9) -> Path:
     return target
 
 
+def copy_gguf_metadata(reader, writer, skip: frozenset[str] = frozenset()) -> None:
+    """Every key of gguf-py's `reader` but the file's own (`GGUF.*`), the architecture (the
+    writer's) and `skip`, into `writer`, with its type."""
+    import gguf
+
+    for field in reader.fields.values():
+        name = field.name
+        if name.startswith("GGUF.") or name == "general.architecture" or name in skip:
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            if field.types[-1] == gguf.GGUFValueType.STRING:
+                value = [str(bytes(field.parts[i]), "utf-8") for i in field.data]
+            else:
+                value = [field.parts[i].tolist()[0] for i in field.data]
+            writer.add_array(name, value)
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(name, str(bytes(field.parts[-1]), "utf-8"))
+        else:
+            writer.add_key_value(name, field.parts[-1].tolist()[0], kind)
+
+
 def write_smollm2_f32(path: Path) -> None:
     """The demo model with every tensor dequantised to F32 by gguf-py, metadata kept."""
     import gguf
@@ -101,21 +123,7 @@ def write_smollm2_f32(path: Path) -> None:
     reader = gguf.GGUFReader(DEMO)
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     writer = gguf.GGUFWriter(path, arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                value = [str(bytes(field.parts[i]), "utf-8") for i in field.data]
-            else:
-                value = [field.parts[i].tolist()[0] for i in field.data]
-            writer.add_array(field.name, value)
-        elif kind == gguf.GGUFValueType.STRING:
-            writer.add_string(field.name, str(bytes(field.parts[-1]), "utf-8"))
-        else:
-            writer.add_key_value(field.name, field.parts[-1].tolist()[0], kind)
+    copy_gguf_metadata(reader, writer)
     if "general.file_type" not in reader.fields:
         writer.add_file_type(0)
     for t in reader.tensors:

@@ -98,12 +98,13 @@ pub(super) fn experts(
     })?;
     // runs of experts routed the same tokens (every expert a piece of one token chose: a
     // decode step's), whose products run together
-    let tokens =
-        |g: &(usize, Vec<(usize, f32)>)| -> Vec<usize> { g.1.iter().map(|&(t, _)| t).collect() };
+    let same_tokens = |a: &[(usize, f32)], b: &[(usize, f32)]| {
+        a.iter().map(|&(t, _)| t).eq(b.iter().map(|&(t, _)| t))
+    };
     let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
     for (i, g) in groups.iter().enumerate() {
         match runs.last_mut() {
-            Some(r) if tokens(&groups[r.start]) == tokens(g) => r.end = i + 1,
+            Some(r) if same_tokens(&groups[r.start].1, &g.1) => r.end = i + 1,
             _ => runs.push(i..i + 1),
         }
     }
