@@ -94,6 +94,53 @@ class ReferenceJson(Mapping[str, Any]):
         return len(self._data())
 
 
+GREEDY_REFERENCE = ReferenceJson("smollm2-135m/greedy.json")
+
+
+def greedy_parting(ids: list[int], margin: float = 0.1) -> str | None:
+    """The Rust suite's greedy rule (`follows_a_greedy_reference`), or None where `ids` keep it:
+    the demo prompt's greedy ids are one reference's (llama.cpp's or transformers'), or part from
+    the one they follow longest only where its own top-two margin is below `margin`. The fast
+    path rounds activations to 8 bits as llama.cpp does, not bit for bit, and last-bit
+    differences between instruction sets move its logits by a few hundredths through that
+    rounding, so at a near-tie (where the references themselves part) it may take either
+    branch."""
+    parted = []
+    for engine in ("llamacpp", "transformers"):
+        theirs = GREEDY_REFERENCE[engine]["ids"]
+        n = min(len(ids), len(theirs))
+        agree = next((i for i in range(n) if ids[i] != theirs[i]), n)
+        if agree == n:
+            return None
+        gap = GREEDY_REFERENCE[engine]["top1_minus_top2_per_step"][agree]
+        parted.append((agree, engine, theirs[agree], gap))
+    longest = max(p[0] for p in parted)
+    if any(p[0] == longest and p[3] < margin for p in parted):
+        return None
+    return "; ".join(
+        f"{engine}'s ids part from ours at step {step} ({theirs} against {ids[step]}), where its "
+        f"margin is {gap:.3f}"
+        for step, engine, theirs, gap in parted
+    )
+
+
+def engine_greedy_ids(model: Any, n: int = 32) -> list[int]:
+    """The demo prompt's first `n` greedy ids as `model` (a loaded `Model`) computes them, one
+    forward call a token on a cache of their own, checked by `greedy_parting`: what the
+    generation and completion calls of the same model must give."""
+    import weightlift as wl
+
+    cache = wl.Cache(model)
+    logits = model.forward(GREEDY_REFERENCE["prompt_ids"], cache=cache)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids.append(int(np.argmax(logits.reshape(-1))))
+        logits = model.forward(ids[-1:], cache=cache)
+    parting = greedy_parting(ids)
+    assert parting is None, f"greedy ids {ids}: {parting}"
+    return ids
+
+
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_DEMO = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 

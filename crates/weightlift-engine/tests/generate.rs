@@ -54,6 +54,29 @@ fn run(m: &mut Model, g: &mut Generation) -> (String, Option<FinishReason>) {
     (text, g.finish_reason())
 }
 
+/// The greedy rule takes either reference's ids, and a departure only at a near-tie of the
+/// reference followed: llama.cpp's ids parted at step 2 (both margins above 1.4) fail it, as do
+/// transformers' parted at step 16 (margin 7.7); transformers' parted at step 23 (0.061) pass.
+#[test]
+fn the_greedy_rule_takes_a_reference_and_its_near_ties_only() {
+    let g = reference().join("smollm2-135m/greedy.json");
+    let (llama, hf) = (
+        json_ids(&g, "llamacpp.ids"),
+        json_ids(&g, "transformers.ids"),
+    );
+    let parted = |ids: &[u32], step: usize| {
+        let mut ids = ids.to_vec();
+        ids[step] = if ids[step] == 0 { 1 } else { 0 };
+        ids
+    };
+    assert!(common::follows_a_greedy_reference(&g, &llama, 0.1).is_ok());
+    assert!(common::follows_a_greedy_reference(&g, &hf, 0.1).is_ok());
+    assert!(common::follows_a_greedy_reference(&g, &parted(&hf, 23), 0.1).is_ok());
+    let e = common::follows_a_greedy_reference(&g, &parted(&llama, 2), 0.1).unwrap_err();
+    assert!(e.contains("at step 2"), "{e}");
+    assert!(common::follows_a_greedy_reference(&g, &parted(&hf, 16), 0.1).is_err());
+}
+
 #[test]
 fn greedy_generation_reproduces_llamacpp_ids_and_text() {
     let (mut m, _) = demo("cpu", 128);
@@ -65,8 +88,18 @@ fn greedy_generation_reproduces_llamacpp_ids_and_text() {
     opts.stop_at_eog = false;
     let mut job = Generation::new(&m, &prompt, None, opts).unwrap();
     let (text, finish) = run(&mut m, &mut job);
-    assert_eq!(job.tokens(), json_ids(&g, "llamacpp.ids"));
-    assert_eq!(text, reference_text());
+    let ids = job.tokens();
+    if let Err(e) = common::follows_a_greedy_reference(&g, ids, 0.1) {
+        panic!("greedy ids {ids:?}: {e}");
+    }
+    // llama.cpp's text where its ids were taken; else the same rule of detokenisation (which
+    // the tokenizer tests hold to llama.cpp's) over the ids taken
+    let want = if ids == json_ids(&g, "llamacpp.ids") {
+        reference_text()
+    } else {
+        tok.decode(ids, true).unwrap()
+    };
+    assert_eq!(text, want);
     assert_eq!(finish, Some(FinishReason::Length));
     let t = job.timings();
     assert_eq!((t.prompt_tokens, t.eval_tokens), (5, 31));
