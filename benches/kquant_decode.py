@@ -1,7 +1,7 @@
-"""K-quant decode bench: weightlift's CPU forward pass against llama-cpp-python on Q4_K_M and
-Q5_K_M files whose rows are whole 256-value blocks (so the matrices are Q4_K, Q5_K and Q6_K, as
-in the files people download), the same token ids and the same thread count. Two models (the
-dense one in both file types, the MoE in Q4_K_M):
+"""K-quant decode bench: weightlift's CPU forward pass against llama-cpp-python on Q3_K_M, Q4_K_M
+and Q5_K_M files whose rows are whole 256-value blocks (so the matrices are Q3_K, Q4_K, Q5_K and
+Q6_K, as in the files people download), the same token ids and the same thread count. Two
+models (the dense one in the three file types, the MoE in Q4_K_M):
 
   dense   a Qwen3-shaped model (8 layers, hidden 2048, feed-forward 5632): every matrix is
           read each step
@@ -52,8 +52,8 @@ from quantize import copy_gguf_metadata  # noqa: E402
 DATA = d.ROOT / "tests" / "data"
 OUT_DIR = d.BENCH_DIR / "kquant"
 # (model, llama.cpp file type) benched, in order: Q4_K_M is mostly Q4_K and Q6_K, Q5_K_M mostly
-# Q5_K and Q6_K
-FILES = [("dense", "Q4_K_M"), ("dense", "Q5_K_M"), ("moe", "Q4_K_M")]
+# Q5_K and Q6_K, Q3_K_M mostly Q3_K with Q4_K, Q5_K and Q6_K
+FILES = [("dense", "Q4_K_M"), ("dense", "Q5_K_M"), ("dense", "Q3_K_M"), ("moe", "Q4_K_M")]
 SEED = 0
 # name: (architecture, the fixture whose metadata and tokenizer it takes, its shape keys)
 MODELS = {

@@ -383,6 +383,7 @@ fn decode_batch_cases() -> Vec<Case> {
         ("smollm2_head_q8_0", head),
         ("q4_k_2048x2048", k_mats(QuantType::Q4_K)),
         ("q6_k_2048x2048", k_mats(QuantType::Q6_K)),
+        ("q3_k_2048x2048", k_mats(QuantType::Q3_K)),
     ];
     for (what, set) in sets {
         let bytes: usize = set.iter().map(|m| m.3.len()).sum();

@@ -17,8 +17,8 @@ use weightlift_kernels::cpu::matvec::{
 use weightlift_kernels::*;
 
 /// The weight types of [`MatvecMode::Q8`] (`Q8_WEIGHT_TYPES`).
-const MATVEC_TYPES: [&str; 8] = [
-    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
+const MATVEC_TYPES: [&str; 9] = [
+    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q3_k", "q4_k", "q5_k", "q6_k",
 ];
 
 #[test]
@@ -347,7 +347,10 @@ fn matmul_chunked_by_max_dq_size_matches_reference_for_every_chunking() {
                     );
                 }
             }
-            if matches!(f.ty, QuantType::Q4_0 | QuantType::Q4_K | QuantType::Q6_K) {
+            if matches!(
+                f.ty,
+                QuantType::Q4_0 | QuantType::Q3_K | QuantType::Q4_K | QuantType::Q6_K
+            ) {
                 let bound = q8_bound(&f.want, rows, cols, &x, n_tok);
                 let mut y = vec![0f32; rows * n_tok];
                 matmul_with(
@@ -400,13 +403,13 @@ fn matvec_shape_errors_are_typed() {
         err.to_string(),
         "matvec weight bytes: expected 576, got 864"
     );
-    let q3 = load("q3_k");
-    let rows = q3.want.len() / 512;
+    let q2 = load("q2_k");
+    let rows = q2.want.len() / 512;
     let mut y = vec![0f32; rows];
     let err = matvec(
         MatvecMode::Q8,
-        q3.ty,
-        &q3.raw,
+        q2.ty,
+        &q2.raw,
         rows,
         512,
         &[0.0; 512],
@@ -415,8 +418,8 @@ fn matvec_shape_errors_are_typed() {
     .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "matvec (q8 mode) does not support q3_k; supported: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, \
-         q5_k, q6_k"
+        "matvec (q8 mode) does not support q2_k; supported: q4_0, q4_1, q5_0, q5_1, q8_0, q3_k, \
+         q4_k, q5_k, q6_k"
     );
 }
 

@@ -13,7 +13,7 @@
 //!   f16 as in `block_q8_0`), then each block's integer dot product is exact and scaled by
 //!   `d_w · d_x` in f32. It moves less data and uses integer SIMD, but adds the activation
 //!   rounding error (≤ `d_x/2` per value, about 0.4 % of the block's largest activation).
-//!   Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. The types with an offset
+//!   Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K. The types with an offset
 //!   (Q4_1's and Q5_1's `m`, Q4_K's and Q5_K's mins) add `m · d_x · Σq_x` per 32 values, from the
 //!   activation block's quant sum ([`Q8Block::sum`]; llama.cpp's `block_q8_1` carries
 //!   `d · Σq` for this). Unlike llama.cpp, K-quants also use 32-value activation blocks
@@ -38,14 +38,14 @@
 //!   other tokens are: a sequence decoded in a batch gets the products it gets alone.
 //! - More tokens (prompts): integer register tiles (`x86_gemm`: 16 weight rows × up to 12
 //!   tokens, VNNI where the CPU has it) that sum each 32-value group's integer products in
-//!   full (16 values for Q6_K, whose scales are per 16) and scale them once, where the matvec
+//!   full (16 values for Q3_K and Q6_K, whose scales are per 16) and scale them once, where the matvec
 //!   scales eight 4-value lanes: one f32 rounding per group instead of eight, so those results
 //!   differ from the matvec's in the last bits (tested within 1e-5 of Σ(|w| + 2|m|)·|x|); the
 //!   scalar path does the tiles' float operations in their order.
 
 use rayon::prelude::*;
 
-use super::dequant_scalar::scale_min_k4;
+use super::dequant_scalar::{q3k_scales, scale_min_k4};
 use super::half::{f16_to_f32, f32_to_f16, rd_f16};
 use super::{Isa, Vnni, dequant_seq};
 use crate::error::{KernelError, Result};
@@ -62,7 +62,7 @@ pub enum MatvecMode {
 }
 
 /// The weight types [`MatvecMode::Q8`] supports.
-pub const Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k";
+pub const Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q3_k, q4_k, q5_k, q6_k";
 
 /// 32 activations quantised to int8: `x ≈ d * qs`.
 #[derive(Debug, Clone, Copy)]
@@ -110,6 +110,7 @@ fn vnni_offset(vnni: Option<Vnni>, ty: QuantType) -> i32 {
         (_, QuantType::Q4_0) => 8,
         (_, QuantType::Q5_0) => 16,
         (_, QuantType::Q8_0) => 128,
+        (_, QuantType::Q3_K) => 4,
         (_, QuantType::Q6_K) => 32,
         _ => 0,
     }
@@ -252,6 +253,7 @@ pub fn q8_supports(ty: QuantType) -> bool {
             | QuantType::Q5_0
             | QuantType::Q5_1
             | QuantType::Q8_0
+            | QuantType::Q3_K
             | QuantType::Q4_K
             | QuantType::Q5_K
             | QuantType::Q6_K
@@ -485,16 +487,16 @@ fn row_tokens_q8_scalar<X: AsRef<[Q8Block]>>(ty: QuantType, row: &[u8], xs: &[X]
                 }
             }
         }
-        QuantType::Q6_K => {
+        QuantType::Q3_K | QuantType::Q6_K => {
             let mut q = [0i8; 256];
             for (i, blk) in row.chunks_exact(bb).enumerate() {
-                let d = rd_f16(blk, 208);
-                q6k_quants(blk, &mut q);
+                let (d, sc) = k16_scales(ty, blk);
+                k16_quants(ty, blk, &mut q);
                 for g in 0..8 {
                     let w: [i32; 32] = std::array::from_fn(|l| i32::from(q[32 * g + l]));
                     // the first products of `d · sc · d_x`, one per 16 values
-                    let s0 = d * f32::from(blk[192 + 2 * g] as i8);
-                    let s1 = d * f32::from(blk[193 + 2 * g] as i8);
+                    let s0 = d * f32::from(sc[2 * g]);
+                    let s1 = d * f32::from(sc[2 * g + 1]);
                     for (a, x) in acc.iter_mut().zip(xs) {
                         let xb = &x.as_ref()[8 * i + g];
                         let (s0, s1) = (s0 * xb.d, s1 * xb.d);
@@ -749,6 +751,42 @@ pub(crate) fn q6k_quants(blk: &[u8], q: &mut [i8; 256]) {
         let lo = (blk[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0f;
         let hi = (blk[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
         *qe = (lo | (hi << 4)) as i8 - 32;
+    }
+}
+
+/// The 256 signed 3-bit quants (in -4..=3) of a Q3_K block, in element order: value
+/// `e = 128h + 32s + l` takes bits `2s, 2s + 1` of `qs[32h + l]` (bytes 32..96) as its low
+/// bits, and bit `4h + s` of `hmask[l]` (bytes 0..32) set means 4 is not subtracted.
+pub(crate) fn q3k_quants(blk: &[u8], q: &mut [i8; 256]) {
+    for (e, qe) in q.iter_mut().enumerate() {
+        let (h, s, l) = (e / 128, e % 128 / 32, e % 32);
+        let lo = (blk[32 + 32 * h + l] >> (2 * s)) & 3;
+        let hi = (blk[l] >> (4 * h + s)) & 1;
+        *qe = (lo | (hi << 2)) as i8 - 4;
+    }
+}
+
+/// The signed quants of a block whose scales are per 16 values (Q3_K or Q6_K), in element
+/// order.
+pub(crate) fn k16_quants(ty: QuantType, blk: &[u8], q: &mut [i8; 256]) {
+    if ty == QuantType::Q3_K {
+        q3k_quants(blk, q)
+    } else {
+        q6k_quants(blk, q)
+    }
+}
+
+/// The super-block scale `d` and the 16 signed scales (one per 16 values) of a Q3_K or Q6_K
+/// block: a value is `d · sc · q`.
+#[inline]
+pub(crate) fn k16_scales(ty: QuantType, blk: &[u8]) -> (f32, [i8; 16]) {
+    if ty == QuantType::Q3_K {
+        (rd_f16(blk, 108), q3k_scales(&blk[96..108]))
+    } else {
+        (
+            rd_f16(blk, 208),
+            std::array::from_fn(|j| blk[192 + j] as i8),
+        )
     }
 }
 
@@ -1251,7 +1289,7 @@ fn k_quants(ty: QuantType, blk: &[u8], sb: usize) -> [i32; 32] {
 }
 
 /// One 32-value weight group decoded for the scalar Q8-mode matmul: the signed quants, the
-/// scale of values 0–15 and 16–31 (they differ only for Q6_K) and the coefficient of the
+/// scale of values 0–15 and 16–31 (they differ only for Q3_K and Q6_K) and the coefficient of the
 /// token's quant sum (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`, else 0).
 #[derive(Clone, Copy)]
 struct ScalarGroup {
@@ -1298,15 +1336,15 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
                     ));
                 }
             }
-            QuantType::Q6_K => {
-                let d = rd_f16(blk, 208);
+            QuantType::Q3_K | QuantType::Q6_K => {
+                let (d, sc) = k16_scales(ty, blk);
                 let mut q = [0i8; 256];
-                q6k_quants(blk, &mut q);
+                k16_quants(ty, blk, &mut q);
                 for g in 0..8 {
                     out.push(ScalarGroup {
                         w: std::array::from_fn(|l| i32::from(q[32 * g + l])),
-                        s_lo: d * f32::from(blk[192 + 2 * g] as i8),
-                        s_hi: d * f32::from(blk[193 + 2 * g] as i8),
+                        s_lo: d * f32::from(sc[2 * g]),
+                        s_hi: d * f32::from(sc[2 * g + 1]),
                         coef: 0.0,
                     });
                 }
@@ -1318,7 +1356,7 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
 
 /// The scalar Q8-mode matmul. Each token's result takes the float operations of the SIMD
 /// tiles (`x86_gemm`), in their order, so every instruction set gives the same bits: per
-/// 32-value group (16 values for Q6_K, with its two scales) the exact integer dot `i`, then
+/// 32-value group (16 values for Q3_K and Q6_K, with their two scales) the exact integer dot `i`, then
 /// `acc = fma(i, s · d_x, acc)`; for the types with an offset, `ext += (coef · d_x) · Σq_x`
 /// apart, and `acc + ext` at the end.
 fn q8_matmul_scalar(
@@ -1337,8 +1375,12 @@ fn q8_matmul_scalar(
         ty,
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K
     );
-    // values per scale: Q6_K's 16, else the group's 32
-    let span = if ty == QuantType::Q6_K { 16 } else { 32 };
+    // values per scale: Q3_K's and Q6_K's 16, else the group's 32
+    let span = if matches!(ty, QuantType::Q3_K | QuantType::Q6_K) {
+        16
+    } else {
+        32
+    };
     let mut yt = vec![0f32; rows * n_tok];
     yt.par_chunks_mut(n_tok)
         .enumerate()

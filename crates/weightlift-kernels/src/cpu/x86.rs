@@ -66,6 +66,29 @@ pub(crate) mod imp {
         _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
     }
 
+    /// Group `g` (0..4) of half-block `h` of a Q6_K block: its 32 unsigned quants (q + 32).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn q6k_group_at(blk: &[u8], h: usize, g: usize) -> __m256i {
+        let ql = load32(blk[64 * h + 32 * (g % 2)..64 * h + 32 * (g % 2) + 32].as_ptr());
+        q6k_group(ql, load32(blk[128 + 32 * h..160 + 32 * h].as_ptr()), g)
+    }
+
+    /// Group `g` (0..4) of half-block `h` of a Q3_K block: its 32 unsigned quants (q + 4, in
+    /// 0..8), the two low bits from `qs` (bytes `32 + 32h..`, shifted by `2g`) and the third
+    /// from bit `4h + g` of the 32 `hmask` bytes (bytes 0..32).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn q3k_group_at(blk: &[u8], h: usize, g: usize) -> __m256i {
+        let qs = load32(blk[32 + 32 * h..64 + 32 * h].as_ptr());
+        let hm = load32(blk[..32].as_ptr());
+        // 16-bit shifts: the bits a byte takes from its neighbour fall outside the masks
+        let shr = |v: __m256i, n: usize| _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32));
+        let lo = _mm256_and_si256(shr(qs, 2 * g), _mm256_set1_epi8(3));
+        let hi = _mm256_and_si256(shr(hm, 4 * h + g), _mm256_set1_epi8(1));
+        _mm256_or_si256(lo, _mm256_slli_epi16::<2>(hi))
+    }
+
     /// Four f32 vectors from the 32 unsigned bytes of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]

@@ -6,20 +6,21 @@
 //!
 //! - **Panels** (per task, 16 weight rows): for each 32-value group, its 8 four-value steps as
 //!   one 64-byte line each (row `r`'s 4 quants at bytes `4r..4r+4`), made unsigned (`q + off`,
-//!   `off` = 8 for Q4_0, 16 for Q5_0, 128 for Q8_0 with VNNI, 32 for Q6_K; Q4_1, Q5_1 and Q4_K
-//!   are unsigned already), then the rows' f32 scales (two vectors for Q6_K's 16-value
-//!   scales) and, for the types with an offset, the rows' coefficients of the activation sum
-//!   (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`).
+//!   `off` = 8 for Q4_0, 16 for Q5_0, 128 for Q8_0 with VNNI, 4 for Q3_K, 32 for Q6_K; Q4_1,
+//!   Q5_1 and Q4_K are unsigned already), then the rows' f32 scales (two vectors for the
+//!   16-value scales of Q3_K and Q6_K) and, for the types with an offset, the rows'
+//!   coefficients of the activation sum (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`).
 //! - **Activation blocks** (per call, `TB` tokens): the tokens quantised as
 //!   `matvec::quantize_q8_blocks` does (bit for bit), per group the tokens' 32 quants, their
-//!   scales `d_x`, the integer bias `−off · Σq_x` (per 16 values for Q6_K) and `Σq_x`.
+//!   scales `d_x`, the integer bias `−off · Σq_x` (per 16 values for Q3_K and Q6_K) and
+//!   `Σq_x`.
 //!
 //! A tile keeps one i32 accumulator per token (16 rows each): it starts at the token's bias,
 //! and each step adds the row line (unsigned bytes) times the token's 4 quants broadcast
 //! (signed bytes), so after a group it holds the exact integer dot `Σ q_w·q_x` of each row and
-//! token. That is scaled once per group (per 16 values for Q6_K) into an f32 accumulator,
-//! `acc = fma(isum, s·d_x, acc)`. The types with an offset sum `(coef·d_x)·Σq_x` over the
-//! groups apart and add it last, as llama.cpp's `ggml_vec_dot_q4_1_q8_1` keeps its `summs`
+//! token. That is scaled once per group (per 16 values for Q3_K and Q6_K) into an f32
+//! accumulator, `acc = fma(isum, s·d_x, acc)`. The types with an offset sum `(coef·d_x)·Σq_x`
+//! over the groups apart and add it last, as llama.cpp's `ggml_vec_dot_q4_1_q8_1` keeps its `summs`
 //! (and as this crate's earlier 4-bit kernels did, whose bits these tiles reproduce for Q4_0,
 //! Q4_1, Q5_0, Q5_1 and Q4_K). Every instruction set (and `matvec`'s scalar matmul) does
 //! exactly these float operations in this order, so the matmul gives the same bits on all of
@@ -36,8 +37,8 @@ use std::arch::x86_64::*;
 
 use rayon::prelude::*;
 
-use super::dequant_scalar::scale_min_k4;
-use super::x86::imp::{load32, nibbles32, q6k_group, quants5_u, rd_f16, rd_u32};
+use super::dequant_scalar::{q3k_scales, scale_min_k4};
+use super::x86::imp::{load32, nibbles32, q3k_group_at, q6k_group_at, quants5_u, rd_f16, rd_u32};
 use super::x86_matvec::with_fifth_bits;
 use super::{Isa, Vnni};
 use crate::types::QuantType;
@@ -46,7 +47,7 @@ use crate::types::QuantType;
 const BIAS: u8 = 1;
 /// Flavour bit: a weight offset: a coefficient per row and group times `d_x · Σq_x`, summed apart.
 const MIN: u8 = 2;
-/// Flavour bit: two scales per group, one per 16 values (Q6_K).
+/// Flavour bit: two scales per group, one per 16 values (Q3_K, Q6_K).
 const SUB16: u8 = 4;
 /// Flavour bit: signed weight quants, signs moved onto the activations (Q8_0 without VNNI).
 const SIGNED: u8 = 8;
@@ -55,8 +56,8 @@ const SIGNED: u8 = 8;
 const FL_BIAS: u8 = BIAS;
 /// Q4_1, Q5_1, Q4_K and Q5_K.
 const FL_MIN: u8 = MIN;
-/// Q6_K.
-const FL_Q6K: u8 = BIAS | SUB16;
+/// Q3_K and Q6_K.
+const FL_K16: u8 = BIAS | SUB16;
 /// Q8_0 without VNNI.
 const FL_SIGNED: u8 = SIGNED;
 
@@ -75,7 +76,8 @@ fn flavour(ty: QuantType, vnni: bool) -> (u8, i32) {
         QuantType::Q5_0 => (FL_BIAS, 16),
         QuantType::Q8_0 if vnni => (FL_BIAS, 128),
         QuantType::Q8_0 => (FL_SIGNED, 0),
-        QuantType::Q6_K => (FL_Q6K, 32),
+        QuantType::Q3_K => (FL_K16, 4),
+        QuantType::Q6_K => (FL_K16, 32),
         _ => (FL_MIN, 0),
     }
 }
@@ -249,7 +251,7 @@ fn pack_block(fl: u8, off: i32, tb: usize, x: &[f32], cols: usize, out: &mut [u8
 // ------------------------------------------------------------------- weights
 
 /// Decodes group `g` of `row`: the 32 quants as the panel holds them (unsigned `q + off`, or
-/// signed for [`SIGNED`]), the scale of values 0–15 and 16–31 (equal but for Q6_K) and the
+/// signed for [`SIGNED`]), the scale of values 0–15 and 16–31 (equal but for Q3_K and Q6_K) and the
 /// coefficient of the tokens' quant sum. The float operations are the scalar path's
 /// (`matvec::decode_row_scalar`): `d · sc` rounded once.
 #[inline]
@@ -309,15 +311,20 @@ fn decode_group(ty: QuantType, fl: u8, row: &[u8], g: usize) -> (__m256i, f32, f
             (q, s, s, -(dmin * m as f32))
         }
         _ => {
-            // Q6_K: group `sub` of the super-block, unsigned 6-bit quants (q + 32)
-            let d = rd_f16(blk, 208);
+            // Q3_K and Q6_K: group `sub` of the super-block, unsigned quants (q + 4, q + 32),
+            // and the group's two scales
             let (h, gq) = (sub / 4, sub % 4);
-            let qh = load32(blk[128 + 32 * h..160 + 32 * h].as_ptr());
-            let at = 64 * h + 32 * (gq % 2);
-            let ql = load32(blk[at..at + 32].as_ptr());
-            let s0 = d * f32::from(blk[192 + 2 * sub] as i8);
-            let s1 = d * f32::from(blk[193 + 2 * sub] as i8);
-            (q6k_group(ql, qh, gq), s0, s1, 0.0)
+            let (q, d, sc) = if ty == QuantType::Q3_K {
+                let scales = q3k_scales(&blk[96..108]);
+                let sc = |i: usize| scales[i];
+                let q = q3k_group_at(blk, h, gq);
+                (q, rd_f16(blk, 108), [sc(2 * sub), sc(2 * sub + 1)])
+            } else {
+                let sc = |i| blk[192 + i] as i8;
+                let q = q6k_group_at(blk, h, gq);
+                (q, rd_f16(blk, 208), [sc(2 * sub), sc(2 * sub + 1)])
+            };
+            (q, d * f32::from(sc[0]), d * f32::from(sc[1]), 0.0)
         }
     }
 }
@@ -758,7 +765,7 @@ fn tiles(wide: bool, vnni: bool, fl: u8) -> &'static [(usize, Tile)] {
             match fl {
                 FL_BIAS => set!($f, FL_BIAS, [$($t),*]),
                 FL_MIN => set!($f, FL_MIN, [$($t),*]),
-                FL_Q6K => set!($f, FL_Q6K, [$($t),*]),
+                FL_K16 => set!($f, FL_K16, [$($t),*]),
                 _ => set!($f, FL_SIGNED, [$($t),*]),
             }
         };

@@ -9,10 +9,11 @@
 
 use std::arch::x86_64::*;
 
+use super::dequant_scalar::q3k_scales;
 use super::matvec::{Q8Block, finish_lanes};
 use super::x86::imp::{
-    load32, mul_sum_i8, nibbles32, q6k_group, quants5_i, quants5_u, quants5_u_avx512, rd_f16,
-    rd_f16_pair, rd_u32, splat_f16,
+    load32, mul_sum_i8, nibbles32, q3k_group_at, q6k_group_at, quants5_i, quants5_u,
+    quants5_u_avx512, rd_f16, rd_f16_pair, rd_u32, splat_f16,
 };
 use super::x86_gemm::quantize_groups;
 use crate::types::QuantType;
@@ -61,7 +62,7 @@ pub(crate) fn prefetch_ahead(blk: &[u8]) {
     unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast()) };
 }
 
-/// [`prefetch_ahead`] for every line of a 256-value block (K-quants: 144 to 210 bytes).
+/// [`prefetch_ahead`] for every line of a 256-value block (K-quants: 110 to 210 bytes).
 #[inline(always)]
 fn prefetch_block(blk: &[u8]) {
     for off in (0..blk.len()).step_by(64) {
@@ -135,15 +136,25 @@ pub(crate) fn scales_mins_k4(q: &[u8]) -> (__m256, __m256) {
     (lanes(sc), lanes(m))
 }
 
-/// A Q6_K block's sixteen `(d · sc) · d_x` (two a 32-value group, one per 16 values; `xd`
-/// holds each group's `d_x` twice, lanes `2g` and `2g + 1` of the 16), groups 0-3 in the first
-/// vector and 4-7 in the second: the scalar path's two products, lane by lane.
+/// A Q3_K or Q6_K block's sixteen `(d · sc) · d_x` (two a 32-value group, one per 16 values;
+/// `xd` holds each group's `d_x` twice, lanes `2g` and `2g + 1` of the 16), groups 0-3 in the
+/// first vector and 4-7 in the second: the scalar path's two products, lane by lane.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-pub(crate) fn q6k_scales(blk: &[u8], xd: [__m256; 2]) -> [__m256; 2] {
-    let d = _mm256_set1_ps(rd_f16(blk, 208));
-    // SAFETY: the 16 scale bytes at 192.
-    let sc = unsafe { _mm_loadu_si128(blk[192..208].as_ptr().cast()) };
+pub(crate) fn k16_scales_x(ty: QuantType, blk: &[u8], xd: [__m256; 2]) -> [__m256; 2] {
+    let (d, sc) = if ty == QuantType::Q3_K {
+        let sc = q3k_scales(&blk[96..108]);
+        // SAFETY: sc holds 16 bytes.
+        (rd_f16(blk, 108), unsafe {
+            _mm_loadu_si128(sc.as_ptr().cast())
+        })
+    } else {
+        // SAFETY: a Q6_K block's 16 scale bytes at 192.
+        (rd_f16(blk, 208), unsafe {
+            _mm_loadu_si128(blk[192..208].as_ptr().cast())
+        })
+    };
+    let d = _mm256_set1_ps(d);
     let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
     let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc)));
     [
@@ -152,10 +163,10 @@ pub(crate) fn q6k_scales(blk: &[u8], xd: [__m256; 2]) -> [__m256; 2] {
     ]
 }
 
-/// Each group's `d_x` twice (lanes `2g` and `2g + 1`), for [`q6k_scales`].
+/// Each group's `d_x` twice (lanes `2g` and `2g + 1`), for [`k16_scales_x`].
 #[inline]
 #[target_feature(enable = "avx2")]
-pub(crate) fn q6k_token_scales(xbs: &[Q8Block]) -> [__m256; 2] {
+pub(crate) fn k16_token_scales(xbs: &[Q8Block]) -> [__m256; 2] {
     let two = |g: usize| {
         let (a, b, c, e) = (xbs[g].d, xbs[g + 1].d, xbs[g + 2].d, xbs[g + 3].d);
         _mm256_setr_ps(a, a, b, b, c, c, e, e)
@@ -163,11 +174,11 @@ pub(crate) fn q6k_token_scales(xbs: &[Q8Block]) -> [__m256; 2] {
     [two(0), two(4)]
 }
 
-/// The lanes that take group `g`'s pair of scales from [`q6k_scales`]'s vector (lanes 0-3 the
-/// first 16 values' scale, 4-7 the second's).
+/// The lanes that take group `g`'s pair of scales from [`k16_scales_x`]'s vector (lanes 0-3
+/// the first 16 values' scale, 4-7 the second's).
 #[inline]
 #[target_feature(enable = "avx2")]
-pub(crate) fn q6k_lanes(g: usize) -> __m256i {
+pub(crate) fn k16_lanes(g: usize) -> __m256i {
     let (a, b) = (2 * (g % 4) as i32, 2 * (g % 4) as i32 + 1);
     _mm256_setr_epi32(a, a, a, a, b, b, b, b)
 }
@@ -293,6 +304,31 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
             }
         }};
     }
+    // Q3_K's and Q6_K's loop: scales per 16 values, two a group; `$group` gives a group's
+    // quants plus `$off`, which are taken off again for `mul_sum_i8`'s signed product
+    macro_rules! k16_blocks {
+        ($group:ident, $off:literal) => {{
+            let koff = _mm256_set1_epi8($off);
+            let lanes: [__m256i; 4] = std::array::from_fn(|g| k16_lanes(g));
+            for (i, xbs) in xq.chunks_exact(8).enumerate() {
+                let xd = k16_token_scales(xbs);
+                for (a, row) in acc.iter_mut().zip(rows) {
+                    let blk = unsafe { block(row, i, bb) };
+                    prefetch_block(blk);
+                    let dsx = k16_scales_x(ty, blk, xd);
+                    for h in 0..2 {
+                        for g in 0..4 {
+                            let q = _mm256_sub_epi8($group(blk, h, g), koff);
+                            let xb = &xbs[4 * h + g];
+                            let l = mul_sum_i8(q, load32(xb.qs.as_ptr().cast()));
+                            let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
+                            *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                        }
+                    }
+                }
+            }
+        }};
+    }
     match ty {
         QuantType::Q4_0 => blocks!(|blk, xv| mul_sum_i8(nibbles32(blk[2..18].as_ptr(), 8), xv)),
         QuantType::Q5_0 => {
@@ -305,29 +341,8 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
         // loop for each, so that neither pays the other's branch
         QuantType::Q4_K => k_min_blocks!(false, 16),
         QuantType::Q5_K => k_min_blocks!(true, 48),
-        QuantType::Q6_K => {
-            let k32 = _mm256_set1_epi8(32);
-            let lanes: [__m256i; 4] = std::array::from_fn(|g| q6k_lanes(g));
-            for (i, xbs) in xq.chunks_exact(8).enumerate() {
-                let xd = q6k_token_scales(xbs);
-                for (a, row) in acc.iter_mut().zip(rows) {
-                    let blk = unsafe { block(row, i, bb) };
-                    prefetch_block(blk);
-                    let dsx = q6k_scales(blk, xd);
-                    for h in 0..2 {
-                        let qh = load32(blk[128 + 32 * h..].as_ptr());
-                        for g in 0..4 {
-                            let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
-                            let q = _mm256_sub_epi8(q6k_group(ql, qh, g), k32);
-                            let xb = &xbs[4 * h + g];
-                            let l = mul_sum_i8(q, load32(xb.qs.as_ptr().cast()));
-                            let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
-                            *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
-                        }
-                    }
-                }
-            }
-        }
+        QuantType::Q3_K => k16_blocks!(q3k_group_at, 4),
+        QuantType::Q6_K => k16_blocks!(q6k_group_at, 32),
         _ => {}
     }
     finish(acc, extra)
@@ -377,6 +392,37 @@ macro_rules! vnni_offset_blocks {
     };
 }
 
+/// The VNNI loop of Q3_K and Q6_K: the unsigned quants `$group` gives (q + 4, q + 32) against
+/// the activation blocks' lane offsets, two scales a group.
+macro_rules! vnni_k16_blocks {
+    ($dp:ident, $acc:ident, $rows:ident, $xq:ident, $bias:ident, $bb:ident, $ty:ident, $group:ident) => {{
+        let lanes: [__m256i; 4] = std::array::from_fn(|g| k16_lanes(g));
+        let blocks = $xq.chunks_exact(8).zip($bias.chunks_exact(8));
+        for (i, (xbs, bs)) in blocks.enumerate() {
+            let xd = k16_token_scales(xbs);
+            for (a, row) in $acc.iter_mut().zip($rows) {
+                // SAFETY: the contract gives each row a block per 8 activation
+                // blocks.
+                let blk = unsafe { block(row, i, $bb) };
+                prefetch_block(blk);
+                let dsx = k16_scales_x($ty, blk, xd);
+                for h in 0..2 {
+                    for g in 0..4 {
+                        let q = $group(blk, h, g);
+                        let gi = 4 * h + g;
+                        let xb = &xbs[gi];
+                        // SAFETY: bs[gi] holds 8 i32.
+                        let bv = unsafe { _mm256_loadu_si256(bs[gi].as_ptr().cast()) };
+                        let l = $dp(bv, q, load32(xb.qs.as_ptr().cast()));
+                        let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
+                        *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                    }
+                }
+            }
+        }
+    }};
+}
+
 /// Generates [`rows_dot_q8_avx2`]'s VNNI twin for one VNNI extension: `vpdpbusd` sums four
 /// unsigned-by-signed byte products per i32 lane in one instruction, so each block's lanes are
 /// `bias + Σ u·x` with the weight quants made unsigned (`q + off`) and `bias` the activation
@@ -387,7 +433,7 @@ macro_rules! vnni_offset_blocks {
 /// Q5_0/Q5_1 ([`quants5_u`], or with AVX-512BW a masked add).
 macro_rules! rows_dot_q8_vnni {
     ($name:ident, $feat:literal, $dp:ident, $q5:ident) => {
-        /// VNNI Q8-mode dots of `R` rows for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q6_K (0 for
+        /// VNNI Q8-mode dots of `R` rows for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K and Q6_K (0 for
         /// other types); see the macro above.
         ///
         /// # Safety
@@ -421,35 +467,8 @@ macro_rules! rows_dot_q8_vnni {
                 QuantType::Q5_1 => vnni_offset_blocks!($dp, acc, extra, rows, xq, bb, |blk| {
                     $q5(rd_u32(blk, 4), blk[8..24].as_ptr())
                 }),
-                QuantType::Q6_K => {
-                    let lanes: [__m256i; 4] = std::array::from_fn(|g| q6k_lanes(g));
-                    let blocks = xq.chunks_exact(8).zip(bias.chunks_exact(8));
-                    for (i, (xbs, bs)) in blocks.enumerate() {
-                        let xd = q6k_token_scales(xbs);
-                        for (a, row) in acc.iter_mut().zip(rows) {
-                            // SAFETY: the contract gives each row a block per 8 activation
-                            // blocks.
-                            let blk = unsafe { block(row, i, bb) };
-                            prefetch_block(blk);
-                            let dsx = q6k_scales(blk, xd);
-                            for h in 0..2 {
-                                let qh = load32(blk[128 + 32 * h..].as_ptr());
-                                for g in 0..4 {
-                                    let ql = load32(blk[64 * h + 32 * (g % 2)..].as_ptr());
-                                    // the unsigned 6-bit quants (q + 32)
-                                    let q = q6k_group(ql, qh, g);
-                                    let gi = 4 * h + g;
-                                    let xb = &xbs[gi];
-                                    // SAFETY: bs[gi] holds 8 i32.
-                                    let bv = unsafe { _mm256_loadu_si256(bs[gi].as_ptr().cast()) };
-                                    let l = $dp(bv, q, load32(xb.qs.as_ptr().cast()));
-                                    let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
-                                    *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
-                                }
-                            }
-                        }
-                    }
-                }
+                QuantType::Q3_K => vnni_k16_blocks!($dp, acc, rows, xq, bias, bb, ty, q3k_group_at),
+                QuantType::Q6_K => vnni_k16_blocks!($dp, acc, rows, xq, bias, bb, ty, q6k_group_at),
                 _ => {}
             }
             finish(acc, extra)

@@ -13,11 +13,11 @@
 
 use std::arch::x86_64::*;
 
-use super::dequant_scalar::scale_min_k4;
+use super::dequant_scalar::{q3k_scales, scale_min_k4};
 use super::matvec::TokenScales;
 use super::x86::imp::{
-    load32, mul_sum_i8, nibbles32, q6k_group, quants5_i, quants5_u, quants5_u_avx512, rd_f16,
-    rd_f16_pair, rd_u32, splat_f16,
+    load32, mul_sum_i8, nibbles32, q3k_group_at, q6k_group_at, quants5_i, quants5_u,
+    quants5_u_avx512, rd_f16, rd_f16_pair, rd_u32, splat_f16,
 };
 use super::x86_matvec::{block, dm_f16, finish, with_fifth_bits};
 use crate::types::QuantType;
@@ -99,7 +99,7 @@ fn finish_tokens<const T: usize>(acc: [__m256; T], extra: &[f32; 16]) -> [f32; T
 }
 
 /// Generates one instruction set's kernel. `$signed`: the types with signed quants (Q4_0,
-/// Q5_0, Q8_0, Q6_K) keep them signed for `$dot_s` (AVX2's sign trick) rather than offset to
+/// Q5_0, Q8_0, Q3_K, Q6_K) keep them signed for `$dot_s` (AVX2's sign trick) rather than offset to
 /// unsigned with the token's lane offsets (VNNI; `bias` must then hold them, from
 /// `matvec::vnni_offset`). `$q5u` builds Q5_1's unsigned quants (and Q5_0's under VNNI).
 macro_rules! row_tokens_q8 {
@@ -113,7 +113,7 @@ macro_rules! row_tokens_q8 {
         /// The CPU must support the enabled features; `row` holds whole blocks of `ty` for the
         /// `32 · scales.len()` values of each token, and unless the kernel keeps the quants
         /// signed `bias` holds as many lane offsets as `xq` has blocks for the types with a
-        /// VNNI quant offset (Q4_0, Q5_0, Q8_0, Q6_K). At most 16 tokens.
+        /// VNNI quant offset (Q4_0, Q5_0, Q8_0, Q3_K, Q6_K). At most 16 tokens.
         #[target_feature(enable = $feat)]
         pub(crate) unsafe fn $name<const T: usize>(
             ty: QuantType,
@@ -219,6 +219,40 @@ macro_rules! row_tokens_q8 {
                     }
                 };
             }
+            // Q3_K and Q6_K: scales per 16 values, two a group; `$group` gives a group's
+            // quants plus `$off`, which the signed kernels take off again
+            macro_rules! k16 {
+                ($group:ident, $off:literal, $d_at:literal, |$b:ident| $scales:expr) => {{
+                    let koff = _mm256_set1_epi8($off);
+                    for i in 0..nb / 8 {
+                        // SAFETY: the row holds nb / 8 blocks of 256 values.
+                        let blk = unsafe { block(row, i, bb) };
+                        let d = rd_f16(blk, $d_at);
+                        let scales: [i8; 16] = {
+                            let $b = blk;
+                            $scales
+                        };
+                        let sc = |j: usize| scales[j];
+                        for h in 0..2 {
+                            for g in 0..4 {
+                                let q = $group(blk, h, g);
+                                let q = if $signed { _mm256_sub_epi8(q, koff) } else { q };
+                                let gi = 4 * h + g;
+                                // the first products of `d · sc · d_x`, one per 16 values
+                                let s0 = d * f32::from(sc(2 * gi));
+                                let s1 = d * f32::from(sc(2 * gi + 1));
+                                let ds = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                                let xd = &tab(8 * i + gi).d;
+                                for (t, a) in acc.iter_mut().enumerate() {
+                                    let l = $dot_s(q, xv(t, 8 * i + gi), bias_at(t, 8 * i + gi));
+                                    let dd = _mm256_mul_ps(ds, _mm256_set1_ps(xd[t]));
+                                    *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                                }
+                            }
+                        }
+                    }
+                }};
+            }
             match ty {
                 QuantType::Q4_0 => {
                     plain!(|blk| nibbles32(blk[2..18].as_ptr(), if $signed { 8 } else { 0 }))
@@ -285,32 +319,11 @@ macro_rules! row_tokens_q8 {
                         }
                     }
                 }
+                QuantType::Q3_K => k16!(q3k_group_at, 4, 108, |b| q3k_scales(&b[96..108])),
                 QuantType::Q6_K => {
-                    let k32 = _mm256_set1_epi8(32);
-                    for i in 0..nb / 8 {
-                        // SAFETY: the row holds nb / 8 blocks of 256 values.
-                        let blk = unsafe { block(row, i, bb) };
-                        let d = rd_f16(blk, 208);
-                        for h in 0..2 {
-                            let qh = load32(blk[128 + 32 * h..160 + 32 * h].as_ptr());
-                            for g in 0..4 {
-                                let at = 64 * h + 32 * (g % 2);
-                                let q = q6k_group(load32(blk[at..at + 32].as_ptr()), qh, g);
-                                let q = if $signed { _mm256_sub_epi8(q, k32) } else { q };
-                                let gi = 4 * h + g;
-                                // the first products of `d · sc · d_x`, one per 16 values
-                                let s0 = d * f32::from(blk[192 + 2 * gi] as i8);
-                                let s1 = d * f32::from(blk[193 + 2 * gi] as i8);
-                                let ds = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
-                                let xd = &tab(8 * i + gi).d;
-                                for (t, a) in acc.iter_mut().enumerate() {
-                                    let l = $dot_s(q, xv(t, 8 * i + gi), bias_at(t, 8 * i + gi));
-                                    let dd = _mm256_mul_ps(ds, _mm256_set1_ps(xd[t]));
-                                    *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
-                                }
-                            }
-                        }
-                    }
+                    k16!(q6k_group_at, 32, 208, |b| std::array::from_fn(
+                        |j| b[192 + j] as i8
+                    ))
                 }
                 _ => {}
             }
