@@ -126,11 +126,13 @@ def greedy_parting(ids: list[int], margin: float = 0.1) -> str | None:
 
 def engine_greedy_ids(model: Any, n: int = 32) -> list[int]:
     """The demo prompt's first `n` greedy ids as `model` (a loaded `Model`) computes them, one
-    forward call a token on a cache of their own, checked by `greedy_parting`: what the
-    generation and completion calls of the same model must give."""
+    forward call a token on its own cache, emptied first (a cache of another size passed to
+    `forward` would become the model's), checked by `greedy_parting`: what the generation and
+    completion calls of the same model must give."""
     import weightlift as wl
 
-    cache = wl.Cache(model)
+    cache = model.cache if model.cache is not None else wl.Cache(model)
+    cache.reset()
     logits = model.forward(GREEDY_REFERENCE["prompt_ids"], cache=cache)
     ids: list[int] = []
     while len(ids) < n:
