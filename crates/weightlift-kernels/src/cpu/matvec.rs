@@ -780,13 +780,24 @@ pub(crate) fn k16_quants(ty: QuantType, blk: &[u8], q: &mut [i8; 256]) {
 /// block: a value is `d · sc · q`.
 #[inline]
 pub(crate) fn k16_scales(ty: QuantType, blk: &[u8]) -> (f32, [i8; 16]) {
+    (rd_f16(blk, k16_d_at(ty)), k16_scale_bytes(ty, blk))
+}
+
+/// Where a Q3_K or Q6_K block keeps its f16 `d` (the SIMD kernels read it with F16C).
+#[inline(always)]
+pub(crate) fn k16_d_at(ty: QuantType) -> usize {
+    if ty == QuantType::Q3_K { 108 } else { 208 }
+}
+
+/// The 16 signed scales of a Q3_K block (unpacked from its 12 bytes at 96) or a Q6_K block
+/// (its 16 bytes at 192).
+#[inline(always)]
+pub(crate) fn k16_scale_bytes(ty: QuantType, blk: &[u8]) -> [i8; 16] {
     if ty == QuantType::Q3_K {
-        (rd_f16(blk, 108), q3k_scales(&blk[96..108]))
+        q3k_scales(&blk[96..108])
     } else {
-        (
-            rd_f16(blk, 208),
-            std::array::from_fn(|j| blk[192 + j] as i8),
-        )
+        let b: [u8; 16] = blk[192..208].try_into().expect("a Q6_K block's scales");
+        b.map(|v| v as i8)
     }
 }
 

@@ -37,7 +37,8 @@ use std::arch::x86_64::*;
 
 use rayon::prelude::*;
 
-use super::dequant_scalar::{q3k_scales, scale_min_k4};
+use super::dequant_scalar::scale_min_k4;
+use super::matvec::{k16_d_at, k16_scale_bytes};
 use super::x86::imp::{load32, nibbles32, q3k_group_at, q6k_group_at, quants5_u, rd_f16, rd_u32};
 use super::x86_matvec::with_fifth_bits;
 use super::{Isa, Vnni};
@@ -314,16 +315,13 @@ fn decode_group(ty: QuantType, fl: u8, row: &[u8], g: usize) -> (__m256i, f32, f
             // Q3_K and Q6_K: group `sub` of the super-block, unsigned quants (q + 4, q + 32),
             // and the group's two scales
             let (h, gq) = (sub / 4, sub % 4);
-            let (q, d, sc) = if ty == QuantType::Q3_K {
-                let scales = q3k_scales(&blk[96..108]);
-                let sc = |i: usize| scales[i];
-                let q = q3k_group_at(blk, h, gq);
-                (q, rd_f16(blk, 108), [sc(2 * sub), sc(2 * sub + 1)])
+            let q = if ty == QuantType::Q3_K {
+                q3k_group_at(blk, h, gq)
             } else {
-                let sc = |i| blk[192 + i] as i8;
-                let q = q6k_group_at(blk, h, gq);
-                (q, rd_f16(blk, 208), [sc(2 * sub), sc(2 * sub + 1)])
+                q6k_group_at(blk, h, gq)
             };
+            let (d, sc) = (rd_f16(blk, k16_d_at(ty)), k16_scale_bytes(ty, blk));
+            let sc = [sc[2 * sub], sc[2 * sub + 1]];
             (q, d * f32::from(sc[0]), d * f32::from(sc[1]), 0.0)
         }
     }

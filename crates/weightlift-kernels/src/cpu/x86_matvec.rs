@@ -9,8 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::dequant_scalar::q3k_scales;
-use super::matvec::{Q8Block, finish_lanes};
+use super::matvec::{Q8Block, finish_lanes, k16_d_at, k16_scale_bytes};
 use super::x86::imp::{
     load32, mul_sum_i8, nibbles32, q3k_group_at, q6k_group_at, quants5_i, quants5_u,
     quants5_u_avx512, rd_f16, rd_f16_pair, rd_u32, splat_f16,
@@ -142,18 +141,10 @@ pub(crate) fn scales_mins_k4(q: &[u8]) -> (__m256, __m256) {
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 pub(crate) fn k16_scales_x(ty: QuantType, blk: &[u8], xd: [__m256; 2]) -> [__m256; 2] {
-    let (d, sc) = if ty == QuantType::Q3_K {
-        let sc = q3k_scales(&blk[96..108]);
-        // SAFETY: sc holds 16 bytes.
-        (rd_f16(blk, 108), unsafe {
-            _mm_loadu_si128(sc.as_ptr().cast())
-        })
-    } else {
-        // SAFETY: a Q6_K block's 16 scale bytes at 192.
-        (rd_f16(blk, 208), unsafe {
-            _mm_loadu_si128(blk[192..208].as_ptr().cast())
-        })
-    };
+    let sc = k16_scale_bytes(ty, blk);
+    // SAFETY: sc holds 16 bytes.
+    let sc = unsafe { _mm_loadu_si128(sc.as_ptr().cast()) };
+    let d = rd_f16(blk, k16_d_at(ty));
     let d = _mm256_set1_ps(d);
     let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
     let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc)));

@@ -13,8 +13,8 @@
 
 use std::arch::x86_64::*;
 
-use super::dequant_scalar::{q3k_scales, scale_min_k4};
-use super::matvec::TokenScales;
+use super::dequant_scalar::scale_min_k4;
+use super::matvec::{TokenScales, k16_d_at, k16_scale_bytes};
 use super::x86::imp::{
     load32, mul_sum_i8, nibbles32, q3k_group_at, q6k_group_at, quants5_i, quants5_u,
     quants5_u_avx512, rd_f16, rd_f16_pair, rd_u32, splat_f16,
@@ -222,16 +222,13 @@ macro_rules! row_tokens_q8 {
             // Q3_K and Q6_K: scales per 16 values, two a group; `$group` gives a group's
             // quants plus `$off`, which the signed kernels take off again
             macro_rules! k16 {
-                ($group:ident, $off:literal, $d_at:literal, |$b:ident| $scales:expr) => {{
+                ($group:ident, $off:literal) => {{
                     let koff = _mm256_set1_epi8($off);
                     for i in 0..nb / 8 {
                         // SAFETY: the row holds nb / 8 blocks of 256 values.
                         let blk = unsafe { block(row, i, bb) };
-                        let d = rd_f16(blk, $d_at);
-                        let scales: [i8; 16] = {
-                            let $b = blk;
-                            $scales
-                        };
+                        let d = rd_f16(blk, k16_d_at(ty));
+                        let scales = k16_scale_bytes(ty, blk);
                         let sc = |j: usize| scales[j];
                         for h in 0..2 {
                             for g in 0..4 {
@@ -319,12 +316,8 @@ macro_rules! row_tokens_q8 {
                         }
                     }
                 }
-                QuantType::Q3_K => k16!(q3k_group_at, 4, 108, |b| q3k_scales(&b[96..108])),
-                QuantType::Q6_K => {
-                    k16!(q6k_group_at, 32, 208, |b| std::array::from_fn(
-                        |j| b[192 + j] as i8
-                    ))
-                }
+                QuantType::Q3_K => k16!(q3k_group_at, 4),
+                QuantType::Q6_K => k16!(q6k_group_at, 32),
                 _ => {}
             }
             let mut extra = [0f32; 16];
