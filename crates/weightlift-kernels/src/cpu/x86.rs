@@ -375,30 +375,40 @@ pub(crate) mod imp {
         );
         let mut acc = _mm256_setzero_ps();
         let mut accm = _mm256_setzero_ps();
-        let m4 = _mm256_set1_epi8(0x0f);
-        for (b, blk) in row.chunks_exact(bb).enumerate() {
-            let xp = x[b * bs..].as_ptr();
-            match ty {
-                QuantType::Q4_0 => {
-                    let (s, _) = dot32(i8x32_to_f32(nibbles32(blk[2..].as_ptr(), 8)), xp);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(rd_f16(blk, 0)), s, acc);
+        // One loop per type, so that nothing but the block's own work is in it: with the type's
+        // match inside, the loop kept its vectors on the stack and read each scale through a
+        // register merge that chained the blocks (see `splat_f16`), twice as slow.
+        let blocks = row.chunks_exact(bb).enumerate();
+        // SAFETY (each `xp`): the assert above holds `bs` activations for every block.
+        let at = |b: usize| unsafe { x.as_ptr().add(b * bs) };
+        match ty {
+            QuantType::Q4_0 => {
+                for (b, blk) in blocks {
+                    let (s, _) = dot32(i8x32_to_f32(nibbles32(blk[2..18].as_ptr(), 8)), at(b));
+                    acc = _mm256_fmadd_ps(splat_f16(blk, 0), s, acc);
                 }
-                QuantType::Q8_0 => {
-                    let (s, _) = dot32(i8x32_to_f32(load32(blk[2..].as_ptr())), xp);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(rd_f16(blk, 0)), s, acc);
+            }
+            QuantType::Q8_0 => {
+                for (b, blk) in blocks {
+                    let (s, _) = dot32(i8x32_to_f32(load32(blk[2..34].as_ptr())), at(b));
+                    acc = _mm256_fmadd_ps(splat_f16(blk, 0), s, acc);
                 }
-                QuantType::Q4_1 => {
-                    let (s, xs) = dot32(u8x32_to_f32(nibbles32(blk[4..].as_ptr(), 0)), xp);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(rd_f16(blk, 0)), s, acc);
-                    accm = _mm256_fmadd_ps(_mm256_set1_ps(rd_f16(blk, 2)), xs, accm);
+            }
+            QuantType::Q4_1 => {
+                for (b, blk) in blocks {
+                    let (s, xs) = dot32(u8x32_to_f32(nibbles32(blk[4..20].as_ptr(), 0)), at(b));
+                    acc = _mm256_fmadd_ps(splat_f16(blk, 0), s, acc);
+                    accm = _mm256_fmadd_ps(splat_f16(blk, 2), xs, accm);
                 }
-                _ => {
-                    // Q4_K
-                    let d = rd_f16(blk, 0);
-                    let dmin = rd_f16(blk, 2);
+            }
+            _ => {
+                // Q4_K
+                let m4 = _mm256_set1_epi8(0x0f);
+                for (b, blk) in blocks {
+                    let (d, dmin) = (splat_f16(blk, 0), splat_f16(blk, 2));
                     let scales = &blk[4..16];
                     for c in 0..4 {
-                        let v = load32(blk[16 + 32 * c..].as_ptr());
+                        let v = load32(blk[16 + 32 * c..48 + 32 * c].as_ptr());
                         let halves = [
                             _mm256_and_si256(v, m4),
                             _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
@@ -407,9 +417,10 @@ pub(crate) mod imp {
                             let sb = 2 * c + h;
                             let (sc, m) = scale_min_k4(sb, scales);
                             // SAFETY: sub-block sb covers values 32·sb..32·sb+32 of this block.
-                            let (s, xs) = dot32(u8x32_to_f32(q), unsafe { xp.add(32 * sb) });
-                            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * sc as f32), s, acc);
-                            accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * m as f32), xs, accm);
+                            let (s, xs) = dot32(u8x32_to_f32(q), unsafe { at(b).add(32 * sb) });
+                            let (sc, m) = (_mm256_set1_ps(sc as f32), _mm256_set1_ps(m as f32));
+                            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, sc), s, acc);
+                            accm = _mm256_fmadd_ps(_mm256_mul_ps(dmin, m), xs, accm);
                         }
                     }
                 }
