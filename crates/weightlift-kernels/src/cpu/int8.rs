@@ -168,7 +168,7 @@ pub fn int8_quantize_rows_with(
             quantize_row_i8(isa, x, *s, q);
             Ok(())
         })?;
-    debug_assert_eq!(rows, scales.len());
+    assert_eq!(rows, scales.len());
     Ok(())
 }
 

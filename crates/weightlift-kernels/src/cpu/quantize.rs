@@ -334,7 +334,7 @@ fn quantize_run(
     dst: &mut [u8],
 ) -> Result<(), (usize, f32)> {
     let (bs, bb) = (ty.block_size(), ty.block_bytes());
-    debug_assert_eq!(src.len() / bs * bb, dst.len());
+    assert_eq!(src.len() / bs * bb, dst.len());
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = super::x86_quantize::pick(isa, ty) {
         return simd.run(src_parts(src), dst);

@@ -356,7 +356,7 @@ pub(crate) unsafe fn dot_f16_avx512(a: &[f32], b: &[u16]) -> f32 {
 #[target_feature(enable = "avx2,f16c,avx512f")]
 pub(crate) unsafe fn dot16_f16_avx512(a: &[f32], rows: &[u16], stride: usize, out: &mut [f32; 16]) {
     let n = a.len();
-    debug_assert!(n.is_multiple_of(32) && rows.len() >= 15 * stride + n);
+    assert!(n.is_multiple_of(32) && rows.len() >= 15 * stride + n);
     let (pa, pb) = (a.as_ptr(), rows.as_ptr());
     // each row's two accumulators, added: the vector dot_f16_avx512 reduces
     let sums: [__m512; 16] = std::array::from_fn(|k| {

@@ -85,7 +85,7 @@ pub(super) unsafe fn transpose_keys_512(
     kp: usize,
     kt: &mut [f32],
 ) {
-    debug_assert!(f.k.len() >= (c0 + kn) * f.kv_dim && kt.len() >= f.head_dim * kp);
+    assert!(f.k.len() >= (c0 + kn) * f.kv_dim && kt.len() >= f.head_dim * kp);
     let out = kt.as_mut_ptr();
     for j0 in (0..kp).step_by(16) {
         for d0 in (0..f.head_dim).step_by(16) {
@@ -118,7 +118,7 @@ pub(super) unsafe fn transpose_keys_256(
     kp: usize,
     kt: &mut [f32],
 ) {
-    debug_assert!(f.k.len() >= (c0 + kn) * f.kv_dim && kt.len() >= f.head_dim * kp);
+    assert!(f.k.len() >= (c0 + kn) * f.kv_dim && kt.len() >= f.head_dim * kp);
     let out = kt.as_mut_ptr();
     for j0 in (0..kp).step_by(8) {
         for d0 in (0..f.head_dim).step_by(8) {
