@@ -97,8 +97,13 @@ test-rust: venv vocab reference ## run the Rust suites (with the CUDA feature: e
 	$(CUDA_ENV) WEIGHTLIFT_VOCAB_DIR=$(CACHE)/vocab cargo test --workspace \
 		--exclude weightlift-benches --features weightlift-kernels/cuda,weightlift-engine/cuda
 
+# Most Python tests run on one thread, so the suite is spread over the cores: one worker a core,
+# at most PYTEST_WORKERS (each worker builds the session fixtures and loads models of its own).
+# PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 4
+PYTEST_N = $(if $(filter 0,$(PYTEST_WORKERS)),,-n auto --maxprocesses $(PYTEST_WORKERS))
 test-python: build demo-model vocab reference ## run the Python suite against the built extension
-	$(CUDA_ENV) $(VENV)/bin/pytest -q tests; rc=$$?; $(RESTORE_RELEASE); exit $$rc
+	$(CUDA_ENV) $(VENV)/bin/pytest -q $(PYTEST_N) tests; rc=$$?; $(RESTORE_RELEASE); exit $$rc
 
 test: check-paths ## set up, then run every Rust and Python test (the demo's release build is kept)
 	$(MAKE) NO_RESTORE=1 build demo-model reference test-rust test-python; rc=$$?; $(RESTORE_RELEASE); exit $$rc
