@@ -1,8 +1,8 @@
 //! NVRTC compilation of the embedded kernel sources (features `nvrtc-check` or `cuda`).
 //!
 //! Used at run time by the CUDA backend when the build had no nvcc, and by the test that
-//! compiles every source for compute_80/compute_90 (PTX) and sm_80/sm_90 (CUBIN) and fails on
-//! any error or warning.
+//! compiles every source for compute_75 (PTX) and sm_90 (PTX and CUBIN) and fails on any error
+//! or warning.
 //!
 //! libnvrtc is found by [`crate::cuda_libs`] (the loader's path, a CUDA toolkit, or pip's
 //! `nvidia/*/lib` folders) and opened by its path; its functions are called through the table
