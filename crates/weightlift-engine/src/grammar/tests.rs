@@ -322,6 +322,25 @@ fn left_recursion_is_refused_by_rule() {
 }
 
 #[test]
+fn emptiness_flows_back_along_a_chain_of_rules() {
+    // r0 ::= r1 ... r299 ::= r300 ::= "": each rule matches nothing only once the one after it,
+    // defined later, is known to; p matches nothing through two references to q.
+    let chain: String = (0..300).map(|i| format!("r{i} ::= r{}\n", i + 1)).collect();
+    let src = format!(
+        "root ::= r0 p root \"a\" | \"b\"\np ::= q q | \"c\"\nq ::= \"\" | \"d\"\n{chain}r300 ::= \"\""
+    );
+    let message = error(&src);
+    assert!(
+        message.starts_with("grammar rule 'root") && message.contains("left-recursive"),
+        "{message}"
+    );
+    // one rule of the chain needs a character: root then starts with one, and is fine
+    Grammar::parse(&src.replace("r150 ::= r151", "r150 ::= r151 \"x\"")).unwrap();
+    // and so it is when p needs one
+    Grammar::parse(&src.replace("p ::= q q |", "p ::= q \"e\" q |")).unwrap();
+}
+
+#[test]
 fn hostile_grammars_are_refused_before_they_are_allocated() {
     // A long item copied 2000 times; a group is copied as one reference, so that is cheap.
     let message = error(&format!("root ::= \"{}\"{{2000}}", "a".repeat(1000)));
