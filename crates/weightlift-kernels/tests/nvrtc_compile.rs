@@ -1,12 +1,11 @@
 //! Every kernel source compiles with NVRTC to PTX for compute_75 (T4-class, the oldest ISA we
 //! expect) and to PTX and CUBIN for sm_90 (the backend compiles for the device's own `sm_XY` at
-//! run time), with no
-//! error and no warning; every kernel's PTX
-//! parameters equal the argument list the CUDA backend launches it with, and its launch bounds
-//! hold the blocks the backend launches it with; and no block decoder
-//! loads a multi-byte field through a cast pointer (a misaligned load faults on the GPU, and
-//! the host twin cannot see it). Needs libnvrtc (pip nvidia-cuda-nvrtc-cu12 in the repository's
-//! `.venv`, a CUDA toolkit, or on `LD_LIBRARY_PATH`); without it they fail, saying so.
+//! run time), with no error and no warning; every kernel's PTX parameters equal the argument
+//! list the CUDA backend launches it with, and its launch bounds hold the blocks the backend
+//! launches it with; and no block decoder loads a multi-byte field through a cast pointer (a
+//! misaligned load faults on the GPU, and the host twin cannot see it). Needs libnvrtc (pip
+//! nvidia-cuda-nvrtc-cu12 in the repository's `.venv`, a CUDA toolkit, or on
+//! `LD_LIBRARY_PATH`); without it they fail, saying so.
 
 // Reference loops index several arrays in lock-step; iterators would hide the maths.
 #![allow(clippy::needless_range_loop)]
