@@ -280,15 +280,19 @@ impl Grammar {
         let mut found = Vec::new();
         for (r, alternatives) in self.rules.iter().enumerate() {
             for &alt in alternatives {
-                if self.alternative(alt).any(|e| !matches!(e, Elem::Ref(_))) {
-                    continue;
-                }
+                let refs: Option<Vec<u32>> = self
+                    .alternative(alt)
+                    .map(|e| match e {
+                        Elem::Ref(s) => Some(s),
+                        _ => None,
+                    })
+                    .collect();
+                // an alternative with a character class never matches nothing
+                let Some(refs) = refs else { continue };
                 let id = left.len();
-                left.push((r, self.alternative(alt).count()));
-                for e in self.alternative(alt) {
-                    if let Elem::Ref(s) = e {
-                        referrers[s as usize].push(id);
-                    }
+                left.push((r, refs.len()));
+                for s in refs {
+                    referrers[s as usize].push(id);
                 }
                 if left[id].1 == 0 && !nullable[r] {
                     nullable[r] = true;
