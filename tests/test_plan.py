@@ -210,9 +210,11 @@ def test_small_cpu_is_checked_when_everything_spills_to_disk(tiny_llama_st):
 
 
 def test_json_round_trip_explain_and_svg(smollm, tmp_path):
+    # The host's size is given: a bare `cpu` is the memory free at planning time, which the
+    # other test workers change between the two plans below.
     p = wl.plan(
         smollm,
-        devices="virtual:2x60MiB,cpu",
+        devices="virtual:2x60MiB,cpu:8GiB",
         cache=wl.CacheSpec(1024, dtype="q8"),
         runtime=SMALL_RT,
     )
@@ -223,7 +225,7 @@ def test_json_round_trip_explain_and_svg(smollm, tmp_path):
     assert q.layer_devices == p.layer_devices and q.cache == wl.CacheSpec(1024, 1, "q8")
     again = wl.plan(
         smollm,
-        devices="virtual:2x60MiB,cpu",
+        devices="virtual:2x60MiB,cpu:8GiB",
         cache=wl.CacheSpec(1024, dtype="q8"),
         runtime=SMALL_RT,
     )
