@@ -1,4 +1,4 @@
-// The arithmetic of the attention kernels (attention.cu), shared with the host twin: how the
+// The arithmetic of the attention kernels (attention*.cu), shared with the host twin: how the
 // keys are split across blocks, how many query heads a block takes, one key folded into a
 // running softmax, and how running states (of warps, then of splits) are merged. The kernels
 // and the host shim lay the work out differently (warps and lanes there, loops here) but call

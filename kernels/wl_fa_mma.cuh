@@ -1,9 +1,9 @@
-// The lane arithmetic of attention_prefill_mma_{fmt} (attention.cu), shared with the host twin:
-// which matrix element each lane's registers hold in an m16n8k16 tensor-core product, where
-// the block's staged queries, keys and values sit in shared memory, how a lane's fragments are
-// read from there, and each lane's share of a tile's online-softmax step. The kernel runs these
-// with the warp's shuffles between them; the twin replays 32 lanes with the shuffles as sums
-// over the 4 lanes of a row and the products built through the same maps.
+// The lane arithmetic of attention_prefill_mma_{fmt} (attention_prefill_mma.cu), shared with the
+// host twin: which matrix element each lane's registers hold in an m16n8k16 tensor-core product,
+// where the block's staged queries, keys and values sit in shared memory, how a lane's fragments
+// are read from there, and each lane's share of a tile's online-softmax step. The kernel runs these
+// with the warp's shuffles between them; the twin replays 32 lanes with the shuffles as sums over
+// the 4 lanes of a row and the products built through the same maps.
 //
 // Fragments of mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (PTX ISA), lane l,
 // g = l / 4, t = l % 4; a .b32 register holds two f16, the lower-indexed element in its low

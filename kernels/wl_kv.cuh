@@ -143,8 +143,38 @@ WL_HD float wl_kv_load_bf16(wl_u16 h) { return wl_bf16_to_f32(h); }
 WL_HD wl_u64 wl_kv_cache_row(wl_u64 j, wl_u64 rows) { return j < rows ? j : j % rows; }
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-// The attention kernels' reader of a bf16 cache half (beside attention.cu's readers: `at(i,
-// lane)` is value i, whichever lane asks).
+// The attention kernels' cache readers (attention.cu, attention_prefill.cu,
+// attention_prefill_mma.cu): `at(i, lane)` is value i of the cache half. The turned groups are
+// decoded by the warp together: every lane of the warp calls `at` for the same group at once,
+// lane l for value l of the group (the kernel's dims d = lane + 32 r with head_dim a multiple of
+// 32), and the turn back is a butterfly over the lanes in the codec's order.
+struct WlKvF32 {
+    const float* p;
+    __device__ __forceinline__ float at(wl_u64 i, int) const { return p[i]; }
+};
+struct WlKvF16 {
+    const wl_u16* p;
+    __device__ __forceinline__ float at(wl_u64 i, int) const { return wl_f16_to_f32_fast(p[i]); }
+};
+struct WlKvE4M3 {
+    const wl_u8* p;
+    __device__ __forceinline__ float at(wl_u64 i, int) const { return wl_e4m3_decode(p[i]); }
+};
+template <int QMAX>
+struct WlKvTurned {
+    const wl_u8* p;
+    __device__ __forceinline__ float at(wl_u64 i, int lane) const {
+        float x = wl_kv_dequant(p + (i / 32) * (wl_u64)wl_kv_group_bytes(QMAX), lane, QMAX);
+        for (int h = 1; h < 32; h *= 2) {
+            float other = __shfl_xor_sync(0xffffffffu, x, h);
+            // lane j (bit h clear) keeps a + b, lane j + h keeps a - b, as the codec's stage h
+            x = (lane & h) ? WL_SUB(other, x) : WL_ADD(x, other);
+        }
+        return WL_MUL(x, wl_bits_to_f32(WL_KV_TURN_NORM));
+    }
+};
+
+// The reader of a bf16 cache half: `at(i, lane)` is value i, whichever lane asks.
 struct WlKvBf16 {
     const wl_u16* p;
     __device__ __forceinline__ float at(wl_u64 i, int) const { return wl_kv_load_bf16(p[i]); }

@@ -47,8 +47,9 @@
 //!   device, the tokens quantised with them zeroed, and the int8 weights met with them by dp4a,
 //!   the outliers added in f32 in the CPU kernel's order (scratch: a flag and an index per
 //!   column, and the tokens' quants and scales).
-//! - The decoder layer's operations (`kernels/attention.cu`, the in-place forms in
-//!   `kernels/ops.cu`): `attention_{format}` is one block of four warps per (key split, KV
+//! - The decoder layer's operations (`kernels/attention.cu`, `attention_prefill.cu` and
+//!   `attention_prefill_mma.cu`, three modules so that a process compiles only the ones it
+//!   launches; the in-place forms in `kernels/ops.cu`): `attention_{format}` is one block of four warps per (key split, KV
 //!   head, query), taking all the query heads of the KV group (up to
 //!   [`crate::sources::attention_block_heads`] of them; wider groups take several blocks), so
 //!   each cache row is read once per block. Each warp folds every fourth key of the split into
@@ -111,8 +112,9 @@ use crate::sources::{
     CUDA_FLOAT_TYPES, CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS,
     FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, MMQ_BLOCK_ROWS,
     MMQ_BLOCK_TOKENS, MMQ_THREADS, Param, PrefillAttention, PromptRoute, Q8_BLOCK_BYTES,
-    Q8_MATVEC_THREADS, Q8Decode, attention_grid, attention_prefill_rows, cublas_route,
-    dq_chunk_rows, float_row_threads, q8_matvec_warps, q8_wide_matvec_warps, signature,
+    Q8_MATVEC_THREADS, Q8Decode, attention_grid, attention_module, attention_prefill_rows,
+    cublas_route, dq_chunk_rows, float_row_threads, q8_matvec_warps, q8_wide_matvec_warps,
+    signature,
 };
 use crate::types::{FloatType, QuantType};
 

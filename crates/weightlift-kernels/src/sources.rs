@@ -3,8 +3,8 @@
 
 include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));
 
-/// The source of module `name` (`attention`, `convert`, `dequant`, `int8`, `kv`, `matvec`, `ops`,
-/// `quantize`).
+/// The source of module `name` (`attention`, `attention_prefill`, `attention_prefill_mma`,
+/// `convert`, `dequant`, `int8`, `kv`, `matvec`, `ops`, `quantize`).
 pub fn source(name: &str) -> Option<&'static str> {
     SOURCES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
 }
@@ -12,9 +12,26 @@ pub fn source(name: &str) -> Option<&'static str> {
 /// Device memory our kernel modules hold once all are loaded on a GPU, which the plan charges
 /// with a measured CUDA context: each module's sm_90 CUBIN (code and constants) rounded up to
 /// 2 MiB, the granularity the driver allocates device memory in. `nvrtc_compile` checks it
-/// against the CUBINs NVRTC produces (with NVRTC 12.9: attention's 2.7 MB takes two granules,
-/// the seven others, 35 KB to 1.1 MB, one each: 18 MiB).
-pub const MODULE_BYTES: u64 = 18 << 20;
+/// against the CUBINs NVRTC produces (with NVRTC 12.9: ten modules of 35 KB to 1.5 MB, one
+/// granule each: 20 MiB).
+pub const MODULE_BYTES: u64 = 20 << 20;
+
+/// The module that holds attention kernel `kernel`: `attention_{format}` and
+/// `attention_reduce_f32` (decode) are in `attention`, `attention_prefill_{format}` in
+/// `attention_prefill`, `attention_prefill_mma_{format}` in `attention_prefill_mma`. They are
+/// three modules because a device compiles each module with NVRTC at its first use in a process:
+/// one module of all three took 76 s of one core for sm_90, most of it ptxas on the prompt
+/// kernels, which a process that only decodes, or takes only the tensor-core prompt kernel,
+/// never launches.
+pub fn attention_module(kernel: &str) -> &'static str {
+    if kernel.starts_with("attention_prefill_mma_") {
+        "attention_prefill_mma"
+    } else if kernel.starts_with("attention_prefill_") {
+        "attention_prefill"
+    } else {
+        "attention"
+    }
+}
 
 /// nvcc's PTX for module `name`, if the build had nvcc.
 pub fn prebuilt_ptx(name: &str) -> Option<&'static str> {

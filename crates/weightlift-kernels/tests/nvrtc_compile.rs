@@ -15,7 +15,7 @@ mod common;
 /// The architectures every kernel module is compiled for. The oldest is compiled to PTX only:
 /// the front end is where `__CUDA_ARCH__` chooses code and where an instruction the
 /// architecture lacks is refused. ptxas runs for sm_90, whose CUBIN the module-size check reads;
-/// for sm_75 it took 63 more CPU seconds (most of them the attention module's) and checked no
+/// for sm_75 it took 63 more CPU seconds (most of them the attention modules') and checked no
 /// code path of its own. The other kernels have no code for particular architectures (nothing
 /// tests `__CUDA_ARCH__` beyond its presence), so the oldest and the newest bound the ones
 /// between. The kernels with code for particular architectures, `attention_prefill_mma_{format}`
@@ -38,8 +38,9 @@ type Compile = (
 /// Every module of [`weightlift_kernels::sources::SOURCES`] compiled strictly (warnings are
 /// errors) for each of [`ARCHES`], once for all the tests of this file: `(module, arch)` and the
 /// result or the error's text. The compiles are independent and single-threaded, so they are
-/// spread over the cores: each thread takes the next job from one queue, the longest sources and
-/// the real architecture (ptxas) first, so the longest compile is not left for the end.
+/// spread over the cores: each thread takes the next job from one queue, the real architecture
+/// first (ptxas takes most of the time: 105 of 131 CPU seconds here), the longest sources first
+/// within each, so no long compile is left for the end.
 #[cfg(feature = "nvrtc-check")]
 fn compiled() -> &'static [Compile] {
     use std::sync::OnceLock;
@@ -52,7 +53,7 @@ fn compiled() -> &'static [Compile] {
             .iter()
             .flat_map(|&(name, src)| ARCHES.map(|arch| (name, src, arch)))
             .collect();
-        jobs.sort_by_key(|&(_, src, arch)| (std::cmp::Reverse(src.len()), arch == OLDEST));
+        jobs.sort_by_key(|&(_, src, arch)| (arch == OLDEST, std::cmp::Reverse(src.len())));
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let (jobs, next) = (&jobs, &AtomicUsize::new(0));
         let mut out: Vec<Compile> = std::thread::scope(|s| {
@@ -99,8 +100,9 @@ fn every_kernel_compiles_without_warnings_for_compute75_and_sm90() {
     let (major, minor) = nvrtc::nvrtc_version().unwrap();
     eprintln!("nvrtc {major}.{minor}");
     assert!(
-        sources::SOURCES.len() >= 6,
-        "expected the attention, convert, dequant, kv, matvec and ops modules"
+        sources::SOURCES.len() >= 8,
+        "expected the attention, attention_prefill, attention_prefill_mma, convert, dequant, kv, \
+         matvec and ops modules"
     );
     let mut failures = Vec::new();
     for ((name, arch), r) in compiled() {
@@ -384,6 +386,33 @@ fn every_kernel_takes_exactly_the_arguments_the_backend_launches_it_with() {
     );
 }
 
+/// The backend launches each attention kernel from the module
+/// [`weightlift_kernels::sources::attention_module`] names: that module's PTX holds its entry,
+/// and no other module's does.
+#[cfg(feature = "nvrtc-check")]
+#[test]
+fn every_attention_kernel_is_in_the_module_it_is_launched_from() {
+    use weightlift_kernels::sources;
+    common::require_nvrtc();
+    let attention: Vec<String> = expected_kernels()
+        .into_iter()
+        .filter(|k| k.starts_with("attention_"))
+        .collect();
+    assert!(attention.len() >= 22, "{attention:?}");
+    for k in &attention {
+        let holders: Vec<&str> = sources::SOURCES
+            .iter()
+            .map(|&(module, _)| module)
+            .filter(|module| {
+                ptx_entries(&compiled_for(module, "sm_90").ptx)
+                    .iter()
+                    .any(|(name, _)| name == k)
+            })
+            .collect();
+        assert_eq!(holders, [sources::attention_module(k)], "{k}");
+    }
+}
+
 #[test]
 fn block_decoders_load_multi_byte_fields_a_byte_at_a_time() {
     // GGUF blocks are 18, 20, 22, 34, 84, 110, 210 bytes: their f16 fields sit at odd or
@@ -584,7 +613,7 @@ fn the_module_allowance_covers_every_cubin() {
 fn prompt_attention_mma_kernel_uses_tensor_cores_from_sm80() {
     common::require_nvrtc();
     let body = |name: &str, arch: &str| -> String {
-        let ptx = &compiled_for("attention", arch).ptx;
+        let ptx = &compiled_for("attention_prefill_mma", arch).ptx;
         let at = ptx
             .find(&format!(".entry {name}("))
             .unwrap_or_else(|| panic!("no {name} in the {arch} PTX"));

@@ -802,7 +802,7 @@ impl CudaBackend {
                     // pairs (checked); head_dim is within the kernel's shared arrays (checked
                     // against ATTENTION_PREFILL_MAX_HEAD_DIM; the mma kernel's are 64 or 128 by
                     // takes_mma), and kv_heads divides n_heads (AttShape::check).
-                    unsafe { self.launch("attention", &name, cfg, &mut args) }?;
+                    unsafe { self.launch(attention_module(&name), &name, cfg, &mut args) }?;
                     return Ok(());
                 }
                 let room = scratch.as_deref().map_or(0, |b| b.slice.len() / 4);
@@ -939,6 +939,6 @@ impl CudaBackend {
         ];
         // SAFETY: the caller's contract (the position, when read on the device, only within
         // the span of rows the caller checked).
-        unsafe { self.launch("attention", name, cfg, &mut args) }
+        unsafe { self.launch(attention_module(name), name, cfg, &mut args) }
     }
 }
