@@ -676,6 +676,7 @@ fn max_diff(got: &[f32], want: &[f32]) -> f32 {
 #[cfg(wl_host_shim)]
 mod mma_twin {
     use super::*;
+    use rayon::prelude::*;
     use weightlift_kernels::host_shim::fa_mma as fm;
 
     /// One register file a lane, for the 32 lanes of a warp.
@@ -1042,26 +1043,31 @@ mod mma_twin {
         let formats = KV_FORMATS;
         // per format: the largest |twin - cpu| and |twin - f32 kernel's twin|
         let mut worst = vec![(0f32, 0f32); formats.len()];
-        let mut outputs = Vec::with_capacity(cases.len());
-        for c in &cases {
-            let want = attention_on(&cpu, c).unwrap();
-            let got = replay(c);
-            let mut f32_twin = vec![f32::NAN; c.q.len()];
-            host_shim::attention_prefill(
-                c.formats.0,
-                c.formats.1,
-                c.shape,
-                (c.window, c.softcap, c.rows),
-                &c.q,
-                &c.k,
-                &c.v,
-                &mut f32_twin,
-            )
-            .unwrap();
+        // the cases are independent and the replay is single-threaded: one case a core
+        let outputs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = cases
+            .par_iter()
+            .map(|c| {
+                let want = attention_on(&cpu, c).unwrap();
+                let got = replay(c);
+                let mut f32_twin = vec![f32::NAN; c.q.len()];
+                host_shim::attention_prefill(
+                    c.formats.0,
+                    c.formats.1,
+                    c.shape,
+                    (c.window, c.softcap, c.rows),
+                    &c.q,
+                    &c.k,
+                    &c.v,
+                    &mut f32_twin,
+                )
+                .unwrap();
+                (got, want, f32_twin)
+            })
+            .collect();
+        for (c, (got, want, f32_twin)) in cases.iter().zip(&outputs) {
             let at = formats.iter().position(|&f| f == c.formats).unwrap();
-            worst[at].0 = worst[at].0.max(max_diff(&got, &want));
-            worst[at].1 = worst[at].1.max(max_diff(&got, &f32_twin));
-            outputs.push((got, want));
+            worst[at].0 = worst[at].0.max(max_diff(got, want));
+            worst[at].1 = worst[at].1.max(max_diff(got, f32_twin));
         }
         for (f, (cpu, f32k)) in formats.iter().zip(&worst) {
             eprintln!(
@@ -1070,7 +1076,7 @@ mod mma_twin {
                 f.0, f.1
             );
         }
-        for (c, (got, want)) in cases.iter().zip(&outputs) {
+        for (c, (got, want, _)) in cases.iter().zip(&outputs) {
             attention_close("mma twin", c, got, want);
         }
         // formats × 3 groups × 2 heads × 2 prompts × 4 masks
