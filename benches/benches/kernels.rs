@@ -384,6 +384,7 @@ fn decode_batch_cases() -> Vec<Case> {
         ("q4_k_2048x2048", k_mats(QuantType::Q4_K)),
         ("q6_k_2048x2048", k_mats(QuantType::Q6_K)),
         ("q3_k_2048x2048", k_mats(QuantType::Q3_K)),
+        ("q2_k_2048x2048", k_mats(QuantType::Q2_K)),
     ];
     for (what, set) in sets {
         let bytes: usize = set.iter().map(|m| m.3.len()).sum();

@@ -72,5 +72,9 @@ pub const PRODUCT_TYPES: [QuantType; 5] = [
 
 /// Product weight types only the CPU backend has (exact and Q8 mode); the CUDA bench leaves
 /// them out.
-pub const CPU_ONLY_PRODUCT_TYPES: [QuantType; 3] =
-    [QuantType::Q5_0, QuantType::Q5_1, QuantType::Q3_K];
+pub const CPU_ONLY_PRODUCT_TYPES: [QuantType; 4] = [
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q2_K,
+    QuantType::Q3_K,
+];

@@ -410,10 +410,10 @@ fn prompt_matmul_chunked_by_max_dq_size_matches_f64<B: Backend>(b: &B) -> Result
 }
 weightlift_kernels::test_device!(prompt_matmul_chunked_by_max_dq_size_matches_f64);
 
-/// A weight type without a Q8-mode kernel (Q2_K, on every backend) is a typed error naming
+/// A weight type without a Q8-mode kernel (IQ4_NL, on every backend) is a typed error naming
 /// it.
 fn q8_mode_refuses_other_weight_types<B: Backend>(b: &B) -> Result<()> {
-    let f = load("q2_k");
+    let f = load("iq4_nl");
     let (rows, cols) = (f.want.len() / 256, 256);
     let w = upload(b, &f.raw)?;
     let x = upload(b, &vec![0u8; cols * 4])?;
@@ -433,7 +433,7 @@ fn q8_mode_refuses_other_weight_types<B: Backend>(b: &B) -> Result<()> {
         })
         .unwrap_err();
     assert!(
-        matches!(err, KernelError::Unsupported { .. }) && err.to_string().contains("q2_k"),
+        matches!(err, KernelError::Unsupported { .. }) && err.to_string().contains("iq4_nl"),
         "{}: {err}",
         b.name()
     );

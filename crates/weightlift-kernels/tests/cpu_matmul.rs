@@ -43,12 +43,13 @@ fn cut(name: &str, cols: usize, rows: usize) -> (weightlift_kernels::QuantType, 
 const TOKEN_COUNTS: [usize; 14] = [1, 2, 3, 4, 5, 8, 9, 10, 12, 13, 14, 16, 17, 33];
 
 /// The Q8-mode weight types.
-const Q8_TYPES: [QuantType; 9] = [
+const Q8_TYPES: [QuantType; 10] = [
     QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q5_0,
     QuantType::Q5_1,
     QuantType::Q8_0,
+    QuantType::Q2_K,
     QuantType::Q3_K,
     QuantType::Q4_K,
     QuantType::Q5_K,
@@ -151,6 +152,7 @@ fn q8_matmul_has_the_same_bits_on_every_isa_and_matches_the_reference() {
         ("q5_0", 160, 9),
         ("q5_1", 96, 15),
         ("q8_0", 160, 9),
+        ("q2_k", 256, 11),
         ("q3_k", 256, 11),
         ("q4_k", 256, 11),
         ("q5_k", 256, 11),
@@ -207,6 +209,7 @@ fn q8_matmul_has_the_same_bits_on_every_isa_and_matches_the_reference() {
 fn scale_offsets(ty: QuantType) -> &'static [usize] {
     match ty {
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
+        QuantType::Q2_K => &[80, 82],
         QuantType::Q3_K => &[108],
         QuantType::Q6_K => &[208],
         _ => &[0],
@@ -233,6 +236,7 @@ fn k_quant_matvecs_give_the_scalar_bits_where_the_offsets_weigh() {
     let mut rng = Rng(223);
     let (rows, cols) = (512, 1024);
     for ty in [
+        QuantType::Q2_K,
         QuantType::Q3_K,
         QuantType::Q4_K,
         QuantType::Q5_K,

@@ -17,8 +17,8 @@ use weightlift_kernels::cpu::matvec::{
 use weightlift_kernels::*;
 
 /// The weight types of [`MatvecMode::Q8`] (`Q8_WEIGHT_TYPES`).
-const MATVEC_TYPES: [&str; 9] = [
-    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q3_k", "q4_k", "q5_k", "q6_k",
+const MATVEC_TYPES: [&str; 10] = [
+    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
 ];
 
 #[test]
@@ -349,7 +349,11 @@ fn matmul_chunked_by_max_dq_size_matches_reference_for_every_chunking() {
             }
             if matches!(
                 f.ty,
-                QuantType::Q4_0 | QuantType::Q3_K | QuantType::Q4_K | QuantType::Q6_K
+                QuantType::Q4_0
+                    | QuantType::Q2_K
+                    | QuantType::Q3_K
+                    | QuantType::Q4_K
+                    | QuantType::Q6_K
             ) {
                 let bound = q8_bound(&f.want, rows, cols, &x, n_tok);
                 let mut y = vec![0f32; rows * n_tok];
@@ -403,13 +407,13 @@ fn matvec_shape_errors_are_typed() {
         err.to_string(),
         "matvec weight bytes: expected 576, got 864"
     );
-    let q2 = load("q2_k");
-    let rows = q2.want.len() / 512;
+    let iq4 = load("iq4_nl");
+    let rows = iq4.want.len() / 512;
     let mut y = vec![0f32; rows];
     let err = matvec(
         MatvecMode::Q8,
-        q2.ty,
-        &q2.raw,
+        iq4.ty,
+        &iq4.raw,
         rows,
         512,
         &[0.0; 512],
@@ -418,8 +422,8 @@ fn matvec_shape_errors_are_typed() {
     .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "matvec (q8 mode) does not support q2_k; supported: q4_0, q4_1, q5_0, q5_1, q8_0, q3_k, \
-         q4_k, q5_k, q6_k"
+        "matvec (q8 mode) does not support iq4_nl; supported: q4_0, q4_1, q5_0, q5_1, q8_0, \
+         q2_k, q3_k, q4_k, q5_k, q6_k"
     );
 }
 

@@ -13,10 +13,12 @@
 //!   f16 as in `block_q8_0`), then each block's integer dot product is exact and scaled by
 //!   `d_w · d_x` in f32. It moves less data and uses integer SIMD, but adds the activation
 //!   rounding error (≤ `d_x/2` per value, about 0.4 % of the block's largest activation).
-//!   Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K. The types with an offset
-//!   (Q4_1's and Q5_1's `m`, Q4_K's and Q5_K's mins) add `m · d_x · Σq_x` per 32 values, from the
-//!   activation block's quant sum ([`Q8Block::sum`]; llama.cpp's `block_q8_1` carries
-//!   `d · Σq` for this). Unlike llama.cpp, K-quants also use 32-value activation blocks
+//!   Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K. The types with
+//!   an offset (Q4_1's and Q5_1's `m`, Q4_K's and Q5_K's mins) add `m · d_x · Σq_x` per 32
+//!   values, from the activation block's quant sum ([`Q8Block::sum`]; llama.cpp's `block_q8_1`
+//!   carries `d · Σq` for this). Q2_K's mins are per 16 values: the matvec adds
+//!   `(dmin · d_x) · (m_lo · Σq_lo + m_hi · Σq_hi)` per 32 values, the integer in parentheses
+//!   exact, from the sums of the block's two halves. Unlike llama.cpp, K-quants also use 32-value activation blocks
 //!   (llama.cpp uses 256-value `block_q8_K` with an f32 scale), so results differ from
 //!   llama.cpp's in the last bits. In [`matvec`] every instruction set gives bit-identical
 //!   results (its SIMD kernels take four rows at a time, two per 512-bit vector with
@@ -38,7 +40,7 @@
 //!   other tokens are: a sequence decoded in a batch gets the products it gets alone.
 //! - More tokens (prompts): integer register tiles (`x86_gemm`: 16 weight rows × up to 12
 //!   tokens, VNNI where the CPU has it) that sum each 32-value group's integer products in
-//!   full (16 values for Q3_K and Q6_K, whose scales are per 16) and scale them once, where the matvec
+//!   full (16 values for Q2_K, Q3_K and Q6_K, whose scales are per 16) and scale them once, where the matvec
 //!   scales eight 4-value lanes: one f32 rounding per group instead of eight, so those results
 //!   differ from the matvec's in the last bits (tested within 1e-5 of Σ(|w| + 2|m|)·|x|); the
 //!   scalar path does the tiles' float operations in their order.
@@ -62,7 +64,7 @@ pub enum MatvecMode {
 }
 
 /// The weight types [`MatvecMode::Q8`] supports.
-pub const Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q3_k, q4_k, q5_k, q6_k";
+pub const Q8_WEIGHT_TYPES: &str = "q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k";
 
 /// 32 activations quantised to int8: `x ≈ d * qs`.
 #[derive(Debug, Clone, Copy)]
@@ -253,6 +255,7 @@ pub fn q8_supports(ty: QuantType) -> bool {
             | QuantType::Q5_0
             | QuantType::Q5_1
             | QuantType::Q8_0
+            | QuantType::Q2_K
             | QuantType::Q3_K
             | QuantType::Q4_K
             | QuantType::Q5_K
@@ -426,6 +429,14 @@ pub(crate) struct TokenScales {
     pub(crate) d: [f32; BATCH_PASS_MAX],
     /// Each token's [`Q8Block::sum`], as f32 (exact: at most 32 · 127).
     pub(crate) s: [f32; BATCH_PASS_MAX],
+    /// Each token's [`half_sum`] (the first 16 quants), as f32, for Q2_K's mins.
+    pub(crate) lo: [f32; BATCH_PASS_MAX],
+}
+
+/// The sum of the first 16 quants of `b` (the rest of [`Q8Block::sum`] is the last 16's).
+#[inline]
+pub(crate) fn half_sum(b: &Q8Block) -> i32 {
+    b.qs[..16].iter().map(|&q| i32::from(q)).sum()
 }
 
 /// Scalar Q8-mode dots of one weight row with up to [`BATCH_PASS_MAX`] tokens' quantised
@@ -487,20 +498,28 @@ fn row_tokens_q8_scalar<X: AsRef<[Q8Block]>>(ty: QuantType, row: &[u8], xs: &[X]
                 }
             }
         }
-        QuantType::Q3_K | QuantType::Q6_K => {
+        QuantType::Q2_K | QuantType::Q3_K | QuantType::Q6_K => {
             let mut q = [0i8; 256];
             for (i, blk) in row.chunks_exact(bb).enumerate() {
                 let (d, sc) = k16_scales(ty, blk);
                 k16_quants(ty, blk, &mut q);
+                // Q2_K: `dmin` and the 16 mins (0 for the others, which have none)
+                let (dmin, m) = q2k_mins(ty, blk);
                 for g in 0..8 {
                     let w: [i32; 32] = std::array::from_fn(|l| i32::from(q[32 * g + l]));
                     // the first products of `d · sc · d_x`, one per 16 values
                     let s0 = d * f32::from(sc[2 * g]);
                     let s1 = d * f32::from(sc[2 * g + 1]);
-                    for (a, x) in acc.iter_mut().zip(xs) {
+                    let (m0, m1) = (i32::from(m[2 * g]), i32::from(m[2 * g + 1]));
+                    for ((a, e), x) in acc.iter_mut().zip(extra.iter_mut()).zip(xs) {
                         let xb = &x.as_ref()[8 * i + g];
                         let (s0, s1) = (s0 * xb.d, s1 * xb.d);
                         fma_lanes([s0, s0, s0, s0, s1, s1, s1, s1], lanes(&w, &xb.qs), a);
+                        if ty == QuantType::Q2_K {
+                            let lo = half_sum(xb);
+                            let mins = m0 * lo + m1 * (xb.sum - lo);
+                            *e -= (dmin * xb.d) * mins as f32;
+                        }
                     }
                 }
             }
@@ -536,9 +555,10 @@ fn rows_dot_q8<const R: usize>(
             {
                 return unsafe { super::x86_matvec512::rows_dot_q8_512::<R>(ty, rows, xq, bias) };
             }
-            // Q4_K's and Q5_K's 256-bit forms: their quants are unsigned already, so VNNI saves
-            // one instruction in ten there, and measured slower than the AVX2 form (Q4_K)
-            _ if matches!(ty, QuantType::Q4_K | QuantType::Q5_K) => {}
+            // Q2_K's, Q4_K's and Q5_K's 256-bit forms: their quants are unsigned already, so
+            // VNNI saves one instruction in ten there, and measured slower than the AVX2 form
+            // (Q4_K)
+            _ if matches!(ty, QuantType::Q2_K | QuantType::Q4_K | QuantType::Q5_K) => {}
             Some(Vnni::AvxVnni) => {
                 return unsafe { k::rows_dot_q8_avxvnni::<R>(ty, rows, xq, bias) };
             }
@@ -766,38 +786,65 @@ pub(crate) fn q3k_quants(blk: &[u8], q: &mut [i8; 256]) {
     }
 }
 
-/// The signed quants of a block whose scales are per 16 values (Q3_K or Q6_K), in element
-/// order.
-pub(crate) fn k16_quants(ty: QuantType, blk: &[u8], q: &mut [i8; 256]) {
-    if ty == QuantType::Q3_K {
-        q3k_quants(blk, q)
-    } else {
-        q6k_quants(blk, q)
+/// The 256 unsigned 2-bit quants (in 0..=3) of a Q2_K block, in element order: value
+/// `e = 128h + 32s + l` is bits `2s, 2s + 1` of `qs[32h + l]` (bytes 16..80).
+pub(crate) fn q2k_quants(blk: &[u8], q: &mut [i8; 256]) {
+    for (e, qe) in q.iter_mut().enumerate() {
+        let (h, s, l) = (e / 128, e % 128 / 32, e % 32);
+        *qe = ((blk[16 + 32 * h + l] >> (2 * s)) & 3) as i8;
     }
 }
 
-/// The super-block scale `d` and the 16 signed scales (one per 16 values) of a Q3_K or Q6_K
-/// block: a value is `d · sc · q`.
+/// The quants of a block whose scales are per 16 values (Q2_K, Q3_K or Q6_K), in element
+/// order: signed for Q3_K and Q6_K, Q2_K's unsigned.
+pub(crate) fn k16_quants(ty: QuantType, blk: &[u8], q: &mut [i8; 256]) {
+    match ty {
+        QuantType::Q2_K => q2k_quants(blk, q),
+        QuantType::Q3_K => q3k_quants(blk, q),
+        _ => q6k_quants(blk, q),
+    }
+}
+
+/// The super-block scale `d` and the 16 scales (one per 16 values) of a Q2_K, Q3_K or Q6_K
+/// block: a value is `d · sc · q` (less Q2_K's min, [`q2k_mins`]).
 #[inline]
 pub(crate) fn k16_scales(ty: QuantType, blk: &[u8]) -> (f32, [i8; 16]) {
     (rd_f16(blk, k16_d_at(ty)), k16_scale_bytes(ty, blk))
 }
 
-/// Where a Q3_K or Q6_K block keeps its f16 `d` (the SIMD kernels read it with F16C).
+/// Where a Q2_K, Q3_K or Q6_K block keeps its f16 `d` (the SIMD kernels read it with F16C);
+/// Q2_K's `dmin` follows it.
 #[inline(always)]
 pub(crate) fn k16_d_at(ty: QuantType) -> usize {
-    if ty == QuantType::Q3_K { 108 } else { 208 }
+    match ty {
+        QuantType::Q2_K => 80,
+        QuantType::Q3_K => 108,
+        _ => 208,
+    }
 }
 
-/// The 16 signed scales of a Q3_K block (unpacked from its 12 bytes at 96) or a Q6_K block
-/// (its 16 bytes at 192).
+/// The 16 scales of a Q2_K block (the low nibbles of its first 16 bytes), a Q3_K block
+/// (signed, unpacked from its 12 bytes at 96) or a Q6_K block (signed, its 16 bytes at 192).
 #[inline(always)]
 pub(crate) fn k16_scale_bytes(ty: QuantType, blk: &[u8]) -> [i8; 16] {
-    if ty == QuantType::Q3_K {
-        q3k_scales(&blk[96..108])
+    match ty {
+        QuantType::Q2_K => std::array::from_fn(|j| (blk[j] & 0x0f) as i8),
+        QuantType::Q3_K => q3k_scales(&blk[96..108]),
+        _ => {
+            let b: [u8; 16] = blk[192..208].try_into().expect("a Q6_K block's scales");
+            b.map(|v| v as i8)
+        }
+    }
+}
+
+/// A Q2_K block's `dmin` and its 16 mins (the high nibbles of its first 16 bytes): value `e`
+/// is `d · sc · q − dmin · m`, scale and min `e / 16`. `(0, 0s)` for the other types.
+#[inline(always)]
+pub(crate) fn q2k_mins(ty: QuantType, blk: &[u8]) -> (f32, [u8; 16]) {
+    if ty == QuantType::Q2_K {
+        (rd_f16(blk, 82), std::array::from_fn(|j| blk[j] >> 4))
     } else {
-        let b: [u8; 16] = blk[192..208].try_into().expect("a Q6_K block's scales");
-        b.map(|v| v as i8)
+        (0.0, [0; 16])
     }
 }
 
@@ -1300,14 +1347,15 @@ fn k_quants(ty: QuantType, blk: &[u8], sb: usize) -> [i32; 32] {
 }
 
 /// One 32-value weight group decoded for the scalar Q8-mode matmul: the signed quants, the
-/// scale of values 0–15 and 16–31 (they differ only for Q3_K and Q6_K) and the coefficient of the
-/// token's quant sum (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`, else 0).
+/// scale of values 0–15 and 16–31 (they differ only for Q2_K, Q3_K and Q6_K) and the
+/// coefficients of the token's quant sums (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`, of the
+/// group's sum, in `coef[0]`; Q2_K's `−dmin·m` of each 16 values' sum; else 0).
 #[derive(Clone, Copy)]
 struct ScalarGroup {
     w: [i32; 32],
     s_lo: f32,
     s_hi: f32,
-    coef: f32,
+    coef: [f32; 2],
 }
 
 /// Decodes a Q8-mode weight row into `out`, one entry per 32 values, with the float
@@ -1319,7 +1367,7 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
         w,
         s_lo: s,
         s_hi: s,
-        coef,
+        coef: [coef, 0.0],
     };
     for blk in row.chunks_exact(bb) {
         match ty {
@@ -1347,8 +1395,9 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
                     ));
                 }
             }
-            QuantType::Q3_K | QuantType::Q6_K => {
+            QuantType::Q2_K | QuantType::Q3_K | QuantType::Q6_K => {
                 let (d, sc) = k16_scales(ty, blk);
+                let (dmin, m) = q2k_mins(ty, blk);
                 let mut q = [0i8; 256];
                 k16_quants(ty, blk, &mut q);
                 for g in 0..8 {
@@ -1356,7 +1405,10 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
                         w: std::array::from_fn(|l| i32::from(q[32 * g + l])),
                         s_lo: d * f32::from(sc[2 * g]),
                         s_hi: d * f32::from(sc[2 * g + 1]),
-                        coef: 0.0,
+                        coef: [
+                            -(dmin * f32::from(m[2 * g])),
+                            -(dmin * f32::from(m[2 * g + 1])),
+                        ],
                     });
                 }
             }
@@ -1367,9 +1419,10 @@ fn decode_row_scalar(ty: QuantType, row: &[u8], out: &mut Vec<ScalarGroup>) {
 
 /// The scalar Q8-mode matmul. Each token's result takes the float operations of the SIMD
 /// tiles (`x86_gemm`), in their order, so every instruction set gives the same bits: per
-/// 32-value group (16 values for Q3_K and Q6_K, with their two scales) the exact integer dot `i`, then
-/// `acc = fma(i, s · d_x, acc)`; for the types with an offset, `ext += (coef · d_x) · Σq_x`
-/// apart, and `acc + ext` at the end.
+/// 32-value group (16 values for Q2_K, Q3_K and Q6_K, with their two scales) the exact integer
+/// dot `i`, then `acc = fma(i, s · d_x, acc)`; for the types with an offset,
+/// `ext += (coef · d_x) · Σq_x` apart (per 16 values for Q2_K, first half first), and
+/// `acc + ext` at the end.
 fn q8_matmul_scalar(
     ty: QuantType,
     w: &[u8],
@@ -1386,8 +1439,8 @@ fn q8_matmul_scalar(
         ty,
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K
     );
-    // values per scale: Q3_K's and Q6_K's 16, else the group's 32
-    let span = if matches!(ty, QuantType::Q3_K | QuantType::Q6_K) {
+    // values per scale: Q2_K's, Q3_K's and Q6_K's 16, else the group's 32
+    let span = if matches!(ty, QuantType::Q2_K | QuantType::Q3_K | QuantType::Q6_K) {
         16
     } else {
         32
@@ -1411,7 +1464,11 @@ fn q8_matmul_scalar(
                         acc = (s * xb.d).mul_add(i as f32, acc);
                     }
                     if with_coef {
-                        ext += (g.coef * xb.d) * xb.sum as f32;
+                        ext += (g.coef[0] * xb.d) * xb.sum as f32;
+                    } else if ty == QuantType::Q2_K {
+                        let lo = half_sum(xb);
+                        ext += (g.coef[0] * xb.d) * lo as f32;
+                        ext += (g.coef[1] * xb.d) * (xb.sum - lo) as f32;
                     }
                 }
                 *yv = acc + ext;

@@ -20,6 +20,7 @@ fn weights(ty: QuantType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let mut w = bytes(seed, rows * cols / ty.block_size() * bb);
     let scales: &[usize] = match ty {
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
+        QuantType::Q2_K => &[80, 82],
         QuantType::Q3_K => &[108],
         QuantType::Q6_K => &[208],
         _ => &[0],
@@ -60,6 +61,7 @@ fn q8_matvec_rows_at_a_time_give_the_scalar_bits() {
         QuantType::Q5_0,
         QuantType::Q5_1,
         QuantType::Q8_0,
+        QuantType::Q2_K,
         QuantType::Q3_K,
         QuantType::Q4_K,
         QuantType::Q5_K,
@@ -258,6 +260,7 @@ fn q8_matmul_of_few_tokens_gives_each_token_its_matvec_bits() {
         QuantType::Q5_0,
         QuantType::Q5_1,
         QuantType::Q8_0,
+        QuantType::Q2_K,
         QuantType::Q3_K,
         QuantType::Q4_K,
         QuantType::Q5_K,
@@ -320,6 +323,7 @@ fn token_passes_built_in_runs_give_each_token_its_matvec_bits() {
         for (k, ty) in [
             QuantType::Q4_0,
             QuantType::Q4_1,
+            QuantType::Q2_K,
             QuantType::Q3_K,
             QuantType::Q6_K,
         ]

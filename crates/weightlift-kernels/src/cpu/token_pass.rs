@@ -8,7 +8,9 @@
 use rayon::prelude::*;
 
 use super::Isa;
-use super::matvec::{BATCH_PASS_MAX, Q8Block, TokenScales, quantize_q8_blocks, quantize_q8_into};
+use super::matvec::{
+    BATCH_PASS_MAX, Q8Block, TokenScales, half_sum, quantize_q8_blocks, quantize_q8_into,
+};
 use crate::types::QuantType;
 
 /// Blocks a run quantises at most (its blocks live on the stack).
@@ -79,6 +81,7 @@ pub(super) fn token_passes(key: PassKey, x: &[f32]) -> Vec<TokenPass> {
             let zero = TokenScales {
                 d: [0.0; BATCH_PASS_MAX],
                 s: [0.0; BATCH_PASS_MAX],
+                lo: [0.0; BATCH_PASS_MAX],
             };
             TokenPass {
                 tokens: n,
@@ -102,6 +105,7 @@ pub(super) fn token_passes(key: PassKey, x: &[f32]) -> Vec<TokenPass> {
             .max(RUN_MIN_TOKEN_BLOCKS.div_ceil(n))
             .clamp(1, RUN_MAX_BLOCKS);
         let mut rest = RunOut {
+            half_sums: key.ty == QuantType::Q2_K,
             qs: &mut pass.qs,
             bias: &mut pass.bias,
             scales: &mut pass.scales,
@@ -138,6 +142,8 @@ pub(super) fn token_passes(key: PassKey, x: &[f32]) -> Vec<TokenPass> {
 
 /// A run of blocks of one pass, to fill.
 struct RunOut<'a> {
+    /// Whether the kernels read [`TokenScales::lo`] (Q2_K's mins).
+    half_sums: bool,
     qs: &'a mut [[i8; 32]],
     bias: &'a mut [[i32; 8]],
     scales: &'a mut [TokenScales],
@@ -154,6 +160,7 @@ impl<'a> RunOut<'a> {
         let (scales, scales_rest) = std::mem::take(&mut self.scales).split_at_mut(count);
         (self.qs, self.bias, self.scales) = (qs_rest, bias_rest, scales_rest);
         RunOut {
+            half_sums: self.half_sums,
             qs,
             bias,
             scales,
@@ -170,6 +177,9 @@ impl<'a> RunOut<'a> {
         }
         self.scales[i].d[t] = b.d;
         self.scales[i].s[t] = b.sum as f32;
+        if self.half_sums {
+            self.scales[i].lo[t] = half_sum(b) as f32;
+        }
         #[cfg(target_arch = "x86_64")]
         if let Some(p) = &mut self.pairs {
             p.set(i, n, t, b);

@@ -89,6 +89,17 @@ pub(crate) mod imp {
         _mm256_or_si256(lo, _mm256_slli_epi16::<2>(hi))
     }
 
+    /// Group `g` (0..4) of half-block `h` of a Q2_K block: its 32 unsigned quants (0..4), bits
+    /// `2g, 2g + 1` of `qs` (bytes `16 + 32h..`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn q2k_group_at(blk: &[u8], h: usize, g: usize) -> __m256i {
+        let qs = load32(blk[16 + 32 * h..48 + 32 * h].as_ptr());
+        // a 16-bit shift: the bits a byte takes from its neighbour fall outside the mask
+        let v = _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * g as i32));
+        _mm256_and_si256(v, _mm256_set1_epi8(3))
+    }
+
     /// Four f32 vectors from the 32 unsigned bytes of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]

@@ -7,20 +7,21 @@
 //! - **Panels** (per task, 16 weight rows): for each 32-value group, its 8 four-value steps as
 //!   one 64-byte line each (row `r`'s 4 quants at bytes `4r..4r+4`), made unsigned (`q + off`,
 //!   `off` = 8 for Q4_0, 16 for Q5_0, 128 for Q8_0 with VNNI, 4 for Q3_K, 32 for Q6_K; Q4_1,
-//!   Q5_1 and Q4_K are unsigned already), then the rows' f32 scales (two vectors for the
-//!   16-value scales of Q3_K and Q6_K) and, for the types with an offset, the rows'
-//!   coefficients of the activation sum (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`).
+//!   Q5_1, Q2_K, Q4_K and Q5_K are unsigned already), then the rows' f32 scales (two vectors
+//!   for the 16-value scales of Q2_K, Q3_K and Q6_K) and, for the types with an offset, the
+//!   rows' coefficients of the activation sum (Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`; two
+//!   vectors for Q2_K's mins per 16 values).
 //! - **Activation blocks** (per call, `TB` tokens): the tokens quantised as
 //!   `matvec::quantize_q8_blocks` does (bit for bit), per group the tokens' 32 quants, their
 //!   scales `d_x`, the integer bias `−off · Σq_x` (per 16 values for Q3_K and Q6_K) and
-//!   `Σq_x`.
+//!   `Σq_x` (per 16 values for Q2_K).
 //!
 //! A tile keeps one i32 accumulator per token (16 rows each): it starts at the token's bias,
 //! and each step adds the row line (unsigned bytes) times the token's 4 quants broadcast
 //! (signed bytes), so after a group it holds the exact integer dot `Σ q_w·q_x` of each row and
-//! token. That is scaled once per group (per 16 values for Q3_K and Q6_K) into an f32
+//! token. That is scaled once per group (per 16 values for Q2_K, Q3_K and Q6_K) into an f32
 //! accumulator, `acc = fma(isum, s·d_x, acc)`. The types with an offset sum `(coef·d_x)·Σq_x`
-//! over the groups apart and add it last, as llama.cpp's `ggml_vec_dot_q4_1_q8_1` keeps its `summs`
+//! over the groups (Q2_K's per 16 values, the first half first) apart and add it last, as llama.cpp's `ggml_vec_dot_q4_1_q8_1` keeps its `summs`
 //! (and as this crate's earlier 4-bit kernels did, whose bits these tiles reproduce for Q4_0,
 //! Q4_1, Q5_0, Q5_1 and Q4_K). Every instruction set (and `matvec`'s scalar matmul) does
 //! exactly these float operations in this order, so the matmul gives the same bits on all of
@@ -38,8 +39,10 @@ use std::arch::x86_64::*;
 use rayon::prelude::*;
 
 use super::dequant_scalar::scale_min_k4;
-use super::matvec::{k16_d_at, k16_scale_bytes};
-use super::x86::imp::{load32, nibbles32, q3k_group_at, q6k_group_at, quants5_u, rd_f16, rd_u32};
+use super::matvec::{k16_d_at, k16_scale_bytes, q2k_mins};
+use super::x86::imp::{
+    load32, nibbles32, q2k_group_at, q3k_group_at, q6k_group_at, quants5_u, rd_f16, rd_u32,
+};
 use super::x86_matvec::with_fifth_bits;
 use super::{Isa, Vnni};
 use crate::types::QuantType;
@@ -48,7 +51,8 @@ use crate::types::QuantType;
 const BIAS: u8 = 1;
 /// Flavour bit: a weight offset: a coefficient per row and group times `d_x · Σq_x`, summed apart.
 const MIN: u8 = 2;
-/// Flavour bit: two scales per group, one per 16 values (Q3_K, Q6_K).
+/// Flavour bit: two scales per group, one per 16 values (Q2_K, Q3_K, Q6_K), and with [`MIN`]
+/// two coefficients.
 const SUB16: u8 = 4;
 /// Flavour bit: signed weight quants, signs moved onto the activations (Q8_0 without VNNI).
 const SIGNED: u8 = 8;
@@ -59,6 +63,8 @@ const FL_BIAS: u8 = BIAS;
 const FL_MIN: u8 = MIN;
 /// Q3_K and Q6_K.
 const FL_K16: u8 = BIAS | SUB16;
+/// Q2_K.
+const FL_K16_MIN: u8 = MIN | SUB16;
 /// Q8_0 without VNNI.
 const FL_SIGNED: u8 = SIGNED;
 
@@ -77,6 +83,7 @@ fn flavour(ty: QuantType, vnni: bool) -> (u8, i32) {
         QuantType::Q5_0 => (FL_BIAS, 16),
         QuantType::Q8_0 if vnni => (FL_BIAS, 128),
         QuantType::Q8_0 => (FL_SIGNED, 0),
+        QuantType::Q2_K => (FL_K16_MIN, 0),
         QuantType::Q3_K => (FL_K16, 4),
         QuantType::Q6_K => (FL_K16, 32),
         _ => (FL_MIN, 0),
@@ -88,19 +95,20 @@ const fn subs(fl: u8) -> usize {
     if fl & SUB16 != 0 { 2 } else { 1 }
 }
 
-/// Bytes of one group in a panel: 8 lines of quants, the scale vectors, the coefficients.
+/// Bytes of one group in a panel: 8 lines of quants, the scale vectors, the coefficient
+/// vectors.
 const fn panel_group_bytes(fl: u8) -> usize {
-    512 + 64 * subs(fl) + if fl & MIN != 0 { 64 } else { 0 }
+    512 + 64 * subs(fl) + if fl & MIN != 0 { 64 * subs(fl) } else { 0 }
 }
 
 /// Byte offsets in one group of an activation block of `tb` tokens: the scales `d_x`, the
-/// biases (`subs` × `tb` i32, sub-group major), the quant sums `Σq_x` as f32, and the group's
-/// size.
+/// biases (`subs` × `tb` i32, sub-group major), the quant sums `Σq_x` as f32 (as many, alike),
+/// and the group's size.
 const fn pack_offsets(fl: u8, tb: usize) -> (usize, usize, usize, usize) {
     let d = 32 * tb;
     let bias = d + 4 * tb;
     let xs = bias + if fl & BIAS != 0 { 4 * tb * subs(fl) } else { 0 };
-    let end = xs + if fl & MIN != 0 { 4 * tb } else { 0 };
+    let end = xs + if fl & MIN != 0 { 4 * tb * subs(fl) } else { 0 };
     (d, bias, xs, end)
 }
 
@@ -229,20 +237,20 @@ fn pack_block(fl: u8, off: i32, tb: usize, x: &[f32], cols: usize, out: &mut [u8
                 // SAFETY: qs holds 32 bytes.
                 unsafe { _mm256_storeu_si256(qs.as_mut_ptr().cast(), q) };
                 o[od + 4 * t..od + 4 * t + 4].copy_from_slice(&d.to_ne_bytes());
-                if fl & BIAS != 0 {
-                    let sums: &[i32] = if fl & SUB16 != 0 {
-                        &[s_lo, s_hi]
-                    } else {
-                        &[s_lo + s_hi]
-                    };
-                    for (h, s) in sums.iter().enumerate() {
+                let sums: &[i32] = if fl & SUB16 != 0 {
+                    &[s_lo, s_hi]
+                } else {
+                    &[s_lo + s_hi]
+                };
+                for (h, s) in sums.iter().enumerate() {
+                    if fl & BIAS != 0 {
                         let at = ob + 4 * (h * tb + t);
                         o[at..at + 4].copy_from_slice(&(-off * s).to_ne_bytes());
                     }
-                }
-                if fl & MIN != 0 {
-                    let sf = (s_lo + s_hi) as f32;
-                    o[ox + 4 * t..ox + 4 * t + 4].copy_from_slice(&sf.to_ne_bytes());
+                    if fl & MIN != 0 {
+                        let at = ox + 4 * (h * tb + t);
+                        o[at..at + 4].copy_from_slice(&(*s as f32).to_ne_bytes());
+                    }
                 }
             }
         }
@@ -252,12 +260,13 @@ fn pack_block(fl: u8, off: i32, tb: usize, x: &[f32], cols: usize, out: &mut [u8
 // ------------------------------------------------------------------- weights
 
 /// Decodes group `g` of `row`: the 32 quants as the panel holds them (unsigned `q + off`, or
-/// signed for [`SIGNED`]), the scale of values 0–15 and 16–31 (equal but for Q3_K and Q6_K) and the
-/// coefficient of the tokens' quant sum. The float operations are the scalar path's
+/// signed for [`SIGNED`]), the scale of values 0–15 and 16–31 (equal but for Q2_K, Q3_K and
+/// Q6_K) and the coefficients of the tokens' quant sums (the group's in the first; Q2_K's of
+/// values 0–15 and 16–31). The float operations are the scalar path's
 /// (`matvec::decode_row_scalar`): `d · sc` rounded once.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn decode_group(ty: QuantType, fl: u8, row: &[u8], g: usize) -> (__m256i, f32, f32, f32) {
+fn decode_group(ty: QuantType, fl: u8, row: &[u8], g: usize) -> (__m256i, f32, f32, [f32; 2]) {
     let gpb = ty.block_size() / 32;
     let (b, sub) = (g / gpb, g % gpb);
     let bb = ty.block_bytes();
@@ -266,19 +275,29 @@ fn decode_group(ty: QuantType, fl: u8, row: &[u8], g: usize) -> (__m256i, f32, f
     match ty {
         QuantType::Q4_0 => {
             let d = rd_f16(blk, 0);
-            (nibbles32(blk[2..18].as_ptr(), 0), d, d, 0.0)
+            (nibbles32(blk[2..18].as_ptr(), 0), d, d, [0.0; 2])
         }
         QuantType::Q4_1 => {
             let (d, m) = (rd_f16(blk, 0), rd_f16(blk, 2));
-            (nibbles32(blk[4..20].as_ptr(), 0), d, d, m)
+            (nibbles32(blk[4..20].as_ptr(), 0), d, d, [m, 0.0])
         }
         QuantType::Q5_0 => {
             let d = rd_f16(blk, 0);
-            (quants5_u(rd_u32(blk, 2), blk[6..22].as_ptr()), d, d, 0.0)
+            (
+                quants5_u(rd_u32(blk, 2), blk[6..22].as_ptr()),
+                d,
+                d,
+                [0.0; 2],
+            )
         }
         QuantType::Q5_1 => {
             let (d, m) = (rd_f16(blk, 0), rd_f16(blk, 2));
-            (quants5_u(rd_u32(blk, 4), blk[8..24].as_ptr()), d, d, m)
+            (
+                quants5_u(rd_u32(blk, 4), blk[8..24].as_ptr()),
+                d,
+                d,
+                [m, 0.0],
+            )
         }
         QuantType::Q8_0 => {
             let q = load32(blk[2..34].as_ptr());
@@ -289,7 +308,7 @@ fn decode_group(ty: QuantType, fl: u8, row: &[u8], g: usize) -> (__m256i, f32, f
                 _mm256_xor_si256(q, _mm256_set1_epi8(-128))
             };
             let d = rd_f16(blk, 0);
-            (q, d, d, 0.0)
+            (q, d, d, [0.0; 2])
         }
         QuantType::Q4_K | QuantType::Q5_K => {
             let (d, dmin) = (rd_f16(blk, 0), rd_f16(blk, 2));
@@ -309,20 +328,25 @@ fn decode_group(ty: QuantType, fl: u8, row: &[u8], g: usize) -> (__m256i, f32, f
                 q
             };
             let s = d * sc as f32;
-            (q, s, s, -(dmin * m as f32))
+            (q, s, s, [-(dmin * m as f32), 0.0])
         }
         _ => {
-            // Q3_K and Q6_K: group `sub` of the super-block, unsigned quants (q + 4, q + 32),
-            // and the group's two scales
+            // Q2_K, Q3_K and Q6_K: group `sub` of the super-block, unsigned quants (q, q + 4,
+            // q + 32), the group's two scales and Q2_K's two mins
             let (h, gq) = (sub / 4, sub % 4);
-            let q = if ty == QuantType::Q3_K {
-                q3k_group_at(blk, h, gq)
-            } else {
-                q6k_group_at(blk, h, gq)
+            let q = match ty {
+                QuantType::Q2_K => q2k_group_at(blk, h, gq),
+                QuantType::Q3_K => q3k_group_at(blk, h, gq),
+                _ => q6k_group_at(blk, h, gq),
             };
             let (d, sc) = (rd_f16(blk, k16_d_at(ty)), k16_scale_bytes(ty, blk));
             let sc = [sc[2 * sub], sc[2 * sub + 1]];
-            (q, d * f32::from(sc[0]), d * f32::from(sc[1]), 0.0)
+            let (dmin, m) = q2k_mins(ty, blk);
+            let coef = [
+                -(dmin * f32::from(m[2 * sub])),
+                -(dmin * f32::from(m[2 * sub + 1])),
+            ];
+            (q, d * f32::from(sc[0]), d * f32::from(sc[1]), coef)
         }
     }
 }
@@ -394,10 +418,12 @@ fn decode_panel(
     for g in 0..groups {
         let p = &mut panel[g * pg..(g + 1) * pg];
         let mut q = [_mm256_setzero_si256(); PANEL_ROWS];
-        let (mut s_lo, mut s_hi, mut coef) =
-            ([0f32; PANEL_ROWS], [0f32; PANEL_ROWS], [0f32; PANEL_ROWS]);
+        let (mut s_lo, mut s_hi) = ([0f32; PANEL_ROWS], [0f32; PANEL_ROWS]);
+        let mut coef = [[0f32; PANEL_ROWS]; 2];
         for r in 0..nr {
-            (q[r], s_lo[r], s_hi[r], coef[r]) = decode_group(ty, fl, rows[r], g);
+            let c: [f32; 2];
+            (q[r], s_lo[r], s_hi[r], c) = decode_group(ty, fl, rows[r], g);
+            (coef[0][r], coef[1][r]) = (c[0], c[1]);
         }
         for half in 0..2 {
             let words = transpose8x8_epi32(std::array::from_fn(|i| q[8 * half + i]));
@@ -412,7 +438,9 @@ fn decode_panel(
             put(p, 576, &s_hi);
         }
         if fl & MIN != 0 {
-            put(p, 512 + 64 * subs, &coef);
+            for (h, c) in coef.iter().take(subs).enumerate() {
+                put(p, 512 + 64 * subs + 64 * h, c);
+            }
         }
     }
 }
@@ -526,14 +554,17 @@ macro_rules! tile_512 {
                 // groups: its accumulators would not fit beside the integer ones)
                 let mut ext = [_mm512_setzero_ps(); T];
                 for g in 0..groups {
-                    // SAFETY: as above.
-                    unsafe {
-                        let c = _mm512_load_ps(pp.add(g * pg + 512 + 64 * subs).cast());
-                        let px = xp.add(g * xg);
-                        for t in 0..T {
-                            let dx = _mm512_set1_ps(rd_f32(px, od + 4 * (t0 + t)));
-                            let sf = _mm512_set1_ps(rd_f32(px, ox + 4 * (t0 + t)));
-                            ext[t] = _mm512_add_ps(ext[t], _mm512_mul_ps(_mm512_mul_ps(c, dx), sf));
+                    for h in 0..subs {
+                        // SAFETY: as above.
+                        unsafe {
+                            let c = _mm512_load_ps(pp.add(g * pg + 512 + 64 * (subs + h)).cast());
+                            let px = xp.add(g * xg);
+                            for t in 0..T {
+                                let dx = _mm512_set1_ps(rd_f32(px, od + 4 * (t0 + t)));
+                                let sf = _mm512_set1_ps(rd_f32(px, ox + 4 * (h * TB512 + t0 + t)));
+                                let e = _mm512_mul_ps(_mm512_mul_ps(c, dx), sf);
+                                ext[t] = _mm512_add_ps(ext[t], e);
+                            }
                         }
                     }
                 }
@@ -685,17 +716,20 @@ macro_rules! tile_256 {
                 // the offset term, summed apart and added last, as tile_512!
                 let mut ext = [[_mm256_setzero_ps(); 2]; T];
                 for g in 0..groups {
-                    // SAFETY: as above.
-                    unsafe {
-                        let px = xp.add(g * xg);
-                        for v in 0..2 {
-                            let c =
-                                _mm256_load_ps(pp.add(g * pg + 512 + 64 * subs + 32 * v).cast());
-                            for t in 0..T {
-                                let dx = _mm256_set1_ps(rd_f32(px, od + 4 * (t0 + t)));
-                                let sf = _mm256_set1_ps(rd_f32(px, ox + 4 * (t0 + t)));
-                                let e = _mm256_mul_ps(_mm256_mul_ps(c, dx), sf);
-                                ext[t][v] = _mm256_add_ps(ext[t][v], e);
+                    for h in 0..subs {
+                        // SAFETY: as above.
+                        unsafe {
+                            let px = xp.add(g * xg);
+                            for v in 0..2 {
+                                let at = g * pg + 512 + 64 * (subs + h) + 32 * v;
+                                let c = _mm256_load_ps(pp.add(at).cast());
+                                for t in 0..T {
+                                    let dx = _mm256_set1_ps(rd_f32(px, od + 4 * (t0 + t)));
+                                    let sf =
+                                        _mm256_set1_ps(rd_f32(px, ox + 4 * (h * TB256 + t0 + t)));
+                                    let e = _mm256_mul_ps(_mm256_mul_ps(c, dx), sf);
+                                    ext[t][v] = _mm256_add_ps(ext[t][v], e);
+                                }
                             }
                         }
                     }
@@ -764,6 +798,7 @@ fn tiles(wide: bool, vnni: bool, fl: u8) -> &'static [(usize, Tile)] {
                 FL_BIAS => set!($f, FL_BIAS, [$($t),*]),
                 FL_MIN => set!($f, FL_MIN, [$($t),*]),
                 FL_K16 => set!($f, FL_K16, [$($t),*]),
+                FL_K16_MIN => set!($f, FL_K16_MIN, [$($t),*]),
                 _ => set!($f, FL_SIGNED, [$($t),*]),
             }
         };

@@ -14,9 +14,9 @@
 use std::arch::x86_64::*;
 
 use super::dequant_scalar::scale_min_k4;
-use super::matvec::{TokenScales, k16_d_at, k16_scale_bytes};
+use super::matvec::{TokenScales, k16_d_at, k16_scale_bytes, q2k_mins};
 use super::x86::imp::{
-    load32, mul_sum_i8, nibbles32, q3k_group_at, q6k_group_at, quants5_i, quants5_u,
+    load32, mul_sum_i8, nibbles32, q2k_group_at, q3k_group_at, q6k_group_at, quants5_i, quants5_u,
     quants5_u_avx512, rd_f16, rd_f16_pair, rd_u32, splat_f16,
 };
 use super::x86_matvec::{block, dm_f16, finish, with_fifth_bits};
@@ -133,7 +133,11 @@ macro_rules! row_tokens_q8 {
                     && ($signed
                         || matches!(
                             ty,
-                            QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K
+                            QuantType::Q4_1
+                                | QuantType::Q5_1
+                                | QuantType::Q2_K
+                                | QuantType::Q4_K
+                                | QuantType::Q5_K
                         )
                         || bias.len() == nb * T),
                 "row_tokens_q8: shapes"
@@ -311,6 +315,50 @@ macro_rules! row_tokens_q8 {
                                     let l = $dot_u(q, xv(t, 8 * i + sb));
                                     let d = _mm256_broadcast_ss(&dd[t]);
                                     *a = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(l), *a);
+                                }
+                            }
+                        }
+                    }
+                }
+                // Q2_K: Q3_K's loop with unsigned quants and a min per 16 values, each token's
+                // `(dmin · d_x) · (m_lo · Σq_lo + m_hi · Σq_hi)` (the integer exact in f32)
+                // taken off its offset term group by group
+                QuantType::Q2_K => {
+                    for i in 0..nb / 8 {
+                        // SAFETY: the row holds nb / 8 blocks of 256 values.
+                        let blk = unsafe { block(row, i, bb) };
+                        let d = rd_f16(blk, k16_d_at(ty));
+                        let scales = k16_scale_bytes(ty, blk);
+                        let (dmin, m) = q2k_mins(ty, blk);
+                        let dmin = _mm256_set1_ps(dmin);
+                        for h in 0..2 {
+                            for g in 0..4 {
+                                let q = q2k_group_at(blk, h, g);
+                                let gi = 4 * h + g;
+                                let s0 = d * f32::from(scales[2 * gi]);
+                                let s1 = d * f32::from(scales[2 * gi + 1]);
+                                let ds = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                                let m0 = _mm256_set1_ps(f32::from(m[2 * gi]));
+                                let m1 = _mm256_set1_ps(f32::from(m[2 * gi + 1]));
+                                let ts = tab(8 * i + gi);
+                                for (half, e) in ext.iter_mut().enumerate().take(halves) {
+                                    let xd = lanes_of!(ts.d, half);
+                                    let xs = lanes_of!(ts.s, half);
+                                    let xl = lanes_of!(ts.lo, half);
+                                    let mins = _mm256_fmadd_ps(
+                                        m1,
+                                        _mm256_sub_ps(xs, xl),
+                                        _mm256_mul_ps(m0, xl),
+                                    );
+                                    *e = _mm256_sub_ps(
+                                        *e,
+                                        _mm256_mul_ps(_mm256_mul_ps(dmin, xd), mins),
+                                    );
+                                }
+                                for (t, a) in acc.iter_mut().enumerate() {
+                                    let l = $dot_u(q, xv(t, 8 * i + gi));
+                                    let dd = _mm256_mul_ps(ds, _mm256_set1_ps(ts.d[t]));
+                                    *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
                                 }
                             }
                         }

@@ -136,8 +136,8 @@ pub fn tiled_rows(f: &Fixture, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) 
 }
 
 /// The offset `m` of 32-value group `g` of a weight row (`w = d·q + m`), read from the block
-/// bytes as ggml-common.h lays them out: Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`; 0 for the
-/// symmetric types.
+/// bytes as ggml-common.h lays them out: Q4_1's and Q5_1's `m`, Q4_K's `−dmin·m`, Q2_K's
+/// `−dmin·m` of the larger of its two mins; 0 for the symmetric types.
 pub fn group_offset(ty: QuantType, row: &[u8], g: usize) -> f64 {
     let f16 = |b: &[u8], o: usize| f64::from(half::f16::from_le_bytes([b[o], b[o + 1]]).to_f32());
     match ty {
@@ -152,6 +152,12 @@ pub fn group_offset(ty: QuantType, row: &[u8], g: usize) -> f64 {
                 (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
             };
             -f16(blk, 2) * f64::from(m)
+        }
+        // the larger of the group's two mins (one per 16 values)
+        QuantType::Q2_K => {
+            let blk = &row[(g / 8) * 84..];
+            let (lo, hi) = (blk[2 * (g % 8)] >> 4, blk[2 * (g % 8) + 1] >> 4);
+            -f16(blk, 82) * f64::from(lo.max(hi))
         }
         _ => 0.0,
     }
