@@ -1,7 +1,7 @@
-"""K-quant decode bench: weightlift's CPU forward pass against llama-cpp-python on Q3_K_M, Q4_K_M
-and Q5_K_M files whose rows are whole 256-value blocks (so the matrices are Q3_K, Q4_K, Q5_K and
-Q6_K, as in the files people download), the same token ids and the same thread count. Two
-models (the dense one in the three file types, the MoE in Q4_K_M):
+"""K-quant decode bench: weightlift's CPU forward pass against llama-cpp-python on Q2_K, Q3_K_M,
+Q4_K_M and Q5_K_M files whose rows are whole 256-value blocks (so the matrices are Q2_K, Q3_K,
+Q4_K, Q5_K and Q6_K, as in the files people download), the same token ids and the same thread
+count. Two models (the dense one in the four file types, the MoE in Q4_K_M):
 
   dense   a Qwen3-shaped model (8 layers, hidden 2048, feed-forward 5632): every matrix is
           read each step
@@ -30,8 +30,10 @@ venv (see benches/decode.py):
     .venv/bin/python benches/kquant_decode.py
 
 Environment: WEIGHTLIFT_BENCH_LLAMA_VENV, WEIGHTLIFT_BENCH_REPEAT (rounds, default 9),
-WEIGHTLIFT_BENCH_QUIET_WAIT (as decode.py). Writes benches/results/kquant_decode.json and
-benches/results/kquant_decode.md.
+WEIGHTLIFT_BENCH_QUIET_WAIT (as decode.py), WEIGHTLIFT_BENCH_KQUANT_FILES (a subset of the
+files, as `model:ftype` separated by commas, e.g. `dense:Q2_K,dense:Q3_K_M`). Writes
+benches/results/kquant_decode.json and .md, or for a subset kquant_decode_<files>.json and .md
+(so a run on another machine does not replace the full table).
 """
 
 from __future__ import annotations
@@ -52,8 +54,39 @@ from quantize import copy_gguf_metadata  # noqa: E402
 DATA = d.ROOT / "tests" / "data"
 OUT_DIR = d.BENCH_DIR / "kquant"
 # (model, llama.cpp file type) benched, in order: Q4_K_M is mostly Q4_K and Q6_K, Q5_K_M mostly
-# Q5_K and Q6_K, Q3_K_M mostly Q3_K with Q4_K, Q5_K and Q6_K
-FILES = [("dense", "Q4_K_M"), ("dense", "Q5_K_M"), ("dense", "Q3_K_M"), ("moe", "Q4_K_M")]
+# Q5_K and Q6_K, Q3_K_M mostly Q3_K with Q4_K, Q5_K and Q6_K, Q2_K mostly Q2_K with Q3_K, Q4_K
+# and Q6_K
+FILES = [
+    ("dense", "Q4_K_M"),
+    ("dense", "Q5_K_M"),
+    ("dense", "Q3_K_M"),
+    ("dense", "Q2_K"),
+    ("moe", "Q4_K_M"),
+]
+
+
+def chosen_files() -> list[tuple[str, str]]:
+    """FILES, or the subset WEIGHTLIFT_BENCH_KQUANT_FILES names (in its order)."""
+    spec = os.environ.get("WEIGHTLIFT_BENCH_KQUANT_FILES", "").strip()
+    if not spec:
+        return FILES
+    chosen = [tuple(f.strip().split(":", 1)) for f in spec.split(",")]
+    unknown = [f for f in chosen if f not in FILES]
+    if unknown:
+        raise SystemExit(
+            f"WEIGHTLIFT_BENCH_KQUANT_FILES: {unknown} not among "
+            f"{', '.join(f'{m}:{t}' for m, t in FILES)}"
+        )
+    return chosen  # type: ignore[return-value]
+
+
+def results_stem(files: list[tuple[str, str]]) -> str:
+    """The results' file name: kquant_decode for every file, else one naming the subset."""
+    if files == FILES:
+        return "kquant_decode"
+    return "kquant_decode_" + "_".join(f"{m}-{t}" for m, t in files)
+
+
 SEED = 0
 # name: (architecture, the fixture whose metadata and tokenizer it takes, its shape keys)
 MODELS = {
@@ -290,9 +323,11 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
+    files = chosen_files()
+    stem = results_stem(files)
     if sys.argv[1:] == ["--md"]:
-        md = markdown(json.loads((d.RESULTS / "kquant_decode.json").read_text()))
-        (d.RESULTS / "kquant_decode.md").write_text(md)
+        md = markdown(json.loads((d.RESULTS / f"{stem}.json").read_text()))
+        (d.RESULTS / f"{stem}.md").write_text(md)
         print(md)
         return
     py = d.LLAMA_VENV / "bin" / "python"
@@ -305,7 +340,7 @@ def main() -> None:
     models: list[dict] = []
     try:
         llama = peer.call("info")
-        for name, ftype in FILES:
+        for name, ftype in files:
             path = model(peer, name, ftype)
             r, g = bench(peer, name, ftype, path)
             rows += r
@@ -325,9 +360,9 @@ def main() -> None:
         "groups": groups,
     }
     d.RESULTS.mkdir(parents=True, exist_ok=True)
-    (d.RESULTS / "kquant_decode.json").write_text(json.dumps(res, indent=1) + "\n")
+    (d.RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     md = markdown(res)
-    (d.RESULTS / "kquant_decode.md").write_text(md)
+    (d.RESULTS / f"{stem}.md").write_text(md)
     print(md)
 
 
