@@ -691,8 +691,10 @@ impl CudaBackend {
     }
 
     /// Loads module `name` from the first image this device and driver accept: nvcc's PTX,
-    /// NVRTC's CUBIN for `sm_XY`, NVRTC's PTX for `compute_XY`. Every failure is kept for the
-    /// error, so a driver too old for the PTX, or an NVRTC too old for the device, is named.
+    /// NVRTC's CUBIN for `sm_XY`, NVRTC's PTX for `compute_XY` (NVRTC's images through the disk
+    /// cache of [`crate::nvrtc_cache`], so only the first process compiles them). Every failure
+    /// is kept for the error, so a driver too old for the PTX, or an NVRTC too old for the
+    /// device, is named.
     fn load_module(&self, name: &'static str) -> Result<Arc<CudaModule>> {
         let during = format!("loading module {name} on cuda:{}", self.ordinal);
         let (major, minor) = self.cc;
@@ -719,20 +721,28 @@ impl CudaBackend {
             during: during.clone(),
             message: "no such kernel source".into(),
         })?;
+        let cache = crate::nvrtc_cache::dir();
         for arch in [
             format!("sm_{major}{minor}"),
             format!("compute_{major}{minor}"),
         ] {
-            match crate::nvrtc::compile(name, src, &arch) {
-                Ok(c) => {
-                    let image = match c.cubin {
-                        Some(bin) => cudarc::nvrtc::Ptx::from_binary(bin),
-                        None => cudarc::nvrtc::Ptx::from_src(c.ptx),
-                    };
-                    if let Some(m) = load(image, &format!("nvrtc {arch}"), &mut tried) {
-                        return Ok(m);
-                    }
-                }
+            let through_driver = |image: crate::nvrtc_cache::Image, cached: bool| {
+                let what = format!("{}nvrtc {arch}", if cached { "cached " } else { "" });
+                let image = match image {
+                    crate::nvrtc_cache::Image::Cubin(bin) => cudarc::nvrtc::Ptx::from_binary(bin),
+                    crate::nvrtc_cache::Image::Ptx(ptx) => cudarc::nvrtc::Ptx::from_src(ptx),
+                };
+                load(image, &what, &mut tried)
+            };
+            match crate::nvrtc::load_through_cache(
+                name,
+                src,
+                &arch,
+                cache.as_deref(),
+                through_driver,
+            ) {
+                Ok(Some(m)) => return Ok(m),
+                Ok(None) => {}
                 // no libnvrtc: say so plainly (with what else was tried)
                 Err(KernelError::LibraryNotFound {
                     library,

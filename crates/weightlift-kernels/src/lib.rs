@@ -67,6 +67,8 @@ pub use types::{FloatType, QuantType};
 pub mod host_shim;
 #[cfg(feature = "nvrtc-check")]
 pub mod nvrtc;
+#[cfg(feature = "nvrtc-check")]
+pub mod nvrtc_cache;
 pub mod sources;
 
 /// Whether the host C++ twin of the CUDA headers was built (a C++ compiler was found).

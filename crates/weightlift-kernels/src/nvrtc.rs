@@ -12,11 +12,12 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use crate::cuda_libs::{self, Located};
 use crate::error::{KernelError, Result};
+use crate::nvrtc_cache::{self, Image};
 
 /// What NVRTC produced for one source and architecture.
 #[derive(Debug, Clone)]
@@ -185,8 +186,21 @@ fn c_bytes_to_string(v: &[u8]) -> String {
     String::from_utf8_lossy(text).trim().to_string()
 }
 
-/// Compiles `src` (module `name`) for `arch` (`compute_80`, `sm_90`, ...). Extra include
-/// directories come from `WEIGHTLIFT_CUDA_INCLUDE` when set (the sources need none).
+/// NVRTC's options for `arch`. Extra include directories come from `WEIGHTLIFT_CUDA_INCLUDE`
+/// when set (the sources need none).
+fn options(arch: &str) -> Vec<String> {
+    let mut opts = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--fmad=true".to_string(),
+    ];
+    if let Ok(inc) = std::env::var("WEIGHTLIFT_CUDA_INCLUDE") {
+        opts.push(format!("--include-path={inc}"));
+    }
+    opts
+}
+
+/// Compiles `src` (module `name`) for `arch` (`compute_80`, `sm_90`, ...) with [`options`].
 pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     let n = nvrtc()?;
     let err = |log: String| KernelError::Nvrtc {
@@ -197,14 +211,7 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     let csrc = CString::new(src).map_err(|_| err("source contains a NUL byte".into()))?;
     let cname =
         CString::new(format!("{name}.cu")).map_err(|_| err("name contains a NUL byte".into()))?;
-    let mut opts = vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        "--fmad=true".to_string(),
-    ];
-    if let Ok(inc) = std::env::var("WEIGHTLIFT_CUDA_INCLUDE") {
-        opts.push(format!("--include-path={inc}"));
-    }
+    let opts = options(arch);
     let copts = opts
         .iter()
         .map(|o| CString::new(o.as_str()))
@@ -259,6 +266,53 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     out
 }
 
+impl Compiled {
+    /// The image a device loads: the CUBIN for a real architecture, else the PTX.
+    pub fn image(self) -> Image {
+        match self.cubin {
+            Some(bin) => Image::Cubin(bin),
+            None => Image::Ptx(self.ptx),
+        }
+    }
+}
+
+/// Module `name`'s image for `arch`, handed to `load` (the driver's module load: `Some` when it
+/// took the image; its second argument says whether the image came from the disk cache in
+/// `cache`, see [`nvrtc_cache`]). A cached image is tried first; one `load` refuses is dropped
+/// from the cache. Otherwise NVRTC compiles the module, and an image `load` takes is kept in
+/// the cache for the next process. `Ok(None)`: `load` refused the fresh image too.
+pub fn load_through_cache<T>(
+    name: &str,
+    src: &str,
+    arch: &str,
+    cache: Option<&Path>,
+    mut load: impl FnMut(Image, bool) -> Option<T>,
+) -> Result<Option<T>> {
+    // no slot without NVRTC's version: the compile below then says what is missing
+    let slot = cache.and_then(|dir| {
+        let version = nvrtc_version().ok()?;
+        Some((
+            dir,
+            nvrtc_cache::key(name, src, arch, &options(arch), version),
+        ))
+    });
+    if let Some((dir, key)) = &slot
+        && let Some(image) = nvrtc_cache::read(dir, name, arch, key)
+    {
+        if let Some(m) = load(image, true) {
+            return Ok(Some(m));
+        }
+        nvrtc_cache::forget(dir, name, arch, key);
+    }
+    let image = compile(name, src, arch)?.image();
+    let kept = slot.as_ref().map(|_| image.clone());
+    let loaded = load(image, false);
+    if let (Some(_), Some((dir, key)), Some(image)) = (&loaded, &slot, kept) {
+        nvrtc_cache::write(dir, name, arch, key, &image);
+    }
+    Ok(loaded)
+}
+
 /// Compiles `src` and treats any log output (a warning) as an error.
 pub fn compile_strict(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     let c = compile(name, src, arch)?;
@@ -298,5 +352,62 @@ mod tests {
             err.to_string().contains("identifier \"nope\" is undefined"),
             "{err}"
         );
+    }
+
+    /// The first load compiles and keeps what the driver took; the next reads it back with the
+    /// same bytes and compiles nothing; a cached image the driver refuses is dropped and
+    /// compiled again; an image the driver refuses is not kept; without a cache every load
+    /// compiles. The driver is played by the closure (this test needs NVRTC, not a GPU).
+    #[test]
+    fn the_disk_cache_keeps_what_the_driver_took() {
+        crate::cuda_libs::use_repo_venv();
+        if let Err(e) = nvrtc() {
+            panic!("{e} (make venv installs it into .venv)");
+        }
+        let dir =
+            std::env::temp_dir().join(format!("weightlift-nvrtc-cache-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let src = "extern \"C\" __global__ void k(float* y) { y[threadIdx.x] = 2.0f; }";
+        for arch in ["sm_90", "compute_75"] {
+            let mut seen: Vec<(Image, bool)> = Vec::new();
+            let run = |refuse: bool, seen: &mut Vec<(Image, bool)>| {
+                load_through_cache("cache_probe", src, arch, Some(&dir), |image, cached| {
+                    seen.push((image, cached));
+                    (!refuse).then_some(())
+                })
+                .unwrap()
+            };
+            // compiled, taken, kept
+            assert_eq!(run(false, &mut seen), Some(()));
+            // read back: the same image, from the cache
+            assert_eq!(run(false, &mut seen), Some(()));
+            assert_eq!(seen.len(), 2);
+            assert!(!seen[0].1 && seen[1].1, "{arch}: compiled, then cached");
+            assert_eq!(seen[0].0, seen[1].0, "{arch}: the same image");
+            let is_cubin = matches!(seen[0].0, Image::Cubin(_));
+            assert_eq!(is_cubin, arch.starts_with("sm_"), "{arch}");
+            // refused from the cache and when compiled: dropped, and not kept again
+            seen.clear();
+            assert_eq!(run(true, &mut seen), None);
+            assert_eq!(
+                seen.iter().map(|s| s.1).collect::<Vec<_>>(),
+                [true, false],
+                "{arch}: the cached image, then a fresh one"
+            );
+            seen.clear();
+            assert_eq!(run(false, &mut seen), Some(()));
+            assert!(!seen[0].1, "{arch}: nothing was kept of a refused image");
+        }
+        // no cache: every load compiles
+        let mut fresh = 0;
+        for _ in 0..2 {
+            load_through_cache("cache_probe", src, "sm_90", None, |_, cached| {
+                fresh += usize::from(!cached);
+                Some(())
+            })
+            .unwrap();
+        }
+        assert_eq!(fresh, 2);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
