@@ -239,16 +239,20 @@ pub(crate) fn finish<const R: usize>(acc: [__m256; R], extra: [f32; R]) -> [f32;
 
 /// The Q8-mode dots of `R` rows with the activations, AVX2 (`pmaddubsw` + `pmaddwd`): per
 /// block the integer lane sums, then `fma(d · d_x, lanes, acc)`; Q4_1, Q5_1, Q2_K, Q4_K and
-/// Q5_K add their offset term apart.
+/// Q5_K add their offset term apart. Q3_K's and Q6_K's quants are made unsigned (q + 4,
+/// q + 32) and `bias` holds each activation block's lane offsets, `−off · Σx` over each
+/// lane's 4 values.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; every row holds whole blocks of `ty` for all of `xq` (as many
-/// 32-value activation blocks as a row has values / 32).
+/// 32-value activation blocks as a row has values / 32), and for Q3_K and Q6_K `bias` holds
+/// as many lane offsets as `xq` has blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
     ty: QuantType,
     rows: [&[u8]; R],
     xq: &[Q8Block],
+    bias: &[[i32; 8]],
 ) -> [f32; R] {
     let bb = ty.block_bytes();
     let mut acc = [_mm256_setzero_ps(); R];
@@ -345,12 +349,16 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
         }};
     }
     // Q3_K's and Q6_K's loop: scales per 16 values, two a group; `$group` gives a group's
-    // quants plus `$off`, which are taken off again for `mul_sum_i8`'s signed product
+    // quants plus the offset (at most 63: `pmaddubsw`'s pairs stay exact), which each
+    // activation block's lane offsets take off again
+    assert!(
+        !matches!(ty, QuantType::Q3_K | QuantType::Q6_K) || bias.len() == xq.len(),
+        "rows_dot_q8_avx2: lane offsets"
+    );
     macro_rules! k16_blocks {
-        ($ty:expr, $group:ident, $off:literal) => {{
-            let koff = _mm256_set1_epi8($off);
+        ($ty:expr, $group:ident) => {{
             let lanes: [__m256i; 4] = std::array::from_fn(|g| k16_lanes(g));
-            for (i, xbs) in xq.chunks_exact(8).enumerate() {
+            for (i, (xbs, bs)) in xq.chunks_exact(8).zip(bias.chunks_exact(8)).enumerate() {
                 let xd = k16_token_scales(xbs);
                 for (a, row) in acc.iter_mut().zip(rows) {
                     let blk = unsafe { block(row, i, bb) };
@@ -358,9 +366,12 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                     let dsx = k16_scales_x($ty, blk, xd);
                     for h in 0..2 {
                         for g in 0..4 {
-                            let q = _mm256_sub_epi8($group(blk, h, g), koff);
-                            let xb = &xbs[4 * h + g];
-                            let l = mul_sum_i8(q, load32(xb.qs.as_ptr().cast()));
+                            let q = $group(blk, h, g);
+                            let (xb, b) = (&xbs[4 * h + g], &bs[4 * h + g]);
+                            let p = _mm256_maddubs_epi16(q, load32(xb.qs.as_ptr().cast()));
+                            // SAFETY: b holds 8 i32.
+                            let bv = unsafe { _mm256_loadu_si256(b.as_ptr().cast()) };
+                            let l = _mm256_add_epi32(_mm256_madd_epi16(p, ones), bv);
                             let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
                             *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
                         }
@@ -420,8 +431,8 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
         QuantType::Q5_K => k_min_blocks!(true, 48),
         QuantType::Q2_K => k2_blocks!(),
         // the type as a constant, so the scale decode of the other types folds away
-        QuantType::Q3_K => k16_blocks!(QuantType::Q3_K, q3k_group_at, 4),
-        QuantType::Q6_K => k16_blocks!(QuantType::Q6_K, q6k_group_at, 32),
+        QuantType::Q3_K => k16_blocks!(QuantType::Q3_K, q3k_group_at),
+        QuantType::Q6_K => k16_blocks!(QuantType::Q6_K, q6k_group_at),
         _ => {}
     }
     finish(acc, extra)
