@@ -21,7 +21,8 @@
 //! (signed bytes), so after a group it holds the exact integer dot `Σ q_w·q_x` of each row and
 //! token. That is scaled once per group (per 16 values for Q2_K, Q3_K and Q6_K) into an f32
 //! accumulator, `acc = fma(isum, s·d_x, acc)`. The types with an offset sum `(coef·d_x)·Σq_x`
-//! over the groups (Q2_K's per 16 values, the first half first) apart and add it last, as llama.cpp's `ggml_vec_dot_q4_1_q8_1` keeps its `summs`
+//! over the groups (Q2_K's per 16 values, the first half first) apart and add it last, as
+//! llama.cpp's `ggml_vec_dot_q4_1_q8_1` keeps its `summs`
 //! (and as this crate's earlier 4-bit kernels did, whose bits these tiles reproduce for Q4_0,
 //! Q4_1, Q5_0, Q5_1 and Q4_K). Every instruction set (and `matvec`'s scalar matmul) does
 //! exactly these float operations in this order, so the matmul gives the same bits on all of
