@@ -18,8 +18,9 @@
 //!   values, from the activation block's quant sum ([`Q8Block::sum`]; llama.cpp's `block_q8_1`
 //!   carries `d · Σq` for this). Q2_K's mins are per 16 values: the matvec adds
 //!   `(dmin · d_x) · (m_lo · Σq_lo + m_hi · Σq_hi)` per 32 values, the integer in parentheses
-//!   exact, from the sums of the block's two halves. Unlike llama.cpp, K-quants also use 32-value activation blocks
-//!   (llama.cpp uses 256-value `block_q8_K` with an f32 scale), so results differ from
+//!   exact, from the sums of the block's two halves. Unlike llama.cpp, K-quants also use
+//!   32-value activation blocks (llama.cpp uses 256-value `block_q8_K` with an f32 scale), so
+//!   results differ from
 //!   llama.cpp's in the last bits. In [`matvec`] every instruction set gives bit-identical
 //!   results (its SIMD kernels take four rows at a time, two per 512-bit vector with
 //!   AVX512-VNNI, each row with the scalar path's operations, prefetching ahead because the
@@ -130,18 +131,21 @@ fn matvec_offset(vnni: Option<Vnni>, ty: QuantType) -> i32 {
     }
 }
 
-/// One matvec call's activations, quantised: the blocks and the kernels' lane offsets (for
-/// [`matvec_offset`], or none).
+/// One matvec call's activations, quantised: the blocks, the kernels' lane offsets (for
+/// [`matvec_offset`], or none) and the sums of each block's first and last 16 quants (Q2_K's
+/// mins; the kernels load eight blocks' sums as one vector).
 #[derive(Default)]
 struct Q8Activations {
     q: Vec<Q8Block>,
     bias: Vec<[i32; 8]>,
+    lo: Vec<i32>,
+    hi: Vec<i32>,
 }
 
 impl Q8Activations {
     /// Quantises `x` as [`quantize_q8_blocks`] (bit for bit: the SIMD quantiser is tested
-    /// against it) and, when `off` is not 0, fills the lane offsets, `−off · Σ x` over each
-    /// lane's 4 values.
+    /// against it), with each block's half sum and, when `off` is not 0, the lane offsets,
+    /// `−off · Σ x` over each lane's 4 values.
     fn fill(&mut self, isa: Isa, x: &[f32], off: i32) {
         let n = x.len() / 32;
         let zero = Q8Block {
@@ -153,29 +157,39 @@ impl Q8Activations {
         self.q.resize(n, zero);
         self.bias.clear();
         self.bias.resize(if off != 0 { n } else { 0 }, [0; 8]);
-        quantize_q8_into(isa, x, off, &mut self.q, &mut self.bias);
+        self.lo.clear();
+        self.lo.resize(n, 0);
+        quantize_q8_into(isa, x, off, &mut self.q, &mut self.bias, &mut self.lo);
+        self.hi.clear();
+        self.hi
+            .extend(self.q.iter().zip(&self.lo).map(|(b, lo)| b.sum - lo));
     }
 }
 
 /// `x` quantised into the blocks `q` as [`quantize_q8_blocks`] (bit for bit: the SIMD
-/// quantiser is tested against it), and when `off` is not 0 the lane offsets `bias` (one per
-/// block; empty otherwise), `−off · Σ x` over each lane's 4 values.
+/// quantiser is tested against it), when `off` is not 0 the lane offsets `bias` (one per
+/// block; empty otherwise), `−off · Σ x` over each lane's 4 values, and each block's
+/// [`half_sum`] into `lo` (one per block, or empty).
 pub(super) fn quantize_q8_into(
     isa: Isa,
     x: &[f32],
     off: i32,
     q: &mut [Q8Block],
     bias: &mut [[i32; 8]],
+    lo: &mut [i32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() {
-        // SAFETY: AVX2, FMA and F16C detected at run time; q holds x.len() / 32 blocks and
-        // bias as many or none (the kernel checks both).
-        return unsafe { super::x86_matvec::quantize_q8_avx2(x, off, q, bias) };
+        // SAFETY: AVX2, FMA and F16C detected at run time; q holds x.len() / 32 blocks, bias
+        // and lo as many or none (the kernel checks them).
+        return unsafe { super::x86_matvec::quantize_q8_avx2(x, off, q, bias, lo) };
     }
     let _ = isa;
     for (b, c) in q.iter_mut().zip(x.chunks_exact(32)) {
         *b = q8_block(c);
+    }
+    for (l, b) in lo.iter_mut().zip(q.iter()) {
+        *l = half_sum(b);
     }
     for (l, b) in bias.iter_mut().zip(q.iter()) {
         *l = std::array::from_fn(|j| {
@@ -581,8 +595,9 @@ fn rows_dot_q8<const R: usize>(
         }
         if isa.has_avx2() {
             // SAFETY: AVX2, FMA and F16C detected at run time; the rows hold whole blocks
-            // matched by xq, and bias matches xq for Q3_K and Q6_K (matvec_offset).
-            return unsafe { k::rows_dot_q8_avx2::<R>(ty, rows, xq, bias) };
+            // matched by xq, bias matches xq for Q3_K and Q6_K (matvec_offset), and so do the
+            // half sums (Q8Activations::fill).
+            return unsafe { k::rows_dot_q8_avx2::<R>(ty, rows, xq, bias, [&a.lo, &a.hi]) };
         }
     }
     let _ = (isa, vnni, bias);

@@ -8,9 +8,7 @@
 use rayon::prelude::*;
 
 use super::Isa;
-use super::matvec::{
-    BATCH_PASS_MAX, Q8Block, TokenScales, half_sum, quantize_q8_blocks, quantize_q8_into,
-};
+use super::matvec::{BATCH_PASS_MAX, Q8Block, TokenScales, quantize_q8_blocks, quantize_q8_into};
 use crate::types::QuantType;
 
 /// Blocks a run quantises at most (its blocks live on the stack).
@@ -105,7 +103,6 @@ pub(super) fn token_passes(key: PassKey, x: &[f32]) -> Vec<TokenPass> {
             .max(RUN_MIN_TOKEN_BLOCKS.div_ceil(n))
             .clamp(1, RUN_MAX_BLOCKS);
         let mut rest = RunOut {
-            half_sums: key.ty == QuantType::Q2_K,
             qs: &mut pass.qs,
             bias: &mut pass.bias,
             scales: &mut pass.scales,
@@ -128,12 +125,20 @@ pub(super) fn token_passes(key: PassKey, x: &[f32]) -> Vec<TokenPass> {
             let mut q = [zero; RUN_MAX_BLOCKS];
             let mut lanes = [[0i32; 8]; RUN_MAX_BLOCKS];
             let lanes = &mut lanes[..if key.offset != 0 { count } else { 0 }];
+            let mut lo = [0i32; RUN_MAX_BLOCKS];
             for t in 0..n {
                 let start = (first + t) * cols + i0 * 32;
                 let xt = &x[start..start + count * 32];
-                quantize_q8_into(key.isa, xt, key.offset, &mut q[..count], lanes);
+                quantize_q8_into(
+                    key.isa,
+                    xt,
+                    key.offset,
+                    &mut q[..count],
+                    lanes,
+                    &mut lo[..count],
+                );
                 for (i, b) in q[..count].iter().enumerate() {
-                    out.set(i, n, t, b, lanes.get(i));
+                    out.set(i, n, t, (b, lo[i]), lanes.get(i));
                 }
             }
         });
@@ -142,8 +147,6 @@ pub(super) fn token_passes(key: PassKey, x: &[f32]) -> Vec<TokenPass> {
 
 /// A run of blocks of one pass, to fill.
 struct RunOut<'a> {
-    /// Whether the kernels read [`TokenScales::lo`] (Q2_K's mins).
-    half_sums: bool,
     qs: &'a mut [[i8; 32]],
     bias: &'a mut [[i32; 8]],
     scales: &'a mut [TokenScales],
@@ -160,7 +163,6 @@ impl<'a> RunOut<'a> {
         let (scales, scales_rest) = std::mem::take(&mut self.scales).split_at_mut(count);
         (self.qs, self.bias, self.scales) = (qs_rest, bias_rest, scales_rest);
         RunOut {
-            half_sums: self.half_sums,
             qs,
             bias,
             scales,
@@ -169,17 +171,23 @@ impl<'a> RunOut<'a> {
         }
     }
 
-    /// Token `t` (of `n`) of the run's block `i` is `b`, with its lane offsets `lanes`.
-    fn set(&mut self, i: usize, n: usize, t: usize, b: &Q8Block, lanes: Option<&[i32; 8]>) {
+    /// Token `t` (of `n`) of the run's block `i` is `b`, with the sum of its first 16 quants
+    /// `lo` and its lane offsets `lanes`.
+    fn set(
+        &mut self,
+        i: usize,
+        n: usize,
+        t: usize,
+        (b, lo): (&Q8Block, i32),
+        lanes: Option<&[i32; 8]>,
+    ) {
         self.qs[i * n + t] = b.qs;
         if let Some(l) = lanes {
             self.bias[i * n + t] = *l;
         }
         self.scales[i].d[t] = b.d;
         self.scales[i].s[t] = b.sum as f32;
-        if self.half_sums {
-            self.scales[i].lo[t] = half_sum(b) as f32;
-        }
+        self.scales[i].lo[t] = lo as f32;
         #[cfg(target_arch = "x86_64")]
         if let Some(p) = &mut self.pairs {
             p.set(i, n, t, b);

@@ -70,21 +70,25 @@ fn prefetch_block(blk: &[u8]) {
 }
 
 /// Quantises `x` into `q` as `matvec::quantize_q8_blocks` does, bit for bit (with the Q8-mode
-/// matmul's quantiser, eight blocks at a time), and when `off` is not 0 writes each block's
-/// VNNI lane offsets, `−off` times the sums of its four-quant runs, into `bias`.
+/// matmul's quantiser, eight blocks at a time), when `off` is not 0 writes each block's lane
+/// offsets, `−off` times the sums of its four-quant runs, into `bias`, and when `lo` is not
+/// empty each block's sum of its first 16 quants into it.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `x.len()` a multiple of 32, `q` holding `x.len() / 32` blocks and
-/// `bias` as many when `off` is not 0.
+/// AVX2, FMA and F16C; `x.len()` a multiple of 32, `q` holding `x.len() / 32` blocks,
+/// `bias` as many when `off` is not 0, `lo` as many or none.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quantize_q8_avx2(
     x: &[f32],
     off: i32,
     q: &mut [Q8Block],
     bias: &mut [[i32; 8]],
+    lo: &mut [i32],
 ) {
     assert!(
-        q.len() * 32 == x.len() && (off == 0 || bias.len() == q.len()),
+        q.len() * 32 == x.len()
+            && (off == 0 || bias.len() == q.len())
+            && (lo.is_empty() || lo.len() == q.len()),
         "quantize_q8_avx2: shapes"
     );
     let ones8 = _mm256_set1_epi8(1);
@@ -94,6 +98,9 @@ pub(crate) unsafe fn quantize_q8_avx2(
         for (j, (b, (v, d, s_lo, s_hi))) in qs.iter_mut().zip(quantize_groups(xs)).enumerate() {
             b.d = d;
             b.sum = s_lo + s_hi;
+            if let Some(l) = lo.get_mut(8 * g0 + j) {
+                *l = s_lo;
+            }
             // SAFETY: qs holds 32 bytes.
             unsafe { _mm256_storeu_si256(b.qs.as_mut_ptr().cast(), v) };
             if off != 0 {
@@ -179,30 +186,6 @@ pub(crate) fn q2k_mins_x(blk: &[u8]) -> (__m256, __m256) {
     (f(m), f(_mm_srli_si128::<8>(m)))
 }
 
-/// The sums of the first and of the last 16 quants of each of 8 activation blocks (`xv`, their
-/// quants), block `g`'s in lane `g`, as f32 (exact).
-#[inline]
-#[target_feature(enable = "avx2")]
-pub(crate) fn half_sums_x(xv: &[__m256i; 8]) -> (__m256, __m256) {
-    // the sums of four quants: lanes 0-3 the first 16, 4-7 the last 16
-    let runs: [__m256i; 8] = std::array::from_fn(|g| {
-        let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), xv[g]);
-        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
-    });
-    // each 128-bit half of `b` holds blocks 0-3's sums of that half's 16 quants, of `c` 4-7's
-    let quad = |k: usize| {
-        _mm256_hadd_epi32(
-            _mm256_hadd_epi32(runs[k], runs[k + 1]),
-            _mm256_hadd_epi32(runs[k + 2], runs[k + 3]),
-        )
-    };
-    let (b, c) = (quad(0), quad(4));
-    (
-        _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x20>(b, c)),
-        _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x31>(b, c)),
-    )
-}
-
 /// Each group's `d_x` twice (lanes `2g` and `2g + 1`), for [`k16_scales_x`].
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -241,18 +224,20 @@ pub(crate) fn finish<const R: usize>(acc: [__m256; R], extra: [f32; R]) -> [f32;
 /// block the integer lane sums, then `fma(d · d_x, lanes, acc)`; Q4_1, Q5_1, Q2_K, Q4_K and
 /// Q5_K add their offset term apart. Q3_K's and Q6_K's quants are made unsigned (q + 4,
 /// q + 32) and `bias` holds each activation block's lane offsets, `−off · Σx` over each
-/// lane's 4 values.
+/// lane's 4 values; `halves` hold each block's sums of its first and last 16 quants (Q2_K's
+/// mins).
 ///
 /// # Safety
 /// AVX2, FMA and F16C; every row holds whole blocks of `ty` for all of `xq` (as many
-/// 32-value activation blocks as a row has values / 32), and for Q3_K and Q6_K `bias` holds
-/// as many lane offsets as `xq` has blocks.
+/// 32-value activation blocks as a row has values / 32). The kernel checks that `bias` (for
+/// Q3_K and Q6_K) and `halves` (for Q2_K) match `xq`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
     ty: QuantType,
     rows: [&[u8]; R],
     xq: &[Q8Block],
     bias: &[[i32; 8]],
+    halves: [&[i32]; 2],
 ) -> [f32; R] {
     let bb = ty.block_bytes();
     let mut acc = [_mm256_setzero_ps(); R];
@@ -386,15 +371,23 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
     // the row's offset sum group by group: the scalar path's operations, in its order.
     macro_rules! k2_blocks {
         () => {{
+            assert!(
+                halves.iter().all(|h| h.len() == xq.len()),
+                "rows_dot_q8_avx2: half sums"
+            );
             let lanes: [__m256i; 4] = std::array::from_fn(|g| k16_lanes(g));
             for (i, xbs) in xq.chunks_exact(8).enumerate() {
                 let xd = k16_token_scales(xbs);
                 let xd8 = _mm256_setr_ps(
                     xbs[0].d, xbs[1].d, xbs[2].d, xbs[3].d, xbs[4].d, xbs[5].d, xbs[6].d, xbs[7].d,
                 );
+                // SAFETY: each of halves holds 8 i32 from 8 · i (checked above).
+                let [x_lo, x_hi] = halves.map(|h| unsafe {
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256(h[8 * i..8 * i + 8].as_ptr().cast()))
+                });
                 let xv: [__m256i; 8] = std::array::from_fn(|g| load32(xbs[g].qs.as_ptr().cast()));
-                let (x_lo, x_hi) = half_sums_x(&xv);
                 for ((a, e), row) in acc.iter_mut().zip(&mut extra).zip(rows) {
+                    // SAFETY: the contract gives each row a block per 8 activation blocks.
                     let blk = unsafe { block(row, i, bb) };
                     prefetch_block(blk);
                     let dsx = k16_scales_x(QuantType::Q2_K, blk, xd);
