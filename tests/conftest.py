@@ -194,7 +194,8 @@ def demo_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_reader(demo_gguf: Path):
-    """gguf-py's reader of the demo model (about 2 s to build, so shared)."""
+    """gguf-py's reader of the demo model, shared: it takes seconds to build (gguf-py reads the
+    vocabulary's metadata a field at a time)."""
     import gguf
 
     return gguf.GGUFReader(demo_gguf)

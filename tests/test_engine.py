@@ -30,8 +30,11 @@ def st_truth(folder: Path) -> dict[str, bytes]:
     return out
 
 
-def gguf_truth(path: Path) -> dict[str, bytes]:
-    return {t.name: np.ascontiguousarray(t.data).tobytes() for t in GGUFReader(path).tensors}
+def gguf_truth(src: Path | GGUFReader) -> dict[str, bytes]:
+    """Every tensor's bytes as gguf-py reads them (the demo model's reader is a session fixture:
+    reading its metadata takes gguf-py seconds)."""
+    reader = src if isinstance(src, GGUFReader) else GGUFReader(src)
+    return {t.name: np.ascontiguousarray(t.data).tobytes() for t in reader.tensors}
 
 
 def rss_anon() -> int:
@@ -187,8 +190,8 @@ def test_cuda_load_bit_exact_and_unload_frees(demo_gguf: Path) -> None:
 # Loading onto the cpu: mmap, read and O_DIRECT give the checkpoint's bytes
 
 
-def test_gguf_on_cpu_paths_identical(demo_gguf: Path) -> None:
-    truth = gguf_truth(demo_gguf)
+def test_gguf_on_cpu_paths_identical(demo_gguf: Path, demo_reader: GGUFReader) -> None:
+    truth = gguf_truth(demo_reader)
     results = []
     # use_direct_io takes precedence over use_mmap, as in llama.cpp.
     variants = ({"use_mmap": True}, {"use_mmap": False}, {"use_direct_io": True})
@@ -266,18 +269,18 @@ def test_explicit_map_puts_layer_where_asked(tiny_llama_st_sharded: Path) -> Non
     assert_bit_exact(m, st_truth(tiny_llama_st_sharded))
 
 
-def test_demo_model_over_two_virtual_devices(demo_gguf: Path) -> None:
+def test_demo_model_over_two_virtual_devices(demo_gguf: Path, demo_reader: GGUFReader) -> None:
     m = wl.Model(demo_gguf, devices="virtual:2x64MiB", runtime=RT)
     cache = wl.Cache(m, max_seq_len=1024, dtype="q4")
     m.load_autosplit(cache, reserve_vram=["1MiB", "1MiB"])
     assert_memory_matches_plan(m)
     for layer, dev in enumerate(m.layer_devices):
         assert cache.device_of(layer) == dev
-    assert_bit_exact(m, gguf_truth(demo_gguf))
+    assert_bit_exact(m, gguf_truth(demo_reader))
     # Dequantised read-back agrees with gguf-py's reference dequantisation.
     from gguf.quants import dequantize
 
-    r = {t.name: t for t in GGUFReader(demo_gguf).tensors}["blk.3.ffn_down.weight"]
+    r = {t.name: t for t in demo_reader.tensors}["blk.3.ffn_down.weight"]
     want = dequantize(r.data, r.tensor_type)
     got = m.tensor("blk.3.ffn_down.weight", dequantize=True)
     np.testing.assert_allclose(got, want.reshape(got.shape), rtol=0, atol=1e-6)
@@ -573,10 +576,10 @@ def _status(field: str) -> int:
     raise AssertionError(field)
 
 
-def test_use_mlock_locks_the_mapped_tensors(demo_gguf: Path) -> None:
+def test_use_mlock_locks_the_mapped_tensors(demo_gguf: Path, demo_reader: GGUFReader) -> None:
     base = _status("VmLck:")
     m = wl.load_gguf(demo_gguf, use_mlock=True, runtime=RT)
-    total = sum(len(b) for b in gguf_truth(demo_gguf).values())
+    total = sum(int(t.n_bytes) for t in demo_reader.tensors)
     if m.warnings:  # a locked-memory limit refused; the warning says so
         assert "ulimit -l" in m.warnings[0]
     else:

@@ -178,7 +178,7 @@ def test_mirostat_is_reproducible_with_a_seed(model: wl.Model, mode: int) -> Non
         return call(), call()
 
     def sample(seed: int) -> str:
-        r = model("Once upon a time", max_tokens=24, mirostat_mode=mode, seed=seed)
+        r = model("Once upon a time", max_tokens=12, mirostat_mode=mode, seed=seed)
         return r["choices"][0]["text"]
 
     a, b = twice(lambda: sample(3))
@@ -187,7 +187,7 @@ def test_mirostat_is_reproducible_with_a_seed(model: wl.Model, mode: int) -> Non
     chat = [{"role": "user", "content": "Tell me a story."}]
     a, b = twice(
         lambda: model.create_chat_completion(
-            chat, mirostat_mode=mode, mirostat_tau=3.0, seed=5, max_tokens=24
+            chat, mirostat_mode=mode, mirostat_tau=3.0, seed=5, max_tokens=12
         )["choices"][0]["message"]
     )
     assert a == b

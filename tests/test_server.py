@@ -935,12 +935,12 @@ def test_faults_leave_the_server_serving_at_its_memory(demo_gguf: Path, tmp_path
     """Clients killed mid-stream and every kind of bad request, in rounds: the server keeps
     answering, frees the slots at once, every device holds what the plan counts (`/memory`),
     and the process's memory stays where the first round left it."""
-    body = {"prompt": "Count:", "max_tokens": 400, "logit_bias": NO_EOS, "stream": True}
+    body = {"prompt": "Count:", "max_tokens": 200, "logit_bias": NO_EOS, "stream": True}
     with serving(
         demo_gguf,
         tmp_path,
         "--ctx",
-        "512",
+        "256",
         "--model-alias",
         "demo",
         "--parallel",
@@ -967,8 +967,8 @@ def test_faults_leave_the_server_serving_at_its_memory(demo_gguf: Path, tmp_path
             for bad in BAD_REQUESTS:
                 _check_bad(s, *bad)
             # an embedding of most of the context runs in the cache the plan counts for it
-            long = s.post("/v1/embeddings", json={"input": [6004] * 400})
-            assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 400
+            long = s.post("/v1/embeddings", json={"input": [6004] * 200})
+            assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 200
             deadline = time.monotonic() + 5
             while s.health()["running"] and time.monotonic() < deadline:
                 time.sleep(0.05)
