@@ -62,6 +62,25 @@ def test_sizes_lists_follow_accelerator_order(tiny_llama_gguf: Path) -> None:
         wl.plan(tiny_llama_gguf, devices="cpu,virtual:2x48MiB", reserve=[1, 2, 3])
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=repr)
+def test_a_nan_or_an_infinity_in_an_option_is_refused_by_name(tiny_llama_gguf: Path, bad) -> None:
+    # JSON has no such number: it must not read as an absent option (the default placement)
+    shown = "NaN" if bad != bad else repr(bad)
+    for key, options in (
+        ("tensor_split", {"n_gpu_layers": -1, "tensor_split": [bad, 1.0]}),
+        ("gpu_split", {"gpu_split": bad}),
+        ("max_memory", {"max_memory": {"virtual:0": bad}}),
+    ):
+        words = f"invalid option {key}: expected finite numbers, got {shown}"
+        with pytest.raises(PlanError, match=words):
+            wl.plan(tiny_llama_gguf, devices=DEVICES, **options)
+    m = wl.Model(tiny_llama_gguf, devices=DEVICES, runtime=RT)
+    words = f"option tensor_split: expected finite numbers, got {shown}"
+    with pytest.raises(PlanError, match=words):
+        m.load(n_gpu_layers=-1, tensor_split=[1.0, bad])
+    assert not m.loaded
+
+
 def test_gpu_split_means_the_same_in_plan_and_load_tp(tiny_llama_gguf: Path) -> None:
     split = [0.01, 0.03]  # GB of 1024 MiB per accelerator
     p = wl.plan(tiny_llama_gguf, devices="virtual:2x64MiB", gpu_split=split, runtime=RT)

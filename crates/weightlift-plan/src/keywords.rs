@@ -467,9 +467,21 @@ impl FromKeyword for RuntimeSpec {
 }
 
 /// A JSON-like value from any serde data model: what [`Keywords`] holds. A map key that is a
-/// number or a bool reads as its text.
+/// number or a bool reads as its text. A NaN or an infinity fails with [`NON_FINITE`] and the
+/// value: JSON has no such number, and the null it would become reads as an absent keyword.
 pub fn json_value<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Value, D::Error> {
     d.deserialize_any(JsonVisitor)
+}
+
+/// How [`json_value`]'s error for a NaN or an infinity begins; the value follows.
+pub const NON_FINITE: &str = "a number that is not finite: ";
+
+/// Keyword `key`'s refusal when [`json_value`] failed on it with `message`, if that failure was
+/// a NaN or an infinity somewhere in its value; None for any other failure (a value that is not
+/// plain data, which the grammar refuses by its type).
+pub fn non_finite_refusal(key: &str, message: &str) -> Option<PlanError> {
+    let got = message.strip_prefix(NON_FINITE)?;
+    Some(PlanError::option(key, "finite numbers", got))
 }
 
 struct Json(Value);
@@ -497,8 +509,10 @@ impl<'de> Visitor<'de> for JsonVisitor {
     fn visit_u64<E>(self, v: u64) -> std::result::Result<Value, E> {
         Ok(v.into())
     }
-    fn visit_f64<E>(self, v: f64) -> std::result::Result<Value, E> {
-        Ok(Number::from_f64(v).map_or(Value::Null, Value::Number))
+    fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<Value, E> {
+        Number::from_f64(v)
+            .map(Value::Number)
+            .ok_or_else(|| E::custom(format!("{NON_FINITE}{v}")))
     }
     fn visit_str<E>(self, v: &str) -> std::result::Result<Value, E> {
         Ok(v.into())

@@ -60,19 +60,22 @@ impl<'py> Kw<'py> {
 /// Keyword `key` set to `v` as the core reads it: a plain value as it is, a dataclass (a
 /// `CacheSpec`, a `RuntimeSpec`) as its fields and a `Cache` as its shape (the data they stand
 /// for), and any other object by its type's name, for the caller to take with [`Kw::any`] or the
-/// grammar to refuse.
+/// grammar to refuse. A NaN or an infinity in a plain value is refused here, by name.
 fn add(kw: &mut wp::Keywords, key: String, v: &Bound<'_, PyAny>) -> PyResult<()> {
     let data = if let Ok(c) = v.cast::<Cache>() {
-        serde_json::to_value(cache_spec(c.get().cache.config())).ok()
+        serde_json::to_value(cache_spec(c.get().cache.config())).map_err(|e| e.to_string())
     } else if v.hasattr(intern!(v.py(), "__dataclass_fields__"))? && !v.is_instance_of::<PyType>() {
         let fields = v.py().import("dataclasses")?.call_method1("asdict", (v,))?;
-        wp::keywords::json_value(&mut Depythonizer::from_object(&fields)).ok()
+        wp::keywords::json_value(&mut Depythonizer::from_object(&fields)).map_err(|e| e.to_string())
     } else {
-        wp::keywords::json_value(&mut Depythonizer::from_object(v)).ok()
+        wp::keywords::json_value(&mut Depythonizer::from_object(v)).map_err(|e| e.to_string())
     };
     match data {
-        Some(value) => kw.insert(key, value),
-        None => kw.insert_foreign(key, v.get_type().name()?.to_string()),
+        Ok(value) => kw.insert(key, value),
+        Err(e) => match wp::keywords::non_finite_refusal(&key, &e) {
+            Some(refusal) => return Err(py_err(refusal)),
+            None => kw.insert_foreign(key, v.get_type().name()?.to_string()),
+        },
     }
     Ok(())
 }

@@ -52,6 +52,31 @@ fn int_map_keys_read_as_accelerator_indices() {
 }
 
 #[test]
+fn a_nan_or_an_infinity_is_refused_by_name_not_read_as_absent() {
+    use serde::de::value::{Error, SeqDeserializer};
+    for (v, shown) in [
+        (f64::NAN, "NaN"),
+        (f64::INFINITY, "inf"),
+        (f64::NEG_INFINITY, "-inf"),
+    ] {
+        // inside a list, as tensor_split = [nan, 2] reaches the grammar
+        let seq = SeqDeserializer::<_, Error>::new([1.0, v].into_iter());
+        let e = json_value(seq).unwrap_err().to_string();
+        assert_eq!(e, format!("{NON_FINITE}{shown}"));
+        let refusal = non_finite_refusal("tensor_split", &e).unwrap();
+        assert!(!is_type_error(&refusal));
+        assert_eq!(
+            refusal.to_string(),
+            format!("invalid option tensor_split: expected finite numbers, got {shown}")
+        );
+    }
+    // finite floats stay numbers; other failures are not this refusal
+    let seq = SeqDeserializer::<_, Error>::new([1.5f64].into_iter());
+    assert_eq!(json_value(seq).unwrap(), json!([1.5]));
+    assert!(non_finite_refusal("tensor_split", "unsupported type").is_none());
+}
+
+#[test]
 fn a_size_of_the_wrong_kind_is_a_type_error_and_a_bad_size_a_value_error() {
     for (v, got) in [
         (json!(1.5), "float"),
