@@ -199,6 +199,10 @@ def test_save_state_restores_the_cache_exactly(llm: wl.Llama) -> None:
     assert logits.shape == (1, llm.n_vocab())
     with pytest.raises(ValueError, match="WLKVSTAT"):
         llm.model.cache.load_state(b"not a state")
+    # a state of another kind is refused by name, and the cache keeps what it held
+    with pytest.raises(TypeError, match="the LlamaState that save_state returned, got bytes"):
+        llm.load_state(b"not a state")  # type: ignore[arg-type]
+    assert llm.n_tokens == len(ids) + 1
 
 
 def test_logit_bias_bans_and_forces_tokens(llm: wl.Llama) -> None:

@@ -631,6 +631,11 @@ class Llama:
 
     def load_state(self, state: LlamaState) -> None:
         """Hold exactly what ``state`` held."""
+        if not isinstance(state, LlamaState):
+            raise TypeError(
+                "Llama.load_state: expected the LlamaState that save_state returned, "
+                f"got {type(state).__name__}"
+            )
         cache = self._model.cache
         if cache is None:
             raise ValueError("Llama.load_state: this Llama was made with vocab_only=True")
