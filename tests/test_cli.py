@@ -500,6 +500,26 @@ def test_run_chat_with_no_input_answers_p_and_ends(demo_gguf, chat_model):
     assert len(usage(p.stderr, "prompt eval time")) == 1
 
 
+def test_run_chat_takes_a_built_in_chat_format(demo_gguf, chat_model):
+    # --chat-format: the reply and prompt of that format in place of the model's template
+    p = chat(demo_gguf, "-p", "Hi", "--chat-format", "zephyr")
+    assert p.returncode == 0, p.stderr
+    messages = [{"role": "user", "content": "Hi"}]
+    args = {"max_tokens": 6, "temperature": 0, "repeat_penalty": 1.0}
+    own = chat_model.create_chat_completion(messages, **args)["usage"]["prompt_tokens"]
+    chat_model.chat_format = "zephyr"
+    try:
+        r = chat_model.create_chat_completion(messages, **args)
+    finally:
+        chat_model.chat_format = None
+    assert p.stdout == r["choices"][0]["message"]["content"] + "\n"
+    assert usage(p.stderr, "prompt eval time") == [r["usage"]["prompt_tokens"]] != [own]
+    p = chat(demo_gguf, "-p", "Hi", "--chat-format", "nope")
+    assert p.returncode == 2, p.stderr
+    assert "chat format 'nope'" in p.stderr and "chatml" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
 @pytest.mark.parametrize(
     ("typed", "end"), [(b"/exit\n", "\n> "), (b"\x04", "\n> \n")], ids=["exit", "ctrl-d"]
 )

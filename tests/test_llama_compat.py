@@ -608,6 +608,29 @@ def test_a_built_in_chat_format_makes_llama_cpp_pythons_prompt(demo_gguf: Path, 
         ).decode("utf-8", "ignore")
 
 
+def test_a_models_chat_format_is_set_and_cleared_after_the_load(demo_gguf: Path) -> None:
+    case = json.loads(CHAT_FORMATS.read_text())["formats"]["zephyr"][0]
+    m = wl.load_gguf(demo_gguf, n_ctx=256)
+
+    def prompt_tokens() -> int:
+        r = m.create_chat_completion(case["messages"], max_tokens=1, temperature=0.0)
+        return r["usage"]["prompt_tokens"]
+
+    assert m.chat_format is None
+    own = prompt_tokens()
+    m.chat_format = "zephyr"
+    assert m.chat_format == "zephyr"
+    # BOS by the vocabulary's rule, as the chat prompt gets it
+    want = m.tokenize(case["prompt"].encode(), special=True)
+    assert prompt_tokens() == len(want) != own
+    # an unknown name is refused by name, and the format in use stays
+    with pytest.raises(wl.UnsupportedError, match="chat format 'nope'.*chatml"):
+        m.chat_format = "nope"
+    assert m.chat_format == "zephyr"
+    m.chat_format = None
+    assert m.chat_format is None and prompt_tokens() == own
+
+
 def test_a_chat_formats_stop_string_ends_the_reply(demo_gguf: Path) -> None:
     # pygmalion's stop is a newline: the chat reply is the plain completion of its prompt cut at
     # the first one.

@@ -553,6 +553,19 @@ class Model(_native.Model):
     def int8_threshold(self, value: float) -> None:
         self._set("int8_threshold", value)
 
+    @property
+    def chat_format(self) -> str | None:
+        """The built-in chat format that chats are formatted with in place of the model's own
+        chat template (llama-cpp-python's ``chat_format``: ``"chatml"``, ``"llama-3"``, ...), or
+        None for the template. Setting it takes effect at the next chat; ``load_gguf`` and
+        ``Llama`` take it as ``chat_format=``.
+        """
+        return self._state()["chat_format"]
+
+    @chat_format.setter
+    def chat_format(self, name: str | None) -> None:
+        self._set("chat_format", name)
+
     def embed(
         self, ids: Sequence[int], *, pooling: int | str | None = None, normalize: bool = False
     ) -> list[float] | list[list[float]]:

@@ -514,6 +514,9 @@ def _load_model(
         quantize=args.quantize,
         **model_kw,
     )
+    chat_format = getattr(args, "chat_format", None)
+    if chat_format is not None:  # an unknown name fails here, before the load
+        model.chat_format = chat_format
     bar = _ProgressBar(args.progress)
     start = time.perf_counter()
     try:
@@ -1023,6 +1026,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     """The generation flags ``run`` and ``serve`` share."""
     p.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")
     p.add_argument("--compute", default="fast", help="fast (as llama.cpp) or exact (f32)")
+    p.add_argument(
+        "--chat-format",
+        help="format chats with this built-in format (llama-cpp-python's chat_format: chatml, "
+        "llama-3, mistral-instruct, ...) in place of the model's chat template",
+    )
 
 
 def _load_flags(p: argparse.ArgumentParser, *, serve: bool = False) -> None:

@@ -98,6 +98,9 @@ pub enum Setting {
     CudaGraphs(bool),
     /// LLM.int8's outlier threshold ([`Model::set_int8_threshold`]).
     Int8Threshold(f32),
+    /// A built-in chat format in place of the checkpoint's template, or the template again
+    /// (`None`) ([`Model::set_chat_format`]).
+    ChatFormat(Option<String>),
 }
 
 /// A prompt as callers give it: text, or token ids.
@@ -179,6 +182,7 @@ impl Session {
             warnings: &'a [String],
             compute: &'static str,
             int8_threshold: f32,
+            chat_format: Option<&'static str>,
             cuda_graphs: bool,
             cuda_graph_counts: (u64, u64, Option<String>),
         }
@@ -198,6 +202,7 @@ impl Session {
             warnings: m.warnings(),
             compute: m.compute().name(),
             int8_threshold: m.int8_threshold(),
+            chat_format: m.chat_format().map(|f| f.name),
             cuda_graphs: m.cuda_graphs(),
             cuda_graph_counts: m.cuda_graph_counts(),
         }
@@ -209,6 +214,7 @@ impl Session {
             Setting::Compute(name) => self.model.set_compute(Compute::parse(&name)?),
             Setting::CudaGraphs(on) => self.model.set_cuda_graphs(on),
             Setting::Int8Threshold(t) => self.model.set_int8_threshold(t)?,
+            Setting::ChatFormat(name) => self.model.set_chat_format(name.as_deref())?,
         }
         Ok(())
     }

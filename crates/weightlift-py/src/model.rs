@@ -149,6 +149,7 @@ impl Model {
             "compute" => Setting::Compute(value.extract()?),
             "cuda_graphs" => Setting::CudaGraphs(value.extract()?),
             "int8_threshold" => Setting::Int8Threshold(value.extract()?),
+            "chat_format" => Setting::ChatFormat(value.extract()?),
             _ => return Err(PyAttributeError::new_err(name.to_owned())),
         };
         eng(self.lock()?.set(setting))
