@@ -598,6 +598,7 @@ def test_a_built_in_chat_format_makes_llama_cpp_pythons_prompt(demo_gguf: Path, 
     # chat handler does: BOS by the vocabulary's rule, special tokens parsed.
     case = json.loads(CHAT_FORMATS.read_text())["formats"][name][0]
     with wl.Llama(str(demo_gguf), chat_format=name, n_ctx=256, verbose=False) as llm:
+        assert llm.chat_format == name
         want = llm.tokenize(case["prompt"].encode(), add_bos=True, special=True)
         reply = llm.create_chat_completion(case["messages"], max_tokens=1, temperature=0.0)
         assert reply["usage"]["prompt_tokens"] == len(want)
@@ -629,6 +630,13 @@ def test_a_models_chat_format_is_set_and_cleared_after_the_load(demo_gguf: Path)
     assert m.chat_format == "zephyr"
     m.chat_format = None
     assert m.chat_format is None and prompt_tokens() == own
+    # Llama's attribute is the model's
+    with wl.Llama(str(demo_gguf), n_ctx=256, verbose=False) as llm:
+        assert llm.chat_format is None
+        llm.chat_format = "zephyr"
+        assert llm.model.chat_format == "zephyr"
+        reply = llm.create_chat_completion(case["messages"], max_tokens=1, temperature=0.0)
+        assert reply["usage"]["prompt_tokens"] == len(want)
 
 
 def test_a_chat_formats_stop_string_ends_the_reply(demo_gguf: Path) -> None:

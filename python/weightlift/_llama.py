@@ -339,6 +339,16 @@ class Llama:
         """The weightlift ``Model`` underneath."""
         return self._model
 
+    @property
+    def chat_format(self) -> str | None:
+        """The built-in chat format that chats use (``chat_format=``), or None for the model's
+        chat template; it can be changed between calls, as llama-cpp-python's attribute can."""
+        return self._model.chat_format
+
+    @chat_format.setter
+    def chat_format(self, name: str | None) -> None:
+        self._model.chat_format = name
+
     def n_ctx(self) -> int:
         return self._model.n_ctx()
 
