@@ -232,6 +232,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "do not fit the cache",
     ),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    # a field of several kinds is named as itself, with what it takes
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "expected str or list[str], got"),
+    ("/v1/completions", {"prompt": [1.5]}, 400, "prompt.0", "valid integer"),
     ("/v1/completions", {"prompt": "hi", "grammar": "root ::= ("}, 400, "grammar", "line 1"),
     (
         "/v1/chat/completions",

@@ -97,16 +97,55 @@ def from_engine(e: Exception, fields: Collection[str], roles: dict[str, str]) ->
     return APIError(status, message, type=kind, param=param, code=code)
 
 
+# A step of pydantic's error path that names a member of a union field (``stop``'s ``str`` and
+# ``list[str]``), not a field or an index.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict)\[.*\])$")
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a bool"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
 def _validation(exc: RequestValidationError) -> APIError:
-    """pydantic's first complaint, naming the field by its path (``messages.0.role``)."""
-    first = exc.errors()[0]
+    """pydantic's first complaint, naming the field by its path (``messages.0.role``). A union
+    field (``stop``, ``prompt``) is named as itself: the complaint of a member that took the
+    value's kind and failed inside it, else what the members take against what came."""
+    errors = exc.errors()
+    first = errors[0]
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "not JSON")
         return APIError(400, f"malformed JSON in the request body: {reason}", code="invalid_json")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    at = next((i for i, part in enumerate(loc) if _UNION_MEMBER.match(part)), None)
+    message = str(first.get("msg"))
+    if at is not None:
+        field = loc[:at]
+        members = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors]
+        inside = [
+            (m, e)
+            for m, e in zip(members, errors, strict=True)
+            if m[:at] == field and len(m) > at + 1
+        ]
+        if inside:
+            m, e = inside[0]
+            loc, message = field + m[at + 1 :], str(e.get("msg"))
+        else:
+            kinds = list(dict.fromkeys(m[at] for m in members if m[:at] == field and len(m) > at))
+            taken = (
+                " or ".join(kinds) if len(kinds) < 3 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+            )
+            loc, message = field, f"expected {taken}, got {_json_kind(first.get('input'))}"
     param = ".".join(loc) or None
     what = f"{param}: " if param else "request body: "
-    return APIError(400, what + str(first.get("msg")), param=param, code="invalid_value")
+    return APIError(400, what + message, param=param, code="invalid_value")
 
 
 def install(app: FastAPI) -> None:
