@@ -769,6 +769,29 @@ def test_a_system_prompt_is_prefilled_once_across_slots(demo_gguf: Path, tmp_pat
         assert timings["prompt_n"] == out.usage.prompt_tokens - timings["cache_n"]
 
 
+def test_a_chat_format_lets_a_model_without_a_template_serve_chats(tmp_path: Path):
+    """--chat-format: the chat prompt and greedy reply of that built-in format, on a model whose
+    checkpoint has no chat template (which serves no chats without it)."""
+    import weightlift as wl
+
+    path = Path(__file__).parent / "data/tiny-qwen2/tiny-qwen2-F16.gguf"
+    messages = [{"role": "user", "content": "hi"}]
+    alone = wl.load_gguf(path, n_ctx=128)
+    alone.compute = "exact"
+    with pytest.raises(wl.UnsupportedError, match="no chat template"):
+        alone.create_chat_completion(messages, max_tokens=3)
+    alone.chat_format = "chatml"
+    want = alone.create_chat_completion(messages, max_tokens=3, temperature=0.0)
+    with serving(path, tmp_path, "--ctx", "128", "--chat-format", "chatml") as s:
+        r = s.post(
+            "/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "temperature": 0}
+        )
+        assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_finishes_the_stream_then_exits_0(demo_gguf: Path, tmp_path: Path, sig):
     with serving(demo_gguf, tmp_path, "--ctx", "512") as s:
