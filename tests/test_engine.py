@@ -15,26 +15,11 @@ import pytest
 import safetensors
 import weightlift as wl
 from gguf import GGUFReader
+from tensor_truth import gguf_truth, st_truth
 from weightlift._errors import FormatError, LoadCancelled, OutOfMemoryError, PlanError
 
 # Small forward passes keep the planned scratch small (the default plans 2048-token prompts).
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
-
-
-def st_truth(folder: Path) -> dict[str, bytes]:
-    """name -> raw bytes, as the safetensors package deserialises every shard."""
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        for name, info in safetensors.deserialize(f.read_bytes()):
-            out[name] = bytes(info["data"])
-    return out
-
-
-def gguf_truth(src: Path | GGUFReader) -> dict[str, bytes]:
-    """Every tensor's bytes as gguf-py reads them (the demo model's reader is a session fixture:
-    reading its metadata takes gguf-py seconds)."""
-    reader = src if isinstance(src, GGUFReader) else GGUFReader(src)
-    return {t.name: np.ascontiguousarray(t.data).tobytes() for t in reader.tensors}
 
 
 def rss_anon() -> int:

@@ -7,24 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import safetensors
 import weightlift as wl
 from gguf import GGUFReader
+from tensor_truth import gguf_truth, truth_of
 
 RT = {"max_input_len": 16, "max_attention_size": 256, "max_dq_size": 1 << 16}
-
-
-def truth_of(path: Path, reader: GGUFReader | None = None) -> dict[str, bytes]:
-    """Every tensor's bytes as gguf-py or safetensors read them; `reader` is the GGUF's reader
-    when one is at hand (the demo model's is a session fixture: its metadata takes seconds)."""
-    if path.suffix == ".gguf":
-        reader = reader or GGUFReader(path)
-        return {t.name: np.ascontiguousarray(t.data).tobytes() for t in reader.tensors}
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        for name, info in safetensors.deserialize(f.read_bytes()):
-            out[name] = bytes(info["data"])
-    return out
 
 
 def covers(table: list[tuple[int, int, int]], total: int) -> bool:
@@ -163,7 +150,7 @@ def test_load_tp_demo_model_three_devices(demo_gguf: Path, demo_reader: GGUFRead
     # SmolLM2: 3 KV heads, 9 heads, intermediate 1536, Q4_1 blocks split on block boundaries.
     m = wl.Model(demo_gguf, devices="virtual:3x64MiB", runtime=RT)
     m.load_tp(expect_cache_tokens=512, expect_cache_base="q4")
-    truth = truth_of(demo_gguf, demo_reader)
+    truth = gguf_truth(demo_reader)
     for name, want in truth.items():
         assert m.tensor(name).tobytes() == want, name
     assert m.device_of("blk.0.attn_k.weight") == "virtual:0,virtual:1,virtual:2"

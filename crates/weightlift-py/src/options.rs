@@ -64,11 +64,15 @@ impl<'py> Kw<'py> {
 fn add(kw: &mut wp::Keywords, key: String, v: &Bound<'_, PyAny>) -> PyResult<()> {
     let data = if let Ok(c) = v.cast::<Cache>() {
         serde_json::to_value(cache_spec(c.get().cache.config())).map_err(|e| e.to_string())
-    } else if v.hasattr(intern!(v.py(), "__dataclass_fields__"))? && !v.is_instance_of::<PyType>() {
-        let fields = v.py().import("dataclasses")?.call_method1("asdict", (v,))?;
-        wp::keywords::json_value(&mut Depythonizer::from_object(&fields)).map_err(|e| e.to_string())
     } else {
-        wp::keywords::json_value(&mut Depythonizer::from_object(v)).map_err(|e| e.to_string())
+        let plain = if v.hasattr(intern!(v.py(), "__dataclass_fields__"))?
+            && !v.is_instance_of::<PyType>()
+        {
+            v.py().import("dataclasses")?.call_method1("asdict", (v,))?
+        } else {
+            v.clone()
+        };
+        wp::keywords::json_value(&mut Depythonizer::from_object(&plain)).map_err(|e| e.to_string())
     };
     match data {
         Ok(value) => kw.insert(key, value),

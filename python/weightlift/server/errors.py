@@ -114,35 +114,33 @@ def _json_kind(value: Any) -> str:
     return "a list" if isinstance(value, list) else "an object"
 
 
+def _union_complaint(at: int, paths: list[list[str]], errors: list[Any]) -> tuple[list[str], str]:
+    """The path and words of a union field's complaint, the field ending before step ``at`` of
+    ``paths[0]``: those of a member that took the value's kind and failed inside it, else the
+    kinds the members take against the kind that came."""
+    field = paths[0][:at]
+    mine = [(p, e) for p, e in zip(paths, errors, strict=True) if p[:at] == field and len(p) > at]
+    for p, e in mine:
+        if len(p) > at + 1:
+            return field + p[at + 1 :], str(e.get("msg"))
+    kinds = list(dict.fromkeys(p[at] for p, _ in mine))
+    taken = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+    return field, f"expected {taken}, got {_json_kind(errors[0].get('input'))}"
+
+
 def _validation(exc: RequestValidationError) -> APIError:
-    """pydantic's first complaint, naming the field by its path (``messages.0.role``). A union
-    field (``stop``, ``prompt``) is named as itself: the complaint of a member that took the
-    value's kind and failed inside it, else what the members take against what came."""
+    """pydantic's first complaint, naming the field by its path (``messages.0.role``); a union
+    field (``stop``, ``prompt``) by its own name (``_union_complaint``)."""
     errors = exc.errors()
     first = errors[0]
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "not JSON")
         return APIError(400, f"malformed JSON in the request body: {reason}", code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    paths = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors]
+    loc, message = paths[0], str(first.get("msg"))
     at = next((i for i, part in enumerate(loc) if _UNION_MEMBER.match(part)), None)
-    message = str(first.get("msg"))
     if at is not None:
-        field = loc[:at]
-        members = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors]
-        inside = [
-            (m, e)
-            for m, e in zip(members, errors, strict=True)
-            if m[:at] == field and len(m) > at + 1
-        ]
-        if inside:
-            m, e = inside[0]
-            loc, message = field + m[at + 1 :], str(e.get("msg"))
-        else:
-            kinds = list(dict.fromkeys(m[at] for m in members if m[:at] == field and len(m) > at))
-            taken = (
-                " or ".join(kinds) if len(kinds) < 3 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
-            )
-            loc, message = field, f"expected {taken}, got {_json_kind(first.get('input'))}"
+        loc, message = _union_complaint(at, paths, errors)
     param = ".".join(loc) or None
     what = f"{param}: " if param else "request body: "
     return APIError(400, what + message, param=param, code="invalid_value")
