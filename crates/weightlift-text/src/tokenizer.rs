@@ -172,6 +172,15 @@ fn get_id(md: &Metadata, key: &str, n_vocab: usize) -> Result<Option<u32>> {
     }
 }
 
+/// A BOS or EOS id as llama.cpp reads it: the metadata's, or `default` (when the vocabulary
+/// has that many tokens) where the key is missing or says -1.
+fn special_id(md: &Metadata, key: &str, n_vocab: usize, default: u32) -> Result<Option<u32>> {
+    match get_id(md, key, n_vocab)? {
+        Some(id) => Ok(Some(id)),
+        None => Ok(((default as usize) < n_vocab).then_some(default)),
+    }
+}
+
 fn backend(stage: &'static str, e: impl std::fmt::Display) -> TextError {
     TextError::Backend {
         stage,
@@ -285,8 +294,11 @@ impl Tokenizer {
             (hf, VocabKind::Spm, true, prefix)
         };
 
-        let bos = get_id(md, "tokenizer.ggml.bos_token_id", n)?;
-        let eos = get_id(md, "tokenizer.ggml.eos_token_id", n)?;
+        // Without an id (or with -1) llama.cpp takes its default for the tokenizer model:
+        // SentencePiece BOS 1 and EOS 2, byte-level BPE 11 for both (GPT-2's comma).
+        let (bos_default, eos_default) = if model == "gpt2" { (11, 11) } else { (1, 2) };
+        let bos = special_id(md, "tokenizer.ggml.bos_token_id", n, bos_default)?;
+        let eos = special_id(md, "tokenizer.ggml.eos_token_id", n, eos_default)?;
         let declared = [
             eos,
             get_id(md, "tokenizer.ggml.eot_token_id", n)?,
@@ -744,15 +756,21 @@ impl Tokenizer {
     /// The chat template compiled, with this vocabulary's BOS and EOS texts, as llama-cpp-python
     /// passes them to its `Jinja2ChatFormatter`.
     pub fn chat(&self) -> Result<Option<crate::ChatTemplate>> {
-        let Some(src) = &self.chat_template else {
-            return Ok(None);
-        };
+        self.chat_template
+            .as_deref()
+            .map(|src| self.compile_chat(src))
+            .transpose()
+    }
+
+    /// Template `src` compiled with this vocabulary's BOS and EOS texts, as [`Tokenizer::chat`]
+    /// compiles the checkpoint's own (another template a GGUF names, say).
+    pub fn compile_chat(&self, src: &str) -> Result<crate::ChatTemplate> {
         let text = |id: Option<u32>| {
             id.and_then(|i| self.token_text(i))
                 .unwrap_or_default()
                 .to_owned()
         };
-        crate::ChatTemplate::new(src, &text(self.bos), &text(self.eos)).map(Some)
+        crate::ChatTemplate::new(src, &text(self.bos), &text(self.eos))
     }
 }
 
