@@ -6,7 +6,9 @@ Checked against outputs nobody here wrote:
 - the shapes of llama-cpp-python's own tests (`tests/test_llama.py` in that sdist): its
   tokenizer test on llama.cpp's SPM vocabulary verbatim, and its save/load-state and grammar
   test on the demo model;
-- llama.cpp's greedy continuation of the demo model (the reference data's `greedy.json`).
+- llama.cpp's greedy continuation of the demo model (the reference data's `greedy.json`);
+- what llama-cpp-python's `Llama` reports of GGUFs (`metadata`, the chat format it picks) and the
+  prompt of a template a GGUF names (`tests/data/llama_metadata.json`).
 """
 
 from __future__ import annotations
@@ -632,7 +634,7 @@ def test_a_models_chat_format_is_set_and_cleared_after_the_load(demo_gguf: Path)
     assert m.chat_format is None and prompt_tokens() == own
     # Llama's attribute is the model's
     with wl.Llama(str(demo_gguf), n_ctx=256, verbose=False) as llm:
-        assert llm.chat_format is None
+        assert llm.chat_format == "chat_template.default"
         llm.chat_format = "zephyr"
         assert llm.model.chat_format == "zephyr"
         reply = llm.create_chat_completion(case["messages"], max_tokens=1, temperature=0.0)
@@ -681,3 +683,99 @@ def test_a_prefix_computed_in_another_compute_mode_runs_again(demo_gguf: Path) -
         llm.create_completion(ids, **args)
         llm.model.compute = now
         assert llm.create_completion(ids, **args)["choices"][0] == cold[now][1]
+
+
+# What llama-cpp-python's Llama reports of GGUFs and which chat format it picks
+# (tests/gen_llama_metadata.py).
+LLAMA_METADATA = Path(__file__).parent / "data" / "llama_metadata.json"
+TINY_QWEN2 = Path(__file__).parent / "data" / "tiny-qwen2" / "tiny-qwen2-F16.gguf"
+
+
+def gguf_with(src: Path, dest: Path, strings: dict[str, str]) -> Path:
+    """A copy of `src` with string keys set, by gguf-py's own metadata copier."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(dest, arch=arch, endianess=reader.endianess)
+    new = {k: MetadataDetails(gguf.GGUFValueType.STRING, v) for k, v in strings.items()}
+    copy_with_new_metadata(reader, writer, new, [])
+    return dest
+
+
+def test_metadata_and_chat_format_are_llama_cpp_pythons(demo_gguf: Path) -> None:
+    # Every key but the arrays, each value a string as llama.cpp writes it; the chat format
+    # picked from the template, or llama-2 without one.
+    assert "tokenizer.ggml.bos_token_id" not in wl.open(TINY_QWEN2).metadata
+    models = json.loads(LLAMA_METADATA.read_text())["models"]
+    assert len(models) == 6
+    for rel, want in models.items():
+        path = demo_gguf if rel == "demo" else Path(__file__).parent / "data" / rel
+        llm = wl.Llama(str(path), vocab_only=True, verbose=False)
+        assert llm.metadata == want["metadata"], rel
+        assert llm.chat_format == want["chat_format"], rel
+        # BOS and EOS, llama.cpp's defaults where the GGUF has none (tiny-qwen2 has no BOS id)
+        assert (llm.token_bos(), llm.token_eos()) == (want["token_bos"], want["token_eos"]), rel
+
+
+def test_a_template_llama_cpp_python_knows_by_heart_takes_its_built_in_format(
+    tmp_path: Path,
+) -> None:
+    from weightlift._llama import _chat_format_of
+
+    guesses = json.loads(LLAMA_METADATA.read_text())["guesses"]
+    assert {g["guess"] for g in guesses} == {"chatml", "mistral-instruct", "llama-3", None}
+    for g in guesses:
+        want = g["guess"] or "chat_template.default"
+        assert _chat_format_of({"tokenizer.chat_template": g["template"]}) == want
+    # end to end: a GGUF whose template is ChatML's, as llama-cpp-python's guess says
+    chatml = gguf_with(
+        TINY_QWEN2, tmp_path / "chatml.gguf", {"tokenizer.chat_template": guesses[0]["template"]}
+    )
+    assert wl.Llama(str(chatml), vocab_only=True, verbose=False).chat_format == "chatml"
+
+
+def test_a_gguf_without_a_template_chats_in_llama_2(tmp_path: Path) -> None:
+    # llama-cpp-python's fallback: the prompt its llama-2 formatter makes, BOS by the vocabulary.
+    case = json.loads(CHAT_FORMATS.read_text())["formats"]["llama-2"][0]
+    with wl.Llama(str(TINY_QWEN2), n_ctx=256, verbose=False) as llm:
+        assert llm.chat_format == "llama-2"
+        want = llm.tokenize(case["prompt"].encode(), add_bos=True, special=True)
+        reply = llm.create_chat_completion(case["messages"], max_tokens=1, temperature=0.0)
+        assert reply["usage"]["prompt_tokens"] == len(want)
+        # chat_format=None asks for the model's own template, which it does not have
+        llm.chat_format = None
+        assert llm.chat_format is None
+        with pytest.raises(wl.UnsupportedError, match="no chat template"):
+            llm.create_chat_completion(case["messages"], max_tokens=1)
+
+
+def test_a_template_the_gguf_names_formats_chats(tmp_path: Path) -> None:
+    named = json.loads(LLAMA_METADATA.read_text())["named_template"]
+    key = f"tokenizer.chat_template.{named['name']}"
+    path = gguf_with(TINY_QWEN2, tmp_path / "named.gguf", {key: named["template"]})
+    name = f"chat_template.{named['name']}"
+    with wl.Llama(str(path), chat_format=name, n_ctx=256, verbose=False) as llm:
+        assert llm.chat_format == llm.model.chat_format == name
+        assert llm.metadata[key] == named["template"]
+        reply = llm.create_chat_completion(named["messages"], max_tokens=1, temperature=0.0)
+        assert reply["usage"]["prompt_tokens"] == len(named["ids"])
+        # the greedy reply to llama-cpp-python's ids (a byte-level token here that ends inside a
+        # character, which the reply shows as U+FFFD)
+        llm.reset()
+        llm.eval(named["ids"])
+        assert reply["choices"][0]["message"]["content"] == llm.detokenize(
+            [int(np.argmax(llm.scores[-1]))]
+        ).decode("utf-8", "replace")
+        # a name the GGUF does not have is refused with the ones it has
+        with pytest.raises(
+            wl.UnsupportedError,
+            match=r"chat format 'chat_template.nope'.*chat_template.default, "
+            r"chat_template.tool_use, chatml",
+        ):
+            llm.chat_format = "chat_template.nope"
+        assert llm.chat_format == name
+        # chat_template.default is the model's own template: here none, so llama-2 is gone too
+        llm.chat_format = "chat_template.default"
+        assert llm.model.chat_format is None

@@ -555,9 +555,11 @@ class Model(_native.Model):
 
     @property
     def chat_format(self) -> str | None:
-        """The built-in chat format that chats are formatted with in place of the model's own
-        chat template (llama-cpp-python's ``chat_format``: ``"chatml"``, ``"llama-3"``, ...), or
-        None for the template. Setting it takes effect at the next chat; ``load_gguf`` and
+        """The chat format that chats are formatted with in place of the model's own chat
+        template, by llama-cpp-python's ``chat_format`` names: a built-in format (``"chatml"``,
+        ``"llama-3"``, ...) or ``"chat_template.NAME"`` for another template the GGUF names
+        (``tokenizer.chat_template.NAME``); None (or ``"chat_template.default"``) for the
+        model's own template. Setting it takes effect at the next chat; ``load_gguf`` and
         ``Llama`` take it as ``chat_format=``.
         """
         return self._state()["chat_format"]
@@ -971,9 +973,10 @@ def load_gguf(
     may be given as ``model_path=``, and ``verbose`` is accepted (nothing is printed);
     ``chat_format`` names one of llama-cpp-python's built-in chat formats (``"chatml"``,
     ``"llama-2"``, ``"llama-3"``, ``"mistral-instruct"``, ``"gemma"``, ``"zephyr"``, ...) used in
-    place of the model's own chat template, whose stop string then ends chat replies; None keeps the
-    model's template. ``spm_infill`` puts the suffix first in fill-in-the-middle prompts
-    (``suffix=``). ``n_ctx=0`` is the context the model was trained with, as in llama.cpp.
+    place of the model's own chat template, whose stop string then ends chat replies, or
+    ``"chat_template.NAME"``, another template the GGUF names; None keeps the model's template.
+    ``spm_infill`` puts the suffix first in fill-in-the-middle prompts (``suffix=``).
+    ``n_ctx=0`` is the context the model was trained with, as in llama.cpp.
     """
     kw = locals()
     if path is not None and model_path is not None:

@@ -12,6 +12,7 @@ engine's, so a Rust caller gets the same behaviour without it.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import sys
 from collections import OrderedDict
@@ -76,6 +77,46 @@ _REFUSED = {
     "tokenizer": (None, "the model's own tokenizer is used"),
     "last_n_tokens_size": (64, "the penalties look at the last 64 tokens"),
 }
+
+
+# llama-cpp-python names a GGUF's chat template after a built-in format when the template is,
+# character for character, one of four it knows (its `guess_chat_format_from_gguf_metadata`):
+# the sha256 of each such template, and the name. `tests/gen_llama_metadata.py` records what
+# llama-cpp-python guesses for each, and the tests check this table against it.
+_KNOWN_TEMPLATES = {
+    "153280e3ff55d19da1398bdb3914ee2a51b80429bfaedde11d7d216c39db80f3": "chatml",
+    "7e995b379ec01747807246483647cd99030abf331653f1119e16d7ac041a3495": "mistral-instruct",
+    "26a59556925c987317ce5291811ba3b7f32ec4c647c400c6cc7e3a9993007ba7": "mistral-instruct",
+    "ba03a121d097859c7b5b9cd03af99aafe95275210d2876f642ad9929a150f122": "llama-3",
+}
+_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def _metadata_strings(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """A GGUF's metadata as llama.cpp lists it to ``llama_model_meta_val_str`` (and
+    llama-cpp-python's ``Llama.metadata``): every key but the arrays, each value as a string;
+    numbers as C++'s ``std::to_string`` writes them (floats with six decimals), booleans as
+    ``true``/``false``."""
+    out = {}
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            out[key] = "true" if value else "false"
+        elif isinstance(value, float):
+            out[key] = f"{value:f}"
+        elif isinstance(value, (int, str)):
+            out[key] = str(value)
+    return out
+
+
+def _chat_format_of(metadata: Mapping[str, str]) -> str:
+    """The ``chat_format`` llama-cpp-python picks for a GGUF when none is given: a built-in
+    format whose template the GGUF's is exactly, else the GGUF's own (``chat_template.default``),
+    else ``llama-2``."""
+    template = metadata.get(_TEMPLATE_KEY)
+    if template is None:
+        return "llama-2"
+    digest = hashlib.sha256(template.encode("utf-8")).hexdigest()
+    return _KNOWN_TEMPLATES.get(digest, "chat_template.default")
 
 
 def _refuse(name: str, why: str) -> UnsupportedError:
@@ -305,6 +346,12 @@ class Llama:
         with open_checkpoint(self.model_path, vocab_only=vocab_only) as ckpt:
             spec = ckpt.spec
             self._n_embd = spec.hidden_size if spec is not None else 0
+            is_gguf = ckpt.format == "gguf"
+            self.metadata: dict[str, str] = _metadata_strings(ckpt.metadata) if is_gguf else {}
+            if chat_format is None and is_gguf:
+                chat_format = _chat_format_of(self.metadata)
+                if verbose:
+                    print(f"weightlift: chat format {chat_format}", file=sys.stderr)
             self._model: Model = load_gguf(
                 ckpt,
                 verbose=verbose,
@@ -341,9 +388,16 @@ class Llama:
 
     @property
     def chat_format(self) -> str | None:
-        """The built-in chat format that chats use (``chat_format=``), or None for the model's
-        chat template; it can be changed between calls, as llama-cpp-python's attribute can."""
-        return self._model.chat_format
+        """The chat format chats use, by llama-cpp-python's names: a built-in format's
+        (``"chatml"``, ...), ``"chat_template.default"`` for the GGUF's own template or
+        ``"chat_template.NAME"`` for another it names. Without ``chat_format=`` a GGUF gets
+        llama-cpp-python's pick: the built-in format its template is exactly, else its own
+        template, else ``"llama-2"``. It can be changed between calls (None: the model's own
+        template), as llama-cpp-python's attribute can."""
+        name = self._model.chat_format
+        if name is None and _TEMPLATE_KEY in self.metadata:
+            return "chat_template.default"
+        return name
 
     @chat_format.setter
     def chat_format(self, name: str | None) -> None:

@@ -63,6 +63,21 @@ pub(crate) fn resolve_in(inv: &Inventory, name: &str) -> Result<Arc<Device>> {
     inv.get(name)
 }
 
+/// The GGUF key of a checkpoint's chat template; `KEY.NAME` keys hold the others it names.
+const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
+
+/// llama-cpp-python's `chat_format` name for the checkpoint's own template.
+const DEFAULT_TEMPLATE: &str = "chat_template.default";
+
+/// The template a model's chats take (see [`Model::set_chat_format`]).
+#[derive(Debug, Clone)]
+enum ChatChoice {
+    Checkpoint,
+    /// `"chat_template.NAME"` and the text of `tokenizer.chat_template.NAME`.
+    Named(String, String),
+    Builtin(&'static weightlift_text::ChatFormat),
+}
+
 /// A model: nothing is loaded until [`Model::load`] (tensor parallelism: [`Model::tp_placement`]).
 pub struct Model {
     source: Arc<dyn Source>,
@@ -73,8 +88,8 @@ pub struct Model {
     tokenizer: std::sync::OnceLock<Arc<weightlift_text::Tokenizer>>,
     /// The tokenizer's chat template, compiled on first use (`None`: the model has none).
     chat: std::sync::OnceLock<Option<Arc<weightlift_text::ChatTemplate>>>,
-    /// A built-in chat format used in place of the checkpoint's template.
-    chat_format: Option<&'static weightlift_text::ChatFormat>,
+    /// The template chats take: the checkpoint's, another it names, or a built-in format.
+    chat_choice: ChatChoice,
     /// The runtime a cache made before a load is sized for ([`Model::runtime`]).
     runtime: weightlift_plan::RuntimeSpec,
 }
@@ -98,7 +113,7 @@ impl Model {
             runner: crate::forward::Runner::default(),
             tokenizer: std::sync::OnceLock::new(),
             chat: std::sync::OnceLock::new(),
-            chat_format: None,
+            chat_choice: ChatChoice::Checkpoint,
             runtime: weightlift_plan::RuntimeSpec::default(),
         }
     }
@@ -138,24 +153,77 @@ impl Model {
         Ok(Arc::clone(self.tokenizer.get_or_init(|| Arc::new(built))))
     }
 
-    /// Format chats with llama-cpp-python's built-in chat format `name` (`"chatml"`,
-    /// `"llama-3"`, ...; see [`weightlift_text::CHAT_FORMATS`]) in place of the checkpoint's
-    /// template, or again with the checkpoint's (`None`). The format's stop string then ends
-    /// chat replies ([`Model::chat_stop`]) and the prompt gets BOS by the vocabulary's rule.
+    /// Format chats by llama-cpp-python's `chat_format` name `name`:
+    /// - a built-in format (`"chatml"`, `"llama-3"`, ...; see [`weightlift_text::CHAT_FORMATS`])
+    ///   in place of the checkpoint's template. Its stop string then ends chat replies
+    ///   ([`Model::chat_stop`]) and the prompt gets BOS by the vocabulary's rule;
+    /// - `"chat_template.NAME"`: the template a GGUF keeps as `tokenizer.chat_template.NAME`
+    ///   (Command-R's `tool_use` and `rag`, say);
+    /// - `None` or `"chat_template.default"`: the checkpoint's own template again.
     pub fn set_chat_format(&mut self, name: Option<&str>) -> Result<()> {
-        self.chat_format = name.map(weightlift_text::chat_format).transpose()?;
+        self.chat_choice = match name {
+            None | Some(DEFAULT_TEMPLATE) => ChatChoice::Checkpoint,
+            Some(name) => {
+                let named = name.strip_prefix("chat_template.").and_then(|n| {
+                    let key = format!("{CHAT_TEMPLATE_KEY}.{n}");
+                    let md = self.source.checkpoint()?.metadata();
+                    md.get(&key)?.as_str().map(str::to_owned)
+                });
+                match (named, weightlift_text::chat_format(name)) {
+                    (Some(src), _) => ChatChoice::Named(name.to_owned(), src),
+                    (None, Ok(f)) => ChatChoice::Builtin(f),
+                    (None, Err(_)) => return Err(self.unknown_chat_format(name)),
+                }
+            }
+        };
         self.chat = std::sync::OnceLock::new();
         Ok(())
     }
 
+    /// An unknown `chat_format` name, with every name this model takes.
+    fn unknown_chat_format(&self, name: &str) -> EngineError {
+        let prefix = format!("{CHAT_TEMPLATE_KEY}.");
+        let named = self.source.checkpoint().into_iter().flat_map(|c| {
+            let keys = c.metadata().keys();
+            keys.filter_map(|k| Some(format!("chat_template.{}", k.strip_prefix(&prefix)?)))
+        });
+        let builtin = weightlift_text::CHAT_FORMATS
+            .iter()
+            .map(|f| f.name.to_owned());
+        let supported: Vec<String> = std::iter::once(DEFAULT_TEMPLATE.to_owned())
+            .chain(named)
+            .chain(builtin)
+            .collect();
+        weightlift_text::TextError::Unsupported {
+            what: "chat format",
+            name: name.to_owned(),
+            supported: supported.join(", "),
+            hint: "chat_format=None uses the model's own chat template",
+        }
+        .into()
+    }
+
     /// The built-in chat format in use, if any.
     pub fn chat_format(&self) -> Option<&'static weightlift_text::ChatFormat> {
-        self.chat_format
+        match self.chat_choice {
+            ChatChoice::Builtin(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// The `chat_format` name in use: a built-in format's or `"chat_template.NAME"`, or `None`
+    /// for the checkpoint's own template.
+    pub fn chat_format_name(&self) -> Option<&str> {
+        match &self.chat_choice {
+            ChatChoice::Checkpoint => None,
+            ChatChoice::Named(name, _) => Some(name),
+            ChatChoice::Builtin(f) => Some(f.name),
+        }
     }
 
     /// The stop string of the built-in chat format in use: a chat reply ends there.
     pub fn chat_stop(&self) -> Option<&'static str> {
-        self.chat_format.and_then(|f| f.stop)
+        self.chat_format().and_then(|f| f.stop)
     }
 
     /// The chat template compiled once: the built-in format's when one is set, else the
@@ -164,14 +232,14 @@ impl Model {
         if let Some(t) = self.chat.get() {
             return Ok(t.clone());
         }
-        let built = match self.chat_format {
-            Some(f) => Some(Arc::new(weightlift_text::ChatTemplate::new(
-                &f.template(),
-                "",
-                "",
-            )?)),
-            None => self.tokenizer()?.chat()?.map(Arc::new),
-        };
+        let built = match &self.chat_choice {
+            ChatChoice::Builtin(f) => {
+                Some(weightlift_text::ChatTemplate::new(&f.template(), "", "")?)
+            }
+            ChatChoice::Named(_, src) => Some(self.tokenizer()?.compile_chat(src)?),
+            ChatChoice::Checkpoint => self.tokenizer()?.chat()?,
+        }
+        .map(Arc::new);
         Ok(self.chat.get_or_init(|| built).clone())
     }
 

@@ -182,7 +182,7 @@ impl Session {
             warnings: &'a [String],
             compute: &'static str,
             int8_threshold: f32,
-            chat_format: Option<&'static str>,
+            chat_format: Option<&'a str>,
             cuda_graphs: bool,
             cuda_graph_counts: (u64, u64, Option<String>),
         }
@@ -202,7 +202,7 @@ impl Session {
             warnings: m.warnings(),
             compute: m.compute().name(),
             int8_threshold: m.int8_threshold(),
-            chat_format: m.chat_format().map(|f| f.name),
+            chat_format: m.chat_format_name(),
             cuda_graphs: m.cuda_graphs(),
             cuda_graph_counts: m.cuda_graph_counts(),
         }
