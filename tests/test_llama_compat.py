@@ -779,3 +779,85 @@ def test_a_template_the_gguf_names_formats_chats(tmp_path: Path) -> None:
         # chat_template.default is the model's own template: here none, so llama-2 is gone too
         llm.chat_format = "chat_template.default"
         assert llm.model.chat_format is None
+
+
+# llama-cpp-python's smaller Llama methods on the demo model (tests/gen_llama_api.py).
+LLAMA_API = Path(__file__).parent / "data" / "llama_api.json"
+
+
+def test_pooling_type_is_llama_cpp_pythons(demo_gguf: Path) -> None:
+    cases = json.loads(LLAMA_API.read_text())["pooling_type"]
+    assert {c["pooling_type"] for c in cases} == {0, 1, 3}
+    for case in cases:
+        llm = wl.Llama(str(demo_gguf), n_ctx=64, verbose=False, **case["kwargs"])
+        assert llm.pooling_type() == case["pooling_type"], case["kwargs"]
+
+
+def test_logprobs_and_prefixes_are_llama_cpp_pythons() -> None:
+    ref = json.loads(LLAMA_API.read_text())
+    for case in ref["logprobs"]:
+        # a row of only -inf gives NaN, with numpy's warning (as llama-cpp-python's does)
+        with np.errstate(invalid="ignore"):
+            got = wl.Llama.logits_to_logprobs(case["logits"])
+        assert got.dtype == np.single
+        np.testing.assert_allclose(got, np.array(case["logprobs"]), rtol=1e-6, atol=1e-7)
+    for case in ref["prefix"]:
+        assert wl.Llama.longest_token_prefix(case["a"], case["b"]) == case["n"]
+
+
+def test_the_tokenizer_object_is_llama_cpp_pythons(llm: wl.Llama) -> None:
+    # LlamaTokenizer parses special tokens by default, where Llama.tokenize does not.
+    ref = json.loads(LLAMA_API.read_text())["tokenizer"]
+    tok = llm.tokenizer()
+    assert isinstance(tok, wl.LlamaTokenizer)
+    text = ref["text"]
+    assert tok.encode(text) == ref["encode"]
+    assert tok.encode(text, add_bos=False, special=False) == ref["encode_plain"]
+    assert tok.tokenize(text.encode()) == ref["tokenize"]
+    assert tok.decode(ref["encode"]) == ref["decode"]
+    assert tok.detokenize(ref["encode"], special=True).decode() == ref["detokenize_special"]
+    assert tok.decode(ref["cut"]) == ref["decode_cut"] == ""
+
+
+def test_eval_tokens_and_logits(demo_gguf: Path) -> None:
+    want = json.loads(LLAMA_API.read_text())["eval_tokens"]
+    for logits_all in (False, True):
+        llm = wl.Llama(str(demo_gguf), n_ctx=64, logits_all=logits_all, verbose=False)
+        llm.eval(llm.tokenize(b"Hello world"))
+        assert list(llm.eval_tokens) == want and llm.eval_tokens.maxlen == 64
+        rows = llm.eval_logits
+        assert len(rows) == (len(want) if logits_all else 1)
+        np.testing.assert_array_equal(np.array(rows[-1], dtype=np.single), llm.scores[-1])
+
+
+def test_a_pickled_llama_loads_again_with_its_arguments(demo_gguf: Path, tmp_path: Path) -> None:
+    llm = wl.Llama(str(demo_gguf), n_ctx=96, seed=7, chat_format="zephyr", verbose=False)
+    llm("The capital of France is", max_tokens=4, temperature=0.0)  # moves the seed on
+    again = pickle.loads(pickle.dumps(llm))
+    assert (again.n_ctx(), again.chat_format, again.n_tokens) == (96, "zephyr", 0)
+    # the next sampled completion draws the same seed in both, from an empty cache
+    llm.reset()
+    a = llm("Once", max_tokens=6, temperature=1.0)["choices"][0]["text"]
+    b = again("Once", max_tokens=6, temperature=1.0)["choices"][0]["text"]
+    assert a == b and again._seed == llm._seed
+
+
+def test_chat_completion_openai_v1_gives_the_openai_types(llm: wl.Llama) -> None:
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    # each from an empty cache (fast mode's prompt products round by how many tokens run)
+    msgs = [{"role": "user", "content": "Say hi"}]
+    llm.reset()
+    plain = llm.create_chat_completion(msgs, max_tokens=3, temperature=0.0)
+    llm.reset()
+    typed = llm.create_chat_completion_openai_v1(msgs, max_tokens=3, temperature=0.0)
+    assert isinstance(typed, ChatCompletion)
+    assert typed.choices[0].message.content == plain["choices"][0]["message"]["content"]
+    assert typed.usage is not None and typed.usage.prompt_tokens == plain["usage"]["prompt_tokens"]
+    llm.reset()
+    chunks = list(
+        llm.create_chat_completion_openai_v1(msgs, max_tokens=3, temperature=0.0, stream=True)
+    )
+    assert chunks and all(isinstance(c, ChatCompletionChunk) for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain["choices"][0]["message"]["content"]

@@ -36,6 +36,7 @@ from weightlift._llama import (
     LlamaDiskCache,
     LlamaRAMCache,
     LlamaState,
+    LlamaTokenizer,
     LogitsProcessorList,
     StoppingCriteriaList,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "LlamaGrammar",
     "LlamaRAMCache",
     "LlamaState",
+    "LlamaTokenizer",
     "LoadCancelled",
     "LogitsProcessorList",
     "Model",

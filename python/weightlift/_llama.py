@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -318,6 +318,9 @@ class Llama:
         verbose: bool = True,
         **kwargs: Any,
     ) -> None:
+        # what __getstate__ gives back to __init__ (chat_format and seed as they are then)
+        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "kwargs")}
+        self._init_args.update(kwargs)
         for name, value in kwargs.items():
             if name in _NO_EFFECT:
                 continue
@@ -412,6 +415,15 @@ class Llama:
     def n_embd(self) -> int:
         return self._n_embd
 
+    def pooling_type(self) -> int:
+        """llama.cpp's ``pooling_type`` the embeddings take: ``pooling_type=``, or where that
+        is unspecified the GGUF's ``{arch}.pooling_type``, else none (0)."""
+        return self._model._pooling_type(self._pooling_type)
+
+    def tokenizer(self) -> LlamaTokenizer:
+        """llama-cpp-python's ``LlamaTokenizer`` over this model."""
+        return LlamaTokenizer(self)
+
     def token_bos(self) -> int:
         return self._model.token_bos()
 
@@ -500,6 +512,20 @@ class Llama:
         kwargs["seed"] = self._next_seed(kwargs.get("seed"))
         return self._model.create_chat_completion(messages, **kwargs)
 
+    def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any) -> Any:
+        """``create_chat_completion`` as the ``openai`` package's types: a ``ChatCompletion``,
+        or with ``stream=True`` an iterator of ``ChatCompletionChunk``."""
+        try:
+            from openai.types.chat import ChatCompletion, ChatCompletionChunk
+        except ImportError as e:
+            raise ImportError(
+                "create_chat_completion_openai_v1 needs the openai package: pip install openai"
+            ) from e
+        if kwargs.get("stream", False):
+            chunks = self.create_chat_completion(*args, **kwargs)
+            return (ChatCompletionChunk(**chunk) for chunk in chunks)
+        return ChatCompletion(**self.create_chat_completion(*args, **kwargs))
+
     def set_seed(self, seed: int) -> None:
         self._seed = seed
 
@@ -521,6 +547,34 @@ class Llama:
     def scores(self) -> npt.NDArray[np.single]:
         """The logits of the last ``eval`` (every position with ``logits_all``)."""
         return self._scores
+
+    @property
+    def eval_tokens(self) -> deque[int]:
+        """The ids of the tokens held, in a deque of at most ``n_ctx()``."""
+        return deque(self.input_ids.tolist(), maxlen=self.n_ctx())
+
+    @property
+    def eval_logits(self) -> deque[list[float]]:
+        """The rows of ``scores`` in a deque: the last row, or with ``logits_all`` each row of
+        the last ``eval`` (llama-cpp-python keeps the rows of every ``eval`` since a reset)."""
+        rows = self._scores.tolist()
+        return deque(rows, maxlen=self.n_ctx() if self._logits_all else 1)
+
+    @staticmethod
+    def logits_to_logprobs(logits: npt.ArrayLike, axis: int = -1) -> npt.NDArray[np.single]:
+        """The log-softmax of ``logits`` along ``axis``, in float32 (``-inf`` logits give
+        ``-inf``; a row of only ``-inf`` gives NaN, as llama-cpp-python's)."""
+        x = np.asarray(logits, dtype=np.single)
+        top = np.amax(x, axis=axis, keepdims=True)
+        top[~np.isfinite(top)] = 0
+        shifted = x - top
+        with np.errstate(divide="ignore"):
+            return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+    @staticmethod
+    def longest_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+        """How many leading ids ``a`` and ``b`` share."""
+        return _common_prefix(a, b)
 
     def reset(self) -> None:
         """Forget every token held."""
@@ -756,3 +810,44 @@ class Llama:
 
     def __exit__(self, *_args: object) -> None:
         self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The constructor's arguments, with the seed and chat format in use: as
+        llama-cpp-python's, a pickled ``Llama`` loads its model again when unpickled, with an
+        empty cache (``save_state`` keeps the cache's rows)."""
+        return {**self._init_args, "seed": self._seed, "chat_format": self.chat_format}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+
+class LlamaTokenizer:
+    """llama-cpp-python's ``LlamaTokenizer`` (``Llama.tokenizer()``): its ``tokenize`` parses
+    special tokens by default, where ``Llama.tokenize`` does not."""
+
+    def __init__(self, llama: Llama) -> None:
+        self._llama = llama
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self._llama.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(
+        self,
+        tokens: Sequence[int],
+        prev_tokens: Sequence[int] | None = None,
+        special: bool = False,
+    ) -> bytes:
+        """The bytes of ``tokens``; as llama-cpp-python's, ``prev_tokens`` changes nothing."""
+        return self._llama.detokenize(tokens, special=special)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenize(text.encode("utf-8", errors="ignore"), add_bos, special)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``, bytes that are not UTF-8 dropped."""
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")
+
+    @classmethod
+    def from_ggml_file(cls, path: str) -> LlamaTokenizer:
+        """The tokenizer of a GGUF, opened without its weights."""
+        return cls(Llama(model_path=path, vocab_only=True))

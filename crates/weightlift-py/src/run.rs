@@ -7,7 +7,7 @@ use weightlift_engine::Pooling;
 use weightlift_engine::forward::Logits;
 
 use crate::cache::Cache;
-use crate::errors::{eng, enter};
+use crate::errors::{eng, enter, py_err};
 use crate::model::Model;
 use crate::options::{Kw, TokenIds};
 
@@ -53,6 +53,14 @@ impl Model {
     #[getter]
     fn n_threads(&self) -> PyResult<usize> {
         Ok(self.lock()?.model.n_threads())
+    }
+
+    /// llama.cpp's `pooling_type` integer that `llama_type` resolves to for this model
+    /// (`-1`: the GGUF's `{arch}.pooling_type`, else none).
+    fn _pooling_type(&self, llama_type: i32) -> PyResult<i32> {
+        let inner = self.lock()?;
+        let pooling = inner.model.pooling_for(llama_type).map_err(py_err)?;
+        Ok(pooling.llama_type())
     }
 
     /// `Model.embed`, whose signature and docstring are in `weightlift/_api.py`: one vector per
