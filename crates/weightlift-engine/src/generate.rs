@@ -819,8 +819,10 @@ impl Model {
             .chat_template()?
             .ok_or_else(|| EngineError::Unsupported {
                 what: "a chat completion with this model".into(),
-                detail: "its checkpoint has no chat template (tokenizer.chat_template); use \
-                     create_completion with a prompt you format yourself"
+                detail: "its checkpoint has no chat template (tokenizer.chat_template); name \
+                     a built-in chat format (chat_format=, or --chat-format on the command \
+                     line: chatml, llama-2, llama-3, ...) or use create_completion with a \
+                     prompt you format yourself"
                     .into(),
             })?;
         let text = template.render_with(messages, true, tools)?;
