@@ -861,3 +861,72 @@ def test_chat_completion_openai_v1_gives_the_openai_types(llm: wl.Llama) -> None
     assert chunks and all(isinstance(c, ChatCompletionChunk) for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain["choices"][0]["message"]["content"]
+
+
+def fake_hub(monkeypatch: pytest.MonkeyPatch, repo_files: dict[str, Path]) -> list[dict]:
+    """A stand-in for the `huggingface_hub` package (no network here): its file system lists
+    `repo_files` and `hf_hub_download` returns the local file it maps to, recording each call."""
+    import types
+
+    calls: list[dict] = []
+
+    class HfFileSystem:
+        def ls(self, repo_id: str, recursive: bool = False) -> list[dict]:
+            assert recursive
+            return [{"name": f"{repo_id}/{name}", "type": "file"} for name in repo_files]
+
+    def hf_hub_download(**kw: object) -> str:
+        calls.append(kw)
+        name = f"{kw['subfolder']}/{kw['filename']}" if kw["subfolder"] else kw["filename"]
+        return str(repo_files[str(name)])
+
+    def validate_repo_id(repo_id: str) -> None:
+        if repo_id.count("/") != 1:
+            raise ValueError(f"bad repo id {repo_id!r}")
+
+    hub = types.ModuleType("huggingface_hub")
+    hub.HfFileSystem = HfFileSystem  # type: ignore[attr-defined]
+    hub.hf_hub_download = hf_hub_download  # type: ignore[attr-defined]
+    utils = types.ModuleType("huggingface_hub.utils")
+    utils.validate_repo_id = validate_repo_id  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.setitem(sys.modules, "huggingface_hub.utils", utils)
+    return calls
+
+
+def test_from_pretrained_downloads_the_one_matching_file_and_opens_it(
+    demo_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    files = {
+        "README.md": tmp_path / "README.md",
+        "SmolLM2-Q4_1.gguf": demo_gguf,
+        "more/SmolLM2-Q8_0.gguf": demo_gguf,
+        "more/extra.txt": tmp_path / "extra.txt",
+    }
+    calls = fake_hub(monkeypatch, files)
+    llm = wl.Llama.from_pretrained(
+        "org/smollm2",
+        "*Q4_1.gguf",
+        additional_files=["more/*.txt"],
+        cache_dir=tmp_path,
+        n_ctx=64,
+        verbose=False,
+    )
+    assert llm.model_path == str(demo_gguf) and llm.n_ctx() == 64
+    assert [(c["filename"], c["subfolder"], c["cache_dir"]) for c in calls] == [
+        ("SmolLM2-Q4_1.gguf", None, tmp_path),
+        ("extra.txt", "more", tmp_path),
+    ]
+    # a pattern must match exactly one file; the error lists what the repository has
+    with pytest.raises(
+        ValueError, match=r"expected one file of org/smollm2 to match '\*\.gguf', got 2"
+    ):
+        wl.Llama.from_pretrained("org/smollm2", "*.gguf")
+    with pytest.raises(ValueError, match=r"got none; its files: .*README\.md"):
+        wl.Llama.from_pretrained("org/smollm2", "*Q6_K.gguf")
+    with pytest.raises(ValueError, match="bad repo id"):
+        wl.Llama.from_pretrained("smollm2", "*.gguf")
+    # without the package: llama-cpp-python's ImportError, with the install line
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(ImportError, match="pip install huggingface-hub"):
+        wl.Llama.from_pretrained("org/smollm2", "*Q4_1.gguf")

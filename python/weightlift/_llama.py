@@ -12,11 +12,15 @@ engine's, so a Rust caller gets the same behaviour without it.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import json
+import os
 import random
 import sys
 from collections import OrderedDict, deque
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from pathlib import PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -381,6 +385,68 @@ class Llama:
                 f"weightlift: loaded {self.model_path} (n_ctx={ctx}, first layer on {where})",
                 file=sys.stderr,
             )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        repo_id: str,
+        filename: str,
+        additional_files: Sequence[str] | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_dir_use_symlinks: bool | str = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> Llama:
+        """llama-cpp-python's: the file of Hugging Face Hub repository ``repo_id`` that
+        ``filename`` (a name or a glob pattern such as ``"*q4_k_m.gguf"``) matches, and those
+        ``additional_files`` match (a split GGUF's other shards), downloaded by the
+        ``huggingface_hub`` package (``pip install huggingface-hub``) into its cache or
+        ``local_dir``, then ``Llama(model_path=that file, **kwargs)``. A pattern that matches no
+        file, or more than one, is refused with the repository's file list."""
+        try:
+            from huggingface_hub import HfFileSystem, hf_hub_download
+            from huggingface_hub.utils import validate_repo_id
+        except ImportError as e:
+            raise ImportError(
+                "Llama.from_pretrained needs the huggingface-hub package: "
+                "pip install huggingface-hub"
+            ) from e
+        validate_repo_id(repo_id)
+        listed = HfFileSystem().ls(repo_id, recursive=True)
+        names = [f["name"] if isinstance(f, dict) else f for f in listed]
+        files = [str(PurePosixPath(n).relative_to(repo_id)) for n in names]
+        links = (
+            {}
+            if local_dir_use_symlinks == "auto"
+            else {"local_dir_use_symlinks": local_dir_use_symlinks}
+        )
+
+        def download(pattern: str) -> str:
+            found = [f for f in files if fnmatch.fnmatch(f, pattern)]
+            if len(found) != 1:
+                got = "none" if not found else f"{len(found)}: {json.dumps(found)}"
+                raise ValueError(
+                    f"Llama.from_pretrained: expected one file of {repo_id} to match "
+                    f"{pattern!r}, got {got}; its files: {json.dumps(files)}"
+                )
+            path = PurePosixPath(found[0])
+            folder = str(path.parent)
+            return str(
+                hf_hub_download(
+                    repo_id=repo_id,
+                    filename=path.name,
+                    subfolder=None if folder == "." else folder,
+                    local_dir=local_dir,
+                    cache_dir=cache_dir,
+                    **links,
+                )
+            )
+
+        model_path = download(filename)
+        for pattern in additional_files or ():
+            download(pattern)
+        # a split GGUF's first file opens the rest beside it
+        return cls(model_path=model_path, **kwargs)
 
     # --- the model ---------------------------------------------------------------------------
 
