@@ -930,3 +930,14 @@ def test_from_pretrained_downloads_the_one_matching_file_and_opens_it(
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(ImportError, match="pip install huggingface-hub"):
         wl.Llama.from_pretrained("org/smollm2", "*Q4_1.gguf")
+
+
+def test_a_vocabulary_only_llama_has_the_context_it_asked_for(demo_gguf: Path) -> None:
+    # llama-cpp-python's n_ctx() is its context's even without weights (512 by default)
+    llm = wl.Llama(str(demo_gguf), vocab_only=True, verbose=False)
+    assert llm.n_ctx() == 512 and list(llm.eval_tokens) == [] and llm.eval_tokens.maxlen == 512
+    assert wl.Llama(str(demo_gguf), vocab_only=True, n_ctx=100, verbose=False).n_ctx() == 100
+    trained = int(llm.metadata["llama.context_length"])
+    assert wl.Llama(str(demo_gguf), vocab_only=True, n_ctx=0, verbose=False).n_ctx() == trained
+    again = pickle.loads(pickle.dumps(llm))
+    assert again.n_ctx() == 512 and again.tokenize(b"Hi") == llm.tokenize(b"Hi")

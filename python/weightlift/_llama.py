@@ -353,6 +353,9 @@ class Llama:
         with open_checkpoint(self.model_path, vocab_only=vocab_only) as ckpt:
             spec = ckpt.spec
             self._n_embd = spec.hidden_size if spec is not None else 0
+            # a vocabulary-only Llama holds no cache: its context is the one asked for
+            trained = spec.context_length if spec is not None else 0
+            self._vocab_ctx = (n_ctx or trained) if vocab_only else None
             is_gguf = ckpt.format == "gguf"
             self.metadata: dict[str, str] = _metadata_strings(ckpt.metadata) if is_gguf else {}
             if chat_format is None and is_gguf:
@@ -380,7 +383,7 @@ class Llama:
             )
         if verbose:
             where = ", ".join(self._model.layer_devices[:1]) if not vocab_only else "-"
-            ctx = 0 if vocab_only else self._model.n_ctx()
+            ctx = self.n_ctx()
             print(
                 f"weightlift: loaded {self.model_path} (n_ctx={ctx}, first layer on {where})",
                 file=sys.stderr,
@@ -473,7 +476,9 @@ class Llama:
         self._model.chat_format = name
 
     def n_ctx(self) -> int:
-        return self._model.n_ctx()
+        """The context: the cache's positions, or with ``vocab_only`` the ``n_ctx`` asked for
+        (0: the trained context)."""
+        return self._vocab_ctx if self._vocab_ctx is not None else self._model.n_ctx()
 
     def n_vocab(self) -> int:
         return self._model.n_vocab()
