@@ -96,18 +96,18 @@ _KNOWN_TEMPLATES = {
 _TEMPLATE_KEY = "tokenizer.chat_template"
 
 
-def _metadata_strings(metadata: Mapping[str, Any]) -> dict[str, str]:
+def _metadata_strings(scalars: Mapping[str, Any]) -> dict[str, str]:
     """A GGUF's metadata as llama.cpp lists it to ``llama_model_meta_val_str`` (and
-    llama-cpp-python's ``Llama.metadata``): every key but the arrays, each value as a string;
-    numbers as C++'s ``std::to_string`` writes them (floats with six decimals), booleans as
-    ``true``/``false``."""
+    llama-cpp-python's ``Llama.metadata``) from its keys but the arrays: each value as a
+    string, numbers as C++'s ``std::to_string`` writes them (floats with six decimals),
+    booleans as ``true``/``false``."""
     out = {}
-    for key, value in metadata.items():
+    for key, value in scalars.items():
         if isinstance(value, bool):
             out[key] = "true" if value else "false"
         elif isinstance(value, float):
             out[key] = f"{value:f}"
-        elif isinstance(value, (int, str)):
+        else:
             out[key] = str(value)
     return out
 
@@ -357,7 +357,8 @@ class Llama:
             trained = spec.context_length if spec is not None else 0
             self._vocab_ctx = (n_ctx or trained) if vocab_only else None
             is_gguf = ckpt.format == "gguf"
-            self.metadata: dict[str, str] = _metadata_strings(ckpt.metadata) if is_gguf else {}
+            scalars = ckpt._scalar_metadata() if is_gguf else {}
+            self.metadata: dict[str, str] = _metadata_strings(scalars)
             if chat_format is None and is_gguf:
                 chat_format = _chat_format_of(self.metadata)
                 if verbose:

@@ -63,9 +63,6 @@ pub(crate) fn resolve_in(inv: &Inventory, name: &str) -> Result<Arc<Device>> {
     inv.get(name)
 }
 
-/// The GGUF key of a checkpoint's chat template; `KEY.NAME` keys hold the others it names.
-const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
-
 /// llama-cpp-python's `chat_format` name for the checkpoint's own template.
 const DEFAULT_TEMPLATE: &str = "chat_template.default";
 
@@ -165,7 +162,7 @@ impl Model {
             None | Some(DEFAULT_TEMPLATE) => ChatChoice::Checkpoint,
             Some(name) => {
                 let named = name.strip_prefix("chat_template.").and_then(|n| {
-                    let key = format!("{CHAT_TEMPLATE_KEY}.{n}");
+                    let key = format!("{}.{n}", weightlift_text::CHAT_TEMPLATE_KEY);
                     let md = self.source.checkpoint()?.metadata();
                     md.get(&key)?.as_str().map(str::to_owned)
                 });
@@ -182,7 +179,7 @@ impl Model {
 
     /// An unknown `chat_format` name, with every name this model takes.
     fn unknown_chat_format(&self, name: &str) -> EngineError {
-        let prefix = format!("{CHAT_TEMPLATE_KEY}.");
+        let prefix = format!("{}.", weightlift_text::CHAT_TEMPLATE_KEY);
         let named = self.source.checkpoint().into_iter().flat_map(|c| {
             let keys = c.metadata().keys();
             keys.filter_map(|k| Some(format!("chat_template.{}", k.strip_prefix(&prefix)?)))

@@ -137,6 +137,18 @@ impl Checkpoint {
         Ok(pythonize::pythonize(py, self.shared()?.metadata())?)
     }
 
+    /// [`Checkpoint::metadata`] without the arrays (a vocabulary's tokens, merges and types),
+    /// which are most of its conversion time: what `Llama.metadata` lists.
+    fn _scalar_metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let ckpt = self.shared()?;
+        let scalars: weightlift_format::Metadata = (ckpt.metadata())
+            .iter()
+            .filter(|(_, v)| !matches!(v, weightlift_format::MetaValue::Array(_)))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        Ok(pythonize::pythonize(py, &scalars)?)
+    }
+
     /// The number of tensors, without building the rest of the view.
     fn __len__(&self) -> PyResult<usize> {
         Ok(self.shared()?.tensors().len())

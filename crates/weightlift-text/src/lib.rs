@@ -35,4 +35,4 @@ pub use chat_formats::{CHAT_FORMATS, ChatFormat, chat_format};
 pub use error::{Result, TextError};
 pub use fim::FimTokens;
 pub use stream::StreamDecoder;
-pub use tokenizer::{TokenType, Tokenizer, VocabKind};
+pub use tokenizer::{CHAT_TEMPLATE_KEY, TokenType, Tokenizer, VocabKind};

@@ -148,6 +148,10 @@ fn get_bool(md: &Metadata, key: &str) -> Result<Option<bool>> {
     }
 }
 
+/// The GGUF key of a checkpoint's chat template; `KEY.NAME` keys hold other templates it names
+/// (llama-cpp-python's `chat_format="chat_template.NAME"`).
+pub const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
+
 fn get_id(md: &Metadata, key: &str, n_vocab: usize) -> Result<Option<u32>> {
     let Some(v) = md.get(key) else {
         return Ok(None);
@@ -310,7 +314,7 @@ impl Tokenizer {
             get_id(md, "tokenizer.ggml.fim_sep_token_id", n)?,
         ];
         let add_bos = get_bool(md, "tokenizer.ggml.add_bos_token")?.unwrap_or(add_bos_default);
-        let chat_template = get_str(md, "tokenizer.chat_template")?.map(str::to_owned);
+        let chat_template = get_str(md, CHAT_TEMPLATE_KEY)?.map(str::to_owned);
 
         let eog = eog::end_of_generation(&texts, &declared, fim, |_| true);
         let declared_fim = [
