@@ -15,7 +15,7 @@
 #
 # Environment: STEPS (the steps to run, the others skipped by name; default tests,kernels,e2e on
 # a GPU, every step with --cpu; all of them: tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,
-# offload,moe,profile), RUN_BUDGET_S (the whole run's seconds, 290 by default, 1800 with --cpu:
+# offload,moe,batch,profile), RUN_BUDGET_S (the whole run's seconds, 290 by default, 1800 with --cpu:
 # a step that cannot start in what is left is skipped by name), SUITES (the test suites to run,
 # e.g. backend_matmul_modes,cuda; default all), WEIGHTS (the weight types of the end-to-end
 # bench and the profile, e.g. bf16,q4_k, and transformers for the peer; default all), PYTHON
@@ -51,7 +51,7 @@
 # decode with the wide lanes within Q8V_AB_BUDGET_S; with the set-up and the checkpoint made
 # again on a fresh machine, 15 + 52 + 60 + 60 + 30 s), then STEPS=offload,moe,profile (the
 # offload and MoE benches stop their rounds at OFFLOAD_BUDGET_S and MOE_BUDGET_S, the profile
-# runs under PROFILE_TIMEOUT_S).
+# runs under PROFILE_TIMEOUT_S; the batched decode bench, STEPS=batch, stops at BATCH_BUDGET_S).
 # Each step runs even when one before it failed; the exit status is 1 when any failed.
 set -uo pipefail
 
@@ -64,6 +64,8 @@ OFFLOAD_BUDGET_S=${OFFLOAD_BUDGET_S:-90}
 OFFLOAD_TIMEOUT_S=${OFFLOAD_TIMEOUT_S:-200}
 MOE_BUDGET_S=${MOE_BUDGET_S:-40}
 MOE_TIMEOUT_S=${MOE_TIMEOUT_S:-150}
+BATCH_BUDGET_S=${BATCH_BUDGET_S:-60}
+BATCH_TIMEOUT_S=${BATCH_TIMEOUT_S:-150}
 PROFILE_TIMEOUT_S=${PROFILE_TIMEOUT_S:-120}
 PREFILL_AB_BUDGET_S=${PREFILL_AB_BUDGET_S:-60}
 PREFILL_AB_TIMEOUT_S=${PREFILL_AB_TIMEOUT_S:-120}
@@ -150,7 +152,7 @@ fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
-rm -f "$OUT"/{summary,tests,e2e,offload_e2e,moe_offload,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info,cuda_info_steps}.{md,json}
+rm -f "$OUT"/{summary,tests,e2e,offload_e2e,moe_offload,batch_e2e,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info,cuda_info_steps}.{md,json}
 rm -f "$OUT"/prefill-no-cublas/e2e.{md,json} "$OUT"/decode-no-graphs/e2e.{md,json}
 rm -f "$OUT"/decode-q8v-wide/e2e.{md,json}
 # The old Q8 decode kernels are the default; only q8v_ab picks the wide ones.
@@ -159,7 +161,7 @@ if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
     [ $CPU = 1 ] && [ -x "$ROOT/.venv/bin/python" ] && PYTHON=$ROOT/.venv/bin/python
 fi
-ALL_STEPS=tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,offload,moe,profile
+ALL_STEPS=tests,kernels,e2e,prefill_ab,graphs_ab,q8v_ab,offload,moe,batch,profile
 if [ $CPU = 1 ]; then
     # Two shared cores do in minutes what the GPU does in seconds; the rehearsal runs every
     # step, the CUDA ones skipped by name.
@@ -575,6 +577,20 @@ if wants moe "the MoE bench"; then
     PYTHONUNBUFFERED=1 timeout "$(capped "$MOE_TIMEOUT_S")" "$PYTHON" "$ROOT/benches/gpu/moe_offload.py" "${moe[@]}"
     rc=$?
     [ $rc = 0 ] || FAILED+=("MoE bench (exit status $rc)")
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 3d. The batched decode bench: 1, 8 and 32 sequences stepped together (Model.forward_batch) on
+# the end-to-end bench's checkpoint, what `weightlift serve --parallel N` asks of the device.
+
+step "batched decode bench"
+if wants batch "the batched decode bench"; then
+    bat=(--out "$OUT" --budget-s "$(bench_budget "$BATCH_BUDGET_S")")
+    if [ $CPU = 1 ]; then bat+=(--cpu); else bat+=(--device cuda:0); fi
+    WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$(capped "$BATCH_TIMEOUT_S")" "$PYTHON" \
+        "$ROOT/benches/gpu/batch_e2e.py" "${bat[@]}"
+    rc=$?
+    [ $rc = 0 ] || FAILED+=("batched decode bench (exit status $rc)")
 fi
 
 # ---------------------------------------------------------------------------------------------
