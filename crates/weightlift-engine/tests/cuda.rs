@@ -798,6 +798,82 @@ fn decode_steps_replayed_from_a_cuda_graph_are_the_launched_steps() {
     }
 }
 
+/// A model planned for `cuda:0` alone, as `Model(devices="cuda:0")` plans it (the input
+/// embedding in host memory, every layer and the head on the GPU), replays its decode steps
+/// from a CUDA graph: each step's embedding row is copied to the GPU before the replay, as its
+/// position is. Graphs on and off give the same logits over 8 greedy steps, in both modes.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+fn a_planned_model_with_its_embedding_in_host_memory_replays_its_steps() {
+    use common::{argmax, json_ids, max_abs_diff, reference};
+    use weightlift_engine::forward::{Compute, Logits};
+    use weightlift_format::Role;
+    const STEPS: usize = 8;
+    cuda();
+    let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
+    let src = common::open(reference().join("tiny-llama/gguf/tiny-llama-Q4_K_M.gguf"));
+    for compute in [Compute::Fast, Compute::Exact] {
+        let run = |graphs: bool| {
+            let mut m = Model::new(Arc::clone(&src), Inventory::parse("cuda:0").unwrap());
+            let mut req = m.plan_request().unwrap();
+            req.cache = Some(weightlift_plan::CacheSpec::new(64, 1, CacheDType::Fp16));
+            let plan = weightlift_plan::plan(&req).unwrap();
+            let placement = m.placement(&plan).unwrap();
+            let embd = src
+                .tensors()
+                .iter()
+                .position(|t| t.role == Some(Role::TokenEmbd))
+                .unwrap();
+            assert_eq!(
+                placement.tensors[embd].device, "cpu",
+                "the plan's embedding"
+            );
+            assert!(placement.layers.iter().all(|d| d == "cuda:0"));
+            let c = plan.cache().unwrap();
+            let config = m
+                .cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
+                .unwrap();
+            let cache = Arc::new(Cache::new(config).unwrap());
+            m.load(
+                &placement,
+                &LoadOptions::default(),
+                Some(&cache),
+                true,
+                &mut |_| true,
+            )
+            .unwrap();
+            m.set_compute(compute);
+            m.set_cuda_graphs(graphs);
+            let mut out = Vec::new();
+            m.forward(&ids, Some(&cache), Logits::Last, &mut out)
+                .unwrap();
+            let mut rows = Vec::new();
+            for _ in 0..STEPS {
+                let next = argmax(&out) as u32;
+                m.forward(&[next], Some(&cache), Logits::Last, &mut out)
+                    .unwrap();
+                rows.push(out.clone());
+            }
+            (rows, m.cuda_graph_counts())
+        };
+        let (off, off_counts) = run(false);
+        let (on, on_counts) = run(true);
+        assert_eq!(off_counts, (0, 0, None), "{compute:?}: graphs off");
+        assert_eq!(
+            on_counts,
+            (1, STEPS as u64 - 1, None),
+            "{compute:?}: (captures, replays, refused)"
+        );
+        for (step, (g, l)) in on.iter().zip(&off).enumerate() {
+            assert!(
+                g == l,
+                "{compute:?}, step {step}: max|Δ| {} between graphs on and off",
+                max_abs_diff(g, l)
+            );
+        }
+    }
+}
+
 /// A generation that crosses an attention span (the keys rounded up to a power of two, at least
 /// 256): twelve steps from position 250 of a 512-row cache replay the graph of span 256 up to
 /// 256 keys, then warm up and capture the graph of span 512 (two captures, ten replays), and

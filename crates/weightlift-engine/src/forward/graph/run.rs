@@ -77,19 +77,26 @@ impl Graph {
     /// Whether a call of `seqs` for `output` may replay a decode step captured as a CUDA graph
     /// (see `step`): one token of each sequence (a batch's no more than the head's logit rows,
     /// so every row's logits stay on the device until the one copy), each on a cache held in
-    /// place, with the embedding, every layer (dense, none onloaded) and the head on one CUDA
-    /// device. Anything else takes the host's launches: onloaded weights and mixture-of-experts
-    /// routing go through the host in mid-step, and a prompt is not a decode step.
+    /// place, with every layer (dense, none onloaded) and the head on one CUDA device, and the
+    /// embedding there or in host memory (where every plan keeps it: its rows are then copied
+    /// to the device before the replay, as the positions are). Anything else takes the host's
+    /// launches: onloaded weights and mixture-of-experts routing go through the host in
+    /// mid-step, and a prompt is not a decode step.
     fn step_eligible(&self, seqs: &[Seq<'_>], output: Output) -> bool {
-        let at = self.embed_site;
+        let at = self.head_site;
+        let exec = |site: usize| self.sites.get(site).map(|s| &s.exec);
         !seqs.is_empty()
             && seqs.len() <= self.dims.logit_rows as usize
             && seqs
                 .iter()
                 .all(|(cache, ids)| ids.len() == 1 && !cache.is_offloaded())
             && matches!(output, Output::Logits(_))
-            && matches!(self.sites.get(at).map(|s| &s.exec), Some(SiteExec::Cuda))
-            && self.head_site == at
+            && matches!(exec(at), Some(SiteExec::Cuda))
+            && (self.embed_site == at
+                || matches!(
+                    exec(self.embed_site),
+                    Some(SiteExec::Host | SiteExec::Cpu(_))
+                ))
             && self.onload.is_none()
             && self
                 .layers
@@ -226,24 +233,33 @@ impl Graph {
                 for (i, w) in works.iter_mut().enumerate() {
                     on_site!(w, _v => (), (b, r) => exec::positions_of(*b, devs[i].name(), &spans, r)?);
                 }
-                let es = self.embed_site;
+                // a graph step's device: its layers' and head's (step_eligible)
+                let gs = self.head_site;
                 // every sequence's cache layers on the device, or no graph
-                let caches: Option<Vec<CacheKey>> = if graphable {
-                    pieces
-                        .iter()
-                        .map(|p| CacheKey::of(p.cache, p.pos, p.n))
-                        .collect()
-                } else {
-                    None
-                };
-                if let (Some(caches), Work::Cuda(b, r)) = (caches, &mut works[es]) {
+                let caches: Option<Vec<CacheKey>> =
+                    if graphable && matches!(works[gs], Work::Cuda(..)) {
+                        pieces
+                            .iter()
+                            .map(|p| CacheKey::of(p.cache, p.pos, p.n))
+                            .collect()
+                    } else {
+                        None
+                    };
+                if caches.is_some() && self.embed_site != gs {
+                    // the embedding rows from host memory into the step's residual stream,
+                    // before the replay (the rows stay where they were: the launched path
+                    // below, were it taken, copies them again)
+                    let es = self.embed_site;
+                    move_rows(&mut works, &devs, es, gs, 0, n * h, &mut copies_made)?;
+                }
+                if let (Some(caches), Work::Cuda(b, r)) = (caches, &mut works[gs]) {
                     // the layers and the head on one CUDA device, between the uploads above
                     // and the logits' copy below: replayed from a captured graph
                     let b: &CudaBackend = b;
                     // the head's rows a product, as the launched path below takes them
                     let logit_rows = self.dims.logit_rows as usize;
                     let per = if pieces.len() > 1 {
-                        exec::head_shared_rows(b, &cx(es), &self.head)?.min(logit_rows)
+                        exec::head_shared_rows(b, &cx(gs), &self.head)?.min(logit_rows)
                     } else {
                         logit_rows
                     };
@@ -258,7 +274,7 @@ impl Graph {
                         ],
                     };
                     let (layers, norm, head) = (&self.layers, &self.out_norm, &self.head);
-                    let ccx = cx(es);
+                    let ccx = cx(gs);
                     self.steps.run(b, key, |b| {
                         let mut none = Copies::default();
                         let mut pending = false;
@@ -289,7 +305,7 @@ impl Graph {
                     })?;
                     let dst = bytemuck::cast_slice_mut(&mut out[..n * width]);
                     b.copy_to_host(&r.logits, 0, dst)
-                        .map_err(|e| kernel_on(devs[es].name(), "copying logits to the host", e))?;
+                        .map_err(|e| kernel_on(devs[gs].name(), "copying logits to the host", e))?;
                     for &(s, pos, ids) in part {
                         seqs[s].0.appended(pos as u64, ids)?;
                     }
