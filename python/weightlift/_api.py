@@ -505,8 +505,9 @@ class Model(_native.Model):
         """Run several sequences in one call, each ``(cache, ids)`` appending its ids to its own
         ``Cache`` at its ``seq_len`` (a new prompt and single decode tokens mix freely: continuous
         batching), and return float32 logits of shape ``[len(seqs), vocab]``, the last position of
-        each, the bits each sequence gets alone (in ``"fast"`` the decode tokens share each product,
-        every token keeping its own bits). A bad sequence (too long for its cache, a cache given
+        each, the bits each sequence gets alone (in ``"fast"`` the decode tokens share each product:
+        on the cpu every token keeps its own bits, on CUDA a product of several tokens may sum in
+        another order or take cuBLAS, within fast mode's bound). A bad sequence (too long for its cache, a cache given
         twice) fails the call before any cache moves. The GIL is released while it runs.
         """,
     )

@@ -461,10 +461,12 @@ fn tiny_llama_bf16_runs_on_cuda_as_stored() {
 
 /// A batch on `cuda:0` (three prompts in one call, then their decode steps in one call each)
 /// gives each sequence what it gets alone: the same bits in exact mode (one product per
-/// sequence), and in fast mode (every product shared) the same argmax within 0.25, the size of
-/// fast mode's own activation rounding on this model (Q8 blocks, or f16/bf16 activations when
-/// the batch's rows reach the cuBLAS route and a sequence alone does not), for bf16 weights
-/// and Q4_K_M blocks.
+/// sequence), and in fast mode (every product shared) logits within
+/// [`common::batch::FAST_BATCH_BOUND`] (Q8 blocks on one side, f16/bf16 activations on the
+/// other where the batch's rows reach the cuBLAS route and a sequence alone does not), with
+/// the same argmax wherever the top two alone are further apart than that (the tiny model's
+/// random weights leave near ties: the first GPU run found one), for bf16 weights and Q4_K_M
+/// blocks.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn a_batch_on_cuda_gives_each_sequence_what_it_gets_alone() {
@@ -520,9 +522,12 @@ fn a_batch_on_cuda_gives_each_sequence_what_it_gets_alone() {
                             assert!(row == &w[..], "{what}: max|Δ| {}", max_abs_diff(row, w))
                         }
                         Compute::Fast => {
+                            let bound = common::batch::FAST_BATCH_BOUND;
                             let d = max_abs_diff(row, w);
-                            assert!(d <= 0.25, "{what}: max|Δ| {d}");
-                            assert_eq!(argmax(row), argmax(w), "{what}");
+                            assert!(d <= bound, "{what}: max|Δ| {d}");
+                            if common::margin(w) > bound {
+                                assert_eq!(argmax(row), argmax(w), "{what}");
+                            }
                         }
                     }
                     // each sequence follows its own greedy tokens from when it ran alone
@@ -725,8 +730,9 @@ fn moe_on_cuda_with_experts_on_the_host_or_the_gpu() {
 /// and a q8 one, in fast and exact mode; and so do 8 steps of a batch of two sequences (after
 /// their prompts, which launch as before). With graphs on, the first step ran as a warm-up, the
 /// second was captured, and every step from the second on replayed the graph (one capture,
-/// seven replays), and the batch, another key, did the same with its own graph; with graphs
-/// off nothing was captured.
+/// seven replays), and the batch, another key, did the same with its own graph unless two
+/// tokens take some weight type's products to cuBLAS (whose scratch a graph would keep), when
+/// it launches as usual; with graphs off nothing was captured.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn decode_steps_replayed_from_a_cuda_graph_are_the_launched_steps() {
@@ -774,9 +780,17 @@ fn decode_steps_replayed_from_a_cuda_graph_are_the_launched_steps() {
                 let (on, on_counts, on_batch) = run(true);
                 assert_eq!(off_counts, (0, 0, None), "{what}: graphs off");
                 assert_eq!(off_batch, (0, 0, None), "{what}: graphs off, a batch");
+                // a batch of two is its own key, unless two tokens already take cuBLAS for
+                // some weight type (then it launches as usual: see the step module)
+                let least = weightlift_kernels::sources::CublasMinTokens::default().least();
+                let batch = if 2 < least {
+                    (2, 2 * (STEPS as u64 - 1))
+                } else {
+                    (1, STEPS as u64 - 1)
+                };
                 assert_eq!(
                     (on_batch.0, on_batch.1),
-                    (2, 2 * (STEPS as u64 - 1)),
+                    batch,
                     "{what}: (captures, replays) after the batch"
                 );
                 eprintln!("{what}: graphs on {on_counts:?}");

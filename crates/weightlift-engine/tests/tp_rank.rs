@@ -16,7 +16,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::batch::{alone, assert_same_bits, batched};
+use common::batch::{
+    FAST_BATCH_BOUND, alone, assert_same_bits, assert_within, batched, batched_following,
+};
 use common::{TpRan, open, tp_run};
 use weightlift_engine::forward::{Compute, Logits};
 use weightlift_engine::tp::{Collective, HostStaged, RankSlice, ThreadGroup};
@@ -542,13 +544,20 @@ fn ranks_on_cuda_give_the_host_pass_logits() {
 }
 
 /// Two ranks of `src` as threads on `cuda:0`: the single-process host pass's logits within
-/// the tensor-parallel bound, and the same greedy ids.
+/// the tensor-parallel bound, and the same greedy ids, in exact mode. In fast mode the ranks'
+/// prompt products of a few tokens take cuBLAS on f16 activations where the host pass
+/// quantises them to 8 bits, two roundings that part by fast mode's own bound, not by the
+/// tensor-parallel one (0.05 of the largest logit on the tiny llama's Q8_0 blocks).
 fn check_cuda_ranks(src: &Arc<dyn Source>, ids: &[u32], label: &str) {
     let (mut whole, whole_cache, plan) =
         single_process(src, "virtual:2x48MiB,cpu", CacheDType::F32);
+    whole.set_compute(Compute::Exact);
     let mut ranks: Vec<(Model, Arc<Cache>)> = (0..2)
         .map(|r| load_rank(src, "cuda:0,cpu", &plan, r, Some("cuda:0")))
         .collect();
+    ranks
+        .iter_mut()
+        .for_each(|(m, _)| m.set_compute(Compute::Exact));
     let (want, _) = tp_run(&mut whole, &whole_cache, ids);
     let got = run_ranks(&mut ranks, ids);
     let scale = want.iter().fold(1f32, |a, v| a.max(v.abs()));
@@ -564,7 +573,9 @@ fn check_cuda_ranks(src: &Arc<dyn Source>, ids: &[u32], label: &str) {
 }
 
 /// Two ranks as threads on `cuda:0`, through the CUDA backend, running the same continuous
-/// batch: each sequence's logits are the bits it gets alone on the same ranks, in both modes.
+/// batch: each sequence's logits are the bits it gets alone on the same ranks in exact mode,
+/// and in fast mode (whose batch rows may take cuBLAS and its f16 activations, where a sequence
+/// alone decodes on the Q8 kernels) within [`FAST_BATCH_BOUND`] along its greedy ids alone.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features weightlift-kernels/cuda -- --ignored"]
 fn ranks_on_cuda_batch_with_the_bits_of_each_sequence_alone() {
@@ -579,11 +590,16 @@ fn ranks_on_cuda_batch_with_the_bits_of_each_sequence_alone() {
     for compute in [Compute::Exact, Compute::Fast] {
         ranks.iter_mut().for_each(|(m, _)| m.set_compute(compute));
         let got = on_ranks(&mut ranks, |_, m, _| {
-            (alone(m, &reqs, STEPS), batched(m, &reqs, STEPS))
+            let one = alone(m, &reqs, STEPS);
+            let many = batched_following(m, &reqs, STEPS, &one);
+            (one, many)
         });
         for (r, ((one, many), _)) in got.iter().enumerate() {
             let what = format!("cuda rank {r}, {}", compute.name());
-            assert_same_bits(&what, many, one);
+            match compute {
+                Compute::Exact => assert_same_bits(&what, many, one),
+                Compute::Fast => assert_within(&what, many, one, FAST_BATCH_BOUND),
+            }
         }
     }
 }

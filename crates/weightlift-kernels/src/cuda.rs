@@ -20,9 +20,9 @@
 //!
 //! - Matmul: [`MatvecMode::Q8`] quantises the activations on the device (`q8_quantize_*`, the
 //!   CPU's `Q8Block` bytes) and runs `q8_matmul_{type}` (dp4a, the CPU scalar Q8 order), or
-//!   for one token `q8_matvec_{type}` (an order of its own, for bandwidth); with
-//!   `WEIGHTLIFT_Q8V=wide` ([`Q8Decode`]) one token of Q4_K or Q6_K takes
-//!   `q8_wide_matvec_{type}` instead (wide lanes: 64 values a step in far fewer loads).
+//!   for one token `q8_matvec_{type}` (an order of its own, for bandwidth); one token of
+//!   Q4_K or Q6_K takes `q8_wide_matvec_{type}` instead (wide lanes: 64 values a step in far
+//!   fewer loads), unless `WEIGHTLIFT_Q8V=narrow` ([`Q8Decode`]).
 //!   Float weights (f16, bf16, f32) have bandwidth kernels: 16-byte loads, a row over
 //!   [`float_row_threads`] threads chosen from the shape and the SM count.
 //!   [`MatvecMode::Exact`] uses the in-register kernels below
@@ -112,9 +112,9 @@ use crate::sources::{
     CUDA_FLOAT_TYPES, CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS,
     FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, MMQ_BLOCK_ROWS,
     MMQ_BLOCK_TOKENS, MMQ_THREADS, Param, PrefillAttention, PromptRoute, Q8_BLOCK_BYTES,
-    Q8_MATVEC_THREADS, Q8Decode, attention_grid, attention_module, attention_prefill_rows,
-    cublas_route, dq_chunk_rows, float_row_threads, q8_matvec_warps, q8_wide_matvec_warps,
-    signature,
+    Q8_MATVEC_THREADS, Q8_WIDE_ALONE_MAX_TOKENS, Q8Decode, attention_grid, attention_module,
+    attention_prefill_rows, cublas_route, dq_chunk_rows, float_row_threads, q8_matvec_warps,
+    q8_wide_matvec_warps, signature,
 };
 use crate::types::{FloatType, QuantType};
 

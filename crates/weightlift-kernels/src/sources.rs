@@ -314,13 +314,15 @@ pub const Q8_WIDE_WEIGHT_TYPES: &[QuantType] = &[QuantType::Q4_K, QuantType::Q6_
 
 /// Which kernels decode's Q8-mode products (one token) run on CUDA, for the weight types of
 /// [`Q8_WIDE_WEIGHT_TYPES`]; the other types always take the narrow ones. The wide lanes are
-/// new and unmeasured, so the narrow ones stay the default until a GPU run says otherwise.
+/// the default: on an H200 they took TinyLlama-shaped Q4_K_M decode from 313 to 542 tokens/s
+/// (the kernel bench: 8.0 µs against 13.5 for a 2,048² Q4_K product, 18 against 83 for a
+/// 14,336×4,096 one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Q8Decode {
     /// `q8_matvec_{type}`: a lane takes one 4-byte word of a 32-value group a step.
-    #[default]
     Narrow,
     /// `q8_wide_matvec_{type}`: a lane takes 64 values of a block a step, in far fewer loads.
+    #[default]
     Wide,
 }
 
@@ -328,13 +330,13 @@ impl Q8Decode {
     /// The environment variable a CUDA backend reads when it is made.
     pub const ENV: &'static str = "WEIGHTLIFT_Q8V";
 
-    /// The choice for a value of [`Q8Decode::ENV`]: `wide` picks the wide lanes; unset, empty,
-    /// `narrow` or anything else keeps the default (as `WEIGHTLIFT_CUBLAS_MIN_TOKENS` ignores
-    /// what it cannot read).
+    /// The choice for a value of [`Q8Decode::ENV`]: `narrow` picks the narrow lanes; unset,
+    /// empty, `wide` or anything else keeps the default, the wide lanes (as
+    /// `WEIGHTLIFT_CUBLAS_MIN_TOKENS` ignores what it cannot read).
     pub fn from_env_value(value: Option<&str>) -> Self {
         match value.map(|v| v.trim().to_ascii_lowercase()) {
-            Some(v) if v == "wide" => Q8Decode::Wide,
-            _ => Q8Decode::Narrow,
+            Some(v) if v == "narrow" => Q8Decode::Narrow,
+            _ => Q8Decode::Wide,
         }
     }
 
@@ -372,16 +374,47 @@ pub const DQ_PATH_MIN_TOKENS: usize = 8;
 /// libcublas is found: exact mode as f32 GEMMs of dequantised chunks (no TF32), fast mode on
 /// tensor cores with the activations rounded to f16 (bf16 for bf16 weights) and quantised
 /// weights dequantised chunk by chunk to f16. Below it, the backend's own kernels (decode and
-/// short prompts read each weight once; a GEMM's tiles would mostly wait). A first guess, for
-/// the GPU bench to tune: `WEIGHTLIFT_CUBLAS_MIN_TOKENS` overrides it per process, and
-/// [`CUBLAS_MIN_TOKENS_BY_TYPE`] per weight type and mode.
+/// short prompts read each weight once; a GEMM's tiles would mostly wait).
+/// `WEIGHTLIFT_CUBLAS_MIN_TOKENS` overrides it per process, and [`CUBLAS_MIN_TOKENS_BY_TYPE`]
+/// per weight type and mode. On an H200 cuBLAS was faster from 8 tokens in exact mode too
+/// (the kernel bench's route table), but exact mode keeps 32 until tensor-parallel ranks on
+/// CUDA, whose 16-token prompts then took cuBLAS and left the host pass's logits, are
+/// explained (see the README's GPU status).
 pub const CUBLAS_MIN_TOKENS: usize = 32;
 
-/// Weight types and modes whose prompt products take cuBLAS from a token count other than
-/// [`CUBLAS_MIN_TOKENS`]: (type, mode, tokens). Empty until a GPU run measures the crossovers
-/// (the CUDA kernel bench's route table prints these lines); `usize::MAX` keeps a type on the
+/// Weight types and modes whose products take cuBLAS from a token count other than
+/// [`CUBLAS_MIN_TOKENS`]: (type, mode, tokens), fast mode's crossovers from the CUDA kernel
+/// bench's route table on an H200 (2026-11-30). From 8 tokens the backend's float kernels take
+/// a tiled path 5-48x slower than cuBLAS (a decode batch of 8 bf16 sequences ran at 0.27x the
+/// rate of one), and the quantised kernels were slower than dequantising the weights for
+/// cuBLAS from 2 tokens (Q8_0: 53 against 27 µs for 2 tokens of a 2,048² product; f16 about
+/// tied). The types of decode's wide lanes go to cuBLAS only past
+/// [`Q8_WIDE_ALONE_MAX_TOKENS`], below which they run the one-token kernel once a token (on
+/// cuBLAS from two tokens, two Q4_K sequences decoded at 0.46x the rate of one). The other
+/// types and exact mode keep [`CUBLAS_MIN_TOKENS`]; `usize::MAX` would keep a type on the
 /// backend's own kernels.
-pub const CUBLAS_MIN_TOKENS_BY_TYPE: &[(QuantType, MatvecMode, usize)] = &[];
+pub const CUBLAS_MIN_TOKENS_BY_TYPE: &[(QuantType, MatvecMode, usize)] = &[
+    (QuantType::BF16, MatvecMode::Q8, 8),
+    (QuantType::F16, MatvecMode::Q8, 2),
+    (QuantType::Q8_0, MatvecMode::Q8, 2),
+    (
+        QuantType::Q4_K,
+        MatvecMode::Q8,
+        Q8_WIDE_ALONE_MAX_TOKENS + 1,
+    ),
+    (
+        QuantType::Q6_K,
+        MatvecMode::Q8,
+        Q8_WIDE_ALONE_MAX_TOKENS + 1,
+    ),
+];
+
+/// The most tokens a fast-mode product of a type with decode's wide lanes
+/// ([`Q8_WIDE_WEIGHT_TYPES`], under [`Q8Decode::Wide`]) runs as that many one-token launches of
+/// `q8_wide_matvec_{type}` on CUDA, each token's activations and output its own: a decode batch
+/// of a few sequences then reads the weights once a sequence at the wide lanes' rate, and each
+/// gets the bits it gets alone.
+pub const Q8_WIDE_ALONE_MAX_TOKENS: usize = 8;
 
 /// The weight types of the Q8 mode's prompt product on int8 tensor cores (`q8_mma_{type}`,
 /// `kernels/wl_mmq.cuh`): every type of [`CUDA_Q8_TYPES`].
@@ -1276,10 +1309,11 @@ mod tests {
 
     #[test]
     fn q8_decode_reads_its_switch() {
-        assert_eq!(Q8Decode::from_env_value(None), Q8Decode::Narrow);
-        assert_eq!(Q8Decode::from_env_value(Some("")), Q8Decode::Narrow);
-        assert_eq!(Q8Decode::from_env_value(Some("narrow")), Q8Decode::Narrow);
-        assert_eq!(Q8Decode::from_env_value(Some("Wide ")), Q8Decode::Wide);
+        assert_eq!(Q8Decode::from_env_value(None), Q8Decode::Wide);
+        assert_eq!(Q8Decode::from_env_value(Some("")), Q8Decode::Wide);
+        assert_eq!(Q8Decode::from_env_value(Some("Narrow ")), Q8Decode::Narrow);
+        assert_eq!(Q8Decode::from_env_value(Some("wide")), Q8Decode::Wide);
+        assert_eq!(Q8Decode::default(), Q8Decode::Wide);
         assert!(Q8Decode::Wide.wide_for(QuantType::Q4_K));
         assert!(Q8Decode::Wide.wide_for(QuantType::Q6_K));
         assert!(!Q8Decode::Wide.wide_for(QuantType::Q4_0));

@@ -29,8 +29,8 @@ fn activations(x: &[f32], act: FloatType) -> (Vec<u8>, Vec<f32>) {
 }
 
 /// The host twin of decode's Q8 kernel for one token's activations (`bytes`, as uploaded): the
-/// wide lanes' where `WEIGHTLIFT_Q8V=wide` picks them for `ty` (as it does for the CUDA backend
-/// `test_device!` makes), else the narrow lanes'.
+/// wide lanes' where they are `ty`'s (the default; `WEIGHTLIFT_Q8V=narrow` keeps the narrow
+/// ones, as it does for the CUDA backend `test_device!` makes), else the narrow lanes'.
 #[cfg(wl_host_shim)]
 fn decode_twin(
     ty: QuantType,
@@ -56,7 +56,7 @@ fn decode_twin(
     };
     host_shim::q8_quantize(x, &mut xq).expect("host q8 quantise");
     let mut y = vec![0f32; rows];
-    // a CUDA backend made with WEIGHTLIFT_Q8V=wide runs the wide lanes for their types
+    // a CUDA backend made by default runs the wide lanes for their types
     if weightlift_kernels::sources::Q8Decode::from_env().wide_for(ty) {
         let wpr = weightlift_kernels::sources::q8_wide_matvec_warps(rows, cols, 1024);
         host_shim::q8_wide_matvec(ty, true, wpr, w, &xq, &mut y, cols).expect("host wide matvec");
@@ -75,7 +75,8 @@ fn decode_twin(
 /// Q8 mode, 1 and 6 tokens (the CUDA prompt kernel carries 4 per pass), f32 and f16
 /// activations, rows of 512 values: within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64 dot with the Q8-dequantised
 /// activations; on CUDA bit for bit the CPU's scalar Q8 mode for 6 tokens, and for one token
-/// (decode's kernel, in an order of its own) the host twin of that kernel.
+/// (decode's kernel, in an order of its own) the host twin of that kernel, as for each of the
+/// 6 tokens of a type with wide lanes (which run that kernel once a token).
 fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(0x0a81);
     let on_cuda = b.name().starts_with("cuda");
@@ -87,6 +88,11 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
         let row_bytes = f.raw.len() / rows;
         let w = upload(b, &f.raw)?;
         for n_tok in [1usize, 6] {
+            // decode's kernel for each token alone: one token, or a few of a type whose wide
+            // lanes run once a token
+            let alone = n_tok == 1
+                || (n_tok <= weightlift_kernels::sources::Q8_WIDE_ALONE_MAX_TOKENS
+                    && weightlift_kernels::sources::Q8Decode::from_env().wide_for(f.ty));
             for act in [FloatType::F32, FloatType::F16] {
                 let (bytes, xs) = activations(&rng.vec(cols * n_tok, 2.0), act);
                 let x = upload(b, &bytes)?;
@@ -133,7 +139,7 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
                             "{} {name} {act:?} token {t} row {r}: {g} vs f64 {s}",
                             b.name()
                         );
-                        if on_cuda && n_tok > 1 {
+                        if on_cuda && !alone {
                             assert_eq!(
                                 g.to_bits(),
                                 cpu[r].to_bits(),
@@ -143,8 +149,10 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
                             );
                         }
                         #[cfg(wl_host_shim)]
-                        if on_cuda && n_tok == 1 {
-                            let twin = decode_twin(f.ty, &f.raw, &bytes, act, rows, cols);
+                        if on_cuda && alone {
+                            let per = bytes.len() / n_tok;
+                            let token = &bytes[t * per..(t + 1) * per];
+                            let twin = decode_twin(f.ty, &f.raw, token, act, rows, cols);
                             assert_eq!(
                                 g.to_bits(),
                                 twin[r].to_bits(),
@@ -160,11 +168,35 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
     }
     Ok(())
 }
-weightlift_kernels::test_device!(q8_mode_matches_an_f64_dot_of_q8_activations);
+/// The Q8 test on every backend, the CUDA one with cuBLAS switched off: the measured counts
+/// send rows of two tokens and more of some types (Q8_0, Q4_K) to cuBLAS, and the test is about
+/// the backend's own Q8 kernels.
+mod q8_mode_matches_an_f64_dot_of_q8_activations {
+    #[test]
+    fn cpu() -> weightlift_kernels::Result<()> {
+        super::q8_mode_matches_an_f64_dot_of_q8_activations(&weightlift_kernels::CpuBackend::new())
+    }
+
+    #[test]
+    fn virtual_device() -> weightlift_kernels::Result<()> {
+        super::q8_mode_matches_an_f64_dot_of_q8_activations(
+            &weightlift_kernels::CpuBackend::with_capacity("virtual:0", 256 << 20),
+        )
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+    fn cuda() -> weightlift_kernels::Result<()> {
+        use weightlift_kernels::sources::CublasMinTokens;
+        let b = weightlift_kernels::CudaBackend::new(0)?
+            .with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
+        super::q8_mode_matches_an_f64_dot_of_q8_activations(&b)
+    }
+}
 
 /// Decode's Q4_K and Q6_K products with the wide lanes (`q8_wide_matvec_{type}` and
-/// `swiglu_q8_wide_matvec_{type}`, picked by `WEIGHTLIFT_Q8V=wide`; the CUDA case sets it on
-/// its backend with `with_q8_decode`, so nothing else in the process changes): one token, 64
+/// `swiglu_q8_wide_matvec_{type}`, the default, which `WEIGHTLIFT_Q8V=narrow` turns off; the
+/// CUDA case sets them on its backend with `with_q8_decode`, whatever the process says): one token, 64
 /// rows of 1,024, 5,632 and 14,336 values (one, two and four warps a row on any device of 8
 /// SMs or more), f32 and f16 activations, the weights at offset 0 and at views 1 and 2 bytes in
 /// (the kernels' byte-by-byte path; Q6_K keeps its realigned words at 2). Every product lies within 1e-5 · Σ(|w| + 2|m|)·|x| of the f64
@@ -408,7 +440,33 @@ fn prompt_matmul_chunked_by_max_dq_size_matches_f64<B: Backend>(b: &B) -> Result
     }
     Ok(())
 }
-weightlift_kernels::test_device!(prompt_matmul_chunked_by_max_dq_size_matches_f64);
+/// The chunked test on every backend, the CUDA one with cuBLAS switched off: from
+/// `CUBLAS_MIN_TOKENS` tokens its products take cuBLAS, and the test is about the dequantised
+/// path's own GEMM.
+mod prompt_matmul_chunked_by_max_dq_size_matches_f64 {
+    #[test]
+    fn cpu() -> weightlift_kernels::Result<()> {
+        super::prompt_matmul_chunked_by_max_dq_size_matches_f64(
+            &weightlift_kernels::CpuBackend::new(),
+        )
+    }
+
+    #[test]
+    fn virtual_device() -> weightlift_kernels::Result<()> {
+        super::prompt_matmul_chunked_by_max_dq_size_matches_f64(
+            &weightlift_kernels::CpuBackend::with_capacity("virtual:0", 256 << 20),
+        )
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+    fn cuda() -> weightlift_kernels::Result<()> {
+        use weightlift_kernels::sources::CublasMinTokens;
+        let b = weightlift_kernels::CudaBackend::new(0)?
+            .with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
+        super::prompt_matmul_chunked_by_max_dq_size_matches_f64(&b)
+    }
+}
 
 /// A weight type without a Q8-mode kernel (IQ4_NL, on every backend) is a typed error naming
 /// it.

@@ -228,7 +228,7 @@ fn expected_kernels() -> Vec<String> {
     for t in weightlift_kernels::sources::MMQ_TYPES {
         expected.push(format!("q8_mma_{}", t.name()));
     }
-    // decode's wide lanes (WEIGHTLIFT_Q8V=wide)
+    // decode's wide lanes (the default for their types)
     for t in weightlift_kernels::sources::Q8_WIDE_WEIGHT_TYPES {
         let t = t.name();
         expected.push(format!("q8_wide_matvec_{t}"));

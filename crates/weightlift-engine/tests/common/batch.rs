@@ -52,6 +52,59 @@ pub fn alone(m: &mut Model, reqs: &[(Vec<u32>, usize)], steps: usize) -> Vec<Vec
 /// (the step it joins) or its last greedy token, all in one `forward_batch` call. The same rows
 /// as [`alone`].
 pub fn batched(m: &mut Model, reqs: &[(Vec<u32>, usize)], steps: usize) -> Vec<Vec<Vec<f32>>> {
+    batched_with(m, reqs, steps, |_, rows| {
+        super::argmax(rows.last().unwrap()) as u32
+    })
+}
+
+/// [`batched`], each sequence fed the greedy ids of its rows alone (`alone`'s) instead of its
+/// own: where a batch rounds otherwise than a sequence alone (fast mode on CUDA), a near tie may
+/// go either way, and the sequences would then part.
+pub fn batched_following(
+    m: &mut Model,
+    reqs: &[(Vec<u32>, usize)],
+    steps: usize,
+    alone: &[Vec<Vec<f32>>],
+) -> Vec<Vec<Vec<f32>>> {
+    batched_with(m, reqs, steps, |i, rows| {
+        super::argmax(&alone[i][rows.len() - 1]) as u32
+    })
+}
+
+/// Fast mode's bound for a sequence's logits in a CUDA batch against its logits alone, on the
+/// tiny llama: the batch's rows of several tokens may take cuBLAS, which rounds activations
+/// (and dequantised weights) to f16, where a sequence's own decode step takes the Q8 kernels'
+/// 8-bit blocks. Each side lies within fast mode's own rounding of the exact logits, about 0.25
+/// on this model, so the two within twice that (the first GPU run measured 0.28 between them
+/// with Q4_K_M blocks).
+pub const FAST_BATCH_BOUND: f32 = 0.5;
+
+/// Each row of `got` within `bound` of `want`'s, with the same argmax wherever `want`'s top two
+/// are further apart than `bound` (the tiny model's random weights leave near ties).
+pub fn assert_within(what: &str, got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>], bound: f32) {
+    for (s, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: sequence {s}");
+        for (t, (a, b)) in g.iter().zip(w).enumerate() {
+            let d = super::max_abs_diff(a, b);
+            assert!(d <= bound, "{what}: sequence {s} step {t}: max|Δ| {d}");
+            if super::margin(b) > bound {
+                assert_eq!(
+                    super::argmax(a),
+                    super::argmax(b),
+                    "{what}: sequence {s} step {t}"
+                );
+            }
+        }
+    }
+}
+
+/// The continuous batch of [`batched`], each sequence's next id from `next(i, its rows)`.
+fn batched_with(
+    m: &mut Model,
+    reqs: &[(Vec<u32>, usize)],
+    steps: usize,
+    next: impl Fn(usize, &[Vec<f32>]) -> u32,
+) -> Vec<Vec<Vec<f32>>> {
     let caches: Vec<Arc<Cache>> = reqs.iter().map(|_| new_cache(m)).collect();
     let mut rows: Vec<Vec<Vec<f32>>> = vec![Vec::new(); reqs.len()];
     let mut step = 0;
@@ -61,9 +114,9 @@ pub fn batched(m: &mut Model, reqs: &[(Vec<u32>, usize)], steps: usize) -> Vec<V
             .collect();
         let ids: Vec<Vec<u32>> = active
             .iter()
-            .map(|&i| match rows[i].last() {
-                None => reqs[i].0.clone(),
-                Some(last) => vec![super::argmax(last) as u32],
+            .map(|&i| match rows[i].is_empty() {
+                true => reqs[i].0.clone(),
+                false => vec![next(i, &rows[i])],
             })
             .collect();
         let seqs: Vec<(&Arc<Cache>, &[u32])> = active

@@ -228,6 +228,9 @@ impl CudaBackend {
         {
             return self.q8_mma(m, w, xq, y);
         }
+        if m.n_tok <= Q8_WIDE_ALONE_MAX_TOKENS && self.q8_decode.wide_for(m.ty) {
+            return self.q8_wide_each_token(m, w, xq, y);
+        }
         // 8 threads per row, 32 rows per block of 256; 4 tokens per thread pass on grid.y
         let cfg = LaunchConfig {
             grid_dim: (
@@ -241,6 +244,38 @@ impl CudaBackend {
         // SAFETY: each row group reads one weight row (rows were checked) and each token's
         // cols / 32 blocks of xq, and writes y[t * rows + r] below n_tok * rows (checked).
         unsafe { self.launch_q8_prompt("q8_matmul_", cfg, m, w, xq, y) }
+    }
+
+    /// A few tokens' product of a type with decode's wide lanes ([`Q8Decode::wide_for`]): the
+    /// one-token kernel once a token, on its blocks of `xq` and its row of `y`. On an H200 that
+    /// kernel took 8 µs for a 2,048² Q4_K matrix read from device memory, where
+    /// `q8_matmul_q4_k` took 62 µs for two tokens and cuBLAS 35 (its weights dequantised
+    /// first), so up to [`Q8_WIDE_ALONE_MAX_TOKENS`] tokens the launches cost less; and each
+    /// token gets the bits it gets alone.
+    fn q8_wide_each_token(
+        &self,
+        m: MatShape,
+        w: &CudaBuffer,
+        xq: &CudaSlice<u8>,
+        y: &mut CudaBuffer,
+    ) -> Result<()> {
+        let one = MatShape { n_tok: 1, ..m };
+        let (cfg, family) = self.q8_decode_launch(one)?;
+        let name = format!("{family}{}", m.ty.name());
+        let (x_bytes, y_bytes) = (m.cols / 32 * Q8_BLOCK_BYTES, m.rows * 4);
+        for t in 0..m.n_tok {
+            let mut args = [
+                KArg::In(&w.slice),
+                KArg::InView(xq.slice(t * x_bytes..(t + 1) * x_bytes)),
+                KArg::OutView(y.slice.slice_mut(t * y_bytes..(t + 1) * y_bytes)),
+                KArg::U64(m.rows as u64),
+                KArg::U64(m.cols as u64),
+            ];
+            // SAFETY: as decode's one-token launch above, on token t's cols / 32 blocks of xq
+            // (quantised for all n_tok tokens) and its rows of y (n_tok * rows, checked).
+            unsafe { self.launch("matvec", &name, cfg, &mut args) }?;
+        }
+        Ok(())
     }
 
     /// Launches the prompt product kernel `{family}{type}` of `m` with `cfg`: weights `w`,

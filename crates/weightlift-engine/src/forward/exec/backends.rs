@@ -150,7 +150,9 @@ impl Exec for CudaBackend {
 
     /// In fast mode every product takes the whole batch: the several-token kernels quantise
     /// each token's activations as one token's do and differ from them only in the order of
-    /// the f32 sums over blocks, far inside the activation quantisation's bound. Exact mode
+    /// the f32 sums over blocks, far inside the activation quantisation's bound, and rows of
+    /// as many tokens as take cuBLAS (`sources::CUBLAS_MIN_TOKENS_BY_TYPE`: from two for Q8_0)
+    /// round the activations to f16 or bf16 there, within that bound too. Exact mode
     /// keeps one product per sequence, so each gets its own bits.
     fn shared_tokens(compute: Compute, _mode: MatvecMode) -> usize {
         match compute {
