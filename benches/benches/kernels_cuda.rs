@@ -8,8 +8,9 @@
 //! - decode's matrix-vector products, for each shape from 2048×2048 to 4096×14336 and each
 //!   weight type the CUDA matmul runs (`sources::CUDA_EXACT_TYPES` exactly,
 //!   `sources::CUDA_Q8_TYPES` with 8-bit activations): µs per call, GB/s and % of the copy;
-//!   then the wide-lane Q8 kernels (`q8-wide`, `WEIGHTLIFT_Q8V=wide`, on a second backend of the
-//!   same device with the switch set) for `sources::Q8_WIDE_WEIGHT_TYPES` on the same shapes
+//!   the `q8` rows on the narrow lanes (`WEIGHTLIFT_Q8V=narrow`) for every type; then the
+//!   wide-lane Q8 kernels (`q8-wide`, the default for their types, on a second backend of the
+//!   same device) for `sources::Q8_WIDE_WEIGHT_TYPES` on the same shapes
 //!   and the 32000×2048 head, and the Q8 rows of those types on the head for comparison;
 //!   their gate and up with SwiGLU (`q8-wide`, fused and separate) join the second table;
 //! - the other operations at llama-7B's 4096×4096 (dequantisation, 32-token products, norms,
@@ -177,7 +178,9 @@ fn main() -> ExitCode {
         }
     };
     let done = match args.device {
-        Device::Cuda => match CudaBackend::new(0) {
+        // the `q8` rows are the narrow lanes for every type, the `q8-wide` rows (the default
+        // for their types) come from a backend of their own
+        Device::Cuda => match CudaBackend::new(0).map(|b| b.with_q8_decode(Q8Decode::Narrow)) {
             Ok(be) => cuda_bench(&be, &args),
             // A root `cargo bench` builds this without the feature, and a GPU-less machine runs
             // it: both are normal, so say which and end cleanly rather than fail the whole run.
@@ -215,8 +218,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// The bench on `be` (`cuda:0` as it is made by default) and three more backends of the same
-/// device: decode's wide Q8 lanes, and the prompt products forced onto each route.
+/// The bench on `be` (`cuda:0` with decode's narrow Q8 lanes) and more backends of the same
+/// device: decode's wide Q8 lanes (the default), and the prompt products forced onto each
+/// route.
 fn cuda_bench(be: &CudaBackend, args: &Args) -> Result<bool> {
     let wide = CudaBackend::new(0)?.with_q8_decode(Q8Decode::Wide);
     let kernels = CudaBackend::new(0)?.with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));

@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (the checkpoint, the budget and the weight types are the end-to-end bench's)
 
-SEQUENCES = (1, 8, 32)
+SEQUENCES = (1, 2, 4, 8, 16, 32)
 PROMPT = 64
 DECODE_TOKENS = 32
 MAX_SEQ = PROMPT + DECODE_TOKENS + 32

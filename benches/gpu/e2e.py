@@ -28,7 +28,7 @@ with the argmax of the last logits fed back in, the loop timed as a whole):
                  prefills with WEIGHTLIFT_CUBLAS=0 and --prefill-only for the A/B)
   (decode on CUDA replays a captured CUDA graph per step unless WEIGHTLIFT_CUDA_GRAPHS=0;
                  run.sh repeats the decode rows with it and --decode-only for the A/B)
-  (decode's Q4_K and Q6_K products take the wide-lane kernels with WEIGHTLIFT_Q8V=wide;
+  (decode's Q4_K and Q6_K products take the wide-lane kernels unless WEIGHTLIFT_Q8V=narrow;
                  run.sh repeats the q4_k decode rows with it and --decode-only for the A/B)
   memory         the plan's total for the device, Model.memory() and Model.peak_memory() after
                  the runs, and the GPU memory this process holds (nvidia-smi's used memory less
@@ -373,6 +373,9 @@ def bench_ours(
         }
         row["memory"] = dict(m.memory())
         row["peak_memory"] = dict(m.peak_memory())
+        if device.startswith("cuda"):
+            # whether the decode steps replayed CUDA graphs: (captures, replays, refused)
+            row["cuda_graph_counts"] = list(m.cuda_graph_counts())
         if gpu_before is not None:
             now = gpu_used_bytes(device_index(device))
             row["gpu_used"] = None if now is None else now - gpu_before
@@ -643,6 +646,11 @@ def markdown(res: dict[str, Any]) -> str:
         out += ["", "Copy baselines of the same run (GB/s, medians):", ""]
         out += [f"- {names.get(k, k)}: {v:,.2f}" for k, v in base.items()]
     notes = [f"{r['label']}: {r['error']}" for r in rows if "error" in r]
+    notes += [
+        f"{r['label']}: CUDA graphs (captures, replays, refused) {tuple(r['cuda_graph_counts'])}"
+        for r in rows
+        if "cuda_graph_counts" in r
+    ]
     notes += [f"skipped: {s}" for s in res["skipped"]]
     notes += res["notes"]
     if notes:
@@ -708,8 +716,8 @@ def main() -> int:
     notes.append(f"WEIGHTLIFT_CUBLAS={cublas}, WEIGHTLIFT_CUBLAS_MIN_TOKENS={min_tokens}")
     graphs = os.environ.get("WEIGHTLIFT_CUDA_GRAPHS", "on (default)")
     notes.append(f"WEIGHTLIFT_CUDA_GRAPHS={graphs}")
-    # decode's Q8 kernels for Q4_K and Q6_K: the narrow lanes, or the wide ones with =wide
-    q8v = os.environ.get("WEIGHTLIFT_Q8V", "narrow (default)")
+    # decode's Q8 kernels for Q4_K and Q6_K: the wide lanes, or the narrow ones with =narrow
+    q8v = os.environ.get("WEIGHTLIFT_Q8V", "wide (default)")
     notes.append(f"WEIGHTLIFT_Q8V={q8v}")
     if PREFILL_ONLY:
         notes.append("prefill only: no decode rows were measured")

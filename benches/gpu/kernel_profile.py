@@ -37,11 +37,39 @@ PREFILL = 512
 TOP = 12
 
 
+def is_device(ev: Any) -> bool:
+    return str(getattr(ev, "device_type", None)) == "DeviceType.CUDA"
+
+
+def host_side(prof: Any, per: int) -> dict[str, Any]:
+    """Where a decode step's wall time beyond its kernels goes: the device's idle time between
+    its kernels and copies (the union of their intervals against their span), and the host's
+    CUDA API calls (driver and runtime, as CUPTI records them on the CPU side) by total time,
+    both per step."""
+    busy = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events() if is_device(ev))
+    idle = 0.0
+    if busy:
+        end = busy[0][1]
+        for s, e in busy[1:]:
+            idle += max(0.0, s - end)
+            end = max(end, e)
+    calls: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if not is_device(ev) and ev.name.startswith("cu"):
+            calls.setdefault(ev.name, []).append(ev.time_range.elapsed_us())
+    api = [
+        {"call": k, "calls_per": len(v) / per, "mean_us": sum(v) / len(v), "us_per": sum(v) / per}
+        for k, v in calls.items()
+    ]
+    api.sort(key=lambda r: -r["us_per"])
+    return {"device_idle_us_per_token": idle / per, "api": api[:TOP]}
+
+
 def kernel_table(prof: Any, per: int) -> tuple[list[dict[str, Any]], float]:
     """Device kernels by total time: name, calls per unit, mean µs, share; and the total µs."""
     by: dict[str, list[float]] = {}
     for ev in prof.events():
-        if getattr(ev, "device_type", None) is None or str(ev.device_type) != "DeviceType.CUDA":
+        if not is_device(ev):
             continue
         by.setdefault(ev.name, []).append(ev.time_range.elapsed_us())
     total = sum(sum(v) for v in by.values())
@@ -73,7 +101,8 @@ def profile_one(label: str, kw: dict[str, Any], path: Path, device: str, ids: li
         e2e.ours_forward(m, cache, ids[:PREFILL], 0)
         cache.reset()
         logits = m.forward(ids[:SHORT], cache=cache)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # the host's side too (its CUDA calls), for where the wall time past the kernels goes
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
             for _ in range(STEPS):
                 logits = m.forward([int(logits[0].argmax())], cache=cache)
@@ -84,6 +113,8 @@ def profile_one(label: str, kw: dict[str, Any], path: Path, device: str, ids: li
             "kernel_us_per_token": total / STEPS,
             "launches_per_token": sum(r["calls_per"] for r in rows),
             "kernels": rows[:TOP],
+            "host": host_side(prof, STEPS),
+            "cuda_graph_counts": list(m.cuda_graph_counts()),
         }
         cache.reset()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -129,6 +160,24 @@ def markdown(header: str, results: list[dict[str, Any]]) -> str:
                 f"| `{k['kernel'][:60]}` | {k['calls_per']:.1f} | {k['mean_us']:.1f} | "
                 f"{100 * k['share']:.0f} % |"
             )
+        if "cuda_graph_counts" in d:
+            c, r_, why = d["cuda_graph_counts"]
+            out += ["", f"CUDA graphs since the load: {c} captured, {r_} replayed, refused: {why}."]
+        h = d.get("host")
+        if h:
+            out += [
+                "",
+                f"The device idles {h['device_idle_us_per_token']:.0f} µs a token between its "
+                "kernels and copies. The host's CUDA calls a token:",
+                "",
+                "| call | calls/token | µs/call | µs/token |",
+                "|---|---:|---:|---:|",
+            ]
+            for c in h["api"]:
+                out.append(
+                    f"| `{c['call'][:60]}` | {c['calls_per']:.1f} | {c['mean_us']:.1f} | "
+                    f"{c['us_per']:.1f} |"
+                )
         out += [
             "",
             f"Prefill of {PREFILL} tokens: {p['wall_ms']:.1f} ms wall, {p['kernel_ms']:.1f} ms of "

@@ -5,7 +5,9 @@ runs) and against accelerate, on the same GPU in the same run.
 
 The model (MOE_SHAPE, about 1.3 GiB of bf16, nine tenths of it experts) is made once with
 transformers' random initialisation and reused. Every row gets GPU_BYTES of the GPU and the
-rest in host RAM, batch 1, greedy, bf16 weights as stored:
+rest in host RAM (CUDA_GPU_BYTES on a GPU, since weightlift's plan also charges the GPU its
+CUDA context, kernel modules and cuBLAS workspace, about 584 MiB on an H200, where
+accelerate's `max_memory` counts tensors alone), batch 1, greedy, bf16 weights as stored:
 
   weightlift, experts in host RAM   n_cpu_moe = every layer: attention, norms, router, embedding
                                     and head on the GPU; each token's routed experts computed on
@@ -49,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "tiny-mixtral"
 
 GPU_BYTES = "512MiB"
+CUDA_GPU_BYTES = "1GiB"
 SEED = 0
 
 # Mixtral's layout at a size that is quick to make: 8 experts of which 2 run a token, experts
@@ -204,6 +207,7 @@ def main() -> int:
     else:
         default_root = Path(tempfile.gettempdir()) / "weightlift-e2e"
         path, info = checkpoint(Path(os.environ.get("WEIGHTLIFT_E2E_DIR", default_root)))
+        GPU_BYTES = CUDA_GPU_BYTES
     config = json.loads((path / "config.json").read_text())
     n_layers, vocab = config["num_hidden_layers"], config["vocab_size"]
     ids = [(7 + 13 * i) % vocab for i in range(PROMPT)]

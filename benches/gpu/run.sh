@@ -23,7 +23,7 @@
 # since the rehearsal needs numpy and safetensors).
 # WEIGHTLIFT_CUDA_GRAPHS is set to 1 for the end-to-end rows and the profile, which measure
 # decode as it runs by default (each step replayed from a CUDA graph); graphs_ab sets it to 0
-# for its own rows. WEIGHTLIFT_Q8V is unset for every step but q8v_ab, which sets it to wide.
+# for its own rows. WEIGHTLIFT_Q8V is unset for every step but q8v_ab, which sets it to narrow.
 #
 # The default run fits one five-minute call on an H200, by budgets sized from the last full run
 # there (benches/results/gpu/: tests.md's seconds a suite, e2e.json's checkpoint and rows):
@@ -48,7 +48,7 @@
 # RUN_BUDGET_S too and into a folder of its own (a run first clears every step's results in
 # --out): STEPS=prefill_ab,graphs_ab,q8v_ab (two rows' prefills without cuBLAS within
 # PREFILL_AB_BUDGET_S, two rows' decodes without CUDA graphs within GRAPHS_AB_BUDGET_S, the q4_k
-# decode with the wide lanes within Q8V_AB_BUDGET_S; with the set-up and the checkpoint made
+# decode with the narrow lanes within Q8V_AB_BUDGET_S; with the set-up and the checkpoint made
 # again on a fresh machine, 15 + 52 + 60 + 60 + 30 s), then STEPS=offload,moe,profile (the
 # offload and MoE benches stop their rounds at OFFLOAD_BUDGET_S and MOE_BUDGET_S, the profile
 # runs under PROFILE_TIMEOUT_S; the batched decode bench, STEPS=batch, stops at BATCH_BUDGET_S).
@@ -154,8 +154,8 @@ OUT=$(cd "$OUT" && pwd)
 # A result left by an earlier run must not pass for this one's.
 rm -f "$OUT"/{summary,tests,e2e,offload_e2e,moe_offload,batch_e2e,profile,kernels_cuda,kernels_cuda_on_cpu,cuda_info,cuda_info_steps}.{md,json}
 rm -f "$OUT"/prefill-no-cublas/e2e.{md,json} "$OUT"/decode-no-graphs/e2e.{md,json}
-rm -f "$OUT"/decode-q8v-wide/e2e.{md,json}
-# The old Q8 decode kernels are the default; only q8v_ab picks the wide ones.
+rm -f "$OUT"/decode-q8v-narrow/e2e.{md,json}
+# The wide Q8 decode kernels are the default; only q8v_ab picks the narrow ones.
 unset WEIGHTLIFT_Q8V
 if [ -z "${PYTHON:-}" ]; then
     PYTHON=python3
@@ -540,17 +540,17 @@ elif wants graphs_ab "the decode A/B without CUDA graphs"; then
 fi
 
 # The A/B of decode's Q4_K kernels: the q4_k decodes (after 64 and 2,048 positions, from CUDA
-# graphs as the end-to-end rows) with the wide lanes (WEIGHTLIFT_Q8V=wide:
-# q8_wide_matvec_{q4_k,q6_k} and swiglu_q8_wide_matvec_{q4_k,q6_k}), into
-# decode-q8v-wide/e2e.md; the end-to-end rows are the old lanes.
-step "decode with the wide Q4_K lanes (A/B)"
+# graphs as the end-to-end rows) with the narrow lanes (WEIGHTLIFT_Q8V=narrow:
+# q8_matvec_{q4_k,q6_k} and swiglu_q8_matvec_{q4_k,q6_k}), into decode-q8v-narrow/e2e.md; the
+# end-to-end rows are the wide lanes, the default.
+step "decode with the narrow Q4_K lanes (A/B)"
 if [ $CPU = 1 ]; then
-    skip "no GPU: the decode A/B with the wide Q4_K lanes"
-elif wants q8v_ab "the decode A/B with the wide Q4_K lanes"; then
-    WEIGHTLIFT_Q8V=wide WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$(capped "$Q8V_AB_TIMEOUT_S")" \
+    skip "no GPU: the decode A/B with the narrow Q4_K lanes"
+elif wants q8v_ab "the decode A/B with the narrow Q4_K lanes"; then
+    WEIGHTLIFT_Q8V=narrow WEIGHTLIFT_CUDA_GRAPHS=1 PYTHONUNBUFFERED=1 timeout "$(capped "$Q8V_AB_TIMEOUT_S")" \
         "$PYTHON" "$ROOT/benches/gpu/e2e.py" --device cuda:0 --decode-only --only q4_k \
-        --budget-s "$(bench_budget "$Q8V_AB_BUDGET_S")" --out "$OUT/decode-q8v-wide" ||
-        FAILED+=("decode A/B with the wide Q4_K lanes (exit status $?)")
+        --budget-s "$(bench_budget "$Q8V_AB_BUDGET_S")" --out "$OUT/decode-q8v-narrow" ||
+        FAILED+=("decode A/B with the narrow Q4_K lanes (exit status $?)")
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +580,7 @@ if wants moe "the MoE bench"; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# 3d. The batched decode bench: 1, 8 and 32 sequences stepped together (Model.forward_batch) on
+# 3d. The batched decode bench: 1 to 32 sequences stepped together (Model.forward_batch) on
 # the end-to-end bench's checkpoint, what `weightlift serve --parallel N` asks of the device.
 
 step "batched decode bench"
