@@ -819,8 +819,8 @@ fn decode_steps_replayed_from_a_cuda_graph_are_the_launched_steps() {
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn a_planned_model_with_its_embedding_in_host_memory_replays_its_steps() {
-    use common::{argmax, json_ids, max_abs_diff, reference};
-    use weightlift_engine::forward::{Compute, Logits};
+    use common::{json_ids, reference};
+    use weightlift_engine::forward::Compute;
     use weightlift_format::Role;
     const STEPS: usize = 8;
     cuda();
@@ -858,16 +858,7 @@ fn a_planned_model_with_its_embedding_in_host_memory_replays_its_steps() {
             .unwrap();
             m.set_compute(compute);
             m.set_cuda_graphs(graphs);
-            let mut out = Vec::new();
-            m.forward(&ids, Some(&cache), Logits::Last, &mut out)
-                .unwrap();
-            let mut rows = Vec::new();
-            for _ in 0..STEPS {
-                let next = argmax(&out) as u32;
-                m.forward(&[next], Some(&cache), Logits::Last, &mut out)
-                    .unwrap();
-                rows.push(out.clone());
-            }
+            let rows = greedy_steps(&mut m, &cache, &ids, STEPS);
             (rows, m.cuda_graph_counts())
         };
         let (off, off_counts) = run(false);
@@ -878,13 +869,35 @@ fn a_planned_model_with_its_embedding_in_host_memory_replays_its_steps() {
             (1, STEPS as u64 - 1, None),
             "{compute:?}: (captures, replays, refused)"
         );
-        for (step, (g, l)) in on.iter().zip(&off).enumerate() {
-            assert!(
-                g == l,
-                "{compute:?}, step {step}: max|Δ| {} between graphs on and off",
-                max_abs_diff(g, l)
-            );
-        }
+        assert_same_steps(&format!("{compute:?}"), &on, &off);
+    }
+}
+
+/// `prompt` into `cache`, then `steps` greedy decode steps: each step's logits.
+fn greedy_steps(m: &mut Model, cache: &Arc<Cache>, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
+    use weightlift_engine::forward::Logits;
+    let mut out = Vec::new();
+    m.forward(prompt, Some(cache), Logits::Last, &mut out)
+        .unwrap();
+    (0..steps)
+        .map(|_| {
+            let next = common::argmax(&out) as u32;
+            m.forward(&[next], Some(cache), Logits::Last, &mut out)
+                .unwrap();
+            out.clone()
+        })
+        .collect()
+}
+
+/// The steps replayed from graphs (`on`) are the launched ones (`off`), bit for bit.
+fn assert_same_steps(what: &str, on: &[Vec<f32>], off: &[Vec<f32>]) {
+    assert_eq!(on.len(), off.len(), "{what}: steps");
+    for (step, (g, l)) in on.iter().zip(off).enumerate() {
+        assert!(
+            g == l,
+            "{what}, step {step}: max|Δ| {} between graphs on and off",
+            common::max_abs_diff(g, l)
+        );
     }
 }
 
@@ -895,8 +908,8 @@ fn a_planned_model_with_its_embedding_in_host_memory_replays_its_steps() {
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
 fn a_generation_crossing_an_attention_span_captures_the_next() {
-    use common::{argmax, json_ids, max_abs_diff, reference};
-    use weightlift_engine::forward::{Compute, Logits};
+    use common::{json_ids, reference};
+    use weightlift_engine::forward::Compute;
     cuda();
     let ids = json_ids(&reference().join("tiny-llama/ids.json"), "ids");
     let prompt: Vec<u32> = ids.iter().copied().cycle().take(250).collect();
@@ -905,28 +918,13 @@ fn a_generation_crossing_an_attention_span_captures_the_next() {
         let (mut m, cache) = common::load_on(&src, "cuda:0,cpu", "cuda:0", 512, CacheDType::Fp16);
         m.set_compute(Compute::Fast);
         m.set_cuda_graphs(graphs);
-        let mut out = Vec::new();
-        m.forward(&prompt, Some(&cache), Logits::Last, &mut out)
-            .unwrap();
-        let mut rows = Vec::new();
-        for _ in 0..12 {
-            let next = argmax(&out) as u32;
-            m.forward(&[next], Some(&cache), Logits::Last, &mut out)
-                .unwrap();
-            rows.push(out.clone());
-        }
+        let rows = greedy_steps(&mut m, &cache, &prompt, 12);
         (rows, m.cuda_graph_counts())
     };
     let (off, _) = run(false);
     let (on, counts) = run(true);
     assert_eq!(counts, (2, 10, None), "(captures, replays, refused)");
-    for (i, (g, l)) in on.iter().zip(&off).enumerate() {
-        assert!(
-            g == l,
-            "step {i}: max|Δ| {} between graphs on and off",
-            max_abs_diff(g, l)
-        );
-    }
+    assert_same_steps("a span crossed", &on, &off);
 }
 
 /// The q8 cache, a step replayed from a graph after the cache was reset and refilled, and after

@@ -28,6 +28,36 @@ fn activations(x: &[f32], act: FloatType) -> (Vec<u8>, Vec<f32>) {
     }
 }
 
+/// `test_device!` with the CUDA case on a backend whose products never take cuBLAS: for tests
+/// of the backend's own kernels at token counts the measured cuBLAS counts would take.
+macro_rules! test_device_without_cublas {
+    ($body:ident) => {
+        mod $body {
+            #[test]
+            fn cpu() -> weightlift_kernels::Result<()> {
+                super::$body(&weightlift_kernels::CpuBackend::new())
+            }
+
+            #[test]
+            fn virtual_device() -> weightlift_kernels::Result<()> {
+                super::$body(&weightlift_kernels::CpuBackend::with_capacity(
+                    "virtual:0",
+                    256 << 20,
+                ))
+            }
+
+            #[test]
+            #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
+            fn cuda() -> weightlift_kernels::Result<()> {
+                use weightlift_kernels::sources::CublasMinTokens;
+                let b = weightlift_kernels::CudaBackend::new(0)?
+                    .with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
+                super::$body(&b)
+            }
+        }
+    };
+}
+
 /// The host twin of decode's Q8 kernel for one token's activations (`bytes`, as uploaded): the
 /// wide lanes' where they are `ty`'s (the default; `WEIGHTLIFT_Q8V=narrow` keeps the narrow
 /// ones, as it does for the CUDA backend `test_device!` makes), else the narrow lanes'.
@@ -168,31 +198,9 @@ fn q8_mode_matches_an_f64_dot_of_q8_activations<B: Backend>(b: &B) -> Result<()>
     }
     Ok(())
 }
-/// The Q8 test on every backend, the CUDA one with cuBLAS switched off: the measured counts
-/// send rows of two tokens and more of some types (Q8_0, Q4_K) to cuBLAS, and the test is about
-/// the backend's own Q8 kernels.
-mod q8_mode_matches_an_f64_dot_of_q8_activations {
-    #[test]
-    fn cpu() -> weightlift_kernels::Result<()> {
-        super::q8_mode_matches_an_f64_dot_of_q8_activations(&weightlift_kernels::CpuBackend::new())
-    }
-
-    #[test]
-    fn virtual_device() -> weightlift_kernels::Result<()> {
-        super::q8_mode_matches_an_f64_dot_of_q8_activations(
-            &weightlift_kernels::CpuBackend::with_capacity("virtual:0", 256 << 20),
-        )
-    }
-
-    #[test]
-    #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
-    fn cuda() -> weightlift_kernels::Result<()> {
-        use weightlift_kernels::sources::CublasMinTokens;
-        let b = weightlift_kernels::CudaBackend::new(0)?
-            .with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
-        super::q8_mode_matches_an_f64_dot_of_q8_activations(&b)
-    }
-}
+// The backend's own Q8 kernels: the measured counts send rows of two tokens and more of some
+// types (Q8_0) to cuBLAS on CUDA.
+test_device_without_cublas!(q8_mode_matches_an_f64_dot_of_q8_activations);
 
 /// Decode's Q4_K and Q6_K products with the wide lanes (`q8_wide_matvec_{type}` and
 /// `swiglu_q8_wide_matvec_{type}`, the default, which `WEIGHTLIFT_Q8V=narrow` turns off; the
@@ -440,33 +448,8 @@ fn prompt_matmul_chunked_by_max_dq_size_matches_f64<B: Backend>(b: &B) -> Result
     }
     Ok(())
 }
-/// The chunked test on every backend, the CUDA one with cuBLAS switched off: from
-/// `CUBLAS_MIN_TOKENS` tokens its products take cuBLAS, and the test is about the dequantised
-/// path's own GEMM.
-mod prompt_matmul_chunked_by_max_dq_size_matches_f64 {
-    #[test]
-    fn cpu() -> weightlift_kernels::Result<()> {
-        super::prompt_matmul_chunked_by_max_dq_size_matches_f64(
-            &weightlift_kernels::CpuBackend::new(),
-        )
-    }
-
-    #[test]
-    fn virtual_device() -> weightlift_kernels::Result<()> {
-        super::prompt_matmul_chunked_by_max_dq_size_matches_f64(
-            &weightlift_kernels::CpuBackend::with_capacity("virtual:0", 256 << 20),
-        )
-    }
-
-    #[test]
-    #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored on a machine with one"]
-    fn cuda() -> weightlift_kernels::Result<()> {
-        use weightlift_kernels::sources::CublasMinTokens;
-        let b = weightlift_kernels::CudaBackend::new(0)?
-            .with_cublas_min_tokens(CublasMinTokens::uniform(usize::MAX));
-        super::prompt_matmul_chunked_by_max_dq_size_matches_f64(&b)
-    }
-}
+// The dequantised path's own GEMM, whatever tokens cuBLAS takes from.
+test_device_without_cublas!(prompt_matmul_chunked_by_max_dq_size_matches_f64);
 
 /// A weight type without a Q8-mode kernel (IQ4_NL, on every backend) is a typed error naming
 /// it.

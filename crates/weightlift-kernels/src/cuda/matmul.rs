@@ -207,29 +207,14 @@ impl CudaBackend {
         xq: &CudaSlice<u8>,
         y: &mut CudaBuffer,
     ) -> Result<()> {
-        if m.n_tok == 1 {
-            let (cfg, family) = self.q8_decode_launch(m)?;
-            let name = format!("{family}{}", m.ty.name());
-            let mut args = [
-                KArg::In(&w.slice),
-                KArg::In(xq),
-                KArg::Out(&mut y.slice),
-                KArg::U64(m.rows as u64),
-                KArg::U64(m.cols as u64),
-            ];
-            // SAFETY: each row's warps read one weight row (rows were checked; a row past the
-            // last reads the last) and the token's cols / 32 blocks of xq, and write y[r]
-            // below rows (checked).
-            return unsafe { self.launch("matvec", &name, cfg, &mut args) };
+        if m.n_tok == 1 || (m.n_tok <= Q8_WIDE_ALONE_MAX_TOKENS && self.q8_decode.wide_for(m.ty)) {
+            return self.q8_each_token(m, w, xq, y);
         }
         if self
             .cublas_min_tokens
             .mma_takes(m.ty, MatvecMode::Q8, m.n_tok, self.cc)
         {
             return self.q8_mma(m, w, xq, y);
-        }
-        if m.n_tok <= Q8_WIDE_ALONE_MAX_TOKENS && self.q8_decode.wide_for(m.ty) {
-            return self.q8_wide_each_token(m, w, xq, y);
         }
         // 8 threads per row, 32 rows per block of 256; 4 tokens per thread pass on grid.y
         let cfg = LaunchConfig {
@@ -246,13 +231,14 @@ impl CudaBackend {
         unsafe { self.launch_q8_prompt("q8_matmul_", cfg, m, w, xq, y) }
     }
 
-    /// A few tokens' product of a type with decode's wide lanes ([`Q8Decode::wide_for`]): the
-    /// one-token kernel once a token, on its blocks of `xq` and its row of `y`. On an H200 that
+    /// Decode's one-token kernel ([`CudaBackend::q8_decode_launch`]) once a token, on its blocks
+    /// of `xq` and its row of `y`: one token, or a few of a type with decode's wide lanes
+    /// ([`Q8Decode::wide_for`]). On an H200 the wide
     /// kernel took 8 µs for a 2,048² Q4_K matrix read from device memory, where
     /// `q8_matmul_q4_k` took 62 µs for two tokens and cuBLAS 35 (its weights dequantised
     /// first), so up to [`Q8_WIDE_ALONE_MAX_TOKENS`] tokens the launches cost less; and each
     /// token gets the bits it gets alone.
-    fn q8_wide_each_token(
+    fn q8_each_token(
         &self,
         m: MatShape,
         w: &CudaBuffer,
@@ -264,15 +250,25 @@ impl CudaBackend {
         let name = format!("{family}{}", m.ty.name());
         let (x_bytes, y_bytes) = (m.cols / 32 * Q8_BLOCK_BYTES, m.rows * 4);
         for t in 0..m.n_tok {
+            // the first token reads and writes from the buffers' starts: the buffers themselves,
+            // as a decode step (and the graph recording it) always passed them
+            let (x, out) = match t {
+                0 => (KArg::In(xq), KArg::Out(&mut y.slice)),
+                _ => (
+                    KArg::InView(xq.slice(t * x_bytes..(t + 1) * x_bytes)),
+                    KArg::OutView(y.slice.slice_mut(t * y_bytes..(t + 1) * y_bytes)),
+                ),
+            };
             let mut args = [
                 KArg::In(&w.slice),
-                KArg::InView(xq.slice(t * x_bytes..(t + 1) * x_bytes)),
-                KArg::OutView(y.slice.slice_mut(t * y_bytes..(t + 1) * y_bytes)),
+                x,
+                out,
                 KArg::U64(m.rows as u64),
                 KArg::U64(m.cols as u64),
             ];
-            // SAFETY: as decode's one-token launch above, on token t's cols / 32 blocks of xq
-            // (quantised for all n_tok tokens) and its rows of y (n_tok * rows, checked).
+            // SAFETY: each row's warps read one weight row (rows were checked; a row past the
+            // last reads the last) and token t's cols / 32 blocks of xq (quantised for all
+            // n_tok tokens), and write its y[t * rows + r] below n_tok * rows (checked).
             unsafe { self.launch("matvec", &name, cfg, &mut args) }?;
         }
         Ok(())
