@@ -507,8 +507,9 @@ class Model(_native.Model):
         batching), and return float32 logits of shape ``[len(seqs), vocab]``, the last position of
         each, the bits each sequence gets alone (in ``"fast"`` the decode tokens share each product:
         on the cpu every token keeps its own bits, on CUDA a product of several tokens may sum in
-        another order or take cuBLAS, within fast mode's bound). A bad sequence (too long for its cache, a cache given
-        twice) fails the call before any cache moves. The GIL is released while it runs.
+        another order or take cuBLAS, within fast mode's bound). A bad sequence (too long for its
+        cache, a cache given twice) fails the call before any cache moves. The GIL is released
+        while it runs.
         """,
     )
 
