@@ -41,17 +41,29 @@ def is_device(ev: Any) -> bool:
     return str(getattr(ev, "device_type", None)) == "DeviceType.CUDA"
 
 
+# A gap between two kernels at least this long is the host's turnaround between steps (or a
+# wait within one), not the device's own latency from one kernel (or graph node) to the next.
+LONG_GAP_US = 10.0
+
+
 def host_side(prof: Any, per: int) -> dict[str, Any]:
     """Where a decode step's wall time beyond its kernels goes: the device's idle time between
-    its kernels and copies (the union of their intervals against their span), and the host's
+    its kernels and copies (the union of their intervals against their span), split into gaps
+    under LONG_GAP_US (kernel to kernel) and longer ones (the host's turnaround), and the host's
     CUDA API calls (driver and runtime, as CUPTI records them on the CPU side) by total time,
-    both per step."""
+    all per step."""
     busy = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events() if is_device(ev))
-    idle = 0.0
+    idle = short = 0.0
+    long_gaps = 0
     if busy:
         end = busy[0][1]
         for s, e in busy[1:]:
-            idle += max(0.0, s - end)
+            gap = max(0.0, s - end)
+            idle += gap
+            if gap < LONG_GAP_US:
+                short += gap
+            else:
+                long_gaps += 1
             end = max(end, e)
     calls: dict[str, list[float]] = {}
     for ev in prof.events():
@@ -62,7 +74,12 @@ def host_side(prof: Any, per: int) -> dict[str, Any]:
         for k, v in calls.items()
     ]
     api.sort(key=lambda r: -r["us_per"])
-    return {"device_idle_us_per_token": idle / per, "api": api[:TOP]}
+    return {
+        "device_idle_us_per_token": idle / per,
+        "short_gaps_us_per_token": short / per,
+        "long_gaps_per_token": long_gaps / per,
+        "api": api[:TOP],
+    }
 
 
 def kernel_table(prof: Any, per: int) -> tuple[list[dict[str, Any]], float]:
@@ -168,7 +185,10 @@ def markdown(header: str, results: list[dict[str, Any]]) -> str:
             out += [
                 "",
                 f"The device idles {h['device_idle_us_per_token']:.0f} µs a token between its "
-                "kernels and copies. The host's CUDA calls a token:",
+                f"kernels and copies: {h.get('short_gaps_us_per_token', 0):.0f} µs in gaps "
+                f"under {LONG_GAP_US:.0f} µs (kernel to kernel), the rest in "
+                f"{h.get('long_gaps_per_token', 0):.1f} longer ones a token (the host's "
+                "turnaround). The host's CUDA calls a token:",
                 "",
                 "| call | calls/token | µs/call | µs/token |",
                 "|---|---:|---:|---:|",
