@@ -94,6 +94,7 @@ weightlift-engine     cuda                  ignored          all    reference
 weightlift-engine     tp_rank               ignored          skip   reference
 weightlift-engine     offload_exec          ignored          skip   reference
 weightlift-engine     forward_backend       ignored          skip   reference
+weightlift-engine     decode_ops            ignored          skip   reference
 weightlift-engine     tp_backend            ignored          skip   2gpu
 '
 # The bench binaries the bundle carries (benches/benches/*.rs).
