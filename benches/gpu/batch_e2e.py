@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -131,10 +130,7 @@ def main() -> int:
         if args.cpu
         else (e2e.TINYLLAMA, "TinyLlama-1.1B's shape")
     )
-    root = Path(
-        os.environ.get("WEIGHTLIFT_E2E_DIR", Path(tempfile.gettempdir()) / "weightlift-e2e")
-    )
-    path, ck = e2e.checkpoint(shape, root)
+    path, ck = e2e.checkpoint(shape, e2e.checkpoint_root())
     budget = e2e.Budget(args.budget_s)
     rows = []
     for label, kw in e2e.OURS:

@@ -224,6 +224,13 @@ def has_transformers() -> str | None:
     return None
 
 
+def checkpoint_root() -> Path:
+    """Where the benches keep their checkpoints between runs: WEIGHTLIFT_E2E_DIR, else
+    $TMPDIR/weightlift-e2e."""
+    default = Path(tempfile.gettempdir()) / "weightlift-e2e"
+    return Path(os.environ.get("WEIGHTLIFT_E2E_DIR", default))
+
+
 def checkpoint(shape: dict[str, int], root: Path) -> tuple[Path, dict[str, Any]]:
     """The bf16 checkpoint for `shape`, made once in `root` and reused."""
     maker = "transformers" if has_transformers() is None else "numpy + safetensors"
@@ -723,10 +730,7 @@ def main() -> int:
         notes.append("prefill only: no decode rows were measured")
     if DECODE_ONLY:
         notes.append("decode only: no prefill rows were measured")
-    root = Path(
-        os.environ.get("WEIGHTLIFT_E2E_DIR", Path(tempfile.gettempdir()) / "weightlift-e2e")
-    )
-    path, ck = checkpoint(shape, root)
+    path, ck = checkpoint(shape, checkpoint_root())
     say(f"checkpoint: {path} ({ck['bytes'] / 1e9:.2f} GB, made with {ck['made_with']})")
 
     import weightlift as wl

@@ -21,7 +21,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -221,10 +220,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args()
-    root = Path(
-        os.environ.get("WEIGHTLIFT_E2E_DIR", Path(tempfile.gettempdir()) / "weightlift-e2e")
-    )
-    path, _ = e2e.checkpoint(e2e.TINYLLAMA, root)
+    path, _ = e2e.checkpoint(e2e.TINYLLAMA, e2e.checkpoint_root())
     ids = np.random.default_rng(e2e.SEED).integers(3, 32000, size=PREFILL + SHORT).tolist()
     wanted = {s for s in args.only.split(",") if s}
     results = []

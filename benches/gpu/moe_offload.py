@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -197,16 +195,14 @@ def main() -> int:
         print(f"moe_offload: the checkpoint needs transformers: {why}", file=sys.stderr)
         return 2
     elif a.link:
-        default_root = Path(tempfile.gettempdir()) / "weightlift-e2e"
-        path, info = checkpoint(Path(os.environ.get("WEIGHTLIFT_E2E_DIR", default_root)))
+        path, info = checkpoint(e2e.checkpoint_root())
         device = "virtual:0"
         devices = (f"virtual:4GiB@{a.link},cpu", device)
     elif (why := e2e.has_transformers()) is not None:
         print(f"moe_offload: the checkpoint needs transformers: {why}", file=sys.stderr)
         return 2
     else:
-        default_root = Path(tempfile.gettempdir()) / "weightlift-e2e"
-        path, info = checkpoint(Path(os.environ.get("WEIGHTLIFT_E2E_DIR", default_root)))
+        path, info = checkpoint(e2e.checkpoint_root())
         GPU_BYTES = CUDA_GPU_BYTES
     config = json.loads((path / "config.json").read_text())
     n_layers, vocab = config["num_hidden_layers"], config["vocab_size"]

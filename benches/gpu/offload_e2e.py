@@ -34,11 +34,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -316,9 +314,7 @@ def main() -> int:
     global GPU_BYTES
     budget = e2e.Budget(a.budget_s)
     shape = e2e.SMALL if a.cpu else e2e.TINYLLAMA
-    default_root = Path(tempfile.gettempdir()) / "weightlift-e2e"
-    root = Path(os.environ.get("WEIGHTLIFT_E2E_DIR", default_root))
-    path, info = e2e.checkpoint(shape, root)
+    path, info = e2e.checkpoint(shape, e2e.checkpoint_root())
     device = a.device
     devices = (f"{device},cpu", device)
     if a.cpu:

@@ -829,9 +829,20 @@ fn a_planned_model_with_its_embedding_in_host_memory_replays_its_steps() {
     for compute in [Compute::Fast, Compute::Exact] {
         let run = |graphs: bool| {
             let mut m = Model::new(Arc::clone(&src), Inventory::parse("cuda:0").unwrap());
-            let mut req = m.plan_request().unwrap();
-            req.cache = Some(weightlift_plan::CacheSpec::new(64, 1, CacheDType::Fp16));
-            let plan = weightlift_plan::plan(&req).unwrap();
+            let options = weightlift_plan::PlanOptions {
+                cache: Some(weightlift_plan::CacheSpec::new(64, 1, CacheDType::Fp16)),
+                ..Default::default()
+            };
+            let plan = m
+                .plan_and_load(
+                    None,
+                    options,
+                    &Default::default(),
+                    None,
+                    &LoadOptions::default(),
+                    &mut |_| true,
+                )
+                .unwrap();
             let placement = m.placement(&plan).unwrap();
             let embd = src
                 .tensors()
@@ -843,19 +854,7 @@ fn a_planned_model_with_its_embedding_in_host_memory_replays_its_steps() {
                 "the plan's embedding"
             );
             assert!(placement.layers.iter().all(|d| d == "cuda:0"));
-            let c = plan.cache().unwrap();
-            let config = m
-                .cache_config(c.max_seq_len, c.batch_size, c.dtype, c.offload)
-                .unwrap();
-            let cache = Arc::new(Cache::new(config).unwrap());
-            m.load(
-                &placement,
-                &LoadOptions::default(),
-                Some(&cache),
-                true,
-                &mut |_| true,
-            )
-            .unwrap();
+            let cache = m.own_cache().unwrap();
             m.set_compute(compute);
             m.set_cuda_graphs(graphs);
             let rows = greedy_steps(&mut m, &cache, &ids, STEPS);
