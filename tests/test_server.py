@@ -769,20 +769,26 @@ def test_a_system_prompt_is_prefilled_once_across_slots(demo_gguf: Path, tmp_pat
         assert timings["prompt_n"] == out.usage.prompt_tokens - timings["cache_n"]
 
 
-def test_a_chat_format_lets_a_model_without_a_template_serve_chats(tmp_path: Path):
-    """--chat-format: the chat prompt and greedy reply of that built-in format, on a model whose
-    checkpoint has no chat template (which serves no chats without it)."""
+@pytest.mark.parametrize("chat_format", [None, "chatml"])
+def test_a_model_without_a_template_serves_chats_in_llama_cpp_pythons_format(
+    tmp_path: Path, chat_format: str | None
+):
+    """A GGUF without a chat template: ``Model`` serves no chats from it, and ``serve`` answers as
+    llama-cpp-python's server does, in the format its ``Llama`` picks (llama-2), or the one
+    ``--chat-format`` names: the same prompt and greedy reply as ``Llama`` gives."""
     import weightlift as wl
 
     path = Path(__file__).parent / "data/tiny-qwen2/tiny-qwen2-F16.gguf"
     messages = [{"role": "user", "content": "hi"}]
-    alone = wl.load_gguf(path, n_ctx=128)
-    alone.compute = "exact"
+    model = wl.load_gguf(path, n_ctx=128)
     with pytest.raises(wl.UnsupportedError, match="no chat template"):
-        alone.create_chat_completion(messages, max_tokens=3)
-    alone.chat_format = "chatml"
-    want = alone.create_chat_completion(messages, max_tokens=3, temperature=0.0)
-    with serving(path, tmp_path, "--ctx", "128", "--chat-format", "chatml") as s:
+        model.create_chat_completion(messages, max_tokens=3)
+    with wl.Llama(str(path), n_ctx=128, chat_format=chat_format, verbose=False) as llama:
+        assert llama.chat_format == (chat_format or "llama-2")
+        llama.model.compute = "exact"
+        want = llama.create_chat_completion(messages, max_tokens=3, temperature=0.0)
+    args = ["--ctx", "128"] + (["--chat-format", chat_format] if chat_format else [])
+    with serving(path, tmp_path, *args) as s:
         r = s.post(
             "/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "temperature": 0}
         )

@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from weightlift._api import Model, load_gguf, sample
 from weightlift._errors import PlanError, UnsupportedError
+from weightlift._types import Checkpoint
 from weightlift._types import open as open_checkpoint
 
 # llama.cpp's constants that llama-cpp-python programs pass as numbers.
@@ -121,6 +122,15 @@ def _chat_format_of(metadata: Mapping[str, str]) -> str:
         return "llama-2"
     digest = hashlib.sha256(template.encode("utf-8")).hexdigest()
     return _KNOWN_TEMPLATES.get(digest, "chat_template.default")
+
+
+def llama_chat_format(ckpt: Checkpoint) -> str | None:
+    """The ``chat_format`` llama-cpp-python's ``Llama`` (and so its server) takes for ``ckpt``
+    when none is given: ``_chat_format_of`` its metadata for a GGUF; None (the checkpoint's own
+    template, or none) for safetensors, which llama-cpp-python does not open."""
+    if ckpt.format != "gguf":
+        return None
+    return _chat_format_of(_metadata_strings(ckpt._scalar_metadata()))
 
 
 def _refuse(name: str, why: str) -> UnsupportedError:
@@ -360,7 +370,7 @@ class Llama:
             scalars = ckpt._scalar_metadata() if is_gguf else {}
             self.metadata: dict[str, str] = _metadata_strings(scalars)
             if chat_format is None and is_gguf:
-                chat_format = _chat_format_of(self.metadata)
+                chat_format = llama_chat_format(ckpt)
                 if verbose:
                     print(f"weightlift: chat format {chat_format}", file=sys.stderr)
             self._model: Model = load_gguf(

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import weightlift
+from weightlift._llama import llama_chat_format
 from weightlift.server import GRACEFUL_SECONDS
 
 EXIT_ERROR = 2
@@ -495,10 +496,15 @@ def _print_memory(rows: dict[str, dict[str, int]]) -> None:
 
 
 def _load_model(
-    args: argparse.Namespace, *, default_cache: bool = False, **model_kw: Any
+    args: argparse.Namespace,
+    *,
+    default_cache: bool = False,
+    llama_chat: bool = False,
+    **model_kw: Any,
 ) -> tuple[weightlift.Model, _ProgressBar, float]:
     """Load ``args.path`` with the placement flags shared by ``load`` and ``run``; returns the
-    model, its progress bar (bytes read) and the seconds the load took."""
+    model, its progress bar (bytes read) and the seconds the load took. ``llama_chat``: without
+    ``--chat-format``, chats take the format llama-cpp-python's ``Llama`` would pick."""
     import time
 
     devices = args.devices
@@ -506,8 +512,9 @@ def _load_model(
     if devices is None and world is not None and "LOCAL_RANK" in os.environ:
         # A rank started by torchrun drives the GPU its local rank names.
         devices = f"cuda:{os.environ['LOCAL_RANK']},cpu"
+    ckpt = weightlift.open(args.path)
     model = weightlift.Model(
-        args.path,
+        ckpt,
         devices=devices,
         dtype=args.dtype,
         runtime=_runtime(args),
@@ -515,6 +522,12 @@ def _load_model(
         **model_kw,
     )
     chat_format = getattr(args, "chat_format", None)
+    if chat_format is None and llama_chat:
+        # the server answers as llama-cpp-python's does, whose Llama picks a format by this rule
+        # (a GGUF without a chat template chats in llama-2's)
+        chat_format = llama_chat_format(ckpt)
+        if chat_format is not None and not chat_format.startswith("chat_template."):
+            sys.stderr.write(f"weightlift: chat format {chat_format} (--chat-format to change)\n")
     if chat_format is not None:  # an unknown name fails here, before the load
         model.chat_format = chat_format
     bar = _ProgressBar(args.progress)
@@ -777,7 +790,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.max_input_len is None:
             args.max_input_len = DEFAULT_BATCH
         model, _, seconds = _load_model(
-            args, default_cache=True, compute=args.compute, n_threads=args.threads
+            args,
+            default_cache=True,
+            llama_chat=True,
+            compute=args.compute,
+            n_threads=args.threads,
         )
         alias = args.model_alias or os.path.basename(os.path.normpath(args.path))
         host, port = sock.getsockname()[:2]
@@ -1029,7 +1046,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat-format",
         help="format chats with this built-in format (llama-cpp-python's chat_format: chatml, "
-        "llama-3, mistral-instruct, ...) in place of the model's chat template",
+        "llama-3, mistral-instruct, ...) in place of the model's chat template; serve, without "
+        "it, takes llama-cpp-python's pick (llama-2 for a GGUF without a template)",
     )
 
 
