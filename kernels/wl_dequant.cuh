@@ -142,6 +142,81 @@ WL_HD float wl_dq_q6_k(const wl_u8* b, int e) {
     return WL_MUL(dl, (float)q);
 }
 
+// Eight values at once: `wl_dq8_<type>(b, e0, out)` writes values e0..e0 + 7 of the block at
+// `b` (e0 a multiple of 8), each the bits `wl_dq_<type>(b, e0 + k)` gives, so the dequantise
+// kernels can decode a block's scales once for eight values instead of once per value. Eight
+// divides every block size here (32 or 256), so the eight share a block, and in the K-quants a
+// 16- or 32-value sub-block, whose scale they share. A float type's "block" is one value: its
+// eight read the eight values from `b` on (e0 is 0).
+#define WL_DQ8_EACH(NAME)                                                      \
+    WL_HD void wl_dq8_##NAME(const wl_u8* b, int e0, float* out) {             \
+        for (int k = 0; k < 8; ++k) out[k] = wl_dq_##NAME(b, e0 + k);           \
+    }
+WL_DQ8_EACH(f32)
+WL_DQ8_EACH(f16)
+WL_DQ8_EACH(bf16)
+WL_DQ8_EACH(q4_0)
+WL_DQ8_EACH(q4_1)
+WL_DQ8_EACH(q5_0)
+WL_DQ8_EACH(q5_1)
+WL_DQ8_EACH(q8_0)
+WL_DQ8_EACH(iq4_nl)
+
+WL_HD void wl_dq8_q2_k(const wl_u8* b, int e0, float* out) {
+    int h = e0 / 128, s = (e0 / 32) % 4, l0 = e0 % 32;
+    int sc = b[e0 / 16];
+    float dl = WL_MUL(wl_rd_f16(b + 80), (float)(sc & 0x0f));
+    float ml = WL_MUL(wl_rd_f16(b + 82), (float)(sc >> 4));
+    const wl_u8* q = b + 16 + h * 32 + l0;
+    for (int k = 0; k < 8; ++k) out[k] = WL_SUB(WL_MUL(dl, (float)((q[k] >> (2 * s)) & 3)), ml);
+}
+
+WL_HD void wl_dq8_q3_k(const wl_u8* b, int e0, float* out) {
+    int h = e0 / 128, s = (e0 / 32) % 4, l0 = e0 % 32, sb = e0 / 32;
+    float dl = WL_MUL(wl_rd_f16(b + 108), (float)wl_q3k_scale(b + 96, e0 / 16));
+    const wl_u8* q = b + 32 + h * 32 + l0;
+    const wl_u8* hm = b + l0;
+    for (int k = 0; k < 8; ++k) {
+        int v = ((q[k] >> (2 * s)) & 3) - (((hm[k] >> sb) & 1) ? 0 : 4);
+        out[k] = WL_MUL(dl, (float)v);
+    }
+}
+
+WL_HD void wl_dq8_q4_k(const wl_u8* b, int e0, float* out) {
+    int sb = e0 / 32, l0 = e0 % 32;
+    int sc, m;
+    wl_scale_min_k4(sb, b + 4, &sc, &m);
+    float d1 = WL_MUL(wl_rd_f16(b), (float)sc);
+    float m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+    const wl_u8* q = b + 16 + (sb / 2) * 32 + l0;
+    for (int k = 0; k < 8; ++k) out[k] = WL_SUB(WL_MUL(d1, (float)((q[k] >> (4 * (sb % 2))) & 0x0f)), m1);
+}
+
+WL_HD void wl_dq8_q5_k(const wl_u8* b, int e0, float* out) {
+    int sb = e0 / 32, l0 = e0 % 32;
+    int sc, m;
+    wl_scale_min_k4(sb, b + 4, &sc, &m);
+    float d1 = WL_MUL(wl_rd_f16(b), (float)sc);
+    float m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+    const wl_u8* q = b + 48 + (sb / 2) * 32 + l0;
+    const wl_u8* qh = b + 16 + l0;
+    for (int k = 0; k < 8; ++k) {
+        int v = ((q[k] >> (4 * (sb % 2))) & 0x0f) | (((qh[k] >> sb) & 1) << 4);
+        out[k] = WL_SUB(WL_MUL(d1, (float)v), m1);
+    }
+}
+
+WL_HD void wl_dq8_q6_k(const wl_u8* b, int e0, float* out) {
+    int h = e0 / 128, r0 = e0 % 128;
+    const wl_u8* lo = b + h * 64 + r0 % 64;
+    const wl_u8* hi = b + 128 + h * 32 + r0 % 32;
+    float dl = WL_MUL(wl_rd_f16(b + 208), (float)(wl_i8)b[192 + e0 / 16]);
+    for (int k = 0; k < 8; ++k) {
+        int v = (((lo[k] >> (4 * (r0 / 64))) & 0x0f) | (((hi[k] >> (2 * (r0 / 32))) & 3) << 4)) - 32;
+        out[k] = WL_MUL(dl, (float)v);
+    }
+}
+
 // Values and bytes per block of ggml type `ty`, and the byte offsets of its f16 scale fields
 // (ggml-common.h: d, and dmin or m where the type has one; `*o1` is -1 when it has not).
 // Returns 0 for a type this file does not decode; the float types have no scale fields.

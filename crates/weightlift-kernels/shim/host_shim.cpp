@@ -51,6 +51,45 @@ extern "C" int wl_host_dequant(int ty, const wl_u8* src, float* dst, size_t nblo
     return 1;
 }
 
+typedef void (*wl_dq8_fn)(const wl_u8*, int, float*);
+
+static wl_dq8_fn wl_dq8_of(int ty) {
+    switch (ty) {
+        case WL_F32: return wl_dq8_f32;
+        case WL_F16: return wl_dq8_f16;
+        case WL_BF16: return wl_dq8_bf16;
+        case WL_Q4_0: return wl_dq8_q4_0;
+        case WL_Q4_1: return wl_dq8_q4_1;
+        case WL_Q5_0: return wl_dq8_q5_0;
+        case WL_Q5_1: return wl_dq8_q5_1;
+        case WL_Q8_0: return wl_dq8_q8_0;
+        case WL_IQ4_NL: return wl_dq8_iq4_nl;
+        case WL_Q2_K: return wl_dq8_q2_k;
+        case WL_Q3_K: return wl_dq8_q3_k;
+        case WL_Q4_K: return wl_dq8_q4_k;
+        case WL_Q5_K: return wl_dq8_q5_k;
+        case WL_Q6_K: return wl_dq8_q6_k;
+        default: return 0;
+    }
+}
+
+// What the dequantize_{type} kernels (dequant.cu) compute for `n` values of type `ty`: eight
+// at a time through wl_dq8_<type>, a last group of fewer value by value; 0 for an unknown type.
+extern "C" int wl_host_dequant8(int ty, const wl_u8* src, float* dst, size_t n) {
+    int bs, bb;
+    wl_dq_fn f;
+    wl_dq8_fn f8 = wl_dq8_of(ty);
+    if (!wl_layout(ty, &bs, &bb, &f) || !f8) return 0;
+    for (size_t i0 = 0; i0 < n; i0 += 8) {
+        if (i0 + 8 <= n) {
+            f8(src + (i0 / bs) * bb, (int)(i0 % bs), dst + i0);
+        } else {
+            for (size_t i = i0; i < n; ++i) dst[i] = f(src + (i / bs) * bb, (int)(i % bs));
+        }
+    }
+    return 1;
+}
+
 // The block layout of `ty` (wl_block_layout) as {bs, bb, o0, o1}; returns 0 when unknown.
 extern "C" int wl_host_block_layout(int ty, int* out) {
     return wl_block_layout(ty, &out[0], &out[1], &out[2], &out[3]);

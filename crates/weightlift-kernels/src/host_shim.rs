@@ -19,6 +19,7 @@ use crate::types::{FloatType, QuantType};
 
 unsafe extern "C" {
     fn wl_host_dequant(ty: i32, src: *const u8, dst: *mut f32, nblocks: usize) -> i32;
+    fn wl_host_dequant8(ty: i32, src: *const u8, dst: *mut f32, n: usize) -> i32;
     fn wl_host_f32_to_f16(src: *const f32, dst: *mut u16, n: usize);
     fn wl_host_block_layout(ty: i32, out: *mut i32) -> i32;
     fn wl_host_scan_blocks(ty: i32, src: *const u8, nblocks: usize) -> u64;
@@ -179,8 +180,17 @@ unsafe extern "C" {
     ) -> i64;
 }
 
-/// Dequantises with the host build of `wl_dequant.cuh`.
+/// Dequantises with the host build of `wl_dequant.cuh`, value by value (`wl_dq_<type>`).
 pub fn dequantize_f32(ty: QuantType, src: &[u8], out: &mut [f32]) -> Result<()> {
+    dequantize_with(ty, src, out, false)
+}
+
+/// Dequantises as the `dequantize_{type}` kernels do: eight values at a time (`wl_dq8_<type>`).
+pub fn dequantize_f32_by_eights(ty: QuantType, src: &[u8], out: &mut [f32]) -> Result<()> {
+    dequantize_with(ty, src, out, true)
+}
+
+fn dequantize_with(ty: QuantType, src: &[u8], out: &mut [f32], eights: bool) -> Result<()> {
     let n = ty.blocks_in("src", src.len())?;
     let expected = n * ty.block_size();
     if out.len() != expected {
@@ -190,8 +200,15 @@ pub fn dequantize_f32(ty: QuantType, src: &[u8], out: &mut [f32]) -> Result<()> 
             got: out.len(),
         });
     }
+    let id = ty.ggml_id() as i32;
     // SAFETY: src holds n whole blocks and out n * block_size floats, which is all the shim touches.
-    let ok = unsafe { wl_host_dequant(ty.ggml_id() as i32, src.as_ptr(), out.as_mut_ptr(), n) };
+    let ok = unsafe {
+        if eights {
+            wl_host_dequant8(id, src.as_ptr(), out.as_mut_ptr(), expected)
+        } else {
+            wl_host_dequant(id, src.as_ptr(), out.as_mut_ptr(), n)
+        }
+    };
     if ok == 0 {
         return Err(KernelError::Unsupported {
             op: "host dequantize",

@@ -84,6 +84,34 @@ mod twin {
         }
     }
 
+    /// The dequantise kernels decode eight values at once, each block's scales once for the
+    /// eight: every value keeps the bits of the one-value decoder, on random bytes (non-finite
+    /// scales included) of every type, a float tensor's last group short of eight.
+    #[test]
+    fn header_decoders_by_eights_equal_them_value_by_value() {
+        let mut rng = Rng(0xd8);
+        for ty in QuantType::ALL {
+            let n_blocks = if ty.block_size() == 1 { 4093 } else { 96 };
+            let raw = rng.bytes(n_blocks * ty.block_bytes());
+            let n = n_blocks * ty.block_size();
+            let (mut one, mut eights) = (vec![0f32; n], vec![0f32; n]);
+            host_shim::dequantize_f32(ty, &raw, &mut one).unwrap();
+            host_shim::dequantize_f32_by_eights(ty, &raw, &mut eights).unwrap();
+            for i in 0..n {
+                assert!(
+                    same(one[i], eights[i]),
+                    "{ty} element {i}: by eights {:e}, one by one {:e}",
+                    eights[i],
+                    one[i]
+                );
+            }
+            assert!(
+                one.iter().any(|v| *v != 0.0),
+                "{ty}: the random blocks decode to zeros"
+            );
+        }
+    }
+
     #[test]
     fn header_f32_to_f16_rounds_like_the_half_crate() {
         let mut rng = Rng(99);

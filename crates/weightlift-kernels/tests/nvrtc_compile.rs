@@ -552,11 +552,7 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn float_matvec_kernels_load_128_bits_at_a_time() {
-    use weightlift_kernels::nvrtc;
-    assert!(
-        nvrtc::nvrtc_available(),
-        "libnvrtc could not be loaded: put the pip nvidia/cuda_nvrtc/lib directory on LD_LIBRARY_PATH (make test does)"
-    );
+    common::require_nvrtc();
     let ptx = &compiled_for("matvec", "sm_90").ptx;
     let mut entries = 0;
     for body in ptx.split(".entry ").skip(1) {
@@ -587,6 +583,32 @@ fn float_matvec_kernels_load_128_bits_at_a_time() {
     assert_eq!(
         entries, 18,
         "float matvec/matmul/swiglu_matvec kernels in the matvec PTX"
+    );
+}
+
+/// The dequantise kernels write eight values a thread: an f16 kernel one 128-bit store of
+/// them, an f32 kernel two (where the output is 16-byte aligned; see dequant.cu).
+#[cfg(feature = "nvrtc-check")]
+#[test]
+fn dequantize_kernels_store_128_bits_at_a_time() {
+    common::require_nvrtc();
+    let ptx = &compiled_for("dequant", "sm_90").ptx;
+    let mut entries = 0;
+    for body in ptx.split(".entry ").skip(1) {
+        let name = body.split('(').next().unwrap_or("").trim();
+        if !name.starts_with("dequantize_") {
+            continue;
+        }
+        entries += 1;
+        // the compiler may name the stored words u32 or f32
+        assert!(
+            body.contains("st.global.v4."),
+            "{name}: no 128-bit store in its PTX"
+        );
+    }
+    assert_eq!(
+        entries, 28,
+        "dequantize kernels (14 types, f32 and f16) in the dequant PTX"
     );
 }
 

@@ -193,6 +193,15 @@ pub(super) fn elementwise(n: usize) -> Result<LaunchConfig> {
     })
 }
 
+/// Values each thread of a `dequantize_{type}_{f32,f16}` kernel writes (dequant.cu's
+/// `WL_DQ_PER_THREAD`).
+const DEQUANT_PER_THREAD: usize = 8;
+
+/// The launch of a `dequantize_*` kernel writing `n` values.
+pub(super) fn dequantize(n: usize) -> Result<LaunchConfig> {
+    elementwise(n.div_ceil(DEQUANT_PER_THREAD))
+}
+
 /// One block of 256 threads per row (the row reductions).
 pub(super) fn per_row(n_rows: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig {

@@ -658,7 +658,7 @@ impl CudaBackend {
             let mut args = [KArg::InView(view), KArg::Out(&mut wd), KArg::U64(n as u64)];
             // SAFETY: n values of nr whole weight rows, inside the checked weight bytes, into
             // the scratch of chunk × cols >= n values.
-            unsafe { self.launch("dequant", dq_name, elementwise(n)?, &mut args) }?;
+            unsafe { self.launch("dequant", dq_name, dequantize(n)?, &mut args) }?;
             // A is the nr × cols chunk just written, B as above, C the output rows r0..r0 + nr
             // of every token (ld rows, inside the checked n_tok × rows).
             run(gemm(wd_ptr, r0, nr))?;
@@ -692,7 +692,7 @@ impl CudaBackend {
             let mut args = [KArg::InView(view), KArg::Out(&mut wd), KArg::U64(n as u64)];
             // SAFETY: n values of nr whole weight rows, inside the checked weight bytes, into
             // the scratch of chunk * cols >= n values.
-            unsafe { self.launch("dequant", &dq_name, elementwise(n)?, &mut args) }?;
+            unsafe { self.launch("dequant", &dq_name, dequantize(n)?, &mut args) }?;
             let cfg = LaunchConfig {
                 grid_dim: (
                     grid_for(nr, GEMM_BLOCK_ROWS, "rows")?,

@@ -104,7 +104,7 @@ impl CudaBackend {
                 ];
                 // SAFETY: the kernel reads quant_bytes(ty, n) bytes of src and writes n values of
                 // dst, both checked above.
-                unsafe { self.launch("dequant", &name, elementwise(n)?, &mut args) }?;
+                unsafe { self.launch("dequant", &name, dequantize(n)?, &mut args) }?;
             }
             Op::ConvertToF16 { from, n, src, dst } => {
                 self.own(src)?;
