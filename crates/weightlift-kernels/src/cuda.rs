@@ -112,9 +112,9 @@ use crate::sources::{
     CUDA_FLOAT_TYPES, CUDA_Q8_TYPES, CublasRoute, DQ_PATH_MIN_TOKENS, FLOAT_BLOCK_THREADS,
     FLOAT_TOKENS_PER_PASS, GEMM_BLOCK_ROWS, GEMM_BLOCK_TOKENS, GEMM_THREADS, MMQ_BLOCK_ROWS,
     MMQ_BLOCK_TOKENS, MMQ_THREADS, Param, PrefillAttention, PromptRoute, Q8_BLOCK_BYTES,
-    Q8_MATVEC_THREADS, Q8_WIDE_ALONE_MAX_TOKENS, Q8Decode, attention_grid, attention_module,
-    attention_prefill_rows, cublas_route, dq_chunk_rows, float_row_threads, q8_matvec_warps,
-    q8_wide_matvec_warps, signature,
+    Q8_KEPT_BYTES, Q8_MATVEC_THREADS, Q8_WIDE_ALONE_MAX_TOKENS, Q8Decode, attention_grid,
+    attention_module, attention_prefill_rows, cublas_route, cuda_kernel_mode, dq_chunk_rows,
+    float_row_threads, q8_matvec_warps, q8_wide_matvec_warps, scratch_from_tokens, signature,
 };
 use crate::types::{FloatType, QuantType};
 
@@ -337,12 +337,6 @@ enum CublasState {
     Unavailable(String),
 }
 
-/// The largest Q8 activation buffer the backend keeps between products: 64 KiB, 1,638 blocks
-/// of 32 values (a token of up to 52,416 values, or a few tokens of a short prompt). Larger
-/// ones are allocated per product, so a long prompt leaves nothing behind that the plan does
-/// not count.
-const Q8_KEPT_BYTES: usize = 64 << 10;
-
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
@@ -527,6 +521,12 @@ impl CudaBackend {
     /// The fewest tokens from which any product takes cuBLAS on this backend.
     pub fn cublas_min_tokens_least(&self) -> usize {
         self.cublas_min_tokens.least()
+    }
+
+    /// The fewest tokens from which a product of `ty` weights in `mode`, `cols` values a row,
+    /// takes scratch memory on this backend ([`scratch_from_tokens`] under its counts).
+    pub fn scratch_from_tokens(&self, ty: QuantType, mode: MatvecMode, cols: usize) -> usize {
+        scratch_from_tokens(&self.cublas_min_tokens, ty, mode, cols)
     }
 
     /// The route a prompt product of `n_tok` tokens of `ty` in `mode` takes on this backend

@@ -209,6 +209,16 @@ impl CudaBackend {
     }
 
     /// Never called: a stand-in backend cannot be constructed.
+    pub fn scratch_from_tokens(
+        &self,
+        _ty: QuantType,
+        _mode: crate::MatvecMode,
+        _cols: usize,
+    ) -> usize {
+        match self._never {}
+    }
+
+    /// Never called: a stand-in backend cannot be constructed.
     pub fn prompt_route(
         &self,
         _ty: QuantType,

@@ -724,6 +724,47 @@ pub fn cublas_workspace_bytes((major, _minor): (i32, i32)) -> usize {
     if major < 9 { 4 << 20 } else { 32 << 20 }
 }
 
+/// The kernels a CUDA product of `ty` weights in `mode` runs when it does not take cuBLAS:
+/// float weights have no Q8 kernels, and fast mode allows their activations to be rounded
+/// without requiring it, so they run the exact kernels.
+pub fn cuda_kernel_mode(mode: MatvecMode, ty: QuantType) -> MatvecMode {
+    if CUDA_FAST_FLOAT_TYPES.contains(&ty) {
+        MatvecMode::Exact
+    } else {
+        mode
+    }
+}
+
+/// The largest Q8 activation buffer the CUDA backend keeps between products: 64 KiB, 1,638
+/// blocks of 32 values (a token of up to 52,416 values, or a few tokens of a short prompt).
+/// Larger ones are allocated per product, so a long prompt leaves nothing behind that the plan
+/// does not count.
+pub const Q8_KEPT_BYTES: usize = 64 << 10;
+
+/// The fewest tokens from which a CUDA product of `ty` weights in `mode`, `cols` values a row,
+/// takes scratch memory under `counts` (`usize::MAX`: never): from its cuBLAS count (weights
+/// dequantised, or activations rounded, into scratch); where it runs the exact kernels, from
+/// [`DQ_PATH_MIN_TOKENS`] (the dequantised path); in Q8 mode, once its tokens' activation
+/// blocks outgrow the [`Q8_KEPT_BYTES`] the backend keeps. Below it, the product's launches
+/// can be recorded as a graph without the graph making memory of its own, which no plan would
+/// count.
+pub fn scratch_from_tokens(
+    counts: &CublasMinTokens,
+    ty: QuantType,
+    mode: MatvecMode,
+    cols: usize,
+) -> usize {
+    let own = match cuda_kernel_mode(mode, ty) {
+        MatvecMode::Exact => DQ_PATH_MIN_TOKENS,
+        MatvecMode::Q8 => match (cols / 32).checked_mul(Q8_BLOCK_BYTES) {
+            Some(0) => usize::MAX,
+            Some(per_token) => Q8_KEPT_BYTES / per_token + 1,
+            None => 1,
+        },
+    };
+    counts.of(ty, mode).min(own)
+}
+
 /// The most values one dequantised chunk holds on the device (64 MiB of f32), whatever
 /// `max_dq_size` allows: larger chunks only save launches.
 pub const DQ_CHUNK_CAP: usize = 16 << 20;
@@ -1063,6 +1104,41 @@ mod tests {
         assert_eq!(t.with(QuantType::F16, MatvecMode::Q8, 2).least(), 2);
         assert_eq!(CublasMinTokens::uniform(usize::MAX).least(), usize::MAX);
         assert!(d.least() <= d.every());
+    }
+
+    /// A product takes scratch from its cuBLAS count, from the dequantised path's count where
+    /// it runs the exact kernels, and in Q8 mode from the tokens whose activation blocks
+    /// outgrow the kept buffer, whichever comes first.
+    #[test]
+    fn scratch_from_tokens_is_the_first_route_into_scratch() {
+        use MatvecMode::{Exact, Q8};
+        use QuantType::{BF16, F32, Q4_K, Q8_0};
+        let d = CublasMinTokens::default();
+        // fast mode: Q4_K's cuBLAS count (9) before its activations outgrow 64 KiB
+        assert_eq!(scratch_from_tokens(&d, Q4_K, Q8, 2048), 9);
+        // 14,336 values a token: 448 blocks of 40 bytes, 17,920 bytes; the fourth token spills
+        assert_eq!(scratch_from_tokens(&d, Q4_K, Q8, 14336), 4);
+        // Q8_0 takes cuBLAS from two tokens
+        assert_eq!(scratch_from_tokens(&d, Q8_0, Q8, 2048), 2);
+        // bf16 in fast mode runs the exact kernels: its cuBLAS count and the dequantised path's
+        assert_eq!(scratch_from_tokens(&d, BF16, Q8, 2048), 8);
+        assert_eq!(DQ_PATH_MIN_TOKENS, 8);
+        // exact mode: the dequantised path, before cuBLAS's 32
+        assert_eq!(
+            scratch_from_tokens(&d, Q4_K, Exact, 2048),
+            DQ_PATH_MIN_TOKENS
+        );
+        assert_eq!(
+            scratch_from_tokens(&d, F32, Exact, 2048),
+            DQ_PATH_MIN_TOKENS
+        );
+        // counts that never take cuBLAS leave the kernels' own routes
+        let never = CublasMinTokens::uniform(usize::MAX);
+        assert_eq!(
+            scratch_from_tokens(&never, Q4_K, Q8, 2048),
+            Q8_KEPT_BYTES / (64 * Q8_BLOCK_BYTES) + 1
+        );
+        assert_eq!(scratch_from_tokens(&never, Q4_K, Q8, 0), usize::MAX);
     }
 
     /// The int8 kernels' count is where they beat the backend's kernels for good below

@@ -292,7 +292,11 @@ impl<'a> Ctx<'a> {
     }
 
     /// A matrix's held tensor, read in place, with how it is multiplied.
-    fn weight<B: Exec>(&self, b: &B, l: &Linear) -> Result<(Part<'a, B::Buffer>, Packing)> {
+    pub(crate) fn weight<B: Exec>(
+        &self,
+        b: &B,
+        l: &Linear,
+    ) -> Result<(Part<'a, B::Buffer>, Packing)> {
         if let Some(scheme) = l.packed() {
             return Err(EngineError::Unsupported {
                 what: format!("{scheme} linear '{}' on {}", l.name, self.device),
@@ -330,7 +334,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// The matvec mode of a `ty` product on this backend.
-    fn mode<B: Exec>(&self, ty: QuantType) -> MatvecMode {
+    pub(crate) fn mode<B: Exec>(&self, ty: QuantType) -> MatvecMode {
         if self.c.compute == Compute::Fast && B::q8_supports(ty) {
             MatvecMode::Q8
         } else {

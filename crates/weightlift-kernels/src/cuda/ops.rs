@@ -62,17 +62,6 @@ fn swiglu_fuses(mode: MatvecMode, gate: QuantType, up: QuantType, cols: usize) -
         }
 }
 
-/// The kernels a product of `ty` weights in `mode` runs when it does not take cuBLAS: float
-/// weights have no Q8 kernels, and fast mode allows their activations to be rounded without
-/// requiring it, so they run the exact kernels.
-fn kernel_mode(mode: MatvecMode, ty: QuantType) -> MatvecMode {
-    if CUDA_FAST_FLOAT_TYPES.contains(&ty) {
-        MatvecMode::Exact
-    } else {
-        mode
-    }
-}
-
 impl CudaBackend {
     /// Every [`Op`] on this device (see [`Backend::run`]).
     pub(super) fn run_op(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
@@ -153,7 +142,7 @@ impl CudaBackend {
                 if self.matmul_cublas(mode, shape, max_dq_size, w, x, y)? {
                     return Ok(());
                 }
-                match kernel_mode(mode, ty) {
+                match cuda_kernel_mode(mode, ty) {
                     MatvecMode::Q8 => self.matmul_q8(shape, w, x, y)?,
                     MatvecMode::Exact => match dq_chunk_rows(rows, cols, max_dq_size) {
                         Some(chunk) if n_tok >= DQ_PATH_MIN_TOKENS => {
@@ -226,7 +215,7 @@ impl CudaBackend {
                 gate,
                 up,
                 ..
-            } if swiglu_fuses(kernel_mode(mode, gate.ty), gate.ty, up.ty, cols) => {
+            } if swiglu_fuses(cuda_kernel_mode(mode, gate.ty), gate.ty, up.ty, cols) => {
                 let shape = MatShape {
                     ty: gate.ty,
                     act,
@@ -236,7 +225,7 @@ impl CudaBackend {
                 };
                 crate::backend::swiglu_values(gate.rows, up.rows, 1)?;
                 self.own(up.y)?;
-                let mode = kernel_mode(mode, gate.ty);
+                let mode = cuda_kernel_mode(mode, gate.ty);
                 self.matvec_swiglu(mode, shape, [gate.w, up.w], x, gate.y)?;
             }
             op @ Op::MatmulSwiGlu { .. } => {

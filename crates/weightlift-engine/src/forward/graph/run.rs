@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::Graph;
-use super::step::{CacheKey, StepKey};
+use super::step::{self, CacheKey, StepKey};
 use weightlift_kernels::{Backend, CudaBackend};
 
 use crate::cache::Cache;
@@ -275,7 +275,8 @@ impl Graph {
                     };
                     let (layers, norm, head) = (&self.layers, &self.out_norm, &self.head);
                     let ccx = cx(gs);
-                    self.steps.run(b, key, |b| {
+                    let scratch_from = || step::batch_scratch_from(b, &ccx, layers, head);
+                    self.steps.run(b, key, scratch_from, |b| {
                         let mut none = Copies::default();
                         let mut pending = false;
                         for (li, layer) in layers.iter().enumerate() {

@@ -16,8 +16,8 @@
 //! in between (`Graph::step_eligible`): one token of each sequence (one, or a batch of no more
 //! than the head's logit rows), the embedding, every layer and the head on that device, no
 //! onloaded weights, no mixture-of-experts layer (their routing goes through the host), caches
-//! held in place on that device, and fewer sequences than the fewest tokens a product takes
-//! cuBLAS from. A batch is keyed by its caches in order, so a batch of other
+//! held in place on that device, and fewer sequences than the fewest tokens from which one of its
+//! products would take scratch memory ([`batch_scratch_from`]). A batch is keyed by its caches in order, so a batch of other
 //! sequences (or another count) captures its own graph; the last [`KEPT`] graphs are kept, so
 //! a server's batches that come and go replay theirs when they come back.
 //! Tensor parallelism runs its own pass, without graphs. Everything else launches as before.
@@ -118,6 +118,9 @@ pub(crate) struct StepGraphs {
     graphs: Vec<(StepKey, CudaStepGraph)>,
     /// A key whose capture failed, and why: its steps keep to plain launches.
     refused: Option<(StepKey, String)>,
+    /// Per compute mode, the fewest sequences whose step takes scratch memory (see
+    /// [`StepGraphs::run`]), found at the first batch in that mode.
+    scratch_from: Vec<(Compute, usize)>,
     pub captures: u64,
     pub replays: u64,
 }
@@ -125,22 +128,36 @@ pub(crate) struct StepGraphs {
 impl StepGraphs {
     /// Runs `step` (a decode step's launches between the uploads and the logits' copy) on `b`
     /// for `key`: replayed from the graph of `key`, captured then replayed when `key` has
-    /// warmed up, else launched as usual.
+    /// warmed up, else launched as usual. `scratch_from` gives the fewest sequences whose step
+    /// takes scratch memory ([`batch_scratch_from`]); it is asked once per compute mode.
     pub(crate) fn run(
         &mut self,
         b: &CudaBackend,
         key: StepKey,
+        scratch_from: impl FnOnce() -> Result<usize>,
         mut step: impl FnMut(&CudaBackend) -> Result<()>,
     ) -> Result<()> {
         if self.refused.as_ref().is_some_and(|(k, _)| *k == key) {
             return step(b);
         }
-        // A batch of as many sequences as a product's cuBLAS threshold runs its products on
-        // cuBLAS, which dequantises weights into scratch: recorded, that scratch would be the
-        // graph's memory for as long as the graph is kept, which no plan charges. Such a step
-        // launches as usual (its launches are few beside its work).
-        if key.caches.len() >= b.cublas_min_tokens_least() {
-            return step(b);
+        // A batch of as many sequences as some product's scratch count runs that product on
+        // cuBLAS or the dequantised path, or quantises its activations past the kept buffer,
+        // each into scratch: recorded, that scratch would be the graph's memory for as long as
+        // the graph is kept, which no plan charges. Such a step launches as usual (its
+        // launches are few beside its work). One sequence is always recorded, as before
+        // batches were (a product's scratch at one token is its own business).
+        if key.caches.len() > 1 {
+            let from = match self.scratch_from.iter().find(|(c, _)| *c == key.compute) {
+                Some(&(_, n)) => n,
+                None => {
+                    let n = scratch_from()?;
+                    self.scratch_from.push((key.compute, n));
+                    n
+                }
+            };
+            if key.caches.len() >= from {
+                return step(b);
+            }
         }
         if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key) {
             let g = self.graphs.remove(i);
@@ -207,6 +224,31 @@ impl StepGraphs {
     pub(crate) fn refused(&self) -> Option<&str> {
         self.refused.as_ref().map(|(_, why)| why.as_str())
     }
+}
+
+/// The fewest sequences from which a decode batch through `layers` and `head` on `b` (weights
+/// read as `cx` reads them) takes scratch memory: the least of its products'
+/// [`CudaBackend::scratch_from_tokens`], a batch's sequences being a product's tokens. A
+/// product the kernels route elsewhere (LLM.int8's) counts from its second token, as every
+/// batch did before this count.
+pub(crate) fn batch_scratch_from(
+    b: &CudaBackend,
+    cx: &crate::forward::exec::Ctx<'_>,
+    layers: &[crate::forward::parts::Layer],
+    head: &crate::forward::parts::Linear,
+) -> Result<usize> {
+    let mut from = usize::MAX;
+    let linears = layers.iter().flat_map(|l| l.linears()).chain([head]);
+    for l in linears {
+        let n = match cx.weight(b, l)?.1 {
+            crate::forward::weights::Packing::Blocks(ty) => {
+                b.scratch_from_tokens(ty, cx.mode::<CudaBackend>(ty), l.cols)
+            }
+            crate::forward::weights::Packing::Int8 => 2,
+        };
+        from = from.min(n);
+    }
+    Ok(from.max(2))
 }
 
 #[cfg(test)]
