@@ -228,21 +228,29 @@ impl StepGraphs {
 
 /// The fewest sequences from which a decode batch through `layers` and `head` on `b` (weights
 /// read as `cx` reads them) takes scratch memory: the least of its products'
-/// [`CudaBackend::scratch_from_tokens`], a batch's sequences being a product's tokens. A
-/// product the kernels route elsewhere (LLM.int8's) counts from its second token, as every
-/// batch did before this count.
+/// [`CudaBackend::scratch_from_tokens`], a batch's sequences being a product's tokens where
+/// the mode shares products between sequences ([`Exec::shared_tokens`]; exact mode runs
+/// each sequence's own). A product the kernels route elsewhere (LLM.int8's) counts from its
+/// second token, as every batch did before this count.
 pub(crate) fn batch_scratch_from(
     b: &CudaBackend,
     cx: &crate::forward::exec::Ctx<'_>,
     layers: &[crate::forward::parts::Layer],
     head: &crate::forward::parts::Linear,
 ) -> Result<usize> {
+    use crate::forward::exec::Exec;
     let mut from = usize::MAX;
     let linears = layers.iter().flat_map(|l| l.linears()).chain([head]);
     for l in linears {
         let n = match cx.weight(b, l)?.1 {
             crate::forward::weights::Packing::Blocks(ty) => {
-                b.scratch_from_tokens(ty, cx.mode::<CudaBackend>(ty), l.cols)
+                let mode = cx.mode::<CudaBackend>(ty);
+                let tokens = b.scratch_from_tokens(ty, mode, l.cols);
+                if tokens > CudaBackend::shared_tokens(cx.c.compute, mode) {
+                    usize::MAX
+                } else {
+                    tokens
+                }
             }
             crate::forward::weights::Packing::Int8 => 2,
         };
