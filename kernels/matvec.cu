@@ -343,6 +343,13 @@ __device__ __forceinline__ float wl_q8v_row_sum(float a, float e,
     return a;
 }
 
+// Decode's Q8 products for a few tokens in one launch: grid.y is the token, whose activation
+// blocks and output row the block moves to; each token's sums are the one-token launch's (a
+// few sequences' decode batch, see sources::Q8_WIDE_ALONE_MAX_TOKENS).
+#define WL_Q8V_TOKEN(xq, y, rows, cols)                                 \
+    xq += (wl_u64)blockIdx.y * ((cols) / 32) * WL_Q8_BLOCK_BYTES;      \
+    y += (wl_u64)blockIdx.y * (rows)
+
 #define WL_Q8_MATVEC(NAME, BS, BB)                                                                 \
     extern "C" __global__ void __launch_bounds__(WL_Q8V_THREADS)                                   \
         q8_matvec_##NAME(const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {    \
@@ -351,6 +358,7 @@ __device__ __forceinline__ float wl_q8v_row_sum(float a, float e,
         wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
         const int live = r < rows;                                                                 \
         if (!live) r = rows - 1;                                                                   \
+        WL_Q8V_TOKEN(xq, y, rows, cols);                                                           \
         const int al = (((wl_u64)w | (wl_u64)xq) & 3) == 0;                                        \
         float a, e;                                                                                \
         wl_q8v_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, wpr, al, &a, &e);        \
@@ -373,6 +381,7 @@ __device__ __forceinline__ float wl_q8v_row_sum(float a, float e,
         wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
         const int live = r < rows;                                                                 \
         if (!live) r = rows - 1;                                                                   \
+        WL_Q8V_TOKEN(xq, y, rows, cols);                                                           \
         const int al = (((wl_u64)wg | (wl_u64)wu | (wl_u64)xq) & 3) == 0;                          \
         const wl_u64 off = r * (cols / (BS)) * (BB);                                               \
         float ga, ge, ua, ue;                                                                      \
@@ -421,6 +430,7 @@ WL_Q8_KERNELS(q6_k, 256, 210)
         wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
         const int live = r < rows;                                                                 \
         if (!live) r = rows - 1;                                                                   \
+        WL_Q8V_TOKEN(xq, y, rows, cols);                                                           \
         const int al = WL_Q8W_AL(NAME, w, WALIGN) && WL_Q8W_AL(NAME, xq, XALIGN);                  \
         float a, e;                                                                                \
         wl_q8w_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, wpr, al, &a, &e);        \
@@ -434,6 +444,7 @@ WL_Q8_KERNELS(q6_k, 256, 210)
         wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
         const int live = r < rows;                                                                 \
         if (!live) r = rows - 1;                                                                   \
+        WL_Q8V_TOKEN(xq, y, rows, cols);                                                           \
         const int al = WL_Q8W_AL(NAME, wg, WALIGN) && WL_Q8W_AL(NAME, wu, WALIGN) &&               \
                        WL_Q8W_AL(NAME, xq, XALIGN);                                                \
         const wl_u64 off = r * (cols / (BS)) * (BB);                                               \

@@ -550,8 +550,9 @@ weightlift_kernels::test_device!(float_weights_match_f64_at_any_alignment);
 /// Decode's gate and up products with SwiGLU in one op (`MatmulSwiGlu`) give the bits of the
 /// two ops it stands for (`MatmulShared` of the gate and up, then `SwiGluInPlace`) on every
 /// backend: on CUDA one fused kernel for one token (float weights in exact mode, the Q8 types
-/// in Q8 mode, f32 and f16 activations), and the two ops for 3 tokens, for a gate and up of
-/// different types, and for q5_k in exact mode (no fused kernel). The float cases also lie
+/// in Q8 mode, f32 and f16 activations) and for 3 tokens of the types with decode's wide lanes
+/// (q4_k, q6_k: a grid row a token), and the two ops for 3 tokens of the others, for a gate
+/// and up of different types, and for q5_k in exact mode (no fused kernel). The float cases also lie
 /// within the sums' error bound of `silu(g)·u` in f64. Gate and up of different row counts are
 /// a typed error naming both.
 fn matmul_swiglu_is_the_products_then_swiglu<B: Backend>(b: &B) -> Result<()> {

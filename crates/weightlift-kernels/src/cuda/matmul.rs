@@ -198,6 +198,24 @@ impl CudaBackend {
         then(xq)
     }
 
+    /// Whether a product of `n_tok` tokens of `ty` in `mode` (`act` activations) runs decode's
+    /// one-token kernel for each token ([`CudaBackend::q8_each_token`]): a few tokens of a type
+    /// with the wide lanes, in Q8 mode, that cuBLAS does not take. The fused gate/up kernels
+    /// then take the same tokens in one launch, each row's sums those of the products.
+    pub(super) fn q8_each_token_takes(
+        &self,
+        mode: MatvecMode,
+        ty: QuantType,
+        n_tok: usize,
+        act: FloatType,
+    ) -> Result<bool> {
+        Ok(mode == MatvecMode::Q8
+            && CUDA_Q8_TYPES.contains(&ty)
+            && n_tok <= Q8_WIDE_ALONE_MAX_TOKENS
+            && self.q8_decode.wide_for(ty)
+            && !self.cublas_takes(ty, mode, n_tok, act)?)
+    }
+
     /// One product of Q8 mode on activations `xq` already quantised (see
     /// [`CudaBackend::matmul_q8`]).
     pub(super) fn q8_product(
@@ -231,13 +249,13 @@ impl CudaBackend {
         unsafe { self.launch_q8_prompt("q8_matmul_", cfg, m, w, xq, y) }
     }
 
-    /// Decode's one-token kernel ([`CudaBackend::q8_decode_launch`]) once a token, on its blocks
-    /// of `xq` and its row of `y`: one token, or a few of a type with decode's wide lanes
-    /// ([`Q8Decode::wide_for`]). On an H200 the wide
+    /// Decode's one-token kernel ([`CudaBackend::q8_decode_launch`]) for each token, in one
+    /// launch whose grid.y is the token (its blocks of `xq`, its row of `y`): one token, or a
+    /// few of a type with decode's wide lanes ([`Q8Decode::wide_for`]). On an H200 the wide
     /// kernel took 8 µs for a 2,048² Q4_K matrix read from device memory, where
     /// `q8_matmul_q4_k` took 62 µs for two tokens and cuBLAS 35 (its weights dequantised
-    /// first), so up to [`Q8_WIDE_ALONE_MAX_TOKENS`] tokens the launches cost less; and each
-    /// token gets the bits it gets alone.
+    /// first), so up to [`Q8_WIDE_ALONE_MAX_TOKENS`] tokens this costs less; and each token
+    /// gets the bits it gets alone.
     fn q8_each_token(
         &self,
         m: MatShape,
@@ -245,33 +263,19 @@ impl CudaBackend {
         xq: &CudaSlice<u8>,
         y: &mut CudaBuffer,
     ) -> Result<()> {
-        let one = MatShape { n_tok: 1, ..m };
-        let (cfg, family) = self.q8_decode_launch(one)?;
+        let (cfg, family) = self.q8_decode_launch(m)?;
         let name = format!("{family}{}", m.ty.name());
-        let (x_bytes, y_bytes) = (m.cols / 32 * Q8_BLOCK_BYTES, m.rows * 4);
-        for t in 0..m.n_tok {
-            // the first token reads and writes from the buffers' starts: the buffers themselves,
-            // as a decode step (and the graph recording it) always passed them
-            let (x, out) = match t {
-                0 => (KArg::In(xq), KArg::Out(&mut y.slice)),
-                _ => (
-                    KArg::InView(xq.slice(t * x_bytes..(t + 1) * x_bytes)),
-                    KArg::OutView(y.slice.slice_mut(t * y_bytes..(t + 1) * y_bytes)),
-                ),
-            };
-            let mut args = [
-                KArg::In(&w.slice),
-                x,
-                out,
-                KArg::U64(m.rows as u64),
-                KArg::U64(m.cols as u64),
-            ];
-            // SAFETY: each row's warps read one weight row (rows were checked; a row past the
-            // last reads the last) and token t's cols / 32 blocks of xq (quantised for all
-            // n_tok tokens), and write its y[t * rows + r] below n_tok * rows (checked).
-            unsafe { self.launch("matvec", &name, cfg, &mut args) }?;
-        }
-        Ok(())
+        let mut args = [
+            KArg::In(&w.slice),
+            KArg::In(xq),
+            KArg::Out(&mut y.slice),
+            KArg::U64(m.rows as u64),
+            KArg::U64(m.cols as u64),
+        ];
+        // SAFETY: each row's warps read one weight row (rows were checked; a row past the last
+        // reads the last) and their token's cols / 32 blocks of xq (quantised for all n_tok
+        // tokens), and write its y[t * rows + r] below n_tok * rows (checked).
+        unsafe { self.launch("matvec", &name, cfg, &mut args) }
     }
 
     /// Launches the prompt product kernel `{family}{type}` of `m` with `cfg`: weights `w`,
@@ -327,7 +331,8 @@ impl CudaBackend {
         unsafe { self.launch_q8_prompt("q8_mma_", cfg, m, w, xq, y) }
     }
 
-    /// The launch of decode's Q8 product of `m` (one token), and its kernel family:
+    /// The launch of decode's Q8 product of `m` (one token, or a few: a grid row each), and
+    /// its kernel family:
     /// `q8_matvec_` with [`q8_matvec_warps`] warps a row, or, where this backend's
     /// [`Q8Decode`] picks the wide lanes for the type, `q8_wide_matvec_` with
     /// [`q8_wide_matvec_warps`]; `Q8_MATVEC_THREADS / (32 wpr)` rows a block either way. The
@@ -343,8 +348,16 @@ impl CudaBackend {
             (q8_matvec_warps(m.rows, m.cols, self.sm_count), "q8_matvec_")
         };
         let per_block = Q8_MATVEC_THREADS / (32 * wpr);
+        // a token a grid row: decode's few (the caller keeps to Q8_WIDE_ALONE_MAX_TOKENS)
+        let tokens = u32::try_from(m.n_tok)
+            .ok()
+            .filter(|&t| (1..=MAX_GRID_YZ as u32).contains(&t))
+            .ok_or_else(|| KernelError::Shape {
+                op: "q8 decode product on cuda",
+                reason: format!("{} tokens in one launch (1 to {MAX_GRID_YZ})", m.n_tok),
+            })?;
         let cfg = LaunchConfig {
-            grid_dim: (grid_for(m.rows, per_block, "rows")?, 1, 1),
+            grid_dim: (grid_for(m.rows, per_block, "rows")?, tokens, 1),
             block_dim: ((32 * wpr) as u32, per_block as u32, 1),
             shared_mem_bytes: 0,
         };
@@ -352,7 +365,8 @@ impl CudaBackend {
     }
 
     /// [`Op::MatmulSwiGlu`] of one token in one launch (after the activations' quantisation
-    /// in Q8 mode): `swiglu_matvec_{type}_{act}` with the threads a row of
+    /// in Q8 mode; a few tokens of a wide type too, a grid row each, see
+    /// [`CudaBackend::q8_each_token_takes`]): `swiglu_matvec_{type}_{act}` with the threads a row of
     /// `matvec_{type}_{act}`, or `swiglu_q8_matvec_{type}` (`swiglu_q8_wide_matvec_{type}`)
     /// with the warps a row of `q8_matvec_{type}` (`q8_wide_matvec_{type}`: see
     /// [`CudaBackend::q8_decode_launch`]), so each row's gate and up sums are those kernels'
@@ -385,12 +399,17 @@ impl CudaBackend {
                 KArg::U64(m.cols as u64),
             ];
             // SAFETY: the threads of a row read that row of both weight matrices (rows × cols
-            // of each checked; a row past the last reads the last) and the token's activations
-            // (checked, or the cols / 32 quantised blocks written before on this stream), and
-            // write y[r] below rows (checked).
+            // of each checked; a row past the last reads the last) and their token's
+            // activations (checked, or the cols / 32 quantised blocks of each of the n_tok
+            // tokens written before on this stream), and write y[t * rows + r] below
+            // n_tok * rows (checked).
             unsafe { self.launch("matvec", &name, cfg, &mut args) }
         };
         match mode {
+            MatvecMode::Exact if m.n_tok != 1 => Err(KernelError::Shape {
+                op: "swiglu matvec on cuda",
+                reason: format!("the float kernels take one token, got {}", m.n_tok),
+            }),
             MatvecMode::Exact => {
                 let tpr = float_row_threads(m.rows, m.cols, m.ty.block_bytes(), 1, self.sm_count);
                 let per_block = FLOAT_BLOCK_THREADS / tpr;

@@ -210,20 +210,22 @@ impl CudaBackend {
                 mode,
                 act,
                 cols,
-                n_tok: 1,
+                n_tok,
                 x,
                 gate,
                 up,
                 ..
-            } if swiglu_fuses(cuda_kernel_mode(mode, gate.ty), gate.ty, up.ty, cols) => {
+            } if swiglu_fuses(cuda_kernel_mode(mode, gate.ty), gate.ty, up.ty, cols)
+                && (n_tok == 1 || self.q8_each_token_takes(mode, gate.ty, n_tok, act)?) =>
+            {
                 let shape = MatShape {
                     ty: gate.ty,
                     act,
                     rows: gate.rows,
                     cols,
-                    n_tok: 1,
+                    n_tok,
                 };
-                crate::backend::swiglu_values(gate.rows, up.rows, 1)?;
+                crate::backend::swiglu_values(gate.rows, up.rows, n_tok)?;
                 self.own(up.y)?;
                 let mode = cuda_kernel_mode(mode, gate.ty);
                 self.matvec_swiglu(mode, shape, [gate.w, up.w], x, gate.y)?;
