@@ -14,8 +14,11 @@
 // - swiglu_matvec_{f16,bf16,f32}_{f32,f16} and swiglu_q8_matvec_{type}: decode's gate and up
 //   products with SwiGLU in one launch, each row's sums those of the matvec kernels above.
 // - q8_wide_matvec_{q4_k,q6_k} and swiglu_q8_wide_matvec_{q4_k,q6_k}: the same two for Q4_K and
-//   Q6_K with wide lanes (wl_q8w.cuh), picked at run time (WEIGHTLIFT_Q8V=wide) while they are
-//   measured.
+//   Q6_K with wide lanes (wl_q8w.cuh), the default for those types (WEIGHTLIFT_Q8V=narrow for
+//   the others').
+// - matvec3_{f16,bf16,f32}_{f32,f16}, q8_matvec3_{type} and q8_wide_matvec3_{type}: decode's
+//   products of one input with up to three matrices (a layer's q, k and v) in one launch, each
+//   row's sum its matrix's own launch's (WL_GROUP_MEMBER).
 // - gemm_{f32,f16}: the exact mode's dequantised path for prompts, a tiled shared-memory f32
 //   product of rows already dequantised (by dequantize_{type}_f32) into a chunk of scratch.
 #include "wl_matvec.cuh"
@@ -90,15 +93,47 @@ WL_MATMUL_BOTH(q6_k)
 // reaches the shuffles and the barriers.
 #define WL_FV_THREADS 256
 
+// Decode's products of one input with up to three matrices in one launch (`matvec3_*`,
+// `q8_matvec3_*`, `q8_wide_matvec3_*`: a layer's q, k and v), each member as its own launch
+// would run it: grid.x holds member 0's ceil(rows0 / blockDim.y) row blocks, then member 1's,
+// then member 2's (a member of no rows has none), and a block runs the body of the one-matrix
+// kernel on its member's weights, output and rows, at its block index within the member. Rows
+// of different members never share a block, so every row's sum is the one its member's own
+// launch (the same block shape) gives. WL_GROUP_MEMBER declares `w`, `y`, `rows` and `blk` from
+// the kernel's w0..w2, y0..y2 and rows0..rows2.
+__device__ __forceinline__ int wl_group_member(wl_u64 b, wl_u64 per_block, wl_u64 rows0,
+                                               wl_u64 rows1, wl_u64* blk) {
+    const wl_u64 n0 = (rows0 + per_block - 1) / per_block;
+    const wl_u64 n1 = (rows1 + per_block - 1) / per_block;
+    if (b < n0) {
+        *blk = b;
+        return 0;
+    }
+    if (b < n0 + n1) {
+        *blk = b - n0;
+        return 1;
+    }
+    *blk = b - n0 - n1;
+    return 2;
+}
+
+#define WL_GROUP_MEMBER(w, y, rows, blk)                                                  \
+    wl_u64 blk;                                                                         \
+    const int wl_member = wl_group_member(blockIdx.x, blockDim.y, rows0, rows1, &blk);  \
+    const wl_u8* w = wl_member == 0 ? w0 : wl_member == 1 ? w1 : w2;                    \
+    float* y = wl_member == 0 ? y0 : wl_member == 1 ? y1 : y2;                          \
+    const wl_u64 rows = wl_member == 0 ? rows0 : wl_member == 1 ? rows1 : rows2
+
 template <int NT, typename ACT_T,
           void (*LANE)(const wl_u8*, const ACT_T*, wl_u64, int, int, int, float*)>
 __device__ __forceinline__ void wl_fv_rows(const wl_u8* w, const ACT_T* x, float* y, wl_u64 rows,
-                                           wl_u64 cols, wl_u64 n_tok, wl_u64 row_bytes) {
+                                           wl_u64 cols, wl_u64 n_tok, wl_u64 row_bytes,
+                                           wl_u64 blk) {
     __shared__ float part[WL_FV_THREADS / 32][WL_FV_NT];
     const int tpr = blockDim.x;
     const int lane = threadIdx.x;
     const int warp = (threadIdx.y * tpr + lane) / 32;
-    wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;
+    wl_u64 r = blk * blockDim.y + threadIdx.y;
     const int live = r < rows;
     if (!live) r = rows - 1;
     const wl_u8* row = w + r * row_bytes;
@@ -140,13 +175,21 @@ __device__ __forceinline__ void wl_fv_rows(const wl_u8* w, const ACT_T* x, float
 #define WL_FV_KERNEL(NAME, ES, ACT, ACT_T)                                                         \
     extern "C" __global__ void __launch_bounds__(WL_FV_THREADS, 4)                                 \
         matvec_##NAME##_##ACT(const wl_u8* w, const ACT_T* x, float* y, wl_u64 rows, wl_u64 cols) { \
-        wl_fv_rows<1, ACT_T, wl_fv_lane_##NAME##_##ACT>(w, x, y, rows, cols, 1, cols * (ES));      \
+        wl_fv_rows<1, ACT_T, wl_fv_lane_##NAME##_##ACT>(w, x, y, rows, cols, 1, cols * (ES),       \
+                                                       blockIdx.x);                                \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(WL_FV_THREADS, 4)                                 \
+        matvec3_##NAME##_##ACT(const wl_u8* w0, const wl_u8* w1, const wl_u8* w2, const ACT_T* x,  \
+                               float* y0, float* y1, float* y2, wl_u64 rows0, wl_u64 rows1,         \
+                               wl_u64 rows2, wl_u64 cols) {                                         \
+        WL_GROUP_MEMBER(w, y, rows, blk);                                                          \
+        wl_fv_rows<1, ACT_T, wl_fv_lane_##NAME##_##ACT>(w, x, y, rows, cols, 1, cols * (ES), blk); \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(WL_FV_THREADS, 4)                                 \
         matmul_##NAME##_##ACT(const wl_u8* w, const ACT_T* x, float* y, wl_u64 rows, wl_u64 cols,  \
                               wl_u64 n_tok) {                                                      \
         wl_fv_rows<WL_FV_NT, ACT_T, wl_fv_lane_##NAME##_##ACT>(w, x, y, rows, cols, n_tok,          \
-                                                              cols * (ES));                        \
+                                                              cols * (ES), blockIdx.x);            \
     }
 
 #define WL_FV_KERNELS(NAME, ES)          \
@@ -351,11 +394,11 @@ __device__ __forceinline__ float wl_q8v_row_sum(float a, float e,
     y += (wl_u64)blockIdx.y * (rows)
 
 #define WL_Q8_MATVEC(NAME, BS, BB)                                                                 \
-    extern "C" __global__ void __launch_bounds__(WL_Q8V_THREADS)                                   \
-        q8_matvec_##NAME(const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {    \
+    __device__ __forceinline__ void wl_q8v_rows_##NAME(const wl_u8* w, const wl_u8* xq, float* y,  \
+                                                       wl_u64 rows, wl_u64 cols, wl_u64 blk) {     \
         __shared__ float part[2][WL_Q8V_THREADS / 32];                                             \
         const int wpr = blockDim.x / 32, lane = threadIdx.x;                                       \
-        wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
+        wl_u64 r = blk * blockDim.y + threadIdx.y;                                                 \
         const int live = r < rows;                                                                 \
         if (!live) r = rows - 1;                                                                   \
         WL_Q8V_TOKEN(xq, y, rows, cols);                                                           \
@@ -364,6 +407,17 @@ __device__ __forceinline__ float wl_q8v_row_sum(float a, float e,
         wl_q8v_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, wpr, al, &a, &e);        \
         a = wl_q8v_row_sum<WL_Q8_KIND_##NAME>(a, e, part);                                         \
         if (live && lane == 0) y[r] = a;                                                           \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(WL_Q8V_THREADS)                                   \
+        q8_matvec_##NAME(const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {    \
+        wl_q8v_rows_##NAME(w, xq, y, rows, cols, blockIdx.x);                                      \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(WL_Q8V_THREADS)                                   \
+        q8_matvec3_##NAME(const wl_u8* w0, const wl_u8* w1, const wl_u8* w2, const wl_u8* xq,      \
+                          float* y0, float* y1, float* y2, wl_u64 rows0, wl_u64 rows1,              \
+                          wl_u64 rows2, wl_u64 cols) {                                              \
+        WL_GROUP_MEMBER(w, y, rows, blk);                                                          \
+        wl_q8v_rows_##NAME(w, xq, y, rows, cols, blk);                                             \
     }
 
 // swiglu_q8_matvec_{type}(wg, wu, xq, y, rows, cols): the gated MLP's first half for one token
@@ -423,11 +477,11 @@ WL_Q8_KERNELS(q6_k, 256, 210)
 #define WL_Q8W_AL(NAME, p, MASK) ((((wl_u64)(p)) & WL_Q8W_##MASK##_##NAME) == 0)
 
 #define WL_Q8W_KERNELS(NAME, BS, BB)                                                               \
-    extern "C" __global__ __launch_bounds__(WL_Q8V_THREADS) void q8_wide_matvec_##NAME(            \
-        const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {                     \
+    __device__ __forceinline__ void wl_q8w_rows_##NAME(const wl_u8* w, const wl_u8* xq, float* y,  \
+                                                       wl_u64 rows, wl_u64 cols, wl_u64 blk) {     \
         __shared__ float part[2][WL_Q8V_THREADS / 32];                                             \
         const int wpr = blockDim.x / 32, lane = threadIdx.x;                                       \
-        wl_u64 r = (wl_u64)blockIdx.x * blockDim.y + threadIdx.y;                                  \
+        wl_u64 r = blk * blockDim.y + threadIdx.y;                                                 \
         const int live = r < rows;                                                                 \
         if (!live) r = rows - 1;                                                                   \
         WL_Q8V_TOKEN(xq, y, rows, cols);                                                           \
@@ -436,6 +490,16 @@ WL_Q8_KERNELS(q6_k, 256, 210)
         wl_q8w_lane_##NAME(w + r * (cols / (BS)) * (BB), xq, cols, lane, wpr, al, &a, &e);        \
         a = wl_q8v_row_sum<WL_Q8_KIND_##NAME>(a, e, part);                                         \
         if (live && lane == 0) y[r] = a;                                                           \
+    }                                                                                              \
+    extern "C" __global__ __launch_bounds__(WL_Q8V_THREADS) void q8_wide_matvec_##NAME(            \
+        const wl_u8* w, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {                     \
+        wl_q8w_rows_##NAME(w, xq, y, rows, cols, blockIdx.x);                                      \
+    }                                                                                              \
+    extern "C" __global__ __launch_bounds__(WL_Q8V_THREADS) void q8_wide_matvec3_##NAME(           \
+        const wl_u8* w0, const wl_u8* w1, const wl_u8* w2, const wl_u8* xq, float* y0, float* y1,  \
+        float* y2, wl_u64 rows0, wl_u64 rows1, wl_u64 rows2, wl_u64 cols) {                        \
+        WL_GROUP_MEMBER(w, y, rows, blk);                                                          \
+        wl_q8w_rows_##NAME(w, xq, y, rows, cols, blk);                                             \
     }                                                                                              \
     extern "C" __global__ __launch_bounds__(WL_Q8V_THREADS) void swiglu_q8_wide_matvec_##NAME(     \
         const wl_u8* wg, const wl_u8* wu, const wl_u8* xq, float* y, wl_u64 rows, wl_u64 cols) {   \

@@ -166,6 +166,9 @@ pub fn float_row_threads(
     tpr
 }
 
+/// The grouped decode products' parameters (see [`SIGNATURES`]).
+const GROUPED: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64];
+
 /// The parameter list of every kernel family, by name prefix: the ABI between `kernels/*.cu`
 /// and the launches in `cuda.rs`. The CUDA backend refuses a launch whose arguments differ from
 /// this, and a test checks it against the parameters of every `.entry` in NVRTC's PTX, so a
@@ -191,6 +194,11 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("q8_mma_", &[Ptr, Ptr, Ptr, U64, U64, U64]),
     // (w, xq, y, rows, cols): one token
     ("q8_matvec_", &[Ptr, Ptr, Ptr, U64, U64]),
+    // up to three matrices of one input in one launch, decode's q, k and v: (w0, w1, w2, x or
+    // xq, y0, y1, y2, rows0, rows1, rows2, cols)
+    ("matvec3_", GROUPED),
+    ("q8_matvec3_", GROUPED),
+    ("q8_wide_matvec3_", GROUPED),
     // decode's wide lanes (wl_q8w.cuh): (w, xq, y, rows, cols), and gate and up with SwiGLU
     // (w_gate, w_up, xq, y, rows, cols), before the swiglu_ family
     ("q8_wide_matvec_", &[Ptr, Ptr, Ptr, U64, U64]),

@@ -725,3 +725,106 @@ fn matmul_swiglu_is_the_products_then_swiglu<B: Backend>(b: &B) -> Result<()> {
     Ok(())
 }
 weightlift_kernels::test_device!(matmul_swiglu_is_the_products_then_swiglu);
+
+/// Decode's q, k and v as one [`Op::MatmulShared`] give each member the bits of its own
+/// [`Op::Matmul`]: on CUDA one launch for the three where their own launches share a block
+/// shape (`matvec3_*`, `q8_matvec3_*`, `q8_wide_matvec3_*`), each member's launch where they
+/// do not (the long rows below spread their few k and v rows over more threads). Float
+/// weights in exact mode (f32 and f16 activations), the Q8 types in Q8 mode at one token and,
+/// for the wide-lane types, three (a batch's step).
+fn decode_q_k_v_in_one_op_keep_each_members_bits<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x9_4e7);
+    let mut cases = Vec::new();
+    for ty in [QuantType::F16, QuantType::BF16, QuantType::F32] {
+        for act in [FloatType::F32, FloatType::F16] {
+            for cols in [256, 4096] {
+                cases.push((ty, MatvecMode::Exact, act, cols, 1));
+            }
+        }
+    }
+    for ty in [
+        QuantType::Q4_0,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ] {
+        for n_tok in [1, 3] {
+            cases.push((ty, MatvecMode::Q8, FloatType::F32, 512, n_tok));
+        }
+    }
+    for (ty, mode, act, cols, n_tok) in cases {
+        // q, then k and v of a quarter of its rows (grouped-query attention)
+        let rows = [96, 24, 24];
+        let mut ws = Vec::new();
+        for r in rows {
+            let v = rng.vec(r * cols, 0.3);
+            let raw = if ty.block_size() == 1 {
+                float_weights(ty, &v).0
+            } else {
+                let mut raw = vec![0u8; r * quantized_row_bytes(ty, cols)?];
+                quantize_rows(ty, &v, cols, &mut raw)?;
+                raw
+            };
+            ws.push(upload(b, &raw)?);
+        }
+        let (xbytes, _) = activations(&rng.vec(n_tok * cols, 1.0), act);
+        let x = upload(b, &xbytes)?;
+        let mut ys = rows
+            .iter()
+            .map(|r| b.alloc(r * n_tok * 4))
+            .collect::<Result<Vec<_>>>()?;
+        let products = ws
+            .iter()
+            .zip(ys.iter_mut())
+            .zip(rows)
+            .map(|((w, y), rows)| Product { ty, rows, w, y })
+            .collect();
+        b.run(Op::MatmulShared {
+            mode,
+            act,
+            cols,
+            n_tok,
+            max_dq_size: 1 << 20,
+            x: &x,
+            products,
+        })?;
+        for (m, ((w, y), rows)) in ws.iter().zip(&ys).zip(rows).enumerate() {
+            let mut alone = b.alloc(rows * n_tok * 4)?;
+            b.run(Op::Matmul {
+                ty,
+                mode,
+                act,
+                rows,
+                cols,
+                n_tok,
+                max_dq_size: 1 << 20,
+                w,
+                x: &x,
+                y: &mut alone,
+            })?;
+            let (shared, alone) = (
+                download_f32(b, y, rows * n_tok)?,
+                download_f32(b, &alone, rows * n_tok)?,
+            );
+            let what = format!(
+                "{} {ty} {mode:?} {act:?} {cols} cols, {n_tok} tokens",
+                b.name()
+            );
+            assert!(
+                shared.iter().any(|v| *v != 0.0),
+                "{what}: member {m} is all zeros"
+            );
+            for i in 0..rows * n_tok {
+                assert_eq!(
+                    shared[i].to_bits(),
+                    alone[i].to_bits(),
+                    "{what}: member {m} output {i}: shared {} vs alone {}",
+                    shared[i],
+                    alone[i]
+                );
+            }
+        }
+    }
+    Ok(())
+}
+weightlift_kernels::test_device!(decode_q_k_v_in_one_op_keep_each_members_bits);

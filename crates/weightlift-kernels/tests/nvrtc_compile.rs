@@ -146,6 +146,9 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
             ("scan_", ["", ""]),
             ("q8_matmul_", ["", ""]),
             ("q8_matvec_", ["", ""]),
+            ("q8_matvec3_", ["", ""]),
+            ("q8_wide_matvec3_", ["", ""]),
+            ("matvec3_", ["_f32", "_f16"]),
             ("q8_mma_", ["", ""]),
             ("swiglu_q8_matvec_", ["", ""]),
             ("q8_wide_matvec_", ["", ""]),
@@ -171,14 +174,15 @@ fn kernels_follow_the_op_dtype_naming_and_cover_every_operation() {
                             "attention_prefill_mma_" => format!("WL_ATTENTION_PREFILL_MMA({t},"),
                             "attention_prefill_" => format!("WL_ATTENTION_PREFILL({t},"),
                             "attention_" => format!("WL_ATTENTION({t},"),
-                            "q8_matmul_" | "q8_matvec_" | "swiglu_q8_matvec_" => {
+                            "q8_matmul_" | "q8_matvec_" | "q8_matvec3_" | "swiglu_q8_matvec_" => {
                                 format!("WL_Q8_KERNELS({t},")
                             }
                             "q8_mma_" => format!("WL_Q8_MMA({t})"),
-                            "q8_wide_matvec_" | "swiglu_q8_wide_matvec_" => {
+                            "q8_wide_matvec_" | "q8_wide_matvec3_" | "swiglu_q8_wide_matvec_" => {
                                 format!("WL_Q8W_KERNELS({t},")
                             }
                             "swiglu_matvec_" => format!("WL_FV_GLU_KERNELS({t},"),
+                            "matvec3_" => format!("WL_FV_KERNELS({t},"),
                             "gemm_" => format!("WL_GEMM({t},"),
                             // the float weights' bandwidth kernels, or the warp-per-row ones
                             _ if all.contains(&format!("WL_FV_KERNELS({t},")) => return true,
@@ -222,6 +226,7 @@ fn expected_kernels() -> Vec<String> {
     for t in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"] {
         expected.push(format!("q8_matmul_{t}"));
         expected.push(format!("q8_matvec_{t}"));
+        expected.push(format!("q8_matvec3_{t}"));
         expected.push(format!("swiglu_q8_matvec_{t}"));
     }
     // the Q8 mode's prompt product on int8 tensor cores (compute capability 8.0 and later)
@@ -232,12 +237,14 @@ fn expected_kernels() -> Vec<String> {
     for t in weightlift_kernels::sources::Q8_WIDE_WEIGHT_TYPES {
         let t = t.name();
         expected.push(format!("q8_wide_matvec_{t}"));
+        expected.push(format!("q8_wide_matvec3_{t}"));
         expected.push(format!("swiglu_q8_wide_matvec_{t}"));
     }
-    // decode's gate and up products with SwiGLU, float weights
+    // decode's gate and up products with SwiGLU, and q, k and v in one launch, float weights
     for t in ["f16", "bf16", "f32"] {
         for a in ["f32", "f16"] {
             expected.push(format!("swiglu_matvec_{t}_{a}"));
+            expected.push(format!("matvec3_{t}_{a}"));
         }
     }
     // quantise-on-load, from each float source type
@@ -486,11 +493,11 @@ fn nvrtc_compile_check_needs_the_feature() {
 
 /// The Q8 kernels' per-lane integer dot is `__dp4a` on the device (wl_q8.cuh keeps a scalar
 /// twin for the host): check the PTX really uses the instruction, so the `__CUDA_ARCH__` guard
-/// did not silently select the fallback; and decode's kernels (`q8_matvec_`, and
-/// `swiglu_q8_matvec_` with its gate and up) read weights and
+/// did not silently select the fallback; and decode's kernels (`q8_matvec_`, `q8_matvec3_`
+/// with q, k and v, and `swiglu_q8_matvec_` with its gate and up) read weights and
 /// activations with 16- and 32-bit loads, not byte by byte only, and the wide-lane ones
-/// (`q8_wide_matvec_`, `swiglu_q8_wide_matvec_`) with 128-bit loads (Q4_K) or realigned
-/// words and 64-bit loads (Q6_K).
+/// (`q8_wide_matvec_`, `q8_wide_matvec3_`, `swiglu_q8_wide_matvec_`) with 128-bit loads (Q4_K)
+/// or realigned words and 64-bit loads (Q6_K).
 #[cfg(feature = "nvrtc-check")]
 #[test]
 fn q8_matmul_kernels_use_dp4a_on_the_device() {
@@ -499,7 +506,7 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
     let (mut prompt, mut decode, mut wide) = (0, 0, 0);
     for body in ptx.split(".entry ").skip(1) {
         let name = body.split('(').next().unwrap_or("");
-        if body.starts_with("q8_wide_matvec_") || body.starts_with("swiglu_q8_wide_matvec_") {
+        if body.starts_with("q8_wide_matvec") || body.starts_with("swiglu_q8_wide_matvec_") {
             wide += 1;
             // Q4_K's blocks and activation pairs are 16-byte aligned; Q6_K's 210-byte blocks
             // are realigned from 32-bit words by a byte permute, its activations 8 bytes a load
@@ -538,15 +545,15 @@ fn q8_matmul_kernels_use_dp4a_on_the_device() {
         (prompt, decode, wide),
         (
             7,
-            14,
-            2 * weightlift_kernels::sources::Q8_WIDE_WEIGHT_TYPES.len()
+            21,
+            3 * weightlift_kernels::sources::Q8_WIDE_WEIGHT_TYPES.len()
         ),
         "q8_matmul, q8_matvec (with swiglu_q8_matvec) and wide-lane kernels in the matvec PTX"
     );
 }
 
 /// The float-weight kernels read their weights with 128-bit loads (`wl_fv_load`'s PTX) and have
-/// launch bounds: check the PTX of every `matvec_`/`matmul_`/`swiglu_matvec_` kernel of f16,
+/// launch bounds: check the PTX of every `matvec_`/`matvec3_`/`matmul_`/`swiglu_matvec_` kernel of f16,
 /// bf16 and f32, so
 /// the `__CUDA_ARCH__` guard did not silently select the byte-by-byte fallback alone.
 #[cfg(feature = "nvrtc-check")]
@@ -558,7 +565,7 @@ fn float_matvec_kernels_load_128_bits_at_a_time() {
     for body in ptx.split(".entry ").skip(1) {
         let name = body.split('(').next().unwrap_or("").trim();
         let float = ["f16", "bf16", "f32"].iter().any(|t| {
-            ["matvec_", "matmul_", "swiglu_matvec_"]
+            ["matvec_", "matvec3_", "matmul_", "swiglu_matvec_"]
                 .iter()
                 .any(|k| name.starts_with(&format!("{k}{t}_")))
         });
@@ -581,8 +588,8 @@ fn float_matvec_kernels_load_128_bits_at_a_time() {
         }
     }
     assert_eq!(
-        entries, 18,
-        "float matvec/matmul/swiglu_matvec kernels in the matvec PTX"
+        entries, 24,
+        "float matvec/matvec3/matmul/swiglu_matvec kernels in the matvec PTX"
     );
 }
 

@@ -211,9 +211,16 @@ impl CudaBackend {
     ) -> Result<bool> {
         Ok(mode == MatvecMode::Q8
             && CUDA_Q8_TYPES.contains(&ty)
-            && n_tok <= Q8_WIDE_ALONE_MAX_TOKENS
-            && self.q8_decode.wide_for(ty)
+            && n_tok > 1
+            && self.q8_each_token_route(ty, n_tok)
             && !self.cublas_takes(ty, mode, n_tok, act)?)
+    }
+
+    /// Whether a Q8-mode product of `n_tok` tokens of `ty` that cuBLAS does not take runs
+    /// decode's one-token kernel for each token: one token, or a few of a type with decode's
+    /// wide lanes (see [`CudaBackend::q8_each_token`]).
+    pub(super) fn q8_each_token_route(&self, ty: QuantType, n_tok: usize) -> bool {
+        n_tok == 1 || (n_tok <= Q8_WIDE_ALONE_MAX_TOKENS && self.q8_decode.wide_for(ty))
     }
 
     /// One product of Q8 mode on activations `xq` already quantised (see
@@ -225,7 +232,7 @@ impl CudaBackend {
         xq: &CudaSlice<u8>,
         y: &mut CudaBuffer,
     ) -> Result<()> {
-        if m.n_tok == 1 || (m.n_tok <= Q8_WIDE_ALONE_MAX_TOKENS && self.q8_decode.wide_for(m.ty)) {
+        if self.q8_each_token_route(m.ty, m.n_tok) {
             return self.q8_each_token(m, w, xq, y);
         }
         if self
@@ -276,6 +283,98 @@ impl CudaBackend {
         // reads the last) and their token's cols / 32 blocks of xq (quantised for all n_tok
         // tokens), and write its y[t * rows + r] below n_tok * rows (checked).
         unsafe { self.launch("matvec", &name, cfg, &mut args) }
+    }
+
+    /// Decode's products of one input with three matrices (a layer's q, k and v) in one launch:
+    /// `matvec3_{type}_{act}` in exact mode on activations `x`, or `q8_matvec3_{type}` /
+    /// `q8_wide_matvec3_{type}` in Q8 mode on activations `x` quantised once (a grid row a
+    /// token). Each member's rows get the blocks its own launch would give them (see
+    /// `kernels/matvec.cu`), so every output has the bits of the member's own product. Taken
+    /// for three members of one type, each with rows, whose own launches would have the same
+    /// block shape; returns whether it ran (nothing ran otherwise). The caller has checked the
+    /// buffers and chosen the route: one token's float kernels, or Q8 mode's
+    /// [`CudaBackend::q8_each_token`].
+    pub(super) fn grouped_decode(
+        &self,
+        mode: MatvecMode,
+        (act, cols, n_tok): (FloatType, usize, usize),
+        x: &CudaSlice<u8>,
+        products: &mut [crate::backend::Product<'_, CudaBuffer>],
+    ) -> Result<bool> {
+        let [p0, p1, p2] = products else {
+            return Ok(false);
+        };
+        let ty = p0.ty;
+        if p1.ty != ty || p2.ty != ty || [p0.rows, p1.rows, p2.rows].contains(&0) {
+            return Ok(false);
+        }
+        let shape = |rows: usize| MatShape {
+            ty,
+            act,
+            rows,
+            cols,
+            n_tok,
+        };
+        // each member's own launch, and the kernel family
+        let own = |rows: usize| -> Result<(LaunchConfig, String)> {
+            match mode {
+                MatvecMode::Q8 => {
+                    let (cfg, family) = self.q8_decode_launch(shape(rows))?;
+                    Ok((
+                        cfg,
+                        format!("{}3_{}", family.trim_end_matches('_'), ty.name()),
+                    ))
+                }
+                MatvecMode::Exact => {
+                    let tpr = float_row_threads(rows, cols, ty.block_bytes(), 1, self.sm_count);
+                    let per_block = FLOAT_BLOCK_THREADS / tpr;
+                    let cfg = LaunchConfig {
+                        grid_dim: (grid_for(rows, per_block, "rows")?, 1, 1),
+                        block_dim: (tpr as u32, per_block as u32, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    Ok((cfg, format!("matvec3_{}_{}", ty.name(), act.name())))
+                }
+            }
+        };
+        if mode == MatvecMode::Exact && (n_tok != 1 || !CUDA_FLOAT_TYPES.contains(&ty)) {
+            return Ok(false);
+        }
+        let (c0, name) = own(p0.rows)?;
+        let (c1, _) = own(p1.rows)?;
+        let (c2, _) = own(p2.rows)?;
+        let same = |c: &LaunchConfig| c.block_dim == c0.block_dim && c.grid_dim.1 == c0.grid_dim.1;
+        if !same(&c1) || !same(&c2) {
+            return Ok(false);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (
+                c0.grid_dim.0 + c1.grid_dim.0 + c2.grid_dim.0,
+                c0.grid_dim.1,
+                1,
+            ),
+            ..c0
+        };
+        let mut args = [
+            KArg::In(&p0.w.slice),
+            KArg::In(&p1.w.slice),
+            KArg::In(&p2.w.slice),
+            KArg::In(x),
+            KArg::Out(&mut p0.y.slice),
+            KArg::Out(&mut p1.y.slice),
+            KArg::Out(&mut p2.y.slice),
+            KArg::U64(p0.rows as u64),
+            KArg::U64(p1.rows as u64),
+            KArg::U64(p2.rows as u64),
+            KArg::U64(cols as u64),
+        ];
+        // SAFETY: a block of member m runs member m's own launch's block (the same shape, at
+        // its block index within the member: see kernels/matvec.cu): it reads that member's
+        // weight rows (rows × cols of each checked by the caller) and the token's activations
+        // (checked, or quantised for all n_tok tokens earlier on this stream), and writes its
+        // y[t * rows + r] below n_tok × rows (checked).
+        unsafe { self.launch("matvec", &name, cfg, &mut args) }?;
+        Ok(true)
     }
 
     /// Launches the prompt product kernel `{family}{type}` of `m` with `cfg`: weights `w`,

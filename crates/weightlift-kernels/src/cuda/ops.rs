@@ -183,7 +183,14 @@ impl CudaBackend {
                     return Ok(());
                 }
                 let first = shape(&products[0]);
+                let grouped = products
+                    .iter()
+                    .all(|p| self.q8_each_token_route(p.ty, n_tok));
                 self.q8_activations(first, x, |xq| {
+                    let at_once = (act, cols, n_tok);
+                    if grouped && self.grouped_decode(MatvecMode::Q8, at_once, xq, &mut products)? {
+                        return Ok(());
+                    }
                     for p in &mut products {
                         if p.rows > 0 {
                             self.q8_product(shape(p), p.w, xq, p.y)?;
@@ -199,8 +206,32 @@ impl CudaBackend {
                 n_tok,
                 max_dq_size,
                 x,
-                products,
+                mut products,
             } => {
+                // one token of float weights in the exact kernels, as one launch where the
+                // members' own launches allow it
+                if n_tok == 1
+                    && products
+                        .iter()
+                        .all(|p| cuda_kernel_mode(mode, p.ty) == MatvecMode::Exact)
+                    && !self.cublas_takes_any(products.iter().map(|p| p.ty), mode, 1, act)?
+                {
+                    for p in &products {
+                        let m = MatShape {
+                            ty: p.ty,
+                            act,
+                            rows: p.rows,
+                            cols,
+                            n_tok,
+                        };
+                        self.check_matmul(mode, m, p.w, x, p.y)?;
+                    }
+                    let at_once = (act, cols, n_tok);
+                    let exact = MatvecMode::Exact;
+                    if self.grouped_decode(exact, at_once, &x.slice, &mut products)? {
+                        return Ok(());
+                    }
+                }
                 // each member as its own product, the activations rounded once for those that
                 // take cuBLAS
                 let shape = (mode, act, cols, n_tok, max_dq_size);
