@@ -105,36 +105,53 @@ __device__ __forceinline__ void wl_attention_body(const float* q, K k, V v, floa
         }
         wl_u64 lo, hi;
         wl_att_split_range(per, s, base, start, i, window, &lo, &hi);
-        for (wl_u64 j = lo + (wl_u64)warp; j < hi; j += WL_ATT_WARPS) {
-            const wl_u64 row = wl_kv_cache_row(j, rows) * kvd + kh * hd;
-            // d < head_dim is the same for all lanes of a warp whenever the reader shuffles
-            // (the turned formats need head_dim a multiple of 32)
-            float kr[R];
-            float vr[R];
+        // WL_ATT_KEYS_AHEAD(R) keys a warp at a time: the K and V rows of all of them are read
+        // before the first meets the queries, so their loads are in flight together (one key
+        // at a time, each key's loads waited out a memory round trip of their own); the keys
+        // then meet the heads one after another in the order of one key at a time, the same
+        // operations, so the same bits. j == lo + warp + WL_ATT_WARPS * (u + U * pass), the
+        // keys the warp took one at a time, in order.
+        constexpr int U = WL_ATT_KEYS_AHEAD(R);
+        for (wl_u64 j0 = lo + (wl_u64)warp; j0 < hi; j0 += (wl_u64)WL_ATT_WARPS * U) {
+            // d < head_dim and j < hi are the same for all lanes of a warp whenever the reader
+            // shuffles (the turned formats need head_dim a multiple of 32)
+            float kr[U][R];
+            float vr[U][R];
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                int d = lane + 32 * r;
-                kr[r] = d < head_dim ? k.at(row + (wl_u64)d, lane) : 0.0f;
+            for (int u = 0; u < U; u++) {
+                const wl_u64 j = j0 + (wl_u64)u * WL_ATT_WARPS;
+                const wl_u64 row = j < hi ? wl_kv_cache_row(j, rows) * kvd + kh * hd : 0;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    int d = lane + 32 * r;
+                    kr[u][r] = j < hi && d < head_dim ? k.at(row + (wl_u64)d, lane) : 0.0f;
+                }
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    int d = lane + 32 * r;
+                    vr[u][r] = j < hi && d < head_dim ? v.at(row + (wl_u64)d, lane) : 0.0f;
+                }
             }
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                int d = lane + 32 * r;
-                vr[r] = d < head_dim ? v.at(row + (wl_u64)d, lane) : 0.0f;
-            }
+            for (int u = 0; u < U; u++) {
+                if (j0 + (wl_u64)u * WL_ATT_WARPS >= hi) continue;
 #pragma unroll
-            for (int g = 0; g < HB; g++) {
-                if (g < ng) {
-                    float t = 0.0f;
+                for (int g = 0; g < HB; g++) {
+                    if (g < ng) {
+                        float t = 0.0f;
 #pragma unroll
-                    for (int r = 0; r < R; r++) t = fmaf(qr[g][r], kr[r], t);
-                    for (int o = 16; o > 0; o >>= 1) t = WL_ADD(t, __shfl_xor_sync(0xffffffffu, t, o));
-                    float keep, p;
-                    float w = WL_MUL(t, scale);
-                    // soft-capping (gemma2): softcap * tanh(w / softcap)
-                    if (softcap > 0.0f) w = WL_MUL(softcap, tanhf(w / softcap));
-                    wl_att_step(w, f16_operands, &m[g], &l[g], &keep, &p);
+                        for (int r = 0; r < R; r++) t = fmaf(qr[g][r], kr[u][r], t);
+                        for (int o = 16; o > 0; o >>= 1) t = WL_ADD(t, __shfl_xor_sync(0xffffffffu, t, o));
+                        float keep, p;
+                        float w = WL_MUL(t, scale);
+                        // soft-capping (gemma2): softcap * tanh(w / softcap)
+                        if (softcap > 0.0f) w = WL_MUL(softcap, tanhf(w / softcap));
+                        wl_att_step(w, f16_operands, &m[g], &l[g], &keep, &p);
 #pragma unroll
-                    for (int r = 0; r < R; r++) acc[g][r] = wl_att_accumulate(acc[g][r], keep, p, vr[r]);
+                        for (int r = 0; r < R; r++) {
+                            acc[g][r] = wl_att_accumulate(acc[g][r], keep, p, vr[u][r]);
+                        }
+                    }
                 }
             }
         }

@@ -33,6 +33,10 @@ WL_HD int wl_att_lane_dims(int head_dim) {
 // template arguments).
 #define WL_ATT_HEADS(R) (WL_ATT_REGS / (R) < WL_ATT_MAX_GROUP ? WL_ATT_REGS / (R) : WL_ATT_MAX_GROUP)
 
+// Keys a decode warp reads ahead with R dims a lane (attention.cu): their K and V rows in
+// flight together, at most 16 more registers a lane (2 · keys · R).
+#define WL_ATT_KEYS_AHEAD(R) ((R) >= 8 ? 1 : 8 / (R))
+
 // Query heads one block takes at most for `head_dim`: 8, 4, 2 for 2, 4, 8 dims a lane. A
 // KV group wider than that is taken by several blocks, each reading the group's K/V rows.
 WL_HD int wl_att_block_heads(int head_dim) { return WL_ATT_HEADS(wl_att_lane_dims(head_dim)); }
