@@ -265,27 +265,6 @@ WL_FV_GLU_KERNELS(f32, 4)
 // Q8Block bytes): the same bytes as wl_q8_quantize_block, since neither the maximum nor the
 // integer sum depends on the order. f16 inputs are widened first, as the CPU does. Launch with
 // 32 threads per block of activations.
-__device__ __forceinline__ void wl_q8_quantize_warp(float v, wl_u8* out, int lane) {
-    // |v|, with NaN as 0: a NaN never becomes wl_q8_quantize_block's maximum, which starts at 0
-    float a = wl_bits_to_f32(wl_f32_to_bits(v) & 0x7fffffffu);
-    if (!(a > 0.0f)) a = 0.0f;
-    for (int o = 16; o > 0; o >>= 1) {
-        float b = __shfl_xor_sync(0xffffffffu, a, o);
-        a = b > a ? b : a;
-    }
-    float d = WL_DIV(a, 127.0f);
-    float id = d != 0.0f ? WL_DIV(1.0f, d) : 0.0f;
-    float t = roundf(WL_MUL(v, id));
-    int q = t != t ? 0 : (t >= 127.0f ? 127 : (t <= -128.0f ? -128 : (int)t));
-    out[8 + lane] = (wl_u8)(wl_i8)q;
-    int sum = q;
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) {
-        wl_wr_u32(out, wl_f32_to_bits(wl_f16_to_f32(wl_f32_to_f16(d))));
-        wl_wr_u32(out + 4, (wl_u32)sum);
-    }
-}
-
 extern "C" __global__ void q8_quantize_f32(const float* x, wl_u8* out, wl_u64 n_blocks) {
     wl_u64 b = ((wl_u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     if (b >= n_blocks) return;  // a whole warp: b is the warp's

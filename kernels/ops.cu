@@ -1,8 +1,10 @@
-// rms_norm_f32, rope_{norm,neox}_f32, softmax_f32, swiglu_f32, add_f32, and the in-place
+// rms_norm_f32, add_rms_norm_f32 (and add_rms_norm_q8_f32, its output quantised too),
+// rope_{norm,neox}_f32, softmax_f32, swiglu_f32, add_f32, and the in-place
 // forms the forward pass uses: rope_inplace_{norm,neox}_f32, add_inplace_f32,
 // swiglu_inplace_f32, geglu_tanh_inplace_f32, scale_inplace_f32, gather_rows_f32,
 // scatter_add_rows_f32, add_bias_f32.
 #include "wl_common.cuh"
+#include "wl_q8.cuh"
 
 // Block-wide sum for blockDim.x a multiple of 32, at most 1024; every thread must call it, and
 // every thread gets the total. In double, as the CPU kernels sum rows (a row of a few thousand
@@ -104,6 +106,17 @@ extern "C" __global__ void add_rms_norm_f32(float* x, float* h, const float* w, 
     float* xr = x + (wl_u64)blockIdx.x * n;
     float* hr = h + (wl_u64)blockIdx.x * n;
     wl_norm_row(xr, hr, xr, w, hr, n, eps);
+}
+
+// add_rms_norm_q8_f32(x, h, w, xq, n, eps): add_rms_norm_f32, then the normed row quantised into
+// n / 32 Q8 activation blocks at xq (q8_quantize_f32's bytes of the same values) for the products
+// that read it next, in the one launch where decode had two. n a multiple of 32.
+extern "C" __global__ void add_rms_norm_q8_f32(float* x, float* h, const float* w, wl_u8* xq,
+                                               wl_u64 n, float eps) {
+    float* xr = x + (wl_u64)blockIdx.x * n;
+    float* hr = h + (wl_u64)blockIdx.x * n;
+    wl_norm_row(xr, hr, xr, w, hr, n, eps);
+    wl_q8_quantize_row(hr, xq + (wl_u64)blockIdx.x * (n / 32) * WL_Q8_BLOCK_BYTES, n);
 }
 
 // One thread per rotated pair. x: n_tok x n_heads x head_dim; pos: one per token.

@@ -34,6 +34,42 @@ WL_HD void wl_wr_u32(wl_u8* p, wl_u32 v) {
     p[3] = (wl_u8)(v >> 24);
 }
 
+#if defined(__CUDA_ARCH__)
+// One 32-value block quantised by a warp, lane i holding value i: the bytes of
+// wl_q8_quantize_block (neither the maximum nor the integer sum depends on the order). For
+// q8_quantize_{f32,f16} (matvec.cu) and the norm kernels that quantise their output (ops.cu).
+__device__ __forceinline__ void wl_q8_quantize_warp(float v, wl_u8* out, int lane) {
+    // |v|, with NaN as 0: a NaN never becomes wl_q8_quantize_block's maximum, which starts at 0
+    float a = wl_bits_to_f32(wl_f32_to_bits(v) & 0x7fffffffu);
+    if (!(a > 0.0f)) a = 0.0f;
+    for (int o = 16; o > 0; o >>= 1) {
+        float b = __shfl_xor_sync(0xffffffffu, a, o);
+        a = b > a ? b : a;
+    }
+    float d = WL_DIV(a, 127.0f);
+    float id = d != 0.0f ? WL_DIV(1.0f, d) : 0.0f;
+    float t = roundf(WL_MUL(v, id));
+    int q = t != t ? 0 : (t >= 127.0f ? 127 : (t <= -128.0f ? -128 : (int)t));
+    out[8 + lane] = (wl_u8)(wl_i8)q;
+    int sum = q;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) {
+        wl_wr_u32(out, wl_f32_to_bits(wl_f16_to_f32(wl_f32_to_f16(d))));
+        wl_wr_u32(out + 4, (wl_u32)sum);
+    }
+}
+
+// The n values at `x` (a multiple of 32) quantised into n / 32 blocks at `out` by the warps of
+// a block, after a barrier: values other threads of the block wrote before it are read.
+__device__ __forceinline__ void wl_q8_quantize_row(const float* x, wl_u8* out, wl_u64 n) {
+    __syncthreads();
+    const int lane = threadIdx.x % 32;
+    for (wl_u64 b = threadIdx.x / 32; b < n / 32; b += blockDim.x / 32) {
+        wl_q8_quantize_warp(x[b * 32 + (wl_u64)lane], out + b * WL_Q8_BLOCK_BYTES, lane);
+    }
+}
+#endif
+
 // Quantises 32 values `x` into one 40-byte activation block `out`.
 WL_HD void wl_q8_quantize_block(const float* x, wl_u8* out) {
     float amax = 0.0f;

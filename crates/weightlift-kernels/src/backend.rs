@@ -181,6 +181,11 @@ pub enum Op<'a, B> {
         h: &'a mut B,
         /// Weight.
         weight: &'a B,
+        /// The next op's products read `h` in Q8 mode (the engine's hint): the CUDA backend
+        /// then quantises it in the norm's own launch, and that op takes the blocks instead of
+        /// quantising `h` again (the same bytes). No op in between, or the next op on other
+        /// activations, and the blocks go unused. The other backends ignore it.
+        q8_next: bool,
     },
     /// RoPE over `n_tok × n_heads × head_dim` f32 values with one i32 position per token.
     Rope {

@@ -400,6 +400,7 @@ impl CpuBackend {
                 x,
                 h,
                 weight,
+                q8_next: _,
             } => {
                 self.own(x)?;
                 self.own(h)?;

@@ -310,6 +310,10 @@ pub struct CudaBackend {
     /// Decode's quantised activations ([`Q8_KEPT_BYTES`]), made on first use and kept, so a
     /// product allocates nothing ([`CudaBackend::q8_activations`]).
     q8_kept: Mutex<Option<CudaSlice<u8>>>,
+    /// What `q8_kept` holds for the next op to take, when an op quantised its output there
+    /// ([`Op::AddRmsNorm`]'s `q8_next`); every op takes it as it starts, so it reaches the very
+    /// next op only.
+    q8_ready: Mutex<Option<Q8Ready>>,
     /// The cuBLAS handle of the prompt products, made at the first one
     /// ([`CudaBackend::with_cublas`]), or why there is none.
     cublas: Mutex<CublasState>,
@@ -335,6 +339,14 @@ enum CublasState {
     /// Why not (no libcublas, `WEIGHTLIFT_CUBLAS=0`, a failed create): prompts take the
     /// backend's own kernels.
     Unavailable(String),
+}
+
+/// Activations quantised into the kept Q8 buffer for the next op: the f32 activations'
+/// device address, and how many blocks of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Q8Ready {
+    x: u64,
+    n_blocks: usize,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -404,6 +416,7 @@ impl CudaBackend {
             peers: Mutex::new(HashMap::new()),
             copy: Mutex::new(None),
             q8_kept: Mutex::new(None),
+            q8_ready: Mutex::new(None),
             cublas: Mutex::new(CublasState::NotTried),
             cublas_min_tokens: cublas::min_tokens_from_env(),
             q8_decode: Q8Decode::from_env(),

@@ -211,6 +211,9 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("gemm_", &[Ptr, Ptr, Ptr, U64, U64, U64, U64, U64]),
     // (x, weight, out, n_cols, eps)
     ("rms_norm_", &[Ptr, Ptr, Ptr, U64, F32]),
+    // (x, h, weight, xq, n_cols, eps): the same, and h quantised to Q8 blocks at xq, before
+    // the add_rms_norm_ family
+    ("add_rms_norm_q8_", &[Ptr, Ptr, Ptr, Ptr, U64, F32]),
     // (x, h, weight, n_cols, eps): x += h, h = rms_norm(x), before the add_ families
     ("add_rms_norm_", &[Ptr, Ptr, Ptr, U64, F32]),
     // in place, before the families their names start with: (x, positions, inv_freqs,

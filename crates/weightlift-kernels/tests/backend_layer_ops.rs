@@ -257,6 +257,90 @@ fn row_gather_and_scatter_add_move_the_rows_they_name<B: Backend>(b: &B) -> Resu
 
 test_device!(row_gather_and_scatter_add_move_the_rows_they_name);
 
+/// A residual add and norm that quantises its output for the next op (`q8_next`: decode's
+/// q, k and v, or gate and up) changes no bits: the residual, the normed rows and the next
+/// op's Q8 products of them are what a plain add and norm give. An op in between (here one
+/// that changes the normed rows, or one on other buffers) leaves the product to quantise the
+/// rows itself. One row and three (a batch's), a Q4_K matrix (its few-token product runs the
+/// one-token kernel per token on CUDA, on the quantised rows).
+fn a_norm_quantising_for_the_next_product_changes_no_bits<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0x98e);
+    let (cols, rows) = (512usize, 40usize);
+    let v = rng.vec(rows * cols, 0.3);
+    let mut raw = vec![0u8; rows * quantized_row_bytes(QuantType::Q4_K, cols)?];
+    quantize_rows(QuantType::Q4_K, &v, cols, &mut raw)?;
+    let wm = upload(b, &raw)?;
+    for n_rows in [1usize, 3] {
+        let n = n_rows * cols;
+        let (x0, h0, w) = (rng.vec(n, 3.0), rng.vec(n, 2.0), rng.vec(cols, 1.5));
+        let wb = f32s(b, &w)?;
+        // 0: the product right after the norm; 1: the normed rows halved first; 2: an add on
+        // other buffers first
+        for between in 0..3 {
+            let mut got: Vec<[Vec<f32>; 3]> = Vec::new();
+            for q8_next in [false, true] {
+                let (mut x, mut h) = (f32s(b, &x0)?, f32s(b, &h0)?);
+                b.run(Op::AddRmsNorm {
+                    n_rows,
+                    n_cols: cols,
+                    eps: 1e-5,
+                    x: &mut x,
+                    h: &mut h,
+                    weight: &wb,
+                    q8_next,
+                })?;
+                match between {
+                    1 => b.run(Op::ScaleInPlace {
+                        n,
+                        s: 0.5,
+                        x: &mut h,
+                    })?,
+                    2 => {
+                        let mut other = f32s(b, &x0)?;
+                        b.run(Op::AddInPlace {
+                            n,
+                            x: &mut other,
+                            y: &x,
+                        })?
+                    }
+                    _ => {}
+                }
+                let mut y = b.alloc(n_rows * rows * 4)?;
+                b.run(Op::Matmul {
+                    ty: QuantType::Q4_K,
+                    mode: MatvecMode::Q8,
+                    act: FloatType::F32,
+                    rows,
+                    cols,
+                    n_tok: n_rows,
+                    max_dq_size: 1 << 20,
+                    w: &wm,
+                    x: &h,
+                    y: &mut y,
+                })?;
+                got.push([
+                    download_f32(b, &x, n)?,
+                    download_f32(b, &h, n)?,
+                    download_f32(b, &y, n_rows * rows)?,
+                ]);
+            }
+            let what = format!("{} {n_rows} rows, case {between}", b.name());
+            assert!(got[0][2].iter().any(|v| *v != 0.0), "{what}: no products");
+            for (k, part) in ["residual", "normed rows", "products"].iter().enumerate() {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got[1][k]),
+                    bits(&got[0][k]),
+                    "{what}: {part} with the hint against without"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(a_norm_quantising_for_the_next_product_changes_no_bits);
+
 /// The fused residual add and norm: `x` is `x + h` and `h` the RMSNorm of it, bit for bit what
 /// the residual add and then the norm give on the same backend, and within 1e-5 of an f64
 /// closed form. Three rows of 1,000 values (not a multiple of a block's threads), and of 5,000
@@ -271,7 +355,7 @@ fn add_rms_norm_is_the_add_then_the_norm<B: Backend>(b: &B) -> Result<()> {
             rng.vec(n_cols, 1.5),
         );
         let wb = f32s(b, &w)?;
-        // fused
+        // fused (5,000 values a row are not whole Q8 blocks: the hint is ignored there)
         let (mut x, mut h) = (f32s(b, &x0)?, f32s(b, &h0)?);
         b.run(Op::AddRmsNorm {
             n_rows,
@@ -280,6 +364,7 @@ fn add_rms_norm_is_the_add_then_the_norm<B: Backend>(b: &B) -> Result<()> {
             x: &mut x,
             h: &mut h,
             weight: &wb,
+            q8_next: n_cols == 5000,
         })?;
         // separate
         let (mut x2, h2) = (f32s(b, &x0)?, f32s(b, &h0)?);

@@ -266,6 +266,7 @@ fn expected_kernels() -> Vec<String> {
         "scan_bf16",
         "rms_norm_f32",
         "add_rms_norm_f32",
+        "add_rms_norm_q8_f32",
         "rope_norm_f32",
         "rope_neox_f32",
         "softmax_f32",

@@ -333,6 +333,20 @@ impl<'a> Ctx<'a> {
         Ok((rows, packing))
     }
 
+    /// Whether the products of `linears`, taken next on the same activations, read them in
+    /// Q8 mode: every one a block type (not a float type, whose fast mode rounds rather than
+    /// quantises) in Q8 mode here. A matrix this backend cannot multiply says no (its product
+    /// reports why).
+    fn q8_reads<B: Exec>(&self, b: &B, linears: &[&Linear]) -> bool {
+        !linears.is_empty()
+            && linears.iter().all(|l| match self.weight(b, l) {
+                Ok((_, Packing::Blocks(ty))) => {
+                    ty.block_size() > 1 && self.mode::<B>(ty) == MatvecMode::Q8
+                }
+                _ => false,
+            })
+    }
+
     /// The matvec mode of a `ty` product on this backend.
     pub(crate) fn mode<B: Exec>(&self, ty: QuantType) -> MatvecMode {
         if self.c.compute == Compute::Fast && B::q8_supports(ty) {
@@ -882,6 +896,7 @@ pub(crate) fn layer<B: Exec>(
             &l.attn_norm,
             n,
             r,
+            &[&l.q, &l.k, &l.v],
             format!("layer {li} residual and attn_norm"),
         )?;
         attention_normed(b, cx, &attn, li, pieces, r)?;
@@ -892,12 +907,18 @@ pub(crate) fn layer<B: Exec>(
         post_norm(b, cx, f, n, r, format!("layer {li} post_attention_norm"))?;
     }
     // the attention block's residual and the MLP's norm in one op
+    // the gate and up products read the normed rows next (a dense MLP's)
+    let ffn_in: Vec<&Linear> = match &l.ffn {
+        Ffn::Dense { gate, up, .. } => vec![gate, up],
+        Ffn::Moe(_) => Vec::new(),
+    };
     add_norm(
         b,
         cx,
         &l.ffn_norm,
         n,
         r,
+        &ffn_in,
         format!("layer {li} residual and ffn_norm"),
     )?;
     match &l.ffn {
@@ -1133,15 +1154,19 @@ fn norm<B: Exec>(
     .map_err(cx.err(what))
 }
 
-/// `x += xn`, then `xn = RMSNorm(x) · norm`, over `n` tokens.
+/// `x += xn`, then `xn = RMSNorm(x) · norm`, over `n` tokens. `next`: the matrices whose
+/// products read `xn` right after (the backend may quantise it for them in the same launch:
+/// see [`Ctx::q8_reads`]).
 fn add_norm<B: Exec>(
     b: &B,
     cx: &Ctx<'_>,
     norm: &Floats,
     n: usize,
     r: &mut Regions<'_, B::Buffer>,
+    next: &[&Linear],
     what: String,
 ) -> Result<()> {
+    let q8_next = cx.q8_reads(b, next);
     b.run(Op::AddRmsNorm {
         n_rows: n,
         n_cols: cx.c.hidden,
@@ -1149,6 +1174,7 @@ fn add_norm<B: Exec>(
         x: &mut r.x,
         h: &mut r.xn,
         weight: &*b.floats(norm, cx.held)?,
+        q8_next,
     })
     .map_err(cx.err(what))
 }

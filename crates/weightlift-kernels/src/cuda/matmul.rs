@@ -140,18 +140,22 @@ impl CudaBackend {
         w: &CudaBuffer,
         x: &CudaBuffer,
         y: &mut CudaBuffer,
+        ready: Option<Q8Ready>,
     ) -> Result<()> {
-        self.q8_activations(m, x, |xq| self.q8_product(m, w, xq, y))
+        self.q8_activations(m, x, ready, |xq| self.q8_product(m, w, xq, y))
     }
 
     /// Quantises the `m.n_tok × m.cols` activations `x` into 40-byte blocks and gives them to
     /// `then`. Decode's few blocks go to a buffer the backend keeps (locked until `then`
     /// returns, so a thread sharing the backend cannot overwrite them between the two
-    /// launches); a prompt's get a scratch buffer of their own, freed after.
+    /// launches); a prompt's get a scratch buffer of their own, freed after. Where the op
+    /// before quantised these very activations into the kept buffer (`ready`, taken as this op
+    /// started: see [`Op::AddRmsNorm`]'s `q8_next`), `then` gets those blocks, the same bytes.
     pub(super) fn q8_activations<R>(
         &self,
         m: MatShape,
         x: &CudaBuffer,
+        ready: Option<Q8Ready>,
         then: impl FnOnce(&CudaSlice<u8>) -> Result<R>,
     ) -> Result<R> {
         // cols is a whole number of weight blocks (checked by quant_bytes), so of 32 values
@@ -180,6 +184,13 @@ impl CudaBackend {
             .q8_kept
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let here = Q8Ready {
+            x: x.device_addr(),
+            n_blocks,
+        };
+        if let (Some(xq), true) = (kept.as_ref(), ready == Some(here)) {
+            return then(xq);
+        }
         // the kept buffer is made outside a graph's recording only (see `capturing`)
         if bytes > Q8_KEPT_BYTES || (kept.is_none() && self.capturing()?) {
             drop(kept);
@@ -478,6 +489,7 @@ impl CudaBackend {
         [wg, wu]: [&CudaBuffer; 2],
         x: &CudaBuffer,
         y: &mut CudaBuffer,
+        ready: Option<Q8Ready>,
     ) -> Result<()> {
         self.check_matmul(mode, m, wg, x, y)?;
         self.check_matmul(mode, m, wu, x, y)?;
@@ -523,7 +535,7 @@ impl CudaBackend {
             MatvecMode::Q8 => {
                 let (cfg, family) = self.q8_decode_launch(m)?;
                 let name = format!("swiglu_{family}{}", m.ty.name());
-                self.q8_activations(m, x, |xq| launch(name, cfg, xq, y))
+                self.q8_activations(m, x, ready, |xq| launch(name, cfg, xq, y))
             }
         }
     }

@@ -66,6 +66,12 @@ impl CudaBackend {
     /// Every [`Op`] on this device (see [`Backend::run`]).
     pub(super) fn run_op(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
         let s = &self.stream;
+        // the activations the op before quantised for this one, if any (nobody else's)
+        let ready = self
+            .q8_ready
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
         match op {
             Op::Dequantize {
                 ty,
@@ -143,7 +149,7 @@ impl CudaBackend {
                     return Ok(());
                 }
                 match cuda_kernel_mode(mode, ty) {
-                    MatvecMode::Q8 => self.matmul_q8(shape, w, x, y)?,
+                    MatvecMode::Q8 => self.matmul_q8(shape, w, x, y, ready)?,
                     MatvecMode::Exact => match dq_chunk_rows(rows, cols, max_dq_size) {
                         Some(chunk) if n_tok >= DQ_PATH_MIN_TOKENS => {
                             self.matmul_dq(shape, chunk, w, x, y)?
@@ -186,7 +192,7 @@ impl CudaBackend {
                 let grouped = products
                     .iter()
                     .all(|p| self.q8_each_token_route(p.ty, n_tok));
-                self.q8_activations(first, x, |xq| {
+                self.q8_activations(first, x, ready, |xq| {
                     let at_once = (act, cols, n_tok);
                     if grouped && self.grouped_decode(MatvecMode::Q8, at_once, xq, &mut products)? {
                         return Ok(());
@@ -259,7 +265,7 @@ impl CudaBackend {
                 crate::backend::swiglu_values(gate.rows, up.rows, n_tok)?;
                 self.own(up.y)?;
                 let mode = cuda_kernel_mode(mode, gate.ty);
-                self.matvec_swiglu(mode, shape, [gate.w, up.w], x, gate.y)?;
+                self.matvec_swiglu(mode, shape, [gate.w, up.w], x, gate.y, ready)?;
             }
             op @ Op::MatmulSwiGlu { .. } => {
                 crate::backend::matmul_swiglu_unfused(op, |op| self.run_op(op))?
@@ -314,6 +320,7 @@ impl CudaBackend {
                 x,
                 h,
                 weight,
+                q8_next,
             } => {
                 self.own(x)?;
                 self.own(h)?;
@@ -323,6 +330,9 @@ impl CudaBackend {
                 need("add_rms_norm block output bytes", h, mul(n, 4))?;
                 need("add_rms_norm weight bytes", weight, mul(n_cols, 4))?;
                 if n_rows == 0 {
+                    return Ok(());
+                }
+                if q8_next && self.add_rms_norm_q8(n_rows, n_cols, eps, x, h, weight)? {
                     return Ok(());
                 }
                 let mut args = [
@@ -925,6 +935,60 @@ struct AttentionArgs {
 }
 
 impl CudaBackend {
+    /// [`Op::AddRmsNorm`] with its output quantised for the next op (`q8_next`):
+    /// `add_rms_norm_q8_f32` writes `h` and its Q8 blocks into the kept buffer in one launch,
+    /// and the next op's products take them (see [`CudaBackend::q8_activations`]). Returns
+    /// false, having launched nothing, where the blocks would not fit the kept buffer, the rows
+    /// are not whole blocks, or the buffer does not exist yet while a graph is recorded.
+    fn add_rms_norm_q8(
+        &self,
+        n_rows: usize,
+        n_cols: usize,
+        eps: f32,
+        x: &mut CudaBuffer,
+        h: &mut CudaBuffer,
+        weight: &CudaBuffer,
+    ) -> Result<bool> {
+        let n_blocks = mul(n_rows, n_cols / 32);
+        if n_cols % 32 != 0 || mul(n_blocks, Q8_BLOCK_BYTES) > Q8_KEPT_BYTES {
+            return Ok(false);
+        }
+        let mut kept = self
+            .q8_kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // made outside a graph's recording only, as q8_activations makes it
+        if kept.is_none() && !self.capturing()? {
+            // SAFETY: every use quantises into it before a product reads it.
+            *kept = Some(unsafe { self.scratch(Q8_KEPT_BYTES) }?);
+        }
+        let Some(xq) = kept.as_mut() else {
+            return Ok(false);
+        };
+        let ready = Q8Ready {
+            x: h.device_addr(),
+            n_blocks,
+        };
+        let mut args = [
+            KArg::Out(&mut x.slice),
+            KArg::Out(&mut h.slice),
+            KArg::In(&weight.slice),
+            KArg::Out(xq),
+            KArg::U64(n_cols as u64),
+            KArg::F32(eps),
+        ];
+        // SAFETY: one block per row below n_rows, n_cols values each of x and h (checked by the
+        // caller; each thread rewrites only the values it read, and reads the normed row after
+        // the block's barrier), and n_cols / 32 blocks of 40 bytes a row of the kept buffer
+        // (n_blocks of them fit, checked above).
+        unsafe { self.launch("ops", "add_rms_norm_q8_f32", per_row(n_rows)?, &mut args) }?;
+        *self
+            .q8_ready
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(ready);
+        Ok(true)
+    }
+
     /// One launch of `attention_{format}` writing `dst` (the output, or the partial results of
     /// a split call).
     ///
