@@ -950,7 +950,7 @@ impl CudaBackend {
         weight: &CudaBuffer,
     ) -> Result<bool> {
         let n_blocks = mul(n_rows, n_cols / 32);
-        if n_cols % 32 != 0 || mul(n_blocks, Q8_BLOCK_BYTES) > Q8_KEPT_BYTES {
+        if !n_cols.is_multiple_of(32) || mul(n_blocks, Q8_BLOCK_BYTES) > Q8_KEPT_BYTES {
             return Ok(false);
         }
         let mut kept = self
