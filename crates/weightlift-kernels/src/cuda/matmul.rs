@@ -18,6 +18,24 @@ pub(super) struct MatShape {
     pub(super) n_tok: usize,
 }
 
+impl MatShape {
+    /// The shape of member `p` of a shared product of `n_tok` tokens of `cols` `act` values.
+    pub(super) fn of(
+        p: &crate::backend::Product<'_, CudaBuffer>,
+        act: FloatType,
+        cols: usize,
+        n_tok: usize,
+    ) -> MatShape {
+        MatShape {
+            ty: p.ty,
+            act,
+            rows: p.rows,
+            cols,
+            n_tok,
+        }
+    }
+}
+
 impl CudaBackend {
     /// The checks of one product before any launch: every buffer on this device, a weight
     /// type with a kernel in `mode`, f32 or f16 activations, and buffers large enough.
@@ -626,13 +644,7 @@ impl CudaBackend {
         // the activations rounded for cuBLAS, by the kernel that rounded them
         let mut rounded: Vec<(&'static str, CudaSlice<u8>)> = Vec::new();
         for p in products {
-            let m = MatShape {
-                ty: p.ty,
-                act,
-                rows: p.rows,
-                cols,
-                n_tok,
-            };
+            let m = MatShape::of(&p, act, cols, n_tok);
             self.check_matmul(mode, m, p.w, x, p.y)?;
             let route = if n_tok == 0 {
                 None

@@ -175,13 +175,8 @@ impl CudaBackend {
                 )? =>
             {
                 // the activations quantised once, for every member
-                let shape = |p: &crate::backend::Product<'_, CudaBuffer>| MatShape {
-                    ty: p.ty,
-                    act,
-                    rows: p.rows,
-                    cols,
-                    n_tok,
-                };
+                let shape =
+                    |p: &crate::backend::Product<'_, CudaBuffer>| MatShape::of(p, act, cols, n_tok);
                 for p in &products {
                     self.check_matmul(MatvecMode::Q8, shape(p), p.w, x, p.y)?;
                 }
@@ -223,14 +218,7 @@ impl CudaBackend {
                     && !self.cublas_takes_any(products.iter().map(|p| p.ty), mode, 1, act)?
                 {
                     for p in &products {
-                        let m = MatShape {
-                            ty: p.ty,
-                            act,
-                            rows: p.rows,
-                            cols,
-                            n_tok,
-                        };
-                        self.check_matmul(mode, m, p.w, x, p.y)?;
+                        self.check_matmul(mode, MatShape::of(p, act, cols, n_tok), p.w, x, p.y)?;
                     }
                     let at_once = (act, cols, n_tok);
                     let exact = MatvecMode::Exact;
