@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,10 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Ctrl-C as at a terminal: a shell without job control starts a background job with SIGINT
+# ignored (POSIX), and Python then leaves it ignored, so the tests of Ctrl-C would see none.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # The reference pack as `make reference` lays it out (`$WEIGHTLIFT_REFERENCE` moves it).
 REFERENCE = Path(os.environ.get("WEIGHTLIFT_REFERENCE") or REPO / ".cache" / "reference")
 TINY_LLAMA = REFERENCE / "tiny-llama"

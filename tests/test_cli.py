@@ -332,7 +332,9 @@ def test_load_ctrl_c_exit_130(demo_gguf):
 
     # The real CLI, with the progress callback slowed so the signal lands mid-load.
     script = (
-        "import sys, time\n"
+        "import signal, sys, time\n"
+        # Ctrl-C as at a terminal, whatever this test's process inherited (see conftest)
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import weightlift.cli as cli\n"
         "call = cli._ProgressBar.__call__\n"
         "def slow(self, *a):\n"
