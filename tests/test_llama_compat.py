@@ -256,6 +256,12 @@ def test_constructor_keywords_map_or_are_refused_by_name(demo_gguf: Path) -> Non
         assert m.model.cache.dtype == "q8"
     with pytest.raises(wl.ClosedError):
         m("hi", max_tokens=1)
+    # llama-cpp-python's explicit free: __del__ closes, and a second close is fine
+    freed = wl.Llama(str(demo_gguf), n_ctx=64, verbose=False)
+    freed.__del__()
+    with pytest.raises(wl.ClosedError):
+        freed("hi", max_tokens=1)
+    freed.close()
     # load_gguf takes llama.cpp's n_ctx=0 alike
     with wl.load_gguf(demo_gguf, n_ctx=0) as g:
         assert g.n_ctx() == 8192

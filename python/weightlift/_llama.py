@@ -887,6 +887,13 @@ class Llama:
         """Free the model and its cache; later calls raise ``ClosedError``."""
         self._model.close()
 
+    def __del__(self) -> None:
+        """As llama-cpp-python's: ``close()`` (code that frees a model with ``llm.__del__()``
+        frees it here too); a ``Llama`` whose construction failed has nothing to free."""
+        model = self.__dict__.get("_model")
+        if model is not None:
+            model.close()
+
     def __enter__(self) -> Llama:
         return self
 
