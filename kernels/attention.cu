@@ -47,6 +47,7 @@
 // the keys of a head (1.1 ms a layer at 2,048 positions before). Target, measured on a GPU:
 // decode at 2,048 positions at ≥ 90 % of the rate at 64 positions.
 #include "wl_attention.cuh"
+#include "wl_q8.cuh"
 
 // Shared memory of one block, declared once in the kernel (a __shared__ array inside the body
 // would be allocated once per register layout it is instantiated for).
@@ -278,9 +279,13 @@ WL_ATTENTION(q8_q4, wl_u8, WlKvTurned<127>, wl_u8, WlKvTurned<7>)
 // the splits that hold keys of the query (wl_att_live_splits; the blocks of the others wrote
 // nothing), found from the same position, span, start and window as attention_{fmt}'s. Reads at most
 // n_q × n_heads × n_splits × (head_dim + 2) values, writes n_q × n_heads × head_dim.
-extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_reduce_f32(
-    const float* part, float* out, wl_u64 n_q, wl_u64 n_heads, int head_dim, wl_u64 n_splits,
-    wl_u64 start_arg, const int* pos, wl_u64 span, wl_u64 window) {
+// `xq` non-null: each block then quantises the head_dim values it wrote (a multiple of 32) into
+// Q8 activation blocks at xq, the same bytes q8_quantize_f32 writes for them (attention_reduce_
+// q8_f32: the output projection's activations quantised in this launch, see Op::Attention's
+// q8_next).
+__device__ __forceinline__ void wl_attention_reduce(
+    const float* part, float* out, wl_u8* xq, wl_u64 n_q, wl_u64 n_heads, int head_dim,
+    wl_u64 n_splits, wl_u64 start_arg, const int* pos, wl_u64 span, wl_u64 window) {
     __shared__ float s_f[WL_ATT_MAX_SPLITS];
     __shared__ float s_inv;
     if (n_splits == 0 || n_splits > WL_ATT_MAX_SPLITS) return;
@@ -311,7 +316,26 @@ extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_reduce_f3
             for (wl_u64 t = 0; t < live; t++) a = fmaf(acc[t * hd + d], s_f[t], a);
             out[(i * n_heads + h) * hd + d] = WL_MUL(a, s_inv);
         }
+        if (xq != nullptr) {
+            // the block's output row, after the barrier in wl_q8_quantize_row
+            const wl_u64 first = (i * n_heads + h) * hd;
+            wl_q8_quantize_row(out + first, xq + first / 32 * WL_Q8_BLOCK_BYTES, hd);
+        }
         // s_f and s_inv are reused by the next query of this block
         __syncthreads();
     }
+}
+
+extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_reduce_f32(
+    const float* part, float* out, wl_u64 n_q, wl_u64 n_heads, int head_dim, wl_u64 n_splits,
+    wl_u64 start_arg, const int* pos, wl_u64 span, wl_u64 window) {
+    wl_attention_reduce(part, out, nullptr, n_q, n_heads, head_dim, n_splits, start_arg, pos, span,
+                        window);
+}
+
+extern "C" __global__ __launch_bounds__(WL_ATT_THREADS) void attention_reduce_q8_f32(
+    const float* part, float* out, wl_u8* xq, wl_u64 n_q, wl_u64 n_heads, int head_dim,
+    wl_u64 n_splits, wl_u64 start_arg, const int* pos, wl_u64 span, wl_u64 window) {
+    wl_attention_reduce(part, out, xq, n_q, n_heads, head_dim, n_splits, start_arg, pos, span,
+                        window);
 }

@@ -468,6 +468,10 @@ pub enum Op<'a, B> {
         /// The first query's position read from device memory instead of `start` (which is
         /// then not read), for a call a CUDA graph replays at every step (see [`StartAt`]).
         start_at: Option<StartAt<'a, B>>,
+        /// The next op's products read `out` in Q8 mode (the engine's hint, as
+        /// [`Op::AddRmsNorm`]'s): the CUDA backend then quantises it in the launch that writes
+        /// it, where a split call's merge does. The other backends ignore it.
+        q8_next: bool,
     },
 }
 

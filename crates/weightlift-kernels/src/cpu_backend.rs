@@ -648,6 +648,7 @@ impl CpuBackend {
                 out,
                 scratch,
                 start_at,
+                q8_next: _,
             } => {
                 for b in [q, k, v] {
                     self.own(b)?;

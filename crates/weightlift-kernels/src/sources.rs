@@ -241,6 +241,13 @@ pub const SIGNATURES: &[(&str, &[Param])] = &[
     ("scatter_add_rows_", &[Ptr, Ptr, Ptr, Ptr, U64, U64, U64]),
     // (x, bias, n values, n_cols)
     ("add_bias_", &[Ptr, Ptr, U64, U64]),
+    // the splits merged, and the output quantised to Q8 blocks at xq, before the family its
+    // name starts with: (part, out, xq, n_q, n_heads, head_dim, n_splits, start, positions or
+    // null, span, window)
+    (
+        "attention_reduce_q8_",
+        &[Ptr, Ptr, Ptr, U64, U64, I32, U64, U64, Ptr, U64, U64],
+    ),
     // the splits merged, before the family its name starts with: (part, out, n_q, n_heads,
     // head_dim, n_splits, start, positions or null, span, window)
     (

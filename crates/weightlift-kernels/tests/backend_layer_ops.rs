@@ -341,6 +341,91 @@ fn a_norm_quantising_for_the_next_product_changes_no_bits<B: Backend>(b: &B) -> 
 
 test_device!(a_norm_quantising_for_the_next_product_changes_no_bits);
 
+/// Attention whose merge quantises its output for the next op (`q8_next`: decode's output
+/// projection) changes no bits: the attention rows and the Q8 product of them are what plain
+/// attention gives, and an op in between (one that changes the rows) leaves the product to
+/// quantise them itself. One decode query over 300 keys of an f16 cache (split across blocks on
+/// CUDA, whose merge then quantises), 8 heads of 64, and a Q4_K projection. The plain run comes
+/// first: on CUDA its product makes the buffer the quantised rows go to.
+fn attention_quantising_for_the_output_projection_changes_no_bits<B: Backend>(b: &B) -> Result<()> {
+    let mut rng = Rng(0xa77);
+    let (nh, kvh, hd, start) = (8usize, 2usize, 64usize, 300usize);
+    let (cols, rows) = (nh * hd, 24usize);
+    let keys = start + 1;
+    let q = rng.vec(cols, 2.0);
+    let (kbytes, _) = cache_rows(&rng.vec(keys * kvh * hd, 2.0), KvFormat::F16);
+    let (vbytes, _) = cache_rows(&rng.vec(keys * kvh * hd, 1.0), KvFormat::F16);
+    let (qb, kb, vb) = (f32s(b, &q)?, upload(b, &kbytes)?, upload(b, &vbytes)?);
+    let v = rng.vec(rows * cols, 0.3);
+    let mut raw = vec![0u8; rows * quantized_row_bytes(QuantType::Q4_K, cols)?];
+    quantize_rows(QuantType::Q4_K, &v, cols, &mut raw)?;
+    let wm = upload(b, &raw)?;
+    let room = nh * sources::ATTENTION_MAX_SPLITS * (hd + 2);
+    for between in [false, true] {
+        let mut got: Vec<[Vec<f32>; 2]> = Vec::new();
+        for q8_next in [false, true] {
+            let mut out = b.alloc(cols * 4)?;
+            let mut scratch = b.alloc(room * 4)?;
+            b.run(Op::Attention {
+                window: 0,
+                softcap: 0.0,
+                cache_rows: keys,
+                k_format: KvFormat::F16,
+                v_format: KvFormat::F16,
+                n_heads: nh,
+                kv_heads: kvh,
+                head_dim: hd,
+                n_q: 1,
+                start,
+                scale: 0.125,
+                tile: 256,
+                f16_operands: false,
+                q: &qb,
+                k: &kb,
+                v: &vb,
+                out: &mut out,
+                scratch: Some(&mut scratch),
+                start_at: None,
+                q8_next,
+            })?;
+            if between {
+                b.run(Op::ScaleInPlace {
+                    n: cols,
+                    s: 0.5,
+                    x: &mut out,
+                })?;
+            }
+            let mut y = b.alloc(rows * 4)?;
+            b.run(Op::Matmul {
+                ty: QuantType::Q4_K,
+                mode: MatvecMode::Q8,
+                act: FloatType::F32,
+                rows,
+                cols,
+                n_tok: 1,
+                max_dq_size: 1 << 20,
+                w: &wm,
+                x: &out,
+                y: &mut y,
+            })?;
+            got.push([download_f32(b, &out, cols)?, download_f32(b, &y, rows)?]);
+        }
+        let what = format!("{}, an op in between: {between}", b.name());
+        assert!(got[0][1].iter().any(|v| *v != 0.0), "{what}: no products");
+        for (k, part) in ["attention rows", "products"].iter().enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&got[1][k]),
+                bits(&got[0][k]),
+                "{what}: {part} with the hint against without"
+            );
+        }
+    }
+    Ok(())
+}
+
+test_device!(attention_quantising_for_the_output_projection_changes_no_bits);
+
 /// The fused residual add and norm: `x` is `x + h` and `h` the RMSNorm of it, bit for bit what
 /// the residual add and then the norm give on the same backend, and within 1e-5 of an f64
 /// closed form. Three rows of 1,000 values (not a multiple of a block's threads), and of 5,000
@@ -698,6 +783,7 @@ fn attention_matches_an_f64_softmax<B: Backend>(b: &B) -> Result<()> {
             out: &mut out,
             scratch: None,
             start_at: None,
+            q8_next: false,
         })
         .unwrap_err()
         .to_string()
@@ -776,6 +862,7 @@ fn attention_case<B: Backend>(
                     out: &mut out,
                     scratch: scratch.as_mut(),
                     start_at: None,
+                    q8_next: false,
                 })?;
                 let got = download_f32(b, &out, q.len())?;
                 let tol = match (f16_operands, rows > 64) {
@@ -910,6 +997,7 @@ fn gemma_ops_match_their_definitions<B: Backend>(b: &B) -> Result<()> {
                         out: &mut out,
                         scratch: scratch.as_mut(),
                         start_at: None,
+                        q8_next: false,
                     })?;
                     let got = download_f32(b, &out, q.len())?;
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -999,6 +1087,7 @@ fn attention_over_a_ring_is_attention_over_every_position<B: Backend>(b: &B) -> 
                             positions,
                             span: sources::attention_decode_span(keys, 1 << 20),
                         }),
+                        q8_next: false,
                     })?;
                     download_f32(b, &out, q.len())
                 };
@@ -1049,6 +1138,7 @@ fn attention_over_a_ring_is_attention_over_every_position<B: Backend>(b: &B) -> 
             out: &mut out,
             scratch: None,
             start_at: None,
+            q8_next: false,
         })
         .unwrap_err()
         .to_string();
@@ -1398,6 +1488,7 @@ fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<
                     out: &mut out,
                     scratch: Some(&mut scratch),
                     start_at: at.map(|positions| StartAt { positions, span }),
+                    q8_next: false,
                 })?;
                 download_f32(b, &out, q.len())
             };
@@ -1437,6 +1528,7 @@ fn decode_ops_read_the_position_from_device_memory<B: Backend>(b: &B) -> Result<
                 positions: &past,
                 span,
             }),
+            q8_next: false,
         });
         match r {
             Err(e) => assert!(
@@ -1559,6 +1651,7 @@ fn cuda_graph_replays_the_fused_decode_ops() -> Result<()> {
                 positions: &s.pos,
                 span: cap,
             }),
+            q8_next: false,
         })?;
         b.run(Op::MatmulSwiGlu {
             mode: MatvecMode::Exact,

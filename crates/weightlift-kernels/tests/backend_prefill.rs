@@ -480,6 +480,7 @@ fn attention_on<B: Backend>(b: &B, c: &AttCase) -> Result<Vec<f32>> {
         out: &mut out,
         scratch: None,
         start_at: None,
+        q8_next: false,
     })?;
     download_f32(b, &out, c.q.len())
 }

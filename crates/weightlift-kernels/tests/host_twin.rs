@@ -1537,6 +1537,7 @@ mod twin {
             out: &mut out,
             scratch: None,
             start_at: None,
+            q8_next: false,
         })
         .unwrap();
         let mut bytes = vec![0u8; q.len() * 4];

@@ -297,6 +297,7 @@ fn expected_kernels() -> Vec<String> {
         "attention_q4",
         "attention_q8_q4",
         "attention_reduce_f32",
+        "attention_reduce_q8_f32",
         // prompts: flash attention over the cache, by cache dtype
         "attention_prefill_f32",
         "attention_prefill_f16",

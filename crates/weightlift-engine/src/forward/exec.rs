@@ -1347,7 +1347,9 @@ pub(crate) fn attention_normed<B: Exec>(
             att: &mut *r.att,
             parts: &mut *r.parts,
         };
-        attend_piece(b, cx, a, li, p, rows, freqs)?;
+        // the output projection reads the attention rows next (one piece: all of them)
+        let q8_next = cx.q8_reads(b, &[a.o]);
+        attend_piece(b, cx, a, li, p, rows, freqs, q8_next)?;
     } else {
         let mut t0 = 0;
         for p in pieces {
@@ -1366,7 +1368,7 @@ pub(crate) fn attention_normed<B: Exec>(
                 att: &mut *att[0],
                 parts: &mut *r.parts,
             };
-            attend_piece(b, cx, a, li, p, rows, freqs)?;
+            attend_piece(b, cx, a, li, p, rows, freqs, false)?;
             t0 += p.n;
         }
     }
@@ -1398,6 +1400,8 @@ struct PieceRows<'r, T> {
 /// layer only while it is lent), pass the rows and the position from the host; a prompt whose
 /// rows wrap past a sliding-window layer's ring takes the whole-layer store (each token at its
 /// position's row). Attention reads the key at position `p` from row `p % rows` of the layer.
+/// `q8_next`: the output projection reads the attention rows next (see `Op::Attention`).
+#[allow(clippy::too_many_arguments)]
 fn attend_piece<B: Exec>(
     b: &B,
     cx: &Ctx<'_>,
@@ -1406,6 +1410,7 @@ fn attend_piece<B: Exec>(
     p: &Piece<'_>,
     rows: PieceRows<'_, B::Buffer>,
     freqs: &B::Buffer,
+    q8_next: bool,
 ) -> Result<()> {
     let c = cx.c;
     let (hd, nh) = (c.head_dim, a.n_heads);
@@ -1489,6 +1494,7 @@ fn attend_piece<B: Exec>(
             out: &mut *att,
             scratch: Some(&mut *parts),
             start_at: on_device.then_some(weightlift_kernels::StartAt { positions, span }),
+            q8_next,
         })
         .map_err(cx.err(at("attention")))
     };

@@ -697,6 +697,7 @@ impl CudaBackend {
                 out,
                 scratch,
                 start_at,
+                q8_next,
             } => {
                 for b in [q, k, v] {
                     self.own(b)?;
@@ -879,9 +880,28 @@ impl CudaBackend {
                     block_dim: (ATTENTION_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut args = [
-                    KArg::In(&part.slice),
-                    KArg::Out(&mut out.slice),
+                // the output's Q8 blocks for the next op's products, in the kept buffer
+                let n_blocks = mul(mul(n_q, n_heads), head_dim / 32);
+                let mut kept = self
+                    .q8_kept
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let xq = match kept.as_mut() {
+                    Some(xq)
+                        if q8_next
+                            && head_dim.is_multiple_of(32)
+                            && mul(n_blocks, Q8_BLOCK_BYTES) <= Q8_KEPT_BYTES =>
+                    {
+                        Some(xq)
+                    }
+                    _ => None,
+                };
+                let quantised = xq.is_some();
+                let mut args = vec![KArg::In(&part.slice), KArg::Out(&mut out.slice)];
+                if let Some(xq) = xq {
+                    args.push(KArg::Out(xq));
+                }
+                args.extend([
                     KArg::U64(fixed.n_q),
                     KArg::U64(fixed.n_heads),
                     KArg::I32(fixed.head_dim),
@@ -890,13 +910,29 @@ impl CudaBackend {
                     pos.map_or(KArg::Null, KArg::In),
                     KArg::U64(fixed.span),
                     KArg::U64(fixed.window),
-                ];
+                ]);
+                let name = if quantised {
+                    "attention_reduce_q8_f32"
+                } else {
+                    "attention_reduce_f32"
+                };
                 // SAFETY: block (h, i) reads the partial results of the splits holding keys of
                 // query i (those the pass above wrote, found by the same position rule) of head
                 // h inside the scratch, and writes output row i of head h (n_q * n_heads *
                 // head_dim checked); splits <= ATTENTION_MAX_SPLITS, the kernel's shared
-                // weights (attention_grid).
-                unsafe { self.launch("attention", "attention_reduce_f32", reduce, &mut args) }?;
+                // weights (attention_grid). The Q8 form also writes that row's head_dim / 32
+                // blocks of 40 bytes into the kept buffer (n_blocks of them fit, checked).
+                unsafe { self.launch("attention", name, reduce, &mut args) }?;
+                if quantised {
+                    let ready = Q8Ready {
+                        x: out.device_addr(),
+                        n_blocks,
+                    };
+                    *self
+                        .q8_ready
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(ready);
+                }
             }
         }
         Ok(())
