@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from weightlift import _native
 from weightlift._api import Model, load_gguf, sample
 from weightlift._errors import PlanError, UnsupportedError
 from weightlift._types import Checkpoint
@@ -94,7 +95,8 @@ _KNOWN_TEMPLATES = {
     "26a59556925c987317ce5291811ba3b7f32ec4c647c400c6cc7e3a9993007ba7": "mistral-instruct",
     "ba03a121d097859c7b5b9cd03af99aafe95275210d2876f642ad9929a150f122": "llama-3",
 }
-_TEMPLATE_KEY = "tokenizer.chat_template"
+# the engine's own name for the GGUF key, so the two cannot drift apart
+_TEMPLATE_KEY = _native.CHAT_TEMPLATE_KEY
 
 
 def _metadata_strings(scalars: Mapping[str, Any]) -> dict[str, str]:

@@ -17,6 +17,7 @@ from weightlift._types import Device, ModelSpec, TensorInfo
 
 __all__ = [
     "__version__",
+    "CHAT_TEMPLATE_KEY",
     "Checkpoint",
     "devices",
     "parse_devices",
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 __version__: str
+CHAT_TEMPLATE_KEY: Final[str]
 
 @disjoint_base
 class Checkpoint:
