@@ -96,7 +96,7 @@ _KNOWN_TEMPLATES = {
     "ba03a121d097859c7b5b9cd03af99aafe95275210d2876f642ad9929a150f122": "llama-3",
 }
 # the engine's own name for the GGUF key, so the two cannot drift apart
-_TEMPLATE_KEY = _native.CHAT_TEMPLATE_KEY
+_TEMPLATE_KEY = _native._CHAT_TEMPLATE_KEY
 
 
 def _metadata_strings(scalars: Mapping[str, Any]) -> dict[str, str]:

@@ -17,7 +17,6 @@ from weightlift._types import Device, ModelSpec, TensorInfo
 
 __all__ = [
     "__version__",
-    "CHAT_TEMPLATE_KEY",
     "Checkpoint",
     "devices",
     "parse_devices",
@@ -42,7 +41,7 @@ __all__ = [
 ]
 
 __version__: str
-CHAT_TEMPLATE_KEY: Final[str]
+_CHAT_TEMPLATE_KEY: Final[str]
 
 @disjoint_base
 class Checkpoint:

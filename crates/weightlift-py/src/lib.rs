@@ -20,7 +20,8 @@ mod tp;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // the GGUF key of a chat template, for llama-cpp-python's format pick in weightlift/_llama.py
-    m.add("CHAT_TEMPLATE_KEY", weightlift_text::CHAT_TEMPLATE_KEY)?;
+    // (set, not added: the module's __all__ lists the public API only)
+    m.setattr("_CHAT_TEMPLATE_KEY", weightlift_text::CHAT_TEMPLATE_KEY)?;
     // pip's NVRTC (and later cuBLAS) sit in nvidia/*/lib under a site folder the loader does
     // not search: hand the kernels' library search this Python's folders. Nothing is opened
     // here; the search runs at the first kernel compile.
