@@ -110,13 +110,19 @@ WL_HD void wl_scale_min_k4(int j, const wl_u8* q, int* sc, int* m) {
     }
 }
 
+// Sub-block `sb`'s scale d · sc and min dmin · m of a Q4_K/Q5_K block (d | dmin | scales[12]).
+WL_HD void wl_k4_scale_min(const wl_u8* b, int sb, float* d1, float* m1) {
+    int sc, m;
+    wl_scale_min_k4(sb, b + 4, &sc, &m);
+    *d1 = WL_MUL(wl_rd_f16(b), (float)sc);
+    *m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+}
+
 // Q4_K: d | dmin | scales[12] | qs[128]
 WL_HD float wl_dq_q4_k(const wl_u8* b, int e) {
     int sb = e / 32, l = e % 32;
-    int sc, m;
-    wl_scale_min_k4(sb, b + 4, &sc, &m);
-    float d1 = WL_MUL(wl_rd_f16(b), (float)sc);
-    float m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+    float d1, m1;
+    wl_k4_scale_min(b, sb, &d1, &m1);
     int q = (b[16 + (sb / 2) * 32 + l] >> (4 * (sb % 2))) & 0x0f;
     return WL_SUB(WL_MUL(d1, (float)q), m1);
 }
@@ -124,10 +130,8 @@ WL_HD float wl_dq_q4_k(const wl_u8* b, int e) {
 // Q5_K: d | dmin | scales[12] | qh[32] | qs[128]
 WL_HD float wl_dq_q5_k(const wl_u8* b, int e) {
     int sb = e / 32, l = e % 32;
-    int sc, m;
-    wl_scale_min_k4(sb, b + 4, &sc, &m);
-    float d1 = WL_MUL(wl_rd_f16(b), (float)sc);
-    float m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+    float d1, m1;
+    wl_k4_scale_min(b, sb, &d1, &m1);
     int q = ((b[48 + (sb / 2) * 32 + l] >> (4 * (sb % 2))) & 0x0f) | (((b[16 + l] >> sb) & 1) << 4);
     return WL_SUB(WL_MUL(d1, (float)q), m1);
 }
@@ -184,20 +188,16 @@ WL_HD void wl_dq8_q3_k(const wl_u8* b, int e0, float* out) {
 
 WL_HD void wl_dq8_q4_k(const wl_u8* b, int e0, float* out) {
     int sb = e0 / 32, l0 = e0 % 32;
-    int sc, m;
-    wl_scale_min_k4(sb, b + 4, &sc, &m);
-    float d1 = WL_MUL(wl_rd_f16(b), (float)sc);
-    float m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+    float d1, m1;
+    wl_k4_scale_min(b, sb, &d1, &m1);
     const wl_u8* q = b + 16 + (sb / 2) * 32 + l0;
     for (int k = 0; k < 8; ++k) out[k] = WL_SUB(WL_MUL(d1, (float)((q[k] >> (4 * (sb % 2))) & 0x0f)), m1);
 }
 
 WL_HD void wl_dq8_q5_k(const wl_u8* b, int e0, float* out) {
     int sb = e0 / 32, l0 = e0 % 32;
-    int sc, m;
-    wl_scale_min_k4(sb, b + 4, &sc, &m);
-    float d1 = WL_MUL(wl_rd_f16(b), (float)sc);
-    float m1 = WL_MUL(wl_rd_f16(b + 2), (float)m);
+    float d1, m1;
+    wl_k4_scale_min(b, sb, &d1, &m1);
     const wl_u8* q = b + 48 + (sb / 2) * 32 + l0;
     const wl_u8* qh = b + 16 + l0;
     for (int k = 0; k < 8; ++k) {

@@ -829,16 +829,7 @@ fn a_planned_model_with_its_embedding_in_host_memory_replays_its_steps() {
                 cache: Some(weightlift_plan::CacheSpec::new(64, 1, CacheDType::Fp16)),
                 ..Default::default()
             };
-            let plan = m
-                .plan_and_load(
-                    None,
-                    options,
-                    &Default::default(),
-                    None,
-                    &LoadOptions::default(),
-                    &mut |_| true,
-                )
-                .unwrap();
+            let plan = common::plan_and_load(&mut m, options);
             let placement = m.placement(&plan).unwrap();
             let embd = src
                 .tensors()
@@ -1012,15 +1003,7 @@ fn sliding_rings_on_cuda_give_the_full_caches_bits() {
             runtime: Some(runtime),
             ..Default::default()
         };
-        m.plan_and_load(
-            None,
-            options,
-            &Default::default(),
-            None,
-            &LoadOptions::default(),
-            &mut |_| true,
-        )
-        .unwrap();
+        common::plan_and_load(&mut m, options);
         let ring = m.own_cache().unwrap();
         assert_eq!(ring.config().rows(0), 256);
         let full = Arc::new(

@@ -5,6 +5,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::common;
+
 use weightlift_engine::planned::splits;
 use weightlift_engine::{Cache, Inventory, LoadOptions, Model, Source};
 use weightlift_format::{Checkpoint, OpenOptions};
@@ -296,16 +298,7 @@ fn a_planned_cache_of_several_sequences_is_held_as_that_many_slots() {
         }),
         ..Default::default()
     };
-    let plan = model
-        .plan_and_load(
-            None,
-            options,
-            &Default::default(),
-            None,
-            &LoadOptions::default(),
-            &mut |_| true,
-        )
-        .unwrap();
+    let plan = common::plan_and_load(&mut model, options);
     let own = model.own_cache().unwrap();
     let more = model.planned_sequences();
     assert_eq!((own.config().batch_size, more.len()), (1, 2));
@@ -337,15 +330,7 @@ fn an_embedding_runs_in_a_planned_sequence_no_batch_took() {
         cache: Some(CacheSpec::new(256, 3, CacheDType::Fp16)),
         ..Default::default()
     };
-    (model.plan_and_load(
-        None,
-        options,
-        &Default::default(),
-        None,
-        &LoadOptions::default(),
-        &mut |_| true,
-    ))
-    .unwrap();
+    common::plan_and_load(&mut model, options);
     let ids: Vec<u32> = (1..40).collect();
     // two slots of three: the third sequence is the embeddings'
     let mut batch = Batch::new(&model, 2).unwrap();
@@ -388,16 +373,7 @@ fn a_tensor_parallel_cache_of_several_sequences_is_held_as_that_many_split_slots
         cache: Some(CacheSpec::new(128, 3, CacheDType::Fp16)),
         ..Default::default()
     };
-    let plan = model
-        .plan_and_load(
-            None,
-            options,
-            &Default::default(),
-            None,
-            &LoadOptions::default(),
-            &mut |_| true,
-        )
-        .unwrap();
+    let plan = common::plan_and_load(&mut model, options);
     assert!(plan.tp().is_some());
     let own = model.own_cache().unwrap();
     let more = model.planned_sequences();

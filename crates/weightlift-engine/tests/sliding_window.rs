@@ -53,16 +53,7 @@ fn planned(
         runtime: Some(runtime()),
         ..Default::default()
     };
-    let plan = m
-        .plan_and_load(
-            None,
-            options,
-            &Default::default(),
-            None,
-            &LoadOptions::default(),
-            &mut |_| true,
-        )
-        .unwrap();
+    let plan = common::plan_and_load(&mut m, options);
     m.set_compute(Compute::Exact);
     let cache = m.own_cache().unwrap();
     (m, cache, plan)
@@ -421,15 +412,7 @@ fn tp_rings_match(
         runtime: Some(runtime()),
         ..Default::default()
     };
-    tp.plan_and_load(
-        None,
-        options,
-        &Default::default(),
-        None,
-        &LoadOptions::default(),
-        &mut |_| true,
-    )
-    .unwrap();
+    common::plan_and_load(&mut tp, options);
     tp.set_compute(Compute::Exact);
     let cache = tp.own_cache().unwrap();
     let parts = cache.tp_parts();

@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{Rng, download_f32, f32s, upload};
+use common::{Rng, download_f32, f32s, upload, weight_bytes};
 use weightlift_kernels::*;
 
 fn close(got: f32, want: f64, rel: f64) -> bool {
@@ -257,6 +257,19 @@ fn row_gather_and_scatter_add_move_the_rows_they_name<B: Backend>(b: &B) -> Resu
 
 test_device!(row_gather_and_scatter_add_move_the_rows_they_name);
 
+/// Asserts that each of `parts` has the same bits in `got[1]` (a run with a `q8_next` hint) as
+/// in `got[0]` (the run without).
+fn same_with_the_hint<const N: usize>(what: &str, parts: &[&str; N], got: &[[Vec<f32>; N]]) {
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (k, part) in parts.iter().enumerate() {
+        assert_eq!(
+            bits(&got[1][k]),
+            bits(&got[0][k]),
+            "{what}: {part} with the hint against without"
+        );
+    }
+}
+
 /// A residual add and norm that quantises its output for the next op (`q8_next`: decode's
 /// q, k and v, or gate and up) changes no bits: the residual, the normed rows and the next
 /// op's Q8 products of them are what a plain add and norm give. An op in between (here one
@@ -266,10 +279,10 @@ test_device!(row_gather_and_scatter_add_move_the_rows_they_name);
 fn a_norm_quantising_for_the_next_product_changes_no_bits<B: Backend>(b: &B) -> Result<()> {
     let mut rng = Rng(0x98e);
     let (cols, rows) = (512usize, 40usize);
-    let v = rng.vec(rows * cols, 0.3);
-    let mut raw = vec![0u8; rows * quantized_row_bytes(QuantType::Q4_K, cols)?];
-    quantize_rows(QuantType::Q4_K, &v, cols, &mut raw)?;
-    let wm = upload(b, &raw)?;
+    let wm = upload(
+        b,
+        &weight_bytes(QuantType::Q4_K, &rng.vec(rows * cols, 0.3), cols)?,
+    )?;
     for n_rows in [1usize, 3] {
         let n = n_rows * cols;
         let (x0, h0, w) = (rng.vec(n, 3.0), rng.vec(n, 2.0), rng.vec(cols, 1.5));
@@ -326,14 +339,7 @@ fn a_norm_quantising_for_the_next_product_changes_no_bits<B: Backend>(b: &B) -> 
             }
             let what = format!("{} {n_rows} rows, case {between}", b.name());
             assert!(got[0][2].iter().any(|v| *v != 0.0), "{what}: no products");
-            for (k, part) in ["residual", "normed rows", "products"].iter().enumerate() {
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&got[1][k]),
-                    bits(&got[0][k]),
-                    "{what}: {part} with the hint against without"
-                );
-            }
+            same_with_the_hint(&what, &["residual", "normed rows", "products"], &got);
         }
     }
     Ok(())
@@ -356,10 +362,10 @@ fn attention_quantising_for_the_output_projection_changes_no_bits<B: Backend>(b:
     let (kbytes, _) = cache_rows(&rng.vec(keys * kvh * hd, 2.0), KvFormat::F16);
     let (vbytes, _) = cache_rows(&rng.vec(keys * kvh * hd, 1.0), KvFormat::F16);
     let (qb, kb, vb) = (f32s(b, &q)?, upload(b, &kbytes)?, upload(b, &vbytes)?);
-    let v = rng.vec(rows * cols, 0.3);
-    let mut raw = vec![0u8; rows * quantized_row_bytes(QuantType::Q4_K, cols)?];
-    quantize_rows(QuantType::Q4_K, &v, cols, &mut raw)?;
-    let wm = upload(b, &raw)?;
+    let wm = upload(
+        b,
+        &weight_bytes(QuantType::Q4_K, &rng.vec(rows * cols, 0.3), cols)?,
+    )?;
     let room = nh * sources::ATTENTION_MAX_SPLITS * (hd + 2);
     for between in [false, true] {
         let mut got: Vec<[Vec<f32>; 2]> = Vec::new();
@@ -412,14 +418,7 @@ fn attention_quantising_for_the_output_projection_changes_no_bits<B: Backend>(b:
         }
         let what = format!("{}, an op in between: {between}", b.name());
         assert!(got[0][1].iter().any(|v| *v != 0.0), "{what}: no products");
-        for (k, part) in ["attention rows", "products"].iter().enumerate() {
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&got[1][k]),
-                bits(&got[0][k]),
-                "{what}: {part} with the hint against without"
-            );
-        }
+        same_with_the_hint(&what, &["attention rows", "products"], &got);
     }
     Ok(())
 }

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Rng, download_f32, float_weights, group_offset, load, upload};
+use common::{Rng, download_f32, float_weights, group_offset, load, upload, weight_bytes};
 use weightlift_kernels::cpu::matvec::{matvec_with, quantize_q8_blocks};
 use weightlift_kernels::sources::{CUBLAS_MIN_TOKENS, DQ_PATH_MIN_TOKENS};
 use weightlift_kernels::*;
@@ -757,15 +757,10 @@ fn decode_q_k_v_in_one_op_keep_each_members_bits<B: Backend>(b: &B) -> Result<()
         let rows = [96, 24, 24];
         let mut ws = Vec::new();
         for r in rows {
-            let v = rng.vec(r * cols, 0.3);
-            let raw = if ty.block_size() == 1 {
-                float_weights(ty, &v).0
-            } else {
-                let mut raw = vec![0u8; r * quantized_row_bytes(ty, cols)?];
-                quantize_rows(ty, &v, cols, &mut raw)?;
-                raw
-            };
-            ws.push(upload(b, &raw)?);
+            ws.push(upload(
+                b,
+                &weight_bytes(ty, &rng.vec(r * cols, 0.3), cols)?,
+            )?);
         }
         let (xbytes, _) = activations(&rng.vec(n_tok * cols, 1.0), act);
         let x = upload(b, &xbytes)?;

@@ -25,7 +25,7 @@
 
 mod common;
 
-use common::{Rng, download_f32, float_weights, load, q8_bound, upload};
+use common::{Rng, download_f32, float_weights, load, q8_bound, upload, weight_bytes};
 use weightlift_kernels::sources::CUBLAS_MIN_TOKENS;
 use weightlift_kernels::*;
 
@@ -224,15 +224,7 @@ fn shared_prompt_products_are_each_members_own<B: Backend>(b: &B) -> Result<()> 
         (QuantType::BF16, 11),
         (QuantType::Q4_K, 23),
     ] {
-        let v = rng.vec(rows * cols, 0.2);
-        let raw = match ty {
-            QuantType::F16 | QuantType::BF16 => float_weights(ty, &v).0,
-            _ => {
-                let mut raw = vec![0u8; rows * quantized_row_bytes(ty, cols)?];
-                quantize_rows(ty, &v, cols, &mut raw)?;
-                raw
-            }
-        };
+        let raw = weight_bytes(ty, &rng.vec(rows * cols, 0.2), cols)?;
         members.push((ty, rows, upload(b, &raw)?));
     }
     for mode in [MatvecMode::Exact, MatvecMode::Q8] {

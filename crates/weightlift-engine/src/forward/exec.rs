@@ -137,6 +137,10 @@ pub(crate) trait Exec: Backend + Sized {
     /// Whether [`MatvecMode::Q8`] multiplies weights of `ty` on this backend.
     fn q8_supports(ty: QuantType) -> bool;
 
+    /// Whether the ops' `q8_next` hints reach anything here (the backend quantises an op's
+    /// output for the next op's products); where not, the forward pass does not work them out.
+    const QUANTISES_AHEAD: bool = false;
+
     /// The most tokens of several sequences one product of `mode` may take in `compute`
     /// (0: one product per sequence). A batch must give each sequence the bits it gets alone
     /// in exact mode, and stay within the activation quantisation's bound in fast mode; see
@@ -338,7 +342,9 @@ impl<'a> Ctx<'a> {
     /// quantises) in Q8 mode here. A matrix this backend cannot multiply says no (its product
     /// reports why).
     fn q8_reads<B: Exec>(&self, b: &B, linears: &[&Linear]) -> bool {
-        !linears.is_empty()
+        B::QUANTISES_AHEAD
+            && self.c.compute == Compute::Fast
+            && !linears.is_empty()
             && linears.iter().all(|l| match self.weight(b, l) {
                 Ok((_, Packing::Blocks(ty))) => {
                     ty.block_size() > 1 && self.mode::<B>(ty) == MatvecMode::Q8

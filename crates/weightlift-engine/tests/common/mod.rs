@@ -288,6 +288,23 @@ pub fn load_on(
     (m, cache)
 }
 
+/// Plans `m` with `options` over its own inventory and loads it as planned (default load
+/// options, no progress callback): the plan, as `Model::plan_and_load` returns it.
+pub fn plan_and_load(
+    m: &mut weightlift_engine::Model,
+    options: weightlift_plan::PlanOptions,
+) -> weightlift_plan::Plan {
+    m.plan_and_load(
+        None,
+        options,
+        &Default::default(),
+        None,
+        &weightlift_engine::LoadOptions::default(),
+        &mut |_| true,
+    )
+    .unwrap()
+}
+
 /// Load `m` as `plan` places it, with the cache the plan sizes (which it must have).
 pub fn load_planned(
     m: &mut weightlift_engine::Model,

@@ -111,13 +111,7 @@ impl CudaBackend {
             } else {
                 m.n_tok.div_ceil(FLOAT_TOKENS_PER_PASS).min(MAX_GRID_YZ)
             };
-            let tpr = float_row_threads(m.rows, m.cols, m.ty.block_bytes(), passes, self.sm_count);
-            let per_block = FLOAT_BLOCK_THREADS / tpr;
-            LaunchConfig {
-                grid_dim: (grid_for(m.rows, per_block, "rows")?, passes as u32, 1),
-                block_dim: (tpr as u32, per_block as u32, 1),
-                shared_mem_bytes: 0,
-            }
+            self.float_launch(m.ty, m.rows, m.cols, passes)?
         } else {
             // 8 warps of 32 per block, one row each; tokens ride grid.y, which CUDA caps at
             // 65535, and the kernel strides over the rest
@@ -145,6 +139,26 @@ impl CudaBackend {
         // tokens and write one output per token (a thread past the last row reads the last row
         // and writes nothing), all within the sizes the caller checked.
         unsafe { self.launch("matvec", &name, cfg, &mut args) }
+    }
+
+    /// The launch of a float-weight kernel (`matvec_`, `matmul_`, `matvec3_`, `swiglu_matvec_`)
+    /// over `rows` rows of `cols` values of `ty` with `passes` token passes on grid.y:
+    /// [`float_row_threads`] threads a row, `FLOAT_BLOCK_THREADS / tpr` rows a block. The
+    /// threads a row set each row's sum order, so every kernel of one shape shares it.
+    fn float_launch(
+        &self,
+        ty: QuantType,
+        rows: usize,
+        cols: usize,
+        passes: usize,
+    ) -> Result<LaunchConfig> {
+        let tpr = float_row_threads(rows, cols, ty.block_bytes(), passes, self.sm_count);
+        let per_block = FLOAT_BLOCK_THREADS / tpr;
+        Ok(LaunchConfig {
+            grid_dim: (grid_for(rows, per_block, "rows")?, passes as u32, 1),
+            block_dim: (tpr as u32, per_block as u32, 1),
+            shared_mem_bytes: 0,
+        })
     }
 
     /// Q8 mode: `q8_quantize_{act}` turns every token's activations into 40-byte blocks
@@ -198,10 +212,7 @@ impl CudaBackend {
             // were checked) and writes its 40 bytes of xq (which holds at least n_blocks).
             unsafe { self.launch("matvec", &name, elementwise(mul(n_blocks, 32))?, &mut args) }
         };
-        let mut kept = self
-            .q8_kept
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut kept = self.lock_q8_kept();
         let here = Q8Ready {
             x: x.device_addr(),
             n_blocks,
@@ -209,22 +220,68 @@ impl CudaBackend {
         if let (Some(xq), true) = (kept.as_ref(), ready == Some(here)) {
             return then(xq);
         }
-        // the kept buffer is made outside a graph's recording only (see `capturing`)
-        if bytes > Q8_KEPT_BYTES || (kept.is_none() && self.capturing()?) {
-            drop(kept);
-            // SAFETY: q8_quantize writes all n_blocks blocks before the products (later on
-            // the same stream) read them.
-            let mut xq = unsafe { self.scratch(bytes) }?;
-            quantise(&mut xq)?;
-            return then(&xq);
+        if bytes <= Q8_KEPT_BYTES
+            && let Some(xq) = self.made_q8_kept(&mut kept)?
+        {
+            quantise(xq)?;
+            return then(xq);
         }
-        if kept.is_none() {
-            // SAFETY: as above: every use quantises into it before a product reads it.
+        drop(kept);
+        // SAFETY: q8_quantize writes all n_blocks blocks before the products (later on the
+        // same stream) read them.
+        let mut xq = unsafe { self.scratch(bytes) }?;
+        quantise(&mut xq)?;
+        then(&xq)
+    }
+
+    /// Decode's kept Q8 buffer, locked.
+    pub(super) fn lock_q8_kept(&self) -> std::sync::MutexGuard<'_, Option<CudaSlice<u8>>> {
+        self.q8_kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The kept Q8 buffer in `kept` (its lock held), made first where there is none, unless a
+    /// graph is being recorded (what a recording allocates is the graph's own memory: see
+    /// `capturing`); `None` then.
+    pub(super) fn made_q8_kept<'k>(
+        &self,
+        kept: &'k mut Option<CudaSlice<u8>>,
+    ) -> Result<Option<&'k mut CudaSlice<u8>>> {
+        if kept.is_none() && !self.capturing()? {
+            // SAFETY: every use quantises into it before a product reads it.
             *kept = Some(unsafe { self.scratch(Q8_KEPT_BYTES) }?);
         }
-        let xq = kept.as_mut().expect("made above");
-        quantise(xq)?;
-        then(xq)
+        Ok(kept.as_mut())
+    }
+
+    /// Runs `launch`, which quantises the activations at device address `x` into the first
+    /// `n_blocks` blocks of the kept Q8 buffer it is given (as it writes them), and hands
+    /// those blocks to the next op (see [`Op::AddRmsNorm`]'s `q8_next`). Returns false, having
+    /// launched nothing, where they would not fit the kept buffer or it cannot be made yet.
+    pub(super) fn quantise_ahead(
+        &self,
+        x: u64,
+        n_blocks: usize,
+        launch: impl FnOnce(&mut CudaSlice<u8>) -> Result<()>,
+    ) -> Result<bool> {
+        if mul(n_blocks, Q8_BLOCK_BYTES) > Q8_KEPT_BYTES {
+            return Ok(false);
+        }
+        let mut kept = self.lock_q8_kept();
+        let Some(xq) = self.made_q8_kept(&mut kept)? else {
+            return Ok(false);
+        };
+        launch(xq)?;
+        *self.lock_q8_ready() = Some(Q8Ready { x, n_blocks });
+        Ok(true)
+    }
+
+    /// What the kept Q8 buffer holds for the next op, locked.
+    pub(super) fn lock_q8_ready(&self) -> std::sync::MutexGuard<'_, Option<Q8Ready>> {
+        self.q8_ready
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether a product of `n_tok` tokens of `ty` in `mode` (`act` activations) runs decode's
@@ -355,13 +412,7 @@ impl CudaBackend {
                     ))
                 }
                 MatvecMode::Exact => {
-                    let tpr = float_row_threads(rows, cols, ty.block_bytes(), 1, self.sm_count);
-                    let per_block = FLOAT_BLOCK_THREADS / tpr;
-                    let cfg = LaunchConfig {
-                        grid_dim: (grid_for(rows, per_block, "rows")?, 1, 1),
-                        block_dim: (tpr as u32, per_block as u32, 1),
-                        shared_mem_bytes: 0,
-                    };
+                    let cfg = self.float_launch(ty, rows, cols, 1)?;
                     Ok((cfg, format!("matvec3_{}_{}", ty.name(), act.name())))
                 }
             }
@@ -540,13 +591,7 @@ impl CudaBackend {
                 reason: format!("the float kernels take one token, got {}", m.n_tok),
             }),
             MatvecMode::Exact => {
-                let tpr = float_row_threads(m.rows, m.cols, m.ty.block_bytes(), 1, self.sm_count);
-                let per_block = FLOAT_BLOCK_THREADS / tpr;
-                let cfg = LaunchConfig {
-                    grid_dim: (grid_for(m.rows, per_block, "rows")?, 1, 1),
-                    block_dim: (tpr as u32, per_block as u32, 1),
-                    shared_mem_bytes: 0,
-                };
+                let cfg = self.float_launch(m.ty, m.rows, m.cols, 1)?;
                 let name = format!("swiglu_matvec_{}_{}", m.ty.name(), m.act.name());
                 launch(name, cfg, &x.slice, y)
             }

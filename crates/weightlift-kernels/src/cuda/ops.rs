@@ -67,11 +67,7 @@ impl CudaBackend {
     pub(super) fn run_op(&self, op: Op<'_, CudaBuffer>) -> Result<()> {
         let s = &self.stream;
         // the activations the op before quantised for this one, if any (nobody else's)
-        let ready = self
-            .q8_ready
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
+        let ready = self.lock_q8_ready().take();
         match op {
             Op::Dequantize {
                 ty,
@@ -880,58 +876,46 @@ impl CudaBackend {
                     block_dim: (ATTENTION_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
+                // the merge's arguments after its buffers
+                let tail = || {
+                    [
+                        KArg::U64(fixed.n_q),
+                        KArg::U64(fixed.n_heads),
+                        KArg::I32(fixed.head_dim),
+                        KArg::U64(fixed.splits),
+                        KArg::U64(fixed.start),
+                        pos.map_or(KArg::Null, KArg::In),
+                        KArg::U64(fixed.span),
+                        KArg::U64(fixed.window),
+                    ]
+                };
                 // the output's Q8 blocks for the next op's products, in the kept buffer
-                let n_blocks = mul(mul(n_q, n_heads), head_dim / 32);
-                let mut kept = self
-                    .q8_kept
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let xq = match kept.as_mut() {
-                    Some(xq)
-                        if q8_next
-                            && head_dim.is_multiple_of(32)
-                            && mul(n_blocks, Q8_BLOCK_BYTES) <= Q8_KEPT_BYTES =>
-                    {
-                        Some(xq)
-                    }
-                    _ => None,
-                };
-                let quantised = xq.is_some();
-                let mut args = vec![KArg::In(&part.slice), KArg::Out(&mut out.slice)];
-                if let Some(xq) = xq {
-                    args.push(KArg::Out(xq));
-                }
-                args.extend([
-                    KArg::U64(fixed.n_q),
-                    KArg::U64(fixed.n_heads),
-                    KArg::I32(fixed.head_dim),
-                    KArg::U64(fixed.splits),
-                    KArg::U64(fixed.start),
-                    pos.map_or(KArg::Null, KArg::In),
-                    KArg::U64(fixed.span),
-                    KArg::U64(fixed.window),
-                ]);
-                let name = if quantised {
-                    "attention_reduce_q8_f32"
-                } else {
-                    "attention_reduce_f32"
-                };
-                // SAFETY: block (h, i) reads the partial results of the splits holding keys of
-                // query i (those the pass above wrote, found by the same position rule) of head
-                // h inside the scratch, and writes output row i of head h (n_q * n_heads *
-                // head_dim checked); splits <= ATTENTION_MAX_SPLITS, the kernel's shared
-                // weights (attention_grid). The Q8 form also writes that row's head_dim / 32
-                // blocks of 40 bytes into the kept buffer (n_blocks of them fit, checked).
-                unsafe { self.launch("attention", name, reduce, &mut args) }?;
-                if quantised {
-                    let ready = Q8Ready {
-                        x: out.device_addr(),
-                        n_blocks,
-                    };
-                    *self
-                        .q8_ready
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(ready);
+                let (out_at, n_blocks) = (out.device_addr(), mul(mul(n_q, n_heads), head_dim / 32));
+                let quantised = q8_next
+                    && head_dim.is_multiple_of(32)
+                    && self.quantise_ahead(out_at, n_blocks, |xq| {
+                        let mut args = vec![
+                            KArg::In(&part.slice),
+                            KArg::Out(&mut out.slice),
+                            KArg::Out(xq),
+                        ];
+                        args.extend(tail());
+                        // SAFETY: as below, and each block also writes its output row's
+                        // head_dim / 32 blocks of 40 bytes into the kept buffer (n_blocks of
+                        // them fit, checked by quantise_ahead).
+                        unsafe {
+                            self.launch("attention", "attention_reduce_q8_f32", reduce, &mut args)
+                        }
+                    })?;
+                if !quantised {
+                    let mut args = vec![KArg::In(&part.slice), KArg::Out(&mut out.slice)];
+                    args.extend(tail());
+                    // SAFETY: block (h, i) reads the partial results of the splits holding keys
+                    // of query i (those the pass above wrote, found by the same position rule)
+                    // of head h inside the scratch, and writes output row i of head h (n_q *
+                    // n_heads * head_dim checked); splits <= ATTENTION_MAX_SPLITS, the kernel's
+                    // shared weights (attention_grid).
+                    unsafe { self.launch("attention", "attention_reduce_f32", reduce, &mut args) }?;
                 }
             }
         }
@@ -973,44 +957,25 @@ impl CudaBackend {
         h: &mut CudaBuffer,
         weight: &CudaBuffer,
     ) -> Result<bool> {
+        if !n_cols.is_multiple_of(32) {
+            return Ok(false);
+        }
         let n_blocks = mul(n_rows, n_cols / 32);
-        if !n_cols.is_multiple_of(32) || mul(n_blocks, Q8_BLOCK_BYTES) > Q8_KEPT_BYTES {
-            return Ok(false);
-        }
-        let mut kept = self
-            .q8_kept
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // made outside a graph's recording only, as q8_activations makes it
-        if kept.is_none() && !self.capturing()? {
-            // SAFETY: every use quantises into it before a product reads it.
-            *kept = Some(unsafe { self.scratch(Q8_KEPT_BYTES) }?);
-        }
-        let Some(xq) = kept.as_mut() else {
-            return Ok(false);
-        };
-        let ready = Q8Ready {
-            x: h.device_addr(),
-            n_blocks,
-        };
-        let mut args = [
-            KArg::Out(&mut x.slice),
-            KArg::Out(&mut h.slice),
-            KArg::In(&weight.slice),
-            KArg::Out(xq),
-            KArg::U64(n_cols as u64),
-            KArg::F32(eps),
-        ];
-        // SAFETY: one block per row below n_rows, n_cols values each of x and h (checked by the
-        // caller; each thread rewrites only the values it read, and reads the normed row after
-        // the block's barrier), and n_cols / 32 blocks of 40 bytes a row of the kept buffer
-        // (n_blocks of them fit, checked above).
-        unsafe { self.launch("ops", "add_rms_norm_q8_f32", per_row(n_rows)?, &mut args) }?;
-        *self
-            .q8_ready
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(ready);
-        Ok(true)
+        self.quantise_ahead(h.device_addr(), n_blocks, |xq| {
+            let mut args = [
+                KArg::Out(&mut x.slice),
+                KArg::Out(&mut h.slice),
+                KArg::In(&weight.slice),
+                KArg::Out(xq),
+                KArg::U64(n_cols as u64),
+                KArg::F32(eps),
+            ];
+            // SAFETY: one block per row below n_rows, n_cols values each of x and h (checked
+            // by the caller; each thread rewrites only the values it read, and reads the
+            // normed row after the block's barrier), and n_cols / 32 blocks of 40 bytes a row
+            // of the kept buffer (n_blocks of them fit, checked by quantise_ahead).
+            unsafe { self.launch("ops", "add_rms_norm_q8_f32", per_row(n_rows)?, &mut args) }
+        })
     }
 
     /// One launch of `attention_{format}` writing `dst` (the output, or the partial results of

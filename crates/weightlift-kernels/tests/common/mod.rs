@@ -189,6 +189,17 @@ pub fn float_weights(ty: QuantType, v: &[f32]) -> (Vec<u8>, Vec<f32>) {
     }
 }
 
+/// The bytes of `v` as weights of `ty`, rows of `cols` values: [`float_weights`]' for a float
+/// type, the crate's quantiser's blocks for the others.
+pub fn weight_bytes(ty: QuantType, v: &[f32], cols: usize) -> weightlift_kernels::Result<Vec<u8>> {
+    if ty.block_size() == 1 {
+        return Ok(float_weights(ty, v).0);
+    }
+    let mut raw = vec![0u8; v.len() / cols * weightlift_kernels::quantized_row_bytes(ty, cols)?];
+    weightlift_kernels::quantize_rows(ty, v, cols, &mut raw)?;
+    Ok(raw)
+}
+
 /// `bytes` in a new buffer of `b`.
 pub fn upload<B: weightlift_kernels::Backend>(
     b: &B,

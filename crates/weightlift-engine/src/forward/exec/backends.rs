@@ -142,6 +142,9 @@ fn carve_bytes<'a>(bytes: &'a mut [u8], ranges: &[(usize, usize)]) -> Result<Vec
 }
 
 impl Exec for CudaBackend {
+    /// `AddRmsNorm` and a split `Attention` quantise for the products after them.
+    const QUANTISES_AHEAD: bool = true;
+
     /// The Q8 types, and f16 and bf16: fast mode's prompts round their activations to the
     /// weights' type on tensor cores (cuBLAS), and their other products are exact.
     fn q8_supports(ty: QuantType) -> bool {

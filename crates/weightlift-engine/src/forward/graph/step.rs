@@ -16,9 +16,9 @@
 //! in between (`Graph::step_eligible`): one token of each sequence (one, or a batch of no more
 //! than the head's logit rows), the embedding, every layer and the head on that device, no
 //! onloaded weights, no mixture-of-experts layer (their routing goes through the host), caches
-//! held in place on that device, and fewer sequences than the fewest tokens from which one of its
-//! products would take scratch memory ([`batch_scratch_from`]). A batch is keyed by its caches in order, so a batch of other
-//! sequences (or another count) captures its own graph; the last [`KEPT`] graphs are kept, so
+//! held in place on that device, and fewer sequences than the fewest tokens from which one of
+//! its products would take scratch memory ([`batch_scratch_from`]). A batch is keyed by its
+//! caches in order, so a batch of other sequences (or another count) captures its own graph; the last [`KEPT`] graphs are kept, so
 //! a server's batches that come and go replay theirs when they come back.
 //! Tensor parallelism runs its own pass, without graphs. Everything else launches as before.
 //!
