@@ -16,9 +16,11 @@
 //!   Weight types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K. The types with
 //!   an offset (Q4_1's and Q5_1's `m`, Q4_K's and Q5_K's mins) add `m · d_x · Σq_x` per 32
 //!   values, from the activation block's quant sum ([`Q8Block::sum`]; llama.cpp's `block_q8_1`
-//!   carries `d · Σq` for this). Q2_K's mins are per 16 values: the matvec adds
+//!   carries `d · Σq` for this). Q2_K's mins are per 16 values: the matvec takes off
 //!   `(dmin · d_x) · (m_lo · Σq_lo + m_hi · Σq_hi)` per 32 values, the integer in parentheses
-//!   exact, from the sums of the block's two halves. Unlike llama.cpp, K-quants also use
+//!   exact, from the sums of the block's two halves, with one fused multiply-add into an
+//!   8-lane sum (a lane per 32-value group of the block, as one vector holds them) that the
+//!   lane tree of [`finish_lanes`] adds at the end. Unlike llama.cpp, K-quants also use
 //!   32-value activation blocks (llama.cpp uses 256-value `block_q8_K` with an f32 scale), so
 //!   results differ from
 //!   llama.cpp's in the last bits. In [`matvec`] every instruction set gives bit-identical
@@ -393,13 +395,14 @@ pub(super) fn dot_scalar_of<T: Copy>(a: &[f32], b: &[T], value: impl Fn(T) -> f3
 /// a fixed tree at the end. The scalar path does exactly these operations, so both paths give
 /// the same bits; min/offset terms go to a separate sequential scalar sum.
 pub(crate) fn finish_lanes(acc: &[f32; 8], extra: f32) -> f32 {
-    let s: [f32; 4] = [
-        acc[0] + acc[4],
-        acc[1] + acc[5],
-        acc[2] + acc[6],
-        acc[3] + acc[7],
-    ];
-    ((s[0] + s[2]) + (s[1] + s[3])) + extra
+    lane_tree(acc) + extra
+}
+
+/// The fixed tree that adds 8 lanes: `s_k = l_k + l_(k+4)`, then `(s_0 + s_2) + (s_1 + s_3)`.
+#[inline(always)]
+pub(crate) fn lane_tree(l: &[f32; 8]) -> f32 {
+    let s: [f32; 4] = std::array::from_fn(|k| l[k] + l[k + 4]);
+    (s[0] + s[2]) + (s[1] + s[3])
 }
 
 /// Lane sums of Σ w·x over 32 values: lane j = Σ_{i=4j}^{4j+3} w_i x_i.
@@ -480,6 +483,10 @@ fn row_tokens_q8_scalar<X: AsRef<[Q8Block]>>(ty: QuantType, row: &[u8], xs: &[X]
     let mut acc = [[0f32; 8]; BATCH_PASS_MAX];
     let mut extra = [0f32; BATCH_PASS_MAX];
     let (acc, extra) = (&mut acc[..n], &mut extra[..n]);
+    // Q2_K's min terms, a lane a group (the SIMD kernels' vector of them), added by
+    // `lane_tree` at the end
+    let mut mins_acc = [[0f32; 8]; BATCH_PASS_MAX];
+    let mins_acc = &mut mins_acc[..n];
     let fma_lanes = |dd: [f32; 8], l: [i32; 8], acc: &mut [f32; 8]| {
         for j in 0..8 {
             acc[j] = dd[j].mul_add(l[j] as f32, acc[j]);
@@ -537,20 +544,27 @@ fn row_tokens_q8_scalar<X: AsRef<[Q8Block]>>(ty: QuantType, row: &[u8], xs: &[X]
                     let s0 = d * f32::from(sc[2 * g]);
                     let s1 = d * f32::from(sc[2 * g + 1]);
                     let (m0, m1) = (i32::from(m[2 * g]), i32::from(m[2 * g + 1]));
-                    for ((a, e), x) in acc.iter_mut().zip(extra.iter_mut()).zip(xs) {
+                    for ((a, e), x) in acc.iter_mut().zip(mins_acc.iter_mut()).zip(xs) {
                         let xb = &x.as_ref()[8 * i + g];
                         let (s0, s1) = (s0 * xb.d, s1 * xb.d);
                         fma_lanes([s0, s0, s0, s0, s1, s1, s1, s1], lanes(&w, &xb.qs), a);
                         if ty == QuantType::Q2_K {
+                            // `e − (dmin · d_x) · mins` in one rounding (the integer is exact
+                            // in f32: at most 2 · 15 · 16 · 127)
                             let lo = half_sum(xb);
                             let mins = m0 * lo + m1 * (xb.sum - lo);
-                            *e -= (dmin * xb.d) * mins as f32;
+                            e[g] = (-(dmin * xb.d)).mul_add(mins as f32, e[g]);
                         }
                     }
                 }
             }
         }
         _ => {}
+    }
+    if ty == QuantType::Q2_K {
+        for (e, m) in extra.iter_mut().zip(mins_acc.iter()) {
+            *e = lane_tree(m);
+        }
     }
     for ((o, a), e) in out.iter_mut().zip(acc.iter()).zip(extra.iter()) {
         *o = finish_lanes(a, *e);

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::matvec::{Q8Block, finish_lanes, k16_d_at, k16_scale_bytes};
+use super::matvec::{Q8Block, finish_lanes, k16_d_at, k16_scale_bytes, lane_tree};
 use super::x86::imp::{
     load32, mul_sum_i8, nibbles32, q2k_group_at, q3k_group_at, q6k_group_at, quants5_i, quants5_u,
     quants5_u_avx512, rd_f16, rd_f16_pair, rd_u32, splat_f16,
@@ -154,6 +154,8 @@ pub(crate) fn k16_scales_x(ty: QuantType, blk: &[u8], xd: [__m256; 2]) -> [__m25
         // SAFETY: a Q2_K block starts with its 16 scale bytes.
         let v = unsafe { _mm_loadu_si128(blk[..16].as_ptr().cast()) };
         _mm_and_si128(v, _mm_set1_epi8(0x0f))
+    } else if ty == QuantType::Q3_K {
+        q3k_scales_x(blk)
     } else {
         let sc = k16_scale_bytes(ty, blk);
         // SAFETY: sc holds 16 bytes.
@@ -167,6 +169,32 @@ pub(crate) fn k16_scales_x(ty: QuantType, blk: &[u8], xd: [__m256; 2]) -> [__m25
         _mm256_mul_ps(_mm256_mul_ps(d, lo), xd[0]),
         _mm256_mul_ps(_mm256_mul_ps(d, hi), xd[1]),
     ]
+}
+
+/// A Q3_K block's 16 signed scales (`dequant_scalar::q3k_scales`'s words, a 32-bit lane
+/// each), decoded in registers: built byte by byte on the stack and loaded as one vector, they
+/// stalled each block's load on the stores before it.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn q3k_scales_x(blk: &[u8]) -> __m128i {
+    // the 12 scale bytes (96..108) from the 16 that end the block, moved to the bottom
+    // SAFETY: a Q3_K block is 110 bytes.
+    let v = _mm_srli_si128::<2>(unsafe { _mm_loadu_si128(blk[94..110].as_ptr().cast()) });
+    // lanes [a0, a1, a0, a1] and [a2; 4] of the scalar decode's words
+    let a = _mm_shuffle_epi32::<0b01_00_01_00>(v);
+    let top = _mm_shuffle_epi32::<0b10_10_10_10>(v);
+    let low4 = _mm_and_si128(
+        _mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 4, 4)),
+        _mm_set1_epi8(0x0f),
+    );
+    let top2 = _mm_and_si128(
+        _mm_srlv_epi32(top, _mm_setr_epi32(0, 2, 4, 6)),
+        _mm_set1_epi8(3),
+    );
+    _mm_sub_epi8(
+        _mm_or_si128(low4, _mm_slli_epi32::<4>(top2)),
+        _mm_set1_epi8(32),
+    )
 }
 
 /// A Q2_K block's mins as f32 lanes, group `g`'s in lane `g`: those of its first 16 values
@@ -314,6 +342,9 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                     } else {
                         _mm256_setzero_si256()
                     };
+                    // the row's lanes in a register for the block (through `*a` LLVM stored
+                    // them after every sub-block)
+                    let mut av = *a;
                     for c in 0..4 {
                         let v = load32(blk[$qs_at + 32 * c..].as_ptr());
                         let halves = [
@@ -325,10 +356,11 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                             let q = if $k5 { with_fifth_bits(q, qh, sb) } else { q };
                             let l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[sb]), ones);
                             let dd = _mm256_permutevar8x32_ps(dsx, lane[sb]);
-                            *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                            av = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), av);
                             *e -= mins[sb];
                         }
                     }
+                    *a = av;
                 }
             }
         }};
@@ -349,6 +381,9 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                     let blk = unsafe { block(row, i, bb) };
                     prefetch_block(blk);
                     let dsx = k16_scales_x($ty, blk, xd);
+                    // the row's lanes in a register for the block (through `*a` LLVM stored
+                    // them after every group)
+                    let mut av = *a;
                     for h in 0..2 {
                         for g in 0..4 {
                             let q = $group(blk, h, g);
@@ -358,17 +393,18 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                             let bv = unsafe { _mm256_loadu_si256(b.as_ptr().cast()) };
                             let l = _mm256_add_epi32(_mm256_madd_epi16(p, ones), bv);
                             let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
-                            *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
+                            av = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), av);
                         }
                     }
+                    *a = av;
                 }
             }
         }};
     }
     // Q2_K's loop: Q3_K's and Q6_K's with unsigned quants (`pmaddubsw` takes them as they
     // are) and a min per 16 values. A block's 8 groups' `(dmin · d_x) · (m_lo · Σq_lo +
-    // m_hi · Σq_hi)` come from one 8-lane product (the integer exact in f32), subtracted from
-    // the row's offset sum group by group: the scalar path's operations, in its order.
+    // m_hi · Σq_hi)` (the integer exact in f32) are taken off the row's 8-lane min sum, a
+    // lane a group, by one fused multiply-add: the scalar path's operations, lane by lane.
     macro_rules! k2_blocks {
         () => {{
             assert!(
@@ -376,6 +412,7 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                 "rows_dot_q8_avx2: half sums"
             );
             let lanes: [__m256i; 4] = std::array::from_fn(|g| k16_lanes(g));
+            let mut mins = [_mm256_setzero_ps(); R];
             for (i, xbs) in xq.chunks_exact(8).enumerate() {
                 let xd = k16_token_scales(xbs);
                 let xd8 = _mm256_setr_ps(
@@ -386,7 +423,7 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                     _mm256_cvtepi32_ps(_mm256_loadu_si256(h[8 * i..8 * i + 8].as_ptr().cast()))
                 });
                 let xv: [__m256i; 8] = std::array::from_fn(|g| load32(xbs[g].qs.as_ptr().cast()));
-                for ((a, e), row) in acc.iter_mut().zip(&mut extra).zip(rows) {
+                for ((a, e), row) in acc.iter_mut().zip(&mut mins).zip(rows) {
                     // SAFETY: the contract gives each row a block per 8 activation blocks.
                     let blk = unsafe { block(row, i, bb) };
                     prefetch_block(blk);
@@ -394,19 +431,26 @@ pub(crate) unsafe fn rows_dot_q8_avx2<const R: usize>(
                     let (m_lo, m_hi) = q2k_mins_x(blk);
                     let m = _mm256_fmadd_ps(m_hi, x_hi, _mm256_mul_ps(m_lo, x_lo));
                     let dmx = _mm256_mul_ps(_mm256_set1_ps(rd_f16(blk, 82)), xd8);
-                    let mut mins = [0f32; 8];
-                    // SAFETY: mins holds 8 f32.
-                    unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), _mm256_mul_ps(dmx, m)) };
+                    *e = _mm256_fnmadd_ps(dmx, m, *e);
+                    // the row's lanes in a register for the block (through `*a` LLVM stored
+                    // them after every group)
+                    let mut av = *a;
                     for h in 0..2 {
                         for g in 0..4 {
                             let q = q2k_group_at(blk, h, g);
                             let l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv[4 * h + g]), ones);
                             let dd = _mm256_permutevar8x32_ps(dsx[h], lanes[g]);
-                            *a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *a);
-                            *e -= mins[4 * h + g];
+                            av = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), av);
                         }
                     }
+                    *a = av;
                 }
+            }
+            for (e, m) in extra.iter_mut().zip(mins) {
+                let mut l = [0f32; 8];
+                // SAFETY: l holds 8 f32.
+                unsafe { _mm256_storeu_ps(l.as_mut_ptr(), m) };
+                *e = lane_tree(&l);
             }
         }};
     }

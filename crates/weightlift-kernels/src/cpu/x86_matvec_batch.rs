@@ -322,8 +322,10 @@ macro_rules! row_tokens_q8 {
                 }
                 // Q2_K: Q3_K's loop with unsigned quants and a min per 16 values, each token's
                 // `(dmin · d_x) · (m_lo · Σq_lo + m_hi · Σq_hi)` (the integer exact in f32)
-                // taken off its offset term group by group
+                // taken off its min sum of the group's lane by one fused multiply-add (tokens
+                // in lanes here: a vector a group), the lanes added by `lane_tree`'s tree
                 QuantType::Q2_K => {
+                    let mut mins_acc = [[_mm256_setzero_ps(); 2]; 8];
                     for i in 0..nb / 8 {
                         // SAFETY: the row holds nb / 8 blocks of 256 values.
                         let blk = unsafe { block(row, i, bb) };
@@ -341,7 +343,7 @@ macro_rules! row_tokens_q8 {
                                 let m0 = _mm256_set1_ps(f32::from(m[2 * gi]));
                                 let m1 = _mm256_set1_ps(f32::from(m[2 * gi + 1]));
                                 let ts = tab(8 * i + gi);
-                                for (half, e) in ext.iter_mut().enumerate().take(halves) {
+                                for (half, e) in mins_acc[gi].iter_mut().enumerate().take(halves) {
                                     let xd = lanes_of!(ts.d, half);
                                     let xs = lanes_of!(ts.s, half);
                                     let xl = lanes_of!(ts.lo, half);
@@ -350,10 +352,7 @@ macro_rules! row_tokens_q8 {
                                         _mm256_sub_ps(xs, xl),
                                         _mm256_mul_ps(m0, xl),
                                     );
-                                    *e = _mm256_sub_ps(
-                                        *e,
-                                        _mm256_mul_ps(_mm256_mul_ps(dmin, xd), mins),
-                                    );
+                                    *e = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, xd), mins, *e);
                                 }
                                 for (t, a) in acc.iter_mut().enumerate() {
                                     let l = $dot_u(q, xv(t, 8 * i + gi));
@@ -362,6 +361,11 @@ macro_rules! row_tokens_q8 {
                                 }
                             }
                         }
+                    }
+                    for (h, e) in ext.iter_mut().enumerate().take(halves) {
+                        let m = |g: usize| mins_acc[g][h];
+                        let s: [__m256; 4] = std::array::from_fn(|k| _mm256_add_ps(m(k), m(k + 4)));
+                        *e = _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[1], s[3]));
                     }
                 }
                 QuantType::Q3_K => k16!(q3k_group_at, 4),
