@@ -270,6 +270,30 @@ fn same_with_the_hint<const N: usize>(what: &str, parts: &[&str; N], got: &[[Vec
     }
 }
 
+/// The Q8-mode products of the `n_tok` rows `x` with the Q4_K matrix `w` (`rows × cols`), as
+/// the hint tests below take them.
+fn q8_q4k_products<B: Backend>(
+    b: &B,
+    w: &B::Buffer,
+    x: &B::Buffer,
+    (rows, cols, n_tok): (usize, usize, usize),
+) -> Result<Vec<f32>> {
+    let mut y = b.alloc(n_tok * rows * 4)?;
+    b.run(Op::Matmul {
+        ty: QuantType::Q4_K,
+        mode: MatvecMode::Q8,
+        act: FloatType::F32,
+        rows,
+        cols,
+        n_tok,
+        max_dq_size: 1 << 20,
+        w,
+        x,
+        y: &mut y,
+    })?;
+    download_f32(b, &y, n_tok * rows)
+}
+
 /// A residual add and norm that quantises its output for the next op (`q8_next`: decode's
 /// q, k and v, or gate and up) changes no bits: the residual, the normed rows and the next
 /// op's Q8 products of them are what a plain add and norm give. An op in between (here one
@@ -318,24 +342,8 @@ fn a_norm_quantising_for_the_next_product_changes_no_bits<B: Backend>(b: &B) -> 
                     }
                     _ => {}
                 }
-                let mut y = b.alloc(n_rows * rows * 4)?;
-                b.run(Op::Matmul {
-                    ty: QuantType::Q4_K,
-                    mode: MatvecMode::Q8,
-                    act: FloatType::F32,
-                    rows,
-                    cols,
-                    n_tok: n_rows,
-                    max_dq_size: 1 << 20,
-                    w: &wm,
-                    x: &h,
-                    y: &mut y,
-                })?;
-                got.push([
-                    download_f32(b, &x, n)?,
-                    download_f32(b, &h, n)?,
-                    download_f32(b, &y, n_rows * rows)?,
-                ]);
+                let y = q8_q4k_products(b, &wm, &h, (rows, cols, n_rows))?;
+                got.push([download_f32(b, &x, n)?, download_f32(b, &h, n)?, y]);
             }
             let what = format!("{} {n_rows} rows, case {between}", b.name());
             assert!(got[0][2].iter().any(|v| *v != 0.0), "{what}: no products");
@@ -401,20 +409,8 @@ fn attention_quantising_for_the_output_projection_changes_no_bits<B: Backend>(b:
                     x: &mut out,
                 })?;
             }
-            let mut y = b.alloc(rows * 4)?;
-            b.run(Op::Matmul {
-                ty: QuantType::Q4_K,
-                mode: MatvecMode::Q8,
-                act: FloatType::F32,
-                rows,
-                cols,
-                n_tok: 1,
-                max_dq_size: 1 << 20,
-                w: &wm,
-                x: &out,
-                y: &mut y,
-            })?;
-            got.push([download_f32(b, &out, cols)?, download_f32(b, &y, rows)?]);
+            let y = q8_q4k_products(b, &wm, &out, (rows, cols, 1))?;
+            got.push([download_f32(b, &out, cols)?, y]);
         }
         let what = format!("{}, an op in between: {between}", b.name());
         assert!(got[0][1].iter().any(|v| *v != 0.0), "{what}: no products");

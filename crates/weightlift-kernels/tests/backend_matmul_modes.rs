@@ -9,7 +9,9 @@
 
 mod common;
 
-use common::{Rng, download_f32, float_weights, group_offset, load, upload, weight_bytes};
+use common::{
+    Rng, download_f32, float_weights, group_offset, load, shared_and_alone, upload, weight_bytes,
+};
 use weightlift_kernels::cpu::matvec::{matvec_with, quantize_q8_blocks};
 use weightlift_kernels::sources::{CUBLAS_MIN_TOKENS, DQ_PATH_MIN_TOKENS};
 use weightlift_kernels::*;
@@ -764,43 +766,9 @@ fn decode_q_k_v_in_one_op_keep_each_members_bits<B: Backend>(b: &B) -> Result<()
         }
         let (xbytes, _) = activations(&rng.vec(n_tok * cols, 1.0), act);
         let x = upload(b, &xbytes)?;
-        let mut ys = rows
-            .iter()
-            .map(|r| b.alloc(r * n_tok * 4))
-            .collect::<Result<Vec<_>>>()?;
-        let products = ws
-            .iter()
-            .zip(ys.iter_mut())
-            .zip(rows)
-            .map(|((w, y), rows)| Product { ty, rows, w, y })
-            .collect();
-        b.run(Op::MatmulShared {
-            mode,
-            act,
-            cols,
-            n_tok,
-            max_dq_size: 1 << 20,
-            x: &x,
-            products,
-        })?;
-        for (m, ((w, y), rows)) in ws.iter().zip(&ys).zip(rows).enumerate() {
-            let mut alone = b.alloc(rows * n_tok * 4)?;
-            b.run(Op::Matmul {
-                ty,
-                mode,
-                act,
-                rows,
-                cols,
-                n_tok,
-                max_dq_size: 1 << 20,
-                w,
-                x: &x,
-                y: &mut alone,
-            })?;
-            let (shared, alone) = (
-                download_f32(b, y, rows * n_tok)?,
-                download_f32(b, &alone, rows * n_tok)?,
-            );
+        let members: Vec<_> = ws.iter().zip(rows).map(|(w, rows)| (ty, rows, w)).collect();
+        let outs = shared_and_alone(b, (mode, act), (cols, n_tok, 1 << 20), &x, &members)?;
+        for (m, ((shared, alone), rows)) in outs.iter().zip(rows).enumerate() {
             let what = format!(
                 "{} {ty} {mode:?} {act:?} {cols} cols, {n_tok} tokens",
                 b.name()

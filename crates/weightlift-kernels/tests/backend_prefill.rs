@@ -25,7 +25,9 @@
 
 mod common;
 
-use common::{Rng, download_f32, float_weights, load, q8_bound, upload, weight_bytes};
+use common::{
+    Rng, download_f32, float_weights, load, q8_bound, shared_and_alone, upload, weight_bytes,
+};
 use weightlift_kernels::sources::CUBLAS_MIN_TOKENS;
 use weightlift_kernels::*;
 
@@ -240,39 +242,16 @@ fn shared_prompt_products_are_each_members_own<B: Backend>(b: &B) -> Result<()> 
             let x = rng.vec(n_tok * cols, 1.0);
             let xb = upload(b, bytemuck::cast_slice(&x))?;
             for max_dq_size in [cols * 5, 1 << 20] {
-                let mut ys = these
-                    .iter()
-                    .map(|(_, rows, _)| b.alloc(rows * n_tok * 4))
-                    .collect::<Result<Vec<_>>>()?;
-                let products = these
-                    .iter()
-                    .zip(ys.iter_mut())
-                    .map(|((ty, rows, w), y)| Product {
-                        ty: *ty,
-                        rows: *rows,
-                        w,
-                        y,
-                    })
-                    .collect();
-                b.run(Op::MatmulShared {
-                    mode,
-                    act: FloatType::F32,
-                    cols,
-                    n_tok,
-                    max_dq_size,
-                    x: &xb,
-                    products,
-                })?;
-                for ((ty, rows, w), y) in these.iter().zip(&ys) {
-                    let shape = (*rows, cols, n_tok);
-                    let alone = run(b, *ty, mode, shape, max_dq_size, w, &x)?;
-                    let shared = download_f32(b, y, rows * n_tok)?;
+                let members: Vec<_> = these.iter().map(|(ty, rows, w)| (*ty, *rows, w)).collect();
+                let shape = (cols, n_tok, max_dq_size);
+                let outs = shared_and_alone(b, (mode, FloatType::F32), shape, &xb, &members)?;
+                for ((shared, alone), (ty, ..)) in outs.iter().zip(&these) {
                     let what = format!(
                         "{} {mode:?} {ty} {n_tok} tokens, max_dq_size {max_dq_size}",
                         b.name()
                     );
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&shared), bits(&alone), "{what}: shared vs alone");
+                    assert_eq!(bits(shared), bits(alone), "{what}: shared vs alone");
                 }
             }
         }

@@ -232,6 +232,67 @@ pub fn download_f32<B: weightlift_kernels::Backend>(
         .collect())
 }
 
+/// One member of a shared product for [`shared_and_alone`]: its weight type, row count and
+/// weights.
+pub type Member<'a, B> = (
+    QuantType,
+    usize,
+    &'a <B as weightlift_kernels::Backend>::Buffer,
+);
+
+/// Runs `members` as one [`Op::MatmulShared`](weightlift_kernels::Op::MatmulShared) of the
+/// `n_tok` tokens `x` (activations of `act`, `cols` values a token), then each as its own
+/// [`Op::Matmul`](weightlift_kernels::Op::Matmul), and returns each member's two outputs,
+/// `(shared, alone)`.
+pub fn shared_and_alone<B: weightlift_kernels::Backend>(
+    b: &B,
+    (mode, act): (weightlift_kernels::MatvecMode, FloatType),
+    (cols, n_tok, max_dq_size): (usize, usize, usize),
+    x: &B::Buffer,
+    members: &[Member<'_, B>],
+) -> weightlift_kernels::Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    use weightlift_kernels::{Op, Product};
+    let mut ys = members
+        .iter()
+        .map(|(_, rows, _)| b.alloc(rows * n_tok * 4))
+        .collect::<weightlift_kernels::Result<Vec<_>>>()?;
+    let products = members
+        .iter()
+        .zip(ys.iter_mut())
+        .map(|(&(ty, rows, w), y)| Product { ty, rows, w, y })
+        .collect();
+    b.run(Op::MatmulShared {
+        mode,
+        act,
+        cols,
+        n_tok,
+        max_dq_size,
+        x,
+        products,
+    })?;
+    let mut out = Vec::with_capacity(members.len());
+    for (&(ty, rows, w), y) in members.iter().zip(&ys) {
+        let mut alone = b.alloc(rows * n_tok * 4)?;
+        b.run(Op::Matmul {
+            ty,
+            mode,
+            act,
+            rows,
+            cols,
+            n_tok,
+            max_dq_size,
+            w,
+            x,
+            y: &mut alone,
+        })?;
+        out.push((
+            download_f32(b, y, rows * n_tok)?,
+            download_f32(b, &alone, rows * n_tok)?,
+        ));
+    }
+    Ok(out)
+}
+
 /// `x` as little-endian bytes of `ft` (f16 and bf16 round to nearest even): a checkpoint's float
 /// rows as the quantisers read them.
 pub fn float_bytes(ft: FloatType, x: &[f32]) -> Vec<u8> {
