@@ -724,11 +724,33 @@ fn batch_pass(isa: Isa, vnni: Option<Vnni>) -> usize {
     }
 }
 
+/// The fewest tokens from which [`q8_matmul_batch`] runs the batched row kernels for `ty`
+/// rather than one matvec a token. Both give each token the same bits, so this is speed only.
+/// The 256-bit batched kernels without VNNI carry work a block for their token layout (each
+/// token's scales read, the block's scale products formed for every token) that the matvec's
+/// kernel, four rows against one token, does not; for the K-quants, at two tokens (to four
+/// for Q2_K) it outweighs the weight decoding the batch shares. Measured on 2 cores of an
+/// AMD EPYC with AVX2 (`decode_q*_k_2048x2048_x{n}` against `..._matvec_x{n}`, 1 and 2
+/// threads), the batched form's time over the matvecs': at 2 tokens 1.3-1.8x (Q2_K),
+/// 1.0-1.6x (Q3_K) and 1.3-1.8x (Q4_K); for Q2_K 1.3-1.5x at 3 and 1.0-1.2x at 4; below 1x
+/// from there; Q5_K and Q6_K even at 2 tokens.
+fn batch_min_tokens(isa: Isa, vnni: Option<Vnni>, ty: QuantType) -> usize {
+    if vnni.is_some() || !isa.has_avx2() {
+        return 2;
+    }
+    match ty {
+        QuantType::Q2_K => 5,
+        QuantType::Q3_K | QuantType::Q4_K => 3,
+        _ => 2,
+    }
+}
+
 /// The Q8-mode matmul of a few tokens ([`Q8_BATCH_MAX_TOKENS`] at most): the tokens are
 /// quantised once, each weight row is decoded once per pass of up to [`batch_pass`] tokens
 /// and met with every token of the pass in registers ([`row_tokens_q8`]), so each token's
-/// result has the bits of [`matvec`] of that token alone. Every matrix of `parts` (all of `ty`,
-/// `cols` columns) multiplies the same tokens, their row tasks in one parallel loop.
+/// result has the bits of [`matvec`] of that token alone (below [`batch_min_tokens`], one
+/// matvec a token). Every matrix of `parts` (all of `ty`, `cols` columns) multiplies the same
+/// tokens, their row tasks in one parallel loop.
 fn q8_matmul_batch(
     (isa, vnni, ty): (Isa, Option<Vnni>, QuantType),
     parts: &mut [SharedInput<'_>],
@@ -736,6 +758,10 @@ fn q8_matmul_batch(
     x: &[f32],
     n_tok: usize,
 ) {
+    if n_tok < batch_min_tokens(isa, vnni, ty) {
+        q8_matvecs_by_token((isa, vnni, ty), parts, cols, x);
+        return;
+    }
     let per_tok = cols / 32;
     // balanced passes: 12 tokens at 8 per pass go as 6 + 6
     let n_passes = n_tok.div_ceil(batch_pass(isa, vnni));
@@ -1041,7 +1067,9 @@ pub fn matvec_f16(
 /// loaded once per 32 tokens; each output sums its products in f32, in order within a chunk.
 ///
 /// In [`MatvecMode::Q8`] one token takes [`matvec`]; 2 to 16 tokens decode each weight row
-/// once per pass of up to 16 tokens and give each token the bits of its own [`matvec`]; from
+/// once per pass of up to 16 tokens and give each token the bits of its own [`matvec`] (a
+/// K-quant's fewest tokens on AVX2 without VNNI take one matvec a token: see
+/// `batch_min_tokens`); from
 /// 17 tokens the tokens are quantised and laid out once, each task decodes 16 weight rows once
 /// into a panel of unsigned 8-bit quants and per-row scales, and meets it with up to 12 tokens
 /// at a time in integer registers (see the module documentation).
@@ -1181,6 +1209,34 @@ fn q8_matvecs_together<'a>(
             let row = |r: usize| &w[r * row_bytes..(r + 1) * row_bytes];
             q8_matvec_task(cfg, row, act, r0, ys);
         });
+}
+
+/// [`q8_matmul_batch`]'s tokens as one matvec a token: each token quantised once, the
+/// matvec's row tasks of every matrix and token in one parallel loop.
+fn q8_matvecs_by_token(
+    cfg: (Isa, Option<Vnni>, QuantType),
+    parts: &mut [SharedInput<'_>],
+    cols: usize,
+    x: &[f32],
+) {
+    let (isa, vnni, ty) = cfg;
+    let acts: Vec<Q8Activations> = x
+        .chunks_exact(cols)
+        .map(|xt| {
+            let mut act = Q8Activations::default();
+            act.fill(isa, xt, matvec_offset(vnni, ty));
+            act
+        })
+        .collect();
+    let acts = &acts;
+    let mats = parts.iter_mut().flat_map(|p| {
+        let (w, rows) = (p.w, p.rows);
+        // y is token-major: token t's rows at t · rows
+        p.y.chunks_exact_mut(rows)
+            .zip(acts)
+            .map(move |(y, act)| (w, rows, y, act))
+    });
+    q8_matvecs_together(cfg, mats);
 }
 
 /// A task of [`q8_matvecs_together`]: weights, row bytes, first row, outputs, the quantised
