@@ -703,6 +703,51 @@ def test_n_choices_run_in_slots_of_their_own(demo_gguf: Path, tmp_path: Path):
         assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
 
 
+def test_best_of_answers_the_candidates_with_the_best_log_probability_per_token(
+    demo_gguf: Path, tmp_path: Path
+):
+    # OpenAI's best_of: best_of candidates a prompt, seeded as n's choices are (seed + i), the
+    # n with the highest mean log-probability a generated token returned, best first; every
+    # candidate counted in the usage. (serving computes exactly, so each candidate is its
+    # request alone whatever prefix the slots reuse.)
+    args = ("--ctx", "256", "--parallel", "3", "--queue", "2")
+    with serving(demo_gguf, tmp_path, *args) as s:
+        client = s.client()
+        body = {
+            "model": demo_gguf.name,
+            "prompt": "Once upon a time",
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "logit_bias": NO_EOS,
+        }
+        alone = [client.completions.create(**body, seed=seed, logprobs=0) for seed in (7, 8, 9)]
+        scores = [a.choices[0].logprobs.token_logprobs for a in alone]  # type: ignore[union-attr]
+        means = [sum(v) / len(v) for v in scores]  # type: ignore[arg-type]
+        order = sorted(range(3), key=lambda i: -means[i])
+        assert len(set(means)) == 3 and order != [0, 1, 2]  # the pick is not the first run's
+        best = client.completions.create(**body, seed=7, best_of=3)
+        assert [c.text for c in best.choices] == [alone[order[0]].choices[0].text]
+        assert best.choices[0].logprobs is None  # not asked for
+        assert best.usage is not None and all(a.usage is not None for a in alone)
+        assert best.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)  # type: ignore[union-attr]
+        assert best.usage.prompt_tokens == alone[0].usage.prompt_tokens  # type: ignore[union-attr]
+        two = client.completions.create(**body, seed=7, best_of=3, n=2, logprobs=1)
+        assert [c.index for c in two.choices] == [0, 1]
+        assert [c.text for c in two.choices] == [alone[i].choices[0].text for i in order[:2]]
+        kept = [c.logprobs.token_logprobs for c in two.choices]  # type: ignore[union-attr]
+        assert kept == [scores[i] for i in order[:2]]
+        for extra, words in [
+            ({"best_of": 2, "n": 3}, "must be at least n"),
+            ({"best_of": 2, "stream": True}, "cannot be streamed"),
+            ({"best_of": 9}, "at most 5 generations"),
+        ]:
+            r = s.post("/v1/completions", json={**body, **extra})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "best_of", error
+            assert words in error["message"], error
+        assert s.health() == {"status": "ok", "running": 0, "waiting": 0}
+
+
 def test_an_api_key_guards_every_endpoint_but_health(demo_gguf: Path, tmp_path: Path):
     # the key from the environment, as a deployment passes it (not on the command line)
     key = {"WEIGHTLIFT_API_KEY": "sesame"}

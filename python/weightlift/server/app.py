@@ -200,7 +200,8 @@ class Server:
         """Run ``model.<method>(**body.kwargs())`` in a slot of the batch: ``n`` times for ``n``
         choices, for each prompt of a batch of prompts (choice ``p · n + i`` is prompt ``p``'s
         ``i``-th), each generation in a slot of its own, those beyond the free slots waiting in
-        line; JSON, or SSE when streaming."""
+        line; JSON, or SSE when streaming. A completion's ``best_of`` above 1 runs that many
+        candidates a prompt and answers with the ``n`` best (see ``_best``)."""
         self._check_model(body.model)
         try:
             kwargs = body.kwargs()  # type: ignore[attr-defined]
@@ -209,15 +210,18 @@ class Server:
         fields = set(type(body).model_fields)
         prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
         n = body.n
-        total = len(prompts) * n
+        # candidates a prompt: best_of's (a completion's) where it asks for more than n
+        runs = _candidates(body, kwargs)
+        total = len(prompts) * runs
         most = self.slots.parallel + self.slots.queue
         if total > most:
-            what = "n" if len(prompts) == 1 else "prompt"
+            each = "n" if runs == n else "best_of"
+            what = each if len(prompts) == 1 else "prompt"
             raise APIError(
                 400,
                 f"{what}: at most {most} generations a request (--parallel "
                 f"{self.slots.parallel} at once, --queue {self.slots.queue} waiting), got "
-                f"{len(prompts)} prompt(s) × n {n}",
+                f"{len(prompts)} prompt(s) × {each} {runs}",
                 param=what,
             )
         admitted = 0
@@ -248,7 +252,7 @@ class Server:
         try:
             for prompt in prompts:
                 own = {} if prompt is None else {"prompt": prompt}
-                for i in range(n):
+                for i in range(runs):
                     seed = _choice_seed(kwargs.get("seed"), i)
                     choice = {**kwargs, **own, "model": self.alias, **seed}
                     jobs.append(self.scheduler.submit(method, choice))
@@ -271,6 +275,9 @@ class Server:
                     if kind == "error":
                         raise from_engine(value, fields, roles) from value
                     whole.append((value, t))
+                if runs > n:
+                    asked = isinstance(body, CompletionRequest) and body.logprobs is not None
+                    return JSONResponse(_merged(whole, runs, _best(whole, runs, n, asked)))
                 return JSONResponse(_merged(whole, n))
             handed_over = True
             usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
@@ -359,6 +366,61 @@ def _choice_seed(seed: int | None, i: int) -> dict[str, int]:
     return {"seed": (seed + i) % 2**64}
 
 
+def _candidates(body: _Sampling, kwargs: dict[str, Any]) -> int:
+    """The generations a prompt of ``body`` runs: ``n``, or a completion's ``best_of`` when
+    it is larger (OpenAI's rules: at least ``n``, not streamed). The candidates are ranked by
+    their tokens' log-probabilities, so ``kwargs`` then asks for them (``logprobs`` 0 where the
+    request did not; ``_best`` takes them out again)."""
+    best_of = body.best_of if isinstance(body, CompletionRequest) else None
+    if best_of is None or best_of <= 1:
+        return body.n
+    if best_of < body.n:
+        raise APIError(
+            400,
+            f"best_of: the candidates to choose n={body.n} choices from must be at least n, "
+            f"got {best_of}",
+            param="best_of",
+        )
+    if body.stream:
+        raise APIError(
+            400,
+            f"best_of: {best_of} candidates are chosen from once they have all ended, so they "
+            "cannot be streamed; leave out stream or best_of",
+            param="best_of",
+        )
+    if kwargs.get("logprobs") is None:
+        kwargs["logprobs"] = 0
+    return best_of
+
+
+def _best(
+    whole: list[tuple[dict[str, Any], Any]], runs: int, n: int, keep_logprobs: bool
+) -> list[tuple[dict[str, Any], Any]]:
+    """The ``n`` best of each prompt's ``runs`` candidates (``whole`` prompt by prompt), best
+    first: OpenAI's ``best_of`` rule, the highest log-probability per generated token (the
+    mean of the last ``completion_tokens`` of ``token_logprobs``, so an echoed prompt's
+    scores do not count; a candidate without tokens scores 0). Ties keep the candidates'
+    order. Their ``logprobs`` go unless the request asked for them."""
+
+    def score(value: dict[str, Any]) -> float:
+        done = value["usage"]["completion_tokens"]
+        scores = value["choices"][0]["logprobs"]["token_logprobs"]
+        own = scores[len(scores) - done :] if done else []
+        return sum(own) / len(own) if own else 0.0
+
+    picked = []
+    for p in range(0, len(whole), runs):
+        group = whole[p : p + runs]
+        ranked = sorted(range(runs), key=lambda i: -score(group[i][0]))
+        for i in ranked[:n]:
+            value, t = group[i]
+            if not keep_logprobs:
+                for c in value["choices"]:
+                    c["logprobs"] = None
+            picked.append((value, t))
+    return picked
+
+
 def _total_usage(usages: dict[int, dict[str, int]], n: int) -> dict[str, int]:
     """The usage of a request's choices, by index (``n`` a prompt): each prompt once, every
     choice's completion."""
@@ -372,18 +434,23 @@ def _total_usage(usages: dict[int, dict[str, int]], n: int) -> dict[str, int]:
     }
 
 
-def _merged(whole: list[tuple[dict[str, Any], Any]], n: int) -> dict[str, Any]:
-    """One response of a request's choices (the whole result of each, with its timings, ``n``
-    a prompt): the first's, with every choice at its index and their usage; the last choice's
-    timings."""
-    first = whole[0][0]
+def _merged(
+    whole: list[tuple[dict[str, Any], Any]],
+    n: int,
+    shown: list[tuple[dict[str, Any], Any]] | None = None,
+) -> dict[str, Any]:
+    """One response of a request's generations (the whole result of each, with its timings,
+    ``n`` a prompt): the first's, with the choices of ``shown`` (by default all of them) each
+    at its index, the usage of all (best_of's candidates are all counted, as OpenAI counts
+    them), and the last one's timings."""
+    shown = whole if shown is None else shown
     choices = []
-    for i, (value, _) in enumerate(whole):
+    for i, (value, _) in enumerate(shown):
         for c in value["choices"]:
             c["index"] = i
             choices.append(c)
     usage = _total_usage({i: value["usage"] for i, (value, _) in enumerate(whole)}, n)
-    return {**first, "choices": choices, "usage": usage, "timings": timings(whole[-1][1])}
+    return {**whole[0][0], "choices": choices, "usage": usage, "timings": timings(whole[-1][1])}
 
 
 # What a client may reach without the API key: the liveness check (as llama.cpp's server

@@ -88,7 +88,8 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
-    best_of: int | None = Field(1, ge=1, le=1)
+    # candidates a prompt, the n best returned (see the app's generate)
+    best_of: int | None = Field(1, ge=1)
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: its one, or each of its list (none is one empty prompt)."""
