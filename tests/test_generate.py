@@ -198,6 +198,40 @@ def check_shape_like_llamacpp(ours: dict, theirs: dict) -> None:
         assert top is None or all(type(k) is str and type(v) is float for k, v in top.items())
 
 
+def test_min_tokens_hold_back_the_end_and_the_stop_strings(model: wl.Model) -> None:
+    # vLLM's min_tokens (transformers' min_new_tokens): the end-of-generation token waits until
+    # that many tokens, and stop strings are looked for from the last of them on. Greedy, so
+    # up to where the end or a stop string came, the text is the one without min_tokens. (Each
+    # compared call reuses the same prompt prefix from the cache, so each has the same bits.)
+    chat = [{"role": "user", "content": "Say hi"}]
+    model.create_chat_completion(chat, max_tokens=96, temperature=0)
+    plain = model.create_chat_completion(chat, max_tokens=96, temperature=0)
+    n = plain["usage"]["completion_tokens"]
+    assert plain["choices"][0]["finish_reason"] == "stop" and n <= 80  # it ends by itself
+    longer = model.create_chat_completion(chat, max_tokens=96, temperature=0, min_tokens=n + 10)
+    assert longer["usage"]["completion_tokens"] >= n + 10
+    said = plain["choices"][0]["message"]["content"]
+    assert longer["choices"][0]["message"]["content"].startswith(said)
+    assert len(longer["choices"][0]["message"]["content"]) > len(said)
+
+    prompt = "One, two, three,"
+    model.create_completion(prompt, max_tokens=16, temperature=0)
+    free = model.create_completion(prompt, max_tokens=16, temperature=0, logprobs=0)
+    pieces = free["choices"][0]["logprobs"]["tokens"]
+    head, tail = "".join(pieces[:5]), "".join(pieces[5:])
+    assert "," in head and "," in tail  # a stop string before the sixth token, and one from it
+    want = head + tail[: tail.index(",")]
+    cut = model.create_completion(prompt, max_tokens=16, temperature=0, stop=",", min_tokens=6)
+    assert cut["choices"][0]["text"] == want
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    early = model.create_completion(prompt, max_tokens=16, temperature=0, stop=",")
+    assert early["choices"][0]["text"] == head[: head.index(",")]
+    # transformers' word says the same
+    assert model.generate(prompt, max_new_tokens=16, stop=",", min_new_tokens=6) == want
+    with pytest.raises(ValueError, match="min_tokens: expected at most the budget of 8 new"):
+        model.create_completion(prompt, max_tokens=8, min_tokens=9)
+
+
 def test_completion_logprobs_are_the_log_softmax_of_the_logits(model: wl.Model) -> None:
     prompt = LOGPROBS["prompt"]
     ids = model.tokenize(prompt)

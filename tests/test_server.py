@@ -206,6 +206,23 @@ def test_openais_max_completion_tokens_and_include_usage(server: Server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_min_tokens_hold_back_the_end_of_a_reply(server: Server):
+    # vLLM's field, through the openai client's extra_body
+    client = server.client()
+    chat = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+    plain = client.chat.completions.create(**chat)  # type: ignore[call-overload]
+    assert plain.usage is not None and plain.choices[0].finish_reason == "stop"
+    n = plain.usage.completion_tokens
+    assert n <= 80
+    longer = client.chat.completions.create(**chat, extra_body={"min_tokens": n + 10})  # type: ignore[call-overload]
+    assert longer.usage is not None and longer.usage.completion_tokens >= n + 10
+
+
 def test_models_and_health(server: Server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["demo"]
@@ -232,6 +249,20 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
         "do not fit the cache",
     ),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 8, "min_tokens": 9},
+        400,
+        "min_tokens",
+        "at most the budget of 8 new tokens, got 9",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [], "min_tokens": -1},
+        400,
+        "min_tokens",
+        "than or equal to 0",
+    ),
     # a field of several kinds is named as itself, with what it takes
     ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "expected str or list[str], got"),
     ("/v1/completions", {"prompt": [1.5]}, 400, "prompt.0", "valid integer"),

@@ -245,6 +245,8 @@ class Model(_native.Model):
         add_bos: bool | None = None,
         do_sample: bool | None = None,
         max_length: int | None = None,
+        min_new_tokens: int | None = None,
+        min_length: int | None = None,
         repetition_penalty: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
@@ -264,6 +266,9 @@ class Model(_native.Model):
         with transformers' defaults for what is not given (temperature 1, top-k 50, top-p 1, no
         min-p); ``max_length`` counts the prompt (``max_new_tokens`` wins when both are given; with
         neither, 32 new tokens; ``max_new_tokens <= 0`` runs until the cache is full);
+        ``min_new_tokens`` (or ``min_length``, counting the prompt) holds the end-of-generation
+        tokens back until that many new tokens, and stop strings with them (as
+        ``create_completion``'s ``min_tokens``);
         ``repetition_penalty`` is ``repeat_penalty`` (over the last 64 tokens, as llama.cpp);
         ``eos_token_id`` (an id or a list) replaces the tokenizer's end-of-generation tokens;
         ``pad_token_id`` is accepted and unused (one sequence needs no padding);
@@ -301,6 +306,7 @@ class Model(_native.Model):
         logits_processor: Any = None,
         grammar: str | LlamaGrammar | None = None,
         logit_bias: Any = None,
+        min_tokens: int = 0,
         batch: Batch | None = None,
     ) -> dict[str, Any] | CompletionStream | int:
         """llama-cpp-python's ``Llama.create_completion``: the same arguments and defaults, and an
@@ -321,9 +327,13 @@ class Model(_native.Model):
         ``stopping_criteria`` (``(input_ids, logits) -> bool``) are called with the GIL on every
         token, as llama-cpp-python calls them; they cannot call this model. ``logit_bias``
         (``{token_id: bias}``) is added to those tokens' logits before sampling; log-probabilities
-        stay the model's own. With ``batch`` (a ``Batch`` of this model) the completion starts in
-        one of the batch's slots and its id is returned; ``Batch.step()`` runs it with the others
-        and hands over its chunks, or with ``stream=False`` the dict.
+        stay the model's own. ``min_tokens`` (vLLM's, beyond llama-cpp-python's arguments) holds
+        the end-of-generation tokens back until that many tokens are generated, unless nothing else
+        may come (a grammar that must end), and looks for ``stop`` strings from the text of the
+        last of them on, as vLLM does; at most ``max_tokens`` where that is above 0. With
+        ``batch`` (a ``Batch`` of this model) the completion starts in one of the batch's slots
+        and its id is returned; ``Batch.step()`` runs it with the others and hands over its
+        chunks, or with ``stream=False`` the dict.
         """
         return self._create_completion(locals())
 
@@ -364,6 +374,7 @@ class Model(_native.Model):
         logit_bias: Any = None,
         logprobs: bool | None = None,
         top_logprobs: int | None = None,
+        min_tokens: int = 0,
         batch: Batch | None = None,
     ) -> dict[str, Any] | CompletionStream | int:
         """llama-cpp-python's ``Llama.create_chat_completion``: ``messages`` (dicts with ``role``
@@ -382,7 +393,7 @@ class Model(_native.Model):
         legacy ``functions`` and ``function_call``) go to the chat template; a ``tool_choice``
         naming one tool returns a tool call (``message.tool_calls``, ``finish_reason``
         ``"tool_calls"``) whose arguments are kept inside the tool's ``parameters`` schema.
-        ``tfs_z`` other than 1 raises ``UnsupportedError``; ``batch`` is as in
+        ``tfs_z`` other than 1 raises ``UnsupportedError``; ``min_tokens`` and ``batch`` are as in
         ``create_completion``.
         """
         return self._create_chat_completion(locals())

@@ -66,6 +66,11 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// Whether an end-of-generation token ends the generation.
     pub stop_at_eog: bool,
+    /// Tokens to generate before the generation may end by an end-of-generation token or a
+    /// stop string (vLLM's `min_tokens`, transformers' `min_new_tokens`): until then those
+    /// tokens are held back from sampling, unless nothing else may come (a grammar that must
+    /// end there), and stop strings are looked for from the text of the last of them on.
+    pub min_tokens: u64,
     /// The end-of-generation tokens, in place of the tokenizer's (transformers'
     /// `eos_token_id`); `None` keeps the tokenizer's.
     pub eog_tokens: Option<Vec<u32>>,
@@ -129,6 +134,7 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             stop_at_eog: true,
+            min_tokens: 0,
             eog_tokens: None,
             logprobs: None,
             prompt_logprobs: false,
@@ -264,6 +270,9 @@ pub struct Generation {
     decoder: StreamDecoder,
     stop_at_eog: bool,
     eog_tokens: Option<Vec<u32>>,
+    /// [`GenerateOptions::min_tokens`], and the end-of-generation ids it holds back (sorted).
+    min_tokens: u64,
+    held_back: Vec<u32>,
     prompt_tokens: u64,
     /// Ids to run next: the unreused prompt, then the last sampled token.
     pending: Vec<u32>,
@@ -391,6 +400,17 @@ impl Generation {
         } else {
             prompt.to_vec()
         };
+        let held_back = if options.min_tokens > 0 && options.stop_at_eog {
+            let mut ids = match &options.eog_tokens {
+                Some(ids) => ids.clone(),
+                None => tokenizer.eog_ids().to_vec(),
+            };
+            ids.sort_unstable();
+            ids.dedup();
+            ids
+        } else {
+            Vec::new()
+        };
         let grammar = match options.grammar {
             Some(g) => Some(Constraint::new(
                 g,
@@ -416,6 +436,8 @@ impl Generation {
             sampler,
             stops: StopMatcher::new(options.stop),
             stop_at_eog: options.stop_at_eog,
+            min_tokens: options.min_tokens,
+            held_back,
             eog_tokens: options.eog_tokens,
             prompt_tokens: prompt.len() as u64,
             pending,
@@ -528,6 +550,14 @@ impl Generation {
         self.pending.clear();
         self.pending.push(token);
         let text = self.decoder.push(&self.tokenizer, token)?;
+        if (self.tokens.len() as u64) < self.min_tokens {
+            // stop strings are looked for from the min_tokens-th token's text on
+            return Ok(Some(Piece {
+                token: Some(token),
+                text,
+                finish: None,
+            }));
+        }
         let (text, stopped) = self.stops.push(&text);
         if stopped {
             self.done = true;
@@ -560,11 +590,21 @@ impl Generation {
             }
             &self.biased
         };
+        // the end-of-generation ids min_tokens still holds back
+        let early = (self.tokens.len() as u64) < self.min_tokens;
+        let held: &[u32] = if early { &self.held_back } else { &[] };
         let Some(grammar) = &mut self.grammar else {
-            return Ok(self.sampler.sample(logits, &self.tokens));
+            if held.is_empty() {
+                return Ok(self.sampler.sample(logits, &self.tokens));
+            }
+            return self.sampler.sample_masked(logits, &self.tokens, |logits| {
+                hold_back(logits, held);
+                Ok(())
+            });
         };
         let token = self.sampler.sample_masked(logits, &self.tokens, |logits| {
             grammar.mask(logits)?;
+            hold_back(logits, held);
             Ok(())
         })?;
         grammar.accept(token)?;
@@ -835,6 +875,24 @@ impl Model {
     }
 }
 
+/// Sets the logits of `ids` (sorted) to −inf, unless no other token could then be sampled (a
+/// grammar that must end here, a bias that banned the rest): the end may then come.
+fn hold_back(logits: &mut [f32], ids: &[u32]) {
+    if ids.is_empty() {
+        return;
+    }
+    let other = logits.iter().enumerate().any(|(i, &v)| {
+        v != f32::NEG_INFINITY && u32::try_from(i).map_or(true, |i| ids.binary_search(&i).is_err())
+    });
+    if other {
+        for &id in ids {
+            if let Some(v) = logits.get_mut(id as usize) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// Every biased token is in the vocabulary and every bias is a number (`-inf` bans a token).
 fn check_bias(bias: &[(u32, f32)], vocab: u64) -> Result<()> {
     for &(t, b) in bias {
@@ -854,4 +912,25 @@ fn check_bias(bias: &[(u32, f32)], vocab: u64) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod hold_back_tests {
+    use super::hold_back;
+
+    const NO: f32 = f32::NEG_INFINITY;
+
+    #[test]
+    fn the_held_ids_are_banned_unless_nothing_else_could_come() {
+        let mut logits = [0.5, 2.0, -1.0, 3.0];
+        hold_back(&mut logits, &[1, 3]);
+        assert_eq!(logits, [0.5, NO, -1.0, NO]);
+        // a grammar that allows only the end: it stays
+        let mut only_end = [NO, 2.0, NO, NO];
+        hold_back(&mut only_end, &[1, 3]);
+        assert_eq!(only_end, [NO, 2.0, NO, NO]);
+        let mut untouched = [1.0, 2.0];
+        hold_back(&mut untouched, &[]);
+        assert_eq!(untouched, [1.0, 2.0]);
+    }
 }

@@ -53,9 +53,10 @@ class _Sampling(BaseModel):
     mirostat_tau: float = Field(5.0, ge=0.0, le=10.0, allow_inf_nan=False)
     mirostat_eta: float = Field(0.1, ge=0.001, le=1.0, allow_inf_nan=False)
     grammar: str | None = None
-    # choices, each generated in a slot of its own (at most --parallel); no minimum length
+    # choices, each generated in a slot of its own (at most --parallel)
     n: int = Field(1, ge=1)
-    min_tokens: int = Field(0, ge=0, le=0)
+    # vLLM's: tokens before an end-of-generation token or a stop string may end the reply
+    min_tokens: int = Field(0, ge=0)
 
     def sampling(self) -> dict[str, Any]:
         """The keywords of ``Model.create_completion`` / ``create_chat_completion`` these set."""
@@ -75,6 +76,7 @@ class _Sampling(BaseModel):
             "mirostat_tau": self.mirostat_tau,
             "mirostat_eta": self.mirostat_eta,
             "grammar": self.grammar,
+            "min_tokens": self.min_tokens,
         }
 
 

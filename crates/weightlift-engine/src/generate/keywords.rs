@@ -57,6 +57,8 @@ pub struct Keywords {
 
     /// llama-cpp-python's budget: `None` or <= 0 generates until the cache is full.
     pub max_tokens: Option<i64>,
+    /// vLLM's: tokens before an end-of-generation token or a stop string may end the text.
+    pub min_tokens: Option<i64>,
     pub stop: Option<Stop>,
     pub grammar: Option<Gbnf>,
     /// Token id → the number added to its logit.
@@ -82,11 +84,31 @@ pub struct Keywords {
     pub max_new_tokens: Option<i64>,
     /// The length of prompt and generated text together.
     pub max_length: Option<i64>,
+    /// transformers' `min_tokens`, and its count with the prompt's tokens.
+    pub min_new_tokens: Option<i64>,
+    pub min_length: Option<i64>,
     /// transformers' name for `repeat_penalty`.
     pub repetition_penalty: Option<f32>,
     /// These end the generation in place of the tokenizer's end-of-generation tokens.
     pub eos_token_id: Option<TokenIds>,
     pub num_return_sequences: Option<i64>,
+}
+
+/// A minimum of new tokens, `name`'s value: 0 or more, and no more than the budget `max`
+/// when that is set (llama-cpp-python's `None` or <= 0 is none).
+fn at_least(name: &'static str, min: Option<i64>, max: Option<i64>) -> Result<u64, EngineError> {
+    let Some(n) = min else {
+        return Ok(0);
+    };
+    let value = u64::try_from(n).map_err(|_| invalid(name, "0 or more", n))?;
+    match max.filter(|&m| m > 0) {
+        Some(m) if n > m => Err(invalid(
+            name,
+            format!("at most the budget of {m} new tokens"),
+            n,
+        )),
+        _ => Ok(value),
+    }
 }
 
 /// New tokens when neither `max_new_tokens` nor `max_length` is given.
@@ -154,6 +176,7 @@ impl Keywords {
         Ok(Request {
             sampling: self.sampling()?,
             max_tokens: self.max_tokens,
+            min_tokens: at_least("min_tokens", self.min_tokens, self.max_tokens)?,
             stop: self.stop.clone().unwrap_or_default().0,
             logit_bias: self.logit_bias()?,
             ..Request::default()
@@ -203,9 +226,32 @@ impl Keywords {
             repeat_penalty,
             ..self.sampling()?
         };
+        let max_tokens = self.new_tokens(prompt_len)?;
+        let min_tokens = match (self.min_new_tokens, self.min_length) {
+            (Some(n), _) => at_least("min_new_tokens", Some(n), max_tokens)?,
+            (None, Some(total)) if total < 0 => at_least("min_length", Some(total), None)?,
+            (None, Some(total)) => {
+                // a minimum the prompt already reaches asks for nothing more
+                let prompt = i64::try_from(prompt_len).unwrap_or(i64::MAX);
+                let new = total.saturating_sub(prompt).max(0);
+                at_least("min_length", Some(new), max_tokens).map_err(|_| {
+                    invalid(
+                        "min_length",
+                        format!(
+                            "at most the prompt's {prompt} tokens and the budget of {} new \
+                             ones",
+                            max_tokens.unwrap_or_default()
+                        ),
+                        total,
+                    )
+                })?
+            }
+            (None, None) => 0,
+        };
         Ok(Request {
             sampling,
-            max_tokens: self.new_tokens(prompt_len)?,
+            max_tokens,
+            min_tokens,
             stop: self.stop.clone().unwrap_or_default().0,
             grammar: self.grammar()?,
             eog_tokens: self.eos_token_id.clone().map(|ids| ids.0),
@@ -762,6 +808,50 @@ mod tests {
         );
         let t = s(json!({"temperature": 0.5, "top_k": 7}));
         assert_eq!((t.temperature, t.top_k), (0.5, 7));
+    }
+
+    #[test]
+    fn minimum_lengths_are_read_in_both_words_and_checked_against_the_budget() {
+        let min = |v: Value| read(v).completion().map(|r| r.min_tokens);
+        assert_eq!(min(json!({"min_tokens": 5, "max_tokens": 8})).unwrap(), 5);
+        // an open budget (llama-cpp-python's max_tokens <= 0) takes any minimum
+        assert_eq!(min(json!({"min_tokens": 50, "max_tokens": 0})).unwrap(), 50);
+        assert_eq!(min(json!({})).unwrap(), 0);
+        let e = min(json!({"min_tokens": 9, "max_tokens": 8}));
+        assert_eq!(
+            e.unwrap_err().to_string(),
+            "min_tokens: expected at most the budget of 8 new tokens, got 9"
+        );
+        let e = min(json!({"min_tokens": -1})).unwrap_err().to_string();
+        assert_eq!(e, "min_tokens: expected 0 or more, got -1");
+        let chat = read(json!({"min_tokens": 3, "max_tokens": 4}))
+            .chat()
+            .unwrap();
+        assert_eq!(chat.min_tokens, 3);
+        // transformers' words: min_new_tokens, or min_length counting the prompt
+        let new = |v: Value, prompt| read(v).generate(prompt).map(|r| r.min_tokens);
+        assert_eq!(
+            new(json!({"min_new_tokens": 3, "max_new_tokens": 4}), 5).unwrap(),
+            3
+        );
+        assert_eq!(
+            new(json!({"min_length": 7, "max_new_tokens": 4}), 5).unwrap(),
+            2
+        );
+        assert_eq!(new(json!({"min_length": 3}), 5).unwrap(), 0);
+        let e = new(json!({"min_length": 12, "max_new_tokens": 4}), 5);
+        assert_eq!(
+            e.unwrap_err().to_string(),
+            "min_length: expected at most the prompt's 5 tokens and the budget of 4 new ones, \
+             got 12"
+        );
+        let e = new(json!({"min_new_tokens": 40}), 5)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("min_new_tokens: expected at most the budget of 32"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -103,6 +103,9 @@ pub struct Request {
     pub logit_bias: Vec<(u32, f32)>,
     /// transformers' `eos_token_id`: these end the generation in place of the tokenizer's.
     pub eog_tokens: Option<Vec<u32>>,
+    /// Tokens before an end-of-generation token or a stop string may end it
+    /// ([`GenerateOptions::min_tokens`]).
+    pub min_tokens: u64,
 }
 
 impl Request {
@@ -113,6 +116,7 @@ impl Request {
             sampling: self.sampling.params(default_seed)?,
             stop: self.stop,
             stop_at_eog: true,
+            min_tokens: self.min_tokens,
             eog_tokens: self.eog_tokens,
             logprobs: self.logprobs,
             grammar: self.grammar,
