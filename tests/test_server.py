@@ -223,6 +223,26 @@ def test_min_tokens_hold_back_the_end_of_a_reply(server: Server):
     assert longer.usage is not None and longer.usage.completion_tokens >= n + 10
 
 
+def test_logit_bias_keyed_by_text_biases_each_of_its_tokens(server: Server):
+    # llama-cpp-python's logit_bias_type="tokens": a key's tokens (no BOS) take its bias, as
+    # the same bias keyed by those tokens' ids
+    client = server.client()
+    body = {
+        "model": "demo",
+        "prompt": "The capital of France is",
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    plain = client.completions.create(**body).choices[0].text  # type: ignore[call-overload]
+    word = " " + plain.split()[0]
+    ids = server.post("/extras/tokenize", json={"input": word}).json()["tokens"]
+    by_ids = client.completions.create(**body, logit_bias={str(i): -100 for i in ids})  # type: ignore[call-overload]
+    by_text = client.completions.create(  # type: ignore[call-overload]
+        **body, logit_bias={word: -100}, extra_body={"logit_bias_type": "tokens"}
+    )
+    assert by_text.choices[0].text == by_ids.choices[0].text != plain
+
+
 def test_models_and_health(server: Server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["demo"]

@@ -208,6 +208,10 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(":")[0]) from None
         fields = set(type(body).model_fields)
+        if body.logit_bias_type == "tokens" and body.logit_bias:
+            kwargs["logit_bias"] = await self.call(
+                lambda m: _bias_by_text(m, body.logit_bias or {}), fields, "logit_bias"
+            )
         prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
         n = body.n
         # candidates a prompt: best_of's (a completion's) where it asks for more than n
@@ -364,6 +368,17 @@ def _choice_seed(seed: int | None, i: int) -> dict[str, int]:
     if i == 0 or seed is None or seed < 0:
         return {}
     return {"seed": (seed + i) % 2**64}
+
+
+def _bias_by_text(model: weightlift.Model, bias: dict[str, float]) -> dict[str, float]:
+    """``logit_bias`` keyed by text (llama-cpp-python's ``logit_bias_type="tokens"``) keyed by
+    token id: each key's tokens (no BOS, special tokens parsed) take its bias, a later key's
+    over an earlier one's where they share a token, as llama-cpp-python's server does."""
+    by_id: dict[str, float] = {}
+    for text, value in bias.items():
+        for i in model.tokenize(text.encode(), add_bos=False, special=True):
+            by_id[str(i)] = value
+    return by_id
 
 
 def _candidates(body: _Sampling, kwargs: dict[str, Any]) -> int:

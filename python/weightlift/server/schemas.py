@@ -47,8 +47,8 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repeat_penalty: float = Field(1.1, ge=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
-    # "tokens" (keys as token text) is llama-cpp-python's own; token ids only here.
-    logit_bias_type: Literal["input_ids"] | None = None
+    # llama-cpp-python's own: "tokens" keys logit_bias by text, each of its tokens biased
+    logit_bias_type: Literal["input_ids", "tokens"] | None = None
     mirostat_mode: int = Field(0, ge=0, le=2)
     mirostat_tau: float = Field(5.0, ge=0.0, le=10.0, allow_inf_nan=False)
     mirostat_eta: float = Field(0.1, ge=0.001, le=1.0, allow_inf_nan=False)
