@@ -787,6 +787,10 @@ def test_best_of_answers_the_candidates_with_the_best_log_probability_per_token(
         assert [c.text for c in two.choices] == [alone[i].choices[0].text for i in order[:2]]
         kept = [c.logprobs.token_logprobs for c in two.choices]  # type: ignore[union-attr]
         assert kept == [scores[i] for i in order[:2]]
+        # as many candidates as choices: all of them, as n alone gives them
+        same = client.completions.create(**body, seed=7, best_of=2, n=2)
+        assert [c.text for c in same.choices] == [a.choices[0].text for a in alone[:2]]
+        assert all(c.logprobs is None for c in same.choices)
         for extra, words in [
             ({"best_of": 2, "n": 3}, "must be at least n"),
             ({"best_of": 2, "stream": True}, "cannot be streamed"),

@@ -403,6 +403,8 @@ def _candidates(body: _Sampling, kwargs: dict[str, Any]) -> int:
             "cannot be streamed; leave out stream or best_of",
             param="best_of",
         )
+    if best_of == body.n:  # every candidate is answered: nothing to choose
+        return body.n
     if kwargs.get("logprobs") is None:
         kwargs["logprobs"] = 0
     return best_of
