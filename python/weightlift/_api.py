@@ -267,8 +267,7 @@ class Model(_native.Model):
         min-p); ``max_length`` counts the prompt (``max_new_tokens`` wins when both are given; with
         neither, 32 new tokens; ``max_new_tokens <= 0`` runs until the cache is full);
         ``min_new_tokens`` (or ``min_length``, counting the prompt) holds the end-of-generation
-        tokens back until that many new tokens, and stop strings with them (as
-        ``create_completion``'s ``min_tokens``);
+        tokens back until that many new tokens (as ``create_completion``'s ``min_tokens``);
         ``repetition_penalty`` is ``repeat_penalty`` (over the last 64 tokens, as llama.cpp);
         ``eos_token_id`` (an id or a list) replaces the tokenizer's end-of-generation tokens;
         ``pad_token_id`` is accepted and unused (one sequence needs no padding);
@@ -327,10 +326,10 @@ class Model(_native.Model):
         ``stopping_criteria`` (``(input_ids, logits) -> bool``) are called with the GIL on every
         token, as llama-cpp-python calls them; they cannot call this model. ``logit_bias``
         (``{token_id: bias}``) is added to those tokens' logits before sampling; log-probabilities
-        stay the model's own. ``min_tokens`` (vLLM's, beyond llama-cpp-python's arguments) holds
-        the end-of-generation tokens back until that many tokens are generated, unless nothing else
-        may come (a grammar that must end), and looks for ``stop`` strings from the text of the
-        last of them on, as vLLM does; at most ``max_tokens`` where that is above 0. With
+        stay the model's own. ``min_tokens`` (llama-cpp-python's server's field) holds the
+        end-of-generation tokens back until that many tokens are generated, unless nothing else
+        may come (a grammar that must end); a ``stop`` string or ``max_tokens`` still ends the
+        text sooner, as there. With
         ``batch`` (a ``Batch`` of this model) the completion starts in one of the batch's slots
         and its id is returned; ``Batch.step()`` runs it with the others and hands over its
         chunks, or with ``stream=False`` the dict.

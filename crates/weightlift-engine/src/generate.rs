@@ -66,10 +66,11 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// Whether an end-of-generation token ends the generation.
     pub stop_at_eog: bool,
-    /// Tokens to generate before the generation may end by an end-of-generation token or a
-    /// stop string (vLLM's `min_tokens`, transformers' `min_new_tokens`): until then those
-    /// tokens are held back from sampling, unless nothing else may come (a grammar that must
-    /// end there), and stop strings are looked for from the text of the last of them on.
+    /// Tokens to generate before an end-of-generation token may end the generation
+    /// (llama-cpp-python's server's `min_tokens`, transformers' `min_new_tokens`): until then
+    /// those tokens are held back from sampling, unless nothing else may come (a grammar that
+    /// must end there). A stop string, `max_tokens` or a full cache still ends it sooner, as
+    /// there.
     pub min_tokens: u64,
     /// The end-of-generation tokens, in place of the tokenizer's (transformers'
     /// `eos_token_id`); `None` keeps the tokenizer's.
@@ -550,14 +551,6 @@ impl Generation {
         self.pending.clear();
         self.pending.push(token);
         let text = self.decoder.push(&self.tokenizer, token)?;
-        if (self.tokens.len() as u64) < self.min_tokens {
-            // stop strings are looked for from the min_tokens-th token's text on
-            return Ok(Some(Piece {
-                token: Some(token),
-                text,
-                finish: None,
-            }));
-        }
         let (text, stopped) = self.stops.push(&text);
         if stopped {
             self.done = true;

@@ -55,7 +55,8 @@ class _Sampling(BaseModel):
     grammar: str | None = None
     # choices, each generated in a slot of its own (at most --parallel)
     n: int = Field(1, ge=1)
-    # vLLM's: tokens before an end-of-generation token or a stop string may end the reply
+    # tokens before an end-of-generation token may end the reply (a stop string, max_tokens
+    # may end it sooner)
     min_tokens: int = Field(0, ge=0)
 
     def sampling(self) -> dict[str, Any]:

@@ -57,7 +57,7 @@ pub struct Keywords {
 
     /// llama-cpp-python's budget: `None` or <= 0 generates until the cache is full.
     pub max_tokens: Option<i64>,
-    /// vLLM's: tokens before an end-of-generation token or a stop string may end the text.
+    /// llama-cpp-python's server's: tokens before an end-of-generation token may end the text.
     pub min_tokens: Option<i64>,
     pub stop: Option<Stop>,
     pub grammar: Option<Gbnf>,
@@ -94,21 +94,12 @@ pub struct Keywords {
     pub num_return_sequences: Option<i64>,
 }
 
-/// A minimum of new tokens, `name`'s value: 0 or more, and no more than the budget `max`
-/// when that is set (llama-cpp-python's `None` or <= 0 is none).
-fn at_least(name: &'static str, min: Option<i64>, max: Option<i64>) -> Result<u64, EngineError> {
-    let Some(n) = min else {
-        return Ok(0);
-    };
-    let value = u64::try_from(n).map_err(|_| invalid(name, "0 or more", n))?;
-    match max.filter(|&m| m > 0) {
-        Some(m) if n > m => Err(invalid(
-            name,
-            format!("at most the budget of {m} new tokens"),
-            n,
-        )),
-        _ => Ok(value),
-    }
+/// A minimum length, `name`'s value: 0 or more (none when not given). One above the budget is
+/// taken, and the budget wins, as in llama-cpp-python and transformers.
+fn at_least(name: &'static str, min: Option<i64>) -> Result<u64, EngineError> {
+    min.map_or(Ok(0), |n| {
+        u64::try_from(n).map_err(|_| invalid(name, "0 or more", n))
+    })
 }
 
 /// New tokens when neither `max_new_tokens` nor `max_length` is given.
@@ -176,7 +167,7 @@ impl Keywords {
         Ok(Request {
             sampling: self.sampling()?,
             max_tokens: self.max_tokens,
-            min_tokens: at_least("min_tokens", self.min_tokens, self.max_tokens)?,
+            min_tokens: at_least("min_tokens", self.min_tokens)?,
             stop: self.stop.clone().unwrap_or_default().0,
             logit_bias: self.logit_bias()?,
             ..Request::default()
@@ -228,23 +219,11 @@ impl Keywords {
         };
         let max_tokens = self.new_tokens(prompt_len)?;
         let min_tokens = match (self.min_new_tokens, self.min_length) {
-            (Some(n), _) => at_least("min_new_tokens", Some(n), max_tokens)?,
-            (None, Some(total)) if total < 0 => at_least("min_length", Some(total), None)?,
+            (Some(n), _) => at_least("min_new_tokens", Some(n))?,
             (None, Some(total)) => {
                 // a minimum the prompt already reaches asks for nothing more
-                let prompt = i64::try_from(prompt_len).unwrap_or(i64::MAX);
-                let new = total.saturating_sub(prompt).max(0);
-                at_least("min_length", Some(new), max_tokens).map_err(|_| {
-                    invalid(
-                        "min_length",
-                        format!(
-                            "at most the prompt's {prompt} tokens and the budget of {} new \
-                             ones",
-                            max_tokens.unwrap_or_default()
-                        ),
-                        total,
-                    )
-                })?
+                let prompt = u64::try_from(prompt_len).unwrap_or(u64::MAX);
+                at_least("min_length", Some(total))?.saturating_sub(prompt)
             }
             (None, None) => 0,
         };
@@ -811,47 +790,23 @@ mod tests {
     }
 
     #[test]
-    fn minimum_lengths_are_read_in_both_words_and_checked_against_the_budget() {
+    fn minimum_lengths_are_read_in_both_words() {
         let min = |v: Value| read(v).completion().map(|r| r.min_tokens);
         assert_eq!(min(json!({"min_tokens": 5, "max_tokens": 8})).unwrap(), 5);
-        // an open budget (llama-cpp-python's max_tokens <= 0) takes any minimum
-        assert_eq!(min(json!({"min_tokens": 50, "max_tokens": 0})).unwrap(), 50);
+        // above the budget it is taken, and the budget wins (llama-cpp-python)
+        assert_eq!(min(json!({"min_tokens": 50, "max_tokens": 8})).unwrap(), 50);
         assert_eq!(min(json!({})).unwrap(), 0);
-        let e = min(json!({"min_tokens": 9, "max_tokens": 8}));
-        assert_eq!(
-            e.unwrap_err().to_string(),
-            "min_tokens: expected at most the budget of 8 new tokens, got 9"
-        );
         let e = min(json!({"min_tokens": -1})).unwrap_err().to_string();
         assert_eq!(e, "min_tokens: expected 0 or more, got -1");
-        let chat = read(json!({"min_tokens": 3, "max_tokens": 4}))
-            .chat()
-            .unwrap();
+        let chat = read(json!({"min_tokens": 3})).chat().unwrap();
         assert_eq!(chat.min_tokens, 3);
         // transformers' words: min_new_tokens, or min_length counting the prompt
         let new = |v: Value, prompt| read(v).generate(prompt).map(|r| r.min_tokens);
-        assert_eq!(
-            new(json!({"min_new_tokens": 3, "max_new_tokens": 4}), 5).unwrap(),
-            3
-        );
-        assert_eq!(
-            new(json!({"min_length": 7, "max_new_tokens": 4}), 5).unwrap(),
-            2
-        );
+        assert_eq!(new(json!({"min_new_tokens": 3}), 5).unwrap(), 3);
+        assert_eq!(new(json!({"min_length": 7}), 5).unwrap(), 2);
         assert_eq!(new(json!({"min_length": 3}), 5).unwrap(), 0);
-        let e = new(json!({"min_length": 12, "max_new_tokens": 4}), 5);
-        assert_eq!(
-            e.unwrap_err().to_string(),
-            "min_length: expected at most the prompt's 5 tokens and the budget of 4 new ones, \
-             got 12"
-        );
-        let e = new(json!({"min_new_tokens": 40}), 5)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.starts_with("min_new_tokens: expected at most the budget of 32"),
-            "{e}"
-        );
+        let e = new(json!({"min_length": -2}), 5).unwrap_err().to_string();
+        assert_eq!(e, "min_length: expected 0 or more, got -2");
     }
 
     #[test]

@@ -103,8 +103,7 @@ pub struct Request {
     pub logit_bias: Vec<(u32, f32)>,
     /// transformers' `eos_token_id`: these end the generation in place of the tokenizer's.
     pub eog_tokens: Option<Vec<u32>>,
-    /// Tokens before an end-of-generation token or a stop string may end it
-    /// ([`GenerateOptions::min_tokens`]).
+    /// Tokens before an end-of-generation token may end it ([`GenerateOptions::min_tokens`]).
     pub min_tokens: u64,
 }
 
