@@ -422,7 +422,7 @@ def _best(
     def score(value: dict[str, Any]) -> float:
         done = value["usage"]["completion_tokens"]
         scores = value["choices"][0]["logprobs"]["token_logprobs"]
-        own = scores[len(scores) - done :] if done else []
+        own = [v for v in scores[max(len(scores) - done, 0) :] if v is not None] if done else []
         return sum(own) / len(own) if own else 0.0
 
     picked = []
