@@ -1,12 +1,11 @@
 """The request bodies, with the field names and defaults of llama-cpp-python's server (its
 ``llama_cpp/server/types.py``), so a client written for that server sends the same JSON here.
 
-Fields outside this list (``user``, ``service_tier``, ...) are ignored, as there. Fields whose
-behaviour is not implemented refuse any value but their neutral one, by name. Some of OpenAI's
-fields that llama-cpp-python's server ignores are taken as OpenAI's API defines them: ``n``
-(choices, each in a slot of its own), a list of prompts, ``max_completion_tokens`` (chat's
-name for ``max_tokens`` since the latter was deprecated there) and
-``stream_options.include_usage``.
+Fields outside this list (``user``, ``service_tier``, ...) are ignored, as there. Some of
+OpenAI's fields that llama-cpp-python's server ignores are taken as OpenAI's API defines them:
+``n`` (choices, each in a slot of its own), ``best_of``, a list of prompts,
+``max_completion_tokens`` (chat's name for ``max_tokens`` since the latter was deprecated
+there) and ``stream_options.include_usage``.
 """
 
 from __future__ import annotations
