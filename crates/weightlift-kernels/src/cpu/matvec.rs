@@ -1219,16 +1219,7 @@ fn q8_matvecs_by_token(
     cols: usize,
     x: &[f32],
 ) {
-    let (isa, vnni, ty) = cfg;
-    let acts: Vec<Q8Activations> = x
-        .chunks_exact(cols)
-        .map(|xt| {
-            let mut act = Q8Activations::default();
-            act.fill(isa, xt, matvec_offset(vnni, ty));
-            act
-        })
-        .collect();
-    let acts = &acts;
+    let acts = &q8_activations(cfg, x.chunks_exact(cols));
     let mats = parts.iter_mut().flat_map(|p| {
         let (w, rows) = (p.w, p.rows);
         // y is token-major: token t's rows at t · rows
@@ -1237,6 +1228,20 @@ fn q8_matvecs_by_token(
             .map(move |(y, act)| (w, rows, y, act))
     });
     q8_matvecs_together(cfg, mats);
+}
+
+/// Each token of `xs` quantised for the matvec's kernels ([`Q8Activations::fill`]), in
+/// buffers of its own (they are held together, where [`with_q8_activations`] holds one).
+fn q8_activations<'x>(
+    (isa, vnni, ty): (Isa, Option<Vnni>, QuantType),
+    xs: impl Iterator<Item = &'x [f32]>,
+) -> Vec<Q8Activations> {
+    xs.map(|x| {
+        let mut act = Q8Activations::default();
+        act.fill(isa, x, matvec_offset(vnni, ty));
+        act
+    })
+    .collect()
 }
 
 /// A task of [`q8_matvecs_together`]: weights, row bytes, first row, outputs, the quantised
@@ -1304,14 +1309,7 @@ pub fn matmul_grouped_with(
     }
     check_q8_type(ty)?;
     let vnni = isa.vnni();
-    let acts: Vec<Q8Activations> = parts
-        .iter()
-        .map(|p| {
-            let mut act = Q8Activations::default();
-            act.fill(isa, p.x, matvec_offset(vnni, ty));
-            act
-        })
-        .collect();
+    let acts = q8_activations((isa, vnni, ty), parts.iter().map(|p| p.x));
     let mats = parts
         .iter_mut()
         .zip(&acts)
