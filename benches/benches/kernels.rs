@@ -383,17 +383,21 @@ fn decode_batch_cases() -> Vec<Case> {
         ("smollm2_head_q8_0", head),
         ("q4_k_2048x2048", k_mats(QuantType::Q4_K)),
         ("q6_k_2048x2048", k_mats(QuantType::Q6_K)),
+        ("q5_k_2048x2048", k_mats(QuantType::Q5_K)),
         ("q3_k_2048x2048", k_mats(QuantType::Q3_K)),
         ("q2_k_2048x2048", k_mats(QuantType::Q2_K)),
     ];
     for (what, set) in sets {
         let bytes: usize = set.iter().map(|m| m.3.len()).sum();
-        // every count for the layers; the head and the K-quants at 1, 8 and 16 (a full run
-        // times each case for several seconds)
+        // every count for the layers; the head at 1, 8 and 16 (a full run times each case for
+        // several seconds); the K-quants also at 2 to 4, where `batch_min_tokens` chooses
+        // between the batched kernels and one matvec a token
         let counts: &[usize] = if what.starts_with("smollm2_layers") {
             &[1, 2, 4, 8, 12, 16]
-        } else {
+        } else if what.starts_with("smollm2_head") {
             &[1, 8, 16]
+        } else {
+            &[1, 2, 3, 4, 8, 16]
         };
         for &n_tok in counts {
             for per_token in [false, true] {
