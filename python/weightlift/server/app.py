@@ -215,7 +215,9 @@ class Server:
         prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
         n = body.n
         # candidates a prompt: best_of's (a completion's) where it asks for more than n
-        runs = _candidates(body, kwargs)
+        runs = _candidates(body)
+        if runs > n and kwargs.get("logprobs") is None:
+            kwargs["logprobs"] = 0  # to rank them by; _best takes them out again
         total = len(prompts) * runs
         most = self.slots.parallel + self.slots.queue
         if total > most:
@@ -381,11 +383,9 @@ def _bias_by_text(model: weightlift.Model, bias: dict[str, float]) -> dict[str, 
     return by_id
 
 
-def _candidates(body: _Sampling, kwargs: dict[str, Any]) -> int:
+def _candidates(body: _Sampling) -> int:
     """The generations a prompt of ``body`` runs: ``n``, or a completion's ``best_of`` when
-    it is larger (OpenAI's rules: at least ``n``, not streamed). The candidates are ranked by
-    their tokens' log-probabilities, so ``kwargs`` then asks for them (``logprobs`` 0 where the
-    request did not; ``_best`` takes them out again)."""
+    it is larger (OpenAI's rules: at least ``n``, not streamed)."""
     best_of = body.best_of if isinstance(body, CompletionRequest) else None
     if best_of is None or best_of <= 1:
         return body.n
@@ -403,10 +403,6 @@ def _candidates(body: _Sampling, kwargs: dict[str, Any]) -> int:
             "cannot be streamed; leave out stream or best_of",
             param="best_of",
         )
-    if best_of == body.n:  # every candidate is answered: nothing to choose
-        return body.n
-    if kwargs.get("logprobs") is None:
-        kwargs["logprobs"] = 0
     return best_of
 
 

@@ -270,23 +270,14 @@ pub fn shared_and_alone<B: weightlift_kernels::Backend>(
         x,
         products,
     })?;
+    let shape = (mode, act, cols, n_tok, max_dq_size);
     let mut out = Vec::with_capacity(members.len());
-    for (&(ty, rows, w), y) in members.iter().zip(&ys) {
+    for (&(ty, rows, w), shared) in members.iter().zip(&ys) {
         let mut alone = b.alloc(rows * n_tok * 4)?;
-        b.run(Op::Matmul {
-            ty,
-            mode,
-            act,
-            rows,
-            cols,
-            n_tok,
-            max_dq_size,
-            w,
-            x,
-            y: &mut alone,
-        })?;
+        let y = &mut alone;
+        b.run(Product { ty, rows, w, y }.alone(shape, x))?;
         out.push((
-            download_f32(b, y, rows * n_tok)?,
+            download_f32(b, shared, rows * n_tok)?,
             download_f32(b, &alone, rows * n_tok)?,
         ));
     }
